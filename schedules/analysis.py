@@ -1,0 +1,290 @@
+"""What a schedule implies without timing: completeness, deadlock freedom and weight versions.
+
+Everything here follows from the per-device order alone, so the simulator and the executor share it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ir import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind, Read, Schedule, ScheduleError
+from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable
+
+# Dependency keys: (role, stage, microbatch, minibatch, pipeline). "D" is an input gradient, produced by
+# B or I; "WALL" is every weight gradient of a (stage, mini-batch, pipeline).
+_Key = tuple[str, int, int, int, int]
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every unit of work appears once and the order cannot deadlock."""
+    check_complete(schedule)
+    stuck = find_deadlock(schedule)
+    if stuck:
+        detail = "; ".join(
+            f"device {d}: {a} can never start (waits for {_describe(k)})" for d, (a, k) in sorted(stuck.items())
+        )
+        raise ScheduleError(f"{schedule.method}: the order deadlocks: {detail}")
+
+
+def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None:
+    """Each (stage, micro-batch, mini-batch, pipeline) has one F and one backward (B, or I and W);
+    each (stage, mini-batch, pipeline) one OPT; every action runs on the device its stage is placed on."""
+    t = table or ActionTable.of(schedule)
+    p, m, n, r = schedule.num_stages, schedule.microbatches, schedule.minibatches, schedule.pipelines
+    compute = t.kind < NUM_COMPUTE_KINDS
+    outside = compute & ~((t.stage >= 0) & (t.stage < p) & (t.microbatch < m) & (t.minibatch >= 0)
+                          & (t.minibatch < n) & (t.pipeline >= 0) & (t.pipeline < r))
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise ScheduleError(
+            f"{schedule.method}: action {_action(t, i)} on device {t.device[i]} is outside stages 0..{p - 1}, "
+            f"micro-batches 0..{m - 1}, mini-batches 0..{n - 1}, pipelines 0..{r - 1}"
+        )
+    misplaced = compute & (np.asarray(schedule.placement)[np.where(compute, t.stage, 0)] != t.device)
+    if misplaced.any():
+        i = int(np.argmax(misplaced))
+        raise ScheduleError(
+            f"{schedule.method}: action {_action(t, i)} is on device {t.device[i]} but stage {t.stage[i]} "
+            f"is placed on device {schedule.placement[t.stage[i]]}"
+        )
+    units, steps = p * m * n * r, p * n * r
+    per_unit = t.unit_index(schedule)
+    count = {kind: np.bincount(per_unit[t.kind == KIND_CODE[kind]], minlength=units)
+             for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
+    opt = np.bincount(t.step_index(schedule)[t.kind == KIND_CODE[Kind.OPT]], minlength=steps)
+    problems = []
+    for kind, counts in count.items():
+        for u in np.flatnonzero(counts > 1)[:5]:
+            problems.append(f"{_unit_action(schedule, kind, int(u))} appears {counts[u]} times")
+    for u in np.flatnonzero(opt > 1)[:5]:
+        problems.append(f"{_step_action(schedule, int(u))} appears {opt[u]} times")
+    for u in np.flatnonzero(count[Kind.F] == 0)[:5]:
+        problems.append(f"{_unit_action(schedule, Kind.F, int(u))} missing")
+    full, split = count[Kind.B], count[Kind.I] + count[Kind.W]
+    backward_ok = ((full == 1) & (split == 0)) | ((full == 0) & (count[Kind.I] == 1) & (count[Kind.W] == 1))
+    for u in np.flatnonzero(~backward_ok)[:5]:
+        problems.append(f"{_unit_action(schedule, Kind.B, int(u))}: needs one B, or one I and one W")
+    for u in np.flatnonzero(opt == 0)[:5]:
+        problems.append(f"{_step_action(schedule, int(u))} missing")
+    if problems:
+        shown = "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
+        raise ScheduleError(f"{schedule.method}: incomplete schedule: {shown}")
+
+
+def _action(t: ActionTable, i: int) -> Action:
+    return Action(KINDS[t.kind[i]], int(t.stage[i]), int(t.microbatch[i]), int(t.minibatch[i]),
+                  int(t.pipeline[i]), int(t.peer[i]))
+
+
+def _unit_action(schedule: Schedule, kind: Kind, u: int) -> Action:
+    rest, q = divmod(u, schedule.pipelines)
+    rest, b = divmod(rest, schedule.minibatches)
+    s, j = divmod(rest, schedule.microbatches)
+    return Action(kind, s, j, b, q)
+
+
+def _step_action(schedule: Schedule, u: int) -> Action:
+    rest, q = divmod(u, schedule.pipelines)
+    s, b = divmod(rest, schedule.minibatches)
+    return Action(Kind.OPT, s, -1, b, q)
+
+
+def local_order_ok(schedule: Schedule, table: ActionTable | None = None) -> bool:
+    """Whether every input an action takes from its own device comes earlier in that device's order.
+
+    With this, a runtime that exchanges cross-device data through SEND/RECV either finishes or stalls on
+    a RECV; so the simulator checks only this up front (vectorised) and explains a stall with
+    `find_deadlock`. Assumes `check_complete` passed.
+    """
+    t = table or ActionTable.of(schedule)
+    units = schedule.num_stages * schedule.microbatches * schedule.minibatches * schedule.pipelines
+    per_unit = t.unit_index(schedule)
+    rows = np.arange(len(t.kind))
+
+    def position(*kinds: Kind) -> np.ndarray:
+        where = np.full(units, -1, dtype=np.int64)
+        mask = np.isin(t.kind, [KIND_CODE[k] for k in kinds])
+        where[per_unit[mask]] = rows[mask]
+        return where
+
+    forward, dgrad, wgrad = position(Kind.F), position(Kind.B, Kind.I), position(Kind.B, Kind.W)
+    split = position(Kind.W) >= 0
+    if np.any(dgrad < forward) or np.any(split & (wgrad < dgrad)):
+        return False
+    stride = units // schedule.num_stages  # units per stage
+    for src, dst in schedule.graph.edges:
+        if schedule.placement[src] == schedule.placement[dst]:
+            a, b = slice(src * stride, (src + 1) * stride), slice(dst * stride, (dst + 1) * stride)
+            if np.any(forward[b] < forward[a]) or np.any(dgrad[a] < dgrad[b]):
+                return False
+    steps = schedule.num_stages * schedule.minibatches * schedule.pipelines
+    last_wgrad = np.full(steps, -1, dtype=np.int64)
+    m, n, r = schedule.microbatches, schedule.minibatches, schedule.pipelines
+    rest, pipeline = np.divmod(np.arange(units), r)
+    rest, minibatch = np.divmod(rest, n)
+    step_of_unit = ((rest // m) * n + minibatch) * r + pipeline
+    np.maximum.at(last_wgrad, step_of_unit, wgrad)
+    opt = t.kind == KIND_CODE[Kind.OPT]
+    return bool(np.all(rows[opt] > last_wgrad[t.step_index(schedule)[opt]]))
+
+
+def _requires(a: Action, schedule: Schedule) -> list[_Key]:
+    """What must have finished (anywhere) before `a` can start."""
+    graph = schedule.graph
+    s, j, b, q = a.stage, a.microbatch, a.minibatch, a.pipeline
+    kind = a.kind
+    if kind is Kind.F:
+        return [("F", u, j, b, q) for u in graph.preds[s]]
+    if kind is Kind.B or kind is Kind.I:
+        return [("F", s, j, b, q)] + [("D", t, j, b, q) for t in graph.succs[s]]
+    if kind is Kind.W:
+        return [("D", s, j, b, q)]
+    if kind is Kind.OPT:
+        return [("WALL", s, -1, b, q)]
+    if kind is Kind.AVG:
+        return [("OPT", s, -1, b, other) for other in range(schedule.pipelines)]
+    return []
+
+
+def _describe(key: _Key) -> str:
+    role, s, j, b, q = key
+    kind = {"F": Kind.F, "D": Kind.B, "OPT": Kind.OPT}.get(role)
+    if kind is None:
+        return f"every weight gradient of stage {s}, mini-batch {b}"
+    text = str(Action(kind, s, j, b, q))
+    return text.replace("B", "B/I", 1) if role == "D" else text
+
+
+def find_deadlock(schedule: Schedule) -> dict[int, tuple[Action, _Key]]:
+    """Dry-run every device in order; return, per device that cannot finish, its first action that can
+    never start and what it waits for. Empty when the order completes."""
+    m = schedule.microbatches
+    done: set[_Key] = set()
+    wgrads: Counter[tuple[int, int, int]] = Counter()
+    waiting: dict[_Key, list[int]] = defaultdict(list)
+    pointer = [0] * schedule.num_devices
+    blocked_on: dict[int, _Key] = {}
+    ready = deque(range(schedule.num_devices))
+
+    def finish(key: _Key) -> None:
+        done.add(key)
+        ready.extend(waiting.pop(key, ()))
+
+    while ready:
+        device = ready.popleft()
+        order = schedule.orders[device]
+        i = pointer[device]
+        while i < len(order):
+            a = order[i]
+            if a.kind in COMPUTE_KINDS:
+                missing = next((k for k in _requires(a, schedule) if k not in done), None)
+                if missing is not None:
+                    waiting[missing].append(device)
+                    blocked_on[device] = missing
+                    break
+                s, j, b, q = a.stage, a.microbatch, a.minibatch, a.pipeline
+                kind = a.kind
+                if kind is Kind.F:
+                    finish(("F", s, j, b, q))
+                if kind is Kind.B or kind is Kind.I:
+                    finish(("D", s, j, b, q))
+                if kind is Kind.B or kind is Kind.W:
+                    wgrads[(s, b, q)] += 1
+                    if wgrads[(s, b, q)] == m:
+                        finish(("WALL", s, -1, b, q))
+                if kind is Kind.OPT:
+                    finish(("OPT", s, -1, b, q))
+            i += 1
+        pointer[device] = i
+    return {
+        d: (schedule.orders[d][pointer[d]], blocked_on[d])
+        for d in range(schedule.num_devices)
+        if pointer[d] < len(schedule.orders[d])
+    }
+
+
+@dataclass(frozen=True)
+class Versions:
+    """Per device, aligned with the schedule's order (transfers get -1 / 0).
+
+    read: weight version the action computes with (number of OPTs of its stage before the read);
+    prediction: updates between that read and the update consuming the gradient, when the policy
+    predicts for this action, else -1; copies_delta: change, at the action's end, in the number of copies
+    of its stage's weights held; held_after: largest number of copies of one stage the device holds after
+    the action.
+    """
+
+    read: tuple[tuple[int, ...], ...]
+    prediction: tuple[tuple[int, ...], ...]
+    copies_delta: tuple[tuple[int, ...], ...]
+    held_after: tuple[tuple[int, ...], ...]
+
+
+def weight_versions(schedule: Schedule) -> Versions:
+    """Compute the version every action reads, and the weight copies each device must hold, from the order.
+
+    A stage's version counts its OPT actions. LATEST reads the current version; STASHED reads the version
+    its micro-batch's forward read, which pins that version until the micro-batch's last backward part.
+    """
+    policy = schedule.policy
+    stash = policy.backward is Read.STASHED
+    reads, predictions, deltas, helds = [], [], [], []
+    for order in schedule.orders:
+        # Ordinal of each OPT among its stage's updates: the update that consumes a gradient.
+        consuming: dict[tuple[int, int, int], int] = {}
+        count: Counter[tuple[int, int]] = Counter()
+        for a in order:
+            if a.kind is Kind.OPT:
+                consuming[(a.stage, a.minibatch, a.pipeline)] = count[(a.stage, a.pipeline)]
+                count[(a.stage, a.pipeline)] += 1
+        current: Counter[tuple[int, int]] = Counter()
+        pins: dict[tuple[int, int], Counter[int]] = defaultdict(Counter)
+        extra: Counter[tuple[int, int]] = Counter()  # pinned versions other than the current one
+        forward_read: dict[tuple[int, int, int, int], int] = {}
+        held = 1
+        read_row, pred_row, delta_row, held_row = [], [], [], []
+        for a in order:
+            replica = (a.stage, a.pipeline)
+            version, predicted, delta = -1, -1, 0
+            kind = a.kind
+            if kind is Kind.F:
+                version = current[replica]
+                if stash:
+                    forward_read[(a.stage, a.microbatch, a.minibatch, a.pipeline)] = version
+                    pins[replica][version] += 1
+                if policy.predict_forward:
+                    predicted = consuming[(a.stage, a.minibatch, a.pipeline)] - version
+            elif kind in BACKWARD_KINDS:
+                unit = (a.stage, a.microbatch, a.minibatch, a.pipeline)
+                version = forward_read[unit] if stash else current[replica]
+                if policy.predict_backward:
+                    predicted = consuming[(a.stage, a.minibatch, a.pipeline)] - version
+                if stash and kind is not Kind.I:  # B or W: the micro-batch's last backward part
+                    pinned = pins[replica]
+                    pinned[version] -= 1
+                    if not pinned[version]:
+                        del pinned[version]
+                        if version != current[replica]:
+                            extra[replica] -= 1
+                            delta = -1
+            elif kind is Kind.OPT:
+                if pins[replica].get(current[replica]):
+                    extra[replica] += 1
+                    delta = 1
+                current[replica] += 1
+            elif kind is Kind.PRED or kind is Kind.AVG:
+                version = current[replica]
+            if delta:
+                held = 1 + max(extra.values(), default=0)
+            read_row.append(version)
+            pred_row.append(predicted)
+            delta_row.append(delta)
+            held_row.append(held)
+        reads.append(tuple(read_row))
+        predictions.append(tuple(pred_row))
+        deltas.append(tuple(delta_row))
+        helds.append(tuple(held_row))
+    return Versions(tuple(reads), tuple(predictions), tuple(deltas), tuple(helds))

@@ -1,0 +1,236 @@
+"""The schedule IR: actions, the stage graph, weight policies and schedules.
+
+An `Action` is one unit of work on one device. Its text form extends torch.distributed.pipelining's
+(`2F0` = stage 2, forward, micro-batch 0) with the mini-batch, the pipeline replica and, for transfers,
+the peer stage:
+
+    [P<pipeline>:]<stage><KIND>[<micro-batch>][.<mini-batch>][>|<<peer>]
+
+e.g. `2F0.3` (mini-batch 3), `P1:0B5`, `1OPT.2`, `0SEND_F4>1`, `1RECV_F4<0`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping, NamedTuple
+
+
+class ScheduleError(ValueError):
+    """A schedule or its parameters cannot run; the message says what and why."""
+
+
+class Kind(str, Enum):
+    F = "F"  # forward
+    B = "B"  # full backward (input and weight gradients)
+    I = "I"  # input-gradient half of a split backward  # noqa: E741
+    W = "W"  # weight-gradient half of a split backward
+    OPT = "OPT"  # optimizer step of one stage
+    PRED = "PRED"  # compute predicted weights
+    AVG = "AVG"  # average weights or gradients across pipelines
+    SEND_F = "SEND_F"  # send a forward activation to `peer`
+    RECV_F = "RECV_F"  # receive a forward activation from `peer`
+    SEND_B = "SEND_B"  # send an input gradient to `peer`
+    RECV_B = "RECV_B"  # receive an input gradient from `peer`
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.PRED, Kind.AVG})
+BACKWARD_KINDS = frozenset({Kind.B, Kind.I, Kind.W})
+SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B})
+RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B})
+
+_ACTION_RE = re.compile(
+    r"^(?:P(?P<pipeline>\d+):)?(?P<stage>\d+)"
+    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|OPT|PRED|AVG|F|B|I|W)"
+    r"(?P<microbatch>\d+)?(?:\.(?P<minibatch>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$"
+)
+
+
+class Action(NamedTuple):
+    """One unit of work. A tuple, so that millions of them stay cheap to build, hash and compare.
+
+    `microbatch` is -1 for per-mini-batch work (OPT, AVG, a mini-batch-wide PRED); `peer` is the other
+    stage of a transfer and -1 otherwise.
+    """
+
+    kind: Kind
+    stage: int
+    microbatch: int = -1
+    minibatch: int = 0
+    pipeline: int = 0
+    peer: int = -1
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.kind.value}"
+        if self.microbatch >= 0:
+            text += str(self.microbatch)
+        if self.minibatch:
+            text += f".{self.minibatch}"
+        if self.peer >= 0:
+            text += (">" if self.kind in SEND_KINDS else "<") + str(self.peer)
+        return f"P{self.pipeline}:{text}" if self.pipeline else text
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ScheduleError(
+                f"cannot parse action {text!r}: expected [P<pipeline>:]<stage><KIND>[<micro-batch>]"
+                f"[.<mini-batch>][>|<<peer>] with KIND one of {', '.join(k.value for k in Kind)}"
+            )
+        kind = Kind(match["kind"])
+        direction = match["dir"]
+        is_transfer = kind in SEND_KINDS or kind in RECV_KINDS
+        if is_transfer != (direction is not None) or (
+            direction is not None and (direction == ">") != (kind in SEND_KINDS)
+        ):
+            raise ScheduleError(
+                f"action {text!r}: a SEND names its destination with '>peer', a RECV its source with "
+                "'<peer'; other actions have no peer"
+            )
+        return cls(
+            kind,
+            int(match["stage"]),
+            int(match["microbatch"]) if match["microbatch"] is not None else -1,
+            int(match["minibatch"] or 0),
+            int(match["pipeline"] or 0),
+            int(match["peer"]) if match["peer"] is not None else -1,
+        )
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """Model stages and the edges activations flow along: a chain by default, a DAG for GraphPipe."""
+
+    num_stages: int
+    edges: tuple[tuple[int, int], ...]
+    preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ScheduleError(f"a stage graph needs at least one stage (got {self.num_stages})")
+        preds: list[list[int]] = [[] for _ in range(self.num_stages)]
+        succs: list[list[int]] = [[] for _ in range(self.num_stages)]
+        for src, dst in self.edges:
+            if not (0 <= src < self.num_stages and 0 <= dst < self.num_stages) or src == dst:
+                raise ScheduleError(
+                    f"stage graph edge {src}->{dst}: both ends must be distinct stages in 0..{self.num_stages - 1}"
+                )
+            succs[src].append(dst)
+            preds[dst].append(src)
+        object.__setattr__(self, "preds", tuple(tuple(p) for p in preds))
+        object.__setattr__(self, "succs", tuple(tuple(s) for s in succs))
+        self.topological_order()
+
+    @classmethod
+    def chain(cls, num_stages: int) -> StageGraph:
+        return cls(num_stages, tuple((k, k + 1) for k in range(num_stages - 1)))
+
+    def topological_order(self) -> list[int]:
+        """Stages with every predecessor first; raises on a cycle, naming the stages on it."""
+        indegree = [len(p) for p in self.preds]
+        ready = [k for k in range(self.num_stages) if indegree[k] == 0]
+        order: list[int] = []
+        while ready:
+            k = ready.pop()
+            order.append(k)
+            for nxt in self.succs[k]:
+                indegree[nxt] -= 1
+                if indegree[nxt] == 0:
+                    ready.append(nxt)
+        if len(order) < self.num_stages:
+            cyclic = sorted(set(range(self.num_stages)) - set(order))
+            raise ScheduleError(f"stage graph has a cycle through stages {cyclic}")
+        return order
+
+
+class Read(str, Enum):
+    """Which weight version an action reads."""
+
+    LATEST = "latest"  # the stage's weights as they are when the action runs
+    STASHED = "stashed"  # the version its micro-batch's forward read (weight stashing)
+
+
+@dataclass(frozen=True)
+class WeightPolicy:
+    """A method's weight semantics as data; `schedules.analysis.weight_versions` interprets it.
+
+    `predict_forward` / `predict_backward`: the action runs on weights predicted over the number of
+    updates between its read and the update that consumes its gradient (XPipe, SpecTrain, PipeOptim).
+    """
+
+    forward: Read = Read.LATEST
+    backward: Read = Read.LATEST
+    predict_forward: bool = False
+    predict_backward: bool = False
+
+
+SYNCHRONOUS = WeightPolicy()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every device runs, in which order, on which weights.
+
+    `placement[stage]` is the device a model stage lives on; every pipeline replica uses the same
+    placement. `orders[device]` is the device's action list, executed strictly in order.
+    """
+
+    method: str
+    graph: StageGraph
+    placement: tuple[int, ...]
+    orders: tuple[tuple[Action, ...], ...]
+    policy: WeightPolicy
+    microbatches: int
+    minibatches: int = 1
+    pipelines: int = 1
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.placement) != self.graph.num_stages:
+            raise ScheduleError(
+                f"placement names {len(self.placement)} stages, the stage graph has {self.graph.num_stages}"
+            )
+        bad = [s for s, d in enumerate(self.placement) if not 0 <= d < len(self.orders)]
+        if bad:
+            raise ScheduleError(f"stages {bad} are placed on devices outside 0..{len(self.orders) - 1}")
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.orders)
+
+    @property
+    def num_stages(self) -> int:
+        return self.graph.num_stages
+
+    def stages_on(self, device: int) -> list[int]:
+        return [s for s, d in enumerate(self.placement) if d == device]
+
+    def num_actions(self) -> int:
+        return sum(len(order) for order in self.orders)
+
+    def to_text(self) -> str:
+        """One line per device: `device: action action ...`; `from_text` reads it back."""
+        return "\n".join(f"{d}: " + " ".join(map(str, order)) for d, order in enumerate(self.orders))
+
+    def with_orders(self, orders: tuple[tuple[Action, ...], ...]) -> Schedule:
+        return Schedule(
+            self.method, self.graph, self.placement, orders, self.policy,
+            self.microbatches, self.minibatches, self.pipelines, self.params,
+        )
+
+    @staticmethod
+    def orders_from_text(text: str) -> tuple[tuple[Action, ...], ...]:
+        """Parse the per-device lines written by `to_text`."""
+        orders = []
+        for number, line in enumerate(filter(str.strip, text.splitlines())):
+            device, sep, rest = line.partition(":")
+            if not sep or device.strip() != str(number):
+                raise ScheduleError(f"line {number + 1}: expected '{number}: <actions>'")
+            orders.append(tuple(Action.parse(tok) for tok in rest.split()))
+        return tuple(orders)

@@ -1,0 +1,142 @@
+"""The method catalogue: each method is one small, pure schedule function plus its weight policy.
+
+p stages (k = 0 is the input stage), m micro-batches per mini-batch, N mini-batches, one optimizer
+update per stage and mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+from .ir import SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
+
+Unit = tuple[int, int]  # (micro-batch, mini-batch)
+
+
+@dataclass(frozen=True)
+class ScheduleParams:
+    """What a schedule is built for: p (`stages`), m, N, v (`chunks`) and P (`pipelines`)."""
+
+    stages: int
+    microbatches: int
+    minibatches: int = 1
+    chunks: int = 1
+    pipelines: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"{name} must be a whole number >= 1 (got {value!r})")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    build: Callable[[ScheduleParams], Schedule]
+
+
+def _require_plain(method: str, params: ScheduleParams) -> None:
+    if params.chunks != 1:
+        raise ScheduleError(f"{method} places one model stage per device: chunks must be 1 (got {params.chunks})")
+    if params.pipelines != 1:
+        raise ScheduleError(f"{method} runs a single pipeline: pipelines must be 1 (got {params.pipelines})")
+
+
+def _chain(method: str, params: ScheduleParams, orders: Sequence[Sequence[Action]], policy: WeightPolicy) -> Schedule:
+    p = params.stages
+    return Schedule(
+        method=method,
+        graph=StageGraph.chain(p),
+        placement=tuple(range(p)),
+        orders=tuple(tuple(order) for order in orders),
+        policy=policy,
+        microbatches=params.microbatches,
+        minibatches=params.minibatches,
+        params=asdict(params),
+    )
+
+
+def one_forward_one_backward(units: Sequence[Unit], warmup: int) -> Iterator[tuple[Kind, Unit]]:
+    """`warmup` forwards, then one forward and one backward in turn, then the remaining backwards."""
+    warm = min(warmup, len(units))
+    for unit in units[:warm]:
+        yield Kind.F, unit
+    for i in range(warm, len(units)):
+        yield Kind.F, units[i]
+        yield Kind.B, units[i - warm]
+    for unit in units[len(units) - warm :]:
+        yield Kind.B, unit
+
+
+def gpipe(params: ScheduleParams) -> Schedule:
+    """All forwards, then all backwards, then a flush and one update per mini-batch."""
+    _require_plain("gpipe", params)
+    m = params.microbatches
+    orders = []
+    for k in range(params.stages):
+        order: list[Action] = []
+        for b in range(params.minibatches):
+            order += [Action(Kind.F, k, j, b) for j in range(m)]
+            order += [Action(Kind.B, k, j, b) for j in range(m)]
+            order.append(Action(Kind.OPT, k, -1, b))
+        orders.append(order)
+    return _chain("gpipe", params, orders, SYNCHRONOUS)
+
+
+def one_f_one_b(params: ScheduleParams) -> Schedule:
+    """PipeDream-Flush / DAPPLE: min(p-k-1, m) warm-up forwards, 1F1B, cool-down; flush; update."""
+    _require_plain("1f1b", params)
+    p, m = params.stages, params.microbatches
+    orders = []
+    for k in range(p):
+        order: list[Action] = []
+        for b in range(params.minibatches):
+            units = [(j, b) for j in range(m)]
+            order += [Action(kind, k, j, b) for kind, (j, b) in one_forward_one_backward(units, p - k - 1)]
+            order.append(Action(Kind.OPT, k, -1, b))
+        orders.append(order)
+    return _chain("1f1b", params, orders, SYNCHRONOUS)
+
+
+PIPEDREAM_POLICY = WeightPolicy(forward=Read.LATEST, backward=Read.STASHED)
+
+
+def pipedream(params: ScheduleParams) -> Schedule:
+    """1F1B across mini-batches with no flush; each stage updates after a mini-batch's last backward,
+    and a backward uses the weights its forward stashed."""
+    _require_plain("pipedream", params)
+    p, m = params.stages, params.microbatches
+    units = [(j, b) for b in range(params.minibatches) for j in range(m)]
+    orders = []
+    for k in range(p):
+        order: list[Action] = []
+        for kind, (j, b) in one_forward_one_backward(units, p - k - 1):
+            order.append(Action(kind, k, j, b))
+            if kind is Kind.B and j == m - 1:
+                order.append(Action(Kind.OPT, k, -1, b))
+        orders.append(order)
+    return _chain("pipedream", params, orders, PIPEDREAM_POLICY)
+
+
+METHODS: dict[str, Method] = {
+    method.name: method
+    for method in (
+        Method("gpipe", "GPipe: all forwards, then all backwards; flush and update per mini-batch", gpipe),
+        Method("1f1b", "1F1B (PipeDream-Flush, DAPPLE): warm-up, one forward one backward, flush", one_f_one_b),
+        Method(
+            "pipedream",
+            "PipeDream: asynchronous 1F1B without flush; weight stashing, staleness p-1-k",
+            pipedream,
+        ),
+    )
+}
+
+
+def build_schedule(name: str, params: ScheduleParams) -> Schedule:
+    """Build the named method's schedule; unknown names and impossible configurations raise ScheduleError."""
+    method = METHODS.get(name)
+    if method is None:
+        raise ScheduleError(f"unknown schedule {name!r}; choose from {', '.join(METHODS)}")
+    return method.build(params)

@@ -1,0 +1,62 @@
+"""A columnar view of a schedule's actions, for checks and lowering that must scale to millions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ir import Action, Kind, Schedule
+
+KINDS = tuple(Kind)
+KIND_CODE = {k: i for i, k in enumerate(KINDS)}
+NUM_COMPUTE_KINDS = 7  # F, B, I, W, OPT, PRED, AVG come first in Kind
+assert all(k.value.startswith(("SEND", "RECV")) for k in KINDS[NUM_COMPUTE_KINDS:])
+
+
+@dataclass(frozen=True)
+class ActionTable:
+    """Every action of a schedule, row i = the i-th action in device order (device 0's first)."""
+
+    device: np.ndarray
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    minibatch: np.ndarray
+    pipeline: np.ndarray
+    peer: np.ndarray
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> ActionTable:
+        rows = [a for order in schedule.orders for a in order]
+        device = np.repeat(np.arange(schedule.num_devices), [len(o) for o in schedule.orders])
+        if not rows:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(device, empty, empty, empty, empty, empty, empty)
+        kinds, *fields = zip(*rows)
+        kind = np.fromiter(map(KIND_CODE.__getitem__, kinds), dtype=np.int64, count=len(rows))
+        return cls(device, kind, *(np.asarray(f, dtype=np.int64) for f in fields))
+
+    def unit_index(self, schedule: Schedule) -> np.ndarray:
+        """Row -> index of its (stage, micro-batch, mini-batch, pipeline); meaningful where microbatch >= 0."""
+        m, n, r = schedule.microbatches, schedule.minibatches, schedule.pipelines
+        return ((self.stage * m + self.microbatch) * n + self.minibatch) * r + self.pipeline
+
+    def step_index(self, schedule: Schedule) -> np.ndarray:
+        """Row -> index of its (stage, mini-batch, pipeline)."""
+        n, r = schedule.minibatches, schedule.pipelines
+        return (self.stage * n + self.minibatch) * r + self.pipeline
+
+    def select(self, rows: np.ndarray) -> ActionTable:
+        """The rows `rows` (indices, in the order given)."""
+        return ActionTable(*(getattr(self, f)[rows] for f in _FIELDS))
+
+    def to_orders(self, num_devices: int) -> tuple[tuple[Action, ...], ...]:
+        """The per-device action lists (rows must be grouped by device, in order)."""
+        kinds = [KINDS[k] for k in self.kind.tolist()]
+        actions = list(map(Action, kinds, *(getattr(self, f).tolist() for f in _FIELDS[2:])))
+        bounds = np.searchsorted(self.device, np.arange(num_devices + 1)).tolist()
+        return tuple(tuple(actions[bounds[d]:bounds[d + 1]]) for d in range(num_devices))
+
+
+_FIELDS = ("device", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer")

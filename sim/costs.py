@@ -1,0 +1,138 @@
+"""What each op costs: time per kind and stage, and the bytes a stage holds and sends."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIB = 1 << 20
+
+OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
+class CostError(ValueError):
+    """Costs that cannot describe a run; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One model stage for one micro-batch (times) or in total (parameter and optimizer bytes).
+
+    `activation_bytes` are saved from the forward until the backward frees them; `output_bytes` is the
+    boundary tensor sent to each next stage (its gradient travels back with the same size).
+    """
+
+    fwd_ms: float
+    bwd_ms: float
+    wgrad_fraction: float = 0.5
+    opt_ms: float = 0.0
+    pred_ms: float = 0.0
+    avg_ms: float = 0.0
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+    optimizer_state_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "param_bytes", "activation_bytes",
+                     "output_bytes", "optimizer_state_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise CostError(f"{name} must be a finite number >= 0 (got {value!r})")
+        if not 0.0 <= self.wgrad_fraction <= 1.0:
+            raise CostError(f"wgrad_fraction must be between 0 and 1 (got {self.wgrad_fraction!r})")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-stage costs of a whole model.
+
+    `wgrad_activation_fraction`: share of a micro-batch's activations a split backward keeps from its
+    input-gradient part (I) until its weight-gradient part (W).
+    """
+
+    stages: tuple[StageCosts, ...]
+    microbatch_size: int = 1
+    wgrad_activation_fraction: float = 0.5
+
+    def op_ms(self, kind: str, stage: int) -> float:
+        """Duration of one op of `kind` ("F", "B", "I", "W", "OPT", "PRED", "AVG") on `stage`."""
+        c = self.stages[stage]
+        if kind == "F":
+            return c.fwd_ms
+        if kind == "B":
+            return c.bwd_ms
+        if kind == "I":
+            return c.bwd_ms * (1.0 - c.wgrad_fraction)
+        if kind == "W":
+            return c.bwd_ms * c.wgrad_fraction
+        if kind == "OPT":
+            return c.opt_ms
+        if kind == "PRED":
+            return c.pred_ms
+        if kind == "AVG":
+            return c.avg_ms
+        raise CostError(f"no cost for op kind {kind!r}")
+
+    @classmethod
+    def per_stage(
+        cls,
+        num_stages: int,
+        *,
+        fwd_ms: float | Sequence[float],
+        bwd_ms: float | Sequence[float],
+        wgrad_fraction: float = 0.5,
+        opt_ms: float = 0.0,
+        param_mb: float | Sequence[float] = 0.0,
+        activation_mb: float | Sequence[float] = 0.0,
+        output_mb: float | Sequence[float] = 0.0,
+        optimizer: str = "adam",
+        microbatch_size: int = 1,
+    ) -> Costs:
+        """Costs from what-if numbers: each either one value for every stage or one value per stage."""
+        if optimizer not in OPTIMIZER_STATE_FACTOR:
+            raise CostError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
+        if not isinstance(microbatch_size, int) or microbatch_size < 1:
+            raise CostError(f"microbatch_size must be a whole number >= 1 (got {microbatch_size!r})")
+        values = {
+            name: _expand(name, value, num_stages)
+            for name, value in dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, param_mb=param_mb, activation_mb=activation_mb,
+                                    output_mb=output_mb).items()
+        }
+        factor = OPTIMIZER_STATE_FACTOR[optimizer]
+        stages = []
+        for k in range(num_stages):
+            param_bytes = _bytes("param_mb", values["param_mb"][k])
+            stages.append(StageCosts(
+                fwd_ms=values["fwd_ms"][k],
+                bwd_ms=values["bwd_ms"][k],
+                wgrad_fraction=wgrad_fraction,
+                opt_ms=opt_ms,
+                param_bytes=param_bytes,
+                activation_bytes=_bytes("activation_mb", values["activation_mb"][k]),
+                output_bytes=_bytes("output_mb", values["output_mb"][k]),
+                optimizer_state_bytes=factor * param_bytes,
+            ))
+        return cls(tuple(stages), microbatch_size)
+
+
+def _expand(name: str, value: float | Sequence[float], num_stages: int) -> list[float]:
+    values = list(value) if isinstance(value, Sequence) else [value]
+    if len(values) == 1:
+        values *= num_stages
+    if len(values) != num_stages:
+        raise CostError(
+            f"{name} has {len(values)} values but the schedule has {num_stages} model stages: "
+            "give one value, or one per stage"
+        )
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise CostError(f"{name} values must be finite numbers >= 0 (got {v!r})")
+    return [float(v) for v in values]
+
+
+def _bytes(name: str, mib: float) -> int:
+    if mib < 0:
+        raise CostError(f"{name} must be >= 0 (got {mib})")
+    return int(round(mib * MIB))

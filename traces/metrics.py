@@ -1,0 +1,148 @@
+"""Metrics of one trace, computed the same way for predicted and measured runs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .trace import STREAMS, Trace
+
+MIB = 1 << 20
+_COMPUTE = STREAMS.index("compute")
+
+
+@dataclass(frozen=True)
+class DeviceMetrics:
+    device: int
+    busy_ms: float
+    exposed_comm_ms: float
+    peak_memory_mb: float
+    peak_activations: int
+    peak_weight_versions: int
+
+
+@dataclass(frozen=True)
+class StageMetrics:
+    stage: int
+    forward_staleness: int
+    backward_staleness: int
+    prediction_distance: int | None
+    backward_prediction_distance: int | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    schedule: str
+    makespan_ms: float
+    time_per_minibatch_ms: float
+    samples_per_s: float
+    bubble_fraction: float
+    exposed_comm_ms: float
+    peak_memory_mb: float
+    max_staleness: int
+    devices: list[DeviceMetrics]
+    stages: list[StageMetrics]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Total length covered by the intervals [starts[i], ends[i])."""
+    if len(starts) == 0:
+        return 0.0
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], np.maximum.accumulate(ends[order])
+    # A new run begins where an interval starts after everything before it has ended.
+    new_run = np.empty(len(starts), dtype=bool)
+    new_run[0] = True
+    new_run[1:] = starts[1:] > ends[:-1]
+    run_ids = np.cumsum(new_run) - 1
+    run_starts = starts[new_run]
+    run_ends = np.zeros(len(run_starts))
+    np.maximum.at(run_ends, run_ids, ends)
+    return float(np.sum(run_ends - run_starts))
+
+
+def _exposed(comm_s: np.ndarray, comm_e: np.ndarray, busy_s: np.ndarray, busy_e: np.ndarray) -> float:
+    """Time communication is under way while the compute stream is idle: |comm ∪ busy| − |busy|."""
+    both = _union_length(np.concatenate([comm_s, busy_s]), np.concatenate([comm_e, busy_e]))
+    return both - _union_length(busy_s, busy_e)
+
+
+def _peak(trace: Trace, name: str, device: int) -> float:
+    per_device = trace.counters.get(name)
+    if not per_device or len(per_device[device].values) == 0:
+        return 0
+    return per_device[device].values.max()
+
+
+def summarize(trace: Trace) -> Summary:
+    """Makespan, steady-state time per mini-batch, throughput, bubble, communication, memory and staleness."""
+    ops = trace.ops
+    ends_us = ops.end_us
+    makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
+    compute = ops.stream == _COMPUTE
+
+    devices = []
+    busy_total_us = 0.0
+    exposed_total_us = 0.0
+    for d in range(trace.num_devices):
+        mine = ops.device == d
+        busy = mine & compute
+        comm = mine & ~compute
+        busy_us = float(ops.dur_us[busy].sum())
+        exposed_us = _exposed(ops.start_us[comm], ends_us[comm], ops.start_us[busy], ends_us[busy])
+        busy_total_us += busy_us
+        exposed_total_us += exposed_us
+        devices.append(DeviceMetrics(
+            device=d,
+            busy_ms=busy_us / 1e3,
+            exposed_comm_ms=exposed_us / 1e3,
+            peak_memory_mb=float(_peak(trace, "memory_bytes", d)) / MIB,
+            peak_activations=int(_peak(trace, "activations", d)),
+            peak_weight_versions=int(_peak(trace, "weight_versions", d)),
+        ))
+
+    # A mini-batch is done when its last op ends; after the first, they complete once per step.
+    minibatches = int(ops.minibatch[compute].max()) + 1 if compute.any() else 0
+    done_us = np.full(minibatches, -np.inf)
+    np.maximum.at(done_us, ops.minibatch[compute], ends_us[compute])
+    per_minibatch_us = (done_us[-1] - done_us[0]) / (minibatches - 1) if minibatches > 1 else makespan_us
+    samples = trace.meta.get("microbatches", 1) * trace.meta.get("microbatch_size", 1)
+
+    stages = []
+    f_code, weight_kinds = trace.kind_code("F"), [trace.kind_code(k) for k in ("B", "I", "W")]
+    staleness = ops.minibatch - ops.version
+    num_stages = int(ops.stage[compute].max()) + 1 if compute.any() else 0
+    for s in range(num_stages):
+        of_stage = compute & (ops.stage == s) & (ops.version >= 0)
+        fwd = of_stage & (ops.kind == f_code)
+        bwd = of_stage & np.isin(ops.kind, weight_kinds)
+
+        def distance(mask: np.ndarray) -> int | None:
+            predicted = ops.prediction[mask]
+            predicted = predicted[predicted >= 0]
+            return int(predicted.max()) if len(predicted) else None
+
+        stages.append(StageMetrics(
+            stage=s,
+            forward_staleness=int(staleness[fwd].max()) if fwd.any() else 0,
+            backward_staleness=int(staleness[bwd].max()) if bwd.any() else 0,
+            prediction_distance=distance(fwd),
+            backward_prediction_distance=distance(bwd),
+        ))
+
+    return Summary(
+        schedule=str(trace.meta.get("schedule", "?")),
+        makespan_ms=makespan_us / 1e3,
+        time_per_minibatch_ms=per_minibatch_us / 1e3,
+        samples_per_s=samples / (per_minibatch_us / 1e6) if per_minibatch_us > 0 else 0.0,
+        bubble_fraction=1.0 - busy_total_us / (trace.num_devices * makespan_us) if makespan_us > 0 else 0.0,
+        exposed_comm_ms=exposed_total_us / 1e3,
+        peak_memory_mb=max((dm.peak_memory_mb for dm in devices), default=0.0),
+        max_staleness=max((max(s.forward_staleness, s.backward_staleness) for s in stages), default=0),
+        devices=devices,
+        stages=stages,
+    )

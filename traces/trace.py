@@ -1,0 +1,247 @@
+"""The one trace schema for predicted and measured runs, stored as Chrome Trace Event JSON.
+
+Ops are kept as columns (numpy arrays) so that traces of a million ops stay small and fast. On disk a
+trace is a Chrome Trace Event document (`traceEvents`, `ph: "X"`, `pid` = device, `tid` = stream) that
+Perfetto and chrome://tracing open unchanged; pipesim's own metadata sits under the top-level key
+`pipesim`, and every op's identity under its `args`, so `read_trace(write_trace(t)) == t`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+STREAMS = ("compute", "send", "recv")
+
+_INT_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer", "version",
+                "prediction")
+_FLOAT_COLUMNS = ("start_us", "dur_us")
+_ARG_COLUMNS = ("stage", "microbatch", "minibatch", "pipeline", "peer", "version", "prediction")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the problem."""
+
+
+@dataclass(eq=False)
+class Ops:
+    """One row per op. `kind` indexes `Trace.kinds`, `stream` indexes STREAMS; -1 means "not applicable"
+    (`microbatch` of an optimizer step, `peer` of compute, `version` of a transfer, `prediction` when
+    the weights were not predicted)."""
+
+    device: np.ndarray
+    stream: np.ndarray
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    minibatch: np.ndarray
+    pipeline: np.ndarray
+    peer: np.ndarray
+    version: np.ndarray
+    prediction: np.ndarray
+    start_us: np.ndarray
+    dur_us: np.ndarray
+
+    def __post_init__(self) -> None:
+        for name in _INT_COLUMNS:
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+        for name in _FLOAT_COLUMNS:
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
+        lengths = {len(getattr(self, f.name)) for f in fields(self)}
+        if len(lengths) > 1:
+            raise TraceError(f"op columns have different lengths: {sorted(lengths)}")
+
+    def __len__(self) -> int:
+        return len(self.start_us)
+
+    @property
+    def end_us(self) -> np.ndarray:
+        return self.start_us + self.dur_us
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ops) and all(
+            np.array_equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)
+        )
+
+
+@dataclass(eq=False)
+class Counter:
+    """A step function per device: `values[i]` holds from `times_us[i]` until the next sample."""
+
+    times_us: np.ndarray
+    values: np.ndarray
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Counter)
+            and np.array_equal(self.times_us, other.times_us)
+            and np.array_equal(self.values, other.values)
+        )
+
+
+@dataclass(eq=False)
+class Trace:
+    """What happened (or is predicted to happen), when, on which weights, with how much memory.
+
+    counters: name -> one Counter per device. Known names: `memory_bytes`, `activations` (micro-batches
+    whose activations are held), `weight_versions` (copies of one stage's weights held).
+    meta: the run's description: `source` ("simulated" or "measured"), `schedule`, its parameters,
+    costs, hardware, tool version; `incomplete` is true when a run stopped early.
+    """
+
+    kinds: tuple[str, ...]
+    num_devices: int
+    ops: Ops
+    counters: dict[str, list[Counter]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Trace)
+            and self.kinds == other.kinds
+            and self.num_devices == other.num_devices
+            and self.ops == other.ops
+            and self.counters == other.counters
+            and self.meta == other.meta
+        )
+
+    def kind_code(self, name: str) -> int:
+        """The code of kind `name` in this trace, or -1 when it has none."""
+        return self.kinds.index(name) if name in self.kinds else -1
+
+    def op_label(self, i: int) -> str:
+        """A short display name, e.g. `F3` or `F3.1` (micro-batch 3 of mini-batch 1), `OPT.1`."""
+        ops = self.ops
+        label = self.kinds[ops.kind[i]]
+        if ops.microbatch[i] >= 0:
+            label += str(ops.microbatch[i])
+        if ops.minibatch[i]:
+            label += f".{ops.minibatch[i]}"
+        return label
+
+
+def to_chrome(trace: Trace) -> dict[str, Any]:
+    """The Chrome Trace Event document for `trace`."""
+    events: list[dict[str, Any]] = []
+    for d in range(trace.num_devices):
+        events.append({"ph": "M", "name": "process_name", "pid": d, "args": {"name": f"device {d}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": d, "args": {"sort_index": d}})
+        for tid, stream in enumerate(STREAMS):
+            events.append({"ph": "M", "name": "thread_name", "pid": d, "tid": tid, "args": {"name": stream}})
+    ops = trace.ops
+    columns = {name: getattr(ops, name).tolist() for name in _INT_COLUMNS + _FLOAT_COLUMNS}
+    for i in range(len(ops)):
+        events.append({
+            "ph": "X",
+            "name": trace.op_label(i),
+            "cat": trace.kinds[columns["kind"][i]],
+            "pid": columns["device"][i],
+            "tid": columns["stream"][i],
+            "ts": columns["start_us"][i],
+            "dur": columns["dur_us"][i],
+            "args": {name: columns[name][i] for name in _ARG_COLUMNS},
+        })
+    for name, per_device in trace.counters.items():
+        for d, counter in enumerate(per_device):
+            for t, v in zip(counter.times_us.tolist(), counter.values.tolist()):
+                events.append({"ph": "C", "name": name, "pid": d, "ts": t, "args": {"value": v}})
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "pipesim": {
+            "schema_version": SCHEMA_VERSION,
+            "kinds": list(trace.kinds),
+            "streams": list(STREAMS),
+            "num_devices": trace.num_devices,
+            "counters": list(trace.counters),
+            "meta": trace.meta,
+        },
+    }
+
+
+def from_chrome(doc: Any) -> Trace:
+    """Read a document written by `to_chrome`; raises TraceError naming what is missing or wrong."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise TraceError("not a Chrome trace: expected an object with a 'traceEvents' list")
+    head = doc.get("pipesim")
+    if not isinstance(head, dict):
+        raise TraceError("not a pipesim trace: the top-level 'pipesim' key is missing")
+    if head.get("schema_version") != SCHEMA_VERSION:
+        raise TraceError(
+            f"trace schema_version {head.get('schema_version')!r} is not supported (this pipesim reads {SCHEMA_VERSION})"
+        )
+    try:
+        kinds = tuple(head["kinds"])
+        num_devices = int(head["num_devices"])
+        counter_names = list(head["counters"])
+        meta = dict(head["meta"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TraceError(f"pipesim header: missing or malformed field {exc}") from None
+    if tuple(head.get("streams", ())) != STREAMS:
+        raise TraceError(f"pipesim header: streams must be {list(STREAMS)}")
+    kind_codes = {k: i for i, k in enumerate(kinds)}
+    columns: dict[str, list] = {name: [] for name in _INT_COLUMNS + _FLOAT_COLUMNS}
+    samples: dict[tuple[str, int], tuple[list, list]] = {}
+    try:
+        for event in doc["traceEvents"]:
+            phase = event.get("ph")
+            if phase == "X":
+                args = event["args"]
+                columns["device"].append(event["pid"])
+                columns["stream"].append(event["tid"])
+                columns["kind"].append(kind_codes[event["cat"]])
+                columns["start_us"].append(event["ts"])
+                columns["dur_us"].append(event["dur"])
+                for name in _ARG_COLUMNS:
+                    columns[name].append(args[name])
+            elif phase == "C":
+                times, values = samples.setdefault((event["name"], event["pid"]), ([], []))
+                times.append(event["ts"])
+                values.append(event["args"]["value"])
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise TraceError(f"malformed trace event: missing or wrong field {exc}") from None
+    ops = Ops(**columns)
+    counters = {}
+    for name in counter_names:
+        per_device = []
+        for d in range(num_devices):
+            times, values = samples.get((name, d), ([], []))
+            per_device.append(Counter(np.asarray(times, dtype=np.float64), np.asarray(values)))
+        counters[name] = per_device
+    return Trace(kinds, num_devices, ops, counters, meta)
+
+
+def write_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write `text` to `path` via a temporary file in the same folder, so no half-written file is left."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
+    write_atomic(path, json.dumps(to_chrome(trace), separators=(",", ":")))
+
+
+def read_trace(path: str | os.PathLike[str]) -> Trace:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"trace {path} is not valid JSON: {exc}") from None
+    return from_chrome(doc)
