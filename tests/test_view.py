@@ -1,5 +1,7 @@
 """The timeline figure draws every op exactly once and the HTML page works offline."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from plotly.offline import get_plotlyjs
@@ -67,6 +69,12 @@ def test_memory_row_peaks_at_the_counter_peak(trace):
     peak = max(c.values.max() for c in trace.counters["memory_bytes"]) / MIB
     assert max(np.max(t.y) for t in memory) == pytest.approx(peak)
     assert all(t.line.shape == "hv" for t in memory)
+
+
+def test_without_a_memory_counter_the_timeline_stands_alone(trace):
+    fig = timeline_figure(dataclasses.replace(trace, counters={}))
+    assert all(t.yaxis == "y" for t in fig.data)
+    assert fig.layout.xaxis.title.text == "time (ms)"
 
 
 def test_title_defaults_to_schedule_and_makespan(trace):

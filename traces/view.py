@@ -138,11 +138,14 @@ def timeline_figure(trace: Trace, title: str | None = None) -> go.Figure:
             times = np.append(counter.times_us / 1e3, max(end, counter.times_us[-1] / 1e3))
             values = np.append(counter.values, counter.values[-1]) / MIB
             fig.add_trace(go.Scattergl(
-                x=times, y=values, mode="lines", name=f"device {d}", legendgroup="memory",
-                legendgrouptitle_text="memory", line={"color": colors[d], "width": 1.5, "shape": "hv"},
+                x=times, y=values, mode="lines", name=f"device {d}", legend="legend2",
+                line={"color": colors[d], "width": 1.5, "shape": "hv"},
                 hovertemplate=f"device {d}: %{{y:.1f}} MiB at %{{x:.3f}} ms<extra></extra>",
             ), row=2, col=1)
         fig.update_yaxes(title_text="memory (MiB)", fixedrange=True, row=2, col=1)
+        # A legend of its own beside the memory row: clicking a kind hides the kind's ops and their
+        # hover markers together (one legend group), clicking a device hides just that device's line.
+        fig.update_layout(legend2={"title_text": "memory", "y": fig.layout.yaxis2.domain[1], "yanchor": "top"})
 
     if title is None:
         summary = summarize(trace)
@@ -156,7 +159,7 @@ def timeline_figure(trace: Trace, title: str | None = None) -> go.Figure:
     fig.update_layout(
         title=title, height=plot_px + (spacing_px if memory else 0) + _MARGIN["t"] + _MARGIN["b"],
         margin=_MARGIN, hovermode="closest", template="plotly_white",
-        legend={"tracegroupgap": 4, "groupclick": "toggleitem"},
+        legend={"tracegroupgap": 4},
     )
     return fig
 
