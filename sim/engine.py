@@ -26,7 +26,6 @@ from ..schedules import (
     ScheduleError,
     communication_table,
     check_complete,
-    find_deadlock,
     local_order_ok,
     validate,
     weight_versions,

@@ -73,7 +73,10 @@ def test_stage_graph_rejects_cycles_and_bad_edges():
 @pytest.mark.parametrize("name", list(METHODS))
 @pytest.mark.parametrize("p,m,n", [(1, 1, 1), (2, 1, 3), (4, 8, 2), (5, 3, 4), (8, 16, 1)])
 def test_every_method_builds_a_valid_schedule(name, p, m, n):
-    validate(build_schedule(name, ScheduleParams(p, m, n)))
+    schedule = build_schedule(name, ScheduleParams(p, m, n))
+    validate(schedule)
+    assert find_deadlock(schedule) == {}
+    assert schedule.num_actions() == p * n * (2 * m + 1)  # F and B per micro-batch, one OPT per mini-batch
 
 
 def _swap_first(schedule, device, a, b):
