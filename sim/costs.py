@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MIB = 1 << 20
+from ..traces.metrics import MIB
 
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
@@ -103,15 +103,15 @@ class Costs:
         factor = OPTIMIZER_STATE_FACTOR[optimizer]
         stages = []
         for k in range(num_stages):
-            param_bytes = _bytes("param_mb", values["param_mb"][k])
+            param_bytes = _bytes(values["param_mb"][k])
             stages.append(StageCosts(
                 fwd_ms=values["fwd_ms"][k],
                 bwd_ms=values["bwd_ms"][k],
                 wgrad_fraction=wgrad_fraction,
                 opt_ms=opt_ms,
                 param_bytes=param_bytes,
-                activation_bytes=_bytes("activation_mb", values["activation_mb"][k]),
-                output_bytes=_bytes("output_mb", values["output_mb"][k]),
+                activation_bytes=_bytes(values["activation_mb"][k]),
+                output_bytes=_bytes(values["output_mb"][k]),
                 optimizer_state_bytes=factor * param_bytes,
             ))
         return cls(tuple(stages), microbatch_size)
@@ -132,7 +132,6 @@ def _expand(name: str, value: float | Sequence[float], num_stages: int) -> list[
     return [float(v) for v in values]
 
 
-def _bytes(name: str, mib: float) -> int:
-    if mib < 0:
-        raise CostError(f"{name} must be >= 0 (got {mib})")
+def _bytes(mib: float) -> int:
+    """MiB (validated by `_expand`) to whole bytes."""
     return int(round(mib * MIB))
