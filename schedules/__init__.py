@@ -19,7 +19,8 @@ from .ir import (
     StageGraph,
     WeightPolicy,
 )
-from .methods import METHODS, Method, ScheduleParams, build_schedule, one_forward_one_backward
+from .catalogue import METHODS, build_schedule
+from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward
 from .passes import add_communication, communication_table
 
 __all__ = [
@@ -27,5 +28,5 @@ __all__ = [
     "BACKWARD_KINDS", "COMPUTE_KINDS", "RECV_KINDS", "SEND_KINDS", "SYNCHRONOUS", "METHODS",
     "Action", "Kind", "Method", "Read", "Schedule", "ScheduleError", "ScheduleParams", "StageGraph",
     "Versions", "WeightPolicy", "add_communication", "build_schedule", "check_complete", "find_deadlock",
-    "communication_table", "one_forward_one_backward", "validate", "weight_versions",
+    "communication_table", "make_schedule", "one_forward_one_backward", "validate", "weight_versions",
 ]

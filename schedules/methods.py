@@ -1,7 +1,8 @@
-"""The method catalogue: each method is one small, pure schedule function plus its weight policy.
+"""The baseline methods and what every schedule function shares.
 
-p stages (k = 0 is the input stage), m micro-batches per mini-batch, N mini-batches, one optimizer
-update per stage and mini-batch.
+Each method is one small, pure schedule function plus its weight policy. p stages (k = 0 is the input
+stage), m micro-batches per mini-batch, N mini-batches, one optimizer update per stage and mini-batch.
+The registry of all methods is `catalogue.METHODS`.
 """
 
 from __future__ import annotations
@@ -37,23 +38,33 @@ class Method:
     build: Callable[[ScheduleParams], Schedule]
 
 
-def _require_plain(method: str, params: ScheduleParams) -> None:
+def require_plain(method: str, params: ScheduleParams) -> None:
     if params.chunks != 1:
         raise ScheduleError(f"{method} places one model stage per device: chunks must be 1 (got {params.chunks})")
     if params.pipelines != 1:
         raise ScheduleError(f"{method} runs a single pipeline: pipelines must be 1 (got {params.pipelines})")
 
 
-def _chain(method: str, params: ScheduleParams, orders: Sequence[Sequence[Action]], policy: WeightPolicy) -> Schedule:
-    p = params.stages
+def make_schedule(
+    method: str,
+    params: ScheduleParams,
+    orders: Sequence[Sequence[Action]],
+    policy: WeightPolicy = SYNCHRONOUS,
+    *,
+    placement: Sequence[int] | None = None,
+    graph: StageGraph | None = None,
+) -> Schedule:
+    """Package a method's orders; by default a chain of p stages, stage k on device k, one pipeline."""
+    graph = graph or StageGraph.chain(len(placement) if placement is not None else params.stages)
     return Schedule(
         method=method,
-        graph=StageGraph.chain(p),
-        placement=tuple(range(p)),
+        graph=graph,
+        placement=tuple(placement) if placement is not None else tuple(range(graph.num_stages)),
         orders=tuple(tuple(order) for order in orders),
         policy=policy,
         microbatches=params.microbatches,
         minibatches=params.minibatches,
+        pipelines=params.pipelines,
         params=asdict(params),
     )
 
@@ -72,7 +83,7 @@ def one_forward_one_backward(units: Sequence[Unit], warmup: int) -> Iterator[tup
 
 def gpipe(params: ScheduleParams) -> Schedule:
     """All forwards, then all backwards, then a flush and one update per mini-batch."""
-    _require_plain("gpipe", params)
+    require_plain("gpipe", params)
     m = params.microbatches
     orders = []
     for k in range(params.stages):
@@ -82,12 +93,12 @@ def gpipe(params: ScheduleParams) -> Schedule:
             order += [Action(Kind.B, k, j, b) for j in range(m)]
             order.append(Action(Kind.OPT, k, -1, b))
         orders.append(order)
-    return _chain("gpipe", params, orders, SYNCHRONOUS)
+    return make_schedule("gpipe", params, orders)
 
 
 def one_f_one_b(params: ScheduleParams) -> Schedule:
     """PipeDream-Flush / DAPPLE: min(p-k-1, m) warm-up forwards, 1F1B, cool-down; flush; update."""
-    _require_plain("1f1b", params)
+    require_plain("1f1b", params)
     p, m = params.stages, params.microbatches
     orders = []
     for k in range(p):
@@ -97,7 +108,7 @@ def one_f_one_b(params: ScheduleParams) -> Schedule:
             order += [Action(kind, k, j, b) for kind, (j, b) in one_forward_one_backward(units, p - k - 1)]
             order.append(Action(Kind.OPT, k, -1, b))
         orders.append(order)
-    return _chain("1f1b", params, orders, SYNCHRONOUS)
+    return make_schedule("1f1b", params, orders)
 
 
 PIPEDREAM_POLICY = WeightPolicy(forward=Read.LATEST, backward=Read.STASHED)
@@ -106,7 +117,7 @@ PIPEDREAM_POLICY = WeightPolicy(forward=Read.LATEST, backward=Read.STASHED)
 def pipedream(params: ScheduleParams) -> Schedule:
     """1F1B across mini-batches with no flush; each stage updates after a mini-batch's last backward,
     and a backward uses the weights its forward stashed."""
-    _require_plain("pipedream", params)
+    require_plain("pipedream", params)
     p, m = params.stages, params.microbatches
     units = [(j, b) for b in range(params.minibatches) for j in range(m)]
     orders = []
@@ -117,26 +128,11 @@ def pipedream(params: ScheduleParams) -> Schedule:
             if kind is Kind.B and j == m - 1:
                 order.append(Action(Kind.OPT, k, -1, b))
         orders.append(order)
-    return _chain("pipedream", params, orders, PIPEDREAM_POLICY)
+    return make_schedule("pipedream", params, orders, PIPEDREAM_POLICY)
 
 
-METHODS: dict[str, Method] = {
-    method.name: method
-    for method in (
-        Method("gpipe", "GPipe: all forwards, then all backwards; flush and update per mini-batch", gpipe),
-        Method("1f1b", "1F1B (PipeDream-Flush, DAPPLE): warm-up, one forward one backward, flush", one_f_one_b),
-        Method(
-            "pipedream",
-            "PipeDream: asynchronous 1F1B without flush; weight stashing, staleness p-1-k",
-            pipedream,
-        ),
-    )
-}
-
-
-def build_schedule(name: str, params: ScheduleParams) -> Schedule:
-    """Build the named method's schedule; unknown names and impossible configurations raise ScheduleError."""
-    method = METHODS.get(name)
-    if method is None:
-        raise ScheduleError(f"unknown schedule {name!r}; choose from {', '.join(METHODS)}")
-    return method.build(params)
+BASELINES = (
+    Method("gpipe", "GPipe: all forwards, then all backwards; flush and update per mini-batch", gpipe),
+    Method("1f1b", "1F1B (PipeDream-Flush, DAPPLE): warm-up, one forward one backward, flush", one_f_one_b),
+    Method("pipedream", "PipeDream: asynchronous 1F1B without flush; weight stashing, staleness p-1-k", pipedream),
+)
