@@ -4,7 +4,7 @@ Imports nothing else of pipesim (and never torch), so every part can depend on i
 """
 
 from .analysis import Versions, check_complete, find_deadlock, local_order_ok, validate, weight_versions
-from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable
+from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 from .ir import (
     BACKWARD_KINDS,
     COMPUTE_KINDS,
@@ -24,7 +24,7 @@ from .methods import Method, ScheduleParams, make_schedule, one_forward_one_back
 from .passes import add_communication, communication_table
 
 __all__ = [
-    "KIND_CODE", "KINDS", "NUM_COMPUTE_KINDS", "ActionTable", "local_order_ok",
+    "KIND_CODE", "KINDS", "kind_mask", "NUM_COMPUTE_KINDS", "ActionTable", "local_order_ok",
     "BACKWARD_KINDS", "COMPUTE_KINDS", "RECV_KINDS", "SEND_KINDS", "SYNCHRONOUS", "METHODS",
     "Action", "Kind", "Method", "Read", "Schedule", "ScheduleError", "ScheduleParams", "StageGraph",
     "Versions", "WeightPolicy", "add_communication", "build_schedule", "check_complete", "find_deadlock",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .ir import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind, Read, Schedule, ScheduleError
-from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable
+from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 # Dependency keys: (role, stage, microbatch, minibatch, pipeline). "D" is an input gradient, produced by
 # B or I; "WALL" is every weight gradient of a (stage, mini-batch, pipeline).
@@ -32,7 +32,7 @@ def validate(schedule: Schedule) -> None:
 def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None:
     """Each (stage, micro-batch, mini-batch, pipeline) has one F and one backward (B, or I and W);
     each (stage, mini-batch, pipeline) one OPT; every action runs on the device its stage is placed on."""
-    t = table or ActionTable.of(schedule)
+    t = table or schedule.table
     p, m, n, r = schedule.num_stages, schedule.microbatches, schedule.minibatches, schedule.pipelines
     compute = t.kind < NUM_COMPUTE_KINDS
     outside = compute & ~((t.stage >= 0) & (t.stage < p) & (t.microbatch < m) & (t.minibatch >= 0)
@@ -99,14 +99,14 @@ def local_order_ok(schedule: Schedule, table: ActionTable | None = None) -> bool
     a RECV; so the simulator checks only this up front (vectorised) and explains a stall with
     `find_deadlock`. Assumes `check_complete` passed.
     """
-    t = table or ActionTable.of(schedule)
+    t = table or schedule.table
     units = schedule.num_stages * schedule.microbatches * schedule.minibatches * schedule.pipelines
     per_unit = t.unit_index(schedule)
     rows = np.arange(len(t.kind))
 
     def position(*kinds: Kind) -> np.ndarray:
         where = np.full(units, -1, dtype=np.int64)
-        mask = np.isin(t.kind, [KIND_CODE[k] for k in kinds])
+        mask = kind_mask(t.kind, *kinds)
         where[per_unit[mask]] = rows[mask]
         return where
 
@@ -208,83 +208,100 @@ def find_deadlock(schedule: Schedule) -> dict[int, tuple[Action, _Key]]:
 
 @dataclass(frozen=True)
 class Versions:
-    """Per device, aligned with the schedule's order (transfers get -1 / 0).
+    """Per action, aligned with the schedule's action table (rows in device order).
 
-    read: weight version the action computes with (number of OPTs of its stage before the read);
-    prediction: updates between that read and the update consuming the gradient, when the policy
-    predicts for this action, else -1; copies_delta: change, at the action's end, in the number of copies
-    of its stage's weights held; held_after: largest number of copies of one stage the device holds after
-    the action.
+    read: weight version the action computes with (-1 for OPT); prediction: the distance s its weights
+    are predicted over, -1 when they are not; copies_delta: change, at the action's end, in the number of
+    versions of its stage's weights held; held_after: largest number of weight copies of one stage the
+    device holds after the action (versions in use plus the policy's extra copies).
     """
 
-    read: tuple[tuple[int, ...], ...]
-    prediction: tuple[tuple[int, ...], ...]
-    copies_delta: tuple[tuple[int, ...], ...]
-    held_after: tuple[tuple[int, ...], ...]
+    read: np.ndarray
+    prediction: np.ndarray
+    copies_delta: np.ndarray
+    held_after: np.ndarray
 
 
 def weight_versions(schedule: Schedule) -> Versions:
     """Compute the version every action reads, and the weight copies each device must hold, from the order.
 
-    A stage's version counts its OPT actions. LATEST reads the current version; STASHED reads the version
-    its micro-batch's forward read, which pins that version until the micro-batch's last backward part.
+    A stage's version counts its OPT actions (per pipeline replica). A version stays held, besides the
+    current one, from the update that supersedes it until the last action that reads it.
     """
-    policy = schedule.policy
-    stash = policy.backward is Read.STASHED
-    reads, predictions, deltas, helds = [], [], [], []
-    for order in schedule.orders:
-        # Ordinal of each OPT among its stage's updates: the update that consumes a gradient.
-        consuming: dict[tuple[int, int, int], int] = {}
-        count: Counter[tuple[int, int]] = Counter()
-        for a in order:
-            if a.kind is Kind.OPT:
-                consuming[(a.stage, a.minibatch, a.pipeline)] = count[(a.stage, a.pipeline)]
-                count[(a.stage, a.pipeline)] += 1
-        current: Counter[tuple[int, int]] = Counter()
-        pins: dict[tuple[int, int], Counter[int]] = defaultdict(Counter)
-        extra: Counter[tuple[int, int]] = Counter()  # pinned versions other than the current one
-        forward_read: dict[tuple[int, int, int, int], int] = {}
-        held = 1
-        read_row, pred_row, delta_row, held_row = [], [], [], []
-        for a in order:
-            replica = (a.stage, a.pipeline)
-            version, predicted, delta = -1, -1, 0
-            kind = a.kind
-            if kind is Kind.F:
-                version = current[replica]
-                if stash:
-                    forward_read[(a.stage, a.microbatch, a.minibatch, a.pipeline)] = version
-                    pins[replica][version] += 1
-                if policy.predict_forward:
-                    predicted = consuming[(a.stage, a.minibatch, a.pipeline)] - version
-            elif kind in BACKWARD_KINDS:
-                unit = (a.stage, a.microbatch, a.minibatch, a.pipeline)
-                version = forward_read[unit] if stash else current[replica]
-                if policy.predict_backward:
-                    predicted = consuming[(a.stage, a.minibatch, a.pipeline)] - version
-                if stash and kind is not Kind.I:  # B or W: the micro-batch's last backward part
-                    pinned = pins[replica]
-                    pinned[version] -= 1
-                    if not pinned[version]:
-                        del pinned[version]
-                        if version != current[replica]:
-                            extra[replica] -= 1
-                            delta = -1
-            elif kind is Kind.OPT:
-                if pins[replica].get(current[replica]):
-                    extra[replica] += 1
-                    delta = 1
-                current[replica] += 1
-            elif kind is Kind.PRED or kind is Kind.AVG:
-                version = current[replica]
-            if delta:
-                held = 1 + max(extra.values(), default=0)
-            read_row.append(version)
-            pred_row.append(predicted)
-            delta_row.append(delta)
-            held_row.append(held)
-        reads.append(tuple(read_row))
-        predictions.append(tuple(pred_row))
-        deltas.append(tuple(delta_row))
-        helds.append(tuple(held_row))
-    return Versions(tuple(reads), tuple(predictions), tuple(deltas), tuple(helds))
+    t, policy = schedule.table, schedule.policy
+    n = len(t.kind)
+    rows = np.arange(n)
+    p, m, r = schedule.num_stages, schedule.microbatches, schedule.pipelines
+    replica = np.where(t.kind < NUM_COMPUTE_KINDS, t.stage * r + t.pipeline, 0)
+    is_opt = t.kind == KIND_CODE[Kind.OPT]
+    is_f = t.kind == KIND_CODE[Kind.F]
+    backward = kind_mask(t.kind, *BACKWARD_KINDS)
+
+    # current[i]: updates of row i's replica earlier in its device's order (a stage lives on one device).
+    by_replica = np.argsort(replica, kind="stable")
+    opt_sorted = is_opt[by_replica]
+    before = np.concatenate([[0], np.cumsum(opt_sorted)])[:-1]
+    group_start = np.searchsorted(replica[by_replica], replica[by_replica])
+    current = np.empty(n, dtype=np.int64)
+    current[by_replica] = before - before[group_start]
+    steps = p * schedule.minibatches * r
+    consuming = np.full(steps, -1, dtype=np.int64)  # ordinal of the update that consumes a step's gradient
+    consuming[t.step_index(schedule)[is_opt]] = current[is_opt]
+
+    unit = t.unit_index(schedule)
+    forward_read = np.zeros(p * m * schedule.minibatches * r, dtype=np.int64)
+    forward_read[unit[is_f]] = current[is_f]
+    first_forward = unit - t.microbatch * schedule.minibatches * r  # micro-batch 0 of the row's mini-batch
+
+    def read_rule(rule: Read, mask: np.ndarray) -> np.ndarray:
+        if rule is Read.LATEST:
+            return current
+        if rule is Read.STASHED:
+            return forward_read[np.where(mask, unit, 0)]
+        if rule is Read.BELLWETHER:
+            return forward_read[np.where(mask, first_forward, 0)]
+        wanted = np.maximum(t.minibatch - 1, 0)  # Read.PREVIOUS
+        early = mask & (wanted > current)
+        if early.any():
+            i = int(np.argmax(early))
+            raise ScheduleError(f"{schedule.method}: {_action(t, i)} reads version {wanted[i]} of its stage "
+                                f"before that version exists (after {current[i]} updates)")
+        return wanted
+
+    if policy.forward is Read.STASHED:
+        raise ScheduleError("a forward cannot read a stashed version: it is what stashes one")
+    forward_version = read_rule(policy.forward, is_f)
+    forward_read[unit[is_f]] = forward_version[is_f]
+    read = np.where(is_f, forward_version, np.where(backward, read_rule(policy.backward, backward), current))
+    read = np.where(is_opt | (t.kind >= NUM_COMPUTE_KINDS), -1, read)
+
+    prediction = np.full(n, -1, dtype=np.int64)
+    counted = consuming[np.where(t.kind < NUM_COMPUTE_KINDS, t.step_index(schedule), 0)] - read
+    for rule, mask in ((policy.predict_forward, is_f), (policy.predict_backward, backward)):
+        if rule is not None:
+            if rule.formula is None:
+                prediction[mask] = counted[mask]
+            else:
+                per_stage = np.array([rule.distance(p, k, m, 0) for k in range(p)], dtype=np.int64)
+                prediction[mask] = per_stage[t.stage[mask]]
+
+    # Version v of a replica is held beside the current one from the update that supersedes it (the
+    # update with ordinal v) until its last read.
+    versions = int(current.max()) + 2 if n else 1
+    reads = read >= 0
+    last_read = np.full(p * r * versions, -1, dtype=np.int64)
+    np.maximum.at(last_read, replica[reads] * versions + read[reads], rows[reads])
+    superseded = np.full(p * r * versions, n, dtype=np.int64)
+    superseded[replica[is_opt] * versions + current[is_opt]] = rows[is_opt]
+    lingers = np.flatnonzero(last_read > superseded)
+    copies_delta = np.zeros(n, dtype=np.int64)
+    np.add.at(copies_delta, superseded[lingers], 1)
+    np.add.at(copies_delta, last_read[lingers], -1)
+
+    held_after = np.full(n, 1 + policy.extra_copies, dtype=np.int64)
+    for d in np.unique(t.device[copies_delta != 0]):
+        lo, hi = np.searchsorted(t.device, [d, d + 1])
+        mine = replica[lo:hi]
+        levels = [np.cumsum(np.where(mine == q, copies_delta[lo:hi], 0)) for q in np.unique(mine)]
+        held_after[lo:hi] += np.max(levels, axis=0)
+    return Versions(read, prediction, copies_delta, held_after)

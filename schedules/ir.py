@@ -11,10 +11,15 @@ e.g. `2F0.3` (mini-batch 3), `P1:0B5`, `1OPT.2`, `0SEND_F4>1`, `1RECV_F4<0`.
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping, NamedTuple
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
+
+if TYPE_CHECKING:
+    from .table import ActionTable
 
 
 class ScheduleError(ValueError):
@@ -154,20 +159,77 @@ class Read(str, Enum):
 
     LATEST = "latest"  # the stage's weights as they are when the action runs
     STASHED = "stashed"  # the version its micro-batch's forward read (weight stashing)
+    PREVIOUS = "previous"  # double buffering: every op of mini-batch b reads version b - 1 (PipeDream-2BW)
+    BELLWETHER = "bellwether"  # the version its mini-batch's first forward read on this stage (XPipe)
+
+
+_FORMULA_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Name, ast.Constant, ast.Load, ast.Add, ast.Sub,
+                  ast.Mult, ast.FloorDiv, ast.USub)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The op runs on weights predicted `s` updates ahead (XPipe, SpecTrain, PipeOptim).
+
+    `formula` is the paper's closed form for s in p (stages), k (stage) and m (micro-batches), such as
+    "k//2 + p-k-1"; None means s is counted from the order: the updates between the op's weight read and
+    the update that consumes its gradient. `published` is a paper's form reported beside a counted s.
+    """
+
+    formula: str | None = None
+    published: str | None = None
+
+    def __post_init__(self) -> None:
+        for text in (self.formula, self.published):
+            if text is not None:
+                _check_formula(text)
+
+    def distance(self, p: int, k: int, m: int, counted: int) -> int:
+        return counted if self.formula is None else evaluate_formula(self.formula, p, k, m)
+
+
+def _check_formula(text: str) -> ast.Expression:
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        tree = None
+    if tree is None or not all(isinstance(node, _FORMULA_NODES) for node in ast.walk(tree)) or any(
+        isinstance(node, ast.Name) and node.id not in ("p", "k", "m") for node in ast.walk(tree)
+    ) or any(isinstance(node, ast.Constant) and type(node.value) is not int for node in ast.walk(tree)):
+        raise ScheduleError(f"prediction formula {text!r}: use integers, p, k, m, + - * // and parentheses")
+    return tree
+
+
+def evaluate_formula(text: str, p: int, k: int, m: int) -> int:
+    """The value of a prediction formula (checked to hold only integer arithmetic on p, k and m)."""
+    code = compile(_check_formula(text), "<formula>", "eval")
+    return int(eval(code, {"__builtins__": {}}, {"p": p, "k": k, "m": m}))
 
 
 @dataclass(frozen=True)
 class WeightPolicy:
     """A method's weight semantics as data; `schedules.analysis.weight_versions` interprets it.
 
-    `predict_forward` / `predict_backward`: the action runs on weights predicted over the number of
-    updates between its read and the update that consumes its gradient (XPipe, SpecTrain, PipeOptim).
+    `forward` / `backward`: which version F and the backward parts read. `predict_forward` /
+    `predict_backward`: how far ahead the weights those ops run on are predicted, if at all.
+    `extra_copies`: weight copies held besides the versions in use (the buffer predicted weights are
+    written to; AvgPipe's reference model).
     """
 
     forward: Read = Read.LATEST
     backward: Read = Read.LATEST
-    predict_forward: bool = False
-    predict_backward: bool = False
+    predict_forward: Prediction | None = None
+    predict_backward: Prediction | None = None
+    extra_copies: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        """Plain data for trace metadata."""
+        def prediction(p: Prediction | None) -> dict[str, str | None] | None:
+            return None if p is None else {"formula": p.formula, "published": p.published}
+
+        return {"forward": self.forward.value, "backward": self.backward.value,
+                "predict_forward": prediction(self.predict_forward),
+                "predict_backward": prediction(self.predict_backward), "extra_copies": self.extra_copies}
 
 
 SYNCHRONOUS = WeightPolicy()
@@ -207,6 +269,13 @@ class Schedule:
     @property
     def num_stages(self) -> int:
         return self.graph.num_stages
+
+    @cached_property
+    def table(self) -> ActionTable:
+        """The actions as columns, built once; checks and lowering share it."""
+        from .table import ActionTable
+
+        return ActionTable.of(self)
 
     def stages_on(self, device: int) -> list[int]:
         return [s for s, d in enumerate(self.placement) if d == device]

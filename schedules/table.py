@@ -14,6 +14,13 @@ NUM_COMPUTE_KINDS = 7  # F, B, I, W, OPT, PRED, AVG come first in Kind
 assert all(k.value.startswith(("SEND", "RECV")) for k in KINDS[NUM_COMPUTE_KINDS:])
 
 
+def kind_mask(kind: np.ndarray, *kinds: Kind) -> np.ndarray:
+    """Rows whose kind code is one of `kinds` (a table lookup: np.isin sorts, this does not)."""
+    wanted = np.zeros(len(KINDS), dtype=bool)
+    wanted[[KIND_CODE[k] for k in kinds]] = True
+    return wanted[kind]
+
+
 @dataclass(frozen=True)
 class ActionTable:
     """Every action of a schedule, row i = the i-th action in device order (device 0's first)."""
@@ -28,14 +35,13 @@ class ActionTable:
 
     @classmethod
     def of(cls, schedule: Schedule) -> ActionTable:
-        rows = [a for order in schedule.orders for a in order]
         device = np.repeat(np.arange(schedule.num_devices), [len(o) for o in schedule.orders])
-        if not rows:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls(device, empty, empty, empty, empty, empty, empty)
-        kinds, *fields = zip(*rows)
-        kind = np.fromiter(map(KIND_CODE.__getitem__, kinds), dtype=np.int64, count=len(rows))
-        return cls(device, kind, *(np.asarray(f, dtype=np.int64) for f in fields))
+        kinds, numbers = [np.zeros(0, dtype=np.int64)], [np.zeros((5, 0), dtype=np.int64)]
+        for order in filter(None, schedule.orders):  # per device: one 2-D conversion is cheapest
+            kind, *fields = zip(*order)
+            kinds.append(np.fromiter(map(KIND_CODE.__getitem__, kind), dtype=np.int64, count=len(order)))
+            numbers.append(np.array(fields, dtype=np.int64))
+        return cls(device, np.concatenate(kinds), *np.concatenate(numbers, axis=1))
 
     def unit_index(self, schedule: Schedule) -> np.ndarray:
         """Row -> index of its (stage, micro-batch, mini-batch, pipeline); meaningful where microbatch >= 0."""

@@ -25,6 +25,7 @@ from ..schedules import (
     Schedule,
     ScheduleError,
     communication_table,
+    kind_mask,
     check_complete,
     local_order_ok,
     validate,
@@ -46,14 +47,15 @@ class _Program:
     """The lowered schedule as flat arrays, one row per op (its gid), and one step list per device."""
 
     table: ActionTable
-    steps: list[list[tuple[int, int, float, int]]]  # per device: (gid, code, duration_ms, transfer id)
+    steps: list[tuple[list[int], list[float], list[int]]]  # per device, its rows in order: code, ms, transfer id
     code: np.ndarray
     duration_ms: np.ndarray
     transfer: np.ndarray
     version: np.ndarray
     prediction: np.ndarray
     transfer_ms: list[float]
-    routes: list[tuple[int, ...]]
+    routes: list[tuple[int, ...]]  # distinct routes (resource ids a transfer occupies)
+    transfer_route: list[int]  # per transfer id: its index in `routes`
     num_resources: int
     mem_at_start: np.ndarray
     mem_at_end: np.ndarray
@@ -63,10 +65,9 @@ class _Program:
     static_bytes: list[int]
 
 
-def _scatter(per_device: tuple[tuple[int, ...], ...], origin: np.ndarray, fill: int) -> np.ndarray:
+def _scatter(values: np.ndarray, origin: np.ndarray, fill: int) -> np.ndarray:
     """Spread per-action values of the schedule onto the lowered rows (inserted transfers get `fill`)."""
-    flat = np.concatenate([np.asarray(row, dtype=np.int64) for row in per_device] or [np.zeros(0, np.int64)])
-    return np.where(origin >= 0, flat[np.maximum(origin, 0)], fill)
+    return np.where(origin >= 0, values[np.maximum(origin, 0)], fill)
 
 
 def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, seed: int) -> _Program:
@@ -77,7 +78,7 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
     stages = costs.stages
     kind, stage = t.kind, t.stage
     code = np.where(kind < NUM_COMPUTE_KINDS, _COMPUTE,
-                    np.where(np.isin(kind, [KIND_CODE[Kind.SEND_F], KIND_CODE[Kind.SEND_B]]), _SEND, _RECV))
+                    np.where(kind_mask(kind, Kind.SEND_F, Kind.SEND_B), _SEND, _RECV))
     compute = code == _COMPUTE
 
     op_ms = np.array([[costs.op_ms(k.value, s) for s in range(schedule.num_stages)]
@@ -104,10 +105,11 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
     rows = np.flatnonzero(~compute)
     transfer_ms: list[float] = []
     routes: list[tuple[int, ...]] = []
+    transfer_route: list[int] = []
     resources: dict[str, int] = {}
     if len(rows):
         sending = code[rows] == _SEND
-        forward = np.isin(kind[rows], [KIND_CODE[Kind.SEND_F], KIND_CODE[Kind.RECV_F]])
+        forward = kind_mask(kind[rows], Kind.SEND_F, Kind.RECV_F)
         sender = np.where(sending, stage[rows], t.peer[rows])
         receiver = np.where(sending, t.peer[rows], stage[rows])
         p, m = schedule.num_stages, schedule.microbatches
@@ -119,15 +121,18 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
         nbytes = np.where(forward, output[sender], output[receiver])[first]
         placement = np.asarray(schedule.placement)
         src, dst = placement[sender[first]], placement[receiver[first]]
-        cache: dict[tuple[int, int, int], tuple[float, tuple[int, ...]]] = {}
-        for a, b, size in zip(src.tolist(), dst.tolist(), nbytes.tolist()):
-            entry = cache.get((a, b, size))
-            if entry is None:
-                link = cluster.link(a, b)
-                route = () if link.resource is None else (resources.setdefault(link.resource, len(resources)),)
-                entry = cache[(a, b, size)] = (link.transfer_ms(size), route)
-            transfer_ms.append(entry[0])
-            routes.append(entry[1])
+        sizes, size_of = np.unique(nbytes, return_inverse=True)
+        key = (src * schedule.num_devices + dst) * len(sizes) + size_of.ravel()
+        _, combo_first, combo_of = np.unique(key, return_index=True, return_inverse=True)
+        combo_ms, combo_route = [], []
+        for a, b, size in zip(src[combo_first].tolist(), dst[combo_first].tolist(), nbytes[combo_first].tolist()):
+            link = cluster.link(a, b)
+            combo_ms.append(link.transfer_ms(size))
+            combo_route.append(() if link.resource is None else (resources.setdefault(link.resource, len(resources)),))
+        combo_of = combo_of.ravel()
+        transfer_ms = np.asarray(combo_ms)[combo_of].tolist()
+        transfer_route = combo_of.tolist()
+        routes = combo_route
         row_bytes = nbytes[ids.ravel()]
         mem_at_start[rows] = row_bytes  # a SEND holds its buffer until the transfer ends,
         mem_at_end[rows] = np.where(sending, -row_bytes, 0)
@@ -136,23 +141,24 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
         np.add.at(mem_at_end, consumer, -row_bytes[~sending])
 
     steps = []
-    gids = np.arange(n)
     bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
     for d in range(schedule.num_devices):
         lo, hi = bounds[d], bounds[d + 1]
-        steps.append(list(zip(gids[lo:hi].tolist(), code[lo:hi].tolist(), duration[lo:hi].tolist(),
-                              transfer[lo:hi].tolist())))
+        steps.append((code[lo:hi].tolist(), duration[lo:hi].tolist(), transfer[lo:hi].tolist()))
     static = []
     for device in range(schedule.num_devices):
-        per_replica = sum(2 * stages[s].param_bytes + stages[s].optimizer_state_bytes
-                          for s in schedule.stages_on(device))  # weights, gradients, optimizer state
-        static.append(per_replica * schedule.pipelines)
+        mine = [stages[s] for s in schedule.stages_on(device)]
+        per_replica = sum(2 * c.param_bytes + c.optimizer_state_bytes for c in mine)  # weights, grads, state
+        extra = schedule.policy.extra_copies * sum(c.param_bytes for c in mine)
+        static.append(per_replica * schedule.pipelines + extra)
     # A transfer keeps the weight-copy level of the compute op before it on its device (1 before any).
     last_compute = np.maximum.accumulate(np.where(origin >= 0, np.arange(n), 0))
-    held = np.where(t.device[last_compute] == t.device, _scatter(versions.held_after, origin, 1)[last_compute], 1)
+    unused = 1 + schedule.policy.extra_copies
+    held = _scatter(versions.held_after, origin, unused)[last_compute]
+    held = np.where(t.device[last_compute] == t.device, held, unused)
     return _Program(t, steps, code, duration, transfer, _scatter(versions.read, origin, -1),
-                    _scatter(versions.prediction, origin, -1), transfer_ms, routes, len(resources), mem_at_start,
-                    mem_at_end, act_at_start, act_at_end, held, static)
+                    _scatter(versions.prediction, origin, -1), transfer_ms, routes, transfer_route, len(resources),
+                    mem_at_start, mem_at_end, act_at_start, act_at_end, held, static)
 
 
 class _Model:
@@ -169,25 +175,28 @@ class _Model:
         self.env = simpy.Environment()
         self.program = program
         self.overlap_comm = overlap_comm
-        n_ops, n_transfers = len(program.code), len(program.transfer_ms)
-        self.start = [0.0] * n_ops  # compute: op start; SEND: when issued; RECV: when the wait began
+        n_transfers = len(program.transfer_ms)
+        # Per device, per row: compute: op start; SEND: when issued; RECV: when the wait began.
+        self.starts: list[list[float]] = [[] for _ in program.steps]
         self.transfer_start = [0.0] * n_transfers
         self.arrival: list[float | None] = [None] * n_transfers
         self.waiting: dict[int, simpy.Event] = {}
         self.free_at = [0.0] * program.num_resources
         self.finished = 0
 
-    def device(self, steps: list[tuple[int, int, float, int]]):
+    def device(self, steps: tuple[list[int], list[float], list[int]], starts: list[float]):
         env = self.env
-        start, arrival, waiting, free_at = self.start, self.arrival, self.waiting, self.free_at
+        arrival, waiting, free_at = self.arrival, self.waiting, self.free_at
+        issue = starts.append
         routes, transfer_ms, overlap = self.program.routes, self.program.transfer_ms, self.overlap_comm
+        transfer_route = self.program.transfer_route
         clock = 0.0
-        for gid, code, duration, xid in steps:
-            start[gid] = clock
+        for code, duration, xid in zip(*steps):
+            issue(clock)
             if code == _COMPUTE:
                 clock += duration
             elif code == _SEND:
-                route = routes[xid]
+                route = routes[transfer_route[xid]]
                 begin = clock
                 if route:
                     if clock > env.now:
@@ -216,8 +225,8 @@ class _Model:
         self.finished += 1
 
     def run(self) -> None:
-        for steps in self.program.steps:
-            self.env.process(self.device(steps))
+        for steps, starts in zip(self.program.steps, self.starts):
+            self.env.process(self.device(steps, starts))
         self.env.run()
 
 
@@ -252,7 +261,7 @@ def _trace(schedule: Schedule, costs: Costs, cluster: Cluster, program: _Program
            seed: int) -> Trace:
     code, xid, t = program.code, program.transfer, program.table
     is_transfer = code != _COMPUTE
-    issued_ms = np.asarray(model.start)
+    issued_ms = np.concatenate([np.asarray(s, dtype=np.float64) for s in model.starts])
     start_ms = issued_ms.copy()
     end_ms = issued_ms + program.duration_ms
     if len(model.arrival):
@@ -283,9 +292,7 @@ def _trace(schedule: Schedule, costs: Costs, cluster: Cluster, program: _Program
         "microbatch_size": costs.microbatch_size,
         "placement": list(schedule.placement),
         "stage_edges": [list(e) for e in schedule.graph.edges],
-        "policy": {"forward": schedule.policy.forward.value, "backward": schedule.policy.backward.value,
-                   "predict_forward": schedule.policy.predict_forward,
-                   "predict_backward": schedule.policy.predict_backward},
+        "policy": schedule.policy.describe(),
         "costs": [dict(vars(c)) for c in costs.stages],
         "cluster": cluster.describe(),
         "jitter": jitter,
@@ -296,21 +303,19 @@ def _trace(schedule: Schedule, costs: Costs, cluster: Cluster, program: _Program
 
 def _step_counters(device, first_ms, second_ms, first_delta, second_delta, initial, num_devices) -> list[Counter]:
     """Per device, the running total of deltas applied at two event times per op, in time order
-    (ties keep program order, so an op's end counts before the next op's start)."""
-    n = len(device)
-    times = np.concatenate([first_ms, second_ms])
-    deltas = np.concatenate([first_delta, second_delta])
-    devices = np.concatenate([device, device])
-    sequence = np.concatenate([np.arange(n) * 2, np.arange(n) * 2 + 1])
+    (ties keep program order, so an op's end counts before the next op's start). Rows come grouped
+    by device, in program order."""
+    times = np.stack([first_ms, second_ms], axis=1).ravel()  # program order: op i's two events at 2i, 2i+1
+    deltas = np.stack([first_delta, second_delta], axis=1).ravel()
+    devices = np.repeat(device, 2)
     keep = deltas != 0
-    times, deltas, devices, sequence = times[keep], deltas[keep], devices[keep], sequence[keep]
-    order = np.lexsort((sequence, times, devices))
-    times, deltas, devices = times[order], deltas[order], devices[order]
+    times, deltas, devices = times[keep], deltas[keep], devices[keep]
     out = []
     for d in range(num_devices):
         lo, hi = np.searchsorted(devices, [d, d + 1])
-        values = initial[d] + np.cumsum(deltas[lo:hi])
-        out.append(Counter(np.concatenate([[0.0], times[lo:hi] * 1e3]),
+        order = np.argsort(times[lo:hi], kind="stable")
+        values = initial[d] + np.cumsum(deltas[lo:hi][order])
+        out.append(Counter(np.concatenate([[0.0], times[lo:hi][order] * 1e3]),
                            np.concatenate([[initial[d]], values]).astype(np.int64)))
     return out
 

@@ -85,13 +85,14 @@ def summarize(trace: Trace) -> Summary:
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
     compute = ops.stream == _COMPUTE
 
+    by_device = np.argsort(ops.device, kind="stable")  # simulated traces are grouped already: cheap
+    bounds = np.searchsorted(ops.device[by_device], np.arange(trace.num_devices + 1))
     devices = []
     busy_total_us = 0.0
     exposed_total_us = 0.0
     for d in range(trace.num_devices):
-        mine = ops.device == d
-        busy = mine & compute
-        comm = mine & ~compute
+        mine = by_device[bounds[d]:bounds[d + 1]]
+        busy, comm = mine[compute[mine]], mine[~compute[mine]]
         busy_us = float(ops.dur_us[busy].sum())
         exposed_us = _exposed(ops.start_us[comm], ends_us[comm], ops.start_us[busy], ends_us[busy])
         busy_total_us += busy_us
@@ -112,27 +113,31 @@ def summarize(trace: Trace) -> Summary:
     per_minibatch_us = (done_us[-1] - done_us[0]) / (minibatches - 1) if minibatches > 1 else makespan_us
     samples = trace.meta.get("microbatches", 1) * trace.meta.get("microbatch_size", 1)
 
-    stages = []
     f_code, weight_kinds = trace.kind_code("F"), [trace.kind_code(k) for k in ("B", "I", "W")]
     staleness = ops.minibatch - ops.version
     num_stages = int(ops.stage[compute].max()) + 1 if compute.any() else 0
-    for s in range(num_stages):
-        of_stage = compute & (ops.stage == s) & (ops.version >= 0)
-        fwd = of_stage & (ops.kind == f_code)
-        bwd = of_stage & np.isin(ops.kind, weight_kinds)
+    read = compute & (ops.version >= 0)
+    fwd = read & (ops.kind == f_code)
+    bwd = read & np.isin(ops.kind, weight_kinds)
 
-        def distance(mask: np.ndarray) -> int | None:
-            predicted = ops.prediction[mask]
-            predicted = predicted[predicted >= 0]
-            return int(predicted.max()) if len(predicted) else None
+    def per_stage_max(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Largest value per stage over `mask`, -1 for a stage with none."""
+        out = np.full(num_stages, -1, dtype=np.int64)
+        np.maximum.at(out, ops.stage[mask], values[mask])
+        return out
 
-        stages.append(StageMetrics(
-            stage=s,
-            forward_staleness=int(staleness[fwd].max()) if fwd.any() else 0,
-            backward_staleness=int(staleness[bwd].max()) if bwd.any() else 0,
-            prediction_distance=distance(fwd),
-            backward_prediction_distance=distance(bwd),
-        ))
+    lag_f, lag_b = per_stage_max(fwd, staleness), per_stage_max(bwd, staleness)
+    s_f, s_b = per_stage_max(fwd, ops.prediction), per_stage_max(bwd, ops.prediction)
+    stages = [
+        StageMetrics(
+            stage=k,
+            forward_staleness=max(int(lag_f[k]), 0),
+            backward_staleness=max(int(lag_b[k]), 0),
+            prediction_distance=int(s_f[k]) if s_f[k] >= 0 else None,
+            backward_prediction_distance=int(s_b[k]) if s_b[k] >= 0 else None,
+        )
+        for k in range(num_stages)
+    ]
 
     return Summary(
         schedule=str(trace.meta.get("schedule", "?")),
