@@ -249,17 +249,19 @@ def weight_versions(schedule: Schedule) -> Versions:
     consuming[t.step_index(schedule)[is_opt]] = current[is_opt]
 
     unit = t.unit_index(schedule)
-    forward_read = np.zeros(p * m * schedule.minibatches * r, dtype=np.int64)
-    forward_read[unit[is_f]] = current[is_f]
     first_forward = unit - t.microbatch * schedule.minibatches * r  # micro-batch 0 of the row's mini-batch
+    opens_backward = kind_mask(t.kind, Kind.B, Kind.I)
+    backward_read = np.zeros(p * m * schedule.minibatches * r, dtype=np.int64)
+    backward_read[unit[opens_backward]] = current[opens_backward]
 
-    def read_rule(rule: Read, mask: np.ndarray) -> np.ndarray:
+    def read_rule(rule: Read, mask: np.ndarray, first_read: np.ndarray) -> np.ndarray:
+        """Versions `mask`'s rows read; `first_read` holds, per unit, what its first op of this side read."""
         if rule is Read.LATEST:
             return current
         if rule is Read.STASHED:
             return forward_read[np.where(mask, unit, 0)]
         if rule is Read.BELLWETHER:
-            return forward_read[np.where(mask, first_forward, 0)]
+            return first_read[np.where(mask, first_forward, 0)]
         wanted = np.maximum(t.minibatch - 1, 0)  # Read.PREVIOUS
         early = mask & (wanted > current)
         if early.any():
@@ -270,9 +272,12 @@ def weight_versions(schedule: Schedule) -> Versions:
 
     if policy.forward is Read.STASHED:
         raise ScheduleError("a forward cannot read a stashed version: it is what stashes one")
-    forward_version = read_rule(policy.forward, is_f)
+    forward_read = np.zeros(p * m * schedule.minibatches * r, dtype=np.int64)
+    forward_read[unit[is_f]] = current[is_f]
+    forward_version = read_rule(policy.forward, is_f, forward_read)
     forward_read[unit[is_f]] = forward_version[is_f]
-    read = np.where(is_f, forward_version, np.where(backward, read_rule(policy.backward, backward), current))
+    backward_version = read_rule(policy.backward, backward, backward_read)
+    read = np.where(is_f, forward_version, np.where(backward, backward_version, current))
     read = np.where(is_opt | (t.kind >= NUM_COMPUTE_KINDS), -1, read)
 
     prediction = np.full(n, -1, dtype=np.int64)
@@ -286,9 +291,10 @@ def weight_versions(schedule: Schedule) -> Versions:
                 prediction[mask] = per_stage[t.stage[mask]]
 
     # Version v of a replica is held beside the current one from the update that supersedes it (the
-    # update with ordinal v) until its last read.
+    # update with ordinal v) until its last read. Ops on predicted weights read the prediction buffer
+    # (one of the policy's extra copies), not v itself.
     versions = int(current.max()) + 2 if n else 1
-    reads = read >= 0
+    reads = (read >= 0) & (prediction < 0)
     last_read = np.full(p * r * versions, -1, dtype=np.int64)
     np.maximum.at(last_read, replica[reads] * versions + read[reads], rows[reads])
     superseded = np.full(p * r * versions, n, dtype=np.int64)

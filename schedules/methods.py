@@ -7,8 +7,8 @@ The registry of all methods is `catalogue.METHODS`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 
 from .ir import SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
 
@@ -17,25 +17,45 @@ Unit = tuple[int, int]  # (micro-batch, mini-batch)
 
 @dataclass(frozen=True)
 class ScheduleParams:
-    """What a schedule is built for: p (`stages`), m, N, v (`chunks`) and P (`pipelines`)."""
+    """What a schedule is built for: p (`stages`), m, N, v (`chunks`), P (`pipelines`), and AvgPipe's
+    advance forwards (None: its own rule), averaging period (mini-batches) and elastic coefficient
+    (None: 0.9 / P)."""
 
     stages: int
     microbatches: int
     minibatches: int = 1
     chunks: int = 1
     pipelines: int = 1
+    advance: int | None = None
+    average_every: int = 1
+    elastic_alpha: float | None = None
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
+        for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every"):
+            value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"{name} must be a whole number >= 1 (got {value!r})")
+        if self.advance is not None and (not isinstance(self.advance, int) or self.advance < 0):
+            raise ScheduleError(f"advance must be a whole number >= 0 (got {self.advance!r})")
+        if self.elastic_alpha is not None and not 0 < self.elastic_alpha <= 1:
+            raise ScheduleError(f"elastic_alpha must be in (0, 1] (got {self.elastic_alpha!r})")
+
+    @property
+    def alpha(self) -> float:
+        """EASGD's coefficient: each replica moves alpha of the way to the reference, which takes alpha of
+        every replica's difference (beta = 0.9 shared by the P replicas unless given)."""
+        return self.elastic_alpha if self.elastic_alpha is not None else 0.9 / self.pipelines
 
 
 @dataclass(frozen=True)
 class Method:
+    """A method by its command-line name; `defaults` are parameters it uses unless the user sets them
+    (the V schedules need two chunks, AvgPipe runs two pipelines)."""
+
     name: str
     summary: str
     build: Callable[[ScheduleParams], Schedule]
+    defaults: Mapping[str, int] = field(default_factory=dict)
 
 
 def require_plain(method: str, params: ScheduleParams) -> None:

@@ -84,13 +84,18 @@ class Costs:
         bwd_ms: float | Sequence[float],
         wgrad_fraction: float = 0.5,
         opt_ms: float = 0.0,
+        pred_ms: float | None = None,
+        avg_ms: float | None = None,
         param_mb: float | Sequence[float] = 0.0,
         activation_mb: float | Sequence[float] = 0.0,
         output_mb: float | Sequence[float] = 0.0,
         optimizer: str = "adam",
         microbatch_size: int = 1,
     ) -> Costs:
-        """Costs from what-if numbers: each either one value for every stage or one value per stage."""
+        """Costs from what-if numbers: each either one value for every stage or one value per stage.
+
+        A weight prediction (PRED) and an elastic averaging step (AVG) read and write a stage's weights and
+        optimizer state as an update does, so they cost `opt_ms` unless given."""
         if optimizer not in OPTIMIZER_STATE_FACTOR:
             raise CostError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
         if not isinstance(microbatch_size, int) or microbatch_size < 1:
@@ -109,6 +114,8 @@ class Costs:
                 bwd_ms=values["bwd_ms"][k],
                 wgrad_fraction=wgrad_fraction,
                 opt_ms=opt_ms,
+                pred_ms=opt_ms if pred_ms is None else pred_ms,
+                avg_ms=opt_ms if avg_ms is None else avg_ms,
                 param_bytes=param_bytes,
                 activation_bytes=_bytes(values["activation_mb"][k]),
                 output_bytes=_bytes(values["output_mb"][k]),

@@ -111,7 +111,7 @@ def summarize(trace: Trace) -> Summary:
     done_us = np.full(minibatches, -np.inf)
     np.maximum.at(done_us, ops.minibatch[compute], ends_us[compute])
     per_minibatch_us = (done_us[-1] - done_us[0]) / (minibatches - 1) if minibatches > 1 else makespan_us
-    samples = trace.meta.get("microbatches", 1) * trace.meta.get("microbatch_size", 1)
+    samples = trace.meta.get("microbatches", 1) * trace.meta.get("microbatch_size", 1) * trace.meta.get("pipelines", 1)
 
     f_code, weight_kinds = trace.kind_code("F"), [trace.kind_code(k) for k in ("B", "I", "W")]
     staleness = ops.minibatch - ops.version

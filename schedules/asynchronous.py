@@ -1,0 +1,131 @@
+"""Methods that trade staleness for throughput, and AvgPipe's parallel pipelines.
+
+PipeDream-2BW, SpecTrain, PipeOptim and XPipe all run PipeDream's order (1F1B across mini-batches, no
+flush, an update after each mini-batch's last backward); they differ only in which weights each op
+reads, which is their `WeightPolicy`, and in the PRED actions that compute predicted weights.
+Distances s are in updates of the stage's weights; see `ir.Prediction`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from .ir import Action, Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
+from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward, require_plain
+
+# PipeDream-2BW: double buffering; every op of mini-batch b reads W(b-1) (Narayanan et al. 2021).
+TWO_BW_POLICY = WeightPolicy(forward=Read.PREVIOUS, backward=Read.PREVIOUS)
+# SpecTrain (Chen et al. 2019): predict before F and before B, restore after; s from the paper, which its
+# code (ntueclab/SpecTrain-PyTorch, v1) also uses. One saved copy to restore from.
+SPECTRAIN_POLICY = WeightPolicy(
+    predict_forward=Prediction(formula="k//2 + p-k-1"), predict_backward=Prediction(formula="k//2"), extra_copies=1
+)
+# PipeOptim (Guan et al.): predict before every F with s = p-k-1 (paper); its code uses p-k. The backward
+# runs on the current weights, nothing is stashed; one copy holds the weights the prediction replaced.
+PIPEOPTIM_POLICY = WeightPolicy(predict_forward=Prediction(formula="p-k-1", published="p-k"), extra_copies=1)
+# XPipe (Guan et al. 2019): the bellwether (a mini-batch's first micro-batch) predicts with Adam's
+# moments, in F and in B, and the mini-batch's other micro-batches reuse its predicted weights. s is
+# counted; the paper's closed forms, round((p+m-k/2-2)/m) and round((m+floor(k/2)-1)/m), are reported.
+XPIPE_POLICY = WeightPolicy(
+    forward=Read.BELLWETHER,
+    backward=Read.BELLWETHER,
+    predict_forward=Prediction(published="(2*p + 3*m - k - 4)//(2*m)"),
+    predict_backward=Prediction(published="(3*m + 2*(k//2) - 2)//(2*m)"),
+    extra_copies=1,
+)
+# AvgPipe (Zhang et al. 2023): each pipeline is synchronous; the reference model is an extra copy.
+AVGPIPE_POLICY = WeightPolicy(extra_copies=1)
+
+
+def _asynchronous(
+    name: str, params: ScheduleParams, policy: WeightPolicy, predicts: Callable[[Kind, int], bool]
+) -> Schedule:
+    """PipeDream's order with a PRED before every op `predicts(kind, micro-batch)` selects."""
+    require_plain(name, params)
+    p, m = params.stages, params.microbatches
+    units = [(j, b) for b in range(params.minibatches) for j in range(m)]
+    orders = []
+    for k in range(p):
+        order: list[Action] = []
+        for kind, (j, b) in one_forward_one_backward(units, p - k - 1):
+            if predicts(kind, j):
+                order.append(Action(Kind.PRED, k, j, b))
+            order.append(Action(kind, k, j, b))
+            if kind is Kind.B and j == m - 1:
+                order.append(Action(Kind.OPT, k, -1, b))
+        orders.append(order)
+    return make_schedule(name, params, orders, policy)
+
+
+def pipedream_2bw(params: ScheduleParams) -> Schedule:
+    """PipeDream's order with two weight buffers: staleness 1 everywhere, two versions held."""
+    if params.microbatches < params.stages - 1:
+        raise ScheduleError(
+            f"pipedream-2bw needs m >= p-1 micro-batches per mini-batch (got m={params.microbatches}, "
+            f"p={params.stages}): otherwise the input stage starts mini-batch b before W(b-1) exists"
+        )
+    return _asynchronous("pipedream-2bw", params, TWO_BW_POLICY, lambda kind, j: False)
+
+
+def spectrain(params: ScheduleParams) -> Schedule:
+    return _asynchronous("spectrain", params, SPECTRAIN_POLICY, lambda kind, j: True)
+
+
+def pipeoptim(params: ScheduleParams) -> Schedule:
+    return _asynchronous("pipeoptim", params, PIPEOPTIM_POLICY, lambda kind, j: kind is Kind.F)
+
+
+def xpipe(params: ScheduleParams) -> Schedule:
+    return _asynchronous("xpipe", params, XPIPE_POLICY, lambda kind, j: j == 0)
+
+
+def _round_robin(sequences: Sequence[Sequence[Action]]) -> Iterator[Action]:
+    """One action of each sequence in turn: co-scheduled pipelines share the device fairly."""
+    for i in range(max(map(len, sequences), default=0)):
+        for seq in sequences:
+            if i < len(seq):
+                yield seq[i]
+
+
+def avgpipe(params: ScheduleParams) -> Schedule:
+    """P synchronous pipelines on the same p devices, averaged elastically every `average_every` mini-batches.
+
+    Advance forward propagation: stage k runs `advance` forwards beyond 1F1B's warm-up before its first
+    backward (capped at m): 0 is 1F1B, >= m is all forwards first; unset, AvgPipe's rule of p-k-1
+    more, so 2(p-k)-1 forwards come first. The pipelines' actions alternate on each device; after every pipeline's update of
+    an averaged mini-batch, one AVG per stage pulls the replicas and the reference model together.
+    """
+    if params.chunks != 1:
+        raise ScheduleError(f"avgpipe places one model stage per device: chunks must be 1 (got {params.chunks})")
+    p, m, copies = params.stages, params.microbatches, params.pipelines
+    orders = []
+    for k in range(p):
+        advance = p - k - 1 if params.advance is None else params.advance
+        warmup = min(m - 1, p - k - 1 + advance)
+        order: list[Action] = []
+        for b in range(params.minibatches):
+            units = [(j, b) for j in range(m)]
+            per_pipeline = [
+                [Action(kind, k, j, b, q) for kind, (j, b) in one_forward_one_backward(units, warmup)]
+                + [Action(Kind.OPT, k, -1, b, q)]
+                for q in range(copies)
+            ]
+            order += _round_robin(per_pipeline)
+            if (b + 1) % params.average_every == 0 or b == params.minibatches - 1:
+                order.append(Action(Kind.AVG, k, -1, b))
+        orders.append(order)
+    return make_schedule("avgpipe", params, orders, AVGPIPE_POLICY)
+
+
+ASYNCHRONOUS = (
+    Method("pipedream-2bw", "PipeDream-2BW: PipeDream's order with two weight buffers; staleness 1",
+           pipedream_2bw),
+    Method("spectrain", "SpecTrain: PipeDream's order; weights predicted s updates ahead for F and B",
+           spectrain),
+    Method("pipeoptim", "PipeOptim: PipeDream's order; optimizer-aware prediction for F, B on current weights",
+           pipeoptim),
+    Method("xpipe", "XPipe: micro-batched asynchronous 1F1B; bellwether predicts once per mini-batch",
+           xpipe),
+    Method("avgpipe", "AvgPipe: P synchronous pipelines co-scheduled, advance forwards, elastic averaging",
+           avgpipe, defaults={"pipelines": 2}),
+)

@@ -1,0 +1,102 @@
+"""GraphPipe (Jeon et al. 2024): pipeline stages that form a DAG, so independent branches run at once.
+
+Each stage runs synchronous 1F1B whose warm-up is the longest path of stages below it (the chain's
+p-k-1 when the graph is a chain), then flushes and updates once per mini-batch. A stage DAG comes from a
+small JSON file or from the built-in two-branch model.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+from .ir import Action, Kind, Schedule, ScheduleError, StageGraph
+from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward
+
+
+def two_branch_graph(stages: int) -> StageGraph:
+    """A stem, two parallel branches of (stages-2)/2 stages (the first one longer when odd), a merging head."""
+    if stages < 4:
+        raise ScheduleError(f"graphpipe's built-in two-branch model needs stages >= 4 (got {stages})")
+    long = (stages - 1) // 2
+    first = list(range(1, 1 + long))
+    second = list(range(1 + long, stages - 1))
+    head = stages - 1
+    edges = []
+    for branch in (first, second):
+        path = [0, *branch, head]
+        edges += list(zip(path, path[1:]))
+    return StageGraph(stages, tuple(edges))
+
+
+def graph_schedule(
+    params: ScheduleParams, graph: StageGraph, placement: tuple[int, ...] | None = None, name: str = "graphpipe"
+) -> Schedule:
+    """1F1B per stage with warm-up = the longest downstream path; one stage per device (stage s on
+    device s unless `placement` says otherwise)."""
+    if params.chunks != 1 or params.pipelines != 1:
+        raise ScheduleError(f"{name} places one stage per device in one pipeline: chunks and pipelines must be 1")
+    if graph.num_stages != params.stages:
+        raise ScheduleError(f"{name}: the stage graph has {graph.num_stages} stages, stages is {params.stages}")
+
+    @cache
+    def below(s: int) -> int:
+        return max((1 + below(t) for t in graph.succs[s]), default=0)
+
+    m = params.microbatches
+    orders = []
+    for k in range(graph.num_stages):
+        order: list[Action] = []
+        for b in range(params.minibatches):
+            units = [(j, b) for j in range(m)]
+            order += [Action(kind, k, j, b) for kind, (j, b) in one_forward_one_backward(units, below(k))]
+            order.append(Action(Kind.OPT, k, -1, b))
+        orders.append(order)
+    placement = placement or tuple(range(graph.num_stages))
+    by_device = sorted(range(graph.num_stages), key=placement.__getitem__)
+    return make_schedule(name, params, [orders[s] for s in by_device], graph=graph, placement=placement)
+
+
+def graphpipe(params: ScheduleParams) -> Schedule:
+    return graph_schedule(params, two_branch_graph(params.stages))
+
+
+def load_graph(path: Path) -> tuple[StageGraph, tuple[int, ...]]:
+    """A stage DAG and its placement from JSON: {"stages": n, "edges": [[from, to], ...], "placement":
+    [device of stage 0, ...]} (placement optional: stage s on device s; one stage per device)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ScheduleError(f"graph file {path}: cannot read it ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ScheduleError(f"graph file {path}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or "stages" not in doc or set(doc) - {"stages", "edges", "placement"}:
+        raise ScheduleError(f'graph file {path}: expected an object with "stages", "edges" and optionally '
+                            '"placement"')
+    stages, edges = doc["stages"], doc.get("edges", [])
+    placement = doc.get("placement", list(range(stages)) if isinstance(stages, int) else None)
+
+    def whole(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not whole(stages) or stages < 1:
+        raise ScheduleError(f'graph file {path}: "stages" must be a whole number >= 1 (got {stages!r})')
+    if not isinstance(edges, list) or not all(isinstance(e, list) and len(e) == 2 and all(map(whole, e))
+                                              for e in edges):
+        raise ScheduleError(f'graph file {path}: "edges" must be a list of [from, to] stage pairs')
+    if not isinstance(placement, list) or len(placement) != stages or not all(map(whole, placement)):
+        raise ScheduleError(f'graph file {path}: "placement" must list a device for each of the {stages} stages')
+    if sorted(placement) != list(range(stages)):
+        raise ScheduleError(f'graph file {path}: "placement" must put each stage on its own device '
+                            f"0..{stages - 1} (got {placement})")
+    try:
+        graph = StageGraph(stages, tuple((a, b) for a, b in edges))
+    except ScheduleError as exc:
+        raise ScheduleError(f"graph file {path}: {exc}") from None
+    return graph, tuple(placement)
+
+
+GRAPH = (
+    Method("graphpipe", "GraphPipe: a DAG of stages; branches on different devices run concurrently", graphpipe),
+)

@@ -1,0 +1,223 @@
+"""Every method: complete, deadlock-free, and with the weight semantics its paper states."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipesim.schedules import (
+    METHODS,
+    Kind,
+    ScheduleError,
+    ScheduleParams,
+    StageGraph,
+    build_schedule,
+    check_complete,
+    find_deadlock,
+    weight_versions,
+)
+from pipesim.schedules.graph import graph_schedule, load_graph, two_branch_graph
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces import summarize
+
+SYNCHRONOUS = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "avgpipe", "graphpipe"}
+
+
+def simulated(schedule, fwd=1.0, bwd=2.0, **cost_kw):
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=fwd, bwd_ms=bwd, **cost_kw)
+    trace = simulate(schedule, costs, Cluster.uniform(schedule.num_devices, 0.0))
+    return trace, summarize(trace)
+
+
+def build(name, p, m, n=1, **overrides):
+    return build_schedule(name, ScheduleParams(p, m, n, **{**METHODS[name].defaults, **overrides}))
+
+
+def test_catalogue_lists_the_fourteen_methods_of_the_design():
+    assert list(METHODS) == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev",
+                             "pipedream", "pipedream-2bw", "spectrain", "pipeoptim", "xpipe", "avgpipe",
+                             "graphpipe"]
+
+
+def _unit_reads(schedule, versions, kinds):
+    """(stage, micro-batch, mini-batch, pipeline) -> version read, for actions of `kinds`."""
+    t = schedule.table
+    mask = np.isin(t.kind, [list(Kind).index(k) for k in kinds])
+    keys = zip(t.stage[mask].tolist(), t.microbatch[mask].tolist(), t.minibatch[mask].tolist(),
+               t.pipeline[mask].tolist())
+    return dict(zip(keys, versions.read[mask].tolist()))
+
+
+def _check_rule(name, schedule, versions, summary):
+    """The method's version rule, stated independently of how weight_versions computes it."""
+    p = schedule.num_stages
+    forward = _unit_reads(schedule, versions, [Kind.F])
+    backward = _unit_reads(schedule, versions, [Kind.B, Kind.I, Kind.W])
+    if name in SYNCHRONOUS:
+        assert all(v == b for (s, j, b, q), v in {**forward, **backward}.items())
+        assert summary.max_staleness == 0
+    elif name == "pipedream":
+        assert backward == forward  # weight stashing
+    elif name == "pipedream-2bw":
+        assert all(v == max(b - 1, 0) for (s, j, b, q), v in {**forward, **backward}.items())
+    elif name in ("spectrain", "pipeoptim"):
+        assert all(v == b for (s, j, b, q), v in backward.items())  # the backward sees the latest weights
+    elif name == "xpipe":
+        for (s, j, b, q), v in forward.items():
+            assert v == forward[(s, 0, b, q)]  # the bellwether's weights for every micro-batch
+        for (s, j, b, q), v in backward.items():
+            assert v == backward[(s, 0, b, q)]
+    t = schedule.table
+    predicted = versions.prediction >= 0
+    if name == "spectrain":
+        k = t.stage[predicted]
+        f = t.kind[predicted] == list(Kind).index(Kind.F)
+        assert np.array_equal(versions.prediction[predicted], np.where(f, k // 2 + p - k - 1, k // 2))
+    elif name == "pipeoptim":
+        assert np.array_equal(versions.prediction[predicted], p - 1 - t.stage[predicted])
+    elif name == "xpipe":
+        assert np.array_equal(versions.prediction[predicted], (t.minibatch - versions.read)[predicted])
+    else:
+        assert not predicted.any()
+
+
+def _configuration(name, draw):
+    """A (p, m, N) the method accepts, within p in 2..16 and m in 1..64."""
+    p = draw(st.integers(2, 16 if name not in ("zb-v", "dualpipev", "interleaved-1f1b") else 8))
+    low = {"zb-h1": p, "zb-h2": p, "zb-v": p, "dualpipev": 2 * p, "pipedream-2bw": max(p - 1, 1)}.get(name, 1)
+    m = draw(st.integers(low, max(low, 32)))
+    if name == "interleaved-1f1b":
+        m = p * draw(st.integers(1, max(1, 32 // p)))
+    if name == "graphpipe":
+        p = max(p, 4)
+    n = draw(st.integers(1, 3))
+    return p, m, n
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_every_method_is_complete_deadlock_free_and_follows_its_rule(name, data):
+    p, m, n = _configuration(name, data.draw)
+    try:
+        schedule = build(name, p, m, n)
+    except ScheduleError as exc:  # a configuration the method rejects must say why
+        assert name in str(exc) and str(exc)
+        return
+    check_complete(schedule)
+    assert find_deadlock(schedule) == {}
+    versions = weight_versions(schedule)
+    trace, summary = simulated(schedule, param_mb=8, activation_mb=1, output_mb=0.5)
+    _check_rule(name, schedule, versions, summary)
+    for counter in (*trace.counters["memory_bytes"], *trace.counters["activations"]):
+        assert counter.values.min() >= 0
+    assert all(counter.values[-1] == counter.values[0] for counter in trace.counters["activations"])
+    assert summary.bubble_fraction >= -1e-9
+
+
+def test_pipedream_2bw_staleness_one_two_versions_no_flush():
+    p, m = 4, 4
+    trace, summary = simulated(build("pipedream-2bw", p, m, 12))
+    assert [s.forward_staleness for s in summary.stages] == [1] * p
+    assert [s.backward_staleness for s in summary.stages] == [1] * p
+    assert [d.peak_weight_versions for d in summary.devices] == [2] * p
+    assert summary.time_per_minibatch_ms == pytest.approx(m * 3.0)  # no flush: every device always busy
+
+
+def test_pipedream_2bw_rejects_too_few_microbatches():
+    with pytest.raises(ScheduleError, match="m >= p-1"):
+        build("pipedream-2bw", 6, 2, 3)
+
+
+@pytest.mark.parametrize("p", [2, 4, 6])
+def test_pipeoptim_predicts_p_minus_1_minus_k_and_keeps_two_copies(p):
+    _, summary = simulated(build("pipeoptim", p, 1, 4 * p))
+    assert [s.prediction_distance for s in summary.stages] == [p - 1 - k for k in range(p)]
+    assert [s.backward_prediction_distance for s in summary.stages] == [None] * p
+    # the paper's s equals the count of updates (the forward's staleness) in PipeDream's order
+    assert [s.forward_staleness for s in summary.stages] == [p - 1 - k for k in range(p)]
+    assert [s.backward_staleness for s in summary.stages] == [0] * p
+    assert [d.peak_weight_versions for d in summary.devices] == [2] * p
+
+
+@pytest.mark.parametrize("p", [2, 4, 5])
+def test_spectrain_uses_the_published_distances(p):
+    _, summary = simulated(build("spectrain", p, 1, 4 * p))
+    assert [s.prediction_distance for s in summary.stages] == [k // 2 + p - k - 1 for k in range(p)]
+    assert [s.backward_prediction_distance for s in summary.stages] == [k // 2 for k in range(p)]
+    assert [s.forward_staleness for s in summary.stages] == [p - 1 - k for k in range(p)]  # the count
+
+
+def test_prediction_costs_time():
+    p = 4
+    _, plain = simulated(build("pipedream", p, 1, 16))
+    _, predicted = simulated(build("spectrain", p, 1, 16), opt_ms=0.25)
+    assert predicted.time_per_minibatch_ms == pytest.approx(plain.time_per_minibatch_ms + 2 * 0.25 + 0.25)
+
+
+def test_xpipe_bellwether_counts_prediction_distance():
+    p, m = 4, 2
+    schedule = build("xpipe", p, m, 8)
+    _, summary = simulated(schedule)
+    assert [s.prediction_distance for s in summary.stages] == [2, 1, 1, 0]
+    assert [s.backward_prediction_distance for s in summary.stages] == [0, 0, 0, 0]
+    assert [d.peak_weight_versions for d in summary.devices] == [2] * p
+    preds = [a for a in schedule.orders[0] if a.kind is Kind.PRED]
+    assert len(preds) == 2 * 8 and all(a.microbatch == 0 for a in preds)  # once per mini-batch, F and B
+
+
+def test_avgpipe_memory_grows_with_pipelines_and_advance_sets_warmup():
+    p, m = 4, 8
+    peaks = []
+    for copies in (1, 2, 4):
+        _, summary = simulated(build("avgpipe", p, m, 2, pipelines=copies), param_mb=16, activation_mb=2)
+        peaks.append(summary.peak_memory_mb)
+        assert summary.max_staleness == 0
+    assert peaks[0] < peaks[1] < peaks[2]
+    for advance, first_backward in ((0, [p - k for k in range(p)]), (None, [2 * (p - k) - 1 for k in range(p)]),
+                                    (2, [p - k + 2 for k in range(p)]), (m, [m] * p)):
+        schedule = build("avgpipe", p, m, 1, pipelines=1, advance=advance)
+        forwards_first = [next(i for i, a in enumerate(order) if a.kind is Kind.B) for order in schedule.orders]
+        assert forwards_first == first_backward
+    averaging = [a for a in build("avgpipe", p, m, 6, average_every=3).orders[0] if a.kind is Kind.AVG]
+    assert [a.minibatch for a in averaging] == [2, 5]
+
+
+def test_avgpipe_reference_model_is_an_extra_copy():
+    _, summary = simulated(build("avgpipe", 2, 4, 1, pipelines=2), param_mb=10, activation_mb=0,
+                           optimizer="sgd")
+    # two replicas of weights and gradients, plus the reference model's weights
+    assert summary.devices[0].peak_memory_mb == pytest.approx(2 * 2 * 10 + 10)
+
+
+def test_graphpipe_branches_beat_the_same_stages_in_a_chain():
+    params = ScheduleParams(4, 8)
+    _, dag = simulated(graph_schedule(params, two_branch_graph(4)))
+    _, chain = simulated(graph_schedule(params, StageGraph.chain(4)))
+    assert dag.makespan_ms == pytest.approx((8 + 3 - 1) * 3.0)  # depth 3: the branches overlap
+    assert chain.makespan_ms == pytest.approx((8 + 4 - 1) * 3.0)
+    assert dag.makespan_ms < chain.makespan_ms
+    assert sum(d.peak_activations for d in dag.devices) < sum(d.peak_activations for d in chain.devices)
+
+
+def test_graph_file_and_its_errors(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"stages": 3, "edges": [[0, 1], [0, 2]], "placement": [2, 0, 1]}))
+    graph, placement = load_graph(path)
+    schedule = graph_schedule(ScheduleParams(3, 4), graph, placement)
+    assert schedule.orders[2][0].stage == 0 and find_deadlock(schedule) == {}
+    for doc, message in (
+        ({"stages": 3, "edges": [[0, 1], [1, 2], [2, 0]]}, "cycle"),
+        ({"stages": 3, "edges": [[0, 1]], "placement": [0, 1]}, "placement"),
+        ({"stages": 2, "edges": [[0, 5]]}, "edge"),
+        ({"stages": 2, "edges": [[0, 1]], "placement": [0, 0]}, "its own device"),
+        ({"edges": []}, "stages"),
+    ):
+        path.write_text(json.dumps(doc))
+        with pytest.raises(ScheduleError, match=message):
+            load_graph(path)
+    path.write_text("{")
+    with pytest.raises(ScheduleError, match="not JSON"):
+        load_graph(path)
