@@ -18,6 +18,8 @@ from .ir import (
     ScheduleError,
     StageGraph,
     WeightPolicy,
+    Prediction,
+    evaluate_formula,
 )
 from .catalogue import METHODS, build_schedule
 from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward
@@ -27,6 +29,6 @@ __all__ = [
     "KIND_CODE", "KINDS", "kind_mask", "NUM_COMPUTE_KINDS", "ActionTable", "local_order_ok",
     "BACKWARD_KINDS", "COMPUTE_KINDS", "RECV_KINDS", "SEND_KINDS", "SYNCHRONOUS", "METHODS",
     "Action", "Kind", "Method", "Read", "Schedule", "ScheduleError", "ScheduleParams", "StageGraph",
-    "Versions", "WeightPolicy", "add_communication", "build_schedule", "check_complete", "find_deadlock",
+    "Versions", "WeightPolicy", "Prediction", "evaluate_formula", "add_communication", "build_schedule", "check_complete", "find_deadlock",
     "communication_table", "make_schedule", "one_forward_one_backward", "validate", "weight_versions",
 ]

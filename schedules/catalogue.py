@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from .ir import Schedule, ScheduleError
+from .asynchronous import ASYNCHRONOUS
+from .graph import GRAPH
 from .methods import BASELINES, Method, ScheduleParams
+from .rivals import RIVALS
 
-METHODS: dict[str, Method] = {method.name: method for method in (*BASELINES,)}
+_ALL = {method.name: method for method in (*BASELINES, *RIVALS, *ASYNCHRONOUS, *GRAPH)}
+# The order of DESIGN §7: synchronous methods, then asynchronous ones, then the rest.
+_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "pipedream",
+          "pipedream-2bw", "spectrain", "pipeoptim", "xpipe", "avgpipe", "graphpipe")
+METHODS: dict[str, Method] = {name: _ALL[name] for name in sorted(_ALL, key=lambda n: (_ORDER + (n,)).index(n))}
 
 
 def build_schedule(name: str, params: ScheduleParams) -> Schedule:

@@ -173,14 +173,16 @@ class Prediction:
 
     `formula` is the paper's closed form for s in p (stages), k (stage) and m (micro-batches), such as
     "k//2 + p-k-1"; None means s is counted from the order: the updates between the op's weight read and
-    the update that consumes its gradient. `published` is a paper's form reported beside a counted s.
+    the update that consumes its gradient. `other` is a form another source uses (`other_source`: the
+    paper, or the authors' code), reported beside it.
     """
 
     formula: str | None = None
-    published: str | None = None
+    other: str | None = None
+    other_source: str = "paper"
 
     def __post_init__(self) -> None:
-        for text in (self.formula, self.published):
+        for text in (self.formula, self.other):
             if text is not None:
                 _check_formula(text)
 
@@ -225,7 +227,7 @@ class WeightPolicy:
     def describe(self) -> dict[str, Any]:
         """Plain data for trace metadata."""
         def prediction(p: Prediction | None) -> dict[str, str | None] | None:
-            return None if p is None else {"formula": p.formula, "published": p.published}
+            return None if p is None else {"formula": p.formula, "other": p.other, "other_source": p.other_source}
 
         return {"forward": self.forward.value, "backward": self.backward.value,
                 "predict_forward": prediction(self.predict_forward),

@@ -15,6 +15,7 @@ from pipesim.schedules import (
     StageGraph,
     build_schedule,
     check_complete,
+    evaluate_formula,
     find_deadlock,
     weight_versions,
 )
@@ -164,6 +165,9 @@ def test_xpipe_bellwether_counts_prediction_distance():
     assert [s.prediction_distance for s in summary.stages] == [2, 1, 1, 0]
     assert [s.backward_prediction_distance for s in summary.stages] == [0, 0, 0, 0]
     assert [d.peak_weight_versions for d in summary.devices] == [2] * p
+    paper_forward, paper_backward = schedule.policy.predict_forward.other, schedule.policy.predict_backward.other
+    assert [evaluate_formula(paper_forward, p, k, m) for k in range(p)] == [2, 2, 2, 1]  # reported, not used
+    assert [evaluate_formula(paper_backward, p, k, m) for k in range(p)] == [1, 1, 1, 1]
     preds = [a for a in schedule.orders[0] if a.kind is Kind.PRED]
     assert len(preds) == 2 * 8 and all(a.microbatch == 0 for a in preds)  # once per mini-batch, F and B
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from pipesim.cli import main
+from pipesim.schedules import METHODS
 
 
 def pipesim(capsys, *args):
@@ -45,8 +46,8 @@ def test_no_arguments_runs_the_built_in_example(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, _ = pipesim(capsys, "simulate")
     assert code == 0
-    for name in ("gpipe", "1f1b", "pipedream"):
-        assert name in out
+    for name in METHODS:  # the seeds' methods and their rivals in one table
+        assert f"\n {name} " in out
     assert (tmp_path / "pipesim-example.html").exists()
 
 
@@ -73,6 +74,13 @@ def test_schedules_lists_methods(capsys):
     (["--html", "/no/such/dir/x.html"], "--html: cannot write"),
     (["--trace", "/no/such/dir/x.json"], "--trace: cannot write"),
     (["--frobnicate"], "No such option"),
+    (["-s", "interleaved-1f1b", "-m", "6"], "multiple of stages"),
+    (["-s", "zb-v", "--chunks", "3"], "chunks must be 2"),
+    (["-s", "1f1b", "--pipelines", "2"], "pipelines must be 1"),
+    (["-s", "1f1b", "--advance", "2"], "--advance applies to avgpipe only"),
+    (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
+    (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: graph file /no/such/graph.json: cannot read"),
+    (["-s", "pipedream-2bw", "-p", "8", "-m", "4"], "m >= p-1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
     code, out, err = pipesim(capsys, "simulate", *args)
@@ -103,3 +111,28 @@ def test_console_script_starts_without_torch():
              "try:\n    main(['simulate', '-s', '1f1b', '--json'])\nexcept SystemExit:\n    pass\n"
              "assert 'torch' not in sys.modules and 'plotly' not in sys.modules, 'heavy import at start-up'")
     subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+
+
+def test_method_defaults_and_avgpipe_options(capsys):
+    code, out, _ = pipesim(capsys, "simulate", "-s", "zb-v", "-s", "avgpipe", "-s", "1f1b", "--json")
+    assert code == 0
+    zbv, avg, plain = json.loads(out)["results"]
+    assert len(zbv["stages"]) == 8  # two chunks per device by default
+    assert max(d["peak_weight_versions"] for d in avg["devices"]) == 2  # the reference model
+    code, out, _ = pipesim(capsys, "simulate", "-s", "avgpipe", "--pipelines", "3", "--advance", "0", "--json")
+    (three,) = json.loads(out)["results"]
+    assert three["peak_memory_mb"] > avg["peak_memory_mb"]
+    assert three["time_per_minibatch_ms"] > avg["time_per_minibatch_ms"]  # three pipelines share the devices
+
+
+def test_graph_file(capsys, tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"stages": 5, "edges": [[0, 1], [0, 2], [0, 3], [1, 4], [2, 4], [3, 4]]}))
+    code, out, _ = pipesim(capsys, "simulate", "-s", "graphpipe", "--graph", str(path), "--fwd", "1", "--bwd", "2",
+                           "-m", "8", "--json")
+    assert code == 0
+    (result,) = json.loads(out)["results"]
+    assert result["makespan_ms"] == pytest.approx((8 + 3 - 1) * 3)  # three branches side by side: depth 3
+    path.write_text(json.dumps({"stages": 2, "edges": [[0, 1], [1, 0]]}))
+    code, _, err = pipesim(capsys, "simulate", "-s", "graphpipe", "--graph", str(path))
+    assert code == 2 and "cycle" in err

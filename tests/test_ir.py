@@ -5,7 +5,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipesim.schedules import (
-    METHODS,
     SEND_KINDS,
     Action,
     Kind,
@@ -70,9 +69,9 @@ def test_stage_graph_rejects_cycles_and_bad_edges():
     assert dag.succs[0] == (1, 2) and dag.preds[3] == (1, 2)
 
 
-@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream"])  # tests/test_catalogue.py covers the rest
 @pytest.mark.parametrize("p,m,n", [(1, 1, 1), (2, 1, 3), (4, 8, 2), (5, 3, 4), (8, 16, 1)])
-def test_every_method_builds_a_valid_schedule(name, p, m, n):
+def test_baseline_builds_a_valid_schedule(name, p, m, n):
     schedule = build_schedule(name, ScheduleParams(p, m, n))
     validate(schedule)
     assert find_deadlock(schedule) == {}

@@ -1,0 +1,276 @@
+"""The synchronous rivals of 1F1B: interleaved 1F1B, zero bubble (H1, H2, V) and DualPipeV.
+
+All of them flush: per mini-batch every device runs its pattern, then one OPT per model stage it holds,
+so no op ever reads stale weights (policy SYNCHRONOUS). With several mini-batches the pattern repeats.
+Each function names the source whose order it follows; the order rules are written here, not copied.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from .ir import Action, Kind, Schedule, ScheduleError
+from .methods import Method, ScheduleParams, Unit, make_schedule, one_forward_one_backward, require_plain
+
+
+def _flushed(
+    method: str, params: ScheduleParams, placement: Sequence[int], device_order: Callable[[int, int], list[Action]]
+) -> Schedule:
+    """Repeat `device_order(device, minibatch)` per mini-batch, each followed by the OPT of every stage the
+    device holds (after all of that stage's backward work, which the pattern finishes first)."""
+    orders = []
+    for device in range(params.stages):
+        stages = [s for s, d in enumerate(placement) if d == device]
+        order: list[Action] = []
+        for b in range(params.minibatches):
+            order += device_order(device, b)
+            order += [Action(Kind.OPT, s, -1, b) for s in stages]
+        orders.append(order)
+    return make_schedule(method, params, orders, placement=placement)
+
+
+def _require_single_pipeline(method: str, params: ScheduleParams) -> None:
+    if params.pipelines != 1:
+        raise ScheduleError(f"{method} runs a single pipeline: pipelines must be 1 (got {params.pipelines})")
+
+
+def interleaved_1f1b(params: ScheduleParams) -> Schedule:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): v chunks per device, model stage s on device
+    s mod p, so a micro-batch crosses every device v times and the fill/drain bubble shrinks by v.
+
+    Device k runs m·v virtual micro-batches: forward i is chunk (i mod pv) div p of micro-batch
+    (i div pv)·p + i mod p; backward i the same micro-batch on the mirrored chunk v−1−(i mod pv) div p.
+    Warm-up (p−k−1)·2 + (v−1)·p forwards (capped at m·v), then 1F1B, then cool-down. Megatron runs its
+    non-interleaved 1F1B when v = 1, so that case is plain 1F1B (warm-up p−k−1).
+    """
+    method = "interleaved-1f1b"
+    _require_single_pipeline(method, params)
+    p, m, v = params.stages, params.microbatches, params.chunks
+    if v > 1 and m % p:
+        raise ScheduleError(
+            f"{method} with {v} chunks per device needs micro-batches to be a multiple of stages "
+            f"(Megatron sends p micro-batches through each chunk in turn): got m={m}, p={p}"
+        )
+    round_size = p * v
+
+    def device_order(k: int, b: int) -> list[Action]:
+        warmup = (p - k - 1) * 2 + (v - 1) * p if v > 1 else p - k - 1
+        virtual = [(i, b) for i in range(m * v)]
+        actions = []
+        for kind, (i, _) in one_forward_one_backward(virtual, warmup):
+            group, offset = divmod(i, round_size)
+            chunk = offset // p if kind is Kind.F else v - 1 - offset // p
+            actions.append(Action(kind, chunk * p + k, group * p + offset % p, b))
+        return actions
+
+    return _flushed(method, params, [s % p for s in range(p * v)], device_order)
+
+
+def _defer_weight_gradients(steps: Iterable[tuple[Kind, Unit]], lag: int) -> Iterator[tuple[Kind, Unit]]:
+    """Split every B into I then W, holding each W back until `lag` later I's have run (oldest first),
+    the rest at the end: W has no consumer, so it can fill the bubbles the I chain leaves."""
+    pending: deque[Unit] = deque()
+    for kind, unit in steps:
+        if kind is not Kind.B:
+            yield kind, unit
+            continue
+        yield Kind.I, unit
+        pending.append(unit)
+        if len(pending) > lag:
+            yield Kind.W, pending.popleft()
+    for unit in pending:
+        yield Kind.W, unit
+
+
+def _zero_bubble_handcrafted(method: str, params: ScheduleParams, c: int) -> Schedule:
+    """Stage k: 1F1B with warm-up c·(p−k−1) forwards and B split into I then W, each W lagging c·k I's
+    (Qi et al. 2023, figure 3; DeepSpeed's ZeroBubbleH1Pipeline for c = 1). Well defined for every m."""
+    p, m = params.stages, params.microbatches
+
+    def device_order(k: int, b: int) -> list[Action]:
+        steps = one_forward_one_backward([(j, b) for j in range(m)], c * (p - k - 1))
+        return [Action(kind, k, j, b) for kind, (j, b) in _defer_weight_gradients(steps, c * k)]
+
+    return _flushed(method, params, range(p), device_order)
+
+
+def zb_h1(params: ScheduleParams) -> Schedule:
+    """ZB-H1: 1F1B's warm-up; the later a stage, the more W's it defers (k), which cuts the bubble to
+    (p−1)(F + I − W) when W ≤ I. A deferred W keeps its micro-batch's activations, so every stage holds up
+    to p micro-batches: 1F1B's peak (at its stage 0), the paper's "same peak memory as 1F1B". Any m works."""
+    require_plain("zb-h1", params)
+    return _zero_bubble_handcrafted("zb-h1", params, 1)
+
+
+def zb_h2(params: ScheduleParams) -> Schedule:
+    """ZB-H2: 2(p−k)−1 forwards before the first I and W's lagging 2k, trading up to 2p−1 micro-batches of
+    activations per stage for a parallelogram with no bubble after the warm-up. With fewer than 2p−1
+    micro-batches the extra forwards only delay the I chain (slower than ZB-H1), so those are refused."""
+    require_plain("zb-h2", params)
+    p, m = params.stages, params.microbatches
+    if m < 2 * p - 1:
+        raise ScheduleError(
+            f"zb-h2 runs 2p-1 forwards on stage 0 before its first backward, so it needs at least 2p-1 = "
+            f"{2 * p - 1} micro-batches (got m={m}); with fewer, use zb-h1, which is then faster"
+        )
+    return _zero_bubble_handcrafted("zb-h2", params, 2)
+
+
+def _v_placement(p: int) -> list[int]:
+    """Chain of 2p stages folded into a V: device i holds stages i and 2p−1−i."""
+    return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+
+
+def _require_v(method: str, params: ScheduleParams) -> None:
+    _require_single_pipeline(method, params)
+    if params.chunks != 2:
+        raise ScheduleError(
+            f"{method} folds the model into a V of two chunks per device (device i holds stages i and "
+            f"2p-1-i): chunks must be 2 (got {params.chunks})"
+        )
+
+
+class _VOrder:
+    """One device's actions for one mini-batch of a V schedule, built pass by pass as the sources do:
+    each (pass, chunk) takes its next micro-batch in order, every I queues its W (oldest first), and
+    micro-batches ≥ m are dropped (ZB-V is built for at least 2p−1 and trimmed, as torch does)."""
+
+    def __init__(self, device: int, p: int, microbatches: int, minibatch: int) -> None:
+        self.stages = (device, 2 * p - 1 - device)  # chunk 0 on the way down, chunk 1 on the way back
+        self.microbatches = microbatches
+        self.minibatch = minibatch
+        self.issued: Counter[tuple[bool, int]] = Counter()  # (is forward, chunk) -> micro-batches issued
+        self.pending: deque[tuple[int, int]] = deque()  # (chunk, micro-batch) whose W is still to run
+        self.actions: list[Action] = []
+
+    def forwards(self, chunk: int) -> int:
+        return self.issued[(True, chunk)]
+
+    def add(self, kind: Kind, chunk: int) -> None:
+        """F, B or I of `chunk`'s next micro-batch (B and I share the backward count)."""
+        key = (kind is Kind.F, chunk)
+        j = self.issued[key]
+        self.issued[key] += 1
+        if kind is Kind.I:
+            self.pending.append((chunk, j))
+        self._emit(kind, chunk, j)
+
+    def weight(self, chunk: int | None = None) -> None:
+        """W of the oldest pending I, of `chunk` if given."""
+        i = 0 if chunk is None else next(n for n, (c, _) in enumerate(self.pending) if c == chunk)
+        chunk, j = self.pending[i]
+        del self.pending[i]
+        self._emit(Kind.W, chunk, j)
+
+    def pending_of(self, chunk: int) -> int:
+        return sum(c == chunk for c, _ in self.pending)
+
+    def _emit(self, kind: Kind, chunk: int, j: int) -> None:
+        if j < self.microbatches:
+            self.actions.append(Action(kind, self.stages[chunk], j, self.minibatch))
+
+
+def zb_v(params: ScheduleParams) -> Schedule:
+    """ZB-V (Qi et al. 2023, section 6), order as torch's ScheduleZBVZeroBubble writes it for device i:
+    2(p−i)−1 F0; i × (F1 F0); p−i × (F1 I1 W1); then F0 I0 W0 F1 I1 W1 until all forwards ran; cool-down
+    i × (I0 I1), p−i × (I0 W0), the chunk-1 W's, then the chunk-0 W's. Every W follows its I at once until
+    the cool-down, so a device holds at most 2p chunk micro-batches, 1F1B's p full-stage ones. Built for
+    max(m, 2p−1) micro-batches and trimmed to m, so every m ≥ 1 works."""
+    method = "zb-v"
+    _require_v(method, params)
+    p, m = params.stages, params.microbatches
+    planned = max(m, 2 * p - 1)
+
+    def device_order(i: int, b: int) -> list[Action]:
+        o = _VOrder(i, p, m, b)
+        for _ in range(2 * (p - i) - 1):
+            o.add(Kind.F, 0)
+        for _ in range(i):
+            o.add(Kind.F, 1)
+            o.add(Kind.F, 0)
+        for _ in range(p - i):
+            o.add(Kind.F, 1)
+            o.add(Kind.I, 1)
+            o.weight(1)
+        while o.forwards(1) < o.forwards(0) or o.forwards(0) < planned:
+            if o.forwards(0) < planned:
+                o.add(Kind.F, 0)
+            o.add(Kind.I, 0)
+            o.weight(0)
+            o.add(Kind.F, 1)
+            o.add(Kind.I, 1)
+            o.weight(1)
+        for _ in range(i):
+            o.add(Kind.I, 0)
+            o.add(Kind.I, 1)
+        for _ in range(p - i):
+            o.add(Kind.I, 0)
+            o.weight(0)
+        for chunk in (1, 0):
+            for _ in range(o.pending_of(chunk)):
+                o.weight(chunk)
+        return o.actions
+
+    return _flushed(method, params, _v_placement(p), device_order)
+
+
+def dualpipev(params: ScheduleParams) -> Schedule:
+    """DeepSeek's DualPipeV (DualPipe cut in half, deepseek-ai/DualPipe dualpipev.py), the eight phases of
+    its step() for rank r: 2(p−r−1) F0; r+1 × (F0 F1); p−r−1 × (I1 W F1); m−2p+r+1 × (F0 B1 F1 B0);
+    p−r−1 × (B1 F1 B0); r+1 × (B1 B0) with the later r+1 of those split into I; p−r−1 × (W I0); r+1 × W.
+    W's run oldest first across both chunks (its WeightGradStore is one queue). The F/B pairs that
+    DualPipe overlaps (F&B) run back to back here. One copy of each stage's weights (DualPipe, with both
+    directions, holds two). Needs m ≥ 2p, as DualPipeV asserts.
+    """
+    method = "dualpipev"
+    _require_v(method, params)
+    p, m = params.stages, params.microbatches
+    if m < 2 * p:
+        raise ScheduleError(
+            f"{method} needs at least 2p micro-batches, one per model stage of the V (DualPipeV asserts "
+            f"num_chunks >= 2 * num_ranks): got m={m}, p={p}"
+        )
+
+    def device_order(r: int, b: int) -> list[Action]:
+        o = _VOrder(r, p, m, b)
+        for _ in range(2 * (p - r - 1)):
+            o.add(Kind.F, 0)
+        for _ in range(r + 1):
+            o.add(Kind.F, 0)
+            o.add(Kind.F, 1)
+        for _ in range(p - r - 1):
+            o.add(Kind.I, 1)
+            o.weight()
+            o.add(Kind.F, 1)
+        for _ in range(m - 2 * p + r + 1):
+            for forward, backward in ((0, 1), (1, 0)):
+                o.add(Kind.F, forward)
+                o.add(Kind.B, backward)
+        for _ in range(p - r - 1):
+            o.add(Kind.B, 1)
+            o.add(Kind.F, 1)
+            o.add(Kind.B, 0)
+        for n in range(2 * (r + 1)):
+            o.add(Kind.I if n >= r + 1 else Kind.B, 1 - n % 2)
+        for _ in range(p - r - 1):
+            o.weight()
+            o.add(Kind.I, 0)
+        for _ in range(r + 1):
+            o.weight()
+        return o.actions
+
+    return _flushed(method, params, _v_placement(p), device_order)
+
+
+RIVALS = (
+    Method("interleaved-1f1b", "Interleaved 1F1B (Megatron): v chunks per device, bubble divided by v; m multiple "
+           "of p", interleaved_1f1b, defaults={"chunks": 2}),
+    Method("zb-h1", "Zero bubble H1: backward split into I and W, W's fill the bubble; 1F1B's peak memory", zb_h1),
+    Method("zb-h2", "Zero bubble H2: 2(p-k)-1 forwards before the first I; no bubble after warm-up, 2p-1 "
+           "activations", zb_h2),
+    Method("zb-v", "Zero bubble V: two chunks per device in a V, split backward; 1F1B's activation memory", zb_v,
+           defaults={"chunks": 2}),
+    Method("dualpipev", "DualPipeV (DeepSeek): DualPipe cut in half, two chunks per device in a V; m >= 2p",
+           dualpipev, defaults={"chunks": 2}),
+)

@@ -1,0 +1,167 @@
+"""Interop with torch.distributed.pipelining's schedule CSV, so torch's schedules can be simulated and ours
+can run under torch's `_PipelineScheduleRuntime` (`_load_csv`).
+
+The format (torch's `_dump_csv` / `_load_csv`): one CSV row per rank, one cell per action in the rank's
+order, an empty cell for an idle step. A compute cell is `[stage][F|B|I|W][micro-batch]`, e.g. `0F0,0F1,1B0`.
+Lowered dumps also hold `SEND_F`, `RECV_F`, `SEND_B`, `RECV_B` (always naming a stage on the cell's own
+rank), FSDP's `UNSHARD`/`RESHARD`, `REDUCE_GRAD`, and `(0F7;7B3)OVERLAP_F_B`, one cell that runs its
+sub-actions.
+
+A CSV is one training step of one synchronous pipeline (torch repeats it every `step()`), so only such
+schedules export, built for one mini-batch. Text only: torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+
+from .analysis import validate
+from .ir import RECV_KINDS, SEND_KINDS, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph
+
+_COMPUTE = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
+# Derived again by our SEND/RECV pass, or no-ops for one pipeline without data or FSDP sharding.
+_IGNORED = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
+_CELL = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD|F|B|I|W)(\d*)")
+_OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+_EXPECTED = ("expected [stage][F|B|I|W][micro-batch] such as 2F0, a transfer such as 0SEND_F3, "
+             "UNSHARD, RESHARD, REDUCE_GRAD, (..;..)OVERLAP_F_B, or an empty cell")
+
+
+def to_torch_csv(schedule: Schedule) -> str:
+    """The F/B/I/W order of each device as torch's compute-only CSV, one row per device (= rank).
+
+    OPT and explicit transfers are left out: torch's runtime steps the optimizer outside the schedule and
+    derives its own SEND/RECV. Raises ScheduleError for what torch's format cannot say.
+    """
+    name = schedule.method
+    policy = schedule.policy
+    if schedule.pipelines != 1:
+        raise ScheduleError(f"{name}: a torch schedule CSV is one pipeline; this schedule has {schedule.pipelines}")
+    if (policy.forward is not Read.LATEST or policy.backward is not Read.LATEST
+            or policy.predict_forward or policy.predict_backward):
+        raise ScheduleError(f"{name}: torch.distributed.pipelining runs synchronous schedules only (every op on "
+                            f"the latest weights); {name}'s forwards read {policy.forward.value} weights, its "
+                            f"backwards {policy.backward.value} ones" + (", with prediction" if policy.predict_forward
+                                                                        or policy.predict_backward else ""))
+    if schedule.minibatches != 1:
+        raise ScheduleError(f"{name}: a torch schedule CSV is one training step (torch repeats it every step); "
+                            f"build the schedule with one mini-batch (got {schedule.minibatches})")
+    if schedule.graph != StageGraph.chain(schedule.num_stages):
+        raise ScheduleError(f"{name}: torch's pipelining runs a chain of stages 0 -> 1 -> ... -> "
+                            f"{schedule.num_stages - 1}; this stage graph has edges {list(schedule.graph.edges)}")
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    for device, order in enumerate(schedule.orders):
+        row = []
+        for a in order:
+            if a.kind.value in _COMPUTE:
+                row.append(f"{a.stage}{a.kind.value}{a.microbatch}")
+            elif a.kind is not Kind.OPT and a.kind not in SEND_KINDS and a.kind not in RECV_KINDS:
+                raise ScheduleError(f"{name}: device {device} runs {a}; torch.distributed.pipelining runs synchronous "
+                                    f"schedules only, of F, B, I and W (the optimizer steps outside), and has no "
+                                    f"{a.kind.value}")
+        writer.writerow(row)
+    return buffer.getvalue()
+
+
+def from_torch_csv(text: str, name: str) -> Schedule:
+    """Read torch's schedule CSV (compute-only or lowered) into a validated one-step synchronous Schedule.
+
+    Rows are ranks. The stages, micro-batches and placement are inferred from the cells (a stage runs on
+    the one rank whose row names it); the stage graph is a chain, as in torch; each rank's list gets one OPT
+    per stage it holds, at its end. Transfers, UNSHARD, RESHARD and REDUCE_GRAD are ignored; an OVERLAP_F_B
+    cell becomes its sub-actions in order, as torch's runtime runs them. Raises ScheduleError naming the row
+    and cell of a bad or repeated action, the stages and micro-batches an incomplete schedule lacks, and,
+    via `validate`, per device the first action that can never start.
+    """
+    if not text.strip():
+        raise ScheduleError(f"{name}: empty schedule file: expected one CSV row of actions per rank, e.g. 0F0,0B0")
+    reader = csv.reader(io.StringIO(text), strict=True)
+    try:
+        rows = list(reader)
+    except csv.Error as exc:
+        raise ScheduleError(f"{name}: line {reader.line_num}: not CSV: {exc}") from None
+
+    compute: list[list[Action]] = [[] for _ in rows]
+    rank_of: dict[int, tuple[int, str]] = {}  # stage -> (rank, where it was first seen)
+    seen: dict[tuple[Kind, int, int], str] = {}
+    named: list[tuple[int, str]] = []  # (stage, where) of every action, checked against the stage count
+    top: tuple[int, str] = (-1, "")  # largest micro-batch index and where it is
+    for rank, row in enumerate(rows):
+        for column, raw in enumerate(row):
+            cell = raw.strip()
+            if not cell:
+                continue
+            where = f"rank {rank} (row {rank + 1}), cell {column + 1} {cell if len(cell) <= 40 else cell[:37] + '...'!r}"
+            overlap = _OVERLAP.fullmatch(cell)
+            parts = overlap[1].split(";") if overlap else [cell]
+            for part in map(str.strip, parts):
+                match = _CELL.fullmatch(part)
+                if match is None or (overlap and match[2] not in _COMPUTE):
+                    raise ScheduleError(f"{name}: {where}: not a torch pipelining action; {_EXPECTED}")
+                stage, kind, microbatch = int(match[1]), match[2], match[3]
+                known = rank_of.setdefault(stage, (rank, where))
+                if known[0] != rank:
+                    raise ScheduleError(f"{name}: {where}: stage {stage} already runs on {known[1]}; "
+                                        "a stage lives on one rank")
+                named.append((stage, where))
+                if kind in _IGNORED:
+                    continue
+                if not microbatch:
+                    raise ScheduleError(f"{name}: {where}: {kind} names no micro-batch; {_EXPECTED}")
+                key = (_COMPUTE[kind], stage, int(microbatch))
+                if key in seen:
+                    raise ScheduleError(f"{name}: {where}: repeats {seen[key]}")
+                seen[key] = where
+                if key[2] > top[0]:
+                    top = (key[2], where)
+                compute[rank].append(Action(*key))
+
+    if not seen:
+        raise ScheduleError(f"{name}: no compute actions (F, B, I, W) in {len(rows)} rows")
+    num_stages = max(stage for _, stage, _ in seen) + 1
+    for stage, where in named:
+        if stage >= num_stages:
+            raise ScheduleError(f"{name}: {where}: stage {stage} has no compute action; "
+                                f"compute actions name stages 0..{num_stages - 1}")
+    microbatches = top[0] + 1
+    problems = []
+    for stage in range(num_stages):
+        if stage not in rank_of:
+            problems.append(f"stage {stage} appears on no rank")
+            continue
+        no_forward, bad_backward = [], []
+        for j in range(microbatches):
+            if (Kind.F, stage, j) not in seen:
+                no_forward.append(j)
+            full, split = (Kind.B, stage, j) in seen, ((Kind.I, stage, j) in seen, (Kind.W, stage, j) in seen)
+            if not (full and split == (False, False) or not full and split == (True, True)):
+                bad_backward.append(j)
+        lacks = ([f"F for micro-batches {_some(no_forward)}"] if no_forward else []) + (
+            [f"one B, or one I and one W, for micro-batches {_some(bad_backward)}"] if bad_backward else [])
+        if lacks:
+            problems.append(f"stage {stage} (rank {rank_of[stage][0]}) lacks " + " and ".join(lacks))
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more stages" if len(problems) > 6 else "")
+        raise ScheduleError(f"{name}: incomplete schedule of {num_stages} stages x {microbatches} micro-batches "
+                            f"(the largest micro-batch index, {top[0]}, is at {top[1]}): {shown}")
+
+    placement = tuple(rank_of[stage][0] for stage in range(num_stages))
+    orders = tuple(
+        (*actions, *(Action(Kind.OPT, stage) for stage in range(num_stages) if placement[stage] == rank))
+        for rank, actions in enumerate(compute)
+    )
+    schedule = Schedule(
+        method=name, graph=StageGraph.chain(num_stages), placement=placement, orders=orders,
+        policy=SYNCHRONOUS, microbatches=microbatches,
+        params={"format": "torch-csv", "ranks": len(rows), "stages": num_stages, "microbatches": microbatches},
+    )
+    validate(schedule)
+    return schedule
+
+
+def _some(numbers: list[int]) -> str:
+    head = ", ".join(map(str, numbers[:4]))
+    return head + (f" and {len(numbers) - 4} more" if len(numbers) > 4 else "")

@@ -1,0 +1,303 @@
+"""Interop with torch.distributed.pipelining's schedule CSV: our schedules pass torch's own checks, torch's
+schedules simulate to the closed forms. No process group: torch's schedules are built on fake stages."""
+
+import csv
+import io
+import json
+
+import pytest
+import torch.distributed.pipelining.schedules as ts
+from pipesim.cli import main
+from pipesim.schedules import METHODS, Kind, Read, ScheduleError, ScheduleParams, StageGraph, build_schedule
+from pipesim.schedules.torch_csv import from_torch_csv, to_torch_csv
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces import summarize
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+TORCH_KINDS = {Kind.F, Kind.B, Kind.I, Kind.W}
+# (stages, micro-batches, chunks) tried in turn until the method accepts one.
+CONFIGS = [(4, 8, 1), (4, 8, 2), (3, 6, 1), (3, 6, 2), (2, 4, 1)]
+
+
+class FakeStage(_PipelineStageBase):
+    """Just what torch's schedules read to plan their order (as MockPipelineStage in torch's tests)."""
+
+    def __init__(self, num_stages, group_size):
+        self.submod = None
+        self.num_stages = num_stages
+        self.group_size = group_size
+        self.group_rank = 0
+        self.group = None
+
+    def _create_grad_recv_info(self, *args, **kwargs):
+        return None
+
+    def _prepare_forward_infra(self, n_microbatches):
+        pass
+
+    def _prepare_backward_infra(self, n_microbatches):
+        pass
+
+
+def torch_schedule(cls, ranks, per_rank, microbatches):
+    stages = [FakeStage(ranks * per_rank, ranks) for _ in range(per_rank)]
+    return cls(stages[0] if issubclass(cls, ts.PipelineScheduleSingle) else stages, microbatches)
+
+
+def dump(order):
+    """A pipeline order as torch's `_dump_csv` writes it (None, an idle step, becomes an empty cell)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    for rank in order:
+        writer.writerow(order[rank])
+    return buffer.getvalue()
+
+
+def load(text):
+    """A CSV as torch's `_load_csv` reads it."""
+    return {rank: [ts._Action.from_str(cell) for cell in row] for rank, row in enumerate(csv.reader(io.StringIO(text)))}
+
+
+def compute_orders(schedule):
+    return [[str(a) for a in order if a.kind in TORCH_KINDS] for order in schedule.orders]
+
+
+def is_synchronous(schedule):
+    """Every op on the latest weights, with no averaging or prediction (the weights of plain training)."""
+    policy = schedule.policy
+    return (policy.forward is Read.LATEST and policy.backward is Read.LATEST and not policy.predict_forward
+            and not policy.predict_backward and schedule.pipelines == 1
+            and not any(a.kind in (Kind.AVG, Kind.PRED) for order in schedule.orders for a in order))
+
+
+def buildable(name):
+    built = []
+    for p, m, v in CONFIGS:
+        try:
+            built.append(build_schedule(name, ScheduleParams(p, m, 1, v)))
+        except ScheduleError:
+            continue
+    return built
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_method_exports_csv_torch_accepts_and_reads_back(name, tmp_path):
+    schedules = buildable(name)
+    if not schedules:
+        pytest.skip(f"{name} accepts none of {CONFIGS}")
+    for schedule in schedules:
+        if not is_synchronous(schedule):
+            with pytest.raises(ScheduleError, match="synchronous"):
+                to_torch_csv(schedule)
+            continue
+        if schedule.graph != StageGraph.chain(schedule.num_stages):
+            with pytest.raises(ScheduleError, match="chain"):
+                to_torch_csv(schedule)
+            continue
+        text = to_torch_csv(schedule)
+        p, m, stages = schedule.num_devices, schedule.microbatches, schedule.num_stages
+        path = tmp_path / f"{name}-{p}-{stages}.csv"
+        path.write_text(text)
+        runtime = ts._PipelineScheduleRuntime([FakeStage(stages, p)], m)
+        runtime._load_csv(path)  # torch's loader: `_validate_schedule`, then its lowering passes
+        assert runtime.stage_index_to_group_rank == dict(enumerate(schedule.placement))
+        # torch's SEND/RECV lowering of the compute order dry-runs without hanging
+        rank_of = runtime.stage_index_to_group_rank.__getitem__
+        ts._simulate_comms_compute(ts._add_send_recv(load(text), rank_of, stages), rank_of, stages)
+        back = from_torch_csv(text, name)
+        assert compute_orders(back) == compute_orders(schedule)
+        assert (back.placement, back.microbatches) == (schedule.placement, m)
+        runtime._dump_csv(path, "compute_comms")  # transfers, UNSHARD/RESHARD, REDUCE_GRAD: ignored on reading
+        assert from_torch_csv(path.read_text(), name).orders == back.orders
+
+
+def test_export_refuses_what_torch_cannot_run():
+    with pytest.raises(ScheduleError, match="one training step"):
+        to_torch_csv(build_schedule("gpipe", ScheduleParams(2, 2, 3)))
+    with pytest.raises(ScheduleError, match="synchronous"):
+        to_torch_csv(build_schedule("pipedream", ScheduleParams(2, 2, 1)))
+
+
+def run(schedule, fwd, bwd, wgrad_fraction=0.5):
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=fwd, bwd_ms=bwd, wgrad_fraction=wgrad_fraction)
+    return summarize(simulate(schedule, costs, Cluster.uniform(schedule.num_devices, 0.0)))
+
+
+@pytest.mark.parametrize("cls", [ts.ScheduleGPipe, ts.ScheduleInterleaved1F1B])
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (3, 9), (8, 16)])
+def test_torch_one_stage_per_rank_simulates_to_1f1b_closed_form(cls, p, m):
+    F, B = 1.5, 2.5
+    schedule = from_torch_csv(dump(torch_schedule(cls, p, 1, m).pipeline_order), cls.__name__)
+    assert schedule.placement == tuple(range(p))
+    summary = run(schedule, F, B)
+    assert summary.makespan_ms == pytest.approx((m + p - 1) * (F + B))
+    # torch's interleaved order warms up 2(p-1-k) forwards even with one stage per rank (1F1B: p-1-k)
+    held = [m] * p if cls is ts.ScheduleGPipe else [min(2 * (p - 1 - k) + 1, m) for k in range(p)]
+    assert [d.peak_activations for d in summary.devices] == held
+
+
+@pytest.mark.parametrize("name,cls,v", [
+    ("gpipe", ts.ScheduleGPipe, 1), ("1f1b", ts.ScheduleInterleaved1F1B, 1),
+    ("interleaved-1f1b", ts.ScheduleInterleaved1F1B, 2), ("zb-h1", ts.ScheduleInterleavedZeroBubble, 1),
+    ("zb-v", ts.ScheduleZBVZeroBubble, 2), ("dualpipev", ts.ScheduleDualPipeV, 2),
+])
+def test_catalogue_and_torch_take_the_same_time(name, cls, v):
+    """Each of our methods against torch's implementation of it: same placement, same simulated makespan."""
+    if name not in METHODS:
+        pytest.skip(f"{name} is not in the catalogue")
+    p, m, F, B = 4, 16, 1.5, 2.5
+    ours = build_schedule(name, ScheduleParams(p, m, 1, v))
+    theirs = from_torch_csv(dump(torch_schedule(cls, p, v, m).pipeline_order), cls.__name__)
+    assert ours.placement == theirs.placement
+    assert run(ours, F / v, B / v).makespan_ms == pytest.approx(run(theirs, F / v, B / v).makespan_ms)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (4, 2, 12), (3, 3, 9), (2, 2, 6), (8, 2, 16)])
+def test_torch_interleaved_simulates_to_closed_form(p, v, m, tmp_path):
+    F, B = 1.0, 2.0  # per device: each of its v stages takes F/v and B/v
+    torch_sched = torch_schedule(ts.ScheduleInterleaved1F1B, p, v, m)
+    torch_sched._dump_csv(tmp_path / "order.csv", "compute_only")  # torch's own writer
+    schedule = from_torch_csv((tmp_path / "order.csv").read_text(), "interleaved")
+    assert schedule.placement == tuple(s % p for s in range(p * v))
+    assert run(schedule, F / v, B / v).makespan_ms == pytest.approx(m * (F + B) + (p - 1) * (F + B) / v)
+    # torch's lowered dump (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD) reads back to the same orders
+    torch_sched._dump_csv(tmp_path / "lowered.csv", "compute_comms")
+    assert from_torch_csv((tmp_path / "lowered.csv").read_text(), "interleaved").orders == schedule.orders
+
+
+@pytest.mark.parametrize("v", [1, 2])
+@pytest.mark.parametrize("p,m", [(4, 8), (3, 9), (8, 16)])
+@pytest.mark.parametrize("wgrad_fraction", [0.5, 0.3])
+def test_torch_interleaved_zero_bubble_simulates_to_zb_h1_closed_form(v, p, m, wgrad_fraction):
+    """m >= 2p and W <= I: bubble (p-1)(F + I - W)/v with F, I, W per device (ZB-H1)."""
+    F, B = 1.0, 2.0
+    I, W = B * (1 - wgrad_fraction), B * wgrad_fraction
+    order = torch_schedule(ts.ScheduleInterleavedZeroBubble, p, v, m).pipeline_order
+    schedule = from_torch_csv(dump(order), "zb")
+    assert any(a.kind is Kind.W for a in schedule.orders[0])
+    assert run(schedule, F / v, B / v, wgrad_fraction).makespan_ms == pytest.approx(
+        m * (F + B) + (p - 1) * (F + I - W) / v)
+
+
+@pytest.mark.parametrize("cls", [ts.ScheduleZBVZeroBubble, ts.ScheduleDualPipeV])
+@pytest.mark.parametrize("p,m", [(4, 8), (3, 9), (8, 16)])
+def test_torch_v_schedules_simulate_between_the_work_and_interleaved(cls, p, m, tmp_path):
+    """V placement (rank i holds stages i and 2p-1-i); DualPipeV's OVERLAP_F_B cells run their parts in turn."""
+    F, B = 1.0, 2.0
+    torch_sched = torch_schedule(cls, p, 2, m)
+    torch_sched._dump_csv(tmp_path / "order.csv", "compute_only")
+    schedule = from_torch_csv((tmp_path / "order.csv").read_text(), cls.__name__)
+    assert schedule.placement == tuple(min(s, 2 * p - 1 - s) for s in range(2 * p))
+    makespan = run(schedule, F / 2, B / 2).makespan_ms
+    assert m * (F + B) <= makespan < m * (F + B) + (p - 1) * (F + B) / 2
+    torch_sched._dump_csv(tmp_path / "lowered.csv", "compute_comms")
+    assert from_torch_csv((tmp_path / "lowered.csv").read_text(), cls.__name__).orders == schedule.orders
+
+
+def test_torch_1f1b_pipeline_order_is_rejected_naming_what_is_wrong():
+    """torch 2.13's Schedule1F1B.pipeline_order starts the last rank at F1 and runs to F<m>: not ground truth."""
+    order = torch_schedule(ts.Schedule1F1B, 4, 1, 8).pipeline_order
+    assert [str(a) for a in order[3][:2]] == ["3F1", "3B0"]
+    with pytest.raises(ScheduleError) as exc:
+        from_torch_csv(dump(order), "torch-1f1b")
+    message = str(exc.value)
+    assert "largest micro-batch index, 8, is at rank 3 (row 4)" in message and "'3F8'" in message
+    assert "stage 3 (rank 3) lacks F for micro-batches 0" in message
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("", "empty schedule file"),
+    ("0F0,0Q0\n", "rank 0 (row 1), cell 2 '0Q0': not a torch pipelining action"),
+    ("0F0\n1F0,1X\n", "rank 1 (row 2), cell 2 '1X'"),
+    ("0F0,0B\n", "rank 0 (row 1), cell 2 '0B': B names no micro-batch"),
+    ("0F0,(0F1;0SEND_F1)OVERLAP_F_B\n", "not a torch pipelining action"),
+    ('0F0,"0B0\n', "line 1: not CSV"),
+    ("0F0,0B0,0F0\n", "rank 0 (row 1), cell 3 '0F0': repeats rank 0 (row 1), cell 1 '0F0'"),
+    ("0F0,1F0,0B0\n1B0\n", "rank 1 (row 2), cell 1 '1B0': stage 1 already runs on rank 0"),
+    ("0UNSHARD,0RESHARD\n", "no compute actions"),
+    ("0F0,0B0,2SEND_F0\n", "stage 2 has no compute action"),
+    ("0F0,0F1,0B0\n", "stage 0 (rank 0) lacks one B, or one I and one W, for micro-batches 1"),
+    ("0F0,0I0,0B0\n", "stage 0 (rank 0) lacks one B, or one I and one W, for micro-batches 0"),
+    ("0F0,0B0\n2F0,2B0\n", "stage 1 appears on no rank"),
+    # rank 0 puts 0B0 before the 0F0 it needs; rank 1 waits for that 0F0 too
+    ("0B0,0F0\n1F0,1B0\n", ("the order deadlocks: device 0: 0B0 can never start (waits for 0F0); "
+                            "device 1: 1F0 can never start (waits for 0F0)")),
+])
+def test_bad_csv_names_row_and_cell(text, fragment):
+    with pytest.raises(ScheduleError) as exc:
+        from_torch_csv(text, "bad")
+    assert fragment in str(exc.value)
+
+
+def test_idle_cells_and_comm_actions_are_skipped_and_opt_appended():
+    schedule = from_torch_csv("0F0,,0SEND_F0, ,0RECV_B0,0B0,0REDUCE_GRAD\n1RECV_F0,1F0,1I0,1SEND_B0,1W0\n", "tiny")
+    assert schedule.to_text() == "0: 0F0 0B0 0OPT\n1: 1F0 1I0 1W0 1OPT"
+
+
+def pipesim(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+@pytest.mark.parametrize("name,args", [
+    ("1f1b", ["-p", "4", "-m", "8"]),
+    ("gpipe", ["-p", "3", "-m", "5"]),
+])
+def test_cli_export_then_simulate_file_matches_schedule(capsys, tmp_path, name, args):
+    out = tmp_path / f"{name}.csv"
+    code, stdout, _ = pipesim(capsys, "export", "--schedule", name, *args, "--format", "torch-csv", "--out", str(out))
+    assert code == 0 and f"wrote {out}" in stdout
+    costs = ["--fwd", "1,1.5,1" if args[1] == "3" else "1", "--bwd", "2", "--comm", "0.1", "--json"]
+    code, stdout, _ = pipesim(capsys, "simulate", "--schedule", name, *args, *costs)
+    assert code == 0
+    (expected,) = json.loads(stdout)["results"]
+    code, stdout, _ = pipesim(capsys, "simulate", "--schedule-file", str(out), *costs)
+    assert code == 0
+    (got,) = json.loads(stdout)["results"]
+    assert got["schedule"] == name
+    assert got["makespan_ms"] == pytest.approx(expected["makespan_ms"])
+    assert got["bubble_fraction"] == pytest.approx(expected["bubble_fraction"])
+    assert [d["peak_activations"] for d in got["devices"]] == [d["peak_activations"] for d in expected["devices"]]
+
+
+@pytest.fixture
+def csv_file(tmp_path):
+    path = tmp_path / "s.csv"
+    path.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    return path
+
+
+@pytest.mark.parametrize("make_args,fragment", [
+    (lambda f, d: ["export", "-s", "1f1b", "--format", "json", "--out", f"{d}/x"], "--format: unknown 'json'"),
+    (lambda f, d: ["export", "-s", "pipedream", "--format", "torch-csv", "--out", f"{d}/x"], "synchronous"),
+    (lambda f, d: ["export", "-s", "nope", "--format", "torch-csv", "--out", f"{d}/x"], "unknown schedule 'nope'"),
+    (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv", "--out", f"{d}/no/x"], "--out: cannot write"),
+    (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv"], "Missing option '--out'"),
+    (lambda f, d: ["simulate", "--schedule-file", f, "-s", "1f1b"], "--schedule and --schedule-file"),
+    (lambda f, d: ["simulate", "--schedule-file", f, "-m", "4"], "--microbatches: the schedule file fixes"),
+    (lambda f, d: ["simulate", "--schedule-file", f, "--fwd", "1,2,3"], "one per model stage (2 in"),
+    (lambda f, d: ["simulate", "--schedule-file", f"{d}/missing.csv"], "--schedule-file: cannot read"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, tmp_path, csv_file, make_args, fragment):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = pipesim(capsys, *make_args(str(csv_file), str(tmp_path)))
+    assert code == 2
+    assert fragment in err
+    assert "Traceback" not in err and err.strip().count("\n") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("0F0,0Q1\n", "cell 2 '0Q1': not a torch pipelining action; expected [stage][F|B|I|W][micro-batch]"),
+    ('0F0,"0B0\n', "not CSV"),
+    ("", "empty schedule file"),
+    ("0F0,0B0\n1B0,1F0\n", "the order deadlocks"),
+])
+def test_cli_bad_schedule_file(capsys, tmp_path, content, fragment):
+    path = tmp_path / "s.csv"
+    path.write_text(content)
+    code, _, err = pipesim(capsys, "simulate", "--schedule-file", str(path))
+    assert code == 2 and fragment in err
+    assert err.strip().count("\n") == 0
