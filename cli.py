@@ -268,7 +268,7 @@ def _progress(items: list, quiet: bool):
 
 def _print_table(summaries: list, schedules: list, example: bool) -> None:
     first = schedules[0]
-    title = (f"p={first.params.get('stages', first.num_devices)} devices per pipeline, m={first.microbatches} "
+    title = (f"p={first.num_devices} devices per pipeline, m={first.microbatches} "
              f"micro-batches, N={first.minibatches} mini-batches")
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="step: one mini-batch in steady state; peak act: micro-batches of activations held; "
@@ -309,11 +309,11 @@ def export(
                                      "schedule CSV, one row per rank; synchronous one-pipeline methods).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="File to write (replaced atomically).")],
     stages: Annotated[int, typer.Option("--stages", "-p", min=1, help="Pipeline depth p: devices in one pipeline.")] = 4,
-    chunks: Annotated[int, typer.Option("--chunks", "-v", min=1, help="Model chunks per device (interleaved / V schedules).")] = 1,
+    chunks: Annotated[Optional[int], typer.Option("--chunks", "-v", min=1, help="Model chunks per device (interleaved / V schedules). Default: the method's.")] = None,
     microbatches: Annotated[int, typer.Option("--microbatches", "-m", min=1, help="Micro-batches per mini-batch m.")] = 8,
 ) -> None:
     """Write one training step of a method's schedule for another runtime (e.g. torch's `_load_csv`)."""
-    from .schedules import ScheduleError, ScheduleParams, build_schedule
+    from .schedules import METHODS, ScheduleError, ScheduleParams, build_schedule
     from .schedules.torch_csv import to_torch_csv
     from .traces import write_atomic
 
@@ -321,7 +321,10 @@ def export(
         if fmt not in EXPORT_FORMATS:
             raise InputError(f"--format: unknown {fmt!r}; choose from {', '.join(EXPORT_FORMATS)}")
         _writable("--out", out)
-        text = to_torch_csv(build_schedule(schedule, ScheduleParams(stages, microbatches, 1, chunks)))
+        method = METHODS.get(schedule)
+        if chunks is None and method is not None:
+            chunks = method.defaults.get("chunks", 1)
+        text = to_torch_csv(build_schedule(schedule, ScheduleParams(stages, microbatches, 1, chunks or 1)))
         write_atomic(out, text)
     except (InputError, ScheduleError) as exc:
         fail(str(exc))

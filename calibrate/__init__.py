@@ -1,0 +1,1 @@
+"""Calibration: measure a real machine (compute, memory, links) into a Profile the simulator reads."""
