@@ -8,10 +8,13 @@ Distances s are in updates of the stage's weights; see `ir.Prediction`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import numpy as np
 
-from .ir import Action, Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
-from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward, require_plain
+from .ir import Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
+from .methods import Method, ScheduleParams, interleave_1f1b, make_schedule, pipedream_order
+from .table import KIND_CODE, stacked
+
+_F, _B, _OPT, _AVG = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.OPT, Kind.AVG))
 
 # PipeDream-2BW: double buffering; every op of mini-batch b reads W(b-1) (Narayanan et al. 2021).
 TWO_BW_POLICY = WeightPolicy(forward=Read.PREVIOUS, backward=Read.PREVIOUS)
@@ -37,26 +40,6 @@ XPIPE_POLICY = WeightPolicy(
 AVGPIPE_POLICY = WeightPolicy(extra_copies=1)
 
 
-def _asynchronous(
-    name: str, params: ScheduleParams, policy: WeightPolicy, predicts: Callable[[Kind, int], bool]
-) -> Schedule:
-    """PipeDream's order with a PRED before every op `predicts(kind, micro-batch)` selects."""
-    require_plain(name, params)
-    p, m = params.stages, params.microbatches
-    units = [(j, b) for b in range(params.minibatches) for j in range(m)]
-    orders = []
-    for k in range(p):
-        order: list[Action] = []
-        for kind, (j, b) in one_forward_one_backward(units, p - k - 1):
-            if predicts(kind, j):
-                order.append(Action(Kind.PRED, k, j, b))
-            order.append(Action(kind, k, j, b))
-            if kind is Kind.B and j == m - 1:
-                order.append(Action(Kind.OPT, k, -1, b))
-        orders.append(order)
-    return make_schedule(name, params, orders, policy)
-
-
 def pipedream_2bw(params: ScheduleParams) -> Schedule:
     """PipeDream's order with two weight buffers: staleness 1 everywhere, two versions held."""
     if params.microbatches < params.stages - 1:
@@ -64,27 +47,19 @@ def pipedream_2bw(params: ScheduleParams) -> Schedule:
             f"pipedream-2bw needs m >= p-1 micro-batches per mini-batch (got m={params.microbatches}, "
             f"p={params.stages}): otherwise the input stage starts mini-batch b before W(b-1) exists"
         )
-    return _asynchronous("pipedream-2bw", params, TWO_BW_POLICY, lambda kind, j: False)
+    return pipedream_order("pipedream-2bw", params, TWO_BW_POLICY)
 
 
 def spectrain(params: ScheduleParams) -> Schedule:
-    return _asynchronous("spectrain", params, SPECTRAIN_POLICY, lambda kind, j: True)
+    return pipedream_order("spectrain", params, SPECTRAIN_POLICY)
 
 
 def pipeoptim(params: ScheduleParams) -> Schedule:
-    return _asynchronous("pipeoptim", params, PIPEOPTIM_POLICY, lambda kind, j: kind is Kind.F)
+    return pipedream_order("pipeoptim", params, PIPEOPTIM_POLICY)
 
 
 def xpipe(params: ScheduleParams) -> Schedule:
-    return _asynchronous("xpipe", params, XPIPE_POLICY, lambda kind, j: j == 0)
-
-
-def _round_robin(sequences: Sequence[Sequence[Action]]) -> Iterator[Action]:
-    """One action of each sequence in turn: co-scheduled pipelines share the device fairly."""
-    for i in range(max(map(len, sequences), default=0)):
-        for seq in sequences:
-            if i < len(seq):
-                yield seq[i]
+    return pipedream_order("xpipe", params, XPIPE_POLICY)
 
 
 def avgpipe(params: ScheduleParams) -> Schedule:
@@ -92,29 +67,28 @@ def avgpipe(params: ScheduleParams) -> Schedule:
 
     Advance forward propagation: stage k runs `advance` forwards beyond 1F1B's warm-up before its first
     backward (capped at m): 0 is 1F1B, >= m is all forwards first; unset, AvgPipe's rule of p-k-1
-    more, so 2(p-k)-1 forwards come first. The pipelines' actions alternate on each device; after every pipeline's update of
-    an averaged mini-batch, one AVG per stage pulls the replicas and the reference model together.
+    more, so 2(p-k)-1 forwards come first. The pipelines' actions alternate on each device; after every
+    pipeline's update of an averaged mini-batch, one AVG per stage pulls the replicas and the reference
+    model together.
     """
     if params.chunks != 1:
         raise ScheduleError(f"avgpipe places one model stage per device: chunks must be 1 (got {params.chunks})")
-    p, m, copies = params.stages, params.microbatches, params.pipelines
-    orders = []
+    p, m, n, copies = params.stages, params.microbatches, params.minibatches, params.pipelines
+    averaged = [b for b in range(n) if (b + 1) % params.average_every == 0 or b == n - 1]
+    parts = []
     for k in range(p):
         advance = p - k - 1 if params.advance is None else params.advance
-        warmup = min(m - 1, p - k - 1 + advance)
-        order: list[Action] = []
-        for b in range(params.minibatches):
-            units = [(j, b) for j in range(m)]
-            per_pipeline = [
-                [Action(kind, k, j, b, q) for kind, (j, b) in one_forward_one_backward(units, warmup)]
-                + [Action(Kind.OPT, k, -1, b, q)]
-                for q in range(copies)
-            ]
-            order += _round_robin(per_pipeline)
-            if (b + 1) % params.average_every == 0 or b == params.minibatches - 1:
-                order.append(Action(Kind.AVG, k, -1, b))
-        orders.append(order)
-    return make_schedule("avgpipe", params, orders, AVGPIPE_POLICY)
+        backward, position = interleave_1f1b(m, min(m - 1, p - k - 1 + advance))
+        one = np.append(np.where(backward, _B, _F), _OPT)  # one pipeline's mini-batch
+        kind = np.tile(np.repeat(one, copies), n)  # the pipelines' actions alternate
+        microbatch = np.tile(np.repeat(np.append(position, -1), copies), n)
+        pipeline = np.tile(np.arange(copies), n * len(one))
+        minibatch = np.repeat(np.arange(n), copies * len(one))
+        after = [(b + 1) * copies * len(one) for b in averaged]  # AVG once every pipeline updated
+        kind, microbatch = np.insert(kind, after, _AVG), np.insert(microbatch, after, -1)
+        minibatch, pipeline = np.insert(minibatch, after, averaged), np.insert(pipeline, after, 0)
+        parts.append((k, kind, np.full(len(kind), k), microbatch, minibatch, pipeline))
+    return make_schedule("avgpipe", params, stacked(parts), AVGPIPE_POLICY)
 
 
 ASYNCHRONOUS = (

@@ -11,8 +11,8 @@ import json
 from functools import cache
 from pathlib import Path
 
-from .ir import Action, Kind, Schedule, ScheduleError, StageGraph
-from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward
+from .ir import Schedule, ScheduleError, StageGraph
+from .methods import Method, ScheduleParams, flushed_1f1b, make_schedule
 
 
 def two_branch_graph(stages: int) -> StageGraph:
@@ -44,18 +44,8 @@ def graph_schedule(
     def below(s: int) -> int:
         return max((1 + below(t) for t in graph.succs[s]), default=0)
 
-    m = params.microbatches
-    orders = []
-    for k in range(graph.num_stages):
-        order: list[Action] = []
-        for b in range(params.minibatches):
-            units = [(j, b) for j in range(m)]
-            order += [Action(kind, k, j, b) for kind, (j, b) in one_forward_one_backward(units, below(k))]
-            order.append(Action(Kind.OPT, k, -1, b))
-        orders.append(order)
     placement = placement or tuple(range(graph.num_stages))
-    by_device = sorted(range(graph.num_stages), key=placement.__getitem__)
-    return make_schedule(name, params, [orders[s] for s in by_device], graph=graph, placement=placement)
+    return make_schedule(name, params, flushed_1f1b(params, below, placement), graph=graph, placement=placement)
 
 
 def graphpipe(params: ScheduleParams) -> Schedule:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     from .table import ActionTable
@@ -248,7 +248,7 @@ class Schedule:
     method: str
     graph: StageGraph
     placement: tuple[int, ...]
-    orders: tuple[tuple[Action, ...], ...]
+    orders: Sequence[Sequence[Action]]  # tuples of Actions, or a table-backed OrderView
     policy: WeightPolicy
     microbatches: int
     minibatches: int = 1
@@ -283,7 +283,7 @@ class Schedule:
         return [s for s, d in enumerate(self.placement) if d == device]
 
     def num_actions(self) -> int:
-        return sum(len(order) for order in self.orders)
+        return len(self.table.kind)
 
     def to_text(self) -> str:
         """One line per device: `device: action action ...`; `from_text` reads it back."""

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from .ir import SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
+from .table import KIND_CODE, ActionTable, OrderView, stacked
 
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
 
@@ -68,19 +71,25 @@ def require_plain(method: str, params: ScheduleParams) -> None:
 def make_schedule(
     method: str,
     params: ScheduleParams,
-    orders: Sequence[Sequence[Action]],
+    orders: Sequence[Sequence[Action]] | ActionTable,
     policy: WeightPolicy = SYNCHRONOUS,
     *,
     placement: Sequence[int] | None = None,
     graph: StageGraph | None = None,
 ) -> Schedule:
-    """Package a method's orders; by default a chain of p stages, stage k on device k, one pipeline."""
+    """Package a method's orders (Action lists, or a table with rows grouped by device); by default a
+    chain of p stages, stage k on device k, one pipeline."""
     graph = graph or StageGraph.chain(len(placement) if placement is not None else params.stages)
+    placement = tuple(placement) if placement is not None else tuple(range(graph.num_stages))
+    if isinstance(orders, ActionTable):
+        orders = OrderView(orders, max(placement) + 1)
+    else:
+        orders = tuple(tuple(order) for order in orders)
     return Schedule(
         method=method,
         graph=graph,
-        placement=tuple(placement) if placement is not None else tuple(range(graph.num_stages)),
-        orders=tuple(tuple(order) for order in orders),
+        placement=placement,
+        orders=orders,
         policy=policy,
         microbatches=params.microbatches,
         minibatches=params.minibatches,
@@ -89,66 +98,90 @@ def make_schedule(
     )
 
 
+def interleave_1f1b(count: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:
+    """The 1F1B pattern over `count` units as arrays (is backward, unit position): `warmup` forwards,
+    then one forward and one backward in turn, then the remaining backwards. warmup >= count is GPipe's
+    all forwards, then all backwards."""
+    w = min(warmup, count)
+    steady = np.arange(w, count)
+    backward = np.concatenate([np.zeros(w, bool), np.tile([False, True], count - w), np.ones(w, bool)])
+    position = np.concatenate([np.arange(w), np.stack([steady, steady - w], axis=1).ravel(),
+                               np.arange(count - w, count)])
+    return backward, position
+
+
 def one_forward_one_backward(units: Sequence[Unit], warmup: int) -> Iterator[tuple[Kind, Unit]]:
-    """`warmup` forwards, then one forward and one backward in turn, then the remaining backwards."""
-    warm = min(warmup, len(units))
-    for unit in units[:warm]:
-        yield Kind.F, unit
-    for i in range(warm, len(units)):
-        yield Kind.F, units[i]
-        yield Kind.B, units[i - warm]
-    for unit in units[len(units) - warm :]:
-        yield Kind.B, unit
+    """`interleave_1f1b` over `units`, as (kind, unit) pairs."""
+    backward, position = interleave_1f1b(len(units), warmup)
+    for is_backward, i in zip(backward.tolist(), position.tolist()):
+        yield (Kind.B if is_backward else Kind.F), units[i]
+
+
+_F, _B, _OPT, _PRED = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.OPT, Kind.PRED))
+
+
+def flushed_1f1b(
+    params: ScheduleParams, warmup: Callable[[int], int], placement: Sequence[int] | None = None
+) -> ActionTable:
+    """Stage k (on device placement[k], default k; one stage per device) runs `interleave_1f1b(m,
+    warmup(k))` then its update, once per mini-batch."""
+    m, n = params.microbatches, params.minibatches
+    placement = placement if placement is not None else range(params.stages)
+    parts = []
+    for k, device in enumerate(placement):
+        backward, position = interleave_1f1b(m, warmup(k))
+        kind = np.append(np.where(backward, _B, _F), _OPT)
+        microbatch = np.append(position, -1)
+        parts.append((device, np.tile(kind, n), np.full(n * len(kind), k), np.tile(microbatch, n),
+                      np.repeat(np.arange(n), len(kind)), np.zeros(n * len(kind))))
+    return stacked(sorted(parts, key=lambda part: part[0]))
 
 
 def gpipe(params: ScheduleParams) -> Schedule:
     """All forwards, then all backwards, then a flush and one update per mini-batch."""
     require_plain("gpipe", params)
-    m = params.microbatches
-    orders = []
-    for k in range(params.stages):
-        order: list[Action] = []
-        for b in range(params.minibatches):
-            order += [Action(Kind.F, k, j, b) for j in range(m)]
-            order += [Action(Kind.B, k, j, b) for j in range(m)]
-            order.append(Action(Kind.OPT, k, -1, b))
-        orders.append(order)
-    return make_schedule("gpipe", params, orders)
+    return make_schedule("gpipe", params, flushed_1f1b(params, lambda k: params.microbatches))
 
 
 def one_f_one_b(params: ScheduleParams) -> Schedule:
     """PipeDream-Flush / DAPPLE: min(p-k-1, m) warm-up forwards, 1F1B, cool-down; flush; update."""
     require_plain("1f1b", params)
-    p, m = params.stages, params.microbatches
-    orders = []
+    return make_schedule("1f1b", params, flushed_1f1b(params, lambda k: params.stages - k - 1))
+
+
+def pipedream_order(method: str, params: ScheduleParams, policy: WeightPolicy) -> Schedule:
+    """PipeDream's order: 1F1B across mini-batches with no flush (warm-up p-k-1), each stage updating
+    after a mini-batch's last backward. A PRED comes before every op the policy predicts for (with
+    bellwether reads, only before micro-batch 0's, whose weights the mini-batch reuses)."""
+    require_plain(method, params)
+    p, m, n = params.stages, params.microbatches, params.minibatches
+    parts = []
     for k in range(p):
-        order: list[Action] = []
-        for b in range(params.minibatches):
-            units = [(j, b) for j in range(m)]
-            order += [Action(kind, k, j, b) for kind, (j, b) in one_forward_one_backward(units, p - k - 1)]
-            order.append(Action(Kind.OPT, k, -1, b))
-        orders.append(order)
-    return make_schedule("1f1b", params, orders)
+        backward, position = interleave_1f1b(n * m, p - k - 1)
+        microbatch, minibatch = np.divmod(position, m)[::-1]
+        kind = np.where(backward, _B, _F)
+        predicted = np.zeros(len(kind), bool)
+        for side, read, prediction in ((~backward, policy.forward, policy.predict_forward),
+                                       (backward, policy.backward, policy.predict_backward)):
+            if prediction is not None:
+                predicted |= side & ((microbatch == 0) if read is Read.BELLWETHER else True)
+        updates = np.flatnonzero(backward & (microbatch == m - 1)) + 1
+        before = np.concatenate([updates, np.flatnonzero(predicted)])  # an update before a PRED at one spot
+        inserted = np.concatenate([np.full(len(updates), _OPT), np.full(len(before) - len(updates), _PRED)])
+        mb_inserted = np.concatenate([np.full(len(updates), -1), microbatch[predicted]])
+        b_inserted = np.concatenate([minibatch[updates - 1], minibatch[predicted]])
+        kind, microbatch = np.insert(kind, before, inserted), np.insert(microbatch, before, mb_inserted)
+        minibatch = np.insert(minibatch, before, b_inserted)
+        parts.append((k, kind, np.full(len(kind), k), microbatch, minibatch, np.zeros(len(kind))))
+    return make_schedule(method, params, stacked(parts), policy)
 
 
 PIPEDREAM_POLICY = WeightPolicy(forward=Read.LATEST, backward=Read.STASHED)
 
 
 def pipedream(params: ScheduleParams) -> Schedule:
-    """1F1B across mini-batches with no flush; each stage updates after a mini-batch's last backward,
-    and a backward uses the weights its forward stashed."""
-    require_plain("pipedream", params)
-    p, m = params.stages, params.microbatches
-    units = [(j, b) for b in range(params.minibatches) for j in range(m)]
-    orders = []
-    for k in range(p):
-        order: list[Action] = []
-        for kind, (j, b) in one_forward_one_backward(units, p - k - 1):
-            order.append(Action(kind, k, j, b))
-            if kind is Kind.B and j == m - 1:
-                order.append(Action(Kind.OPT, k, -1, b))
-        orders.append(order)
-    return make_schedule("pipedream", params, orders, PIPEDREAM_POLICY)
+    """1F1B across mini-batches with no flush; a backward uses the weights its forward stashed."""
+    return pipedream_order("pipedream", params, PIPEDREAM_POLICY)
 
 
 BASELINES = (

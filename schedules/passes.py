@@ -12,34 +12,41 @@ def communication_table(schedule: Schedule, table: ActionTable | None = None) ->
     """The columnar form of `add_communication`: the lowered actions, and for each lowered row the row of
     `table` it came from (-1 for an inserted SEND or RECV). Vectorised, so it scales to millions of ops."""
     t = table or schedule.table
-    rows = np.arange(len(t.kind))
+    n = len(t.kind)
     forward = t.kind == KIND_CODE[Kind.F]
     backward = (t.kind == KIND_CODE[Kind.B]) | (t.kind == KIND_CODE[Kind.I])
-    # Each lowered row is sorted by 3·(row it belongs to) + 0 (RECVs before), 1 (the action), 2 (SENDs after).
-    keys, sources, kinds, peers = [rows * 3 + 1], [rows], [t.kind], [t.peer]
     by_stage = np.argsort(t.stage, kind="stable")
     bounds = np.searchsorted(t.stage[by_stage], np.arange(schedule.num_stages + 1))
+    # Each row becomes its RECVs, itself, its SENDs; count them first, then place everything directly.
+    groups = []  # (rows that own the transfer, its kind, the peer stage, whether it comes before the row)
+    count = {True: np.zeros(n, dtype=np.int64), False: np.zeros(n, dtype=np.int64)}
     for src, dst in schedule.graph.edges:
         if schedule.placement[src] == schedule.placement[dst]:
             continue
-        for mask, stage, peer, kind, slot in (
-            (forward, dst, src, Kind.RECV_F, 0), (forward, src, dst, Kind.SEND_F, 2),
-            (backward, src, dst, Kind.RECV_B, 0), (backward, dst, src, Kind.SEND_B, 2),
+        for mask, stage, peer, kind, before in (
+            (forward, dst, src, Kind.RECV_F, True), (forward, src, dst, Kind.SEND_F, False),
+            (backward, src, dst, Kind.RECV_B, True), (backward, dst, src, Kind.SEND_B, False),
         ):
             of_stage = by_stage[bounds[stage]:bounds[stage + 1]]
             owners = of_stage[mask[of_stage]]
-            keys.append(owners * 3 + slot)
-            sources.append(owners)
-            kinds.append(np.full(len(owners), KIND_CODE[kind]))
-            peers.append(np.full(len(owners), peer))
-    key = np.concatenate(keys)
-    order = np.argsort(key, kind="stable")
-    source = np.concatenate(sources)[order]
+            groups.append((owners, KIND_CODE[kind], peer, before))
+            count[before][owners] += 1
+    extra = count[True] + count[False]
+    first_slot = np.arange(n) + np.cumsum(extra) - extra
+    own_slot = first_slot + count[True]
+    total = n + int(extra.sum())
+    source, kinds, peers = (np.empty(total, dtype=np.int64) for _ in range(3))
+    origin = np.full(total, -1, dtype=np.int64)
+    source[own_slot] = origin[own_slot] = np.arange(n)
+    kinds[own_slot], peers[own_slot] = t.kind, t.peer
+    placed = {True: np.zeros(n, dtype=np.int64), False: np.zeros(n, dtype=np.int64)}
+    for owners, kind_code, peer, before in groups:  # in group order, as `add_communication` promises
+        slot = (first_slot if before else own_slot + 1)[owners] + placed[before][owners]
+        placed[before][owners] += 1
+        source[slot], kinds[slot], peers[slot] = owners, kind_code, peer
     lowered = t.select(source)
-    lowered = ActionTable(lowered.device, np.concatenate(kinds)[order], lowered.stage, lowered.microbatch,
-                          lowered.minibatch, lowered.pipeline, np.concatenate(peers)[order])
-    origin = np.where(key[order] % 3 == 1, source, -1)
-    return lowered, origin
+    return ActionTable(lowered.device, kinds, lowered.stage, lowered.microbatch, lowered.minibatch,
+                       lowered.pipeline, peers), origin
 
 
 def add_communication(schedule: Schedule) -> Schedule:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -35,6 +37,8 @@ class ActionTable:
 
     @classmethod
     def of(cls, schedule: Schedule) -> ActionTable:
+        if isinstance(schedule.orders, OrderView):
+            return schedule.orders.table
         device = np.repeat(np.arange(schedule.num_devices), [len(o) for o in schedule.orders])
         kinds, numbers = [np.zeros(0, dtype=np.int64)], [np.zeros((5, 0), dtype=np.int64)]
         for order in filter(None, schedule.orders):  # per device: one 2-D conversion is cheapest
@@ -66,3 +70,37 @@ class ActionTable:
 
 
 _FIELDS = ("device", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer")
+
+
+def stacked(parts: Sequence[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> ActionTable:
+    """A table from per-device columns, devices in order: (device, kind codes, stage, micro-batch,
+    mini-batch, pipeline)."""
+    columns = list(zip(*parts)) if parts else [[np.zeros(0, np.int64)]] * 6
+    device = np.concatenate([np.full(len(kind), d, dtype=np.int64) for d, kind in zip(columns[0], columns[1])])
+    rest = [np.concatenate([np.asarray(c, dtype=np.int64) for c in column]) for column in columns[1:]]
+    return ActionTable(device, *rest, np.full(len(device), -1, dtype=np.int64))
+
+
+class OrderView(Sequence):
+    """A schedule's per-device orders backed by its table: methods that build columns directly (so a
+    million-op schedule costs no per-op objects) still offer `Schedule.orders`, made on first use."""
+
+    def __init__(self, table: ActionTable, num_devices: int) -> None:
+        self.table = table
+        self.num_devices = num_devices
+
+    @cached_property
+    def _orders(self) -> tuple[tuple[Action, ...], ...]:
+        return self.table.to_orders(self.num_devices)
+
+    def __len__(self) -> int:
+        return self.num_devices
+
+    def __getitem__(self, device):
+        return self._orders[device]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))

@@ -36,6 +36,13 @@ from .cluster import Cluster
 from .costs import Costs
 
 _COMPUTE, _SEND, _RECV = 0, 1, 2
+_PS_PER_MS = 1e9
+
+
+def _picoseconds(ms: np.ndarray) -> np.ndarray:
+    """Times run on an integer picosecond clock: sums are exact and associative, so an op computed to
+    start where the one before it ends starts exactly there, however its time was added up."""
+    return np.round(np.asarray(ms, dtype=np.float64) * _PS_PER_MS).astype(np.int64)
 
 
 class SimulationError(RuntimeError):
@@ -47,13 +54,17 @@ class _Program:
     """The lowered schedule as flat arrays, one row per op (its gid), and one step list per device."""
 
     table: ActionTable
-    steps: list[tuple[list[int], list[float], list[int]]]  # per device, its rows in order: code, ms, transfer id
+    # Per device, its transfers in order: compute ps since the previous one, code, transfer id. Compute
+    # ops need no step of their own: between transfers a device's clock just adds their durations.
+    steps: list[tuple[list[int], list[int], list[int]]]
+    bounds: np.ndarray  # rows of device d: bounds[d]..bounds[d+1]
+    busy_before_ps: np.ndarray  # per row: compute time of its device's earlier rows
     code: np.ndarray
-    duration_ms: np.ndarray
+    duration_ps: np.ndarray
     transfer: np.ndarray
     version: np.ndarray
     prediction: np.ndarray
-    transfer_ms: list[float]
+    transfer_ps: list[int]
     routes: list[tuple[int, ...]]  # distinct routes (resource ids a transfer occupies)
     transfer_route: list[int]  # per transfer id: its index in `routes`
     num_resources: int
@@ -86,6 +97,7 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
     duration = np.where(compute, op_ms[np.where(compute, kind, 0), stage], 0.0)
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
+    duration = _picoseconds(duration)
 
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)[stage]
@@ -100,10 +112,11 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
     act_at_start = is_kind[Kind.F].astype(np.int64)
     act_at_end = -(is_kind[Kind.B] | is_kind[Kind.W]).astype(np.int64)
 
-    # Transfers: a SEND and its RECV share one id; size, time and route come per id.
+    # Transfers: a SEND and its RECV share one id, (cross-device edge, direction, unit), so ids are
+    # dense and found without matching; size, time and route depend only on the edge and direction.
     transfer = np.full(n, -1, dtype=np.int64)
     rows = np.flatnonzero(~compute)
-    transfer_ms: list[float] = []
+    transfer_ps: list[int] = []
     routes: list[tuple[int, ...]] = []
     transfer_route: list[int] = []
     resources: dict[str, int] = {}
@@ -112,28 +125,31 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
         forward = kind_mask(kind[rows], Kind.SEND_F, Kind.RECV_F)
         sender = np.where(sending, stage[rows], t.peer[rows])
         receiver = np.where(sending, t.peer[rows], stage[rows])
-        p, m = schedule.num_stages, schedule.microbatches
-        key = (((forward * p + sender) * p + receiver) * m + t.microbatch[rows]) * schedule.minibatches
-        key = (key + t.minibatch[rows]) * schedule.pipelines + t.pipeline[rows]
-        _, first, ids = np.unique(key, return_index=True, return_inverse=True)
-        transfer[rows] = ids.ravel()
+        num_stages = schedule.num_stages
+        edges = np.array([e for e in schedule.graph.edges
+                          if schedule.placement[e[0]] != schedule.placement[e[1]]], dtype=np.int64)
+        edge_keys = edges[:, 0] * num_stages + edges[:, 1]
+        by_key = np.argsort(edge_keys)
+        edge = by_key[np.searchsorted(edge_keys[by_key], np.where(forward, sender * num_stages + receiver,
+                                                                   receiver * num_stages + sender))]
+        units = schedule.microbatches * schedule.minibatches * schedule.pipelines
+        unit = ((t.microbatch[rows] * schedule.minibatches + t.minibatch[rows]) * schedule.pipelines
+                + t.pipeline[rows])
+        combo = edge * 2 + ~forward  # (edge, direction)
+        transfer[rows] = combo * units + unit
         output = np.asarray([c.output_bytes for c in stages], dtype=np.int64)
-        nbytes = np.where(forward, output[sender], output[receiver])[first]
+        combo_bytes = np.repeat(output[edges[:, 0]], 2)  # a gradient has its activation's size
         placement = np.asarray(schedule.placement)
-        src, dst = placement[sender[first]], placement[receiver[first]]
-        sizes, size_of = np.unique(nbytes, return_inverse=True)
-        key = (src * schedule.num_devices + dst) * len(sizes) + size_of.ravel()
-        _, combo_first, combo_of = np.unique(key, return_index=True, return_inverse=True)
-        combo_ms, combo_route = [], []
-        for a, b, size in zip(src[combo_first].tolist(), dst[combo_first].tolist(), nbytes[combo_first].tolist()):
+        combo_src = np.stack([placement[edges[:, 0]], placement[edges[:, 1]]], axis=1).ravel()
+        combo_dst = np.stack([placement[edges[:, 1]], placement[edges[:, 0]]], axis=1).ravel()
+        combo_ms = []
+        for a, b, size in zip(combo_src.tolist(), combo_dst.tolist(), combo_bytes.tolist()):
             link = cluster.link(a, b)
             combo_ms.append(link.transfer_ms(size))
-            combo_route.append(() if link.resource is None else (resources.setdefault(link.resource, len(resources)),))
-        combo_of = combo_of.ravel()
-        transfer_ms = np.asarray(combo_ms)[combo_of].tolist()
-        transfer_route = combo_of.tolist()
-        routes = combo_route
-        row_bytes = nbytes[ids.ravel()]
+            routes.append(() if link.resource is None else (resources.setdefault(link.resource, len(resources)),))
+        transfer_ps = np.repeat(_picoseconds(np.asarray(combo_ms)), units).tolist()
+        transfer_route = np.repeat(np.arange(len(routes)), units).tolist()
+        row_bytes = combo_bytes[combo]
         mem_at_start[rows] = row_bytes  # a SEND holds its buffer until the transfer ends,
         mem_at_end[rows] = np.where(sending, -row_bytes, 0)
         recv_rows = rows[~sending]  # a RECV's buffer lives until its consumer (the next compute op) ends
@@ -141,10 +157,14 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
         np.add.at(mem_at_end, consumer, -row_bytes[~sending])
 
     steps = []
+    busy_before = np.empty(n, dtype=np.int64)
     bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
     for d in range(schedule.num_devices):
         lo, hi = bounds[d], bounds[d + 1]
-        steps.append((code[lo:hi].tolist(), duration[lo:hi].tolist(), transfer[lo:hi].tolist()))
+        busy_before[lo:hi] = np.cumsum(duration[lo:hi]) - duration[lo:hi]
+        comm = lo + np.flatnonzero(code[lo:hi] != _COMPUTE)
+        pre = np.diff(busy_before[comm], prepend=0)
+        steps.append((pre.tolist(), code[comm].tolist(), transfer[comm].tolist()))
     static = []
     for device in range(schedule.num_devices):
         mine = [stages[s] for s in schedule.stages_on(device)]
@@ -156,13 +176,13 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
     unused = 1 + schedule.policy.extra_copies
     held = _scatter(versions.held_after, origin, unused)[last_compute]
     held = np.where(t.device[last_compute] == t.device, held, unused)
-    return _Program(t, steps, code, duration, transfer, _scatter(versions.read, origin, -1),
-                    _scatter(versions.prediction, origin, -1), transfer_ms, routes, transfer_route, len(resources),
+    return _Program(t, steps, bounds, busy_before, code, duration, transfer, _scatter(versions.read, origin, -1),
+                    _scatter(versions.prediction, origin, -1), transfer_ps, routes, transfer_route, len(resources),
                     mem_at_start, mem_at_end, act_at_start, act_at_end, held, static)
 
 
 class _Model:
-    """The SimPy processes; times in milliseconds.
+    """The SimPy processes; times in integer picoseconds.
 
     Each device keeps its own clock and yields to SimPy only where another device's progress matters:
     to wait for a transfer not yet sent, and, before reserving a shared link, to let the simulated time
@@ -175,27 +195,25 @@ class _Model:
         self.env = simpy.Environment()
         self.program = program
         self.overlap_comm = overlap_comm
-        n_transfers = len(program.transfer_ms)
-        # Per device, per row: compute: op start; SEND: when issued; RECV: when the wait began.
-        self.starts: list[list[float]] = [[] for _ in program.steps]
-        self.transfer_start = [0.0] * n_transfers
-        self.arrival: list[float | None] = [None] * n_transfers
+        n_transfers = len(program.transfer_ps)
+        # Per device, per transfer: the device's clock once it is done (SEND issued, RECV arrived).
+        self.clock_after: list[list[float]] = [[] for _ in program.steps]
+        self.transfer_start = [0] * n_transfers
+        self.arrival: list[int | None] = [None] * n_transfers
         self.waiting: dict[int, simpy.Event] = {}
-        self.free_at = [0.0] * program.num_resources
+        self.free_at = [0] * program.num_resources
         self.finished = 0
 
-    def device(self, steps: tuple[list[int], list[float], list[int]], starts: list[float]):
+    def device(self, steps: tuple[list[float], list[int], list[int]], clock_after: list[float]):
         env = self.env
         arrival, waiting, free_at = self.arrival, self.waiting, self.free_at
-        issue = starts.append
-        routes, transfer_ms, overlap = self.program.routes, self.program.transfer_ms, self.overlap_comm
+        done = clock_after.append
+        routes, transfer_ps, overlap = self.program.routes, self.program.transfer_ps, self.overlap_comm
         transfer_route = self.program.transfer_route
-        clock = 0.0
-        for code, duration, xid in zip(*steps):
-            issue(clock)
-            if code == _COMPUTE:
-                clock += duration
-            elif code == _SEND:
+        clock = 0
+        for busy_ps, code, xid in zip(*steps):
+            clock += busy_ps
+            if code == _SEND:
                 route = routes[transfer_route[xid]]
                 begin = clock
                 if route:
@@ -204,7 +222,7 @@ class _Model:
                     for r in route:
                         if free_at[r] > begin:
                             begin = free_at[r]
-                end = begin + transfer_ms[xid]
+                end = begin + transfer_ps[xid]
                 for r in route:
                     free_at[r] = end
                 self.transfer_start[xid] = begin
@@ -222,11 +240,12 @@ class _Model:
                     ready = arrival[xid]
                 if ready > clock:
                     clock = ready
+            done(clock)
         self.finished += 1
 
     def run(self) -> None:
-        for steps, starts in zip(self.program.steps, self.starts):
-            self.env.process(self.device(steps, starts))
+        for steps, clock_after in zip(self.program.steps, self.clock_after):
+            self.env.process(self.device(steps, clock_after))
         self.env.run()
 
 
@@ -261,15 +280,16 @@ def _trace(schedule: Schedule, costs: Costs, cluster: Cluster, program: _Program
            seed: int) -> Trace:
     code, xid, t = program.code, program.transfer, program.table
     is_transfer = code != _COMPUTE
-    issued_ms = np.concatenate([np.asarray(s, dtype=np.float64) for s in model.starts])
-    start_ms = issued_ms.copy()
-    end_ms = issued_ms + program.duration_ms
+    issued_ps = _issue_times(program, model)
+    start_ps = issued_ps.copy()
+    end_ps = issued_ps + program.duration_ps
     if len(model.arrival):
-        start_ms[is_transfer] = np.asarray(model.transfer_start)[xid[is_transfer]]
-        end_ms[is_transfer] = np.asarray(model.arrival, dtype=np.float64)[xid[is_transfer]]
+        start_ps[is_transfer] = np.fromiter(model.transfer_start, np.int64, len(model.transfer_start))[xid[is_transfer]]
+        end_ps[is_transfer] = np.fromiter(model.arrival, np.int64, len(model.arrival))[xid[is_transfer]]
+    issued_ms, start_ms, end_ms = issued_ps / _PS_PER_MS, start_ps / _PS_PER_MS, end_ps / _PS_PER_MS
     ops = Ops(device=t.device, stream=code, kind=t.kind, stage=t.stage, microbatch=t.microbatch,
               minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=program.version,
-              prediction=program.prediction, start_us=start_ms * 1e3, dur_us=(end_ms - start_ms) * 1e3)
+              prediction=program.prediction, start_us=start_ms * 1e3, dur_us=(end_ps - start_ps) / (_PS_PER_MS / 1e3))
 
     # Event times: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival.
     first_ms = np.where(code == _RECV, end_ms, issued_ms)
@@ -279,7 +299,8 @@ def _trace(schedule: Schedule, costs: Costs, cluster: Cluster, program: _Program
                                        program.static_bytes, devices),
         "activations": _step_counters(t.device, first_ms, end_ms, program.act_at_start, program.act_at_end,
                                       [0] * devices, devices),
-        "weight_versions": _level_counters(t.device, end_ms, program.held_after, devices),
+        "weight_versions": _level_counters(program.bounds, end_ms, program.held_after,
+                                           1 + schedule.policy.extra_copies),
     }
     meta = {
         "source": "simulated",
@@ -301,6 +322,21 @@ def _trace(schedule: Schedule, costs: Costs, cluster: Cluster, program: _Program
     return Trace(tuple(k.value for k in KINDS), devices, ops, counters, meta)
 
 
+def _issue_times(program: _Program, model: _Model) -> np.ndarray:
+    """When each row was issued (compute: start; SEND: issued; RECV: wait began): the device's clock
+    after its last transfer before the row, plus the compute time since."""
+    out = np.empty(len(program.code), dtype=np.int64)
+    for d, clock_after in enumerate(model.clock_after):
+        lo, hi = program.bounds[d], program.bounds[d + 1]
+        busy = program.busy_before_ps[lo:hi]
+        comm = np.flatnonzero(program.code[lo:hi] != _COMPUTE)
+        segment = np.searchsorted(comm, np.arange(hi - lo))  # transfers before each row
+        begin = np.fromiter([0, *clock_after], np.int64, len(clock_after) + 1)[segment]
+        base = np.concatenate([[0], busy[comm]])[segment]
+        out[lo:hi] = begin + (busy - base)
+    return out
+
+
 def _step_counters(device, first_ms, second_ms, first_delta, second_delta, initial, num_devices) -> list[Counter]:
     """Per device, the running total of deltas applied at two event times per op, in time order
     (ties keep program order, so an op's end counts before the next op's start). Rows come grouped
@@ -320,13 +356,13 @@ def _step_counters(device, first_ms, second_ms, first_delta, second_delta, initi
     return out
 
 
-def _level_counters(device, end_ms, level, num_devices) -> list[Counter]:
-    """Per device, samples of `level` (valid after each op ends) wherever it changes."""
+def _level_counters(bounds, end_ms, level, initial) -> list[Counter]:
+    """Per device (rows bounds[d]..bounds[d+1]), samples of `level` (valid after each op ends) wherever
+    it changes."""
     out = []
-    for d in range(num_devices):
-        mine = device == d
-        times, values = end_ms[mine] * 1e3, level[mine]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        times, values = end_ms[lo:hi] * 1e3, level[lo:hi]
         change = np.ones(len(values), dtype=bool)
         change[1:] = values[1:] != values[:-1]
-        out.append(Counter(np.concatenate([[0.0], times[change]]), np.concatenate([[1], values[change]])))
+        out.append(Counter(np.concatenate([[0.0], times[change]]), np.concatenate([[initial], values[change]])))
     return out
