@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
@@ -101,6 +102,7 @@ def simulate(
     avg: Annotated[Optional[float], typer.Option("--avg", min=0.0, help="Elastic averaging (AVG) ms per stage (default: --opt).")] = None,
     comm: Annotated[str, typer.Option("--comm", help="Ms per activation or gradient transfer between devices (no contention).")] = "0",
     cluster: Annotated[Optional[Path], typer.Option("--cluster", help="Cluster JSON (devices, links with latency and bandwidth, shared resources); replaces --comm.")] = None,
+    profile: Annotated[Optional[Path], typer.Option("--profile", help="Profile from `pipesim calibrate`: per-stage times, bytes and links from measurements (replaces the cost and size flags; other stage counts re-partition its layers).")] = None,
     param_mb: Annotated[str, typer.Option("--param-mb", help="Parameter MiB per model stage (one number, or one per stage).")] = "256",
     activation_mb: Annotated[str, typer.Option("--activation-mb", help="Activation MiB a micro-batch saves per model stage.")] = "64",
     output_mb: Annotated[str, typer.Option("--output-mb", help="MiB a stage sends to the next per micro-batch (sizes transfers on --cluster links).")] = "8",
@@ -161,6 +163,9 @@ def simulate(
             if blocking_comm:
                 topology = type(topology)(**{**vars(topology), "overlap_comm": False})
         dag = _load_graph(graph) if graph is not None else None
+        measured = _load_profile(ctx, profile) if profile is not None else None
+        if measured is not None and not _given(ctx, "stages"):
+            stages = measured.partition.stages
 
         def build(name: str):
             defaults = METHODS[name].defaults
@@ -169,15 +174,17 @@ def simulate(
                 chunks if chunks is not None else defaults.get("chunks", 1),
                 pipelines if pipelines is not None else defaults.get("pipelines", 1),
                 advance, average_every, elastic_alpha)
-            if dag and name == "graphpipe":
+            if name == "graphpipe" and (dag or measured):
                 from .schedules.graph import graph_schedule
 
-                return graph_schedule(params, *dag)
+                return graph_schedule(params, *dag) if dag else graph_schedule(params, _profile_graph(measured, stages))
             return build_schedule(name, params)
 
         def costs_for(sched) -> Costs:
             """Per-model-stage costs. The example spreads one device's share of the model over its chunks,
             so every method trains the same model."""
+            if measured is not None:
+                return _profile_costs(measured, sched, optimizer)
             n = sched.num_stages
             if example:
                 share = sched.num_devices / n
@@ -199,7 +206,9 @@ def simulate(
         built = [loaded] if loaded else [build(name) for name in names]
         summaries, traces = [], []
         for sched in _progress(built, as_json):
-            links = topology or Cluster.uniform(sched.num_devices, comm_ms[0], overlap_comm=not blocking_comm)
+            links = topology or (
+                _profile_cluster(measured, sched.num_devices, not blocking_comm) if measured and measured.link
+                else Cluster.uniform(sched.num_devices, comm_ms[0], overlap_comm=not blocking_comm))
             result = run_simulation(sched, costs_for(sched), links, jitter=jitter, seed=seed)
             traces.append(result)
             summaries.append(summarize(result))
@@ -244,6 +253,80 @@ def _schedule_file(ctx: typer.Context, path: Path):
     except UnicodeDecodeError:
         raise InputError(f"--schedule-file: {path} is not a text (UTF-8) CSV file") from None
     return from_torch_csv(text, path.stem)
+
+
+PROFILE_COSTS = ("fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb", "output_mb",
+                 "microbatch_size", "graph")
+
+
+def _load_profile(ctx: typer.Context, path: Path):
+    """A calibration profile. It fixes the costs, sizes and (when it measured them) links, so flags that set
+    those would be silently ignored: refuse them instead."""
+    from .calibrate.profile import ProfileError, load_profile
+
+    try:
+        measured = load_profile(path)
+    except ProfileError as exc:
+        raise InputError(f"--profile: {exc}") from None
+    fixed = [*PROFILE_COSTS, *(("comm", "cluster") if measured.link else ())]
+    clash = [f"--{name.replace('_', '-')}" for name in fixed if _given(ctx, name)]
+    if clash:
+        raise InputError(f"{', '.join(clash)}: the profile {path} gives the costs, sizes, stage graph"
+                         f"{' and links' if measured.link else ''}; drop these flags")
+    return measured
+
+
+def _profile_bounds(measured, num_stages: int) -> list[int]:
+    """The profile's own partition for its stage count; other counts re-partition its layers for time (the
+    memory cap applied at calibration, for 1F1B with one stage per device)."""
+    from .calibrate.partition import partition
+    from .calibrate.profile import layer_costs
+
+    if num_stages == measured.partition.stages:
+        return measured.partition.bounds
+    if num_stages > len(measured.layers):
+        raise InputError(f"--profile: the schedule has {num_stages} model stages but the profile's model has "
+                         f"{len(measured.layers)} layers; lower --stages or --chunks")
+    return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages)
+
+
+def _profile_graph(measured, num_stages: int):
+    """The stage DAG of the profile's model cut into `num_stages` (a chain unless its layers branch)."""
+    from .calibrate.profile import stage_edges
+    from .schedules.ir import StageGraph
+
+    return StageGraph(num_stages, tuple(stage_edges(measured.layers, _profile_bounds(measured, num_stages))))
+
+
+def _profile_costs(measured, sched, optimizer: str):
+    """Costs of the profile's layers cut into the schedule's model stages, with `optimizer`'s update and
+    prediction; AvgPipe's averaging step pulls all P replicas."""
+    from .calibrate.profile import stages_for
+    from .schedules.ir import StageGraph
+    from .sim import Costs, StageCosts
+
+    n = sched.num_stages
+    stages = stages_for(measured, _profile_bounds(measured, n), dag=sched.graph.edges != StageGraph.chain(n).edges)
+    return Costs(tuple(StageCosts(
+        fwd_ms=s.fwd_ms, bwd_ms=s.bwd_ms, wgrad_fraction=s.wgrad_fraction, opt_ms=s.steps[optimizer].step.median_ms,
+        pred_ms=s.steps[optimizer].predict.median_ms, avg_ms=s.average.median_ms * sched.pipelines,
+        param_bytes=s.param_bytes, activation_bytes=s.activation_bytes, output_bytes=s.output_bytes,
+        optimizer_state_bytes=s.optimizer_state_bytes[optimizer]) for s in stages),
+        microbatch_size=measured.environment.microbatch_size)
+
+
+def _profile_cluster(measured, num_devices: int, overlap_comm: bool):
+    """Every device pair gets the measured p2p link, a resource of its own (transfers on one link queue);
+    devices are the calibrated device with its memory (or the cap calibration planned for)."""
+    from .sim import Cluster, Link
+
+    env = measured.environment
+    segments = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in measured.link.segments)
+    pairs = {(a, b): Link(resource=f"link {a}->{b}", segments=segments)
+             for a in range(num_devices) for b in range(num_devices) if a != b}
+    memory = env.memory_cap_bytes or env.device_memory_bytes
+    return Cluster(num_devices, Link(segments=segments), pairs, (env.device_name,) * num_devices,
+                   (memory,) * num_devices, overlap_comm)
 
 
 def _load_graph(path: Path):
@@ -297,6 +380,138 @@ def _print_table(summaries: list, schedules: list, example: bool) -> None:
                      "update, prediction and averaging 0.1 ms; transfers 0.1 ms), split over each method's chunks. "
                      "Try: pipesim simulate --schedule 1f1b --schedule xpipe --stages 8 --microbatches 32 "
                      "--html t.html", highlight=False)
+
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+@app.command()
+def calibrate(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option("--model", help="mlp, cnn, gpt, two-branch, or package.module:attribute naming a torch.nn.Sequential, a list of modules, or a zero-argument callable returning one.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write (replaced atomically).")],
+    stages: Annotated[int, typer.Option("--stages", "-p", min=1, help="Pipeline stages p to partition the layers into.")] = 2,
+    microbatch_size: Annotated[int, typer.Option("--microbatch-size", "-b", min=1, help="Samples per micro-batch.")] = 8,
+    device: Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda when torch sees a GPU).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
+    memory_gb: Annotated[Optional[float], typer.Option("--memory-gb", help="Per-device memory cap in GiB for the partition (1F1B: weights, gradients, optimizer state, in-flight activations).")] = None,
+    optimizer: Annotated[str, typer.Option("--optimizer", help="Optimizer whose state the memory cap counts: sgd, momentum, adam, adamw.")] = "adam",
+    layers: Annotated[Optional[int], typer.Option("--layers", help="Built-in models: layers (blocks; per branch for two-branch).")] = None,
+    width: Annotated[Optional[int], typer.Option("--width", help="Built-in models: hidden width (channels for cnn and two-branch).")] = None,
+    heads: Annotated[Optional[int], typer.Option("--heads", help="gpt: attention heads.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="gpt: sequence length.")] = None,
+    vocab: Annotated[Optional[int], typer.Option("--vocab", help="gpt: vocabulary size.")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed runs per measurement, and rounds over the link sizes (the median is kept).")] = 10,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed runs before them.")] = 2,
+    links: Annotated[bool, typer.Option("--links/--no-links", help="Measure the point-to-point link and the all-reduce between two local ranks.")] = True,
+    link_max_mb: Annotated[float, typer.Option("--link-max-mb", help="Largest link message in MiB (powers of two from 4 KiB).")] = 64.0,
+) -> None:
+    """Measure a model on this machine into a profile for `pipesim simulate --profile`.
+
+    Per layer: forward, backward and its input/weight-gradient split, saved activations, output, weight,
+    gradient and optimizer-state bytes. Per stage of the partition: optimizer, weight-prediction and
+    averaging steps. And the p2p link (a piecewise fit) and all-reduce between two ranks.
+    """
+    from .calibrate.partition import PartitionError
+    from .calibrate.profile import OPTIMIZERS, profile_json
+    from .traces import write_atomic
+
+    try:
+        _writable("--out", out)
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
+        if optimizer not in OPTIMIZERS:
+            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+        if memory_gb is not None and not 0 < memory_gb < float("inf"):
+            raise InputError(f"--memory-gb: must be a number of GiB > 0 (got {memory_gb})")
+        if not links and _given(ctx, "link_max_mb"):
+            raise InputError("--link-max-mb sizes the link measurement, which --no-links skips: give one")
+        if links and not 4 << 10 <= link_max_mb * MIB < float("inf"):
+            raise InputError(f"--link-max-mb: must be at least 4 KiB ({4 / 1024:g} MiB), got {link_max_mb}")
+        from .calibrate.links import LinkError, default_sizes
+        from .calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
+        from .calibrate.measure import calibrate as run_calibration
+        from .calibrate.models import ModelError, build_model
+
+        try:
+            settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats)
+            net = build_model(model, layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
+            if stages > len(net.layers):
+                raise InputError(f"--stages {stages}: {net.name} has {len(net.layers)} layers; give at most "
+                                 f"{len(net.layers)} (each stage needs at least one layer)")
+            sizes = default_sizes(int(link_max_mb * MIB)) if links else []
+            work = warmup + repeats + 5 * stages + (2 * (repeats + 1) if sizes else 0)
+            with _steps(work, f"calibrating {net.name}") as advance:
+                profile = run_calibration(
+                    net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
+                    memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance)
+        except (ModelError, DeviceError, PartitionError, LinkError) as exc:
+            raise InputError(str(exc)) from None
+        write_atomic(out, profile_json(profile))
+    except InputError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write output: {exc.filename}: {exc.strerror}")
+    _print_profile(profile)
+    stdout.print(f"wrote {out}", highlight=False)
+
+
+@contextmanager
+def _steps(total: int, title: str):
+    """A progress bar on an interactive terminal over `total` units of work; yields `advance(what)`, called
+    as each unit starts."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
+        task = bar.add_task(title, total=total)
+        started = 0
+
+        def advance(what: str) -> None:
+            nonlocal started
+            bar.update(task, completed=min(started, total), description=f"{title}: {what}")
+            started += 1
+
+        yield advance
+
+
+def _print_profile(profile) -> None:
+    """Per stage: layers, times, the backward's split, memory; then the link fit and all-reduce points."""
+    env = profile.environment
+    table = Table(title=f"{profile.model.name} on {env.device_name} ({env.device}, {env.dtype}, micro-batch "
+                        f"{env.microbatch_size}), partitioned for {profile.partition.optimizer}",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  caption="per micro-batch; I/W: input- and weight-gradient passes of the split backward; "
+                          "peak: 1F1B estimate (weights, grads, optimizer state, activations in flight)",
+                  caption_justify="left")
+    for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "W share", "act MiB", "params MiB",
+                   "peak MiB"):
+        table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
+    for k, stage in enumerate(profile.stages):
+        first, stop = stage.layers
+        table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:.3f}",
+                      f"{stage.bwd_ms:.3f}", f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
+                      f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
+                      f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
+    stdout.print(table)
+    if profile.link is None:
+        stdout.print("links: not measured (--no-links)", highlight=False)
+        return
+    meta = profile.link.meta
+    lines = [f"from {_size(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us + {s.bytes_per_ms / 1e6:.3g} GB/s"
+             for s in profile.link.segments]
+    stdout.print(f"p2p link fit ({meta.get('backend')}, {meta.get('device')}): " + "; ".join(lines), highlight=False)
+    points = profile.allreduce.points
+    stdout.print(f"all-reduce ({profile.allreduce.world_size} ranks): " + ", ".join(
+        f"{_size(p.nbytes)} {p.ms:.3g} ms" for p in (points[0], points[len(points) // 2], points[-1])),
+        highlight=False)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", MIB), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes} B"
 
 
 EXPORT_FORMATS = ("torch-csv",)

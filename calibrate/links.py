@@ -8,6 +8,7 @@ per rank, and gloo with host-staged tensors when ranks share a GPU (NCCL refuses
 
 from __future__ import annotations
 
+import itertools
 import math
 import queue as queue_mod
 import socket
@@ -80,7 +81,7 @@ class LinkFit:
         if not self.segments:
             raise ValueError("a link fit needs at least one segment")
         starts = [s.min_bytes for s in self.segments]
-        if any(b <= a for a, b in zip(starts, starts[1:])):
+        if any(b <= a for a, b in itertools.pairwise(starts)):
             raise ValueError(f"segment min_bytes must increase (got {starts})")
         for s in self.segments:
             if not (math.isfinite(s.latency_ms) and s.latency_ms >= 0):
@@ -131,17 +132,14 @@ def _fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     def cost(a: float, b: float) -> float:
         return float(np.sum((w * a + wx * b - wy) ** 2))
 
-    candidates = []
-    design = np.column_stack([w, wx])
-    (a, b), *_ = np.linalg.lstsq(design, wy, rcond=None)
+    (a, b), *_ = np.linalg.lstsq(np.column_stack([w, wx]), wy, rcond=None)
     if a >= 0 and b > 0:
-        candidates.append((float(a), float(b)))
-    else:  # the optimum lies on a constraint boundary: through the origin, or flat at the slope floor
-        b0 = float(wx @ wy / (wx @ wx))
-        candidates.append((0.0, max(b0, 1 / _MAX_BYTES_PER_MS)))
+        candidates = [(float(a), float(b))]
+    else:  # the constrained optimum lies on a boundary: through the origin, or flat at the slope floor
         b_floor = 1 / _MAX_BYTES_PER_MS
-        a1 = float(w @ (wy - wx * b_floor) / (w @ w))
-        candidates.append((max(a1, 0.0), b_floor))
+        through_origin = (0.0, max(float(wx @ wy / (wx @ wx)), b_floor))
+        flat = (max(float(w @ (wy - wx * b_floor) / (w @ w)), 0.0), b_floor)
+        candidates = [through_origin, flat]
     a, b = min(candidates, key=lambda ab: cost(*ab))
     return a, b, cost(a, b)
 
@@ -200,7 +198,7 @@ def fit_link(points: Sequence[LinkPoint], max_segments: int = 3, penalty: float 
             if b != 1 / prev.bytes_per_ms:  # the crossing of the two lines, if it lies between the measured sizes
                 cross = (a - prev.latency_ms) / (1 / prev.bytes_per_ms - b)
                 if x[i - 1] < cross < x[i]:
-                    start = int(math.ceil(cross))
+                    start = math.ceil(cross)
         segments.append(LinkSegment(start, a, 1 / b))
     return LinkFit(tuple(segments), dict(getattr(points, "meta", {})))
 
@@ -217,17 +215,27 @@ def default_sizes(max_bytes: int = 64 << 20) -> list[int]:
 
 
 def measure_p2p(sizes: Iterable[int], *, device: str = "cpu", repeats: int = 20, warmup: int = 3,
-                progress: Progress | None = None, timeout_s: float = 120.0) -> LinkPoints:
-    """One-way point-to-point time per size between two ranks on this machine (ping-pong round trip / 2)."""
-    return _measure("p2p", sizes, 2, device, repeats, warmup, progress, timeout_s)
+                progress: Progress | None = None, min_time_s: float = 0.15, timeout_s: float = 120.0) -> LinkPoints:
+    """One-way point-to-point time per size between two ranks on this machine (ping-pong round trip / 2).
+
+    `repeats` rounds each visit every size; a size runs at least once a round and, if cheap, more often, for
+    about `min_time_s` in all: waking a blocked rank sometimes costs milliseconds (a timer tick on a busy VM),
+    so small messages need many samples for a steady median. `progress(done, total)` follows the rounds
+    (done=0 once the ranks are up). A failure, or a run past `timeout_s`, raises LinkError with the ranks ended.
+    """
+    return _measure("p2p", sizes, 2, device, (repeats, warmup, min_time_s), progress, timeout_s)
 
 
 def measure_allreduce(sizes: Iterable[int], *, world_size: int = 2, device: str = "cpu", repeats: int = 10,
-                      warmup: int = 2, progress: Progress | None = None, timeout_s: float = 120.0) -> LinkPoints:
-    """Sum all-reduce time per size (float32, so sizes round down to a multiple of 4 bytes) over world_size ranks."""
+                      warmup: int = 2, progress: Progress | None = None, min_time_s: float = 0.15,
+                      timeout_s: float = 120.0) -> LinkPoints:
+    """Sum all-reduce time per size over `world_size` ranks, float32 like gradients (sizes round down to a
+    multiple of 4 bytes). Back-to-back collectives after one barrier, so ranks pace each other as in
+    data-parallel training; each repeat counts as long as its slowest rank. Other arguments as measure_p2p.
+    """
     if world_size < 2:
         raise ValueError(f"an all-reduce needs world_size >= 2 (got {world_size})")
-    return _measure("allreduce", sizes, world_size, device, repeats, warmup, progress, timeout_s)
+    return _measure("allreduce", sizes, world_size, device, (repeats, warmup, min_time_s), progress, timeout_s)
 
 
 def _transport(device: str, world_size: int) -> dict[str, Any]:
@@ -253,7 +261,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, repeats: int, warmup: int,
+def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: tuple[int, int, float],
              progress: Progress | None, timeout_s: float) -> LinkPoints:
     import torch.multiprocessing as mp
 
@@ -262,17 +270,19 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, repeat
         raise ValueError("sizes must be a non-empty list of byte counts > 0")
     if op == "allreduce":
         sizes = sorted({max(4, s - s % 4) for s in sizes})
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    repeats, warmup, min_time_s = plan
+    if repeats < 1 or warmup < 0 or min_time_s < 0:
+        raise ValueError(f"need repeats >= 1, warmup >= 0, min_time_s >= 0 (got {repeats}, {warmup}, {min_time_s})")
     transport = _transport(device, world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(rank, world_size, port, op, sizes, transport, repeats, warmup, timeout_s, results))
+                         args=(rank, world_size, port, op, sizes, transport, plan, timeout_s, results))
              for rank in range(world_size)]
     what = f"{op} link measurement ({transport['backend']}, {world_size} ranks)"
     deadline = time.monotonic() + timeout_s
+    finished = False
     try:
         for p in procs:
             p.start()
@@ -295,10 +305,11 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, repeat
                 raise LinkError(f"{what}: rank {msg[1]}: {msg[2]}")
             else:
                 samples = msg[1]
+                finished = True
                 break
     finally:
-        for p in procs:
-            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:  # ranks that finished get a moment to leave the group; stuck ones are killed at once
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if finished else 0.0)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -308,12 +319,13 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, repeat
     for nbytes, ms in zip(sizes, samples):
         q1, med, q3 = np.percentile(ms, [25, 50, 75])
         points.append(LinkPoint(nbytes, float(med), float(q3 - q1)))
-    meta = {"op": op, "world_size": world_size, "repeats": repeats, "warmup": warmup, **transport}
+    meta = {"op": op, "world_size": world_size, "repeats": repeats, "warmup": warmup, "min_time_s": min_time_s,
+            "samples": [len(ms) for ms in samples], **transport}
     return LinkPoints(points, meta)
 
 
 def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], transport: dict[str, Any],
-            repeats: int, warmup: int, timeout_s: float, results: Any) -> None:
+            plan: tuple[int, int, float], timeout_s: float, results: Any) -> None:
     """One rank: join the group, time every size, and (rank 0) report progress and per-repeat times in ms."""
     import torch
     import torch.distributed as dist
@@ -330,6 +342,8 @@ def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], tr
         dev = torch.device("cuda") if cuda else torch.device("cpu")
         buf = torch.ones(numel, dtype=dtype, device=dev)
         host = torch.empty(numel, dtype=dtype, pin_memory=True) if transport["host_staged"] else None
+        if rank == 0:
+            results.put(("progress", 0, plan[0]))  # the group is up: startup is over
 
         def staged(fn: Callable[[torch.Tensor], Any], t: torch.Tensor) -> None:
             if host is None:
@@ -349,10 +363,7 @@ def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], tr
                 staged(lambda h: dist.send(h, 0), t)
 
         def allreduce(t: torch.Tensor) -> None:
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            return staged(lambda h: dist.all_reduce(h), t)
+            staged(dist.all_reduce, t)
 
         def timed_ms(fn: Callable[[], Any]) -> float:
             if cuda:
@@ -366,22 +377,48 @@ def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], tr
             fn()
             return (time.perf_counter_ns() - t0) / 1e6
 
-        samples = []
-        for done, nbytes in enumerate(sizes, 1):
+        def step_for(nbytes: int) -> Callable[[], None]:
             t = buf[: nbytes // dtype.itemsize]
-            if op == "p2p":
-                times = [timed_ms(lambda: p2p(t)) / 2 for _ in range(warmup + repeats)][warmup:]
-            else:  # barrier outside the timed region; the collective takes as long as its slowest rank
-                run = []
-                for _ in range(warmup + repeats):
-                    dist.barrier()
-                    run.append(timed_ms(lambda: allreduce(t)))
-                slowest = torch.tensor(run[warmup:], dtype=torch.float64)
-                dist.all_reduce(slowest.to(dev) if transport["backend"] == "nccl" else slowest, op=dist.ReduceOp.MAX)
-                times = slowest.tolist()
-            samples.append(times)
+            return (lambda: p2p(t)) if op == "p2p" else (lambda: allreduce(t))
+
+        def before_batch() -> None:  # all-reduce ranks start each batch together, then pace each other
+            if op == "allreduce":
+                dist.barrier()
+                if cuda:
+                    torch.cuda.synchronize()
+
+        repeats, warmup, min_time_s = plan
+        comm_dev = dev if transport["backend"] == "nccl" else torch.device("cpu")
+        steps = [step_for(n) for n in sizes]
+        # Warm-up pass; its times tell rank 0 how often a round repeats each size so that the size runs at
+        # least `repeats` times and for about min_time_s in all. Every rank must run the same count.
+        per_round = torch.ones(len(sizes), dtype=torch.int64, device=comm_dev)
+        for i, step in enumerate(steps):
+            before_batch()
+            warm_ms = sorted(timed_ms(step) for _ in range(max(warmup, 1)))[max(warmup, 1) // 2]
+            per_round[i] = math.ceil(min_time_s * 1e3 / max(warm_ms, 1e-3) / repeats)
+        dist.broadcast(per_round, 0)
+        counts = [max(1, int(c)) for c in per_round.tolist()]
+
+        # Rounds visit every size in turn, so each size's samples span the whole run and a slow spell of the
+        # machine (timer-tick wake-ups on a busy VM) spreads over all sizes instead of bending the curve.
+        # Rounds go up then down the sizes: a size follows a neighbour, never 4 KiB straight after 64 MiB.
+        samples: list[list[float]] = [[] for _ in sizes]
+        for done in range(1, repeats + 1):
+            order = range(len(sizes)) if done % 2 else range(len(sizes) - 1, -1, -1)
+            for i in order:
+                step = steps[i]
+                before_batch()
+                samples[i] += [timed_ms(step) for _ in range(counts[i])]
             if rank == 0:
-                results.put(("progress", done, len(sizes)))
+                results.put(("progress", done, repeats))
+        if op == "p2p":  # a round trip is two one-way transfers
+            samples = [[ms / 2 for ms in times] for times in samples]
+        else:  # a repeat lasts as long as its slowest rank
+            flat = torch.tensor([ms for times in samples for ms in times], dtype=torch.float64, device=comm_dev)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            slowest = iter(flat.tolist())
+            samples = [[next(slowest) for _ in times] for times in samples]
         if rank == 0:
             results.put(("done", samples))
     except Exception as exc:  # noqa: BLE001 - any failure becomes one line for the parent's LinkError

@@ -19,8 +19,9 @@ class ClusterError(ValueError):
 
 @dataclass(frozen=True)
 class Link:
-    """Time to move n bytes: `latency_ms + n / bandwidth`, or a measured (bytes, ms) table interpolated
-    linearly (NCCL changes protocol with size). Transfers whose links name the same `resource` queue
+    """Time to move n bytes: `latency_ms + n / bandwidth`, a measured (bytes, ms) table interpolated
+    linearly, or piecewise α–β `segments` (min_bytes, latency_ms, bytes_per_ms) as calibration fits them
+    (NCCL and gloo change protocol with size). Transfers whose links name the same `resource` queue
     behind one another (first come, first served); a link with no resource never contends."""
 
     latency_ms: float = 0.0
@@ -28,8 +29,11 @@ class Link:
     resource: str | None = None
     table_bytes: tuple[float, ...] = ()
     table_ms: tuple[float, ...] = ()
+    segments: tuple[tuple[int, float, float], ...] = ()
 
     def transfer_ms(self, nbytes: int) -> float:
+        if self.segments:
+            return _segments_ms(self.segments, nbytes)
         if self.table_bytes:
             x, y = self.table_bytes, self.table_ms
             if nbytes >= x[-1] and len(x) > 1:  # extrapolate with the last segment's bandwidth
@@ -37,6 +41,20 @@ class Link:
                 return y[-1] + (nbytes - x[-1]) * slope
             return float(np.interp(nbytes, x, y))
         return self.latency_ms + nbytes / self.bandwidth_bytes_per_ms
+
+
+def _segments_ms(segments: tuple[tuple[int, float, float], ...], nbytes: int) -> float:
+    """The line of the segment whose range holds nbytes (the first one's also below its start), held at
+    least at the previous line's value where it starts, so times never fall with size (as calibrate's
+    LinkFit.ms)."""
+    floor_ms = 0.0
+    _, latency_ms, bytes_per_ms = segments[0]
+    for min_bytes, next_latency_ms, next_bytes_per_ms in segments[1:]:
+        if nbytes < min_bytes:
+            break
+        floor_ms = max(floor_ms, latency_ms + min_bytes / bytes_per_ms)
+        latency_ms, bytes_per_ms = next_latency_ms, next_bytes_per_ms
+    return max(latency_ms + nbytes / bytes_per_ms, floor_ms)
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,8 @@ def _describe_link(link: Link) -> dict[str, Any]:
         out["bandwidth_gb_per_s"] = link.bandwidth_bytes_per_ms * 1e3 / 1e9
     if link.table_bytes:
         out["table"] = [[b, t] for b, t in zip(link.table_bytes, link.table_ms)]
+    if link.segments:
+        out["segments"] = [list(segment) for segment in link.segments]
     return out
 
 

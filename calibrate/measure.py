@@ -1,0 +1,384 @@
+"""Measure a model layer by layer, and its stages' optimizer steps, on this machine.
+
+Times are medians over `repeats` runs after `warmup` runs (CUDA events on a GPU, the monotonic ns clock
+on CPU), with the interquartile range as spread. Each layer runs on its own inputs, recorded once from a
+full forward pass, so a layer's time is what a pipeline stage boundary would see.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import __version__
+from .links import fit_link, measure_allreduce, measure_p2p
+from .models import BATCH, Model, ModelError
+from .partition import partition
+from .profile import (
+    OPTIMIZERS,
+    SCHEMA_VERSION,
+    AllReduceProfile,
+    Environment,
+    LayerProfile,
+    LinkProfile,
+    ModelInfo,
+    Partition,
+    Profile,
+    StepTimes,
+    Timing,
+    aggregate_stages,
+    boundary_bytes,
+    layer_costs,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LEARNING_RATE = 1e-3  # any value: step and prediction times do not depend on it
+ELASTIC_ALPHA = 0.45  # AvgPipe's default 0.9 / P for P = 2; the time does not depend on it
+
+Advance = Callable[[str], None]  # called as each unit of work starts, naming it
+
+
+class DeviceError(ValueError):
+    """The requested device is not available here."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    dtype: torch.dtype
+    microbatch_size: int
+    warmup: int
+    repeats: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """`cuda` only where torch sees a GPU; None picks it when there is one."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise DeviceError(f"--device: choose cpu or cuda (got {name!r})")
+    if name == "cuda" and not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise DeviceError(f"no CUDA device: torch {torch.__version__} ({built}) sees no GPU; use --device cpu")
+    return torch.device(name)
+
+
+def _timing(samples_ms: list[float]) -> Timing:
+    q1, median, q3 = np.percentile(samples_ms, [25, 50, 75])
+    return Timing(median_ms=float(median), spread_ms=float(q3 - q1), repeats=len(samples_ms))
+
+
+Phase = tuple[Hashable, Callable[[Any], Any]]  # a name, and the work: the previous phase's result in, its own out
+
+
+def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None = None) -> dict[Hashable, Timing]:
+    """Time every phase of every sequence on its own, in `warmup + repeats` rounds that each run all the
+    sequences in turn, so a slow spell of a shared machine spreads over all of them instead of bending one.
+    A phase hands its result to the next (a forward's graph to its backward), so no untimed work is
+    repeated just to set one up; the last result is released after the clock stops, so freeing it is not
+    charged to any phase. A name in several sequences pools their samples."""
+    samples: dict[Hashable, list] = {}
+    rounds = settings.warmup + settings.repeats
+    for repeat in range(rounds):
+        if advance is not None:
+            advance(f"round {repeat + 1}/{rounds}")
+        for sequence in sequences:
+            state = None
+            for name, run in sequence:
+                if settings.cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    state = run(state)
+                    end.record()
+                    sample = (start, end)
+                else:
+                    t0 = time.perf_counter_ns()
+                    state = run(state)
+                    sample = (time.perf_counter_ns() - t0) / 1e6
+                if repeat >= settings.warmup:
+                    samples.setdefault(name, []).append(sample)
+            del state
+    if settings.cuda:
+        torch.cuda.synchronize()
+        samples = {name: [start.elapsed_time(end) for start, end in pairs] for name, pairs in samples.items()}
+    return {name: _timing(ms) for name, ms in samples.items()}
+
+
+def _zero(settings: Settings) -> Timing:
+    """The timing of work that does not exist (the backward of a layer nothing differentiates)."""
+    return Timing(median_ms=0.0, spread_ms=0.0, repeats=settings.repeats)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LEARNING_RATE)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=LEARNING_RATE)
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.01)
+
+
+def _with_grads(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    return params
+
+
+def _state_bytes(name: str, weights: list[torch.nn.Parameter]) -> int:
+    """Bytes of the state `name` keeps for `weights`, as measured after one step."""
+    if not weights:
+        return 0
+    optimizer = _optimizer(name, _with_grads(weights))
+    optimizer.step()
+    return sum(_nbytes(v for v in state.values() if torch.is_tensor(v)) for state in optimizer.state.values())
+
+
+@dataclass
+class Recording:
+    """One forward pass on the sample batch: every layer's inputs, to time each layer alone, and the
+    loss target the last layer needs."""
+
+    inputs: list[list[torch.Tensor]]
+    target: Any
+
+
+def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[LayerProfile]]:
+    """Move the model to the device and dtype and run it once: each layer's weight, gradient, optimizer
+    state, output and saved-activation bytes (timings left at zero: `measure_times` fills them, so a
+    memory cap nothing fits fails before the slow part).
+
+    Saved activations are what autograd keeps for backward (saved_tensors_hooks), weights excluded, each
+    storage counted once per layer."""
+    for layer in model.layers:
+        layer.to(device=settings.device, dtype=settings.dtype)
+        layer.train()
+    batch, target = model.make_batch(settings.microbatch_size, torch.Generator().manual_seed(0))
+    batch = batch.to(settings.device, settings.dtype if batch.is_floating_point() else batch.dtype)
+    target = target.to(settings.device) if torch.is_tensor(target) else target
+
+    params = {p.untyped_storage().data_ptr() for layer in model.layers for p in layer.parameters()}
+    outputs: dict[int, torch.Tensor] = {BATCH: batch}
+    names, last = model.layer_names(), len(model.layers) - 1
+    zero = _zero(settings)
+    inputs, layers, keep = [], [], []
+    previous: dict[int, int] = {}
+    for i, layer in enumerate(model.layers):
+        args = [outputs[s].detach() for s in model.inputs[i]]
+        saved: dict[int, int] = {}  # storage address -> bytes
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            keep.append(t)  # alive until the pass ends, so no storage address is reused meanwhile
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = _call(model, i, layer, [_leaf(a) for a in args], target)
+        except Exception as exc:  # the user's model: report whatever it raised, in one line
+            raise ModelError(f"layer {names[i]} failed on its sample input: {type(exc).__name__}: "
+                             f"{(str(exc).splitlines() or [''])[0]}") from None
+        if not torch.is_tensor(out):
+            raise ModelError(f"layer {names[i]} returned {type(out).__name__}; pipeline layers must return one "
+                             "tensor")
+        outputs[i] = out.detach()
+        inputs.append(args)
+        weights = [p for p in layer.parameters() if p.requires_grad]
+        layers.append(LayerProfile(
+            name=names[i], inputs=list(model.inputs[i]), fwd=zero, bwd=zero, igrad=zero, wgrad=zero,
+            activation_bytes=sum(saved.values()),
+            shared_with_previous_bytes=sum(n for ptr, n in saved.items() if ptr in previous),
+            output_bytes=0 if i == last else _nbytes([out]),  # the last layer's output is its loss
+            param_bytes=_nbytes(layer.parameters()), grad_bytes=_nbytes(weights),
+            optimizer_state_bytes={name: _state_bytes(name, weights) for name in OPTIMIZERS}))
+        previous = saved
+    return Recording(inputs, target), layers
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.is_floating_point())
+
+
+def _call(model: Model, i: int, layer: torch.nn.Module, args: list[torch.Tensor], target: Any) -> torch.Tensor:
+    """The layer's forward; the last layer's includes the loss, which is part of its stage's work."""
+    out = layer(*args)
+    return model.loss(out, target) if i == len(model.layers) - 1 else out
+
+
+def _passes(model: Model, i: int, recording: Recording) -> list[list[Phase]]:
+    """Layer i's timed passes: a forward then the split backward (the input gradient, then the weight
+    gradient), and a forward then the full backward; only the forward when nothing needs a gradient."""
+    layer = model.layers[i]
+    weights = [p for p in layer.parameters() if p.requires_grad]
+
+    def forward(_) -> tuple[list[torch.Tensor], torch.Tensor]:
+        args = [_leaf(a) for a in recording.inputs[i]]
+        return args, _call(model, i, layer, args, recording.target)
+
+    _, sample = forward(None)
+    if not sample.requires_grad:
+        return [[((i, "fwd"), forward)]]
+    grad_out = None if i == len(model.layers) - 1 else torch.randn_like(sample)
+
+    def grads(wrt_input: bool, wrt_weights: bool, retain: bool = False) -> Callable[[Any], Any]:
+        def run(state):
+            args, out = state
+            wrt = [a for a in args if a.requires_grad and wrt_input] + (weights if wrt_weights else [])
+            if wrt:
+                torch.autograd.grad(out, wrt, grad_out, retain_graph=retain, allow_unused=True)
+            return state
+        return run
+
+    split = [((i, "fwd"), forward), ((i, "igrad"), grads(True, False, retain=True)), ((i, "wgrad"), grads(False, True))]
+    return [split, [((i, "fwd"), forward), ((i, "bwd"), grads(True, True))]]
+
+
+def measure_times(model: Model, settings: Settings, recording: Recording, layers: list[LayerProfile],
+                  advance: Advance) -> list[LayerProfile]:
+    """`layers` with their forward, full backward, and input-then-weight gradient times filled in (a layer
+    nothing differentiates keeps zero backward times)."""
+    passes = [sequence for i in range(len(layers)) for sequence in _passes(model, i, recording)]
+    times = _time(settings, *passes, advance=lambda what: advance(f"timing layers, {what}"))
+    return [layer.model_copy(update={kind: timing for (j, kind), timing in times.items() if j == i})
+            for i, layer in enumerate(layers)]
+
+
+def measure_steps(model: Model, bounds: list[int], settings: Settings,
+                  advance: Advance) -> list[tuple[dict[str, StepTimes], Timing]]:
+    """Per stage: each optimizer's update and weight prediction, and one replica's elastic averaging."""
+    out = []
+    for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        weights = _with_grads([p for layer in model.layers[start:stop] for p in layer.parameters()
+                               if p.requires_grad])
+        if not weights:
+            zero = _zero(settings)
+            out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero))
+            continue
+        steps = {}
+        for name in OPTIMIZERS:
+            advance(f"stage {k}: {name} step and prediction")
+            optimizer = _optimizer(name, weights)
+            with torch.no_grad():
+                steps[name] = StepTimes(**_time(settings, [("step", lambda _: optimizer.step())],
+                                                [("predict", lambda _: _predict(name, optimizer, weights))]))
+        advance(f"stage {k}: elastic averaging")
+        reference = [p.detach().clone() for p in weights]
+        with torch.no_grad():
+            average = _time(settings, [("average", lambda _: _average(weights, reference))])["average"]
+        out.append((steps, average))
+    return out
+
+
+def _predict(name: str, optimizer: torch.optim.Optimizer, weights: list[torch.Tensor], s: int = 1) -> list:
+    """Predicted weights s updates ahead, into a new copy (PipeOptim's optimizer-aware rule; SpecTrain and
+    XPipe use the momentum and Adam forms): W - s*lr*d, d the update direction of `name`."""
+    group = optimizer.param_groups[0]
+    lr = group["lr"]
+    if name in ("sgd", "momentum"):
+        direction = [p.grad if name == "sgd" else optimizer.state[p]["momentum_buffer"] for p in weights]
+        return torch._foreach_add(weights, direction, alpha=-s * lr)
+    beta1, beta2 = group["betas"]
+    steps = float(optimizer.state[weights[0]]["step"])
+    denom = torch._foreach_sqrt([optimizer.state[p]["exp_avg_sq"] for p in weights])
+    torch._foreach_div_(denom, math.sqrt(1 - beta2 ** steps))
+    torch._foreach_add_(denom, group["eps"])
+    predicted = torch._foreach_addcdiv(weights, [optimizer.state[p]["exp_avg"] for p in weights], denom,
+                                       value=-s * lr / (1 - beta1 ** steps))
+    if name == "adamw":
+        torch._foreach_add_(predicted, weights, alpha=-s * lr * group["weight_decay"])
+    return predicted
+
+
+def _average(weights: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
+    """Elastic averaging (EASGD) of one replica: both move `ELASTIC_ALPHA` of their difference together."""
+    diff = torch._foreach_sub(weights, reference)
+    torch._foreach_add_(weights, diff, alpha=-ELASTIC_ALPHA)
+    torch._foreach_add_(reference, diff, alpha=ELASTIC_ALPHA)
+
+
+def environment(settings: Settings, dtype_name: str, memory_cap_bytes: int | None) -> Environment:
+    if settings.cuda:
+        props = torch.cuda.get_device_properties(settings.device)
+        name, memory = props.name, props.total_memory
+    else:
+        name, memory = _cpu_name(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Environment(
+        device=settings.device.type, device_name=name, device_memory_bytes=memory,
+        memory_cap_bytes=memory_cap_bytes, dtype=dtype_name, microbatch_size=settings.microbatch_size,
+        threads=torch.get_num_threads(), torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        driver_version=_nvidia_driver() if settings.cuda else None, python_version=platform.python_version(),
+        pipesim_version=__version__, host=socket.gethostname(),
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA driver version; torch does not report it, nvidia-smi does (None without it)."""
+    try:
+        result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.splitlines()[0].strip() if result.stdout.strip() else None
+
+
+def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, memory_cap_bytes: int | None,
+              link_sizes: list[int], dtype_name: str, advance: Advance) -> Profile:
+    """Everything `pipesim calibrate` measures, as a Profile: layers, the partition into `stages` (under the
+    cap, for `optimizer`'s state), the stages' steps, and, given sizes, the p2p link and all-reduce (in
+    `repeats` rounds over the sizes, each reported to `advance` as it starts, and once when all are up)."""
+    recording, layers = measure_bytes(model, settings)
+    partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)  # no split fits the cap: fail now
+    layers = measure_times(model, settings, recording, layers, advance)
+    bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
+    steps = measure_steps(model, bounds, settings, advance)
+    link = allreduce = None
+    if link_sizes:
+        def rounds(what: str) -> Callable[[int, int], None]:
+            return lambda done, total: advance(f"{what}: round {done}/{total}")
+
+        times = {"device": settings.device.type, "repeats": settings.repeats, "warmup": settings.warmup}
+        p2p = measure_p2p(link_sizes, **times, progress=rounds("p2p link"))
+        fit = fit_link(p2p)
+        link = LinkProfile(segments=[asdict(s) for s in fit.segments], points=[asdict(p) for p in p2p],
+                           meta=dict(fit.meta))
+        reduced = measure_allreduce(link_sizes, **times, progress=rounds("all-reduce"))
+        allreduce = AllReduceProfile(world_size=reduced.meta["world_size"], points=[asdict(p) for p in reduced],
+                                     meta=reduced.meta)
+    return Profile(
+        schema_version=SCHEMA_VERSION, environment=environment(settings, dtype_name, memory_cap_bytes),
+        model=ModelInfo(name=model.name, options=model.options), layers=layers,
+        partition=Partition(bounds=bounds, optimizer=optimizer),
+        stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps),
+        link=link, allreduce=allreduce)

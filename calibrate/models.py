@@ -1,0 +1,264 @@
+"""The models calibration measures: each one an ordered list of torch layers, the layers each one reads,
+a sample batch and a loss.
+
+A pipeline cuts a model between layers, so a model is what a pipeline sees: layers in topological order,
+`inputs[i]` the layers whose outputs layer i takes (`BATCH` for the sample batch; a chain unless said
+otherwise, so that the two-branch model can expose its DAG), and the loss the last layer's output feeds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
+
+
+class ModelError(ValueError):
+    """A model that cannot be built or loaded; the message names the option or name at fault."""
+
+
+@dataclass
+class Model:
+    """`make_batch(b, generator)` returns (the first layer's input, the loss target) for b samples;
+    `loss(output, target)` is the scalar the last layer's output feeds."""
+
+    name: str
+    layers: list[nn.Module]
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, Any]]
+    loss: Callable[[torch.Tensor, Any], torch.Tensor]
+    inputs: list[tuple[int, ...]] = field(default_factory=list)
+    options: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ModelError(f"model {self.name!r} has no layers")
+        bad = [type(layer).__name__ for layer in self.layers if not isinstance(layer, nn.Module)]
+        if bad:
+            raise ModelError(f"model {self.name!r}: layers must be torch.nn.Module, got {', '.join(bad)}")
+        if not self.inputs:
+            self.inputs = [(i - 1,) for i in range(len(self.layers))]  # a chain; layer 0 reads the batch
+        for i, sources in enumerate(self.inputs):
+            if not sources or any(not BATCH <= s < i for s in sources):
+                raise ModelError(f"model {self.name!r}: layer {i} must read earlier layers or the batch, "
+                                 f"got {sources}")
+
+    def layer_names(self) -> list[str]:
+        return [f"{i}:{type(layer).__name__}" for i, layer in enumerate(self.layers)]
+
+
+def _classify(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy in float32 whatever the model's dtype, over every leading position."""
+    return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _images(classes: int) -> Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
+    def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, 3, 32, 32, generator=gen), torch.randint(0, classes, (b,), generator=gen)
+    return make
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ModelError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+
+
+def mlp(layers: int = 8, width: int = 512) -> Model:
+    """`layers` Linear+ReLU blocks of `width`, then a 10-way classifier."""
+    _positive(layers=layers, width=width)
+    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)]
+    blocks.append(nn.Linear(width, 10))
+
+    def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, width, generator=gen), torch.randint(0, 10, (b,), generator=gen)
+    return Model("mlp", blocks, make, _classify)
+
+
+def cnn(layers: int = 6, width: int = 32) -> Model:
+    """VGG-style for 32x32 images: 3x3 conv+ReLU layers, channels doubling and a 2x2 max-pool after every
+    second one (down to 1x1), then a 10-way linear classifier."""
+    _positive(layers=layers, width=width)
+    blocks: list[nn.Module] = []
+    channels, side = 3, 32
+    for i in range(layers):
+        out = width * 2 ** (i // 2)
+        parts: list[nn.Module] = [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU()]
+        if i % 2 == 1 and side > 1:
+            parts.append(nn.MaxPool2d(2))
+            side //= 2
+        blocks.append(nn.Sequential(*parts))
+        channels = out
+    blocks.append(nn.Sequential(nn.Flatten(), nn.Linear(channels * side * side, 10)))
+    return Model("cnn", blocks, _images(10), _classify)
+
+
+class _Embed(nn.Module):
+    def __init__(self, vocab: int, width: int, seq_len: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(seq_len, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+
+
+class _Block(nn.Module):
+    """Pre-LayerNorm decoder block: causal self-attention, then a 4x MLP, each with a residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+def gpt(layers: int = 4, width: int = 256, heads: int = 4, seq_len: int = 128, vocab: int = 2048) -> Model:
+    """GPT-style decoder: token+position embedding, `layers` blocks, LayerNorm and a vocabulary head;
+    next-token cross entropy on random tokens."""
+    _positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
+    if width % heads:
+        raise ModelError(f"--width ({width}) must be a multiple of --heads ({heads})")
+    blocks: list[nn.Module] = [_Embed(vocab, width, seq_len)]
+    blocks += [_Block(width, heads) for _ in range(layers)]
+    blocks.append(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab)))
+
+    def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, vocab, (b, seq_len + 1), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:]
+    return Model("gpt", blocks, make, _classify)
+
+
+class _Merge(nn.Module):
+    """Concatenates the two branches' channels, then pools and classifies."""
+
+    def __init__(self, channels: int, classes: int) -> None:
+        super().__init__()
+        self.mix = nn.Sequential(nn.Conv2d(channels, channels, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.classify = nn.Linear(channels, classes)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.classify(self.mix(torch.cat([a, b], dim=1)))
+
+
+def two_branch(layers: int = 2, width: int = 32) -> Model:
+    """A stem, two branches of `layers` conv layers each (3x3 convs of `width` channels; 5x5 convs of
+    half as many), and a head that merges them: GraphPipe's case, branches that can run side by side.
+    Layers are stem, branch a, branch b, head; `inputs` holds the DAG."""
+    _positive(layers=layers, width=width)
+    narrow = max(1, width // 2)
+    stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    first = [nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.ReLU()) for _ in range(layers)]
+    second = [nn.Sequential(nn.Conv2d(width if i == 0 else narrow, narrow, 5, padding=2), nn.ReLU())
+              for i in range(layers)]
+    a = list(range(1, 1 + layers))
+    b = list(range(1 + layers, 1 + 2 * layers))
+    inputs = [(BATCH,), *[(i - 1,) for i in a], (0,), *[(i - 1,) for i in b[1:]], (a[-1], b[-1])]
+    return Model("two-branch", [stem, *first, *second, _Merge(width + narrow, 10)], _images(10), _classify,
+                 inputs)
+
+
+MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "two-branch": two_branch}
+
+
+def model_options(name: str) -> list[str]:
+    """The size options (`layers`, `width`, ...) a built-in model takes; none for bring-your-own."""
+    return list(inspect.signature(MODELS[name]).parameters) if name in MODELS else []
+
+
+def build_model(name: str, **options: int) -> Model:
+    """A built-in model by name, or bring-your-own `package.module:attribute`. `options` are the size
+    options the user gave (None values are left at the model's defaults)."""
+    given = {key: value for key, value in options.items() if value is not None}
+    if ":" in name:
+        if given:
+            raise ModelError(f"--{next(iter(given)).replace('_', '-')} applies to the built-in models only; "
+                             f"{name} is built by its own code")
+        return load_model(name)
+    if name not in MODELS:
+        raise ModelError(f"--model: unknown {name!r}; choose from {', '.join(MODELS)} or give "
+                         "package.module:attribute")
+    takes = model_options(name)
+    wrong = [key for key in given if key not in takes]
+    if wrong:
+        allowed = ", ".join(f"--{key.replace('_', '-')}" for key in takes)
+        raise ModelError(f"--{wrong[0].replace('_', '-')} does not apply to {name} (it takes {allowed})")
+    model = MODELS[name](**given)
+    model.options = {**{key: param.default for key, param in inspect.signature(MODELS[name]).parameters.items()},
+                     **given}
+    return model
+
+
+def load_model(spec: str) -> Model:
+    """Bring-your-own: `package.module:attribute` naming a Model, a torch.nn.Sequential, a list of modules,
+    or a zero-argument callable returning one of them. The current folder is importable, as for
+    `python -m`. A Sequential or list gets a sample batch inferred from its first layer and a mean-square
+    loss, since nothing else is known about it."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ModelError(f"--model {spec!r}: give package.module:attribute")
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import runs arbitrary code: report whatever it raised, in one line
+        raise ModelError(f"--model {spec}: cannot import {module_name}: {type(exc).__name__}: "
+                         f"{(str(exc).splitlines() or [''])[0]}") from None
+    finally:
+        sys.path.remove(cwd)
+    try:
+        value = getattr(module, attribute)
+    except AttributeError:
+        raise ModelError(f"--model {spec}: module {module_name} has no attribute {attribute!r}") from None
+    if callable(value) and not isinstance(value, (nn.Module, Model)):
+        try:
+            value = value()
+        except Exception as exc:
+            raise ModelError(f"--model {spec}: calling {attribute}() failed: {type(exc).__name__}: "
+                             f"{(str(exc).splitlines() or [''])[0]}") from None
+    if isinstance(value, Model):
+        return value
+    if not isinstance(value, (nn.Sequential, list, tuple)):
+        raise ModelError(f"--model {spec}: expected a torch.nn.Sequential, a list of modules or a "
+                         f"pipesim Model, got {type(value).__name__}")
+    if not len(value):
+        raise ModelError(f"--model {spec}: has no layers")
+    layers = list(value)
+    return Model(spec, layers, _infer_batch(spec, layers[0]), _mean_square)
+
+
+def _mean_square(out: torch.Tensor, target: Any) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def _infer_batch(spec: str, first: Any) -> Callable[[int, torch.Generator], tuple[torch.Tensor, None]]:
+    """A random input the first layer accepts: features for Linear, 32x32 images for Conv2d, 128 token ids
+    for Embedding."""
+    if isinstance(first, nn.Sequential) and len(first):
+        return _infer_batch(spec, first[0])
+    if isinstance(first, nn.Linear):
+        return lambda b, gen: (torch.randn(b, first.in_features, generator=gen), None)
+    if isinstance(first, nn.Conv2d):
+        return lambda b, gen: (torch.randn(b, first.in_channels, 32, 32, generator=gen), None)
+    if isinstance(first, nn.Embedding):
+        return lambda b, gen: (torch.randint(0, first.num_embeddings, (b, 128), generator=gen), None)
+    raise ModelError(f"--model {spec}: cannot tell what input its first layer ({type(first).__name__}) takes; "
+                     "start with Linear, Conv2d or Embedding, or return a pipesim.calibrate.models.Model")

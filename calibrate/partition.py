@@ -1,0 +1,96 @@
+"""Split a model's layers into p contiguous stages so that the slowest stage (forward + backward) is as
+fast as possible, as PipeDream's planner does by dynamic programming, optionally under a per-device
+memory cap. Pure Python: `pipesim simulate` re-partitions profiles with it without importing torch.
+
+Memory model of stage k of p (0 is the input stage), planned for 1F1B: its layers' weights, gradients
+and optimizer state, plus the activations of the p - k micro-batches 1F1B keeps in flight there (p-k-1
+warm-up forwards and the one whose backward has not run yet). Communication buffers are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+class PartitionError(ValueError):
+    """No split satisfies the request; the message says why and what would."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What the partitioner needs of one layer. `shared_with_previous_bytes`: part of its saved activations
+    that the layer before it saves too (a ReLU output the next Linear keeps as its input), counted once
+    when both are in one stage."""
+
+    ms: float
+    static_bytes: int
+    activation_bytes: int
+    shared_with_previous_bytes: int = 0
+
+
+def stage_ms(layers: Sequence[LayerCost], start: int, stop: int) -> float:
+    """Forward + backward ms of layers [start, stop), summed exactly so any two callers agree to the bit."""
+    return math.fsum(layer.ms for layer in layers[start:stop])
+
+
+def stage_activation_bytes(layers: Sequence[LayerCost], start: int, stop: int) -> int:
+    return sum(layer.activation_bytes for layer in layers[start:stop]) - sum(
+        layer.shared_with_previous_bytes for layer in layers[start + 1:stop])
+
+
+def stage_memory_bytes(layers: Sequence[LayerCost], start: int, stop: int, stage: int, stages: int) -> int:
+    """Peak bytes of layers [start, stop) as stage `stage` of `stages` under 1F1B (see the module docstring)."""
+    static = sum(layer.static_bytes for layer in layers[start:stop])
+    return static + (stages - stage) * stage_activation_bytes(layers, start, stop)
+
+
+def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | None = None) -> list[int]:
+    """Stage bounds [0, b1, ..., n]: stage k holds layers bounds[k] .. bounds[k+1]-1. Minimises the slowest
+    stage; ties keep the earliest cut, so the result is deterministic."""
+    n = len(layers)
+    if stages < 1:
+        raise PartitionError(f"stages must be >= 1 (got {stages})")
+    if stages > n:
+        raise PartitionError(f"{stages} stages but the model has {n} layers: each stage needs at least one layer")
+
+    def memory(k: int, i: int, j: int) -> float:
+        return float(stage_memory_bytes(layers, i, j, k, stages))
+
+    def time_within_cap(k: int, i: int, j: int) -> float:
+        if memory_cap_bytes is not None and memory(k, i, j) > memory_cap_bytes:
+            return math.inf
+        return stage_ms(layers, i, j)
+
+    slowest_ms, bounds = _min_max_split(n, stages, time_within_cap)
+    if slowest_ms == math.inf:
+        least_bytes, _ = _min_max_split(n, stages, memory)
+        raise PartitionError(
+            f"no split of {n} layers into {stages} stages fits {memory_cap_bytes / GIB:.3g} GiB per device: "
+            f"the least memory any split needs on its fullest device is {least_bytes / GIB:.3g} GiB "
+            "(1F1B activations in flight included)")
+    return bounds
+
+
+def _min_max_split(n: int, p: int, cost: Callable[[int, int, int], float]) -> tuple[float, list[int]]:
+    """Minimise max_k cost(k, start_k, stop_k) over splits of n items into p non-empty contiguous parts.
+
+    best[k][j]: the least max over the first j items in k+1 parts; O(p n^2) calls of `cost`."""
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(p)]
+    cut = [[0] * (n + 1) for _ in range(p)]
+    for j in range(1, n - p + 2):
+        best[0][j] = cost(0, 0, j)
+    for k in range(1, p):
+        for j in range(k + 1, n - p + k + 2):
+            for i in range(k, j):
+                value = max(best[k - 1][i], cost(k, i, j))
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    bounds = [n]
+    for k in range(p - 1, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return best[p - 1][n], [0, *reversed(bounds)]

@@ -1,0 +1,308 @@
+"""The calibration Profile: versioned JSON of what one machine measured for one model.
+
+Per-layer measurements are the ground truth; per-stage aggregates are kept for the partition chosen at
+calibration (where the optimizer, prediction and averaging steps were timed on the stage's own weights)
+and can be recomputed for any other partition (`stages_for`). Pure pydantic, no torch: the
+simulator reads profiles without importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .partition import LayerCost, stage_activation_bytes, stage_memory_bytes
+
+SCHEMA_VERSION = 1
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the simulator's --optimizer names; momentum is SGD-momentum
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message is one line naming the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Timing(_Strict):
+    """Median of `repeats` timed runs after warm-up, and their interquartile range."""
+
+    median_ms: float = Field(ge=0)
+    spread_ms: float = Field(ge=0)
+    repeats: int = Field(ge=1)
+
+
+class Environment(_Strict):
+    """Where and how the measurements were taken."""
+
+    device: Literal["cpu", "cuda"]
+    device_name: str
+    device_memory_bytes: int | None = Field(ge=0)
+    memory_cap_bytes: int | None = Field(gt=0)  # --memory-gb: the cap the partition respects
+    dtype: Literal["float32", "bfloat16", "float16"]
+    microbatch_size: int = Field(ge=1)
+    threads: int = Field(ge=1)
+    torch_version: str
+    cuda_version: str | None
+    driver_version: str | None
+    python_version: str
+    pipesim_version: str
+    host: str
+    date: str  # ISO 8601, UTC
+
+
+class ModelInfo(_Strict):
+    name: str
+    options: dict[str, int]  # the size options it was built with (layers, width, ...)
+
+
+class LayerProfile(_Strict):
+    """One layer for one micro-batch. `bwd` is the full backward; `igrad` then `wgrad` split it as a
+    zero-bubble schedule does (autograd.grad on the input, then on the weights; their sum can exceed
+    `bwd`, as the weight pass walks the graph again). `fwd` pools the forwards before both kinds of
+    backward. `inputs`: the layers it reads (-1: the batch)."""
+
+    name: str
+    inputs: list[int]
+    fwd: Timing
+    bwd: Timing
+    igrad: Timing
+    wgrad: Timing
+    activation_bytes: int = Field(ge=0)  # saved for backward (saved_tensors_hooks), weights excluded
+    shared_with_previous_bytes: int = Field(ge=0)  # of those, saved by the previous layer as well
+    output_bytes: int = Field(ge=0)
+    param_bytes: int = Field(ge=0)
+    grad_bytes: int = Field(ge=0)
+    optimizer_state_bytes: dict[str, int]  # per optimizer, as measured after a step
+
+    @property
+    def wgrad_fraction(self) -> float:
+        total = self.igrad.median_ms + self.wgrad.median_ms
+        return self.wgrad.median_ms / total if total > 0 else 0.0
+
+
+class StepTimes(_Strict):
+    """An optimizer's update of one stage, and its weight prediction (PipeOptim / XPipe): SGD W - s*lr*g,
+    momentum W - s*lr*v, Adam(W) W - s*lr*m_hat/(sqrt(v_hat)+eps) (AdamW adds its decay)."""
+
+    step: Timing
+    predict: Timing
+
+
+class StageProfile(_Strict):
+    """Layers [first, stop) as one pipeline stage, per micro-batch; `average` is elastic averaging of one
+    replica with the reference weights (AvgPipe's AVG costs P of them); `memory_bytes` the 1F1B estimate
+    of `partition.py` for the partition's optimizer."""
+
+    layers: tuple[int, int]
+    fwd_ms: float = Field(ge=0)
+    bwd_ms: float = Field(ge=0)
+    igrad_ms: float = Field(ge=0)
+    wgrad_ms: float = Field(ge=0)
+    activation_bytes: int = Field(ge=0)
+    output_bytes: int = Field(ge=0)  # sent to the next stage(s) per micro-batch
+    param_bytes: int = Field(ge=0)
+    grad_bytes: int = Field(ge=0)
+    optimizer_state_bytes: dict[str, int]
+    steps: dict[str, StepTimes]
+    average: Timing
+    memory_bytes: int = Field(ge=0)
+
+    @property
+    def wgrad_fraction(self) -> float:
+        total = self.igrad_ms + self.wgrad_ms
+        return self.wgrad_ms / total if total > 0 else 0.0
+
+
+class Partition(_Strict):
+    """Stage k holds layers bounds[k] .. bounds[k+1]-1; planned for `optimizer`'s state under the cap."""
+
+    bounds: list[int]
+    optimizer: Literal["sgd", "momentum", "adam", "adamw"]
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds) - 1
+
+
+class LinkSegmentModel(_Strict):
+    min_bytes: int = Field(ge=0)
+    latency_ms: float = Field(ge=0)
+    bytes_per_ms: float = Field(gt=0)
+
+
+class LinkPointModel(_Strict):
+    nbytes: int = Field(gt=0)
+    ms: float = Field(ge=0)
+    spread_ms: float = Field(ge=0)
+
+
+class LinkProfile(_Strict):
+    """Point-to-point: the piecewise α–β fit (calibrate/links.py), its raw points, how they were measured."""
+
+    segments: list[LinkSegmentModel] = Field(min_length=1)
+    points: list[LinkPointModel]
+    meta: dict[str, Any]
+
+
+class AllReduceProfile(_Strict):
+    """All-reduce time per size over `world_size` local ranks, for data-parallel what-ifs: the simulator's
+    AvgPipe averages replicas that share a device, so it does not read these."""
+
+    world_size: int = Field(ge=2)
+    points: list[LinkPointModel]
+    meta: dict[str, Any]
+
+
+class Profile(_Strict):
+    schema_version: Literal[1]
+    environment: Environment
+    model: ModelInfo
+    layers: list[LayerProfile] = Field(min_length=1)
+    partition: Partition
+    stages: list[StageProfile]
+    link: LinkProfile | None  # None: calibrated with --no-links
+    allreduce: AllReduceProfile | None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Profile:
+        n, bounds = len(self.layers), self.partition.bounds
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"partition.bounds must rise strictly from 0 to {n} (the layer count), got {bounds}")
+        if [tuple(s.layers) for s in self.stages] != list(zip(bounds, bounds[1:])):
+            raise ValueError("stages: one entry per partition stage, with the partition's layer ranges")
+        for i, layer in enumerate(self.layers):
+            if not layer.inputs or any(not -1 <= s < i for s in layer.inputs):
+                raise ValueError(f"layers.{i}.inputs must name earlier layers or -1 (the batch), got {layer.inputs}")
+        keyed = [(f"layers.{i}.optimizer_state_bytes", layer.optimizer_state_bytes)
+                 for i, layer in enumerate(self.layers)]
+        keyed += [(f"stages.{k}.{name}", getattr(stage, name)) for k, stage in enumerate(self.stages)
+                  for name in ("optimizer_state_bytes", "steps")]
+        for where, values in keyed:
+            if set(values) != set(OPTIMIZERS):
+                raise ValueError(f"{where} must have exactly the keys {', '.join(OPTIMIZERS)}")
+        return self
+
+
+def _stage_of(bounds: list[int]) -> list[int]:
+    return [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
+
+
+def stage_edges(layers: list[LayerProfile], bounds: list[int]) -> list[tuple[int, int]]:
+    """The stage DAG the layers' edges induce when cut at `bounds` (a chain for a chain model)."""
+    stage_of = _stage_of(bounds)
+    return sorted({(stage_of[s], stage_of[i]) for i, layer in enumerate(layers) for s in layer.inputs
+                   if s >= 0 and stage_of[s] != stage_of[i]})
+
+
+def boundary_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool) -> list[int]:
+    """Bytes each stage sends per micro-batch. `dag`: the stages form the graph of `stage_edges`, so a
+    stage sends its own layers' outputs that other stages read. Otherwise they run as a chain, and stage k
+    sends on every output a later stage reads (a skip connection over stage k passes through it)."""
+    stage_of = _stage_of(bounds)
+    last_reader: dict[int, int] = {}  # layer -> the last stage reading its output
+    for i, layer in enumerate(layers):
+        for s in layer.inputs:
+            if s >= 0:
+                last_reader[s] = max(last_reader.get(s, 0), stage_of[i])
+    sent = [0] * (len(bounds) - 1)
+    for s, last in last_reader.items():
+        first = stage_of[s]
+        for k in ([first] if dag and last > first else range(first, last)):
+            sent[k] += layers[s].output_bytes
+    return sent
+
+
+def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
+    """The partitioner's view: forward + backward ms, weights + gradients + `optimizer`'s state."""
+    return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms,
+                      layer.param_bytes + layer.grad_bytes + layer.optimizer_state_bytes[optimizer],
+                      layer.activation_bytes, layer.shared_with_previous_bytes) for layer in layers]
+
+
+def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
+                     steps: list[tuple[dict[str, StepTimes], Timing]]) -> list[StageProfile]:
+    """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
+    averaging). `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
+    costs = layer_costs(layers, optimizer)
+    p = len(bounds) - 1
+    out = []
+    for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        mine = layers[start:stop]
+        out.append(StageProfile(
+            layers=(start, stop),
+            fwd_ms=math.fsum(layer.fwd.median_ms for layer in mine),
+            bwd_ms=math.fsum(layer.bwd.median_ms for layer in mine),
+            igrad_ms=math.fsum(layer.igrad.median_ms for layer in mine),
+            wgrad_ms=math.fsum(layer.wgrad.median_ms for layer in mine),
+            activation_bytes=stage_activation_bytes(costs, start, stop),
+            output_bytes=output_bytes[k],
+            param_bytes=sum(layer.param_bytes for layer in mine),
+            grad_bytes=sum(layer.grad_bytes for layer in mine),
+            optimizer_state_bytes={name: sum(layer.optimizer_state_bytes[name] for layer in mine)
+                                   for name in OPTIMIZERS},
+            steps=steps[k][0],
+            average=steps[k][1],
+            memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
+        ))
+    return out
+
+
+def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[StageProfile]:
+    """The profile's layers as the stages `bounds` cuts, linked as a chain or (`dag`) by `stage_edges`.
+
+    The optimizer, prediction and averaging steps were timed on the calibrated partition's stages only;
+    for another partition they are those stages' total times shared out by parameter bytes (the steps are
+    elementwise passes over the weights, so their time follows the bytes)."""
+    if bounds == profile.partition.bounds:
+        steps = [(stage.steps, stage.average) for stage in profile.stages]
+    else:
+        total_bytes = sum(stage.param_bytes for stage in profile.stages) or 1
+        steps = [_shared_steps(profile, sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes)
+                 for start, stop in zip(bounds, bounds[1:])]
+    return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
+                            boundary_bytes(profile.layers, bounds, dag), steps)
+
+
+def _shared_steps(profile: Profile, share: float) -> tuple[dict[str, StepTimes], Timing]:
+    """`share` of the calibrated stages' summed step times."""
+    def total(pick: Callable[[StageProfile], Timing]) -> Timing:
+        timings = [pick(stage) for stage in profile.stages]
+        return Timing(median_ms=math.fsum(t.median_ms for t in timings) * share,
+                      spread_ms=math.fsum(t.spread_ms for t in timings) * share, repeats=timings[0].repeats)
+
+    steps = {name: StepTimes(step=total(lambda s, n=name: s.steps[n].step),
+                             predict=total(lambda s, n=name: s.steps[n].predict)) for name in OPTIMIZERS}
+    return steps, total(lambda s: s.average)
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and check a profile; ProfileError names the file and the first field that is wrong."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"profile {path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict) or "schema_version" not in raw:
+        raise ProfileError(f"profile {path}: schema_version: missing (is this a pipesim calibrate profile?)")
+    if raw["schema_version"] != SCHEMA_VERSION:
+        raise ProfileError(f"profile {path}: schema_version {raw['schema_version']!r} is not supported (this "
+                           f"pipesim reads version {SCHEMA_VERSION}); re-run pipesim calibrate")
+    try:
+        return Profile.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        message = err["msg"].removeprefix("Value error, ")
+        raise ProfileError(f"profile {path}: {where + ': ' if where else ''}{message}") from None
+
+
+def profile_json(profile: Profile) -> str:
+    return profile.model_dump_json(indent=1) + "\n"

@@ -1,0 +1,335 @@
+"""Calibration: measuring models into profiles, partitioning them, and simulating from them (CPU only,
+except the tests that skip without CUDA)."""
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pipesim.calibrate.links import LinkFit, LinkSegment
+from pipesim.calibrate.partition import LayerCost, PartitionError, partition, stage_memory_bytes, stage_ms
+from pipesim.calibrate.profile import load_profile, profile_json, stage_edges, stages_for
+from pipesim.cli import main
+from pipesim.schedules import Kind, ScheduleParams, build_schedule
+from pipesim.sim import Link
+
+WIDTH, BATCH = 64, 4  # a 3-block MLP of width 64 on micro-batches of 4: layer sizes are known in closed form
+MLP = ["--model", "mlp", "--layers", "3", "--width", str(WIDTH), "--microbatch-size", str(BATCH), "--device", "cpu",
+       "--repeats", "5", "--warmup", "1"]
+FLOAT = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads wait on each other's time slices,
+    which makes small timings jump by scheduler ticks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def pipesim(*args):
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    return exc.value.code
+
+
+@pytest.fixture(scope="module")
+def mlp_profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mlp") / "mlp.json"
+    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--out", str(path)) == 0
+    return path
+
+
+def test_calibrate_end_to_end_with_links(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    code = pipesim("calibrate", *MLP, "--stages", "2", "--link-max-mb", "0.0625", "--out", str(out))
+    printed = capsys.readouterr().out
+    assert code == 0
+    profile = load_profile(out)
+    env = profile.environment
+    assert (env.device, env.dtype, env.microbatch_size, env.torch_version) == ("cpu", "float32", BATCH,
+                                                                              torch.__version__)
+    assert [layer.name for layer in profile.layers] == ["0:Sequential", "1:Sequential", "2:Sequential", "3:Linear"]
+    assert profile.partition.stages == 2 and profile.partition.bounds[0] == 0 and profile.partition.bounds[-1] == 4
+
+    first, second, _, head = profile.layers
+    block_params = (WIDTH * WIDTH + WIDTH) * FLOAT
+    assert first.param_bytes == first.grad_bytes == block_params
+    assert first.optimizer_state_bytes["sgd"] == 0
+    assert first.optimizer_state_bytes["momentum"] == block_params
+    assert first.optimizer_state_bytes["adam"] >= 2 * block_params
+    # Linear keeps its input, ReLU its output; the next Linear keeps that same output as its input.
+    assert first.activation_bytes == 2 * BATCH * WIDTH * FLOAT
+    assert (first.shared_with_previous_bytes, second.shared_with_previous_bytes) == (0, BATCH * WIDTH * FLOAT)
+    assert first.output_bytes == BATCH * WIDTH * FLOAT and head.output_bytes == 0
+    for layer in profile.layers:  # forwards run before the full and before the split backward: twice a repeat
+        for timing, runs in ((layer.fwd, 10), (layer.bwd, 5), (layer.igrad, 5), (layer.wgrad, 5)):
+            assert timing.median_ms > 0 and timing.spread_ms >= 0 and timing.repeats == runs
+    stage = profile.stages[0]
+    start, stop = stage.layers
+    assert stage.fwd_ms == pytest.approx(sum(layer.fwd.median_ms for layer in profile.layers[start:stop]))
+    assert 0 < stage.wgrad_fraction < 1
+    assert all(stage.steps[name].step.median_ms > 0 for name in ("sgd", "momentum", "adam", "adamw"))
+
+    assert [p.nbytes for p in profile.link.points] == [4096, 8192, 16384, 32768, 65536]
+    assert profile.link.segments and profile.link.meta["backend"] == "gloo"
+    assert len(profile.allreduce.points) == 5 and profile.allreduce.world_size == 2
+    assert "fwd ms" in printed and "p2p link fit (gloo, cpu)" in printed and "all-reduce (2 ranks)" in printed
+
+
+def _brute_force(layers, p, cap):
+    """The least slowest-stage time over every split that fits, or None."""
+    n, best = len(layers), None
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        bounds = [0, *cuts, n]
+        spans = list(zip(bounds, bounds[1:]))
+        if cap is not None and any(stage_memory_bytes(layers, a, b, k, p) > cap for k, (a, b) in enumerate(spans)):
+            continue
+        slowest = max(stage_ms(layers, a, b) for a, b in spans)
+        best = slowest if best is None else min(best, slowest)
+    return best
+
+
+layer_costs = st.builds(LayerCost, st.floats(0, 100, allow_nan=False), st.integers(0, 50), st.integers(0, 20),
+                        st.integers(0, 5))
+
+
+@settings(max_examples=300, deadline=None)
+@given(layers=st.lists(layer_costs, min_size=1, max_size=8), data=st.data())
+def test_partition_is_optimal_against_brute_force(layers, data):
+    p = data.draw(st.integers(1, len(layers)))
+    cap = data.draw(st.none() | st.integers(0, 250))
+    best = _brute_force(layers, p, cap)
+    if best is None:
+        with pytest.raises(PartitionError, match="no split"):
+            partition(layers, p, cap)
+        return
+    bounds = partition(layers, p, cap)
+    spans = list(zip(bounds, bounds[1:]))
+    assert len(spans) == p and bounds[0] == 0 and bounds[-1] == len(layers) and all(a < b for a, b in spans)
+    assert max(stage_ms(layers, a, b) for a, b in spans) == best
+    assert cap is None or all(stage_memory_bytes(layers, a, b, k, p) <= cap for k, (a, b) in enumerate(spans))
+
+
+def test_partition_memory_model_counts_1f1b_in_flight_activations():
+    layers = [LayerCost(1.0, 100, 10, 0), LayerCost(1.0, 100, 10, 4)]
+    assert stage_memory_bytes(layers, 0, 2, 0, 3) == 200 + 3 * (20 - 4)  # shared bytes count once
+    assert stage_memory_bytes(layers, 0, 2, 2, 3) == 200 + 1 * (20 - 4)  # the last stage holds one micro-batch
+    with pytest.raises(PartitionError, match="3 stages but the model has 2 layers"):
+        partition(layers, 3)
+
+
+def test_profile_round_trips(mlp_profile):
+    text = mlp_profile.read_text()
+    profile = load_profile(mlp_profile)
+    assert profile_json(profile) == text
+    again = mlp_profile.with_name("again.json")
+    again.write_text(profile_json(profile))
+    assert load_profile(again) == profile
+
+
+def test_repeated_calibration_agrees_within_its_spread(mlp_profile, tmp_path):
+    """Sizes are deterministic and must match exactly. Times are compared on the whole model (per-layer
+    noise averages out) with a tolerance of three reported spreads, plus a factor of two for the load of
+    a shared machine changing between the runs."""
+    out = tmp_path / "again.json"
+    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--out", str(out)) == 0
+    first, second = load_profile(mlp_profile), load_profile(out)
+    sizes = ("name", "inputs", "activation_bytes", "shared_with_previous_bytes", "output_bytes", "param_bytes",
+             "grad_bytes", "optimizer_state_bytes")
+    assert [layer.model_dump(include=set(sizes)) for layer in first.layers] == [
+        layer.model_dump(include=set(sizes)) for layer in second.layers]
+
+    def total(profile):
+        timings = [t for layer in profile.layers for t in (layer.fwd, layer.bwd)]
+        return sum(t.median_ms for t in timings), sum(t.spread_ms for t in timings)
+
+    (a, spread_a), (b, spread_b) = total(first), total(second)
+    assert abs(a - b) <= 3 * (spread_a + spread_b) + 0.5 * max(a, b), (a, spread_a, b, spread_b)
+
+
+def _simulate(capsys, *args):
+    code = pipesim("simulate", *args, "--json")
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["results"]
+
+
+def test_simulate_with_a_profile(capsys, mlp_profile):
+    profile = load_profile(mlp_profile)
+    gpipe, xpipe = _simulate(capsys, "--profile", str(mlp_profile), "-s", "gpipe", "-s", "xpipe", "-m", "4")
+    assert len(gpipe["devices"]) == profile.partition.stages  # --stages defaults to the profile's
+    for device, stage in zip(gpipe["devices"], profile.stages):
+        compute = 4 * (stage.fwd_ms + stage.bwd_ms) + stage.steps["adam"].step.median_ms
+        assert device["busy_ms"] == pytest.approx(compute)
+        assert device["peak_memory_mb"] * 2**20 >= stage.param_bytes * 2 + stage.optimizer_state_bytes["adam"]
+    order = build_schedule("xpipe", ScheduleParams(2, 4)).orders
+    for device, stage, actions in zip(xpipe["devices"], profile.stages, order):  # bellwether predictions
+        compute = 4 * (stage.fwd_ms + stage.bwd_ms) + stage.steps["adam"].step.median_ms
+        predictions = sum(action.kind is Kind.PRED for action in actions)
+        assert predictions and device["busy_ms"] == pytest.approx(
+            compute + predictions * stage.steps["adam"].predict.median_ms)
+    assert gpipe["samples_per_s"] == pytest.approx(4 * BATCH / gpipe["time_per_minibatch_ms"] * 1e3)
+
+    (sgd,) = _simulate(capsys, "--profile", str(mlp_profile), "-s", "gpipe", "-m", "4", "--optimizer", "sgd")
+    assert sgd["devices"][0]["busy_ms"] == pytest.approx(
+        4 * (profile.stages[0].fwd_ms + profile.stages[0].bwd_ms) + profile.stages[0].steps["sgd"].step.median_ms)
+
+    # Other stage counts re-partition the layers: p = 3 devices, or 4 model stages for zb-v's two chunks.
+    (three,) = _simulate(capsys, "--profile", str(mlp_profile), "-s", "1f1b", "-p", "3", "-m", "6")
+    (zbv,) = _simulate(capsys, "--profile", str(mlp_profile), "-s", "zb-v", "-m", "6")
+    assert len(three["devices"]) == 3 and len(zbv["devices"]) == 2 and len(zbv["stages"]) == 4
+    total_ms = sum(layer.fwd.median_ms + layer.bwd.median_ms for layer in profile.layers)
+    assert sum(d["busy_ms"] for d in three["devices"]) >= 6 * total_ms * (1 - 1e-9)
+
+
+def test_simulate_uses_the_profile_link(capsys, mlp_profile, tmp_path):
+    doc = json.loads(mlp_profile.read_text())
+    without = _simulate(capsys, "--profile", str(mlp_profile), "-s", "gpipe", "-m", "2")[0]["makespan_ms"]
+    doc["link"] = {"segments": [{"min_bytes": 0, "latency_ms": 5.0, "bytes_per_ms": 1e6}],
+                   "points": [{"nbytes": 4096, "ms": 5.004, "spread_ms": 0.0}], "meta": {}}
+    doc["allreduce"] = {"world_size": 2, "points": [], "meta": {}}
+    linked = tmp_path / "linked.json"
+    linked.write_text(json.dumps(doc))
+    (result,) = _simulate(capsys, "--profile", str(linked), "-s", "gpipe", "-m", "2")
+    # Two stages: at least the first forward's and the last backward's transfers sit on the critical path.
+    assert result["makespan_ms"] >= without + 2 * 5.0
+    assert pipesim("simulate", "--profile", str(linked), "--comm", "1") == 2
+    assert "--comm: the profile" in capsys.readouterr().err
+    assert pipesim("simulate", "--profile", str(mlp_profile), "-s", "1f1b", "--comm", "1") == 0  # no link measured
+
+
+def test_link_segments_match_the_fit():
+    fit = LinkFit((LinkSegment(0, 0.1, 1e3), LinkSegment(5000, 0.05, 1e5), LinkSegment(200_000, 1.0, 5e5)))
+    link = Link(segments=tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in fit.segments))
+    for nbytes in (1, 4096, 4999, 5000, 5001, 150_000, 199_999, 200_000, 10**8):
+        assert link.transfer_ms(nbytes) == fit.ms(nbytes)
+
+
+def test_two_branch_profile_gives_graphpipe_its_dag(capsys, tmp_path):
+    out = tmp_path / "tb.json"
+    assert pipesim("calibrate", "--model", "two-branch", "--layers", "1", "--width", "8", "--microbatch-size", "2",
+                   "--stages", "4", "--device", "cpu", "--no-links", "--repeats", "3", "--out", str(out)) == 0
+    capsys.readouterr()
+    profile = load_profile(out)
+    assert [layer.inputs for layer in profile.layers] == [[-1], [0], [0], [1, 2]]  # stem, branch a, b, merge
+    assert stage_edges(profile.layers, profile.partition.bounds) == [(0, 1), (0, 2), (1, 3), (2, 3)]
+    # As a chain, stage 1 (branch a) must pass the stem's output on to branch b; as a DAG it does not.
+    chain, dag = stages_for(profile, profile.partition.bounds), stages_for(profile, profile.partition.bounds, dag=True)
+    stem, a = profile.layers[0].output_bytes, profile.layers[1].output_bytes
+    assert (chain[1].output_bytes, dag[1].output_bytes) == (a + stem, a)
+    graphpipe, one_f_one_b = _simulate(capsys, "--profile", str(out), "-s", "graphpipe", "-s", "1f1b", "-m", "4")
+    assert len(graphpipe["stages"]) == 4
+    assert graphpipe["makespan_ms"] < one_f_one_b["makespan_ms"]  # the branches run side by side
+
+
+def test_bring_your_own_model(capsys, tmp_path, monkeypatch):
+    (tmp_path / "byo_calibration_model.py").write_text(
+        "from torch import nn\n"
+        "def build():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
+        "layers = [nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 30 * 30, 2)]\n")
+    monkeypatch.chdir(tmp_path)
+    for attribute, count in (("build", 3), ("layers", 3)):
+        out = tmp_path / f"{attribute}.json"
+        assert pipesim("calibrate", "--model", f"byo_calibration_model:{attribute}", "--stages", "2", "--device",
+                       "cpu", "--no-links", "--repeats", "3", "--out", str(out)) == 0
+        assert len(load_profile(out).layers) == count
+    capsys.readouterr()
+
+
+def test_dtype_sets_the_bytes(tmp_path):
+    out = tmp_path / "bf16.json"
+    assert pipesim("calibrate", *MLP, "--dtype", "bfloat16", "--no-links", "--out", str(out)) == 0
+    profile = load_profile(out)
+    assert profile.environment.dtype == "bfloat16"
+    assert profile.layers[0].param_bytes == (WIDTH * WIDTH + WIDTH) * 2
+
+
+def test_simulate_with_a_profile_never_imports_torch(mlp_profile):
+    probe = ("import sys; from pipesim.cli import main\n"
+             f"try:\n    main(['simulate', '--profile', {str(mlp_profile)!r}, '-s', '1f1b', '--json'])\n"
+             "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
+             "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--model", "nope"], "--model: unknown 'nope'; choose from mlp, cnn, gpt, two-branch"),
+    (["--model", "no_such_package.models:net"], "cannot import no_such_package.models"),
+    (["--model", "math:pi"], "expected a torch.nn.Sequential"),
+    (["--model", "math:nothing_here"], "module math has no attribute 'nothing_here'"),
+    pytest.param(["--model", "mlp", "--device", "cuda"], "no CUDA device: torch",
+                 marks=pytest.mark.skipif(CUDA, reason="a GPU is present")),
+    (["--model", "mlp", "--layers", "2", "--stages", "5"], "--stages 5: mlp has 3 layers; give at most 3"),
+    ([*MLP, "--memory-gb", "1e-6"], "no split of 4 layers into 2 stages fits"),
+    (["--model", "mlp", "--heads", "2"], "--heads does not apply to mlp"),
+    (["--model", "gpt", "--width", "30", "--heads", "4"], "--width (30) must be a multiple of --heads (4)"),
+    (["--model", "mlp", "--dtype", "float64"], "--dtype: choose float32, bfloat16 or float16"),
+    (["--model", "mlp", "--link-max-mb", "0.001"], "--link-max-mb: must be at least 4 KiB"),
+    (["--model", "mlp", "--no-links", "--link-max-mb", "1"], "--no-links skips"),
+])
+def test_bad_calibrate_input_is_one_line_exit_2_nothing_written(capsys, tmp_path, args, fragment):
+    code = pipesim("calibrate", *args, "--out", str(tmp_path / "p.json"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert fragment in err
+    assert "Traceback" not in err and err.strip().count("\n") == 0
+    assert list(tmp_path.iterdir()) == []  # no profile, no temporary file
+
+
+def _edited(mlp_profile, tmp_path, edit):
+    doc = json.loads(mlp_profile.read_text())
+    edit(doc)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("edit,fragment", [
+    (lambda d: d.update(schema_version=2), "schema_version 2 is not supported (this pipesim reads version 1)"),
+    (lambda d: d.pop("schema_version"), "schema_version: missing"),
+    (lambda d: d["layers"][0]["fwd"].pop("median_ms"), "layers.0.fwd.median_ms: Field required"),
+    (lambda d: d.pop("environment"), "environment: Field required"),
+    (lambda d: d["partition"].update(bounds=[0, 9]), "partition.bounds must rise strictly from 0 to 4"),
+])
+def test_bad_profile_is_one_line_naming_the_field(capsys, mlp_profile, tmp_path, edit, fragment):
+    code = pipesim("simulate", "--profile", str(_edited(mlp_profile, tmp_path, edit)), "-s", "1f1b")
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and err.strip().count("\n") == 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--fwd", "1", "--output-mb", "2"], "--fwd, --output-mb: the profile"),
+    (["-p", "9"], "the schedule has 9 model stages but the profile's model has 4 layers"),
+    (["--profile-typo"], "No such option"),
+])
+def test_simulate_refuses_flags_the_profile_fixes(capsys, mlp_profile, args, fragment):
+    code = pipesim("simulate", "--profile", str(mlp_profile), "-s", "1f1b", *args)
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and err.strip().count("\n") == 0
+
+
+def test_missing_profile_file(capsys, tmp_path):
+    assert pipesim("simulate", "--profile", str(tmp_path / "none.json")) == 2
+    assert "cannot read profile" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_calibrate_on_cuda(tmp_path):
+    out = tmp_path / "gpu.json"
+    assert pipesim("calibrate", *[a if a != "cpu" else "cuda" for a in MLP], "--link-max-mb", "1", "--out",
+                   str(out)) == 0
+    profile = load_profile(out)
+    assert profile.environment.device == "cuda" and profile.environment.cuda_version
+    assert all(layer.fwd.median_ms > 0 for layer in profile.layers)
+    assert not math.isnan(profile.link.segments[0].latency_ms)
