@@ -1,54 +1,67 @@
-"""How fast the simulator runs: 1F1B at p = 64, m = 1024 (and other sizes with --sizes).
+"""How fast the simulator runs and how it scales: 1F1B at several (p, m), transfers and memory modelled.
 
-Prints simulated F and B ops per second, for the whole `simulate` call (lowering, the SimPy run and
-building the trace) and for each phase. Run: python benchmarks/bench_simulate.py [--sizes 64x1024,128x4096]
+Each size runs in a fresh process, so its peak resident memory is its own. Prints, per size, the
+seconds of each phase (build the schedule, check it, lower it, the SimPy run, the trace, the metrics),
+simulated F+B ops per second end to end, and peak memory per op; the scaling is linear when ops/s and
+bytes/op stay flat as the sizes grow. Run:
+
+    python benchmarks/bench_simulate.py [--sizes 64x1024,128x4096] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import multiprocessing
 import pstats
+import resource
 import time
 
-from pipesim.schedules import ScheduleParams, build_schedule
+from rich.console import Console
+from rich.table import Table
+
+from pipesim.schedules import ScheduleParams, build_schedule, check_complete, local_order_ok
 from pipesim.sim import Cluster, Costs, engine
 from pipesim.traces import summarize
 
+PHASES = ("build", "check", "lower", "run", "trace", "metrics")
+
 
 def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
-    t0 = time.perf_counter()
+    """One simulation of 1F1B at (p, m), phase by phase, with its process's peak memory."""
+    marks = [time.perf_counter()]
     schedule = build_schedule("1f1b", ScheduleParams(p, m))
-    t1 = time.perf_counter()
+    marks.append(time.perf_counter())
     costs = Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10, output_mb=1)
     cluster = Cluster.uniform(p, comm_ms)
-    engine.check_complete(schedule)
-    assert engine.local_order_ok(schedule)
-    t2 = time.perf_counter()
+    check_complete(schedule)
+    assert local_order_ok(schedule)
+    marks.append(time.perf_counter())
     program = engine._lower(schedule, costs, cluster, 0.0, 0)
-    t3 = time.perf_counter()
+    marks.append(time.perf_counter())
     model = engine._Model(program, cluster.overlap_comm)
     model.run()
-    t4 = time.perf_counter()
+    marks.append(time.perf_counter())
     trace = engine._trace(schedule, costs, cluster, program, model, 0.0, 0)
-    t5 = time.perf_counter()
+    marks.append(time.perf_counter())
     summary = summarize(trace)
-    t6 = time.perf_counter()
+    marks.append(time.perf_counter())
     fb_ops = 2 * p * m
-    transfers = 2 * (p - 1) * m  # one activation and one gradient per link and micro-batch
+    assert summary.makespan_ms > 0
     return {
-        "simulate F+B+transfer ops/s": (fb_ops + transfers) / (t5 - t1),
-        "p": p, "m": m, "F+B ops": fb_ops, "all ops": len(trace.ops),
-        "build s": t1 - t0, "validate s": t2 - t1, "lower s": t3 - t2, "SimPy run s": t4 - t3,
-        "trace s": t5 - t4, "metrics s": t6 - t5,
-        "simulate F+B ops/s": fb_ops / (t5 - t1), "SimPy-run F+B ops/s": fb_ops / (t4 - t3),
-        "makespan ms": summary.makespan_ms,
+        "p": p, "m": m, "fb_ops": fb_ops, "rows": len(trace.ops),
+        **{phase: b - a for phase, a, b in zip(PHASES, marks, marks[1:])},
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
+def _child(args: tuple[int, int, float]) -> dict[str, float]:
+    return measure(*args)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", default="64x1024", help="comma-separated PxM pairs")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="16x256,32x1024,64x1024,128x2048,128x4096", help="comma-separated PxM")
     parser.add_argument("--comm", type=float, default=0.05, help="ms per transfer")
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile of the first size")
     args = parser.parse_args()
@@ -57,15 +70,23 @@ def main() -> None:
         p, m = sizes[0]
         cProfile.runctx("measure(p, m, args.comm)", globals(), locals(), "/tmp/pipesim.prof")
         pstats.Stats("/tmp/pipesim.prof").sort_stats("cumulative").print_stats(25)
+
+    table = Table(title="1F1B: seconds per phase; simulate = check + lower + run + trace (issue targets: "
+                        ">= 250k F+B ops/s at 64x1024, < 5 s at 128x4096)", title_justify="left")
+    for header in ("p x m", "F+B ops", "rows", *PHASES, "simulate s", "F+B ops/s", "rows/s", "peak MiB",
+                   "bytes/row"):
+        table.add_column(header, justify="right")
+    context = multiprocessing.get_context("spawn")
     for p, m in sizes:
-        r = measure(p, m, args.comm)
-        print(f"1f1b p={p} m={m}: {r['F+B ops']:,} F+B ops ({r['all ops']:,} with transfers and OPT)")
-        for key in ("build s", "validate s", "lower s", "SimPy run s", "trace s", "metrics s"):
-            print(f"  {key:<12} {r[key]:8.3f}")
-        print(f"  simulate (validate+lower+run+trace): {r['simulate F+B ops/s']:,.0f} F+B ops/s "
-              f"(target >= 250,000); counting transfers too: {r['simulate F+B+transfer ops/s']:,.0f} ops/s; "
-              f"SimPy run alone: {r['SimPy-run F+B ops/s']:,.0f} F+B ops/s; "
-              f"makespan {r['makespan ms']:.1f} ms")
+        with context.Pool(1) as pool:  # a fresh process per size: its peak memory is this size's
+            r = pool.apply(_child, ((p, m, args.comm),))
+        simulate_s = r["check"] + r["lower"] + r["run"] + r["trace"]
+        table.add_row(
+            f"{p}x{m}", f"{r['fb_ops']:,}", f"{r['rows']:,}", *(f"{r[phase]:.3f}" for phase in PHASES),
+            f"{simulate_s:.2f}", f"{r['fb_ops'] / simulate_s:,.0f}", f"{r['rows'] / simulate_s:,.0f}",
+            f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] * 2**20 / r['rows']:,.0f}",
+        )
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":
