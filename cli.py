@@ -6,15 +6,22 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from .calibrate.profile import Profile
+    from .schedules import Schedule, ScheduleParams
+    from .sim import Cluster, Costs
 
 app = typer.Typer(
     name="pipesim",
@@ -123,8 +130,8 @@ def simulate(
     if example:
         stages, microbatches, minibatches, comm, opt, html = (
             EXAMPLE[k] for k in ("stages", "microbatches", "minibatches", "comm", "opt", "html"))
-    from .schedules import METHODS, ScheduleError, ScheduleParams, build_schedule
-    from .sim import OPTIMIZER_STATE_FACTOR, Cluster, ClusterError, CostError, Costs, SimulationError, load_cluster
+    from .schedules import METHODS, ScheduleError, ScheduleParams
+    from .sim import ClusterError, CostError, SimulationError
     from .sim import simulate as run_simulation
     from .traces import summarize, write_trace
 
@@ -147,69 +154,22 @@ def simulate(
             raise InputError(f"--elastic-alpha: must be in (0, 1] (got {elastic_alpha})")
         _writable("--html", html)
         _writable("--trace", trace)
-        per_stage = {flag: _numbers(flag, text) for flag, text in (
-            ("--fwd", fwd), ("--bwd", bwd), ("--param-mb", param_mb), ("--activation-mb", activation_mb),
-            ("--output-mb", output_mb))}
-        if optimizer not in OPTIMIZER_STATE_FACTOR:
-            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
-        comm_ms = _numbers("--comm", comm)
-        if len(comm_ms) != 1:
-            raise InputError("--comm: give one number of milliseconds")
-        topology = None
-        if cluster is not None:
-            if _given(ctx, "comm"):
-                raise InputError("--comm and --cluster both describe links: give one")
-            topology = load_cluster(cluster)
-            if blocking_comm:
-                topology = type(topology)(**{**vars(topology), "overlap_comm": False})
-        dag = _load_graph(graph) if graph is not None else None
-        measured = _load_profile(ctx, profile) if profile is not None else None
-        if measured is not None and not _given(ctx, "stages"):
-            stages = measured.partition.stages
+        scenario = _scenario(ctx, "device" if example else "stage", schedule_file if loaded else None, comm=comm,
+                             opt=opt)
+        if scenario.measured is not None and not _given(ctx, "stages"):
+            stages = scenario.measured.partition.stages
 
         def build(name: str):
             defaults = METHODS[name].defaults
-            params = ScheduleParams(
-                dag[0].num_stages if dag and name == "graphpipe" else stages, microbatches, minibatches,
-                chunks if chunks is not None else defaults.get("chunks", 1),
-                pipelines if pipelines is not None else defaults.get("pipelines", 1),
-                advance, average_every, elastic_alpha)
-            if name == "graphpipe" and (dag or measured):
-                from .schedules.graph import graph_schedule
-
-                return graph_schedule(params, *dag) if dag else graph_schedule(params, _profile_graph(measured, stages))
-            return build_schedule(name, params)
-
-        def costs_for(sched) -> Costs:
-            """Per-model-stage costs. The example spreads one device's share of the model over its chunks,
-            so every method trains the same model."""
-            if measured is not None:
-                return _profile_costs(measured, sched, optimizer)
-            n = sched.num_stages
-            if example:
-                share = sched.num_devices / n
-                values = {flag: [v * share for v in per_stage[flag]] for flag in ("--fwd", "--bwd", "--param-mb",
-                                                                                   "--activation-mb")}
-                values["--output-mb"] = per_stage["--output-mb"]
-            else:
-                values = per_stage
-            for flag, given in values.items():
-                if len(given) not in (1, n):
-                    where = f"in {schedule_file}" if loaded else f"for {sched.method}"
-                    raise InputError(f"{flag}: {len(given)} values given; give one, or one per model stage "
-                                     f"({n} {where})")
-            return Costs.per_stage(
-                n, fwd_ms=values["--fwd"], bwd_ms=values["--bwd"], wgrad_fraction=wgrad_fraction, opt_ms=opt,
-                pred_ms=pred, avg_ms=avg, param_mb=values["--param-mb"], activation_mb=values["--activation-mb"],
-                output_mb=values["--output-mb"], optimizer=optimizer, microbatch_size=microbatch_size)
+            return scenario.build(name, ScheduleParams(
+                stages, microbatches, minibatches, chunks if chunks is not None else defaults.get("chunks", 1),
+                pipelines if pipelines is not None else defaults.get("pipelines", 1), advance, average_every,
+                elastic_alpha))
 
         built = [loaded] if loaded else [build(name) for name in names]
         summaries, traces = [], []
         for sched in _progress(built, as_json):
-            links = topology or (
-                _profile_cluster(measured, sched.num_devices, not blocking_comm) if measured and measured.link
-                else Cluster.uniform(sched.num_devices, comm_ms[0], overlap_comm=not blocking_comm))
-            result = run_simulation(sched, costs_for(sched), links, jitter=jitter, seed=seed)
+            result = run_simulation(sched, scenario.costs(sched), scenario.links(sched), jitter=jitter, seed=seed)
             traces.append(result)
             summaries.append(summarize(result))
         if trace is not None:
@@ -255,6 +215,99 @@ def _schedule_file(ctx: typer.Context, path: Path):
     return from_torch_csv(text, path.stem)
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """What the cost flags, --cluster, --profile and --graph describe, apart from the schedule's shape: one
+    picklable value, so `sweep`'s worker processes build exactly the schedules, costs and links `simulate`
+    builds."""
+
+    per_stage: dict[str, list[float]]  # by flag: --fwd, --bwd, --param-mb, --activation-mb, --output-mb
+    wgrad_fraction: float
+    opt_ms: float
+    pred_ms: Optional[float]
+    avg_ms: Optional[float]
+    optimizer: str
+    microbatch_size: int
+    comm_ms: float
+    overlap_comm: bool
+    topology: Optional[Cluster] = None  # --cluster
+    measured: Optional[Profile] = None  # --profile
+    dag: Optional[tuple] = None  # --graph: (StageGraph, placement)
+    per: str = "stage"  # what --fwd, --bwd, --param-mb, --activation-mb describe: see `costs`
+    source: Optional[Path] = None  # the schedule file, named in errors
+
+    def build(self, name: str, params: ScheduleParams, bounds: Optional[Sequence[int]] = None) -> Schedule:
+        """The named method's schedule; graphpipe runs the --graph DAG, or the profile's model cut into p stages
+        (at `bounds` if given)."""
+        from .schedules import build_schedule
+        from .schedules.graph import graph_schedule
+
+        if name != "graphpipe" or not (self.dag or self.measured):
+            return build_schedule(name, params)
+        if self.dag:
+            return graph_schedule(replace(params, stages=self.dag[0].num_stages), *self.dag)
+        return graph_schedule(params, _profile_graph(self.measured, params.stages, bounds))
+
+    def costs(self, sched: Schedule, bounds: Optional[Sequence[int]] = None) -> Costs:
+        """Per-model-stage costs. The flags' values are per model "stage", or one "device"'s share of the model
+        split over its chunks (the built-in example: every method trains the same model), or the whole
+        "model" split over all stages (a sweep, where the stage count varies too)."""
+        from .sim import CostError, Costs
+
+        if self.measured is not None:
+            return _profile_costs(self.measured, sched, self.optimizer, bounds)
+        n = sched.num_stages
+        share = {"stage": 1.0, "device": sched.num_devices / n, "model": 1.0 / n}[self.per]
+        values = {flag: given if flag == "--output-mb" else [v * share for v in given]
+                  for flag, given in self.per_stage.items()}
+        for flag, given in values.items():
+            if len(given) not in (1, n):
+                where = f"in {self.source}" if self.source else f"for {sched.method}"
+                raise CostError(f"{flag}: {len(given)} values given; give one, or one per model stage ({n} {where})")
+        return Costs.per_stage(
+            n, fwd_ms=values["--fwd"], bwd_ms=values["--bwd"], wgrad_fraction=self.wgrad_fraction, opt_ms=self.opt_ms,
+            pred_ms=self.pred_ms, avg_ms=self.avg_ms, param_mb=values["--param-mb"],
+            activation_mb=values["--activation-mb"], output_mb=values["--output-mb"], optimizer=self.optimizer,
+            microbatch_size=self.microbatch_size)
+
+    def links(self, sched: Schedule) -> Cluster:
+        from .sim import Cluster
+
+        if self.topology is not None:
+            return self.topology
+        if self.measured is not None and self.measured.link:
+            return _profile_cluster(self.measured, sched.num_devices, self.overlap_comm)
+        return Cluster.uniform(sched.num_devices, self.comm_ms, overlap_comm=self.overlap_comm)
+
+
+def _scenario(ctx: typer.Context, per: str, source: Optional[Path] = None, **overrides) -> Scenario:
+    """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
+    share; `overrides` replace their values), checked before any work."""
+    from .sim import OPTIMIZER_STATE_FACTOR, load_cluster
+
+    flags = {**ctx.params, **overrides}
+    per_stage = {flag: _numbers(flag, flags[flag[2:].replace("-", "_")])
+                 for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
+    if flags["optimizer"] not in OPTIMIZER_STATE_FACTOR:
+        raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {flags['optimizer']!r})")
+    comm_ms = _numbers("--comm", flags["comm"])
+    if len(comm_ms) != 1:
+        raise InputError("--comm: give one number of milliseconds")
+    topology = None
+    if flags["cluster"] is not None:
+        if _given(ctx, "comm"):
+            raise InputError("--comm and --cluster both describe links: give one")
+        topology = load_cluster(flags["cluster"])
+        if flags["blocking_comm"]:
+            topology = replace(topology, overlap_comm=False)
+    graph = flags.get("graph")
+    return Scenario(
+        per_stage, flags["wgrad_fraction"], flags["opt"], flags["pred"], flags["avg"], flags["optimizer"],
+        flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology,
+        _load_profile(ctx, flags["profile"]) if flags["profile"] is not None else None,
+        _load_graph(graph) if graph is not None else None, per, source)
+
+
 PROFILE_COSTS = ("fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb", "output_mb",
                  "microbatch_size", "graph")
 
@@ -277,38 +330,43 @@ def _load_profile(ctx: typer.Context, path: Path):
 
 
 def _profile_bounds(measured, num_stages: int) -> list[int]:
-    """The profile's own partition for its stage count; other counts re-partition its layers for time (the
-    memory cap applied at calibration, for 1F1B with one stage per device)."""
+    """The profile's own partition for its stage count; other counts re-partition its layers for time
+    alone (the calibration's memory cap planned for its own stage count, so it is not applied here)."""
     from .calibrate.partition import partition
     from .calibrate.profile import layer_costs
+    from .sim import CostError
 
     if num_stages == measured.partition.stages:
         return measured.partition.bounds
     if num_stages > len(measured.layers):
-        raise InputError(f"--profile: the schedule has {num_stages} model stages but the profile's model has "
-                         f"{len(measured.layers)} layers; lower --stages or --chunks")
+        raise CostError(f"--profile: the schedule has {num_stages} model stages but the profile's model has "
+                        f"{len(measured.layers)} layers; lower --stages or --chunks")
     return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages)
 
 
-def _profile_graph(measured, num_stages: int):
-    """The stage DAG of the profile's model cut into `num_stages` (a chain unless its layers branch)."""
+def _profile_graph(measured, num_stages: int, bounds: Optional[Sequence[int]] = None):
+    """The stage DAG of the profile's model cut into `num_stages` (at `bounds`, default `_profile_bounds`; a
+    chain unless its layers branch)."""
     from .calibrate.profile import stage_edges
     from .schedules.ir import StageGraph
 
-    return StageGraph(num_stages, tuple(stage_edges(measured.layers, _profile_bounds(measured, num_stages))))
+    cut = list(bounds) if bounds is not None else _profile_bounds(measured, num_stages)
+    return StageGraph(num_stages, tuple(stage_edges(measured.layers, cut)))
 
 
-def _profile_costs(measured, sched, optimizer: str):
-    """Costs of the profile's layers cut into the schedule's model stages, with `optimizer`'s update and
-    prediction; AvgPipe's averaging step pulls all P replicas."""
+def _profile_costs(measured, sched, optimizer: str, bounds: Optional[Sequence[int]] = None):
+    """Costs of the profile's layers cut into the schedule's model stages (at `bounds`, default
+    `_profile_bounds`), with `optimizer`'s update and prediction; AvgPipe's averaging step pulls all P replicas."""
     from .calibrate.profile import stages_for
     from .schedules.ir import StageGraph
     from .sim import Costs, StageCosts
 
     n = sched.num_stages
-    stages = stages_for(measured, _profile_bounds(measured, n), dag=sched.graph.edges != StageGraph.chain(n).edges)
+    cut = list(bounds) if bounds is not None else _profile_bounds(measured, n)
+    stages = stages_for(measured, cut, dag=sched.graph.edges != StageGraph.chain(n).edges)
     return Costs(tuple(StageCosts(
-        fwd_ms=s.fwd_ms, bwd_ms=s.bwd_ms, wgrad_fraction=s.wgrad_fraction, opt_ms=s.steps[optimizer].step.median_ms,
+        fwd_ms=s.fwd_ms, bwd_ms=s.bwd_ms, igrad_ms=s.igrad_ms, wgrad_ms=s.wgrad_ms, wgrad_fraction=s.wgrad_fraction,
+        opt_ms=s.steps[optimizer].step.median_ms,
         pred_ms=s.steps[optimizer].predict.median_ms, avg_ms=s.average.median_ms * sched.pipelines,
         param_bytes=s.param_bytes, activation_bytes=s.activation_bytes, output_bytes=s.output_bytes,
         optimizer_state_bytes=s.optimizer_state_bytes[optimizer]) for s in stages),
@@ -317,7 +375,7 @@ def _profile_costs(measured, sched, optimizer: str):
 
 def _profile_cluster(measured, num_devices: int, overlap_comm: bool):
     """Every device pair gets the measured p2p link, a resource of its own (transfers on one link queue);
-    devices are the calibrated device with its memory (or the cap calibration planned for)."""
+    the devices are named, with their memory (or the calibration's cap), in the trace's metadata."""
     from .sim import Cluster, Link
 
     env = measured.environment
@@ -339,14 +397,16 @@ def _load_graph(path: Path):
         raise InputError(f"--graph: {exc}") from None
 
 
-def _progress(items: list, quiet: bool):
-    """Iterate with a transient progress bar on an interactive terminal (simulations can take seconds)."""
-    if quiet or not stderr.is_terminal or len(items) < 2:
+def _progress(items: Iterable, quiet: bool, total: Optional[int] = None):
+    """Iterate with a transient progress bar on an interactive terminal (simulations can take seconds); `total`
+    counts the items of an iterator."""
+    total = len(items) if total is None else total
+    if quiet or not stderr.is_terminal or total < 2:
         yield from items
         return
     from rich.progress import track
 
-    yield from track(items, description="simulating", console=stderr, transient=True)
+    yield from track(items, total=total, description="simulating", console=stderr, transient=True)
 
 
 def _print_table(summaries: list, schedules: list, example: bool) -> None:
@@ -426,8 +486,9 @@ def calibrate(
             raise InputError(f"--memory-gb: must be a number of GiB > 0 (got {memory_gb})")
         if not links and _given(ctx, "link_max_mb"):
             raise InputError("--link-max-mb sizes the link measurement, which --no-links skips: give one")
-        if links and not 4 << 10 <= link_max_mb * MIB < float("inf"):
-            raise InputError(f"--link-max-mb: must be at least 4 KiB ({4 / 1024:g} MiB), got {link_max_mb}")
+        if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
+            raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
+                             f"4096 MiB (got {link_max_mb})")
         from .calibrate.links import LinkError, default_sizes
         from .calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
         from .calibrate.measure import calibrate as run_calibration
@@ -447,11 +508,20 @@ def calibrate(
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance)
         except (ModelError, DeviceError, PartitionError, LinkError) as exc:
             raise InputError(str(exc)) from None
-        write_atomic(out, profile_json(profile))
+        except (MemoryError, RuntimeError) as exc:  # the model or its batch does not fit in memory
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            if not isinstance(exc, MemoryError) and not any(w in first_line.lower() for w in ("alloc", "memory")):
+                raise
+            raise InputError(f"{model} does not fit in memory at micro-batch size {microbatch_size}: "
+                             f"{first_line}; make it smaller (--width, --layers, --microbatch-size)") from None
+        except OSError as exc:
+            raise InputError(f"calibration failed: {exc}") from None
+        try:
+            write_atomic(out, profile_json(profile))
+        except OSError as exc:
+            raise InputError(f"cannot write output: {exc.filename}: {exc.strerror}") from None
     except InputError as exc:
         fail(str(exc))
-    except OSError as exc:
-        fail(f"cannot write output: {exc.filename}: {exc.strerror}")
     _print_profile(profile)
     stdout.print(f"wrote {out}", highlight=False)
 
@@ -548,6 +618,127 @@ def export(
     stdout.print(f"wrote {out}", highlight=False)
 
 
+@app.command()
+def sweep(
+    ctx: typer.Context,
+    schedule: Annotated[Optional[str], typer.Option("--schedule", "-s", help="Methods, comma-separated (default: all).")] = None,
+    stages: Annotated[Optional[str], typer.Option("--stages", "-p", help="Pipeline depths p, comma-separated (default: 4, or the profile's).")] = None,
+    microbatches: Annotated[Optional[str], typer.Option("--microbatches", "-m", help="Micro-batches per mini-batch m, comma-separated (default: 8).")] = None,
+    chunks: Annotated[Optional[str], typer.Option("--chunks", "-v", help="Chunks per device v, comma-separated; only interleaved and V schedules read them (default: each method's).")] = None,
+    pipelines: Annotated[Optional[str], typer.Option("--pipelines", "-P", help="Parallel pipelines P, comma-separated; only avgpipe reads them (default: 2).")] = None,
+    cost_scale: Annotated[Optional[str], typer.Option("--cost-scale", help="Factors on every compute time, comma-separated: a faster or slower accelerator on the same links (default: 1).")] = None,
+    grid: Annotated[Optional[Path], typer.Option("--grid", help="TOML file giving axes by these flags' names, e.g. stages = [4, 8] and cost-scale = [0.5, 1].")] = None,
+    minibatches: Annotated[int, typer.Option("--minibatches", "-n", min=1, help="Mini-batches N per run (several, so time per mini-batch is the steady state).")] = 4,
+    fwd: Annotated[str, typer.Option("--fwd", help="Forward ms per micro-batch of the whole model, split evenly over each configuration's p·v model stages (every configuration trains the same model).")] = "4",
+    bwd: Annotated[str, typer.Option("--bwd", help="Full backward ms per micro-batch of the whole model (split likewise).")] = "8",
+    wgrad_fraction: Annotated[float, typer.Option("--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward schedules).")] = 0.5,
+    opt: Annotated[float, typer.Option("--opt", min=0.0, help="Optimizer step ms per model stage.")] = 0.1,
+    pred: Annotated[Optional[float], typer.Option("--pred", min=0.0, help="Weight prediction (PRED) ms per model stage (default: --opt).")] = None,
+    avg: Annotated[Optional[float], typer.Option("--avg", min=0.0, help="Elastic averaging (AVG) ms per model stage (default: --opt).")] = None,
+    comm: Annotated[str, typer.Option("--comm", help="Ms per activation or gradient transfer between devices (no contention).")] = "0.1",
+    cluster: Annotated[Optional[Path], typer.Option("--cluster", help="Cluster JSON (devices, links, shared resources); replaces --comm.")] = None,
+    profile: Annotated[Optional[Path], typer.Option("--profile", help="Profile from `pipesim calibrate`: its layers cut into each configuration's stages give the costs, sizes and links.")] = None,
+    param_mb: Annotated[str, typer.Option("--param-mb", help="Parameter MiB of the whole model (split likewise).")] = "1024",
+    activation_mb: Annotated[str, typer.Option("--activation-mb", help="Activation MiB a micro-batch saves in the whole model (split likewise).")] = "256",
+    output_mb: Annotated[str, typer.Option("--output-mb", help="MiB a stage sends to the next per micro-batch.")] = "8",
+    optimizer: Annotated[str, typer.Option("--optimizer", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")] = "adam",
+    microbatch_size: Annotated[int, typer.Option("--microbatch-size", min=1, help="Samples per micro-batch (for samples/s).")] = 1,
+    blocking_comm: Annotated[bool, typer.Option("--blocking-comm", help="Sends block the compute stream until they finish.")] = False,
+    workers: Annotated[Optional[int], typer.Option("--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="Run the tasks on the Ray cluster at this address instead (auto, ray://host:10001, or local to start one); needs pipesim[ray].")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); replaced atomically.")] = None,
+    html: Annotated[Optional[Path], typer.Option("--html", help="Write the trade-off view: time per mini-batch vs peak memory, staleness as colour, the Pareto fronts (self-contained HTML).")] = None,
+) -> None:
+    """Simulate a grid of configurations in parallel; find the Pareto fronts of time, memory and staleness.
+
+    Axes are comma lists, or a TOML file (--grid).
+    A configuration a method cannot run is a row with status "skipped" and the reason.
+    One front per cost scale and mini-batch size (m·P): only the same work on the same hardware competes.
+    Costs are the whole model's, split over each configuration's stages (default: the built-in example's).
+    """
+    from importlib.util import find_spec
+
+    from .schedules import METHODS
+    from .sim import ClusterError
+    from .sim.sweep import AXES, Grid, GridError, load_grid, parse_axis, pareto_front, run, write_results
+
+    try:
+        _writable("--out", out)
+        _writable("--html", html)
+        if out is not None and out.suffix not in (".csv", ".parquet"):
+            raise InputError(f"--out: give a .csv or .parquet file (got {out})")
+        if out is not None and out.suffix == ".parquet" and find_spec("pyarrow") is None:
+            raise InputError("--out: writing Parquet needs pyarrow, which is not installed: pip install pyarrow "
+                             "(or give a .csv file)")
+        if ray is not None and find_spec("ray") is None:
+            raise InputError("--ray: Ray is not installed: pip install 'pipesim[ray]'")
+        if ray is not None and workers is not None:
+            raise InputError("--workers sizes the local process pool, --ray runs on the cluster's CPUs: give one")
+        axes = load_grid(grid) if grid is not None else {}
+        for key in AXES:
+            text = ctx.params[key.replace("-", "_")]
+            if text is not None and key in axes:
+                raise InputError(f"--{key} and --grid both give {key}: give one")
+            if text is not None:
+                axes[key] = parse_axis(key, text)
+        scenario = _scenario(ctx, "model")
+        lists = [flag for flag, values in scenario.per_stage.items() if len(values) > 1]
+        if lists:
+            raise InputError(f"{lists[0]}: give one number, the whole model's; the stage count varies across a "
+                             "sweep, so one value per stage fits no grid (--profile gives per-layer costs)")
+        configs = Grid(
+            axes.get("schedule", tuple(METHODS)),
+            axes.get("stages", (scenario.measured.partition.stages if scenario.measured else 4,)),
+            axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
+            axes.get("cost-scale", (1.0,))).configs()
+        results = [None] * len(configs)
+        for i, result in _progress(run(scenario, configs, workers or os.cpu_count() or 1, ray), False, len(configs)):
+            results[i] = result
+        front = pareto_front(results)
+        if out is not None:
+            write_results(results, out)
+        if html is not None:
+            from .sim.sweep import write_tradeoff_html
+
+            write_tradeoff_html(results, front, html)
+    except (InputError, GridError, ClusterError) as exc:
+        fail(str(exc))
+    except ConnectionError as exc:  # Ray could not reach the cluster
+        fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+    except OSError as exc:
+        fail(f"cannot write output: {exc.filename}: {exc.strerror}")
+    _print_front(results, front)
+    for path in (out, html):
+        if path is not None:
+            stdout.print(f"wrote {path}", highlight=False)
+
+
+FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html have them all
+
+
+def _print_front(results: list, front: list[int]) -> None:
+    """The Pareto fronts, one section per cost scale and mini-batch size, fastest first."""
+    skipped = sum(r.metrics is None for r in results)
+    table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per cost scale and "
+                        f"mini-batch size: {len(front)} of {len(results) - skipped} configurations that ran "
+                        f"({skipped} skipped)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  caption=f"and {len(front) - FRONT_ROWS} more in --out and --html" if len(front) > FRONT_ROWS
+                  else None, caption_justify="left")
+    table.add_column("schedule", no_wrap=True)
+    for header in ("p", "m", "v", "P", "cost×", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
+        table.add_column(header, justify="right", no_wrap=True)
+    group = None
+    for i in front[:FRONT_ROWS]:
+        c, m = results[i].config, results[i].metrics
+        if group is not None and group != (c.cost_scale, c.microbatches * c.pipelines):
+            table.add_section()
+        group = (c.cost_scale, c.microbatches * c.pipelines)
+        table.add_row(c.schedule, str(c.stages), str(c.microbatches), str(c.chunks), str(c.pipelines),
+                      f"{c.cost_scale:g}", f"{m.time_per_minibatch_ms:.3f}", f"{m.samples_per_s:,.1f}",
+                      f"{m.bubble_fraction:.1%}", f"{m.peak_memory_mb:,.0f}", str(m.max_staleness))
+    stdout.print(table)
+
+
 @app.command("schedules")
 def list_schedules() -> None:
     """List the methods pipesim knows: what each does and which weights its ops read."""
@@ -579,6 +770,120 @@ def _policy_text(policy) -> str:
         lines.append(f"+{policy.extra_copies} weight copy")
     return "\n".join(lines)
 
+
+@app.command()
+def tune(
+    ctx: typer.Context,
+    profile: Annotated[Path, typer.Option("--profile", help="Profile from `pipesim calibrate`: the model's layers, link and all-reduce, measured at its micro-batch size b.")],
+    devices: Annotated[int, typer.Option("--devices", "-D", min=1, help="Devices D: r = D/p data-parallel replicas of a p-deep pipeline (p divides D).")],
+    memory_gb: Annotated[Optional[float], typer.Option("--memory-gb", help="Memory cap per device, GiB. Default: the profiled device's memory (or the calibration's cap).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-B", min=1, help="Samples per optimizer step over all devices, a multiple of b. Default: 4·D·b, so a p-deep pipeline runs m = 4p micro-batches (GPipe's rule for a small bubble).")] = None,
+    schedule: Annotated[Optional[list[str]], typer.Option("--schedule", "-s", help="Candidate method (repeat; see `pipesim schedules`). Default: all.")] = None,
+    max_staleness: Annotated[int, typer.Option("--max-staleness", min=0, help="Largest staleness allowed. Default 1: PipeDream-2BW's one-step delay, shown to train like synchronous SGD; 0 keeps synchronous semantics.")] = 1,
+    max_chunks: Annotated[int, typer.Option("--max-chunks", min=1, help="Largest v tried: model chunks per device (interleaved and V schedules).")] = 4,
+    max_pipelines: Annotated[int, typer.Option("--max-pipelines", min=1, help="Largest P tried: pipelines sharing the devices (avgpipe).")] = 4,
+    optimizer: Annotated[str, typer.Option("--optimizer", help="Optimizer whose state is held and whose step is timed: sgd, momentum, adam, adamw.")] = "adam",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+) -> None:
+    """Pick the fastest schedule, depth p, micro-batches m, chunks v, pipelines P and layer partition for a
+    profiled model on D devices under a per-device memory cap.
+
+    The problem: B samples per optimizer step (--batch-size) on D devices of G GiB (--memory-gb); the
+    profile's micro-batch size b stays fixed (its times hold at b). The devices run r = D/p data-parallel
+    replicas of a p-deep pipeline, whose P pipelines each run m = B/(r·P·b) micro-batches per step (whole).
+    Maximise samples/s with every device's peak memory <= G and staleness <= --max-staleness; ties go to
+    less memory, then less staleness. Each stage all-reduces its gradients over the r replicas before its
+    update (a ring scaled from the profile's 2-rank all-reduce, not overlapped with the backward). The
+    layers are split into p·v stages by the memory-capped partitioner with the schedule's own memory model.
+
+    The search bounds before it simulates: staleness and a memory floor from the schedule alone, a
+    throughput bound from the busiest device's compute; the choice and its five runners-up are exact.
+    """
+    from .schedules import METHODS, ScheduleError
+    from .sim import OPTIMIZER_STATE_FACTOR, CostError, SimulationError
+    from .sim.tune import GIB, Problem, TuneError
+    from .sim.tune import tune as search
+
+    try:
+        unknown = [name for name in schedule or () if name not in METHODS]
+        if unknown:
+            raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+        if optimizer not in OPTIMIZER_STATE_FACTOR:
+            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
+        if memory_gb is not None and not 0 < memory_gb < float("inf"):
+            raise InputError(f"--memory-gb: must be a number of GiB > 0 (got {memory_gb})")
+        measured = _load_profile(ctx, profile)
+        env = measured.environment
+        if memory_gb is None and not (env.memory_cap_bytes or env.device_memory_bytes):
+            raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; give the cap")
+        b = env.microbatch_size
+        batch = batch_size if batch_size is not None else 4 * devices * b
+        if batch % b:
+            raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
+                             "(its times were measured at that size)")
+        problem = Problem(devices, int(memory_gb * GIB) if memory_gb is not None else
+                          env.memory_cap_bytes or env.device_memory_bytes, batch,
+                          tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
+                          max_pipelines)
+        tuning = search(profile_scenario(measured, optimizer), problem)
+    except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
+        fail(str(exc))
+    if as_json:
+        sys.stdout.write(json.dumps(tuning.to_dict(), indent=2) + "\n")
+        return
+    _print_tuning(tuning, measured)
+
+
+def profile_scenario(measured: Profile, optimizer: str) -> Scenario:
+    """The Scenario of a profile alone: its layers give every cost and size, its link (if measured) the
+    transfers; the what-if fields are unused."""
+    return Scenario(per_stage={}, wgrad_fraction=0.5, opt_ms=0.0, pred_ms=None, avg_ms=None, optimizer=optimizer,
+                    microbatch_size=measured.environment.microbatch_size, comm_ms=0.0, overlap_comm=True,
+                    measured=measured)
+
+
+def _print_tuning(tuning, measured) -> None:
+    """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost."""
+    from .sim.tune import memory_text
+
+    problem, env, stats = tuning.problem, measured.environment, tuning.stats
+    table = Table(title=f"{measured.model.name} on {problem.devices} x {env.device_name} ({env.device}), "
+                        f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples "
+                        f"(micro-batch {env.microbatch_size}), staleness <= {problem.max_staleness}",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
+                  caption="p: devices per pipeline (D/p replicas), v: chunks per device, P: pipelines, m: micro-batches "
+                          "per pipeline and step; bubble: 1 - mean compute / step time; ms/step: the busiest "
+                          "device's compute per step")
+    for header in ("", "schedule", "p", "v", "P", "m", "samples/s", "bubble", "peak", "stale", "why not"):
+        table.add_column(header, justify="left" if header in ("schedule", "why not") else "right",
+                         no_wrap=header != "why not")
+
+    def add(mark: str, row, style: Optional[str] = None) -> None:
+        c, result = row.result.config, row.result
+        same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
+        table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), str(c.pipelines), str(c.microbatches),
+                      f"{result.samples_per_s:,.1f}", f"{result.bubble_fraction:.0%}",
+                      memory_text(result.peak_memory_bytes), str(result.staleness),
+                      "; ".join(filter(None, (row.why, same))), style=style)
+
+    add("best", tuning.choice, style="bold")
+    for rank, row in enumerate(tuning.runners_up, 2):
+        add(str(rank), row)
+    if tuning.excluded:
+        table.add_section()
+        for row in tuning.excluded:
+            add("over", row, style="dim")
+    stdout.print(table)
+    bounds = tuning.choice.result.candidate.bounds
+    stdout.print("partition (layers per model stage): " + " | ".join(
+        f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in zip(bounds, bounds[1:])) + "; all-reduce "
+        f"{tuning.choice.result.candidate.allreduce_ms:,.1f} ms per step", highlight=False)
+    stdout.print(f"searched {stats.configurations} configurations ({stats.refused} more shapes refused by their "
+                 f"method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by their memory floor "
+                 f"(not simulated), {stats.pruned} pruned by the throughput bound, {stats.simulated} simulated; "
+                 f"{stats.seconds:.2f} s", highlight=False)
+    for note in tuning.notes:
+        stdout.print(f"note: {note}", highlight=False)
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point: usage errors become one line and exit code 2, never a traceback."""

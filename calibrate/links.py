@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ..sim.cluster import piecewise_ms
+
 MIN_BYTES = 4 << 10
 # Bandwidth ceiling (1 PB/s) for a segment whose times do not grow with size: keeps bytes_per_ms finite for JSON.
 _MAX_BYTES_PER_MS = 1e12
@@ -91,30 +93,7 @@ class LinkFit:
                                  f"(got {s.bytes_per_ms})")
 
     def ms(self, nbytes: int) -> float:
-        floor_ms = 0.0
-        current = self.segments[0]
-        for seg in self.segments[1:]:
-            if nbytes < seg.min_bytes:
-                break
-            floor_ms = max(floor_ms, current.ms(seg.min_bytes))
-            current = seg
-        return max(current.ms(nbytes), floor_ms)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "segments": [{"min_bytes": s.min_bytes, "latency_ms": s.latency_ms, "bytes_per_ms": s.bytes_per_ms}
-                         for s in self.segments],
-            "meta": dict(self.meta),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LinkFit:
-        try:
-            segments = tuple(LinkSegment(int(s["min_bytes"]), float(s["latency_ms"]), float(s["bytes_per_ms"]))
-                             for s in data["segments"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a link fit: {exc!r}") from None
-        return cls(segments, dict(data.get("meta", {})))
+        return piecewise_ms(tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in self.segments), nbytes)
 
 
 # ---------------------------------------------------------------------------------------------------------------

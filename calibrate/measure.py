@@ -138,10 +138,13 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optim
     return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.01)
 
 
-def _with_grads(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    return params
+def _with_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Copies of `params` holding small random gradients: optimizer steps are measured on these, so the
+    model's own weights stay as they were and keep no gradient memory while the layers are timed."""
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    for c in copies:
+        c.grad = torch.randn_like(c) * 1e-3
+    return copies
 
 
 def _state_bytes(name: str, weights: list[torch.nn.Parameter]) -> int:
@@ -195,8 +198,14 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = _call(model, i, layer, [_leaf(a) for a in args], target)
+                leaves = _leaves(args, model.inputs[i])
+                out = _call(model, i, layer, leaves, target)
+                if torch.is_tensor(out) and out.requires_grad:  # the backward must run too, before timing it
+                    wrt = [a for a in leaves if a.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
+                    torch.autograd.grad(out, wrt, torch.ones_like(out), retain_graph=True, allow_unused=True)
         except Exception as exc:  # the user's model: report whatever it raised, in one line
+            if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+                raise
             raise ModelError(f"layer {names[i]} failed on its sample input: {type(exc).__name__}: "
                              f"{(str(exc).splitlines() or [''])[0]}") from None
         if not torch.is_tensor(out):
@@ -216,8 +225,10 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
     return Recording(inputs, target), layers
 
 
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_(t.is_floating_point())
+def _leaves(args: list[torch.Tensor], sources: list[int]) -> list[torch.Tensor]:
+    """Fresh inputs for one layer: those from another layer need a gradient, the sample batch does not
+    (no pipeline differentiates its data, so the first stage's backward computes none for it)."""
+    return [a.detach().requires_grad_(source != BATCH and a.is_floating_point()) for a, source in zip(args, sources)]
 
 
 def _call(model: Model, i: int, layer: torch.nn.Module, args: list[torch.Tensor], target: Any) -> torch.Tensor:
@@ -233,7 +244,7 @@ def _passes(model: Model, i: int, recording: Recording) -> list[list[Phase]]:
     weights = [p for p in layer.parameters() if p.requires_grad]
 
     def forward(_) -> tuple[list[torch.Tensor], torch.Tensor]:
-        args = [_leaf(a) for a in recording.inputs[i]]
+        args = _leaves(recording.inputs[i], model.inputs[i])
         return args, _call(model, i, layer, args, recording.target)
 
     _, sample = forward(None)

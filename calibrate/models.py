@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
 
 
@@ -85,13 +86,13 @@ def mlp(layers: int = 8, width: int = 512) -> Model:
 
 
 def cnn(layers: int = 6, width: int = 32) -> Model:
-    """VGG-style for 32x32 images: 3x3 conv+ReLU layers, channels doubling and a 2x2 max-pool after every
-    second one (down to 1x1), then a 10-way linear classifier."""
+    """VGG-style for 32x32 images: 3x3 conv+ReLU layers, channels doubling (up to 512, as VGG's) and a
+    2x2 max-pool after every second one (down to 1x1), then a 10-way linear classifier."""
     _positive(layers=layers, width=width)
     blocks: list[nn.Module] = []
     channels, side = 3, 32
     for i in range(layers):
-        out = width * 2 ** (i // 2)
+        out = min(width * 2 ** (i // 2), max(width, MAX_CNN_CHANNELS))  # VGG stops doubling at 512
         parts: list[nn.Module] = [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU()]
         if i % 2 == 1 and side > 1:
             parts.append(nn.MaxPool2d(2))

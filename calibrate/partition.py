@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 GIB = 1 << 30
 
@@ -48,31 +49,61 @@ def stage_memory_bytes(layers: Sequence[LayerCost], start: int, stop: int, stage
     return static + (stages - stage) * stage_activation_bytes(layers, start, stop)
 
 
-def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | None = None) -> list[int]:
+StageBytes = Callable[[int, int, int], float]  # (stage, start, stop) -> bytes that stage would hold
+StageTime = Callable[[int, int, int], float]  # (stage, start, stop) -> ms that stage would take
+
+
+def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | None = None,
+              stage_bytes: StageBytes | None = None, stage_time: StageTime | None = None) -> list[int]:
     """Stage bounds [0, b1, ..., n]: stage k holds layers bounds[k] .. bounds[k+1]-1. Minimises the slowest
-    stage; ties keep the earliest cut, so the result is deterministic."""
+    stage; ties keep the earliest cut, so the result is deterministic. `stage_bytes` replaces the 1F1B
+    memory model of the module docstring (a schedule that holds other activations or weight versions),
+    `stage_time` the layers' forward + backward (a schedule that splits backwards, or counts its updates)."""
+    n = _check(layers, stages)
+    memory = stage_bytes or _one_f_one_b_bytes(layers, stages)
+    time_ms = stage_time or _forward_backward_ms(layers)
+
+    def time_within_cap(k: int, i: int, j: int) -> float:
+        if memory_cap_bytes is not None and memory(k, i, j) > memory_cap_bytes:
+            return math.inf
+        return time_ms(k, i, j)
+
+    slowest_ms, bounds = _min_max_split(n, stages, time_within_cap)
+    if slowest_ms == math.inf:
+        least_bytes, _ = leanest_partition(layers, stages, memory)
+        raise PartitionError(
+            f"no split of {n} layers into {stages} stages fits {memory_cap_bytes / GIB:.3g} GiB per device: "
+            f"the least memory any split needs on its fullest device is {least_bytes / GIB:.3g} GiB"
+            + ("" if stage_bytes else " (1F1B activations in flight included)"))
+    return bounds
+
+
+def leanest_partition(layers: Sequence[LayerCost], stages: int,
+                      stage_bytes: StageBytes | None = None) -> tuple[float, list[int]]:
+    """The split whose fullest stage holds the least memory (by `stage_bytes`, default 1F1B's), and those
+    bytes: what to fall back on, and to report, when no split fits a cap."""
+    _check(layers, stages)
+    return _min_max_split(len(layers), stages, stage_bytes or _one_f_one_b_bytes(layers, stages))
+
+
+def _check(layers: Sequence[LayerCost], stages: int) -> int:
     n = len(layers)
     if stages < 1:
         raise PartitionError(f"stages must be >= 1 (got {stages})")
     if stages > n:
         raise PartitionError(f"{stages} stages but the model has {n} layers: each stage needs at least one layer")
+    return n
 
-    def memory(k: int, i: int, j: int) -> float:
-        return float(stage_memory_bytes(layers, i, j, k, stages))
 
-    def time_within_cap(k: int, i: int, j: int) -> float:
-        if memory_cap_bytes is not None and memory(k, i, j) > memory_cap_bytes:
-            return math.inf
-        return stage_ms(layers, i, j)
+def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageTime:
+    time_ms = cache(lambda i, j: stage_ms(layers, i, j))  # the DP asks for each range once per stage count
+    return lambda k, i, j: time_ms(i, j)
 
-    slowest_ms, bounds = _min_max_split(n, stages, time_within_cap)
-    if slowest_ms == math.inf:
-        least_bytes, _ = _min_max_split(n, stages, memory)
-        raise PartitionError(
-            f"no split of {n} layers into {stages} stages fits {memory_cap_bytes / GIB:.3g} GiB per device: "
-            f"the least memory any split needs on its fullest device is {least_bytes / GIB:.3g} GiB "
-            "(1F1B activations in flight included)")
-    return bounds
+
+def _one_f_one_b_bytes(layers: Sequence[LayerCost], stages: int) -> StageBytes:
+    static = cache(lambda i, j: sum(layer.static_bytes for layer in layers[i:j]))
+    activations = cache(lambda i, j: stage_activation_bytes(layers, i, j))
+    return lambda k, i, j: float(static(i, j) + (stages - k) * activations(i, j))
 
 
 def _min_max_split(n: int, p: int, cost: Callable[[int, int, int], float]) -> tuple[float, list[int]]:

@@ -27,7 +27,7 @@ class ProfileError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Timing(_Strict):
@@ -149,6 +149,13 @@ class LinkProfile(_Strict):
     segments: list[LinkSegmentModel] = Field(min_length=1)
     points: list[LinkPointModel]
     meta: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _rising(self) -> LinkProfile:
+        starts = [segment.min_bytes for segment in self.segments]
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"link.segments: min_bytes must rise from one segment to the next (got {starts})")
+        return self
 
 
 class AllReduceProfile(_Strict):

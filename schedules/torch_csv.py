@@ -83,6 +83,8 @@ def from_torch_csv(text: str, name: str) -> Schedule:
         rows = list(reader)
     except csv.Error as exc:
         raise ScheduleError(f"{name}: line {reader.line_num}: not CSV: {exc}") from None
+    while rows and not any(cell.strip() for cell in rows[-1]):  # blank lines at the end are not ranks
+        rows.pop()
 
     compute: list[list[Action]] = [[] for _ in rows]
     rank_of: dict[int, tuple[int, str]] = {}  # stage -> (rank, where it was first seen)
@@ -149,6 +151,10 @@ def from_torch_csv(text: str, name: str) -> Schedule:
                             f"(the largest micro-batch index, {top[0]}, is at {top[1]}): {shown}")
 
     placement = tuple(rank_of[stage][0] for stage in range(num_stages))
+    idle = sorted(set(range(len(rows))) - set(placement))
+    if idle:
+        raise ScheduleError(f"{name}: rank {idle[0]} (row {idle[0] + 1}) runs no stage; every row is a rank, "
+                            "and each must hold at least one stage's actions")
     orders = tuple(
         (*actions, *(Action(Kind.OPT, stage) for stage in range(num_stages) if placement[stage] == rank))
         for rank, actions in enumerate(compute)

@@ -33,7 +33,7 @@ class Link:
 
     def transfer_ms(self, nbytes: int) -> float:
         if self.segments:
-            return _segments_ms(self.segments, nbytes)
+            return piecewise_ms(self.segments, nbytes)
         if self.table_bytes:
             x, y = self.table_bytes, self.table_ms
             if nbytes >= x[-1] and len(x) > 1:  # extrapolate with the last segment's bandwidth
@@ -43,10 +43,10 @@ class Link:
         return self.latency_ms + nbytes / self.bandwidth_bytes_per_ms
 
 
-def _segments_ms(segments: tuple[tuple[int, float, float], ...], nbytes: int) -> float:
-    """The line of the segment whose range holds nbytes (the first one's also below its start), held at
-    least at the previous line's value where it starts, so times never fall with size (as calibrate's
-    LinkFit.ms)."""
+def piecewise_ms(segments: tuple[tuple[int, float, float], ...], nbytes: float) -> float:
+    """Time of a piecewise α–β link, segments (min_bytes, latency_ms, bytes_per_ms): the line of the
+    segment whose range holds nbytes (the first one's also below its start), held at least at the
+    previous line's value where it starts, so times never fall with size."""
     floor_ms = 0.0
     _, latency_ms, bytes_per_ms = segments[0]
     for min_bytes, next_latency_ms, next_bytes_per_ms in segments[1:]:
@@ -87,6 +87,8 @@ class Cluster:
             "default_link": _describe_link(self.default_link),
             "links": [{"src": s, "dst": d, **_describe_link(link)} for (s, d), link in sorted(self.links.items())],
             "overlap_comm": self.overlap_comm,
+            "devices": [{"name": name, "memory_bytes": memory}
+                        for name, memory in zip(self.device_names, self.memory_bytes or (None,) * self.num_devices)],
         }
 
 

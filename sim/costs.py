@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..traces.metrics import MIB
 
+MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
@@ -20,7 +21,9 @@ class StageCosts:
     """One model stage for one micro-batch (times) or in total (parameter and optimizer bytes).
 
     `activation_bytes` are saved from the forward until the backward frees them; `output_bytes` is the
-    boundary tensor sent to each next stage (its gradient travels back with the same size).
+    boundary tensor sent to each next stage (its gradient travels back with the same size). A split
+    backward's parts cost `igrad_ms` and `wgrad_ms` where measured (run apart they take longer than B,
+    since the weight pass walks the graph again), else `wgrad_fraction` of `bwd_ms` is the W part.
     """
 
     fwd_ms: float
@@ -33,13 +36,18 @@ class StageCosts:
     activation_bytes: int = 0
     output_bytes: int = 0
     optimizer_state_bytes: int = 0
+    igrad_ms: float | None = None
+    wgrad_ms: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "param_bytes", "activation_bytes",
-                     "output_bytes", "optimizer_state_bytes"):
+        times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms")
+        for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise CostError(f"{name} must be a finite number >= 0 (got {value!r})")
+            if value is None and name in ("igrad_ms", "wgrad_ms"):
+                continue
+            limit = MAX_MS if name in times else math.inf
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= limit:
+                raise CostError(f"{name} must be a finite number from 0 to {limit:g} (got {value!r})")
         if not 0.0 <= self.wgrad_fraction <= 1.0:
             raise CostError(f"wgrad_fraction must be between 0 and 1 (got {self.wgrad_fraction!r})")
 
@@ -64,9 +72,9 @@ class Costs:
         if kind == "B":
             return c.bwd_ms
         if kind == "I":
-            return c.bwd_ms * (1.0 - c.wgrad_fraction)
+            return c.igrad_ms if c.igrad_ms is not None else c.bwd_ms * (1.0 - c.wgrad_fraction)
         if kind == "W":
-            return c.bwd_ms * c.wgrad_fraction
+            return c.wgrad_ms if c.wgrad_ms is not None else c.bwd_ms * c.wgrad_fraction
         if kind == "OPT":
             return c.opt_ms
         if kind == "PRED":

@@ -165,12 +165,6 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
         comm = lo + np.flatnonzero(code[lo:hi] != _COMPUTE)
         pre = np.diff(busy_before[comm], prepend=0)
         steps.append((pre.tolist(), code[comm].tolist(), transfer[comm].tolist()))
-    static = []
-    for device in range(schedule.num_devices):
-        mine = [stages[s] for s in schedule.stages_on(device)]
-        per_replica = sum(2 * c.param_bytes + c.optimizer_state_bytes for c in mine)  # weights, grads, state
-        extra = schedule.policy.extra_copies * sum(c.param_bytes for c in mine)
-        static.append(per_replica * schedule.pipelines + extra)
     # A transfer keeps the weight-copy level of the compute op before it on its device (1 before any).
     last_compute = np.maximum.accumulate(np.where(origin >= 0, np.arange(n), 0))
     unused = 1 + schedule.policy.extra_copies
@@ -178,7 +172,19 @@ def _lower(schedule: Schedule, costs: Costs, cluster: Cluster, jitter: float, se
     held = np.where(t.device[last_compute] == t.device, held, unused)
     return _Program(t, steps, bounds, busy_before, code, duration, transfer, _scatter(versions.read, origin, -1),
                     _scatter(versions.prediction, origin, -1), transfer_ps, routes, transfer_route, len(resources),
-                    mem_at_start, mem_at_end, act_at_start, act_at_end, held, static)
+                    mem_at_start, mem_at_end, act_at_start, act_at_end, held, static_bytes(schedule, costs))
+
+
+def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
+    """Per device, the bytes held from start to end: weights, gradients and optimizer state of every stage
+    it holds, per pipeline replica, plus the policy's extra weight copies. Its memory never drops below."""
+    static = []
+    for device in range(schedule.num_devices):
+        mine = [costs.stages[s] for s in schedule.stages_on(device)]
+        per_replica = sum(2 * c.param_bytes + c.optimizer_state_bytes for c in mine)  # weights, grads, state
+        extra = schedule.policy.extra_copies * sum(c.param_bytes for c in mine)
+        static.append(per_replica * schedule.pipelines + extra)
+    return static
 
 
 class _Model:

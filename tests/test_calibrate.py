@@ -71,7 +71,11 @@ def test_calibrate_end_to_end_with_links(capsys, tmp_path):
     assert first.output_bytes == BATCH * WIDTH * FLOAT and head.output_bytes == 0
     for layer in profile.layers:  # forwards run before the full and before the split backward: twice a repeat
         for timing, runs in ((layer.fwd, 10), (layer.bwd, 5), (layer.igrad, 5), (layer.wgrad, 5)):
-            assert timing.median_ms > 0 and timing.spread_ms >= 0 and timing.repeats == runs
+            assert timing.median_ms >= 0 and timing.spread_ms >= 0 and timing.repeats == runs
+        assert layer.fwd.median_ms > 0 and layer.wgrad.median_ms > 0
+    assert all(layer.igrad.median_ms > 0 for layer in profile.layers[1:])
+    # no pipeline differentiates its input data: the first layer's input-gradient pass does no work
+    assert first.igrad.median_ms < 0.2 * first.wgrad.median_ms
     stage = profile.stages[0]
     start, stop = stage.layers
     assert stage.fwd_ms == pytest.approx(sum(layer.fwd.median_ms for layer in profile.layers[start:stop]))
@@ -244,6 +248,21 @@ def test_bring_your_own_model(capsys, tmp_path, monkeypatch):
     capsys.readouterr()
 
 
+def test_a_model_whose_backward_fails_is_one_line(capsys, tmp_path, monkeypatch):
+    (tmp_path / "byo_broken_backward.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Refuse(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n        return x.clone()\n"
+        "    @staticmethod\n    def backward(ctx, grad):\n        raise ValueError('no gradient here')\n"
+        "class Layer(nn.Linear):\n    def forward(self, x):\n        return Refuse.apply(super().forward(x))\n"
+        "layers = [nn.Linear(8, 8), Layer(8, 8), nn.Linear(8, 2)]\n")
+    monkeypatch.chdir(tmp_path)
+    code = pipesim("calibrate", "--model", "byo_broken_backward:layers", "--no-links", "--out", str(tmp_path / "p.json"))
+    err = capsys.readouterr().err
+    assert code == 2 and "no gradient here" in err and err.strip().count("\n") == 0
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_dtype_sets_the_bytes(tmp_path):
     out = tmp_path / "bf16.json"
     assert pipesim("calibrate", *MLP, "--dtype", "bfloat16", "--no-links", "--out", str(out)) == 0
@@ -275,7 +294,9 @@ CUDA = torch.cuda.is_available()
     (["--model", "mlp", "--heads", "2"], "--heads does not apply to mlp"),
     (["--model", "gpt", "--width", "30", "--heads", "4"], "--width (30) must be a multiple of --heads (4)"),
     (["--model", "mlp", "--dtype", "float64"], "--dtype: choose float32, bfloat16 or float16"),
-    (["--model", "mlp", "--link-max-mb", "0.001"], "--link-max-mb: must be at least 4 KiB"),
+    (["--model", "mlp", "--link-max-mb", "0.001"], "--link-max-mb: give from 8 KiB"),
+    (["--model", "mlp", "--link-max-mb", "0.005"], "two sizes to fit a line"),
+    (["--model", "mlp", "--width", "600000", "--no-links"], "mlp does not fit in memory"),
     (["--model", "mlp", "--no-links", "--link-max-mb", "1"], "--no-links skips"),
 ])
 def test_bad_calibrate_input_is_one_line_exit_2_nothing_written(capsys, tmp_path, args, fragment):
@@ -301,6 +322,9 @@ def _edited(mlp_profile, tmp_path, edit):
     (lambda d: d["layers"][0]["fwd"].pop("median_ms"), "layers.0.fwd.median_ms: Field required"),
     (lambda d: d.pop("environment"), "environment: Field required"),
     (lambda d: d["partition"].update(bounds=[0, 9]), "partition.bounds must rise strictly from 0 to 4"),
+    (lambda d: d.update(link={"segments": [{"min_bytes": 8192, "latency_ms": 0.1, "bytes_per_ms": 1e6},
+                                           {"min_bytes": 0, "latency_ms": 0.1, "bytes_per_ms": 1e6}],
+                              "points": [], "meta": {}}), "min_bytes must rise"),
 ])
 def test_bad_profile_is_one_line_naming_the_field(capsys, mlp_profile, tmp_path, edit, fragment):
     code = pipesim("simulate", "--profile", str(_edited(mlp_profile, tmp_path, edit)), "-s", "1f1b")

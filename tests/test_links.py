@@ -1,7 +1,6 @@
 """Link calibration: the piecewise α–β fit against synthetic links, and real gloo measurements on this machine."""
 
 import itertools
-import json
 import multiprocessing
 import time
 
@@ -97,18 +96,6 @@ def test_any_fit_is_valid_and_monotone(times_ms):
                   {s.min_bytes - 1 for s in fit.segments})
     times = [fit.ms(n) for n in grid]
     assert all(b >= a for a, b in itertools.pairwise(times))
-
-
-def test_fit_round_trips_through_json():
-    fit = fit_link(synthetic(SIZES[:6], 0.02, 1e6) + synthetic(SIZES[6:], 0.4, 8e6))
-    fit = LinkFit(fit.segments, {"backend": "gloo", "host_staged": False})
-    back = LinkFit.from_dict(json.loads(json.dumps(fit.to_dict())))
-    assert back == fit and back.meta == fit.meta
-    assert [back.ms(n) for n in SIZES] == [fit.ms(n) for n in SIZES]
-    with pytest.raises(ValueError, match="not a link fit"):
-        LinkFit.from_dict({"segments": [{"latency_ms": 1}]})
-    with pytest.raises(ValueError, match="bytes_per_ms"):
-        LinkFit.from_dict({"segments": [{"min_bytes": 0, "latency_ms": 1, "bytes_per_ms": 0}]})
 
 
 def test_real_gloo_p2p_measurement_fits_its_own_points():

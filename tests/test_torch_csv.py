@@ -219,6 +219,7 @@ def test_torch_1f1b_pipeline_order_is_rejected_naming_what_is_wrong():
     ("0F0,0F1,0B0\n", "stage 0 (rank 0) lacks one B, or one I and one W, for micro-batches 1"),
     ("0F0,0I0,0B0\n", "stage 0 (rank 0) lacks one B, or one I and one W, for micro-batches 0"),
     ("0F0,0B0\n2F0,2B0\n", "stage 1 appears on no rank"),
+    ("\n0F0,0B0\n", "rank 0 (row 1) runs no stage"),
     # rank 0 puts 0B0 before the 0F0 it needs; rank 1 waits for that 0F0 too
     ("0B0,0F0\n1F0,1B0\n", ("the order deadlocks: device 0: 0B0 can never start (waits for 0F0); "
                             "device 1: 1F0 can never start (waits for 0F0)")),
@@ -301,3 +302,8 @@ def test_cli_bad_schedule_file(capsys, tmp_path, content, fragment):
     code, _, err = pipesim(capsys, "simulate", "--schedule-file", str(path))
     assert code == 2 and fragment in err
     assert err.strip().count("\n") == 0
+
+
+def test_blank_lines_after_the_last_rank_are_not_ranks():
+    schedule = from_torch_csv("0F0,0B0\n1F0,1B0\n\n\n", "two")
+    assert schedule.num_devices == 2 and schedule.placement == (0, 1)

@@ -1,0 +1,380 @@
+"""Sweeps: one simulation per point of a grid (methods × p × m × v × P × cost scale), run in worker processes
+or as Ray tasks, and the Pareto fronts of the results over time per mini-batch, peak memory and staleness.
+
+A configuration a method cannot run is a result too (status "skipped", with the reason), so a grid never
+fails half-way. What each simulation needs besides its shape (costs, links, a stage DAG) comes from a
+`Scenario` the caller builds (the command line's is the very code `pipesim simulate` runs) and ships to
+the workers by value. Workers import the simulator only, never torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import multiprocessing
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, fields, replace
+from itertools import product
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ..schedules import METHODS, Schedule, ScheduleError, ScheduleParams
+from ..traces import summarize, write_atomic
+from .cluster import Cluster, ClusterError
+from .costs import CostError, Costs
+from .engine import SimulationError, simulate
+
+AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale")  # flag names and TOML keys
+OBJECTIVES = ("time_per_minibatch_ms", "peak_memory_mb", "max_staleness")  # all minimised
+MAX_CHUNK = 32  # configurations per task: ~0.1 s of work at the example's scale, so a task's overhead is noise
+
+
+class GridError(ValueError):
+    """A grid axis or grid file that cannot be used; the message is one line naming the key."""
+
+
+class Scenario(Protocol):
+    """Builds everything one simulation needs but its shape (`pipesim.cli.Scenario` is the command line's)."""
+
+    def build(self, name: str, params: ScheduleParams) -> Schedule: ...
+
+    def costs(self, sched: Schedule) -> Costs: ...
+
+    def links(self, sched: Schedule) -> Cluster: ...
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the grid: the inputs of one simulation."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    minibatches: int
+    chunks: int
+    pipelines: int
+    cost_scale: float
+
+    @property
+    def label(self) -> str:
+        return (f"{self.schedule} p={self.stages} m={self.microbatches} v={self.chunks} P={self.pipelines} "
+                f"cost×{self.cost_scale:g}")
+
+
+@dataclass(frozen=True)
+class Metrics:
+    time_per_minibatch_ms: float
+    samples_per_s: float
+    bubble_fraction: float
+    peak_memory_mb: float
+    max_staleness: int
+    makespan_ms: float
+    exposed_comm_ms: float
+
+
+@dataclass(frozen=True)
+class Result:
+    config: Config
+    metrics: Metrics | None = None  # None: the configuration was skipped
+    reason: str = ""
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.metrics is None else "ok"
+
+    def record(self) -> dict[str, object]:
+        """One flat row: the inputs, the metrics (None when skipped), status and reason."""
+        metrics = asdict(self.metrics) if self.metrics else dict.fromkeys(f.name for f in fields(Metrics))
+        return {**asdict(self.config), **metrics, "status": self.status, "reason": self.reason}
+
+
+# The columns of the results file and their types (for Parquet's schema and for readers of the CSV).
+COLUMNS: dict[str, type] = {
+    **{f.name: {"str": str, "int": int, "float": float}[f.type] for f in (*fields(Config), *fields(Metrics))},
+    "status": str, "reason": str,
+}
+
+
+def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
+    """Axis `key`, checked: known method names, whole numbers >= 1, or cost scales > 0; each value once.
+    `label` names where the values came from in errors."""
+    if not values:
+        raise GridError(f"{label}: give at least one value")
+    if key == "schedule":
+        unknown = [v for v in values if not isinstance(v, str) or v not in METHODS]
+        if unknown:
+            raise GridError(f"{label}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+    elif key == "cost-scale":
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
+        if bad:
+            raise GridError(f"{label}: values must be finite numbers > 0 (got {bad[0]!r})")
+        values = [float(v) for v in values]
+    else:
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise GridError(f"{label}: values must be whole numbers >= 1 (got {bad[0]!r})")
+    twice = [v for i, v in enumerate(values) if v in values[:i]]
+    if twice:
+        raise GridError(f"{label}: {twice[0]!r} is given twice")
+    return tuple(values)
+
+
+def parse_axis(key: str, text: str) -> tuple:
+    """A flag's comma-separated list, e.g. `--stages 4,8` or `--schedule 1f1b,zb-h1`."""
+    parts = [part.strip() for part in text.split(",")]
+    if key != "schedule":
+        convert, what = (float, "numbers") if key == "cost-scale" else (int, "whole numbers")
+        try:
+            parts = [convert(part) for part in parts]
+        except ValueError:
+            raise GridError(f"--{key}: expected {what} separated by commas, got {text!r}") from None
+    return axis_values(key, parts, f"--{key}")
+
+
+def load_grid(path: Path) -> dict[str, tuple]:
+    """Axes from a TOML file whose keys are the axis flags' names (`stages = [4, 8]`, `cost-scale = 0.5`)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    try:
+        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise GridError(f"--grid: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise GridError(f"--grid: {path} is not a text (UTF-8) file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise GridError(f"--grid: {path} is not valid TOML: {exc}") from None
+    unknown = [key for key in doc if key not in AXES]
+    if unknown:
+        raise GridError(f"--grid: {path}: unknown key {unknown[0]!r}; allowed: {', '.join(AXES)}")
+    return {key: axis_values(key, value if isinstance(value, list) else [value], f"--grid: {path}: {key}")
+            for key, value in doc.items()}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The axes of a sweep. `chunks` and `pipelines` None: each method's default."""
+
+    schedules: tuple[str, ...]
+    stages: tuple[int, ...]
+    microbatches: tuple[int, ...]
+    minibatches: int
+    chunks: tuple[int, ...] | None = None
+    pipelines: tuple[int, ...] | None = None
+    cost_scales: tuple[float, ...] = (1.0,)
+
+    def configs(self) -> list[Config]:
+        """Every configuration, method by method. v and P multiply only the methods that read them (those
+        with a default for them: interleaved and V schedules, AvgPipe); the others run their default once."""
+        configs = []
+        for name in self.schedules:
+            defaults = METHODS[name].defaults
+            chunks = self.chunks if self.chunks and "chunks" in defaults else (defaults.get("chunks", 1),)
+            pipelines = (self.pipelines if self.pipelines and "pipelines" in defaults
+                         else (defaults.get("pipelines", 1),))
+            configs += [Config(name, p, m, self.minibatches, v, copies, scale) for p, m, v, copies, scale in
+                        product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales)]
+        return configs
+
+
+def _scaled(costs: Costs, factor: float) -> Costs:
+    """Every compute time (the stages' `*_ms` costs) × factor, transfers and memory as they are: the same
+    model on a faster or slower accelerator over the same network."""
+    if factor == 1.0:
+        return costs
+    return replace(costs, stages=tuple(
+        replace(c, **{f.name: getattr(c, f.name) * factor for f in fields(c)
+                      if f.name.endswith("_ms") and getattr(c, f.name) is not None})
+        for c in costs.stages))
+
+
+def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
+    """Simulate each configuration; one the method, costs or links cannot describe is skipped with the
+    reason. The task of worker processes and Ray alike: a chunk of them amortises a task's overhead."""
+    results = []
+    for config in configs:
+        try:
+            sched = scenario.build(config.schedule, ScheduleParams(
+                config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines))
+            costs = _scaled(scenario.costs(sched), config.cost_scale)
+            summary = summarize(simulate(sched, costs, scenario.links(sched)))
+        except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
+            results.append(Result(config, reason=str(exc)))
+            continue
+        results.append(Result(config, Metrics(**{f.name: COLUMNS[f.name](getattr(summary, f.name))
+                                                 for f in fields(Metrics)})))  # plain Python numbers
+    return results
+
+
+def _chunks(configs: list[Config], workers: int) -> list[tuple[int, list[Config]]]:
+    """(first index, configurations) slices: about four per worker so the load evens out, at most MAX_CHUNK."""
+    size = max(1, min(MAX_CHUNK, math.ceil(len(configs) / (4 * workers))))
+    return [(start, configs[start:start + size]) for start in range(0, len(configs), size)]
+
+
+def run(scenario: Scenario, configs: list[Config], workers: int = 1,
+        ray_address: str | None = None) -> Iterator[tuple[int, Result]]:
+    """(index into `configs`, result) pairs as the tasks finish: on a Ray cluster, in `workers` processes, or
+    here when one process (or one task) is enough."""
+    if ray_address is not None:
+        finished = _on_ray(scenario, configs, ray_address)
+    else:
+        parts = _chunks(configs, workers)
+        finished = (_in_processes(scenario, parts, workers) if min(workers, len(parts)) > 1
+                    else ((start, run_chunk(scenario, part)) for start, part in parts))
+    for start, results in finished:
+        for offset, result in enumerate(results):
+            yield start + offset, result
+
+
+def _in_processes(scenario: Scenario, parts: list[tuple[int, list[Config]]],
+                  workers: int) -> Iterator[tuple[int, list[Result]]]:
+    # Spawned, not forked: a fresh interpreter imports only what the tasks need (never torch), and forking a
+    # parent whose progress bar runs a thread is unsafe.
+    pool = ProcessPoolExecutor(min(workers, len(parts)), mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {pool.submit(run_chunk, scenario, part): start for start, part in parts}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _on_ray(scenario: Scenario, configs: list[Config], address: str) -> Iterator[tuple[int, list[Result]]]:
+    """The same chunks as Ray tasks; the scenario goes to the object store once. Connects to `address`
+    ("auto", "ray://host:10001", "local" for a new local cluster) unless Ray is already initialised."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, log_to_driver=False)
+    try:
+        task = ray.remote(run_chunk)
+        shared = ray.put(scenario)
+        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        pending = {task.remote(shared, part): start for start, part in _chunks(configs, cpus)}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            yield pending.pop(done[0]), ray.get(done[0])
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def pareto_mask(points: np.ndarray) -> np.ndarray:
+    """Which rows of an (n, objectives) array no other row dominates (<= in every column and < in one; all
+    columns minimised). Equal rows are all kept. Rows are visited in lexicographic order, where a dominator
+    always comes first, and each is checked against the front found so far (anything dominating it is
+    dominated by a member)."""
+    points = np.asarray(points, dtype=float)
+    mask = np.zeros(len(points), dtype=bool)
+    front = np.empty((0, points.shape[1]))
+    for i in np.lexsort(points.T[::-1]):
+        if not np.any(np.all(front <= points[i], axis=1) & np.any(front < points[i], axis=1)):
+            mask[i] = True
+            front = np.vstack([front, points[i]])
+    return mask
+
+
+def pareto_front(results: Sequence[Result]) -> list[int]:
+    """Indices of the results on a Pareto front over OBJECTIVES. There is one front per cost scale and
+    mini-batch size (m·P micro-batches): a faster accelerator or a smaller mini-batch is no schedule's merit,
+    so only configurations doing the same work on the same hardware compete. By group, then fastest first."""
+    groups: dict[tuple[float, int], list[int]] = {}
+    for i, r in enumerate(results):
+        if r.metrics is not None:
+            groups.setdefault((r.config.cost_scale, r.config.microbatches * r.config.pipelines), []).append(i)
+    front = []
+    for key in sorted(groups):
+        members = groups[key]
+        points = np.array([[getattr(results[i].metrics, name) for name in OBJECTIVES] for i in members],
+                          dtype=float)
+        chosen = np.flatnonzero(pareto_mask(points))
+        front += [members[j] for j in chosen[np.lexsort(points[chosen].T[::-1])]]
+    return front
+
+
+def write_results(results: Sequence[Result], path: Path) -> None:
+    """One row per configuration: CSV, or Parquet for a .parquet path (needs pyarrow); replaced atomically."""
+    records = [r.record() for r in results]
+    if Path(path).suffix != ".parquet":
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(COLUMNS), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+        write_atomic(path, text.getvalue())
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kinds = {str: pa.string(), int: pa.int64(), float: pa.float64()}
+    table = pa.Table.from_pylist(records, schema=pa.schema([(name, kinds[t]) for name, t in COLUMNS.items()]))
+    # write_atomic's recipe for a binary file: a temporary file beside the target, the usual permissions.
+    fd, tmp = tempfile.mkstemp(prefix=f".{Path(path).name}.", dir=Path(path).parent)
+    os.close(fd)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path) -> None:
+    """Time per mini-batch against peak memory, staleness as colour, the Pareto fronts ringed and listed
+    below: one self-contained offline page (plotly.js embedded)."""
+    import plotly.graph_objects as go
+
+    from ..traces.view import write_html
+
+    ran = [r for r in results if r.metrics is not None]
+
+    def hover(r: Result) -> str:
+        m = r.metrics
+        return (f"<b>{r.config.label}</b><br>{m.time_per_minibatch_ms:.3f} ms per mini-batch, "
+                f"{m.samples_per_s:,.1f} samples/s<br>peak {m.peak_memory_mb:,.0f} MiB, staleness {m.max_staleness}, "
+                f"bubble {m.bubble_fraction:.1%}")
+
+    def axis(rows: Sequence[Result], name: str) -> list:
+        return [getattr(r.metrics, name) for r in rows]
+
+    best = [results[i] for i in front]
+    scatter = go.Figure([
+        go.Scattergl(x=axis(ran, "time_per_minibatch_ms"), y=axis(ran, "peak_memory_mb"), mode="markers",
+                     name="configurations", text=[hover(r) for r in ran], hoverinfo="text",
+                     marker={"color": axis(ran, "max_staleness"), "colorscale": "Viridis", "size": 7,
+                             "colorbar": {"title": {"text": "staleness"}, "dtick": 1}}),
+        go.Scatter(x=axis(best, "time_per_minibatch_ms"), y=axis(best, "peak_memory_mb"), mode="markers",
+                   name="Pareto front", text=[hover(r) for r in best], hoverinfo="text",
+                   marker={"symbol": "circle-open", "size": 15, "color": "#d62728", "line": {"width": 2}}),
+    ])
+    skipped = len(results) - len(ran)
+    scatter.update_layout(
+        title=f"{len(ran)} configurations ({skipped} skipped); ringed: Pareto fronts over time, memory and "
+              "staleness, one per cost scale and mini-batch size",
+        xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
+        height=650, margin={"t": 110}, legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"})
+    columns = {"configuration": [r.config.label for r in best],
+               "cost×, m·P": [f"{r.config.cost_scale:g}, {r.config.microbatches * r.config.pipelines}"
+                              for r in best],
+               "ms/step": axis(best, "time_per_minibatch_ms"),
+               "peak MiB": axis(best, "peak_memory_mb"), "staleness": axis(best, "max_staleness"),
+               "samples/s": axis(best, "samples_per_s"), "bubble": axis(best, "bubble_fraction")}
+    table = go.Figure(go.Table(
+        columnwidth=[4, 1.2, 1, 1, 1, 1, 1], header={"values": list(columns), "align": "left"},
+        cells={"values": list(columns.values()), "align": "left", "height": 26,
+               "format": [None, None, ".3f", ",.0f", "d", ",.1f", ".1%"]}))
+    table.update_layout(height=80 + 26 * (len(best) + 1), margin={"t": 10, "b": 10})
+    write_html([("Trade-off: time per mini-batch vs peak memory", scatter),
+                (f"Pareto fronts: {len(best)} configurations", table)], path, title="pipesim sweep")

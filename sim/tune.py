@@ -1,0 +1,554 @@
+"""`pipesim tune`: the fastest way to train a measured model on D devices under a per-device memory cap.
+
+The problem. A calibration profile gives per-layer times measured at micro-batch size b, bytes, the
+point-to-point link and all-reduce times. Given D identical devices holding G bytes each and a global batch
+of B samples per optimizer step, choose
+  - a schedule (of `Problem.schedules`),
+  - the pipeline depth p, a divisor of D: the devices form r = D/p data-parallel replicas of one pipeline,
+  - v model chunks per device (interleaved and V schedules: p·v model stages), P parallel pipelines (AvgPipe),
+  - the split of the profile's layers into p·v contiguous stages,
+to maximise samples/s subject to every device's peak memory <= G and staleness <= S. b stays fixed (the
+times hold at b only), so each pipeline runs m = B/(r·P·b) micro-batches per step, which must be whole.
+Ties: less peak memory, then less staleness, then fewer model stages, fewer pipelines, the enumeration order
+(catalogue order of the schedules, then smaller p). v > 1 needs p > 1: chunks on a lone device would only
+split its all-reduce. Configurations with equal speed, memory and staleness are "twins", listed as one row
+(every method is the same schedule at p = 1).
+
+Costs. One replica is simulated (p devices, the profile's link between every pair). Data parallelism adds,
+per stage and step, a ring all-reduce of its gradients over the r replicas: (r-1)·t2(2n/r) for n bytes,
+t2 being the profile's measured 2-rank all-reduce (a ring makes 2(r-1) steps of n/r bytes; t2(2c) is two
+such steps of c). It runs just before the stage's update, on its compute stream: DDP's overlap of the
+all-reduce with the backward is not modelled, so this is its most exposed cost.
+
+Partition. The DP partitioner (calibrate/partition.py) minimises the slowest stage with every stage within
+G/v, by models read off the candidate's own schedule (`_splitter`): a stage's compute per step as that
+schedule runs it, and its memory. If no split fits, the split whose fullest stage is leanest is simulated.
+
+Score. The steady-state step time: how much the makespan grows per extra mini-batch (schedules that flush
+repeat exactly from the second step on; the others are averaged over STEADY_STEPS steps past their warm-up),
+never below the busiest device's compute per step, which no steady state can beat.
+
+Search. Everything but the simulation is cheap. Building a candidate's schedule gives its staleness and its
+memory floor (static bytes plus the largest activations or weight versions one of a device's stages holds:
+a lower bound of the simulated peak, which adds transfer buffers and overlaps on top); its costs give the
+busiest device's compute per step, an upper bound of samples/s. Candidates over the staleness limit or
+with a floor over the cap are out unsimulated; the rest are simulated best bound first, until the bound
+falls below the sixth best row found, so the choice and its five runners-up are exact. Excluded
+candidates are simulated, best bound first, only while their bound beats the choice: what the limits cost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from functools import cache
+from typing import Protocol
+
+import numpy as np
+
+from ..calibrate.partition import PartitionError, leanest_partition, partition, stage_activation_bytes
+from ..calibrate.profile import Profile, layer_costs, stages_for
+from ..schedules import (
+    KIND_CODE,
+    KINDS,
+    NUM_COMPUTE_KINDS,
+    Kind,
+    Schedule,
+    ScheduleError,
+    ScheduleParams,
+    StageGraph,
+    kind_mask,
+    weight_versions,
+)
+from ..traces import summarize
+from .cluster import Cluster, Link
+from .costs import Costs
+from .engine import simulate, static_bytes
+
+RUNNERS_UP = 5
+STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
+GIB = 1 << 30
+
+
+class TuneError(ValueError):
+    """No answer: nothing to search, or nothing fits; the message says what would."""
+
+
+class Scenario(Protocol):
+    """What tune needs of the command line's Scenario: the profile, and the schedules, costs and links that
+    `pipesim simulate --profile` builds from it, so tune simulates exactly those (and sim/ knows no method by
+    name). `bounds` cut the profile's layers into the schedule's model stages (None: the profile's own cut)."""
+
+    measured: Profile
+    optimizer: str
+
+    def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None) -> Schedule: ...
+
+    def costs(self, sched: Schedule, bounds: Sequence[int] | None = None) -> Costs: ...
+
+    def links(self, sched: Schedule) -> Cluster: ...
+
+
+@dataclass(frozen=True)
+class Problem:
+    devices: int
+    memory_cap_bytes: int
+    batch_size: int  # B: samples per optimizer step, over all replicas and pipelines
+    schedules: tuple[str, ...]
+    max_staleness: int = 1
+    max_chunks: int = 4
+    max_pipelines: int = 4
+
+
+@dataclass(frozen=True)
+class Config:
+    schedule: str
+    stages: int  # p: devices per pipeline
+    chunks: int  # v: model stages per device
+    pipelines: int  # P: pipelines sharing the devices
+    microbatches: int  # m, per pipeline and step
+    replicas: int  # r = D / p
+
+    def label(self) -> str:
+        extra = [f"v={self.chunks}"] * (self.chunks > 1) + [f"P={self.pipelines}"] * (self.pipelines > 1)
+        return f"{self.schedule} p={self.stages}" + "".join(f" {e}" for e in extra)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A configuration with its partition, costs and everything known about it before simulating."""
+
+    config: Config
+    index: int  # enumeration order, the last tie-break
+    params: ScheduleParams  # for the long run
+    bounds: list[int]
+    schedule: Schedule  # the long run: enough mini-batches to reach the steady state
+    short_minibatches: int
+    costs: Costs
+    staleness: int
+    busy_ms: np.ndarray  # compute per step, per device
+    memory_floor_bytes: int
+    allreduce_ms: float  # per step, on the device that spends most on it
+    max_samples_per_s: float
+
+    @property
+    def busiest_ms(self) -> float:
+        return float(self.busy_ms.max())
+
+
+@dataclass(frozen=True)
+class Result:
+    candidate: Candidate
+    samples_per_s: float
+    step_ms: float
+    bubble_fraction: float  # steady state: 1 - mean compute per step / step time
+    peak_memory_bytes: int
+
+    @property
+    def config(self) -> Config:
+        return self.candidate.config
+
+    @property
+    def staleness(self) -> int:
+        return self.candidate.staleness
+
+    def to_dict(self) -> dict:
+        c = self.config
+        return {"schedule": c.schedule, "stages": c.stages, "chunks": c.chunks, "pipelines": c.pipelines,
+                "microbatches": c.microbatches, "replicas": c.replicas, "partition": list(self.candidate.bounds),
+                "samples_per_s": self.samples_per_s, "step_ms": self.step_ms, "bubble_fraction": self.bubble_fraction,
+                "peak_memory_gib": self.peak_memory_bytes / GIB, "staleness": self.staleness,
+                "allreduce_ms_per_step": self.candidate.allreduce_ms}
+
+
+@dataclass(frozen=True)
+class Row:
+    """A result as shown: why it lost to the choice, and its twins (other configurations with the same speed,
+    memory and staleness, listed once: typically one schedule under several names, as every method at p = 1)."""
+
+    result: Result
+    why: str
+    twins: list[Config]
+
+    def to_dict(self) -> dict:
+        return {**self.result.to_dict(), "why": self.why, "same_result": [twin.label() for twin in self.twins]}
+
+
+@dataclass(frozen=True)
+class Stats:
+    shapes: int  # (schedule, p, v, P) with a whole m and at least one layer per model stage
+    refused: int  # shapes the method refuses (e.g. v > 1 for 1F1B, interleaved with m not a multiple of p)
+    stale: int  # configurations over the staleness limit, known from the schedule alone
+    over_memory_floor: int  # memory floor over the cap
+    pruned: int  # within the limits but never simulated: their throughput bound could not beat the rows kept
+    simulated: int
+    seconds: float
+
+    @property
+    def configurations(self) -> int:
+        return self.shapes - self.refused
+
+
+@dataclass(frozen=True)
+class Tuning:
+    problem: Problem
+    choice: Row
+    runners_up: list[Row]
+    excluded: list[Row]  # faster than the choice but over a limit
+    stats: Stats
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        problem = self.problem
+        return {
+            "problem": {"devices": problem.devices, "memory_cap_gib": problem.memory_cap_bytes / GIB,
+                        "batch_size": problem.batch_size, "schedules": list(problem.schedules),
+                        "max_staleness": problem.max_staleness, "max_chunks": problem.max_chunks,
+                        "max_pipelines": problem.max_pipelines},
+            "choice": self.choice.to_dict(),
+            "runners_up": [row.to_dict() for row in self.runners_up],
+            "excluded": [row.to_dict() for row in self.excluded],
+            "search": {**asdict(self.stats), "configurations": self.stats.configurations},
+            "notes": self.notes,
+        }
+
+
+def speed_key(samples_per_s: float) -> float:
+    """Scores equal to 9 significant digits tie (runs of different lengths round differently)."""
+    return float(f"{samples_per_s:.9g}")
+
+
+def rank_key(result: Result) -> tuple:
+    c = result.config
+    return (-speed_key(result.samples_per_s), result.peak_memory_bytes, result.staleness, c.stages * c.chunks,
+            c.pipelines, result.candidate.index)
+
+
+def allowed(result: Result, problem: Problem) -> bool:
+    return result.peak_memory_bytes <= problem.memory_cap_bytes and result.staleness <= problem.max_staleness
+
+
+def twins(a: Result, b: Result) -> bool:
+    return (speed_key(a.samples_per_s), a.peak_memory_bytes, a.staleness) == (
+        speed_key(b.samples_per_s), b.peak_memory_bytes, b.staleness)
+
+
+def tune(scenario: Scenario, problem: Problem) -> Tuning:
+    """The best configuration, its runners-up and what the limits cost (see the module docstring)."""
+    started = time.perf_counter()
+    candidates, shapes, refused = prepare(scenario, problem)
+    if not candidates:
+        raise TuneError(_nothing_to_search(scenario, problem, shapes))
+    stale = [c for c in candidates if c.staleness > problem.max_staleness]
+    heavy = [c for c in candidates if c.staleness <= problem.max_staleness
+             and c.memory_floor_bytes > problem.memory_cap_bytes]
+    hopeful = sorted((c for c in candidates if c.staleness <= problem.max_staleness
+                      and c.memory_floor_bytes <= problem.memory_cap_bytes), key=lambda c: -c.max_samples_per_s)
+    simulated: dict[int, Result] = {}
+
+    def run(candidate: Candidate) -> Result:
+        if candidate.index not in simulated:
+            simulated[candidate.index] = evaluate(scenario, problem, candidate)
+        return simulated[candidate.index]
+
+    best = top_groups(hopeful, run, lambda result: allowed(result, problem), float("-inf"))
+    if not best:
+        raise TuneError(_nothing_fits(scenario, problem))
+    choice = best[0][0]
+    pruned = sum(c.index not in simulated for c in hopeful)
+    faster = top_groups(sorted(candidates, key=lambda c: -c.max_samples_per_s), run,
+                        lambda result: not allowed(result, problem), speed_key(choice.samples_per_s))
+
+    def row(group: list[Result]) -> Row:
+        return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
+
+    stats = Stats(shapes, refused, len(stale), len(heavy), pruned, len(simulated), time.perf_counter() - started)
+    return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster[:RUNNERS_UP]], stats,
+                  _notes(scenario, problem))
+
+
+def top_groups(candidates: list[Candidate], run: Callable[[Candidate], Result], keep: Callable[[Result], bool],
+               above: float) -> list[list[Result]]:
+    """The best RUNNERS_UP + 1 groups of twins among the results `keep` accepts whose speed key beats
+    `above`, in rank order (each group best first). `candidates` come best bound first, and are simulated
+    only while a bound can match the last group kept."""
+    kept: list[list[Result]] = []
+    for candidate in candidates:
+        bound = speed_key(candidate.max_samples_per_s)
+        if bound <= above or (len(kept) > RUNNERS_UP and bound < speed_key(kept[-1][0].samples_per_s)):
+            break
+        result = run(candidate)
+        if not keep(result) or speed_key(result.samples_per_s) <= above:
+            continue
+        group = next((g for g in kept if twins(g[0], result)), None)
+        if group is not None:
+            group[:] = sorted([*group, result], key=rank_key)
+        else:
+            kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:RUNNERS_UP + 1]
+    return kept
+
+
+def prepare(scenario: Scenario, problem: Problem) -> tuple[list[Candidate], int, int]:
+    """Every configuration the problem allows, built, partitioned and bounded; and how many shapes there
+    were and how many of those the methods refused."""
+    profile = scenario.measured
+    layers = len(profile.layers)
+    b = profile.environment.microbatch_size
+    link = _allreduce_link(profile)
+    split = _splitter(profile, scenario.optimizer, link)
+    candidates: list[Candidate] = []
+    shapes = refused = 0
+    for name in problem.schedules:
+        for p in _depths(problem.devices, layers, link is not None):
+            replicas = problem.devices // p
+            # Chunks on a lone device would only split its all-reduce: v > 1 needs a pipeline.
+            for v in range(1, min(problem.max_chunks if p > 1 else 1, layers // p) + 1):
+                for pipelines in range(1, problem.max_pipelines + 1):
+                    m, rest = divmod(problem.batch_size, replicas * pipelines * b)
+                    if m < 1 or rest:
+                        continue
+                    shapes += 1
+                    config = Config(name, p, v, pipelines, m, replicas)
+                    try:
+                        candidate = _candidate(scenario, problem, config, len(candidates), split, link)
+                    except ScheduleError:
+                        refused += 1
+                        continue
+                    candidates.append(candidate)
+    return candidates, shapes, refused
+
+
+def evaluate(scenario: Scenario, problem: Problem, candidate: Candidate) -> Result:
+    """Simulate the candidate's long and short runs: the steady-state step, memory and bubble."""
+    config = candidate.config
+    links = scenario.links(candidate.schedule)
+    short = scenario.build(config.schedule, replace(candidate.params, minibatches=candidate.short_minibatches),
+                           candidate.bounds)
+    long_run = summarize(simulate(candidate.schedule, candidate.costs, links))
+    short_run = summarize(simulate(short, candidate.costs, links))
+    growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
+        candidate.schedule.minibatches - candidate.short_minibatches)
+    step_ms = max(growth_ms, candidate.busiest_ms)
+    return Result(candidate, problem.batch_size / step_ms * 1e3, step_ms,
+                  1.0 - float(candidate.busy_ms.mean()) / step_ms, round(long_run.peak_memory_mb * (1 << 20)))
+
+
+def explain(result: Result, choice: Result, problem: Problem) -> str:
+    """Why `result` is not the choice, in the terms that decided it."""
+    limits = []
+    if result.staleness > problem.max_staleness:
+        limits.append(f"staleness {result.staleness} > {problem.max_staleness}")
+    if result.peak_memory_bytes > problem.memory_cap_bytes:
+        limits.append(f"over memory: {memory_text(result.peak_memory_bytes)} > {memory_text(problem.memory_cap_bytes)}")
+    if limits:
+        return f"{'; '.join(limits)} ({_percent(result.samples_per_s / choice.samples_per_s - 1)} faster)"
+    if result is choice:
+        return ""
+    if speed_key(result.samples_per_s) < speed_key(choice.samples_per_s):
+        slower = f"{_percent(1 - result.samples_per_s / choice.samples_per_s)} slower"
+        more_work = result.candidate.busiest_ms - choice.candidate.busiest_ms
+        more_idle = (result.step_ms - result.candidate.busiest_ms) - (choice.step_ms - choice.candidate.busiest_ms)
+        if more_idle >= more_work:
+            return f"{slower}: bubble {result.bubble_fraction:.0%} vs {choice.bubble_fraction:.0%}"
+        return (f"{slower}: busiest device {_ms(result.candidate.busiest_ms)} vs "
+                f"{_ms(choice.candidate.busiest_ms)} ms/step")
+    if result.peak_memory_bytes > choice.peak_memory_bytes:
+        return (f"as fast, more memory: {memory_text(result.peak_memory_bytes)} vs "
+                f"{memory_text(choice.peak_memory_bytes)}")
+    return f"as fast and lean, staleness {result.staleness} vs {choice.staleness}"  # else it would be a twin
+
+
+def _candidate(scenario: Scenario, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
+               link: Link | None) -> Candidate:
+    name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
+    params = ScheduleParams(p, m, 2, v, pipelines)
+    probe = scenario.build(name, params, None)
+    if _flushes(probe):
+        short, long = 2, 3  # every step repeats the previous one from the second on
+    else:
+        short = 2 * math.ceil(p * v / m) + 2  # past the warm-up: a pipeline of p·v stages holds <= p·v units
+        long = short + STEADY_STEPS
+    params = replace(params, minibatches=long)
+    schedule = scenario.build(name, params, None)
+    n = schedule.num_stages
+    staleness, in_flight, lingering = _held(schedule)
+    per_step = _ops_per_step(schedule)
+    bounds = split(n, pipelines, config.replicas, tuple(map(tuple, per_step.tolist())), schedule.policy.extra_copies,
+                   in_flight, lingering, problem.memory_cap_bytes // v)
+    if schedule.graph != StageGraph.chain(n):  # the model's own stage graph: cut it where the costs are
+        schedule = scenario.build(name, params, bounds)
+        staleness, in_flight, lingering = _held(schedule)
+        per_step = _ops_per_step(schedule)
+    costs = scenario.costs(schedule, bounds)
+    allreduce = [_allreduce_ms(link, c.param_bytes, config.replicas) for c in costs.stages]
+    costs = replace(costs, stages=tuple(replace(c, opt_ms=c.opt_ms + a) for c, a in zip(costs.stages, allreduce)))
+    op_ms = np.array([[costs.op_ms(kind.value, s) for kind in KINDS[:NUM_COMPUTE_KINDS]] for s in range(n)])
+    stage_ms = (per_step * op_ms).sum(axis=1)
+    busy_ms = np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
+    held = [max(in_flight[s] * c.activation_bytes, lingering[s] * c.param_bytes) for s, c in enumerate(costs.stages)]
+    floor = max(static + max(held[s] for s in schedule.stages_on(d))
+                for d, static in enumerate(static_bytes(schedule, costs)))
+    allreduce_ms = max(pipelines * sum(allreduce[s] for s in schedule.stages_on(d)) for d in range(p))
+    return Candidate(config, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor, allreduce_ms,
+                     problem.batch_size / float(busy_ms.max()) * 1e3)
+
+
+def _splitter(profile: Profile, optimizer: str, link: Link | None) -> Callable[..., list[int]]:
+    """The memory-capped partitioner with the candidate's own models, cached (candidates share them):
+    - time: a stage's compute per step as its schedule runs it, the counts of each op kind per step priced
+      from the layers (updates, predictions and averaging shared out by weight bytes, as for any split;
+      an update with its all-reduce over the replicas);
+    - memory: P replicas of weights, gradients and optimizer state, the weight versions and micro-batches
+      of activations its order holds at most, and an activation and a gradient in transfer at each boundary.
+    """
+    layers = layer_costs(profile.layers, optimizer)
+    static = np.concatenate([[0], np.cumsum([c.static_bytes for c in layers])]).tolist()
+    params = np.concatenate([[0], np.cumsum([layer.param_bytes for layer in profile.layers])]).tolist()
+    activations = cache(lambda i, j: stage_activation_bytes(layers, i, j))
+    sent = [layer.output_bytes for layer in profile.layers[:-1]] + [0]
+    buffers = [2 * (sent[i - 1] if i else 0) for i in range(len(layers))]
+    each = stages_for(profile, list(range(len(layers) + 1)))  # every layer a stage of its own
+    op_ms = np.array([[{"F": s.fwd_ms, "B": s.bwd_ms, "I": s.igrad_ms, "W": s.wgrad_ms,
+                        "OPT": s.steps[optimizer].step.median_ms, "PRED": s.steps[optimizer].predict.median_ms,
+                        "AVG": s.average.median_ms}[kind.value] for kind in KINDS[:NUM_COMPUTE_KINDS]] for s in each])
+    summed_ms = np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(op_ms, axis=0)])
+
+    @cache
+    def split(stages: int, pipelines: int, replicas: int, per_step: tuple[tuple[float, ...], ...],
+              extra_copies: int, in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int) -> list[int]:
+        weights = np.array(per_step)
+        weights[:, KIND_CODE[Kind.AVG]] *= pipelines  # an average pulls all P replicas
+
+        def stage_time(k: int, i: int, j: int) -> float:
+            allreduce = _allreduce_ms(link, params[j] - params[i], replicas)
+            return float(weights[k] @ (summed_ms[j] - summed_ms[i]) + weights[k, KIND_CODE[Kind.OPT]] * allreduce)
+
+        def stage_bytes(k: int, i: int, j: int) -> float:
+            return float(pipelines * (static[j] - static[i]) + (extra_copies + lingering[k]) * (params[j] - params[i])
+                         + in_flight[k] * activations(i, j) + buffers[i] + 2 * sent[j - 1])
+
+        try:
+            return partition(layers, stages, budget_bytes, stage_bytes, stage_time)
+        except PartitionError:
+            return leanest_partition(layers, stages, stage_bytes)[1]
+
+    return split
+
+
+def _ops_per_step(schedule: Schedule) -> np.ndarray:
+    """Per model stage and compute kind (F, B, I, W, OPT, PRED, AVG), how many run per step."""
+    t = schedule.table
+    counts = np.bincount(t.stage * NUM_COMPUTE_KINDS + t.kind, minlength=schedule.num_stages * NUM_COMPUTE_KINDS)
+    return counts.reshape(schedule.num_stages, NUM_COMPUTE_KINDS) / schedule.minibatches
+
+
+def _held(schedule: Schedule) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """From the order alone: the largest staleness, and per stage the most micro-batches whose full
+    activations it holds (forward until B or I) and the most superseded weight versions it keeps."""
+    t = schedule.table
+    versions = weight_versions(schedule)
+    reads = kind_mask(t.kind, Kind.F, Kind.B, Kind.I, Kind.W) & (versions.read >= 0)
+    staleness = int(np.max(t.minibatch[reads] - versions.read[reads], initial=0))
+    n = schedule.num_stages
+    in_flight = _peak_per_stage(t, (t.kind == KIND_CODE[Kind.F]).astype(np.int64),
+                                -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64), n)
+    lingering = _peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), versions.copies_delta, n)
+    return staleness, tuple(in_flight.tolist()), tuple(lingering.tolist())
+
+
+def _peak_per_stage(t, at_start: np.ndarray, at_end: np.ndarray, num_stages: int) -> np.ndarray:
+    """Per stage, the peak of a running count changed at its actions' starts and ends, in program order (a
+    stage lives on one device, so a stable sort by stage keeps that order)."""
+    order = np.argsort(t.stage, kind="stable")
+    stage = np.repeat(t.stage[order], 2)
+    running = np.cumsum(np.stack([at_start[order], at_end[order]], axis=1).ravel())
+    first = np.searchsorted(stage, np.arange(num_stages))
+    before = np.concatenate([[0], running])[first]
+    peak = np.zeros(num_stages, dtype=np.int64)
+    np.maximum.at(peak, stage, running - before[stage])
+    return peak
+
+
+def _flushes(schedule: Schedule) -> bool:
+    """Whether every device finishes each mini-batch before it starts the next."""
+    t = schedule.table
+    same = t.device[1:] == t.device[:-1]
+    return bool(np.all(t.minibatch[1:][same] >= t.minibatch[:-1][same]))
+
+
+def _depths(devices: int, layers: int, data_parallel: bool) -> list[int]:
+    """Pipeline depths p: divisors of D with a layer per stage; D alone when all-reduce can't be costed."""
+    return [p for p in range(1, min(devices, layers) + 1) if devices % p == 0 and (data_parallel or p == devices)]
+
+
+def _allreduce_link(profile: Profile) -> Link | None:
+    """The measured all-reduce time by size, interpolated (a size -> time table), or None if not measured."""
+    points = sorted(profile.allreduce.points, key=lambda point: point.nbytes) if profile.allreduce else []
+    if not points:
+        return None
+    return Link(table_bytes=tuple(float(point.nbytes) for point in points), table_ms=tuple(point.ms for point in points))
+
+
+def _allreduce_ms(link: Link | None, nbytes: int, ranks: int) -> float:
+    if link is None or ranks == 1 or nbytes == 0:
+        return 0.0
+    return (ranks - 1) * link.transfer_ms(round(2 * nbytes / ranks))
+
+
+def _nothing_to_search(scenario: Scenario, problem: Problem, shapes: int) -> str:
+    b = scenario.measured.environment.microbatch_size
+    if not _depths(problem.devices, len(scenario.measured.layers), _allreduce_link(scenario.measured) is not None):
+        return (f"no pipeline depth p: p must divide --devices {problem.devices}, be at most the model's "
+                f"{len(scenario.measured.layers)} layers and, as the profile has no all-reduce times, equal D")
+    if not shapes:
+        return (f"no configuration: the batch of {problem.batch_size} samples must split into whole micro-batches "
+                f"of {b} over r = D/p replicas and P pipelines for some pipeline depth p dividing "
+                f"{problem.devices} (p <= {len(scenario.measured.layers)} layers); change --batch-size or --devices")
+    return (f"no configuration: {', '.join(problem.schedules)} refuse every shape with a batch of "
+            f"{problem.batch_size} samples on {problem.devices} devices; try other schedules or --batch-size")
+
+
+def _nothing_fits(scenario: Scenario, problem: Problem) -> str:
+    """The least memory any configuration needs, each cut into its leanest split (a cap of 0 leaves no other):
+    simulated lowest memory floor first, until the floors pass the least peak found."""
+    lean = replace(problem, memory_cap_bytes=0)
+    candidates = [c for c in prepare(scenario, lean)[0] if c.staleness <= problem.max_staleness]
+    if not candidates:
+        return (f"no configuration has staleness <= {problem.max_staleness}; raise --max-staleness or add "
+                "synchronous schedules")
+    least = None
+    for candidate in sorted(candidates, key=lambda c: c.memory_floor_bytes):
+        if least is not None and candidate.memory_floor_bytes >= least.peak_memory_bytes:
+            break
+        result = evaluate(scenario, lean, candidate)
+        if least is None or (result.peak_memory_bytes, rank_key(result)) < (least.peak_memory_bytes, rank_key(least)):
+            least = result
+    return (f"--memory-gb: no configuration fits in {memory_text(problem.memory_cap_bytes)}; the least memory any "
+            f"needs is {memory_text(least.peak_memory_bytes)} per device ({least.config.label()}, "
+            f"m={least.config.microbatches})")
+
+
+def _notes(scenario: Scenario, problem: Problem) -> list[str]:
+    profile = scenario.measured
+    notes = []
+    if _allreduce_link(profile) is None and problem.devices > 1:
+        notes.append("the profile has no all-reduce times: data parallelism can't be costed, so p = D only")
+    if profile.link is None:
+        notes.append("the profile has no link times: transfers between devices are free")
+    return notes
+
+
+def memory_text(nbytes: float) -> str:
+    """GiB, the unit of --memory-gb, to three significant digits and never in e-notation."""
+    return np.format_float_positional(nbytes / GIB, precision=3, unique=False, fractional=False, trim="-") + " GiB"
+
+
+def _ms(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _percent(fraction: float) -> str:
+    """Two significant digits below 10%, so that small differences do not show as 0%."""
+    return f"{fraction:.0%}" if abs(fraction) >= 0.1 else f"{100 * fraction:.2g}%"

@@ -1,0 +1,221 @@
+"""`pipesim sweep`: grid expansion, agreement with `simulate`, Pareto fronts, result files and bad input."""
+
+import csv
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim.cli import Scenario, main
+from pipesim.sim.sweep import COLUMNS, Config, Grid, Metrics, Result, pareto_front, pareto_mask, run, write_results
+
+# The built-in example model, whole: at p = 4 each device runs forward 1 ms and backward 2 ms.
+MODEL = Scenario({"--fwd": [4.0], "--bwd": [8.0], "--param-mb": [1024.0], "--activation-mb": [256.0],
+                  "--output-mb": [8.0]}, 0.5, 0.1, None, None, "adam", 1, 0.1, True, per="model")
+
+
+def pipesim(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def read_csv(path):
+    """Rows of a results CSV with their types back (empty numbers are None)."""
+    with open(path, newline="") as handle:
+        return [{k: None if v == "" and COLUMNS[k] is not str else COLUMNS[k](v) for k, v in row.items()}
+                for row in csv.DictReader(handle)]
+
+
+def test_grid_multiplies_v_and_p_only_for_the_methods_that_read_them():
+    grid = Grid(("1f1b", "zb-v", "interleaved-1f1b", "avgpipe"), (2, 4), (4, 8), 3, chunks=(1, 2), pipelines=(1, 2),
+                cost_scales=(0.5, 1.0))
+    configs = grid.configs()
+    count = {name: sum(c.schedule == name for c in configs) for name in grid.schedules}
+    assert count == {"1f1b": 8, "zb-v": 16, "interleaved-1f1b": 16, "avgpipe": 16}  # p·m·scale = 8, ×2 for v or P
+    assert {(c.chunks, c.pipelines) for c in configs if c.schedule == "1f1b"} == {(1, 1)}
+    assert {(c.chunks, c.pipelines) for c in configs if c.schedule == "avgpipe"} == {(1, 1), (1, 2)}
+    assert {(c.chunks, c.pipelines) for c in configs if c.schedule == "zb-v"} == {(1, 1), (2, 1)}
+    assert {c.minibatches for c in configs} == {3}
+    defaults = Grid(("zb-v", "avgpipe", "gpipe"), (4,), (8,), 1).configs()  # no v or P axis: each method's own
+    assert [(c.chunks, c.pipelines) for c in defaults] == [(2, 1), (1, 2), (1, 1)]
+
+
+def test_unrunnable_configurations_are_skipped_rows_with_reasons(capsys, tmp_path):
+    out = tmp_path / "r.csv"
+    code, text, _ = pipesim(capsys, "sweep", "-s", "1f1b,zb-v,interleaved-1f1b", "-p", "4", "-m", "6,8", "-v", "1,2",
+                            "-j", "1", "--out", out)
+    assert code == 0 and "Pareto fronts" in text
+    rows = read_csv(out)
+    assert len(rows) == 2 + 4 + 4
+    skipped = {(r["schedule"], r["microbatches"], r["chunks"]): r["reason"] for r in rows if r["status"] == "skipped"}
+    assert set(skipped) == {("zb-v", 6, 1), ("zb-v", 8, 1), ("interleaved-1f1b", 6, 2)}
+    assert "chunks must be 2" in skipped["zb-v", 6, 1]
+    assert "multiple of stages" in skipped["interleaved-1f1b", 6, 2]
+    for row in rows:  # skipped rows carry no metrics, the others all of them
+        assert (row["time_per_minibatch_ms"] is None) == (row["status"] == "skipped")
+
+
+def test_rows_equal_single_simulate_runs(capsys, tmp_path):
+    out = tmp_path / "r.csv"
+    code, _, _ = pipesim(capsys, "sweep", "-s", "1f1b,interleaved-1f1b,avgpipe,pipedream", "-p", "4", "-m", "8",
+                         "-n", "3", "-v", "2", "-P", "2", "--cost-scale", "1,2", "--comm", "0.05", "--opt", "0.2",
+                         "--workers", "2", "--out", out)
+    assert code == 0
+    rows = {(r["schedule"], r["cost_scale"]): r for r in read_csv(out)}
+    assert len(rows) == 8
+    # The whole model's 4 ms forward on 4 devices is 1 ms per stage, 0.5 ms per chunk with two chunks;
+    # a cost scale multiplies every compute time.
+    for (name, scale), row in rows.items():
+        per_stage = 1 / 2 if name == "interleaved-1f1b" else 1
+        code, out_json, _ = pipesim(
+            capsys, "simulate", "-s", name, "-p", 4, "-m", 8, "-n", 3, "--chunks", row["chunks"], "--pipelines",
+            row["pipelines"], "--fwd", 1 * per_stage * scale, "--bwd", 2 * per_stage * scale, "--param-mb",
+            256 * per_stage, "--activation-mb", 64 * per_stage, "--comm", 0.05, "--opt", 0.2 * scale, "--json")
+        assert code == 0
+        (expected,) = json.loads(out_json)["results"]
+        assert {k: row[k] for k in METRIC_NAMES} == {k: expected[k] for k in METRIC_NAMES}, (name, scale)
+    assert rows["interleaved-1f1b", 1.0]["chunks"] == 2 and rows["avgpipe", 1.0]["pipelines"] == 2
+
+
+METRIC_NAMES = [name for name in Metrics.__dataclass_fields__]
+
+
+def dominates(a, b):
+    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(*[st.integers(0, 4)] * 3), max_size=40))
+def test_pareto_mask_is_brute_force_dominance(points):
+    mask = pareto_mask(np.array(points, dtype=float).reshape(len(points), 3))
+    expected = [not any(dominates(q, p) for q in points) for p in points]
+    assert mask.tolist() == expected
+
+
+def test_one_front_per_cost_scale_and_minibatch_size():
+    def result(scale, m, pipelines, time_ms, memory_mb, staleness):
+        return Result(Config("1f1b", 4, m, 1, 1, pipelines, scale),
+                      Metrics(time_ms, 1.0, 0.1, memory_mb, staleness, time_ms, 0.0))
+
+    results = [result(1.0, 8, 1, 10, 100, 0), result(1.0, 8, 1, 12, 90, 0), result(1.0, 8, 1, 13, 100, 0),
+               result(2.0, 8, 1, 20, 100, 0),  # slower hardware: its own front, not dominated by the first
+               result(1.0, 4, 2, 30, 300, 1),  # m·P = 8: competes with the first three, and loses
+               result(1.0, 16, 1, 40, 300, 1),  # a bigger mini-batch: its own front
+               Result(Config("zb-v", 4, 8, 1, 1, 1, 1.0), reason="chunks must be 2")]
+    assert pareto_front(results) == [0, 1, 5, 3]  # by (cost scale, m·P), fastest first
+
+
+def test_results_round_trip_through_csv(tmp_path):
+    configs = Grid(("1f1b", "zb-v", "xpipe"), (2, 4), (4,), 2, chunks=(1, 2), cost_scales=(0.5, 1.0)).configs()
+    results = [r for _, r in sorted(run(MODEL, configs))]
+    assert {r.status for r in results} == {"ok", "skipped"}
+    path = tmp_path / "r.csv"
+    write_results(results, path)
+    assert read_csv(path) == [r.record() for r in results]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.csv"]  # no temporary file left behind
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed (pipesim[parquet])")
+def test_results_round_trip_through_parquet(tmp_path):
+    import pyarrow.parquet as pq
+
+    results = [r for _, r in sorted(run(MODEL, Grid(("1f1b", "zb-v"), (4,), (8,), 2, chunks=(1, 2)).configs()))]
+    write_results(results, tmp_path / "r.parquet")
+    assert pq.read_table(tmp_path / "r.parquet").to_pylist() == [r.record() for r in results]
+
+
+def test_grid_file(capsys, tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text('schedule = ["1f1b", "avgpipe"]\nstages = [2, 4]\nmicrobatches = 8\npipelines = [2, 3]\n'
+                    "cost-scale = [0.5, 1]\n")
+    out = tmp_path / "r.csv"
+    code, _, _ = pipesim(capsys, "sweep", "--grid", grid, "-n", "2", "-j", "1", "--out", out)
+    assert code == 0
+    rows = read_csv(out)
+    assert len(rows) == 2 * 2 + 2 * 2 * 2
+    assert {(r["schedule"], r["pipelines"]) for r in rows} == {("1f1b", 1), ("avgpipe", 2), ("avgpipe", 3)}
+    assert {r["cost_scale"] for r in rows} == {0.5, 1.0} and {r["minibatches"] for r in rows} == {2}
+
+
+def test_html_trade_off_view(capsys, tmp_path):
+    page = tmp_path / "t.html"
+    code, _, _ = pipesim(capsys, "sweep", "-s", "1f1b,pipedream,zb-h1", "-p", "2,4", "-j", "1", "--html", page)
+    assert code == 0
+    text = page.read_text()
+    assert page.stat().st_size > 1_000_000  # plotly.js is embedded: works offline
+    assert "Pareto front" in text and "pipedream p=4 m=8 v=1 P=1" in text
+
+
+def test_workers_never_import_torch():
+    """A worker is a fresh interpreter that unpickles the scenario and runs chunks: check exactly that."""
+    probe = (f"import pickle, sys\nfrom pipesim.sim.sweep import Config, run_chunk\n"
+             f"scenario = pickle.loads({pickle.dumps(MODEL)!r})\n"
+             "(result,) = run_chunk(scenario, [Config('zb-v', 4, 8, 2, 2, 1, 1.0)])\n"
+             "assert result.status == 'ok', result.reason\n"
+             "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+
+
+def without(module, monkeypatch):
+    """Make `module` look uninstalled to find_spec."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else find_spec(name, *a))
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["-s", "1f1b,nope"], "--schedule: unknown 'nope'; choose from gpipe, 1f1b"),
+    (["--stages", "4,x"], "--stages: expected whole numbers separated by commas, got '4,x'"),
+    (["--microbatches", "0"], "--microbatches: values must be whole numbers >= 1 (got 0)"),
+    (["--cost-scale", "1,-2"], "--cost-scale: values must be finite numbers > 0 (got -2.0)"),
+    (["--chunks", "1,1"], "--chunks: 1 is given twice"),
+    (["--fwd", "1,2"], "--fwd: give one number, the whole model's"),
+    (["--grid", "/no/such/grid.toml"], "--grid: cannot read /no/such/grid.toml"),
+    (["--grid", "GRID:stages = [4"], "is not valid TOML"),
+    (["--grid", "GRID:stages = [4]\nlayers = 2"], "unknown key 'layers'; allowed: schedule, stages"),
+    (["--grid", 'GRID:stages = ["4"]'], "stages: values must be whole numbers >= 1 (got '4')"),
+    (["--grid", "GRID:stages = [4]", "-p", "8"], "--stages and --grid both give stages"),
+    (["--out", "/no/such/dir/r.csv"], "--out: cannot write /no/such/dir/r.csv: folder /no/such/dir does not exist"),
+    (["--out", "OUT/r.txt"], "--out: give a .csv or .parquet file"),
+    (["--out", "OUT/r.parquet", "WITHOUT:pyarrow"], "--out: writing Parquet needs pyarrow, which is not installed"),
+    (["--ray", "auto", "WITHOUT:ray"], "--ray: Ray is not installed: pip install 'pipesim[ray]'"),
+    (["--workers", "0"], "--workers"),
+    (["--optimizer", "lion"], "--optimizer: choose from"),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(capsys, tmp_path, monkeypatch, args, fragment):
+    out = tmp_path / "out"
+    out.mkdir()
+    expanded = []
+    for arg in args:
+        if arg.startswith("GRID:"):
+            (tmp_path / "grid.toml").write_text(arg[5:])
+            arg = str(tmp_path / "grid.toml")
+        elif arg.startswith("WITHOUT:"):
+            without(arg[8:], monkeypatch)
+            continue
+        expanded.append(arg.replace("OUT", str(out)))
+    code, _, err = pipesim(capsys, "sweep", "-s", "1f1b", "-j", "1", "--html", out / "t.html", *expanded)
+    assert code == 2
+    assert fragment in err
+    assert "Traceback" not in err and err.strip().count("\n") == 0
+    assert os.listdir(out) == []
+
+
+def test_ray_tasks_give_the_same_rows():
+    ray = pytest.importorskip("ray", reason="ray not installed (pipesim[ray]; not in the test extra: it is large "
+                                            "and a cluster takes seconds to start)")
+    configs = Grid(("1f1b", "zb-v", "avgpipe"), (2, 4), (4, 8), 2, chunks=(1, 2)).configs()
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # a one-CPU local cluster
+    try:
+        on_ray = sorted(run(MODEL, configs, ray_address="local"))
+    finally:
+        ray.shutdown()
+    assert on_ray == sorted(run(MODEL, configs))

@@ -1,0 +1,232 @@
+"""`pipesim tune`: the pruned search must give what an exhaustive one gives, its bounds must hold, and the
+command line must explain its answer and refuse bad input in one line."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pipesim.calibrate.profile import load_profile
+from pipesim.cli import main, profile_scenario
+from pipesim.schedules import METHODS
+from pipesim.sim import simulate
+from pipesim.sim import tune as tuning
+from pipesim.traces import summarize
+
+PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
+GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
+GIB = tuning.GIB
+
+
+def scenario(profile):
+    return profile_scenario(profile, "adam")
+
+
+def problem(profile, devices, cap_gib, **kw) -> tuning.Problem:
+    batch = 4 * devices * profile.environment.microbatch_size
+    return tuning.Problem(devices, int(cap_gib * GIB), batch, kw.pop("schedules", tuple(METHODS)), **kw)
+
+
+def slow_allreduce(profile, factor=1000.0):
+    """The same model on a network whose all-reduce is `factor` times slower: data parallelism gets dear."""
+    points = [point.model_copy(update={"ms": point.ms * factor}) for point in profile.allreduce.points]
+    return profile.model_copy(update={"allreduce": profile.allreduce.model_copy(update={"points": points})})
+
+
+def exhaustive(source, prob):
+    """Every candidate simulated: the groups of twins in rank order, allowed ones and those faster than the
+    best allowed one but over a limit, as `tune` defines them (the search is what is under test)."""
+    candidates, _, _ = tuning.prepare(source, prob)
+    results = [tuning.evaluate(source, prob, c) for c in candidates]
+
+    def grouped(chosen):
+        groups = []
+        for result in sorted(chosen, key=tuning.rank_key):
+            group = next((g for g in groups if tuning.twins(g[0], result)), None)
+            group.append(result) if group else groups.append([result])
+        return groups
+
+    best = grouped([r for r in results if tuning.allowed(r, prob)])
+    top = tuning.speed_key(best[0][0].samples_per_s) if best else float("-inf")
+    faster = grouped([r for r in results if not tuning.allowed(r, prob) and tuning.speed_key(r.samples_per_s) > top])
+    return best[:tuning.RUNNERS_UP + 1], faster[:tuning.RUNNERS_UP], results
+
+
+def differences(found, best, faster) -> list[str]:
+    """Where the pruned search's answer differs from the exhaustive one: configurations, scores, twins."""
+    def rows(row_list):
+        return [(r.result.config, r.result.samples_per_s, r.result.peak_memory_bytes, r.twins) for r in row_list]
+
+    def groups(group_list):
+        return [(g[0].config, g[0].samples_per_s, g[0].peak_memory_bytes, [t.config for t in g[1:]])
+                for g in group_list]
+
+    wrong = []
+    for what, got, want in (("choice and runners-up", rows([found.choice, *found.runners_up]), groups(best)),
+                            ("excluded", rows(found.excluded), groups(faster))):
+        if got != want:
+            wrong.append(f"{what}: search {got} != exhaustive {want}")
+    return wrong
+
+
+CASES = [
+    pytest.param(GPT, 4, 0.2, {}, id="gpt-D4-0.2GiB"),
+    pytest.param(GPT, 8, 0.25, {"max_staleness": 0}, id="gpt-D8-0.25GiB-synchronous"),
+    pytest.param("gpt-slow-allreduce", 8, 0.5, {}, id="gpt-slow-allreduce-D8-0.5GiB"),
+    pytest.param(CNN, 8, 0.015, {}, id="cnn-D8-0.015GiB"),
+    pytest.param(CNN, 4, 0.05, {"schedules": ("1f1b", "zb-h1", "pipedream-2bw", "avgpipe"), "max_pipelines": 3},
+                 id="cnn-D4-four-schedules"),
+]
+
+
+def _profile(which):
+    return slow_allreduce(load_profile(GPT)) if which == "gpt-slow-allreduce" else load_profile(which)
+
+
+@pytest.mark.parametrize("which,devices,cap_gib,kw", CASES)
+def test_search_equals_exhaustive_search(which, devices, cap_gib, kw):
+    profile = _profile(which)
+    source, prob = scenario(profile), problem(profile, devices, cap_gib, **kw)
+    found = tuning.tune(source, prob)
+    best, faster, results = exhaustive(source, prob)
+    assert differences(found, best, faster) == []
+    assert found.stats.simulated < len(results)  # it pruned: the bounds did work
+    choice = found.choice.result
+    assert choice.peak_memory_bytes <= prob.memory_cap_bytes and choice.staleness <= prob.max_staleness
+    fastest = max(tuning.speed_key(r.samples_per_s) for r in results if tuning.allowed(r, prob))
+    assert tuning.speed_key(choice.samples_per_s) == fastest
+
+
+def test_the_comparison_catches_a_bound_that_lies(monkeypatch):
+    """Claim the true best can do no better than 1 sample/s: the search prunes it and the check must say so."""
+    profile = load_profile(GPT)
+    source, prob = scenario(profile), problem(profile, 8, 1.0)  # many configurations fit: pruning starts early
+    best, faster, _ = exhaustive(source, prob)
+    winner = best[0][0].config
+    honest = tuning._candidate
+
+    def lying(*args, **kw):
+        candidate = honest(*args, **kw)
+        return replace(candidate, max_samples_per_s=1.0) if candidate.config == winner else candidate
+
+    monkeypatch.setattr(tuning, "_candidate", lying)
+    wrong = differences(tuning.tune(source, prob), best, faster)
+    assert wrong and wrong[0].startswith("choice and runners-up")
+
+
+@pytest.mark.parametrize("which,devices,cap_gib", [(GPT, 4, 0.2), (CNN, 8, 0.015), ("gpt-slow-allreduce", 4, 1.0)])
+def test_bounds_hold_for_every_candidate(which, devices, cap_gib):
+    profile = _profile(which)
+    source, prob = scenario(profile), problem(profile, devices, cap_gib)
+    candidates, _, _ = tuning.prepare(source, prob)
+    for candidate in candidates:
+        result = tuning.evaluate(source, prob, candidate)
+        summary = summarize(simulate(candidate.schedule, candidate.costs, source.links(candidate.schedule)))
+        label = candidate.config.label()
+        assert candidate.memory_floor_bytes <= result.peak_memory_bytes, label
+        assert result.samples_per_s <= candidate.max_samples_per_s, label
+        assert candidate.staleness == summary.max_staleness, label  # read off the order = simulated
+        assert result.step_ms >= candidate.busiest_ms and 0 <= result.bubble_fraction < 1, label
+        if candidate.short_minibatches == 2:  # a flushing schedule: every step from the second repeats exactly
+            longer = source.build(candidate.config.schedule, replace(candidate.params, minibatches=6),
+                                  candidate.bounds)
+            growth = (summarize(simulate(longer, candidate.costs, source.links(longer))).makespan_ms
+                      - summary.makespan_ms) / 3
+            assert growth == pytest.approx(result.step_ms, rel=1e-9), label
+
+
+def test_data_parallel_all_reduce_is_a_ring_scaled_from_the_measured_points():
+    profile = load_profile(GPT)
+    source, prob = scenario(profile), problem(profile, 4, 8.0, schedules=("1f1b",))
+    candidates, _, _ = tuning.prepare(source, prob)
+    sizes = [point.nbytes for point in profile.allreduce.points]
+    times = [point.ms for point in profile.allreduce.points]
+    for candidate in candidates:
+        replicas = candidate.config.replicas
+        measured = source.costs(candidate.schedule, candidate.bounds)
+        for stage, with_allreduce in zip(measured.stages, candidate.costs.stages):
+            ring = (replicas - 1) * np.interp(2 * stage.param_bytes / replicas, sizes, times)  # sizes in range here
+            assert with_allreduce.opt_ms - stage.opt_ms == pytest.approx(ring, rel=1e-6)
+    assert {c.config.replicas for c in candidates} == {1, 2, 4}  # p = 4, 2, 1
+
+
+def test_a_slow_network_moves_the_answer_from_data_to_pipeline_parallelism():
+    fast, slow = load_profile(GPT), slow_allreduce(load_profile(GPT))
+    on_fast = tuning.tune(scenario(fast), problem(fast, 8, 1.0)).choice.result.config
+    on_slow = tuning.tune(scenario(slow), problem(slow, 8, 1.0)).choice.result.config
+    assert on_fast.stages == 1 and on_fast.replicas == 8
+    assert on_slow.stages > 1 and on_slow.replicas < 8
+
+
+def test_staleness_limit():
+    profile = load_profile(GPT)
+    synchronous = tuning.tune(scenario(profile), problem(profile, 8, 0.25, max_staleness=0))
+    stale = tuning.tune(scenario(profile), problem(profile, 8, 0.25, max_staleness=1))
+    assert synchronous.choice.result.staleness == 0 and stale.choice.result.staleness == 1
+    assert synchronous.choice.result.samples_per_s < stale.choice.result.samples_per_s
+    assert any(row.why.startswith("staleness 1 > 0") for row in synchronous.excluded)
+
+
+def pipesim(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_cli_table_explains_each_runner_up(capsys):
+    code, out, err = pipesim(capsys, "tune", "--profile", str(GPT), "--devices", "8", "--memory-gb", "0.3")
+    assert code == 0, err
+    assert "best" in out and "pipedream" in out
+    assert "over memory: 0.41 GiB > 0.3 GiB" in out  # data parallelism alone would be faster, but does not fit
+    assert "% slower: " in out and "partition (layers per model stage): " in out
+    assert "pruned by the throughput bound" in out
+
+
+def test_cli_json_is_the_search_result(capsys):
+    code, out, err = pipesim(capsys, "tune", "--profile", str(CNN), "-D", "4", "--memory-gb", "0.05", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    profile = load_profile(CNN)
+    expected = tuning.tune(scenario(profile), problem(profile, 4, 0.05))
+    assert doc["choice"]["schedule"] == expected.choice.result.config.schedule
+    assert doc["choice"]["samples_per_s"] == pytest.approx(expected.choice.result.samples_per_s)
+    assert doc["problem"] == {"devices": 4, "memory_cap_gib": pytest.approx(0.05), "batch_size": 4 * 4 * 8,
+                              "schedules": list(METHODS), "max_staleness": 1, "max_chunks": 4, "max_pipelines": 4}
+    assert len(doc["runners_up"]) == tuning.RUNNERS_UP and all(row["why"] for row in doc["runners_up"])
+    assert doc["choice"]["partition"][0] == 0 and doc["choice"]["partition"][-1] == len(profile.layers)
+    assert doc["search"]["simulated"] + doc["search"]["pruned"] <= doc["search"]["configurations"]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--devices", "4"], "Missing option '--profile'"),
+    (["--profile", str(GPT), "--devices", "0"], "--devices"),
+    (["--profile", str(GPT), "--devices", "4", "--memory-gb", "0.01"],
+     "--memory-gb: no configuration fits in 0.01 GiB; the least memory any needs is 0.178 GiB per device (1f1b p=4"),
+    (["--profile", str(GPT), "--devices", "4", "-s", "nope"], "--schedule: unknown 'nope'; choose from gpipe"),
+    (["--profile", str(GPT), "--devices", "4", "--batch-size", "12"], "must be a multiple of the profile's micro"),
+    (["--profile", str(GPT), "--devices", "4", "--memory-gb", "-1"], "--memory-gb: must be a number of GiB > 0"),
+    (["--profile", "missing.json", "--devices", "4"], "cannot read profile missing.json"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, args, fragment):
+    code, out, err = pipesim(capsys, "tune", *args)
+    assert code == 2 and fragment in err, err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("path", sorted(PROFILES.glob("*.json")), ids=lambda p: p.name)
+def test_committed_profiles_are_small_and_name_their_device(path):
+    profile = load_profile(path)
+    assert path.stat().st_size < 200_000
+    assert profile.environment.device_name and profile.link is not None and profile.allreduce.points
+
+
+def test_tune_never_imports_torch():
+    probe = ("import sys; from pipesim.cli import main\n"
+             f"try:\n    main(['tune', '--profile', {str(CNN)!r}, '--devices', '2', '--json'])\n"
+             "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
+             "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
