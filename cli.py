@@ -264,9 +264,13 @@ class Scenario:
             if len(given) not in (1, n):
                 where = f"in {self.source}" if self.source else f"for {sched.method}"
                 raise CostError(f"{flag}: {len(given)} values given; give one, or one per model stage ({n} {where})")
+        def shared(ms: Optional[float]) -> Optional[float]:  # an update's work scales with the stage's weights
+            return None if ms is None else ms * share
+
         return Costs.per_stage(
-            n, fwd_ms=values["--fwd"], bwd_ms=values["--bwd"], wgrad_fraction=self.wgrad_fraction, opt_ms=self.opt_ms,
-            pred_ms=self.pred_ms, avg_ms=self.avg_ms, param_mb=values["--param-mb"],
+            n, fwd_ms=values["--fwd"], bwd_ms=values["--bwd"], wgrad_fraction=self.wgrad_fraction,
+            opt_ms=shared(self.opt_ms), pred_ms=shared(self.pred_ms), avg_ms=shared(self.avg_ms),
+            param_mb=values["--param-mb"],
             activation_mb=values["--activation-mb"], output_mb=values["--output-mb"], optimizer=self.optimizer,
             microbatch_size=self.microbatch_size)
 
@@ -387,6 +391,14 @@ def _profile_cluster(measured, num_devices: int, overlap_comm: bool):
                    (memory,) * num_devices, overlap_comm)
 
 
+MAX_MEMORY_GB = 1 << 20  # a PiB per device: beyond any machine, and safely inside an int64 of bytes
+
+
+def _check_memory_gb(memory_gb: Optional[float]) -> None:
+    if memory_gb is not None and not 0 < memory_gb <= MAX_MEMORY_GB:
+        raise InputError(f"--memory-gb: give GiB per device, more than 0 and at most {MAX_MEMORY_GB:,} (got {memory_gb})")
+
+
 def _load_graph(path: Path):
     from .schedules import ScheduleError
     from .schedules.graph import load_graph
@@ -482,8 +494,7 @@ def calibrate(
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
         if optimizer not in OPTIMIZERS:
             raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
-        if memory_gb is not None and not 0 < memory_gb < float("inf"):
-            raise InputError(f"--memory-gb: must be a number of GiB > 0 (got {memory_gb})")
+        _check_memory_gb(memory_gb)
         if not links and _given(ctx, "link_max_mb"):
             raise InputError("--link-max-mb sizes the link measurement, which --no-links skips: give one")
         if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
@@ -632,9 +643,9 @@ def sweep(
     fwd: Annotated[str, typer.Option("--fwd", help="Forward ms per micro-batch of the whole model, split evenly over each configuration's p·v model stages (every configuration trains the same model).")] = "4",
     bwd: Annotated[str, typer.Option("--bwd", help="Full backward ms per micro-batch of the whole model (split likewise).")] = "8",
     wgrad_fraction: Annotated[float, typer.Option("--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward schedules).")] = 0.5,
-    opt: Annotated[float, typer.Option("--opt", min=0.0, help="Optimizer step ms per model stage.")] = 0.1,
-    pred: Annotated[Optional[float], typer.Option("--pred", min=0.0, help="Weight prediction (PRED) ms per model stage (default: --opt).")] = None,
-    avg: Annotated[Optional[float], typer.Option("--avg", min=0.0, help="Elastic averaging (AVG) ms per model stage (default: --opt).")] = None,
+    opt: Annotated[float, typer.Option("--opt", min=0.0, help="Optimizer step ms of the whole model (split likewise).")] = 0.4,
+    pred: Annotated[Optional[float], typer.Option("--pred", min=0.0, help="Weight prediction (PRED) ms of the whole model (split likewise; default: --opt).")] = None,
+    avg: Annotated[Optional[float], typer.Option("--avg", min=0.0, help="Elastic averaging (AVG) ms of the whole model (split likewise; default: --opt).")] = None,
     comm: Annotated[str, typer.Option("--comm", help="Ms per activation or gradient transfer between devices (no contention).")] = "0.1",
     cluster: Annotated[Optional[Path], typer.Option("--cluster", help="Cluster JSON (devices, links, shared resources); replaces --comm.")] = None,
     profile: Annotated[Optional[Path], typer.Option("--profile", help="Profile from `pipesim calibrate`: its layers cut into each configuration's stages give the costs, sizes and links.")] = None,
@@ -653,7 +664,7 @@ def sweep(
 
     Axes are comma lists, or a TOML file (--grid).
     A configuration a method cannot run is a row with status "skipped" and the reason.
-    One front per cost scale and mini-batch size (m·P): only the same work on the same hardware competes.
+    One front per p, cost scale and mini-batch size (m·P): only the same work on the same hardware competes.
     Costs are the whole model's, split over each configuration's stages (default: the built-in example's).
     """
     from importlib.util import find_spec
@@ -717,12 +728,14 @@ FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html h
 
 
 def _print_front(results: list, front: list[int]) -> None:
-    """The Pareto fronts, one section per cost scale and mini-batch size, fastest first."""
+    """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first."""
+    from .sim.sweep import front_group
+
     skipped = sum(r.metrics is None for r in results)
-    table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per cost scale and "
+    table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
                         f"mini-batch size: {len(front)} of {len(results) - skipped} configurations that ran "
                         f"({skipped} skipped)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption=f"and {len(front) - FRONT_ROWS} more in --out and --html" if len(front) > FRONT_ROWS
+                  caption=f"and {len(front) - FRONT_ROWS} more: --out or --html lists them all" if len(front) > FRONT_ROWS
                   else None, caption_justify="left")
     table.add_column("schedule", no_wrap=True)
     for header in ("p", "m", "v", "P", "cost×", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
@@ -730,9 +743,9 @@ def _print_front(results: list, front: list[int]) -> None:
     group = None
     for i in front[:FRONT_ROWS]:
         c, m = results[i].config, results[i].metrics
-        if group is not None and group != (c.cost_scale, c.microbatches * c.pipelines):
+        if group is not None and group != front_group(c):
             table.add_section()
-        group = (c.cost_scale, c.microbatches * c.pipelines)
+        group = front_group(c)
         table.add_row(c.schedule, str(c.stages), str(c.microbatches), str(c.chunks), str(c.pipelines),
                       f"{c.cost_scale:g}", f"{m.time_per_minibatch_ms:.3f}", f"{m.samples_per_s:,.1f}",
                       f"{m.bubble_fraction:.1%}", f"{m.peak_memory_mb:,.0f}", str(m.max_staleness))
@@ -801,17 +814,17 @@ def tune(
     """
     from .schedules import METHODS, ScheduleError
     from .sim import OPTIMIZER_STATE_FACTOR, CostError, SimulationError
-    from .sim.tune import GIB, Problem, TuneError
-    from .sim.tune import tune as search
+    from .calibrate.tune import GIB, Problem, TuneError
+    from .calibrate.tune import tune as search
 
     try:
-        unknown = [name for name in schedule or () if name not in METHODS]
+        schedule = [name.strip() for given in schedule or () for name in given.split(",")]  # as sweep takes them
+        unknown = [name for name in schedule if name not in METHODS]
         if unknown:
             raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
         if optimizer not in OPTIMIZER_STATE_FACTOR:
             raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
-        if memory_gb is not None and not 0 < memory_gb < float("inf"):
-            raise InputError(f"--memory-gb: must be a number of GiB > 0 (got {memory_gb})")
+        _check_memory_gb(memory_gb)
         measured = _load_profile(ctx, profile)
         env = measured.environment
         if memory_gb is None and not (env.memory_cap_bytes or env.device_memory_bytes):
@@ -844,7 +857,7 @@ def profile_scenario(measured: Profile, optimizer: str) -> Scenario:
 
 def _print_tuning(tuning, measured) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost."""
-    from .sim.tune import memory_text
+    from .calibrate.tune import memory_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
     table = Table(title=f"{measured.model.name} on {problem.devices} x {env.device_name} ({env.device}), "
@@ -880,8 +893,9 @@ def _print_tuning(tuning, measured) -> None:
         f"{tuning.choice.result.candidate.allreduce_ms:,.1f} ms per step", highlight=False)
     stdout.print(f"searched {stats.configurations} configurations ({stats.refused} more shapes refused by their "
                  f"method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by their memory floor "
-                 f"(not simulated), {stats.pruned} pruned by the throughput bound, {stats.simulated} simulated; "
-                 f"{stats.seconds:.2f} s", highlight=False)
+                 f"({stats.simulated_over_limits} of them simulated to show what the limits cost), {stats.pruned} "
+                 f"pruned by the throughput bound, {stats.simulated} simulated; {stats.seconds:.2f} s",
+                 highlight=False)
     for note in tuning.notes:
         stdout.print(f"note: {note}", highlight=False)
 

@@ -16,6 +16,7 @@ from .ir import SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageG
 from .table import KIND_CODE, ActionTable, OrderView, stacked
 
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
+MAX_COMPUTE_OPS = 10_000_000  # about 1.4 KiB of memory per op while simulating
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class ScheduleParams:
             raise ScheduleError(f"advance must be a whole number >= 0 (got {self.advance!r})")
         if self.elastic_alpha is not None and not 0 < self.elastic_alpha <= 1:
             raise ScheduleError(f"elastic_alpha must be in (0, 1] (got {self.elastic_alpha!r})")
+        ops = 2 * self.stages * self.chunks * self.microbatches * self.minibatches * self.pipelines
+        if ops > MAX_COMPUTE_OPS:
+            raise ScheduleError(
+                f"p={self.stages}, v={self.chunks}, m={self.microbatches}, N={self.minibatches}, P={self.pipelines} "
+                f"make {ops:,} forwards and backwards; pipesim simulates up to {MAX_COMPUTE_OPS:,} (about 14 GiB "
+                "of memory): lower m or N")
 
     @property
     def alpha(self) -> float:

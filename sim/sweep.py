@@ -284,14 +284,20 @@ def pareto_mask(points: np.ndarray) -> np.ndarray:
     return mask
 
 
+def front_group(config: Config) -> tuple[int, float, int]:
+    """Configurations that compete on one front: same devices p, cost scale and micro-batches per step."""
+    return config.stages, config.cost_scale, config.microbatches * config.pipelines
+
+
 def pareto_front(results: Sequence[Result]) -> list[int]:
-    """Indices of the results on a Pareto front over OBJECTIVES. There is one front per cost scale and
-    mini-batch size (m·P micro-batches): a faster accelerator or a smaller mini-batch is no schedule's merit,
-    so only configurations doing the same work on the same hardware compete. By group, then fastest first."""
-    groups: dict[tuple[float, int], list[int]] = {}
+    """Indices of the results on a Pareto front over OBJECTIVES. There is one front per device count p, cost
+    scale and mini-batch size (m·P micro-batches): more devices, a faster accelerator or a smaller mini-batch
+    is no schedule's merit, so only configurations doing the same work on the same hardware compete (v and P
+    share the same p devices). By group, then fastest first."""
+    groups: dict[tuple[int, float, int], list[int]] = {}
     for i, r in enumerate(results):
         if r.metrics is not None:
-            groups.setdefault((r.config.cost_scale, r.config.microbatches * r.config.pipelines), []).append(i)
+            groups.setdefault(front_group(r.config), []).append(i)
     front = []
     for key in sorted(groups):
         members = groups[key]
@@ -362,7 +368,7 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
     skipped = len(results) - len(ran)
     scatter.update_layout(
         title=f"{len(ran)} configurations ({skipped} skipped); ringed: Pareto fronts over time, memory and "
-              "staleness, one per cost scale and mini-batch size",
+              "staleness, one per p, cost scale and mini-batch size",
         xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
         height=650, margin={"t": 110}, legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"})
     columns = {"configuration": [r.config.label for r in best],

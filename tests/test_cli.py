@@ -81,6 +81,7 @@ def test_schedules_lists_methods(capsys):
     (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
     (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: graph file /no/such/graph.json: cannot read"),
     (["-s", "pipedream-2bw", "-p", "8", "-m", "4"], "m >= p-1"),
+    (["-s", "1f1b", "-p", "64", "-m", "100000"], "pipesim simulates up to 10,000,000"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
     code, out, err = pipesim(capsys, "simulate", *args)

@@ -13,7 +13,7 @@ from pipesim.calibrate.profile import load_profile
 from pipesim.cli import main, profile_scenario
 from pipesim.schedules import METHODS
 from pipesim.sim import simulate
-from pipesim.sim import tune as tuning
+from pipesim.calibrate import tune as tuning
 from pipesim.traces import summarize
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
@@ -198,7 +198,10 @@ def test_cli_json_is_the_search_result(capsys):
                               "schedules": list(METHODS), "max_staleness": 1, "max_chunks": 4, "max_pipelines": 4}
     assert len(doc["runners_up"]) == tuning.RUNNERS_UP and all(row["why"] for row in doc["runners_up"])
     assert doc["choice"]["partition"][0] == 0 and doc["choice"]["partition"][-1] == len(profile.layers)
-    assert doc["search"]["simulated"] + doc["search"]["pruned"] <= doc["search"]["configurations"]
+    search = doc["search"]  # every configuration is accounted for exactly once
+    assert search["stale"] + search["over_memory_floor"] + search["pruned"] + search["simulated"] == \
+        search["configurations"]
+    assert 0 <= search["simulated_over_limits"] <= search["stale"] + search["over_memory_floor"]
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -208,7 +211,8 @@ def test_cli_json_is_the_search_result(capsys):
      "--memory-gb: no configuration fits in 0.01 GiB; the least memory any needs is 0.178 GiB per device (1f1b p=4"),
     (["--profile", str(GPT), "--devices", "4", "-s", "nope"], "--schedule: unknown 'nope'; choose from gpipe"),
     (["--profile", str(GPT), "--devices", "4", "--batch-size", "12"], "must be a multiple of the profile's micro"),
-    (["--profile", str(GPT), "--devices", "4", "--memory-gb", "-1"], "--memory-gb: must be a number of GiB > 0"),
+    (["--profile", str(GPT), "--devices", "4", "--memory-gb", "-1"], "--memory-gb: give GiB per device, more than 0"),
+    (["--profile", str(GPT), "--devices", "4", "--memory-gb", "1e300"], "at most 1,048,576"),
     (["--profile", "missing.json", "--devices", "4"], "cannot read profile missing.json"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, fragment):

@@ -48,8 +48,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..calibrate.partition import PartitionError, leanest_partition, partition, stage_activation_bytes
-from ..calibrate.profile import Profile, layer_costs, stages_for
+from .partition import PartitionError, leanest_partition, partition, stage_activation_bytes
+from .profile import Profile, layer_costs, stages_for
 from ..schedules import (
     KIND_CODE,
     KINDS,
@@ -63,9 +63,9 @@ from ..schedules import (
     weight_versions,
 )
 from ..traces import summarize
-from .cluster import Cluster, Link
-from .costs import Costs
-from .engine import simulate, static_bytes
+from ..sim.cluster import Cluster, Link
+from ..sim.costs import Costs
+from ..sim.engine import simulate, static_bytes
 
 RUNNERS_UP = 5
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
@@ -183,7 +183,8 @@ class Stats:
     stale: int  # configurations over the staleness limit, known from the schedule alone
     over_memory_floor: int  # memory floor over the cap
     pruned: int  # within the limits but never simulated: their throughput bound could not beat the rows kept
-    simulated: int
+    simulated: int  # within the limits by staleness and memory floor, and simulated
+    simulated_over_limits: int  # stale or over the memory floor, simulated only to show what the limits cost
     seconds: float
 
     @property
@@ -264,7 +265,9 @@ def tune(scenario: Scenario, problem: Problem) -> Tuning:
     def row(group: list[Result]) -> Row:
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
 
-    stats = Stats(shapes, refused, len(stale), len(heavy), pruned, len(simulated), time.perf_counter() - started)
+    within = sum(c.index in simulated for c in hopeful)
+    stats = Stats(shapes, refused, len(stale), len(heavy), pruned, within, len(simulated) - within,
+                  time.perf_counter() - started)
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster[:RUNNERS_UP]], stats,
                   _notes(scenario, problem))
 
