@@ -13,9 +13,7 @@ import csv
 import io
 import math
 import multiprocessing
-import os
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
@@ -323,18 +321,9 @@ def write_results(results: Sequence[Result], path: Path) -> None:
 
     kinds = {str: pa.string(), int: pa.int64(), float: pa.float64()}
     table = pa.Table.from_pylist(records, schema=pa.schema([(name, kinds[t]) for name, t in COLUMNS.items()]))
-    # write_atomic's recipe for a binary file: a temporary file beside the target, the usual permissions.
-    fd, tmp = tempfile.mkstemp(prefix=f".{Path(path).name}.", dir=Path(path).parent)
-    os.close(fd)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    write_atomic(path, buffer.getvalue().to_pybytes())
 
 
 def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path) -> None:

@@ -218,16 +218,17 @@ def from_chrome(doc: Any) -> Trace:
     return Trace(kinds, num_devices, ops, counters, meta)
 
 
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write `text` to `path` via a temporary file in the same folder, so no half-written file is left."""
+def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
+    """Write `text` (or bytes) to `path` via a temporary file in the same folder, so no half-written file
+    is left."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
     umask = os.umask(0)
     os.umask(umask)
     try:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the permissions open() would
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(text.encode("utf-8") if isinstance(text, str) else text)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
