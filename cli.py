@@ -36,6 +36,12 @@ stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 EXAMPLE = dict(stages=4, microbatches=8, minibatches=4, comm="0.1", opt=0.1, html=Path("pipesim-example.html"))
 
 
+# Options `simulate` and `sweep` share word for word.
+WgradFraction = Annotated[float, typer.Option("--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward schedules).")]
+HeldOptimizer = Annotated[str, typer.Option("--optimizer", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")]
+MicrobatchSize = Annotated[int, typer.Option("--microbatch-size", min=1, help="Samples per micro-batch (for samples/s).")]
+BlockingComm = Annotated[bool, typer.Option("--blocking-comm", help="Sends block the compute stream until they finish.")]
+
 class InputError(Exception):
     """Bad input found by the CLI itself; reported as one line with exit code 2."""
 
@@ -103,7 +109,7 @@ def simulate(
     graph: Annotated[Optional[Path], typer.Option("--graph", help='graphpipe: stage DAG JSON {"stages": n, "edges": [[a, b], ...], "placement": [...]} (default: built-in two-branch model).')] = None,
     fwd: Annotated[str, typer.Option("--fwd", help="Forward ms per micro-batch: one number, or one per model stage.")] = "1",
     bwd: Annotated[str, typer.Option("--bwd", help="Full backward ms per micro-batch: one number, or one per model stage.")] = "2",
-    wgrad_fraction: Annotated[float, typer.Option("--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward schedules).")] = 0.5,
+    wgrad_fraction: WgradFraction = 0.5,
     opt: Annotated[float, typer.Option("--opt", min=0.0, help="Optimizer step ms per stage.")] = 0.0,
     pred: Annotated[Optional[float], typer.Option("--pred", min=0.0, help="Weight prediction (PRED) ms per stage (default: --opt).")] = None,
     avg: Annotated[Optional[float], typer.Option("--avg", min=0.0, help="Elastic averaging (AVG) ms per stage (default: --opt).")] = None,
@@ -113,9 +119,9 @@ def simulate(
     param_mb: Annotated[str, typer.Option("--param-mb", help="Parameter MiB per model stage (one number, or one per stage).")] = "256",
     activation_mb: Annotated[str, typer.Option("--activation-mb", help="Activation MiB a micro-batch saves per model stage.")] = "64",
     output_mb: Annotated[str, typer.Option("--output-mb", help="MiB a stage sends to the next per micro-batch (sizes transfers on --cluster links).")] = "8",
-    optimizer: Annotated[str, typer.Option("--optimizer", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")] = "adam",
-    microbatch_size: Annotated[int, typer.Option("--microbatch-size", min=1, help="Samples per micro-batch (for samples/s).")] = 1,
-    blocking_comm: Annotated[bool, typer.Option("--blocking-comm", help="Sends block the compute stream until they finish.")] = False,
+    optimizer: HeldOptimizer = "adam",
+    microbatch_size: MicrobatchSize = 1,
+    blocking_comm: BlockingComm = False,
     jitter: Annotated[float, typer.Option("--jitter", min=0.0, help="Sigma of a log-normal factor on every compute time (0: none).")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed for --jitter.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
@@ -642,7 +648,7 @@ def sweep(
     minibatches: Annotated[int, typer.Option("--minibatches", "-n", min=1, help="Mini-batches N per run (several, so time per mini-batch is the steady state).")] = 4,
     fwd: Annotated[str, typer.Option("--fwd", help="Forward ms per micro-batch of the whole model, split evenly over each configuration's p·v model stages (every configuration trains the same model).")] = "4",
     bwd: Annotated[str, typer.Option("--bwd", help="Full backward ms per micro-batch of the whole model (split likewise).")] = "8",
-    wgrad_fraction: Annotated[float, typer.Option("--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward schedules).")] = 0.5,
+    wgrad_fraction: WgradFraction = 0.5,
     opt: Annotated[float, typer.Option("--opt", min=0.0, help="Optimizer step ms of the whole model (split likewise).")] = 0.4,
     pred: Annotated[Optional[float], typer.Option("--pred", min=0.0, help="Weight prediction (PRED) ms of the whole model (split likewise; default: --opt).")] = None,
     avg: Annotated[Optional[float], typer.Option("--avg", min=0.0, help="Elastic averaging (AVG) ms of the whole model (split likewise; default: --opt).")] = None,
@@ -652,9 +658,9 @@ def sweep(
     param_mb: Annotated[str, typer.Option("--param-mb", help="Parameter MiB of the whole model (split likewise).")] = "1024",
     activation_mb: Annotated[str, typer.Option("--activation-mb", help="Activation MiB a micro-batch saves in the whole model (split likewise).")] = "256",
     output_mb: Annotated[str, typer.Option("--output-mb", help="MiB a stage sends to the next per micro-batch.")] = "8",
-    optimizer: Annotated[str, typer.Option("--optimizer", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")] = "adam",
-    microbatch_size: Annotated[int, typer.Option("--microbatch-size", min=1, help="Samples per micro-batch (for samples/s).")] = 1,
-    blocking_comm: Annotated[bool, typer.Option("--blocking-comm", help="Sends block the compute stream until they finish.")] = False,
+    optimizer: HeldOptimizer = "adam",
+    microbatch_size: MicrobatchSize = 1,
+    blocking_comm: BlockingComm = False,
     workers: Annotated[Optional[int], typer.Option("--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
     ray: Annotated[Optional[str], typer.Option("--ray", help="Run the tasks on the Ray cluster at this address instead (auto, ray://host:10001, or local to start one); needs pipesim[ray].")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); replaced atomically.")] = None,
