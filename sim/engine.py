@@ -204,7 +204,6 @@ class _Model:
         n_transfers = len(program.transfer_ps)
         # Per device, per transfer: the device's clock once it is done (SEND issued, RECV arrived).
         self.clock_after: list[list[float]] = [[] for _ in program.steps]
-        self.transfer_start = [0] * n_transfers
         self.arrival: list[int | None] = [None] * n_transfers
         self.waiting: dict[int, simpy.Event] = {}
         self.free_at = [0] * program.num_resources
@@ -221,21 +220,18 @@ class _Model:
             clock += busy_ps
             if code == _SEND:
                 route = routes[transfer_route[xid]]
-                begin = clock
-                if route:
+                if route:  # a shared link: wait until simulated time reaches the send, then queue on it
                     if clock > env.now:
                         yield env.timeout(clock - env.now)
+                    begin = max(clock, *(free_at[r] for r in route))
+                    end = begin + transfer_ps[xid]
                     for r in route:
-                        if free_at[r] > begin:
-                            begin = free_at[r]
-                end = begin + transfer_ps[xid]
-                for r in route:
-                    free_at[r] = end
-                self.transfer_start[xid] = begin
+                        free_at[r] = end
+                else:
+                    end = clock + transfer_ps[xid]
                 arrival[xid] = end
-                event = waiting.pop(xid, None)
-                if event is not None:
-                    event.succeed()
+                if xid in waiting:
+                    waiting.pop(xid).succeed()
                 if not overlap:
                     clock = end
             else:
@@ -290,8 +286,9 @@ def _trace(schedule: Schedule, costs: Costs, cluster: Cluster, program: _Program
     start_ps = issued_ps.copy()
     end_ps = issued_ps + program.duration_ps
     if len(model.arrival):
-        start_ps[is_transfer] = np.fromiter(model.transfer_start, np.int64, len(model.transfer_start))[xid[is_transfer]]
-        end_ps[is_transfer] = np.fromiter(model.arrival, np.int64, len(model.arrival))[xid[is_transfer]]
+        arrival = np.fromiter(model.arrival, np.int64, len(model.arrival))
+        end_ps[is_transfer] = arrival[xid[is_transfer]]  # a transfer starts its duration before it arrives
+        start_ps[is_transfer] = (arrival - np.asarray(program.transfer_ps, dtype=np.int64))[xid[is_transfer]]
     issued_ms, start_ms, end_ms = issued_ps / _PS_PER_MS, start_ps / _PS_PER_MS, end_ps / _PS_PER_MS
     ops = Ops(device=t.device, stream=code, kind=t.kind, stage=t.stage, microbatch=t.microbatch,
               minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=program.version,
