@@ -298,10 +298,10 @@ def _trace(schedule: Schedule, costs: Costs, cluster: Cluster, program: _Program
     first_ms = np.where(code == _RECV, end_ms, issued_ms)
     devices = schedule.num_devices
     counters = {
-        "memory_bytes": _step_counters(t.device, first_ms, end_ms, program.mem_at_start, program.mem_at_end,
-                                       program.static_bytes, devices),
-        "activations": _step_counters(t.device, first_ms, end_ms, program.act_at_start, program.act_at_end,
-                                      [0] * devices, devices),
+        "memory_bytes": _step_counters(program.bounds, first_ms, end_ms, program.mem_at_start, program.mem_at_end,
+                                       program.static_bytes),
+        "activations": _step_counters(program.bounds, first_ms, end_ms, program.act_at_start, program.act_at_end,
+                                      [0] * devices),
         "weight_versions": _level_counters(program.bounds, end_ms, program.held_after,
                                            1 + schedule.policy.extra_copies),
     }
@@ -334,27 +334,28 @@ def _issue_times(program: _Program, model: _Model) -> np.ndarray:
         busy = program.busy_before_ps[lo:hi]
         comm = np.flatnonzero(program.code[lo:hi] != _COMPUTE)
         segment = np.searchsorted(comm, np.arange(hi - lo))  # transfers before each row
-        begin = np.fromiter([0, *clock_after], np.int64, len(clock_after) + 1)[segment]
+        begin = np.zeros(len(clock_after) + 1, dtype=np.int64)
+        begin[1:] = np.fromiter(clock_after, np.int64, len(clock_after))
+        begin = begin[segment]
         base = np.concatenate([[0], busy[comm]])[segment]
         out[lo:hi] = begin + (busy - base)
     return out
 
 
-def _step_counters(device, first_ms, second_ms, first_delta, second_delta, initial, num_devices) -> list[Counter]:
-    """Per device, the running total of deltas applied at two event times per op, in time order
-    (ties keep program order, so an op's end counts before the next op's start). Rows come grouped
-    by device, in program order."""
+def _step_counters(bounds, first_ms, second_ms, first_delta, second_delta, initial) -> list[Counter]:
+    """Per device (rows bounds[d]..bounds[d+1], in program order), the running total of deltas applied at
+    two event times per op, in time order (ties keep program order, so an op's end counts before the next
+    op's start)."""
     times = np.stack([first_ms, second_ms], axis=1).ravel()  # program order: op i's two events at 2i, 2i+1
     deltas = np.stack([first_delta, second_delta], axis=1).ravel()
-    devices = np.repeat(device, 2)
-    keep = deltas != 0
-    times, deltas, devices = times[keep], deltas[keep], devices[keep]
     out = []
-    for d in range(num_devices):
-        lo, hi = np.searchsorted(devices, [d, d + 1])
-        order = np.argsort(times[lo:hi], kind="stable")
-        values = initial[d] + np.cumsum(deltas[lo:hi][order])
-        out.append(Counter(np.concatenate([[0.0], times[lo:hi][order] * 1e3]),
+    for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        mine_times, mine_deltas = times[2 * lo:2 * hi], deltas[2 * lo:2 * hi]
+        keep = mine_deltas != 0
+        mine_times, mine_deltas = mine_times[keep], mine_deltas[keep]
+        order = np.argsort(mine_times, kind="stable")
+        values = initial[d] + np.cumsum(mine_deltas[order])
+        out.append(Counter(np.concatenate([[0.0], mine_times[order] * 1e3]),
                            np.concatenate([[initial[d]], values]).astype(np.int64)))
     return out
 
