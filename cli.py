@@ -152,10 +152,11 @@ def simulate(
             raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
         if len(set(names)) != len(names):
             raise InputError("--schedule: each method may be given once")
-        for flag, name, only in (("--advance", "advance", "avgpipe"), ("--average-every", "average_every", "avgpipe"),
-                                 ("--elastic-alpha", "elastic_alpha", "avgpipe"), ("--graph", "graph", "graphpipe")):
-            if _given(ctx, name) and only not in names:
-                raise InputError(f"{flag} applies to {only} only; add --schedule {only}")
+        for flag, option in (("--advance", "advance"), ("--average-every", "average_every"),
+                             ("--elastic-alpha", "elastic_alpha"), ("--graph", "graph")):
+            readers = [m.name for m in METHODS.values() if option in m.options]
+            if _given(ctx, option) and not set(readers) & set(names):
+                raise InputError(f"{flag} applies to {', '.join(readers)} only; add --schedule {readers[0]}")
         if elastic_alpha is not None and not 0 < elastic_alpha <= 1:
             raise InputError(f"--elastic-alpha: must be in (0, 1] (got {elastic_alpha})")
         _writable("--html", html)
@@ -243,16 +244,16 @@ class Scenario:
     source: Optional[Path] = None  # the schedule file, named in errors
 
     def build(self, name: str, params: ScheduleParams, bounds: Optional[Sequence[int]] = None) -> Schedule:
-        """The named method's schedule; graphpipe runs the --graph DAG, or the profile's model cut into p stages
-        (at `bounds` if given)."""
-        from .schedules import build_schedule
-        from .schedules.graph import graph_schedule
+        """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
+        the profile's model cut into p stages (at `bounds` if given)."""
+        from .schedules import METHODS, build_schedule
 
-        if name != "graphpipe" or not (self.dag or self.measured):
+        on_graph = METHODS[name].on_graph
+        if on_graph is None or not (self.dag or self.measured):
             return build_schedule(name, params)
         if self.dag:
-            return graph_schedule(replace(params, stages=self.dag[0].num_stages), *self.dag)
-        return graph_schedule(params, _profile_graph(self.measured, params.stages, bounds))
+            return on_graph(replace(params, stages=self.dag[0].num_stages), *self.dag)
+        return on_graph(params, _profile_graph(self.measured, params.stages, bounds))
 
     def costs(self, sched: Schedule, bounds: Optional[Sequence[int]] = None) -> Costs:
         """Per-model-stage costs. The flags' values are per model "stage", or one "device"'s share of the model

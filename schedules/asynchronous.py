@@ -101,5 +101,5 @@ ASYNCHRONOUS = (
     Method("xpipe", "XPipe: micro-batched asynchronous 1F1B; bellwether predicts once per mini-batch",
            xpipe),
     Method("avgpipe", "AvgPipe: P synchronous pipelines co-scheduled, advance forwards, elastic averaging",
-           avgpipe, defaults={"pipelines": 2}),
+           avgpipe, defaults={"pipelines": 2}, options=frozenset({"advance", "average_every", "elastic_alpha"})),
 )

@@ -88,5 +88,6 @@ def load_graph(path: Path) -> tuple[StageGraph, tuple[int, ...]]:
 
 
 GRAPH = (
-    Method("graphpipe", "GraphPipe: a DAG of stages; branches on different devices run concurrently", graphpipe),
+    Method("graphpipe", "GraphPipe: a DAG of stages; branches on different devices run concurrently", graphpipe,
+           options=frozenset({"graph"}), on_graph=graph_schedule),
 )

@@ -60,12 +60,16 @@ class ScheduleParams:
 @dataclass(frozen=True)
 class Method:
     """A method by its command-line name; `defaults` are parameters it uses unless the user sets them
-    (the V schedules need two chunks, AvgPipe runs two pipelines)."""
+    (the V schedules need two chunks, AvgPipe runs two pipelines); `options` the optional inputs only it
+    reads (AvgPipe's averaging knobs); `on_graph`, for a method that runs any stage DAG, builds it on one
+    (GraphPipe)."""
 
     name: str
     summary: str
     build: Callable[[ScheduleParams], Schedule]
     defaults: Mapping[str, int] = field(default_factory=dict)
+    options: frozenset[str] = frozenset()
+    on_graph: Callable[..., Schedule] | None = None
 
 
 def require_plain(method: str, params: ScheduleParams) -> None:

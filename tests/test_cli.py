@@ -7,15 +7,8 @@ import sys
 
 import pytest
 
-from pipesim.cli import main
 from pipesim.schedules import METHODS
-
-
-def pipesim(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
+from tests.helpers import pipesim
 
 
 def test_issue_example_json(capsys):

@@ -13,19 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.cli import Scenario, main
+from pipesim.cli import Scenario
 from pipesim.sim.sweep import COLUMNS, Config, Grid, Metrics, Result, pareto_front, pareto_mask, run, write_results
+from tests.helpers import pipesim
 
 # The built-in example model, whole: at p = 4 each device runs forward 1 ms and backward 2 ms.
 MODEL = Scenario({"--fwd": [4.0], "--bwd": [8.0], "--param-mb": [1024.0], "--activation-mb": [256.0],
                   "--output-mb": [8.0]}, 0.5, 0.1, None, None, "adam", 1, 0.1, True, per="model")
-
-
-def pipesim(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 def read_csv(path):

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch.distributed.pipelining.schedules as ts
-from pipesim.cli import main
 from pipesim.schedules import METHODS, Kind, Read, ScheduleError, ScheduleParams, StageGraph, build_schedule
 from pipesim.schedules.torch_csv import from_torch_csv, to_torch_csv
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces import summarize
+from tests.helpers import pipesim
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 TORCH_KINDS = {Kind.F, Kind.B, Kind.I, Kind.W}
@@ -233,13 +233,6 @@ def test_bad_csv_names_row_and_cell(text, fragment):
 def test_idle_cells_and_comm_actions_are_skipped_and_opt_appended():
     schedule = from_torch_csv("0F0,,0SEND_F0, ,0RECV_B0,0B0,0REDUCE_GRAD\n1RECV_F0,1F0,1I0,1SEND_B0,1W0\n", "tiny")
     assert schedule.to_text() == "0: 0F0 0B0 0OPT\n1: 1F0 1I0 1W0 1OPT"
-
-
-def pipesim(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 @pytest.mark.parametrize("name,args", [

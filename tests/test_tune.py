@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pipesim.calibrate.profile import load_profile
-from pipesim.cli import main, profile_scenario
+from pipesim.cli import profile_scenario
 from pipesim.schedules import METHODS
 from pipesim.sim import simulate
 from pipesim.calibrate import tune as tuning
 from pipesim.traces import summarize
+from tests.helpers import pipesim
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
@@ -168,13 +169,6 @@ def test_staleness_limit():
     assert synchronous.choice.result.staleness == 0 and stale.choice.result.staleness == 1
     assert synchronous.choice.result.samples_per_s < stale.choice.result.samples_per_s
     assert any(row.why.startswith("staleness 1 > 0") for row in synchronous.excluded)
-
-
-def pipesim(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 def test_cli_table_explains_each_runner_up(capsys):
