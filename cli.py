@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from .calibrate.profile import Profile
+    from .profiles.schema import Profile
     from .schedules import Schedule, ScheduleParams
     from .sim import Cluster, Costs
 
@@ -326,7 +326,7 @@ PROFILE_COSTS = ("fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb
 def _load_profile(ctx: typer.Context, path: Path):
     """A calibration profile. It fixes the costs, sizes and (when it measured them) links, so flags that set
     those would be silently ignored: refuse them instead."""
-    from .calibrate.profile import ProfileError, load_profile
+    from .profiles.schema import ProfileError, load_profile
 
     try:
         measured = load_profile(path)
@@ -343,8 +343,8 @@ def _load_profile(ctx: typer.Context, path: Path):
 def _profile_bounds(measured, num_stages: int) -> list[int]:
     """The profile's own partition for its stage count; other counts re-partition its layers for time
     alone (the calibration's memory cap planned for its own stage count, so it is not applied here)."""
-    from .calibrate.partition import partition
-    from .calibrate.profile import layer_costs
+    from .profiles.partition import partition
+    from .profiles.schema import layer_costs
     from .sim import CostError
 
     if num_stages == measured.partition.stages:
@@ -358,7 +358,7 @@ def _profile_bounds(measured, num_stages: int) -> list[int]:
 def _profile_graph(measured, num_stages: int, bounds: Optional[Sequence[int]] = None):
     """The stage DAG of the profile's model cut into `num_stages` (at `bounds`, default `_profile_bounds`; a
     chain unless its layers branch)."""
-    from .calibrate.profile import stage_edges
+    from .profiles.schema import stage_edges
     from .schedules.ir import StageGraph
 
     cut = list(bounds) if bounds is not None else _profile_bounds(measured, num_stages)
@@ -368,7 +368,7 @@ def _profile_graph(measured, num_stages: int, bounds: Optional[Sequence[int]] = 
 def _profile_costs(measured, sched, optimizer: str, bounds: Optional[Sequence[int]] = None):
     """Costs of the profile's layers cut into the schedule's model stages (at `bounds`, default
     `_profile_bounds`), with `optimizer`'s update and prediction; AvgPipe's averaging step pulls all P replicas."""
-    from .calibrate.profile import stages_for
+    from .profiles.schema import stages_for
     from .schedules.ir import StageGraph
     from .sim import Costs, StageCosts
 
@@ -491,8 +491,8 @@ def calibrate(
     gradient and optimizer-state bytes. Per stage of the partition: optimizer, weight-prediction and
     averaging steps. And the p2p link (a piecewise fit) and all-reduce between two ranks.
     """
-    from .calibrate.partition import PartitionError
-    from .calibrate.profile import OPTIMIZERS, profile_json
+    from .profiles.partition import PartitionError
+    from .profiles.schema import OPTIMIZERS, profile_json
     from .traces import write_atomic
 
     try:
@@ -507,10 +507,11 @@ def calibrate(
         if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
-        from .calibrate.links import LinkError, default_sizes
+        from .calibrate.links import LinkError
+        from .profiles.linkfit import default_sizes
         from .calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
         from .calibrate.measure import calibrate as run_calibration
-        from .calibrate.models import ModelError, build_model
+        from .workload.models import ModelError, build_model
 
         try:
             settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats)
@@ -678,7 +679,7 @@ def sweep(
 
     from .schedules import METHODS
     from .sim import ClusterError
-    from .sim.sweep import AXES, Grid, GridError, load_grid, parse_axis, pareto_front, run, write_results
+    from .planning.sweep import AXES, Grid, GridError, load_grid, parse_axis, pareto_front, run, write_results
 
     try:
         _writable("--out", out)
@@ -716,7 +717,7 @@ def sweep(
         if out is not None:
             write_results(results, out)
         if html is not None:
-            from .sim.sweep import write_tradeoff_html
+            from .planning.sweep import write_tradeoff_html
 
             write_tradeoff_html(results, front, html)
     except (InputError, GridError, ClusterError) as exc:
@@ -736,7 +737,7 @@ FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html h
 
 def _print_front(results: list, front: list[int]) -> None:
     """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first."""
-    from .sim.sweep import front_group
+    from .planning.sweep import front_group
 
     skipped = sum(r.metrics is None for r in results)
     table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
@@ -821,8 +822,8 @@ def tune(
     """
     from .schedules import METHODS, ScheduleError
     from .sim import OPTIMIZER_STATE_FACTOR, CostError, SimulationError
-    from .calibrate.tune import GIB, Problem, TuneError
-    from .calibrate.tune import tune as search
+    from .planning.tune import GIB, Problem, TuneError
+    from .planning.tune import tune as search
 
     try:
         schedule = [name.strip() for given in schedule or () for name in given.split(",")]  # as sweep takes them
@@ -864,7 +865,7 @@ def profile_scenario(measured: Profile, optimizer: str) -> Scenario:
 
 def _print_tuning(tuning, measured) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost."""
-    from .calibrate.tune import memory_text
+    from .planning.tune import memory_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
     table = Table(title=f"{measured.model.name} on {problem.devices} x {env.device_name} ({env.device}), "

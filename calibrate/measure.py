@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from .. import __version__
-from .links import fit_link, measure_allreduce, measure_p2p
-from .models import BATCH, Model, ModelError
-from .partition import partition
-from .profile import (
+from ..profiles.linkfit import fit_link
+from .links import measure_allreduce, measure_p2p
+from ..workload.models import BATCH, Model, ModelError
+from ..profiles.partition import partition
+from ..profiles.schema import (
     OPTIMIZERS,
     SCHEMA_VERSION,
     AllReduceProfile,

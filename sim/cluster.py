@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-GIB = 1 << 30
+from ..profiles.linkfit import piecewise_ms
+from ..units import GIB
 
 
 class ClusterError(ValueError):
@@ -41,20 +42,6 @@ class Link:
                 return y[-1] + (nbytes - x[-1]) * slope
             return float(np.interp(nbytes, x, y))
         return self.latency_ms + nbytes / self.bandwidth_bytes_per_ms
-
-
-def piecewise_ms(segments: tuple[tuple[int, float, float], ...], nbytes: float) -> float:
-    """Time of a piecewise α–β link, segments (min_bytes, latency_ms, bytes_per_ms): the line of the
-    segment whose range holds nbytes (the first one's also below its start), held at least at the
-    previous line's value where it starts, so times never fall with size."""
-    floor_ms = 0.0
-    _, latency_ms, bytes_per_ms = segments[0]
-    for min_bytes, next_latency_ms, next_bytes_per_ms in segments[1:]:
-        if nbytes < min_bytes:
-            break
-        floor_ms = max(floor_ms, latency_ms + min_bytes / bytes_per_ms)
-        latency_ms, bytes_per_ms = next_latency_ms, next_bytes_per_ms
-    return max(latency_ms + nbytes / bytes_per_ms, floor_ms)
 
 
 @dataclass(frozen=True)

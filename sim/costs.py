@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..traces.metrics import MIB
+from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipesim.calibrate.links import LinkFit, LinkSegment
-from pipesim.calibrate.partition import LayerCost, PartitionError, partition, stage_memory_bytes, stage_ms
-from pipesim.calibrate.profile import load_profile, profile_json, stage_edges, stages_for
+from pipesim.profiles.linkfit import LinkFit, LinkSegment
+from pipesim.profiles.partition import LayerCost, PartitionError, partition, stage_memory_bytes, stage_ms
+from pipesim.profiles.schema import load_profile, profile_json, stage_edges, stages_for
 from pipesim.cli import main
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Link

@@ -9,16 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.calibrate.links import (
-    LinkError,
-    LinkFit,
-    LinkPoint,
-    LinkSegment,
-    default_sizes,
-    fit_link,
-    measure_allreduce,
-    measure_p2p,
-)
+from pipesim.calibrate.links import LinkError, measure_allreduce, measure_p2p
+from pipesim.profiles.linkfit import LinkFit, LinkPoint, LinkSegment, default_sizes, fit_link
 
 SIZES = default_sizes()  # 4 KiB .. 64 MiB
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.cli import Scenario
-from pipesim.sim.sweep import COLUMNS, Config, Grid, Metrics, Result, pareto_front, pareto_mask, run, write_results
+from pipesim.planning.sweep import COLUMNS, Config, Grid, Metrics, Result, pareto_front, pareto_mask, run, write_results
 from tests.helpers import pipesim
 
 # The built-in example model, whole: at p = 4 each device runs forward 1 ms and backward 2 ms.
@@ -152,7 +152,7 @@ def test_html_trade_off_view(capsys, tmp_path):
 
 def test_workers_never_import_torch():
     """A worker is a fresh interpreter that unpickles the scenario and runs chunks: check exactly that."""
-    probe = (f"import pickle, sys\nfrom pipesim.sim.sweep import Config, run_chunk\n"
+    probe = (f"import pickle, sys\nfrom pipesim.planning.sweep import Config, run_chunk\n"
              f"scenario = pickle.loads({pickle.dumps(MODEL)!r})\n"
              "(result,) = run_chunk(scenario, [Config('zb-v', 4, 8, 2, 2, 1, 1.0)])\n"
              "assert result.status == 'ok', result.reason\n"

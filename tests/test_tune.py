@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipesim.calibrate.profile import load_profile
+from pipesim.profiles.schema import load_profile
 from pipesim.cli import profile_scenario
 from pipesim.schedules import METHODS
 from pipesim.sim import simulate
-from pipesim.calibrate import tune as tuning
+from pipesim.planning import tune as tuning
 from pipesim.traces import summarize
 from tests.helpers import pipesim
 

@@ -262,4 +262,4 @@ def _infer_batch(spec: str, first: Any) -> Callable[[int, torch.Generator], tupl
     if isinstance(first, nn.Embedding):
         return lambda b, gen: (torch.randint(0, first.num_embeddings, (b, 128), generator=gen), None)
     raise ModelError(f"--model {spec}: cannot tell what input its first layer ({type(first).__name__}) takes; "
-                     "start with Linear, Conv2d or Embedding, or return a pipesim.calibrate.models.Model")
+                     "start with Linear, Conv2d or Embedding, or return a pipesim.workload.models.Model")

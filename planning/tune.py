@@ -20,7 +20,7 @@ t2 being the profile's measured 2-rank all-reduce (a ring makes 2(r-1) steps of 
 such steps of c). It runs just before the stage's update, on its compute stream: DDP's overlap of the
 all-reduce with the backward is not modelled, so this is its most exposed cost.
 
-Partition. The DP partitioner (calibrate/partition.py) minimises the slowest stage with every stage within
+Partition. The DP partitioner (profiles/partition.py) minimises the slowest stage with every stage within
 G/v, by models read off the candidate's own schedule (`_splitter`): a stage's compute per step as that
 schedule runs it, and its memory. If no split fits, the split whose fullest stage is leanest is simulated.
 
@@ -48,8 +48,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .partition import PartitionError, leanest_partition, partition, stage_activation_bytes
-from .profile import Profile, layer_costs, stages_for
+from ..profiles.partition import PartitionError, leanest_partition, partition, stage_activation_bytes
+from ..profiles.schema import Profile, layer_costs, stages_for
 from ..schedules import (
     KIND_CODE,
     KINDS,

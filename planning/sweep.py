@@ -25,9 +25,9 @@ import numpy as np
 
 from ..schedules import METHODS, Schedule, ScheduleError, ScheduleParams
 from ..traces import summarize, write_atomic
-from .cluster import Cluster, ClusterError
-from .costs import CostError, Costs
-from .engine import SimulationError, simulate
+from ..sim.cluster import Cluster, ClusterError
+from ..sim.costs import CostError, Costs
+from ..sim.engine import SimulationError, simulate
 
 AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale")  # flag names and TOML keys
 OBJECTIVES = ("time_per_minibatch_ms", "peak_memory_mb", "max_staleness")  # all minimised
