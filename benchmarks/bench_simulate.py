@@ -1,7 +1,8 @@
 """How fast the simulator runs and how it scales: 1F1B at several (p, m), transfers and memory modelled.
 
 Each size runs in a fresh process, so its peak resident memory is its own. Prints, per size, the
-seconds of each phase (build the schedule, check it, lower it, the SimPy run, the trace, the metrics),
+seconds of each phase (build the schedule, check it, lower it, price the rows, the SimPy run, the trace,
+the metrics),
 simulated F+B ops per second end to end, and peak memory per op; the scaling is linear when ops/s and
 bytes/op stay flat as the sizes grow. Run:
 
@@ -20,11 +21,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.schedules import ScheduleParams, build_schedule, check_complete, local_order_ok
+from pipesim.schedules import ScheduleParams, build_schedule
+from pipesim.schedules.lowering import lower, preflight
 from pipesim.sim import Cluster, Costs, engine
 from pipesim.traces import summarize
 
-PHASES = ("build", "check", "lower", "run", "trace", "metrics")
+PHASES = ("build", "check", "lower", "price", "run", "trace", "metrics")
 
 
 def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
@@ -34,15 +36,16 @@ def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
     marks.append(time.perf_counter())
     costs = Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10, output_mb=1)
     cluster = Cluster.uniform(p, comm_ms)
-    check_complete(schedule)
-    assert local_order_ok(schedule)
+    preflight(schedule)
     marks.append(time.perf_counter())
-    program = engine._lower(schedule, costs, cluster, 0.0, 0)
+    lowered = lower(schedule)
+    marks.append(time.perf_counter())
+    program = engine._price(lowered, costs, cluster, 0.0, 0)
     marks.append(time.perf_counter())
     model = engine._Model(program, cluster.overlap_comm)
     model.run()
     marks.append(time.perf_counter())
-    trace = engine._trace(schedule, costs, cluster, program, model, 0.0, 0)
+    trace = engine._trace(costs, cluster, program, model, 0.0, 0)
     marks.append(time.perf_counter())
     summary = summarize(trace)
     marks.append(time.perf_counter())
@@ -71,7 +74,7 @@ def main() -> None:
         cProfile.runctx("measure(p, m, args.comm)", globals(), locals(), "/tmp/pipesim.prof")
         pstats.Stats("/tmp/pipesim.prof").sort_stats("cumulative").print_stats(25)
 
-    table = Table(title="1F1B: seconds per phase; simulate = check + lower + run + trace (issue targets: "
+    table = Table(title="1F1B: seconds per phase; simulate = check + lower + price + run + trace (issue targets: "
                         ">= 250k F+B ops/s at 64x1024, < 5 s at 128x4096)", title_justify="left")
     for header in ("p x m", "F+B ops", "rows", *PHASES, "simulate s", "F+B ops/s", "rows/s", "peak MiB",
                    "bytes/row"):
@@ -80,7 +83,7 @@ def main() -> None:
     for p, m in sizes:
         with context.Pool(1) as pool:  # a fresh process per size: its peak memory is this size's
             r = pool.apply(_child, ((p, m, args.comm),))
-        simulate_s = r["check"] + r["lower"] + r["run"] + r["trace"]
+        simulate_s = r["check"] + r["lower"] + r["price"] + r["run"] + r["trace"]
         table.add_row(
             f"{p}x{m}", f"{r['fb_ops']:,}", f"{r['rows']:,}", *(f"{r[phase]:.3f}" for phase in PHASES),
             f"{simulate_s:.2f}", f"{r['fb_ops'] / simulate_s:,.0f}", f"{r['rows'] / simulate_s:,.0f}",

@@ -1,8 +1,9 @@
 """Measure the links between ranks on this machine: point-to-point and all-reduce times per message size.
 
-Measurements run the transport the executor uses: gloo on CPU, NCCL with one GPU per rank, and gloo with
-host-staged tensors when ranks share a GPU (NCCL refuses two ranks on one device). `profiles.linkfit` fits
-the points.
+Point-to-point runs through the executor's own transports (workload/transport.py: gloo on CPU, NCCL with one
+GPU per rank, host-staged gloo when ranks share a GPU), so a profile prices what the executor pays per message,
+receive buffer included. The all-reduce runs on the default process group, staged through the host when ranks
+share a GPU. `profiles.linkfit` fits the points.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import queue as queue_mod
 import socket
 import time
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ..profiles.linkfit import LinkPoint, LinkPoints
+from ..workload.transport import TransportChoice, TransportError, choose_transport, connect
 
 Progress = Callable[[int, int], Any]
 
@@ -50,23 +54,6 @@ def measure_allreduce(sizes: Iterable[int], *, world_size: int = 2, device: str 
     return _measure("allreduce", sizes, world_size, device, (repeats, warmup, min_time_s), progress, timeout_s)
 
 
-def _transport(device: str, world_size: int) -> dict[str, Any]:
-    """Which backend the executor would use for `world_size` ranks on `device` (gloo on CPU, NCCL with a GPU per rank, host-staged gloo when ranks share a GPU)."""
-    if device == "cpu":
-        return {"backend": "gloo", "device": "cpu", "host_staged": False, "timer": "monotonic"}
-    if device != "cuda":
-        raise ValueError(f"device must be 'cpu' or 'cuda' (got {device!r})")
-    import torch
-
-    gpus = torch.cuda.device_count()
-    if gpus == 0:
-        raise LinkError("device 'cuda' asked for, but torch sees no GPU")
-    if gpus >= world_size:
-        return {"backend": "nccl", "device": "cuda", "host_staged": False, "timer": "cuda-events"}
-    # NCCL refuses two ranks on one GPU: stage through host memory and send with gloo, as the executor does.
-    return {"backend": "gloo", "device": "cuda", "host_staged": True, "timer": "cuda-events", "gpus": gpus}
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -75,8 +62,6 @@ def _free_port() -> int:
 
 def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: tuple[int, int, float],
              progress: Progress | None, timeout_s: float) -> LinkPoints:
-    import torch.multiprocessing as mp
-
     sizes = sorted({int(s) for s in sizes})
     if not sizes or sizes[0] <= 0:
         raise ValueError("sizes must be a non-empty list of byte counts > 0")
@@ -85,14 +70,17 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: 
     repeats, warmup, min_time_s = plan
     if repeats < 1 or warmup < 0 or min_time_s < 0:
         raise ValueError(f"need repeats >= 1, warmup >= 0, min_time_s >= 0 (got {repeats}, {warmup}, {min_time_s})")
-    transport = _transport(device, world_size)
+    try:
+        choice = choose_transport(device, world_size)
+    except TransportError as exc:
+        raise LinkError(str(exc)) from None
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(rank, world_size, port, op, sizes, transport, plan, timeout_s, results))
+                         args=(rank, world_size, port, op, sizes, choice, plan, timeout_s, results))
              for rank in range(world_size)]
-    what = f"{op} link measurement ({transport['backend']}, {world_size} ranks)"
+    what = f"{op} link measurement ({choice.kind}, {world_size} ranks)"
     deadline = time.monotonic() + timeout_s
     finished = False
     try:
@@ -121,6 +109,8 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: 
                 break
     finally:
         for p in procs:  # ranks that finished get a moment to leave the group; stuck ones are killed at once
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if finished else 0.0)
             if p.is_alive():
                 p.kill()
@@ -132,50 +122,44 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: 
         q1, med, q3 = np.percentile(ms, [25, 50, 75])
         points.append(LinkPoint(nbytes, float(med), float(q3 - q1)))
     meta = {"op": op, "world_size": world_size, "repeats": repeats, "warmup": warmup, "min_time_s": min_time_s,
-            "samples": [len(ms) for ms in samples], **transport}
+            "samples": [len(ms) for ms in samples], **choice.meta()}
     return LinkPoints(points, meta)
 
 
-def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], transport: dict[str, Any],
+def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], choice: TransportChoice,
             plan: tuple[int, int, float], timeout_s: float, results: Any) -> None:
     """One rank: join the group, time every size, and (rank 0) report progress and per-repeat times in ms."""
-    import torch
-    import torch.distributed as dist
-
+    transport = None
     try:
         torch.set_num_threads(1)  # ranks share the machine's cores with each other and the transport's threads
-        cuda = transport["device"] == "cuda"
-        if cuda:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(transport["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        # The all-reduce needs only the default group: no point-to-point edges for it.
+        transport = connect(choice, rank, world_size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
+                            edges=None if op == "p2p" else ())
+        cuda = choice.device == "cuda"
         dtype = torch.uint8 if op == "p2p" else torch.float32
         numel = sizes[-1] // dtype.itemsize
-        dev = torch.device("cuda") if cuda else torch.device("cpu")
-        buf = torch.ones(numel, dtype=dtype, device=dev)
-        host = torch.empty(numel, dtype=dtype, pin_memory=True) if transport["host_staged"] else None
+        buf = torch.ones(numel, dtype=dtype, device=transport.device)
+        host = torch.empty(numel, dtype=dtype, pin_memory=True) if choice.host_staged and op != "p2p" else None
         if rank == 0:
             results.put(("progress", 0, plan[0]))  # the group is up: startup is over
 
-        def staged(fn: Callable[[torch.Tensor], Any], t: torch.Tensor) -> None:
+        def p2p(t: torch.Tensor) -> None:  # a blocking ping-pong: each message is sent, then received
+            peer = 1 - rank
+            if rank == 0:
+                transport.send(t, peer).wait()
+                transport.recv(t.shape, t.dtype, peer).wait()
+            else:
+                transport.recv(t.shape, t.dtype, peer).wait()
+                transport.send(t, peer).wait()
+
+        def allreduce(t: torch.Tensor) -> None:
             if host is None:
-                fn(t)
+                dist.all_reduce(t)
                 return
             h = host[: t.numel()]
             h.copy_(t)
-            fn(h)
+            dist.all_reduce(h)
             t.copy_(h)
-
-        def p2p(t: torch.Tensor) -> None:
-            if rank == 0:
-                staged(lambda h: dist.send(h, 1), t)
-                staged(lambda h: dist.recv(h, 1), t)
-            else:
-                staged(lambda h: dist.recv(h, 0), t)
-                staged(lambda h: dist.send(h, 0), t)
-
-        def allreduce(t: torch.Tensor) -> None:
-            staged(dist.all_reduce, t)
 
         def timed_ms(fn: Callable[[], Any]) -> float:
             if cuda:
@@ -200,7 +184,7 @@ def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], tr
                     torch.cuda.synchronize()
 
         repeats, warmup, min_time_s = plan
-        comm_dev = dev if transport["backend"] == "nccl" else torch.device("cpu")
+        comm_dev = transport.device if choice.backend == "nccl" else torch.device("cpu")
         steps = [step_for(n) for n in sizes]
         # Warm-up pass; its times tell rank 0 how often a round repeats each size so that the size runs at
         # least `repeats` times and for about min_time_s in all. Every rank must run the same count.
@@ -236,5 +220,7 @@ def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], tr
     except Exception as exc:  # noqa: BLE001 - any failure becomes one line for the parent's LinkError
         results.put(("error", rank, (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0]))
     finally:
-        if dist.is_initialized():
+        if transport is not None:
+            transport.close()
+        if dist.is_initialized():  # the transport failed to open after creating the group
             dist.destroy_process_group()

@@ -7,7 +7,7 @@ full forward pass, so a layer's time is what a pipeline stage boundary would see
 
 from __future__ import annotations
 
-import math
+import itertools
 import os
 import platform
 import socket
@@ -23,8 +23,6 @@ import torch
 
 from .. import __version__
 from ..profiles.linkfit import fit_link
-from .links import measure_allreduce, measure_p2p
-from ..workload.models import BATCH, Model, ModelError
 from ..profiles.partition import partition
 from ..profiles.schema import (
     OPTIMIZERS,
@@ -42,6 +40,9 @@ from ..profiles.schema import (
     boundary_bytes,
     layer_costs,
 )
+from ..workload.models import BATCH, Model, ModelError
+from ..workload.optim import elastic_average, make_optimizer, predict_weights
+from .links import measure_allreduce, measure_p2p
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LEARNING_RATE = 1e-3  # any value: step and prediction times do not depend on it
@@ -120,6 +121,11 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
     return {name: _timing(ms) for name, ms in samples.items()}
 
 
+def _call_with(fn: Callable[..., Any], *args: Any) -> Callable[[Any], Any]:
+    """A phase that calls fn(*args) and ignores the previous phase's result."""
+    return lambda _: fn(*args)
+
+
 def _zero(settings: Settings) -> Timing:
     """The timing of work that does not exist (the backward of a layer nothing differentiates)."""
     return Timing(median_ms=0.0, spread_ms=0.0, repeats=settings.repeats)
@@ -127,16 +133,6 @@ def _zero(settings: Settings) -> Timing:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=LEARNING_RATE)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=LEARNING_RATE)
-    return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.01)
 
 
 def _with_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -152,7 +148,7 @@ def _state_bytes(name: str, weights: list[torch.nn.Parameter]) -> int:
     """Bytes of the state `name` keeps for `weights`, as measured after one step."""
     if not weights:
         return 0
-    optimizer = _optimizer(name, _with_grads(weights))
+    optimizer = make_optimizer(name, _with_grads(weights), LEARNING_RATE)
     optimizer.step()
     return sum(_nbytes(v for v in state.values() if torch.is_tensor(v)) for state in optimizer.state.values())
 
@@ -190,7 +186,7 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
         args = [outputs[s].detach() for s in model.inputs[i]]
         saved: dict[int, int] = {}  # storage address -> bytes
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
             storage = t.untyped_storage()
             if storage.data_ptr() and storage.data_ptr() not in params:
                 saved[storage.data_ptr()] = storage.nbytes()
@@ -280,7 +276,7 @@ def measure_steps(model: Model, bounds: list[int], settings: Settings,
                   advance: Advance) -> list[tuple[dict[str, StepTimes], Timing]]:
     """Per stage: each optimizer's update and weight prediction, and one replica's elastic averaging."""
     out = []
-    for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+    for k, (start, stop) in enumerate(itertools.pairwise(bounds)):
         weights = _with_grads([p for layer in model.layers[start:stop] for p in layer.parameters()
                                if p.requires_grad])
         if not weights:
@@ -290,43 +286,15 @@ def measure_steps(model: Model, bounds: list[int], settings: Settings,
         steps = {}
         for name in OPTIMIZERS:
             advance(f"stage {k}: {name} step and prediction")
-            optimizer = _optimizer(name, weights)
-            with torch.no_grad():
-                steps[name] = StepTimes(**_time(settings, [("step", lambda _: optimizer.step())],
-                                                [("predict", lambda _: _predict(name, optimizer, weights))]))
+            optimizer = make_optimizer(name, weights, LEARNING_RATE)
+            # The step runs first in every round, so the prediction always has a direction to extrapolate.
+            steps[name] = StepTimes(**_time(settings, [("step", _call_with(optimizer.step))],
+                                            [("predict", _call_with(predict_weights, optimizer, weights, 1))]))
         advance(f"stage {k}: elastic averaging")
         reference = [p.detach().clone() for p in weights]
-        with torch.no_grad():
-            average = _time(settings, [("average", lambda _: _average(weights, reference))])["average"]
-        out.append((steps, average))
+        average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
+        out.append((steps, _time(settings, [("average", average)])["average"]))
     return out
-
-
-def _predict(name: str, optimizer: torch.optim.Optimizer, weights: list[torch.Tensor], s: int = 1) -> list:
-    """Predicted weights s updates ahead, into a new copy (PipeOptim's optimizer-aware rule; SpecTrain and
-    XPipe use the momentum and Adam forms): W - s*lr*d, d the update direction of `name`."""
-    group = optimizer.param_groups[0]
-    lr = group["lr"]
-    if name in ("sgd", "momentum"):
-        direction = [p.grad if name == "sgd" else optimizer.state[p]["momentum_buffer"] for p in weights]
-        return torch._foreach_add(weights, direction, alpha=-s * lr)
-    beta1, beta2 = group["betas"]
-    steps = float(optimizer.state[weights[0]]["step"])
-    denom = torch._foreach_sqrt([optimizer.state[p]["exp_avg_sq"] for p in weights])
-    torch._foreach_div_(denom, math.sqrt(1 - beta2 ** steps))
-    torch._foreach_add_(denom, group["eps"])
-    predicted = torch._foreach_addcdiv(weights, [optimizer.state[p]["exp_avg"] for p in weights], denom,
-                                       value=-s * lr / (1 - beta1 ** steps))
-    if name == "adamw":
-        torch._foreach_add_(predicted, weights, alpha=-s * lr * group["weight_decay"])
-    return predicted
-
-
-def _average(weights: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
-    """Elastic averaging (EASGD) of one replica: both move `ELASTIC_ALPHA` of their difference together."""
-    diff = torch._foreach_sub(weights, reference)
-    torch._foreach_add_(weights, diff, alpha=-ELASTIC_ALPHA)
-    torch._foreach_add_(reference, diff, alpha=ELASTIC_ALPHA)
 
 
 def environment(settings: Settings, dtype_name: str, memory_cap_bytes: int | None) -> Environment:

@@ -3,8 +3,8 @@ or as Ray tasks, and the Pareto fronts of the results over time per mini-batch, 
 
 A configuration a method cannot run is a result too (status "skipped", with the reason), so a grid never
 fails half-way. What each simulation needs besides its shape (costs, links, a stage DAG) comes from a
-`Scenario` the caller builds (the command line's is the very code `pipesim simulate` runs) and ships to
-the workers by value. Workers import the simulator only, never torch.
+`Scenario` (the very one `pipesim simulate` builds) shipped to the workers by value. Workers import the
+simulator only, never torch or the command line.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
 from itertools import product
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
-from ..schedules import METHODS, Schedule, ScheduleError, ScheduleParams
-from ..traces import summarize, write_atomic
-from ..sim.cluster import Cluster, ClusterError
+from ..schedules import METHODS, ScheduleError, ScheduleParams
+from ..sim.cluster import ClusterError
 from ..sim.costs import CostError, Costs
 from ..sim.engine import SimulationError, simulate
+from ..traces import summarize, write_atomic
+from .scenario import Scenario
 
 AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale")  # flag names and TOML keys
 OBJECTIVES = ("time_per_minibatch_ms", "peak_memory_mb", "max_staleness")  # all minimised
@@ -36,16 +36,6 @@ MAX_CHUNK = 32  # configurations per task: ~0.1 s of work at the example's scale
 
 class GridError(ValueError):
     """A grid axis or grid file that cannot be used; the message is one line naming the key."""
-
-
-class Scenario(Protocol):
-    """Builds everything one simulation needs but its shape (`pipesim.cli.Scenario` is the command line's)."""
-
-    def build(self, name: str, params: ScheduleParams) -> Schedule: ...
-
-    def costs(self, sched: Schedule) -> Costs: ...
-
-    def links(self, sched: Schedule) -> Cluster: ...
 
 
 @dataclass(frozen=True)
@@ -170,14 +160,14 @@ class Grid:
     cost_scales: tuple[float, ...] = (1.0,)
 
     def configs(self) -> list[Config]:
-        """Every configuration, method by method. v and P multiply only the methods that read them (those
-        with a default for them: interleaved and V schedules, AvgPipe); the others run their default once."""
+        """Every configuration, method by method. v and P multiply only the methods that read them
+        (interleaved and V schedules, AvgPipe); the others run their default once."""
         configs = []
         for name in self.schedules:
-            defaults = METHODS[name].defaults
-            chunks = self.chunks if self.chunks and "chunks" in defaults else (defaults.get("chunks", 1),)
-            pipelines = (self.pipelines if self.pipelines and "pipelines" in defaults
-                         else (defaults.get("pipelines", 1),))
+            method = METHODS[name]
+            own_chunks, own_pipelines = method.shape()
+            chunks = self.chunks if self.chunks and method.reads("chunks") else (own_chunks,)
+            pipelines = self.pipelines if self.pipelines and method.reads("pipelines") else (own_pipelines,)
             configs += [Config(name, p, m, self.minibatches, v, copies, scale) for p, m, v, copies, scale in
                         product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales)]
         return configs

@@ -41,18 +41,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import cache
-from typing import Protocol
 
 import numpy as np
 
 from ..profiles.partition import PartitionError, leanest_partition, partition, stage_activation_bytes
-from ..profiles.schema import Profile, layer_costs, stages_for
+from ..profiles.schema import Profile, layer_costs
 from ..schedules import (
     KIND_CODE,
-    KINDS,
     NUM_COMPUTE_KINDS,
     Kind,
     Schedule,
@@ -62,33 +60,19 @@ from ..schedules import (
     kind_mask,
     weight_versions,
 )
-from ..traces import summarize
-from ..sim.cluster import Cluster, Link
+from ..sim.cluster import Link
 from ..sim.costs import Costs
 from ..sim.engine import simulate, static_bytes
+from ..traces import summarize
+from ..units import GIB
+from .scenario import Scenario, profile_costs
 
 RUNNERS_UP = 5
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
-GIB = 1 << 30
 
 
 class TuneError(ValueError):
     """No answer: nothing to search, or nothing fits; the message says what would."""
-
-
-class Scenario(Protocol):
-    """What tune needs of the command line's Scenario: the profile, and the schedules, costs and links that
-    `pipesim simulate --profile` builds from it, so tune simulates exactly those (and sim/ knows no method by
-    name). `bounds` cut the profile's layers into the schedule's model stages (None: the profile's own cut)."""
-
-    measured: Profile
-    optimizer: str
-
-    def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None) -> Schedule: ...
-
-    def costs(self, sched: Schedule, bounds: Sequence[int] | None = None) -> Costs: ...
-
-    def links(self, sched: Schedule) -> Cluster: ...
 
 
 @dataclass(frozen=True)
@@ -387,8 +371,7 @@ def _candidate(scenario: Scenario, problem: Problem, config: Config, index: int,
     costs = scenario.costs(schedule, bounds)
     allreduce = [_allreduce_ms(link, c.param_bytes, config.replicas) for c in costs.stages]
     costs = replace(costs, stages=tuple(replace(c, opt_ms=c.opt_ms + a) for c, a in zip(costs.stages, allreduce)))
-    op_ms = np.array([[costs.op_ms(kind.value, s) for kind in KINDS[:NUM_COMPUTE_KINDS]] for s in range(n)])
-    stage_ms = (per_step * op_ms).sum(axis=1)
+    stage_ms = (per_step * costs.op_ms_table(pipelines)).sum(axis=1)
     busy_ms = np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
     held = [max(in_flight[s] * c.activation_bytes, lingering[s] * c.param_bytes) for s, c in enumerate(costs.stages)]
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
@@ -412,21 +395,22 @@ def _splitter(profile: Profile, optimizer: str, link: Link | None) -> Callable[.
     activations = cache(lambda i, j: stage_activation_bytes(layers, i, j))
     sent = [layer.output_bytes for layer in profile.layers[:-1]] + [0]
     buffers = [2 * (sent[i - 1] if i else 0) for i in range(len(layers))]
-    each = stages_for(profile, list(range(len(layers) + 1)))  # every layer a stage of its own
-    op_ms = np.array([[{"F": s.fwd_ms, "B": s.bwd_ms, "I": s.igrad_ms, "W": s.wgrad_ms,
-                        "OPT": s.steps[optimizer].step.median_ms, "PRED": s.steps[optimizer].predict.median_ms,
-                        "AVG": s.average.median_ms}[kind.value] for kind in KINDS[:NUM_COMPUTE_KINDS]] for s in each])
-    summed_ms = np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(op_ms, axis=0)])
+    each = profile_costs(profile, optimizer, range(len(layers) + 1))  # every layer a stage of its own
 
     @cache
-    def split(stages: int, pipelines: int, replicas: int, per_step: tuple[tuple[float, ...], ...],
-              extra_copies: int, in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int) -> list[int]:
+    def summed_ms(pipelines: int) -> np.ndarray:
+        """Prefix sums over the layers of what each op kind costs: a stage's are two rows' difference."""
+        return np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(each.op_ms_table(pipelines), axis=0)])
+
+    @cache
+    def split(stages: int, pipelines: int, replicas: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
+              in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int) -> list[int]:
         weights = np.array(per_step)
-        weights[:, KIND_CODE[Kind.AVG]] *= pipelines  # an average pulls all P replicas
+        summed = summed_ms(pipelines)
 
         def stage_time(k: int, i: int, j: int) -> float:
             allreduce = _allreduce_ms(link, params[j] - params[i], replicas)
-            return float(weights[k] @ (summed_ms[j] - summed_ms[i]) + weights[k, KIND_CODE[Kind.OPT]] * allreduce)
+            return float(weights[k] @ (summed[j] - summed[i]) + weights[k, KIND_CODE[Kind.OPT]] * allreduce)
 
         def stage_bytes(k: int, i: int, j: int) -> float:
             return float(pipelines * (static[j] - static[i]) + (extra_copies + lingering[k]) * (params[j] - params[i])
@@ -491,7 +475,8 @@ def _allreduce_link(profile: Profile) -> Link | None:
     points = sorted(profile.allreduce.points, key=lambda point: point.nbytes) if profile.allreduce else []
     if not points:
         return None
-    return Link(table_bytes=tuple(float(point.nbytes) for point in points), table_ms=tuple(point.ms for point in points))
+    return Link(table_bytes=tuple(float(point.nbytes) for point in points),
+                table_ms=tuple(point.ms for point in points))
 
 
 def _allreduce_ms(link: Link | None, nbytes: int, ranks: int) -> float:

@@ -144,7 +144,8 @@ class LinkPointModel(_Strict):
 
 
 class LinkProfile(_Strict):
-    """Point-to-point: the piecewise α–β fit (profiles/linkfit.py; measured by calibrate/links.py), its raw points, how they were measured."""
+    """Point-to-point: the piecewise α–β fit (profiles/linkfit.py; calibrate/links.py measures the points), its
+    raw points, and how they were measured."""
 
     segments: list[LinkSegmentModel] = Field(min_length=1)
     points: list[LinkPointModel]

@@ -4,7 +4,7 @@ Imports nothing else of pipesim (and never torch), so every part can depend on i
 """
 
 from .analysis import Versions, check_complete, find_deadlock, local_order_ok, validate, weight_versions
-from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
+from .catalogue import METHODS, build_schedule
 from .ir import (
     BACKWARD_KINDS,
     COMPUTE_KINDS,
@@ -13,22 +13,24 @@ from .ir import (
     SYNCHRONOUS,
     Action,
     Kind,
+    Prediction,
     Read,
     Schedule,
     ScheduleError,
     StageGraph,
     WeightPolicy,
-    Prediction,
     evaluate_formula,
 )
-from .catalogue import METHODS, build_schedule
+from .lowering import Channel, Lowered, check_transfer_order, lower, preflight
 from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward
 from .passes import add_communication, communication_table
+from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 __all__ = [
-    "KIND_CODE", "KINDS", "kind_mask", "NUM_COMPUTE_KINDS", "ActionTable", "local_order_ok",
-    "BACKWARD_KINDS", "COMPUTE_KINDS", "RECV_KINDS", "SEND_KINDS", "SYNCHRONOUS", "METHODS",
-    "Action", "Kind", "Method", "Read", "Schedule", "ScheduleError", "ScheduleParams", "StageGraph",
-    "Versions", "WeightPolicy", "Prediction", "evaluate_formula", "add_communication", "build_schedule", "check_complete", "find_deadlock",
-    "communication_table", "make_schedule", "one_forward_one_backward", "validate", "weight_versions",
+    "Action", "ActionTable", "add_communication", "BACKWARD_KINDS", "build_schedule", "Channel", "check_complete",
+    "check_transfer_order", "communication_table", "COMPUTE_KINDS", "evaluate_formula", "find_deadlock", "Kind",
+    "KIND_CODE", "kind_mask", "KINDS", "local_order_ok", "lower", "Lowered", "make_schedule", "Method", "METHODS",
+    "NUM_COMPUTE_KINDS", "one_forward_one_backward", "Prediction", "preflight", "Read", "RECV_KINDS", "Schedule",
+    "ScheduleError", "ScheduleParams", "SEND_KINDS", "StageGraph", "SYNCHRONOUS", "validate", "Versions",
+    "weight_versions", "WeightPolicy",
 ]

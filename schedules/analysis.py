@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ir import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind, Read, Schedule, ScheduleError
+from .ir import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind, Read, Schedule, ScheduleError, evaluate_formula
 from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 # Dependency keys: (role, stage, microbatch, minibatch, pipeline). "D" is an input gradient, produced by
@@ -287,7 +287,7 @@ def weight_versions(schedule: Schedule) -> Versions:
             if rule.formula is None:
                 prediction[mask] = counted[mask]
             else:
-                per_stage = np.array([rule.distance(p, k, m, 0) for k in range(p)], dtype=np.int64)
+                per_stage = np.array([evaluate_formula(rule.formula, p, k, m) for k in range(p)], dtype=np.int64)
                 prediction[mask] = per_stage[t.stage[mask]]
 
     # Version v of a replica is held beside the current one from the update that supersedes it (the

@@ -25,7 +25,8 @@ SPECTRAIN_POLICY = WeightPolicy(
 )
 # PipeOptim (Guan et al.): predict before every F with s = p-k-1 (paper); its code uses p-k. The backward
 # runs on the current weights, nothing is stashed; one copy holds the weights the prediction replaced.
-PIPEOPTIM_POLICY = WeightPolicy(predict_forward=Prediction(formula="p-k-1", other="p-k", other_source="code"), extra_copies=1)
+PIPEOPTIM_POLICY = WeightPolicy(predict_forward=Prediction(formula="p-k-1", other="p-k", other_source="code"),
+                                extra_copies=1)
 # XPipe (Guan et al. 2019): the bellwether (a mini-batch's first micro-batch) predicts with Adam's
 # moments, in F and in B, and the mini-batch's other micro-batches reuse its predicted weights. s is
 # counted; the paper's closed forms, round((p+m-k/2-2)/m) and round((m+floor(k/2)-1)/m), are reported.

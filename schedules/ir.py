@@ -186,9 +186,6 @@ class Prediction:
             if text is not None:
                 _check_formula(text)
 
-    def distance(self, p: int, k: int, m: int, counted: int) -> int:
-        return counted if self.formula is None else evaluate_formula(self.formula, p, k, m)
-
 
 def _check_formula(text: str) -> ast.Expression:
     try:

@@ -59,10 +59,10 @@ class ScheduleParams:
 
 @dataclass(frozen=True)
 class Method:
-    """A method by its command-line name; `defaults` are parameters it uses unless the user sets them
+    """A method by its command-line name; `defaults` are the shapes it takes unless the user sets them
     (the V schedules need two chunks, AvgPipe runs two pipelines); `options` the optional inputs only it
     reads (AvgPipe's averaging knobs); `on_graph`, for a method that runs any stage DAG, builds it on one
-    (GraphPipe)."""
+    (GraphPipe). Callers ask `reads` and `shape` rather than these fields, so the rules live here."""
 
     name: str
     summary: str
@@ -70,6 +70,22 @@ class Method:
     defaults: Mapping[str, int] = field(default_factory=dict)
     options: frozenset[str] = frozenset()
     on_graph: Callable[..., Schedule] | None = None
+
+    def reads(self, option: str) -> bool:
+        """Whether this method reads `option`, an input only some methods read (chunks, pipelines, AvgPipe's
+        knobs, GraphPipe's graph): a shape it has a default for, or one of its own options."""
+        return option in self.defaults or option in self.options
+
+    def shape(self, chunks: int | None = None, pipelines: int | None = None) -> tuple[int, int]:
+        """(v, P): the values given, else the method's defaults (1 where it has none)."""
+        return (self.defaults.get("chunks", 1) if chunks is None else chunks,
+                self.defaults.get("pipelines", 1) if pipelines is None else pipelines)
+
+    def params(self, stages: int, microbatches: int, minibatches: int = 1, chunks: int | None = None,
+               pipelines: int | None = None, **options) -> ScheduleParams:
+        """The parameters to build this method with: `shape`'s v and P, and `options` (advance, average_every,
+        elastic_alpha) as given."""
+        return ScheduleParams(stages, microbatches, minibatches, *self.shape(chunks, pipelines), **options)
 
 
 def require_plain(method: str, params: ScheduleParams) -> None:

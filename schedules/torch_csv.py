@@ -96,7 +96,8 @@ def from_torch_csv(text: str, name: str) -> Schedule:
             cell = raw.strip()
             if not cell:
                 continue
-            where = f"rank {rank} (row {rank + 1}), cell {column + 1} {cell if len(cell) <= 40 else cell[:37] + '...'!r}"
+            shown = cell if len(cell) <= 40 else cell[:37] + "..."
+            where = f"rank {rank} (row {rank + 1}), cell {column + 1} {shown!r}"
             overlap = _OVERLAP.fullmatch(cell)
             parts = overlap[1].split(";") if overlap else [cell]
             for part in map(str.strip, parts):

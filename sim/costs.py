@@ -6,6 +6,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from ..schedules import KINDS, NUM_COMPUTE_KINDS, Kind
 from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
@@ -24,6 +27,8 @@ class StageCosts:
     boundary tensor sent to each next stage (its gradient travels back with the same size). A split
     backward's parts cost `igrad_ms` and `wgrad_ms` where measured (run apart they take longer than B,
     since the weight pass walks the graph again), else `wgrad_fraction` of `bwd_ms` is the W part.
+    `avg_ms` is the elastic averaging of one pipeline's replica with the reference weights; what an AVG
+    of P pipelines costs is `Costs.op_ms_table`'s to say.
     """
 
     fwd_ms: float
@@ -64,24 +69,11 @@ class Costs:
     microbatch_size: int = 1
     wgrad_activation_fraction: float = 0.5
 
-    def op_ms(self, kind: str, stage: int) -> float:
-        """Duration of one op of `kind` ("F", "B", "I", "W", "OPT", "PRED", "AVG") on `stage`."""
-        c = self.stages[stage]
-        if kind == "F":
-            return c.fwd_ms
-        if kind == "B":
-            return c.bwd_ms
-        if kind == "I":
-            return c.igrad_ms if c.igrad_ms is not None else c.bwd_ms * (1.0 - c.wgrad_fraction)
-        if kind == "W":
-            return c.wgrad_ms if c.wgrad_ms is not None else c.bwd_ms * c.wgrad_fraction
-        if kind == "OPT":
-            return c.opt_ms
-        if kind == "PRED":
-            return c.pred_ms
-        if kind == "AVG":
-            return c.avg_ms
-        raise CostError(f"no cost for op kind {kind!r}")
+    def op_ms_table(self, pipelines: int) -> np.ndarray:
+        """Ms of one op per (model stage, compute kind), kinds in `KINDS` order (F, B, I, W, OPT, PRED, AVG):
+        the one place that prices an op by its kind. An AVG averages all `pipelines` replicas with the
+        reference, one after another, so it costs `pipelines` × `avg_ms`."""
+        return np.array([_op_ms(c, pipelines) for c in self.stages], dtype=float).reshape(-1, NUM_COMPUTE_KINDS)
 
     @classmethod
     def per_stage(
@@ -110,8 +102,8 @@ class Costs:
             raise CostError(f"microbatch_size must be a whole number >= 1 (got {microbatch_size!r})")
         values = {
             name: _expand(name, value, num_stages)
-            for name, value in dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, param_mb=param_mb, activation_mb=activation_mb,
-                                    output_mb=output_mb).items()
+            for name, value in {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "param_mb": param_mb,
+                                "activation_mb": activation_mb, "output_mb": output_mb}.items()
         }
         factor = OPTIMIZER_STATE_FACTOR[optimizer]
         stages = []
@@ -132,6 +124,20 @@ class Costs:
         return cls(tuple(stages), microbatch_size)
 
 
+def _op_ms(c: StageCosts, pipelines: int) -> list[float]:
+    """One stage's row of `Costs.op_ms_table`."""
+    by_kind = {
+        Kind.F: c.fwd_ms,
+        Kind.B: c.bwd_ms,
+        Kind.I: c.igrad_ms if c.igrad_ms is not None else c.bwd_ms * (1.0 - c.wgrad_fraction),
+        Kind.W: c.wgrad_ms if c.wgrad_ms is not None else c.bwd_ms * c.wgrad_fraction,
+        Kind.OPT: c.opt_ms,
+        Kind.PRED: c.pred_ms,
+        Kind.AVG: c.avg_ms * pipelines,
+    }
+    return [by_kind[kind] for kind in KINDS[:NUM_COMPUTE_KINDS]]
+
+
 def _expand(name: str, value: float | Sequence[float], num_stages: int) -> list[float]:
     values = list(value) if isinstance(value, Sequence) else [value]
     if len(values) == 1:
@@ -149,4 +155,4 @@ def _expand(name: str, value: float | Sequence[float], num_stages: int) -> list[
 
 def _bytes(mib: float) -> int:
     """MiB (validated by `_expand`) to whole bytes."""
-    return int(round(mib * MIB))
+    return round(mib * MIB)

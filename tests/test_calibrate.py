@@ -11,12 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pipesim.profiles.linkfit import LinkFit, LinkSegment
 from pipesim.profiles.partition import LayerCost, PartitionError, partition, stage_memory_bytes, stage_ms
 from pipesim.profiles.schema import load_profile, profile_json, stage_edges, stages_for
-from pipesim.cli import main
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Link
+from tests.conftest import pipesim, simulate_json
 
 WIDTH, BATCH = 64, 4  # a 3-block MLP of width 64 on micro-batches of 4: layer sizes are known in closed form
 MLP = ["--model", "mlp", "--layers", "3", "--width", str(WIDTH), "--microbatch-size", str(BATCH), "--device", "cpu",
@@ -34,24 +35,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def pipesim(*args):
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    return exc.value.code
-
-
 @pytest.fixture(scope="module")
 def mlp_profile(tmp_path_factory):
     path = tmp_path_factory.mktemp("mlp") / "mlp.json"
-    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--out", str(path)) == 0
+    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--out", path).code == 0
     return path
 
 
-def test_calibrate_end_to_end_with_links(capsys, tmp_path):
+@pytest.mark.slow
+def test_calibrate_end_to_end_with_links(tmp_path):
     out = tmp_path / "p.json"
-    code = pipesim("calibrate", *MLP, "--stages", "2", "--link-max-mb", "0.0625", "--out", str(out))
-    printed = capsys.readouterr().out
-    assert code == 0
+    code, printed, err = pipesim("calibrate", *MLP, "--stages", "2", "--link-max-mb", "0.0625", "--out", out)
+    assert code == 0, err
     profile = load_profile(out)
     env = profile.environment
     assert (env.device, env.dtype, env.microbatch_size, env.torch_version) == ("cpu", "float32", BATCH,
@@ -69,13 +64,12 @@ def test_calibrate_end_to_end_with_links(capsys, tmp_path):
     assert first.activation_bytes == 2 * BATCH * WIDTH * FLOAT
     assert (first.shared_with_previous_bytes, second.shared_with_previous_bytes) == (0, BATCH * WIDTH * FLOAT)
     assert first.output_bytes == BATCH * WIDTH * FLOAT and head.output_bytes == 0
-    for layer in profile.layers:  # forwards run before the full and before the split backward: twice a repeat
-        for timing, runs in ((layer.fwd, 10), (layer.bwd, 5), (layer.igrad, 5), (layer.wgrad, 5)):
-            assert timing.median_ms >= 0 and timing.spread_ms >= 0 and timing.repeats == runs
+    # Times are only checked to be there (the schema keeps them >= 0); how they compare with one another is
+    # up to the machine's load. Forwards run before the full and before the split backward: twice a repeat.
+    for layer in profile.layers:
+        assert [t.repeats for t in (layer.fwd, layer.bwd, layer.igrad, layer.wgrad)] == [10, 5, 5, 5]
         assert layer.fwd.median_ms > 0 and layer.wgrad.median_ms > 0
     assert all(layer.igrad.median_ms > 0 for layer in profile.layers[1:])
-    # no pipeline differentiates its input data: the first layer's input-gradient pass does no work
-    assert first.igrad.median_ms < 0.2 * first.wgrad.median_ms
     stage = profile.stages[0]
     start, stop = stage.layers
     assert stage.fwd_ms == pytest.approx(sum(layer.fwd.median_ms for layer in profile.layers[start:stop]))
@@ -139,36 +133,22 @@ def test_profile_round_trips(mlp_profile):
     assert load_profile(again) == profile
 
 
-def test_repeated_calibration_agrees_within_its_spread(mlp_profile, tmp_path):
-    """Sizes are deterministic and must match exactly. Times are compared on the whole model (per-layer
-    noise averages out) with a tolerance of three reported spreads, plus a factor of two for the load of
-    a shared machine changing between the runs."""
+def test_repeated_calibration_measures_the_same_sizes(mlp_profile, tmp_path):
+    """Sizes do not depend on the machine's load: a second run must give them exactly. (Its times may differ
+    by any factor on a shared machine, so they are not compared.)"""
     out = tmp_path / "again.json"
-    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--out", str(out)) == 0
+    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--out", out).code == 0
     first, second = load_profile(mlp_profile), load_profile(out)
-    sizes = ("name", "inputs", "activation_bytes", "shared_with_previous_bytes", "output_bytes", "param_bytes",
-             "grad_bytes", "optimizer_state_bytes")
-    assert [layer.model_dump(include=set(sizes)) for layer in first.layers] == [
-        layer.model_dump(include=set(sizes)) for layer in second.layers]
-
-    def total(profile):
-        timings = [t for layer in profile.layers for t in (layer.fwd, layer.bwd)]
-        return sum(t.median_ms for t in timings), sum(t.spread_ms for t in timings)
-
-    (a, spread_a), (b, spread_b) = total(first), total(second)
-    assert abs(a - b) <= 3 * (spread_a + spread_b) + 0.5 * max(a, b), (a, spread_a, b, spread_b)
+    sizes = {"name", "inputs", "activation_bytes", "shared_with_previous_bytes", "output_bytes", "param_bytes",
+             "grad_bytes", "optimizer_state_bytes"}
+    assert [layer.model_dump(include=sizes) for layer in first.layers] == [
+        layer.model_dump(include=sizes) for layer in second.layers]
+    assert first.environment.model_dump(exclude={"date"}) == second.environment.model_dump(exclude={"date"})
 
 
-def _simulate(capsys, *args):
-    code = pipesim("simulate", *args, "--json")
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out)["results"]
-
-
-def test_simulate_with_a_profile(capsys, mlp_profile):
+def test_simulate_with_a_profile(mlp_profile):
     profile = load_profile(mlp_profile)
-    gpipe, xpipe = _simulate(capsys, "--profile", str(mlp_profile), "-s", "gpipe", "-s", "xpipe", "-m", "4")
+    gpipe, xpipe = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-s", "xpipe", "-m", "4")
     assert len(gpipe["devices"]) == profile.partition.stages  # --stages defaults to the profile's
     for device, stage in zip(gpipe["devices"], profile.stages):
         compute = 4 * (stage.fwd_ms + stage.bwd_ms) + stage.steps["adam"].step.median_ms
@@ -182,32 +162,32 @@ def test_simulate_with_a_profile(capsys, mlp_profile):
             compute + predictions * stage.steps["adam"].predict.median_ms)
     assert gpipe["samples_per_s"] == pytest.approx(4 * BATCH / gpipe["time_per_minibatch_ms"] * 1e3)
 
-    (sgd,) = _simulate(capsys, "--profile", str(mlp_profile), "-s", "gpipe", "-m", "4", "--optimizer", "sgd")
+    (sgd,) = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-m", "4", "--optimizer", "sgd")
     assert sgd["devices"][0]["busy_ms"] == pytest.approx(
         4 * (profile.stages[0].fwd_ms + profile.stages[0].bwd_ms) + profile.stages[0].steps["sgd"].step.median_ms)
 
     # Other stage counts re-partition the layers: p = 3 devices, or 4 model stages for zb-v's two chunks.
-    (three,) = _simulate(capsys, "--profile", str(mlp_profile), "-s", "1f1b", "-p", "3", "-m", "6")
-    (zbv,) = _simulate(capsys, "--profile", str(mlp_profile), "-s", "zb-v", "-m", "6")
+    (three,) = simulate_json("--profile", str(mlp_profile), "-s", "1f1b", "-p", "3", "-m", "6")
+    (zbv,) = simulate_json("--profile", str(mlp_profile), "-s", "zb-v", "-m", "6")
     assert len(three["devices"]) == 3 and len(zbv["devices"]) == 2 and len(zbv["stages"]) == 4
     total_ms = sum(layer.fwd.median_ms + layer.bwd.median_ms for layer in profile.layers)
     assert sum(d["busy_ms"] for d in three["devices"]) >= 6 * total_ms * (1 - 1e-9)
 
 
-def test_simulate_uses_the_profile_link(capsys, mlp_profile, tmp_path):
+def test_simulate_uses_the_profile_link(mlp_profile, tmp_path):
     doc = json.loads(mlp_profile.read_text())
-    without = _simulate(capsys, "--profile", str(mlp_profile), "-s", "gpipe", "-m", "2")[0]["makespan_ms"]
+    without = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-m", "2")[0]["makespan_ms"]
     doc["link"] = {"segments": [{"min_bytes": 0, "latency_ms": 5.0, "bytes_per_ms": 1e6}],
                    "points": [{"nbytes": 4096, "ms": 5.004, "spread_ms": 0.0}], "meta": {}}
     doc["allreduce"] = {"world_size": 2, "points": [], "meta": {}}
     linked = tmp_path / "linked.json"
     linked.write_text(json.dumps(doc))
-    (result,) = _simulate(capsys, "--profile", str(linked), "-s", "gpipe", "-m", "2")
+    (result,) = simulate_json("--profile", str(linked), "-s", "gpipe", "-m", "2")
     # Two stages: at least the first forward's and the last backward's transfers sit on the critical path.
     assert result["makespan_ms"] >= without + 2 * 5.0
-    assert pipesim("simulate", "--profile", str(linked), "--comm", "1") == 2
-    assert "--comm: the profile" in capsys.readouterr().err
-    assert pipesim("simulate", "--profile", str(mlp_profile), "-s", "1f1b", "--comm", "1") == 0  # no link measured
+    code, _, err = pipesim("simulate", "--profile", linked, "--comm", "1")
+    assert code == 2 and "--comm: the profile" in err
+    assert pipesim("simulate", "--profile", mlp_profile, "-s", "1f1b", "--comm", "1").code == 0  # no link measured
 
 
 def test_link_segments_match_the_fit():
@@ -217,11 +197,10 @@ def test_link_segments_match_the_fit():
         assert link.transfer_ms(nbytes) == fit.ms(nbytes)
 
 
-def test_two_branch_profile_gives_graphpipe_its_dag(capsys, tmp_path):
+def test_two_branch_profile_gives_graphpipe_its_dag(tmp_path):
     out = tmp_path / "tb.json"
     assert pipesim("calibrate", "--model", "two-branch", "--layers", "1", "--width", "8", "--microbatch-size", "2",
-                   "--stages", "4", "--device", "cpu", "--no-links", "--repeats", "3", "--out", str(out)) == 0
-    capsys.readouterr()
+                   "--stages", "4", "--device", "cpu", "--no-links", "--repeats", "3", "--out", out).code == 0
     profile = load_profile(out)
     assert [layer.inputs for layer in profile.layers] == [[-1], [0], [0], [1, 2]]  # stem, branch a, b, merge
     assert stage_edges(profile.layers, profile.partition.bounds) == [(0, 1), (0, 2), (1, 3), (2, 3)]
@@ -229,12 +208,13 @@ def test_two_branch_profile_gives_graphpipe_its_dag(capsys, tmp_path):
     chain, dag = stages_for(profile, profile.partition.bounds), stages_for(profile, profile.partition.bounds, dag=True)
     stem, a = profile.layers[0].output_bytes, profile.layers[1].output_bytes
     assert (chain[1].output_bytes, dag[1].output_bytes) == (a + stem, a)
-    graphpipe, one_f_one_b = _simulate(capsys, "--profile", str(out), "-s", "graphpipe", "-s", "1f1b", "-m", "4")
-    assert len(graphpipe["stages"]) == 4
-    assert graphpipe["makespan_ms"] < one_f_one_b["makespan_ms"]  # the branches run side by side
+    # Whether the branches side by side beat the chain depends on the measured times here; with fixed costs,
+    # tests/test_catalogue.py checks it (test_graphpipe_branches_beat_the_same_stages_in_a_chain).
+    (graphpipe,) = simulate_json("--profile", out, "-s", "graphpipe", "-m", "4")
+    assert len(graphpipe["stages"]) == 4 and len(graphpipe["devices"]) == 4
 
 
-def test_bring_your_own_model(capsys, tmp_path, monkeypatch):
+def test_bring_your_own_model(tmp_path, monkeypatch):
     (tmp_path / "byo_calibration_model.py").write_text(
         "from torch import nn\n"
         "def build():\n    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
@@ -243,12 +223,11 @@ def test_bring_your_own_model(capsys, tmp_path, monkeypatch):
     for attribute, count in (("build", 3), ("layers", 3)):
         out = tmp_path / f"{attribute}.json"
         assert pipesim("calibrate", "--model", f"byo_calibration_model:{attribute}", "--stages", "2", "--device",
-                       "cpu", "--no-links", "--repeats", "3", "--out", str(out)) == 0
+                       "cpu", "--no-links", "--repeats", "3", "--out", out).code == 0
         assert len(load_profile(out).layers) == count
-    capsys.readouterr()
 
 
-def test_a_model_whose_backward_fails_is_one_line(capsys, tmp_path, monkeypatch):
+def test_a_model_whose_backward_fails_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "byo_broken_backward.py").write_text(
         "import torch\nfrom torch import nn\n"
         "class Refuse(torch.autograd.Function):\n"
@@ -257,15 +236,15 @@ def test_a_model_whose_backward_fails_is_one_line(capsys, tmp_path, monkeypatch)
         "class Layer(nn.Linear):\n    def forward(self, x):\n        return Refuse.apply(super().forward(x))\n"
         "layers = [nn.Linear(8, 8), Layer(8, 8), nn.Linear(8, 2)]\n")
     monkeypatch.chdir(tmp_path)
-    code = pipesim("calibrate", "--model", "byo_broken_backward:layers", "--no-links", "--out", str(tmp_path / "p.json"))
-    err = capsys.readouterr().err
+    code, _, err = pipesim("calibrate", "--model", "byo_broken_backward:layers", "--no-links", "--out",
+                           tmp_path / "p.json")
     assert code == 2 and "no gradient here" in err and err.strip().count("\n") == 0
     assert not (tmp_path / "p.json").exists()
 
 
 def test_dtype_sets_the_bytes(tmp_path):
     out = tmp_path / "bf16.json"
-    assert pipesim("calibrate", *MLP, "--dtype", "bfloat16", "--no-links", "--out", str(out)) == 0
+    assert pipesim("calibrate", *MLP, "--dtype", "bfloat16", "--no-links", "--out", out).code == 0
     profile = load_profile(out)
     assert profile.environment.dtype == "bfloat16"
     assert profile.layers[0].param_bytes == (WIDTH * WIDTH + WIDTH) * 2
@@ -299,9 +278,8 @@ CUDA = torch.cuda.is_available()
     (["--model", "mlp", "--width", "600000", "--no-links"], "mlp does not fit in memory"),
     (["--model", "mlp", "--no-links", "--link-max-mb", "1"], "--no-links skips"),
 ])
-def test_bad_calibrate_input_is_one_line_exit_2_nothing_written(capsys, tmp_path, args, fragment):
-    code = pipesim("calibrate", *args, "--out", str(tmp_path / "p.json"))
-    err = capsys.readouterr().err
+def test_bad_calibrate_input_is_one_line_exit_2_nothing_written(tmp_path, args, fragment):
+    code, _, err = pipesim("calibrate", *args, "--out", tmp_path / "p.json")
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
@@ -326,9 +304,8 @@ def _edited(mlp_profile, tmp_path, edit):
                                            {"min_bytes": 0, "latency_ms": 0.1, "bytes_per_ms": 1e6}],
                               "points": [], "meta": {}}), "min_bytes must rise"),
 ])
-def test_bad_profile_is_one_line_naming_the_field(capsys, mlp_profile, tmp_path, edit, fragment):
-    code = pipesim("simulate", "--profile", str(_edited(mlp_profile, tmp_path, edit)), "-s", "1f1b")
-    err = capsys.readouterr().err
+def test_bad_profile_is_one_line_naming_the_field(mlp_profile, tmp_path, edit, fragment):
+    code, _, err = pipesim("simulate", "--profile", _edited(mlp_profile, tmp_path, edit), "-s", "1f1b")
     assert code == 2 and fragment in err and err.strip().count("\n") == 0 and "Traceback" not in err
 
 
@@ -337,22 +314,22 @@ def test_bad_profile_is_one_line_naming_the_field(capsys, mlp_profile, tmp_path,
     (["-p", "9"], "the schedule has 9 model stages but the profile's model has 4 layers"),
     (["--profile-typo"], "No such option"),
 ])
-def test_simulate_refuses_flags_the_profile_fixes(capsys, mlp_profile, args, fragment):
-    code = pipesim("simulate", "--profile", str(mlp_profile), "-s", "1f1b", *args)
-    err = capsys.readouterr().err
+def test_simulate_refuses_flags_the_profile_fixes(mlp_profile, args, fragment):
+    code, _, err = pipesim("simulate", "--profile", mlp_profile, "-s", "1f1b", *args)
     assert code == 2 and fragment in err and err.strip().count("\n") == 0
 
 
-def test_missing_profile_file(capsys, tmp_path):
-    assert pipesim("simulate", "--profile", str(tmp_path / "none.json")) == 2
-    assert "cannot read profile" in capsys.readouterr().err
+def test_missing_profile_file(tmp_path):
+    code, _, err = pipesim("simulate", "--profile", tmp_path / "none.json")
+    assert code == 2 and "cannot read profile" in err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_calibrate_on_cuda(tmp_path):
     out = tmp_path / "gpu.json"
     assert pipesim("calibrate", *[a if a != "cpu" else "cuda" for a in MLP], "--link-max-mb", "1", "--out",
-                   str(out)) == 0
+                   out).code == 0
     profile = load_profile(out)
     assert profile.environment.device == "cuda" and profile.environment.cuda_version
     assert all(layer.fwd.median_ms > 0 for layer in profile.layers)

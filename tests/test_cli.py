@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from pipesim.schedules import METHODS
-from tests.helpers import pipesim
+from tests.conftest import pipesim, simulate_json
 
 
-def test_issue_example_json(capsys):
-    code, out, _ = pipesim(capsys, "simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
+def test_issue_example_json():
+    code, out, _ = pipesim("simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
                            "--fwd", "1", "--bwd", "2", "--json")
     assert code == 0
     (result,) = json.loads(out)["results"]
@@ -25,8 +25,8 @@ def test_issue_example_json(capsys):
             "backward_prediction_distance"} <= set(stage)
 
 
-def test_several_schedules_table_and_outputs(capsys, tmp_path):
-    code, out, _ = pipesim(capsys, "simulate", "-s", "1f1b", "-s", "pipedream", "-p", "3", "-m", "6", "-n", "4",
+def test_several_schedules_table_and_outputs(tmp_path):
+    code, out, _ = pipesim("simulate", "-s", "1f1b", "-s", "pipedream", "-p", "3", "-m", "6", "-n", "4",
                            "--fwd", "1,1.5,1", "--comm", "0.1", "--trace", str(tmp_path / "t.json"),
                            "--html", str(tmp_path / "t.html"))
     assert code == 0
@@ -35,17 +35,17 @@ def test_several_schedules_table_and_outputs(capsys, tmp_path):
     assert (tmp_path / "t.html").stat().st_size > 1_000_000  # plotly.js is embedded: works offline
 
 
-def test_no_arguments_runs_the_built_in_example(capsys, tmp_path, monkeypatch):
+def test_no_arguments_runs_the_built_in_example(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, _ = pipesim(capsys, "simulate")
+    code, out, _ = pipesim("simulate")
     assert code == 0
     for name in METHODS:  # the seeds' methods and their rivals in one table
         assert f"\n {name} " in out
     assert (tmp_path / "pipesim-example.html").exists()
 
 
-def test_schedules_lists_methods(capsys):
-    code, out, _ = pipesim(capsys, "schedules")
+def test_schedules_lists_methods():
+    code, out, _ = pipesim("schedules")
     assert code == 0
     assert "gpipe" in out and "pipedream" in out and "1f1b" in out
 
@@ -76,25 +76,25 @@ def test_schedules_lists_methods(capsys):
     (["-s", "pipedream-2bw", "-p", "8", "-m", "4"], "m >= p-1"),
     (["-s", "1f1b", "-p", "64", "-m", "100000"], "pipesim simulates up to 10,000,000"),
 ])
-def test_bad_input_is_one_line_and_exit_2(capsys, args, fragment):
-    code, out, err = pipesim(capsys, "simulate", *args)
+def test_bad_input_is_one_line_and_exit_2(args, fragment):
+    code, out, err = pipesim("simulate", *args)
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
 
 
-def test_malformed_cluster_file(capsys, tmp_path):
+def test_malformed_cluster_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"devices": 2}')
-    code, _, err = pipesim(capsys, "simulate", "--cluster", str(path))
+    code, _, err = pipesim("simulate", "--cluster", str(path))
     assert code == 2 and "needs 4 devices, the cluster has 2" in err
     path.write_text("[1, 2")
-    code, _, err = pipesim(capsys, "simulate", "--cluster", str(path))
+    code, _, err = pipesim("simulate", "--cluster", str(path))
     assert code == 2 and "not valid JSON" in err
 
 
-def test_nothing_half_written_when_one_output_is_bad(capsys, tmp_path):
-    code, _, _ = pipesim(capsys, "simulate", "-s", "1f1b", "--trace", str(tmp_path / "t.json"),
+def test_nothing_half_written_when_one_output_is_bad(tmp_path):
+    code, _, _ = pipesim("simulate", "-s", "1f1b", "--trace", str(tmp_path / "t.json"),
                          "--html", str(tmp_path / "missing" / "t.html"))
     assert code == 2
     assert os.listdir(tmp_path) == []
@@ -102,31 +102,26 @@ def test_nothing_half_written_when_one_output_is_bad(capsys, tmp_path):
 
 def test_console_script_starts_without_torch():
     probe = ("import sys; from pipesim.cli import main\n"
-             "try:\n    main(['simulate', '-s', '1f1b', '--json'])\nexcept SystemExit:\n    pass\n"
+             "try:\n    main(['simulate', '-s', '1f1b', '--json'])\n"
+             "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
              "assert 'torch' not in sys.modules and 'plotly' not in sys.modules, 'heavy import at start-up'")
     subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
 
 
-def test_method_defaults_and_avgpipe_options(capsys):
-    code, out, _ = pipesim(capsys, "simulate", "-s", "zb-v", "-s", "avgpipe", "-s", "1f1b", "--json")
-    assert code == 0
-    zbv, avg, plain = json.loads(out)["results"]
+def test_method_defaults_and_avgpipe_options():
+    zbv, avg, plain = simulate_json("-s", "zb-v", "-s", "avgpipe", "-s", "1f1b")
     assert len(zbv["stages"]) == 8  # two chunks per device by default
     assert max(d["peak_weight_versions"] for d in avg["devices"]) == 2  # the reference model
-    code, out, _ = pipesim(capsys, "simulate", "-s", "avgpipe", "--pipelines", "3", "--advance", "0", "--json")
-    (three,) = json.loads(out)["results"]
+    (three,) = simulate_json("-s", "avgpipe", "--pipelines", "3", "--advance", "0")
     assert three["peak_memory_mb"] > avg["peak_memory_mb"]
     assert three["time_per_minibatch_ms"] > avg["time_per_minibatch_ms"]  # three pipelines share the devices
 
 
-def test_graph_file(capsys, tmp_path):
+def test_graph_file(tmp_path):
     path = tmp_path / "g.json"
     path.write_text(json.dumps({"stages": 5, "edges": [[0, 1], [0, 2], [0, 3], [1, 4], [2, 4], [3, 4]]}))
-    code, out, _ = pipesim(capsys, "simulate", "-s", "graphpipe", "--graph", str(path), "--fwd", "1", "--bwd", "2",
-                           "-m", "8", "--json")
-    assert code == 0
-    (result,) = json.loads(out)["results"]
+    (result,) = simulate_json("-s", "graphpipe", "--graph", path, "--fwd", "1", "--bwd", "2", "-m", "8")
     assert result["makespan_ms"] == pytest.approx((8 + 3 - 1) * 3)  # three branches side by side: depth 3
     path.write_text(json.dumps({"stages": 2, "edges": [[0, 1], [1, 0]]}))
-    code, _, err = pipesim(capsys, "simulate", "-s", "graphpipe", "--graph", str(path))
+    code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
     assert code == 2 and "cycle" in err

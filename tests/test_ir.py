@@ -98,8 +98,17 @@ def test_deadlock_names_first_blocked_action_per_device():
 
 
 def test_valid_reordering_is_not_reported():
+    """GPipe with its last device in 1F1B order (F0 B0 F1 B1 ...): a different order, still deadlock-free,
+    while the same device starting with a backward whose forward comes later is reported."""
     schedule = build_schedule("gpipe", ScheduleParams(3, 4))
-    assert find_deadlock(schedule) == {}
+    last = [Action(Kind.F, 2, j) for j in range(4)], [Action(Kind.B, 2, j) for j in range(4)]
+    interleaved = tuple(a for pair in zip(*last) for a in pair) + (Action(Kind.OPT, 2),)
+    reordered = schedule.with_orders((*schedule.orders[:2], interleaved))
+    assert reordered.orders != schedule.orders and sorted(map(str, interleaved)) == sorted(map(str, schedule.orders[2]))
+    assert find_deadlock(reordered) == {}
+    validate(reordered)
+    broken = _swap_first(reordered, 2, Action(Kind.F, 2, 1), Action(Kind.B, 2, 1))  # 2B1 before 2F1
+    assert str(find_deadlock(broken)[2][0]) == "2B1"
 
 
 def test_incomplete_and_misplaced_schedules_are_rejected():

@@ -6,19 +6,9 @@ Costs are per model stage (per chunk for interleaved and V schedules); I costs b
 import pytest
 
 from pipesim.schedules import Kind, Schedule, ScheduleError, ScheduleParams, build_schedule, validate
-from pipesim.sim import Cluster, Costs, simulate
-from pipesim.traces import summarize
+from tests.conftest import run
 
 RIVALS = ["interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev"]
-CHUNKS = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2}
-
-
-def run(name, p, m, *, v=1, n=1, fwd=1.0, bwd=2.0, wgrad=0.5, comm=0.0, **cost_kw):
-    """Build, validate and simulate `name` with p devices and p·v model stages."""
-    schedule = build_schedule(name, ScheduleParams(p, m, n, chunks=v))
-    validate(schedule)
-    costs = Costs.per_stage(p * v, fwd_ms=fwd, bwd_ms=bwd, wgrad_fraction=wgrad, **cost_kw)
-    return schedule, summarize(simulate(schedule, costs, Cluster.uniform(p, comm)))
 
 
 def device_text(schedule: Schedule, device: int) -> str:
@@ -29,7 +19,7 @@ def device_text(schedule: Schedule, device: int) -> str:
 
 
 def test_interleaved_issue_example_28_5_ms():
-    _, summary = run("interleaved-1f1b", 4, 8, v=2, fwd=0.5, bwd=1)
+    summary = run("interleaved-1f1b", 4, 8, chunks=2, fwd=0.5, bwd=1).summary
     assert summary.makespan_ms == pytest.approx(28.5)
 
 
@@ -37,7 +27,7 @@ def test_interleaved_issue_example_28_5_ms():
 def test_interleaved_bubble_divided_by_chunks(p, v, m):
     fwd_ms, bwd_ms = 0.5, 1.25  # per chunk
     per_device_ms = v * (fwd_ms + bwd_ms)
-    _, summary = run("interleaved-1f1b", p, m, v=v, fwd=fwd_ms, bwd=bwd_ms)
+    summary = run("interleaved-1f1b", p, m, chunks=v, fwd=fwd_ms, bwd=bwd_ms).summary
     assert summary.makespan_ms == pytest.approx(m * per_device_ms + (p - 1) * per_device_ms / v)
 
 
@@ -64,12 +54,12 @@ def test_interleaved_megatron_order():
 def test_zb_h1_bubble_closed_form(p, m, fwd, bwd, wgrad):
     """(p−1)(F + I − W): the W's the later stages defer fill all but F + I − W of each bubble (needs W ≤ I)."""
     input_ms, weight_ms = bwd * (1 - wgrad), bwd * wgrad
-    _, summary = run("zb-h1", p, m, fwd=fwd, bwd=bwd, wgrad=wgrad)
+    summary = run("zb-h1", p, m, fwd=fwd, bwd=bwd, wgrad_fraction=wgrad).summary
     assert summary.makespan_ms == pytest.approx(m * (fwd + bwd) + (p - 1) * (fwd + input_ms - weight_ms))
 
 
 def test_zb_h1_issue_example_27_ms():
-    assert run("zb-h1", 4, 8, fwd=1, bwd=2, wgrad=0.5)[1].makespan_ms == pytest.approx(27)
+    assert run("zb-h1", 4, 8, fwd=1, bwd=2, wgrad_fraction=0.5).summary.makespan_ms == pytest.approx(27)
 
 
 def test_zb_h1_and_h2_match_the_papers_figure():
@@ -91,8 +81,8 @@ def test_zb_h1_peak_memory_is_1f1b_peak(p, m):
     """A deferred W keeps its activations, so stage k holds p−k + k micro-batches: never more than 1F1B's
     peak (p, at stage 0), which is the paper's claim; later stages hold more than 1F1B's p−k there."""
     kw = {"fwd": 1, "bwd": 2, "activation_mb": 10, "param_mb": 0, "output_mb": 0}
-    _, h1 = run("zb-h1", p, m, **kw)
-    _, one_f_one_b = run("1f1b", p, m, **kw)
+    h1 = run("zb-h1", p, m, **kw).summary
+    one_f_one_b = run("1f1b", p, m, **kw).summary
     peak = min(p, m)
     assert h1.devices[0].peak_activations == one_f_one_b.devices[0].peak_activations == peak
     assert max(d.peak_activations for d in h1.devices) == peak
@@ -104,7 +94,7 @@ def test_zb_h2_activations_and_parallelogram(p, m):
     """Stage 0 runs 2p−1 forwards before its first I. With F = I = W nothing idles after the warm-up,
     so the last stage, which cannot start before (p−1)·F, runs without a gap: m(F+B) + (p−1)F."""
     fwd, bwd = 1.0, 2.0
-    _, summary = run("zb-h2", p, m, fwd=fwd, bwd=bwd, wgrad=0.5)
+    summary = run("zb-h2", p, m, fwd=fwd, bwd=bwd, wgrad_fraction=0.5).summary
     assert summary.devices[0].peak_activations == 2 * p - 1
     assert summary.makespan_ms == pytest.approx(m * (fwd + bwd) + (p - 1) * fwd)
 
@@ -114,11 +104,11 @@ def test_zb_h2_activations_and_parallelogram(p, m):
 def test_zb_h2_never_slower_than_h1_and_h1_never_slower_than_1f1b(fwd, bwd, wgrad, comm):
     for p in (2, 3, 5):
         for m in range(1, 3 * p + 1):
-            kw = {"fwd": fwd, "bwd": bwd, "wgrad": wgrad, "comm": comm}
-            h1 = run("zb-h1", p, m, **kw)[1].makespan_ms
-            assert h1 <= run("1f1b", p, m, **kw)[1].makespan_ms + 1e-9, (p, m)
+            kw = {"fwd": fwd, "bwd": bwd, "wgrad_fraction": wgrad, "comm": comm}
+            h1 = run("zb-h1", p, m, **kw).summary.makespan_ms
+            assert h1 <= run("1f1b", p, m, **kw).summary.makespan_ms + 1e-9, (p, m)
             if m >= 2 * p - 1:
-                assert run("zb-h2", p, m, **kw)[1].makespan_ms <= h1 + 1e-9, (p, m)
+                assert run("zb-h2", p, m, **kw).summary.makespan_ms <= h1 + 1e-9, (p, m)
 
 
 # V schedules: ZB-V and DualPipeV
@@ -139,15 +129,15 @@ def test_v_schedules_reach_the_lower_bound_when_f_i_w_are_equal(name, p, m):
     """With F = I = W (ZB-V's "zero bubble" case) the last device, whose first input arrives after p−1
     forwards, never idles again: makespan (p−1)F + 2m(F+B), the least any order can do."""
     fwd, bwd = 1.0, 2.0
-    _, summary = run(name, p, m, v=2, fwd=fwd, bwd=bwd, wgrad=0.5)
+    summary = run(name, p, m, chunks=2, fwd=fwd, bwd=bwd, wgrad_fraction=0.5).summary
     assert summary.makespan_ms == pytest.approx((p - 1) * fwd + 2 * m * (fwd + bwd))
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 13), (6, 12)])
 def test_zb_v_activation_memory_is_1f1b_peak(p, m):
     """ZB-V holds at most 2p chunk micro-batches; a chunk is half a 1F1B stage, so that is 1F1B's p."""
-    _, zbv = run("zb-v", p, m, v=2, fwd=0.5, bwd=1, activation_mb=5, param_mb=0, output_mb=0)
-    _, one_f_one_b = run("1f1b", p, m, fwd=1, bwd=2, activation_mb=10, param_mb=0, output_mb=0)
+    zbv = run("zb-v", p, m, chunks=2, fwd=0.5, bwd=1, activation_mb=5, param_mb=0, output_mb=0).summary
+    one_f_one_b = run("1f1b", p, m, fwd=1, bwd=2, activation_mb=10, param_mb=0, output_mb=0).summary
     assert max(d.peak_activations for d in zbv.devices) == 2 * p
     assert zbv.peak_memory_mb <= one_f_one_b.peak_memory_mb
 
@@ -170,8 +160,8 @@ def test_dualpipev_beats_1f1b_with_the_same_work_per_device(p, m, fwd, bwd, wgra
     runs an overlapped pair back to back, but does not hold one op of a pair for the other, so it can
     only do better. Activations: the README's PP+1 = 2p+1 chunks; weights: one copy per stage."""
     weight_ms = bwd * wgrad
-    _, dpv = run("dualpipev", p, m, v=2, fwd=fwd, bwd=bwd, wgrad=wgrad)
-    _, one_f_one_b = run("1f1b", p, m, fwd=2 * fwd, bwd=2 * bwd)
+    dpv = run("dualpipev", p, m, chunks=2, fwd=fwd, bwd=bwd, wgrad_fraction=wgrad).summary
+    one_f_one_b = run("1f1b", p, m, fwd=2 * fwd, bwd=2 * bwd).summary
     assert dpv.makespan_ms <= 2 * m * (fwd + bwd) + (p - 1) * (fwd + 2 * bwd - 3 * weight_ms) + 1e-9
     assert dpv.makespan_ms < one_f_one_b.makespan_ms
     assert [d.peak_activations for d in dpv.devices] == [2 * p + 1] * p
@@ -184,7 +174,7 @@ def test_dualpipev_beats_1f1b_with_the_same_work_per_device(p, m, fwd, bwd, wgra
 @pytest.mark.parametrize("name", RIVALS)
 def test_rivals_are_synchronous_and_flush_per_minibatch(name):
     p, m, n = 3, 6, 3
-    schedule, summary = run(name, p, m, v=CHUNKS.get(name, 1), n=n)
+    schedule, _, summary = run(name, p, m, n)  # each in its default shape: v = 2 for the interleaved and V
     assert summary.max_staleness == 0
     assert all(d.peak_weight_versions == 1 for d in summary.devices)
     for order in schedule.orders:

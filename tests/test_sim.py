@@ -9,7 +9,7 @@ import pytest
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Cluster, ClusterError, Costs, Link, load_cluster, simulate
 from pipesim.traces import read_trace, summarize, write_trace
-from tests.helpers import run
+from tests.conftest import run
 
 GRID = [(1, 1), (2, 2), (4, 4), (4, 8), (3, 10), (8, 8), (8, 32)]
 
@@ -18,29 +18,29 @@ GRID = [(1, 1), (2, 2), (4, 4), (4, 8), (3, 10), (8, 8), (8, 32)]
 @pytest.mark.parametrize("p,m", GRID)
 def test_synchronous_makespan_and_bubble_closed_forms(name, p, m):
     fwd, bwd = 1.5, 2.5
-    _, _, summary = run(name, p, m, fwd=fwd, bwd=bwd)
+    summary = run(name, p, m, fwd=fwd, bwd=bwd).summary
     assert summary.makespan_ms == pytest.approx((m + p - 1) * (fwd + bwd))
     assert summary.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
     assert summary.max_staleness == 0
 
 
 def test_issue_example_gpipe_33_ms():
-    _, _, summary = run("gpipe", 4, 8, fwd=1, bwd=2)
+    summary = run("gpipe", 4, 8, fwd=1, bwd=2).summary
     assert summary.makespan_ms == 33
     assert summary.bubble_fraction == pytest.approx(3 / 11)
 
 
 @pytest.mark.parametrize("p,m", [(4, 4), (4, 8), (6, 12), (8, 8)])
 def test_peak_activations(p, m):
-    _, _, gpipe = run("gpipe", p, m)
-    _, _, one_f_one_b = run("1f1b", p, m)
+    gpipe = run("gpipe", p, m).summary
+    one_f_one_b = run("1f1b", p, m).summary
     assert [d.peak_activations for d in gpipe.devices] == [m] * p
     assert [d.peak_activations for d in one_f_one_b.devices] == [p - k for k in range(p)]
 
 
 @pytest.mark.parametrize("p", [2, 4, 7])
 def test_pipedream_staleness_and_stashed_versions(p):
-    _, _, summary = run("pipedream", p, 1, n=3 * p)
+    summary = run("pipedream", p, 1, n=3 * p).summary
     assert [s.forward_staleness for s in summary.stages] == [p - 1 - k for k in range(p)]
     assert [s.backward_staleness for s in summary.stages] == [p - 1 - k for k in range(p)]
     assert [d.peak_weight_versions for d in summary.devices] == [p - k for k in range(p)]
@@ -49,15 +49,15 @@ def test_pipedream_staleness_and_stashed_versions(p):
 
 def test_pipedream_steady_state_has_no_flush():
     p = 4
-    _, _, pipedream = run("pipedream", p, 1, n=40)
-    _, _, flushed = run("1f1b", p, 1, n=40)
+    pipedream = run("pipedream", p, 1, n=40).summary
+    flushed = run("1f1b", p, 1, n=40).summary
     assert pipedream.time_per_minibatch_ms == pytest.approx(3.0)  # F + B: every device busy
     assert flushed.time_per_minibatch_ms == pytest.approx(p * 3.0)  # one micro-batch crosses the pipe
 
 
 def test_stashed_weight_memory_is_counted():
     p = 4
-    _, _, pipedream = run("pipedream", p, 1, n=12, param_mb=100, activation_mb=0, output_mb=0, optimizer="sgd")
+    pipedream = run("pipedream", p, 1, n=12, param_mb=100, activation_mb=0, output_mb=0, optimizer="sgd").summary
     # weights + gradients, plus one extra copy of the weights per stashed version
     assert [d.peak_memory_mb for d in pipedream.devices] == pytest.approx([200 + 100 * (p - k - 1) for k in range(p)])
 
@@ -185,7 +185,7 @@ def test_size_table_interpolates_and_extrapolates():
 
 
 def test_trace_round_trips_through_chrome_json(tmp_path):
-    _, trace, _ = run("pipedream", 3, 2, n=3, comm=0.1, param_mb=1, activation_mb=1, output_mb=1)
+    trace = run("pipedream", 3, 2, n=3, comm=0.1, param_mb=1, activation_mb=1, output_mb=1).trace
     path = tmp_path / "t.json"
     write_trace(trace, path)
     doc = json.loads(path.read_text())

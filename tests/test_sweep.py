@@ -2,7 +2,6 @@
 
 import csv
 import importlib.util
-import json
 import os
 import pickle
 import subprocess
@@ -13,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.cli import Scenario
+from pipesim.planning.scenario import Scenario
 from pipesim.planning.sweep import COLUMNS, Config, Grid, Metrics, Result, pareto_front, pareto_mask, run, write_results
-from tests.helpers import pipesim
+from tests.conftest import pipesim, simulate_json
 
 # The built-in example model, whole: at p = 4 each device runs forward 1 ms and backward 2 ms.
 MODEL = Scenario({"--fwd": [4.0], "--bwd": [8.0], "--param-mb": [1024.0], "--activation-mb": [256.0],
@@ -43,9 +42,9 @@ def test_grid_multiplies_v_and_p_only_for_the_methods_that_read_them():
     assert [(c.chunks, c.pipelines) for c in defaults] == [(2, 1), (1, 2), (1, 1)]
 
 
-def test_unrunnable_configurations_are_skipped_rows_with_reasons(capsys, tmp_path):
+def test_unrunnable_configurations_are_skipped_rows_with_reasons(tmp_path):
     out = tmp_path / "r.csv"
-    code, text, _ = pipesim(capsys, "sweep", "-s", "1f1b,zb-v,interleaved-1f1b", "-p", "4", "-m", "6,8", "-v", "1,2",
+    code, text, _ = pipesim("sweep", "-s", "1f1b,zb-v,interleaved-1f1b", "-p", "4", "-m", "6,8", "-v", "1,2",
                             "-j", "1", "--out", out)
     assert code == 0 and "Pareto fronts" in text
     rows = read_csv(out)
@@ -58,9 +57,9 @@ def test_unrunnable_configurations_are_skipped_rows_with_reasons(capsys, tmp_pat
         assert (row["time_per_minibatch_ms"] is None) == (row["status"] == "skipped")
 
 
-def test_rows_equal_single_simulate_runs(capsys, tmp_path):
+def test_rows_equal_single_simulate_runs(tmp_path):
     out = tmp_path / "r.csv"
-    code, _, _ = pipesim(capsys, "sweep", "-s", "1f1b,interleaved-1f1b,avgpipe,pipedream", "-p", "4", "-m", "8",
+    code, _, _ = pipesim("sweep", "-s", "1f1b,interleaved-1f1b,avgpipe,pipedream", "-p", "4", "-m", "8",
                          "-n", "3", "-v", "2", "-P", "2", "--cost-scale", "1,2", "--comm", "0.05", "--opt", "0.2",
                          "--workers", "2", "--out", out)
     assert code == 0
@@ -70,13 +69,10 @@ def test_rows_equal_single_simulate_runs(capsys, tmp_path):
     # 0.2 ms update likewise); a cost scale multiplies every compute time.
     for (name, scale), row in rows.items():
         per_stage = 1 / 2 if name == "interleaved-1f1b" else 1
-        code, out_json, _ = pipesim(
-            capsys, "simulate", "-s", name, "-p", 4, "-m", 8, "-n", 3, "--chunks", row["chunks"], "--pipelines",
-            row["pipelines"], "--fwd", 1 * per_stage * scale, "--bwd", 2 * per_stage * scale, "--param-mb",
-            256 * per_stage, "--activation-mb", 64 * per_stage, "--comm", 0.05, "--opt", 0.2 * (per_stage / 4) * scale,
-            "--json")
-        assert code == 0
-        (expected,) = json.loads(out_json)["results"]
+        (expected,) = simulate_json(
+            "-s", name, "-p", 4, "-m", 8, "-n", 3, "--chunks", row["chunks"], "--pipelines", row["pipelines"],
+            "--fwd", 1 * per_stage * scale, "--bwd", 2 * per_stage * scale, "--param-mb", 256 * per_stage,
+            "--activation-mb", 64 * per_stage, "--comm", 0.05, "--opt", 0.2 * (per_stage / 4) * scale)
         assert {k: row[k] for k in METRIC_NAMES} == {k: expected[k] for k in METRIC_NAMES}, (name, scale)
     assert rows["interleaved-1f1b", 1.0]["chunks"] == 2 and rows["avgpipe", 1.0]["pipelines"] == 2
 
@@ -128,12 +124,12 @@ def test_results_round_trip_through_parquet(tmp_path):
     assert pq.read_table(tmp_path / "r.parquet").to_pylist() == [r.record() for r in results]
 
 
-def test_grid_file(capsys, tmp_path):
+def test_grid_file(tmp_path):
     grid = tmp_path / "grid.toml"
     grid.write_text('schedule = ["1f1b", "avgpipe"]\nstages = [2, 4]\nmicrobatches = 8\npipelines = [2, 3]\n'
                     "cost-scale = [0.5, 1]\n")
     out = tmp_path / "r.csv"
-    code, _, _ = pipesim(capsys, "sweep", "--grid", grid, "-n", "2", "-j", "1", "--out", out)
+    code, _, _ = pipesim("sweep", "--grid", grid, "-n", "2", "-j", "1", "--out", out)
     assert code == 0
     rows = read_csv(out)
     assert len(rows) == 2 * 2 + 2 * 2 * 2
@@ -141,9 +137,9 @@ def test_grid_file(capsys, tmp_path):
     assert {r["cost_scale"] for r in rows} == {0.5, 1.0} and {r["minibatches"] for r in rows} == {2}
 
 
-def test_html_trade_off_view(capsys, tmp_path):
+def test_html_trade_off_view(tmp_path):
     page = tmp_path / "t.html"
-    code, _, _ = pipesim(capsys, "sweep", "-s", "1f1b,pipedream,zb-h1", "-p", "2,4", "-j", "1", "--html", page)
+    code, _, _ = pipesim("sweep", "-s", "1f1b,pipedream,zb-h1", "-p", "2,4", "-j", "1", "--html", page)
     assert code == 0
     text = page.read_text()
     assert page.stat().st_size > 1_000_000  # plotly.js is embedded: works offline
@@ -185,7 +181,7 @@ def without(module, monkeypatch):
     (["--workers", "0"], "--workers"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
 ])
-def test_bad_input_is_one_line_exit_2_nothing_written(capsys, tmp_path, monkeypatch, args, fragment):
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, args, fragment):
     out = tmp_path / "out"
     out.mkdir()
     expanded = []
@@ -197,13 +193,14 @@ def test_bad_input_is_one_line_exit_2_nothing_written(capsys, tmp_path, monkeypa
             without(arg[8:], monkeypatch)
             continue
         expanded.append(arg.replace("OUT", str(out)))
-    code, _, err = pipesim(capsys, "sweep", "-s", "1f1b", "-j", "1", "--html", out / "t.html", *expanded)
+    code, _, err = pipesim("sweep", "-s", "1f1b", "-j", "1", "--html", out / "t.html", *expanded)
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
     assert os.listdir(out) == []
 
 
+@pytest.mark.slow
 def test_ray_tasks_give_the_same_rows():
     ray = pytest.importorskip("ray", reason="ray not installed: pip install -e '.[test]' brings it")
     configs = Grid(("1f1b", "zb-v", "avgpipe"), (2, 4), (4, 8), 2, chunks=(1, 2)).configs()

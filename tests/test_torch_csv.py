@@ -3,16 +3,14 @@ schedules simulate to the closed forms. No process group: torch's schedules are 
 
 import csv
 import io
-import json
 
 import pytest
 import torch.distributed.pipelining.schedules as ts
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
 from pipesim.schedules import METHODS, Kind, Read, ScheduleError, ScheduleParams, StageGraph, build_schedule
 from pipesim.schedules.torch_csv import from_torch_csv, to_torch_csv
-from pipesim.sim import Cluster, Costs, simulate
-from pipesim.traces import summarize
-from tests.helpers import pipesim
-from torch.distributed.pipelining.stage import _PipelineStageBase
+from tests.conftest import pipesim, simulate_json, simulated
 
 TORCH_KINDS = {Kind.F, Kind.B, Kind.I, Kind.W}
 # (stages, micro-batches, chunks) tried in turn until the method accepts one.
@@ -83,8 +81,7 @@ def buildable(name):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_method_exports_csv_torch_accepts_and_reads_back(name, tmp_path):
     schedules = buildable(name)
-    if not schedules:
-        pytest.skip(f"{name} accepts none of {CONFIGS}")
+    assert schedules, f"{name} accepts none of {CONFIGS}"
     for schedule in schedules:
         if not is_synchronous(schedule):
             with pytest.raises(ScheduleError, match="synchronous"):
@@ -118,18 +115,13 @@ def test_export_refuses_what_torch_cannot_run():
         to_torch_csv(build_schedule("pipedream", ScheduleParams(2, 2, 1)))
 
 
-def run(schedule, fwd, bwd, wgrad_fraction=0.5):
-    costs = Costs.per_stage(schedule.num_stages, fwd_ms=fwd, bwd_ms=bwd, wgrad_fraction=wgrad_fraction)
-    return summarize(simulate(schedule, costs, Cluster.uniform(schedule.num_devices, 0.0)))
-
-
 @pytest.mark.parametrize("cls", [ts.ScheduleGPipe, ts.ScheduleInterleaved1F1B])
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (3, 9), (8, 16)])
 def test_torch_one_stage_per_rank_simulates_to_1f1b_closed_form(cls, p, m):
     F, B = 1.5, 2.5
     schedule = from_torch_csv(dump(torch_schedule(cls, p, 1, m).pipeline_order), cls.__name__)
     assert schedule.placement == tuple(range(p))
-    summary = run(schedule, F, B)
+    summary = simulated(schedule, F, B).summary
     assert summary.makespan_ms == pytest.approx((m + p - 1) * (F + B))
     # torch's interleaved order warms up 2(p-1-k) forwards even with one stage per rank (1F1B: p-1-k)
     held = [m] * p if cls is ts.ScheduleGPipe else [min(2 * (p - 1 - k) + 1, m) for k in range(p)]
@@ -143,13 +135,12 @@ def test_torch_one_stage_per_rank_simulates_to_1f1b_closed_form(cls, p, m):
 ])
 def test_catalogue_and_torch_take_the_same_time(name, cls, v):
     """Each of our methods against torch's implementation of it: same placement, same simulated makespan."""
-    if name not in METHODS:
-        pytest.skip(f"{name} is not in the catalogue")
     p, m, F, B = 4, 16, 1.5, 2.5
     ours = build_schedule(name, ScheduleParams(p, m, 1, v))
     theirs = from_torch_csv(dump(torch_schedule(cls, p, v, m).pipeline_order), cls.__name__)
     assert ours.placement == theirs.placement
-    assert run(ours, F / v, B / v).makespan_ms == pytest.approx(run(theirs, F / v, B / v).makespan_ms)
+    assert simulated(ours, F / v, B / v).summary.makespan_ms == pytest.approx(
+        simulated(theirs, F / v, B / v).summary.makespan_ms)
 
 
 @pytest.mark.parametrize("p,v,m", [(4, 2, 8), (4, 2, 12), (3, 3, 9), (2, 2, 6), (8, 2, 16)])
@@ -159,7 +150,8 @@ def test_torch_interleaved_simulates_to_closed_form(p, v, m, tmp_path):
     torch_sched._dump_csv(tmp_path / "order.csv", "compute_only")  # torch's own writer
     schedule = from_torch_csv((tmp_path / "order.csv").read_text(), "interleaved")
     assert schedule.placement == tuple(s % p for s in range(p * v))
-    assert run(schedule, F / v, B / v).makespan_ms == pytest.approx(m * (F + B) + (p - 1) * (F + B) / v)
+    makespan = simulated(schedule, F / v, B / v).summary.makespan_ms
+    assert makespan == pytest.approx(m * (F + B) + (p - 1) * (F + B) / v)
     # torch's lowered dump (SEND/RECV, UNSHARD/RESHARD, REDUCE_GRAD) reads back to the same orders
     torch_sched._dump_csv(tmp_path / "lowered.csv", "compute_comms")
     assert from_torch_csv((tmp_path / "lowered.csv").read_text(), "interleaved").orders == schedule.orders
@@ -171,12 +163,12 @@ def test_torch_interleaved_simulates_to_closed_form(p, v, m, tmp_path):
 def test_torch_interleaved_zero_bubble_simulates_to_zb_h1_closed_form(v, p, m, wgrad_fraction):
     """m >= 2p and W <= I: bubble (p-1)(F + I - W)/v with F, I, W per device (ZB-H1)."""
     F, B = 1.0, 2.0
-    I, W = B * (1 - wgrad_fraction), B * wgrad_fraction
+    input_ms, weight_ms = B * (1 - wgrad_fraction), B * wgrad_fraction
     order = torch_schedule(ts.ScheduleInterleavedZeroBubble, p, v, m).pipeline_order
     schedule = from_torch_csv(dump(order), "zb")
     assert any(a.kind is Kind.W for a in schedule.orders[0])
-    assert run(schedule, F / v, B / v, wgrad_fraction).makespan_ms == pytest.approx(
-        m * (F + B) + (p - 1) * (F + I - W) / v)
+    assert simulated(schedule, F / v, B / v, wgrad_fraction=wgrad_fraction).summary.makespan_ms == pytest.approx(
+        m * (F + B) + (p - 1) * (F + input_ms - weight_ms) / v)
 
 
 @pytest.mark.parametrize("cls", [ts.ScheduleZBVZeroBubble, ts.ScheduleDualPipeV])
@@ -188,7 +180,7 @@ def test_torch_v_schedules_simulate_between_the_work_and_interleaved(cls, p, m, 
     torch_sched._dump_csv(tmp_path / "order.csv", "compute_only")
     schedule = from_torch_csv((tmp_path / "order.csv").read_text(), cls.__name__)
     assert schedule.placement == tuple(min(s, 2 * p - 1 - s) for s in range(2 * p))
-    makespan = run(schedule, F / 2, B / 2).makespan_ms
+    makespan = simulated(schedule, F / 2, B / 2).summary.makespan_ms
     assert m * (F + B) <= makespan < m * (F + B) + (p - 1) * (F + B) / 2
     torch_sched._dump_csv(tmp_path / "lowered.csv", "compute_comms")
     assert from_torch_csv((tmp_path / "lowered.csv").read_text(), cls.__name__).orders == schedule.orders
@@ -239,17 +231,13 @@ def test_idle_cells_and_comm_actions_are_skipped_and_opt_appended():
     ("1f1b", ["-p", "4", "-m", "8"]),
     ("gpipe", ["-p", "3", "-m", "5"]),
 ])
-def test_cli_export_then_simulate_file_matches_schedule(capsys, tmp_path, name, args):
+def test_cli_export_then_simulate_file_matches_schedule(tmp_path, name, args):
     out = tmp_path / f"{name}.csv"
-    code, stdout, _ = pipesim(capsys, "export", "--schedule", name, *args, "--format", "torch-csv", "--out", str(out))
+    code, stdout, _ = pipesim("export", "--schedule", name, *args, "--format", "torch-csv", "--out", str(out))
     assert code == 0 and f"wrote {out}" in stdout
-    costs = ["--fwd", "1,1.5,1" if args[1] == "3" else "1", "--bwd", "2", "--comm", "0.1", "--json"]
-    code, stdout, _ = pipesim(capsys, "simulate", "--schedule", name, *args, *costs)
-    assert code == 0
-    (expected,) = json.loads(stdout)["results"]
-    code, stdout, _ = pipesim(capsys, "simulate", "--schedule-file", str(out), *costs)
-    assert code == 0
-    (got,) = json.loads(stdout)["results"]
+    costs = ["--fwd", "1,1.5,1" if args[1] == "3" else "1", "--bwd", "2", "--comm", "0.1"]
+    (expected,) = simulate_json("--schedule", name, *args, *costs)
+    (got,) = simulate_json("--schedule-file", out, *costs)
     assert got["schedule"] == name
     assert got["makespan_ms"] == pytest.approx(expected["makespan_ms"])
     assert got["bubble_fraction"] == pytest.approx(expected["bubble_fraction"])
@@ -274,9 +262,9 @@ def csv_file(tmp_path):
     (lambda f, d: ["simulate", "--schedule-file", f, "--fwd", "1,2,3"], "one per model stage (2 in"),
     (lambda f, d: ["simulate", "--schedule-file", f"{d}/missing.csv"], "--schedule-file: cannot read"),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(capsys, tmp_path, csv_file, make_args, fragment):
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, csv_file, make_args, fragment):
     before = sorted(p.name for p in tmp_path.iterdir())
-    code, _, err = pipesim(capsys, *make_args(str(csv_file), str(tmp_path)))
+    code, _, err = pipesim(*make_args(str(csv_file), str(tmp_path)))
     assert code == 2
     assert fragment in err
     assert "Traceback" not in err and err.strip().count("\n") == 0
@@ -289,10 +277,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, tmp_path, csv_file, make_a
     ("", "empty schedule file"),
     ("0F0,0B0\n1B0,1F0\n", "the order deadlocks"),
 ])
-def test_cli_bad_schedule_file(capsys, tmp_path, content, fragment):
+def test_cli_bad_schedule_file(tmp_path, content, fragment):
     path = tmp_path / "s.csv"
     path.write_text(content)
-    code, _, err = pipesim(capsys, "simulate", "--schedule-file", str(path))
+    code, _, err = pipesim("simulate", "--schedule-file", str(path))
     assert code == 2 and fragment in err
     assert err.strip().count("\n") == 0
 

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from pipesim.planning import tune as tuning
+from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.schema import load_profile
-from pipesim.cli import profile_scenario
 from pipesim.schedules import METHODS
 from pipesim.sim import simulate
-from pipesim.planning import tune as tuning
 from pipesim.traces import summarize
-from tests.helpers import pipesim
+from tests.conftest import pipesim
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
@@ -171,8 +172,8 @@ def test_staleness_limit():
     assert any(row.why.startswith("staleness 1 > 0") for row in synchronous.excluded)
 
 
-def test_cli_table_explains_each_runner_up(capsys):
-    code, out, err = pipesim(capsys, "tune", "--profile", str(GPT), "--devices", "8", "--memory-gb", "0.3")
+def test_cli_table_explains_each_runner_up():
+    code, out, err = pipesim("tune", "--profile", str(GPT), "--devices", "8", "--memory-gb", "0.3")
     assert code == 0, err
     assert "best" in out and "pipedream" in out
     assert "over memory: 0.41 GiB > 0.3 GiB" in out  # data parallelism alone would be faster, but does not fit
@@ -180,8 +181,8 @@ def test_cli_table_explains_each_runner_up(capsys):
     assert "pruned by the throughput bound" in out
 
 
-def test_cli_json_is_the_search_result(capsys):
-    code, out, err = pipesim(capsys, "tune", "--profile", str(CNN), "-D", "4", "--memory-gb", "0.05", "--json")
+def test_cli_json_is_the_search_result():
+    code, out, err = pipesim("tune", "--profile", str(CNN), "-D", "4", "--memory-gb", "0.05", "--json")
     assert code == 0, err
     doc = json.loads(out)
     profile = load_profile(CNN)
@@ -209,8 +210,8 @@ def test_cli_json_is_the_search_result(capsys):
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "1e300"], "at most 1,048,576"),
     (["--profile", "missing.json", "--devices", "4"], "cannot read profile missing.json"),
 ])
-def test_bad_input_is_one_line_exit_2(capsys, args, fragment):
-    code, out, err = pipesim(capsys, "tune", *args)
+def test_bad_input_is_one_line_exit_2(args, fragment):
+    code, out, err = pipesim("tune", *args)
     assert code == 2 and fragment in err, err
     assert err.strip().count("\n") == 0 and "Traceback" not in err
 

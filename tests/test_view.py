@@ -6,15 +6,13 @@ import numpy as np
 import pytest
 from plotly.offline import get_plotlyjs
 
-from pipesim.schedules import ScheduleParams, build_schedule
-from pipesim.sim import Cluster, Costs, simulate
-from pipesim.traces.metrics import MIB
 from pipesim.traces.view import timeline_figure, write_html
+from pipesim.units import MIB
+from tests.conftest import run
 
 
 def _trace(name, p, m, n=1, comm=0.1):
-    costs = Costs.per_stage(p, fwd_ms=1, bwd_ms=2, param_mb=100, activation_mb=10, output_mb=1)
-    return simulate(build_schedule(name, ScheduleParams(p, m, n)), costs, Cluster.uniform(p, comm))
+    return run(name, p, m, n, comm=comm, param_mb=100, activation_mb=10, output_mb=1).trace
 
 
 @pytest.fixture(scope="module")

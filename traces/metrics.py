@@ -6,10 +6,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .trace import STREAMS, Trace
-
-MIB = 1 << 20
-_COMPUTE = STREAMS.index("compute")
+from ..units import MIB
+from .trace import Stream, Trace
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ def summarize(trace: Trace) -> Summary:
     ops = trace.ops
     ends_us = ops.end_us
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
-    compute = ops.stream == _COMPUTE
+    compute = ops.stream == Stream.COMPUTE
 
     by_device = np.argsort(ops.device, kind="stable")  # simulated traces are grouped already: cheap
     bounds = np.searchsorted(ops.device[by_device], np.arange(trace.num_devices + 1))
@@ -111,7 +109,7 @@ def summarize(trace: Trace) -> Summary:
     done_us = np.full(minibatches, -np.inf)
     np.maximum.at(done_us, ops.minibatch[compute], ends_us[compute])
     per_minibatch_us = (done_us[-1] - done_us[0]) / (minibatches - 1) if minibatches > 1 else makespan_us
-    samples = trace.meta.get("microbatches", 1) * trace.meta.get("microbatch_size", 1) * trace.meta.get("pipelines", 1)
+    samples = trace.meta.samples_per_minibatch
 
     f_code, weight_kinds = trace.kind_code("F"), [trace.kind_code(k) for k in ("B", "I", "W")]
     staleness = ops.minibatch - ops.version
@@ -140,7 +138,7 @@ def summarize(trace: Trace) -> Summary:
     ]
 
     return Summary(
-        schedule=str(trace.meta.get("schedule", "?")),
+        schedule=trace.meta.schedule,
         makespan_ms=makespan_us / 1e3,
         time_per_minibatch_ms=per_minibatch_us / 1e3,
         samples_per_s=samples / (per_minibatch_us / 1e6) if per_minibatch_us > 0 else 0.0,

@@ -11,14 +11,36 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-SCHEMA_VERSION = 1
-STREAMS = ("compute", "send", "recv")
+SCHEMA_VERSION = 2
+
+
+class Stream(IntEnum):
+    """Where an op runs on its device (the Chrome trace's `tid`): compute, or the send or receive stream."""
+
+    COMPUTE = 0
+    SEND = 1
+    RECV = 2
+
+    @classmethod
+    def of_kind(cls, kind: str) -> Stream:
+        """The schema's rule: a kind named SEND_* runs on the send stream, RECV_* on the receive stream,
+        every other kind on the compute stream."""
+        return cls.SEND if kind.startswith("SEND") else cls.RECV if kind.startswith("RECV") else cls.COMPUTE
+
+    @classmethod
+    def of_kinds(cls, kinds: tuple[str, ...]) -> np.ndarray:
+        """Per kind code, its stream: index it with a kind column to get the stream column."""
+        return np.array([cls.of_kind(k) for k in kinds], dtype=np.int64)
+
+
+STREAMS = tuple(s.name.lower() for s in Stream)
 
 _INT_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer", "version",
                 "prediction")
@@ -86,21 +108,76 @@ class Counter:
         )
 
 
+@dataclass
+class TraceMeta:
+    """What a trace describes, the same for predicted and measured runs, so either can be compared with
+    the other or re-simulated.
+
+    `params`: the schedule's build parameters; `placement` (stage -> device) and `stage_edges` its stage
+    graph; `policy`: its weight policy as data. A prediction records its per-stage `costs` and `cluster`;
+    a measurement its `hardware` (devices, backend, threads). `complete` is false when a run stopped
+    early, `failed_rank` then names the rank that failed, if one did. `extra` holds what a source adds
+    (a measured run's losses, say).
+    """
+
+    source: Literal["predicted", "measured"]
+    schedule: str
+    params: dict[str, Any]
+    microbatches: int
+    minibatches: int
+    pipelines: int
+    microbatch_size: int
+    placement: list[int]
+    stage_edges: list[list[int]]
+    policy: dict[str, Any]
+    tool: str
+    costs: list[dict[str, Any]] | None = None
+    cluster: dict[str, Any] | None = None
+    hardware: dict[str, Any] | None = None
+    jitter: float = 0.0
+    seed: int = 0
+    complete: bool = True
+    failed_rank: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_minibatch(self) -> int:
+        return self.microbatches * self.microbatch_size * self.pipelines
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> TraceMeta:
+        """Check a stored document field by field; TraceError names the first field that is wrong."""
+        from pydantic import TypeAdapter, ValidationError
+
+        if not isinstance(doc, dict):
+            raise TraceError("pipesim header: meta must be an object")
+        unknown = sorted(set(doc) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TraceError(f"pipesim header: meta: unknown field {unknown[0]!r}")
+        try:
+            return TypeAdapter(cls).validate_json(json.dumps(doc), strict=True)  # JSON types, no coercion
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(map(str, err["loc"]))
+            raise TraceError(f"pipesim header: meta.{where}: {err['msg']}") from None
+
+
 @dataclass(eq=False)
 class Trace:
     """What happened (or is predicted to happen), when, on which weights, with how much memory.
 
     counters: name -> one Counter per device. Known names: `memory_bytes`, `activations` (micro-batches
     whose activations are held), `weight_versions` (copies of one stage's weights held).
-    meta: the run's description: `source` ("simulated" or "measured"), `schedule`, its parameters,
-    costs, hardware, tool version; `incomplete` is true when a run stopped early.
     """
 
     kinds: tuple[str, ...]
     num_devices: int
     ops: Ops
+    meta: TraceMeta
     counters: dict[str, list[Counter]] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -133,8 +210,9 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
     for d in range(trace.num_devices):
         events.append({"ph": "M", "name": "process_name", "pid": d, "args": {"name": f"device {d}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": d, "args": {"sort_index": d}})
-        for tid, stream in enumerate(STREAMS):
-            events.append({"ph": "M", "name": "thread_name", "pid": d, "tid": tid, "args": {"name": stream}})
+        for stream in Stream:
+            events.append({"ph": "M", "name": "thread_name", "pid": d, "tid": int(stream),
+                           "args": {"name": STREAMS[stream]}})
     ops = trace.ops
     columns = {name: getattr(ops, name).tolist() for name in _INT_COLUMNS + _FLOAT_COLUMNS}
     for i in range(len(ops)):
@@ -161,7 +239,7 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
             "streams": list(STREAMS),
             "num_devices": trace.num_devices,
             "counters": list(trace.counters),
-            "meta": trace.meta,
+            "meta": trace.meta.to_dict(),
         },
     }
 
@@ -175,13 +253,14 @@ def from_chrome(doc: Any) -> Trace:
         raise TraceError("not a pipesim trace: the top-level 'pipesim' key is missing")
     if head.get("schema_version") != SCHEMA_VERSION:
         raise TraceError(
-            f"trace schema_version {head.get('schema_version')!r} is not supported (this pipesim reads {SCHEMA_VERSION})"
+            f"trace schema_version {head.get('schema_version')!r} is not supported (this pipesim reads "
+            f"{SCHEMA_VERSION})"
         )
     try:
         kinds = tuple(head["kinds"])
         num_devices = int(head["num_devices"])
         counter_names = list(head["counters"])
-        meta = dict(head["meta"])
+        meta = head["meta"]
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceError(f"pipesim header: missing or malformed field {exc}") from None
     if tuple(head.get("streams", ())) != STREAMS:
@@ -215,7 +294,7 @@ def from_chrome(doc: Any) -> Trace:
             times, values = samples.get((name, d), ([], []))
             per_device.append(Counter(np.asarray(times, dtype=np.float64), np.asarray(values)))
         counters[name] = per_device
-    return Trace(kinds, num_devices, ops, counters, meta)
+    return Trace(kinds, num_devices, ops, TraceMeta.from_dict(meta), counters)
 
 
 def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:

@@ -15,8 +15,9 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative, sample_colorscale
 from plotly.subplots import make_subplots
 
-from .metrics import MIB, summarize
-from .trace import STREAMS, Trace, write_atomic
+from ..units import MIB
+from .metrics import summarize
+from .trace import STREAMS, Stream, Trace, write_atomic
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
 KIND_COLORS = {
@@ -48,13 +49,13 @@ def _lanes(trace: Trace) -> tuple[np.ndarray, list[float], list[str]]:
     """
     ops = trace.ops
     present = np.zeros((trace.num_devices, len(STREAMS)), dtype=bool)
-    present[:, STREAMS.index("compute")] = True
+    present[:, Stream.COMPUTE] = True
     present[ops.device, ops.stream] = True
     devices, streams = np.nonzero(present)  # device-major, compute lane first
     positions = np.arange(len(devices)) + _DEVICE_GAP * devices
     lane_y = np.full(present.shape, np.nan)
     lane_y[devices, streams] = positions
-    labels = [f"device {d}" if STREAMS[s] == "compute" else f"device {d} {STREAMS[s]}"
+    labels = [f"device {d}" if s == Stream.COMPUTE else f"device {d} {STREAMS[s]}"
               for d, s in zip(devices.tolist(), streams.tolist())]
     return lane_y, positions.tolist(), labels
 

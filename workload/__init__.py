@@ -1,2 +1,3 @@
-"""The torch workload layer shared by calibration and the executor: models, optimizers with their weight
-prediction and elastic averaging, and point-to-point transports. Never imports the simulator."""
+"""The torch workload layer shared by calibration and the executor: models (models.py), optimizers with their
+weight prediction and elastic averaging (optim.py), and point-to-point transports (transport.py). Never imports
+the simulator."""

@@ -1,0 +1,168 @@
+"""`pipesim calibrate`: measure a torch model into a profile. The only command that imports torch, and only
+once it runs."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from ..units import GIB, KIB, MIB
+from .common import InputError, check_memory_gb, check_writable, fail, is_given, stderr, stdout
+
+
+def calibrate(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(
+        "--model", help="mlp, cnn, gpt, two-branch, or package.module:attribute naming a torch.nn.Sequential, a list "
+                        "of modules, or a zero-argument callable returning one.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write (replaced atomically).")],
+    stages: Annotated[int, typer.Option(
+        "--stages", "-p", min=1, help="Pipeline stages p to partition the layers into.")] = 2,
+    microbatch_size: Annotated[int, typer.Option(
+        "--microbatch-size", "-b", min=1, help="Samples per micro-batch.")] = 8,
+    device: Annotated[str | None, typer.Option(
+        "--device", help="cpu or cuda (default: cuda when torch sees a GPU).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
+    memory_gb: Annotated[float | None, typer.Option(
+        "--memory-gb", help="Per-device memory cap in GiB for the partition (1F1B: weights, gradients, optimizer "
+                            "state, in-flight activations).")] = None,
+    optimizer: Annotated[str, typer.Option(
+        "--optimizer", help="Optimizer whose state the memory cap counts: sgd, momentum, adam, adamw.")] = "adam",
+    layers: Annotated[int | None, typer.Option(
+        "--layers", help="Built-in models: layers (blocks; per branch for two-branch).")] = None,
+    width: Annotated[int | None, typer.Option(
+        "--width", help="Built-in models: hidden width (channels for cnn and two-branch).")] = None,
+    heads: Annotated[int | None, typer.Option("--heads", help="gpt: attention heads.")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="gpt: sequence length.")] = None,
+    vocab: Annotated[int | None, typer.Option("--vocab", help="gpt: vocabulary size.")] = None,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", min=1, help="Timed runs per measurement, and rounds over the link sizes (the median is "
+                                 "kept).")] = 10,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed runs before them.")] = 2,
+    links: Annotated[bool, typer.Option(
+        "--links/--no-links", help="Measure the point-to-point link and the all-reduce between two local "
+                                   "ranks.")] = True,
+    link_max_mb: Annotated[float, typer.Option(
+        "--link-max-mb", help="Largest link message in MiB (powers of two from 4 KiB).")] = 64.0,
+) -> None:
+    """Measure a model on this machine into a profile for `pipesim simulate --profile`.
+
+    Per layer: forward, backward and its input/weight-gradient split, saved activations, output, weight,
+    gradient and optimizer-state bytes. Per stage of the partition: optimizer, weight-prediction and
+    averaging steps. And the p2p link (a piecewise fit) and all-reduce between two ranks.
+    """
+    from ..profiles.partition import PartitionError
+    from ..profiles.schema import OPTIMIZERS, profile_json
+    from ..traces import write_atomic
+
+    try:
+        check_writable("--out", out)
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
+        if optimizer not in OPTIMIZERS:
+            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+        check_memory_gb(memory_gb)
+        if not links and is_given(ctx, "link_max_mb"):
+            raise InputError("--link-max-mb sizes the link measurement, which --no-links skips: give one")
+        if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
+            raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
+                             f"4096 MiB (got {link_max_mb})")
+        from ..calibrate.links import LinkError
+        from ..calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
+        from ..calibrate.measure import calibrate as run_calibration
+        from ..profiles.linkfit import default_sizes
+        from ..workload.models import ModelError, build_model
+
+        try:
+            settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats)
+            net = build_model(model, layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
+            if stages > len(net.layers):
+                raise InputError(f"--stages {stages}: {net.name} has {len(net.layers)} layers; give at most "
+                                 f"{len(net.layers)} (each stage needs at least one layer)")
+            sizes = default_sizes(int(link_max_mb * MIB)) if links else []
+            work = warmup + repeats + 5 * stages + (2 * (repeats + 1) if sizes else 0)
+            with _steps(work, f"calibrating {net.name}") as advance:
+                profile = run_calibration(
+                    net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
+                    memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance)
+        except (ModelError, DeviceError, PartitionError, LinkError) as exc:
+            raise InputError(str(exc)) from None
+        except (MemoryError, RuntimeError) as exc:  # the model or its batch does not fit in memory
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            if not isinstance(exc, MemoryError) and not any(w in first_line.lower() for w in ("alloc", "memory")):
+                raise
+            raise InputError(f"{model} does not fit in memory at micro-batch size {microbatch_size}: "
+                             f"{first_line}; make it smaller (--width, --layers, --microbatch-size)") from None
+        except OSError as exc:
+            raise InputError(f"calibration failed: {exc}") from None
+        try:
+            write_atomic(out, profile_json(profile))
+        except OSError as exc:
+            raise InputError(f"cannot write output: {exc.filename}: {exc.strerror}") from None
+    except InputError as exc:
+        fail(str(exc))
+    _print_profile(profile)
+    stdout.print(f"wrote {out}", highlight=False)
+
+
+@contextmanager
+def _steps(total: int, title: str):
+    """A progress bar on an interactive terminal over `total` units of work; yields `advance(what)`, called
+    as each unit starts."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
+        task = bar.add_task(title, total=total)
+        started = 0
+
+        def advance(what: str) -> None:
+            nonlocal started
+            bar.update(task, completed=min(started, total), description=f"{title}: {what}")
+            started += 1
+
+        yield advance
+
+
+def _print_profile(profile) -> None:
+    """Per stage: layers, times, the backward's split, memory; then the link fit and all-reduce points."""
+    env = profile.environment
+    table = Table(title=f"{profile.model.name} on {env.device_name} ({env.device}, {env.dtype}, micro-batch "
+                        f"{env.microbatch_size}), partitioned for {profile.partition.optimizer}",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  caption="per micro-batch; I/W: input- and weight-gradient passes of the split backward; "
+                          "peak: 1F1B estimate (weights, grads, optimizer state, activations in flight)",
+                  caption_justify="left")
+    for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "W share", "act MiB", "params MiB",
+                   "peak MiB"):
+        table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
+    for k, stage in enumerate(profile.stages):
+        first, stop = stage.layers
+        table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:.3f}",
+                      f"{stage.bwd_ms:.3f}", f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
+                      f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
+                      f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
+    stdout.print(table)
+    if profile.link is None:
+        stdout.print("links: not measured (--no-links)", highlight=False)
+        return
+    meta = profile.link.meta
+    lines = [f"from {_size(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us + {s.bytes_per_ms / 1e6:.3g} GB/s"
+             for s in profile.link.segments]
+    stdout.print(f"p2p link fit ({meta.get('backend')}, {meta.get('device')}): " + "; ".join(lines), highlight=False)
+    points = profile.allreduce.points
+    stdout.print(f"all-reduce ({profile.allreduce.world_size} ranks): " + ", ".join(
+        f"{_size(p.nbytes)} {p.ms:.3g} ms" for p in (points[0], points[len(points) // 2], points[-1])),
+        highlight=False)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,157 @@
+"""What the commands share: the consoles, the one-line error exit, checks of flag values and output paths,
+progress bars, the options several commands declare word for word, and the Scenario their cost flags
+describe. Imports only typer and rich at start-up, so every command starts fast."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from ..planning.scenario import Scenario
+    from ..profiles.schema import Profile
+
+stdout = Console(width=None if sys.stdout.isatty() else 120)  # pipes and CI logs get full rows
+stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+# Options `simulate` and `sweep` share word for word.
+WgradFraction = Annotated[float, typer.Option(
+    "--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward "
+                                               "schedules).")]
+HeldOptimizer = Annotated[str, typer.Option(
+    "--optimizer", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")]
+MicrobatchSize = Annotated[int, typer.Option(
+    "--microbatch-size", min=1, help="Samples per micro-batch (for samples/s).")]
+BlockingComm = Annotated[bool, typer.Option(
+    "--blocking-comm", help="Sends block the compute stream until they finish.")]
+
+
+class InputError(Exception):
+    """Bad input found by the CLI itself; reported as one line with exit code 2."""
+
+
+def fail(message: str) -> NoReturn:
+    stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # keep [..] text
+    raise SystemExit(2)
+
+
+def parse_numbers(flag: str, text: str) -> list[float]:
+    """One number or a comma-separated list of them, each finite and >= 0."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise InputError(f"{flag}: expected a number or comma-separated numbers, got {text!r}") from None
+        if not value >= 0 or value == float("inf"):
+            raise InputError(f"{flag}: values must be finite and >= 0, got {part.strip()!r}")
+        values.append(value)
+    return values
+
+
+def is_given(ctx: typer.Context, name: str) -> bool:
+    """Whether the user set option `name` (rather than it taking its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
+def check_writable(flag: str, path: Path | None) -> None:
+    """Refuse an output path before any work is done, so nothing is half-written later."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InputError(f"{flag}: {path} is a directory; give a file path")
+    if not parent.is_dir():
+        raise InputError(f"{flag}: cannot write {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"{flag}: cannot write {path}: folder {parent} is not writable")
+
+
+MAX_MEMORY_GB = 1 << 20  # a PiB per device: beyond any machine, and safely inside an int64 of bytes
+
+
+def check_memory_gb(memory_gb: float | None) -> None:
+    if memory_gb is not None and not 0 < memory_gb <= MAX_MEMORY_GB:
+        raise InputError(f"--memory-gb: give GiB per device, more than 0 and at most {MAX_MEMORY_GB:,} "
+                         f"(got {memory_gb})")
+
+
+def progress(items: Iterable, quiet: bool, total: int | None = None):
+    """Iterate with a transient progress bar on an interactive terminal (simulations can take seconds); `total`
+    counts the items of an iterator."""
+    total = len(items) if total is None else total
+    if quiet or not stderr.is_terminal or total < 2:
+        yield from items
+        return
+    from rich.progress import track
+
+    yield from track(items, total=total, description="simulating", console=stderr, transient=True)
+
+
+def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None, **overrides) -> Scenario:
+    """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
+    share; `overrides` replace their values), checked before any work."""
+    from ..planning.scenario import Scenario
+    from ..sim import OPTIMIZER_STATE_FACTOR, load_cluster
+
+    flags = {**ctx.params, **overrides}
+    per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
+                 for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
+    if flags["optimizer"] not in OPTIMIZER_STATE_FACTOR:
+        raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {flags['optimizer']!r})")
+    comm_ms = parse_numbers("--comm", flags["comm"])
+    if len(comm_ms) != 1:
+        raise InputError("--comm: give one number of milliseconds")
+    topology = None
+    if flags["cluster"] is not None:
+        if is_given(ctx, "comm"):
+            raise InputError("--comm and --cluster both describe links: give one")
+        topology = load_cluster(flags["cluster"])
+        if flags["blocking_comm"]:
+            topology = replace(topology, overlap_comm=False)
+    graph = flags.get("graph")
+    return Scenario(
+        per_stage, flags["wgrad_fraction"], flags["opt"], flags["pred"], flags["avg"], flags["optimizer"],
+        flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology,
+        load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None,
+        _load_graph(graph) if graph is not None else None, per, source)
+
+
+PROFILE_COSTS = ("fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb", "output_mb",
+                 "microbatch_size", "graph")
+
+
+def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
+    """The --profile file. It fixes the costs, sizes and (when it measured them) links, so flags that set
+    those would be silently ignored: refuse them instead."""
+    from ..profiles.schema import ProfileError, load_profile
+
+    try:
+        measured = load_profile(path)
+    except ProfileError as exc:
+        raise InputError(f"--profile: {exc}") from None
+    fixed = [*PROFILE_COSTS, *(("comm", "cluster") if measured.link else ())]
+    clash = [f"--{name.replace('_', '-')}" for name in fixed if is_given(ctx, name)]
+    if clash:
+        raise InputError(f"{', '.join(clash)}: the profile {path} gives the costs, sizes, stage graph"
+                         f"{' and links' if measured.link else ''}; drop these flags")
+    return measured
+
+
+def _load_graph(path: Path):
+    from ..schedules import ScheduleError
+    from ..schedules.graph import load_graph
+
+    try:
+        return load_graph(path)
+    except ScheduleError as exc:
+        raise InputError(f"--graph: {exc}") from None

@@ -1,0 +1,181 @@
+"""`pipesim sweep`: a grid of configurations simulated in parallel, and the Pareto fronts of the results."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from .common import (
+    BlockingComm,
+    HeldOptimizer,
+    InputError,
+    MicrobatchSize,
+    WgradFraction,
+    check_writable,
+    fail,
+    progress,
+    scenario_from_flags,
+    stdout,
+)
+
+
+def sweep(
+    ctx: typer.Context,
+    schedule: Annotated[str | None, typer.Option(
+        "--schedule", "-s", help="Methods, comma-separated (default: all).")] = None,
+    stages: Annotated[str | None, typer.Option(
+        "--stages", "-p", help="Pipeline depths p, comma-separated (default: 4, or the profile's).")] = None,
+    microbatches: Annotated[str | None, typer.Option(
+        "--microbatches", "-m", help="Micro-batches per mini-batch m, comma-separated (default: 8).")] = None,
+    chunks: Annotated[str | None, typer.Option(
+        "--chunks", "-v", help="Chunks per device v, comma-separated; only interleaved and V schedules read them "
+                               "(default: each method's).")] = None,
+    pipelines: Annotated[str | None, typer.Option(
+        "--pipelines", "-P", help="Parallel pipelines P, comma-separated; only avgpipe reads them (default: "
+                                  "2).")] = None,
+    cost_scale: Annotated[str | None, typer.Option(
+        "--cost-scale", help="Factors on every compute time, comma-separated: a faster or slower accelerator on the "
+                             "same links (default: 1).")] = None,
+    grid: Annotated[Path | None, typer.Option(
+        "--grid", help="TOML file giving axes by these flags' names, e.g. stages = [4, 8] and cost-scale = [0.5, "
+                       "1].")] = None,
+    minibatches: Annotated[int, typer.Option(
+        "--minibatches", "-n", min=1, help="Mini-batches N per run (several, so time per mini-batch is the steady "
+                                           "state).")] = 4,
+    fwd: Annotated[str, typer.Option(
+        "--fwd", help="Forward ms per micro-batch of the whole model, split evenly over each configuration's p·v model "
+                      "stages (every configuration trains the same model).")] = "4",
+    bwd: Annotated[str, typer.Option(
+        "--bwd", help="Full backward ms per micro-batch of the whole model (split likewise).")] = "8",
+    wgrad_fraction: WgradFraction = 0.5,
+    opt: Annotated[float, typer.Option(
+        "--opt", min=0.0, help="Optimizer step ms of the whole model (split likewise).")] = 0.4,
+    pred: Annotated[float | None, typer.Option(
+        "--pred", min=0.0, help="Weight prediction (PRED) ms of the whole model (split likewise; default: "
+                                "--opt).")] = None,
+    avg: Annotated[float | None, typer.Option(
+        "--avg", min=0.0, help="Elastic averaging (AVG) ms of the whole model per pipeline (split likewise; averaging "
+                               "P pipelines' replicas takes P times it; default: --opt).")] = None,
+    comm: Annotated[str, typer.Option(
+        "--comm", help="Ms per activation or gradient transfer between devices (no contention).")] = "0.1",
+    cluster: Annotated[Path | None, typer.Option(
+        "--cluster", help="Cluster JSON (devices, links, shared resources); replaces --comm.")] = None,
+    profile: Annotated[Path | None, typer.Option(
+        "--profile", help="Profile from `pipesim calibrate`: its layers cut into each configuration's stages give the "
+                          "costs, sizes and links.")] = None,
+    param_mb: Annotated[str, typer.Option(
+        "--param-mb", help="Parameter MiB of the whole model (split likewise).")] = "1024",
+    activation_mb: Annotated[str, typer.Option(
+        "--activation-mb", help="Activation MiB a micro-batch saves in the whole model (split likewise).")] = "256",
+    output_mb: Annotated[str, typer.Option("--output-mb", help="MiB a stage sends to the next per micro-batch.")] = "8",
+    optimizer: HeldOptimizer = "adam",
+    microbatch_size: MicrobatchSize = 1,
+    blocking_comm: BlockingComm = False,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", help="Run the tasks on the Ray cluster at this address instead (auto, ray://host:10001, or local to "
+                      "start one); needs pipesim[ray].")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); replaced "
+                            "atomically.")] = None,
+    html: Annotated[Path | None, typer.Option(
+        "--html", help="Write the trade-off view: time per mini-batch vs peak memory, staleness as colour, the Pareto "
+                       "fronts (self-contained HTML).")] = None,
+) -> None:
+    """Simulate a grid of configurations in parallel; find the Pareto fronts of time, memory and staleness.
+
+    Axes are comma lists, or a TOML file (--grid).
+    A configuration a method cannot run is a row with status "skipped" and the reason.
+    One front per p, cost scale and mini-batch size (m·P): only the same work on the same hardware competes.
+    Costs are the whole model's, split over each configuration's stages (default: the built-in example's).
+    """
+    from importlib.util import find_spec
+
+    from ..planning.sweep import AXES, Grid, GridError, load_grid, pareto_front, parse_axis, run, write_results
+    from ..schedules import METHODS
+    from ..sim import ClusterError
+
+    try:
+        check_writable("--out", out)
+        check_writable("--html", html)
+        if out is not None and out.suffix not in (".csv", ".parquet"):
+            raise InputError(f"--out: give a .csv or .parquet file (got {out})")
+        if out is not None and out.suffix == ".parquet" and find_spec("pyarrow") is None:
+            raise InputError("--out: writing Parquet needs pyarrow, which is not installed: pip install pyarrow "
+                             "(or give a .csv file)")
+        if ray is not None and find_spec("ray") is None:
+            raise InputError("--ray: Ray is not installed: pip install 'pipesim[ray]'")
+        if ray is not None and workers is not None:
+            raise InputError("--workers sizes the local process pool, --ray runs on the cluster's CPUs: give one")
+        axes = load_grid(grid) if grid is not None else {}
+        for key in AXES:
+            text = ctx.params[key.replace("-", "_")]
+            if text is not None and key in axes:
+                raise InputError(f"--{key} and --grid both give {key}: give one")
+            if text is not None:
+                axes[key] = parse_axis(key, text)
+        scenario = scenario_from_flags(ctx, "model")
+        lists = [flag for flag, values in scenario.per_stage.items() if len(values) > 1]
+        if lists:
+            raise InputError(f"{lists[0]}: give one number, the whole model's; the stage count varies across a "
+                             "sweep, so one value per stage fits no grid (--profile gives per-layer costs)")
+        configs = Grid(
+            axes.get("schedule", tuple(METHODS)),
+            axes.get("stages", (scenario.measured.partition.stages if scenario.measured else 4,)),
+            axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
+            axes.get("cost-scale", (1.0,))).configs()
+        results = [None] * len(configs)
+        for i, result in progress(run(scenario, configs, workers or os.cpu_count() or 1, ray), False, len(configs)):
+            results[i] = result
+        front = pareto_front(results)
+        if out is not None:
+            write_results(results, out)
+        if html is not None:
+            from ..planning.sweep import write_tradeoff_html
+
+            write_tradeoff_html(results, front, html)
+    except (InputError, GridError, ClusterError) as exc:
+        fail(str(exc))
+    except ConnectionError as exc:  # Ray could not reach the cluster
+        fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+    except OSError as exc:
+        fail(f"cannot write output: {exc.filename}: {exc.strerror}")
+    _print_front(results, front)
+    for path in (out, html):
+        if path is not None:
+            stdout.print(f"wrote {path}", highlight=False)
+
+
+FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html have them all
+
+
+def _print_front(results: list, front: list[int]) -> None:
+    """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first."""
+    from ..planning.sweep import front_group
+
+    skipped = sum(r.metrics is None for r in results)
+    table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
+                        f"mini-batch size: {len(front)} of {len(results) - skipped} configurations that ran "
+                        f"({skipped} skipped)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  caption=f"and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
+                  if len(front) > FRONT_ROWS else None, caption_justify="left")
+    table.add_column("schedule", no_wrap=True)
+    for header in ("p", "m", "v", "P", "cost×", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
+        table.add_column(header, justify="right", no_wrap=True)
+    group = None
+    for i in front[:FRONT_ROWS]:
+        c, m = results[i].config, results[i].metrics
+        if group is not None and group != front_group(c):
+            table.add_section()
+        group = front_group(c)
+        table.add_row(c.schedule, str(c.stages), str(c.microbatches), str(c.chunks), str(c.pipelines),
+                      f"{c.cost_scale:g}", f"{m.time_per_minibatch_ms:.3f}", f"{m.samples_per_s:,.1f}",
+                      f"{m.bubble_fraction:.1%}", f"{m.peak_memory_mb:,.0f}", str(m.max_staleness))
+    stdout.print(table)
+

@@ -1,0 +1,141 @@
+"""`pipesim tune`: the fastest schedule, shape and partition for a profiled model under a memory cap."""
+
+from __future__ import annotations
+
+import json
+import sys
+from itertools import pairwise
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from ..units import GIB
+from .common import InputError, check_memory_gb, fail, load_profile_flag, stdout
+
+
+def tune(
+    ctx: typer.Context,
+    profile: Annotated[Path, typer.Option(
+        "--profile", help="Profile from `pipesim calibrate`: the model's layers, link and all-reduce, measured at its "
+                          "micro-batch size b.")],
+    devices: Annotated[int, typer.Option(
+        "--devices", "-D", min=1, help="Devices D: r = D/p data-parallel replicas of a p-deep pipeline (p divides "
+                                       "D).")],
+    memory_gb: Annotated[float | None, typer.Option(
+        "--memory-gb", help="Memory cap per device, GiB. Default: the profiled device's memory (or the calibration's "
+                            "cap).")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", "-B", min=1, help="Samples per optimizer step over all devices, a multiple of b. Default: "
+                                          "4·D·b, so a p-deep pipeline runs m = 4p micro-batches (GPipe's "
+                                          "rule for a small bubble).")] = None,
+    schedule: Annotated[list[str] | None, typer.Option(
+        "--schedule", "-s", help="Candidate method (repeat; see `pipesim schedules`). Default: all.")] = None,
+    max_staleness: Annotated[int, typer.Option(
+        "--max-staleness", min=0, help="Largest staleness allowed. Default 1: PipeDream-2BW's one-step delay, shown to "
+                                       "train like synchronous SGD; 0 keeps synchronous semantics.")] = 1,
+    max_chunks: Annotated[int, typer.Option(
+        "--max-chunks", min=1, help="Largest v tried: model chunks per device (interleaved and V schedules).")] = 4,
+    max_pipelines: Annotated[int, typer.Option(
+        "--max-pipelines", min=1, help="Largest P tried: pipelines sharing the devices (avgpipe).")] = 4,
+    optimizer: Annotated[str, typer.Option(
+        "--optimizer", help="Optimizer whose state is held and whose step is timed: sgd, momentum, adam, "
+                            "adamw.")] = "adam",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+) -> None:
+    """Pick the fastest schedule, depth p, micro-batches m, chunks v, pipelines P and layer partition for a
+    profiled model on D devices under a per-device memory cap.
+
+    The problem: B samples per optimizer step (--batch-size) on D devices of G GiB (--memory-gb); the
+    profile's micro-batch size b stays fixed (its times hold at b). The devices run r = D/p data-parallel
+    replicas of a p-deep pipeline, whose P pipelines each run m = B/(r·P·b) micro-batches per step (whole).
+    Maximise samples/s with every device's peak memory <= G and staleness <= --max-staleness; ties go to
+    less memory, then less staleness. Each stage all-reduces its gradients over the r replicas before its
+    update (a ring scaled from the profile's 2-rank all-reduce, not overlapped with the backward). The
+    layers are split into p·v stages by the memory-capped partitioner with the schedule's own memory model.
+
+    The search bounds before it simulates: staleness and a memory floor from the schedule alone, a
+    throughput bound from the busiest device's compute; the choice and its five runners-up are exact.
+    """
+    from ..planning.scenario import profile_scenario
+    from ..planning.tune import Problem, TuneError
+    from ..planning.tune import tune as search
+    from ..schedules import METHODS, ScheduleError
+    from ..sim import OPTIMIZER_STATE_FACTOR, CostError, SimulationError
+
+    try:
+        schedule = [name.strip() for given in schedule or () for name in given.split(",")]  # as sweep takes them
+        unknown = [name for name in schedule if name not in METHODS]
+        if unknown:
+            raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+        if optimizer not in OPTIMIZER_STATE_FACTOR:
+            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
+        check_memory_gb(memory_gb)
+        measured = load_profile_flag(ctx, profile)
+        env = measured.environment
+        if memory_gb is None and not (env.memory_cap_bytes or env.device_memory_bytes):
+            raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; give the cap")
+        b = env.microbatch_size
+        batch = batch_size if batch_size is not None else 4 * devices * b
+        if batch % b:
+            raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
+                             "(its times were measured at that size)")
+        problem = Problem(devices, int(memory_gb * GIB) if memory_gb is not None else
+                          env.memory_cap_bytes or env.device_memory_bytes, batch,
+                          tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
+                          max_pipelines)
+        tuning = search(profile_scenario(measured, optimizer), problem)
+    except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
+        fail(str(exc))
+    if as_json:
+        sys.stdout.write(json.dumps(tuning.to_dict(), indent=2) + "\n")
+        return
+    _print_tuning(tuning, measured)
+
+
+
+def _print_tuning(tuning, measured) -> None:
+    """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost."""
+    from ..planning.tune import memory_text
+
+    problem, env, stats = tuning.problem, measured.environment, tuning.stats
+    table = Table(title=f"{measured.model.name} on {problem.devices} x {env.device_name} ({env.device}), "
+                        f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples "
+                        f"(micro-batch {env.microbatch_size}), staleness <= {problem.max_staleness}",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
+                  caption="p: devices per pipeline (D/p replicas), v: chunks per device, P: pipelines, m: "
+                          "micro-batches per pipeline and step; bubble: 1 - mean compute / step time; ms/step: the "
+                          "busiest device's compute per step")
+    for header in ("", "schedule", "p", "v", "P", "m", "samples/s", "bubble", "peak", "stale", "why not"):
+        table.add_column(header, justify="left" if header in ("schedule", "why not") else "right",
+                         no_wrap=header != "why not")
+
+    def add(mark: str, row, style: str | None = None) -> None:
+        c, result = row.result.config, row.result
+        same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
+        table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), str(c.pipelines), str(c.microbatches),
+                      f"{result.samples_per_s:,.1f}", f"{result.bubble_fraction:.0%}",
+                      memory_text(result.peak_memory_bytes), str(result.staleness),
+                      "; ".join(filter(None, (row.why, same))), style=style)
+
+    add("best", tuning.choice, style="bold")
+    for rank, row in enumerate(tuning.runners_up, 2):
+        add(str(rank), row)
+    if tuning.excluded:
+        table.add_section()
+        for row in tuning.excluded:
+            add("over", row, style="dim")
+    stdout.print(table)
+    bounds = tuning.choice.result.candidate.bounds
+    stdout.print("partition (layers per model stage): " + " | ".join(
+        f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; all-reduce "
+        f"{tuning.choice.result.candidate.allreduce_ms:,.1f} ms per step", highlight=False)
+    stdout.print(f"searched {stats.configurations} configurations ({stats.refused} more shapes refused by their "
+                 f"method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by their memory floor "
+                 f"({stats.simulated_over_limits} of them simulated to show what the limits cost), {stats.pruned} "
+                 f"pruned by the throughput bound, {stats.simulated} simulated; {stats.seconds:.2f} s",
+                 highlight=False)
+    for note in tuning.notes:
+        stdout.print(f"note: {note}", highlight=False)

@@ -1,0 +1,144 @@
+"""What a simulation needs besides its schedule's shape: costs, links and a stage DAG, from what-if numbers,
+a cluster file, a stage-graph file or a calibration profile.
+
+`pipesim simulate`, the sweep's worker processes and the tuner all build their schedules, costs and links
+here, so they agree by construction. Torch-free and typer-free: a sweep worker that unpickles a Scenario
+imports the simulator and nothing of the command line. The profile schema is imported only by the functions
+that read a profile: building its models is a noticeable share of `simulate`'s start-up, which a run without
+a profile skips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..profiles.partition import partition
+from ..schedules import Schedule, ScheduleParams, StageGraph
+from ..schedules.catalogue import method_named
+from ..sim import Cluster, CostError, Costs, Link, StageCosts
+
+if TYPE_CHECKING:
+    from ..profiles.schema import Profile
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the cost flags, --cluster, --profile and --graph describe, apart from the schedule's shape: one
+    picklable value, so `sweep`'s worker processes build exactly the schedules, costs and links `simulate`
+    builds."""
+
+    per_stage: dict[str, list[float]]  # by flag: --fwd, --bwd, --param-mb, --activation-mb, --output-mb
+    wgrad_fraction: float
+    opt_ms: float
+    pred_ms: float | None
+    avg_ms: float | None  # one pipeline's replica
+    optimizer: str
+    microbatch_size: int
+    comm_ms: float
+    overlap_comm: bool
+    topology: Cluster | None = None  # --cluster
+    measured: Profile | None = None  # --profile
+    dag: tuple | None = None  # --graph: (StageGraph, placement)
+    per: str = "stage"  # what --fwd, --bwd, --param-mb, --activation-mb describe: see `costs`
+    source: Path | None = None  # the schedule file, named in errors
+
+    def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None) -> Schedule:
+        """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
+        the profile's model cut into p stages (at `bounds` if given)."""
+        method = method_named(name)
+        if method.on_graph is None or not (self.dag or self.measured):
+            return method.build(params)
+        if self.dag:
+            return method.on_graph(replace(params, stages=self.dag[0].num_stages), *self.dag)
+        return method.on_graph(params, profile_graph(self.measured, params.stages, bounds))
+
+    def costs(self, sched: Schedule, bounds: Sequence[int] | None = None) -> Costs:
+        """Per-model-stage costs. The flags' values are per model "stage", or one "device"'s share of the model
+        split over its chunks (the built-in example: every method trains the same model), or the whole
+        "model" split over all stages (a sweep, where the stage count varies too)."""
+        n = sched.num_stages
+        if self.measured is not None:
+            cut = list(bounds) if bounds is not None else profile_bounds(self.measured, n)
+            return profile_costs(self.measured, self.optimizer, cut, dag=sched.graph.edges != StageGraph.chain(n).edges)
+        share = {"stage": 1.0, "device": sched.num_devices / n, "model": 1.0 / n}[self.per]
+        values = {flag: given if flag == "--output-mb" else [v * share for v in given]
+                  for flag, given in self.per_stage.items()}
+        for flag, given in values.items():
+            if len(given) not in (1, n):
+                where = f"in {self.source}" if self.source else f"for {sched.method}"
+                raise CostError(f"{flag}: {len(given)} values given; give one, or one per model stage ({n} {where})")
+
+        def shared(ms: float | None) -> float | None:  # an update's work scales with the stage's weights
+            return None if ms is None else ms * share
+
+        return Costs.per_stage(
+            n, fwd_ms=values["--fwd"], bwd_ms=values["--bwd"], wgrad_fraction=self.wgrad_fraction,
+            opt_ms=shared(self.opt_ms), pred_ms=shared(self.pred_ms), avg_ms=shared(self.avg_ms),
+            param_mb=values["--param-mb"],
+            activation_mb=values["--activation-mb"], output_mb=values["--output-mb"], optimizer=self.optimizer,
+            microbatch_size=self.microbatch_size)
+
+    def links(self, sched: Schedule) -> Cluster:
+        if self.topology is not None:
+            return self.topology
+        if self.measured is not None and self.measured.link:
+            return profile_cluster(self.measured, sched.num_devices, self.overlap_comm)
+        return Cluster.uniform(sched.num_devices, self.comm_ms, overlap_comm=self.overlap_comm)
+
+
+def profile_scenario(measured: Profile, optimizer: str) -> Scenario:
+    """The Scenario of a profile alone: its layers give every cost and size, its link (if measured) the
+    transfers; the what-if fields are unused."""
+    return Scenario(per_stage={}, wgrad_fraction=0.5, opt_ms=0.0, pred_ms=None, avg_ms=None, optimizer=optimizer,
+                    microbatch_size=measured.environment.microbatch_size, comm_ms=0.0, overlap_comm=True,
+                    measured=measured)
+
+
+def profile_bounds(measured: Profile, num_stages: int) -> list[int]:
+    """The profile's own partition for its stage count; other counts re-partition its layers for time
+    alone (the calibration's memory cap planned for its own stage count, so it is not applied here)."""
+    from ..profiles.schema import layer_costs
+
+    if num_stages == measured.partition.stages:
+        return measured.partition.bounds
+    if num_stages > len(measured.layers):
+        raise CostError(f"--profile: the schedule has {num_stages} model stages but the profile's model has "
+                        f"{len(measured.layers)} layers; lower --stages or --chunks")
+    return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages)
+
+
+def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | None = None) -> StageGraph:
+    """The stage DAG of the profile's model cut into `num_stages` (at `bounds`, default `profile_bounds`; a
+    chain unless its layers branch)."""
+    from ..profiles.schema import stage_edges
+
+    cut = list(bounds) if bounds is not None else profile_bounds(measured, num_stages)
+    return StageGraph(num_stages, tuple(stage_edges(measured.layers, cut)))
+
+
+def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag: bool = False) -> Costs:
+    """Costs of the profile's layers cut into stages at `bounds` (linked as a chain, or by their own edges
+    when `dag`), with `optimizer`'s update and prediction."""
+    from ..profiles.schema import stages_for
+
+    return Costs(tuple(StageCosts(
+        fwd_ms=s.fwd_ms, bwd_ms=s.bwd_ms, igrad_ms=s.igrad_ms, wgrad_ms=s.wgrad_ms, wgrad_fraction=s.wgrad_fraction,
+        opt_ms=s.steps[optimizer].step.median_ms, pred_ms=s.steps[optimizer].predict.median_ms,
+        avg_ms=s.average.median_ms, param_bytes=s.param_bytes, activation_bytes=s.activation_bytes,
+        output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer])
+        for s in stages_for(measured, list(bounds), dag=dag)), microbatch_size=measured.environment.microbatch_size)
+
+
+def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool) -> Cluster:
+    """Every device pair gets the measured p2p link, a resource of its own (transfers on one link queue);
+    the devices are named, with their memory (or the calibration's cap), in the trace's metadata."""
+    env = measured.environment
+    segments = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in measured.link.segments)
+    pairs = {(a, b): Link(resource=f"link {a}->{b}", segments=segments)
+             for a in range(num_devices) for b in range(num_devices) if a != b}
+    memory = env.memory_cap_bytes or env.device_memory_bytes
+    return Cluster(num_devices, Link(segments=segments), pairs, (env.device_name,) * num_devices,
+                   (memory,) * num_devices, overlap_comm)

@@ -1,0 +1,169 @@
+"""Lower a schedule for a runtime: per device, the ordered rows it walks, with nothing priced yet.
+
+The rows are the schedule's actions with every cross-device transfer made explicit (`add_communication`),
+and, per row, what a runtime needs to know besides time: the weight version a compute row reads and how
+far its weights are predicted, the weight copies taken and freed, and a transfer id that pairs each SEND
+with its RECV. The simulator prices these rows; the executor runs them. Pure numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
+from .ir import Kind, Schedule, ScheduleError
+from .passes import communication_table
+from .table import NUM_COMPUTE_KINDS, ActionTable, kind_mask
+
+
+def preflight(schedule: Schedule, *, dry_run: bool = False) -> None:
+    """Raise ScheduleError unless the schedule is complete and no device waits on itself.
+
+    The vectorised local-order check leaves one failure a runtime can meet: devices waiting on each other's
+    transfers. `dry_run` proves that cannot happen too (the executor, where a stall costs a timeout); without
+    it the dry run explains a failed local check only (the simulator, which finds a stall at the end of its
+    run and explains it with `validate`)."""
+    check_complete(schedule)
+    if dry_run or not local_order_ok(schedule):
+        validate(schedule)
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One direction of a stage-graph edge between two devices: activations flow from `edge[0]` to
+    `edge[1]`, input gradients back. `producer` made the tensor (a gradient has its activation's size)."""
+
+    edge: tuple[int, int]
+    backward: bool
+    src_device: int
+    dst_device: int
+
+    @property
+    def producer(self) -> int:
+        return self.edge[0]
+
+    @property
+    def sender(self) -> int:
+        """The stage whose device sends."""
+        return self.edge[1] if self.backward else self.edge[0]
+
+    @property
+    def receiver(self) -> int:
+        return self.edge[0] if self.backward else self.edge[1]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A schedule's rows, grouped by device in the order each device runs them (device d: rows
+    `bounds[d]:bounds[d+1]`).
+
+    Per row: `origin`, the schedule action it came from (its index in `schedule.table`; -1 for an inserted
+    SEND or RECV); `version`, the weight version a compute row reads (-1 for OPT and transfers);
+    `prediction`, the distance s its weights are predicted over (-1: not predicted); `copies_delta`, the
+    change at the row's end in versions of its stage held besides the current one (+1 at an update whose
+    old version a later row still reads, -1 after a version's last read); `held_after`, the largest
+    number of weight copies of one stage its device holds after it (transfers keep the level before them);
+    `transfer`, the id a SEND shares with its RECV (-1 for compute): channel c, unit u (micro-batch,
+    mini-batch, pipeline) is `c * units + u`.
+    """
+
+    schedule: Schedule
+    table: ActionTable
+    origin: np.ndarray
+    bounds: np.ndarray
+    version: np.ndarray
+    prediction: np.ndarray
+    copies_delta: np.ndarray
+    held_after: np.ndarray
+    transfer: np.ndarray
+    channels: tuple[Channel, ...]
+    units: int
+
+    @property
+    def is_compute(self) -> np.ndarray:
+        return self.table.kind < NUM_COMPUTE_KINDS
+
+    @property
+    def is_send(self) -> np.ndarray:
+        return kind_mask(self.table.kind, Kind.SEND_F, Kind.SEND_B)
+
+    def rows(self, device: int) -> range:
+        return range(int(self.bounds[device]), int(self.bounds[device + 1]))
+
+    def channel_of(self, transfer: np.ndarray) -> np.ndarray:
+        return np.asarray(transfer) // self.units
+
+
+def lower(schedule: Schedule) -> Lowered:
+    """The schedule's rows for a runtime (see `Lowered`); assumes `preflight` passed."""
+    t, origin = communication_table(schedule)
+    versions = weight_versions(schedule)
+    n = len(t.kind)
+    rows = np.arange(n)
+
+    def scatter(values: np.ndarray, fill: int) -> np.ndarray:
+        return np.where(origin >= 0, values[np.maximum(origin, 0)], fill)
+
+    # A transfer keeps the weight-copy level of the compute row before it on its device (the base level
+    # before any).
+    base = 1 + schedule.policy.extra_copies
+    last_compute = np.maximum.accumulate(np.where(origin >= 0, rows, 0))
+    held = scatter(versions.held_after, base)[last_compute]
+    held = np.where(t.device[last_compute] == t.device, held, base)
+
+    channels, transfer, units = _transfers(schedule, t)
+    bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
+    return Lowered(schedule, t, origin, bounds, scatter(versions.read, -1), scatter(versions.prediction, -1),
+                   scatter(versions.copies_delta, 0), held, transfer, channels, units)
+
+
+def _transfers(schedule: Schedule, t: ActionTable) -> tuple[tuple[Channel, ...], np.ndarray, int]:
+    """The channels and every row's transfer id. Ids come from structure, not matching: a SEND and its RECV
+    name the same edge, direction and unit, so both compute the same dense id."""
+    placement = schedule.placement
+    edges = [e for e in schedule.graph.edges if placement[e[0]] != placement[e[1]]]
+    channels = tuple(Channel(edge, backward, placement[edge[1] if backward else edge[0]],
+                             placement[edge[0] if backward else edge[1]])
+                     for edge in edges for backward in (False, True))
+    units = schedule.microbatches * schedule.minibatches * schedule.pipelines
+    transfer = np.full(len(t.kind), -1, dtype=np.int64)
+    rows = np.flatnonzero(t.kind >= NUM_COMPUTE_KINDS)
+    if len(rows):
+        sending = kind_mask(t.kind[rows], Kind.SEND_F, Kind.SEND_B)
+        forward = kind_mask(t.kind[rows], Kind.SEND_F, Kind.RECV_F)
+        sender = np.where(sending, t.stage[rows], t.peer[rows])
+        receiver = np.where(sending, t.peer[rows], t.stage[rows])
+        p = schedule.num_stages
+        edge_keys = np.array([a * p + b for a, b in edges], dtype=np.int64)
+        by_key = np.argsort(edge_keys)
+        keys = np.where(forward, sender * p + receiver, receiver * p + sender)
+        edge = by_key[np.searchsorted(edge_keys[by_key], keys)]
+        unit = (t.microbatch[rows] * schedule.minibatches + t.minibatch[rows]) * schedule.pipelines + t.pipeline[rows]
+        transfer[rows] = (edge * 2 + ~forward) * units + unit
+    return channels, transfer, units
+
+
+def check_transfer_order(lowered: Lowered) -> None:
+    """Raise ScheduleError unless, on every channel, the sender issues its SENDs in the order the receiver
+    posts the matching RECVs. Then transfers need no tags: a FIFO per channel delivers each where it is
+    expected, and receives can be posted ahead in schedule order. (One FIFO per device pair would not do:
+    a V schedule sends chunk 0's activations and chunk 1's gradients from device 0 to device 1 in an order
+    its neighbour consumes them in another.)"""
+    t, transfer = lowered.table, lowered.transfer
+    rows = np.flatnonzero(transfer >= 0)
+    sending = lowered.is_send[rows]
+    channel = lowered.channel_of(transfer[rows])
+    # Rows are in device order and a channel has one sending and one receiving device, so a stable sort by
+    # channel keeps each side's order.
+    sends = rows[sending][np.argsort(channel[sending], kind="stable")]
+    recvs = rows[~sending][np.argsort(channel[~sending], kind="stable")]
+    wrong = np.flatnonzero(transfer[sends] != transfer[recvs])
+    if len(wrong):
+        send, recv = int(sends[wrong[0]]), int(recvs[wrong[0]])
+        c = lowered.channels[int(lowered.channel_of(transfer[send]))]
+        raise ScheduleError(
+            f"{lowered.schedule.method}: device {c.src_device} sends {_action(t, send)} to device {c.dst_device} "
+            f"when device {c.dst_device} expects {_action(t, recv)}: their order on stage edge {c.edge[0]}->"
+            f"{c.edge[1]} ({'gradients' if c.backward else 'activations'}) crosses")

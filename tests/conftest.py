@@ -1,0 +1,75 @@
+"""Helpers the test modules share, imported as `from tests.conftest import ...`.
+
+- `pipesim(*args)`: the command line run in-process, its output captured: (code, out, err).
+- `simulate_json(*args)`: `pipesim simulate ... --json`, which must succeed: its results.
+- `build(name, p, m, n)`: a method's schedule in its default shape (the V schedules' two chunks, AvgPipe's two
+  pipelines) unless the call overrides it.
+- `simulated(schedule, ...)` and `run(name, p, m, ...)`: simulate with the same costs on every model stage and a
+  uniform link: (schedule, trace, summary).
+
+Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from typing import Any, NamedTuple
+
+import pytest
+
+from pipesim.schedules import METHODS, Schedule, build_schedule
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces import Summary, Trace, summarize
+
+
+class Cli(NamedTuple):
+    code: int
+    out: str
+    err: str
+
+
+def pipesim(*args: Any) -> Cli:
+    """Run the command line in-process: (exit code, stdout, stderr). Arguments may be numbers or paths.
+
+    It captures its own output, so module-scoped fixtures can call it too (capsys is per test)."""
+    from pipesim.cli import main  # not at import: a test module that never runs the CLI does not load it
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    return Cli(exc.value.code, out.getvalue(), err.getvalue())
+
+
+def simulate_json(*args: Any) -> list[dict]:
+    """`pipesim simulate ARGS --json`, which must exit 0: its results, one per schedule."""
+    code, out, err = pipesim("simulate", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)["results"]
+
+
+def build(name: str, p: int, m: int, n: int = 1, **params: Any) -> Schedule:
+    """Method `name` on p devices (p·v model stages), m micro-batches, n mini-batches; `params` (chunks,
+    pipelines, advance, ...) override the method's defaults."""
+    return build_schedule(name, METHODS[name].params(p, m, n, **params))
+
+
+class Run(NamedTuple):
+    schedule: Schedule
+    trace: Trace
+    summary: Summary
+
+
+def simulated(schedule: Schedule, fwd: float = 1.0, bwd: float = 2.0, comm: float = 0.0, **costs: Any) -> Run:
+    """Simulate with `fwd`/`bwd` ms on every model stage (and `costs`: wgrad_fraction, param_mb, ...) and a
+    uniform `comm` ms link between every pair of devices."""
+    per_stage = Costs.per_stage(schedule.num_stages, fwd_ms=fwd, bwd_ms=bwd, **costs)
+    trace = simulate(schedule, per_stage, Cluster.uniform(schedule.num_devices, comm))
+    return Run(schedule, trace, summarize(trace))
+
+
+def run(name: str, p: int, m: int, n: int = 1, *, chunks: int | None = None, fwd: float = 1.0, bwd: float = 2.0,
+        comm: float = 0.0, **costs: Any) -> Run:
+    """`build` then `simulated`: method `name` with p devices and, with `chunks` v, p·v model stages."""
+    return simulated(build(name, p, m, n, chunks=chunks), fwd=fwd, bwd=bwd, comm=comm, **costs)

@@ -1,0 +1,99 @@
+"""The house rules of docs/architecture.md, read off every module's imports (ast), function-level ones too.
+
+The two shared vocabularies (schedules/, traces/) import nothing of ours; profiles are pure data; nothing
+on the simulator's side imports torch; the torch side (workload/, calibrate/, executor/) never imports
+the simulator or the planners. `units` is a leaf of constants anyone may import.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("schedules", "traces", "profiles", "sim", "planning", "workload", "calibrate", "executor", "commands")
+OURS = {*PACKAGES, "cli", "units"}
+
+# package -> import prefixes (ours as "pipesim.x", third-party by name) it must never import, and why.
+FORBIDDEN = {
+    "schedules": ({f"pipesim.{p}" for p in OURS - {"schedules", "units"}} | {"torch", "simpy", "plotly"},
+                  "a shared vocabulary"),
+    "traces": ({f"pipesim.{p}" for p in OURS - {"traces", "units"}} | {"torch", "simpy"}, "a shared vocabulary"),
+    "profiles": ({f"pipesim.{p}" for p in OURS - {"profiles", "units"}} | {"torch", "simpy", "plotly"},
+                 "pure profile data"),
+    "sim": ({"pipesim.planning", "pipesim.workload", "pipesim.calibrate", "pipesim.executor", "pipesim.commands",
+             "pipesim.cli", "torch", "plotly"}, "the simulator never imports torch"),
+    "planning": ({"pipesim.workload", "pipesim.calibrate", "pipesim.executor", "pipesim.commands", "pipesim.cli",
+                  "torch"}, "planning runs on the simulator, without torch"),
+    "workload": ({"pipesim.sim", "pipesim.planning", "pipesim.calibrate", "pipesim.executor", "pipesim.commands",
+                  "pipesim.cli"}, "the torch side never imports the simulator"),
+    "calibrate": ({"pipesim.sim", "pipesim.planning", "pipesim.executor", "pipesim.commands", "pipesim.cli"},
+                  "measurement never imports the simulator"),
+    "executor": ({"pipesim.sim", "pipesim.planning", "pipesim.calibrate.measure", "pipesim.calibrate.links",
+                  "pipesim.commands", "pipesim.cli"}, "the executor never imports the simulator or measurement"),
+    "units": ({f"pipesim.{p}" for p in OURS - {"units"}}, "a leaf"),
+}
+
+
+def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the file, relative ones resolved against its package."""
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    package = ["pipesim", *path.relative_to(ROOT).parent.parts]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found += [(node.lineno, f"{module}.{alias.name}" if node.level and not node.module else module)
+                      for alias in node.names]
+    return found
+
+
+def violations(path: Path, source: str | None = None) -> list[str]:
+    rel = path.relative_to(ROOT)
+    layer = rel.parts[0].removesuffix(".py")
+    if layer not in FORBIDDEN:
+        return []
+    forbidden, why = FORBIDDEN[layer]
+    return [f"{rel}:{line} imports {module} ({layer}: {why})" for line, module in imports(path, source)
+            if any(module == f or module.startswith(f + ".") for f in forbidden)]
+
+
+def modules() -> list[Path]:
+    return sorted(p for name in (*PACKAGES, "units.py") for p in
+                  ((ROOT / name).rglob("*.py") if (ROOT / name).is_dir() else [ROOT / name]) if p.exists())
+
+
+def test_no_module_imports_across_a_forbidden_arrow():
+    found = [v for path in modules() for v in violations(path)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("where,source", [
+    ("workload/models.py", "import pipesim.sim\n"),
+    ("calibrate/links.py", "def f():\n    from ..sim.engine import simulate\n"),
+    ("executor/runtime.py", "from ..calibrate.measure import calibrate\n"),
+    ("schedules/ir.py", "from ..traces import Trace\n"),
+    ("traces/view.py", "from pipesim.schedules import Kind\n"),
+    ("sim/engine.py", "def price():\n    import torch\n"),
+    ("profiles/schema.py", "import simpy\n"),
+])
+def test_the_check_catches_a_forbidden_import(where, source):
+    assert violations(ROOT / where, source), f"{source!r} in {where} went unnoticed"
+
+
+def test_allowed_imports_pass():
+    assert not violations(ROOT / "sim/engine.py", "from ..schedules.lowering import lower\nfrom ..units import MIB\n")
+    assert not violations(ROOT / "workload/optim.py", "from ..profiles.schema import OPTIMIZERS\nimport torch\n")
+
+
+def test_simulate_and_planning_start_without_torch():
+    probe = ("import sys\nimport pipesim.cli, pipesim.commands.simulate, pipesim.planning.scenario, "
+             "pipesim.planning.sweep, pipesim.planning.tune, pipesim.sim, pipesim.traces.view\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'simpy')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert "torch" not in out and "simpy" in out  # the probe ran the imports and saw the simulator's

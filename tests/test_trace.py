@@ -1,0 +1,57 @@
+"""The trace contract: typed metadata and streams, the same for predicted and measured runs."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from pipesim.schedules import KINDS, ScheduleParams, build_schedule
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces import Stream, TraceError, read_trace, write_trace
+
+
+@pytest.fixture(scope="module")
+def predicted():
+    schedule = build_schedule("pipedream", ScheduleParams(3, 2, 3))
+    return simulate(schedule, Costs.per_stage(3, fwd_ms=1, bwd_ms=2, output_mb=1), Cluster.uniform(3, 0.1))
+
+
+def test_streams_follow_the_kinds():
+    assert [Stream.of_kind(k.value) for k in KINDS] == [Stream.COMPUTE] * 7 + [Stream.SEND, Stream.RECV] * 2
+
+
+def test_a_predicted_trace_says_so_and_puts_each_op_on_its_kinds_stream(predicted):
+    assert predicted.meta.source == "predicted" and predicted.meta.complete
+    assert predicted.meta.samples_per_minibatch == 2
+    assert np.array_equal(predicted.ops.stream, Stream.of_kinds(predicted.kinds)[predicted.ops.kind])
+    assert set(predicted.ops.stream.tolist()) == {Stream.COMPUTE, Stream.SEND, Stream.RECV}
+
+
+def test_a_measured_incomplete_trace_round_trips(predicted, tmp_path):
+    measured = dataclasses.replace(predicted, meta=dataclasses.replace(
+        predicted.meta, source="measured", costs=None, cluster=None, complete=False, failed_rank=1,
+        hardware={"device": "cpu", "backend": "gloo", "threads_per_rank": 1},
+        extra={"loss": [2.3, 2.1], "last_action": "1B0.1"}))
+    path = tmp_path / "m.json"
+    write_trace(measured, path)
+    again = read_trace(path)
+    assert again == measured and again.meta.failed_rank == 1 and not again.meta.complete
+
+
+@pytest.mark.parametrize("edit,fragment", [
+    (lambda meta: meta.update(microbatches="2"), "meta.microbatches: Input should be a valid integer"),
+    (lambda meta: meta.update(source="simulated"), "meta.source: Input should be 'predicted' or 'measured'"),
+    (lambda meta: meta.pop("schedule"), "meta.schedule: Field required"),
+    (lambda meta: meta.update(flavour=1), "meta: unknown field 'flavour'"),
+    (lambda meta: meta.update(complete="yes"), "meta.complete: Input should be a valid boolean"),
+])
+def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
+    path = tmp_path / "t.json"
+    write_trace(predicted, path)
+    doc = json.loads(path.read_text())
+    edit(doc["pipesim"]["meta"])
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        read_trace(path)
+

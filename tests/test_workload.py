@@ -1,0 +1,339 @@
+"""The torch workload layer on its own: models, optimizers with their weight prediction and elastic averaging,
+and the point-to-point transports (in-process, and real gloo ranks)."""
+
+from __future__ import annotations
+
+import math
+import random
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pipesim.profiles import schema
+from pipesim.workload.models import BATCH, build_model
+from pipesim.workload.optim import OPTIMIZERS, elastic_average, make_optimizer, predict_weights
+from pipesim.workload.transport import (
+    GlooTransport,
+    HostStagedTransport,
+    InProcessTransport,
+    TransportError,
+    TransportTimeout,
+    choose_transport,
+)
+
+LR = 0.1
+DISTANCES = [0, 1, 3]
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("mlp", {"layers": 2, "width": 16}),
+    ("cnn", {"layers": 2, "width": 4}),
+    ("gpt", {"layers": 1, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32}),
+    ("two-branch", {"layers": 1, "width": 4}),
+])
+def test_each_built_in_model_runs_forward_and_loss_and_backward(name, options):
+    model = build_model(name, **options)
+    batch, target = model.make_batch(3, torch.Generator().manual_seed(0))
+    outputs = {BATCH: batch}
+    for i, layer in enumerate(model.layers):
+        outputs[i] = layer(*[outputs[source] for source in model.inputs[i]])
+    loss = model.loss(outputs[len(model.layers) - 1], target)
+    assert loss.dim() == 0 and math.isfinite(loss.item())
+    loss.backward()
+    params = [p for layer in model.layers for p in layer.parameters()]
+    assert params and all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
+
+
+# ------------------------------------------------------------------------------------------------ optimizers
+
+
+def test_optimizer_names_match_the_profiles():
+    assert OPTIMIZERS == schema.OPTIMIZERS == ("sgd", "momentum", "adam", "adamw")
+
+
+def test_make_optimizer_builds_each_name_with_its_hyperparameters():
+    def group(name, **kw):
+        optimizer = make_optimizer(name, [torch.nn.Parameter(torch.zeros(2))], LR, **kw)
+        return type(optimizer), optimizer.param_groups[0]
+
+    kind, g = group("sgd")
+    assert kind is torch.optim.SGD and g["momentum"] == 0 and g["lr"] == LR
+    kind, g = group("momentum")
+    assert kind is torch.optim.SGD and g["momentum"] == 0.9
+    assert group("momentum", momentum=0.5)[1]["momentum"] == 0.5
+    kind, g = group("adam")
+    assert kind is torch.optim.Adam and g["weight_decay"] == 0
+    kind, g = group("adamw", weight_decay=0.05)
+    assert kind is torch.optim.AdamW and g["weight_decay"] == 0.05
+    with pytest.raises(ValueError, match=r"choose from sgd, momentum, adam, adamw \(got 'lamb'\)"):
+        make_optimizer("lamb", [torch.nn.Parameter(torch.zeros(2))], LR)
+
+
+def _param(*values):
+    return torch.nn.Parameter(torch.tensor(values, dtype=torch.float64))
+
+
+def _train(name, weights, grads, **kw):
+    """`name`'s optimizer over `weights`, stepped once per entry of `grads` (one gradient list per step)."""
+    optimizer = make_optimizer(name, weights, LR, **kw)
+    for step in grads:
+        for w, g in zip(weights, step):
+            w.grad = None if g is None else torch.tensor(g, dtype=torch.float64)
+        optimizer.step()
+    return optimizer
+
+
+def _check(predicted, expected):
+    assert len(predicted) == len(expected)
+    for p, e in zip(predicted, expected):
+        assert p.tolist() == pytest.approx(e, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("s", DISTANCES)
+def test_sgd_predicts_along_the_last_gradient(s):
+    w = _param(1.0, 2.0)
+    optimizer = _train("sgd", [w], [[[0.5, -1.0]]])  # w = [0.95, 2.1], grad still held
+    _check(predict_weights(optimizer, [w], s), [[0.95 - s * 0.1 * 0.5, 2.1 + s * 0.1 * 1.0]])
+    assert w.tolist() == pytest.approx([0.95, 2.1])  # the weights are not touched
+
+
+@pytest.mark.parametrize("s", DISTANCES)
+def test_momentum_predicts_along_the_momentum_buffer(s):
+    w = _param(1.0)
+    optimizer = _train("momentum", [w], [[[0.5]], [[1.0]]])
+    # buffer 0.5, then 0.9 * 0.5 + 1.0 = 1.45; w = 1 - 0.1 * 0.5 - 0.1 * 1.45 = 0.805
+    assert w.item() == pytest.approx(0.805)
+    _check(predict_weights(optimizer, [w], s), [[0.805 - s * 0.1 * 1.45]])
+
+
+def _adam_by_hand(w, grads, decoupled_decay=0.0, betas=(0.9, 0.999), eps=1e-8):
+    """Adam (AdamW with decoupled_decay > 0) on plain floats: the weights after the steps and the last step's
+    direction m_hat / (sqrt(v_hat) + eps) per element."""
+    w, m, v = list(w), [0.0] * len(w), [0.0] * len(w)
+    direction = [0.0] * len(w)
+    for t, g in enumerate(grads, start=1):
+        for i, gi in enumerate(g):
+            w[i] *= 1 - LR * decoupled_decay
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * gi
+            v[i] = betas[1] * v[i] + (1 - betas[1]) * gi * gi
+            direction[i] = (m[i] / (1 - betas[0] ** t)) / (math.sqrt(v[i] / (1 - betas[1] ** t)) + eps)
+            w[i] -= LR * direction[i]
+    return w, direction
+
+
+@pytest.mark.parametrize("s", DISTANCES)
+@pytest.mark.parametrize(("name", "decay"), [("adam", 0.0), ("adamw", 0.01)])
+def test_adam_and_adamw_predict_with_bias_corrected_moments(name, decay, s):
+    grads = [[0.5, -2.0], [-1.0, 0.25], [0.3, 0.0]]
+    w = _param(1.0, -0.5)
+    optimizer = _train(name, [w], [[g] for g in grads])
+    by_hand, direction = _adam_by_hand([1.0, -0.5], grads, decoupled_decay=decay)
+    assert w.tolist() == pytest.approx(by_hand, rel=1e-12)
+    expected = [wi - s * LR * (d + decay * wi) for wi, d in zip(by_hand, direction)]
+    _check(predict_weights(optimizer, [w], s), [expected])
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_weight_with_nothing_to_extrapolate_is_predicted_as_itself(name):
+    fresh, stepped = _param(3.0, 4.0), _param(1.0)
+    optimizer = _train(name, [fresh, stepped], [[None, [1.0]]])  # only `stepped` has a direction
+    predicted = predict_weights(optimizer, [fresh, stepped], 3)
+    assert predicted[0].tolist() == [3.0, 4.0] and predicted[1].item() != stepped.item()
+    before = _train(name, [_param(2.0)], [])  # no step at all
+    assert predict_weights(before, before.param_groups[0]["params"], 3)[0].tolist() == [2.0]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_distance_zero_gives_independent_copies(name):
+    w = _param(1.0, 2.0)
+    optimizer = _train(name, [w], [[[0.5, 0.5]]])
+    (copy,) = predict_weights(optimizer, [w], 0)
+    assert copy.tolist() == w.tolist() and not copy.requires_grad
+    copy.add_(1.0)
+    assert copy.tolist() != w.tolist()
+
+
+def test_prediction_refuses_what_it_has_no_rule_for():
+    w = _param(1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        predict_weights(make_optimizer("sgd", [w], LR), [w], -1)
+    with pytest.raises(TypeError, match="no prediction rule for RMSprop"):
+        predict_weights(torch.optim.RMSprop([w]), [w], 1)
+    with pytest.raises(ValueError, match="nesterov"):
+        predict_weights(torch.optim.SGD([w], lr=LR, momentum=0.9, nesterov=True), [w], 1)
+
+
+def test_elastic_averaging_follows_the_easgd_equations():
+    replicas = [[_param(1.0), _param(0.0, 4.0)], [_param(3.0), _param(2.0, 0.0)]]
+    reference = [_param(0.0), _param(1.0, 1.0)]
+    elastic_average(replicas, reference, 0.25)
+    # X_i -= 0.25 (X_i - R); R += 0.25 * sum_i (X_i - R), differences before anything moves
+    assert [[t.tolist() for t in r] for r in replicas] == [[[0.75], [0.25, 3.25]], [[2.25], [1.75, 0.25]]]
+    assert [t.tolist() for t in reference] == [[1.0], [1.0, 1.5]]
+
+
+def test_elastic_averaging_keeps_the_total_and_checks_its_arguments():
+    gen = torch.Generator().manual_seed(0)
+    replicas = [[torch.randn(5, generator=gen, dtype=torch.float64)] for _ in range(3)]
+    reference = [torch.randn(5, generator=gen, dtype=torch.float64)]
+    total = sum(r[0] for r in replicas) + reference[0]  # what the replicas give up, the reference takes
+    elastic_average(replicas, reference, 0.2)
+    assert torch.allclose(sum(r[0] for r in replicas) + reference[0], total)
+    one, centre = [torch.ones(1)], [torch.zeros(1)]
+    elastic_average([one], centre, 1.0)  # alpha 1 with one replica: the two swap
+    assert (one[0].item(), centre[0].item()) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        elastic_average(replicas, reference, 1.5)
+    with pytest.raises(ValueError, match="hold 1 tensors"):
+        elastic_average([[torch.ones(1), torch.ones(1)]], reference, 0.5)
+
+
+# ------------------------------------------------------------------------------------------------ transports
+
+
+def test_in_process_receives_match_sends_in_order_whatever_order_they_are_waited_on():
+    t0, t1 = InProcessTransport.connected(2)
+    posted = [t1.recv((2,), torch.float32, src=0) for _ in range(4)]
+    sent = [torch.full((2,), float(k)) for k in range(4)]
+    for tensor in sent:
+        assert t0.send(tensor, 1).wait() is None
+    sent[0].fill_(99.0)  # the data left with the send
+    assert [posted[k].wait()[0].item() for k in (3, 1, 0, 2)] == [3.0, 1.0, 0.0, 2.0]
+    assert posted[3].wait()[0].item() == 3.0  # waiting again returns the same tensor
+
+
+def test_in_process_pairs_run_concurrently_and_keep_each_pair_in_order():
+    world, messages = 4, 25
+    transports = InProcessTransport.connected(world, timeout_s=30)
+    got: dict[int, dict[int, list[float]]] = {}
+
+    def rank(r):
+        t = transports[r]
+        peers = [p for p in range(world) if p != r]
+        order = [p for _ in range(messages) for p in peers]  # interleave the peers' receives
+        handles = [t.recv((1,), torch.float64, p) for p in order]
+        for k in range(messages):
+            for p in peers:
+                t.send(torch.tensor([1000.0 * r + k], dtype=torch.float64), p)
+        values = {}
+        for i in random.Random(r).sample(range(len(handles)), len(handles)):  # wait in any order
+            values[i] = handles[i].wait().item()
+        got[r] = {p: [values[i] for i, q in enumerate(order) if q == p] for p in peers}
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(got) == world
+    for r in range(world):
+        for p in range(world):
+            if p != r:
+                assert got[r][p] == [1000.0 * p + k for k in range(messages)]
+
+
+def test_in_process_wait_times_out_naming_the_peer():
+    t0, t1 = InProcessTransport.connected(2, timeout_s=0.05)
+    with pytest.raises(TransportTimeout, match=r"rank 1: receive #0 from rank 0 timed out after 0.05 s"):
+        t1.recv((1,), torch.float32, 0).wait()
+    with pytest.raises(TransportTimeout, match=r"rank 0: receive #0 from rank 1 timed out after 0.01 s"):
+        t0.recv((1,), torch.float32, 1).wait(timeout_s=0.01)
+
+
+def test_in_process_refuses_a_mismatched_tensor_and_bad_peers():
+    t0, t1 = InProcessTransport.connected(2)
+    t0.send(torch.zeros(3), 1)
+    with pytest.raises(TransportError, match=r"posted for \[2\] torch.float32, got \[3\] torch.float32"):
+        t1.recv((2,), torch.float32, 0).wait()
+    with pytest.raises(ValueError, match="another rank"):
+        t0.send(torch.zeros(1), 0)
+    with pytest.raises(ValueError, match="another rank"):
+        t0.recv((1,), torch.float32, 2)
+
+
+def test_choose_transport_follows_device_world_size_and_gpus():
+    cpu = choose_transport("cpu", 4)
+    assert (cpu.kind, cpu.backend, cpu.timer, cpu.device_for(3)) == ("gloo", "gloo", "monotonic", torch.device("cpu"))
+    nccl = choose_transport("cuda", 2, gpus=2)
+    assert (nccl.kind, nccl.backend, nccl.device_for(1)) == ("nccl", "nccl", torch.device("cuda", 1))
+    shared = choose_transport("cuda", 3, gpus=1)
+    assert (shared.kind, shared.backend, shared.host_staged) == ("host-staged", "gloo", True)
+    assert shared.device_for(2) == torch.device("cuda", 0)
+    assert choose_transport("cuda", 2, backend="gloo", gpus=8).kind == "host-staged"
+    with pytest.raises(TransportError, match="sees no GPU"):
+        choose_transport("cuda", 2, gpus=0)
+    with pytest.raises(TransportError, match="one GPU per rank: 4 ranks, 2 GPU"):
+        choose_transport("cuda", 4, backend="nccl", gpus=2)
+    with pytest.raises(TransportError, match="nccl"):
+        choose_transport("cpu", 2, backend="nccl")
+    with pytest.raises(ValueError, match="device must be"):
+        choose_transport("tpu", 2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exchange(rank: int, kind: str, port: int, results) -> None:
+    """One of two real ranks: pre-post receives, send tensors of several shapes and dtypes both ways, then
+    let rank 1 wait on a receive nothing answers."""
+    try:
+        torch.set_num_threads(1)
+        cls = GlooTransport if kind == "gloo" else HostStagedTransport
+        with cls(rank, 2, "cpu", init_method=f"tcp://127.0.0.1:{port}", timeout_s=30) as transport:
+            peer = 1 - rank
+            shapes = [((3,), torch.float32), ((2, 4), torch.float64), ((5,), torch.int64)]
+            posted = [transport.recv(shape, dtype, peer) for shape, dtype in shapes]
+            sends = [transport.send(torch.full(shape, 10.0 * rank + k).to(dtype), peer)
+                     for k, (shape, dtype) in enumerate(shapes)]
+            received = [h.wait() for h in reversed(posted)][::-1]
+            for h in sends:
+                h.wait()
+            timeout = None
+            if rank == 1:
+                try:
+                    transport.recv((1,), torch.float32, 0).wait(timeout_s=0.5)
+                except TransportTimeout as exc:
+                    timeout = str(exc)
+                transport.send(torch.zeros(1), 0).wait()  # now rank 0 may leave
+            else:
+                transport.recv((1,), torch.float32, 1).wait()
+        results.put((rank, [(list(t.shape), str(t.dtype), t.flatten().tolist()) for t in received], timeout))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, f"{type(exc).__name__}: {exc}", None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gloo", "host-staged"])
+def test_two_real_ranks_exchange_tensors_with_pre_posted_receives(kind, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # spawned ranks import this module
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_exchange, args=(rank, kind, port, results), daemon=True) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((rank, (values, timeout)) for rank, values, timeout in (results.get(timeout=120) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        values, timeout = got[rank]
+        peer = 1 - rank
+        assert values == [([3], "torch.float32", [10.0 * peer] * 3),
+                          ([2, 4], "torch.float64", [10.0 * peer + 1] * 8),
+                          ([5], "torch.int64", [10 * peer + 2] * 5)], values
+    assert got[1][1] == "rank 1: receive #3 from rank 0 timed out after 0.5 s"
+    assert [p.exitcode for p in procs] == [0, 0]
