@@ -1,4 +1,4 @@
-"""Every method pipesim knows, by the name the command line uses (DESIGN §7)."""
+"""Every method pipesim knows, by the name the command line uses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .methods import BASELINES, Method, ScheduleParams
 from .rivals import RIVALS
 
 _ALL = {method.name: method for method in (*BASELINES, *RIVALS, *ASYNCHRONOUS, *GRAPH)}
-# The order of DESIGN §7: synchronous methods, then asynchronous ones, then the rest.
+# The order the command line lists them in: synchronous methods, then asynchronous ones, then the rest.
 _ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "pipedream",
           "pipedream-2bw", "spectrain", "pipeoptim", "xpipe", "avgpipe", "graphpipe")
 METHODS: dict[str, Method] = {name: _ALL[name] for name in sorted(_ALL, key=lambda n: (_ORDER + (n,)).index(n))}

@@ -48,7 +48,7 @@ class _Program:
     busy_before_ps: np.ndarray  # per row: compute time of its device's earlier rows
     duration_ps: np.ndarray
     transfer_ps: list[int]  # per transfer id
-    routes: list[tuple[int, ...]]  # per channel: the shared resources its transfers occupy
+    routes: list[tuple[int, ...]]  # per transfer id: the shared resources it occupies (its channel's)
     num_resources: int
     mem_at_start: np.ndarray
     mem_at_end: np.ndarray
@@ -95,6 +95,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         channel_ms.append(link.transfer_ms(size))
         routes.append(() if link.resource is None else (resources.setdefault(link.resource, len(resources)),))
     transfer_ps = np.repeat(_picoseconds(np.asarray(channel_ms)), lowered.units).tolist()
+    routes = [route for route in routes for _ in range(lowered.units)]  # one lookup per transfer when running
     rows = np.flatnonzero(~compute)
     if len(rows):
         sending = stream[rows] == Stream.SEND
@@ -156,12 +157,12 @@ class _Model:
         arrival, waiting, free_at = self.arrival, self.waiting, self.free_at
         done = clock_after.append
         routes, transfer_ps, overlap = self.program.routes, self.program.transfer_ps, self.overlap_comm
-        units = self.program.lowered.units
+        send = int(Stream.SEND)  # a plain int: this loop runs once per transfer
         clock = 0
         for busy_ps, stream, xid in zip(*steps):
             clock += busy_ps
-            if stream == Stream.SEND:
-                route = routes[xid // units]
+            if stream == send:
+                route = routes[xid]
                 if route:  # a shared link: wait until simulated time reaches the send, then queue on it
                     if clock > env.now:
                         yield env.timeout(clock - env.now)
