@@ -258,6 +258,26 @@ def test_in_process_refuses_a_mismatched_tensor_and_bad_peers():
         t0.recv((1,), torch.float32, 2)
 
 
+def test_in_process_channels_are_separate_fifos_between_one_pair():
+    """Two channels from rank 0 to rank 1: each keeps its own order, whatever order the two are consumed in
+    (a V schedule sends one edge's activations and another edge's gradients between the same two ranks)."""
+    t0, t1 = InProcessTransport.connected(2, timeout_s=5)
+    a = [t1.recv((1,), torch.float32, 0, channel=1) for _ in range(3)]
+    b = [t1.recv((1,), torch.float32, 0, channel=2) for _ in range(3)]
+    default = t1.recv((1,), torch.float32, 0)
+    for k in range(3):  # interleaved on the wire, the other way round from the posts
+        t0.send(torch.tensor([20.0 + k]), 1, channel=2)
+        t0.send(torch.tensor([10.0 + k]), 1, channel=1)
+    t0.send(torch.tensor([0.0]), 1)
+    assert [h.wait().item() for h in b] == [20.0, 21.0, 22.0]
+    assert [h.wait().item() for h in a] == [10.0, 11.0, 12.0]
+    assert default.wait().item() == 0.0
+    with pytest.raises(TransportTimeout, match="receive #3 from rank 0 on channel 1 timed out"):
+        t1.recv((1,), torch.float32, 0, channel=1).wait(timeout_s=0.01)
+    with pytest.raises(ValueError, match="channel must be"):
+        t0.send(torch.zeros(1), 1, channel=-1)
+
+
 def test_choose_transport_follows_device_world_size_and_gpus():
     cpu = choose_transport("cpu", 4)
     assert (cpu.kind, cpu.backend, cpu.timer, cpu.device_for(3)) == ("gloo", "gloo", "monotonic", torch.device("cpu"))
@@ -310,6 +330,51 @@ def _exchange(rank: int, kind: str, port: int, results) -> None:
         results.put((rank, [(list(t.shape), str(t.dtype), t.flatten().tolist()) for t in received], timeout))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results.put((rank, f"{type(exc).__name__}: {exc}", None))
+
+
+def _channels(rank: int, port: int, results) -> None:
+    """One of two gloo ranks with two channels 0 -> 1: rank 1 posts channel 2's receives before channel 1's,
+    rank 0 sends channel 1's first; each channel delivers in its own order."""
+    try:
+        torch.set_num_threads(1)
+        with GlooTransport(rank, 2, "cpu", init_method=f"tcp://127.0.0.1:{port}", timeout_s=30,
+                           edges=[(0, 1, 1), (0, 1, 2)]) as transport:
+            if rank == 0:
+                sends = [transport.send(torch.tensor([10.0 * c + k]), 1, channel=c) for c in (1, 2) for k in range(3)]
+                for h in sends:
+                    h.wait()
+                got = None
+            else:
+                posted = {c: [transport.recv((1,), torch.float32, 0, channel=c) for _ in range(3)] for c in (2, 1)}
+                got = {c: [h.wait().item() for h in posted[c]] for c in (2, 1)}
+                try:
+                    transport.send(torch.zeros(1), 0, channel=1)
+                except TransportError as exc:
+                    got["error"] = str(exc)
+        results.put((rank, got))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.slow
+def test_gloo_channels_are_separate_fifos(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # spawned ranks import this module
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_channels, args=(rank, port, results), daemon=True) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert got[1] == {2: [20.0, 21.0, 22.0], 1: [10.0, 11.0, 12.0],
+                      "error": "rank 1: no link 1 -> 0 on channel 1 was opened"}, got
+    assert got[0] is None
 
 
 @pytest.mark.slow

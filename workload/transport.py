@@ -2,8 +2,11 @@
 
 The executor runs one process per device. Each rank walks its action list, posts every receive as soon as the
 schedule says it will come (in schedule order) and waits on it when the data is needed, and issues sends
-without waiting on them. Sends and receives between each ordered pair of ranks match first in, first out, so
-no tags are needed: the k-th receive a rank posts from `src` gets the k-th tensor `src` sends to it.
+without waiting on them. Sends and receives on each channel match first in, first out, so no tags are needed:
+the k-th receive a rank posts from `src` on channel c gets the k-th tensor `src` sends to it on channel c. A
+channel (default 0) is a FIFO of its own between an ordered pair of ranks: the executor opens one per
+direction of each stage-graph edge, since a V schedule sends two edges' tensors from one rank to another in
+an order its peer consumes them in another.
 Calibration measures links through these same classes, so a profile prices the transport the executor uses.
 
 - GlooTransport: CPU tensors over gloo.
@@ -12,8 +15,9 @@ Calibration measures links through these same classes, so a profile prices the t
   CUDA tensors, so tensors go device -> host, over gloo, host -> device.
 - InProcessTransport: ranks that are threads of one process, for tests.
 
-The distributed ones open one process group per directed edge src -> dst: a receive posted from a peer never
-queues in front of a send to that peer, and on NCCL each direction gets its own communicator and stream.
+The distributed ones open one process group per directed edge src -> dst and channel: a receive posted from a
+peer never queues in front of a send to that peer, and on NCCL each direction gets its own communicator and
+stream.
 """
 
 from __future__ import annotations
@@ -37,7 +41,22 @@ KINDS = ("gloo", "nccl", "host-staged")
 BACKENDS = ("auto", "gloo", "nccl")
 
 Edge = tuple[int, int]  # (src, dst) ranks
+Link = tuple[int, int, int]  # (src, dst, channel): one FIFO
+_BOX_LOCK = threading.Lock()  # guards creating in-process mailboxes on first use
 _TIMED_OUT = re.compile(r"timed out|timeout|timing out", re.IGNORECASE)  # how gloo and NCCL word a passed timeout
+
+
+def _link(edge: Edge | Link) -> Link:
+    """(src, dst) -> (src, dst, 0); (src, dst, channel) as ints."""
+    if len(edge) not in (2, 3):
+        raise ValueError(f"an edge is (src, dst) or (src, dst, channel), got {edge!r}")
+    src, dst, *rest = edge
+    return int(src), int(dst), int(rest[0]) if rest else 0
+
+
+def _on(channel: int) -> str:
+    """How an error names a channel (nothing for the default one)."""
+    return f" on channel {channel}" if channel else ""
 
 
 class TransportError(RuntimeError):
@@ -70,12 +89,12 @@ class Transport(ABC):
         self.timeout_s = timeout_s
 
     @abstractmethod
-    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        """Start sending `tensor` to rank `dst`; returns at once."""
+    def send(self, tensor: torch.Tensor, dst: int, channel: int = 0) -> Handle:
+        """Start sending `tensor` to rank `dst` on `channel`; returns at once."""
 
     @abstractmethod
-    def recv(self, shape: Iterable[int], dtype: torch.dtype, src: int) -> Handle:
-        """Post a receive of the next tensor rank `src` sends to this rank; returns at once."""
+    def recv(self, shape: Iterable[int], dtype: torch.dtype, src: int, channel: int = 0) -> Handle:
+        """Post a receive of the next tensor rank `src` sends to this rank on `channel`; returns at once."""
 
     @abstractmethod
     def close(self) -> None:
@@ -125,12 +144,13 @@ class _MailHandle:
     src: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    channel: int = 0
     result: torch.Tensor | None = None
 
     def wait(self, timeout_s: float | None = None) -> torch.Tensor:
         if self.result is not None:
             return self.result
-        me = f"rank {self.transport.rank}: receive #{self.seq} from rank {self.src}"
+        me = f"rank {self.transport.rank}: receive #{self.seq} from rank {self.src}{_on(self.channel)}"
         timeout_s = self.transport.timeout_s if timeout_s is None else timeout_s
         with self.box.ready:
             if not self.box.ready.wait_for(lambda: self.seq in self.box.sent, timeout_s):
@@ -144,10 +164,11 @@ class _MailHandle:
 
 
 class InProcessTransport(Transport):
-    """Ranks that are threads of one process, talking through a mailbox per directed edge. A send copies its
-    tensor, as a real transport's data leaves the sender; a receive checks shape and dtype against the post."""
+    """Ranks that are threads of one process, talking through a mailbox per directed edge and channel (made on
+    first use). A send copies its tensor, as a real transport's data leaves the sender; a receive checks shape
+    and dtype against the post."""
 
-    def __init__(self, rank: int, world_size: int, mailboxes: dict[Edge, _Mailbox], *,
+    def __init__(self, rank: int, world_size: int, mailboxes: dict[Link, _Mailbox], *,
                  device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(rank, world_size, device, timeout_s)
         self._boxes = mailboxes
@@ -156,23 +177,29 @@ class InProcessTransport(Transport):
     def connected(cls, world_size: int, *, device: torch.device | str = "cpu",
                   timeout_s: float = DEFAULT_TIMEOUT_S) -> list[InProcessTransport]:
         """One transport per rank, all connected; hand transports[r] to the thread running rank r."""
-        boxes = {(s, d): _Mailbox() for s in range(world_size) for d in range(world_size) if s != d}
+        boxes: dict[Link, _Mailbox] = {}
         return [cls(rank, world_size, boxes, device=device, timeout_s=timeout_s) for rank in range(world_size)]
 
-    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        box = self._boxes[(self.rank, self._peer(dst))]
+    def _box(self, src: int, dst: int, channel: int) -> _Mailbox:
+        if not isinstance(channel, int) or channel < 0:
+            raise ValueError(f"rank {self.rank}: channel must be a whole number >= 0 (got {channel!r})")
+        with _BOX_LOCK:
+            return self._boxes.setdefault((src, dst, channel), _Mailbox())
+
+    def send(self, tensor: torch.Tensor, dst: int, channel: int = 0) -> Handle:
+        box = self._box(self.rank, self._peer(dst), channel)
         with box.ready:
             box.sent[box.sends] = tensor.detach().clone()
             box.sends += 1
             box.ready.notify_all()
         return _Done()
 
-    def recv(self, shape: Iterable[int], dtype: torch.dtype, src: int) -> Handle:
-        box = self._boxes[(self._peer(src), self.rank)]
+    def recv(self, shape: Iterable[int], dtype: torch.dtype, src: int, channel: int = 0) -> Handle:
+        box = self._box(self._peer(src), self.rank, channel)
         with box.ready:
             seq = box.receives
             box.receives += 1
-        return _MailHandle(self, box, seq, src, tuple(shape), dtype)
+        return _MailHandle(self, box, seq, src, tuple(shape), dtype, channel)
 
     def close(self) -> None:
         """Nothing to release: the mailboxes go with the last transport that holds them."""
@@ -210,23 +237,26 @@ class _WorkHandle:
 
 
 class _DistTransport(Transport):
-    """A transport over torch.distributed, one process group per directed edge.
+    """A transport over torch.distributed, one process group per directed edge and channel.
 
     Joins the job (creates the default process group at `init_method` unless one is up, and then destroys it
     at close) with an explicit timeout. Every rank must construct it with the same `edges` (default: every
-    ordered pair), since creating a group is collective."""
+    ordered pair), since creating a group is collective. An edge is (src, dst), channel 0, or
+    (src, dst, channel)."""
 
     backend: ClassVar[str]
 
     def __init__(self, rank: int, world_size: int, device: torch.device | str, *, init_method: str = "env://",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, edges: Iterable[Edge] | None = None) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, edges: Iterable[Edge | Link] | None = None) -> None:
         super().__init__(rank, world_size, device, timeout_s)
         if edges is None:
             edges = [(s, d) for s in range(world_size) for d in range(world_size) if s != d]
-        edges = sorted({(int(s), int(d)) for s, d in edges})
-        bad = [(s, d) for s, d in edges if s == d or not (0 <= s < world_size and 0 <= d < world_size)]
+        links = sorted({_link(edge) for edge in edges})
+        bad = [(s, d) for s, d, _ in links if s == d or not (0 <= s < world_size and 0 <= d < world_size)]
         if bad:
             raise ValueError(f"edge {bad[0][0]} -> {bad[0][1]} is not between two of {world_size} ranks")
+        if any(c < 0 for *_, c in links):
+            raise ValueError("channels must be whole numbers >= 0")
         timeout = timedelta(seconds=timeout_s)
         self._owns_default = not dist.is_initialized()
         if self._owns_default:
@@ -235,13 +265,13 @@ class _DistTransport(Transport):
         elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
             raise ValueError(f"the process group is up as rank {dist.get_rank()} of {dist.get_world_size()}, "
                              f"not rank {rank} of {world_size}")
-        self._groups: dict[Edge, Any] = {}
-        self._transfers: dict[Edge, int] = {}  # issued per edge, to number them in errors
+        self._groups: dict[Link, Any] = {}
+        self._transfers: dict[Link, int] = {}  # issued per link, to number them in errors
         try:
-            for src, dst in edges:
+            for src, dst, channel in links:
                 group = dist.new_group([src, dst], timeout=timeout, backend=self.backend)
                 if rank in (src, dst):
-                    self._groups[(src, dst)] = group
+                    self._groups[(src, dst, channel)] = group
             self._connect()
         except BaseException:
             self.close()
@@ -250,13 +280,14 @@ class _DistTransport(Transport):
     def _connect(self) -> None:
         """Anything a backend must do before the first transfer (collective over the edges)."""
 
-    def _issue(self, src: int, dst: int) -> tuple[Any, int]:
-        """The edge's process group, and this transfer's number on the edge (from 0)."""
-        if (src, dst) not in self._groups:
-            raise TransportError(f"rank {self.rank}: no link {src} -> {dst} was opened")
-        count = self._transfers.get((src, dst), 0)
-        self._transfers[(src, dst)] = count + 1
-        return self._groups[(src, dst)], count
+    def _issue(self, src: int, dst: int, channel: int) -> tuple[Any, int]:
+        """The link's process group, and this transfer's number on the link (from 0)."""
+        link = (src, dst, channel)
+        if link not in self._groups:
+            raise TransportError(f"rank {self.rank}: no link {src} -> {dst}{_on(channel)} was opened")
+        count = self._transfers.get(link, 0)
+        self._transfers[link] = count + 1
+        return self._groups[link], count
 
     def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
         """What goes on the wire for `tensor`."""
@@ -270,16 +301,17 @@ class _DistTransport(Transport):
         """A landed receive, on the compute device."""
         return buffer
 
-    def send(self, tensor: torch.Tensor, dst: int) -> Handle:
-        group, n = self._issue(self.rank, self._peer(dst))
+    def send(self, tensor: torch.Tensor, dst: int, channel: int = 0) -> Handle:
+        group, n = self._issue(self.rank, self._peer(dst), channel)
         work = dist.isend(self._outgoing(tensor), dst, group=group)
-        return _WorkHandle(work, f"rank {self.rank}: send #{n} to rank {dst}", self.timeout_s, lambda: None)
+        return _WorkHandle(work, f"rank {self.rank}: send #{n} to rank {dst}{_on(channel)}", self.timeout_s,
+                           lambda: None)
 
-    def recv(self, shape: Iterable[int], dtype: torch.dtype, src: int) -> Handle:
-        group, n = self._issue(self._peer(src), self.rank)
+    def recv(self, shape: Iterable[int], dtype: torch.dtype, src: int, channel: int = 0) -> Handle:
+        group, n = self._issue(self._peer(src), self.rank, channel)
         buffer = self._buffer(tuple(shape), dtype)
         work = dist.irecv(buffer, src, group=group)
-        return _WorkHandle(work, f"rank {self.rank}: receive #{n} from rank {src}", self.timeout_s,
+        return _WorkHandle(work, f"rank {self.rank}: receive #{n} from rank {src}{_on(channel)}", self.timeout_s,
                            lambda: self._incoming(buffer))
 
     def close(self) -> None:
@@ -320,7 +352,7 @@ class NcclTransport(_DistTransport):
         wait for a peer that is itself blocked creating another edge's communicator."""
         token = torch.zeros(1, device=self.device)
         timeout = timedelta(seconds=self.timeout_s)
-        for (src, dst), group in sorted(self._groups.items()):
+        for (src, dst, _), group in sorted(self._groups.items()):
             if self.rank == src:
                 dist.isend(token, dst, group=group).wait(timeout)
             else:
@@ -424,10 +456,11 @@ def choose_transport(device: str, world_size: int, *, backend: str = "auto",
 
 def connect(choice: TransportChoice, rank: int, world_size: int, *, local_rank: int | None = None,
             init_method: str = "env://", timeout_s: float = DEFAULT_TIMEOUT_S,
-            edges: Iterable[Edge] | None = None) -> Transport:
+            edges: Iterable[Edge | Link] | None = None) -> Transport:
     """Open `choice`'s transport for `rank`: on its device (`local_rank`, default `rank`, picks the GPU), in a
     default process group (created at `init_method` unless one is up) with one group per edge in `edges`
-    (default: every ordered pair). Every rank calls it with the same arguments but its rank."""
+    ((src, dst) for channel 0 or (src, dst, channel); default: every ordered pair). Every rank calls it with
+    the same arguments but its rank."""
     classes: dict[str, type[_DistTransport]] = {"gloo": GlooTransport, "nccl": NcclTransport,
                                                 "host-staged": HostStagedTransport}
     device = choice.device_for(rank if local_rank is None else local_rank)

@@ -1,0 +1,163 @@
+"""Backward passes of one stage: full (B), and split into an input-gradient half (I) and a weight-gradient
+half (W) that does not redo the input half's work.
+
+Split without recomputation: I walks the graph from the stage's output to its input only, so autograd skips
+every weight-gradient product; on the way it records, at each node of that path that also feeds weights (an
+"anchor": a linear layer's matmul, a norm, a bias add), the gradient arriving at the node. W starts from those
+anchors with the recorded gradients and asks only for the weights, so it runs just the weight-side products.
+Two plain `autograd.grad` calls (one for the input, one for the weights, both from the output) would walk the
+input chain twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+def _grads(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+           grad_outputs: Sequence[torch.Tensor | None], *, retain_graph: bool = False) -> list[torch.Tensor]:
+    grads = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True)
+    return [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads)]
+
+
+def full_backward(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor | None,
+                  weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """B: (gradient of the input, or None when the input needs none; gradients of `weights`). `output` is the
+    stage's output (with `grad_output`) or the last stage's scalar loss (`grad_output` None)."""
+    wants_x = x is not None and x.requires_grad
+    inputs = [*weights, x] if wants_x else list(weights)
+    grads = _grads([output], inputs, [grad_output])
+    return (grads[-1] if wants_x else None), grads[:len(weights)]
+
+
+@dataclass(eq=False)
+class _Group:
+    """Weights whose gradients start from the same anchors, and what I recorded arriving at each anchor."""
+
+    anchors: list[Any]  # autograd Nodes
+    weights: list[int]  # indices into the stage's weights
+    arrived: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+
+
+@dataclass
+class PendingWeightGrad:
+    """What I leaves for W: the anchor groups, or, when the stage has no input gradient to compute, the whole
+    graph (`output`, `grad_output`) for W to walk."""
+
+    groups: list[_Group]
+    output: torch.Tensor | None = None
+    grad_output: torch.Tensor | None = None
+
+
+def _node(t: torch.Tensor) -> Any:
+    return get_gradient_edge(t).node
+
+
+def _anchor_groups(root: Any, x_node: Any, weight_nodes: list[Any]) -> list[_Group] | None:
+    """Group the weights by the nodes of the output-to-input path where their gradients branch off; None when
+    some weight's gradient does not meet that path (W then walks the whole graph)."""
+    children: dict[Any, list[Any]] = {}
+    parents: dict[Any, list[Any]] = {}
+    stack, seen = [root], {root}
+    while stack:
+        node = stack.pop()
+        kids = [fn for fn, _ in node.next_functions if fn is not None]
+        children[node] = kids
+        for kid in kids:
+            parents.setdefault(kid, []).append(node)
+            if kid not in seen:
+                seen.add(kid)
+                stack.append(kid)
+    if x_node not in seen:
+        return None
+    on_path = {x_node}  # nodes the input's gradient flows through: the input's ancestors
+    stack = [x_node]
+    while stack:
+        for parent in parents.get(stack.pop(), ()):
+            if parent not in on_path:
+                on_path.add(parent)
+                stack.append(parent)
+    group_of: dict[Any, _Group] = {}
+    groups: list[_Group] = []
+    for index, weight_node in enumerate(weight_nodes):
+        if weight_node not in seen:
+            continue  # unused weight: its gradient is zero
+        anchors, stack, visited = set(), [weight_node], {weight_node}
+        while stack:  # climb from the weight until the input path is met
+            for parent in parents.get(stack.pop(), ()):
+                if parent in on_path:
+                    anchors.add(parent)
+                elif parent not in visited:
+                    visited.add(parent)
+                    stack.append(parent)
+        if not anchors:
+            return None
+        merged = {id(group_of[a]): group_of[a] for a in anchors if a in group_of}
+        group = _Group(sorted(anchors, key=id), [index])
+        for other in merged.values():
+            group.anchors = list({*group.anchors, *other.anchors})
+            group.weights += other.weights
+            groups = [g for g in groups if g is not other]
+        groups.append(group)
+        for anchor in group.anchors:
+            group_of[anchor] = group
+    return groups
+
+
+def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor | None,
+                   weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, PendingWeightGrad]:
+    """I: the input's gradient, and what W needs to finish the weights' gradients without walking the input
+    chain again."""
+    if x is None or not x.requires_grad:
+        return None, PendingWeightGrad([], output, grad_output)
+    groups = _anchor_groups(output.grad_fn, _node(x), [_node(w) for w in weights]) if output.grad_fn else None
+    if groups is None:
+        dx = _grads([output], [x], [grad_output], retain_graph=True)[0]
+        return dx, PendingWeightGrad([], output, grad_output)
+    handles = []
+    try:
+        for group in groups:
+            group.arrived = [None] * len(group.anchors)
+            for i, anchor in enumerate(group.anchors):
+                def record(grad_outputs: tuple[torch.Tensor | None, ...], group: _Group = group, i: int = i) -> None:
+                    group.arrived[i] = tuple(grad_outputs)
+                handles.append(anchor.register_prehook(record))
+        dx = _grads([output], [x], [grad_output], retain_graph=True)[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dx, PendingWeightGrad(groups)
+
+
+def backward_weight(pending: PendingWeightGrad, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """W: the weights' gradients from what I left."""
+    if pending.output is not None:
+        return _grads([pending.output], list(weights), [pending.grad_output])
+    out: list[torch.Tensor | None] = [None] * len(weights)
+    for group in pending.groups:
+        edges, grads = [], []
+        for anchor, arrived in zip(group.anchors, group.arrived):
+            for nr, grad in enumerate(arrived or ()):
+                if grad is not None:
+                    edges.append(GradientEdge(anchor, nr))
+                    grads.append(grad)
+        handles = []
+        if len(group.anchors) > 1:  # an anchor below another would get the upper one's gradient twice: pin it
+            for anchor, arrived in zip(group.anchors, group.arrived):
+                handles.append(anchor.register_prehook(lambda _, arrived=arrived: arrived))
+        try:
+            mine = [weights[i] for i in group.weights]
+            if edges:
+                found = torch.autograd.grad(edges, mine, grads, allow_unused=True)
+                for i, grad in zip(group.weights, found):
+                    out[i] = grad
+        finally:
+            for handle in handles:
+                handle.remove()
+    pending.groups = []
+    return [torch.zeros_like(w) if g is None else g for w, g in zip(weights, out)]

@@ -1,0 +1,302 @@
+"""The executor trains for real: synchronous methods match single-process training, asynchronous ones match
+an independent reference that applies their weight-version rule, the trace carries the lowering's versions,
+and a split backward (I then W) gives what a full one (B) gives."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from pipesim.executor import (
+    ExecutorError,
+    RunSpec,
+    backward_input,
+    backward_weight,
+    cut,
+    even_bounds,
+    full_backward,
+    microbatch_data,
+    run_in_process,
+    run_multiprocess,
+)
+from pipesim.schedules import ScheduleParams, build_schedule, lower
+from pipesim.workload.models import gpt, mlp
+from pipesim.workload.optim import make_optimizer
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def spec_for(method: str, *, stages: int = 2, chunks: int = 1, m: int = 4, n: int = 3, optimizer: str = "sgd",
+             dtype: str = "float64", layers: int = 7, lr: float = 0.05) -> RunSpec:
+    schedule = build_schedule(method, ScheduleParams(stages=stages, microbatches=m, minibatches=n, chunks=chunks))
+    return RunSpec(schedule, "mlp", {"layers": layers, "width": 16}, microbatch_size=4, optimizer=optimizer,
+                   lr=lr, seed=3, dtype=dtype)
+
+
+def pipeline_weights(result, stages: int) -> list[torch.Tensor]:
+    return [w for k in range(stages) for w in result.weights[(k, 0)]]
+
+
+def single_process(spec: RunSpec) -> tuple[list[torch.Tensor], list[float]]:
+    """Plain training: per mini-batch, m micro-batches' gradients accumulated (loss / m), one optimizer step."""
+    model = spec.build_model()
+    net = nn.Sequential(*model.layers)
+    optimizer = make_optimizer(spec.optimizer, net.parameters(), spec.lr)
+    m, losses = spec.schedule.microbatches, []
+    for b in range(spec.schedule.minibatches):
+        total = 0.0
+        for j in range(m):
+            x, target = microbatch_data(spec, model, b, j)
+            loss = model.loss(net(x), target) / m
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return [p.detach() for p in net.parameters()], losses
+
+
+def versioned_reference(spec: RunSpec, read) -> list[torch.Tensor]:
+    """Asynchronous weight semantics applied mini-batch by mini-batch, without any pipeline: stage k's forward
+    and backward of micro-batch j of mini-batch b both run on stage k's version `read(k, b, j)` (version v =
+    the weights after v updates); after mini-batch b every stage applies its optimizer, on its newest weights,
+    to the gradients summed over b's micro-batches."""
+    model = spec.build_model()
+    schedule = spec.schedule
+    p, m = schedule.num_stages, schedule.microbatches
+    bounds = even_bounds(len(model.layers), p)
+    modules = [nn.Sequential(*model.layers[bounds[k]:bounds[k + 1]]) for k in range(p)]
+    names = [[name for name, _ in mod.named_parameters()] for mod in modules]
+    newest = [[w.detach().clone() for w in mod.parameters()] for mod in modules]
+    optimizers = [make_optimizer(spec.optimizer, ws, spec.lr) for ws in newest]
+    history = [[[w.clone() for w in ws]] for ws in newest]  # history[k][v]
+    for b in range(schedule.minibatches):
+        sums = [[torch.zeros_like(w) for w in ws] for ws in newest]
+        for j in range(m):
+            x, target = microbatch_data(spec, model, b, j)
+            used = [[w.clone().requires_grad_(True) for w in history[k][read(k, b, j)]] for k in range(p)]
+            for k in range(p):
+                x = functional_call(modules[k], dict(zip(names[k], used[k])), (x,))
+            loss = model.loss(x, target) / m
+            grads = torch.autograd.grad(loss, [w for ws in used for w in ws])
+            flat = iter(grads)
+            for k in range(p):
+                for acc in sums[k]:
+                    acc.add_(next(flat))
+        for k in range(p):
+            for w, g in zip(newest[k], sums[k]):
+                w.grad = g
+            optimizers[k].step()
+            history[k].append([w.detach().clone() for w in newest[k]])
+    return [w for ws in newest for w in ws]
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], **tol) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **(tol or TIGHT))
+
+
+SYNCHRONOUS = [("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 2, 2), ("zb-h1", 2, 1), ("zb-h2", 2, 1),
+               ("zb-v", 2, 2), ("dualpipev", 2, 2), ("1f1b", 4, 1), ("zb-h2", 4, 1), ("interleaved-1f1b", 4, 2),
+               ("zb-v", 4, 2), ("dualpipev", 4, 2)]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("method,stages,chunks", SYNCHRONOUS)
+def test_synchronous_methods_train_exactly_like_one_process(method, stages, chunks, optimizer):
+    m = 8 if stages == 4 else 4
+    spec = spec_for(method, stages=stages, chunks=chunks, m=m, n=2 if stages == 4 else 3, optimizer=optimizer)
+    result = run_in_process(spec)
+    want, losses = single_process(spec)
+    assert_same(pipeline_weights(result, spec.schedule.num_stages), want)
+    np.testing.assert_allclose(result.losses[0], losses, rtol=1e-6)  # the loss itself is taken in float32
+
+
+def test_the_trace_carries_the_lowerings_versions_and_the_copies_held():
+    for method in ("pipedream", "pipedream-2bw", "zb-v"):
+        spec = spec_for(method, chunks=2 if method == "zb-v" else 1, m=2, n=4)
+        trace = run_in_process(spec).trace
+        lowered = lower(spec.schedule)
+        assert trace.meta.source == "measured" and trace.meta.schedule == method
+        np.testing.assert_array_equal(trace.ops.version, lowered.version)
+        np.testing.assert_array_equal(trace.ops.prediction, lowered.prediction)
+        assert (trace.ops.dur_us >= 0).all() and (trace.ops.start_us >= 0).all()
+        for d, counter in enumerate(trace.counters["weight_versions"]):
+            rows = lowered.rows(d)
+            compute = lowered.is_compute[rows.start:rows.stop]
+            # what the device really held after each compute row = what the lowering says it must hold
+            np.testing.assert_array_equal(counter.values[1:][compute], lowered.held_after[rows][compute])
+        assert np.isfinite(trace.meta.extra["losses"][0]).all()
+
+
+def pipedream_paper_version(p: int):
+    """PipeDream (one micro-batch per mini-batch): stage k's forward of mini-batch b runs on the newest
+    weights, which have seen the updates of mini-batches 0 .. b-(p-k), i.e. staleness p-1-k; its backward runs
+    on the version stashed at that forward."""
+    return lambda k, b, j: max(0, b - (p - 1 - k))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipedream_weight_stashing_matches_the_papers_version_rule(stages, optimizer):
+    spec = spec_for("pipedream", stages=stages, m=1, n=6, optimizer=optimizer)
+    got = pipeline_weights(run_in_process(spec), stages)
+    assert_same(got, versioned_reference(spec, pipedream_paper_version(stages)))
+    # and stashing matters: training as if synchronous gives other weights
+    sync = versioned_reference(spec, lambda k, b, j: b)
+    assert any(not torch.allclose(a, s) for a, s in zip(got, sync))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("stages,m", [(2, 2), (2, 4), (3, 3)])
+def test_pipedream_2bw_double_buffer_reads_the_previous_minibatchs_weights(stages, m, optimizer):
+    spec = spec_for("pipedream-2bw", stages=stages, m=m, n=5, optimizer=optimizer)
+    got = pipeline_weights(run_in_process(spec), stages)
+    assert_same(got, versioned_reference(spec, lambda k, b, j: max(0, b - 1)))  # W(b-1) for every op of b
+
+
+def test_pipedream_with_several_microbatches_follows_the_latest_at_each_forward():
+    """With m > 1 the newest version changes inside a mini-batch; the reference reads, per forward, the number
+    of the stage's updates that completed before it (counted from the stage's own order), stashed for B."""
+    spec = spec_for("pipedream", stages=2, m=2, n=4)
+    schedule = spec.schedule
+    reads = {}
+    for d, order in enumerate(schedule.orders):
+        updates = {}
+        for action in order:
+            if action.kind.value == "OPT":
+                updates[action.stage] = updates.get(action.stage, 0) + 1
+            elif action.kind.value == "F":
+                reads[(action.stage, action.minibatch, action.microbatch)] = updates.get(action.stage, 0)
+    got = pipeline_weights(run_in_process(spec), 2)
+    assert_same(got, versioned_reference(spec, lambda k, b, j: reads[(k, b, j)]))
+
+
+# --------------------------------------------------------------------------------------------- split backward
+
+
+def _stage_and_input(which: str):
+    torch.manual_seed(1)
+    if which == "mlp":
+        module = nn.Sequential(*mlp(4, 16).layers[:4]).double()
+        x = torch.randn(8, 16, dtype=torch.float64)
+    else:
+        module = nn.Sequential(*gpt(2, 32, 4, 8, 50).layers[1:3]).double()
+        x = torch.randn(2, 8, 32, dtype=torch.float64)
+    names = [name for name, _ in module.named_parameters()]
+    weights = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
+
+    def forward():
+        leaf = x.clone().requires_grad_(True)
+        return leaf, functional_call(module, dict(zip(names, weights)), (leaf,))
+    return forward, weights
+
+
+@pytest.mark.parametrize("which", ["mlp", "gpt"])
+def test_input_then_weight_gradient_equals_a_full_backward(which):
+    forward, weights = _stage_and_input(which)
+    x, out = forward()
+    grad = torch.randn_like(out)
+    dx, dw = full_backward(out, grad, x, weights)
+    x, out = forward()
+    dx_split, pending = backward_input(out, grad, x, weights)
+    assert pending.groups, "the split must start W from I's anchors, not from the output"
+    del out, x
+    dw_split = backward_weight(pending, weights)
+    assert_same([dx_split, *dw_split], [dx, *dw])
+
+
+def _matmuls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
+
+
+def test_split_backward_does_not_recompute_the_input_chain():
+    """I runs only the input-gradient products and W only the weight-gradient ones: I + W do B's matrix
+    products, no more. Prints (I + W) / B for a 4-layer MLP stage, one thread; asserts nothing about time."""
+    torch.manual_seed(0)
+    module = nn.Sequential(*mlp(4, 512).layers[:4])
+    names = [name for name, _ in module.named_parameters()]
+    weights = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
+    x0, grad = torch.randn(64, 512), torch.randn(64, 512)
+
+    def forward():
+        x = x0.clone().requires_grad_(True)
+        return x, functional_call(module, dict(zip(names, weights)), (x,))
+
+    x, y = forward()
+    b_products = _matmuls(partial(full_backward, y, grad, x, weights))
+    x, y = forward()
+    held = {}
+    i_products = _matmuls(partial(lambda y, x: held.update(pending=backward_input(y, grad, x, weights)[1]), y, x))
+    y = None
+    w_products = _matmuls(lambda: backward_weight(held["pending"], weights))
+    assert (i_products, w_products, b_products) == (4, 4, 8)
+
+    def time_b():
+        x, out = forward()
+        t = time.perf_counter()
+        full_backward(out, grad, x, weights)
+        return time.perf_counter() - t
+
+    def time_iw():
+        x, out = forward()
+        t = time.perf_counter()
+        _, pending = backward_input(out, grad, x, weights)
+        del out
+        backward_weight(pending, weights)
+        return time.perf_counter() - t
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(3):
+            time_b(), time_iw()
+        b = float(np.median([time_b() for _ in range(15)]))
+        iw = float(np.median([time_iw() for _ in range(15)]))
+    finally:
+        torch.set_num_threads(threads)
+    print(f"\nsplit backward: B {b * 1e3:.2f} ms, I + W {iw * 1e3:.2f} ms, (I + W) / B = {iw / b:.2f}")
+
+
+def test_zero_bubble_split_gives_the_same_weights_as_full_backward():
+    split = run_in_process(spec_for("zb-h1", m=4, n=2, optimizer="adam"))
+    full = run_in_process(spec_for("1f1b", m=4, n=2, optimizer="adam"))
+    assert_same(pipeline_weights(split, 2), pipeline_weights(full, 2))
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_more_stages_than_layers_and_unsupported_rows_fail_clearly():
+    spec = spec_for("1f1b", stages=4, m=4, n=1, layers=2)
+    with pytest.raises(ExecutorError, match="cannot cut 3 layers into 4 stages"):
+        run_in_process(spec)
+    with pytest.raises(ExecutorError, match="not implemented|not supported"):
+        run_in_process(spec_for("spectrain", m=2, n=2))
+    with pytest.raises(ExecutorError, match="bounds"):
+        cut(RunSpec(spec_for("1f1b").schedule, "mlp", {"layers": 3, "width": 16}, bounds=(0, 4, 4)))
+
+
+# ---------------------------------------------------------------------------------------------- real ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["1f1b", "pipedream"])
+def test_two_gloo_ranks_match_the_in_process_run(method):
+    spec = spec_for(method, m=4 if method == "1f1b" else 2, n=3, optimizer="adam", dtype="float32", lr=0.01)
+    spec = RunSpec(**{**spec.__dict__, "timeout_s": 60.0})
+    real = run_multiprocess(spec, timeout_s=120)
+    local = run_in_process(spec)
+    assert_same(pipeline_weights(real, 2), pipeline_weights(local, 2), rtol=1.3e-6, atol=1e-5)
+    np.testing.assert_allclose(real.losses[0], local.losses[0], rtol=1e-5)
+    assert real.trace.meta.hardware["backend"] == "gloo"
+    np.testing.assert_array_equal(real.trace.ops.version, lower(spec.schedule).version)
