@@ -12,7 +12,17 @@ from rich import box
 from rich.table import Table
 
 from ..units import GIB, KIB, MIB
-from .common import InputError, check_memory_gb, check_writable, fail, is_given, stderr, stdout
+from .common import (
+    InputError,
+    check_memory_gb,
+    check_writable,
+    fail,
+    is_given,
+    require_torch,
+    stderr,
+    stdout,
+    write_error,
+)
 
 
 def calibrate(
@@ -61,6 +71,7 @@ def calibrate(
     from ..traces import write_atomic
 
     try:
+        require_torch("calibrate")
         check_writable("--out", out)
         if dtype not in ("float32", "bfloat16", "float16"):
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
@@ -103,7 +114,7 @@ def calibrate(
         try:
             write_atomic(out, profile_json(profile))
         except OSError as exc:
-            raise InputError(f"cannot write output: {exc.filename}: {exc.strerror}") from None
+            raise InputError(write_error(exc)) from None
     except InputError as exc:
         fail(str(exc))
     _print_profile(profile)

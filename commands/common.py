@@ -25,11 +25,11 @@ stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 # Options `simulate` and `sweep` share word for word.
 WgradFraction = Annotated[float, typer.Option(
     "--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward "
-                                               "schedules).")]
+                                               "schedules).", metavar="F")]
 HeldOptimizer = Annotated[str, typer.Option(
-    "--optimizer", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")]
+    "--optimizer", metavar="NAME", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")]
 MicrobatchSize = Annotated[int, typer.Option(
-    "--microbatch-size", min=1, help="Samples per micro-batch (for samples/s).")]
+    "--microbatch-size", metavar="B", min=1, help="Samples per micro-batch (for samples/s).")]
 BlockingComm = Annotated[bool, typer.Option(
     "--blocking-comm", help="Sends block the compute stream until they finish.")]
 
@@ -64,16 +64,41 @@ def is_given(ctx: typer.Context, name: str) -> bool:
 
 
 def check_writable(flag: str, path: Path | None) -> None:
-    """Refuse an output path before any work is done, so nothing is half-written later."""
+    """Refuse an output path before any work is done, so nothing is half-written later. As `write_atomic`
+    writes: a FIFO, a device or /dev/stdout in place, anything else by replacing the file a symlink points
+    to from a temporary file in that file's folder."""
     if path is None:
         return
-    parent = path.parent if str(path.parent) else Path(".")
+    from ..traces.trace import writes_in_place
+
     if path.is_dir():
         raise InputError(f"{flag}: {path} is a directory; give a file path")
-    if not parent.is_dir():
-        raise InputError(f"{flag}: cannot write {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise InputError(f"{flag}: cannot write {path}: folder {parent} is not writable")
+    if writes_in_place(path):
+        if not os.access(path, os.W_OK):
+            raise InputError(f"{flag}: cannot write {path}: permission denied")
+        return
+    folder = Path(os.path.realpath(path)).parent if path.is_symlink() else path.parent  # where the file is made
+    if not folder.is_dir():
+        raise InputError(f"{flag}: cannot write {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{flag}: cannot write {path}: folder {folder} is not writable")
+
+
+def write_error(exc: OSError) -> str:
+    """The one line for an output that could not be written: the path and why."""
+    return f"cannot write {exc.filename}: {exc.strerror}" if exc.filename else f"cannot write output: {exc}"
+
+
+def require_torch(command: str) -> None:
+    """For the commands that run torch (`calibrate`): torch is an optional extra, `pipesim[torch]`; without it
+    (or with a broken build), say exactly what to install."""
+    hint = "pip install 'pipesim[torch]' (or your CUDA build of torch)"
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:  # not installed; or installed but broken (a missing CUDA library, a mismatched build)
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
+            raise InputError(f"pipesim {command} needs PyTorch: {hint}") from None
+        raise InputError(f"pipesim {command}: PyTorch does not import ({exc}); reinstall it: {hint}") from None
 
 
 MAX_MEMORY_GB = 1 << 20  # a PiB per device: beyond any machine, and safely inside an int64 of bytes

@@ -23,7 +23,9 @@ from .common import (
     is_given,
     progress,
     scenario_from_flags,
+    stderr,
     stdout,
+    write_error,
 )
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "minibatches": 4, "comm": "0.1", "opt": 0.1,
@@ -41,68 +43,78 @@ def simulate(
     ctx: typer.Context,
     schedule: Annotated[list[str] | None, typer.Option(
         "--schedule", "-s", help="Method to simulate (repeat to compare; see `pipesim schedules`). Default: "
-                                 "all.")] = None,
+                                 "all.", metavar="NAME")] = None,
     schedule_file: Annotated[Path | None, typer.Option(
         "--schedule-file", help="Simulate a torch.distributed.pipelining schedule CSV (one row per rank) instead of "
-                                "--schedule.")] = None,
+                                "--schedule.", metavar="CSV")] = None,
     stages: Annotated[int, typer.Option(
-        "--stages", "-p", min=1, help="Pipeline depth p: devices in one pipeline.")] = 4,
+        "--stages", "-p", metavar="P", min=1, help="Pipeline depth p: devices in one pipeline.")] = 4,
     chunks: Annotated[int | None, typer.Option(
         "--chunks", "-v", min=1, help="Model chunks per device v (interleaved / V schedules; p·v model stages). "
-                                      "Default: the method's (2 for V schedules, else 1).")] = None,
+                                      "Default: the method's (2 for V schedules, else 1).", metavar="V")] = None,
     microbatches: Annotated[int, typer.Option(
-        "--microbatches", "-m", min=1, help="Micro-batches per mini-batch m.")] = 8,
+        "--microbatches", "-m", metavar="M", min=1, help="Micro-batches per mini-batch m.")] = 8,
     minibatches: Annotated[int, typer.Option(
-        "--minibatches", "-n", min=1, help="Mini-batches (optimizer steps) N.")] = 1,
+        "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N.")] = 1,
     pipelines: Annotated[int | None, typer.Option(
-        "--pipelines", "-P", min=1, help="Parallel pipelines P sharing the devices (avgpipe; default 2).")] = None,
+        "--pipelines", "-P", min=1, metavar="P", help="Parallel pipelines P sharing the devices (avgpipe; default "
+                                                      "2).")] = None,
     advance: Annotated[int | None, typer.Option(
-        "--advance", min=0, help="avgpipe: forwards beyond 1F1B's warm-up before the first backward (0: 1F1B, >= m: "
-                                 "all forwards first). Default: AvgPipe's 2(p-k)-1 forwards first.")] = None,
+        "--advance", min=0, metavar="A", help="avgpipe: forwards beyond 1F1B's warm-up before the first backward (0: "
+                                              "1F1B, >= m: all forwards first). Default: AvgPipe's 2(p-k)-1 forwards "
+                                              "first.")] = None,
     average_every: Annotated[int, typer.Option(
-        "--average-every", min=1, help="avgpipe: elastic averaging period in mini-batches.")] = 1,
+        "--average-every", metavar="N", min=1, help="avgpipe: elastic averaging period in mini-batches.")] = 1,
     elastic_alpha: Annotated[float | None, typer.Option(
-        "--elastic-alpha", help="avgpipe: elastic averaging coefficient (default 0.9/P).")] = None,
+        "--elastic-alpha", metavar="ALPHA", help="avgpipe: elastic averaging coefficient (default 0.9/P).")] = None,
     graph: Annotated[Path | None, typer.Option(
         "--graph", help='graphpipe: stage DAG JSON {"stages": n, "edges": [[a, b], ...], "placement": [...]} (default: '
-                        'built-in two-branch model).')] = None,
+                        'built-in two-branch model).', metavar="JSON")] = None,
     fwd: Annotated[str, typer.Option(
-        "--fwd", help="Forward ms per micro-batch: one number, or one per model stage.")] = "1",
+        "--fwd", metavar="MS[,MS...]", help="Forward ms per micro-batch: one number, a device's share of the model "
+                                            "(split over its chunks); p numbers, one per device; or p·v, one per "
+                                            "model stage.")] = "1",
     bwd: Annotated[str, typer.Option(
-        "--bwd", help="Full backward ms per micro-batch: one number, or one per model stage.")] = "2",
+        "--bwd", metavar="MS[,MS...]", help="Full backward ms per micro-batch, as --fwd.")] = "2",
     wgrad_fraction: WgradFraction = 0.5,
-    opt: Annotated[float, typer.Option("--opt", min=0.0, help="Optimizer step ms per stage.")] = 0.0,
+    opt: Annotated[float, typer.Option(
+        "--opt", min=0.0, metavar="MS", help="Optimizer step ms per device (split over its chunks).")] = 0.0,
     pred: Annotated[float | None, typer.Option(
-        "--pred", min=0.0, help="Weight prediction (PRED) ms per stage (default: --opt).")] = None,
+        "--pred", min=0.0, metavar="MS", help="Weight prediction (PRED) ms per device (default: --opt).")] = None,
     avg: Annotated[float | None, typer.Option(
-        "--avg", min=0.0, help="Elastic averaging (AVG) ms per stage and pipeline: averaging P pipelines' replicas "
-                               "takes P times it (default: --opt).")] = None,
+        "--avg", min=0.0, metavar="MS", help="Elastic averaging (AVG) ms per device and pipeline: averaging P "
+                                             "pipelines' replicas takes P times it (default: --opt).")] = None,
     comm: Annotated[str, typer.Option(
-        "--comm", help="Ms per activation or gradient transfer between devices (no contention).")] = "0",
+        "--comm", metavar="MS", help="Ms per activation or gradient transfer between devices (no contention).")] = "0",
     cluster: Annotated[Path | None, typer.Option(
-        "--cluster", help="Cluster JSON (devices, links with latency and bandwidth, shared resources); replaces "
-                          "--comm.")] = None,
+        "--cluster", metavar="JSON", help="Cluster JSON (devices and their memory, links with latency and bandwidth, "
+                                          "shared resources); replaces --comm. A peak over a device's memory is "
+                                          "marked OOM.")] = None,
     profile: Annotated[Path | None, typer.Option(
-        "--profile", help="Profile from `pipesim calibrate`: per-stage times, bytes and links from measurements "
-                          "(replaces the cost and size flags; other stage counts re-partition its layers).")] = None,
+        "--profile", metavar="JSON", help="Profile from `pipesim calibrate`: per-stage times, bytes and links from "
+                                          "measurements (replaces the cost and size flags; other stage counts "
+                                          "re-partition its layers).")] = None,
     param_mb: Annotated[str, typer.Option(
-        "--param-mb", help="Parameter MiB per model stage (one number, or one per stage).")] = "256",
+        "--param-mb", metavar="MIB[,MIB...]", help="Parameter MiB, as --fwd.")] = "256",
     activation_mb: Annotated[str, typer.Option(
-        "--activation-mb", help="Activation MiB a micro-batch saves per model stage.")] = "64",
+        "--activation-mb", metavar="MIB[,MIB...]", help="Activation MiB a micro-batch saves, as --fwd.")] = "64",
     output_mb: Annotated[str, typer.Option(
-        "--output-mb", help="MiB a stage sends to the next per micro-batch (sizes transfers on --cluster "
-                            "links).")] = "8",
+        "--output-mb", metavar="MIB[,MIB...]", help="MiB a model stage sends to the next per micro-batch (one "
+                                                    "number, or one per model stage; not split): sizes transfers "
+                                                    "on --cluster links.")] = "8",
     optimizer: HeldOptimizer = "adam",
     microbatch_size: MicrobatchSize = 1,
     blocking_comm: BlockingComm = False,
     jitter: Annotated[float, typer.Option(
-        "--jitter", min=0.0, help="Sigma of a log-normal factor on every compute time (0: none).")] = 0.0,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for --jitter.")] = 0,
+        "--jitter", min=0.0, metavar="SIGMA", help="Sigma of a log-normal factor on every compute time (0: "
+                                                   "none).")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed for --jitter.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
     html: Annotated[Path | None, typer.Option(
-        "--html", help="Write an interactive timeline (self-contained HTML).")] = None,
+        "--html", metavar="PATH", help="Write an interactive timeline (self-contained HTML).")] = None,
     trace: Annotated[Path | None, typer.Option(
-        "--trace", help="Write Chrome Trace Event JSON (Perfetto); -<schedule> is added for several.")] = None,
+        "--trace", metavar="PATH", help="Write Chrome Trace Event JSON (Perfetto); -<schedule> is added for "
+                                        "several.")] = None,
 ) -> None:
     """Predict timelines, bubbles, memory and staleness of schedules side by side.
 
@@ -137,8 +149,7 @@ def simulate(
             raise InputError(f"--elastic-alpha: must be in (0, 1] (got {elastic_alpha})")
         check_writable("--html", html)
         check_writable("--trace", trace)
-        scenario = scenario_from_flags(ctx, "device" if example else "stage", schedule_file if loaded else None,
-                                       comm=comm, opt=opt)
+        scenario = scenario_from_flags(ctx, "device", schedule_file if loaded else None, comm=comm, opt=opt)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
 
@@ -147,32 +158,61 @@ def simulate(
                 stages, microbatches, minibatches, chunks, pipelines, advance=advance, average_every=average_every,
                 elastic_alpha=elastic_alpha))
 
-        built = [loaded] if loaded else [build(name) for name in names]
-        summaries, traces = [], []
-        for sched in progress(built, as_json):
-            result = run_simulation(sched, scenario.costs(sched), scenario.links(sched), jitter=jitter, seed=seed)
+        requested, skipped = names, {}  # skipped: method -> why it cannot run here
+        schedules = {loaded.method: loaded} if loaded else {}
+        for name in () if loaded else names:
+            try:
+                schedules[name] = build(name)
+            except ScheduleError as exc:
+                skipped[name] = str(exc)
+        _check_cost_lists(scenario, schedules)
+        summaries, traces, limits = [], [], []
+        for name, sched in progress(list(schedules.items()), as_json):
+            try:
+                result = run_simulation(sched, scenario.costs(sched), scenario.links(sched), jitter=jitter, seed=seed)
+            except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
+                skipped[name] = str(exc)
+                continue
             traces.append(result)
             summaries.append(summarize(result))
+            limits.append(scenario.memory_limits(sched))
+        names = [name for name in requested if name not in skipped]  # the methods that ran, in order
+        skipped = {name: skipped[name] for name in requested if name in skipped}
+        if not names:
+            raise InputError(_nothing_runs(requested, skipped))
+        built = [schedules[name] for name in names]
+        trace_paths = []
         if trace is not None:
-            for path, result in zip(_output_paths(trace, names), traces):
+            named = dict(zip(requested, _output_paths(trace, requested)))  # as asked for, whatever was skipped
+            trace_paths = [named[name] for name in names]
+            for path, result in zip(trace_paths, traces):
                 write_trace(result, path)
         if html is not None:
-            from ..traces.view import timeline_figure, write_html
+            from ..traces.view import write_timeline_page
 
-            write_html([(name, timeline_figure(t)) for name, t in zip(names, traces)], html,
-                       title="pipesim: " + ", ".join(names))
+            heading = ", ".join(names) if len(names) <= 4 else f"{len(names)} methods side by side"
+            write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
+                                notes=[f"skipped: {reason if reason.startswith(name) else f'{name}: {reason}'}"
+                                       for name, reason in skipped.items()])
     except (InputError, ScheduleError, CostError, ClusterError, SimulationError) as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(f"cannot write output: {exc.filename}: {exc.strerror}")
+        fail(write_error(exc))
 
+    memory = [_memory_check(summary, limit) for summary, limit in zip(summaries, limits)]
     if as_json:
-        sys.stdout.write(json.dumps({"results": [s.to_dict() for s in summaries]}, indent=2) + "\n")
-        return
-    _print_table(summaries, built, example)
-    written = [*(_output_paths(trace, names) if trace else []), *([html] if html else [])]
-    for path in written:
-        stdout.print(f"wrote {path}", highlight=False)
+        results = [summary.to_dict() for summary in summaries]
+        for result, check in zip(results, memory):
+            for device, (limit_mb, over) in zip(result["devices"], check):
+                device.update(memory_limit_mb=limit_mb, out_of_memory=over)
+        document = {"results": results, "skipped": [{"schedule": name, "reason": reason}
+                                                    for name, reason in skipped.items()]}
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    else:
+        _print_table(summaries, built, example, skipped, memory, _cost_basis(scenario, built))
+        for path in [*trace_paths, *([html] if html else [])]:
+            stdout.print(f"wrote {path}", highlight=False)
+    _warn(skipped, summaries, memory)
 
 
 def _schedule_file(ctx: typer.Context, path: Path):
@@ -196,20 +236,117 @@ def _schedule_file(ctx: typer.Context, path: Path):
     return from_torch_csv(text, path.stem)
 
 
-def _print_table(summaries: list, schedules: list, example: bool) -> None:
+def _check_cost_lists(scenario, schedules: dict) -> None:
+    """A cost list that fits none of the methods compared is a wrong flag value: name the lengths allowed. (One
+    that fits some skips the others, each with the reason; a lone method's costs say it themselves.)"""
+    if scenario.measured is not None or len(schedules) < 2:
+        return
+    for flag, given in scenario.per_stage.items():
+        allowed: dict[tuple[int, str], list[str]] = {}
+        for name, sched in schedules.items():
+            p, n = sched.num_devices, sched.num_stages
+            lengths = [(n, "one per model stage")] if flag == "--output-mb" else \
+                [(p, "one per device"), *([(n, "one per model stage")] if n != p else [])]
+            for option in lengths:
+                allowed.setdefault(option, []).append(name)
+        if len(given) == 1 or len(given) in {length for length, _ in allowed}:
+            continue
+        choices = [f"{length} ({meaning}{'' if len(who) == len(schedules) else ': ' + ', '.join(who)})"
+                   for (length, meaning), who in sorted(allowed.items())]
+        raise InputError(f"{flag}: {len(given)} values given; give one number, or {' or '.join(choices)}")
+
+
+def _skip_text(name: str, reason: str) -> str:
+    """Why `name` cannot run, starting with its name."""
+    return reason if reason.startswith(name) else f"{name}: {reason}"
+
+
+def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
+    """One line for a comparison none of whose methods can run: each reason once (the same reason of several
+    methods, their names aside, is given for the first and counted for the rest)."""
+    if len(requested) == 1:
+        return skipped[requested[0]]
+    groups: dict[str, list[str]] = {}
+    for name in requested:
+        groups.setdefault(skipped[name].replace(name, "\0"), []).append(name)
+    texts = []
+    for first, *rest in groups.values():
+        likewise = "" if not rest else f" (likewise {', '.join(rest)})" if len(rest) <= 3 else \
+            f" (likewise {len(rest)} more)"
+        texts.append(_skip_text(first, skipped[first]) + likewise)
+    return f"none of the {len(requested)} methods can run: " + "; ".join(texts)
+
+
+def _memory_check(summary, limits) -> list[tuple[float | None, bool]]:
+    """Per device: its memory in MiB (None: not known) and whether the simulated peak exceeds it."""
+    from ..units import MIB
+
+    checked = []
+    for device, limit in zip(summary.devices, limits):
+        limit_mb = None if limit is None else limit / MIB
+        checked.append((limit_mb, limit_mb is not None and device.peak_memory_mb > limit_mb))
+    return checked
+
+
+def _out_of_memory(summary, check) -> tuple[str, str] | None:
+    """None if every device fits in its memory; else, in words, the devices that do not (for the table) and
+    the one over by the most (for the warning)."""
+    over = [(device.peak_memory_mb / limit_mb, device, limit_mb)
+            for device, (limit_mb, oom) in zip(summary.devices, check) if oom]
+    if not over:
+        return None
+    devices = [str(device.device) for _, device, _ in over]
+    listed = ", ".join(devices[:3]) + (", …" if len(devices) > 3 else "")
+    short = f"OOM on device{'s' if len(devices) > 1 else ''} {listed}"
+    _, device, limit_mb = max(over, key=lambda o: o[0])
+    worst = f"device {device.device} peaks at {device.peak_memory_mb:,.0f} MiB, more than its {limit_mb:,.0f} MiB"
+    more = len(over) - 1
+    return short, worst + (f" (and {more} more device{'s' if more > 1 else ''})" if more else "")
+
+
+def _cost_basis(scenario, schedules: list) -> str:
+    """What the cost flags' numbers describe, for the table's caption."""
+    if scenario.measured is not None:
+        return "costs: measured (--profile)"
+    stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})
+    chunked = any(sched.num_stages > sched.num_devices for sched in schedules)
+    basis = "costs: per device" + (", split over its chunks" if chunked else "")
+    if stage_flags:
+        basis += f"; {', '.join(stage_flags)} per model stage (p·v values)"
+    return basis
+
+
+def _warn(skipped: dict[str, str], summaries: list, memory: list) -> None:
+    """On stderr: the methods that could not run and why, and the devices that run out of memory."""
+    for name, reason in skipped.items():
+        stderr.print(f"skipped: {_skip_text(name, reason)}", highlight=False, soft_wrap=True)
+    for summary, check in zip(summaries, memory):
+        oom = _out_of_memory(summary, check)
+        if oom is not None:
+            stderr.print(f"warning: {summary.schedule} runs out of memory: {oom[1]}", highlight=False, soft_wrap=True)
+
+
+def _print_table(summaries: list, schedules: list, example: bool, skipped: dict[str, str], memory: list,
+                 basis: str) -> None:
     first = schedules[0]
     title = (f"p={first.num_devices} devices per pipeline, m={first.microbatches} "
              f"micro-batches, N={first.minibatches} mini-batches")
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="step: one mini-batch in steady state; peak act: micro-batches of activations held; "
-                          "weights: copies of one stage's weights held",
+                  caption=f"{basis}; step: one mini-batch in steady state; peak act: micro-batches of activations "
+                          "held; weights: copies of one stage's weights held"
+                          + ("; skipped: why on stderr" if skipped else ""),
                   caption_justify="left")
     table.add_column("schedule", no_wrap=True)
-    for header in ("ms/step", "samples/s", "bubble", "peak MiB", "peak act", "weights", "staleness", "makespan"):
+    headers = ["ms/step", "samples/s", "bubble", "peak MiB", "peak act", "weights", "staleness", "makespan"]
+    limited = any(limit_mb is not None for check in memory for limit_mb, _ in check)
+    for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
-    for s, sched in zip(summaries, schedules):
+    if limited:
+        table.add_column("memory", no_wrap=True)
+    for s, sched, check in zip(summaries, schedules, memory):
         shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
         shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
+        oom = _out_of_memory(s, check)
         table.add_row(
             s.schedule + (f" ({', '.join(shape)})" if shape else ""),
             f"{s.time_per_minibatch_ms:.3f}",
@@ -220,7 +357,11 @@ def _print_table(summaries: list, schedules: list, example: bool) -> None:
             str(max((d.peak_weight_versions for d in s.devices), default=0)),
             str(s.max_staleness),
             f"{s.makespan_ms:.3f}",
+            *([oom[0] if oom else "fits"] if limited else []),
+            style="red" if oom else None,
         )
+    for name in skipped:
+        table.add_row(name, "skipped", *[""] * (len(headers) - 1 + limited), style="dim")
     stdout.print(table)
     if example:
         stdout.print("Built-in example: one model (per device: forward 1 ms, backward 2 ms, 256 MiB of weights; "
@@ -293,6 +434,6 @@ def export(
     except (InputError, ScheduleError) as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(f"cannot write output: {exc.filename}: {exc.strerror}")
+        fail(write_error(exc))
     stdout.print(f"wrote {out}", highlight=False)
 

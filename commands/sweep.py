@@ -21,6 +21,7 @@ from .common import (
     progress,
     scenario_from_flags,
     stdout,
+    write_error,
 )
 
 
@@ -145,7 +146,7 @@ def sweep(
     except ConnectionError as exc:  # Ray could not reach the cluster
         fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     except OSError as exc:
-        fail(f"cannot write output: {exc.filename}: {exc.strerror}")
+        fail(write_error(exc))
     _print_front(results, front)
     for path in (out, html):
         if path is not None:

@@ -10,6 +10,7 @@ a profile skips.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,30 +57,69 @@ class Scenario:
         return method.on_graph(params, profile_graph(self.measured, params.stages, bounds))
 
     def costs(self, sched: Schedule, bounds: Sequence[int] | None = None) -> Costs:
-        """Per-model-stage costs. The flags' values are per model "stage", or one "device"'s share of the model
-        split over its chunks (the built-in example: every method trains the same model), or the whole
-        "model" split over all stages (a sweep, where the stage count varies too)."""
+        """Per-model-stage costs from the flags' values (--output-mb, per transfer, is always one number or one
+        per model stage; --opt, --pred and --avg are always one number), read as `per` says:
+
+        - "device" (`simulate`): one number is one device's share of the model, split evenly over the model
+          stages (chunks) it holds, so methods compared side by side train the same model; a list of p values
+          gives each device's share, split likewise; a list of p·v values gives each model stage's cost.
+        - "stage": one number, or one per model stage, as given.
+        - "model" (`sweep`, where the stage count varies too): the whole model's, split over all stages.
+        """
         n = sched.num_stages
         if self.measured is not None:
             cut = list(bounds) if bounds is not None else profile_bounds(self.measured, n)
             return profile_costs(self.measured, self.optimizer, cut, dag=sched.graph.edges != StageGraph.chain(n).edges)
-        share = {"stage": 1.0, "device": sched.num_devices / n, "model": 1.0 / n}[self.per]
-        values = {flag: given if flag == "--output-mb" else [v * share for v in given]
-                  for flag, given in self.per_stage.items()}
-        for flag, given in values.items():
-            if len(given) not in (1, n):
-                where = f"in {self.source}" if self.source else f"for {sched.method}"
-                raise CostError(f"{flag}: {len(given)} values given; give one, or one per model stage ({n} {where})")
+        held = Counter(sched.placement)  # model stages per device
+        share = {"stage": [1.0] * n, "device": [1.0 / held[d] for d in sched.placement],
+                 "model": [1.0 / n] * n}[self.per]
+        values = {flag: self._per_stage(flag, given, sched, share) for flag, given in self.per_stage.items()}
 
-        def shared(ms: float | None) -> float | None:  # an update's work scales with the stage's weights
-            return None if ms is None else ms * share
+        def shared(ms: float | None) -> list[float] | None:  # an update's work scales with the stage's weights
+            return None if ms is None else [ms * f for f in share]
 
-        return Costs.per_stage(
+        opt, pred, avg = shared(self.opt_ms), shared(self.pred_ms), shared(self.avg_ms)
+        costs = Costs.per_stage(
             n, fwd_ms=values["--fwd"], bwd_ms=values["--bwd"], wgrad_fraction=self.wgrad_fraction,
-            opt_ms=shared(self.opt_ms), pred_ms=shared(self.pred_ms), avg_ms=shared(self.avg_ms),
-            param_mb=values["--param-mb"],
-            activation_mb=values["--activation-mb"], output_mb=values["--output-mb"], optimizer=self.optimizer,
-            microbatch_size=self.microbatch_size)
+            param_mb=values["--param-mb"], activation_mb=values["--activation-mb"], output_mb=values["--output-mb"],
+            optimizer=self.optimizer, microbatch_size=self.microbatch_size)
+        return replace(costs, stages=tuple(
+            replace(c, opt_ms=opt[k], pred_ms=(pred or opt)[k], avg_ms=(avg or opt)[k])
+            for k, c in enumerate(costs.stages)))
+
+    def _per_stage(self, flag: str, given: list[float], sched: Schedule, share: list[float]) -> list[float]:
+        """One flag's values, one per model stage; CostError names the flag and the lengths allowed."""
+        n, p, k = sched.num_stages, sched.num_devices, len(given)
+        if flag == "--output-mb":  # per transfer: never split
+            if k in (1, n):
+                return given * n if k == 1 else list(given)
+        elif self.per == "device" and k in (1, p):  # a device's share (each device's, for p values), split
+            return [given[d if k > 1 else 0] * share[s] for s, d in enumerate(sched.placement)]
+        elif self.per == "device" and k == n:  # each model stage's
+            return list(given)
+        elif k in (1, n):
+            return [given[s if k > 1 else 0] * share[s] for s in range(n)]
+        where = f"in {self.source}" if self.source else f"for {sched.method}"
+        raise CostError(f"{flag}: {k} values given; {allowed_lengths(flag, self.per, p, n)} {where}")
+
+    def stage_flags(self, sched: Schedule) -> list[str]:
+        """The cost flags whose lists `sched` reads as one value per model stage (p·v values) rather than one
+        per device: `simulate` says which in its table."""
+        if self.measured is not None or self.per != "device":
+            return []
+        n, p = sched.num_stages, sched.num_devices
+        return [flag for flag, given in self.per_stage.items() if flag != "--output-mb" and len(given) == n != p]
+
+    def memory_limits(self, sched: Schedule) -> tuple[int | None, ...]:
+        """Each device's memory in bytes (None: not known): the cluster file's `memory_gib`, or the profiled
+        device's memory (or the calibration's cap)."""
+        links = self.links(sched)
+        if links.memory_bytes:
+            return tuple(links.memory_bytes[:sched.num_devices])
+        if self.measured is not None:
+            env = self.measured.environment
+            return (env.memory_cap_bytes or env.device_memory_bytes or None,) * sched.num_devices
+        return (None,) * sched.num_devices
 
     def links(self, sched: Schedule) -> Cluster:
         if self.topology is not None:
@@ -87,6 +127,15 @@ class Scenario:
         if self.measured is not None and self.measured.link:
             return profile_cluster(self.measured, sched.num_devices, self.overlap_comm)
         return Cluster.uniform(sched.num_devices, self.comm_ms, overlap_comm=self.overlap_comm)
+
+
+def allowed_lengths(flag: str, per: str, devices: int, stages: int) -> str:
+    """The lengths a cost flag's list may have, in words."""
+    if flag != "--output-mb" and per == "device":
+        if devices == stages:
+            return f"give one number, or one per device ({devices})"
+        return f"give one number, one per device ({devices}) or one per model stage ({stages})"
+    return f"give one number, or one per model stage ({stages})"
 
 
 def profile_scenario(measured: Profile, optimizer: str) -> Scenario:

@@ -131,6 +131,28 @@ class StageGraph:
         object.__setattr__(self, "preds", tuple(tuple(p) for p in preds))
         object.__setattr__(self, "succs", tuple(tuple(s) for s in succs))
         self.topological_order()
+        self._check_connected()
+
+    def _check_connected(self) -> None:
+        """One model: its stages joined by edges (either way) into one graph; else the message names the parts."""
+        part = [-1] * self.num_stages
+        parts: list[list[int]] = []
+        for first in range(self.num_stages):
+            if part[first] >= 0:
+                continue
+            part[first], members, todo = len(parts), [first], [first]
+            while todo:
+                stage = todo.pop()
+                for other in (*self.preds[stage], *self.succs[stage]):
+                    if part[other] < 0:
+                        part[other] = len(parts)
+                        members.append(other)
+                        todo.append(other)
+            parts.append(sorted(members))
+        if len(parts) > 1:
+            named = ", ".join(map(str, parts[:-1])) + f" and {parts[-1]}"
+            raise ScheduleError(f"stage graph is not connected: no edges join its {len(parts)} parts, stages {named}; "
+                                "one model's stages must form one graph")
 
     @classmethod
     def chain(cls, num_stages: int) -> StageGraph:

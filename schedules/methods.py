@@ -16,7 +16,9 @@ from .ir import SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageG
 from .table import KIND_CODE, ActionTable, OrderView, stacked
 
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
-MAX_COMPUTE_OPS = 10_000_000  # about 1.4 KiB of memory per op while simulating
+MAX_ROWS = 30_000_000  # ops and transfers (a send and a receive row each): about 430 bytes per row while simulating
+MAX_STAGES = 4_096  # model stages (p·v) of one pipeline: per-device and per-stage work grows faster than rows
+_FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--chunks", "P": "--pipelines"}
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,29 @@ class ScheduleParams:
             raise ScheduleError(f"advance must be a whole number >= 0 (got {self.advance!r})")
         if self.elastic_alpha is not None and not 0 < self.elastic_alpha <= 1:
             raise ScheduleError(f"elastic_alpha must be in (0, 1] (got {self.elastic_alpha!r})")
-        ops = 2 * self.stages * self.chunks * self.microbatches * self.minibatches * self.pipelines
-        if ops > MAX_COMPUTE_OPS:
-            raise ScheduleError(
-                f"p={self.stages}, v={self.chunks}, m={self.microbatches}, N={self.minibatches}, P={self.pipelines} "
-                f"make {ops:,} forwards and backwards; pipesim simulates up to {MAX_COMPUTE_OPS:,} (about 14 GiB "
-                "of memory): lower m or N")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Refuse what would take minutes or more memory than a machine has, naming the parameter to lower: the
+        largest factor of the estimated rows (F and B of every stage and micro-batch, and with more than one
+        device a send and a receive for each activation and gradient between stages)."""
+        p, v, stages = self.stages, self.chunks, self.stages * self.chunks
+        factors = {"p": p, "v": v, "m": self.microbatches, "N": self.minibatches, "P": self.pipelines}
+
+        def shape(*names: str) -> str:  # the factors that count, those that are 1 left out
+            return " × ".join(f"{name}={factors[name]}" for name in names if factors[name] > 1 or name in "pm")
+
+        if stages > MAX_STAGES:
+            name = "p" if p >= v else "v"
+            raise ScheduleError(f"{shape('p', 'v')}: {stages:,} model stages, more than the {MAX_STAGES:,} pipesim "
+                                f"simulates: lower {name} ({_FLAGS[name]})")
+        units = self.microbatches * self.minibatches * self.pipelines
+        rows = units * (2 * stages + (4 * (stages - 1) if p > 1 else 0))
+        if rows > MAX_ROWS:
+            name = max("mNpvP", key=factors.__getitem__)  # on a tie, the micro-batches
+            raise ScheduleError(f"{shape(*factors)}: about {rows:,} ops and transfers to simulate, more than the "
+                                f"{MAX_ROWS:,} pipesim simulates (about 12 GiB of memory): lower {name} "
+                                f"({_FLAGS[name]})")
 
     @property
     def alpha(self) -> float:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -74,7 +75,7 @@ def test_schedules_lists_methods():
     (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
     (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: graph file /no/such/graph.json: cannot read"),
     (["-s", "pipedream-2bw", "-p", "8", "-m", "4"], "m >= p-1"),
-    (["-s", "1f1b", "-p", "64", "-m", "100000"], "pipesim simulates up to 10,000,000"),
+    (["-s", "1f1b", "-p", "64", "-m", "100000"], "lower m (--microbatches)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, fragment):
     code, out, err = pipesim("simulate", *args)
@@ -125,3 +126,165 @@ def test_graph_file(tmp_path):
     path.write_text(json.dumps({"stages": 2, "edges": [[0, 1], [1, 0]]}))
     code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
     assert code == 2 and "cycle" in err
+
+
+def devices_busy(result: dict) -> list[float]:
+    return [d["busy_ms"] for d in result["devices"]]
+
+
+def test_a_comparison_skips_the_methods_that_cannot_run():
+    code, out, err = pipesim("simulate", "--stages", "8", "--json")
+    assert code == 0
+    document = json.loads(out)
+    skipped = {entry["schedule"]: entry["reason"] for entry in document["skipped"]}
+    assert set(skipped) == {"zb-h2", "dualpipev"} and "2p-1 = 15 micro-batches" in skipped["zb-h2"]
+    assert [r["schedule"] for r in document["results"]] == [n for n in METHODS if n not in skipped]
+    assert "skipped: zb-h2 runs 2p-1 forwards" in err
+    code, out, err = pipesim("simulate", "--microbatches", "2")  # the table: a row per skipped method
+    assert code == 0
+    assert re.search(r"^ interleaved-1f1b +skipped +$", out, re.M)
+    assert "skipped: interleaved-1f1b with 2 chunks per device needs micro-batches to be a multiple" in err
+
+
+def test_a_method_named_alone_that_cannot_run_is_an_error():
+    code, out, err = pipesim("simulate", "-s", "zb-h2", "-p", "8")
+    assert code == 2 and out == ""
+    assert err.startswith("error: zb-h2 runs 2p-1 forwards") and err.count("\n") == 1
+    code, _, err = pipesim("simulate", "-s", "zb-h2", "-s", "dualpipev", "-p", "8")
+    assert code == 2 and err.startswith("error: none of the 2 methods can run: zb-h2 ") and "dualpipev needs" in err
+    assert err.count("\n") == 1
+
+
+def test_one_cost_is_a_devices_share_split_over_its_chunks():
+    plain, zbv = simulate_json("-s", "1f1b", "-s", "zb-v", "--fwd", "1", "--bwd", "2")
+    assert devices_busy(zbv) == devices_busy(plain) == [24.0] * 4  # the same model: 8 x (1 + 2) ms per device
+    assert zbv["time_per_minibatch_ms"] < plain["time_per_minibatch_ms"]  # zb-v's smaller bubble shows
+    assert [d["peak_memory_mb"] for d in zbv["devices"]] < [d["peak_memory_mb"] + 64 for d in plain["devices"]]
+    (split,) = simulate_json("-s", "zb-v", "--fwd", "1,1,1,2", "--bwd", "2")  # p values: one per device
+    assert devices_busy(split) == [24.0, 24.0, 24.0, 32.0]
+    # p·v values: one per model stage; zb-v's V puts stages 0 and 7 on device 0
+    (staged,) = simulate_json("-s", "zb-v", "--fwd", "0.5,0.5,0.5,0.5,0.5,0.5,0.5,1.5", "--bwd", "2")
+    assert devices_busy(staged) == [32.0, 24.0, 24.0, 24.0]
+
+
+def test_the_table_says_what_the_costs_describe():
+    code, out, _ = pipesim("simulate", "-s", "1f1b", "-s", "zb-v")
+    assert code == 0 and "costs: per device, split over its chunks;" in " ".join(out.split())
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-s", "zb-v", "--fwd", ",".join(["1"] * 8))
+    assert code == 0 and "--fwd per model stage (p·v values)" in " ".join(out.split())
+    assert "skipped: 1f1b: --fwd: 8 values given; give one number, or one per device (4) for 1f1b" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-s", "zb-v", "--fwd", "1,2,3"], "--fwd: 3 values given; give one number, one per device (4) or one per model "
+                                       "stage (8) for zb-v"),
+    (["--bwd", "1,2,3"], "--bwd: 3 values given; give one number, or 4 (one per device) or 8 (one per model stage: "
+                         "interleaved-1f1b, zb-v, dualpipev)"),
+    (["-s", "1f1b", "-s", "zb-v", "--output-mb", "1,2,3"], "--output-mb: 3 values given; give one number, or 4 (one "
+                                                           "per model stage: 1f1b) or 8 (one per model stage: zb-v)"),
+])
+def test_a_cost_list_that_fits_no_method_names_the_lengths(args, message):
+    code, _, err = pipesim("simulate", *args)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def cluster_file(tmp_path, memory_gib):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"devices": [{"name": f"gpu{d}", "memory_gib": gib} for d, gib in enumerate(memory_gib)],
+                                "link": {"latency_us": 10, "bandwidth_gb_per_s": 25}}))
+    return path
+
+
+def test_memory_is_checked_against_the_clusters_devices(tmp_path):
+    small = cluster_file(tmp_path, [80, 0.5, 80, 80])
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", small, "--json")
+    assert code == 0
+    devices = json.loads(out)["results"][0]["devices"]
+    assert [d["memory_limit_mb"] for d in devices] == [80 * 1024, 512, 80 * 1024, 80 * 1024]
+    assert [d["out_of_memory"] for d in devices] == [False, True, False, False]
+    assert f"warning: 1f1b runs out of memory: device 1 peaks at {devices[1]['peak_memory_mb']:,.0f} MiB, more than " \
+           "its 512 MiB" in err
+    code, out, _ = pipesim("simulate", "-s", "1f1b", "--cluster", small)
+    assert code == 0 and "OOM on device 1" in out
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--cluster", cluster_file(tmp_path, [80] * 4))
+    assert code == 0 and "fits" in out and "OOM" not in out and "warning" not in err
+    (unknown,) = simulate_json("-s", "1f1b")  # no cluster: nothing to check against
+    assert {(d["memory_limit_mb"], d["out_of_memory"]) for d in unknown["devices"]} == {(None, False)}
+
+
+def test_a_stage_graph_that_is_not_connected_is_refused(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"stages": 3, "edges": []}))
+    code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", path)
+    assert code == 2 and "stage graph is not connected: no edges join its 3 parts, stages [0], [1] and [2]" in err
+    path.write_text(json.dumps({"stages": 4, "edges": [[0, 1], [2, 3]]}))
+    code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", path)
+    assert code == 2 and "stages [0, 1] and [2, 3]" in err
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["-s", "1f1b", "-p", "100000"], "p=100000: 100,000 model stages, more than the 4,096 pipesim simulates: "
+                                     "lower p (--stages)"),
+    (["-s", "interleaved-1f1b", "-p", "4", "-v", "2000", "-m", "4"], "lower v (--chunks)"),
+    (["-s", "1f1b", "-p", "64", "-m", "100000"], "p=64 × m=100000: about 38,000,000 ops and transfers to simulate, "
+                                                 "more than the 30,000,000 pipesim simulates"),
+    (["-s", "1f1b", "-p", "2048", "-m", "8", "-n", "1000"], "lower p (--stages)"),
+    (["-s", "avgpipe", "-p", "8", "-m", "8", "-P", "100000"], "lower P (--pipelines)"),
+])
+def test_the_size_guard_names_the_parameter_to_lower(args, fragment):
+    code, _, err = pipesim("simulate", *args)
+    assert code == 2 and fragment in err and err.count("\n") == 1
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch):
+    from pipesim import sim
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim, "simulate", interrupted)
+    code, out, err = pipesim("simulate", "-s", "1f1b", "--trace", tmp_path / "t.json", "--html", tmp_path / "t.html")
+    assert (code, out, err.strip()) == (130, "", "interrupted")
+    assert os.listdir(tmp_path) == []
+
+
+def test_help_reads_well_at_80_columns():
+    result = subprocess.run([sys.executable, "-c", "from pipesim.cli import main; main()", "simulate", "--help"],
+                            capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"})
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    assert '"edges": [[a, b], ...]' in result.stdout  # not eaten as markup
+    assert not any(box in result.stdout for box in "│╭─")
+    assert any(line.lstrip().startswith("--fwd MS[,MS...]") for line in lines)
+
+
+def test_calibrate_without_torch_says_what_to_install(tmp_path):
+    blocker = ("import sys\n"
+               "class NoTorch:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name == 'torch' or name.startswith('torch.'):\n"
+               "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+               "sys.meta_path.insert(0, NoTorch())\n"
+               "from pipesim.cli import main\n"
+               "main()\n")
+    out = tmp_path / "p.json"
+    result = subprocess.run([sys.executable, "-c", blocker, "calibrate", "--model", "mlp", "--out", str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr == ("error: pipesim calibrate needs PyTorch: pip install 'pipesim[torch]' (or your CUDA build "
+                             "of torch)\n")
+    assert not out.exists()
+
+
+def test_torch_is_an_optional_extra():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert not any(d.replace(" ", "").startswith("torch") for d in project["dependencies"])
+    assert project["optional-dependencies"]["torch"] == ["torch>=2.3,<3"]
+    assert "pipesim[torch]" in project["optional-dependencies"]["test"]

@@ -65,14 +65,14 @@ def test_rows_equal_single_simulate_runs(tmp_path):
     assert code == 0
     rows = {(r["schedule"], r["cost_scale"]): r for r in read_csv(out)}
     assert len(rows) == 8
-    # The whole model's 4 ms forward on 4 devices is 1 ms per stage, 0.5 ms per chunk with two chunks (its
-    # 0.2 ms update likewise); a cost scale multiplies every compute time.
+    # The whole model's 4 ms forward on 4 devices is 1 ms per device, which simulate's per-device costs split
+    # over a device's chunks as the sweep splits the model over p·v stages (its 0.2 ms update likewise); a cost
+    # scale multiplies every compute time.
     for (name, scale), row in rows.items():
-        per_stage = 1 / 2 if name == "interleaved-1f1b" else 1
         (expected,) = simulate_json(
             "-s", name, "-p", 4, "-m", 8, "-n", 3, "--chunks", row["chunks"], "--pipelines", row["pipelines"],
-            "--fwd", 1 * per_stage * scale, "--bwd", 2 * per_stage * scale, "--param-mb", 256 * per_stage,
-            "--activation-mb", 64 * per_stage, "--comm", 0.05, "--opt", 0.2 * (per_stage / 4) * scale)
+            "--fwd", 1 * scale, "--bwd", 2 * scale, "--param-mb", 256, "--activation-mb", 64, "--comm", 0.05,
+            "--opt", 0.2 / 4 * scale)
         assert {k: row[k] for k in METRIC_NAMES} == {k: expected[k] for k in METRIC_NAMES}, (name, scale)
     assert rows["interleaved-1f1b", 1.0]["chunks"] == 2 and rows["avgpipe", 1.0]["pipelines"] == 2
 

@@ -259,7 +259,7 @@ def csv_file(tmp_path):
     (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv"], "Missing option '--out'"),
     (lambda f, d: ["simulate", "--schedule-file", f, "-s", "1f1b"], "--schedule and --schedule-file"),
     (lambda f, d: ["simulate", "--schedule-file", f, "-m", "4"], "--microbatches: the schedule file fixes"),
-    (lambda f, d: ["simulate", "--schedule-file", f, "--fwd", "1,2,3"], "one per model stage (2 in"),
+    (lambda f, d: ["simulate", "--schedule-file", f, "--fwd", "1,2,3"], "one per device (2) in"),
     (lambda f, d: ["simulate", "--schedule-file", f"{d}/missing.csv"], "--schedule-file: cannot read"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, csv_file, make_args, fragment):

@@ -1,18 +1,30 @@
-"""The timeline figure draws every op exactly once and the HTML page works offline."""
+"""The timeline page holds plotly.js once and each trace's columns compactly and losslessly; what the page draws
+is checked in a real browser by tests/test_browser.py."""
 
 import dataclasses
+import json
+import re
 
 import numpy as np
+import plotly.graph_objects as go
 import pytest
 from plotly.offline import get_plotlyjs
 
-from pipesim.traces.view import timeline_figure, write_html
+from pipesim.traces.view import (
+    KIND_COLORS,
+    decode_column,
+    encode_column,
+    timeline_page,
+    trace_data,
+    write_html,
+    write_timeline_page,
+)
 from pipesim.units import MIB
 from tests.conftest import run
 
 
-def _trace(name, p, m, n=1, comm=0.1):
-    return run(name, p, m, n, comm=comm, param_mb=100, activation_mb=10, output_mb=1).trace
+def _trace(name, p, m, n=1, comm=0.1, **options):
+    return run(name, p, m, n, comm=comm, param_mb=100, activation_mb=10, output_mb=1, **options).trace
 
 
 @pytest.fixture(scope="module")
@@ -20,98 +32,118 @@ def trace():
     return _trace("1f1b", 4, 8, 2)
 
 
-def _by_mode(fig, mode):
-    return {t.name: t for t in fig.data if t.mode == mode and t.yaxis == "y"}
+def _page_data(text: str) -> dict:
+    payload = re.search(r'<script type="application/json" id="pipesim-data">(.*?)</script>', text, re.S).group(1)
+    return json.loads(payload.replace("<\\/", "</"))
 
 
-def _segments(line_trace):
-    """Segments in a line trace: each is two points followed by a NaN gap."""
-    x = np.asarray(line_trace.x, dtype=float)
-    gaps = np.isnan(x)
-    assert np.count_nonzero(~gaps) == 2 * np.count_nonzero(gaps)
-    return int(np.count_nonzero(gaps))
+@pytest.mark.parametrize("values,dtype", [
+    (np.array([0, 1, -1, 127], dtype=np.int64), "int8"),
+    (np.array([-300, 5, 32767]), "int16"),
+    (np.array([0, 70_000, -1]), "int32"),
+    (np.array([0, 2**40]), "float64"),
+    (np.array([0.1, 1e9 + 0.25, -3.5]), "float64"),
+    (np.array([], dtype=np.int64), "int8"),
+])
+def test_columns_take_the_narrowest_type_and_round_trip_exactly(values, dtype):
+    column = encode_column(values)
+    assert column["type"] == dtype and column["n"] == len(values)
+    back = decode_column(column)
+    assert back.dtype == np.dtype(dtype) and np.array_equal(back.astype(values.dtype), values)
 
 
-def test_one_line_trace_per_kind_with_one_segment_per_op(trace):
-    fig = timeline_figure(trace)
-    lines, markers = _by_mode(fig, "lines"), _by_mode(fig, "markers")
-    present = {trace.kinds[k]: int(c) for k, c in zip(*np.unique(trace.ops.kind, return_counts=True))}
-    assert set(lines) == set(markers) == set(present)
-    assert len(fig.data) == 2 * len(present) + trace.num_devices
-    for kind, count in present.items():
-        assert _segments(lines[kind]) == count
-        assert len(markers[kind].x) == len(markers[kind].hovertext) == count
+def test_trace_data_holds_every_op_column_and_memory_to_the_end(trace):
+    data = trace_data(trace)
+    ops = trace.ops
+    for name, column in data["columns"].items():
+        assert np.array_equal(decode_column(column), getattr(ops, name)), name
+    assert data["n"] == len(ops) and data["kinds"] == list(trace.kinds)
+    assert data["colors"] == [KIND_COLORS[k] for k in trace.kinds]
+    memory = data["memory"]
+    counters = trace.counters["memory_bytes"]
+    assert memory["counts"] == [len(c.times_us) + 1 for c in counters]
+    times, mib = decode_column(memory["t_us"]), decode_column(memory["mib"])
+    first = counters[0]
+    k = len(first.times_us)
+    assert np.array_equal(times[:k], first.times_us) and times[k] == ops.end_us.max()  # held to the end
+    assert np.allclose(mib[:k + 1], np.append(first.values, first.values[-1]) / MIB)
+    assert data["summary"]["schedule"] == "1f1b" and data["meta"]["minibatches"] == 2
 
 
-def test_hover_names_the_op(trace):
-    hover = _by_mode(timeline_figure(trace), "markers")["F"].hovertext
-    first = np.flatnonzero(trace.ops.kind == trace.kind_code("F"))[0]
-    assert trace.op_label(first) in hover[0]
-    assert "device 0" in hover[0] and "mini-batch 0" in hover[0] and "weight version 0" in hover[0]
-    assert "prediction" not in hover[0] and "pipeline" not in hover[0]
+def test_every_kind_pipesim_emits_has_its_colour():
+    kinds = set()
+    for name, options in [("1f1b", {}), ("zb-h1", {}), ("pipedream", {}), ("spectrain", {}), ("avgpipe", {})]:
+        kinds |= set(_trace(name, 2, 4, 2, **options).kinds)
+    assert kinds <= set(KIND_COLORS)
 
 
-def test_lanes_device_zero_on_top_and_transfer_lanes_only_where_used(trace):
-    axis = timeline_figure(trace).layout.yaxis
-    assert axis.ticktext[:3] == ("device 0", "device 0 send", "device 0 recv")
-    assert len(axis.ticktext) == 3 * trace.num_devices
-    assert axis.range[0] > axis.range[1]
-    alone = timeline_figure(_trace("gpipe", 1, 2)).layout.yaxis
-    assert alone.ticktext == ("device 0",)
-
-
-def test_memory_row_peaks_at_the_counter_peak(trace):
-    fig = timeline_figure(trace)
-    memory = [t for t in fig.data if t.yaxis == "y2"]
-    assert len(memory) == trace.num_devices
-    peak = max(c.values.max() for c in trace.counters["memory_bytes"]) / MIB
-    assert max(np.max(t.y) for t in memory) == pytest.approx(peak)
-    assert all(t.line.shape == "hv" for t in memory)
-
-
-def test_without_a_memory_counter_the_timeline_stands_alone(trace):
-    fig = timeline_figure(dataclasses.replace(trace, counters={}))
-    assert all(t.yaxis == "y" for t in fig.data)
-    assert fig.layout.xaxis.title.text == "time (ms)"
-
-
-def test_title_defaults_to_schedule_and_makespan(trace):
-    assert timeline_figure(trace).layout.title.text.startswith("1f1b: makespan ")
-    assert timeline_figure(trace, title="mine").layout.title.text == "mine"
-
-
-def test_html_embeds_plotly_once_and_references_no_cdn(trace, tmp_path):
+def test_page_embeds_plotly_once_and_asks_for_nothing_over_the_network(trace, tmp_path):
     path = tmp_path / "view.html"
-    write_html([("1f1b", timeline_figure(trace)), ("gpipe", timeline_figure(_trace("gpipe", 4, 8)))], path,
-               title="compare")
+    write_timeline_page([trace, _trace("gpipe", 4, 8)], path, title="compare <two>")
     text = path.read_text(encoding="utf-8")
     bundle = get_plotlyjs()
     assert text.count(bundle) == 1
-    assert text.count("Plotly.newPlot(") == 2
-    # The bundle itself names URLs for map features it never loads here; the page must add none.
     page = text.replace(bundle, "")
-    assert "https://cdn" not in page and 'src="http' not in page
-    assert "<title>compare</title>" in page and "<h2>gpipe</h2>" in page
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
+    assert not re.search(r"(src|href)=\"?https?:", page) and "https://cdn" not in page
+    assert "<title>compare &lt;two&gt;</title>" in page
+    assert 'data-status="loading"' in page  # the page reports "ok" once it has drawn
+    data = _page_data(text)
+    assert [v["name"] for v in data["views"]] == ["1f1b", "gpipe"]
+    assert [v["traces"] for v in data["views"]] == [[0], [1]]
 
 
-def test_write_html_leaves_nothing_behind_on_failure(trace, tmp_path):
-    fig = timeline_figure(trace)
+def test_page_holds_no_per_op_text(trace):
+    text = timeline_page([trace])
+    assert "micro-batch 3" not in text and "F3.1" not in text  # hover text is built in the page, on demand
+
+
+def test_views_align_several_traces_and_labels_tell_them_apart(trace):
+    measured = dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, source="measured"))
+    data = _page_data(timeline_page([trace, measured], views=[("side by side", [0, 1]), ("measured", [1])]))
+    assert [t["label"] for t in data["traces"]] == ["1f1b (predicted)", "1f1b (measured)"]
+    assert data["views"] == [{"name": "side by side", "traces": [0, 1]}, {"name": "measured", "traces": [1]}]
+    with pytest.raises(ValueError, match="names no trace or a missing one"):
+        timeline_page([trace], views=[("x", [1])])
+    with pytest.raises(ValueError, match="one label and one summary per trace"):
+        timeline_page([trace], labels=["a", "b"])
+    with pytest.raises(ValueError, match="no traces"):
+        timeline_page([])
+
+
+def test_without_a_memory_counter_the_page_has_no_memory(trace):
+    data = _page_data(timeline_page([dataclasses.replace(trace, counters={})]))
+    assert data["traces"][0]["memory"] is None
+
+
+def test_large_trace_page_grows_by_bytes_per_op():
+    big = _trace("1f1b", 64, 1024, comm=0.0)
+    assert len(big.ops) > 300_000
+    data_bytes = len(timeline_page([big])) - len(get_plotlyjs())
+    assert data_bytes < 3 * len(big.ops), f"{data_bytes:,} bytes of page for {len(big.ops):,} ops"
+
+
+def test_pages_leave_nothing_behind_on_failure(trace, tmp_path):
     with pytest.raises(OSError):
-        write_html([("x", fig)], tmp_path / "missing" / "view.html")
+        write_timeline_page([trace], tmp_path / "missing" / "view.html")
+    with pytest.raises(OSError):
+        write_html([("x", go.Figure())], tmp_path / "missing" / "view.html")
     assert list(tmp_path.iterdir()) == []
 
     existing = tmp_path / "view.html"
     existing.write_text("old")
+    with pytest.raises(ValueError):
+        write_timeline_page([trace], existing, views=[("x", [3])])
     with pytest.raises(AttributeError):
-        write_html([("x", fig), ("broken", None)], existing)
+        write_html([("x", go.Figure()), ("broken", None)], existing)
     assert existing.read_text() == "old"
     assert list(tmp_path.iterdir()) == [existing]
 
 
-def test_100k_ops_stay_a_handful_of_traces():
-    big = _trace("1f1b", 16, 1200, comm=0.0)
-    assert len(big.ops) > 100_000
-    fig = timeline_figure(big)
-    lines = _by_mode(fig, "lines")
-    assert len(fig.data) == 2 * len(lines) + big.num_devices
-    assert sum(_segments(t) for t in lines.values()) == len(big.ops)
+def test_figure_page_embeds_plotly_once_with_its_headings(tmp_path):
+    path = tmp_path / "figures.html"
+    write_html([("one", go.Figure(go.Scatter(x=[0], y=[0]))), ("two", go.Figure(go.Bar(x=[1], y=[1])))], path,
+               title="figures")
+    text = path.read_text(encoding="utf-8")
+    assert text.count(get_plotlyjs()) == 1 and text.count("Plotly.newPlot(") == 2
+    assert "<h2>two</h2>" in text and "<title>figures</title>" in text and "pipesimHealth" in text

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
@@ -297,17 +300,72 @@ def from_chrome(doc: Any) -> Trace:
     return Trace(kinds, num_devices, ops, TraceMeta.from_dict(meta), counters)
 
 
-def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
-    """Write `text` (or bytes) to `path` via a temporary file in the same folder, so no half-written file
-    is left."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
-    umask = os.umask(0)
-    os.umask(umask)
+_OWN_FD = re.compile(r"/(?:proc/(self|\d+)/fd|dev/fd)/(\d+)")  # a descriptor of a process, by number
+
+
+def _own_descriptor(path: str | os.PathLike[str]) -> int | None:
+    """The descriptor of this process that `path` names (/dev/stdout, /dev/fd/N, /proc/self/fd/N, perhaps
+    through symlinks), else None."""
+    hop = os.path.abspath(path)
+    for _ in range(40):  # the symlinks of the last component, as far as the kernel would follow them
+        match = _OWN_FD.fullmatch(hop)
+        if match and match[1] in (None, "self", str(os.getpid())):
+            return int(match[2])
+        try:
+            hop = os.path.normpath(os.path.join(os.path.dirname(hop), os.readlink(hop)))
+        except OSError:
+            return None
+    return None
+
+
+def writes_in_place(path: str | os.PathLike[str]) -> bool:
+    """Whether `write_atomic` writes `path` directly instead of replacing it: it is (perhaps through symlinks)
+    one of this process's descriptors (/dev/stdout), a FIFO, a device, or anything else not a regular file."""
+    if _own_descriptor(path) is not None:
+        return True
     try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the permissions open() would
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # nothing there yet (or a dangling link): a new file
+        return False
+
+
+def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
+    """Write `text` (or bytes) to `path`, leaving no half-written file: a new or regular file is written to a
+    temporary file beside it and renamed over it (keeping its permissions); through a symlink the file it
+    points to is replaced and the link kept. A FIFO or a device cannot be replaced, so it is written directly,
+    and /dev/stdout (any descriptor of this process) through the descriptor itself, after what was printed,
+    even when it is a regular file. An OSError names `path` as given."""
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    try:
+        fd = _own_descriptor(path)
+        if fd is not None:
+            for stream in (sys.stdout, sys.stderr):  # what was printed comes first
+                if stream is not None:
+                    stream.flush()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        elif writes_in_place(path):
+            with open(path, "wb") as handle:
+                handle.write(data)
+        else:
+            _replace(Path(os.path.realpath(path)), data)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from None
+
+
+def _replace(target: Path, data: bytes) -> None:
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask  # what open() would give a new file
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        os.chmod(tmp, mode)  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
-            handle.write(text.encode("utf-8") if isinstance(text, str) else text)
+            handle.write(data)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

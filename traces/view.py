@@ -1,23 +1,36 @@
-"""Interactive timeline views of traces: a Plotly figure per trace and one offline HTML page for several.
+"""Interactive, self-contained HTML views: the timeline page for traces and a page of Plotly figures.
 
-Built for traces of 100k+ ops: ops are drawn with WebGL (`Scattergl`) as a handful of traces, one per op
-kind, whose geometry is computed with numpy; one trace per op would make the browser crawl.
+The timeline page (`write_timeline_page`) holds plotly.js once, each trace's op columns as compressed typed
+arrays (byte planes, zlib, base64: a few bytes per op) and a small script that draws ONE timeline figure with
+a selector to switch between views, so a page holds one WebGL figure whatever the number of schedules. Bars are
+WebGL line segments, one trace per kind, sized from the lane's pixel height; hover text is built in the page
+from the columns for the op under the pointer (the file holds no per-op strings). A view shows one trace or
+several aligned device by device (lanes interleaved), so a prediction and a measurement can be read side by
+side. Memory per device sits under the timeline; a comparison of the views' summaries sits at the top.
+
+Every page records its own health on `<body>`: `data-status` is "loading", then "ok" once the first plot is
+drawn, or "error" (sticky) with `data-errors` naming a script error, a lost WebGL context, a network request
+(a content security policy blocks them all) or a blank plot. Opened with `#test`, the timeline page draws every
+view in turn and checks each one's pixels before it says "ok": tests/test_browser.py reads that.
 """
 
 from __future__ import annotations
 
+import base64
 import html
+import json
 import os
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.colors import qualitative, sample_colorscale
-from plotly.subplots import make_subplots
 
 from ..units import MIB
-from .metrics import summarize
-from .trace import STREAMS, Stream, Trace, write_atomic
+from .metrics import Summary, summarize
+from .trace import STREAMS, Trace, write_atomic
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
 KIND_COLORS = {
@@ -33,144 +46,162 @@ KIND_COLORS = {
     "SEND_B": "#7a7a7a",
     "RECV_B": "#7a7a7a",
 }
-_LANE_PX = 24  # height of one lane; ops are drawn as lines _BAR_PX thick
-_BAR_PX = 16
-_DEVICE_GAP = 0.5  # extra space between devices, in lanes, so each device's lanes read as a group
-_INSET = 0.025  # each bar is shortened by this fraction of its op at both ends, so back-to-back ops stay apart
-_MEMORY_PX = 220
-_MARGIN = {"t": 80, "b": 60, "l": 110, "r": 20}
+_OP_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer", "version",
+               "prediction", "start_us", "dur_us")
+_SUMMARY_FIELDS = ("schedule", "makespan_ms", "time_per_minibatch_ms", "samples_per_s", "bubble_fraction",
+                   "exposed_comm_ms", "peak_memory_mb", "max_staleness")
+# No request leaves the page: anything but inline code, inline styles and data/blob URLs is refused (and
+# reported by the health script). regl, plotly's WebGL layer, compiles its draw calls, hence 'unsafe-eval'.
+_CSP = ("default-src 'none'; script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
+        "img-src data: blob:; font-src data:; connect-src data: blob:; worker-src blob:")
 
 
-def _lanes(trace: Trace) -> tuple[np.ndarray, list[float], list[str]]:
-    """Lane position of every (device, stream) that has a lane (NaN otherwise), and the y ticks.
+def kind_color(kind: str, code: int = 0) -> str:
+    """The colour of op kind `kind` (one from a fixed palette for kinds pipesim does not know)."""
+    return KIND_COLORS.get(kind, qualitative.Dark24[code % len(qualitative.Dark24)])
 
-    Every device gets a compute lane, even when idle, so a missing device never goes unnoticed;
-    send and recv lanes appear only where the device transfers something.
+
+# --- page data ---------------------------------------------------------------------------------------------
+
+def _smallest(values: np.ndarray) -> np.ndarray:
+    """Integers in the narrowest signed type that holds them (float64 past int32); floats as float64."""
+    if values.dtype.kind not in "iu":
+        return values.astype("<f8")
+    if len(values) == 0:
+        return values.astype("<i1")
+    lo, hi = int(values.min()), int(values.max())
+    for dtype in ("<i1", "<i2", "<i4"):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return values.astype(dtype)
+    return values.astype("<f8")
+
+
+def encode_column(values: np.ndarray) -> dict[str, Any]:
+    """One typed array for the page: its bytes regrouped as planes (every element's first byte, then every
+    second byte, ...: neighbouring values then share most bytes and compress well), zlib, base64."""
+    array = np.ascontiguousarray(_smallest(np.asarray(values)))
+    planes = array.view(np.uint8).reshape(len(array), array.itemsize).T.tobytes()
+    return {"type": array.dtype.name, "n": len(array),
+            "z": base64.b64encode(zlib.compress(planes, 6)).decode("ascii")}
+
+
+def decode_column(column: dict[str, Any]) -> np.ndarray:
+    """The inverse of `encode_column` (the page does the same in JavaScript)."""
+    dtype = np.dtype(column["type"]).newbyteorder("<")
+    planes = np.frombuffer(zlib.decompress(base64.b64decode(column["z"])), dtype=np.uint8)
+    return planes.reshape(dtype.itemsize, column["n"]).T.copy().view(dtype).ravel()
+
+
+def trace_data(trace: Trace, label: str | None = None, summary: Summary | None = None) -> dict[str, Any]:
+    """What the page needs of one trace: its op columns, memory per device (MiB, the last value held to the
+    end of the run), summary and shape."""
+    ops = trace.ops
+    summary = summary or summarize(trace)
+    meta = trace.meta
+    memory = None
+    counters = trace.counters.get("memory_bytes")
+    if counters and any(len(c.times_us) for c in counters):
+        end_us = float(ops.end_us.max()) if len(ops) else 0.0
+        times, values, counts = [], [], []
+        for counter in counters:
+            k = len(counter.times_us)
+            if k:
+                times.append(np.append(counter.times_us, max(end_us, float(counter.times_us[-1]))))
+                values.append(np.append(counter.values, counter.values[-1]) / MIB)
+            counts.append(k + 1 if k else 0)
+        memory = {"counts": counts, "t_us": encode_column(np.concatenate(times)),
+                  "mib": encode_column(np.concatenate(values).astype(np.float64)),
+                  "colors": sample_colorscale("Viridis", np.linspace(0, 0.85, max(len(counters), 2)).tolist())}
+    return {
+        "label": label or meta.schedule,
+        "kinds": list(trace.kinds),
+        "colors": [kind_color(k, i) for i, k in enumerate(trace.kinds)],
+        "streams": list(STREAMS),
+        "num_devices": trace.num_devices,
+        "n": len(ops),
+        "columns": {name: encode_column(getattr(ops, name)) for name in _OP_COLUMNS},
+        "memory": memory,
+        "summary": {k: getattr(summary, k) for k in _SUMMARY_FIELDS},
+        "meta": {"source": meta.source, "schedule": meta.schedule, "microbatches": meta.microbatches,
+                 "minibatches": meta.minibatches, "pipelines": meta.pipelines,
+                 "stages": int(ops.stage.max()) + 1 if len(ops) else 0},
+    }
+
+
+def _labels(traces: Sequence[Trace]) -> list[str]:
+    """Each trace's schedule, with its source where that alone tells two apart, then a number if still needed."""
+    labels = [t.meta.schedule for t in traces]
+    if len(set(labels)) < len(labels):
+        labels = [f"{t.meta.schedule} ({t.meta.source})" for t in traces]
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if labels.count(label) == 1 else f"{label} #{seen[label]}")
+    return out
+
+
+def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: Sequence[str] | None = None,
+                  summaries: Sequence[Summary] | None = None,
+                  views: Sequence[tuple[str, Sequence[int]]] | None = None, notes: Sequence[str] = ()) -> str:
+    """The HTML of the timeline page for `traces`.
+
+    `labels` name the traces (default: their schedules); `summaries` are their `summarize` results (computed
+    when not given). `views` are (name, trace indices) pairs, one button each: a view of several traces shows
+    their lanes interleaved device by device, e.g. `[("1f1b: predicted vs measured", [0, 1])]`; the default is
+    one view per trace. With two views or more, a chart comparing them (time per mini-batch, bubble, peak
+    memory) heads the page. `notes` are lines shown under the title (methods that could not run, say).
     """
-    ops = trace.ops
-    present = np.zeros((trace.num_devices, len(STREAMS)), dtype=bool)
-    present[:, Stream.COMPUTE] = True
-    present[ops.device, ops.stream] = True
-    devices, streams = np.nonzero(present)  # device-major, compute lane first
-    positions = np.arange(len(devices)) + _DEVICE_GAP * devices
-    lane_y = np.full(present.shape, np.nan)
-    lane_y[devices, streams] = positions
-    labels = [f"device {d}" if s == Stream.COMPUTE else f"device {d} {STREAMS[s]}"
-              for d, s in zip(devices.tolist(), streams.tolist())]
-    return lane_y, positions.tolist(), labels
+    traces = list(traces)
+    if not traces:
+        raise ValueError("timeline_page: no traces")
+    labels = list(labels) if labels is not None else _labels(traces)
+    summaries = list(summaries) if summaries is not None else [summarize(t) for t in traces]
+    if not len(labels) == len(summaries) == len(traces):
+        raise ValueError("timeline_page: one label and one summary per trace")
+    if views is None:
+        views = [(label, [i]) for i, label in enumerate(labels)]
+    for name, members in views:
+        if not members or any(not 0 <= i < len(traces) for i in members):
+            raise ValueError(f"timeline_page: view {name!r} names no trace or a missing one: {list(members)}")
+    title = title or "pipesim: " + ", ".join(labels)
+    data = {
+        "title": title,
+        "notes": list(notes),
+        "traces": [trace_data(t, label, s) for t, label, s in zip(traces, labels, summaries)],
+        "views": [{"name": name, "traces": list(members)} for name, members in views],
+    }
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    from plotly.offline import get_plotlyjs
 
-
-def _hover_texts(trace: Trace, rows: np.ndarray) -> list[str]:
-    """One hover text per op in `rows`, naming everything that identifies it."""
-    ops = trace.ops
-    cols = [getattr(ops, name)[rows].tolist() for name in
-            ("device", "stage", "microbatch", "minibatch", "pipeline", "peer", "version", "prediction")]
-    start_ms = (ops.start_us[rows] / 1e3).tolist()
-    dur_ms = (ops.dur_us[rows] / 1e3).tolist()
-    labels = [trace.op_label(i) for i in rows.tolist()]
-    return [
-        f"<b>{label}</b>  device {d}, stage {s}"
-        + (f", peer {peer}" if peer >= 0 else "")
-        + "<br>"
-        + (f"micro-batch {mb}, " if mb >= 0 else "")
-        + f"mini-batch {mn}"
-        + (f", pipeline {pl}" if pl > 0 else "")
-        + f"<br>start {t:.3f} ms, dur {dt:.3f} ms"
-        + (f"<br>weight version {v}" if v >= 0 else "")
-        + (f"<br>prediction distance {p}" if p >= 0 else "")
-        for label, d, s, mb, mn, pl, peer, v, p, t, dt in zip(labels, *cols, start_ms, dur_ms)
-    ]
-
-
-def timeline_figure(trace: Trace, title: str | None = None) -> go.Figure:
-    """The ops of `trace` on one lane per (device, stream) over time, with memory per device below.
-
-    The title defaults to the schedule's name with its makespan and bubble, so a screenshot stands alone.
-    Bars are shortened by a few percent at both ends so that back-to-back ops of one kind stay apart;
-    the hover text gives exact times.
-    """
-    ops = trace.ops
-    memory = trace.counters.get("memory_bytes")
-    lane_y, tick_y, tick_text = _lanes(trace)
-    timeline_px = _LANE_PX * max(tick_y[-1] + 1 if tick_y else 1, 4)
-    rows = 2 if memory else 1
-    plot_px = timeline_px + (_MEMORY_PX if memory else 0)
-    spacing_px = 30
-    fig = make_subplots(
-        rows=rows, cols=1, shared_xaxes=True,
-        row_heights=[timeline_px, _MEMORY_PX][:rows],
-        vertical_spacing=spacing_px / plot_px if memory else 0.0,
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{_CSP}\">\n"
+        f"<title>{html.escape(title)}</title>\n<style>{_PAGE_CSS}</style>\n"
+        f"<script>{_HEALTH_JS}</script>\n</head>\n"
+        "<body data-status=\"loading\">\n"
+        f"<h1>{html.escape(title)}</h1>\n<div id=\"notes\"></div>\n<div id=\"summary\"></div>\n"
+        "<nav id=\"views\" aria-label=\"views\"></nav>\n<div id=\"timeline\"></div>\n<div id=\"tip\"></div>\n"
+        f"<script>{get_plotlyjs()}</script>\n"
+        f"<script type=\"application/json\" id=\"pipesim-data\">{payload}</script>\n"
+        f"<script>{_TIMELINE_JS}</script>\n</body>\n</html>\n"
     )
 
-    start_ms = ops.start_us / 1e3
-    end_ms = ops.end_us / 1e3
-    op_y = lane_y[ops.device, ops.stream]
-    for code, kind in enumerate(trace.kinds):
-        rows_of_kind = np.flatnonzero(ops.kind == code)
-        if len(rows_of_kind) == 0:
-            continue
-        color = KIND_COLORS.get(kind, qualitative.Dark24[code % len(qualitative.Dark24)])
-        # Each op is the segment (start, y) - (end, y) followed by a NaN gap that breaks the line.
-        inset = _INSET * (end_ms[rows_of_kind] - start_ms[rows_of_kind])
-        x = np.full((len(rows_of_kind), 3), np.nan)
-        x[:, 0], x[:, 1] = start_ms[rows_of_kind] + inset, end_ms[rows_of_kind] - inset
-        y = np.full_like(x, np.nan)
-        y[:, 0] = y[:, 1] = op_y[rows_of_kind]
-        fig.add_trace(go.Scattergl(
-            x=x.ravel(), y=y.ravel(), mode="lines", name=kind, legendgroup=kind,
-            line={"color": color, "width": _BAR_PX}, hoverinfo="skip", connectgaps=False,
-        ), row=1, col=1)
-        # Lines carry no hover of their own; an invisible marker at each op's middle does. Even faint
-        # markers would pile up where ops are dense and paint activity on zero-length transfers.
-        fig.add_trace(go.Scattergl(
-            x=(start_ms[rows_of_kind] + end_ms[rows_of_kind]) / 2, y=op_y[rows_of_kind], mode="markers",
-            name=kind, legendgroup=kind, showlegend=False,
-            marker={"color": color, "size": 6, "opacity": 0},
-            hovertext=_hover_texts(trace, rows_of_kind), hoverinfo="text",
-        ), row=1, col=1)
 
-    if memory:
-        end = float(end_ms.max()) if len(ops) else 0.0
-        colors = sample_colorscale("Viridis", np.linspace(0, 0.8, max(len(memory), 2)).tolist())
-        for d, counter in enumerate(memory):
-            if len(counter.times_us) == 0:
-                continue
-            # The last value holds until the run ends; draw it that far.
-            times = np.append(counter.times_us / 1e3, max(end, counter.times_us[-1] / 1e3))
-            values = np.append(counter.values, counter.values[-1]) / MIB
-            fig.add_trace(go.Scattergl(
-                x=times, y=values, mode="lines", name=f"device {d}", legend="legend2",
-                line={"color": colors[d], "width": 1.5, "shape": "hv"},
-                hovertemplate=f"device {d}: %{{y:.1f}} MiB at %{{x:.3f}} ms<extra></extra>",
-            ), row=2, col=1)
-        fig.update_yaxes(title_text="memory (MiB)", fixedrange=True, row=2, col=1)
-        # A legend of its own beside the memory row: clicking a kind hides the kind's ops and their
-        # hover markers together (one legend group), clicking a device hides just that device's line.
-        fig.update_layout(legend2={"title_text": "memory", "y": fig.layout.yaxis2.domain[1], "yanchor": "top"})
-
-    if title is None:
-        summary = summarize(trace)
-        title = (f"{summary.schedule}: makespan {summary.makespan_ms:.2f} ms, "
-                 f"bubble {summary.bubble_fraction:.1%}")
-    fig.update_yaxes(
-        tickvals=tick_y, ticktext=tick_text, range=[(tick_y[-1] if tick_y else 0) + 0.8, -0.8],
-        showgrid=False, zeroline=False, fixedrange=True, row=1, col=1,
-    )
-    fig.update_xaxes(title_text="time (ms)", row=rows, col=1)
-    fig.update_layout(
-        title=title, height=plot_px + (spacing_px if memory else 0) + _MARGIN["t"] + _MARGIN["b"],
-        margin=_MARGIN, hovermode="closest", template="plotly_white",
-        legend={"tracegroupgap": 4},
-    )
-    return fig
+def write_timeline_page(traces: Sequence[Trace], path: str | os.PathLike[str], **options: Any) -> None:
+    """Write `timeline_page(traces, **options)` to `path`, atomically: a failure leaves no half-written page."""
+    write_atomic(path, timeline_page(traces, **options))
 
 
 def write_html(figures: Iterable[tuple[str, go.Figure]], path: str | os.PathLike[str],
                title: str = "pipesim") -> None:
     """Write one self-contained HTML page showing `(heading, figure)` pairs one below the other.
 
-    plotly.js is embedded once, so the page opens offline and stays as small as it can; the file is
-    written atomically, so a failure never leaves a half-written page behind.
+    For small figures (the sweep's trade-off page): each figure is a plot of its own, so use at most one
+    WebGL trace type among them (browsers keep only a few WebGL contexts alive); timelines go through
+    `write_timeline_page`. plotly.js is embedded once, so the page opens offline; the page reports its health
+    like the timeline page; the file is written atomically.
     """
     sections = []
     for i, (heading, fig) in enumerate(figures):
@@ -178,9 +209,610 @@ def write_html(figures: Iterable[tuple[str, go.Figure]], path: str | os.PathLike
                           config={"displaylogo": False, "scrollZoom": True})
         sections.append(f"<section><h2>{html.escape(heading)}</h2>\n{div}\n</section>")
     page = (
-        "<!DOCTYPE html>\n<html>\n<head>\n<meta charset=\"utf-8\">\n"
-        f"<title>{html.escape(title)}</title>\n"
-        "<style>body{font-family:sans-serif;margin:1em 2em}h2{font-size:1.1em;margin:1.5em 0 0}</style>\n"
-        "</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{_CSP}\">\n"
+        f"<title>{html.escape(title)}</title>\n<style>{_PAGE_CSS}</style>\n"
+        f"<script>{_HEALTH_JS}</script>\n</head>\n<body data-status=\"loading\">\n"
+        + "\n".join(sections)
+        + "\n<script>window.addEventListener('load', () => requestAnimationFrame(() => pipesimHealth.done()));"
+          "</script>\n</body>\n</html>\n"
     )
     write_atomic(path, page)
+
+
+# --- the page's own code -----------------------------------------------------------------------------------
+
+_PAGE_CSS = """
+body{font-family:system-ui,sans-serif;margin:1em 2em;color:#222}
+h1{font-size:1.25em;margin:0 0 .3em}h2{font-size:1.1em;margin:1.5em 0 0}
+#notes p{margin:.2em 0;color:#8a4b00}
+#views{display:flex;flex-wrap:wrap;gap:.3em;margin:.6em 0}
+#views button{font:inherit;font-size:.9em;padding:.2em .7em;border:1px solid #aab;border-radius:4px;
+  background:#f6f7fa;cursor:pointer}
+#views button.on{background:#4c78a8;border-color:#4c78a8;color:#fff}
+#tip{position:fixed;display:none;pointer-events:none;background:#fff;border:1px solid #888;border-radius:3px;
+  padding:.35em .55em;font-size:12px;line-height:1.35;box-shadow:0 1px 4px rgba(0,0,0,.2);z-index:10;
+  white-space:nowrap}
+"""
+
+# Before anything else runs: collect what goes wrong, for people (the page says so) and tests (the DOM).
+_HEALTH_JS = r"""
+(function () {
+  "use strict";
+  var errors = [];
+  function mark() {
+    var body = document.body;
+    if (!body) return;
+    if (errors.length) { body.dataset.status = "error"; body.dataset.errors = errors.join(" | "); }
+  }
+  function note(message) { errors.push(String(message)); mark(); }
+  var health = window.pipesimHealth = {
+    errors: errors, note: note,
+    checkResources: function () {
+      performance.getEntriesByType("resource").forEach(function (r) {
+        if (!/^(data|blob|about):/.test(r.name)) note("network request: " + r.name);
+      });
+    },
+    times: [],
+    time: function (what) {
+      health.times.push(what + "=" + Math.round(performance.now()));
+      if (document.body) document.body.dataset.timing = health.times.join(" ");
+    },
+    done: function () {
+      health.time("done");
+      health.checkResources();
+      if (!errors.length && document.body) document.body.dataset.status = "ok";
+    }
+  };
+  window.addEventListener("error", function (e) {
+    var t = e.target;
+    if (t && t !== window) note("resource failed: " + (t.src || t.href || t.tagName));
+    else note("script error: " + e.message + (e.filename ? " (" + e.filename.slice(-40) + ":" + e.lineno + ")" : ""));
+  }, true);
+  window.addEventListener("unhandledrejection", function (e) {
+    note("script error: " + (e.reason && e.reason.stack ? e.reason.stack.split("\n").slice(0, 2).join(" ") : e.reason));
+  });
+  document.addEventListener("webglcontextlost", function () { note("WebGL context lost"); }, true);
+  document.addEventListener("securitypolicyviolation", function (e) {
+    note("network request blocked: " + e.blockedURI + " (" + e.effectiveDirective + ")");
+  });
+  document.addEventListener("DOMContentLoaded", mark);
+})();
+"""
+
+_TIMELINE_JS = r"""
+(function () {
+  "use strict";
+  const health = window.pipesimHealth;
+  const DATA = JSON.parse(document.getElementById("pipesim-data").textContent);
+  const TEST = location.hash === "#test";
+  const TYPES = {int8: Int8Array, int16: Int16Array, int32: Int32Array, float32: Float32Array,
+                 float64: Float64Array};
+  const GAP = 0.5;          // extra space between devices, in lanes
+  const BAR = 0.7;          // a bar's height as a fraction of its lane
+  const INSET = 0.025;      // bars are shortened by this fraction at both ends: back-to-back ops stay apart
+  const LOD_OPS = 20000;    // above this many ops in a view, ops under 2 px are pooled per pixel column
+  const MAX_MEMORY_LINES = 16;  // more devices than this: memory as a heatmap, one row per device
+  const MAX_TIMELINE_PX = 1100, MIN_LANE_PX = 5, MAX_LANE_PX = 24, MEMORY_PX = 220, GAP_PX = 56;
+  const STREAM_NAMES = ["", " send", " recv"];
+  const gd = document.getElementById("timeline");
+  const tip = document.getElementById("tip");
+  const CONFIG = {displaylogo: false, scrollZoom: true, responsive: true};
+
+  // ---- decoding: base64 -> inflate -> byte planes -> typed array --------------------------------------
+  function fromBase64(text) {
+    if (Uint8Array.fromBase64) return Uint8Array.fromBase64(text);
+    const bin = atob(text), out = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
+  }
+  async function column(c) {
+    const stream = new Blob([fromBase64(c.z)]).stream().pipeThrough(new DecompressionStream("deflate"));
+    const planes = new Uint8Array(await new Response(stream).arrayBuffer());
+    const T = TYPES[c.type], size = T.BYTES_PER_ELEMENT, n = c.n;
+    if (planes.length !== n * size) throw new Error("corrupt column: " + planes.length + " bytes for " + n);
+    if (size === 1) return new T(planes.buffer);
+    const bytes = new Uint8Array(n * size);
+    for (let b = 0; b < size; b++) {
+      const off = b * n;
+      for (let i = 0; i < n; i++) bytes[i * size + b] = planes[off + i];
+    }
+    return new T(bytes.buffer);
+  }
+  const traces = new Map();
+  function trace(i) {
+    if (!traces.has(i)) traces.set(i, decodeTrace(DATA.traces[i]));
+    return traces.get(i);
+  }
+  async function decodeTrace(t) {
+    const names = Object.keys(t.columns);
+    const cols = await Promise.all(names.map(name => column(t.columns[name])));
+    const c = {};
+    names.forEach((name, i) => { c[name] = cols[i]; });
+    const start = Float64Array.from(c.start_us, v => v / 1e3), dur = Float64Array.from(c.dur_us, v => v / 1e3);
+    const memory = [];
+    if (t.memory) {
+      const [times, mib] = await Promise.all([column(t.memory.t_us), column(t.memory.mib)]);
+      let at = 0;
+      t.memory.counts.forEach(k => {
+        memory.push({t: Float64Array.from(times.subarray(at, at + k), v => v / 1e3), v: mib.subarray(at, at + k)});
+        at += k;
+      });
+    }
+    let end = 0;
+    for (let i = 0; i < t.n; i++) end = Math.max(end, start[i] + dur[i]);
+    return Object.assign({}, t, {c, start, dur, end, memory, memoryColors: t.memory ? t.memory.colors : []});
+  }
+
+  // ---- a view: lanes, bars per kind, hit index --------------------------------------------------------
+  function buildView(view, members) {
+    const many = members.length > 1;
+    const devices = Math.max(...members.map(T => T.num_devices));
+    const laneOf = members.map(T => {
+      const lane = new Int32Array(T.num_devices * 3).fill(-1);
+      for (let d = 0; d < T.num_devices; d++) lane[d * 3] = 0;  // every device gets a compute lane
+      for (let i = 0; i < T.n; i++) if (T.dur[i] > 0) lane[T.c.device[i] * 3 + T.c.stream[i]] = 0;
+      return lane;
+    });
+    const lanes = [];
+    for (let d = 0; d < devices; d++) for (let s = 0; s < 3; s++) members.forEach((T, m) => {
+      if (d < T.num_devices && laneOf[m][d * 3 + s] === 0) {
+        laneOf[m][d * 3 + s] = lanes.length;
+        lanes.push({device: d, stream: s, member: m, y: lanes.length + GAP * d,
+                    label: "device " + d + STREAM_NAMES[s] + (many ? " \u00b7 " + T.label : "")});
+      }
+    });
+    const rows = lanes.map(() => []);
+    const series = [], seriesOf = members.map(T => new Int32Array(T.kinds.length).fill(-1));
+    members.forEach((T, m) => {
+      for (let i = 0; i < T.n; i++) {
+        if (!(T.dur[i] > 0)) continue;
+        rows[laneOf[m][T.c.device[i] * 3 + T.c.stream[i]]].push(i);
+        if (seriesOf[m][T.c.kind[i]] < 0) seriesOf[m][T.c.kind[i]] = 0;
+      }
+      seriesOf[m].forEach((used, k) => {
+        if (used === 0) { seriesOf[m][k] = series.length; series.push({member: m, kind: k}); }
+      });
+    });
+    const index = rows.map((r, lane) => {
+      const T = members[lanes[lane].member];
+      return Int32Array.from(r).sort((a, b) => T.start[a] - T.start[b]);
+    });
+    const longest = index.map((r, lane) => {
+      const T = members[lanes[lane].member];
+      let most = 0;
+      for (const i of r) most = Math.max(most, T.dur[i]);
+      return most;
+    });
+    const drawable = rows.reduce((total, r) => total + r.length, 0);
+    const memoryRows = [];
+    for (let d = 0; d < devices; d++) members.forEach((T, m) => {
+      if (T.memory[d] && T.memory[d].t.length) {
+        memoryRows.push({member: m, device: d, label: "device " + d + (many ? " \u00b7 " + T.label : "")});
+      }
+    });
+    const end = Math.max(...members.map(T => T.end));
+    return {view, members, lanes, index, longest, series, seriesOf, drawable, memoryRows, end};
+  }
+
+  // ---- bars: one NaN-separated line per (trace, kind); level of detail for large traces ------------------
+  // With more than LOD_OPS ops, ops narrower than 2 px in [x0, x1] are pooled per pixel column: a column
+  // shows the kind that covers most of it, and neighbouring columns of one kind merge into one bar, so the
+  // picture costs at most a few segments per pixel whatever the op count. Wider ops are drawn exactly.
+  function segments(b, x0, x1, columns) {
+    const xs = b.series.map(() => []), ys = b.series.map(() => []);
+    const lod = b.drawable > LOD_OPS, w = (x1 - x0) / columns;
+    b.lanes.forEach((lane, li) => {
+      const T = b.members[lane.member], rows = b.index[li], of = b.seriesOf[lane.member], y = lane.y;
+      const cover = new Float64Array(T.kinds.length);
+      let bucket = -1, runKind = -1, runFirst = 0, runLast = 0;
+      const push = (k, from, to) => { xs[of[k]].push(from, to, NaN); ys[of[k]].push(y, y, NaN); };
+      const closeRun = () => {
+        if (runKind >= 0) push(runKind, x0 + runFirst * w, x0 + (runLast + 1) * w);
+        runKind = -1;
+      };
+      const closeBucket = () => {
+        if (bucket < 0) return;
+        let k = 0;
+        for (let j = 1; j < cover.length; j++) if (cover[j] > cover[k]) k = j;
+        cover.fill(0);
+        if (k === runKind && bucket === runLast + 1) runLast = bucket;
+        else { closeRun(); runKind = k; runFirst = runLast = bucket; }
+        bucket = -1;
+      };
+      let lo = 0, hi = rows.length;
+      const from = x0 - b.longest[li];
+      while (lo < hi) { const mid = (lo + hi) >> 1; if (T.start[rows[mid]] < from) lo = mid + 1; else hi = mid; }
+      for (let j = lo; j < rows.length; j++) {
+        const i = rows[j], start = T.start[i], dur = T.dur[i], k = T.c.kind[i];
+        if (start > x1) break;
+        if (start + dur < x0) continue;
+        if (!lod || dur >= 2 * w) {
+          closeBucket(); closeRun();
+          push(k, start + INSET * dur, start + dur - INSET * dur);
+          continue;
+        }
+        const at = Math.max(0, Math.floor((start + dur / 2 - x0) / w));
+        if (at !== bucket) { closeBucket(); bucket = at; }
+        cover[k] += dur;
+      }
+      closeBucket(); closeRun();
+    });
+    return {x: xs.map(a => Float64Array.from(a)), y: ys.map(a => Float64Array.from(a))};
+  }
+
+  // ---- memory: level of detail --------------------------------------------------------------------------
+  function bisect(a, x) {  // the first index whose value is above x
+    let lo = 0, hi = a.length;
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (a[mid] <= x) lo = mid + 1; else hi = mid; }
+    return lo;
+  }
+  // A step function reduced to at most ~4 points per pixel column of [x0, x1]: each column keeps its first,
+  // lowest, highest and last sample, so peaks survive; points outside the range are dropped.
+  function decimate(t, v, x0, x1, columns) {
+    const i0 = Math.max(bisect(t, x0) - 1, 0), i1 = Math.min(bisect(t, x1) + 1, t.length);
+    if (i1 - i0 <= 4 * columns) return {x: t.subarray(i0, i1), y: v.subarray(i0, i1)};
+    const keep = [];
+    const width = (x1 - x0) / columns;
+    let i = i0;
+    while (i < i1) {
+      const col = Math.floor((t[i] - x0) / width);
+      let j = i, lo = i, hi = i;
+      while (j < i1 && Math.floor((t[j] - x0) / width) === col) {
+        if (v[j] < v[lo]) lo = j;
+        if (v[j] > v[hi]) hi = j;
+        j++;
+      }
+      const picks = [i, lo, hi, j - 1].sort((a, b) => a - b);
+      picks.forEach((p, n) => { if (n === 0 || p !== picks[n - 1]) keep.push(p); });
+      i = j;
+    }
+    return {x: Float64Array.from(keep, p => t[p]), y: Float64Array.from(keep, p => v[p])};
+  }
+
+  // Memory as a grid: per row (device) and pixel column of [x0, x1], the most memory held in the column.
+  function memoryGrid(b, x0, x1, columns) {
+    const w = (x1 - x0) / columns;
+    const x = Array.from({length: columns}, (_, c) => x0 + (c + 0.5) * w);
+    const z = b.memoryRows.map(({member, device}) => {
+      const {t, v} = b.members[member].memory[device];
+      const row = new Array(columns).fill(null);
+      for (let i = Math.max(bisect(t, x0) - 1, 0); i < t.length - 1 && t[i] < x1; i++) {
+        if (t[i + 1] <= x0) continue;
+        const c0 = Math.max(0, Math.floor((t[i] - x0) / w));
+        const c1 = Math.min(columns - 1, Math.floor((Math.min(t[i + 1], x1) - x0) / w));
+        for (let c = c0; c <= c1; c++) if (row[c] === null || v[i] > row[c]) row[c] = v[i];
+      }
+      return row;
+    });
+    return {x, y: b.memoryRows.map(r => r.label), z,
+            zmax: b.memoryRows.reduce((most, {member, device}) =>
+              b.members[member].memory[device].v.reduce((m, v) => Math.max(m, v), most), 1)};
+  }
+
+  // ---- the figure ---------------------------------------------------------------------------------------
+  function fmt(v, digits) {
+    return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
+  }
+  function viewTitle(built) {
+    return built.members.map(T => {
+      const s = T.summary, m = T.meta;
+      return "<b>" + esc(T.label) + "</b>: makespan " + fmt(s.makespan_ms, 2) + " ms, bubble " +
+        fmt(100 * s.bubble_fraction, 1) + "%, " + fmt(s.time_per_minibatch_ms, 3) + " ms/step, peak " +
+        fmt(s.peak_memory_mb, 0) + " MiB <span style='font-size:12px;color:#666'>(p=" + T.num_devices + ", m=" +
+        m.microbatches + ", N=" + m.minibatches + (m.pipelines > 1 ? ", P=" + m.pipelines : "") + ", " +
+        T.n.toLocaleString("en-US") + " ops, " + m.source + ")</span>";
+    }).join("<br>");
+  }
+  function esc(s) { return String(s).replace(/[&<>"']/g, ch => "&#" + ch.charCodeAt(0) + ";"); }
+
+  function figure(built, columns) {
+    const {lanes, members} = built;
+    const hasMemory = built.memoryRows.length > 0;
+    const span = (lanes.length ? lanes[lanes.length - 1].y : 0) + 1.6;
+    const lanePx = Math.max(MIN_LANE_PX, Math.min(MAX_LANE_PX, MAX_TIMELINE_PX / span));
+    const timelinePx = Math.max(lanePx * span, 110);
+    const titleLines = members.length;
+    const margin = {t: 46 + 20 * titleLines, b: 50, l: 0, r: 20};
+    // Tick labels no closer than 11 px: label every k-th device where lanes are thin.
+    const devices = lanes.length ? lanes[lanes.length - 1].device + 1 : 1;
+    const devicePx = lanePx * (lanes.length / devices + GAP);  // from one device's first lane to the next's
+    const every = Math.ceil(11 / devicePx);
+    const shown = lanes.filter(l => lanePx >= 11 || (l.stream === 0 && l.member === 0 && l.device % every === 0));
+    margin.l = 24 + 6.5 * Math.max(8, ...shown.map(l => l.label.length));
+    const memoryLegend = hasMemory && built.memoryRows.length <= MAX_MEMORY_LINES;
+    if (hasMemory) margin.r = memoryLegend ? 100 : 80;  // the memory legend, or the heatmap's colour bar
+    const plotPx = timelinePx + (hasMemory ? GAP_PX + MEMORY_PX : 0);
+    const height = plotPx + margin.t + margin.b;
+    const split = hasMemory ? (MEMORY_PX + GAP_PX) / plotPx : 0;
+    const barPx = BAR * timelinePx / span;
+    const xEnd = built.end * 1.01 || 1;
+    const plotColumns = Math.max(100, Math.round(columns - margin.l - margin.r));
+    const bars = segments(built, 0, xEnd, plotColumns);
+    const data = built.series.map((b, j) => {
+      const T = members[b.member];
+      return {type: "scattergl", mode: "lines", x: bars.x[j], y: bars.y[j], xaxis: "x", yaxis: "y",
+              name: T.kinds[b.kind], legendgroup: T.kinds[b.kind], showlegend: false, hoverinfo: "skip",
+              connectgaps: false, line: {color: T.colors[b.kind], width: barPx}};
+    });
+    // One legend entry per kind, whoever has it first.
+    const seen = new Set();
+    data.forEach(d => { if (!seen.has(d.name)) { seen.add(d.name); d.showlegend = true; } });
+    built.barTraces = data.length;
+    built.memoryTraces = [];
+    built.heatmap = -1;
+    if (built.memoryRows.length > MAX_MEMORY_LINES) {
+      // Too many curves to tell apart (and to draw): one row per device, coloured by the most memory it
+      // holds in each pixel column.
+      const grid = memoryGrid(built, 0, xEnd, plotColumns);
+      built.heatmap = data.length;
+      data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: "y2", colorscale: "Viridis",
+                 zmin: 0, zmax: grid.zmax, name: "memory", showscale: true, hoverongaps: false,
+                 colorbar: {title: {text: "MiB"}, len: MEMORY_PX / plotPx, y: 0, yanchor: "bottom", thickness: 12},
+                 hovertemplate: "%{y}: up to %{z:,.0f} MiB around %{x:.3f} ms<extra></extra>"});
+    } else {
+      built.memoryRows.forEach(({member, device, label}) => {
+        const T = members[member], mem = T.memory[device];
+        const pts = decimate(mem.t, mem.v, 0, xEnd, plotColumns);
+        built.memoryTraces.push({member, device, index: data.length});
+        data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, xaxis: "x", yaxis: "y2", name: label,
+                   legend: "legend2", showlegend: memoryLegend,
+                   line: {color: T.memoryColors[device], width: 1.5, shape: "hv", dash: member ? "dot" : "solid"},
+                   hovertemplate: "%{fullData.name}: %{y:,.1f} MiB at %{x:.3f} ms<extra></extra>"});
+      });
+    }
+    const layout = {
+      height, margin, hovermode: "closest", dragmode: "zoom", uirevision: built.view.name,
+      paper_bgcolor: "#fff", plot_bgcolor: "#fff", font: {size: 12},
+      title: {text: viewTitle(built), x: 0, xref: "paper", xanchor: "left", y: 1, yref: "container",
+              yanchor: "top", pad: {t: 10}, font: {size: 14}},
+      legend: {orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", tracegroupgap: 4},
+      xaxis: {anchor: hasMemory ? "y2" : "y", title: {text: "time (ms)"}, range: [0, xEnd],
+              gridcolor: "#ececec", zeroline: false, showline: true, linecolor: "#999"},
+      yaxis: {domain: [split, 1], anchor: "x", range: [span - 0.8, -0.8], tickvals: shown.map(l => l.y),
+              ticktext: shown.map(l => l.label), showgrid: false, zeroline: false, ticks: "", tickfont: {size: 11},
+              ticklabelstandoff: 4},
+    };
+    if (hasMemory && built.heatmap < 0) {
+      layout.yaxis2 = {domain: [0, MEMORY_PX / plotPx], anchor: "x", title: {text: "memory (MiB)"},
+                       gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
+      layout.legend2 = {x: 1.01, xanchor: "left", y: MEMORY_PX / plotPx, yanchor: "top", title: {text: "memory"}};
+    } else if (hasMemory) {
+      layout.yaxis2 = {domain: [0, MEMORY_PX / plotPx], anchor: "x", title: {text: "memory"}, type: "category",
+                       autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
+    }
+    built.span = span;
+    built.barPx = barPx;
+    return {data, layout};
+  }
+
+  // Bars as tall as BAR of the lane's height on screen, whatever the figure's height or y zoom.
+  function barWidth() {
+    const ya = gd._fullLayout && gd._fullLayout.yaxis;
+    if (!ya || !ya._length) return null;
+    return Math.max(1, BAR * ya._length / Math.abs(ya.range[0] - ya.range[1]));
+  }
+  async function fitBars(built) {
+    const width = barWidth();
+    if (width === null || Math.abs(width - built.barPx) < 0.25) return;
+    built.barPx = width;
+    await Plotly.restyle(gd, {"line.width": width}, [...Array(built.barTraces).keys()]);
+  }
+  // After a zoom or resize: bars (level of detail) and memory (decimation) for the range now shown, and as
+  // much again on either side, so that panning finds them drawn.
+  async function refine(built) {
+    const xa = gd._fullLayout && gd._fullLayout.xaxis;
+    if (!xa || !xa._length || built !== shownView) return;
+    const span = xa.range[1] - xa.range[0], x0 = xa.range[0] - span, x1 = xa.range[1] + span;
+    const columns = 3 * Math.max(100, Math.round(xa._length)), xs = [], ys = [], traces = [];
+    if (built.drawable > LOD_OPS) {
+      const bars = segments(built, x0, x1, columns);
+      built.series.forEach((_, j) => { xs.push(bars.x[j]); ys.push(bars.y[j]); traces.push(j); });
+    }
+    built.memoryTraces.forEach(({member, device, index}) => {
+      const mem = built.members[member].memory[device];
+      const pts = decimate(mem.t, mem.v, x0, x1, columns);
+      xs.push(pts.x); ys.push(pts.y); traces.push(index);
+    });
+    if (traces.length) await Plotly.restyle(gd, {x: xs, y: ys}, traces);
+    if (built.heatmap >= 0) {
+      const grid = memoryGrid(built, x0, x1, columns);
+      await Plotly.restyle(gd, {x: [grid.x], z: [grid.z]}, [built.heatmap]);
+    }
+  }
+
+  // ---- hover: the op under the pointer, described from its columns ----------------------------------
+  function opAt(built, clientX, clientY) {
+    const fl = gd._fullLayout;
+    if (!fl || !fl.xaxis || !built.lanes.length) return null;
+    const xa = fl.xaxis, ya = fl.yaxis, box = gd.getBoundingClientRect();
+    const px = clientX - box.left - xa._offset, py = clientY - box.top - ya._offset;
+    if (px < 0 || px > xa._length || py < 0 || py > ya._length) return null;
+    const x = xa.range[0] + (xa.range[1] - xa.range[0]) * px / xa._length;
+    const y = ya.range[1] + (ya.range[0] - ya.range[1]) * py / ya._length;
+    let lane = -1, best = Infinity;
+    built.lanes.forEach((l, i) => { const d = Math.abs(l.y - y); if (d < best) { best = d; lane = i; } });
+    if (best > BAR / 2 + 0.05) return null;
+    const T = built.members[built.lanes[lane].member], rows = built.index[lane];
+    let lo = 0, hi = rows.length;
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (T.start[rows[mid]] <= x) lo = mid + 1; else hi = mid; }
+    const hidden = new Set(gd.data.filter(d => d.visible === "legendonly").map(d => d.legendgroup));
+    for (let j = lo - 1; j >= 0 && j >= lo - 64; j--) {
+      const i = rows[j];
+      if (T.start[i] + T.dur[i] >= x && !hidden.has(T.kinds[T.c.kind[i]])) return {T, i};
+    }
+    return null;
+  }
+  function describe(T, i, many) {
+    const c = T.c, kind = T.kinds[c.kind[i]], mb = c.microbatch[i], mini = c.minibatch[i];
+    const label = kind + (mb >= 0 ? mb : "") + (mini ? "." + mini : "");
+    const lines = ["<b>" + esc(label) + "</b> (" + esc(kind) + ")" + (many ? " \u00b7 " + esc(T.label) : ""),
+      "device " + c.device[i] + ", stage " + c.stage[i] + (c.peer[i] >= 0 ? ", peer " + c.peer[i] : ""),
+      (mb >= 0 ? "micro-batch " + mb + ", " : "") + "mini-batch " + mini +
+        (T.meta.pipelines > 1 || c.pipeline[i] > 0 ? ", pipeline " + c.pipeline[i] : ""),
+      "start " + T.start[i].toFixed(3) + " ms, duration " + T.dur[i].toFixed(3) + " ms"];
+    if (c.version[i] >= 0) lines.push("weight version " + c.version[i]);
+    if (c.prediction[i] >= 0) lines.push("prediction distance " + c.prediction[i]);
+    return lines.join("<br>");
+  }
+  let shownView = null;
+  gd.addEventListener("mousemove", e => {
+    const hit = shownView && opAt(shownView, e.clientX, e.clientY);
+    if (!hit) { tip.style.display = "none"; return; }
+    tip.innerHTML = describe(hit.T, hit.i, shownView.members.length > 1);
+    tip.style.display = "block";
+    const w = tip.offsetWidth, h = tip.offsetHeight;
+    tip.style.left = Math.min(e.clientX + 14, window.innerWidth - w - 4) + "px";
+    tip.style.top = (e.clientY + 16 + h > window.innerHeight ? e.clientY - h - 10 : e.clientY + 16) + "px";
+  });
+  gd.addEventListener("mouseleave", () => { tip.style.display = "none"; });
+
+  // ---- the summary chart and the selector ----------------------------------------------------------------
+  const summaryDiv = document.getElementById("summary"), nav = document.getElementById("views");
+  function summaryColors(selected) {
+    return DATA.views.map((_, i) => (i === selected ? "#4c78a8" : "#bccbe0"));
+  }
+  async function drawSummary() {
+    if (DATA.views.length < 2) return;
+    const names = DATA.views.map(v => v.name);
+    const summaries = DATA.views.map(v => DATA.traces[v.traces[0]].summary);
+    const metrics = [["time per mini-batch (ms)", s => s.time_per_minibatch_ms, v => fmt(v, 2)],
+                     ["bubble", s => s.bubble_fraction, v => fmt(100 * v, 1) + "%"],
+                     ["peak memory per device (MiB)", s => s.peak_memory_mb, v => fmt(v, 0)]];
+    const data = metrics.map(([title, get, show], j) => {
+      const x = summaries.map(get);
+      return {type: "bar", orientation: "h", y: names, x, text: x.map(show), textposition: "auto",
+              cliponaxis: false, xaxis: "x" + (j ? j + 1 : ""), yaxis: "y", showlegend: false, name: title,
+              marker: {color: summaryColors(0)}, hovertemplate: "%{y}: %{text}<extra>" + title + "</extra>"};
+    });
+    const layout = {
+      height: 80 + 20 * names.length, margin: {t: 30, b: 20, l: 20 + 7 * Math.max(...names.map(n => n.length)), r: 20},
+      paper_bgcolor: "#fff", plot_bgcolor: "#fff", font: {size: 12}, bargap: 0.25,
+      yaxis: {autorange: "reversed", type: "category", ticks: ""},
+      annotations: metrics.map(([title], j) => ({text: "<b>" + title + "</b>", x: [0, 0.35, 0.7][j], xref: "paper",
+                                                  xanchor: "left", y: 1, yref: "paper", yanchor: "bottom",
+                                                  showarrow: false})),
+    };
+    [[0, 0.31], [0.35, 0.66], [0.7, 1]].forEach((domain, j) => {
+      layout["xaxis" + (j ? j + 1 : "")] = {domain, anchor: "y", gridcolor: "#ececec", zeroline: false,
+                                           rangemode: "tozero", fixedrange: true,
+                                           tickformat: j === 1 ? ".0%" : undefined};
+    });
+    layout.yaxis.fixedrange = true;
+    await Plotly.newPlot(summaryDiv, data, layout, {displaylogo: false, responsive: true, displayModeBar: false});
+    summaryDiv.on("plotly_click", ev => { if (ev.points.length) select(ev.points[0].pointIndex); });
+  }
+  DATA.views.forEach((v, i) => {
+    const b = document.createElement("button");
+    b.type = "button"; b.textContent = v.name; b.onclick = () => select(i);
+    nav.appendChild(b);
+  });
+  if (DATA.views.length < 2) nav.style.display = "none";
+  const notes = document.getElementById("notes");
+  DATA.notes.forEach(text => { const p = document.createElement("p"); p.textContent = text; notes.appendChild(p); });
+  document.addEventListener("keydown", e => {
+    if (e.target.tagName === "INPUT" || e.altKey || e.ctrlKey || e.metaKey) return;
+    if (e.key === "ArrowRight" || e.key === "ArrowLeft") {
+      const step = e.key === "ArrowRight" ? 1 : DATA.views.length - 1;
+      select((current + step) % DATA.views.length);
+    }
+  });
+
+  const built = new Map();
+  let current = 0, queue = Promise.resolve();
+  function select(i) { queue = queue.then(() => show(i)).catch(e => health.note("script error: " + e)); return queue; }
+  async function show(i) {
+    if (i === current && shownView && shownView === built.get(i)) return;
+    current = i;
+    [...nav.children].forEach((b, j) => b.classList.toggle("on", j === i));
+    if (DATA.views.length > 1 && summaryDiv.data) {
+      await Plotly.restyle(summaryDiv, {"marker.color": [summaryColors(i)]}, [0, 1, 2]);
+    }
+    const view = DATA.views[i];
+    if (!built.has(i)) built.set(i, buildView(view, await Promise.all(view.traces.map(trace))));
+    const b = built.get(i);
+    const columns = Math.max(300, Math.round(gd.clientWidth || 1200));
+    const {data, layout} = figure(b, columns);
+    shownView = null;
+    await Plotly.react(gd, data, layout, CONFIG);
+    shownView = b;
+    await fitBars(b);
+    record(b);
+    document.body.dataset.view = view.name;
+  }
+  let refining = false;
+  function onRelayout(ev) {
+    const b = shownView;
+    if (!b) return;
+    const keys = Object.keys(ev || {});
+    if (keys.some(k => k.startsWith("yaxis.") || k === "autosize" || k === "height" || k === "width")) {
+      fitBars(b).then(() => record(b));
+    }
+    if (keys.some(k => k.startsWith("xaxis.") || k === "autosize" || k === "width") && !refining) {
+      refining = true;  // one refinement per frame, however many zoom steps a scroll wheel sends
+      requestAnimationFrame(() => {
+        refining = false;
+        refine(b).catch(e => health.note("script error: " + e));
+      });
+    }
+  }
+
+  // Where the lanes are on the page, for the browser test: it checks a screenshot's bars against them.
+  function record(b) {
+    const fl = gd._fullLayout, ya = fl.yaxis, xa = fl.xaxis, box = gd.getBoundingClientRect();
+    const top = box.top + window.scrollY + ya._offset, left = box.left + window.scrollX + xa._offset;
+    const toPx = y => top + (y - ya.range[1]) / (ya.range[0] - ya.range[1]) * ya._length;
+    gd.dataset.geometry = JSON.stringify({
+      plot: [left, top, xa._length, ya._length], bar_px: b.barPx,
+      points: gd.data.reduce((total, d) => total + (d.x ? d.x.length : 0), 0),
+      lanes: b.lanes.map(l => toPx(l.y)),
+    });
+  }
+
+  // The colours the WebGL canvas really shows in the timeline area: how many pixels are drawn.
+  function inkInTimeline() {
+    const canvas = gd.querySelector("canvas.gl-canvas-context") || gd.querySelector("canvas");
+    const fl = gd._fullLayout;
+    if (!canvas || !fl) return 0;
+    const xa = fl.xaxis, ya = fl.yaxis;
+    const scale = canvas.width / canvas.clientWidth;
+    const w = Math.max(1, Math.round(xa._length)), h = Math.max(1, Math.round(ya._length));
+    const probe = document.createElement("canvas");
+    probe.width = w; probe.height = h;
+    const ctx = probe.getContext("2d", {willReadFrequently: true});
+    ctx.drawImage(canvas, xa._offset * scale, ya._offset * scale, w * scale, h * scale, 0, 0, w, h);
+    const px = ctx.getImageData(0, 0, w, h).data;
+    let ink = 0;
+    for (let k = 3; k < px.length; k += 4) if (px[k] > 0) ink++;
+    return ink / (w * h);
+  }
+  const frame = () => new Promise(resolve => requestAnimationFrame(() => setTimeout(resolve, 0)));
+
+  async function main() {
+    if (typeof DecompressionStream === "undefined") {
+      throw new Error("this browser cannot decompress the page's data (no DecompressionStream): use a current one");
+    }
+    health.time("script");
+    await Promise.all(DATA.traces.map((_, i) => trace(i)));
+    health.time("decoded");
+    await drawSummary();
+    health.time("summary");
+    await select(0);
+    health.time("first-plot");
+    gd.on("plotly_relayout", onRelayout);
+    const checked = [];
+    for (let i = TEST ? 0 : DATA.views.length; i < DATA.views.length; i++) {
+      await select(i);
+      await frame(); await frame();
+      const ink = inkInTimeline();
+      checked.push(DATA.views[i].name + "=" + ink.toFixed(4));
+      health.time(DATA.views[i].name);
+      if (!(ink > 0.002)) health.note("blank plot: " + DATA.views[i].name);
+    }
+    if (TEST) { await select(0); document.body.dataset.views = checked.join(" "); }
+    await frame(); await frame();
+    health.done();
+  }
+  main().catch(e => health.note("script error: " + (e && e.stack ? e.stack.split("\n").slice(0, 2).join(" ") : e)));
+})();
+"""

@@ -1,0 +1,404 @@
+"""Pages open in a real browser: headless Chromium draws every plot, with no script error, lost WebGL context,
+network request or blank plot.
+
+Chromium is driven over its DevTools pipe (`--remote-debugging-pipe`), in real time: the test waits until the
+page says it is done (`<body data-status>`), reads what the page recorded, takes a screenshot and checks its
+pixels. Skipped only where no `chromium` (or `chromium-browser`) is on PATH; .ci/run installs Debian's.
+
+Run as a script to look at a page: `python tests/test_browser.py PAGE.html OUT.png [WIDTH HEIGHT]`.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (.ci/run installs it)")
+
+FLAGS = ["--headless", "--no-sandbox", "--use-angle=swiftshader", "--enable-unsafe-swiftshader",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+         "--no-default-browser-check", "--hide-scrollbars", "--mute-audio", "--disable-extensions",
+         "--disable-dev-shm-usage"]
+KIND_RGB = {"F": (0x4C, 0x78, 0xA8), "B": (0x54, 0xA2, 0x4B)}
+
+
+# --- a minimal DevTools client over the pipe -------------------------------------------------------------
+
+class Browser:
+    """Headless Chromium with the DevTools protocol on file descriptors 3 (commands) and 4 (replies)."""
+
+    def __init__(self, width: int = 1400, height: int = 1000) -> None:
+        self.profile = tempfile.mkdtemp(prefix="pipesim-chromium-")
+        self.log = open(os.path.join(self.profile, "stderr.log"), "w+b")
+        ends = [*os.pipe(), *os.pipe()]
+        # Out of the way of 3 and 4, so that moving them there in the child overwrites nothing still needed.
+        to_browser, self._commands, self._replies, from_browser = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+                                                                   for fd in ends)
+        for fd in ends:
+            os.close(fd)
+
+        def wire() -> None:  # in the child, before exec: the protocol's descriptors where Chromium expects them
+            os.dup2(to_browser, 3)  # dup2 makes them inheritable; every other descriptor closes on exec
+            os.dup2(from_browser, 4)
+
+        self.proc = subprocess.Popen(
+            [CHROMIUM, *FLAGS, f"--user-data-dir={self.profile}", f"--window-size={width},{height}",
+             "--remote-debugging-pipe", "about:blank"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=wire, close_fds=False,
+        )
+        os.close(to_browser)
+        os.close(from_browser)
+        self._buffer = b""
+        self._next_id = 0
+        self.events: list[dict[str, Any]] = []
+        self.size = (width, height)
+        targets = self.call("Target.getTargets")["targetInfos"]
+        page = next(t for t in targets if t["type"] == "page")
+        self.session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+        for domain in ("Page", "Runtime", "Network", "Log"):
+            self.call(f"{domain}.enable", session=True)
+        self.call("Emulation.setDeviceMetricsOverride", session=True, width=width, height=height,
+                  deviceScaleFactor=1, mobile=False)
+
+    def _read(self, deadline: float) -> dict[str, Any]:
+        while b"\0" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._replies], [], [], left)[0]:
+                raise TimeoutError("chromium did not answer in time")
+            chunk = os.read(self._replies, 1 << 20)
+            if not chunk:
+                self.log.seek(0)
+                raise RuntimeError("chromium exited: " + self.log.read().decode(errors="replace")[-2000:])
+            self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(message)
+
+    def call(self, method: str, session: bool = False, timeout: float = 60, **params: Any) -> dict[str, Any]:
+        self._next_id += 1
+        message = {"id": self._next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = self.session
+        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._read(deadline)
+            if reply.get("id") == self._next_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+            if "method" in reply:
+                self.events.append(reply)
+
+    def evaluate(self, expression: str, timeout: float = 60) -> Any:
+        result = self.call("Runtime.evaluate", session=True, timeout=timeout, expression=expression, returnByValue=True,
+                           awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close", timeout=10)
+        except (RuntimeError, TimeoutError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in (self._commands, self._replies):
+            os.close(fd)
+        self.log.close()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+    def __enter__(self) -> Browser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Visit:
+    status: str
+    body: dict[str, str]            # the page's data-* attributes on <body>
+    geometry: dict[str, Any] | None  # where the timeline's lanes are on the page
+    screenshot: np.ndarray          # height x width x 3, uint8
+    seconds: float
+    requests: list[str] = field(default_factory=list)  # URLs the page asked for, other than itself and data:
+    problems: list[str] = field(default_factory=list)  # exceptions and errors the browser reported
+
+
+def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000, timeout: float = 60,
+          settle: float = 0.0) -> Visit:
+    """Open `path` in headless Chromium, wait until its body's data-status leaves "loading" (and `settle`
+    seconds more), and collect what the page recorded, what the browser saw, and a screenshot of the viewport
+    (make it tall enough)."""
+    url = path.resolve().as_uri() + fragment
+    with Browser(width, height) as browser:
+        began = time.monotonic()
+        browser.call("Page.navigate", session=True, url=url)
+        status = "loading"
+        while time.monotonic() - began < timeout:
+            left = max(1.0, timeout - (time.monotonic() - began))
+            status = browser.evaluate("document.body ? document.body.dataset.status || '' : ''", timeout=left)
+            if status not in ("", "loading"):
+                break
+            time.sleep(0.1)
+        seconds = time.monotonic() - began
+        if settle:
+            time.sleep(settle)
+            status = browser.evaluate("document.body.dataset.status")
+        body = browser.evaluate("document.body ? Object.assign({}, document.body.dataset) : {}") or {}
+        geometry = browser.evaluate("(d => d && d.dataset.geometry)(document.getElementById('timeline'))")
+        # The viewport only: capturing beyond it resizes the page, which redraws every plot (slow in software).
+        shot = browser.call("Page.captureScreenshot", session=True, format="png")
+        requests, problems = [], []
+        for event in browser.events:
+            method, params = event["method"], event.get("params", {})
+            if method == "Network.requestWillBeSent":
+                if not params["request"]["url"].startswith(("data:", "blob:", url.split("#")[0])):
+                    requests.append(params["request"]["url"])
+            elif method == "Runtime.exceptionThrown":
+                problems.append("exception: " + json.dumps(params["exceptionDetails"])[:500])
+            elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
+                problems.append("log: " + params["entry"]["text"])
+            elif method == "Runtime.consoleAPICalled" and params["type"] == "error":
+                problems.append("console: " + json.dumps(params["args"])[:500])
+        return Visit(status, body, json.loads(geometry) if geometry else None,
+                     decode_png(base64.b64decode(shot["data"])), seconds, requests, problems)
+
+
+# --- pixels ----------------------------------------------------------------------------------------------
+
+def decode_png(data: bytes) -> np.ndarray:
+    """An 8-bit RGB(A) PNG as a height x width x 3 array: with Pillow where installed, else by hand."""
+    try:
+        import io
+
+        from PIL import Image
+        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    except ImportError:
+        pass
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    at, chunks, header = 8, [], None
+    while at < len(data):
+        length = int.from_bytes(data[at:at + 4], "big")
+        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + length]
+        at += 12 + length
+        if kind == b"IHDR":
+            header = body
+        elif kind == b"IDAT":
+            chunks.append(body)
+        elif kind == b"IEND":
+            break
+    width, height = int.from_bytes(header[0:4], "big"), int.from_bytes(header[4:8], "big")
+    depth, color, interlace = header[8], header[9], header[12]
+    assert depth == 8 and color in (2, 6) and interlace == 0, f"unsupported PNG: depth {depth}, colour {color}"
+    bpp = 3 if color == 2 else 4
+    raw = np.frombuffer(zlib.decompress(b"".join(chunks)), dtype=np.uint8).reshape(height, 1 + width * bpp)
+    out = np.zeros((height, width * bpp), dtype=np.int32)
+    previous = np.zeros(width * bpp, dtype=np.int32)
+    for y in range(height):
+        kind, line = raw[y, 0], raw[y, 1:].astype(np.int32)
+        if kind == 0:
+            row = line
+        elif kind == 1:  # Sub: a running sum per channel
+            row = np.cumsum(line.reshape(width, bpp), axis=0).ravel() & 0xFF
+        elif kind == 2:  # Up
+            row = (line + previous) & 0xFF
+        else:  # Average and Paeth depend on the byte just decoded: byte by byte, in plain Python (faster here)
+            cur, up = line.tolist(), previous.tolist()
+            for x in range(len(cur)):
+                left = cur[x - bpp] if x >= bpp else 0
+                if kind == 3:
+                    cur[x] = (cur[x] + ((left + up[x]) >> 1)) & 0xFF
+                    continue
+                upper_left = up[x - bpp] if x >= bpp else 0
+                pa, pb, pc = abs(up[x] - upper_left), abs(left - upper_left), abs(left + up[x] - 2 * upper_left)
+                cur[x] = (cur[x] + (left if pa <= pb and pa <= pc else up[x] if pb <= pc else upper_left)) & 0xFF
+            row = np.array(cur, dtype=np.int32)
+        out[y] = row
+        previous = row
+    return out.reshape(height, width, bpp)[:, :, :3].astype(np.uint8)
+
+
+def kind_pixels(image: np.ndarray, rgb: tuple[int, int, int], tolerance: int = 24) -> np.ndarray:
+    """Mask of the pixels within `tolerance` of a kind's colour."""
+    return (np.abs(image.astype(np.int16) - np.array(rgb, dtype=np.int16)).max(axis=2) <= tolerance)
+
+
+def check_timeline(v: Visit, min_fraction: float = 0.01) -> None:
+    """The screenshot's timeline area shows bars of F and B, every bar pixel lies on a lane, and bars fill their
+    lane's band."""
+    assert v.geometry, "the page recorded no timeline geometry"
+    left, top, width, height = (round(c) for c in v.geometry["plot"])
+    area = v.screenshot[top:top + height, left:left + width]
+    assert area.shape[0] > 20 and area.shape[1] > 20, f"timeline area off the screenshot: {v.geometry['plot']}"
+    white = (area.min(axis=2) >= 245).mean()
+    assert white < 0.98, f"timeline is blank: {white:.1%} white"
+    bars = kind_pixels(area, KIND_RGB["F"]) | kind_pixels(area, KIND_RGB["B"])
+    assert bars.mean() > min_fraction, f"too few F/B bar pixels in the timeline: {bars.mean():.2%}"
+    lanes = np.array(v.geometry["lanes"]) - top
+    # Bars are 70 % of a lane's height (devices are further apart): the height the page says it drew must fit
+    # between the lanes as they lie on the screen, and the pixels must stay within it.
+    pitch = np.diff(lanes).min() if len(lanes) > 1 else height
+    assert 0.3 * pitch <= v.geometry["bar_px"] <= 0.72 * pitch, (v.geometry["bar_px"], pitch)
+    half = v.geometry["bar_px"] / 2
+    rows = np.flatnonzero(bars.sum(axis=1) > 0)
+    off = np.abs(rows[:, None] - lanes[None, :]).min(axis=1) > half + 1.5
+    assert not off.any(), f"bar pixels off their lanes at rows {(rows[off] + top)[:10].tolist()}"
+    # And each lane's band is filled across the bar's height, not a thin line.
+    filled = bars.sum(axis=1)
+    used = [y for y in lanes if 0 <= round(y) < len(filled) and filled[round(y)] > 0]
+    assert used, "no lane has bars on its centre line"
+    last = len(filled) - 1
+    edges = [filled[max(0, round(y - half + 2))] > 0 and filled[min(last, round(y + half - 2))] > 0 for y in used]
+    assert np.mean(edges) > 0.9, "bars are thinner than their recorded height"
+
+
+def assert_healthy(v: Visit) -> None:
+    assert v.status == "ok", f"page status {v.status!r}: {v.body.get('errors')}"
+    assert not v.requests, f"network requests: {v.requests}"
+    assert not v.problems, "\n".join(v.problems)
+
+
+# --- the tests ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def example_page(tmp_path_factory) -> Path:
+    from tests.conftest import pipesim
+
+    folder = tmp_path_factory.mktemp("example")
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        code, _, err = pipesim("simulate")
+    finally:
+        os.chdir(cwd)
+    assert code == 0, err
+    return folder / "pipesim-example.html"
+
+
+@needs_chromium
+def test_built_in_example_renders_every_schedule(example_page):
+    from pipesim.schedules import METHODS
+
+    v = visit(example_page, "#test", height=1300)
+    assert_healthy(v)
+    # In test mode the page drew every view in turn and measured the WebGL canvas's ink under the timeline.
+    drawn = dict(item.split("=") for item in v.body["views"].split())
+    assert list(drawn) == list(METHODS)
+    assert all(float(ink) > 0.002 for ink in drawn.values()), drawn
+    check_timeline(v)
+    # The summary chart heads the page: its bars (SVG) are above the timeline.
+    top = round(v.geometry["plot"][1])
+    assert kind_pixels(v.screenshot[:top - 100], (0x4C, 0x78, 0xA8)).sum() > 200, "no summary chart at the top"
+
+
+@needs_chromium
+def test_large_page_is_small_and_draws_bars_on_lanes(tmp_path):
+    from tests.conftest import pipesim
+
+    page = tmp_path / "big.html"
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", "64", "-m", "1024", "--html", page)
+    assert code == 0, err
+    assert page.stat().st_size < 25e6
+    v = visit(page, "#test", height=1600, timeout=60)
+    assert_healthy(v)
+    check_timeline(v, min_fraction=0.05)
+    assert len(v.geometry["lanes"]) == 64  # transfers cost nothing: no empty send/recv lanes
+
+
+@needs_chromium
+def test_the_checks_catch_a_broken_page(tmp_path):
+    """The health checks fail where they should: a network request, a script error, too many WebGL plots."""
+    from pipesim.traces.view import write_html
+
+    page = tmp_path / "broken.html"
+    write_html([], page)  # no figure: the page's health checks alone
+    text = page.read_text()
+    assert "data-status" in text
+    page.write_text(text.replace("</body>", "<img src=\"http://192.0.2.1/x.png\"><script>nope()</script></body>"))
+    v = visit(page, settle=1)
+    assert v.status == "error"
+    assert "network request blocked: http://192.0.2.1/x.png" in v.body["errors"]
+    assert "nope is not defined" in v.body["errors"]
+
+    # What one WebGL plot per schedule did: more live contexts than the browser keeps (about 16).
+    many = tmp_path / "many.html"
+    many.write_text(text.replace("</body>", "<script>for (let i = 0; i < 20; i++) document.body.appendChild("
+                                 "document.createElement('canvas')).getContext('webgl');</script></body>"))
+    v = visit(many, settle=1)
+    assert v.status == "error" and "WebGL context lost" in v.body["errors"]
+
+
+def test_png_decoder_reads_every_filter():
+    """The hand-written decoder (used where Pillow is missing) against rows written with each filter."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, size=(5, 7, 3), dtype=np.uint8)
+    rows, previous = [], np.zeros(21, dtype=np.int32)
+    for y, kind in enumerate([0, 1, 2, 3, 4]):
+        row = image[y].ravel().astype(np.int32)
+        left = np.concatenate([np.zeros(3, dtype=np.int32), row[:-3]])
+        upper_left = np.concatenate([np.zeros(3, dtype=np.int32), previous[:-3]])
+        if kind == 0:
+            pred = np.zeros_like(row)
+        elif kind == 1:
+            pred = left
+        elif kind == 2:
+            pred = previous
+        elif kind == 3:
+            pred = (left + previous) >> 1
+        else:
+            p = left + previous - upper_left
+            pa, pb, pc = np.abs(p - left), np.abs(p - previous), np.abs(p - upper_left)
+            pred = np.where((pa <= pb) & (pa <= pc), left, np.where(pb <= pc, previous, upper_left))
+        rows.append(bytes([kind]) + ((row - pred) & 0xFF).astype(np.uint8).tobytes())
+        previous = row
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
+
+    header = (7).to_bytes(4, "big") + (5).to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"".join(rows)))
+           + chunk(b"IEND", b""))
+    assert np.array_equal(decode_png(png), image)
+
+
+if __name__ == "__main__":
+    target, out = Path(sys.argv[1]), Path(sys.argv[2])
+    size = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (1400, 1000)
+    result = visit(target, sys.argv[5] if len(sys.argv) > 5 else "", *size)
+    print(f"status {result.status} in {result.seconds:.1f} s; body {result.body}; requests {result.requests}; "
+          f"problems {result.problems}")
+    shot = result.screenshot
+    try:
+        from PIL import Image
+        Image.fromarray(shot).save(out)
+    except ImportError:  # write a plain PNG by hand
+        raw = b"".join(b"\0" + row.tobytes() for row in shot)
+
+        def chunk(kind: bytes, body: bytes) -> bytes:
+            return len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
+
+        header = shot.shape[1].to_bytes(4, "big") + shot.shape[0].to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
+        out.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
+                        + chunk(b"IEND", b""))
+    print(f"wrote {out} ({shot.shape[1]}x{shot.shape[0]})")
