@@ -8,9 +8,11 @@ import typer
 
 from .commands.calibrate import calibrate
 from .commands.common import fail, stderr
+from .commands.compare import compare
 from .commands.simulate import export, list_schedules, simulate
 from .commands.sweep import sweep
 from .commands.tune import tune
+from .commands.view import view
 
 app = typer.Typer(
     name="pipesim",
@@ -26,6 +28,8 @@ app.command()(export)
 app.command()(sweep)
 app.command("schedules")(list_schedules)
 app.command()(tune)
+app.command()(compare)
+app.command()(view)
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 

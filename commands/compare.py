@@ -1,0 +1,97 @@
+"""`pipesim compare`: a measured run against its prediction, op by op."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from .common import InputError, check_writable, fail, stdout
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def _render(c) -> None:
+    stdout.print(f"[bold]{c.schedule}[/]: predicted {c.predicted_ms:,.3f} ms per mini-batch, measured "
+                 f"{c.measured_ms:,.3f} ms: error [bold]{c.iteration_time_error:+.1%}[/] (predicted − measured) / "
+                 f"measured; bubble {c.predicted_bubble:.1%} predicted, {c.measured_bubble:.1%} measured")
+    kinds = Table(box=box.SIMPLE_HEAD, title="per-op error by kind: duration relative, start in ms from the run's "
+                                             "first op; worst: op@device", title_justify="left")
+    for header in ("kind", "ops", "pred ms", "meas ms", "|dur| med", "|dur| p90", "dur bias", "worst dur",
+                   "|start| med", "worst start"):
+        kinds.add_column(header, justify="left" if header in ("kind", "worst dur", "worst start") else "right",
+                         no_wrap=True)
+    for k in c.kinds:
+        worst = "-" if k.duration_worst is None else \
+            f"{k.duration_worst.op}@{k.duration_worst.device} {k.duration_worst.error:+.0%}"
+        start_worst = "-" if k.start_worst is None else \
+            f"{k.start_worst.op}@{k.start_worst.device} {k.start_worst.error:+.2f}"
+        kinds.add_row(k.kind, f"{k.ops:,}", f"{k.predicted_ms:,.2f}", f"{k.measured_ms:,.2f}",
+                      "-" if k.duration_median is None else f"{k.duration_median:.1%}",
+                      "-" if k.duration_p90 is None else f"{k.duration_p90:.1%}", _percent(k.duration_bias), worst,
+                      f"{k.start_median_ms:.2f}", start_worst)
+    stdout.print(kinds)
+    devices = Table(box=box.SIMPLE_HEAD, title="per device (predicted / measured)", title_justify="left")
+    for header in ("device", "busy ms", "exposed comm ms", "peak MiB", "peak error"):
+        devices.add_column(header, justify="right")
+    for d in c.devices:
+        devices.add_row(str(d.device), f"{d.predicted_busy_ms:,.2f} / {d.measured_busy_ms:,.2f}",
+                        f"{d.predicted_exposed_comm_ms:,.2f} / {d.measured_exposed_comm_ms:,.2f}",
+                        f"{d.predicted_peak_memory_mb:,.1f} / {d.measured_peak_memory_mb:,.1f}",
+                        _percent(d.peak_memory_error))
+    stdout.print(devices)
+    stdout.print(f"matched {c.matched_ops:,} ops; weight versions: "
+                 + ("all agree" if not c.version_mismatches else f"[bold red]{c.version_mismatches:,} differ[/], e.g. "
+                    + "; ".join(c.version_examples)), highlight=False)
+    if c.missing_in_measured or c.missing_in_predicted:
+        stdout.print(f"missing: {c.missing_in_measured:,} predicted ops were not measured, "
+                     f"{c.missing_in_predicted:,} measured ops were not predicted, e.g. "
+                     + "; ".join(c.missing_examples), highlight=False)
+    for note in c.notes:
+        stdout.print(f"note: {note}", highlight=False)
+
+
+def compare(
+    measured: Annotated[Path, typer.Argument(help="Measured trace (from `pipesim run --trace`).", metavar="MEASURED")],
+    predicted: Annotated[Path | None, typer.Argument(
+        help="Predicted trace (`pipesim simulate --trace`). Default: predict MEASURED again from the profile it "
+             "was run with.", metavar="[PREDICTED]")] = None,
+    html: Annotated[Path | None, typer.Option("--html", help="Write both timelines to this HTML page.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
+) -> None:
+    """Compare a measured run with its prediction op by op: iteration time, per-op duration and start errors by
+    kind, bubble, exposed communication, peak memory per device, and the weight versions (which must agree).
+    Errors are (predicted − measured) / measured."""
+    from ..traces.compare import compare as compare_traces
+    from ..traces.trace import TraceError, read_trace
+
+    try:
+        check_writable("--html", html)
+        measured_trace = read_trace(measured)
+        if predicted is None:
+            from ..planning.replay import predict_measured
+
+            predicted_trace = predict_measured(measured_trace.meta)
+        else:
+            predicted_trace = read_trace(predicted)
+        result = compare_traces(predicted_trace, measured_trace)
+    except (InputError, TraceError) as exc:
+        fail(str(exc))
+    if html is not None:
+        from ..traces.view import write_timeline_page
+
+        write_timeline_page([predicted_trace, measured_trace], html, labels=["predicted", "measured"],
+                            title=f"pipesim: {result.schedule}, predicted and measured",
+                            views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])])
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        _render(result)
+        if html is not None:
+            stdout.print(f"wrote {html}", highlight=False)

@@ -1,0 +1,41 @@
+"""The prediction of a measured run, from what the run recorded about itself.
+
+A measured trace names its schedule and parameters, the optimizer, the stage bounds it cut the model at, and,
+when it was run with `--profile`, the profile itself. That is everything the simulator needs, so
+`pipesim compare MEASURED` predicts the same run from a profile measured beforehand, never from the run's own
+op durations.
+"""
+
+from __future__ import annotations
+
+from ..schedules import ScheduleError, ScheduleParams
+from ..sim import CostError, simulate
+from ..traces.trace import Trace, TraceError, TraceMeta
+from .scenario import profile_scenario
+
+
+def predict_measured(meta: TraceMeta) -> Trace:
+    """The simulator's trace of the run `meta` describes; TraceError says what the run did not record."""
+    from ..profiles.schema import Profile, ProfileError
+
+    if meta.source != "measured":
+        raise TraceError(f"a {meta.source} trace: give a measured one (from `pipesim run`) to predict it")
+    document = meta.extra.get("profile")
+    if document is None:
+        raise TraceError("the run recorded no profile (it was run without --profile): there is nothing to predict "
+                         "it from; give a predicted trace as well (`pipesim simulate ... --trace`)")
+    try:
+        profile = Profile.model_validate(document)
+    except (ProfileError, ValueError) as exc:
+        raise TraceError(f"the run's recorded profile is not valid: {str(exc).splitlines()[0]}") from None
+    if profile.environment.microbatch_size != meta.microbatch_size:
+        raise TraceError(f"the run used {meta.microbatch_size} samples per micro-batch, its profile was measured at "
+                         f"{profile.environment.microbatch_size}: its times do not hold for this run")
+    scenario = profile_scenario(profile, str(meta.extra.get("optimizer", "sgd")))
+    bounds = meta.extra.get("bounds")
+    try:
+        schedule = scenario.build(meta.schedule, ScheduleParams(**meta.params), bounds)
+        trace = simulate(schedule, scenario.costs(schedule, bounds), scenario.links(schedule))
+    except (ScheduleError, CostError, TypeError) as exc:
+        raise TraceError(f"cannot predict the recorded run: {exc}") from None
+    return trace

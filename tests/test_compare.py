@@ -1,0 +1,112 @@
+"""Predicted against measured, op by op (traces/compare.py): errors worked out by hand from the schedules'
+closed forms, identical traces, incomplete runs and traces of different runs."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pipesim.traces.compare import compare
+from pipesim.traces.trace import Ops, Trace, TraceError
+from tests.conftest import run
+
+
+def as_measured(trace: Trace, keep: np.ndarray | None = None, **meta) -> Trace:
+    """A copy of the trace relabelled as a measurement (optionally only the ops `keep` selects)."""
+    keep = slice(None) if keep is None else keep
+    ops = Ops(**{name: getattr(trace.ops, name)[keep].copy() for name in trace.ops.__dataclass_fields__})
+    return Trace(trace.kinds, trace.num_devices, ops, replace(trace.meta, source="measured", **meta), trace.counters)
+
+
+def test_identical_traces_have_no_error():
+    predicted = run("1f1b", 4, 8, 3, comm=0.1, param_mb=100, activation_mb=10).trace
+    c = compare(predicted, as_measured(predicted))
+    assert c.iteration_time_error == 0
+    assert c.matched_ops == len(predicted.ops) and c.missing_in_measured == c.missing_in_predicted == 0
+    assert all(k.duration_median in (0, None) and k.start_median_ms == 0 for k in c.kinds)
+    assert {k.kind for k in c.kinds if k.duration_median is None} == {"OPT"}  # costs nothing here
+    assert {k.kind for k in c.kinds} == {"F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+    assert c.version_mismatches == 0
+    assert all(d.peak_memory_error == 0 for d in c.devices)
+
+
+def test_a_slower_forward_gives_the_errors_the_closed_form_says():
+    # GPipe, p = 4, m = 8, no transfers: the makespan is (m + p - 1)(F + B): 33 ms predicted, 34.1 ms measured
+    # with F = 1.1 ms; every F is 1/11 shorter in the prediction, every B exact.
+    predicted = run("gpipe", 4, 8).trace
+    measured = as_measured(run("gpipe", 4, 8, fwd=1.1).trace)
+    c = compare(predicted, measured)
+    assert c.predicted_ms == pytest.approx(33.0) and c.measured_ms == pytest.approx(34.1)
+    assert c.iteration_time_error == pytest.approx((33.0 - 34.1) / 34.1)
+    by_kind = {k.kind: k for k in c.kinds}
+    assert by_kind["F"].duration_median == pytest.approx(0.1 / 1.1)
+    assert by_kind["F"].duration_bias == pytest.approx(-0.1 / 1.1)
+    assert by_kind["F"].ops == 32 and by_kind["F"].measured_ms == pytest.approx(32 * 1.1)
+    assert by_kind["B"].duration_median == pytest.approx(0.0)
+    # Device 3's last backward starts (m + p - 1)·F + (m - 1)·B in: 11 ms vs 12.1 ms plus 14 ms of B.
+    assert by_kind["B"].start_worst.error == pytest.approx(-1.1)
+
+
+def test_an_incomplete_run_compares_what_ran_and_counts_the_rest():
+    predicted = run("1f1b", 2, 4, 2).trace
+    early = predicted.ops.start_us < np.median(predicted.ops.start_us)
+    c = compare(predicted, as_measured(predicted, keep=early, complete=False, failed_rank=1))
+    assert c.matched_ops == early.sum()
+    assert c.missing_in_measured == (~early).sum() and c.missing_in_predicted == 0
+    assert c.missing_examples and "measured lacks it" in c.missing_examples[0]
+    assert any("incomplete (rank 1 failed)" in note for note in c.notes)
+
+
+def test_weight_versions_must_agree():
+    predicted = run("pipedream", 2, 2, 3).trace
+    measured = as_measured(predicted)
+    wrong = np.flatnonzero(measured.ops.version > 0)[:2]
+    measured.ops.version[wrong] -= 1
+    c = compare(predicted, measured)
+    assert c.version_mismatches == 2
+    assert "predicted version" in c.version_examples[0]
+
+
+def test_traces_of_different_runs_are_refused_naming_the_difference():
+    with pytest.raises(TraceError, match="schedule gpipe measured, 1f1b predicted"):
+        compare(run("1f1b", 2, 4).trace, as_measured(run("gpipe", 2, 4).trace))
+    with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted"):
+        compare(run("1f1b", 2, 4).trace, as_measured(run("1f1b", 2, 8).trace))
+
+
+def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_cannot_compare(tmp_path):
+    import json
+
+    from tests.conftest import pipesim
+
+    predicted, measured = tmp_path / "p.json", tmp_path / "m.json"
+    assert pipesim("simulate", "-s", "gpipe", "-p", "4", "-m", "8", "--trace", predicted).code == 0
+    assert pipesim("simulate", "-s", "gpipe", "-p", "4", "-m", "8", "--fwd", "1.1", "--trace", measured).code == 0
+    code, out, err = pipesim("compare", measured, predicted, "--json")
+    assert code == 0, err
+    assert json.loads(out)["iteration_time_error"] == pytest.approx((33.0 - 34.1) / 34.1)
+    code, out, err = pipesim("compare", measured, predicted, "--html", tmp_path / "c.html")
+    assert code == 0 and "error -3.2%" in out and (tmp_path / "c.html").stat().st_size > 0
+    # One argument predicts the run again from the profile it recorded: a prediction has none.
+    code, _, err = pipesim("compare", predicted)
+    assert code == 2 and "give a measured one" in err and "Traceback" not in err
+    (tmp_path / "bad.json").write_text('{"traceEvents": [')
+    code, _, err = pipesim("compare", tmp_path / "bad.json", predicted)
+    assert code == 2 and "not valid JSON" in err
+    other = tmp_path / "o.json"
+    assert pipesim("simulate", "-s", "1f1b", "-p", "4", "-m", "8", "--trace", other).code == 0
+    code, _, err = pipesim("compare", other, predicted)
+    assert code == 2 and "schedule 1f1b measured, gpipe predicted" in err
+
+
+def test_view_draws_several_traces_on_one_page_and_refuses_a_bad_file(tmp_path):
+    from tests.conftest import pipesim
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path, fwd in ((a, "1"), (b, "1.2")):
+        assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--fwd", fwd, "--trace", path).code == 0
+    code, out, err = pipesim("view", a, b)
+    page = (tmp_path / "a.html").read_text()
+    assert code == 0 and "wrote" in out and "all, device by device" in page and "b (predicted)" in page
+    code, _, err = pipesim("view", tmp_path / "missing.json")
+    assert code == 2 and "cannot read trace" in err and not (tmp_path / "missing.html").exists()

@@ -1,0 +1,207 @@
+"""Predicted against measured: two traces of the same schedule matched op by op.
+
+An op's identity is what it does, not when or where: (kind, stage, micro-batch, mini-batch, pipeline, and the
+peer stage of a transfer). Both sources name ops that way, so matching needs no timing and works on an
+incomplete run (what exists is compared, what is missing is counted). Errors are signed, prediction minus
+measurement: a duration error relative to the measured duration, a start error in ms from each trace's own
+first op, the iteration time relative (the headline: (predicted - measured) / measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .metrics import Summary, summarize
+from .trace import Stream, Trace, TraceError
+
+_IDENTITY = ("stage", "microbatch", "minibatch", "pipeline", "peer")
+_SHAPE = ("schedule", "microbatches", "minibatches", "pipelines", "placement", "stage_edges")
+
+
+@dataclass(frozen=True)
+class OpError:
+    """The worst op of a kind: its label, device, and its error."""
+
+    op: str
+    device: int
+    error: float
+
+
+@dataclass(frozen=True)
+class KindErrors:
+    """Per-op errors of one kind over the matched ops. Duration errors are relative to the measured duration
+    (ops measured shorter than `min_dur_us` are left out: their relative error is noise); start errors in ms.
+    `median`/`p90` are of the absolute error, `bias` the median signed error (+: predicted too long/late)."""
+
+    kind: str
+    ops: int
+    predicted_ms: float  # total duration of the kind's matched ops
+    measured_ms: float
+    duration_median: float | None  # None: no op of the kind lasted `min_dur_us`
+    duration_p90: float | None
+    duration_bias: float | None
+    duration_worst: OpError | None
+    start_median_ms: float
+    start_p90_ms: float
+    start_worst: OpError | None
+
+
+@dataclass(frozen=True)
+class DeviceErrors:
+    device: int
+    predicted_busy_ms: float
+    measured_busy_ms: float
+    predicted_exposed_comm_ms: float
+    measured_exposed_comm_ms: float
+    predicted_peak_memory_mb: float
+    measured_peak_memory_mb: float
+    peak_memory_error: float | None  # relative; None when the measurement has no memory
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Everything `pipesim compare` reports."""
+
+    schedule: str
+    predicted_source: str
+    measured_source: str
+    predicted_ms: float  # steady-state time per mini-batch
+    measured_ms: float
+    iteration_time_error: float
+    predicted_bubble: float
+    measured_bubble: float
+    matched_ops: int
+    missing_in_measured: int  # predicted ops the measurement lacks (an incomplete run, or another runtime)
+    missing_in_predicted: int
+    missing_examples: list[str]
+    kinds: list[KindErrors]
+    devices: list[DeviceErrors]
+    version_mismatches: int  # compute ops whose weight version differs: must be 0
+    version_examples: list[str]
+    measured_complete: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_comparable(predicted: Trace, measured: Trace) -> None:
+    """Raise TraceError naming the first thing in which the two runs differ (schedule, shape, placement)."""
+    for name in _SHAPE:
+        a, b = getattr(predicted.meta, name), getattr(measured.meta, name)
+        if a != b:
+            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted")
+    if predicted.num_devices != measured.num_devices:
+        raise TraceError(f"the traces describe different runs: {measured.num_devices} devices measured, "
+                         f"{predicted.num_devices} predicted")
+
+
+def _identities(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """One dense int64 id per op identity, shared by both traces (kinds matched by name)."""
+    names = sorted(set(predicted.kinds) | set(measured.kinds))
+
+    def columns(trace: Trace) -> np.ndarray:
+        kind = np.array([names.index(k) for k in trace.kinds], dtype=np.int64)[trace.ops.kind]
+        return np.column_stack([kind, *(getattr(trace.ops, c) for c in _IDENTITY)])
+
+    both = np.concatenate([columns(predicted), columns(measured)])
+    ids = np.unique(both, axis=0, return_inverse=True)[1].reshape(-1)
+    return ids[:len(predicted.ops)], ids[len(predicted.ops):]
+
+
+def _match(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    key_p, key_m = _identities(predicted, measured)
+    for label, keys, trace in (("predicted", key_p, predicted), ("measured", key_m, measured)):
+        unique, first = np.unique(keys, return_index=True)
+        if len(unique) != len(keys):
+            twice = np.setdiff1d(np.arange(len(keys)), first)[0]
+            raise TraceError(f"the {label} trace holds op {trace.op_label(int(twice))} twice")
+    common, at_p, at_m = np.intersect1d(key_p, key_m, assume_unique=True, return_indices=True)
+    only_p = np.setdiff1d(np.arange(len(key_p)), at_p)
+    only_m = np.setdiff1d(np.arange(len(key_m)), at_m)
+    examples = [f"{predicted.op_label(int(i))} on device {predicted.ops.device[i]} (measured lacks it)"
+                for i in only_p[:3]]
+    examples += [f"{measured.op_label(int(i))} on device {measured.ops.device[i]} (predicted lacks it)"
+                 for i in only_m[:3]]
+    return at_p, at_m, only_p, only_m, examples
+
+
+def _worst(trace: Trace, rows: np.ndarray, errors: np.ndarray) -> OpError | None:
+    if len(rows) == 0:
+        return None
+    i = int(np.argmax(np.abs(errors)))
+    return OpError(trace.op_label(int(rows[i])), int(trace.ops.device[rows[i]]), float(errors[i]))
+
+
+def _kind_errors(predicted: Trace, measured: Trace, at_p: np.ndarray, at_m: np.ndarray,
+                 min_dur_us: float) -> list[KindErrors]:
+    p_ops, m_ops = predicted.ops, measured.ops
+    start_p = p_ops.start_us[at_p] - (p_ops.start_us.min() if len(p_ops) else 0.0)
+    start_m = m_ops.start_us[at_m] - (m_ops.start_us.min() if len(m_ops) else 0.0)
+    kinds = np.array(measured.kinds)[m_ops.kind[at_m]]
+    out = []
+    for name in [k for k in measured.kinds if k in set(kinds.tolist())]:
+        mine = kinds == name
+        dur_p, dur_m = p_ops.dur_us[at_p][mine], m_ops.dur_us[at_m][mine]
+        timed = dur_m >= min_dur_us
+        rel = (dur_p[timed] - dur_m[timed]) / dur_m[timed]
+        start_err_ms = (start_p[mine] - start_m[mine]) / 1e3
+        rows = at_m[mine]
+
+        def stats(values: np.ndarray) -> tuple[float | None, float | None]:
+            if len(values) == 0:
+                return None, None
+            return float(np.median(np.abs(values))), float(np.percentile(np.abs(values), 90))
+
+        d_med, d_p90 = stats(rel)
+        s_med, s_p90 = stats(start_err_ms)
+        out.append(KindErrors(
+            kind=name, ops=int(mine.sum()), predicted_ms=float(dur_p.sum() / 1e3), measured_ms=float(dur_m.sum() / 1e3),
+            duration_median=d_med, duration_p90=d_p90,
+            duration_bias=float(np.median(rel)) if len(rel) else None,
+            duration_worst=_worst(measured, rows[timed], rel), start_median_ms=s_med, start_p90_ms=s_p90,
+            start_worst=_worst(measured, rows, start_err_ms)))
+    return out
+
+
+def _device_errors(p: Summary, m: Summary, measured: Trace) -> list[DeviceErrors]:
+    has_memory = "memory_bytes" in measured.counters
+    out = []
+    for dp, dm in zip(p.devices, m.devices):
+        error = ((dp.peak_memory_mb - dm.peak_memory_mb) / dm.peak_memory_mb
+                 if has_memory and dm.peak_memory_mb > 0 else None)
+        out.append(DeviceErrors(dp.device, dp.busy_ms, dm.busy_ms, dp.exposed_comm_ms, dm.exposed_comm_ms,
+                                dp.peak_memory_mb, dm.peak_memory_mb, error))
+    return out
+
+
+def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Comparison:
+    """Match the two traces op by op and measure how far the prediction is from the measurement."""
+    check_comparable(predicted, measured)
+    at_p, at_m, only_p, only_m, examples = _match(predicted, measured)
+    sp, sm = summarize(predicted), summarize(measured)
+    compute = predicted.ops.stream[at_p] == Stream.COMPUTE
+    v_p, v_m = predicted.ops.version[at_p][compute], measured.ops.version[at_m][compute]
+    wrong = np.flatnonzero(v_p != v_m)
+    version_examples = [f"{measured.op_label(int(at_m[compute][i]))} on device "
+                        f"{measured.ops.device[at_m[compute][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
+                        for i in wrong[:3]]
+    notes = []
+    if not measured.meta.complete:
+        who = f" (rank {measured.meta.failed_rank} failed)" if measured.meta.failed_rank is not None else ""
+        notes.append(f"the measured run is incomplete{who}: {len(only_p):,} predicted ops were never run; the "
+                     "errors cover the ops that ran")
+    if sm.time_per_minibatch_ms <= 0:
+        raise TraceError("the measured trace has no time per mini-batch to compare with (no op took time)")
+    error = (sp.time_per_minibatch_ms - sm.time_per_minibatch_ms) / sm.time_per_minibatch_ms
+    return Comparison(
+        schedule=predicted.meta.schedule, predicted_source=predicted.meta.source,
+        measured_source=measured.meta.source, predicted_ms=sp.time_per_minibatch_ms,
+        measured_ms=sm.time_per_minibatch_ms, iteration_time_error=float(error),
+        predicted_bubble=sp.bubble_fraction, measured_bubble=sm.bubble_fraction, matched_ops=len(at_p),
+        missing_in_measured=len(only_p), missing_in_predicted=len(only_m), missing_examples=examples,
+        kinds=_kind_errors(predicted, measured, at_p, at_m, min_dur_us),
+        devices=_device_errors(sp, sm, measured), version_mismatches=len(wrong), version_examples=version_examples,
+        measured_complete=measured.meta.complete, notes=notes)
