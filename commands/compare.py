@@ -21,22 +21,25 @@ def _render(c) -> None:
     stdout.print(f"[bold]{c.schedule}[/]: predicted {c.predicted_ms:,.3f} ms per mini-batch, measured "
                  f"{c.measured_ms:,.3f} ms: error [bold]{c.iteration_time_error:+.1%}[/] (predicted − measured) / "
                  f"measured; bubble {c.predicted_bubble:.1%} predicted, {c.measured_bubble:.1%} measured")
-    kinds = Table(box=box.SIMPLE_HEAD, title="per-op error by kind: duration relative, start in ms from the run's "
-                                             "first op; worst: op@device", title_justify="left")
-    for header in ("kind", "ops", "pred ms", "meas ms", "|dur| med", "|dur| p90", "dur bias", "worst dur",
-                   "|start| med", "worst start"):
-        kinds.add_column(header, justify="left" if header in ("kind", "worst dur", "worst start") else "right",
-                         no_wrap=True)
+    durations = Table(box=box.SIMPLE_HEAD, title="duration error by kind, relative (worst: op@device)",
+                      title_justify="left")
+    starts = Table(box=box.SIMPLE_HEAD, title="start error by kind, ms from each run's first op", title_justify="left")
+    for table, headers in ((durations, ("kind", "ops", "predicted ms", "measured ms", "|median|", "|p90|", "bias",
+                                        "worst")),
+                           (starts, ("kind", "ops", "|median|", "|p90|", "worst"))):
+        for header in headers:
+            table.add_column(header, justify="left" if header in ("kind", "worst") else "right", no_wrap=True)
     for k in c.kinds:
         worst = "-" if k.duration_worst is None else \
             f"{k.duration_worst.op}@{k.duration_worst.device} {k.duration_worst.error:+.0%}"
+        durations.add_row(k.kind, f"{k.ops:,}", f"{k.predicted_ms:,.2f}", f"{k.measured_ms:,.2f}",
+                          "-" if k.duration_median is None else f"{k.duration_median:.1%}",
+                          "-" if k.duration_p90 is None else f"{k.duration_p90:.1%}", _percent(k.duration_bias), worst)
         start_worst = "-" if k.start_worst is None else \
             f"{k.start_worst.op}@{k.start_worst.device} {k.start_worst.error:+.2f}"
-        kinds.add_row(k.kind, f"{k.ops:,}", f"{k.predicted_ms:,.2f}", f"{k.measured_ms:,.2f}",
-                      "-" if k.duration_median is None else f"{k.duration_median:.1%}",
-                      "-" if k.duration_p90 is None else f"{k.duration_p90:.1%}", _percent(k.duration_bias), worst,
-                      f"{k.start_median_ms:.2f}", start_worst)
-    stdout.print(kinds)
+        starts.add_row(k.kind, f"{k.ops:,}", f"{k.start_median_ms:.2f}", f"{k.start_p90_ms:.2f}", start_worst)
+    stdout.print(durations)
+    stdout.print(starts)
     devices = Table(box=box.SIMPLE_HEAD, title="per device (predicted / measured)", title_justify="left")
     for header in ("device", "busy ms", "exposed comm ms", "peak MiB", "peak error"):
         devices.add_column(header, justify="right")
@@ -58,7 +61,9 @@ def _render(c) -> None:
 
 
 def compare(
-    measured: Annotated[Path, typer.Argument(help="Measured trace (from `pipesim run --trace`).", metavar="MEASURED")],
+    measured: Annotated[Path, typer.Argument(
+        help="Measured trace (from `pipesim run --trace`), or a folder of torch.profiler traces of a "
+             "torch.distributed.pipelining run, one per rank.", metavar="MEASURED")],
     predicted: Annotated[Path | None, typer.Argument(
         help="Predicted trace (`pipesim simulate --trace`). Default: predict MEASURED again from the profile it "
              "was run with.", metavar="[PREDICTED]")] = None,
@@ -73,13 +78,22 @@ def compare(
 
     try:
         check_writable("--html", html)
-        measured_trace = read_trace(measured)
-        if predicted is None:
-            from ..planning.replay import predict_measured
+        if measured.is_dir():
+            from ..planning.torch_profile import read_torch_profile
 
-            predicted_trace = predict_measured(measured_trace.meta)
-        else:
+            if predicted is None:
+                raise InputError(f"{measured} holds torch profiler traces, which say nothing about the run's "
+                                 "schedule or costs: give the predicted trace too")
             predicted_trace = read_trace(predicted)
+            measured_trace = read_torch_profile(sorted(measured.glob("*.json")), like=predicted_trace)
+        else:
+            measured_trace = read_trace(measured)
+            if predicted is None:
+                from ..planning.replay import predict_measured
+
+                predicted_trace = predict_measured(measured_trace.meta)
+            else:
+                predicted_trace = read_trace(predicted)
         result = compare_traces(predicted_trace, measured_trace)
     except (InputError, TraceError) as exc:
         fail(str(exc))

@@ -66,6 +66,17 @@ def to_torch_csv(schedule: Schedule) -> str:
     return buffer.getvalue()
 
 
+def parse_torch_action(text: str) -> tuple[Kind, int, int] | None:
+    """(kind, stage, micro-batch) of one torch action name, such as `1F0`, `0SEND_F3` or `2B1`, as torch's
+    runtime names its profiler ranges; None for one pipesim has no row for (UNSHARD, RESHARD, REDUCE_GRAD, an
+    OVERLAP_F_B group, which torch times as one range so its parts cannot be told apart) or for text that is no
+    action."""
+    match = _CELL.fullmatch(text.strip())
+    if match is None or match[2] in ("UNSHARD", "RESHARD", "REDUCE_GRAD") or not match[3]:
+        return None
+    return Kind(match[2]), int(match[1]), int(match[3])
+
+
 def from_torch_csv(text: str, name: str) -> Schedule:
     """Read torch's schedule CSV (compute-only or lowered) into a validated one-step synchronous Schedule.
 

@@ -2,6 +2,7 @@
 closed forms, identical traces, incomplete runs and traces of different runs."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,3 +111,39 @@ def test_view_draws_several_traces_on_one_page_and_refuses_a_bad_file(tmp_path):
     assert code == 0 and "wrote" in out and "all, device by device" in page and "b (predicted)" in page
     code, _, err = pipesim("view", tmp_path / "missing.json")
     assert code == 2 and "cannot read trace" in err and not (tmp_path / "missing.html").exists()
+
+
+TORCH_RUNS = Path(__file__).parent.parent / "traces" / "measured"
+
+
+@pytest.mark.parametrize("run_dir, schedule, recorded", [
+    ("torch-1f1b-2cpu", "1f1b", {"F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}),  # PP:<action> ranges
+    ("torch-gpipe-2cpu", "gpipe", {"F", "B", "OPT"}),  # ScheduleGPipe's Forward i / Backward i ranges
+])
+def test_a_torch_pipelining_run_compares_with_its_prediction(tmp_path, run_dir, schedule, recorded):
+    """Committed torch.profiler traces of torch's own runtime (benchmarks/torch_pipelining.py: 2 gloo ranks,
+    m = 8, 3 profiled steps), matched op by op with pipesim's prediction of the same schedule."""
+    import json
+
+    from tests.conftest import pipesim
+
+    predicted = tmp_path / "p.json"
+    assert pipesim("simulate", "-s", schedule, "-p", "2", "-m", "8", "-n", "3", "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", TORCH_RUNS / run_dir, predicted, "--json")
+    assert code == 0, err
+    c = json.loads(out)
+    assert {k["kind"] for k in c["kinds"]} == recorded
+    by_kind = {k["kind"]: k for k in c["kinds"]}
+    assert by_kind["F"]["ops"] == by_kind["B"]["ops"] == 2 * 8 * 3 and by_kind["OPT"]["ops"] == 2 * 3
+    assert c["missing_in_predicted"] == 0  # every torch action is one pipesim predicts
+    assert c["missing_in_measured"] == (0 if "SEND_F" in recorded else 4 * 8 * 3)  # GPipe's transfers untimed
+    assert c["measured_ms"] > 0 and c["version_mismatches"] == 0
+    assert c["notes"] == ["the measurement records no weight versions: they were not compared"]
+    # Without the prediction nothing says what torch ran.
+    code, _, err = pipesim("compare", TORCH_RUNS / run_dir)
+    assert code == 2 and "give the predicted trace too" in err
+    # A prediction of another shape is refused.
+    other = tmp_path / "o.json"
+    assert pipesim("simulate", "-s", schedule, "-p", "4", "-m", "8", "-n", "3", "--trace", other).code == 0
+    code, _, err = pipesim("compare", TORCH_RUNS / run_dir, other)
+    assert code == 2 and "ranks [0, 1]" in err

@@ -183,12 +183,15 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
     at_p, at_m, only_p, only_m, examples = _match(predicted, measured)
     sp, sm = summarize(predicted), summarize(measured)
     compute = predicted.ops.stream[at_p] == Stream.COMPUTE
-    v_p, v_m = predicted.ops.version[at_p][compute], measured.ops.version[at_m][compute]
+    recorded = compute & (measured.ops.version[at_m] >= 0)  # torch's runtime records no versions
+    v_p, v_m = predicted.ops.version[at_p][recorded], measured.ops.version[at_m][recorded]
     wrong = np.flatnonzero(v_p != v_m)
-    version_examples = [f"{measured.op_label(int(at_m[compute][i]))} on device "
-                        f"{measured.ops.device[at_m[compute][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
+    version_examples = [f"{measured.op_label(int(at_m[recorded][i]))} on device "
+                        f"{measured.ops.device[at_m[recorded][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
                         for i in wrong[:3]]
     notes = []
+    if compute.any() and not recorded.any():
+        notes.append("the measurement records no weight versions: they were not compared")
     if not measured.meta.complete:
         who = f" (rank {measured.meta.failed_rank} failed)" if measured.meta.failed_rank is not None else ""
         notes.append(f"the measured run is incomplete{who}: {len(only_p):,} predicted ops were never run; the "

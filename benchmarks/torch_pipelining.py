@@ -1,0 +1,133 @@
+"""Run a pipesim schedule under torch.distributed.pipelining's own runtime and record torch.profiler traces,
+one per rank, that `pipesim compare DIR PREDICTED.json` holds against pipesim's prediction.
+
+The model, its partition and every micro-batch are pipesim's (`executor.cut`, `executor.microbatch_data`), so
+the two runtimes train the same thing. A synchronous pipesim schedule is handed to torch as its schedule CSV
+(`pipesim export --format torch-csv`) and run by `_PipelineScheduleRuntime`, which wraps every action in a
+`PP:<action>` profiler range; `--torch-schedule gpipe` uses torch's own `ScheduleGPipe` instead. The optimizer
+step is wrapped in `PP:<stage>OPT`. Gloo on CPU, one process per rank.
+
+    python benchmarks/torch_pipelining.py --schedule 1f1b --stages 2 --microbatches 8 --steps 5 --out torch-run/
+    pipesim simulate -s 1f1b -p 2 -m 8 -n 5 --profile PROFILE --trace predicted.json
+    pipesim compare torch-run/ predicted.json
+
+Recording without this script: wrap the training loop in `torch.profiler.profile(activities=[ProfilerActivity.CPU],
+on_trace_ready=torch.profiler.tensorboard_trace_handler(DIR))` on every rank (add CUDA on GPUs), and wrap
+`optimizer.step()` in `torch.profiler.record_function(f"PP:{stage}OPT")` to time the updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prune(path: Path) -> None:
+    """Keep only what pipesim reads (the pipelining ranges, the rank): the full trace records every aten op."""
+    doc = json.loads(path.read_text())
+    doc["traceEvents"] = [e for e in doc.get("traceEvents", []) if isinstance(e.get("name"), str) and (
+        e["name"].startswith("PP:") or e["name"].split(" ")[0] in ("Forward", "Backward"))]
+    path.write_text(json.dumps(doc))
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from pipesim.executor import RunSpec, cut, microbatch_data
+    from pipesim.schedules import build_schedule
+    from pipesim.schedules.catalogue import method_named
+    from pipesim.schedules.torch_csv import to_torch_csv
+    from pipesim.workload.optim import make_optimizer
+
+    torch.set_num_threads(args.threads_per_rank)
+    dist.init_process_group("gloo", rank=rank, world_size=args.stages, init_method=f"tcp://127.0.0.1:{port}")
+    schedule = build_schedule(args.schedule, method_named(args.schedule).params(args.stages, args.microbatches))
+    spec = RunSpec(schedule=schedule, model=args.model, model_options=json.loads(args.model_options),
+                   microbatch_size=args.microbatch_size, seed=args.seed)
+    stages = cut(spec)
+    module = stages.modules[rank]
+    example = microbatch_data(spec, stages.model, 0, 0)[0]
+    edge = (rank - 1, rank)
+    stage = PipelineStage(module, rank, args.stages, torch.device("cpu"),
+                          input_args=example if rank == 0 else torch.zeros(stages.edge_shapes[edge],
+                                                                           dtype=stages.edge_dtypes[edge]))
+    loss_fn = stages.model.loss
+    if args.torch_schedule == "gpipe":
+        runner = ScheduleGPipe(stage, args.microbatches, loss_fn=loss_fn)
+    else:
+        runner = _PipelineScheduleRuntime([stage], args.microbatches, loss_fn=loss_fn)
+        with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
+            f.write(to_torch_csv(schedule))
+        runner._load_csv(f.name, format="compute_only")
+        os.unlink(f.name)
+    optimizer = make_optimizer(args.optimizer, module.parameters(), args.lr)
+
+    def step(b: int) -> None:
+        batches = [microbatch_data(spec, stages.model, b, j) for j in range(args.microbatches)]
+        x = torch.cat([x for x, _ in batches])
+        target = torch.cat([t for _, t in batches])
+        optimizer.zero_grad()
+        if rank == 0:
+            runner.step(x)
+        elif rank == args.stages - 1:
+            runner.step(target=target)
+        else:
+            runner.step()
+        with record_function(f"PP:{rank}OPT"):
+            optimizer.step()
+
+    for b in range(args.warmup):
+        step(b)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for b in range(args.warmup, args.warmup + args.steps):
+            step(b)
+    out = Path(args.out) / f"rank{rank}.json"
+    prof.export_chrome_trace(str(out))
+    _prune(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedule", default="1f1b", help="a synchronous pipesim method with one stage per rank")
+    parser.add_argument("--torch-schedule", choices=("csv", "gpipe"), default="csv",
+                        help="csv: pipesim's order through torch's runtime; gpipe: torch's ScheduleGPipe")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5, help="profiled mini-batches")
+    parser.add_argument("--warmup", type=int, default=2, help="mini-batches run before profiling")
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--model-options", default='{"layers": 8, "width": 1024}', help="JSON")
+    parser.add_argument("--microbatch-size", type=int, default=32)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--out", required=True, help="folder for rank<r>.json")
+    args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
+    mp.start_processes(_rank, args=(args, _free_port()), nprocs=args.stages, start_method="spawn")
+    print(f"wrote {args.stages} profiler traces to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
