@@ -98,11 +98,12 @@ def compare(
     except (InputError, TraceError) as exc:
         fail(str(exc))
     if html is not None:
-        from ..traces.view import write_timeline_page
+        from ..traces.view import error_figure, write_timeline_page
 
         write_timeline_page([predicted_trace, measured_trace], html, labels=["predicted", "measured"],
                             title=f"pipesim: {result.schedule}, predicted and measured",
-                            views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])])
+                            views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])],
+                            figures=[("per-op duration error by kind", error_figure(result))])
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

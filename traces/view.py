@@ -29,6 +29,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative, sample_colorscale
 
 from ..units import MIB
+from .compare import Comparison
 from .metrics import Summary, summarize
 from .trace import STREAMS, Trace, write_atomic
 
@@ -144,14 +145,16 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
 
 def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: Sequence[str] | None = None,
                   summaries: Sequence[Summary] | None = None,
-                  views: Sequence[tuple[str, Sequence[int]]] | None = None, notes: Sequence[str] = ()) -> str:
+                  views: Sequence[tuple[str, Sequence[int]]] | None = None, notes: Sequence[str] = (),
+                  figures: Sequence[tuple[str, go.Figure]] = ()) -> str:
     """The HTML of the timeline page for `traces`.
 
     `labels` name the traces (default: their schedules); `summaries` are their `summarize` results (computed
     when not given). `views` are (name, trace indices) pairs, one button each: a view of several traces shows
     their lanes interleaved device by device, e.g. `[("1f1b: predicted vs measured", [0, 1])]`; the default is
     one view per trace. With two views or more, a chart comparing them (time per mini-batch, bubble, peak
-    memory) heads the page. `notes` are lines shown under the title (methods that could not run, say).
+    memory) heads the page. `notes` are lines shown under the title (methods that could not run, say);
+    `figures` are small (SVG) figures with a heading each, under the timeline (compare's error panel).
     """
     traces = list(traces)
     if not traces:
@@ -185,8 +188,28 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
         "<nav id=\"views\" aria-label=\"views\"></nav>\n<div id=\"timeline\"></div>\n<div id=\"tip\"></div>\n"
         f"<script>{get_plotlyjs()}</script>\n"
         f"<script type=\"application/json\" id=\"pipesim-data\">{payload}</script>\n"
-        f"<script>{_TIMELINE_JS}</script>\n</body>\n</html>\n"
+        f"<script>{_TIMELINE_JS}</script>\n"
+        + "".join(f"<section><h2>{html.escape(heading)}</h2>\n"
+                  f"{fig.to_html(full_html=False, include_plotlyjs=False, config={'displaylogo': False})}\n</section>\n"
+                  for heading, fig in figures)
+        + "</body>\n</html>\n"
     )
+
+
+def error_figure(comparison: Comparison) -> go.Figure:
+    """Per-op duration error by kind (median and p90 of |predicted − measured| / measured), in the kinds' colours."""
+    kinds = [k for k in comparison.kinds if k.duration_median is not None]
+    names = [k.kind for k in kinds]
+    fig = go.Figure([
+        go.Bar(name="median", x=names, y=[100 * k.duration_median for k in kinds],
+               marker_color=[kind_color(k) for k in names]),
+        go.Bar(name="p90", x=names, y=[100 * k.duration_p90 for k in kinds],
+               marker_color=[kind_color(k) for k in names], opacity=0.45),
+    ])
+    fig.update_layout(barmode="group", height=320, margin=dict(l=60, r=20, t=30, b=40), showlegend=False,
+                      yaxis_title="|duration error| (%)", template="plotly_white",
+                      title=f"iteration time error {comparison.iteration_time_error:+.1%}; bars: median, pale: p90")
+    return fig
 
 
 def write_timeline_page(traces: Sequence[Trace], path: str | os.PathLike[str], **options: Any) -> None:
