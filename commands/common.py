@@ -32,6 +32,12 @@ MicrobatchSize = Annotated[int, typer.Option(
     "--microbatch-size", metavar="B", min=1, help="Samples per micro-batch (for samples/s).")]
 BlockingComm = Annotated[bool, typer.Option(
     "--blocking-comm", help="Sends block the compute stream until they finish.")]
+# `simulate` and `run`: one source of the prediction distance s, checked by `check_prediction`.
+PredictionSource = Annotated[str | None, typer.Option(
+    "--prediction", metavar="SOURCE", help="Where predicting methods (spectrain, pipeoptim, xpipe) take the prediction "
+                                           "distance s from: paper, code (the authors' code) or counted (from the "
+                                           "order). Default: each method's primary source, as `pipesim schedules` "
+                                           "lists.")]
 
 
 class InputError(Exception):
@@ -55,6 +61,15 @@ def parse_numbers(flag: str, text: str) -> list[float]:
             raise InputError(f"{flag}: values must be finite and >= 0, got {part.strip()!r}")
         values.append(value)
     return values
+
+
+def check_prediction(source: str | None) -> None:
+    """--prediction's value: one of the sources of s (a method that records no form from it is refused when
+    its schedule is built, naming the sources it does record)."""
+    from ..schedules.ir import PREDICTION_SOURCES
+
+    if source is not None and source not in PREDICTION_SOURCES:
+        raise InputError(f"--prediction: choose from {', '.join(PREDICTION_SOURCES)} (got {source!r})")
 
 
 def is_given(ctx: typer.Context, name: str) -> bool:

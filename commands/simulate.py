@@ -17,7 +17,9 @@ from .common import (
     HeldOptimizer,
     InputError,
     MicrobatchSize,
+    PredictionSource,
     WgradFraction,
+    check_prediction,
     check_writable,
     fail,
     is_given,
@@ -67,6 +69,7 @@ def simulate(
         "--average-every", metavar="N", min=1, help="avgpipe: elastic averaging period in mini-batches.")] = 1,
     elastic_alpha: Annotated[float | None, typer.Option(
         "--elastic-alpha", metavar="ALPHA", help="avgpipe: elastic averaging coefficient (default 0.9/P).")] = None,
+    prediction: PredictionSource = None,
     graph: Annotated[Path | None, typer.Option(
         "--graph", help='graphpipe: stage DAG JSON {"stages": n, "edges": [[a, b], ...], "placement": [...]} (default: '
                         'built-in two-branch model).', metavar="JSON")] = None,
@@ -140,8 +143,10 @@ def simulate(
             raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
         if len(set(names)) != len(names):
             raise InputError("--schedule: each method may be given once")
+        check_prediction(prediction)
         for flag, option in (("--advance", "advance"), ("--average-every", "average_every"),
-                             ("--elastic-alpha", "elastic_alpha"), ("--graph", "graph")):
+                             ("--elastic-alpha", "elastic_alpha"), ("--graph", "graph"),
+                             ("--prediction", "prediction")):
             readers = [m.name for m in METHODS.values() if m.reads(option)]
             if is_given(ctx, option) and not set(readers) & set(names):
                 raise InputError(f"{flag} applies to {', '.join(readers)} only; add --schedule {readers[0]}")
@@ -154,9 +159,10 @@ def simulate(
             stages = scenario.measured.partition.stages
 
         def build(name: str):
-            return scenario.build(name, METHODS[name].params(
+            method = METHODS[name]
+            return scenario.build(name, method.params(
                 stages, microbatches, minibatches, chunks, pipelines, advance=advance, average_every=average_every,
-                elastic_alpha=elastic_alpha))
+                elastic_alpha=elastic_alpha, prediction=prediction if method.reads("prediction") else None))
 
         requested, skipped = names, {}  # skipped: method -> why it cannot run here
         schedules = {loaded.method: loaded} if loaded else {}
@@ -202,6 +208,8 @@ def simulate(
     memory = [_memory_check(summary, limit) for summary, limit in zip(summaries, limits)]
     if as_json:
         results = [summary.to_dict() for summary in summaries]
+        for result, sched in zip(results, built):
+            result["prediction"] = sched.params.get("prediction")  # the source of s used; null: no prediction
         for result, check in zip(results, memory):
             for device, (limit_mb, over) in zip(result["devices"], check):
                 device.update(memory_limit_mb=limit_mb, out_of_memory=over)
@@ -334,6 +342,7 @@ def _print_table(summaries: list, schedules: list, example: bool, skipped: dict[
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"{basis}; step: one mini-batch in steady state; peak act: micro-batches of activations "
                           "held; weights: copies of one stage's weights held"
+                          + ("; s: the source of prediction distances" if any(_source(s) for s in schedules) else "")
                           + ("; skipped: why on stderr" if skipped else ""),
                   caption_justify="left")
     table.add_column("schedule", no_wrap=True)
@@ -346,6 +355,7 @@ def _print_table(summaries: list, schedules: list, example: bool, skipped: dict[
     for s, sched, check in zip(summaries, schedules, memory):
         shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
         shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
+        shape += [f"s: {_source(sched)}"] if _source(sched) else []
         oom = _out_of_memory(s, check)
         table.add_row(
             s.schedule + (f" ({', '.join(shape)})" if shape else ""),
@@ -370,6 +380,12 @@ def _print_table(summaries: list, schedules: list, example: bool, skipped: dict[
                      "--html t.html", highlight=False)
 
 
+def _source(sched) -> str | None:
+    """Where the schedule's prediction distances come from (None: it predicts no weights; a torch CSV has no
+    params)."""
+    return sched.params.get("prediction")
+
+
 def list_schedules() -> None:
     """List the methods pipesim knows: what each does and which weights its ops read."""
     from ..schedules import METHODS
@@ -377,27 +393,35 @@ def list_schedules() -> None:
     table = Table(show_header=True, box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("name", no_wrap=True)
     table.add_column("what it does")
-    table.add_column("weights read (s: prediction distance)")
+    table.add_column("weights read")
+    table.add_column("s by --prediction source")
     for method in METHODS.values():
         policy = method.build(method.params(4, 8)).policy
-        table.add_row(method.name, method.summary, _policy_text(policy))
+        table.add_row(method.name, method.summary, _policy_text(policy), _sources_text(policy))
     stdout.print(table)
     stdout.print("Sources and where they disagree: docs/methods.md", highlight=False)
 
 
 def _policy_text(policy) -> str:
-    """One line per side: the version read, and how far and by which rule weights are predicted."""
+    """One line per side: the version read, and whether the weights are predicted."""
     lines = []
     for side, read, prediction in (("F", policy.forward, policy.predict_forward),
                                    ("B", policy.backward, policy.predict_backward)):
-        text = f"{side}: {read.value}"
-        if prediction is not None:
-            text += f", predicted s = {prediction.formula or 'counted'}"
-            if prediction.other:
-                text += f" ({prediction.other_source}: {prediction.other})"
-        lines.append(text)
+        lines.append(f"{side}: {read.value}" + (", predicted" if prediction is not None else ""))
     if policy.extra_copies:
         lines.append(f"+{policy.extra_copies} weight copy")
+    return "\n".join(lines)
+
+
+def _sources_text(policy) -> str:
+    """Each source of s the policy records, the primary (the default) marked, with its closed forms for F and B."""
+    lines = []
+    for source in policy.sources:
+        lines.append(source + (" (primary)" if source == policy.primary_source else "")
+                     + (": from the order" if source == "counted" else ""))
+        lines += [f"  {side}: {prediction.forms[source]}" for side, prediction in
+                  (("F", policy.predict_forward), ("B", policy.predict_backward))
+                  if prediction is not None and source in prediction.forms]
     return "\n".join(lines)
 
 

@@ -39,6 +39,10 @@ def sweep(
     pipelines: Annotated[str | None, typer.Option(
         "--pipelines", "-P", help="Parallel pipelines P, comma-separated; only avgpipe reads them (default: "
                                   "2).")] = None,
+    prediction: Annotated[str | None, typer.Option(
+        "--prediction", help="Sources of the prediction distance s, comma-separated: paper, code, counted; only "
+                             "spectrain, pipeoptim and xpipe read them, and a method skips a source it records no "
+                             "form from (default: each method's primary source).")] = None,
     cost_scale: Annotated[str | None, typer.Option(
         "--cost-scale", help="Factors on every compute time, comma-separated: a faster or slower accelerator on the "
                              "same links (default: 1).")] = None,
@@ -130,7 +134,7 @@ def sweep(
             axes.get("schedule", tuple(METHODS)),
             axes.get("stages", (scenario.measured.partition.stages if scenario.measured else 4,)),
             axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
-            axes.get("cost-scale", (1.0,))).configs()
+            axes.get("cost-scale", (1.0,)), axes.get("prediction")).configs()
         results = [None] * len(configs)
         for i, result in progress(run(scenario, configs, workers or os.cpu_count() or 1, ray), False, len(configs)):
             results[i] = result
@@ -167,7 +171,7 @@ def _print_front(results: list, front: list[int]) -> None:
                   caption=f"and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                   if len(front) > FRONT_ROWS else None, caption_justify="left")
     table.add_column("schedule", no_wrap=True)
-    for header in ("p", "m", "v", "P", "cost×", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
+    for header in ("p", "m", "v", "P", "cost×", "s", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
         table.add_column(header, justify="right", no_wrap=True)
     group = None
     for i in front[:FRONT_ROWS]:
@@ -176,7 +180,8 @@ def _print_front(results: list, front: list[int]) -> None:
             table.add_section()
         group = front_group(c)
         table.add_row(c.schedule, str(c.stages), str(c.microbatches), str(c.chunks), str(c.pipelines),
-                      f"{c.cost_scale:g}", f"{m.time_per_minibatch_ms:.3f}", f"{m.samples_per_s:,.1f}",
-                      f"{m.bubble_fraction:.1%}", f"{m.peak_memory_mb:,.0f}", str(m.max_staleness))
+                      f"{c.cost_scale:g}", c.prediction or "-", f"{m.time_per_minibatch_ms:.3f}",
+                      f"{m.samples_per_s:,.1f}", f"{m.bubble_fraction:.1%}", f"{m.peak_memory_mb:,.0f}",
+                      str(m.max_staleness))
     stdout.print(table)
 

@@ -1,5 +1,6 @@
-"""Sweeps: one simulation per point of a grid (methods × p × m × v × P × cost scale), run in worker processes
-or as Ray tasks, and the Pareto fronts of the results over time per mini-batch, peak memory and staleness.
+"""Sweeps: one simulation per point of a grid (methods × p × m × v × P × cost scale × source of the prediction
+distance s), run in worker processes or as Ray tasks, and the Pareto fronts of the results over time per
+mini-batch, peak memory and staleness.
 
 A configuration a method cannot run is a result too (status "skipped", with the reason), so a grid never
 fails half-way. What each simulation needs besides its shape (costs, links, a stage DAG) comes from a
@@ -23,13 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from ..schedules import METHODS, ScheduleError, ScheduleParams
+from ..schedules.ir import PREDICTION_SOURCES
 from ..sim.cluster import ClusterError
 from ..sim.costs import CostError, Costs
 from ..sim.engine import SimulationError, simulate
 from ..traces import summarize, write_atomic
 from .scenario import Scenario
 
-AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale")  # flag names and TOML keys
+AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale", "prediction")  # flags, TOML keys
 OBJECTIVES = ("time_per_minibatch_ms", "peak_memory_mb", "max_staleness")  # all minimised
 MAX_CHUNK = 32  # configurations per task: ~0.1 s of work at the example's scale, so a task's overhead is noise
 
@@ -40,7 +42,8 @@ class GridError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
-    """One point of the grid: the inputs of one simulation."""
+    """One point of the grid: the inputs of one simulation. `prediction`: the source of a predicting method's
+    distances s (None: the method's primary source, or no prediction); a result names the source used."""
 
     schedule: str
     stages: int
@@ -49,11 +52,12 @@ class Config:
     chunks: int
     pipelines: int
     cost_scale: float
+    prediction: str | None = None
 
     @property
     def label(self) -> str:
         return (f"{self.schedule} p={self.stages} m={self.microbatches} v={self.chunks} P={self.pipelines} "
-                f"cost×{self.cost_scale:g}")
+                f"cost×{self.cost_scale:g}" + (f" s: {self.prediction}" if self.prediction else ""))
 
 
 @dataclass(frozen=True)
@@ -85,20 +89,22 @@ class Result:
 
 # The columns of the results file and their types (for Parquet's schema and for readers of the CSV).
 COLUMNS: dict[str, type] = {
-    **{f.name: {"str": str, "int": int, "float": float}[f.type] for f in (*fields(Config), *fields(Metrics))},
+    **{f.name: {"str": str, "str | None": str, "int": int, "float": float}[f.type]
+       for f in (*fields(Config), *fields(Metrics))},
     "status": str, "reason": str,
 }
 
 
 def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
-    """Axis `key`, checked: known method names, whole numbers >= 1, or cost scales > 0; each value once.
-    `label` names where the values came from in errors."""
+    """Axis `key`, checked: known method names or sources of s, whole numbers >= 1, or cost scales > 0; each
+    value once. `label` names where the values came from in errors."""
     if not values:
         raise GridError(f"{label}: give at least one value")
-    if key == "schedule":
-        unknown = [v for v in values if not isinstance(v, str) or v not in METHODS]
+    if key in ("schedule", "prediction"):
+        known = METHODS if key == "schedule" else PREDICTION_SOURCES
+        unknown = [v for v in values if not isinstance(v, str) or v not in known]
         if unknown:
-            raise GridError(f"{label}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+            raise GridError(f"{label}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
     elif key == "cost-scale":
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
         if bad:
@@ -117,7 +123,7 @@ def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
 def parse_axis(key: str, text: str) -> tuple:
     """A flag's comma-separated list, e.g. `--stages 4,8` or `--schedule 1f1b,zb-h1`."""
     parts = [part.strip() for part in text.split(",")]
-    if key != "schedule":
+    if key not in ("schedule", "prediction"):
         convert, what = (float, "numbers") if key == "cost-scale" else (int, "whole numbers")
         try:
             parts = [convert(part) for part in parts]
@@ -149,7 +155,7 @@ def load_grid(path: Path) -> dict[str, tuple]:
 
 @dataclass(frozen=True)
 class Grid:
-    """The axes of a sweep. `chunks` and `pipelines` None: each method's default."""
+    """The axes of a sweep. `chunks`, `pipelines` and `predictions` (sources of s) None: each method's default."""
 
     schedules: tuple[str, ...]
     stages: tuple[int, ...]
@@ -158,18 +164,22 @@ class Grid:
     chunks: tuple[int, ...] | None = None
     pipelines: tuple[int, ...] | None = None
     cost_scales: tuple[float, ...] = (1.0,)
+    predictions: tuple[str, ...] | None = None
 
     def configs(self) -> list[Config]:
-        """Every configuration, method by method. v and P multiply only the methods that read them
-        (interleaved and V schedules, AvgPipe); the others run their default once."""
+        """Every configuration, method by method. v, P and the source of s multiply only the methods that
+        read them (interleaved and V schedules, AvgPipe, the predicting methods); the others run their default
+        once."""
         configs = []
         for name in self.schedules:
             method = METHODS[name]
             own_chunks, own_pipelines = method.shape()
             chunks = self.chunks if self.chunks and method.reads("chunks") else (own_chunks,)
             pipelines = self.pipelines if self.pipelines and method.reads("pipelines") else (own_pipelines,)
-            configs += [Config(name, p, m, self.minibatches, v, copies, scale) for p, m, v, copies, scale in
-                        product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales)]
+            sources = self.predictions if self.predictions and method.reads("prediction") else (None,)
+            configs += [Config(name, p, m, self.minibatches, v, copies, scale, source)
+                        for p, m, v, copies, scale, source in
+                        product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales, sources)]
         return configs
 
 
@@ -186,19 +196,21 @@ def _scaled(costs: Costs, factor: float) -> Costs:
 
 def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
     """Simulate each configuration; one the method, costs or links cannot describe is skipped with the
-    reason. The task of worker processes and Ray alike: a chunk of them amortises a task's overhead."""
+    reason. A result's configuration names the source of s its schedule used (a method's default resolved).
+    The task of worker processes and Ray alike: a chunk of them amortises a task's overhead."""
     results = []
     for config in configs:
         try:
             sched = scenario.build(config.schedule, ScheduleParams(
-                config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines))
+                config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines,
+                prediction=config.prediction))
             costs = _scaled(scenario.costs(sched), config.cost_scale)
             summary = summarize(simulate(sched, costs, scenario.links(sched)))
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc)))
             continue
-        results.append(Result(config, Metrics(**{f.name: COLUMNS[f.name](getattr(summary, f.name))
-                                                 for f in fields(Metrics)})))  # plain Python numbers
+        results.append(Result(replace(config, prediction=sched.params.get("prediction")), Metrics(**{
+            f.name: COLUMNS[f.name](getattr(summary, f.name)) for f in fields(Metrics)})))  # plain Python numbers
     return results
 
 

@@ -284,10 +284,11 @@ def weight_versions(schedule: Schedule) -> Versions:
     counted = consuming[np.where(t.kind < NUM_COMPUTE_KINDS, t.step_index(schedule), 0)] - read
     for rule, mask in ((policy.predict_forward, is_f), (policy.predict_backward, backward)):
         if rule is not None:
-            if rule.formula is None:
+            formula = policy.formula(rule)  # the closed form of the source in use; None: counted
+            if formula is None:
                 prediction[mask] = counted[mask]
             else:
-                per_stage = np.array([evaluate_formula(rule.formula, p, k, m) for k in range(p)], dtype=np.int64)
+                per_stage = np.array([evaluate_formula(formula, p, k, m) for k in range(p)], dtype=np.int64)
                 prediction[mask] = per_stage[t.stage[mask]]
 
     # Version v of a replica is held beside the current one from the update that supersedes it (the

@@ -8,6 +8,8 @@ Distances s are in updates of the stage's weights; see `ir.Prediction`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .ir import Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
@@ -18,24 +20,28 @@ _F, _B, _OPT, _AVG = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.OPT, Kind.AVG)
 
 # PipeDream-2BW: double buffering; every op of mini-batch b reads W(b-1) (Narayanan et al. 2021).
 TWO_BW_POLICY = WeightPolicy(forward=Read.PREVIOUS, backward=Read.PREVIOUS)
-# SpecTrain (Chen et al. 2019): predict before F and before B, restore after; s from the paper, which its
-# code (ntueclab/SpecTrain-PyTorch, v1) also uses. One saved copy to restore from.
+# SpecTrain (Chen et al. 2019): predict before F and before B, restore after. Its code (ntueclab/SpecTrain-PyTorch,
+# `load_predicted_weights` in src/optimizer.py) states the paper's s with rank for k. One saved copy to restore from.
 SPECTRAIN_POLICY = WeightPolicy(
-    predict_forward=Prediction(formula="k//2 + p-k-1"), predict_backward=Prediction(formula="k//2"), extra_copies=1
+    predict_forward=Prediction({"paper": "k//2 + p-k-1", "code": "k//2 + p-k-1"}),
+    predict_backward=Prediction({"paper": "k//2", "code": "k//2"}),
+    extra_copies=1, primary_source="paper",
 )
-# PipeOptim (Guan et al.): predict before every F with s = p-k-1 (paper); its code uses p-k. The backward
-# runs on the current weights, nothing is stashed; one copy holds the weights the prediction replaced.
-PIPEOPTIM_POLICY = WeightPolicy(predict_forward=Prediction(formula="p-k-1", other="p-k", other_source="code"),
-                                extra_copies=1)
-# XPipe (Guan et al. 2019): the bellwether (a mini-batch's first micro-batch) predicts with Adam's
-# moments, in F and in B, and the mini-batch's other micro-batches reuse its predicted weights. s is
-# counted; the paper's closed forms, round((p+m-k/2-2)/m) and round((m+floor(k/2)-1)/m), are reported.
+# PipeOptim (Guan et al.): predict before every F with s = p-k-1 (paper); its code (guanleics/PipeOptim,
+# `forward_s = world_size - rank`) uses p-k. The backward runs on the current weights, nothing is stashed; one
+# copy holds the weights the prediction replaced.
+PIPEOPTIM_POLICY = WeightPolicy(predict_forward=Prediction({"paper": "p-k-1", "code": "p-k"}), extra_copies=1,
+                                primary_source="paper")
+# XPipe (Guan et al. 2019): the bellwether (a mini-batch's first micro-batch) predicts with Adam's moments, in F
+# and in B, and the mini-batch's other micro-batches reuse its predicted weights. The paper's closed forms,
+# round((p+m-k/2-2)/m) and round((m+floor(k/2)-1)/m) with halves rounded up, are its published s (no code is
+# public); they count to the update that completes the mini-batch on GPU 0, so "counted" differs.
 XPIPE_POLICY = WeightPolicy(
     forward=Read.BELLWETHER,
     backward=Read.BELLWETHER,
-    predict_forward=Prediction(other="(2*p + 3*m - k - 4)//(2*m)"),
-    predict_backward=Prediction(other="(3*m + 2*(k//2) - 2)//(2*m)"),
-    extra_copies=1,
+    predict_forward=Prediction({"paper": "(2*p + 3*m - k - 4)//(2*m)"}),
+    predict_backward=Prediction({"paper": "(3*m + 2*(k//2) - 2)//(2*m)"}),
+    extra_copies=1, primary_source="paper",
 )
 # AvgPipe (Zhang et al. 2023): each pipeline is synchronous; the reference model is an extra copy.
 AVGPIPE_POLICY = WeightPolicy(extra_copies=1)
@@ -51,16 +57,26 @@ def pipedream_2bw(params: ScheduleParams) -> Schedule:
     return pipedream_order("pipedream-2bw", params, TWO_BW_POLICY)
 
 
+def predicting_order(method: str, params: ScheduleParams, policy: WeightPolicy) -> Schedule:
+    """PipeDream's order with `policy`'s s taken from the source `params.prediction` names (None: the policy's
+    primary source). The schedule's params name the source used, so a trace says which s it ran with."""
+    source = params.prediction or policy.primary_source
+    if source not in policy.sources:
+        raise ScheduleError(f"{method}: prediction {source!r} is not a source of s it records; choose from "
+                            f"{', '.join(policy.sources)}")
+    return pipedream_order(method, replace(params, prediction=source), replace(policy, chosen_source=source))
+
+
 def spectrain(params: ScheduleParams) -> Schedule:
-    return pipedream_order("spectrain", params, SPECTRAIN_POLICY)
+    return predicting_order("spectrain", params, SPECTRAIN_POLICY)
 
 
 def pipeoptim(params: ScheduleParams) -> Schedule:
-    return pipedream_order("pipeoptim", params, PIPEOPTIM_POLICY)
+    return predicting_order("pipeoptim", params, PIPEOPTIM_POLICY)
 
 
 def xpipe(params: ScheduleParams) -> Schedule:
-    return pipedream_order("xpipe", params, XPIPE_POLICY)
+    return predicting_order("xpipe", params, XPIPE_POLICY)
 
 
 def avgpipe(params: ScheduleParams) -> Schedule:
@@ -92,15 +108,16 @@ def avgpipe(params: ScheduleParams) -> Schedule:
     return make_schedule("avgpipe", params, stacked(parts), AVGPIPE_POLICY)
 
 
+PREDICTS = frozenset({"prediction"})  # the option that chooses the source of s
 ASYNCHRONOUS = (
     Method("pipedream-2bw", "PipeDream-2BW: PipeDream's order with two weight buffers; staleness 1",
            pipedream_2bw),
     Method("spectrain", "SpecTrain: PipeDream's order; weights predicted s updates ahead for F and B",
-           spectrain),
+           spectrain, options=PREDICTS),
     Method("pipeoptim", "PipeOptim: PipeDream's order; optimizer-aware prediction for F, B on current weights",
-           pipeoptim),
+           pipeoptim, options=PREDICTS),
     Method("xpipe", "XPipe: micro-batched asynchronous 1F1B; bellwether predicts once per mini-batch",
-           xpipe),
+           xpipe, options=PREDICTS),
     Method("avgpipe", "AvgPipe: P synchronous pipelines co-scheduled, advance forwards, elastic averaging",
            avgpipe, defaults={"pipelines": 2}, options=frozenset({"advance", "average_every", "elastic_alpha"})),
 )

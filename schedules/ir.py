@@ -189,24 +189,30 @@ _FORMULA_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Name, ast.Constant
                   ast.Mult, ast.FloorDiv, ast.USub)
 
 
+COUNTED = "counted"
+# Where a prediction distance s can come from: a paper's closed form, its authors' code, or the count of updates
+# in the order (always available). Each is a choice of `ScheduleParams.prediction`.
+PREDICTION_SOURCES = ("paper", "code", COUNTED)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """The op runs on weights predicted `s` updates ahead (XPipe, SpecTrain, PipeOptim).
 
-    `formula` is the paper's closed form for s in p (stages), k (stage) and m (micro-batches), such as
-    "k//2 + p-k-1"; None means s is counted from the order: the updates between the op's weight read and
-    the update that consumes its gradient. `other` is a form another source uses (`other_source`: the
-    paper, or the authors' code), reported beside it.
+    `forms` maps each source that states s in closed form ("paper", "code") to that form, in p (stages),
+    k (stage) and m (micro-batches), such as "k//2 + p-k-1". The source "counted" is implied: s counted from
+    the order, the updates between the op's weight read and the update that consumes its gradient. Sources
+    disagree, and the choice changes training, so all are kept and the policy says which one is in use.
     """
 
-    formula: str | None = None
-    other: str | None = None
-    other_source: str = "paper"
+    forms: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for text in (self.formula, self.other):
-            if text is not None:
-                _check_formula(text)
+        for source, text in self.forms.items():
+            if source not in PREDICTION_SOURCES or source == COUNTED:
+                raise ScheduleError(f"prediction source {source!r}: a closed form comes from one of "
+                                    f"{', '.join(s for s in PREDICTION_SOURCES if s != COUNTED)}")
+            _check_formula(text)
 
 
 def _check_formula(text: str) -> ast.Expression:
@@ -232,7 +238,8 @@ class WeightPolicy:
     """A method's weight semantics as data; `schedules.analysis.weight_versions` interprets it.
 
     `forward` / `backward`: which version F and the backward parts read. `predict_forward` /
-    `predict_backward`: how far ahead the weights those ops run on are predicted, if at all.
+    `predict_backward`: how far ahead the weights those ops run on are predicted, if at all, by source.
+    `primary_source`: the source of s the method publishes, used unless `chosen_source` names another.
     `extra_copies`: weight copies held besides the versions in use (the buffer predicted weights are
     written to; AvgPipe's reference model).
     """
@@ -242,15 +249,48 @@ class WeightPolicy:
     predict_forward: Prediction | None = None
     predict_backward: Prediction | None = None
     extra_copies: int = 0
+    primary_source: str = COUNTED
+    chosen_source: str | None = None
+
+    def __post_init__(self) -> None:
+        sides = self._predicted_sides
+        if len(sides) == 2 and set(sides[0].forms) != set(sides[1].forms):
+            raise ScheduleError("a policy that predicts for F and for the backward needs closed forms from the same "
+                                f"sources on both sides (got {sorted(sides[0].forms)} and {sorted(sides[1].forms)})")
+        if not sides and self.chosen_source is not None:
+            raise ScheduleError(f"chosen_source {self.chosen_source!r}: this policy predicts no weights")
+        for name, source in (("primary_source", self.primary_source), ("chosen_source", self.chosen_source)):
+            if sides and source is not None and source not in self.sources:
+                raise ScheduleError(f"{name} {source!r}: this policy records {', '.join(self.sources)}")
+
+    @property
+    def _predicted_sides(self) -> list[Prediction]:
+        return [p for p in (self.predict_forward, self.predict_backward) if p is not None]
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The sources of s this policy can use, in PREDICTION_SOURCES' order; none without prediction."""
+        sides = self._predicted_sides
+        return tuple(s for s in PREDICTION_SOURCES if sides and (s == COUNTED or s in sides[0].forms))
+
+    @property
+    def source(self) -> str | None:
+        """The source s is taken from: the chosen one, else the primary; None without prediction."""
+        return (self.chosen_source or self.primary_source) if self.sources else None
+
+    def formula(self, prediction: Prediction) -> str | None:
+        """The closed form `prediction` (one of this policy's sides) has under the source in use; None: counted."""
+        return prediction.forms.get(self.source)
 
     def describe(self) -> dict[str, Any]:
         """Plain data for trace metadata."""
-        def prediction(p: Prediction | None) -> dict[str, str | None] | None:
-            return None if p is None else {"formula": p.formula, "other": p.other, "other_source": p.other_source}
+        def prediction(p: Prediction | None) -> dict[str, str] | None:
+            return None if p is None else dict(p.forms)
 
         return {"forward": self.forward.value, "backward": self.backward.value,
                 "predict_forward": prediction(self.predict_forward),
-                "predict_backward": prediction(self.predict_backward), "extra_copies": self.extra_copies}
+                "predict_backward": prediction(self.predict_backward), "primary_source": self.primary_source,
+                "prediction_source": self.source, "extra_copies": self.extra_copies}
 
 
 SYNCHRONOUS = WeightPolicy()

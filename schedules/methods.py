@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .ir import SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
+from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
 from .table import KIND_CODE, ActionTable, OrderView, stacked
 
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
@@ -23,9 +23,10 @@ _FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--
 
 @dataclass(frozen=True)
 class ScheduleParams:
-    """What a schedule is built for: p (`stages`), m, N, v (`chunks`), P (`pipelines`), and AvgPipe's
+    """What a schedule is built for: p (`stages`), m, N, v (`chunks`), P (`pipelines`), AvgPipe's
     advance forwards (None: its own rule), averaging period (mini-batches) and elastic coefficient
-    (None: 0.9 / P)."""
+    (None: 0.9 / P), and the source of a predicting method's distances s (`prediction`, one of
+    PREDICTION_SOURCES; None: the method's primary source)."""
 
     stages: int
     microbatches: int
@@ -35,6 +36,7 @@ class ScheduleParams:
     advance: int | None = None
     average_every: int = 1
     elastic_alpha: float | None = None
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every"):
@@ -45,6 +47,8 @@ class ScheduleParams:
             raise ScheduleError(f"advance must be a whole number >= 0 (got {self.advance!r})")
         if self.elastic_alpha is not None and not 0 < self.elastic_alpha <= 1:
             raise ScheduleError(f"elastic_alpha must be in (0, 1] (got {self.elastic_alpha!r})")
+        if self.prediction is not None and self.prediction not in PREDICTION_SOURCES:
+            raise ScheduleError(f"prediction must be one of {', '.join(PREDICTION_SOURCES)} (got {self.prediction!r})")
         self._check_size()
 
     def _check_size(self) -> None:
@@ -103,7 +107,11 @@ class Method:
     def params(self, stages: int, microbatches: int, minibatches: int = 1, chunks: int | None = None,
                pipelines: int | None = None, **options) -> ScheduleParams:
         """The parameters to build this method with: `shape`'s v and P, and `options` (advance, average_every,
-        elastic_alpha) as given."""
+        elastic_alpha, prediction) as given. A prediction source for a method that predicts no weights is
+        refused rather than ignored: the user asked for something that cannot happen."""
+        if options.get("prediction") is not None and not self.reads("prediction"):
+            raise ScheduleError(f"{self.name} predicts no weights: leave prediction unset (got "
+                                f"{options['prediction']!r})")
         return ScheduleParams(stages, microbatches, minibatches, *self.shape(chunks, pipelines), **options)
 
 

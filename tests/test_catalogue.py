@@ -14,7 +14,6 @@ from pipesim.schedules import (
     ScheduleParams,
     StageGraph,
     check_complete,
-    evaluate_formula,
     find_deadlock,
     weight_versions,
 )
@@ -66,8 +65,11 @@ def _check_rule(name, schedule, versions, summary):
         assert np.array_equal(versions.prediction[predicted], np.where(f, k // 2 + p - k - 1, k // 2))
     elif name == "pipeoptim":
         assert np.array_equal(versions.prediction[predicted], p - 1 - t.stage[predicted])
-    elif name == "xpipe":
-        assert np.array_equal(versions.prediction[predicted], (t.minibatch - versions.read)[predicted])
+    elif name == "xpipe":  # the paper's round((p+m-k/2-2)/m) and round((m+floor(k/2)-1)/m), halves rounded up
+        k, m = t.stage[predicted], schedule.microbatches
+        f = t.kind[predicted] == list(Kind).index(Kind.F)
+        published = np.where(f, np.floor((p + m - k / 2 - 2) / m + 0.5), np.floor((m + k // 2 - 1) / m + 0.5))
+        assert np.array_equal(versions.prediction[predicted], published)
     else:
         assert not predicted.any()
 
@@ -143,16 +145,17 @@ def test_prediction_costs_time():
     assert predicted.time_per_minibatch_ms == pytest.approx(plain.time_per_minibatch_ms + 2 * 0.25 + 0.25)
 
 
-def test_xpipe_bellwether_counts_prediction_distance():
+def test_xpipe_bellwether_uses_the_published_distances_and_counts_on_request():
     p, m = 4, 2
     schedule = build("xpipe", p, m, 8)
     summary = simulated(schedule).summary
-    assert [s.prediction_distance for s in summary.stages] == [2, 1, 1, 0]
-    assert [s.backward_prediction_distance for s in summary.stages] == [0, 0, 0, 0]
+    assert schedule.params["prediction"] == "paper"
+    assert [s.prediction_distance for s in summary.stages] == [2, 2, 2, 1]
+    assert [s.backward_prediction_distance for s in summary.stages] == [1, 1, 1, 1]
     assert [d.peak_weight_versions for d in summary.devices] == [2] * p
-    paper_forward, paper_backward = schedule.policy.predict_forward.other, schedule.policy.predict_backward.other
-    assert [evaluate_formula(paper_forward, p, k, m) for k in range(p)] == [2, 2, 2, 1]  # reported, not used
-    assert [evaluate_formula(paper_backward, p, k, m) for k in range(p)] == [1, 1, 1, 1]
+    counted = simulated(build("xpipe", p, m, 8, prediction="counted")).summary
+    assert [s.prediction_distance for s in counted.stages] == [2, 1, 1, 0]
+    assert [s.backward_prediction_distance for s in counted.stages] == [0, 0, 0, 0]
     preds = [a for a in schedule.orders[0] if a.kind is Kind.PRED]
     assert len(preds) == 2 * 8 and all(a.microbatch == 0 for a in preds)  # once per mini-batch, F and B
 
