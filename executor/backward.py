@@ -25,14 +25,23 @@ def _grads(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
     return [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads)]
 
 
-def full_backward(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor | None,
-                  weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """B: (gradient of the input, or None when the input needs none; gradients of `weights`). `output` is the
-    stage's output (with `grad_output`) or the last stage's scalar loss (`grad_output` None)."""
-    wants_x = x is not None and x.requires_grad
-    inputs = [*weights, x] if wants_x else list(weights)
-    grads = _grads([output], inputs, [grad_output])
-    return (grads[-1] if wants_x else None), grads[:len(weights)]
+def _wanted(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [x for x in inputs if x.requires_grad]
+
+
+def _aligned(inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    found = iter(grads)
+    return [next(found) if x.requires_grad else None for x in inputs]
+
+
+def full_backward(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None],
+                  inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+                  ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    """B: (per input, its gradient, None for one that needs none; gradients of `weights`). `outputs` are
+    the stage's outputs (with `grad_outputs`) or the last stage's scalar loss (`grad_outputs` [None])."""
+    wanted = _wanted(inputs)
+    grads = _grads(outputs, [*weights, *wanted], grad_outputs)
+    return _aligned(inputs, grads[len(weights):]), grads[:len(weights)]
 
 
 @dataclass(eq=False)
@@ -47,23 +56,23 @@ class _Group:
 @dataclass
 class PendingWeightGrad:
     """What I leaves for W: the anchor groups, or, when the stage has no input gradient to compute, the whole
-    graph (`output`, `grad_output`) for W to walk."""
+    graph (`outputs`, `grad_outputs`) for W to walk."""
 
     groups: list[_Group]
-    output: torch.Tensor | None = None
-    grad_output: torch.Tensor | None = None
+    outputs: Sequence[torch.Tensor] = ()
+    grad_outputs: Sequence[torch.Tensor | None] = ()
 
 
 def _node(t: torch.Tensor) -> Any:
     return get_gradient_edge(t).node
 
 
-def _anchor_groups(root: Any, x_node: Any, weight_nodes: list[Any]) -> list[_Group] | None:
-    """Group the weights by the nodes of the output-to-input path where their gradients branch off; None when
-    some weight's gradient does not meet that path (W then walks the whole graph)."""
+def _anchor_groups(roots: list[Any], x_nodes: list[Any], weight_nodes: list[Any]) -> list[_Group] | None:
+    """Group the weights by the nodes of the output-to-input paths where their gradients branch off; None when
+    some weight's gradient does not meet those paths (W then walks the whole graph)."""
     children: dict[Any, list[Any]] = {}
     parents: dict[Any, list[Any]] = {}
-    stack, seen = [root], {root}
+    stack, seen = list(set(roots)), set(roots)
     while stack:
         node = stack.pop()
         kids = [fn for fn, _ in node.next_functions if fn is not None]
@@ -73,10 +82,11 @@ def _anchor_groups(root: Any, x_node: Any, weight_nodes: list[Any]) -> list[_Gro
             if kid not in seen:
                 seen.add(kid)
                 stack.append(kid)
-    if x_node not in seen:
+    reached = [node for node in x_nodes if node in seen]
+    if not reached:
         return None
-    on_path = {x_node}  # nodes the input's gradient flows through: the input's ancestors
-    stack = [x_node]
+    on_path = set(reached)  # nodes the inputs' gradients flow through: the inputs' ancestors
+    stack = list(reached)
     while stack:
         for parent in parents.get(stack.pop(), ()):
             if parent not in on_path:
@@ -109,16 +119,20 @@ def _anchor_groups(root: Any, x_node: Any, weight_nodes: list[Any]) -> list[_Gro
     return groups
 
 
-def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor | None,
-                   weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, PendingWeightGrad]:
-    """I: the input's gradient, and what W needs to finish the weights' gradients without walking the input
-    chain again."""
-    if x is None or not x.requires_grad:
-        return None, PendingWeightGrad([], output, grad_output)
-    groups = _anchor_groups(output.grad_fn, _node(x), [_node(w) for w in weights]) if output.grad_fn else None
+def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor | None], PendingWeightGrad]:
+    """I: per input, its gradient (None for one that needs none), and what W needs to finish the weights'
+    gradients without walking the input chain again."""
+    wanted = _wanted(inputs)
+    if not wanted:
+        return [None] * len(inputs), PendingWeightGrad([], outputs, grad_outputs)
+    roots = [o.grad_fn for o in outputs]
+    groups = (_anchor_groups(roots, [_node(x) for x in wanted], [_node(w) for w in weights])
+              if all(root is not None for root in roots) else None)
     if groups is None:
-        dx = _grads([output], [x], [grad_output], retain_graph=True)[0]
-        return dx, PendingWeightGrad([], output, grad_output)
+        dx = _grads(outputs, wanted, grad_outputs, retain_graph=True)
+        return _aligned(inputs, dx), PendingWeightGrad([], outputs, grad_outputs)
     handles = []
     try:
         for group in groups:
@@ -127,17 +141,17 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, x: to
                 def record(grad_outputs: tuple[torch.Tensor | None, ...], group: _Group = group, i: int = i) -> None:
                     group.arrived[i] = tuple(grad_outputs)
                 handles.append(anchor.register_prehook(record))
-        dx = _grads([output], [x], [grad_output], retain_graph=True)[0]
+        dx = _grads(outputs, wanted, grad_outputs, retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()
-    return dx, PendingWeightGrad(groups)
+    return _aligned(inputs, dx), PendingWeightGrad(groups)
 
 
 def backward_weight(pending: PendingWeightGrad, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """W: the weights' gradients from what I left."""
-    if pending.output is not None:
-        return _grads([pending.output], list(weights), [pending.grad_output])
+    if pending.outputs:
+        return _grads(pending.outputs, list(weights), pending.grad_outputs)
     out: list[torch.Tensor | None] = [None] * len(weights)
     for group in pending.groups:
         edges, grads = [], []
@@ -159,5 +173,5 @@ def backward_weight(pending: PendingWeightGrad, weights: Sequence[torch.Tensor])
         finally:
             for handle in handles:
                 handle.remove()
-    pending.groups = []
+    pending.groups, pending.outputs, pending.grad_outputs = [], (), ()
     return [torch.zeros_like(w) if g is None else g for w, g in zip(weights, out)]

@@ -1,51 +1,176 @@
 """One device's loop over its lowered rows: the executor's core.
 
 A device walks its rows in order. RECV waits for a receive posted ahead of time (in row order, which per
-channel is the order its peer sends in) and is timed as the wait; F, B, I and W run on the weight version the
-row names; SEND is issued and not waited on until the end; OPT applies the optimizer, copy-on-write when the
+channel is the order its peer sends in) and is timed as the wait; F, B, I and W run on the weights the row
+names; SEND is issued and not waited on until the end; OPT applies the optimizer, copy-on-write when the
 lowering says a later row still reads the old version; a version is dropped after its last read. Nothing here
 knows a method by name: every decision comes from the lowered rows.
+
+Weights an op runs on: the version the row names, or, when the row has a prediction distance s >= 0, the
+prediction buffer (stage, pipeline, version, s, side) that a PRED row filled before it. A PRED row fills the
+buffer its next op on the same micro-batch reads (side F for a forward, B for B, I and W); later ops with
+the same key reuse it (a bellwether's buffer serves its mini-batch), and it is freed after its last reader.
+
+A backward on other weights than its forward's (predicted forward, current or re-predicted backward): as
+the original codes swapped `param.data` between the passes, the backward combines the forward's activations
+with the backward row's weights. During F, saved-tensor hooks store a saved tensor that is one of the
+forward's weights, or a view of one (addmm saves `weight.t()`), as a reference (index and view geometry);
+the backward unpacks it from the weights its own row names. Every other saved tensor is kept as saved.
+Weight gradients are taken with respect to the forward's leaves and accumulate in the stage's one gradient
+buffer, whichever weights produced them. The forward is never recomputed.
+
+AVG pulls the P pipeline replicas of a stage on this device and a reference model (the initial weights)
+together by elastic averaging, with the schedule's coefficient alpha.
+
+Measured per row: the version and prediction distance the op used (from the weights it ran on), and memory:
+on CUDA the allocator's count; on CPU the bytes of the tensors autograd saved for backward (each storage once,
+until its graph is freed), weights (every version, their gradients, prediction buffers, optimizer state,
+reference models; a forward's weights until its backward) and activations or gradients waiting for their
+consumer or their send. A sent tensor is the transport's from its SEND on (the in-process one copies it; the
+others hold it in the transfer).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call
 
-from ..schedules import KINDS, Kind, Lowered
+from ..schedules import KINDS, Kind, Lowered, ScheduleParams
+from ..workload.optim import elastic_average
 from ..workload.transport import Handle, Transport
 from .backward import PendingWeightGrad, backward_input, backward_weight, full_backward
 from .stages import ExecutorError, RunSpec, Stages, microbatch_data
-from .weights import StageWeights
+from .weights import BufferKey, StageWeights, Weights
 
 Unit = tuple[int, int, int, int]  # (stage, micro-batch, mini-batch, pipeline)
+EdgeUnit = tuple[int, int, int, int, int]  # (from stage, to stage, micro-batch, mini-batch, pipeline)
+_BACKWARD = frozenset({Kind.B, Kind.I, Kind.W})
+_TRANSFERS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B})
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _bytes_by_storage(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    return dict(_storage(t) for t in tensors)
+
+
+class _Ledger:
+    """Bytes of the tensors autograd saved for backward on this device, each storage counted once while any
+    graph still holds it."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, list[int]] = {}  # storage address -> [holders, bytes]
+        self.total = 0
+
+    def hold(self, ptr: int, nbytes: int) -> None:
+        entry = self.refs.get(ptr)
+        if entry is None:
+            entry = self.refs[ptr] = [0, nbytes]
+            self.total += nbytes
+        entry[0] += 1
+
+    def drop(self, ptr: int) -> None:
+        entry = self.refs[ptr]
+        entry[0] -= 1
+        if not entry[0]:
+            del self.refs[ptr]
+            self.total -= entry[1]
+
+    def by_storage(self) -> dict[int, int]:
+        return {ptr: nbytes for ptr, (_, nbytes) in self.refs.items()}
+
+
+class _Held:
+    """A saved activation as autograd stores it; its bytes leave the ledger when its graph lets it go."""
+
+    __slots__ = ("tensor", "ledger", "ptr")
+
+    def __init__(self, tensor: torch.Tensor, ledger: _Ledger) -> None:
+        self.tensor, self.ledger = tensor, ledger
+        self.ptr, nbytes = _storage(tensor)
+        ledger.hold(self.ptr, nbytes)
+
+    def __del__(self) -> None:
+        self.ledger.drop(self.ptr)
+
+
+@dataclass
+class _WeightRef:
+    """A saved tensor that was (a view of) the forward's weight `index`, by geometry."""
+
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # storage offset relative to the weight's own
+
+
+class _Tape:
+    """One forward's saved-tensor hooks: weights out by reference, the rest kept and counted. `backward`
+    holds the tensors the next backward row runs on; unpacking resolves references against them."""
+
+    def __init__(self, forward: Weights, ledger: _Ledger) -> None:
+        self.weight_at = {w.untyped_storage().data_ptr(): (i, w.storage_offset())
+                          for i, w in enumerate(forward.tensors)}
+        self.ledger = ledger
+        self.backward: list[torch.Tensor] = forward.tensors
+
+    def pack(self, t: torch.Tensor) -> Any:
+        found = self.weight_at.get(t.untyped_storage().data_ptr())
+        if found is not None:
+            index, base = found
+            return _WeightRef(index, tuple(t.shape), tuple(t.stride()), t.storage_offset() - base)
+        return _Held(t.detach(), self.ledger)  # detached: a tensor holding its own saver would be a cycle
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _WeightRef):
+            w = self.backward[packed.index].detach()
+            return w.as_strided(packed.size, packed.stride, w.storage_offset() + packed.offset)
+        return packed.tensor
 
 
 @dataclass
 class _Saved:
     """What a forward leaves for its backward."""
 
-    x: torch.Tensor | None  # the stage's input (a leaf), None on the first stage
-    output: torch.Tensor | None  # the stage's output, or the last stage's loss
-    version: int
-    weights: list[torch.Tensor]
+    inputs: list[torch.Tensor]  # one leaf per incoming stage edge
+    outputs: list[torch.Tensor]  # one per outgoing edge, or the last stage's loss
+    weights: Weights  # the forward's: gradients are taken with respect to these leaves
+    tape: _Tape
     pending: PendingWeightGrad | None = None  # after I, until W
+
+
+def _int_array(n: int, fill: int = 0) -> np.ndarray:
+    return np.full(n, fill, dtype=np.int64)
 
 
 @dataclass
 class DeviceResult:
-    """What a device reports: per row (its rows in order) start and end on the monotonic clock (ns), the
-    weight copies its fullest stage held after each row, the loss per (pipeline, mini-batch) when it holds a
-    last stage, and every stage replica's final weights (numpy, in the stage module's parameter order)."""
+    """What a device reports, per row (its rows in order): start and end on the monotonic clock (ns); the
+    weight copies its fullest stage replica held after the row (versions, prediction buffers, reference); the
+    weight version and prediction distance the row's op used (-1: none); memory after the row (bytes: all,
+    and saved activations alone). Also the loss per (pipeline, mini-batch) when it holds a last stage, and
+    every stage replica's final weights (numpy, in the stage module's parameter order)."""
 
     device: int
     start_ns: np.ndarray
     end_ns: np.ndarray
     held: np.ndarray
+    version: np.ndarray
+    prediction: np.ndarray
+    memory_bytes: np.ndarray
+    activation_bytes: np.ndarray
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     weights: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
     rows_done: int = 0
@@ -53,129 +178,247 @@ class DeviceResult:
 
 
 class DeviceLoop:
-    """Runs device `device`'s rows of `lowered` on `stages` over `transport` (rank = device)."""
+    """Runs device `device`'s rows of `lowered` on `stages` over `transport` (rank = device).
 
-    def __init__(self, spec: RunSpec, lowered: Lowered, stages: Stages, device: int, transport: Transport) -> None:
+    `on_row(i)` is called after each row finishes with its global index (progress, heartbeats; `losses`,
+    (pipeline, mini-batch) -> loss, is readable then). `compute_lock` is held around each compute row, so
+    ranks that share one GPU take turns."""
+
+    def __init__(self, spec: RunSpec, lowered: Lowered, stages: Stages, device: int, transport: Transport, *,
+                 on_row: Callable[[int], None] | None = None,
+                 compute_lock: contextlib.AbstractContextManager | None = None) -> None:
         self.spec, self.lowered, self.stages, self.device = spec, lowered, stages, device
         self.transport = transport
+        self.on_row = on_row
+        self.compute_lock = compute_lock if compute_lock is not None else contextlib.nullcontext()
+        self.torch_device = transport.device
+        self.on_cuda = self.torch_device.type == "cuda"  # the allocator counts memory; nothing to add up
         schedule = lowered.schedule
         self.m = schedule.microbatches
-        self.graph = schedule.graph
         self.placement = schedule.placement
+        self.pipelines = schedule.pipelines
         self.weights = {(k, r): StageWeights(stages.modules[k], spec.optimizer, spec.lr,
-                                             label=f"stage {k} (pipeline {r}) on device {device}")
+                                             label=f"stage {k} (pipeline {r}) on device {device}",
+                                             device=self.torch_device)
                         for k in schedule.stages_on(device) for r in range(schedule.pipelines)}
         self.saved: dict[Unit, _Saved] = {}
-        self.acts: dict[Unit, torch.Tensor] = {}  # a stage's output, until sent or taken by a local successor
-        self.grads_out: dict[Unit, torch.Tensor] = {}  # gradient of a stage's output, received or local
-        self.grads_in: dict[Unit, torch.Tensor] = {}  # gradient of a stage's input, until sent or taken locally
-        self.received: dict[Unit, torch.Tensor] = {}  # forward activations received, by receiving stage
-        self.sends: list[tuple[Handle, torch.Tensor]] = []
+        self.acts: dict[EdgeUnit, torch.Tensor] = {}  # an edge's activation: produced or received, not yet taken
+        self.grads: dict[EdgeUnit, torch.Tensor] = {}  # an edge's gradient: computed or received, not yet taken
+        self.sends: list[Handle] = []
         self.losses: dict[tuple[int, int], float] = {}
+        self.ledger = _Ledger()
+        self._passes = {Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward_input,
+                        Kind.W: self.backward_weight}
+        self._plan_buffers()
+        self._plan_averaging()
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def _buffer_key(self, i: int) -> BufferKey:
+        t, lowered = self.lowered.table, self.lowered
+        side = "B" if KINDS[t.kind[i]] in _BACKWARD else "F"
+        return int(lowered.version[i]), int(lowered.prediction[i]), side
+
+    def _plan_buffers(self) -> None:
+        """From this device's rows: which buffer each PRED fills (its next op on the same micro-batch reads
+        it), which buffer each predicted op reads, and after which row each buffer has had its last reader."""
+        t, lowered = self.lowered.table, self.lowered
+        rows = lowered.rows(self.device)
+        self.fills: dict[int, tuple[int, int, BufferKey]] = {}  # PRED row -> (stage, pipeline, key)
+        self.reads: dict[int, BufferKey] = {}
+        self.frees: dict[int, list[tuple[int, int, BufferKey]]] = {}
+        last_reader: dict[tuple[int, int, BufferKey], int] = {}
+
+        def close(buffer: tuple[int, int, BufferKey]) -> None:  # free it after its last reader
+            self.frees.setdefault(last_reader.pop(buffer), []).append(buffer)
+
+        pending: dict[Unit, int] = {}  # unit -> its PRED row waiting for the op it predicts for
+        for i in rows:
+            kind = KINDS[t.kind[i]]
+            unit = (int(t.stage[i]), int(t.microbatch[i]), int(t.minibatch[i]), int(t.pipeline[i]))
+            if kind is Kind.PRED:
+                pending[unit] = i
+            elif kind in (Kind.F, *_BACKWARD) and int(lowered.prediction[i]) >= 0:
+                key = self._buffer_key(i)
+                buffer = (unit[0], unit[3], key)
+                pred = pending.pop(unit, None)
+                if pred is not None:
+                    if int(lowered.version[pred]) != key[0]:
+                        raise ExecutorError(f"device {self.device}: PRED row {pred} reads version "
+                                            f"{int(lowered.version[pred])} but the op it predicts for, row {i}, "
+                                            f"names version {key[0]}")
+                    if buffer in last_reader:  # refilled: the previous fill's readers are done
+                        close(buffer)
+                    self.fills[pred] = buffer
+                self.reads[i] = key
+                last_reader[buffer] = i
+        if pending:
+            raise ExecutorError(f"device {self.device}: PRED row {min(pending.values())} is followed by no op on "
+                                "predicted weights of its micro-batch")
+        for buffer in list(last_reader):
+            close(buffer)
+
+    def _plan_averaging(self) -> None:
+        """A reference model per stage this device averages (the initial weights), and the coefficient."""
+        t, rows = self.lowered.table, self.lowered.rows(self.device)
+        averaged = {int(t.stage[i]) for i in rows if KINDS[t.kind[i]] is Kind.AVG}
+        self.references = {k: [w.detach().clone() for w in self.weights[(k, 0)].current] for k in sorted(averaged)}
+        self.alpha = 0.0
+        if averaged:
+            try:
+                self.alpha = ScheduleParams(**self.lowered.schedule.params).alpha
+            except (TypeError, ValueError) as exc:
+                raise ExecutorError(f"{self.lowered.schedule.method}: AVG rows need the schedule's parameters "
+                                    f"to give the elastic coefficient alpha ({exc})") from None
 
     # ------------------------------------------------------------------------------------------- helpers
-
-    def _first(self, stage: int) -> bool:
-        return not self.graph.preds[stage]
-
-    def _last(self, stage: int) -> bool:
-        return not self.graph.succs[stage]
-
-    def _local(self, stage: int) -> bool:
-        return self.placement[stage] == self.device
-
-    def _input(self, unit: Unit) -> torch.Tensor | None:
-        stage, j, b, r = unit
-        if self._first(stage):
-            return None
-        prev = (stage - 1, j, b, r)
-        source = self.acts if self._local(stage - 1) else self.received
-        key = prev if self._local(stage - 1) else unit
-        if key not in source:
-            raise ExecutorError(f"device {self.device}: forward of stage {stage} micro-batch {j} mini-batch {b} "
-                                "has no input (received or local)")
-        return source.pop(key)
 
     def _post(self, row: int) -> Handle:
         t, lowered = self.lowered.table, self.lowered
         kind = KINDS[t.kind[row]]
         stage, peer = int(t.stage[row]), int(t.peer[row])
-        producer = peer if kind is Kind.RECV_F else stage  # a gradient has the shape of the output it belongs to
+        edge = (peer, stage) if kind is Kind.RECV_F else (stage, peer)  # a gradient has its activation's shape
         channel = int(lowered.channel_of(lowered.transfer[row]))
-        return self.transport.recv(self.stages.out_shapes[producer], self.stages.out_dtypes[producer],
+        return self.transport.recv(self.stages.edge_shapes[edge], self.stages.edge_dtypes[edge],
                                    self.placement[peer], channel=channel)
+
+    def _weights(self, i: int, unit: Unit) -> Weights:
+        """The weights row i's op runs on: its prediction buffer, or the version it names."""
+        state = self.weights[(unit[0], unit[3])]
+        key = self.reads.get(i)
+        return state.read(int(self.lowered.version[i])) if key is None else state.read_predicted(key)
 
     # ----------------------------------------------------------------------------------------- the ops
 
-    def forward(self, unit: Unit, version: int) -> None:
+    def forward(self, unit: Unit, weights: Weights) -> None:
         stage, j, b, r = unit
         state = self.weights[(stage, r)]
-        received = self._input(unit)
-        target = None
-        if received is None or self._last(stage):
+        inputs = []
+        for src, dst in self.stages.in_edges[stage]:
+            key = (src, dst, j, b, r)
+            if key not in self.acts:
+                raise ExecutorError(f"device {self.device}: forward of stage {stage} micro-batch {j} mini-batch "
+                                    f"{b} has no input from stage {src} (received or local)")
+            act = self.acts.pop(key)
+            inputs.append(act.detach().requires_grad_(act.is_floating_point()))
+        last = not self.stages.out_edges[stage]
+        args = list(inputs)
+        if self.stages.reads_batch[stage] or last:
             data, target = microbatch_data(self.spec, self.stages.model, b, j, r)
-        if received is None:
-            x, kept = data, None  # the batch: no gradient flows into it
+            data = data.to(self.torch_device)
+            target = target.to(self.torch_device) if torch.is_tensor(target) else target
+            if self.stages.reads_batch[stage]:
+                args.insert(0, data)  # the batch: no gradient flows into it
+        tape = _Tape(weights, self.ledger)
+        with saved_tensors_hooks(tape.pack, tape.unpack):
+            out = functional_call(self.stages.modules[stage], state.parameters(weights), tuple(args))
+            if last:
+                loss = self.stages.model.loss(out, target) / self.m
+        if last:
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise ExecutorError(f"loss is {value} at mini-batch {b} (pipeline {r}) on stage {stage} "
+                                    f"(micro-batch {j}): training diverged; lower the learning rate")
+            self.losses[(r, b)] = self.losses.get((r, b), 0.0) + value
+            outputs = [loss]
         else:
-            x = kept = received.detach().requires_grad_(received.is_floating_point())
-        weights = state.read(version)
-        out = functional_call(self.stages.modules[stage], state.parameters(version), (x,))
-        if self._last(stage):
-            loss = self.stages.model.loss(out, target) / self.m
-            self.losses[(r, b)] = self.losses.get((r, b), 0.0) + float(loss.detach())
-            out_or_loss = loss
-        else:
-            out_or_loss = out
-            self.acts[unit] = out.detach()
-        self.saved[unit] = _Saved(kept, out_or_loss, version, weights)
+            outputs = list(out)
+            for (src, dst), o in zip(self.stages.out_edges[stage], outputs):
+                self.acts[(src, dst, j, b, r)] = o.detach()
+        self.saved[unit] = _Saved(inputs, outputs, weights, tape)
 
-    def _grad_output(self, unit: Unit) -> torch.Tensor | None:
+    def _grad_outputs(self, unit: Unit) -> list[torch.Tensor | None]:
         stage, j, b, r = unit
-        if self._last(stage):
-            return None
-        if unit not in self.grads_out:
-            raise ExecutorError(f"device {self.device}: backward of stage {stage} micro-batch {j} mini-batch {b} "
-                                "has no output gradient (received or local)")
-        return self.grads_out.pop(unit)
+        if not self.stages.out_edges[stage]:
+            return [None]
+        grads = []
+        for src, dst in self.stages.out_edges[stage]:
+            key = (src, dst, j, b, r)
+            if key not in self.grads:
+                raise ExecutorError(f"device {self.device}: backward of stage {stage} micro-batch {j} mini-batch "
+                                    f"{b} has no output gradient from stage {dst} (received or local)")
+            grads.append(self.grads.pop(key))
+        return grads
 
-    def _hand_back(self, unit: Unit, dx: torch.Tensor | None) -> None:
+    def _hand_back(self, unit: Unit, dxs: list[torch.Tensor | None]) -> None:
         stage, j, b, r = unit
-        if self._first(stage) or dx is None:
-            return
-        if self._local(stage - 1):
-            self.grads_out[(stage - 1, j, b, r)] = dx
-        else:
-            self.grads_in[unit] = dx
+        for (src, dst), dx in zip(self.stages.in_edges[stage], dxs):
+            if dx is not None:
+                self.grads[(src, dst, j, b, r)] = dx
 
-    def _saved(self, unit: Unit, version: int, what: str) -> _Saved:
+    def _saved_for(self, unit: Unit, what: str, weights: Weights) -> _Saved:
         saved = self.saved.get(unit)
         if saved is None:
             raise ExecutorError(f"device {self.device}: {what} of {unit} before its forward")
-        if saved.version != version:
-            raise ExecutorError(f"device {self.device}: {what} of stage {unit[0]} micro-batch {unit[1]} reads "
-                                f"weight version {version} but its forward ran on version {saved.version}; a "
-                                "backward on other weights than its forward's is not supported yet")
+        saved.tape.backward = weights.tensors
         return saved
 
-    def backward(self, unit: Unit, version: int) -> None:
-        saved = self._saved(unit, version, "backward")
+    def backward(self, unit: Unit, weights: Weights) -> None:
+        saved = self._saved_for(unit, "backward", weights)
         del self.saved[unit]
-        dx, dw = full_backward(saved.output, self._grad_output(unit), saved.x, saved.weights)
+        dxs, dw = full_backward(saved.outputs, self._grad_outputs(unit), saved.inputs, saved.weights.tensors)
         self.weights[(unit[0], unit[3])].accumulate(dw)
-        self._hand_back(unit, dx)
+        self._hand_back(unit, dxs)
 
-    def backward_input(self, unit: Unit, version: int) -> None:
-        saved = self._saved(unit, version, "input gradient")
-        dx, saved.pending = backward_input(saved.output, self._grad_output(unit), saved.x, saved.weights)
-        saved.output = saved.x = None  # W starts from what I recorded; the rest of the graph can go
-        self._hand_back(unit, dx)
+    def backward_input(self, unit: Unit, weights: Weights) -> None:
+        saved = self._saved_for(unit, "input gradient", weights)
+        dxs, saved.pending = backward_input(saved.outputs, self._grad_outputs(unit), saved.inputs,
+                                            saved.weights.tensors)
+        saved.outputs, saved.inputs = [], []  # W starts from what I recorded; the rest of the graph can go
+        self._hand_back(unit, dxs)
 
-    def backward_weight(self, unit: Unit, version: int) -> None:
-        saved = self._saved(unit, version, "weight gradient")
+    def backward_weight(self, unit: Unit, weights: Weights) -> None:
+        saved = self._saved_for(unit, "weight gradient", weights)
         if saved.pending is None:
             raise ExecutorError(f"device {self.device}: weight gradient of {unit} before its input gradient")
         del self.saved[unit]
-        self.weights[(unit[0], unit[3])].accumulate(backward_weight(saved.pending, saved.weights))
+        self.weights[(unit[0], unit[3])].accumulate(backward_weight(saved.pending, saved.weights.tensors))
+
+    def average(self, stage: int) -> None:
+        replicas = [self.weights[(stage, r)].current for r in range(self.pipelines)]
+        with torch.no_grad():
+            elastic_average(replicas, self.references[stage], self.alpha)
+
+    def _compute(self, i: int, kind: Kind, unit: Unit) -> tuple[int, int]:
+        """Run compute row i; return the (version, prediction distance) its op used."""
+        stage, r = unit[0], unit[3]
+        state = self.weights[(stage, r)]
+        if kind is Kind.F or kind in _BACKWARD:
+            weights = self._weights(i, unit)
+            self._passes[kind](unit, weights)
+            return weights.version, weights.distance
+        if kind is Kind.OPT:
+            state.step(keep_old=int(self.lowered.copies_delta[i]) > 0)
+            return -1, -1
+        if kind is Kind.PRED:
+            if i not in self.fills:
+                raise ExecutorError(f"device {self.device}: PRED row {i} fills no buffer an op reads")
+            state.predict(self.fills[i][2])
+            return self.fills[i][2][0], -1
+        if kind is Kind.AVG:
+            self.average(stage)
+            return state.version, -1
+        raise ExecutorError(f"device {self.device}: {kind.value} rows are not implemented in the executor")
+
+    # ---------------------------------------------------------------------------------------- measuring
+
+    def _held(self) -> int:
+        """Weight copies of the fullest stage replica: its versions, prediction buffers and the stage's
+        reference model."""
+        return max((state.held() + (k in self.references) for (k, _), state in self.weights.items()), default=0)
+
+    def _weight_storage(self) -> dict[int, int]:
+        tensors = [t for state in self.weights.values() for t in state.tensors()]
+        tensors += [t for reference in self.references.values() for t in reference]
+        return _bytes_by_storage(tensors)
+
+    def _memory(self, weight_storage: dict[int, int]) -> int:
+        if self.on_cuda:
+            return int(torch.cuda.memory_allocated(self.torch_device))
+        waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values()])
+        # a forward's weights stay alive in its graph until its backward, even a freed prediction buffer
+        leaves = _bytes_by_storage(t for saved in self.saved.values() for t in saved.weights.tensors)
+        return sum({**weight_storage, **leaves, **self.ledger.by_storage(), **waiting}.values())
 
     # -------------------------------------------------------------------------------------------- loop
 
@@ -184,16 +427,15 @@ class DeviceLoop:
         t = lowered.table
         rows = lowered.rows(self.device)
         lo, n = rows.start, len(rows)
-        start = np.zeros(n, dtype=np.int64)
-        end = np.zeros(n, dtype=np.int64)
-        held = np.zeros(n, dtype=np.int64)
+        result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n), _int_array(n, -1),
+                              _int_array(n, -1), _int_array(n), _int_array(n))
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
         posted: dict[int, Handle] = {}
         next_post = 0
         window = max(1, self.spec.recv_window)
-        level = max(state.held() for state in self.weights.values()) if self.weights else 0
+        level = self._held()
+        weight_storage = {} if self.on_cuda else self._weight_storage()
         done = 0
-        result = DeviceResult(self.device, start, end, held)
         try:
             for i in rows:
                 while next_post < len(receives) and (len(posted) < window or receives[next_post] <= i):
@@ -201,41 +443,41 @@ class DeviceLoop:
                     next_post += 1
                 kind = KINDS[t.kind[i]]
                 stage, j, b, r = int(t.stage[i]), int(t.microbatch[i]), int(t.minibatch[i]), int(t.pipeline[i])
-                unit = (stage, j, b, r)
-                version = int(lowered.version[i])
-                if int(lowered.prediction[i]) >= 0:
-                    raise ExecutorError(f"device {self.device}: row {i} runs on predicted weights; weight "
-                                        "prediction (PRED) is not implemented in the executor yet")
-                start[i - lo] = time.perf_counter_ns()
-                if kind is Kind.F:
-                    self.forward(unit, version)
-                elif kind is Kind.B:
-                    self.backward(unit, version)
-                elif kind is Kind.I:
-                    self.backward_input(unit, version)
-                elif kind is Kind.W:
-                    self.backward_weight(unit, version)
-                elif kind is Kind.OPT:
-                    self.weights[(stage, r)].step(keep_old=int(lowered.copies_delta[i]) > 0)
-                elif kind is Kind.SEND_F or kind is Kind.SEND_B:
-                    tensor = (self.acts if kind is Kind.SEND_F else self.grads_in).pop(unit)
-                    dst = self.placement[int(t.peer[i])]
-                    channel = int(lowered.channel_of(lowered.transfer[i]))
-                    self.sends.append((self.transport.send(tensor, dst, channel=channel), tensor))
-                elif kind is Kind.RECV_F or kind is Kind.RECV_B:
-                    tensor = posted.pop(i).wait(self.spec.timeout_s)
-                    (self.received if kind is Kind.RECV_F else self.grads_out)[unit] = tensor
+                peer = int(t.peer[i])
+                result.start_ns[i - lo] = time.perf_counter_ns()
+                if kind is Kind.SEND_F or kind is Kind.SEND_B:
+                    tensor = (self.acts.pop((stage, peer, j, b, r)) if kind is Kind.SEND_F
+                              else self.grads.pop((peer, stage, j, b, r)))
+                    # A transport holds a sent tensor until its send completes: let go of finished ones.
+                    self.sends = [h for h in self.sends if not h.done()]
+                    self.sends.append(self.transport.send(tensor, self.placement[peer], channel=self._channel(i)))
+                elif kind is Kind.RECV_F:
+                    self.acts[(peer, stage, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
+                elif kind is Kind.RECV_B:
+                    self.grads[(stage, peer, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
                 else:
-                    raise ExecutorError(f"device {self.device}: {kind.value} rows are not implemented in the "
-                                        "executor yet")
-                if int(lowered.copies_delta[i]) < 0 and version >= 0:
-                    self.weights[(stage, r)].release(version)
-                end[i - lo] = time.perf_counter_ns()
+                    with self.compute_lock:
+                        used = self._compute(i, kind, (stage, j, b, r))
+                        result.version[i - lo], result.prediction[i - lo] = used
+                        version = int(lowered.version[i])
+                        if int(lowered.copies_delta[i]) < 0 and version >= 0:
+                            self.weights[(stage, r)].release(version)
+                        for k, q, key in self.frees.get(i, ()):
+                            self.weights[(k, q)].free_predicted(key)
+                result.end_ns[i - lo] = time.perf_counter_ns()
                 if kind not in _TRANSFERS:
-                    level = max(state.held() for state in self.weights.values())
-                held[i - lo] = level
+                    level = self._held()
+                    # an F changes no weight, gradient or buffer unless it is the last to read one
+                    touched = kind is not Kind.F or i in self.frees or int(lowered.copies_delta[i]) < 0
+                    if touched and not self.on_cuda:
+                        weight_storage = self._weight_storage()
+                result.held[i - lo] = level
+                result.memory_bytes[i - lo] = self._memory(weight_storage)
+                result.activation_bytes[i - lo] = self.ledger.total
                 done += 1
-            for handle, _ in self.sends:
+                if self.on_row is not None:
+                    self.on_row(i)
+            for handle in self.sends:
                 handle.wait(self.spec.timeout_s)
         except Exception as exc:
             last = f"row {lo + done}" if done < n else "the final sends"
@@ -249,6 +491,5 @@ class DeviceLoop:
                           for key, state in self.weights.items()}
         return result
 
-
-_TRANSFERS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B})
-
+    def _channel(self, row: int) -> int:
+        return int(self.lowered.channel_of(self.lowered.transfer[row]))

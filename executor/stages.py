@@ -1,5 +1,6 @@
-"""The model cut into the schedule's stages: contiguous layer ranges, one module per stage, the data every
-rank draws alike, and the shapes that cross each stage edge.
+"""The model cut into the schedule's stages: contiguous layer ranges, one module per stage (several inputs
+and outputs where the layers form a DAG, as GraphPipe's stages do), the data every rank draws alike, and what
+crosses each stage edge: the layer outputs a later stage reads, as one flat tensor.
 
 Every rank builds the whole model from one seed, so a stage's initial weights equal those of the same layers
 in a single-process run, whichever rank holds it.
@@ -7,6 +8,7 @@ in a single-process run, whichever rank holds it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..schedules import Schedule
+from ..schedules import Schedule, StageGraph
 from ..workload.models import BATCH, Model, build_model
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,37 +98,134 @@ def microbatch_data(spec: RunSpec, model: Model, minibatch: int, microbatch: int
     return x, target
 
 
+Carried = list[tuple[int, tuple[int, ...]]]  # the layer outputs one stage edge carries: (layer, shape)
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """What goes over an edge: its layer outputs as one flat tensor (a view when it is one)."""
+    return tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+
+
+class StageModule(nn.Module):
+    """Layers `first:last` of a model, wired as the model's `inputs` say.
+
+    `forward(*inputs)` takes the batch (when one of its layers reads it), then one flat tensor per incoming
+    stage edge holding the layer outputs `incoming[e]` lists; it returns one flat tensor per outgoing edge,
+    holding `outgoing[e]`'s layer outputs (its own, or ones it passes on), or, on the last stage, the model's
+    output. One tensor per edge, as the lowering has one transfer per edge and micro-batch."""
+
+    def __init__(self, model: Model, first: int, last: int, reads_batch: bool, incoming: list[Carried],
+                 outgoing: list[Carried]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(model.layers[first:last])
+        self.first = first
+        self.wiring = [tuple(model.inputs[i]) for i in range(first, last)]
+        self.reads_batch = reads_batch
+        self.incoming, self.outgoing = incoming, outgoing
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        args = iter(inputs)
+        outputs = {BATCH: next(args)} if self.reads_batch else {}
+        for carried, flat in zip(self.incoming, args):
+            offset = 0
+            for layer, shape in carried:
+                size = math.prod(shape)
+                outputs[layer] = flat[offset:offset + size].view(shape)
+                offset += size
+        for offset, (layer, reads) in enumerate(zip(self.layers, self.wiring)):
+            outputs[self.first + offset] = layer(*(outputs[s] for s in reads))
+        if self.outgoing:
+            return tuple(_flat([outputs[layer] for layer, _ in carried]) for carried in self.outgoing)
+        return outputs[self.first + len(self.layers) - 1]
+
+
 @dataclass
 class Stages:
     """The model cut into the schedule's stages: `modules[k]` runs layers `bounds[k]:bounds[k+1]`;
-    `out_shapes[k]` / `out_dtypes[k]` what stage k hands on (and the gradient coming back has)."""
+    `in_edges[k]` / `out_edges[k]` the stage edges into and out of stage k, in the order its module takes
+    and returns them; `reads_batch[k]` whether it takes the batch first; `edge_shapes[e]` / `edge_dtypes[e]`
+    what crosses edge e (its gradient comes back with the same)."""
 
     model: Model
     bounds: list[int]
-    modules: list[nn.Module]
-    out_shapes: list[tuple[int, ...]]
-    out_dtypes: list[torch.dtype]
+    modules: list[StageModule]
+    in_edges: list[list[tuple[int, int]]]
+    out_edges: list[list[tuple[int, int]]]
+    reads_batch: list[bool]
+    edge_shapes: dict[tuple[int, int], tuple[int, ...]]
+    edge_dtypes: dict[tuple[int, int], torch.dtype]
+
+
+def _path(graph: StageGraph, src: int, dst: int) -> list[int] | None:
+    """The shortest path of stages from `src` to `dst` along the graph's edges (the lowest stages first on
+    a tie), None when there is none."""
+    previous = {src: src}
+    frontier = [src]
+    while frontier and dst not in previous:
+        reached = []
+        for k in frontier:
+            for nxt in sorted(graph.succs[k]):
+                if nxt not in previous:
+                    previous[nxt] = k
+                    reached.append(nxt)
+        frontier = reached
+    if dst not in previous:
+        return None
+    path = [dst]
+    while path[-1] != src:
+        path.append(previous[path[-1]])
+    return path[::-1]
 
 
 def cut(spec: RunSpec, model: Model | None = None) -> Stages:
-    """Cut `spec`'s model into its schedule's stages and find, from one micro-batch, the shapes on every edge.
-    Chain models and chain stage graphs only: a stage DAG is refused with a clear message."""
+    """Cut `spec`'s model into its schedule's stages (contiguous layer ranges) and route every layer output
+    another stage reads along the stage graph: over the edge between the two stages, or, where there is none
+    (a skip connection over a stage of a chain), along the shortest path, the stages between passing it on.
+    A model the stage graph cannot carry (an output with no path to its reader, an edge that would carry
+    nothing, the last layer not on the one final stage) fails with one clear message."""
     schedule = spec.schedule
+    graph = schedule.graph
     model = model if model is not None else spec.build_model()
-    if set(schedule.graph.edges) != {(k, k + 1) for k in range(schedule.num_stages - 1)}:
-        raise ExecutorError(f"{schedule.method}: the executor runs stage chains 0 -> 1 -> ... only; stage "
-                            "graphs that branch or merge are not supported yet")
-    if any(sources != (i - 1,) for i, sources in enumerate(model.inputs) if i > 0) or model.inputs[0] != (BATCH,):
-        raise ExecutorError(f"model {model.name!r} is a DAG of layers; the executor runs chain models only yet")
-    layers = len(model.layers)
-    p = schedule.num_stages
+    layers, p = len(model.layers), schedule.num_stages
     bounds = even_bounds(layers, p) if spec.bounds is None else check_bounds(spec.bounds, layers, p)
-    modules = [nn.Sequential(*model.layers[bounds[k]:bounds[k + 1]]) for k in range(p)]
+    stage_of = [k for k in range(p) for _ in range(bounds[k], bounds[k + 1])]
+    sinks = [k for k in range(p) if not graph.succs[k]]
+    if sinks != [stage_of[-1]]:
+        raise ExecutorError(f"the model's last layer is on stage {stage_of[-1]}, but stages {sinks} end the "
+                            f"{schedule.method} stage graph; the loss needs the last layer on its one final stage")
+    carried: dict[tuple[int, int], set[int]] = {e: set() for e in graph.edges}
+    for i, reads in enumerate(model.inputs):
+        for s in reads:
+            if s == BATCH or stage_of[s] == stage_of[i]:
+                continue
+            path = _path(graph, stage_of[s], stage_of[i])
+            if path is None:
+                raise ExecutorError(f"model {model.name!r} cut at layers {bounds}: layer {i} on stage {stage_of[i]} "
+                                    f"reads layer {s} on stage {stage_of[s]}, but the {schedule.method} stage graph "
+                                    f"{sorted(graph.edges)} has no path from {stage_of[s]} to {stage_of[i]}")
+            for edge in zip(path, path[1:]):
+                carried[edge].add(s)
+    empty = sorted(e for e, outs in carried.items() if not outs)
+    if empty:
+        raise ExecutorError(f"model {model.name!r} cut at layers {bounds}: stage edge {empty[0][0]}->{empty[0][1]} "
+                            f"of the {schedule.method} stage graph would carry nothing")
     x, _ = microbatch_data(spec, model, 0, 0)
-    shapes, dtypes = [], []
     with torch.no_grad():
-        for module in modules:
-            x = module(x)
-            shapes.append(tuple(x.shape))
-            dtypes.append(x.dtype)
-    return Stages(model, bounds, modules, shapes, dtypes)
+        outputs: dict[int, torch.Tensor] = {BATCH: x}
+        for i, layer in enumerate(model.layers):
+            outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
+    edge_dtypes = {}
+    for edge, outs in carried.items():
+        dtypes = {outputs[s].dtype for s in outs}
+        if len(dtypes) > 1:
+            raise ExecutorError(f"stage edge {edge[0]}->{edge[1]} would carry layers {sorted(outs)} of dtypes "
+                                f"{sorted(map(str, dtypes))}; the executor sends one tensor of one dtype per edge")
+        edge_dtypes[edge] = dtypes.pop()
+    shaped = {e: [(s, tuple(outputs[s].shape)) for s in sorted(outs)] for e, outs in carried.items()}
+    in_edges = [sorted((q, k) for q in graph.preds[k]) for k in range(p)]
+    out_edges = [sorted((k, q) for q in graph.succs[k]) for k in range(p)]
+    reads_batch = [any(BATCH in model.inputs[i] for i in range(bounds[k], bounds[k + 1])) for k in range(p)]
+    modules = [StageModule(model, bounds[k], bounds[k + 1], reads_batch[k], [shaped[e] for e in in_edges[k]],
+                           [shaped[e] for e in out_edges[k]]) for k in range(p)]
+    edge_shapes = {e: (sum(math.prod(shape) for _, shape in outs),) for e, outs in shaped.items()}
+    return Stages(model, bounds, modules, in_edges, out_edges, reads_batch, edge_shapes, edge_dtypes)

@@ -1,4 +1,4 @@
-"""A stage's weights as explicit versions, per pipeline replica.
+"""A stage's weights as explicit versions, per pipeline replica, and the predicted weights computed from them.
 
 Version v is a list of leaf tensors; forwards run on the version their row names through
 `torch.func.functional_call`, so autograd's graph holds exactly those tensors. The newest version is the one
@@ -6,47 +6,87 @@ the optimizer owns. An update is copy-on-write: when a later row still reads the
 (the lowering says so), the optimizer moves on to fresh copies and the old tensors stay untouched for the
 graphs that hold them; otherwise it updates in place. A superseded version is dropped after its last read.
 Gradients of a mini-batch's micro-batches accumulate in one buffer that the update consumes, so the optimizer
-sees what a single-process run's `.grad` would hold.
+sees what a single-process run's `.grad` would hold; the update leaves that gradient on the new weights,
+since plain SGD's prediction extrapolates the last gradient.
+
+Predicted weights live in buffers keyed by (version, distance, side): `predict` fills one from the newest
+version and the optimizer's state (`workload.optim.predict_weights`); ops on predicted weights read it; the
+loop frees it after its last reader. Forward and backward buffers are separate sides even when equal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..workload.optim import make_optimizer
+from ..workload.optim import make_optimizer, predict_weights
 from .stages import ExecutorError
+
+BufferKey = tuple[int, int, str]  # (version predicted from, distance s, "F" or "B")
+
+
+@dataclass
+class Weights:
+    """Tensors an op runs on, and what they are: `version` (the version read, or predicted from) and
+    `distance` (how many updates ahead they are predicted; -1 when not)."""
+
+    tensors: list[torch.Tensor]
+    version: int
+    distance: int = -1
 
 
 class StageWeights:
-    """The versions of one stage's weights in one pipeline replica, and its optimizer."""
+    """The versions of one stage's weights in one pipeline replica, its prediction buffers and its optimizer."""
 
-    def __init__(self, module: nn.Module, optimizer: str, lr: float, *, label: str) -> None:
+    def __init__(self, module: nn.Module, optimizer: str, lr: float, *, label: str,
+                 device: torch.device | str = "cpu") -> None:
         self.label = label  # "stage 2 (pipeline 0)", for errors
         named = list(module.named_parameters())
         self.names = [name for name, _ in named]
-        self.buffers = dict(module.named_buffers())
-        current = [p.detach().clone().requires_grad_(True) for _, p in named]
+        self.buffers = {name: b.to(device) for name, b in module.named_buffers()}
+        current = [p.detach().to(device, copy=True).requires_grad_(True) for _, p in named]
         self.optimizer = make_optimizer(optimizer, current, lr)
         self.version = 0
         self.versions: dict[int, list[torch.Tensor]] = {0: current}
+        self.predicted: dict[BufferKey, Weights] = {}
         self.grads: list[torch.Tensor] | None = None
 
     @property
     def current(self) -> list[torch.Tensor]:
         return self.versions[self.version]
 
-    def read(self, version: int) -> list[torch.Tensor]:
+    def read(self, version: int) -> Weights:
         if version not in self.versions:
             raise ExecutorError(f"{self.label}: weight version {version} is not held (holding "
                                 f"{sorted(self.versions)}; newest {self.version})")
-        return self.versions[version]
+        return Weights(self.versions[version], version)
 
-    def parameters(self, version: int) -> dict[str, torch.Tensor]:
-        """Name -> tensor of `version`, with the module's buffers, for functional_call."""
-        return {**dict(zip(self.names, self.read(version))), **self.buffers}
+    def parameters(self, weights: Weights) -> dict[str, torch.Tensor]:
+        """Name -> tensor of `weights`, with the module's buffers, for functional_call."""
+        return {**dict(zip(self.names, weights.tensors)), **self.buffers}
+
+    def predict(self, key: BufferKey) -> Weights:
+        """Fill the buffer `key`: the newest version predicted `key[1]` updates ahead."""
+        version, distance, _ = key
+        if version != self.version:
+            raise ExecutorError(f"{self.label}: a prediction from version {version} needs it to be the newest, "
+                                f"whose optimizer state it extrapolates (newest {self.version})")
+        tensors = [w.requires_grad_(True) for w in predict_weights(self.optimizer, self.current, distance)]
+        self.predicted[key] = Weights(tensors, version, distance)
+        return self.predicted[key]
+
+    def read_predicted(self, key: BufferKey) -> Weights:
+        if key not in self.predicted:
+            version, distance, side = key
+            raise ExecutorError(f"{self.label}: no {side} prediction of version {version} over {distance} updates "
+                                "was computed (a PRED row must come first)")
+        return self.predicted[key]
+
+    def free_predicted(self, key: BufferKey) -> None:
+        self.predicted.pop(key, None)
 
     def accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
         if self.grads is None:
@@ -65,6 +105,7 @@ class StageWeights:
             group = self.optimizer.param_groups[0]
             group["params"] = new
             for before, after in zip(old, new):
+                before.grad = None
                 if before in self.optimizer.state:
                     self.optimizer.state[after] = self.optimizer.state.pop(before)
         else:
@@ -74,8 +115,6 @@ class StageWeights:
         for weight, grad in zip(new, grads):
             weight.grad = grad
         self.optimizer.step()
-        for weight in new:
-            weight.grad = None
         self.grads = None
         self.version += 1
         self.versions[self.version] = new
@@ -86,4 +125,17 @@ class StageWeights:
             self.versions.pop(version, None)
 
     def held(self) -> int:
-        return len(self.versions)
+        """Weight copies held: versions and prediction buffers."""
+        return len(self.versions) + len(self.predicted)
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        """Every tensor this replica holds: versions, their last gradients, the gradient being accumulated,
+        prediction buffers and optimizer state."""
+        for weights in self.versions.values():
+            yield from weights
+            yield from (w.grad for w in weights if w.grad is not None)
+        yield from self.grads or ()
+        for buffer in self.predicted.values():
+            yield from buffer.tensors
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if torch.is_tensor(v))

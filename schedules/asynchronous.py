@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .ir import Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
+from .ir import SYNCHRONOUS, Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
 from .methods import Method, ScheduleParams, interleave_1f1b, make_schedule, pipedream_order
 from .table import KIND_CODE, stacked
 
@@ -41,7 +41,7 @@ XPIPE_POLICY = WeightPolicy(
     backward=Read.BELLWETHER,
     predict_forward=Prediction({"paper": "(2*p + 3*m - k - 4)//(2*m)"}),
     predict_backward=Prediction({"paper": "(3*m + 2*(k//2) - 2)//(2*m)"}),
-    extra_copies=1, primary_source="paper",
+    extra_copies=2, primary_source="paper",  # the F and the B bellwether buffers are alive at once
 )
 # AvgPipe (Zhang et al. 2023): each pipeline is synchronous; the reference model is an extra copy.
 AVGPIPE_POLICY = WeightPolicy(extra_copies=1)
@@ -91,7 +91,8 @@ def avgpipe(params: ScheduleParams) -> Schedule:
     if params.chunks != 1:
         raise ScheduleError(f"avgpipe places one model stage per device: chunks must be 1 (got {params.chunks})")
     p, m, n, copies = params.stages, params.microbatches, params.minibatches, params.pipelines
-    averaged = [b for b in range(n) if (b + 1) % params.average_every == 0 or b == n - 1]
+    # One pipeline has nothing to average with: no AVG and no reference model, plain 1F1B with advance forwards.
+    averaged = [b for b in range(n) if (b + 1) % params.average_every == 0 or b == n - 1] if copies > 1 else []
     parts = []
     for k in range(p):
         advance = p - k - 1 if params.advance is None else params.advance
@@ -105,7 +106,7 @@ def avgpipe(params: ScheduleParams) -> Schedule:
         kind, microbatch = np.insert(kind, after, _AVG), np.insert(microbatch, after, -1)
         minibatch, pipeline = np.insert(minibatch, after, averaged), np.insert(pipeline, after, 0)
         parts.append((k, kind, np.full(len(kind), k), microbatch, minibatch, pipeline))
-    return make_schedule("avgpipe", params, stacked(parts), AVGPIPE_POLICY)
+    return make_schedule("avgpipe", params, stacked(parts), AVGPIPE_POLICY if copies > 1 else SYNCHRONOUS)
 
 
 PREDICTS = frozenset({"prediction"})  # the option that chooses the source of s

@@ -152,7 +152,7 @@ def test_xpipe_bellwether_uses_the_published_distances_and_counts_on_request():
     assert schedule.params["prediction"] == "paper"
     assert [s.prediction_distance for s in summary.stages] == [2, 2, 2, 1]
     assert [s.backward_prediction_distance for s in summary.stages] == [1, 1, 1, 1]
-    assert [d.peak_weight_versions for d in summary.devices] == [2] * p
+    assert [d.peak_weight_versions for d in summary.devices] == [3] * p  # the current, F's and B's buffers
     counted = simulated(build("xpipe", p, m, 8, prediction="counted")).summary
     assert [s.prediction_distance for s in counted.stages] == [2, 1, 1, 0]
     assert [s.backward_prediction_distance for s in counted.stages] == [0, 0, 0, 0]

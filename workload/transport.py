@@ -72,6 +72,9 @@ class Handle(Protocol):
         """Block until the transfer is done (None: the transport's timeout) and return the received tensor,
         on the transport's compute device, or None for a send. Raises TransportTimeout naming the peer."""
 
+    def done(self) -> bool:
+        """Whether the transfer has completed, without waiting (a finished send's tensor is free again)."""
+
 
 class Transport(ABC):
     """One rank's end of the point-to-point links between `world_size` ranks.
@@ -121,6 +124,9 @@ class _Done:
     def wait(self, timeout_s: float | None = None) -> torch.Tensor | None:
         return self.result
 
+    def done(self) -> bool:
+        return True
+
 
 # ---------------------------------------------------------------------------------------------- in-process
 
@@ -146,6 +152,9 @@ class _MailHandle:
     dtype: torch.dtype
     channel: int = 0
     result: torch.Tensor | None = None
+
+    def done(self) -> bool:
+        return self.result is not None or self.seq in self.box.sent
 
     def wait(self, timeout_s: float | None = None) -> torch.Tensor:
         if self.result is not None:
@@ -216,11 +225,14 @@ class _WorkHandle:
     what: str  # "rank 1: receive from rank 0", for errors
     timeout_s: float
     finish: Callable[[], torch.Tensor | None]
-    done: bool = False
+    finished: bool = False
     result: torch.Tensor | None = None
 
+    def done(self) -> bool:
+        return self.finished or self.work.is_completed()
+
     def wait(self, timeout_s: float | None = None) -> torch.Tensor | None:
-        if self.done:
+        if self.finished:
             return self.result
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
@@ -232,7 +244,7 @@ class _WorkHandle:
             raise TransportError(f"{self.what} failed: {message}") from None
         if completed is False:
             raise TransportTimeout(f"{self.what} timed out after {timeout_s:g} s")
-        self.result, self.done = self.finish(), True
+        self.result, self.finished = self.finish(), True
         return self.result
 
 
