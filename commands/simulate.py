@@ -131,6 +131,7 @@ def simulate(
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
     from ..traces import summarize, write_trace
+    from ..units import MIB
 
     names = schedule or list(METHODS)
     loaded = None
@@ -172,7 +173,7 @@ def simulate(
             except ScheduleError as exc:
                 skipped[name] = str(exc)
         _check_cost_lists(scenario, schedules)
-        summaries, traces, limits = [], [], []
+        summaries, traces, memory = [], [], []
         for name, sched in progress(list(schedules.items()), as_json):
             try:
                 result = run_simulation(sched, scenario.costs(sched), scenario.links(sched), jitter=jitter, seed=seed)
@@ -181,7 +182,8 @@ def simulate(
                 continue
             traces.append(result)
             summaries.append(summarize(result))
-            limits.append(scenario.memory_limits(sched))
+            memory.append(scenario.links(sched).memory_checks(
+                [device.peak_memory_mb * MIB for device in summaries[-1].devices], scenario.memory_limits(sched)))
         names = [name for name in requested if name not in skipped]  # the methods that ran, in order
         skipped = {name: skipped[name] for name in requested if name in skipped}
         if not names:
@@ -205,14 +207,15 @@ def simulate(
     except OSError as exc:
         fail(write_error(exc))
 
-    memory = [_memory_check(summary, limit) for summary, limit in zip(summaries, limits)]
     if as_json:
         results = [summary.to_dict() for summary in summaries]
         for result, sched in zip(results, built):
             result["prediction"] = sched.params.get("prediction")  # the source of s used; null: no prediction
-        for result, check in zip(results, memory):
-            for device, (limit_mb, over) in zip(result["devices"], check):
-                device.update(memory_limit_mb=limit_mb, out_of_memory=over)
+        for result, checks in zip(results, memory):
+            for device, check in zip(result["devices"], checks):
+                device.update(memory_limit_mb=None if check.limit_bytes is None else check.limit_bytes / MIB,
+                              out_of_memory=check.out_of_memory,
+                              memory_shared_with=[d for d in check.sharers if d != check.device])
         document = {"results": results, "skipped": [{"schedule": name, "reason": reason}
                                                     for name, reason in skipped.items()]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
@@ -285,31 +288,19 @@ def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
     return f"none of the {len(requested)} methods can run: " + "; ".join(texts)
 
 
-def _memory_check(summary, limits) -> list[tuple[float | None, bool]]:
-    """Per device: its memory in MiB (None: not known) and whether the simulated peak exceeds it."""
-    from ..units import MIB
-
-    checked = []
-    for device, limit in zip(summary.devices, limits):
-        limit_mb = None if limit is None else limit / MIB
-        checked.append((limit_mb, limit_mb is not None and device.peak_memory_mb > limit_mb))
-    return checked
-
-
-def _out_of_memory(summary, check) -> tuple[str, str] | None:
+def _out_of_memory(checks) -> tuple[str, str] | None:
     """None if every device fits in its memory; else, in words, the devices that do not (for the table) and
-    the one over by the most (for the warning)."""
-    over = [(device.peak_memory_mb / limit_mb, device, limit_mb)
-            for device, (limit_mb, oom) in zip(summary.devices, check) if oom]
+    the memory over by the most (for the warning: ranks sharing one GPU's memory are over it together)."""
+    over = [check for check in checks if check.out_of_memory]
     if not over:
         return None
-    devices = [str(device.device) for _, device, _ in over]
+    devices = [str(check.device) for check in over]
     listed = ", ".join(devices[:3]) + (", …" if len(devices) > 3 else "")
     short = f"OOM on device{'s' if len(devices) > 1 else ''} {listed}"
-    _, device, limit_mb = max(over, key=lambda o: o[0])
-    worst = f"device {device.device} peaks at {device.peak_memory_mb:,.0f} MiB, more than its {limit_mb:,.0f} MiB"
-    more = len(over) - 1
-    return short, worst + (f" (and {more} more device{'s' if more > 1 else ''})" if more else "")
+    memories = {check.sharers: check for check in over}
+    worst = max(memories.values(), key=lambda check: check.used_bytes / check.limit_bytes)
+    more = len(memories) - 1
+    return short, worst.reason() + (f" (and {more} more out of memory)" if more else "")
 
 
 def _cost_basis(scenario, schedules: list) -> str:
@@ -328,8 +319,8 @@ def _warn(skipped: dict[str, str], summaries: list, memory: list) -> None:
     """On stderr: the methods that could not run and why, and the devices that run out of memory."""
     for name, reason in skipped.items():
         stderr.print(f"skipped: {_skip_text(name, reason)}", highlight=False, soft_wrap=True)
-    for summary, check in zip(summaries, memory):
-        oom = _out_of_memory(summary, check)
+    for summary, checks in zip(summaries, memory):
+        oom = _out_of_memory(checks)
         if oom is not None:
             stderr.print(f"warning: {summary.schedule} runs out of memory: {oom[1]}", highlight=False, soft_wrap=True)
 
@@ -347,16 +338,16 @@ def _print_table(summaries: list, schedules: list, example: bool, skipped: dict[
                   caption_justify="left")
     table.add_column("schedule", no_wrap=True)
     headers = ["ms/step", "samples/s", "bubble", "peak MiB", "peak act", "weights", "staleness", "makespan"]
-    limited = any(limit_mb is not None for check in memory for limit_mb, _ in check)
+    limited = any(check.limit_bytes is not None for checks in memory for check in checks)
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
     if limited:
         table.add_column("memory", no_wrap=True)
-    for s, sched, check in zip(summaries, schedules, memory):
+    for s, sched, checks in zip(summaries, schedules, memory):
         shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
         shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
         shape += [f"s: {_source(sched)}"] if _source(sched) else []
-        oom = _out_of_memory(s, check)
+        oom = _out_of_memory(checks)
         table.add_row(
             s.schedule + (f" ({', '.join(shape)})" if shape else ""),
             f"{s.time_per_minibatch_ms:.3f}",

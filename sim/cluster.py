@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..profiles.linkfit import piecewise_ms
-from ..units import GIB
+from ..units import GIB, MIB
 
 
 class ClusterError(ValueError):
@@ -45,10 +46,39 @@ class Link:
 
 
 @dataclass(frozen=True)
+class MemoryCheck:
+    """One device's simulated peak against the memory it draws on. Ranks on one GPU (devices that share a
+    compute resource) draw on its one memory, and each is a process whose caching allocator keeps what it
+    reserved at its peak: so their peaks add up, whenever each was reached."""
+
+    device: int
+    limit_bytes: int | None  # None: not known
+    used_bytes: float  # its peak, or the sum of the peaks of the devices it shares its memory with
+    sharers: tuple[int, ...]  # the devices drawing on this memory, itself included
+    memory: str | None  # the shared compute resource whose memory it is; None: the device's own
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.limit_bytes is not None and self.used_bytes > self.limit_bytes
+
+    def reason(self) -> str:
+        """In words, how the peak compares with the memory (for the out-of-memory warning)."""
+        used = f"{self.used_bytes / MIB:,.0f} MiB"
+        verdict = "its memory not known" if self.limit_bytes is None else \
+            f"{'more than' if self.out_of_memory else 'within'} its {self.limit_bytes / MIB:,.0f} MiB"
+        if self.memory is None:
+            return f"device {self.device} peaks at {used}, {verdict}"
+        sharers = ", ".join(map(str, self.sharers[:-1])) + f" and {self.sharers[-1]}"
+        return f"devices {sharers} share compute {self.memory} and its memory: their peaks add up to {used}, {verdict}"
+
+
+@dataclass(frozen=True)
 class Cluster:
     """`links[(src, dst)]` overrides `default_link` for transfers from device src to dst.
 
     `overlap_comm=False` models runtimes whose sends block the compute stream until they finish.
+    `compute[d]` names the compute resource device d runs on (None: one of its own): devices naming the
+    same one are ranks on one GPU, which run their compute rows one at a time and share its one memory.
     """
 
     num_devices: int
@@ -57,9 +87,17 @@ class Cluster:
     device_names: tuple[str, ...] = ()
     memory_bytes: tuple[int | None, ...] = ()
     overlap_comm: bool = True
+    compute: tuple[str | None, ...] = ()
 
     def link(self, src: int, dst: int) -> Link:
         return self.links.get((src, dst), self.default_link)
+
+    def compute_peers(self, num_devices: int) -> list[tuple[int, ...]]:
+        """Per device of the first `num_devices`: the devices among them on its compute resource, itself
+        included (just itself when it has one of its own)."""
+        named = self.compute[:num_devices]
+        return [tuple(e for e, other in enumerate(named) if other == mine) if mine is not None else (d,)
+                for d, mine in enumerate(named)] + [(d,) for d in range(len(named), num_devices)]
 
     @classmethod
     def uniform(cls, num_devices: int, comm_ms: float, overlap_comm: bool = True) -> Cluster:
@@ -68,14 +106,28 @@ class Cluster:
             raise ClusterError(f"comm must be a finite number of milliseconds >= 0 (got {comm_ms})")
         return cls(num_devices, Link(latency_ms=comm_ms), overlap_comm=overlap_comm)
 
+    def memory_checks(self, peak_bytes: Sequence[float], limit_bytes: Sequence[int | None]) -> list[MemoryCheck]:
+        """Per device, its simulated peak against its memory (`limit_bytes`, one per device, as the command
+        knows them: this cluster's or a profile's); devices sharing a compute resource are checked together,
+        with the sum of their peaks."""
+        checks = []
+        for d, peers in enumerate(self.compute_peers(len(peak_bytes))):
+            shared = len(peers) > 1
+            used = sum(peak_bytes[e] for e in peers) if shared else peak_bytes[d]
+            checks.append(MemoryCheck(d, limit_bytes[d], used, peers, self.compute[d] if shared else None))
+        return checks
+
     def describe(self) -> dict[str, Any]:
+        devices = [{"name": name, "memory_bytes": memory}
+                   for name, memory in zip(self.device_names, self.memory_bytes or (None,) * self.num_devices)]
+        for device, compute in zip(devices, self.compute):  # only clusters that name compute resources say so
+            device["compute"] = compute
         return {
             "num_devices": self.num_devices,
             "default_link": _describe_link(self.default_link),
             "links": [{"src": s, "dst": d, **_describe_link(link)} for (s, d), link in sorted(self.links.items())],
             "overlap_comm": self.overlap_comm,
-            "devices": [{"name": name, "memory_bytes": memory}
-                        for name, memory in zip(self.device_names, self.memory_bytes or (None,) * self.num_devices)],
+            "devices": devices,
         }
 
 
@@ -94,14 +146,16 @@ def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster JSON file; ClusterError names the first field that is wrong.
 
     {
-      "devices": 4 | [{"name": "gpu0", "memory_gib": 80}, ...],
+      "devices": 4 | [{"name": "gpu0", "memory_gib": 80, "compute": "gpu0"}, ...],
       "link": {"latency_us": 10, "bandwidth_gb_per_s": 25},              # every pair, unless listed below
       "links": [{"src": 0, "dst": 1, "latency_us": 3, "bandwidth_gb_per_s": 150,
                  "shared": "nic0", "table": [[4096, 0.01], [67108864, 0.5]]}],
       "overlap_comm": true
     }
     Bandwidths are in GB/s (10^9 bytes). Every link is a first-come-first-served resource of its own
-    direction unless `shared` names a resource it shares with other links (a NIC, a bus).
+    direction unless `shared` names a resource it shares with other links (a NIC, a bus). Devices naming
+    the same `compute` are ranks on one GPU: they take turns for compute and share its memory, so the
+    `memory_gib` they give (one of them may give it for all) must agree.
     """
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -111,6 +165,7 @@ def load_cluster(path: str | Path) -> Cluster:
     class DeviceSpec(_Strict):
         name: str
         memory_gib: float | None = Field(default=None, gt=0)
+        compute: str | None = Field(default=None, min_length=1)
 
     class LinkSpec(_Strict):
         latency_us: float = Field(default=0.0, ge=0)
@@ -134,19 +189,40 @@ def load_cluster(path: str | Path) -> Cluster:
         shared: str | None = None
 
     class ClusterSpec(_Strict):
-        devices: int | list[DeviceSpec]
+        devices: list[DeviceSpec]
         link: LinkSpec = LinkSpec()
         links: list[PairSpec] = []
         overlap_comm: bool = True
 
+        @model_validator(mode="before")
+        @classmethod
+        def _counted(cls, raw: Any) -> Any:
+            """`"devices": n` is n devices with nothing said about them (one validation path for both forms,
+            so an error inside the list names its own field)."""
+            if not isinstance(raw, dict) or "devices" not in raw or isinstance(raw["devices"], list):
+                return raw
+            count = raw["devices"]
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise ValueError(f"devices: a whole number of devices or a list of devices (got {count!r})")
+            return {**raw, "devices": [{"name": f"device {d}"} for d in range(count)]}
+
         @model_validator(mode="after")
         def _in_range(self) -> ClusterSpec:
-            n = self.devices if isinstance(self.devices, int) else len(self.devices)
+            n = len(self.devices)
             if n < 1:
                 raise ValueError("devices: at least one device")
             for pair in self.links:
                 if pair.src >= n or pair.dst >= n or pair.src == pair.dst:
                     raise ValueError(f"links: {pair.src}->{pair.dst} must join two distinct devices in 0..{n - 1}")
+            sharing: dict[str, DeviceSpec] = {}
+            for device in self.devices:
+                if device.compute is None or device.memory_gib is None:
+                    continue
+                first = sharing.setdefault(device.compute, device)
+                if first.memory_gib != device.memory_gib:
+                    raise ValueError(f"devices: {first.name} and {device.name} share compute {device.compute!r}, "
+                                     f"so they share its memory, but give memory_gib {first.memory_gib:g} and "
+                                     f"{device.memory_gib:g}; give the same, or give it on one of them")
             return self
 
     try:
@@ -167,14 +243,14 @@ def load_cluster(path: str | Path) -> Cluster:
         table = s.table or []
         return Link(s.latency_us / 1e3, bandwidth, resource, tuple(b for b, _ in table), tuple(t for _, t in table))
 
-    n = spec.devices if isinstance(spec.devices, int) else len(spec.devices)
-    names = tuple(f"device {d}" for d in range(n)) if isinstance(spec.devices, int) else tuple(
-        d.name for d in spec.devices)
-    memory = (None,) * n if isinstance(spec.devices, int) else tuple(
-        int(d.memory_gib * GIB) if d.memory_gib else None for d in spec.devices)
+    n = len(spec.devices)
+    names = tuple(d.name for d in spec.devices)
+    gib_of = {d.compute: d.memory_gib for d in spec.devices if d.compute and d.memory_gib}  # one GPU's memory
+    memory = tuple(int(gib * GIB) if (gib := d.memory_gib or gib_of.get(d.compute)) else None for d in spec.devices)
+    compute = tuple(d.compute for d in spec.devices) if any(d.compute for d in spec.devices) else ()
     links = {(p.src, p.dst): to_link(p, p.shared or f"link {p.src}->{p.dst}") for p in spec.links}
     for src in range(n):
         for dst in range(n):
             if src != dst and (src, dst) not in links:
                 links[(src, dst)] = to_link(spec.link, f"link {src}->{dst}")
-    return Cluster(n, to_link(spec.link, None), links, names, memory, spec.overlap_comm)
+    return Cluster(n, to_link(spec.link, None), links, names, memory, spec.overlap_comm, compute)

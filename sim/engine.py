@@ -4,7 +4,11 @@
 the op's cost), SEND (the transfer is queued on the link's resources and the compute stream goes on, unless
 the cluster says sends block), RECV (the compute stream waits until the data has arrived). Transfers are
 reserved on their link when issued, which, since SimPy advances in time order, is first come first served
-on shared links. This module only prices the rows and runs them: nothing here knows a method by name.
+on shared links. Devices on one compute resource (ranks sharing a GPU, which the executor runs under one
+lock per compute row) reserve it the same way for each compute row: a row starts when its device is ready
+and the rows asked for before it have ended. That wait is not busy time: the trace shows it as a gap in the
+device's compute stream, idle like any other, so the bubble counts it. This module only prices the rows and
+runs them: nothing here knows a method by name.
 """
 
 from __future__ import annotations
@@ -42,9 +46,12 @@ class _Program:
 
     lowered: Lowered
     stream: np.ndarray
-    # Per device, its transfers in order: compute ps since the previous one, stream, transfer id. Compute
-    # rows need no step of their own: between transfers a device's clock just adds their durations.
+    # Per device, the rows it yields to SimPy at (its steps) in order: compute ps since the previous step,
+    # stream, and the transfer id of a transfer or the duration of a compute row. Those are its transfers, and
+    # its compute rows too if it shares a compute resource; otherwise a device's clock just adds their durations.
     steps: list[tuple[list[int], list[int], list[int]]]
+    step_rows: list[np.ndarray]  # per device: its steps' rows, counted from its first row
+    compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
     busy_before_ps: np.ndarray  # per row: compute time of its device's earlier rows
     duration_ps: np.ndarray
     transfer_ps: list[int]  # per transfer id
@@ -86,14 +93,16 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     act_at_end = -(is_kind[Kind.B] | is_kind[Kind.W]).astype(np.int64)
 
     # A channel's transfers share their size, time and route.
-    resources: dict[str, int] = {}
+    resources: dict[tuple[str, str], int] = {}
     routes, channel_ms, channel_bytes = [], [], []
     for channel in lowered.channels:
         link = cluster.link(channel.src_device, channel.dst_device)
         size = stages[channel.producer].output_bytes
         channel_bytes.append(size)
         channel_ms.append(link.transfer_ms(size))
-        routes.append(() if link.resource is None else (resources.setdefault(link.resource, len(resources)),))
+        routes.append(() if link.resource is None else (resources.setdefault(("link", link.resource), len(resources)),))
+    compute_unit = [None if len(peers) == 1 else resources.setdefault(("compute", cluster.compute[d]), len(resources))
+                    for d, peers in enumerate(cluster.compute_peers(schedule.num_devices))]
     transfer_ps = np.repeat(_picoseconds(np.asarray(channel_ms)), lowered.units).tolist()
     routes = [route for route in routes for _ in range(lowered.units)]  # one lookup per transfer when running
     rows = np.flatnonzero(~compute)
@@ -106,16 +115,19 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         computing = np.flatnonzero(compute)
         np.add.at(mem_at_end, computing[np.searchsorted(computing, recv_rows)], -row_bytes[~sending])
 
-    steps = []
+    steps, step_rows = [], []
     busy_before = np.empty(n, dtype=np.int64)
     for d in range(schedule.num_devices):
         lo, hi = lowered.bounds[d], lowered.bounds[d + 1]
         busy_before[lo:hi] = np.cumsum(duration[lo:hi]) - duration[lo:hi]
-        comm = lo + np.flatnonzero(~compute[lo:hi])
-        pre = np.diff(busy_before[comm], prepend=0)
-        steps.append((pre.tolist(), stream[comm].tolist(), lowered.transfer[comm].tolist()))
-    return _Program(lowered, stream, steps, busy_before, duration, transfer_ps, routes, len(resources),
-                    mem_at_start, mem_at_end, act_at_start, act_at_end, static_bytes(schedule, costs))
+        mine = np.arange(hi - lo) if compute_unit[d] is not None else np.flatnonzero(~compute[lo:hi])
+        rows = lo + mine
+        pre = np.diff(busy_before[rows], prepend=0)
+        operand = np.where(compute[rows], duration[rows], lowered.transfer[rows])
+        steps.append((pre.tolist(), stream[rows].tolist(), operand.tolist()))
+        step_rows.append(mine)
+    return _Program(lowered, stream, steps, step_rows, compute_unit, busy_before, duration, transfer_ps, routes,
+                    len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end, static_bytes(schedule, costs))
 
 
 def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
@@ -134,10 +146,11 @@ class _Model:
     """The SimPy processes; times in integer picoseconds.
 
     Each device keeps its own clock and yields to SimPy only where another device's progress matters:
-    to wait for a transfer not yet sent, and, before reserving a shared link, to let the simulated time
-    reach its own clock, so shared links serve transfers in the order they were issued. Everything else
-    (compute, sends on private links) advances the device's clock without an event, which is exact
-    because nothing else can observe it in between.
+    to wait for a transfer not yet sent, and, before reserving a shared link or a shared compute resource,
+    to let the simulated time reach its own clock, so shared resources serve requests in the order they were
+    made (a capacity-one SimPy Resource held for the span would grant the same, at two events per row).
+    Everything else (compute of its own, sends on private links) advances the device's clock without an
+    event, which is exact because nothing else can observe it in between.
     """
 
     def __init__(self, program: _Program, overlap_comm: bool) -> None:
@@ -152,12 +165,15 @@ class _Model:
         self.free_at = [0] * program.num_resources
         self.finished = 0
 
-    def device(self, steps: tuple[list[float], list[int], list[int]], clock_after: list[float]):
+    def device(self, steps: tuple[list[int], list[int], list[int]], clock_after: list[int], unit: int | None):
+        """One device's steps; `clock_after` gets its clock after each: a transfer's SEND issued or RECV
+        arrived, a compute row's start (the clock after it is that plus its duration, in the next step's
+        compute ps)."""
         env = self.env
         arrival, waiting, free_at = self.arrival, self.waiting, self.free_at
         done = clock_after.append
         routes, transfer_ps, overlap = self.program.routes, self.program.transfer_ps, self.overlap_comm
-        send = int(Stream.SEND)  # a plain int: this loop runs once per transfer
+        send, recv = int(Stream.SEND), int(Stream.RECV)  # plain ints: this loop runs once per step
         clock = 0
         for busy_ps, stream, xid in zip(*steps):
             clock += busy_ps
@@ -177,7 +193,7 @@ class _Model:
                     waiting.pop(xid).succeed()
                 if not overlap:
                     clock = end
-            else:
+            elif stream == recv:
                 ready = arrival[xid]
                 if ready is None:
                     event = waiting[xid] = env.event()
@@ -185,12 +201,19 @@ class _Model:
                     ready = arrival[xid]
                 if ready > clock:
                     clock = ready
+            else:  # a compute row on the shared compute resource `unit`; `xid` is its duration
+                if clock > env.now:
+                    yield env.timeout(clock - env.now)
+                if free_at[unit] > clock:
+                    clock = free_at[unit]
+                free_at[unit] = clock + xid
             done(clock)
         self.finished += 1
 
     def run(self) -> None:
-        for steps, clock_after in zip(self.program.steps, self.clock_after):
-            self.env.process(self.device(steps, clock_after))
+        program = self.program
+        for steps, clock_after, unit in zip(program.steps, self.clock_after, program.compute_unit):
+            self.env.process(self.device(steps, clock_after, unit))
         self.env.run()
 
 
@@ -257,19 +280,19 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
 
 def _issue_times(program: _Program, model: _Model) -> np.ndarray:
     """When each row was issued (compute: start; SEND: issued; RECV: wait began): the device's clock
-    after its last transfer before the row, plus the compute time since."""
+    after its last step before the row, plus the compute time since; a compute step starts at its clock."""
     bounds = program.lowered.bounds
     out = np.empty(len(program.stream), dtype=np.int64)
-    for d, clock_after in enumerate(model.clock_after):
+    for d, (clock_after, steps) in enumerate(zip(model.clock_after, program.step_rows)):
         lo, hi = bounds[d], bounds[d + 1]
         busy = program.busy_before_ps[lo:hi]
-        comm = np.flatnonzero(program.stream[lo:hi] != Stream.COMPUTE)
-        segment = np.searchsorted(comm, np.arange(hi - lo))  # transfers before each row
-        begin = np.zeros(len(clock_after) + 1, dtype=np.int64)
-        begin[1:] = np.fromiter(clock_after, np.int64, len(clock_after))
-        begin = begin[segment]
-        base = np.concatenate([[0], busy[comm]])[segment]
-        out[lo:hi] = begin + (busy - base)
+        segment = np.searchsorted(steps, np.arange(hi - lo))  # steps before each row
+        clocks = np.zeros(len(clock_after) + 1, dtype=np.int64)
+        clocks[1:] = np.fromiter(clock_after, np.int64, len(clock_after))
+        base = np.concatenate([[0], busy[steps]])[segment]
+        out[lo:hi] = clocks[segment] + (busy - base)
+        queued = program.stream[lo + steps] == Stream.COMPUTE
+        out[lo + steps[queued]] = clocks[1:][queued]
     return out
 
 
