@@ -9,6 +9,7 @@ import typer
 from .commands.calibrate import calibrate
 from .commands.common import fail, stderr
 from .commands.compare import compare
+from .commands.run import run
 from .commands.simulate import export, list_schedules, simulate
 from .commands.sweep import sweep
 from .commands.tune import tune
@@ -24,6 +25,7 @@ app = typer.Typer(
 )
 app.command()(simulate)
 app.command()(calibrate)
+app.command()(run)
 app.command()(export)
 app.command()(sweep)
 app.command("schedules")(list_schedules)

@@ -5,9 +5,10 @@ method by name."""
 from .backward import backward_input, backward_weight, full_backward
 from .runners import RunResult, run_in_process, run_multiprocess
 from .runtime import DeviceLoop, DeviceResult
-from .stages import ExecutorError, RunSpec, StageModule, Stages, cut, even_bounds, microbatch_data
+from .stages import DivergedError, ExecutorError, RunSpec, StageModule, Stages, cut, even_bounds, microbatch_data
 from .weights import StageWeights, Weights
 
-__all__ = ["backward_input", "backward_weight", "cut", "DeviceLoop", "DeviceResult", "even_bounds", "ExecutorError",
+__all__ = ["backward_input", "backward_weight", "cut", "DeviceLoop", "DeviceResult", "DivergedError", "even_bounds",
+           "ExecutorError",
            "full_backward", "microbatch_data", "run_in_process", "run_multiprocess", "RunResult", "RunSpec",
            "StageModule", "Stages", "StageWeights", "Weights"]

@@ -1,7 +1,7 @@
-"""Running a schedule for real: ranks as threads of this process (tests), or as processes on this machine
-over gloo; and the measured trace both give.
+"""Running a schedule for real: ranks as threads of this process (tests), as processes this one spawns and
+supervises, or as one rank of a torchrun job; and the measured trace they give.
 
-Both runners check the schedule first (`preflight` with the deadlock dry run, and the per-channel transfer
+Every runner checks the schedule first (`preflight` with the deadlock dry run, and the per-channel transfer
 order), build the same setup on every rank (the model from one seed, cut into the schedule's stages), run one
 `DeviceLoop` per device and merge what each device reports into one `RunResult`.
 """
@@ -10,22 +10,27 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
+import tempfile
 import threading
-import traceback
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .. import __version__
-from ..schedules import KINDS, check_transfer_order, lower, preflight
-from ..schedules.ir import ScheduleError
+from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight
+from ..schedules.ir import Action, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
-from ..workload.transport import GlooTransport, InProcessTransport
+from ..workload.transport import InProcessTransport, TransportChoice, TransportError, choose_transport, connect
 from .runtime import DeviceLoop, DeviceResult
-from .stages import ExecutorError, RunSpec, cut
+from .stages import DivergedError, ExecutorError, RunSpec, cut
 
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
 
@@ -79,6 +84,164 @@ def run_in_process(spec: RunSpec) -> RunResult:
 
 # ------------------------------------------------------------------------------------- one process per rank
 
+FAULT_ENV = "PIPESIM_TEST_FAULT"  # test-only: "RANK:ROWS:SIGNAL" makes RANK send itself SIGNAL after ROWS rows
+HEARTBEAT_S = 0.2  # a rank reports to the parent at most this often
+STOP_GRACE_S = 3.0  # after SIGTERM, how long ranks get before SIGKILL
+
+
+@dataclass
+class Heartbeat:
+    """What a rank tells the parent as it runs: rows done, its last action's text (`1B3.0`), the losses so
+    far, and (row, start ns, end ns) of each row finished since its previous heartbeat. A row's start is the
+    end of the one before it (the loop's own bookkeeping included): enough for an incomplete trace."""
+
+    rank: int
+    rows_done: int
+    last_action: str
+    losses: dict[tuple[int, int], float]
+    rows: list[tuple[int, int, int]]
+
+
+@dataclass
+class Progress:
+    """What the parent knows mid-run: mini-batches every device has finished, and the loss of the last one."""
+
+    minibatches_done: int
+    last_loss: float | None
+
+
+class RunFailed(ExecutorError):
+    """A run that stopped part-way: `result` holds what was measured until then (an incomplete trace),
+    `failed_rank` the rank at fault, `diverged` whether the loss went non-finite."""
+
+    def __init__(self, message: str, result: RunResult, failed_rank: int | None, diverged: bool = False) -> None:
+        super().__init__(message)
+        self.result, self.failed_rank, self.diverged = result, failed_rank, diverged
+
+
+def _action_text(lowered: Lowered, row: int) -> str:
+    t = lowered.table
+    return str(Action(KINDS[t.kind[row]], int(t.stage[row]), int(t.microbatch[row]), int(t.minibatch[row]),
+                      int(t.pipeline[row]), int(t.peer[row])))
+
+
+class _Reporter:
+    """A rank's `on_row` and its heartbeat thread: each row is timed as it finishes, and the thread sends what
+    is new every HEARTBEAT_S, so the parent hears of rows done just before a rank blocks or stops. In tests,
+    raises the fault FAULT_ENV asks for."""
+
+    def __init__(self, rank: int, lowered: Lowered, messages: Any) -> None:
+        self.rank, self.lowered, self.messages = rank, lowered, messages
+        self.loop: DeviceLoop | None = None
+        self.done = 0
+        self.last_action = "setup"
+        self.rows: list[tuple[int, int, int]] = []
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.previous_ns = time.perf_counter_ns()
+        fault = os.environ.get(FAULT_ENV, "")
+        rank_text, _, rest = fault.partition(":")
+        rows_text, _, signal_name = rest.partition(":")
+        self.fault = ((int(rows_text), getattr(signal, f"SIG{signal_name}"))
+                      if fault and int(rank_text) == rank else None)
+
+    def start(self) -> None:
+        self.previous_ns = time.perf_counter_ns()
+        self.beat()
+        self.thread = threading.Thread(target=self._beating, name="pipesim-heartbeat", daemon=True)
+        self.thread.start()
+
+    def on_row(self, row: int) -> None:
+        now = time.perf_counter_ns()
+        with self.lock:
+            self.rows.append((row, self.previous_ns, now))
+            self.done += 1
+            self.last_action = _action_text(self.lowered, row)
+        self.previous_ns = now
+        if self.fault is not None and self.done == self.fault[0]:
+            self.stop()
+            self.thread.join()
+            self.messages.close()
+            self.messages.join_thread()  # the heartbeat reaches the parent before the signal lands
+            os.kill(os.getpid(), self.fault[1])
+
+    def _beating(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            if self.rows:
+                self.beat()
+
+    def beat(self) -> None:
+        losses = dict(self.loop.losses) if self.loop is not None else {}
+        with self.lock:
+            beat = Heartbeat(self.rank, self.done, self.last_action, losses, self.rows)
+            self.rows = []
+        self.messages.put(("beat", beat))
+
+    def stop(self) -> None:
+        """No more heartbeats; the last rows go out now."""
+        self.stopped.set()
+        self.beat()
+
+
+def _rank_main(setup: Any, rank: int, world: int, init_method: str, choice: TransportChoice, messages: Any,
+               compute_lock: Any) -> None:
+    """One rank of `run_multiprocess` (a spawned process): receive the RunSpec from `setup`, run the device,
+    reporting heartbeats, then put ("done", rank, result) or ("error", rank, message, diverged)."""
+    reporter = None
+    try:
+        spec: RunSpec = setup.recv()
+        torch.set_num_threads(spec.threads_per_rank)
+        lowered = _lowered(spec)
+        stages = cut(spec)
+        reporter = _Reporter(rank, lowered, messages)
+        with connect(choice, rank, world, init_method=init_method, timeout_s=spec.timeout_s,
+                     edges=_links(lowered)) as transport:
+            loop = DeviceLoop(spec, lowered, stages, rank, transport, on_row=reporter.on_row,
+                              compute_lock=compute_lock)
+            reporter.loop = loop
+            reporter.start()
+            result = loop.run()
+        reporter.stop()
+        messages.put(("done", rank, result))
+    except BaseException as exc:  # reported to the parent, which names the rank
+        if reporter is not None:
+            reporter.stop()
+        text = (str(exc).splitlines() or [""])[0]
+        named = text if isinstance(exc, ExecutorError) else f"{type(exc).__name__}: {text}"
+        messages.put(("error", rank, named, isinstance(exc, DivergedError)))
+
+
+def _links(lowered: Lowered) -> list[tuple[int, int, int]]:
+    return [(c.src_device, c.dst_device, i) for i, c in enumerate(lowered.channels)]
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether a process is stopped (SIGSTOP, a debugger): Linux's /proc; elsewhere, not known, so no."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _stop(procs: list[Any]) -> None:
+    """Every rank ends: SIGTERM, a short grace, SIGKILL (which also ends a stopped process), reaped. (Ctrl-C
+    can come before every rank has started: those not started are left out.)"""
+    procs = [proc for proc in procs if proc.pid is not None]
+    for proc in procs:
+        if proc.is_alive():
+            if _stopped(proc.pid):  # a stopped process acts on SIGKILL only
+                proc.kill()
+            else:
+                proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=STOP_GRACE_S)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -86,87 +249,348 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(spec: RunSpec, rank: int, world: int, init_method: str, out: Any) -> None:
-    """One rank of `run_multiprocess` (a spawned process): run the device, put (rank, result or error)."""
-    try:
-        torch.set_num_threads(spec.threads_per_rank)
-        lowered = _lowered(spec)
-        stages = cut(spec)
-        links = [(c.src_device, c.dst_device, i) for i, c in enumerate(lowered.channels)]
-        with GlooTransport(rank, world, init_method=init_method, timeout_s=spec.timeout_s,
-                           edges=links) as transport:
-            result = DeviceLoop(spec, lowered, stages, rank, transport).run()
-        out.put((rank, result, None))
-    except BaseException as exc:
-        out.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+class _Supervisor:
+    """The parent's view of the ranks: their heartbeats and results, who stalled or died."""
+
+    def __init__(self, spec: RunSpec, lowered: Lowered, procs: list[Any], stall_timeout_s: float) -> None:
+        self.spec, self.lowered, self.procs = spec, lowered, procs
+        self.stall_timeout_s = stall_timeout_s
+        world = len(procs)
+        self.results: list[DeviceResult | None] = [None] * world
+        self.beats: list[Heartbeat | None] = [None] * world
+        self.errors: dict[int, tuple[str, bool]] = {}  # rank -> its error, in the order they came
+        self.rows: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        self.moved = [time.monotonic()] * world  # when each rank last made progress (or started)
+        self.finished_after = [_finished_after(lowered, d) for d in range(world)]
+
+    def take(self, message: tuple) -> None:
+        """Record one message: a heartbeat, a result, or a rank's error (text, whether the loss diverged)."""
+        what = message[0]
+        if what == "beat":
+            beat: Heartbeat = message[1]
+            rank = beat.rank
+            if self.beats[rank] is None or beat.rows_done > self.beats[rank].rows_done:
+                self.moved[rank] = time.monotonic()
+            self.beats[rank] = beat
+            self.rows[rank].extend(beat.rows)
+        elif what == "done":
+            self.results[message[1]] = message[2]
+        else:
+            self.errors.setdefault(message[1], (message[2], message[3]))
+
+    def progress(self) -> Progress:
+        done = min(int(np.searchsorted(after, beat.rows_done, side="right")) if beat else 0
+                   for after, beat in zip(self.finished_after, self.beats))
+        done = self.lowered.schedule.minibatches if all(r is not None for r in self.results) else done
+        losses = {key: value for beat in self.beats if beat for key, value in beat.losses.items()}
+        losses.update({key: value for r in self.results if r is not None for key, value in r.losses.items()})
+        return Progress(done, losses.get((0, done - 1)) if done else None)
+
+    def last_action(self, rank: int) -> str:
+        beat = self.beats[rank]
+        return beat.last_action if beat is not None else "setup"
+
+    def dead(self) -> list[int]:
+        """Ranks that exited without a result or an error (killed, or crashed beyond Python)."""
+        return [rank for rank, proc in enumerate(self.procs)
+                if proc.exitcode is not None and self.results[rank] is None and rank not in self.errors]
+
+    def fault(self) -> tuple[int, str, bool] | None:
+        """What stops the run, if anything: (rank, what happened, whether its loss diverged). A rank that died
+        comes first: its peers' failed transfers are its consequence; then a diverged loss, then the first
+        error reported; then a rank that stalled."""
+        dead = self.dead()
+        if dead:
+            code = self.procs[dead[0]].exitcode
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return dead[0], f"rank {dead[0]} {how} (last action {self.last_action(dead[0])})", False
+        if self.errors:
+            rank = next((r for r, (_, diverged) in self.errors.items() if diverged), next(iter(self.errors)))
+            text, diverged = self.errors[rank]
+            return rank, f"rank {rank} failed (last action {self.last_action(rank)}): {text}", diverged
+        now = time.monotonic()
+        # before its first heartbeat a rank is starting (spawn, imports, joining the process group, which has a
+        # timeout of its own): it gets that timeout
+        limits = [self.stall_timeout_s if beat is not None else max(self.stall_timeout_s, self.spec.timeout_s)
+                  for beat in self.beats]
+        stalled = [rank for rank in range(len(self.procs))
+                   if self.results[rank] is None and now - self.moved[rank] > limits[rank]]
+        if not stalled:
+            return None
+        stopped = [rank for rank in stalled if _stopped(self.procs[rank].pid)]
+        rank = stopped[0] if stopped else min(stalled, key=lambda r: self.moved[r])
+        return rank, (f"rank {rank} made no progress for {limits[rank]:g} s (last action {self.last_action(rank)}"
+                      f"{'; the process is stopped' if stopped else ''})"), False
+
+    def partial(self, hardware: dict[str, Any], failed_rank: int | None) -> RunResult:
+        timed = {rank: rows for rank, rows in enumerate(self.rows) if self.results[rank] is None}
+        return _merge(self.spec, self.lowered, self.results, hardware, timed=timed, failed_rank=failed_rank)
 
 
-def run_multiprocess(spec: RunSpec, *, timeout_s: float | None = None) -> RunResult:
-    """One spawned process per device on this machine, over gloo (CPU). `timeout_s` bounds the whole run
-    (default: the spec's timeout times the number of rows of the busiest device, generously)."""
+def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto", timeout_s: float | None = None,
+                     stall_timeout_s: float = 20.0, on_progress: Callable[[Progress], None] | None = None
+                     ) -> RunResult:
+    """One spawned process per device on this machine: gloo on CPU; on CUDA, NCCL with one GPU per rank, or,
+    when ranks share a GPU, host-staged gloo with a cross-process lock around compute. The parent supervises:
+    a rank that dies, fails or makes no progress for `stall_timeout_s` stops every rank and raises RunFailed
+    naming it, with the incomplete trace; so does a run longer than `timeout_s` (default: none). Ctrl-C
+    (KeyboardInterrupt) ends every rank before it propagates. `on_progress` is called after each message from
+a rank, and every HEARTBEAT_S when none comes."""
     lowered = _lowered(spec)
     cut(spec)  # fail here, in one line, on a model the schedule cannot be cut into
     world = spec.schedule.num_devices
-    context = torch.multiprocessing.get_context("spawn")
-    results_queue = context.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(spec.threads_per_rank)
     try:
-        procs = [context.Process(target=_rank_main, args=(spec, rank, world, init_method, results_queue),
-                                 name=f"pipesim-rank-{rank}") for rank in range(world)]
+        choice = choose_transport(device, world, backend=backend)
+    except (ValueError, TransportError) as exc:
+        raise ExecutorError(str(exc)) from None
+    context = torch.multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    compute_lock = context.Lock() if choice.host_staged else None
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank}
+    setups = [context.Pipe(duplex=False) for _ in range(world)]
+    procs = [context.Process(target=_rank_main, name=f"pipesim-rank-{rank}", daemon=True,
+                             args=(setups[rank][0], rank, world, init_method, choice, messages, compute_lock))
+             for rank in range(world)]
+    supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s)
+    started = time.monotonic()
+    try:
+        _start(procs, spec.threads_per_rank)
+        for _, writer in setups:
+            writer.send(spec)
+        while any(r is None for r in supervisor.results):
+            try:
+                supervisor.take(messages.get(timeout=HEARTBEAT_S))
+            except queue.Empty:
+                pass
+            if supervisor.errors or supervisor.dead():
+                # the other ranks' last heartbeats, and a peer's death behind a rank's failed transfer
+                _drain(messages, supervisor)
+            fault = supervisor.fault()
+            if fault is not None:
+                rank, text, diverged = fault
+                raise RunFailed(text, supervisor.partial(hardware, rank), rank, diverged)
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                raise RunFailed(f"the run did not finish within {timeout_s:g} s", supervisor.partial(hardware, None),
+                                None)
+            if on_progress is not None:
+                on_progress(supervisor.progress())
+    finally:
+        _stop(procs)
+    return _merge(spec, lowered, supervisor.results, hardware)
+
+
+def _start(procs: list[Any], threads_per_rank: int) -> None:
+    """Start the ranks with OMP_NUM_THREADS set for them (torch reads it as it loads; this process keeps its
+    own) and SIGINT ignored, which a spawned interpreter keeps: Ctrl-C reaches the whole terminal group, and
+    the parent alone answers it, by ending every rank. The ranks' arguments are small, so the parent ignores
+    SIGINT only for the moments each start takes (the spec follows through a pipe)."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
         for proc in procs:
             proc.start()
     finally:
-        if env_threads is None:
+        if main:
+            signal.signal(signal.SIGINT, handler)
+        if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
-    results: list[DeviceResult | None] = [None] * world
-    limit = timeout_s if timeout_s is not None else spec.timeout_s * 4
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _drain(messages: Any, supervisor: _Supervisor, within_s: float = 1.0) -> None:
+    """Take the messages already sent (the heartbeats of the moments before a failure), for `within_s` at most:
+    ranks still running keep sending."""
+    deadline = time.monotonic() + within_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            supervisor.take(messages.get(timeout=min(left, 2 * HEARTBEAT_S)))
+        except queue.Empty:
+            return
+
+
+# --------------------------------------------------------------------------------------------- torchrun
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """This process's place in a torchrun job, from the environment torchrun sets."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def detect(cls) -> TorchrunEnv | None:
+        """The job this process belongs to, or None when torchrun did not start it."""
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+        if not all(name in os.environ for name in names):
+            return None
+        try:
+            rank, world, local_rank = (int(os.environ[name]) for name in names[:3])
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        except ValueError:
+            raise ExecutorError(f"torchrun environment: RANK, WORLD_SIZE and LOCAL_RANK must be whole numbers "
+                                f"(got {', '.join(os.environ[n] for n in names[:3])})") from None
+        return cls(rank, world, local_rank, local_world)
+
+
+class _FileLock:
+    """Ranks of one torchrun job on one machine that share a GPU take turns for compute: an exclusive lock on
+    a file named after the job's rendezvous port."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        self.file = open(self.path, "a")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()  # closing releases the lock
+
+
+PINGS = 16  # ping-pong rounds per rank for its clock offset; the one with the shortest round trip counts
+
+
+def _clock_offsets(group: Any, job: TorchrunEnv) -> list[int]:
+    """Each rank's monotonic clock minus rank 0's, in ns (rank 0 learns them; others get zeros). On one host the
+    clock is shared: all zero. Across hosts, by min-RTT ping-pong: rank 0 sends, the rank answers with its
+    clock; the offset is that reading minus the round trip's midpoint on rank 0's clock."""
+    hosts: list[str | None] = [None] * job.world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    offsets = [0] * job.world_size
+    if len(set(hosts)) == 1:
+        return offsets
+    clock = torch.zeros(1, dtype=torch.int64)
+    for peer in range(1, job.world_size):
+        best = None
+        for _ in range(PINGS):
+            if job.rank == 0:
+                sent = time.perf_counter_ns()
+                dist.send(clock, peer, group=group)
+                dist.recv(clock, peer, group=group)
+                back = time.perf_counter_ns()
+                if best is None or back - sent < best[0]:
+                    best = (back - sent, int(clock) - (sent + back) // 2)
+            elif job.rank == peer:
+                dist.recv(clock, 0, group=group)
+                clock.fill_(time.perf_counter_ns())
+                dist.send(clock, 0, group=group)
+        if best is not None:
+            offsets[peer] = best[1]
+    return offsets
+
+
+def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backend: str = "auto",
+                 on_progress: Callable[[Progress], None] | None = None) -> RunResult | None:
+    """This rank of a torchrun job: run its device, gather every rank's result to rank 0 (gloo), and there
+    return the measured trace, each rank's clock put on rank 0's (None on the other ranks). torchrun
+    supervises: a rank that fails exits, and torchrun ends the others."""
+    lowered = _lowered(spec)
+    world = spec.schedule.num_devices
+    if job.world_size != world:
+        raise ExecutorError(f"torchrun started {job.world_size} ranks, but {spec.schedule.method} on "
+                            f"{spec.schedule.num_stages} stages runs on {world} devices: start "
+                            f"{world} ranks (torchrun --nproc-per-node ...)")
+    stages = cut(spec)
     try:
-        for _ in range(world):
-            try:
-                rank, result, error = results_queue.get(timeout=limit)
-            except queue.Empty:
-                missing = [r for r in range(world) if results[r] is None]
-                raise ExecutorError(f"ranks {missing} did not finish within {limit:g} s") from None
-            if error is not None:
-                raise ExecutorError(f"rank {rank} failed: {error.splitlines()[0]}")
-            results[rank] = result
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-    return _merge(spec, lowered, results, {"backend": "gloo", "device": "cpu", "ranks": world,
-                                           "threads_per_rank": spec.threads_per_rank})
+        choice = choose_transport(device, job.local_world_size, backend=backend)
+    except (ValueError, TransportError) as exc:
+        raise ExecutorError(str(exc)) from None
+    torch.set_num_threads(spec.threads_per_rank)
+    compute_lock = None
+    if choice.host_staged:
+        compute_lock = _FileLock(os.path.join(tempfile.gettempdir(),
+                                              f"pipesim-gpu-{os.environ.get('MASTER_PORT', '0')}.lock"))
+    done = [0]
+    finished_after = _finished_after(lowered, job.rank)
+    loop: DeviceLoop | None = None
+
+    def on_row(_: int) -> None:
+        done[0] += 1
+        if on_progress is not None:
+            finished = int(np.searchsorted(finished_after, done[0], side="right"))
+            on_progress(Progress(finished, loop.losses.get((0, finished - 1)) if finished else None))
+
+    with connect(choice, job.rank, world, local_rank=job.local_rank, timeout_s=spec.timeout_s,
+                 edges=_links(lowered)) as transport:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.timeout_s))
+        offsets = _clock_offsets(group, job)
+        loop = DeviceLoop(spec, lowered, stages, job.rank, transport, on_row=on_row, compute_lock=compute_lock)
+        result = loop.run()
+        gathered: list[DeviceResult | None] | None = [None] * world if job.rank == 0 else None
+        dist.gather_object(result, gathered, dst=0, group=group)
+        dist.destroy_process_group(group)
+    if gathered is None:
+        return None
+    for r, offset in zip(gathered, offsets):
+        r.start_ns = r.start_ns - offset
+        r.end_ns = r.end_ns - offset
+    hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank, "launcher": "torchrun",
+                "clock_offsets_ns": offsets}
+    return _merge(spec, lowered, gathered, hardware)
+
+
+def _finished_after(lowered: Lowered, device: int) -> np.ndarray:
+    """After how many of its rows `device` has finished each mini-batch, sorted (for progress)."""
+    rows = lowered.rows(device)
+    minibatch = lowered.table.minibatch[rows.start:rows.stop]
+    return np.sort(np.array([int(np.flatnonzero(minibatch == b)[-1]) + 1 if np.any(minibatch == b) else 0
+                             for b in range(lowered.schedule.minibatches)], dtype=np.int64))
 
 
 # ---------------------------------------------------------------------------------------------- the trace
 
 
-def _merge(spec: RunSpec, lowered: Any, results: list[DeviceResult | None], hardware: dict[str, Any]) -> RunResult:
-    """One measured trace from every device's rows (ranks on one host share the monotonic clock)."""
+def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,
+           timed: dict[int, list[tuple[int, int, int]]] | None = None, failed_rank: int | None = None) -> RunResult:
+    """One measured trace from every device's rows (ranks on one host share the monotonic clock). A run that
+    stopped part-way passes `timed`, the (row, start ns, end ns) heartbeats reported for the devices with no
+    result: its trace holds the rows that ran, is marked incomplete and names `failed_rank`."""
     schedule = lowered.schedule
-    done = [r for r in results if r is not None]
-    if len(done) != schedule.num_devices:
+    complete = timed is None
+    if complete and any(r is None for r in results):
         raise ExecutorError("a device reported nothing")
-    start_ns = np.concatenate([r.start_ns for r in results])
-    end_ns = np.concatenate([r.end_ns for r in results])
-    t0 = int(start_ns.min()) if len(start_ns) else 0
     t = lowered.table
-    ops = Ops(device=t.device, stream=_STREAM_OF_KIND[t.kind], kind=t.kind, stage=t.stage, microbatch=t.microbatch,
-              minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=lowered.version,
-              prediction=lowered.prediction, start_us=(start_ns - t0) / 1e3, dur_us=(end_ns - start_ns) / 1e3)
-    held = np.concatenate([r.held for r in results])
+    start_ns = np.full(len(t.kind), -1, dtype=np.int64)
+    end_ns = np.full(len(t.kind), -1, dtype=np.int64)
+    for d, r in enumerate(results):
+        if r is not None:
+            start_ns[lowered.rows(d).start:lowered.rows(d).stop] = r.start_ns
+            end_ns[lowered.rows(d).start:lowered.rows(d).stop] = r.end_ns
+    # What each op really ran on (the loop reads it off its weights); the lowering's where a device reported
+    # heartbeats only.
+    version, prediction = lowered.version.copy(), lowered.prediction.copy()
+    for d, r in enumerate(results):
+        if r is not None:
+            version[lowered.rows(d).start:lowered.rows(d).stop] = r.version
+            prediction[lowered.rows(d).start:lowered.rows(d).stop] = r.prediction
+    for rows in (timed or {}).values():
+        if rows:
+            index, starts, ends = np.array(rows, dtype=np.int64).T
+            start_ns[index], end_ns[index] = starts, ends
+    ran = end_ns >= 0
+    t0 = int(start_ns[ran].min()) if ran.any() else 0
+    ops = Ops(device=t.device[ran], stream=_STREAM_OF_KIND[t.kind[ran]], kind=t.kind[ran], stage=t.stage[ran],
+              microbatch=t.microbatch[ran], minibatch=t.minibatch[ran], pipeline=t.pipeline[ran], peer=t.peer[ran],
+              version=version[ran], prediction=prediction[ran],
+              start_us=(start_ns[ran] - t0) / 1e3, dur_us=(end_ns[ran] - start_ns[ran]) / 1e3)
     base = 1 + schedule.policy.extra_copies
-    counters = {"weight_versions": [
-        Counter(np.concatenate([[0.0], (end_ns[rows] - t0) / 1e3]), np.concatenate([[base], held[rows]]))
-        for rows in (lowered.rows(d) for d in range(schedule.num_devices))]}
-    losses_by = {key: value for r in results for key, value in r.losses.items()}
+    counters: dict[str, list[Counter]] = {"weight_versions": [], "memory_bytes": []}
+    for d, r in enumerate(results):
+        times_us = np.concatenate([[0.0], (r.end_ns - t0) / 1e3]) if r is not None else np.zeros(1)
+        counters["weight_versions"].append(Counter(times_us, np.concatenate([[base], r.held]) if r is not None
+                                                   else np.array([base])))
+        counters["memory_bytes"].append(Counter(times_us, np.concatenate([[r.memory_bytes[0]], r.memory_bytes])
+                                                if r is not None and len(r.memory_bytes) else np.zeros(len(times_us))))
+    losses_by = {key: value for r in results if r is not None for key, value in r.losses.items()}
     losses = [[losses_by.get((p, b), float("nan")) for b in range(schedule.minibatches)]
               for p in range(schedule.pipelines)]
     meta = TraceMeta(
@@ -174,8 +598,10 @@ def _merge(spec: RunSpec, lowered: Any, results: list[DeviceResult | None], hard
         microbatches=schedule.microbatches, minibatches=schedule.minibatches, pipelines=schedule.pipelines,
         microbatch_size=spec.microbatch_size, placement=list(schedule.placement),
         stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
-        tool=f"pipesim {__version__}", hardware=hardware, seed=spec.seed,
+        tool=f"pipesim {__version__}", hardware=hardware, seed=spec.seed, complete=complete, failed_rank=failed_rank,
         extra={"losses": losses, "optimizer": spec.optimizer, "lr": spec.lr, "dtype": spec.dtype,
+               "bounds": None if spec.bounds is None else list(spec.bounds), "model_options": dict(spec.model_options),
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
-    weights = {key: [torch.from_numpy(w) for w in ws] for r in results for key, ws in r.weights.items()}
+    weights = {key: [torch.from_numpy(w) for w in ws] for r in results if r is not None
+               for key, ws in r.weights.items()}
     return RunResult(Trace(tuple(k.value for k in KINDS), schedule.num_devices, ops, meta, counters), losses, weights)

@@ -48,7 +48,7 @@ from ..schedules import KINDS, Kind, Lowered, ScheduleParams
 from ..workload.optim import elastic_average
 from ..workload.transport import Handle, Transport
 from .backward import PendingWeightGrad, backward_input, backward_weight, full_backward
-from .stages import ExecutorError, RunSpec, Stages, microbatch_data
+from .stages import DivergedError, ExecutorError, RunSpec, Stages, microbatch_data
 from .weights import BufferKey, StageWeights, Weights
 
 Unit = tuple[int, int, int, int]  # (stage, micro-batch, mini-batch, pipeline)
@@ -317,7 +317,7 @@ class DeviceLoop:
         if last:
             value = float(loss.detach())
             if not math.isfinite(value):
-                raise ExecutorError(f"loss is {value} at mini-batch {b} (pipeline {r}) on stage {stage} "
+                raise DivergedError(f"loss is {value} at mini-batch {b} (pipeline {r}) on stage {stage} "
                                     f"(micro-batch {j}): training diverged; lower the learning rate")
             self.losses[(r, b)] = self.losses.get((r, b), 0.0) + value
             outputs = [loss]

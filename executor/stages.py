@@ -26,6 +26,10 @@ class ExecutorError(RuntimeError):
     """A run that cannot start or could not finish; one line saying which part and why."""
 
 
+class DivergedError(ExecutorError):
+    """The loss went non-finite: the training diverged (bad input, not a fault of the run)."""
+
+
 def even_bounds(layers: int, stages: int) -> list[int]:
     """Layer boundaries of `stages` contiguous ranges as even as can be (earlier stages take the extra layers):
     stage k holds layers bounds[k]:bounds[k+1]."""

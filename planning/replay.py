@@ -8,8 +8,10 @@ op durations.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..schedules import ScheduleError, ScheduleParams
-from ..sim import CostError, simulate
+from ..sim import Cluster, CostError, simulate
 from ..traces.trace import Trace, TraceError, TraceMeta
 from .scenario import profile_scenario
 
@@ -35,7 +37,17 @@ def predict_measured(meta: TraceMeta) -> Trace:
     bounds = meta.extra.get("bounds")
     try:
         schedule = scenario.build(meta.schedule, ScheduleParams(**meta.params), bounds)
-        trace = simulate(schedule, scenario.costs(schedule, bounds), scenario.links(schedule))
+        trace = simulate(schedule, scenario.costs(schedule, bounds), _with_shared_gpus(scenario.links(schedule),
+                                                                                      meta.hardware or {}))
     except (ScheduleError, CostError, TypeError) as exc:
         raise TraceError(f"cannot predict the recorded run: {exc}") from None
     return trace
+
+
+def _with_shared_gpus(cluster: Cluster, hardware: dict) -> Cluster:
+    """The cluster with the run's ranks that shared a GPU (rank r on GPU r mod g, as the runner places them)
+    naming one compute resource, so that the simulator serialises their compute as the executor's lock did."""
+    ranks, gpus = int(hardware.get("ranks", 0)), int(hardware.get("gpus") or 0)
+    if hardware.get("device") != "cuda" or not 0 < gpus < ranks:
+        return cluster
+    return replace(cluster, compute=tuple(f"gpu{r % gpus}" for r in range(cluster.num_devices)))

@@ -1,10 +1,11 @@
 """Predicted against measured: two traces of the same schedule matched op by op.
 
 An op's identity is what it does, not when or where: (kind, stage, micro-batch, mini-batch, pipeline, and the
-peer stage of a transfer). Both sources name ops that way, so matching needs no timing and works on an
-incomplete run (what exists is compared, what is missing is counted). Errors are signed, prediction minus
-measurement: a duration error relative to the measured duration, a start error in ms from each trace's own
-first op, the iteration time relative (the headline: (predicted - measured) / measured).
+peer stage of a transfer; ops alike in all of these are numbered in time order). Both sources name ops that
+way, so matching needs no timing and works on an incomplete run (what exists is compared, what is missing is
+counted). Errors are signed, prediction minus measurement: a duration error relative to the measured
+duration, a start error in ms from each trace's own first op, the iteration time relative (the headline:
+(predicted - measured) / measured).
 """
 
 from __future__ import annotations
@@ -104,7 +105,15 @@ def _identities(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarr
 
     def columns(trace: Trace) -> np.ndarray:
         kind = np.array([names.index(k) for k in trace.kinds], dtype=np.int64)[trace.ops.kind]
-        return np.column_stack([kind, *(getattr(trace.ops, c) for c in _IDENTITY)])
+        same = np.column_stack([kind, *(getattr(trace.ops, c) for c in _IDENTITY)])
+        # Ops that share all of that (XPipe's two PREDs of one bellwether, F's then B's) are told apart by
+        # their order in time.
+        group = np.unique(same, axis=0, return_inverse=True)[1].reshape(-1)
+        order = np.lexsort((trace.ops.start_us, group))
+        first = np.searchsorted(group[order], group[order])
+        occurrence = np.empty(len(group), dtype=np.int64)
+        occurrence[order] = np.arange(len(group)) - first
+        return np.column_stack([same, occurrence])
 
     both = np.concatenate([columns(predicted), columns(measured)])
     ids = np.unique(both, axis=0, return_inverse=True)[1].reshape(-1)

@@ -1,0 +1,264 @@
+"""`pipesim run`: execute a schedule for real, train the model, and write the measured trace. Ranks are
+processes this command spawns and supervises on this machine, or, under torchrun, this process is one rank.
+Torch is imported only once the command runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from .common import (
+    InputError,
+    PredictionSource,
+    check_prediction,
+    check_writable,
+    fail,
+    is_given,
+    require_torch,
+    stderr,
+    stdout,
+    write_error,
+)
+
+DEVICES = ("cpu", "cuda")
+
+
+def run(
+    ctx: typer.Context,
+    schedule: Annotated[str, typer.Option(
+        "--schedule", "-s", metavar="NAME", help="Method to run (see `pipesim schedules`).")],
+    model: Annotated[str, typer.Option(
+        "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch (graphpipe's), or package.module:attribute naming a "
+                        "torch.nn.Sequential, a list of modules, or a zero-argument callable returning one.")],
+    trace: Annotated[Path, typer.Option(
+        "--trace", metavar="PATH", help="Measured trace to write (Chrome Trace Event JSON; written whole, also "
+                                        "for a run that stopped part-way, then marked incomplete).")],
+    stages: Annotated[int, typer.Option(
+        "--stages", "-p", metavar="P", min=1, help="Pipeline depth p: devices in one pipeline.")] = 2,
+    chunks: Annotated[int | None, typer.Option(
+        "--chunks", "-v", min=1, metavar="V", help="Model chunks per device (interleaved / V schedules). "
+                                                   "Default: the method's.")] = None,
+    microbatches: Annotated[int, typer.Option(
+        "--microbatches", "-m", metavar="M", min=1, help="Micro-batches per mini-batch m.")] = 4,
+    minibatches: Annotated[int, typer.Option(
+        "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N.")] = 10,
+    pipelines: Annotated[int | None, typer.Option(
+        "--pipelines", "-P", min=1, metavar="P", help="Parallel pipelines sharing the devices (avgpipe; default "
+                                                      "2).")] = None,
+    advance: Annotated[int | None, typer.Option(
+        "--advance", min=0, metavar="A", help="avgpipe: forwards beyond 1F1B's warm-up before the first "
+                                              "backward.")] = None,
+    average_every: Annotated[int, typer.Option(
+        "--average-every", metavar="N", min=1, help="avgpipe: elastic averaging period in mini-batches.")] = 1,
+    elastic_alpha: Annotated[float | None, typer.Option(
+        "--elastic-alpha", metavar="ALPHA", help="avgpipe: elastic averaging coefficient (default 0.9/P).")] = None,
+    prediction: PredictionSource = None,
+    microbatch_size: Annotated[int, typer.Option(
+        "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch (default 8, or the "
+                                                               "profile's).")] = 8,
+    layers: Annotated[int | None, typer.Option(
+        "--layers", help="Built-in models: layers (blocks; per branch for two-branch).")] = None,
+    width: Annotated[int | None, typer.Option(
+        "--width", help="Built-in models: hidden width (channels for cnn and two-branch).")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    backend: Annotated[str, typer.Option(
+        "--backend", help="auto (gloo on CPU; NCCL with a GPU per rank, else host-staged gloo), gloo or "
+                          "nccl.")] = "auto",
+    optimizer: Annotated[str, typer.Option("--optimizer", help="sgd, momentum, adam or adamw.")] = "sgd",
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 0.05,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the model and the data.")] = 0,
+    profile: Annotated[Path | None, typer.Option(
+        "--profile", metavar="JSON", help="Profile from `pipesim calibrate`: its partition gives the stage layer "
+                                          "bounds (and the model's size options).")] = None,
+    threads_per_rank: Annotated[int, typer.Option(
+        "--threads-per-rank", metavar="T", min=1, help="Torch threads per rank.")] = 1,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", metavar="S", help="Seconds a rank waits for a transfer or a process-group operation.")] = 120.0,
+    stall_timeout: Annotated[float, typer.Option(
+        "--stall-timeout", metavar="S", help="Seconds a rank may make no progress before the run is stopped.")] = 20.0,
+    html: Annotated[Path | None, typer.Option(
+        "--html", metavar="PATH", help="Write the timeline page (self-contained HTML).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+) -> None:
+    """Run a schedule for real with torch: train the model with the method's weight semantics and write the
+    measured trace (same schema as `simulate --trace`).
+
+    Spawns one process per device, or, started by torchrun, runs this rank and rank 0 writes the trace.
+    """
+    from ..schedules import METHODS, ScheduleError
+    from ..schedules.catalogue import method_named
+    from ..traces import summarize, write_trace
+
+    try:
+        require_torch("run")
+        from ..executor import ExecutorError, RunSpec
+        from ..executor.runners import RunFailed, TorchrunEnv, run_multiprocess, run_torchrun
+        from ..workload.models import ModelError, build_model
+        from ..workload.optim import OPTIMIZERS
+
+        method = method_named(schedule)
+        for flag, option in (("--advance", "advance"), ("--average-every", "average_every"),
+                             ("--elastic-alpha", "elastic_alpha"), ("--chunks", "chunks"),
+                             ("--pipelines", "pipelines")):
+            readers = [m.name for m in METHODS.values() if m.reads(option)]
+            if is_given(ctx, option) and not method.reads(option):
+                raise InputError(f"{flag} applies to {', '.join(readers)} only (not {schedule})")
+        if elastic_alpha is not None and not 0 < elastic_alpha <= 1:
+            raise InputError(f"--elastic-alpha: must be in (0, 1] (got {elastic_alpha})")
+        if device not in DEVICES:
+            raise InputError(f"--device: choose cpu or cuda (got {device!r})")
+        if backend not in ("auto", "gloo", "nccl"):
+            raise InputError(f"--backend: choose auto, gloo or nccl (got {backend!r})")
+        if optimizer not in OPTIMIZERS:
+            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+        for flag, value in (("--lr", lr), ("--timeout", timeout), ("--stall-timeout", stall_timeout)):
+            if not 0 < value < math.inf:
+                raise InputError(f"{flag}: give a finite number > 0 (got {value})")
+        check_prediction(prediction)
+        check_writable("--trace", trace)
+        check_writable("--html", html)
+        options = {key: value for key, value in (("layers", layers), ("width", width)) if value is not None}
+        bounds, measured = None, None
+        if profile is not None:
+            measured, bounds, options = _partition(profile, model, options)
+            profiled_b = measured.environment.microbatch_size
+            if is_given(ctx, "microbatch_size") and microbatch_size != profiled_b:
+                raise InputError(f"--microbatch-size {microbatch_size}: the profile {profile} was measured at "
+                                 f"{profiled_b} samples per micro-batch, and its times hold there only; drop the "
+                                 "flag or recalibrate")
+            microbatch_size = profiled_b
+        built = method.build(method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
+                                           average_every=average_every, elastic_alpha=elastic_alpha,
+                                           prediction=prediction))
+        if bounds is not None and len(bounds) - 1 != built.num_stages:
+            raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
+                             f"{stages} devices has {built.num_stages}; calibrate with --stages "
+                             f"{built.num_stages} or drop --profile")
+        try:
+            build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
+        except ModelError as exc:
+            raise InputError(str(exc)) from None
+        spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
+                       seed=seed, bounds=bounds, threads_per_rank=threads_per_rank, timeout_s=timeout)
+        job = TorchrunEnv.detect()
+        failure = None
+        with _progress_bar(minibatches, disable=as_json or (job is not None and job.rank != 0)) as show:
+            try:
+                if job is None:
+                    result = run_multiprocess(spec, device=device, backend=backend, stall_timeout_s=stall_timeout,
+                                              on_progress=show)
+                else:
+                    result = run_torchrun(spec, job, device=device, backend=backend, on_progress=show)
+            except RunFailed as exc:
+                failure, result = exc, exc.result
+        if result is None:  # a torchrun rank other than 0: rank 0 reports
+            return
+        if measured is not None:  # what `pipesim compare` predicts the run from
+            result.trace.meta.extra["profile"] = measured.model_dump(mode="json")
+        write_trace(result.trace, trace)
+        if failure is not None:
+            stdout.print(f"wrote {trace} (incomplete)", highlight=False)
+            if failure.diverged:
+                raise InputError(str(failure))
+            stderr.print(f"[bold red]error:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
+            raise SystemExit(1)  # not bad input: the run itself failed
+        summary = summarize(result.trace)
+        if html is not None:
+            from ..traces.view import write_timeline_page
+
+            write_timeline_page([result.trace], html, title=f"pipesim run: {schedule} (measured)",
+                                labels=[f"{schedule} measured"], summaries=[summary])
+    except (InputError, ScheduleError) as exc:
+        fail(str(exc))
+    except ExecutorError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(write_error(exc))
+    if as_json:
+        sys.stdout.write(json.dumps(_document(result, summary, trace, html), indent=2) + "\n")
+    else:
+        _print_table(result, summary, trace, html)
+
+
+def _partition(path: Path, model: str, options: dict[str, int]):
+    """The profile, the stage bounds its partition gives, and the model options it was calibrated with (those
+    given on the command line must agree). A profile of another model is refused."""
+    from ..profiles.schema import ProfileError, load_profile
+
+    try:
+        measured = load_profile(path)
+    except ProfileError as exc:
+        raise InputError(f"--profile: {exc}") from None
+    if measured.model.name != model:
+        raise InputError(f"--profile {path}: it profiles model {measured.model.name!r}, not {model!r}; give "
+                         f"--model {measured.model.name} or a profile of {model}")
+    clash = [key for key, value in options.items() if measured.model.options.get(key) != value]
+    if clash:
+        raise InputError(f"--{clash[0]} {options[clash[0]]}: the profile {path} was calibrated with "
+                         f"{clash[0]} {measured.model.options.get(clash[0])}; drop the flag or recalibrate")
+    return measured, tuple(measured.partition.bounds), dict(measured.model.options)
+
+
+@contextmanager
+def _progress_bar(minibatches: int, disable: bool):
+    """A progress bar on an interactive terminal: mini-batches every device has finished, and the last loss.
+    Yields the runner's `on_progress`."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=stderr, transient=True, disable=disable or not stderr.is_terminal) as bar:
+        task = bar.add_task("training", total=minibatches)
+
+        def show(progress) -> None:
+            loss = "" if progress.last_loss is None else f", loss {progress.last_loss:.4g}"
+            bar.update(task, completed=progress.minibatches_done, description=f"training{loss}")
+
+        yield show
+
+
+def _loss_ends(result) -> tuple[float, float]:
+    """The first and last mini-batch's loss, averaged over the pipelines."""
+    first = sum(losses[0] for losses in result.losses) / len(result.losses)
+    last = sum(losses[-1] for losses in result.losses) / len(result.losses)
+    return first, last
+
+
+def _document(result, summary, trace: Path, html: Path | None) -> dict:
+    first, last = _loss_ends(result)
+    meta = result.trace.meta
+    return {"schedule": meta.schedule, "ms_per_step": summary.time_per_minibatch_ms,
+            "samples_per_s": summary.samples_per_s, "makespan_ms": summary.makespan_ms,
+            "bubble_fraction": summary.bubble_fraction, "loss_first": first, "loss_last": last,
+            "losses": result.losses, "hardware": meta.hardware, "complete": meta.complete,
+            "devices": [{"device": d.device, "busy_ms": d.busy_ms, "peak_memory_mb": d.peak_memory_mb}
+                        for d in summary.devices],
+            "trace": str(trace), "html": None if html is None else str(html)}
+
+
+def _print_table(result, summary, trace: Path, html: Path | None) -> None:
+    meta = result.trace.meta
+    hardware = meta.hardware or {}
+    first, last = _loss_ends(result)
+    table = Table(title=f"{meta.schedule} measured: {meta.minibatches} mini-batches of {meta.microbatches} x "
+                        f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks over "
+                        f"{hardware.get('transport')} ({hardware.get('device')})",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  caption="step: one mini-batch in steady state (from the second mini-batch's end on)",
+                  caption_justify="left")
+    for header in ("ms/step", "samples/s", "loss first -> last", "peak MiB per device"):
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_row(f"{summary.time_per_minibatch_ms:.2f}", f"{summary.samples_per_s:,.1f}",
+                  f"{first:.4g} -> {last:.4g}",
+                  ", ".join(f"{d.device}: {d.peak_memory_mb:,.2f}" for d in summary.devices))
+    stdout.print(table)
+    for path in (trace, *([html] if html else [])):
+        stdout.print(f"wrote {path}", highlight=False)

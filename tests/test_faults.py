@@ -1,0 +1,116 @@
+"""Faults in `pipesim run`: a rank killed or stopped mid-run, and Ctrl-C. The command stops every rank, names
+the one at fault and its last action, writes the incomplete trace, and leaves no process behind.
+
+The fault is injected deterministically with PIPESIM_TEST_FAULT=RANK:ROWS:SIGNAL (test-only, read by the rank
+wrapper in executor/runners.py): rank RANK sends itself SIGNAL after its ROWS-th row.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipesim.executor.runners import FAULT_ENV
+from pipesim.schedules import lower
+from pipesim.traces import read_trace
+from tests.conftest import build
+
+pytestmark = pytest.mark.slow
+
+MINIBATCHES = 1000  # far longer than a test waits: every run here ends by its fault
+RUN = ["--schedule", "1f1b", "--model", "mlp", "--layers", "3", "--width", "64", "--stages", "2",
+       "--microbatches", "4", "--minibatches", str(MINIBATCHES), "--stall-timeout", "3"]
+BOUND_S = 60  # a hung command fails the test here (start-up included) instead of hanging the suite
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid`, from /proc."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped (a zombie has ended)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _launch(tmp_path: Path, fault: str | None) -> subprocess.Popen:
+    env = {name: value for name, value in os.environ.items() if name != FAULT_ENV}
+    if fault is not None:
+        env[FAULT_ENV] = fault
+    return subprocess.Popen([sys.executable, "-m", "pipesim.cli", "run", *RUN, "--trace", str(tmp_path / "t.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+
+
+def _watch(proc: subprocess.Popen, until=None) -> set[int]:
+    """Every process the command started (its children, the ranks among them), polled until it exits or
+    `until(seen)` says to stop watching."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + BOUND_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen |= _children(proc.pid)
+        if until is not None and until(seen):
+            break
+        time.sleep(0.05)
+    return seen
+
+
+def _none_left(pids: set[int]) -> bool:
+    deadline = time.monotonic() + 10  # the ranks are reaped already; give stragglers (resource tracker) a moment
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("1:12:KILL", "rank 1 was killed by signal 9 (last action 1"),
+    ("1:12:STOP", "rank 1 made no progress for 3 s (last action 1"),
+])
+def test_a_rank_that_dies_or_stops_ends_the_run(tmp_path, fault, message):
+    proc = _launch(tmp_path, fault)
+    seen = _watch(proc)
+    out, err = proc.communicate(timeout=BOUND_S)
+    assert proc.returncode == 1, err
+    assert message in err and "Traceback" not in err
+    assert len(seen) >= 2 and _none_left(seen)
+    trace = read_trace(tmp_path / "t.json")
+    assert not trace.meta.complete and trace.meta.failed_rank == 1
+    all_rows = len(lower(build("1f1b", 2, 4, MINIBATCHES)).table.kind)
+    assert 0 < (trace.ops.device == 1).sum() and len(trace.ops) < all_rows  # what ran before the fault
+
+
+def test_ctrl_c_ends_every_rank(tmp_path):
+    proc = _launch(tmp_path, None)
+    ranks = _watch(proc, until=lambda seen: sum("spawn_main" in _cmdline(pid) for pid in seen) >= 2)
+    time.sleep(2)  # into the run
+    ranks |= _children(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C: the whole foreground group
+    out, err = proc.communicate(timeout=BOUND_S)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert _none_left(ranks)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_text()
+    except OSError:
+        return ""

@@ -1,0 +1,187 @@
+"""`pipesim run`: trains for real over gloo ranks and writes the measured trace; bad input is one line, exit 2,
+no traceback and no output file."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pipesim.schedules import lower
+from pipesim.traces import read_trace
+from tests.conftest import build, pipesim
+
+# A task a few steps of SGD learn (the class is where the first four features peak), so "the loss falls" does
+# not depend on the built-in models' data. Ranks import it from the working folder, as `--model` allows.
+LEARNABLE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipesim.workload.models import Model
+
+
+def model():
+    def make(b, gen):
+        x = torch.randn(b, 16, generator=gen)
+        return x, x[:, :4].argmax(dim=1)
+
+    layers = [nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
+              nn.Linear(32, 4)]
+    return Model("peak", layers, make, lambda out, target: F.cross_entropy(out, target))
+'''
+
+SMALL_MLP = ["--model", "mlp", "--layers", "3", "--width", "16", "--microbatch-size", "4"]
+
+
+@pytest.fixture
+def learnable(tmp_path, monkeypatch):
+    (tmp_path / "peak_task.py").write_text(LEARNABLE)
+    monkeypatch.chdir(tmp_path)
+    return "peak_task:model"
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_train_and_the_trace_reads_back(learnable, tmp_path):
+    trace, html = tmp_path / "t.json", tmp_path / "t.html"
+    code, out, err = pipesim("run", "--schedule", "1f1b", "--model", learnable, "--stages", 2, "--microbatches", 4,
+                             "--minibatches", 30, "--microbatch-size", 16, "--optimizer", "adam", "--lr", 0.01,
+                             "--trace", trace, "--html", html, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    losses = document["losses"][0]
+    assert len(losses) == 30 and sum(losses[-5:]) < 0.6 * sum(losses[:5])  # about 1.35 -> 0.4
+    assert (document["loss_first"], document["loss_last"]) == (losses[0], losses[-1])
+    assert document["complete"] and document["hardware"]["backend"] == "gloo"
+    assert [d["device"] for d in document["devices"]] == [0, 1]
+    assert all(d["peak_memory_mb"] > 0 for d in document["devices"])
+    measured = read_trace(trace)
+    assert measured.meta.source == "measured" and measured.meta.complete and measured.meta.failed_rank is None
+    assert len(measured.ops) == len(lower(build("1f1b", 2, 4, 30)).table.kind)  # every row ran and is there
+    assert (measured.ops.dur_us >= 0).all()
+    assert measured.meta.extra["losses"][0] == document["losses"][0]
+    assert html.read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.slow
+def test_the_table_names_step_time_loss_memory_and_the_trace(learnable, tmp_path):
+    trace = tmp_path / "t.json"
+    code, out, err = pipesim("run", "--schedule", "gpipe", "--model", learnable, "--stages", 2, "--microbatches", 2,
+                             "--minibatches", 3, "--trace", trace)
+    assert code == 0, err
+    for text in ("ms/step", "samples/s", "loss first -> last", "peak MiB per device", f"wrote {trace}"):
+        assert text in out
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    """A 2-stage partition of the small mlp (4 layers), calibrated here without links."""
+    path = tmp_path_factory.mktemp("profile") / "mlp.json"
+    code, _, err = pipesim("calibrate", *SMALL_MLP, "--stages", 2, "--no-links", "--repeats", 1, "--warmup", 0,
+                           "--out", path)
+    assert code == 0, err
+    return path
+
+
+BAD = {
+    "unknown schedule": (["--schedule", "nope", *SMALL_MLP], "unknown schedule 'nope'"),
+    "more stages than layers": (["--schedule", "1f1b", *SMALL_MLP, "--stages", 5],
+                                "cannot cut 4 layers into 5 stages"),
+    "nccl without a GPU": (["--schedule", "1f1b", *SMALL_MLP, "--backend", "nccl"], "backend 'nccl'"),
+    "unknown optimizer": (["--schedule", "1f1b", *SMALL_MLP, "--optimizer", "lion"], "--optimizer"),
+    "learning rate not positive": (["--schedule", "1f1b", *SMALL_MLP, "--lr", 0], "--lr"),
+    "option of another method": (["--schedule", "1f1b", *SMALL_MLP, "--elastic-alpha", 0.5], "--elastic-alpha"),
+    "unknown model option": (["--schedule", "1f1b", "--model", "mlp", "--layers", 0], "--layers"),
+}
+
+
+@pytest.mark.parametrize("args, message", BAD.values(), ids=BAD.keys())
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+    trace = tmp_path / "t.json"
+    code, out, err = pipesim("run", *args, "--microbatches", 2, "--minibatches", 1, "--trace", trace,
+                             "--html", tmp_path / "t.html")
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stages, model, message", [
+    (3, "mlp", "its partition has 2 stages, but 1f1b on 3 devices has 3"),
+    (2, "cnn", "it profiles model 'mlp', not 'cnn'"),
+])
+def test_a_profile_that_does_not_match_is_refused(tmp_path, profile, stages, model, message):
+    trace = tmp_path / "t.json"
+    code, _, err = pipesim("run", "--schedule", "1f1b", "--model", model, "--stages", stages, "--microbatches", 2,
+                           "--minibatches", 1, "--profile", profile, "--trace", trace)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not trace.exists()
+
+
+def test_a_torchrun_world_of_another_size_is_refused(tmp_path, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+    trace = tmp_path / "t.json"
+    code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
+                           "--minibatches", 1, "--trace", trace)
+    assert code == 2 and "torchrun started 3 ranks" in err and "runs on 2 devices" in err
+    assert len(err.strip().splitlines()) == 1 and not trace.exists()
+
+
+@pytest.mark.slow
+def test_a_diverging_learning_rate_stops_at_its_minibatch_and_keeps_the_trace(tmp_path):
+    trace, html = tmp_path / "t.json", tmp_path / "t.html"
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
+                             "--minibatches", 20, "--lr", 1e8, "--trace", trace, "--html", html)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "training diverged" in err and "at mini-batch" in err and "rank 1" in err
+    assert f"wrote {trace} (incomplete)" in out and not html.exists()
+    measured = read_trace(trace)
+    assert not measured.meta.complete and measured.meta.failed_rank == 1
+    assert any(math.isnan(loss) for loss in measured.meta.extra["losses"][0])
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_gathers_and_writes_the_trace(learnable, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trace = tmp_path / "t.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(port), "-m", "pipesim.cli", "run", "--schedule", "1f1b", "--model", learnable,
+                           "--stages", "2", "--microbatches", "2", "--minibatches", "3", "--trace", str(trace),
+                           "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)  # rank 0 alone prints
+    assert document["hardware"]["launcher"] == "torchrun" and document["hardware"]["clock_offsets_ns"] == [0, 0]
+    measured = read_trace(trace)
+    assert measured.meta.complete and len(measured.ops) == len(lower(build("1f1b", 2, 2, 3)).table.kind)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_profile_is_predicted_again_from_it_and_compared_op_by_op(tmp_path, profile):
+    """calibrate -> run --profile -> compare MEASURED: the run records its profile, the simulator predicts the
+    same schedule from it, every op matches, and the weight versions the executor used are the predicted ones
+    (XPipe with the counted distances: versions and prediction both follow the order)."""
+    trace = tmp_path / "m.json"
+    code, _, err = pipesim("run", "--schedule", "xpipe", *SMALL_MLP, "--stages", 2, "--microbatches", 2,
+                           "--minibatches", 4, "--optimizer", "adam", "--prediction", "counted", "--profile", profile,
+                           "--trace", trace)
+    assert code == 0, err
+    measured = read_trace(trace)
+    assert measured.meta.params["prediction"] == "counted" and measured.meta.extra["profile"]["model"]["name"] == "mlp"
+    code, out, err = pipesim("compare", trace, "--json")
+    assert code == 0, err
+    c = json.loads(out)
+    assert c["missing_in_measured"] == c["missing_in_predicted"] == 0 and c["matched_ops"] == len(measured.ops)
+    assert c["version_mismatches"] == 0 and c["notes"] == []
+    assert np.isfinite(c["iteration_time_error"])
+    code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatch-size", 8, "--profile", profile,
+                           "--trace", tmp_path / "x.json")
+    assert code == 2 and "measured at 4 samples per micro-batch" in err
