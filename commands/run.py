@@ -238,6 +238,7 @@ def _document(result, summary, trace: Path, html: Path | None) -> dict:
     return {"schedule": meta.schedule, "ms_per_step": summary.time_per_minibatch_ms,
             "samples_per_s": summary.samples_per_s, "makespan_ms": summary.makespan_ms,
             "bubble_fraction": summary.bubble_fraction, "loss_first": first, "loss_last": last,
+            "heldout": meta.extra.get("heldout"),
             "losses": result.losses, "hardware": meta.hardware, "complete": meta.complete,
             "devices": [{"device": d.device, "busy_ms": d.busy_ms, "peak_memory_mb": d.peak_memory_mb}
                         for d in summary.devices],
@@ -254,10 +255,13 @@ def _print_table(result, summary, trace: Path, html: Path | None) -> None:
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="step: one mini-batch in steady state (from the second mini-batch's end on)",
                   caption_justify="left")
-    for header in ("ms/step", "samples/s", "loss first -> last", "peak MiB per device"):
+    heldout = meta.extra.get("heldout") or {}
+    held = "-" if not heldout else f"{heldout['loss']:.4g}" + (
+        f" / {heldout['accuracy']:.1%}" if "accuracy" in heldout else "")
+    for header in ("ms/step", "samples/s", "loss first -> last", "held-out loss / acc", "peak MiB per device"):
         table.add_column(header, justify="right", no_wrap=True)
     table.add_row(f"{summary.time_per_minibatch_ms:.2f}", f"{summary.samples_per_s:,.1f}",
-                  f"{first:.4g} -> {last:.4g}",
+                  f"{first:.4g} -> {last:.4g}", held,
                   ", ".join(f"{d.device}: {d.peak_memory_mb:,.2f}" for d in summary.devices))
     stdout.print(table)
     for path in (trace, *([html] if html else [])):

@@ -30,7 +30,7 @@ from ..schedules.ir import Action, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from ..workload.transport import InProcessTransport, TransportChoice, TransportError, choose_transport, connect
 from .runtime import DeviceLoop, DeviceResult
-from .stages import DivergedError, ExecutorError, RunSpec, cut
+from .stages import DivergedError, ExecutorError, RunSpec, cut, heldout_scores
 
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
 
@@ -604,4 +604,6 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
     weights = {key: [torch.from_numpy(w) for w in ws] for r in results if r is not None
                for key, ws in r.weights.items()}
+    if complete:
+        meta.extra["heldout"] = heldout_scores(spec, weights)
     return RunResult(Trace(tuple(k.value for k in KINDS), schedule.num_devices, ops, meta, counters), losses, weights)

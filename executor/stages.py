@@ -233,3 +233,22 @@ def cut(spec: RunSpec, model: Model | None = None) -> Stages:
                            [shaped[e] for e in out_edges[k]]) for k in range(p)]
     edge_shapes = {e: (sum(math.prod(shape) for _, shape in outs),) for e, outs in shaped.items()}
     return Stages(model, bounds, modules, in_edges, out_edges, reads_batch, edge_shapes, edge_dtypes)
+
+
+@torch.no_grad()
+def heldout_scores(spec: RunSpec, weights: dict[tuple[int, int], list[torch.Tensor]],
+                   pipeline: int = 0) -> dict[str, float] | None:
+    """The trained model (pipeline `pipeline`'s replica of every stage, `weights` keyed (stage, pipeline) in
+    each stage module's parameter order) scored on its model's held-out set: loss, and accuracy for a
+    classifier. None when the model has no held-out set or a stage's weights are missing."""
+    stages = cut(spec)
+    model = stages.model
+    if model.heldout is None or any((k, pipeline) not in weights for k in range(len(stages.modules))):
+        return None
+    for k, module in enumerate(stages.modules):
+        for parameter, trained in zip(module.parameters(), weights[(k, pipeline)]):
+            parameter.copy_(trained)
+    x, target = model.heldout
+    if x.is_floating_point():
+        x = x.to(spec.torch_dtype)
+    return model.score(model.forward(x), target)

@@ -89,8 +89,11 @@ class StageWeights:
         self.predicted.pop(key, None)
 
     def accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Add one micro-batch's weight gradients to the mini-batch's; the first ones become the buffer (autograd
+        returns fresh tensors), sparing a pass over the weights per mini-batch."""
         if self.grads is None:
-            self.grads = [torch.zeros_like(w) for w in self.current]
+            self.grads = [torch.zeros_like(w) if g is None else g for w, g in zip(self.current, grads)]
+            return
         for buffer, grad in zip(self.grads, grads):
             if grad is not None:
                 buffer.add_(grad)

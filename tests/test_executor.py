@@ -186,7 +186,7 @@ def _stage_and_input(which: str):
     torch.manual_seed(1)
     if which == "mlp":
         module = nn.Sequential(*mlp(4, 16).layers[:4]).double()
-        x = torch.randn(8, 16, dtype=torch.float64)
+        x = torch.randn(8, 64, dtype=torch.float64)
     else:
         module = nn.Sequential(*gpt(2, 32, 4, 8, 50).layers[1:3]).double()
         x = torch.randn(2, 8, 32, dtype=torch.float64)
@@ -223,7 +223,7 @@ def test_split_backward_does_not_recompute_the_input_chain():
     """I runs only the input-gradient products and W only the weight-gradient ones: I + W do B's matrix
     products, no more. Prints (I + W) / B for a 4-layer MLP stage, one thread; asserts nothing about time."""
     torch.manual_seed(0)
-    module = nn.Sequential(*mlp(4, 512).layers[:4])
+    module = nn.Sequential(*mlp(5, 512).layers[1:5])  # four width x width blocks (the first reads 64 features)
     names = [name for name, _ in module.named_parameters()]
     weights = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
     x0, grad = torch.randn(64, 512), torch.randn(64, 512)

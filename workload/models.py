@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipesim.workload import data
+
 MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
 
@@ -30,8 +32,9 @@ class ModelError(ValueError):
 
 @dataclass
 class Model:
-    """`make_batch(b, generator)` returns (the first layer's input, the loss target) for b samples;
-    `loss(output, target)` is the scalar the last layer's output feeds."""
+    """`make_batch(b, generator)` returns (the first layer's input, the loss target) for b training samples;
+    `loss(output, target)` is the scalar the last layer's output feeds. `heldout` is (input, target) never
+    trained on, which `score` rates after training; `classifier` adds accuracy to the score."""
 
     name: str
     layers: list[nn.Module]
@@ -39,6 +42,8 @@ class Model:
     loss: Callable[[torch.Tensor, Any], torch.Tensor]
     inputs: list[tuple[int, ...]] = field(default_factory=list)
     options: dict[str, int] = field(default_factory=dict)
+    heldout: tuple[torch.Tensor, Any] | None = None
+    classifier: bool = False
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -56,16 +61,35 @@ class Model:
     def layer_names(self) -> list[str]:
         return [f"{i}:{type(layer).__name__}" for i, layer in enumerate(self.layers)]
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole model on a batch, its layers wired as `inputs` says."""
+        outputs = {BATCH: x}
+        for i, (layer, reads) in enumerate(zip(self.layers, self.inputs)):
+            outputs[i] = layer(*(outputs[s] for s in reads))
+        return outputs[len(self.layers) - 1]
+
+    def score(self, output: torch.Tensor, target: Any) -> dict[str, float]:
+        """The loss and, for a classifier, the fraction of positions whose top class is the target."""
+        output = output.detach()
+        scores = {"loss": float(self.loss(output, target))}
+        if self.classifier:
+            scores["accuracy"] = float((output.argmax(-1) == target).float().mean())
+        return scores
+
 
 def _classify(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross entropy in float32 whatever the model's dtype, over every leading position."""
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
-def _images(classes: int) -> Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
-    def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(b, 3, 32, 32, generator=gen), torch.randint(0, classes, (b,), generator=gen)
-    return make
+def _digit_images(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    features, labels = data.digit_batch(b, gen)
+    return data.as_images(features), labels
+
+
+def _heldout_images() -> tuple[torch.Tensor, torch.Tensor]:
+    split = data.digits()
+    return data.as_images(split.heldout_x), split.heldout_y
 
 
 def _positive(**values: int) -> None:
@@ -74,20 +98,32 @@ def _positive(**values: int) -> None:
             raise ModelError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
 
 
-def mlp(layers: int = 8, width: int = 512) -> Model:
-    """`layers` Linear+ReLU blocks of `width`, then a 10-way classifier."""
-    _positive(layers=layers, width=width)
-    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)]
-    blocks.append(nn.Linear(width, 10))
+def _relu_linear(inputs: int, outputs: int) -> nn.Linear:
+    """A linear layer initialised for a ReLU after it (He et al.): a deep stack then keeps its signal, so plain
+    SGD trains the mlp at any depth (torch's default init shrinks it layer by layer)."""
+    layer = nn.Linear(inputs, outputs)
+    nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+    nn.init.zeros_(layer.bias)
+    return layer
 
-    def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(b, width, generator=gen), torch.randint(0, 10, (b,), generator=gen)
-    return Model("mlp", blocks, make, _classify)
+
+def mlp(layers: int = 8, width: int = 512) -> Model:
+    """`layers` Linear+ReLU blocks of `width` (the first reads the 64 digit pixels), then a 10-way
+    classifier; trains on digits."""
+    _positive(layers=layers, width=width)
+    features = data.DIGIT_SIDE ** 2
+    blocks: list[nn.Module] = [nn.Sequential(_relu_linear(width if i else features, width), nn.ReLU())
+                               for i in range(layers)]
+    blocks.append(nn.Linear(width, data.DIGIT_CLASSES))
+    split = data.digits()
+    return Model("mlp", blocks, data.digit_batch, _classify, heldout=(split.heldout_x, split.heldout_y),
+                 classifier=True)
 
 
 def cnn(layers: int = 6, width: int = 32) -> Model:
     """VGG-style for 32x32 images: 3x3 conv+ReLU layers, channels doubling (up to 512, as VGG's) and a
-    2x2 max-pool after every second one (down to 1x1), then a 10-way linear classifier."""
+    2x2 max-pool after every second one (down to 1x1), then a 10-way linear classifier; trains on digits
+    upsampled to 32x32 and repeated to 3 channels."""
     _positive(layers=layers, width=width)
     blocks: list[nn.Module] = []
     channels, side = 3, 32
@@ -99,8 +135,8 @@ def cnn(layers: int = 6, width: int = 32) -> Model:
             side //= 2
         blocks.append(nn.Sequential(*parts))
         channels = out
-    blocks.append(nn.Sequential(nn.Flatten(), nn.Linear(channels * side * side, 10)))
-    return Model("cnn", blocks, _images(10), _classify)
+    blocks.append(nn.Sequential(nn.Flatten(), nn.Linear(channels * side * side, data.DIGIT_CLASSES)))
+    return Model("cnn", blocks, _digit_images, _classify, heldout=_heldout_images(), classifier=True)
 
 
 class _Embed(nn.Module):
@@ -134,7 +170,8 @@ class _Block(nn.Module):
 
 def gpt(layers: int = 4, width: int = 256, heads: int = 4, seq_len: int = 128, vocab: int = 2048) -> Model:
     """GPT-style decoder: token+position embedding, `layers` blocks, LayerNorm and a vocabulary head;
-    next-token cross entropy on random tokens."""
+    next-token cross entropy on the token task of `workload.data` (a fixed successor rule with 10 % noise;
+    its loss floor is `data.token_loss_floor(vocab)`)."""
     _positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
     if width % heads:
         raise ModelError(f"--width ({width}) must be a multiple of --heads ({heads})")
@@ -143,9 +180,8 @@ def gpt(layers: int = 4, width: int = 256, heads: int = 4, seq_len: int = 128, v
     blocks.append(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab)))
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, vocab, (b, seq_len + 1), generator=gen)
-        return tokens[:, :-1], tokens[:, 1:]
-    return Model("gpt", blocks, make, _classify)
+        return data.token_batch(b, seq_len, vocab, gen)
+    return Model("gpt", blocks, make, _classify, heldout=data.token_heldout(seq_len, vocab), classifier=True)
 
 
 class _Merge(nn.Module):
@@ -163,7 +199,7 @@ class _Merge(nn.Module):
 def two_branch(layers: int = 2, width: int = 32) -> Model:
     """A stem, two branches of `layers` conv layers each (3x3 convs of `width` channels; 5x5 convs of
     half as many), and a head that merges them: GraphPipe's case, branches that can run side by side.
-    Layers are stem, branch a, branch b, head; `inputs` holds the DAG."""
+    Layers are stem, branch a, branch b, head; `inputs` holds the DAG. Trains on digits as the cnn does."""
     _positive(layers=layers, width=width)
     narrow = max(1, width // 2)
     stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
@@ -173,8 +209,8 @@ def two_branch(layers: int = 2, width: int = 32) -> Model:
     a = list(range(1, 1 + layers))
     b = list(range(1 + layers, 1 + 2 * layers))
     inputs = [(BATCH,), *[(i - 1,) for i in a], (0,), *[(i - 1,) for i in b[1:]], (a[-1], b[-1])]
-    return Model("two-branch", [stem, *first, *second, _Merge(width + narrow, 10)], _images(10), _classify,
-                 inputs)
+    return Model("two-branch", [stem, *first, *second, _Merge(width + narrow, data.DIGIT_CLASSES)], _digit_images,
+                 _classify, inputs, heldout=_heldout_images(), classifier=True)
 
 
 MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "two-branch": two_branch}

@@ -1,0 +1,173 @@
+"""pipesim's executor against torch.distributed.pipelining on the same model, partition and micro-batches.
+
+Both sides: the built-in mlp (default 8 Linear(1024)+ReLU blocks and a classifier), cut evenly over the
+ranks by `executor.cut`, gloo on CPU, one process and one intra-op thread per rank, SGD, micro-batches from
+`executor.microbatch_data`. pipesim runs `run_multiprocess`; torch runs `PipelineStage` with `ScheduleGPipe`
+or `Schedule1F1B`, each rank timing `schedule.step` plus the optimizer step. A mini-batch's time is the gap
+between the moments the last rank finishes it and the one before (ranks share the host's monotonic clock),
+the same measure on both sides. Warm-up mini-batches are dropped; each repeat is a fresh set of processes.
+The noise floor is pipesim run twice on the same configuration: the ratio of the two medians.
+
+    python benchmarks/bench_executor.py            # b=32, m=8, 2 ranks, 5 repeats of 2+10 mini-batches
+    python benchmarks/bench_executor.py --quick    # smaller model, fewer repeats: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipesim.executor import RunSpec, cut, microbatch_data, run_multiprocess
+from pipesim.schedules import ScheduleParams, build_schedule
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+@dataclass(frozen=True)
+class Config:
+    method: str
+    ranks: int
+    microbatches: int
+    microbatch_size: int
+    layers: int
+    width: int
+    warmup: int
+    steps: int
+    lr: float = 0.01
+
+    def spec(self) -> RunSpec:
+        params = ScheduleParams(stages=self.ranks, microbatches=self.microbatches,
+                                minibatches=self.warmup + self.steps)
+        return RunSpec(schedule=build_schedule(self.method, params), model="mlp",
+                       model_options={"layers": self.layers, "width": self.width},
+                       microbatch_size=self.microbatch_size, lr=self.lr, threads_per_rank=1, timeout_s=600.0)
+
+
+def _step_ms(finished_ns: np.ndarray, warmup: int) -> list[float]:
+    """Per mini-batch ms from the moments each one finished, the warm-up ones dropped."""
+    return list(np.diff(finished_ns.astype(np.float64))[max(warmup - 1, 0):] / 1e6)
+
+
+def pipesim_steps(config: Config) -> list[float]:
+    """One run of pipesim's executor; a mini-batch finishes when its last row on any device ends."""
+    ops = run_multiprocess(config.spec()).trace.ops
+    ends_us = ops.start_us + ops.dur_us
+    finished_us = np.array([ends_us[ops.minibatch == b].max() for b in range(config.warmup + config.steps)])
+    return _step_ms(finished_us * 1e3, config.warmup)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torch_rank(rank: int, config: Config, port: int, out: str) -> None:
+    from torch.distributed import pipelining
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=config.ranks, init_method=f"tcp://127.0.0.1:{port}")
+    spec = config.spec()
+    stages = cut(spec)
+    module = stages.modules[rank]
+    edge = (rank - 1, rank)
+    example = (microbatch_data(spec, stages.model, 0, 0)[0] if rank == 0
+               else torch.zeros(stages.edge_shapes[edge], dtype=stages.edge_dtypes[edge]))
+    stage = pipelining.PipelineStage(module, rank, config.ranks, torch.device("cpu"), input_args=example)
+    schedule = getattr(pipelining, TORCH_SCHEDULES[config.method])(stage, config.microbatches,
+                                                                   loss_fn=stages.model.loss)
+    optimizer = torch.optim.SGD(module.parameters(), lr=config.lr)
+    finished_ns = []
+    dist.barrier()
+    for b in range(config.warmup + config.steps):
+        batches = [microbatch_data(spec, stages.model, b, j) for j in range(config.microbatches)]
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(torch.cat([x for x, _ in batches]))
+        elif rank == config.ranks - 1:
+            schedule.step(target=torch.cat([t for _, t in batches]))
+        else:
+            schedule.step()
+        optimizer.step()
+        finished_ns.append(time.monotonic_ns())
+    Path(out, f"rank{rank}.json").write_text(json.dumps(finished_ns))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def torch_steps(config: Config) -> list[float]:
+    """One run under torch.distributed.pipelining, in its own spawned processes."""
+    with tempfile.TemporaryDirectory() as out:
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            mp.start_processes(_torch_rank, args=(config, _free_port(), out), nprocs=config.ranks,
+                               start_method="spawn")
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS")
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(config.ranks)]
+    return _step_ms(np.max(np.array(per_rank, dtype=np.int64), axis=0), config.warmup)
+
+
+def _summary(samples: list[float]) -> str:
+    q1, q3 = np.percentile(samples, [25, 75])
+    return f"{statistics.median(samples):8.2f} [{q1:.2f}, {q3:.2f}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", nargs="+", choices=list(TORCH_SCHEDULES), default=list(TORCH_SCHEDULES))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatch-size", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=2, help="mini-batches dropped at the start of each run")
+    parser.add_argument("--steps", type=int, default=10, help="mini-batches timed per run")
+    parser.add_argument("--repeats", type=int, default=5, help="fresh runs per side")
+    parser.add_argument("--quick", action="store_true", help="width 256, 1 warm-up, 4 steps, 2 repeats")
+    args = parser.parse_args()
+    if args.quick:
+        args.width, args.warmup, args.steps, args.repeats = 256, 1, 4, 2
+    for name in ("ranks", "microbatches", "microbatch_size", "layers", "width", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1: the first mini-batch has no earlier finish to measure from")
+
+    print(f"mlp {args.layers}x{args.width}, b={args.microbatch_size}, m={args.microbatches}, {args.ranks} ranks, "
+          f"gloo CPU, 1 thread/rank; {args.repeats} runs x {args.steps} mini-batches after {args.warmup} warm-up")
+    print(f"{'method':7} {'pipesim ms [IQR]':>24} {'torch ms [IQR]':>24} {'pipesim/torch':>14} {'noise':>7}")
+    for method in args.methods:
+        config = Config(method, args.ranks, args.microbatches, args.microbatch_size, args.layers, args.width,
+                        args.warmup, args.steps)
+        first: list[float] = []
+        second: list[float] = []
+        reference: list[float] = []
+        for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every side
+            first += pipesim_steps(config)
+            reference += torch_steps(config)
+            second += pipesim_steps(config)
+        ours = first + second
+        ratio = statistics.median(ours) / statistics.median(reference)
+        noise = statistics.median(first) / statistics.median(second)
+        print(f"{method:7} {_summary(ours):>24} {_summary(reference):>24} {ratio:14.3f} {noise:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
