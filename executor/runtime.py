@@ -191,6 +191,7 @@ class DeviceLoop:
         self.transport = transport
         self.on_row = on_row
         self.compute_lock = compute_lock if compute_lock is not None else contextlib.nullcontext()
+        self.shares_gpu = compute_lock is not None
         self.torch_device = transport.device
         self.on_cuda = self.torch_device.type == "cuda"  # the allocator counts memory; nothing to add up
         schedule = lowered.schedule
@@ -435,6 +436,7 @@ class DeviceLoop:
         window = max(1, self.spec.recv_window)
         level = self._held()
         weight_storage = {} if self.on_cuda else self._weight_storage()
+        gpu_clock = _GpuClock(self.torch_device) if self.on_cuda else None
         done = 0
         try:
             for i in rows:
@@ -457,7 +459,10 @@ class DeviceLoop:
                     self.grads[(stage, peer, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
                 else:
                     with self.compute_lock:
+                        began = gpu_clock.mark() if gpu_clock else None
                         used = self._compute(i, kind, (stage, j, b, r))
+                        if gpu_clock:  # ranks that take turns on one GPU hold it until their kernels finish
+                            gpu_clock.time(i - lo, began, wait=self.shares_gpu)
                         result.version[i - lo], result.prediction[i - lo] = used
                         version = int(lowered.version[i])
                         if int(lowered.copies_delta[i]) < 0 and version >= 0:
@@ -479,6 +484,8 @@ class DeviceLoop:
                     self.on_row(i)
             for handle in self.sends:
                 handle.wait(self.spec.timeout_s)
+            if gpu_clock:
+                gpu_clock.resolve(result.start_ns, result.end_ns)
         except Exception as exc:
             last = f"row {lo + done}" if done < n else "the final sends"
             result.error = f"device {self.device} failed at {last}: {type(exc).__name__}: {exc}"
@@ -493,3 +500,37 @@ class DeviceLoop:
 
     def _channel(self, row: int) -> int:
         return int(self.lowered.channel_of(self.lowered.transfer[row]))
+
+
+class _GpuClock:
+    """Compute rows on a GPU timed by CUDA events, on the host's monotonic clock: one anchor event whose host
+    time is read as soon as it completes converts every event (GPU and host clocks drift apart by parts per
+    million; re-anchoring each mini-batch would take a synchronisation that changes the timeline it measures).
+    Transfers keep their host times: a receive's wait is the host's."""
+
+    def __init__(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+        self.anchor = self.mark()
+        self.anchor.synchronize()
+        self.anchor_ns = time.perf_counter_ns()
+        self.rows: list[tuple[int, Any, Any]] = []
+
+    @staticmethod
+    def mark() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def time(self, row: int, began: Any, wait: bool) -> None:
+        """Row `row` ran from event `began` to now; `wait`: block until its kernels are done."""
+        ended = self.mark()
+        self.rows.append((row, began, ended))
+        if wait:
+            ended.synchronize()
+
+    def resolve(self, start_ns: np.ndarray, end_ns: np.ndarray) -> None:
+        """Overwrite the host times of the timed rows with their events' (waits for the last kernels)."""
+        torch.cuda.synchronize()
+        for row, began, ended in self.rows:
+            start_ns[row] = self.anchor_ns + round(self.anchor.elapsed_time(began) * 1e6)
+            end_ns[row] = self.anchor_ns + round(self.anchor.elapsed_time(ended) * 1e6)

@@ -411,3 +411,23 @@ def test_a_predicting_method_on_two_gloo_ranks_matches_the_in_process_run():
         assert_same(real.weights[(k, 0)], local.weights[(k, 0)], rtol=1.3e-6, atol=1e-5)
     np.testing.assert_allclose(real.losses[0], local.losses[0], rtol=1e-5)
     assert KINDS.index(Kind.PRED) in set(real.trace.ops.kind.tolist())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ranks_sharing_one_gpu_take_turns_and_train_as_on_cpu():
+    """Two ranks on the one GPU (host-staged gloo, the compute lock, CUDA-event timing): compute rows of the two
+    ranks never overlap, the versions are the IR's, and the weights equal the CPU run's at fp32 tolerances."""
+    from pipesim.executor import run_multiprocess
+
+    spec = make_spec("xpipe", stages=2, m=2, n=3, optimizer="adam", lr=0.01, dtype="float32")
+    gpu = run_multiprocess(spec, device="cuda")
+    cpu = run_multiprocess(spec)
+    assert gpu.trace.meta.hardware["transport"] == "host-staged"
+    ops = gpu.trace.ops
+    compute = np.flatnonzero(ops.stream == 0)
+    order = compute[np.argsort(ops.start_us[compute])]
+    assert (ops.start_us[order][1:] >= ops.end_us[order][:-1] - 1e-3).all(), "compute rows overlap on one GPU"
+    assert np.array_equal(ops.version, lower(spec.schedule).version)
+    for key, weights in cpu.weights.items():
+        for a, b in zip(gpu.weights[key], weights):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
