@@ -285,6 +285,6 @@ def test_torch_is_an_optional_extra():
     from pathlib import Path
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    assert not any(d.replace(" ", "").startswith("torch") for d in project["dependencies"])
-    assert project["optional-dependencies"]["torch"] == ["torch>=2.3,<3"]
+    assert not any(d.replace(" ", "").startswith(("torch", "scikit-learn")) for d in project["dependencies"])
+    assert project["optional-dependencies"]["torch"] == ["torch>=2.3,<3", "scikit-learn>=1.3"]  # digits data
     assert "pipesim[torch]" in project["optional-dependencies"]["test"]
