@@ -402,3 +402,22 @@ if __name__ == "__main__":
         out.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
                         + chunk(b"IEND", b""))
     print(f"wrote {out} ({shot.shape[1]}x{shot.shape[0]})")
+
+
+@needs_chromium
+def test_compare_page_aligns_predicted_and_measured_and_shows_the_error_panel(tmp_path):
+    """`compare --html` on a committed torch.distributed.pipelining recording: every view draws, nothing is
+    fetched, each device has its predicted and measured lanes, and the error panel's bars sit under the timeline."""
+    from tests.conftest import pipesim
+
+    predicted, page = tmp_path / "p.json", tmp_path / "c.html"
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 8, "-n", 3, "--comm", 0.1, "--trace", predicted).code == 0
+    run_dir = Path(__file__).parent.parent / "traces" / "measured" / "torch-1f1b-2cpu"
+    code, _, err = pipesim("compare", run_dir, predicted, "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test", height=1800)
+    assert_healthy(v)
+    check_timeline(v)
+    assert len(v.geometry["lanes"]) == 2 * 3 * 2  # per device, compute, send and receive, predicted and measured
+    bottom = round(v.geometry["plot"][1] + v.geometry["plot"][3])
+    assert kind_pixels(v.screenshot[bottom:], (0x4C, 0x78, 0xA8)).sum() > 200, "no error panel under the timeline"
