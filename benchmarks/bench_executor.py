@@ -2,10 +2,11 @@
 
 Both sides: the built-in mlp (default 8 Linear(1024)+ReLU blocks and a classifier), cut evenly over the
 ranks by `executor.cut`, gloo on CPU, one process and one intra-op thread per rank, SGD, micro-batches from
-`executor.microbatch_data`. pipesim runs `run_multiprocess`; torch runs `PipelineStage` with `ScheduleGPipe`
-or `Schedule1F1B`, each rank timing `schedule.step` plus the optimizer step. A mini-batch's time is the gap
-between the moments the last rank finishes it and the one before (ranks share the host's monotonic clock),
-the same measure on both sides. Warm-up mini-batches are dropped; each repeat is a fresh set of processes.
+`executor.microbatch_data`. pipesim runs `run_multiprocess`; torch runs `PipelineStage` with `ScheduleGPipe` or
+`Schedule1F1B` (built by torch_pipelining.py), each rank timing `schedule.step` plus the optimizer step. A
+mini-batch's time is the gap between the moments the last rank finishes it and the one before (ranks share the
+host's monotonic clock), the same measure on both sides. Warm-up mini-batches are dropped; each repeat is a fresh
+set of processes.
 The noise floor is pipesim run twice on the same configuration: the ratio of the two medians.
 
     python benchmarks/bench_executor.py            # b=32, m=8, 2 ranks, 5 repeats of 2+10 mini-batches
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -28,11 +28,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch_pipelining import torch_steps  # this folder's: torch's runtime on pipesim's stages
 
-from pipesim.executor import RunSpec, cut, microbatch_data, run_multiprocess
+from pipesim.executor import RunSpec, run_multiprocess
 from pipesim.schedules import ScheduleParams, build_schedule
+from pipesim.workload.transport import free_port
 
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+METHODS = ("gpipe", "1f1b")  # run by torch's own ScheduleGPipe and Schedule1F1B
 
 
 @dataclass(frozen=True)
@@ -68,52 +70,29 @@ def pipesim_steps(config: Config) -> list[float]:
     return _step_ms(finished_us * 1e3, config.warmup)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torch_rank(rank: int, config: Config, port: int, out: str) -> None:
-    from torch.distributed import pipelining
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=config.ranks, init_method=f"tcp://127.0.0.1:{port}")
-    spec = config.spec()
-    stages = cut(spec)
-    module = stages.modules[rank]
-    edge = (rank - 1, rank)
-    example = (microbatch_data(spec, stages.model, 0, 0)[0] if rank == 0
-               else torch.zeros(stages.edge_shapes[edge], dtype=stages.edge_dtypes[edge]))
-    stage = pipelining.PipelineStage(module, rank, config.ranks, torch.device("cpu"), input_args=example)
-    schedule = getattr(pipelining, TORCH_SCHEDULES[config.method])(stage, config.microbatches,
-                                                                   loss_fn=stages.model.loss)
-    optimizer = torch.optim.SGD(module.parameters(), lr=config.lr)
+    step = torch_steps(config.spec(), rank, config.ranks, config.method)
     finished_ns = []
     dist.barrier()
     for b in range(config.warmup + config.steps):
-        batches = [microbatch_data(spec, stages.model, b, j) for j in range(config.microbatches)]
-        optimizer.zero_grad()
-        if rank == 0:
-            schedule.step(torch.cat([x for x, _ in batches]))
-        elif rank == config.ranks - 1:
-            schedule.step(target=torch.cat([t for _, t in batches]))
-        else:
-            schedule.step()
-        optimizer.step()
+        step(b)
         finished_ns.append(time.monotonic_ns())
     Path(out, f"rank{rank}.json").write_text(json.dumps(finished_ns))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def torch_steps(config: Config) -> list[float]:
+def torch_run(config: Config) -> list[float]:
     """One run under torch.distributed.pipelining, in its own spawned processes."""
     with tempfile.TemporaryDirectory() as out:
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            mp.start_processes(_torch_rank, args=(config, _free_port(), out), nprocs=config.ranks,
+            mp.start_processes(_torch_rank, args=(config, free_port(), out), nprocs=config.ranks,
                                start_method="spawn")
         finally:
             if saved is None:
@@ -131,7 +110,7 @@ def _summary(samples: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", choices=list(TORCH_SCHEDULES), default=list(TORCH_SCHEDULES))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--microbatch-size", type=int, default=32)
@@ -161,7 +140,7 @@ def main() -> None:
         reference: list[float] = []
         for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every side
             first += pipesim_steps(config)
-            reference += torch_steps(config)
+            reference += torch_run(config)
             second += pipesim_steps(config)
         ours = first + second
         ratio = statistics.median(ours) / statistics.median(reference)

@@ -21,19 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pipesim.executor import RunSpec, cut, microbatch_data
+from pipesim.schedules import build_schedule
+from pipesim.schedules.catalogue import method_named
+from pipesim.schedules.torch_csv import to_torch_csv
+from pipesim.workload.optim import make_optimizer
+from pipesim.workload.transport import free_port
 
 
 def _prune(path: Path) -> None:
@@ -44,54 +45,59 @@ def _prune(path: Path) -> None:
     path.write_text(json.dumps(doc))
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+RUNTIMES = ("csv", "gpipe", "1f1b")  # pipesim's order via torch's CSV runtime, or torch's own single-stage classes
+
+
+def torch_steps(spec: RunSpec, rank: int, world: int, runtime: str) -> Callable[[int], None]:
+    """Rank `rank`'s stage of `spec`'s model under torch's runtime (the process group must be up): returns
+    step(b), which trains mini-batch b (`schedule.step`) and steps the optimizer inside a `PP:<rank>OPT` range.
+    `runtime`: "csv" runs `spec`'s schedule through `_PipelineScheduleRuntime`; "gpipe" and "1f1b" torch's
+    `ScheduleGPipe` and `Schedule1F1B`."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
-    from pipesim.executor import RunSpec, cut, microbatch_data
-    from pipesim.schedules import build_schedule
-    from pipesim.schedules.catalogue import method_named
-    from pipesim.schedules.torch_csv import to_torch_csv
-    from pipesim.workload.optim import make_optimizer
-
-    torch.set_num_threads(args.threads_per_rank)
-    dist.init_process_group("gloo", rank=rank, world_size=args.stages, init_method=f"tcp://127.0.0.1:{port}")
-    schedule = build_schedule(args.schedule, method_named(args.schedule).params(args.stages, args.microbatches))
-    spec = RunSpec(schedule=schedule, model=args.model, model_options=json.loads(args.model_options),
-                   microbatch_size=args.microbatch_size, seed=args.seed)
     stages = cut(spec)
     module = stages.modules[rank]
-    example = microbatch_data(spec, stages.model, 0, 0)[0]
     edge = (rank - 1, rank)
-    stage = PipelineStage(module, rank, args.stages, torch.device("cpu"),
-                          input_args=example if rank == 0 else torch.zeros(stages.edge_shapes[edge],
-                                                                           dtype=stages.edge_dtypes[edge]))
-    loss_fn = stages.model.loss
-    if args.torch_schedule == "gpipe":
-        runner = ScheduleGPipe(stage, args.microbatches, loss_fn=loss_fn)
-    else:
-        runner = _PipelineScheduleRuntime([stage], args.microbatches, loss_fn=loss_fn)
+    example = (microbatch_data(spec, stages.model, 0, 0)[0] if rank == 0
+               else torch.zeros(stages.edge_shapes[edge], dtype=stages.edge_dtypes[edge]))
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=example)
+    m, loss_fn = spec.schedule.microbatches, stages.model.loss
+    if runtime == "csv":
+        runner = _PipelineScheduleRuntime([stage], m, loss_fn=loss_fn)
         with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
-            f.write(to_torch_csv(schedule))
+            f.write(to_torch_csv(spec.schedule))
         runner._load_csv(f.name, format="compute_only")
         os.unlink(f.name)
-    optimizer = make_optimizer(args.optimizer, module.parameters(), args.lr)
+    else:
+        runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[runtime](stage, m, loss_fn=loss_fn)
+    optimizer = make_optimizer(spec.optimizer, module.parameters(), spec.lr)
 
     def step(b: int) -> None:
-        batches = [microbatch_data(spec, stages.model, b, j) for j in range(args.microbatches)]
-        x = torch.cat([x for x, _ in batches])
-        target = torch.cat([t for _, t in batches])
+        batches = [microbatch_data(spec, stages.model, b, j) for j in range(m)]
         optimizer.zero_grad()
         if rank == 0:
-            runner.step(x)
-        elif rank == args.stages - 1:
-            runner.step(target=target)
+            runner.step(torch.cat([x for x, _ in batches]))
+        elif rank == world - 1:
+            runner.step(target=torch.cat([t for _, t in batches]))
         else:
             runner.step()
         with record_function(f"PP:{rank}OPT"):
             optimizer.step()
 
+    return step
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(args.threads_per_rank)
+    dist.init_process_group("gloo", rank=rank, world_size=args.stages, init_method=f"tcp://127.0.0.1:{port}")
+    schedule = build_schedule(args.schedule, method_named(args.schedule).params(args.stages, args.microbatches))
+    spec = RunSpec(schedule=schedule, model=args.model, model_options=json.loads(args.model_options),
+                   microbatch_size=args.microbatch_size, optimizer=args.optimizer, lr=args.lr, seed=args.seed)
+    step = torch_steps(spec, rank, args.stages, args.torch_schedule)
     for b in range(args.warmup):
         step(b)
     dist.barrier()
@@ -108,8 +114,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", default="1f1b", help="a synchronous pipesim method with one stage per rank")
-    parser.add_argument("--torch-schedule", choices=("csv", "gpipe"), default="csv",
-                        help="csv: pipesim's order through torch's runtime; gpipe: torch's ScheduleGPipe")
+    parser.add_argument("--torch-schedule", choices=RUNTIMES, default="csv",
+                        help="csv: pipesim's order through torch's runtime; gpipe, 1f1b: torch's own ScheduleGPipe "
+                             "and Schedule1F1B (1f1b records no per-action ranges)")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5, help="profiled mini-batches")
@@ -125,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
-    mp.start_processes(_rank, args=(args, _free_port()), nprocs=args.stages, start_method="spawn")
+    mp.start_processes(_rank, args=(args, free_port()), nprocs=args.stages, start_method="spawn")
     print(f"wrote {args.stages} profiler traces to {args.out}")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import queue as queue_mod
-import socket
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..profiles.linkfit import LinkPoint, LinkPoints
-from ..workload.transport import TransportChoice, TransportError, choose_transport, connect
+from ..workload.transport import TransportChoice, TransportError, choose_transport, connect, free_port
 
 Progress = Callable[[int, int], Any]
 
@@ -54,10 +53,6 @@ def measure_allreduce(sizes: Iterable[int], *, world_size: int = 2, device: str 
     return _measure("allreduce", sizes, world_size, device, (repeats, warmup, min_time_s), progress, timeout_s)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: tuple[int, int, float],
@@ -76,7 +71,7 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: 
         raise LinkError(str(exc)) from None
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(rank, world_size, port, op, sizes, choice, plan, timeout_s, results))
              for rank in range(world_size)]

@@ -28,7 +28,14 @@ from .. import __version__
 from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight
 from ..schedules.ir import Action, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
-from ..workload.transport import InProcessTransport, TransportChoice, TransportError, choose_transport, connect
+from ..workload.transport import (
+    InProcessTransport,
+    TransportChoice,
+    TransportError,
+    choose_transport,
+    connect,
+    free_port,
+)
 from .runtime import DeviceLoop, DeviceResult
 from .stages import DivergedError, ExecutorError, RunSpec, cut, heldout_scores
 
@@ -243,10 +250,6 @@ def _stop(procs: list[Any]) -> None:
             proc.join(timeout=STOP_GRACE_S)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Supervisor:
@@ -346,7 +349,7 @@ a rank, and every HEARTBEAT_S when none comes."""
     context = torch.multiprocessing.get_context("spawn")
     messages = context.Queue()
     compute_lock = context.Lock() if choice.host_staged else None
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank}
     setups = [context.Pipe(duplex=False) for _ in range(world)]
     procs = [context.Process(target=_rank_main, name=f"pipesim-rank-{rank}", daemon=True,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 
 from pipesim.schedules import lower
 from pipesim.traces import read_trace
+from pipesim.workload.transport import free_port
 from tests.conftest import build, pipesim
 
 # A task a few steps of SGD learn (the class is where the first four features peak), so "the loss falls" does
@@ -149,9 +149,7 @@ def test_a_diverging_learning_rate_stops_at_its_minibatch_and_keeps_the_trace(tm
 
 @pytest.mark.slow
 def test_under_torchrun_rank_0_gathers_and_writes_the_trace(learnable, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     trace = tmp_path / "t.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(port), "-m", "pipesim.cli", "run", "--schedule", "1f1b", "--model", learnable,

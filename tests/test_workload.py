@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-import socket
 import threading
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from pipesim.workload.transport import (
     TransportError,
     TransportTimeout,
     choose_transport,
+    free_port,
 )
 
 LR = 0.1
@@ -297,10 +297,6 @@ def test_choose_transport_follows_device_world_size_and_gpus():
         choose_transport("tpu", 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exchange(rank: int, kind: str, port: int, results) -> None:
@@ -361,7 +357,7 @@ def test_gloo_channels_are_separate_fifos(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # spawned ranks import this module
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_channels, args=(rank, port, results), daemon=True) for rank in range(2)]
     for p in procs:
         p.start()
@@ -383,7 +379,7 @@ def test_two_real_ranks_exchange_tensors_with_pre_posted_receives(kind, monkeypa
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # spawned ranks import this module
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_exchange, args=(rank, kind, port, results), daemon=True) for rank in range(2)]
     for p in procs:
         p.start()

@@ -23,6 +23,7 @@ stream.
 from __future__ import annotations
 
 import re
+import socket
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -37,6 +38,13 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 DEFAULT_TIMEOUT_S = 120.0  # a receive may wait for several stages' compute upstream; gloo's own default is 30 min
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a job's rendezvous (`tcp://127.0.0.1:<port>`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 KINDS = ("gloo", "nccl", "host-staged")
 BACKENDS = ("auto", "gloo", "nccl")
 
