@@ -22,6 +22,27 @@ if TYPE_CHECKING:
 stdout = Console(width=None if sys.stdout.isatty() else 120)  # pipes and CI logs get full rows
 stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
+# The schedule's shape and the method options, as `simulate` and `run` declare them (each with its defaults).
+Stages = Annotated[int, typer.Option(
+    "--stages", "-p", metavar="P", min=1, help="Pipeline depth p: devices in one pipeline.")]
+Chunks = Annotated[int | None, typer.Option(
+    "--chunks", "-v", min=1, metavar="V", help="Model chunks per device v (interleaved / V schedules; p·v model "
+                                               "stages). Default: the method's (2 for V schedules, else 1).")]
+Microbatches = Annotated[int, typer.Option(
+    "--microbatches", "-m", metavar="M", min=1, help="Micro-batches per mini-batch m.")]
+Minibatches = Annotated[int, typer.Option(
+    "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N.")]
+Pipelines = Annotated[int | None, typer.Option(
+    "--pipelines", "-P", min=1, metavar="P", help="Parallel pipelines P sharing the devices (avgpipe; default 2).")]
+Advance = Annotated[int | None, typer.Option(
+    "--advance", min=0, metavar="A", help="avgpipe: forwards beyond 1F1B's warm-up before the first backward (0: "
+                                          "1F1B, >= m: all forwards first). Default: AvgPipe's 2(p-k)-1 forwards "
+                                          "first.")]
+AverageEvery = Annotated[int, typer.Option(
+    "--average-every", metavar="N", min=1, help="avgpipe: elastic averaging period in mini-batches.")]
+ElasticAlpha = Annotated[float | None, typer.Option(
+    "--elastic-alpha", metavar="ALPHA", help="avgpipe: elastic averaging coefficient (default 0.9/P).")]
+
 # Options `simulate` and `sweep` share word for word.
 WgradFraction = Annotated[float, typer.Option(
     "--wgrad-fraction", min=0.0, max=1.0, help="Share of the backward that is the weight gradient (split-backward "
@@ -39,6 +60,11 @@ PredictionSource = Annotated[str | None, typer.Option(
                                            "order). Default: each method's primary source, as `pipesim schedules` "
                                            "lists.")]
 
+
+# Options only some methods read, by flag (`Method.reads` says which).
+METHOD_OPTIONS = {"--chunks": "chunks", "--pipelines": "pipelines", "--advance": "advance",
+                  "--average-every": "average_every", "--elastic-alpha": "elastic_alpha", "--graph": "graph",
+                  "--prediction": "prediction"}
 
 class InputError(Exception):
     """Bad input found by the CLI itself; reported as one line with exit code 2."""
@@ -61,6 +87,22 @@ def parse_numbers(flag: str, text: str) -> list[float]:
             raise InputError(f"{flag}: values must be finite and >= 0, got {part.strip()!r}")
         values.append(value)
     return values
+
+
+def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterable[str]) -> None:
+    """Refuse each of `flags` (METHOD_OPTIONS keys) given on the command line that none of the methods `names`
+    reads, naming the methods that do; and an elastic coefficient outside (0, 1]."""
+    from ..schedules import METHODS
+
+    names = list(names)
+    for flag in flags:
+        option = METHOD_OPTIONS[flag]
+        readers = [m.name for m in METHODS.values() if m.reads(option)]
+        if is_given(ctx, option) and not set(readers) & set(names):
+            raise InputError(f"{flag} applies to {', '.join(readers)} only, not {', '.join(names)}")
+    alpha = ctx.params.get("elastic_alpha")
+    if alpha is not None and not 0 < alpha <= 1:
+        raise InputError(f"--elastic-alpha: must be in (0, 1] (got {alpha})")
 
 
 def check_prediction(source: str | None) -> None:

@@ -17,8 +17,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from .common import (
+    Advance,
+    AverageEvery,
+    Chunks,
+    ElasticAlpha,
     InputError,
+    Microbatches,
+    Minibatches,
+    Pipelines,
     PredictionSource,
+    Stages,
+    check_method_options,
     check_prediction,
     check_writable,
     fail,
@@ -42,25 +51,14 @@ def run(
     trace: Annotated[Path, typer.Option(
         "--trace", metavar="PATH", help="Measured trace to write (Chrome Trace Event JSON; written whole, also "
                                         "for a run that stopped part-way, then marked incomplete).")],
-    stages: Annotated[int, typer.Option(
-        "--stages", "-p", metavar="P", min=1, help="Pipeline depth p: devices in one pipeline.")] = 2,
-    chunks: Annotated[int | None, typer.Option(
-        "--chunks", "-v", min=1, metavar="V", help="Model chunks per device (interleaved / V schedules). "
-                                                   "Default: the method's.")] = None,
-    microbatches: Annotated[int, typer.Option(
-        "--microbatches", "-m", metavar="M", min=1, help="Micro-batches per mini-batch m.")] = 4,
-    minibatches: Annotated[int, typer.Option(
-        "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N.")] = 10,
-    pipelines: Annotated[int | None, typer.Option(
-        "--pipelines", "-P", min=1, metavar="P", help="Parallel pipelines sharing the devices (avgpipe; default "
-                                                      "2).")] = None,
-    advance: Annotated[int | None, typer.Option(
-        "--advance", min=0, metavar="A", help="avgpipe: forwards beyond 1F1B's warm-up before the first "
-                                              "backward.")] = None,
-    average_every: Annotated[int, typer.Option(
-        "--average-every", metavar="N", min=1, help="avgpipe: elastic averaging period in mini-batches.")] = 1,
-    elastic_alpha: Annotated[float | None, typer.Option(
-        "--elastic-alpha", metavar="ALPHA", help="avgpipe: elastic averaging coefficient (default 0.9/P).")] = None,
+    stages: Stages = 2,
+    chunks: Chunks = None,
+    microbatches: Microbatches = 4,
+    minibatches: Minibatches = 10,
+    pipelines: Pipelines = None,
+    advance: Advance = None,
+    average_every: AverageEvery = 1,
+    elastic_alpha: ElasticAlpha = None,
     prediction: PredictionSource = None,
     microbatch_size: Annotated[int, typer.Option(
         "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch (default 8, or the "
@@ -94,7 +92,7 @@ def run(
 
     Spawns one process per device, or, started by torchrun, runs this rank and rank 0 writes the trace.
     """
-    from ..schedules import METHODS, ScheduleError
+    from ..schedules import ScheduleError
     from ..schedules.catalogue import method_named
     from ..traces import summarize, write_trace
 
@@ -106,14 +104,8 @@ def run(
         from ..workload.optim import OPTIMIZERS
 
         method = method_named(schedule)
-        for flag, option in (("--advance", "advance"), ("--average-every", "average_every"),
-                             ("--elastic-alpha", "elastic_alpha"), ("--chunks", "chunks"),
-                             ("--pipelines", "pipelines")):
-            readers = [m.name for m in METHODS.values() if m.reads(option)]
-            if is_given(ctx, option) and not method.reads(option):
-                raise InputError(f"{flag} applies to {', '.join(readers)} only (not {schedule})")
-        if elastic_alpha is not None and not 0 < elastic_alpha <= 1:
-            raise InputError(f"--elastic-alpha: must be in (0, 1] (got {elastic_alpha})")
+        check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
+                                                  "--pipelines", "--prediction"))
         if device not in DEVICES:
             raise InputError(f"--device: choose cpu or cuda (got {device!r})")
         if backend not in ("auto", "gloo", "nccl"):

@@ -13,12 +13,21 @@ from rich import box
 from rich.table import Table
 
 from .common import (
+    Advance,
+    AverageEvery,
     BlockingComm,
+    Chunks,
+    ElasticAlpha,
     HeldOptimizer,
     InputError,
+    Microbatches,
     MicrobatchSize,
+    Minibatches,
+    Pipelines,
     PredictionSource,
+    Stages,
     WgradFraction,
+    check_method_options,
     check_prediction,
     check_writable,
     fail,
@@ -49,26 +58,14 @@ def simulate(
     schedule_file: Annotated[Path | None, typer.Option(
         "--schedule-file", help="Simulate a torch.distributed.pipelining schedule CSV (one row per rank) instead of "
                                 "--schedule.", metavar="CSV")] = None,
-    stages: Annotated[int, typer.Option(
-        "--stages", "-p", metavar="P", min=1, help="Pipeline depth p: devices in one pipeline.")] = 4,
-    chunks: Annotated[int | None, typer.Option(
-        "--chunks", "-v", min=1, help="Model chunks per device v (interleaved / V schedules; p·v model stages). "
-                                      "Default: the method's (2 for V schedules, else 1).", metavar="V")] = None,
-    microbatches: Annotated[int, typer.Option(
-        "--microbatches", "-m", metavar="M", min=1, help="Micro-batches per mini-batch m.")] = 8,
-    minibatches: Annotated[int, typer.Option(
-        "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N.")] = 1,
-    pipelines: Annotated[int | None, typer.Option(
-        "--pipelines", "-P", min=1, metavar="P", help="Parallel pipelines P sharing the devices (avgpipe; default "
-                                                      "2).")] = None,
-    advance: Annotated[int | None, typer.Option(
-        "--advance", min=0, metavar="A", help="avgpipe: forwards beyond 1F1B's warm-up before the first backward (0: "
-                                              "1F1B, >= m: all forwards first). Default: AvgPipe's 2(p-k)-1 forwards "
-                                              "first.")] = None,
-    average_every: Annotated[int, typer.Option(
-        "--average-every", metavar="N", min=1, help="avgpipe: elastic averaging period in mini-batches.")] = 1,
-    elastic_alpha: Annotated[float | None, typer.Option(
-        "--elastic-alpha", metavar="ALPHA", help="avgpipe: elastic averaging coefficient (default 0.9/P).")] = None,
+    stages: Stages = 4,
+    chunks: Chunks = None,
+    microbatches: Microbatches = 8,
+    minibatches: Minibatches = 1,
+    pipelines: Pipelines = None,
+    advance: Advance = None,
+    average_every: AverageEvery = 1,
+    elastic_alpha: ElasticAlpha = None,
     prediction: PredictionSource = None,
     graph: Annotated[Path | None, typer.Option(
         "--graph", help='graphpipe: stage DAG JSON {"stages": n, "edges": [[a, b], ...], "placement": [...]} (default: '
@@ -145,14 +142,8 @@ def simulate(
         if len(set(names)) != len(names):
             raise InputError("--schedule: each method may be given once")
         check_prediction(prediction)
-        for flag, option in (("--advance", "advance"), ("--average-every", "average_every"),
-                             ("--elastic-alpha", "elastic_alpha"), ("--graph", "graph"),
-                             ("--prediction", "prediction")):
-            readers = [m.name for m in METHODS.values() if m.reads(option)]
-            if is_given(ctx, option) and not set(readers) & set(names):
-                raise InputError(f"{flag} applies to {', '.join(readers)} only; add --schedule {readers[0]}")
-        if elastic_alpha is not None and not 0 < elastic_alpha <= 1:
-            raise InputError(f"--elastic-alpha: must be in (0, 1] (got {elastic_alpha})")
+        check_method_options(ctx, names, ("--advance", "--average-every", "--elastic-alpha", "--graph",
+                                           "--prediction"))
         check_writable("--html", html)
         check_writable("--trace", trace)
         scenario = scenario_from_flags(ctx, "device", schedule_file if loaded else None, comm=comm, opt=opt)

@@ -596,6 +596,8 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
     losses_by = {key: value for r in results if r is not None for key, value in r.losses.items()}
     losses = [[losses_by.get((p, b), float("nan")) for b in range(schedule.minibatches)]
               for p in range(schedule.pipelines)]
+    if all(r is not None for r in results):
+        hardware = {**hardware, "compute": [r.compute for r in results]}
     meta = TraceMeta(
         source="measured", schedule=schedule.method, params=dict(schedule.params),
         microbatches=schedule.microbatches, minibatches=schedule.minibatches, pipelines=schedule.pipelines,

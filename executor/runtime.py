@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -161,7 +162,8 @@ class DeviceResult:
     weight copies its fullest stage replica held after the row (versions, prediction buffers, reference); the
     weight version and prediction distance the row's op used (-1: none); memory after the row (bytes: all,
     and saved activations alone). Also the loss per (pipeline, mini-batch) when it holds a last stage, and
-    every stage replica's final weights (numpy, in the stage module's parameter order)."""
+    every stage replica's final weights (numpy, in the stage module's parameter order), and where it computed
+    (`host/device`: ranks that name the same one shared a GPU)."""
 
     device: int
     start_ns: np.ndarray
@@ -175,6 +177,7 @@ class DeviceResult:
     weights: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
     rows_done: int = 0
     error: str | None = None
+    compute: str = ""
 
 
 class DeviceLoop:
@@ -296,11 +299,8 @@ class DeviceLoop:
         state = self.weights[(stage, r)]
         inputs = []
         for src, dst in self.stages.in_edges[stage]:
-            key = (src, dst, j, b, r)
-            if key not in self.acts:
-                raise ExecutorError(f"device {self.device}: forward of stage {stage} micro-batch {j} mini-batch "
-                                    f"{b} has no input from stage {src} (received or local)")
-            act = self.acts.pop(key)
+            act = self._take(self.acts, (src, dst, j, b, r), f"forward of stage {stage} micro-batch {j} "
+                             f"mini-batch {b} has no input from stage {src}")
             inputs.append(act.detach().requires_grad_(act.is_floating_point()))
         last = not self.stages.out_edges[stage]
         args = list(inputs)
@@ -332,14 +332,15 @@ class DeviceLoop:
         stage, j, b, r = unit
         if not self.stages.out_edges[stage]:
             return [None]
-        grads = []
-        for src, dst in self.stages.out_edges[stage]:
-            key = (src, dst, j, b, r)
-            if key not in self.grads:
-                raise ExecutorError(f"device {self.device}: backward of stage {stage} micro-batch {j} mini-batch "
-                                    f"{b} has no output gradient from stage {dst} (received or local)")
-            grads.append(self.grads.pop(key))
-        return grads
+        return [self._take(self.grads, (src, dst, j, b, r), f"backward of stage {stage} micro-batch {j} "
+                           f"mini-batch {b} has no output gradient from stage {dst}")
+                for src, dst in self.stages.out_edges[stage]]
+
+    def _take(self, store: dict, key: tuple, missing: str) -> torch.Tensor:
+        """Pop a tensor another op left (received, or handed over on this device); `missing` says which."""
+        if key not in store:
+            raise ExecutorError(f"device {self.device}: {missing} (received or local)")
+        return store.pop(key)
 
     def _hand_back(self, unit: Unit, dxs: list[torch.Tensor | None]) -> None:
         stage, j, b, r = unit
@@ -429,7 +430,8 @@ class DeviceLoop:
         rows = lowered.rows(self.device)
         lo, n = rows.start, len(rows)
         result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n), _int_array(n, -1),
-                              _int_array(n, -1), _int_array(n), _int_array(n))
+                              _int_array(n, -1), _int_array(n), _int_array(n),
+                              compute=f"{socket.gethostname()}/{self.torch_device}")
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
         posted: dict[int, Handle] = {}
         next_post = 0

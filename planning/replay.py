@@ -45,9 +45,10 @@ def predict_measured(meta: TraceMeta) -> Trace:
 
 
 def _with_shared_gpus(cluster: Cluster, hardware: dict) -> Cluster:
-    """The cluster with the run's ranks that shared a GPU (rank r on GPU r mod g, as the runner places them)
-    naming one compute resource, so that the simulator serialises their compute as the executor's lock did."""
-    ranks, gpus = int(hardware.get("ranks", 0)), int(hardware.get("gpus") or 0)
-    if hardware.get("device") != "cuda" or not 0 < gpus < ranks:
+    """The cluster with the run's ranks that computed on one GPU (the runner records where each rank
+    computed) naming one compute resource, so the simulator serialises their compute as the executor's lock
+    did."""
+    places = hardware.get("compute") or []
+    if hardware.get("device") != "cuda" or len(set(places)) == len(places):
         return cluster
-    return replace(cluster, compute=tuple(f"gpu{r % gpus}" for r in range(cluster.num_devices)))
+    return replace(cluster, compute=tuple(places[:cluster.num_devices]))

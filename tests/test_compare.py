@@ -147,3 +147,14 @@ def test_a_torch_pipelining_run_compares_with_its_prediction(tmp_path, run_dir, 
     assert pipesim("simulate", "-s", schedule, "-p", "4", "-m", "8", "-n", "3", "--trace", other).code == 0
     code, _, err = pipesim("compare", TORCH_RUNS / run_dir, other)
     assert code == 2 and "ranks [0, 1]" in err
+
+
+def test_the_replay_puts_ranks_that_computed_on_one_gpu_on_one_compute_resource():
+    from pipesim.planning.replay import _with_shared_gpus
+    from pipesim.sim import Cluster
+
+    cluster = Cluster.uniform(2, 0.1)
+    shared = _with_shared_gpus(cluster, {"device": "cuda", "compute": ["h/cuda:0", "h/cuda:0"]})
+    assert shared.compute == ("h/cuda:0", "h/cuda:0") and shared.compute_peers(2) == [(0, 1), (0, 1)]
+    for own in ({"device": "cuda", "compute": ["h/cuda:0", "h/cuda:1"]}, {"device": "cpu", "compute": ["h/cpu"] * 2}):
+        assert _with_shared_gpus(cluster, own) is cluster
