@@ -207,6 +207,7 @@ def _rank_main(setup: Any, rank: int, world: int, init_method: str, choice: Tran
                               compute_lock=compute_lock)
             reporter.loop = loop
             reporter.start()
+            dist.barrier()  # set-up takes each rank its own time: the timeline starts when all are ready
             result = loop.run()
         reporter.stop()
         messages.put(("done", rank, result))
@@ -527,6 +528,7 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.timeout_s))
         offsets = _clock_offsets(group, job)
         loop = DeviceLoop(spec, lowered, stages, job.rank, transport, on_row=on_row, compute_lock=compute_lock)
+        dist.barrier(group)  # set-up takes each rank its own time: the timeline starts when all are ready
         result = loop.run()
         gathered: list[DeviceResult | None] | None = [None] * world if job.rank == 0 else None
         dist.gather_object(result, gathered, dst=0, group=group)
