@@ -11,6 +11,7 @@ from .commands.common import fail, stderr
 from .commands.compare import compare
 from .commands.run import run
 from .commands.simulate import export, list_schedules, simulate
+from .commands.study import study
 from .commands.sweep import sweep
 from .commands.tune import tune
 from .commands.view import view
@@ -32,6 +33,7 @@ app.command("schedules")(list_schedules)
 app.command()(tune)
 app.command()(compare)
 app.command()(view)
+app.command()(study)
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 

@@ -70,13 +70,14 @@ def run_in_process(spec: RunSpec) -> RunResult:
     transports = InProcessTransport.connected(devices, timeout_s=spec.timeout_s)
     loops = [DeviceLoop(spec, lowered, cut(spec), d, transports[d]) for d in range(devices)]
     results: list[DeviceResult | None] = [None] * devices
-    errors: list[str] = []
+    causes: list[tuple[int, Exception]] = []
 
     def work(d: int) -> None:
         try:
             results[d] = loops[d].run()
-        except Exception as exc:  # reported by the caller, naming the device
-            errors.append(f"device {d}: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # the first failure is the cause; the other devices stop at once
+            if transports[d].abandon(f"device {d} failed"):
+                causes.append((d, exc))
 
     threads = [threading.Thread(target=work, args=(d,), name=f"pipesim-device-{d}", daemon=True)
                for d in range(devices)]
@@ -84,8 +85,10 @@ def run_in_process(spec: RunSpec) -> RunResult:
         thread.start()
     for thread in threads:
         thread.join()
-    if errors:
-        raise ExecutorError("; ".join(sorted(errors)))
+    if causes:
+        d, exc = causes[0]
+        raise (DivergedError if isinstance(exc, DivergedError) else ExecutorError)(
+            f"device {d}: {type(exc).__name__}: {exc}")
     return _merge(spec, lowered, results, {"backend": "in-process", "device": "cpu", "ranks": devices})
 
 

@@ -5,6 +5,7 @@ and a split backward (I then W) gives what a full one (B) gives."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -14,6 +15,7 @@ from torch import nn
 from torch.func import functional_call
 
 from pipesim.executor import (
+    DivergedError,
     ExecutorError,
     RunSpec,
     backward_input,
@@ -282,6 +284,15 @@ def test_more_stages_than_layers_and_bad_bounds_fail_clearly():
         run_in_process(spec)
     with pytest.raises(ExecutorError, match="bounds"):
         cut(RunSpec(spec_for("1f1b").schedule, "mlp", {"layers": 3, "width": 16}, bounds=(0, 4, 4)))
+
+
+def test_a_device_that_fails_stops_the_others_and_is_named_alone():
+    """The last stage diverges; the devices waiting on it stop at once (their timeout would be 10 minutes),
+    and the error is the cause, not their abandoned receives."""
+    spec = replace(spec_for("1f1b", stages=2, m=2, n=50, layers=3, lr=1e9), timeout_s=600)
+    with pytest.raises(DivergedError) as caught:
+        run_in_process(spec)
+    assert str(caught.value).startswith("device 1: DivergedError: loss is") and "abandoned" not in str(caught.value)
 
 
 # ---------------------------------------------------------------------------------------------- real ranks

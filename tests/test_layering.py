@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("schedules", "traces", "profiles", "sim", "planning", "workload", "calibrate", "executor", "commands")
+PACKAGES = ("schedules", "traces", "profiles", "sim", "planning", "workload", "calibrate", "executor", "study",
+            "commands")
 OURS = {*PACKAGES, "cli", "units"}
 
 # package -> import prefixes (ours as "pipesim.x", third-party by name) it must never import, and why.
@@ -23,16 +24,18 @@ FORBIDDEN = {
     "traces": ({f"pipesim.{p}" for p in OURS - {"traces", "units"}} | {"torch", "simpy"}, "a shared vocabulary"),
     "profiles": ({f"pipesim.{p}" for p in OURS - {"profiles", "units"}} | {"torch", "simpy", "plotly"},
                  "pure profile data"),
-    "sim": ({"pipesim.planning", "pipesim.workload", "pipesim.calibrate", "pipesim.executor", "pipesim.commands",
-             "pipesim.cli", "torch", "plotly"}, "the simulator never imports torch"),
-    "planning": ({"pipesim.workload", "pipesim.calibrate", "pipesim.executor", "pipesim.commands", "pipesim.cli",
-                  "torch"}, "planning runs on the simulator, without torch"),
-    "workload": ({"pipesim.sim", "pipesim.planning", "pipesim.calibrate", "pipesim.executor", "pipesim.commands",
-                  "pipesim.cli"}, "the torch side never imports the simulator"),
-    "calibrate": ({"pipesim.sim", "pipesim.planning", "pipesim.executor", "pipesim.commands", "pipesim.cli"},
-                  "measurement never imports the simulator"),
-    "executor": ({"pipesim.sim", "pipesim.planning", "pipesim.calibrate.measure", "pipesim.calibrate.links",
-                  "pipesim.commands", "pipesim.cli"}, "the executor never imports the simulator or measurement"),
+    "sim": ({"pipesim.study", "pipesim.planning", "pipesim.workload", "pipesim.calibrate", "pipesim.executor",
+             "pipesim.commands", "pipesim.cli", "torch", "plotly"}, "the simulator never imports torch"),
+    "planning": ({"pipesim.study", "pipesim.workload", "pipesim.calibrate", "pipesim.executor", "pipesim.commands",
+                  "pipesim.cli", "torch"}, "planning runs on the simulator, without torch"),
+    "workload": ({"pipesim.study", "pipesim.sim", "pipesim.planning", "pipesim.calibrate", "pipesim.executor",
+                  "pipesim.commands", "pipesim.cli"}, "the torch side never imports the simulator"),
+    "calibrate": ({"pipesim.study", "pipesim.sim", "pipesim.planning", "pipesim.executor", "pipesim.commands",
+                   "pipesim.cli"}, "measurement never imports the simulator"),
+    "executor": ({"pipesim.study", "pipesim.sim", "pipesim.planning", "pipesim.calibrate.measure",
+                  "pipesim.calibrate.links", "pipesim.commands", "pipesim.cli"},
+                 "the executor never imports the simulator or measurement"),
+    "study": ({"pipesim.commands", "pipesim.cli"}, "the study is the commands' to drive"),
     "units": ({f"pipesim.{p}" for p in OURS - {"units"}}, "a leaf"),
 }
 

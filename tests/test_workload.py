@@ -247,6 +247,34 @@ def test_in_process_wait_times_out_naming_the_peer():
         t0.recv((1,), torch.float32, 1).wait(timeout_s=0.01)
 
 
+def test_an_abandoned_in_process_group_fails_every_receive_at_once():
+    """A rank that failed abandons the group: a receive already waiting, and any later one, stop with the
+    reason instead of waiting out their timeouts; what was sent before is still delivered."""
+    import threading
+
+    t0, t1, t2 = InProcessTransport.connected(3, timeout_s=600)
+    t0.send(torch.ones(1), 1)
+    delivered = t1.recv((1,), torch.float32, 0)
+    waiting = t1.recv((1,), torch.float32, 2)
+    errors: list[Exception] = []
+
+    def wait() -> None:
+        try:
+            waiting.wait()
+        except TransportError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert t2.abandon("device 2 failed") and not t0.abandon("device 0 failed")  # the first one is the cause
+    waiter.join(timeout=60)
+    assert not waiter.is_alive()
+    assert [str(e) for e in errors] == ["rank 1: receive #0 from rank 2 abandoned: device 2 failed"]
+    assert delivered.wait().item() == 1.0
+    with pytest.raises(TransportError, match="abandoned: device 2 failed"):
+        t0.recv((1,), torch.float32, 1).wait()
+
+
 def test_in_process_refuses_a_mismatched_tensor_and_bad_peers():
     t0, t1 = InProcessTransport.connected(2)
     t0.send(torch.zeros(3), 1)

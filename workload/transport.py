@@ -50,7 +50,6 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 Edge = tuple[int, int]  # (src, dst) ranks
 Link = tuple[int, int, int]  # (src, dst, channel): one FIFO
-_BOX_LOCK = threading.Lock()  # guards creating in-process mailboxes on first use
 _TIMED_OUT = re.compile(r"timed out|timeout|timing out", re.IGNORECASE)  # how gloo and NCCL word a passed timeout
 
 
@@ -151,6 +150,16 @@ class _Mailbox:
 
 
 @dataclass
+class _PostOffice:
+    """The mailboxes of one in-process group, and why the group was abandoned (a rank failed), so a receive
+    that could never be served stops at once instead of waiting out its timeout."""
+
+    boxes: dict[Link, _Mailbox] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards creating a mailbox on first use
+    abandoned: str | None = None
+
+
+@dataclass
 class _MailHandle:
     transport: InProcessTransport
     box: _Mailbox
@@ -169,9 +178,12 @@ class _MailHandle:
             return self.result
         me = f"rank {self.transport.rank}: receive #{self.seq} from rank {self.src}{_on(self.channel)}"
         timeout_s = self.transport.timeout_s if timeout_s is None else timeout_s
+        office = self.transport.office
         with self.box.ready:
-            if not self.box.ready.wait_for(lambda: self.seq in self.box.sent, timeout_s):
+            if not self.box.ready.wait_for(lambda: self.seq in self.box.sent or office.abandoned, timeout_s):
                 raise TransportTimeout(f"{me} timed out after {timeout_s:g} s")
+            if self.seq not in self.box.sent:
+                raise TransportError(f"{me} abandoned: {office.abandoned}")
             tensor = self.box.sent.pop(self.seq)
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
             raise TransportError(f"{me}: posted for {list(self.shape)} {self.dtype}, "
@@ -185,23 +197,23 @@ class InProcessTransport(Transport):
     first use). A send copies its tensor, as a real transport's data leaves the sender; a receive checks shape
     and dtype against the post."""
 
-    def __init__(self, rank: int, world_size: int, mailboxes: dict[Link, _Mailbox], *,
+    def __init__(self, rank: int, world_size: int, office: _PostOffice, *,
                  device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(rank, world_size, device, timeout_s)
-        self._boxes = mailboxes
+        self.office = office
 
     @classmethod
     def connected(cls, world_size: int, *, device: torch.device | str = "cpu",
                   timeout_s: float = DEFAULT_TIMEOUT_S) -> list[InProcessTransport]:
         """One transport per rank, all connected; hand transports[r] to the thread running rank r."""
-        boxes: dict[Link, _Mailbox] = {}
-        return [cls(rank, world_size, boxes, device=device, timeout_s=timeout_s) for rank in range(world_size)]
+        office = _PostOffice()
+        return [cls(rank, world_size, office, device=device, timeout_s=timeout_s) for rank in range(world_size)]
 
     def _box(self, src: int, dst: int, channel: int) -> _Mailbox:
         if not isinstance(channel, int) or channel < 0:
             raise ValueError(f"rank {self.rank}: channel must be a whole number >= 0 (got {channel!r})")
-        with _BOX_LOCK:
-            return self._boxes.setdefault((src, dst, channel), _Mailbox())
+        with self.office.lock:
+            return self.office.boxes.setdefault((src, dst, channel), _Mailbox())
 
     def send(self, tensor: torch.Tensor, dst: int, channel: int = 0) -> Handle:
         box = self._box(self.rank, self._peer(dst), channel)
@@ -217,6 +229,19 @@ class InProcessTransport(Transport):
             seq = box.receives
             box.receives += 1
         return _MailHandle(self, box, seq, src, tuple(shape), dtype, channel)
+
+    def abandon(self, reason: str) -> bool:
+        """Fail every receive of the group, waiting or yet to wait, with `reason`: a rank failed and nothing
+        more will be sent. True for the first rank to abandon the group (its failure is the cause)."""
+        with self.office.lock:
+            if self.office.abandoned is not None:
+                return False
+            self.office.abandoned = reason
+            boxes = list(self.office.boxes.values())
+        for box in boxes:
+            with box.ready:
+                box.ready.notify_all()
+        return True
 
     def close(self) -> None:
         """Nothing to release: the mailboxes go with the last transport that holds them."""

@@ -1,0 +1,229 @@
+"""`pipesim study`: train the same model on the same data, initialisation and sample budget under each method,
+with each optimizer, over several seeds; report accuracy, loss, throughput and staleness; draw the page.
+Torch is imported only once the command trains."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from .common import (
+    InputError,
+    Microbatches,
+    Minibatches,
+    Pipelines,
+    PredictionSource,
+    Stages,
+    check_prediction,
+    check_writable,
+    fail,
+    require_torch,
+    stderr,
+    stdout,
+    write_error,
+)
+
+
+def _optimizers(specs: list[str]) -> dict[str, float]:
+    """`NAME` or `NAME=LR` per --optimizer, in order; a name without a rate takes the study's default."""
+    from ..study.plan import DEFAULT_LR
+
+    out: dict[str, float] = {}
+    for spec in specs:
+        name, _, rate = spec.partition("=")
+        if name not in DEFAULT_LR:
+            raise InputError(f"--optimizer {spec}: choose from {', '.join(DEFAULT_LR)}, optionally as NAME=LR")
+        try:
+            lr = float(rate) if rate else DEFAULT_LR[name]
+        except ValueError:
+            lr = math.nan
+        if not 0 < lr < math.inf:
+            raise InputError(f"--optimizer {spec}: the learning rate must be a finite number > 0")
+        if name in out:
+            raise InputError(f"--optimizer {name}: given twice; give each optimizer once")
+        out[name] = lr
+    return out
+
+
+def study(
+    schedules: Annotated[list[str] | None, typer.Option(
+        "--schedule", "-s", metavar="NAME", help="Method to train (repeatable). Default: gpipe, 1f1b, pipedream, "
+                                                 "pipedream-2bw, spectrain, pipeoptim, xpipe, avgpipe.")] = None,
+    optimizers: Annotated[list[str] | None, typer.Option(
+        "--optimizer", metavar="NAME[=LR]", help="Optimizer, optionally with its learning rate (repeatable): "
+                                                 "sgd, momentum, adam, adamw. Default: momentum=0.05 and "
+                                                 "adam=0.002.")] = None,
+    seeds: Annotated[int, typer.Option("--seeds", min=1, metavar="K", help="Seeds 0..K-1 per arm.")] = 3,
+    stages: Stages = 4,
+    microbatches: Microbatches = 4,
+    minibatches: Minibatches = 60,
+    microbatch_size: Annotated[int, typer.Option(
+        "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch.")] = 16,
+    pipelines: Pipelines = 2,
+    prediction: PredictionSource = None,
+    model: Annotated[str, typer.Option("--model", metavar="NAME", help="Built-in model (mlp, cnn).")] = "mlp",
+    layers: Annotated[int, typer.Option("--layers", min=1, help="Model layers (blocks).")] = 8,
+    width: Annotated[int, typer.Option("--width", min=1, help="Hidden width (channels for cnn).")] = 128,
+    timing: Annotated[bool, typer.Option(
+        "--timing/--no-timing", help="Time every arm on spawned ranks (one process per device) against the "
+                                     "simulator's prediction from a calibration of the setting.")] = True,
+    timing_repeats: Annotated[int, typer.Option(
+        "--timing-repeats", min=1, metavar="R", help="Fresh timed runs per arm (the median is kept).")] = 3,
+    results: Annotated[Path, typer.Option(
+        "--results", metavar="JSON", help="Results file: written after every run; a study with the same setting "
+                                          "resumes from it.")] = Path("study.json"),
+    html: Annotated[Path, typer.Option("--html", metavar="PATH", help="The study's page.")] = Path("study.html"),
+    plot_only: Annotated[bool, typer.Option(
+        "--plot-only", help="Train nothing: show the table and write the page from --results.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+) -> None:
+    """Train every method on the same model, data, initialisation and sample budget, per optimizer and seed:
+    held-out accuracy and loss (mean ± std over seeds), measured and predicted throughput, and the staleness
+    and prediction distance of every stage. A predicting method also runs with each other source of s that
+    changes its distances (unless --prediction picks one)."""
+    from ..schedules import ScheduleError
+    from ..study.plan import DEFAULT_METHODS, DEFAULT_OPTIMIZERS, Setting, arms
+    from ..study.results import ResultsError, load_results, open_results, recorded_arms, summarize
+
+    try:
+        check_writable("--results", None if plot_only else results)
+        check_writable("--html", html)
+        if plot_only:
+            saved = load_results(results)
+            setting = Setting(**saved.setting)
+            chosen, rates, seed_list = recorded_arms(saved)
+            if not chosen:
+                raise InputError(f"--plot-only: {results} holds no finished run yet")
+        else:
+            check_prediction(prediction)
+            rates = _optimizers(optimizers or list(DEFAULT_OPTIMIZERS))
+            setting = Setting(model, {"layers": layers, "width": width}, stages, microbatches, microbatch_size,
+                              minibatches, pipelines)
+            chosen = arms(setting, schedules or list(DEFAULT_METHODS), prediction)
+            seed_list = list(range(seeds))
+            require_torch("study")
+            _check_model(setting)
+            saved = open_results(results, setting)
+            from ..executor import ExecutorError
+
+            try:
+                _train(saved, setting, chosen, rates, seed_list, timing, timing_repeats, results, quiet=as_json)
+            except ExecutorError as exc:  # a run failed, not the input: the runs before it are kept
+                stderr.print(f"[bold red]error:[/] {escape(str(exc))}; the finished runs are in {results}",
+                             highlight=False, soft_wrap=True)
+                raise SystemExit(1) from None
+        summaries = summarize(saved, chosen, rates, seed_list)
+        from ..study.page import write_study_page
+
+        write_study_page(summaries, list(rates), html, title=_title(setting))
+    except (InputError, ScheduleError, ResultsError) as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(write_error(exc))
+    if as_json:
+        print(json.dumps({"setting": setting.as_dict(), "samples": setting.samples, "results": str(results),
+                          "html": str(html), "arms": [s.as_dict() for s in summaries]}, indent=2))
+    else:
+        _print_table(setting, summaries)
+        stdout.print(f"wrote {html}" + ("" if plot_only else f" and {results}"), highlight=False)
+
+
+def _check_model(setting) -> None:
+    from ..workload.models import ModelError, build_model
+
+    try:
+        built = build_model(setting.model, **setting.model_options)
+    except ModelError as exc:
+        raise InputError(str(exc)) from None
+    if len(built.layers) < setting.stages:
+        raise InputError(f"--stages {setting.stages}: the {setting.model} has {len(built.layers)} layers, and each "
+                         "stage needs at least one; give more --layers or fewer stages")
+
+
+def _title(setting) -> str:
+    options = ", ".join(f"{k} {v}" for k, v in setting.model_options.items())
+    return (f"pipesim study: {setting.model} ({options}), p={setting.stages}, m={setting.microbatches}, "
+            f"b={setting.microbatch_size}, {setting.samples:,} samples")
+
+
+def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int, path: Path, quiet: bool) -> None:
+    """Every run and timing the results file lacks, saving it after each, behind one progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..profiles.schema import Profile
+    from ..study.plan import RunKey
+    from ..study.train import calibrate_setting, time_arm, train
+
+    runs = [(arm, RunKey(arm.method, arm.source, optimizer, lr, seed)) for optimizer, lr in rates.items()
+            for arm in chosen for seed in seed_list]
+    runs = [(arm, key) for arm, key in runs if not saved.done(key)]
+    timings: list = []  # one arm per method: the order and the work do not depend on the source of s
+    for arm in chosen:
+        if timing and saved.timing(arm) is None and all(t.method != arm.method for t in timings):
+            timings.append(arm)
+    calibrating = bool(timings) and saved.profile is None
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=stderr, transient=True, disable=quiet or not stderr.is_terminal) as bar:
+        task = bar.add_task("study", total=len(runs) + len(timings) + calibrating)
+        if calibrating:
+            bar.update(task, description="calibrating the setting")
+            saved.profile = calibrate_setting(setting, next(iter(rates)),
+                                              lambda what: None).model_dump(mode="json")
+            saved.save(path)
+            bar.advance(task)
+        for arm, key in runs:
+            bar.update(task, description=f"training {arm.label}, {key.optimizer}, seed {key.seed}")
+            saved.runs.append(train(setting, arm, key.optimizer, key.lr, key.seed))
+            saved.save(path)
+            bar.advance(task)
+        for arm in timings:
+            bar.update(task, description=f"timing {arm.label} on {setting.stages} ranks")
+            run = saved.trained(arm, rates, seed_list)  # after training: a run known to reach the end
+            if run is not None:
+                profile = Profile.model_validate(saved.profile)
+                saved.timings.append(time_arm(setting, arm, run.optimizer, run.lr, run.seed, profile, repeats))
+                saved.save(path)
+            bar.advance(task)
+
+
+def _per_stage(values) -> str:
+    return "-" if all(v is None for v in values) else ",".join("-" if v is None else str(v) for v in values)
+
+
+def _print_table(setting, summaries) -> None:
+    timed = any(s.timing for s in summaries)
+    rates = ", ".join(dict.fromkeys(f"{s.optimizer} lr {s.lr:g}" for s in summaries))
+    table = Table(title=_title(setting).removeprefix("pipesim study: "), title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False, caption=f"{rates}; held-out accuracy and final training loss (the last 10% of "
+                                          "mini-batches), mean ± std over seeds; staleness and prediction distance s "
+                                          "per stage, as the executor measured them"
+                                          + ("; samples/s on spawned ranks, median of repeats, and the simulator's "
+                                             "prediction" if timed else ""),
+                  caption_justify="left")
+    headers = ["arm", "optimizer", "acc %", "loss", "seeds"]
+    headers += ["samples/s", "pred."] if timed else []
+    headers += ["stale", "s F", "s B"]
+    for header in headers:
+        table.add_column(header, justify="left" if header in ("arm", "optimizer") else "right", no_wrap=True)
+    previous = None
+    for s in summaries:
+        if previous is not None and s.optimizer != previous:
+            table.add_section()
+        previous = s.optimizer
+        seeds = f"{len(s.runs)}" + (f", {s.diverged} div." if s.diverged else "")
+        row = [s.arm.label, s.optimizer, s.heldout_accuracy.text(".1f", 100), s.final_loss.text(), seeds]
+        if timed:
+            row += ["-", "-"] if s.timing is None else [f"{s.timing.measured_samples_per_s:,.0f}",
+                                                        f"{s.timing.predicted_samples_per_s:,.0f}"]
+        row += [_per_stage([st.forward_staleness for st in s.stages]),
+                _per_stage([st.prediction_distance for st in s.stages]),
+                _per_stage([st.backward_prediction_distance for st in s.stages])]
+        table.add_row(*row)
+    stdout.print(table)

@@ -1,0 +1,237 @@
+"""A study's results file: every finished run and timing, written atomically after each one, so a long study
+resumes where it stopped and is re-plotted without training again. Also the per-arm summary over seeds the
+table and the page show. No torch."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..traces.trace import write_atomic
+from .plan import Arm, RunKey, Setting
+
+FORMAT_VERSION = 1
+TAIL_FRACTION = 0.1  # the final training loss: the mean over the last 10 % of mini-batches (one is noise)
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be used: one line naming the file and what is wrong."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageRecord(_Strict):
+    """What a stage's ops ran on, as the executor measured it: version lag and prediction distance s."""
+
+    stage: int
+    forward_staleness: int
+    backward_staleness: int
+    prediction_distance: int | None
+    backward_prediction_distance: int | None
+
+
+class RunRecord(_Strict):
+    """One training run: the loss per mini-batch (mean over pipelines; NaN after a divergence) and the
+    held-out scores of the trained model (None when it diverged)."""
+
+    method: str
+    source: str | None
+    primary: bool  # the source is the one the method publishes (or it predicts nothing)
+    optimizer: str
+    lr: float
+    seed: int
+    status: Literal["ok", "diverged"]
+    samples_per_minibatch: int = Field(ge=1)  # over all pipelines: the x axis of the loss curves
+    losses: list[float | None]  # None: not reached (diverged before)
+    heldout_loss: float | None
+    heldout_accuracy: float | None
+    stages: list[StageRecord]
+    wall_s: float = Field(ge=0)
+
+    @property
+    def key(self) -> RunKey:
+        return RunKey(self.method, self.source, self.optimizer, self.lr, self.seed)
+
+    @property
+    def final_loss(self) -> float:
+        """Mean training loss over the last TAIL_FRACTION of mini-batches (NaN for a diverged run)."""
+        if self.status != "ok":
+            return math.nan
+        tail = max(1, round(len(self.losses) * TAIL_FRACTION))
+        return float(np.mean(self.losses[-tail:]))
+
+
+class TimingRecord(_Strict):
+    """Throughput of one arm on spawned ranks (one process per device), measured and predicted by the
+    simulator from the study's profile; medians over `repeats` runs, with the spread (max − min)."""
+
+    method: str
+    source: str | None
+    optimizer: str
+    lr: float
+    seed: int
+    repeats: int = Field(ge=1)
+    measured_samples_per_s: float
+    measured_spread: float
+    predicted_samples_per_s: float
+    ranks: int
+
+    def matches(self, arm: Arm) -> bool:
+        """Timed once per method: another source of s changes the weights, not the order or the work."""
+        return self.method == arm.method
+
+
+class StudyFile(_Strict):
+    format_version: Literal[1]
+    setting: dict[str, Any]
+    profile: dict[str, Any] | None = None  # the calibration the predictions come from, measured once
+    runs: list[RunRecord] = []
+    timings: list[TimingRecord] = []
+
+    def done(self, key: RunKey) -> bool:
+        return any(r.key == key for r in self.runs)
+
+    def timing(self, arm: Arm) -> TimingRecord | None:
+        return next((t for t in self.timings if t.matches(arm)), None)
+
+    def trained(self, arm: Arm, optimizers: dict[str, float], seeds: Sequence[int]) -> RunRecord | None:
+        """The arm's first run (in optimizer, then seed order) that trained to the end: the one to time."""
+        return next((r for optimizer, lr in optimizers.items() for seed in seeds for r in self.runs
+                     if r.key == RunKey(arm.method, arm.source, optimizer, lr, seed) and r.status == "ok"), None)
+
+    def save(self, path: Path) -> None:
+        write_atomic(path, self.model_dump_json(indent=1) + "\n")
+
+
+def open_results(path: Path, setting: Setting) -> StudyFile:
+    """The results in `path` to go on from (a new, empty study where there is no file). A file of another
+    setting is refused, naming the first field that differs, rather than mixing runs that do not compare."""
+    if not path.exists():
+        return StudyFile(format_version=FORMAT_VERSION, setting=setting.as_dict())
+    study = load_results(path)
+    wanted = setting.as_dict()
+    for name, value in wanted.items():
+        if study.setting.get(name) != value:
+            raise ResultsError(f"{path} holds a study with {name} {study.setting.get(name)!r}, not {value!r}: give "
+                               "another --results file, or the same setting to resume it")
+    return study
+
+
+def load_results(path: Path) -> StudyFile:
+    try:
+        document = json.loads(path.read_text())
+    except OSError as exc:
+        raise ResultsError(f"cannot read {path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{path} is not JSON ({exc}): is it a study's results file?") from None
+    try:
+        study = StudyFile.model_validate(document)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "top level"
+        raise ResultsError(f"{path} is not a pipesim study results file: {where}: {error['msg']}") from None
+    try:
+        Setting(**study.setting)
+    except TypeError as exc:
+        raise ResultsError(f"{path}: setting: {exc}") from None
+    return study
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A quantity over seeds: mean, standard deviation (0 with one seed), and how many seeds gave it."""
+
+    mean: float
+    std: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        finite = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+        if not len(finite):
+            return cls(math.nan, math.nan, 0)
+        return cls(float(finite.mean()), float(finite.std(ddof=1)) if len(finite) > 1 else 0.0, len(finite))
+
+    def text(self, fmt: str = ".3f", scale: float = 1.0) -> str:
+        if not self.n:
+            return "-"
+        return f"{self.mean * scale:{fmt}} ± {self.std * scale:{fmt}}"
+
+
+@dataclass(frozen=True)
+class ArmSummary:
+    """One arm under one optimizer, over its seeds."""
+
+    arm: Arm
+    optimizer: str
+    lr: float
+    runs: list[RunRecord]
+    timing: TimingRecord | None
+
+    @property
+    def diverged(self) -> int:
+        return sum(r.status != "ok" for r in self.runs)
+
+    @property
+    def final_loss(self) -> Spread:
+        return Spread.of([r.final_loss for r in self.runs])
+
+    @property
+    def heldout_loss(self) -> Spread:
+        return Spread.of([r.heldout_loss for r in self.runs])
+
+    @property
+    def heldout_accuracy(self) -> Spread:
+        return Spread.of([r.heldout_accuracy for r in self.runs])
+
+    @property
+    def stages(self) -> list[StageRecord]:
+        """The measured staleness and s per stage (the same for every seed: the schedule fixes them)."""
+        return self.runs[0].stages if self.runs else []
+
+    def as_dict(self) -> dict[str, Any]:
+        def spread(s: Spread) -> dict[str, Any]:
+            return {"mean": None if not s.n else s.mean, "std": None if not s.n else s.std, "seeds": s.n}
+
+        return {"arm": self.arm.label, "method": self.arm.method, "prediction": self.arm.source,
+                "optimizer": self.optimizer, "lr": self.lr, "seeds": len(self.runs), "diverged": self.diverged,
+                "final_loss": spread(self.final_loss), "heldout_loss": spread(self.heldout_loss),
+                "heldout_accuracy": spread(self.heldout_accuracy),
+                "measured_samples_per_s": None if self.timing is None else self.timing.measured_samples_per_s,
+                "predicted_samples_per_s": None if self.timing is None else self.timing.predicted_samples_per_s,
+                "stages": [s.model_dump() for s in self.stages]}
+
+
+def summarize(study: StudyFile, arms: Sequence[Arm], optimizers: dict[str, float],
+              seeds: Sequence[int]) -> list[ArmSummary]:
+    """Per arm and optimizer, the runs of `seeds` that are done (a resumed or re-plotted study may have fewer),
+    and the arm's timing (measured under one optimizer: the step's cost barely moves the throughput)."""
+    out = []
+    for optimizer, lr in optimizers.items():
+        for arm in arms:
+            runs = [r for seed in seeds for r in study.runs if r.key == RunKey(arm.method, arm.source, optimizer,
+                                                                                lr, seed)]
+            out.append(ArmSummary(arm, optimizer, lr, runs, study.timing(arm)))
+    return out
+
+
+def recorded_arms(study: StudyFile) -> tuple[list[Arm], dict[str, float], list[int]]:
+    """The arms, optimizers and seeds a results file holds runs of, in the order they were run: what
+    re-plotting a file shows."""
+    arms: dict[tuple[str, str | None], Arm] = {}
+    optimizers: dict[str, float] = {}
+    seeds: dict[int, None] = {}
+    for r in study.runs:
+        arms.setdefault((r.method, r.source), Arm(r.method, r.source, r.primary))
+        optimizers.setdefault(r.optimizer, r.lr)
+        seeds.setdefault(r.seed, None)
+    return list(arms.values()), optimizers, list(seeds)

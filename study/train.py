@@ -1,0 +1,96 @@
+"""The torch side of a study: train one run with the executor (every device a thread of this process: the
+same DeviceLoop and weight semantics as `pipesim run`, without spawning processes for each of hundreds of
+runs), calibrate the setting once, and time an arm on spawned ranks against the simulator's prediction."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..executor import DivergedError, RunSpec, even_bounds, run_in_process, run_multiprocess
+from ..planning.replay import predict_measured
+from ..profiles.linkfit import default_sizes
+from ..profiles.schema import Profile
+from ..traces.metrics import summarize
+from ..traces.trace import Trace
+from ..workload.models import build_model
+from .plan import Arm, Setting, build
+from .results import RunRecord, StageRecord, TimingRecord
+
+LINK_MAX_BYTES = 1 << 20  # a study's stage edges carry a micro-batch's activations: kilobytes, not megabytes
+TIMEOUT_S = 120.0
+
+
+def _spec(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> RunSpec:
+    layers = len(build_model(setting.model, **setting.model_options).layers)
+    return RunSpec(build(setting, arm.method, arm.source), setting.model, dict(setting.model_options),
+                   microbatch_size=setting.microbatch_size, optimizer=optimizer, lr=lr, seed=seed,
+                   bounds=tuple(even_bounds(layers, setting.stages)), threads_per_rank=1, timeout_s=TIMEOUT_S)
+
+
+def _stages(trace: Trace) -> list[StageRecord]:
+    return [StageRecord(stage=s.stage, forward_staleness=s.forward_staleness, backward_staleness=s.backward_staleness,
+                        prediction_distance=s.prediction_distance,
+                        backward_prediction_distance=s.backward_prediction_distance)
+            for s in summarize(trace).stages]
+
+
+def train(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> RunRecord:
+    """Train one run to the end, or until its loss goes non-finite (recorded as diverged, not raised)."""
+    spec = _spec(setting, arm, optimizer, lr, seed)
+    schedule = spec.schedule
+    per_minibatch = schedule.pipelines * schedule.microbatches * setting.microbatch_size
+    base = dict(method=arm.method, source=arm.source, primary=arm.primary, optimizer=optimizer, lr=lr, seed=seed,
+                samples_per_minibatch=per_minibatch)
+    began = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the devices are threads: one intra-op thread each, as each rank of a real run
+    try:
+        result = run_in_process(spec)
+    except DivergedError:
+        return RunRecord(**base, status="diverged", losses=[None] * schedule.minibatches, heldout_loss=None,
+                         heldout_accuracy=None, stages=[], wall_s=time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(threads)
+    losses = [statistics.fmean(pipeline[b] for pipeline in result.losses) for b in range(schedule.minibatches)]
+    heldout = result.trace.meta.extra.get("heldout") or {}
+    return RunRecord(**base, status="ok", losses=losses, heldout_loss=heldout.get("loss"),
+                     heldout_accuracy=heldout.get("accuracy"), stages=_stages(result.trace),
+                     wall_s=time.perf_counter() - began)
+
+
+def calibrate_setting(setting: Setting, optimizer: str, advance: Callable[[str], None]) -> Profile:
+    """The setting's model measured as each rank runs it (one thread, the study's micro-batch size) and the
+    local link: what the throughput predictions come from, measured once per study."""
+    from ..calibrate.measure import Settings, calibrate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        settings = Settings(torch.device("cpu"), torch.float32, setting.microbatch_size, warmup=2, repeats=10)
+        return calibrate(build_model(setting.model, **setting.model_options), settings, stages=setting.stages,
+                         optimizer=optimizer, memory_cap_bytes=None, link_sizes=default_sizes(LINK_MAX_BYTES),
+                         dtype_name="float32", advance=advance)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def time_arm(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int, profile: Profile,
+             repeats: int) -> TimingRecord:
+    """Samples/s of the arm on one spawned process per device (gloo), median of `repeats` fresh runs, and the
+    simulator's prediction of the same run from `profile`. Give a run that trained to the end in process: a
+    diverging one stops (RunFailed) before it can be timed."""
+    spec = _spec(setting, arm, optimizer, lr, seed)
+    measured, predicted = [], []
+    for _ in range(repeats):
+        trace = run_multiprocess(spec, device="cpu").trace
+        trace.meta.extra["profile"] = profile.model_dump(mode="json")
+        measured.append(summarize(trace).samples_per_s)
+        predicted.append(summarize(predict_measured(trace.meta)).samples_per_s)
+    return TimingRecord(method=arm.method, source=arm.source, optimizer=optimizer, lr=lr, seed=seed, repeats=repeats,
+                        measured_samples_per_s=statistics.median(measured),
+                        measured_spread=max(measured) - min(measured),
+                        predicted_samples_per_s=statistics.median(predicted), ranks=spec.schedule.num_devices)

@@ -1,0 +1,155 @@
+"""`pipesim study`: which arms it trains, that every arm gets the same sample budget, that a run is the
+executor's (deterministic per seed, the schedule's staleness measured), that a diverged run is recorded rather
+than raised, that a study resumes from its results file and re-plots without training, and its bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pipesim.schedules import ScheduleError
+from pipesim.study.plan import Arm, Setting, arms, build
+from pipesim.study.results import ResultsError, Spread, StudyFile, load_results, open_results
+from tests.conftest import pipesim
+
+TINY = Setting("mlp", {"layers": 2, "width": 16}, stages=2, microbatches=2, microbatch_size=4, minibatches=4)
+TINY_FLAGS = ("--layers", 2, "--width", 16, "-p", 2, "-m", 2, "-b", 4, "-n", 4, "--seeds", 2, "--no-timing")
+
+
+def test_predicting_methods_also_run_every_other_source_that_changes_their_distances():
+    """At p=4, m=4 (values from the sources, docs/methods.md): SpecTrain's paper and code agree (k//2 + p-k-1)
+    and the count differs; PipeOptim's paper (p-k-1), code (p-k) and count all differ; XPipe has no code."""
+    labels = [a.label for a in arms(Setting(), ["gpipe", "spectrain", "pipeoptim", "xpipe"])]
+    assert labels == ["gpipe", "spectrain", "spectrain (counted)", "pipeoptim", "pipeoptim (code)",
+                      "pipeoptim (counted)", "xpipe", "xpipe (counted)"]
+
+
+def test_a_chosen_prediction_source_is_the_only_one_run():
+    chosen = arms(Setting(), ["gpipe", "pipeoptim", "xpipe"], prediction="counted")
+    assert chosen == [Arm("gpipe"), Arm("pipeoptim", "counted", primary=False), Arm("xpipe", "counted", primary=False)]
+    with pytest.raises(ScheduleError, match="xpipe.*code"):
+        arms(Setting(), ["xpipe"], prediction="code")
+
+
+def test_every_arm_trains_on_the_same_sample_budget():
+    setting = Setting(minibatches=8)
+    for method in ("gpipe", "pipedream", "avgpipe"):
+        schedule = build(setting, method)
+        assert schedule.pipelines * schedule.minibatches * schedule.microbatches * setting.microbatch_size \
+            == setting.samples
+    assert build(setting, "avgpipe").pipelines == 2
+    with pytest.raises(ScheduleError, match="multiple of 2"):
+        build(Setting(minibatches=7), "avgpipe")
+
+
+def test_spread_is_mean_and_sample_std_of_the_finite_values():
+    spread = Spread.of([0.5, 0.7, math.nan, None])
+    assert (spread.mean, spread.n) == (pytest.approx(0.6), 2)
+    assert spread.std == pytest.approx(math.sqrt(0.02))
+    assert Spread.of([None]).text() == "-"
+
+
+@pytest.fixture(scope="module")
+def trained():
+    from pipesim.study.train import train
+
+    return {(method, seed): train(TINY, Arm(method), "momentum", 0.05, seed)
+            for method in ("gpipe", "1f1b", "pipedream") for seed in (0, 1)}
+
+
+def test_a_run_is_deterministic_per_seed_and_the_same_for_one_synchronous_schedule_or_another(trained):
+    from pipesim.study.train import train
+
+    again = train(TINY, Arm("gpipe"), "momentum", 0.05, 0)
+    assert again.losses == trained["gpipe", 0].losses
+    assert trained["1f1b", 0].losses == pytest.approx(trained["gpipe", 0].losses, rel=1e-5)
+    assert trained["gpipe", 1].losses != trained["gpipe", 0].losses
+    assert trained["pipedream", 0].losses != pytest.approx(trained["gpipe", 0].losses, rel=1e-3)  # stale weights
+
+
+def test_a_run_records_what_each_stage_ran_on_and_its_heldout_scores(trained):
+    pipedream, gpipe = trained["pipedream", 0], trained["gpipe", 0]
+    assert [s.forward_staleness for s in pipedream.stages] == [1, 0]
+    assert [s.forward_staleness for s in gpipe.stages] == [0, 0]
+    assert 0 <= gpipe.heldout_accuracy <= 1 and gpipe.heldout_loss > 0
+    assert gpipe.samples_per_minibatch == 2 * 4 and len(gpipe.losses) == 4
+
+
+def test_a_diverged_run_is_recorded_not_raised():
+    from pipesim.study.train import train
+
+    record = train(TINY, Arm("gpipe"), "sgd", 1e9, 0)
+    assert record.status == "diverged" and record.heldout_accuracy is None and math.isnan(record.final_loss)
+
+
+def test_study_trains_writes_its_results_and_page_then_resumes_without_training_again(tmp_path):
+    results, page = tmp_path / "study.json", tmp_path / "study.html"
+    args = ("study", "-s", "gpipe", "-s", "pipedream", "--optimizer", "momentum=0.05", *TINY_FLAGS,
+            "--results", results, "--html", page)
+    code, out, err = pipesim(*args, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert [(a["arm"], a["seeds"]) for a in document["arms"]] == [("gpipe", 2), ("pipedream", 2)]
+    assert 0 < document["arms"][0]["heldout_accuracy"]["mean"] <= 1
+    saved = load_results(results)
+    assert len(saved.runs) == 4 and "<html" in page.read_text()
+    stamps = [r.wall_s for r in saved.runs]
+
+    code, out, err = pipesim(*args[:-4], "--seeds", 3, "--results", results, "--html", page)  # one seed more
+    assert code == 0, err
+    resumed = load_results(results)
+    assert len(resumed.runs) == 6 and [r.wall_s for r in resumed.runs[:4]] == stamps  # the old runs were kept
+    assert "pipedream" in out and "0,0" in out
+
+    page.unlink()
+    code, out, err = pipesim("study", "--plot-only", "--results", results, "--html", page)
+    assert code == 0, err
+    assert page.exists() and load_results(results).runs == resumed.runs
+
+
+def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_path):
+    results = tmp_path / "study.json"
+    StudyFile(format_version=1, setting=TINY.as_dict()).save(results)
+    with pytest.raises(ResultsError, match="microbatch_size 4, not 16"):
+        open_results(results, Setting("mlp", {"layers": 2, "width": 16}, stages=2, microbatches=2, minibatches=4))
+    code, _, err = pipesim("study", *TINY_FLAGS, "-n", 6, "--results", results, "--html", tmp_path / "p.html")
+    assert code == 2 and "minibatches 4, not 6" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--optimizer", "rmsprop"), "--optimizer rmsprop: choose from"),
+    (("--optimizer", "adam=-1"), "finite number > 0"),
+    (("--optimizer", "adam", "--optimizer", "adam=0.01"), "given twice"),
+    (("-s", "nosuch"), "unknown schedule 'nosuch'"),
+    (("-s", "pipedream-2bw", "-p", 4, "-m", 2, "--layers", 8), "m >= p-1"),
+    (("-p", 4, "--layers", 2), "--stages 4"),
+    (("--prediction", "guess"), "--prediction: choose from"),
+])
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, args, message):
+    code, _, err = pipesim("study", "--no-timing", "--results", tmp_path / "r.json", "--html", tmp_path / "p.html",
+                           *args)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read"), ("{", "is not JSON"), ('{"format_version": 1}', "setting: Field required"),
+])
+def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
+    results = tmp_path / "r.json"
+    if content is not None:
+        results.write_text(content)
+    code, _, err = pipesim("study", "--plot-only", "--results", results, "--html", tmp_path / "p.html")
+    assert code == 2 and message in err
+
+
+@pytest.mark.slow
+def test_timing_measures_spawned_ranks_and_predicts_them_from_the_calibration():
+    from pipesim.study.train import calibrate_setting, time_arm
+
+    profile = calibrate_setting(TINY, "momentum", lambda what: None)
+    assert profile.environment.threads == 1 and profile.environment.microbatch_size == TINY.microbatch_size
+    timing = time_arm(TINY, Arm("1f1b"), "momentum", 0.05, 0, profile, repeats=1)
+    assert timing.ranks == 2 and timing.measured_samples_per_s > 0 and timing.predicted_samples_per_s > 0
