@@ -1,6 +1,6 @@
 """A study's Plotly page: training loss per arm (mean over seeds with the min–max band), held-out accuracy
-against throughput, and the staleness and prediction distance every stage ran with. One colour per method in
-every figure; an arm on another source of s than its method publishes is dashed."""
+against throughput, and the staleness and prediction distance every stage ran with. One colour per arm in every
+figure; an arm on another source of s than its method publishes has a dashed curve."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ _PALETTE = qualitative.D3 + qualitative.Set2
 
 
 def _colours(summaries: Sequence[ArmSummary]) -> dict[str, str]:
-    methods = list(dict.fromkeys(s.arm.method for s in summaries))
-    return {m: _PALETTE[i % len(_PALETTE)] for i, m in enumerate(methods)}
+    """One colour per arm, in the order the arms run."""
+    labels = list(dict.fromkeys(s.arm.label for s in summaries))
+    return {label: _PALETTE[i % len(_PALETTE)] for i, label in enumerate(labels)}
 
 
 def _smoothed(values: np.ndarray, window: int) -> np.ndarray:
@@ -46,7 +47,7 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
             window = max(1, curves.shape[1] // 15)
             smooth = np.array([_smoothed(c, window) for c in curves])
             samples = (np.arange(curves.shape[1]) + 1) * s.runs[0].samples_per_minibatch
-            colour, dash = colours[s.arm.method], None if s.arm.primary else "dash"
+            colour, dash = colours[s.arm.label], None if s.arm.primary else "dash"
             with np.errstate(all="ignore"):
                 low, high, mean = np.nanmin(smooth, 0), np.nanmax(smooth, 0), np.nanmean(smooth, 0)
             shown = np.isfinite(mean)
@@ -69,39 +70,33 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
 
 
 def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> go.Figure:
-    """Held-out accuracy (mean ± std over seeds) against measured samples/s, the prediction an open marker
-    joined to it; against the arm where nothing was timed."""
+    """Held-out accuracy (mean ± std over seeds) against measured samples/s (the prediction in the hover), one
+    marker symbol per optimizer; against the arm where nothing was timed."""
     colours = _colours(summaries)
     timed = any(s.timing for s in summaries)
     symbols = ("circle", "square", "diamond", "triangle-up")
     fig = go.Figure()
+    shown: set[str] = set()
     for i, optimizer in enumerate(optimizers):
         for s in (s for s in summaries if s.optimizer == optimizer and s.heldout_accuracy.n):
-            acc = s.heldout_accuracy
-            colour = colours[s.arm.method]
-            x = s.timing.measured_samples_per_s if timed and s.timing else (None if timed else s.arm.label)
-            if x is None:
+            if timed and s.timing is None:
                 continue
+            acc = s.heldout_accuracy
+            throughput = "" if not timed else (f"<br>{s.timing.measured_samples_per_s:,.0f} samples/s measured, "
+                                               f"{s.timing.predicted_samples_per_s:,.0f} predicted")
             fig.add_trace(go.Scatter(
-                x=[x], y=[acc.mean], error_y={"type": "data", "array": [acc.std], "color": colour},
-                mode="markers", name=f"{s.arm.label}, {optimizer}", legendgroup=s.arm.label,
-                marker={"color": colour, "size": 11, "symbol": symbols[i % len(symbols)],
+                x=[s.timing.measured_samples_per_s if timed else s.arm.label], y=[acc.mean],
+                error_y={"type": "data", "array": [acc.std], "color": colours[s.arm.label]},
+                mode="markers", name=s.arm.label, legendgroup=s.arm.label, showlegend=s.arm.label not in shown,
+                marker={"color": colours[s.arm.label], "size": 11, "symbol": symbols[i % len(symbols)],
                         "line": {"width": 1, "color": "white"}},
                 hovertemplate=f"{s.arm.label} ({optimizer})<br>accuracy {acc.mean:.1%} ± {acc.std:.1%} over "
-                              f"{acc.n} seeds" + ("<br>measured %{x:,.0f} samples/s" if timed else "")
-                              + "<extra></extra>"))
-            if timed and s.timing:
-                predicted = s.timing.predicted_samples_per_s
-                fig.add_trace(go.Scatter(
-                    x=[x, predicted], y=[acc.mean, acc.mean], mode="lines+markers", legendgroup=s.arm.label,
-                    showlegend=False, line={"color": colour, "width": 1, "dash": "dot"},
-                    marker={"color": colour, "size": [0, 10], "symbol": f"{symbols[i % len(symbols)]}-open"},
-                    hovertemplate=f"{s.arm.label} ({optimizer})<br>predicted %{{x:,.0f}} samples/s<extra></extra>"))
-    fig.update_layout(height=460, margin={"t": 20, "b": 50, "l": 70, "r": 20},
-                      xaxis_title="samples/s: measured (filled), predicted (open)" if timed else "method",
+                              f"{acc.n} seeds{throughput}<extra></extra>"))
+            shown.add(s.arm.label)
+    marks = ", ".join(f"{symbols[i % len(symbols)]}: {o}" for i, o in enumerate(optimizers))
+    fig.update_layout(height=460, margin={"t": 20, "b": 50, "l": 70, "r": 20}, legend={"title": "method"},
+                      xaxis_title=f"samples/s measured on spawned ranks ({marks})" if timed else f"method ({marks})",
                       yaxis_title="held-out accuracy (mean ± std over seeds)", yaxis_tickformat=".0%")
-    if timed:
-        fig.update_xaxes(type="log")
     return fig
 
 
@@ -111,14 +106,12 @@ def _per_stage(values: Sequence[int | None]) -> str:
 
 def stages_figure(summaries: Sequence[ArmSummary]) -> go.Figure:
     """What every stage ran on, as the executor measured it, per arm: a table."""
-    rows = {}
-    for s in summaries:
-        if s.stages and s.arm.label not in rows:
-            rows[s.arm.label] = (
-                _per_stage([st.forward_staleness for st in s.stages]),
-                _per_stage([st.backward_staleness for st in s.stages]),
-                _per_stage([st.prediction_distance for st in s.stages]),
-                _per_stage([st.backward_prediction_distance for st in s.stages]))
+    rows: dict[str, tuple[str, ...]] = {}
+    for label in dict.fromkeys(s.arm.label for s in summaries):
+        # the first optimizer whose runs measured it (a run that diverged measured nothing)
+        stages = next((s.stages for s in summaries if s.arm.label == label and s.stages), [])
+        rows[label] = tuple(_per_stage([getattr(st, name) for st in stages]) for name in (
+            "forward_staleness", "backward_staleness", "prediction_distance", "backward_prediction_distance"))
     header = ["arm", "F staleness per stage", "B staleness per stage", "F prediction s", "B prediction s"]
     columns = [list(rows), *zip(*rows.values())] if rows else [[] for _ in header]
     fig = go.Figure(go.Table(header={"values": header, "align": "left", "fill_color": "#eef1f5"},
