@@ -13,7 +13,8 @@ import platform
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -34,6 +35,7 @@ from ..profiles.schema import (
     ModelInfo,
     Partition,
     Profile,
+    StageSteps,
     StepTimes,
     Timing,
     aggregate_stages,
@@ -57,11 +59,15 @@ class DeviceError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
+    """How to measure. `threads`: torch intra-op threads, as each rank of the run will have them (`pipesim run
+    --threads-per-rank`): a profile timed with every core predicts a one-thread rank at about half its time."""
+
     device: torch.device
     dtype: torch.dtype
     microbatch_size: int
     warmup: int
     repeats: int
+    threads: int = 1
 
     @property
     def cuda(self) -> bool:
@@ -78,6 +84,17 @@ def resolve_device(name: str | None) -> torch.device:
         built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise DeviceError(f"no CUDA device: torch {torch.__version__} ({built}) sees no GPU; use --device cpu")
     return torch.device(name)
+
+
+@contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _timing(samples_ms: list[float]) -> Timing:
@@ -272,16 +289,16 @@ def measure_times(model: Model, settings: Settings, recording: Recording, layers
             for i, layer in enumerate(layers)]
 
 
-def measure_steps(model: Model, bounds: list[int], settings: Settings,
-                  advance: Advance) -> list[tuple[dict[str, StepTimes], Timing]]:
-    """Per stage: each optimizer's update and weight prediction, and one replica's elastic averaging."""
+def measure_steps(model: Model, bounds: list[int], settings: Settings, advance: Advance) -> list[StageSteps]:
+    """Per stage: each optimizer's update and weight prediction, one replica's elastic averaging, and adding
+    one micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does)."""
     out = []
     for k, (start, stop) in enumerate(itertools.pairwise(bounds)):
         weights = _with_grads([p for layer in model.layers[start:stop] for p in layer.parameters()
                                if p.requires_grad])
         if not weights:
             zero = _zero(settings)
-            out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero))
+            out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero, zero))
             continue
         steps = {}
         for name in OPTIMIZERS:
@@ -293,8 +310,16 @@ def measure_steps(model: Model, bounds: list[int], settings: Settings,
         advance(f"stage {k}: elastic averaging")
         reference = [p.detach().clone() for p in weights]
         average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
-        out.append((steps, _time(settings, [("average", average)])["average"]))
+        accumulate = _call_with(_accumulate, [torch.zeros_like(w) for w in weights], [w.grad for w in weights])
+        times = _time(settings, [("average", average)], [("accumulate", accumulate)])
+        out.append((steps, times["average"], times["accumulate"]))
     return out
+
+
+def _accumulate(buffer: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """The executor's gradient accumulation (executor/weights.py), one in-place add per tensor."""
+    for total, grad in zip(buffer, grads):
+        total.add_(grad)
 
 
 def environment(settings: Settings, dtype_name: str, memory_cap_bytes: int | None) -> Environment:
@@ -306,7 +331,7 @@ def environment(settings: Settings, dtype_name: str, memory_cap_bytes: int | Non
     return Environment(
         device=settings.device.type, device_name=name, device_memory_bytes=memory,
         memory_cap_bytes=memory_cap_bytes, dtype=dtype_name, microbatch_size=settings.microbatch_size,
-        threads=torch.get_num_threads(), torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        threads=settings.threads, torch_version=torch.__version__, cuda_version=torch.version.cuda,
         driver_version=_nvidia_driver() if settings.cuda else None, python_version=platform.python_version(),
         pipesim_version=__version__, host=socket.gethostname(),
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -340,9 +365,10 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
     `repeats` rounds over the sizes, each reported to `advance` as it starts, and once when all are up)."""
     recording, layers = measure_bytes(model, settings)
     partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)  # no split fits the cap: fail now
-    layers = measure_times(model, settings, recording, layers, advance)
-    bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
-    steps = measure_steps(model, bounds, settings, advance)
+    with threads(settings.threads):
+        layers = measure_times(model, settings, recording, layers, advance)
+        bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
+        steps = measure_steps(model, bounds, settings, advance)
     link = allreduce = None
     if link_sizes:
         def rounds(what: str) -> Callable[[int, int], None]:

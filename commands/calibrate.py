@@ -59,12 +59,19 @@ def calibrate(
                                    "ranks.")] = True,
     link_max_mb: Annotated[float, typer.Option(
         "--link-max-mb", help="Largest link message in MiB (powers of two from 4 KiB).")] = 64.0,
+    threads: Annotated[int, typer.Option(
+        "--threads", min=1, metavar="T", help="Torch threads to measure with: as each rank of the run has them "
+                                              "(`pipesim run --threads-per-rank`, default 1).")] = 1,
+    runtime: Annotated[bool, typer.Option(
+        "--runtime/--no-runtime", help="Measure the executor's own cost per row (a few seconds of two ranks "
+                                       "running a tiny model).")] = True,
 ) -> None:
     """Measure a model on this machine into a profile for `pipesim simulate --profile`.
 
     Per layer: forward, backward and its input/weight-gradient split, saved activations, output, weight,
     gradient and optimizer-state bytes. Per stage of the partition: optimizer, weight-prediction and
-    averaging steps. And the p2p link (a piecewise fit) and all-reduce between two ranks.
+    averaging steps. And the p2p link (a piecewise fit) and all-reduce between two ranks, and the executor's
+    own cost per row (compute, send, receive, the gap between rows).
     """
     from ..profiles.partition import PartitionError
     from ..profiles.schema import OPTIMIZERS, profile_json
@@ -86,22 +93,26 @@ def calibrate(
         from ..calibrate.links import LinkError
         from ..calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
         from ..calibrate.measure import calibrate as run_calibration
+        from ..calibrate.runtime import PROBE_SCHEDULES, RuntimeProbeError
         from ..profiles.linkfit import default_sizes
         from ..workload.models import ModelError, build_model
 
         try:
-            settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats)
+            settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats, threads)
             net = build_model(model, layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
             if stages > len(net.layers):
                 raise InputError(f"--stages {stages}: {net.name} has {len(net.layers)} layers; give at most "
                                  f"{len(net.layers)} (each stage needs at least one layer)")
             sizes = default_sizes(int(link_max_mb * MIB)) if links else []
-            work = warmup + repeats + 5 * stages + (2 * (repeats + 1) if sizes else 0)
+            work = warmup + repeats + 5 * stages + (2 * (repeats + 1) if sizes else 0) + (
+                warmup + repeats + 10 + len(PROBE_SCHEDULES) if runtime else 0)
             with _steps(work, f"calibrating {net.name}") as advance:
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance)
-        except (ModelError, DeviceError, PartitionError, LinkError) as exc:
+                if runtime:
+                    profile = profile.model_copy(update={"runtime": measure_runtime(profile, settings, advance)})
+        except (ModelError, DeviceError, PartitionError, LinkError, RuntimeProbeError) as exc:
             raise InputError(str(exc)) from None
         except (MemoryError, RuntimeError) as exc:  # the model or its batch does not fit in memory
             first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -119,6 +130,47 @@ def calibrate(
         fail(str(exc))
     _print_profile(profile)
     stdout.print(f"wrote {out}", highlight=False)
+
+
+def measure_runtime(profile, settings, advance):
+    """The executor's per-row costs: calibrate the probe model (one tiny block and the classifier, its boundary
+    as wide as the profile's), then run it for real with each probe schedule on two ranks over the run's
+    transport with `settings.threads` per rank (calibrate/runtime.py reads the traces)."""
+    from ..calibrate.measure import calibrate as run_calibration
+    from ..calibrate.runtime import (
+        PROBE_MICROBATCHES,
+        PROBE_MINIBATCHES,
+        PROBE_OPTIMIZER,
+        PROBE_SCHEDULES,
+        RuntimeProbeError,
+        probe_width,
+        runtime_terms,
+    )
+    from ..executor import ExecutorError, RunSpec, run_multiprocess
+    from ..schedules import ScheduleParams, build_schedule
+    from ..workload.models import build_model
+
+    env = profile.environment
+    options = {"layers": 1, "width": probe_width(profile, settings.dtype.itemsize)}
+    probe = run_calibration(build_model("mlp", **options), settings, stages=2, optimizer=PROBE_OPTIMIZER,
+                            memory_cap_bytes=None, link_sizes=[], dtype_name=env.dtype,
+                            advance=lambda what: advance(f"runtime probe: {what}"))
+    params = ScheduleParams(stages=2, microbatches=PROBE_MICROBATCHES, minibatches=PROBE_MINIBATCHES)
+    traces = []
+    for name in PROBE_SCHEDULES:
+        advance(f"runtime probe: running {name} on two ranks")
+        spec = RunSpec(build_schedule(name, params), "mlp", options, microbatch_size=env.microbatch_size,
+                       optimizer=PROBE_OPTIMIZER, dtype=env.dtype, bounds=tuple(probe.partition.bounds),
+                       threads_per_rank=settings.threads)
+        try:
+            traces.append(run_multiprocess(spec, device=env.device).trace)
+        except ExecutorError as exc:
+            raise RuntimeProbeError(f"the runtime probe failed: {str(exc).splitlines()[0]}") from None
+    meta = {"model": "mlp", "options": options, "boundary_bytes": probe.stages[0].output_bytes,
+            "schedules": list(PROBE_SCHEDULES), "ranks": 2,
+            "threads_per_rank": settings.threads, "microbatches": PROBE_MICROBATCHES,
+            "minibatches": PROBE_MINIBATCHES, **traces[0].meta.hardware}
+    return runtime_terms(traces, probe, meta)
 
 
 @contextmanager
@@ -144,7 +196,8 @@ def _print_profile(profile) -> None:
     """Per stage: layers, times, the backward's split, memory; then the link fit and all-reduce points."""
     env = profile.environment
     table = Table(title=f"{profile.model.name} on {env.device_name} ({env.device}, {env.dtype}, micro-batch "
-                        f"{env.microbatch_size}), partitioned for {profile.partition.optimizer}",
+                        f"{env.microbatch_size}, {env.threads} thread{'s' * (env.threads != 1)}), partitioned for "
+                        f"{profile.partition.optimizer}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="per micro-batch; I/W: input- and weight-gradient passes of the split backward; "
                           "peak: 1F1B estimate (weights, grads, optimizer state, activations in flight)",
@@ -159,6 +212,12 @@ def _print_profile(profile) -> None:
                       f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
                       f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
     stdout.print(table)
+    if profile.runtime is not None:
+        rt = profile.runtime
+        compute = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.compute_ms.items())
+        gaps = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.gap_ms.items())
+        stdout.print(f"runtime per row, us: compute {compute}; send {rt.send_ms.median_ms * 1e3:.0f}, receive "
+                     f"{rt.recv_ms.median_ms * 1e3:.0f}; gap after {gaps}", highlight=False)
     if profile.link is None:
         stdout.print("links: not measured (--no-links)", highlight=False)
         return

@@ -21,6 +21,9 @@ def _render(c) -> None:
     stdout.print(f"[bold]{c.schedule}[/]: predicted {c.predicted_ms:,.3f} ms per mini-batch, measured "
                  f"{c.measured_ms:,.3f} ms: error [bold]{c.iteration_time_error:+.1%}[/] (predicted − measured) / "
                  f"measured; bubble {c.predicted_bubble:.1%} predicted, {c.measured_bubble:.1%} measured")
+    if c.compute_duration_median is not None:
+        stdout.print(f"compute ops: median duration error {c.compute_duration_median:.1%} (bias "
+                     f"{c.compute_duration_bias:+.1%})", highlight=False)
     durations = Table(box=box.SIMPLE_HEAD, title="duration error by kind, relative (worst: op@device)",
                       title_justify="left")
     starts = Table(box=box.SIMPLE_HEAD, title="start error by kind, ms from each run's first op", title_justify="left")

@@ -100,6 +100,7 @@ def run(
         require_torch("run")
         from ..executor import ExecutorError, RunSpec
         from ..executor.runners import RunFailed, TorchrunEnv, run_multiprocess, run_torchrun
+        from ..profiles.schema import threads_mismatch
         from ..workload.models import ModelError, build_model
         from ..workload.optim import OPTIMIZERS
 
@@ -122,6 +123,9 @@ def run(
         bounds, measured = None, None
         if profile is not None:
             measured, bounds, options = _partition(profile, model, options)
+            why = threads_mismatch(measured, threads_per_rank)
+            if why:
+                raise InputError(f"--profile {profile}: {why}")
             profiled_b = measured.environment.microbatch_size
             if is_given(ctx, "microbatch_size") and microbatch_size != profiled_b:
                 raise InputError(f"--microbatch-size {microbatch_size}: the profile {profile} was measured at "

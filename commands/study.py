@@ -111,11 +111,12 @@ def study(
             require_torch("study")
             _check_model(setting)
             saved = open_results(results, setting)
+            from ..calibrate.runtime import RuntimeProbeError
             from ..executor import ExecutorError
 
             try:
                 _train(saved, setting, chosen, rates, seed_list, timing, timing_repeats, results, quiet=as_json)
-            except ExecutorError as exc:  # a run failed, not the input: the runs before it are kept
+            except (ExecutorError, RuntimeProbeError) as exc:  # a run failed, not the input: earlier runs are kept
                 stderr.print(f"[bold red]error:[/] {escape(str(exc))}; the finished runs are in {results}",
                              highlight=False, soft_wrap=True)
                 raise SystemExit(1) from None
@@ -159,7 +160,8 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
 
     from ..profiles.schema import Profile
     from ..study.plan import RunKey
-    from ..study.train import calibrate_setting, time_arm, train
+    from ..study.train import calibrate_setting, measurement, time_arm, train
+    from .calibrate import measure_runtime
 
     runs = [(arm, RunKey(arm.method, arm.source, optimizer, lr, seed)) for optimizer, lr in rates.items()
             for arm in chosen for seed in seed_list]
@@ -174,8 +176,9 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
         task = bar.add_task("study", total=len(runs) + len(timings) + calibrating)
         if calibrating:
             bar.update(task, description="calibrating the setting")
-            saved.profile = calibrate_setting(setting, next(iter(rates)),
-                                              lambda what: None).model_dump(mode="json")
+            profile = calibrate_setting(setting, next(iter(rates)), lambda what: None)
+            runtime = measure_runtime(profile, measurement(setting), lambda what: None)
+            saved.profile = profile.model_copy(update={"runtime": runtime}).model_dump(mode="json")
             saved.save(path)
             bar.advance(task)
         for arm, key in runs:

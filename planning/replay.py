@@ -9,30 +9,34 @@ op durations.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..schedules import ScheduleError, ScheduleParams
 from ..sim import Cluster, CostError, simulate
 from ..traces.trace import Trace, TraceError, TraceMeta
 from .scenario import profile_scenario
 
+if TYPE_CHECKING:
+    from ..profiles.schema import Profile
 
-def predict_measured(meta: TraceMeta) -> Trace:
-    """The simulator's trace of the run `meta` describes; TraceError says what the run did not record."""
-    from ..profiles.schema import Profile, ProfileError
+
+def predict_measured(meta: TraceMeta, profile: Profile | None = None) -> Trace:
+    """The simulator's trace of the run `meta` describes, from the profile it recorded; TraceError says what
+    the run did not record, or why that profile's times do not hold for it (another micro-batch size or thread
+    count). `profile` replaces the recorded one, unchecked: a what-if (the fidelity report predicts with
+    terms of the profile turned off), to be labelled as such."""
+    from ..profiles.schema import threads_mismatch
 
     if meta.source != "measured":
         raise TraceError(f"a {meta.source} trace: give a measured one (from `pipesim run`) to predict it")
-    document = meta.extra.get("profile")
-    if document is None:
-        raise TraceError("the run recorded no profile (it was run without --profile): there is nothing to predict "
-                         "it from; give a predicted trace as well (`pipesim simulate ... --trace`)")
-    try:
-        profile = Profile.model_validate(document)
-    except (ProfileError, ValueError) as exc:
-        raise TraceError(f"the run's recorded profile is not valid: {str(exc).splitlines()[0]}") from None
-    if profile.environment.microbatch_size != meta.microbatch_size:
-        raise TraceError(f"the run used {meta.microbatch_size} samples per micro-batch, its profile was measured at "
-                         f"{profile.environment.microbatch_size}: its times do not hold for this run")
+    if profile is None:
+        profile = _recorded_profile(meta)
+        if profile.environment.microbatch_size != meta.microbatch_size:
+            raise TraceError(f"the run used {meta.microbatch_size} samples per micro-batch, its profile was measured "
+                             f"at {profile.environment.microbatch_size}: its times do not hold for this run")
+        threads = (meta.hardware or {}).get("threads_per_rank")
+        if threads is not None and (why := threads_mismatch(profile, threads)) is not None:
+            raise TraceError(why)
     scenario = profile_scenario(profile, str(meta.extra.get("optimizer", "sgd")))
     bounds = meta.extra.get("bounds")
     try:
@@ -42,6 +46,19 @@ def predict_measured(meta: TraceMeta) -> Trace:
     except (ScheduleError, CostError, TypeError) as exc:
         raise TraceError(f"cannot predict the recorded run: {exc}") from None
     return trace
+
+
+def _recorded_profile(meta: TraceMeta) -> Profile:
+    from ..profiles.schema import Profile, ProfileError
+
+    document = meta.extra.get("profile")
+    if document is None:
+        raise TraceError("the run recorded no profile (it was run without --profile): there is nothing to predict "
+                         "it from; give a predicted trace as well (`pipesim simulate ... --trace`)")
+    try:
+        return Profile.model_validate(document)
+    except (ProfileError, ValueError) as exc:
+        raise TraceError(f"the run's recorded profile is not valid: {str(exc).splitlines()[0]}") from None
 
 
 def _with_shared_gpus(cluster: Cluster, hardware: dict) -> Cluster:

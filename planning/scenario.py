@@ -16,13 +16,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from ..profiles.linkfit import piecewise_ms
 from ..profiles.partition import partition
-from ..schedules import Schedule, ScheduleParams, StageGraph
+from ..schedules import KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
+from ..sim.costs import RowOverhead
 
 if TYPE_CHECKING:
-    from ..profiles.schema import Profile
+    from ..profiles.schema import Profile, RuntimeProfile
 
 
 @dataclass(frozen=True)
@@ -170,22 +174,46 @@ def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | No
 
 def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag: bool = False) -> Costs:
     """Costs of the profile's layers cut into stages at `bounds` (linked as a chain, or by their own edges
-    when `dag`), with `optimizer`'s update and prediction."""
+    when `dag`), with `optimizer`'s update and prediction, the gradient accumulation and the runtime's own
+    cost per row where the profile measured them."""
     from ..profiles.schema import stages_for
 
     return Costs(tuple(StageCosts(
         fwd_ms=s.fwd_ms, bwd_ms=s.bwd_ms, igrad_ms=s.igrad_ms, wgrad_ms=s.wgrad_ms, wgrad_fraction=s.wgrad_fraction,
         opt_ms=s.steps[optimizer].step.median_ms, pred_ms=s.steps[optimizer].predict.median_ms,
         avg_ms=s.average.median_ms, param_bytes=s.param_bytes, activation_bytes=s.activation_bytes,
-        output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer])
-        for s in stages_for(measured, list(bounds), dag=dag)), microbatch_size=measured.environment.microbatch_size)
+        output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer],
+        accumulate_ms=s.accumulate.median_ms if s.accumulate is not None else 0.0)
+        for s in stages_for(measured, list(bounds), dag=dag)), microbatch_size=measured.environment.microbatch_size,
+        overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),
+        kept_gradients=measured.runtime.kept_gradients if measured.runtime is not None else 0.0)
+
+
+def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:
+    """The simulator's per-row overhead from a profile's measured runtime costs. PRED and AVG rows are priced
+    as OPT rows (the same bookkeeping around an elementwise pass over a stage's weights); a kind whose gap was
+    not seen in the probe gets the median gap of those that were."""
+    seen = {kind: t.median_ms for kind, t in runtime.gap_ms.items()}
+    stand_in = {Kind.PRED: Kind.OPT, Kind.AVG: Kind.OPT}
+    compute = [runtime.compute_ms[stand_in.get(kind, kind).value].median_ms for kind in KINDS[:NUM_COMPUTE_KINDS]]
+    typical = float(np.median(list(seen.values()))) if seen else 0.0
+    gaps = [seen.get(kind.value, seen.get(stand_in.get(kind, kind).value, typical)) for kind in KINDS]
+    return RowOverhead(tuple(compute), runtime.send_ms.median_ms, runtime.recv_ms.median_ms, tuple(gaps))
 
 
 def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool) -> Cluster:
     """Every device pair gets the measured p2p link, a resource of its own (transfers on one link queue);
-    the devices are named, with their memory (or the calibration's cap), in the trace's metadata."""
+    the devices are named, with their memory (or the calibration's cap), in the trace's metadata.
+
+    Where the profile measured the runtime, the fit is moved (every segment's latency by the same amount, never
+    below zero) to pass through the delivery time the runtime probe saw at its message size: a ping-pong pays
+    for waking a blocked rank on every message, a pipeline's pre-posted receive mostly does not."""
     env = measured.environment
     segments = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in measured.link.segments)
+    if measured.runtime is not None:
+        runtime = measured.runtime
+        shift = runtime.delivery_ms.median_ms - piecewise_ms(segments, runtime.delivery_bytes)
+        segments = tuple((start, max(latency + shift, 0.0), rate) for start, latency, rate in segments)
     pairs = {(a, b): Link(resource=f"link {a}->{b}", segments=segments)
              for a in range(num_devices) for b in range(num_devices) if a != b}
     memory = env.memory_cap_bytes or env.device_memory_bytes

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .partition import LayerCost, stage_activation_bytes, stage_memory_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
+SUPPORTED_VERSIONS = (1, 2)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the simulator's --optimizer names; momentum is SGD-momentum
 
 
@@ -47,7 +48,7 @@ class Environment(_Strict):
     memory_cap_bytes: int | None = Field(gt=0)  # --memory-gb: the cap the partition respects
     dtype: Literal["float32", "bfloat16", "float16"]
     microbatch_size: int = Field(ge=1)
-    threads: int = Field(ge=1)
+    threads: int = Field(ge=1)  # torch intra-op threads the times were measured with (a run's --threads-per-rank)
     torch_version: str
     cuda_version: str | None
     driver_version: str | None
@@ -97,8 +98,10 @@ class StepTimes(_Strict):
 
 class StageProfile(_Strict):
     """Layers [first, stop) as one pipeline stage, per micro-batch; `average` is elastic averaging of one
-    replica with the reference weights (AvgPipe's AVG costs P of them); `memory_bytes` the 1F1B estimate
-    of `partition.py` for the partition's optimizer."""
+    replica with the reference weights (AvgPipe's AVG costs P of them); `accumulate` adding one micro-batch's
+    weight gradients into the mini-batch's buffer, which the executor's B (or W) does for every micro-batch
+    but the first (None: a version 1 profile, not measured); `memory_bytes` the 1F1B estimate of
+    `partition.py` for the partition's optimizer."""
 
     layers: tuple[int, int]
     fwd_ms: float = Field(ge=0)
@@ -113,6 +116,7 @@ class StageProfile(_Strict):
     steps: dict[str, StepTimes]
     average: Timing
     memory_bytes: int = Field(ge=0)
+    accumulate: Timing | None = None
 
     @property
     def wgrad_fraction(self) -> float:
@@ -168,8 +172,45 @@ class AllReduceProfile(_Strict):
     meta: dict[str, Any]
 
 
+COMPUTE_KINDS = ("F", "B", "I", "W", "OPT")  # the rows whose fixed cost the runtime probe measures
+
+
+class RuntimeProfile(_Strict):
+    """What the executor itself costs per row, beyond the work the row runs (calibrate/runtime.py measures it
+    by running the executor on a model of tiny layers over the run's transport and threads):
+
+    - `compute_ms`: per compute kind, a row's time minus its layers' own (functional_call, saved-tensor hooks,
+      drawing the micro-batch, the loss item, the optimizer's bookkeeping around its step);
+    - `send_ms`: how long a SEND row holds its rank (posting the message);
+    - `recv_ms`: a RECV row whose message had already arrived (the cost of taking it);
+    - `delivery_ms`: from a send's post to its message being there, for receives that waited for it (their end
+      less `recv_ms`), at the probe's message size `delivery_bytes`: what a pre-posted receive sees in a run,
+      where a ping-pong (the link fit) also pays for waking a blocked rank;
+    - `gap_ms`: per kind of the row before, the time until the next row starts (the loop's memory and version
+      bookkeeping, and posting the next receive after a RECV);
+    - `kept_gradients`: copies of a stage's weight gradient an update leaves held (memory after an OPT row minus
+      before, in gradients, plus the one the update consumed): a runtime that keeps the last gradient holds a
+      second buffer while the next mini-batch accumulates.
+    PRED and AVG are priced as OPT is (the same bookkeeping around an elementwise pass)."""
+
+    compute_ms: dict[str, Timing]
+    send_ms: Timing
+    recv_ms: Timing
+    delivery_ms: Timing
+    delivery_bytes: int = Field(gt=0)
+    gap_ms: dict[str, Timing]
+    kept_gradients: float = Field(ge=0)
+    meta: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _kinds(self) -> RuntimeProfile:
+        if set(self.compute_ms) != set(COMPUTE_KINDS):
+            raise ValueError(f"compute_ms must have exactly the keys {', '.join(COMPUTE_KINDS)}")
+        return self
+
+
 class Profile(_Strict):
-    schema_version: Literal[1]
+    schema_version: Literal[1, 2]
     environment: Environment
     model: ModelInfo
     layers: list[LayerProfile] = Field(min_length=1)
@@ -177,6 +218,7 @@ class Profile(_Strict):
     stages: list[StageProfile]
     link: LinkProfile | None  # None: calibrated with --no-links
     allreduce: AllReduceProfile | None
+    runtime: RuntimeProfile | None = None  # None: calibrated with --no-runtime, or a version 1 profile
 
     @model_validator(mode="after")
     def _consistent(self) -> Profile:
@@ -234,10 +276,13 @@ def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
                       layer.activation_bytes, layer.shared_with_previous_bytes) for layer in layers]
 
 
+StageSteps = tuple[dict[str, StepTimes], Timing, Timing | None]  # a stage's (optimizer steps, averaging, accumulation)
+
+
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
-                     steps: list[tuple[dict[str, StepTimes], Timing]]) -> list[StageProfile]:
+                     steps: list[StageSteps]) -> list[StageProfile]:
     """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
-    averaging). `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
+    averaging, gradient accumulation). `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
     costs = layer_costs(layers, optimizer)
     p = len(bounds) - 1
     out = []
@@ -258,6 +303,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
+            accumulate=steps[k][2],
         ))
     return out
 
@@ -265,11 +311,11 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
 def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[StageProfile]:
     """The profile's layers as the stages `bounds` cuts, linked as a chain or (`dag`) by `stage_edges`.
 
-    The optimizer, prediction and averaging steps were timed on the calibrated partition's stages only;
-    for another partition they are those stages' total times shared out by parameter bytes (the steps are
-    elementwise passes over the weights, so their time follows the bytes)."""
+    The optimizer, prediction, averaging and accumulation steps were timed on the calibrated partition's
+    stages only; for another partition they are those stages' total times shared out by parameter bytes (the
+    steps are elementwise passes over the weights, so their time follows the bytes)."""
     if bounds == profile.partition.bounds:
-        steps = [(stage.steps, stage.average) for stage in profile.stages]
+        steps = [(stage.steps, stage.average, stage.accumulate) for stage in profile.stages]
     else:
         total_bytes = sum(stage.param_bytes for stage in profile.stages) or 1
         steps = [_shared_steps(profile, sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes)
@@ -278,7 +324,7 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[S
                             boundary_bytes(profile.layers, bounds, dag), steps)
 
 
-def _shared_steps(profile: Profile, share: float) -> tuple[dict[str, StepTimes], Timing]:
+def _shared_steps(profile: Profile, share: float) -> StageSteps:
     """`share` of the calibrated stages' summed step times."""
     def total(pick: Callable[[StageProfile], Timing]) -> Timing:
         timings = [pick(stage) for stage in profile.stages]
@@ -287,7 +333,8 @@ def _shared_steps(profile: Profile, share: float) -> tuple[dict[str, StepTimes],
 
     steps = {name: StepTimes(step=total(lambda s, n=name: s.steps[n].step),
                              predict=total(lambda s, n=name: s.steps[n].predict)) for name in OPTIMIZERS}
-    return steps, total(lambda s: s.average)
+    measured = all(stage.accumulate is not None for stage in profile.stages)
+    return steps, total(lambda s: s.average), total(lambda s: s.accumulate) if measured else None
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -300,9 +347,10 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"profile {path} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict) or "schema_version" not in raw:
         raise ProfileError(f"profile {path}: schema_version: missing (is this a pipesim calibrate profile?)")
-    if raw["schema_version"] != SCHEMA_VERSION:
+    if raw["schema_version"] not in SUPPORTED_VERSIONS:
         raise ProfileError(f"profile {path}: schema_version {raw['schema_version']!r} is not supported (this "
-                           f"pipesim reads version {SCHEMA_VERSION}); re-run pipesim calibrate")
+                           f"pipesim reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}); re-run pipesim "
+                           "calibrate")
     try:
         return Profile.model_validate(raw)
     except ValidationError as exc:
@@ -310,6 +358,17 @@ def load_profile(path: str | Path) -> Profile:
         where = ".".join(map(str, err["loc"]))
         message = err["msg"].removeprefix("Value error, ")
         raise ProfileError(f"profile {path}: {where + ': ' if where else ''}{message}") from None
+
+
+def threads_mismatch(profile: Profile, threads_per_rank: int) -> str | None:
+    """Why a run with `threads_per_rank` torch threads per rank cannot be predicted from `profile` (its times
+    hold for the thread count it was measured with), or None when they agree."""
+    measured = profile.environment.threads
+    if measured == threads_per_rank:
+        return None
+    return (f"the profile was calibrated with {measured} thread{'s' * (measured != 1)} and the run uses "
+            f"{threads_per_rank} per rank: its times do not hold for this run; calibrate with --threads "
+            f"{threads_per_rank} or run with --threads-per-rank {measured}")
 
 
 def profile_json(profile: Profile) -> str:

@@ -28,7 +28,9 @@ class StageCosts:
     backward's parts cost `igrad_ms` and `wgrad_ms` where measured (run apart they take longer than B,
     since the weight pass walks the graph again), else `wgrad_fraction` of `bwd_ms` is the W part.
     `avg_ms` is the elastic averaging of one pipeline's replica with the reference weights; what an AVG
-    of P pipelines costs is `Costs.op_ms_table`'s to say.
+    of P pipelines costs is `Costs.op_ms_table`'s to say. `accumulate_ms` is adding one micro-batch's
+    weight gradients into the mini-batch's buffer: a runtime that keeps one buffer pays it in every B (or W)
+    but the first after an update, which the simulator prices row by row.
     """
 
     fwd_ms: float
@@ -43,9 +45,10 @@ class StageCosts:
     optimizer_state_bytes: int = 0
     igrad_ms: float | None = None
     wgrad_ms: float | None = None
+    accumulate_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms")
+        times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes"):
             value = getattr(self, name)
             if value is None and name in ("igrad_ms", "wgrad_ms"):
@@ -58,16 +61,49 @@ class StageCosts:
 
 
 @dataclass(frozen=True)
+class RowOverhead:
+    """What a runtime costs per row beyond the row's work (a calibration profile's `runtime`; zero by default):
+    `compute_ms[kind]` is added to every compute row of that kind (kinds in `KINDS` order, the compute ones);
+    a SEND holds its device for `send_ms` after issuing its transfer, a RECV for `recv_ms` after its message
+    arrives; and after a row of kind `KINDS[i]` the device spends `gap_ms[i]` before its next row starts.
+    None of it is in a row's own duration but `compute_ms`, as a measured trace times its rows."""
+
+    compute_ms: tuple[float, ...] = (0.0,) * NUM_COMPUTE_KINDS
+    send_ms: float = 0.0
+    recv_ms: float = 0.0
+    gap_ms: tuple[float, ...] = (0.0,) * len(KINDS)
+
+    def __post_init__(self) -> None:
+        if len(self.compute_ms) != NUM_COMPUTE_KINDS or len(self.gap_ms) != len(KINDS):
+            raise CostError(f"row overhead: give {NUM_COMPUTE_KINDS} compute and {len(KINDS)} gap times, one per kind")
+        for value in (*self.compute_ms, self.send_ms, self.recv_ms, *self.gap_ms):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= MAX_MS:
+                raise CostError(f"row overhead times must be finite numbers from 0 to {MAX_MS:g} (got {value!r})")
+
+    @property
+    def host_ms(self) -> np.ndarray:
+        """Per kind (`KINDS` order), the time a row of it holds its device beyond its own duration."""
+        extra = {Kind.SEND_F: self.send_ms, Kind.SEND_B: self.send_ms, Kind.RECV_F: self.recv_ms,
+                 Kind.RECV_B: self.recv_ms}
+        return np.array([gap + extra.get(kind, 0.0) for kind, gap in zip(KINDS, self.gap_ms)])
+
+
+@dataclass(frozen=True)
 class Costs:
     """Per-stage costs of a whole model.
 
     `wgrad_activation_fraction`: share of a micro-batch's activations a split backward keeps from its
-    input-gradient part (I) until its weight-gradient part (W).
+    input-gradient part (I) until its weight-gradient part (W). `overhead`: the runtime's own cost per row.
+    `kept_gradients`: copies of a stage's weight gradient its update leaves held (pipesim's executor keeps the
+    last one on the weights, which SGD's prediction extrapolates), so from the first backward after an update
+    until the next update a second gradient buffer is held as well.
     """
 
     stages: tuple[StageCosts, ...]
     microbatch_size: int = 1
     wgrad_activation_fraction: float = 0.5
+    overhead: RowOverhead = RowOverhead()
+    kept_gradients: float = 0.0
 
     def op_ms_table(self, pipelines: int) -> np.ndarray:
         """Ms of one op per (model stage, compute kind), kinds in `KINDS` order (F, B, I, W, OPT, PRED, AVG):

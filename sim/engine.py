@@ -13,7 +13,7 @@ runs them: nothing here knows a method by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import simpy
@@ -23,7 +23,7 @@ from ..schedules import KIND_CODE, KINDS, Kind, Schedule, ScheduleError, validat
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
-from .costs import Costs
+from .costs import Costs, RowOverhead
 
 _PS_PER_MS = 1e9
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
@@ -74,10 +74,15 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     compute = stream == Stream.COMPUTE
 
     op_ms = costs.op_ms_table(schedule.pipelines)
-    duration = np.where(compute, op_ms[stage, np.where(compute, kind, 0)], 0.0)
+    overhead = costs.overhead
+    computing_kind = np.where(compute, kind, 0)
+    duration = np.where(compute, op_ms[stage, computing_kind] + np.asarray(overhead.compute_ms)[computing_kind], 0.0)
+    spans = _gradient_spans(lowered)
+    duration += spans.accumulating * np.asarray([c.accumulate_ms for c in stages])[stage]
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
     duration = _picoseconds(duration)
+    held = duration + _picoseconds(overhead.host_ms[kind])  # what each row keeps its device from its next row
 
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)[stage]
@@ -89,6 +94,9 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     mem_at_start = np.where(is_kind[Kind.F], activation, 0)
     mem_at_end = (-np.where(is_kind[Kind.B], activation, 0) - np.where(is_kind[Kind.I], activation - kept, 0)
                   - np.where(is_kind[Kind.W], kept, 0) + lowered.copies_delta * param)
+    kept_gradient = np.round(param[spans.opening] * costs.kept_gradients).astype(np.int64)
+    mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
+    mem_at_end[spans.closing] -= np.round(param[spans.closing] * costs.kept_gradients).astype(np.int64)
     act_at_start = is_kind[Kind.F].astype(np.int64)
     act_at_end = -(is_kind[Kind.B] | is_kind[Kind.W]).astype(np.int64)
 
@@ -119,7 +127,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     busy_before = np.empty(n, dtype=np.int64)
     for d in range(schedule.num_devices):
         lo, hi = lowered.bounds[d], lowered.bounds[d + 1]
-        busy_before[lo:hi] = np.cumsum(duration[lo:hi]) - duration[lo:hi]
+        busy_before[lo:hi] = np.cumsum(held[lo:hi]) - held[lo:hi]
         mine = np.arange(hi - lo) if compute_unit[d] is not None else np.flatnonzero(~compute[lo:hi])
         rows = lo + mine
         pre = np.diff(busy_before[rows], prepend=0)
@@ -128,6 +136,39 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         step_rows.append(mine)
     return _Program(lowered, stream, steps, step_rows, compute_unit, busy_before, duration, transfer_ps, routes,
                     len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end, static_bytes(schedule, costs))
+
+
+@dataclass
+class _GradientSpans:
+    """Per stage replica, the B and W rows between two updates. `accumulating`: a B or W that adds into the
+    buffer (not the first of its span, whose gradients become the buffer). `opening`: the first B or W of a span
+    after an update, where a runtime that keeps the last gradient through the update allocates a second copy;
+    `closing`: the OPT rows ending those spans, where the older copy goes."""
+
+    accumulating: np.ndarray
+    opening: np.ndarray
+    closing: np.ndarray
+
+
+def _gradient_spans(lowered: Lowered) -> _GradientSpans:
+    t = lowered.table
+    grads = (t.kind == KIND_CODE[Kind.B]) | (t.kind == KIND_CODE[Kind.W])
+    rows = np.flatnonzero(grads | (t.kind == KIND_CODE[Kind.OPT]))
+    replica = t.stage[rows] * lowered.schedule.pipelines + t.pipeline[rows]
+    order = np.argsort(replica, kind="stable")  # by replica, each in program order (a replica is on one device)
+    rows, replica = rows[order], replica[order]
+    is_grad = grads[rows]
+    before = np.cumsum(~is_grad) - ~is_grad  # updates before each row, counted on across replicas
+    new_replica = np.r_[True, replica[1:] != replica[:-1]]
+    own = before - before[new_replica][np.cumsum(new_replica) - 1]  # ... counted in its own replica
+    span = replica * (len(rows) + 1) + own  # (replica, its updates before) as one number; an OPT closes its own
+    starts = np.unique(span[is_grad], return_index=True)[1]
+    first = rows[is_grad][starts]
+    accumulating = grads.copy()
+    accumulating[first] = False
+    opening = first[own[is_grad][starts] > 0]
+    closing = rows[~is_grad & (own > 0) & np.isin(span, span[is_grad])]
+    return _GradientSpans(accumulating, opening, closing)
 
 
 def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
@@ -274,8 +315,19 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         microbatch_size=costs.microbatch_size, placement=list(schedule.placement),
         stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
         tool=f"pipesim {__version__}", costs=[dict(vars(c)) for c in costs.stages], cluster=cluster.describe(),
-        jitter=jitter, seed=seed)
+        jitter=jitter, seed=seed,
+        extra=_runtime_terms(costs))
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
+
+
+def _runtime_terms(costs: Costs) -> dict:
+    """The runtime's terms the prediction used, for its metadata (none: a what-if without them)."""
+    terms = {}
+    if costs.overhead != RowOverhead():
+        terms["row_overhead"] = asdict(costs.overhead)
+    if costs.kept_gradients:
+        terms["kept_gradients"] = costs.kept_gradients
+    return terms
 
 
 def _issue_times(program: _Program, model: _Model) -> np.ndarray:

@@ -62,20 +62,22 @@ def train(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> R
                      wall_s=time.perf_counter() - began)
 
 
-def calibrate_setting(setting: Setting, optimizer: str, advance: Callable[[str], None]) -> Profile:
-    """The setting's model measured as each rank runs it (one thread, the study's micro-batch size) and the
-    local link: what the throughput predictions come from, measured once per study."""
-    from ..calibrate.measure import Settings, calibrate
+def measurement(setting: Setting):
+    """How a study calibrates: on CPU, at its micro-batch size, one thread, as each rank runs."""
+    from ..calibrate.measure import Settings
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        settings = Settings(torch.device("cpu"), torch.float32, setting.microbatch_size, warmup=2, repeats=10)
-        return calibrate(build_model(setting.model, **setting.model_options), settings, stages=setting.stages,
-                         optimizer=optimizer, memory_cap_bytes=None, link_sizes=default_sizes(LINK_MAX_BYTES),
-                         dtype_name="float32", advance=advance)
-    finally:
-        torch.set_num_threads(threads)
+    return Settings(torch.device("cpu"), torch.float32, setting.microbatch_size, warmup=2, repeats=10, threads=1)
+
+
+def calibrate_setting(setting: Setting, optimizer: str, advance: Callable[[str], None]) -> Profile:
+    """The setting's model measured as each rank runs it and the local link: what the throughput predictions
+    come from, measured once per study (the executor's own costs are the runtime probe's, `pipesim
+    calibrate`'s)."""
+    from ..calibrate.measure import calibrate
+
+    return calibrate(build_model(setting.model, **setting.model_options), measurement(setting),
+                     stages=setting.stages, optimizer=optimizer, memory_cap_bytes=None,
+                     link_sizes=default_sizes(LINK_MAX_BYTES), dtype_name="float32", advance=advance)
 
 
 def time_arm(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int, profile: Profile,

@@ -38,7 +38,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def mlp_profile(tmp_path_factory):
     path = tmp_path_factory.mktemp("mlp") / "mlp.json"
-    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--out", path).code == 0
+    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--no-runtime", "--out", path).code == 0
     return path
 
 
@@ -75,6 +75,15 @@ def test_calibrate_end_to_end_with_links(tmp_path):
     assert stage.fwd_ms == pytest.approx(sum(layer.fwd.median_ms for layer in profile.layers[start:stop]))
     assert 0 < stage.wgrad_fraction < 1
     assert all(stage.steps[name].step.median_ms > 0 for name in ("sgd", "momentum", "adam", "adamw"))
+
+    # The executor's own costs, from two ranks running the probe model: every compute kind, a send, a receive;
+    # its update keeps the last gradient on the weights (a memory count, not a time: exactly one).
+    runtime = profile.runtime
+    assert set(runtime.compute_ms) == {"F", "B", "I", "W", "OPT"} and runtime.send_ms.repeats > 0
+    assert {"F", "B", "RECV_F", "SEND_B"} <= set(runtime.gap_ms)
+    assert runtime.kept_gradients == 1.0
+    assert runtime.meta["threads_per_rank"] == env.threads == 1 and runtime.meta["schedules"] == ["1f1b", "zb-h1"]
+    assert "runtime per row, us: compute F" in printed
 
     assert [p.nbytes for p in profile.link.points] == [4096, 8192, 16384, 32768, 65536]
     assert profile.link.segments and profile.link.meta["backend"] == "gloo"
@@ -137,7 +146,7 @@ def test_repeated_calibration_measures_the_same_sizes(mlp_profile, tmp_path):
     """Sizes do not depend on the machine's load: a second run must give them exactly. (Its times may differ
     by any factor on a shared machine, so they are not compared.)"""
     out = tmp_path / "again.json"
-    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--out", out).code == 0
+    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--no-runtime", "--out", out).code == 0
     first, second = load_profile(mlp_profile), load_profile(out)
     sizes = {"name", "inputs", "activation_bytes", "shared_with_previous_bytes", "output_bytes", "param_bytes",
              "grad_bytes", "optimizer_state_bytes"}
@@ -146,25 +155,40 @@ def test_repeated_calibration_measures_the_same_sizes(mlp_profile, tmp_path):
     assert first.environment.model_dump(exclude={"date"}) == second.environment.model_dump(exclude={"date"})
 
 
+def test_calibration_runs_at_the_given_threads_and_times_the_gradient_accumulation(mlp_profile, tmp_path):
+    profile = load_profile(mlp_profile)
+    assert profile.schema_version == 2 and profile.environment.threads == 1  # the default: a rank's one thread
+    assert profile.runtime is None  # --no-runtime
+    assert all(stage.accumulate.median_ms > 0 and stage.accumulate.repeats == 5 for stage in profile.stages)
+    out = tmp_path / "two.json"
+    assert pipesim("calibrate", *MLP, "--threads", "2", "--no-links", "--no-runtime", "--out", out).code == 0
+    assert load_profile(out).environment.threads == 2
+    assert torch.get_num_threads() == 1  # this process's count is given back
+
+
 def test_simulate_with_a_profile(mlp_profile):
     profile = load_profile(mlp_profile)
     gpipe, xpipe = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-s", "xpipe", "-m", "4")
     assert len(gpipe["devices"]) == profile.partition.stages  # --stages defaults to the profile's
+    # Four forwards and backwards, three of which add their gradients into the first's, and the update.
     for device, stage in zip(gpipe["devices"], profile.stages):
-        compute = 4 * (stage.fwd_ms + stage.bwd_ms) + stage.steps["adam"].step.median_ms
+        compute = (4 * (stage.fwd_ms + stage.bwd_ms) + 3 * stage.accumulate.median_ms
+                   + stage.steps["adam"].step.median_ms)
         assert device["busy_ms"] == pytest.approx(compute)
         assert device["peak_memory_mb"] * 2**20 >= stage.param_bytes * 2 + stage.optimizer_state_bytes["adam"]
     order = build_schedule("xpipe", ScheduleParams(2, 4)).orders
     for device, stage, actions in zip(xpipe["devices"], profile.stages, order):  # bellwether predictions
-        compute = 4 * (stage.fwd_ms + stage.bwd_ms) + stage.steps["adam"].step.median_ms
+        compute = (4 * (stage.fwd_ms + stage.bwd_ms) + 3 * stage.accumulate.median_ms
+                   + stage.steps["adam"].step.median_ms)
         predictions = sum(action.kind is Kind.PRED for action in actions)
         assert predictions and device["busy_ms"] == pytest.approx(
             compute + predictions * stage.steps["adam"].predict.median_ms)
     assert gpipe["samples_per_s"] == pytest.approx(4 * BATCH / gpipe["time_per_minibatch_ms"] * 1e3)
 
     (sgd,) = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-m", "4", "--optimizer", "sgd")
+    first = profile.stages[0]
     assert sgd["devices"][0]["busy_ms"] == pytest.approx(
-        4 * (profile.stages[0].fwd_ms + profile.stages[0].bwd_ms) + profile.stages[0].steps["sgd"].step.median_ms)
+        4 * (first.fwd_ms + first.bwd_ms) + 3 * first.accumulate.median_ms + first.steps["sgd"].step.median_ms)
 
     # Other stage counts re-partition the layers: p = 3 devices, or 4 model stages for zb-v's two chunks.
     (three,) = simulate_json("--profile", str(mlp_profile), "-s", "1f1b", "-p", "3", "-m", "6")
@@ -200,7 +224,8 @@ def test_link_segments_match_the_fit():
 def test_two_branch_profile_gives_graphpipe_its_dag(tmp_path):
     out = tmp_path / "tb.json"
     assert pipesim("calibrate", "--model", "two-branch", "--layers", "1", "--width", "8", "--microbatch-size", "2",
-                   "--stages", "4", "--device", "cpu", "--no-links", "--repeats", "3", "--out", out).code == 0
+                   "--stages", "4", "--device", "cpu", "--no-links", "--no-runtime", "--repeats", "3", "--out",
+                   out).code == 0
     profile = load_profile(out)
     assert [layer.inputs for layer in profile.layers] == [[-1], [0], [0], [1, 2]]  # stem, branch a, b, merge
     assert stage_edges(profile.layers, profile.partition.bounds) == [(0, 1), (0, 2), (1, 3), (2, 3)]
@@ -223,7 +248,7 @@ def test_bring_your_own_model(tmp_path, monkeypatch):
     for attribute, count in (("build", 3), ("layers", 3)):
         out = tmp_path / f"{attribute}.json"
         assert pipesim("calibrate", "--model", f"byo_calibration_model:{attribute}", "--stages", "2", "--device",
-                       "cpu", "--no-links", "--repeats", "3", "--out", out).code == 0
+                       "cpu", "--no-links", "--no-runtime", "--repeats", "3", "--out", out).code == 0
         assert len(load_profile(out).layers) == count
 
 
@@ -244,7 +269,7 @@ def test_a_model_whose_backward_fails_is_one_line(tmp_path, monkeypatch):
 
 def test_dtype_sets_the_bytes(tmp_path):
     out = tmp_path / "bf16.json"
-    assert pipesim("calibrate", *MLP, "--dtype", "bfloat16", "--no-links", "--out", out).code == 0
+    assert pipesim("calibrate", *MLP, "--dtype", "bfloat16", "--no-links", "--no-runtime", "--out", out).code == 0
     profile = load_profile(out)
     assert profile.environment.dtype == "bfloat16"
     assert profile.layers[0].param_bytes == (WIDTH * WIDTH + WIDTH) * 2
@@ -295,7 +320,9 @@ def _edited(mlp_profile, tmp_path, edit):
 
 
 @pytest.mark.parametrize("edit,fragment", [
-    (lambda d: d.update(schema_version=2), "schema_version 2 is not supported (this pipesim reads version 1)"),
+    (lambda d: d.update(schema_version=3), "schema_version 3 is not supported (this pipesim reads versions 1, 2)"),
+    (lambda d: d["stages"][0].update(accumulate={"median_ms": -1, "spread_ms": 0, "repeats": 1}),
+     "stages.0.accumulate.median_ms: Input should be greater than or equal to 0"),
     (lambda d: d.pop("schema_version"), "schema_version: missing"),
     (lambda d: d["layers"][0]["fwd"].pop("median_ms"), "layers.0.fwd.median_ms: Field required"),
     (lambda d: d.pop("environment"), "environment: Field required"),

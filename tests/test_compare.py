@@ -73,6 +73,12 @@ def test_traces_of_different_runs_are_refused_naming_the_difference():
         compare(run("1f1b", 2, 4).trace, as_measured(run("gpipe", 2, 4).trace))
     with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted"):
         compare(run("1f1b", 2, 4).trace, as_measured(run("1f1b", 2, 8).trace))
+    # A stage graph is its set of edges: a run and its replay may list them in another order.
+    plain = run("1f1b", 2, 4).trace
+    predicted = replace(plain, meta=replace(plain.meta, stage_edges=[[0, 1], [0, 2]]))
+    assert compare(predicted, as_measured(predicted, stage_edges=[[0, 2], [0, 1]])).iteration_time_error == 0
+    with pytest.raises(TraceError, match=r"stage_edges \[\[1, 2\], \[0, 1\]\] measured"):
+        compare(predicted, as_measured(predicted, stage_edges=[[1, 2], [0, 1]]))
 
 
 def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_cannot_compare(tmp_path):

@@ -78,6 +78,8 @@ class Comparison:
     missing_in_predicted: int
     missing_examples: list[str]
     kinds: list[KindErrors]
+    compute_duration_median: float | None  # |relative duration error| over every matched compute op (F, B, ...)
+    compute_duration_bias: float | None  # the median signed one (+: predicted too long)
     devices: list[DeviceErrors]
     version_mismatches: int  # compute ops whose weight version differs: must be 0
     version_examples: list[str]
@@ -92,7 +94,9 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
     """Raise TraceError naming the first thing in which the two runs differ (schedule, shape, placement)."""
     for name in _SHAPE:
         a, b = getattr(predicted.meta, name), getattr(measured.meta, name)
-        if a != b:
+        # a stage graph is its set of edges, in whatever order its builder listed them
+        same = sorted(map(tuple, a)) == sorted(map(tuple, b)) if name == "stage_edges" else a == b
+        if not same:
             raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted")
     if predicted.num_devices != measured.num_devices:
         raise TraceError(f"the traces describe different runs: {measured.num_devices} devices measured, "
@@ -208,6 +212,9 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
     if sm.time_per_minibatch_ms <= 0:
         raise TraceError("the measured trace has no time per mini-batch to compare with (no op took time)")
     error = (sp.time_per_minibatch_ms - sm.time_per_minibatch_ms) / sm.time_per_minibatch_ms
+    timed = compute & (measured.ops.dur_us[at_m] >= min_dur_us)
+    dur_m = measured.ops.dur_us[at_m][timed]
+    rel = (predicted.ops.dur_us[at_p][timed] - dur_m) / dur_m
     return Comparison(
         schedule=predicted.meta.schedule, predicted_source=predicted.meta.source,
         measured_source=measured.meta.source, predicted_ms=sp.time_per_minibatch_ms,
@@ -215,5 +222,7 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
         predicted_bubble=sp.bubble_fraction, measured_bubble=sm.bubble_fraction, matched_ops=len(at_p),
         missing_in_measured=len(only_p), missing_in_predicted=len(only_m), missing_examples=examples,
         kinds=_kind_errors(predicted, measured, at_p, at_m, min_dur_us),
+        compute_duration_median=float(np.median(np.abs(rel))) if len(rel) else None,
+        compute_duration_bias=float(np.median(rel)) if len(rel) else None,
         devices=_device_errors(sp, sm, measured), version_mismatches=len(wrong), version_examples=version_examples,
         measured_complete=measured.meta.complete, notes=notes)

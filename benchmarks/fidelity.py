@@ -1,0 +1,349 @@
+"""Fidelity: how close pipesim's prediction comes to what its executor, and torch's runtime, measure.
+
+calibrate (`pipesim calibrate --threads 1`, the runtime probe on) -> run every method for real, `--repeats`
+times in fresh processes, the methods interleaved so a slow spell of the shared machine spreads over all of
+them -> predict each run from the profile alone (`planning.replay.predict_measured`: the profile is measured
+beforehand, never fitted to the run) -> compare (`traces.compare`). One table: per method the prediction, the
+measured iteration time (median over repeats, and its spread: (max - min) / median, the noise floor of that
+run repeated), the iteration-time error against the measured median, the per-op duration error (median |error|
+over compute ops, median over repeats) and the peak-memory error (largest over devices, median over repeats).
+Then the terms table: the same predictions with the profile's terms turned on one after another, from a
+profile timed with every core and nothing of the runtime (what pipesim predicted before) to all of them, so each
+term's line shows the error it removed. Last, GPipe and 1F1B run by torch.distributed.pipelining on the same
+model and cut (`bench_executor.torch_run`), against pipesim's prediction without its own runtime's terms.
+
+Targets (issue 12): iteration time within 2 %, median per-op duration within 5 %, peak memory within 5 %.
+
+    python benchmarks/fidelity.py            # mlp 8x512, b=32, p=2, m=4, 3 repeats of 2+6 mini-batches
+    python benchmarks/fidelity.py --quick    # smaller, 3 methods, 2 repeats: a smoke run
+    python benchmarks/fidelity.py --keep runs/ --json out.json   # keep profiles and traces; tables as JSON
+    python benchmarks/fidelity.py --from runs/                   # the tables again from kept runs, running nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from bench_executor import Config, torch_run  # this folder's: torch's runtime on pipesim's stages
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from pipesim.executor import RunSpec, even_bounds, run_multiprocess
+from pipesim.planning.replay import predict_measured
+from pipesim.planning.scenario import profile_scenario
+from pipesim.profiles.linkfit import piecewise_ms
+from pipesim.profiles.schema import Profile, RuntimeProfile, Timing, load_profile
+from pipesim.schedules import ScheduleParams
+from pipesim.schedules.catalogue import METHODS, method_named
+from pipesim.sim import simulate
+from pipesim.traces import summarize
+from pipesim.traces.compare import Comparison, compare
+from pipesim.traces.trace import Trace, read_trace, write_trace
+
+TARGETS = {"iteration": 0.02, "per_op": 0.05, "memory": 0.05}
+TORCH_METHODS = ("gpipe", "1f1b")
+ZERO = Timing(median_ms=0.0, spread_ms=0.0, repeats=1)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its size, and the pipeline it runs in: p devices, m micro-batches of b samples."""
+
+    model: str
+    options: dict[str, int]
+    microbatch_size: int
+    stages: int
+    microbatches: int
+    warmup: int
+    steps: int
+
+
+@dataclass
+class Case:
+    """One method on one workload, and what its repeats measured and compared."""
+
+    method: str
+    workload: Workload
+    runs: list[Trace] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------ profiles
+
+
+def calibrate(workload: Workload, out: Path, *, threads: int, runtime: bool, links: bool, quick: bool) -> Profile:
+    """`pipesim calibrate` as a user runs it (its own process, so its threads are its own)."""
+    options = [f"--{key.replace('_', '-')}={value}" for key, value in workload.options.items()]
+    command = [sys.executable, "-m", "pipesim.cli", "calibrate", "--model", workload.model, *options,
+               "--microbatch-size", str(workload.microbatch_size), "--stages", str(workload.stages), "--device", "cpu",
+               "--threads", str(threads), "--runtime" if runtime else "--no-runtime",
+               *(["--link-max-mb", "0.25" if quick else "1"] if links else ["--no-links"]),
+               *(["--repeats", "5", "--warmup", "1"] if quick else []), "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return load_profile(out)
+
+
+def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, gaps: bool,
+             kept: bool) -> RuntimeProfile:
+    """The profile's runtime terms with those not named zeroed; delivery off keeps the link fit's own time."""
+    runtime = profile.runtime
+    fit = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in profile.link.segments)
+    pinged = Timing(median_ms=piecewise_ms(fit, runtime.delivery_bytes), spread_ms=0.0, repeats=1)
+    return runtime.model_copy(update={
+        "compute_ms": runtime.compute_ms if compute else {kind: ZERO for kind in runtime.compute_ms},
+        "send_ms": runtime.send_ms if messages else ZERO, "recv_ms": runtime.recv_ms if messages else ZERO,
+        "delivery_ms": runtime.delivery_ms if delivery else pinged,
+        "gap_ms": runtime.gap_ms if gaps else {kind: ZERO for kind in runtime.gap_ms},
+        "kept_gradients": runtime.kept_gradients if kept else 0.0})
+
+
+def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profile]]:
+    """The profile with its terms turned on one after another, each line adding one cause to the one before:
+    the first is what pipesim predicted before these terms (every core, the layers and steps alone)."""
+    def layers_only(p: Profile) -> Profile:
+        return p.model_copy(update={"runtime": None, "stages": [s.model_copy(update={"accumulate": None})
+                                                                for s in p.stages]})
+
+    terms = ("compute", "messages", "delivery", "gaps", "kept")
+
+    def first(count: int) -> Profile:
+        return profile.model_copy(update={"runtime": _runtime(profile, **{t: i < count for i, t in
+                                                                          enumerate(terms)})})
+
+    return [
+        ("all cores, layers only (before)", layers_only(all_cores.model_copy(update={"link": profile.link}))),
+        ("+ calibrated on one thread, as a rank runs", layers_only(profile)),
+        ("+ gradient accumulation per backward", first(0)),
+        ("+ runtime's fixed cost per compute row", first(1)),
+        ("+ host time of each send and receive", first(2)),
+        ("+ delivery as a pre-posted receive sees it", first(3)),
+        ("+ bookkeeping gap after each row", first(4)),
+        ("+ gradient kept through the update (memory)", profile),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------- running
+
+
+def params(method: str, workload: Workload, minibatches: int) -> ScheduleParams:
+    """The method's parameters on the workload: chunked methods get two chunks (so p*2 model stages)."""
+    spec = method_named(method)
+    chunks = 2 if spec.reads("chunks") and method != "graphpipe" else None
+    return spec.params(workload.stages, workload.microbatches, minibatches, chunks)
+
+
+def run_once(case: Case, profile: Profile) -> Trace:
+    """One real run in fresh processes; the cut is the profile's partition where the stage counts agree."""
+    w = case.workload
+    schedule = method_named(case.method).build(params(case.method, w, w.warmup + w.steps))
+    bounds = tuple(profile.partition.bounds) if schedule.num_stages == profile.partition.stages else None
+    spec = RunSpec(schedule, w.model, w.options, microbatch_size=w.microbatch_size, optimizer="sgd", lr=0.01,
+                   bounds=bounds, threads_per_rank=profile.environment.threads, timeout_s=300.0)
+    return run_multiprocess(spec).trace
+
+
+def comparisons(case: Case, profile: Profile) -> list[Comparison]:
+    """Every repeat of the case against the prediction from `profile` (the same run predicted once)."""
+    predicted = predict_measured(case.runs[0].meta, profile)
+    return [compare(predicted, run) for run in case.runs]
+
+
+def torch_predicted_ms(method: str, workload: Workload, profile: Profile) -> float:
+    """pipesim's iteration time for torch's runtime: the profile's layers cut evenly (as bench_executor cuts),
+    without the terms that price pipesim's own executor."""
+    scenario = profile_scenario(profile, "sgd")
+    schedule = scenario.build(method, params(method, workload, workload.warmup + workload.steps))
+    bounds = even_bounds(len(profile.layers), schedule.num_stages)
+    trace = simulate(schedule, scenario.costs(schedule, bounds), scenario.links(schedule))
+    return summarize(trace).time_per_minibatch_ms
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method's fidelity over its repeats."""
+
+    method: str
+    predicted_ms: float
+    measured_ms: float  # median of the repeats' iteration times
+    spread: float  # (max - min) / median of them: the noise floor of this run
+    iteration_error: float  # predicted against the measured median
+    per_op_error: float | None  # median over repeats of the median |duration error| of compute ops
+    memory_error: float | None  # median over repeats of the largest |peak error| over devices
+
+
+def row(method: str, found: list[Comparison]) -> Row:
+    measured = np.array([c.measured_ms for c in found])
+    median = float(np.median(measured))
+    per_op = [c.compute_duration_median for c in found if c.compute_duration_median is not None]
+    memory = [max(abs(d.peak_memory_error) for d in c.devices) for c in found
+              if all(d.peak_memory_error is not None for d in c.devices)]
+    return Row(method, found[0].predicted_ms, median, float((measured.max() - measured.min()) / median),
+               (found[0].predicted_ms - median) / median, float(np.median(per_op)) if per_op else None,
+               float(np.median(memory)) if memory else None)
+
+
+def _pct(value: float | None, target: float | None = None, signed: bool = True) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:+.1%}" if signed else f"{value:.1%}"
+    if target is None:
+        return text
+    return f"[green]{text}[/]" if abs(value) <= target else f"[red]{text}[/]"
+
+
+def method_table(rows: list[Row], title: str) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD,
+                  caption="spread: (max - min) / median of the repeats' measured iteration times (noise floor); "
+                          "error: (predicted - measured median) / measured median; per-op: median |duration "
+                          "error| of compute ops; memory: largest |peak error| over devices. Green: within target "
+                          f"({TARGETS['iteration']:.0%}, {TARGETS['per_op']:.0%}, {TARGETS['memory']:.0%}).",
+                  caption_justify="left")
+    for header in ("method", "predicted ms", "measured ms", "spread", "iteration error", "per-op error",
+                   "peak-memory error"):
+        table.add_column(header, justify="left" if header == "method" else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(r.method, f"{r.predicted_ms:,.2f}", f"{r.measured_ms:,.2f}", _pct(r.spread, signed=False),
+                      _pct(r.iteration_error, TARGETS["iteration"]), _pct(r.per_op_error, TARGETS["per_op"], False),
+                      _pct(r.memory_error, TARGETS["memory"], False))
+    return table
+
+
+def terms_table(lines: list[tuple[str, list[Row]]], focus: str) -> Table:
+    table = Table(title="causes of error, as terms of the profile turned on one after another",
+                  title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
+                  caption="median over methods of |iteration error|, per-op and peak-memory error; and "
+                          f"{focus}'s signed iteration error")
+    for header in ("prediction from", "|iteration error|", f"{focus} error", "per-op error", "peak-memory error"):
+        table.add_column(header, justify="left" if header == "prediction from" else "right", no_wrap=True)
+    for label, rows in lines:
+        mine = next((r for r in rows if r.method == focus), rows[0])
+        per_op = [r.per_op_error for r in rows if r.per_op_error is not None]
+        memory = [r.memory_error for r in rows if r.memory_error is not None]
+        table.add_row(label, _pct(float(np.median([abs(r.iteration_error) for r in rows])), signed=False),
+                      _pct(mine.iteration_error), _pct(float(np.median(per_op)) if per_op else None, signed=False),
+                      _pct(float(np.median(memory)) if memory else None, signed=False))
+    return table
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+def workloads(quick: bool) -> tuple[Workload, Workload]:
+    """The chain every method runs on, and GraphPipe's two-branch DAG (it needs p >= 4)."""
+    steps = (1, 3) if quick else (2, 6)
+    chain = Workload("mlp", {"layers": 4 if quick else 8, "width": 256 if quick else 512}, 32, 2, 4, *steps)
+    dag = Workload("two-branch", {"layers": 2, "width": 32}, 32, 4, 4, *steps)
+    return chain, dag
+
+
+def measure(args: argparse.Namespace, methods: list[str], folder: Path, say: Callable[[str], None]) -> None:
+    """Calibrate, then run every method `args.repeats` times (interleaved) and torch's runtimes, keeping it all
+    in `folder`: the profiles, each measured trace, torch's iteration times."""
+    chain, dag = workloads(args.quick)
+    say(f"calibrating {chain.model} {chain.options} (one thread, runtime probe; then every core, layers only)")
+    profiles = {chain.model: calibrate(chain, folder / "mlp.json", threads=1, runtime=True, links=True,
+                                       quick=args.quick)}
+    calibrate(chain, folder / "cores.json", threads=os.cpu_count() or 1, runtime=False, links=False, quick=args.quick)
+    if "graphpipe" in methods:
+        say(f"calibrating {dag.model} {dag.options} for graphpipe")
+        profiles[dag.model] = calibrate(dag, folder / "two-branch.json", threads=1, runtime=True, links=True,
+                                        quick=args.quick)
+    torch_ms: dict[str, list[float]] = {m: [] for m in TORCH_METHODS if not args.quick}
+    for repeat in range(args.repeats):
+        say(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(methods)
+            + (", torch " + ", ".join(torch_ms) if torch_ms else ""))
+        for method in methods:
+            case = Case(method, dag if method == "graphpipe" else chain)
+            write_trace(run_once(case, profiles[case.workload.model]), folder / f"{method}.{repeat}.json")
+        for method in torch_ms:
+            config = Config(method, chain.stages, chain.microbatches, chain.microbatch_size, chain.options["layers"],
+                            chain.options["width"], chain.warmup, chain.steps)
+            torch_ms[method].append(float(np.median(torch_run(config))))
+        (folder / "torch.json").write_text(json.dumps(torch_ms))
+
+
+def report(quick: bool, folder: Path, console: Console, out: Path | None) -> None:
+    """The tables, from what `measure` kept in `folder`."""
+    chain, dag = workloads(quick)
+    profiles = {w.model: load_profile(folder / f"{w.model}.json") for w in (chain, dag)
+                if (folder / f"{w.model}.json").exists()}
+    all_cores = load_profile(folder / "cores.json")
+    cases = {}
+    for path in sorted(folder.glob("*.*.json"), key=lambda p: int(p.name.split(".")[-2])):
+        method = path.name.split(".")[0]
+        case = cases.setdefault(method, Case(method, dag if method == "graphpipe" else chain))
+        case.runs.append(read_trace(path))
+    cases = [cases[m] for m in METHODS if m in cases]
+    repeats = min(len(c.runs) for c in cases)
+    rows = [row(c.method, comparisons(c, profiles[c.workload.model])) for c in cases]
+    header = (f"{chain.model} {chain.options}, b={chain.microbatch_size}, p={chain.stages}, m={chain.microbatches}, "
+              f"{chain.steps} timed mini-batches after {chain.warmup}; gloo CPU, 1 thread/rank; {repeats} "
+              f"repeats (graphpipe: {dag.model} {dag.options}, p={dag.stages}); {all_cores.environment.device_name}")
+    console.print(method_table(rows, f"fidelity: predicted (profile only) vs measured (pipesim's executor)\n{header}"))
+    noise = float(np.median([r.spread for r in rows]))
+    console.print(f"noise floor: the same run repeated varies by {noise:.1%} (median over methods of (max - min) / "
+                  "median of its repeats); iteration errors below it are not resolved", highlight=False)
+
+    chain_cases = [c for c in cases if c.workload == chain]
+    variants = term_variants(profiles[chain.model], all_cores)
+    lines = [(label, [row(c.method, comparisons(c, variant)) for c in chain_cases]) for label, variant in variants]
+    console.print(terms_table(lines, "1f1b" if "1f1b" in {c.method for c in chain_cases} else chain_cases[0].method))
+
+    torch_rows = []
+    measured_torch = json.loads((folder / "torch.json").read_text()) if (folder / "torch.json").exists() else {}
+    for method, samples in measured_torch.items():
+        measured = float(np.median(samples))
+        predicted = torch_predicted_ms(method, chain, variants[2][1])
+        torch_rows.append(Row(f"{method} (torch)", predicted, measured,
+                              float((max(samples) - min(samples)) / measured), (predicted - measured) / measured,
+                              None, None))
+    if torch_rows:
+        console.print(method_table(torch_rows, "torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B), same "
+                                               "model and even cut: predicted from the profile's layers, threads "
+                                               "and gradient accumulation (pipesim's runtime terms left out)"))
+    if out:
+        out.write_text(json.dumps({
+            "workload": header, "noise_floor": noise, "methods": [vars(r) for r in rows],
+            "terms": [{"prediction_from": label, "methods": [vars(r) for r in found]} for label, found in lines],
+            "torch": [vars(r) for r in torch_rows]}, indent=1) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="fresh runs per method")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="default: every method (--quick: three)")
+    parser.add_argument("--quick", action="store_true", help="mlp 4x256, 1+3 mini-batches, 2 repeats, no torch")
+    parser.add_argument("--keep", type=Path, help="keep the profiles and measured traces in this folder")
+    parser.add_argument("--from", dest="source", type=Path, help="report on a folder --keep filled; run nothing")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1 (got {args.repeats})")
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+    methods = args.methods or (["gpipe", "1f1b", "zb-h1"] if args.quick else list(METHODS))
+    console = Console(width=160)
+    if args.source is not None:
+        report(args.quick, args.source, console, args.json)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = args.keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        measure(args, methods, folder, lambda text: console.print(text, style="dim", highlight=False))
+        report(args.quick, folder, console, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The executor's own costs per row, read off real runs of it on a model of tiny layers.
+
+A measured row costs more than its layers: the runtime calls the stage through functional_call under
+saved-tensor hooks, draws the micro-batch, posts and takes messages, and keeps its memory and version books
+between rows. Those costs barely depend on the layers, so `pipesim calibrate` runs the executor itself (its
+own processes, transport and threads per rank) on a two-layer MLP whose layers take microseconds, with the
+stage boundary as large as the calibrated model's, and `runtime_terms` turns its traces into the profile's
+`RuntimeProfile`: per compute kind, a row's time minus its tiny layers' own calibrated time; the host time of
+a SEND row and of a RECV whose message had already arrived; how long a message takes from its send's post to a
+receiver waiting for it; the gap after each kind of row; and the gradient
+copies an update leaves held (memory after it, at a flush, less the weights: SGD keeps no state). The probe's
+schedules: 1F1B for B, ZB-H1 for I and W (both for F, OPT and the transfers).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from ..profiles.schema import COMPUTE_KINDS, Profile, RuntimeProfile, Timing
+from ..traces.trace import Stream, Trace
+
+PROBE_SCHEDULES = ("1f1b", "zb-h1")
+PROBE_OPTIMIZER = "sgd"  # the probe's OPT rows minus its calibrated SGD step leave the runtime's own part
+PROBE_MICROBATCHES = 8
+PROBE_MINIBATCHES = 6  # the first is warm-up and dropped
+MAX_PROBE_WIDTH = 1 << 16  # boundaries wider than this are probed at this width (meta says so)
+
+
+class RuntimeProbeError(ValueError):
+    """Probe traces that do not give every term; the message names the one missing."""
+
+
+def probe_width(profile: Profile, element_bytes: int) -> int:
+    """The width of the probe MLP (one block, then the classifier) whose boundary, at the profile's micro-batch
+    size, carries as many bytes as the profile's largest stage boundary: a send's host cost depends on it."""
+    boundary = max((stage.output_bytes for stage in profile.stages), default=0)
+    width = round(boundary / (profile.environment.microbatch_size * element_bytes))
+    return int(min(max(width, 1), MAX_PROBE_WIDTH))
+
+
+def _timing(samples_ms: list[float] | np.ndarray, what: str) -> Timing:
+    if len(samples_ms) == 0:
+        raise RuntimeProbeError(f"the runtime probe recorded no {what}")
+    q1, median, q3 = np.percentile(samples_ms, [25, 50, 75])
+    return Timing(median_ms=max(float(median), 0.0), spread_ms=float(q3 - q1), repeats=len(samples_ms))
+
+
+def _own_ms(probe: Profile, kind: str, stage: int) -> float:
+    """What the probe's calibration says row `kind` of `stage` costs by its layers alone."""
+    s = probe.stages[stage]
+    return {"F": s.fwd_ms, "B": s.bwd_ms, "I": s.igrad_ms, "W": s.wgrad_ms,
+            "OPT": s.steps[PROBE_OPTIMIZER].step.median_ms}[kind]
+
+
+def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimeProfile:
+    """The runtime's per-row costs from measured probe `traces` of the model `probe` profiles (same stage
+    bounds), warm-up mini-batch dropped, samples pooled over traces, devices and stages."""
+    compute: dict[str, list[float]] = defaultdict(list)
+    gaps: dict[str, list[float]] = defaultdict(list)
+    sends: list[float] = []
+    arrived: list[float] = []
+    waited: list[float] = []  # from the send's post to the end of a receive that waited for it
+    kept: list[float] = []
+    for trace in traces:
+        ops, kinds = trace.ops, trace.kinds
+        names = np.asarray(kinds)[ops.kind]
+        steady = ops.minibatch >= 1
+        dur_ms, end_us = ops.dur_us / 1e3, ops.start_us + ops.dur_us
+        for i in np.flatnonzero(steady & (ops.stream == Stream.COMPUTE)):
+            own = _own_ms(probe, names[i], int(ops.stage[i])) if names[i] in COMPUTE_KINDS else 0.0
+            if own > 0:  # a pass its layers do not have (an input gradient of the stage reading the batch) is skipped
+                compute[names[i]].append(dur_ms[i] - own)
+        sending = steady & (ops.stream == Stream.SEND)
+        sends += dur_ms[sending].tolist()
+        # A receive's message had arrived when its send was posted before the receive began.
+        backward = np.char.endswith(names, "_B").astype(np.int64)
+        key = np.stack([backward, ops.microbatch, ops.minibatch, ops.pipeline], axis=1).tolist()
+        sent = {(*key[i], int(ops.stage[i]), int(ops.peer[i])): i for i in np.flatnonzero(sending)}
+        for i in np.flatnonzero(steady & (ops.stream == Stream.RECV)):
+            send = sent.get((*key[i], int(ops.peer[i]), int(ops.stage[i])))
+            if send is None:
+                continue
+            if end_us[send] <= ops.start_us[i]:
+                arrived.append(dur_ms[i])
+            else:
+                waited.append((end_us[i] - ops.start_us[send]) / 1e3)
+        for d in range(trace.num_devices):
+            rows = np.flatnonzero(ops.device == d)
+            rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
+            after = (ops.start_us[rows[1:]] - end_us[rows[:-1]]) / 1e3
+            for row, gap in zip(rows[:-1], after):
+                if steady[row]:
+                    gaps[names[row]].append(gap)
+            # After an update at a flush a device holds its stage's weights and whatever gradient the update left.
+            memory = trace.counters["memory_bytes"][d].values  # [q + 1]: after the device's row q
+            for q in np.flatnonzero((names[rows] == "OPT") & steady[rows]):
+                stage = probe.stages[int(ops.stage[rows[q]])]
+                kept.append((memory[q + 1] - stage.param_bytes) / stage.grad_bytes)
+    recv = _timing(arrived, "receive whose message had arrived")
+    return RuntimeProfile(
+        compute_ms={kind: _timing(compute[kind], f"{kind} rows") for kind in COMPUTE_KINDS},
+        send_ms=_timing(sends, "SEND rows"), recv_ms=recv,
+        delivery_ms=_timing(np.asarray(waited) - recv.median_ms, "receive that waited for its message"),
+        delivery_bytes=int(meta["boundary_bytes"]),
+        gap_ms={kind: _timing(samples, f"gaps after {kind}") for kind, samples in sorted(gaps.items())},
+        kept_gradients=max(round(float(np.median(kept)), 2), 0.0) if kept else 0.0, meta=meta)

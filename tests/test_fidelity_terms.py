@@ -1,0 +1,299 @@
+"""The causes of prediction error modelled as terms (issue 12, item 5): the runtime's cost per row, gradient
+accumulation, the gradient an update keeps, calibration at the run's thread count; read off probe traces
+(calibrate/runtime.py), priced by the simulator, and turned on and off by the fidelity report. Closed forms
+on fixed costs; no wall-clock values."""
+
+import importlib
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipesim.calibrate.runtime import RuntimeProbeError, runtime_terms
+from pipesim.planning.replay import predict_measured
+from pipesim.planning.scenario import profile_overhead, profile_scenario
+from pipesim.profiles.schema import (
+    COMPUTE_KINDS,
+    LinkProfile,
+    Profile,
+    RuntimeProfile,
+    Timing,
+    load_profile,
+    threads_mismatch,
+)
+from pipesim.schedules import KINDS, METHODS, NUM_COMPUTE_KINDS
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.sim.costs import RowOverhead
+from pipesim.traces import summarize
+from pipesim.traces.compare import compare
+from pipesim.traces.trace import Counter, Ops, Stream, Trace, TraceError, TraceMeta, write_trace
+from tests.conftest import build
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "traces" / "profiles" / "cnn-cpu.json"  # a version 1 profile, calibrated with 2 threads
+MS = {kind: i for i, kind in enumerate(KINDS)}
+
+
+def overhead(compute: dict[str, float] = {}, gaps: dict[str, float] = {}, send_ms=0.0, recv_ms=0.0) -> RowOverhead:
+    return RowOverhead(tuple(compute.get(k.value, 0.0) for k in KINDS[:NUM_COMPUTE_KINDS]), send_ms, recv_ms,
+                       tuple(gaps.get(k.value, 0.0) for k in KINDS))
+
+
+def one_device(name: str, m: int, n: int, **costs) -> Trace:
+    """`name` on one device (no transfers): F 1 ms, B 2 ms, OPT 0.5 ms, with `costs`' extra fields."""
+    row = costs.pop("row", RowOverhead())
+    kept = costs.pop("kept_gradients", 0.0)
+    base = Costs.per_stage(1, fwd_ms=1.0, bwd_ms=2.0, opt_ms=0.5, param_mb=10.0)
+    stage = replace(base.stages[0], **costs)
+    return simulate(build(name, 1, m, n), replace(base, stages=(stage,), overhead=row, kept_gradients=kept),
+                    Cluster.uniform(1, 0.0))
+
+
+def durations(trace: Trace, kind: str) -> np.ndarray:
+    return trace.ops.dur_us[trace.ops.kind == trace.kind_code(kind)] / 1e3
+
+
+def test_row_overhead_adds_to_compute_rows_and_holds_the_device_between_rows():
+    # GPipe on one device, m = 4, N = 2: per mini-batch 4 F (1.1 ms, then 0.01 ms of bookkeeping), 4 B (2.2 ms,
+    # 0.02 ms), one OPT (0.8 ms, 0.03 ms); the last gap ends no op, so the makespan leaves it out.
+    row = overhead({"F": 0.1, "B": 0.2, "OPT": 0.3}, {"F": 0.01, "B": 0.02, "OPT": 0.03})
+    trace = one_device("gpipe", 4, 2, row=row)
+    assert durations(trace, "F") == pytest.approx([1.1] * 8)
+    assert durations(trace, "B") == pytest.approx([2.2] * 8)
+    assert durations(trace, "OPT") == pytest.approx([0.8] * 2)
+    assert summarize(trace).makespan_ms == pytest.approx(2 * (4 * 1.11 + 4 * 2.22 + 0.83) - 0.03)
+    assert trace.meta.extra["row_overhead"]["send_ms"] == 0.0
+    assert "row_overhead" not in one_device("gpipe", 4, 2).meta.extra  # a what-if without it says nothing
+
+
+@pytest.mark.parametrize("name", ["1f1b", "pipedream", "zb-h1"])
+def test_every_backward_but_the_first_after_an_update_accumulates(name):
+    # One buffer per stage replica: m - 1 of each mini-batch's m backward passes (W for a split one) add into it.
+    m, n = 4, 3
+    trace = one_device(name, m, n, accumulate_ms=0.25)
+    grads = durations(trace, "W" if name == "zb-h1" else "B")
+    plain = durations(one_device(name, m, n), "W" if name == "zb-h1" else "B")
+    assert np.count_nonzero(np.isclose(grads - plain, 0.25)) == n * (m - 1)
+    assert np.count_nonzero(np.isclose(grads, plain)) == n
+
+
+def test_a_send_and_a_receive_hold_their_device():
+    costs = Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0)
+    plain = simulate(build("1f1b", 2, 4), costs, Cluster.uniform(2, 0.5))
+    held = simulate(build("1f1b", 2, 4), replace(costs, overhead=overhead(send_ms=0.2, recv_ms=0.3)),
+                    Cluster.uniform(2, 0.5))
+
+    def start(trace: Trace, device: int, kind: str, microbatch: int) -> float:
+        ops = trace.ops
+        at = (ops.device == device) & (ops.kind == trace.kind_code(kind)) & (ops.microbatch == microbatch)
+        return float(ops.start_us[at][0]) / 1e3
+
+    assert start(held, 0, "F", 1) - start(plain, 0, "F", 1) == pytest.approx(0.2)  # after SEND_F0
+    # The message leaves as its send is posted; the receiver then takes it.
+    assert start(held, 1, "F", 0) - start(plain, 1, "F", 0) == pytest.approx(0.3)
+
+
+def test_a_kept_gradient_adds_one_gradient_from_the_second_mini_batch_on():
+    # GPipe on one device, m = 2: mini-batch 1's first B runs 8.5-10.5 ms, its update ends at 13 ms.
+    plain, kept = one_device("gpipe", 2, 3), one_device("gpipe", 2, 3, kept_gradients=1.0)
+    param = plain.meta.costs[0]["param_bytes"]
+    assert summarize(kept).peak_memory_mb - summarize(plain).peak_memory_mb == pytest.approx(param / 2**20)
+
+    def extra_at(ms: float) -> int:
+        a, b = plain.counters["memory_bytes"][0], kept.counters["memory_bytes"][0]
+        return int(b.values[np.searchsorted(b.times_us, ms * 1e3, "right") - 1]
+                   - a.values[np.searchsorted(a.times_us, ms * 1e3, "right") - 1])
+
+    assert [extra_at(ms) for ms in (5.0, 6.6, 9.0, 12.9, 13.1, 30.0)] == [0, 0, param, param, 0, 0]
+
+
+def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
+    t = lambda ms: Timing(median_ms=ms, spread_ms=0.0, repeats=3)  # noqa: E731
+    runtime = RuntimeProfile(compute_ms={k: t(0.1 * (i + 1)) for i, k in enumerate(COMPUTE_KINDS)}, send_ms=t(0.05),
+                             recv_ms=t(0.02), delivery_ms=t(0.1), delivery_bytes=4096,
+                             gap_ms={"F": t(0.01), "OPT": t(0.04), "RECV_F": t(0.1)}, kept_gradients=1.0, meta={})
+    row = profile_overhead(runtime)
+    assert row.compute_ms[MS["PRED"]] == row.compute_ms[MS["AVG"]] == row.compute_ms[MS["OPT"]] == pytest.approx(0.5)
+    assert row.gap_ms[MS["AVG"]] == 0.04 and row.gap_ms[MS["F"]] == 0.01
+    assert row.gap_ms[MS["B"]] == pytest.approx(0.04)  # not seen: the median of those seen
+    assert row.host_ms[MS["SEND_F"]] == pytest.approx(0.05 + 0.04) and row.host_ms[MS["RECV_F"]] == pytest.approx(0.12)
+
+
+# ------------------------------------------------------------------------------------- the runtime probe
+
+
+def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float) -> Trace:
+    """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
+    the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms`, a RECV
+    waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows; after an update a device
+    holds its weights and `kept` gradients."""
+    own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
+    programs = {d: [(kind, d, j, b) for b in range(3) for kind, j in order] for d, order in (
+        (0, [("F", 0), ("SEND_F", 0), ("F", 1), ("SEND_F", 1), ("RECV_B", 0), ("B", 0), ("RECV_B", 1), ("I", 1),
+             ("W", 1), ("OPT", -1)]),
+        (1, [("RECV_F", 0), ("F", 0), ("B", 0), ("SEND_B", 0), ("RECV_F", 1), ("F", 1), ("I", 1), ("W", 1),
+             ("SEND_B", 1), ("OPT", -1)]))}
+    rows, memory, sent = [], {0: [], 1: []}, {}
+    clock, at = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}
+    while any(at[d] < len(programs[d]) for d in programs):
+        for d, program in programs.items():
+            while at[d] < len(program):
+                kind, stage, j, b = program[at[d]]
+                s = probe.stages[stage]
+                if kind.startswith("RECV"):
+                    arrival = sent.get((kind[-1], j, b))
+                    if arrival is None:
+                        break  # not sent yet: let the other device run
+                    ms = max(arrival - clock[d], 0.0) + recv_ms
+                elif kind.startswith("SEND"):
+                    ms = send_ms
+                    sent[(kind[-1], j, b)] = clock[d] + ms
+                elif kind == "OPT":
+                    ms = s.steps["sgd"].step.median_ms + extra[kind]
+                else:
+                    ms = getattr(s, own[kind]) + extra[kind]
+                rows.append((d, kind, stage, j, b, 1 - d if "_" in kind else -1, clock[d] * 1e3, ms * 1e3))
+                memory[d].append(s.param_bytes + kept * s.grad_bytes if kind == "OPT" else 10 * s.param_bytes)
+                clock[d] += ms + gap_ms
+                at[d] += 1
+    kinds = tuple(k.value for k in KINDS)
+    table = list(zip(*rows))
+    kind = np.array([kinds.index(k) for k in table[1]])
+    ops = Ops(device=table[0], stream=Stream.of_kinds(kinds)[kind], kind=kind, stage=table[2], microbatch=table[3],
+              minibatch=table[4], pipeline=np.zeros(len(rows)), peer=table[5], version=np.zeros(len(rows)),
+              prediction=np.full(len(rows), -1), start_us=table[6], dur_us=table[7])
+    meta = TraceMeta(source="measured", schedule="probe", params={}, microbatches=2, minibatches=3, pipelines=1,
+                     microbatch_size=1, placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="test")
+    counters = {"memory_bytes": [Counter(np.arange(len(memory[d]) + 1, dtype=float), np.array([0, *memory[d]]))
+                                 for d in (0, 1)]}
+    return Trace(kinds, 2, ops, meta, counters)
+
+
+def test_runtime_terms_recover_what_the_probe_trace_holds():
+    probe = load_profile(PROFILE)  # its first two stages' times stand for the probe's layers
+    extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
+    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0)
+    waited = trace.ops.dur_us[trace.ops.stream == Stream.RECV] > 0.021e3
+    assert waited.any() and not waited.all()  # some messages were waited for: those do not price a receive
+    terms = runtime_terms([trace], probe, {"boundary_bytes": 4096})
+    assert {k: t.median_ms for k, t in terms.compute_ms.items()} == pytest.approx(extra)
+    assert terms.send_ms.median_ms == pytest.approx(0.12) and terms.recv_ms.median_ms == pytest.approx(0.02)
+    assert terms.delivery_ms.median_ms == pytest.approx(0.12)  # a message is there once its send is posted
+    assert terms.delivery_bytes == 4096
+    assert set(terms.gap_ms) == {"F", "B", "I", "W", "OPT", "SEND_F", "SEND_B", "RECV_F", "RECV_B"}
+    assert all(t.median_ms == pytest.approx(0.04) for t in terms.gap_ms.values())
+    assert terms.kept_gradients == 1.0 and terms.meta == {"boundary_bytes": 4096}
+    # The warm-up mini-batch is dropped: a probe of one mini-batch gives nothing, and says so in one line.
+    first = trace.ops.minibatch == 0
+    short = replace(trace, ops=Ops(**{name: getattr(trace.ops, name)[first] for name in Ops.__dataclass_fields__}))
+    with pytest.raises(RuntimeProbeError, match="the runtime probe recorded no receive whose message had arrived"):
+        runtime_terms([short], probe, {"boundary_bytes": 4096})
+
+
+# ------------------------------------------------------------------------------- the run's own conditions
+
+
+def recorded_run(threads_per_rank: int, profile: Profile | None = None) -> tuple[Trace, Profile]:
+    """A prediction from `profile` (default: the committed one) relabelled as a run that recorded that profile,
+    as `pipesim run --profile` records it, with `threads_per_rank`."""
+    profile = profile or load_profile(PROFILE)
+    scenario = profile_scenario(profile, "sgd")
+    schedule = scenario.build("1f1b", METHODS["1f1b"].params(4, 4, 2))
+    trace = simulate(schedule, scenario.costs(schedule), scenario.links(schedule))
+    meta = replace(trace.meta, source="measured", hardware={"threads_per_rank": threads_per_rank},
+                   extra={"profile": profile.model_dump(mode="json"), "bounds": profile.partition.bounds,
+                          "optimizer": "sgd"})
+    return replace(trace, meta=meta), profile
+
+
+def test_a_run_is_predicted_only_from_a_profile_timed_with_its_thread_count():
+    run, profile = recorded_run(threads_per_rank=2)  # the profile was calibrated with 2 threads
+    assert profile.environment.threads == 2 and threads_mismatch(profile, 2) is None
+    again = predict_measured(run.meta)
+    assert compare(again, run).iteration_time_error == 0  # the replay is the prediction, bit for bit
+    one_thread, _ = recorded_run(threads_per_rank=1)
+    with pytest.raises(TraceError, match="calibrated with 2 threads and the run uses 1 per rank.*--threads 1"):
+        predict_measured(one_thread.meta)
+    # A profile handed over explicitly is a what-if (the fidelity report's terms off): not refused.
+    assert predict_measured(one_thread.meta, profile).meta.schedule == "1f1b"
+
+
+def test_a_version_1_profile_prices_no_runtime_terms():
+    profile = load_profile(PROFILE)
+    assert profile.schema_version == 1 and profile.runtime is None
+    assert all(stage.accumulate is None for stage in profile.stages)
+    costs = profile_scenario(profile, "sgd").costs(build("1f1b", 4, 4))
+    assert costs.overhead == RowOverhead() and costs.kept_gradients == 0
+    assert all(stage.accumulate_ms == 0 for stage in costs.stages)
+
+
+# ------------------------------------------------------------------------------------ the fidelity report
+
+
+@pytest.fixture(scope="module")
+def fidelity():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        yield importlib.import_module("fidelity")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_the_report_turns_the_terms_on_one_after_another(fidelity):
+    t = Timing(median_ms=0.1, spread_ms=0.0, repeats=3)
+    profile = load_profile(PROFILE)
+    profile = profile.model_copy(update={"environment": profile.environment.model_copy(update={"threads": 1}),
+                                         "stages": [s.model_copy(update={"accumulate": t}) for s in profile.stages],
+                                         "link": LinkProfile(segments=[{"min_bytes": 0, "latency_ms": 1.0,
+                                                                        "bytes_per_ms": 4.096e6}], points=[], meta={}),
+                                         "runtime": RuntimeProfile(
+                                             compute_ms={k: t for k in COMPUTE_KINDS}, send_ms=t, recv_ms=t,
+                                             delivery_ms=t, delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0,
+                                             meta={})})
+    variants = fidelity.term_variants(profile, load_profile(PROFILE))
+    schedule = build("1f1b", 4, 4, 2)
+    costs = [profile_scenario(p, "sgd").costs(schedule) for _, p in variants]
+    assert variants[0][1].environment.threads == 2 and variants[1][1].environment.threads == 1
+    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    assert [c.overhead.compute_ms[0] for c in costs] == [0, 0, 0, 0.1, 0.1, 0.1, 0.1, 0.1]
+    assert [c.overhead.send_ms for c in costs] == [0, 0, 0, 0, 0.1, 0.1, 0.1, 0.1]
+    # The link's fit takes 1 ms + 1 us at the probe's 4 KiB until delivery is on, then 0.1 ms there.
+    assert [profile_scenario(p, "sgd").links(schedule).link(0, 1).transfer_ms(4096) for _, p in variants] == \
+        pytest.approx([1.001] * 5 + [0.1] * 3)
+    assert [c.overhead.gap_ms[0] for c in costs] == [0, 0, 0, 0, 0, 0, 0.1, 0.1]
+    assert [c.kept_gradients for c in costs] == [0, 0, 0, 0, 0, 0, 0, 1.0]
+    assert variants[-1][1] == profile
+
+
+def test_a_report_row_of_identical_runs_has_no_error_and_no_spread(fidelity):
+    run, _ = recorded_run(threads_per_rank=2)
+    found = [compare(predict_measured(run.meta), run)] * 3
+    row = fidelity.row("1f1b", found)
+    assert (row.iteration_error, row.spread, row.per_op_error, row.memory_error) == (0, 0, 0, 0)
+    assert row.measured_ms == row.predicted_ms
+
+
+def test_the_report_reads_what_a_measurement_kept(fidelity, tmp_path, capsys):
+    # Runs "measured" as the full profile predicts them: the report finds no error with every term on, and
+    # some with them off. Nothing runs: the folder is what `--keep` would have filled.
+    t = Timing(median_ms=0.2, spread_ms=0.0, repeats=3)
+    full = load_profile(PROFILE).model_copy(update={
+        "environment": load_profile(PROFILE).environment.model_copy(update={"threads": 1}),
+        "link": LinkProfile(segments=[{"min_bytes": 0, "latency_ms": 0.5, "bytes_per_ms": 1e6}], points=[], meta={}),
+        "runtime": RuntimeProfile(compute_ms={k: t for k in COMPUTE_KINDS}, send_ms=t, recv_ms=t, delivery_ms=t,
+                                  delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0, meta={})})
+    (tmp_path / "mlp.json").write_text(full.model_dump_json())
+    (tmp_path / "cores.json").write_text(load_profile(PROFILE).model_dump_json())
+    for repeat in range(2):
+        run, _ = recorded_run(threads_per_rank=1, profile=full)
+        write_trace(run, tmp_path / f"1f1b.{repeat}.json")
+    fidelity.report(False, tmp_path, fidelity.Console(width=200), tmp_path / "out.json")
+    printed = capsys.readouterr().out
+    assert "noise floor: the same run repeated varies by 0.0%" in printed
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["methods"][0]["iteration_error"] == 0 and doc["noise_floor"] == 0
+    errors = [line["methods"][0]["iteration_error"] for line in doc["terms"]]
+    assert errors[-1] == 0 and all(error < 0 for error in errors[:-2])  # each term left out makes it faster
