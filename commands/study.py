@@ -202,26 +202,28 @@ def _per_stage(values) -> str:
 
 def _print_table(setting, summaries) -> None:
     timed = any(s.timing for s in summaries)
-    rates = ", ".join(dict.fromkeys(f"{s.optimizer} lr {s.lr:g}" for s in summaries))
+    seeds = max((len(s.runs) for s in summaries), default=0)
     table = Table(title=_title(setting).removeprefix("pipesim study: "), title_justify="left", box=box.SIMPLE_HEAD,
-                  pad_edge=False, caption=f"{rates}; held-out accuracy and final training loss (the last 10% of "
-                                          "mini-batches), mean ± std over seeds; staleness and prediction distance s "
-                                          "per stage, as the executor measured them"
+                  pad_edge=False, caption=f"held-out accuracy and final training loss (the last 10% of mini-batches), "
+                                          f"mean ± std over {seeds} seeds; div.: seeds that diverged; staleness and "
+                                          "prediction distance s per stage, as the executor measured them"
                                           + ("; samples/s on spawned ranks, median of repeats, and the simulator's "
                                              "prediction" if timed else ""),
                   caption_justify="left")
-    headers = ["arm", "optimizer", "acc %", "loss", "seeds"]
-    headers += ["samples/s", "pred."] if timed else []
-    headers += ["stale", "s F", "s B"]
+    headers = ["arm", "acc %", "loss", "div."]
+    headers += ["samples/s", "predicted"] if timed else []
+    headers += ["staleness", "s (F)", "s (B)"]
     for header in headers:
-        table.add_column(header, justify="left" if header in ("arm", "optimizer") else "right", no_wrap=True)
+        table.add_column(header, justify="left" if header == "arm" else "right", no_wrap=True)
     previous = None
     for s in summaries:
-        if previous is not None and s.optimizer != previous:
-            table.add_section()
+        if s.optimizer != previous:
+            if previous is not None:
+                table.add_section()
+            table.add_row(f"[bold]{s.optimizer}, lr {s.lr:g}[/]")
         previous = s.optimizer
-        seeds = f"{len(s.runs)}" + (f", {s.diverged} div." if s.diverged else "")
-        row = [s.arm.label, s.optimizer, s.heldout_accuracy.text(".1f", 100), s.final_loss.text(), seeds]
+        row = [s.arm.label, s.heldout_accuracy.text(".1f", 100), s.final_loss.text(),
+               f"{s.diverged}/{len(s.runs)}" if s.diverged else ""]
         if timed:
             row += ["-", "-"] if s.timing is None else [f"{s.timing.measured_samples_per_s:,.0f}",
                                                         f"{s.timing.predicted_samples_per_s:,.0f}"]

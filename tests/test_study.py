@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +154,26 @@ def test_timing_measures_spawned_ranks_and_predicts_them_from_the_calibration():
     assert profile.environment.threads == 1 and profile.environment.microbatch_size == TINY.microbatch_size
     timing = time_arm(TINY, Arm("1f1b"), "momentum", 0.05, 0, profile, repeats=1)
     assert timing.ranks == 2 and timing.measured_samples_per_s > 0 and timing.predicted_samples_per_s > 0
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "traces" / "study" / "digits-mlp-p4.json"
+
+
+def test_the_committed_study_replays_and_is_consistent_with_the_semantics(tmp_path):
+    """The README's study (`traces/study/`), re-plotted: gpipe and 1f1b are one computation, and so are
+    SpecTrain and PipeOptim on the count (F predicted 1,1,1,0 updates ahead; SpecTrain's B at s = 0 is
+    PipeOptim's B on the current weights), so each pair trained to the same numbers."""
+    from pipesim.study.results import recorded_arms, summarize
+
+    code, out, err = pipesim("study", "--plot-only", "--results", COMMITTED, "--html", tmp_path / "s.html", "--json")
+    assert code == 0, err
+    arms = {(a["arm"], a["optimizer"]): a for a in json.loads(out)["arms"]}
+    assert len(arms) == 24 and all(a["seeds"] == 3 for a in arms.values())
+    saved = load_results(COMMITTED)
+    by_arm = {(s.arm.label, s.optimizer): s for s in summarize(saved, *recorded_arms(saved))}
+    for optimizer in ("momentum", "adam"):
+        for a, b in (("gpipe", "1f1b"), ("spectrain (counted)", "pipeoptim (counted)")):
+            for ours, theirs in zip(by_arm[a, optimizer].runs, by_arm[b, optimizer].runs, strict=True):
+                assert ours.losses == pytest.approx(theirs.losses, rel=1e-5)
+    accuracy = {key: a["heldout_accuracy"]["mean"] for key, a in arms.items()}
+    assert accuracy["pipedream", "momentum"] < accuracy["gpipe", "momentum"]  # the staleness the study is about
