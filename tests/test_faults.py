@@ -23,7 +23,7 @@ from tests.conftest import build
 
 pytestmark = pytest.mark.slow
 
-MINIBATCHES = 1000  # far longer than a test waits: every run here ends by its fault
+MINIBATCHES = 20_000  # far longer than a test waits (minutes): every run here ends by its fault
 RUN = ["--schedule", "1f1b", "--model", "mlp", "--layers", "3", "--width", "64", "--stages", "2",
        "--microbatches", "4", "--minibatches", str(MINIBATCHES), "--stall-timeout", "3"]
 BOUND_S = 60  # a hung command fails the test here (start-up included) instead of hanging the suite
