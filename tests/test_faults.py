@@ -23,8 +23,8 @@ from tests.conftest import build
 
 pytestmark = pytest.mark.slow
 
-MINIBATCHES = 20_000  # far longer than a test waits (minutes): every run here ends by its fault
-RUN = ["--schedule", "1f1b", "--model", "mlp", "--layers", "3", "--width", "64", "--stages", "2",
+MINIBATCHES = 1000  # with width 1024, far longer than a test waits (a minute): every run here ends by its fault
+RUN = ["--schedule", "1f1b", "--model", "mlp", "--layers", "3", "--width", "1024", "--stages", "2",
        "--microbatches", "4", "--minibatches", str(MINIBATCHES), "--stall-timeout", "3"]
 BOUND_S = 60  # a hung command fails the test here (start-up included) instead of hanging the suite
 
