@@ -23,8 +23,8 @@ from tests.conftest import build
 
 pytestmark = pytest.mark.slow
 
-MINIBATCHES = 1000  # with width 1024, far longer than a test waits (a minute): every run here ends by its fault
-RUN = ["--schedule", "1f1b", "--model", "mlp", "--layers", "3", "--width", "1024", "--stages", "2",
+MINIBATCHES = 1000  # far longer than a test waits: every run here ends by its fault
+RUN = ["--schedule", "1f1b", "--model", "mlp", "--layers", "3", "--width", "64", "--stages", "2",
        "--microbatches", "4", "--minibatches", str(MINIBATCHES), "--stall-timeout", "3"]
 BOUND_S = 60  # a hung command fails the test here (start-up included) instead of hanging the suite
 
@@ -55,9 +55,11 @@ def _launch(tmp_path: Path, fault: str | None) -> subprocess.Popen:
     env = {name: value for name, value in os.environ.items() if name != FAULT_ENV}
     if fault is not None:
         env[FAULT_ENV] = fault
+    # SIGINT as a terminal's foreground command has it: a shell's background job (CI started with `&`) would
+    # hand down SIGINT ignored, and Ctrl-C would then mean nothing to the command
     return subprocess.Popen([sys.executable, "-m", "pipesim.cli", "run", *RUN, "--trace", str(tmp_path / "t.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _watch(proc: subprocess.Popen, until=None) -> set[int]:
