@@ -186,18 +186,14 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
             saved.runs.append(train(setting, arm, key.optimizer, key.lr, key.seed))
             saved.save(path)
             bar.advance(task)
+        profile = Profile.model_validate(saved.profile) if timings else None
         for arm in timings:
             bar.update(task, description=f"timing {arm.label} on {setting.stages} ranks")
             run = saved.trained(arm, rates, seed_list)  # after training: a run known to reach the end
             if run is not None:
-                profile = Profile.model_validate(saved.profile)
                 saved.timings.append(time_arm(setting, arm, run.optimizer, run.lr, run.seed, profile, repeats))
                 saved.save(path)
             bar.advance(task)
-
-
-def _per_stage(values) -> str:
-    return "-" if all(v is None for v in values) else ",".join("-" if v is None else str(v) for v in values)
 
 
 def _print_table(setting, summaries) -> None:
@@ -227,8 +223,7 @@ def _print_table(setting, summaries) -> None:
         if timed:
             row += ["-", "-"] if s.timing is None else [f"{s.timing.measured_samples_per_s:,.0f}",
                                                         f"{s.timing.predicted_samples_per_s:,.0f}"]
-        row += [_per_stage([st.forward_staleness for st in s.stages]),
-                _per_stage([st.prediction_distance for st in s.stages]),
-                _per_stage([st.backward_prediction_distance for st in s.stages])]
+        row += [s.per_stage(name) for name in ("forward_staleness", "prediction_distance",
+                                               "backward_prediction_distance")]
         table.add_row(*row)
     stdout.print(table)

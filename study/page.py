@@ -100,17 +100,13 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
     return fig
 
 
-def _per_stage(values: Sequence[int | None]) -> str:
-    return "-" if all(v is None for v in values) else ", ".join("-" if v is None else str(v) for v in values)
-
-
 def stages_figure(summaries: Sequence[ArmSummary]) -> go.Figure:
     """What every stage ran on, as the executor measured it, per arm: a table."""
     rows: dict[str, tuple[str, ...]] = {}
     for label in dict.fromkeys(s.arm.label for s in summaries):
         # the first optimizer whose runs measured it (a run that diverged measured nothing)
-        stages = next((s.stages for s in summaries if s.arm.label == label and s.stages), [])
-        rows[label] = tuple(_per_stage([getattr(st, name) for st in stages]) for name in (
+        measured = next((s for s in summaries if s.arm.label == label and s.stages), None)
+        rows[label] = tuple("-" if measured is None else measured.per_stage(name, ", ") for name in (
             "forward_staleness", "backward_staleness", "prediction_distance", "backward_prediction_distance"))
     header = ["arm", "F staleness per stage", "B staleness per stage", "F prediction s", "B prediction s"]
     columns = [list(rows), *zip(*rows.values())] if rows else [[] for _ in header]

@@ -198,6 +198,13 @@ class ArmSummary:
         """The measured staleness and s per stage (the same for every seed: the schedule fixes them)."""
         return self.runs[0].stages if self.runs else []
 
+    def per_stage(self, field: str, separator: str = ",") -> str:
+        """One StageRecord field over the stages, as text ("1,1,1,0"); "-" where no stage has it."""
+        values = [getattr(stage, field) for stage in self.stages]
+        if all(v is None for v in values):
+            return "-"
+        return separator.join("-" if v is None else str(v) for v in values)
+
     def as_dict(self) -> dict[str, Any]:
         def spread(s: Spread) -> dict[str, Any]:
             return {"mean": None if not s.n else s.mean, "std": None if not s.n else s.std, "seeds": s.n}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..calibrate.measure import threads
 from ..executor import DivergedError, RunSpec, even_bounds, run_in_process, run_multiprocess
 from ..planning.replay import predict_measured
 from ..profiles.linkfit import default_sizes
@@ -46,15 +47,12 @@ def train(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> R
     base = dict(method=arm.method, source=arm.source, primary=arm.primary, optimizer=optimizer, lr=lr, seed=seed,
                 samples_per_minibatch=per_minibatch)
     began = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the devices are threads: one intra-op thread each, as each rank of a real run
     try:
-        result = run_in_process(spec)
+        with threads(1):  # the devices are threads: one intra-op thread each, as each rank of a real run
+            result = run_in_process(spec)
     except DivergedError:
         return RunRecord(**base, status="diverged", losses=[None] * schedule.minibatches, heldout_loss=None,
                          heldout_accuracy=None, stages=[], wall_s=time.perf_counter() - began)
-    finally:
-        torch.set_num_threads(threads)
     losses = [statistics.fmean(pipeline[b] for pipeline in result.losses) for b in range(schedule.minibatches)]
     heldout = result.trace.meta.extra.get("heldout") or {}
     return RunRecord(**base, status="ok", losses=losses, heldout_loss=heldout.get("loss"),
