@@ -358,8 +358,8 @@ class DeviceLoop:
     def backward(self, unit: Unit, weights: Weights) -> None:
         saved = self._saved_for(unit, "backward", weights)
         del self.saved[unit]
-        dxs, dw = full_backward(saved.outputs, self._grad_outputs(unit), saved.inputs, saved.weights.tensors)
-        self.weights[(unit[0], unit[3])].accumulate(dw)
+        dxs = full_backward(saved.outputs, self._grad_outputs(unit), saved.inputs, saved.weights.tensors,
+                            self.weights[(unit[0], unit[3])].grads)
         self._hand_back(unit, dxs)
 
     def backward_input(self, unit: Unit, weights: Weights) -> None:
@@ -374,7 +374,7 @@ class DeviceLoop:
         if saved.pending is None:
             raise ExecutorError(f"device {self.device}: weight gradient of {unit} before its input gradient")
         del self.saved[unit]
-        self.weights[(unit[0], unit[3])].accumulate(backward_weight(saved.pending, saved.weights.tensors))
+        backward_weight(saved.pending, saved.weights.tensors, self.weights[(unit[0], unit[3])].grads)
 
     def average(self, stage: int) -> None:
         replicas = [self.weights[(stage, r)].current for r in range(self.pipelines)]

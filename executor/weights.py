@@ -16,7 +16,7 @@ loop frees it after its last reader. Forward and backward buffers are separate s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,7 @@ class StageWeights:
         self.version = 0
         self.versions: dict[int, list[torch.Tensor]] = {0: current}
         self.predicted: dict[BufferKey, Weights] = {}
-        self.grads: list[torch.Tensor] | None = None
+        self.grads: list[torch.Tensor | None] = [None] * len(current)  # the mini-batch's; None: nothing added yet
 
     @property
     def current(self) -> list[torch.Tensor]:
@@ -88,16 +88,6 @@ class StageWeights:
     def free_predicted(self, key: BufferKey) -> None:
         self.predicted.pop(key, None)
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Add one micro-batch's weight gradients to the mini-batch's; the first ones become the buffer (autograd
-        returns fresh tensors), sparing a pass over the weights per mini-batch."""
-        if self.grads is None:
-            self.grads = [torch.zeros_like(w) if g is None else g for w, g in zip(self.current, grads)]
-            return
-        for buffer, grad in zip(self.grads, grads):
-            if grad is not None:
-                buffer.add_(grad)
-
     @torch.no_grad()
     def step(self, keep_old: bool) -> None:
         """Apply the optimizer to the accumulated gradients: version v -> v + 1. `keep_old`: a later row still
@@ -114,11 +104,10 @@ class StageWeights:
         else:
             new = old
             del self.versions[self.version]
-        grads = self.grads if self.grads is not None else [torch.zeros_like(w) for w in new]
-        for weight, grad in zip(new, grads):
-            weight.grad = grad
+        for weight, grad in zip(new, self.grads):
+            weight.grad = torch.zeros_like(weight) if grad is None else grad
         self.optimizer.step()
-        self.grads = None
+        self.grads = [None] * len(new)
         self.version += 1
         self.versions[self.version] = new
 
@@ -137,7 +126,7 @@ class StageWeights:
         for weights in self.versions.values():
             yield from weights
             yield from (w.grad for w in weights if w.grad is not None)
-        yield from self.grads or ()
+        yield from (g for g in self.grads if g is not None)
         for buffer in self.predicted.values():
             yield from buffer.tensors
         for state in self.optimizer.state.values():

@@ -201,17 +201,46 @@ def _stage_and_input(which: str):
     return forward, weights
 
 
+def test_backward_adds_into_the_gradient_buffer_in_place():
+    """B and W add into the buffer's own tensors (no second copy of a stage's gradients) and leave the weights'
+    `.grad` (the last update's gradient, which SGD's prediction reads) as it was."""
+    forward, weights = _stage_and_input("mlp")
+    last = [torch.full_like(w, 7.0) for w in weights]
+    for w, g in zip(weights, last):
+        w.grad = g
+    buffer, expected = [None] * len(weights), []
+    for _ in range(2):
+        x, out = forward()
+        grad = torch.randn_like(out)
+        expected.append(torch.autograd.grad(out, weights, grad, retain_graph=True))
+        first = list(buffer)  # after the first pass: the tensors the second must add into
+        full_backward([out], [grad], [x], weights, buffer)
+    assert all(b is f for b, f in zip(buffer, first)), "the second backward must add into the first one's tensors"
+    assert_same(buffer, [a + b for a, b in zip(*expected)])
+    assert all(w.grad is g for w, g in zip(weights, last))
+
+    x, out = forward()
+    _, pending = backward_input([out], [torch.ones_like(out)], [x], weights)
+    split = [b.clone() for b in buffer]
+    backward_weight(pending, weights, buffer)
+    assert all(b is f for b, f in zip(buffer, first))
+    added = torch.autograd.grad(forward()[1], weights, torch.ones_like(out))
+    assert_same(buffer, [s + g for s, g in zip(split, added)])
+
+
 @pytest.mark.parametrize("which", ["mlp", "gpt"])
 def test_input_then_weight_gradient_equals_a_full_backward(which):
     forward, weights = _stage_and_input(which)
     x, out = forward()
     grad = torch.randn_like(out)
-    (dx,), dw = full_backward([out], [grad], [x], weights)
+    dw = [None] * len(weights)
+    (dx,) = full_backward([out], [grad], [x], weights, dw)
     x, out = forward()
     (dx_split,), pending = backward_input([out], [grad], [x], weights)
     assert pending.groups, "the split must start W from I's anchors, not from the output"
     del out, x
-    dw_split = backward_weight(pending, weights)
+    dw_split = [None] * len(weights)
+    backward_weight(pending, weights, dw_split)
     assert_same([dx_split, *dw_split], [dx, *dw])
 
 
@@ -234,19 +263,20 @@ def test_split_backward_does_not_recompute_the_input_chain():
         x = x0.clone().requires_grad_(True)
         return x, functional_call(module, dict(zip(names, weights)), (x,))
 
+    dw = [None] * len(weights)  # the gradient buffer every pass below adds into
     x, y = forward()
-    b_products = _matmuls(partial(full_backward, [y], [grad], [x], weights))
+    b_products = _matmuls(partial(full_backward, [y], [grad], [x], weights, dw))
     x, y = forward()
     held = {}
     i_products = _matmuls(partial(lambda y, x: held.update(pending=backward_input([y], [grad], [x], weights)[1]), y, x))
     y = None
-    w_products = _matmuls(lambda: backward_weight(held["pending"], weights))
+    w_products = _matmuls(lambda: backward_weight(held["pending"], weights, dw))
     assert (i_products, w_products, b_products) == (4, 4, 8)
 
     def time_b():
         x, out = forward()
         t = time.perf_counter()
-        full_backward([out], [grad], [x], weights)
+        full_backward([out], [grad], [x], weights, dw)
         return time.perf_counter() - t
 
     def time_iw():
@@ -254,7 +284,7 @@ def test_split_backward_does_not_recompute_the_input_chain():
         t = time.perf_counter()
         _, pending = backward_input([out], [grad], [x], weights)
         del out
-        backward_weight(pending, weights)
+        backward_weight(pending, weights, dw)
         return time.perf_counter() - t
 
     threads = torch.get_num_threads()
