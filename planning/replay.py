@@ -41,8 +41,8 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None) -> Trace:
     bounds = meta.extra.get("bounds")
     try:
         schedule = scenario.build(meta.schedule, ScheduleParams(**meta.params), bounds)
-        trace = simulate(schedule, scenario.costs(schedule, bounds), _with_shared_gpus(scenario.links(schedule),
-                                                                                      meta.hardware or {}))
+        trace = simulate(schedule, scenario.costs(schedule, bounds), _placed(scenario.links(schedule),
+                                                                            meta.hardware or {}))
     except (ScheduleError, CostError, TypeError) as exc:
         raise TraceError(f"cannot predict the recorded run: {exc}") from None
     return trace
@@ -61,11 +61,14 @@ def _recorded_profile(meta: TraceMeta) -> Profile:
         raise TraceError(f"the run's recorded profile is not valid: {str(exc).splitlines()[0]}") from None
 
 
-def _with_shared_gpus(cluster: Cluster, hardware: dict) -> Cluster:
-    """The cluster with the run's ranks that computed on one GPU (the runner records where each rank
-    computed) naming one compute resource, so the simulator serialises their compute as the executor's lock
-    did."""
-    places = hardware.get("compute") or []
-    if hardware.get("device") != "cuda" or len(set(places)) == len(places):
-        return cluster
-    return replace(cluster, compute=tuple(places[:cluster.num_devices]))
+def _placed(cluster: Cluster, hardware: dict) -> Cluster:
+    """The cluster with the devices where the run's ranks computed (the runner records `host/device` per
+    rank): on CUDA, ranks that computed on one GPU name one compute resource, so the simulator serialises their
+    compute as the executor's lock did; on CPU, ranks on one host share its cores (their slowdown is the
+    profile's)."""
+    places = (hardware.get("compute") or [])[:cluster.num_devices]
+    if hardware.get("device") == "cuda":
+        return cluster if len(set(places)) == len(places) else replace(cluster, compute=tuple(places))
+    if cluster.contention and places:
+        return replace(cluster, hosts=tuple(place.rsplit("/", 1)[0] for place in places))
+    return cluster

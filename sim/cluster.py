@@ -79,6 +79,9 @@ class Cluster:
     `overlap_comm=False` models runtimes whose sends block the compute stream until they finish.
     `compute[d]` names the compute resource device d runs on (None: one of its own): devices naming the
     same one are ranks on one GPU, which run their compute rows one at a time and share its one memory.
+    `hosts[d]` names the host whose cores device d computes on (CPU ranks; None: cores of its own): while k
+    devices of one host compute at once, each computes `contention[k - 1]` times slower than alone (shared
+    cores, caches and memory bandwidth; beyond the measured k, the last factor holds).
     """
 
     num_devices: int
@@ -88,6 +91,14 @@ class Cluster:
     memory_bytes: tuple[int | None, ...] = ()
     overlap_comm: bool = True
     compute: tuple[str | None, ...] = ()
+    hosts: tuple[str | None, ...] = ()
+    contention: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.contention and (self.contention[0] != 1.0 or any(
+                not math.isfinite(f) or f <= 0 for f in self.contention)):
+            raise ClusterError(f"contention: slowdowns with 1, 2, ... devices computing at once, the first 1 and "
+                               f"every one a finite number > 0 (got {list(self.contention)})")
 
     def link(self, src: int, dst: int) -> Link:
         return self.links.get((src, dst), self.default_link)
@@ -95,9 +106,14 @@ class Cluster:
     def compute_peers(self, num_devices: int) -> list[tuple[int, ...]]:
         """Per device of the first `num_devices`: the devices among them on its compute resource, itself
         included (just itself when it has one of its own)."""
-        named = self.compute[:num_devices]
-        return [tuple(e for e, other in enumerate(named) if other == mine) if mine is not None else (d,)
-                for d, mine in enumerate(named)] + [(d,) for d in range(len(named), num_devices)]
+        return _peers(self.compute, num_devices)
+
+    def host_peers(self, num_devices: int) -> list[tuple[int, ...]]:
+        """Per device of the first `num_devices`: the devices among them whose compute contends with its own on
+        one host, itself included (just itself where no slowdown was measured or it has a host of its own)."""
+        if not any(f != 1.0 for f in self.contention):
+            return [(d,) for d in range(num_devices)]
+        return _peers(self.hosts, num_devices)
 
     @classmethod
     def uniform(cls, num_devices: int, comm_ms: float, overlap_comm: bool = True) -> Cluster:
@@ -122,13 +138,25 @@ class Cluster:
                    for name, memory in zip(self.device_names, self.memory_bytes or (None,) * self.num_devices)]
         for device, compute in zip(devices, self.compute):  # only clusters that name compute resources say so
             device["compute"] = compute
+        for device, host in zip(devices, self.hosts):
+            device["host"] = host
+        contention = {"contention": list(self.contention)} if self.contention else {}
         return {
             "num_devices": self.num_devices,
             "default_link": _describe_link(self.default_link),
             "links": [{"src": s, "dst": d, **_describe_link(link)} for (s, d), link in sorted(self.links.items())],
             "overlap_comm": self.overlap_comm,
             "devices": devices,
+            **contention,
         }
+
+
+def _peers(names: tuple[str | None, ...], num_devices: int) -> list[tuple[int, ...]]:
+    """Per device of the first `num_devices`: those among them with the same name, itself included (just
+    itself when its name is None or not given)."""
+    named = names[:num_devices]
+    return [tuple(e for e, other in enumerate(named) if other == mine) if mine is not None else (d,)
+            for d, mine in enumerate(named)] + [(d,) for d in range(len(named), num_devices)]
 
 
 def _describe_link(link: Link) -> dict[str, Any]:
@@ -146,16 +174,19 @@ def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster JSON file; ClusterError names the first field that is wrong.
 
     {
-      "devices": 4 | [{"name": "gpu0", "memory_gib": 80, "compute": "gpu0"}, ...],
+      "devices": 4 | [{"name": "gpu0", "memory_gib": 80, "compute": "gpu0", "host": "node0"}, ...],
       "link": {"latency_us": 10, "bandwidth_gb_per_s": 25},              # every pair, unless listed below
       "links": [{"src": 0, "dst": 1, "latency_us": 3, "bandwidth_gb_per_s": 150,
                  "shared": "nic0", "table": [[4096, 0.01], [67108864, 0.5]]}],
-      "overlap_comm": true
+      "overlap_comm": true,
+      "contention": [1.0, 1.6, 2.4]
     }
     Bandwidths are in GB/s (10^9 bytes). Every link is a first-come-first-served resource of its own
     direction unless `shared` names a resource it shares with other links (a NIC, a bus). Devices naming
     the same `compute` are ranks on one GPU: they take turns for compute and share its memory, so the
-    `memory_gib` they give (one of them may give it for all) must agree.
+    `memory_gib` they give (one of them may give it for all) must agree. Devices naming the same `host` are
+    CPU ranks on its cores: while k of them compute at once each is `contention[k - 1]` times slower than
+    alone (`pipesim calibrate` measures it; the first factor is 1).
     """
     from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -166,6 +197,7 @@ def load_cluster(path: str | Path) -> Cluster:
         name: str
         memory_gib: float | None = Field(default=None, gt=0)
         compute: str | None = Field(default=None, min_length=1)
+        host: str | None = Field(default=None, min_length=1)
 
     class LinkSpec(_Strict):
         latency_us: float = Field(default=0.0, ge=0)
@@ -193,6 +225,14 @@ def load_cluster(path: str | Path) -> Cluster:
         link: LinkSpec = LinkSpec()
         links: list[PairSpec] = []
         overlap_comm: bool = True
+        contention: list[float] = []
+
+        @field_validator("contention")
+        @classmethod
+        def _slowdowns(cls, factors: list[float]) -> list[float]:
+            if factors and (factors[0] != 1.0 or any(not math.isfinite(f) or f <= 0 for f in factors)):
+                raise ValueError("slowdowns with 1, 2, ... devices computing at once: the first 1, each one > 0")
+            return factors
 
         @model_validator(mode="before")
         @classmethod
@@ -248,9 +288,11 @@ def load_cluster(path: str | Path) -> Cluster:
     gib_of = {d.compute: d.memory_gib for d in spec.devices if d.compute and d.memory_gib}  # one GPU's memory
     memory = tuple(int(gib * GIB) if (gib := d.memory_gib or gib_of.get(d.compute)) else None for d in spec.devices)
     compute = tuple(d.compute for d in spec.devices) if any(d.compute for d in spec.devices) else ()
+    hosts = tuple(d.host for d in spec.devices) if any(d.host for d in spec.devices) else ()
     links = {(p.src, p.dst): to_link(p, p.shared or f"link {p.src}->{p.dst}") for p in spec.links}
     for src in range(n):
         for dst in range(n):
             if src != dst and (src, dst) not in links:
                 links[(src, dst)] = to_link(spec.link, f"link {src}->{dst}")
-    return Cluster(n, to_link(spec.link, None), links, names, memory, spec.overlap_comm, compute)
+    return Cluster(n, to_link(spec.link, None), links, names, memory, spec.overlap_comm, compute, hosts,
+                   tuple(spec.contention))

@@ -7,12 +7,16 @@ reserved on their link when issued, which, since SimPy advances in time order, i
 on shared links. Devices on one compute resource (ranks sharing a GPU, which the executor runs under one
 lock per compute row) reserve it the same way for each compute row: a row starts when its device is ready
 and the rows asked for before it have ended. That wait is not busy time: the trace shows it as a gap in the
-device's compute stream, idle like any other, so the bubble counts it. This module only prices the rows and
-runs them: nothing here knows a method by name.
+device's compute stream, idle like any other, so the bubble counts it. Devices on one host's cores (CPU
+ranks) share them by processor sharing: a compute row runs as soon as its device is ready, at the speed the
+number of the host's devices computing at that moment allows, so it lasts longer while others compute too.
+This module only prices the rows and runs them: nothing here knows a method by name.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -52,6 +56,8 @@ class _Program:
     steps: list[tuple[list[int], list[int], list[int]]]
     step_rows: list[np.ndarray]  # per device: its steps' rows, counted from its first row
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
+    host_unit: list[int | None]  # per device: the host whose cores its compute rows share, if any
+    contention: tuple[float, ...]  # the hosts' slowdown with 1, 2, ... devices computing at once
     busy_before_ps: np.ndarray  # per row: compute time of its device's earlier rows
     duration_ps: np.ndarray
     transfer_ps: list[int]  # per transfer id
@@ -111,6 +117,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         routes.append(() if link.resource is None else (resources.setdefault(("link", link.resource), len(resources)),))
     compute_unit = [None if len(peers) == 1 else resources.setdefault(("compute", cluster.compute[d]), len(resources))
                     for d, peers in enumerate(cluster.compute_peers(schedule.num_devices))]
+    hosts: dict[str, int] = {}
+    host_unit = [None if len(peers) == 1 or compute_unit[d] is not None
+                 else hosts.setdefault(cluster.hosts[d], len(hosts))
+                 for d, peers in enumerate(cluster.host_peers(schedule.num_devices))]
     transfer_ps = np.repeat(_picoseconds(np.asarray(channel_ms)), lowered.units).tolist()
     routes = [route for route in routes for _ in range(lowered.units)]  # one lookup per transfer when running
     rows = np.flatnonzero(~compute)
@@ -128,14 +138,16 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     for d in range(schedule.num_devices):
         lo, hi = lowered.bounds[d], lowered.bounds[d + 1]
         busy_before[lo:hi] = np.cumsum(held[lo:hi]) - held[lo:hi]
-        mine = np.arange(hi - lo) if compute_unit[d] is not None else np.flatnonzero(~compute[lo:hi])
+        shared = compute_unit[d] is not None or host_unit[d] is not None
+        mine = np.arange(hi - lo) if shared else np.flatnonzero(~compute[lo:hi])
         rows = lo + mine
         pre = np.diff(busy_before[rows], prepend=0)
         operand = np.where(compute[rows], duration[rows], lowered.transfer[rows])
         steps.append((pre.tolist(), stream[rows].tolist(), operand.tolist()))
         step_rows.append(mine)
-    return _Program(lowered, stream, steps, step_rows, compute_unit, busy_before, duration, transfer_ps, routes,
-                    len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end, static_bytes(schedule, costs))
+    return _Program(lowered, stream, steps, step_rows, compute_unit, host_unit, cluster.contention, busy_before,
+                    duration, transfer_ps, routes, len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end,
+                    static_bytes(schedule, costs))
 
 
 @dataclass
@@ -183,13 +195,60 @@ def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
     return static
 
 
+class _SharedCores:
+    """One host's cores shared by processor sharing: while k compute rows run on it, each advances at
+    1 / slowdown[k - 1] of its speed alone (the last factor beyond the measured k). Work is in picoseconds of
+    compute alone; `run` gives the event that succeeds, with its end time, when a row's work is done."""
+
+    def __init__(self, env: simpy.Environment, slowdown: tuple[float, ...]) -> None:
+        self.env, self.slowdown = env, slowdown
+        self.left: dict[simpy.Event, float] = {}  # running rows: work still to do
+        self.since = 0  # when `left` was last brought up to date
+        self.next_end: simpy.Event | None = None  # the timer for the next row to finish; older ones are stale
+
+    def run(self, work_ps: int) -> simpy.Event:
+        self._advance()
+        finished = self.env.event()
+        self.left[finished] = float(work_ps)
+        self._plan()
+        return finished
+
+    def _speed(self) -> float:
+        return 1.0 / self.slowdown[min(len(self.left), len(self.slowdown)) - 1]
+
+    def _advance(self) -> None:
+        if self.left:
+            done = (self.env.now - self.since) * self._speed()
+            for row in self.left:
+                self.left[row] -= done
+        self.since = self.env.now
+
+    def _plan(self) -> None:
+        if not self.left:
+            self.next_end = None
+            return
+        timer = self.next_end = self.env.timeout(max(0, math.ceil(min(self.left.values()) / self._speed())))
+        timer.callbacks.append(lambda _: self._finish(timer))
+
+    def _finish(self, timer: simpy.Event) -> None:
+        if timer is not self.next_end:  # a row started or ended since: a later timer stands for it
+            return
+        self._advance()
+        tolerance = self._speed()  # a picosecond's work: what rounding the timer to whole picoseconds leaves
+        for row in [row for row, work in self.left.items() if work <= tolerance]:
+            del self.left[row]
+            row.succeed(self.env.now)
+        self._plan()
+
+
 class _Model:
     """The SimPy processes; times in integer picoseconds.
 
     Each device keeps its own clock and yields to SimPy only where another device's progress matters:
     to wait for a transfer not yet sent, and, before reserving a shared link or a shared compute resource,
     to let the simulated time reach its own clock, so shared resources serve requests in the order they were
-    made (a capacity-one SimPy Resource held for the span would grant the same, at two events per row).
+    made (a capacity-one SimPy Resource held for the span would grant the same, at two events per row). A
+    compute row on shared cores waits for its end, which the rows running beside it decide.
     Everything else (compute of its own, sends on private links) advances the device's clock without an
     event, which is exact because nothing else can observe it in between.
     """
@@ -204,19 +263,26 @@ class _Model:
         self.arrival: list[int | None] = [None] * n_transfers
         self.waiting: dict[int, simpy.Event] = {}
         self.free_at = [0] * program.num_resources
+        self.cores = [_SharedCores(self.env, program.contention)
+                      for _ in range(max((u + 1 for u in program.host_unit if u is not None), default=0))]
+        # A row on shared cores lasts as long as they let it (a copy only where there are some).
+        self.duration_ps = program.duration_ps.copy() if self.cores else program.duration_ps
         self.finished = 0
 
-    def device(self, steps: tuple[list[int], list[int], list[int]], clock_after: list[int], unit: int | None):
-        """One device's steps; `clock_after` gets its clock after each: a transfer's SEND issued or RECV
-        arrived, a compute row's start (the clock after it is that plus its duration, in the next step's
-        compute ps)."""
+    def device(self, steps: tuple[list[int], list[int], list[int]], rows: np.ndarray, clock_after: list[int],
+               unit: int | None, host: int | None):
+        """One device's steps (`rows`: their global rows); `clock_after` gets its clock after each: a transfer's
+        SEND issued or RECV arrived, a compute row's start (the clock after it is that plus its duration, in the
+        next step's compute ps)."""
         env = self.env
+        cores = self.cores[host] if host is not None else None
+        duration = self.duration_ps
         arrival, waiting, free_at = self.arrival, self.waiting, self.free_at
         done = clock_after.append
         routes, transfer_ps, overlap = self.program.routes, self.program.transfer_ps, self.overlap_comm
         send, recv = int(Stream.SEND), int(Stream.RECV)  # plain ints: this loop runs once per step
         clock = 0
-        for busy_ps, stream, xid in zip(*steps):
+        for busy_ps, stream, xid, row in zip(*steps, rows.tolist() if cores else itertools.repeat(-1)):
             clock += busy_ps
             if stream == send:
                 route = routes[xid]
@@ -242,9 +308,15 @@ class _Model:
                     ready = arrival[xid]
                 if ready > clock:
                     clock = ready
-            else:  # a compute row on the shared compute resource `unit`; `xid` is its duration
+            else:  # a compute row on the shared compute resource `unit` or shared `cores`; `xid` is its duration
                 if clock > env.now:
                     yield env.timeout(clock - env.now)
+                if cores is not None:
+                    end = yield cores.run(xid)
+                    duration[row] = end - clock
+                    done(clock)
+                    clock = end - xid  # the next step's compute ps count the row's duration alone
+                    continue
                 if free_at[unit] > clock:
                     clock = free_at[unit]
                 free_at[unit] = clock + xid
@@ -253,8 +325,10 @@ class _Model:
 
     def run(self) -> None:
         program = self.program
-        for steps, clock_after, unit in zip(program.steps, self.clock_after, program.compute_unit):
-            self.env.process(self.device(steps, clock_after, unit))
+        bounds = program.lowered.bounds
+        for d, (steps, clock_after) in enumerate(zip(program.steps, self.clock_after)):
+            self.env.process(self.device(steps, bounds[d] + program.step_rows[d], clock_after,
+                                         program.compute_unit[d], program.host_unit[d]))
         self.env.run()
 
 
@@ -289,7 +363,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     is_transfer = program.stream != Stream.COMPUTE
     issued_ps = _issue_times(program, model)
     start_ps = issued_ps.copy()
-    end_ps = issued_ps + program.duration_ps
+    end_ps = issued_ps + model.duration_ps
     if len(model.arrival):
         arrival = np.fromiter(model.arrival, np.int64, len(model.arrival))
         end_ps[is_transfer] = arrival[xid[is_transfer]]  # a transfer starts its duration before it arrives
@@ -335,6 +409,7 @@ def _issue_times(program: _Program, model: _Model) -> np.ndarray:
     after its last step before the row, plus the compute time since; a compute step starts at its clock."""
     bounds = program.lowered.bounds
     out = np.empty(len(program.stream), dtype=np.int64)
+    stretch = model.duration_ps - program.duration_ps if model.duration_ps is not program.duration_ps else None
     for d, (clock_after, steps) in enumerate(zip(model.clock_after, program.step_rows)):
         lo, hi = bounds[d], bounds[d + 1]
         busy = program.busy_before_ps[lo:hi]
@@ -343,6 +418,8 @@ def _issue_times(program: _Program, model: _Model) -> np.ndarray:
         clocks[1:] = np.fromiter(clock_after, np.int64, len(clock_after))
         base = np.concatenate([[0], busy[steps]])[segment]
         out[lo:hi] = clocks[segment] + (busy - base)
+        if stretch is not None:  # a row after one stretched on shared cores (all of whose rows are steps) starts later
+            out[lo + 1:hi] += stretch[lo:hi - 1]
         queued = program.stream[lo + steps] == Stream.COMPUTE
         out[lo + steps[queued]] = clocks[1:][queued]
     return out

@@ -155,12 +155,21 @@ def test_a_torch_pipelining_run_compares_with_its_prediction(tmp_path, run_dir, 
     assert code == 2 and "ranks [0, 1]" in err
 
 
-def test_the_replay_puts_ranks_that_computed_on_one_gpu_on_one_compute_resource():
-    from pipesim.planning.replay import _with_shared_gpus
+def test_the_replay_places_ranks_where_they_computed():
+    """Ranks that computed on one GPU share one compute resource; CPU ranks share their host's cores where the
+    profile measured their contention, and only then."""
+    from dataclasses import replace
+
+    from pipesim.planning.replay import _placed
     from pipesim.sim import Cluster
 
     cluster = Cluster.uniform(2, 0.1)
-    shared = _with_shared_gpus(cluster, {"device": "cuda", "compute": ["h/cuda:0", "h/cuda:0"]})
+    shared = _placed(cluster, {"device": "cuda", "compute": ["h/cuda:0", "h/cuda:0"]})
     assert shared.compute == ("h/cuda:0", "h/cuda:0") and shared.compute_peers(2) == [(0, 1), (0, 1)]
     for own in ({"device": "cuda", "compute": ["h/cuda:0", "h/cuda:1"]}, {"device": "cpu", "compute": ["h/cpu"] * 2}):
-        assert _with_shared_gpus(cluster, own) is cluster
+        assert _placed(cluster, own) is cluster
+    contended = replace(cluster, contention=(1.0, 1.5))
+    on_cpu = {"device": "cpu", "compute": ["node-a/cpu", "node-b/cpu"]}
+    assert _placed(contended, on_cpu).hosts == ("node-a", "node-b")
+    assert _placed(contended, on_cpu).host_peers(2) == [(0,), (1,)]
+    assert _placed(contended, {"device": "cpu", "compute": ["h/cpu"] * 2}).host_peers(2) == [(0, 1), (0, 1)]
