@@ -152,8 +152,8 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     `labels` name the traces (default: their schedules); `summaries` are their `summarize` results (computed
     when not given). `views` are (name, trace indices) pairs, one button each: a view of several traces shows
     their lanes interleaved device by device, e.g. `[("1f1b: predicted vs measured", [0, 1])]`; the default is
-    one view per trace. With two views or more, a chart comparing them (time per mini-batch, bubble, peak
-    memory) heads the page. `notes` are lines shown under the title (methods that could not run, say);
+    one view per trace. With two traces or more, a chart comparing them (time per mini-batch, bubble, peak
+    memory; the selected view's traces highlighted) heads the page. `notes` are lines shown under the title (methods that could not run, say);
     `figures` are small (SVG) figures with a heading each, under the timeline (compare's error panel).
     """
     traces = list(traces)
@@ -692,13 +692,20 @@ _TIMELINE_JS = r"""
 
   // ---- the summary chart and the selector ----------------------------------------------------------------
   const summaryDiv = document.getElementById("summary"), nav = document.getElementById("views");
+  // One bar per trace (a view of several draws theirs side by side and has no summary of its own); the bars of
+  // the traces the selected view shows are highlighted, and a click selects the view of that trace alone.
   function summaryColors(selected) {
-    return DATA.views.map((_, i) => (i === selected ? "#4c78a8" : "#bccbe0"));
+    const shown = DATA.views[selected].traces;
+    return DATA.traces.map((_, k) => (shown.includes(k) ? "#4c78a8" : "#bccbe0"));
+  }
+  function viewOf(k) {
+    const alone = DATA.views.findIndex(v => v.traces.length === 1 && v.traces[0] === k);
+    return alone >= 0 ? alone : DATA.views.findIndex(v => v.traces.includes(k));
   }
   async function drawSummary() {
-    if (DATA.views.length < 2) return;
-    const names = DATA.views.map(v => v.name);
-    const summaries = DATA.views.map(v => DATA.traces[v.traces[0]].summary);
+    if (DATA.traces.length < 2) return;
+    const names = DATA.traces.map(t => t.label);
+    const summaries = DATA.traces.map(t => t.summary);
     const metrics = [["time per mini-batch (ms)", s => s.time_per_minibatch_ms, v => fmt(v, 2)],
                      ["bubble", s => s.bubble_fraction, v => fmt(100 * v, 1) + "%"],
                      ["peak memory per device (MiB)", s => s.peak_memory_mb, v => fmt(v, 0)]];
@@ -723,7 +730,7 @@ _TIMELINE_JS = r"""
     });
     layout.yaxis.fixedrange = true;
     await Plotly.newPlot(summaryDiv, data, layout, {displaylogo: false, responsive: true, displayModeBar: false});
-    summaryDiv.on("plotly_click", ev => { if (ev.points.length) select(ev.points[0].pointIndex); });
+    summaryDiv.on("plotly_click", ev => { if (ev.points.length) select(viewOf(ev.points[0].pointIndex)); });
   }
   DATA.views.forEach((v, i) => {
     const b = document.createElement("button");
@@ -748,7 +755,7 @@ _TIMELINE_JS = r"""
     if (i === current && shownView && shownView === built.get(i)) return;
     current = i;
     [...nav.children].forEach((b, j) => b.classList.toggle("on", j === i));
-    if (DATA.views.length > 1 && summaryDiv.data) {
+    if (summaryDiv.data) {
       await Plotly.restyle(summaryDiv, {"marker.color": [summaryColors(i)]}, [0, 1, 2]);
     }
     const view = DATA.views[i];
