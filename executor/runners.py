@@ -466,12 +466,14 @@ class _FileLock:
 PINGS = 16  # ping-pong rounds per rank for its clock offset; the one with the shortest round trip counts
 
 
-def _clock_offsets(group: Any, job: TorchrunEnv) -> list[int]:
+def _clock_offsets(group: Any, job: TorchrunEnv, host: str | None = None,
+                   clock_ns: Callable[[], int] = time.perf_counter_ns) -> list[int]:
     """Each rank's monotonic clock minus rank 0's, in ns (rank 0 learns them; others get zeros). On one host the
     clock is shared: all zero. Across hosts, by min-RTT ping-pong: rank 0 sends, the rank answers with its
-    clock; the offset is that reading minus the round trip's midpoint on rank 0's clock."""
+    clock; the offset is that reading minus the round trip's midpoint on rank 0's clock. `host` (default this
+    machine's name) and `clock_ns` are this rank's."""
     hosts: list[str | None] = [None] * job.world_size
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    dist.all_gather_object(hosts, host or socket.gethostname(), group=group)
     offsets = [0] * job.world_size
     if len(set(hosts)) == 1:
         return offsets
@@ -480,15 +482,15 @@ def _clock_offsets(group: Any, job: TorchrunEnv) -> list[int]:
         best = None
         for _ in range(PINGS):
             if job.rank == 0:
-                sent = time.perf_counter_ns()
+                sent = clock_ns()
                 dist.send(clock, peer, group=group)
                 dist.recv(clock, peer, group=group)
-                back = time.perf_counter_ns()
+                back = clock_ns()
                 if best is None or back - sent < best[0]:
                     best = (back - sent, int(clock) - (sent + back) // 2)
             elif job.rank == peer:
                 dist.recv(clock, 0, group=group)
-                clock.fill_(time.perf_counter_ns())
+                clock.fill_(clock_ns())
                 dist.send(clock, 0, group=group)
         if best is not None:
             offsets[peer] = best[1]

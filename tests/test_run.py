@@ -7,6 +7,8 @@ import json
 import math
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,3 +185,36 @@ def test_a_run_with_a_profile_is_predicted_again_from_it_and_compared_op_by_op(t
     code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatch-size", 8, "--profile", profile,
                            "--trace", tmp_path / "x.json")
     assert code == 2 and "measured at 4 samples per micro-batch" in err
+
+
+AHEAD_NS = 5_000_000_000  # rank 1's clock in the test below: 5 s ahead of rank 0's
+
+
+def _offsets_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from pipesim.executor.runners import TorchrunEnv, _clock_offsets
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if rank == 0:
+            offsets = _clock_offsets(dist.group.WORLD, TorchrunEnv(0, 2, 0, 1), host="here")
+            Path(out).write_text(json.dumps(offsets))
+        else:
+            _clock_offsets(dist.group.WORLD, TorchrunEnv(1, 2, 0, 1), host="elsewhere",
+                           clock_ns=lambda: time.perf_counter_ns() + AHEAD_NS)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_on_other_hosts_get_their_clock_offset_by_ping_pong(tmp_path):
+    """Two ranks that say they are on different hosts, rank 1's clock 5 s ahead: rank 0 measures that offset
+    to within its shortest round trip (loopback: well under a millisecond)."""
+    import torch.multiprocessing
+
+    out = tmp_path / "offsets.json"
+    torch.multiprocessing.start_processes(_offsets_rank, args=(free_port(), str(out)), nprocs=2,
+                                          start_method="spawn")
+    first, second = json.loads(out.read_text())
+    assert first == 0 and abs(second - AHEAD_NS) < 1_000_000
