@@ -8,6 +8,7 @@ order), build the same setup on every rank (the model from one seed, cut into th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -15,7 +16,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -135,6 +136,14 @@ def _action_text(lowered: Lowered, row: int) -> str:
                       int(t.pipeline[row]), int(t.peer[row])))
 
 
+def _test_fault(rank: int) -> tuple[int, int] | None:
+    """(rows, signal) where FAULT_ENV asks this rank to send itself a signal after that many rows, else None."""
+    fault = os.environ.get(FAULT_ENV, "")
+    rank_text, _, rest = fault.partition(":")
+    rows_text, _, signal_name = rest.partition(":")
+    return (int(rows_text), getattr(signal, f"SIG{signal_name}")) if fault and int(rank_text) == rank else None
+
+
 class _Reporter:
     """A rank's `on_row` and its heartbeat thread: each row is timed as it finishes, and the thread sends what
     is new every HEARTBEAT_S, so the parent hears of rows done just before a rank blocks or stops. In tests,
@@ -149,11 +158,7 @@ class _Reporter:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.previous_ns = time.perf_counter_ns()
-        fault = os.environ.get(FAULT_ENV, "")
-        rank_text, _, rest = fault.partition(":")
-        rows_text, _, signal_name = rest.partition(":")
-        self.fault = ((int(rows_text), getattr(signal, f"SIG{signal_name}"))
-                      if fault and int(rank_text) == rank else None)
+        self.fault = _test_fault(rank)
 
     def start(self) -> None:
         self.previous_ns = time.perf_counter_ns()
@@ -501,7 +506,9 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
                  on_progress: Callable[[Progress], None] | None = None) -> RunResult | None:
     """This rank of a torchrun job: run its device, gather every rank's result to rank 0 (gloo), and there
     return the measured trace, each rank's clock put on rank 0's (None on the other ranks). torchrun
-    supervises: a rank that fails exits, and torchrun ends the others."""
+    supervises: a rank that fails exits, and torchrun ends the others. When rank 0's device cannot finish (a
+    peer died, so its transfer failed, or torchrun stops it with SIGTERM), it raises RunFailed with an
+    incomplete trace of its own rows; the other ranks' rows died with them."""
     lowered = _lowered(spec)
     world = spec.schedule.num_devices
     if job.world_size != world:
@@ -521,9 +528,12 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
     done = [0]
     finished_after = _finished_after(lowered, job.rank)
     loop: DeviceLoop | None = None
+    fault = _test_fault(job.rank)
 
     def on_row(_: int) -> None:
         done[0] += 1
+        if fault is not None and done[0] == fault[0]:
+            os.kill(os.getpid(), fault[1])
         if on_progress is not None:
             finished = int(np.searchsorted(finished_after, done[0], side="right"))
             on_progress(Progress(finished, loop.losses.get((0, finished - 1)) if finished else None))
@@ -534,7 +544,20 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
         offsets = _clock_offsets(group, job)
         loop = DeviceLoop(spec, lowered, stages, job.rank, transport, on_row=on_row, compute_lock=compute_lock)
         dist.barrier(group)  # set-up takes each rank its own time: the timeline starts when all are ready
-        result = loop.run()
+        hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank,
+                    "launcher": "torchrun", "clock_offsets_ns": offsets}
+        try:
+            with _stopped_by_sigterm():
+                result = loop.run()
+        except Exception as exc:
+            if job.rank != 0:
+                raise
+            mine = loop.result
+            rows = [(lowered.rows(0).start + i, int(mine.start_ns[i]), int(mine.end_ns[i]))
+                    for i in range(mine.rows_done)]
+            text = mine.error or f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            raise RunFailed(text, _merge(spec, lowered, [None] * world, hardware, timed={0: rows}), None,
+                            isinstance(exc, DivergedError)) from None
         gathered: list[DeviceResult | None] | None = [None] * world if job.rank == 0 else None
         dist.gather_object(result, gathered, dst=0, group=group)
         dist.destroy_process_group(group)
@@ -543,9 +566,29 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
     for r, offset in zip(gathered, offsets):
         r.start_ns = r.start_ns - offset
         r.end_ns = r.end_ns - offset
-    hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank, "launcher": "torchrun",
-                "clock_offsets_ns": offsets}
     return _merge(spec, lowered, gathered, hardware)
+
+
+class _Stopped(Exception):
+    """torchrun ended this rank (SIGTERM: another rank failed)."""
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """While the device runs, SIGTERM (torchrun ending the job) raises _Stopped, so rank 0 keeps what it has
+    measured; outside, the default (the process ends) is back. Only the main thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(*_: Any) -> None:
+        raise _Stopped("torchrun stopped this rank (SIGTERM), as it does when another rank fails")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _finished_after(lowered: Lowered, device: int) -> np.ndarray:

@@ -185,7 +185,8 @@ class DeviceLoop:
 
     `on_row(i)` is called after each row finishes with its global index (progress, heartbeats; `losses`,
     (pipeline, mini-batch) -> loss, is readable then). `compute_lock` is held around each compute row, so
-    ranks that share one GPU take turns."""
+    ranks that share one GPU take turns. `result` is the run's DeviceResult from its start, so a caller still
+    has the rows done (`rows_done`) when `run` raises."""
 
     def __init__(self, spec: RunSpec, lowered: Lowered, stages: Stages, device: int, transport: Transport, *,
                  on_row: Callable[[int], None] | None = None,
@@ -429,9 +430,9 @@ class DeviceLoop:
         t = lowered.table
         rows = lowered.rows(self.device)
         lo, n = rows.start, len(rows)
-        result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n), _int_array(n, -1),
-                              _int_array(n, -1), _int_array(n), _int_array(n),
-                              compute=f"{socket.gethostname()}/{self.torch_device}")
+        result = self.result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n),
+                                            _int_array(n, -1), _int_array(n, -1), _int_array(n), _int_array(n),
+                                            compute=f"{socket.gethostname()}/{self.torch_device}")
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
         posted: dict[int, Handle] = {}
         next_post = 0

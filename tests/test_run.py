@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -218,3 +219,23 @@ def test_ranks_on_other_hosts_get_their_clock_offset_by_ping_pong(tmp_path):
                                           start_method="spawn")
     first, second = json.loads(out.read_text())
     assert first == 0 and abs(second - AHEAD_NS) < 1_000_000
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_dead_rank_leaves_rank_0s_rows_as_an_incomplete_trace(learnable, tmp_path):
+    """Rank 1 is killed (SIGKILL) after 6 rows: rank 0's transfer fails or torchrun stops it, and rank 0 still
+    writes the rows it ran, marked incomplete; the job fails."""
+    from pipesim.executor.runners import FAULT_ENV
+
+    trace = tmp_path / "t.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "-m", "pipesim.cli", "run", "--schedule", "1f1b", "--model", learnable,
+                           "--stages", "2", "--microbatches", "2", "--minibatches", "50", "--timeout", "20",
+                           "--trace", str(trace)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, FAULT_ENV: "1:6:KILL"})
+    assert done.returncode != 0
+    assert f"wrote {trace} (incomplete)" in done.stdout, done.stdout + done.stderr
+    measured = read_trace(trace)
+    assert not measured.meta.complete and measured.meta.failed_rank is None
+    rank_0_rows = len(lower(build("1f1b", 2, 2, 50)).rows(0))
+    assert set(measured.ops.device.tolist()) == {0} and 0 < len(measured.ops) < rank_0_rows
