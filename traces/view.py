@@ -153,8 +153,9 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     when not given). `views` are (name, trace indices) pairs, one button each: a view of several traces shows
     their lanes interleaved device by device, e.g. `[("1f1b: predicted vs measured", [0, 1])]`; the default is
     one view per trace. With two traces or more, a chart comparing them (time per mini-batch, bubble, peak
-    memory; the selected view's traces highlighted) heads the page. `notes` are lines shown under the title (methods that could not run, say);
-    `figures` are small (SVG) figures with a heading each, under the timeline (compare's error panel).
+    memory; the selected view's traces highlighted) heads the page. `notes` are lines shown under the title
+    (methods that could not run, say); `figures` are small (SVG) figures with a heading each, under the
+    timeline (compare's error panel).
     """
     traces = list(traces)
     if not traces:
