@@ -85,7 +85,8 @@ def calibrate(workload: Workload, out: Path, *, threads: int, runtime: bool, lin
     options = [f"--{key.replace('_', '-')}={value}" for key, value in workload.options.items()]
     command = [sys.executable, "-m", "pipesim.cli", "calibrate", "--model", workload.model, *options,
                "--microbatch-size", str(workload.microbatch_size), "--stages", str(workload.stages), "--device", "cpu",
-               "--threads", str(threads), "--runtime" if runtime else "--no-runtime",
+               "--threads", str(threads),
+               *(["--runtime", "--contention"] if runtime else ["--no-runtime", "--no-contention"]),
                *(["--link-max-mb", "0.25" if quick else "1"] if links else ["--no-links"]),
                *(["--repeats", "5", "--warmup", "1"] if quick else []), "--out", str(out)]
     subprocess.run(command, check=True, capture_output=True, text=True)
@@ -110,14 +111,14 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
     """The profile with its terms turned on one after another, each line adding one cause to the one before:
     the first is what pipesim predicted before these terms (every core, the layers and steps alone)."""
     def layers_only(p: Profile) -> Profile:
-        return p.model_copy(update={"runtime": None, "stages": [s.model_copy(update={"accumulate": None})
-                                                                for s in p.stages]})
+        return p.model_copy(update={"runtime": None, "contention": None,
+                                    "stages": [s.model_copy(update={"accumulate": None}) for s in p.stages]})
 
     terms = ("compute", "messages", "delivery", "gaps", "kept")
 
     def first(count: int) -> Profile:
-        return profile.model_copy(update={"runtime": _runtime(profile, **{t: i < count for i, t in
-                                                                          enumerate(terms)})})
+        return profile.model_copy(update={"contention": None, "runtime": _runtime(
+            profile, **{t: i < count for i, t in enumerate(terms)})})
 
     return [
         ("all cores, layers only (before)", layers_only(all_cores.model_copy(update={"link": profile.link}))),
@@ -127,7 +128,8 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
         ("+ host time of each send and receive", first(2)),
         ("+ delivery as a pre-posted receive sees it", first(3)),
         ("+ bookkeeping gap after each row", first(4)),
-        ("+ gradient kept through the update (memory)", profile),
+        ("+ gradient kept through the update (memory)", first(len(terms))),
+        ("+ ranks computing at once slow each other", profile),
     ]
 
 

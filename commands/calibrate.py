@@ -65,13 +65,20 @@ def calibrate(
     runtime: Annotated[bool, typer.Option(
         "--runtime/--no-runtime", help="Measure the executor's own cost per row (a few seconds of two ranks "
                                        "running a tiny model).")] = True,
+    contention: Annotated[bool, typer.Option(
+        "--contention/--no-contention", help="Measure how much ranks computing at once on this CPU host slow each "
+                                             "other: the stages' forward and backward in one process per stage "
+                                             "(two at least), each alone, then together (about 5 s for two "
+                                             "stages, 2-3 s more per further stage). Not run on cuda, whose "
+                                             "profile has none.")] = True,
 ) -> None:
     """Measure a model on this machine into a profile for `pipesim simulate --profile`.
 
     Per layer: forward, backward and its input/weight-gradient split, saved activations, output, weight,
     gradient and optimizer-state bytes. Per stage of the partition: optimizer, weight-prediction and
-    averaging steps. And the p2p link (a piecewise fit) and all-reduce between two ranks, and the executor's
-    own cost per row (compute, send, receive, the gap between rows).
+    averaging steps. And the p2p link (a piecewise fit) and all-reduce between two ranks, the executor's
+    own cost per row (compute, send, receive, the gap between rows), and on CPU how much ranks computing at
+    once slow each other.
     """
     from ..profiles.partition import PartitionError
     from ..profiles.schema import OPTIMIZERS, profile_json
@@ -90,6 +97,7 @@ def calibrate(
         if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
+        from ..calibrate.contention import ContentionError, measure_contention, progress_units
         from ..calibrate.links import LinkError
         from ..calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
         from ..calibrate.measure import calibrate as run_calibration
@@ -99,20 +107,26 @@ def calibrate(
 
         try:
             settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats, threads)
-            net = build_model(model, layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
+            options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
+            net = build_model(model, **options)
             if stages > len(net.layers):
                 raise InputError(f"--stages {stages}: {net.name} has {len(net.layers)} layers; give at most "
                                  f"{len(net.layers)} (each stage needs at least one layer)")
             sizes = default_sizes(int(link_max_mb * MIB)) if links else []
+            contention = contention and settings.device.type == "cpu"
             work = warmup + repeats + 5 * stages + (2 * (repeats + 1) if sizes else 0) + (
-                warmup + repeats + 10 + len(PROBE_SCHEDULES) if runtime else 0)
+                warmup + repeats + 10 + len(PROBE_SCHEDULES) if runtime else 0) + (
+                progress_units(stages) if contention else 0)
             with _steps(work, f"calibrating {net.name}") as advance:
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance)
                 if runtime:
                     profile = profile.model_copy(update={"runtime": measure_runtime(profile, settings, advance)})
-        except (ModelError, DeviceError, PartitionError, LinkError, RuntimeProbeError) as exc:
+                if contention:
+                    measured = measure_contention(profile, model, options, advance)
+                    profile = profile.model_copy(update={"contention": measured})
+        except (ModelError, DeviceError, PartitionError, LinkError, RuntimeProbeError, ContentionError) as exc:
             raise InputError(str(exc)) from None
         except (MemoryError, RuntimeError) as exc:  # the model or its batch does not fit in memory
             first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -218,6 +232,13 @@ def _print_profile(profile) -> None:
         gaps = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.gap_ms.items())
         stdout.print(f"runtime per row, us: compute {compute}; send {rt.send_ms.median_ms * 1e3:.0f}, receive "
                      f"{rt.recv_ms.median_ms * 1e3:.0f}; gap after {gaps}", highlight=False)
+    if profile.contention is not None:
+        meta = profile.contention.meta
+        at_once = ", ".join(f"{k} ranks computing at once {slowdown:.2f}x their time alone" if k == 2 else
+                            f"{k}: {slowdown:.2f}x" for k, slowdown in enumerate(profile.contention.slowdown[1:], 2))
+        threads = meta.get("threads_per_process")
+        stdout.print(f"contention: {at_once} ({threads} thread{'s' * (threads != 1)} per rank, "
+                     f"{meta.get('cpus_usable')} cores)", highlight=False)
     if profile.link is None:
         stdout.print("links: not measured (--no-links)", highlight=False)
         return

@@ -29,6 +29,7 @@ from .. import __version__
 from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight
 from ..schedules.ir import Action, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
+from ..workload.processes import start_processes
 from ..workload.transport import (
     InProcessTransport,
     TransportChoice,
@@ -367,7 +368,7 @@ a rank, and every HEARTBEAT_S when none comes."""
     supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s)
     started = time.monotonic()
     try:
-        _start(procs, spec.threads_per_rank)
+        start_processes(procs, spec.threads_per_rank)
         for _, writer in setups:
             writer.send(spec)
         while any(r is None for r in supervisor.results):
@@ -390,27 +391,6 @@ a rank, and every HEARTBEAT_S when none comes."""
     finally:
         _stop(procs)
     return _merge(spec, lowered, supervisor.results, hardware)
-
-
-def _start(procs: list[Any], threads_per_rank: int) -> None:
-    """Start the ranks with OMP_NUM_THREADS set for them (torch reads it as it loads; this process keeps its
-    own) and SIGINT ignored, which a spawned interpreter keeps: Ctrl-C reaches the whole terminal group, and
-    the parent alone answers it, by ending every rank. The ranks' arguments are small, so the parent ignores
-    SIGINT only for the moments each start takes (the spec follows through a pipe)."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)
-    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        for proc in procs:
-            proc.start()
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, handler)
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
 
 
 def _drain(messages: Any, supervisor: _Supervisor, within_s: float = 1.0) -> None:

@@ -203,7 +203,8 @@ def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:
 
 def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool) -> Cluster:
     """Every device pair gets the measured p2p link, a resource of its own (transfers on one link queue);
-    the devices are named, with their memory (or the calibration's cap), in the trace's metadata.
+    the devices are named, with their memory (or the calibration's cap), in the trace's metadata. Where the
+    profile measured how ranks computing at once slow each other, the devices are ranks on its host's cores.
 
     Where the profile measured the runtime, the fit is moved (every segment's latency by the same amount, never
     below zero) to pass through the delivery time the runtime probe saw at its message size: a ping-pong pays
@@ -217,5 +218,7 @@ def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool) -> 
     pairs = {(a, b): Link(resource=f"link {a}->{b}", segments=segments)
              for a in range(num_devices) for b in range(num_devices) if a != b}
     memory = env.memory_cap_bytes or env.device_memory_bytes
+    contention = measured.contention  # ranks on the calibrating host's cores, as `pipesim run` starts them
     return Cluster(num_devices, Link(segments=segments), pairs, (env.device_name,) * num_devices,
-                   (memory,) * num_devices, overlap_comm)
+                   (memory,) * num_devices, overlap_comm, hosts=(env.host,) * num_devices if contention else (),
+                   contention=tuple(contention.slowdown) if contention else ())

@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -209,6 +209,29 @@ class RuntimeProfile(_Strict):
         return self
 
 
+class ContentionProfile(_Strict):
+    """How much ranks computing at the same time on one CPU host slow each other (shared cores, caches and
+    memory bandwidth; oversubscription when ranks x threads exceed the cores). calibrate/contention.py runs
+    the calibrated stages' forward and full backward in as many processes as the run has ranks, each first
+    alone, then k at once: `slowdown[k - 1]` is the median over the k of a rank's mean iteration time with k
+    computing over its mean alone (so `slowdown[0]` is 1), `spread[k - 1]` the interquartile range of that
+    ratio over fifths of each window. The simulator shares a host's compute among the ranks computing on it:
+    each advances at 1 / slowdown[k - 1] of its own speed."""
+
+    slowdown: list[Annotated[float, Field(gt=0)]] = Field(min_length=1)
+    spread: list[Annotated[float, Field(ge=0)]]
+    meta: dict[str, Any]  # processes, threads per process, window seconds, the host's cores, the workload
+
+    @model_validator(mode="after")
+    def _alone_first(self) -> ContentionProfile:
+        if self.slowdown[0] != 1.0:
+            raise ValueError(f"slowdown[0] is one rank computing alone and must be 1.0, got {self.slowdown[0]}")
+        if len(self.spread) != len(self.slowdown):
+            raise ValueError(f"spread must have one entry per slowdown entry ({len(self.slowdown)}), got "
+                             f"{len(self.spread)}")
+        return self
+
+
 class Profile(_Strict):
     schema_version: Literal[1, 2]
     environment: Environment
@@ -219,6 +242,7 @@ class Profile(_Strict):
     link: LinkProfile | None  # None: calibrated with --no-links
     allreduce: AllReduceProfile | None
     runtime: RuntimeProfile | None = None  # None: calibrated with --no-runtime, or a version 1 profile
+    contention: ContentionProfile | None = None  # None: --no-contention, a GPU, or a profile from before it
 
     @model_validator(mode="after")
     def _consistent(self) -> Profile:

@@ -23,6 +23,7 @@ WIDTH, BATCH = 64, 4  # a 3-block MLP of width 64 on micro-batches of 4: layer s
 MLP = ["--model", "mlp", "--layers", "3", "--width", str(WIDTH), "--microbatch-size", str(BATCH), "--device", "cpu",
        "--repeats", "5", "--warmup", "1"]
 FLOAT = 4
+LAYERS_ONLY = ("--no-links", "--no-runtime", "--no-contention")  # the layers alone: the other probes take seconds
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,7 +39,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def mlp_profile(tmp_path_factory):
     path = tmp_path_factory.mktemp("mlp") / "mlp.json"
-    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--no-runtime", "--out", path).code == 0
+    assert pipesim("calibrate", *MLP, "--stages", "2", *LAYERS_ONLY, "--out", path).code == 0
     return path
 
 
@@ -146,7 +147,7 @@ def test_repeated_calibration_measures_the_same_sizes(mlp_profile, tmp_path):
     """Sizes do not depend on the machine's load: a second run must give them exactly. (Its times may differ
     by any factor on a shared machine, so they are not compared.)"""
     out = tmp_path / "again.json"
-    assert pipesim("calibrate", *MLP, "--stages", "2", "--no-links", "--no-runtime", "--out", out).code == 0
+    assert pipesim("calibrate", *MLP, "--stages", "2", *LAYERS_ONLY, "--out", out).code == 0
     first, second = load_profile(mlp_profile), load_profile(out)
     sizes = {"name", "inputs", "activation_bytes", "shared_with_previous_bytes", "output_bytes", "param_bytes",
              "grad_bytes", "optimizer_state_bytes"}
@@ -161,7 +162,7 @@ def test_calibration_runs_at_the_given_threads_and_times_the_gradient_accumulati
     assert profile.runtime is None  # --no-runtime
     assert all(stage.accumulate.median_ms > 0 and stage.accumulate.repeats == 5 for stage in profile.stages)
     out = tmp_path / "two.json"
-    assert pipesim("calibrate", *MLP, "--threads", "2", "--no-links", "--no-runtime", "--out", out).code == 0
+    assert pipesim("calibrate", *MLP, "--threads", "2", *LAYERS_ONLY, "--out", out).code == 0
     assert load_profile(out).environment.threads == 2
     assert torch.get_num_threads() == 1  # this process's count is given back
 
@@ -224,7 +225,7 @@ def test_link_segments_match_the_fit():
 def test_two_branch_profile_gives_graphpipe_its_dag(tmp_path):
     out = tmp_path / "tb.json"
     assert pipesim("calibrate", "--model", "two-branch", "--layers", "1", "--width", "8", "--microbatch-size", "2",
-                   "--stages", "4", "--device", "cpu", "--no-links", "--no-runtime", "--repeats", "3", "--out",
+                   "--stages", "4", "--device", "cpu", *LAYERS_ONLY, "--repeats", "3", "--out",
                    out).code == 0
     profile = load_profile(out)
     assert [layer.inputs for layer in profile.layers] == [[-1], [0], [0], [1, 2]]  # stem, branch a, b, merge
@@ -248,7 +249,7 @@ def test_bring_your_own_model(tmp_path, monkeypatch):
     for attribute, count in (("build", 3), ("layers", 3)):
         out = tmp_path / f"{attribute}.json"
         assert pipesim("calibrate", "--model", f"byo_calibration_model:{attribute}", "--stages", "2", "--device",
-                       "cpu", "--no-links", "--no-runtime", "--repeats", "3", "--out", out).code == 0
+                       "cpu", *LAYERS_ONLY, "--repeats", "3", "--out", out).code == 0
         assert len(load_profile(out).layers) == count
 
 
@@ -269,7 +270,7 @@ def test_a_model_whose_backward_fails_is_one_line(tmp_path, monkeypatch):
 
 def test_dtype_sets_the_bytes(tmp_path):
     out = tmp_path / "bf16.json"
-    assert pipesim("calibrate", *MLP, "--dtype", "bfloat16", "--no-links", "--no-runtime", "--out", out).code == 0
+    assert pipesim("calibrate", *MLP, "--dtype", "bfloat16", *LAYERS_ONLY, "--out", out).code == 0
     profile = load_profile(out)
     assert profile.environment.dtype == "bfloat16"
     assert profile.layers[0].param_bytes == (WIDTH * WIDTH + WIDTH) * 2

@@ -17,6 +17,7 @@ from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_overhead, profile_scenario
 from pipesim.profiles.schema import (
     COMPUTE_KINDS,
+    ContentionProfile,
     LinkProfile,
     Profile,
     RuntimeProfile,
@@ -252,19 +253,21 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
                                          "runtime": RuntimeProfile(
                                              compute_ms={k: t for k in COMPUTE_KINDS}, send_ms=t, recv_ms=t,
                                              delivery_ms=t, delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0,
-                                             meta={})})
+                                             meta={}),
+                                         "contention": ContentionProfile(slowdown=[1.0, 1.5], spread=[0, 0], meta={})})
     variants = fidelity.term_variants(profile, load_profile(PROFILE))
     schedule = build("1f1b", 4, 4, 2)
     costs = [profile_scenario(p, "sgd").costs(schedule) for _, p in variants]
     assert variants[0][1].environment.threads == 2 and variants[1][1].environment.threads == 1
-    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
-    assert [c.overhead.compute_ms[0] for c in costs] == [0, 0, 0, 0.1, 0.1, 0.1, 0.1, 0.1]
-    assert [c.overhead.send_ms for c in costs] == [0, 0, 0, 0, 0.1, 0.1, 0.1, 0.1]
+    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    assert [c.overhead.compute_ms[0] for c in costs] == [0, 0, 0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    assert [c.overhead.send_ms for c in costs] == [0, 0, 0, 0, 0.1, 0.1, 0.1, 0.1, 0.1]
     # The link's fit takes 1 ms + 1 us at the probe's 4 KiB until delivery is on, then 0.1 ms there.
     assert [profile_scenario(p, "sgd").links(schedule).link(0, 1).transfer_ms(4096) for _, p in variants] == \
-        pytest.approx([1.001] * 5 + [0.1] * 3)
-    assert [c.overhead.gap_ms[0] for c in costs] == [0, 0, 0, 0, 0, 0, 0.1, 0.1]
-    assert [c.kept_gradients for c in costs] == [0, 0, 0, 0, 0, 0, 0, 1.0]
+        pytest.approx([1.001] * 5 + [0.1] * 4)
+    assert [c.overhead.gap_ms[0] for c in costs] == [0, 0, 0, 0, 0, 0, 0.1, 0.1, 0.1]
+    assert [c.kept_gradients for c in costs] == [0, 0, 0, 0, 0, 0, 0, 1.0, 1.0]
+    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == [()] * 8 + [(1.0, 1.5)]
     assert variants[-1][1] == profile
 
 
@@ -284,7 +287,8 @@ def test_the_report_reads_what_a_measurement_kept(fidelity, tmp_path, capsys):
         "environment": load_profile(PROFILE).environment.model_copy(update={"threads": 1}),
         "link": LinkProfile(segments=[{"min_bytes": 0, "latency_ms": 0.5, "bytes_per_ms": 1e6}], points=[], meta={}),
         "runtime": RuntimeProfile(compute_ms={k: t for k in COMPUTE_KINDS}, send_ms=t, recv_ms=t, delivery_ms=t,
-                                  delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0, meta={})})
+                                  delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0, meta={}),
+        "contention": ContentionProfile(slowdown=[1.0, 1.3], spread=[0, 0], meta={})})
     (tmp_path / "mlp.json").write_text(full.model_dump_json())
     (tmp_path / "cores.json").write_text(load_profile(PROFILE).model_dump_json())
     for repeat in range(2):
@@ -296,4 +300,5 @@ def test_the_report_reads_what_a_measurement_kept(fidelity, tmp_path, capsys):
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["methods"][0]["iteration_error"] == 0 and doc["noise_floor"] == 0
     errors = [line["methods"][0]["iteration_error"] for line in doc["terms"]]
-    assert errors[-1] == 0 and all(error < 0 for error in errors[:-2])  # each term left out makes it faster
+    # Each term left out makes it faster, but the kept gradient, which only costs memory.
+    assert errors[-1] == 0 and all(error < 0 for error in errors[:-1]) and errors[-3] == errors[-2]

@@ -85,8 +85,8 @@ def test_the_table_names_step_time_loss_memory_and_the_trace(learnable, tmp_path
 def profile(tmp_path_factory):
     """A 2-stage partition of the small mlp (4 layers), calibrated here without links."""
     path = tmp_path_factory.mktemp("profile") / "mlp.json"
-    code, _, err = pipesim("calibrate", *SMALL_MLP, "--stages", 2, "--no-links", "--no-runtime", "--repeats", 1,
-                           "--warmup", 0, "--out", path)
+    code, _, err = pipesim("calibrate", *SMALL_MLP, "--stages", 2, "--no-links", "--no-runtime", "--no-contention",
+                           "--repeats", 1, "--warmup", 0, "--out", path)
     assert code == 0, err
     return path
 

@@ -1,0 +1,247 @@
+"""How much ranks computing at once on one CPU host slow each other, measured into a `ContentionProfile`.
+
+Layers are calibrated one process alone, but the ranks of a run share the host's cores, caches and memory
+bandwidth (and oversubscribe the cores when ranks x threads exceed them): ranks computing side by side can
+each take longer than alone, while a rank waiting in a receive costs its peers nothing. So
+`pipesim calibrate` spawns as many processes as the run has ranks (at least two), once; process r builds the
+calibrated model at the calibrated thread count, dtype and micro-batch size, and repeats a rank's F and B of
+stage r mod p (a forward and a full backward into the weights). The parent first lets each run alone for a
+window while the others block, then the first k run together for k = 2 .. K. Windows start and end on the
+host's monotonic clock, so every kept iteration overlaps the other k - 1 computing; each window drops its
+first WARMUP_S (waking up, cold caches) and any iteration running past its end.
+
+A rank's time is its mean iteration, not the median: with more processes than cores, an iteration shorter than
+the scheduler's time slice mostly runs undisturbed and a few absorb the whole wait (3 one-thread processes on
+2 cores: median 1.07x alone, mean 1.7x), and the mean is the rate a rank advances at, which the simulator's
+processor sharing prices. `slowdown[k - 1]` is the median over the k processes of their mean with k over their
+mean alone; `spread[k - 1]` the interquartile range of the same ratio taken over each fifth of every window
+(BLOCKS runs of consecutive iterations), pooled over the k.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..profiles.schema import ContentionProfile, Profile
+from ..workload.processes import start_processes
+from .measure import DTYPES, Advance
+
+WINDOW_S = 0.5  # the shortest window: about a hundred iterations of a default model's stage
+WARMUP_S = 0.1  # dropped at the start of every window
+BLOCKS = 5  # runs of consecutive iterations per window whose ratios give the spread
+MIN_ITERATIONS = 5  # a window holds at least this many of the slowest stage's iterations, all K slowed K-fold
+PRIMING_ITERATIONS = 3  # untimed, once per process, before any window (first allocations, lazy set-up)
+LEAD_S = 0.05  # from posting a window to its start: every process has its command by then
+START_TIMEOUT_S = 120.0  # spawning, importing torch and building the model, on a loaded machine
+ANSWER_SLACK_S = 30.0  # beyond a window's end (and one more window for an iteration running past it)
+STOP_GRACE_S = 3.0
+
+
+class ContentionError(RuntimeError):
+    """A measurement process that failed, died or stopped answering; one line naming it."""
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every process rebuilds: the model as the calibration built it, and how it was timed."""
+
+    model: str
+    options: dict[str, int]
+    dtype: str
+    microbatch_size: int
+    threads: int
+    bounds: list[int]
+
+
+def processes_for(stages: int) -> int:
+    """One process per rank of a run of `stages` stages; two at least, to have something to share with."""
+    return max(2, stages)
+
+
+def progress_units(stages: int) -> int:
+    """How often `measure_contention` calls `advance`: the start, then one per window."""
+    return 2 * processes_for(stages)
+
+
+def measure_contention(profile: Profile, model: str, options: Mapping[str, int | None],
+                       advance: Advance = lambda what: None) -> ContentionProfile:
+    """Measure `profile`'s stages slowing each other on this CPU host; `model` and `options` are what the
+    calibration built it from (`build_model`'s arguments: a user's `package.module:attr` too)."""
+    env = profile.environment
+    if env.device != "cpu":
+        raise ContentionError(f"contention is measured on CPU hosts only (the profile is for {env.device})")
+    stages = profile.partition.stages
+    count = processes_for(stages)
+    job = _Job(model, {key: value for key, value in options.items() if value is not None}, env.dtype,
+               env.microbatch_size, env.threads, list(profile.partition.bounds))
+    iteration_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
+    window_s = max(WINDOW_S, WARMUP_S + MIN_ITERATIONS * count * iteration_s)
+    context = torch.multiprocessing.get_context("spawn")
+    pipes = [context.Pipe() for _ in range(count)]
+    procs = [context.Process(target=_worker, args=(theirs, job, rank % stages), name=f"pipesim-contention-{rank}",
+                             daemon=True) for rank, (_, theirs) in enumerate(pipes)]
+    conns = [ours for ours, _ in pipes]
+
+    def window(ranks: range) -> list[list[float]]:
+        """Per rank, its kept iteration times (ms) in one window where `ranks` compute at once."""
+        start_s = time.monotonic() + LEAD_S
+        for rank in ranks:
+            conns[rank].send((start_s, start_s + window_s))
+        times = [_answer(conns[rank], procs[rank], rank, start_s + 2 * window_s + ANSWER_SLACK_S - time.monotonic())
+                 for rank in ranks]
+        for rank, ms in zip(ranks, times):
+            if not ms:
+                raise ContentionError(f"contention measurement: process {rank} finished no iteration in a "
+                                      f"{window_s:g} s window")
+        return times
+
+    try:
+        advance(f"contention: starting {count} processes")
+        start_processes(procs, env.threads)
+        for _, theirs in pipes:
+            theirs.close()  # the parent keeps only its own ends, so a process that dies reads as EOF
+        for rank in range(count):
+            _answer(conns[rank], procs[rank], rank, START_TIMEOUT_S)
+        alone = []
+        for rank in range(count):
+            advance(f"contention: process {rank} alone")
+            alone += window(range(rank, rank + 1))
+        together = []
+        for k in range(2, count + 1):
+            advance(f"contention: {k} processes at once")
+            together.append(window(range(k)))
+    finally:
+        _stop(procs, conns)
+    solo_ms = [float(np.mean(ms)) for ms in alone]
+    slowdown = [1.0] + [float(np.median([np.mean(ms) / solo for ms, solo in zip(times, solo_ms)]))
+                        for times in together]
+    blocks = [np.concatenate([_block_means(ms) / solo for ms, solo in zip(times, solo_ms)])
+              for times in [alone, *together]]
+    spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
+    meta = {"processes": count, "threads_per_process": env.threads, "window_s": window_s, "warmup_s": WARMUP_S,
+            "cpu_count": os.cpu_count(), "cpus_usable": _usable_cpus(),
+            "workload": {"model": model, "options": job.options, "bounds": job.bounds, "dtype": env.dtype,
+                         "microbatch_size": env.microbatch_size, "stages": [rank % stages for rank in range(count)],
+                         "pass": "forward and full backward"},
+            "solo_ms": [round(ms, 4) for ms in solo_ms],
+            "iterations": [[len(ms) for ms in times] for times in [alone, *together]]}
+    return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],
+                             meta=meta)
+
+
+def _block_means(ms: list[float]) -> np.ndarray:
+    """The mean iteration of each of BLOCKS runs of consecutive iterations (fewer when there are fewer)."""
+    return np.array([block.mean() for block in np.array_split(np.asarray(ms), min(BLOCKS, len(ms)))])
+
+
+def _usable_cpus() -> int | None:
+    """The cores this process may run on (a container's or taskset's share), where the OS says."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _answer(conn: Any, proc: Any, rank: int, timeout_s: float) -> Any:
+    """Process `rank`'s next answer, or ContentionError when it fails, dies or says nothing for `timeout_s`."""
+    if not conn.poll(max(timeout_s, 0.0)):
+        raise ContentionError(f"contention measurement: process {rank} gave no answer within {timeout_s:.0f} s")
+    try:
+        what, value = conn.recv()
+    except EOFError:
+        proc.join(STOP_GRACE_S)
+        raise ContentionError(f"contention measurement: process {rank} exited with code {proc.exitcode}") from None
+    if what == "error":
+        raise ContentionError(f"contention measurement: process {rank} failed: {value}")
+    return value
+
+
+def _stop(procs: list[Any], conns: list[Any]) -> None:
+    """Every started process ends: told to, then SIGTERM after a grace, then SIGKILL; all reaped."""
+    for conn in conns:
+        with suppress(OSError):
+            conn.send(None)
+    started = [proc for proc in procs if proc.pid is not None]
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in started:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in started:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(STOP_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(STOP_GRACE_S)
+    for conn in conns:
+        conn.close()
+
+
+def _worker(conn: Any, job: _Job, stage: int) -> None:
+    """One measurement process: build the stage, prime it, answer "ready", then per (start, end) window
+    received the kept iteration times, until None; a failure is sent as one line."""
+    try:
+        torch.set_num_threads(job.threads)
+        iteration = _stage_iteration(job, stage)
+        for _ in range(PRIMING_ITERATIONS):
+            iteration()
+        conn.send(("ready", None))
+        while (window := conn.recv()) is not None:
+            conn.send(("times", _run_window(iteration, *window)))
+    except EOFError:  # the parent is gone
+        return
+    except BaseException as exc:
+        with suppress(OSError):
+            conn.send(("error", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"))
+
+
+def _run_window(iteration: Callable[[], None], start_s: float, end_s: float) -> list[float]:
+    """Iterate from `start_s` until `end_s` (monotonic clock); the ms of those that began after the warm-up
+    and ended within the window."""
+    time.sleep(max(0.0, start_s - time.monotonic()))
+    kept = []
+    while (began := time.monotonic()) < end_s:
+        iteration()
+        ended = time.monotonic()
+        if began >= start_s + WARMUP_S and ended <= end_s:
+            kept.append((ended - began) * 1e3)
+    return kept
+
+
+def _stage_iteration(job: _Job, stage: int) -> Callable[[], None]:
+    """A rank's F and B of `stage`: its layers on the outputs of earlier stages (recorded once, as received
+    tensors that need a gradient), the loss on the last stage, then the full backward, its weight gradients
+    added into `.grad` and the input gradients it would send back computed."""
+    from ..workload.models import BATCH, build_model
+
+    torch.manual_seed(0)
+    model = build_model(job.model, **job.options)
+    first, stop = job.bounds[stage], job.bounds[stage + 1]
+    dtype, last = DTYPES[job.dtype], len(model.layers) - 1
+    for layer in model.layers[:stop]:
+        layer.to(dtype)
+        layer.train()
+    batch, target = model.make_batch(job.microbatch_size, torch.Generator().manual_seed(0))
+    outputs = {BATCH: batch.to(dtype) if batch.is_floating_point() else batch}
+    with torch.no_grad():
+        for i in range(first):
+            outputs[i] = model.layers[i](*(outputs[s] for s in model.inputs[i]))
+    reads = sorted({s for i in range(first, stop) for s in model.inputs[i] if s < first})
+    sends = sorted({s for i in range(stop, last + 1) for s in model.inputs[i] if first <= s < stop})
+    weights = [p for layer in model.layers[first:stop] for p in layer.parameters() if p.requires_grad]
+
+    def iteration() -> None:
+        here = {s: outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point()) for s in reads}
+        received = [here[s] for s in reads if here[s].requires_grad]
+        for i in range(first, stop):
+            here[i] = model.layers[i](*(here[s] for s in model.inputs[i]))
+        ends = [model.loss(here[last], target)] if stop == last + 1 else [here[s] for s in sends]
+        ends = [t for t in ends if t.requires_grad]
+        if ends and weights + received:  # a stage nothing differentiates has no backward
+            torch.autograd.backward(ends, [torch.ones_like(t) for t in ends], inputs=weights + received)
+
+    return iteration

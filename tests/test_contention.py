@@ -1,0 +1,109 @@
+"""Compute contention: how much ranks computing at once on one CPU host slow each other (calibrate/contention.py),
+kept in the profile. Structure only: the measured factors depend on the machine and its load."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from pipesim.planning.scenario import profile_cluster
+from pipesim.profiles.schema import ProfileError, load_profile, profile_json
+from tests.conftest import pipesim, simulate_json
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "traces" / "profiles" / "cnn-cpu.json"  # measured before contention was
+TINY = ["--model", "mlp", "--layers", "2", "--width", "16", "--microbatch-size", "2", "--stages", "2", "--device",
+        "cpu", "--repeats", "3", "--warmup", "1", "--no-links", "--no-runtime"]
+MEASURED = {"slowdown": [1.0, 1.6], "spread": [0.02, 0.1], "meta": {"processes": 2}}
+
+
+def _with_contention(tmp_path, contention) -> Path:
+    doc = json.loads(PROFILE.read_text())
+    doc["contention"] = contention
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_a_profile_from_before_contention_loads_without_it(tmp_path):
+    assert load_profile(PROFILE).contention is None
+    profile = load_profile(_with_contention(tmp_path, MEASURED))
+    assert profile.contention.slowdown == [1.0, 1.6]
+    again = tmp_path / "again.json"
+    again.write_text(profile_json(profile))
+    assert load_profile(again) == profile
+
+
+def test_a_profile_with_contention_puts_its_ranks_on_one_host_that_slows_them(tmp_path):
+    """Simulating from such a profile shares the calibrating host's cores: GPipe's ranks compute side by side
+    in the steady state, so each row that overlaps its peer's takes up to 1.6x as long and the step is longer;
+    one rank alone is not slowed at all."""
+    plain = load_profile(PROFILE)
+    shared = _with_contention(tmp_path, MEASURED)
+    cluster = profile_cluster(load_profile(shared), 2, overlap_comm=True)
+    assert (cluster.hosts, cluster.contention) == (("vm", "vm"), (1.0, 1.6))
+    assert profile_cluster(plain, 2, overlap_comm=True).contention == ()
+    args = ("-s", "gpipe", "-m", "8")
+    (alone,), (together,) = simulate_json("--profile", PROFILE, *args), simulate_json("--profile", shared, *args)
+    assert 1.05 < together["time_per_minibatch_ms"] / alone["time_per_minibatch_ms"] < 1.6
+    (one,), (one_shared,) = (simulate_json("--profile", path, *args, "--stages", "1") for path in (PROFILE, shared))
+    assert one_shared["time_per_minibatch_ms"] == one["time_per_minibatch_ms"]
+
+
+@pytest.mark.parametrize("edit,fragment", [
+    ({"slowdown": [1.2, 1.6]}, "contention: slowdown[0] is one rank computing alone and must be 1.0, got 1.2"),
+    ({"slowdown": [1.0, -1.0]}, "contention.slowdown.1: Input should be greater than 0"),
+    ({"slowdown": [1.0, 0.0]}, "contention.slowdown.1: Input should be greater than 0"),
+    ({"slowdown": [1.0, math.inf]}, "contention.slowdown.1: Input should be a finite number"),
+    ({"slowdown": []}, "contention.slowdown: List should have at least 1 item"),
+    ({"spread": [0.1]}, "contention: spread must have one entry per slowdown entry (2), got 1"),
+    ({"spread": [0.1, -0.1]}, "contention.spread.1: Input should be greater than or equal to 0"),
+    ({"meta": None}, "contention.meta: Input should be a valid dictionary"),
+])
+def test_a_bad_contention_term_names_its_field(tmp_path, edit, fragment):
+    with pytest.raises(ProfileError) as caught:
+        load_profile(_with_contention(tmp_path, {**MEASURED, **edit}))
+    assert fragment in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path):
+    out = tmp_path / "p.json"
+    code, printed, err = pipesim("calibrate", *TINY, "--out", out)
+    assert code == 0, err
+    profile = load_profile(out)
+    contention = profile.contention
+    assert len(contention.slowdown) == len(contention.spread) == 2 and contention.slowdown[0] == 1.0
+    assert all(math.isfinite(s) and s > 0 for s in contention.slowdown)
+    assert all(math.isfinite(s) and s >= 0 for s in contention.spread)
+    meta = contention.meta
+    assert (meta["processes"], meta["threads_per_process"], meta["cpu_count"]) == (2, 1, os.cpu_count())
+    assert meta["window_s"] > meta["warmup_s"] > 0
+    assert meta["workload"] == {"model": "mlp", "options": {"layers": 2, "width": 16}, "dtype": "float32",
+                                "microbatch_size": 2, "bounds": profile.partition.bounds, "stages": [0, 1],
+                                "pass": "forward and full backward"}
+    assert all(count > 0 for window in meta["iterations"] for count in window)
+    assert "contention: 2 ranks computing at once" in printed
+
+    skipped = tmp_path / "skipped.json"
+    code, printed, err = pipesim("calibrate", *TINY, "--no-contention", "--out", skipped)
+    assert code == 0, err
+    assert load_profile(skipped).contention is None and "contention" not in printed
+
+
+def test_a_measurement_process_that_fails_is_one_line_exit_2(tmp_path, monkeypatch):
+    """The user's model builds in calibrate's own process but fails in the measurement's: the failure comes
+    back from the process, names it, and nothing is written."""
+    (tmp_path / "byo_only_in_parent.py").write_text(
+        "import multiprocessing\nfrom torch import nn\n"
+        "def build():\n"
+        "    if multiprocessing.parent_process() is not None:\n"
+        "        raise RuntimeError('not in a child')\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "p.json"
+    code, _, err = pipesim("calibrate", "--model", "byo_only_in_parent:build", "--stages", "2", "--device", "cpu",
+                           "--repeats", "3", "--warmup", "1", "--no-links", "--no-runtime", "--out", out)
+    assert code == 2 and "contention measurement: process 0 failed: ModelError" in err and "not in a child" in err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err and not out.exists()
