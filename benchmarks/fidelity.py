@@ -10,7 +10,8 @@ over compute ops, median over repeats) and the peak-memory error (largest over d
 Then the terms table: the same predictions with the profile's terms turned on one after another, from a
 profile timed with every core and nothing of the runtime (what pipesim predicted before) to all of them, so each
 term's line shows the error it removed. Last, GPipe and 1F1B run by torch.distributed.pipelining on the same
-model and cut (`bench_executor.torch_run`), against pipesim's prediction without its own runtime's terms.
+model and cut (`bench_executor.torch_run`), against pipesim's prediction without its own runtime's terms (but
+with the host's contention: torch's ranks share the cores as pipesim's do).
 
 Targets (issue 12): iteration time within 2 %, median per-op duration within 5 %, peak memory within 5 %.
 
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,31 @@ def comparisons(case: Case, profile: Profile) -> list[Comparison]:
     return [compare(predicted, run) for run in case.runs]
 
 
+def with_measured_ops(run: Trace, profile: Profile) -> Trace:
+    """The run re-simulated with every compute op of a (stage, kind) at that kind's mean measured duration on
+    the stage (steady state: after the first mini-batch), contention and the per-row compute cost off (the
+    durations hold them), the links and gaps between rows the profile's: what the schedule's structure alone
+    predicts once the op times are right. Its error against the run is the part no op-time term can remove."""
+    ops, steady = run.ops, run.ops.minibatch >= min(1, int(run.ops.minibatch.max()))
+    kinds = np.array(run.kinds)[ops.kind]
+
+    def mean_ms(kind: str, stage: int, otherwise: float | None) -> float | None:
+        mine = steady & (kinds == kind) & (ops.stage == stage)
+        return float(ops.dur_us[mine].mean()) / 1e3 if mine.any() else otherwise
+
+    scenario = profile_scenario(profile, str(run.meta.extra.get("optimizer", "sgd")))
+    bounds = run.meta.extra.get("bounds")
+    schedule = scenario.build(run.meta.schedule, ScheduleParams(**run.meta.params), bounds)
+    costs = scenario.costs(schedule, bounds)
+    stages = tuple(replace(s, fwd_ms=mean_ms("F", k, 0.0), bwd_ms=mean_ms("B", k, s.bwd_ms),
+                           igrad_ms=mean_ms("I", k, s.igrad_ms), wgrad_ms=mean_ms("W", k, s.wgrad_ms),
+                           opt_ms=mean_ms("OPT", k, 0.0), pred_ms=mean_ms("PRED", k, 0.0),
+                           avg_ms=mean_ms("AVG", k, 0.0), accumulate_ms=0.0) for k, s in enumerate(costs.stages))
+    overhead = replace(costs.overhead, compute_ms=(0.0,) * len(costs.overhead.compute_ms))
+    links = replace(scenario.links(schedule), hosts=(), contention=())
+    return simulate(schedule, replace(costs, stages=stages, overhead=overhead), links)
+
+
 def torch_predicted_ms(method: str, workload: Workload, profile: Profile) -> float:
     """pipesim's iteration time for torch's runtime: the profile's layers cut evenly (as bench_executor cuts),
     without the terms that price pipesim's own executor."""
@@ -183,17 +209,22 @@ class Row:
     iteration_error: float  # predicted against the measured median
     per_op_error: float | None  # median over repeats of the median |duration error| of compute ops
     memory_error: float | None  # median over repeats of the largest |peak error| over devices
+    per_op_noise: float | None = None  # the same, between repeats of the run: the per-op noise floor
 
 
-def row(method: str, found: list[Comparison]) -> Row:
+def row(method: str, found: list[Comparison], runs: list[Trace] = ()) -> Row:
+    """One method's row; given its `runs`, with the per-op noise floor: op by op, how far repeats of the same
+    run are apart (median over pairs of repeats of the median |duration difference|)."""
     measured = np.array([c.measured_ms for c in found])
     median = float(np.median(measured))
     per_op = [c.compute_duration_median for c in found if c.compute_duration_median is not None]
     memory = [max(abs(d.peak_memory_error) for d in c.devices) for c in found
               if all(d.peak_memory_error is not None for d in c.devices)]
+    pairs = [compare(a, b).compute_duration_median for i, a in enumerate(runs) for b in runs[i + 1:]]
+    pairs = [p for p in pairs if p is not None]
     return Row(method, found[0].predicted_ms, median, float((measured.max() - measured.min()) / median),
                (found[0].predicted_ms - median) / median, float(np.median(per_op)) if per_op else None,
-               float(np.median(memory)) if memory else None)
+               float(np.median(memory)) if memory else None, float(np.median(pairs)) if pairs else None)
 
 
 def _pct(value: float | None, target: float | None = None, signed: bool = True) -> str:
@@ -209,16 +240,17 @@ def method_table(rows: list[Row], title: str) -> Table:
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD,
                   caption="spread: (max - min) / median of the repeats' measured iteration times (noise floor); "
                           "error: (predicted - measured median) / measured median; per-op: median |duration "
-                          "error| of compute ops; memory: largest |peak error| over devices. Green: within target "
+                          "error| of compute ops (per-op noise: the same between repeats); memory: largest |peak "
+                          "error| over devices. Green: within target "
                           f"({TARGETS['iteration']:.0%}, {TARGETS['per_op']:.0%}, {TARGETS['memory']:.0%}).",
                   caption_justify="left")
     for header in ("method", "predicted ms", "measured ms", "spread", "iteration error", "per-op error",
-                   "peak-memory error"):
+                   "per-op noise", "peak-memory error"):
         table.add_column(header, justify="left" if header == "method" else "right", no_wrap=True)
     for r in rows:
         table.add_row(r.method, f"{r.predicted_ms:,.2f}", f"{r.measured_ms:,.2f}", _pct(r.spread, signed=False),
                       _pct(r.iteration_error, TARGETS["iteration"]), _pct(r.per_op_error, TARGETS["per_op"], False),
-                      _pct(r.memory_error, TARGETS["memory"], False))
+                      _pct(r.per_op_noise, signed=False), _pct(r.memory_error, TARGETS["memory"], False))
     return table
 
 
@@ -289,35 +321,48 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
         case.runs.append(read_trace(path))
     cases = [cases[m] for m in METHODS if m in cases]
     repeats = min(len(c.runs) for c in cases)
-    rows = [row(c.method, comparisons(c, profiles[c.workload.model])) for c in cases]
+    rows = [row(c.method, comparisons(c, profiles[c.workload.model]), c.runs) for c in cases]
     header = (f"{chain.model} {chain.options}, b={chain.microbatch_size}, p={chain.stages}, m={chain.microbatches}, "
               f"{chain.steps} timed mini-batches after {chain.warmup}; gloo CPU, 1 thread/rank; {repeats} "
               f"repeats (graphpipe: {dag.model} {dag.options}, p={dag.stages}); {all_cores.environment.device_name}")
     console.print(method_table(rows, f"fidelity: predicted (profile only) vs measured (pipesim's executor)\n{header}"))
     noise = float(np.median([r.spread for r in rows]))
+    op_noise = [r.per_op_noise for r in rows if r.per_op_noise is not None]
+    op_noise = float(np.median(op_noise)) if op_noise else None
     console.print(f"noise floor: the same run repeated varies by {noise:.1%} (median over methods of (max - min) / "
-                  "median of its repeats); iteration errors below it are not resolved", highlight=False)
+                  f"median of its repeats), and op by op by {_pct(op_noise, signed=False)} (median per-op noise); "
+                  "errors below them are not resolved", highlight=False)
 
     chain_cases = [c for c in cases if c.workload == chain]
     variants = term_variants(profiles[chain.model], all_cores)
     lines = [(label, [row(c.method, comparisons(c, variant)) for c in chain_cases]) for label, variant in variants]
-    console.print(terms_table(lines, "1f1b" if "1f1b" in {c.method for c in chain_cases} else chain_cases[0].method))
+    focus = "1f1b" if "1f1b" in {c.method for c in chain_cases} else chain_cases[0].method
+    console.print(terms_table(lines, focus))
+    structure = {c.method: float(np.median([compare(with_measured_ops(run, profiles[chain.model]), run)
+                                            .iteration_time_error for run in c.runs])) for c in chain_cases}
+    console.print(f"with every compute op at its measured mean (the schedule, links and row gaps alone): median "
+                  f"|iteration error| {float(np.median(np.abs(list(structure.values())))):.1%}, {focus} "
+                  f"{structure[focus]:+.1%}; the rest of each method's error is in the op times", highlight=False)
 
     torch_rows = []
+    # torch's ranks are processes on the same cores: the host's terms apply, pipesim's runtime's do not.
+    torch_terms = variants[2][1].model_copy(update={"contention": profiles[chain.model].contention})
     measured_torch = json.loads((folder / "torch.json").read_text()) if (folder / "torch.json").exists() else {}
     for method, samples in measured_torch.items():
         measured = float(np.median(samples))
-        predicted = torch_predicted_ms(method, chain, variants[2][1])
+        predicted = torch_predicted_ms(method, chain, torch_terms)
         torch_rows.append(Row(f"{method} (torch)", predicted, measured,
                               float((max(samples) - min(samples)) / measured), (predicted - measured) / measured,
                               None, None))
     if torch_rows:
         console.print(method_table(torch_rows, "torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B), same "
-                                               "model and even cut: predicted from the profile's layers, threads "
-                                               "and gradient accumulation (pipesim's runtime terms left out)"))
+                                               "model and even cut: predicted from the profile's layers, threads, "
+                                               "gradient accumulation and contention (pipesim's runtime terms left "
+                                               "out)"))
     if out:
         out.write_text(json.dumps({
-            "workload": header, "noise_floor": noise, "methods": [vars(r) for r in rows],
+            "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
+            "methods": [vars(r) for r in rows], "structure_only": structure,
             "terms": [{"prediction_from": label, "methods": [vars(r) for r in found]} for label, found in lines],
             "torch": [vars(r) for r in torch_rows]}, indent=1) + "\n")
 

@@ -306,18 +306,24 @@ StageSteps = tuple[dict[str, StepTimes], Timing, Timing | None]  # a stage's (op
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
                      steps: list[StageSteps]) -> list[StageProfile]:
     """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
-    averaging, gradient accumulation). `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
+    averaging, gradient accumulation). `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`.
+
+    A stage fed by the batch alone (the first of a chain) has no input gradient to send: its split backward's
+    input half is empty, and the weight half does the whole backward, since its first layers' weight gradients
+    need the input gradients of the layers after them. So its igrad is 0 and its wgrad its full backward."""
     costs = layer_costs(layers, optimizer)
     p = len(bounds) - 1
     out = []
     for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         mine = layers[start:stop]
+        bwd_ms = math.fsum(layer.bwd.median_ms for layer in mine)
+        sends_input_grad = any(0 <= source < start for layer in mine for source in layer.inputs)
         out.append(StageProfile(
             layers=(start, stop),
             fwd_ms=math.fsum(layer.fwd.median_ms for layer in mine),
-            bwd_ms=math.fsum(layer.bwd.median_ms for layer in mine),
-            igrad_ms=math.fsum(layer.igrad.median_ms for layer in mine),
-            wgrad_ms=math.fsum(layer.wgrad.median_ms for layer in mine),
+            bwd_ms=bwd_ms,
+            igrad_ms=math.fsum(layer.igrad.median_ms for layer in mine) if sends_input_grad else 0.0,
+            wgrad_ms=math.fsum(layer.wgrad.median_ms for layer in mine) if sends_input_grad else bwd_ms,
             activation_bytes=stage_activation_bytes(costs, start, stop),
             output_bytes=output_bytes[k],
             param_bytes=sum(layer.param_bytes for layer in mine),

@@ -74,7 +74,9 @@ def test_calibrate_end_to_end_with_links(tmp_path):
     stage = profile.stages[0]
     start, stop = stage.layers
     assert stage.fwd_ms == pytest.approx(sum(layer.fwd.median_ms for layer in profile.layers[start:stop]))
-    assert 0 < stage.wgrad_fraction < 1
+    # The first stage sends no input gradient: its split backward is all weight half.
+    assert (stage.igrad_ms, stage.wgrad_ms, stage.wgrad_fraction) == (0.0, stage.bwd_ms, 1.0)
+    assert 0 < profile.stages[1].wgrad_fraction < 1
     assert all(stage.steps[name].step.median_ms > 0 for name in ("sgd", "momentum", "adam", "adamw"))
 
     # The executor's own costs, from two ranks running the probe model: every compute kind, a send, a receive;

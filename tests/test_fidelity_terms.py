@@ -23,9 +23,10 @@ from pipesim.profiles.schema import (
     RuntimeProfile,
     Timing,
     load_profile,
+    stages_for,
     threads_mismatch,
 )
-from pipesim.schedules import KINDS, METHODS, NUM_COMPUTE_KINDS
+from pipesim.schedules import KINDS, METHODS, NUM_COMPUTE_KINDS, Kind
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.costs import RowOverhead
 from pipesim.traces import summarize
@@ -222,6 +223,21 @@ def test_a_run_is_predicted_only_from_a_profile_timed_with_its_thread_count():
     assert predict_measured(one_thread.meta, profile).meta.schedule == "1f1b"
 
 
+def test_a_stage_fed_by_the_batch_alone_has_an_empty_input_half():
+    # The executor's I on the first stage has no input to differentiate, and its W walks the whole backward
+    # (the first layers' weight gradients need the later layers' input gradients): priced as such.
+    profile = load_profile(PROFILE)
+    for bounds in (profile.partition.bounds, [0, 2, 4, len(profile.layers)]):
+        first, *rest = stages_for(profile, bounds)
+        assert (first.igrad_ms, first.wgrad_ms) == (0.0, first.bwd_ms)
+        for stage in rest:
+            start, stop = stage.layers
+            assert stage.igrad_ms == pytest.approx(sum(layer.igrad.median_ms for layer in profile.layers[start:stop]))
+            assert stage.igrad_ms > 0
+    costs = profile_scenario(profile, "sgd").costs(build("zb-h1", 2, 4))
+    assert costs.op_ms_table(1)[0][KINDS.index(Kind.I)] == 0.0
+
+
 def test_a_version_1_profile_prices_no_runtime_terms():
     profile = load_profile(PROFILE)
     assert profile.schema_version == 1 and profile.runtime is None
@@ -274,9 +290,27 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
 def test_a_report_row_of_identical_runs_has_no_error_and_no_spread(fidelity):
     run, _ = recorded_run(threads_per_rank=2)
     found = [compare(predict_measured(run.meta), run)] * 3
-    row = fidelity.row("1f1b", found)
-    assert (row.iteration_error, row.spread, row.per_op_error, row.memory_error) == (0, 0, 0, 0)
+    row = fidelity.row("1f1b", found, [run] * 3)
+    assert (row.iteration_error, row.spread, row.per_op_error, row.memory_error, row.per_op_noise) == (0, 0, 0, 0, 0)
     assert row.measured_ms == row.predicted_ms
+    slower = replace(run, ops=replace(run.ops, dur_us=run.ops.dur_us * 1.1))
+    assert fidelity.row("1f1b", found, [run, slower]).per_op_noise == pytest.approx(1 - 1 / 1.1)  # |a - b| / b
+
+
+def test_measured_op_times_leave_the_structure_alone(fidelity):
+    # A run that is its own prediction (no contention, so every op of a kind on a stage takes the same time; the
+    # accumulation off, so every B does): given its own op times, the simulator gives it back.
+    profile = load_profile(PROFILE)
+    profile = profile.model_copy(update={"stages": [s.model_copy(update={"accumulate": None}) for s in profile.stages]})
+    run, _ = recorded_run(threads_per_rank=2, profile=profile)
+    again = fidelity.with_measured_ops(run, profile)
+    assert compare(again, run).iteration_time_error == pytest.approx(0, abs=1e-9)
+    # Twice as slow ops: the structure's prediction follows them.
+    slower = replace(run, ops=replace(run.ops, dur_us=np.where(np.isin(run.ops.kind, [run.kind_code(k) for k in
+                                                                                      ("F", "B", "OPT")]),
+                                                               run.ops.dur_us * 2, run.ops.dur_us)))
+    assert summarize(fidelity.with_measured_ops(slower, profile)).time_per_minibatch_ms > \
+        1.5 * summarize(again).time_per_minibatch_ms
 
 
 def test_the_report_reads_what_a_measurement_kept(fidelity, tmp_path, capsys):
