@@ -32,7 +32,7 @@ import torch
 
 from ..profiles.schema import ContentionProfile, Profile
 from ..workload.processes import start_processes
-from .measure import DTYPES, Advance
+from .measure import DTYPES, Advance, Settings, measure_bytes, stage_pass
 
 WINDOW_S = 0.5  # the shortest window: about a hundred iterations of a default model's stage
 WARMUP_S = 0.1  # dropped at the start of every window
@@ -213,35 +213,15 @@ def _run_window(iteration: Callable[[], None], start_s: float, end_s: float) -> 
 
 
 def _stage_iteration(job: _Job, stage: int) -> Callable[[], None]:
-    """A rank's F and B of `stage`: its layers on the outputs of earlier stages (recorded once, as received
-    tensors that need a gradient), the loss on the last stage, then the full backward, its weight gradients
-    added into `.grad` and the input gradients it would send back computed."""
-    from ..workload.models import BATCH, build_model
+    """A rank's F and B of `stage` (`measure.stage_pass`) on the calibrated model, rebuilt here."""
+    from ..workload.models import build_model
 
     torch.manual_seed(0)
     model = build_model(job.model, **job.options)
+    settings = Settings(torch.device("cpu"), DTYPES[job.dtype], job.microbatch_size, warmup=0, repeats=1,
+                        threads=job.threads)
+    recording, _ = measure_bytes(model, settings)
     first, stop = job.bounds[stage], job.bounds[stage + 1]
-    dtype, last = DTYPES[job.dtype], len(model.layers) - 1
-    for layer in model.layers[:stop]:
-        layer.to(dtype)
-        layer.train()
-    batch, target = model.make_batch(job.microbatch_size, torch.Generator().manual_seed(0))
-    outputs = {BATCH: batch.to(dtype) if batch.is_floating_point() else batch}
-    with torch.no_grad():
-        for i in range(first):
-            outputs[i] = model.layers[i](*(outputs[s] for s in model.inputs[i]))
-    reads = sorted({s for i in range(first, stop) for s in model.inputs[i] if s < first})
-    sends = sorted({s for i in range(stop, last + 1) for s in model.inputs[i] if first <= s < stop})
     weights = [p for layer in model.layers[first:stop] for p in layer.parameters() if p.requires_grad]
-
-    def iteration() -> None:
-        here = {s: outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point()) for s in reads}
-        received = [here[s] for s in reads if here[s].requires_grad]
-        for i in range(first, stop):
-            here[i] = model.layers[i](*(here[s] for s in model.inputs[i]))
-        ends = [model.loss(here[last], target)] if stop == last + 1 else [here[s] for s in sends]
-        ends = [t for t in ends if t.requires_grad]
-        if ends and weights + received:  # a stage nothing differentiates has no backward
-            torch.autograd.backward(ends, [torch.ones_like(t) for t in ends], inputs=weights + received)
-
-    return iteration
+    run = stage_pass(model, recording, first, stop, weights)
+    return lambda: run(None)

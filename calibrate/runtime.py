@@ -94,10 +94,12 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
                 if steady[row]:
                     gaps[names[row]].append(gap)
             # After an update at a flush a device holds its stage's weights and whatever gradient the update left.
-            memory = trace.counters["memory_bytes"][d].values  # [q + 1]: after the device's row q
-            for q in np.flatnonzero((names[rows] == "OPT") & steady[rows]):
-                stage = probe.stages[int(ops.stage[rows[q]])]
-                kept.append((memory[q + 1] - stage.param_bytes) / stage.grad_bytes)
+            memory = trace.counters["memory_bytes"][d]
+            for row in rows[(names[rows] == "OPT") & steady[rows]]:
+                stage = probe.stages[int(ops.stage[row])]
+                # its last sample (a row that frees weights has two at its end: its peak, then after)
+                after = memory.values[np.searchsorted(memory.times_us, end_us[row] + 0.5, side="right") - 1]
+                kept.append((after - stage.param_bytes) / stage.grad_bytes)
     recv = _timing(arrived, "receive whose message had arrived")
     return RuntimeProfile(
         compute_ms={kind: _timing(compute[kind], f"{kind} rows") for kind in COMPUTE_KINDS},

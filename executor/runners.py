@@ -582,6 +582,19 @@ def _finished_after(lowered: Lowered, device: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- the trace
 
 
+def _memory_counter(result: DeviceResult | None, t0_ns: int) -> Counter:
+    """A device's memory over time: before its first row as after it, then at each row's end its peak (before
+    it freed the weights it read last, where it did) and what it holds after."""
+    if result is None or not len(result.memory_bytes):
+        return Counter(np.zeros(1), np.zeros(1))
+    end_us = (result.end_ns - t0_ns) / 1e3
+    peaked = result.peak_bytes > result.memory_bytes
+    times_us = np.concatenate([[0.0], np.repeat(end_us, np.where(peaked, 2, 1))])
+    values = np.concatenate([[result.memory_bytes[0]], np.stack([result.peak_bytes, result.memory_bytes], axis=1)
+                             [np.stack([peaked, np.ones_like(peaked)], axis=1)]])
+    return Counter(times_us, values)
+
+
 def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,
            timed: dict[int, list[tuple[int, int, int]]] | None = None, failed_rank: int | None = None) -> RunResult:
     """One measured trace from every device's rows (ranks on one host share the monotonic clock). A run that
@@ -621,8 +634,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         times_us = np.concatenate([[0.0], (r.end_ns - t0) / 1e3]) if r is not None else np.zeros(1)
         counters["weight_versions"].append(Counter(times_us, np.concatenate([[base], r.held]) if r is not None
                                                    else np.array([base])))
-        counters["memory_bytes"].append(Counter(times_us, np.concatenate([[r.memory_bytes[0]], r.memory_bytes])
-                                                if r is not None and len(r.memory_bytes) else np.zeros(len(times_us))))
+        counters["memory_bytes"].append(_memory_counter(r, t0))
     losses_by = {key: value for r in results if r is not None for key, value in r.losses.items()}
     losses = [[losses_by.get((p, b), float("nan")) for b in range(schedule.minibatches)]
               for p in range(schedule.pipelines)]

@@ -25,9 +25,10 @@ together by elastic averaging, with the schedule's coefficient alpha.
 Measured per row: the version and prediction distance the op used (from the weights it ran on), and memory:
 on CUDA the allocator's count; on CPU the bytes of the tensors autograd saved for backward (each storage once,
 until its graph is freed), weights (every version, their gradients, prediction buffers, optimizer state,
-reference models; a forward's weights until its backward) and activations or gradients waiting for their
-consumer or their send. A sent tensor is the transport's from its SEND on (the in-process one copies it; the
-others hold it in the transfer).
+reference models) and activations or gradients waiting for their consumer or their send. A sent tensor is
+the transport's from its SEND on (the in-process one copies it; the others hold it in the transfer). A row's
+peak is that at its end before it frees the version or prediction it was the last to read (the memory of
+weights nothing reads again is freed even while a forward's graph holds them as leaves: see weights.py).
 """
 
 from __future__ import annotations
@@ -161,8 +162,9 @@ class DeviceResult:
     """What a device reports, per row (its rows in order): start and end on the monotonic clock (ns); the
     weight copies its fullest stage replica held after the row (versions, prediction buffers, reference); the
     weight version and prediction distance the row's op used (-1: none); memory after the row (bytes: all,
-    and saved activations alone). Also the loss per (pipeline, mini-batch) when it holds a last stage, and
-    every stage replica's final weights (numpy, in the stage module's parameter order), and where it computed
+    and saved activations alone) and its peak (at its end, before it let go of what it used last). Also the
+    loss per (pipeline, mini-batch) when it holds a last stage, every stage replica's final weights (numpy,
+    in the stage module's parameter order), and where it computed
     (`host/device`: ranks that name the same one shared a GPU)."""
 
     device: int
@@ -172,6 +174,7 @@ class DeviceResult:
     version: np.ndarray
     prediction: np.ndarray
     memory_bytes: np.ndarray
+    peak_bytes: np.ndarray
     activation_bytes: np.ndarray
     losses: dict[tuple[int, int], float] = field(default_factory=dict)
     weights: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
@@ -212,6 +215,7 @@ class DeviceLoop:
         self.sends: list[Handle] = []
         self.losses: dict[tuple[int, int], float] = {}
         self.ledger = _Ledger()
+        self.taken: dict[int, int] = {}  # storages of the tensors the current row took: they may die with it
         self._passes = {Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward_input,
                         Kind.W: self.backward_weight}
         self._plan_buffers()
@@ -341,7 +345,9 @@ class DeviceLoop:
         """Pop a tensor another op left (received, or handed over on this device); `missing` says which."""
         if key not in store:
             raise ExecutorError(f"device {self.device}: {missing} (received or local)")
-        return store.pop(key)
+        tensor = store.pop(key)
+        self.taken.update([_storage(tensor)])
+        return tensor
 
     def _hand_back(self, unit: Unit, dxs: list[torch.Tensor | None]) -> None:
         stage, j, b, r = unit
@@ -415,13 +421,20 @@ class DeviceLoop:
         tensors += [t for reference in self.references.values() for t in reference]
         return _bytes_by_storage(tensors)
 
-    def _memory(self, weight_storage: dict[int, int]) -> int:
+    def _memory(self, weight_storage: dict[int, int], freed: int) -> tuple[int, int]:
+        """Bytes held after the current row, and at its end before it let go of `freed` bytes of weights and
+        of the tensors it took (received or handed over) that nothing holds any more: its peak."""
         if self.on_cuda:
-            return int(torch.cuda.memory_allocated(self.torch_device))
+            return (int(torch.cuda.memory_allocated(self.torch_device)),
+                    int(torch.cuda.max_memory_allocated(self.torch_device)))
         waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values()])
-        # a forward's weights stay alive in its graph until its backward, even a freed prediction buffer
+        # a forward's weights stay alive in its graph until its backward (freed ones have no storage left)
         leaves = _bytes_by_storage(t for saved in self.saved.values() for t in saved.weights.tensors)
-        return sum({**weight_storage, **leaves, **self.ledger.by_storage(), **waiting}.values())
+        inputs = _bytes_by_storage(t for saved in self.saved.values() for t in saved.inputs)
+        held = {**weight_storage, **leaves, **inputs, **self.ledger.by_storage(), **waiting}
+        dropped = sum(nbytes for ptr, nbytes in self.taken.items() if ptr not in held)
+        total = sum(held.values())
+        return total, total + freed + dropped
 
     # -------------------------------------------------------------------------------------------- loop
 
@@ -431,7 +444,7 @@ class DeviceLoop:
         rows = lowered.rows(self.device)
         lo, n = rows.start, len(rows)
         result = self.result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n),
-                                            _int_array(n, -1), _int_array(n, -1), _int_array(n), _int_array(n),
+                                            _int_array(n, -1), _int_array(n, -1), *(_int_array(n) for _ in range(3)),
                                             compute=f"{socket.gethostname()}/{self.torch_device}")
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
         posted: dict[int, Handle] = {}
@@ -440,6 +453,8 @@ class DeviceLoop:
         level = self._held()
         weight_storage = {} if self.on_cuda else self._weight_storage()
         gpu_clock = _GpuClock(self.torch_device) if self.on_cuda else None
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.torch_device)  # each row's peak is its own
         done = 0
         try:
             for i in rows:
@@ -449,6 +464,7 @@ class DeviceLoop:
                 kind = KINDS[t.kind[i]]
                 stage, j, b, r = int(t.stage[i]), int(t.microbatch[i]), int(t.minibatch[i]), int(t.pipeline[i])
                 peer = int(t.peer[i])
+                freed = 0  # bytes of weights the row let go of at its end
                 result.start_ns[i - lo] = time.perf_counter_ns()
                 if kind is Kind.SEND_F or kind is Kind.SEND_B:
                     tensor = (self.acts.pop((stage, peer, j, b, r)) if kind is Kind.SEND_F
@@ -469,9 +485,9 @@ class DeviceLoop:
                         result.version[i - lo], result.prediction[i - lo] = used
                         version = int(lowered.version[i])
                         if int(lowered.copies_delta[i]) < 0 and version >= 0:
-                            self.weights[(stage, r)].release(version)
+                            freed = self.weights[(stage, r)].release(version)
                         for k, q, key in self.frees.get(i, ()):
-                            self.weights[(k, q)].free_predicted(key)
+                            freed += self.weights[(k, q)].free_predicted(key)
                 result.end_ns[i - lo] = time.perf_counter_ns()
                 if kind not in _TRANSFERS:
                     level = self._held()
@@ -480,7 +496,10 @@ class DeviceLoop:
                     if touched and not self.on_cuda:
                         weight_storage = self._weight_storage()
                 result.held[i - lo] = level
-                result.memory_bytes[i - lo] = self._memory(weight_storage)
+                result.memory_bytes[i - lo], result.peak_bytes[i - lo] = self._memory(weight_storage, freed)
+                self.taken.clear()
+                if self.on_cuda:
+                    torch.cuda.reset_peak_memory_stats(self.torch_device)
                 result.activation_bytes[i - lo] = self.ledger.total
                 done += 1
                 if self.on_row is not None:

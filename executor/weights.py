@@ -38,6 +38,19 @@ class Weights:
     distance: int = -1
 
 
+def _give_back(tensors: Iterable[torch.Tensor]) -> int:
+    """Free the memory of weights no row reads again, though a forward's graph may still hold them as its
+    leaves until its backward (which unpacks the weights its own row names): as the original codes swapped
+    `param.data`, a superseded version or a used prediction costs nothing after its last read. The leaves keep
+    their shape, all a weight gradient needs. Returns the bytes freed."""
+    freed = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        freed += storage.nbytes()
+        storage.resize_(0)  # a second view of the same storage finds it empty
+    return freed
+
+
 class StageWeights:
     """The versions of one stage's weights in one pipeline replica, its prediction buffers and its optimizer."""
 
@@ -85,8 +98,10 @@ class StageWeights:
                                 "was computed (a PRED row must come first)")
         return self.predicted[key]
 
-    def free_predicted(self, key: BufferKey) -> None:
-        self.predicted.pop(key, None)
+    def free_predicted(self, key: BufferKey) -> int:
+        """Drop buffer `key` after its last reader; the bytes given back."""
+        buffer = self.predicted.pop(key, None)
+        return 0 if buffer is None else _give_back(buffer.tensors)
 
     @torch.no_grad()
     def step(self, keep_old: bool) -> None:
@@ -111,10 +126,11 @@ class StageWeights:
         self.version += 1
         self.versions[self.version] = new
 
-    def release(self, version: int) -> None:
-        """Drop `version` after its last read (never the newest: the optimizer owns it)."""
-        if version != self.version:
-            self.versions.pop(version, None)
+    def release(self, version: int) -> int:
+        """Drop `version` after its last read (never the newest: the optimizer owns it); the bytes given back."""
+        if version == self.version or version not in self.versions:
+            return 0
+        return _give_back(self.versions.pop(version))
 
     def held(self) -> int:
         """Weight copies held: versions and prediction buffers."""
