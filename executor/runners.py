@@ -647,7 +647,9 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
         tool=f"pipesim {__version__}", hardware=hardware, seed=spec.seed, complete=complete, failed_rank=failed_rank,
         extra={"losses": losses, "optimizer": spec.optimizer, "lr": spec.lr, "dtype": spec.dtype,
-               "bounds": None if spec.bounds is None else list(spec.bounds), "model_options": dict(spec.model_options),
+               "bounds": next((r.bounds for r in results if r is not None), None if spec.bounds is None
+                              else list(spec.bounds)),
+               "model_options": dict(spec.model_options),
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
     weights = {key: [torch.from_numpy(w) for w in ws] for r in results if r is not None
                for key, ws in r.weights.items()}

@@ -181,6 +181,7 @@ class DeviceResult:
     rows_done: int = 0
     error: str | None = None
     compute: str = ""
+    bounds: list[int] = field(default_factory=list)  # the stage bounds the model was cut at
 
 
 class DeviceLoop:
@@ -445,7 +446,8 @@ class DeviceLoop:
         lo, n = rows.start, len(rows)
         result = self.result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n),
                                             _int_array(n, -1), _int_array(n, -1), *(_int_array(n) for _ in range(3)),
-                                            compute=f"{socket.gethostname()}/{self.torch_device}")
+                                            compute=f"{socket.gethostname()}/{self.torch_device}",
+                                            bounds=list(self.stages.bounds))
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
         posted: dict[int, Handle] = {}
         next_post = 0

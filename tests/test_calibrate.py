@@ -364,3 +364,34 @@ def test_calibrate_on_cuda(tmp_path):
     assert profile.environment.device == "cuda" and profile.environment.cuda_version
     assert all(layer.fwd.median_ms > 0 for layer in profile.layers)
     assert not math.isnan(profile.link.segments[0].latency_ms)
+
+
+@pytest.mark.parametrize("model_name, options, bounds", [("mlp", {"layers": 3, "width": 8}, (1, 3)),
+                                                         ("mlp", {"layers": 3, "width": 8}, (3, 4)),
+                                                         ("two-branch", {"layers": 1, "width": 4}, (1, 3))])
+def test_the_pass_before_a_timed_step_is_the_stages_forward_and_backward_on_the_given_weights(model_name, options,
+                                                                                              bounds):
+    """Steps are timed after `stage_pass`: it must run the stage's own F and B, on the tensors it is given in
+    place of the layers' parameters, so what it leaves in cache is what the step reads."""
+    from pipesim.calibrate.measure import Settings, measure_bytes, stage_pass
+    from pipesim.workload.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_name, **options)
+    recording, _ = measure_bytes(model, Settings(torch.device("cpu"), torch.float64, 3, warmup=0, repeats=1))
+    first, stop = bounds
+    own = [p for layer in model.layers[first:stop] for p in layer.parameters() if p.requires_grad]
+    copies = [p.detach().clone().requires_grad_(True) for p in own]
+    stage_pass(model, recording, first, stop, copies)(None)
+    # the same pass by hand: each layer on the recorded inputs from outside the stage, chained inside it
+    here, last = {}, len(model.layers) - 1
+    for i in range(first, stop):
+        args = [here[s] if s in here else a.detach().requires_grad_(s >= 0)
+                for a, s in zip(recording.inputs[i], model.inputs[i])]
+        here[i] = model.layers[i](*args)
+    ends = [model.loss(here[last], recording.target)] if stop == last + 1 else \
+        [here[s] for s in sorted({s for i in range(stop, last + 1) for s in model.inputs[i] if first <= s < stop})]
+    torch.autograd.backward(ends, [torch.ones_like(t) for t in ends], inputs=own)
+    for copy, param in zip(copies, own):
+        torch.testing.assert_close(copy.grad, param.grad)
+    assert all(param.grad is not None for param in own)

@@ -273,3 +273,9 @@ def test_stashed_and_predicted_weights_cost_what_the_simulator_counts(weighty_pr
     predicted = predict_measured(measured.meta, weighty_profile)
     for device in compare(predicted, measured).devices:
         assert device.peak_memory_error == pytest.approx(0, abs=0.03), device
+
+
+def test_the_trace_records_the_stage_bounds_the_run_cut_at():
+    """A run without explicit bounds is cut evenly; the trace says where, so its prediction cuts the same."""
+    measured = run_in_process(RunSpec(build("1f1b", 2, 2, 1), "mlp", {"layers": 3, "width": 8})).trace
+    assert measured.meta.extra["bounds"] == [0, 2, 4]  # 3 blocks and the classifier
