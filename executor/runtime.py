@@ -429,10 +429,9 @@ class DeviceLoop:
             return (int(torch.cuda.memory_allocated(self.torch_device)),
                     int(torch.cuda.max_memory_allocated(self.torch_device)))
         waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values()])
-        # a forward's weights stay alive in its graph until its backward (freed ones have no storage left)
-        leaves = _bytes_by_storage(t for saved in self.saved.values() for t in saved.weights.tensors)
-        inputs = _bytes_by_storage(t for saved in self.saved.values() for t in saved.inputs)
-        held = {**weight_storage, **leaves, **inputs, **self.ledger.by_storage(), **waiting}
+        # a forward's weights (freed ones have no storage left) and inputs stay in its graph until its backward
+        graphs = _bytes_by_storage(t for saved in self.saved.values() for t in (*saved.weights.tensors, *saved.inputs))
+        held = {**weight_storage, **graphs, **self.ledger.by_storage(), **waiting}
         dropped = sum(nbytes for ptr, nbytes in self.taken.items() if ptr not in held)
         total = sum(held.values())
         return total, total + freed + dropped
@@ -487,7 +486,7 @@ class DeviceLoop:
                         result.version[i - lo], result.prediction[i - lo] = used
                         version = int(lowered.version[i])
                         if int(lowered.copies_delta[i]) < 0 and version >= 0:
-                            freed = self.weights[(stage, r)].release(version)
+                            freed += self.weights[(stage, r)].release(version)
                         for k, q, key in self.frees.get(i, ()):
                             freed += self.weights[(k, q)].free_predicted(key)
                 result.end_ns[i - lo] = time.perf_counter_ns()
