@@ -94,8 +94,8 @@ def calibrate(workload: Workload, out: Path, *, threads: int, runtime: bool, lin
     return load_profile(out)
 
 
-def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, gaps: bool,
-             kept: bool) -> RuntimeProfile:
+def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, gaps: bool, kept: bool,
+             posted: bool) -> RuntimeProfile:
     """The profile's runtime terms with those not named zeroed; delivery off keeps the link fit's own time."""
     runtime = profile.runtime
     fit = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in profile.link.segments)
@@ -105,7 +105,7 @@ def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, ga
         "send_ms": runtime.send_ms if messages else ZERO, "recv_ms": runtime.recv_ms if messages else ZERO,
         "delivery_ms": runtime.delivery_ms if delivery else pinged,
         "gap_ms": runtime.gap_ms if gaps else {kind: ZERO for kind in runtime.gap_ms},
-        "kept_gradients": runtime.kept_gradients if kept else 0.0})
+        "kept_gradients": runtime.kept_gradients if kept else 0.0, "recv_window": runtime.recv_window if posted else 0})
 
 
 def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profile]]:
@@ -115,7 +115,7 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
         return p.model_copy(update={"runtime": None, "contention": None,
                                     "stages": [s.model_copy(update={"accumulate": None}) for s in p.stages]})
 
-    terms = ("compute", "messages", "delivery", "gaps", "kept")
+    terms = ("compute", "messages", "delivery", "gaps", "kept", "posted")
 
     def first(count: int) -> Profile:
         return profile.model_copy(update={"contention": None, "runtime": _runtime(
@@ -129,7 +129,8 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
         ("+ host time of each send and receive", first(2)),
         ("+ delivery as a pre-posted receive sees it", first(3)),
         ("+ bookkeeping gap after each row", first(4)),
-        ("+ gradient kept through the update (memory)", first(len(terms))),
+        ("+ gradient kept through the update (memory)", first(5)),
+        ("+ receive buffers held from their posting (memory)", first(len(terms))),
         ("+ ranks computing at once slow each other", profile),
     ]
 

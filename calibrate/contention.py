@@ -61,25 +61,27 @@ class _Job:
     bounds: list[int]
 
 
-def processes_for(stages: int) -> int:
-    """One process per rank of a run of `stages` stages; two at least, to have something to share with."""
-    return max(2, stages)
+def processes_for(ranks: int) -> int:
+    """One process per rank of the run; two at least, to have something to share with."""
+    return max(2, ranks)
 
 
-def progress_units(stages: int) -> int:
+def progress_units(ranks: int) -> int:
     """How often `measure_contention` calls `advance`: the start, then one per window."""
-    return 2 * processes_for(stages)
+    return 2 * processes_for(ranks)
 
 
 def measure_contention(profile: Profile, model: str, options: Mapping[str, int | None],
-                       advance: Advance = lambda what: None) -> ContentionProfile:
+                       advance: Advance = lambda what: None, ranks: int | None = None) -> ContentionProfile:
     """Measure `profile`'s stages slowing each other on this CPU host; `model` and `options` are what the
-    calibration built it from (`build_model`'s arguments: a user's `package.module:attr` too)."""
+    calibration built it from (`build_model`'s arguments: a user's `package.module:attr` too). `ranks`: the
+    most ranks a run of the profile will have (default: one per stage; AvgPipe's pipelines have more), since
+    beyond the measured count the simulator can only hold the last factor."""
     env = profile.environment
     if env.device != "cpu":
         raise ContentionError(f"contention is measured on CPU hosts only (the profile is for {env.device})")
     stages = profile.partition.stages
-    count = processes_for(stages)
+    count = processes_for(ranks or stages)
     job = _Job(model, {key: value for key, value in options.items() if value is not None}, env.dtype,
                env.microbatch_size, env.threads, list(profile.partition.bounds))
     iteration_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3

@@ -71,6 +71,10 @@ def calibrate(
                                              "(two at least), each alone, then together (about 5 s for two "
                                              "stages, 2-3 s more per further stage). Not run on cuda, whose "
                                              "profile has none.")] = True,
+    ranks: Annotated[int | None, typer.Option(
+        "--ranks", min=2, help="The most ranks a run of this profile will have on this host, which the contention "
+                               "probe runs up to (default: one per stage; AvgPipe's P pipelines have P per "
+                               "stage). Beyond it the simulator holds the last measured slowdown.")] = None,
 ) -> None:
     """Measure a model on this machine into a profile for `pipesim simulate --profile`.
 
@@ -94,6 +98,8 @@ def calibrate(
         check_memory_gb(memory_gb)
         if not links and is_given(ctx, "link_max_mb"):
             raise InputError("--link-max-mb sizes the link measurement, which --no-links skips: give one")
+        if ranks is not None and not contention:
+            raise InputError("--ranks sizes the contention probe, which --no-contention skips: give one")
         if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
@@ -113,10 +119,13 @@ def calibrate(
                 raise InputError(f"--stages {stages}: {net.name} has {len(net.layers)} layers; give at most "
                                  f"{len(net.layers)} (each stage needs at least one layer)")
             sizes = default_sizes(int(link_max_mb * MIB)) if links else []
+            if ranks is not None and settings.device.type != "cpu":
+                raise InputError(f"--ranks sizes the CPU contention probe; a {settings.device.type} profile has "
+                                 "none: leave it out")
             contention = contention and settings.device.type == "cpu"
             work = warmup + repeats + 5 * stages + (2 * (repeats + 1) if sizes else 0) + (
                 warmup + repeats + 10 + len(PROBE_SCHEDULES) if runtime else 0) + (
-                progress_units(stages) if contention else 0)
+                progress_units(ranks or stages) if contention else 0)
             with _steps(work, f"calibrating {net.name}") as advance:
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
@@ -124,7 +133,7 @@ def calibrate(
                 if runtime:
                     profile = profile.model_copy(update={"runtime": measure_runtime(profile, settings, advance)})
                 if contention:
-                    measured = measure_contention(profile, model, options, advance)
+                    measured = measure_contention(profile, model, options, advance, ranks)
                     profile = profile.model_copy(update={"contention": measured})
         except (ModelError, DeviceError, PartitionError, LinkError, RuntimeProbeError, ContentionError) as exc:
             raise InputError(str(exc)) from None

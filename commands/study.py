@@ -111,12 +111,14 @@ def study(
             require_torch("study")
             _check_model(setting)
             saved = open_results(results, setting)
+            from ..calibrate.contention import ContentionError
             from ..calibrate.runtime import RuntimeProbeError
             from ..executor import ExecutorError
 
             try:
                 _train(saved, setting, chosen, rates, seed_list, timing, timing_repeats, results, quiet=as_json)
-            except (ExecutorError, RuntimeProbeError) as exc:  # a run failed, not the input: earlier runs are kept
+            # a run or a probe failed, not the input: earlier runs are kept
+            except (ExecutorError, RuntimeProbeError, ContentionError) as exc:
                 stderr.print(f"[bold red]error:[/] {escape(str(exc))}; the finished runs are in {results}",
                              highlight=False, soft_wrap=True)
                 raise SystemExit(1) from None
@@ -158,8 +160,9 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
     """Every run and timing the results file lacks, saving it after each, behind one progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..calibrate.contention import measure_contention
     from ..profiles.schema import Profile
-    from ..study.plan import RunKey
+    from ..study.plan import RunKey, build
     from ..study.train import calibrate_setting, measurement, time_arm, train
     from .calibrate import measure_runtime
 
@@ -178,7 +181,10 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
             bar.update(task, description="calibrating the setting")
             profile = calibrate_setting(setting, next(iter(rates)), lambda what: None)
             runtime = measure_runtime(profile, measurement(setting), lambda what: None)
-            saved.profile = profile.model_copy(update={"runtime": runtime}).model_dump(mode="json")
+            ranks = max(build(setting, arm.method, arm.source).num_devices for arm in timings)
+            contention = measure_contention(profile, setting.model, setting.model_options, ranks=ranks)
+            saved.profile = profile.model_copy(update={"runtime": runtime, "contention": contention}).model_dump(
+                mode="json")
             saved.save(path)
             bar.advance(task)
         for arm, key in runs:

@@ -649,7 +649,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         extra={"losses": losses, "optimizer": spec.optimizer, "lr": spec.lr, "dtype": spec.dtype,
                "bounds": next((r.bounds for r in results if r is not None), None if spec.bounds is None
                               else list(spec.bounds)),
-               "model_options": dict(spec.model_options),
+               "model_options": dict(spec.model_options), "recv_window": spec.recv_window,
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
     weights = {key: [torch.from_numpy(w) for w in ws] for r in results if r is not None
                for key, ws in r.weights.items()}

@@ -283,14 +283,22 @@ class DeviceLoop:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _post(self, row: int) -> Handle:
-        t, lowered = self.lowered.table, self.lowered
-        kind = KINDS[t.kind[row]]
+    def _edge(self, row: int) -> tuple[int, int]:
+        """The stage edge receive `row` carries (a gradient has its activation's shape)."""
+        t = self.lowered.table
         stage, peer = int(t.stage[row]), int(t.peer[row])
-        edge = (peer, stage) if kind is Kind.RECV_F else (stage, peer)  # a gradient has its activation's shape
-        channel = int(lowered.channel_of(lowered.transfer[row]))
+        return (peer, stage) if KINDS[t.kind[row]] is Kind.RECV_F else (stage, peer)
+
+    def _post(self, row: int) -> Handle:
+        edge = self._edge(row)
+        channel = int(self.lowered.channel_of(self.lowered.transfer[row]))
         return self.transport.recv(self.stages.edge_shapes[edge], self.stages.edge_dtypes[edge],
-                                   self.placement[peer], channel=channel)
+                                   self.placement[int(self.lowered.table.peer[row])], channel=channel)
+
+    def _posted_bytes(self, row: int) -> int:
+        """The buffer a posted receive holds until its RECV row takes it."""
+        edge = self._edge(row)
+        return math.prod(self.stages.edge_shapes[edge]) * self.stages.edge_dtypes[edge].itemsize
 
     def _weights(self, i: int, unit: Unit) -> Weights:
         """The weights row i's op runs on: its prediction buffer, or the version it names."""
@@ -422,9 +430,10 @@ class DeviceLoop:
         tensors += [t for reference in self.references.values() for t in reference]
         return _bytes_by_storage(tensors)
 
-    def _memory(self, weight_storage: dict[int, int], freed: int) -> tuple[int, int]:
+    def _memory(self, weight_storage: dict[int, int], freed: int, posted_bytes: int) -> tuple[int, int]:
         """Bytes held after the current row, and at its end before it let go of `freed` bytes of weights and
-        of the tensors it took (received or handed over) that nothing holds any more: its peak."""
+        of the tensors it took (received or handed over) that nothing holds any more: its peak. A posted
+        receive's buffer (`posted_bytes` in all) is held from its posting, as the transport allocated it."""
         if self.on_cuda:
             return (int(torch.cuda.memory_allocated(self.torch_device)),
                     int(torch.cuda.max_memory_allocated(self.torch_device)))
@@ -433,7 +442,7 @@ class DeviceLoop:
         graphs = _bytes_by_storage(t for saved in self.saved.values() for t in (*saved.weights.tensors, *saved.inputs))
         held = {**weight_storage, **graphs, **self.ledger.by_storage(), **waiting}
         dropped = sum(nbytes for ptr, nbytes in self.taken.items() if ptr not in held)
-        total = sum(held.values())
+        total = sum(held.values()) + posted_bytes
         return total, total + freed + dropped
 
     # -------------------------------------------------------------------------------------------- loop
@@ -449,6 +458,7 @@ class DeviceLoop:
                                             bounds=list(self.stages.bounds))
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
         posted: dict[int, Handle] = {}
+        posted_bytes = 0
         next_post = 0
         window = max(1, self.spec.recv_window)
         level = self._held()
@@ -461,6 +471,7 @@ class DeviceLoop:
             for i in rows:
                 while next_post < len(receives) and (len(posted) < window or receives[next_post] <= i):
                     posted[receives[next_post]] = self._post(receives[next_post])
+                    posted_bytes += self._posted_bytes(receives[next_post])
                     next_post += 1
                 kind = KINDS[t.kind[i]]
                 stage, j, b, r = int(t.stage[i]), int(t.microbatch[i]), int(t.minibatch[i]), int(t.pipeline[i])
@@ -475,8 +486,10 @@ class DeviceLoop:
                     self.sends.append(self.transport.send(tensor, self.placement[peer], channel=self._channel(i)))
                 elif kind is Kind.RECV_F:
                     self.acts[(peer, stage, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
+                    posted_bytes -= self._posted_bytes(i)  # counted among the received tensors from now
                 elif kind is Kind.RECV_B:
                     self.grads[(stage, peer, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
+                    posted_bytes -= self._posted_bytes(i)
                 else:
                     with self.compute_lock:
                         began = gpu_clock.mark() if gpu_clock else None
@@ -497,7 +510,8 @@ class DeviceLoop:
                     if touched and not self.on_cuda:
                         weight_storage = self._weight_storage()
                 result.held[i - lo] = level
-                result.memory_bytes[i - lo], result.peak_bytes[i - lo] = self._memory(weight_storage, freed)
+                result.memory_bytes[i - lo], result.peak_bytes[i - lo] = self._memory(weight_storage, freed,
+                                                                                      posted_bytes)
                 self.taken.clear()
                 if self.on_cuda:
                     torch.cuda.reset_peak_memory_stats(self.torch_device)

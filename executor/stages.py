@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..profiles.schema import RECV_WINDOW
 from ..schedules import Schedule, StageGraph
 from ..workload.models import BATCH, Model, build_model
 
@@ -72,7 +73,7 @@ class RunSpec:
     bounds: tuple[int, ...] | None = None
     threads_per_rank: int = 1
     timeout_s: float = 120.0
-    recv_window: int = 16
+    recv_window: int = RECV_WINDOW
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..schedules import ScheduleError, ScheduleParams
-from ..sim import Cluster, CostError, simulate
+from ..sim import Cluster, CostError, Costs, simulate
 from ..traces.trace import Trace, TraceError, TraceMeta
 from .scenario import profile_scenario
 
@@ -41,8 +41,8 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None) -> Trace:
     bounds = meta.extra.get("bounds")
     try:
         schedule = scenario.build(meta.schedule, ScheduleParams(**meta.params), bounds)
-        trace = simulate(schedule, scenario.costs(schedule, bounds), _placed(scenario.links(schedule),
-                                                                            meta.hardware or {}))
+        costs = _windowed(scenario.costs(schedule, bounds), meta)
+        trace = simulate(schedule, costs, _placed(scenario.links(schedule), meta.hardware or {}))
     except (ScheduleError, CostError, TypeError) as exc:
         raise TraceError(f"cannot predict the recorded run: {exc}") from None
     return trace
@@ -59,6 +59,16 @@ def _recorded_profile(meta: TraceMeta) -> Profile:
         return Profile.model_validate(document)
     except (ProfileError, ValueError) as exc:
         raise TraceError(f"the run's recorded profile is not valid: {str(exc).splitlines()[0]}") from None
+
+
+def _windowed(costs: Costs, meta: TraceMeta) -> Costs:
+    """The costs with the run's own receive window, where its posted buffers are in the memory it counted
+    (a host-staged GPU run posts them in host memory); a what-if without runtime terms keeps none."""
+    window, hardware = meta.extra.get("recv_window"), meta.hardware or {}
+    if not costs.recv_window or window is None:
+        return costs
+    return replace(costs, recv_window=0 if hardware.get("host_staged") and hardware.get("device") == "cuda"
+                   else int(window))
 
 
 def _placed(cluster: Cluster, hardware: dict) -> Cluster:

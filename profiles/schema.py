@@ -173,6 +173,7 @@ class AllReduceProfile(_Strict):
 
 
 COMPUTE_KINDS = ("F", "B", "I", "W", "OPT")  # the rows whose fixed cost the runtime probe measures
+RECV_WINDOW = 16  # receives pipesim's executor keeps posted ahead of the row it runs, by default
 
 
 class RuntimeProfile(_Strict):
@@ -190,7 +191,10 @@ class RuntimeProfile(_Strict):
       bookkeeping, and posting the next receive after a RECV);
     - `kept_gradients`: copies of a stage's weight gradient an update leaves held (memory after an OPT row minus
       before, in gradients, plus the one the update consumed): a runtime that keeps the last gradient holds a
-      second buffer while the next mini-batch accumulates.
+      second buffer while the next mini-batch accumulates;
+    - `recv_window`: receives the executor keeps posted ahead of the row it runs, each holding its buffer from
+      its posting (the probe's; a profile from before it was recorded ran with the same default; 0 leaves
+      them out, holding a buffer from its message's arrival).
     PRED and AVG are priced as OPT is (the same bookkeeping around an elementwise pass)."""
 
     compute_ms: dict[str, Timing]
@@ -200,6 +204,7 @@ class RuntimeProfile(_Strict):
     delivery_bytes: int = Field(gt=0)
     gap_ms: dict[str, Timing]
     kept_gradients: float = Field(ge=0)
+    recv_window: int = Field(RECV_WINDOW, ge=0)
     meta: dict[str, Any]
 
     @model_validator(mode="after")

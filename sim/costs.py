@@ -96,7 +96,9 @@ class Costs:
     input-gradient part (I) until its weight-gradient part (W). `overhead`: the runtime's own cost per row.
     `kept_gradients`: copies of a stage's weight gradient its update leaves held (pipesim's executor keeps the
     last one on the weights, which SGD's prediction extrapolates), so from the first backward after an update
-    until the next update a second gradient buffer is held as well.
+    until the next update a second gradient buffer is held as well. `recv_window`: receives the runtime keeps
+    posted ahead of the row it runs (pipesim's executor: 16), each holding its buffer from its posting; 0 holds
+    a received buffer from its message's arrival.
     """
 
     stages: tuple[StageCosts, ...]
@@ -104,6 +106,11 @@ class Costs:
     wgrad_activation_fraction: float = 0.5
     overhead: RowOverhead = RowOverhead()
     kept_gradients: float = 0.0
+    recv_window: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recv_window, int) or self.recv_window < 0:
+            raise CostError(f"recv_window must be a whole number >= 0 (got {self.recv_window!r})")
 
     def op_ms_table(self, pipelines: int) -> np.ndarray:
         """Ms of one op per (model stage, compute kind), kinds in `KINDS` order (F, B, I, W, OPT, PRED, AVG):

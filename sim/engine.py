@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -373,8 +374,12 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
               minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=lowered.version,
               prediction=lowered.prediction, start_us=start_ms * 1e3, dur_us=(end_ps - start_ps) / (_PS_PER_MS / 1e3))
 
-    # Event times: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival.
+    # Event times: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
+    # or where the runtime posts it ahead.
     first_ms = np.where(program.stream == Stream.RECV, end_ms, issued_ms)
+    if costs.recv_window:
+        receives, posted = _posting_rows(bounds, program.stream, costs.recv_window)
+        first_ms[receives] = issued_ms[posted]
     devices = schedule.num_devices
     counters = {
         "memory_bytes": _step_counters(bounds, first_ms, end_ms, program.mem_at_start, program.mem_at_end,
@@ -401,7 +406,22 @@ def _runtime_terms(costs: Costs) -> dict:
         terms["row_overhead"] = asdict(costs.overhead)
     if costs.kept_gradients:
         terms["kept_gradients"] = costs.kept_gradients
+    if costs.recv_window:
+        terms["recv_window"] = costs.recv_window
     return terms
+
+
+def _posting_rows(bounds: Sequence[int], stream: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every RECV row, and the row at whose start its receive is posted: a device keeps `window` receives
+    posted, in program order, so the k-th posts at its first row (k < window), else right after the RECV row
+    of the (k - window)-th takes its message."""
+    receives, posted = [], []
+    for lo, hi in itertools.pairwise(bounds):
+        mine = lo + np.flatnonzero(stream[lo:hi] == Stream.RECV)
+        receives.append(mine)
+        posted.append(np.concatenate([np.full(min(window, len(mine)), lo), mine[:-window] + 1]) if len(mine)
+                      else mine)
+    return np.concatenate(receives), np.concatenate(posted)
 
 
 def _issue_times(program: _Program, model: _Model) -> np.ndarray:

@@ -68,22 +68,26 @@ def test_a_bad_contention_term_names_its_field(tmp_path, edit, fragment):
     assert fragment in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path):
+@pytest.mark.parametrize("ranks", [None, 3])
+def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path, ranks):
+    """One process per stage, or as many as `--ranks` (AvgPipe's pipelines), each repeating its stage."""
     out = tmp_path / "p.json"
-    code, printed, err = pipesim("calibrate", *TINY, "--out", out)
+    code, printed, err = pipesim("calibrate", *TINY, *(["--ranks", ranks] if ranks else []), "--out", out)
     assert code == 0, err
     profile = load_profile(out)
     contention = profile.contention
-    assert len(contention.slowdown) == len(contention.spread) == 2 and contention.slowdown[0] == 1.0
+    count = ranks or 2
+    assert len(contention.slowdown) == len(contention.spread) == count and contention.slowdown[0] == 1.0
     assert all(math.isfinite(s) and s > 0 for s in contention.slowdown)
     assert all(math.isfinite(s) and s >= 0 for s in contention.spread)
     meta = contention.meta
-    assert (meta["processes"], meta["threads_per_process"], meta["cpu_count"]) == (2, 1, os.cpu_count())
+    assert (meta["processes"], meta["threads_per_process"], meta["cpu_count"]) == (count, 1, os.cpu_count())
     assert meta["window_s"] > meta["warmup_s"] > 0
     assert meta["workload"] == {"model": "mlp", "options": {"layers": 2, "width": 16}, "dtype": "float32",
-                                "microbatch_size": 2, "bounds": profile.partition.bounds, "stages": [0, 1],
+                                "microbatch_size": 2, "bounds": profile.partition.bounds,
+                                "stages": [rank % 2 for rank in range(count)],
                                 "pass": "forward and full backward"}
-    assert all(count > 0 for window in meta["iterations"] for count in window)
+    assert all(n > 0 for window in meta["iterations"] for n in window)
     assert "contention: 2 ranks computing at once" in printed
 
     skipped = tmp_path / "skipped.json"

@@ -112,6 +112,20 @@ def test_a_kept_gradient_adds_one_gradient_from_the_second_mini_batch_on():
     assert [extra_at(ms) for ms in (5.0, 6.6, 9.0, 12.9, 13.1, 30.0)] == [0, 0, param, param, 0, 0]
 
 
+@pytest.mark.parametrize("window, held_mib", [(0, [0, 1, 1, 1, 1, 0]), (2, [2, 3, 3, 2, 1, 0])])
+def test_a_posted_receive_holds_its_buffer_from_its_posting(window, held_mib):
+    # GPipe, 2 devices, m = 4, F 1 ms, 1 MiB per activation, transfers 0.5 ms: device 1's receives arrive at
+    # 1.5, 2.5, 3.5, 4.5 ms and its F j runs from 1.5 + j ms, freeing receive j as it ends. With no window a
+    # buffer is held from its arrival; with 2, receives 0 and 1 are posted at the start, receive 2 as F 0 is
+    # reached (1.5 ms), receive 3 as F 1 is (2.5 ms).
+    costs = replace(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0, output_mb=1.0), recv_window=window)
+    trace = simulate(build("gpipe", 2, 4), costs, Cluster.uniform(2, 0.5))
+    memory = trace.counters["memory_bytes"][1]
+    at = [int(memory.values[np.searchsorted(memory.times_us, ms * 1e3, "right") - 1]) for ms in (0.1, 2, 3, 4, 5, 6)]
+    assert at == [mib * 2**20 for mib in held_mib]
+    assert trace.meta.extra.get("recv_window") == (window or None)
+
+
 def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
     t = lambda ms: Timing(median_ms=ms, spread_ms=0.0, repeats=3)  # noqa: E731
     runtime = RuntimeProfile(compute_ms={k: t(0.1 * (i + 1)) for i, k in enumerate(COMPUTE_KINDS)}, send_ms=t(0.05),
@@ -127,11 +141,12 @@ def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
 # ------------------------------------------------------------------------------------- the runtime probe
 
 
-def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float) -> Trace:
+def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float,
+                window: int = 2) -> Trace:
     """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
     the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms`, a RECV
     waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows; after an update a device
-    holds its weights and `kept` gradients."""
+    holds its weights, `kept` gradients and the buffers of its next `window` receives, posted ahead."""
     own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
     programs = {d: [(kind, d, j, b) for b in range(3) for kind, j in order] for d, order in (
         (0, [("F", 0), ("SEND_F", 0), ("F", 1), ("SEND_F", 1), ("RECV_B", 0), ("B", 0), ("RECV_B", 1), ("I", 1),
@@ -158,7 +173,10 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                 else:
                     ms = getattr(s, own[kind]) + extra[kind]
                 rows.append((d, kind, stage, j, b, 1 - d if "_" in kind else -1, clock[d] * 1e3, ms * 1e3))
-                memory[d].append(s.param_bytes + kept * s.grad_bytes if kind == "OPT" else 10 * s.param_bytes)
+                # after an update: weights, kept gradients and the next `window` receives (2 a mini-batch) posted
+                posted = min(window, 2 * (2 - b)) * probe.stages[0].output_bytes
+                memory[d].append(((clock[d] + ms) * 1e3, s.param_bytes + kept * s.grad_bytes + posted if kind == "OPT"
+                                  else 10 * s.param_bytes))
                 clock[d] += ms + gap_ms
                 at[d] += 1
     kinds = tuple(k.value for k in KINDS)
@@ -168,9 +186,9 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
               minibatch=table[4], pipeline=np.zeros(len(rows)), peer=table[5], version=np.zeros(len(rows)),
               prediction=np.full(len(rows), -1), start_us=table[6], dur_us=table[7])
     meta = TraceMeta(source="measured", schedule="probe", params={}, microbatches=2, minibatches=3, pipelines=1,
-                     microbatch_size=1, placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="test")
-    counters = {"memory_bytes": [Counter(np.arange(len(memory[d]) + 1, dtype=float), np.array([0, *memory[d]]))
-                                 for d in (0, 1)]}
+                     microbatch_size=1, placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="test",
+                     extra={"recv_window": window})
+    counters = {"memory_bytes": [Counter(*map(np.array, zip((0.0, 0), *memory[d]))) for d in (0, 1)]}
     return Trace(kinds, 2, ops, meta, counters)
 
 
@@ -275,15 +293,16 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
     schedule = build("1f1b", 4, 4, 2)
     costs = [profile_scenario(p, "sgd").costs(schedule) for _, p in variants]
     assert variants[0][1].environment.threads == 2 and variants[1][1].environment.threads == 1
-    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
-    assert [c.overhead.compute_ms[0] for c in costs] == [0, 0, 0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
-    assert [c.overhead.send_ms for c in costs] == [0, 0, 0, 0, 0.1, 0.1, 0.1, 0.1, 0.1]
+    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0] + [0.1] * 8
+    assert [c.overhead.compute_ms[0] for c in costs] == [0, 0, 0] + [0.1] * 7
+    assert [c.overhead.send_ms for c in costs] == [0] * 4 + [0.1] * 6
     # The link's fit takes 1 ms + 1 us at the probe's 4 KiB until delivery is on, then 0.1 ms there.
     assert [profile_scenario(p, "sgd").links(schedule).link(0, 1).transfer_ms(4096) for _, p in variants] == \
-        pytest.approx([1.001] * 5 + [0.1] * 4)
-    assert [c.overhead.gap_ms[0] for c in costs] == [0, 0, 0, 0, 0, 0, 0.1, 0.1, 0.1]
-    assert [c.kept_gradients for c in costs] == [0, 0, 0, 0, 0, 0, 0, 1.0, 1.0]
-    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == [()] * 8 + [(1.0, 1.5)]
+        pytest.approx([1.001] * 5 + [0.1] * 5)
+    assert [c.overhead.gap_ms[0] for c in costs] == [0] * 6 + [0.1] * 4
+    assert [c.kept_gradients for c in costs] == [0] * 7 + [1.0] * 3
+    assert [c.recv_window for c in costs] == [0] * 8 + [16] * 2
+    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == [()] * 9 + [(1.0, 1.5)]
     assert variants[-1][1] == profile
 
 
