@@ -71,6 +71,13 @@ def progress_units(ranks: int) -> int:
     return 2 * processes_for(ranks)
 
 
+def slowdowns(measured: list[float]) -> list[float]:
+    """The slowdowns to price from the measured ratios (k = 1, 2, ...): more ranks computing at once never
+    advance faster than fewer, so a ratio below the one before is the host's noise (a neighbour's load during
+    the solo windows: 0.81 with two at once was measured so) and takes the one before."""
+    return np.maximum.accumulate(np.asarray(measured, dtype=float)).tolist()
+
+
 def measure_contention(profile: Profile, model: str, options: Mapping[str, int | None],
                        advance: Advance = lambda what: None, ranks: int | None = None) -> ContentionProfile:
     """Measure `profile`'s stages slowing each other on this CPU host; `model` and `options` are what the
@@ -123,8 +130,9 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
     finally:
         _stop(procs, conns)
     solo_ms = [float(np.mean(ms)) for ms in alone]
-    slowdown = [1.0] + [float(np.median([np.mean(ms) / solo for ms, solo in zip(times, solo_ms)]))
+    measured = [1.0] + [float(np.median([np.mean(ms) / solo for ms, solo in zip(times, solo_ms)]))
                         for times in together]
+    slowdown = slowdowns(measured)
     blocks = [np.concatenate([_block_means(ms) / solo for ms, solo in zip(times, solo_ms)])
               for times in [alone, *together]]
     spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
@@ -133,7 +141,7 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
             "workload": {"model": model, "options": job.options, "bounds": job.bounds, "dtype": env.dtype,
                          "microbatch_size": env.microbatch_size, "stages": [rank % stages for rank in range(count)],
                          "pass": "forward and full backward"},
-            "solo_ms": [round(ms, 4) for ms in solo_ms],
+            "solo_ms": [round(ms, 4) for ms in solo_ms], "measured_slowdown": [round(r, 4) for r in measured],
             "iterations": [[len(ms) for ms in times] for times in [alone, *together]]}
     return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],
                              meta=meta)

@@ -197,9 +197,10 @@ def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
 
 
 class _SharedCores:
-    """One host's cores shared by processor sharing: while k compute rows run on it, each advances at
-    1 / slowdown[k - 1] of its speed alone (the last factor beyond the measured k). Work is in picoseconds of
-    compute alone; `run` gives the event that succeeds, with its end time, when a row's work is done."""
+    """One host's cores shared by processor sharing: while k pieces of work run on it (compute rows, and the
+    runtime's host time between rows, which needs a core as much), each advances at 1 / slowdown[k - 1] of its
+    speed alone (the last factor beyond the measured k). Work is in picoseconds alone; `run` gives the event
+    that succeeds, with its end time, when a piece's work is done."""
 
     def __init__(self, env: simpy.Environment, slowdown: tuple[float, ...]) -> None:
         self.env, self.slowdown = env, slowdown
@@ -266,8 +267,10 @@ class _Model:
         self.free_at = [0] * program.num_resources
         self.cores = [_SharedCores(self.env, program.contention)
                       for _ in range(max((u + 1 for u in program.host_unit if u is not None), default=0))]
-        # A row on shared cores lasts as long as they let it (a copy only where there are some).
+        # A row on shared cores lasts as long as they let it (a copy only where there are some), and so does
+        # the host time before it (how much longer: its stretch).
         self.duration_ps = program.duration_ps.copy() if self.cores else program.duration_ps
+        self.host_stretch_ps = np.zeros(len(program.duration_ps), dtype=np.int64)
         self.finished = 0
 
     def device(self, steps: tuple[list[int], list[int], list[int]], rows: np.ndarray, clock_after: list[int],
@@ -282,9 +285,17 @@ class _Model:
         done = clock_after.append
         routes, transfer_ps, overlap = self.program.routes, self.program.transfer_ps, self.overlap_comm
         send, recv = int(Stream.SEND), int(Stream.RECV)  # plain ints: this loop runs once per step
-        clock = 0
+        clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
         for busy_ps, stream, xid, row in zip(*steps, rows.tolist() if cores else itertools.repeat(-1)):
             clock += busy_ps
+            if cores is not None and busy_ps > computed_ps:  # the runtime's host time between rows shares them too
+                host_ps = busy_ps - computed_ps
+                if clock - host_ps > env.now:
+                    yield env.timeout(clock - host_ps - env.now)
+                end = yield cores.run(host_ps)
+                self.host_stretch_ps[row] = end - clock
+                clock = end
+            computed_ps = 0
             if stream == send:
                 route = routes[xid]
                 if route:  # a shared link: wait until simulated time reaches the send, then queue on it
@@ -316,7 +327,7 @@ class _Model:
                     end = yield cores.run(xid)
                     duration[row] = end - clock
                     done(clock)
-                    clock = end - xid  # the next step's compute ps count the row's duration alone
+                    clock, computed_ps = end - xid, xid  # the next step's compute ps count the row's duration alone
                     continue
                 if free_at[unit] > clock:
                     clock = free_at[unit]
@@ -440,6 +451,7 @@ def _issue_times(program: _Program, model: _Model) -> np.ndarray:
         out[lo:hi] = clocks[segment] + (busy - base)
         if stretch is not None:  # a row after one stretched on shared cores (all of whose rows are steps) starts later
             out[lo + 1:hi] += stretch[lo:hi - 1]
+            out[lo:hi] += model.host_stretch_ps[lo:hi]  # ... as does one after host time they stretched
         queued = program.stream[lo + steps] == Stream.COMPUTE
         out[lo + steps[queued]] = clocks[1:][queued]
     return out

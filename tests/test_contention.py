@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pipesim.calibrate.contention import slowdowns
 from pipesim.planning.scenario import profile_cluster
 from pipesim.profiles.schema import ProfileError, load_profile, profile_json
 from tests.conftest import pipesim, simulate_json
@@ -111,3 +112,9 @@ def test_a_measurement_process_that_fails_is_one_line_exit_2(tmp_path, monkeypat
                            "--repeats", "3", "--warmup", "1", "--no-links", "--no-runtime", "--out", out)
     assert code == 2 and "contention measurement: process 0 failed: ModelError" in err and "not in a child" in err
     assert err.strip().count("\n") == 0 and "Traceback" not in err and not out.exists()
+
+
+def test_more_ranks_at_once_are_never_priced_faster_than_fewer():
+    """A ratio below the one before it is the host's noise: it takes the one before; the rest stand."""
+    assert slowdowns([1.0, 0.81, 1.47, 1.3, 2.5]) == [1.0, 1.0, 1.47, 1.47, 2.5]
+    assert slowdowns([1.0, 1.08, 1.47, 2.53]) == [1.0, 1.08, 1.47, 2.53]

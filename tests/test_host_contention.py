@@ -7,7 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from pipesim.schedules import KINDS, Kind
 from pipesim.sim import Cluster, ClusterError, Costs, load_cluster, simulate
+from pipesim.sim.costs import RowOverhead
 from pipesim.traces import Stream
 from tests.conftest import build
 
@@ -103,3 +105,18 @@ def test_the_cluster_file_names_hosts_and_their_contention(tmp_path):
             load_cluster(path)
     with pytest.raises(ClusterError, match="contention"):
         Cluster(2, contention=(2.0,))
+
+
+def test_the_runtime_host_time_between_rows_shares_the_cores_as_compute_does():
+    """The gaps after rows and a transfer's host time need a core as a compute row does. 1F1B on two ranks of a
+    host with one core's throughput (two at once each run at half speed), free transfers: one of the two is
+    always working, so the makespan is all the work, compute alone plus host time, but the gap after each
+    rank's last row (which ends nothing). Host time running beside compute for free gave 62.5 of 85.8 ms."""
+    overhead = RowOverhead(gap_ms=(0.5,) * len(KINDS), send_ms=0.2, recv_ms=0.1)
+    costs = replace(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0), overhead=overhead)
+    schedule = build("1f1b", 2, 4, 2)
+    trace = simulate(schedule, costs, on_one_host(Cluster.uniform(2, 0.0), 1.0, 2.0))
+    compute = trace.ops.stream == Stream.COMPUTE
+    host_ms = overhead.host_ms[[KINDS.index(Kind(trace.kinds[k])) for k in trace.ops.kind]].sum()
+    alone_ms = simulate(schedule, costs, Cluster.uniform(2, 0.0)).ops.dur_us[compute].sum() / 1e3
+    assert makespan_us(trace) / 1e3 == pytest.approx(alone_ms + host_ms - 2 * 0.5)
