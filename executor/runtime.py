@@ -458,7 +458,7 @@ class DeviceLoop:
                                             bounds=list(self.stages.bounds))
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
         posted: dict[int, Handle] = {}
-        posted_bytes = 0
+        buffer_bytes = {i: self._posted_bytes(i) for i in receives}
         next_post = 0
         window = max(1, self.spec.recv_window)
         level = self._held()
@@ -471,7 +471,6 @@ class DeviceLoop:
             for i in rows:
                 while next_post < len(receives) and (len(posted) < window or receives[next_post] <= i):
                     posted[receives[next_post]] = self._post(receives[next_post])
-                    posted_bytes += self._posted_bytes(receives[next_post])
                     next_post += 1
                 kind = KINDS[t.kind[i]]
                 stage, j, b, r = int(t.stage[i]), int(t.microbatch[i]), int(t.minibatch[i]), int(t.pipeline[i])
@@ -486,10 +485,8 @@ class DeviceLoop:
                     self.sends.append(self.transport.send(tensor, self.placement[peer], channel=self._channel(i)))
                 elif kind is Kind.RECV_F:
                     self.acts[(peer, stage, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
-                    posted_bytes -= self._posted_bytes(i)  # counted among the received tensors from now
                 elif kind is Kind.RECV_B:
                     self.grads[(stage, peer, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
-                    posted_bytes -= self._posted_bytes(i)
                 else:
                     with self.compute_lock:
                         began = gpu_clock.mark() if gpu_clock else None
@@ -510,6 +507,8 @@ class DeviceLoop:
                     if touched and not self.on_cuda:
                         weight_storage = self._weight_storage()
                 result.held[i - lo] = level
+                # a taken receive's buffer is counted among the received tensors from its row on
+                posted_bytes = sum(buffer_bytes[k] for k in posted)
                 result.memory_bytes[i - lo], result.peak_bytes[i - lo] = self._memory(weight_storage, freed,
                                                                                       posted_bytes)
                 self.taken.clear()
