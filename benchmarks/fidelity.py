@@ -111,9 +111,9 @@ def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, ga
 def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profile]]:
     """The profile with its terms turned on one after another, each line adding one cause to the one before:
     the first is what pipesim predicted before these terms (every core, the layers and steps alone)."""
-    def layers_only(p: Profile) -> Profile:
-        return p.model_copy(update={"runtime": None, "contention": None,
-                                    "stages": [s.model_copy(update={"accumulate": None}) for s in p.stages]})
+    def layers_only(p: Profile, accumulate: bool = False) -> Profile:
+        return p.model_copy(update={"runtime": None, "contention": None, "stages": [s.model_copy(update={
+            "passes": None, "accumulate": s.accumulate if accumulate else None}) for s in p.stages]})
 
     terms = ("compute", "messages", "delivery", "gaps", "kept", "posted")
 
@@ -124,7 +124,8 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
     return [
         ("all cores, layers only (before)", layers_only(all_cores.model_copy(update={"link": profile.link}))),
         ("+ calibrated on one thread, as a rank runs", layers_only(profile)),
-        ("+ gradient accumulation per backward", first(0)),
+        ("+ gradient accumulation per backward", layers_only(profile, accumulate=True)),
+        ("+ stages timed as one pass, as the executor computes them", first(0)),
         ("+ runtime's fixed cost per compute row", first(1)),
         ("+ host time of each send and receive", first(2)),
         ("+ delivery as a pre-posted receive sees it", first(3)),

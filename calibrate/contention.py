@@ -5,8 +5,8 @@ bandwidth (and oversubscribe the cores when ranks x threads exceed them): ranks 
 each take longer than alone, while a rank waiting in a receive costs its peers nothing. So
 `pipesim calibrate` spawns as many processes as the run has ranks (at least two), once; process r builds the
 calibrated model at the calibrated thread count, dtype and micro-batch size, and repeats a rank's F and B of
-stage r mod p (a forward and a full backward into the weights). The parent first lets each run alone for a
-window while the others block, then the first k run together for k = 2 .. K. Windows start and end on the
+stage r mod p, as the executor runs them (passes.py). The parent first lets each run alone for a window while
+the others block, then the first k run together for k = 2 .. K. Windows start and end on the
 host's monotonic clock, so every kept iteration overlaps the other k - 1 computing; each window drops its
 first WARMUP_S (waking up, cold caches) and any iteration running past its end.
 
@@ -32,7 +32,8 @@ import torch
 
 from ..profiles.schema import ContentionProfile, Profile
 from ..workload.processes import start_processes
-from .measure import DTYPES, Advance, Settings, measure_bytes, stage_pass
+from .measure import DTYPES, Advance, Settings, measure_bytes
+from .passes import stage_runs
 
 WINDOW_S = 0.5  # the shortest window: about a hundred iterations of a default model's stage
 WARMUP_S = 0.1  # dropped at the start of every window
@@ -223,15 +224,13 @@ def _run_window(iteration: Callable[[], None], start_s: float, end_s: float) -> 
 
 
 def _stage_iteration(job: _Job, stage: int) -> Callable[[], None]:
-    """A rank's F and B of `stage` (`measure.stage_pass`) on the calibrated model, rebuilt here."""
+    """A rank's F and B of `stage` as the executor runs them (`passes.stage_runs`), on the calibrated model
+    rebuilt here."""
     from ..workload.models import build_model
 
     torch.manual_seed(0)
     model = build_model(job.model, **job.options)
-    settings = Settings(torch.device("cpu"), DTYPES[job.dtype], job.microbatch_size, warmup=0, repeats=1,
-                        threads=job.threads)
-    recording, _ = measure_bytes(model, settings)
-    first, stop = job.bounds[stage], job.bounds[stage + 1]
-    weights = [p for layer in model.layers[first:stop] for p in layer.parameters() if p.requires_grad]
-    run = stage_pass(model, recording, first, stop, weights)
-    return lambda: run(None)
+    measure_bytes(model, Settings(torch.device("cpu"), DTYPES[job.dtype], job.microbatch_size, warmup=0, repeats=1,
+                                  threads=job.threads))  # the layers in the calibrated dtype, as it left them
+    run = stage_runs(model, job.bounds, job.dtype, job.microbatch_size)[stage]
+    return lambda: run.backward(run.forward())

@@ -7,7 +7,6 @@ full forward pass, so a layer's time is what a pipeline stage boundary would see
 
 from __future__ import annotations
 
-import itertools
 import os
 import platform
 import socket
@@ -35,6 +34,7 @@ from ..profiles.schema import (
     ModelInfo,
     Partition,
     Profile,
+    StagePasses,
     StageSteps,
     StepTimes,
     Timing,
@@ -45,6 +45,7 @@ from ..profiles.schema import (
 from ..workload.models import BATCH, Model, ModelError
 from ..workload.optim import elastic_average, make_optimizer, predict_weights
 from .links import measure_allreduce, measure_p2p
+from .passes import StageRun, stage_runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LEARNING_RATE = 1e-3  # any value: step and prediction times do not depend on it
@@ -289,35 +290,23 @@ def measure_times(model: Model, settings: Settings, recording: Recording, layers
             for i, layer in enumerate(layers)]
 
 
-def stage_pass(model: Model, recording: Recording, first: int, stop: int,
-               weights: list[torch.Tensor]) -> Callable[[Any], None]:
-    """A rank's F and B of layers first:stop, with `weights` in place of their parameters (in order, through
-    functional_call, as the executor runs a version): inputs from earlier layers as received tensors that need
-    a gradient, the loss on the last stage, then the full backward, weight gradients added into `.grad` and
-    the input gradients it would send back computed. A phase: it ignores what it is handed."""
-    layers, last = model.layers[first:stop], len(model.layers) - 1
-    given = iter(weights)
-    params = [{name: next(given) for name, p in layer.named_parameters() if p.requires_grad} for layer in layers]
-    sends = sorted({s for i in range(stop, last + 1) for s in model.inputs[i] if first <= s < stop})
-
-    def run(_) -> None:
-        here: dict[int, torch.Tensor] = {}
-        received = []
-        for layer, own, i in zip(layers, params, range(first, stop)):
-            args = [here[s] if s in here else _leaves([a], [s])[0]
-                    for a, s in zip(recording.inputs[i], model.inputs[i])]
-            received += [a for a, s in zip(args, model.inputs[i]) if s not in here and a.requires_grad]
-            out = torch.func.functional_call(layer, own, tuple(args))
-            here[i] = model.loss(out, recording.target) if i == last else out
-        ends = [t for t in ([here[last]] if stop == last + 1 else [here[s] for s in sends]) if t.requires_grad]
-        if ends and weights + received:  # a stage nothing differentiates has no backward
-            torch.autograd.backward(ends, [torch.ones_like(t) for t in ends], inputs=weights + received)
-
-    return run
+def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance) -> list[StagePasses]:
+    """Each stage's F, B, I and W timed as the executor runs them (calibrate/passes.py): a forward then the
+    full backward, and a forward then the split one, every stage in every round (a stage nothing
+    differentiates has its forward only)."""
+    sequences = [[((k, "fwd"), run.forward)] for k, run in enumerate(runs) if not run.differentiable]
+    for k, run in enumerate(runs):
+        if run.differentiable:
+            sequences += [[((k, "fwd"), run.forward), ((k, "bwd"), run.backward)],
+                          [((k, "fwd"), run.forward), ((k, "igrad"), run.backward_input),
+                           ((k, "wgrad"), run.backward_weight)]]
+    times = _time(settings, *sequences, advance=lambda what: advance(f"timing stages as one pass, {what}"))
+    zero = _zero(settings)
+    return [StagePasses(**{kind: times.get((k, kind), zero) for kind in ("fwd", "bwd", "igrad", "wgrad")})
+            for k in range(len(runs))]
 
 
-def measure_steps(model: Model, recording: Recording, bounds: list[int], settings: Settings,
-                  advance: Advance) -> list[StageSteps]:
+def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) -> list[StageSteps]:
     """Per stage: each optimizer's update and weight prediction, one replica's elastic averaging, and adding
     one micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does).
 
@@ -325,14 +314,13 @@ def measure_steps(model: Model, recording: Recording, bounds: list[int], setting
     these ops stream the weights, gradients and optimizer state through memory, and timed back to back they
     find them in cache (a momentum step of 4 MiB of weights: 0.4-0.5 ms hot, 0.8 ms after the stage's pass)."""
     out = []
-    for k, (start, stop) in enumerate(itertools.pairwise(bounds)):
-        weights = _with_grads([p for layer in model.layers[start:stop] for p in layer.parameters()
-                               if p.requires_grad])
+    for k, run in enumerate(runs):
+        weights = run.weights = _with_grads(run.weights)
         if not weights:
             zero = _zero(settings)
             out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero, zero))
             continue
-        warm = ("pass", stage_pass(model, recording, start, stop, weights))  # timed with the rest, not kept
+        warm = ("pass", lambda _, run=run: run.backward(run.forward()))  # timed with the rest, not kept
         steps = {}
         for name in OPTIMIZERS:
             advance(f"stage {k}: {name} step and prediction")
@@ -402,7 +390,9 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
     with threads(settings.threads):
         layers = measure_times(model, settings, recording, layers, advance)
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
-        steps = measure_steps(model, recording, bounds, settings, advance)
+        runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
+        passes = measure_passes(runs, settings, advance)
+        steps = measure_steps(runs, settings, advance)
     link = allreduce = None
     if link_sizes:
         def rounds(what: str) -> Callable[[int, int], None]:
@@ -420,5 +410,6 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         schema_version=SCHEMA_VERSION, environment=environment(settings, dtype_name, memory_cap_bytes),
         model=ModelInfo(name=model.name, options=model.options), layers=layers,
         partition=Partition(bounds=bounds, optimizer=optimizer),
-        stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps),
+        stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps,
+                                passes),
         link=link, allreduce=allreduce)

@@ -1,18 +1,16 @@
 """The executor's own costs per row, read off real runs of it on a model of tiny layers.
 
-A measured row costs more than its layers: the runtime calls the stage through functional_call under
-saved-tensor hooks, draws the micro-batch, posts and takes messages, and keeps its memory and version books
-between rows. Most of those costs are per row, so `pipesim calibrate` runs the executor itself (its own
-processes, transport and threads per rank) on a two-layer MLP whose layers take microseconds, with the stage
-boundary as large as the calibrated model's, and `runtime_terms` turns its traces into the profile's
-`RuntimeProfile`: per compute kind, a row's time minus its tiny layers' own calibrated time; the host time of
-a SEND row and of a RECV whose message had already arrived; how long a message takes from its send's post to a
-receiver waiting for it; the gap after each kind of row; and the gradient
-copies an update leaves held (memory after it, at a flush, less the weights, SGD keeping no state, and less the
-buffers of the receives posted ahead for the next mini-batch). The probe's
-schedules: 1F1B for B, ZB-H1 for I and W (both for F, OPT and the transfers). Not measured: the part that grows
-with a stage's layers (functional_call and the saved-tensor hooks cost about 30 us per Linear+ReLU block in a
-forward and 20 us in a backward on the CPUs here), which a deep stage of small layers leaves unpriced.
+A measured row costs more than its stage's work: the runtime draws the micro-batch, reads the loss, posts and
+takes messages, and keeps its memory and version books between rows. Those costs are per row, so `pipesim
+calibrate` runs the executor itself (its own processes, transport and threads per rank) on a two-layer MLP
+whose layers take microseconds, with the stage boundary as large as the calibrated model's, and
+`runtime_terms` turns its traces into the profile's `RuntimeProfile`: per compute kind, a row's time minus its
+stage's own pass as the probe's calibration timed it (`StagePasses`, which hold what grows with a stage's
+layers: functional_call and the saved-tensor hooks); the host time of a SEND row and of a RECV whose message
+had already arrived; how long a message takes from its send's post to a receiver waiting for it; the gap after
+each kind of row; and the gradient copies an update leaves held (memory after it, at a flush, less the
+weights, SGD keeping no state, and less the buffers of the receives posted ahead for the next mini-batch). The
+probe's schedules: 1F1B for B, ZB-H1 for I and W (both for F, OPT and the transfers).
 """
 
 from __future__ import annotations
@@ -51,7 +49,8 @@ def _timing(samples_ms: list[float] | np.ndarray, what: str) -> Timing:
 
 
 def _own_ms(probe: Profile, kind: str, stage: int) -> float:
-    """What the probe's calibration says row `kind` of `stage` costs by its layers alone."""
+    """What the probe's calibration says row `kind` of `stage` costs by its work alone: its pass as the
+    executor computes it (or its layers' sum, in a probe calibrated before passes were measured)."""
     s = probe.stages[stage]
     return {"F": s.fwd_ms, "B": s.bwd_ms, "I": s.igrad_ms, "W": s.wgrad_ms,
             "OPT": s.steps[PROBE_OPTIMIZER].step.median_ms}[kind]

@@ -123,8 +123,9 @@ def calibrate(
                 raise InputError(f"--ranks sizes the CPU contention probe; a {settings.device.type} profile has "
                                  "none: leave it out")
             contention = contention and settings.device.type == "cpu"
-            work = warmup + repeats + 5 * stages + (2 * (repeats + 1) if sizes else 0) + (
-                warmup + repeats + 10 + len(PROBE_SCHEDULES) if runtime else 0) + (
+            rounds = warmup + repeats  # the layers' rounds, then the stages' as one pass
+            work = 2 * rounds + 5 * stages + (2 * (repeats + 1) if sizes else 0) + (
+                2 * rounds + 10 + len(PROBE_SCHEDULES) if runtime else 0) + (
                 progress_units(ranks or stages) if contention else 0)
             with _steps(work, f"calibrating {net.name}") as advance:
                 profile = run_calibration(
@@ -222,16 +223,23 @@ def _print_profile(profile) -> None:
                         f"{env.microbatch_size}, {env.threads} thread{'s' * (env.threads != 1)}), partitioned for "
                         f"{profile.partition.optimizer}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="per micro-batch; I/W: input- and weight-gradient passes of the split backward; "
-                          "peak: 1F1B estimate (weights, grads, optimizer state, activations in flight)",
+                  caption="per micro-batch, each stage timed as one pass as the executor runs it; x layers: that "
+                          "over the sum of its layers timed alone (F/B); I/W: input- and weight-gradient passes of "
+                          "the split backward; peak: 1F1B estimate (weights, grads, optimizer state, activations "
+                          "in flight)",
                   caption_justify="left")
-    for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "W share", "act MiB", "params MiB",
+    for header in ("stage", "layers", "fwd ms", "bwd ms", "x layers", "I/W ms", "W share", "act MiB", "params MiB",
                    "peak MiB"):
         table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
     for k, stage in enumerate(profile.stages):
         first, stop = stage.layers
+        mine = profile.layers[first:stop]
+        ratios = [ms / summed if summed > 0 else 1.0 for ms, summed in (
+            (stage.fwd_ms, sum(layer.fwd.median_ms for layer in mine)),
+            (stage.bwd_ms, sum(layer.bwd.median_ms for layer in mine)))]
         table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:.3f}",
-                      f"{stage.bwd_ms:.3f}", f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
+                      f"{stage.bwd_ms:.3f}", "/".join(f"{r:.2f}" for r in ratios) if stage.passes else "-",
+                      f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
                       f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
                       f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
     stdout.print(table)

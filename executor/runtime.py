@@ -68,7 +68,7 @@ def _bytes_by_storage(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return dict(_storage(t) for t in tensors)
 
 
-class _Ledger:
+class Ledger:
     """Bytes of the tensors autograd saved for backward on this device, each storage counted once while any
     graph still holds it."""
 
@@ -99,7 +99,7 @@ class _Held:
 
     __slots__ = ("tensor", "ledger", "ptr")
 
-    def __init__(self, tensor: torch.Tensor, ledger: _Ledger) -> None:
+    def __init__(self, tensor: torch.Tensor, ledger: Ledger) -> None:
         self.tensor, self.ledger = tensor, ledger
         self.ptr, nbytes = _storage(tensor)
         ledger.hold(self.ptr, nbytes)
@@ -118,11 +118,11 @@ class _WeightRef:
     offset: int  # storage offset relative to the weight's own
 
 
-class _Tape:
+class Tape:
     """One forward's saved-tensor hooks: weights out by reference, the rest kept and counted. `backward`
     holds the tensors the next backward row runs on; unpacking resolves references against them."""
 
-    def __init__(self, forward: Weights, ledger: _Ledger) -> None:
+    def __init__(self, forward: Weights, ledger: Ledger) -> None:
         self.weight_at = {w.untyped_storage().data_ptr(): (i, w.storage_offset())
                           for i, w in enumerate(forward.tensors)}
         self.ledger = ledger
@@ -142,6 +142,16 @@ class _Tape:
         return packed.tensor
 
 
+def stage_forward(module: torch.nn.Module, parameters: dict[str, torch.Tensor], args: list[torch.Tensor], tape: Tape,
+                  loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """A stage's forward as every F row runs it, which calibration times too (calibrate/passes.py): the stage
+    module through functional_call on `parameters`, its saved tensors through `tape`; the outputs per outgoing
+    edge, or, given `loss`, [the loss of the output]."""
+    with saved_tensors_hooks(tape.pack, tape.unpack):
+        out = functional_call(module, parameters, tuple(args))
+        return [loss(out)] if loss is not None else list(out)
+
+
 @dataclass
 class _Saved:
     """What a forward leaves for its backward."""
@@ -149,7 +159,7 @@ class _Saved:
     inputs: list[torch.Tensor]  # one leaf per incoming stage edge
     outputs: list[torch.Tensor]  # one per outgoing edge, or the last stage's loss
     weights: Weights  # the forward's: gradients are taken with respect to these leaves
-    tape: _Tape
+    tape: Tape
     pending: PendingWeightGrad | None = None  # after I, until W
 
 
@@ -215,7 +225,7 @@ class DeviceLoop:
         self.grads: dict[EdgeUnit, torch.Tensor] = {}  # an edge's gradient: computed or received, not yet taken
         self.sends: list[Handle] = []
         self.losses: dict[tuple[int, int], float] = {}
-        self.ledger = _Ledger()
+        self.ledger = Ledger()
         self.taken: dict[int, int] = {}  # storages of the tensors the current row took: they may die with it
         self._passes = {Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward_input,
                         Kind.W: self.backward_weight}
@@ -324,20 +334,16 @@ class DeviceLoop:
             target = target.to(self.torch_device) if torch.is_tensor(target) else target
             if self.stages.reads_batch[stage]:
                 args.insert(0, data)  # the batch: no gradient flows into it
-        tape = _Tape(weights, self.ledger)
-        with saved_tensors_hooks(tape.pack, tape.unpack):
-            out = functional_call(self.stages.modules[stage], state.parameters(weights), tuple(args))
-            if last:
-                loss = self.stages.model.loss(out, target) / self.m
+        tape = Tape(weights, self.ledger)
+        loss = (lambda out: self.stages.model.loss(out, target) / self.m) if last else None
+        outputs = stage_forward(self.stages.modules[stage], state.parameters(weights), args, tape, loss)
         if last:
-            value = float(loss.detach())
+            value = float(outputs[0].detach())
             if not math.isfinite(value):
                 raise DivergedError(f"loss is {value} at mini-batch {b} (pipeline {r}) on stage {stage} "
                                     f"(micro-batch {j}): training diverged; lower the learning rate")
             self.losses[(r, b)] = self.losses.get((r, b), 0.0) + value
-            outputs = [loss]
         else:
-            outputs = list(out)
             for (src, dst), o in zip(self.stages.out_edges[stage], outputs):
                 self.acts[(src, dst, j, b, r)] = o.detach()
         self.saved[unit] = _Saved(inputs, outputs, weights, tape)

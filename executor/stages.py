@@ -215,6 +215,7 @@ def cut(spec: RunSpec, model: Model | None = None) -> Stages:
         raise ExecutorError(f"model {model.name!r} cut at layers {bounds}: stage edge {empty[0][0]}->{empty[0][1]} "
                             f"of the {schedule.method} stage graph would carry nothing")
     x, _ = microbatch_data(spec, model, 0, 0)
+    x = x.to(next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu")))
     with torch.no_grad():
         outputs: dict[int, torch.Tensor] = {BATCH: x}
         for i, layer in enumerate(model.layers):

@@ -8,9 +8,10 @@ simulator reads profiles without importing it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -96,6 +97,19 @@ class StepTimes(_Strict):
     predict: Timing
 
 
+class StagePasses(_Strict):
+    """A stage's rows timed as the executor computes them (calibrate/passes.py): the stage as one module
+    through functional_call under the executor's saved-tensor hooks, forward (`fwd`), full backward (`bwd`),
+    and the split backward's input half (`igrad`) then weight half (`wgrad`). They exceed the sums of the
+    layers timed alone by the per-layer cost of the executor's calls and by the caches a stage's several
+    layers no longer fit."""
+
+    fwd: Timing
+    bwd: Timing
+    igrad: Timing
+    wgrad: Timing
+
+
 class StageProfile(_Strict):
     """Layers [first, stop) as one pipeline stage, per micro-batch; `average` is elastic averaging of one
     replica with the reference weights (AvgPipe's AVG costs P of them); `accumulate` adding one micro-batch's
@@ -117,6 +131,7 @@ class StageProfile(_Strict):
     average: Timing
     memory_bytes: int = Field(ge=0)
     accumulate: Timing | None = None
+    passes: StagePasses | None = None  # None: a profile from before they were measured
 
     @property
     def wgrad_fraction(self) -> float:
@@ -180,8 +195,9 @@ class RuntimeProfile(_Strict):
     """What the executor itself costs per row, beyond the work the row runs (calibrate/runtime.py measures it
     by running the executor on a model of tiny layers over the run's transport and threads):
 
-    - `compute_ms`: per compute kind, a row's time minus its layers' own (functional_call, saved-tensor hooks,
-      drawing the micro-batch, the loss item, the optimizer's bookkeeping around its step);
+    - `compute_ms`: per compute kind, a row's time minus its stage's own pass (`StagePasses`; its layers' sum
+      in a probe from before passes): drawing the micro-batch, the loss item, the optimizer's bookkeeping
+      around its step;
     - `send_ms`: how long a SEND row holds its rank (posting the message);
     - `recv_ms`: a RECV row whose message had already arrived (the cost of taking it);
     - `delivery_ms`: from a send's post to its message being there, for receives that waited for it (their end
@@ -308,27 +324,38 @@ def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
 StageSteps = tuple[dict[str, StepTimes], Timing, Timing | None]  # a stage's (optimizer steps, averaging, accumulation)
 
 
-def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
-                     steps: list[StageSteps]) -> list[StageProfile]:
-    """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
-    averaging, gradient accumulation). `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`.
+def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequence[float],
+            bwd_scale: Sequence[float]) -> dict[str, float]:
+    """A stage's times as the sums of its layers' (layer i's forward times fwd_scale[i], its backward halves
+    times bwd_scale[i]). A stage fed by the batch alone (the first of a chain) has no input gradient to send:
+    its split backward's input half is empty, and the weight half does the whole backward, since its first
+    layers' weight gradients need the input gradients of the layers after them."""
+    def total(kind: str, scale: Sequence[float]) -> float:
+        return math.fsum(getattr(layers[i], kind).median_ms * scale[i] for i in range(start, stop))
 
-    A stage fed by the batch alone (the first of a chain) has no input gradient to send: its split backward's
-    input half is empty, and the weight half does the whole backward, since its first layers' weight gradients
-    need the input gradients of the layers after them. So its igrad is 0 and its wgrad its full backward."""
+    bwd_ms = total("bwd", bwd_scale)
+    sends_input_grad = any(0 <= source < start for layer in layers[start:stop] for source in layer.inputs)
+    return {"fwd_ms": total("fwd", fwd_scale), "bwd_ms": bwd_ms,
+            "igrad_ms": total("igrad", bwd_scale) if sends_input_grad else 0.0,
+            "wgrad_ms": total("wgrad", bwd_scale) if sends_input_grad else bwd_ms}
+
+
+def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
+                     steps: list[StageSteps], passes: list[StagePasses] | None = None) -> list[StageProfile]:
+    """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
+    averaging, gradient accumulation), `passes` (where measured) its rows timed as the executor runs them,
+    which are then its times. `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
     costs = layer_costs(layers, optimizer)
     p = len(bounds) - 1
+    ones = [1.0] * len(layers)
     out = []
     for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         mine = layers[start:stop]
-        bwd_ms = math.fsum(layer.bwd.median_ms for layer in mine)
-        sends_input_grad = any(0 <= source < start for layer in mine for source in layer.inputs)
+        times = (_summed(layers, start, stop, ones, ones) if passes is None else
+                 {f"{kind}_ms": getattr(passes[k], kind).median_ms for kind in ("fwd", "bwd", "igrad", "wgrad")})
         out.append(StageProfile(
             layers=(start, stop),
-            fwd_ms=math.fsum(layer.fwd.median_ms for layer in mine),
-            bwd_ms=bwd_ms,
-            igrad_ms=math.fsum(layer.igrad.median_ms for layer in mine) if sends_input_grad else 0.0,
-            wgrad_ms=math.fsum(layer.wgrad.median_ms for layer in mine) if sends_input_grad else bwd_ms,
+            **times,
             activation_bytes=stage_activation_bytes(costs, start, stop),
             output_bytes=output_bytes[k],
             param_bytes=sum(layer.param_bytes for layer in mine),
@@ -339,6 +366,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
             accumulate=steps[k][2],
+            passes=passes[k] if passes is not None else None,
         ))
     return out
 
@@ -348,7 +376,9 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[S
 
     The optimizer, prediction, averaging and accumulation steps were timed on the calibrated partition's
     stages only; for another partition they are those stages' total times shared out by parameter bytes (the
-    steps are elementwise passes over the weights, so their time follows the bytes)."""
+    steps are elementwise passes over the weights, so their time follows the bytes). So were the stages' rows
+    as one pass (`StagePasses`): another cut's stage takes its layers' times, each scaled by the ratio of the
+    pass to the layers' sum in the calibrated stage holding the layer."""
     if bounds == profile.partition.bounds:
         steps = [(stage.steps, stage.average, stage.accumulate) for stage in profile.stages]
     else:
@@ -356,7 +386,35 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[S
         steps = [_shared_steps(profile, sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes)
                  for start, stop in zip(bounds, bounds[1:])]
     return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
-                            boundary_bytes(profile.layers, bounds, dag), steps)
+                            boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds))
+
+
+def _passes_for(profile: Profile, bounds: list[int]) -> list[StagePasses] | None:
+    """The stages' passes at `bounds`: the measured ones on the calibrated cut, scaled layer sums on another
+    (None where the profile measured none)."""
+    measured = [stage.passes for stage in profile.stages]
+    if any(found is None for found in measured):
+        return None
+    if bounds == profile.partition.bounds:
+        return measured
+    layers, ones = profile.layers, [1.0] * len(profile.layers)
+    fwd_scale, bwd_scale = [], []
+    for (start, stop), found in zip(itertools.pairwise(profile.partition.bounds), measured):
+        summed = _summed(layers, start, stop, ones, ones)
+        fwd_scale += [_ratio(found.fwd.median_ms, summed["fwd_ms"])] * (stop - start)
+        bwd_scale += [_ratio(found.bwd.median_ms, summed["bwd_ms"])] * (stop - start)
+    repeats = measured[0].fwd.repeats
+
+    def timing(ms: float) -> Timing:
+        return Timing(median_ms=ms, spread_ms=0.0, repeats=repeats)
+
+    return [StagePasses(**{kind[:-3]: timing(ms) for kind, ms in
+                           _summed(layers, start, stop, fwd_scale, bwd_scale).items()})
+            for start, stop in itertools.pairwise(bounds)]
+
+
+def _ratio(measured_ms: float, summed_ms: float) -> float:
+    return measured_ms / summed_ms if summed_ms > 0 else 1.0
 
 
 def _shared_steps(profile: Profile, share: float) -> StageSteps:

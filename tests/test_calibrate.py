@@ -71,11 +71,15 @@ def test_calibrate_end_to_end_with_links(tmp_path):
         assert [t.repeats for t in (layer.fwd, layer.bwd, layer.igrad, layer.wgrad)] == [10, 5, 5, 5]
         assert layer.fwd.median_ms > 0 and layer.wgrad.median_ms > 0
     assert all(layer.igrad.median_ms > 0 for layer in profile.layers[1:])
+    # A stage's times are its rows timed as one pass, as the executor runs them (forwards before the full
+    # and before the split backward); the layers' sums are what `stages_for` scales on another cut.
     stage = profile.stages[0]
-    start, stop = stage.layers
-    assert stage.fwd_ms == pytest.approx(sum(layer.fwd.median_ms for layer in profile.layers[start:stop]))
-    # The first stage sends no input gradient: its split backward is all weight half.
-    assert (stage.igrad_ms, stage.wgrad_ms, stage.wgrad_fraction) == (0.0, stage.bwd_ms, 1.0)
+    passes = stage.passes
+    assert [t.repeats for t in (passes.fwd, passes.bwd, passes.igrad, passes.wgrad)] == [10, 5, 5, 5]
+    assert (stage.fwd_ms, stage.bwd_ms, stage.igrad_ms, stage.wgrad_ms) == tuple(
+        t.median_ms for t in (passes.fwd, passes.bwd, passes.igrad, passes.wgrad))
+    # The first stage sends no input gradient: its split backward's input half has nothing to walk.
+    assert stage.igrad_ms < stage.wgrad_ms / 4 and stage.bwd_ms > 0
     assert 0 < profile.stages[1].wgrad_fraction < 1
     assert all(stage.steps[name].step.median_ms > 0 for name in ("sgd", "momentum", "adam", "adamw"))
 
@@ -173,16 +177,16 @@ def test_simulate_with_a_profile(mlp_profile):
     profile = load_profile(mlp_profile)
     gpipe, xpipe = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-s", "xpipe", "-m", "4")
     assert len(gpipe["devices"]) == profile.partition.stages  # --stages defaults to the profile's
-    # Four forwards and backwards, three of which add their gradients into the first's, and the update.
+    # Four forwards and backwards and the update; the backwards were timed as one pass adding into the
+    # gradient buffer, as three of the four do, so no accumulation comes on top.
+    assert all(stage.passes is not None for stage in profile.stages)
     for device, stage in zip(gpipe["devices"], profile.stages):
-        compute = (4 * (stage.fwd_ms + stage.bwd_ms) + 3 * stage.accumulate.median_ms
-                   + stage.steps["adam"].step.median_ms)
+        compute = 4 * (stage.fwd_ms + stage.bwd_ms) + stage.steps["adam"].step.median_ms
         assert device["busy_ms"] == pytest.approx(compute)
         assert device["peak_memory_mb"] * 2**20 >= stage.param_bytes * 2 + stage.optimizer_state_bytes["adam"]
     order = build_schedule("xpipe", ScheduleParams(2, 4)).orders
     for device, stage, actions in zip(xpipe["devices"], profile.stages, order):  # bellwether predictions
-        compute = (4 * (stage.fwd_ms + stage.bwd_ms) + 3 * stage.accumulate.median_ms
-                   + stage.steps["adam"].step.median_ms)
+        compute = 4 * (stage.fwd_ms + stage.bwd_ms) + stage.steps["adam"].step.median_ms
         predictions = sum(action.kind is Kind.PRED for action in actions)
         assert predictions and device["busy_ms"] == pytest.approx(
             compute + predictions * stage.steps["adam"].predict.median_ms)
@@ -191,7 +195,7 @@ def test_simulate_with_a_profile(mlp_profile):
     (sgd,) = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-m", "4", "--optimizer", "sgd")
     first = profile.stages[0]
     assert sgd["devices"][0]["busy_ms"] == pytest.approx(
-        4 * (first.fwd_ms + first.bwd_ms) + 3 * first.accumulate.median_ms + first.steps["sgd"].step.median_ms)
+        4 * (first.fwd_ms + first.bwd_ms) + first.steps["sgd"].step.median_ms)
 
     # Other stage counts re-partition the layers: p = 3 devices, or 4 model stages for zb-v's two chunks.
     (three,) = simulate_json("--profile", str(mlp_profile), "-s", "1f1b", "-p", "3", "-m", "6")
@@ -367,32 +371,43 @@ def test_calibrate_on_cuda(tmp_path):
     assert not math.isnan(profile.link.segments[0].latency_ms)
 
 
-@pytest.mark.parametrize("model_name, options, bounds", [("mlp", {"layers": 3, "width": 8}, (1, 3)),
-                                                         ("mlp", {"layers": 3, "width": 8}, (3, 4)),
-                                                         ("two-branch", {"layers": 1, "width": 4}, (1, 3))])
-def test_the_pass_before_a_timed_step_is_the_stages_forward_and_backward_on_the_given_weights(model_name, options,
-                                                                                              bounds):
-    """Steps are timed after `stage_pass`: it must run the stage's own F and B, on the tensors it is given in
-    place of the layers' parameters, so what it leaves in cache is what the step reads."""
-    from pipesim.calibrate.measure import Settings, measure_bytes, stage_pass
+@pytest.mark.parametrize("model_name, options, bounds", [("mlp", {"layers": 3, "width": 8}, [0, 1, 3, 4]),
+                                                         ("mlp", {"layers": 3, "width": 8}, [0, 3, 4]),
+                                                         ("two-branch", {"layers": 1, "width": 4}, [0, 1, 3, 4])])
+def test_stage_runs_compute_each_stages_rows_on_the_weights_put_in_place(model_name, options, bounds):
+    """Stage passes and the pass a step is timed after are `stage_runs`: each stage's F and B on the weights
+    put in its place (so what it leaves in cache is what a step reads), adding into one gradient buffer as a
+    mini-batch's micro-batches do; I then W add the same gradient as B."""
+    from pipesim.calibrate.measure import Settings, measure_bytes
+    from pipesim.calibrate.passes import stage_runs
     from pipesim.workload.models import build_model
 
     torch.manual_seed(0)
     model = build_model(model_name, **options)
-    recording, _ = measure_bytes(model, Settings(torch.device("cpu"), torch.float64, 3, warmup=0, repeats=1))
-    first, stop = bounds
-    own = [p for layer in model.layers[first:stop] for p in layer.parameters() if p.requires_grad]
-    copies = [p.detach().clone().requires_grad_(True) for p in own]
-    stage_pass(model, recording, first, stop, copies)(None)
-    # the same pass by hand: each layer on the recorded inputs from outside the stage, chained inside it
-    here, last = {}, len(model.layers) - 1
-    for i in range(first, stop):
-        args = [here[s] if s in here else a.detach().requires_grad_(s >= 0)
-                for a, s in zip(recording.inputs[i], model.inputs[i])]
-        here[i] = model.layers[i](*args)
-    ends = [model.loss(here[last], recording.target)] if stop == last + 1 else \
-        [here[s] for s in sorted({s for i in range(stop, last + 1) for s in model.inputs[i] if first <= s < stop})]
-    torch.autograd.backward(ends, [torch.ones_like(t) for t in ends], inputs=own)
-    for copy, param in zip(copies, own):
-        torch.testing.assert_close(copy.grad, param.grad)
-    assert all(param.grad is not None for param in own)
+    measure_bytes(model, Settings(torch.device("cpu"), torch.float64, 3, warmup=0, repeats=1))
+    runs = stage_runs(model, bounds, "float64", 3)
+    assert [run.received for run in runs][0] == [False] and all(any(run.received) for run in runs[1:])
+    for run in runs:
+        own = [p for p in run.module.parameters()]
+        run.weights = [p.detach().clone().mul_(2.0).requires_grad_(True) for p in own]  # other weights in place
+        run.backward(run.forward())
+        run.backward(run.forward())
+        # the same by hand: the stage module with those weights, on the same inputs, twice into .grad
+        with torch.no_grad():
+            for p, w in zip(own, run.weights):
+                p.copy_(w)
+        for _ in range(2):
+            args = [a.detach().requires_grad_(edge) for a, edge in zip(run.args, run.received)]
+            out = run.module(*args)
+            ends = [run.loss(out)] if run.loss is not None else list(out)
+            torch.autograd.backward(ends, [g for g in run.grad_outputs if g is not None] or None, inputs=own)
+        for buffer, p, w in zip(run.into, own, run.weights):
+            torch.testing.assert_close(buffer, p.grad)
+            assert w.grad is None  # the buffer holds them, not the weights
+        split = run.into
+        run.into = []
+        saved = run.backward_weight(run.backward_input(run.forward()))
+        run.backward_weight(run.backward_input(run.forward()))
+        assert saved[:2] == ([], [])  # I let go of the graph's ends; W starts from what it recorded
+        for buffer, full in zip(run.into, split):
+            torch.testing.assert_close(buffer, full)

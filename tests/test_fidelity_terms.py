@@ -21,6 +21,7 @@ from pipesim.profiles.schema import (
     LinkProfile,
     Profile,
     RuntimeProfile,
+    StagePasses,
     Timing,
     load_profile,
     stages_for,
@@ -256,6 +257,46 @@ def test_a_stage_fed_by_the_batch_alone_has_an_empty_input_half():
     assert costs.op_ms_table(1)[0][KINDS.index(Kind.I)] == 0.0
 
 
+def with_passes(profile, fwd_ratio, bwd_ratio):
+    """`profile` as if its stages' passes had measured its layers' sums times these ratios (one per stage)."""
+    def timing(ms):
+        return Timing(median_ms=ms, spread_ms=0.0, repeats=5)
+
+    stages = [stage.model_copy(update={"passes": StagePasses(
+        fwd=timing(stage.fwd_ms * f), bwd=timing(stage.bwd_ms * b), igrad=timing(stage.igrad_ms * b),
+        wgrad=timing(stage.wgrad_ms * b))}) for stage, f, b in zip(profile.stages, fwd_ratio, bwd_ratio)]
+    return profile.model_copy(update={"stages": stages})
+
+
+def test_stages_are_priced_at_their_passes_and_another_cut_scales_each_layer_by_its_stage():
+    plain = load_profile(PROFILE)
+    p = plain.partition.stages
+    profile = with_passes(plain, [1.5, 1.2, 1.1, 1.3][:p], [2.0, 1.4, 1.6, 1.25][:p])
+    own = stages_for(profile, profile.partition.bounds)
+    assert [(s.fwd_ms, s.bwd_ms, s.igrad_ms, s.wgrad_ms) for s in own] == [tuple(
+        t.median_ms for t in (s.passes.fwd, s.passes.bwd, s.passes.igrad, s.passes.wgrad)) for s in profile.stages]
+    # Cut every calibrated stage in two: each half scales its layers by its stage's ratios, so the halves add
+    # up to the measured passes, and a half takes its own layers' share.
+    bounds = profile.partition.bounds
+    halves = sorted({*bounds, *((a + b) // 2 for a, b in zip(bounds, bounds[1:]) if b - a > 1)})
+    finer = stages_for(profile, halves)
+    for kind in ("fwd_ms", "bwd_ms"):
+        assert sum(getattr(s, kind) for s in finer) == pytest.approx(sum(getattr(s, kind) for s in own))
+    plain_finer = stages_for(plain, halves)
+    assert finer[0].fwd_ms == pytest.approx(plain_finer[0].fwd_ms * 1.5)
+    assert finer[0].bwd_ms == pytest.approx(plain_finer[0].bwd_ms * 2.0)
+    assert (finer[0].igrad_ms, finer[0].wgrad_ms) == (0.0, finer[0].bwd_ms)  # fed by the batch, still
+    assert finer[-1].igrad_ms == pytest.approx(plain_finer[-1].igrad_ms * [2.0, 1.4, 1.6, 1.25][p - 1])
+    # The passes add into the gradient buffer as they run: no accumulation is priced on top of them.
+    accumulated = plain.model_copy(update={"stages": [s.model_copy(update={"accumulate": Timing(
+        median_ms=0.5, spread_ms=0.0, repeats=5)}) for s in plain.stages]})
+    costs = profile_scenario(accumulated, "sgd").costs(build("1f1b", p, 4))
+    assert all(stage.accumulate_ms == 0.5 for stage in costs.stages)
+    measured = with_passes(accumulated, [1.0] * p, [1.0] * p)
+    costs = profile_scenario(measured, "sgd").costs(build("1f1b", p, 4))
+    assert all(stage.accumulate_ms == 0 for stage in costs.stages)
+
+
 def test_a_version_1_profile_prices_no_runtime_terms():
     profile = load_profile(PROFILE)
     assert profile.schema_version == 1 and profile.runtime is None
@@ -289,20 +330,23 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
                                              delivery_ms=t, delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0,
                                              meta={}),
                                          "contention": ContentionProfile(slowdown=[1.0, 1.5], spread=[0, 0], meta={})})
+    profile = with_passes(profile, [1.5] * 4, [2.0] * 4)
     variants = fidelity.term_variants(profile, load_profile(PROFILE))
     schedule = build("1f1b", 4, 4, 2)
     costs = [profile_scenario(p, "sgd").costs(schedule) for _, p in variants]
     assert variants[0][1].environment.threads == 2 and variants[1][1].environment.threads == 1
-    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0] + [0.1] * 8
-    assert [c.overhead.compute_ms[0] for c in costs] == [0, 0, 0] + [0.1] * 7
-    assert [c.overhead.send_ms for c in costs] == [0] * 4 + [0.1] * 6
+    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1] + [0] * 8  # then inside the passes
+    first = profile.stages[0]
+    assert [c.stages[0].fwd_ms for c in costs][1:] == [first.fwd_ms] * 2 + [first.passes.fwd.median_ms] * 8
+    assert [c.overhead.compute_ms[0] for c in costs] == [0] * 4 + [0.1] * 7
+    assert [c.overhead.send_ms for c in costs] == [0] * 5 + [0.1] * 6
     # The link's fit takes 1 ms + 1 us at the probe's 4 KiB until delivery is on, then 0.1 ms there.
     assert [profile_scenario(p, "sgd").links(schedule).link(0, 1).transfer_ms(4096) for _, p in variants] == \
-        pytest.approx([1.001] * 5 + [0.1] * 5)
-    assert [c.overhead.gap_ms[0] for c in costs] == [0] * 6 + [0.1] * 4
-    assert [c.kept_gradients for c in costs] == [0] * 7 + [1.0] * 3
-    assert [c.recv_window for c in costs] == [0] * 8 + [16] * 2
-    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == [()] * 9 + [(1.0, 1.5)]
+        pytest.approx([1.001] * 6 + [0.1] * 5)
+    assert [c.overhead.gap_ms[0] for c in costs] == [0] * 7 + [0.1] * 4
+    assert [c.kept_gradients for c in costs] == [0] * 8 + [1.0] * 3
+    assert [c.recv_window for c in costs] == [0] * 9 + [16] * 2
+    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == [()] * 10 + [(1.0, 1.5)]
     assert variants[-1][1] == profile
 
 
