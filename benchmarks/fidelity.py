@@ -113,19 +113,22 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
     the first is what pipesim predicted before these terms (every core, the layers and steps alone)."""
     def layers_only(p: Profile, accumulate: bool = False) -> Profile:
         return p.model_copy(update={"runtime": None, "contention": None, "stages": [s.model_copy(update={
-            "passes": None, "accumulate": s.accumulate if accumulate else None}) for s in p.stages]})
+            "passes": None, "weight_copy": None, "accumulate": s.accumulate if accumulate else None})
+            for s in p.stages]})
 
     terms = ("compute", "messages", "delivery", "gaps", "kept", "posted")
 
-    def first(count: int) -> Profile:
-        return profile.model_copy(update={"contention": None, "runtime": _runtime(
+    def first(count: int, copies: bool = True) -> Profile:
+        stages = profile.stages if copies else [s.model_copy(update={"weight_copy": None}) for s in profile.stages]
+        return profile.model_copy(update={"contention": None, "stages": stages, "runtime": _runtime(
             profile, **{t: i < count for i, t in enumerate(terms)})})
 
     return [
         ("all cores, layers only (before)", layers_only(all_cores.model_copy(update={"link": profile.link}))),
         ("+ calibrated on one thread, as a rank runs", layers_only(profile)),
         ("+ gradient accumulation per backward", layers_only(profile, accumulate=True)),
-        ("+ stages timed as one pass, as the executor computes them", first(0)),
+        ("+ stages timed as one pass, as the executor computes them", first(0, copies=False)),
+        ("+ a copy-on-write update copies the weights first", first(0)),
         ("+ runtime's fixed cost per compute row", first(1)),
         ("+ host time of each send and receive", first(2)),
         ("+ delivery as a pre-posted receive sees it", first(3)),

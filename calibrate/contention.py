@@ -141,7 +141,7 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
             "cpu_count": os.cpu_count(), "cpus_usable": _usable_cpus(),
             "workload": {"model": model, "options": job.options, "bounds": job.bounds, "dtype": env.dtype,
                          "microbatch_size": env.microbatch_size, "stages": [rank % stages for rank in range(count)],
-                         "pass": "forward and full backward"},
+                         "pass": "forward and full backward, as the executor runs them"},
             "solo_ms": [round(ms, 4) for ms in solo_ms], "measured_slowdown": [round(r, 4) for r in measured],
             "iterations": [[len(ms) for ms in times] for times in [alone, *together]]}
     return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],

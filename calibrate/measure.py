@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..executor.weights import copy_on_write
 from ..profiles.linkfit import fit_link
 from ..profiles.partition import partition
 from ..profiles.schema import (
@@ -307,10 +308,12 @@ def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance) -
 
 
 def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) -> list[StageSteps]:
-    """Per stage: each optimizer's update and weight prediction, one replica's elastic averaging, and adding
-    one micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does).
+    """Per stage: each optimizer's update and weight prediction, one replica's elastic averaging, adding one
+    micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does), and the
+    copy of the weights a copy-on-write update makes (`copy_on_write`, the executor's own).
 
-    Each is timed right after an untimed F and B of its stage on the same weights, as it runs in a pipeline:
+    Each is timed right after an untimed F and B of its stage on the same weights and gradients (the pass adds
+    into the gradients the step reads), as it runs in a pipeline:
     these ops stream the weights, gradients and optimizer state through memory, and timed back to back they
     find them in cache (a momentum step of 4 MiB of weights: 0.4-0.5 ms hot, 0.8 ms after the stage's pass)."""
     out = []
@@ -318,8 +321,9 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) ->
         weights = run.weights = _with_grads(run.weights)
         if not weights:
             zero = _zero(settings)
-            out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero, zero))
+            out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero, zero, zero))
             continue
+        run.into = [w.grad for w in weights]  # the pass adds into the gradients a step reads, as a last B does
         warm = ("pass", lambda _, run=run: run.backward(run.forward()))  # timed with the rest, not kept
         steps = {}
         for name in OPTIMIZERS:
@@ -333,8 +337,9 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) ->
         reference = [p.detach().clone() for p in weights]
         average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
         accumulate = _call_with(_accumulate, [torch.zeros_like(w) for w in weights], [w.grad for w in weights])
-        times = _time(settings, [warm, ("average", average)], [warm, ("accumulate", accumulate)])
-        out.append((steps, times["average"], times["accumulate"]))
+        times = _time(settings, [warm, ("average", average)], [warm, ("accumulate", accumulate)],
+                      [warm, ("copy", _call_with(copy_on_write, weights))])
+        out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 
 

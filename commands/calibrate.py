@@ -256,6 +256,12 @@ def _print_profile(profile) -> None:
         threads = meta.get("threads_per_process")
         stdout.print(f"contention: {at_once} ({threads} thread{'s' * (threads != 1)} per rank, "
                      f"{meta.get('cpus_usable')} cores)", highlight=False)
+        solo_ms, of = meta.get("solo_ms"), meta.get("workload", {}).get("stages")
+        if solo_ms and of and all(stage.passes is not None for stage in profile.stages):
+            drift = [ms / (profile.stages[k].fwd_ms + profile.stages[k].bwd_ms) - 1 for ms, k in zip(solo_ms, of)]
+            stdout.print("contention probe, each rank alone, against its stage's calibrated F + B: "
+                         + ", ".join(f"{d:+.0%}" for d in drift) + " (the same code: the host's drift in between)",
+                         highlight=False)
     if profile.link is None:
         stdout.print("links: not measured (--no-links)", highlight=False)
         return

@@ -51,6 +51,12 @@ def _give_back(tensors: Iterable[torch.Tensor]) -> int:
     return freed
 
 
+def copy_on_write(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The fresh copies an update moves on to when later rows still read the version it supersedes
+    (calibration times this as the profile's `weight_copy`)."""
+    return [w.detach().clone().requires_grad_(True) for w in weights]
+
+
 class StageWeights:
     """The versions of one stage's weights in one pipeline replica, its prediction buffers and its optimizer."""
 
@@ -109,7 +115,7 @@ class StageWeights:
         reads version v, so the update goes to copies and v stays as it is."""
         old = self.current
         if keep_old:
-            new = [w.detach().clone().requires_grad_(True) for w in old]
+            new = copy_on_write(old)
             group = self.optimizer.param_groups[0]
             group["params"] = new
             for before, after in zip(old, new):

@@ -114,8 +114,9 @@ class StageProfile(_Strict):
     """Layers [first, stop) as one pipeline stage, per micro-batch; `average` is elastic averaging of one
     replica with the reference weights (AvgPipe's AVG costs P of them); `accumulate` adding one micro-batch's
     weight gradients into the mini-batch's buffer, which the executor's B (or W) does for every micro-batch
-    but the first (None: a version 1 profile, not measured); `memory_bytes` the 1F1B estimate of
-    `partition.py` for the partition's optimizer."""
+    but the first (None: a version 1 profile, not measured); `weight_copy` copying the stage's weights, which an
+    update does first where later rows still read the version it supersedes (copy-on-write; None: not
+    measured); `memory_bytes` the 1F1B estimate of `partition.py` for the partition's optimizer."""
 
     layers: tuple[int, int]
     fwd_ms: float = Field(ge=0)
@@ -132,6 +133,7 @@ class StageProfile(_Strict):
     memory_bytes: int = Field(ge=0)
     accumulate: Timing | None = None
     passes: StagePasses | None = None  # None: a profile from before they were measured
+    weight_copy: Timing | None = None
 
     @property
     def wgrad_fraction(self) -> float:
@@ -321,7 +323,8 @@ def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
                       layer.activation_bytes, layer.shared_with_previous_bytes) for layer in layers]
 
 
-StageSteps = tuple[dict[str, StepTimes], Timing, Timing | None]  # a stage's (optimizer steps, averaging, accumulation)
+# a stage's (optimizer steps, averaging, accumulation, copy-on-write copy of its weights)
+StageSteps = tuple[dict[str, StepTimes], Timing, Timing | None, Timing | None]
 
 
 def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequence[float],
@@ -343,7 +346,7 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
                      steps: list[StageSteps], passes: list[StagePasses] | None = None) -> list[StageProfile]:
     """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
-    averaging, gradient accumulation), `passes` (where measured) its rows timed as the executor runs them,
+    averaging, gradient accumulation, weight copy), `passes` (where measured) its rows timed as the executor runs them,
     which are then its times. `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
     costs = layer_costs(layers, optimizer)
     p = len(bounds) - 1
@@ -366,6 +369,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
             accumulate=steps[k][2],
+            weight_copy=steps[k][3],
             passes=passes[k] if passes is not None else None,
         ))
     return out
@@ -374,13 +378,13 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
 def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[StageProfile]:
     """The profile's layers as the stages `bounds` cuts, linked as a chain or (`dag`) by `stage_edges`.
 
-    The optimizer, prediction, averaging and accumulation steps were timed on the calibrated partition's
+    The optimizer, prediction, averaging, accumulation and copy steps were timed on the calibrated partition's
     stages only; for another partition they are those stages' total times shared out by parameter bytes (the
     steps are elementwise passes over the weights, so their time follows the bytes). So were the stages' rows
     as one pass (`StagePasses`): another cut's stage takes its layers' times, each scaled by the ratio of the
     pass to the layers' sum in the calibrated stage holding the layer."""
     if bounds == profile.partition.bounds:
-        steps = [(stage.steps, stage.average, stage.accumulate) for stage in profile.stages]
+        steps = [(stage.steps, stage.average, stage.accumulate, stage.weight_copy) for stage in profile.stages]
     else:
         total_bytes = sum(stage.param_bytes for stage in profile.stages) or 1
         steps = [_shared_steps(profile, sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes)
@@ -426,8 +430,10 @@ def _shared_steps(profile: Profile, share: float) -> StageSteps:
 
     steps = {name: StepTimes(step=total(lambda s, n=name: s.steps[n].step),
                              predict=total(lambda s, n=name: s.steps[n].predict)) for name in OPTIMIZERS}
-    measured = all(stage.accumulate is not None for stage in profile.stages)
-    return steps, total(lambda s: s.average), total(lambda s: s.accumulate) if measured else None
+    def measured(pick: Callable[[StageProfile], Timing | None]) -> Timing | None:
+        return total(pick) if all(pick(stage) is not None for stage in profile.stages) else None
+
+    return steps, total(lambda s: s.average), measured(lambda s: s.accumulate), measured(lambda s: s.weight_copy)
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -30,7 +30,9 @@ class StageCosts:
     `avg_ms` is the elastic averaging of one pipeline's replica with the reference weights; what an AVG
     of P pipelines costs is `Costs.op_ms_table`'s to say. `accumulate_ms` is adding one micro-batch's
     weight gradients into the mini-batch's buffer: a runtime that keeps one buffer pays it in every B (or W)
-    but the first after an update, which the simulator prices row by row.
+    but the first after an update, which the simulator prices row by row. `copy_ms` is copying the stage's
+    weights, which an update does first where later rows still read the version it supersedes (the
+    lowering's `copies_delta` > 0 at the OPT: copy-on-write).
     """
 
     fwd_ms: float
@@ -46,9 +48,11 @@ class StageCosts:
     igrad_ms: float | None = None
     wgrad_ms: float | None = None
     accumulate_ms: float = 0.0
+    copy_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms")
+        times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
+                 "copy_ms")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes"):
             value = getattr(self, name)
             if value is None and name in ("igrad_ms", "wgrad_ms"):

@@ -86,6 +86,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     duration = np.where(compute, op_ms[stage, computing_kind] + np.asarray(overhead.compute_ms)[computing_kind], 0.0)
     spans = _gradient_spans(lowered)
     duration += spans.accumulating * np.asarray([c.accumulate_ms for c in stages])[stage]
+    copying = (kind == KIND_CODE[Kind.OPT]) & (lowered.copies_delta > 0)  # copy-on-write: the old version stays
+    duration += copying * np.asarray([c.copy_ms for c in stages])[stage]
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
     duration = _picoseconds(duration)

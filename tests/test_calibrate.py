@@ -167,6 +167,7 @@ def test_calibration_runs_at_the_given_threads_and_times_the_gradient_accumulati
     assert profile.schema_version == 2 and profile.environment.threads == 1  # the default: a rank's one thread
     assert profile.runtime is None  # --no-runtime
     assert all(stage.accumulate.median_ms > 0 and stage.accumulate.repeats == 5 for stage in profile.stages)
+    assert all(stage.weight_copy.median_ms > 0 and stage.weight_copy.repeats == 5 for stage in profile.stages)
     out = tmp_path / "two.json"
     assert pipesim("calibrate", *MLP, "--threads", "2", *LAYERS_ONLY, "--out", out).code == 0
     assert load_profile(out).environment.threads == 2

@@ -87,9 +87,13 @@ def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path, ranks
     assert meta["workload"] == {"model": "mlp", "options": {"layers": 2, "width": 16}, "dtype": "float32",
                                 "microbatch_size": 2, "bounds": profile.partition.bounds,
                                 "stages": [rank % 2 for rank in range(count)],
-                                "pass": "forward and full backward"}
+                                "pass": "forward and full backward, as the executor runs them"}
     assert all(n > 0 for window in meta["iterations"] for n in window)
     assert "contention: 2 ranks computing at once" in printed
+    # each rank alone runs its stage's calibrated passes: the line says how far the host drifted in between
+    flat = " ".join(printed.split())  # the console wraps at 120 columns
+    drift = flat.split("against its stage's calibrated F + B: ")[1].split(" (the same code")[0]
+    assert len(drift.split(", ")) == count and all(d.endswith("%") for d in drift.split(", "))
 
     skipped = tmp_path / "skipped.json"
     code, printed, err = pipesim("calibrate", *TINY, "--no-contention", "--out", skipped)

@@ -27,9 +27,9 @@ from pipesim.profiles.schema import (
     stages_for,
     threads_mismatch,
 )
-from pipesim.schedules import KINDS, METHODS, NUM_COMPUTE_KINDS, Kind
+from pipesim.schedules import KIND_CODE, KINDS, METHODS, NUM_COMPUTE_KINDS, Kind, lower
 from pipesim.sim import Cluster, Costs, simulate
-from pipesim.sim.costs import RowOverhead
+from pipesim.sim.costs import RowOverhead, StageCosts
 from pipesim.traces import summarize
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Counter, Ops, Stream, Trace, TraceError, TraceMeta, write_trace
@@ -297,6 +297,24 @@ def test_stages_are_priced_at_their_passes_and_another_cut_scales_each_layer_by_
     assert all(stage.accumulate_ms == 0 for stage in costs.stages)
 
 
+def test_an_update_that_leaves_its_old_version_to_later_readers_pays_for_copying_the_weights():
+    """The executor's OPT copies the weights first where the lowering keeps the superseded version
+    (copies_delta > 0: PipeDream's stash, 2BW's double buffer), never where it updates in place (1F1B)."""
+    def opt_ms(method: str, copy_ms: float) -> list[float]:
+        costs = Costs(tuple(StageCosts(fwd_ms=1.0, bwd_ms=2.0, opt_ms=0.5, param_bytes=1 << 20, copy_ms=copy_ms)
+                            for _ in range(2)))
+        trace = simulate(build(method, 2, 4, 3), costs, Cluster(2))
+        ops, kinds = trace.ops, np.asarray(trace.kinds)
+        return (ops.dur_us[kinds[ops.kind] == "OPT"] / 1e3).tolist()
+
+    in_place = opt_ms("1f1b", 0.0)
+    assert opt_ms("1f1b", 0.3) == in_place == [0.5] * len(in_place)
+    lowered = lower(build("pipedream-2bw", 2, 4, 3))
+    opts = lowered.table.kind == KIND_CODE[Kind.OPT]
+    copying = (lowered.copies_delta[opts] > 0).tolist()
+    assert any(copying) and opt_ms("pipedream-2bw", 0.3) == [0.8 if c else 0.5 for c in copying]
+
+
 def test_a_version_1_profile_prices_no_runtime_terms():
     profile = load_profile(PROFILE)
     assert profile.schema_version == 1 and profile.runtime is None
@@ -331,22 +349,24 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
                                              meta={}),
                                          "contention": ContentionProfile(slowdown=[1.0, 1.5], spread=[0, 0], meta={})})
     profile = with_passes(profile, [1.5] * 4, [2.0] * 4)
+    profile = profile.model_copy(update={"stages": [s.model_copy(update={"weight_copy": t}) for s in profile.stages]})
     variants = fidelity.term_variants(profile, load_profile(PROFILE))
     schedule = build("1f1b", 4, 4, 2)
     costs = [profile_scenario(p, "sgd").costs(schedule) for _, p in variants]
     assert variants[0][1].environment.threads == 2 and variants[1][1].environment.threads == 1
-    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1] + [0] * 8  # then inside the passes
+    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1] + [0] * 9  # then inside the passes
     first = profile.stages[0]
-    assert [c.stages[0].fwd_ms for c in costs][1:] == [first.fwd_ms] * 2 + [first.passes.fwd.median_ms] * 8
-    assert [c.overhead.compute_ms[0] for c in costs] == [0] * 4 + [0.1] * 7
-    assert [c.overhead.send_ms for c in costs] == [0] * 5 + [0.1] * 6
+    assert [c.stages[0].fwd_ms for c in costs][1:] == [first.fwd_ms] * 2 + [first.passes.fwd.median_ms] * 9
+    assert [c.stages[0].copy_ms for c in costs] == [0] * 4 + [0.1] * 8
+    assert [c.overhead.compute_ms[0] for c in costs] == [0] * 5 + [0.1] * 7
+    assert [c.overhead.send_ms for c in costs] == [0] * 6 + [0.1] * 6
     # The link's fit takes 1 ms + 1 us at the probe's 4 KiB until delivery is on, then 0.1 ms there.
     assert [profile_scenario(p, "sgd").links(schedule).link(0, 1).transfer_ms(4096) for _, p in variants] == \
-        pytest.approx([1.001] * 6 + [0.1] * 5)
-    assert [c.overhead.gap_ms[0] for c in costs] == [0] * 7 + [0.1] * 4
-    assert [c.kept_gradients for c in costs] == [0] * 8 + [1.0] * 3
-    assert [c.recv_window for c in costs] == [0] * 9 + [16] * 2
-    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == [()] * 10 + [(1.0, 1.5)]
+        pytest.approx([1.001] * 7 + [0.1] * 5)
+    assert [c.overhead.gap_ms[0] for c in costs] == [0] * 8 + [0.1] * 4
+    assert [c.kept_gradients for c in costs] == [0] * 9 + [1.0] * 3
+    assert [c.recv_window for c in costs] == [0] * 10 + [16] * 2
+    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == [()] * 11 + [(1.0, 1.5)]
     assert variants[-1][1] == profile
 
 
