@@ -39,7 +39,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.executor import RunSpec, even_bounds, run_multiprocess
+from pipesim.executor import ExecutorError, RunSpec, cut, even_bounds, run_multiprocess
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.linkfit import piecewise_ms
@@ -150,12 +150,18 @@ def params(method: str, workload: Workload, minibatches: int) -> ScheduleParams:
 
 
 def run_once(case: Case, profile: Profile) -> Trace:
-    """One real run in fresh processes; the cut is the profile's partition where the stage counts agree."""
+    """One real run in fresh processes; the cut is the profile's partition where the stage counts agree and
+    the schedule's stage graph can carry it (calibration cuts a branching model as a chain, which GraphPipe's
+    diamond may not carry: then the executor's even cut), the prediction replaying the cut the run used."""
     w = case.workload
     schedule = method_named(case.method).build(params(case.method, w, w.warmup + w.steps))
-    bounds = tuple(profile.partition.bounds) if schedule.num_stages == profile.partition.stages else None
     spec = RunSpec(schedule, w.model, w.options, microbatch_size=w.microbatch_size, optimizer="sgd", lr=0.01,
-                   bounds=bounds, threads_per_rank=profile.environment.threads, timeout_s=300.0)
+                   bounds=tuple(profile.partition.bounds), threads_per_rank=profile.environment.threads,
+                   timeout_s=300.0)
+    try:
+        cut(spec)
+    except ExecutorError:
+        spec = replace(spec, bounds=None)
     return run_multiprocess(spec).trace
 
 
