@@ -356,8 +356,9 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
                   f"{structure[focus]:+.1%}; the rest of each method's error is in the op times", highlight=False)
 
     torch_rows = []
-    # torch's ranks are processes on the same cores: the host's terms apply, pipesim's runtime's do not.
-    torch_terms = variants[2][1].model_copy(update={"contention": profiles[chain.model].contention})
+    # torch's ranks are processes on the same cores: the host's terms apply, pipesim's runtime's do not; its
+    # stages run their layers back to back as pipesim's passes do (without functional_call and the hooks).
+    torch_terms = variants[3][1].model_copy(update={"contention": profiles[chain.model].contention})
     measured_torch = json.loads((folder / "torch.json").read_text()) if (folder / "torch.json").exists() else {}
     for method, samples in measured_torch.items():
         measured = float(np.median(samples))
@@ -367,9 +368,8 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
                               None, None))
     if torch_rows:
         console.print(method_table(torch_rows, "torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B), same "
-                                               "model and even cut: predicted from the profile's layers, threads, "
-                                               "gradient accumulation and contention (pipesim's runtime terms left "
-                                               "out)"))
+                                               "model and even cut: predicted from the profile's stage passes, "
+                                               "threads and contention (pipesim's runtime terms left out)"))
     if out:
         out.write_text(json.dumps({
             "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
