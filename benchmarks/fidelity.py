@@ -39,11 +39,11 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.executor import ExecutorError, RunSpec, cut, even_bounds, run_multiprocess
+from pipesim.executor import RunSpec, carried_bounds, even_bounds, run_multiprocess
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.linkfit import piecewise_ms
-from pipesim.profiles.schema import Profile, RuntimeProfile, Timing, load_profile
+from pipesim.profiles.schema import Profile, RuntimeProfile, Timing, layer_costs, load_profile
 from pipesim.schedules import ScheduleParams
 from pipesim.schedules.catalogue import METHODS, method_named
 from pipesim.sim import simulate
@@ -152,16 +152,15 @@ def params(method: str, workload: Workload, minibatches: int) -> ScheduleParams:
 def run_once(case: Case, profile: Profile) -> Trace:
     """One real run in fresh processes; the cut is the profile's partition where the stage counts agree and
     the schedule's stage graph can carry it (calibration cuts a branching model as a chain, which GraphPipe's
-    diamond may not carry: then the executor's even cut), the prediction replaying the cut the run used."""
+    diamond may not carry: then the carried cut with the fastest slowest stage), the prediction replaying the
+    cut the run used."""
     w = case.workload
     schedule = method_named(case.method).build(params(case.method, w, w.warmup + w.steps))
+    bounds = tuple(profile.partition.bounds) if schedule.num_stages == profile.partition.stages else None
     spec = RunSpec(schedule, w.model, w.options, microbatch_size=w.microbatch_size, optimizer="sgd", lr=0.01,
-                   bounds=tuple(profile.partition.bounds), threads_per_rank=profile.environment.threads,
-                   timeout_s=300.0)
-    try:
-        cut(spec)
-    except ExecutorError:
-        spec = replace(spec, bounds=None)
+                   bounds=bounds, threads_per_rank=profile.environment.threads, timeout_s=300.0)
+    if bounds is not None:
+        spec = replace(spec, bounds=carried_bounds(spec, [c.ms for c in layer_costs(profile.layers, "sgd")]))
     return run_multiprocess(spec).trace
 
 

@@ -4,6 +4,7 @@ Torch is imported only once the command runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -98,9 +99,9 @@ def run(
 
     try:
         require_torch("run")
-        from ..executor import ExecutorError, RunSpec
+        from ..executor import ExecutorError, RunSpec, carried_bounds
         from ..executor.runners import RunFailed, TorchrunEnv, run_multiprocess, run_torchrun
-        from ..profiles.schema import threads_mismatch
+        from ..profiles.schema import layer_costs, threads_mismatch
         from ..workload.models import ModelError, build_model
         from ..workload.optim import OPTIMIZERS
 
@@ -145,6 +146,18 @@ def run(
             raise InputError(str(exc)) from None
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, bounds=bounds, threads_per_rank=threads_per_rank, timeout_s=timeout)
+        if bounds is not None:
+            carried = carried_bounds(spec, [cost.ms for cost in layer_costs(measured.layers, optimizer)])
+            if carried is None:
+                raise InputError(f"--profile {profile}: {schedule}'s stage graph can carry no cut of the profile's "
+                                 f"{len(measured.layers)} layers into {built.num_stages} stages")
+            if carried != bounds:
+                spec = dataclasses.replace(spec, bounds=carried)
+                if not as_json:
+                    stdout.print(f"note: {schedule}'s stage graph cannot carry the profile's partition (layers "
+                                 f"{list(bounds)}, cut as a chain); running on layers {list(carried)}, the cut it "
+                                 "carries with the fastest slowest stage (`pipesim compare` re-cuts the profile "
+                                 "there)", highlight=False)
         job = TorchrunEnv.detect()
         failure = None
         with _progress_bar(minibatches, disable=as_json or (job is not None and job.rank != 0)) as show:

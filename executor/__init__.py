@@ -5,10 +5,19 @@ method by name."""
 from .backward import backward_input, backward_weight, full_backward
 from .runners import RunResult, run_in_process, run_multiprocess
 from .runtime import DeviceLoop, DeviceResult
-from .stages import DivergedError, ExecutorError, RunSpec, StageModule, Stages, cut, even_bounds, microbatch_data
+from .stages import (
+    DivergedError,
+    ExecutorError,
+    RunSpec,
+    StageModule,
+    Stages,
+    carried_bounds,
+    cut,
+    even_bounds,
+    microbatch_data,
+)
 from .weights import StageWeights, Weights
 
-__all__ = ["backward_input", "backward_weight", "cut", "DeviceLoop", "DeviceResult", "DivergedError", "even_bounds",
-           "ExecutorError",
-           "full_backward", "microbatch_data", "run_in_process", "run_multiprocess", "RunResult", "RunSpec",
-           "StageModule", "Stages", "StageWeights", "Weights"]
+__all__ = ["backward_input", "backward_weight", "carried_bounds", "cut", "DeviceLoop", "DeviceResult",
+           "DivergedError", "even_bounds", "ExecutorError", "full_backward", "microbatch_data", "run_in_process",
+           "run_multiprocess", "RunResult", "RunSpec", "StageModule", "Stages", "StageWeights", "Weights"]

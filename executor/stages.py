@@ -8,6 +8,7 @@ in a single-process run, whichever rank holds it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -182,6 +183,64 @@ def _path(graph: StageGraph, src: int, dst: int) -> list[int] | None:
     return path[::-1]
 
 
+def _route(name: str, inputs: Sequence[Sequence[int]], bounds: list[int], schedule: Schedule
+           ) -> dict[tuple[int, int], set[int]]:
+    """Per stage edge, the layer outputs it carries when layers wired by `inputs` are cut at `bounds`;
+    ExecutorError where the stage graph cannot carry the cut."""
+    graph, p = schedule.graph, schedule.num_stages
+    stage_of = [k for k in range(p) for _ in range(bounds[k], bounds[k + 1])]
+    sinks = [k for k in range(p) if not graph.succs[k]]
+    if sinks != [stage_of[-1]]:
+        raise ExecutorError(f"the model's last layer is on stage {stage_of[-1]}, but stages {sinks} end the "
+                            f"{schedule.method} stage graph; the loss needs the last layer on its one final stage")
+    carried: dict[tuple[int, int], set[int]] = {e: set() for e in graph.edges}
+    for i, reads in enumerate(inputs):
+        for s in reads:
+            if s == BATCH or stage_of[s] == stage_of[i]:
+                continue
+            path = _path(graph, stage_of[s], stage_of[i])
+            if path is None:
+                raise ExecutorError(f"model {name!r} cut at layers {bounds}: layer {i} on stage {stage_of[i]} "
+                                    f"reads layer {s} on stage {stage_of[s]}, but the {schedule.method} stage graph "
+                                    f"{sorted(graph.edges)} has no path from {stage_of[s]} to {stage_of[i]}")
+            for edge in zip(path, path[1:]):
+                carried[edge].add(s)
+    empty = sorted(e for e, outs in carried.items() if not outs)
+    if empty:
+        raise ExecutorError(f"model {name!r} cut at layers {bounds}: stage edge {empty[0][0]}->{empty[0][1]} "
+                            f"of the {schedule.method} stage graph would carry nothing")
+    return carried
+
+
+MAX_CUTS_SEARCHED = 100_000
+
+
+def carried_bounds(spec: RunSpec, layer_ms: Sequence[float]) -> tuple[int, ...] | None:
+    """`spec.bounds` where the schedule's stage graph can carry that cut; otherwise, of the cuts it can carry,
+    the one whose slowest stage (by `layer_ms`, one per layer) is fastest; None where it can carry none (or
+    there are too many cuts to search). A profile partitions a branching model as a chain, which a graph
+    schedule (GraphPipe's diamond) may not carry."""
+    model = spec.build_model()
+    inputs, layers, p = model.inputs, len(model.layers), spec.schedule.num_stages
+
+    def carries(bounds: Sequence[int]) -> bool:
+        try:
+            _route(model.name, inputs, check_bounds(bounds, layers, p), spec.schedule)
+        except ExecutorError:
+            return False
+        return True
+
+    if spec.bounds is not None and carries(spec.bounds):
+        return tuple(spec.bounds)
+    if math.comb(layers - 1, p - 1) > MAX_CUTS_SEARCHED:
+        return None
+    totals = [0.0, *itertools.accumulate(layer_ms)]
+    best = min((max(totals[b] - totals[a] for a, b in itertools.pairwise(bounds)), bounds)
+               for inner in itertools.combinations(range(1, layers), p - 1)
+               if carries(bounds := [0, *inner, layers])) if p <= layers else None
+    return tuple(best[1]) if best else None
+
+
 def cut(spec: RunSpec, model: Model | None = None) -> Stages:
     """Cut `spec`'s model into its schedule's stages (contiguous layer ranges) and route every layer output
     another stage reads along the stage graph: over the edge between the two stages, or, where there is none
@@ -193,27 +252,7 @@ def cut(spec: RunSpec, model: Model | None = None) -> Stages:
     model = model if model is not None else spec.build_model()
     layers, p = len(model.layers), schedule.num_stages
     bounds = even_bounds(layers, p) if spec.bounds is None else check_bounds(spec.bounds, layers, p)
-    stage_of = [k for k in range(p) for _ in range(bounds[k], bounds[k + 1])]
-    sinks = [k for k in range(p) if not graph.succs[k]]
-    if sinks != [stage_of[-1]]:
-        raise ExecutorError(f"the model's last layer is on stage {stage_of[-1]}, but stages {sinks} end the "
-                            f"{schedule.method} stage graph; the loss needs the last layer on its one final stage")
-    carried: dict[tuple[int, int], set[int]] = {e: set() for e in graph.edges}
-    for i, reads in enumerate(model.inputs):
-        for s in reads:
-            if s == BATCH or stage_of[s] == stage_of[i]:
-                continue
-            path = _path(graph, stage_of[s], stage_of[i])
-            if path is None:
-                raise ExecutorError(f"model {model.name!r} cut at layers {bounds}: layer {i} on stage {stage_of[i]} "
-                                    f"reads layer {s} on stage {stage_of[s]}, but the {schedule.method} stage graph "
-                                    f"{sorted(graph.edges)} has no path from {stage_of[s]} to {stage_of[i]}")
-            for edge in zip(path, path[1:]):
-                carried[edge].add(s)
-    empty = sorted(e for e, outs in carried.items() if not outs)
-    if empty:
-        raise ExecutorError(f"model {model.name!r} cut at layers {bounds}: stage edge {empty[0][0]}->{empty[0][1]} "
-                            f"of the {schedule.method} stage graph would carry nothing")
+    carried = _route(model.name, model.inputs, bounds, schedule)
     x, _ = microbatch_data(spec, model, 0, 0)
     x = x.to(next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu")))
     with torch.no_grad():

@@ -3,6 +3,7 @@ no traceback and no output file."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -15,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipesim.executor import RunSpec
+from pipesim.executor import ExecutorError, RunSpec, cut
 from pipesim.executor.runners import run_in_process
 from pipesim.planning.replay import predict_measured
-from pipesim.profiles.schema import load_profile
+from pipesim.profiles.schema import load_profile, stages_for
 from pipesim.schedules import lower
 from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
@@ -129,6 +130,47 @@ def test_a_profile_that_does_not_match_is_refused(tmp_path, profile, stages, mod
                            "--minibatches", 1, "--profile", profile, "--trace", trace)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not trace.exists()
+
+
+def test_a_profiles_chain_cut_that_graphpipes_diamond_cannot_carry_runs_on_the_best_cut_it_carries(tmp_path):
+    """Calibration cuts a branching model as a chain: layers [0, 1, 2, 4, 6] put branch a's two layers on
+    stages 1 and 2, layer 2 reading layer 1, which the diamond has no edge for. The run says so, runs on the
+    cut the diamond carries whose slowest stage is fastest (by the profile's layers) and records it, and
+    compare predicts it from the profile re-cut there."""
+    path = tmp_path / "tb.json"
+    code, _, err = pipesim("calibrate", "--model", "two-branch", "--layers", 2, "--width", 8, "--microbatch-size", 2,
+                           "--stages", 4, "--no-links", "--no-runtime", "--no-contention", "--repeats", 1,
+                           "--warmup", 0, "--out", path)
+    assert code == 0, err
+    profile = load_profile(path)
+    bounds = [0, 1, 2, 4, 6]
+    chained = profile.model_copy(update={"partition": profile.partition.model_copy(update={"bounds": bounds}),
+                                         "stages": stages_for(profile, bounds)})
+    path.write_text(chained.model_dump_json())
+    trace = tmp_path / "t.json"
+    code, out, err = pipesim("run", "--schedule", "graphpipe", "--model", "two-branch", "--stages", 4,
+                             "--microbatches", 2, "--minibatches", 2, "--profile", path, "--trace", trace)
+    assert code == 0, err
+    assert "graphpipe's stage graph cannot carry the profile's partition (layers [0, 1, 2, 4, 6]" in " ".join(
+        out.split())
+    used = read_trace(trace).meta.extra["bounds"]
+    schedule = build("graphpipe", 4, 2, 2)
+    costs = np.cumsum([0.0] + [layer.fwd.median_ms + layer.bwd.median_ms for layer in profile.layers])
+
+    def carried(bounds):
+        try:
+            cut(RunSpec(schedule, "two-branch", {"layers": 2, "width": 8}, bounds=tuple(bounds)))
+        except ExecutorError:
+            return False
+        return True
+
+    cuts = [[0, *inner, 6] for inner in itertools.combinations(range(1, 6), 3)]
+    fits = [b for b in cuts if carried(b)]
+    assert bounds not in fits and used in fits and len(fits) < len(cuts)
+    assert max(np.diff(costs[used])) == min(max(np.diff(costs[b])) for b in fits)
+    code, out, err = pipesim("compare", trace, "--json")
+    assert code == 0, err
+    assert json.loads(out)["matched_ops"] == len(read_trace(trace).ops)
 
 
 def test_a_torchrun_world_of_another_size_is_refused(tmp_path, monkeypatch):
