@@ -61,12 +61,33 @@ def _message_bytes(probe: Profile, kind: str, stage: int, peer: int) -> int:
     return probe.stages[peer if kind == "RECV_F" else stage].output_bytes
 
 
-def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimeProfile:
-    """The runtime's per-row costs from measured probe `traces` of the model `probe` profiles (same stage
-    bounds), warm-up mini-batch dropped, samples pooled over traces, devices and stages."""
-    compute: dict[str, list[float]] = defaultdict(list)
+def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float]]:
+    """Per kind of row, the gaps (ms) after its steady-state rows until the device's next row; and the SEND
+    rows' times (ms)."""
     gaps: dict[str, list[float]] = defaultdict(list)
     sends: list[float] = []
+    for trace in traces:
+        ops, names = trace.ops, np.asarray(trace.kinds)[trace.ops.kind]
+        steady, end_us = ops.minibatch >= 1, ops.start_us + ops.dur_us
+        sends += (ops.dur_us[steady & (ops.stream == Stream.SEND)] / 1e3).tolist()
+        for d in range(trace.num_devices):
+            rows = np.flatnonzero(ops.device == d)
+            rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
+            after = (ops.start_us[rows[1:]] - end_us[rows[:-1]]) / 1e3
+            for row, gap in zip(rows[:-1], after):
+                if steady[row]:
+                    gaps[names[row]].append(gap)
+    return gaps, sends
+
+
+def runtime_terms(traces: list[Trace], probe: Profile, meta: dict,
+                  host_traces: list[Trace] | None = None) -> RuntimeProfile:
+    """The runtime's per-row costs from measured probe `traces` of the model `probe` profiles (same stage
+    bounds), warm-up mini-batch dropped, samples pooled over traces, devices and stages. `host_traces`, runs of
+    the calibrated model itself, give the gaps after each row and the SEND rows' times instead: that host work
+    runs on the caches the stage's compute left (after a large stage twice as long as after the probe's)."""
+    compute: dict[str, list[float]] = defaultdict(list)
+    gaps, sends = _host_times(host_traces or traces)
     arrived: list[float] = []
     waited: list[float] = []  # from the send's post to the end of a receive that waited for it
     kept: list[float] = []
@@ -81,7 +102,6 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
             if own > 0:  # a pass its layers do not have (an input gradient of the stage reading the batch) is skipped
                 compute[names[i]].append(dur_ms[i] - own)
         sending = steady & (ops.stream == Stream.SEND)
-        sends += dur_ms[sending].tolist()
         # A receive's message had arrived when its send was posted before the receive began.
         backward = np.char.endswith(names, "_B").astype(np.int64)
         key = np.stack([backward, ops.microbatch, ops.minibatch, ops.pipeline], axis=1).tolist()
@@ -97,10 +117,6 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
         for d in range(trace.num_devices):
             rows = np.flatnonzero(ops.device == d)
             rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
-            after = (ops.start_us[rows[1:]] - end_us[rows[:-1]]) / 1e3
-            for row, gap in zip(rows[:-1], after):
-                if steady[row]:
-                    gaps[names[row]].append(gap)
             # After an update at a flush a device holds its stage's weights, whatever gradient the update left,
             # and the buffers of its next `window` receives, posted ahead.
             memory = trace.counters["memory_bytes"][d]

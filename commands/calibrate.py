@@ -125,14 +125,15 @@ def calibrate(
             contention = contention and settings.device.type == "cpu"
             rounds = warmup + repeats  # the layers' rounds, then the stages' as one pass
             work = 2 * rounds + 5 * stages + (2 * (repeats + 1) if sizes else 0) + (
-                2 * rounds + 10 + len(PROBE_SCHEDULES) if runtime else 0) + (
+                2 * rounds + 10 + 2 * len(PROBE_SCHEDULES) if runtime else 0) + (
                 progress_units(ranks or stages) if contention else 0)
             with _steps(work, f"calibrating {net.name}") as advance:
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance)
                 if runtime:
-                    profile = profile.model_copy(update={"runtime": measure_runtime(profile, settings, advance)})
+                    profile = profile.model_copy(update={"runtime": measure_runtime(profile, settings, advance, model,
+                                                                                    options)})
                 if contention:
                     measured = measure_contention(profile, model, options, advance, ranks)
                     profile = profile.model_copy(update={"contention": measured})
@@ -156,10 +157,12 @@ def calibrate(
     stdout.print(f"wrote {out}", highlight=False)
 
 
-def measure_runtime(profile, settings, advance):
+def measure_runtime(profile, settings, advance, model: str, options: dict):
     """The executor's per-row costs: calibrate the probe model (one tiny block and the classifier, its boundary
     as wide as the profile's), then run it for real with each probe schedule on two ranks over the run's
-    transport with `settings.threads` per rank (calibrate/runtime.py reads the traces)."""
+    transport with `settings.threads` per rank; and the same schedules on the calibrated model itself (`model`
+    with `options`, at the profile's partition), whose host time between rows runs on the caches its stages'
+    compute leaves (calibrate/runtime.py reads the traces)."""
     from ..calibrate.measure import calibrate as run_calibration
     from ..calibrate.runtime import (
         PROBE_MICROBATCHES,
@@ -175,26 +178,37 @@ def measure_runtime(profile, settings, advance):
     from ..workload.models import build_model
 
     env = profile.environment
-    options = {"layers": 1, "width": probe_width(profile, settings.dtype.itemsize)}
-    probe = run_calibration(build_model("mlp", **options), settings, stages=2, optimizer=PROBE_OPTIMIZER,
+    probe_options = {"layers": 1, "width": probe_width(profile, settings.dtype.itemsize)}
+    probe = run_calibration(build_model("mlp", **probe_options), settings, stages=2, optimizer=PROBE_OPTIMIZER,
                             memory_cap_bytes=None, link_sizes=[], dtype_name=env.dtype,
                             advance=lambda what: advance(f"runtime probe: {what}"))
-    params = ScheduleParams(stages=2, microbatches=PROBE_MICROBATCHES, minibatches=PROBE_MINIBATCHES)
-    traces = []
-    for name in PROBE_SCHEDULES:
-        advance(f"runtime probe: running {name} on two ranks")
-        spec = RunSpec(build_schedule(name, params), "mlp", options, microbatch_size=env.microbatch_size,
-                       optimizer=PROBE_OPTIMIZER, dtype=env.dtype, bounds=tuple(probe.partition.bounds),
-                       threads_per_rank=settings.threads)
-        try:
-            traces.append(run_multiprocess(spec, device=env.device).trace)
-        except ExecutorError as exc:
-            raise RuntimeProbeError(f"the runtime probe failed: {str(exc).splitlines()[0]}") from None
-    meta = {"model": "mlp", "options": options, "boundary_bytes": probe.stages[0].output_bytes,
+    def runs(name: str, given: dict, bounds: list[int], what: str) -> list:
+        """Each probe schedule run for real on model `name` cut at `bounds`."""
+        params = ScheduleParams(stages=len(bounds) - 1, microbatches=PROBE_MICROBATCHES,
+                                minibatches=PROBE_MINIBATCHES)
+        traces = []
+        for schedule in PROBE_SCHEDULES:
+            advance(f"runtime probe: running {schedule} on {what}")
+            spec = RunSpec(build_schedule(schedule, params), name, given, microbatch_size=env.microbatch_size,
+                           optimizer=PROBE_OPTIMIZER, dtype=env.dtype, bounds=tuple(bounds),
+                           threads_per_rank=settings.threads)
+            try:
+                traces.append(run_multiprocess(spec, device=env.device).trace)
+            except ExecutorError as exc:
+                raise RuntimeProbeError(f"the runtime probe failed: {str(exc).splitlines()[0]}") from None
+        return traces
+
+    traces = runs("mlp", probe_options, probe.partition.bounds, "two ranks")
+    calibrated = {key: value for key, value in options.items() if value is not None}
+    stages = profile.partition.stages
+    host = runs(model, calibrated, profile.partition.bounds, f"the calibrated model's {stages} ranks") \
+        if stages >= 2 else []
+    meta = {"model": "mlp", "options": probe_options, "boundary_bytes": probe.stages[0].output_bytes,
             "schedules": list(PROBE_SCHEDULES), "ranks": 2,
             "threads_per_rank": settings.threads, "microbatches": PROBE_MICROBATCHES,
-            "minibatches": PROBE_MINIBATCHES, **traces[0].meta.hardware}
-    return runtime_terms(traces, probe, meta)
+            "minibatches": PROBE_MINIBATCHES, "host_times_from": "the calibrated model" if host else "the probe",
+            **traces[0].meta.hardware}
+    return runtime_terms(traces, probe, meta, host)
 
 
 @contextmanager

@@ -90,6 +90,7 @@ def test_calibrate_end_to_end_with_links(tmp_path):
     assert {"F", "B", "RECV_F", "SEND_B"} <= set(runtime.gap_ms)
     assert runtime.kept_gradients == 1.0
     assert runtime.meta["threads_per_rank"] == env.threads == 1 and runtime.meta["schedules"] == ["1f1b", "zb-h1"]
+    assert runtime.meta["host_times_from"] == "the calibrated model"  # its gaps and sends, after its own compute
     assert "runtime per row, us: compute F" in printed
 
     assert [p.nbytes for p in profile.link.points] == [4096, 8192, 16384, 32768, 65536]

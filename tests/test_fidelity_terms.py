@@ -212,6 +212,14 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
     short = replace(trace, ops=Ops(**{name: getattr(trace.ops, name)[first] for name in Ops.__dataclass_fields__}))
     with pytest.raises(RuntimeProbeError, match="the runtime probe recorded no receive whose message had arrived"):
         runtime_terms([short], probe, {"boundary_bytes": 4096})
+    # Runs of the calibrated model itself give the host time between rows and a send's: after its larger
+    # compute that host work is slower; the rest still comes from the probe.
+    host = probe_trace(probe, {kind: 1.0 for kind in extra}, gap_ms=0.09, send_ms=0.3, recv_ms=0.05, kept=1.0)
+    both = runtime_terms([trace], probe, {"boundary_bytes": 4096}, [host])
+    assert all(t.median_ms == pytest.approx(0.09) for t in both.gap_ms.values())
+    assert both.send_ms.median_ms == pytest.approx(0.3)
+    assert both.compute_ms == terms.compute_ms and both.recv_ms == terms.recv_ms
+    assert both.delivery_ms == terms.delivery_ms and both.kept_gradients == terms.kept_gradients
 
 
 # ------------------------------------------------------------------------------- the run's own conditions
