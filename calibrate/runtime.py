@@ -10,7 +10,9 @@ layers: functional_call and the saved-tensor hooks); the host time of a SEND row
 had already arrived; how long a message takes from its send's post to a receiver waiting for it; the gap after
 each kind of row; and the gradient copies an update leaves held (memory after it, at a flush, less the
 weights, SGD keeping no state, and less the buffers of the receives posted ahead for the next mini-batch). The
-probe's schedules: 1F1B for B, ZB-H1 for I and W (both for F, OPT and the transfers).
+probe's schedules: 1F1B for B, ZB-H1 for I and W (both for F, OPT and the transfers). The gaps and a SEND's
+host time come from the same schedules run on the calibrated model itself: that host work runs on the caches
+a stage's compute leaves, and after a stage of large layers it takes about twice as long as after the probe's.
 """
 
 from __future__ import annotations
