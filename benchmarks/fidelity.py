@@ -1,12 +1,14 @@
 """Fidelity: how close pipesim's prediction comes to what its executor, and torch's runtime, measure.
 
-calibrate (`pipesim calibrate --threads 1`, the runtime probe on) -> run every method for real, `--repeats`
-times in fresh processes, the methods interleaved so a slow spell of the shared machine spreads over all of
-them -> predict each run from the profile alone (`planning.replay.predict_measured`: the profile is measured
-beforehand, never fitted to the run) -> compare (`traces.compare`). One table: per method the prediction, the
-measured iteration time (median over repeats, and its spread: (max - min) / median, the noise floor of that
-run repeated), the iteration-time error against the measured median, the per-op duration error (median |error|
-over compute ops, median over repeats) and the peak-memory error (largest over devices, median over repeats).
+`--repeats` times: calibrate (`pipesim calibrate --threads 1`, the runtime probe on) -> run every method for
+real once, in fresh processes -> predict each run from its repeat's profile alone
+(`planning.replay.predict_measured`: the profile is measured just before, never fitted to the run) -> compare
+(`traces.compare`). Calibrating per repeat keeps the shared machine's drift between a calibration and the runs
+it predicts to one repeat's few minutes, and interleaving the methods spreads a slow spell over all of them.
+One table: per method the prediction (median over repeats), the measured iteration time (median over repeats,
+and its spread: (max - min) / median, the noise floor of that run repeated), the iteration-time error (median
+over repeats of each run's against its own prediction), the per-op duration error (median |error| over
+compute ops, median over repeats) and the peak-memory error (largest over devices, median over repeats).
 Then the terms table: the same predictions with the profile's terms turned on one after another, from a
 profile timed with every core and nothing of the runtime (what pipesim predicted before) to all of them, so each
 term's line shows the error it removed. Last, GPipe and 1F1B run by torch.distributed.pipelining on the same
@@ -164,10 +166,17 @@ def run_once(case: Case, profile: Profile) -> Trace:
     return run_multiprocess(spec).trace
 
 
-def comparisons(case: Case, profile: Profile) -> list[Comparison]:
-    """Every repeat of the case against the prediction from `profile` (the same run predicted once)."""
-    predicted = predict_measured(case.runs[0].meta, profile)
-    return [compare(predicted, run) for run in case.runs]
+def comparisons(case: Case, profiles: list[Profile]) -> list[Comparison]:
+    """Every repeat of the case against its prediction from its repeat's profile."""
+    return [compare(predict_measured(run.meta, profile), run) for run, profile in zip(case.runs, profiles)]
+
+
+def profile_path(folder: Path, model: str, repeat: int) -> Path:
+    """Repeat `repeat`'s calibration of `model`: each repeat calibrates just before its runs, so the machine's
+    drift between a calibration and the runs it predicts stays that of one repeat (a folder from before this
+    kept one calibration, for every repeat)."""
+    own = folder / "profiles" / f"{model}.{repeat}.json"
+    return own if own.exists() else folder / f"{model}.json"
 
 
 def with_measured_ops(run: Trace, profile: Profile) -> Trace:
@@ -216,7 +225,7 @@ class Row:
     predicted_ms: float
     measured_ms: float  # median of the repeats' iteration times
     spread: float  # (max - min) / median of them: the noise floor of this run
-    iteration_error: float  # predicted against the measured median
+    iteration_error: float  # median over repeats of each run against its own prediction
     per_op_error: float | None  # median over repeats of the median |duration error| of compute ops
     memory_error: float | None  # median over repeats of the largest |peak error| over devices
     per_op_noise: float | None = None  # the same, between repeats of the run: the per-op noise floor
@@ -232,8 +241,10 @@ def row(method: str, found: list[Comparison], runs: list[Trace] = ()) -> Row:
               if all(d.peak_memory_error is not None for d in c.devices)]
     pairs = [compare(a, b).compute_duration_median for i, a in enumerate(runs) for b in runs[i + 1:]]
     pairs = [p for p in pairs if p is not None]
-    return Row(method, found[0].predicted_ms, median, float((measured.max() - measured.min()) / median),
-               (found[0].predicted_ms - median) / median, float(np.median(per_op)) if per_op else None,
+    errors = [c.iteration_time_error for c in found]  # each run against its own repeat's calibration
+    return Row(method, float(np.median([c.predicted_ms for c in found])), median,
+               float((measured.max() - measured.min()) / median), float(np.median(errors)),
+               float(np.median(per_op)) if per_op else None,
                float(np.median(memory)) if memory else None, float(np.median(pairs)) if pairs else None)
 
 
@@ -249,7 +260,8 @@ def _pct(value: float | None, target: float | None = None, signed: bool = True) 
 def method_table(rows: list[Row], title: str) -> Table:
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD,
                   caption="spread: (max - min) / median of the repeats' measured iteration times (noise floor); "
-                          "error: (predicted - measured median) / measured median; per-op: median |duration "
+                          "error: median over repeats of (predicted - measured) / measured, each run against its own "
+                          "repeat's calibration; per-op: median |duration "
                           "error| of compute ops (per-op noise: the same between repeats); memory: largest |peak "
                           "error| over devices. Green: within target "
                           f"({TARGETS['iteration']:.0%}, {TARGETS['per_op']:.0%}, {TARGETS['memory']:.0%}).",
@@ -293,19 +305,19 @@ def workloads(quick: bool) -> tuple[Workload, Workload]:
 
 
 def measure(args: argparse.Namespace, methods: list[str], folder: Path, say: Callable[[str], None]) -> None:
-    """Calibrate, then run every method `args.repeats` times (interleaved) and torch's runtimes, keeping it all
-    in `folder`: the profiles, each measured trace, torch's iteration times."""
+    """Per repeat: calibrate, then run every method once and torch's runtimes, keeping it all in `folder`: the
+    profiles, each measured trace, torch's iteration times."""
     chain, dag = workloads(args.quick)
-    say(f"calibrating {chain.model} {chain.options} (one thread, runtime probe; then every core, layers only)")
-    profiles = {chain.model: calibrate(chain, folder / "mlp.json", threads=1, runtime=True, links=True,
-                                       quick=args.quick)}
+    say(f"calibrating {chain.model} {chain.options} on every core, layers only (the table's first line)")
     calibrate(chain, folder / "cores.json", threads=os.cpu_count() or 1, runtime=False, links=False, quick=args.quick)
-    if "graphpipe" in methods:
-        say(f"calibrating {dag.model} {dag.options} for graphpipe")
-        profiles[dag.model] = calibrate(dag, folder / "two-branch.json", threads=1, runtime=True, links=True,
-                                        quick=args.quick)
+    (folder / "profiles").mkdir(exist_ok=True)
     torch_ms: dict[str, list[float]] = {m: [] for m in TORCH_METHODS if not args.quick}
     for repeat in range(args.repeats):
+        say(f"repeat {repeat + 1}/{args.repeats}: calibrating {chain.model} {chain.options} (one thread, runtime "
+            "probe)" + (f" and {dag.model} {dag.options} for graphpipe" if "graphpipe" in methods else ""))
+        profiles = {w.model: calibrate(w, folder / "profiles" / f"{w.model}.{repeat}.json", threads=1, runtime=True,
+                                       links=True, quick=args.quick)
+                    for w in (chain, *([dag] if "graphpipe" in methods else []))}
         say(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(methods)
             + (", torch " + ", ".join(torch_ms) if torch_ms else ""))
         for method in methods:
@@ -321,8 +333,6 @@ def measure(args: argparse.Namespace, methods: list[str], folder: Path, say: Cal
 def report(quick: bool, folder: Path, console: Console, out: Path | None) -> None:
     """The tables, from what `measure` kept in `folder`."""
     chain, dag = workloads(quick)
-    profiles = {w.model: load_profile(folder / f"{w.model}.json") for w in (chain, dag)
-                if (folder / f"{w.model}.json").exists()}
     all_cores = load_profile(folder / "cores.json")
     cases = {}
     for path in sorted(folder.glob("*.*.json"), key=lambda p: int(p.name.split(".")[-2])):
@@ -331,6 +341,8 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
         case.runs.append(read_trace(path))
     cases = [cases[m] for m in METHODS if m in cases]
     repeats = min(len(c.runs) for c in cases)
+    profiles = {w.model: [load_profile(profile_path(folder, w.model, r)) for r in range(repeats)] for w in (chain, dag)
+                if profile_path(folder, w.model, 0).exists()}
     rows = [row(c.method, comparisons(c, profiles[c.workload.model]), c.runs) for c in cases]
     header = (f"{chain.model} {chain.options}, b={chain.microbatch_size}, p={chain.stages}, m={chain.microbatches}, "
               f"{chain.steps} timed mini-batches after {chain.warmup}; gloo CPU, 1 thread/rank; {repeats} "
@@ -344,12 +356,14 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
                   "errors below them are not resolved", highlight=False)
 
     chain_cases = [c for c in cases if c.workload == chain]
-    variants = term_variants(profiles[chain.model], all_cores)
-    lines = [(label, [row(c.method, comparisons(c, variant)) for c in chain_cases]) for label, variant in variants]
+    variants = [term_variants(profile, all_cores) for profile in profiles[chain.model]]  # per repeat
+    lines = [(label, [row(c.method, comparisons(c, [terms[i][1] for terms in variants])) for c in chain_cases])
+             for i, (label, _) in enumerate(variants[0])]
     focus = "1f1b" if "1f1b" in {c.method for c in chain_cases} else chain_cases[0].method
     console.print(terms_table(lines, focus))
-    structure = {c.method: float(np.median([compare(with_measured_ops(run, profiles[chain.model]), run)
-                                            .iteration_time_error for run in c.runs])) for c in chain_cases}
+    structure = {c.method: float(np.median([compare(with_measured_ops(run, profile), run).iteration_time_error
+                                            for run, profile in zip(c.runs, profiles[chain.model])]))
+                 for c in chain_cases}
     console.print(f"with every compute op at its measured mean (the schedule, links and row gaps alone): median "
                   f"|iteration error| {float(np.median(np.abs(list(structure.values())))):.1%}, {focus} "
                   f"{structure[focus]:+.1%}; the rest of each method's error is in the op times", highlight=False)
@@ -357,11 +371,12 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
     torch_rows = []
     # torch's ranks are processes on the same cores: the host's terms apply, pipesim's runtime's do not; its
     # stages run their layers back to back as pipesim's passes do (without functional_call and the hooks).
-    torch_terms = variants[3][1].model_copy(update={"contention": profiles[chain.model].contention})
+    torch_terms = [terms[3][1].model_copy(update={"contention": profile.contention})
+                   for terms, profile in zip(variants, profiles[chain.model])]
     measured_torch = json.loads((folder / "torch.json").read_text()) if (folder / "torch.json").exists() else {}
     for method, samples in measured_torch.items():
         measured = float(np.median(samples))
-        predicted = torch_predicted_ms(method, chain, torch_terms)
+        predicted = float(np.median([torch_predicted_ms(method, chain, terms) for terms in torch_terms]))
         torch_rows.append(Row(f"{method} (torch)", predicted, measured,
                               float((max(samples) - min(samples)) / measured), (predicted - measured) / measured,
                               None, None))
