@@ -104,7 +104,7 @@ def stage_runs(model: Model, bounds: list[int], dtype: str, microbatch_size: int
         runs.append(StageRun(
             module=module, buffers=dict(module.named_buffers()), names=[name for name, _ in named],
             weights=[p.detach().clone().requires_grad_(True) for _, p in named], args=args,
-            received=[False] * cutting.reads_batch[k] + [True] * len(cutting.in_edges[k]),
+            received=([False] if cutting.reads_batch[k] else []) + [True] * len(cutting.in_edges[k]),
             grad_outputs=[None] if last else [torch.randn_like(o) for o in out],
             loss=(lambda y: model.loss(y, target)) if last else None))
     return runs

@@ -347,8 +347,8 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
                      steps: list[StageSteps], passes: list[StagePasses] | None = None) -> list[StageProfile]:
     """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
-    averaging, gradient accumulation, weight copy), `passes` (where measured) its rows timed as the executor runs them,
-    which are then its times. `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
+    averaging, gradient accumulation, weight copy), `passes` (where measured) its rows timed as the executor
+    runs them, which are then its times. `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
     costs = layer_costs(layers, optimizer)
     p = len(bounds) - 1
     ones = [1.0] * len(layers)
