@@ -235,9 +235,9 @@ def carried_bounds(spec: RunSpec, layer_ms: Sequence[float]) -> tuple[int, ...] 
     if math.comb(layers - 1, p - 1) > MAX_CUTS_SEARCHED:
         return None
     totals = [0.0, *itertools.accumulate(layer_ms)]
-    best = min((max(totals[b] - totals[a] for a, b in itertools.pairwise(bounds)), bounds)
-               for inner in itertools.combinations(range(1, layers), p - 1)
-               if carries(bounds := [0, *inner, layers])) if p <= layers else None
+    best = min(((max(totals[b] - totals[a] for a, b in itertools.pairwise(bounds)), bounds)
+                for inner in itertools.combinations(range(1, layers), p - 1)
+                if carries(bounds := [0, *inner, layers])), default=None)
     return tuple(best[1]) if best else None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipesim.executor import ExecutorError, RunSpec, cut
+from pipesim.executor import ExecutorError, RunSpec, carried_bounds, cut
 from pipesim.executor.runners import run_in_process
 from pipesim.planning.replay import predict_measured
 from pipesim.profiles.schema import load_profile, stages_for
@@ -171,6 +171,9 @@ def test_a_profiles_chain_cut_that_graphpipes_diamond_cannot_carry_runs_on_the_b
     code, out, err = pipesim("compare", trace, "--json")
     assert code == 0, err
     assert json.loads(out)["matched_ops"] == len(read_trace(trace).ops)
+    # a chain model has no cut the diamond carries (stage 2 would read stage 1): none, not a crash
+    chain = RunSpec(schedule, "mlp", {"layers": 3, "width": 8}, bounds=(0, 1, 2, 3, 4))
+    assert carried_bounds(chain, [1.0] * 4) is None
 
 
 def test_a_torchrun_world_of_another_size_is_refused(tmp_path, monkeypatch):
