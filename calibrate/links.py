@@ -138,14 +138,16 @@ def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], ch
         if rank == 0:
             results.put(("progress", 0, plan[0]))  # the group is up: startup is over
 
-        def p2p(t: torch.Tensor) -> None:  # a blocking ping-pong: each message is sent, then received
+        def p2p(t: torch.Tensor) -> None:
+            """A ping-pong: each message is sent, then received. A send is not waited on, as the executor
+            does not: the peer's answer comes after it arrived, and the transport lets go of it meanwhile."""
             peer = 1 - rank
             if rank == 0:
-                transport.send(t, peer).wait()
+                transport.send(t, peer)
                 transport.recv(t.shape, t.dtype, peer).wait()
             else:
                 transport.recv(t.shape, t.dtype, peer).wait()
-                transport.send(t, peer).wait()
+                transport.send(t, peer)
 
         def allreduce(t: torch.Tensor) -> None:
             if host is None:

@@ -25,8 +25,8 @@ together by elastic averaging, with the schedule's coefficient alpha.
 Measured per row: the version and prediction distance the op used (from the weights it ran on), and memory:
 on CUDA the allocator's count; on CPU the bytes of the tensors autograd saved for backward (each storage once,
 until its graph is freed), weights (every version, their gradients, prediction buffers, optimizer state,
-reference models) and activations or gradients waiting for their consumer or their send. A sent tensor is
-the transport's from its SEND on (the in-process one copies it; the others hold it in the transfer). A row's
+reference models) and activations or gradients waiting for their consumer or their send, or in a send that
+has not completed (the in-process transport copies a sent tensor and completes at once). A row's
 peak is that at its end before it frees the version or prediction it was the last to read (the memory of
 weights nothing reads again is freed even while a forward's graph holds them as leaves: see weights.py).
 """
@@ -225,7 +225,7 @@ class DeviceLoop:
         self.saved: dict[Unit, _Saved] = {}
         self.acts: dict[EdgeUnit, torch.Tensor] = {}  # an edge's activation: produced or received, not yet taken
         self.grads: dict[EdgeUnit, torch.Tensor] = {}  # an edge's gradient: computed or received, not yet taken
-        self.sends: list[Handle] = []
+        self.sends: list[tuple[Handle, torch.Tensor]] = []  # sends in flight, with the tensor each holds
         self.losses: dict[tuple[int, int], float] = {}
         self.ledger = Ledger()
         self.taken: dict[int, int] = {}  # storages of the tensors the current row took: they may die with it
@@ -445,7 +445,7 @@ class DeviceLoop:
         if self.on_cuda:
             return (int(torch.cuda.memory_allocated(self.torch_device)),
                     int(torch.cuda.max_memory_allocated(self.torch_device)))
-        waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values()])
+        waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values(), *(t for _, t in self.sends)])
         # a forward's weights (freed ones have no storage left) and inputs stay in its graph until its backward
         versions = {id(saved.weights.tensors): saved.weights.tensors for saved in self.saved.values()}  # each once
         graphs = _bytes_by_storage([*(t for tensors in versions.values() for t in tensors),
@@ -492,9 +492,8 @@ class DeviceLoop:
                 if kind is Kind.SEND_F or kind is Kind.SEND_B:
                     tensor = (self.acts.pop((stage, peer, j, b, r)) if kind is Kind.SEND_F
                               else self.grads.pop((peer, stage, j, b, r)))
-                    # A transport holds a sent tensor until its send completes: let go of finished ones.
-                    self.sends = [h for h in self.sends if not h.done()]
-                    self.sends.append(self.transport.send(tensor, self.placement[peer], channel=self._channel(i)))
+                    self.sends.append((self.transport.send(tensor, self.placement[peer], channel=self._channel(i)),
+                                       tensor))
                 elif kind is Kind.RECV_F:
                     self.acts[(peer, stage, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
                 elif kind is Kind.RECV_B:
@@ -523,6 +522,7 @@ class DeviceLoop:
                     if touched and not self.on_cuda:
                         weight_storage = self._weight_storage()
                 result.held[i - lo] = level
+                self.sends = [(handle, tensor) for handle, tensor in self.sends if not handle.done()]
                 # a taken receive's buffer is counted among the received tensors from its row on
                 posted_bytes = sum(buffer_bytes[k] for k in posted)
                 result.memory_bytes[i - lo], result.peak_bytes[i - lo] = self._memory(weight_storage, freed,
@@ -534,7 +534,7 @@ class DeviceLoop:
                 done += 1
                 if self.on_row is not None:
                     self.on_row(i)
-            for handle in self.sends:
+            for handle, _ in self.sends:
                 handle.wait(self.spec.timeout_s)
             if gpu_clock:
                 gpu_clock.resolve(result.start_ns, result.end_ns)

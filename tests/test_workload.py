@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -340,6 +341,12 @@ def _exchange(rank: int, kind: str, port: int, results) -> None:
             sends = [transport.send(torch.full(shape, 10.0 * rank + k).to(dtype), peer)
                      for k, (shape, dtype) in enumerate(shapes)]
             received = [h.wait() for h in reversed(posted)][::-1]
+            transport.send(torch.zeros(1), peer)  # sent after the peer took every tensor: ours have arrived too
+            transport.recv((1,), torch.float32, peer).wait()
+            deadline = time.monotonic() + 10.0
+            while not all(h.done() for h in sends) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            released = all(h.done() and h.handle.work is None for h in sends)  # nobody waited; the work is gone
             for h in sends:
                 h.wait()
             timeout = None
@@ -351,9 +358,10 @@ def _exchange(rank: int, kind: str, port: int, results) -> None:
                 transport.send(torch.zeros(1), 0).wait()  # now rank 0 may leave
             else:
                 transport.recv((1,), torch.float32, 1).wait()
-        results.put((rank, [(list(t.shape), str(t.dtype), t.flatten().tolist()) for t in received], timeout))
+        results.put((rank, [(list(t.shape), str(t.dtype), t.flatten().tolist()) for t in received], timeout,
+                     released))
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        results.put((rank, f"{type(exc).__name__}: {exc}", None))
+        results.put((rank, f"{type(exc).__name__}: {exc}", None, None))
 
 
 def _channels(rank: int, port: int, results) -> None:
@@ -412,17 +420,19 @@ def test_two_real_ranks_exchange_tensors_with_pre_posted_receives(kind, monkeypa
     for p in procs:
         p.start()
     try:
-        got = dict((rank, (values, timeout)) for rank, values, timeout in (results.get(timeout=120) for _ in procs))
+        got = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in procs)}
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
     for rank in (0, 1):
-        values, timeout = got[rank]
+        values, timeout, released = got[rank]
+        # gloo tells a send's completion only to a wait: the transport's waiter lets each go once sent
+        assert released is True, f"rank {rank}: sends nobody waited on still hold their tensors"
         peer = 1 - rank
         assert values == [([3], "torch.float32", [10.0 * peer] * 3),
                           ([2, 4], "torch.float64", [10.0 * peer + 1] * 8),
                           ([5], "torch.int64", [10 * peer + 2] * 5)], values
-    assert got[1][1] == "rank 1: receive #3 from rank 0 timed out after 0.5 s"
+    assert got[1][1] == "rank 1: receive #4 from rank 0 timed out after 0.5 s"
     assert [p.exitcode for p in procs] == [0, 0]

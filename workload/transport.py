@@ -2,11 +2,12 @@
 
 The executor runs one process per device. Each rank walks its action list, posts every receive as soon as the
 schedule says it will come (in schedule order) and waits on it when the data is needed, and issues sends
-without waiting on them. Sends and receives on each channel match first in, first out, so no tags are needed:
-the k-th receive a rank posts from `src` on channel c gets the k-th tensor `src` sends to it on channel c. A
-channel (default 0) is a FIFO of its own between an ordered pair of ranks: the executor opens one per
-direction of each stage-graph edge, since a V schedule sends two edges' tensors from one rank to another in
-an order its peer consumes them in another.
+without waiting on them (over gloo, a thread per link waits on them, so each frees its tensor once sent).
+Sends and receives on each channel match first in, first out, so no tags are needed: the k-th receive a rank
+posts from `src` on channel c gets the k-th tensor `src` sends to it on channel c. A channel (default 0) is a
+FIFO of its own between an ordered pair of ranks: the executor opens one per direction of each stage-graph
+edge, since a V schedule sends two edges' tensors from one rank to another in an order its peer consumes them
+in another.
 Calibration measures links through these same classes, so a profile prices the transport the executor uses.
 
 - GlooTransport: CPU tensors over gloo.
@@ -22,6 +23,7 @@ stream.
 
 from __future__ import annotations
 
+import queue
 import re
 import socket
 import threading
@@ -278,7 +280,60 @@ class _WorkHandle:
         if completed is False:
             raise TransportTimeout(f"{self.what} timed out after {timeout_s:g} s")
         self.result, self.finished = self.finish(), True
+        self.work = None  # the work holds the sent tensor: let it go
         return self.result
+
+
+@dataclass
+class _ReapedHandle:
+    """A gloo send, waited on by its link's `_Reaper`: gloo's work reports completion only to a wait, so a
+    send nobody waits on keeps its tensor (the work holds it) until the run ends."""
+
+    handle: _WorkHandle
+    settled: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+
+    def done(self) -> bool:
+        return self.settled.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> torch.Tensor | None:
+        timeout_s = self.handle.timeout_s if timeout_s is None else timeout_s
+        if not self.settled.wait(timeout_s):
+            raise TransportTimeout(f"{self.handle.what} timed out after {timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        return None
+
+    def settle(self) -> None:
+        try:
+            self.handle.wait()
+        except (TransportError, RuntimeError) as exc:
+            self.error = exc
+        self.settled.set()
+
+
+class _Reaper:
+    """One link's sends waited on in order by a daemon thread (a link completes its sends first in, first
+    out), so each lets go of its tensor as soon as it is sent. Work.wait releases the GIL while it blocks."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_ReapedHandle | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, handle: _WorkHandle) -> _ReapedHandle:
+        reaped = _ReapedHandle(handle)
+        self._queue.put(reaped)
+        return reaped
+
+    def _run(self) -> None:
+        while (reaped := self._queue.get()) is not None:
+            reaped.settle()
+
+    def stop(self) -> None:
+        """Stop after the sends queued so far (a send that never completes is abandoned with the thread)."""
+        self._queue.put(None)
+        self._thread.join(timeout=1.0)
 
 
 class _DistTransport(Transport):
@@ -312,6 +367,7 @@ class _DistTransport(Transport):
                              f"not rank {rank} of {world_size}")
         self._groups: dict[Link, Any] = {}
         self._transfers: dict[Link, int] = {}  # issued per link, to number them in errors
+        self._reapers: dict[Link, _Reaper] = {}  # per outgoing link, where the backend needs one (gloo)
         try:
             for src, dst, channel in links:
                 group = dist.new_group([src, dst], timeout=timeout, backend=self.backend)
@@ -349,8 +405,14 @@ class _DistTransport(Transport):
     def send(self, tensor: torch.Tensor, dst: int, channel: int = 0) -> Handle:
         group, n = self._issue(self.rank, self._peer(dst), channel)
         work = dist.isend(self._outgoing(tensor), dst, group=group)
-        return _WorkHandle(work, f"rank {self.rank}: send #{n} to rank {dst}{_on(channel)}", self.timeout_s,
-                           lambda: None)
+        handle = _WorkHandle(work, f"rank {self.rank}: send #{n} to rank {dst}{_on(channel)}", self.timeout_s,
+                             lambda: None)
+        if self.backend != "gloo":  # NCCL's work answers is_completed from its CUDA event
+            return handle
+        link = (self.rank, dst, channel)
+        if link not in self._reapers:
+            self._reapers[link] = _Reaper(f"pipesim-sends-{dst}-{channel}")
+        return self._reapers[link].watch(handle)
 
     def recv(self, shape: Iterable[int], dtype: torch.dtype, src: int, channel: int = 0) -> Handle:
         group, n = self._issue(self._peer(src), self.rank, channel)
@@ -360,6 +422,9 @@ class _DistTransport(Transport):
                            lambda: self._incoming(buffer))
 
     def close(self) -> None:
+        for reaper in self._reapers.values():
+            reaper.stop()
+        self._reapers = {}
         for group in self._groups.values():
             dist.destroy_process_group(group)
         self._groups = {}
