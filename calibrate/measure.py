@@ -41,6 +41,7 @@ from ..profiles.schema import (
     Timing,
     aggregate_stages,
     boundary_bytes,
+    boundary_held_bytes,
     layer_costs,
 )
 from ..workload.models import BATCH, Model, ModelError
@@ -236,7 +237,9 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
             shared_with_previous_bytes=sum(n for ptr, n in saved.items() if ptr in previous),
             output_bytes=0 if i == last else _nbytes([out]),  # the last layer's output is its loss
             param_bytes=_nbytes(layer.parameters()), grad_bytes=_nbytes(weights),
-            optimizer_state_bytes={name: _state_bytes(name, weights) for name in OPTIMIZERS}))
+            optimizer_state_bytes={name: _state_bytes(name, weights) for name in OPTIMIZERS},
+            saved_input_bytes=[saved.get(a.untyped_storage().data_ptr(), 0) for a in args],
+            output_saved=out.untyped_storage().data_ptr() in saved))
         previous = saved
     return Recording(inputs, target), layers
 
@@ -416,5 +419,5 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         model=ModelInfo(name=model.name, options=model.options), layers=layers,
         partition=Partition(bounds=bounds, optimizer=optimizer),
         stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps,
-                                passes),
+                                passes, boundary_held_bytes(layers, bounds, dag=False)),
         link=link, allreduce=allreduce)

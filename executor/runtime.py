@@ -22,13 +22,14 @@ buffer, whichever weights produced them. The forward is never recomputed.
 AVG pulls the P pipeline replicas of a stage on this device and a reference model (the initial weights)
 together by elastic averaging, with the schedule's coefficient alpha.
 
-Measured per row: the version and prediction distance the op used (from the weights it ran on), and memory:
-on CUDA the allocator's count; on CPU the bytes of the tensors autograd saved for backward (each storage once,
-until its graph is freed), weights (every version, their gradients, prediction buffers, optimizer state,
-reference models) and activations or gradients waiting for their consumer or their send, or in a send that
-has not completed (the in-process transport copies a sent tensor and completes at once). A row's
-peak is that at its end before it frees the version or prediction it was the last to read (the memory of
-weights nothing reads again is freed even while a forward's graph holds them as leaves: see weights.py).
+Measured per row: the version and prediction distance the op used (from the weights it ran on), and memory: on
+CUDA the allocator's count; on CPU the bytes of the tensors autograd saved for backward (each storage once,
+until its graph is freed), a forward's inputs and outputs until its backward (the backward's roots), weights
+(every version, their gradients, prediction buffers, optimizer state, reference models) and activations or
+gradients waiting for their consumer or their send, or in a send that has not completed (the in-process
+transport copies a sent tensor and completes at once). A row's peak is that at its end before it frees the
+version or prediction it was the last to read (the memory of weights nothing reads again is freed even while a
+forward's graph holds them as leaves: see weights.py).
 """
 
 from __future__ import annotations
@@ -446,10 +447,11 @@ class DeviceLoop:
             return (int(torch.cuda.memory_allocated(self.torch_device)),
                     int(torch.cuda.max_memory_allocated(self.torch_device)))
         waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values(), *(t for _, t in self.sends)])
-        # a forward's weights (freed ones have no storage left) and inputs stay in its graph until its backward
+        # a forward's weights (freed ones have no storage left) stay in its graph until its backward, and its
+        # inputs and outputs (the backward's roots) until its backward, or its input-gradient half, runs
         versions = {id(saved.weights.tensors): saved.weights.tensors for saved in self.saved.values()}  # each once
         graphs = _bytes_by_storage([*(t for tensors in versions.values() for t in tensors),
-                                    *(t for saved in self.saved.values() for t in saved.inputs)])
+                                    *(t for saved in self.saved.values() for t in (*saved.inputs, *saved.outputs))])
         held = {**weight_storage, **graphs, **self.ledger.by_storage(), **waiting}
         dropped = sum(nbytes for ptr, nbytes in self.taken.items() if ptr not in held)
         total = sum(held.values()) + posted_bytes
@@ -478,9 +480,11 @@ class DeviceLoop:
             torch.cuda.reset_peak_memory_stats(self.torch_device)  # each row's peak is its own
         done = 0
         try:
+            held_before = 0  # bytes held after the previous row (CPU): a row holds at least that at its start
             for i in rows:
                 while next_post < len(receives) and (len(posted) < window or receives[next_post] <= i):
                     posted[receives[next_post]] = self._post(receives[next_post])
+                    held_before += buffer_bytes[receives[next_post]]
                     next_post += 1
                 kind = KINDS[t.kind[i]]
                 stage, j, b, r = int(t.stage[i]), int(t.microbatch[i]), int(t.minibatch[i]), int(t.pipeline[i])
@@ -525,8 +529,11 @@ class DeviceLoop:
                 self.sends = [(handle, tensor) for handle, tensor in self.sends if not handle.done()]
                 # a taken receive's buffer is counted among the received tensors from its row on
                 posted_bytes = sum(buffer_bytes[k] for k in posted)
-                result.memory_bytes[i - lo], result.peak_bytes[i - lo] = self._memory(weight_storage, freed,
-                                                                                      posted_bytes)
+                held_after, peak = self._memory(weight_storage, freed, posted_bytes)
+                # a backward frees its micro-batch's activations as it runs: its peak is at its start
+                result.memory_bytes[i - lo] = held_after
+                result.peak_bytes[i - lo] = peak if self.on_cuda else max(peak, held_before)
+                held_before = held_after
                 self.taken.clear()
                 if self.on_cuda:
                     torch.cuda.reset_peak_memory_stats(self.torch_device)

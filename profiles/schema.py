@@ -82,6 +82,17 @@ class LayerProfile(_Strict):
     param_bytes: int = Field(ge=0)
     grad_bytes: int = Field(ge=0)
     optimizer_state_bytes: dict[str, int]  # per optimizer, as measured after a step
+    # Per input, the bytes of its storage the layer saves for backward (0: none); whether it saves its own
+    # output (a ReLU does). None: a profile from before they were recorded.
+    saved_input_bytes: list[int] | None = None
+    output_saved: bool | None = None
+
+    @model_validator(mode="after")
+    def _per_input(self) -> LayerProfile:
+        if self.saved_input_bytes is not None and len(self.saved_input_bytes) != len(self.inputs):
+            raise ValueError(f"saved_input_bytes has {len(self.saved_input_bytes)} entries for "
+                             f"{len(self.inputs)} inputs")
+        return self
 
     @property
     def wgrad_fraction(self) -> float:
@@ -134,6 +145,7 @@ class StageProfile(_Strict):
     accumulate: Timing | None = None
     passes: StagePasses | None = None  # None: a profile from before they were measured
     weight_copy: Timing | None = None
+    held_bytes: int | None = Field(None, ge=0)  # boundary tensors autograd does not save (`boundary_held_bytes`)
 
     @property
     def wgrad_fraction(self) -> float:
@@ -317,6 +329,33 @@ def boundary_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool) -> 
     return sent
 
 
+def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool) -> list[int | None]:
+    """Per stage, what a runtime holds from a micro-batch's forward until its backward beyond what autograd
+    saves: the inputs it receives and the outputs it sends (`boundary_bytes`'s) that no layer of the stage
+    saves, since the backward starts from those outputs and ends at those inputs. A tensor passed through a
+    chain stage is received, and counted, once. None for every stage where the layers do not say."""
+    if any(layer.saved_input_bytes is None or layer.output_saved is None for layer in layers):
+        return [None] * (len(bounds) - 1)
+    stage_of = _stage_of(bounds)
+    readers: dict[int, dict[int, bool]] = {}  # layer -> {stage reading its output: whether a reader saves it}
+    for i, layer in enumerate(layers):
+        for s, saved in zip(layer.inputs, layer.saved_input_bytes):
+            if s >= 0 and stage_of[s] != stage_of[i]:
+                mine = readers.setdefault(s, {})
+                mine[stage_of[i]] = mine.get(stage_of[i], False) or saved > 0
+    held = [0] * (len(bounds) - 1)
+    for s, stages in readers.items():
+        nbytes, first = layers[s].output_bytes, stage_of[s]
+        within = any(saved > 0 for i in range(bounds[first], bounds[first + 1])
+                     for t, saved in zip(layers[i].inputs, layers[i].saved_input_bytes) if t == s)
+        if not (layers[s].output_saved or within):
+            held[first] += nbytes  # sent
+        for k in (stages if dag else range(first + 1, max(stages) + 1)):  # a chain passes it through
+            if not stages.get(k, False):
+                held[k] += nbytes  # received
+    return held
+
+
 def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
     """The partitioner's view: forward + backward ms, weights + gradients + `optimizer`'s state."""
     return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms,
@@ -345,7 +384,8 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
 
 
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
-                     steps: list[StageSteps], passes: list[StagePasses] | None = None) -> list[StageProfile]:
+                     steps: list[StageSteps], passes: list[StagePasses] | None = None,
+                     held_bytes: list[int | None] | None = None) -> list[StageProfile]:
     """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
     averaging, gradient accumulation, weight copy), `passes` (where measured) its rows timed as the executor
     runs them, which are then its times. `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
@@ -369,6 +409,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
+            held_bytes=held_bytes[k] if held_bytes is not None else None,
             accumulate=steps[k][2],
             weight_copy=steps[k][3],
             passes=passes[k] if passes is not None else None,
@@ -391,7 +432,8 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[S
         steps = [_shared_steps(profile, sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes)
                  for start, stop in zip(bounds, bounds[1:])]
     return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
-                            boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds))
+                            boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds),
+                            boundary_held_bytes(profile.layers, bounds, dag))
 
 
 def _passes_for(profile: Profile, bounds: list[int]) -> list[StagePasses] | None:

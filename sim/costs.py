@@ -32,7 +32,11 @@ class StageCosts:
     weight gradients into the mini-batch's buffer: a runtime that keeps one buffer pays it in every B (or W)
     but the first after an update, which the simulator prices row by row. `copy_ms` is copying the stage's
     weights, which an update does first where later rows still read the version it supersedes (the
-    lowering's `copies_delta` > 0 at the OPT: copy-on-write).
+    lowering's `copies_delta` > 0 at the OPT: copy-on-write). `held_bytes`, where known (a profile's layers
+    say what autograd saves), is what the runtime holds from a micro-batch's F until its backward beyond
+    `activation_bytes`: the received inputs and sent outputs no layer saves (the backward's leaves and roots);
+    the boundary tensors are then the stage's own from F to backward, counted once. None: they are buffers of
+    their own, a received one held until its consumer ends, a sent one until its transfer does.
     """
 
     fwd_ms: float
@@ -49,13 +53,14 @@ class StageCosts:
     wgrad_ms: float | None = None
     accumulate_ms: float = 0.0
     copy_ms: float = 0.0
+    held_bytes: int | None = None
 
     def __post_init__(self) -> None:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
                  "copy_ms")
-        for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes"):
+        for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "held_bytes"):
             value = getattr(self, name)
-            if value is None and name in ("igrad_ms", "wgrad_ms"):
+            if value is None and name in ("igrad_ms", "wgrad_ms", "held_bytes"):
                 continue
             limit = MAX_MS if name in times else math.inf
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= limit:

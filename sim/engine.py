@@ -98,10 +98,16 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
 
     activation = per_stage([c.activation_bytes for c in stages])
     param = per_stage([c.param_bytes for c in stages])
+    # A stage whose `held_bytes` is known holds its boundary tensors from F until its backward (a received
+    # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
+    # received one freed when its consumer ends, a sent one when its transfer does.
+    own_boundary = per_stage([c.held_bytes is not None for c in stages]).astype(bool)
+    roots = per_stage([c.held_bytes or 0 for c in stages])
     kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
     is_kind = {k: kind == KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
-    mem_at_start = np.where(is_kind[Kind.F], activation, 0)
-    mem_at_end = (-np.where(is_kind[Kind.B], activation, 0) - np.where(is_kind[Kind.I], activation - kept, 0)
+    mem_at_start = np.where(is_kind[Kind.F], activation + roots, 0)
+    mem_at_end = (-np.where(is_kind[Kind.B], activation + roots, 0)
+                  - np.where(is_kind[Kind.I], activation - kept + roots, 0)
                   - np.where(is_kind[Kind.W], kept, 0) + lowered.copies_delta * param)
     kept_gradient = np.round(param[spans.opening] * costs.kept_gradients).astype(np.int64)
     mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
@@ -130,11 +136,22 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     if len(rows):
         sending = stream[rows] == Stream.SEND
         row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(lowered.transfer[rows])]
-        mem_at_start[rows] = row_bytes  # a SEND holds its buffer until the transfer ends,
-        mem_at_end[rows] = np.where(sending, -row_bytes, 0)
-        recv_rows = rows[~sending]  # a RECV's buffer lives until its consumer (the next compute row) ends
+        forward = np.isin(kind[rows], [KIND_CODE[Kind.SEND_F], KIND_CODE[Kind.RECV_F]])
+        merged = forward & own_boundary[rows]  # an activation that is the stage's own from its F to its backward
         computing = np.flatnonzero(compute)
-        np.add.at(mem_at_end, computing[np.searchsorted(computing, recv_rows)], -row_bytes[~sending])
+        # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
+        # (merged: the stage holds it anyway).
+        buffered = sending & ~merged
+        np.add.at(mem_at_end, computing[np.searchsorted(computing, rows[buffered]) - 1], row_bytes[buffered])
+        mem_at_start[rows] = np.where(sending, 0, row_bytes)
+        mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
+        # A RECV's buffer lives until its consumer (the next compute row) ends; merged, it is the consumer's
+        # from its start (the F's `held_bytes` or `activation_bytes` count it from there on).
+        receiving, received = rows[~sending], row_bytes[~sending]
+        consumer = computing[np.searchsorted(computing, receiving)]
+        merged_in = merged[~sending]
+        np.add.at(mem_at_end, consumer[~merged_in], -received[~merged_in])
+        np.add.at(mem_at_start, consumer[merged_in], -received[merged_in])
 
     steps, step_rows = [], []
     busy_before = np.empty(n, dtype=np.int64)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pipesim.profiles.linkfit import LinkFit, LinkSegment
 from pipesim.profiles.partition import LayerCost, PartitionError, partition, stage_memory_bytes, stage_ms
-from pipesim.profiles.schema import load_profile, profile_json, stage_edges, stages_for
+from pipesim.profiles.schema import boundary_held_bytes, load_profile, profile_json, stage_edges, stages_for
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Link
 from tests.conftest import pipesim, simulate_json
@@ -242,6 +242,19 @@ def test_two_branch_profile_gives_graphpipe_its_dag(tmp_path):
     chain, dag = stages_for(profile, profile.partition.bounds), stages_for(profile, profile.partition.bounds, dag=True)
     stem, a = profile.layers[0].output_bytes, profile.layers[1].output_bytes
     assert (chain[1].output_bytes, dag[1].output_bytes) == (a + stem, a)
+    # What autograd saves of the boundary: the stem ends in a max-pool (its output is not saved), each branch
+    # starts with a conv (its input is) and ends with a ReLU (its output is), the merge concatenates (saves
+    # neither input) and ends in a Linear (its output, the logits, is not saved).
+    b = profile.layers[2].output_bytes
+    assert [layer.output_saved for layer in profile.layers] == [False, True, True, False]
+    assert [layer.saved_input_bytes for layer in profile.layers[1:3]] == [[stem], [stem]]
+    assert profile.layers[3].saved_input_bytes == [0, 0]
+    # So the runtime holds the stem's sent output and the merge's received inputs from F to backward; a chain
+    # also passes branch a's output through branch b's stage.
+    assert [s.held_bytes for s in dag] == [stem, 0, 0, a + b]
+    assert [s.held_bytes for s in chain] == [stem, 0, a, a + b]
+    older = [layer.model_copy(update={"output_saved": None}) for layer in profile.layers]  # not recorded
+    assert boundary_held_bytes(older, profile.partition.bounds, dag=True) == [None] * 4
     # Whether the branches side by side beat the chain depends on the measured times here; with fixed costs,
     # tests/test_catalogue.py checks it (test_graphpipe_branches_beat_the_same_stages_in_a_chain).
     (graphpipe,) = simulate_json("--profile", out, "-s", "graphpipe", "-m", "4")

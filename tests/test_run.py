@@ -334,15 +334,17 @@ def dag_profile(tmp_path_factory):
 def test_posted_receives_hold_their_buffers_as_the_simulator_counts(dag_profile):
     """A rank keeps up to 16 receives posted ahead, and the transport allocates each buffer as it posts it: the
     executor counts it from then, the simulator prices the same window (GraphPipe's branches: 14-27 % under
-    on three of four devices while neither counted them). What is left, up to one message (5-8 % here), is a
-    sent message the simulator holds until its transfer ends while the in-process transport has copied it."""
+    on three of four devices while neither counted them). The boundary tensors are counted once, as the stage's
+    own from F to its backward: the stem's max-pool output and the merge's inputs, which autograd does not
+    save, are held by the executor as the backward's roots and leaves (5-8 % off while the simulator counted
+    them as messages in transit instead), and a backward's peak is at its start, before it frees them."""
     spec = RunSpec(build("graphpipe", 4, 4, 2), "two-branch", {"layers": 2, "width": 16}, microbatch_size=8,
                    bounds=(0, 1, 3, 5, 6))  # stem, branch a, branch b, head
     measured = run_in_process(spec).trace
     assert measured.meta.extra["recv_window"] == 16
     predicted = predict_measured(measured.meta, dag_profile)
     for device in compare(predicted, measured).devices:
-        assert device.peak_memory_error == pytest.approx(0, abs=0.1), device
+        assert device.peak_memory_error == pytest.approx(0, abs=0.02), device
     unposted = replace(measured.meta, extra={**measured.meta.extra, "recv_window": 0})
     assert min(d.peak_memory_error for d in compare(predict_measured(unposted, dag_profile), measured).devices) < -0.1
 

@@ -1,5 +1,6 @@
 """The simulator against closed forms and against an independent longest-path evaluation."""
 
+import dataclasses
 import json
 import math
 
@@ -69,6 +70,22 @@ def test_activation_memory_curve():
     memory = trace.counters["memory_bytes"][0]
     assert memory.values[0] == 0 and memory.values[-1] == 0 and (memory.values >= 0).all()
     assert np.all(np.diff(memory.times_us) >= 0)
+
+
+@pytest.mark.parametrize("held_mb,peaks", [
+    (None, [42, 42]),  # buffers of their own: a message on top of 4 F's activations, sent (0) or received (1)
+    (0, [42, 40]),  # saved by the stages: a boundary activation is counted once, only 0's received gradient adds
+    (2, [50, 48]),  # saved by neither: each F holds its output (stage 0) or input (stage 1) until its B
+])
+def test_boundary_tensors_are_counted_once_where_the_stage_holds_them(held_mb, peaks):
+    """GPipe on 2 devices, 4 micro-batches of 10 MiB activations and 2 MiB messages that take 0.5 ms."""
+    schedule = build_schedule("gpipe", ScheduleParams(stages=2, microbatches=4))
+    costs = Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0, param_mb=0, activation_mb=10, output_mb=2)
+    held = None if held_mb is None else held_mb << 20
+    costs = dataclasses.replace(costs, stages=tuple(dataclasses.replace(c, held_bytes=held) for c in costs.stages))
+    summary = summarize(simulate(schedule, costs, Cluster.uniform(2, 0.5)))
+    assert [d.peak_memory_mb for d in summary.devices] == pytest.approx(peaks)
+    assert summary.makespan_ms == pytest.approx(5 * 3.0 + 2 * 0.5)  # how a tensor is counted costs no time
 
 
 def longest_path(schedule, fwd, bwd, comm):
