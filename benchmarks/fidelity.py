@@ -113,17 +113,24 @@ def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, ga
 def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profile]]:
     """The profile with its terms turned on one after another, each line adding one cause to the one before:
     the first is what pipesim predicted before these terms (every core, the layers and steps alone)."""
+    def unsaved(p: Profile) -> list:
+        """`p`'s layers as a profile from before calibration recorded what autograd saves of them."""
+        return [layer.model_copy(update={"output_saved": None}) for layer in p.layers]
+
     def layers_only(p: Profile, accumulate: bool = False) -> Profile:
-        return p.model_copy(update={"runtime": None, "contention": None, "stages": [s.model_copy(update={
-            "passes": None, "weight_copy": None, "accumulate": s.accumulate if accumulate else None})
-            for s in p.stages]})
+        return p.model_copy(update={"runtime": None, "contention": None, "layers": unsaved(p), "stages": [
+            s.model_copy(update={"passes": None, "weight_copy": None, "accumulate": s.accumulate if accumulate
+                                 else None}) for s in p.stages]})
 
     terms = ("compute", "messages", "delivery", "gaps", "kept", "posted")
 
-    def first(count: int, copies: bool = True) -> Profile:
+    def first(count: int, copies: bool = True, boundary: bool = False) -> Profile:
         stages = profile.stages if copies else [s.model_copy(update={"weight_copy": None}) for s in profile.stages]
-        return profile.model_copy(update={"contention": None, "stages": stages, "runtime": _runtime(
-            profile, **{t: i < count for i, t in enumerate(terms)})})
+        return profile.model_copy(update={
+            "contention": None, "stages": stages, "layers": profile.layers if boundary else unsaved(profile),
+            "runtime": _runtime(profile, **{t: i < count for i, t in enumerate(terms)})})
+
+    untailed = profile.contention.model_copy(update={"tail": 1.0}) if profile.contention is not None else None
 
     return [
         ("all cores, layers only (before)", layers_only(all_cores.model_copy(update={"link": profile.link}))),
@@ -137,7 +144,9 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
         ("+ bookkeeping gap after each row", first(4)),
         ("+ gradient kept through the update (memory)", first(5)),
         ("+ receive buffers held from their posting (memory)", first(len(terms))),
-        ("+ ranks computing at once slow each other", profile),
+        ("+ boundary tensors the stage's own from F to backward (memory)", first(len(terms), boundary=True)),
+        ("+ ranks computing at once slow each other", profile.model_copy(update={"contention": untailed})),
+        ("+ a rank's passes priced at their mean (their tail)", profile),
     ]
 
 

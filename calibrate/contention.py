@@ -11,11 +11,13 @@ host's monotonic clock, so every kept iteration overlaps the other k - 1 computi
 first WARMUP_S (waking up, cold caches) and any iteration running past its end.
 
 A rank's time is its mean iteration, not the median: with more processes than cores, an iteration shorter than
-the scheduler's time slice mostly runs undisturbed and a few absorb the whole wait (3 one-thread processes on
-2 cores: median 1.07x alone, mean 1.7x), and the mean is the rate a rank advances at, which the simulator's
-processor sharing prices. `slowdown[k - 1]` is the median over the k processes of their mean with k over their
-mean alone; `spread[k - 1]` the interquartile range of the same ratio taken over each fifth of every window
-(BLOCKS runs of consecutive iterations), pooled over the k.
+the scheduler's time slice mostly runs undisturbed and a few absorb the whole wait (3 one-thread processes on 2
+cores: median 1.07x alone, mean 1.7x), and the mean is the rate a rank advances at, which the simulator's
+processor sharing prices. For the same reason `tail` is a rank's mean iteration alone over its median: the stage
+passes calibration times are medians, and the simulator prices them at their mean. `slowdown[k - 1]` is the
+median over the k processes of their mean with k over their mean alone; `spread[k - 1]` the interquartile range
+of the same ratio taken over each fifth of every window (BLOCKS runs of consecutive iterations), pooled over the
+k.
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
     finally:
         _stop(procs, conns)
     solo_ms = [float(np.mean(ms)) for ms in alone]
+    # The simulator prices the calibrated passes, medians; a rank advances at its mean, and its passes alone
+    # have a right tail (a preempted or cold iteration now and then): the tail is that mean over the median.
+    tail = float(np.median([np.mean(ms) / np.median(ms) for ms in alone]))
     measured = [1.0] + [float(np.median([np.mean(ms) / solo for ms, solo in zip(times, solo_ms)]))
                         for times in together]
     slowdown = slowdowns(measured)
@@ -142,10 +147,12 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
             "workload": {"model": model, "options": job.options, "bounds": job.bounds, "dtype": env.dtype,
                          "microbatch_size": env.microbatch_size, "stages": [rank % stages for rank in range(count)],
                          "pass": "forward and full backward, as the executor runs them"},
-            "solo_ms": [round(ms, 4) for ms in solo_ms], "measured_slowdown": [round(r, 4) for r in measured],
+            "solo_ms": [round(ms, 4) for ms in solo_ms],
+            "solo_median_ms": [round(float(np.median(ms)), 4) for ms in alone],
+            "measured_slowdown": [round(r, 4) for r in measured],
             "iterations": [[len(ms) for ms in times] for times in [alone, *together]]}
     return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],
-                             meta=meta)
+                             tail=round(tail, 4), meta=meta)
 
 
 def _block_means(ms: list[float]) -> np.ndarray:

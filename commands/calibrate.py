@@ -269,8 +269,9 @@ def _print_profile(profile) -> None:
                             f"{k}: {slowdown:.2f}x" for k, slowdown in enumerate(profile.contention.slowdown[1:], 2))
         threads = meta.get("threads_per_process")
         stdout.print(f"contention: {at_once} ({threads} thread{'s' * (threads != 1)} per rank, "
-                     f"{meta.get('cpus_usable')} cores)", highlight=False)
-        solo_ms, of = meta.get("solo_ms"), meta.get("workload", {}).get("stages")
+                     f"{meta.get('cpus_usable')} cores); a rank alone: mean {profile.contention.tail:.3f}x its "
+                     "median iteration (the passes are priced at their mean)", highlight=False)
+        solo_ms, of = meta.get("solo_median_ms", meta.get("solo_ms")), meta.get("workload", {}).get("stages")
         if solo_ms and of and all(stage.passes is not None for stage in profile.stages):
             drift = [ms / (profile.stages[k].fwd_ms + profile.stages[k].bwd_ms) - 1 for ms, k in zip(solo_ms, of)]
             stdout.print("contention probe, each rank alone, against its stage's calibrated F + B: "

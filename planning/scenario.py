@@ -176,11 +176,14 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
     """Costs of the profile's layers cut into stages at `bounds` (linked as a chain, or by their own edges
     when `dag`), with `optimizer`'s update and prediction, the gradient accumulation and the runtime's own
     cost per row where the profile measured them. A stage's passes, where measured, add into the gradient
-    buffer as they run, so their accumulation is not added again."""
+    buffer as they run, so their accumulation is not added again. The passes are priced at their mean where
+    the contention probe measured how far it lies above their median (`ContentionProfile.tail`)."""
     from ..profiles.schema import stages_for
 
+    tail = measured.contention.tail if measured.contention is not None else 1.0
     return Costs(tuple(StageCosts(
-        fwd_ms=s.fwd_ms, bwd_ms=s.bwd_ms, igrad_ms=s.igrad_ms, wgrad_ms=s.wgrad_ms, wgrad_fraction=s.wgrad_fraction,
+        fwd_ms=s.fwd_ms * tail, bwd_ms=s.bwd_ms * tail, igrad_ms=s.igrad_ms * tail, wgrad_ms=s.wgrad_ms * tail,
+        wgrad_fraction=s.wgrad_fraction,
         opt_ms=s.steps[optimizer].step.median_ms, pred_ms=s.steps[optimizer].predict.median_ms,
         avg_ms=s.average.median_ms, param_bytes=s.param_bytes, activation_bytes=s.activation_bytes,
         output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer],

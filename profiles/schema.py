@@ -252,10 +252,13 @@ class ContentionProfile(_Strict):
     alone, then k at once: `slowdown[k - 1]` is the median over the k of a rank's mean iteration time with k
     computing over its mean alone (so `slowdown[0]` is 1), `spread[k - 1]` the interquartile range of that
     ratio over fifths of each window. The simulator shares a host's compute among the ranks computing on it:
-    each advances at 1 / slowdown[k - 1] of its own speed."""
+    each advances at 1 / slowdown[k - 1] of its own speed. `tail`: a rank's mean iteration alone over its
+    median (1: a profile from before it was measured); the stages' passes, timed as medians, are priced at
+    their mean, since an iteration adds its ops' times up."""
 
     slowdown: list[Annotated[float, Field(gt=0)]] = Field(min_length=1)
     spread: list[Annotated[float, Field(ge=0)]]
+    tail: float = Field(1.0, gt=0)
     meta: dict[str, Any]  # processes, threads per process, window seconds, the host's cores, the workload
 
     @model_validator(mode="after")

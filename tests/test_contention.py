@@ -4,12 +4,13 @@ kept in the profile. Structure only: the measured factors depend on the machine 
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 
 import pytest
 
 from pipesim.calibrate.contention import slowdowns
-from pipesim.planning.scenario import profile_cluster
+from pipesim.planning.scenario import profile_cluster, profile_costs
 from pipesim.profiles.schema import ProfileError, load_profile, profile_json
 from tests.conftest import pipesim, simulate_json
 
@@ -53,6 +54,18 @@ def test_a_profile_with_contention_puts_its_ranks_on_one_host_that_slows_them(tm
     assert one_shared["time_per_minibatch_ms"] == one["time_per_minibatch_ms"]
 
 
+def test_the_passes_are_priced_at_their_mean_where_the_tail_was_measured(tmp_path):
+    """Calibration times a stage's passes as medians; a rank advances at their mean, which the contention
+    probe's solo windows give (tail = mean / median): every pass is priced that much longer, nothing else."""
+    plain = load_profile(_with_contention(tmp_path, MEASURED))
+    tailed = load_profile(_with_contention(tmp_path, {**MEASURED, "tail": 1.25}))
+    bounds = plain.partition.bounds
+    for a, b in zip(profile_costs(plain, "sgd", bounds).stages, profile_costs(tailed, "sgd", bounds).stages):
+        assert (b.fwd_ms, b.bwd_ms, b.igrad_ms, b.wgrad_ms) == pytest.approx(
+            (1.25 * a.fwd_ms, 1.25 * a.bwd_ms, 1.25 * a.igrad_ms, 1.25 * a.wgrad_ms))
+        assert (b.opt_ms, b.activation_bytes) == (a.opt_ms, a.activation_bytes)
+
+
 @pytest.mark.parametrize("edit,fragment", [
     ({"slowdown": [1.2, 1.6]}, "contention: slowdown[0] is one rank computing alone and must be 1.0, got 1.2"),
     ({"slowdown": [1.0, -1.0]}, "contention.slowdown.1: Input should be greater than 0"),
@@ -82,6 +95,9 @@ def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path, ranks
     assert all(math.isfinite(s) and s > 0 for s in contention.slowdown)
     assert all(math.isfinite(s) and s >= 0 for s in contention.spread)
     meta = contention.meta
+    # the tail: a rank's mean iteration alone over its median, from the same solo windows
+    assert contention.tail == pytest.approx(statistics.median(
+        mean / median for mean, median in zip(meta["solo_ms"], meta["solo_median_ms"])), rel=1e-3)
     assert (meta["processes"], meta["threads_per_process"], meta["cpu_count"]) == (count, 1, os.cpu_count())
     assert meta["window_s"] > meta["warmup_s"] > 0
     assert meta["workload"] == {"model": "mlp", "options": {"layers": 2, "width": 16}, "dtype": "float32",

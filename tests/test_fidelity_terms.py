@@ -355,26 +355,35 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
                                              compute_ms={k: t for k in COMPUTE_KINDS}, send_ms=t, recv_ms=t,
                                              delivery_ms=t, delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0,
                                              meta={}),
-                                         "contention": ContentionProfile(slowdown=[1.0, 1.5], spread=[0, 0], meta={})})
+                                         "contention": ContentionProfile(slowdown=[1.0, 1.5], spread=[0, 0], tail=1.25,
+                                                                         meta={}),
+                                         "layers": [layer.model_copy(update={  # autograd saves no boundary tensor
+                                             "saved_input_bytes": [0] * len(layer.inputs), "output_saved": False})
+                                             for layer in profile.layers]})
     profile = with_passes(profile, [1.5] * 4, [2.0] * 4)
     profile = profile.model_copy(update={"stages": [s.model_copy(update={"weight_copy": t}) for s in profile.stages]})
     variants = fidelity.term_variants(profile, load_profile(PROFILE))
     schedule = build("1f1b", 4, 4, 2)
     costs = [profile_scenario(p, "sgd").costs(schedule) for _, p in variants]
     assert variants[0][1].environment.threads == 2 and variants[1][1].environment.threads == 1
-    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1] + [0] * 9  # then inside the passes
-    first = profile.stages[0]
-    assert [c.stages[0].fwd_ms for c in costs][1:] == [first.fwd_ms] * 2 + [first.passes.fwd.median_ms] * 9
-    assert [c.stages[0].copy_ms for c in costs] == [0] * 4 + [0.1] * 8
-    assert [c.overhead.compute_ms[0] for c in costs] == [0] * 5 + [0.1] * 7
-    assert [c.overhead.send_ms for c in costs] == [0] * 6 + [0.1] * 6
+    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1] + [0] * 11  # then inside the passes
+    first, n = profile.stages[0], len(variants)
+    assert [c.stages[0].fwd_ms for c in costs][1:] == pytest.approx(
+        [first.fwd_ms] * 2 + [first.passes.fwd.median_ms] * 10 + [1.25 * first.passes.fwd.median_ms])  # the tail
+    assert [c.stages[0].copy_ms for c in costs] == [0] * 4 + [0.1] * (n - 4)
+    assert [c.overhead.compute_ms[0] for c in costs] == [0] * 5 + [0.1] * (n - 5)
+    assert [c.overhead.send_ms for c in costs] == [0] * 6 + [0.1] * (n - 6)
     # The link's fit takes 1 ms + 1 us at the probe's 4 KiB until delivery is on, then 0.1 ms there.
     assert [profile_scenario(p, "sgd").links(schedule).link(0, 1).transfer_ms(4096) for _, p in variants] == \
-        pytest.approx([1.001] * 7 + [0.1] * 5)
-    assert [c.overhead.gap_ms[0] for c in costs] == [0] * 8 + [0.1] * 4
-    assert [c.kept_gradients for c in costs] == [0] * 9 + [1.0] * 3
-    assert [c.recv_window for c in costs] == [0] * 10 + [16] * 2
-    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == [()] * 11 + [(1.0, 1.5)]
+        pytest.approx([1.001] * 7 + [0.1] * (n - 7))
+    assert [c.overhead.gap_ms[0] for c in costs] == [0] * 8 + [0.1] * (n - 8)
+    assert [c.kept_gradients for c in costs] == [0] * 9 + [1.0] * (n - 9)
+    assert [c.recv_window for c in costs] == [0] * 10 + [16] * (n - 10)
+    # the boundary tensors: a stage's received input and sent output, held from F to its backward
+    boundary = profile.layers[profile.stages[0].layers[1] - 1].output_bytes
+    assert [c.stages[0].held_bytes for c in costs] == [None] * 11 + [boundary] * (n - 11)
+    assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == \
+        [()] * 12 + [(1.0, 1.5)] * (n - 12)
     assert variants[-1][1] == profile
 
 
@@ -425,5 +434,7 @@ def test_the_report_reads_what_a_measurement_kept(fidelity, tmp_path, capsys):
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["methods"][0]["iteration_error"] == 0 and doc["noise_floor"] == 0
     errors = [line["methods"][0]["iteration_error"] for line in doc["terms"]]
-    # Each term left out makes it faster, but the kept gradient, which only costs memory.
-    assert errors[-1] == 0 and all(error < 0 for error in errors[:-1]) and errors[-3] == errors[-2]
+    # Each term left out makes it faster, but those that only cost memory (the kept gradient, the posted
+    # buffers, the boundary tensors), and the passes' tail, which this profile did not measure.
+    assert errors[-2] == errors[-1] == 0 and all(error < 0 for error in errors[:-2])
+    assert errors[-5] == errors[-4] == errors[-3]
