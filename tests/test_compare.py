@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipesim.traces.compare import compare
-from pipesim.traces.trace import Ops, Trace, TraceError
+from pipesim.traces.trace import Ops, Trace, TraceError, read_trace
 from tests.conftest import run
 
 
@@ -173,3 +173,25 @@ def test_the_replay_places_ranks_where_they_computed():
     assert _placed(contended, on_cpu).hosts == ("node-a", "node-b")
     assert _placed(contended, on_cpu).host_peers(2) == [(0,), (1,)]
     assert _placed(contended, {"device": "cpu", "compute": ["h/cpu"] * 2}).host_peers(2) == [(0, 1), (0, 1)]
+
+
+FIDELITY_RUNS = Path(__file__).parent.parent / "traces" / "measured" / "fidelity-cpu2-day3-runs"
+
+
+@pytest.mark.parametrize("run, profile, iteration_error", [
+    ("graphpipe.json", "two-branch-profile.json", -0.1832),  # 4 gloo ranks on 2 cores, the two-branch DAG
+    ("1f1b.json", "mlp-profile.json", 0.1181),  # 2 gloo ranks, mlp 8 x 512
+])
+def test_a_committed_run_reproduces_its_prediction_and_its_memory(run, profile, iteration_error):
+    """Runs of the fidelity report (repeat 0 of traces/measured/fidelity-cpu2-day3-passes-at-mean.json) with
+    the profile calibrated just before them: the prediction from that profile reproduces the error the
+    report recorded, and every device's peak memory, boundary tensors and posted receives included, to
+    within 0.5 %."""
+    from pipesim.planning.replay import predict_measured
+    from pipesim.profiles.schema import load_profile
+
+    measured = read_trace(FIDELITY_RUNS / run)
+    found = compare(predict_measured(measured.meta, load_profile(FIDELITY_RUNS / profile)), measured)
+    assert found.iteration_time_error == pytest.approx(iteration_error, abs=1e-4)
+    assert found.version_mismatches == 0 and found.measured_complete
+    assert all(abs(d.peak_memory_error) < 0.005 for d in found.devices), found.devices
