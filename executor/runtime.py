@@ -226,7 +226,7 @@ class DeviceLoop:
         self.saved: dict[Unit, _Saved] = {}
         self.acts: dict[EdgeUnit, torch.Tensor] = {}  # an edge's activation: produced or received, not yet taken
         self.grads: dict[EdgeUnit, torch.Tensor] = {}  # an edge's gradient: computed or received, not yet taken
-        self.sends: list[tuple[Handle, torch.Tensor]] = []  # sends in flight, with the tensor each holds
+        self.sends: list[tuple[Handle, torch.Tensor | None]] = []  # sends in flight, with the tensor each holds
         self.losses: dict[tuple[int, int], float] = {}
         self.ledger = Ledger()
         self.taken: dict[int, int] = {}  # storages of the tensors the current row took: they may die with it
@@ -446,7 +446,8 @@ class DeviceLoop:
         if self.on_cuda:
             return (int(torch.cuda.memory_allocated(self.torch_device)),
                     int(torch.cuda.max_memory_allocated(self.torch_device)))
-        waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values(), *(t for _, t in self.sends)])
+        waiting = _bytes_by_storage([*self.acts.values(), *self.grads.values(),
+                                     *(t for _, t in self.sends if t is not None)])
         # a forward's weights (freed ones have no storage left) stay in its graph until its backward, and its
         # inputs and outputs (the backward's roots) until its backward, or its input-gradient half, runs
         versions = {id(saved.weights.tensors): saved.weights.tensors for saved in self.saved.values()}  # each once
@@ -496,8 +497,10 @@ class DeviceLoop:
                 if kind is Kind.SEND_F or kind is Kind.SEND_B:
                     tensor = (self.acts.pop((stage, peer, j, b, r)) if kind is Kind.SEND_F
                               else self.grads.pop((peer, stage, j, b, r)))
-                    self.sends.append((self.transport.send(tensor, self.placement[peer], channel=self._channel(i)),
-                                       tensor))
+                    handle = self.transport.send(tensor, self.placement[peer], channel=self._channel(i))
+                    # on CPU the books count a sent tensor until its send completes; on CUDA the allocator
+                    # does, and the transport holds what it needs (a host-staged send, only its host copy)
+                    self.sends.append((handle, None if self.on_cuda else tensor))
                 elif kind is Kind.RECV_F:
                     self.acts[(peer, stage, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
                 elif kind is Kind.RECV_B:
@@ -526,7 +529,7 @@ class DeviceLoop:
                     if touched and not self.on_cuda:
                         weight_storage = self._weight_storage()
                 result.held[i - lo] = level
-                self.sends = [(handle, tensor) for handle, tensor in self.sends if not handle.done()]
+                self.sends = self._in_flight()
                 # a taken receive's buffer is counted among the received tensors from its row on
                 posted_bytes = sum(buffer_bytes[k] for k in posted)
                 held_after, peak = self._memory(weight_storage, freed, posted_bytes)
@@ -556,6 +559,17 @@ class DeviceLoop:
         result.weights = {key: [w.detach().cpu().numpy().copy() for w in state.current]
                           for key, state in self.weights.items()}
         return result
+
+    def _in_flight(self) -> list[tuple[Handle, torch.Tensor | None]]:
+        """The sends not yet complete; a completed one is waited on as it goes, so a failed send fails its
+        rank here."""
+        flying = []
+        for handle, tensor in self.sends:
+            if handle.done():
+                handle.wait(self.spec.timeout_s)
+            else:
+                flying.append((handle, tensor))
+        return flying
 
     def _channel(self, row: int) -> int:
         return int(self.lowered.channel_of(self.lowered.transfer[row]))

@@ -102,7 +102,13 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
     # received one freed when its consumer ends, a sent one when its transfer does.
     own_boundary = per_stage([c.held_bytes is not None for c in stages]).astype(bool)
-    roots = per_stage([c.held_bytes or 0 for c in stages])
+    # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
+    # which the producer holds until its own backward, later than this stage's: it is counted there only.
+    local_in = [0] * len(stages)
+    for src, dst in schedule.graph.edges:
+        if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
+            local_in[dst] += stages[src].output_bytes
+    roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
     kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
     is_kind = {k: kind == KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
     mem_at_start = np.where(is_kind[Kind.F], activation + roots, 0)

@@ -88,6 +88,21 @@ def test_boundary_tensors_are_counted_once_where_the_stage_holds_them(held_mb, p
     assert summary.makespan_ms == pytest.approx(5 * 3.0 + 2 * 0.5)  # how a tensor is counted costs no time
 
 
+def test_a_tensor_handed_over_on_one_device_is_counted_once():
+    """ZB-V puts stages 1 and 2 on device 1: stage 1's output is stage 2's input, one tensor with no transfer,
+    which stage 1 holds until its own backward. With every boundary tensor unsaved (held by the stages), device
+    1 peaks as stage 2's input-gradient half starts: both stages' 10 MiB activations, stage 1's received input
+    and its output (2 MiB each, the output also stage 2's input), stage 2's output and the gradient it received
+    (2 MiB each): 28 MiB, not 30."""
+    schedule = build_schedule("zb-v", ScheduleParams(stages=2, microbatches=1, chunks=2))
+    assert schedule.placement == (0, 1, 1, 0)
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, param_mb=0, activation_mb=10, output_mb=2)
+    held = [2 << 20, 4 << 20, 4 << 20, 2 << 20]  # the boundary tensors each stage sends or receives
+    costs = dataclasses.replace(costs, stages=tuple(dataclasses.replace(c, held_bytes=h)
+                                                    for c, h in zip(costs.stages, held)))
+    assert summarize(simulate(schedule, costs, Cluster.uniform(2, 0.5))).devices[1].peak_memory_mb == 28
+
+
 def longest_path(schedule, fwd, bwd, comm):
     """Independent timing of a chain schedule: each op starts when the previous op on its device and
     every input (plus `comm` if it crosses devices) are done; sends never block."""

@@ -328,6 +328,24 @@ def test_choose_transport_follows_device_world_size_and_gpus():
 
 
 
+def test_a_send_that_fails_is_raised_by_its_ranks_wait_and_a_waiter_thread_stops():
+    """A gloo send's waiter keeps the failure for the rank (whose books take the send as done), and stops."""
+    from pipesim.workload.transport import TransportError, _Reaper
+
+    class Failing:  # a send whose transfer failed
+        timeout_s, what = 1.0, "rank 0: send #0 to rank 1"
+
+        def wait(self, timeout_s=None):
+            raise TransportError("rank 0: send #0 to rank 1 failed: connection reset")
+
+    reaper = _Reaper("test-sends")
+    handle = reaper.watch(Failing())
+    assert handle.settled.wait(5.0) and handle.done()
+    with pytest.raises(TransportError, match="connection reset"):
+        handle.wait()
+    assert reaper.stop()
+
+
 def _exchange(rank: int, kind: str, port: int, results) -> None:
     """One of two real ranks: pre-post receives, send tensors of several shapes and dtypes both ways, then
     let rank 1 wait on a receive nothing answers."""

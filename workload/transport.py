@@ -307,9 +307,10 @@ class _ReapedHandle:
     def settle(self) -> None:
         try:
             self.handle.wait()
-        except (TransportError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - kept for the rank's own wait to raise
             self.error = exc
-        self.settled.set()
+        finally:
+            self.settled.set()
 
 
 class _Reaper:
@@ -330,10 +331,12 @@ class _Reaper:
         while (reaped := self._queue.get()) is not None:
             reaped.settle()
 
-    def stop(self) -> None:
-        """Stop after the sends queued so far (a send that never completes is abandoned with the thread)."""
+    def stop(self) -> bool:
+        """Stop after the sends queued so far; False when a send that never completed still holds the thread
+        (abandoned with it: a daemon)."""
         self._queue.put(None)
         self._thread.join(timeout=1.0)
+        return not self._thread.is_alive()
 
 
 class _DistTransport(Transport):
@@ -422,11 +425,11 @@ class _DistTransport(Transport):
                            lambda: self._incoming(buffer))
 
     def close(self) -> None:
-        for reaper in self._reapers.values():
-            reaper.stop()
+        stuck = {link for link, reaper in self._reapers.items() if not reaper.stop()}
         self._reapers = {}
-        for group in self._groups.values():
-            dist.destroy_process_group(group)
+        for link, group in self._groups.items():
+            if link not in stuck:  # a group whose waiter is still inside gloo is left to the process's exit
+                dist.destroy_process_group(group)
         self._groups = {}
         if self._owns_default and dist.is_initialized():
             dist.destroy_process_group()
