@@ -13,7 +13,9 @@ Then the terms table: the same predictions with the profile's terms turned on on
 profile timed with every core and nothing of the runtime (what pipesim predicted before) to all of them, so each
 term's line shows the error it removed. Last, GPipe and 1F1B run by torch.distributed.pipelining on the same
 model and cut (`bench_executor.torch_run`), against pipesim's prediction without its own runtime's terms (but
-with the host's contention: torch's ranks share the cores as pipesim's do).
+with the host's contention: torch's ranks share the cores as pipesim's do) and with torch's runtime cost per
+forward and backward action, measured by running torch's same schedule on a probe: the same pipeline on a
+model of one block of the same width, whose passes its own calibration times.
 
 Targets (issue 12): iteration time within 2 %, median per-op duration within 5 %, peak memory within 5 %.
 
@@ -46,9 +48,10 @@ from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.linkfit import piecewise_ms
 from pipesim.profiles.schema import Profile, RuntimeProfile, Timing, layer_costs, load_profile
-from pipesim.schedules import ScheduleParams
+from pipesim.schedules import KINDS, NUM_COMPUTE_KINDS, Kind, ScheduleParams
 from pipesim.schedules.catalogue import METHODS, method_named
 from pipesim.sim import simulate
+from pipesim.sim.costs import RowOverhead
 from pipesim.traces import summarize
 from pipesim.traces.compare import Comparison, compare
 from pipesim.traces.trace import Trace, read_trace, write_trace
@@ -213,14 +216,38 @@ def with_measured_ops(run: Trace, profile: Profile) -> Trace:
     return simulate(schedule, replace(costs, stages=stages, overhead=overhead), links)
 
 
-def torch_predicted_ms(method: str, workload: Workload, profile: Profile) -> float:
+def torch_predicted_ms(method: str, workload: Workload, profile: Profile, action_ms: float = 0.0) -> float:
     """pipesim's iteration time for torch's runtime: the profile's layers cut evenly (as bench_executor cuts),
-    without the terms that price pipesim's own executor."""
+    without the terms that price pipesim's own executor, each forward and backward action costing `action_ms`
+    of torch's runtime beyond its pass."""
     scenario = profile_scenario(profile, "sgd")
     schedule = scenario.build(method, params(method, workload, workload.warmup + workload.steps))
-    bounds = even_bounds(len(profile.layers), schedule.num_stages)
-    trace = simulate(schedule, scenario.costs(schedule, bounds), scenario.links(schedule))
+    costs = scenario.costs(schedule, even_bounds(len(profile.layers), schedule.num_stages))
+    compute_ms = tuple(action_ms if kind in (Kind.F, Kind.B) else 0.0 for kind in KINDS[:NUM_COMPUTE_KINDS])
+    trace = simulate(schedule, replace(costs, overhead=RowOverhead(compute_ms=compute_ms)), scenario.links(schedule))
     return summarize(trace).time_per_minibatch_ms
+
+
+def torch_probe(workload: Workload) -> Workload:
+    """The same pipeline on a model of one block of the same width (the block and the classifier, a stage
+    each for p = 2): torch's runtime costs per action dominate its time."""
+    return replace(workload, options={**workload.options, "layers": workload.stages - 1})
+
+
+def torch_action_ms(method: str, workload: Workload, probe: Profile, probe_ms: float) -> float:
+    """torch's runtime cost per forward and backward action, measured on the probe: what each must cost beyond
+    its pass for pipesim's timeline of the probe to take the probe's measured iteration time (the timeline
+    grows with it, so bisection finds it; 0 where the passes alone already take longer)."""
+    def predicted(ms: float) -> float:
+        return torch_predicted_ms(method, torch_probe(workload), probe, ms)
+
+    low, high = 0.0, probe_ms
+    if predicted(low) >= probe_ms:
+        return 0.0
+    while high - low > 1e-4:
+        middle = (low + high) / 2
+        low, high = (middle, high) if predicted(middle) < probe_ms else (low, middle)
+    return (low + high) / 2
 
 
 # ------------------------------------------------------------------------------------------------ reporting
@@ -321,6 +348,7 @@ def measure(args: argparse.Namespace, methods: list[str], folder: Path, say: Cal
     calibrate(chain, folder / "cores.json", threads=os.cpu_count() or 1, runtime=False, links=False, quick=args.quick)
     (folder / "profiles").mkdir(exist_ok=True)
     torch_ms: dict[str, list[float]] = {m: [] for m in TORCH_METHODS if not args.quick}
+    probe_ms: dict[str, list[float]] = {m: [] for m in torch_ms}
     for repeat in range(args.repeats):
         say(f"repeat {repeat + 1}/{args.repeats}: calibrating {chain.model} {chain.options} (one thread, runtime "
             "probe)" + (f" and {dag.model} {dag.options} for graphpipe" if "graphpipe" in methods else ""))
@@ -332,11 +360,17 @@ def measure(args: argparse.Namespace, methods: list[str], folder: Path, say: Cal
         for method in methods:
             case = Case(method, dag if method == "graphpipe" else chain)
             write_trace(run_once(case, profiles[case.workload.model]), folder / f"{method}.{repeat}.json")
+        if torch_ms:  # torch's runtime on the model, then on its one-block probe (calibrated for its passes)
+            probe = torch_probe(chain)
+            calibrate(probe, folder / "profiles" / f"torch-probe.{repeat}.json", threads=1, runtime=False,
+                      links=False, quick=args.quick)
         for method in torch_ms:
-            config = Config(method, chain.stages, chain.microbatches, chain.microbatch_size, chain.options["layers"],
-                            chain.options["width"], chain.warmup, chain.steps)
-            torch_ms[method].append(float(np.median(torch_run(config))))
+            for workload, found in ((chain, torch_ms), (torch_probe(chain), probe_ms)):
+                config = Config(method, workload.stages, workload.microbatches, workload.microbatch_size,
+                                workload.options["layers"], workload.options["width"], workload.warmup, workload.steps)
+                found[method].append(float(np.median(torch_run(config))))
         (folder / "torch.json").write_text(json.dumps(torch_ms))
+        (folder / "torch-probe.json").write_text(json.dumps(probe_ms))
 
 
 def report(quick: bool, folder: Path, console: Console, out: Path | None) -> None:
@@ -383,22 +417,41 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
     torch_terms = [terms[3][1].model_copy(update={"contention": profile.contention})
                    for terms, profile in zip(variants, profiles[chain.model])]
     measured_torch = json.loads((folder / "torch.json").read_text()) if (folder / "torch.json").exists() else {}
+    measured_probe = (json.loads((folder / "torch-probe.json").read_text())
+                      if (folder / "torch-probe.json").exists() else {})
+    action_ms: dict[str, float] = {}
     for method, samples in measured_torch.items():
+        actions = []
+        for repeat, profile in enumerate(profiles[chain.model]):
+            probe_path = folder / "profiles" / f"torch-probe.{repeat}.json"
+            probed = measured_probe.get(method, [])
+            if repeat < len(probed) and probe_path.exists():  # the probe shares the repeat's link and host terms
+                probe = load_profile(probe_path).model_copy(update={"link": profile.link,
+                                                                    "contention": profile.contention})
+                actions.append(torch_action_ms(method, chain, probe, probed[repeat]))
+            else:  # a folder from before the probe
+                actions.append(0.0)
+        action_ms[method] = float(np.median(actions))
         measured = float(np.median(samples))
-        predicted = float(np.median([torch_predicted_ms(method, chain, terms) for terms in torch_terms]))
+        predicted = float(np.median([torch_predicted_ms(method, chain, terms, action)
+                                     for terms, action in zip(torch_terms, actions)]))
         torch_rows.append(Row(f"{method} (torch)", predicted, measured,
                               float((max(samples) - min(samples)) / measured), (predicted - measured) / measured,
                               None, None))
     if torch_rows:
         console.print(method_table(torch_rows, "torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B), same "
                                                "model and even cut: predicted from the profile's stage passes, "
-                                               "threads and contention (pipesim's runtime terms left out)"))
+                                               "threads and contention, and torch's cost per forward and backward "
+                                               "action measured on a one-block probe (pipesim's runtime terms "
+                                               "left out)"))
+        console.print("torch's cost per action (median over repeats): " + ", ".join(
+            f"{method} {ms:.3f} ms" for method, ms in action_ms.items()), highlight=False)
     if out:
         out.write_text(json.dumps({
             "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
             "methods": [vars(r) for r in rows], "structure_only": structure,
             "terms": [{"prediction_from": label, "methods": [vars(r) for r in found]} for label, found in lines],
-            "torch": [vars(r) for r in torch_rows]}, indent=1) + "\n")
+            "torch": [vars(r) for r in torch_rows], "torch_action_ms": action_ms}, indent=1) + "\n")
 
 
 def main() -> None:

@@ -438,3 +438,17 @@ def test_the_report_reads_what_a_measurement_kept(fidelity, tmp_path, capsys):
     # buffers, the boundary tensors), and the passes' tail, which this profile did not measure.
     assert errors[-2] == errors[-1] == 0 and all(error < 0 for error in errors[:-2])
     assert errors[-5] == errors[-4] == errors[-3]
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b"])
+def test_torchs_cost_per_action_is_what_the_probes_measured_time_needs(fidelity, method):
+    """The probe's measured time, inverted through pipesim's timeline of the probe: a time the timeline takes
+    with 0.37 ms per forward and backward gives back 0.37 ms; one its passes alone already exceed gives 0."""
+    chain, _ = fidelity.workloads(False)
+    probe = load_profile(PROFILE)  # stands in for the probe's calibration: any profile cut into 2 stages
+    probe_workload = fidelity.torch_probe(chain)
+    assert probe_workload.options == {**chain.options, "layers": 1}  # a block and the classifier: a stage each
+    measured = fidelity.torch_predicted_ms(method, probe_workload, probe, 0.37)
+    assert measured > fidelity.torch_predicted_ms(method, probe_workload, probe, 0.0)
+    assert fidelity.torch_action_ms(method, chain, probe, measured) == pytest.approx(0.37, abs=1e-3)
+    assert fidelity.torch_action_ms(method, chain, probe, 0.5 * measured) == 0.0
