@@ -345,6 +345,18 @@ def test_a_send_that_fails_is_raised_by_its_ranks_wait_and_a_waiter_thread_stops
         handle.wait()
     assert reaper.stop()
 
+    class Hanging:  # a send to a peer that died: its transfer never completes
+        timeout_s, what, release = 1.0, "rank 0: send #1 to rank 1", threading.Event()
+
+        def wait(self, timeout_s=None):
+            self.release.wait()
+
+    stuck = _Reaper("test-sends-stuck")
+    stuck.watch(Hanging())
+    started = time.monotonic()
+    assert not stuck.stop() and time.monotonic() - started < 0.5  # a failed rank reports at once
+    Hanging.release.set()
+
 
 def _exchange(rank: int, kind: str, port: int, results) -> None:
     """One of two real ranks: pre-post receives, send tensors of several shapes and dtypes both ways, then

@@ -28,6 +28,7 @@ import re
 import socket
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -319,11 +320,15 @@ class _Reaper:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[_ReapedHandle | None] = queue.SimpleQueue()
+        self._unsettled: deque[_ReapedHandle] = deque()  # watched and not yet seen settled, in order
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def watch(self, handle: _WorkHandle) -> _ReapedHandle:
         reaped = _ReapedHandle(handle)
+        while self._unsettled and self._unsettled[0].done():  # they settle in order
+            self._unsettled.popleft()
+        self._unsettled.append(reaped)
         self._queue.put(reaped)
         return reaped
 
@@ -332,9 +337,11 @@ class _Reaper:
             reaped.settle()
 
     def stop(self) -> bool:
-        """Stop after the sends queued so far; False when a send that never completed still holds the thread
-        (abandoned with it: a daemon)."""
+        """Stop the thread; False, at once, while a send is unsettled (a run that failed: its peer may never
+        take it, and a rank that failed must not wait before it reports), the thread abandoned as a daemon."""
         self._queue.put(None)
+        if not all(reaped.done() for reaped in self._unsettled):
+            return False
         self._thread.join(timeout=1.0)
         return not self._thread.is_alive()
 
