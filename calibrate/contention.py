@@ -133,9 +133,10 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
     finally:
         _stop(procs, conns)
     solo_ms = [float(np.mean(ms)) for ms in alone]
+    solo_median_ms = [float(np.median(ms)) for ms in alone]
     # The simulator prices the calibrated passes, medians; a rank advances at its mean, and its passes alone
     # have a right tail (a preempted or cold iteration now and then): the tail is that mean over the median.
-    tail = float(np.median([np.mean(ms) / np.median(ms) for ms in alone]))
+    tail = float(np.median(np.divide(solo_ms, solo_median_ms)))
     measured = [1.0] + [float(np.median([np.mean(ms) / solo for ms, solo in zip(times, solo_ms)]))
                         for times in together]
     slowdown = slowdowns(measured)
@@ -148,7 +149,7 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
                          "microbatch_size": env.microbatch_size, "stages": [rank % stages for rank in range(count)],
                          "pass": "forward and full backward, as the executor runs them"},
             "solo_ms": [round(ms, 4) for ms in solo_ms],
-            "solo_median_ms": [round(float(np.median(ms)), 4) for ms in alone],
+            "solo_median_ms": [round(ms, 4) for ms in solo_median_ms],
             "measured_slowdown": [round(r, 4) for r in measured],
             "iterations": [[len(ms) for ms in times] for times in [alone, *together]]}
     return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],

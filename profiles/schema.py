@@ -343,15 +343,16 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
     readers: dict[int, dict[int, bool]] = {}  # layer -> {stage reading its output: whether a reader saves it}
     for i, layer in enumerate(layers):
         for s, saved in zip(layer.inputs, layer.saved_input_bytes):
-            if s >= 0 and stage_of[s] != stage_of[i]:
+            if s >= 0:
                 mine = readers.setdefault(s, {})
                 mine[stage_of[i]] = mine.get(stage_of[i], False) or saved > 0
     held = [0] * (len(bounds) - 1)
     for s, stages in readers.items():
         nbytes, first = layers[s].output_bytes, stage_of[s]
-        within = any(saved > 0 for i in range(bounds[first], bounds[first + 1])
-                     for t, saved in zip(layers[i].inputs, layers[i].saved_input_bytes) if t == s)
-        if not (layers[s].output_saved or within):
+        saved_within = stages.pop(first, False)  # by a reader in the producing stage
+        if not stages:
+            continue  # read inside its own stage only: no boundary tensor
+        if not (layers[s].output_saved or saved_within):
             held[first] += nbytes  # sent
         for k in (stages if dag else range(first + 1, max(stages) + 1)):  # a chain passes it through
             if not stages.get(k, False):

@@ -28,7 +28,6 @@ import re
 import socket
 import threading
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -320,17 +319,14 @@ class _Reaper:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[_ReapedHandle | None] = queue.SimpleQueue()
-        self._unsettled: deque[_ReapedHandle] = deque()  # watched and not yet seen settled, in order
+        self._last: _ReapedHandle | None = None  # they settle in order: all are settled once the last is
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def watch(self, handle: _WorkHandle) -> _ReapedHandle:
-        reaped = _ReapedHandle(handle)
-        while self._unsettled and self._unsettled[0].done():  # they settle in order
-            self._unsettled.popleft()
-        self._unsettled.append(reaped)
-        self._queue.put(reaped)
-        return reaped
+        self._last = _ReapedHandle(handle)
+        self._queue.put(self._last)
+        return self._last
 
     def _run(self) -> None:
         while (reaped := self._queue.get()) is not None:
@@ -340,7 +336,7 @@ class _Reaper:
         """Stop the thread; False, at once, while a send is unsettled (a run that failed: its peer may never
         take it, and a rank that failed must not wait before it reports), the thread abandoned as a daemon."""
         self._queue.put(None)
-        if not all(reaped.done() for reaped in self._unsettled):
+        if self._last is not None and not self._last.done():
             return False
         self._thread.join(timeout=1.0)
         return not self._thread.is_alive()
