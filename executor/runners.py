@@ -556,7 +556,10 @@ class _Stopped(Exception):
 @contextlib.contextmanager
 def _stopped_by_sigterm() -> Iterator[None]:
     """While the device runs, SIGTERM (torchrun ending the job) raises _Stopped, so rank 0 keeps what it has
-    measured; outside, the default (the process ends) is back. Only the main thread may set handlers."""
+    measured. A run that ends in failure (its own, or that _Stopped) ignores SIGTERM from then on: torchrun
+    sends it as soon as a peer dies, and the rank must still close its transport and report its rows before
+    it exits, as it does right after. A run that succeeds gets the default back. Only the main thread may set
+    handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -567,8 +570,10 @@ def _stopped_by_sigterm() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    except BaseException:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _finished_after(lowered: Lowered, device: int) -> np.ndarray:
