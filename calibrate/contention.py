@@ -5,19 +5,21 @@ bandwidth (and oversubscribe the cores when ranks x threads exceed them): ranks 
 each take longer than alone, while a rank waiting in a receive costs its peers nothing. So
 `pipesim calibrate` spawns as many processes as the run has ranks (at least two), once; process r builds the
 calibrated model at the calibrated thread count, dtype and micro-batch size, and repeats a rank's F and B of
-stage r mod p, as the executor runs them (passes.py). The parent first lets each run alone for a window while
-the others block, then the first k run together for k = 2 .. K. Windows start and end on the
-host's monotonic clock, so every kept iteration overlaps the other k - 1 computing; each window drops its
+stage r mod p, as the executor runs them (passes.py). In each of ROUNDS rounds the parent first lets each
+run alone for a window while the others block, then the first k run together for k = 2 .. K; a ratio is taken
+within its round, and the factor is the median over rounds, so one slow spell of a shared host (it once made
+two at once measure 1.84x, against 1.09-1.14 minutes before and after) sets none. Windows start and end on
+the host's monotonic clock, so every kept iteration overlaps the other k - 1 computing; each window drops its
 first WARMUP_S (waking up, cold caches) and any iteration running past its end.
 
 A rank's time is its mean iteration, not the median: with more processes than cores, an iteration shorter than
 the scheduler's time slice mostly runs undisturbed and a few absorb the whole wait (3 one-thread processes on 2
 cores: median 1.07x alone, mean 1.7x), and the mean is the rate a rank advances at, which the simulator's
-processor sharing prices. For the same reason `tail` is a rank's mean iteration alone over its median: the stage
-passes calibration times are medians, and the simulator prices them at their mean. `slowdown[k - 1]` is the
-median over the k processes of their mean with k over their mean alone; `spread[k - 1]` the interquartile range
-of the same ratio taken over each fifth of every window (BLOCKS runs of consecutive iterations), pooled over the
-k.
+processor sharing prices. For the same reason `tail` is a rank's mean iteration alone over its median (its solo
+windows pooled): the stage passes calibration times are medians, and the simulator prices them at their mean.
+`slowdown[k - 1]` is the median over rounds of the median over the k processes of their mean with k over their
+mean alone in the same round; `spread[k - 1]` the interquartile range of the same ratio taken over each fifth of
+every window (BLOCKS runs of consecutive iterations), pooled over the k and the rounds.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .passes import stage_runs
 WINDOW_S = 0.5  # the shortest window: about a hundred iterations of a default model's stage
 WARMUP_S = 0.1  # dropped at the start of every window
 BLOCKS = 5  # runs of consecutive iterations per window whose ratios give the spread
+ROUNDS = 3  # of alone and together windows, each ratio taken within its round
 MIN_ITERATIONS = 5  # a window holds at least this many of the slowest stage's iterations, all K slowed K-fold
 PRIMING_ITERATIONS = 3  # untimed, once per process, before any window (first allocations, lazy set-up)
 LEAD_S = 0.05  # from posting a window to its start: every process has its command by then
@@ -71,7 +74,7 @@ def processes_for(ranks: int) -> int:
 
 def progress_units(ranks: int) -> int:
     """How often `measure_contention` calls `advance`: the start, then one per window."""
-    return 2 * processes_for(ranks)
+    return 1 + ROUNDS * (2 * processes_for(ranks) - 1)
 
 
 def slowdowns(measured: list[float]) -> list[float]:
@@ -79,6 +82,17 @@ def slowdowns(measured: list[float]) -> list[float]:
     advance faster than fewer, so a ratio below the one before is the host's noise (a neighbour's load during
     the solo windows: 0.81 with two at once was measured so) and takes the one before."""
     return np.maximum.accumulate(np.asarray(measured, dtype=float)).tolist()
+
+
+Round = tuple[list[list[float]], list[list[list[float]]]]  # per rank its times alone; per k, the first k's
+
+
+def measured_slowdowns(rounds: list[Round]) -> tuple[list[float], list[list[float]]]:
+    """Per k = 1, 2, ...: the median over rounds of the median over the k processes of their mean iteration
+    with k at once over their mean alone in the same round (1 for k = 1); and each round's ratios (k >= 2)."""
+    by_round = [[float(np.median([np.mean(ms) / np.mean(solo) for ms, solo in zip(times, alone)]))
+                 for times in together] for alone, together in rounds]
+    return [1.0] + np.median(by_round, axis=0).tolist(), by_round
 
 
 def measure_contention(profile: Profile, model: str, options: Mapping[str, int | None],
@@ -122,26 +136,31 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
             theirs.close()  # the parent keeps only its own ends, so a process that dies reads as EOF
         for rank in range(count):
             _answer(conns[rank], procs[rank], rank, START_TIMEOUT_S)
-        alone = []
-        for rank in range(count):
-            advance(f"contention: process {rank} alone")
-            alone += window(range(rank, rank + 1))
-        together = []
-        for k in range(2, count + 1):
-            advance(f"contention: {k} processes at once")
-            together.append(window(range(k)))
+        rounds: list[Round] = []
+        for number in range(1, ROUNDS + 1):
+            alone = []
+            for rank in range(count):
+                advance(f"contention: round {number}/{ROUNDS}, process {rank} alone")
+                alone += window(range(rank, rank + 1))
+            together = []
+            for k in range(2, count + 1):
+                advance(f"contention: round {number}/{ROUNDS}, {k} processes at once")
+                together.append(window(range(k)))
+            rounds.append((alone, together))
     finally:
         _stop(procs, conns)
-    solo_ms = [float(np.mean(ms)) for ms in alone]
-    solo_median_ms = [float(np.median(ms)) for ms in alone]
+    pooled = [np.concatenate([alone[rank] for alone, _ in rounds]) for rank in range(count)]
+    solo_ms = [float(np.mean(ms)) for ms in pooled]
+    solo_median_ms = [float(np.median(ms)) for ms in pooled]
     # The simulator prices the calibrated passes, medians; a rank advances at its mean, and its passes alone
     # have a right tail (a preempted or cold iteration now and then): the tail is that mean over the median.
     tail = float(np.median(np.divide(solo_ms, solo_median_ms)))
-    measured = [1.0] + [float(np.median([np.mean(ms) / solo for ms, solo in zip(times, solo_ms)]))
-                        for times in together]
+    measured, by_round = measured_slowdowns(rounds)
     slowdown = slowdowns(measured)
-    blocks = [np.concatenate([_block_means(ms) / solo for ms, solo in zip(times, solo_ms)])
-              for times in [alone, *together]]
+    # per k (k = 1: each rank alone): each block's mean over its rank's mean alone in the same round
+    blocks = [np.concatenate([_block_means(ms) / np.mean(solo)
+                              for alone, together in rounds for ms, solo in zip([alone, *together][k], alone)])
+              for k in range(count)]
     spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
     meta = {"processes": count, "threads_per_process": env.threads, "window_s": window_s, "warmup_s": WARMUP_S,
             "cpu_count": os.cpu_count(), "cpus_usable": _usable_cpus(),
@@ -150,8 +169,9 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
                          "pass": "forward and full backward, as the executor runs them"},
             "solo_ms": [round(ms, 4) for ms in solo_ms],
             "solo_median_ms": [round(ms, 4) for ms in solo_median_ms],
-            "measured_slowdown": [round(r, 4) for r in measured],
-            "iterations": [[len(ms) for ms in times] for times in [alone, *together]]}
+            "measured_slowdown": [round(r, 4) for r in measured], "rounds": ROUNDS,
+            "measured_slowdown_by_round": [[round(r, 4) for r in ratios] for ratios in by_round],
+            "iterations": [[len(ms) for ms in times] for alone, together in rounds for times in [alone, *together]]}
     return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],
                              tail=round(tail, 4), meta=meta)
 

@@ -426,3 +426,45 @@ def test_stage_runs_compute_each_stages_rows_on_the_weights_put_in_place(model_n
         assert saved[:2] == ([], [])  # I let go of the graph's ends; W starts from what it recorded
         for buffer, full in zip(run.into, split):
             torch.testing.assert_close(buffer, full)
+
+
+def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monkeypatch):
+    """The update and the prediction a profile prices are the executor's own (`StageWeights.step`, in place,
+    and `.predict`), each update on the buffer a mini-batch's first backward makes afresh (a buffer kept from
+    step to step stays in cache, and an SGD step on it came out at 0.6x a run's OPT rows)."""
+    from pipesim.calibrate.measure import OPTIMIZERS, Settings, measure_bytes, measure_steps
+    from pipesim.calibrate.passes import stage_runs
+    from pipesim.executor.weights import StageWeights
+    from pipesim.workload.models import build_model
+
+    steps, predictions = [], []
+    step, predict = StageWeights.step, StageWeights.predict
+
+    def recording_step(self, keep_old):
+        steps.append((self.optimizer, keep_old, [id(g) for g in self.grads], [g.clone() for g in self.grads]))
+        step(self, keep_old)
+
+    def recording_predict(self, key):
+        predictions.append((key, self.version))
+        return predict(self, key)
+
+    monkeypatch.setattr(StageWeights, "step", recording_step)
+    monkeypatch.setattr(StageWeights, "predict", recording_predict)
+    torch.manual_seed(0)
+    model = build_model("mlp", layers=2, width=8)
+    settings = Settings(torch.device("cpu"), torch.float64, 3, warmup=1, repeats=2)
+    measure_bytes(model, settings)
+    runs = stage_runs(model, [0, 2, 3], "float64", 3)
+    measured = measure_steps(runs, settings, lambda what: None)
+    rounds = settings.warmup + settings.repeats
+    assert len(steps) == len(runs) * len(OPTIMIZERS) * rounds
+    assert all(not keep_old for _, keep_old, _, _ in steps)  # in place: a copy-on-write update adds `copy`
+    for (a, _, ids_a, grads_a), (b, _, ids_b, _) in itertools.pairwise(steps):
+        if a is b:  # the same stage and optimizer, one round later: a new buffer (the old one is still held)
+            assert not set(ids_a) & set(ids_b)
+    assert all(g.abs().sum() > 0 for _, _, _, grads in steps for g in grads)  # a backward filled it
+    assert all(key == (version, 1, "F") for key, version in predictions)  # from the newest version, one ahead
+    assert len(predictions) == len(steps)
+    for stage_steps, *_ in measured:
+        assert set(stage_steps) == set(OPTIMIZERS)
+        assert all(t.step.repeats == settings.repeats and t.step.median_ms > 0 for t in stage_steps.values())

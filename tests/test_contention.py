@@ -138,3 +138,20 @@ def test_more_ranks_at_once_are_never_priced_faster_than_fewer():
     """A ratio below the one before it is the host's noise: it takes the one before; the rest stand."""
     assert slowdowns([1.0, 0.81, 1.47, 1.3, 2.5]) == [1.0, 1.0, 1.47, 1.47, 2.5]
     assert slowdowns([1.0, 1.08, 1.47, 2.53]) == [1.0, 1.08, 1.47, 2.53]
+
+
+def test_one_slow_spell_sets_no_factor():
+    """Alone and together windows alternate over rounds and each ratio is taken within its round: a round whose
+    together window met a slow spell of the host (1.84x was once measured so, 1.09-1.14 around it), or whose
+    solo windows did, is outvoted by the others."""
+    from pipesim.calibrate.contention import measured_slowdowns
+
+    def round_(solo_ms, together_ms):
+        return [[solo_ms] * 20, [solo_ms] * 20], [[[together_ms] * 20, [together_ms] * 20]]
+
+    calm = round_(2.0, 2.2)
+    measured, by_round = measured_slowdowns([calm, round_(2.0, 3.7), calm])
+    assert measured == pytest.approx([1.0, 1.1]) and by_round[1] == [pytest.approx(1.85)]
+    measured, _ = measured_slowdowns([round_(2.0, 2.2), round_(2.6, 2.86), round_(1.0, 1.1)])  # drift between
+    assert measured == pytest.approx([1.0, 1.1])  # rounds: each ratio against its own round's solo windows
+    assert measured_slowdowns([round_(2.0, 2.2), round_(2.0, 3.7), round_(3.0, 2.2)])[0][1] == pytest.approx(1.1)
