@@ -54,9 +54,10 @@ from pipesim.sim import simulate
 from pipesim.sim.costs import RowOverhead
 from pipesim.traces import summarize
 from pipesim.traces.compare import Comparison, compare
-from pipesim.traces.trace import Trace, read_trace, write_trace
+from pipesim.traces.trace import Stream, Trace, read_trace, write_trace
 
 TARGETS = {"iteration": 0.02, "per_op": 0.05, "memory": 0.05}
+WAIT_MS = 0.5  # a rank idle this long before an op: on the 2-core VMs here it has lost part of its caches
 TORCH_METHODS = ("gpipe", "1f1b")
 ZERO = Timing(median_ms=0.0, spread_ms=0.0, repeats=1)
 
@@ -214,6 +215,40 @@ def with_measured_ops(run: Trace, profile: Profile) -> Trace:
     overhead = replace(costs.overhead, compute_ms=(0.0,) * len(costs.overhead.compute_ms))
     links = replace(scenario.links(schedule), hosts=(), contention=())
     return simulate(schedule, replace(costs, stages=stages, overhead=overhead), links)
+
+
+def op_contexts(runs: list[Trace]) -> dict[str, tuple[float, int]]:
+    """Steady-state F, B, I and W ops by what surrounded them, each as its duration over the median of its
+    run's ops of the same device, stage and kind: right after its rank idled WAIT_MS or more, or not; and while
+    no other rank computed (under a fifth of the op) or another did (over four fifths). Per context, the mean
+    ratio and the ops counted: what a wait's cold caches and contention cost in the runs themselves."""
+    ratios: dict[str, list[float]] = {"after a wait": [], "back to back": [], "others idle": [],
+                                      "others computing": []}
+    for run in runs:
+        ops = run.ops
+        names = np.asarray(run.kinds)[ops.kind]
+        compute = ops.stream == Stream.COMPUTE
+        end_us = ops.start_us + ops.dur_us
+        passes = compute & np.isin(names, ["F", "B", "I", "W"]) & (ops.minibatch >= 1)
+        for d in range(run.num_devices):
+            mine = np.flatnonzero(compute & (ops.device == d))
+            mine = mine[np.argsort(ops.start_us[mine], kind="stable")]
+            idle_ms = np.r_[np.inf, (ops.start_us[mine[1:]] - end_us[mine[:-1]]) / 1e3]
+            others = np.flatnonzero(compute & (ops.device != d))
+            timed = passes[mine]
+            keys = list(zip(ops.stage[mine[timed]].tolist(), names[mine[timed]].tolist()))
+            median = {key: float(np.median([ops.dur_us[i] for i, k in zip(mine[timed], keys) if k == key]))
+                      for key in set(keys)}
+            for i, idle, key in zip(mine[timed], idle_ms[timed], keys):
+                ratio = float(ops.dur_us[i]) / median[key]
+                ratios["after a wait" if idle >= WAIT_MS else "back to back"].append(ratio)
+                overlap = np.clip(np.minimum(end_us[i], end_us[others]) - np.maximum(ops.start_us[i],
+                                                                                    ops.start_us[others]), 0, None)
+                shared = overlap.sum() / max(float(ops.dur_us[i]), 1.0)
+                if shared < 0.2 or shared > 0.8:
+                    ratios["others idle" if shared < 0.2 else "others computing"].append(ratio)
+    return {context: (float(np.mean(found)) if found else float("nan"), len(found))
+            for context, found in ratios.items()}
 
 
 def torch_predicted_ms(method: str, workload: Workload, profile: Profile, action_ms: float = 0.0) -> float:
@@ -416,6 +451,12 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
                   f"{structure[focus]:+.1%}; the rest of each method's error is in the op times. Per op "
                   f"{op_floor:.1%}: how far a run's ops scatter about their own (stage, kind) mean, which no "
                   "single time per stage and kind removes", highlight=False)
+    contexts = op_contexts([run for c in chain_cases for run in c.runs])
+    console.print("in the runs, F, B, I and W against their own (stage, kind) median: " + "; ".join(
+        f"{context} {ratio:.3f}x ({count} ops)" for context, (ratio, count) in contexts.items()) +
+        f" (a wait: the rank idle {WAIT_MS:g} ms or more before the op; others idle or computing: another rank "
+        "computing during under a fifth or over four fifths of it). Cold caches after a wait and contention are both "
+        "in these ratios, and an op with the others idle more often follows a wait", highlight=False)
 
     torch_rows = []
     # torch's ranks are processes on the same cores: the host's terms apply, pipesim's runtime's do not; its
@@ -456,6 +497,7 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
         out.write_text(json.dumps({
             "workload": header, "noise_floor": noise, "per_op_noise_floor": op_noise,
             "methods": [vars(r) for r in rows], "structure_only": structure, "per_op_floor": op_floor,
+            "op_contexts": {context: {"mean_ratio": r, "ops": n} for context, (r, n) in contexts.items()},
             "terms": [{"prediction_from": label, "methods": [vars(r) for r in found]} for label, found in lines],
             "torch": [vars(r) for r in torch_rows], "torch_action_ms": action_ms}, indent=1) + "\n")
 
