@@ -11,9 +11,11 @@ over repeats of each run's against its own prediction), the per-op duration erro
 compute ops, median over repeats) and the peak-memory error (largest over devices, median over repeats).
 Then the terms table: the same predictions with the profile's terms turned on one after another, from a
 profile timed with every core and nothing of the runtime (what pipesim predicted before) to all of them, so each
-term's line shows the error it removed. Last, GPipe and 1F1B run by torch.distributed.pipelining on the same
-model and cut (`bench_executor.torch_run`), against pipesim's prediction without its own runtime's terms (but
-with the host's contention: torch's ranks share the cores as pipesim's do) and with torch's runtime cost per
+term's line shows the error it removed. Then the same runs with every op at its own measured mean (what the
+schedule's structure alone predicts, and the per-op error a run's own scatter leaves), and its ops by context
+(right after a wait, with the other ranks computing). Last, GPipe and 1F1B run by torch.distributed.pipelining
+on the same model and cut (`bench_executor.torch_run`), against pipesim's prediction without its own runtime's
+terms (but with the host's contention: torch's ranks share the cores as pipesim's do) and with torch's runtime cost per
 forward and backward action, measured by running torch's same schedule on a probe: the same pipeline on a
 model of one block of the same width, whose passes its own calibration times.
 
