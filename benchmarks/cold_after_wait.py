@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipesim.calibrate.measure import DTYPES, Settings, measure_bytes
-from pipesim.calibrate.passes import stage_runs
+from pipesim.calibrate.passes import StageRun, stage_runs
 from pipesim.workload.models import build_model
 
 WAITS_MS = (0.2, 1.0, 5.0)
@@ -36,7 +36,13 @@ def _ms(fn, *args):
     return (time.perf_counter() - began) * 1e3, out
 
 
-def one_repeat(runs, rounds: int) -> dict[tuple[int, str], tuple[float, float]]:
+def _sleep(seconds: float) -> None:
+    """Sleep, or for none, not even the system call that may hand the core to another process."""
+    if seconds:
+        time.sleep(seconds)
+
+
+def one_repeat(runs: list[StageRun], rounds: int) -> dict[tuple[int, str], tuple[float, float]]:
     """Per (stage, context): the median F and B (ms) over `rounds` interleaved rounds."""
     contexts = ["back to back", *(f"{wait:g} ms asleep" for wait in WAITS_MS)]
     samples = {(k, c): ([], []) for k in range(len(runs)) for c in contexts}
@@ -44,11 +50,11 @@ def one_repeat(runs, rounds: int) -> dict[tuple[int, str], tuple[float, float]]:
         for k, run in enumerate(runs):
             for context, wait_s in zip(contexts, (0.0, *(wait / 1e3 for wait in WAITS_MS))):
                 run.backward(run.forward())  # the same stage just ran: its weights are as hot as they get
-                time.sleep(wait_s)
+                _sleep(wait_s)
                 fwd_ms, saved = _ms(run.forward)  # F right after the wait
                 run.backward(saved)
                 saved = run.forward()
-                time.sleep(wait_s)
+                _sleep(wait_s)
                 bwd_ms, _ = _ms(run.backward, saved)  # B right after the wait, as a first stage's B after its RECV
                 if round_index >= WARMUP_ROUNDS:
                     samples[(k, context)][0].append(fwd_ms)

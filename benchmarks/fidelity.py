@@ -194,12 +194,18 @@ def profile_path(folder: Path, model: str, repeat: int) -> Path:
     return own if own.exists() else folder / f"{model}.json"
 
 
+def steady_state(run: Trace) -> np.ndarray:
+    """Per op, whether it is past the first mini-batch (warm-up: first allocations, lazy set-up), if there is more
+    than one."""
+    return run.ops.minibatch >= min(1, int(run.ops.minibatch.max()))
+
+
 def with_measured_ops(run: Trace, profile: Profile) -> Trace:
     """The run re-simulated with every compute op of a (stage, kind) at that kind's mean measured duration on
     the stage (steady state: after the first mini-batch), contention and the per-row compute cost off (the
     durations hold them), the links and gaps between rows the profile's: what the schedule's structure alone
     predicts once the op times are right. Its error against the run is the part no op-time term can remove."""
-    ops, steady = run.ops, run.ops.minibatch >= min(1, int(run.ops.minibatch.max()))
+    ops, steady = run.ops, steady_state(run)
     kinds = np.array(run.kinds)[ops.kind]
 
     def mean_ms(kind: str, stage: int, otherwise: float | None) -> float | None:
@@ -222,8 +228,8 @@ def with_measured_ops(run: Trace, profile: Profile) -> Trace:
 def op_contexts(runs: list[Trace]) -> dict[str, tuple[float, int]]:
     """Steady-state F, B, I and W ops by what surrounded them, each as its duration over the median of its
     run's ops of the same device, stage and kind: right after its rank idled WAIT_MS or more, or not; and while
-    no other rank computed (under a fifth of the op) or another did (over four fifths). Per context, the mean
-    ratio and the ops counted: what a wait's cold caches and contention cost in the runs themselves."""
+    no other rank computed (during under a fifth of the op) or some other did (over four fifths). Per context,
+    the mean ratio and the ops counted: what a wait's cold caches and contention cost in the runs themselves."""
     ratios: dict[str, list[float]] = {"after a wait": [], "back to back": [], "others idle": [],
                                       "others computing": []}
     for run in runs:
@@ -231,12 +237,12 @@ def op_contexts(runs: list[Trace]) -> dict[str, tuple[float, int]]:
         names = np.asarray(run.kinds)[ops.kind]
         compute = ops.stream == Stream.COMPUTE
         end_us = ops.start_us + ops.dur_us
-        passes = compute & np.isin(names, ["F", "B", "I", "W"]) & (ops.minibatch >= 1)
+        passes = compute & np.isin(names, ["F", "B", "I", "W"]) & steady_state(run)
         for d in range(run.num_devices):
             mine = np.flatnonzero(compute & (ops.device == d))
             mine = mine[np.argsort(ops.start_us[mine], kind="stable")]
             idle_ms = np.r_[np.inf, (ops.start_us[mine[1:]] - end_us[mine[:-1]]) / 1e3]
-            others = np.flatnonzero(compute & (ops.device != d))
+            busy_from, busy_to = _union(ops.start_us[compute & (ops.device != d)], end_us[compute & (ops.device != d)])
             timed = passes[mine]
             keys = list(zip(ops.stage[mine[timed]].tolist(), names[mine[timed]].tolist()))
             median = {key: float(np.median([ops.dur_us[i] for i, k in zip(mine[timed], keys) if k == key]))
@@ -244,13 +250,21 @@ def op_contexts(runs: list[Trace]) -> dict[str, tuple[float, int]]:
             for i, idle, key in zip(mine[timed], idle_ms[timed], keys):
                 ratio = float(ops.dur_us[i]) / median[key]
                 ratios["after a wait" if idle >= WAIT_MS else "back to back"].append(ratio)
-                overlap = np.clip(np.minimum(end_us[i], end_us[others]) - np.maximum(ops.start_us[i],
-                                                                                    ops.start_us[others]), 0, None)
+                overlap = np.clip(np.minimum(end_us[i], busy_to) - np.maximum(ops.start_us[i], busy_from), 0, None)
                 shared = overlap.sum() / max(float(ops.dur_us[i]), 1.0)
                 if shared < 0.2 or shared > 0.8:
                     ratios["others idle" if shared < 0.2 else "others computing"].append(ratio)
     return {context: (float(np.mean(found)) if found else float("nan"), len(found))
             for context, found in ratios.items()}
+
+
+def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The intervals [start, end) merged where they overlap: when at least one of them is on."""
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], np.maximum.accumulate(ends[order])
+    opens = np.r_[True, starts[1:] > ends[:-1]]  # an interval starting after all before it ended opens a run
+    closing = np.r_[np.flatnonzero(opens)[1:] - 1, len(starts) - 1]
+    return starts[opens], ends[closing]
 
 
 def torch_predicted_ms(method: str, workload: Workload, profile: Profile, action_ms: float = 0.0) -> float:
@@ -446,13 +460,15 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
     structure = {method: float(np.median([c.iteration_time_error for c in found]))
                  for method, found in at_means.items()}
     # With every op at its own (stage, kind) mean, the per-op error left is how far one run's ops scatter about
-    # their means: what no single time per stage and kind removes, however it was calibrated.
-    op_floor = float(np.median([np.median([c.compute_duration_median for c in found]) for found in at_means.values()]))
+    # their means: what pricing each stage and kind at its mean leaves, however well it was calibrated.
+    op_floor = float(np.median([np.median(errors) for found in at_means.values()
+                                if (errors := [c.compute_duration_median for c in found
+                                               if c.compute_duration_median is not None])]))
     console.print(f"with every compute op at its measured mean (the schedule, links and row gaps alone): median "
                   f"|iteration error| {float(np.median(np.abs(list(structure.values())))):.1%}, {focus} "
                   f"{structure[focus]:+.1%}; the rest of each method's error is in the op times. Per op "
-                  f"{op_floor:.1%}: how far a run's ops scatter about their own (stage, kind) mean, which no "
-                  "single time per stage and kind removes", highlight=False)
+                  f"{op_floor:.1%}: how far a run's ops scatter about their own (stage, kind) mean, which pricing "
+                  "each stage and kind at its mean leaves", highlight=False)
     contexts = op_contexts([run for c in chain_cases for run in c.runs])
     console.print("in the runs, F, B, I and W against their own (stage, kind) median: " + "; ".join(
         f"{context} {ratio:.3f}x ({count} ops)" for context, (ratio, count) in contexts.items()) +

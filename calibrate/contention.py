@@ -8,15 +8,16 @@ calibrated model at the calibrated thread count, dtype and micro-batch size, and
 stage r mod p, as the executor runs them (passes.py). In each of ROUNDS rounds the parent first lets each
 run alone for a window while the others block, then the first k run together for k = 2 .. K; a ratio is taken
 within its round, and the factor is the median over rounds, so one slow spell of a shared host (it once made
-two at once measure 1.84x, against 1.09-1.14 minutes before and after) sets none. Windows start and end on
+two at once measure 1.84x, against 1.09-1.14x in the minutes before and after) sets none. Windows start and end on
 the host's monotonic clock, so every kept iteration overlaps the other k - 1 computing; each window drops its
 first WARMUP_S (waking up, cold caches) and any iteration running past its end.
 
 A rank's time is its mean iteration, not the median: with more processes than cores, an iteration shorter than
 the scheduler's time slice mostly runs undisturbed and a few absorb the whole wait (3 one-thread processes on 2
 cores: median 1.07x alone, mean 1.7x), and the mean is the rate a rank advances at, which the simulator's
-processor sharing prices. For the same reason `tail` is a rank's mean iteration alone over its median (its solo
-windows pooled): the stage passes calibration times are medians, and the simulator prices them at their mean.
+processor sharing prices. For the same reason `tail` is a rank's mean iteration alone over its median (the
+median over its solo windows, each taken within its round): the stage passes calibration times are medians, and
+the simulator prices them at their mean.
 `slowdown[k - 1]` is the median over rounds of the median over the k processes of their mean with k over their
 mean alone in the same round; `spread[k - 1]` the interquartile range of the same ratio taken over each fifth of
 every window (BLOCKS runs of consecutive iterations), pooled over the k and the rounds.
@@ -84,7 +85,8 @@ def slowdowns(measured: list[float]) -> list[float]:
     return np.maximum.accumulate(np.asarray(measured, dtype=float)).tolist()
 
 
-Round = tuple[list[list[float]], list[list[list[float]]]]  # per rank its times alone; per k, the first k's
+# One round's iteration times (ms): per rank, alone; per k = 2 .. K, per rank of the first k, with k at once.
+Round = tuple[list[list[float]], list[list[list[float]]]]
 
 
 def measured_slowdowns(rounds: list[Round]) -> tuple[list[float], list[list[float]]]:
@@ -153,14 +155,18 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
     solo_ms = [float(np.mean(ms)) for ms in pooled]
     solo_median_ms = [float(np.median(ms)) for ms in pooled]
     # The simulator prices the calibrated passes, medians; a rank advances at its mean, and its passes alone
-    # have a right tail (a preempted or cold iteration now and then): the tail is that mean over the median.
-    tail = float(np.median(np.divide(solo_ms, solo_median_ms)))
+    # have a right tail (a preempted or cold iteration now and then): the tail is that mean over the median,
+    # window by window (pooled over rounds, the host's drift between them would pass for a tail).
+    solo_tails = [[float(np.mean(ms) / np.median(ms)) for ms in alone] for alone, _ in rounds]
+    tail = float(np.median(solo_tails))
     measured, by_round = measured_slowdowns(rounds)
     slowdown = slowdowns(measured)
-    # per k (k = 1: each rank alone): each block's mean over its rank's mean alone in the same round
-    blocks = [np.concatenate([_block_means(ms) / np.mean(solo)
-                              for alone, together in rounds for ms, solo in zip([alone, *together][k], alone)])
-              for k in range(count)]
+    # per number of processes at once, from 1 (each rank alone): each block's mean over its rank's mean alone in
+    # the same round
+    windows = [[alone, *together] for alone, together in rounds]
+    blocks = [np.concatenate([_block_means(ms) / np.mean(solo) for by_count in windows
+                              for ms, solo in zip(by_count[index], by_count[0])])
+              for index in range(count)]
     spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
     meta = {"processes": count, "threads_per_process": env.threads, "window_s": window_s, "warmup_s": WARMUP_S,
             "cpu_count": os.cpu_count(), "cpus_usable": _usable_cpus(),
@@ -169,9 +175,10 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
                          "pass": "forward and full backward, as the executor runs them"},
             "solo_ms": [round(ms, 4) for ms in solo_ms],
             "solo_median_ms": [round(ms, 4) for ms in solo_median_ms],
+            "solo_tail_by_round": [[round(t, 4) for t in tails] for tails in solo_tails],
             "measured_slowdown": [round(r, 4) for r in measured], "rounds": ROUNDS,
             "measured_slowdown_by_round": [[round(r, 4) for r in ratios] for ratios in by_round],
-            "iterations": [[len(ms) for ms in times] for alone, together in rounds for times in [alone, *together]]}
+            "iterations": [[[len(ms) for ms in times] for times in by_count] for by_count in windows]}
     return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],
                              tail=round(tail, 4), meta=meta)
 

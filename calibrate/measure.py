@@ -315,15 +315,14 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) ->
     micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does), and the
     copy of the weights a copy-on-write update makes (`copy_on_write`, the executor's own).
 
-    Each is timed right after an untimed F and B of its stage on the same weights and gradients (the pass adds
-    into the gradients the step reads), as it runs in a pipeline:
+    Each is timed right after an untimed F and B of its stage on the same weights, as it runs in a pipeline:
     these ops stream the weights, gradients and optimizer state through memory, and timed back to back they
     find them in cache (a momentum step of 4 MiB of weights: 0.4-0.5 ms hot, 0.8 ms after the stage's pass).
-    The update and the prediction are the executor's own (`StageWeights.step` and `.predict`), on the
-    gradient buffer a mini-batch's first backward makes afresh: on the 2-core CPUs here, timed in turn in one
-    process, an SGD step of a 4 MiB stage took 0.37 ms (mean 0.37) on a buffer kept from step to step and
-    0.38-0.45 ms (mean 0.44-0.52) on a fresh one; runs' OPT rows came out 1.6-1.7x the former's calibration
-    in four reports, 1.3x the latter's in the next."""
+    The update and the prediction are the executor's own (`StageWeights.step` and `.predict`), the update on
+    the gradient buffer that pass makes afresh, as a mini-batch's first backward does: a buffer kept from step
+    to step stays in cache (an SGD step of a 4 MiB stage, timed in turn on the 2-core CPUs here: mean 0.37 ms
+    on a kept buffer, 0.44-0.52 ms on a fresh one). Averaging, accumulation and the copy follow a pass that
+    adds into kept gradients."""
     out = []
     for k, run in enumerate(runs):
         if not run.weights:
@@ -335,16 +334,17 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) ->
             advance(f"stage {k}: {name} step and prediction")
             state = StageWeights(run.module, name, LEARNING_RATE, label=f"stage {k}", device=settings.device)
             run.weights = state.current
-            fresh = ("pass", _call_with(_fresh_pass, run, state))
             # The step runs first in every round, so the prediction always has a direction to extrapolate.
-            times = _time(settings, [fresh, ("step", _call_with(state.step, False))],
-                          [fresh, ("predict", lambda _, state=state: state.predict((state.version, 1, "F"))),
-                           ("drop", lambda weights, state=state: state.free_predicted(
-                               (weights.version, weights.distance, "F")))])
+            times = _time(settings, [("pass", _call_with(_fresh_pass, run, state)),
+                                     ("step", _call_with(state.step, False))],
+                          [("pass", _call_with(_fresh_pass, run, None)),
+                           ("predict", lambda _, state=state: state.predict((state.version, 1, "F"))),
+                           ("drop", lambda predicted, state=state: state.free_predicted(
+                               (predicted.version, predicted.distance, "F")))])
             steps[name] = StepTimes(step=times["step"], predict=times["predict"])
         advance(f"stage {k}: elastic averaging")
         weights = run.weights = _with_grads(run.weights)
-        run.into = [w.grad for w in weights]  # the pass adds into the gradients a step reads, as a last B does
+        run.into = [w.grad for w in weights]  # the pass adds into the gradients these ops read, as a last B does
         warm = ("pass", lambda _, run=run: run.backward(run.forward()))  # timed with the rest, not kept
         reference = [p.detach().clone() for p in weights]
         average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
@@ -355,11 +355,13 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) ->
     return out
 
 
-def _fresh_pass(run: StageRun, state: StageWeights) -> None:
-    """A forward and backward whose gradients start the mini-batch's buffer, as its first backward does."""
+def _fresh_pass(run: StageRun, state: StageWeights | None) -> None:
+    """A forward and backward whose gradients start a new buffer, as a mini-batch's first backward does; the
+    update of `state` (if given) consumes it."""
     run.into = [None] * len(run.weights)
     run.backward(run.forward())
-    state.grads = run.into
+    if state is not None:
+        state.grads = run.into
 
 
 def _accumulate(buffer: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

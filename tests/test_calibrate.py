@@ -445,8 +445,10 @@ def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monk
         step(self, keep_old)
 
     def recording_predict(self, key):
-        predictions.append((key, self.version))
-        return predict(self, key)
+        assert not self.predicted  # each prediction is freed after it is timed: none builds up
+        predicted = predict(self, key)
+        predictions.append((key, any(not torch.equal(p, w) for p, w in zip(predicted.tensors, self.current))))
+        return predicted
 
     monkeypatch.setattr(StageWeights, "step", recording_step)
     monkeypatch.setattr(StageWeights, "predict", recording_predict)
@@ -463,8 +465,9 @@ def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monk
         if a is b:  # the same stage and optimizer, one round later: a new buffer (the old one is still held)
             assert not set(ids_a) & set(ids_b)
     assert all(g.abs().sum() > 0 for _, _, _, grads in steps for g in grads)  # a backward filled it
-    assert all(key == (version, 1, "F") for key, version in predictions)  # from the newest version, one ahead
-    assert len(predictions) == len(steps)
+    assert len(predictions) == len(steps) and all(key[1:] == (1, "F") for key, _ in predictions)  # one update ahead
+    assert all(moved for _, moved in predictions)  # each after an update: there is a direction to extrapolate
     for stage_steps, *_ in measured:
         assert set(stage_steps) == set(OPTIMIZERS)
-        assert all(t.step.repeats == settings.repeats and t.step.median_ms > 0 for t in stage_steps.values())
+        assert all(t.step.repeats == t.predict.repeats == settings.repeats and t.step.median_ms > 0
+                   and t.predict.median_ms > 0 for t in stage_steps.values())

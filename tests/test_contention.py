@@ -95,16 +95,23 @@ def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path, ranks
     assert all(math.isfinite(s) and s > 0 for s in contention.slowdown)
     assert all(math.isfinite(s) and s >= 0 for s in contention.spread)
     meta = contention.meta
-    # the tail: a rank's mean iteration alone over its median, from the same solo windows
-    assert contention.tail == pytest.approx(statistics.median(
-        mean / median for mean, median in zip(meta["solo_ms"], meta["solo_median_ms"])), rel=1e-3)
+    # the tail: a rank's mean iteration alone over its median, window by window (the host drifts between rounds)
+    tails = meta["solo_tail_by_round"]
+    assert len(tails) == meta["rounds"] and all(len(by_rank) == count for by_rank in tails)
+    assert contention.tail == pytest.approx(statistics.median(t for by_rank in tails for t in by_rank), rel=1e-3)
+    # each round: a ratio per k >= 2, taken within it; the factor is their median over rounds
+    by_round = meta["measured_slowdown_by_round"]
+    assert len(by_round) == meta["rounds"] and all(len(ratios) == count - 1 for ratios in by_round)
+    assert meta["measured_slowdown"][1:] == pytest.approx(
+        [statistics.median(ratios[k] for ratios in by_round) for k in range(count - 1)], rel=1e-3)
     assert (meta["processes"], meta["threads_per_process"], meta["cpu_count"]) == (count, 1, os.cpu_count())
     assert meta["window_s"] > meta["warmup_s"] > 0
     assert meta["workload"] == {"model": "mlp", "options": {"layers": 2, "width": 16}, "dtype": "float32",
                                 "microbatch_size": 2, "bounds": profile.partition.bounds,
                                 "stages": [rank % 2 for rank in range(count)],
                                 "pass": "forward and full backward, as the executor runs them"}
-    assert all(n > 0 for window in meta["iterations"] for n in window)
+    assert len(meta["iterations"]) == meta["rounds"] and all(len(windows) == count for windows in meta["iterations"])
+    assert all(n > 0 for windows in meta["iterations"] for window in windows for n in window)
     assert "contention: 2 ranks computing at once" in printed
     # each rank alone runs its stage's calibrated passes: the line says how far the host drifted in between
     flat = " ".join(printed.split())  # the console wraps at 120 columns
