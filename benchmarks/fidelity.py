@@ -15,9 +15,9 @@ term's line shows the error it removed. Then the same runs with every op at its 
 schedule's structure alone predicts, and the per-op error a run's own scatter leaves), and its ops by context
 (right after a wait, with the other ranks computing). Last, GPipe and 1F1B run by torch.distributed.pipelining
 on the same model and cut (`bench_executor.torch_run`), against pipesim's prediction without its own runtime's
-terms (but with the host's contention: torch's ranks share the cores as pipesim's do) and with torch's runtime cost per
-forward and backward action, measured by running torch's same schedule on a probe: the same pipeline on a
-model of one block of the same width, whose passes its own calibration times.
+terms (but with the host's contention: torch's ranks share the cores as pipesim's do) and with torch's runtime
+cost per forward and backward action, measured by running torch's same schedule on a probe: the same pipeline
+on a model of one block of the same width, whose passes its own calibration times.
 
 Targets (issue 12): iteration time within 2 %, median per-op duration within 5 %, peak memory within 5 %.
 
@@ -56,6 +56,7 @@ from pipesim.sim import simulate
 from pipesim.sim.costs import RowOverhead
 from pipesim.traces import summarize
 from pipesim.traces.compare import Comparison, compare
+from pipesim.traces.metrics import merged_intervals
 from pipesim.traces.trace import Stream, Trace, read_trace, write_trace
 
 TARGETS = {"iteration": 0.02, "per_op": 0.05, "memory": 0.05}
@@ -242,13 +243,13 @@ def op_contexts(runs: list[Trace]) -> dict[str, tuple[float, int]]:
             mine = np.flatnonzero(compute & (ops.device == d))
             mine = mine[np.argsort(ops.start_us[mine], kind="stable")]
             idle_ms = np.r_[np.inf, (ops.start_us[mine[1:]] - end_us[mine[:-1]]) / 1e3]
-            busy_from, busy_to = _union(ops.start_us[compute & (ops.device != d)], end_us[compute & (ops.device != d)])
-            timed = passes[mine]
-            keys = list(zip(ops.stage[mine[timed]].tolist(), names[mine[timed]].tolist()))
-            median = {key: float(np.median([ops.dur_us[i] for i, k in zip(mine[timed], keys) if k == key]))
-                      for key in set(keys)}
-            for i, idle, key in zip(mine[timed], idle_ms[timed], keys):
-                ratio = float(ops.dur_us[i]) / median[key]
+            others = compute & (ops.device != d)
+            busy_from, busy_to = merged_intervals(ops.start_us[others], end_us[others])
+            timed = mine[passes[mine]]
+            key = ops.stage[timed] * len(run.kinds) + ops.kind[timed]  # (stage, kind) as one number
+            median = {k: float(np.median(ops.dur_us[timed][key == k])) for k in np.unique(key)}
+            for i, idle, k in zip(timed, idle_ms[passes[mine]], key):
+                ratio = float(ops.dur_us[i]) / median[k]
                 ratios["after a wait" if idle >= WAIT_MS else "back to back"].append(ratio)
                 overlap = np.clip(np.minimum(end_us[i], busy_to) - np.maximum(ops.start_us[i], busy_from), 0, None)
                 shared = overlap.sum() / max(float(ops.dur_us[i]), 1.0)
@@ -256,15 +257,6 @@ def op_contexts(runs: list[Trace]) -> dict[str, tuple[float, int]]:
                     ratios["others idle" if shared < 0.2 else "others computing"].append(ratio)
     return {context: (float(np.mean(found)) if found else float("nan"), len(found))
             for context, found in ratios.items()}
-
-
-def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The intervals [start, end) merged where they overlap: when at least one of them is on."""
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], np.maximum.accumulate(ends[order])
-    opens = np.r_[True, starts[1:] > ends[:-1]]  # an interval starting after all before it ended opens a run
-    closing = np.r_[np.flatnonzero(opens)[1:] - 1, len(starts) - 1]
-    return starts[opens], ends[closing]
 
 
 def torch_predicted_ms(method: str, workload: Workload, profile: Profile, action_ms: float = 0.0) -> float:

@@ -46,20 +46,21 @@ class Summary:
         return asdict(self)
 
 
-def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
-    """Total length covered by the intervals [starts[i], ends[i])."""
+def merged_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The intervals [starts[i], ends[i]) merged where they overlap: the runs during which any is under way."""
     if len(starts) == 0:
-        return 0.0
+        return np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
     order = np.argsort(starts, kind="stable")
     starts, ends = starts[order], np.maximum.accumulate(ends[order])
     # A new run begins where an interval starts after everything before it has ended.
-    new_run = np.empty(len(starts), dtype=bool)
-    new_run[0] = True
-    new_run[1:] = starts[1:] > ends[:-1]
-    run_ids = np.cumsum(new_run) - 1
-    run_starts = starts[new_run]
-    run_ends = np.zeros(len(run_starts))
-    np.maximum.at(run_ends, run_ids, ends)
+    new_run = np.r_[True, starts[1:] > ends[:-1]]
+    last_of_run = np.r_[np.flatnonzero(new_run)[1:] - 1, len(starts) - 1]
+    return starts[new_run], ends[last_of_run]
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Total length covered by the intervals [starts[i], ends[i])."""
+    run_starts, run_ends = merged_intervals(starts, ends)
     return float(np.sum(run_ends - run_starts))
 
 
