@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -160,11 +161,9 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
     """Every run and timing the results file lacks, saving it after each, behind one progress bar."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..calibrate.contention import measure_contention
     from ..profiles.schema import Profile
     from ..study.plan import RunKey, build
-    from ..study.train import calibrate_setting, measurement, time_arm, train
-    from .calibrate import measure_runtime
+    from ..study.train import time_arm, train
 
     runs = [(arm, RunKey(arm.method, arm.source, optimizer, lr, seed)) for optimizer, lr in rates.items()
             for arm in chosen for seed in seed_list]
@@ -178,13 +177,10 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
     with Progress(*columns, console=stderr, transient=True, disable=quiet or not stderr.is_terminal) as bar:
         task = bar.add_task("study", total=len(runs) + len(timings) + calibrating)
         if calibrating:
-            bar.update(task, description="calibrating the setting")
-            profile = calibrate_setting(setting, next(iter(rates)), lambda what: None)
-            runtime = measure_runtime(profile, measurement(setting), lambda what: None)
             ranks = max(build(setting, arm.method, arm.source).num_devices for arm in timings)
-            contention = measure_contention(profile, setting.model, setting.model_options, ranks=ranks)
-            saved.profile = profile.model_copy(update={"runtime": runtime, "contention": contention}).model_dump(
-                mode="json")
+            profile = _calibrate(setting, next(iter(rates)), ranks,
+                                 lambda what: bar.update(task, description=f"calibrating the setting: {what}"))
+            saved.profile = profile.model_dump(mode="json")
             saved.save(path)
             bar.advance(task)
         for arm, key in runs:
@@ -200,6 +196,20 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
                 saved.timings.append(time_arm(setting, arm, run.optimizer, run.lr, run.seed, profile, repeats))
                 saved.save(path)
             bar.advance(task)
+
+
+def _calibrate(setting, optimizer: str, ranks: int, advance: Callable[[str], None]):
+    """The profile a study's timings are predicted from, measured once per study as `pipesim calibrate`
+    measures one: the setting's model and link, the executor's own cost per row (the same runtime probe), and
+    how `ranks` ranks computing at once on this host slow each other."""
+    from ..calibrate.contention import measure_contention
+    from ..study.train import calibrate_setting, measurement
+    from .calibrate import measure_runtime
+
+    profile = calibrate_setting(setting, optimizer, advance)
+    runtime = measure_runtime(profile, measurement(setting), advance, setting.model, setting.model_options)
+    contention = measure_contention(profile, setting.model, setting.model_options, advance, ranks)
+    return profile.model_copy(update={"runtime": runtime, "contention": contention})
 
 
 def _print_table(setting, summaries) -> None:
