@@ -147,13 +147,24 @@ def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
 
 
 @pytest.mark.slow
-def test_timing_measures_spawned_ranks_and_predicts_them_from_the_calibration():
-    from pipesim.study.train import calibrate_setting, time_arm
+def test_timing_measures_spawned_ranks_and_predicts_them_from_a_calibration_with_the_runtime_terms(tmp_path):
+    """The command's whole timing path at a tiny size: the setting calibrated as `pipesim calibrate` does it
+    (the model, the executor's cost per row, contention), then the arm timed on spawned ranks and predicted."""
+    from pipesim.profiles.schema import Profile
 
-    profile = calibrate_setting(TINY, "momentum", lambda what: None)
+    results = tmp_path / "study.json"
+    flags = [flag for flag in TINY_FLAGS if flag != "--no-timing"]
+    code, out, err = pipesim("study", "-s", "1f1b", "--optimizer", "momentum", *flags, "--seeds", 1,
+                             "--timing-repeats", 1, "--results", results, "--html", tmp_path / "s.html", "--json")
+    assert code == 0, err
+    (arm,) = json.loads(out)["arms"]
+    assert arm["measured_samples_per_s"] > 0 and arm["predicted_samples_per_s"] > 0
+    saved = load_results(results)
+    profile = Profile.model_validate(saved.profile)
     assert profile.environment.threads == 1 and profile.environment.microbatch_size == TINY.microbatch_size
-    timing = time_arm(TINY, Arm("1f1b"), "momentum", 0.05, 0, profile, repeats=1)
-    assert timing.ranks == 2 and timing.measured_samples_per_s > 0 and timing.predicted_samples_per_s > 0
+    assert profile.runtime is not None and profile.runtime.meta["host_times_from"] == "the calibrated model"
+    assert profile.contention is not None and len(profile.contention.slowdown) >= 2  # one rank alone, two at once
+    assert [t.ranks for t in saved.timings] == [2]
 
 
 COMMITTED = Path(__file__).resolve().parents[1] / "traces" / "study" / "digits-mlp-p4.json"
