@@ -36,42 +36,103 @@ def _smoothed(values: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
+def _diverged_label(summaries: Sequence[ArmSummary], label: str) -> str:
+    """The arm's name in the legend: with the seeds that diverged, per optimizer, where any did."""
+    counts = ", ".join(f"{s.optimizer} {s.diverged} of {len(s.runs)}" for s in summaries
+                       if s.arm.label == label and s.diverged)
+    return f"{label} (diverged: {counts})" if counts else label
+
+
+def _log_range(values: np.ndarray) -> list[float]:
+    """A log axis's range (log10 units) over the finite positive `values`, with a margin on either side."""
+    finite = values[np.isfinite(values) & (values > 0)]
+    lo, hi = (np.log10(finite.min()), np.log10(finite.max())) if len(finite) else (-1.0, 1.0)
+    margin = 0.05 * max(hi - lo, 0.1)
+    return [float(lo - margin), float(hi + margin)]
+
+
 def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> go.Figure:
+    """One panel per optimizer, each on its own log axis clipped to the runs that did not diverge (one blown-up
+    run would squash every other curve): a diverged run is an × where it left the axis, counted in the legend
+    and in a note in its panel."""
     colours = _colours(summaries)
-    fig = make_subplots(rows=1, cols=len(optimizers), shared_yaxes=True, horizontal_spacing=0.04,
+    names = {label: _diverged_label(summaries, label) for label in colours}
+    fig = make_subplots(rows=1, cols=len(optimizers), horizontal_spacing=0.07,
                         subplot_titles=[f"{o} (lr {next(s.lr for s in summaries if s.optimizer == o):g})"
                                         for o in optimizers])
+    in_legend: set[str] = set()
     for col, optimizer in enumerate(optimizers, start=1):
-        for s in (s for s in summaries if s.optimizer == optimizer and s.runs):
-            curves = np.array([[np.nan if v is None else v for v in r.losses] for r in s.runs], dtype=float)
-            window = max(1, curves.shape[1] // 15)
-            smooth = np.array([_smoothed(c, window) for c in curves])
-            samples = (np.arange(curves.shape[1]) + 1) * s.runs[0].samples_per_minibatch
+        panel = [s for s in summaries if s.optimizer == optimizer and s.runs]
+        curves = {}
+        for s in panel:
+            raw = np.array([[np.nan if v is None else v for v in r.losses] for r in s.runs], dtype=float)
+            window = max(1, raw.shape[1] // 15)
+            samples = (np.arange(raw.shape[1]) + 1) * s.runs[0].samples_per_minibatch
+            curves[s.arm.label] = samples, np.array([_smoothed(c, window) for c in raw])
+        kept = [smooth[[not r.diverged for r in s.runs]] for s in panel for smooth in [curves[s.arm.label][1]]]
+        y_range = _log_range(np.concatenate([k.ravel() for k in kept]) if kept else np.array([]))
+        for s in panel:
+            samples, smooth = curves[s.arm.label]
+            ok = smooth[[not r.diverged for r in s.runs]]
             colour, dash = colours[s.arm.label], None if s.arm.primary else "dash"
             with np.errstate(all="ignore"):
-                low, high, mean = np.nanmin(smooth, 0), np.nanmax(smooth, 0), np.nanmean(smooth, 0)
+                low, high, mean = (f(ok, 0) if len(ok) else np.full(len(samples), np.nan)
+                                   for f in (np.nanmin, np.nanmax, np.nanmean))
             shown = np.isfinite(mean)
-            if len(s.runs) > 1 and shown.any():
+            if len(ok) > 1 and shown.any():
                 fig.add_trace(go.Scatter(
                     x=np.concatenate([samples[shown], samples[shown][::-1]]),
                     y=np.concatenate([high[shown], low[shown][::-1]]), fill="toself", fillcolor=colour,
                     opacity=0.15, line={"width": 0}, hoverinfo="skip", legendgroup=s.arm.label, showlegend=False),
                     row=1, col=col)
-            note = f", {s.diverged} of {len(s.runs)} diverged" if s.diverged else ""
-            fig.add_trace(go.Scatter(
-                x=samples[shown], y=mean[shown], mode="lines", name=s.arm.label, legendgroup=s.arm.label,
-                showlegend=col == 1, line={"color": colour, "dash": dash, "width": 2},
-                hovertemplate=f"{s.arm.label} ({optimizer}{note})<br>%{{x:,}} samples<br>loss %{{y:.4f}}"
-                              "<extra></extra>"), row=1, col=col)
+            note = f", {s.diverged} of {len(s.runs)} seeds diverged" if s.diverged else ""
+            if shown.any():
+                fig.add_trace(go.Scatter(
+                    x=samples[shown], y=mean[shown], mode="lines", name=names[s.arm.label], legendgroup=s.arm.label,
+                    showlegend=s.arm.label not in in_legend, line={"color": colour, "dash": dash, "width": 2},
+                    hovertemplate=f"{s.arm.label} ({optimizer}{note})<br>%{{x:,}} samples<br>loss %{{y:.4f}}"
+                                  "<extra></extra>"), row=1, col=col)
+                in_legend.add(s.arm.label)
+            left = [_left_range(samples, c, 10 ** y_range[1]) for r, c in zip(s.runs, smooth) if r.diverged]
+            left = [point for point in left if point is not None]
+            if left:
+                fig.add_trace(go.Scatter(
+                    x=[x for x, _ in left], y=[10 ** (y_range[1] - 0.02 * (y_range[1] - y_range[0]))] * len(left),
+                    mode="markers", name=names[s.arm.label], legendgroup=s.arm.label,
+                    showlegend=s.arm.label not in in_legend, cliponaxis=False,
+                    marker={"symbol": "x", "size": 13, "color": colour, "line": {"width": 1, "color": "white"}},
+                    customdata=[loss for _, loss in left],
+                    hovertemplate=f"{s.arm.label} ({optimizer}) diverged: its loss left the plot at %{{x:,}} "
+                                  "samples and ended at %{customdata:.3g}<extra></extra>"), row=1, col=col)
+                in_legend.add(s.arm.label)
+        diverged = [f"{s.arm.label} {s.diverged}/{len(s.runs)}" for s in panel if s.diverged]
+        if diverged:
+            fig.add_annotation(text="diverged (seeds): " + ", ".join(diverged), xref="x domain", yref="y domain",
+                               row=1, col=col, x=0.01, y=0.01, xanchor="left", yanchor="bottom",
+                               showarrow=False, bgcolor="rgba(255,255,255,0.85)", bordercolor="#c0392b",
+                               font={"size": 11, "color": "#c0392b"})
         fig.update_xaxes(title_text="samples trained on", row=1, col=col)
-    fig.update_yaxes(title_text="training loss (running mean; band: min–max over seeds)", type="log", row=1, col=1)
+        fig.update_yaxes(type="log", range=y_range, row=1, col=col,
+                         title_text="training loss (running mean)" if col == 1 else None)
     fig.update_layout(height=480, margin={"t": 40, "b": 50, "l": 70, "r": 20}, legend={"title": "method"})
     return fig
 
 
+def _left_range(samples: np.ndarray, smooth: np.ndarray, top: float) -> tuple[float, float] | None:
+    """Where a diverged run's curve first passes `top` (or its last point), and its last finite loss; None for
+    a run the executor stopped, which recorded no loss."""
+    finite = np.flatnonzero(np.isfinite(smooth))
+    if not len(finite):
+        return None
+    above = finite[smooth[finite] > top]
+    at = above[0] if len(above) else finite[-1]
+    return float(samples[at]), float(smooth[finite[-1]])
+
+
 def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> go.Figure:
     """Held-out accuracy (mean ± std over seeds) against measured samples/s (the prediction in the hover), one
-    marker symbol per optimizer; against the arm where nothing was timed."""
+    marker symbol per optimizer. Where nothing was timed there is no throughput to place an arm by: accuracy
+    per arm, arms down the side."""
     colours = _colours(summaries)
     timed = any(s.timing for s in summaries)
     symbols = ("circle", "square", "diamond", "triangle-up")
@@ -84,19 +145,29 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
             acc = s.heldout_accuracy
             throughput = "" if not timed else (f"<br>{s.timing.measured_samples_per_s:,.0f} samples/s measured, "
                                                f"{s.timing.predicted_samples_per_s:,.0f} predicted")
+            diverged = f" ({s.diverged} of {len(s.runs)} seeds diverged)" if s.diverged else ""
+            error = {"type": "data", "array": [acc.std], "color": colours[s.arm.label]}
+            place = ({"x": [s.timing.measured_samples_per_s], "y": [acc.mean], "error_y": error} if timed
+                     else {"x": [acc.mean], "y": [s.arm.label], "error_x": error})
             fig.add_trace(go.Scatter(
-                x=[s.timing.measured_samples_per_s if timed else s.arm.label], y=[acc.mean],
-                error_y={"type": "data", "array": [acc.std], "color": colours[s.arm.label]},
-                mode="markers", name=s.arm.label, legendgroup=s.arm.label, showlegend=s.arm.label not in shown,
+                **place, mode="markers", name=s.arm.label, legendgroup=s.arm.label,
+                showlegend=s.arm.label not in shown,
                 marker={"color": colours[s.arm.label], "size": 11, "symbol": symbols[i % len(symbols)],
                         "line": {"width": 1, "color": "white"}},
-                hovertemplate=f"{s.arm.label} ({optimizer})<br>accuracy {acc.mean:.1%} ± {acc.std:.1%} over "
-                              f"{acc.n} seeds{throughput}<extra></extra>"))
+                hovertemplate=f"{s.arm.label} ({optimizer}{diverged})<br>accuracy {acc.mean:.1%} ± {acc.std:.1%} "
+                              f"over {acc.n} seeds{throughput}<extra></extra>"))
             shown.add(s.arm.label)
     marks = ", ".join(f"{symbols[i % len(symbols)]}: {o}" for i, o in enumerate(optimizers))
-    fig.update_layout(height=460, margin={"t": 20, "b": 50, "l": 70, "r": 20}, legend={"title": "method"},
-                      xaxis_title=f"samples/s measured on spawned ranks ({marks})" if timed else f"method ({marks})",
-                      yaxis_title="held-out accuracy (mean ± std over seeds)", yaxis_tickformat=".0%")
+    accuracy = {"title_text": "held-out accuracy (mean ± std over seeds)", "tickformat": ".0%"}
+    if timed:
+        fig.update_xaxes(title_text=f"samples/s measured on spawned ranks ({marks})")
+        fig.update_yaxes(**accuracy)
+    else:
+        fig.update_xaxes(**accuracy)
+        fig.update_yaxes(title_text=f"arm ({marks})", autorange="reversed", type="category",
+                         categoryorder="array", categoryarray=list(colours))
+    fig.update_layout(height=460 if timed else 120 + 28 * len(shown), margin={"t": 20, "b": 50, "l": 70, "r": 20},
+                      legend={"title": "method"}, showlegend=timed)
     return fig
 
 
@@ -118,7 +189,11 @@ def stages_figure(summaries: Sequence[ArmSummary]) -> go.Figure:
 
 def write_study_page(summaries: Sequence[ArmSummary], optimizers: Sequence[str], path: str | os.PathLike[str],
                      title: str) -> None:
-    write_html([("Training loss, per optimizer", loss_figure(summaries, optimizers)),
-                ("Held-out accuracy against throughput", accuracy_figure(summaries, optimizers)),
+    timed = any(s.timing for s in summaries)
+    write_html([("Training loss per optimizer: the mean over seeds, its band min–max over the seeds that did not "
+                 "diverge; ×: where a diverged seed left the plot", loss_figure(summaries, optimizers)),
+                ("Held-out accuracy against throughput" if timed
+                 else "Held-out accuracy per arm (throughput not timed: run the study with timing to place arms by "
+                      "samples/s)", accuracy_figure(summaries, optimizers)),
                 ("Staleness and prediction distance each stage ran with (measured)", stages_figure(summaries))],
                path, title=title)

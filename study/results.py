@@ -19,6 +19,9 @@ from .plan import Arm, RunKey, Setting
 
 FORMAT_VERSION = 1
 TAIL_FRACTION = 0.1  # the final training loss: the mean over the last 10 % of mini-batches (one is noise)
+# A run whose final loss is this many times its first has diverged, even where the loss stayed finite (the
+# executor stops a run only on a non-finite loss): its loss says nothing about the method but that it blew up.
+DIVERGED_RISE = 10.0
 
 
 class ResultsError(ValueError):
@@ -64,10 +67,16 @@ class RunRecord(_Strict):
     @property
     def final_loss(self) -> float:
         """Mean training loss over the last TAIL_FRACTION of mini-batches (NaN for a diverged run)."""
-        if self.status != "ok":
-            return math.nan
+        return math.nan if self.diverged else self._tail_mean()
+
+    def _tail_mean(self) -> float:  # of a run that trained to the end
         tail = max(1, round(len(self.losses) * TAIL_FRACTION))
         return float(np.mean(self.losses[-tail:]))
+
+    @property
+    def diverged(self) -> bool:
+        """The executor stopped it on a non-finite loss, or its loss ended DIVERGED_RISE times its first."""
+        return self.status != "ok" or not self._tail_mean() <= DIVERGED_RISE * self.losses[0]
 
 
 class TimingRecord(_Strict):
@@ -148,22 +157,25 @@ def load_results(path: Path) -> StudyFile:
 
 @dataclass(frozen=True)
 class Spread:
-    """A quantity over seeds: mean, standard deviation (0 with one seed), and how many seeds gave it."""
+    """A quantity over seeds: mean, standard deviation (0 with one seed), how many seeds gave it, and what to
+    print where none did."""
 
     mean: float
     std: float
     n: int
+    missing: str = "-"
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
+    def of(cls, values: Sequence[float], missing: str = "-") -> Spread:
         finite = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=float)
         if not len(finite):
-            return cls(math.nan, math.nan, 0)
-        return cls(float(finite.mean()), float(finite.std(ddof=1)) if len(finite) > 1 else 0.0, len(finite))
+            return cls(math.nan, math.nan, 0, missing)
+        return cls(float(finite.mean()), float(finite.std(ddof=1)) if len(finite) > 1 else 0.0, len(finite),
+                   missing)
 
     def text(self, fmt: str = ".3f", scale: float = 1.0) -> str:
         if not self.n:
-            return "-"
+            return self.missing
         return f"{self.mean * scale:{fmt}} ± {self.std * scale:{fmt}}"
 
 
@@ -179,11 +191,13 @@ class ArmSummary:
 
     @property
     def diverged(self) -> int:
-        return sum(r.status != "ok" for r in self.runs)
+        return sum(r.diverged for r in self.runs)
 
     @property
     def final_loss(self) -> Spread:
-        return Spread.of([r.final_loss for r in self.runs])
+        """Over the seeds that did not diverge; "diverged" where every seed did."""
+        return Spread.of([r.final_loss for r in self.runs],
+                         missing="diverged" if self.runs and self.diverged == len(self.runs) else "-")
 
     @property
     def heldout_loss(self) -> Spread:

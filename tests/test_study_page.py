@@ -1,0 +1,96 @@
+"""The study's table and page as a reader sees them: a diverged run (stopped on a non-finite loss, or a finite
+loss that blew up) is named as such, never printed as a loss or allowed to stretch an axis; every panel has its
+own labelled axis; accuracy is drawn against a numeric axis."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipesim.study.results import StudyFile, load_results
+from tests.conftest import pipesim
+from tests.test_study import TINY
+
+
+def _record(method, optimizer, seed, losses, status="ok", source=None):
+    from pipesim.study.results import RunRecord, StageRecord
+
+    stages = [] if status != "ok" else [StageRecord(stage=k, forward_staleness=0, backward_staleness=0,
+                                                    prediction_distance=None, backward_prediction_distance=None)
+                                        for k in range(2)]
+    return RunRecord(method=method, source=source, primary=True, optimizer=optimizer,
+                     lr={"momentum": 0.05, "adam": 0.002}[optimizer], seed=seed, status=status,
+                     samples_per_minibatch=8, losses=losses if status == "ok" else [None] * len(losses),
+                     heldout_loss=None if status != "ok" else losses[-1],
+                     heldout_accuracy=None if status != "ok" else 0.5, stages=stages, wall_s=1.0)
+
+
+@pytest.fixture
+def blown_up(tmp_path):
+    """A study where, under momentum, one gpipe seed's loss blew up to 1e16 while staying finite, and the
+    executor stopped pipedream's only seed on a non-finite loss; under adam both trained."""
+    falling = [2.3 * 0.9 ** b for b in range(20)]
+    blowing_up = [2.3 * 10 ** b for b in range(17)] + [3.4e16] * 3
+    runs = [_record("gpipe", "momentum", 0, falling), _record("gpipe", "momentum", 1, blowing_up),
+            _record("pipedream", "momentum", 0, falling, status="diverged"),
+            _record("gpipe", "adam", 0, falling), _record("pipedream", "adam", 0, [v * 1.1 for v in falling])]
+    path = tmp_path / "blown.json"
+    StudyFile(format_version=1, setting=TINY.as_dict(), runs=runs).save(path)
+    return path
+
+
+def test_a_loss_that_blew_up_counts_as_diverged_and_prints_as_such(blown_up):
+    from pipesim.study.results import recorded_arms, summarize
+
+    saved = load_results(blown_up)
+    assert [r.diverged for r in saved.runs] == [False, True, True, False, False]
+    by_arm = {(s.arm.label, s.optimizer): s for s in summarize(saved, *recorded_arms(saved))}
+    gpipe, pipedream = by_arm["gpipe", "momentum"], by_arm["pipedream", "momentum"]
+    assert gpipe.diverged == 1 and gpipe.final_loss.n == 1 and gpipe.final_loss.mean < 1  # the blown-up seed left out
+    assert pipedream.final_loss.text() == "diverged"
+    code, out, err = pipesim("study", "--plot-only", "--results", blown_up, "--html", blown_up.with_suffix(".html"))
+    assert code == 0, err
+    assert "e+16" not in out and "3400" not in out and "diverged" in out and "1/2" in out and "1/1" in out
+
+
+def test_the_loss_panels_each_have_a_labelled_log_axis_clipped_to_the_runs_that_did_not_diverge(blown_up):
+    from pipesim.study.page import loss_figure
+    from pipesim.study.results import recorded_arms, summarize
+
+    saved = load_results(blown_up)
+    arms, optimizers, seeds = recorded_arms(saved)
+    fig = loss_figure(summarize(saved, arms, optimizers, seeds), list(optimizers))
+    layout = fig.layout
+    for axis in (layout.yaxis, layout.yaxis2):
+        assert axis.type == "log" and axis.showticklabels is not False and axis.matches is None
+        low, high = axis.range
+        assert math.log10(0.2) < low < high < math.log10(3)  # the falling curves' span, not 1e16
+    # every arm is in the legend, also one that drew no curve under the first optimizer; a diverged one says so
+    legend = {t.legendgroup: t.name for t in fig.data if t.showlegend is not False}
+    assert legend == {"gpipe": "gpipe (diverged: momentum 1 of 2)",
+                      "pipedream": "pipedream (diverged: momentum 1 of 1)"}
+    # the blown-up seed is an × at the top of its panel, where it left the range
+    (cross,) = [t for t in fig.data if t.mode == "markers"]
+    assert cross.marker.symbol == "x" and cross.xaxis == "x" and cross.customdata[0] == pytest.approx(3.4e16)
+    assert math.log10(cross.y[0]) <= layout.yaxis.range[1]
+    assert any("pipedream 1/1" in a.text for a in layout.annotations)
+
+
+def test_accuracy_is_drawn_against_a_numeric_axis(blown_up):
+    """Untimed, there is no throughput to place arms by: accuracy is the numeric axis and the arms are named
+    down the side, rather than method names on a throughput axis."""
+    from pipesim.study.page import accuracy_figure
+    from pipesim.study.results import TimingRecord, recorded_arms, summarize
+
+    saved = load_results(blown_up)
+    arms, optimizers, seeds = recorded_arms(saved)
+    untimed = accuracy_figure(summarize(saved, arms, optimizers, seeds), list(optimizers))
+    assert all(isinstance(x, float) and 0 <= x <= 1 for t in untimed.data for x in t.x)
+    assert untimed.layout.xaxis.tickformat == ".0%" and untimed.layout.yaxis.type == "category"
+    saved.timings = [TimingRecord(method=m, source=None, optimizer="adam", lr=0.002, seed=0, repeats=1,
+                                  measured_samples_per_s=s, measured_spread=0, predicted_samples_per_s=2 * s, ranks=2)
+                     for m, s in (("gpipe", 1500.0), ("pipedream", 1800.0))]
+    timed = accuracy_figure(summarize(saved, arms, optimizers, seeds), list(optimizers))
+    assert sorted({x for t in timed.data for x in t.x}) == [1500.0, 1800.0]
+    assert "samples/s" in timed.layout.xaxis.title.text and timed.layout.yaxis.tickformat == ".0%"
