@@ -22,7 +22,6 @@ from .common import (
     InputError,
     Microbatches,
     MicrobatchSize,
-    Minibatches,
     Pipelines,
     PredictionSource,
     Stages,
@@ -39,8 +38,8 @@ from .common import (
     write_error,
 )
 
-EXAMPLE = {"stages": 4, "microbatches": 8, "minibatches": 4, "comm": "0.1", "opt": 0.1,
-           "html": Path("pipesim-example.html")}
+EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
+PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
 
 
 def _output_paths(path: Path, names: list[str]) -> list[Path]:
@@ -61,7 +60,9 @@ def simulate(
     stages: Stages = 4,
     chunks: Chunks = None,
     microbatches: Microbatches = 8,
-    minibatches: Minibatches = 1,
+    minibatches: Annotated[int | None, typer.Option(
+        "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N. Default: enough for "
+                                                        "every method compared to reach its steady state.")] = None,
     pipelines: Pipelines = None,
     advance: Advance = None,
     average_every: AverageEvery = 1,
@@ -122,9 +123,9 @@ def simulate(
     """
     example = not any(is_given(ctx, name) for name in ctx.params)
     if example:
-        stages, microbatches, minibatches, comm, opt, html = (
-            EXAMPLE[k] for k in ("stages", "microbatches", "minibatches", "comm", "opt", "html"))
-    from ..schedules import METHODS, ScheduleError
+        stages, microbatches, comm, opt, html = (
+            EXAMPLE[k] for k in ("stages", "microbatches", "comm", "opt", "html"))
+    from ..schedules import METHODS, ScheduleError, steady_minibatches
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
     from ..traces import summarize, write_trace
@@ -150,19 +151,27 @@ def simulate(
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
 
-        def build(name: str):
+        def build(name: str, count: int):
             method = METHODS[name]
             return scenario.build(name, method.params(
-                stages, microbatches, minibatches, chunks, pipelines, advance=advance, average_every=average_every,
+                stages, microbatches, count, chunks, pipelines, advance=advance, average_every=average_every,
                 elastic_alpha=elastic_alpha, prediction=prediction if method.reads("prediction") else None))
 
         requested, skipped = names, {}  # skipped: method -> why it cannot run here
         schedules = {loaded.method: loaded} if loaded else {}
         for name in () if loaded else names:
             try:
-                schedules[name] = build(name)
+                schedules[name] = build(name, minibatches or PROBE_MINIBATCHES)
             except ScheduleError as exc:
                 skipped[name] = str(exc)
+        if minibatches is None and not loaded:  # one N for the table: the most any method compared needs
+            count = max(map(steady_minibatches, schedules.values()), default=PROBE_MINIBATCHES)
+            for name, sched in list(schedules.items()):
+                try:
+                    schedules[name] = sched if sched.minibatches == count else build(name, count)
+                except ScheduleError as exc:
+                    del schedules[name]
+                    skipped[name] = str(exc)
         _check_cost_lists(scenario, schedules)
         summaries, traces, memory = [], [], []
         for name, sched in progress(list(schedules.items()), as_json):
@@ -180,6 +189,7 @@ def simulate(
         if not names:
             raise InputError(_nothing_runs(requested, skipped))
         built = [schedules[name] for name in names]
+        steady = [sched.minibatches >= steady_minibatches(sched) for sched in built]
         trace_paths = []
         if trace is not None:
             named = dict(zip(requested, _output_paths(trace, requested)))  # as asked for, whatever was skipped
@@ -200,8 +210,10 @@ def simulate(
 
     if as_json:
         results = [summary.to_dict() for summary in summaries]
-        for result, sched in zip(results, built):
+        for result, sched, is_steady in zip(results, built, steady):
             result["prediction"] = sched.params.get("prediction")  # the source of s used; null: no prediction
+            result["minibatches"] = sched.minibatches
+            result["steady_state"] = is_steady  # false: time_per_minibatch_ms includes the warm-up
         for result, checks in zip(results, memory):
             for device, check in zip(result["devices"], checks):
                 device.update(memory_limit_mb=None if check.limit_bytes is None else check.limit_bytes / MIB,
@@ -211,7 +223,7 @@ def simulate(
                                                     for name, reason in skipped.items()]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     else:
-        _print_table(summaries, built, example, skipped, memory, _cost_basis(scenario, built))
+        _print_table(summaries, built, steady, example, skipped, memory, _cost_basis(scenario, built))
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
@@ -316,13 +328,28 @@ def _warn(skipped: dict[str, str], summaries: list, memory: list) -> None:
             stderr.print(f"warning: {summary.schedule} runs out of memory: {oom[1]}", highlight=False, soft_wrap=True)
 
 
-def _print_table(summaries: list, schedules: list, example: bool, skipped: dict[str, str], memory: list,
-                 basis: str) -> None:
+def _steady_text(schedules: list, steady: list[bool]) -> str:
+    """What the step column means, saying plainly which rows (marked *) are no steady state and why."""
+    from ..schedules import steady_minibatches
+
+    if all(steady):
+        return "step: one mini-batch in steady state; bubble: idle share of the whole run"
+    short = [sched for sched, is_steady in zip(schedules, steady) if not is_steady]
+    n = short[0].minibatches
+    why = "one mini-batch (N=1) is all warm-up" if n == 1 else f"N={n} is short of it (" + ", ".join(
+        f"{sched.method} needs N>={steady_minibatches(sched)}" for sched in short) + ")"
+    return (f"step: one mini-batch in steady state; * marks no steady state: {why}, so step and samples/s "
+            "include the warm-up and staleness can be below a longer run's; leave out --minibatches for enough; "
+            "bubble: idle share of the whole run")
+
+
+def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],
+                 memory: list, basis: str) -> None:
     first = schedules[0]
     title = (f"p={first.num_devices} devices per pipeline, m={first.microbatches} "
              f"micro-batches, N={first.minibatches} mini-batches")
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption=f"{basis}; step: one mini-batch in steady state; peak act: micro-batches of activations "
+                  caption=f"{basis}; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
                           "held; weights: copies of one stage's weights held"
                           + ("; s: the source of prediction distances" if any(_source(s) for s in schedules) else "")
                           + ("; skipped: why on stderr" if skipped else ""),
@@ -334,20 +361,20 @@ def _print_table(summaries: list, schedules: list, example: bool, skipped: dict[
         table.add_column(header, justify="right", no_wrap=True)
     if limited:
         table.add_column("memory", no_wrap=True)
-    for s, sched, checks in zip(summaries, schedules, memory):
+    for s, sched, is_steady, checks in zip(summaries, schedules, steady, memory):
         shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
         shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
         shape += [f"s: {_source(sched)}"] if _source(sched) else []
         oom = _out_of_memory(checks)
         table.add_row(
             s.schedule + (f" ({', '.join(shape)})" if shape else ""),
-            f"{s.time_per_minibatch_ms:.3f}",
-            f"{s.samples_per_s:,.1f}",
+            f"{s.time_per_minibatch_ms:.3f}" + ("" if is_steady else "*"),
+            f"{s.samples_per_s:,.1f}" + ("" if is_steady else "*"),
             f"{s.bubble_fraction:.1%}",
             f"{s.peak_memory_mb:,.0f}",
             str(max((d.peak_activations for d in s.devices), default=0)),
             str(max((d.peak_weight_versions for d in s.devices), default=0)),
-            str(s.max_staleness),
+            str(s.max_staleness) + ("" if is_steady else "*"),
             f"{s.makespan_ms:.3f}",
             *([oom[0] if oom else "fits"] if limited else []),
             style="red" if oom else None,

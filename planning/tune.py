@@ -39,7 +39,6 @@ candidates are simulated, best bound first, only while their bound beats the cho
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -57,7 +56,9 @@ from ..schedules import (
     ScheduleError,
     ScheduleParams,
     StageGraph,
+    flushes,
     kind_mask,
+    steady_minibatches,
     weight_versions,
 )
 from ..sim.cluster import Link
@@ -352,11 +353,8 @@ def _candidate(scenario: Scenario, problem: Problem, config: Config, index: int,
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     params = ScheduleParams(p, m, 2, v, pipelines)
     probe = scenario.build(name, params, None)
-    if _flushes(probe):
-        short, long = 2, 3  # every step repeats the previous one from the second on
-    else:
-        short = 2 * math.ceil(p * v / m) + 2  # past the warm-up: a pipeline of p·v stages holds <= p·v units
-        long = short + STEADY_STEPS
+    short = steady_minibatches(probe)
+    long = short + (1 if flushes(probe) else STEADY_STEPS)  # a flushing schedule's steps repeat exactly
     params = replace(params, minibatches=long)
     schedule = scenario.build(name, params, None)
     n = schedule.num_stages
@@ -456,13 +454,6 @@ def _peak_per_stage(t, at_start: np.ndarray, at_end: np.ndarray, num_stages: int
     peak = np.zeros(num_stages, dtype=np.int64)
     np.maximum.at(peak, stage, running - before[stage])
     return peak
-
-
-def _flushes(schedule: Schedule) -> bool:
-    """Whether every device finishes each mini-batch before it starts the next."""
-    t = schedule.table
-    same = t.device[1:] == t.device[:-1]
-    return bool(np.all(t.minibatch[1:][same] >= t.minibatch[:-1][same]))
 
 
 def _depths(devices: int, layers: int, data_parallel: bool) -> list[int]:

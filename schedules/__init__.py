@@ -3,7 +3,16 @@
 Imports nothing else of pipesim (and never torch), so every part can depend on it.
 """
 
-from .analysis import Versions, check_complete, find_deadlock, local_order_ok, validate, weight_versions
+from .analysis import (
+    Versions,
+    check_complete,
+    find_deadlock,
+    flushes,
+    local_order_ok,
+    steady_minibatches,
+    validate,
+    weight_versions,
+)
 from .catalogue import METHODS, build_schedule
 from .ir import (
     BACKWARD_KINDS,
@@ -28,9 +37,9 @@ from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 __all__ = [
     "Action", "ActionTable", "add_communication", "BACKWARD_KINDS", "build_schedule", "Channel", "check_complete",
-    "check_transfer_order", "communication_table", "COMPUTE_KINDS", "evaluate_formula", "find_deadlock", "Kind",
-    "KIND_CODE", "kind_mask", "KINDS", "local_order_ok", "lower", "Lowered", "make_schedule", "Method", "METHODS",
-    "NUM_COMPUTE_KINDS", "one_forward_one_backward", "Prediction", "preflight", "Read", "RECV_KINDS", "Schedule",
-    "ScheduleError", "ScheduleParams", "SEND_KINDS", "StageGraph", "SYNCHRONOUS", "validate", "Versions",
-    "weight_versions", "WeightPolicy",
+    "check_transfer_order", "communication_table", "COMPUTE_KINDS", "evaluate_formula", "find_deadlock", "flushes",
+    "Kind", "KIND_CODE", "kind_mask", "KINDS", "local_order_ok", "lower", "Lowered", "make_schedule", "Method",
+    "METHODS", "NUM_COMPUTE_KINDS", "one_forward_one_backward", "Prediction", "preflight", "Read", "RECV_KINDS",
+    "Schedule", "ScheduleError", "ScheduleParams", "SEND_KINDS", "StageGraph", "steady_minibatches", "SYNCHRONOUS",
+    "validate", "Versions", "weight_versions", "WeightPolicy",
 ]

@@ -222,6 +222,23 @@ class Versions:
     held_after: np.ndarray
 
 
+def flushes(schedule: Schedule) -> bool:
+    """Whether every device finishes each mini-batch before it starts the next (needs N >= 2 to tell)."""
+    t = schedule.table
+    same = t.device[1:] == t.device[:-1]
+    return bool(np.all(t.minibatch[1:][same] >= t.minibatch[:-1][same]))
+
+
+def steady_minibatches(schedule: Schedule) -> int:
+    """The mini-batches a run needs before its time per mini-batch and its staleness are the steady state's: a
+    flushing schedule repeats its step from the second on; one that never flushes is past its warm-up once a
+    pipeline of p·v stages, holding at most p·v micro-batches, has turned over twice. `schedule` is built with
+    any N >= 2 (the order's shape, not N, decides)."""
+    if flushes(schedule):
+        return 2
+    return 2 * -(-schedule.num_stages // schedule.microbatches) + 2
+
+
 def weight_versions(schedule: Schedule) -> Versions:
     """Compute the version every action reads, and the weight copies each device must hold, from the order.
 

@@ -14,11 +14,12 @@ from tests.conftest import pipesim, simulate_json
 
 def test_issue_example_json():
     code, out, _ = pipesim("simulate", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8",
-                           "--fwd", "1", "--bwd", "2", "--json")
+                           "--minibatches", "1", "--fwd", "1", "--bwd", "2", "--json")
     assert code == 0
     (result,) = json.loads(out)["results"]
-    assert result["makespan_ms"] == 33
+    assert result["makespan_ms"] == 33  # (m + p - 1)(F + B)
     assert result["bubble_fraction"] == pytest.approx(3 / 11)
+    assert result["minibatches"] == 1 and result["steady_state"] is False
     device = result["devices"][0]
     assert {"device", "busy_ms", "peak_memory_mb", "peak_activations", "peak_weight_versions"} <= set(device)
     stage = result["stages"][0]
@@ -43,6 +44,34 @@ def test_no_arguments_runs_the_built_in_example(tmp_path, monkeypatch):
     for name in METHODS:  # the seeds' methods and their rivals in one table
         assert f"\n {name} " in out
     assert (tmp_path / "pipesim-example.html").exists()
+
+
+def test_by_default_every_method_compared_reaches_its_steady_state():
+    """The issue's comparison: one mini-batch showed PipeDream and XPipe as 1F1B (same step, no staleness)."""
+    default = simulate_json("-s", "pipedream", "-s", "xpipe", "-s", "1f1b", "-p", "8", "-m", "4")
+    assert {r["minibatches"] for r in default} == {6} and all(r["steady_state"] for r in default)
+    longer = simulate_json("-s", "pipedream", "-s", "xpipe", "-s", "1f1b", "-p", "8", "-m", "4", "-n", "12")
+    for short, long in zip(default, longer):  # more mini-batches change neither the step nor the staleness
+        assert short["time_per_minibatch_ms"] == pytest.approx(long["time_per_minibatch_ms"], rel=1e-3)
+        assert short["stages"] == long["stages"]
+    pipedream, xpipe, one_f_one_b = default
+    assert pipedream["time_per_minibatch_ms"] < one_f_one_b["time_per_minibatch_ms"]  # no flush, no bubble per step
+    assert [s["forward_staleness"] for s in pipedream["stages"]] == [-(-(7 - k) // 4) for k in range(8)]  # ⌈(p-1-k)/m⌉
+    (alone,) = simulate_json("-s", "1f1b")  # a flushing schedule repeats its step from the second mini-batch on
+    assert alone["minibatches"] == 2 and alone["time_per_minibatch_ms"] == 33
+
+
+def test_a_run_short_of_the_steady_state_says_so():
+    code, out, _ = pipesim("simulate", "-s", "pipedream", "-s", "1f1b", "-n", "1")
+    assert code == 0
+    assert re.search(r"^ pipedream +33\.000\* +242\.4\* .* 0\* ", out, re.M)
+    assert "one mini-batch (N=1) is all warm-up" in " ".join(out.split())
+    code, out, _ = pipesim("simulate", "-s", "pipedream", "-s", "1f1b", "-p", "8", "-m", "4", "-n", "3")
+    assert code == 0
+    assert re.search(r"^ 1f1b +33\.000 ", out, re.M)  # it flushes: three mini-batches are steady
+    assert "pipedream needs N>=6" in " ".join(out.split())
+    code, out, _ = pipesim("simulate", "-s", "pipedream", "-s", "1f1b")
+    assert code == 0 and "*" not in out
 
 
 def test_schedules_lists_methods():
@@ -121,7 +150,7 @@ def test_method_defaults_and_avgpipe_options():
 def test_graph_file(tmp_path):
     path = tmp_path / "g.json"
     path.write_text(json.dumps({"stages": 5, "edges": [[0, 1], [0, 2], [0, 3], [1, 4], [2, 4], [3, 4]]}))
-    (result,) = simulate_json("-s", "graphpipe", "--graph", path, "--fwd", "1", "--bwd", "2", "-m", "8")
+    (result,) = simulate_json("-s", "graphpipe", "--graph", path, "--fwd", "1", "--bwd", "2", "-m", "8", "-n", "1")
     assert result["makespan_ms"] == pytest.approx((8 + 3 - 1) * 3)  # three branches side by side: depth 3
     path.write_text(json.dumps({"stages": 2, "edges": [[0, 1], [1, 0]]}))
     code, _, err = pipesim("simulate", "-s", "graphpipe", "--graph", str(path))
@@ -156,14 +185,14 @@ def test_a_method_named_alone_that_cannot_run_is_an_error():
 
 
 def test_one_cost_is_a_devices_share_split_over_its_chunks():
-    plain, zbv = simulate_json("-s", "1f1b", "-s", "zb-v", "--fwd", "1", "--bwd", "2")
+    plain, zbv = simulate_json("-s", "1f1b", "-s", "zb-v", "--fwd", "1", "--bwd", "2", "-n", "1")
     assert devices_busy(zbv) == devices_busy(plain) == [24.0] * 4  # the same model: 8 x (1 + 2) ms per device
     assert zbv["time_per_minibatch_ms"] < plain["time_per_minibatch_ms"]  # zb-v's smaller bubble shows
     assert [d["peak_memory_mb"] for d in zbv["devices"]] < [d["peak_memory_mb"] + 64 for d in plain["devices"]]
-    (split,) = simulate_json("-s", "zb-v", "--fwd", "1,1,1,2", "--bwd", "2")  # p values: one per device
+    (split,) = simulate_json("-s", "zb-v", "--fwd", "1,1,1,2", "--bwd", "2", "-n", "1")  # p values: one per device
     assert devices_busy(split) == [24.0, 24.0, 24.0, 32.0]
     # p·v values: one per model stage; zb-v's V puts stages 0 and 7 on device 0
-    (staged,) = simulate_json("-s", "zb-v", "--fwd", "0.5,0.5,0.5,0.5,0.5,0.5,0.5,1.5", "--bwd", "2")
+    (staged,) = simulate_json("-s", "zb-v", "--fwd", "0.5,0.5,0.5,0.5,0.5,0.5,0.5,1.5", "--bwd", "2", "-n", "1")
     assert devices_busy(staged) == [32.0, 24.0, 24.0, 24.0]
 
 
@@ -226,8 +255,8 @@ def test_a_stage_graph_that_is_not_connected_is_refused(tmp_path):
     (["-s", "1f1b", "-p", "100000"], "p=100000: 100,000 model stages, more than the 4,096 pipesim simulates: "
                                      "lower p (--stages)"),
     (["-s", "interleaved-1f1b", "-p", "4", "-v", "2000", "-m", "4"], "lower v (--chunks)"),
-    (["-s", "1f1b", "-p", "64", "-m", "100000"], "p=64 × m=100000: about 38,000,000 ops and transfers to simulate, "
-                                                 "more than the 30,000,000 pipesim simulates"),
+    (["-s", "1f1b", "-p", "64", "-m", "100000", "-n", "1"], "p=64 × m=100000: about 38,000,000 ops and transfers to "
+                                                             "simulate, more than the 30,000,000 pipesim simulates"),
     (["-s", "1f1b", "-p", "2048", "-m", "8", "-n", "1000"], "lower p (--stages)"),
     (["-s", "avgpipe", "-p", "8", "-m", "8", "-P", "100000"], "lower P (--pipelines)"),
 ])

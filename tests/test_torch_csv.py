@@ -236,9 +236,9 @@ def test_cli_export_then_simulate_file_matches_schedule(tmp_path, name, args):
     code, stdout, _ = pipesim("export", "--schedule", name, *args, "--format", "torch-csv", "--out", str(out))
     assert code == 0 and f"wrote {out}" in stdout
     costs = ["--fwd", "1,1.5,1" if args[1] == "3" else "1", "--bwd", "2", "--comm", "0.1"]
-    (expected,) = simulate_json("--schedule", name, *args, *costs)
+    (expected,) = simulate_json("--schedule", name, *args, "-n", "1", *costs)  # the file holds one mini-batch
     (got,) = simulate_json("--schedule-file", out, *costs)
-    assert got["schedule"] == name
+    assert got["schedule"] == name and got["minibatches"] == 1 and got["steady_state"] is False
     assert got["makespan_ms"] == pytest.approx(expected["makespan_ms"])
     assert got["bubble_fraction"] == pytest.approx(expected["bubble_fraction"])
     assert [d["peak_activations"] for d in got["devices"]] == [d["peak_activations"] for d in expected["devices"]]
