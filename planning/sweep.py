@@ -328,40 +328,105 @@ def write_results(results: Sequence[Result], path: Path) -> None:
     write_atomic(path, buffer.getvalue().to_pybytes())
 
 
+STALENESS_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "star")  # staleness 0, 1, 2, 3, 4 or more
+
+
+def _group_name(key: tuple[int, float, int]) -> str:
+    p, scale, microbatches = key
+    return f"p={p}, cost×{scale:g}, mini-batch of {microbatches} micro-batches"
+
+
+def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
+    """Time per mini-batch against peak memory: a colour per schedule (the legend), a symbol per staleness,
+    filled where a configuration is on its Pareto front and hollow where another dominates it, the configuration
+    in the hover. Fronts compare only their own group (p, cost scale, mini-batch), so a dropdown shows one
+    group at a time, or every group at once."""
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+
+    on_front = set(front)
+    ran = [i for i, r in enumerate(results) if r.metrics is not None]
+    groups = sorted({front_group(results[i].config) for i in ran})
+    schedules = list(dict.fromkeys(results[i].config.schedule for i in ran))
+    palette = qualitative.D3 + qualitative.Dark24
+    colours = {name: palette[k % len(palette)] for k, name in enumerate(schedules)}
+
+    def hover(r: Result, best: bool) -> str:
+        m = r.metrics
+        return (f"<b>{r.config.label}</b>{' (on its front)' if best else ''}<br>{m.time_per_minibatch_ms:.3f} ms "
+                f"per mini-batch, {m.samples_per_s:,.1f} samples/s<br>peak {m.peak_memory_mb:,.0f} MiB, staleness "
+                f"{m.max_staleness}, bubble {m.bubble_fraction:.1%}")
+
+    fig = go.Figure()
+    trace_group: list[int] = []
+    for g, key in enumerate(groups):
+        for name in schedules:
+            members = [i for i in ran if front_group(results[i].config) == key and results[i].config.schedule == name]
+            members.sort(key=lambda i: i not in on_front)  # the legend draws a trace's first point: a front one
+            if not members:
+                continue
+            best = [i in on_front for i in members]
+            symbols = [STALENESS_SYMBOLS[min(results[i].metrics.max_staleness, len(STALENESS_SYMBOLS) - 1)]
+                       + ("" if b else "-open") for i, b in zip(members, best)]
+            fig.add_trace(go.Scattergl(
+                x=[results[i].metrics.time_per_minibatch_ms for i in members],
+                y=[results[i].metrics.peak_memory_mb for i in members], mode="markers", name=name,
+                legendgroup=name, text=[hover(results[i], b) for i, b in zip(members, best)], hoverinfo="text",
+                marker={"color": colours[name], "opacity": 1, "symbol": symbols, "size": [13 if b else 9 for b in best],
+                        "line": {"width": [1.5 if b else 2 for b in best],
+                                 "color": ["#222" if b else colours[name] for b in best]}}))
+            trace_group.append(g)
+
+    def shown(chosen: set[int]) -> dict:
+        visible = [g in chosen for g in trace_group]
+        first: set[str] = set()
+        legend = []
+        for trace, v in zip(fig.data, visible):  # one legend entry per schedule among the traces shown
+            legend.append(v and trace.name not in first)
+            if v:
+                first.add(trace.name)
+        return {"visible": visible, "showlegend": legend}
+
+    marks = ", ".join(f"{symbol.replace('-up', '')} {k}" for k, symbol in enumerate(STALENESS_SYMBOLS))
+    key_line = f"filled: on the group's Pareto front; hollow: dominated; staleness {marks} or more"
+
+    def view(label: str, chosen: set[int]) -> tuple[dict, dict]:
+        """What choosing `label` restyles (the traces of the groups `chosen`) and relayouts (title, ranges)."""
+        heading = f"front {min(chosen) + 1} of {len(groups)}: {label}" if len(chosen) == 1 else label
+        return shown(chosen), {"title.text": f"{heading}<br><span style='font-size:12px'>{key_line}</span>",
+                               "xaxis.autorange": True, "yaxis.autorange": True}
+
+    choices = [(_group_name(key), {g}) for g, key in enumerate(groups)]
+    if len(groups) > 1:
+        choices.append((f"every group ({len(groups)} fronts, which do not compete)", set(range(len(groups)))))
+    views = [(label, *view(label, chosen)) for label, chosen in choices]
+    fig.update_layout(
+        updatemenus=[{"buttons": [{"label": label, "method": "update", "args": [traces, layout]}
+                                  for label, traces, layout in views],
+                      "direction": "down", "x": 0, "xanchor": "left", "y": 1.0, "yanchor": "bottom",
+                      "pad": {"b": 8}, "active": 0}] if views else [],
+        xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
+        height=650, margin={"t": 130}, legend={"title": {"text": "schedule"}},
+        title={"y": 0.97, "yanchor": "top"})
+    if views:  # the first group, as its button would show it
+        _, traces, layout = views[0]
+        fig.update(data=[{"visible": v, "showlegend": legend} for v, legend in zip(*traces.values())])
+        fig.update_layout(title_text=layout["title.text"])
+    return fig
+
+
 def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path) -> None:
-    """Time per mini-batch against peak memory, staleness as colour, the Pareto fronts ringed and listed
-    below: one self-contained offline page (plotly.js embedded)."""
+    """The trade-off figure and the Pareto fronts listed below it: one self-contained offline page (plotly.js
+    embedded)."""
     import plotly.graph_objects as go
 
     from ..traces.view import write_html
 
-    ran = [r for r in results if r.metrics is not None]
-
-    def hover(r: Result) -> str:
-        m = r.metrics
-        return (f"<b>{r.config.label}</b><br>{m.time_per_minibatch_ms:.3f} ms per mini-batch, "
-                f"{m.samples_per_s:,.1f} samples/s<br>peak {m.peak_memory_mb:,.0f} MiB, staleness {m.max_staleness}, "
-                f"bubble {m.bubble_fraction:.1%}")
-
     def axis(rows: Sequence[Result], name: str) -> list:
         return [getattr(r.metrics, name) for r in rows]
 
+    ran = sum(r.metrics is not None for r in results)
     best = [results[i] for i in front]
-    scatter = go.Figure([
-        go.Scattergl(x=axis(ran, "time_per_minibatch_ms"), y=axis(ran, "peak_memory_mb"), mode="markers",
-                     name="configurations", text=[hover(r) for r in ran], hoverinfo="text",
-                     marker={"color": axis(ran, "max_staleness"), "colorscale": "Viridis", "size": 7,
-                             "colorbar": {"title": {"text": "staleness"}, "dtick": 1}}),
-        go.Scatter(x=axis(best, "time_per_minibatch_ms"), y=axis(best, "peak_memory_mb"), mode="markers",
-                   name="Pareto front", text=[hover(r) for r in best], hoverinfo="text",
-                   marker={"symbol": "circle-open", "size": 15, "color": "#d62728", "line": {"width": 2}}),
-    ])
-    skipped = len(results) - len(ran)
-    scatter.update_layout(
-        title=f"{len(ran)} configurations ({skipped} skipped); ringed: Pareto fronts over time, memory and "
-              "staleness, one per p, cost scale and mini-batch size",
-        xaxis_title="time per mini-batch (ms)", yaxis_title="peak memory per device (MiB)", template="plotly_white",
-        height=650, margin={"t": 110}, legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"})
     columns = {"configuration": [r.config.label for r in best],
                "cost×, m·P": [f"{r.config.cost_scale:g}, {r.config.microbatches * r.config.pipelines}"
                               for r in best],
@@ -373,5 +438,6 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
         cells={"values": list(columns.values()), "align": "left", "height": 26,
                "format": [None, None, ".3f", ",.0f", "d", ",.1f", ".1%"]}))
     table.update_layout(height=80 + 26 * (len(best) + 1), margin={"t": 10, "b": 10})
-    write_html([("Trade-off: time per mini-batch vs peak memory", scatter),
+    write_html([(f"Trade-off: time per mini-batch vs peak memory, {ran} configurations ({len(results) - ran} "
+                 "skipped), one Pareto front per p, cost scale and mini-batch size", tradeoff_figure(results, front)),
                 (f"Pareto fronts: {len(best)} configurations", table)], path, title="pipesim sweep")

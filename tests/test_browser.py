@@ -382,6 +382,23 @@ def test_png_decoder_reads_every_filter():
     assert np.array_equal(decode_png(png), image)
 
 
+@needs_chromium
+def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
+    """The trade-off page opens on one front: its dots are there, in one colour per schedule."""
+    from plotly.colors import qualitative
+
+    from tests.conftest import pipesim
+
+    page = tmp_path / "t.html"
+    code, _, err = pipesim("sweep", "-s", "1f1b,pipedream,zb-h1", "-p", "2,4", "-j", "1", "--html", page)
+    assert code == 0, err
+    v = visit(page)
+    assert_healthy(v)
+    for colour in qualitative.D3[:3]:
+        rgb = tuple(int(colour[k:k + 2], 16) for k in (1, 3, 5))
+        assert kind_pixels(v.screenshot, rgb, tolerance=8).sum() > 40, f"no dot of colour {colour} on the page"
+
+
 if __name__ == "__main__":
     target, out = Path(sys.argv[1]), Path(sys.argv[2])
     size = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (1400, 1000)

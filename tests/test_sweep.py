@@ -146,6 +146,36 @@ def test_html_trade_off_view(tmp_path):
     assert "Pareto front" in text and "pipedream p=4 m=8 v=1 P=1" in text
 
 
+def test_trade_off_view_names_each_schedule_and_shows_one_front_at_a_time():
+    """A colour per schedule in the legend, a symbol per staleness, filled on the front and hollow off it, and a
+    dropdown with one entry per front (p, cost scale, mini-batch), each showing only its own configurations."""
+    from pipesim.planning.sweep import front_group, tradeoff_figure
+
+    configs = Grid(("1f1b", "pipedream", "zb-h1"), (2, 4), (4, 8), 2, cost_scales=(1.0, 2.0)).configs()
+    results = [r for _, r in sorted(run(MODEL, configs), key=lambda pair: pair[0])]
+    front = pareto_front(results)
+    fig = tradeoff_figure(results, front)
+    colours = {t.name: t.marker.color for t in fig.data}
+    assert sorted(colours) == ["1f1b", "pipedream", "zb-h1"] and len(set(colours.values())) == 3
+    groups = sorted({front_group(r.config) for r in results})
+    (menu,) = fig.layout.updatemenus
+    assert len(menu.buttons) == len(groups) + 1 and menu.buttons[-1].label.startswith("every group")
+    by_label = {r.config.label: (r, i in front) for i, r in enumerate(results)}
+    for key, button in zip(groups, menu.buttons):
+        visible, legend = button.args[0]["visible"], button.args[0]["showlegend"]
+        shown = [t for t, v in zip(fig.data, visible) if v]
+        points = [by_label[text.split("</b>")[0].removeprefix("<b>")] for t in shown for text in t.text]
+        assert {front_group(r.config) for r, _ in points} == {key}
+        assert len(points) == sum(front_group(r.config) == key for r in results)
+        assert sorted(t.name for t, s in zip(fig.data, legend) if s) == sorted({t.name for t in shown})
+        for t in shown:
+            for text, symbol in zip(t.text, t.marker.symbol):
+                r, best = by_label[text.split("</b>")[0].removeprefix("<b>")]
+                assert symbol == ("diamond" if r.metrics.max_staleness == 1 else "circle") + ("" if best else "-open")
+    assert [t.visible for t in fig.data] == menu.buttons[0].args[0]["visible"]  # the page opens on the first
+    assert "front 1 of 8" in fig.layout.title.text
+
+
 def test_workers_never_import_torch():
     """A worker is a fresh interpreter that unpickles the scenario and runs chunks: check exactly that."""
     probe = (f"import pickle, sys\nfrom pipesim.planning.sweep import Config, run_chunk\n"
