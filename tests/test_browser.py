@@ -383,6 +383,31 @@ def test_png_decoder_reads_every_filter():
 
 
 @needs_chromium
+def test_traces_of_very_different_memory_each_get_their_own_memory_axis(tmp_path):
+    """A view of a 2 GiB prediction and a run of a few MiB (as a measured CPU run is): each trace's memory
+    panel is scaled to its own peak, so neither curve is a flat line at the bottom of the other's axis."""
+    from pipesim.traces.trace import read_trace
+    from pipesim.units import MIB
+    from tests.conftest import pipesim
+
+    big, small, page = tmp_path / "big.json", tmp_path / "small.json", tmp_path / "v.html"
+    shape = ("-s", "1f1b", "-p", 2, "-m", 4, "-n", 2)
+    assert pipesim("simulate", *shape, "--activation-mb", 700, "--trace", big).code == 0
+    assert pipesim("simulate", *shape, "--param-mb", 4, "--activation-mb", 2, "--output-mb", 1,
+                   "--trace", small).code == 0
+    code, _, err = pipesim("view", big, small, "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test", height=1400)
+    assert_healthy(v)
+    check_timeline(v)
+    panels = v.geometry["memory"]
+    assert [panel["trace"] for panel in panels] == ["big (predicted)", "small (predicted)"]
+    for panel, path in zip(panels, (big, small)):
+        peak = max(c.values.max() for c in read_trace(path).counters["memory_bytes"]) / MIB
+        assert peak <= panel["range"][1] <= 1.3 * peak, (panel, peak)
+
+
+@needs_chromium
 def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
     """The trade-off page opens on one front: its dots are there, in one colour per schedule."""
     from plotly.colors import qualitative

@@ -213,6 +213,12 @@ def error_figure(comparison: Comparison) -> go.Figure:
     return fig
 
 
+def is_timeline_page(path: str | os.PathLike[str]) -> bool:
+    """Whether the file at `path` is a page `write_timeline_page` wrote (it embeds the pipesim-data script)."""
+    with open(path, "rb") as page:
+        return b'<script type="application/json" id="pipesim-data">' in page.read()
+
+
 def write_timeline_page(traces: Sequence[Trace], path: str | os.PathLike[str], **options: Any) -> None:
     """Write `timeline_page(traces, **options)` to `path`, atomically: a failure leaves no half-written page."""
     write_atomic(path, timeline_page(traces, **options))
@@ -316,8 +322,9 @@ _TIMELINE_JS = r"""
   const BAR = 0.7;          // a bar's height as a fraction of its lane
   const INSET = 0.025;      // bars are shortened by this fraction at both ends: back-to-back ops stay apart
   const LOD_OPS = 20000;    // above this many ops in a view, ops under 2 px are pooled per pixel column
-  const MAX_MEMORY_LINES = 16;  // more devices than this: memory as a heatmap, one row per device
+  const MAX_MEMORY_LINES = 16;  // a trace with more devices than this: its memory as a heatmap, a row per device
   const MAX_TIMELINE_PX = 1100, MIN_LANE_PX = 5, MAX_LANE_PX = 24, MEMORY_PX = 220, GAP_PX = 56;
+  const PANEL_PX = 170, PANEL_GAP_PX = 36;  // a view of several traces: one memory panel each, on its own axis
   const STREAM_NAMES = ["", " send", " recv"];
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
@@ -409,14 +416,18 @@ _TIMELINE_JS = r"""
       return most;
     });
     const drawable = rows.reduce((total, r) => total + r.length, 0);
-    const memoryRows = [];
-    for (let d = 0; d < devices; d++) members.forEach((T, m) => {
-      if (T.memory[d] && T.memory[d].t.length) {
-        memoryRows.push({member: m, device: d, label: "device " + d + (many ? " \u00b7 " + T.label : "")});
+    // Memory: one panel per trace that has any, each on its own axis (a measured run of 20 MiB next to a
+    // prediction of 2 GiB would be a flat line on a shared one).
+    const panels = [];
+    members.forEach((T, m) => {
+      const rows = [];
+      for (let d = 0; d < T.num_devices; d++) {
+        if (T.memory[d] && T.memory[d].t.length) rows.push({member: m, device: d, label: "device " + d});
       }
+      if (rows.length) panels.push({member: m, rows, heatmap: rows.length > MAX_MEMORY_LINES});
     });
     const end = Math.max(...members.map(T => T.end));
-    return {view, members, lanes, index, longest, series, seriesOf, drawable, memoryRows, end};
+    return {view, members, lanes, index, longest, series, seriesOf, drawable, panels, end};
   }
 
   // ---- bars: one NaN-separated line per (trace, kind); level of detail for large traces ------------------
@@ -494,11 +505,11 @@ _TIMELINE_JS = r"""
     return {x: Float64Array.from(keep, p => t[p]), y: Float64Array.from(keep, p => v[p])};
   }
 
-  // Memory as a grid: per row (device) and pixel column of [x0, x1], the most memory held in the column.
-  function memoryGrid(b, x0, x1, columns) {
+  // A panel's memory as a grid: per row (device) and pixel column of [x0, x1], the most memory held in the column.
+  function memoryGrid(b, panel, x0, x1, columns) {
     const w = (x1 - x0) / columns;
     const x = Array.from({length: columns}, (_, c) => x0 + (c + 0.5) * w);
-    const z = b.memoryRows.map(({member, device}) => {
+    const z = panel.rows.map(({member, device}) => {
       const {t, v} = b.members[member].memory[device];
       const row = new Array(columns).fill(null);
       for (let i = Math.max(bisect(t, x0) - 1, 0); i < t.length - 1 && t[i] < x1; i++) {
@@ -509,8 +520,8 @@ _TIMELINE_JS = r"""
       }
       return row;
     });
-    return {x, y: b.memoryRows.map(r => r.label), z,
-            zmax: b.memoryRows.reduce((most, {member, device}) =>
+    return {x, y: panel.rows.map(r => r.label), z,
+            zmax: panel.rows.reduce((most, {member, device}) =>
               b.members[member].memory[device].v.reduce((m, v) => Math.max(m, v), most), 1)};
   }
 
@@ -523,16 +534,17 @@ _TIMELINE_JS = r"""
       const s = T.summary, m = T.meta;
       return "<b>" + esc(T.label) + "</b>: makespan " + fmt(s.makespan_ms, 2) + " ms, bubble " +
         fmt(100 * s.bubble_fraction, 1) + "%, " + fmt(s.time_per_minibatch_ms, 3) + " ms/step, peak " +
-        fmt(s.peak_memory_mb, 0) + " MiB <span style='font-size:12px;color:#666'>(p=" + T.num_devices + ", m=" +
+        mib(s.peak_memory_mb) + " <span style='font-size:12px;color:#666'>(p=" + T.num_devices + ", m=" +
         m.microbatches + ", N=" + m.minibatches + (m.pipelines > 1 ? ", P=" + m.pipelines : "") + ", " +
         T.n.toLocaleString("en-US") + " ops, " + m.source + ")</span>";
     }).join("<br>");
   }
+  function mib(v) { return v === null ? "n/a (not recorded)" : fmt(v, 0) + " MiB"; }  // unknown is not 0
   function esc(s) { return String(s).replace(/[&<>"']/g, ch => "&#" + ch.charCodeAt(0) + ";"); }
 
   function figure(built, columns) {
     const {lanes, members} = built;
-    const hasMemory = built.memoryRows.length > 0;
+    const hasMemory = built.panels.length > 0;
     const span = (lanes.length ? lanes[lanes.length - 1].y : 0) + 1.6;
     const lanePx = Math.max(MIN_LANE_PX, Math.min(MAX_LANE_PX, MAX_TIMELINE_PX / span));
     const timelinePx = Math.max(lanePx * span, 110);
@@ -544,11 +556,13 @@ _TIMELINE_JS = r"""
     const every = Math.ceil(11 / devicePx);
     const shown = lanes.filter(l => lanePx >= 11 || (l.stream === 0 && l.member === 0 && l.device % every === 0));
     margin.l = 24 + 6.5 * Math.max(8, ...shown.map(l => l.label.length));
-    const memoryLegend = hasMemory && built.memoryRows.length <= MAX_MEMORY_LINES;
-    if (hasMemory) margin.r = memoryLegend ? 100 : 80;  // the memory legend, or the heatmap's colour bar
-    const plotPx = timelinePx + (hasMemory ? GAP_PX + MEMORY_PX : 0);
+    const memoryLegend = built.panels.some(panel => !panel.heatmap);
+    if (hasMemory) margin.r = memoryLegend ? 100 : 80;  // the memory legend, or the heatmaps' colour bars
+    const panelPx = built.panels.length > 1 ? PANEL_PX : MEMORY_PX;
+    const memoryPx = built.panels.length * (panelPx + PANEL_GAP_PX) - PANEL_GAP_PX;
+    const plotPx = timelinePx + (hasMemory ? GAP_PX + memoryPx : 0);
     const height = plotPx + margin.t + margin.b;
-    const split = hasMemory ? (MEMORY_PX + GAP_PX) / plotPx : 0;
+    const split = hasMemory ? (memoryPx + GAP_PX) / plotPx : 0;
     const barPx = BAR * timelinePx / span;
     const xEnd = built.end * 1.01 || 1;
     const plotColumns = Math.max(100, Math.round(columns - margin.l - margin.r));
@@ -564,46 +578,66 @@ _TIMELINE_JS = r"""
     data.forEach(d => { if (!seen.has(d.name)) { seen.add(d.name); d.showlegend = true; } });
     built.barTraces = data.length;
     built.memoryTraces = [];
-    built.heatmap = -1;
-    if (built.memoryRows.length > MAX_MEMORY_LINES) {
-      // Too many curves to tell apart (and to draw): one row per device, coloured by the most memory it
-      // holds in each pixel column.
-      const grid = memoryGrid(built, 0, xEnd, plotColumns);
-      built.heatmap = data.length;
-      data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: "y2", colorscale: "Viridis",
-                 zmin: 0, zmax: grid.zmax, name: "memory", showscale: true, hoverongaps: false,
-                 colorbar: {title: {text: "MiB"}, len: MEMORY_PX / plotPx, y: 0, yanchor: "bottom", thickness: 12},
-                 hovertemplate: "%{y}: up to %{z:,.0f} MiB around %{x:.3f} ms<extra></extra>"});
-    } else {
-      built.memoryRows.forEach(({member, device, label}) => {
-        const T = members[member], mem = T.memory[device];
-        const pts = decimate(mem.t, mem.v, 0, xEnd, plotColumns);
-        built.memoryTraces.push({member, device, index: data.length});
-        data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, xaxis: "x", yaxis: "y2", name: label,
-                   legend: "legend2", showlegend: memoryLegend,
-                   line: {color: T.memoryColors[device], width: 1.5, shape: "hv", dash: member ? "dot" : "solid"},
-                   hovertemplate: "%{fullData.name}: %{y:,.1f} MiB at %{x:.3f} ms<extra></extra>"});
-      });
-    }
+    built.heatmaps = [];
+    // Device colours from the trace with the most devices, so "device d" looks the same in every panel.
+    const palette = members.reduce((most, T) => (T.memoryColors.length > most.length ? T.memoryColors : most), []);
+    const inLegend = new Set();
+    const axes = {}, headings = [];
+    built.panels.forEach((panel, j) => {
+      const T = members[panel.member], axis = "y" + (j + 2);
+      const bottom = (built.panels.length - 1 - j) * (panelPx + PANEL_GAP_PX);
+      const domain = [bottom / plotPx, (bottom + panelPx) / plotPx];
+      const many = built.panels.length > 1;
+      if (panel.heatmap) {
+        // Too many curves to tell apart (and to draw): one row per device, coloured by the most memory it
+        // holds in each pixel column, on this trace's own colour scale.
+        const grid = memoryGrid(built, panel, 0, xEnd, plotColumns);
+        built.heatmaps.push({panel, index: data.length});
+        data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: axis, colorscale: "Viridis",
+                   zmin: 0, zmax: grid.zmax, name: "memory \u00b7 " + T.label, showscale: true, hoverongaps: false,
+                   colorbar: {title: {text: "MiB"}, len: panelPx / plotPx, y: domain[0], yanchor: "bottom",
+                              thickness: 12},
+                   hovertemplate: "%{y}" + (many ? " \u00b7 " + esc(T.label) : "") +
+                                  ": up to %{z:,.0f} MiB around %{x:.3f} ms<extra></extra>"});
+        axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "device" : "memory"}, type: "category",
+                                   autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
+      } else {
+        panel.rows.forEach(({member, device, label}) => {
+          const mem = T.memory[device];
+          const pts = decimate(mem.t, mem.v, 0, xEnd, plotColumns);
+          built.memoryTraces.push({member, device, index: data.length});
+          data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, xaxis: "x", yaxis: axis, name: label,
+                     legend: "legend2", legendgroup: "memory " + device, showlegend: !inLegend.has(device),
+                     line: {color: palette[device], width: 1.5, shape: "hv"},
+                     hovertemplate: label + (many ? " \u00b7 " + esc(T.label) : "") +
+                                    ": %{y:,.1f} MiB at %{x:.3f} ms<extra></extra>"});
+          inLegend.add(device);
+        });
+        axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "MiB" : "memory (MiB)"},
+                                   gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
+      }
+      if (many) {
+        headings.push({text: "<b>memory of " + esc(T.label) + "</b> (its own scale)", x: 0, xref: "paper",
+                       xanchor: "left", y: domain[1], yref: "paper", yanchor: "bottom", showarrow: false,
+                       font: {size: 12}});
+      }
+    });
     const layout = {
       height, margin, hovermode: "closest", dragmode: "zoom", uirevision: built.view.name,
       paper_bgcolor: "#fff", plot_bgcolor: "#fff", font: {size: 12},
       title: {text: viewTitle(built), x: 0, xref: "paper", xanchor: "left", y: 1, yref: "container",
               yanchor: "top", pad: {t: 10}, font: {size: 14}},
       legend: {orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", tracegroupgap: 4},
-      xaxis: {anchor: hasMemory ? "y2" : "y", title: {text: "time (ms)"}, range: [0, xEnd],
+      xaxis: {anchor: hasMemory ? "y" + (built.panels.length + 1) : "y", title: {text: "time (ms)"}, range: [0, xEnd],
               gridcolor: "#ececec", zeroline: false, showline: true, linecolor: "#999"},
       yaxis: {domain: [split, 1], anchor: "x", range: [span - 0.8, -0.8], tickvals: shown.map(l => l.y),
               ticktext: shown.map(l => l.label), showgrid: false, zeroline: false, ticks: "", tickfont: {size: 11},
               ticklabelstandoff: 4},
     };
-    if (hasMemory && built.heatmap < 0) {
-      layout.yaxis2 = {domain: [0, MEMORY_PX / plotPx], anchor: "x", title: {text: "memory (MiB)"},
-                       gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
-      layout.legend2 = {x: 1.01, xanchor: "left", y: MEMORY_PX / plotPx, yanchor: "top", title: {text: "memory"}};
-    } else if (hasMemory) {
-      layout.yaxis2 = {domain: [0, MEMORY_PX / plotPx], anchor: "x", title: {text: "memory"}, type: "category",
-                       autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
+    Object.assign(layout, axes);
+    layout.annotations = headings;
+    if (memoryLegend) {
+      layout.legend2 = {x: 1.01, xanchor: "left", y: memoryPx / plotPx, yanchor: "top", title: {text: "memory"}};
     }
     built.span = span;
     built.barPx = barPx;
@@ -639,9 +673,9 @@ _TIMELINE_JS = r"""
       xs.push(pts.x); ys.push(pts.y); traces.push(index);
     });
     if (traces.length) await Plotly.restyle(gd, {x: xs, y: ys}, traces);
-    if (built.heatmap >= 0) {
-      const grid = memoryGrid(built, x0, x1, columns);
-      await Plotly.restyle(gd, {x: [grid.x], z: [grid.z]}, [built.heatmap]);
+    for (const {panel, index} of built.heatmaps) {
+      const grid = memoryGrid(built, panel, x0, x1, columns);
+      await Plotly.restyle(gd, {x: [grid.x], z: [grid.z]}, [index]);
     }
   }
 
@@ -709,7 +743,7 @@ _TIMELINE_JS = r"""
     const summaries = DATA.traces.map(t => t.summary);
     const metrics = [["time per mini-batch (ms)", s => s.time_per_minibatch_ms, v => fmt(v, 2)],
                      ["bubble", s => s.bubble_fraction, v => fmt(100 * v, 1) + "%"],
-                     ["peak memory per device (MiB)", s => s.peak_memory_mb, v => fmt(v, 0)]];
+                     ["peak memory per device (MiB)", s => s.peak_memory_mb, v => v === null ? "n/a" : fmt(v, 0)]];
     const data = metrics.map(([title, get, show], j) => {
       const x = summaries.map(get);
       return {type: "bar", orientation: "h", y: names, x, text: x.map(show), textposition: "auto",
@@ -788,7 +822,8 @@ _TIMELINE_JS = r"""
     }
   }
 
-  // Where the lanes are on the page, for the browser test: it checks a screenshot's bars against them.
+  // Where the lanes are on the page (the browser test checks a screenshot's bars against them), and the
+  // range of each memory panel's axis.
   function record(b) {
     const fl = gd._fullLayout, ya = fl.yaxis, xa = fl.xaxis, box = gd.getBoundingClientRect();
     const top = box.top + window.scrollY + ya._offset, left = box.left + window.scrollX + xa._offset;
@@ -797,6 +832,8 @@ _TIMELINE_JS = r"""
       plot: [left, top, xa._length, ya._length], bar_px: b.barPx,
       points: gd.data.reduce((total, d) => total + (d.x ? d.x.length : 0), 0),
       lanes: b.lanes.map(l => toPx(l.y)),
+      memory: b.panels.map((panel, j) => ({trace: b.members[panel.member].label,
+                                           range: fl["yaxis" + (j + 2)].range})),
     });
   }
 
