@@ -68,12 +68,12 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
             raw = np.array([[np.nan if v is None else v for v in r.losses] for r in s.runs], dtype=float)
             window = max(1, raw.shape[1] // 15)
             samples = (np.arange(raw.shape[1]) + 1) * s.runs[0].samples_per_minibatch
-            curves[s.arm.label] = samples, np.array([_smoothed(c, window) for c in raw])
-        kept = [smooth[[not r.diverged for r in s.runs]] for s in panel for smooth in [curves[s.arm.label][1]]]
-        y_range = _log_range(np.concatenate([k.ravel() for k in kept]) if kept else np.array([]))
+            smooth = np.array([_smoothed(c, window) for c in raw])
+            curves[s.arm.label] = samples, smooth, smooth[[not r.diverged for r in s.runs]]
+        y_range = _log_range(np.concatenate([ok.ravel() for _, _, ok in curves.values()]) if curves
+                             else np.array([]))
         for s in panel:
-            samples, smooth = curves[s.arm.label]
-            ok = smooth[[not r.diverged for r in s.runs]]
+            samples, smooth, ok = curves[s.arm.label]
             colour, dash = colours[s.arm.label], None if s.arm.primary else "dash"
             with np.errstate(all="ignore"):
                 low, high, mean = (f(ok, 0) if len(ok) else np.full(len(samples), np.nan)
@@ -102,8 +102,8 @@ def loss_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) -> g
                     showlegend=s.arm.label not in in_legend, cliponaxis=False,
                     marker={"symbol": "x", "size": 13, "color": colour, "line": {"width": 1, "color": "white"}},
                     customdata=[loss for _, loss in left],
-                    hovertemplate=f"{s.arm.label} ({optimizer}) diverged: its loss left the plot at %{{x:,}} "
-                                  "samples and ended at %{customdata:.3g}<extra></extra>"), row=1, col=col)
+                    hovertemplate=f"{s.arm.label} ({optimizer}) diverged: its loss (running mean) left the plot "
+                                  "at %{x:,} samples and ended at %{customdata:.3g}<extra></extra>"), row=1, col=col)
                 in_legend.add(s.arm.label)
         diverged = [f"{s.arm.label} {s.diverged}/{len(s.runs)}" for s in panel if s.diverged]
         if diverged:
