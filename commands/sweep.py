@@ -90,8 +90,8 @@ def sweep(
         "--out", "-o", help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); replaced "
                             "atomically.")] = None,
     html: Annotated[Path | None, typer.Option(
-        "--html", help="Write the trade-off view: time per mini-batch vs peak memory, staleness as colour, the Pareto "
-                       "fronts (self-contained HTML).")] = None,
+        "--html", help="Write the trade-off view: time per mini-batch vs peak memory, a colour per schedule, a symbol "
+                       "per staleness, one Pareto front at a time (self-contained HTML).")] = None,
 ) -> None:
     """Simulate a grid of configurations in parallel; find the Pareto fronts of time, memory and staleness.
 
