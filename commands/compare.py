@@ -10,11 +10,25 @@ import typer
 from rich import box
 from rich.table import Table
 
-from .common import InputError, check_writable, fail, stdout
+from .common import InputError, check_writable, fail, stderr, stdout
 
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1%}"
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.1f}"
+
+
+def _versions(c) -> str:
+    """One true sentence about the weight versions: compared (and how many differ), or not recorded."""
+    if not c.versions_compared:
+        return "not compared (the measurement records none)"
+    if not c.version_mismatches:
+        return f"all {c.versions_compared:,} compared agree"
+    return f"[bold red]{c.version_mismatches:,} of {c.versions_compared:,} differ[/], e.g. " + "; ".join(
+        c.version_examples)
 
 
 def _render(c) -> None:
@@ -49,12 +63,10 @@ def _render(c) -> None:
     for d in c.devices:
         devices.add_row(str(d.device), f"{d.predicted_busy_ms:,.2f} / {d.measured_busy_ms:,.2f}",
                         f"{d.predicted_exposed_comm_ms:,.2f} / {d.measured_exposed_comm_ms:,.2f}",
-                        f"{d.predicted_peak_memory_mb:,.1f} / {d.measured_peak_memory_mb:,.1f}",
+                        f"{_mib(d.predicted_peak_memory_mb)} / {_mib(d.measured_peak_memory_mb)}",
                         _percent(d.peak_memory_error))
     stdout.print(devices)
-    stdout.print(f"matched {c.matched_ops:,} ops; weight versions: "
-                 + ("all agree" if not c.version_mismatches else f"[bold red]{c.version_mismatches:,} differ[/], e.g. "
-                    + "; ".join(c.version_examples)), highlight=False)
+    stdout.print(f"matched {c.matched_ops:,} ops; weight versions: {_versions(c)}", highlight=False)
     if c.missing_in_measured or c.missing_in_predicted:
         stdout.print(f"missing: {c.missing_in_measured:,} predicted ops were not measured, "
                      f"{c.missing_in_predicted:,} measured ops were not predicted, e.g. "
@@ -107,6 +119,8 @@ def compare(
                             title=f"pipesim: {result.schedule}, predicted and measured",
                             views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])],
                             figures=[("per-op duration error by kind", error_figure(result))])
+    for warning in result.warnings:
+        stderr.print(f"warning: {warning}", highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -10,11 +10,30 @@ import typer
 from .common import InputError, check_writable, fail, stdout
 
 
+def _replaces(out: Path, named: bool) -> bool:
+    """Whether writing `out` replaces a file. A default path (the trace's name with .html) replaces only a page
+    pipesim drew, since a user who did not name the file may not know it is there; a path named with --html
+    replaces whatever is there."""
+    from ..traces.view import is_timeline_page
+
+    if not out.is_file():
+        return False
+    try:
+        ours = named or is_timeline_page(out)
+    except OSError as exc:
+        raise InputError(f"--html: cannot read {out} to see what it is: {exc.strerror}") from None
+    if not ours:
+        raise InputError(f"--html: {out} exists and is not a pipesim page; replace it by naming it (--html {out}) "
+                         "or name another page")
+    return True
+
+
 def view(
     traces: Annotated[list[Path], typer.Argument(help="Trace files (from simulate --trace or run --trace).",
                                                  metavar="TRACE...")],
     html: Annotated[Path | None, typer.Option(
-        "--html", help="Page to write. Default: the first trace's name with .html.")] = None,
+        "--html", help="Page to write (replaced if it exists). Default: the first trace's name with .html, which "
+                       "replaces only a pipesim page.")] = None,
 ) -> None:
     """Draw traces on one self-contained page (works offline): one view per trace and, for several traces, one
     with their lanes interleaved device by device, predicted beside measured; memory under the timelines."""
@@ -24,6 +43,7 @@ def view(
     out = html if html is not None else traces[0].with_suffix(".html")
     try:
         check_writable("--html", out)
+        replaced = _replaces(out, named=html is not None)
         loaded = [read_trace(path) for path in traces]
     except (InputError, TraceError) as exc:
         fail(str(exc))
@@ -32,4 +52,4 @@ def view(
     if len(loaded) > 1:
         views.insert(0, ("all, device by device", list(range(len(loaded)))))
     write_timeline_page(loaded, out, labels=labels, views=views)
-    stdout.print(f"wrote {out}", highlight=False)
+    stdout.print(f"wrote {out}" + (" (replaced the file that was there)" if replaced else ""), highlight=False)

@@ -192,7 +192,8 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         for s in stages_for(measured, list(bounds), dag=dag)), microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),
         kept_gradients=measured.runtime.kept_gradients if measured.runtime is not None else 0.0,
-        recv_window=measured.runtime.recv_window if measured.runtime is not None else 0)
+        recv_window=measured.runtime.recv_window if measured.runtime is not None else 0,
+        calibration=measured.describe())
 
 
 def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:

@@ -93,6 +93,6 @@ def read_torch_profile(paths: Sequence[Path], like: Trace) -> Trace:
               microbatch=table[:, 3], minibatch=table[:, 4], pipeline=np.zeros(len(rows)), peer=table[:, 5],
               version=np.full(len(rows), -1), prediction=np.full(len(rows), -1),
               start_us=table[:, 6] - table[:, 6].min(), dur_us=table[:, 7])
-    meta = replace(like.meta, source="measured", costs=None, cluster=None, jitter=0.0,
+    meta = replace(like.meta, source="measured", costs=None, cluster=None, jitter=0.0, calibration=None,
                    hardware={"runtime": "torch.distributed.pipelining", "ranks": len(ranks)}, extra={})
     return Trace(like.kinds, like.num_devices, ops, meta)

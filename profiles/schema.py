@@ -302,6 +302,14 @@ class Profile(_Strict):
                 raise ValueError(f"{where} must have exactly the keys {', '.join(OPTIMIZERS)}")
         return self
 
+    def describe(self) -> dict:
+        """What the profile measured, as a prediction made from it records it: the model and the setting its
+        times hold for (micro-batch size, device, threads, torch)."""
+        env = self.environment
+        return {"model": self.model.name, "options": dict(self.model.options), "microbatch_size": env.microbatch_size,
+                "device": env.device, "device_name": env.device_name, "threads": env.threads,
+                "torch_version": env.torch_version}
+
 
 def _stage_of(bounds: list[int]) -> list[int]:
     return [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]

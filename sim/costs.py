@@ -107,7 +107,8 @@ class Costs:
     last one on the weights, which SGD's prediction extrapolates), so from the first backward after an update
     until the next update a second gradient buffer is held as well. `recv_window`: receives the runtime keeps
     posted ahead of the row it runs (pipesim's executor: 16), each holding its buffer from its posting; 0 holds
-    a received buffer from its message's arrival.
+    a received buffer from its message's arrival. `calibration`: the profile the costs were measured into
+    (`Profile.describe`), which traces record; None: typed what-if costs.
     """
 
     stages: tuple[StageCosts, ...]
@@ -116,6 +117,7 @@ class Costs:
     overhead: RowOverhead = RowOverhead()
     kept_gradients: float = 0.0
     recv_window: int = 0
+    calibration: dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.recv_window, int) or self.recv_window < 0:

@@ -430,7 +430,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         microbatch_size=costs.microbatch_size, placement=list(schedule.placement),
         stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
         tool=f"pipesim {__version__}", costs=[dict(vars(c)) for c in costs.stages], cluster=cluster.describe(),
-        jitter=jitter, seed=seed,
+        jitter=jitter, seed=seed, calibration=costs.calibration,
         extra=_runtime_terms(costs))
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
 

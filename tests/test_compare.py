@@ -1,6 +1,7 @@
 """Predicted against measured, op by op (traces/compare.py): errors worked out by hand from the schedules'
 closed forms, identical traces, incomplete runs and traces of different runs."""
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def test_weight_versions_must_agree():
     wrong = np.flatnonzero(measured.ops.version > 0)[:2]
     measured.ops.version[wrong] -= 1
     c = compare(predicted, measured)
-    assert c.version_mismatches == 2
+    assert c.version_mismatches == 2 and c.versions_compared == int(np.sum(measured.ops.version >= 0))
     assert "predicted version" in c.version_examples[0]
 
 
@@ -119,7 +120,25 @@ def test_view_draws_several_traces_on_one_page_and_refuses_a_bad_file(tmp_path):
     assert code == 2 and "cannot read trace" in err and not (tmp_path / "missing.html").exists()
 
 
+def test_view_replaces_only_a_page_of_its_own_unless_the_page_is_named(tmp_path):
+    from tests.conftest import pipesim
+
+    trace, page = tmp_path / "t.json", tmp_path / "t.html"
+    assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--trace", trace).code == 0
+    code, out, _ = pipesim("view", trace)
+    assert code == 0 and out.split() == ["wrote", str(page)]
+    code, out, _ = pipesim("view", trace)  # the page it drew before: replaced, and said so
+    assert code == 0 and " ".join(out.split()) == f"wrote {page} (replaced the file that was there)"
+    page.write_text("<html>notes of my own</html>")
+    code, out, err = pipesim("view", trace)  # not a pipesim page, and not named: left alone
+    assert code == 2 and out == "" and page.read_text() == "<html>notes of my own</html>"
+    assert f"{page} exists and is not a pipesim page" in err and err.count("\n") == 1
+    code, out, _ = pipesim("view", trace, "--html", page)  # named: the user asked for it
+    assert code == 0 and "replaced" in out and 'id="pipesim-data"' in page.read_text()
+
+
 TORCH_RUNS = Path(__file__).parent.parent / "traces" / "measured"
+MLP_PROFILE = TORCH_RUNS / "fidelity-cpu2-day3-runs" / "mlp-profile.json"
 
 
 @pytest.mark.parametrize("run_dir, schedule, recorded", [
@@ -143,8 +162,24 @@ def test_a_torch_pipelining_run_compares_with_its_prediction(tmp_path, run_dir, 
     assert by_kind["F"]["ops"] == by_kind["B"]["ops"] == 2 * 8 * 3 and by_kind["OPT"]["ops"] == 2 * 3
     assert c["missing_in_predicted"] == 0  # every torch action is one pipesim predicts
     assert c["missing_in_measured"] == (0 if "SEND_F" in recorded else 4 * 8 * 3)  # GPipe's transfers untimed
-    assert c["measured_ms"] > 0 and c["version_mismatches"] == 0
-    assert c["notes"] == ["the measurement records no weight versions: they were not compared"]
+    assert c["measured_ms"] > 0 and c["versions_compared"] == c["version_mismatches"] == 0 and c["notes"] == []
+    # torch's profiler records no memory: unknown, not zero, and no error is made of it
+    assert all(d["measured_peak_memory_mb"] is None and d["peak_memory_error"] is None for d in c["devices"])
+    assert all(d["predicted_peak_memory_mb"] > 0 for d in c["devices"])
+    # The prediction came from what-if costs: one warning, on stderr (and in --json), says so.
+    assert c["predicted_calibration"] is None and len(c["warnings"]) == 1 and "what-if" in c["warnings"][0]
+    assert err.count("\n") == 1 and err.startswith("warning: the prediction's costs are what-if numbers")
+    code, out, err = pipesim("compare", TORCH_RUNS / run_dir, predicted)
+    assert code == 0 and "weight versions: not compared (the measurement records none)" in out
+    assert "agree" not in out and re.search(r"/ n/a +- *$", out, re.M)
+    # From a calibration profile: no warning, and the profile is named.
+    assert pipesim("simulate", "-s", schedule, "-p", "2", "-m", "8", "-n", "3", "--profile", MLP_PROFILE,
+                   "--optimizer", "sgd", "--trace", predicted).code == 0
+    code, out, err = pipesim("compare", TORCH_RUNS / run_dir, predicted, "--json")
+    assert code == 0 and err == ""
+    c = json.loads(out)
+    assert c["warnings"] == [] and c["predicted_calibration"]["model"] == "mlp"
+    assert c["predicted_calibration"]["microbatch_size"] == 32
     # Without the prediction nothing says what torch ran.
     code, _, err = pipesim("compare", TORCH_RUNS / run_dir)
     assert code == 2 and "give the predicted trace too" in err

@@ -114,6 +114,7 @@ def test_views_align_several_traces_and_labels_tell_them_apart(trace):
 def test_without_a_memory_counter_the_page_has_no_memory(trace):
     data = _page_data(timeline_page([dataclasses.replace(trace, counters={})]))
     assert data["traces"][0]["memory"] is None
+    assert data["traces"][0]["summary"]["peak_memory_mb"] is None  # unknown, not 0: the page shows "n/a"
 
 
 def test_large_trace_page_grows_by_bytes_per_op():

@@ -57,8 +57,8 @@ class DeviceErrors:
     predicted_exposed_comm_ms: float
     measured_exposed_comm_ms: float
     predicted_peak_memory_mb: float
-    measured_peak_memory_mb: float
-    peak_memory_error: float | None  # relative; None when the measurement has no memory
+    measured_peak_memory_mb: float | None  # None: the measurement records no memory (torch's profiler traces)
+    peak_memory_error: float | None  # relative; None when the measured peak is unknown or zero
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,12 @@ class Comparison:
     compute_duration_median: float | None  # |relative duration error| over every matched compute op (F, B, ...)
     compute_duration_bias: float | None  # the median signed one (+: predicted too long)
     devices: list[DeviceErrors]
-    version_mismatches: int  # compute ops whose weight version differs: must be 0
+    versions_compared: int  # matched compute ops whose weight version both traces record (torch's records none)
+    version_mismatches: int  # of those, the ops whose weight version differs: must be 0
     version_examples: list[str]
     measured_complete: bool
+    predicted_calibration: dict | None  # the profile the prediction's costs came from; None: what-if costs
+    warnings: list[str] = field(default_factory=list)  # what makes the comparison itself misleading
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -179,15 +182,24 @@ def _kind_errors(predicted: Trace, measured: Trace, at_p: np.ndarray, at_m: np.n
     return out
 
 
-def _device_errors(p: Summary, m: Summary, measured: Trace) -> list[DeviceErrors]:
-    has_memory = "memory_bytes" in measured.counters
+def _device_errors(p: Summary, m: Summary) -> list[DeviceErrors]:
     out = []
     for dp, dm in zip(p.devices, m.devices):
         error = ((dp.peak_memory_mb - dm.peak_memory_mb) / dm.peak_memory_mb
-                 if has_memory and dm.peak_memory_mb > 0 else None)
+                 if dm.peak_memory_mb else None)
         out.append(DeviceErrors(dp.device, dp.busy_ms, dm.busy_ms, dp.exposed_comm_ms, dm.exposed_comm_ms,
                                 dp.peak_memory_mb, dm.peak_memory_mb, error))
     return out
+
+
+def _warnings(predicted: Trace) -> list[str]:
+    """A prediction from typed what-if costs describes no machine: its error against a run measures the
+    numbers typed, not pipesim."""
+    if predicted.meta.source != "predicted" or predicted.meta.calibration is not None:
+        return []
+    return ["the prediction's costs are what-if numbers (--fwd, --bwd, ... or their defaults), not a calibration "
+            "profile, so this error says nothing about pipesim's accuracy: calibrate the model (`pipesim calibrate`) "
+            "and predict with `pipesim simulate --profile PROFILE`"]
 
 
 def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Comparison:
@@ -203,8 +215,6 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
                         f"{measured.ops.device[at_m[recorded][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
                         for i in wrong[:3]]
     notes = []
-    if compute.any() and not recorded.any():
-        notes.append("the measurement records no weight versions: they were not compared")
     if not measured.meta.complete:
         who = f" (rank {measured.meta.failed_rank} failed)" if measured.meta.failed_rank is not None else ""
         notes.append(f"the measured run is incomplete{who}: {len(only_p):,} predicted ops were never run; the "
@@ -224,5 +234,6 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
         kinds=_kind_errors(predicted, measured, at_p, at_m, min_dur_us),
         compute_duration_median=float(np.median(np.abs(rel))) if len(rel) else None,
         compute_duration_bias=float(np.median(rel)) if len(rel) else None,
-        devices=_device_errors(sp, sm, measured), version_mismatches=len(wrong), version_examples=version_examples,
-        measured_complete=measured.meta.complete, notes=notes)
+        devices=_device_errors(sp, sm), versions_compared=int(recorded.sum()), version_mismatches=len(wrong),
+        version_examples=version_examples, measured_complete=measured.meta.complete,
+        predicted_calibration=predicted.meta.calibration, warnings=_warnings(predicted), notes=notes)

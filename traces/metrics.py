@@ -15,7 +15,7 @@ class DeviceMetrics:
     device: int
     busy_ms: float
     exposed_comm_ms: float
-    peak_memory_mb: float
+    peak_memory_mb: float | None  # None: the trace records no memory (torch profiler traces): unknown, not zero
     peak_activations: int
     peak_weight_versions: int
 
@@ -37,7 +37,7 @@ class Summary:
     samples_per_s: float
     bubble_fraction: float
     exposed_comm_ms: float
-    peak_memory_mb: float
+    peak_memory_mb: float | None
     max_staleness: int
     devices: list[DeviceMetrics]
     stages: list[StageMetrics]
@@ -81,6 +81,7 @@ def summarize(trace: Trace) -> Summary:
     """Makespan, steady-state time per mini-batch, throughput, bubble, communication, memory and staleness."""
     ops = trace.ops
     ends_us = ops.end_us
+    has_memory = "memory_bytes" in trace.counters
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
     compute = ops.stream == Stream.COMPUTE
 
@@ -100,7 +101,7 @@ def summarize(trace: Trace) -> Summary:
             device=d,
             busy_ms=busy_us / 1e3,
             exposed_comm_ms=exposed_us / 1e3,
-            peak_memory_mb=float(_peak(trace, "memory_bytes", d)) / MIB,
+            peak_memory_mb=float(_peak(trace, "memory_bytes", d)) / MIB if has_memory else None,
             peak_activations=int(_peak(trace, "activations", d)),
             peak_weight_versions=int(_peak(trace, "weight_versions", d)),
         ))
@@ -145,7 +146,7 @@ def summarize(trace: Trace) -> Summary:
         samples_per_s=samples / (per_minibatch_us / 1e6) if per_minibatch_us > 0 else 0.0,
         bubble_fraction=1.0 - busy_total_us / (trace.num_devices * makespan_us) if makespan_us > 0 else 0.0,
         exposed_comm_ms=exposed_total_us / 1e3,
-        peak_memory_mb=max((dm.peak_memory_mb for dm in devices), default=0.0),
+        peak_memory_mb=max((dm.peak_memory_mb for dm in devices), default=0.0) if has_memory else None,
         max_staleness=max((max(s.forward_staleness, s.backward_staleness) for s in stages), default=0),
         devices=devices,
         stages=stages,

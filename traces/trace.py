@@ -118,7 +118,9 @@ class TraceMeta:
 
     `params`: the schedule's build parameters; `placement` (stage -> device) and `stage_edges` its stage
     graph; `policy`: its weight policy as data. A prediction records its per-stage `costs` and `cluster`;
-    a measurement its `hardware` (devices, backend, threads). `complete` is false when a run stopped
+    a measurement its `hardware` (devices, backend, threads). A prediction's `calibration` names the profile
+    its costs were measured into (model, micro-batch size, device, threads); None: typed what-if costs, whose
+    times describe no machine. `complete` is false when a run stopped
     early, `failed_rank` then names the rank that failed, if one did. `extra` holds what a source adds
     (a measured run's losses, say).
     """
@@ -141,6 +143,7 @@ class TraceMeta:
     seed: int = 0
     complete: bool = True
     failed_rank: int | None = None
+    calibration: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
