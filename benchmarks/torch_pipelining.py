@@ -7,9 +7,18 @@ the two runtimes train the same thing. A synchronous pipesim schedule is handed 
 `PP:<action>` profiler range; `--torch-schedule gpipe` uses torch's own `ScheduleGPipe` instead. The optimizer
 step is wrapped in `PP:<stage>OPT`. Gloo on CPU, one process per rank.
 
-    python benchmarks/torch_pipelining.py --schedule 1f1b --stages 2 --microbatches 8 --steps 5 --out torch-run/
-    pipesim simulate -s 1f1b -p 2 -m 8 -n 5 --profile PROFILE --trace predicted.json
+A prediction holds for the model, cut, micro-batch size and threads its profile measured, so calibrate first
+and hand the profile to this script too: it then runs exactly what the profile describes. pipesim's own
+runtime's per-row costs (`--no-runtime`) describe pipesim's executor, not torch's, so leave them out:
+
+    pipesim calibrate --model mlp --layers 8 --width 1024 -b 32 -p 2 --threads 1 --device cpu --no-runtime \
+        --out torch-mlp.json
+    python benchmarks/torch_pipelining.py --profile torch-mlp.json --schedule 1f1b --microbatches 8 --steps 3 \
+        --out torch-run/
+    pipesim simulate -s 1f1b -m 8 -n 3 --profile torch-mlp.json --optimizer sgd --trace predicted.json
     pipesim compare torch-run/ predicted.json
+
+Without --profile it prints the calibrate command matching its flags.
 
 Recording without this script: wrap the training loop in `torch.profiler.profile(activities=[ProfilerActivity.CPU],
 on_trace_ready=torch.profiler.tensorboard_trace_handler(DIR))` on every rank (add CUDA on GPUs), and wrap
@@ -96,7 +105,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.stages, init_method=f"tcp://127.0.0.1:{port}")
     schedule = build_schedule(args.schedule, method_named(args.schedule).params(args.stages, args.microbatches))
     spec = RunSpec(schedule=schedule, model=args.model, model_options=json.loads(args.model_options),
-                   microbatch_size=args.microbatch_size, optimizer=args.optimizer, lr=args.lr, seed=args.seed)
+                   microbatch_size=args.microbatch_size, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+                   bounds=args.bounds)
     step = torch_steps(spec, rank, args.stages, args.torch_schedule)
     for b in range(args.warmup):
         step(b)
@@ -111,29 +121,101 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+# What a profile fixes about a run: flag -> (built-in default, the profile's value).
+PROFILED = {
+    "--model": ("mlp", lambda p: p.model.name),
+    "--model-options": ('{"layers": 8, "width": 1024}', lambda p: json.dumps(p.model.options)),
+    "--microbatch-size": (32, lambda p: p.environment.microbatch_size),
+    "--threads-per-rank": (1, lambda p: p.environment.threads),
+    "--stages": (2, lambda p: p.partition.stages),
+}
+
+
+def _settle(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the flags a profile fixes from --profile (a flag given as well must agree with it), else from their
+    defaults; the profile's cut becomes the run's (`args.bounds`; None: the even cut)."""
+    from pipesim.profiles.schema import ProfileError, load_profile
+
+    profile = None
+    if args.profile is not None:
+        try:
+            profile = load_profile(args.profile)
+        except ProfileError as exc:
+            parser.error(str(exc))
+        if profile.environment.device != "cpu":
+            parser.error(f"--profile: {args.profile} was measured on {profile.environment.device}; this script runs "
+                         "gloo on CPU: calibrate with --device cpu")
+    for flag, (default, measured) in PROFILED.items():
+        name = flag[2:].replace("-", "_")
+        given = getattr(args, name)
+        if profile is None:
+            setattr(args, name, default if given is None else given)
+            continue
+        value = measured(profile)
+        if given is not None and _parsed(parser, flag, given) != _parsed(parser, flag, value):
+            parser.error(f"{flag} {given}: the profile {args.profile} measured {value}; drop {flag} (--profile "
+                         "sets it)")
+        setattr(args, name, value)
+    _parsed(parser, "--model-options", args.model_options)  # fails here, not in the ranks
+    args.bounds = tuple(profile.partition.bounds) if profile is not None else None
+
+
+def _parsed(parser: argparse.ArgumentParser, flag: str, value):
+    """A flag's value as compared: --model-options as the JSON object it spells."""
+    if flag != "--model-options":
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--model-options: not JSON ({exc})")
+
+
+def _next_steps(args: argparse.Namespace) -> str:
+    """The commands that predict this run and compare it: calibrate first if no profile was given."""
+    predict = (f"pipesim simulate -s {args.schedule} -m {args.microbatches} -n {args.steps} --profile "
+               f"{args.profile or 'PROFILE.json'} --optimizer {args.optimizer} --trace predicted.json\n"
+               f"  pipesim compare {args.out} predicted.json")
+    if args.profile is not None:
+        return "predict it and compare:\n  " + predict
+    options = "".join(f" --{key.replace('_', '-')} {value}" for key, value in json.loads(args.model_options).items())
+    return ("to predict it, calibrate what it ran (pipesim's own runtime costs left out: they are not torch's), run "
+            "this again with --profile PROFILE.json (the profile's cut), then predict and compare:\n"
+            f"  pipesim calibrate --model {args.model}{options} -b {args.microbatch_size} -p {args.stages} "
+            f"--threads {args.threads_per_rank} --device cpu --no-runtime --out PROFILE.json\n  " + predict)
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with what --profile fixes filled in (or the defaults)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", default="1f1b", help="a synchronous pipesim method with one stage per rank")
     parser.add_argument("--torch-schedule", choices=RUNTIMES, default="csv",
                         help="csv: pipesim's order through torch's runtime; gpipe, 1f1b: torch's own ScheduleGPipe "
                              "and Schedule1F1B (1f1b records no per-action ranges)")
-    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--profile", help="a CPU profile from `pipesim calibrate`: run the model, options, "
+                                          "micro-batch size, threads, stages and cut it measured")
+    parser.add_argument("--stages", type=int, help="default 2")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5, help="profiled mini-batches")
     parser.add_argument("--warmup", type=int, default=2, help="mini-batches run before profiling")
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--model-options", default='{"layers": 8, "width": 1024}', help="JSON")
-    parser.add_argument("--microbatch-size", type=int, default=32)
+    parser.add_argument("--model", help="default mlp")
+    parser.add_argument("--model-options", help='JSON (default {"layers": 8, "width": 1024})')
+    parser.add_argument("--microbatch-size", type=int, help="default 32")
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--threads-per-rank", type=int, help="default 1")
     parser.add_argument("--out", required=True, help="folder for rank<r>.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    _settle(parser, args)
+    return args
+
+
+def main() -> None:
+    args = arguments()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
     mp.start_processes(_rank, args=(args, free_port()), nprocs=args.stages, start_method="spawn")
-    print(f"wrote {args.stages} profiler traces to {args.out}")
+    print(f"wrote {args.stages} profiler traces to {args.out}; {_next_steps(args)}")
 
 
 if __name__ == "__main__":

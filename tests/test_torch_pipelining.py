@@ -1,0 +1,66 @@
+"""benchmarks/torch_pipelining.py runs what a calibration profile measured, so that a prediction from that
+profile describes the torch run; without one it prints the calibrate command that matches its flags."""
+
+import importlib.util
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import typer
+
+ROOT = Path(__file__).parent.parent
+PROFILE = ROOT / "traces" / "measured" / "fidelity-cpu2-day3-runs" / "mlp-profile.json"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("torch_pipelining", ROOT / "benchmarks" / "torch_pipelining.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_profile_fixes_the_model_its_cut_micro_batch_size_threads_and_stages(script):
+    measured = json.loads(PROFILE.read_text())
+    args = script.arguments(["--profile", str(PROFILE), "--stages", "2", "--out", "run/"])  # agreeing: accepted
+    assert (args.model, json.loads(args.model_options)) == (measured["model"]["name"], measured["model"]["options"])
+    assert args.bounds == tuple(measured["partition"]["bounds"]) == (0, 5, 9)  # not the even cut of 9 layers
+    assert (args.microbatch_size, args.threads_per_rank, args.stages) == (
+        measured["environment"]["microbatch_size"], measured["environment"]["threads"], 2)
+    steps = script._next_steps(args)
+    assert f"pipesim simulate -s 1f1b -m 8 -n 5 --profile {PROFILE} --optimizer sgd" in steps
+    assert "pipesim calibrate" not in steps
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--microbatch-size", "16"], "--microbatch-size 16: the profile"),
+    (["--model-options", '{"layers": 8, "width": 1024}'], "--model-options"),
+    (["--stages", "4"], "--stages 4"),
+])
+def test_a_flag_that_contradicts_the_profile_is_refused(script, capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        script.arguments(["--profile", str(PROFILE), *flags, "--out", "run/"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bad_input_is_one_line_before_any_rank_starts(script, capsys, tmp_path):
+    for argv, message in ((["--model-options", "{layers"], "--model-options: not JSON"),
+                          (["--profile", str(tmp_path / "none.json")], "cannot read profile")):
+        with pytest.raises(SystemExit) as exc:
+            script.arguments([*argv, "--out", "run/"])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_a_profile_it_prints_the_calibrate_command_that_matches_its_run(script):
+    from pipesim.cli import app
+
+    args = script.arguments(["--model-options", '{"layers": 4, "width": 256}', "--microbatch-size", "16",
+                             "--stages", "2", "--out", "run/"])
+    assert args.bounds is None
+    line = next(line for line in script._next_steps(args).splitlines() if "pipesim calibrate" in line)
+    argv = shlex.split(line)[2:]
+    command = typer.main.get_command(app).commands["calibrate"]
+    params = command.make_context("calibrate", argv).params  # pipesim calibrate parses it as written
+    assert (params["model"], params["layers"], params["width"], params["microbatch_size"], params["stages"],
+            params["threads"], params["device"], params["runtime"]) == ("mlp", 4, 256, 16, 2, 1, "cpu", False)
