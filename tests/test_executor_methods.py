@@ -1,12 +1,15 @@
 """Every method of the catalogue runs in the executor with its own weight semantics.
 
-Synchronous methods (AvgPipe's pipelines each are, GraphPipe's stage DAG too) train like one process. The
-predicting methods match references written here from the papers' rules, mini-batch by mini-batch: which
-version each stage's forward and backward read, how far it is predicted (SpecTrain, PipeOptim, XPipe), and
-AvgPipe's elastic averaging. The references backpropagate the MLP by hand, so that a backward on other
-weights than its forward's (the forward's activations, the backward's weights) is computed without the
-executor's saved-tensor hooks. Versions and distances are derived from the pipeline order (1F1B with p-k-1
-warm-up forwards, an update after each mini-batch's last backward), not taken from schedules/.
+Every op runs on the weights its lowering names: the tensors the executor hands it are checked against the
+version it reads, predicted by the paper's formula from that version's weights and optimizer state as the
+update left them (tests/reference.py), not against what the executor reports about itself. Synchronous
+methods (AvgPipe's pipelines each are, GraphPipe's stage DAG too) train like one process. The predicting
+methods match references written from the papers' rules, mini-batch by mini-batch, for every source of s:
+which version each stage's forward and backward read, how far it is predicted (SpecTrain, PipeOptim, XPipe),
+and AvgPipe's elastic averaging. The references cut, draw data, step and predict on their own, and
+backpropagate the MLP by hand, so that a backward on other weights than its forward's is computed without
+the executor's saved-tensor hooks. Versions and distances are derived from the pipeline order (1F1B with
+p-k-1 warm-up forwards, an update after each mini-batch's last backward), not taken from schedules/.
 """
 
 from __future__ import annotations
@@ -14,39 +17,42 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
-from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, cut, microbatch_data, run_in_process, run_multiprocess
+from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, Weights, cut, run_in_process, run_multiprocess
 from pipesim.schedules import KINDS, METHODS, Kind, ScheduleParams, StageGraph, build_schedule, lower
 from pipesim.schedules.graph import graph_schedule, two_branch_graph
-from pipesim.workload.models import BATCH
-from pipesim.workload.optim import make_optimizer
 from pipesim.workload.transport import InProcessTransport
+from tests.reference import STAGE_LAYERS, Reference, Snapshot, forward_version, single_process
 
 TIGHT = dict(rtol=1e-9, atol=1e-11)
 
 
 def make_spec(method: str, *, stages: int = 2, m: int = 2, n: int = 3, optimizer: str = "sgd", lr: float = 0.05,
               model: str = "mlp", options: dict | None = None, dtype: str = "float64", **params) -> RunSpec:
+    """A small run; the mlp's 5 Linear layers cut unevenly over 2 or 3 stages, so a cut that gives the extra
+    layer to the wrong stage changes what the asynchronous methods train."""
     schedule = build_schedule(method, METHODS[method].params(stages, m, n, **params))
-    return RunSpec(schedule, model, options or {"layers": 5, "width": 12}, microbatch_size=4, optimizer=optimizer,
+    return RunSpec(schedule, model, options or {"layers": 4, "width": 12}, microbatch_size=4, optimizer=optimizer,
                    lr=lr, seed=5, dtype=dtype)
 
 
-def run_devices(spec: RunSpec, **loop_options) -> list:
-    """Every device's DeviceResult (what the loops measured), each device a thread over the in-process
-    transport."""
+def device_loops(spec: RunSpec, loop: type[DeviceLoop] = DeviceLoop, **loop_options) -> list[DeviceLoop]:
     lowered = lower(spec.schedule)
     devices = spec.schedule.num_devices
     transports = InProcessTransport.connected(devices, timeout_s=60)
-    loops = [DeviceLoop(spec, lowered, cut(spec), d, transports[d], **loop_options) for d in range(devices)]
-    results, errors = [None] * devices, []
+    return [loop(spec, lowered, cut(spec), d, transports[d], **loop_options) for d in range(devices)]
+
+
+def run_loops(loops: list[DeviceLoop]) -> list:
+    """Every device's DeviceResult (what the loops measured), each device a thread over the in-process
+    transport."""
+    results, errors = [None] * len(loops), []
 
     def work(d: int) -> None:
         try:
@@ -54,7 +60,7 @@ def run_devices(spec: RunSpec, **loop_options) -> list:
         except Exception as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(d,)) for d in range(devices)]
+    threads = [threading.Thread(target=work, args=(d,)) for d in range(len(loops))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -62,6 +68,10 @@ def run_devices(spec: RunSpec, **loop_options) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def run_devices(spec: RunSpec, **loop_options) -> list:
+    return run_loops(device_loops(spec, **loop_options))
 
 
 def final_weights(results, spec: RunSpec, pipeline: int = 0) -> list[torch.Tensor]:
@@ -78,6 +88,59 @@ def assert_same(got, want, **tol) -> None:
 # ------------------------------------------------------------------------------------- every method runs
 
 
+@dataclass
+class Ran:
+    """One op: its row, the distance s the lowering names (-1: not predicted), the tensors the executor handed
+    it, the version it reads as the update made it, and that version predicted s updates ahead."""
+
+    row: int
+    s: int
+    used: list[torch.Tensor]
+    version: list[torch.Tensor]
+    expected: list[torch.Tensor]
+
+    @property
+    def moved(self) -> bool:
+        """The op ran on weights other than the version's: a prediction changed them."""
+        return any(not torch.equal(a, b) for a, b in zip(self.used, self.version))
+
+
+class Recorder(DeviceLoop):
+    """A device loop that keeps what each of its ops ran on. After every update or averaging, each replica of
+    the stage is snapshotted (weights and the optimizer's direction then); each F, B, I and W records the
+    tensors the loop hands it beside the snapshot of the version the lowering names, predicted by the test's
+    own formula over the lowering's s."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, on_row=self._after_row, **kwargs)
+        self.history = {key: {0: Snapshot.of(state.optimizer, state.current)} for key, state in self.weights.items()}
+        self.ran: list[Ran] = []
+
+    def _after_row(self, row: int) -> None:
+        if KINDS[self.lowered.table.kind[row]] in (Kind.OPT, Kind.AVG):
+            stage = int(self.lowered.table.stage[row])
+            for (k, r), state in self.weights.items():
+                if k == stage:
+                    self.history[(k, r)][state.version] = Snapshot.of(state.optimizer, state.current)
+
+    def _weights(self, i: int, unit: tuple[int, int, int, int]) -> Weights:
+        weights = super()._weights(i, unit)
+        read = self.history[(unit[0], unit[3])][int(self.lowered.version[i])]
+        s = int(self.lowered.prediction[i])
+        self.ran.append(Ran(i, s, [w.detach().clone() for w in weights.tensors], read.weights, read.predicted(s)))
+        return weights
+
+
+def recorded(spec: RunSpec) -> tuple[list, list[Ran]]:
+    """The run's device results and every op it ran, each checked to have run on the weights its lowering names."""
+    loops = device_loops(spec, Recorder)
+    results = run_loops(loops)
+    ran = [op for loop in loops for op in loop.ran]
+    for op in ran:
+        assert_same(op.used, op.expected)
+    return results, ran
+
+
 SHAPES = {"interleaved-1f1b": dict(m=2), "zb-h1": dict(m=4), "zb-h2": dict(m=4), "zb-v": dict(m=4),
           "dualpipev": dict(m=4), "graphpipe": dict(stages=4, model="two-branch", options={"layers": 1, "width": 4})}
 
@@ -85,11 +148,15 @@ SHAPES = {"interleaved-1f1b": dict(m=2), "zb-h1": dict(m=4), "zb-h2": dict(m=4),
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_runs_on_the_versions_and_distances_of_its_lowering(method):
     spec = make_spec(method, optimizer="adam", lr=0.01, **SHAPES.get(method, {}))
-    results = run_devices(spec)
+    results, ran = recorded(spec)
     lowered = lower(spec.schedule)
+    passes = [KINDS.index(k) for k in (Kind.F, Kind.B, Kind.I, Kind.W)]
+    assert len(ran) == int(np.isin(lowered.table.kind, passes).sum())
+    if (lowered.prediction > 0).any():  # the check above is not vacuous: some predictions move the weights
+        assert any(op.moved for op in ran)
     for d, result in enumerate(results):
         rows = lowered.rows(d)
-        # what each op ran on, read off the weights it used, is what the IR says it reads
+        # and the trace reports the version and distance each op used
         np.testing.assert_array_equal(result.version, lowered.version[rows.start:rows.stop])
         np.testing.assert_array_equal(result.prediction, lowered.prediction[rows.start:rows.stop])
         assert result.rows_done == len(rows)
@@ -115,35 +182,18 @@ def test_the_weight_copies_held_stay_within_the_lowerings_budget(method):
         assert result.held[compute].max() == budget.max()
 
 
-def test_predicted_ops_really_ran_on_predictions():
-    """Distances > 0 appear (the test above would pass vacuously on a method that predicts nothing)."""
-    for method in ("spectrain", "pipeoptim", "xpipe"):
-        results = run_devices(make_spec(method, stages=3, m=2, n=3, optimizer="adam", lr=0.01))
-        assert max(int(r.prediction.max()) for r in results) >= 1, method
+@pytest.mark.parametrize("method", ["spectrain", "pipeoptim", "xpipe"])
+def test_predicted_ops_really_ran_on_predictions(method):
+    """Every distance s > 0 the lowering names moves the weights of some op that reads it, to the test's own
+    prediction: a run that skipped the prediction, or predicted over another s, fails here."""
+    spec = make_spec(method, stages=3, m=2, n=4, optimizer="adam", lr=0.01)
+    _, ran = recorded(spec)
+    distances = {int(s) for s in lower(spec.schedule).prediction if s > 0}
+    assert len(distances) >= 1
+    assert {op.s for op in ran if op.moved} == distances
 
 
 # ------------------------------------------------------------------------------ synchronous: one process
-
-
-def dag_forward(model, x: torch.Tensor) -> torch.Tensor:
-    outputs = {BATCH: x}
-    for i, layer in enumerate(model.layers):
-        outputs[i] = layer(*(outputs[s] for s in model.inputs[i]))
-    return outputs[len(model.layers) - 1]
-
-
-def single_process(spec: RunSpec) -> list[torch.Tensor]:
-    model = spec.build_model()
-    params = [p for layer in model.layers for p in layer.parameters()]
-    optimizer = make_optimizer(spec.optimizer, params, spec.lr)
-    m = spec.schedule.microbatches
-    for b in range(spec.schedule.minibatches):
-        for j in range(m):
-            x, target = microbatch_data(spec, model, b, j)
-            (model.loss(dag_forward(model, x), target) / m).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return [p.detach() for p in params]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -175,7 +225,7 @@ def test_a_chain_schedule_carries_a_dag_models_outputs_and_passes_skips_on(metho
 def test_a_model_the_stage_graph_cannot_carry_fails_in_one_line():
     with pytest.raises(ExecutorError, match=r"layer 4 on stage 2 reads layer 3 on stage 1, but the graphpipe "
                                             r"stage graph .* has no path from 1 to 2"):
-        run_in_process(make_spec("graphpipe", stages=4, m=2, n=1))
+        run_in_process(make_spec("graphpipe", stages=4, m=2, n=1, options={"layers": 5, "width": 12}))
     graph = two_branch_graph(4)
     extra = graph_schedule(ScheduleParams(4, 2, 1), StageGraph(4, (*graph.edges, (0, 3))))
     with pytest.raises(ExecutorError, match="stage edge 0->3 of the graphpipe stage graph would carry nothing"):
@@ -185,123 +235,58 @@ def test_a_model_the_stage_graph_cannot_carry_fails_in_one_line():
 # -------------------------------------------------------------- the asynchronous methods' reference
 
 
-class Reference:
-    """The MLP's stages trained mini-batch by mini-batch with explicit weights per op. Stage k's weights
-    are a flat list (weight, bias, weight, bias, ...) of its Linear layers; every Linear but the model's last
-    is followed by a ReLU. `history[k][v]` holds version v (after v updates) with the optimizer's state then,
-    from which a prediction s updates ahead is made by the paper's formula."""
-
-    def __init__(self, spec: RunSpec) -> None:
-        self.spec = spec
-        self.model = spec.build_model()
-        stages = cut(spec, self.model)
-        self.p, self.m = spec.schedule.num_stages, spec.schedule.microbatches
-        self.weights = [[w.detach().clone() for w in module.parameters()] for module in stages.modules]
-        self.optimizers = [make_optimizer(spec.optimizer, ws, spec.lr) for ws in self.weights]
-        self.history = [[self.snapshot(k)] for k in range(self.p)]
-
-    def snapshot(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """(weights, the direction one update moves them by / lr), as the papers predict with."""
-        weights = [w.detach().clone() for w in self.weights[k]]
-        optimizer = self.optimizers[k]
-        states = [optimizer.state.get(w, {}) for w in self.weights[k]]
-        if not states or not states[0]:
-            return weights, None
-        group = optimizer.param_groups[0]
-        if isinstance(optimizer, torch.optim.Adam):  # m_hat / (sqrt(v_hat) + eps)
-            beta1, beta2 = group["betas"]
-            steps = [float(s["step"]) for s in states]
-            return weights, [(s["exp_avg"] / (1 - beta1 ** t)) / ((s["exp_avg_sq"] / (1 - beta2 ** t)).sqrt()
-                                                                    + group["eps"]) for s, t in zip(states, steps)]
-        return weights, [s["momentum_buffer"].clone() for s in states]  # SGD with momentum: v
-
-    def predicted(self, k: int, version: int, s: int) -> list[torch.Tensor]:
-        weights, direction = self.history[k][version]
-        if s <= 0 or direction is None:
-            return weights
-        lr = self.optimizers[k].param_groups[0]["lr"]
-        return [w - s * lr * d for w, d in zip(weights, direction)]
-
-    def gradients(self, forward: list[list[torch.Tensor]], backward: list[list[torch.Tensor]], x, target
-                  ) -> list[list[torch.Tensor]]:
-        """One micro-batch's weight gradients: forward on `forward`, the input gradients through `backward`
-        (the weights the backward op runs on), by hand."""
-        linears_f = [(ws[i], ws[i + 1]) for ws in forward for i in range(0, len(ws), 2)]
-        linears_b = [ws[i] for ws in backward for i in range(0, len(ws), 2)]
-        saved, h = [], x
-        for i, (w, b) in enumerate(linears_f):
-            z = nn.functional.linear(h, w, b)  # the op the model runs, so the float32 loss sees equal logits
-            mask = (z > 0) if i < len(linears_f) - 1 else None
-            saved.append((h, mask))
-            h = z * mask if mask is not None else z
-        logits = h.detach().requires_grad_(True)
-        (dh,) = torch.autograd.grad(self.model.loss(logits, target) / self.m, logits)
-        grads: list[torch.Tensor] = []
-        for i in reversed(range(len(linears_f))):
-            h, mask = saved[i]
-            dz = dh * mask if mask is not None else dh
-            grads[:0] = [dz.T @ h, dz.sum(0)]
-            dh = dz @ linears_b[i]
-        flat = iter(grads)
-        return [[next(flat) for _ in ws] for ws in forward]
-
-    def update(self, k: int, grads: list[torch.Tensor]) -> None:
-        for w, g in zip(self.weights[k], grads):
-            w.grad = g
-        self.optimizers[k].step()
-        self.history[k].append(self.snapshot(k))
-
-    def train(self, rule, pipeline: int = 0) -> None:
-        """rule(k, b, j) -> ((forward version, s), (backward version, s)); s <= 0: not predicted."""
-        for b in range(self.spec.schedule.minibatches):
-            self.minibatch(rule, b, pipeline)
-
-    def minibatch(self, rule, b: int, pipeline: int = 0) -> None:
-        sums = [[torch.zeros_like(w) for w in ws] for ws in self.weights]
-        for j in range(self.m):
-            x, target = microbatch_data(self.spec, self.model, b, j, pipeline)
-            reads = [rule(k, b, j) for k in range(self.p)]
-            forward = [self.predicted(k, *reads[k][0]) for k in range(self.p)]
-            backward = [self.predicted(k, *reads[k][1]) for k in range(self.p)]
-            for acc, grads in zip(sums, self.gradients(forward, backward, x, target)):
-                for a, g in zip(acc, grads):
-                    a.add_(g)
-        for k in range(self.p):
-            self.update(k, sums[k])
+def test_the_stages_hold_the_layers_of_the_references_cut():
+    """An even cut, the earlier stages taking the extra layer, as tests/reference.py writes it out."""
+    for stages in (2, 3):
+        layers = STAGE_LAYERS[(5, stages)]
+        assert cut(make_spec("pipedream", stages=stages)).bounds == [*(ls[0] for ls in layers), layers[-1][-1] + 1]
 
 
-def forward_version(p: int, m: int, k: int, b: int, j: int = 0) -> int:
-    """Updates stage k has made when it starts the forward of micro-batch j of mini-batch b: in 1F1B with
-    p-k-1 warm-up forwards, backwards 0 .. u-(p-k-1)-1 are done before forward u = b*m + j, and an update
-    follows every m-th backward."""
-    return max(0, b * m + j - (p - k - 1)) // m
-
-
-@pytest.mark.parametrize("stages", [2, 3])
-def test_spectrain_predicts_forward_and_backward_weights_with_momentum(stages):
-    """SpecTrain (m = 1): F of mini-batch b on stage k reads version b-(p-1-k) predicted s_F = k//2 + p-k-1
-    ahead; B reads version b (its own update comes after it) predicted s_B = k//2 ahead."""
-    spec = make_spec("spectrain", stages=stages, m=1, n=6, optimizer="momentum", lr=0.05)
-    p = stages
+def assert_trains_like_reference(spec: RunSpec, reads) -> None:
+    """The executor's final weights are the reference's trained by `reads(k, b, j)` -> ((forward version, s),
+    (backward version, s)), and differ from the reference's on the same versions unpredicted: the prediction
+    matters to the result."""
     reference = Reference(spec)
-    reference.train(lambda k, b, j: ((forward_version(p, 1, k, b), k // 2 + p - k - 1), (b, k // 2)))
+    reference.train(reads)
     got = final_weights(run_devices(spec), spec)
-    assert_same(got, [w for ws in reference.weights for w in ws])
-    plain = Reference(spec)  # and the prediction matters
-    plain.train(lambda k, b, j: ((forward_version(p, 1, k, b), 0), (forward_version(p, 1, k, b), 0)))
-    assert any(not torch.allclose(a, w) for a, w in zip(got, [w for ws in plain.weights for w in ws]))
+    assert_same(got, reference.flat())
+    plain = Reference(spec)
+    plain.train(lambda k, b, j: tuple((version, 0) for version, _ in reads(k, b, j)))
+    assert any(not torch.allclose(a, w) for a, w in zip(got, plain.flat()))
 
 
-@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
-@pytest.mark.parametrize("stages", [2, 3])
-def test_pipeoptim_predicts_the_forward_and_runs_the_backward_on_current_weights(stages, optimizer):
-    """PipeOptim (m = 1): F reads version b-(p-1-k) predicted s = p-k-1 ahead by the optimizer's own rule
-    (SGD-momentum: v; Adam: m_hat / (sqrt(v_hat) + eps)); B runs on the current weights, version b."""
-    spec = make_spec("pipeoptim", stages=stages, m=1, n=6, optimizer=optimizer, lr=0.02)
+SOURCES = ["paper", "code", "counted"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("stages,m", [(2, 1), (3, 1), (2, 3), (3, 2)])
+def test_spectrain_predicts_forward_and_backward_weights_with_momentum(stages, m, source):
+    """SpecTrain: F of micro-batch j of mini-batch b on stage k reads the version it finds, B version b (b's
+    own update comes after it). The paper and its code predict F s_F = k//2 + p-k-1 and B s_B = k//2 ahead;
+    counted, F b - version (the updates before the one that consumes its gradient) and B 0."""
+    spec = make_spec("spectrain", stages=stages, m=m, n=5, optimizer="momentum", lr=0.05, prediction=source)
     p = stages
-    reference = Reference(spec)
-    reference.train(lambda k, b, j: ((forward_version(p, 1, k, b), p - k - 1), (b, 0)))
-    assert_same(final_weights(run_devices(spec), spec), [w for ws in reference.weights for w in ws])
+
+    def reads(k, b, j):
+        v = forward_version(p, m, k, b, j)
+        return ((v, b - v), (b, 0)) if source == "counted" else ((v, k // 2 + p - k - 1), (b, k // 2))
+    assert_trains_like_reference(spec, reads)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("stages,m,optimizer", [(2, 1, "momentum"), (3, 1, "adam"), (2, 3, "momentum"),
+                                                (3, 2, "adam"), (3, 2, "adamw")])
+def test_pipeoptim_predicts_the_forward_and_runs_the_backward_on_current_weights(stages, m, optimizer, source):
+    """PipeOptim: F reads the version it finds, predicted by the optimizer's own rule (SGD-momentum: v; Adam:
+    m_hat / (sqrt(v_hat) + eps); AdamW: that + decay * W) s = p-k-1 ahead (paper), p-k (code) or b - version
+    (counted); B runs on the current weights, version b, unpredicted."""
+    spec = make_spec("pipeoptim", stages=stages, m=m, n=5, optimizer=optimizer, lr=0.02, prediction=source)
+    p = stages
+
+    def reads(k, b, j):
+        v = forward_version(p, m, k, b, j)
+        return (v, {"paper": p - k - 1, "code": p - k, "counted": b - v}[source]), (b, -1)
+    assert_trains_like_reference(spec, reads)
 
 
 def half_up(x: Fraction) -> int:
@@ -318,15 +303,13 @@ def test_xpipe_bellwether_predicts_once_per_minibatch_with_adam(stages, m, sourc
     in B, halves rounded up."""
     spec = make_spec("xpipe", stages=stages, m=m, n=5, optimizer="adam", lr=0.02, prediction=source)
     p = stages
-    reference = Reference(spec)
 
-    def rule(k, b, j):
+    def reads(k, b, j):
         v = forward_version(p, m, k, b)
         if source == "counted":
             return (v, b - v), (b, 0)
         return (v, half_up(Fraction(2 * (p + m - 2) - k, 2 * m))), (b, half_up(Fraction(m + k // 2 - 1, m)))
-    reference.train(rule)
-    assert_same(final_weights(run_devices(spec), spec), [w for ws in reference.weights for w in ws])
+    assert_trains_like_reference(spec, reads)
 
 
 @pytest.mark.parametrize("pipelines", [2, 3])
@@ -353,7 +336,7 @@ def test_avgpipe_averages_its_pipelines_elastically(pipelines):
                 replica.history[k][-1] = replica.snapshot(k)
     results = run_devices(spec)
     for r, replica in enumerate(replicas):
-        assert_same(final_weights(results, spec, r), [w for ws in replica.weights for w in ws])
+        assert_same(final_weights(results, spec, r), replica.flat())
 
 
 # ----------------------------------------------------------------------------------- memory and hooks
