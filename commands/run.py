@@ -141,11 +141,13 @@ def run(
                              f"{stages} devices has {built.num_stages}; calibrate with --stages "
                              f"{built.num_stages} or drop --profile")
         try:
-            build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
+            net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
         except ModelError as exc:
             raise InputError(str(exc)) from None
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, bounds=bounds, threads_per_rank=threads_per_rank, timeout_s=timeout)
+        if bounds is None and len(net.layers) >= built.num_stages and carried_bounds(spec, model=net) is None:
+            raise InputError(_no_cut(spec, len(net.layers)))
         if bounds is not None:
             carried = carried_bounds(spec, [cost.ms for cost in layer_costs(measured.layers, optimizer)])
             if carried is None:
@@ -215,6 +217,27 @@ def _partition(path: Path, model: str, options: dict[str, int]):
         raise InputError(f"--{clash[0]} {options[clash[0]]}: the profile {path} was calibrated with "
                          f"{clash[0]} {measured.model.options.get(clash[0])}; drop the flag or recalibrate")
     return measured, tuple(measured.partition.bounds), dict(measured.model.options)
+
+
+LAYERS_TRIED = 12  # --layers values a model the stage graph cannot carry is tried at, to say which work
+
+
+def _no_cut(spec, layers: int) -> str:
+    """The one line for a model of `layers` layers the schedule's stage graph carries no cut of: for a built-in
+    model, which --layers values it does carry (its branches then land on the graph's branches)."""
+    from ..executor import carried_bounds
+    from ..workload.models import MODELS
+
+    schedule = spec.schedule
+    line = (f"{schedule.method}'s stage graph {sorted(schedule.graph.edges)} carries no cut of model {spec.model!r} "
+            f"({layers} layers) into {schedule.num_stages} contiguous stages")
+    if spec.model not in MODELS:
+        return f"{line}; give a model whose layers branch as the graph does"
+    works = [n for n in range(1, LAYERS_TRIED + 1)
+             if carried_bounds(dataclasses.replace(spec, model_options={**spec.model_options, "layers": n}))]
+    if not works:
+        return f"{line}; no --layers from 1 to {LAYERS_TRIED} gives one: give a model that branches as the graph does"
+    return f"{line}; --layers {', '.join(map(str, works))} give one (of 1 to {LAYERS_TRIED} tried)"
 
 
 @contextmanager

@@ -59,7 +59,8 @@ class RunSpec:
     long as `model` is a name or a module-level callable returning a Model).
 
     `model`: a built-in name or `package.module:attr` (with `model_options`), or a callable returning a
-    Model. `bounds`: the stage partition (default: an even split of the layers). `microbatch_size`: samples
+    Model. `bounds`: the stage partition (default: an even split of the layers, or the most even
+    split the stage graph carries). `microbatch_size`: samples
     per micro-batch. `recv_window`: how many receives a rank keeps posted ahead of the row it runs.
     """
 
@@ -215,12 +216,15 @@ def _route(name: str, inputs: Sequence[Sequence[int]], bounds: list[int], schedu
 MAX_CUTS_SEARCHED = 100_000
 
 
-def carried_bounds(spec: RunSpec, layer_ms: Sequence[float]) -> tuple[int, ...] | None:
-    """`spec.bounds` where the schedule's stage graph can carry that cut; otherwise, of the cuts it can carry,
-    the one whose slowest stage (by `layer_ms`, one per layer) is fastest; None where it can carry none (or
-    there are too many cuts to search). A profile partitions a branching model as a chain, which a graph
-    schedule (GraphPipe's diamond) may not carry."""
-    model = spec.build_model()
+def carried_bounds(spec: RunSpec, layer_ms: Sequence[float] | None = None,
+                   model: Model | None = None) -> tuple[int, ...] | None:
+    """`spec.bounds` (without them, the even cut) where the schedule's stage graph can carry that cut;
+    otherwise, of the cuts it can carry, the one whose slowest stage by `layer_ms` (one per layer; default one
+    each: the fewest layers) is fastest; None where it can carry none (fewer layers than stages, or too many
+    cuts to search).
+    A branching model cut as a chain (by a profile's partition, or evenly) may not fit a graph schedule's
+    stages (GraphPipe's diamond): its branches must land on the graph's branches."""
+    model = model if model is not None else spec.build_model()
     inputs, layers, p = model.inputs, len(model.layers), spec.schedule.num_stages
 
     def carries(bounds: Sequence[int]) -> bool:
@@ -230,11 +234,14 @@ def carried_bounds(spec: RunSpec, layer_ms: Sequence[float]) -> tuple[int, ...] 
             return False
         return True
 
-    if spec.bounds is not None and carries(spec.bounds):
-        return tuple(spec.bounds)
+    if layers < p:
+        return None
+    preferred = spec.bounds if spec.bounds is not None else even_bounds(layers, p)
+    if carries(preferred):
+        return tuple(preferred)
     if math.comb(layers - 1, p - 1) > MAX_CUTS_SEARCHED:
         return None
-    totals = [0.0, *itertools.accumulate(layer_ms)]
+    totals = [0.0, *itertools.accumulate(layer_ms if layer_ms is not None else [1.0] * layers)]
     best = min(((max(totals[b] - totals[a] for a, b in itertools.pairwise(bounds)), bounds)
                 for inner in itertools.combinations(range(1, layers), p - 1)
                 if carries(bounds := [0, *inner, layers])), default=None)
@@ -246,12 +253,17 @@ def cut(spec: RunSpec, model: Model | None = None) -> Stages:
     another stage reads along the stage graph: over the edge between the two stages, or, where there is none
     (a skip connection over a stage of a chain), along the shortest path, the stages between passing it on.
     A model the stage graph cannot carry (an output with no path to its reader, an edge that would carry
-    nothing, the last layer not on the one final stage) fails with one clear message."""
+    nothing, the last layer not on the one final stage) fails with one clear message. Without `spec.bounds`
+    the cut is the even one where the stage graph carries it, else the most even one it carries."""
     schedule = spec.schedule
     graph = schedule.graph
     model = model if model is not None else spec.build_model()
     layers, p = len(model.layers), schedule.num_stages
-    bounds = even_bounds(layers, p) if spec.bounds is None else check_bounds(spec.bounds, layers, p)
+    if spec.bounds is None:  # the even cut, or the most even one the stage graph carries
+        default = carried_bounds(spec, model=model)
+        bounds = list(default) if default is not None else even_bounds(layers, p)  # none: _route says why not
+    else:
+        bounds = check_bounds(spec.bounds, layers, p)
     carried = _route(model.name, model.inputs, bounds, schedule)
     x, _ = microbatch_data(spec, model, 0, 0)
     x = x.to(next((p.device for layer in model.layers for p in layer.parameters()), torch.device("cpu")))

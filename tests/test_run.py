@@ -132,6 +132,43 @@ def test_a_profile_that_does_not_match_is_refused(tmp_path, profile, stages, mod
     assert not trace.exists()
 
 
+@pytest.mark.parametrize("stages", [4, 5, 6])
+@pytest.mark.parametrize("layers", [1, 2, 3, 4])
+def test_without_bounds_a_branching_model_is_cut_along_graphpipes_stage_graph(stages, layers):
+    """The default cut is the even one where the diamond carries it, else the most even one it carries: the
+    stem first, each branch on its own stages, the head last (two-branch has 2 * layers + 2 layers)."""
+    spec = RunSpec(build("graphpipe", stages, 2, 1), "two-branch", {"layers": layers, "width": 4})
+    total = 2 * layers + 2
+    if total < stages:
+        with pytest.raises(ExecutorError, match=f"cannot cut {total} layers into {stages} stages"):
+            cut(spec)
+        return
+    bounds = cut(spec).bounds
+    cuts = [[0, *inner, total] for inner in itertools.combinations(range(1, total), stages - 1)]
+    fits = [b for b in cuts if carried_bounds(replace(spec, bounds=tuple(b))) == tuple(b)]
+    even = [0, *itertools.accumulate(len(part) for part in np.array_split(range(total), stages))]
+    assert bounds in fits
+    assert bounds == even if even in fits else max(np.diff(bounds)) == min(max(np.diff(b)) for b in fits)
+    assert (layers, stages) != (2, 4) or even not in fits  # the issue's case: [0, 2, 4, 5, 6] failed the run
+
+
+def test_a_model_no_cut_of_which_the_stage_graph_carries_is_one_line_naming_the_layers_that_work(tmp_path):
+    trace = tmp_path / "t.json"
+    code, _, err = pipesim("run", "-s", "graphpipe", "--model", "mlp", "--layers", 5, "--stages", 4, "--trace", trace)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "carries no cut of model 'mlp'" in err and "no --layers from 1 to 12 gives one" in err
+    assert not trace.exists()
+
+
+@pytest.mark.slow
+def test_graphpipe_runs_the_two_branch_model_at_its_default_layers(tmp_path):
+    trace = tmp_path / "g.json"
+    code, _, err = pipesim("run", "-s", "graphpipe", "--model", "two-branch", "--stages", 4, "--microbatches", 4,
+                           "--minibatches", 2, "--trace", trace)
+    assert code == 0, err
+    assert read_trace(trace).meta.extra["bounds"] not in (None, [0, 2, 4, 5, 6])  # the even cut, which it cannot carry
+
+
 def test_a_profiles_chain_cut_that_graphpipes_diamond_cannot_carry_runs_on_the_best_cut_it_carries(tmp_path):
     """Calibration cuts a branching model as a chain: layers [0, 1, 2, 4, 6] put branch a's two layers on
     stages 1 and 2, layer 2 reading layer 1, which the diamond has no edge for. The run says so, runs on the
