@@ -18,7 +18,8 @@ from .common import (
     check_writable,
     fail,
     is_given,
-    require_torch,
+    require,
+    require_model_data,
     stderr,
     stdout,
     write_error,
@@ -89,7 +90,10 @@ def calibrate(
     from ..traces import write_atomic
 
     try:
-        require_torch("calibrate")
+        require("pipesim calibrate", "torch")
+        require_model_data("pipesim calibrate", model)
+        if runtime:  # its probe times the executor on a small mlp, which draws the digits
+            require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
         check_writable("--out", out)
         if dtype not in ("float32", "bfloat16", "float16"):
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")

@@ -4,6 +4,7 @@ describe. Imports only typer and rich at start-up, so every command starts fast.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Iterable
@@ -146,16 +147,38 @@ def write_error(exc: OSError) -> str:
     return f"cannot write {exc.filename}: {exc.strerror}" if exc.filename else f"cannot write output: {exc}"
 
 
-def require_torch(command: str) -> None:
-    """For the commands that run torch (`calibrate`): torch is an optional extra, `pipesim[torch]`; without it
-    (or with a broken build), say exactly what to install."""
-    hint = "pip install 'pipesim[torch]' (or your CUDA build of torch)"
-    try:
-        import torch  # noqa: F401
-    except ImportError as exc:  # not installed; or installed but broken (a missing CUDA library, a mismatched build)
-        if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
-            raise InputError(f"pipesim {command} needs PyTorch: {hint}") from None
-        raise InputError(f"pipesim {command}: PyTorch does not import ({exc}); reinstall it: {hint}") from None
+# What the optional modules are and how to install them: import name -> (pip package, pipesim's extra with it).
+EXTRAS = {"torch": ("torch", "torch"), "sklearn": ("scikit-learn", "torch"), "pyarrow": ("pyarrow", "parquet"),
+          "ray": ("ray", "ray")}
+
+
+def require(needer: str, *modules: str) -> None:
+    """Before any work, each of `modules` (EXTRAS keys) that `needer` (what the user asked for, as they wrote
+    it) needs is installed; else one line saying how to install it. torch is imported, so a broken build (a
+    missing CUDA library, a mismatched wheel) stops here too; the others are only looked up."""
+    for module in modules:
+        package, extra = EXTRAS[module]
+        hint = f"pip install 'pipesim[{extra}]'" + (" (or your CUDA build of torch)" if module == "torch" else
+                                                    f" (or pip install {package})")
+        if module != "torch":
+            if importlib.util.find_spec(module) is None:
+                raise InputError(f"{needer} needs {package}, which is not installed: {hint}")
+            continue
+        try:
+            import torch  # noqa: F401
+        except ImportError as exc:
+            if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
+                raise InputError(f"{needer} needs PyTorch, which is not installed: {hint}") from None
+            raise InputError(f"{needer}: PyTorch does not import ({exc}); reinstall it: {hint}") from None
+
+
+def require_model_data(needer: str, model: str) -> None:
+    """scikit-learn, for a built-in model that trains on its digits data (call after torch is required: the
+    models are torch code)."""
+    from ..workload.models import DIGITS_MODELS
+
+    if model in DIGITS_MODELS:
+        require(f"{needer} --model {model} (it trains on scikit-learn's digits)", "sklearn")
 
 
 MAX_MEMORY_GB = 1 << 20  # a PiB per device: beyond any machine, and safely inside an int64 of bytes

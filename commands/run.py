@@ -33,7 +33,8 @@ from .common import (
     check_writable,
     fail,
     is_given,
-    require_torch,
+    require,
+    require_model_data,
     stderr,
     stdout,
     write_error,
@@ -98,7 +99,8 @@ def run(
     from ..traces import summarize, write_trace
 
     try:
-        require_torch("run")
+        require("pipesim run", "torch")
+        require_model_data("pipesim run", model)
         from ..executor import ExecutorError, RunSpec, carried_bounds
         from ..executor.runners import RunFailed, TorchrunEnv, run_multiprocess, run_torchrun
         from ..profiles.schema import layer_costs, threads_mismatch

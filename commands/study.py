@@ -25,7 +25,8 @@ from .common import (
     check_prediction,
     check_writable,
     fail,
-    require_torch,
+    require,
+    require_model_data,
     stderr,
     stdout,
     write_error,
@@ -109,7 +110,8 @@ def study(
                               minibatches, pipelines)
             chosen = arms(setting, schedules or list(DEFAULT_METHODS), prediction)
             seed_list = list(range(seeds))
-            require_torch("study")
+            require("pipesim study", "torch")
+            require_model_data("pipesim study", model)
             _check_model(setting)
             saved = open_results(results, setting)
             from ..calibrate.contention import ContentionError

@@ -19,6 +19,7 @@ from .common import (
     check_writable,
     fail,
     progress,
+    require,
     scenario_from_flags,
     stdout,
     write_error,
@@ -100,7 +101,6 @@ def sweep(
     One front per p, cost scale and mini-batch size (m·P): only the same work on the same hardware competes.
     Costs are the whole model's, split over each configuration's stages (default: the built-in example's).
     """
-    from importlib.util import find_spec
 
     from ..planning.sweep import AXES, Grid, GridError, load_grid, pareto_front, parse_axis, run, write_results
     from ..schedules import METHODS
@@ -111,11 +111,10 @@ def sweep(
         check_writable("--html", html)
         if out is not None and out.suffix not in (".csv", ".parquet"):
             raise InputError(f"--out: give a .csv or .parquet file (got {out})")
-        if out is not None and out.suffix == ".parquet" and find_spec("pyarrow") is None:
-            raise InputError("--out: writing Parquet needs pyarrow, which is not installed: pip install pyarrow "
-                             "(or give a .csv file)")
-        if ray is not None and find_spec("ray") is None:
-            raise InputError("--ray: Ray is not installed: pip install 'pipesim[ray]'")
+        if out is not None and out.suffix == ".parquet":
+            require(f"--out {out} (Parquet; a .csv file needs nothing more)", "pyarrow")
+        if ray is not None:
+            require(f"--ray {ray}", "ray")
         if ray is not None and workers is not None:
             raise InputError("--workers sizes the local process pool, --ray runs on the cluster's CPUs: give one")
         axes = load_grid(grid) if grid is not None else {}

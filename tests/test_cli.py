@@ -301,8 +301,8 @@ def test_calibrate_without_torch_says_what_to_install(tmp_path):
     result = subprocess.run([sys.executable, "-c", blocker, "calibrate", "--model", "mlp", "--out", str(out)],
                             capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr == ("error: pipesim calibrate needs PyTorch: pip install 'pipesim[torch]' (or your CUDA build "
-                             "of torch)\n")
+    assert result.stderr == ("error: pipesim calibrate needs PyTorch, which is not installed: pip install "
+                             "'pipesim[torch]' (or your CUDA build of torch)\n")
     assert not out.exists()
 
 

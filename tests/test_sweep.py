@@ -206,8 +206,9 @@ def without(module, monkeypatch):
     (["--grid", "GRID:stages = [4]", "-p", "8"], "--stages and --grid both give stages"),
     (["--out", "/no/such/dir/r.csv"], "--out: cannot write /no/such/dir/r.csv: folder /no/such/dir does not exist"),
     (["--out", "OUT/r.txt"], "--out: give a .csv or .parquet file"),
-    (["--out", "OUT/r.parquet", "WITHOUT:pyarrow"], "--out: writing Parquet needs pyarrow, which is not installed"),
-    (["--ray", "auto", "WITHOUT:ray"], "--ray: Ray is not installed: pip install 'pipesim[ray]'"),
+    (["--out", "OUT/r.parquet", "WITHOUT:pyarrow"],
+     "needs pyarrow, which is not installed: pip install 'pipesim[parquet]'"),
+    (["--ray", "auto", "WITHOUT:ray"], "--ray auto needs ray, which is not installed: pip install 'pipesim[ray]'"),
     (["--workers", "0"], "--workers"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
 ])

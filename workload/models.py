@@ -214,6 +214,7 @@ def two_branch(layers: int = 2, width: int = 32) -> Model:
 
 
 MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "two-branch": two_branch}
+DIGITS_MODELS = frozenset({"mlp", "cnn", "two-branch"})  # their data is scikit-learn's digits (an optional extra)
 
 
 def model_options(name: str) -> list[str]:
