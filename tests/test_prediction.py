@@ -53,7 +53,7 @@ def test_each_source_gives_the_distances_it_states(case):
     summary = simulated(schedule).summary
     assert [s.prediction_distance for s in summary.stages] == forward
     assert [s.backward_prediction_distance for s in summary.stages] == backward
-    # the executor reads the lowering: its forward rows carry the same distances
+    # the lowering carries them to the executor (test_executor_methods checks it trains on them, per source)
     lowered = lower(schedule)
     rows = lowered.table.kind == list(Kind).index(Kind.F)
     per_stage = [int(lowered.prediction[rows & (lowered.table.stage == k)].max()) for k in range(p)]
