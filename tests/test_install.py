@@ -1,0 +1,68 @@
+"""Installed without extras (`pip install -e .` into a fresh venv that cannot see this one's packages, so no
+torch, scikit-learn, pyarrow or ray), every pipesim command either works or, where it needs an extra, says
+in one line how to install it and exits 2, with no traceback. Needs the package index (or pip's cache)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_HINT = "pip install 'pipesim[torch]'"
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory) -> Path:
+    """A fresh venv with pipesim installed editable and only its required dependencies: its bin folder."""
+    home = tmp_path_factory.mktemp("bare-venv")
+    venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True).create(home)
+    python = home / "bin" / "python"
+    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e", ROOT], check=True,
+                   capture_output=True, timeout=600)
+    return home / "bin"
+
+
+@pytest.mark.slow
+def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
+    missing = subprocess.run([bare / "python", "-c", "import importlib.util as u; print([m for m in "
+                              "('torch', 'sklearn', 'pyarrow', 'ray') if u.find_spec(m)])"],
+                             capture_output=True, text=True, check=True)
+    assert missing.stdout.strip() == "[]"  # the venv sees none of the extras
+
+    def pipesim(*args) -> subprocess.CompletedProcess:
+        return subprocess.run([bare / "pipesim", *map(str, args)], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=300)
+
+    help_text = pipesim("--help")
+    assert help_text.returncode == 0, help_text.stderr
+    listed = set(re.findall(r"^  (\w+)  ", help_text.stdout, re.MULTILINE))
+    trace, profile = tmp_path / "t.json", ROOT / "traces" / "profiles" / "gpt-cpu.json"
+    works = {
+        "simulate": ("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "--json", "--trace", trace),
+        "schedules": ("schedules",),
+        "export": ("export", "-s", "1f1b", "-p", 2, "-m", 2, "--format", "torch-csv", "-o", "o.csv"),
+        "sweep": ("sweep", "-s", "1f1b,gpipe", "-p", 2, "-m", 2, "-j", 1, "--out", "r.csv", "--html", "s.html"),
+        "tune": ("tune", "--profile", profile, "--devices", 2, "--memory-gb", 1),
+        "view": ("view", trace, "--html", "v.html"),
+        "compare": ("compare", trace, trace, "--json"),
+    }
+    needs = {
+        "calibrate": (("calibrate", "--model", "gpt", "--device", "cpu", "--stages", 2, "--out", "g.json"), TORCH_HINT),
+        "run": (("run", "-s", "1f1b", "--model", "mlp", "--trace", "m.json"), TORCH_HINT),
+        "study": (("study", "--seeds", 1, "--results", "s.json", "--html", "s.html"), TORCH_HINT),
+        "sweep --out .parquet": (("sweep", "-s", "1f1b", "--out", "r.parquet"), "pip install 'pipesim[parquet]'"),
+        "sweep --ray": (("sweep", "-s", "1f1b", "--ray", "local"), "pip install 'pipesim[ray]'"),
+    }
+    assert listed == set(works) | {name.split()[0] for name in needs}  # every command is tried
+    for name, args in works.items():  # in order: view and compare read simulate's trace
+        done = pipesim(*args)
+        assert done.returncode == 0, f"{name}: {done.stderr}"
+    for name, (args, hint) in needs.items():
+        done = pipesim(*args)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, f"{name}: {done.stderr}"
+        assert len(done.stderr.strip().splitlines()) == 1 and hint in done.stderr, f"{name}: {done.stderr}"
+    assert not any((tmp_path / name).exists() for name in ("g.json", "m.json", "s.json", "r.parquet"))
