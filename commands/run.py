@@ -228,9 +228,14 @@ def _no_cut(spec, layers: int) -> str:
     """The one line for a model of `layers` layers the schedule's stage graph carries no cut of: for a built-in
     model, which --layers values it does carry (its branches then land on the graph's branches)."""
     from ..executor import carried_bounds
+    from ..executor.stages import MAX_CUTS_SEARCHED
     from ..workload.models import MODELS
 
     schedule = spec.schedule
+    if math.comb(layers - 1, schedule.num_stages - 1) > MAX_CUTS_SEARCHED:
+        return (f"model {spec.model!r} ({layers} layers) has more than {MAX_CUTS_SEARCHED:,} cuts into "
+                f"{schedule.num_stages} stages, too many to search for one that {schedule.method}'s stage graph "
+                "carries: give fewer --layers")
     line = (f"{schedule.method}'s stage graph {sorted(schedule.graph.edges)} carries no cut of model {spec.model!r} "
             f"({layers} layers) into {schedule.num_stages} contiguous stages")
     if spec.model not in MODELS:
