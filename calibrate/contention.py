@@ -5,10 +5,12 @@ bandwidth (and oversubscribe the cores when ranks x threads exceed them): ranks 
 each take longer than alone, while a rank waiting in a receive costs its peers nothing. So
 `pipesim calibrate` spawns as many processes as the run has ranks (at least two), once; process r builds the
 calibrated model at the calibrated thread count, dtype and micro-batch size, and repeats a rank's F and B of
-stage r mod p, as the executor runs them (passes.py). In each of ROUNDS rounds the parent first lets each
-run alone for a window while the others block, then the first k run together for k = 2 .. K; a ratio is taken
-within its round, and the factor is the median over rounds, so one slow spell of a shared host (it once made
-two at once measure 1.84x, against 1.09-1.14x in the minutes before and after) sets none. Windows start and end on
+stage r mod p, as the executor runs them (passes.py). In each of up to ROUNDS rounds the parent first lets
+each run alone for a window while the others block, then the first k run together for k = 2 .. K; a ratio is
+taken within its round, and the factor is the median over rounds, so one slow spell of a shared host (it once
+made two at once measure 1.84x, against 1.09-1.14x in the minutes before and after) sets none. The rounds stop
+after MIN_ROUNDS when those agree (`rounds_agree`): a slow spell in one of them shows as disagreement, and the
+next round outvotes it. Windows start and end on
 the host's monotonic clock, so every kept iteration overlaps the other k - 1 computing; each window drops its
 first WARMUP_S (waking up, cold caches) and any iteration running past its end.
 
@@ -43,7 +45,9 @@ from .passes import stage_runs
 WINDOW_S = 0.5  # the shortest window: about a hundred iterations of a default model's stage
 WARMUP_S = 0.1  # dropped at the start of every window
 BLOCKS = 5  # runs of consecutive iterations per window whose ratios give the spread
-ROUNDS = 3  # of alone and together windows, each ratio taken within its round
+ROUNDS = 3  # of alone and together windows at most, each ratio taken within its round
+MIN_ROUNDS = 2
+AGREEMENT = 0.03  # rounds whose ratios differ by at most this (relative) need no round to outvote one
 MIN_ITERATIONS = 5  # a window holds at least this many of the slowest stage's iterations, all K slowed K-fold
 PRIMING_ITERATIONS = 3  # untimed, once per process, before any window (first allocations, lazy set-up)
 LEAD_S = 0.05  # from posting a window to its start: every process has its command by then
@@ -73,9 +77,14 @@ def processes_for(ranks: int) -> int:
     return max(2, ranks)
 
 
-def progress_units(ranks: int) -> int:
-    """How often `measure_contention` calls `advance`: the start, then one per window."""
-    return 1 + ROUNDS * (2 * processes_for(ranks) - 1)
+def rounds_agree(rounds: list[Round]) -> bool:
+    """The stopping rule: at least MIN_ROUNDS rounds, and for every k the ratios of the rounds so far within
+    AGREEMENT of each other (relative to the smallest)."""
+    if len(rounds) < MIN_ROUNDS:
+        return False
+    _, by_round = measured_slowdowns(rounds)
+    ratios = np.asarray(by_round)  # rounds x (k = 2 .. K)
+    return bool(np.all(ratios.max(axis=0) <= ratios.min(axis=0) * (1 + AGREEMENT)))
 
 
 def slowdowns(measured: list[float]) -> list[float]:
@@ -149,6 +158,8 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
                 advance(f"contention: round {number}/{ROUNDS}, {k} processes at once")
                 together.append(window(range(k)))
             rounds.append((alone, together))
+            if rounds_agree(rounds):
+                break
     finally:
         _stop(procs, conns)
     pooled = [np.concatenate([alone[rank] for alone, _ in rounds]) for rank in range(count)]
@@ -176,7 +187,7 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
             "solo_ms": [round(ms, 4) for ms in solo_ms],
             "solo_median_ms": [round(ms, 4) for ms in solo_median_ms],
             "solo_tail_by_round": [[round(t, 4) for t in tails] for tails in solo_tails],
-            "measured_slowdown": [round(r, 4) for r in measured], "rounds": ROUNDS,
+            "measured_slowdown": [round(r, 4) for r in measured], "rounds": len(rounds),
             "measured_slowdown_by_round": [[round(r, 4) for r in ratios] for ratios in by_round],
             "iterations": [[[len(ms) for ms in times] for times in by_count] for by_count in windows]}
     return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],

@@ -1,19 +1,22 @@
 """Measure a model layer by layer, and its stages' optimizer steps, on this machine.
 
-Times are medians over `repeats` runs after `warmup` runs (CUDA events on a GPU, the monotonic ns clock
-on CPU), with the interquartile range as spread. Each layer runs on its own inputs, recorded once from a
-full forward pass, so a layer's time is what a pipeline stage boundary would see.
+Times are medians over at most `repeats` runs after `warmup` runs (CUDA events on a GPU, the monotonic ns
+clock on CPU), with the interquartile range as spread. A measurement stops repeating once its median is known
+to the precision that matters (`precise`): at least MIN_REPEATS runs, then until the median's distribution-free
+confidence interval lies within a tolerance of it. Each layer runs on its own inputs, recorded once from a full
+forward pass, so a layer's time is what a pipeline stage boundary would see.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -46,6 +49,7 @@ from ..profiles.schema import (
 )
 from ..workload.models import BATCH, Model, ModelError
 from ..workload.optim import elastic_average, make_optimizer
+from .cache import HostCache, fresh
 from .links import measure_allreduce, measure_p2p
 from .passes import StageRun, stage_runs
 
@@ -54,6 +58,15 @@ LEARNING_RATE = 1e-3  # any value: step and prediction times do not depend on it
 ELASTIC_ALPHA = 0.45  # AvgPipe's default 0.9 / P for P = 2; the time does not depend on it
 
 Advance = Callable[[str], None]  # called as each unit of work starts, naming it
+# Wraps one phase of a calibration, named by its title; the body may add notes (where a term came from).
+PhaseLine = Callable[[str], AbstractContextManager[list[str]]]
+
+MIN_REPEATS = 5  # timed runs before a measurement may stop: the fewest whose extremes bound a 90 % interval
+CONFIDENCE = 0.9  # of the median's interval the stopping rule checks
+FLOOR_MS = 0.002  # an interval this narrow is precise whatever the median: the clock's and the call's own jitter
+LAYER_TOLERANCE = 0.05  # layers' times set the partition and scale other cuts' stages
+PASS_TOLERANCE = 0.02  # stage passes are what a prediction prices, m times per mini-batch
+STEP_SHARE = 0.01  # a step or a prediction runs once per mini-batch: precise to 1 % of its stage's F + B
 
 
 class DeviceError(ValueError):
@@ -105,20 +118,44 @@ def _timing(samples_ms: list[float]) -> Timing:
     return Timing(median_ms=float(median), spread_ms=float(q3 - q1), repeats=len(samples_ms))
 
 
+def median_interval(samples: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """A distribution-free interval holding the median with at least `confidence`: the k-th smallest and k-th
+    largest sample for the largest k whose binomial tail allows it (None: too few samples for any)."""
+    n, ordered = len(samples), sorted(samples)
+    outside, k = 0.0, 0  # the chance the median lies below the k-th smallest sample (and, alike, above)
+    while k < n // 2 and 2 * (outside + math.comb(n, k) / 2 ** n) <= 1 - confidence:
+        outside += math.comb(n, k) / 2 ** n
+        k += 1
+    return (ordered[k - 1], ordered[n - k]) if k else None
+
+
+def precise(samples: list[float], tolerance: float, floor_ms: float = FLOOR_MS) -> bool:
+    """The stopping rule: at least MIN_REPEATS samples, and the median's interval (`median_interval`) no wider
+    than `tolerance` of the median, or than `floor_ms`, either side of it."""
+    interval = median_interval(samples) if len(samples) >= MIN_REPEATS else None
+    if interval is None:
+        return False
+    return (interval[1] - interval[0]) / 2 <= max(tolerance * float(np.median(samples)), floor_ms)
+
+
 Phase = tuple[Hashable, Callable[[Any], Any]]  # a name, and the work: the previous phase's result in, its own out
 
 
-def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None = None) -> dict[Hashable, Timing]:
-    """Time every phase of every sequence on its own, in `warmup + repeats` rounds that each run all the
-    sequences in turn, so a slow spell of a shared machine spreads over all of them instead of bending one.
-    A phase hands its result to the next (a forward's graph to its backward), so no untimed work is
+def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None = None,
+          tolerance: float = LAYER_TOLERANCE, floor_ms: Callable[[Hashable], float] = lambda name: FLOOR_MS
+          ) -> dict[Hashable, Timing]:
+    """Time every phase of every sequence on its own, in rounds that each run all the sequences in turn, so a
+    slow spell of a shared machine spreads over all of them instead of bending one: `warmup` rounds, then
+    timed ones until every phase is `precise` (to `tolerance`, or `floor_ms(name)`) or `repeats` rounds are
+    timed. A phase hands its result to the next (a forward's graph to its backward), so no untimed work is
     repeated just to set one up; the last result is released after the clock stops, so freeing it is not
     charged to any phase. A name in several sequences pools their samples."""
-    samples: dict[Hashable, list] = {}
+    samples: dict[Hashable, list[float]] = {}
     rounds = settings.warmup + settings.repeats
     for repeat in range(rounds):
         if advance is not None:
             advance(f"round {repeat + 1}/{rounds}")
+        timed: list[tuple[Hashable, Any]] = []
         for sequence in sequences:
             state = None
             for name, run in sequence:
@@ -127,17 +164,20 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
                     start.record()
                     state = run(state)
                     end.record()
-                    sample = (start, end)
+                    timed.append((name, (start, end)))
                 else:
                     t0 = time.perf_counter_ns()
                     state = run(state)
-                    sample = (time.perf_counter_ns() - t0) / 1e6
-                if repeat >= settings.warmup:
-                    samples.setdefault(name, []).append(sample)
+                    timed.append((name, (time.perf_counter_ns() - t0) / 1e6))
             del state
-    if settings.cuda:
-        torch.cuda.synchronize()
-        samples = {name: [start.elapsed_time(end) for start, end in pairs] for name, pairs in samples.items()}
+        if repeat < settings.warmup:
+            continue
+        if settings.cuda:
+            torch.cuda.synchronize()
+        for name, sample in timed:
+            samples.setdefault(name, []).append(sample[0].elapsed_time(sample[1]) if settings.cuda else sample)
+        if all(precise(ms, tolerance, floor_ms(name)) for name, ms in samples.items()):
+            break
     return {name: _timing(ms) for name, ms in samples.items()}
 
 
@@ -304,13 +344,15 @@ def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance) -
             sequences += [[((k, "fwd"), run.forward), ((k, "bwd"), run.backward)],
                           [((k, "fwd"), run.forward), ((k, "igrad"), run.backward_input),
                            ((k, "wgrad"), run.backward_weight)]]
-    times = _time(settings, *sequences, advance=lambda what: advance(f"timing stages as one pass, {what}"))
+    times = _time(settings, *sequences, advance=lambda what: advance(f"timing stages as one pass, {what}"),
+                  tolerance=PASS_TOLERANCE)
     zero = _zero(settings)
     return [StagePasses(**{kind: times.get((k, kind), zero) for kind in ("fwd", "bwd", "igrad", "wgrad")})
             for k in range(len(runs))]
 
 
-def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) -> list[StageSteps]:
+def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
+                  passes: list[StagePasses] | None = None) -> list[StageSteps]:
     """Per stage: each optimizer's update and weight prediction, one replica's elastic averaging, adding one
     micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does), and the
     copy of the weights a copy-on-write update makes (`copy_on_write`, the executor's own).
@@ -322,13 +364,18 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) ->
     the gradient buffer that pass makes afresh, as a mini-batch's first backward does: a buffer kept from step
     to step stays in cache (an SGD step of a 4 MiB stage, timed in turn on the 2-core CPUs here: mean 0.37 ms
     on a kept buffer, 0.44-0.52 ms on a fresh one). Averaging, accumulation and the copy follow a pass that
-    adds into kept gradients."""
+    adds into kept gradients. Given the stages' `passes`, each op stops repeating once known to STEP_SHARE of
+    its stage's F + B (the untimed passes between them are not checked)."""
     out = []
     for k, run in enumerate(runs):
         if not run.weights:
             zero = _zero(settings)
             out.append(({name: StepTimes(step=zero, predict=zero) for name in OPTIMIZERS}, zero, zero, zero))
             continue
+        enough_ms = STEP_SHARE * (passes[k].fwd.median_ms + passes[k].bwd.median_ms) if passes else 0.0
+
+        def floor_ms(name: Hashable, enough_ms: float = enough_ms) -> float:
+            return math.inf if name in ("pass", "drop") else max(FLOOR_MS, enough_ms)
         steps = {}
         for name in OPTIMIZERS:
             advance(f"stage {k}: {name} step and prediction")
@@ -340,7 +387,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) ->
                           [("pass", _call_with(_fresh_pass, run, None)),
                            ("predict", lambda _, state=state: state.predict((state.version, 1, "F"))),
                            ("drop", lambda predicted, state=state: state.free_predicted(
-                               (predicted.version, predicted.distance, "F")))])
+                               (predicted.version, predicted.distance, "F")))], floor_ms=floor_ms)
             steps[name] = StepTimes(step=times["step"], predict=times["predict"])
         advance(f"stage {k}: elastic averaging")
         weights = run.weights = _with_grads(run.weights)
@@ -350,7 +397,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance) ->
         average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
         accumulate = _call_with(_accumulate, [torch.zeros_like(w) for w in weights], [w.grad for w in weights])
         times = _time(settings, [warm, ("average", average)], [warm, ("accumulate", accumulate)],
-                      [warm, ("copy", _call_with(copy_on_write, weights))])
+                      [warm, ("copy", _call_with(copy_on_write, weights))], floor_ms=floor_ms)
         out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 
@@ -407,31 +454,37 @@ def _nvidia_driver() -> str | None:
 
 
 def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, memory_cap_bytes: int | None,
-              link_sizes: list[int], dtype_name: str, advance: Advance) -> Profile:
-    """Everything `pipesim calibrate` measures, as a Profile: layers, the partition into `stages` (under the
-    cap, for `optimizer`'s state), the stages' steps, and, given sizes, the p2p link and all-reduce (in
-    `repeats` rounds over the sizes, each reported to `advance` as it starts, and once when all are up)."""
-    recording, layers = measure_bytes(model, settings)
-    partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)  # no split fits the cap: fail now
+              link_sizes: list[int], dtype_name: str, advance: Advance, cache: HostCache | None = None,
+              phase: PhaseLine = lambda title: nullcontext([])) -> Profile:
+    """Everything `pipesim calibrate` measures in process, as a Profile: layers, the partition into `stages`
+    (under the cap, for `optimizer`'s state), the stages' passes and steps, and, given sizes, the p2p link and
+    all-reduce (`measure_links`; from `cache` where it holds them for this host). Each of these runs inside
+    `phase(title)`."""
+    with phase(f"timing layers ({len(model.layers)})"):
+        recording, layers = measure_bytes(model, settings)
+        partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)  # no split fits the cap: fail now
+        with threads(settings.threads):
+            layers = measure_times(model, settings, recording, layers, advance)
     with threads(settings.threads):
-        layers = measure_times(model, settings, recording, layers, advance)
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
         runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
-        passes = measure_passes(runs, settings, advance)
-        steps = measure_steps(runs, settings, advance)
+        with phase(f"timing stages as one pass ({stages})"):
+            passes = measure_passes(runs, settings, advance)
+        with phase(f"timing updates, predictions, averaging ({stages} stages, {len(OPTIMIZERS)} optimizers)"):
+            steps = measure_steps(runs, settings, advance, passes)
     link = allreduce = None
     if link_sizes:
-        def rounds(what: str) -> Callable[[int, int], None]:
-            return lambda done, total: advance(f"{what}: round {done}/{total}")
-
-        times = {"device": settings.device.type, "repeats": settings.repeats, "warmup": settings.warmup}
-        p2p = measure_p2p(link_sizes, **times, progress=rounds("p2p link"))
-        fit = fit_link(p2p)
-        link = LinkProfile(segments=[asdict(s) for s in fit.segments], points=[asdict(p) for p in p2p],
-                           meta=dict(fit.meta))
-        reduced = measure_allreduce(link_sizes, **times, progress=rounds("all-reduce"))
-        allreduce = AllReduceProfile(world_size=reduced.meta["world_size"], points=[asdict(p) for p in reduced],
-                                     meta=reduced.meta)
+        with phase(f"measuring the p2p link and all-reduce ({len(link_sizes)} sizes)") as notes:
+            key = {"device": settings.device.type, "sizes": link_sizes, "repeats": settings.repeats,
+                   "warmup": settings.warmup}
+            measure = lambda: measure_links(link_sizes, settings, advance)  # noqa: E731
+            links = cache.get("links", key, measure) if cache is not None else fresh(measure)
+            link = LinkProfile.model_validate(links.value["link"])
+            allreduce = AllReduceProfile.model_validate(links.value["allreduce"])
+            if cache is not None:
+                notes.append(links.describe())
+                link = link.model_copy(update={"meta": {**link.meta, "host_cache": links.meta()}})
+                allreduce = allreduce.model_copy(update={"meta": {**allreduce.meta, "host_cache": links.meta()}})
     return Profile(
         schema_version=SCHEMA_VERSION, environment=environment(settings, dtype_name, memory_cap_bytes),
         model=ModelInfo(name=model.name, options=model.options), layers=layers,
@@ -439,3 +492,21 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps,
                                 passes, boundary_held_bytes(layers, bounds, dag=False)),
         link=link, allreduce=allreduce)
+
+
+def measure_links(link_sizes: list[int], settings: Settings, advance: Advance) -> dict[str, Any]:
+    """The p2p link (its points and fit) and the all-reduce between two local ranks, in `repeats` rounds over
+    the sizes, each reported to `advance` as it starts: {"link": LinkProfile, "allreduce": AllReduceProfile},
+    as JSON."""
+    def rounds(what: str) -> Callable[[int, int], None]:
+        return lambda done, total: advance(f"{what}: round {done}/{total}")
+
+    times = {"device": settings.device.type, "repeats": settings.repeats, "warmup": settings.warmup}
+    p2p = measure_p2p(link_sizes, **times, progress=rounds("p2p link"))
+    fit = fit_link(p2p)
+    link = LinkProfile(segments=[asdict(s) for s in fit.segments], points=[asdict(p) for p in p2p],
+                       meta=dict(fit.meta))
+    reduced = measure_allreduce(link_sizes, **times, progress=rounds("all-reduce"))
+    allreduce = AllReduceProfile(world_size=reduced.meta["world_size"], points=[asdict(p) for p in reduced],
+                                 meta=reduced.meta)
+    return {"link": link.model_dump(mode="json"), "allreduce": allreduce.model_dump(mode="json")}

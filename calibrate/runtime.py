@@ -10,9 +10,12 @@ layers: functional_call and the saved-tensor hooks); the host time of a SEND row
 had already arrived; how long a message takes from its send's post to a receiver waiting for it; the gap after
 each kind of row; and the gradient copies an update leaves held (memory after it, at a flush, less the
 weights, SGD keeping no state, and less the buffers of the receives posted ahead for the next mini-batch). The
-probe's schedules: 1F1B for B, ZB-H1 for I and W (both for F, OPT and the transfers). The gaps and a SEND's
-host time come from the same schedules run on the calibrated model itself: that host work runs on the caches
-a stage's compute leaves, and after a stage of large layers it takes about twice as long as after the probe's.
+probe runs its schedules in turn in one run (`probe_schedule`: 1F1B for B, then ZB-H1 for I and W; both for
+F, OPT and the transfers), so its ranks start once. The gaps and a SEND's host time come from the same run on
+the calibrated model itself (`host_times`): that host work runs on the caches a stage's compute leaves, and
+after a stage of large layers it takes about twice as long as after the probe's. The probe's terms depend on
+the host, the torch build, the threads, the dtype and the boundary's size but not on the model, so `pipesim
+calibrate` keeps them in the host cache (calibrate/cache.py); the calibrated model's run is made every time.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from collections import defaultdict
 import numpy as np
 
 from ..profiles.schema import COMPUTE_KINDS, RECV_WINDOW, Profile, RuntimeProfile, Timing
+from ..schedules import Schedule, ScheduleParams, build_schedule
 from ..traces.trace import Stream, Trace
 
-PROBE_SCHEDULES = ("1f1b", "zb-h1")
+PROBE_SCHEDULES = ("1f1b", "zb-h1")  # run in turn, each for `steady` mini-batches, after one of warm-up
 PROBE_OPTIMIZER = "sgd"  # the probe's OPT rows minus its calibrated SGD step leave the runtime's own part
 PROBE_MICROBATCHES = 8
-PROBE_MINIBATCHES = 6  # the first is warm-up and dropped
+PROBE_STEADY = 5  # mini-batches per schedule the probe keeps
+HOST_RUN_S = 1.5  # compute per rank the calibrated model's run aims at: its gaps are short beside large rows
 MAX_PROBE_WIDTH = 1 << 16  # boundaries wider than this are probed at this width (meta says so)
 
 
@@ -41,6 +46,34 @@ def probe_width(profile: Profile, element_bytes: int) -> int:
     boundary = max((stage.output_bytes for stage in profile.stages), default=0)
     width = round(boundary / (profile.environment.microbatch_size * element_bytes))
     return int(min(max(width, 1), MAX_PROBE_WIDTH))
+
+
+def probe_schedule(stages: int, microbatches: int, steady: int) -> Schedule:
+    """PROBE_SCHEDULES in one schedule on `stages` devices: the first for one warm-up mini-batch (dropped from
+    every term) and `steady` more, each next one for `steady` mini-batches numbered on from there."""
+    parts = [build_schedule(name, ScheduleParams(stages=stages, microbatches=microbatches,
+                                                 minibatches=steady + (i == 0)))
+             for i, name in enumerate(PROBE_SCHEDULES)]
+    first, orders, offset = parts[0], [[] for _ in range(stages)], 0
+    for part in parts:
+        for device, order in enumerate(part.orders):
+            orders[device] += [action._replace(minibatch=action.minibatch + offset) for action in order]
+        offset += part.minibatches
+    return Schedule(method=" then ".join(PROBE_SCHEDULES), graph=first.graph, placement=first.placement,
+                    orders=[tuple(order) for order in orders], policy=first.policy, microbatches=microbatches,
+                    minibatches=offset, params={**first.params, "minibatches": offset})
+
+
+def host_plan(profile: Profile) -> tuple[int, int]:
+    """(micro-batches, steady mini-batches per schedule) for the run of the calibrated model: the probe's, or
+    fewer where its passes are so long that the run would take more than HOST_RUN_S of compute per rank (at
+    least one steady mini-batch, and the 2p micro-batches ZB-H1 needs)."""
+    pass_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
+    stages = profile.partition.stages
+    microbatches = max(2 * stages, min(PROBE_MICROBATCHES, int(HOST_RUN_S / (3 * pass_s)) if pass_s else 1 << 30))
+    per_minibatch_s = microbatches * pass_s
+    steady = PROBE_STEADY if not per_minibatch_s else int((HOST_RUN_S / per_minibatch_s - 1) / len(PROBE_SCHEDULES))
+    return microbatches, min(PROBE_STEADY, max(1, steady))
 
 
 def _timing(samples_ms: list[float] | np.ndarray, what: str) -> Timing:
@@ -82,14 +115,21 @@ def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float
     return gaps, sends
 
 
-def runtime_terms(traces: list[Trace], probe: Profile, meta: dict,
-                  host_traces: list[Trace] | None = None) -> RuntimeProfile:
+def host_times(runtime: RuntimeProfile, traces: list[Trace]) -> RuntimeProfile:
+    """`runtime` with the gaps after each row and the SEND rows' times of `traces`, runs of the calibrated model
+    itself: that host work runs on the caches the stage's compute left (after a large stage twice as long as
+    after the probe's)."""
+    gaps, sends = _host_times(traces)
+    return runtime.model_copy(update={
+        "send_ms": _timing(sends, "SEND rows"),
+        "gap_ms": {kind: _timing(samples, f"gaps after {kind}") for kind, samples in sorted(gaps.items())}})
+
+
+def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimeProfile:
     """The runtime's per-row costs from measured probe `traces` of the model `probe` profiles (same stage
-    bounds), warm-up mini-batch dropped, samples pooled over traces, devices and stages. `host_traces`, runs of
-    the calibrated model itself, give the gaps after each row and the SEND rows' times instead: that host work
-    runs on the caches the stage's compute left (after a large stage twice as long as after the probe's)."""
+    bounds), warm-up mini-batch dropped, samples pooled over traces, devices and stages."""
     compute: dict[str, list[float]] = defaultdict(list)
-    gaps, sends = _host_times(host_traces or traces)
+    gaps, sends = _host_times(traces)
     arrived: list[float] = []
     waited: list[float] = []  # from the send's post to the end of a receive that waited for it
     kept: list[float] = []

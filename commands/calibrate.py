@@ -3,7 +3,8 @@ once it runs."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated
 
@@ -76,6 +77,10 @@ def calibrate(
         "--ranks", min=2, help="The most ranks a run of this profile will have on this host, which the contention "
                                "probe runs up to (default: one per stage; AvgPipe's P pipelines have P per "
                                "stage). Beyond it the simulator holds the last measured slowdown.")] = None,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Measure the per-host terms again (the link, all-reduce and the runtime probe, kept in "
+                        "$PIPESIM_CACHE_DIR, else $XDG_CACHE_HOME/pipesim or ~/.cache/pipesim, per host, torch "
+                        "version, threads, dtype and sizes) instead of reusing them.")] = False,
 ) -> None:
     """Measure a model on this machine into a profile for `pipesim simulate --profile`.
 
@@ -83,7 +88,8 @@ def calibrate(
     gradient and optimizer-state bytes. Per stage of the partition: optimizer, weight-prediction and
     averaging steps. And the p2p link (a piecewise fit) and all-reduce between two ranks, the executor's
     own cost per row (compute, send, receive, the gap between rows), and on CPU how much ranks computing at
-    once slow each other.
+    once slow each other. What depends on the host and not on the model is kept in a cache and reused
+    (`--fresh` measures it again); a line per phase on stderr says what each took.
     """
     from ..profiles.partition import PartitionError
     from ..profiles.schema import OPTIMIZERS, profile_json
@@ -107,11 +113,12 @@ def calibrate(
         if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
-        from ..calibrate.contention import ContentionError, measure_contention, progress_units
+        from ..calibrate.cache import HostCache
+        from ..calibrate.contention import ContentionError, measure_contention, processes_for
         from ..calibrate.links import LinkError
         from ..calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
         from ..calibrate.measure import calibrate as run_calibration
-        from ..calibrate.runtime import PROBE_SCHEDULES, RuntimeProbeError
+        from ..calibrate.runtime import RuntimeProbeError
         from ..profiles.linkfit import default_sizes
         from ..workload.models import ModelError, build_model
 
@@ -127,20 +134,22 @@ def calibrate(
                 raise InputError(f"--ranks sizes the CPU contention probe; a {settings.device.type} profile has "
                                  "none: leave it out")
             contention = contention and settings.device.type == "cpu"
-            rounds = warmup + repeats  # the layers' rounds, then the stages' as one pass
-            work = 2 * rounds + 5 * stages + (2 * (repeats + 1) if sizes else 0) + (
-                2 * rounds + 10 + 2 * len(PROBE_SCHEDULES) if runtime else 0) + (
-                progress_units(ranks or stages) if contention else 0)
-            with _steps(work, f"calibrating {net.name}") as advance:
+            cache = HostCache(fresh=fresh)
+            with _phases(f"calibrating {net.name}") as (advance, phase):
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
-                    memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance)
+                    memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance,
+                    cache=cache, phase=phase)
                 if runtime:
-                    profile = profile.model_copy(update={"runtime": measure_runtime(profile, settings, advance, model,
-                                                                                    options)})
+                    profile = profile.model_copy(update={"runtime": measure_runtime(
+                        profile, settings, advance, model, options, cache=cache, phase=phase)})
                 if contention:
-                    measured = measure_contention(profile, model, options, advance, ranks)
+                    with phase(f"measuring contention ({processes_for(ranks or stages)} processes)"):
+                        measured = measure_contention(profile, model, options, advance, ranks)
                     profile = profile.model_copy(update={"contention": measured})
+            if cache.unwritable:
+                stderr.print(f"note: the host cache could not be written ({cache.unwritable}); the next "
+                             "calibration measures its terms again", highlight=False)
         except (ModelError, DeviceError, PartitionError, LinkError, RuntimeProbeError, ContentionError) as exc:
             raise InputError(str(exc)) from None
         except (MemoryError, RuntimeError) as exc:  # the model or its batch does not fit in memory
@@ -161,77 +170,120 @@ def calibrate(
     stdout.print(f"wrote {out}", highlight=False)
 
 
-def measure_runtime(profile, settings, advance, model: str, options: dict):
-    """The executor's per-row costs: calibrate the probe model (one tiny block and the classifier, its boundary
-    as wide as the profile's), then run it for real with each probe schedule on two ranks over the run's
-    transport with `settings.threads` per rank; and the same schedules on the calibrated model itself (`model`
-    with `options`, at the profile's partition), whose host time between rows runs on the caches its stages'
-    compute leaves (calibrate/runtime.py reads the traces)."""
-    from ..calibrate.measure import calibrate as run_calibration
+def measure_runtime(profile, settings, advance, model: str, options: dict, cache=None,
+                    phase=lambda title: nullcontext([])):
+    """The executor's per-row costs: the probe model (one tiny block and the classifier, its boundary as wide
+    as the profile's) calibrated, then run for real (`probe_schedule`) on two ranks over the run's transport
+    with `settings.threads` per rank, taken from the host `cache` (calibrate/cache.py) where it holds them;
+    and, every time, the same schedules run on the calibrated model itself (`model` with `options`, at the
+    profile's partition), whose host time between rows runs on the caches its stages' compute leaves
+    (calibrate/runtime.py reads the traces). Each part runs inside `phase(title)`."""
+    from ..calibrate.cache import fresh
     from ..calibrate.runtime import (
         PROBE_MICROBATCHES,
-        PROBE_MINIBATCHES,
-        PROBE_OPTIMIZER,
         PROBE_SCHEDULES,
-        RuntimeProbeError,
+        PROBE_STEADY,
+        host_plan,
+        host_times,
         probe_width,
-        runtime_terms,
     )
-    from ..executor import ExecutorError, RunSpec, run_multiprocess
-    from ..schedules import ScheduleParams, build_schedule
-    from ..workload.models import build_model
+    from ..profiles.schema import RuntimeProfile
 
     env = profile.environment
     probe_options = {"layers": 1, "width": probe_width(profile, settings.dtype.itemsize)}
+    key = {"device": env.device, "dtype": env.dtype, "microbatch_size": env.microbatch_size,
+           "threads": settings.threads, "repeats": settings.repeats, "warmup": settings.warmup,
+           "probe": probe_options, "schedules": PROBE_SCHEDULES, "microbatches": PROBE_MICROBATCHES,
+           "steady": PROBE_STEADY}
+    with phase(f"runtime probe ({' then '.join(PROBE_SCHEDULES)} on two ranks)") as notes:
+        measure = lambda: _probe_terms(profile, settings, advance, probe_options).model_dump(mode="json")  # noqa: E731
+        probe = cache.get("runtime-probe", key, measure) if cache is not None else fresh(measure)
+        runtime = RuntimeProfile.model_validate(probe.value)
+        if cache is not None:
+            notes.append(probe.describe())
+    meta = {**runtime.meta, "host_times_from": "the probe"}
+    stages = profile.partition.stages
+    if stages >= 2:
+        microbatches, steady = host_plan(profile)
+        with phase(f"running the calibrated model ({stages} ranks, {microbatches} micro-batches, "
+                   f"{1 + steady * len(PROBE_SCHEDULES)} mini-batches)"):
+            trace = _probe_run(model, {k: v for k, v in options.items() if v is not None}, profile.partition.bounds,
+                               settings, env, (microbatches, steady), f"the calibrated model's {stages} ranks",
+                               advance)
+        runtime = host_times(runtime, [trace])
+        meta.update(host_times_from="the calibrated model", host_microbatches=microbatches,
+                    host_minibatches=1 + steady * len(PROBE_SCHEDULES))
+    if cache is not None:
+        meta["host_cache"] = probe.meta()
+    return runtime.model_copy(update={"meta": meta})
+
+
+def _probe_terms(profile, settings, advance, probe_options: dict):
+    """The runtime probe itself: its model calibrated and run (calibrate/runtime.py's `runtime_terms`)."""
+    from ..calibrate.measure import calibrate as run_calibration
+    from ..calibrate.runtime import (
+        PROBE_MICROBATCHES,
+        PROBE_OPTIMIZER,
+        PROBE_SCHEDULES,
+        PROBE_STEADY,
+        runtime_terms,
+    )
+    from ..workload.models import build_model
+
+    env = profile.environment
     probe = run_calibration(build_model("mlp", **probe_options), settings, stages=2, optimizer=PROBE_OPTIMIZER,
                             memory_cap_bytes=None, link_sizes=[], dtype_name=env.dtype,
                             advance=lambda what: advance(f"runtime probe: {what}"))
-    def runs(name: str, given: dict, bounds: list[int], what: str) -> list:
-        """Each probe schedule run for real on model `name` cut at `bounds`."""
-        params = ScheduleParams(stages=len(bounds) - 1, microbatches=PROBE_MICROBATCHES,
-                                minibatches=PROBE_MINIBATCHES)
-        traces = []
-        for schedule in PROBE_SCHEDULES:
-            advance(f"runtime probe: running {schedule} on {what}")
-            spec = RunSpec(build_schedule(schedule, params), name, given, microbatch_size=env.microbatch_size,
-                           optimizer=PROBE_OPTIMIZER, dtype=env.dtype, bounds=tuple(bounds),
-                           threads_per_rank=settings.threads)
-            try:
-                traces.append(run_multiprocess(spec, device=env.device).trace)
-            except ExecutorError as exc:
-                raise RuntimeProbeError(f"the runtime probe failed: {str(exc).splitlines()[0]}") from None
-        return traces
-
-    traces = runs("mlp", probe_options, probe.partition.bounds, "two ranks")
-    calibrated = {key: value for key, value in options.items() if value is not None}
-    stages = profile.partition.stages
-    host = runs(model, calibrated, profile.partition.bounds, f"the calibrated model's {stages} ranks") \
-        if stages >= 2 else []
+    trace = _probe_run("mlp", probe_options, probe.partition.bounds, settings, env,
+                       (PROBE_MICROBATCHES, PROBE_STEADY), "two ranks", advance)
     meta = {"model": "mlp", "options": probe_options, "boundary_bytes": probe.stages[0].output_bytes,
-            "schedules": list(PROBE_SCHEDULES), "ranks": 2,
-            "threads_per_rank": settings.threads, "microbatches": PROBE_MICROBATCHES,
-            "minibatches": PROBE_MINIBATCHES, "host_times_from": "the calibrated model" if host else "the probe",
-            **traces[0].meta.hardware}
-    return runtime_terms(traces, probe, meta, host)
+            "schedules": list(PROBE_SCHEDULES), "ranks": 2, "threads_per_rank": settings.threads,
+            "microbatches": PROBE_MICROBATCHES, "minibatches": 1 + PROBE_STEADY * len(PROBE_SCHEDULES),
+            **trace.meta.hardware}
+    return runtime_terms([trace], probe, meta)
+
+
+def _probe_run(name: str, given: dict, bounds: list[int], settings, env, plan: tuple[int, int], what: str,
+               advance):
+    """The probe's schedules (`probe_schedule` with `plan`'s micro-batches and steady mini-batches) run for
+    real on model `name` cut at `bounds`: its trace."""
+    from ..calibrate.runtime import PROBE_OPTIMIZER, RuntimeProbeError, probe_schedule
+    from ..executor import ExecutorError, RunSpec, run_multiprocess
+
+    advance(f"runtime probe: running {what}")
+    spec = RunSpec(probe_schedule(len(bounds) - 1, *plan), name, given, microbatch_size=env.microbatch_size,
+                   optimizer=PROBE_OPTIMIZER, dtype=env.dtype, bounds=tuple(bounds),
+                   threads_per_rank=settings.threads)
+    try:
+        return run_multiprocess(spec, device=env.device).trace
+    except ExecutorError as exc:
+        raise RuntimeProbeError(f"the runtime probe failed: {str(exc).splitlines()[0]}") from None
 
 
 @contextmanager
-def _steps(total: int, title: str):
-    """A progress bar on an interactive terminal over `total` units of work; yields `advance(what)`, called
-    as each unit starts."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _phases(title: str):
+    """Yields (advance, phase): `phase(name)` wraps one phase of the calibration and prints "name ... 3.1 s"
+    (with the notes its body adds) on stderr when it ends, also when stderr is not a terminal; on a terminal a
+    transient bar under those lines names the unit of work running (`advance(what)`, called as each starts)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
-        task = bar.add_task(title, total=total)
-        started = 0
+        task = bar.add_task(title)
 
         def advance(what: str) -> None:
-            nonlocal started
-            bar.update(task, completed=min(started, total), description=f"{title}: {what}")
-            started += 1
+            bar.update(task, description=f"{title}: {what}")
 
-        yield advance
+        @contextmanager
+        def phase(name: str):
+            notes: list[str] = []
+            bar.update(task, description=f"{title}: {name}")
+            started = time.perf_counter()
+            yield notes
+            said = f" ({'; '.join(notes)})" if notes else ""
+            stderr.print(f"{name} ... {time.perf_counter() - started:.1f} s{said}", highlight=False, soft_wrap=True)
+
+        yield advance, phase
 
 
 def _print_profile(profile) -> None:

@@ -24,6 +24,21 @@ from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces import Summary, Trace, summarize
 
 
+@pytest.fixture(scope="session", autouse=True)
+def host_cache_dir(tmp_path_factory):
+    """Calibration's per-host cache in a temporary folder for the whole session (spawned ranks inherit it), so
+    no test reads or fills the user's."""
+    import os
+
+    saved = os.environ.get("PIPESIM_CACHE_DIR")
+    os.environ["PIPESIM_CACHE_DIR"] = str(tmp_path_factory.mktemp("host-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("PIPESIM_CACHE_DIR", None)
+    else:
+        os.environ["PIPESIM_CACHE_DIR"] = saved
+
+
 class Cli(NamedTuple):
     code: int
     out: str

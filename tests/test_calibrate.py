@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -170,14 +171,19 @@ def test_calibration_runs_at_the_given_threads_and_times_the_gradient_accumulati
     assert all(stage.accumulate.median_ms > 0 and stage.accumulate.repeats == 5 for stage in profile.stages)
     assert all(stage.weight_copy.median_ms > 0 and stage.weight_copy.repeats == 5 for stage in profile.stages)
     out = tmp_path / "two.json"
-    assert pipesim("calibrate", *MLP, "--threads", "2", *LAYERS_ONLY, "--out", out).code == 0
-    assert load_profile(out).environment.threads == 2
+    code, _, err = pipesim("calibrate", *MLP, "--threads", "2", *LAYERS_ONLY, "--out", out)
+    assert code == 0 and load_profile(out).environment.threads == 2
+    # a line per phase on stderr, though it is not a terminal here
+    phases = [line.split(" ... ")[0] for line in err.splitlines() if " ... " in line]
+    assert phases == ["timing layers (4)", "timing stages as one pass (2)",
+                      "timing updates, predictions, averaging (2 stages, 4 optimizers)"]
     assert torch.get_num_threads() == 1  # this process's count is given back
 
 
 def test_simulate_with_a_profile(mlp_profile):
     profile = load_profile(mlp_profile)
-    gpipe, xpipe = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-s", "xpipe", "-m", "4")
+    gpipe, xpipe = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-s", "xpipe", "-m", "4",
+                                 "--minibatches", "1")
     assert len(gpipe["devices"]) == profile.partition.stages  # --stages defaults to the profile's
     # Four forwards and backwards and the update; the backwards were timed as one pass adding into the
     # gradient buffer, as three of the four do, so no accumulation comes on top.
@@ -194,7 +200,8 @@ def test_simulate_with_a_profile(mlp_profile):
             compute + predictions * stage.steps["adam"].predict.median_ms)
     assert gpipe["samples_per_s"] == pytest.approx(4 * BATCH / gpipe["time_per_minibatch_ms"] * 1e3)
 
-    (sgd,) = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-m", "4", "--optimizer", "sgd")
+    (sgd,) = simulate_json("--profile", str(mlp_profile), "-s", "gpipe", "-m", "4", "--minibatches", "1",
+                           "--optimizer", "sgd")
     first = profile.stages[0]
     assert sgd["devices"][0]["busy_ms"] == pytest.approx(
         4 * (first.fwd_ms + first.bwd_ms) + first.steps["sgd"].step.median_ms)
@@ -471,3 +478,124 @@ def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monk
         assert set(stage_steps) == set(OPTIMIZERS)
         assert all(t.step.repeats == t.predict.repeats == settings.repeats and t.step.median_ms > 0
                    and t.predict.median_ms > 0 for t in stage_steps.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(samples=st.lists(st.floats(0, 1e3, allow_nan=False), min_size=1, max_size=40))
+def test_the_median_interval_holds_the_median_from_five_samples_on(samples):
+    from pipesim.calibrate.measure import MIN_REPEATS, median_interval
+
+    interval = median_interval(samples)
+    assert (interval is None) == (len(samples) < MIN_REPEATS)
+    if interval is not None:
+        assert interval[0] <= float(np.median(samples)) <= interval[1]
+
+
+def test_the_stopping_rule_bounds_the_median_by_order_statistics():
+    from pipesim.calibrate.measure import median_interval, precise
+
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None  # the extremes of 4 hold the median 87.5 % of the time
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) == (1.0, 5.0)  # of 5: 93.75 %
+    assert median_interval([float(x) for x in range(10, 0, -1)]) == (2.0, 9.0)  # the 3rd of 10 would be 89 %
+    tight = [10.0, 10.1, 9.9, 10.05, 9.95]
+    assert precise(tight, 0.02) and not precise(tight[:4], 0.02)  # four are too few, however close
+    wide = [10.0, 12.0, 8.0, 11.0, 9.0]
+    assert not precise(wide, 0.05) and precise(wide, 0.05, floor_ms=2.0)  # known well enough for its purpose
+
+
+def _clock(increments_ns):
+    """A stand-in for the measure module's `time` whose readings step by `increments_ns` in turn: a phase timed
+    between two readings takes every second increment."""
+    from types import SimpleNamespace
+
+    readings = itertools.accumulate(itertools.cycle(increments_ns))
+    return SimpleNamespace(perf_counter_ns=lambda: next(readings))
+
+
+@pytest.mark.parametrize("increments, floor_ms, timed", [
+    ((0, 1_000_000), None, 5),  # every run takes 1 ms: precise at the fewest runs
+    ((0, 1_000_000) * 2 + (0, 3_000_000) * 2, None, 20),  # 1 and 3 ms round by round: never within 2 %
+    ((0, 1_000_000) * 2 + (0, 3_000_000) * 2, 1.0, 5),  # ... enough where +-1 ms is all that matters
+])
+def test_timing_stops_once_every_median_is_precise_and_not_before(monkeypatch, increments, floor_ms, timed):
+    from pipesim.calibrate import measure
+
+    monkeypatch.setattr(measure, "time", _clock(increments))
+    settings = measure.Settings(torch.device("cpu"), torch.float32, 1, warmup=2, repeats=20)
+    runs = []
+    times = measure._time(settings, [("a", lambda _: runs.append("a")), ("b", lambda _: runs.append("b"))],
+                          tolerance=0.02, **({"floor_ms": lambda name: floor_ms} if floor_ms else {}))
+    assert len(runs) == 2 * (settings.warmup + timed)  # the warm-up rounds, then the timed ones
+    assert times["a"].repeats == times["b"].repeats == timed
+
+
+def test_the_runtime_probe_runs_its_schedules_in_turn_in_one_valid_schedule(mlp_profile):
+    from pipesim.calibrate.runtime import PROBE_SCHEDULES, host_plan, probe_schedule
+    from pipesim.schedules.analysis import validate
+
+    schedule = probe_schedule(2, 8, 3)
+    validate(schedule)
+    assert PROBE_SCHEDULES == ("1f1b", "zb-h1") and schedule.minibatches == 1 + 3 + 3
+    for device, order in enumerate(schedule.orders):
+        # 1F1B's warm-up mini-batch and three more, then ZB-H1's three, numbered on
+        first = list(build_schedule("1f1b", ScheduleParams(stages=2, microbatches=8, minibatches=4)).orders[device])
+        then = build_schedule("zb-h1", ScheduleParams(stages=2, microbatches=8, minibatches=3)).orders[device]
+        assert list(order) == first + [a._replace(minibatch=a.minibatch + 4) for a in then]
+    kinds = {b: {a.kind for order in schedule.orders for a in order if a.minibatch == b} for b in range(7)}
+    assert all(kinds[b] == {Kind.F, Kind.B, Kind.OPT} for b in range(4))
+    assert all(kinds[b] == {Kind.F, Kind.I, Kind.W, Kind.OPT} for b in range(4, 7))
+    # The calibrated model's run: the probe's shape for small passes; for long ones fewer, at least ZB-H1's 2p
+    # micro-batches and one steady mini-batch per schedule.
+    profile = load_profile(mlp_profile)
+    assert host_plan(profile) == (8, 5)
+    slow = profile.model_copy(update={"stages": [s.model_copy(update={"fwd_ms": 300.0, "bwd_ms": 600.0})
+                                                 for s in profile.stages]})
+    assert host_plan(slow) == (4, 1)
+
+
+def test_host_cache_reuses_a_term_until_fresh_and_measures_again_what_it_cannot_read(tmp_path):
+    from pipesim.calibrate.cache import HostCache
+
+    measured = []
+
+    def measure():
+        measured.append(len(measured) + 1)
+        return {"ms": measured[-1], "sizes": (4096,)}
+
+    first = HostCache(tmp_path).get("links", {"sizes": (4096,)}, measure)
+    again = HostCache(tmp_path).get("links", {"sizes": (4096,)}, measure)
+    assert first.fresh and not again.fresh and again.value == {"ms": 1, "sizes": [4096]} and measured == [1]
+    assert again.measured_at == first.measured_at and again.meta()["reused"] and "from the host cache" in \
+        again.describe()
+    assert HostCache(tmp_path).get("links", {"sizes": (8192,)}, measure).value["ms"] == 2  # other settings
+    assert HostCache(tmp_path, fresh=True).get("links", {"sizes": (4096,)}, measure).value["ms"] == 3
+    assert HostCache(tmp_path).get("links", {"sizes": (4096,)}, measure).value["ms"] == 3  # the new one kept
+    for path in tmp_path.iterdir():
+        path.write_text("{half written")
+    assert HostCache(tmp_path).get("links", {"sizes": (4096,)}, measure).value["ms"] == 4  # unreadable: again
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    cache = HostCache(blocked / "cache")
+    assert cache.get("links", {"sizes": (4096,)}, measure).fresh and "a-file" in cache.unwritable
+
+
+@pytest.mark.slow
+def test_a_second_calibration_reuses_the_host_terms_and_fresh_measures_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path / "cache"))
+    args = (*MLP, "--stages", "2", "--link-max-mb", "0.0078125", "--no-contention")
+    runs = {}
+    for name, extra in (("cold", ()), ("warm", ()), ("fresh", ("--fresh",))):
+        code, _, err = pipesim("calibrate", *args, *extra, "--out", tmp_path / f"{name}.json")
+        assert code == 0, err
+        runs[name] = (load_profile(tmp_path / f"{name}.json"), err)
+    for name, reused in (("cold", False), ("warm", True), ("fresh", False)):
+        profile, err = runs[name]
+        for meta in (profile.link.meta, profile.allreduce.meta, profile.runtime.meta):
+            assert meta["host_cache"]["reused"] is reused
+        assert (err.count("from the host cache") == 2) is reused and (err.count("measured now") == 2) is not reused
+        assert profile.runtime.meta["host_times_from"] == "the calibrated model"  # measured every time
+    cold, warm = runs["cold"][0], runs["warm"][0]
+    assert warm.link == cold.link.model_copy(update={"meta": warm.link.meta})
+    assert warm.runtime.compute_ms == cold.runtime.compute_ms and warm.runtime.gap_ms != cold.runtime.gap_ms
+    assert warm.link.meta["host_cache"]["measured_at"] == cold.link.meta["host_cache"]["measured_at"]
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["links", "runtime"]

@@ -138,7 +138,9 @@ def test_a_measurement_process_that_fails_is_one_line_exit_2(tmp_path, monkeypat
     code, _, err = pipesim("calibrate", "--model", "byo_only_in_parent:build", "--stages", "2", "--device", "cpu",
                            "--repeats", "3", "--warmup", "1", "--no-links", "--no-runtime", "--out", out)
     assert code == 2 and "contention measurement: process 0 failed: ModelError" in err and "not in a child" in err
-    assert err.strip().count("\n") == 0 and "Traceback" not in err and not out.exists()
+    *phases, error = err.strip().splitlines()  # a line per phase done, then the error's one line
+    assert all(line.endswith(" s") and " ... " in line for line in phases) and "failed" in error
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_more_ranks_at_once_are_never_priced_faster_than_fewer():
@@ -162,3 +164,19 @@ def test_one_slow_spell_sets_no_factor():
     measured, _ = measured_slowdowns([round_(2.0, 2.2), round_(2.6, 2.86), round_(1.0, 1.1)])  # drift between
     assert measured == pytest.approx([1.0, 1.1])  # rounds: each ratio against its own round's solo windows
     assert measured_slowdowns([round_(2.0, 2.2), round_(2.0, 3.7), round_(3.0, 2.2)])[0][1] == pytest.approx(1.1)
+
+
+def test_rounds_stop_when_two_agree_and_a_third_outvotes_a_slow_spell():
+    """The stopping rule of the rounds: two that agree within AGREEMENT are enough; a round in a slow spell
+    disagrees with the other, so a third is run and the median sets the factor."""
+    from pipesim.calibrate.contention import AGREEMENT, MIN_ROUNDS, ROUNDS, measured_slowdowns, rounds_agree
+
+    def measured_round(slowdown: float):  # two ranks, 10 ms an iteration alone, `slowdown` times that together
+        return [[10.0] * 4, [10.0] * 4], [[[10.0 * slowdown] * 4, [10.0 * slowdown] * 4]]
+
+    assert (MIN_ROUNDS, ROUNDS) == (2, 3)
+    assert not rounds_agree([measured_round(1.1)])  # one round is never enough
+    assert rounds_agree([measured_round(1.1), measured_round(1.1 * (1 + AGREEMENT / 2))])
+    spell = [measured_round(1.1), measured_round(1.84)]
+    assert not rounds_agree(spell)
+    assert measured_slowdowns([*spell, measured_round(1.12)])[0] == pytest.approx([1.0, 1.12])

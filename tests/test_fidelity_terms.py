@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipesim.calibrate.runtime import RuntimeProbeError, runtime_terms
+from pipesim.calibrate.runtime import RuntimeProbeError, host_times, runtime_terms
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_overhead, profile_scenario
 from pipesim.profiles.schema import (
@@ -215,7 +215,7 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
     # Runs of the calibrated model itself give the host time between rows and a send's: after its larger
     # compute that host work is slower; the rest still comes from the probe.
     host = probe_trace(probe, {kind: 1.0 for kind in extra}, gap_ms=0.09, send_ms=0.3, recv_ms=0.05, kept=1.0)
-    both = runtime_terms([trace], probe, {"boundary_bytes": 4096}, [host])
+    both = host_times(terms, [host])
     assert all(t.median_ms == pytest.approx(0.09) for t in both.gap_ms.values())
     assert both.send_ms.median_ms == pytest.approx(0.3)
     assert both.compute_ms == terms.compute_ms and both.recv_ms == terms.recv_ms
