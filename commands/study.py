@@ -203,13 +203,16 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
 def _calibrate(setting, optimizer: str, ranks: int, advance: Callable[[str], None]):
     """The profile a study's timings are predicted from, measured once per study as `pipesim calibrate`
     measures one: the setting's model and link, the executor's own cost per row (the same runtime probe), and
-    how `ranks` ranks computing at once on this host slow each other."""
+    how `ranks` ranks computing at once on this host slow each other. The per-host terms (link, runtime probe)
+    come from calibrate's host cache where it holds them for this host, torch and thread count."""
+    from ..calibrate.cache import HostCache
     from ..calibrate.contention import measure_contention
     from ..study.train import calibrate_setting, measurement
     from .calibrate import measure_runtime
 
-    profile = calibrate_setting(setting, optimizer, advance)
-    runtime = measure_runtime(profile, measurement(setting), advance, setting.model, setting.model_options)
+    cache = HostCache()
+    profile = calibrate_setting(setting, optimizer, advance, cache)
+    runtime = measure_runtime(profile, measurement(setting), advance, setting.model, setting.model_options, cache)
     contention = measure_contention(profile, setting.model, setting.model_options, advance, ranks)
     return profile.model_copy(update={"runtime": runtime, "contention": contention})
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..calibrate.cache import HostCache
 from ..calibrate.measure import threads
 from ..executor import DivergedError, RunSpec, even_bounds, run_in_process, run_multiprocess
 from ..planning.replay import predict_measured
@@ -67,15 +68,16 @@ def measurement(setting: Setting):
     return Settings(torch.device("cpu"), torch.float32, setting.microbatch_size, warmup=2, repeats=10, threads=1)
 
 
-def calibrate_setting(setting: Setting, optimizer: str, advance: Callable[[str], None]) -> Profile:
-    """The setting's model measured as each rank runs it and the local link: what the throughput predictions
-    come from, measured once per study (the executor's own costs are the runtime probe's, `pipesim
-    calibrate`'s)."""
+def calibrate_setting(setting: Setting, optimizer: str, advance: Callable[[str], None],
+                      cache: HostCache | None = None) -> Profile:
+    """The setting's model measured as each rank runs it and the local link (from the host `cache` where
+    `pipesim calibrate` left it): what the throughput predictions come from, measured once per study (the
+    executor's own costs are the runtime probe's, `pipesim calibrate`'s)."""
     from ..calibrate.measure import calibrate
 
     return calibrate(build_model(setting.model, **setting.model_options), measurement(setting),
                      stages=setting.stages, optimizer=optimizer, memory_cap_bytes=None,
-                     link_sizes=default_sizes(LINK_MAX_BYTES), dtype_name="float32", advance=advance)
+                     link_sizes=default_sizes(LINK_MAX_BYTES), dtype_name="float32", advance=advance, cache=cache)
 
 
 def time_arm(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int, profile: Profile,

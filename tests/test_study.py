@@ -163,6 +163,7 @@ def test_timing_measures_spawned_ranks_and_predicts_them_from_a_calibration_with
     profile = Profile.model_validate(saved.profile)
     assert profile.environment.threads == 1 and profile.environment.microbatch_size == TINY.microbatch_size
     assert profile.runtime is not None and profile.runtime.meta["host_times_from"] == "the calibrated model"
+    assert "host_cache" in profile.runtime.meta  # the per-host probe terms as `pipesim calibrate` keeps them
     assert profile.contention is not None and len(profile.contention.slowdown) >= 2  # one rank alone, two at once
     assert [t.ranks for t in saved.timings] == [2]
 
