@@ -160,16 +160,15 @@ def require(needer: str, *modules: str) -> None:
         package, extra = EXTRAS[module]
         hint = f"pip install 'pipesim[{extra}]'" + (" (or your CUDA build of torch)" if module == "torch" else
                                                     f" (or pip install {package})")
-        if module != "torch":
-            if importlib.util.find_spec(module) is None:
-                raise InputError(f"{needer} needs {package}, which is not installed: {hint}")
-            continue
-        try:
-            import torch  # noqa: F401
-        except ImportError as exc:
-            if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
-                raise InputError(f"{needer} needs PyTorch, which is not installed: {hint}") from None
-            raise InputError(f"{needer}: PyTorch does not import ({exc}); reinstall it: {hint}") from None
+        if module == "torch":
+            try:
+                import torch  # noqa: F401
+            except ImportError as exc:
+                if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
+                    raise InputError(f"{needer} needs PyTorch, which is not installed: {hint}") from None
+                raise InputError(f"{needer}: PyTorch does not import ({exc}); reinstall it: {hint}") from None
+        elif importlib.util.find_spec(module) is None:
+            raise InputError(f"{needer} needs {package}, which is not installed: {hint}")
 
 
 def require_model_data(needer: str, model: str) -> None:
