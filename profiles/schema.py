@@ -178,7 +178,10 @@ class LinkPointModel(_Strict):
 
 class LinkProfile(_Strict):
     """Point-to-point: the piecewise α–β fit (profiles/linkfit.py; calibrate/links.py measures the points), its
-    raw points, and how they were measured."""
+    raw points, and how they were measured. The link, the all-reduce and the runtime probe's terms depend on the
+    host, not the model: `meta["host_cache"]` (absent where not cached) says when they were measured
+    (`measured_at`, UTC), how old that was at calibration (`age_s`) and whether this calibration `reused` them
+    from the host cache (calibrate/cache.py)."""
 
     segments: list[LinkSegmentModel] = Field(min_length=1)
     points: list[LinkPointModel]
@@ -226,7 +229,9 @@ class RuntimeProfile(_Strict):
     - `recv_window`: receives the executor keeps posted ahead of the row it runs, each holding its buffer from
       its posting (the probe's; a profile from before it was recorded ran with the same default; 0 leaves
       them out, holding a buffer from its message's arrival).
-    PRED and AVG are priced as OPT is (the same bookkeeping around an elementwise pass)."""
+    PRED and AVG are priced as OPT is (the same bookkeeping around an elementwise pass). `meta["host_cache"]`
+    as for the link: the probe's terms may be a cached measurement; the gaps and sends, measured on the
+    calibrated model, never are."""
 
     compute_ms: dict[str, Timing]
     send_ms: Timing
