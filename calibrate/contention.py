@@ -39,7 +39,7 @@ import torch
 
 from ..profiles.schema import ContentionProfile, Profile
 from ..workload.processes import start_processes
-from .measure import DTYPES, Advance, Settings, measure_bytes
+from .measure import DTYPES, Advance, place
 from .passes import stage_runs
 
 WINDOW_S = 0.5  # the shortest window: about a hundred iterations of a default model's stage
@@ -276,7 +276,6 @@ def _stage_iteration(job: _Job, stage: int) -> Callable[[], None]:
 
     torch.manual_seed(0)
     model = build_model(job.model, **job.options)
-    measure_bytes(model, Settings(torch.device("cpu"), DTYPES[job.dtype], job.microbatch_size, warmup=0, repeats=1,
-                                  threads=job.threads))  # the layers in the calibrated dtype, as it left them
+    place(model, torch.device("cpu"), DTYPES[job.dtype])  # as calibration left them (no optimizer: no dynamo import)
     run = stage_runs(model, job.bounds, job.dtype, job.microbatch_size)[stage]
     return lambda: run.backward(run.forward())

@@ -222,6 +222,13 @@ class Recording:
     target: Any
 
 
+def place(model: Model, device: torch.device, dtype: torch.dtype) -> None:
+    """The model's layers on `device` in `dtype`, in training mode, as calibration times them."""
+    for layer in model.layers:
+        layer.to(device=device, dtype=dtype)
+        layer.train()
+
+
 def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[LayerProfile]]:
     """Move the model to the device and dtype and run it once: each layer's weight, gradient, optimizer
     state, output and saved-activation bytes (timings left at zero: `measure_times` fills them, so a
@@ -229,9 +236,7 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
 
     Saved activations are what autograd keeps for backward (saved_tensors_hooks), weights excluded, each
     storage counted once per layer."""
-    for layer in model.layers:
-        layer.to(device=settings.device, dtype=settings.dtype)
-        layer.train()
+    place(model, settings.device, settings.dtype)
     batch, target = model.make_batch(settings.microbatch_size, torch.Generator().manual_seed(0))
     batch = batch.to(settings.device, settings.dtype if batch.is_floating_point() else batch.dtype)
     target = target.to(settings.device) if torch.is_tensor(target) else target
