@@ -54,6 +54,7 @@ LEAD_S = 0.05  # from posting a window to its start: every process has its comma
 START_TIMEOUT_S = 120.0  # spawning, importing torch and building the model, on a loaded machine
 ANSWER_SLACK_S = 30.0  # beyond a window's end (and one more window for an iteration running past it)
 STOP_GRACE_S = 3.0
+WINDOW_TRIES = 3  # a window no iteration of some rank fitted in is taken again, twice as long each time
 
 
 class ContentionError(RuntimeError):
@@ -127,18 +128,25 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
                              daemon=True) for rank, (_, theirs) in enumerate(pipes)]
     conns = [ours for ours, _ in pipes]
 
+    retaken: list[float] = []  # the lengths of the windows taken again
+
     def window(ranks: range) -> list[list[float]]:
-        """Per rank, its kept iteration times (ms) in one window where `ranks` compute at once."""
-        start_s = time.monotonic() + LEAD_S
-        for rank in ranks:
-            conns[rank].send((start_s, start_s + window_s))
-        times = [_answer(conns[rank], procs[rank], rank, start_s + 2 * window_s + ANSWER_SLACK_S - time.monotonic())
-                 for rank in ranks]
-        for rank, ms in zip(ranks, times):
-            if not ms:
-                raise ContentionError(f"contention measurement: process {rank} finished no iteration in a "
-                                      f"{window_s:g} s window")
-        return times
+        """Per rank, its kept iteration times (ms) in one window where `ranks` compute at once; a window in which
+        a rank finished no iteration (a host so loaded that it hardly ran) is taken again, twice as long, up to
+        WINDOW_TRIES times."""
+        for attempt in range(WINDOW_TRIES):
+            length_s = window_s * 2 ** attempt
+            start_s = time.monotonic() + LEAD_S
+            for rank in ranks:
+                conns[rank].send((start_s, start_s + length_s))
+            times = [_answer(conns[rank], procs[rank], rank,
+                             start_s + 2 * length_s + ANSWER_SLACK_S - time.monotonic()) for rank in ranks]
+            idle = [rank for rank, ms in zip(ranks, times) if not ms]
+            if not idle:
+                return times
+            retaken.append(length_s)
+        raise ContentionError(f"contention measurement: process {idle[0]} finished no iteration in a {length_s:g} s "
+                              "window (is the host overloaded?)")
 
     try:
         advance(f"contention: starting {count} processes")
@@ -187,7 +195,7 @@ def measure_contention(profile: Profile, model: str, options: Mapping[str, int |
             "solo_ms": [round(ms, 4) for ms in solo_ms],
             "solo_median_ms": [round(ms, 4) for ms in solo_median_ms],
             "solo_tail_by_round": [[round(t, 4) for t in tails] for tails in solo_tails],
-            "measured_slowdown": [round(r, 4) for r in measured], "rounds": len(rounds),
+            "measured_slowdown": [round(r, 4) for r in measured], "rounds": len(rounds), "windows_retaken": retaken,
             "measured_slowdown_by_round": [[round(r, 4) for r in ratios] for ratios in by_round],
             "iterations": [[[len(ms) for ms in times] for times in by_count] for by_count in windows]}
     return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],

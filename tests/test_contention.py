@@ -180,3 +180,26 @@ def test_rounds_stop_when_two_agree_and_a_third_outvotes_a_slow_spell():
     spell = [measured_round(1.1), measured_round(1.84)]
     assert not rounds_agree(spell)
     assert measured_slowdowns([*spell, measured_round(1.12)])[0] == pytest.approx([1.0, 1.12])
+
+
+@pytest.mark.slow
+def test_a_window_no_iteration_fits_in_is_taken_again_longer(tmp_path, monkeypatch):
+    """A rank that finishes no iteration in a window (here: the measurement processes run a model 0.4 s slower
+    than the one calibration timed, as a host too loaded to run them would) gets a window twice as long."""
+    (tmp_path / "slow_in_child.py").write_text(
+        "import multiprocessing, time\nfrom torch import nn\n"
+        "class Slow(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        if multiprocessing.parent_process() is not None:\n"
+        "            time.sleep(0.4)\n"
+        "        return super().forward(x)\n"
+        "def build():\n"
+        "    return nn.Sequential(Slow(8, 8), nn.ReLU(), nn.Linear(8, 2))\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "p.json"
+    code, _, err = pipesim("calibrate", "--model", "slow_in_child:build", "--stages", "2", "--device", "cpu",
+                           "--repeats", "3", "--warmup", "1", "--no-links", "--no-runtime", "--out", out)
+    assert code == 0, err
+    meta = load_profile(out).contention.meta
+    assert meta["window_s"] == 0.5 and meta["windows_retaken"] and set(meta["windows_retaken"]) <= {0.5, 1.0}
+    assert all(n >= 1 for by_count in meta["iterations"] for ns in by_count for n in ns)
