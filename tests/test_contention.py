@@ -124,19 +124,26 @@ def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path, ranks
     assert load_profile(skipped).contention is None and "contention" not in printed
 
 
+def _calibrate_own_model(tmp_path, monkeypatch, module: str, source: str):
+    """`pipesim calibrate` of the bring-your-own model `build` of `module` (its `source`), layers and contention
+    only: (exit code, stdout, stderr), and the profile's path."""
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "p.json"
+    return pipesim("calibrate", "--model", f"{module}:build", "--stages", "2", "--device", "cpu", "--repeats", "3",
+                   "--warmup", "1", "--no-links", "--no-runtime", "--out", out), out
+
+
 def test_a_measurement_process_that_fails_is_one_line_exit_2(tmp_path, monkeypatch):
     """The user's model builds in calibrate's own process but fails in the measurement's: the failure comes
     back from the process, names it, and nothing is written."""
-    (tmp_path / "byo_only_in_parent.py").write_text(
-        "import multiprocessing\nfrom torch import nn\n"
-        "def build():\n"
-        "    if multiprocessing.parent_process() is not None:\n"
-        "        raise RuntimeError('not in a child')\n"
-        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))\n")
-    monkeypatch.chdir(tmp_path)
-    out = tmp_path / "p.json"
-    code, _, err = pipesim("calibrate", "--model", "byo_only_in_parent:build", "--stages", "2", "--device", "cpu",
-                           "--repeats", "3", "--warmup", "1", "--no-links", "--no-runtime", "--out", out)
+    (code, _, err), out = _calibrate_own_model(tmp_path, monkeypatch, "byo_only_in_parent",
+                                               "import multiprocessing\nfrom torch import nn\n"
+                                               "def build():\n"
+                                               "    if multiprocessing.parent_process() is not None:\n"
+                                               "        raise RuntimeError('not in a child')\n"
+                                               "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))"
+                                               "\n")
     assert code == 2 and "contention measurement: process 0 failed: ModelError" in err and "not in a child" in err
     *phases, error = err.strip().splitlines()  # a line per phase done, then the error's one line
     assert all(line.endswith(" s") and " ... " in line for line in phases) and "failed" in error
@@ -186,19 +193,15 @@ def test_rounds_stop_when_two_agree_and_a_third_outvotes_a_slow_spell():
 def test_a_window_no_iteration_fits_in_is_taken_again_longer(tmp_path, monkeypatch):
     """A rank that finishes no iteration in a window (here: the measurement processes run a model 0.4 s slower
     than the one calibration timed, as a host too loaded to run them would) gets a window twice as long."""
-    (tmp_path / "slow_in_child.py").write_text(
-        "import multiprocessing, time\nfrom torch import nn\n"
-        "class Slow(nn.Linear):\n"
-        "    def forward(self, x):\n"
-        "        if multiprocessing.parent_process() is not None:\n"
-        "            time.sleep(0.4)\n"
-        "        return super().forward(x)\n"
-        "def build():\n"
-        "    return nn.Sequential(Slow(8, 8), nn.ReLU(), nn.Linear(8, 2))\n")
-    monkeypatch.chdir(tmp_path)
-    out = tmp_path / "p.json"
-    code, _, err = pipesim("calibrate", "--model", "slow_in_child:build", "--stages", "2", "--device", "cpu",
-                           "--repeats", "3", "--warmup", "1", "--no-links", "--no-runtime", "--out", out)
+    (code, _, err), out = _calibrate_own_model(tmp_path, monkeypatch, "slow_in_child",
+                                               "import multiprocessing, time\nfrom torch import nn\n"
+                                               "class Slow(nn.Linear):\n"
+                                               "    def forward(self, x):\n"
+                                               "        if multiprocessing.parent_process() is not None:\n"
+                                               "            time.sleep(0.4)\n"
+                                               "        return super().forward(x)\n"
+                                               "def build():\n"
+                                               "    return nn.Sequential(Slow(8, 8), nn.ReLU(), nn.Linear(8, 2))\n")
     assert code == 0, err
     meta = load_profile(out).contention.meta
     assert meta["window_s"] == 0.5 and meta["windows_retaken"] and set(meta["windows_retaken"]) <= {0.5, 1.0}
