@@ -25,7 +25,7 @@ import numpy as np
 import simpy
 
 from .. import __version__
-from ..schedules import KIND_CODE, KINDS, Kind, Schedule, ScheduleError, validate
+from ..schedules import KIND_CODE, KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
@@ -56,7 +56,7 @@ class _Program:
     # since the previous step, stream, and the transfer id of a transfer or the duration of a compute row. Those
     # are its receives and the sends whose transfer time is not known in advance, and its compute rows too if it
     # shares a compute resource; elsewhere a device's clock just adds their durations.
-    steps: list[tuple[list[int], list[int], list[int]]]
+    steps: list[tuple[np.ndarray, ...]]
     step_rows: np.ndarray  # every device's steps, as global rows in program order
     step_bounds: np.ndarray  # device d's steps are step_rows[step_bounds[d]:step_bounds[d + 1]]
     timed: bool  # whether a resource is shared, so that devices must take it in simulated time order
@@ -92,26 +92,29 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
 
     op_ms = costs.op_ms_table(schedule.pipelines)
     overhead = costs.overhead
-    computing_kind = np.where(compute, kind, 0)
-    duration = np.where(compute, op_ms[stage, computing_kind] + np.asarray(overhead.compute_ms)[computing_kind], 0.0)
+    computing = np.flatnonzero(compute)
+    duration = np.zeros(n)
+    computing_kind = kind[computing]
+    duration[computing] = op_ms[stage[computing], computing_kind] + np.asarray(overhead.compute_ms)[computing_kind]
     spans = _gradient_spans(lowered)
-    duration += spans.accumulating * np.asarray([c.accumulate_ms for c in stages])[stage]
-    copying = (kind == KIND_CODE[Kind.OPT]) & (lowered.copies_delta > 0)  # copy-on-write: the old version stays
-    duration += copying * np.asarray([c.copy_ms for c in stages])[stage]
+    copying = np.flatnonzero((kind == KIND_CODE[Kind.OPT]) & (lowered.copies_delta > 0))  # copy-on-write: the old
+    for rows, ms in ((np.flatnonzero(spans.accumulating), [c.accumulate_ms for c in stages]),  # version stays
+                     (copying, [c.copy_ms for c in stages])):
+        duration[rows] += np.asarray(ms)[stage[rows]]
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
     duration = _picoseconds(duration)
-    held = duration + _picoseconds(overhead.host_ms[kind])  # what each row keeps its device from its next row
+    held = duration + _picoseconds(overhead.host_ms)[kind]  # what each row keeps its device from its next row
 
     def per_stage(values: list[float]) -> np.ndarray:
-        return np.asarray(values, dtype=np.int64)[stage]
+        return np.asarray(values, dtype=np.int64)
 
     activation = per_stage([c.activation_bytes for c in stages])
     param = per_stage([c.param_bytes for c in stages])
     # A stage whose `held_bytes` is known holds its boundary tensors from F until its backward (a received
     # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
     # received one freed when its consumer ends, a sent one when its transfer does.
-    own_boundary = per_stage([c.held_bytes is not None for c in stages]).astype(bool)
+    own_boundary = np.array([c.held_bytes is not None for c in stages], dtype=bool)
     # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
     # which the producer holds until its own backward, later than this stage's: it is counted there only.
     local_in = [0] * len(stages)
@@ -120,16 +123,20 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
             local_in[dst] += stages[src].output_bytes
     roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
     kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
-    is_kind = {k: kind == KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
-    mem_at_start = np.where(is_kind[Kind.F], activation + roots, 0)
-    mem_at_end = (-np.where(is_kind[Kind.B], activation + roots, 0)
-                  - np.where(is_kind[Kind.I], activation - kept + roots, 0)
-                  - np.where(is_kind[Kind.W], kept, 0) + lowered.copies_delta * param)
-    kept_gradient = np.round(param[spans.opening] * costs.kept_gradients).astype(np.int64)
+    # Per stage and kind, the bytes a row takes at its start and gives back at its end.
+    at_start, at_end = (np.zeros((len(stages), len(KINDS)), dtype=np.int64) for _ in range(2))
+    at_start[:, KIND_CODE[Kind.F]] = activation + roots
+    at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
+    at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
+    at_end[:, KIND_CODE[Kind.W]] = -kept
+    mem_at_start, mem_at_end = at_start[stage, kind], at_end[stage, kind]
+    copies = np.flatnonzero(lowered.copies_delta)
+    mem_at_end[copies] += lowered.copies_delta[copies] * param[stage[copies]]
+    kept_gradient = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
     mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
-    mem_at_end[spans.closing] -= np.round(param[spans.closing] * costs.kept_gradients).astype(np.int64)
-    act_at_start = is_kind[Kind.F].astype(np.int64)
-    act_at_end = -(is_kind[Kind.B] | is_kind[Kind.W]).astype(np.int64)
+    mem_at_end[spans.closing] -= np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
+    act_at_start = kind_mask(kind, Kind.F).astype(np.int64)
+    act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int64)
 
     # A channel's transfers share their size, time and route.
     resources: dict[tuple[str, str], int] = {}
@@ -152,9 +159,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     if len(rows):
         sending = stream[rows] == Stream.SEND
         row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(lowered.transfer[rows])]
-        forward = np.isin(kind[rows], [KIND_CODE[Kind.SEND_F], KIND_CODE[Kind.RECV_F]])
-        merged = forward & own_boundary[rows]  # an activation that is the stage's own from its F to its backward
-        computing = np.flatnonzero(compute)
+        forward = kind_mask(kind[rows], Kind.SEND_F, Kind.RECV_F)
+        merged = forward & own_boundary[stage[rows]]  # an activation that is the stage's own from F to backward
         # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
         # (merged: the stage holds it anyway).
         buffered = sending & ~merged
@@ -194,20 +200,22 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     xids = lowered.transfer[send_rows]
     steps_before = np.searchsorted(step_rows, send_rows)  # global step count before each SEND
     own_step = ~lazy[send_rows]
-    send_clock = np.empty(len(transfer_ps), dtype=np.int64)
-    send_clock[xids] = steps_before - step_bounds[device[send_rows]] + own_step
-    clock_busy = np.where(send_clock[xids] > own_step, step_busy[steps_before - 1 + own_step], 0)
-    to_arrival = np.where(own_step, 0 if not timed else -1, busy_before[send_rows] - clock_busy + transfer_ps[xids])
-    send_to_arrival = np.empty(len(transfer_ps), dtype=np.int64)
-    send_to_arrival[xids] = to_arrival
-    sender = np.empty(len(transfer_ps), dtype=np.int64)
+    sender, send_clock, send_to_arrival = (np.empty(len(transfer_ps), dtype=np.int64) for _ in range(3))
     sender[xids] = device[send_rows]
+    clock = steps_before - step_bounds[sender[xids]] + own_step
+    send_clock[xids] = clock
+    clock_busy = np.where(clock > own_step, step_busy[steps_before - 1 + own_step], 0)
+    send_to_arrival[xids] = np.where(own_step, 0 if not timed else -1,
+                                     busy_before[send_rows] - clock_busy + transfer_ps[xids])
 
     operand = np.where(compute[step_rows], duration[step_rows], lowered.transfer[step_rows])
     receiving = np.flatnonzero(stream[step_rows] == Stream.RECV)
-    peers = np.zeros((3, len(step_rows)), dtype=np.int64)  # a RECV step's sender, its clock, the time after it
-    peers[:, receiving] = np.stack([sender, send_clock, send_to_arrival])[:, operand[receiving]]
-    columns = [c.tolist() for c in (pre, stream[step_rows], operand, *peers)]
+    received = operand[receiving]
+    columns = [pre, stream[step_rows], operand]
+    for per_transfer in (sender, send_clock, send_to_arrival):  # a RECV step's sender, its clock, the time after it
+        column = np.zeros(len(step_rows), dtype=np.int64)
+        column[receiving] = per_transfer[received]
+        columns.append(column)
     steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_bounds.tolist())]
     return _Program(lowered, stream, steps, step_rows, step_bounds, timed, sender, send_clock, send_to_arrival,
                     compute_unit, host_unit, cluster.contention, busy_before, duration, channel_ps.tolist(), routes,
@@ -343,18 +351,9 @@ class _Model:
         self.host_stretch_ps = np.zeros(len(program.duration_ps), dtype=np.int64)
         self.finished = 0
 
-    def _wait(self, device: int, index: int):
-        """What a process yields to wait until `device` has its clock at `index`."""
-        waiter = self.env.event() if self.env is not None else self.running
-        self.waiters[device].setdefault(index, []).append(waiter)
-        return waiter
-
-    def _wake(self, waiters: list) -> None:
-        for waiter in waiters:
-            if self.env is not None:
-                waiter.succeed()
-            else:
-                self.ready.append(waiter)
+    def _succeed(self, events: list[simpy.Event]) -> None:
+        for event in events:
+            event.succeed()
 
     def device(self, d: int):
         """Device d's steps; `self.clocks[d]` gets its clock after each: a transfer's SEND issued or RECV
@@ -367,14 +366,16 @@ class _Model:
         rows = program.step_rows[program.step_bounds[d]:program.step_bounds[d + 1]]
         duration = self.duration_ps
         arrival, free_at, all_clocks = self.arrival, self.free_at, self.clocks
-        clocks, waiting_on_me = all_clocks[d], self.waiters[d]
-        done, wake = clocks.append, self._wake
+        all_waiters = self.waiters
+        clocks, waiting_on_me = all_clocks[d], all_waiters[d]
+        done = clocks.append
+        wake = self.ready.extend if env is None else self._succeed
         routes, channel_ps, units = program.routes, program.channel_ps, program.lowered.units
         overlap = self.overlap_comm
         send, recv = int(Stream.SEND), int(Stream.RECV)  # plain ints: this loop runs once per step
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
-        for busy_ps, stream, xid, source, index, to_arrival, row in zip(
-                *program.steps[d], rows.tolist() if cores else itertools.repeat(-1)):
+        for busy_ps, stream, xid, source, index, to_arrival, row in zip(  # memoryviews: Python ints, one at a time
+                *map(memoryview, program.steps[d]), rows.tolist() if cores else itertools.repeat(-1)):
             clock += busy_ps
             if cores is not None and busy_ps > computed_ps:  # the runtime's host time between rows shares them too
                 host_ps = busy_ps - computed_ps
@@ -385,14 +386,13 @@ class _Model:
                 clock = end
             computed_ps = 0
             if stream == recv:
-                ready = arrival[xid]
-                if ready < 0:  # not sent yet, or sent without a step: then its sender's clock says when it arrives
-                    sender_clocks = all_clocks[source]
-                    if len(sender_clocks) <= index:
-                        yield self._wait(source, index)
-                    ready = arrival[xid]
-                    if ready < 0:
-                        ready = sender_clocks[index] + to_arrival
+                sender_clocks = all_clocks[source]
+                if len(sender_clocks) <= index:  # not sent yet: wait until the sender has that clock
+                    waiter = self.running if env is None else env.event()
+                    all_waiters[source].setdefault(index, []).append(waiter)
+                    yield waiter
+                # The arrival is a fixed time after the sender's clock, or what its SEND step found.
+                ready = sender_clocks[index] + to_arrival if to_arrival >= 0 else arrival[xid]
                 if ready > clock:
                     clock = ready
                 done(clock)
@@ -437,10 +437,11 @@ class _Model:
                 self.env.process(process)
             self.env.run()
             return
-        self.ready.extend(processes)
-        while self.ready:
-            self.running = self.ready.popleft()
-            next(self.running, None)
+        ready = self.ready
+        ready.extend(processes)
+        while ready:
+            self.running = process = ready.pop()
+            next(process, None)
 
 
 def simulate(
