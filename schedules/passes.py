@@ -35,18 +35,20 @@ def communication_table(schedule: Schedule, table: ActionTable | None = None) ->
     first_slot = np.arange(n) + np.cumsum(extra) - extra
     own_slot = first_slot + count[True]
     total = n + int(extra.sum())
-    source, kinds, peers = (np.empty(total, dtype=np.int64) for _ in range(3))
+    kinds, peers = (np.empty(total, dtype=np.int64) for _ in range(2))
     origin = np.full(total, -1, dtype=np.int64)
-    source[own_slot] = origin[own_slot] = np.arange(n)
+    origin[own_slot] = np.arange(n)
     kinds[own_slot], peers[own_slot] = t.kind, t.peer
     placed = {True: np.zeros(n, dtype=np.int64), False: np.zeros(n, dtype=np.int64)}
     for owners, kind_code, peer, before in groups:  # in group order, as `add_communication` promises
         slot = (first_slot if before else own_slot + 1)[owners] + placed[before][owners]
         placed[before][owners] += 1
-        source[slot], kinds[slot], peers[slot] = owners, kind_code, peer
-    lowered = t.select(source)
-    return ActionTable(lowered.device, kinds, lowered.stage, lowered.microbatch, lowered.minibatch,
-                       lowered.pipeline, peers), origin
+        kinds[slot], peers[slot] = kind_code, peer
+    # A row's transfers sit next to it and share its device, stage and unit: repeat its columns over them.
+    copies = extra + 1
+    return ActionTable(np.repeat(t.device, copies), kinds, np.repeat(t.stage, copies),
+                       np.repeat(t.microbatch, copies), np.repeat(t.minibatch, copies),
+                       np.repeat(t.pipeline, copies), peers), origin
 
 
 def add_communication(schedule: Schedule) -> Schedule:

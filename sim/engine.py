@@ -472,32 +472,40 @@ def simulate(
 def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int) -> Trace:
     lowered = program.lowered
     schedule, xid, t, bounds = lowered.schedule, lowered.transfer, lowered.table, lowered.bounds
-    is_transfer = program.stream != Stream.COMPUTE
+    transfers = np.flatnonzero(program.stream != Stream.COMPUTE)
     clocks = np.fromiter(itertools.chain.from_iterable(model.clocks), np.int64,
                          len(program.step_rows) + schedule.num_devices)
     issued_ps = _issue_times(program, model, clocks)
     start_ps = issued_ps.copy()
     end_ps = issued_ps + model.duration_ps
-    if len(model.arrival):
+    if len(transfers):
         if program.timed:  # every SEND was a step and found its arrival
             arrival = np.fromiter(model.arrival, np.int64, len(model.arrival))
         else:  # every SEND arrives a fixed time after a clock of its device
             sender = program.sender
             arrival = clocks[program.step_bounds[sender] + sender + program.send_clock] + program.send_to_arrival_ps
-        transfer_ps = np.asarray(program.channel_ps, dtype=np.int64)[xid[is_transfer] // lowered.units]
-        end_ps[is_transfer] = arrival[xid[is_transfer]]  # a transfer starts its duration before it arrives
-        start_ps[is_transfer] = end_ps[is_transfer] - transfer_ps
-    issued_ms, start_ms, end_ms = issued_ps / _PS_PER_MS, start_ps / _PS_PER_MS, end_ps / _PS_PER_MS
+        ids = xid[transfers]
+        end_ps[transfers] = arrival[ids]  # a transfer starts its duration before it arrives
+        start_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[ids // lowered.units]
+    # Milliseconds and microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
+    issued_ms, end_ms = issued_ps / _PS_PER_MS, end_ps / _PS_PER_MS
+    start_us = start_ps / _PS_PER_MS
+    start_us *= 1e3
+    dur_us = np.subtract(end_ps, start_ps, out=end_ps) / (_PS_PER_MS / 1e3)
     ops = Ops(device=t.device, stream=program.stream, kind=t.kind, stage=t.stage, microbatch=t.microbatch,
               minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=lowered.version,
-              prediction=lowered.prediction, start_us=start_ms * 1e3, dur_us=(end_ps - start_ps) / (_PS_PER_MS / 1e3))
+              prediction=lowered.prediction, start_us=start_us, dur_us=dur_us)
 
     # Event times: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
     # or where the runtime posts it ahead.
-    first_ms = np.where(program.stream == Stream.RECV, end_ms, issued_ms)
+    first_ms = issued_ms
     if costs.recv_window:
         receives, posted = _posting_rows(bounds, program.stream, costs.recv_window)
-        first_ms[receives] = issued_ms[posted]
+        posted_ms = issued_ms[posted]
+    receiving = np.flatnonzero(program.stream == Stream.RECV)
+    first_ms[receiving] = end_ms[receiving]
+    if costs.recv_window:
+        first_ms[receives] = posted_ms
     devices = schedule.num_devices
     counters = {
         "memory_bytes": _step_counters(bounds, first_ms, end_ms, program.mem_at_start, program.mem_at_end,
@@ -566,11 +574,11 @@ def _step_counters(bounds, first_ms, second_ms, first_delta, second_delta, initi
     """Per device (rows bounds[d]..bounds[d+1], in program order), the running total of deltas applied at
     two event times per op, in time order (ties keep program order, so an op's end counts before the next
     op's start)."""
-    times = np.stack([first_ms, second_ms], axis=1).ravel()  # program order: op i's two events at 2i, 2i+1
-    deltas = np.stack([first_delta, second_delta], axis=1).ravel()
     out = []
-    for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        mine_times, mine_deltas = times[2 * lo:2 * hi], deltas[2 * lo:2 * hi]
+    for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        mine_times, mine_deltas = np.empty(2 * (hi - lo)), np.empty(2 * (hi - lo), dtype=np.int64)
+        mine_times[0::2], mine_times[1::2] = first_ms[lo:hi], second_ms[lo:hi]  # op i's two events at 2i, 2i + 1
+        mine_deltas[0::2], mine_deltas[1::2] = first_delta[lo:hi], second_delta[lo:hi]
         keep = mine_deltas != 0
         mine_times, mine_deltas = mine_times[keep], mine_deltas[keep]
         order = np.argsort(mine_times, kind="stable")
