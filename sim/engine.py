@@ -187,7 +187,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # shared: taking a shared resource, devices must meet in simulated time order, which steps keep).
     lazy = sends & (not timed and cluster.overlap_comm)
     shared = np.array([u is not None or h is not None for u, h in zip(compute_unit, host_unit)], dtype=bool)
-    step_rows = np.flatnonzero((shared[device] | ~compute) & ~lazy)
+    is_step = (shared[device] | ~compute) & ~lazy
+    step_rows = np.flatnonzero(is_step)
     step_bounds = np.searchsorted(step_rows, bounds)
     step_busy = busy_before[step_rows]
     first_step = np.zeros(len(step_rows), dtype=bool)
@@ -198,7 +199,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # after that clock it arrives.
     send_rows = np.flatnonzero(sends)
     xids = lowered.transfer[send_rows]
-    steps_before = np.searchsorted(step_rows, send_rows)  # global step count before each SEND
+    steps_before = (np.cumsum(is_step) - is_step)[send_rows]  # global step count before each SEND
     own_step = ~lazy[send_rows]
     sender, send_clock, send_to_arrival = (np.empty(len(transfer_ps), dtype=np.int64) for _ in range(3))
     sender[xids] = device[send_rows]
@@ -556,7 +557,9 @@ def _issue_times(program: _Program, model: _Model, clocks: np.ndarray) -> np.nda
     `clocks`: every device's clocks (`_Model.clocks`) one after another."""
     steps, busy = program.step_rows, program.busy_before_ps
     device = program.lowered.table.device
-    before = np.searchsorted(steps, np.arange(len(busy))) + device  # where in `clocks` the clock before each row is
+    is_step = np.zeros(len(busy), dtype=bool)
+    is_step[steps] = True
+    before = np.cumsum(is_step) - is_step + device  # where in `clocks` the clock before each row is
     after = np.arange(len(steps)) + device[steps] + 1  # ... and the clock after each step
     base = np.zeros(len(clocks), dtype=np.int64)
     base[after] = busy[steps]  # the compute time before the step a clock comes after
