@@ -247,13 +247,15 @@ def _gradient_spans(lowered: Lowered) -> _GradientSpans:
     before = np.cumsum(~is_grad) - ~is_grad  # updates before each row, counted on across replicas
     new_replica = np.r_[True, replica[1:] != replica[:-1]]
     own = before - before[new_replica][np.cumsum(new_replica) - 1]  # ... counted in its own replica
-    span = replica * (len(rows) + 1) + own  # (replica, its updates before) as one number; an OPT closes its own
-    starts = np.unique(span[is_grad], return_index=True)[1]
-    first = rows[is_grad][starts]
+    # A span is a replica's B and W rows between two updates, so in this order the row before a span's first
+    # is no B or W of its replica, and the update that ends a span comes right after the span's last.
+    after_grad = np.zeros(len(rows), dtype=bool)
+    after_grad[1:] = is_grad[:-1] & ~new_replica[1:]
+    first = is_grad & ~after_grad
     accumulating = grads.copy()
-    accumulating[first] = False
-    opening = first[own[is_grad][starts] > 0]
-    closing = rows[~is_grad & (own > 0) & np.isin(span, span[is_grad])]
+    accumulating[rows[first]] = False
+    opening = rows[first & (own > 0)]
+    closing = rows[~is_grad & (own > 0) & after_grad]
     return _GradientSpans(accumulating, opening, closing)
 
 
