@@ -1,4 +1,5 @@
-"""The SimPy model: one process per device walks its lowered rows in order, as a real runtime does.
+"""The SimPy model: one process per device walks its lowered rows in order, as a real runtime does (where no
+resource is shared, the same processes run as plain coroutines: see `_Model`).
 
 `schedules.lower` makes every transfer explicit, so the runtime interprets three things: compute (busy for
 the op's cost), SEND (the transfer is queued on the link's resources and the compute stream goes on, unless
@@ -20,9 +21,9 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import simpy
 
 from .. import __version__
 from ..schedules import KIND_CODE, KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
@@ -30,6 +31,9 @@ from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
 from .costs import Costs, RowOverhead
+
+if TYPE_CHECKING:
+    import simpy
 
 _PS_PER_MS = 1e9
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
@@ -52,10 +56,12 @@ class _Program:
 
     lowered: Lowered
     stream: np.ndarray
-    # Per device, the rows where its clock may do more than add durations (its steps) in order: compute ps
-    # since the previous step, stream, and the transfer id of a transfer or the duration of a compute row. Those
-    # are its receives and the sends whose transfer time is not known in advance, and its compute rows too if it
-    # shares a compute resource; elsewhere a device's clock just adds their durations.
+    # Per device, the rows where its clock may do more than add durations (its steps) in order, as columns:
+    # compute ps since the previous step, stream, the transfer id of a transfer or the duration of a compute row,
+    # and for a RECV its sender, the index of the sender's clock it waits for and the time from that clock to
+    # its arrival (as `send_clock` and `send_to_arrival_ps` say). Steps are a device's receives and the sends
+    # whose arrival is not a fixed time after their issue, and its compute rows too if it shares a compute
+    # resource; elsewhere a device's clock just adds durations.
     steps: list[tuple[np.ndarray, ...]]
     step_rows: np.ndarray  # every device's steps, as global rows in program order
     step_bounds: np.ndarray  # device d's steps are step_rows[step_bounds[d]:step_bounds[d + 1]]
@@ -336,7 +342,12 @@ class _Model:
     def __init__(self, program: _Program, overlap_comm: bool) -> None:
         self.program = program
         self.overlap_comm = overlap_comm
-        self.env = simpy.Environment() if program.timed else None
+        if program.timed:
+            import simpy  # only where something is timed: a plain run starts without it
+
+            self.env = simpy.Environment()
+        else:
+            self.env = None
         # Per device, its clock at its start and after each of its steps (SEND issued, RECV arrived, the start of
         # a compute row that is a step); per transfer id, its arrival once its SEND step has run (-1 before).
         self.clocks: list[list[int]] = [[0] for _ in program.steps]
