@@ -21,9 +21,9 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
+import simpy
 
 from .. import __version__
 from ..schedules import KIND_CODE, KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
@@ -31,9 +31,6 @@ from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
 from .costs import Costs, RowOverhead
-
-if TYPE_CHECKING:
-    import simpy
 
 _PS_PER_MS = 1e9
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
@@ -342,12 +339,7 @@ class _Model:
     def __init__(self, program: _Program, overlap_comm: bool) -> None:
         self.program = program
         self.overlap_comm = overlap_comm
-        if program.timed:
-            import simpy  # only where something is timed: a plain run starts without it
-
-            self.env = simpy.Environment()
-        else:
-            self.env = None
+        self.env = simpy.Environment() if program.timed else None
         # Per device, its clock at its start and after each of its steps (SEND issued, RECV arrived, the start of
         # a compute row that is a step); per transfer id, its arrival once its SEND step has run (-1 before).
         self.clocks: list[list[int]] = [[0] for _ in program.steps]
