@@ -39,7 +39,8 @@ _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
 def _picoseconds(ms: np.ndarray) -> np.ndarray:
     """Times run on an integer picosecond clock: sums are exact and associative, so an op computed to
     start where the one before it ends starts exactly there, however its time was added up."""
-    return np.round(np.asarray(ms, dtype=np.float64) * _PS_PER_MS).astype(np.int64)
+    ps = np.asarray(ms, dtype=np.float64) * _PS_PER_MS
+    return np.round(ps, out=ps).astype(np.int64)
 
 
 class SimulationError(RuntimeError):
@@ -138,8 +139,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     kept_gradient = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
     mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
     mem_at_end[spans.closing] -= np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
-    act_at_start = kind_mask(kind, Kind.F).astype(np.int64)
-    act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int64)
+    act_at_start = kind_mask(kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
+    act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int8)
 
     # A channel's transfers share their size, time and route.
     resources: dict[tuple[str, str], int] = {}
