@@ -14,7 +14,7 @@ import numpy as np
 
 from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
 from .ir import Kind, Schedule, ScheduleError
-from .passes import communication_table
+from .passes import communication_rows
 from .table import NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 
@@ -98,51 +98,38 @@ class Lowered:
 
 def lower(schedule: Schedule) -> Lowered:
     """The schedule's rows for a runtime (see `Lowered`); assumes `preflight` passed."""
-    t, origin = communication_table(schedule)
+    t, origin, channel = communication_rows(schedule)
     versions = weight_versions(schedule)
-    n = len(t.kind)
-    rows = np.arange(n)
+    own = np.flatnonzero(origin >= 0)  # the schedule's actions, in order
 
     def scatter(values: np.ndarray, fill: int) -> np.ndarray:
-        return np.where(origin >= 0, values[np.maximum(origin, 0)], fill)
+        out = np.full(len(origin), fill, dtype=np.int64)
+        out[own] = values
+        return out
 
     # A transfer keeps the weight-copy level of the compute row before it on its device (the base level
     # before any).
     base = 1 + schedule.policy.extra_copies
-    last_compute = np.maximum.accumulate(np.where(origin >= 0, rows, 0))
-    held = scatter(versions.held_after, base)[last_compute]
-    held = np.where(t.device[last_compute] == t.device, held, base)
+    held = scatter(versions.held_after, base)
+    if np.any(versions.held_after != base):
+        last_compute = np.maximum.accumulate(np.where(origin >= 0, np.arange(len(origin)), 0))
+        held = np.where(t.device[last_compute] == t.device, held[last_compute], base)
 
-    channels, transfer, units = _transfers(schedule, t)
-    bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
-    return Lowered(schedule, t, origin, bounds, scatter(versions.read, -1), scatter(versions.prediction, -1),
-                   scatter(versions.copies_delta, 0), held, transfer, channels, units)
-
-
-def _transfers(schedule: Schedule, t: ActionTable) -> tuple[tuple[Channel, ...], np.ndarray, int]:
-    """The channels and every row's transfer id. Ids come from structure, not matching: a SEND and its RECV
-    name the same edge, direction and unit, so both compute the same dense id."""
+    # Ids come from structure, not matching: a SEND and its RECV name the same channel and unit, so both
+    # compute the same dense id.
     placement = schedule.placement
     edges = [e for e in schedule.graph.edges if placement[e[0]] != placement[e[1]]]
     channels = tuple(Channel(edge, backward, placement[edge[1] if backward else edge[0]],
                              placement[edge[0] if backward else edge[1]])
-                     for edge in edges for backward in (False, True))
+                     for edge in edges for backward in (False, True))  # numbered as `communication_rows` does
     units = schedule.microbatches * schedule.minibatches * schedule.pipelines
-    transfer = np.full(len(t.kind), -1, dtype=np.int64)
-    rows = np.flatnonzero(t.kind >= NUM_COMPUTE_KINDS)
-    if len(rows):
-        sending = kind_mask(t.kind[rows], Kind.SEND_F, Kind.SEND_B)
-        forward = kind_mask(t.kind[rows], Kind.SEND_F, Kind.RECV_F)
-        sender = np.where(sending, t.stage[rows], t.peer[rows])
-        receiver = np.where(sending, t.peer[rows], t.stage[rows])
-        p = schedule.num_stages
-        edge_keys = np.array([a * p + b for a, b in edges], dtype=np.int64)
-        by_key = np.argsort(edge_keys)
-        keys = np.where(forward, sender * p + receiver, receiver * p + sender)
-        edge = by_key[np.searchsorted(edge_keys[by_key], keys)]
-        unit = (t.microbatch[rows] * schedule.minibatches + t.minibatch[rows]) * schedule.pipelines + t.pipeline[rows]
-        transfer[rows] = (edge * 2 + ~forward) * units + unit
-    return channels, transfer, units
+    transfer = np.full(len(origin), -1, dtype=np.int64)
+    rows = np.flatnonzero(channel >= 0)
+    unit = (t.microbatch[rows] * schedule.minibatches + t.minibatch[rows]) * schedule.pipelines + t.pipeline[rows]
+    transfer[rows] = channel[rows] * units + unit
+    bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
+    return Lowered(schedule, t, origin, bounds, scatter(versions.read, -1), scatter(versions.prediction, -1),
+                   scatter(versions.copies_delta, 0), held, transfer, channels, units)
 
 
 def check_transfer_order(lowered: Lowered) -> None:

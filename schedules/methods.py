@@ -178,17 +178,29 @@ def flushed_1f1b(
     params: ScheduleParams, warmup: Callable[[int], int], placement: Sequence[int] | None = None
 ) -> ActionTable:
     """Stage k (on device placement[k], default k; one stage per device) runs `interleave_1f1b(m,
-    warmup(k))` then its update, once per mini-batch."""
+    warmup(k))` then its update, once per mini-batch. Built for all stages at once: position j of the
+    pattern is a warm-up forward (j < w), a cool-down backward (j >= 2m - w), or in between a forward
+    (even j - w) or a backward (odd j - w) of the pair (j - w) // 2."""
     m, n = params.microbatches, params.minibatches
-    placement = placement if placement is not None else range(params.stages)
-    parts = []
-    for k, device in enumerate(placement):
-        backward, position = interleave_1f1b(m, warmup(k))
-        kind = np.append(np.where(backward, _B, _F), _OPT)
-        microbatch = np.append(position, -1)
-        parts.append((device, np.tile(kind, n), np.full(n * len(kind), k), np.tile(microbatch, n),
-                      np.repeat(np.arange(n), len(kind)), np.zeros(n * len(kind))))
-    return stacked(sorted(parts, key=lambda part: part[0]))
+    placement = np.asarray(placement if placement is not None else range(params.stages), dtype=np.int64)
+    stages = np.argsort(placement, kind="stable")  # in device order
+    w = np.minimum([warmup(int(k)) for k in stages], m)[:, None]
+    j = np.arange(2 * m)[None, :]
+    pair, second = np.divmod(j - w, 2)
+    backward = (j >= 2 * m - w) | ((j >= w) & (second == 1))
+    position = np.where(j < w, j, np.where(j >= 2 * m - w, j - m, pair + w * (1 - second)))
+    per_step = len(stages), n, 2 * m + 1  # a mini-batch: the pattern, then the update
+
+    def each_step(pattern: np.ndarray, update: int) -> np.ndarray:
+        row = np.concatenate([pattern, np.full((len(stages), 1), update)], axis=1).astype(np.int64)
+        return np.broadcast_to(row[:, None, :], per_step).ravel()
+
+    rows_per_stage = n * (2 * m + 1)
+    return ActionTable(np.repeat(placement[stages], rows_per_stage), each_step(np.where(backward, _B, _F), _OPT),
+                       np.repeat(stages, rows_per_stage), each_step(position, -1),
+                       np.broadcast_to(np.arange(n)[None, :, None], per_step).ravel(),
+                       np.zeros(len(stages) * rows_per_stage, dtype=np.int64),
+                       np.full(len(stages) * rows_per_stage, -1, dtype=np.int64))
 
 
 def gpipe(params: ScheduleParams) -> Schedule:

@@ -11,6 +11,14 @@ from .table import KIND_CODE, ActionTable
 def communication_table(schedule: Schedule, table: ActionTable | None = None) -> tuple[ActionTable, np.ndarray]:
     """The columnar form of `add_communication`: the lowered actions, and for each lowered row the row of
     `table` it came from (-1 for an inserted SEND or RECV). Vectorised, so it scales to millions of ops."""
+    lowered, origin, _ = communication_rows(schedule, table)
+    return lowered, origin
+
+
+def communication_rows(schedule: Schedule, table: ActionTable | None = None
+                       ) -> tuple[ActionTable, np.ndarray, np.ndarray]:
+    """`communication_table`, and per lowered row its channel: 2e for the activations of the e-th stage-graph
+    edge between two devices (in `graph.edges` order), 2e + 1 for its gradients; -1 for a compute row."""
     t = table or schedule.table
     n = len(t.kind)
     forward = t.kind == KIND_CODE[Kind.F]
@@ -18,35 +26,36 @@ def communication_table(schedule: Schedule, table: ActionTable | None = None) ->
     by_stage = np.argsort(t.stage, kind="stable")
     bounds = np.searchsorted(t.stage[by_stage], np.arange(schedule.num_stages + 1))
     # Each row becomes its RECVs, itself, its SENDs; count them first, then place everything directly.
-    groups = []  # (rows that own the transfer, its kind, the peer stage, whether it comes before the row)
+    groups = []  # (rows that own the transfer, its kind, the peer stage, whether it comes before the row, channel)
     count = {True: np.zeros(n, dtype=np.int64), False: np.zeros(n, dtype=np.int64)}
-    for src, dst in schedule.graph.edges:
-        if schedule.placement[src] == schedule.placement[dst]:
-            continue
-        for mask, stage, peer, kind, before in (
-            (forward, dst, src, Kind.RECV_F, True), (forward, src, dst, Kind.SEND_F, False),
-            (backward, src, dst, Kind.RECV_B, True), (backward, dst, src, Kind.SEND_B, False),
+    edges = [(src, dst) for src, dst in schedule.graph.edges if schedule.placement[src] != schedule.placement[dst]]
+    for e, (src, dst) in enumerate(edges):
+        for mask, stage, peer, kind, before, channel in (
+            (forward, dst, src, Kind.RECV_F, True, 2 * e), (forward, src, dst, Kind.SEND_F, False, 2 * e),
+            (backward, src, dst, Kind.RECV_B, True, 2 * e + 1), (backward, dst, src, Kind.SEND_B, False, 2 * e + 1),
         ):
             of_stage = by_stage[bounds[stage]:bounds[stage + 1]]
             owners = of_stage[mask[of_stage]]
-            groups.append((owners, KIND_CODE[kind], peer, before))
+            groups.append((owners, KIND_CODE[kind], peer, before, channel))
             count[before][owners] += 1
     extra = count[True] + count[False]
     first_slot = np.arange(n) + np.cumsum(extra) - extra
     own_slot = first_slot + count[True]
     total = n + int(extra.sum())
-    source, kinds, peers = (np.empty(total, dtype=np.int64) for _ in range(3))
-    origin = np.full(total, -1, dtype=np.int64)
-    source[own_slot] = origin[own_slot] = np.arange(n)
+    kinds, peers = (np.empty(total, dtype=np.int64) for _ in range(2))
+    origin, channels = (np.full(total, -1, dtype=np.int64) for _ in range(2))
+    origin[own_slot] = np.arange(n)
     kinds[own_slot], peers[own_slot] = t.kind, t.peer
     placed = {True: np.zeros(n, dtype=np.int64), False: np.zeros(n, dtype=np.int64)}
-    for owners, kind_code, peer, before in groups:  # in group order, as `add_communication` promises
+    for owners, kind_code, peer, before, channel in groups:  # in group order, as `add_communication` promises
         slot = (first_slot if before else own_slot + 1)[owners] + placed[before][owners]
         placed[before][owners] += 1
-        source[slot], kinds[slot], peers[slot] = owners, kind_code, peer
-    lowered = t.select(source)
-    return ActionTable(lowered.device, kinds, lowered.stage, lowered.microbatch, lowered.minibatch,
-                       lowered.pipeline, peers), origin
+        kinds[slot], peers[slot], channels[slot] = kind_code, peer, channel
+    # A row's transfers sit next to it and share its device, stage and unit: repeat its columns over them.
+    copies = extra + 1
+    return ActionTable(np.repeat(t.device, copies), kinds, np.repeat(t.stage, copies),
+                       np.repeat(t.microbatch, copies), np.repeat(t.minibatch, copies),
+                       np.repeat(t.pipeline, copies), peers), origin, channels
 
 
 def add_communication(schedule: Schedule) -> Schedule:

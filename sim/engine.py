@@ -1,4 +1,5 @@
-"""The SimPy model: one process per device walks its lowered rows in order, as a real runtime does.
+"""The SimPy model: one process per device walks its lowered rows in order, as a real runtime does (where no
+resource is shared, the same processes run as plain coroutines: see `_Model`).
 
 `schedules.lower` makes every transfer explicit, so the runtime interprets three things: compute (busy for
 the op's cost), SEND (the transfer is queued on the link's resources and the compute stream goes on, unless
@@ -15,6 +16,7 @@ This module only prices the rows and runs them: nothing here knows a method by n
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Sequence
@@ -24,7 +26,7 @@ import numpy as np
 import simpy
 
 from .. import __version__
-from ..schedules import KIND_CODE, KINDS, Kind, Schedule, ScheduleError, validate
+from ..schedules import KIND_CODE, KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
@@ -37,7 +39,8 @@ _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
 def _picoseconds(ms: np.ndarray) -> np.ndarray:
     """Times run on an integer picosecond clock: sums are exact and associative, so an op computed to
     start where the one before it ends starts exactly there, however its time was added up."""
-    return np.round(np.asarray(ms, dtype=np.float64) * _PS_PER_MS).astype(np.int64)
+    ps = np.asarray(ms, dtype=np.float64) * _PS_PER_MS
+    return np.round(ps, out=ps).astype(np.int64)
 
 
 class SimulationError(RuntimeError):
@@ -51,18 +54,29 @@ class _Program:
 
     lowered: Lowered
     stream: np.ndarray
-    # Per device, the rows it yields to SimPy at (its steps) in order: compute ps since the previous step,
-    # stream, and the transfer id of a transfer or the duration of a compute row. Those are its transfers, and
-    # its compute rows too if it shares a compute resource; otherwise a device's clock just adds their durations.
-    steps: list[tuple[list[int], list[int], list[int]]]
-    step_rows: list[np.ndarray]  # per device: its steps' rows, counted from its first row
+    # Per device, the rows where its clock may do more than add durations (its steps) in order, as columns:
+    # compute ps since the previous step, stream, the transfer id of a transfer or the duration of a compute row,
+    # and for a RECV its sender, the index of the sender's clock it waits for and the time from that clock to
+    # its arrival (as `send_clock` and `send_to_arrival_ps` say). Steps are a device's receives and the sends
+    # whose arrival is not a fixed time after their issue, and its compute rows too if it shares a compute
+    # resource; elsewhere a device's clock just adds durations.
+    steps: list[tuple[np.ndarray, ...]]
+    step_rows: np.ndarray  # every device's steps, as global rows in program order
+    step_bounds: np.ndarray  # device d's steps are step_rows[step_bounds[d]:step_bounds[d + 1]]
+    timed: bool  # whether a resource is shared, so that devices must take it in simulated time order
+    # Per transfer id: the device sending it, the index in that device's clocks (0: its start, i + 1: after
+    # its step i) of the clock it is sent from, and how long after that clock it arrives (-1: its SEND step
+    # finds that out when it runs).
+    sender: np.ndarray
+    send_clock: np.ndarray
+    send_to_arrival_ps: np.ndarray
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
     host_unit: list[int | None]  # per device: the host whose cores its compute rows share, if any
     contention: tuple[float, ...]  # the hosts' slowdown with 1, 2, ... devices computing at once
     busy_before_ps: np.ndarray  # per row: compute time of its device's earlier rows
     duration_ps: np.ndarray
-    transfer_ps: list[int]  # per transfer id
-    routes: list[tuple[int, ...]]  # per transfer id: the shared resources it occupies (its channel's)
+    channel_ps: list[int]  # per channel: the time of each of its transfers (transfer id // units)
+    routes: list[tuple[int, ...]]  # per channel: the shared resources its transfers occupy
     num_resources: int
     mem_at_start: np.ndarray
     mem_at_end: np.ndarray
@@ -82,26 +96,29 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
 
     op_ms = costs.op_ms_table(schedule.pipelines)
     overhead = costs.overhead
-    computing_kind = np.where(compute, kind, 0)
-    duration = np.where(compute, op_ms[stage, computing_kind] + np.asarray(overhead.compute_ms)[computing_kind], 0.0)
+    computing = np.flatnonzero(compute)
+    duration = np.zeros(n)
+    computing_kind = kind[computing]
+    duration[computing] = op_ms[stage[computing], computing_kind] + np.asarray(overhead.compute_ms)[computing_kind]
     spans = _gradient_spans(lowered)
-    duration += spans.accumulating * np.asarray([c.accumulate_ms for c in stages])[stage]
-    copying = (kind == KIND_CODE[Kind.OPT]) & (lowered.copies_delta > 0)  # copy-on-write: the old version stays
-    duration += copying * np.asarray([c.copy_ms for c in stages])[stage]
+    copying = np.flatnonzero((kind == KIND_CODE[Kind.OPT]) & (lowered.copies_delta > 0))  # copy-on-write: the old
+    for rows, ms in ((np.flatnonzero(spans.accumulating), [c.accumulate_ms for c in stages]),  # version stays
+                     (copying, [c.copy_ms for c in stages])):
+        duration[rows] += np.asarray(ms)[stage[rows]]
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
     duration = _picoseconds(duration)
-    held = duration + _picoseconds(overhead.host_ms[kind])  # what each row keeps its device from its next row
+    held = duration + _picoseconds(overhead.host_ms)[kind]  # what each row keeps its device from its next row
 
     def per_stage(values: list[float]) -> np.ndarray:
-        return np.asarray(values, dtype=np.int64)[stage]
+        return np.asarray(values, dtype=np.int64)
 
     activation = per_stage([c.activation_bytes for c in stages])
     param = per_stage([c.param_bytes for c in stages])
     # A stage whose `held_bytes` is known holds its boundary tensors from F until its backward (a received
     # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
     # received one freed when its consumer ends, a sent one when its transfer does.
-    own_boundary = per_stage([c.held_bytes is not None for c in stages]).astype(bool)
+    own_boundary = np.array([c.held_bytes is not None for c in stages], dtype=bool)
     # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
     # which the producer holds until its own backward, later than this stage's: it is counted there only.
     local_in = [0] * len(stages)
@@ -110,16 +127,20 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
             local_in[dst] += stages[src].output_bytes
     roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
     kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
-    is_kind = {k: kind == KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W)}
-    mem_at_start = np.where(is_kind[Kind.F], activation + roots, 0)
-    mem_at_end = (-np.where(is_kind[Kind.B], activation + roots, 0)
-                  - np.where(is_kind[Kind.I], activation - kept + roots, 0)
-                  - np.where(is_kind[Kind.W], kept, 0) + lowered.copies_delta * param)
-    kept_gradient = np.round(param[spans.opening] * costs.kept_gradients).astype(np.int64)
+    # Per stage and kind, the bytes a row takes at its start and gives back at its end.
+    at_start, at_end = (np.zeros((len(stages), len(KINDS)), dtype=np.int64) for _ in range(2))
+    at_start[:, KIND_CODE[Kind.F]] = activation + roots
+    at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
+    at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
+    at_end[:, KIND_CODE[Kind.W]] = -kept
+    mem_at_start, mem_at_end = at_start[stage, kind], at_end[stage, kind]
+    copies = np.flatnonzero(lowered.copies_delta)
+    mem_at_end[copies] += lowered.copies_delta[copies] * param[stage[copies]]
+    kept_gradient = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
     mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
-    mem_at_end[spans.closing] -= np.round(param[spans.closing] * costs.kept_gradients).astype(np.int64)
-    act_at_start = is_kind[Kind.F].astype(np.int64)
-    act_at_end = -(is_kind[Kind.B] | is_kind[Kind.W]).astype(np.int64)
+    mem_at_end[spans.closing] -= np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
+    act_at_start = kind_mask(kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
+    act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int8)
 
     # A channel's transfers share their size, time and route.
     resources: dict[tuple[str, str], int] = {}
@@ -136,15 +157,14 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     host_unit = [None if len(peers) == 1 or compute_unit[d] is not None
                  else hosts.setdefault(cluster.hosts[d], len(hosts))
                  for d, peers in enumerate(cluster.host_peers(schedule.num_devices))]
-    transfer_ps = np.repeat(_picoseconds(np.asarray(channel_ms)), lowered.units).tolist()
-    routes = [route for route in routes for _ in range(lowered.units)]  # one lookup per transfer when running
+    channel_ps = _picoseconds(np.asarray(channel_ms, dtype=np.float64))
+    transfer_ps = np.repeat(channel_ps, lowered.units)
     rows = np.flatnonzero(~compute)
     if len(rows):
         sending = stream[rows] == Stream.SEND
         row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(lowered.transfer[rows])]
-        forward = np.isin(kind[rows], [KIND_CODE[Kind.SEND_F], KIND_CODE[Kind.RECV_F]])
-        merged = forward & own_boundary[rows]  # an activation that is the stage's own from its F to its backward
-        computing = np.flatnonzero(compute)
+        forward = kind_mask(kind[rows], Kind.SEND_F, Kind.RECV_F)
+        merged = forward & own_boundary[stage[rows]]  # an activation that is the stage's own from F to backward
         # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
         # (merged: the stage holds it anyway).
         buffered = sending & ~merged
@@ -159,20 +179,52 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         np.add.at(mem_at_end, consumer[~merged_in], -received[~merged_in])
         np.add.at(mem_at_start, consumer[merged_in], -received[merged_in])
 
-    steps, step_rows = [], []
-    busy_before = np.empty(n, dtype=np.int64)
-    for d in range(schedule.num_devices):
-        lo, hi = lowered.bounds[d], lowered.bounds[d + 1]
-        busy_before[lo:hi] = np.cumsum(held[lo:hi]) - held[lo:hi]
-        shared = compute_unit[d] is not None or host_unit[d] is not None
-        mine = np.arange(hi - lo) if shared else np.flatnonzero(~compute[lo:hi])
-        rows = lo + mine
-        pre = np.diff(busy_before[rows], prepend=0)
-        operand = np.where(compute[rows], duration[rows], lowered.transfer[rows])
-        steps.append((pre.tolist(), stream[rows].tolist(), operand.tolist()))
-        step_rows.append(mine)
-    return _Program(lowered, stream, steps, step_rows, compute_unit, host_unit, cluster.contention, busy_before,
-                    duration, transfer_ps, routes, len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end,
+    timed = bool(resources) or any(h is not None for h in host_unit)
+    bounds = lowered.bounds
+    rows_per_device = np.diff(bounds)
+    device = t.device
+    held_sum = np.cumsum(held)
+    busy_before = held_sum - held - np.repeat(np.r_[0, held_sum][bounds[:-1]], rows_per_device)
+    sends = stream == Stream.SEND
+    # A send on a link of its own that does not block its device arrives a fixed time after the clock it is
+    # issued at: no step, the receiver works its arrival out from the sender's clock (only where nothing is
+    # shared: taking a shared resource, devices must meet in simulated time order, which steps keep).
+    lazy = sends & (not timed and cluster.overlap_comm)
+    shared = np.array([u is not None or h is not None for u, h in zip(compute_unit, host_unit)], dtype=bool)
+    is_step = (shared[device] | ~compute) & ~lazy
+    step_rows = np.flatnonzero(is_step)
+    step_bounds = np.searchsorted(step_rows, bounds)
+    step_busy = busy_before[step_rows]
+    first_step = np.zeros(len(step_rows), dtype=bool)
+    first_step[step_bounds[:-1][np.diff(step_bounds) > 0]] = True
+    pre = step_busy - np.where(first_step, 0, np.r_[0, step_busy[:-1]])  # compute ps since the step before
+
+    # Per transfer: the clock its SEND is issued from (its own step's, or the step's before it), and how long
+    # after that clock it arrives.
+    send_rows = np.flatnonzero(sends)
+    xids = lowered.transfer[send_rows]
+    steps_before = (np.cumsum(is_step) - is_step)[send_rows]  # global step count before each SEND
+    own_step = ~lazy[send_rows]
+    sender, send_clock, send_to_arrival = (np.empty(len(transfer_ps), dtype=np.int64) for _ in range(3))
+    sender[xids] = device[send_rows]
+    clock = steps_before - step_bounds[sender[xids]] + own_step
+    send_clock[xids] = clock
+    clock_busy = np.where(clock > own_step, step_busy[steps_before - 1 + own_step], 0)
+    send_to_arrival[xids] = np.where(own_step, 0 if not timed else -1,
+                                     busy_before[send_rows] - clock_busy + transfer_ps[xids])
+
+    operand = np.where(compute[step_rows], duration[step_rows], lowered.transfer[step_rows])
+    receiving = np.flatnonzero(stream[step_rows] == Stream.RECV)
+    received = operand[receiving]
+    columns = [pre, stream[step_rows], operand]
+    for per_transfer in (sender, send_clock, send_to_arrival):  # a RECV step's sender, its clock, the time after it
+        column = np.zeros(len(step_rows), dtype=np.int64)
+        column[receiving] = per_transfer[received]
+        columns.append(column)
+    steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_bounds.tolist())]
+    return _Program(lowered, stream, steps, step_rows, step_bounds, timed, sender, send_clock, send_to_arrival,
+                    compute_unit, host_unit, cluster.contention, busy_before, duration, channel_ps.tolist(), routes,
+                    len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end,
                     static_bytes(schedule, costs))
 
 
@@ -199,13 +251,15 @@ def _gradient_spans(lowered: Lowered) -> _GradientSpans:
     before = np.cumsum(~is_grad) - ~is_grad  # updates before each row, counted on across replicas
     new_replica = np.r_[True, replica[1:] != replica[:-1]]
     own = before - before[new_replica][np.cumsum(new_replica) - 1]  # ... counted in its own replica
-    span = replica * (len(rows) + 1) + own  # (replica, its updates before) as one number; an OPT closes its own
-    starts = np.unique(span[is_grad], return_index=True)[1]
-    first = rows[is_grad][starts]
+    # A span is a replica's B and W rows between two updates, so in this order the row before a span's first
+    # is no B or W of its replica, and the update that ends a span comes right after the span's last.
+    after_grad = np.zeros(len(rows), dtype=bool)
+    after_grad[1:] = is_grad[:-1] & ~new_replica[1:]
+    first = is_grad & ~after_grad
     accumulating = grads.copy()
-    accumulating[first] = False
-    opening = first[own[is_grad][starts] > 0]
-    closing = rows[~is_grad & (own > 0) & np.isin(span, span[is_grad])]
+    accumulating[rows[first]] = False
+    opening = rows[first & (own > 0)]
+    closing = rows[~is_grad & (own > 0) & after_grad]
     return _GradientSpans(accumulating, opening, closing)
 
 
@@ -269,26 +323,32 @@ class _SharedCores:
 
 
 class _Model:
-    """The SimPy processes; times in integer picoseconds.
+    """The device processes; times in integer picoseconds.
 
-    Each device keeps its own clock and yields to SimPy only where another device's progress matters:
-    to wait for a transfer not yet sent, and, before reserving a shared link or a shared compute resource,
-    to let the simulated time reach its own clock, so shared resources serve requests in the order they were
-    made (a capacity-one SimPy Resource held for the span would grant the same, at two events per row). A
-    compute row on shared cores waits for its end, which the rows running beside it decide.
+    Each device keeps its own clock and stops only where another device's progress matters: to wait for a
+    transfer not yet sent and, where resources are shared (`timed`), before reserving a shared link or a shared
+    compute resource, to let SimPy's simulated time reach its own clock, so shared resources serve requests in
+    the order they were made (a capacity-one SimPy Resource held for the span would grant the same, at two events
+    per row). A compute row on shared cores waits for its end, which the rows running beside it decide.
     Everything else (compute of its own, sends on private links) advances the device's clock without an
-    event, which is exact because nothing else can observe it in between.
+    event, which is exact because nothing else can observe it in between. Where nothing is shared, a device's
+    clock depends on the data it receives alone, never on when other devices reach theirs: SimPy's time order is
+    then not needed, and the processes run as plain coroutines, each until it waits for data (the same integers,
+    without an event per wait).
     """
 
     def __init__(self, program: _Program, overlap_comm: bool) -> None:
-        self.env = simpy.Environment()
         self.program = program
         self.overlap_comm = overlap_comm
-        n_transfers = len(program.transfer_ps)
-        # Per device, per transfer: the device's clock once it is done (SEND issued, RECV arrived).
-        self.clock_after: list[list[float]] = [[] for _ in program.steps]
-        self.arrival: list[int | None] = [None] * n_transfers
-        self.waiting: dict[int, simpy.Event] = {}
+        self.env = simpy.Environment() if program.timed else None
+        # Per device, its clock at its start and after each of its steps (SEND issued, RECV arrived, the start of
+        # a compute row that is a step); per transfer id, its arrival once its SEND step has run (-1 before).
+        self.clocks: list[list[int]] = [[0] for _ in program.steps]
+        self.arrival = [-1] * len(program.sender)
+        # Per device, the devices waiting for its clock at an index (an event to succeed, or a coroutine to resume).
+        self.waiters: list[dict[int, list]] = [{} for _ in program.steps]
+        self.ready: collections.deque = collections.deque()  # coroutines to resume, where nothing is timed
+        self.running = None  # the coroutine running, where nothing is timed
         self.free_at = [0] * program.num_resources
         self.cores = [_SharedCores(self.env, program.contention)
                       for _ in range(max((u + 1 for u in program.host_unit if u is not None), default=0))]
@@ -298,20 +358,31 @@ class _Model:
         self.host_stretch_ps = np.zeros(len(program.duration_ps), dtype=np.int64)
         self.finished = 0
 
-    def device(self, steps: tuple[list[int], list[int], list[int]], rows: np.ndarray, clock_after: list[int],
-               unit: int | None, host: int | None):
-        """One device's steps (`rows`: their global rows); `clock_after` gets its clock after each: a transfer's
-        SEND issued or RECV arrived, a compute row's start (the clock after it is that plus its duration, in the
-        next step's compute ps)."""
+    def _succeed(self, events: list[simpy.Event]) -> None:
+        for event in events:
+            event.succeed()
+
+    def device(self, d: int):
+        """Device d's steps; `self.clocks[d]` gets its clock after each: a transfer's SEND issued or RECV
+        arrived, a compute row's start (the clock after it is that plus its duration, in the next step's
+        compute ps)."""
         env = self.env
-        cores = self.cores[host] if host is not None else None
+        program = self.program
+        cores = self.cores[program.host_unit[d]] if program.host_unit[d] is not None else None
+        unit = program.compute_unit[d]
+        rows = program.step_rows[program.step_bounds[d]:program.step_bounds[d + 1]]
         duration = self.duration_ps
-        arrival, waiting, free_at = self.arrival, self.waiting, self.free_at
-        done = clock_after.append
-        routes, transfer_ps, overlap = self.program.routes, self.program.transfer_ps, self.overlap_comm
+        arrival, free_at, all_clocks = self.arrival, self.free_at, self.clocks
+        all_waiters = self.waiters
+        clocks, waiting_on_me = all_clocks[d], all_waiters[d]
+        done = clocks.append
+        wake = self.ready.extend if env is None else self._succeed
+        routes, channel_ps, units = program.routes, program.channel_ps, program.lowered.units
+        overlap = self.overlap_comm
         send, recv = int(Stream.SEND), int(Stream.RECV)  # plain ints: this loop runs once per step
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
-        for busy_ps, stream, xid, row in zip(*steps, rows.tolist() if cores else itertools.repeat(-1)):
+        for busy_ps, stream, xid, source, index, to_arrival, row in zip(  # memoryviews: Python ints, one at a time
+                *map(memoryview, program.steps[d]), rows.tolist() if cores else itertools.repeat(-1)):
             clock += busy_ps
             if cores is not None and busy_ps > computed_ps:  # the runtime's host time between rows shares them too
                 host_ps = busy_ps - computed_ps
@@ -321,30 +392,32 @@ class _Model:
                 self.host_stretch_ps[row] = end - clock
                 clock = end
             computed_ps = 0
-            if stream == send:
-                route = routes[xid]
+            if stream == recv:
+                sender_clocks = all_clocks[source]
+                if len(sender_clocks) <= index:  # not sent yet: wait until the sender has that clock
+                    waiter = self.running if env is None else env.event()
+                    all_waiters[source].setdefault(index, []).append(waiter)
+                    yield waiter
+                # The arrival is a fixed time after the sender's clock, or what its SEND step found.
+                ready = sender_clocks[index] + to_arrival if to_arrival >= 0 else arrival[xid]
+                if ready > clock:
+                    clock = ready
+                done(clock)
+            elif stream == send:
+                route, transfer_ps = routes[xid // units], channel_ps[xid // units]
                 if route:  # a shared link: wait until simulated time reaches the send, then queue on it
                     if clock > env.now:
                         yield env.timeout(clock - env.now)
                     begin = max(clock, *(free_at[r] for r in route))
-                    end = begin + transfer_ps[xid]
+                    end = begin + transfer_ps
                     for r in route:
                         free_at[r] = end
                 else:
-                    end = clock + transfer_ps[xid]
+                    end = clock + transfer_ps
                 arrival[xid] = end
-                if xid in waiting:
-                    waiting.pop(xid).succeed()
                 if not overlap:
                     clock = end
-            elif stream == recv:
-                ready = arrival[xid]
-                if ready is None:
-                    event = waiting[xid] = env.event()
-                    yield event
-                    ready = arrival[xid]
-                if ready > clock:
-                    clock = ready
+                done(clock)
             else:  # a compute row on the shared compute resource `unit` or shared `cores`; `xid` is its duration
                 if clock > env.now:
                     yield env.timeout(clock - env.now)
@@ -353,20 +426,29 @@ class _Model:
                     duration[row] = end - clock
                     done(clock)
                     clock, computed_ps = end - xid, xid  # the next step's compute ps count the row's duration alone
-                    continue
-                if free_at[unit] > clock:
-                    clock = free_at[unit]
-                free_at[unit] = clock + xid
-            done(clock)
+                else:
+                    if free_at[unit] > clock:
+                        clock = free_at[unit]
+                    free_at[unit] = clock + xid
+                    done(clock)
+            if waiting_on_me:
+                woken = waiting_on_me.pop(len(clocks) - 1, None)
+                if woken:
+                    wake(woken)
         self.finished += 1
 
     def run(self) -> None:
-        program = self.program
-        bounds = program.lowered.bounds
-        for d, (steps, clock_after) in enumerate(zip(program.steps, self.clock_after)):
-            self.env.process(self.device(steps, bounds[d] + program.step_rows[d], clock_after,
-                                         program.compute_unit[d], program.host_unit[d]))
-        self.env.run()
+        processes = [self.device(d) for d in range(len(self.program.steps))]
+        if self.env is not None:
+            for process in processes:
+                self.env.process(process)
+            self.env.run()
+            return
+        ready = self.ready
+        ready.extend(processes)
+        while ready:
+            self.running = process = ready.pop()
+            next(process, None)
 
 
 def simulate(
@@ -397,25 +479,40 @@ def simulate(
 def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int) -> Trace:
     lowered = program.lowered
     schedule, xid, t, bounds = lowered.schedule, lowered.transfer, lowered.table, lowered.bounds
-    is_transfer = program.stream != Stream.COMPUTE
-    issued_ps = _issue_times(program, model)
+    transfers = np.flatnonzero(program.stream != Stream.COMPUTE)
+    clocks = np.fromiter(itertools.chain.from_iterable(model.clocks), np.int64,
+                         len(program.step_rows) + schedule.num_devices)
+    issued_ps = _issue_times(program, model, clocks)
     start_ps = issued_ps.copy()
     end_ps = issued_ps + model.duration_ps
-    if len(model.arrival):
-        arrival = np.fromiter(model.arrival, np.int64, len(model.arrival))
-        end_ps[is_transfer] = arrival[xid[is_transfer]]  # a transfer starts its duration before it arrives
-        start_ps[is_transfer] = (arrival - np.asarray(program.transfer_ps, dtype=np.int64))[xid[is_transfer]]
-    issued_ms, start_ms, end_ms = issued_ps / _PS_PER_MS, start_ps / _PS_PER_MS, end_ps / _PS_PER_MS
+    if len(transfers):
+        if program.timed:  # every SEND was a step and found its arrival
+            arrival = np.fromiter(model.arrival, np.int64, len(model.arrival))
+        else:  # every SEND arrives a fixed time after a clock of its device
+            sender = program.sender
+            arrival = clocks[program.step_bounds[sender] + sender + program.send_clock] + program.send_to_arrival_ps
+        ids = xid[transfers]
+        end_ps[transfers] = arrival[ids]  # a transfer starts its duration before it arrives
+        start_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[ids // lowered.units]
+    # Milliseconds and microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
+    issued_ms, end_ms = issued_ps / _PS_PER_MS, end_ps / _PS_PER_MS
+    start_us = start_ps / _PS_PER_MS
+    start_us *= 1e3
+    dur_us = np.subtract(end_ps, start_ps, out=end_ps) / (_PS_PER_MS / 1e3)
     ops = Ops(device=t.device, stream=program.stream, kind=t.kind, stage=t.stage, microbatch=t.microbatch,
               minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=lowered.version,
-              prediction=lowered.prediction, start_us=start_ms * 1e3, dur_us=(end_ps - start_ps) / (_PS_PER_MS / 1e3))
+              prediction=lowered.prediction, start_us=start_us, dur_us=dur_us)
 
     # Event times: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
     # or where the runtime posts it ahead.
-    first_ms = np.where(program.stream == Stream.RECV, end_ms, issued_ms)
+    first_ms = issued_ms
     if costs.recv_window:
         receives, posted = _posting_rows(bounds, program.stream, costs.recv_window)
-        first_ms[receives] = issued_ms[posted]
+        posted_ms = issued_ms[posted]
+    receiving = np.flatnonzero(program.stream == Stream.RECV)
+    first_ms[receiving] = end_ms[receiving]
+    if costs.recv_window:
+        first_ms[receives] = posted_ms
     devices = schedule.num_devices
     counters = {
         "memory_bytes": _step_counters(bounds, first_ms, end_ms, program.mem_at_start, program.mem_at_end,
@@ -460,25 +557,25 @@ def _posting_rows(bounds: Sequence[int], stream: np.ndarray, window: int) -> tup
     return np.concatenate(receives), np.concatenate(posted)
 
 
-def _issue_times(program: _Program, model: _Model) -> np.ndarray:
+def _issue_times(program: _Program, model: _Model, clocks: np.ndarray) -> np.ndarray:
     """When each row was issued (compute: start; SEND: issued; RECV: wait began): the device's clock
-    after its last step before the row, plus the compute time since; a compute step starts at its clock."""
-    bounds = program.lowered.bounds
-    out = np.empty(len(program.stream), dtype=np.int64)
-    stretch = model.duration_ps - program.duration_ps if model.duration_ps is not program.duration_ps else None
-    for d, (clock_after, steps) in enumerate(zip(model.clock_after, program.step_rows)):
-        lo, hi = bounds[d], bounds[d + 1]
-        busy = program.busy_before_ps[lo:hi]
-        segment = np.searchsorted(steps, np.arange(hi - lo))  # steps before each row
-        clocks = np.zeros(len(clock_after) + 1, dtype=np.int64)
-        clocks[1:] = np.fromiter(clock_after, np.int64, len(clock_after))
-        base = np.concatenate([[0], busy[steps]])[segment]
-        out[lo:hi] = clocks[segment] + (busy - base)
-        if stretch is not None:  # a row after one stretched on shared cores (all of whose rows are steps) starts later
-            out[lo + 1:hi] += stretch[lo:hi - 1]
-            out[lo:hi] += model.host_stretch_ps[lo:hi]  # ... as does one after host time they stretched
-        queued = program.stream[lo + steps] == Stream.COMPUTE
-        out[lo + steps[queued]] = clocks[1:][queued]
+    after its last step before the row, plus the compute time since; a compute step starts at its clock.
+    `clocks`: every device's clocks (`_Model.clocks`) one after another."""
+    steps, busy = program.step_rows, program.busy_before_ps
+    device = program.lowered.table.device
+    is_step = np.zeros(len(busy), dtype=bool)
+    is_step[steps] = True
+    before = np.cumsum(is_step) - is_step + device  # where in `clocks` the clock before each row is
+    after = np.arange(len(steps)) + device[steps] + 1  # ... and the clock after each step
+    base = np.zeros(len(clocks), dtype=np.int64)
+    base[after] = busy[steps]  # the compute time before the step a clock comes after
+    out = clocks[before] + (busy - base[before])
+    if model.duration_ps is not program.duration_ps:  # a row after one stretched on shared cores (all of whose
+        stretch = model.duration_ps - program.duration_ps  # rows are steps) starts later, as does one after host
+        out[1:] += np.where(device[1:] == device[:-1], stretch[:-1], 0)  # time they stretched
+        out += model.host_stretch_ps
+    queued = program.stream[steps] == Stream.COMPUTE
+    out[steps[queued]] = clocks[after[queued]]
     return out
 
 
@@ -486,11 +583,11 @@ def _step_counters(bounds, first_ms, second_ms, first_delta, second_delta, initi
     """Per device (rows bounds[d]..bounds[d+1], in program order), the running total of deltas applied at
     two event times per op, in time order (ties keep program order, so an op's end counts before the next
     op's start)."""
-    times = np.stack([first_ms, second_ms], axis=1).ravel()  # program order: op i's two events at 2i, 2i+1
-    deltas = np.stack([first_delta, second_delta], axis=1).ravel()
     out = []
-    for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        mine_times, mine_deltas = times[2 * lo:2 * hi], deltas[2 * lo:2 * hi]
+    for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        mine_times, mine_deltas = np.empty(2 * (hi - lo)), np.empty(2 * (hi - lo), dtype=np.int64)
+        mine_times[0::2], mine_times[1::2] = first_ms[lo:hi], second_ms[lo:hi]  # op i's two events at 2i, 2i + 1
+        mine_deltas[0::2], mine_deltas[1::2] = first_delta[lo:hi], second_delta[lo:hi]
         keep = mine_deltas != 0
         mine_times, mine_deltas = mine_times[keep], mine_deltas[keep]
         order = np.argsort(mine_times, kind="stable")

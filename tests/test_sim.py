@@ -10,7 +10,7 @@ import pytest
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Cluster, ClusterError, Costs, Link, load_cluster, simulate
 from pipesim.traces import read_trace, summarize, write_trace
-from tests.conftest import run
+from tests.conftest import build, run
 
 GRID = [(1, 1), (2, 2), (4, 4), (4, 8), (3, 10), (8, 8), (8, 32)]
 
@@ -261,3 +261,27 @@ def test_too_few_devices_in_cluster():
     schedule = build_schedule("1f1b", ScheduleParams(4, 4))
     with pytest.raises(ScheduleError, match="needs 4 devices, the cluster has 2"):
         simulate(schedule, Costs.per_stage(4, fwd_ms=1, bwd_ms=1), Cluster.uniform(2, 0))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "interleaved-1f1b", "xpipe", "avgpipe", "graphpipe"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_devices_run_without_simpy_where_nothing_is_shared_and_give_simpys_trace(name, overlap):
+    """Where no resource is shared the device processes run as plain coroutines, sends on private links as no
+    steps; SimPy's time-ordered run, here forced by giving every link a resource of its own that no transfer ever
+    queues on (they are sent farther apart than they take), must give the same trace, bit for bit."""
+    from pipesim.schedules.lowering import lower
+    from pipesim.sim import engine
+
+    schedule = build(name, 4, 8, 2)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=[1.0 + 0.1 * (s % 3) for s in range(schedule.num_stages)],
+                            bwd_ms=2, opt_ms=0.3, param_mb=10, activation_mb=5, output_mb=1)
+    plain = Cluster.uniform(schedule.num_devices, 0.05, overlap_comm=overlap)
+    own_links = dataclasses.replace(plain, links={(s, d): Link(latency_ms=0.05, resource=f"{s}->{d}")
+                                                  for s in range(plain.num_devices)
+                                                  for d in range(plain.num_devices) if s != d})
+    assert [engine._price(lower(schedule), costs, cluster, 0.0, 0).timed for cluster in (plain, own_links)] == \
+        [False, True]
+    for jitter in (0.0, 0.2):
+        coroutines = simulate(schedule, costs, plain, jitter=jitter, seed=3)
+        timed = simulate(schedule, costs, own_links, jitter=jitter, seed=3)
+        assert coroutines.ops == timed.ops and coroutines.counters == timed.counters

@@ -85,16 +85,21 @@ def summarize(trace: Trace) -> Summary:
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
     compute = ops.stream == Stream.COMPUTE
 
-    by_device = np.argsort(ops.device, kind="stable")  # simulated traces are grouped already: cheap
-    bounds = np.searchsorted(ops.device[by_device], np.arange(trace.num_devices + 1))
+    device, starts_us, durs_us, grouped_ends_us, on_compute = ops.device, ops.start_us, ops.dur_us, ends_us, compute
+    if np.any(device[1:] < device[:-1]):  # ops by device, each in its order (simulated traces come so already)
+        order = np.argsort(device, kind="stable")
+        device, starts_us, durs_us, grouped_ends_us, on_compute = (
+            column[order] for column in (device, starts_us, durs_us, grouped_ends_us, on_compute))
+    bounds = np.searchsorted(device, np.arange(trace.num_devices + 1))
     devices = []
     busy_total_us = 0.0
     exposed_total_us = 0.0
     for d in range(trace.num_devices):
-        mine = by_device[bounds[d]:bounds[d + 1]]
-        busy, comm = mine[compute[mine]], mine[~compute[mine]]
-        busy_us = float(ops.dur_us[busy].sum())
-        exposed_us = _exposed(ops.start_us[comm], ends_us[comm], ops.start_us[busy], ends_us[busy])
+        mine = slice(bounds[d], bounds[d + 1])
+        busy, comm = on_compute[mine], ~on_compute[mine]
+        start_us, end_us = starts_us[mine], grouped_ends_us[mine]
+        busy_us = float(durs_us[mine][busy].sum())
+        exposed_us = _exposed(start_us[comm], end_us[comm], start_us[busy], end_us[busy])
         busy_total_us += busy_us
         exposed_total_us += exposed_us
         devices.append(DeviceMetrics(
