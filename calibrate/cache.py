@@ -27,7 +27,7 @@ from typing import Any
 
 from ..traces import write_atomic
 
-CACHE_VERSION = 1  # raised when what a cached entry holds, or how it is measured, changes
+CACHE_VERSION = 2  # raised when what a cached entry holds, or how it is measured, changes
 
 
 def cache_dir() -> Path:

@@ -28,7 +28,7 @@ from ..profiles.schema import COMPUTE_KINDS, RECV_WINDOW, Profile, RuntimeProfil
 from ..schedules import Schedule, ScheduleParams, build_schedule
 from ..traces.trace import Stream, Trace
 
-PROBE_SCHEDULES = ("1f1b", "zb-h1")  # run in turn, each for `steady` mini-batches, after one of warm-up
+PROBE_SCHEDULES = ("1f1b", "zb-h1")  # run in turn, each for one warm-up mini-batch and `steady` more
 PROBE_OPTIMIZER = "sgd"  # the probe's OPT rows minus its calibrated SGD step leave the runtime's own part
 PROBE_MICROBATCHES = 8
 PROBE_STEADY = 5  # mini-batches per schedule the probe keeps
@@ -49,19 +49,20 @@ def probe_width(profile: Profile, element_bytes: int) -> int:
 
 
 def probe_schedule(stages: int, microbatches: int, steady: int) -> Schedule:
-    """PROBE_SCHEDULES in one schedule on `stages` devices: the first for one warm-up mini-batch (dropped from
-    every term) and `steady` more, each next one for `steady` mini-batches numbered on from there."""
-    parts = [build_schedule(name, ScheduleParams(stages=stages, microbatches=microbatches,
-                                                 minibatches=steady + (i == 0)))
-             for i, name in enumerate(PROBE_SCHEDULES)]
-    first, orders, offset = parts[0], [[] for _ in range(stages)], 0
+    """PROBE_SCHEDULES in one schedule on `stages` devices, each in turn for one warm-up mini-batch (its first
+    rows of a kind run cold code paths: `params["warmup_minibatches"]` names them, and every term drops them)
+    and `steady` more, numbered on from the schedule before."""
+    parts = [build_schedule(name, ScheduleParams(stages=stages, microbatches=microbatches, minibatches=1 + steady))
+             for name in PROBE_SCHEDULES]
+    first, orders, offset, warmups = parts[0], [[] for _ in range(stages)], 0, []
     for part in parts:
         for device, order in enumerate(part.orders):
             orders[device] += [action._replace(minibatch=action.minibatch + offset) for action in order]
+        warmups.append(offset)
         offset += part.minibatches
     return Schedule(method=" then ".join(PROBE_SCHEDULES), graph=first.graph, placement=first.placement,
                     orders=[tuple(order) for order in orders], policy=first.policy, microbatches=microbatches,
-                    minibatches=offset, params={**first.params, "minibatches": offset})
+                    minibatches=offset, params={**first.params, "minibatches": offset, "warmup_minibatches": warmups})
 
 
 def host_plan(profile: Profile) -> tuple[int, int]:
@@ -70,10 +71,16 @@ def host_plan(profile: Profile) -> tuple[int, int]:
     least one steady mini-batch, and the 2p micro-batches ZB-H1 needs)."""
     pass_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
     stages = profile.partition.stages
-    microbatches = max(2 * stages, min(PROBE_MICROBATCHES, int(HOST_RUN_S / (3 * pass_s)) if pass_s else 1 << 30))
+    microbatches = max(2 * stages, min(PROBE_MICROBATCHES, int(HOST_RUN_S / (4 * pass_s)) if pass_s else 1 << 30))
     per_minibatch_s = microbatches * pass_s
-    steady = PROBE_STEADY if not per_minibatch_s else int((HOST_RUN_S / per_minibatch_s - 1) / len(PROBE_SCHEDULES))
+    steady = PROBE_STEADY if not per_minibatch_s else int(HOST_RUN_S / per_minibatch_s / len(PROBE_SCHEDULES) - 1)
     return microbatches, min(PROBE_STEADY, max(1, steady))
+
+
+def _steady(trace: Trace) -> np.ndarray:
+    """Which of the trace's ops are past warm-up: not in a warm-up mini-batch of its schedule (the first one, or
+    those `probe_schedule` names)."""
+    return ~np.isin(trace.ops.minibatch, trace.meta.params.get("warmup_minibatches", [0]))
 
 
 def _timing(samples_ms: list[float] | np.ndarray, what: str) -> Timing:
@@ -103,7 +110,7 @@ def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float
     sends: list[float] = []
     for trace in traces:
         ops, names = trace.ops, np.asarray(trace.kinds)[trace.ops.kind]
-        steady, end_us = ops.minibatch >= 1, ops.start_us + ops.dur_us
+        steady, end_us = _steady(trace), ops.start_us + ops.dur_us
         sends += (ops.dur_us[steady & (ops.stream == Stream.SEND)] / 1e3).tolist()
         for d in range(trace.num_devices):
             rows = np.flatnonzero(ops.device == d)
@@ -137,7 +144,7 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
     for trace in traces:
         ops, kinds = trace.ops, trace.kinds
         names = np.asarray(kinds)[ops.kind]
-        steady = ops.minibatch >= 1
+        steady = _steady(trace)
         dur_ms, end_us = ops.dur_us / 1e3, ops.start_us + ops.dur_us
         for i in np.flatnonzero(steady & (ops.stream == Stream.COMPUTE)):
             own = _own_ms(probe, names[i], int(ops.stage[i])) if names[i] in COMPUTE_KINDS else 0.0

@@ -207,13 +207,13 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
     if stages >= 2:
         microbatches, steady = host_plan(profile)
         with phase(f"running the calibrated model ({stages} ranks, {microbatches} micro-batches, "
-                   f"{1 + steady * len(PROBE_SCHEDULES)} mini-batches)"):
+                   f"{(1 + steady) * len(PROBE_SCHEDULES)} mini-batches)"):
             trace = _probe_run(model, {k: v for k, v in options.items() if v is not None}, profile.partition.bounds,
                                settings, env, (microbatches, steady), f"the calibrated model's {stages} ranks",
                                advance)
         runtime = host_times(runtime, [trace])
         meta.update(host_times_from="the calibrated model", host_microbatches=microbatches,
-                    host_minibatches=1 + steady * len(PROBE_SCHEDULES))
+                    host_minibatches=(1 + steady) * len(PROBE_SCHEDULES))
     if cache is not None:
         meta["host_cache"] = probe.meta()
     return runtime.model_copy(update={"meta": meta})
@@ -239,7 +239,7 @@ def _probe_terms(profile, settings, advance, probe_options: dict):
                        (PROBE_MICROBATCHES, PROBE_STEADY), "two ranks", advance)
     meta = {"model": "mlp", "options": probe_options, "boundary_bytes": probe.stages[0].output_bytes,
             "schedules": list(PROBE_SCHEDULES), "ranks": 2, "threads_per_rank": settings.threads,
-            "microbatches": PROBE_MICROBATCHES, "minibatches": 1 + PROBE_STEADY * len(PROBE_SCHEDULES),
+            "microbatches": PROBE_MICROBATCHES, "minibatches": (1 + PROBE_STEADY) * len(PROBE_SCHEDULES),
             **trace.meta.hardware}
     return runtime_terms([trace], probe, meta)
 

@@ -535,15 +535,16 @@ def test_the_runtime_probe_runs_its_schedules_in_turn_in_one_valid_schedule(mlp_
 
     schedule = probe_schedule(2, 8, 3)
     validate(schedule)
-    assert PROBE_SCHEDULES == ("1f1b", "zb-h1") and schedule.minibatches == 1 + 3 + 3
+    assert PROBE_SCHEDULES == ("1f1b", "zb-h1") and schedule.minibatches == 2 * (1 + 3)
+    assert schedule.params["warmup_minibatches"] == [0, 4]  # each schedule's first, dropped from every term
     for device, order in enumerate(schedule.orders):
-        # 1F1B's warm-up mini-batch and three more, then ZB-H1's three, numbered on
-        first = list(build_schedule("1f1b", ScheduleParams(stages=2, microbatches=8, minibatches=4)).orders[device])
-        then = build_schedule("zb-h1", ScheduleParams(stages=2, microbatches=8, minibatches=3)).orders[device]
-        assert list(order) == first + [a._replace(minibatch=a.minibatch + 4) for a in then]
-    kinds = {b: {a.kind for order in schedule.orders for a in order if a.minibatch == b} for b in range(7)}
+        # 1F1B for a warm-up mini-batch and three more, then ZB-H1 alike, numbered on
+        parts = [build_schedule(name, ScheduleParams(stages=2, microbatches=8, minibatches=4)).orders[device]
+                 for name in PROBE_SCHEDULES]
+        assert list(order) == list(parts[0]) + [a._replace(minibatch=a.minibatch + 4) for a in parts[1]]
+    kinds = {b: {a.kind for order in schedule.orders for a in order if a.minibatch == b} for b in range(8)}
     assert all(kinds[b] == {Kind.F, Kind.B, Kind.OPT} for b in range(4))
-    assert all(kinds[b] == {Kind.F, Kind.I, Kind.W, Kind.OPT} for b in range(4, 7))
+    assert all(kinds[b] == {Kind.F, Kind.I, Kind.W, Kind.OPT} for b in range(4, 8))
     # The calibrated model's run: the probe's shape for small passes; for long ones fewer, at least ZB-H1's 2p
     # micro-batches and one steady mini-batch per schedule.
     profile = load_profile(mlp_profile)
