@@ -93,7 +93,7 @@ class Case:
 def calibrate(workload: Workload, out: Path, *, threads: int, runtime: bool, links: bool, quick: bool) -> Profile:
     """`pipesim calibrate` as a user runs it (its own process, so its threads are its own)."""
     options = [f"--{key.replace('_', '-')}={value}" for key, value in workload.options.items()]
-    command = [sys.executable, "-m", "pipesim.cli", "calibrate", "--model", workload.model, *options,
+    command = [sys.executable, "-m", "pipesim.cli", "calibrate", "--fresh", "--model", workload.model, *options,
                "--microbatch-size", str(workload.microbatch_size), "--stages", str(workload.stages), "--device", "cpu",
                "--threads", str(threads),
                *(["--runtime", "--contention"] if runtime else ["--no-runtime", "--no-contention"]),

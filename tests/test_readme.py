@@ -1,0 +1,77 @@
+"""Every command the README shows runs, as written, and succeeds.
+
+The README is what a new user copies. Each `## ` section's ```bash blocks run in order in a fresh folder that
+holds the repository's `examples/`, `traces/` and `benchmarks/` (the paths the commands name), so a section's
+later commands read what its earlier ones wrote. The install-and-run lines of the Quick start run their pipesim
+part here; CI runs their install part on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+SHARED_PATHS = ("examples", "traces", "benchmarks")
+INSTALL_STEPS = ("python3 -m venv", ". .venv/bin/activate", "pip install", "python -m pytest")
+README_MAX_LINES = 250
+
+
+def _commands(block: str) -> list[str]:
+    """The commands of one bash block: continuations joined, comments and install steps dropped."""
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if not line or line.startswith("#"):
+            continue
+        steps = [step.strip() for step in line.split("&&")]
+        kept = [step for step in steps if not step.startswith(INSTALL_STEPS)]
+        if kept:
+            commands.append(" && ".join(kept))
+    return commands
+
+
+def readme_sections() -> dict[str, list[str]]:
+    """Section title -> its commands, in the README's order."""
+    sections: dict[str, list[str]] = {}
+    title = "top"
+    for part in re.split(r"^(## .*)$", README.read_text(), flags=re.M):
+        if part.startswith("## "):
+            title = part[3:].strip()
+            continue
+        for block in re.findall(r"```bash\n(.*?)```", part, flags=re.S):
+            sections.setdefault(title, []).extend(_commands(block))
+    return sections
+
+
+def test_the_readme_is_short_and_shows_commands():
+    assert len(README.read_text().splitlines()) < README_MAX_LINES
+    sections = readme_sections()
+    assert "pipesim simulate" in sections["Quick start"]
+    assert sum(map(len, sections.values())) >= 10
+
+
+@pytest.fixture(scope="module")
+def host_cache(tmp_path_factory) -> Path:
+    """One cache of per-host terms for the whole README, as one user's machine has."""
+    return tmp_path_factory.mktemp("pipesim-cache")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("section", list(readme_sections()))
+def test_every_readme_command_runs_as_written(section, tmp_path, host_cache):
+    for name in SHARED_PATHS:
+        (tmp_path / name).symlink_to(REPO / name)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               PIPESIM_CACHE_DIR=str(host_cache))
+    for command in readme_sections()[section]:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        assert "Traceback" not in done.stderr, f"{command!r}:\n{done.stderr}"
