@@ -319,7 +319,8 @@ def _print_profile(profile) -> None:
         compute = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.compute_ms.items())
         gaps = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.gap_ms.items())
         stdout.print(f"runtime per row, us: compute {compute}; send {rt.send_ms.median_ms * 1e3:.0f}, receive "
-                     f"{rt.recv_ms.median_ms * 1e3:.0f}; gap after {gaps}{_cached(rt.meta)}", highlight=False)
+                     f"{rt.recv_ms.median_ms * 1e3:.0f}; gap after {gaps}" + _cached(rt.meta, "the probe's terms"),
+                     highlight=False)
     if profile.contention is not None:
         meta = profile.contention.meta
         at_once = ", ".join(f"{k} ranks computing at once {slowdown:.2f}x their time alone" if k == 2 else
@@ -340,22 +341,21 @@ def _print_profile(profile) -> None:
     meta = profile.link.meta
     lines = [f"from {_size(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us + {s.bytes_per_ms / 1e6:.3g} GB/s"
              for s in profile.link.segments]
-    stdout.print(f"p2p link fit ({meta.get('backend')}, {meta.get('device')}): " + "; ".join(lines) + _cached(meta),
-                 highlight=False)
+    stdout.print(f"p2p link fit ({meta.get('backend')}, {meta.get('device')}): " + "; ".join(lines)
+                 + _cached(meta, "the link and all-reduce"), highlight=False)
     points = profile.allreduce.points
     stdout.print(f"all-reduce ({profile.allreduce.world_size} ranks): " + ", ".join(
         f"{_size(p.nbytes)} {p.ms:.3g} ms" for p in (points[0], points[len(points) // 2], points[-1])),
         highlight=False)
 
 
-def _cached(meta: dict) -> str:
-    """Where a per-host term taken from the host cache says how old it is."""
+def _cached(meta: dict, what: str) -> str:
+    """Where a per-host term (`what`) taken from the host cache says how old it is."""
     from ..calibrate.cache import format_age
 
     cached = meta.get("host_cache") or {}
     if not cached.get("reused"):
         return ""
-    what = "the probe's terms" if "host_times_from" in meta else "the link and all-reduce"
     return f" ({what} from the host cache, measured {format_age(cached['age_s'])} ago)"
 
 
