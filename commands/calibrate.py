@@ -14,7 +14,15 @@ from rich.table import Table
 
 from ..units import GIB, KIB, MIB
 from .common import (
+    Ffn,
+    Gated,
+    Heads,
     InputError,
+    KvHeads,
+    Layers,
+    SeqLen,
+    Vocab,
+    Width,
     check_memory_gb,
     check_writable,
     fail,
@@ -45,13 +53,14 @@ def calibrate(
                             "state, in-flight activations).")] = None,
     optimizer: Annotated[str, typer.Option(
         "--optimizer", help="Optimizer whose state the memory cap counts: sgd, momentum, adam, adamw.")] = "adam",
-    layers: Annotated[int | None, typer.Option(
-        "--layers", help="Built-in models: layers (blocks; per branch for two-branch).")] = None,
-    width: Annotated[int | None, typer.Option(
-        "--width", help="Built-in models: hidden width (channels for cnn and two-branch).")] = None,
-    heads: Annotated[int | None, typer.Option("--heads", help="gpt: attention heads.")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="gpt: sequence length.")] = None,
-    vocab: Annotated[int | None, typer.Option("--vocab", help="gpt: vocabulary size.")] = None,
+    layers: Layers = None,
+    width: Width = None,
+    heads: Heads = None,
+    seq_len: SeqLen = None,
+    vocab: Vocab = None,
+    ffn: Ffn = None,
+    kv_heads: KvHeads = None,
+    gated: Gated = None,
     repeats: Annotated[int, typer.Option(
         "--repeats", min=1, help="Timed runs per measurement at most (the median is kept; a measurement stops "
                                  "after 5 once its median's 90 % interval is within 5 %, 2 % for a stage's passes, "
@@ -125,7 +134,8 @@ def calibrate(
 
         try:
             settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats, threads)
-            options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
+            options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
+                           kv_heads=kv_heads, gated=gated)
             net = build_model(model, **options)
             if stages > len(net.layers):
                 raise InputError(f"--stages {stages}: {net.name} has {len(net.layers)} layers; give at most "

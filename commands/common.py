@@ -62,6 +62,19 @@ PredictionSource = Annotated[str | None, typer.Option(
                                            "lists.")]
 
 
+# The built-in models' size options, as `calibrate` and `count` declare them (None: the model's default).
+Layers = Annotated[int | None, typer.Option(
+    "--layers", help="Built-in models: layers (blocks; per branch for two-branch).")]
+Width = Annotated[int | None, typer.Option(
+    "--width", help="Built-in models: hidden width (channels for cnn and two-branch).")]
+Heads = Annotated[int | None, typer.Option("--heads", help="gpt: attention heads.")]
+SeqLen = Annotated[int | None, typer.Option("--seq-len", help="gpt: sequence length.")]
+Vocab = Annotated[int | None, typer.Option("--vocab", help="gpt: vocabulary size.")]
+Ffn = Annotated[int | None, typer.Option("--ffn", help="gpt: MLP hidden size (default 4 x width).")]
+KvHeads = Annotated[int | None, typer.Option(
+    "--kv-heads", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
+Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: SwiGLU MLP (Llama's) instead of GELU.")]
+
 # Options only some methods read, by flag (`Method.reads` says which).
 METHOD_OPTIONS = {"--chunks": "chunks", "--pipelines": "pipelines", "--advance": "advance",
                   "--average-every": "average_every", "--elastic-alpha": "elastic_alpha", "--graph": "graph",

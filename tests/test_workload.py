@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pipesim.profiles import schema
-from pipesim.workload.models import BATCH, build_model
+from pipesim.workload.models import BATCH, ModelError, build_model
 from pipesim.workload.optim import OPTIMIZERS, elastic_average, make_optimizer, predict_weights
 from pipesim.workload.transport import (
     GlooTransport,
@@ -37,6 +37,8 @@ DISTANCES = [0, 1, 3]
     ("mlp", {"layers": 2, "width": 16}),
     ("cnn", {"layers": 2, "width": 4}),
     ("gpt", {"layers": 1, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32}),
+    ("gpt", {"layers": 1, "width": 16, "heads": 4, "seq_len": 8, "vocab": 32, "kv_heads": 2, "ffn": 24,
+             "gated": True}),
     ("two-branch", {"layers": 1, "width": 4}),
 ])
 def test_each_built_in_model_runs_forward_and_loss_and_backward(name, options):
@@ -51,6 +53,38 @@ def test_each_built_in_model_runs_forward_and_loss_and_backward(name, options):
     params = [p for layer in model.layers for p in layer.parameters()]
     assert params and all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
 
+
+def test_grouped_query_attention_is_attention_with_each_key_value_head_repeated_over_its_group():
+    """A gpt block with one key/value head computes what the full-head block computes when that head's key and
+    value weights are copied to every head."""
+    width, heads, head = 16, 4, 4
+    torch.manual_seed(0)
+    grouped = build_model("gpt", layers=1, width=width, heads=heads, seq_len=8, vocab=32, kv_heads=1).layers[1]
+    full = build_model("gpt", layers=1, width=width, heads=heads, seq_len=8, vocab=32).layers[1]
+    assert grouped.qkv.weight.shape == (width + 2 * head, width) and full.qkv.weight.shape == (3 * width, width)
+    state = grouped.state_dict()
+    for name in ("weight", "bias"):
+        q, k, v = state[f"qkv.{name}"].split([width, head, head])
+        rest = [1] * (q.dim() - 1)
+        state[f"qkv.{name}"] = torch.cat([q, k.repeat(heads, *rest), v.repeat(heads, *rest)])
+    full.load_state_dict(state)
+    x = torch.randn(2, 8, width)
+    assert torch.allclose(grouped(x), full(x), atol=1e-6)
+
+
+def test_gpt_defaults_are_a_4x_gelu_mlp_and_full_heads_and_bad_shapes_name_the_flag():
+    model = build_model("gpt", layers=1, width=16, heads=2, seq_len=8, vocab=32)
+    block = model.layers[1]
+    assert [type(m).__name__ for m in block.mlp] == ["Linear", "GELU", "Linear"] and block.mlp[0].out_features == 64
+    assert model.options == {"layers": 1, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "gated": False}
+    gated = build_model("gpt", layers=1, width=16, heads=2, seq_len=8, vocab=32, ffn=40, gated=True).layers[1]
+    assert gated.mlp.gate_up.out_features == 80 and gated.mlp.down.in_features == 40
+    with pytest.raises(ModelError, match=r"--heads \(4\) must be a multiple of --kv-heads \(3\)"):
+        build_model("gpt", width=16, heads=4, kv_heads=3)
+    with pytest.raises(ModelError, match=r"--ffn must be >= 1 \(got 0\)"):
+        build_model("gpt", ffn=0)
+    with pytest.raises(ModelError, match=r"--kv-heads does not apply to mlp"):
+        build_model("mlp", kv_heads=2)
 
 # ------------------------------------------------------------------------------------------------ optimizers
 

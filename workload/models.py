@@ -149,34 +149,62 @@ class _Embed(nn.Module):
         return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
 
 
-class _Block(nn.Module):
-    """Pre-LayerNorm decoder block: causal self-attention, then a 4x MLP, each with a residual."""
+class _GatedMLP(nn.Module):
+    """SwiGLU (Shazeer 2020, as Llama's MLP): down(silu(gate(x)) * up(x)), gate and up as one matrix product."""
 
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, ffn: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.gate_up = nn.Linear(width, 2 * ffn)
+        self.down = nn.Linear(ffn, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class _Block(nn.Module):
+    """Pre-LayerNorm decoder block: causal self-attention, then an MLP of `ffn` (GELU, or SwiGLU if `gated`),
+    each with a residual. With `kv_heads` < `heads`, groups of query heads share a key and value head
+    (grouped-query attention, as Llama 2 70B), repeated to every head of the group before the attention."""
+
+    def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
+        self.qkv = nn.Linear(width, width + 2 * kv_heads * (width // heads))
         self.proj = nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = _GatedMLP(width, ffn) if gated else nn.Sequential(
+            nn.Linear(width, ffn), nn.GELU(), nn.Linear(ffn, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        head = d // self.heads
+        q, k, v = self.qkv(self.ln1(x)).split([d, self.kv_heads * head, self.kv_heads * head], dim=-1)
+        q = q.view(b, t, self.heads, head).transpose(1, 2)
+        k, v = (part.view(b, t, self.kv_heads, head).transpose(1, 2) for part in (k, v))
+        if self.kv_heads < self.heads:
+            k, v = (part.repeat_interleave(self.heads // self.kv_heads, dim=1) for part in (k, v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.ln2(x))
 
 
-def gpt(layers: int = 4, width: int = 256, heads: int = 4, seq_len: int = 128, vocab: int = 2048) -> Model:
+def gpt(layers: int = 4, width: int = 256, heads: int = 4, seq_len: int = 128, vocab: int = 2048,
+        ffn: int | None = None, kv_heads: int | None = None, gated: bool = False) -> Model:
     """GPT-style decoder: token+position embedding, `layers` blocks, LayerNorm and a vocabulary head;
     next-token cross entropy on the token task of `workload.data` (a fixed successor rule with 10 % noise;
-    its loss floor is `data.token_loss_floor(vocab)`)."""
-    _positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab)
+    its loss floor is `data.token_loss_floor(vocab)`). `ffn` is the MLP's hidden size (default 4 x width, as
+    GPT-3), `kv_heads` the key/value heads (default `heads`; fewer is grouped-query attention), `gated` a
+    SwiGLU MLP (Llama's), so that published GPT-3- and Llama-style shapes can be described."""
+    ffn = 4 * width if ffn is None else ffn
+    kv_heads = heads if kv_heads is None else kv_heads
+    _positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn, kv_heads=kv_heads)
     if width % heads:
         raise ModelError(f"--width ({width}) must be a multiple of --heads ({heads})")
+    if heads % kv_heads:
+        raise ModelError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
     blocks: list[nn.Module] = [_Embed(vocab, width, seq_len)]
-    blocks += [_Block(width, heads) for _ in range(layers)]
+    blocks += [_Block(width, heads, ffn, kv_heads, gated) for _ in range(layers)]
     blocks.append(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab)))
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,8 +268,9 @@ def build_model(name: str, **options: int) -> Model:
         allowed = ", ".join(f"--{key.replace('_', '-')}" for key in takes)
         raise ModelError(f"--{wrong[0].replace('_', '-')} does not apply to {name} (it takes {allowed})")
     model = MODELS[name](**given)
-    model.options = {**{key: param.default for key, param in inspect.signature(MODELS[name]).parameters.items()},
-                     **given}
+    defaults = {key: param.default for key, param in inspect.signature(MODELS[name]).parameters.items()
+                if param.default is not None}  # a None default is derived from the others (gpt's ffn, kv_heads)
+    model.options = {**defaults, **given}
     return model
 
 
