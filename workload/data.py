@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 HELDOUT_FRACTION = 0.2
@@ -25,6 +26,7 @@ TOKEN_NOISE = 0.1
 TOKEN_RULE_SEED = 0
 HELDOUT_SEQUENCES = 256
 HELDOUT_TOKEN_SEED = 1
+HOST = torch.device("cpu")  # data is made here even under a meta default device (`pipesim count`'s models)
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,13 @@ def digits() -> Split:
     images, labels = load_digits(return_X_y=True)
     train_x, heldout_x, train_y, heldout_y = train_test_split(
         images, labels, test_size=HELDOUT_FRACTION, stratify=labels, random_state=SPLIT_SEED)
-    train = torch.tensor(train_x, dtype=torch.float32)
+    train = torch.tensor(train_x, dtype=torch.float32, device=HOST)
     # A border pixel that is almost always 0 has a tiny spread; dividing by it would blow up the rare held-out
     # sample that lights it, so spreads below one intensity level (of 16) count as one.
     mean, std = train.mean(0), train.std(0).clamp_min(1.0)
-    return Split((train - mean) / std, torch.tensor(train_y),
-                 (torch.tensor(heldout_x, dtype=torch.float32) - mean) / std, torch.tensor(heldout_y))
+    return Split((train - mean) / std, torch.tensor(train_y, device=HOST),
+                 (torch.tensor(heldout_x, dtype=torch.float32, device=HOST) - mean) / std,
+                 torch.tensor(heldout_y, device=HOST))
 
 
 def digit_batch(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,17 +73,17 @@ def as_images(features: torch.Tensor, side: int = 32) -> torch.Tensor:
 @lru_cache(maxsize=8)
 def successor(vocab: int) -> torch.Tensor:
     """The token task's rule: a fixed permutation of the vocabulary."""
-    return torch.randperm(vocab, generator=torch.Generator().manual_seed(TOKEN_RULE_SEED))
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(TOKEN_RULE_SEED), device=HOST)
 
 
 def token_batch(b: int, seq_len: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """b sequences of the token task: (input ids, next-token targets), each (b, seq_len)."""
-    rule = successor(vocab)
-    noisy = torch.rand(b, seq_len, generator=gen) < TOKEN_NOISE
-    random = torch.randint(0, vocab, (b, seq_len + 1), generator=gen)
-    tokens = random.clone()
+    rule = successor(vocab).numpy()
+    noisy = (torch.rand(b, seq_len, generator=gen, device=gen.device) < TOKEN_NOISE).numpy()
+    tokens = torch.randint(0, vocab, (b, seq_len + 1), generator=gen, device=gen.device)
+    steps = tokens.numpy()  # the same memory: numpy's step is microseconds where torch's is tens of them
     for t in range(seq_len):
-        tokens[:, t + 1] = torch.where(noisy[:, t], random[:, t + 1], rule[tokens[:, t]])
+        steps[:, t + 1] = np.where(noisy[:, t], steps[:, t + 1], rule[steps[:, t]])
     return tokens[:, :-1], tokens[:, 1:]
 
 
