@@ -1,0 +1,108 @@
+"""The workload counted on the meta device, held against closed forms: a linear layer's 2·b·i·o, Narayanan et
+al.'s GPT block FLOPs, Korthikanti et al.'s activation bytes (differing by named terms only), parameter and
+optimizer-state sizes."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from pipesim.workload.count import LayerCount, count_built, count_model
+from pipesim.workload.models import Model, ModelError
+
+B, S, H, A = 2, 32, 64, 4  # micro-batch, sequence, hidden, heads of the small gpt
+GPT = dict(layers=2, width=H, heads=A, seq_len=S, vocab=128)
+
+
+@cache
+def gpt_block(attention: str) -> LayerCount:
+    """The small gpt's first block in fp16, counted once per test session."""
+    return count_built("gpt", GPT, B, torch.float16, attention).layers[1]
+
+
+def _linear_chain(inputs: int, outputs: int) -> Model:
+    def batch(b: int, gen: torch.Generator):
+        return torch.randn(b, inputs, generator=gen), None
+
+    with torch.device("meta"):
+        layers = [nn.Linear(inputs, outputs), nn.Linear(outputs, outputs)]
+    return Model("linear", layers, batch, lambda out, target: out.float().square().mean())
+
+
+@settings(max_examples=5, deadline=None)
+@given(b=st.integers(1, 64), i=st.integers(1, 512), o=st.integers(1, 512))
+def test_a_linear_layer_is_2bio_forward_and_twice_that_backward_split_evenly(b, i, o):
+    first, second = count_model(_linear_chain(i, o), b, torch.float32).layers
+    assert (second.fwd_flops, second.igrad_flops, second.wgrad_flops) == (2 * b * o * o,) * 3
+    assert (first.fwd_flops, first.igrad_flops, first.wgrad_flops) == (2 * b * i * o, 0, 2 * b * i * o)  # no igrad
+    assert first.output_shape == (b, o) and first.output_bytes == 4 * b * o and second.output_bytes == 0  # a loss
+    assert first.param_bytes == first.grad_bytes == 4 * (i * o + o)
+
+
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_gpt_block_forward_flops_are_narayanans_24bsh2_plus_4bs2h(attention):
+    block = gpt_block(attention)
+    linear, scores = 24 * B * S * H * H, 4 * B * S * S * H
+    assert block.fwd_flops == linear + scores
+    assert block.wgrad_flops == linear  # every weight's gradient is one product as large as its forward
+    # the input gradient: each linear's once, attention's two products twice (math); flash also recomputes
+    # the scores (torch counts its backward as 5 products of 4: 2.5x)
+    assert block.igrad_flops == linear + (2 * scores if attention == "math" else 5 * scores // 2)
+
+
+def test_gpt_block_saved_bytes_are_korthikantis_less_what_this_model_does_not_have():
+    """Korthikanti et al. 2022, eq. 1, fp16: 34·s·b·h + 5·a·s²·b bytes per layer. The gpt has no dropout, so
+    no masks (attention's a·s²·b, and s·b·h after attention and after the MLP) and no dropped copy of the
+    softmax (2·a·s²·b); its LayerNorms keep a float32 mean and 1/std per position, which the paper leaves out."""
+    counted = gpt_block("math").saved_bytes
+    korthikanti = 34 * S * B * H + 5 * A * S * S * B
+    dropout_masks = A * S * S * B + 2 * S * B * H
+    dropout_output = 2 * A * S * S * B
+    norm_statistics = 2 * 2 * 4 * B * S
+    assert counted == korthikanti - dropout_masks - dropout_output + norm_statistics
+
+
+def test_flash_attention_saves_no_scores():
+    """Flash keeps q, k, v (the fused projection's output, 6·s·b·h as the paper's Q, K and V), its output (laid
+    out so that it is the projection's input), a float32 log-sum-exp per row and two uint64 random-generator
+    words: no s x s term, as Korthikanti et al.'s selective recomputation."""
+    counted = gpt_block("flash").saved_bytes
+    dropout_masks = 2 * S * B * H
+    logsumexp, generator = 4 * A * S * B, 2 * 8 + 8
+    norm_statistics = 2 * 2 * 4 * B * S
+    assert counted == 34 * S * B * H - dropout_masks + logsumexp + generator + norm_statistics
+
+
+def test_a_large_model_is_counted_on_the_meta_device_with_its_closed_form_parameters():
+    """70B parameters: 140 GB in bf16 that this machine does not have, counted in a second."""
+    layers, h, s, v, ffn, kv = 80, 8192, 4096, 32000, 28672, 8  # Llama-2-70B's shape (with biases)
+    count = count_built("gpt", dict(layers=layers, width=h, heads=64, seq_len=s, vocab=v, ffn=ffn, kv_heads=kv,
+                                    gated=True), 1, torch.bfloat16)
+    kv_width = kv * h // 64
+    block = (h * (h + 2 * kv_width) + h + 2 * kv_width) + (h * h + h) + (h * 2 * ffn + 2 * ffn) + (ffn * h + h) + 4 * h
+    elements = v * h + s * h + layers * block + 2 * h + h * v + v
+    assert count.total("param_bytes") == 2 * elements and len(count.layers) == layers + 2
+    adam = count.layers[1].optimizer_state_bytes
+    assert adam["sgd"] == 0 and adam["momentum"] == count.layers[1].param_bytes
+    assert adam["adam"] == 2 * count.layers[1].param_bytes + 4 * 12  # two moments; a float32 step per tensor (12)
+    assert count.layers[1].output_shape == (1, s, h) and count.layers[1].output_bytes == 2 * s * h
+
+
+def test_optimizer_steps_move_what_torch_reads_and_writes():
+    block = gpt_block("math")
+    moved = {name: n / block.param_bytes for name, n in block.optimizer_step_moved_bytes.items()}
+    assert moved["sgd"] == 3  # read w and g, write w
+    assert moved["momentum"] == 8  # m *= mu (2), m += g (3), w -= lr m (3)
+    assert 19 <= moved["adam"] < 20 and moved["adamw"] > moved["adam"]  # torch's unfused ops (a fused kernel: 7)
+
+
+def test_bad_model_options_and_attention_are_named():
+    with pytest.raises(ModelError, match="--kv-heads"):
+        count_built("gpt", dict(heads=4, kv_heads=3), 1, torch.float32)
+    with pytest.raises(ValueError, match="attention: choose from math, flash"):
+        count_built("gpt", {}, 1, torch.float32, "sparse")

@@ -1,0 +1,265 @@
+"""A model's work counted by torch itself, on the meta device: tensors with shapes and no data, so a 175B
+model costs no memory and seconds of time, and the counts are those of the real module, not of a formula.
+
+Per layer and per micro-batch of b samples:
+- FLOPs of the forward, the input-gradient and the weight-gradient backward (`torch.utils.flop_counter`:
+  matrix products and attention; elementwise work is not counted as FLOPs). The input gradient is
+  autograd.grad with respect to the layer's input alone (autograd then skips every weight-gradient product);
+  the weight gradient is what the full backward adds to it, as a zero-bubble W pass computes;
+- bytes moved by the ops torch counts no FLOPs for (norms, activations, softmax, copies, the optimizer step):
+  every tensor such an op reads plus every tensor it writes, the memory-bound part of the time; views move
+  nothing and are left out;
+- bytes autograd saves for the backward (saved-tensor hooks), each storage once per layer, weights left out
+  (the rule calibration measures by);
+- parameter, gradient and optimizer-state bytes (each optimizer of `OPTIMIZERS`, after one real step) and the
+  bytes that step moves;
+- the tensor the layer outputs: what a stage ending there sends (the last layer's output is its loss).
+
+Attention is counted as the kernel a GPU would run: "math" materialises the s x s scores in the model's dtype
+(as Megatron-LM 2021 and Korthikanti et al. 2022 ran it; torch upcasts them to float32 off CUDA, which the
+count turns off), "flash" is torch's fused flash kernel (no scores saved: what torch picks on a recent GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from .models import BATCH, Model
+from .optim import OPTIMIZERS, make_optimizer
+
+ATTENTION = ("math", "flash")
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class LayerCount:
+    """One layer's work for one micro-batch (FLOPs, bytes) and its sizes (bytes)."""
+
+    name: str
+    fwd_flops: int
+    igrad_flops: int
+    wgrad_flops: int
+    fwd_moved_bytes: int
+    igrad_moved_bytes: int
+    wgrad_moved_bytes: int
+    saved_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: dict[str, int]
+    optimizer_step_moved_bytes: dict[str, int]
+    output_shape: tuple[int, ...]
+    output_bytes: int
+
+
+@dataclass(frozen=True)
+class WorkloadCount:
+    """A model counted at micro-batch size `microbatch_size` in `dtype`; `layers` in the model's order."""
+
+    model: str
+    options: dict[str, int]
+    microbatch_size: int
+    dtype: str
+    attention: str
+    layers: list[LayerCount] = field(default_factory=list)
+
+    def total(self, name: str) -> int:
+        """The sum over layers of LayerCount field `name` (a number field)."""
+        return sum(getattr(layer, name) for layer in self.layers)
+
+
+@dataclass
+class _Tally:
+    flops: int = 0
+    moved_bytes: int = 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _MovedBytes(TorchDispatchMode):
+    """Sums the bytes read and written by every op that has no FLOP formula, except views (ops whose outputs
+    alias an input without writing it)."""
+
+    def __init__(self, tally: _Tally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in flop_registry:
+            return out
+        reads = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        writes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        read_storages = {id(t.untyped_storage()) for t in reads}
+        if not func._schema.is_mutable and all(id(t.untyped_storage()) in read_storages for t in writes):
+            return out  # a view
+        self.tally.moved_bytes += sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
+        return out
+
+
+@contextmanager
+def _counting() -> Iterator[_Tally]:
+    """FLOPs and moved bytes of what runs inside, filled in when it ends."""
+    tally = _Tally()
+    flops = FlopCounterMode(display=False)
+    with flops, _MovedBytes(tally):
+        yield tally
+    tally.flops = flops.get_total_flops()
+
+
+class _FlashAttention(TorchFunctionMode):
+    """scaled_dot_product_attention as torch's flash kernel, which a GPU runs and the meta device does not pick."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+        given = {**dict(zip(names, args)), **kwargs}
+        if given.get("attn_mask") is not None:
+            return func(*args, **kwargs)  # flash takes no mask: torch falls back too
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            given["query"], given["key"], given["value"], given.get("dropout_p", 0.0), given.get("is_causal", False),
+            scale=given.get("scale"))[0]
+
+
+@contextmanager
+def _attention(kind: str) -> Iterator[None]:
+    if kind not in ATTENTION:
+        raise ValueError(f"attention: choose from {', '.join(ATTENTION)} (got {kind!r})")
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with _FlashAttention() if kind == "flash" else nullcontext():
+            yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+
+
+@contextmanager
+def _saved(params: set[int]) -> Iterator[dict[int, torch.UntypedStorage]]:
+    """The storages autograd saves inside, by identity (meta storages have no address), weights left out."""
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if id(storage) not in params:
+            saved[id(storage)] = storage  # held, so no identity is reused while counting
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[int, int]:
+    """(state bytes, bytes moved) of a step of optimizer `name` over meta weights of `shapes`: the second step,
+    since the first one creates the state instead of updating it."""
+    weights = [torch.empty(shape, dtype=dtype, device=META, requires_grad=True) for shape, dtype in shapes]
+    for w in weights:
+        w.grad = torch.empty_like(w)
+    optimizer = make_optimizer(name, weights, 1e-3)
+    optimizer.step()
+    tally = _Tally()
+    with _MovedBytes(tally):
+        optimizer.step()
+    state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    return state, tally.moved_bytes
+
+
+def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math") -> WorkloadCount:
+    """Count `model`, whose layers are on the meta device (build it under `with torch.device("meta")`), for a
+    micro-batch of `microbatch_size` samples in `dtype`. Layers alike (`_signature`) are counted once: a
+    175B GPT's 96 blocks cost one."""
+    batch, target = model.make_batch(microbatch_size, torch.Generator().manual_seed(0))
+    batch = batch.to(META, dtype if batch.is_floating_point() else batch.dtype)
+    target = target.to(META) if torch.is_tensor(target) else target
+    outputs: dict[int, torch.Tensor] = {BATCH: batch}
+    names, last = model.layer_names(), len(model.layers) - 1
+    alike: dict[tuple, tuple[LayerCount, torch.Tensor]] = {}
+    steps: dict[tuple, tuple[int, int]] = {}  # (optimizer, weight shapes) -> (state bytes, moved bytes)
+    counted = []
+    with _attention(attention):
+        for i, layer in enumerate(model.layers):
+            layer.to(device=META, dtype=dtype).train()
+            inputs = [outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point())
+                      for s in model.inputs[i]]
+            key = _signature(layer, inputs, i == last)
+            if key not in alike:
+                alike[key] = _count_layer(model, layer, inputs, target, i == last, steps)
+            count, outputs[i] = alike[key]
+            counted.append(replace(count, name=names[i]))
+    return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
+                         attention, counted)
+
+
+def _signature(layer: torch.nn.Module, inputs: list[torch.Tensor], last: bool) -> tuple:
+    """What a layer's count depends on: each submodule's class, plain attributes (sizes, heads, flags) and
+    weight shapes, and the inputs' shapes."""
+    def plain(module: torch.nn.Module) -> tuple:
+        return tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                            if isinstance(v, (bool, int, float, str, tuple, type(None)))))
+
+    def tensors(named) -> tuple:
+        return tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in named)
+
+    modules = tuple((name, type(m), plain(m), tensors(m.named_parameters(recurse=False)),
+                     tensors(m.named_buffers(recurse=False))) for name, m in layer.named_modules())
+    return modules, tensors(enumerate(inputs)), last
+
+
+def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor], target: Any, last: bool,
+                 steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
+    """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
+    weights = [p for p in layer.parameters() if p.requires_grad]
+    with _counting() as fwd, _saved({id(p.untyped_storage()) for p in layer.parameters()}) as saved:
+        out = layer(*inputs)
+        out = model.loss(out, target) if last else out
+    igrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights)
+    shapes = tuple((tuple(w.shape), w.dtype) for w in weights)
+    for name in OPTIMIZERS:
+        if (name, shapes) not in steps:
+            steps[name, shapes] = _optimizer_step(name, shapes) if weights else (0, 0)
+    count = LayerCount(
+        name="", fwd_flops=fwd.flops, igrad_flops=igrad.flops, wgrad_flops=full.flops - igrad.flops,
+        fwd_moved_bytes=fwd.moved_bytes, igrad_moved_bytes=igrad.moved_bytes,
+        wgrad_moved_bytes=full.moved_bytes - igrad.moved_bytes, saved_bytes=sum(s.nbytes() for s in saved.values()),
+        param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
+        optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
+        optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
+        output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out))
+    return count, out.detach()
+
+
+def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> tuple[_Tally, _Tally]:
+    """The input-gradient pass alone, and the full backward (inputs and weights), counted."""
+    igrad = full = _Tally()
+    if not out.requires_grad:
+        return igrad, full
+    grad = torch.ones_like(out)
+    if inputs:
+        with _counting() as igrad:
+            torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
+    with _counting() as full:
+        torch.autograd.grad(out, inputs + weights, grad, allow_unused=True)
+    return igrad, full
+
+
+def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
+                attention: str = "math") -> WorkloadCount:
+    """Build model `name` (built-in or package.module:attribute, with `options`) on the meta device and count it."""
+    from .models import build_model
+
+    with META:
+        model = build_model(name, **options)
+    return count_model(model, microbatch_size, dtype, attention)
