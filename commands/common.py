@@ -5,6 +5,7 @@ describe. Imports only typer and rich at start-up, so every command starts fast.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Iterable
@@ -75,10 +76,23 @@ KvHeads = Annotated[int | None, typer.Option(
     "--kv-heads", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
 Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: SwiGLU MLP (Llama's) instead of GELU.")]
 
+
+# The searched method's knobs (auto), as numbers by `search_options`: text, so that a bad value gets our one line.
+ActivationLimit = Annotated[str | None, typer.Option(
+    "--activation-limit", metavar="R", help="auto: the peak activation memory any device may hold, as a multiple of "
+                                            "what 1F1B holds on its first device for the same costs (default 1; 2: "
+                                            "twice). Where device memory is known, also what fits in it.")]
+SearchSeconds = Annotated[str | None, typer.Option(
+    "--search-seconds", metavar="S", help="auto: the search's time budget in seconds (default: enough for p=32, "
+                                          "m=256 in under a second).")]
+
+
 # Options only some methods read, by flag (`Method.reads` says which).
 METHOD_OPTIONS = {"--chunks": "chunks", "--pipelines": "pipelines", "--advance": "advance",
                   "--average-every": "average_every", "--elastic-alpha": "elastic_alpha", "--graph": "graph",
-                  "--prediction": "prediction"}
+                  "--prediction": "prediction", "--activation-limit": "activation_limit",
+                  "--search-seconds": "search_seconds"}
+
 
 class InputError(Exception):
     """Bad input found by the CLI itself; reported as one line with exit code 2."""
@@ -126,6 +140,23 @@ def check_prediction(source: str | None) -> None:
 
     if source is not None and source not in PREDICTION_SOURCES:
         raise InputError(f"--prediction: choose from {', '.join(PREDICTION_SOURCES)} (got {source!r})")
+
+
+def search_options(activation_limit: str | None, search_seconds: str | None) -> dict[str, float | None]:
+    """--activation-limit and --search-seconds as `ScheduleParams` fields: each, where given, one finite number
+    above 0. (A limit below one micro-batch's activations is refused when the costs are known.)"""
+    values: dict[str, float | None] = {}
+    for flag, text in (("--activation-limit", activation_limit), ("--search-seconds", search_seconds)):
+        value = None
+        if text is not None:
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not 0 < value < math.inf:
+                raise InputError(f"{flag}: give one number above 0 (got {text!r})")
+        values[flag[2:].replace("-", "_")] = value
+    return values
 
 
 def is_given(ctx: typer.Context, name: str) -> bool:

@@ -13,6 +13,7 @@ from rich import box
 from rich.table import Table
 
 from .common import (
+    ActivationLimit,
     Advance,
     AverageEvery,
     BlockingComm,
@@ -24,6 +25,7 @@ from .common import (
     MicrobatchSize,
     Pipelines,
     PredictionSource,
+    SearchSeconds,
     Stages,
     WgradFraction,
     check_method_options,
@@ -33,6 +35,7 @@ from .common import (
     is_given,
     progress,
     scenario_from_flags,
+    search_options,
     stderr,
     stdout,
     write_error,
@@ -68,6 +71,8 @@ def simulate(
     average_every: AverageEvery = 1,
     elastic_alpha: ElasticAlpha = None,
     prediction: PredictionSource = None,
+    activation_limit: ActivationLimit = None,
+    search_seconds: SearchSeconds = None,
     graph: Annotated[Path | None, typer.Option(
         "--graph", help='graphpipe: stage DAG JSON {"stages": n, "edges": [[a, b], ...], "placement": [...]} (default: '
                         'built-in two-branch model).', metavar="JSON")] = None,
@@ -125,6 +130,7 @@ def simulate(
     if example:
         stages, microbatches, comm, opt, html = (
             EXAMPLE[k] for k in ("stages", "microbatches", "comm", "opt", "html"))
+    from ..planning.auto import ActivationLimitError
     from ..schedules import METHODS, ScheduleError, steady_minibatches
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
@@ -144,7 +150,8 @@ def simulate(
             raise InputError("--schedule: each method may be given once")
         check_prediction(prediction)
         check_method_options(ctx, names, ("--advance", "--average-every", "--elastic-alpha", "--graph",
-                                           "--prediction"))
+                                           "--prediction", "--activation-limit", "--search-seconds"))
+        search = search_options(activation_limit, search_seconds)
         check_writable("--html", html)
         check_writable("--trace", trace)
         scenario = scenario_from_flags(ctx, "device", schedule_file if loaded else None, comm=comm, opt=opt)
@@ -153,16 +160,20 @@ def simulate(
 
         def build(name: str, count: int):
             method = METHODS[name]
+            options = {option: value for option, value in {"prediction": prediction, **search}.items()
+                       if method.reads(option)}
             return scenario.build(name, method.params(
                 stages, microbatches, count, chunks, pipelines, advance=advance, average_every=average_every,
-                elastic_alpha=elastic_alpha, prediction=prediction if method.reads("prediction") else None))
+                elastic_alpha=elastic_alpha, **options))
 
         requested, skipped = names, {}  # skipped: method -> why it cannot run here
         schedules = {loaded.method: loaded} if loaded else {}
         for name in () if loaded else names:
             try:
                 schedules[name] = build(name, minibatches or PROBE_MINIBATCHES)
-            except ScheduleError as exc:
+            except ActivationLimitError as exc:  # a flag's value, not a method that cannot run here
+                raise InputError(str(exc)) from None
+            except (ScheduleError, CostError) as exc:  # a searched method prices its costs as it is built
                 skipped[name] = str(exc)
         if minibatches is None and not loaded:  # one N for the table: the most any method compared needs
             count = max(map(steady_minibatches, schedules.values()), default=PROBE_MINIBATCHES)
@@ -397,7 +408,7 @@ def _source(sched) -> str | None:
 
 def list_schedules() -> None:
     """List the methods pipesim knows: what each does and which weights its ops read."""
-    from ..schedules import METHODS
+    from ..schedules import METHODS, SYNCHRONOUS
 
     table = Table(show_header=True, box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("name", no_wrap=True)
@@ -405,7 +416,7 @@ def list_schedules() -> None:
     table.add_column("weights read")
     table.add_column("s by --prediction source")
     for method in METHODS.values():
-        policy = method.build(method.params(4, 8)).policy
+        policy = SYNCHRONOUS if method.needs_costs else method.build(method.params(4, 8)).policy
         table.add_row(method.name, method.summary, _policy_text(policy), _sources_text(policy))
     stdout.print(table)
     stdout.print("Sources and where they disagree: docs/methods.md", highlight=False)

@@ -52,8 +52,14 @@ class Scenario:
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None) -> Schedule:
         """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
-        the profile's model cut into p stages (at `bounds` if given)."""
+        the profile's model cut into p stages (at `bounds` if given); a method searched from the costs (auto)
+        gets this scenario's costs, links and device memory."""
         method = method_named(name)
+        if method.needs_costs:
+            from .auto import schedule_frame, search_schedule
+
+            frame = schedule_frame(params)
+            return search_schedule(params, self.costs(frame, bounds), self.links(frame), self.memory_limits(frame))
         if method.on_graph is None or not (self.dag or self.measured):
             return method.build(params)
         if self.dag:

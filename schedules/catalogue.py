@@ -8,9 +8,21 @@ from .ir import Schedule, ScheduleError
 from .methods import BASELINES, Method, ScheduleParams
 from .rivals import RIVALS
 
-_ALL = {method.name: method for method in (*BASELINES, *RIVALS, *ASYNCHRONOUS, *GRAPH)}
-# The order the command line lists them in: synchronous methods, then asynchronous ones, then the rest.
-_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "pipedream",
+
+def _searched(params: ScheduleParams) -> Schedule:
+    """`auto` without costs: its order is searched from them, which this cost-free package does not know."""
+    raise ScheduleError("auto searches its order from the stage costs, which it needs: build it where costs are "
+                        "known (pipesim simulate, sweep or tune; planning.scenario.Scenario.build)")
+
+
+SEARCHED = (
+    Method("auto", "Searched for the costs given: the fastest synchronous order (split backward where it helps) "
+           "under --activation-limit", _searched, options=frozenset({"activation_limit", "search_seconds"}),
+           needs_costs=True),
+)
+_ALL = {method.name: method for method in (*BASELINES, *RIVALS, *SEARCHED, *ASYNCHRONOUS, *GRAPH)}
+# The order the command line lists them in: fixed synchronous methods, the searched one, asynchronous ones, the rest.
+_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto", "pipedream",
           "pipedream-2bw", "spectrain", "pipeoptim", "xpipe", "avgpipe", "graphpipe")
 METHODS: dict[str, Method] = {name: _ALL[name] for name in sorted(_ALL, key=lambda n: (_ORDER + (n,)).index(n))}
 

@@ -7,6 +7,7 @@ The registry of all methods is `catalogue.METHODS`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -25,8 +26,10 @@ _FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--
 class ScheduleParams:
     """What a schedule is built for: p (`stages`), m, N, v (`chunks`), P (`pipelines`), AvgPipe's
     advance forwards (None: its own rule), averaging period (mini-batches) and elastic coefficient
-    (None: 0.9 / P), and the source of a predicting method's distances s (`prediction`, one of
-    PREDICTION_SOURCES; None: the method's primary source)."""
+    (None: 0.9 / P), the source of a predicting method's distances s (`prediction`, one of
+    PREDICTION_SOURCES; None: the method's primary source), and for a searched schedule the peak activation
+    memory any device may hold as a multiple of what 1F1B holds on its first device (`activation_limit`; None:
+    1) and the search's time budget (`search_seconds`; None: the search's default)."""
 
     stages: int
     microbatches: int
@@ -37,6 +40,8 @@ class ScheduleParams:
     average_every: int = 1
     elastic_alpha: float | None = None
     prediction: str | None = None
+    activation_limit: float | None = None
+    search_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every"):
@@ -49,6 +54,11 @@ class ScheduleParams:
             raise ScheduleError(f"elastic_alpha must be in (0, 1] (got {self.elastic_alpha!r})")
         if self.prediction is not None and self.prediction not in PREDICTION_SOURCES:
             raise ScheduleError(f"prediction must be one of {', '.join(PREDICTION_SOURCES)} (got {self.prediction!r})")
+        for name in ("activation_limit", "search_seconds"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
+                raise ScheduleError(f"{name} must be a finite number > 0 (got {value!r})")
         self._check_size()
 
     def _check_size(self) -> None:
@@ -85,7 +95,10 @@ class Method:
     """A method by its command-line name; `defaults` are the shapes it takes unless the user sets them
     (the V schedules need two chunks, AvgPipe runs two pipelines); `options` the optional inputs only it
     reads (AvgPipe's averaging knobs); `on_graph`, for a method that runs any stage DAG, builds it on one
-    (GraphPipe). Callers ask `reads` and `shape` rather than these fields, so the rules live here."""
+    (GraphPipe); `needs_costs`, for a method whose order is searched from the stage costs (`auto`): `build`
+    refuses, and the planning side (`planning.scenario.Scenario.build`) builds it with the costs it knows. A
+    searched order flushes every mini-batch, so its weight policy is SYNCHRONOUS. Callers ask `reads` and
+    `shape` rather than these fields, so the rules live here."""
 
     name: str
     summary: str
@@ -93,6 +106,7 @@ class Method:
     defaults: Mapping[str, int] = field(default_factory=dict)
     options: frozenset[str] = frozenset()
     on_graph: Callable[..., Schedule] | None = None
+    needs_costs: bool = False
 
     def reads(self, option: str) -> bool:
         """Whether this method reads `option`, an input only some methods read (chunks, pipelines, AvgPipe's

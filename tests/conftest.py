@@ -66,8 +66,15 @@ def simulate_json(*args: Any) -> list[dict]:
 
 def build(name: str, p: int, m: int, n: int = 1, **params: Any) -> Schedule:
     """Method `name` on p devices (p·v model stages), m micro-batches, n mini-batches; `params` (chunks,
-    pipelines, advance, ...) override the method's defaults."""
-    return build_schedule(name, METHODS[name].params(p, m, n, **params))
+    pipelines, advance, ...) override the method's defaults. A method searched from the costs (auto) is searched
+    for `simulated`'s default costs."""
+    method = METHODS[name]
+    if method.needs_costs:
+        from pipesim.planning.auto import search_schedule
+
+        return search_schedule(method.params(p, m, n, **params), Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0),
+                               Cluster.uniform(p, 0.0))
+    return build_schedule(name, method.params(p, m, n, **params))
 
 
 class Run(NamedTuple):

@@ -20,11 +20,12 @@ from pipesim.schedules import (
 from pipesim.schedules.graph import graph_schedule, load_graph, two_branch_graph
 from tests.conftest import build, simulated
 
-SYNCHRONOUS = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "avgpipe", "graphpipe"}
+SYNCHRONOUS = {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto", "avgpipe",
+               "graphpipe"}
 
 
-def test_catalogue_lists_the_fourteen_methods_of_the_design():
-    assert list(METHODS) == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev",
+def test_catalogue_lists_the_fourteen_methods_of_the_design_and_the_searched_one():
+    assert list(METHODS) == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto",
                              "pipedream", "pipedream-2bw", "spectrain", "pipeoptim", "xpipe", "avgpipe",
                              "graphpipe"]
 
