@@ -47,8 +47,9 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
     origin[own_slot] = np.arange(n)
     kinds[own_slot], peers[own_slot] = t.kind, t.peer
     placed = {True: np.zeros(n, dtype=np.int64), False: np.zeros(n, dtype=np.int64)}
+    next_slot = {True: first_slot, False: own_slot + 1}  # where a row's RECVs, and its SENDs, begin
     for owners, kind_code, peer, before, channel in groups:  # in group order, as `add_communication` promises
-        slot = (first_slot if before else own_slot + 1)[owners] + placed[before][owners]
+        slot = next_slot[before][owners] + placed[before][owners]
         placed[before][owners] += 1
         kinds[slot], peers[slot], channels[slot] = kind_code, peer, channel
     # A row's transfers sit next to it and share its device, stage and unit: repeat its columns over them.

@@ -56,18 +56,17 @@ class _Program:
     stream: np.ndarray
     # Per device, the rows where its clock may do more than add durations (its steps) in order, as columns:
     # compute ps since the previous step, stream, the transfer id of a transfer or the duration of a compute row,
-    # and for a RECV its sender, the index of the sender's clock it waits for and the time from that clock to
-    # its arrival (as `send_clock` and `send_to_arrival_ps` say). Steps are a device's receives and the sends
-    # whose arrival is not a fixed time after their issue, and its compute rows too if it shares a compute
-    # resource; elsewhere a device's clock just adds durations.
+    # the clock (an index into `_Model.clocks`) the step waits for and how long after that clock it may go on: a
+    # RECV its SEND's clock and the time from there to its arrival (-1: its SEND step finds the arrival out when
+    # it runs). Steps are a device's receives and the sends whose arrival is not a fixed time after their issue,
+    # and its compute rows too if it shares a compute resource; elsewhere a device's clock just adds durations.
     steps: list[tuple[np.ndarray, ...]]
     step_rows: np.ndarray  # every device's steps, as global rows in program order
     step_bounds: np.ndarray  # device d's steps are step_rows[step_bounds[d]:step_bounds[d + 1]]
+    start_clock: np.ndarray  # per device: the index of its start in `_Model.clocks` (its steps' clocks follow)
     timed: bool  # whether a resource is shared, so that devices must take it in simulated time order
-    # Per transfer id: the device sending it, the index in that device's clocks (0: its start, i + 1: after
-    # its step i) of the clock it is sent from, and how long after that clock it arrives (-1: its SEND step
-    # finds that out when it runs).
-    sender: np.ndarray
+    # Per transfer id: the index in `_Model.clocks` of the clock it is sent from, and how long after that clock
+    # it arrives (-1: its SEND step finds that out when it runs).
     send_clock: np.ndarray
     send_to_arrival_ps: np.ndarray
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
@@ -199,30 +198,41 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     first_step[step_bounds[:-1][np.diff(step_bounds) > 0]] = True
     pre = step_busy - np.where(first_step, 0, np.r_[0, step_busy[:-1]])  # compute ps since the step before
 
+    # Every device's clocks sit in one list (`_Model.clocks`): device d's start at step_bounds[d] + d, then its
+    # clock after each of its steps, so the clock after global step i is at i + its device + 1.
+    num_devices = len(bounds) - 1
+    start_clock = step_bounds[:-1] + np.arange(num_devices)
     # Per transfer: the clock its SEND is issued from (its own step's, or the step's before it), and how long
     # after that clock it arrives.
     send_rows = np.flatnonzero(sends)
     xids = lowered.transfer[send_rows]
     steps_before = (np.cumsum(is_step) - is_step)[send_rows]  # global step count before each SEND
     own_step = ~lazy[send_rows]
-    sender, send_clock, send_to_arrival = (np.empty(len(transfer_ps), dtype=np.int64) for _ in range(3))
-    sender[xids] = device[send_rows]
-    clock = steps_before - step_bounds[sender[xids]] + own_step
-    send_clock[xids] = clock
-    clock_busy = np.where(clock > own_step, step_busy[steps_before - 1 + own_step], 0)
+    send_clock, send_to_arrival = (np.empty(len(transfer_ps), dtype=np.int64) for _ in range(2))
+    send_clock[xids] = steps_before + own_step + device[send_rows]
+    after_a_step = steps_before > step_bounds[device[send_rows]]  # the clock is not its device's start
+    clock_busy = np.where(after_a_step, step_busy[steps_before - 1 + own_step], 0)
     send_to_arrival[xids] = np.where(own_step, 0 if not timed else -1,
                                      busy_before[send_rows] - clock_busy + transfer_ps[xids])
 
+    # Per step: the clock it waits for and how long after it. A RECV waits for its SEND's clock; a blocking SEND
+    # where nothing is timed waits for its own device's clock before it plus its compute and transfer time;
+    # anything else for its device's start (nothing).
+    step_stream = stream[step_rows]
+    step_device = device[step_rows]
     operand = np.where(compute[step_rows], duration[step_rows], lowered.transfer[step_rows])
-    receiving = np.flatnonzero(stream[step_rows] == Stream.RECV)
-    received = operand[receiving]
-    columns = [pre, stream[step_rows], operand]
-    for per_transfer in (sender, send_clock, send_to_arrival):  # a RECV step's sender, its clock, the time after it
-        column = np.zeros(len(step_rows), dtype=np.int64)
-        column[receiving] = per_transfer[received]
-        columns.append(column)
+    waits_for = start_clock[step_device]
+    after = np.zeros(len(step_rows), dtype=np.int64)
+    receiving = np.flatnonzero(step_stream == Stream.RECV)
+    waits_for[receiving] = send_clock[operand[receiving]]
+    after[receiving] = send_to_arrival[operand[receiving]]
+    if not timed:
+        blocking = np.flatnonzero(step_stream == Stream.SEND)
+        waits_for[blocking] = blocking + step_device[blocking]
+        after[blocking] = pre[blocking] + transfer_ps[operand[blocking]]
+    columns = (pre, step_stream, operand, waits_for, after)
     steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_bounds.tolist())]
-    return _Program(lowered, stream, steps, step_rows, step_bounds, timed, sender, send_clock, send_to_arrival,
+    return _Program(lowered, stream, steps, step_rows, step_bounds, start_clock, timed, send_clock, send_to_arrival,
                     compute_unit, host_unit, cluster.contention, busy_before, duration, channel_ps.tolist(), routes,
                     len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end,
                     static_bytes(schedule, costs))
@@ -341,12 +351,15 @@ class _Model:
         self.program = program
         self.overlap_comm = overlap_comm
         self.env = simpy.Environment() if program.timed else None
-        # Per device, its clock at its start and after each of its steps (SEND issued, RECV arrived, the start of
-        # a compute row that is a step); per transfer id, its arrival once its SEND step has run (-1 before).
-        self.clocks: list[list[int]] = [[0] for _ in program.steps]
-        self.arrival = [-1] * len(program.sender)
-        # Per device, the devices waiting for its clock at an index (an event to succeed, or a coroutine to resume).
-        self.waiters: list[dict[int, list]] = [{} for _ in program.steps]
+        # Every device's clock at its start and after each of its steps (SEND issued, RECV arrived, the start of
+        # a compute row that is a step), in one list (see `_Program.start_clock`; -1: not reached yet); per
+        # transfer id, its arrival once its SEND step has run (-1 before).
+        self.clocks = [-1] * (len(program.step_rows) + len(program.steps))
+        for start in program.start_clock.tolist():
+            self.clocks[start] = 0
+        self.arrival = [-1] * len(program.send_clock)
+        # Per clock index not reached yet, who waits for it (events to succeed, or coroutines to resume).
+        self.waiters: dict[int, list] = {}
         self.ready: collections.deque = collections.deque()  # coroutines to resume, where nothing is timed
         self.running = None  # the coroutine running, where nothing is timed
         self.free_at = [0] * program.num_resources
@@ -362,27 +375,51 @@ class _Model:
         for event in events:
             event.succeed()
 
-    def device(self, d: int):
-        """Device d's steps; `self.clocks[d]` gets its clock after each: a transfer's SEND issued or RECV
-        arrived, a compute row's start (the clock after it is that plus its duration, in the next step's
-        compute ps)."""
+    def coroutine(self, d: int):
+        """Device d's steps where nothing is timed: each step's clock is the later of the clock before it plus
+        the compute since and the clock it waits for plus the time after it (see `_Program.steps`). Only
+        waiting for a clock not reached yet suspends the coroutine, so this loop is all the run costs per
+        step: three numbers read, one written."""
+        clocks, waiters, resume = self.clocks, self.waiters, self.ready.extend
+        me = self.running
+        start = int(self.program.start_clock[d])
+        busy, _, _, waits_for, after = (column.tolist() for column in self.program.steps[d])
+        clock = 0
+        for mine, busy_ps, other, after_ps in zip(range(start + 1, start + 1 + len(busy)), busy, waits_for, after):
+            clock += busy_ps
+            ready = clocks[other]
+            if ready < 0:  # not sent yet: wait until the sender has that clock
+                waiters.setdefault(other, []).append(me)
+                yield
+                ready = clocks[other]
+            ready += after_ps
+            if ready > clock:
+                clock = ready
+            clocks[mine] = clock
+            woken = waiters.pop(mine, None)
+            if woken:
+                resume(woken)
+        self.finished += 1
+
+    def process(self, d: int):
+        """Device d's steps as a SimPy process, where resources are shared; `self.clocks` gets its clock after
+        each: a transfer's SEND issued or RECV arrived, a compute row's start (the clock after it is that plus
+        its duration, in the next step's compute ps)."""
         env = self.env
         program = self.program
         cores = self.cores[program.host_unit[d]] if program.host_unit[d] is not None else None
         unit = program.compute_unit[d]
         rows = program.step_rows[program.step_bounds[d]:program.step_bounds[d + 1]]
         duration = self.duration_ps
-        arrival, free_at, all_clocks = self.arrival, self.free_at, self.clocks
-        all_waiters = self.waiters
-        clocks, waiting_on_me = all_clocks[d], all_waiters[d]
-        done = clocks.append
-        wake = self.ready.extend if env is None else self._succeed
+        arrival, free_at, clocks, waiters = self.arrival, self.free_at, self.clocks, self.waiters
         routes, channel_ps, units = program.routes, program.channel_ps, program.lowered.units
         overlap = self.overlap_comm
         send, recv = int(Stream.SEND), int(Stream.RECV)  # plain ints: this loop runs once per step
+        start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
-        for busy_ps, stream, xid, source, index, to_arrival, row in zip(  # memoryviews: Python ints, one at a time
-                *map(memoryview, program.steps[d]), rows.tolist() if cores else itertools.repeat(-1)):
+        for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
+                itertools.count(start + 1), *map(memoryview, program.steps[d]),
+                rows.tolist() if cores else itertools.repeat(-1)):
             clock += busy_ps
             if cores is not None and busy_ps > computed_ps:  # the runtime's host time between rows shares them too
                 host_ps = busy_ps - computed_ps
@@ -393,16 +430,15 @@ class _Model:
                 clock = end
             computed_ps = 0
             if stream == recv:
-                sender_clocks = all_clocks[source]
-                if len(sender_clocks) <= index:  # not sent yet: wait until the sender has that clock
-                    waiter = self.running if env is None else env.event()
-                    all_waiters[source].setdefault(index, []).append(waiter)
+                if clocks[other] < 0:  # not sent yet: wait until the sender has that clock
+                    waiter = env.event()
+                    waiters.setdefault(other, []).append(waiter)
                     yield waiter
                 # The arrival is a fixed time after the sender's clock, or what its SEND step found.
-                ready = sender_clocks[index] + to_arrival if to_arrival >= 0 else arrival[xid]
+                ready = clocks[other] + after_ps if after_ps >= 0 else arrival[xid]
                 if ready > clock:
                     clock = ready
-                done(clock)
+                clocks[mine] = clock
             elif stream == send:
                 route, transfer_ps = routes[xid // units], channel_ps[xid // units]
                 if route:  # a shared link: wait until simulated time reaches the send, then queue on it
@@ -417,38 +453,38 @@ class _Model:
                 arrival[xid] = end
                 if not overlap:
                     clock = end
-                done(clock)
+                clocks[mine] = clock
             else:  # a compute row on the shared compute resource `unit` or shared `cores`; `xid` is its duration
                 if clock > env.now:
                     yield env.timeout(clock - env.now)
                 if cores is not None:
                     end = yield cores.run(xid)
                     duration[row] = end - clock
-                    done(clock)
+                    clocks[mine] = clock
                     clock, computed_ps = end - xid, xid  # the next step's compute ps count the row's duration alone
                 else:
                     if free_at[unit] > clock:
                         clock = free_at[unit]
                     free_at[unit] = clock + xid
-                    done(clock)
-            if waiting_on_me:
-                woken = waiting_on_me.pop(len(clocks) - 1, None)
-                if woken:
-                    wake(woken)
+                    clocks[mine] = clock
+            woken = waiters.pop(mine, None)
+            if woken:
+                self._succeed(woken)
         self.finished += 1
 
     def run(self) -> None:
-        processes = [self.device(d) for d in range(len(self.program.steps))]
+        devices = range(len(self.program.steps))
         if self.env is not None:
-            for process in processes:
-                self.env.process(process)
+            for d in devices:
+                self.env.process(self.process(d))
             self.env.run()
             return
         ready = self.ready
-        ready.extend(processes)
+        for d in devices:  # each coroutine takes itself from `running` when first run, to leave with what it waits for
+            self.running = self.coroutine(d)
+            next(self.running, None)
         while ready:
-            self.running = process = ready.pop()
-            next(process, None)
+            next(ready.pop(), None)
 
 
 def simulate(
@@ -480,8 +516,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     lowered = program.lowered
     schedule, xid, t, bounds = lowered.schedule, lowered.transfer, lowered.table, lowered.bounds
     transfers = np.flatnonzero(program.stream != Stream.COMPUTE)
-    clocks = np.fromiter(itertools.chain.from_iterable(model.clocks), np.int64,
-                         len(program.step_rows) + schedule.num_devices)
+    clocks = np.array(model.clocks, dtype=np.int64)
     issued_ps = _issue_times(program, model, clocks)
     start_ps = issued_ps.copy()
     end_ps = issued_ps + model.duration_ps
@@ -489,8 +524,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         if program.timed:  # every SEND was a step and found its arrival
             arrival = np.fromiter(model.arrival, np.int64, len(model.arrival))
         else:  # every SEND arrives a fixed time after a clock of its device
-            sender = program.sender
-            arrival = clocks[program.step_bounds[sender] + sender + program.send_clock] + program.send_to_arrival_ps
+            arrival = clocks[program.send_clock] + program.send_to_arrival_ps
         ids = xid[transfers]
         end_ps[transfers] = arrival[ids]  # a transfer starts its duration before it arrives
         start_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[ids // lowered.units]
