@@ -9,6 +9,8 @@ import typer
 from .commands.calibrate import calibrate
 from .commands.common import fail, stderr
 from .commands.compare import compare
+from .commands.count import count
+from .commands.gpus import gpus
 from .commands.run import run
 from .commands.simulate import export, list_schedules, simulate
 from .commands.study import study
@@ -34,6 +36,8 @@ app.command()(tune)
 app.command()(compare)
 app.command()(view)
 app.command()(study)
+app.command()(count)
+app.command()(gpus)
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 

@@ -4,6 +4,7 @@ optimizer-state sizes."""
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 
 from pipesim.workload.count import LayerCount, count_built, count_model
 from pipesim.workload.models import Model, ModelError
+from tests.conftest import pipesim
 
 B, S, H, A = 2, 32, 64, 4  # micro-batch, sequence, hidden, heads of the small gpt
 GPT = dict(layers=2, width=H, heads=A, seq_len=S, vocab=128)
@@ -106,3 +108,29 @@ def test_bad_model_options_and_attention_are_named():
         count_built("gpt", dict(heads=4, kv_heads=3), 1, torch.float32)
     with pytest.raises(ValueError, match="attention: choose from math, flash"):
         count_built("gpt", {}, 1, torch.float32, "sparse")
+
+
+def test_count_prints_a_table_and_json_whose_totals_are_the_layers_sums():
+    code, out, err = pipesim("count", "--layers", 3, "--width", 32, "--heads", 4, "--seq-len", 16, "--vocab", 64,
+                             "-b", 2, "--dtype", "fp16", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert [layer["name"] for layer in document["layers"]] == ["0:_Embed", "1:_Block", "2:_Block", "3:_Block",
+                                                                  "4:Sequential"]
+    assert document["totals"]["fwd_flops"] == sum(layer["fwd_flops"] for layer in document["layers"])
+    assert document["layers"][1]["fwd_flops"] == 24 * 2 * 16 * 32 * 32 + 4 * 2 * 16 * 16 * 32
+    assert document["dtype"] == "float16" and document["layers"][1]["output_shape"] == [2, 16, 32]
+    code, out, err = pipesim("count", "--layers", 3, "--width", 32, "--heads", 4, "--seq-len", 16, "--vocab", 64)
+    assert code == 0 and "1:_Block..3" in out and "total" in out  # alike blocks fold into one row
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--dtype", "fp64"), "--dtype: choose from fp32, bf16, fp16"),
+    (("--attention", "sparse"), "--attention: choose from math, flash"),
+    (("--heads", 4, "--kv-heads", 3), "--heads (4) must be a multiple of --kv-heads (3)"),
+    (("--model", "mlp", "--heads", 2), "--heads does not apply to mlp"),
+    (("--model", "nowhere:thing"), "cannot import nowhere"),
+])
+def test_count_refuses_bad_input_in_one_line(args, fragment):
+    code, out, err = pipesim("count", *args)
+    assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1

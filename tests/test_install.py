@@ -49,11 +49,13 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
         "tune": ("tune", "--profile", profile, "--devices", 2, "--memory-gb", 1),
         "view": ("view", trace, "--html", "v.html"),
         "compare": ("compare", trace, trace, "--json"),
+        "gpus": ("gpus", "--json"),
     }
     needs = {
         "calibrate": (("calibrate", "--model", "gpt", "--device", "cpu", "--stages", 2, "--out", "g.json"), TORCH_HINT),
         "run": (("run", "-s", "1f1b", "--model", "mlp", "--trace", "m.json"), TORCH_HINT),
         "study": (("study", "--seeds", 1, "--results", "s.json", "--html", "s.html"), TORCH_HINT),
+        "count": (("count", "--model", "gpt", "--layers", 2), TORCH_HINT),
         "sweep --out .parquet": (("sweep", "-s", "1f1b", "--out", "r.parquet"), "pip install 'pipesim[parquet]'"),
         "sweep --ray": (("sweep", "-s", "1f1b", "--ray", "local"), "pip install 'pipesim[ray]'"),
     }

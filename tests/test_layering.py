@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("schedules", "traces", "profiles", "sim", "planning", "workload", "calibrate", "executor", "study",
-            "commands")
+PACKAGES = ("schedules", "traces", "profiles", "hardware", "sim", "planning", "workload", "calibrate", "executor",
+            "study", "commands")
 OURS = {*PACKAGES, "cli", "units"}
 
 # package -> import prefixes (ours as "pipesim.x", third-party by name) it must never import, and why.
@@ -24,6 +24,8 @@ FORBIDDEN = {
     "traces": ({f"pipesim.{p}" for p in OURS - {"traces", "units"}} | {"torch", "simpy"}, "a shared vocabulary"),
     "profiles": ({f"pipesim.{p}" for p in OURS - {"profiles", "units"}} | {"torch", "simpy", "plotly"},
                  "pure profile data"),
+    "hardware": ({f"pipesim.{p}" for p in OURS - {"hardware", "units"}} | {"torch", "simpy", "plotly"},
+                 "pure catalogue data"),
     "sim": ({"pipesim.study", "pipesim.planning", "pipesim.workload", "pipesim.calibrate", "pipesim.executor",
              "pipesim.commands", "pipesim.cli", "torch", "plotly"}, "the simulator never imports torch"),
     "planning": ({"pipesim.study", "pipesim.workload", "pipesim.calibrate", "pipesim.executor", "pipesim.commands",

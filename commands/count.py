@@ -1,0 +1,137 @@
+"""`pipesim count`: a model's work per layer, counted by torch on the meta device (workload/count.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from .common import (
+    Ffn,
+    Gated,
+    Heads,
+    InputError,
+    KvHeads,
+    Layers,
+    SeqLen,
+    Vocab,
+    Width,
+    fail,
+    require,
+    require_model_data,
+    stderr,
+    stdout,
+)
+
+if TYPE_CHECKING:
+    from ..workload.count import LayerCount, WorkloadCount
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES.update({name: name for name in list(DTYPES.values())})  # calibrate's names too
+
+
+def count(
+    model: Annotated[str, typer.Option(
+        "--model", help="mlp, cnn, gpt, two-branch, or package.module:attribute (as calibrate takes).")] = "gpt",
+    microbatch_size: Annotated[int, typer.Option(
+        "--microbatch-size", "-b", min=1, help="Samples per micro-batch.")] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as "
+                                                       "calibrate names them).")] = "bf16",
+    attention: Annotated[str, typer.Option(
+        "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's "
+                            "fused kernel: no scores saved).")] = "math",
+    layers: Layers = None,
+    width: Width = None,
+    heads: Heads = None,
+    seq_len: SeqLen = None,
+    vocab: Vocab = None,
+    ffn: Ffn = None,
+    kv_heads: KvHeads = None,
+    gated: Gated = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+) -> None:
+    """Count a model's work per layer and micro-batch, on torch's meta device (no memory, any size): forward,
+    input-gradient and weight-gradient FLOPs, bytes moved by memory-bound ops, bytes saved for the backward,
+    weight and Adam-state bytes, and the tensor each layer outputs (what a stage ending there sends)."""
+    try:
+        require("pipesim count", "torch")
+        require_model_data("pipesim count", model)
+        if dtype not in DTYPES:
+            raise InputError(f"--dtype: choose from {', '.join(DTYPES)} (got {dtype!r})")
+        import torch
+
+        from ..workload.count import ATTENTION, count_built
+        from ..workload.models import ModelError
+
+        if attention not in ATTENTION:
+            raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
+        options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
+                       kv_heads=kv_heads, gated=gated)
+        started = time.perf_counter()
+        try:
+            counted = count_built(model, options, microbatch_size, getattr(torch, DTYPES[dtype]), attention)
+        except ModelError as exc:
+            raise InputError(str(exc)) from None
+    except InputError as exc:
+        fail(str(exc))
+    if as_json:
+        sys.stdout.write(json.dumps(_document(counted), indent=2) + "\n")
+        return
+    stdout.print(_table(counted))
+    stderr.print(f"counted on the meta device in {time.perf_counter() - started:.1f} s", highlight=False)
+
+
+TOTALS = ("fwd_flops", "igrad_flops", "wgrad_flops", "fwd_moved_bytes", "igrad_moved_bytes", "wgrad_moved_bytes",
+          "saved_bytes", "param_bytes", "grad_bytes", "output_bytes")
+
+
+def _document(counted: WorkloadCount) -> dict:
+    return {**asdict(counted), "totals": {name: counted.total(name) for name in TOTALS}}
+
+
+def _table(counted: WorkloadCount) -> Table:
+    """One row per run of alike consecutive layers (a GPT's blocks are one row), then the model's totals."""
+    title = (f"{counted.model} {counted.options}, b={counted.microbatch_size}, {counted.dtype}, {counted.attention} "
+             "attention: per layer and micro-batch")
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for column in ("layers", "fwd FLOP", "igrad FLOP", "wgrad FLOP", "moved B", "saved B", "params B", "Adam B",
+                   "output", "output B"):
+        table.add_column(column, justify="left" if column in ("layers", "output") else "right", no_wrap=True)
+    runs: list[list[LayerCount]] = []
+    for layer in counted.layers:
+        if runs and {**asdict(runs[-1][0]), "name": ""} == {**asdict(layer), "name": ""}:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    for run in runs:
+        first = run[0]
+        label = first.name if len(run) == 1 else f"{first.name}..{run[-1].name.split(':')[0]}"
+        moved = first.fwd_moved_bytes + first.igrad_moved_bytes + first.wgrad_moved_bytes
+        table.add_row(label, *_figures(first.fwd_flops, first.igrad_flops, first.wgrad_flops, moved, first.saved_bytes,
+                                       first.param_bytes, first.optimizer_state_bytes["adam"]),
+                      "x".join(map(str, first.output_shape)) or "(loss)", _si(first.output_bytes))
+    table.add_section()
+    moved = sum(counted.total(name) for name in ("fwd_moved_bytes", "igrad_moved_bytes", "wgrad_moved_bytes"))
+    adam = sum(layer.optimizer_state_bytes["adam"] for layer in counted.layers)
+    table.add_row("total", *_figures(counted.total("fwd_flops"), counted.total("igrad_flops"),
+                                     counted.total("wgrad_flops"), moved, counted.total("saved_bytes"),
+                                     counted.total("param_bytes"), adam), "", "")
+    return table
+
+
+def _figures(*counts: int) -> list[str]:
+    return [_si(n) for n in counts]
+
+
+def _si(n: int) -> str:
+    """Three digits and an SI prefix (decimal: 1 G = 10^9)."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {prefix}"
+    return f"{n:g}"

@@ -1,0 +1,137 @@
+"""The GPU and cluster catalogue: figures from vendors' datasheets, as data (gpus.toml beside this file), read
+into a validated schema. Users add or replace parts, and describe whole clusters, in a TOML file of the same
+schema. Pure data: no torch, no simulator."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BUILT_IN = Path(__file__).with_name("gpus.toml")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+NAME = r"^[a-z0-9][a-z0-9.-]*$"  # how parts and clusters are named on the command line (--gpu a100-sxm-80gb)
+
+
+class CatalogueError(ValueError):
+    """A catalogue file that cannot be used; the message is one line naming the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class DenseTflops(_Strict):
+    """Dense (no 2:4 sparsity) peak TFLOP/s per dtype; a dtype the part has no tensor-core path for is absent."""
+
+    fp32: float = Field(gt=0)
+    tf32: float | None = Field(default=None, gt=0)
+    bf16: float = Field(gt=0)
+    fp16: float = Field(gt=0)
+    fp8: float | None = Field(default=None, gt=0)
+
+
+class IntraNode(_Strict):
+    """The link from one GPU to the others of its node. `gb_s_per_direction` is the GPU's total (through a
+    switch, all of it reaches any peer); a mesh (`peer_gb_s_per_direction`) reaches each peer at that rate."""
+
+    link: Literal["nvlink", "xgmi", "pcie"]
+    gb_s_per_direction: float = Field(gt=0)
+    peer_gb_s_per_direction: float | None = Field(default=None, gt=0)
+    gpus_per_node: int = Field(ge=1)
+    source: str = Field(min_length=1)
+    note: str = ""
+
+
+class Network(_Strict):
+    """The inter-node network per GPU (its own NIC, or its share of the node's), in Gb/s (10^9 bits)."""
+
+    kind: Literal["infiniband", "roce", "ethernet"]
+    gbit_s: float = Field(gt=0)
+    source: str = Field(min_length=1)
+    note: str = ""
+
+
+class Gpu(_Strict):
+    """One part: compute and memory from `source`; link and network each name their own."""
+
+    name: str = Field(min_length=1)
+    memory_gib: float = Field(gt=0)
+    memory_bandwidth_gb_s: float = Field(gt=0)
+    source: str = Field(min_length=1)
+    dense_tflops: DenseTflops
+    intra_node: IntraNode
+    network: Network
+
+
+class Cluster(_Strict):
+    """A cluster: `nodes` of the catalogue part `gpu`; `gpus_per_node`, `network` and `intra_node` replace the
+    part's defaults where given."""
+
+    gpu: str
+    nodes: int = Field(ge=1)
+    gpus_per_node: int | None = Field(default=None, ge=1)
+    network: Network | None = None
+    intra_node: IntraNode | None = None
+    source: str = ""
+
+
+class Catalogue(_Strict):
+    gpu: dict[str, Gpu] = Field(default_factory=dict)
+    cluster: dict[str, Cluster] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _named_and_known(self) -> Catalogue:
+        for table, names in (("gpu", self.gpu), ("cluster", self.cluster)):
+            bad = [name for name in names if not re.match(NAME, name)]
+            if bad:
+                raise ValueError(f"{table}.{bad[0]}: name with lower-case letters, digits, '.' and '-' only")
+        for name, cluster in self.cluster.items():
+            if cluster.gpu not in self.gpu:
+                raise ValueError(f"cluster.{name}.gpu: unknown {cluster.gpu!r}; known: {', '.join(self.gpu)}")
+        return self
+
+    def find(self, name: str) -> Gpu:
+        """The part `name`, or a CatalogueError listing the known ones."""
+        if name not in self.gpu:
+            raise CatalogueError(f"unknown GPU {name!r}; known: {', '.join(self.gpu)}")
+        return self.gpu[name]
+
+
+def _read_toml(path: Path) -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CatalogueError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CatalogueError(f"{path} is not a text (UTF-8) file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise CatalogueError(f"{path} is not valid TOML: {exc}") from None
+
+
+def _validated(path: Path, doc: dict) -> Catalogue:
+    try:
+        return Catalogue.model_validate(doc)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        message = err["msg"].removeprefix("Value error, ")
+        raise CatalogueError(f"{path}: {where + ': ' if where else ''}{message}") from None
+
+
+def load_catalogue(extra: Path | None = None) -> Catalogue:
+    """The built-in catalogue, with `extra`'s parts added (or replacing those of the same name) and its clusters."""
+    built_in = _read_toml(BUILT_IN)
+    if extra is None:
+        return _validated(BUILT_IN, built_in)
+    own = _read_toml(extra)
+    if not isinstance(own.get("gpu", {}), dict):
+        raise CatalogueError(f"{extra}: gpu: a table of parts ([gpu.NAME])")
+    return _validated(extra, {**own, "gpu": {**built_in["gpu"], **own.get("gpu", {})}})

@@ -1,0 +1,89 @@
+"""The GPU catalogue shipped as data: its schema, every figure sourced, users' own parts and clusters, and
+`pipesim gpus`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.hardware.catalogue import BUILT_IN, CatalogueError, load_catalogue
+from tests.conftest import pipesim
+
+REQUIRED = {"a100-sxm-40gb", "a100-sxm-80gb", "h100-sxm", "h100-pcie", "h200", "h800", "b200", "l40s", "mi300x"}
+PART = """
+[gpu.{name}]
+name = "Test GPU"
+memory_gib = 24
+memory_bandwidth_gb_s = 1000
+source = "https://example.com/datasheet"
+dense_tflops = {{ fp32 = 10, bf16 = 100, fp16 = 100 }}
+intra_node = {{ link = "pcie", gb_s_per_direction = 32, gpus_per_node = 4, source = "https://example.com/board" }}
+network = {{ kind = "ethernet", gbit_s = 100, source = "https://example.com/nic" }}
+"""
+
+
+def test_the_catalogue_holds_the_required_parts_each_figure_with_a_source():
+    catalogue = load_catalogue()
+    assert REQUIRED <= set(catalogue.gpu)
+    for name, part in catalogue.gpu.items():
+        sources = [part.source, part.intra_node.source, part.network.source]
+        assert all(s.startswith("https://") or s.startswith("assumed: ") for s in sources), name
+        peak = part.dense_tflops
+        assert peak.bf16 == peak.fp16 > peak.fp32, name  # the tensor cores' half precision beats fp32 everywhere
+        assert peak.fp8 is None or peak.fp8 == pytest.approx(2 * peak.bf16, rel=0.02), name  # L40S: 733 vs 362.05
+    assert catalogue.gpu["a100-sxm-80gb"].dense_tflops.bf16 == 312  # published runs' "% of peak" uses 312
+    assert catalogue.gpu["a100-sxm-80gb"].dense_tflops.fp8 is None  # Ampere has no fp8
+    assert catalogue.gpu["mi300x"].intra_node.peer_gb_s_per_direction == 64  # a mesh: one link per peer
+
+
+def test_a_users_file_adds_and_replaces_parts_and_describes_clusters(tmp_path):
+    own = tmp_path / "mine.toml"
+    own.write_text(PART.format(name="rtx-test") + PART.format(name="l40s").replace("Test GPU", "My L40S")
+                   + '[cluster.lab]\ngpu = "rtx-test"\nnodes = 2\n'
+                   + '[cluster.lab.network]\nkind = "roce"\ngbit_s = 50\nsource = "https://example.com/lab"\n')
+    catalogue = load_catalogue(own)
+    assert REQUIRED <= set(catalogue.gpu) and catalogue.gpu["rtx-test"].memory_gib == 24
+    assert catalogue.gpu["l40s"].name == "My L40S"
+    assert catalogue.cluster["lab"].nodes == 2 and catalogue.cluster["lab"].network.gbit_s == 50
+
+
+@pytest.mark.parametrize("text, fragment", [
+    (PART.format(name="x").replace("memory_gib = 24\n", ""), "gpu.x.memory_gib: Field required"),
+    (PART.format(name="x").replace("bf16 = 100", "bf16 = -1"), "gpu.x.dense_tflops.bf16: Input should be greater"),
+    (PART.format(name="x").replace('"pcie"', '"usb"'), "gpu.x.intra_node.link: Input should be 'nvlink', 'xgmi'"),
+    (PART.format(name="x") + "speed = 3\n", "gpu.x.speed: Extra inputs are not permitted"),
+    (PART.format(name='"Big GPU"'), "gpu.Big GPU: name with lower-case letters"),
+    ('[cluster.c]\ngpu = "nope"\nnodes = 1\n', "cluster.c.gpu: unknown 'nope'; known: a100-sxm-40gb"),
+    ("gpu = 3\n", "gpu: a table of parts"),
+    ("[gpu.x\n", "is not valid TOML"),
+])
+def test_a_bad_file_names_the_field_and_what_is_allowed(tmp_path, text, fragment):
+    own = tmp_path / "bad.toml"
+    own.write_text(text)
+    with pytest.raises(CatalogueError) as caught:
+        load_catalogue(own)
+    assert fragment in str(caught.value) and str(own) in str(caught.value)
+    code, out, err = pipesim("gpus", "--gpus", own)
+    assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_gpus_lists_the_catalogue_as_a_table_and_as_json(tmp_path):
+    code, out, err = pipesim("gpus")
+    assert code == 0 and all(name in out for name in REQUIRED)
+    code, out, err = pipesim("gpus", "--json")
+    document = json.loads(out)
+    assert code == 0 and REQUIRED <= set(document["gpu"]) and document["cluster"] == {}
+    assert document["gpu"]["h100-sxm"]["dense_tflops"]["fp8"] == 1978.9
+    code, out, err = pipesim("gpus", "--gpus", tmp_path / "missing.toml")
+    assert code == 2 and "--gpus: cannot read" in err
+
+
+def test_the_catalogue_file_ships_inside_the_package():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    project = tomllib.loads((BUILT_IN.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert BUILT_IN.name in project["package-data"]["pipesim.hardware"]
