@@ -512,29 +512,45 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
             "torch": [vars(r) for r in torch_rows], "torch_action_ms": action_ms}, indent=1) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="fresh runs per method")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="default: every method (--quick: three)")
-    parser.add_argument("--quick", action="store_true", help="mlp 4x256, 1+3 mini-batches, 2 repeats, no torch")
+def parse_arguments(description: str, *, runs: str, methods: str, quick: str) -> argparse.Namespace:
+    """The options every fidelity benchmark takes (`runs`, `methods`, `quick`: what its own mean); --quick
+    caps the repeats at 2."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=3, help=f"fresh runs {runs}")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help=methods)
+    parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--keep", type=Path, help="keep the profiles and measured traces in this folder")
     parser.add_argument("--from", dest="source", type=Path, help="report on a folder --keep filled; run nothing")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--json", type=Path, help="also write the tables as JSON here")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1 (got {args.repeats})")
     if args.quick:
         args.repeats = min(args.repeats, 2)
-    methods = args.methods or (["gpipe", "1f1b", "zb-h1"] if args.quick else list(METHODS))
-    console = Console(width=160)
+    return args
+
+
+def measure_then_report(args: argparse.Namespace, measuring: Callable[[Path], None],
+                        reporting: Callable[[Path], None]) -> None:
+    """Report on the folder --from names; or measure into --keep's folder (or a scratch one), then report."""
     if args.source is not None:
-        report(args.quick, args.source, console, args.json)
+        reporting(args.source)
         return
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        measure(args, methods, folder, lambda text: console.print(text, style="dim", highlight=False))
-        report(args.quick, folder, console, args.json)
+        measuring(folder)
+        reporting(folder)
+
+
+def main() -> None:
+    args = parse_arguments(__doc__.split("\n\n")[0], runs="per method",
+                           methods="default: every method (--quick: three)",
+                           quick="mlp 4x256, 1+3 mini-batches, 2 repeats, no torch")
+    methods = args.methods or (["gpipe", "1f1b", "zb-h1"] if args.quick else list(METHODS))
+    console = Console(width=160)
+    measure_then_report(args, lambda folder: measure(args, methods, folder, lambda text: console.print(
+        text, style="dim", highlight=False)), lambda folder: report(args.quick, folder, console, args.json))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from ..schedules import KINDS, NUM_COMPUTE_KINDS, Kind
 from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
+MAX_WARMUP = 1e3  # a first mini-batch a thousand times slower than the rest is a broken measurement
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
@@ -75,12 +76,16 @@ class RowOverhead:
     `compute_ms[kind]` is added to every compute row of that kind (kinds in `KINDS` order, the compute ones);
     a SEND holds its device for `send_ms` after issuing its transfer, a RECV for `recv_ms` after its message
     arrives; and after a row of kind `KINDS[i]` the device spends `gap_ms[i]` before its next row starts.
-    None of it is in a row's own duration but `compute_ms`, as a measured trace times its rows."""
+    None of it is in a row's own duration but `compute_ms`, as a measured trace times its rows.
+    `warmup[j]`: a fresh rank's rows of mini-batch j (j < len) take that many times their steady time, compute
+    and host time alike (the first updates, backwards and sends of a process run cold); a short run's time per
+    mini-batch carries them, a long run's hardly."""
 
     compute_ms: tuple[float, ...] = (0.0,) * NUM_COMPUTE_KINDS
     send_ms: float = 0.0
     recv_ms: float = 0.0
     gap_ms: tuple[float, ...] = (0.0,) * len(KINDS)
+    warmup: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.compute_ms) != NUM_COMPUTE_KINDS or len(self.gap_ms) != len(KINDS):
@@ -88,6 +93,14 @@ class RowOverhead:
         for value in (*self.compute_ms, self.send_ms, self.recv_ms, *self.gap_ms):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= MAX_MS:
                 raise CostError(f"row overhead times must be finite numbers from 0 to {MAX_MS:g} (got {value!r})")
+        for value in self.warmup:
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not 1 <= value <= MAX_WARMUP:
+                raise CostError(f"warm-up factors must be finite numbers from 1 to {MAX_WARMUP:g} (got {value!r})")
+
+    def warmup_factor(self, minibatch: np.ndarray) -> np.ndarray:
+        """Per row of mini-batch `minibatch`, how many times its steady time it takes (1 past the warm-up)."""
+        factors = np.asarray((*self.warmup, 1.0), dtype=float)
+        return factors[np.minimum(minibatch, len(self.warmup))]
 
     @property
     def host_ms(self) -> np.ndarray:

@@ -104,10 +104,14 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     for rows, ms in ((np.flatnonzero(spans.accumulating), [c.accumulate_ms for c in stages]),  # version stays
                      (copying, [c.copy_ms for c in stages])):
         duration[rows] += np.asarray(ms)[stage[rows]]
+    host_ps = _picoseconds(overhead.host_ms)[kind]
+    if overhead.warmup:  # a fresh rank's first mini-batches run slower, their host time as much as their compute
+        slower = overhead.warmup_factor(t.minibatch)
+        duration, host_ps = duration * slower, _picoseconds(overhead.host_ms[kind] * slower)
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
     duration = _picoseconds(duration)
-    held = duration + _picoseconds(overhead.host_ms)[kind]  # what each row keeps its device from its next row
+    held = duration + host_ps  # what each row keeps its device from its next row
 
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipesim.calibrate.runtime import RuntimeProbeError, host_times, runtime_terms
+from pipesim.calibrate.runtime import RuntimeProbeError, host_times, runtime_terms, warmup_factors
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_overhead, profile_scenario
 from pipesim.profiles.schema import (
@@ -29,7 +29,7 @@ from pipesim.profiles.schema import (
 )
 from pipesim.schedules import KIND_CODE, KINDS, METHODS, NUM_COMPUTE_KINDS, Kind, lower
 from pipesim.sim import Cluster, Costs, simulate
-from pipesim.sim.costs import RowOverhead, StageCosts
+from pipesim.sim.costs import CostError, RowOverhead, StageCosts
 from pipesim.traces import summarize
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Counter, Ops, Stream, Trace, TraceError, TraceMeta, write_trace
@@ -113,6 +113,21 @@ def test_a_kept_gradient_adds_one_gradient_from_the_second_mini_batch_on():
     assert [extra_at(ms) for ms in (5.0, 6.6, 9.0, 12.9, 13.1, 30.0)] == [0, 0, param, param, 0, 0]
 
 
+def test_a_fresh_ranks_first_mini_batches_take_their_warm_up_factor_rows_and_host_time_alike():
+    # GPipe on one device, m = 4: mini-batch 0 at 3x, 1 at 1.5x, the rest steady; per mini-batch 4 F (1.1 ms,
+    # then 0.01 ms), 4 B (2.2 ms, 0.02 ms) and one OPT (0.8 ms, 0.03 ms): 13.75 ms at steady pace.
+    row = overhead({"F": 0.1, "B": 0.2, "OPT": 0.3}, {"F": 0.01, "B": 0.02, "OPT": 0.03})
+    trace = one_device("gpipe", 4, 4, row=replace(row, warmup=(3.0, 1.5)))
+    assert durations(trace, "F") == pytest.approx([3.3] * 4 + [1.65] * 4 + [1.1] * 8)
+    assert durations(trace, "OPT") == pytest.approx([2.4, 1.2, 0.8, 0.8])
+    steady = 4 * 1.11 + 4 * 2.22 + 0.83
+    assert summarize(trace).makespan_ms == pytest.approx((3.0 + 1.5 + 1 + 1) * steady - 0.03)
+    # from mini-batch 0's last row's end (its update's gap, at 3x, still to come) to mini-batch 3's
+    assert summarize(trace).time_per_minibatch_ms == pytest.approx(((1.5 + 1 + 1) * steady + 3 * 0.03 - 0.03) / 3)
+    with pytest.raises(CostError, match="warm-up factors must be finite numbers from 1"):
+        RowOverhead(warmup=(0.5,))
+
+
 @pytest.mark.parametrize("window, held_mib", [(0, [0, 1, 1, 1, 1, 0]), (2, [2, 3, 3, 2, 1, 0])])
 def test_a_posted_receive_holds_its_buffer_from_its_posting(window, held_mib):
     # GPipe, 2 devices, m = 4, F 1 ms, 1 MiB per activation, transfers 0.5 ms: device 1's receives arrive at
@@ -143,11 +158,12 @@ def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
 
 
 def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float,
-                window: int = 2) -> Trace:
+                window: int = 2, warmup: tuple[float, ...] = ()) -> Trace:
     """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
     the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms`, a RECV
-    waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows; after an update a device
-    holds its weights, `kept` gradients and the buffers of its next `window` receives, posted ahead."""
+    waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, all but a RECV `warmup[b]`
+    times as long in mini-batch b; after an update a device holds its weights, `kept` gradients and the buffers
+    of its next `window` receives, posted ahead."""
     own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
     programs = {d: [(kind, d, j, b) for b in range(3) for kind, j in order] for d, order in (
         (0, [("F", 0), ("SEND_F", 0), ("F", 1), ("SEND_F", 1), ("RECV_B", 0), ("B", 0), ("RECV_B", 1), ("I", 1),
@@ -173,12 +189,14 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                     ms = s.steps["sgd"].step.median_ms + extra[kind]
                 else:
                     ms = getattr(s, own[kind]) + extra[kind]
+                slower = warmup[b] if b < len(warmup) else 1.0
+                ms, gap = (ms, gap_ms * slower) if kind.startswith("RECV") else (ms * slower, gap_ms * slower)
                 rows.append((d, kind, stage, j, b, 1 - d if "_" in kind else -1, clock[d] * 1e3, ms * 1e3))
                 # after an update: weights, kept gradients and the next `window` receives (2 a mini-batch) posted
                 posted = min(window, 2 * (2 - b)) * probe.stages[0].output_bytes
                 memory[d].append(((clock[d] + ms) * 1e3, s.param_bytes + kept * s.grad_bytes + posted if kind == "OPT"
                                   else 10 * s.param_bytes))
-                clock[d] += ms + gap_ms
+                clock[d] += ms + gap
                 at[d] += 1
     kinds = tuple(k.value for k in KINDS)
     table = list(zip(*rows))
@@ -220,6 +238,20 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
     assert both.send_ms.median_ms == pytest.approx(0.3)
     assert both.compute_ms == terms.compute_ms and both.recv_ms == terms.recv_ms
     assert both.delivery_ms == terms.delivery_ms and both.kept_gradients == terms.kept_gradients
+    assert both.warmup == [1.0]  # its first mini-batch ran as the rest: nothing to price
+
+
+def test_calibration_reads_a_fresh_ranks_warm_up_off_the_calibrated_models_run():
+    # Mini-batch 0 of three ran 2.5x as long, rows and host time alike (the rest is steady: the first half of
+    # the run is priced against the second); receives that waited for a slower peer are not the device's time.
+    probe = load_profile(PROFILE)
+    extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
+    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0, warmup=(2.5,))
+    assert warmup_factors([trace]) == pytest.approx([2.5], abs=1e-4)
+    terms = host_times(runtime_terms([trace], probe, {"boundary_bytes": 4096}), [trace])
+    assert profile_overhead(terms).warmup == pytest.approx((2.5,), abs=1e-4)
+    # a first mini-batch that ran faster than the rest is noise, priced as steady
+    assert warmup_factors([probe_trace(probe, extra, 0.04, 0.12, 0.02, 1.0, warmup=(0.8,))]) == [1.0]
 
 
 # ------------------------------------------------------------------------------- the run's own conditions
