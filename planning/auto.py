@@ -20,7 +20,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,7 +35,12 @@ _F, _I, _W, _B = range(4)  # op codes of a pattern
 _KIND = (Kind.F, Kind.I, Kind.W, Kind.B)
 _STEADY = 2  # mini-batches timed: the second shows the steady state of a flushing order (`steady_minibatches`)
 _FIXED = ("1f1b", "zb-h1", "zb-h2", "gpipe")  # fixed orders the search starts from, where they fit
-_IN_FLIGHT = (1.0, 1.5, 2.0, 3.0, math.inf)  # micro-batches a stage may hold, as multiples of 1F1B's p - k
+# The list scheduler's variants, most often best first: (micro-batches a stage may hold between F and I, as a
+# multiple of 1F1B's p - k; W's it keeps for the end of the mini-batch, as a multiple of what fills its wait there).
+_GRID = ((2.0, 1.0), (1.0, 0.5), (1.5, 1.0), (2.0, 0.0), (math.inf, 1.0), (1.0, 0.0), (1.5, 0.5), (2.0, 0.5),
+         (3.0, 1.0), (math.inf, 0.0), (1.0, 1.0), (1.5, 0.0), (2.0, math.inf), (math.inf, math.inf))
+DEFAULT_SECONDS = 0.5  # search budget unless --search-seconds says otherwise
+_OPS_PER_SECOND = 400_000  # ops scheduled or timed per second of budget (this machine, one core, loaded)
 
 
 
@@ -80,7 +85,8 @@ def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster,
                             f"must be 1 (got {params.chunks} and {params.pipelines})")
     frame = schedule_frame(params)
     times = stage_times(params, costs, links, memory_bytes, static_bytes(frame, costs))
-    pattern = best_pattern(times)
+    budget = params.search_seconds if params.search_seconds is not None else DEFAULT_SECONDS
+    pattern = best_pattern(times, budget)
     return _schedule(params, _merge_backward(pattern, times))
 
 
@@ -140,24 +146,81 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
                       tuple(limit.tolist()), m)
 
 
-def best_pattern(times: StageTimes) -> Pattern:
+def best_pattern(times: StageTimes, budget_seconds: float = DEFAULT_SECONDS) -> Pattern:
     """The candidate with the shortest steady-state time per mini-batch (then the shortest first mini-batch,
-    then the first tried) among the fixed orders that fit and the greedy scheduler's variants."""
-    candidates = [*_fixed_patterns(times), *(_greedy(times, multiple, lazy) for multiple in _IN_FLIGHT
-                                             for lazy in (False, True))]
-    best, best_key = None, None
-    for pattern in candidates:
-        if pattern is None or not fits(pattern, times):
-            continue
-        done = finish_ms(pattern, times, _STEADY)
-        if done is None:
-            continue
-        key = (round(done[1] - done[0], 9), round(done[0], 9))
-        if best_key is None or key < best_key:
-            best, best_key = pattern, key
-    if best is None:  # cannot happen: one micro-batch at a time always fits (checked by `stage_times`)
+    then the first tried): the fixed orders that fit (always timed), then the list scheduler's variants in
+    `_GRID` order, then a local search over its per-stage knobs, for as long as the budget lasts. The budget is
+    counted in ops scheduled and timed at a rate fixed in `_OPS_PER_SECOND`, not on the clock, so the same inputs
+    give the same schedule on any machine, loaded or not."""
+    search = _Search(times, round(budget_seconds * _OPS_PER_SECOND))
+    for pattern in _fixed_patterns(times):
+        search.consider(pattern, None)
+    for in_flight, reserve in _GRID:
+        if not search.affords():
+            break
+        search.knobs(Knobs.scaled(times, in_flight, reserve))
+    search.improve()
+    if search.best is None:  # cannot happen: one micro-batch at a time always fits (checked by `stage_times`)
         raise ScheduleError(f"{METHOD}: no order fits the activation limit")
-    return best
+    return search.best
+
+
+class _Search:
+    """The best pattern so far, the knobs tried and the budget left (in ops)."""
+
+    def __init__(self, times: StageTimes, budget_ops: int) -> None:
+        self.times = times
+        self.budget_ops = budget_ops
+        self.cost_ops = 3 * times.stages * times.microbatches * _STEADY  # one pass over two mini-batches' ops
+        self.best: Pattern | None = None
+        self.best_key: tuple[float, float] | None = None
+        self.best_knobs: Knobs | None = None
+        self.tried: set[Knobs] = set()
+
+    def affords(self) -> bool:
+        return self.budget_ops >= 2 * self.cost_ops
+
+    def consider(self, pattern: Pattern | None, knobs: Knobs | None) -> bool:
+        """Time `pattern` (if it fits) and keep it if it beats the best; whether it did."""
+        self.budget_ops -= self.cost_ops
+        if pattern is None or not fits(pattern, self.times):
+            return False
+        done = finish_ms(pattern, self.times, _STEADY)
+        if done is None:
+            return False
+        key = (round(done[1] - done[0], 9), round(done[0], 9))
+        if self.best_key is not None and key >= self.best_key:
+            return False
+        self.best, self.best_key = pattern, key
+        if knobs is not None:
+            self.best_knobs = knobs
+        return True
+
+    def knobs(self, knobs: Knobs) -> bool:
+        """Run the list scheduler with `knobs` (once) and consider its pattern."""
+        if knobs in self.tried:
+            return False
+        self.tried.add(knobs)
+        self.budget_ops -= self.cost_ops
+        return self.consider(_greedy(self.times, knobs), knobs)
+
+    def improve(self) -> None:
+        """Coordinate descent from the best knobs: one stage's in-flight cap or W reserve one up or down, the
+        first change that shortens the step kept, until none does or the budget is spent."""
+        m = self.times.microbatches
+        improved = self.best_knobs is not None
+        while improved:
+            improved = False
+            for k in range(self.times.stages):
+                for field, delta in (("reserve", 1), ("reserve", -1), ("in_flight", 1), ("in_flight", -1)):
+                    if not self.affords():
+                        return
+                    values = list(getattr(self.best_knobs, field))
+                    values[k] += delta
+                    if not (0 if field == "reserve" else 1) <= values[k] <= m:
+                        continue
+                    if self.knobs(replace(self.best_knobs, **{field: tuple(values)})):
+                        improved = True
 
 
 def _fixed_patterns(times: StageTimes) -> list[Pattern | None]:
@@ -201,169 +264,196 @@ def finish_ms(pattern: Pattern, times: StageTimes, minibatches: int) -> list[flo
     contention: a device's ops run in order, each as soon as the device is free and its inputs have arrived."""
     p, m = times.stages, times.microbatches
     units = m * minibatches
-    ends = [[-1.0] * units for _ in range(2 * p)]  # ends[k]: F of stage k; ends[p + k]: I or B of stage k
-    waiting: dict[int, int] = {}  # (producer row of `ends`) * units + unit -> the device waiting for it
+    ends = [-1.0] * (2 * p * units)  # at k·units + u: F of stage k; at (p + k)·units + u: I or B of stage k
+    waiting: dict[int, int] = {}  # the index in `ends` a device waits for -> that device
+    steps = [_steps(pattern[k], k, times, units) for k in range(p)]
     position, clock = [0] * p, [0.0] * p
     done = [0.0] * minibatches
     ready = deque(range(p))
     while ready:
         k = ready.popleft()
-        ops, durations, length = pattern[k], times.op_ms[k].tolist(), len(pattern[k]) + 1
-        i, now = position[k], clock[k]
-        while i < length * minibatches:
-            b, r = divmod(i, length)
-            if r == length - 1:
-                now += times.opt_ms[k]
-            else:
-                code, j = ops[r]
-                u = b * m + j
-                if code == _F and k:
-                    source, delay = k - 1, times.send_ms[k - 1]
-                elif code in (_I, _B) and k < p - 1:
-                    source, delay = p + k + 1, times.grad_ms[k]
-                else:
-                    source = -1
-                if source >= 0:
-                    arrived = ends[source][u]
-                    if arrived < 0:
-                        waiting[source * units + u] = k
-                        break
-                    now = max(now, arrived + delay)
-                now += durations[code]
-                if code != _W:
-                    row = k if code == _F else p + k
-                    ends[row][u] = now
-                    woken = waiting.pop(row * units + u, None)
-                    if woken is not None:
-                        ready.append(woken)
-            done[b] = max(done[b], now)
-            i += 1
-        position[k], clock[k] = i, now
+        ops, opt_ms = steps[k], times.opt_ms[k]
+        length = len(ops)
+        b, r = divmod(position[k], length + 1)
+        now = clock[k]
+        while b < minibatches:
+            if r == length:
+                now += opt_ms
+                done[b] = max(done[b], now)
+                b, r = b + 1, 0
+                continue
+            duration, source, delay, output, j = ops[r]
+            u = b * m + j
+            if source >= 0:
+                arrived = ends[source + u]
+                if arrived < 0:
+                    waiting[source + u] = k
+                    break
+                if arrived + delay > now:
+                    now = arrived + delay
+            now += duration
+            if output >= 0:
+                ends[output + u] = now
+                woken = waiting.pop(output + u, None)
+                if woken is not None:
+                    ready.append(woken)
+            r += 1
+        position[k], clock[k] = b * (length + 1) + r, now
     if any(i < (len(ops) + 1) * minibatches for i, ops in zip(position, pattern)):
         return None
     return done
 
 
-def _greedy(times: StageTimes, multiple: float, lazy: bool) -> Pattern | None:
+def _steps(ops: Sequence[tuple[int, int]], k: int, times: StageTimes, units: int) -> list[tuple]:
+    """Stage k's pattern as `finish_ms` walks it: per op its ms, where in `ends` the output it waits for starts
+    (-1: its own device's order suffices) and the transfer after it, where the end times it writes start (-1:
+    nothing waits for them), and its micro-batch."""
+    p = times.stages
+    durations = times.op_ms[k].tolist()
+    steps = []
+    for code, j in ops:
+        source, delay, output = -1, 0.0, -1
+        if code == _F:
+            output = k * units if k < p - 1 else -1
+            if k:
+                source, delay = (k - 1) * units, times.send_ms[k - 1]
+        elif code != _W:
+            output = (p + k) * units if k else -1
+            if k < p - 1:
+                source, delay = (p + k + 1) * units, times.grad_ms[k]
+        steps.append((durations[code], source, delay, output, j))
+    return steps
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The list scheduler's choices per stage k: `in_flight[k]`, the most micro-batches it holds between F and I
+    (besides what its memory allows); `reserve[k]`, the W's it keeps for the end of the mini-batch, where the
+    next mini-batch's forwards have yet to arrive (a W fills an earlier gap only beyond these, or when memory
+    needs it)."""
+
+    in_flight: tuple[int, ...]
+    reserve: tuple[int, ...]
+
+    @classmethod
+    def scaled(cls, times: StageTimes, in_flight: float, reserve: float) -> Knobs:
+        """`in_flight` × 1F1B's p − k micro-batches; `reserve` × the W's that fill the time stage k waits for the
+        next mini-batch's first forward after its own last I (k hops of F, I and two transfers after the first
+        stage's)."""
+        p, m = times.stages, times.microbatches
+        ops = times.op_ms
+        hops = np.concatenate([[0.0], np.cumsum([ops[k][_F] + ops[k][_I] + times.send_ms[k - 1] + times.grad_ms[
+            k - 1] for k in range(1, p)])])
+        wait = [hops[k] / max(ops[k][_W], 1e-9) for k in range(p)]
+        return cls(tuple(max(1, min(m, math.ceil(in_flight * (p - k)))) if math.isfinite(in_flight) else m
+                         for k in range(p)),
+                   tuple(min(m, round(reserve * wait[k])) if math.isfinite(reserve) else m for k in range(p)))
+
+
+def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
     """The list scheduler's pattern: `_STEADY` mini-batches scheduled one after another, each device deciding
-    whenever it is free; the last mini-batch's order (the steady one) is the pattern. A stage holds at most
-    `multiple` × (p − k) micro-batches between F and I (and what its memory allows); `lazy` W's wait for the
-    end of the mini-batch (where the next one's forwards have yet to arrive) unless memory needs them sooner,
-    else every W fills the first gap."""
-    p, m = times.stages, times.microbatches
-    cap = [max(1, min(m, math.ceil(multiple * (p - k)) if math.isfinite(multiple) else m)) for k in range(p)]
-    n = _STEADY
+    whenever it is free (devices in time order, through a heap); the last mini-batch's order (the steady one)
+    is the pattern. None where the knobs leave a device nothing it can ever run."""
+    p, m, n = times.stages, times.microbatches, _STEADY
+    cap, reserve = knobs.in_flight, knobs.reserve
+    held, kept, limit = times.held_bytes, times.kept_bytes, [x + 1e-9 for x in times.limit_bytes]
+    send = [*times.send_ms, 0.0]  # send[k]: stage k to k + 1
+    grad = [*times.grad_ms, 0.0]  # grad[k]: stage k + 1 back to k
+    durations = times.op_ms.tolist()
     units = m * n
-    ends = [[-1.0] * units for _ in range(2 * p)]
-    waiting: dict[int, list[int]] = {}
+    forward_end = [[-1.0] * units for _ in range(p + 1)]  # [k + 1][u]: F of stage k; [0]: the input, at once
+    forward_end[0] = [0.0] * units
+    backward_end = [[-1.0] * units for _ in range(p + 1)]  # [k][u]: I of stage k; [p]: the loss, at once
+    backward_end[p] = [0.0] * units
+    waiting: dict[tuple[int, int, int], list[int]] = {}  # (0: F / 1: I, stage, unit) -> devices waiting on it
     minibatch, forwards, backwards = [0] * p, [0] * p, [0] * p
     pending: list[deque[int]] = [deque() for _ in range(p)]
     memory, clock = [0.0] * p, [0.0] * p
-    token = [0] * p  # a device's live heap entry; older ones are stale
-    due = [0.0] * p  # when its live entry is due
-    asleep = [False] * p
+    token, due, asleep = [0] * p, [0.0] * p, [False] * p  # a device's live heap entry and when it is due
     recorded: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     heap = [(0.0, k, 0) for k in range(p)]
-    durations = times.op_ms.tolist()
+    finished = 0
 
-    def push(k: int, at: float) -> None:
-        token[k] += 1
-        due[k] = at
-        heapq.heappush(heap, (at, k, token[k]))
-
-    def wake(row: int, u: int, at: float) -> None:
-        """Devices waiting for this output: due no later than its arrival."""
-        for d in waiting.pop(row * units + u, ()):
+    def wake(key: tuple[int, int, int], at: float) -> None:
+        for d in waiting.pop(key, ()):
             at_d = max(clock[d], at)
             if asleep[d] or at_d < due[d]:
                 asleep[d] = False
-                push(d, at_d)
+                token[d] += 1
+                due[d] = at_d
+                heapq.heappush(heap, (at_d, d, token[d]))
 
-    def run(k: int, code: int, j: int, start: float) -> None:
-        b = minibatch[k]
-        end = start + durations[k][code]
-        clock[k] = end
-        if b == n - 1:
-            recorded[k].append((code, j))
-        u = b * m + j
-        if code == _F:
-            memory[k] += times.held_bytes[k]
-            forwards[k] += 1
-            ends[k][u] = end
-            if k < p - 1:
-                wake(k, u, end + times.send_ms[k])
-        elif code == _I:
-            memory[k] -= times.held_bytes[k] - times.kept_bytes[k]
-            backwards[k] += 1
-            pending[k].append(j)
-            ends[p + k][u] = end
-            if k:
-                wake(p + k, u, end + times.grad_ms[k - 1])
-        else:
-            memory[k] -= times.kept_bytes[k]
-
-    finished = 0
     while heap:
         now, k, live = heapq.heappop(heap)
-        if live != token[k] or minibatch[k] == n:
+        if live != token[k]:
             continue
-        now = max(now, clock[k])
-        b, f, i = minibatch[k], forwards[k], backwards[k]
-        if i == m and not pending[k]:
-            clock[k] = now + times.opt_ms[k]
-            minibatch[k] += 1
-            forwards[k] = backwards[k] = 0
-            if minibatch[k] == n:
-                finished += 1
+        while True:  # device k decides at `now`, and again at once while no other device is due before it
+            b, f, i = minibatch[k], forwards[k], backwards[k]
+            if i == m and not pending[k]:
+                now += times.opt_ms[k]
+                minibatch[k] += 1
+                forwards[k] = backwards[k] = 0
+                if minibatch[k] == n:
+                    finished += 1
+                    break
             else:
-                push(k, clock[k])
-            continue
-        known: list[float] = []
-        wait_keys: list[tuple[int, int]] = []
-        i_at = None
-        if i < f:
-            if k == p - 1:
-                i_at = now
-            else:
-                arrived = ends[p + k + 1][b * m + i]
-                if arrived >= 0:
-                    i_at = arrived + times.grad_ms[k]
+                base = b * m
+                i_at = f_at = None
+                if i < f:
+                    arrived = backward_end[k + 1][base + i]
+                    if arrived >= 0:
+                        i_at = arrived + grad[k]
+                room = memory[k] + held[k] <= limit[k]
+                if f < m and f - i < cap[k]:
+                    arrived = forward_end[k][base + f]
+                    if arrived >= 0:
+                        f_at = arrived + (send[k - 1] if k else 0.0)
+                if i_at is not None and i_at <= now:
+                    code, j = _I, i
+                elif f_at is not None and f_at <= now and room:
+                    code, j = _F, f
+                elif pending[k] and (len(pending[k]) > reserve[k] or i == f == m
+                                     or (f_at is not None and f_at <= now)):
+                    code, j = _W, pending[k].popleft()
+                else:  # wait: for an input whose arrival is known, or for one not yet sent
+                    known = [t for t in (i_at, f_at) if t is not None and t > now]  # no room: W, to free it
+                    if i < f and i_at is None:
+                        waiting.setdefault((1, k + 1, base + i), []).append(k)
+                    if f < m and f - i < cap[k] and f_at is None:
+                        waiting.setdefault((0, k, base + f), []).append(k)
+                    elif not known and not (i < f and i_at is None):
+                        return None
+                    clock[k] = now
+                    token[k] += 1
+                    if known:
+                        due[k] = min(known)
+                        heapq.heappush(heap, (due[k], k, token[k]))
+                    else:
+                        asleep[k] = True
+                    break
+                now += durations[k][code]
+                if b == n - 1:
+                    recorded[k].append((code, j))
+                u = base + j
+                if code == _F:
+                    memory[k] += held[k]
+                    forwards[k] += 1
+                    forward_end[k + 1][u] = now
+                    wake((0, k + 1, u), now + send[k])
+                elif code == _I:
+                    memory[k] -= held[k] - kept[k]
+                    backwards[k] += 1
+                    pending[k].append(j)
+                    backward_end[k][u] = now
+                    wake((1, k, u), now + grad[k - 1] if k else now)
                 else:
-                    wait_keys.append((p + k + 1, b * m + i))
-        f_at = None
-        room = memory[k] + times.held_bytes[k] <= times.limit_bytes[k] + 1e-9
-        if f < m and f - i < cap[k]:
-            if k == 0:
-                f_at = now
-            else:
-                arrived = ends[k - 1][b * m + f]
-                if arrived >= 0:
-                    f_at = arrived + times.send_ms[k - 1]
-                else:
-                    wait_keys.append((k - 1, b * m + f))
-        if i_at is not None and i_at <= now:
-            run(k, _I, i, now)
-        elif f_at is not None and f_at <= now and room:
-            run(k, _F, f, now)
-        elif pending[k] and (not lazy or i == f == m or (f_at is not None and f_at <= now and not room)):
-            run(k, _W, pending[k].popleft(), now)
-        else:
-            if i_at is not None:
-                known.append(i_at)
-            if f_at is not None and room:
-                known.append(f_at)
-            if not known and not wait_keys:
-                return None  # nothing can ever run here: the knobs deadlock it
-            for row, u in wait_keys:
-                waiting.setdefault(row * units + u, []).append(k)
+                    memory[k] -= kept[k]
             clock[k] = now
-            if known:
-                push(k, min(known))
-            else:
+            if heap and heap[0][0] <= now:
                 token[k] += 1
-                asleep[k] = True
-            continue
-        push(k, clock[k])
+                due[k] = now
+                heapq.heappush(heap, (now, k, token[k]))
+                break
     if finished < p:
         return None
     return tuple(tuple(ops) for ops in recorded)
