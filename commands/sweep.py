@@ -15,12 +15,14 @@ from .common import (
     HeldOptimizer,
     InputError,
     MicrobatchSize,
+    SearchSeconds,
     WgradFraction,
     check_writable,
     fail,
     progress,
     require,
     scenario_from_flags,
+    search_options,
     stdout,
     write_error,
 )
@@ -44,6 +46,12 @@ def sweep(
         "--prediction", help="Sources of the prediction distance s, comma-separated: paper, code, counted; only "
                              "spectrain, pipeoptim and xpipe read them, and a method skips a source it records no "
                              "form from (default: each method's primary source).")] = None,
+    activation_limit: Annotated[str | None, typer.Option(
+        "--activation-limit", metavar="R[,R...]", help="auto's activation limits R, comma-separated: the peak "
+                                                       "activation memory any device may hold, as a multiple of what "
+                                                       "1F1B holds on its first device (default: 1); only auto reads "
+                                                       "them.")] = None,
+    search_seconds: SearchSeconds = None,
     cost_scale: Annotated[str | None, typer.Option(
         "--cost-scale", help="Factors on every compute time, comma-separated: a faster or slower accelerator on the "
                              "same links (default: 1).")] = None,
@@ -117,6 +125,9 @@ def sweep(
             require(f"--ray {ray}", "ray")
         if ray is not None and workers is not None:
             raise InputError("--workers sizes the local process pool, --ray runs on the cluster's CPUs: give one")
+        search = search_options(None, search_seconds)
+        for limit in (activation_limit or "").split(",") if activation_limit is not None else ():
+            search_options(limit.strip(), None)  # each R as simulate checks its one
         axes = load_grid(grid) if grid is not None else {}
         for key in AXES:
             text = ctx.params[key.replace("-", "_")]
@@ -133,10 +144,14 @@ def sweep(
             axes.get("schedule", tuple(METHODS)),
             axes.get("stages", (scenario.measured.partition.stages if scenario.measured else 4,)),
             axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
-            axes.get("cost-scale", (1.0,)), axes.get("prediction")).configs()
+            axes.get("cost-scale", (1.0,)), axes.get("prediction"), axes.get("activation-limit"),
+            search["search_seconds"]).configs()
         results = [None] * len(configs)
         for i, result in progress(run(scenario, configs, workers or os.cpu_count() or 1, ray), False, len(configs)):
             results[i] = result
+        refused = _limit_refused(results)
+        if refused:
+            raise InputError(refused)
         front = pareto_front(results)
         if out is not None:
             write_results(results, out)
@@ -156,6 +171,16 @@ def sweep(
             stdout.print(f"wrote {path}", highlight=False)
 
 
+def _limit_refused(results: list) -> str | None:
+    """The reason, if an activation limit leaves less than one micro-batch of activations in every configuration
+    searched with it: a flag value no configuration can use (where only some cannot, those are skipped rows)."""
+    by_limit: dict[float, list] = {}
+    for r in results:
+        if r.config.activation_limit is not None:
+            by_limit.setdefault(r.config.activation_limit, []).append(r)
+    return next((rows[0].reason for rows in by_limit.values() if all(r.limit_refused for r in rows)), None)
+
+
 FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html have them all
 
 
@@ -170,7 +195,7 @@ def _print_front(results: list, front: list[int]) -> None:
                   caption=f"and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                   if len(front) > FRONT_ROWS else None, caption_justify="left")
     table.add_column("schedule", no_wrap=True)
-    for header in ("p", "m", "v", "P", "cost×", "s", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
+    for header in ("p", "m", "v", "P", "cost×", "s", "R", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
         table.add_column(header, justify="right", no_wrap=True)
     group = None
     for i in front[:FRONT_ROWS]:
@@ -179,8 +204,9 @@ def _print_front(results: list, front: list[int]) -> None:
             table.add_section()
         group = front_group(c)
         table.add_row(c.schedule, str(c.stages), str(c.microbatches), str(c.chunks), str(c.pipelines),
-                      f"{c.cost_scale:g}", c.prediction or "-", f"{m.time_per_minibatch_ms:.3f}",
-                      f"{m.samples_per_s:,.1f}", f"{m.bubble_fraction:.1%}", f"{m.peak_memory_mb:,.0f}",
-                      str(m.max_staleness))
+                      f"{c.cost_scale:g}", c.prediction or "-",
+                      "-" if c.activation_limit is None else f"{c.activation_limit:g}",
+                      f"{m.time_per_minibatch_ms:.3f}", f"{m.samples_per_s:,.1f}", f"{m.bubble_fraction:.1%}",
+                      f"{m.peak_memory_mb:,.0f}", str(m.max_staleness))
     stdout.print(table)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,7 @@ class Scenario:
     dag: tuple | None = None  # --graph: (StageGraph, placement)
     per: str = "stage"  # what --fwd, --bwd, --param-mb, --activation-mb describe: see `costs`
     source: Path | None = None  # the schedule file, named in errors
+    cost_scale: float = 1.0  # `sweep --cost-scale`: every compute time x this (a faster or slower accelerator)
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None) -> Schedule:
         """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
@@ -75,7 +76,12 @@ class Scenario:
           gives each device's share, split likewise; a list of p·v values gives each model stage's cost.
         - "stage": one number, or one per model stage, as given.
         - "model" (`sweep`, where the stage count varies too): the whole model's, split over all stages.
+
+        Compute times are then scaled by `cost_scale`.
         """
+        return scaled(self._costs(sched, bounds), self.cost_scale)
+
+    def _costs(self, sched: Schedule, bounds: Sequence[int] | None) -> Costs:
         n = sched.num_stages
         if self.measured is not None:
             cut = list(bounds) if bounds is not None else profile_bounds(self.measured, n)
@@ -137,6 +143,17 @@ class Scenario:
         if self.measured is not None and self.measured.link:
             return profile_cluster(self.measured, sched.num_devices, self.overlap_comm)
         return Cluster.uniform(sched.num_devices, self.comm_ms, overlap_comm=self.overlap_comm)
+
+
+def scaled(costs: Costs, factor: float) -> Costs:
+    """Every compute time (the stages' `*_ms` costs) x factor, transfers and memory as they are: the same
+    model on a faster or slower accelerator over the same network."""
+    if factor == 1.0:
+        return costs
+    return replace(costs, stages=tuple(
+        replace(c, **{f.name: getattr(c, f.name) * factor for f in fields(c)
+                      if f.name.endswith("_ms") and getattr(c, f.name) is not None})
+        for c in costs.stages))
 
 
 def allowed_lengths(flag: str, per: str, devices: int, stages: int) -> str:

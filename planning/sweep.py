@@ -1,6 +1,6 @@
 """Sweeps: one simulation per point of a grid (methods × p × m × v × P × cost scale × source of the prediction
-distance s), run in worker processes or as Ray tasks, and the Pareto fronts of the results over time per
-mini-batch, peak memory and staleness.
+distance s × auto's activation limit R), run in worker processes or as Ray tasks, and the Pareto fronts of the
+results over time per mini-batch, peak memory and staleness.
 
 A configuration a method cannot run is a result too (status "skipped", with the reason), so a grid never
 fails half-way. What each simulation needs besides its shape (costs, links, a stage DAG) comes from a
@@ -26,12 +26,15 @@ import numpy as np
 from ..schedules import METHODS, ScheduleError, ScheduleParams
 from ..schedules.ir import PREDICTION_SOURCES
 from ..sim.cluster import ClusterError
-from ..sim.costs import CostError, Costs
+from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
 from ..traces import summarize, write_atomic
+from .auto import ActivationLimitError
 from .scenario import Scenario
 
-AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale", "prediction")  # flags, TOML keys
+AXES = ("schedule", "stages", "microbatches", "chunks", "pipelines", "cost-scale", "prediction",
+        "activation-limit")  # flags, TOML keys
+POSITIVE_AXES = ("cost-scale", "activation-limit")  # finite numbers > 0
 OBJECTIVES = ("time_per_minibatch_ms", "peak_memory_mb", "max_staleness")  # all minimised
 MAX_CHUNK = 32  # configurations per task: ~0.1 s of work at the example's scale, so a task's overhead is noise
 
@@ -43,7 +46,9 @@ class GridError(ValueError):
 @dataclass(frozen=True)
 class Config:
     """One point of the grid: the inputs of one simulation. `prediction`: the source of a predicting method's
-    distances s (None: the method's primary source, or no prediction); a result names the source used."""
+    distances s (None: the method's primary source, or no prediction); a result names the source used.
+    `activation_limit` (R) and `search_seconds`: a searched method's (auto) limit and budget (None: its
+    defaults, or not searched)."""
 
     schedule: str
     stages: int
@@ -53,11 +58,14 @@ class Config:
     pipelines: int
     cost_scale: float
     prediction: str | None = None
+    activation_limit: float | None = None
+    search_seconds: float | None = None
 
     @property
     def label(self) -> str:
         return (f"{self.schedule} p={self.stages} m={self.microbatches} v={self.chunks} P={self.pipelines} "
-                f"cost×{self.cost_scale:g}" + (f" s: {self.prediction}" if self.prediction else ""))
+                f"cost×{self.cost_scale:g}" + (f" s: {self.prediction}" if self.prediction else "")
+                + (f" R={self.activation_limit:g}" if self.activation_limit is not None else ""))
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class Result:
     config: Config
     metrics: Metrics | None = None  # None: the configuration was skipped
     reason: str = ""
+    limit_refused: bool = False  # skipped: its activation limit R leaves a device less than one micro-batch
 
     @property
     def status(self) -> str:
@@ -89,15 +98,15 @@ class Result:
 
 # The columns of the results file and their types (for Parquet's schema and for readers of the CSV).
 COLUMNS: dict[str, type] = {
-    **{f.name: {"str": str, "str | None": str, "int": int, "float": float}[f.type]
+    **{f.name: {"str": str, "str | None": str, "int": int, "float": float, "float | None": float}[f.type]
        for f in (*fields(Config), *fields(Metrics))},
     "status": str, "reason": str,
 }
 
 
 def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
-    """Axis `key`, checked: known method names or sources of s, whole numbers >= 1, or cost scales > 0; each
-    value once. `label` names where the values came from in errors."""
+    """Axis `key`, checked: known method names or sources of s, whole numbers >= 1, or cost scales and
+    activation limits > 0; each value once. `label` names where the values came from in errors."""
     if not values:
         raise GridError(f"{label}: give at least one value")
     if key in ("schedule", "prediction"):
@@ -105,7 +114,7 @@ def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
         unknown = [v for v in values if not isinstance(v, str) or v not in known]
         if unknown:
             raise GridError(f"{label}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
-    elif key == "cost-scale":
+    elif key in POSITIVE_AXES:
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
         if bad:
             raise GridError(f"{label}: values must be finite numbers > 0 (got {bad[0]!r})")
@@ -124,7 +133,7 @@ def parse_axis(key: str, text: str) -> tuple:
     """A flag's comma-separated list, e.g. `--stages 4,8` or `--schedule 1f1b,zb-h1`."""
     parts = [part.strip() for part in text.split(",")]
     if key not in ("schedule", "prediction"):
-        convert, what = (float, "numbers") if key == "cost-scale" else (int, "whole numbers")
+        convert, what = (float, "numbers") if key in POSITIVE_AXES else (int, "whole numbers")
         try:
             parts = [convert(part) for part in parts]
         except ValueError:
@@ -155,7 +164,8 @@ def load_grid(path: Path) -> dict[str, tuple]:
 
 @dataclass(frozen=True)
 class Grid:
-    """The axes of a sweep. `chunks`, `pipelines` and `predictions` (sources of s) None: each method's default."""
+    """The axes of a sweep. `chunks`, `pipelines`, `predictions` (sources of s) and `activation_limits` (auto's
+    R) None: each method's default; `search_seconds`: auto's search budget (None: its default)."""
 
     schedules: tuple[str, ...]
     stages: tuple[int, ...]
@@ -165,11 +175,13 @@ class Grid:
     pipelines: tuple[int, ...] | None = None
     cost_scales: tuple[float, ...] = (1.0,)
     predictions: tuple[str, ...] | None = None
+    activation_limits: tuple[float, ...] | None = None
+    search_seconds: float | None = None
 
     def configs(self) -> list[Config]:
-        """Every configuration, method by method. v, P and the source of s multiply only the methods that
-        read them (interleaved and V schedules, AvgPipe, the predicting methods); the others run their default
-        once."""
+        """Every configuration, method by method. v, P, the source of s and R multiply only the methods that
+        read them (interleaved and V schedules, AvgPipe, the predicting methods, auto); the others run their
+        default once."""
         configs = []
         for name in self.schedules:
             method = METHODS[name]
@@ -177,37 +189,30 @@ class Grid:
             chunks = self.chunks if self.chunks and method.reads("chunks") else (own_chunks,)
             pipelines = self.pipelines if self.pipelines and method.reads("pipelines") else (own_pipelines,)
             sources = self.predictions if self.predictions and method.reads("prediction") else (None,)
-            configs += [Config(name, p, m, self.minibatches, v, copies, scale, source)
-                        for p, m, v, copies, scale, source in
-                        product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales, sources)]
+            limits = self.activation_limits if self.activation_limits and method.reads("activation_limit") else (None,)
+            budget = self.search_seconds if method.reads("search_seconds") else None
+            configs += [Config(name, p, m, self.minibatches, v, copies, scale, source, limit, budget)
+                        for p, m, v, copies, scale, source, limit in
+                        product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales, sources, limits)]
         return configs
 
 
-def _scaled(costs: Costs, factor: float) -> Costs:
-    """Every compute time (the stages' `*_ms` costs) × factor, transfers and memory as they are: the same
-    model on a faster or slower accelerator over the same network."""
-    if factor == 1.0:
-        return costs
-    return replace(costs, stages=tuple(
-        replace(c, **{f.name: getattr(c, f.name) * factor for f in fields(c)
-                      if f.name.endswith("_ms") and getattr(c, f.name) is not None})
-        for c in costs.stages))
-
-
 def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
-    """Simulate each configuration; one the method, costs or links cannot describe is skipped with the
-    reason. A result's configuration names the source of s its schedule used (a method's default resolved).
-    The task of worker processes and Ray alike: a chunk of them amortises a task's overhead."""
+    """Simulate each configuration; one the method, costs or links cannot describe (an activation limit R
+    below one micro-batch included) is skipped with the reason. A result's configuration names the source of s
+    its schedule used (a method's default resolved). The task of worker processes and Ray alike: a chunk of
+    them amortises a task's overhead. A searched method (auto) is searched for the scaled costs it runs on."""
     results = []
     for config in configs:
         try:
-            sched = scenario.build(config.schedule, ScheduleParams(
+            scaled = replace(scenario, cost_scale=config.cost_scale)
+            sched = scaled.build(config.schedule, ScheduleParams(
                 config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines,
-                prediction=config.prediction))
-            costs = _scaled(scenario.costs(sched), config.cost_scale)
-            summary = summarize(simulate(sched, costs, scenario.links(sched)))
+                prediction=config.prediction, activation_limit=config.activation_limit,
+                search_seconds=config.search_seconds))
+            summary = summarize(simulate(sched, scaled.costs(sched), scaled.links(sched)))
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
-            results.append(Result(config, reason=str(exc)))
+            results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue
         results.append(Result(replace(config, prediction=sched.params.get("prediction")), Metrics(**{
             f.name: COLUMNS[f.name](getattr(summary, f.name)) for f in fields(Metrics)})))  # plain Python numbers

@@ -80,6 +80,28 @@ def test_rows_equal_single_simulate_runs(tmp_path):
 METRIC_NAMES = [name for name in Metrics.__dataclass_fields__]
 
 
+def test_auto_rows_are_searched_per_limit_and_cost_scale_as_simulate_searches_them(tmp_path):
+    """R multiplies auto alone; each auto row is `simulate -s auto --activation-limit R` on the scaled costs (the
+    search sees the costs it runs on), and R = 2 is at least as fast as R = 1."""
+    assert [c.activation_limit for c in Grid(("auto", "zb-h2"), (4,), (8,), 2, activation_limits=(1.0, 2.0),
+                                              search_seconds=0.5).configs()] == [1.0, 2.0, None]
+    out = tmp_path / "r.csv"
+    code, text, err = pipesim("sweep", "-s", "auto,zb-h2", "-p", "4", "-m", "8", "-n", "2", "--activation-limit",
+                              "1,2", "--cost-scale", "1,3", "--bwd", "10", "-j", "1", "--out", out)
+    assert code == 0, err
+    rows = {(r["schedule"], r["activation_limit"], r["cost_scale"]): r for r in read_csv(out)}
+    assert set(rows) == {(name, limit, scale) for name, limit in (("auto", 1.0), ("auto", 2.0), ("zb-h2", None))
+                         for scale in (1.0, 3.0)}
+    for (name, limit, scale), row in rows.items():
+        (expected,) = simulate_json("-s", name, "-p", 4, "-m", 8, "-n", 2, "--fwd", 1 * scale, "--bwd", 2.5 * scale,
+                                    "--param-mb", 256, "--activation-mb", 64, "--comm", 0.1, "--opt", 0.1 * scale,
+                                    *(["--activation-limit", limit] if limit else []))
+        assert {k: row[k] for k in METRIC_NAMES} == {k: expected[k] for k in METRIC_NAMES}, (name, limit, scale)
+    for scale in (1.0, 3.0):
+        assert rows["auto", 2.0, scale]["time_per_minibatch_ms"] <= rows["auto", 1.0, scale]["time_per_minibatch_ms"]
+    assert " R " in text.splitlines()[3]  # the front's table has the column
+
+
 def dominates(a, b):
     return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
 
@@ -211,6 +233,10 @@ def without(module, monkeypatch):
     (["--ray", "auto", "WITHOUT:ray"], "--ray auto needs ray, which is not installed: pip install 'pipesim[ray]'"),
     (["--workers", "0"], "--workers"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
+    (["-s", "auto", "--activation-limit", "1,x"], "--activation-limit: give one number above 0 (got 'x')"),
+    (["-s", "auto", "--activation-limit", "0.01"], "--activation-limit: device 0: R = 0.01 leaves it"),
+    (["-s", "auto", "--search-seconds", "0"], "--search-seconds: give one number above 0 (got '0')"),
+    (["--grid", "GRID:activation-limit = [-1]"], "activation-limit: values must be finite numbers > 0 (got -1)"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, args, fragment):
     out = tmp_path / "out"
