@@ -127,8 +127,8 @@ class _FlashAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
         given = {**dict(zip(names, args)), **kwargs}
-        if given.get("attn_mask") is not None:
-            return func(*args, **kwargs)  # flash takes no mask: torch falls back too
+        if given.get("attn_mask") is not None or given.get("enable_gqa"):
+            return func(*args, **kwargs)  # flash takes neither: torch falls back too
         return torch.ops.aten._scaled_dot_product_flash_attention(
             given["query"], given["key"], given["value"], given.get("dropout_p", 0.0), given.get("is_causal", False),
             scale=given.get("scale"))[0]
@@ -178,9 +178,9 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
 
 
 def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math") -> WorkloadCount:
-    """Count `model`, whose layers are on the meta device (build it under `with torch.device("meta")`), for a
-    micro-batch of `microbatch_size` samples in `dtype`. Layers alike (`_signature`) are counted once: a
-    175B GPT's 96 blocks cost one."""
+    """Count `model` for a micro-batch of `microbatch_size` samples in `dtype`. Its layers are moved to the meta
+    device (their values are lost): build it there (`with torch.device("meta")`, as `count_built` does). Layers
+    alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one."""
     batch, target = model.make_batch(microbatch_size, torch.Generator().manual_seed(0))
     batch = batch.to(META, dtype if batch.is_floating_point() else batch.dtype)
     target = target.to(META) if torch.is_tensor(target) else target
