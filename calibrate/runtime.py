@@ -34,7 +34,8 @@ PROBE_MICROBATCHES = 8
 PROBE_STEADY = 5  # mini-batches per schedule the probe keeps
 HOST_RUN_S = 1.5  # compute per rank the calibrated model's run aims at: its gaps are short beside large rows
 MAX_PROBE_WIDTH = 1 << 16  # boundaries wider than this are probed at this width (meta says so)
-WARMUP_MINIBATCHES = 3  # a fresh rank's first mini-batches, each priced at its own pace (`warmup_factors`)
+WARMUP_ROWS = 8  # a fresh rank's first compute rows are priced at their own pace this many at a time ...
+WARMUP_STEPS = 6  # ... for at most this many steps (`warmup_factors`)
 
 
 class RuntimeProbeError(ValueError):
@@ -124,45 +125,51 @@ def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float
 
 
 def warmup_factors(traces: list[Trace]) -> list[float]:
-    """How much longer a fresh rank takes for each of its first mini-batches than for the later ones, from runs
-    of `probe_schedule` (its first schedule alone, which starts the ranks): per device and mini-batch, the time
-    it was occupied (its compute and SEND rows and the host time after every row; not a receive's wait), and
-    per mini-batch j < WARMUP_MINIBATCHES, in at most the first half of that schedule's mini-batches, that time
-    over the median of the rest (but the run's last mini-batch, whose last host time no row ends), median over
-    devices and traces; a mini-batch faster than the rest is noise and counts as steady (1)."""
+    """How much longer a fresh rank takes for its first rows than for later ones, from runs of `probe_schedule`
+    (its first schedule, which starts the ranks): per device, what each row held it (a compute or SEND row's
+    duration and the host time after every row; not a receive's wait) over the median of the same kind and
+    stage's rows in the schedule's second half; summed per WARMUP_ROWS compute rows of its first half (step j:
+    the rows after j·WARMUP_ROWS of them and before the next), up to WARMUP_STEPS; median over devices and
+    traces. A step faster than the steady rows is noise, priced as steady (1)."""
     ratios = []
     for trace in traces:
         ops = trace.ops
         starts = trace.meta.params.get("warmup_minibatches", [0])
-        last = int(ops.minibatch.max())
-        length = starts[1] if len(starts) > 1 else last + 1
-        count = min(WARMUP_MINIBATCHES, length // 2)
-        steady = slice(count, min(length, last))
-        if steady.stop <= count:
-            continue  # too short to tell a first mini-batch from the steady ones
-        occupied = np.zeros((trace.num_devices, length))
+        first = ops.minibatch < (starts[1] if len(starts) > 1 else int(ops.minibatch.max()) + 1)
         for d in range(trace.num_devices):
             rows = np.flatnonzero(ops.device == d)
             rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
-            after_us = np.r_[ops.start_us[rows[1:]] - (ops.start_us + ops.dur_us)[rows[:-1]], 0.0]
-            mine = ops.minibatch[rows] < length
-            np.add.at(occupied[d], ops.minibatch[rows][mine],
-                      (np.where(ops.stream[rows] == Stream.RECV, 0.0, ops.dur_us[rows]) + after_us)[mine])
-        ratios += list(occupied[:, :count] / np.median(occupied[:, steady], axis=1, keepdims=True))
-    if not ratios or not len(ratios[0]):
+            held_us = np.where(ops.stream[rows] == Stream.RECV, 0.0, ops.dur_us[rows])
+            held_us[:-1] += ops.start_us[rows[1:]] - (ops.start_us + ops.dur_us)[rows[:-1]]
+            timed = first[rows]
+            timed[-1] = False  # no row ends the host time after the device's last
+            compute = ops.stream[rows] == Stream.COMPUTE
+            computed = np.cumsum(compute) - compute
+            half = int(compute[first[rows]].sum()) // 2
+            steps = min(WARMUP_STEPS, half // WARMUP_ROWS)
+            key = ops.kind[rows] * (int(ops.stage.max()) + 1) + ops.stage[rows]
+            late = timed & (computed >= half)
+            steady_us = {k: float(np.median(held_us[late & (key == k)])) for k in np.unique(key[late])}
+            ratios.append([])
+            for j in range(steps):
+                mine = timed & (computed // WARMUP_ROWS == j) & np.isin(key, list(steady_us))
+                ratios[-1].append(held_us[mine].sum() / sum(steady_us[k] for k in key[mine]))
+    ratios = [r for r in ratios if r]
+    steps = min((len(r) for r in ratios), default=0)
+    if not steps:
         return []
-    return [max(round(float(r), 4), 1.0) for r in np.median(ratios, axis=0)]
+    return [max(round(float(r), 4), 1.0) for r in np.median([r[:steps] for r in ratios], axis=0)]
 
 
 def host_times(runtime: RuntimeProfile, traces: list[Trace]) -> RuntimeProfile:
-    """`runtime` with the gaps after each row, the SEND rows' times and the first mini-batches' pace of
+    """`runtime` with the gaps after each row, the SEND rows' times and the first rows' pace of
     `traces`, runs of the calibrated model itself: that host work runs on the caches the stage's compute left
     (after a large stage twice as long as after the probe's), and the model's own passes run cold at first."""
     gaps, sends = _host_times(traces)
     return runtime.model_copy(update={
         "send_ms": _timing(sends, "SEND rows"),
         "gap_ms": {kind: _timing(samples, f"gaps after {kind}") for kind, samples in sorted(gaps.items())},
-        "warmup": warmup_factors(traces)})
+        "warmup": warmup_factors(traces), "warmup_rows": WARMUP_ROWS})
 
 
 def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimeProfile:

@@ -222,7 +222,7 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
 def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:
     """The simulator's per-row overhead from a profile's measured runtime costs. PRED and AVG rows are priced
     as OPT rows (the same bookkeeping around an elementwise pass over a stage's weights); a kind whose gap was
-    not seen in the probe gets the median gap of those that were; the first mini-batches run as the run of the
+    not seen in the probe gets the median gap of those that were; a fresh rank's first rows run as the run of the
     calibrated model ran them (`RuntimeProfile.warmup`)."""
     seen = {kind: t.median_ms for kind, t in runtime.gap_ms.items()}
     stand_in = {Kind.PRED: Kind.OPT, Kind.AVG: Kind.OPT}
@@ -230,7 +230,7 @@ def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:
     typical = float(np.median(list(seen.values()))) if seen else 0.0
     gaps = [seen.get(kind.value, seen.get(stand_in.get(kind, kind).value, typical)) for kind in KINDS]
     return RowOverhead(tuple(compute), runtime.send_ms.median_ms, runtime.recv_ms.median_ms, tuple(gaps),
-                       tuple(runtime.warmup))
+                       tuple(runtime.warmup), runtime.warmup_rows)
 
 
 def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool) -> Cluster:

@@ -77,15 +77,17 @@ class RowOverhead:
     a SEND holds its device for `send_ms` after issuing its transfer, a RECV for `recv_ms` after its message
     arrives; and after a row of kind `KINDS[i]` the device spends `gap_ms[i]` before its next row starts.
     None of it is in a row's own duration but `compute_ms`, as a measured trace times its rows.
-    `warmup[j]`: a fresh rank's rows of mini-batch j (j < len) take that many times their steady time, compute
-    and host time alike (the first updates, backwards and sends of a process run cold); a short run's time per
-    mini-batch carries them, a long run's hardly."""
+    `warmup[j]`: a fresh rank's rows after its first j·`warmup_rows` compute rows and before the next
+    `warmup_rows` (j < len) take that many times their steady time, compute and host time alike (a process's
+    first passes, updates and sends run cold); a short run's time per mini-batch carries them, a long run's
+    hardly."""
 
     compute_ms: tuple[float, ...] = (0.0,) * NUM_COMPUTE_KINDS
     send_ms: float = 0.0
     recv_ms: float = 0.0
     gap_ms: tuple[float, ...] = (0.0,) * len(KINDS)
     warmup: tuple[float, ...] = ()
+    warmup_rows: int = 8
 
     def __post_init__(self) -> None:
         if len(self.compute_ms) != NUM_COMPUTE_KINDS or len(self.gap_ms) != len(KINDS):
@@ -96,11 +98,14 @@ class RowOverhead:
         for value in self.warmup:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 1 <= value <= MAX_WARMUP:
                 raise CostError(f"warm-up factors must be finite numbers from 1 to {MAX_WARMUP:g} (got {value!r})")
+        if not isinstance(self.warmup_rows, int) or self.warmup_rows < 1:
+            raise CostError(f"warmup_rows must be a whole number >= 1 (got {self.warmup_rows!r})")
 
-    def warmup_factor(self, minibatch: np.ndarray) -> np.ndarray:
-        """Per row of mini-batch `minibatch`, how many times its steady time it takes (1 past the warm-up)."""
+    def warmup_factor(self, computed_before: np.ndarray) -> np.ndarray:
+        """Per row, given the compute rows its device ran before it, how many times its steady time it takes (1
+        past the warm-up)."""
         factors = np.asarray((*self.warmup, 1.0), dtype=float)
-        return factors[np.minimum(minibatch, len(self.warmup))]
+        return factors[np.minimum(computed_before // self.warmup_rows, len(self.warmup))]
 
     @property
     def host_ms(self) -> np.ndarray:

@@ -105,8 +105,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                      (copying, [c.copy_ms for c in stages])):
         duration[rows] += np.asarray(ms)[stage[rows]]
     host_ps = _picoseconds(overhead.host_ms)[kind]
-    if overhead.warmup:  # a fresh rank's first mini-batches run slower, their host time as much as their compute
-        slower = overhead.warmup_factor(t.minibatch)
+    if overhead.warmup:  # a fresh rank's first rows run slower, their host time as much as their compute
+        computed = np.cumsum(compute) - compute  # compute rows before each row, counted per device:
+        computed -= np.repeat(computed.take(lowered.bounds[:-1], mode="clip"), np.diff(lowered.bounds))
+        slower = overhead.warmup_factor(computed)
         duration, host_ps = duration * slower, _picoseconds(overhead.host_ms[kind] * slower)
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)

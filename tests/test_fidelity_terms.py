@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipesim.calibrate.runtime import RuntimeProbeError, host_times, runtime_terms, warmup_factors
+from pipesim.calibrate.runtime import WARMUP_ROWS, RuntimeProbeError, host_times, runtime_terms, warmup_factors
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_overhead, profile_scenario
 from pipesim.profiles.schema import (
@@ -114,10 +114,11 @@ def test_a_kept_gradient_adds_one_gradient_from_the_second_mini_batch_on():
 
 
 def test_a_fresh_ranks_first_mini_batches_take_their_warm_up_factor_rows_and_host_time_alike():
-    # GPipe on one device, m = 4: mini-batch 0 at 3x, 1 at 1.5x, the rest steady; per mini-batch 4 F (1.1 ms,
-    # then 0.01 ms), 4 B (2.2 ms, 0.02 ms) and one OPT (0.8 ms, 0.03 ms): 13.75 ms at steady pace.
+    # GPipe on one device, m = 4: per mini-batch 4 F (1.1 ms, then 0.01 ms), 4 B (2.2 ms, 0.02 ms) and one OPT
+    # (0.8 ms, 0.03 ms), 13.75 ms at steady pace; its first 9 compute rows (mini-batch 0) at 3x, the next 9 at
+    # 1.5x, the rest steady.
     row = overhead({"F": 0.1, "B": 0.2, "OPT": 0.3}, {"F": 0.01, "B": 0.02, "OPT": 0.03})
-    trace = one_device("gpipe", 4, 4, row=replace(row, warmup=(3.0, 1.5)))
+    trace = one_device("gpipe", 4, 4, row=replace(row, warmup=(3.0, 1.5), warmup_rows=9))
     assert durations(trace, "F") == pytest.approx([3.3] * 4 + [1.65] * 4 + [1.1] * 8)
     assert durations(trace, "OPT") == pytest.approx([2.4, 1.2, 0.8, 0.8])
     steady = 4 * 1.11 + 4 * 2.22 + 0.83
@@ -126,6 +127,9 @@ def test_a_fresh_ranks_first_mini_batches_take_their_warm_up_factor_rows_and_hos
     assert summarize(trace).time_per_minibatch_ms == pytest.approx(((1.5 + 1 + 1) * steady + 3 * 0.03 - 0.03) / 3)
     with pytest.raises(CostError, match="warm-up factors must be finite numbers from 1"):
         RowOverhead(warmup=(0.5,))
+    # in steps of 8 compute rows, the ninth F (mini-batch 1's first) is already past the first step
+    assert durations(one_device("gpipe", 4, 2, row=replace(row, warmup=(2.0,))), "F") == pytest.approx(
+        [2.2] * 4 + [1.1] * 4)
 
 
 @pytest.mark.parametrize("window, held_mib", [(0, [0, 1, 1, 1, 1, 0]), (2, [2, 3, 3, 2, 1, 0])])
@@ -161,9 +165,9 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                 window: int = 2, warmup: tuple[float, ...] = ()) -> Trace:
     """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
     the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms`, a RECV
-    waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, all but a RECV `warmup[b]`
-    times as long in mini-batch b; after an update a device holds its weights, `kept` gradients and the buffers
-    of its next `window` receives, posted ahead."""
+    waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, all but a RECV `warmup[j]`
+    times as long after j·WARMUP_ROWS compute rows of its device; after an update a device holds its weights,
+    `kept` gradients and the buffers of its next `window` receives, posted ahead."""
     own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
     programs = {d: [(kind, d, j, b) for b in range(3) for kind, j in order] for d, order in (
         (0, [("F", 0), ("SEND_F", 0), ("F", 1), ("SEND_F", 1), ("RECV_B", 0), ("B", 0), ("RECV_B", 1), ("I", 1),
@@ -171,7 +175,7 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
         (1, [("RECV_F", 0), ("F", 0), ("B", 0), ("SEND_B", 0), ("RECV_F", 1), ("F", 1), ("I", 1), ("W", 1),
              ("SEND_B", 1), ("OPT", -1)]))}
     rows, memory, sent = [], {0: [], 1: []}, {}
-    clock, at = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}
+    clock, at, computed = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}, {0: 0, 1: 0}
     while any(at[d] < len(programs[d]) for d in programs):
         for d, program in programs.items():
             while at[d] < len(program):
@@ -189,7 +193,9 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                     ms = s.steps["sgd"].step.median_ms + extra[kind]
                 else:
                     ms = getattr(s, own[kind]) + extra[kind]
-                slower = warmup[b] if b < len(warmup) else 1.0
+                step = computed[d] // WARMUP_ROWS
+                slower = warmup[step] if step < len(warmup) else 1.0
+                computed[d] += kind in COMPUTE_KINDS
                 ms, gap = (ms, gap_ms * slower) if kind.startswith("RECV") else (ms * slower, gap_ms * slower)
                 rows.append((d, kind, stage, j, b, 1 - d if "_" in kind else -1, clock[d] * 1e3, ms * 1e3))
                 # after an update: weights, kept gradients and the next `window` receives (2 a mini-batch) posted
@@ -242,8 +248,9 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
 
 
 def test_calibration_reads_a_fresh_ranks_warm_up_off_the_calibrated_models_run():
-    # Mini-batch 0 of three ran 2.5x as long, rows and host time alike (the rest is steady: the first half of
-    # the run is priced against the second); receives that waited for a slower peer are not the device's time.
+    # A device's first 8 compute rows (of 18) ran 2.5x as long, rows and host time alike (the rest is steady:
+    # the first half of the run is priced against the second); receives that waited for a slower peer are not
+    # the device's time.
     probe = load_profile(PROFILE)
     extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
     trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0, warmup=(2.5,))
