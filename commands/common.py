@@ -86,6 +86,23 @@ SearchSeconds = Annotated[str | None, typer.Option(
     "--search-seconds", metavar="S", help="auto: the search's time budget in seconds (default: enough for p=32, "
                                           "m=256 in under a second).")]
 
+# What-if costs for the commands that search auto but simulate nothing (export, run); with no defaults, so that auto
+# is never searched for costs nobody gave (`searched_scenario`).
+SearchFwd = Annotated[str | None, typer.Option(
+    "--fwd", metavar="MS[,MS...]", help="auto: forward ms per micro-batch, one number or one per device; with --bwd, "
+                                        "the costs auto's order is searched for (or --profile's).")]
+SearchBwd = Annotated[str | None, typer.Option(
+    "--bwd", metavar="MS[,MS...]", help="auto: full backward ms per micro-batch, as --fwd.")]
+SearchComm = Annotated[str | None, typer.Option(
+    "--comm", metavar="MS", help="auto: ms per activation or gradient transfer between devices (default 0).")]
+SearchActivationMb = Annotated[str | None, typer.Option(
+    "--activation-mb", metavar="MIB[,MIB...]", help="auto: activation MiB a micro-batch saves, as --fwd (default: "
+                                                    "none, so --activation-limit counts micro-batches).")]
+SEARCH_COSTS = ("fwd", "bwd", "wgrad_fraction", "comm", "activation_mb")  # by parameter name
+# What `scenario_from_flags` reads that these commands do not declare (or the user left unset).
+SEARCH_DEFAULTS = {"comm": "0", "activation_mb": "0", "param_mb": "0", "output_mb": "0", "opt": 0.0, "pred": None,
+                   "avg": None, "optimizer": "adam", "microbatch_size": 1, "blocking_comm": False, "cluster": None,
+                   "profile": None}
 
 # Options only some methods read, by flag (`Method.reads` says which).
 METHOD_OPTIONS = {"--chunks": "chunks", "--pipelines": "pipelines", "--advance": "advance",
@@ -272,6 +289,28 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology,
         load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None,
         _load_graph(graph) if graph is not None else None, per, source)
+
+
+def searched_scenario(ctx: typer.Context, method, measured: Profile | None = None) -> Scenario | None:
+    """Where a command that simulates nothing (export, run) builds a method searched from the costs (auto): the
+    profile's costs (with the command's --optimizer, else Adam's state), else the what-if flags' (--fwd and --bwd
+    at least). None for a method with a fixed order, which reads no costs: the flags are refused for it."""
+    from ..planning.scenario import profile_scenario
+
+    given = [f"--{name.replace('_', '-')}" for name in SEARCH_COSTS if is_given(ctx, name)]
+    if not method.needs_costs:
+        if given:
+            raise InputError(f"{given[0]}: only a schedule searched from the costs (auto) reads it, not {method.name}")
+        return None
+    if measured is not None:
+        if given:
+            raise InputError(f"{', '.join(given)}: the profile gives {method.name}'s costs; drop these flags")
+        return profile_scenario(measured, ctx.params.get("optimizer") or SEARCH_DEFAULTS["optimizer"])
+    if not (is_given(ctx, "fwd") and is_given(ctx, "bwd")):
+        raise InputError(f"--fwd and --bwd, or --profile: {method.name} searches its order from the stage costs, so "
+                         "give them")
+    return scenario_from_flags(ctx, "device", **{name: value for name, value in SEARCH_DEFAULTS.items()
+                                                 if ctx.params.get(name) is None})
 
 
 PROFILE_COSTS = ("fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb", "output_mb",

@@ -25,6 +25,10 @@ from .common import (
     MicrobatchSize,
     Pipelines,
     PredictionSource,
+    SearchActivationMb,
+    SearchBwd,
+    SearchComm,
+    SearchFwd,
     SearchSeconds,
     Stages,
     WgradFraction,
@@ -33,9 +37,11 @@ from .common import (
     check_writable,
     fail,
     is_given,
+    load_profile_flag,
     progress,
     scenario_from_flags,
     search_options,
+    searched_scenario,
     stderr,
     stdout,
     write_error,
@@ -449,22 +455,35 @@ EXPORT_FORMATS = ("torch-csv",)
 
 
 def export(
+    ctx: typer.Context,
     schedule: Annotated[str, typer.Option("--schedule", "-s", help="Method to export (see `pipesim schedules`).")],
     fmt: Annotated[str, typer.Option("--format", help="Output format: torch-csv (torch.distributed.pipelining's "
                                      "schedule CSV, one row per rank; synchronous one-pipeline methods).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="File to write (replaced atomically).")],
     stages: Annotated[int, typer.Option(
-        "--stages", "-p", min=1, help="Pipeline depth p: devices in one pipeline.")] = 4,
+        "--stages", "-p", min=1, help="Pipeline depth p: devices in one pipeline (default 4, or the profile's).")] = 4,
     chunks: Annotated[int | None, typer.Option(
         "--chunks", "-v", min=1, help="Model chunks per device (interleaved / V schedules). Default: the "
                                       "method's.")] = None,
     microbatches: Annotated[int, typer.Option(
         "--microbatches", "-m", min=1, help="Micro-batches per mini-batch m.")] = 8,
+    activation_limit: ActivationLimit = None,
+    search_seconds: SearchSeconds = None,
+    profile: Annotated[Path | None, typer.Option(
+        "--profile", metavar="JSON", help="auto: a profile from `pipesim calibrate` whose costs, sizes and links its "
+                                          "order is searched for (instead of --fwd and --bwd).")] = None,
+    fwd: SearchFwd = None,
+    bwd: SearchBwd = None,
+    wgrad_fraction: WgradFraction = 0.5,
+    comm: SearchComm = None,
+    activation_mb: SearchActivationMb = None,
 ) -> None:
-    """Write one training step of a method's schedule for another runtime (e.g. torch's `_load_csv`)."""
+    """Write one training step of a method's schedule for another runtime (e.g. torch's `_load_csv`). auto's order
+    is searched for the costs given (--fwd and --bwd, or --profile)."""
     from ..schedules import ScheduleError
     from ..schedules.catalogue import method_named
     from ..schedules.torch_csv import to_torch_csv
+    from ..sim import CostError
     from ..traces import write_atomic
 
     try:
@@ -472,12 +491,21 @@ def export(
             raise InputError(f"--format: unknown {fmt!r}; choose from {', '.join(EXPORT_FORMATS)}")
         check_writable("--out", out)
         method = method_named(schedule)
+        check_method_options(ctx, [method.name], ("--activation-limit", "--search-seconds"))
+        search = search_options(activation_limit, search_seconds)
+        if profile is not None and not method.needs_costs:
+            raise InputError(f"--profile: only a schedule searched from the costs (auto) reads it, not {method.name}")
+        measured = load_profile_flag(ctx, profile) if profile is not None else None
+        scenario = searched_scenario(ctx, method, measured)
+        if measured is not None and not is_given(ctx, "stages"):
+            stages = measured.partition.stages
         # torch's CSV is one pipeline: AvgPipe is refused for its averaging, not its default of two pipelines.
-        text = to_torch_csv(method.build(method.params(stages, microbatches, chunks=chunks, pipelines=1)))
+        params = method.params(stages, microbatches, chunks=chunks, pipelines=1,
+                               **{option: value for option, value in search.items() if method.reads(option)})
+        text = to_torch_csv(scenario.build(method.name, params) if scenario else method.build(params))
         write_atomic(out, text)
-    except (InputError, ScheduleError) as exc:
+    except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc))
     except OSError as exc:
         fail(write_error(exc))
     stdout.print(f"wrote {out}", highlight=False)
-

@@ -10,7 +10,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from pipesim.schedules import METHODS, Kind, Read, ScheduleError, ScheduleParams, StageGraph, build_schedule
 from pipesim.schedules.torch_csv import from_torch_csv, to_torch_csv
-from tests.conftest import pipesim, simulate_json, simulated
+from tests.conftest import build, pipesim, simulate_json, simulated
 
 TORCH_KINDS = {Kind.F, Kind.B, Kind.I, Kind.W}
 # (stages, micro-batches, chunks) tried in turn until the method accepts one.
@@ -69,10 +69,12 @@ def is_synchronous(schedule):
 
 
 def buildable(name):
+    """The method's schedules for CONFIGS (one pipeline); one searched from the costs (auto) for conftest's."""
     built = []
     for p, m, v in CONFIGS:
         try:
-            built.append(build_schedule(name, ScheduleParams(p, m, 1, v)))
+            built.append(build(name, p, m, 1, chunks=v, pipelines=1) if METHODS[name].needs_costs
+                         else build_schedule(name, ScheduleParams(p, m, 1, v)))
         except ScheduleError:
             continue
     return built
@@ -244,6 +246,23 @@ def test_cli_export_then_simulate_file_matches_schedule(tmp_path, name, args):
     assert [d["peak_activations"] for d in got["devices"]] == [d["peak_activations"] for d in expected["devices"]]
 
 
+def test_cli_exports_auto_searched_for_uneven_costs_as_torch_accepts_it(tmp_path):
+    """`export -s auto` searches the order for the costs given (a slow last stage, twice 1F1B's activations) and
+    writes what torch's loader validates; read back, it simulates as the searched schedule does."""
+    out = tmp_path / "auto.csv"
+    costs = ["--fwd", "1,1,1,3", "--bwd", "2,2,2,6", "--comm", "0.1"]
+    code, stdout, err = pipesim("export", "-s", "auto", "-p", 4, "-m", 8, *costs, "--activation-limit", 2,
+                                "--format", "torch-csv", "--out", out)
+    assert code == 0 and f"wrote {out}" in stdout, err
+    runtime = ts._PipelineScheduleRuntime([FakeStage(4, 4)], 8)
+    runtime._load_csv(out)  # torch's own `_validate_schedule`
+    assert any("W" in str(action) for action in runtime.pipeline_order[3])  # split backward where it helps
+    (expected,) = simulate_json("-s", "auto", "-p", 4, "-m", 8, "-n", 1, *costs, "--activation-limit", 2)
+    (got,) = simulate_json("--schedule-file", out, *costs)
+    assert got["makespan_ms"] == pytest.approx(expected["makespan_ms"])
+    assert [d["peak_activations"] for d in got["devices"]] == [d["peak_activations"] for d in expected["devices"]]
+
+
 @pytest.fixture
 def csv_file(tmp_path):
     path = tmp_path / "s.csv"
@@ -257,6 +276,14 @@ def csv_file(tmp_path):
     (lambda f, d: ["export", "-s", "nope", "--format", "torch-csv", "--out", f"{d}/x"], "unknown schedule 'nope'"),
     (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv", "--out", f"{d}/no/x"], "--out: cannot write"),
     (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv"], "Missing option '--out'"),
+    (lambda f, d: ["export", "-s", "auto", "--format", "torch-csv", "--out", f"{d}/x"],
+     "--fwd and --bwd, or --profile: auto searches its order from the stage costs"),
+    (lambda f, d: ["export", "-s", "auto", "--fwd", "1", "--bwd", "2", "--activation-limit", "0.1", "--format",
+                   "torch-csv", "--out", f"{d}/x"], "--activation-limit: device 0: R = 0.1 leaves it"),
+    (lambda f, d: ["export", "-s", "auto", "--fwd", "1", "--bwd", "2", "--activation-limit", "x", "--format",
+                   "torch-csv", "--out", f"{d}/x"], "--activation-limit: give one number above 0 (got 'x')"),
+    (lambda f, d: ["export", "-s", "1f1b", "--fwd", "1", "--format", "torch-csv", "--out", f"{d}/x"],
+     "--fwd: only a schedule searched from the costs (auto) reads it, not 1f1b"),
     (lambda f, d: ["simulate", "--schedule-file", f, "-s", "1f1b"], "--schedule and --schedule-file"),
     (lambda f, d: ["simulate", "--schedule-file", f, "-m", "4"], "--microbatches: the schedule file fixes"),
     (lambda f, d: ["simulate", "--schedule-file", f, "--fwd", "1,2,3"], "one per device (2) in"),
