@@ -181,10 +181,10 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     width = max(r.shape[1] for r in pooled)
     ratios = np.vstack([np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=np.nan) for r in pooled])
     by_minibatch = np.nanmedian(ratios, axis=0)
+    later = f"; from 9 on {np.nanmedian(ratios[:, 8:]):.2f}" if width > 8 else ""
     console.print(f"mini-batch j's measured time over its steady-pace prediction, median over the {max(lengths)}"
                   "-mini-batch runs of every size and method: " + ", ".join(
-                      f"{j + 1}: {ratio:.2f}" for j, ratio in enumerate(by_minibatch[:8]))
-                  + f"; from 8 on {np.nanmedian(ratios[:, 7:]):.2f}" * (width > 8), highlight=False)
+                      f"{j + 1}: {ratio:.2f}" for j, ratio in enumerate(by_minibatch[:8])) + later, highlight=False)
     if out:
         out.write_text(json.dumps({
             "cells": [{"size": c.size.key, "label": c.size.label, "fwd_ms": c.fwd_ms, "minibatches": c.minibatches,

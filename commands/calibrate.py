@@ -331,6 +331,10 @@ def _print_profile(profile) -> None:
         stdout.print(f"runtime per row, us: compute {compute}; send {rt.send_ms.median_ms * 1e3:.0f}, receive "
                      f"{rt.recv_ms.median_ms * 1e3:.0f}; gap after {gaps}" + _cached(rt.meta, "the probe's terms"),
                      highlight=False)
+        if rt.warmup:
+            stdout.print(f"warm-up: a fresh rank's first compute rows, {rt.warmup_rows} at a time, "
+                         + ", ".join(f"{factor:.2f}x" for factor in rt.warmup) + " their steady time (the "
+                         "calibrated model's run; a short run's time per mini-batch carries them)", highlight=False)
     if profile.contention is not None:
         meta = profile.contention.meta
         at_once = ", ".join(f"{k} ranks computing at once {slowdown:.2f}x their time alone" if k == 2 else
