@@ -3,9 +3,11 @@
 Layers are calibrated one process alone, but the ranks of a run share the host's cores, caches and memory
 bandwidth (and oversubscribe the cores when ranks x threads exceed them): ranks computing side by side can
 each take longer than alone, while a rank waiting in a receive costs its peers nothing. So
-`pipesim calibrate` spawns as many processes as the run has ranks (at least two), once; process r builds the
-calibrated model at the calibrated thread count, dtype and micro-batch size, and repeats a rank's F and B of
-stage r mod p, as the executor runs them (passes.py). In each of up to ROUNDS rounds the parent first lets
+`pipesim calibrate` measures in as many processes as the run has ranks (at least two), started once: the ranks
+of its run of the calibrated model where that has as many (`ContentionProbe.prelude`: the measurement runs in
+them before the run, sharing their start-up), else processes of its own. Process r builds the calibrated model
+at the calibrated thread count, dtype and micro-batch size, and repeats a rank's F and B of stage r mod p, as the
+executor runs them (passes.py). In each of up to ROUNDS rounds the parent first lets
 each run alone for a window while the others block, then the first k run together for k = 2 .. K; a ratio is
 taken within its round, and the factor is the median over rounds, so one slow spell of a shared host (it once
 made two at once measure 1.84x, against 1.09-1.14x in the minutes before and after) sets none. The rounds stop
@@ -30,16 +32,18 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..executor import Prelude
 from ..profiles.schema import ContentionProfile, Profile
 from ..workload.processes import start_processes
-from .measure import DTYPES, Advance, place
+from .measure import DTYPES, Advance, PhaseLine, place
 from .passes import stage_runs
 
 WINDOW_S = 0.5  # the shortest window: about a hundred iterations of a default model's stage
@@ -109,97 +113,142 @@ def measured_slowdowns(rounds: list[Round]) -> tuple[list[float], list[list[floa
 
 def measure_contention(profile: Profile, model: str, options: Mapping[str, int | None],
                        advance: Advance = lambda what: None, ranks: int | None = None) -> ContentionProfile:
-    """Measure `profile`'s stages slowing each other on this CPU host; `model` and `options` are what the
-    calibration built it from (`build_model`'s arguments: a user's `package.module:attr` too). `ranks`: the
-    most ranks a run of the profile will have (default: one per stage; AvgPipe's pipelines have more), since
-    beyond the measured count the simulator can only hold the last factor."""
-    env = profile.environment
-    if env.device != "cpu":
-        raise ContentionError(f"contention is measured on CPU hosts only (the profile is for {env.device})")
-    stages = profile.partition.stages
-    count = processes_for(ranks or stages)
-    job = _Job(model, {key: value for key, value in options.items() if value is not None}, env.dtype,
-               env.microbatch_size, env.threads, list(profile.partition.bounds))
-    iteration_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
-    window_s = max(WINDOW_S, WARMUP_S + MIN_ITERATIONS * count * iteration_s)
-    context = torch.multiprocessing.get_context("spawn")
-    pipes = [context.Pipe() for _ in range(count)]
-    procs = [context.Process(target=_worker, args=(theirs, job, rank % stages), name=f"pipesim-contention-{rank}",
-                             daemon=True) for rank, (_, theirs) in enumerate(pipes)]
-    conns = [ours for ours, _ in pipes]
+    """Measure `profile`'s stages slowing each other on this CPU host, in processes of its own
+    (`ContentionProbe` says what is measured)."""
+    probe = ContentionProbe(profile, model, options, advance, ranks)
+    probe.run()
+    return probe.result()
 
-    retaken: list[float] = []  # the lengths of the windows taken again
 
-    def window(ranks: range) -> list[list[float]]:
-        """Per rank, its kept iteration times (ms) in one window where `ranks` compute at once; a window in which
-        a rank finished no iteration (a host so loaded that it hardly ran) is taken again, twice as long, up to
-        WINDOW_TRIES times."""
-        for attempt in range(WINDOW_TRIES):
-            length_s = window_s * 2 ** attempt
-            start_s = time.monotonic() + LEAD_S
-            for rank in ranks:
-                conns[rank].send((start_s, start_s + length_s))
-            times = [_answer(conns[rank], procs[rank], rank,
-                             start_s + 2 * length_s + ANSWER_SLACK_S - time.monotonic()) for rank in ranks]
-            idle = [rank for rank, ms in zip(ranks, times) if not ms]
-            if not idle:
-                return times
-            retaken.append(length_s)
-        raise ContentionError(f"contention measurement: process {idle[0]} finished no iteration in a {length_s:g} s "
-                              "window (is the host overloaded?)")
+class ContentionProbe:
+    """One contention measurement of `profile`'s stages on this CPU host; `model` and `options` are what the
+    calibration built it from (`build_model`'s arguments: a user's `package.module:attr` too). `ranks`: the most
+    ranks a run of the profile will have (default: one per stage; AvgPipe's pipelines have more), since beyond the
+    measured count the simulator can only hold the last factor. It runs in `count` processes of its own (`run`),
+    or first thing in the ranks of an executor run with one rank per process it needs (`prelude`), which then
+    share their start-up with the run's; `result()` gives the profile's factors."""
 
-    try:
-        advance(f"contention: starting {count} processes")
-        start_processes(procs, env.threads)
-        for _, theirs in pipes:
-            theirs.close()  # the parent keeps only its own ends, so a process that dies reads as EOF
-        for rank in range(count):
+    def __init__(self, profile: Profile, model: str, options: Mapping[str, int | None],
+                 advance: Advance = lambda what: None, ranks: int | None = None) -> None:
+        env = profile.environment
+        if env.device != "cpu":
+            raise ContentionError(f"contention is measured on CPU hosts only (the profile is for {env.device})")
+        self.count = processes_for(ranks or profile.partition.stages)
+        self.job = _Job(model, {key: value for key, value in options.items() if value is not None}, env.dtype,
+                        env.microbatch_size, env.threads, list(profile.partition.bounds))
+        iteration_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
+        self.window_s = max(WINDOW_S, WARMUP_S + MIN_ITERATIONS * self.count * iteration_s)
+        self.advance = advance
+        self.rounds: list[Round] = []
+        self.retaken: list[float] = []  # the lengths of the windows taken again
+        self.processes = "its own"  # or "the ranks of the run it preceded" (`prelude`)
+
+    def run(self) -> None:
+        """Measure in `count` processes of its own, started here and ended before it returns."""
+        context = torch.multiprocessing.get_context("spawn")
+        pipes = [context.Pipe() for _ in range(self.count)]
+        procs = [context.Process(target=_worker, args=(self.job, theirs, rank), name=f"pipesim-contention-{rank}",
+                                 daemon=True) for rank, (_, theirs) in enumerate(pipes)]
+        conns = [ours for ours, _ in pipes]
+        try:
+            self.advance(f"contention: starting {self.count} processes")
+            start_processes(procs, self.job.threads)
+            for _, theirs in pipes:
+                theirs.close()  # the parent keeps only its own ends, so a process that dies reads as EOF
+            self.measure(conns, procs)
+        finally:
+            _stop(procs, conns)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.rounds)
+
+    def prelude(self, phase: PhaseLine = lambda title: nullcontext([])) -> Prelude:
+        """The measurement as the prelude of an executor run with `count` ranks (`run_multiprocess(...,
+        prelude=)`), inside `phase(title)`."""
+        def measure(conns: list[Any], procs: list[Any]) -> None:
+            with phase(f"measuring contention in the run's {self.count} ranks, before it"):
+                self.measure(conns, procs)
+            self.processes = "the ranks of the run it preceded"
+        return Prelude(rank=partial(_worker, self.job), parent=measure)
+
+    def measure(self, conns: list[Any], procs: list[Any]) -> None:
+        """The windows, round by round, with the started processes `procs` (each running `_worker`) over their
+        pipes `conns`: once each has answered ready, each alone, then 2, 3, ... at once, until the rounds agree
+        or ROUNDS are taken; then each process is told to stop measuring."""
+        def window(ranks: range) -> list[list[float]]:
+            """Per rank, its kept iteration times (ms) in one window where `ranks` compute at once; a window in
+            which a rank finished no iteration (a host so loaded that it hardly ran) is taken again, twice as
+            long, up to WINDOW_TRIES times."""
+            for attempt in range(WINDOW_TRIES):
+                length_s = self.window_s * 2 ** attempt
+                start_s = time.monotonic() + LEAD_S
+                for rank in ranks:
+                    conns[rank].send((start_s, start_s + length_s))
+                times = [_answer(conns[rank], procs[rank], rank,
+                                 start_s + 2 * length_s + ANSWER_SLACK_S - time.monotonic()) for rank in ranks]
+                idle = [rank for rank, ms in zip(ranks, times) if not ms]
+                if not idle:
+                    return times
+                self.retaken.append(length_s)
+            raise ContentionError(f"contention measurement: process {idle[0]} finished no iteration in a "
+                                  f"{length_s:g} s window (is the host overloaded?)")
+
+        self.advance(f"contention: {self.count} processes getting ready")
+        for rank in range(self.count):
             _answer(conns[rank], procs[rank], rank, START_TIMEOUT_S)
-        rounds: list[Round] = []
         for number in range(1, ROUNDS + 1):
             alone = []
-            for rank in range(count):
-                advance(f"contention: round {number}/{ROUNDS}, process {rank} alone")
+            for rank in range(self.count):
+                self.advance(f"contention: round {number}/{ROUNDS}, process {rank} alone")
                 alone += window(range(rank, rank + 1))
             together = []
-            for k in range(2, count + 1):
-                advance(f"contention: round {number}/{ROUNDS}, {k} processes at once")
+            for k in range(2, self.count + 1):
+                self.advance(f"contention: round {number}/{ROUNDS}, {k} processes at once")
                 together.append(window(range(k)))
-            rounds.append((alone, together))
-            if rounds_agree(rounds):
+            self.rounds.append((alone, together))
+            if rounds_agree(self.rounds):
                 break
-    finally:
-        _stop(procs, conns)
-    pooled = [np.concatenate([alone[rank] for alone, _ in rounds]) for rank in range(count)]
-    solo_ms = [float(np.mean(ms)) for ms in pooled]
-    solo_median_ms = [float(np.median(ms)) for ms in pooled]
-    # The simulator prices the calibrated passes, medians; a rank advances at its mean, and its passes alone
-    # have a right tail (a preempted or cold iteration now and then): the tail is that mean over the median,
-    # window by window (pooled over rounds, the host's drift between them would pass for a tail).
-    solo_tails = [[float(np.mean(ms) / np.median(ms)) for ms in alone] for alone, _ in rounds]
-    tail = float(np.median(solo_tails))
-    measured, by_round = measured_slowdowns(rounds)
-    slowdown = slowdowns(measured)
-    # per number of processes at once, from 1 (each rank alone): each block's mean over its rank's mean alone in
-    # the same round
-    windows = [[alone, *together] for alone, together in rounds]
-    blocks = [np.concatenate([_block_means(ms) / np.mean(solo) for by_count in windows
-                              for ms, solo in zip(by_count[index], by_count[0])])
-              for index in range(count)]
-    spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
-    meta = {"processes": count, "threads_per_process": env.threads, "window_s": window_s, "warmup_s": WARMUP_S,
-            "cpu_count": os.cpu_count(), "cpus_usable": _usable_cpus(),
-            "workload": {"model": model, "options": job.options, "bounds": job.bounds, "dtype": env.dtype,
-                         "microbatch_size": env.microbatch_size, "stages": [rank % stages for rank in range(count)],
-                         "pass": "forward and full backward, as the executor runs them"},
-            "solo_ms": [round(ms, 4) for ms in solo_ms],
-            "solo_median_ms": [round(ms, 4) for ms in solo_median_ms],
-            "solo_tail_by_round": [[round(t, 4) for t in tails] for tails in solo_tails],
-            "measured_slowdown": [round(r, 4) for r in measured], "rounds": len(rounds), "windows_retaken": retaken,
-            "measured_slowdown_by_round": [[round(r, 4) for r in ratios] for ratios in by_round],
-            "iterations": [[[len(ms) for ms in times] for times in by_count] for by_count in windows]}
-    return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],
-                             tail=round(tail, 4), meta=meta)
+        for conn in conns:
+            conn.send(None)
+
+    def result(self) -> ContentionProfile:
+        """The factors from the rounds `measure` took."""
+        rounds, count, job = self.rounds, self.count, self.job
+        stages = len(job.bounds) - 1
+        pooled = [np.concatenate([alone[rank] for alone, _ in rounds]) for rank in range(count)]
+        solo_ms = [float(np.mean(ms)) for ms in pooled]
+        solo_median_ms = [float(np.median(ms)) for ms in pooled]
+        # The simulator prices the calibrated passes, medians; a rank advances at its mean, and its passes alone
+        # have a right tail (a preempted or cold iteration now and then): the tail is that mean over the median,
+        # window by window (pooled over rounds, the host's drift between them would pass for a tail).
+        solo_tails = [[float(np.mean(ms) / np.median(ms)) for ms in alone] for alone, _ in rounds]
+        tail = float(np.median(solo_tails))
+        measured, by_round = measured_slowdowns(rounds)
+        slowdown = slowdowns(measured)
+        # per number of processes at once, from 1 (each rank alone): each block's mean over its rank's mean alone
+        # in the same round
+        windows = [[alone, *together] for alone, together in rounds]
+        blocks = [np.concatenate([_block_means(ms) / np.mean(solo) for by_count in windows
+                                  for ms, solo in zip(by_count[index], by_count[0])])
+                  for index in range(count)]
+        spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
+        meta = {"processes": count, "processes_started": self.processes, "threads_per_process": job.threads, "window_s": self.window_s,
+                "warmup_s": WARMUP_S, "cpu_count": os.cpu_count(), "cpus_usable": _usable_cpus(),
+                "workload": {"model": job.model, "options": job.options, "bounds": job.bounds, "dtype": job.dtype,
+                             "microbatch_size": job.microbatch_size,
+                             "stages": [rank % stages for rank in range(count)],
+                             "pass": "forward and full backward, as the executor runs them"},
+                "solo_ms": [round(ms, 4) for ms in solo_ms],
+                "solo_median_ms": [round(ms, 4) for ms in solo_median_ms],
+                "solo_tail_by_round": [[round(t, 4) for t in tails] for tails in solo_tails],
+                "measured_slowdown": [round(r, 4) for r in measured], "rounds": len(rounds),
+                "windows_retaken": self.retaken,
+                "measured_slowdown_by_round": [[round(r, 4) for r in ratios] for ratios in by_round],
+                "iterations": [[[len(ms) for ms in times] for times in by_count] for by_count in windows]}
+        return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],
+                                 tail=round(tail, 4), meta=meta)
+
 
 
 def _block_means(ms: list[float]) -> np.ndarray:
@@ -246,12 +295,12 @@ def _stop(procs: list[Any], conns: list[Any]) -> None:
         conn.close()
 
 
-def _worker(conn: Any, job: _Job, stage: int) -> None:
-    """One measurement process: build the stage, prime it, answer "ready", then per (start, end) window
-    received the kept iteration times, until None; a failure is sent as one line."""
+def _worker(job: _Job, conn: Any, rank: int) -> None:
+    """One measurement process (rank r times stage r mod p): build the stage, prime it, answer "ready", then
+    per (start, end) window received the kept iteration times, until None; a failure is sent as one line."""
     try:
         torch.set_num_threads(job.threads)
-        iteration = _stage_iteration(job, stage)
+        iteration = _stage_iteration(job, rank % (len(job.bounds) - 1))
         for _ in range(PRIMING_ITERATIONS):
             iteration()
         conn.send(("ready", None))

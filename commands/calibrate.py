@@ -124,7 +124,7 @@ def calibrate(
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
         from ..calibrate.cache import HostCache
-        from ..calibrate.contention import ContentionError, measure_contention, processes_for
+        from ..calibrate.contention import ContentionError, ContentionProbe
         from ..calibrate.links import LinkError
         from ..calibrate.measure import DTYPES, DeviceError, Settings, resolve_device
         from ..calibrate.measure import calibrate as run_calibration
@@ -151,13 +151,15 @@ def calibrate(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance,
                     cache=cache, phase=phase)
+                probe = ContentionProbe(profile, model, options, advance, ranks) if contention else None
                 if runtime:
                     profile = profile.model_copy(update={"runtime": measure_runtime(
-                        profile, settings, advance, model, options, cache=cache, phase=phase)})
-                if contention:
-                    with phase(f"measuring contention ({processes_for(ranks or stages)} processes)"):
-                        measured = measure_contention(profile, model, options, advance, ranks)
-                    profile = profile.model_copy(update={"contention": measured})
+                        profile, settings, advance, model, options, cache=cache, phase=phase, alongside=probe)})
+                if probe is not None:
+                    if not probe.done:
+                        with phase(f"measuring contention ({probe.count} processes)"):
+                            probe.run()
+                    profile = profile.model_copy(update={"contention": probe.result()})
             if cache.unwritable:
                 stderr.print(f"note: the host cache could not be written ({cache.unwritable}); the next "
                              "calibration measures its terms again", highlight=False)
@@ -182,13 +184,15 @@ def calibrate(
 
 
 def measure_runtime(profile, settings, advance, model: str, options: dict, cache=None,
-                    phase=lambda title: nullcontext([])):
+                    phase=lambda title: nullcontext([]), alongside=None):
     """The executor's per-row costs: the probe model (one tiny block and the classifier, its boundary as wide
     as the profile's) calibrated, then run for real (`probe_schedule`) on two ranks over the run's transport
     with `settings.threads` per rank, taken from the host `cache` (calibrate/cache.py) where it holds them;
     and, every time, the same schedules run on the calibrated model itself (`model` with `options`, at the
     profile's partition), whose host time between rows runs on the caches its stages' compute leaves
-    (calibrate/runtime.py reads the traces). Each part runs inside `phase(title)`."""
+    (calibrate/runtime.py reads the traces). Each part runs inside `phase(title)`. A contention probe
+    `alongside` (calibrate/contention.py) needing as many processes as that run has ranks measures in them
+    first, sharing their start-up."""
     from ..calibrate.cache import fresh
     from ..calibrate.runtime import (
         PROBE_MICROBATCHES,
@@ -216,11 +220,13 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
     stages = profile.partition.stages
     if stages >= 2:
         microbatches, steady = host_plan(profile)
+        hosted = alongside if alongside is not None and alongside.count == stages else None
         with phase(f"running the calibrated model ({stages} ranks, {microbatches} micro-batches, "
-                   f"{(1 + steady) * len(PROBE_SCHEDULES)} mini-batches)"):
+                   f"{(1 + steady) * len(PROBE_SCHEDULES)} mini-batches"
+                   f"{'; contention measured in its ranks first' if hosted else ''})"):
             trace = _probe_run(model, {k: v for k, v in options.items() if v is not None}, profile.partition.bounds,
                                settings, env, (microbatches, steady), f"the calibrated model's {stages} ranks",
-                               advance)
+                               advance, hosted.prelude(phase) if hosted else None)
         runtime = host_times(runtime, [trace])
         meta.update(host_times_from="the calibrated model", host_microbatches=microbatches,
                     host_minibatches=(1 + steady) * len(PROBE_SCHEDULES))
@@ -255,9 +261,9 @@ def _probe_terms(profile, settings, advance, probe_options: dict):
 
 
 def _probe_run(name: str, given: dict, bounds: list[int], settings, env, plan: tuple[int, int], what: str,
-               advance):
+               advance, prelude=None):
     """The probe's schedules (`probe_schedule` with `plan`'s micro-batches and steady mini-batches) run for
-    real on model `name` cut at `bounds`: its trace."""
+    real on model `name` cut at `bounds` (after `prelude` in its ranks, if given): its trace."""
     from ..calibrate.runtime import PROBE_OPTIMIZER, RuntimeProbeError, probe_schedule
     from ..executor import ExecutorError, RunSpec, run_multiprocess
 
@@ -266,7 +272,7 @@ def _probe_run(name: str, given: dict, bounds: list[int], settings, env, plan: t
                    optimizer=PROBE_OPTIMIZER, dtype=env.dtype, bounds=tuple(bounds),
                    threads_per_rank=settings.threads)
     try:
-        return run_multiprocess(spec, device=env.device).trace
+        return run_multiprocess(spec, device=env.device, prelude=prelude).trace
     except ExecutorError as exc:
         raise RuntimeProbeError(f"the runtime probe failed: {str(exc).splitlines()[0]}") from None
 

@@ -3,7 +3,7 @@ semantics, and records a measured trace in the simulator's schema. Never imports
 method by name."""
 
 from .backward import backward_input, backward_weight, full_backward
-from .runners import RunResult, run_in_process, run_multiprocess
+from .runners import Prelude, RunResult, run_in_process, run_multiprocess
 from .runtime import DeviceLoop, DeviceResult
 from .stages import (
     DivergedError,
@@ -20,4 +20,4 @@ from .weights import StageWeights, Weights
 
 __all__ = ["backward_input", "backward_weight", "carried_bounds", "cut", "DeviceLoop", "DeviceResult",
            "DivergedError", "even_bounds", "ExecutorError", "full_backward", "microbatch_data", "run_in_process",
-           "run_multiprocess", "RunResult", "RunSpec", "StageModule", "Stages", "StageWeights", "Weights"]
+           "Prelude", "run_multiprocess", "RunResult", "RunSpec", "StageModule", "Stages", "StageWeights", "Weights"]

@@ -54,6 +54,17 @@ class RunResult:
     weights: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Prelude:
+    """Work a caller runs in a run's spawned ranks before the run, so that it shares their start-up (spawning,
+    importing torch): each rank calls `rank(conn, rank)` (importable: spawned processes unpickle it) with its end
+    of a duplex pipe, while the parent calls `parent(conns, procs)` with its ends; the run starts when that
+    returns, and whatever it raises stops every rank."""
+
+    rank: Callable[[Any, int], None]
+    parent: Callable[[list[Any], list[Any]], None]
+
+
 def _lowered(spec: RunSpec):
     try:
         preflight(spec.schedule, dry_run=True)
@@ -200,11 +211,16 @@ class _Reporter:
 
 
 def _rank_main(setup: Any, rank: int, world: int, init_method: str, choice: TransportChoice, messages: Any,
-               compute_lock: Any) -> None:
-    """One rank of `run_multiprocess` (a spawned process): receive the RunSpec from `setup`, run the device,
-    reporting heartbeats, then put ("done", rank, result) or ("error", rank, message, diverged)."""
+               compute_lock: Any, prelude: tuple[Callable[[Any, int], None], Any] | None = None) -> None:
+    """One rank of `run_multiprocess` (a spawned process): run the caller's `prelude` (its work and its pipe end)
+    if any, receive the RunSpec from `setup`, run the device, reporting heartbeats, then put ("done", rank,
+    result) or ("error", rank, message, diverged)."""
     reporter = None
     try:
+        if prelude is not None:
+            work, conn = prelude
+            work(conn, rank)
+            conn.close()
         spec: RunSpec = setup.recv()
         torch.set_num_threads(spec.threads_per_rank)
         lowered = _lowered(spec)
@@ -341,14 +357,15 @@ class _Supervisor:
 
 
 def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto", timeout_s: float | None = None,
-                     stall_timeout_s: float = 20.0, on_progress: Callable[[Progress], None] | None = None
-                     ) -> RunResult:
+                     stall_timeout_s: float = 20.0, on_progress: Callable[[Progress], None] | None = None,
+                     prelude: Prelude | None = None) -> RunResult:
     """One spawned process per device on this machine: gloo on CPU; on CUDA, NCCL with one GPU per rank, or,
     when ranks share a GPU, host-staged gloo with a cross-process lock around compute. The parent supervises:
     a rank that dies, fails or makes no progress for `stall_timeout_s` stops every rank and raises RunFailed
     naming it, with the incomplete trace; so does a run longer than `timeout_s` (default: none). Ctrl-C
     (KeyboardInterrupt) ends every rank before it propagates. `on_progress` is called after each message from
-a rank, and every HEARTBEAT_S when none comes."""
+a rank, and every HEARTBEAT_S when none comes. A `prelude` runs in the ranks first (neither timeout counts
+its time)."""
     lowered = _lowered(spec)
     cut(spec)  # fail here, in one line, on a model the schedule cannot be cut into
     world = spec.schedule.num_devices
@@ -362,13 +379,21 @@ a rank, and every HEARTBEAT_S when none comes."""
     init_method = f"tcp://127.0.0.1:{free_port()}"
     hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank}
     setups = [context.Pipe(duplex=False) for _ in range(world)]
+    pipes = [context.Pipe() for _ in range(world)] if prelude is not None else []
     procs = [context.Process(target=_rank_main, name=f"pipesim-rank-{rank}", daemon=True,
-                             args=(setups[rank][0], rank, world, init_method, choice, messages, compute_lock))
+                             args=(setups[rank][0], rank, world, init_method, choice, messages, compute_lock,
+                                   (prelude.rank, pipes[rank][1]) if prelude is not None else None))
              for rank in range(world)]
-    supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s)
-    started = time.monotonic()
     try:
         start_processes(procs, spec.threads_per_rank)
+        if prelude is not None:
+            for _, theirs in pipes:
+                theirs.close()  # the parent keeps only its own ends, so a rank that dies reads as EOF
+            prelude.parent([ours for ours, _ in pipes], procs)
+            for ours, _ in pipes:
+                ours.close()
+        supervisor = _Supervisor(spec, lowered, procs, stall_timeout_s)
+        started = time.monotonic()
         for _, writer in setups:
             writer.send(spec)
         while any(r is None for r in supervisor.results):

@@ -93,6 +93,12 @@ def test_calibrate_end_to_end_with_links(tmp_path):
     assert runtime.meta["threads_per_rank"] == env.threads == 1 and runtime.meta["schedules"] == ["1f1b", "zb-h1"]
     assert runtime.meta["host_times_from"] == "the calibrated model"  # its gaps and sends, after its own compute
     assert "runtime per row, us: compute F" in printed
+    # contention is measured in the ranks of that run, before it: one start-up for both
+    assert profile.contention.meta["processes_started"] == "the ranks of the run it preceded"
+    phases = [line.split(" ... ")[0] for line in err.splitlines() if " ... " in line]
+    assert phases[-2] == "measuring contention in the run's 2 ranks, before it"
+    assert phases[-1].startswith("running the calibrated model (2 ranks, ")
+    assert phases[-1].endswith("; contention measured in its ranks first)")
 
     assert [p.nbytes for p in profile.link.points] == [4096, 8192, 16384, 32768, 65536]
     assert profile.link.segments and profile.link.meta["backend"] == "gloo"

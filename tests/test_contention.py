@@ -206,3 +206,35 @@ def test_a_window_no_iteration_fits_in_is_taken_again_longer(tmp_path, monkeypat
     meta = load_profile(out).contention.meta
     assert meta["window_s"] == 0.5 and meta["windows_retaken"] and set(meta["windows_retaken"]) <= {0.5, 1.0}
     assert all(n >= 1 for by_count in meta["iterations"] for ns in by_count for n in ns)
+
+
+def test_contention_is_measured_in_the_ranks_of_the_calibrated_models_run_before_it():
+    """`ContentionProbe.prelude`: the windows run in the executor's own rank processes, before their run (which
+    then completes as without it), so the two share one start-up."""
+    from pipesim.calibrate.contention import ContentionProbe
+    from pipesim.calibrate.runtime import probe_schedule
+    from pipesim.executor import Prelude, RunSpec, run_multiprocess
+    from pipesim.traces.trace import Stream
+
+    shipped = load_profile(PROFILE)  # its stages' times only size the windows: the tiny mlp's cut and batch
+    profile = shipped.model_copy(update={
+        "partition": shipped.partition.model_copy(update={"bounds": [0, 1, 3]}),
+        "environment": shipped.environment.model_copy(update={"microbatch_size": 2, "threads": 1})})
+    options = {"layers": 2, "width": 16}
+    probe = ContentionProbe(profile, "mlp", options)
+    prelude = probe.prelude()
+    measured_in = []
+
+    def parent(conns, procs):
+        measured_in.extend(proc.name for proc in procs if proc.is_alive())
+        prelude.parent(conns, procs)
+
+    spec = RunSpec(probe_schedule(2, 4, 1), "mlp", options, microbatch_size=2, optimizer="sgd",
+                   bounds=tuple(profile.partition.bounds))
+    trace = run_multiprocess(spec, prelude=Prelude(prelude.rank, parent)).trace
+    assert measured_in == ["pipesim-rank-0", "pipesim-rank-1"] and probe.done
+    assert sum(trace.ops.stream == Stream.COMPUTE) == sum(map(len, spec.schedule.orders))  # every row ran
+    contention = probe.result()
+    assert contention.meta["processes_started"] == "the ranks of the run it preceded"
+    assert len(contention.slowdown) == 2 and contention.slowdown[0] == 1.0
+    assert all(n > 0 for windows in contention.meta["iterations"] for window in windows for n in window)
