@@ -128,9 +128,10 @@ def warmup_factors(traces: list[Trace]) -> list[float]:
     """How much longer a fresh rank takes for its first rows than for later ones, from runs of `probe_schedule`
     (its first schedule, which starts the ranks): per device, what each row held it (a compute or SEND row's
     duration and the host time after every row; not a receive's wait) over the median of the same kind and
-    stage's rows in the schedule's second half; summed per WARMUP_ROWS compute rows of its first half (step j:
-    the rows after j·WARMUP_ROWS of them and before the next), up to WARMUP_STEPS; median over devices and
-    traces. A step faster than the steady rows is noise, priced as steady (1)."""
+    stage's rows in the schedule's second half; its median per WARMUP_ROWS compute rows of the first half (step
+    j: the rows after j·WARMUP_ROWS of them and before the next), up to WARMUP_STEPS, so that a row a slow spell
+    of a shared machine stretched does not stand for its step; median over devices and traces. A step faster
+    than the steady rows is noise, priced as steady (1)."""
     ratios = []
     for trace in traces:
         ops = trace.ops
@@ -153,7 +154,7 @@ def warmup_factors(traces: list[Trace]) -> list[float]:
             ratios.append([])
             for j in range(steps):
                 mine = timed & (computed // WARMUP_ROWS == j) & np.isin(key, list(steady_us))
-                ratios[-1].append(held_us[mine].sum() / sum(steady_us[k] for k in key[mine]))
+                ratios[-1].append(float(np.median(held_us[mine] / [steady_us[k] for k in key[mine]])))
     ratios = [r for r in ratios if r]
     steps = min((len(r) for r in ratios), default=0)
     if not steps:
