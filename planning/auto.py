@@ -21,11 +21,13 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
-from ..schedules import KIND_CODE, Action, Kind, Schedule, ScheduleError, ScheduleParams, make_schedule
+from ..schedules import KIND_CODE, Kind, Schedule, ScheduleError, ScheduleParams, make_schedule
 from ..schedules.catalogue import METHODS
+from ..schedules.table import stacked
 from ..sim import Cluster, Costs
 from ..sim.engine import static_bytes
 from ..units import MIB
@@ -36,9 +38,13 @@ _KIND = (Kind.F, Kind.I, Kind.W, Kind.B)
 _STEADY = 2  # mini-batches timed: the second shows the steady state of a flushing order (`steady_minibatches`)
 _FIXED = ("1f1b", "zb-h1", "zb-h2", "gpipe")  # fixed orders the search starts from, where they fit
 # The list scheduler's variants, most often best first: (micro-batches a stage may hold between F and I, as a
-# multiple of 1F1B's p - k; W's it keeps for the end of the mini-batch, as a multiple of what fills its wait there).
-_GRID = ((2.0, 1.0), (1.0, 0.5), (1.5, 1.0), (2.0, 0.0), (math.inf, 1.0), (1.0, 0.0), (1.5, 0.5), (2.0, 0.5),
-         (3.0, 1.0), (math.inf, 0.0), (1.0, 1.0), (1.5, 0.0), (2.0, math.inf), (math.inf, math.inf))
+# multiple of 1F1B's p - k; W's it keeps for the end of the mini-batch, as a multiple of what fills its wait there;
+# whether no F may delay a stage's first I; how many fewer micro-batches the stages after the first hold).
+_GRID = ((2.0, 1.0, True, 0), (2.0, 1.0, False, 0), (2.0, 1.0, False, 1), (1.0, 0.5, False, 0),
+         (2.0, 1.0, True, 1), (math.inf, 1.0, True, 0), (2.0, 0.0, True, 0), (1.5, 0.5, False, 0),
+         (1.5, 1.0, False, 0), (2.0, 0.5, False, 0), (1.0, 0.0, False, 0), (2.0, 0.0, False, 0),
+         (math.inf, 0.0, True, 0), (1.5, 0.0, True, 0), (1.0, 1.0, False, 0), (3.0, 1.0, False, 0),
+         (math.inf, math.inf, False, 0))
 DEFAULT_SECONDS = 0.5  # search budget unless --search-seconds says otherwise
 _OPS_PER_SECOND = 400_000  # ops scheduled or timed per second of budget (this machine, one core, loaded)
 
@@ -59,7 +65,7 @@ class StageTimes:
     micro-batch holds from its F until its I (or B), `kept_bytes[k]` what it still holds from its I until its W;
     `limit_bytes[k]` the most device k may hold at once."""
 
-    op_ms: np.ndarray
+    op_ms: tuple[tuple[float, float, float, float], ...]
     opt_ms: tuple[float, ...]
     send_ms: tuple[float, ...]
     grad_ms: tuple[float, ...]
@@ -142,23 +148,25 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
         raise ActivationLimitError(f"--activation-limit: device {d}: {why}, less than one micro-batch's "
                                    f"{amount(held[d])}; R must be at least {max(held / reference):.3g}")
     opt = ops[:, KIND_CODE[Kind.OPT]] + host[KIND_CODE[Kind.OPT]]
-    return StageTimes(op_ms, tuple(opt.tolist()), send_ms, grad_ms, tuple(held.tolist()), tuple(kept.tolist()),
-                      tuple(limit.tolist()), m)
+    return StageTimes(tuple(map(tuple, op_ms.tolist())), tuple(opt.tolist()), send_ms, grad_ms,
+                      tuple(held.tolist()), tuple(kept.tolist()), tuple(limit.tolist()), m)
 
 
+@lru_cache(maxsize=8)  # a command builds one schedule for several mini-batch counts: search once
 def best_pattern(times: StageTimes, budget_seconds: float = DEFAULT_SECONDS) -> Pattern:
     """The candidate with the shortest steady-state time per mini-batch (then the shortest first mini-batch,
     then the first tried): the fixed orders that fit (always timed), then the list scheduler's variants in
     `_GRID` order, then a local search over its per-stage knobs, for as long as the budget lasts. The budget is
     counted in ops scheduled and timed at a rate fixed in `_OPS_PER_SECOND`, not on the clock, so the same inputs
-    give the same schedule on any machine, loaded or not."""
+    give the same schedule on any machine, loaded or not; the fixed orders and the first variant are always tried
+    (the constructive pass), the budget bounds the rest."""
     search = _Search(times, round(budget_seconds * _OPS_PER_SECOND))
-    for pattern in _fixed_patterns(times):
+    for pattern in _fixed_patterns(times.stages, times.microbatches):
         search.consider(pattern, None)
-    for in_flight, reserve in _GRID:
-        if not search.affords():
+    for n, variant in enumerate(_GRID):
+        if n and not search.affords():  # the first variant runs whatever the budget
             break
-        search.knobs(Knobs.scaled(times, in_flight, reserve))
+        search.knobs(Knobs.scaled(times, *variant))
     search.improve()
     if search.best is None:  # cannot happen: one micro-batch at a time always fits (checked by `stage_times`)
         raise ScheduleError(f"{METHOD}: no order fits the activation limit")
@@ -182,7 +190,6 @@ class _Search:
 
     def consider(self, pattern: Pattern | None, knobs: Knobs | None) -> bool:
         """Time `pattern` (if it fits) and keep it if it beats the best; whether it did."""
-        self.budget_ops -= self.cost_ops
         if pattern is None or not fits(pattern, self.times):
             return False
         done = finish_ms(pattern, self.times, _STEADY)
@@ -201,42 +208,46 @@ class _Search:
         if knobs in self.tried:
             return False
         self.tried.add(knobs)
-        self.budget_ops -= self.cost_ops
+        self.budget_ops -= 2 * self.cost_ops  # scheduled, then timed
         return self.consider(_greedy(self.times, knobs), knobs)
 
     def improve(self) -> None:
-        """Coordinate descent from the best knobs: one stage's in-flight cap or W reserve one up or down, the
-        first change that shortens the step kept, until none does or the budget is spent."""
+        """Coordinate descent from the best knobs: one stage's in-flight cap or W reserve one up or down, or its
+        guard switched, the first change that shortens the step kept, until none does or the budget is spent."""
         m = self.times.microbatches
         improved = self.best_knobs is not None
         while improved:
             improved = False
             for k in range(self.times.stages):
-                for field, delta in (("reserve", 1), ("reserve", -1), ("in_flight", 1), ("in_flight", -1)):
+                for field, delta in (("in_flight", -1), ("reserve", 1), ("reserve", -1), ("in_flight", 1),
+                                     ("guard", 1)):
                     if not self.affords():
                         return
                     values = list(getattr(self.best_knobs, field))
-                    values[k] += delta
-                    if not (0 if field == "reserve" else 1) <= values[k] <= m:
+                    values[k] = not values[k] if field == "guard" else values[k] + delta
+                    if field != "guard" and not (0 if field == "reserve" else 1) <= values[k] <= m:
                         continue
                     if self.knobs(replace(self.best_knobs, **{field: tuple(values)})):
                         improved = True
 
 
-def _fixed_patterns(times: StageTimes) -> list[Pattern | None]:
+@lru_cache(maxsize=8)
+def _fixed_patterns(p: int, m: int) -> tuple[Pattern | None, ...]:
     """The fixed methods' orders for one mini-batch, as patterns (None where a method cannot be built)."""
-    p, m = times.stages, times.microbatches
+    code = np.full(len(KIND_CODE), -1)
+    code[[KIND_CODE[kind] for kind in _KIND]] = np.arange(len(_KIND))
     patterns = []
     for name in _FIXED:
         try:
-            sched = METHODS[name].build(ScheduleParams(p, m))
+            table = METHODS[name].build(ScheduleParams(p, m)).table
         except ScheduleError:
             patterns.append(None)
             continue
-        code = {Kind.F: _F, Kind.I: _I, Kind.W: _W, Kind.B: _B}
-        patterns.append(tuple(tuple((code[a.kind], a.microbatch) for a in order if a.kind in code)
-                              for order in sched.orders))
-    return patterns
+        keep = code[table.kind] >= 0
+        ops = list(zip(code[table.kind[keep]].tolist(), table.microbatch[keep].tolist()))
+        bounds = np.searchsorted(table.device[keep], np.arange(p + 1)).tolist()
+        patterns.append(tuple(tuple(ops[bounds[k]:bounds[k + 1]]) for k in range(p)))
+    return tuple(patterns)
 
 
 def fits(pattern: Pattern, times: StageTimes) -> bool:
@@ -309,7 +320,7 @@ def _steps(ops: Sequence[tuple[int, int]], k: int, times: StageTimes, units: int
     (-1: its own device's order suffices) and the transfer after it, where the end times it writes start (-1:
     nothing waits for them), and its micro-batch."""
     p = times.stages
-    durations = times.op_ms[k].tolist()
+    durations = times.op_ms[k]
     steps = []
     for code, j in ops:
         source, delay, output = -1, 0.0, -1
@@ -334,20 +345,23 @@ class Knobs:
 
     in_flight: tuple[int, ...]
     reserve: tuple[int, ...]
+    guard: tuple[bool, ...]  # whether stage k leaves an F unstarted that would delay its first I (due sooner)
 
     @classmethod
-    def scaled(cls, times: StageTimes, in_flight: float, reserve: float) -> Knobs:
-        """`in_flight` × 1F1B's p − k micro-batches; `reserve` × the W's that fill the time stage k waits for the
-        next mini-batch's first forward after its own last I (k hops of F, I and two transfers after the first
-        stage's)."""
+    def scaled(cls, times: StageTimes, in_flight: float, reserve: float, guard: bool = False, less: int = 0
+               ) -> Knobs:
+        """`in_flight` × 1F1B's p − k micro-batches, `less` fewer below the first stage (ZB-H2 holds 2(p − k) − 1);
+        `reserve` × the W's that fill the time stage k waits for the next mini-batch's first forward after its own
+        last I (k hops of F, I and two transfers after the first stage's)."""
         p, m = times.stages, times.microbatches
         ops = times.op_ms
         hops = np.concatenate([[0.0], np.cumsum([ops[k][_F] + ops[k][_I] + times.send_ms[k - 1] + times.grad_ms[
             k - 1] for k in range(1, p)])])
         wait = [hops[k] / max(ops[k][_W], 1e-9) for k in range(p)]
-        return cls(tuple(max(1, min(m, math.ceil(in_flight * (p - k)))) if math.isfinite(in_flight) else m
-                         for k in range(p)),
-                   tuple(min(m, round(reserve * wait[k])) if math.isfinite(reserve) else m for k in range(p)))
+        return cls(tuple(max(1, min(m, math.ceil(in_flight * (p - k)) - (less if k else 0)))
+                         if math.isfinite(in_flight) else m for k in range(p)),
+                   tuple(min(m, round(reserve * wait[k])) if math.isfinite(reserve) else m for k in range(p)),
+                   (guard,) * p)
 
 
 def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
@@ -355,11 +369,11 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
     whenever it is free (devices in time order, through a heap); the last mini-batch's order (the steady one)
     is the pattern. None where the knobs leave a device nothing it can ever run."""
     p, m, n = times.stages, times.microbatches, _STEADY
-    cap, reserve = knobs.in_flight, knobs.reserve
+    cap, reserve, guard = knobs.in_flight, knobs.reserve, knobs.guard
     held, kept, limit = times.held_bytes, times.kept_bytes, [x + 1e-9 for x in times.limit_bytes]
     send = [*times.send_ms, 0.0]  # send[k]: stage k to k + 1
     grad = [*times.grad_ms, 0.0]  # grad[k]: stage k + 1 back to k
-    durations = times.op_ms.tolist()
+    durations = times.op_ms
     units = m * n
     forward_end = [[-1.0] * units for _ in range(p + 1)]  # [k + 1][u]: F of stage k; [0]: the input, at once
     forward_end[0] = [0.0] * units
@@ -408,12 +422,15 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                     arrived = forward_end[k][base + f]
                     if arrived >= 0:
                         f_at = arrived + (send[k - 1] if k else 0.0)
+                # an F that would end after the mini-batch's first I arrives delays the whole backward chain, which a
+                # guarded stage avoids
+                free_until = i_at if guard[k] and i == 0 and i_at is not None else math.inf
                 if i_at is not None and i_at <= now:
                     code, j = _I, i
-                elif f_at is not None and f_at <= now and room:
+                elif f_at is not None and f_at <= now and room and now + durations[k][_F] <= free_until:
                     code, j = _F, f
-                elif pending[k] and (len(pending[k]) > reserve[k] or i == f == m
-                                     or (f_at is not None and f_at <= now)):
+                elif pending[k] and now + durations[k][_W] <= free_until and (
+                        len(pending[k]) > reserve[k] or i == f == m or (f_at is not None and f_at <= now)):
                     code, j = _W, pending[k].popleft()
                 else:  # wait: for an input whose arrival is known, or for one not yet sent
                     known = [t for t in (i_at, f_at) if t is not None and t > now]  # no room: W, to free it
@@ -475,12 +492,13 @@ def _merge_backward(pattern: Pattern, times: StageTimes) -> Pattern:
 
 
 def _schedule(params: ScheduleParams, pattern: Pattern) -> Schedule:
-    """Each device's pattern, then its stage's update, once per mini-batch."""
-    orders = []
+    """Each device's pattern, then its stage's update, once per mini-batch (built as columns)."""
+    n = params.minibatches
+    kind_code = np.array([KIND_CODE[kind] for kind in _KIND] + [KIND_CODE[Kind.OPT]])
+    parts = []
     for k, ops in enumerate(pattern):
-        order = []
-        for b in range(params.minibatches):
-            order += [Action(_KIND[code], k, j, b) for code, j in ops]
-            order.append(Action(Kind.OPT, k, -1, b))
-        orders.append(order)
-    return make_schedule(METHOD, params, orders)
+        codes, microbatches = (np.array([*column, fill]) for column, fill in zip(zip(*ops), (len(_KIND), -1)))
+        rows = len(codes) * n
+        parts.append((k, np.tile(kind_code[codes], n), np.full(rows, k), np.tile(microbatches, n),
+                      np.repeat(np.arange(n), len(codes)), np.zeros(rows)))
+    return make_schedule(METHOD, params, stacked(parts))

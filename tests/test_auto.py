@@ -1,0 +1,127 @@
+"""`auto`: the schedule searched from the costs. Never slower than a fixed order that fits the same activation
+limit, the limit held in the simulated memory curve, every schedule valid, the same inputs the same schedule; and
+at least as good as the zero-bubble paper's own automatic schedules (ZB-1p, ZB-2p) on the paper's costs."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipesim.planning.auto import best_pattern, search_schedule
+from pipesim.schedules import METHODS, ScheduleError, preflight
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.sim.engine import static_bytes
+from pipesim.traces import summarize
+from pipesim.units import MIB
+from tests.conftest import pipesim, simulate_json
+
+PAPER = Path(__file__).resolve().parents[1] / "benchmarks" / "zero_bubble_paper.json"
+FIXED = ("1f1b", "zb-h1", "zb-h2")
+
+
+def _run(schedule, costs, comm):
+    trace = simulate(schedule, costs, Cluster.uniform(schedule.num_devices, comm))
+    return trace, summarize(trace)
+
+
+def _peak_activation_bytes(trace, schedule, costs):
+    """Per device, the simulated peak memory beyond what it holds throughout (weights, gradients, state)."""
+    static = static_bytes(schedule, costs)
+    return [counter.values.max() - static[d] for d, counter in enumerate(trace.counters["memory_bytes"])]
+
+
+@st.composite
+def scenarios(draw):
+    p = draw(st.integers(2, 5))
+    m = draw(st.integers(p, 3 * p))
+    per_stage = st.lists(st.floats(0.5, 3.0), min_size=p, max_size=p)
+    fwd = draw(per_stage)
+    bwd = [f * draw(st.floats(1.2, 2.5)) for f in fwd]  # uneven stages, B about twice F
+    activation = draw(st.lists(st.floats(1.0, 4.0), min_size=p, max_size=p))
+    costs = Costs.per_stage(p, fwd_ms=fwd, bwd_ms=bwd, wgrad_fraction=draw(st.floats(0.2, 0.7)),
+                            activation_mb=activation, output_mb=0.0, param_mb=1.0)
+    return p, m, costs, draw(st.sampled_from([0.0, 0.05, 0.3]))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.sampled_from([1.0, 2.0]))
+def test_property_auto_is_valid_within_its_limit_and_never_slower_than_a_fixed_order_that_fits(scenario, limit):
+    p, m, costs, comm = scenario
+    auto = search_schedule(METHODS["auto"].params(p, m, 2, activation_limit=limit, search_seconds=0.05), costs,
+                           Cluster.uniform(p, comm))
+    preflight(auto, dry_run=True)
+    trace, summary = _run(auto, costs, comm)
+    assert summary.max_staleness == 0
+    allowed = limit * min(p, m) * costs.stages[0].activation_bytes  # R × what 1F1B holds on its first device
+    assert max(_peak_activation_bytes(trace, auto, costs)) <= allowed + 1
+    for name in FIXED:
+        try:
+            fixed = METHODS[name].build(METHODS[name].params(p, m, 2))
+        except ScheduleError:  # zb-h2 needs m >= 2p - 1
+            continue
+        fixed_trace, fixed_summary = _run(fixed, costs, comm)
+        if max(_peak_activation_bytes(fixed_trace, fixed, costs)) <= allowed + 1:
+            assert summary.time_per_minibatch_ms <= fixed_summary.time_per_minibatch_ms + 1e-6, name  # ps clock
+
+
+def test_the_same_inputs_give_the_same_schedule():
+    costs = Costs.per_stage(4, fwd_ms=[1.0, 1.4, 0.8, 1.1], bwd_ms=[2.2, 2.6, 1.5, 2.0], activation_mb=2.0)
+    params = METHODS["auto"].params(4, 10, 2, activation_limit=1.5)
+    first = search_schedule(params, costs, Cluster.uniform(4, 0.1)).to_text()
+    best_pattern.cache_clear()  # search again rather than remember
+    assert search_schedule(params, costs, Cluster.uniform(4, 0.1)).to_text() == first
+
+
+def test_auto_needs_costs_and_a_limit_that_holds_one_microbatch():
+    with pytest.raises(ScheduleError, match="auto searches its order from the stage costs"):
+        METHODS["auto"].build(METHODS["auto"].params(4, 8))
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=[1.0, 1.0, 4.0, 1.0])
+    with pytest.raises(ScheduleError, match="--activation-limit: device 2: .* R must be at least 1"):
+        search_schedule(METHODS["auto"].params(4, 8, activation_limit=0.9), costs, Cluster.uniform(4, 0.0))
+
+
+def test_device_memory_caps_the_limit():
+    """Where a device's memory is known, what fits beside its weights, gradients and optimizer state caps R."""
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=10.0, param_mb=10.0, output_mb=0.0)
+    memory = [(10 + 10 + 20 + 25) * MIB] * 4  # weights, gradients, Adam's two moments, and 25 MiB
+    auto = search_schedule(METHODS["auto"].params(4, 8, 2, activation_limit=4.0), costs, Cluster.uniform(4, 0.0),
+                           memory)
+    trace, _ = _run(auto, costs, 0.0)
+    assert max(_peak_activation_bytes(trace, auto, costs)) <= 25 * MIB  # not R = 4: sixteen micro-batches
+
+
+def test_simulate_shows_auto_beside_the_fixed_schedules_and_refuses_bad_limits():
+    results = simulate_json("-s", "auto", "-s", "1f1b", "-s", "zb-h1", "--fwd", "1,1.5,1,1.2", "--bwd", "2,3,2,2.4",
+                            "--comm", "0.1", "--activation-limit", "1")
+    step = {r["schedule"]: r["time_per_minibatch_ms"] for r in results}
+    assert list(step) == ["auto", "1f1b", "zb-h1"] and step["auto"] <= min(step.values())
+    for args, fragment in ((["--activation-limit", "0.1"], "--activation-limit: device 0: R = 0.1 leaves it"),
+                           (["--activation-limit", "x"], "--activation-limit: give one number above 0 (got 'x')"),
+                           (["--search-seconds", "-1"], "--search-seconds: give one number above 0")):
+        code, _, err = pipesim("simulate", "-s", "auto", *args)
+        assert code == 2 and fragment in err and err.count("\n") == 1, err
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--activation-limit", "2")
+    assert code == 2 and "--activation-limit applies to auto only" in err
+
+
+def _paper_rows(max_stages: int):
+    rows = json.loads(PAPER.read_text())["rows"]
+    return [pytest.param(row, id=f"{row['model']}-m{row['m']}") for row in rows if row["p"] <= max_stages]
+
+
+@pytest.mark.parametrize("row", _paper_rows(8))
+def test_auto_matches_or_beats_the_zero_bubble_papers_automatic_schedules(row):
+    """Qi et al. (ICLR 2024), Table 9's profiled costs: auto at R = 1 and 2 against Table 5's ZB-1p and ZB-2p
+    bubble rates, 1 - m(F + B + W) / step, the step in steady state (benchmarks/zero_bubble.py: every row)."""
+    p, m = row["p"], row["m"]
+    ideal = m * (row["fwd_ms"] + row["igrad_ms"] + row["wgrad_ms"])
+    costs = Costs.per_stage(p, fwd_ms=row["fwd_ms"], bwd_ms=row["igrad_ms"] + row["wgrad_ms"],
+                            wgrad_fraction=row["wgrad_ms"] / (row["igrad_ms"] + row["wgrad_ms"]), activation_mb=1.0,
+                            output_mb=0.0)
+    for limit, published in ((1.0, row["bubble"]["zb-1p"]), (2.0, row["bubble"]["zb-2p"])):
+        auto = search_schedule(METHODS["auto"].params(p, m, 2, activation_limit=limit), costs,
+                               Cluster.uniform(p, row["comm_ms"]))
+        bubble = 1 - ideal / _run(auto, costs, row["comm_ms"])[1].time_per_minibatch_ms
+        assert round(bubble, 4) <= published, (limit, bubble, published)
