@@ -18,6 +18,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from .common import (
+    SEARCH_COSTS,
+    ActivationLimit,
     Advance,
     AverageEvery,
     Chunks,
@@ -27,7 +29,13 @@ from .common import (
     Minibatches,
     Pipelines,
     PredictionSource,
+    SearchActivationMb,
+    SearchBwd,
+    SearchComm,
+    SearchFwd,
+    SearchSeconds,
     Stages,
+    WgradFraction,
     check_method_options,
     check_prediction,
     check_writable,
@@ -35,6 +43,8 @@ from .common import (
     is_given,
     require,
     require_model_data,
+    search_options,
+    searched_scenario,
     stderr,
     stdout,
     write_error,
@@ -62,6 +72,13 @@ def run(
     average_every: AverageEvery = 1,
     elastic_alpha: ElasticAlpha = None,
     prediction: PredictionSource = None,
+    activation_limit: ActivationLimit = None,
+    search_seconds: SearchSeconds = None,
+    fwd: SearchFwd = None,
+    bwd: SearchBwd = None,
+    wgrad_fraction: WgradFraction = 0.5,
+    comm: SearchComm = None,
+    activation_mb: SearchActivationMb = None,
     microbatch_size: Annotated[int, typer.Option(
         "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch (default 8, or the "
                                                                "profile's).")] = 8,
@@ -78,7 +95,8 @@ def run(
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the model and the data.")] = 0,
     profile: Annotated[Path | None, typer.Option(
         "--profile", metavar="JSON", help="Profile from `pipesim calibrate`: its partition gives the stage layer "
-                                          "bounds (and the model's size options).")] = None,
+                                          "bounds (and the model's size options); auto's order is searched for its "
+                                          "costs.")] = None,
     threads_per_rank: Annotated[int, typer.Option(
         "--threads-per-rank", metavar="T", min=1, help="Torch threads per rank.")] = 1,
     timeout: Annotated[float, typer.Option(
@@ -90,12 +108,14 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Run a schedule for real with torch: train the model with the method's weight semantics and write the
-    measured trace (same schema as `simulate --trace`).
+    measured trace (same schema as `simulate --trace`). auto runs the order searched for --profile's costs, or
+    for --fwd and --bwd.
 
     Spawns one process per device, or, started by torchrun, runs this rank and rank 0 writes the trace.
     """
     from ..schedules import ScheduleError
     from ..schedules.catalogue import method_named
+    from ..sim import CostError
     from ..traces import summarize, write_trace
 
     try:
@@ -109,7 +129,9 @@ def run(
 
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
-                                                  "--pipelines", "--prediction"))
+                                                  "--pipelines", "--prediction", "--activation-limit",
+                                                  "--search-seconds"))
+        search = search_options(activation_limit, search_seconds)
         if device not in DEVICES:
             raise InputError(f"--device: choose cpu or cuda (got {device!r})")
         if backend not in ("auto", "gloo", "nccl"):
@@ -135,9 +157,15 @@ def run(
                                  f"{profiled_b} samples per micro-batch, and its times hold there only; drop the "
                                  "flag or recalibrate")
             microbatch_size = profiled_b
-        built = method.build(method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
-                                           average_every=average_every, elastic_alpha=elastic_alpha,
-                                           prediction=prediction))
+        scenario = searched_scenario(ctx, method, measured)
+        params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
+                               average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
+                               **{option: value for option, value in search.items() if method.reads(option)})
+        if scenario is None:
+            built = method.build(params)
+        else:  # searched for the costs of the stages the run cuts (the profile's partition, where it fits)
+            fits = bounds is not None and len(bounds) - 1 == params.stages * params.chunks
+            built = scenario.build(method.name, params, bounds if fits else None)
         if bounds is not None and len(bounds) - 1 != built.num_stages:
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
                              f"{stages} devices has {built.num_stages}; calibrate with --stages "
@@ -177,6 +205,9 @@ def run(
             return
         if measured is not None:  # what `pipesim compare` predicts the run from
             result.trace.meta.extra["profile"] = measured.model_dump(mode="json")
+        elif scenario is not None:  # the what-if costs the order was searched for
+            result.trace.meta.extra["searched_for"] = {f"--{name.replace('_', '-')}": ctx.params[name]
+                                                       for name in SEARCH_COSTS if is_given(ctx, name)}
         write_trace(result.trace, trace)
         if failure is not None:
             stdout.print(f"wrote {trace} (incomplete)", highlight=False)
@@ -190,7 +221,7 @@ def run(
 
             write_timeline_page([result.trace], html, title=f"pipesim run: {schedule} (measured)",
                                 labels=[f"{schedule} measured"], summaries=[summary])
-    except (InputError, ScheduleError) as exc:
+    except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc))
     except ExecutorError as exc:
         fail(str(exc))

@@ -329,9 +329,9 @@ def test_a_device_that_fails_stops_the_others_and_is_named_alone():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["1f1b", "pipedream"])
-def test_two_gloo_ranks_match_the_in_process_run(method):
-    spec = spec_for(method, m=4 if method == "1f1b" else 2, n=3, optimizer="adam", dtype="float32", lr=0.01)
+def test_two_gloo_ranks_match_the_in_process_run():
+    """A stashing order over real ranks (synchronous orders: auto's tests in test_executor_methods and test_run)."""
+    spec = spec_for("pipedream", m=2, n=3, optimizer="adam", dtype="float32", lr=0.01)
     spec = RunSpec(**{**spec.__dict__, "timeout_s": 60.0})
     real = run_multiprocess(spec, timeout_s=120)
     local = run_in_process(spec)

@@ -25,9 +25,12 @@ import pytest
 import torch
 
 from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, Weights, cut, run_in_process, run_multiprocess
-from pipesim.schedules import KINDS, METHODS, Kind, ScheduleParams, StageGraph, build_schedule, lower
+from pipesim.planning.auto import search_schedule
+from pipesim.schedules import KINDS, METHODS, Kind, ScheduleParams, StageGraph, lower
 from pipesim.schedules.graph import graph_schedule, two_branch_graph
+from pipesim.sim import Cluster, Costs
 from pipesim.workload.transport import InProcessTransport
+from tests.conftest import build
 from tests.reference import STAGE_LAYERS, Reference, Snapshot, forward_version, single_process
 
 TIGHT = dict(rtol=1e-9, atol=1e-11)
@@ -36,8 +39,8 @@ TIGHT = dict(rtol=1e-9, atol=1e-11)
 def make_spec(method: str, *, stages: int = 2, m: int = 2, n: int = 3, optimizer: str = "sgd", lr: float = 0.05,
               model: str = "mlp", options: dict | None = None, dtype: str = "float64", **params) -> RunSpec:
     """A small run; the mlp's 5 Linear layers cut unevenly over 2 or 3 stages, so a cut that gives the extra
-    layer to the wrong stage changes what the asynchronous methods train."""
-    schedule = build_schedule(method, METHODS[method].params(stages, m, n, **params))
+    layer to the wrong stage changes what the asynchronous methods train. auto is searched for conftest's costs."""
+    schedule = build(method, stages, m, n, **params)
     return RunSpec(schedule, model, options or {"layers": 4, "width": 12}, microbatch_size=4, optimizer=optimizer,
                    lr=lr, seed=5, dtype=dtype)
 
@@ -207,6 +210,37 @@ def test_graphpipe_runs_the_two_branch_dag_like_one_process(optimizer):
 def test_graphpipe_with_longer_branches():
     spec = make_spec("graphpipe", stages=6, m=2, n=2, model="two-branch", options={"layers": 2, "width": 4})
     assert_same(final_weights(run_devices(spec), spec), single_process(spec), rtol=1e-10, atol=1e-12)
+
+
+def auto_spec(stages: int) -> RunSpec:
+    """auto searched for a last stage three times as slow as the others, at twice 1F1B's activations: an order no
+    fixed method has, with split backwards whose W's fill the bubbles."""
+    slow = [1.0] * (stages - 1) + [3.0]
+    costs = Costs.per_stage(stages, fwd_ms=slow, bwd_ms=[2 * ms for ms in slow], activation_mb=64.0)
+    schedule = search_schedule(METHODS["auto"].params(stages, 2 * stages, 2, activation_limit=2.0), costs,
+                               Cluster.uniform(stages, 0.1))
+    return RunSpec(schedule, "mlp", {"layers": 4, "width": 12}, microbatch_size=4, optimizer="adam", lr=0.01, seed=5,
+                   dtype="float64")
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_auto_searched_for_uneven_costs_trains_like_one_process(stages):
+    spec = auto_spec(stages)
+    kinds = {a.kind for order in spec.schedule.orders for a in order}
+    assert {Kind.I, Kind.W} <= kinds
+    assert_same(final_weights(run_devices(spec), spec), single_process(spec), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_auto_on_four_gloo_ranks_trains_like_one_process():
+    """The searched order over real ranks: every op on the version its lowering names, and single-process
+    training's weights at float64 tolerance (two ranks: tests/test_run.py runs auto through `pipesim run`)."""
+    spec = auto_spec(4)
+    real = run_multiprocess(spec, timeout_s=120)
+    assert real.trace.meta.hardware["backend"] == "gloo" and real.trace.meta.hardware["ranks"] == 4
+    np.testing.assert_array_equal(real.trace.ops.version, lower(spec.schedule).version)
+    assert_same([torch.from_numpy(w) for k in range(4) for w in real.weights[(k, 0)]], single_process(spec),
+                rtol=1e-10, atol=1e-12)
 
 
 def test_avgpipe_with_one_pipeline_trains_like_one_process():

@@ -19,8 +19,9 @@ import pytest
 from pipesim.executor import ExecutorError, RunSpec, carried_bounds, cut
 from pipesim.executor.runners import run_in_process
 from pipesim.planning.replay import predict_measured
+from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.schema import load_profile, stages_for
-from pipesim.schedules import lower
+from pipesim.schedules import ScheduleParams, lower
 from pipesim.traces import read_trace
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import free_port
@@ -107,6 +108,16 @@ BAD = {
     "learning rate not positive": (["--schedule", "1f1b", *SMALL_MLP, "--lr", 0], "--lr"),
     "option of another method": (["--schedule", "1f1b", *SMALL_MLP, "--elastic-alpha", 0.5], "--elastic-alpha"),
     "unknown model option": (["--schedule", "1f1b", "--model", "mlp", "--layers", 0], "--layers"),
+    "auto without costs": (["--schedule", "auto", *SMALL_MLP],
+                           "--fwd and --bwd, or --profile: auto searches its order from the stage costs"),
+    "auto's limit below a micro-batch": (["--schedule", "auto", *SMALL_MLP, "--fwd", 1, "--bwd", 2,
+                                          "--activation-limit", 0.1], "R must be at least 0.5"),
+    "auto's limit not a number": (["--schedule", "auto", *SMALL_MLP, "--fwd", 1, "--bwd", 2, "--activation-limit",
+                                   "lots"], "--activation-limit: give one number above 0 (got 'lots')"),
+    "costs for a fixed order": (["--schedule", "1f1b", *SMALL_MLP, "--fwd", 1],
+                                "--fwd: only a schedule searched from the costs (auto) reads it, not 1f1b"),
+    "auto's limit for a fixed order": (["--schedule", "1f1b", *SMALL_MLP, "--activation-limit", 2],
+                                       "--activation-limit applies to auto only, not 1f1b"),
 }
 
 
@@ -274,6 +285,27 @@ def test_a_run_with_a_profile_is_predicted_again_from_it_and_compared_op_by_op(t
     code, _, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP[:-2], "--microbatch-size", 8, "--profile", profile,
                            "--trace", tmp_path / "x.json")
     assert code == 2 and "measured at 4 samples per micro-batch" in err
+
+
+@pytest.mark.slow
+def test_auto_runs_the_order_searched_for_its_profile_and_compare_searches_it_again(tmp_path, profile):
+    """run -s auto --profile: two gloo ranks run the order searched for the profile's costs at the limit given;
+    the trace records R, and `compare` predicts the run by searching again from the recorded profile: the same
+    ops, on the same weight versions."""
+    trace = tmp_path / "m.json"
+    code, _, err = pipesim("run", "--schedule", "auto", *SMALL_MLP, "--stages", 2, "--microbatches", 4,
+                           "--minibatches", 2, "--activation-limit", 1.5, "--profile", profile, "--trace", trace)
+    assert code == 0, err
+    measured = read_trace(trace)
+    assert measured.meta.schedule == "auto" and measured.meta.params["activation_limit"] == 1.5
+    searched = profile_scenario(load_profile(profile), "sgd").build("auto", ScheduleParams(**measured.meta.params),
+                                                                    measured.meta.extra["bounds"])
+    assert len(measured.ops) == len(lower(searched).table.kind)
+    code, out, err = pipesim("compare", trace, "--json")
+    assert code == 0, err
+    c = json.loads(out)
+    assert c["missing_in_measured"] == c["missing_in_predicted"] == 0 and c["matched_ops"] == len(measured.ops)
+    assert c["version_mismatches"] == 0 and np.isfinite(c["iteration_time_error"])
 
 
 AHEAD_NS = 5_000_000_000  # rank 1's clock in the test below: 5 s ahead of rank 0's
