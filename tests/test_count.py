@@ -46,6 +46,20 @@ def test_a_linear_layer_is_2bio_forward_and_twice_that_backward_split_evenly(b, 
     assert first.param_bytes == first.grad_bytes == 4 * (i * o + o)
 
 
+def test_memory_bound_ops_move_what_they_read_and_write_and_views_nothing():
+    b, i, o = 3, 5, 7
+    with torch.device("meta"):
+        layers = [nn.Linear(i, o), nn.ReLU(), nn.Linear(o, o)]
+    model = Model("relu", layers, lambda n, gen: (torch.randn(n, i, generator=gen), None),
+                  lambda out, target: out.float().square().mean())
+    first, relu, _ = count_model(model, b, torch.float32).layers
+    activation = 4 * b * o
+    assert (relu.fwd_moved_bytes, relu.igrad_moved_bytes, relu.wgrad_moved_bytes) == (
+        2 * activation, 3 * activation, 0)  # relu reads x, writes y; its gradient reads dy and y, writes dx
+    assert relu.saved_bytes == activation and relu.fwd_flops == 0
+    assert first.fwd_moved_bytes == 0  # the product (FLOPs) and the views of its weight move nothing here
+    assert first.wgrad_moved_bytes == activation + 4 * o  # the bias gradient: a sum over the batch
+
 @pytest.mark.parametrize("attention", ["math", "flash"])
 def test_gpt_block_forward_flops_are_narayanans_24bsh2_plus_4bs2h(attention):
     block = gpt_block(attention)

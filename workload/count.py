@@ -101,6 +101,10 @@ class _MovedBytes(TorchDispatchMode):
             return out
         reads = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         writes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
+            written = [value for arg, value in zip(func._schema.arguments, args)
+                       if arg.alias_info is not None and arg.alias_info.is_write]
+            writes = [t for t in tree_leaves(written) if isinstance(t, torch.Tensor)]
         read_storages = {id(t.untyped_storage()) for t in reads}
         if not func._schema.is_mutable and all(id(t.untyped_storage()) in read_storages for t in writes):
             return out  # a view
@@ -148,14 +152,17 @@ def _attention(kind: str) -> Iterator[None]:
 
 
 @contextmanager
-def _saved(params: set[int]) -> Iterator[dict[int, torch.UntypedStorage]]:
-    """The storages autograd saves inside, by identity (meta storages have no address), weights left out."""
+def _saved(layer: torch.nn.Module) -> Iterator[dict[int, torch.UntypedStorage]]:
+    """The storages autograd saves inside, by identity (meta storages have no address), `layer`'s weights left
+    out. Every storage compared is held meanwhile, so no identity is reused."""
+    weights = [p.untyped_storage() for p in layer.parameters()]
+    params = {id(storage) for storage in weights}
     saved: dict[int, torch.UntypedStorage] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if id(storage) not in params:
-            saved[id(storage)] = storage  # held, so no identity is reused while counting
+            saved[id(storage)] = storage
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -222,7 +229,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                  steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
     """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
     weights = [p for p in layer.parameters() if p.requires_grad]
-    with _counting() as fwd, _saved({id(p.untyped_storage()) for p in layer.parameters()}) as saved:
+    with _counting() as fwd, _saved(layer) as saved:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
     igrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights)
