@@ -233,8 +233,9 @@ class ContentionProbe:
                                   for ms, solo in zip(by_count[index], by_count[0])])
                   for index in range(count)]
         spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
-        meta = {"processes": count, "processes_started": self.processes, "threads_per_process": job.threads, "window_s": self.window_s,
-                "warmup_s": WARMUP_S, "cpu_count": os.cpu_count(), "cpus_usable": _usable_cpus(),
+        meta = {"processes": count, "processes_started": self.processes, "threads_per_process": job.threads,
+                "window_s": self.window_s, "warmup_s": WARMUP_S, "cpu_count": os.cpu_count(),
+                "cpus_usable": _usable_cpus(),
                 "workload": {"model": job.model, "options": job.options, "bounds": job.bounds, "dtype": job.dtype,
                              "microbatch_size": job.microbatch_size,
                              "stages": [rank % stages for rank in range(count)],
