@@ -105,7 +105,8 @@ def calibrate(workload: Workload, out: Path, *, threads: int, runtime: bool, lin
 
 def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, gaps: bool, kept: bool,
              posted: bool) -> RuntimeProfile:
-    """The profile's runtime terms with those not named zeroed; delivery off keeps the link fit's own time."""
+    """The profile's runtime terms with those not named zeroed, every row at the steady pace (no warm-up);
+    delivery off keeps the link fit's own time."""
     runtime = profile.runtime
     fit = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in profile.link.segments)
     pinged = Timing(median_ms=piecewise_ms(fit, runtime.delivery_bytes), spread_ms=0.0, repeats=1)
@@ -114,7 +115,8 @@ def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, ga
         "send_ms": runtime.send_ms if messages else ZERO, "recv_ms": runtime.recv_ms if messages else ZERO,
         "delivery_ms": runtime.delivery_ms if delivery else pinged,
         "gap_ms": runtime.gap_ms if gaps else {kind: ZERO for kind in runtime.gap_ms},
-        "kept_gradients": runtime.kept_gradients if kept else 0.0, "recv_window": runtime.recv_window if posted else 0})
+        "kept_gradients": runtime.kept_gradients if kept else 0.0, "recv_window": runtime.recv_window if posted else 0,
+        "warmup": []})
 
 
 def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profile]]:
@@ -138,6 +140,7 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
             "runtime": _runtime(profile, **{t: i < count for i, t in enumerate(terms)})})
 
     untailed = profile.contention.model_copy(update={"tail": 1.0}) if profile.contention is not None else None
+    steady = profile.model_copy(update={"runtime": _runtime(profile, *(True,) * len(terms))})
 
     return [
         ("all cores, layers only (before)", layers_only(all_cores.model_copy(update={"link": profile.link}))),
@@ -152,8 +155,9 @@ def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profi
         ("+ gradient kept through the update (memory)", first(5)),
         ("+ receive buffers held from their posting (memory)", first(len(terms))),
         ("+ boundary tensors the stage's own from F to backward (memory)", first(len(terms), boundary=True)),
-        ("+ ranks computing at once slow each other", profile.model_copy(update={"contention": untailed})),
-        ("+ a rank's passes priced at their mean (their tail)", profile),
+        ("+ ranks computing at once slow each other", steady.model_copy(update={"contention": untailed})),
+        ("+ a rank's passes priced at their mean (their tail)", steady),
+        ("+ a fresh rank's first rows at their own pace (warm-up)", profile),
     ]
 
 

@@ -393,7 +393,7 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
                                          "runtime": RuntimeProfile(
                                              compute_ms={k: t for k in COMPUTE_KINDS}, send_ms=t, recv_ms=t,
                                              delivery_ms=t, delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0,
-                                             meta={}),
+                                             warmup=[1.5], meta={}),
                                          "contention": ContentionProfile(slowdown=[1.0, 1.5], spread=[0, 0], tail=1.25,
                                                                          meta={}),
                                          "layers": [layer.model_copy(update={  # autograd saves no boundary tensor
@@ -405,10 +405,10 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
     schedule = build("1f1b", 4, 4, 2)
     costs = [profile_scenario(p, "sgd").costs(schedule) for _, p in variants]
     assert variants[0][1].environment.threads == 2 and variants[1][1].environment.threads == 1
-    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1] + [0] * 11  # then inside the passes
+    assert [c.stages[0].accumulate_ms for c in costs] == [0, 0, 0.1] + [0] * 12  # then inside the passes
     first, n = profile.stages[0], len(variants)
     assert [c.stages[0].fwd_ms for c in costs][1:] == pytest.approx(
-        [first.fwd_ms] * 2 + [first.passes.fwd.median_ms] * 10 + [1.25 * first.passes.fwd.median_ms])  # the tail
+        [first.fwd_ms] * 2 + [first.passes.fwd.median_ms] * 10 + [1.25 * first.passes.fwd.median_ms] * 2)  # tail
     assert [c.stages[0].copy_ms for c in costs] == [0] * 4 + [0.1] * (n - 4)
     assert [c.overhead.compute_ms[0] for c in costs] == [0] * 5 + [0.1] * (n - 5)
     assert [c.overhead.send_ms for c in costs] == [0] * 6 + [0.1] * (n - 6)
@@ -423,6 +423,7 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
     assert [c.stages[0].held_bytes for c in costs] == [None] * 11 + [boundary] * (n - 11)
     assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == \
         [()] * 12 + [(1.0, 1.5)] * (n - 12)
+    assert [c.overhead.warmup for c in costs] == [()] * (n - 1) + [(1.5,)]  # the warm-up, last
     assert variants[-1][1] == profile
 
 
@@ -474,9 +475,9 @@ def test_the_report_reads_what_a_measurement_kept(fidelity, tmp_path, capsys):
     assert doc["methods"][0]["iteration_error"] == 0 and doc["noise_floor"] == 0
     errors = [line["methods"][0]["iteration_error"] for line in doc["terms"]]
     # Each term left out makes it faster, but those that only cost memory (the kept gradient, the posted
-    # buffers, the boundary tensors), and the passes' tail, which this profile did not measure.
-    assert errors[-2] == errors[-1] == 0 and all(error < 0 for error in errors[:-2])
-    assert errors[-5] == errors[-4] == errors[-3]
+    # buffers, the boundary tensors), and the passes' tail and the warm-up, which this profile did not measure.
+    assert errors[-3] == errors[-2] == errors[-1] == 0 and all(error < 0 for error in errors[:-3])
+    assert errors[-6] == errors[-5] == errors[-4]
 
 
 @pytest.mark.parametrize("method", ["gpipe", "1f1b"])
