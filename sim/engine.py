@@ -72,7 +72,8 @@ class _Program:
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
     host_unit: list[int | None]  # per device: the host whose cores its compute rows share, if any
     contention: tuple[float, ...]  # the hosts' slowdown with 1, 2, ... devices computing at once
-    busy_before_ps: np.ndarray  # per row: compute time of its device's earlier rows
+    clock_before: np.ndarray  # per row: the index in `_Model.clocks` of its device's clock before it
+    since_ps: np.ndarray  # per row: the compute time of its device's rows between that clock and it
     duration_ps: np.ndarray
     channel_ps: list[int]  # per channel: the time of each of its transfers (transfer id // units)
     routes: list[tuple[int, ...]]  # per channel: the shared resources its transfers occupy
@@ -186,10 +187,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
 
     timed = bool(resources) or any(h is not None for h in host_unit)
     bounds = lowered.bounds
-    rows_per_device = np.diff(bounds)
     device = t.device
-    held_sum = np.cumsum(held)
-    busy_before = held_sum - held - np.repeat(np.r_[0, held_sum][bounds[:-1]], rows_per_device)
+    num_devices = len(bounds) - 1
     sends = stream == Stream.SEND
     # A send on a link of its own that does not block its device arrives a fixed time after the clock it is
     # issued at: no step, the receiver works its arrival out from the sender's clock (only where nothing is
@@ -199,27 +198,32 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     is_step = (shared[device] | ~compute) & ~lazy
     step_rows = np.flatnonzero(is_step)
     step_bounds = np.searchsorted(step_rows, bounds)
-    step_busy = busy_before[step_rows]
-    first_step = np.zeros(len(step_rows), dtype=bool)
-    first_step[step_bounds[:-1][np.diff(step_bounds) > 0]] = True
-    pre = step_busy - np.where(first_step, 0, np.r_[0, step_busy[:-1]])  # compute ps since the step before
-
     # Every device's clocks sit in one list (`_Model.clocks`): device d's start at step_bounds[d] + d, then its
-    # clock after each of its steps, so the clock after global step i is at i + its device + 1.
-    num_devices = len(bounds) - 1
+    # clock after each of its steps, so the clock after global step i is at i + its device + 1. Per row, the
+    # clock before it (its device's start, or the clock after its last step before it) and the compute time
+    # since that clock are all the run leaves to add: the row is issued at that clock plus that time. (Computed
+    # in place: these columns have millions of rows.)
     start_clock = step_bounds[:-1] + np.arange(num_devices)
-    # Per transfer: the clock its SEND is issued from (its own step's, or the step's before it), and how long
+    clock_before = np.cumsum(is_step)
+    clock_before -= is_step
+    clock_before += device
+    since_ps = np.cumsum(held)  # becomes the compute time of the device's earlier rows, then the time since
+    since_ps -= held
+    since_ps -= np.repeat(since_ps.take(bounds[:-1], mode="clip"), np.diff(bounds))  # a device without rows
+    # repeats its (clipped) first row's value no times
+    busy_at_clock = np.zeros(len(step_rows) + num_devices, dtype=np.int64)  # 0 at a device's start
+    busy_at_clock[clock_before[step_rows] + 1] = since_ps[step_rows]
+    since_ps -= busy_at_clock[clock_before]
+    pre = since_ps[step_rows]  # compute ps since the step before
+
+    # Per transfer: the clock its SEND is issued from (its own step's, or the one before it), and how long
     # after that clock it arrives.
     send_rows = np.flatnonzero(sends)
     xids = lowered.transfer[send_rows]
-    steps_before = (np.cumsum(is_step) - is_step)[send_rows]  # global step count before each SEND
     own_step = ~lazy[send_rows]
     send_clock, send_to_arrival = (np.empty(len(transfer_ps), dtype=np.int64) for _ in range(2))
-    send_clock[xids] = steps_before + own_step + device[send_rows]
-    after_a_step = steps_before > step_bounds[device[send_rows]]  # the clock is not its device's start
-    clock_busy = np.where(after_a_step, step_busy[steps_before - 1 + own_step], 0)
-    send_to_arrival[xids] = np.where(own_step, 0 if not timed else -1,
-                                     busy_before[send_rows] - clock_busy + transfer_ps[xids])
+    send_clock[xids] = clock_before[send_rows] + own_step
+    send_to_arrival[xids] = np.where(own_step, 0 if not timed else -1, since_ps[send_rows] + transfer_ps[xids])
 
     # Per step: the clock it waits for and how long after it. A RECV waits for its SEND's clock; a blocking SEND
     # where nothing is timed waits for its own device's clock before it plus its compute and transfer time;
@@ -239,7 +243,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     columns = (pre, step_stream, operand, waits_for, after)
     steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_bounds.tolist())]
     return _Program(lowered, stream, steps, step_rows, step_bounds, start_clock, timed, send_clock, send_to_arrival,
-                    compute_unit, host_unit, cluster.contention, busy_before, duration, channel_ps.tolist(), routes,
+                    compute_unit, host_unit, cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(),
+                    routes,
                     len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end,
                     static_bytes(schedule, costs))
 
@@ -522,7 +527,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     lowered = program.lowered
     schedule, xid, t, bounds = lowered.schedule, lowered.transfer, lowered.table, lowered.bounds
     transfers = np.flatnonzero(program.stream != Stream.COMPUTE)
-    clocks = np.array(model.clocks, dtype=np.int64)
+    clocks = np.fromiter(model.clocks, np.int64, len(model.clocks))
     issued_ps = _issue_times(program, model, clocks)
     start_ps = issued_ps.copy()
     end_ps = issued_ps + model.duration_ps
@@ -599,23 +604,17 @@ def _posting_rows(bounds: Sequence[int], stream: np.ndarray, window: int) -> tup
 
 def _issue_times(program: _Program, model: _Model, clocks: np.ndarray) -> np.ndarray:
     """When each row was issued (compute: start; SEND: issued; RECV: wait began): the device's clock
-    after its last step before the row, plus the compute time since; a compute step starts at its clock.
-    `clocks`: every device's clocks (`_Model.clocks`) one after another."""
-    steps, busy = program.step_rows, program.busy_before_ps
-    device = program.lowered.table.device
-    is_step = np.zeros(len(busy), dtype=bool)
-    is_step[steps] = True
-    before = np.cumsum(is_step) - is_step + device  # where in `clocks` the clock before each row is
-    after = np.arange(len(steps)) + device[steps] + 1  # ... and the clock after each step
-    base = np.zeros(len(clocks), dtype=np.int64)
-    base[after] = busy[steps]  # the compute time before the step a clock comes after
-    out = clocks[before] + (busy - base[before])
+    before the row plus the compute time since; a compute step starts at its clock. `clocks`: `_Model.clocks`."""
+    steps = program.step_rows
+    out = clocks[program.clock_before]
+    out += program.since_ps
     if model.duration_ps is not program.duration_ps:  # a row after one stretched on shared cores (all of whose
         stretch = model.duration_ps - program.duration_ps  # rows are steps) starts later, as does one after host
-        out[1:] += np.where(device[1:] == device[:-1], stretch[:-1], 0)  # time they stretched
+        device = program.lowered.table.device  # time they stretched
+        out[1:] += np.where(device[1:] == device[:-1], stretch[:-1], 0)
         out += model.host_stretch_ps
-    queued = program.stream[steps] == Stream.COMPUTE
-    out[steps[queued]] = clocks[after[queued]]
+    queued = steps[program.stream[steps] == Stream.COMPUTE]
+    out[queued] = clocks[program.clock_before[queued] + 1]
     return out
 
 
