@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from ..units import GIB
-from .common import InputError, check_memory_gb, fail, load_profile_flag, stdout
+from .common import InputError, SearchSeconds, check_memory_gb, fail, load_profile_flag, search_options, stdout
 
 
 def tune(
@@ -43,6 +43,7 @@ def tune(
     optimizer: Annotated[str, typer.Option(
         "--optimizer", help="Optimizer whose state is held and whose step is timed: sgd, momentum, adam, "
                             "adamw.")] = "adam",
+    search_seconds: SearchSeconds = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Pick the fastest schedule, depth p, micro-batches m, chunks v, pipelines P and layer partition for a
@@ -55,6 +56,9 @@ def tune(
     less memory, then less staleness. Each stage all-reduces its gradients over the r replicas before its
     update (a ring scaled from the profile's 2-rank all-reduce, not overlapped with the backward). The
     layers are split into p·v stages by the memory-capped partitioner with the schedule's own memory model.
+
+    auto, the order searched from the costs, is searched for each candidate's partition with the device's whole
+    memory to hold activations; the R column is the activation limit its order then holds (1: 1F1B's).
 
     The search bounds before it simulates: staleness and a memory floor from the schedule alone, a
     throughput bound from the busiest device's compute; the choice and its five runners-up are exact.
@@ -73,6 +77,7 @@ def tune(
         if optimizer not in OPTIMIZER_STATE_FACTOR:
             raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
         check_memory_gb(memory_gb)
+        budget = search_options(None, search_seconds)["search_seconds"]
         measured = load_profile_flag(ctx, profile)
         env = measured.environment
         if memory_gb is None and not (env.memory_cap_bytes or env.device_memory_bytes):
@@ -85,7 +90,7 @@ def tune(
         problem = Problem(devices, int(memory_gb * GIB) if memory_gb is not None else
                           env.memory_cap_bytes or env.device_memory_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
-                          max_pipelines)
+                          max_pipelines, budget)
         tuning = search(profile_scenario(measured, optimizer), problem)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
@@ -106,18 +111,20 @@ def _print_tuning(tuning, measured) -> None:
                         f"(micro-batch {env.microbatch_size}), staleness <= {problem.max_staleness}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="p: devices per pipeline (D/p replicas), v: chunks per device, P: pipelines, m: "
-                          "micro-batches per pipeline and step; bubble: 1 - mean compute / step time; ms/step: the "
+                          "micro-batches per pipeline and step; R: the activation memory a searched order (auto) "
+                          "holds, in 1F1B's; bubble: 1 - mean compute / step time; ms/step: the "
                           "busiest device's compute per step")
-    for header in ("", "schedule", "p", "v", "P", "m", "samples/s", "bubble", "peak", "stale", "why not"):
+    for header in ("", "schedule", "p", "v", "P", "m", "R", "samples/s", "bubble", "peak", "stale", "why not"):
         table.add_column(header, justify="left" if header in ("schedule", "why not") else "right",
                          no_wrap=header != "why not")
 
     def add(mark: str, row, style: str | None = None) -> None:
         c, result = row.result.config, row.result
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
+        ratio = result.candidate.activation_limit
         table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), str(c.pipelines), str(c.microbatches),
-                      f"{result.samples_per_s:,.1f}", f"{result.bubble_fraction:.0%}",
-                      memory_text(result.peak_memory_bytes), str(result.staleness),
+                      "-" if ratio is None else f"{ratio:.2g}", f"{result.samples_per_s:,.1f}",
+                      f"{result.bubble_fraction:.0%}", memory_text(result.peak_memory_bytes), str(result.staleness),
                       "; ".join(filter(None, (row.why, same))), style=style)
 
     add("best", tuning.choice, style="bold")

@@ -502,3 +502,18 @@ def _schedule(params: ScheduleParams, pattern: Pattern) -> Schedule:
         parts.append((k, np.tile(kind_code[codes], n), np.full(rows, k), np.tile(microbatches, n),
                       np.repeat(np.arange(n), len(codes)), np.zeros(rows)))
     return make_schedule(METHOD, params, stacked(parts))
+
+
+def activation_ratio(schedule: Schedule, costs: Costs) -> float:
+    """The R a searched schedule holds: the most activation memory one of its devices holds at once (the search's
+    rule, `peak_bytes`, on its first mini-batch) over what 1F1B holds on its first device for the same costs.
+    `tune`, which hands the search a device's whole memory, reports it."""
+    params = ScheduleParams(**schedule.params)
+    times = stage_times(params, costs, Cluster.uniform(params.stages, 0.0), (), [0] * params.stages)
+    t = schedule.table
+    code = {KIND_CODE[kind]: c for c, kind in enumerate(_KIND)}
+    first = (t.minibatch == 0) & np.isin(t.kind, list(code))
+    pattern = tuple(tuple((code[kind], int(j)) for kind, j in zip(t.kind[first & (t.stage == k)],
+                                                                     t.microbatch[first & (t.stage == k)]))
+                    for k in range(params.stages))
+    return max(peak_bytes(pattern, times)) / (min(params.stages, params.microbatches) * times.held_bytes[0])

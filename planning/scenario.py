@@ -50,6 +50,7 @@ class Scenario:
     per: str = "stage"  # what --fwd, --bwd, --param-mb, --activation-mb describe: see `costs`
     source: Path | None = None  # the schedule file, named in errors
     cost_scale: float = 1.0  # `sweep --cost-scale`: every compute time x this (a faster or slower accelerator)
+    memory_bytes: int | None = None  # `tune --memory-gb`: every device's memory, whatever the cluster or profile say
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None) -> Schedule:
         """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
@@ -127,8 +128,10 @@ class Scenario:
         return [flag for flag, given in self.per_stage.items() if flag != "--output-mb" and len(given) == n != p]
 
     def memory_limits(self, sched: Schedule) -> tuple[int | None, ...]:
-        """Each device's memory in bytes (None: not known): the cluster file's `memory_gib`, or the profiled
-        device's memory (or the calibration's cap)."""
+        """Each device's memory in bytes (None: not known): `memory_bytes`, the cluster file's `memory_gib`, or the
+        profiled device's memory (or the calibration's cap)."""
+        if self.memory_bytes is not None:
+            return (self.memory_bytes,) * sched.num_devices
         links = self.links(sched)
         if links.memory_bytes:
             return tuple(links.memory_bytes[:sched.num_devices])

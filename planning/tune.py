@@ -12,7 +12,9 @@ times hold at b only), so each pipeline runs m = B/(r·P·b) micro-batches per s
 Ties: less peak memory, then less staleness, then fewer model stages, fewer pipelines, the enumeration order
 (catalogue order of the schedules, then smaller p). v > 1 needs p > 1: chunks on a lone device would only
 split its all-reduce. Configurations with equal speed, memory and staleness are "twins", listed as one row
-(every method is the same schedule at p = 1).
+(every method is the same schedule at p = 1). `auto`, whose order is searched from the costs, is partitioned
+as 1F1B's activations (R = 1) allow, then searched for that partition at the memory each device allows (an
+activation limit R no order reaches, so that G binds); the R its order then holds is reported.
 
 Costs. One replica is simulated (p devices, the profile's link between every pair). Data parallelism adds,
 per stage and step, a ring all-reduce of its gradients over the r replicas: (r-1)·t2(2n/r) for n bytes,
@@ -50,6 +52,7 @@ from ..profiles.partition import PartitionError, leanest_partition, partition, s
 from ..profiles.schema import Profile, layer_costs
 from ..schedules import (
     KIND_CODE,
+    METHODS,
     NUM_COMPUTE_KINDS,
     Kind,
     Schedule,
@@ -66,6 +69,7 @@ from ..sim.costs import Costs
 from ..sim.engine import simulate, static_bytes
 from ..traces import summarize
 from ..units import GIB
+from .auto import activation_ratio
 from .scenario import Scenario, profile_costs
 
 RUNNERS_UP = 5
@@ -85,6 +89,7 @@ class Problem:
     max_staleness: int = 1
     max_chunks: int = 4
     max_pipelines: int = 4
+    search_seconds: float | None = None  # auto's search budget (None: its default)
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class Candidate:
     memory_floor_bytes: int
     allreduce_ms: float  # per step, on the device that spends most on it
     max_samples_per_s: float
+    activation_limit: float | None  # a searched order's (auto): the R it holds; None for a fixed order
 
     @property
     def busiest_ms(self) -> float:
@@ -145,7 +151,8 @@ class Result:
                 "microbatches": c.microbatches, "replicas": c.replicas, "partition": list(self.candidate.bounds),
                 "samples_per_s": self.samples_per_s, "step_ms": self.step_ms, "bubble_fraction": self.bubble_fraction,
                 "peak_memory_gib": self.peak_memory_bytes / GIB, "staleness": self.staleness,
-                "allreduce_ms_per_step": self.candidate.allreduce_ms}
+                "allreduce_ms_per_step": self.candidate.allreduce_ms,
+                "activation_limit": self.candidate.activation_limit}
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,7 @@ class Tuning:
             "problem": {"devices": problem.devices, "memory_cap_gib": problem.memory_cap_bytes / GIB,
                         "batch_size": problem.batch_size, "schedules": list(problem.schedules),
                         "max_staleness": problem.max_staleness, "max_chunks": problem.max_chunks,
-                        "max_pipelines": problem.max_pipelines},
+                        "max_pipelines": problem.max_pipelines, "search_seconds": problem.search_seconds},
             "choice": self.choice.to_dict(),
             "runners_up": [row.to_dict() for row in self.runners_up],
             "excluded": [row.to_dict() for row in self.excluded],
@@ -312,8 +319,8 @@ def evaluate(scenario: Scenario, problem: Problem, candidate: Candidate) -> Resu
     """Simulate the candidate's long and short runs: the steady-state step, memory and bubble."""
     config = candidate.config
     links = scenario.links(candidate.schedule)
-    short = scenario.build(config.schedule, replace(candidate.params, minibatches=candidate.short_minibatches),
-                           candidate.bounds)
+    short = build(scenario, problem, config.schedule,
+                  replace(candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
     long_run = summarize(simulate(candidate.schedule, candidate.costs, links))
     short_run = summarize(simulate(short, candidate.costs, links))
     growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
@@ -348,10 +355,21 @@ def explain(result: Result, choice: Result, problem: Problem) -> str:
     return f"as fast and lean, staleness {result.staleness} vs {choice.staleness}"  # else it would be a twin
 
 
+def build(scenario: Scenario, problem: Problem, name: str, params: ScheduleParams,
+          bounds: list[int] | None) -> Schedule:
+    """A candidate's schedule; a searched one (auto) is searched for the costs at `bounds` and the memory cap."""
+    return replace(scenario, memory_bytes=problem.memory_cap_bytes).build(name, params, bounds)
+
+
 def _candidate(scenario: Scenario, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
                link: Link | None) -> Candidate:
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
-    params = ScheduleParams(p, m, 2, v, pipelines)
+    method = METHODS[name]
+    # A searched order is partitioned as its order at 1F1B's activations (R = 1) allows, then searched for that
+    # partition and the memory cap with an activation limit R no order reaches (every micro-batch on every stage, up
+    # to p times stage 0's each), so that the cap binds.
+    searched = {"activation_limit": 1.0, "search_seconds": problem.search_seconds} if method.needs_costs else {}
+    params = ScheduleParams(p, m, 2, v, pipelines, **searched)
     probe = scenario.build(name, params, None)
     short = steady_minibatches(probe)
     long = short + (1 if flushes(probe) else STEADY_STEPS)  # a flushing schedule's steps repeat exactly
@@ -362,8 +380,9 @@ def _candidate(scenario: Scenario, problem: Problem, config: Config, index: int,
     per_step = _ops_per_step(schedule)
     bounds = split(n, pipelines, config.replicas, tuple(map(tuple, per_step.tolist())), schedule.policy.extra_copies,
                    in_flight, lingering, problem.memory_cap_bytes // v)
-    if schedule.graph != StageGraph.chain(n):  # the model's own stage graph: cut it where the costs are
-        schedule = scenario.build(name, params, bounds)
+    if schedule.graph != StageGraph.chain(n) or method.needs_costs:  # cut where the costs are; searched for them
+        params = replace(params, activation_limit=float(p * m)) if method.needs_costs else params
+        schedule = build(scenario, problem, name, params, bounds)
         staleness, in_flight, lingering = _held(schedule)
         per_step = _ops_per_step(schedule)
     costs = scenario.costs(schedule, bounds)
@@ -376,7 +395,8 @@ def _candidate(scenario: Scenario, problem: Problem, config: Config, index: int,
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(pipelines * sum(allreduce[s] for s in schedule.stages_on(d)) for d in range(p))
     return Candidate(config, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor, allreduce_ms,
-                     problem.batch_size / float(busy_ms.max()) * 1e3)
+                     problem.batch_size / float(busy_ms.max()) * 1e3,
+                     activation_ratio(schedule, costs) if method.needs_costs else None)
 
 
 def _splitter(profile: Profile, optimizer: str, link: Link | None) -> Callable[..., list[int]]:

@@ -133,7 +133,7 @@ def test_bounds_hold_for_every_candidate(which, devices, cap_gib):
         assert candidate.staleness == summary.max_staleness, label  # read off the order = simulated
         assert result.step_ms >= candidate.busiest_ms and 0 <= result.bubble_fraction < 1, label
         if candidate.short_minibatches == 2:  # a flushing schedule: every step from the second repeats exactly
-            longer = source.build(candidate.config.schedule, replace(candidate.params, minibatches=6),
+            longer = tuning.build(source, prob, candidate.config.schedule, replace(candidate.params, minibatches=6),
                                   candidate.bounds)
             growth = (summarize(simulate(longer, candidate.costs, source.links(longer))).makespan_ms
                       - summary.makespan_ms) / 3
@@ -190,7 +190,8 @@ def test_cli_json_is_the_search_result():
     assert doc["choice"]["schedule"] == expected.choice.result.config.schedule
     assert doc["choice"]["samples_per_s"] == pytest.approx(expected.choice.result.samples_per_s)
     assert doc["problem"] == {"devices": 4, "memory_cap_gib": pytest.approx(0.05), "batch_size": 4 * 4 * 8,
-                              "schedules": list(METHODS), "max_staleness": 1, "max_chunks": 4, "max_pipelines": 4}
+                              "schedules": list(METHODS), "max_staleness": 1, "max_chunks": 4, "max_pipelines": 4,
+                              "search_seconds": None}
     assert len(doc["runners_up"]) == tuning.RUNNERS_UP and all(row["why"] for row in doc["runners_up"])
     assert doc["choice"]["partition"][0] == 0 and doc["choice"]["partition"][-1] == len(profile.layers)
     search = doc["search"]  # every configuration is accounted for exactly once
