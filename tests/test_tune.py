@@ -181,6 +181,23 @@ def test_cli_table_explains_each_runner_up():
     assert "pruned by the throughput bound" in out
 
 
+def test_auto_is_searched_at_the_memory_each_device_allows_and_reports_the_r_it_holds():
+    """The CNN on 4 devices, synchronous schedules: auto is searched for each device's whole memory, beats every
+    fixed order, fits, and holds more activations (a larger R) the more memory there is."""
+    chosen = {}
+    for cap in (0.02, 0.05):
+        code, out, err = pipesim("tune", "--profile", CNN, "-D", 4, "--memory-gb", cap, "-s", "auto,1f1b,zb-h1,zb-h2",
+                                 "--max-staleness", 0, "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        choice = chosen[cap] = doc["choice"]
+        assert choice["schedule"] == "auto" and choice["peak_memory_gib"] <= cap and choice["activation_limit"] > 1
+        fixed = [row for row in doc["runners_up"] if row["schedule"] != "auto"]
+        assert fixed and all(row["samples_per_s"] < choice["samples_per_s"] and row["activation_limit"] is None
+                             for row in fixed)
+    assert chosen[0.02]["activation_limit"] < chosen[0.05]["activation_limit"]
+
+
 def test_cli_json_is_the_search_result():
     code, out, err = pipesim("tune", "--profile", str(CNN), "-D", "4", "--memory-gb", "0.05", "--json")
     assert code == 0, err
