@@ -29,6 +29,9 @@ class LinkError(RuntimeError):
     """A link measurement that failed or did not finish in time; the message is one line saying which."""
 
 
+Plan = tuple[int, int, float]  # repeats, warmup, min_time_s
+
+
 def measure_p2p(sizes: Iterable[int], *, device: str = "cpu", repeats: int = 20, warmup: int = 3,
                 progress: Progress | None = None, min_time_s: float = 0.15, timeout_s: float = 120.0) -> LinkPoints:
     """One-way point-to-point time per size between two ranks on this machine (ping-pong round trip / 2).
@@ -38,7 +41,7 @@ def measure_p2p(sizes: Iterable[int], *, device: str = "cpu", repeats: int = 20,
     so small messages need many samples for a steady median. `progress(done, total)` follows the rounds
     (done=0 once the ranks are up). A failure, or a run past `timeout_s`, raises LinkError with the ranks ended.
     """
-    return _measure("p2p", sizes, 2, device, (repeats, warmup, min_time_s), progress, timeout_s)
+    return _measure([("p2p", sizes, (repeats, warmup, min_time_s), progress)], 2, device, timeout_s)[0]
 
 
 def measure_allreduce(sizes: Iterable[int], *, world_size: int = 2, device: str = "cpu", repeats: int = 10,
@@ -50,21 +53,40 @@ def measure_allreduce(sizes: Iterable[int], *, world_size: int = 2, device: str 
     """
     if world_size < 2:
         raise ValueError(f"an all-reduce needs world_size >= 2 (got {world_size})")
-    return _measure("allreduce", sizes, world_size, device, (repeats, warmup, min_time_s), progress, timeout_s)
+    return _measure([("allreduce", sizes, (repeats, warmup, min_time_s), progress)], world_size, device,
+                    timeout_s)[0]
 
 
+def measure_p2p_and_allreduce(sizes: Iterable[int], *, device: str = "cpu", repeats: int = 10, warmup: int = 2,
+                              progress: tuple[Progress | None, Progress | None] = (None, None),
+                              min_time_s: float = 0.15, timeout_s: float = 120.0) -> tuple[LinkPoints, LinkPoints]:
+    """`measure_p2p` then `measure_allreduce` over two ranks with these settings, in the same two ranks one
+    after the other: one start-up (spawning, importing torch, joining the group) for both. `progress` follows
+    each; `timeout_s` is each one's."""
+    plan = (repeats, warmup, min_time_s)
+    p2p, reduced = _measure([("p2p", sizes, plan, progress[0]), ("allreduce", sizes, plan, progress[1])], 2, device,
+                            2 * timeout_s)
+    return p2p, reduced
 
 
-def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: tuple[int, int, float],
-             progress: Progress | None, timeout_s: float) -> LinkPoints:
-    sizes = sorted({int(s) for s in sizes})
-    if not sizes or sizes[0] <= 0:
-        raise ValueError("sizes must be a non-empty list of byte counts > 0")
-    if op == "allreduce":
-        sizes = sorted({max(4, s - s % 4) for s in sizes})
-    repeats, warmup, min_time_s = plan
-    if repeats < 1 or warmup < 0 or min_time_s < 0:
-        raise ValueError(f"need repeats >= 1, warmup >= 0, min_time_s >= 0 (got {repeats}, {warmup}, {min_time_s})")
+# An op to time in the ranks: its name ("p2p" or "allreduce"), sizes, plan and progress callback.
+Job = tuple[str, Iterable[int], Plan, Progress | None]
+
+
+def _measure(jobs: list[Job], world_size: int, device: str, timeout_s: float) -> list[LinkPoints]:
+    """Each job's points, timed in turn in the same `world_size` spawned ranks."""
+    plans = []
+    for op, sizes, plan, _ in jobs:
+        sizes = sorted({int(s) for s in sizes})
+        if not sizes or sizes[0] <= 0:
+            raise ValueError("sizes must be a non-empty list of byte counts > 0")
+        if op == "allreduce":
+            sizes = sorted({max(4, s - s % 4) for s in sizes})
+        repeats, warmup, min_time_s = plan
+        if repeats < 1 or warmup < 0 or min_time_s < 0:
+            raise ValueError(f"need repeats >= 1, warmup >= 0, min_time_s >= 0 (got {repeats}, {warmup}, "
+                             f"{min_time_s})")
+        plans.append((op, sizes, plan))
     try:
         choice = choose_transport(device, world_size)
     except TransportError as exc:
@@ -72,16 +94,15 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(rank, world_size, port, op, sizes, choice, plan, timeout_s, results))
+    procs = [ctx.Process(target=_worker, daemon=True, args=(rank, world_size, port, plans, choice, timeout_s, results))
              for rank in range(world_size)]
-    what = f"{op} link measurement ({choice.kind}, {world_size} ranks)"
+    what = f"{' and '.join(op for op, _, _ in plans)} link measurement ({choice.kind}, {world_size} ranks)"
     deadline = time.monotonic() + timeout_s
-    finished = False
+    samples: dict[int, list[list[float]]] = {}
     try:
         for p in procs:
             p.start()
-        while True:
+        while len(samples) < len(plans):
             try:
                 msg = results.get(timeout=0.2)
             except queue_mod.Empty:
@@ -94,15 +115,15 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: 
                     raise LinkError(f"{what}: ranks exited without a result") from None
                 continue
             if msg[0] == "progress":
+                progress = jobs[msg[1]][3]
                 if progress is not None:
-                    progress(msg[1], msg[2])
+                    progress(msg[2], msg[3])
             elif msg[0] == "error":
                 raise LinkError(f"{what}: rank {msg[1]}: {msg[2]}")
             else:
-                samples = msg[1]
-                finished = True
-                break
+                samples[msg[1]] = msg[2]
     finally:
+        finished = len(samples) == len(plans)
         for p in procs:  # ranks that finished get a moment to leave the group; stuck ones are killed at once
             if p.pid is None:  # never started
                 continue
@@ -112,108 +133,35 @@ def _measure(op: str, sizes: Iterable[int], world_size: int, device: str, plan: 
                 p.join()
         results.close()
 
-    points = []
-    for nbytes, ms in zip(sizes, samples):
-        q1, med, q3 = np.percentile(ms, [25, 50, 75])
-        points.append(LinkPoint(nbytes, float(med), float(q3 - q1)))
-    meta = {"op": op, "world_size": world_size, "repeats": repeats, "warmup": warmup, "min_time_s": min_time_s,
-            "samples": [len(ms) for ms in samples], **choice.meta()}
-    return LinkPoints(points, meta)
+    measured = []
+    for index, (op, sizes, (repeats, warmup, min_time_s)) in enumerate(plans):
+        points = []
+        for nbytes, ms in zip(sizes, samples[index]):
+            q1, med, q3 = np.percentile(ms, [25, 50, 75])
+            points.append(LinkPoint(nbytes, float(med), float(q3 - q1)))
+        meta = {"op": op, "world_size": world_size, "repeats": repeats, "warmup": warmup, "min_time_s": min_time_s,
+                "samples": [len(ms) for ms in samples[index]], **choice.meta()}
+        measured.append(LinkPoints(points, meta))
+    return measured
 
 
-def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], choice: TransportChoice,
-            plan: tuple[int, int, float], timeout_s: float, results: Any) -> None:
-    """One rank: join the group, time every size, and (rank 0) report progress and per-repeat times in ms."""
+def _worker(rank: int, world_size: int, port: int, plans: list[tuple[str, list[int], Plan]],
+            choice: TransportChoice, timeout_s: float, results: Any) -> None:
+    """One rank: join the group, then per op time every size, and (rank 0) report progress and per-repeat times
+    in ms."""
     transport = None
     try:
         torch.set_num_threads(1)  # ranks share the machine's cores with each other and the transport's threads
         # The all-reduce needs only the default group: no point-to-point edges for it.
         transport = connect(choice, rank, world_size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
-                            edges=None if op == "p2p" else ())
-        cuda = choice.device == "cuda"
-        dtype = torch.uint8 if op == "p2p" else torch.float32
-        numel = sizes[-1] // dtype.itemsize
-        buf = torch.ones(numel, dtype=dtype, device=transport.device)
-        host = torch.empty(numel, dtype=dtype, pin_memory=True) if choice.host_staged and op != "p2p" else None
-        if rank == 0:
-            results.put(("progress", 0, plan[0]))  # the group is up: startup is over
-
-        def p2p(t: torch.Tensor) -> None:
-            """A ping-pong: each message is sent, then received. A send is not waited on, as the executor
-            does not: the peer's answer comes after it arrived, and the transport lets go of it meanwhile."""
-            peer = 1 - rank
+                            edges=None if any(op == "p2p" for op, _, _ in plans) else ())
+        for index, (op, sizes, plan) in enumerate(plans):
             if rank == 0:
-                transport.send(t, peer)
-                transport.recv(t.shape, t.dtype, peer).wait()
-            else:
-                transport.recv(t.shape, t.dtype, peer).wait()
-                transport.send(t, peer)
-
-        def allreduce(t: torch.Tensor) -> None:
-            if host is None:
-                dist.all_reduce(t)
-                return
-            h = host[: t.numel()]
-            h.copy_(t)
-            dist.all_reduce(h)
-            t.copy_(h)
-
-        def timed_ms(fn: Callable[[], Any]) -> float:
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end)
-            t0 = time.perf_counter_ns()
-            fn()
-            return (time.perf_counter_ns() - t0) / 1e6
-
-        def step_for(nbytes: int) -> Callable[[], None]:
-            t = buf[: nbytes // dtype.itemsize]
-            return (lambda: p2p(t)) if op == "p2p" else (lambda: allreduce(t))
-
-        def before_batch() -> None:  # all-reduce ranks start each batch together, then pace each other
-            if op == "allreduce":
-                dist.barrier()
-                if cuda:
-                    torch.cuda.synchronize()
-
-        repeats, warmup, min_time_s = plan
-        comm_dev = transport.device if choice.backend == "nccl" else torch.device("cpu")
-        steps = [step_for(n) for n in sizes]
-        # Warm-up pass; its times tell rank 0 how often a round repeats each size so that the size runs at
-        # least `repeats` times and for about min_time_s in all. Every rank must run the same count.
-        per_round = torch.ones(len(sizes), dtype=torch.int64, device=comm_dev)
-        for i, step in enumerate(steps):
-            before_batch()
-            warm_ms = sorted(timed_ms(step) for _ in range(max(warmup, 1)))[max(warmup, 1) // 2]
-            per_round[i] = math.ceil(min_time_s * 1e3 / max(warm_ms, 1e-3) / repeats)
-        dist.broadcast(per_round, 0)
-        counts = [max(1, int(c)) for c in per_round.tolist()]
-
-        # Rounds visit every size in turn, so each size's samples span the whole run and a slow spell of the
-        # machine (timer-tick wake-ups on a busy VM) spreads over all sizes instead of bending the curve.
-        # Rounds go up then down the sizes: a size follows a neighbour, never 4 KiB straight after 64 MiB.
-        samples: list[list[float]] = [[] for _ in sizes]
-        for done in range(1, repeats + 1):
-            order = range(len(sizes)) if done % 2 else range(len(sizes) - 1, -1, -1)
-            for i in order:
-                step = steps[i]
-                before_batch()
-                samples[i] += [timed_ms(step) for _ in range(counts[i])]
+                results.put(("progress", index, 0, plan[0]))  # the group is up: startup is over
+            samples = _time_sizes(rank, op, sizes, plan, choice, transport,
+                                  lambda done, total, index=index: results.put(("progress", index, done, total)))
             if rank == 0:
-                results.put(("progress", done, repeats))
-        if op == "p2p":  # a round trip is two one-way transfers
-            samples = [[ms / 2 for ms in times] for times in samples]
-        else:  # a repeat lasts as long as its slowest rank
-            flat = torch.tensor([ms for times in samples for ms in times], dtype=torch.float64, device=comm_dev)
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-            slowest = iter(flat.tolist())
-            samples = [[next(slowest) for _ in times] for times in samples]
-        if rank == 0:
-            results.put(("done", samples))
+                results.put(("done", index, samples))
     except Exception as exc:  # noqa: BLE001 - any failure becomes one line for the parent's LinkError
         results.put(("error", rank, (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0]))
     finally:
@@ -221,3 +169,89 @@ def _worker(rank: int, world_size: int, port: int, op: str, sizes: list[int], ch
             transport.close()
         if dist.is_initialized():  # the transport failed to open after creating the group
             dist.destroy_process_group()
+
+
+def _time_sizes(rank: int, op: str, sizes: list[int], plan: Plan, choice: TransportChoice, transport: Any,
+                progress: Progress) -> list[list[float]]:
+    """Per size, this rank's times (ms) of `op` in `plan`'s rounds; rank 0 reports each round to `progress`."""
+    cuda = choice.device == "cuda"
+    dtype = torch.uint8 if op == "p2p" else torch.float32
+    numel = sizes[-1] // dtype.itemsize
+    buf = torch.ones(numel, dtype=dtype, device=transport.device)
+    host = torch.empty(numel, dtype=dtype, pin_memory=True) if choice.host_staged and op != "p2p" else None
+
+    def p2p(t: torch.Tensor) -> None:
+        """A ping-pong: each message is sent, then received. A send is not waited on, as the executor
+        does not: the peer's answer comes after it arrived, and the transport lets go of it meanwhile."""
+        peer = 1 - rank
+        if rank == 0:
+            transport.send(t, peer)
+            transport.recv(t.shape, t.dtype, peer).wait()
+        else:
+            transport.recv(t.shape, t.dtype, peer).wait()
+            transport.send(t, peer)
+
+    def allreduce(t: torch.Tensor) -> None:
+        if host is None:
+            dist.all_reduce(t)
+            return
+        h = host[: t.numel()]
+        h.copy_(t)
+        dist.all_reduce(h)
+        t.copy_(h)
+
+    def timed_ms(fn: Callable[[], Any]) -> float:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter_ns()
+        fn()
+        return (time.perf_counter_ns() - t0) / 1e6
+
+    def step_for(nbytes: int) -> Callable[[], None]:
+        t = buf[: nbytes // dtype.itemsize]
+        return (lambda: p2p(t)) if op == "p2p" else (lambda: allreduce(t))
+
+    def before_batch() -> None:  # all-reduce ranks start each batch together, then pace each other
+        if op == "allreduce":
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+
+    repeats, warmup, min_time_s = plan
+    comm_dev = transport.device if choice.backend == "nccl" else torch.device("cpu")
+    steps = [step_for(n) for n in sizes]
+    # Warm-up pass; its times tell rank 0 how often a round repeats each size so that the size runs at
+    # least `repeats` times and for about min_time_s in all. Every rank must run the same count.
+    per_round = torch.ones(len(sizes), dtype=torch.int64, device=comm_dev)
+    for i, step in enumerate(steps):
+        before_batch()
+        warm_ms = sorted(timed_ms(step) for _ in range(max(warmup, 1)))[max(warmup, 1) // 2]
+        per_round[i] = math.ceil(min_time_s * 1e3 / max(warm_ms, 1e-3) / repeats)
+    dist.broadcast(per_round, 0)
+    counts = [max(1, int(c)) for c in per_round.tolist()]
+
+    # Rounds visit every size in turn, so each size's samples span the whole run and a slow spell of the
+    # machine (timer-tick wake-ups on a busy VM) spreads over all sizes instead of bending the curve.
+    # Rounds go up then down the sizes: a size follows a neighbour, never 4 KiB straight after 64 MiB.
+    samples: list[list[float]] = [[] for _ in sizes]
+    for done in range(1, repeats + 1):
+        order = range(len(sizes)) if done % 2 else range(len(sizes) - 1, -1, -1)
+        for i in order:
+            step = steps[i]
+            before_batch()
+            samples[i] += [timed_ms(step) for _ in range(counts[i])]
+        if rank == 0:
+            progress(done, repeats)
+    if op == "p2p":  # a round trip is two one-way transfers
+        samples = [[ms / 2 for ms in times] for times in samples]
+    else:  # a repeat lasts as long as its slowest rank
+        flat = torch.tensor([ms for times in samples for ms in times], dtype=torch.float64, device=comm_dev)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        slowest = iter(flat.tolist())
+        samples = [[next(slowest) for _ in times] for times in samples]
+    return samples

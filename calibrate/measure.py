@@ -50,7 +50,7 @@ from ..profiles.schema import (
 from ..workload.models import BATCH, Model, ModelError
 from ..workload.optim import elastic_average, make_optimizer
 from .cache import HostCache, fresh
-from .links import measure_allreduce, measure_p2p
+from .links import measure_p2p_and_allreduce
 from .passes import StageRun, stage_runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -500,18 +500,18 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
 
 
 def measure_links(link_sizes: list[int], settings: Settings, advance: Advance) -> dict[str, Any]:
-    """The p2p link (its points and fit) and the all-reduce between two local ranks, in `repeats` rounds over
-    the sizes, each reported to `advance` as it starts: {"link": LinkProfile, "allreduce": AllReduceProfile},
-    as JSON."""
+    """The p2p link (its points and fit) and the all-reduce between two local ranks (the same two, started
+    once), in `repeats` rounds over the sizes, each reported to `advance` as it starts: {"link": LinkProfile,
+    "allreduce": AllReduceProfile}, as JSON."""
     def rounds(what: str) -> Callable[[int, int], None]:
         return lambda done, total: advance(f"{what}: round {done}/{total}")
 
-    times = {"device": settings.device.type, "repeats": settings.repeats, "warmup": settings.warmup}
-    p2p = measure_p2p(link_sizes, **times, progress=rounds("p2p link"))
+    p2p, reduced = measure_p2p_and_allreduce(link_sizes, device=settings.device.type, repeats=settings.repeats,
+                                             warmup=settings.warmup,
+                                             progress=(rounds("p2p link"), rounds("all-reduce")))
     fit = fit_link(p2p)
     link = LinkProfile(segments=[asdict(s) for s in fit.segments], points=[asdict(p) for p in p2p],
                        meta=dict(fit.meta))
-    reduced = measure_allreduce(link_sizes, **times, progress=rounds("all-reduce"))
     allreduce = AllReduceProfile(world_size=reduced.meta["world_size"], points=[asdict(p) for p in reduced],
                                  meta=reduced.meta)
     return {"link": link.model_dump(mode="json"), "allreduce": allreduce.model_dump(mode="json")}
