@@ -5,7 +5,8 @@
 
 `time`: seconds to build `auto` (the search and the schedule, nothing cached: every repeat searches afresh) at
 R = 1 and 2 for each p x m, F = 1 ms, B = 2 ms (a third of it W), 0.1 ms transfers; median, min and max of the
-repeats, and the noise floor (the spread of the same build repeated, (max - min) / median). The search's budget
+repeats, the noise floor (the spread of the same build repeated, (max - min) / median) and the median CPU seconds
+(what a loaded machine's wall clock hides). The search's budget
 is counted in ops, not on the clock, so every repeat builds the same schedule and only the time varies.
 
 `paper`: every row of the zero-bubble paper (Qi et al., ICLR 2024; benchmarks/zero_bubble_paper.json, from its
@@ -30,26 +31,26 @@ from pipesim.traces import summarize
 PAPER = Path(__file__).with_name("zero_bubble_paper.json")
 
 
-def build_seconds(p: int, m: int, limit: float, budget: float | None) -> float:
-    """One cold build of auto: the caches emptied, so the search runs in full."""
+def build_seconds(p: int, m: int, limit: float, budget: float | None) -> tuple[float, float]:
+    """One cold build of auto, wall and CPU seconds: the caches emptied, so the search runs in full."""
     auto.best_pattern.cache_clear()
     auto._fixed_patterns.cache_clear()
     costs = Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=1 / 3, activation_mb=64, output_mb=8)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     auto.search_schedule(METHODS["auto"].params(p, m, 2, activation_limit=limit, search_seconds=budget), costs,
                          Cluster.uniform(p, 0.1))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def time_search(sizes: list[tuple[int, int]], repeats: int, budget: float | None) -> None:
-    print("| p | m | R | median s | min s | max s | noise floor |")
-    print("|---|---|---|---|---|---|---|")
+    print("| p | m | R | median s | min s | max s | noise floor | median CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
     for p, m in sizes:
         for limit in (1.0, 2.0):
-            runs = [build_seconds(p, m, limit, budget) for _ in range(repeats)]
+            runs, cpu = zip(*(build_seconds(p, m, limit, budget) for _ in range(repeats)))
             median = statistics.median(runs)
             print(f"| {p} | {m} | {limit:g} | {median:.3f} | {min(runs):.3f} | {max(runs):.3f} | "
-                  f"{(max(runs) - min(runs)) / median:.0%} |")
+                  f"{(max(runs) - min(runs)) / median:.0%} | {statistics.median(cpu):.3f} |")
 
 
 def bubble(name: str, row: dict, limit: float | None, budget: float | None) -> float:

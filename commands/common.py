@@ -83,8 +83,8 @@ ActivationLimit = Annotated[str | None, typer.Option(
                                             "what 1F1B holds on its first device for the same costs (default 1; 2: "
                                             "twice). Where device memory is known, also what fits in it.")]
 SearchSeconds = Annotated[str | None, typer.Option(
-    "--search-seconds", metavar="S", help="auto: the search's time budget in seconds (default: enough for p=32, "
-                                          "m=256 in under a second).")]
+    "--search-seconds", metavar="S", help="auto: the search's budget in seconds (default 0.3), counted in ops at "
+                                          "a fixed rate, so the same inputs give the same schedule anywhere.")]
 
 # What-if costs for the commands that search auto but simulate nothing (export, run); with no defaults, so that auto
 # is never searched for costs nobody gave (`searched_scenario`).
