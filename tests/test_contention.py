@@ -208,10 +208,13 @@ def test_a_window_no_iteration_fits_in_is_taken_again_longer(tmp_path, monkeypat
     assert all(n >= 1 for by_count in meta["iterations"] for ns in by_count for n in ns)
 
 
-def test_contention_is_measured_in_the_ranks_of_the_calibrated_models_run_before_it():
+def test_contention_is_measured_in_the_ranks_of_the_calibrated_models_run_before_it(monkeypatch):
     """`ContentionProbe.prelude`: the windows run in the executor's own rank processes, before their run (which
     then completes as without it), so the two share one start-up."""
+    from pipesim.calibrate import contention
     from pipesim.calibrate.contention import ContentionProbe
+
+    monkeypatch.setattr(contention, "WINDOW_S", 0.2)  # the parent sets the windows: shorter ones for a test
     from pipesim.calibrate.runtime import probe_schedule
     from pipesim.executor import Prelude, RunSpec, run_multiprocess
     from pipesim.traces.trace import Stream
