@@ -84,8 +84,8 @@ def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster,
     """The `auto` schedule for `params` (p stages, one per device, m micro-batches, N mini-batches; its
     activation limit R and search budget) on `costs` and `links`, each device's activations capped by
     R × what 1F1B holds on device 0 and, where `memory_bytes` knows a device's memory, by what fits beside its
-    weights, gradients and optimizer state. Raises ScheduleError naming --activation-limit when a device could
-    not hold even one micro-batch."""
+    weights, gradients, optimizer state and transfer buffers. Raises ScheduleError naming --activation-limit when a
+    device could not hold even one micro-batch."""
     if params.chunks != 1 or params.pipelines != 1:
         raise ScheduleError(f"{METHOD} places one model stage per device in one pipeline: chunks and pipelines "
                             f"must be 1 (got {params.chunks} and {params.pipelines})")
@@ -134,7 +134,7 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
     limit = np.full(p, limit_r * reference)
     for d, memory in enumerate(memory_bytes[:p]):
         if memory is not None and unit == "bytes":
-            limit[d] = min(limit[d], memory - static[d])
+            limit[d] = min(limit[d], memory - static[d] - _buffer_bytes(costs, d))
     short = np.flatnonzero(limit < held - 1e-9)
     if len(short):
         d = int(short[0])
@@ -150,6 +150,15 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
     opt = ops[:, KIND_CODE[Kind.OPT]] + host[KIND_CODE[Kind.OPT]]
     return StageTimes(tuple(map(tuple, op_ms.tolist())), tuple(opt.tolist()), send_ms, grad_ms,
                       tuple(held.tolist()), tuple(kept.tolist()), tuple(limit.tolist()), m)
+
+
+def _buffer_bytes(costs: Costs, k: int) -> float:
+    """What stage k's device may hold besides its weights, gradients, optimizer state and saved activations, at
+    most: an activation and a gradient in transfer at each of its boundaries, the receives the runtime posts ahead
+    (`recv_window`, each holding a boundary tensor) and the gradient copies an update leaves held."""
+    boundary = [costs.stages[j].output_bytes for j in (k - 1, k) if 0 <= j < len(costs.stages) - 1]
+    return (2 * sum(boundary) + costs.recv_window * max(boundary, default=0)
+            + costs.kept_gradients * costs.stages[k].param_bytes)
 
 
 @lru_cache(maxsize=8)  # a command builds one schedule for several mini-batch counts: search once
