@@ -49,6 +49,8 @@ def scenarios(draw):
 @given(scenarios(), st.sampled_from([1.0, 2.0]))
 def test_property_auto_is_valid_within_its_limit_and_never_slower_than_a_fixed_order_that_fits(scenario, limit):
     p, m, costs, comm = scenario
+    held = [c.activation_bytes for c in costs.stages]
+    limit = max(limit, max(held) / (min(p, m) * held[0]))  # at least one micro-batch on every device
     auto = search_schedule(METHODS["auto"].params(p, m, 2, activation_limit=limit, search_seconds=0.05), costs,
                            Cluster.uniform(p, comm))
     preflight(auto, dry_run=True)
