@@ -16,6 +16,7 @@ This module only prices the rows and runs them: nothing here knows a method by n
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import math
@@ -364,11 +365,12 @@ class _Model:
         self.env = simpy.Environment() if program.timed else None
         # Every device's clock at its start and after each of its steps (SEND issued, RECV arrived, the start of
         # a compute row that is a step), in one list (see `_Program.start_clock`; -1: not reached yet); per
-        # transfer id, its arrival once its SEND step has run (-1 before).
-        self.clocks = [-1] * (len(program.step_rows) + len(program.steps))
+        # transfer id, its arrival once its SEND step has run (-1 before). Arrays of machine integers: they keep
+        # no Python object per clock, and the trace reads them as numpy arrays without a copy.
+        self.clocks = array.array("q", [-1]) * (len(program.step_rows) + len(program.steps))
         for start in program.start_clock.tolist():
             self.clocks[start] = 0
-        self.arrival = [-1] * len(program.send_clock)
+        self.arrival = array.array("q", [-1]) * len(program.send_clock)
         # Per clock index not reached yet, who waits for it (events to succeed, or coroutines to resume).
         self.waiters: dict[int, list] = {}
         self.ready: collections.deque = collections.deque()  # coroutines to resume, where nothing is timed
@@ -527,13 +529,13 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     lowered = program.lowered
     schedule, xid, t, bounds = lowered.schedule, lowered.transfer, lowered.table, lowered.bounds
     transfers = np.flatnonzero(program.stream != Stream.COMPUTE)
-    clocks = np.fromiter(model.clocks, np.int64, len(model.clocks))
+    clocks = np.frombuffer(model.clocks, dtype=np.int64)
     issued_ps = _issue_times(program, model, clocks)
     start_ps = issued_ps.copy()
     end_ps = issued_ps + model.duration_ps
     if len(transfers):
         if program.timed:  # every SEND was a step and found its arrival
-            arrival = np.fromiter(model.arrival, np.int64, len(model.arrival))
+            arrival = np.frombuffer(model.arrival, dtype=np.int64)
         else:  # every SEND arrives a fixed time after a clock of its device
             arrival = clocks[program.send_clock] + program.send_to_arrival_ps
         ids = xid[transfers]
