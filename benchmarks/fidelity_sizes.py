@@ -24,6 +24,7 @@ carries and a long run's does not.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,9 @@ def measure(sizes: tuple[Size, ...], lengths: tuple[int, ...], methods: list[str
             folder: Path, say: Callable[[str], None]) -> None:
     """Per size: calibrate, then each (method, length) `repeats` times in fresh processes, keeping the profile
     and every measured trace in `folder`."""
+    loads = []  # the host's 1-minute load average as each size starts and ends: what else was running
     for size in sizes:
+        loads.append(os.getloadavg()[0])
         say(f"{size.key}: calibrating mlp 8 x {size.width}, b = {size.microbatch_size} (one thread, runtime probe)")
         profile = calibrate(size.workload(lengths[0]), folder / f"{size.key}.profile.json", threads=1, runtime=True,
                             links=True, quick=quick)
@@ -92,6 +95,8 @@ def measure(sizes: tuple[Size, ...], lengths: tuple[int, ...], methods: list[str
                 for method in methods:
                     trace = run_once(Case(method, size.workload(n)), profile)
                     write_trace(trace, folder / f"{size.key}.{method}.{n}.{repeat}.json")
+        loads.append(os.getloadavg()[0])
+        (folder / "load.json").write_text(json.dumps({"cpus": os.cpu_count(), "load_average": loads}))
 
 
 @dataclass(frozen=True)
@@ -136,14 +141,17 @@ def minibatch_ratios(runs: list[Trace], profiles: list[Profile]) -> np.ndarray:
 def size_table(cells: list[Cell], noise_note: str) -> Table:
     table = Table(title="fidelity by op size and run length: predicted (the size's profile only) vs measured",
                   title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
-                  caption="F ms: stage 0's calibrated forward; error: median over repeats of (predicted - measured) "
-                          f"/ measured; noise: (max - min) / median of the repeats' measured times. {noise_note}")
+                  caption="F ms: stage 0's calibrated forward; warm-up: the profile's pace of a fresh rank's first "
+                          "compute rows, 8 at a time; error: median over repeats of (predicted - measured) / measured, "
+                          "and the same predicted at the steady pace; noise: (max - min) / median of the repeats' "
+                          f"measured times. {noise_note}")
     for header in ("size", "F ms", "mini-batches", "method", "warm-up", "predicted ms", "measured ms", "noise",
-                   "error", "error at steady pace"):
+                   "error", "without warm-up"):
         table.add_column(header, justify="left" if header in ("size", "method") else "right", no_wrap=True)
     for c in cells:
         table.add_row(f"{c.size.label} ({c.size.key})", f"{c.fwd_ms:.2f}", str(c.minibatches), c.row.method,
-                      ", ".join(f"{f:.2f}" for f in c.warmup) or "-", f"{c.row.predicted_ms:,.2f}",
+                      "/".join(f"{f:.2f}" for f in c.warmup[:3]) + "/..." * (len(c.warmup) > 3) or "-",
+                      f"{c.row.predicted_ms:,.2f}",
                       f"{c.row.measured_ms:,.2f}", _pct(c.row.spread, signed=False),
                       _pct(c.row.iteration_error, TARGET), _pct(c.error_steady, TARGET))
     return table
@@ -173,7 +181,10 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
         summary[size.key] = {"median_abs_error": float(np.median(errors)), "median_noise": float(np.median(noise))}
         longest = [runs for (method, n), runs in found.items() if n == max(lengths)]
         pooled += [minibatch_ratios(runs, [without_warmup(profile)] * len(runs)) for runs in longest]
-    console.print(size_table(cells, "Green: within the 5 % target."))
+    load = json.loads((folder / "load.json").read_text()) if (folder / "load.json").exists() else None
+    busy = (f"the host's load average ran {min(load['load_average']):.1f}-{max(load['load_average']):.1f} on "
+            f"{load['cpus']} cores while it measured" if load else "the host's load was not recorded")
+    console.print(size_table(cells, f"Green: within the 5 % target; {busy}."))
     for size in sizes:
         s = summary[size.key]
         console.print(f"{size.label} ({size.key}): median |iteration error| {s['median_abs_error']:.1%} over its "
@@ -190,7 +201,7 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
             "cells": [{"size": c.size.key, "label": c.size.label, "fwd_ms": c.fwd_ms, "minibatches": c.minibatches,
                        "warmup": c.warmup, "iteration_error_at_steady_pace": c.error_steady, **vars(c.row)}
                       for c in cells],
-            "summary": summary, "minibatch_ratio": [float(r) for r in by_minibatch]}, indent=1) + "\n")
+            "summary": summary, "minibatch_ratio": [float(r) for r in by_minibatch], "load": load}, indent=1) + "\n")
 
 
 def main() -> None:
