@@ -46,6 +46,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from pipesim.calibrate.runtime import warmup_factors
 from pipesim.planning.replay import predict_measured
 from pipesim.profiles.schema import Profile, load_profile
 from pipesim.traces.trace import Stream, Trace, read_trace, write_trace
@@ -138,6 +139,10 @@ def minibatch_ratios(runs: list[Trace], profiles: list[Profile]) -> np.ndarray:
     return out
 
 
+def _factors(warmup: list[float] | tuple[float, ...]) -> str:
+    return "/".join(f"{f:.2f}" for f in warmup) or "-"
+
+
 def size_table(cells: list[Cell], noise_note: str) -> Table:
     table = Table(title="fidelity by op size and run length: predicted (the size's profile only) vs measured",
                   title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
@@ -150,7 +155,7 @@ def size_table(cells: list[Cell], noise_note: str) -> Table:
         table.add_column(header, justify="left" if header in ("size", "method") else "right", no_wrap=True)
     for c in cells:
         table.add_row(f"{c.size.label} ({c.size.key})", f"{c.fwd_ms:.2f}", str(c.minibatches), c.row.method,
-                      "/".join(f"{f:.2f}" for f in c.warmup[:3]) + "/..." * (len(c.warmup) > 3) or "-",
+                      _factors(c.warmup[:3]) + "/..." * (len(c.warmup) > 3),
                       f"{c.row.predicted_ms:,.2f}",
                       f"{c.row.measured_ms:,.2f}", _pct(c.row.spread, signed=False),
                       _pct(c.row.iteration_error, TARGET), _pct(c.error_steady, TARGET))
@@ -178,8 +183,10 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
             cells.append(Cell(size, n, profile.stages[0].fwd_ms, priced, steady.iteration_error, warmup))
         errors = [abs(c.row.iteration_error) for c in cells if c.size == size]
         noise = [c.row.spread for c in cells if c.size == size]
-        summary[size.key] = {"median_abs_error": float(np.median(errors)), "median_noise": float(np.median(noise))}
         longest = [runs for (method, n), runs in found.items() if n == max(lengths)]
+        summary[size.key] = {"median_abs_error": float(np.median(errors)), "median_noise": float(np.median(noise)),
+                             "warmup_calibrated": list(cells[-1].warmup),
+                             "warmup_in_runs": warmup_factors([run for runs in longest for run in runs])}
         pooled += [minibatch_ratios(runs, [without_warmup(profile)] * len(runs)) for runs in longest]
     load = json.loads((folder / "load.json").read_text()) if (folder / "load.json").exists() else None
     busy = (f"the host's load average ran {min(load['load_average']):.1f}-{max(load['load_average']):.1f} on "
@@ -188,7 +195,9 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     for size in sizes:
         s = summary[size.key]
         console.print(f"{size.label} ({size.key}): median |iteration error| {s['median_abs_error']:.1%} over its "
-                      f"lengths and methods, noise floor {s['median_noise']:.1%}", highlight=False)
+                      f"lengths and methods, noise floor {s['median_noise']:.1%}; warm-up (8 compute rows at a time) "
+                      f"calibrated {_factors(s['warmup_calibrated'])}, in its {max(lengths)}-mini-batch runs "
+                      f"{_factors(s['warmup_in_runs'])}", highlight=False)
     width = max(r.shape[1] for r in pooled)
     ratios = np.vstack([np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=np.nan) for r in pooled])
     by_minibatch = np.nanmedian(ratios, axis=0)
