@@ -1,10 +1,10 @@
 """How fast the simulator runs and how it scales: 1F1B at several (p, m), transfers and memory modelled.
 
 Each size runs in a fresh process, so its peak resident memory is its own. Prints, per size, the
-seconds of each phase (build the schedule, check it, lower it, price the rows, the SimPy run, the trace,
-the metrics),
-simulated F+B ops per second end to end, and peak memory per op; the scaling is linear when ops/s and
-bytes/op stay flat as the sizes grow. Run:
+seconds of each phase (build the schedule, check it, lower it, price the rows, the device run, the trace,
+the metrics), the simulation's CPU seconds (user + system: on a shared machine they vary less than the
+wall clock, which counts time other processes held the cores), simulated F+B ops per second end to end, and
+peak memory per op; the scaling is linear when ops/s and bytes/op stay flat as the sizes grow. Run:
 
     python benchmarks/bench_simulate.py [--sizes 64x1024,128x4096] [--profile]
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import multiprocessing
+import os
 import pstats
 import resource
 import time
@@ -34,6 +35,7 @@ def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
     marks = [time.perf_counter()]
     schedule = build_schedule("1f1b", ScheduleParams(p, m))
     marks.append(time.perf_counter())
+    cpu_before = os.times()
     costs = Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10, output_mb=1)
     cluster = Cluster.uniform(p, comm_ms)
     preflight(schedule)
@@ -47,6 +49,7 @@ def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
     marks.append(time.perf_counter())
     trace = engine._trace(costs, cluster, program, model, 0.0, 0)
     marks.append(time.perf_counter())
+    cpu_after = os.times()
     summary = summarize(trace)
     marks.append(time.perf_counter())
     fb_ops = 2 * p * m
@@ -54,6 +57,7 @@ def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
     return {
         "p": p, "m": m, "fb_ops": fb_ops, "rows": len(trace.ops),
         **{phase: b - a for phase, a, b in zip(PHASES, marks, marks[1:])},
+        "cpu": (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
@@ -77,7 +81,7 @@ def main() -> None:
     table = Table(title="1F1B: seconds per phase; simulate = check + lower + price + run + trace (issue 28's target: "
                         "the whole `pipesim simulate -s 1f1b -p 128 -m 4096` under 2 s, about 1M F+B ops/s)",
                   title_justify="left")
-    for header in ("p x m", "F+B ops", "rows", *PHASES, "simulate s", "F+B ops/s", "rows/s", "peak MiB",
+    for header in ("p x m", "F+B ops", "rows", *PHASES, "simulate s", "CPU s", "F+B ops/s", "rows/s", "peak MiB",
                    "bytes/row"):
         table.add_column(header, justify="right")
     context = multiprocessing.get_context("spawn")
@@ -87,7 +91,8 @@ def main() -> None:
         simulate_s = r["check"] + r["lower"] + r["price"] + r["run"] + r["trace"]
         table.add_row(
             f"{p}x{m}", f"{r['fb_ops']:,}", f"{r['rows']:,}", *(f"{r[phase]:.3f}" for phase in PHASES),
-            f"{simulate_s:.2f}", f"{r['fb_ops'] / simulate_s:,.0f}", f"{r['rows'] / simulate_s:,.0f}",
+            f"{simulate_s:.2f}", f"{r['cpu']:.2f}", f"{r['fb_ops'] / simulate_s:,.0f}",
+            f"{r['rows'] / simulate_s:,.0f}",
             f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] * 2**20 / r['rows']:,.0f}",
         )
     Console(width=200).print(table)
