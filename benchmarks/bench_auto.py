@@ -33,8 +33,7 @@ PAPER = Path(__file__).with_name("zero_bubble_paper.json")
 
 def build_seconds(p: int, m: int, limit: float, budget: float | None) -> tuple[float, float]:
     """One cold build of auto, wall and CPU seconds: the caches emptied, so the search runs in full."""
-    auto.best_pattern.cache_clear()
-    auto._fixed_patterns.cache_clear()
+    auto.forget_searches()
     costs = Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=1 / 3, activation_mb=64, output_mb=8)
     start, cpu = time.perf_counter(), time.process_time()
     auto.search_schedule(METHODS["auto"].params(p, m, 2, activation_limit=limit, search_seconds=budget), costs,

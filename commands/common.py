@@ -8,7 +8,8 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -260,6 +261,20 @@ def progress(items: Iterable, quiet: bool, total: int | None = None):
     from rich.progress import track
 
     yield from track(items, total=total, description="simulating", console=stderr, transient=True)
+
+
+@contextmanager
+def search_progress(search_seconds: float | None, quiet: bool) -> Iterator[Callable[[float], None] | None]:
+    """For a search given --search-seconds of a second or more, on an interactive terminal: a transient progress
+    bar, and the callback the search reports the share of its budget spent to (else None: no bar)."""
+    if quiet or search_seconds is None or search_seconds < 1 or not stderr.is_terminal:
+        yield None
+        return
+    from rich.progress import Progress
+
+    with Progress(console=stderr, transient=True) as bar:
+        task = bar.add_task("searching auto", total=1.0)
+        yield lambda share: bar.update(task, completed=share)
 
 
 def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None, **overrides) -> Scenario:

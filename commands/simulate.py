@@ -41,6 +41,7 @@ from .common import (
     progress,
     scenario_from_flags,
     search_options,
+    search_progress,
     searched_scenario,
     stderr,
     stdout,
@@ -168,9 +169,10 @@ def simulate(
             method = METHODS[name]
             options = {option: value for option, value in {"prediction": prediction, **search}.items()
                        if method.reads(option)}
-            return scenario.build(name, method.params(
-                stages, microbatches, count, chunks, pipelines, advance=advance, average_every=average_every,
-                elastic_alpha=elastic_alpha, **options))
+            params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
+                                   average_every=average_every, elastic_alpha=elastic_alpha, **options)
+            with search_progress(params.search_seconds, as_json) as report:
+                return scenario.build(name, params, progress=report)
 
         requested, skipped = names, {}  # skipped: method -> why it cannot run here
         schedules = {loaded.method: loaded} if loaded else {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -79,12 +79,13 @@ class StageTimes:
         return len(self.opt_ms)
 
 
-def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster,
-                    memory_bytes: Sequence[int | None] = ()) -> Schedule:
+def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster, memory_bytes: Sequence[int | None] = (),
+                    progress: Callable[[float], None] | None = None) -> Schedule:
     """The `auto` schedule for `params` (p stages, one per device, m micro-batches, N mini-batches; its
     activation limit R and search budget) on `costs` and `links`, each device's activations capped by
     R × what 1F1B holds on device 0 and, where `memory_bytes` knows a device's memory, by what fits beside its
-    weights, gradients, optimizer state and transfer buffers. Raises ScheduleError naming --activation-limit when a
+    weights, gradients, optimizer state and transfer buffers. `progress`, if given, is told the share of the
+    search's budget spent as it goes (a progress bar). Raises ScheduleError naming --activation-limit when a
     device could not hold even one micro-batch."""
     if params.chunks != 1 or params.pipelines != 1:
         raise ScheduleError(f"{METHOD} places one model stage per device in one pipeline: chunks and pipelines "
@@ -92,7 +93,7 @@ def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster,
     frame = schedule_frame(params)
     times = stage_times(params, costs, links, memory_bytes, static_bytes(frame, costs))
     budget = params.search_seconds if params.search_seconds is not None else DEFAULT_SECONDS
-    pattern = best_pattern(times, budget)
+    pattern = best_pattern(times, budget, progress)
     return _schedule(params, _merge_backward(pattern, times))
 
 
@@ -161,15 +162,34 @@ def _buffer_bytes(costs: Costs, k: int) -> float:
             + costs.kept_gradients * costs.stages[k].param_bytes)
 
 
-@lru_cache(maxsize=8)  # a command builds one schedule for several mini-batch counts: search once
-def best_pattern(times: StageTimes, budget_seconds: float = DEFAULT_SECONDS) -> Pattern:
+_SEARCHED: dict[tuple[StageTimes, float], Pattern] = {}  # the last few searches' results, by their inputs
+
+
+def best_pattern(times: StageTimes, budget_seconds: float = DEFAULT_SECONDS,
+                 progress: Callable[[float], None] | None = None) -> Pattern:
     """The candidate with the shortest steady-state time per mini-batch (then the shortest first mini-batch,
     then the first tried): the fixed orders that fit (always timed), then the list scheduler's variants in
     `_GRID` order, then a local search over its per-stage knobs, for as long as the budget lasts. The budget is
     counted in ops scheduled and timed at a rate fixed in `_OPS_PER_SECOND`, not on the clock, so the same inputs
     give the same schedule on any machine, loaded or not; the fixed orders and the first variant are always tried
-    (the constructive pass), the budget bounds the rest."""
-    search = _Search(times, round(budget_seconds * _OPS_PER_SECOND))
+    (the constructive pass), the budget bounds the rest. The last 8 results are remembered: a command builds one
+    schedule for several mini-batch counts, and searches once."""
+    key = (times, budget_seconds)
+    if key not in _SEARCHED:
+        while len(_SEARCHED) >= 8:
+            del _SEARCHED[next(iter(_SEARCHED))]
+        _SEARCHED[key] = _search(times, budget_seconds, progress)
+    return _SEARCHED[key]
+
+
+def forget_searches() -> None:
+    """Search again rather than remember, the fixed orders built anew too (benchmarks, tests of determinism)."""
+    _SEARCHED.clear()
+    _fixed_patterns.cache_clear()
+
+
+def _search(times: StageTimes, budget_seconds: float, progress: Callable[[float], None] | None) -> Pattern:
+    search = _Search(times, round(budget_seconds * _OPS_PER_SECOND), progress)
     for pattern in _fixed_patterns(times.stages, times.microbatches):
         search.consider(pattern, None)
     for n, variant in enumerate(_GRID):
@@ -177,17 +197,20 @@ def best_pattern(times: StageTimes, budget_seconds: float = DEFAULT_SECONDS) -> 
             break
         search.knobs(Knobs.scaled(times, *variant))
     search.improve()
+    if progress is not None:
+        progress(1.0)
     if search.best is None:  # cannot happen: one micro-batch at a time always fits (checked by `stage_times`)
         raise ScheduleError(f"{METHOD}: no order fits the activation limit")
     return search.best
 
 
 class _Search:
-    """The best pattern so far, the knobs tried and the budget left (in ops)."""
+    """The best pattern so far, the knobs tried and the budget left (in ops), reported to `progress`."""
 
-    def __init__(self, times: StageTimes, budget_ops: int) -> None:
+    def __init__(self, times: StageTimes, budget_ops: int, progress: Callable[[float], None] | None) -> None:
         self.times = times
-        self.budget_ops = budget_ops
+        self.budget_ops = self.total_ops = max(budget_ops, 1)
+        self.progress = progress
         self.cost_ops = 3 * times.stages * times.microbatches * _STEADY  # one pass over two mini-batches' ops
         self.best: Pattern | None = None
         self.best_key: tuple[float, float] | None = None
@@ -218,7 +241,10 @@ class _Search:
             return False
         self.tried.add(knobs)
         self.budget_ops -= 2 * self.cost_ops  # scheduled, then timed
-        return self.consider(_greedy(self.times, knobs), knobs)
+        better = self.consider(_greedy(self.times, knobs), knobs)
+        if self.progress is not None:
+            self.progress(min(1.0, 1.0 - self.budget_ops / self.total_ops))
+        return better
 
     def improve(self) -> None:
         """Coordinate descent from the best knobs: one stage's in-flight cap or W reserve one up or down, or its

@@ -11,7 +11,7 @@ a profile skips.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,16 +52,18 @@ class Scenario:
     cost_scale: float = 1.0  # `sweep --cost-scale`: every compute time x this (a faster or slower accelerator)
     memory_bytes: int | None = None  # `tune --memory-gb`: every device's memory, whatever the cluster or profile say
 
-    def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None) -> Schedule:
+    def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
+              progress: Callable[[float], None] | None = None) -> Schedule:
         """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
         the profile's model cut into p stages (at `bounds` if given); a method searched from the costs (auto)
-        gets this scenario's costs, links and device memory."""
+        gets this scenario's costs, links and device memory, and tells `progress` how far its search is."""
         method = method_named(name)
         if method.needs_costs:
             from .auto import schedule_frame, search_schedule
 
             frame = schedule_frame(params)
-            return search_schedule(params, self.costs(frame, bounds), self.links(frame), self.memory_limits(frame))
+            return search_schedule(params, self.costs(frame, bounds), self.links(frame), self.memory_limits(frame),
+                                   progress)
         if method.on_graph is None or not (self.dag or self.measured):
             return method.build(params)
         if self.dag:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipesim.planning.auto import best_pattern, search_schedule
+from pipesim.planning.auto import forget_searches, search_schedule
 from pipesim.schedules import METHODS, ScheduleError, preflight
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.engine import static_bytes
@@ -72,8 +72,16 @@ def test_the_same_inputs_give_the_same_schedule():
     costs = Costs.per_stage(4, fwd_ms=[1.0, 1.4, 0.8, 1.1], bwd_ms=[2.2, 2.6, 1.5, 2.0], activation_mb=2.0)
     params = METHODS["auto"].params(4, 10, 2, activation_limit=1.5)
     first = search_schedule(params, costs, Cluster.uniform(4, 0.1)).to_text()
-    best_pattern.cache_clear()  # search again rather than remember
+    forget_searches()
     assert search_schedule(params, costs, Cluster.uniform(4, 0.1)).to_text() == first
+
+
+def test_the_search_reports_its_progress_up_to_done():
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=2.0)
+    shares = []
+    search_schedule(METHODS["auto"].params(4, 8, 2, search_seconds=0.01), costs, Cluster.uniform(4, 0.1), (),
+                    shares.append)
+    assert shares == sorted(shares) and 0 < shares[0] and shares[-1] == 1.0
 
 
 def test_auto_needs_costs_and_a_limit_that_holds_one_microbatch():
