@@ -3,6 +3,7 @@ listed, or written for torch's runtime."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 from pathlib import Path
@@ -50,6 +51,21 @@ from .common import (
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc's allocator to keep the memory numpy frees for its next arrays instead of handing it back to
+    the OS. A large simulation makes and drops dozens of arrays of millions of rows; memory handed back is
+    faulted in and zeroed again by the kernel at the next allocation, which on this project's virtual machines
+    costs a quarter of the page faults and about a third of the system time of `simulate -p 128 -m 4096`
+    (docs/benchmarks.md). The process keeps its peak until it exits, as it would at that peak anyway. Elsewhere
+    than glibc (no `mallopt`), nothing changes."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return
+    trim_threshold, mmap_threshold = -1, -3  # glibc's M_TRIM_THRESHOLD and M_MMAP_THRESHOLD
+    mallopt(trim_threshold, 1 << 30)  # give memory back only when a GiB at the heap's top is free
+    mallopt(mmap_threshold, 1 << 30)  # arrays under a GiB come from the heap, which keeps them once freed
 
 
 def _output_paths(path: Path, names: list[str]) -> list[Path]:
@@ -133,6 +149,7 @@ def simulate(
 
     With no options: a built-in example comparing every method on a 4-stage pipeline.
     """
+    keep_freed_memory()
     example = not any(is_given(ctx, name) for name in ctx.params)
     if example:
         stages, microbatches, comm, opt, html = (
