@@ -10,7 +10,7 @@ import pytest
 
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Ops, Trace, TraceError, read_trace
-from tests.conftest import run
+from tests.conftest import build, run, simulated
 
 
 def as_measured(trace: Trace, keep: np.ndarray | None = None, **meta) -> Trace:
@@ -74,6 +74,9 @@ def test_traces_of_different_runs_are_refused_naming_the_difference():
         compare(run("1f1b", 2, 4).trace, as_measured(run("gpipe", 2, 4).trace))
     with pytest.raises(TraceError, match="microbatches 8 measured, 4 predicted"):
         compare(run("1f1b", 2, 4).trace, as_measured(run("1f1b", 2, 8).trace))
+    with pytest.raises(TraceError, match="activation_limit 2.0 measured, 1.0 predicted"):  # auto searched for other R
+        compare(simulated(build("auto", 4, 8, activation_limit=1.0)).trace,
+                as_measured(simulated(build("auto", 4, 8, activation_limit=2.0)).trace))
     # A stage graph is its set of edges: a run and its replay may list them in another order.
     plain = run("1f1b", 2, 4).trace
     predicted = replace(plain, meta=replace(plain.meta, stage_edges=[[0, 1], [0, 2]]))

@@ -94,12 +94,17 @@ class Comparison:
 
 
 def check_comparable(predicted: Trace, measured: Trace) -> None:
-    """Raise TraceError naming the first thing in which the two runs differ (schedule, shape, placement)."""
+    """Raise TraceError naming the first thing in which the two runs differ (schedule, shape, placement, then a
+    parameter both record, e.g. the activation limit auto was searched for)."""
     for name in _SHAPE:
         a, b = getattr(predicted.meta, name), getattr(measured.meta, name)
         # a stage graph is its set of edges, in whatever order its builder listed them
         same = sorted(map(tuple, a)) == sorted(map(tuple, b)) if name == "stage_edges" else a == b
         if not same:
+            raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted")
+    for name in sorted(set(predicted.meta.params) & set(measured.meta.params)):
+        a, b = predicted.meta.params[name], measured.meta.params[name]
+        if a != b:
             raise TraceError(f"the traces describe different runs: {name} {b} measured, {a} predicted")
     if predicted.num_devices != measured.num_devices:
         raise TraceError(f"the traces describe different runs: {measured.num_devices} devices measured, "
