@@ -392,11 +392,12 @@ class _Model:
         """Device d's steps where nothing is timed: each step's clock is the later of the clock before it plus
         the compute since and the clock it waits for plus the time after it (see `_Program.steps`). Only
         waiting for a clock not reached yet suspends the coroutine, so this loop is all the run costs per
-        step: three numbers read, one written."""
+        step: three numbers read, one written. The columns are read through memoryviews, whose Python ints are
+        made one at a time and reused (`tolist` would keep a million of them, and fault in their memory)."""
         clocks, waiters, resume = self.clocks, self.waiters, self.ready.extend
         me = self.running
         start = int(self.program.start_clock[d])
-        busy, _, _, waits_for, after = (column.tolist() for column in self.program.steps[d])
+        busy, _, _, waits_for, after = map(memoryview, self.program.steps[d])
         clock = 0
         for mine, busy_ps, other, after_ps in zip(range(start + 1, start + 1 + len(busy)), busy, waits_for, after):
             clock += busy_ps
