@@ -44,6 +44,7 @@ from .common import (
     require,
     require_model_data,
     search_options,
+    search_progress,
     searched_scenario,
     stderr,
     stdout,
@@ -165,7 +166,8 @@ def run(
             built = method.build(params)
         else:  # searched for the costs of the stages the run cuts (the profile's partition, where it fits)
             fits = bounds is not None and len(bounds) - 1 == params.stages * params.chunks
-            built = scenario.build(method.name, params, bounds if fits else None)
+            with search_progress(params.search_seconds, as_json) as report:
+                built = scenario.build(method.name, params, bounds if fits else None, progress=report)
         if bounds is not None and len(bounds) - 1 != built.num_stages:
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
                              f"{stages} devices has {built.num_stages}; calibrate with --stages "

@@ -521,7 +521,12 @@ def export(
         # torch's CSV is one pipeline: AvgPipe is refused for its averaging, not its default of two pipelines.
         params = method.params(stages, microbatches, chunks=chunks, pipelines=1,
                                **{option: value for option, value in search.items() if method.reads(option)})
-        text = to_torch_csv(scenario.build(method.name, params) if scenario else method.build(params))
+        if scenario is None:
+            built = method.build(params)
+        else:
+            with search_progress(params.search_seconds, False) as report:
+                built = scenario.build(method.name, params, progress=report)
+        text = to_torch_csv(built)
         write_atomic(out, text)
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc))
