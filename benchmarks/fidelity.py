@@ -116,7 +116,7 @@ def _runtime(profile: Profile, compute: bool, messages: bool, delivery: bool, ga
         "delivery_ms": runtime.delivery_ms if delivery else pinged,
         "gap_ms": runtime.gap_ms if gaps else {kind: ZERO for kind in runtime.gap_ms},
         "kept_gradients": runtime.kept_gradients if kept else 0.0, "recv_window": runtime.recv_window if posted else 0,
-        "warmup": []})
+        "warmup_ms": []})
 
 
 def term_variants(profile: Profile, all_cores: Profile) -> list[tuple[str, Profile]]:

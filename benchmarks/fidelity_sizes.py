@@ -46,7 +46,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.calibrate.runtime import warmup_factors
+from pipesim.calibrate.runtime import warmup_ms
 from pipesim.planning.replay import predict_measured
 from pipesim.profiles.schema import Profile, load_profile
 from pipesim.traces.trace import Stream, Trace, read_trace, write_trace
@@ -110,14 +110,14 @@ class Cell:
     fwd_ms: float
     row: Row
     error_steady: float
-    warmup: tuple[float, ...]  # the profile's pace of a fresh rank's first mini-batches
+    warmup_ms: tuple[float, ...]  # the profile's cost of a fresh rank's first rows, each beyond its steady time
 
 
 def without_warmup(profile: Profile) -> Profile:
     """`profile` with every mini-batch priced at the steady pace (the prediction before the warm-up term)."""
     if profile.runtime is None:
         return profile
-    return profile.model_copy(update={"runtime": profile.runtime.model_copy(update={"warmup": []})})
+    return profile.model_copy(update={"runtime": profile.runtime.model_copy(update={"warmup_ms": []})})
 
 
 def minibatch_ratios(runs: list[Trace], profiles: list[Profile]) -> np.ndarray:
@@ -139,23 +139,24 @@ def minibatch_ratios(runs: list[Trace], profiles: list[Profile]) -> np.ndarray:
     return out
 
 
-def _factors(warmup: list[float] | tuple[float, ...]) -> str:
-    return "/".join(f"{f:.2f}" for f in warmup) or "-"
+def _extra(warmup: list[float] | tuple[float, ...]) -> str:
+    """Milliseconds per row as microseconds, step after step."""
+    return "/".join(f"{ms * 1e3:.0f}" for ms in warmup) or "-"
 
 
 def size_table(cells: list[Cell], noise_note: str) -> Table:
     table = Table(title="fidelity by op size and run length: predicted (the size's profile only) vs measured",
                   title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
-                  caption="F ms: stage 0's calibrated forward; warm-up: the profile's pace of a fresh rank's first "
-                          "compute rows, 8 at a time; error: median over repeats of (predicted - measured) / measured, "
-                          "and the same predicted at the steady pace; noise: (max - min) / median of the repeats' "
-                          f"measured times. {noise_note}")
+                  caption="F ms: stage 0's calibrated forward; warm-up: the profile's cost of a fresh rank's first "
+                          "rows, us each beyond their steady time, 8 compute rows at a time; error: median over "
+                          "repeats of (predicted - measured) / measured, and the same predicted at the steady pace; "
+                          f"noise: (max - min) / median of the repeats' measured times. {noise_note}")
     for header in ("size", "F ms", "mini-batches", "method", "warm-up", "predicted ms", "measured ms", "noise",
                    "error", "without warm-up"):
         table.add_column(header, justify="left" if header in ("size", "method") else "right", no_wrap=True)
     for c in cells:
         table.add_row(f"{c.size.label} ({c.size.key})", f"{c.fwd_ms:.2f}", str(c.minibatches), c.row.method,
-                      _factors(c.warmup[:3]) + "/..." * (len(c.warmup) > 3),
+                      _extra(c.warmup_ms[:3]) + "/..." * (len(c.warmup_ms) > 3),
                       f"{c.row.predicted_ms:,.2f}",
                       f"{c.row.measured_ms:,.2f}", _pct(c.row.spread, signed=False),
                       _pct(c.row.iteration_error, TARGET), _pct(c.error_steady, TARGET))
@@ -178,15 +179,15 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
         for (method, n), runs in sorted(found.items(), key=lambda item: (item[0][1], item[0][0])):
             case = Case(method, size.workload(n), runs)
             steady = row(method, comparisons(case, [without_warmup(profile)] * len(runs)))
-            warmup = tuple(profile.runtime.warmup) if profile.runtime is not None else ()
+            warmup = tuple(profile.runtime.warmup_ms) if profile.runtime is not None else ()
             priced = row(method, comparisons(case, [profile] * len(runs)))
             cells.append(Cell(size, n, profile.stages[0].fwd_ms, priced, steady.iteration_error, warmup))
         errors = [abs(c.row.iteration_error) for c in cells if c.size == size]
         noise = [c.row.spread for c in cells if c.size == size]
         longest = [runs for (method, n), runs in found.items() if n == max(lengths)]
         summary[size.key] = {"median_abs_error": float(np.median(errors)), "median_noise": float(np.median(noise)),
-                             "warmup_calibrated": list(cells[-1].warmup),
-                             "warmup_in_runs": warmup_factors([run for runs in longest for run in runs])}
+                             "warmup_ms_calibrated": list(cells[-1].warmup_ms),
+                             "warmup_ms_in_runs": warmup_ms([run for runs in longest for run in runs])}
         pooled += [minibatch_ratios(runs, [without_warmup(profile)] * len(runs)) for runs in longest]
     load = json.loads((folder / "load.json").read_text()) if (folder / "load.json").exists() else None
     busy = (f"the host's load average ran {min(load['load_average']):.1f}-{max(load['load_average']):.1f} on "
@@ -195,9 +196,9 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     for size in sizes:
         s = summary[size.key]
         console.print(f"{size.label} ({size.key}): median |iteration error| {s['median_abs_error']:.1%} over its "
-                      f"lengths and methods, noise floor {s['median_noise']:.1%}; warm-up (8 compute rows at a time) "
-                      f"calibrated {_factors(s['warmup_calibrated'])}, in its {max(lengths)}-mini-batch runs "
-                      f"{_factors(s['warmup_in_runs'])}", highlight=False)
+                      f"lengths and methods, noise floor {s['median_noise']:.1%}; warm-up, us per row, 8 compute rows "
+                      f"at a time: calibrated {_extra(s['warmup_ms_calibrated'])}, in its {max(lengths)}-mini-batch "
+                      f"runs {_extra(s['warmup_ms_in_runs'])}", highlight=False)
     width = max(r.shape[1] for r in pooled)
     ratios = np.vstack([np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=np.nan) for r in pooled])
     by_minibatch = np.nanmedian(ratios, axis=0)
@@ -208,7 +209,7 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     if out:
         out.write_text(json.dumps({
             "cells": [{"size": c.size.key, "label": c.size.label, "fwd_ms": c.fwd_ms, "minibatches": c.minibatches,
-                       "warmup": c.warmup, "iteration_error_at_steady_pace": c.error_steady, **vars(c.row)}
+                       "warmup_ms": c.warmup_ms, "iteration_error_at_steady_pace": c.error_steady, **vars(c.row)}
                       for c in cells],
             "summary": summary, "minibatch_ratio": [float(r) for r in by_minibatch], "load": load}, indent=1) + "\n")
 

@@ -35,7 +35,7 @@ PROBE_STEADY = 5  # mini-batches per schedule the probe keeps
 HOST_RUN_S = 1.5  # compute per rank the calibrated model's run aims at: its gaps are short beside large rows
 MAX_PROBE_WIDTH = 1 << 16  # boundaries wider than this are probed at this width (meta says so)
 WARMUP_ROWS = 8  # a fresh rank's first compute rows are priced at their own pace this many at a time ...
-WARMUP_STEPS = 6  # ... for at most this many steps (`warmup_factors`)
+WARMUP_STEPS = 6  # ... for at most this many steps (`warmup_ms`)
 
 
 class RuntimeProbeError(ValueError):
@@ -124,15 +124,16 @@ def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float
     return gaps, sends
 
 
-def warmup_factors(traces: list[Trace]) -> list[float]:
-    """How much longer a fresh rank takes for its first rows than for later ones, from runs of `probe_schedule`
-    (its first schedule, which starts the ranks): per device, what each row held it (a compute or SEND row's
-    duration and the host time after every row; not a receive's wait) over the median of the same kind and
-    stage's rows in the schedule's second half; its median per WARMUP_ROWS compute rows of the first half (step
-    j: the rows after j·WARMUP_ROWS of them and before the next), up to WARMUP_STEPS, so that a row a slow spell
-    of a shared machine stretched does not stand for its step; median over devices and traces. A step faster
-    than the steady rows is noise, priced as steady (1)."""
-    ratios = []
+def warmup_ms(traces: list[Trace]) -> list[float]:
+    """What a fresh rank's first rows cost beyond the later ones, from runs of `probe_schedule` (its first
+    schedule, which starts the ranks): per device, what each row held it (a compute or SEND row's duration and
+    the host time after every row; not a receive's wait) less the median of the same kind and stage's rows in
+    the schedule's second half; its median per WARMUP_ROWS compute rows of the first half (step j: the rows
+    after j·WARMUP_ROWS of them and before the next), up to WARMUP_STEPS, so that a row a slow spell of a shared
+    machine stretched does not stand for its step; median over devices and traces. A fixed cost per row (cold
+    code, first allocations; the same at every size here), so the probe's tiny layers measure it; a step
+    faster than the steady rows is noise, priced as none."""
+    excess = []
     for trace in traces:
         ops = trace.ops
         starts = trace.meta.params.get("warmup_minibatches", [0])
@@ -147,30 +148,28 @@ def warmup_factors(traces: list[Trace]) -> list[float]:
             compute = ops.stream[rows] == Stream.COMPUTE
             computed = np.cumsum(compute) - compute
             half = int(compute[first[rows]].sum()) // 2
-            steps = min(WARMUP_STEPS, half // WARMUP_ROWS)
             key = ops.kind[rows] * (int(ops.stage.max()) + 1) + ops.stage[rows]
             late = timed & (computed >= half)
             steady_us = {k: float(np.median(held_us[late & (key == k)])) for k in np.unique(key[late])}
-            ratios.append([])
-            for j in range(steps):
+            excess.append([])
+            for j in range(min(WARMUP_STEPS, half // WARMUP_ROWS)):
                 mine = timed & (computed // WARMUP_ROWS == j) & np.isin(key, list(steady_us))
-                ratios[-1].append(float(np.median(held_us[mine] / [steady_us[k] for k in key[mine]])))
-    ratios = [r for r in ratios if r]
-    steps = min((len(r) for r in ratios), default=0)
+                excess[-1].append(float(np.median(held_us[mine] - [steady_us[k] for k in key[mine]])) / 1e3)
+    excess = [e for e in excess if e]
+    steps = min((len(e) for e in excess), default=0)
     if not steps:
         return []
-    return [max(round(float(r), 4), 1.0) for r in np.median([r[:steps] for r in ratios], axis=0)]
+    return [max(round(float(ms), 4), 0.0) for ms in np.median([e[:steps] for e in excess], axis=0)]
 
 
 def host_times(runtime: RuntimeProfile, traces: list[Trace]) -> RuntimeProfile:
-    """`runtime` with the gaps after each row, the SEND rows' times and the first rows' pace of
-    `traces`, runs of the calibrated model itself: that host work runs on the caches the stage's compute left
-    (after a large stage twice as long as after the probe's), and the model's own passes run cold at first."""
+    """`runtime` with the gaps after each row and the SEND rows' times of `traces`, runs of the calibrated model
+    itself: that host work runs on the caches the stage's compute left (after a large stage twice as long as
+    after the probe's)."""
     gaps, sends = _host_times(traces)
     return runtime.model_copy(update={
         "send_ms": _timing(sends, "SEND rows"),
-        "gap_ms": {kind: _timing(samples, f"gaps after {kind}") for kind, samples in sorted(gaps.items())},
-        "warmup": warmup_factors(traces), "warmup_rows": WARMUP_ROWS})
+        "gap_ms": {kind: _timing(samples, f"gaps after {kind}") for kind, samples in sorted(gaps.items())}})
 
 
 def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimeProfile:
@@ -227,4 +226,4 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
         delivery_bytes=int(meta["boundary_bytes"]),
         gap_ms={kind: _timing(samples, f"gaps after {kind}") for kind, samples in sorted(gaps.items())},
         kept_gradients=max(round(float(np.median(kept)), 2), 0.0) if kept else 0.0,
-        recv_window=window, meta=meta)
+        recv_window=window, warmup_ms=warmup_ms(traces), warmup_rows=WARMUP_ROWS, meta=meta)

@@ -198,6 +198,7 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
         PROBE_MICROBATCHES,
         PROBE_SCHEDULES,
         PROBE_STEADY,
+        WARMUP_ROWS,
         host_plan,
         host_times,
         probe_width,
@@ -209,7 +210,7 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
     key = {"device": env.device, "dtype": env.dtype, "microbatch_size": env.microbatch_size,
            "threads": settings.threads, "repeats": settings.repeats, "warmup": settings.warmup,
            "probe": probe_options, "schedules": PROBE_SCHEDULES, "microbatches": PROBE_MICROBATCHES,
-           "steady": PROBE_STEADY}
+           "steady": PROBE_STEADY, "warmup_rows": WARMUP_ROWS}
     with phase(f"runtime probe ({' then '.join(PROBE_SCHEDULES)} on two ranks)") as notes:
         measure = lambda: _probe_terms(profile, settings, advance, probe_options).model_dump(mode="json")  # noqa: E731
         probe = cache.get("runtime-probe", key, measure) if cache is not None else fresh(measure)
@@ -337,10 +338,10 @@ def _print_profile(profile) -> None:
         stdout.print(f"runtime per row, us: compute {compute}; send {rt.send_ms.median_ms * 1e3:.0f}, receive "
                      f"{rt.recv_ms.median_ms * 1e3:.0f}; gap after {gaps}" + _cached(rt.meta, "the probe's terms"),
                      highlight=False)
-        if rt.warmup:
-            stdout.print(f"warm-up: a fresh rank's first compute rows, {rt.warmup_rows} at a time, "
-                         + ", ".join(f"{factor:.2f}x" for factor in rt.warmup) + " their steady time (the "
-                         "calibrated model's run; a short run's time per mini-batch carries them)", highlight=False)
+        if rt.warmup_ms:
+            stdout.print(f"warm-up: a fresh rank's first compute rows, {rt.warmup_rows} at a time, cost "
+                         + ", ".join(f"+{ms * 1e3:.0f}" for ms in rt.warmup_ms) + " us each beyond their steady "
+                         "time (the probe's; a short run's time per mini-batch carries them)", highlight=False)
     if profile.contention is not None:
         meta = profile.contention.meta
         at_once = ", ".join(f"{k} ranks computing at once {slowdown:.2f}x their time alone" if k == 2 else

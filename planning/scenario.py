@@ -227,15 +227,15 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
 def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:
     """The simulator's per-row overhead from a profile's measured runtime costs. PRED and AVG rows are priced
     as OPT rows (the same bookkeeping around an elementwise pass over a stage's weights); a kind whose gap was
-    not seen in the probe gets the median gap of those that were; a fresh rank's first rows run as the run of the
-    calibrated model ran them (`RuntimeProfile.warmup`)."""
+    not seen in the probe gets the median gap of those that were; a fresh rank's first rows cost what the probe's
+    fresh ranks paid beyond their steady time (`RuntimeProfile.warmup_ms`)."""
     seen = {kind: t.median_ms for kind, t in runtime.gap_ms.items()}
     stand_in = {Kind.PRED: Kind.OPT, Kind.AVG: Kind.OPT}
     compute = [runtime.compute_ms[stand_in.get(kind, kind).value].median_ms for kind in KINDS[:NUM_COMPUTE_KINDS]]
     typical = float(np.median(list(seen.values()))) if seen else 0.0
     gaps = [seen.get(kind.value, seen.get(stand_in.get(kind, kind).value, typical)) for kind in KINDS]
     return RowOverhead(tuple(compute), runtime.send_ms.median_ms, runtime.recv_ms.median_ms, tuple(gaps),
-                       tuple(runtime.warmup), runtime.warmup_rows)
+                       tuple(runtime.warmup_ms), runtime.warmup_rows)
 
 
 def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool) -> Cluster:

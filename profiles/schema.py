@@ -229,9 +229,9 @@ class RuntimeProfile(_Strict):
     - `recv_window`: receives the executor keeps posted ahead of the row it runs, each holding its buffer from
       its posting (the probe's; a profile from before it was recorded ran with the same default; 0 leaves
       them out, holding a buffer from its message's arrival);
-    - `warmup`: how many times their steady time a fresh rank takes for its first rows and the host time after
-      them, per `warmup_rows` compute rows (step j: after j·`warmup_rows` of them), from the run of the
-      calibrated model (none in a profile from before it was measured).
+    - `warmup_ms`: what a fresh rank's first rows cost each beyond their steady time (with the host time after
+      them), per `warmup_rows` compute rows (step j: after j·`warmup_rows` of them), from the probe's run, whose
+      ranks start fresh (none in a profile from before it was measured).
     PRED and AVG are priced as OPT is (the same bookkeeping around an elementwise pass). `meta["host_cache"]`
     as for the link: the probe's terms may be a cached measurement; the gaps and sends, measured on the
     calibrated model, never are."""
@@ -244,7 +244,7 @@ class RuntimeProfile(_Strict):
     gap_ms: dict[str, Timing]
     kept_gradients: float = Field(ge=0)
     recv_window: int = Field(RECV_WINDOW, ge=0)
-    warmup: list[Annotated[float, Field(ge=1.0)]] = Field(default_factory=list)
+    warmup_ms: list[Annotated[float, Field(ge=0.0)]] = Field(default_factory=list)
     warmup_rows: int = Field(8, ge=1)
     meta: dict[str, Any]
 

@@ -12,7 +12,6 @@ from ..schedules import KINDS, NUM_COMPUTE_KINDS, Kind
 from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
-MAX_WARMUP = 1e3  # a first mini-batch a thousand times slower than the rest is a broken measurement
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
@@ -77,35 +76,32 @@ class RowOverhead:
     a SEND holds its device for `send_ms` after issuing its transfer, a RECV for `recv_ms` after its message
     arrives; and after a row of kind `KINDS[i]` the device spends `gap_ms[i]` before its next row starts.
     None of it is in a row's own duration but `compute_ms`, as a measured trace times its rows.
-    `warmup[j]`: a fresh rank's rows after its first j·`warmup_rows` compute rows and before the next
-    `warmup_rows` (j < len) take that many times their steady time, compute and host time alike (a process's
-    first passes, updates and sends run cold); a short run's time per mini-batch carries them, a long run's
-    hardly."""
+    `warmup_ms[j]`: what a fresh rank's rows after its first j·`warmup_rows` compute rows and before the next
+    `warmup_rows` (j < len) cost beyond their steady time, each (a compute row in its duration, another in the
+    host time after it): a process's first passes, updates and sends run cold code; a short run's time per
+    mini-batch carries it, a long run's hardly."""
 
     compute_ms: tuple[float, ...] = (0.0,) * NUM_COMPUTE_KINDS
     send_ms: float = 0.0
     recv_ms: float = 0.0
     gap_ms: tuple[float, ...] = (0.0,) * len(KINDS)
-    warmup: tuple[float, ...] = ()
+    warmup_ms: tuple[float, ...] = ()
     warmup_rows: int = 8
 
     def __post_init__(self) -> None:
         if len(self.compute_ms) != NUM_COMPUTE_KINDS or len(self.gap_ms) != len(KINDS):
             raise CostError(f"row overhead: give {NUM_COMPUTE_KINDS} compute and {len(KINDS)} gap times, one per kind")
-        for value in (*self.compute_ms, self.send_ms, self.recv_ms, *self.gap_ms):
+        for value in (*self.compute_ms, self.send_ms, self.recv_ms, *self.gap_ms, *self.warmup_ms):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= MAX_MS:
                 raise CostError(f"row overhead times must be finite numbers from 0 to {MAX_MS:g} (got {value!r})")
-        for value in self.warmup:
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or not 1 <= value <= MAX_WARMUP:
-                raise CostError(f"warm-up factors must be finite numbers from 1 to {MAX_WARMUP:g} (got {value!r})")
         if not isinstance(self.warmup_rows, int) or self.warmup_rows < 1:
             raise CostError(f"warmup_rows must be a whole number >= 1 (got {self.warmup_rows!r})")
 
-    def warmup_factor(self, computed_before: np.ndarray) -> np.ndarray:
-        """Per row, given the compute rows its device ran before it, how many times its steady time it takes (1
+    def warmup_extra_ms(self, computed_before: np.ndarray) -> np.ndarray:
+        """Per row, given the compute rows its device ran before it, what it costs beyond its steady time (0
         past the warm-up)."""
-        factors = np.asarray((*self.warmup, 1.0), dtype=float)
-        return factors[np.minimum(computed_before // self.warmup_rows, len(self.warmup))]
+        extra = np.asarray((*self.warmup_ms, 0.0), dtype=float)
+        return extra[np.minimum(computed_before // self.warmup_rows, len(self.warmup_ms))]
 
     @property
     def host_ms(self) -> np.ndarray:

@@ -107,11 +107,11 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                      (copying, [c.copy_ms for c in stages])):
         duration[rows] += np.asarray(ms)[stage[rows]]
     host_ps = _picoseconds(overhead.host_ms)[kind]
-    if overhead.warmup:  # a fresh rank's first rows run slower, their host time as much as their compute
+    if overhead.warmup_ms:  # a fresh rank's first rows cost more: a compute row in its time, another after it
         computed = np.cumsum(compute) - compute  # compute rows before each row, counted per device:
         computed -= np.repeat(computed.take(lowered.bounds[:-1], mode="clip"), np.diff(lowered.bounds))
-        slower = overhead.warmup_factor(computed)
-        duration, host_ps = duration * slower, _picoseconds(overhead.host_ms[kind] * slower)
+        extra = overhead.warmup_extra_ms(computed)
+        duration, host_ps = duration + extra * compute, _picoseconds(overhead.host_ms[kind] + extra * ~compute)
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
     duration = _picoseconds(duration)

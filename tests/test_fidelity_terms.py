@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipesim.calibrate.runtime import WARMUP_ROWS, RuntimeProbeError, host_times, runtime_terms, warmup_factors
+from pipesim.calibrate.runtime import WARMUP_ROWS, RuntimeProbeError, host_times, runtime_terms, warmup_ms
 from pipesim.planning.replay import predict_measured
 from pipesim.planning.scenario import profile_overhead, profile_scenario
 from pipesim.profiles.schema import (
@@ -113,23 +113,32 @@ def test_a_kept_gradient_adds_one_gradient_from_the_second_mini_batch_on():
     assert [extra_at(ms) for ms in (5.0, 6.6, 9.0, 12.9, 13.1, 30.0)] == [0, 0, param, param, 0, 0]
 
 
-def test_a_fresh_ranks_first_mini_batches_take_their_warm_up_factor_rows_and_host_time_alike():
+def test_a_fresh_ranks_first_rows_cost_their_warm_up_in_compute_and_host_time():
     # GPipe on one device, m = 4: per mini-batch 4 F (1.1 ms, then 0.01 ms), 4 B (2.2 ms, 0.02 ms) and one OPT
-    # (0.8 ms, 0.03 ms), 13.75 ms at steady pace; its first 9 compute rows (mini-batch 0) at 3x, the next 9 at
-    # 1.5x, the rest steady.
+    # (0.8 ms, 0.03 ms), 13.75 ms at steady pace; its first 9 compute rows (mini-batch 0) cost 0.5 ms more each,
+    # the next 9 0.2 ms: in a compute row's own time, and in the host time after any other row.
     row = overhead({"F": 0.1, "B": 0.2, "OPT": 0.3}, {"F": 0.01, "B": 0.02, "OPT": 0.03})
-    trace = one_device("gpipe", 4, 4, row=replace(row, warmup=(3.0, 1.5), warmup_rows=9))
-    assert durations(trace, "F") == pytest.approx([3.3] * 4 + [1.65] * 4 + [1.1] * 8)
-    assert durations(trace, "OPT") == pytest.approx([2.4, 1.2, 0.8, 0.8])
+    trace = one_device("gpipe", 4, 4, row=replace(row, warmup_ms=(0.5, 0.2), warmup_rows=9))
+    assert durations(trace, "F") == pytest.approx([1.6] * 4 + [1.3] * 4 + [1.1] * 8)
+    assert durations(trace, "OPT") == pytest.approx([1.3, 1.0, 0.8, 0.8])
     steady = 4 * 1.11 + 4 * 2.22 + 0.83
-    assert summarize(trace).makespan_ms == pytest.approx((3.0 + 1.5 + 1 + 1) * steady - 0.03)
-    # from mini-batch 0's last row's end (its update's gap, at 3x, still to come) to mini-batch 3's
-    assert summarize(trace).time_per_minibatch_ms == pytest.approx(((1.5 + 1 + 1) * steady + 3 * 0.03 - 0.03) / 3)
-    with pytest.raises(CostError, match="warm-up factors must be finite numbers from 1"):
-        RowOverhead(warmup=(0.5,))
+    assert summarize(trace).makespan_ms == pytest.approx(4 * steady + 9 * 0.5 + 9 * 0.2 - 0.03)
+    # from mini-batch 0's last row's end (its update's gap still to come) to mini-batch 3's
+    assert summarize(trace).time_per_minibatch_ms == pytest.approx((3 * steady + 9 * 0.2) / 3)
+    with pytest.raises(CostError, match="row overhead times must be finite numbers from 0"):
+        RowOverhead(warmup_ms=(-0.5,))
     # in steps of 8 compute rows, the ninth F (mini-batch 1's first) is already past the first step
-    assert durations(one_device("gpipe", 4, 2, row=replace(row, warmup=(2.0,))), "F") == pytest.approx(
-        [2.2] * 4 + [1.1] * 4)
+    assert durations(one_device("gpipe", 4, 2, row=replace(row, warmup_ms=(1.0,))), "F") == pytest.approx(
+        [2.1] * 4 + [1.1] * 4)
+    # two devices: a SEND holds its device the extra after it, a RECV too (not its wait)
+    costs = Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0)
+    plain = simulate(build("gpipe", 2, 2), costs, Cluster.uniform(2, 0.0))
+    cold = simulate(build("gpipe", 2, 2), replace(costs, overhead=RowOverhead(warmup_ms=(0.25,))),
+                    Cluster.uniform(2, 0.0))
+    # device 0: F0, SEND_F0, F1, SEND_F1, ...: F1 starts 0.25 (F0) + 0.25 (after SEND_F0) later
+    f1 = lambda t: float(t.ops.start_us[(t.ops.device == 0) & (t.ops.kind == t.kind_code("F"))  # noqa: E731
+                                        & (t.ops.microbatch == 1)][0]) / 1e3
+    assert f1(cold) - f1(plain) == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("window, held_mib", [(0, [0, 1, 1, 1, 1, 0]), (2, [2, 3, 3, 2, 1, 0])])
@@ -162,12 +171,12 @@ def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
 
 
 def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float,
-                window: int = 2, warmup: tuple[float, ...] = ()) -> Trace:
+                window: int = 2, warmup_ms: tuple[float, ...] = ()) -> Trace:
     """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
     the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms`, a RECV
-    waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, all but a RECV `warmup[j]`
-    times as long after j·WARMUP_ROWS compute rows of its device; after an update a device holds its weights,
-    `kept` gradients and the buffers of its next `window` receives, posted ahead."""
+    waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, each of the rows but a RECV
+    and each gap `warmup_ms[j]` longer after j·WARMUP_ROWS compute rows of its device; after an update a device
+    holds its weights, `kept` gradients and the buffers of its next `window` receives, posted ahead."""
     own = {"F": "fwd_ms", "B": "bwd_ms", "I": "igrad_ms", "W": "wgrad_ms"}
     programs = {d: [(kind, d, j, b) for b in range(3) for kind, j in order] for d, order in (
         (0, [("F", 0), ("SEND_F", 0), ("F", 1), ("SEND_F", 1), ("RECV_B", 0), ("B", 0), ("RECV_B", 1), ("I", 1),
@@ -194,9 +203,9 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
                 else:
                     ms = getattr(s, own[kind]) + extra[kind]
                 step = computed[d] // WARMUP_ROWS
-                slower = warmup[step] if step < len(warmup) else 1.0
+                cold = warmup_ms[step] if step < len(warmup_ms) else 0.0
                 computed[d] += kind in COMPUTE_KINDS
-                ms, gap = (ms, gap_ms * slower) if kind.startswith("RECV") else (ms * slower, gap_ms * slower)
+                ms, gap = (ms, gap_ms + cold) if kind.startswith("RECV") else (ms + cold, gap_ms + cold)
                 rows.append((d, kind, stage, j, b, 1 - d if "_" in kind else -1, clock[d] * 1e3, ms * 1e3))
                 # after an update: weights, kept gradients and the next `window` receives (2 a mini-batch) posted
                 posted = min(window, 2 * (2 - b)) * probe.stages[0].output_bytes
@@ -244,21 +253,22 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
     assert both.send_ms.median_ms == pytest.approx(0.3)
     assert both.compute_ms == terms.compute_ms and both.recv_ms == terms.recv_ms
     assert both.delivery_ms == terms.delivery_ms and both.kept_gradients == terms.kept_gradients
-    assert both.warmup == [1.0]  # its first mini-batch ran as the rest: nothing to price
+    assert terms.warmup_ms == [0.0] and both.warmup_ms == terms.warmup_ms  # its first rows ran as the rest
 
 
-def test_calibration_reads_a_fresh_ranks_warm_up_off_the_calibrated_models_run():
-    # A device's first 8 compute rows (of 18) ran 2.5x as long, rows and host time alike (the rest is steady:
-    # the first half of the run is priced against the second); receives that waited for a slower peer are not
-    # the device's time.
+def test_calibration_reads_a_fresh_ranks_warm_up_off_the_probes_run():
+    # A device's first 8 compute rows (of 18) cost 0.6 ms more each, and the host time after a row among them
+    # as much again (the rest is steady: the first half of the run is priced against the second); receives
+    # that waited for a slower peer are not the device's time.
     probe = load_profile(PROFILE)
     extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
-    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0, warmup=(2.5,))
-    assert warmup_factors([trace]) == pytest.approx([2.5], abs=1e-4)
-    terms = host_times(runtime_terms([trace], probe, {"boundary_bytes": 4096}), [trace])
-    assert profile_overhead(terms).warmup == pytest.approx((2.5,), abs=1e-4)
-    # a first mini-batch that ran faster than the rest is noise, priced as steady
-    assert warmup_factors([probe_trace(probe, extra, 0.04, 0.12, 0.02, 1.0, warmup=(0.8,))]) == [1.0]
+    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0, warmup_ms=(0.6,))
+    assert warmup_ms([trace]) == pytest.approx([1.2], abs=1e-4)
+    terms = runtime_terms([trace], probe, {"boundary_bytes": 4096})
+    assert profile_overhead(terms).warmup_ms == pytest.approx((1.2,), abs=1e-4)
+    assert profile_overhead(terms).warmup_rows == WARMUP_ROWS
+    # first rows that ran faster than the rest are noise, priced as none
+    assert warmup_ms([probe_trace(probe, extra, 0.04, 0.12, 0.02, 1.0, warmup_ms=(-0.01,))]) == [0.0]
 
 
 # ------------------------------------------------------------------------------- the run's own conditions
@@ -393,7 +403,7 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
                                          "runtime": RuntimeProfile(
                                              compute_ms={k: t for k in COMPUTE_KINDS}, send_ms=t, recv_ms=t,
                                              delivery_ms=t, delivery_bytes=4096, gap_ms={"F": t}, kept_gradients=1.0,
-                                             warmup=[1.5], meta={}),
+                                             warmup_ms=[0.5], meta={}),
                                          "contention": ContentionProfile(slowdown=[1.0, 1.5], spread=[0, 0], tail=1.25,
                                                                          meta={}),
                                          "layers": [layer.model_copy(update={  # autograd saves no boundary tensor
@@ -423,7 +433,7 @@ def test_the_report_turns_the_terms_on_one_after_another(fidelity):
     assert [c.stages[0].held_bytes for c in costs] == [None] * 11 + [boundary] * (n - 11)
     assert [profile_scenario(p, "sgd").links(schedule).contention for _, p in variants] == \
         [()] * 12 + [(1.0, 1.5)] * (n - 12)
-    assert [c.overhead.warmup for c in costs] == [()] * (n - 1) + [(1.5,)]  # the warm-up, last
+    assert [c.overhead.warmup_ms for c in costs] == [()] * (n - 1) + [(0.5,)]  # the warm-up, last
     assert variants[-1][1] == profile
 
 
