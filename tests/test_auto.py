@@ -45,7 +45,7 @@ def scenarios(draw):
     return p, m, costs, draw(st.sampled_from([0.0, 0.05, 0.3]))
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.sampled_from([1.0, 2.0]))
 def test_property_auto_is_valid_within_its_limit_and_never_slower_than_a_fixed_order_that_fits(scenario, limit):
     p, m, costs, comm = scenario
