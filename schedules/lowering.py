@@ -103,6 +103,11 @@ def lower(schedule: Schedule) -> Lowered:
     own = np.flatnonzero(origin >= 0)  # the schedule's actions, in order
 
     def scatter(values: np.ndarray, fill: int) -> np.ndarray:
+        """`values` on the schedule's actions, `fill` on the transfers. A column that is `fill` on every row
+        is that one number broadcast, read-only (no memory: a synchronous schedule predicts no weights and holds
+        no second copy, and these columns have millions of rows)."""
+        if not np.any(values != fill):
+            return np.broadcast_to(np.int64(fill), origin.shape)
         out = np.full(len(origin), fill, dtype=np.int64)
         out[own] = values
         return out
