@@ -59,9 +59,10 @@ def keep_freed_memory() -> None:
     faulted in and zeroed again by the kernel at the next allocation, which on this project's virtual machines
     costs a quarter of the page faults and about a third of the system time of `simulate -p 128 -m 4096`
     (docs/benchmarks.md). The process keeps its peak until it exits, as it would at that peak anyway. Elsewhere
-    than glibc (no `mallopt`), nothing changes."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
+    than glibc, nothing changes."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, TypeError):  # no mallopt, or no process-wide library handle (Windows)
         return
     trim_threshold, mmap_threshold = -1, -3  # glibc's M_TRIM_THRESHOLD and M_MMAP_THRESHOLD
     mallopt(trim_threshold, 1 << 30)  # give memory back only when a GiB at the heap's top is free
