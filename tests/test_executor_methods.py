@@ -232,14 +232,16 @@ def test_auto_searched_for_uneven_costs_trains_like_one_process(stages):
 
 
 @pytest.mark.slow
-def test_auto_on_four_gloo_ranks_trains_like_one_process():
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_auto_on_gloo_ranks_trains_like_one_process(ranks):
     """The searched order over real ranks: every op on the version its lowering names, and single-process
-    training's weights at float64 tolerance (two ranks: tests/test_run.py runs auto through `pipesim run`)."""
-    spec = auto_spec(4)
+    training's weights at float64 tolerance."""
+    spec = auto_spec(ranks)
     real = run_multiprocess(spec, timeout_s=120)
-    assert real.trace.meta.hardware["backend"] == "gloo" and real.trace.meta.hardware["ranks"] == 4
+    assert real.trace.meta.hardware["backend"] == "gloo" and real.trace.meta.hardware["ranks"] == ranks
     np.testing.assert_array_equal(real.trace.ops.version, lower(spec.schedule).version)
-    assert_same([w for k in range(4) for w in real.weights[(k, 0)]], single_process(spec), rtol=1e-10, atol=1e-12)
+    assert_same([w for k in range(ranks) for w in real.weights[(k, 0)]], single_process(spec), rtol=1e-10,
+                atol=1e-12)
 
 
 def test_avgpipe_with_one_pipeline_trains_like_one_process():
