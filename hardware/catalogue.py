@@ -5,11 +5,12 @@ schema. Pure data: no torch, no simulator."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..files import first_error, read_toml
 
 BUILT_IN = Path(__file__).with_name("gpus.toml")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -101,37 +102,19 @@ class Catalogue(_Strict):
         return self.gpu[name]
 
 
-def _read_toml(path: Path) -> dict:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-    try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CatalogueError(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise CatalogueError(f"{path} is not a text (UTF-8) file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise CatalogueError(f"{path} is not valid TOML: {exc}") from None
-
-
 def _validated(path: Path, doc: dict) -> Catalogue:
     try:
         return Catalogue.model_validate(doc)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(map(str, err["loc"]))
-        message = err["msg"].removeprefix("Value error, ")
-        raise CatalogueError(f"{path}: {where + ': ' if where else ''}{message}") from None
+        raise CatalogueError(f"{path}: {first_error(exc)}") from None
 
 
 def load_catalogue(extra: Path | None = None) -> Catalogue:
     """The built-in catalogue, with `extra`'s parts added (or replacing those of the same name) and its clusters."""
-    built_in = _read_toml(BUILT_IN)
+    built_in = read_toml(BUILT_IN, CatalogueError)
     if extra is None:
         return _validated(BUILT_IN, built_in)
-    own = _read_toml(extra)
+    own = read_toml(extra, CatalogueError)
     if not isinstance(own.get("gpu", {}), dict):
         raise CatalogueError(f"{extra}: gpu: a table of parts ([gpu.NAME])")
     return _validated(extra, {**own, "gpu": {**built_in["gpu"], **own.get("gpu", {})}})

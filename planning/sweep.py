@@ -14,7 +14,6 @@ import csv
 import io
 import math
 import multiprocessing
-import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import read_toml
 from ..schedules import METHODS, ScheduleError, ScheduleParams
 from ..schedules.ir import PREDICTION_SOURCES
 from ..sim.cluster import ClusterError
@@ -143,18 +143,7 @@ def parse_axis(key: str, text: str) -> tuple:
 
 def load_grid(path: Path) -> dict[str, tuple]:
     """Axes from a TOML file whose keys are the axis flags' names (`stages = [4, 8]`, `cost-scale = 0.5`)."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-    try:
-        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise GridError(f"--grid: cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise GridError(f"--grid: {path} is not a text (UTF-8) file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise GridError(f"--grid: {path} is not valid TOML: {exc}") from None
+    doc = read_toml(path, GridError, "--grid: ")
     unknown = [key for key in doc if key not in AXES]
     if unknown:
         raise GridError(f"--grid: {path}: unknown key {unknown[0]!r}; allowed: {', '.join(AXES)}")

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..files import first_error
 from .partition import LayerCost, stage_activation_bytes, stage_memory_bytes
 
 SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
@@ -518,10 +519,7 @@ def load_profile(path: str | Path) -> Profile:
     try:
         return Profile.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(map(str, err["loc"]))
-        message = err["msg"].removeprefix("Value error, ")
-        raise ProfileError(f"profile {path}: {where + ': ' if where else ''}{message}") from None
+        raise ProfileError(f"profile {path}: {first_error(exc)}") from None
 
 
 def threads_mismatch(profile: Profile, threads_per_rank: int) -> str | None:

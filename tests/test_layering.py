@@ -2,7 +2,7 @@
 
 The two shared vocabularies (schedules/, traces/) import nothing of ours; profiles are pure data; nothing
 on the simulator's side imports torch; the torch side (workload/, calibrate/, executor/) never imports
-the simulator or the planners. `units` is a leaf of constants anyone may import.
+the simulator or the planners. `units` (constants) and `files` (reading user files) are leaves anyone may import.
 """
 
 import ast
@@ -15,16 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("schedules", "traces", "profiles", "hardware", "sim", "planning", "workload", "calibrate", "executor",
             "study", "commands")
-OURS = {*PACKAGES, "cli", "units"}
+LEAVES = {"units", "files"}
+OURS = {*PACKAGES, "cli", *LEAVES}
 
 # package -> import prefixes (ours as "pipesim.x", third-party by name) it must never import, and why.
 FORBIDDEN = {
-    "schedules": ({f"pipesim.{p}" for p in OURS - {"schedules", "units"}} | {"torch", "simpy", "plotly"},
+    "schedules": ({f"pipesim.{p}" for p in OURS - {"schedules", *LEAVES}} | {"torch", "simpy", "plotly"},
                   "a shared vocabulary"),
-    "traces": ({f"pipesim.{p}" for p in OURS - {"traces", "units"}} | {"torch", "simpy"}, "a shared vocabulary"),
-    "profiles": ({f"pipesim.{p}" for p in OURS - {"profiles", "units"}} | {"torch", "simpy", "plotly"},
+    "traces": ({f"pipesim.{p}" for p in OURS - {"traces", *LEAVES}} | {"torch", "simpy"}, "a shared vocabulary"),
+    "profiles": ({f"pipesim.{p}" for p in OURS - {"profiles", *LEAVES}} | {"torch", "simpy", "plotly"},
                  "pure profile data"),
-    "hardware": ({f"pipesim.{p}" for p in OURS - {"hardware", "units"}} | {"torch", "simpy", "plotly"},
+    "hardware": ({f"pipesim.{p}" for p in OURS - {"hardware", *LEAVES}} | {"torch", "simpy", "plotly"},
                  "pure catalogue data"),
     "sim": ({"pipesim.study", "pipesim.planning", "pipesim.workload", "pipesim.calibrate", "pipesim.executor",
              "pipesim.commands", "pipesim.cli", "torch", "plotly"}, "the simulator never imports torch"),
@@ -37,7 +38,7 @@ FORBIDDEN = {
     "executor": ({"pipesim.study", "pipesim.sim", "pipesim.planning", "pipesim.calibrate", "pipesim.commands",
                   "pipesim.cli"}, "the executor never imports the simulator or measurement"),
     "study": ({"pipesim.commands", "pipesim.cli"}, "the study is the commands' to drive"),
-    "units": ({f"pipesim.{p}" for p in OURS - {"units"}}, "a leaf"),
+    **{leaf: ({f"pipesim.{p}" for p in OURS - {leaf}}, "a leaf") for leaf in LEAVES},
 }
 
 
@@ -68,7 +69,7 @@ def violations(path: Path, source: str | None = None) -> list[str]:
 
 
 def modules() -> list[Path]:
-    return sorted(p for name in (*PACKAGES, "units.py") for p in
+    return sorted(p for name in (*PACKAGES, *(f"{leaf}.py" for leaf in LEAVES)) for p in
                   ((ROOT / name).rglob("*.py") if (ROOT / name).is_dir() else [ROOT / name]) if p.exists())
 
 
