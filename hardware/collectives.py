@@ -1,0 +1,63 @@
+"""Collective times (ms) on one link: NCCL's ring and tree algorithms, priced as its tuner prices them.
+
+A link is a per-step latency (`latency_ms`) and a per-direction bandwidth (`bytes_per_ms`) per rank. `nbytes`
+is the whole buffer: the reduced tensor of an all-reduce, the full (gathered) tensor of a reduce-scatter or
+all-gather, as nccl-tests sizes them. The bandwidth terms are nccl-tests' bus-bandwidth factors
+(https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): a ring all-reduce moves 2(n-1)/n of the
+buffer through every rank's link, a reduce-scatter or all-gather (n-1)/n. A double binary tree all-reduce
+(NCCL's tree, all-reduce only) sends the buffer up and down the trees, 2 buffers per rank in all, in
+2·log2(n) latency steps instead of the ring's 2(n-1): NCCL's tuner (src/graph/tuning.cc) takes whichever is
+faster, which is the tree for small buffers over many ranks. Pure arithmetic: no torch, no simulator.
+"""
+
+from __future__ import annotations
+
+import math
+
+TREE_BANDWIDTH_FACTOR = 0.92  # NCCL's tuner (src/graph/tuning.cc) credits a tree 92 % of the link's bandwidth
+
+def _check(nbytes: float, ranks: int, bytes_per_ms: float) -> None:
+    if nbytes < 0:
+        raise ValueError(f"nbytes: {nbytes} is negative")
+    if ranks < 1:
+        raise ValueError(f"ranks: {ranks}; at least 1")
+    if bytes_per_ms <= 0:
+        raise ValueError(f"bytes_per_ms: {bytes_per_ms}; must be positive")
+
+
+def ring_all_reduce_ms(nbytes: float, ranks: int, latency_ms: float, bytes_per_ms: float) -> float:
+    """A ring all-reduce: a reduce-scatter then an all-gather, 2(n-1) steps of nbytes/n each."""
+    _check(nbytes, ranks, bytes_per_ms)
+    if ranks == 1:
+        return 0.0
+    steps = 2 * (ranks - 1)
+    return steps * latency_ms + nbytes * steps / ranks / bytes_per_ms
+
+
+def tree_all_reduce_ms(nbytes: float, ranks: int, latency_ms: float, bytes_per_ms: float) -> float:
+    """A double binary tree all-reduce: reduce up, broadcast down, each rank sending twice the buffer
+    (half on each tree, pipelined) at TREE_BANDWIDTH_FACTOR of the link, in 2·ceil(log2 n) latency steps."""
+    _check(nbytes, ranks, bytes_per_ms)
+    if ranks == 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(ranks)) * latency_ms + 2 * nbytes / (TREE_BANDWIDTH_FACTOR * bytes_per_ms)
+
+
+def all_reduce_ms(nbytes: float, ranks: int, latency_ms: float, bytes_per_ms: float) -> float:
+    """An all-reduce as NCCL runs it: the faster of ring and tree."""
+    return min(ring_all_reduce_ms(nbytes, ranks, latency_ms, bytes_per_ms),
+               tree_all_reduce_ms(nbytes, ranks, latency_ms, bytes_per_ms))
+
+
+def reduce_scatter_ms(nbytes: float, ranks: int, latency_ms: float, bytes_per_ms: float) -> float:
+    """A ring reduce-scatter of an nbytes buffer (each rank keeps nbytes/n): n-1 steps of nbytes/n."""
+    _check(nbytes, ranks, bytes_per_ms)
+    if ranks == 1:
+        return 0.0
+    steps = ranks - 1
+    return steps * latency_ms + nbytes * steps / ranks / bytes_per_ms
+
+
+def all_gather_ms(nbytes: float, ranks: int, latency_ms: float, bytes_per_ms: float) -> float:
+    """A ring all-gather into an nbytes buffer (each rank gives nbytes/n): the reduce-scatter's traffic reversed."""
+    return reduce_scatter_ms(nbytes, ranks, latency_ms, bytes_per_ms)
