@@ -53,7 +53,8 @@ WgradFraction = Annotated[float, typer.Option(
 HeldOptimizer = Annotated[str, typer.Option(
     "--optimizer", metavar="NAME", help="Optimizer whose state is held: sgd, momentum, adam, adamw.")]
 MicrobatchSize = Annotated[int, typer.Option(
-    "--microbatch-size", metavar="B", min=1, help="Samples per micro-batch (for samples/s).")]
+    "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch (for samples/s; with --gpu, what the "
+                                                        "model is counted at).")]
 BlockingComm = Annotated[bool, typer.Option(
     "--blocking-comm", help="Sends block the compute stream until they finish.")]
 # `simulate` and `run`: one source of the prediction distance s, checked by `check_prediction`.
@@ -76,6 +77,39 @@ Ffn = Annotated[int | None, typer.Option("--ffn", help="gpt: MLP hidden size (de
 KvHeads = Annotated[int | None, typer.Option(
     "--kv-heads", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
 Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: SwiGLU MLP (Llama's) instead of GELU.")]
+ModelName = Annotated[str | None, typer.Option(
+    "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, or package.module:attribute (as calibrate takes).")]
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's names -> torch's
+DTYPES.update({name: name for name in list(DTYPES.values())})  # calibrate's names too
+ModelDtype = Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as "
+                                                         "calibrate names them).")]
+Attention = Annotated[str, typer.Option(
+    "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's fused "
+                        "kernel: no scores saved).")]
+
+# The what-if GPU (`simulate`, `sweep`, `tune`, `estimate`): the model above, counted by torch on the meta device,
+# priced on a catalogue part and parallelised as these say (commands/estimate.py reads them).
+GpuName = Annotated[str | None, typer.Option(
+    "--gpu", metavar="NAME", help="A GPU of the catalogue (`pipesim gpus`): count --model on torch's meta device and "
+                                  "estimate its profile on NAME's figures (instead of --profile or the cost flags).")]
+GpusFile = Annotated[Path | None, typer.Option(
+    "--gpus", metavar="FILE", help="TOML file of further GPUs ([gpu.NAME], replacing a built-in one of the same "
+                                   "name) and clusters ([cluster.NAME]), in the schema of the built-in catalogue.")]
+TensorParallel = Annotated[int | None, typer.Option(
+    "--tensor-parallel", metavar="T", min=1, help="With --gpu: tensor-parallel degree t, Megatron's split of every "
+                                                  "block over t GPUs of a node (simulated only). tune: searched if not "
+                                                  "given.")]
+DataParallel = Annotated[int | None, typer.Option(
+    "--data-parallel", metavar="D", min=1, help="Data-parallel degree d: replicas of the pipeline, each stage's "
+                                                "gradients all-reduced over them before its update. tune: searched "
+                                                "if not given.")]
+SequenceParallel = Annotated[bool, typer.Option(
+    "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
+                                "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
+Recompute = Annotated[str | None, typer.Option(
+    "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core) or "
+                                        "full (each layer's forward again in its backward). tune: searched if not "
+                                        "given.")]
 
 
 # The searched method's knobs (auto), as numbers by `search_options`: text, so that a bad value gets our one line.

@@ -13,12 +13,16 @@ from rich import box
 from rich.table import Table
 
 from .common import (
+    DTYPES,
+    Attention,
     Ffn,
     Gated,
     Heads,
     InputError,
     KvHeads,
     Layers,
+    ModelDtype,
+    ModelName,
     SeqLen,
     Vocab,
     Width,
@@ -32,20 +36,13 @@ from .common import (
 if TYPE_CHECKING:
     from ..workload.count import LayerCount, WorkloadCount
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-DTYPES.update({name: name for name in list(DTYPES.values())})  # calibrate's names too
-
 
 def count(
-    model: Annotated[str, typer.Option(
-        "--model", help="mlp, cnn, gpt, two-branch, or package.module:attribute (as calibrate takes).")] = "gpt",
+    model: ModelName = "gpt",
     microbatch_size: Annotated[int, typer.Option(
         "--microbatch-size", "-b", min=1, help="Samples per micro-batch.")] = 1,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as "
-                                                       "calibrate names them).")] = "bf16",
-    attention: Annotated[str, typer.Option(
-        "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's "
-                            "fused kernel: no scores saved).")] = "math",
+    dtype: ModelDtype = "bf16",
+    attention: Attention = "math",
     layers: Layers = None,
     width: Width = None,
     heads: Heads = None,

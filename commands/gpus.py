@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich import box
 from rich.table import Table
 
-from .common import fail, stdout
+from .common import GpusFile, fail, stdout
 
-GpusFile = Annotated[Path | None, typer.Option(
-    "--gpus", metavar="FILE", help="TOML file of further GPUs ([gpu.NAME], replacing a built-in one of the same "
-                                   "name) and clusters ([cluster.NAME]), in the schema of the built-in catalogue.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")]
 
 
