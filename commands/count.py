@@ -103,7 +103,7 @@ def _table(counted: WorkloadCount) -> Table:
         table.add_column(column, justify="left" if column in ("layers", "output") else "right", no_wrap=True)
     runs: list[list[LayerCount]] = []
     for layer in counted.layers:
-        if runs and {**asdict(runs[-1][0]), "name": ""} == {**asdict(layer), "name": ""}:
+        if runs and {**asdict(runs[-1][0]), "name": "", "inputs": ()} == {**asdict(layer), "name": "", "inputs": ()}:
             runs[-1].append(layer)
         else:
             runs.append([layer])

@@ -5,6 +5,7 @@ optimizer-state sizes."""
 from __future__ import annotations
 
 import json
+import math
 from functools import cache
 
 import pytest
@@ -148,3 +149,27 @@ def test_count_prints_a_table_and_json_whose_totals_are_the_layers_sums():
 def test_count_refuses_bad_input_in_one_line(args, fragment):
     code, out, err = pipesim("count", *args)
     assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_op_records_add_up_to_the_passes_totals_and_name_the_products_shapes(attention):
+    block = gpt_block(attention)
+
+    def flops(name: str) -> int:
+        return sum(op.flops * op.count for op in block.ops[name])
+
+    def memory(name: str) -> int:
+        return sum(op.moved_bytes * op.count for op in block.ops[name] if op.kind == "memory")
+
+    assert (flops("fwd"), flops("igrad"), flops("wgrad")) == (block.fwd_flops, block.igrad_flops, block.wgrad_flops)
+    assert flops("bwd") == block.igrad_flops + block.wgrad_flops
+    assert (memory("fwd"), memory("igrad"), memory("bwd")) == (
+        block.fwd_moved_bytes, block.igrad_moved_bytes, block.igrad_moved_bytes + block.wgrad_moved_bytes)
+    products = {op.shape for op in block.ops["fwd"] if op.kind == "matmul"}
+    assert {(1, B * S, 3 * H, H), (1, B * S, H, H), (1, B * S, 4 * H, H), (1, B * S, H, 4 * H)} <= products
+    assert all(2 * math.prod(op.shape) == op.flops for op in block.ops["bwd"] if op.kind == "matmul")
+    if attention == "flash":
+        kernels = [op for op in block.ops["fwd"] if op.kind == "attention"]
+        assert [op.shape for op in kernels] == [(B * A, S, S, H // A)]
+    else:
+        assert (B * A, S, S, H // A) in {op.shape for op in block.ops["fwd"] if op.kind == "matmul"}

@@ -22,6 +22,7 @@ count turns off), "flash" is torch's fused flash kernel (no scores saved: what t
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -34,62 +35,52 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .models import BATCH, Model
 from .optim import OPTIMIZERS, make_optimizer
 
+__all__ = ["ATTENTION", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
+
 ATTENTION = ("math", "flash")
 META = torch.device("meta")
-
-
-@dataclass(frozen=True)
-class LayerCount:
-    """One layer's work for one micro-batch (FLOPs, bytes) and its sizes (bytes)."""
-
-    name: str
-    fwd_flops: int
-    igrad_flops: int
-    wgrad_flops: int
-    fwd_moved_bytes: int
-    igrad_moved_bytes: int
-    wgrad_moved_bytes: int
-    saved_bytes: int
-    param_bytes: int
-    grad_bytes: int
-    optimizer_state_bytes: dict[str, int]
-    optimizer_step_moved_bytes: dict[str, int]
-    output_shape: tuple[int, ...]
-    output_bytes: int
-
-
-@dataclass(frozen=True)
-class WorkloadCount:
-    """A model counted at micro-batch size `microbatch_size` in `dtype`; `layers` in the model's order."""
-
-    model: str
-    options: dict[str, int]
-    microbatch_size: int
-    dtype: str
-    attention: str
-    layers: list[LayerCount] = field(default_factory=list)
-
-    def total(self, name: str) -> int:
-        """The sum over layers of LayerCount field `name` (a number field)."""
-        return sum(getattr(layer, name) for layer in self.layers)
+MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+ATTENTION_KERNELS = {str(op).removeprefix("aten.") for op in flop_registry if "attention" in str(op)}
 
 
 @dataclass
 class _Tally:
     flops: int = 0
-    moved_bytes: int = 0
+    moved_bytes: int = 0  # of the memory-bound ops
+    ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes) -> calls
+
+    def records(self) -> tuple[OpCount, ...]:
+        return tuple(OpCount(*key, count=n) for key, n in self.ops.items() if n > 0)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _shape(name: str, tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """A matrix product's (batch, m, n, k), an attention kernel's (batch·heads, query length, key length, head
+    size), from its tensor arguments (addmm and baddbmm start with the added term)."""
+    if name in MATMULS:
+        a, b = tensors[-2:]
+        return (a.shape[0] if a.dim() == 3 else 1, a.shape[-2], b.shape[-1], a.shape[-1])
+    if name in ATTENTION_KERNELS:
+        grad_first = name.endswith("_backward")  # (grad_out, query, key, ...)
+        q, k = tensors[1:3] if grad_first else tensors[:2]
+        return (q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3])
+    return ()
+
+
+def _kind(name: str) -> str:
+    return "matmul" if name in MATMULS else "attention" if name in ATTENTION_KERNELS else "compute"
+
+
 class _MovedBytes(TorchDispatchMode):
-    """Sums the bytes read and written by every op that has no FLOP formula, except views (ops whose outputs
-    alias an input without writing it)."""
+    """Records every op with its FLOPs (torch's formula) and the bytes it reads and writes, and sums the bytes of
+    those torch has no FLOP formula for, except views (ops whose outputs alias an input without writing it)."""
 
     def __init__(self, tally: _Tally) -> None:
         super().__init__()
@@ -97,10 +88,14 @@ class _MovedBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in flop_registry:
-            return out
         reads = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         writes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        name = func.overloadpacket.__name__
+        if func.overloadpacket in flop_registry:
+            flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
+            moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
+            self.tally.ops[name, _kind(name), _shape(name, reads), flops, moved] += 1
+            return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)
                        if arg.alias_info is not None and arg.alias_info.is_write]
@@ -108,7 +103,9 @@ class _MovedBytes(TorchDispatchMode):
         read_storages = {id(t.untyped_storage()) for t in reads}
         if not func._schema.is_mutable and all(id(t.untyped_storage()) in read_storages for t in writes):
             return out  # a view
-        self.tally.moved_bytes += sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
+        moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
+        self.tally.moved_bytes += moved
+        self.tally.ops[name, "memory", (), 0, moved] += 1
         return out
 
 
@@ -205,7 +202,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
             if key not in alike:
                 alike[key] = _count_layer(model, layer, inputs, target, i == last, steps)
             count, outputs[i] = alike[key]
-            counted.append(replace(count, name=names[i]))
+            counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention, counted)
 
@@ -244,7 +241,9 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
-        output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out))
+        output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
+        ops={"fwd": fwd.records(), "bwd": full.records(), "igrad": igrad.records(),
+             "wgrad": _Tally(ops=full.ops - igrad.ops).records()})
     return count, out.detach()
 
 

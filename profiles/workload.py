@@ -1,0 +1,69 @@
+"""A model's counted work as data: what workload/count.py measures with torch on the meta device, in plain
+dataclasses, so that the planning side prices counts (planning/estimate.py) without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# forward, full backward, and the backward split into its input-gradient and weight-gradient passes: the weight
+# pass's ops are the full backward's that the input pass does not run alike (a LayerNorm's backward, which
+# computes its weights' gradients with its input's, is there whole)
+PASSES = ("fwd", "bwd", "igrad", "wgrad")
+OpKind = Literal["matmul", "attention", "compute", "memory"]
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """`count` calls of one op on the same shapes within a pass. `kind`: "matmul" (mm, addmm, bmm, baddbmm;
+    `shape` is (batch, m, n, k): batch products of an m×k by a k×n matrix), "attention" (a fused attention
+    kernel, forward or backward; `shape` is (batch·heads, query length, key length, head size)), "compute"
+    (other ops torch counts FLOPs for, convolutions; no shape), "memory" (ops it counts none for: norms,
+    activations, softmax, copies). `flops` and `moved_bytes` (every tensor read plus every tensor written)
+    are per call."""
+
+    op: str
+    kind: OpKind
+    shape: tuple[int, ...]
+    flops: int
+    moved_bytes: int
+    count: int
+
+
+@dataclass(frozen=True)
+class LayerCount:
+    """One layer's work for one micro-batch (FLOPs, bytes) and its sizes (bytes). `*_moved_bytes` sum the
+    memory-bound ops' traffic only; `ops` lists every op of each pass of `PASSES`, the products included."""
+
+    name: str
+    fwd_flops: int
+    igrad_flops: int
+    wgrad_flops: int
+    fwd_moved_bytes: int
+    igrad_moved_bytes: int
+    wgrad_moved_bytes: int
+    saved_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: dict[str, int]
+    optimizer_step_moved_bytes: dict[str, int]
+    output_shape: tuple[int, ...]
+    output_bytes: int
+    inputs: tuple[int, ...]  # the layers it reads (-1: the batch)
+    ops: dict[str, tuple[OpCount, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkloadCount:
+    """A model counted at micro-batch size `microbatch_size` in `dtype`; `layers` in the model's order."""
+
+    model: str
+    options: dict[str, int]
+    microbatch_size: int
+    dtype: str
+    attention: str
+    layers: list[LayerCount] = field(default_factory=list)
+
+    def total(self, name: str) -> int:
+        """The sum over layers of LayerCount field `name` (a number field)."""
+        return sum(getattr(layer, name) for layer in self.layers)
