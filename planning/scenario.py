@@ -20,7 +20,7 @@ import numpy as np
 
 from ..profiles.linkfit import piecewise_ms
 from ..profiles.partition import partition
-from ..schedules import KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
+from ..schedules import COLLECTIVE_KINDS, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.costs import RowOverhead
@@ -226,12 +226,14 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
 
 def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:
     """The simulator's per-row overhead from a profile's measured runtime costs. PRED and AVG rows are priced
-    as OPT rows (the same bookkeeping around an elementwise pass over a stage's weights); a kind whose gap was
+    as OPT rows (the same bookkeeping around an elementwise pass over a stage's weights); a REDUCE or GATHER,
+    which the runtime probe does not time, adds nothing to its network time; a kind whose gap was
     not seen in the probe gets the median gap of those that were; a fresh rank's first rows cost what the probe's
     fresh ranks paid beyond their steady time (`RuntimeProfile.warmup_ms`)."""
     seen = {kind: t.median_ms for kind, t in runtime.gap_ms.items()}
     stand_in = {Kind.PRED: Kind.OPT, Kind.AVG: Kind.OPT}
-    compute = [runtime.compute_ms[stand_in.get(kind, kind).value].median_ms for kind in KINDS[:NUM_COMPUTE_KINDS]]
+    compute = [0.0 if kind in COLLECTIVE_KINDS else runtime.compute_ms[stand_in.get(kind, kind).value].median_ms
+               for kind in KINDS[:NUM_COMPUTE_KINDS]]
     typical = float(np.median(list(seen.values()))) if seen else 0.0
     gaps = [seen.get(kind.value, seen.get(stand_in.get(kind, kind).value, typical)) for kind in KINDS]
     return RowOverhead(tuple(compute), runtime.send_ms.median_ms, runtime.recv_ms.median_ms, tuple(gaps),

@@ -10,7 +10,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ir import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind, Read, Schedule, ScheduleError, evaluate_formula
+from .ir import (
+    BACKWARD_KINDS,
+    COLLECTIVE_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    Kind,
+    Read,
+    Schedule,
+    ScheduleError,
+    evaluate_formula,
+)
 from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 # Dependency keys: (role, stage, microbatch, minibatch, pipeline). "D" is an input gradient, produced by
@@ -31,7 +41,8 @@ def validate(schedule: Schedule) -> None:
 
 def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None:
     """Each (stage, micro-batch, mini-batch, pipeline) has one F and one backward (B, or I and W);
-    each (stage, mini-batch, pipeline) one OPT; every action runs on the device its stage is placed on."""
+    each (stage, mini-batch, pipeline) one OPT, and with d > 1 data-parallel replicas one REDUCE (and with a
+    sharded optimizer one GATHER), none with d = 1; every action runs on the device its stage is placed on."""
     t = table or schedule.table
     p, m, n, r = schedule.num_stages, schedule.microbatches, schedule.minibatches, schedule.pipelines
     compute = t.kind < NUM_COMPUTE_KINDS
@@ -54,8 +65,16 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
     per_unit = t.unit_index(schedule)
     count = {kind: np.bincount(per_unit[t.kind == KIND_CODE[kind]], minlength=units)
              for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
-    opt = np.bincount(t.step_index(schedule)[t.kind == KIND_CODE[Kind.OPT]], minlength=steps)
+    step = t.step_index(schedule)
+    opt = np.bincount(step[t.kind == KIND_CODE[Kind.OPT]], minlength=steps)
     problems = []
+    for kind, wanted in ((Kind.REDUCE, schedule.data_parallel > 1),
+                         (Kind.GATHER, schedule.data_parallel > 1 and schedule.sharded_optimizer)):
+        rows = np.bincount(step[t.kind == KIND_CODE[kind]], minlength=steps)
+        for u in np.flatnonzero(rows != int(wanted))[:5]:
+            problems.append(f"{_step_action(schedule, int(u), kind)} appears {rows[u]} times (d = "
+                            f"{schedule.data_parallel}{', sharded optimizer' if schedule.sharded_optimizer else ''}"
+                            f": {int(wanted)} per update)")
     for kind, counts in count.items():
         for u in np.flatnonzero(counts > 1)[:5]:
             problems.append(f"{_unit_action(schedule, kind, int(u))} appears {counts[u]} times")
@@ -86,10 +105,10 @@ def _unit_action(schedule: Schedule, kind: Kind, u: int) -> Action:
     return Action(kind, s, j, b, q)
 
 
-def _step_action(schedule: Schedule, u: int) -> Action:
+def _step_action(schedule: Schedule, u: int, kind: Kind = Kind.OPT) -> Action:
     rest, q = divmod(u, schedule.pipelines)
     s, b = divmod(rest, schedule.minibatches)
-    return Action(Kind.OPT, s, -1, b, q)
+    return Action(kind, s, -1, b, q)
 
 
 def local_order_ok(schedule: Schedule, table: ActionTable | None = None) -> bool:
@@ -127,8 +146,14 @@ def local_order_ok(schedule: Schedule, table: ActionTable | None = None) -> bool
     rest, minibatch = np.divmod(rest, n)
     step_of_unit = ((rest // m) * n + minibatch) * r + pipeline
     np.maximum.at(last_wgrad, step_of_unit, wgrad)
+    step = t.step_index(schedule)
     opt = t.kind == KIND_CODE[Kind.OPT]
-    return bool(np.all(rows[opt] > last_wgrad[t.step_index(schedule)[opt]]))
+    update_row = np.zeros(steps, dtype=np.int64)
+    update_row[step[opt]] = rows[opt]
+    reduce, gather = t.kind == KIND_CODE[Kind.REDUCE], t.kind == KIND_CODE[Kind.GATHER]
+    # A REDUCE comes after its step's gradients and before its update; a GATHER after its update.
+    return bool(np.all(rows[opt] > last_wgrad[step[opt]]) and np.all(rows[reduce] > last_wgrad[step[reduce]])
+                and np.all(rows[reduce] < update_row[step[reduce]]) and np.all(rows[gather] > update_row[step[gather]]))
 
 
 def _requires(a: Action, schedule: Schedule) -> list[_Key]:
@@ -143,7 +168,11 @@ def _requires(a: Action, schedule: Schedule) -> list[_Key]:
     if kind is Kind.W:
         return [("D", s, j, b, q)]
     if kind is Kind.OPT:
+        return [("WALL", s, -1, b, q)] + ([("REDUCE", s, -1, b, q)] if schedule.data_parallel > 1 else [])
+    if kind is Kind.REDUCE:
         return [("WALL", s, -1, b, q)]
+    if kind is Kind.GATHER:
+        return [("OPT", s, -1, b, q)]
     if kind is Kind.AVG:
         return [("OPT", s, -1, b, other) for other in range(schedule.pipelines)]
     return []
@@ -151,7 +180,7 @@ def _requires(a: Action, schedule: Schedule) -> list[_Key]:
 
 def _describe(key: _Key) -> str:
     role, s, j, b, q = key
-    kind = {"F": Kind.F, "D": Kind.B, "OPT": Kind.OPT}.get(role)
+    kind = {"F": Kind.F, "D": Kind.B, "OPT": Kind.OPT, "REDUCE": Kind.REDUCE}.get(role)
     if kind is None:
         return f"every weight gradient of stage {s}, mini-batch {b}"
     text = str(Action(kind, s, j, b, q))
@@ -195,8 +224,8 @@ def find_deadlock(schedule: Schedule) -> dict[int, tuple[Action, _Key]]:
                     wgrads[(s, b, q)] += 1
                     if wgrads[(s, b, q)] == m:
                         finish(("WALL", s, -1, b, q))
-                if kind is Kind.OPT:
-                    finish(("OPT", s, -1, b, q))
+                if kind is Kind.OPT or kind is Kind.REDUCE:
+                    finish((kind.value, s, -1, b, q))
             i += 1
         pointer[device] = i
     return {
@@ -210,8 +239,8 @@ def find_deadlock(schedule: Schedule) -> dict[int, tuple[Action, _Key]]:
 class Versions:
     """Per action, aligned with the schedule's action table (rows in device order).
 
-    read: weight version the action computes with (-1 for OPT); prediction: the distance s its weights
-    are predicted over, -1 when they are not; copies_delta: change, at the action's end, in the number of
+    read: weight version the action computes with (-1 for OPT, REDUCE and GATHER); prediction: the distance s its
+    weights are predicted over, -1 when they are not; copies_delta: change, at the action's end, in the number of
     versions of its stage's weights held; held_after: largest number of weight copies of one stage the
     device holds after the action (versions in use plus the policy's extra copies).
     """
@@ -295,7 +324,7 @@ def weight_versions(schedule: Schedule) -> Versions:
     forward_read[unit[is_f]] = forward_version[is_f]
     backward_version = read_rule(policy.backward, backward, backward_read)
     read = np.where(is_f, forward_version, np.where(backward, backward_version, current))
-    read = np.where(is_opt | (t.kind >= NUM_COMPUTE_KINDS), -1, read)
+    read = np.where(is_opt | kind_mask(t.kind, *COLLECTIVE_KINDS) | (t.kind >= NUM_COMPUTE_KINDS), -1, read)
 
     prediction = np.full(n, -1, dtype=np.int64)
     counted = consuming[np.where(t.kind < NUM_COMPUTE_KINDS, t.step_index(schedule), 0)] - read

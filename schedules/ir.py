@@ -6,7 +6,7 @@ the peer stage:
 
     [P<pipeline>:]<stage><KIND>[<micro-batch>][.<mini-batch>][>|<<peer>]
 
-e.g. `2F0.3` (mini-batch 3), `P1:0B5`, `1OPT.2`, `0SEND_F4>1`, `1RECV_F4<0`.
+e.g. `2F0.3` (mini-batch 3), `P1:0B5`, `1OPT.2`, `1REDUCE.2`, `1GATHER.2`, `0SEND_F4>1`, `1RECV_F4<0`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class Kind(str, Enum):
     OPT = "OPT"  # optimizer step of one stage
     PRED = "PRED"  # compute predicted weights
     AVG = "AVG"  # average weights or gradients across pipelines
+    REDUCE = "REDUCE"  # all-reduce (sharded optimizer: reduce-scatter) a stage's gradients over its d replicas
+    GATHER = "GATHER"  # all-gather a stage's updated weight shards over its d replicas (sharded optimizer)
     SEND_F = "SEND_F"  # send a forward activation to `peer`
     RECV_F = "RECV_F"  # receive a forward activation from `peer`
     SEND_B = "SEND_B"  # send an input gradient to `peer`
@@ -43,14 +45,16 @@ class Kind(str, Enum):
         return self.value
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.PRED, Kind.AVG})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.PRED, Kind.AVG, Kind.REDUCE,
+                           Kind.GATHER})
+COLLECTIVE_KINDS = frozenset({Kind.REDUCE, Kind.GATHER})  # run on the network, across data-parallel replicas
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I, Kind.W})
 SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B})
 
 _ACTION_RE = re.compile(
     r"^(?:P(?P<pipeline>\d+):)?(?P<stage>\d+)"
-    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|OPT|PRED|AVG|F|B|I|W)"
+    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|OPT|PRED|AVG|REDUCE|GATHER|F|B|I|W)"
     r"(?P<microbatch>\d+)?(?:\.(?P<minibatch>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$"
 )
 
@@ -58,7 +62,7 @@ _ACTION_RE = re.compile(
 class Action(NamedTuple):
     """One unit of work. A tuple, so that millions of them stay cheap to build, hash and compare.
 
-    `microbatch` is -1 for per-mini-batch work (OPT, AVG, a mini-batch-wide PRED); `peer` is the other
+    `microbatch` is -1 for per-mini-batch work (OPT, AVG, REDUCE, GATHER, a mini-batch-wide PRED); `peer` is the other
     stage of a transfer and -1 otherwise.
     """
 
@@ -301,7 +305,9 @@ class Schedule:
     """What every device runs, in which order, on which weights.
 
     `placement[stage]` is the device a model stage lives on; every pipeline replica uses the same
-    placement. `orders[device]` is the device's action list, executed strictly in order.
+    placement. `orders[device]` is the device's action list, executed strictly in order. Every stage runs on
+    `data_parallel` replicas (d, from `params`) that train on their own micro-batches and average their
+    gradients in its REDUCE rows (`passes.add_data_parallel`).
     """
 
     method: str
@@ -337,6 +343,17 @@ class Schedule:
         from .table import ActionTable
 
         return ActionTable.of(self)
+
+    @property
+    def data_parallel(self) -> int:
+        """d: the replicas of every pipeline that train on their own data (1 when `params` does not say)."""
+        return int(self.params.get("data_parallel", 1))
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        """Whether each of the d replicas keeps 1/d of the optimizer state (ZeRO-1): its REDUCE is a
+        reduce-scatter, and a GATHER of the updated weights follows its OPT."""
+        return bool(self.params.get("sharded_optimizer", False))
 
     def stages_on(self, device: int) -> list[int]:
         return [s for s, d in enumerate(self.placement) if d == device]

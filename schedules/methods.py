@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
+from .passes import add_data_parallel
 from .table import KIND_CODE, ActionTable, OrderView, stacked
 
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
@@ -29,7 +30,9 @@ class ScheduleParams:
     (None: 0.9 / P), the source of a predicting method's distances s (`prediction`, one of
     PREDICTION_SOURCES; None: the method's primary source), and for a searched schedule the peak activation
     memory any device may hold as a multiple of what 1F1B holds on its first device (`activation_limit`; None:
-    1) and the search's time budget (`search_seconds`; None: the search's default)."""
+    1) and the search's time budget (`search_seconds`; None: the search's default). `data_parallel` (d) replicas of
+    every pipeline train on their own micro-batches and average gradients in REDUCE rows, with the optimizer
+    state sharded over them (ZeRO-1) when `sharded_optimizer`."""
 
     stages: int
     microbatches: int
@@ -42,9 +45,11 @@ class ScheduleParams:
     prediction: str | None = None
     activation_limit: float | None = None
     search_seconds: float | None = None
+    data_parallel: int = 1
+    sharded_optimizer: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every"):
+        for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every", "data_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"{name} must be a whole number >= 1 (got {value!r})")
@@ -59,6 +64,8 @@ class ScheduleParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < math.inf):
                 raise ScheduleError(f"{name} must be a finite number > 0 (got {value!r})")
+        if not isinstance(self.sharded_optimizer, bool):
+            raise ScheduleError(f"sharded_optimizer must be true or false (got {self.sharded_optimizer!r})")
         self._check_size()
 
     def _check_size(self) -> None:
@@ -146,14 +153,15 @@ def make_schedule(
     graph: StageGraph | None = None,
 ) -> Schedule:
     """Package a method's orders (Action lists, or a table with rows grouped by device); by default a
-    chain of p stages, stage k on device k, one pipeline."""
+    chain of p stages, stage k on device k, one pipeline. With d > 1 data-parallel replicas, their gradient
+    synchronisation is inserted (`add_data_parallel`)."""
     graph = graph or StageGraph.chain(len(placement) if placement is not None else params.stages)
     placement = tuple(placement) if placement is not None else tuple(range(graph.num_stages))
     if isinstance(orders, ActionTable):
         orders = OrderView(orders, max(placement) + 1)
     else:
         orders = tuple(tuple(order) for order in orders)
-    return Schedule(
+    return add_data_parallel(Schedule(
         method=method,
         graph=graph,
         placement=placement,
@@ -163,7 +171,7 @@ def make_schedule(
         minibatches=params.minibatches,
         pipelines=params.pipelines,
         params=asdict(params),
-    )
+    ))
 
 
 def interleave_1f1b(count: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:

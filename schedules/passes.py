@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import Kind, Schedule
-from .table import KIND_CODE, ActionTable
+from .ir import COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
+from .table import KIND_CODE, ActionTable, OrderView, kind_mask
 
 
 def communication_table(schedule: Schedule, table: ActionTable | None = None) -> tuple[ActionTable, np.ndarray]:
@@ -68,3 +68,39 @@ def add_communication(schedule: Schedule) -> Schedule:
     """
     lowered, _ = communication_table(schedule)
     return schedule.with_orders(lowered.to_orders(schedule.num_devices))
+
+
+def add_data_parallel(schedule: Schedule) -> Schedule:
+    """Insert the gradient synchronisation of d > 1 data-parallel replicas (`Schedule.data_parallel`).
+
+    Each replica of a stage trains on its own micro-batches, so before each update (OPT) its gradients are
+    averaged with the other replicas': a REDUCE row of the OPT's stage, mini-batch and pipeline, right after
+    that stage's last backward row (B or W) before the OPT (right before the OPT if none precedes it), on the
+    stage's device. With a sharded optimizer (ZeRO-1) the REDUCE is a reduce-scatter, each replica updates its
+    shard, and a GATHER row right after the OPT all-gathers the updated weights. d = 1: the schedule as it is.
+    Vectorised over the action table, so it scales as the schedule does."""
+    if schedule.data_parallel == 1:
+        return schedule
+    t = schedule.table
+    if kind_mask(t.kind, *COLLECTIVE_KINDS).any():
+        raise ScheduleError(f"{schedule.method}: the schedule has its REDUCE rows already")
+    updates = t.kind == KIND_CODE[Kind.OPT]
+    rows = np.flatnonzero(updates | kind_mask(t.kind, Kind.B, Kind.W))
+    replica = t.stage[rows] * schedule.pipelines + t.pipeline[rows]
+    order = np.argsort(replica, kind="stable")  # by replica, each in program order (a replica is on one device)
+    rows, replica = rows[order], replica[order]
+    opt_at = np.flatnonzero(updates[rows])
+    after_gradient = (opt_at > 0) & ~updates[rows[opt_at - 1]] & (replica[opt_at - 1] == replica[opt_at])
+    opts = rows[opt_at]
+    before = [np.where(after_gradient, rows[opt_at - 1] + 1, opts)]  # a REDUCE goes before this row
+    kinds = [np.full(len(opts), KIND_CODE[Kind.REDUCE])]
+    if schedule.sharded_optimizer:
+        before.append(opts + 1)
+        kinds.append(np.full(len(opts), KIND_CODE[Kind.GATHER]))
+    before, kinds, owner = np.concatenate(before), np.concatenate(kinds), np.tile(opts, len(kinds))
+    placed = np.lexsort((kinds, before))  # np.insert keeps the given order among rows inserted at one place
+    before, kinds, owner = before[placed], kinds[placed], owner[placed]
+    inserted = {"device": t.device[owner], "kind": kinds, "stage": t.stage[owner], "microbatch": -1,
+                "minibatch": t.minibatch[owner], "pipeline": t.pipeline[owner], "peer": -1}
+    table = ActionTable(**{name: np.insert(getattr(t, name), before, value) for name, value in inserted.items()})
+    return schedule.with_orders(OrderView(table, schedule.num_devices))

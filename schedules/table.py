@@ -12,7 +12,7 @@ from .ir import Action, Kind, Schedule
 
 KINDS = tuple(Kind)
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
-NUM_COMPUTE_KINDS = 7  # F, B, I, W, OPT, PRED, AVG come first in Kind
+NUM_COMPUTE_KINDS = 9  # a stage's own rows (F, B, I, W, OPT, PRED, AVG, REDUCE, GATHER) come first, then transfers
 assert all(k.value.startswith(("SEND", "RECV")) for k in KINDS[NUM_COMPUTE_KINDS:])
 
 

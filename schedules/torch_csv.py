@@ -33,7 +33,9 @@ def to_torch_csv(schedule: Schedule) -> str:
     """The F/B/I/W order of each device as torch's compute-only CSV, one row per device (= rank).
 
     OPT and explicit transfers are left out: torch's runtime steps the optimizer outside the schedule and
-    derives its own SEND/RECV. Raises ScheduleError for what torch's format cannot say.
+    derives its own SEND/RECV. So are REDUCE and GATHER (d > 1 data-parallel replicas): a torch stage wrapped in
+    DDP synchronises its gradients outside the schedule too (its REDUCE_GRAD cell is FSDP's, which pipesim does
+    not model, so none is written). Raises ScheduleError for what torch's format cannot say.
     """
     name = schedule.method
     policy = schedule.policy
@@ -58,7 +60,7 @@ def to_torch_csv(schedule: Schedule) -> str:
         for a in order:
             if a.kind.value in _COMPUTE:
                 row.append(f"{a.stage}{a.kind.value}{a.microbatch}")
-            elif a.kind is not Kind.OPT and a.kind not in SEND_KINDS and a.kind not in RECV_KINDS:
+            elif a.kind not in (Kind.OPT, Kind.REDUCE, Kind.GATHER) and a.kind not in SEND_KINDS | RECV_KINDS:
                 raise ScheduleError(f"{name}: device {device} runs {a}; torch.distributed.pipelining runs synchronous "
                                     f"schedules only, of F, B, I and W (the optimizer steps outside), and has no "
                                     f"{a.kind.value}")

@@ -36,7 +36,10 @@ class StageCosts:
     say what autograd saves), is what the runtime holds from a micro-batch's F until its backward beyond
     `activation_bytes`: the received inputs and sent outputs no layer saves (the backward's leaves and roots);
     the boundary tensors are then the stage's own from F to backward, counted once. None: they are buffers of
-    their own, a received one held until its consumer ends, a sent one until its transfer does.
+    their own, a received one held until its consumer ends, a sent one until its transfer does. `reduce_ms`:
+    the network time of the stage's gradient synchronisation over its data-parallel replicas (a REDUCE: an
+    all-reduce, or with a sharded optimizer a reduce-scatter), `gather_ms` that of the all-gather of its updated
+    weights (a GATHER); the simulator runs them on the device's network stream, beside its compute.
     """
 
     fwd_ms: float
@@ -54,10 +57,12 @@ class StageCosts:
     accumulate_ms: float = 0.0
     copy_ms: float = 0.0
     held_bytes: int | None = None
+    reduce_ms: float = 0.0
+    gather_ms: float = 0.0
 
     def __post_init__(self) -> None:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
-                 "copy_ms")
+                 "copy_ms", "reduce_ms", "gather_ms")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "held_bytes"):
             value = getattr(self, name)
             if value is None and name in ("igrad_ms", "wgrad_ms", "held_bytes"):
@@ -138,9 +143,10 @@ class Costs:
             raise CostError(f"recv_window must be a whole number >= 0 (got {self.recv_window!r})")
 
     def op_ms_table(self, pipelines: int) -> np.ndarray:
-        """Ms of one op per (model stage, compute kind), kinds in `KINDS` order (F, B, I, W, OPT, PRED, AVG):
-        the one place that prices an op by its kind. An AVG averages all `pipelines` replicas with the
-        reference, one after another, so it costs `pipelines` × `avg_ms`."""
+        """Ms of one op per (model stage, compute kind), kinds in `KINDS` order (F, B, I, W, OPT, PRED, AVG,
+        REDUCE, GATHER): the one place that prices an op by its kind. An AVG averages all `pipelines` replicas
+        with the reference, one after another, so it costs `pipelines` × `avg_ms`. A REDUCE or GATHER is
+        network time, on a stream of its own."""
         return np.array([_op_ms(c, pipelines) for c in self.stages], dtype=float).reshape(-1, NUM_COMPUTE_KINDS)
 
     @classmethod
@@ -202,6 +208,8 @@ def _op_ms(c: StageCosts, pipelines: int) -> list[float]:
         Kind.OPT: c.opt_ms,
         Kind.PRED: c.pred_ms,
         Kind.AVG: c.avg_ms * pipelines,
+        Kind.REDUCE: c.reduce_ms,
+        Kind.GATHER: c.gather_ms,
     }
     return [by_kind[kind] for kind in KINDS[:NUM_COMPUTE_KINDS]]
 

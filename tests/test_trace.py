@@ -18,7 +18,8 @@ def predicted():
 
 
 def test_streams_follow_the_kinds():
-    assert [Stream.of_kind(k.value) for k in KINDS] == [Stream.COMPUTE] * 7 + [Stream.SEND, Stream.RECV] * 2
+    assert [Stream.of_kind(k.value) for k in KINDS] == (
+        [Stream.COMPUTE] * 7 + [Stream.NETWORK] * 2 + [Stream.SEND, Stream.RECV] * 2)
 
 
 def test_a_predicted_trace_says_so_and_puts_each_op_on_its_kinds_stream(predicted):

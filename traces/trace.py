@@ -25,16 +25,20 @@ SCHEMA_VERSION = 2
 
 
 class Stream(IntEnum):
-    """Where an op runs on its device (the Chrome trace's `tid`): compute, or the send or receive stream."""
+    """Where an op runs on its device (the Chrome trace's `tid`): compute, the send or receive stream, or the
+    network stream of collectives across data-parallel replicas (NCCL runs them on a stream of their own)."""
 
     COMPUTE = 0
     SEND = 1
     RECV = 2
+    NETWORK = 3
 
     @classmethod
     def of_kind(cls, kind: str) -> Stream:
-        """The schema's rule: a kind named SEND_* runs on the send stream, RECV_* on the receive stream,
-        every other kind on the compute stream."""
+        """The schema's rule: a kind named SEND_* runs on the send stream, RECV_* on the receive stream, a
+        collective (REDUCE, GATHER) on the network stream, every other kind on the compute stream."""
+        if kind in COLLECTIVE_KINDS:
+            return cls.NETWORK
         return cls.SEND if kind.startswith("SEND") else cls.RECV if kind.startswith("RECV") else cls.COMPUTE
 
     @classmethod
@@ -43,6 +47,7 @@ class Stream(IntEnum):
         return np.array([cls.of_kind(k) for k in kinds], dtype=np.int64)
 
 
+COLLECTIVE_KINDS = ("REDUCE", "GATHER")
 STREAMS = tuple(s.name.lower() for s in Stream)
 
 _INT_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer", "version",
@@ -269,7 +274,8 @@ def from_chrome(doc: Any) -> Trace:
         meta = head["meta"]
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceError(f"pipesim header: missing or malformed field {exc}") from None
-    if tuple(head.get("streams", ())) != STREAMS:
+    streams = tuple(head.get("streams", ()))
+    if streams != STREAMS[:max(len(streams), 3)]:  # a trace written before the network stream names three
         raise TraceError(f"pipesim header: streams must be {list(STREAMS)}")
     kind_codes = {k: i for i, k in enumerate(kinds)}
     columns: dict[str, list] = {name: [] for name in _INT_COLUMNS + _FLOAT_COLUMNS}

@@ -42,6 +42,8 @@ KIND_COLORS = {
     "OPT": "#e45756",
     "PRED": "#9d6bc4",
     "AVG": "#f58518",
+    "REDUCE": "#e0a100",
+    "GATHER": "#b07c00",
     "SEND_F": "#b0b0b0",
     "RECV_F": "#b0b0b0",
     "SEND_B": "#7a7a7a",
@@ -325,7 +327,7 @@ _TIMELINE_JS = r"""
   const MAX_MEMORY_LINES = 16;  // a trace with more devices than this: its memory as a heatmap, a row per device
   const MAX_TIMELINE_PX = 1100, MIN_LANE_PX = 5, MAX_LANE_PX = 24, MEMORY_PX = 220, GAP_PX = 56;
   const PANEL_PX = 170, PANEL_GAP_PX = 36;  // a view of several traces: one memory panel each, on its own axis
-  const STREAM_NAMES = ["", " send", " recv"];
+  const STREAM_NAMES = ["", " send", " recv", " network"], NS = STREAM_NAMES.length;
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
   const CONFIG = {displaylogo: false, scrollZoom: true, responsive: true};
@@ -380,15 +382,15 @@ _TIMELINE_JS = r"""
     const many = members.length > 1;
     const devices = Math.max(...members.map(T => T.num_devices));
     const laneOf = members.map(T => {
-      const lane = new Int32Array(T.num_devices * 3).fill(-1);
-      for (let d = 0; d < T.num_devices; d++) lane[d * 3] = 0;  // every device gets a compute lane
-      for (let i = 0; i < T.n; i++) if (T.dur[i] > 0) lane[T.c.device[i] * 3 + T.c.stream[i]] = 0;
+      const lane = new Int32Array(T.num_devices * NS).fill(-1);
+      for (let d = 0; d < T.num_devices; d++) lane[d * NS] = 0;  // every device gets a compute lane
+      for (let i = 0; i < T.n; i++) if (T.dur[i] > 0) lane[T.c.device[i] * NS + T.c.stream[i]] = 0;
       return lane;
     });
     const lanes = [];
-    for (let d = 0; d < devices; d++) for (let s = 0; s < 3; s++) members.forEach((T, m) => {
-      if (d < T.num_devices && laneOf[m][d * 3 + s] === 0) {
-        laneOf[m][d * 3 + s] = lanes.length;
+    for (let d = 0; d < devices; d++) for (let s = 0; s < NS; s++) members.forEach((T, m) => {
+      if (d < T.num_devices && laneOf[m][d * NS + s] === 0) {
+        laneOf[m][d * NS + s] = lanes.length;
         lanes.push({device: d, stream: s, member: m, y: lanes.length + GAP * d,
                     label: "device " + d + STREAM_NAMES[s] + (many ? " \u00b7 " + T.label : "")});
       }
@@ -398,7 +400,7 @@ _TIMELINE_JS = r"""
     members.forEach((T, m) => {
       for (let i = 0; i < T.n; i++) {
         if (!(T.dur[i] > 0)) continue;
-        rows[laneOf[m][T.c.device[i] * 3 + T.c.stream[i]]].push(i);
+        rows[laneOf[m][T.c.device[i] * NS + T.c.stream[i]]].push(i);
         if (seriesOf[m][T.c.kind[i]] < 0) seriesOf[m][T.c.kind[i]] = 0;
       }
       seriesOf[m].forEach((used, k) => {
