@@ -10,6 +10,7 @@ from .commands.calibrate import calibrate
 from .commands.common import fail, stderr
 from .commands.compare import compare
 from .commands.count import count
+from .commands.estimate import estimate
 from .commands.gpus import gpus
 from .commands.run import run
 from .commands.simulate import export, list_schedules, simulate
@@ -38,6 +39,7 @@ app.command()(view)
 app.command()(study)
 app.command()(count)
 app.command()(gpus)
+app.command()(estimate)
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 

@@ -16,23 +16,40 @@ from rich.table import Table
 from .common import (
     ActivationLimit,
     Advance,
+    Attention,
     AverageEvery,
     BlockingComm,
     Chunks,
+    DataParallel,
     ElasticAlpha,
+    Ffn,
+    Gated,
+    GpuName,
+    GpusFile,
+    Heads,
     HeldOptimizer,
     InputError,
+    KvHeads,
+    Layers,
     Microbatches,
     MicrobatchSize,
+    ModelDtype,
+    ModelName,
     Pipelines,
     PredictionSource,
+    Recompute,
     SearchActivationMb,
     SearchBwd,
     SearchComm,
     SearchFwd,
     SearchSeconds,
+    SeqLen,
+    SequenceParallel,
     Stages,
+    TensorParallel,
+    Vocab,
     WgradFraction,
+    Width,
     check_method_options,
     check_prediction,
     check_writable,
@@ -48,6 +65,7 @@ from .common import (
     stdout,
     write_error,
 )
+from .estimate import ModelWork, count_what_if, estimated_profile, what_if
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
@@ -135,6 +153,23 @@ def simulate(
     optimizer: HeldOptimizer = "adam",
     microbatch_size: MicrobatchSize = 1,
     blocking_comm: BlockingComm = False,
+    gpu: GpuName = None,
+    gpus: GpusFile = None,
+    tensor_parallel: TensorParallel = 1,
+    data_parallel: DataParallel = 1,
+    sequence_parallel: SequenceParallel = False,
+    recompute: Recompute = "none",
+    model: ModelName = None,
+    layers: Layers = None,
+    width: Width = None,
+    heads: Heads = None,
+    seq_len: SeqLen = None,
+    vocab: Vocab = None,
+    ffn: Ffn = None,
+    kv_heads: KvHeads = None,
+    gated: Gated = None,
+    dtype: ModelDtype = "bf16",
+    attention: Attention = "math",
     jitter: Annotated[float, typer.Option(
         "--jitter", min=0.0, metavar="SIGMA", help="Sigma of a log-normal factor on every compute time (0: "
                                                    "none).")] = 0.0,
@@ -148,7 +183,8 @@ def simulate(
 ) -> None:
     """Predict timelines, bubbles, memory and staleness of schedules side by side.
 
-    With no options: a built-in example comparing every method on a 4-stage pipeline.
+    With no options: a built-in example comparing every method on a 4-stage pipeline. With --gpu, the costs are
+    the model's (--model and its size flags), counted on torch's meta device and estimated on a catalogue GPU.
     """
     keep_freed_memory()
     example = not any(is_given(ctx, name) for name in ctx.params)
@@ -179,7 +215,15 @@ def simulate(
         search = search_options(activation_limit, search_seconds)
         check_writable("--html", html)
         check_writable("--trace", trace)
-        scenario = scenario_from_flags(ctx, "device", schedule_file if loaded else None, comm=comm, opt=opt)
+        what = what_if(ctx)
+        estimated, work = None, None
+        if what is not None:
+            counted = count_what_if(what, microbatch_size)
+            estimated = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
+                                                                          recompute), optimizer)
+            work = ModelWork.of(counted, what.gpu)
+        scenario = scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
+                                       opt=opt)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
 
@@ -188,7 +232,8 @@ def simulate(
             options = {option: value for option, value in {"prediction": prediction, **search}.items()
                        if method.reads(option)}
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
-                                   average_every=average_every, elastic_alpha=elastic_alpha, **options)
+                                   average_every=average_every, elastic_alpha=elastic_alpha,
+                                   data_parallel=data_parallel, **options)
             with search_progress(params.search_seconds, as_json) as report:
                 return scenario.build(name, params, progress=report)
 
@@ -227,6 +272,9 @@ def simulate(
             raise InputError(_nothing_runs(requested, skipped))
         built = [schedules[name] for name in names]
         steady = [sched.minibatches >= steady_minibatches(sched) for sched in built]
+        gpus_used = [sched.num_devices * tensor_parallel * data_parallel for sched in built]
+        rates = [work.metrics(summary.samples_per_s, used) if work else {}
+                 for summary, used in zip(summaries, gpus_used)]
         trace_paths = []
         if trace is not None:
             named = dict(zip(requested, _output_paths(trace, requested)))  # as asked for, whatever was skipped
@@ -247,10 +295,12 @@ def simulate(
 
     if as_json:
         results = [summary.to_dict() for summary in summaries]
-        for result, sched, is_steady in zip(results, built, steady):
+        for result, sched, is_steady, used, rate in zip(results, built, steady, gpus_used, rates):
             result["prediction"] = sched.params.get("prediction")  # the source of s used; null: no prediction
             result["minibatches"] = sched.minibatches
             result["steady_state"] = is_steady  # false: time_per_minibatch_ms includes the warm-up
+            if work:  # the what-if's totals: every GPU of the t x p x d
+                result.update(gpus=used, **rate)
         for result, checks in zip(results, memory):
             for device, check in zip(result["devices"], checks):
                 device.update(memory_limit_mb=None if check.limit_bytes is None else check.limit_bytes / MIB,
@@ -260,7 +310,8 @@ def simulate(
                                                     for name, reason in skipped.items()]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     else:
-        _print_table(summaries, built, steady, example, skipped, memory, _cost_basis(scenario, built))
+        _print_table(summaries, built, steady, example, skipped, memory, _cost_basis(scenario, built),
+                     [rate.get("mfu") for rate in rates])
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
@@ -381,7 +432,7 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
 
 
 def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],
-                 memory: list, basis: str) -> None:
+                 memory: list, basis: str, mfu: list[float | None]) -> None:
     first = schedules[0]
     title = (f"p={first.num_devices} devices per pipeline, m={first.microbatches} "
              f"micro-batches, N={first.minibatches} mini-batches")
@@ -392,13 +443,14 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                           + ("; skipped: why on stderr" if skipped else ""),
                   caption_justify="left")
     table.add_column("schedule", no_wrap=True)
-    headers = ["ms/step", "samples/s", "bubble", "peak MiB", "peak act", "weights", "staleness", "makespan"]
+    headers = ["ms/step", "samples/s", *(["MFU"] if any(mfu) else []), "bubble", "peak MiB", "peak act", "weights",
+               "staleness", "makespan"]
     limited = any(check.limit_bytes is not None for checks in memory for check in checks)
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
     if limited:
         table.add_column("memory", no_wrap=True)
-    for s, sched, is_steady, checks in zip(summaries, schedules, steady, memory):
+    for s, sched, is_steady, checks, share in zip(summaries, schedules, steady, memory, mfu):
         shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
         shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
         shape += [f"s: {_source(sched)}"] if _source(sched) else []
@@ -407,6 +459,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
             s.schedule + (f" ({', '.join(shape)})" if shape else ""),
             f"{s.time_per_minibatch_ms:.3f}" + ("" if is_steady else "*"),
             f"{s.samples_per_s:,.1f}" + ("" if is_steady else "*"),
+            *([f"{share:.1%}"] if share is not None else []),
             f"{s.bubble_fraction:.1%}",
             f"{s.peak_memory_mb:,.0f}",
             str(max((d.peak_activations for d in s.devices), default=0)),

@@ -11,12 +11,29 @@ from rich import box
 from rich.table import Table
 
 from .common import (
+    Attention,
     BlockingComm,
+    DataParallel,
+    Ffn,
+    Gated,
+    GpuName,
+    GpusFile,
+    Heads,
     HeldOptimizer,
     InputError,
+    KvHeads,
+    Layers,
     MicrobatchSize,
+    ModelDtype,
+    ModelName,
+    Recompute,
     SearchSeconds,
+    SeqLen,
+    SequenceParallel,
+    TensorParallel,
+    Vocab,
     WgradFraction,
+    Width,
     check_writable,
     fail,
     progress,
@@ -26,6 +43,7 @@ from .common import (
     stdout,
     write_error,
 )
+from .estimate import count_what_if, estimated_profile, what_if
 
 
 def sweep(
@@ -90,6 +108,23 @@ def sweep(
     optimizer: HeldOptimizer = "adam",
     microbatch_size: MicrobatchSize = 1,
     blocking_comm: BlockingComm = False,
+    gpu: GpuName = None,
+    gpus: GpusFile = None,
+    tensor_parallel: TensorParallel = 1,
+    data_parallel: DataParallel = 1,
+    sequence_parallel: SequenceParallel = False,
+    recompute: Recompute = "none",
+    model: ModelName = None,
+    layers: Layers = None,
+    width: Width = None,
+    heads: Heads = None,
+    seq_len: SeqLen = None,
+    vocab: Vocab = None,
+    ffn: Ffn = None,
+    kv_heads: KvHeads = None,
+    gated: Gated = None,
+    dtype: ModelDtype = "bf16",
+    attention: Attention = "math",
     workers: Annotated[int | None, typer.Option(
         "--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
     ray: Annotated[str | None, typer.Option(
@@ -107,7 +142,8 @@ def sweep(
     Axes are comma lists, or a TOML file (--grid).
     A configuration a method cannot run is a row with status "skipped" and the reason.
     One front per p, cost scale and mini-batch size (m·P): only the same work on the same hardware competes.
-    Costs are the whole model's, split over each configuration's stages (default: the built-in example's).
+    Costs are the whole model's, split over each configuration's stages (default: the built-in example's), or
+    with --gpu the model's (--model and its size flags) estimated on a catalogue GPU for each p.
     """
 
     from ..planning.sweep import AXES, Grid, GridError, load_grid, pareto_front, parse_axis, run, write_results
@@ -135,6 +171,7 @@ def sweep(
                 raise InputError(f"--{key} and --grid both give {key}: give one")
             if text is not None:
                 axes[key] = parse_axis(key, text)
+        what = what_if(ctx)
         scenario = scenario_from_flags(ctx, "model")
         lists = [flag for flag, values in scenario.per_stage.items() if len(values) > 1]
         if lists:
@@ -145,9 +182,19 @@ def sweep(
             axes.get("stages", (scenario.measured.partition.stages if scenario.measured else 4,)),
             axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
             axes.get("cost-scale", (1.0,)), axes.get("prediction"), axes.get("activation-limit"),
-            search["search_seconds"]).configs()
+            search["search_seconds"], data_parallel).configs()
+        # (scenario, the configurations it runs): an estimate depends on p (which links a stage boundary crosses)
+        jobs = [(scenario, list(range(len(configs))))]
+        if what is not None:
+            counted = count_what_if(what, microbatch_size)
+            depths = sorted({config.stages for config in configs})
+            jobs = [(scenario_from_flags(ctx, "model", estimated=estimated_profile(
+                what, counted, what.parallelism(p, tensor_parallel, data_parallel, recompute), optimizer)),
+                     [i for i, config in enumerate(configs) if config.stages == p]) for p in depths]
         results = [None] * len(configs)
-        for i, result in progress(run(scenario, configs, workers or os.cpu_count() or 1, ray), False, len(configs)):
+        finished = ((indices[i], result) for shared, indices in jobs
+                    for i, result in run(shared, [configs[i] for i in indices], workers or os.cpu_count() or 1, ray))
+        for i, result in progress(finished, False, len(configs)):
             results[i] = result
         refused = _limit_refused(results)
         if refused:

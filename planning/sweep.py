@@ -48,7 +48,8 @@ class Config:
     """One point of the grid: the inputs of one simulation. `prediction`: the source of a predicting method's
     distances s (None: the method's primary source, or no prediction); a result names the source used.
     `activation_limit` (R) and `search_seconds`: a searched method's (auto) limit and budget (None: its
-    defaults, or not searched)."""
+    defaults, or not searched). `data_parallel`: replicas d of the pipeline, each stage's gradients all-reduced
+    over them (REDUCE rows)."""
 
     schedule: str
     stages: int
@@ -60,12 +61,14 @@ class Config:
     prediction: str | None = None
     activation_limit: float | None = None
     search_seconds: float | None = None
+    data_parallel: int = 1
 
     @property
     def label(self) -> str:
         return (f"{self.schedule} p={self.stages} m={self.microbatches} v={self.chunks} P={self.pipelines} "
                 f"cost×{self.cost_scale:g}" + (f" s: {self.prediction}" if self.prediction else "")
-                + (f" R={self.activation_limit:g}" if self.activation_limit is not None else ""))
+                + (f" R={self.activation_limit:g}" if self.activation_limit is not None else "")
+                + (f" d={self.data_parallel}" if self.data_parallel > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ def load_grid(path: Path) -> dict[str, tuple]:
 @dataclass(frozen=True)
 class Grid:
     """The axes of a sweep. `chunks`, `pipelines`, `predictions` (sources of s) and `activation_limits` (auto's
-    R) None: each method's default; `search_seconds`: auto's search budget (None: its default)."""
+    R) None: each method's default; `search_seconds`: auto's search budget (None: its default); `data_parallel`:
+    every configuration's replicas d."""
 
     schedules: tuple[str, ...]
     stages: tuple[int, ...]
@@ -166,6 +170,7 @@ class Grid:
     predictions: tuple[str, ...] | None = None
     activation_limits: tuple[float, ...] | None = None
     search_seconds: float | None = None
+    data_parallel: int = 1
 
     def configs(self) -> list[Config]:
         """Every configuration, method by method. v, P, the source of s and R multiply only the methods that
@@ -180,7 +185,8 @@ class Grid:
             sources = self.predictions if self.predictions and method.reads("prediction") else (None,)
             limits = self.activation_limits if self.activation_limits and method.reads("activation_limit") else (None,)
             budget = self.search_seconds if method.reads("search_seconds") else None
-            configs += [Config(name, p, m, self.minibatches, v, copies, scale, source, limit, budget)
+            replicas = self.data_parallel
+            configs += [Config(name, p, m, self.minibatches, v, copies, scale, source, limit, budget, replicas)
                         for p, m, v, copies, scale, source, limit in
                         product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales, sources, limits)]
         return configs
@@ -198,7 +204,7 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
             sched = scaled.build(config.schedule, ScheduleParams(
                 config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines,
                 prediction=config.prediction, activation_limit=config.activation_limit,
-                search_seconds=config.search_seconds))
+                search_seconds=config.search_seconds, data_parallel=config.data_parallel))
             summary = summarize(simulate(sched, scaled.costs(sched), scaled.links(sched)))
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))

@@ -1,0 +1,224 @@
+"""The what-if GPU: the model counted by torch on the meta device (workload/count.py), priced on a catalogue
+part (planning/estimate.py) into a Profile that every command reads as it reads a calibrated one. `simulate`,
+`sweep` and `tune` read the flags here; `pipesim estimate` writes the profile for reuse. torch is imported only
+once --gpu is given, so the commands start fast without it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from .common import (
+    DTYPES,
+    Attention,
+    DataParallel,
+    Ffn,
+    Gated,
+    GpuName,
+    GpusFile,
+    Heads,
+    HeldOptimizer,
+    InputError,
+    KvHeads,
+    Layers,
+    MicrobatchSize,
+    ModelDtype,
+    ModelName,
+    Recompute,
+    SeqLen,
+    SequenceParallel,
+    Stages,
+    TensorParallel,
+    Vocab,
+    Width,
+    check_writable,
+    fail,
+    is_given,
+    require,
+    require_model_data,
+    stdout,
+    write_error,
+)
+
+if TYPE_CHECKING:
+    from ..hardware.catalogue import Cluster, Gpu
+    from ..planning.estimate import Parallelism
+    from ..profiles.schema import Profile
+    from ..profiles.workload import WorkloadCount
+
+MODEL_SIZES = ("layers", "width", "heads", "seq_len", "vocab", "ffn", "kv_heads", "gated")
+# What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
+ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
+                 "recompute")
+# What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
+ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
+             "output_mb", "comm", "cluster", "graph")
+RECOMPUTE = ("none", "selective", "full")
+PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The what-if flags' values, checked: a catalogue part (or cluster), the model to count and how."""
+
+    gpu: Gpu
+    cluster: Cluster | None  # a catalogue cluster named by --gpu: its part, node size and network
+    model: str
+    options: dict[str, Any]  # the model's size flags (None: its default)
+    dtype: str  # torch's name
+    attention: str
+    sequence_parallel: bool
+
+    def parallelism(self, stages: int, tensor: int = 1, data: int = 1, recompute: str = "none") -> Parallelism:
+        from ..planning.estimate import Parallelism
+
+        return Parallelism(tensor=tensor, pipeline=stages, data=data, sequence_parallel=self.sequence_parallel,
+                           recompute=recompute)
+
+
+def what_if(ctx: typer.Context) -> WhatIf | None:
+    """The --gpu flags, checked before any work (no torch yet); None without --gpu, whose flags are then refused
+    (they would be silently ignored), as are, beside it, the flags whose costs it estimates."""
+    from ..hardware.catalogue import CatalogueError, load_catalogue
+
+    params = ctx.params
+    if params.get("gpu") is None:
+        given = [_flag(name) for name in ESTIMATE_ONLY if name in params and is_given(ctx, name)]
+        if given:
+            raise InputError(f"{', '.join(given)}: only --gpu's estimate reads {'it' if len(given) == 1 else 'them'}; "
+                             "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
+        return None
+    clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
+    if clash:
+        raise InputError(f"{', '.join(clash)}: --gpu estimates the costs, sizes and links from the model; drop "
+                         f"{'these flags' if len(clash) > 1 else 'it'}")
+    if params.get("model") is None:
+        raise InputError("--gpu: give the model to estimate: --model gpt with its size flags (--layers, --width, "
+                         "--heads, --seq-len, ...), or --model package.module:attribute")
+    if params["dtype"] not in DTYPES:
+        raise InputError(f"--dtype: choose from {', '.join(DTYPES)} (got {params['dtype']!r})")
+    recompute = params.get("recompute")
+    if recompute is not None and recompute not in RECOMPUTE:
+        raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
+    try:
+        catalogue = load_catalogue(params.get("gpus"))
+    except CatalogueError as exc:
+        raise InputError(f"--gpus: {exc}") from None
+    name, cluster = params["gpu"], None
+    if name in catalogue.cluster:
+        cluster = catalogue.cluster[name]
+        name = cluster.gpu
+    elif name not in catalogue.gpu:
+        clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
+        raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
+    return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
+                  DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False))
+
+
+def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
+    """The model counted on the meta device at `microbatch_size` samples (imports torch)."""
+    require("--gpu (the model is counted by torch on the meta device)", "torch")
+    require_model_data("--gpu", what.model)
+    import torch
+
+    from ..workload.count import ATTENTION, count_built
+    from ..workload.models import ModelError
+
+    if what.attention not in ATTENTION:
+        raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {what.attention!r})")
+    try:
+        return count_built(what.model, what.options, microbatch_size, getattr(torch, what.dtype), what.attention)
+    except ModelError as exc:
+        raise InputError(str(exc)) from None
+
+
+def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelism, optimizer: str) -> Profile:
+    """The profile of `counted` on the what-if part, parallelised as `parallel` says; a parallelism the model
+    cannot take (t not dividing its heads) is one line naming the flag."""
+    from ..planning.estimate import EstimateError, estimate_profile
+
+    try:
+        return estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster)
+    except EstimateError as exc:
+        raise InputError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class ModelWork:
+    """What MFU and tokens/s need of a counted model: its FLOPs per sample without recomputation (forward and
+    both halves of the backward), the tokens a sample holds (None: not a sequence model), and the part's dense
+    peak FLOP/s in the model's dtype."""
+
+    flops_per_sample: float
+    tokens_per_sample: int | None
+    peak_flops_per_s: float
+
+    @classmethod
+    def of(cls, counted: WorkloadCount, gpu: Gpu) -> ModelWork:
+        flops = sum(counted.total(name) for name in ("fwd_flops", "igrad_flops", "wgrad_flops"))
+        tokens = counted.options.get("seq_len")
+        peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype]) * 1e12
+        return cls(flops / counted.microbatch_size, tokens, peak)
+
+    def metrics(self, samples_per_s: float, devices: int) -> dict[str, float | None]:
+        """tokens/s and MFU (model FLOPs over the `devices`' dense peak) at `samples_per_s` over all replicas."""
+        return {"tokens_per_s": None if self.tokens_per_sample is None else samples_per_s * self.tokens_per_sample,
+                "mfu": samples_per_s * self.flops_per_sample / (devices * self.peak_flops_per_s)}
+
+
+def estimate(
+    ctx: typer.Context,
+    gpu: GpuName,
+    model: ModelName,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write (replaced atomically).")],
+    stages: Stages = 1,
+    tensor_parallel: TensorParallel = 1,
+    data_parallel: DataParallel = 1,
+    sequence_parallel: SequenceParallel = False,
+    recompute: Recompute = "none",
+    microbatch_size: MicrobatchSize = 1,
+    dtype: ModelDtype = "bf16",
+    attention: Attention = "math",
+    optimizer: HeldOptimizer = "adam",
+    gpus: GpusFile = None,
+    layers: Layers = None,
+    width: Width = None,
+    heads: Heads = None,
+    seq_len: SeqLen = None,
+    vocab: Vocab = None,
+    ffn: Ffn = None,
+    kv_heads: KvHeads = None,
+    gated: Gated = None,
+) -> None:
+    """Estimate a model's profile on a catalogue GPU, without the GPU: the model counted by torch on the meta
+    device, priced on the part's figures, parallelised as given, and partitioned into p stages. simulate, sweep,
+    tune and compare read it with --profile as they read a calibrated one; it and every trace made from it say
+    it is an estimate and from what."""
+    from ..profiles.schema import profile_json
+    from ..traces import write_atomic
+
+    try:
+        check_writable("--out", out)
+        what = what_if(ctx)
+        counted = count_what_if(what, microbatch_size)
+        if stages > len(counted.layers):
+            raise InputError(f"--stages {stages}: {counted.model} has {len(counted.layers)} layers; give at most "
+                             f"{len(counted.layers)} (each stage needs at least one layer)")
+        profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
+                                                                    recompute), optimizer)
+        write_atomic(out, profile_json(profile))
+    except InputError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(write_error(exc))
+    from .calibrate import _print_profile
+
+    _print_profile(profile)
+    stdout.print(f"wrote {out}", highlight=False)
