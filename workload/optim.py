@@ -1,45 +1,124 @@
 """Optimizers, their weight prediction, and elastic averaging: the parts of a training step that the
 asynchronous methods change. Calibration times them; the executor runs them.
 
-All work on lists of tensors with torch's foreach kernels, one launch per list rather than one per tensor,
-since a stage may hold hundreds of parameter tensors.
+The optimizers are torch.optim's update rules (SGD, with momentum, Adam, AdamW at their defaults) written
+out here, because torch.optim's `step` and `add_param_group` import torch._dynamo on their first call: 1.5 to
+1.9 s in every process that steps one (each rank of a run, calibration's own), longer than a small model's
+whole run. The arithmetic is torch's own on CPU, op for op, so the weights come out bit for bit as torch.optim's
+(tests/test_workload.py holds them to it). All work on lists of tensors with torch's foreach kernels, one launch
+per list rather than one per tensor, since a stage may hold hundreds of parameter tensors.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from ..profiles.schema import OPTIMIZERS  # the names profiles and the simulator know; "momentum" is SGD-momentum
 
-__all__ = ["OPTIMIZERS", "elastic_average", "make_optimizer", "predict_weights"]
+__all__ = ["OPTIMIZERS", "Optimizer", "elastic_average", "make_optimizer", "predict_weights"]
+
+ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults
+ADAM_EPS = 1e-8
+
+
+class Optimizer:
+    """One of OPTIMIZERS over `params`, shaped as torch.optim's: one parameter group (`param_groups[0]` holds the
+    params and hyperparameters; the executor swaps its params for copies), and per-tensor `state` under torch's
+    keys (`momentum_buffer`; `step`, `exp_avg`, `exp_avg_sq`), made at a tensor's first step with a gradient.
+    `step()` updates every parameter that holds a gradient, as torch.optim does."""
+
+    def __init__(self, name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.0,
+                 weight_decay: float = 0.0) -> None:
+        if name not in OPTIMIZERS:
+            raise ValueError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {name!r})")
+        self.name = name
+        group: dict[str, Any] = {"params": list(params), "lr": lr}
+        if name in ("sgd", "momentum"):
+            group["momentum"] = momentum
+        else:
+            group.update(betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=weight_decay)
+        self.param_groups = [group]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self) -> None:
+        """Every parameter's gradient dropped (torch.optim's default, set to None)."""
+        for param in self.param_groups[0]["params"]:
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        group = self.param_groups[0]
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        if self.name in ("sgd", "momentum"):
+            self._sgd(params, grads, group)
+        else:
+            self._adam(params, grads, group)
+
+    def _sgd(self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """torch.optim.SGD without dampening, decay or Nesterov: the momentum buffer starts as the first
+        gradient, then v = momentum * v + g; the weights move by -lr times it (or the gradient, without)."""
+        momentum = group["momentum"]
+        if momentum:
+            kept = [(self.state[p]["momentum_buffer"], g) for p, g in zip(params, grads) if p in self.state]
+            for p, g in zip(params, grads):
+                if p not in self.state:
+                    self.state[p] = {"momentum_buffer": g.detach().clone()}
+            if kept:
+                buffers = [buffer for buffer, _ in kept]
+                torch._foreach_mul_(buffers, momentum)
+                torch._foreach_add_(buffers, [g for _, g in kept])
+            grads = [self.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_add_(params, grads, alpha=-group["lr"])
+
+    def _adam(self, params: list[torch.Tensor], grads: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """torch.optim.Adam's update on CPU, in its order (AdamW first decays the weights by lr * decay): the
+        moments lerp and decay, then W += -lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)."""
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # torch's
+        for p in params:
+            if p not in self.state:
+                self.state[p] = {"step": torch.tensor(0.0, dtype=step_dtype),
+                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        states = [self.state[p] for p in params]
+        steps = [state["step"] for state in states]
+        torch._foreach_add_(steps, 1)
+        if decay and self.name == "adamw":
+            torch._foreach_mul_(params, 1 - lr * decay)
+        exp_avgs = [state["exp_avg"] for state in states]
+        exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        counts = [step.item() for step in steps]
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, [(1 - beta2 ** t) ** 0.5 for t in counts])
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, [-(lr / (1 - beta1 ** t)) for t in counts])
 
 
 def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.9,
-                   weight_decay: float = 0.01) -> torch.optim.Optimizer:
+                   weight_decay: float = 0.01) -> Optimizer:
     """The optimizer `name` (one of OPTIMIZERS) over `params`: `momentum` applies to "momentum" (SGD with
     momentum) and `weight_decay` to "adamw" (decoupled decay) only; "sgd" and "adam" have no decay."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {name!r})")
+    return Optimizer(name, params, lr, momentum=momentum if name == "momentum" else 0.0,
+                     weight_decay=weight_decay if name == "adamw" else 0.0)
 
 
 @torch.no_grad()
-def predict_weights(optimizer: torch.optim.Optimizer, weights: Sequence[torch.Tensor],
+def predict_weights(optimizer: Optimizer, weights: Sequence[torch.Tensor],
                     distance: int) -> list[torch.Tensor]:
     """The weights `distance` updates ahead, as new tensors: W - distance * lr * d, d the direction of the
     optimizer's update, as if the next updates repeated the last one.
 
-    `weights` are tensors the optimizer steps (its state is looked up by them); the optimizer has one
-    parameter group, as make_optimizer's do. The direction d is
+    `weights` are tensors the optimizer steps (its state is looked up by them). The direction d is
     - SGD: the gradient the parameter holds (so predict before zeroing it);
     - SGD with momentum: the momentum buffer (SpecTrain's and PipeOptim's rule);
     - Adam: m_hat / (sqrt(v_hat) + eps) with both bias corrections (PipeOptim's Adam rule, XPipe's prediction);
@@ -49,16 +128,10 @@ def predict_weights(optimizer: torch.optim.Optimizer, weights: Sequence[torch.Te
     """
     if distance < 0:
         raise ValueError(f"prediction distance must be >= 0 (got {distance})")
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(f"predict_weights needs one parameter group (got {len(optimizer.param_groups)})")
     group = optimizer.param_groups[0]
-    unsupported = [flag for flag in ("maximize", "nesterov", "amsgrad") if group.get(flag)]
-    if unsupported:
-        raise ValueError(f"predict_weights: {unsupported[0]} is not supported")
-    if not isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
-        raise TypeError(f"predict_weights: no prediction rule for {type(optimizer).__name__}")
     states = [optimizer.state.get(w, {}) for w in weights]
-    if isinstance(optimizer, torch.optim.SGD):
+    sgd = optimizer.name in ("sgd", "momentum")
+    if sgd:
         if group["momentum"]:
             directions = [state.get("momentum_buffer") for state in states]
         else:
@@ -71,7 +144,7 @@ def predict_weights(optimizer: torch.optim.Optimizer, weights: Sequence[torch.Te
 
     moving = [weights[i] for i in live]
     lr = group["lr"]
-    if isinstance(optimizer, torch.optim.SGD):
+    if sgd:
         predicted = torch._foreach_add(moving, [directions[i] for i in live], alpha=-distance * lr)
     else:
         beta1, beta2 = group["betas"]
@@ -81,8 +154,7 @@ def predict_weights(optimizer: torch.optim.Optimizer, weights: Sequence[torch.Te
         torch._foreach_add_(denom, group["eps"])
         predicted = torch._foreach_addcdiv(moving, [states[i]["exp_avg"] for i in live], denom,
                                            [-distance * lr / (1 - beta1 ** t) for t in steps])
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-        if decoupled and group["weight_decay"]:
+        if optimizer.name == "adamw" and group["weight_decay"]:
             torch._foreach_add_(predicted, moving, alpha=-distance * lr * group["weight_decay"])
     out = dict(zip(live, predicted))
     return [out[i] if i in out else w.detach().clone() for i, w in enumerate(weights)]
