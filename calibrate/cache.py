@@ -26,16 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from ..traces import write_atomic
+from ..workload.cachedir import cache_dir
 
 CACHE_VERSION = 2  # raised when what a cached entry holds, or how it is measured, changes
-
-
-def cache_dir() -> Path:
-    """Where the host's terms are kept: $PIPESIM_CACHE_DIR, $XDG_CACHE_HOME/pipesim or ~/.cache/pipesim."""
-    if os.environ.get("PIPESIM_CACHE_DIR"):
-        return Path(os.environ["PIPESIM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pipesim"
 
 
 def host_identity() -> dict[str, Any]:

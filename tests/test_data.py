@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -31,6 +34,37 @@ def test_digits_split_is_fixed_disjoint_and_stratified():
     heldout_share = torch.bincount(split.heldout_y, minlength=10) / len(split.heldout_y)
     assert (train_share - heldout_share).abs().max() < 0.01
     assert split.train_x.mean(0).abs().max() < 1e-5 and split.heldout_x.abs().max() < 20  # train statistics
+
+
+def test_the_split_kept_in_the_host_cache_is_read_back_whole_and_a_damaged_one_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path))
+    made = data.digits_split()
+    (kept,) = tmp_path.iterdir()
+    assert all((data.digits_split()[name] == made[name]).all() for name in data.SPLIT_ARRAYS)
+    kept.write_bytes(kept.read_bytes()[:100])
+    assert all((data.digits_split()[name] == made[name]).all() for name in data.SPLIT_ARRAYS)
+    assert kept.stat().st_size > 100  # written again, whole
+
+
+def test_a_rank_draws_the_digits_and_steps_without_importing_scikit_learn_or_dynamo():
+    """What each rank of a run does first, in a fresh interpreter: scikit-learn (1.2-1.5 s) is not imported once
+    the host cache holds the split, nor torch._dynamo (1.5-1.9 s), which torch.optim's step would import."""
+    data.digits_split()  # kept in the session's host cache, which the child inherits
+    child = """
+import sys, torch
+from pipesim.workload.models import build_model
+from pipesim.workload.optim import make_optimizer
+model = build_model("mlp", layers=1, width=8)
+net = torch.nn.Sequential(*model.layers)
+optimizer = make_optimizer("adam", net.parameters(), 0.1)
+x, y = model.make_batch(4, torch.Generator().manual_seed(0))
+model.loss(net(x), y).backward()
+optimizer.step()
+print(sorted(m for m in ("sklearn", "torch._dynamo") if m in sys.modules))
+"""
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "two-branch"])

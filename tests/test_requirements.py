@@ -40,7 +40,8 @@ def test_a_missing_optional_module_is_one_line_with_the_install_before_any_work(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_models_that_need_scikit_learn_are_the_ones_that_draw_the_digits(monkeypatch):
+def test_the_models_that_need_scikit_learn_are_the_ones_that_draw_the_digits(monkeypatch, tmp_path):
+    monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path))  # a host that has not kept the digits split yet
     for module in [name for name in sys.modules if name.split(".")[0] == "sklearn"] + ["sklearn"]:
         monkeypatch.setitem(sys.modules, module, None)
     data.digits.cache_clear()
