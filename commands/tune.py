@@ -64,7 +64,7 @@ def tune(
     throughput bound from the busiest device's compute; the choice and its five runners-up are exact.
     """
     from ..planning.scenario import profile_scenario
-    from ..planning.tune import Problem, TuneError
+    from ..planning.tune import Problem, Setting, TuneError
     from ..planning.tune import tune as search
     from ..schedules import METHODS, ScheduleError
     from ..sim import OPTIMIZER_STATE_FACTOR, CostError, SimulationError
@@ -91,7 +91,7 @@ def tune(
                           env.memory_cap_bytes or env.device_memory_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget)
-        tuning = search(profile_scenario(measured, optimizer), problem)
+        tuning = search([Setting(profile_scenario(measured, optimizer))], problem)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
     if as_json:

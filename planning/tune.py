@@ -93,16 +93,37 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """A profile the search prices candidates on, and what it was made for: a calibrated one serves every depth
+    p; an estimate (--gpu) was made for one tensor-parallel degree t, recomputation and depth p (which links its
+    stage boundaries cross), at its micro-batch size."""
+
+    scenario: Scenario
+    tensor: int = 1  # t: devices each layer is split over
+    recompute: str | None = None  # None: as calibrated
+    depths: tuple[int, ...] | None = None  # the p it prices (None: any)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.scenario.measured.environment.microbatch_size
+
+
+@dataclass(frozen=True)
 class Config:
     schedule: str
     stages: int  # p: devices per pipeline
     chunks: int  # v: model stages per device
     pipelines: int  # P: pipelines sharing the devices
     microbatches: int  # m, per pipeline and step
-    replicas: int  # r = D / p
+    replicas: int  # r = D / (p·t): data-parallel replicas d
+    tensor: int = 1  # t
+    microbatch_size: int = 1  # b
+    recompute: str | None = None  # an estimate's; None: as calibrated
 
     def label(self) -> str:
         extra = [f"v={self.chunks}"] * (self.chunks > 1) + [f"P={self.pipelines}"] * (self.pipelines > 1)
+        extra += [f"t={self.tensor}"] * (self.tensor > 1) + [f"d={self.replicas}"] * (self.recompute is not None)
+        extra += [f"b={self.microbatch_size}", f"recompute {self.recompute}"] if self.recompute is not None else []
         return f"{self.schedule} p={self.stages}" + "".join(f" {e}" for e in extra)
 
 
@@ -111,6 +132,7 @@ class Candidate:
     """A configuration with its partition, costs and everything known about it before simulating."""
 
     config: Config
+    setting: Setting  # what it is priced on
     index: int  # enumeration order, the last tie-break
     params: ScheduleParams  # for the long run
     bounds: list[int]
@@ -148,7 +170,9 @@ class Result:
     def to_dict(self) -> dict:
         c = self.config
         return {"schedule": c.schedule, "stages": c.stages, "chunks": c.chunks, "pipelines": c.pipelines,
-                "microbatches": c.microbatches, "replicas": c.replicas, "partition": list(self.candidate.bounds),
+                "microbatches": c.microbatches, "replicas": c.replicas, "tensor_parallel": c.tensor,
+                "microbatch_size": c.microbatch_size, "recompute": c.recompute,
+                "partition": list(self.candidate.bounds),
                 "samples_per_s": self.samples_per_s, "step_ms": self.step_ms, "bubble_fraction": self.bubble_fraction,
                 "peak_memory_gib": self.peak_memory_bytes / GIB, "staleness": self.staleness,
                 "allreduce_ms_per_step": self.candidate.allreduce_ms,
@@ -228,12 +252,13 @@ def twins(a: Result, b: Result) -> bool:
         speed_key(b.samples_per_s), b.peak_memory_bytes, b.staleness)
 
 
-def tune(scenario: Scenario, problem: Problem) -> Tuning:
-    """The best configuration, its runners-up and what the limits cost (see the module docstring)."""
+def tune(settings: list[Setting], problem: Problem) -> Tuning:
+    """The best configuration, its runners-up and what the limits cost (see the module docstring), over every
+    profile of `settings`."""
     started = time.perf_counter()
-    candidates, shapes, refused = prepare(scenario, problem)
+    candidates, shapes, refused = prepare(settings, problem)
     if not candidates:
-        raise TuneError(_nothing_to_search(scenario, problem, shapes))
+        raise TuneError(_nothing_to_search(settings, problem, shapes))
     stale = [c for c in candidates if c.staleness > problem.max_staleness]
     heavy = [c for c in candidates if c.staleness <= problem.max_staleness
              and c.memory_floor_bytes > problem.memory_cap_bytes]
@@ -243,12 +268,12 @@ def tune(scenario: Scenario, problem: Problem) -> Tuning:
 
     def run(candidate: Candidate) -> Result:
         if candidate.index not in simulated:
-            simulated[candidate.index] = evaluate(scenario, problem, candidate)
+            simulated[candidate.index] = evaluate(problem, candidate)
         return simulated[candidate.index]
 
     best = top_groups(hopeful, run, lambda result: allowed(result, problem), float("-inf"))
     if not best:
-        raise TuneError(_nothing_fits(scenario, problem))
+        raise TuneError(_nothing_fits(settings, problem))
     choice = best[0][0]
     pruned = sum(c.index not in simulated for c in hopeful)
     faster = top_groups(sorted(candidates, key=lambda c: -c.max_samples_per_s), run,
@@ -261,7 +286,7 @@ def tune(scenario: Scenario, problem: Problem) -> Tuning:
     stats = Stats(shapes, refused, len(stale), len(heavy), pruned, within, len(simulated) - within,
                   time.perf_counter() - started)
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster[:RUNNERS_UP]], stats,
-                  _notes(scenario, problem))
+                  _notes(settings, problem))
 
 
 def top_groups(candidates: list[Candidate], run: Callable[[Candidate], Result], keep: Callable[[Result], bool],
@@ -285,39 +310,42 @@ def top_groups(candidates: list[Candidate], run: Callable[[Candidate], Result], 
     return kept
 
 
-def prepare(scenario: Scenario, problem: Problem) -> tuple[list[Candidate], int, int]:
-    """Every configuration the problem allows, built, partitioned and bounded; and how many shapes there
-    were and how many of those the methods refused."""
-    profile = scenario.measured
-    layers = len(profile.layers)
-    b = profile.environment.microbatch_size
-    link = _allreduce_link(profile)
-    split = _splitter(profile, scenario.optimizer, link)
+def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate], int, int]:
+    """Every configuration the problem allows on each setting's profile, built, partitioned and bounded; and how
+    many shapes there were and how many of those the methods refused."""
     candidates: list[Candidate] = []
     shapes = refused = 0
-    for name in problem.schedules:
-        for p in _depths(problem.devices, layers, link is not None):
-            replicas = problem.devices // p
-            # Chunks on a lone device would only split its all-reduce: v > 1 needs a pipeline.
-            for v in range(1, min(problem.max_chunks if p > 1 else 1, layers // p) + 1):
-                for pipelines in range(1, problem.max_pipelines + 1):
-                    m, rest = divmod(problem.batch_size, replicas * pipelines * b)
-                    if m < 1 or rest:
-                        continue
-                    shapes += 1
-                    config = Config(name, p, v, pipelines, m, replicas)
-                    try:
-                        candidate = _candidate(scenario, problem, config, len(candidates), split, link)
-                    except ScheduleError:
-                        refused += 1
-                        continue
-                    candidates.append(candidate)
+    for setting in settings:
+        scenario, t, b = setting.scenario, setting.tensor, setting.microbatch_size
+        profile = scenario.measured
+        layers = len(profile.layers)
+        link = _allreduce_link(profile)
+        split = _splitter(profile, scenario.optimizer, link)
+        depths = [p for p in _depths(problem.devices // t, layers, link is not None)
+                  if setting.depths is None or p in setting.depths] if problem.devices % t == 0 else []
+        for name in problem.schedules:
+            for p in depths:
+                replicas = problem.devices // (p * t)
+                # Chunks on a lone device would only split its all-reduce: v > 1 needs a pipeline.
+                for v in range(1, min(problem.max_chunks if p > 1 else 1, layers // p) + 1):
+                    for pipelines in range(1, problem.max_pipelines + 1):
+                        m, rest = divmod(problem.batch_size, replicas * pipelines * b)
+                        if m < 1 or rest:
+                            continue
+                        shapes += 1
+                        config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
+                        try:
+                            candidate = _candidate(setting, problem, config, len(candidates), split, link)
+                        except ScheduleError:
+                            refused += 1
+                            continue
+                        candidates.append(candidate)
     return candidates, shapes, refused
 
 
-def evaluate(scenario: Scenario, problem: Problem, candidate: Candidate) -> Result:
+def evaluate(problem: Problem, candidate: Candidate) -> Result:
     """Simulate the candidate's long and short runs: the steady-state step, memory and bubble."""
-    config = candidate.config
+    config, scenario = candidate.config, candidate.setting.scenario
     links = scenario.links(candidate.schedule)
     short = build(scenario, problem, config.schedule,
                   replace(candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
@@ -361,8 +389,9 @@ def build(scenario: Scenario, problem: Problem, name: str, params: ScheduleParam
     return replace(scenario, memory_bytes=problem.memory_cap_bytes).build(name, params, bounds)
 
 
-def _candidate(scenario: Scenario, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
+def _candidate(setting: Setting, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
                link: Link | None) -> Candidate:
+    scenario = setting.scenario
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     method = METHODS[name]
     # A searched order is partitioned as its order at 1F1B's activations (R = 1) allows, then searched for that
@@ -394,8 +423,8 @@ def _candidate(scenario: Scenario, problem: Problem, config: Config, index: int,
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(pipelines * sum(allreduce[s] for s in schedule.stages_on(d)) for d in range(p))
-    return Candidate(config, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor, allreduce_ms,
-                     problem.batch_size / float(busy_ms.max()) * 1e3,
+    return Candidate(config, setting, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor,
+                     allreduce_ms, problem.batch_size / float(busy_ms.max()) * 1e3,
                      activation_ratio(schedule, costs) if method.needs_costs else None)
 
 
@@ -496,24 +525,26 @@ def _allreduce_ms(link: Link | None, nbytes: int, ranks: int) -> float:
     return (ranks - 1) * link.transfer_ms(round(2 * nbytes / ranks))
 
 
-def _nothing_to_search(scenario: Scenario, problem: Problem, shapes: int) -> str:
-    b = scenario.measured.environment.microbatch_size
-    if not _depths(problem.devices, len(scenario.measured.layers), _allreduce_link(scenario.measured) is not None):
+def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int) -> str:
+    profile = settings[0].scenario.measured  # the model's layers are the same in every setting
+    sizes = " or ".join(map(str, sorted({setting.microbatch_size for setting in settings})))
+    if not any(_depths(problem.devices // s.tensor, len(profile.layers), _allreduce_link(s.scenario.measured)
+                       is not None) for s in settings if problem.devices % s.tensor == 0):
         return (f"no pipeline depth p: p must divide --devices {problem.devices}, be at most the model's "
-                f"{len(scenario.measured.layers)} layers and, as the profile has no all-reduce times, equal D")
+                f"{len(profile.layers)} layers and, as the profile has no all-reduce times, equal D")
     if not shapes:
         return (f"no configuration: the batch of {problem.batch_size} samples must split into whole micro-batches "
-                f"of {b} over r = D/p replicas and P pipelines for some pipeline depth p dividing "
-                f"{problem.devices} (p <= {len(scenario.measured.layers)} layers); change --batch-size or --devices")
+                f"of {sizes} over r = D/p replicas and P pipelines for some pipeline depth p dividing "
+                f"{problem.devices} (p <= {len(profile.layers)} layers); change --batch-size or --devices")
     return (f"no configuration: {', '.join(problem.schedules)} refuse every shape with a batch of "
             f"{problem.batch_size} samples on {problem.devices} devices; try other schedules or --batch-size")
 
 
-def _nothing_fits(scenario: Scenario, problem: Problem) -> str:
+def _nothing_fits(settings: list[Setting], problem: Problem) -> str:
     """The least memory any configuration needs, each cut into its leanest split (a cap of 0 leaves no other):
     simulated lowest memory floor first, until the floors pass the least peak found."""
     lean = replace(problem, memory_cap_bytes=0)
-    candidates = [c for c in prepare(scenario, lean)[0] if c.staleness <= problem.max_staleness]
+    candidates = [c for c in prepare(settings, lean)[0] if c.staleness <= problem.max_staleness]
     if not candidates:
         return (f"no configuration has staleness <= {problem.max_staleness}; raise --max-staleness or add "
                 "synchronous schedules")
@@ -521,7 +552,7 @@ def _nothing_fits(scenario: Scenario, problem: Problem) -> str:
     for candidate in sorted(candidates, key=lambda c: c.memory_floor_bytes):
         if least is not None and candidate.memory_floor_bytes >= least.peak_memory_bytes:
             break
-        result = evaluate(scenario, lean, candidate)
+        result = evaluate(lean, candidate)
         if least is None or (result.peak_memory_bytes, rank_key(result)) < (least.peak_memory_bytes, rank_key(least)):
             least = result
     return (f"--memory-gb: no configuration fits in {memory_text(problem.memory_cap_bytes)}; the least memory any "
@@ -529,8 +560,8 @@ def _nothing_fits(scenario: Scenario, problem: Problem) -> str:
             f"m={least.config.microbatches})")
 
 
-def _notes(scenario: Scenario, problem: Problem) -> list[str]:
-    profile = scenario.measured
+def _notes(settings: list[Setting], problem: Problem) -> list[str]:
+    profile = settings[0].scenario.measured
     notes = []
     if _allreduce_link(profile) is None and problem.devices > 1:
         notes.append("the profile has no all-reduce times: data parallelism can't be costed, so p = D only")

@@ -23,8 +23,8 @@ GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
 GIB = tuning.GIB
 
 
-def scenario(profile):
-    return profile_scenario(profile, "adam")
+def scenario(profile) -> list[tuning.Setting]:
+    return [tuning.Setting(profile_scenario(profile, "adam"))]
 
 
 def problem(profile, devices, cap_gib, **kw) -> tuning.Problem:
@@ -42,7 +42,7 @@ def exhaustive(source, prob):
     """Every candidate simulated: the groups of twins in rank order, allowed ones and those faster than the
     best allowed one but over a limit, as `tune` defines them (the search is what is under test)."""
     candidates, _, _ = tuning.prepare(source, prob)
-    results = [tuning.evaluate(source, prob, c) for c in candidates]
+    results = [tuning.evaluate(prob, c) for c in candidates]
 
     def grouped(chosen):
         groups = []
@@ -125,17 +125,18 @@ def test_bounds_hold_for_every_candidate(which, devices, cap_gib):
     source, prob = scenario(profile), problem(profile, devices, cap_gib)
     candidates, _, _ = tuning.prepare(source, prob)
     for candidate in candidates:
-        result = tuning.evaluate(source, prob, candidate)
-        summary = summarize(simulate(candidate.schedule, candidate.costs, source.links(candidate.schedule)))
+        result = tuning.evaluate(prob, candidate)
+        links = candidate.setting.scenario.links
+        summary = summarize(simulate(candidate.schedule, candidate.costs, links(candidate.schedule)))
         label = candidate.config.label()
         assert candidate.memory_floor_bytes <= result.peak_memory_bytes, label
         assert result.samples_per_s <= candidate.max_samples_per_s, label
         assert candidate.staleness == summary.max_staleness, label  # read off the order = simulated
         assert result.step_ms >= candidate.busiest_ms and 0 <= result.bubble_fraction < 1, label
         if candidate.short_minibatches == 2:  # a flushing schedule: every step from the second repeats exactly
-            longer = tuning.build(source, prob, candidate.config.schedule, replace(candidate.params, minibatches=6),
-                                  candidate.bounds)
-            growth = (summarize(simulate(longer, candidate.costs, source.links(longer))).makespan_ms
+            longer = tuning.build(candidate.setting.scenario, prob, candidate.config.schedule,
+                                  replace(candidate.params, minibatches=6), candidate.bounds)
+            growth = (summarize(simulate(longer, candidate.costs, links(longer))).makespan_ms
                       - summary.makespan_ms) / 3
             assert growth == pytest.approx(result.step_ms, rel=1e-9), label
 
@@ -148,7 +149,7 @@ def test_data_parallel_all_reduce_is_a_ring_scaled_from_the_measured_points():
     times = [point.ms for point in profile.allreduce.points]
     for candidate in candidates:
         replicas = candidate.config.replicas
-        measured = source.costs(candidate.schedule, candidate.bounds)
+        measured = candidate.setting.scenario.costs(candidate.schedule, candidate.bounds)
         for stage, with_allreduce in zip(measured.stages, candidate.costs.stages):
             ring = (replicas - 1) * np.interp(2 * stage.param_bytes / replicas, sizes, times)  # sizes in range here
             assert with_allreduce.opt_ms - stage.opt_ms == pytest.approx(ring, rel=1e-6)
