@@ -311,9 +311,11 @@ def search_progress(search_seconds: float | None, quiet: bool) -> Iterator[Calla
         yield lambda share: bar.update(task, completed=share)
 
 
-def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None, **overrides) -> Scenario:
+def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None, estimated: Profile | None = None,
+                        **overrides) -> Scenario:
     """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
-    share; `overrides` replace their values), checked before any work."""
+    share; `overrides` replace their values), checked before any work; `estimated` (--gpu's) stands for
+    --profile's."""
     from ..planning.scenario import Scenario
     from ..sim import OPTIMIZER_STATE_FACTOR, load_cluster
 
@@ -336,7 +338,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     return Scenario(
         per_stage, flags["wgrad_fraction"], flags["opt"], flags["pred"], flags["avg"], flags["optimizer"],
         flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology,
-        load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None,
+        estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None),
         _load_graph(graph) if graph is not None else None, per, source)
 
 
