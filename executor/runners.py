@@ -38,6 +38,7 @@ from ..workload.transport import (
     connect,
     free_port,
 )
+from .replicas import Layout, dist_replicas, thread_replicas
 from .runtime import DeviceLoop, DeviceResult
 from .stages import DivergedError, ExecutorError, RunSpec, cut, heldout_scores
 
@@ -46,12 +47,18 @@ _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS))
 
 @dataclass
 class RunResult:
-    """A finished run: the measured trace, the loss per mini-batch (per pipeline), and every stage replica's
-    final weights keyed by (stage, pipeline), in the stage module's parameter order."""
+    """A finished run: the measured trace, the loss per mini-batch (per pipeline; with data parallelism the
+    mean over the d replicas, the whole mini-batch's), and every stage replica's final weights keyed by
+    (stage, pipeline), in the stage module's parameter order: `weights` those of data-parallel replica 0,
+    `replica_weights[q]` those of replica q (all equal when the REDUCE rows kept them so)."""
 
     trace: Trace
     losses: list[list[float]]  # [pipeline][mini-batch]
-    weights: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    replica_weights: list[dict[tuple[int, int], list[torch.Tensor]]] = field(default_factory=lambda: [{}])
+
+    @property
+    def weights(self) -> dict[tuple[int, int], list[torch.Tensor]]:
+        return self.replica_weights[0]
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,9 @@ class Prelude:
 
 
 def _lowered(spec: RunSpec):
+    if spec.schedule.sharded_optimizer:
+        raise ExecutorError("the executor does not run a sharded optimizer (ZeRO-1: REDUCE as a reduce-scatter, "
+                            "then GATHER); run data parallelism with the whole optimizer on every replica")
     try:
         preflight(spec.schedule, dry_run=True)
         lowered = lower(spec.schedule)
@@ -75,34 +85,46 @@ def _lowered(spec: RunSpec):
     return lowered
 
 
+def _layout(spec: RunSpec) -> Layout:
+    """The ranks of the run: the schedule's devices in each of its d data-parallel replicas."""
+    return Layout(spec.schedule.num_devices, spec.schedule.data_parallel)
+
+
 def run_in_process(spec: RunSpec) -> RunResult:
-    """Every device a thread of this process, over the in-process transport. The setups are built one after
-    another here (model construction draws from torch's global generator), then the threads run."""
+    """Every rank a thread of this process, over the in-process transport (its REDUCE rows meet in rooms).
+    The setups are built one after another here (model construction draws from torch's global generator),
+    then the threads run."""
     lowered = _lowered(spec)
-    devices = spec.schedule.num_devices
-    transports = InProcessTransport.connected(devices, timeout_s=spec.timeout_s)
-    loops = [DeviceLoop(spec, lowered, cut(spec), d, transports[d]) for d in range(devices)]
-    results: list[DeviceResult | None] = [None] * devices
+    layout = _layout(spec)
+    transports = InProcessTransport.connected(layout.ranks, timeout_s=spec.timeout_s)
+    rooms, members = thread_replicas(layout, spec.timeout_s)
+    loops = [DeviceLoop(spec, lowered, cut(spec), device, transports[rank], replica=replica, replicas=members[rank])
+             for rank, (device, replica) in enumerate(map(layout.place, range(layout.ranks)))]
+    results: list[DeviceResult | None] = [None] * layout.ranks
     causes: list[tuple[int, Exception]] = []
 
-    def work(d: int) -> None:
+    def work(rank: int) -> None:
         try:
-            results[d] = loops[d].run()
-        except Exception as exc:  # the first failure is the cause; the other devices stop at once
-            if transports[d].abandon(f"device {d} failed"):
-                causes.append((d, exc))
+            results[rank] = loops[rank].run()
+        except Exception as exc:  # the first failure is the cause; the other ranks stop at once
+            reason = f"{layout.name(rank)} failed"
+            first = transports[rank].abandon(reason)
+            for room in rooms:
+                room.abandon(reason)
+            if first:
+                causes.append((rank, exc))
 
-    threads = [threading.Thread(target=work, args=(d,), name=f"pipesim-device-{d}", daemon=True)
-               for d in range(devices)]
+    threads = [threading.Thread(target=work, args=(rank,), name=f"pipesim-rank-{rank}", daemon=True)
+               for rank in range(layout.ranks)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     if causes:
-        d, exc = causes[0]
+        rank, exc = causes[0]
         raise (DivergedError if isinstance(exc, DivergedError) else ExecutorError)(
-            f"device {d}: {type(exc).__name__}: {exc}")
-    return _merge(spec, lowered, results, {"backend": "in-process", "device": "cpu", "ranks": devices})
+            f"{layout.name(rank)}: {type(exc).__name__}: {exc}")
+    return _merge(spec, lowered, results, {"backend": "in-process", "device": "cpu", "ranks": layout.ranks})
 
 
 # ------------------------------------------------------------------------------------- one process per rank
@@ -210,7 +232,7 @@ class _Reporter:
         self.beat()
 
 
-def _rank_main(setup: Any, rank: int, world: int, init_method: str, choice: TransportChoice, messages: Any,
+def _rank_main(setup: Any, rank: int, init_method: str, choice: TransportChoice, messages: Any,
                compute_lock: Any, prelude: tuple[Callable[[Any, int], None], Any] | None = None) -> None:
     """One rank of `run_multiprocess` (a spawned process): run the caller's `prelude` (its work and its pipe end)
     if any, receive the RunSpec from `setup`, run the device, reporting heartbeats, then put ("done", rank,
@@ -226,10 +248,8 @@ def _rank_main(setup: Any, rank: int, world: int, init_method: str, choice: Tran
         lowered = _lowered(spec)
         stages = cut(spec)
         reporter = _Reporter(rank, lowered, messages)
-        with connect(choice, rank, world, init_method=init_method, timeout_s=spec.timeout_s,
-                     edges=_links(lowered)) as transport:
-            loop = DeviceLoop(spec, lowered, stages, rank, transport, on_row=reporter.on_row,
-                              compute_lock=compute_lock)
+        with _joined(spec, lowered, choice, rank, init_method=init_method) as placed:
+            loop = DeviceLoop(spec, lowered, stages, **placed, on_row=reporter.on_row, compute_lock=compute_lock)
             reporter.loop = loop
             reporter.start()
             dist.barrier()  # set-up takes each rank its own time: the timeline starts when all are ready
@@ -246,6 +266,20 @@ def _rank_main(setup: Any, rank: int, world: int, init_method: str, choice: Tran
 
 def _links(lowered: Lowered) -> list[tuple[int, int, int]]:
     return [(c.src_device, c.dst_device, i) for i, c in enumerate(lowered.channels)]
+
+
+@contextlib.contextmanager
+def _joined(spec: RunSpec, lowered: Lowered, choice: TransportChoice, rank: int, **options: Any
+            ) -> Iterator[dict[str, Any]]:
+    """This rank in the job: its transport (the pipeline links of every replica, each among its own ranks) and
+    its device's data-parallel group, created in one order on every rank; yields them as DeviceLoop's `device`,
+    `transport`, `replica` and `replicas`. `options` go to `connect`."""
+    layout = _layout(spec)
+    device, replica = layout.place(rank)
+    with connect(choice, rank, layout.ranks, timeout_s=spec.timeout_s, edges=layout.links(_links(lowered)),
+                 **options) as transport:
+        replicas = dist_replicas(layout, rank, choice.backend, choice.host_staged, spec.timeout_s)
+        yield {"device": device, "transport": transport, "replica": replica, "replicas": replicas}
 
 
 def _stopped(pid: int | None) -> bool:
@@ -290,7 +324,7 @@ class _Supervisor:
         self.errors: dict[int, tuple[str, bool]] = {}  # rank -> its error, in the order they came
         self.rows: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
         self.moved = [time.monotonic()] * world  # when each rank last made progress (or started)
-        self.finished_after = [_finished_after(lowered, d) for d in range(world)]
+        self.finished_after = [_finished_after(lowered, _layout(spec).place(rank)[0]) for rank in range(world)]
 
     def take(self, message: tuple) -> None:
         """Record one message: a heartbeat, a result, or a rank's error (text, whether the loss diverged)."""
@@ -311,8 +345,8 @@ class _Supervisor:
         done = min(int(np.searchsorted(after, beat.rows_done, side="right")) if beat else 0
                    for after, beat in zip(self.finished_after, self.beats))
         done = self.lowered.schedule.minibatches if all(r is not None for r in self.results) else done
-        losses = {key: value for beat in self.beats if beat for key, value in beat.losses.items()}
-        losses.update({key: value for r in self.results if r is not None for key, value in r.losses.items()})
+        losses = _mean_losses([r.losses if r is not None else beat.losses if beat else {}
+                               for r, beat in zip(self.results, self.beats)])
         return Progress(done, losses.get((0, done - 1)) if done else None)
 
     def last_action(self, rank: int) -> str:
@@ -359,16 +393,16 @@ class _Supervisor:
 def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto", timeout_s: float | None = None,
                      stall_timeout_s: float = 20.0, on_progress: Callable[[Progress], None] | None = None,
                      prelude: Prelude | None = None) -> RunResult:
-    """One spawned process per device on this machine: gloo on CPU; on CUDA, NCCL with one GPU per rank, or,
-    when ranks share a GPU, host-staged gloo with a cross-process lock around compute. The parent supervises:
-    a rank that dies, fails or makes no progress for `stall_timeout_s` stops every rank and raises RunFailed
-    naming it, with the incomplete trace; so does a run longer than `timeout_s` (default: none). Ctrl-C
-    (KeyboardInterrupt) ends every rank before it propagates. `on_progress` is called after each message from
-a rank, and every HEARTBEAT_S when none comes. A `prelude` runs in the ranks first (neither timeout counts
-its time)."""
+    """One spawned process per rank (a device of a data-parallel replica) on this machine: gloo on CPU; on CUDA,
+    NCCL with one GPU per rank, or, when ranks share a GPU, host-staged gloo with a cross-process lock around
+    compute. The parent supervises: a rank that dies, fails or makes no progress for `stall_timeout_s` stops
+    every rank and raises RunFailed naming it, with the incomplete trace; so does a run longer than `timeout_s`
+    (default: none). Ctrl-C (KeyboardInterrupt) ends every rank before it propagates. `on_progress` is called
+    after each message from a rank, and every HEARTBEAT_S when none comes. A `prelude` runs in the ranks first
+    (neither timeout counts its time)."""
     lowered = _lowered(spec)
     cut(spec)  # fail here, in one line, on a model the schedule cannot be cut into
-    world = spec.schedule.num_devices
+    world = _layout(spec).ranks
     try:
         choice = choose_transport(device, world, backend=backend)
     except (ValueError, TransportError) as exc:
@@ -381,7 +415,7 @@ its time)."""
     setups = [context.Pipe(duplex=False) for _ in range(world)]
     pipes = [context.Pipe() for _ in range(world)] if prelude is not None else []
     procs = [context.Process(target=_rank_main, name=f"pipesim-rank-{rank}", daemon=True,
-                             args=(setups[rank][0], rank, world, init_method, choice, messages, compute_lock,
+                             args=(setups[rank][0], rank, init_method, choice, messages, compute_lock,
                                    (prelude.rank, pipes[rank][1]) if prelude is not None else None))
              for rank in range(world)]
     try:
@@ -515,10 +549,12 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
     peer died, so its transfer failed, or torchrun stops it with SIGTERM), it raises RunFailed with an
     incomplete trace of its own rows; the other ranks' rows died with them."""
     lowered = _lowered(spec)
-    world = spec.schedule.num_devices
+    layout = _layout(spec)
+    world = layout.ranks
     if job.world_size != world:
+        replicas = f" x {layout.replicas} data-parallel replicas" if layout.replicas > 1 else ""
         raise ExecutorError(f"torchrun started {job.world_size} ranks, but {spec.schedule.method} on "
-                            f"{spec.schedule.num_stages} stages runs on {world} devices: start "
+                            f"{spec.schedule.num_stages} stages runs on {layout.devices} devices{replicas}: start "
                             f"{world} ranks (torchrun --nproc-per-node ...)")
     stages = cut(spec)
     try:
@@ -531,7 +567,7 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
         compute_lock = _FileLock(os.path.join(tempfile.gettempdir(),
                                               f"pipesim-gpu-{os.environ.get('MASTER_PORT', '0')}.lock"))
     done = [0]
-    finished_after = _finished_after(lowered, job.rank)
+    finished_after = _finished_after(lowered, layout.place(job.rank)[0])
     loop: DeviceLoop | None = None
     fault = _test_fault(job.rank)
 
@@ -543,11 +579,10 @@ def run_torchrun(spec: RunSpec, job: TorchrunEnv, *, device: str = "cpu", backen
             finished = int(np.searchsorted(finished_after, done[0], side="right"))
             on_progress(Progress(finished, loop.losses.get((0, finished - 1)) if finished else None))
 
-    with connect(choice, job.rank, world, local_rank=job.local_rank, timeout_s=spec.timeout_s,
-                 edges=_links(lowered)) as transport:
+    with _joined(spec, lowered, choice, job.rank, local_rank=job.local_rank) as placed:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.timeout_s))
         offsets = _clock_offsets(group, job)
-        loop = DeviceLoop(spec, lowered, stages, job.rank, transport, on_row=on_row, compute_lock=compute_lock)
+        loop = DeviceLoop(spec, lowered, stages, **placed, on_row=on_row, compute_lock=compute_lock)
         dist.barrier(group)  # set-up takes each rank its own time: the timeline starts when all are ready
         hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank,
                     "launcher": "torchrun", "clock_offsets_ns": offsets}
@@ -625,39 +660,52 @@ def _memory_counter(result: DeviceResult | None, t0_ns: int) -> Counter:
     return Counter(times_us, values)
 
 
+def _mean_losses(reported: list[dict[tuple[int, int], float]]) -> dict[tuple[int, int], float]:
+    """Per (pipeline, mini-batch), the mean of the losses the ranks reported: the d data-parallel replicas' last
+    stages each report their share's, and the whole mini-batch's is their mean."""
+    by_key: dict[tuple[int, int], list[float]] = {}
+    for losses in reported:
+        for key, value in losses.items():
+            by_key.setdefault(key, []).append(value)
+    return {key: sum(values) / len(values) for key, values in by_key.items()}
+
+
 def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,
            timed: dict[int, list[tuple[int, int, int]]] | None = None, failed_rank: int | None = None) -> RunResult:
-    """One measured trace from every device's rows (ranks on one host share the monotonic clock). A run that
-    stopped part-way passes `timed`, the (row, start ns, end ns) heartbeats reported for the devices with no
-    result: its trace holds the rows that ran, is marked incomplete and names `failed_rank`."""
+    """One measured trace from every rank's rows (ranks on one host share the monotonic clock): its device is
+    the rank, replica * devices + device, so replica 0's ops are those a run without data parallelism has. A
+    run that stopped part-way passes `timed`, the (row, start ns, end ns) heartbeats reported for the ranks with
+    no result: its trace holds the rows that ran, is marked incomplete and names `failed_rank`."""
     schedule = lowered.schedule
+    layout = _layout(spec)
     complete = timed is None
     if complete and any(r is None for r in results):
         raise ExecutorError("a device reported nothing")
     t = lowered.table
-    start_ns = np.full(len(t.kind), -1, dtype=np.int64)
-    end_ns = np.full(len(t.kind), -1, dtype=np.int64)
-    for d, r in enumerate(results):
+    parts = []  # per rank: its rows, and their device, start, end, version and prediction columns
+    for rank, r in enumerate(results):
+        rows = lowered.rows(layout.place(rank)[0])
+        start_ns = np.full(len(rows), -1, dtype=np.int64)
+        end_ns = np.full(len(rows), -1, dtype=np.int64)
+        # What each op really ran on (the loop reads it off its weights); the lowering's where a rank reported
+        # heartbeats only.
+        version = np.array(lowered.version[rows.start:rows.stop])
+        prediction = np.array(lowered.prediction[rows.start:rows.stop])
         if r is not None:
-            start_ns[lowered.rows(d).start:lowered.rows(d).stop] = r.start_ns
-            end_ns[lowered.rows(d).start:lowered.rows(d).stop] = r.end_ns
-    # What each op really ran on (the loop reads it off its weights); the lowering's where a device reported
-    # heartbeats only.
-    version, prediction = lowered.version.copy(), lowered.prediction.copy()
-    for d, r in enumerate(results):
-        if r is not None:
-            version[lowered.rows(d).start:lowered.rows(d).stop] = r.version
-            prediction[lowered.rows(d).start:lowered.rows(d).stop] = r.prediction
-    for rows in (timed or {}).values():
-        if rows:
-            index, starts, ends = np.array(rows, dtype=np.int64).T
-            start_ns[index], end_ns[index] = starts, ends
-    ran = end_ns >= 0
-    t0 = int(start_ns[ran].min()) if ran.any() else 0
-    ops = Ops(device=t.device[ran], stream=_STREAM_OF_KIND[t.kind[ran]], kind=t.kind[ran], stage=t.stage[ran],
-              microbatch=t.microbatch[ran], minibatch=t.minibatch[ran], pipeline=t.pipeline[ran], peer=t.peer[ran],
-              version=version[ran], prediction=prediction[ran],
-              start_us=(start_ns[ran] - t0) / 1e3, dur_us=(end_ns[ran] - start_ns[ran]) / 1e3)
+            start_ns[:], end_ns[:], version[:], prediction[:] = r.start_ns, r.end_ns, r.version, r.prediction
+        beats = (timed or {}).get(rank)
+        if beats:
+            index, starts, ends = np.array(beats, dtype=np.int64).T
+            start_ns[index - rows.start], end_ns[index - rows.start] = starts, ends
+        ran = end_ns >= 0
+        parts.append((np.arange(rows.start, rows.stop)[ran], np.full(int(ran.sum()), rank), start_ns[ran],
+                      end_ns[ran], version[ran], prediction[ran]))
+    row, device, start_ns, end_ns, version, prediction = (np.concatenate(column) for column in zip(*parts))
+    t0 = int(start_ns.min()) if len(start_ns) else 0
+    ops = Ops(device=device, stream=_STREAM_OF_KIND[t.kind[row]], kind=t.kind[row], stage=t.stage[row],
+              microbatch=t.microbatch[row], minibatch=t.minibatch[row], pipeline=t.pipeline[row], peer=t.peer[row],
+              version=version, prediction=prediction,
+              start_us=(start_ns - t0) / 1e3, dur_us=(end_ns - start_ns) / 1e3)
     base = 1 + schedule.policy.extra_copies
     counters: dict[str, list[Counter]] = {"weight_versions": [], "memory_bytes": []}
     for d, r in enumerate(results):
@@ -665,7 +713,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         counters["weight_versions"].append(Counter(times_us, np.concatenate([[base], r.held]) if r is not None
                                                    else np.array([base])))
         counters["memory_bytes"].append(_memory_counter(r, t0))
-    losses_by = {key: value for r in results if r is not None for key, value in r.losses.items()}
+    losses_by = _mean_losses([r.losses for r in results if r is not None])
     losses = [[losses_by.get((p, b), float("nan")) for b in range(schedule.minibatches)]
               for p in range(schedule.pipelines)]
     if all(r is not None for r in results):
@@ -676,13 +724,17 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         microbatch_size=spec.microbatch_size, placement=list(schedule.placement),
         stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
         tool=f"pipesim {__version__}", hardware=hardware, seed=spec.seed, complete=complete, failed_rank=failed_rank,
-        extra={"losses": losses, "optimizer": spec.optimizer, "lr": spec.lr, "dtype": spec.dtype,
+        extra={"losses": losses, "data_parallel": layout.replicas, "optimizer": spec.optimizer, "lr": spec.lr,
+               "dtype": spec.dtype,
                "bounds": next((r.bounds for r in results if r is not None), None if spec.bounds is None
                               else list(spec.bounds)),
                "model_options": dict(spec.model_options), "recv_window": spec.recv_window,
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
-    weights = {key: [torch.from_numpy(w) for w in ws] for r in results if r is not None
-               for key, ws in r.weights.items()}
+    weights: list[dict[tuple[int, int], list[torch.Tensor]]] = [{} for _ in range(layout.replicas)]
+    for rank, r in enumerate(results):
+        if r is not None:
+            weights[layout.place(rank)[1]].update({key: [torch.from_numpy(w) for w in ws]
+                                                   for key, ws in r.weights.items()})
     if complete:
-        meta.extra["heldout"] = heldout_scores(spec, weights)
-    return RunResult(Trace(tuple(k.value for k in KINDS), schedule.num_devices, ops, meta, counters), losses, weights)
+        meta.extra["heldout"] = heldout_scores(spec, weights[0])
+    return RunResult(Trace(tuple(k.value for k in KINDS), layout.ranks, ops, meta, counters), losses, weights)

@@ -20,7 +20,11 @@ Weight gradients are taken with respect to the forward's leaves and accumulate i
 buffer, whichever weights produced them. The forward is never recomputed.
 
 AVG pulls the P pipeline replicas of a stage on this device and a reference model (the initial weights)
-together by elastic averaging, with the schedule's coefficient alpha.
+together by elastic averaging, with the schedule's coefficient alpha. REDUCE starts averaging a stage's
+accumulated gradients over its data-parallel replicas (the same device of the other d - 1 pipelines, on other
+ranks: see replicas.py) and is not waited on: the stage's OPT waits for it before it starts, outside the compute
+lock (the replicas it waits for may share this rank's GPU). A REDUCE row runs from its start until the
+all-reduce completed, as the simulator's network stream has it.
 
 Measured per row: the version and prediction distance the op used (from the weights it ran on), and memory: on
 CUDA the allocator's count; on CPU the bytes of the tensors autograd saved for backward (each storage once,
@@ -51,6 +55,7 @@ from ..schedules import KINDS, Kind, Lowered, ScheduleParams
 from ..workload.optim import elastic_average
 from ..workload.transport import Handle, Transport
 from .backward import PendingWeightGrad, backward_input, backward_weight, full_backward
+from .replicas import Layout, Pending, ReplicaGroup
 from .stages import DivergedError, ExecutorError, RunSpec, Stages, microbatch_data
 from .weights import BufferKey, StageWeights, Weights
 
@@ -198,7 +203,8 @@ class DeviceResult:
 
 
 class DeviceLoop:
-    """Runs device `device`'s rows of `lowered` on `stages` over `transport` (rank = device).
+    """Runs device `device`'s rows of `lowered` on `stages` over `transport`, in data-parallel replica `replica`
+    (rank = replica * devices + device), whose REDUCE rows average over `replicas`.
 
     `on_row(i)` is called after each row finishes with its global index (progress, heartbeats; `losses`,
     (pipeline, mini-batch) -> loss, is readable then). `compute_lock` is held around each compute row, so
@@ -206,10 +212,12 @@ class DeviceLoop:
     has the rows done (`rows_done`) when `run` raises."""
 
     def __init__(self, spec: RunSpec, lowered: Lowered, stages: Stages, device: int, transport: Transport, *,
-                 on_row: Callable[[int], None] | None = None,
+                 replica: int = 0, replicas: ReplicaGroup | None = None, on_row: Callable[[int], None] | None = None,
                  compute_lock: contextlib.AbstractContextManager | None = None) -> None:
         self.spec, self.lowered, self.stages, self.device = spec, lowered, stages, device
         self.transport = transport
+        self.replica, self.replicas = replica, replicas
+        self.layout = Layout(lowered.schedule.num_devices, lowered.schedule.data_parallel)
         self.on_row = on_row
         self.compute_lock = compute_lock if compute_lock is not None else contextlib.nullcontext()
         self.shares_gpu = compute_lock is not None
@@ -228,6 +236,7 @@ class DeviceLoop:
         self.grads: dict[EdgeUnit, torch.Tensor] = {}  # an edge's gradient: computed or received, not yet taken
         self.sends: list[tuple[Handle, torch.Tensor | None]] = []  # sends in flight, with the tensor each holds
         self.losses: dict[tuple[int, int], float] = {}
+        self.reducing: dict[tuple[int, int], tuple[Pending, int]] = {}  # (stage, pipeline) -> all-reduce, row
         self.ledger = Ledger()
         self.taken: dict[int, int] = {}  # storages of the tensors the current row took: they may die with it
         self._passes = {Kind.F: self.forward, Kind.B: self.backward, Kind.I: self.backward_input,
@@ -306,7 +315,11 @@ class DeviceLoop:
         edge = self._edge(row)
         channel = int(self.lowered.channel_of(self.lowered.transfer[row]))
         return self.transport.recv(self.stages.edge_shapes[edge], self.stages.edge_dtypes[edge],
-                                   self.placement[int(self.lowered.table.peer[row])], channel=channel)
+                                   self._rank(int(self.lowered.table.peer[row])), channel=channel)
+
+    def _rank(self, stage: int) -> int:
+        """The rank that holds `stage` in this replica."""
+        return self.layout.rank(self.placement[stage], self.replica)
 
     def _posted_bytes(self, row: int) -> int:
         """The buffer a posted receive holds until its RECV row takes it."""
@@ -332,7 +345,7 @@ class DeviceLoop:
         last = not self.stages.out_edges[stage]
         args = list(inputs)
         if self.stages.reads_batch[stage] or last:
-            data, target = microbatch_data(self.spec, self.stages.model, b, j, r)
+            data, target = microbatch_data(self.spec, self.stages.model, b, j, r, self.replica)
             data = data.to(self.torch_device)
             target = target.to(self.torch_device) if torch.is_tensor(target) else target
             if self.stages.reads_batch[stage]:
@@ -405,6 +418,23 @@ class DeviceLoop:
         replicas = [self.weights[(stage, r)].current for r in range(self.pipelines)]
         with torch.no_grad():
             elastic_average(replicas, self.references[stage], self.alpha)
+
+    def reduce(self, row: int, stage: int, r: int) -> None:
+        """Start averaging the stage replica's accumulated gradients over its data-parallel replicas; its OPT
+        waits (`reduced`)."""
+        if self.replicas is None:
+            raise ExecutorError(f"device {self.device}: a REDUCE row, but the run has no data-parallel replicas")
+        state = self.weights[(stage, r)]
+        state.grads = [torch.zeros_like(w) if g is None else g for w, g in zip(state.current, state.grads)]
+        self.reducing[(stage, r)] = (self.replicas.start(state.grads), row)
+
+    def reduced(self, stage: int, r: int) -> tuple[int, int] | None:
+        """Wait for the stage replica's all-reduce, if one is under way: (its row, when it completed, ns)."""
+        started = self.reducing.pop((stage, r), None)
+        if started is None:
+            return None
+        pending, row = started
+        return row, pending.wait()
 
     def _compute(self, i: int, kind: Kind, unit: Unit) -> tuple[int, int]:
         """Run compute row i; return the (version, prediction distance) its op used."""
@@ -493,11 +523,13 @@ class DeviceLoop:
                 freed = 0  # bytes of weights the row let go of at its end
                 # a B or W adds into the mini-batch's gradient buffer, creating it only where it is still empty
                 starts_buffer = kind in _FILLING and any(g is None for g in self.weights[(stage, r)].grads)
+                if kind is Kind.OPT and (reduced := self.reduced(stage, r)) is not None:
+                    result.end_ns[reduced[0] - lo] = reduced[1]
                 result.start_ns[i - lo] = time.perf_counter_ns()
                 if kind is Kind.SEND_F or kind is Kind.SEND_B:
                     tensor = (self.acts.pop((stage, peer, j, b, r)) if kind is Kind.SEND_F
                               else self.grads.pop((peer, stage, j, b, r)))
-                    handle = self.transport.send(tensor, self.placement[peer], channel=self._channel(i))
+                    handle = self.transport.send(tensor, self._rank(peer), channel=self._channel(i))
                     # on CPU the books count a sent tensor until its send completes; on CUDA the allocator
                     # does, and the transport holds what it needs (a host-staged send, only its host copy)
                     self.sends.append((handle, None if self.on_cuda else tensor))
@@ -505,6 +537,8 @@ class DeviceLoop:
                     self.acts[(peer, stage, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
                 elif kind is Kind.RECV_B:
                     self.grads[(stage, peer, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
+                elif kind is Kind.REDUCE:
+                    self.reduce(i, stage, r)
                 else:
                     with self.compute_lock:
                         began = gpu_clock.mark() if gpu_clock else None
@@ -517,7 +551,7 @@ class DeviceLoop:
                             freed += self.weights[(stage, r)].release(version)
                         for k, q, key in self.frees.get(i, ()):
                             freed += self.weights[(k, q)].free_predicted(key)
-                result.end_ns[i - lo] = time.perf_counter_ns()
+                result.end_ns[i - lo] = time.perf_counter_ns()  # a REDUCE's: when it completed, once its OPT knows
                 if kind not in _TRANSFERS:
                     level = self._held()
                     # The tensors weights, gradients and buffers hold change only where an update, prediction or

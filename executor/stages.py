@@ -92,12 +92,15 @@ class RunSpec:
         return model
 
 
-def microbatch_data(spec: RunSpec, model: Model, minibatch: int, microbatch: int,
-                    pipeline: int = 0) -> tuple[torch.Tensor, Any]:
-    """Micro-batch `microbatch` of mini-batch `minibatch` for pipeline `pipeline`: (input, target), drawn
-    from a generator seeded by those numbers, so every rank (and a reference) draws the same samples."""
+def microbatch_data(spec: RunSpec, model: Model, minibatch: int, microbatch: int, pipeline: int = 0,
+                    replica: int = 0) -> tuple[torch.Tensor, Any]:
+    """Micro-batch `microbatch` of mini-batch `minibatch` for pipeline `pipeline` in data-parallel replica
+    `replica`: (input, target), drawn from a generator seeded by those numbers, so every rank (and a reference)
+    draws the same samples. The d replicas' micro-batches are numbered one after another: replica q's j-th is
+    the whole mini-batch's (q * m + j)-th, as one process training on d x m micro-batches draws it."""
     schedule = spec.schedule
-    index = (pipeline * schedule.minibatches + minibatch) * schedule.microbatches + microbatch
+    index = ((pipeline * schedule.minibatches + minibatch) * schedule.data_parallel + replica) * schedule.microbatches \
+        + microbatch
     generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + index)
     x, target = model.make_batch(spec.microbatch_size, generator)
     if x.is_floating_point():

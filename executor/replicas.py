@@ -1,0 +1,232 @@
+"""Data parallelism: the ranks that hold the same device of the d pipeline replicas, and the REDUCE row's
+all-reduce of a stage's gradients over them.
+
+With d replicas of a p-device pipeline, rank = replica * p + device: replica 0 holds ranks 0 .. p-1, as a run
+without data parallelism does, and each replica's pipeline transfers stay among its own ranks. Device i's
+replicas (ranks i, p + i, ...) form one group; a REDUCE row of a stage on device i starts averaging the stage's
+accumulated weight gradients over that group, and the stage's update (OPT) waits for it, so the rows between
+them overlap with it, and the update applies the mean over the whole mini-batch's d x m micro-batches on every
+replica, which keeps the replicas' weights equal.
+
+Two implementations behind one interface: threads of one process (the in-process runner) meet in a shared
+room; processes use a torch.distributed group per device (gloo on CPU and for ranks that share a GPU, staged
+through the host; NCCL when each rank has its own GPU).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .stages import ExecutorError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks of `replicas` pipelines of `devices` devices each sit: rank = replica * devices + device."""
+
+    devices: int
+    replicas: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.devices * self.replicas
+
+    def rank(self, device: int, replica: int) -> int:
+        return replica * self.devices + device
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(device, replica) of `rank`."""
+        replica, device = divmod(rank, self.devices)
+        return device, replica
+
+    def name(self, rank: int) -> str:
+        """How errors name a rank: its device, and its replica where there are several."""
+        device, replica = self.place(rank)
+        return f"device {device}" if self.replicas == 1 else f"rank {rank} (device {device}, replica {replica})"
+
+    def group(self, device: int) -> list[int]:
+        """The ranks that hold `device` in every replica, replica 0 first."""
+        return [self.rank(device, q) for q in range(self.replicas)]
+
+    def links(self, edges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """The pipeline links (src device, dst device, channel) of one replica, for every replica, in ranks."""
+        return [(self.rank(src, q), self.rank(dst, q), channel) for q in range(self.replicas)
+                for src, dst, channel in edges]
+
+
+class Pending(Protocol):
+    def wait(self) -> int:
+        """Block until the all-reduce is done and its mean is in the tensors it was started on; returns when it
+        completed (the monotonic clock, ns)."""
+
+
+class ReplicaGroup(ABC):
+    """One device's replicas, from one member's side."""
+
+    def __init__(self, replicas: int, timeout_s: float) -> None:
+        self.replicas, self.timeout_s = replicas, timeout_s
+        self.calls = 0
+
+    @abstractmethod
+    def start(self, tensors: list[torch.Tensor]) -> Pending:
+        """Start replacing `tensors` by their mean over the group; returns at once. Every member starts the
+        same all-reduces (tensors of the same shapes) in the same order; `tensors` must not change until the
+        wait returns."""
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+
+
+@dataclass
+class _Round:
+    """One all-reduce in a room: each member's tensors by replica, then their mean and when it was ready."""
+
+    parts: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    mean: list[torch.Tensor] | None = None
+    done_ns: int = 0
+    taken: int = 0
+
+
+@dataclass
+class Room:
+    """Where the threads holding one device's replicas meet; `abandon` fails every wait (a thread failed)."""
+
+    replicas: int
+    ready: threading.Condition = field(default_factory=threading.Condition)
+    rounds: dict[int, _Round] = field(default_factory=dict)
+    abandoned: str | None = None
+
+    def abandon(self, reason: str) -> None:
+        with self.ready:
+            if self.abandoned is None:
+                self.abandoned = reason
+            self.ready.notify_all()
+
+
+@dataclass
+class _RoomPending:
+    member: ThreadReplicas
+    number: int
+    this: _Round
+    tensors: list[torch.Tensor]
+
+    def wait(self) -> int:
+        member, room, this = self.member, self.member.room, self.this
+        with room.ready:
+            if not room.ready.wait_for(lambda: this.mean is not None or room.abandoned, member.timeout_s):
+                missing = sorted(set(range(room.replicas)) - set(this.parts))
+                raise ExecutorError(f"{member.label}: all-reduce #{self.number} timed out after "
+                                    f"{member.timeout_s:g} s waiting for replicas {missing}")
+            if this.mean is None:
+                raise ExecutorError(f"{member.label}: all-reduce #{self.number} abandoned: {room.abandoned}")
+            this.taken += 1
+            if this.taken == room.replicas:
+                del room.rounds[self.number]
+        with torch.no_grad():
+            for t, mean in zip(self.tensors, this.mean):
+                t.copy_(mean)
+        return this.done_ns
+
+
+class ThreadReplicas(ReplicaGroup):
+    """A member of a room: the mean is summed in replica order (for two, the sum a ring of gloo ranks takes)."""
+
+    def __init__(self, room: Room, replica: int, label: str, timeout_s: float) -> None:
+        super().__init__(room.replicas, timeout_s)
+        self.room, self.replica, self.label = room, replica, label
+
+    def start(self, tensors: list[torch.Tensor]) -> Pending:
+        room, n = self.room, self.calls
+        self.calls += 1
+        with room.ready:
+            this = room.rounds.setdefault(n, _Round())
+            this.parts[self.replica] = [t.detach().clone() for t in tensors]
+            if len(this.parts) == room.replicas:
+                ordered = [this.parts[q] for q in range(room.replicas)]
+                this.mean = [torch.stack(column).sum(0) / room.replicas for column in zip(*ordered)]
+                this.done_ns = time.perf_counter_ns()
+                room.ready.notify_all()
+        return _RoomPending(self, n, this, tensors)
+
+
+def thread_replicas(layout: Layout, timeout_s: float) -> tuple[list[Room], list[ReplicaGroup | None]]:
+    """A room per device and every rank's member of its device's room (by rank); none without data
+    parallelism."""
+    if layout.replicas == 1:
+        return [], [None] * layout.ranks
+    rooms = [Room(layout.replicas) for _ in range(layout.devices)]
+    members: list[ReplicaGroup | None] = [ThreadReplicas(rooms[device], replica, layout.name(rank), timeout_s)
+                                          for rank, (device, replica) in enumerate(map(layout.place,
+                                                                                       range(layout.ranks)))]
+    return rooms, members
+
+
+# --------------------------------------------------------------------------------------- torch.distributed
+
+
+@dataclass
+class _WorkPending:
+    member: DistReplicas
+    number: int
+    work: Any  # torch.distributed.Work
+    stamp: Any  # a torch Future of the completion time, set by a callback as the work completes
+    wire: torch.Tensor  # the flat buffer the all-reduce sums into
+    tensors: list[torch.Tensor]
+
+    def wait(self) -> int:
+        member = self.member
+        try:
+            self.work.wait(timedelta(seconds=member.timeout_s))
+            done_ns = int(self.stamp.wait())
+        except RuntimeError as exc:
+            raise ExecutorError(f"{member.label} #{self.number} failed: "
+                                f"{(str(exc).splitlines() or ['?'])[0]}") from None
+        self.wire.div_(member.replicas)
+        offset = 0
+        with torch.no_grad():
+            for t in self.tensors:
+                t.copy_(self.wire[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return done_ns
+
+
+class DistReplicas(ReplicaGroup):
+    """A member of a torch.distributed group: the gradients flattened into one buffer, summed by one
+    all-reduce and divided by d. `staged`: the ranks share a GPU, so the buffer goes through the host (gloo
+    takes CPU tensors only). On NCCL the completion time is when the host learns of it."""
+
+    def __init__(self, group: Any, ranks: list[int], rank: int, staged: bool, timeout_s: float) -> None:
+        super().__init__(len(ranks), timeout_s)
+        self.group, self.staged = group, staged
+        self.label = f"rank {rank}: all-reduce over ranks {ranks}"
+
+    def start(self, tensors: list[torch.Tensor]) -> Pending:
+        n = self.calls
+        self.calls += 1
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        wire = flat.cpu() if self.staged else flat
+        try:
+            work = dist.all_reduce(wire, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise ExecutorError(f"{self.label} #{n} failed: {(str(exc).splitlines() or ['?'])[0]}") from None
+        return _WorkPending(self, n, work, work.get_future().then(lambda _: time.perf_counter_ns()), wire, tensors)
+
+
+def dist_replicas(layout: Layout, rank: int, backend: str, staged: bool, timeout_s: float) -> ReplicaGroup | None:
+    """This rank's member of its device's group, once every rank has created every device's group (creating a
+    group is collective over the job: all ranks call this together). None without data parallelism."""
+    if layout.replicas == 1:
+        return None
+    timeout = timedelta(seconds=timeout_s)
+    groups = [dist.new_group(layout.group(device), timeout=timeout, backend=backend)
+              for device in range(layout.devices)]
+    device, _ = layout.place(rank)
+    return DistReplicas(groups[device], layout.group(device), rank, staged, timeout_s)
