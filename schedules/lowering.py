@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
-from .ir import Kind, Schedule, ScheduleError
+from .ir import COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
 from .passes import communication_rows
-from .table import NUM_COMPUTE_KINDS, ActionTable, kind_mask
+from .table import KIND_CODE, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 
 def preflight(schedule: Schedule, *, dry_run: bool = False) -> None:
@@ -66,7 +66,9 @@ class Lowered:
     old version a later row still reads, -1 after a version's last read); `held_after`, the largest
     number of weight copies of one stage its device holds after it (transfers keep the level before them);
     `transfer`, the id a SEND shares with its RECV (-1 for compute): channel c, unit u (micro-batch,
-    mini-batch, pipeline) is `c * units + u`.
+    mini-batch, pipeline) is `c * units + u`; `awaits`, the collective row (REDUCE, GATHER) a row must wait for
+    before it starts (-1: none): an OPT waits for its REDUCE (the gradients it applies), a stage's first row
+    after a GATHER for the gathered weights. A collective itself holds its device no longer than issuing it.
     """
 
     schedule: Schedule
@@ -80,6 +82,7 @@ class Lowered:
     transfer: np.ndarray
     channels: tuple[Channel, ...]
     units: int
+    awaits: np.ndarray
 
     @property
     def is_compute(self) -> np.ndarray:
@@ -134,7 +137,31 @@ def lower(schedule: Schedule) -> Lowered:
     transfer[rows] = channel[rows] * units + unit
     bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
     return Lowered(schedule, t, origin, bounds, scatter(versions.read, -1), scatter(versions.prediction, -1),
-                   scatter(versions.copies_delta, 0), held, transfer, channels, units)
+                   scatter(versions.copies_delta, 0), held, transfer, channels, units, _awaits(schedule, t))
+
+
+def _awaits(schedule: Schedule, t: ActionTable) -> np.ndarray:
+    """`Lowered.awaits`: -1 broadcast where the schedule has no collective rows (d = 1)."""
+    collective = kind_mask(t.kind, *COLLECTIVE_KINDS)
+    if not collective.any():
+        return np.broadcast_to(np.int64(-1), t.kind.shape)
+    awaits = np.full(len(t.kind), -1, dtype=np.int64)
+    step = t.step_index(schedule)
+    update = np.flatnonzero(t.kind == KIND_CODE[Kind.OPT])
+    update_of_step = np.zeros(schedule.num_stages * schedule.minibatches * schedule.pipelines, dtype=np.int64)
+    update_of_step[step[update]] = update
+    reduces = np.flatnonzero(t.kind == KIND_CODE[Kind.REDUCE])
+    awaits[update_of_step[step[reduces]]] = reduces
+    # A GATHER's waiter: the next row of its stage replica that is not a collective (a stage is on one device,
+    # so its rows, grouped by replica in program order, follow one another there).
+    own = np.flatnonzero((t.kind < NUM_COMPUTE_KINDS) & ~kind_mask(t.kind, Kind.REDUCE))
+    replica = t.stage[own] * schedule.pipelines + t.pipeline[own]
+    own = own[np.argsort(replica, kind="stable")]
+    replica = t.stage[own] * schedule.pipelines + t.pipeline[own]
+    gathers = np.flatnonzero(t.kind[own] == KIND_CODE[Kind.GATHER])
+    waited = gathers[(gathers + 1 < len(own)) & (replica[np.minimum(gathers + 1, len(own) - 1)] == replica[gathers])]
+    awaits[own[waited + 1]] = own[waited]
+    return awaits
 
 
 def check_transfer_order(lowered: Lowered) -> None:

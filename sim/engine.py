@@ -5,12 +5,15 @@ resource is shared, the same processes run as plain coroutines: see `_Model`).
 the op's cost), SEND (the transfer is queued on the link's resources and the compute stream goes on, unless
 the cluster says sends block), RECV (the compute stream waits until the data has arrived). Transfers are
 reserved on their link when issued, which, since SimPy advances in time order, is first come first served
-on shared links. Devices on one compute resource (ranks sharing a GPU, which the executor runs under one
-lock per compute row) reserve it the same way for each compute row: a row starts when its device is ready
-and the rows asked for before it have ended. That wait is not busy time: the trace shows it as a gap in the
-device's compute stream, idle like any other, so the bubble counts it. Devices on one host's cores (CPU
-ranks) share them by processor sharing: a compute row runs as soon as its device is ready, at the speed the
-number of the host's devices computing at that moment allows, so it lasts longer while others compute too.
+on shared links. A collective (REDUCE, GATHER: data-parallel replicas synchronising) runs on the device's
+network stream, beside its compute and after the collectives issued before it there, and the row that needs
+its result (`Lowered.awaits`) waits for it to end. Devices on one compute resource (ranks sharing a GPU, which
+the executor runs under one lock per compute row) reserve it the same way for each compute row: a row starts
+when its device is ready and the rows asked for before it have ended. That wait is not busy time: the trace
+shows it as a gap in the device's compute stream, idle like any other, so the bubble counts it. Devices on one
+host's cores (CPU ranks) share them by processor sharing: a compute row runs as soon as its device is ready, at
+the speed the number of the host's devices computing at that moment allows, so it lasts longer while others
+compute too.
 This module only prices the rows and runs them: nothing here knows a method by name.
 """
 
@@ -65,6 +68,13 @@ class _Program:
     step_rows: np.ndarray  # every device's steps, as global rows in program order
     step_bounds: np.ndarray  # device d's steps are step_rows[step_bounds[d]:step_bounds[d + 1]]
     start_clock: np.ndarray  # per device: the index of its start in `_Model.clocks` (its steps' clocks follow)
+    # Each device with collectives has a network lane after the devices: a clock list of its own (in `steps` and
+    # `start_clock` after the devices'), one step per collective: when it begins, after the one before it has
+    # ended (its busy ps) and once its row has issued it (the clock it waits for).
+    collective_rows: np.ndarray  # the collective rows, in program order
+    collective_clock: np.ndarray  # per collective row: the index in `_Model.clocks` of its lane's clock at its begin
+    collective_ps: np.ndarray  # per collective row: its network time
+    num_clocks: int
     timed: bool  # whether a resource is shared, so that devices must take it in simulated time order
     # Per transfer id: the index in `_Model.clocks` of the clock it is sent from, and how long after that clock
     # it arrives (-1: its SEND step finds that out when it runs).
@@ -94,6 +104,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     kind, stage = t.kind, t.stage
     stream = _STREAM_OF_KIND[kind]
     compute = stream == Stream.COMPUTE
+    moving = (stream == Stream.SEND) | (stream == Stream.RECV)  # point-to-point transfers
 
     op_ms = costs.op_ms_table(schedule.pipelines)
     overhead = costs.overhead
@@ -166,7 +177,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                  for d, peers in enumerate(cluster.host_peers(schedule.num_devices))]
     channel_ps = _picoseconds(np.asarray(channel_ms, dtype=np.float64))
     transfer_ps = np.repeat(channel_ps, lowered.units)
-    rows = np.flatnonzero(~compute)
+    rows = np.flatnonzero(moving)
     if len(rows):
         sending = stream[rows] == Stream.SEND
         row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(lowered.transfer[rows])]
@@ -196,7 +207,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # shared: taking a shared resource, devices must meet in simulated time order, which steps keep).
     lazy = sends & (not timed and cluster.overlap_comm)
     shared = np.array([u is not None or h is not None for u, h in zip(compute_unit, host_unit)], dtype=bool)
-    is_step = (shared[device] | ~compute) & ~lazy
+    waiter = lowered.awaits >= 0
+    is_step = (shared[device] | ~compute | waiter) & ~lazy
     step_rows = np.flatnonzero(is_step)
     step_bounds = np.searchsorted(step_rows, bounds)
     # Every device's clocks sit in one list (`_Model.clocks`): device d's start at step_bounds[d] + d, then its
@@ -241,13 +253,35 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         blocking = np.flatnonzero(step_stream == Stream.SEND)
         waits_for[blocking] = blocking + step_device[blocking]
         after[blocking] = pre[blocking] + transfer_ps[operand[blocking]]
+    # A collective's lane: step j begins when its row has issued it and the lane's step before has ended.
+    collective_rows = np.flatnonzero(stream == Stream.NETWORK)
+    collective_ps = _picoseconds(op_ms[stage[collective_rows], kind[collective_rows]])
+    lane_devices, lane = np.unique(device[collective_rows], return_inverse=True)
+    first_clock = len(step_rows) + num_devices  # the lanes' clocks follow the devices'
+    lane_starts = np.searchsorted(lane, np.arange(len(lane_devices)))
+    collective_clock = first_clock + np.arange(len(collective_rows)) + lane + 1
+    lane_busy = np.r_[0, collective_ps[:-1]]
+    lane_busy[lane_starts] = 0
+    lane_waits_for = clock_before[collective_rows] + 1  # the clock after the collective row's own step
+    # A row that needs a collective's result waits for the lane's clock at its begin, plus its network time.
+    waiting = np.flatnonzero(waiter[step_rows])
+    awaited = np.searchsorted(collective_rows, lowered.awaits[step_rows[waiting]])
+    waits_for[waiting] = collective_clock[awaited]
+    after[waiting] = collective_ps[awaited]
     columns = (pre, step_stream, operand, waits_for, after)
     steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_bounds.tolist())]
-    return _Program(lowered, stream, steps, step_rows, step_bounds, start_clock, timed, send_clock, send_to_arrival,
-                    compute_unit, host_unit, cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(),
-                    routes,
-                    len(resources), mem_at_start, mem_at_end, act_at_start, act_at_end,
-                    static_bytes(schedule, costs))
+    lane_columns = (lane_busy, np.full(len(lane), int(Stream.NETWORK)), np.zeros(len(lane), dtype=np.int64),
+                    lane_waits_for, np.zeros(len(lane), dtype=np.int64))
+    lane_bounds = np.r_[lane_starts, len(lane)].tolist()
+    steps += [tuple(c[lo:hi] for c in lane_columns) for lo, hi in itertools.pairwise(lane_bounds)]
+    start_clock = np.r_[start_clock, first_clock + np.asarray(lane_bounds[:-1], dtype=np.int64)
+                        + np.arange(len(lane_devices))]
+    no_unit = [None] * len(lane_devices)
+    return _Program(lowered, stream, steps, step_rows, step_bounds, start_clock, collective_rows, collective_clock,
+                    collective_ps, first_clock + len(lane) + len(lane_devices), timed, send_clock,
+                    send_to_arrival, compute_unit + no_unit, host_unit + no_unit, cluster.contention, clock_before,
+                    since_ps, duration, channel_ps.tolist(), routes, len(resources), mem_at_start, mem_at_end,
+                    act_at_start, act_at_end, static_bytes(schedule, costs))
 
 
 @dataclass
@@ -286,12 +320,16 @@ def _gradient_spans(lowered: Lowered) -> _GradientSpans:
 
 
 def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
-    """Per device, the bytes held from start to end: weights, gradients and optimizer state of every stage
-    it holds, per pipeline replica, plus the policy's extra weight copies. Its memory never drops below."""
+    """Per device, the bytes held from start to end: weights, gradients and optimizer state (1/d of it when
+    sharded over d data-parallel replicas) of every stage it holds, per pipeline replica, plus the policy's
+    extra weight copies. Its memory never drops below."""
     static = []
     for device in range(schedule.num_devices):
         mine = [costs.stages[s] for s in schedule.stages_on(device)]
-        per_replica = sum(2 * c.param_bytes + c.optimizer_state_bytes for c in mine)  # weights, grads, state
+        state = sum(c.optimizer_state_bytes for c in mine)
+        if schedule.sharded_optimizer:  # ZeRO-1: each of the d replicas keeps its shard of the state
+            state = -(-state // schedule.data_parallel)
+        per_replica = sum(2 * c.param_bytes for c in mine) + state  # weights, gradients, optimizer state
         extra = schedule.policy.extra_copies * sum(c.param_bytes for c in mine)
         static.append(per_replica * schedule.pipelines + extra)
     return static
@@ -367,7 +405,7 @@ class _Model:
         # a compute row that is a step), in one list (see `_Program.start_clock`; -1: not reached yet); per
         # transfer id, its arrival once its SEND step has run (-1 before). Arrays of machine integers: they keep
         # no Python object per clock, and the trace reads them as numpy arrays without a copy.
-        self.clocks = array.array("q", [-1]) * (len(program.step_rows) + len(program.steps))
+        self.clocks = array.array("q", [-1]) * program.num_clocks
         for start in program.start_clock.tolist():
             self.clocks[start] = 0
         self.arrival = array.array("q", [-1]) * len(program.send_clock)
@@ -423,12 +461,12 @@ class _Model:
         program = self.program
         cores = self.cores[program.host_unit[d]] if program.host_unit[d] is not None else None
         unit = program.compute_unit[d]
-        rows = program.step_rows[program.step_bounds[d]:program.step_bounds[d + 1]]
+        rows = program.step_rows[program.step_bounds[d]:program.step_bounds[d + 1]] if cores else None
         duration = self.duration_ps
         arrival, free_at, clocks, waiters = self.arrival, self.free_at, self.clocks, self.waiters
         routes, channel_ps, units = program.routes, program.channel_ps, program.lowered.units
         overlap = self.overlap_comm
-        send, recv = int(Stream.SEND), int(Stream.RECV)  # plain ints: this loop runs once per step
+        send, compute = int(Stream.SEND), int(Stream.COMPUTE)  # plain ints: this loop runs once per step
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
         for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
@@ -443,17 +481,17 @@ class _Model:
                 self.host_stretch_ps[row] = end - clock
                 clock = end
             computed_ps = 0
-            if stream == recv:
-                if clocks[other] < 0:  # not sent yet: wait until the sender has that clock
+            if stream != send:  # a RECV waits for its data, a row that needs a collective for its end
+                if clocks[other] < 0:  # not reached yet: wait until the sender (or lane) has that clock
                     waiter = env.event()
                     waiters.setdefault(other, []).append(waiter)
                     yield waiter
-                # The arrival is a fixed time after the sender's clock, or what its SEND step found.
+                # A fixed time after that clock, or the arrival its SEND step found.
                 ready = clocks[other] + after_ps if after_ps >= 0 else arrival[xid]
                 if ready > clock:
                     clock = ready
                 clocks[mine] = clock
-            elif stream == send:
+            if stream == send:
                 route, transfer_ps = routes[xid // units], channel_ps[xid // units]
                 if route:  # a shared link: wait until simulated time reaches the send, then queue on it
                     if clock > env.now:
@@ -468,8 +506,8 @@ class _Model:
                 if not overlap:
                     clock = end
                 clocks[mine] = clock
-            else:  # a compute row on the shared compute resource `unit` or shared `cores`; `xid` is its duration
-                if clock > env.now:
+            elif stream == compute and (cores is not None or unit is not None):  # on the shared resource `unit` or
+                if clock > env.now:  # shared `cores`; `xid` is its duration
                     yield env.timeout(clock - env.now)
                 if cores is not None:
                     end = yield cores.run(xid)
@@ -520,7 +558,7 @@ def simulate(
     program = _price(lower(schedule), costs, cluster, jitter, seed)
     model = _Model(program, cluster.overlap_comm)
     model.run()
-    if model.finished < schedule.num_devices:
+    if model.finished < len(program.steps):
         validate(schedule)
         raise SimulationError(f"{schedule.method}: {schedule.num_devices - model.finished} devices never finished")
     return _trace(costs, cluster, program, model, jitter, seed)
@@ -529,7 +567,7 @@ def simulate(
 def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int) -> Trace:
     lowered = program.lowered
     schedule, xid, t, bounds = lowered.schedule, lowered.transfer, lowered.table, lowered.bounds
-    transfers = np.flatnonzero(program.stream != Stream.COMPUTE)
+    transfers = np.flatnonzero((program.stream == Stream.SEND) | (program.stream == Stream.RECV))
     clocks = np.frombuffer(model.clocks, dtype=np.int64)
     issued_ps = _issue_times(program, model, clocks)
     start_ps = issued_ps.copy()
@@ -542,6 +580,9 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         ids = xid[transfers]
         end_ps[transfers] = arrival[ids]  # a transfer starts its duration before it arrives
         start_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[ids // lowered.units]
+    collective = program.collective_rows  # from the lane's begin for its network time
+    start_ps[collective] = clocks[program.collective_clock]
+    end_ps[collective] = start_ps[collective] + program.collective_ps
     # Milliseconds and microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
     issued_ms, end_ms = issued_ps / _PS_PER_MS, end_ps / _PS_PER_MS
     start_us = start_ps / _PS_PER_MS

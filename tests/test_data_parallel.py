@@ -1,5 +1,7 @@
 """Data parallelism as rows of the IR: the REDUCE (and ZeRO-1's GATHER) pass, and its checks."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,6 +19,9 @@ from pipesim.schedules import (
 )
 from pipesim.schedules.catalogue import METHODS
 from pipesim.schedules.torch_csv import to_torch_csv
+from pipesim.sim import Cluster, Costs, Link, simulate
+from pipesim.traces import Stream, summarize
+from pipesim.units import MIB
 
 _SYNCHRONOUS_BUILT = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "pipedream", "xpipe", "avgpipe")
 
@@ -91,3 +96,83 @@ def test_lowering_reads_no_weights_in_a_collective_and_torch_csv_leaves_it_out()
     collective = np.isin([a.kind for o in schedule.orders for a in o], [Kind.REDUCE, Kind.GATHER])
     assert np.all(np.asarray(lowered.version)[lowered.origin >= 0][collective] == -1)
     assert to_torch_csv(schedule) == to_torch_csv(build_schedule("1f1b", ScheduleParams(2, 2)))
+
+
+def _with_collectives(costs: Costs, reduce_ms, gather_ms=0.0) -> Costs:
+    """`costs` with each stage's REDUCE (a list: per stage) and GATHER network times."""
+    reduce_ms = reduce_ms if isinstance(reduce_ms, list) else [reduce_ms] * len(costs.stages)
+    return replace(costs, stages=tuple(replace(c, reduce_ms=r, gather_ms=gather_ms)
+                                       for c, r in zip(costs.stages, reduce_ms)))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 6), st.integers(1, 4), st.integers(1, 4), st.integers(0, 20),
+       st.integers(0, 3), st.booleans())
+def test_1f1b_iteration_is_the_pipeline_plus_the_first_stages_all_reduce(p, m, fwd, bwd, reduce, opt, shared):
+    """Stage 0 ends its backwards last, at (m + p - 1)(f + b); its all-reduce then runs with nothing left to
+    hide it, and its OPT waits for it: the iteration is that, plus the all-reduce, plus the update. (With
+    links that queue, the simulator runs in SimPy's timed mode: the same numbers.)"""
+    schedule = build_schedule("1f1b", ScheduleParams(p, m, data_parallel=2))
+    costs = _with_collectives(Costs.per_stage(p, fwd_ms=fwd, bwd_ms=bwd, opt_ms=opt), reduce)
+    link = Link(resource="shared") if shared else Link()
+    trace = simulate(schedule, costs, Cluster(p, link))
+    summary = summarize(trace)
+    assert summary.makespan_ms == (m + p - 1) * (fwd + bwd) + reduce + opt
+    assert summary.devices[0].exposed_collective_ms == reduce
+    plain = summarize(simulate(build_schedule("1f1b", ScheduleParams(p, m)), costs, Cluster(p, link)))
+    assert summary.makespan_ms == plain.makespan_ms + reduce
+    assert summary.samples_per_s == pytest.approx(2 * plain.samples_per_s * plain.makespan_ms / summary.makespan_ms)
+
+
+def test_a_v_device_hides_one_chunks_all_reduce_behind_the_other_chunks_backward():
+    schedule = build_schedule("zb-v", METHODS["zb-v"].params(2, 4, 1, data_parallel=2))
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, opt_ms=0.5)
+    baseline = simulate(schedule, _with_collectives(costs, 0.0), Cluster.uniform(2, 0.0))
+
+    def times(trace, kind):
+        """Start and end of stage 3's row of `kind` (stage 3 is device 0's second chunk)."""
+        i = np.flatnonzero((trace.ops.stage == 3) & (trace.ops.kind == trace.kind_code(kind)))[0]
+        return trace.ops.start_us[i] / 1e3, trace.ops.end_us[i] / 1e3
+
+    # Stage 3 issues its all-reduce when its backward ends; device 0 still has stage 0's last backward parts
+    # and update to run before stage 3's update.
+    slack = times(baseline, "OPT")[0] - times(baseline, "REDUCE")[0]
+    assert slack > 0
+    hidden = simulate(schedule, _with_collectives(costs, [0.0, 0.0, 0.0, slack]), Cluster.uniform(2, 0.0))
+    assert summarize(hidden).makespan_ms == summarize(baseline).makespan_ms
+    reduce_start, reduce_end = times(hidden, "REDUCE")
+    assert reduce_end - reduce_start == slack
+    late = simulate(schedule, _with_collectives(costs, [0.0, 0.0, 0.0, slack + 2.5]), Cluster.uniform(2, 0.0))
+    reduce_end = times(late, "REDUCE")[1]
+    assert reduce_end == times(baseline, "OPT")[0] + 2.5
+    # Stage 0's all-reduce queues behind it on device 0's network, so both updates wait for its end; the 2.5 ms
+    # more (device 0 has nothing left to compute) are exposed.
+    assert times(late, "OPT")[1] == reduce_end + 2 * 0.5
+    assert summarize(late).devices[0].exposed_collective_ms == summarize(hidden).devices[0].exposed_collective_ms + 2.5
+
+
+def test_collectives_on_one_device_run_one_after_another():
+    """Device 0's two all-reduces share its network: the second begins when the first ends."""
+    schedule = build_schedule("zb-v", METHODS["zb-v"].params(2, 4, 1, data_parallel=2))
+    costs = _with_collectives(Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0), 100.0)
+    trace = simulate(schedule, costs, Cluster.uniform(2, 0.0))
+    network = np.flatnonzero((trace.ops.device == 0) & (trace.ops.stream == Stream.NETWORK))
+    first, second = sorted(network, key=lambda i: trace.ops.start_us[i])
+    assert trace.ops.start_us[second] == trace.ops.end_us[first]
+
+
+def test_a_sharded_optimizer_keeps_a_dth_of_the_state_and_gathers_after_the_update():
+    params = dict(stages=2, microbatches=2, minibatches=2)
+    costs = _with_collectives(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=1.0, param_mb=8.0, optimizer="adam"), 1.0, 2.0)
+    full = simulate(build_schedule("1f1b", ScheduleParams(**params, data_parallel=4)), costs, Cluster.uniform(2, 0))
+    sharded = simulate(build_schedule("1f1b", ScheduleParams(**params, data_parallel=4, sharded_optimizer=True)),
+                       costs, Cluster.uniform(2, 0))
+    state = 2 * 8 * MIB  # Adam: two moments of 8 MiB of weights
+    for d in range(2):
+        assert full.counters["memory_bytes"][d].values[0] - sharded.counters["memory_bytes"][d].values[0] == (
+            state - state // 4)
+    # Stage 0's next forward waits for the weights its GATHER brings: its backwards end at (m + p - 1)(f + b)
+    # = 6 ms, then the reduce-scatter (1 ms), the update (0 ms) and the all-gather (2 ms).
+    labels = [sharded.op_label(i) for i in range(len(sharded.ops))]
+    gather, forward = labels.index("GATHER"), labels.index("F0.1")
+    assert sharded.ops.device[forward] == 0 and sharded.ops.start_us[forward] == sharded.ops.end_us[gather] == 9e3

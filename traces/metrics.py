@@ -14,7 +14,8 @@ from .trace import Stream, Trace
 class DeviceMetrics:
     device: int
     busy_ms: float
-    exposed_comm_ms: float
+    exposed_comm_ms: float  # point-to-point transfers and collectives under way while the device computes nothing
+    exposed_collective_ms: float  # of that, the data-parallel collectives' (REDUCE, GATHER on the network stream)
     peak_memory_mb: float | None  # None: the trace records no memory (torch profiler traces): unknown, not zero
     peak_activations: int
     peak_weight_versions: int
@@ -85,27 +86,30 @@ def summarize(trace: Trace) -> Summary:
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
     compute = ops.stream == Stream.COMPUTE
 
-    device, starts_us, durs_us, grouped_ends_us, on_compute = ops.device, ops.start_us, ops.dur_us, ends_us, compute
+    device, starts_us, durs_us, grouped_ends_us, on_compute, on_network = (
+        ops.device, ops.start_us, ops.dur_us, ends_us, compute, ops.stream == Stream.NETWORK)
     if np.any(device[1:] < device[:-1]):  # ops by device, each in its order (simulated traces come so already)
         order = np.argsort(device, kind="stable")
-        device, starts_us, durs_us, grouped_ends_us, on_compute = (
-            column[order] for column in (device, starts_us, durs_us, grouped_ends_us, on_compute))
+        device, starts_us, durs_us, grouped_ends_us, on_compute, on_network = (
+            column[order] for column in (device, starts_us, durs_us, grouped_ends_us, on_compute, on_network))
     bounds = np.searchsorted(device, np.arange(trace.num_devices + 1))
     devices = []
     busy_total_us = 0.0
     exposed_total_us = 0.0
     for d in range(trace.num_devices):
         mine = slice(bounds[d], bounds[d + 1])
-        busy, comm = on_compute[mine], ~on_compute[mine]
+        busy, comm, network = on_compute[mine], ~on_compute[mine], on_network[mine]
         start_us, end_us = starts_us[mine], grouped_ends_us[mine]
         busy_us = float(durs_us[mine][busy].sum())
         exposed_us = _exposed(start_us[comm], end_us[comm], start_us[busy], end_us[busy])
+        collective_us = _exposed(start_us[network], end_us[network], start_us[busy], end_us[busy])
         busy_total_us += busy_us
         exposed_total_us += exposed_us
         devices.append(DeviceMetrics(
             device=d,
             busy_ms=busy_us / 1e3,
             exposed_comm_ms=exposed_us / 1e3,
+            exposed_collective_ms=collective_us / 1e3,
             peak_memory_mb=float(_peak(trace, "memory_bytes", d)) / MIB if has_memory else None,
             peak_activations=int(_peak(trace, "activations", d)),
             peak_weight_versions=int(_peak(trace, "weight_versions", d)),

@@ -153,7 +153,8 @@ class TraceMeta:
 
     @property
     def samples_per_minibatch(self) -> int:
-        return self.microbatches * self.microbatch_size * self.pipelines
+        """Samples one update trains on: every pipeline's micro-batches, on each of its d data-parallel replicas."""
+        return self.microbatches * self.microbatch_size * self.pipelines * int(self.params.get("data_parallel", 1))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
