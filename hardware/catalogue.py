@@ -56,8 +56,26 @@ class Network(_Strict):
     note: str = ""
 
 
+class Curve(_Strict):
+    """How far below its datasheet a part runs, from published measurements (`source`), for the time model of
+    planning/estimate.py: the large matrix products' fraction of peak (`matmul_efficiency`: at shapes that fill
+    every multiprocessor with whole tiles), a fused attention kernel's (`attention_efficiency`), the memory
+    bandwidth's (`memory_efficiency`), what each kernel costs beyond its work (`kernel_overhead_ms`: launch,
+    ramp and tail), and the shape of the machine the products' tiles are spread over: `multiprocessors` and
+    the output tiles (m × n) its matrix-product kernels pick from."""
+
+    matmul_efficiency: float = Field(gt=0, le=1)
+    attention_efficiency: float = Field(gt=0, le=1)
+    memory_efficiency: float = Field(gt=0, le=1)
+    kernel_overhead_ms: float = Field(ge=0)
+    multiprocessors: int = Field(ge=1)
+    tiles: list[tuple[int, int]] = Field(min_length=1)
+    source: str = Field(min_length=1)
+
+
 class Gpu(_Strict):
-    """One part: compute and memory from `source`; link and network each name their own."""
+    """One part: compute and memory from `source`; link and network each name their own; `curve` (None: no
+    published measurement known) how far below those figures it runs."""
 
     name: str = Field(min_length=1)
     memory_gib: float = Field(gt=0)
@@ -66,6 +84,7 @@ class Gpu(_Strict):
     dense_tflops: DenseTflops
     intra_node: IntraNode
     network: Network
+    curve: Curve | None = None
 
 
 class Cluster(_Strict):

@@ -282,6 +282,31 @@ class ContentionProfile(_Strict):
         return self
 
 
+class EstimateLink(_Strict):
+    """A link an estimate prices on: its kind (nvlink, infiniband, ...), NCCL's latency per step, and the bytes
+    per ms per GPU and direction (hardware/collectives.py prices collectives on it)."""
+
+    kind: str
+    latency_ms: float = Field(ge=0)
+    bytes_per_ms: float = Field(gt=0)
+
+
+class Estimate(_Strict):
+    """A profile estimated, not measured (planning/estimate.py): the catalogue part (`gpu`, its name), the
+    parallelism its per-GPU figures hold for (tensor, pipeline, data, sequence_parallel, recompute,
+    sharded_optimizer), the attention kernel counted, the efficiency curve used (with its `source`), and the
+    links of the placement: inside a tensor-parallel group, between stages, and the data-parallel group's,
+    which prices a stage's gradient all-reduce."""
+
+    gpu: str
+    parallelism: dict[str, Any]
+    attention: str
+    curve: dict[str, Any]
+    tensor_link: EstimateLink
+    stage_link: EstimateLink
+    data_parallel_link: EstimateLink
+
+
 class Profile(_Strict):
     schema_version: Literal[1, 2]
     environment: Environment
@@ -293,6 +318,7 @@ class Profile(_Strict):
     allreduce: AllReduceProfile | None
     runtime: RuntimeProfile | None = None  # None: calibrated with --no-runtime, or a version 1 profile
     contention: ContentionProfile | None = None  # None: --no-contention, a GPU, or a profile from before it
+    estimate: Estimate | None = None  # None: measured by `pipesim calibrate`
 
     @model_validator(mode="after")
     def _consistent(self) -> Profile:

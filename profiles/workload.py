@@ -19,8 +19,8 @@ class OpCount:
     `shape` is (batch, m, n, k): batch products of an m×k by a k×n matrix), "attention" (a fused attention
     kernel, forward or backward; `shape` is (batch·heads, query length, key length, head size)), "compute"
     (other ops torch counts FLOPs for, convolutions; no shape), "memory" (ops it counts none for: norms,
-    activations, softmax, copies). `flops` and `moved_bytes` (every tensor read plus every tensor written)
-    are per call."""
+    activations, softmax, copies; `shape` is that of the largest tensor it writes). `flops` and `moved_bytes`
+    (every tensor read plus every tensor written) are per call."""
 
     op: str
     kind: OpKind
@@ -50,6 +50,7 @@ class LayerCount:
     output_shape: tuple[int, ...]
     output_bytes: int
     inputs: tuple[int, ...]  # the layers it reads (-1: the batch)
+    saved_tensors: tuple[tuple[tuple[int, ...], int], ...] = ()  # (shape, bytes) per storage saved_bytes sums
     ops: dict[str, tuple[OpCount, ...]] = field(default_factory=dict)
 
 

@@ -36,3 +36,95 @@ def test_one_rank_costs_nothing_and_bad_sizes_name_the_field():
         collectives.all_reduce_ms(1e9, 0, 0.01, 1e6)
     with pytest.raises(ValueError, match="nbytes"):
         collectives.reduce_scatter_ms(-1, 2, 0.01, 1e6)
+
+
+# --- the time model (planning/estimate.py) ---
+
+from pipesim.hardware.catalogue import load_catalogue  # noqa: E402
+from pipesim.planning.estimate import (  # noqa: E402
+    Device,
+    EstimateError,
+    Parallelism,
+    estimate_layer,
+    estimate_profile,
+    op_ms,
+    placement_links,
+)
+from pipesim.profiles.workload import LayerCount, OpCount, WorkloadCount  # noqa: E402
+
+A100 = load_catalogue().find("a100-sxm-80gb")
+DEVICE = Device(A100.dense_tflops.fp16 * 1e9, A100.memory_bandwidth_gb_s * 1e6 * A100.curve.memory_efficiency,
+                A100.curve)
+
+
+def test_a_big_gemm_that_fills_every_multiprocessor_runs_at_the_large_product_efficiency():
+    curve = A100.curve
+    m, n, k = 256 * curve.multiprocessors, 128 * 8, 8192  # 8 waves of whole 256 x 128 tiles
+    op = OpCount("mm", "matmul", (1, m, n, k), 2 * m * n * k, 2 * (m * k + k * n + m * n), 1)
+    expected = curve.kernel_overhead_ms + op.flops / (DEVICE.peak_flops_per_ms * curve.matmul_efficiency)
+    assert op_ms(op, DEVICE) == pytest.approx(expected)
+    ragged = OpCount("mm", "matmul", (1, m + 1, n, k), 2 * (m + 1) * n * k, op.moved_bytes, 1)  # one more wave
+    assert op_ms(ragged, DEVICE) > op_ms(op, DEVICE) * 1.05
+    small = OpCount("mm", "matmul", (1, 64, 64, 64), 2 * 64 ** 3, 3 * 2 * 64 * 64, 1)
+    assert small.flops / op_ms(small, DEVICE) < 0.01 * DEVICE.peak_flops_per_ms  # far from peak
+
+
+S, B, H, HEADS = 128, 2, 192, 8  # tokens (b·s) differ from the width, as the split tells them apart
+
+
+def _block(saved_tensors, saved_bytes=None) -> LayerCount:
+    """A transformer block's sizes (output b x s x h) with the given saved tensors and no ops."""
+    saved = sum(n for _, n in saved_tensors) if saved_bytes is None else saved_bytes
+    return LayerCount("1:_Block", 0, 0, 0, 0, 0, 0, saved, 0, 0, {}, {}, (B, S, H), 2 * B * S * H, (0,),
+                      saved_tensors)
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_activation_memory_follows_korthikanti_with_and_without_sequence_parallelism_and_recompute(t):
+    sbh, core = S * B * H, 5 * HEADS * S * S * B  # the paper's 34·sbh and 5·as²b bytes (fp16)
+    layer = _block([((B, S, H), 34 * sbh), ((B, HEADS, S, S), core)])
+
+    def kept(**kwargs) -> float:
+        return estimate_layer(layer, DEVICE, Parallelism(tensor=t, **kwargs), placement_links(
+            A100, Parallelism(tensor=t)).tensor, 2).activation_bytes
+
+    paper = sbh * (10 + 24 / t + 5 * HEADS * S / (H * t))  # Korthikanti et al. 2022, Eq. 2
+    assert kept() == pytest.approx(paper, abs=1)
+    assert kept(sequence_parallel=True) == pytest.approx(sbh / t * (34 + 5 * HEADS * S / H), abs=1)  # Eq. 4
+    assert kept(sequence_parallel=True, recompute="selective") == pytest.approx(34 * sbh / t, abs=1)  # Eq. 6
+    assert kept(recompute="full") == 2 * sbh  # the layer's input only
+
+
+@pytest.fixture(scope="module")
+def small_gpt() -> WorkloadCount:
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=2, width=H, heads=HEADS, seq_len=S, vocab=512), B, torch.float16)
+
+
+def test_tensor_parallelism_divides_the_products_and_adds_two_all_reduces_each_way(small_gpt):
+    from pipesim.planning.estimate import _Split
+
+    block = small_gpt.layers[1]
+    split = _Split.of(block, Parallelism(tensor=4))
+    for name, reductions in (("fwd", 2), ("igrad", 2), ("wgrad", 0)):
+        products = [op for op in block.ops[name] if op.kind == "matmul"]
+        mine = [split.matmul(op, name == "fwd") for op in products]
+        assert sum(op.flops * op.count for op, _ in mine) * 4 == sum(op.flops * op.count for op in products)
+        reduced = [op for op, ends_in_all_reduce in mine if ends_in_all_reduce]
+        assert len(reduced) == reductions, name
+        assert all(op.shape[0] * op.shape[1] * op.shape[2] == B * S * H for op in reduced)  # b·s·h each
+
+
+def test_an_estimated_profile_is_a_profile_with_its_links_from_the_placement(small_gpt):
+    one = estimate_profile(small_gpt, A100, Parallelism(pipeline=2))
+    assert one.estimate.gpu == A100.name and one.partition.stages == 2 and one.link.segments[0].bytes_per_ms == \
+        A100.intra_node.gb_s_per_direction * 1e6  # 2 GPUs: one node
+    tp = estimate_profile(small_gpt, A100, Parallelism(tensor=8, pipeline=2, data=2))
+    assert tp.estimate.stage_link.kind == tp.estimate.data_parallel_link.kind == "infiniband"
+    assert tp.layers[1].param_bytes * 8 == one.layers[1].param_bytes
+    full = estimate_profile(small_gpt, A100, Parallelism(pipeline=2, recompute="full"))
+    assert full.layers[1].bwd.median_ms == pytest.approx(one.layers[1].bwd.median_ms + one.layers[1].fwd.median_ms)
+    with pytest.raises(EstimateError, match="does not divide"):
+        estimate_profile(small_gpt, A100, Parallelism(tensor=3))

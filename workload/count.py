@@ -105,7 +105,8 @@ class _MovedBytes(TorchDispatchMode):
             return out  # a view
         moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
         self.tally.moved_bytes += moved
-        self.tally.ops[name, "memory", (), 0, moved] += 1
+        largest = max(writes, key=_nbytes, default=None)
+        self.tally.ops[name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved] += 1
         return out
 
 
@@ -149,17 +150,18 @@ def _attention(kind: str) -> Iterator[None]:
 
 
 @contextmanager
-def _saved(layer: torch.nn.Module) -> Iterator[dict[int, torch.UntypedStorage]]:
-    """The storages autograd saves inside, by identity (meta storages have no address), `layer`'s weights left
-    out. Every storage compared is held meanwhile, so no identity is reused."""
+def _saved(layer: torch.nn.Module) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...]]]]:
+    """The storages autograd saves inside, by identity (meta storages have no address), each with the shape of
+    the first tensor saved on it, `layer`'s weights left out. Every storage compared is held meanwhile, so no
+    identity is reused."""
     weights = [p.untyped_storage() for p in layer.parameters()]
     params = {id(storage) for storage in weights}
-    saved: dict[int, torch.UntypedStorage] = {}
+    saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...]]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if id(storage) not in params:
-            saved[id(storage)] = storage
+        if id(storage) not in params and id(storage) not in saved:
+            saved[id(storage)] = (storage, tuple(t.shape))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -237,7 +239,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     count = LayerCount(
         name="", fwd_flops=fwd.flops, igrad_flops=igrad.flops, wgrad_flops=full.flops - igrad.flops,
         fwd_moved_bytes=fwd.moved_bytes, igrad_moved_bytes=igrad.moved_bytes,
-        wgrad_moved_bytes=full.moved_bytes - igrad.moved_bytes, saved_bytes=sum(s.nbytes() for s in saved.values()),
+        wgrad_moved_bytes=full.moved_bytes - igrad.moved_bytes, saved_bytes=sum(s.nbytes() for s, _ in saved.values()),
+        saved_tensors=tuple((shape, s.nbytes()) for s, shape in saved.values()),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},

@@ -1,0 +1,346 @@
+"""An estimated Profile: a model's counted ops (profiles/workload.py) priced on a catalogue GPU, parallelised.
+
+Each op is priced on its own shape: a matrix product at the part's large-product efficiency times how well its
+output tiles fill the multiprocessors (tile and wave quantisation: the best of the curve's tiles), never faster
+than the bytes it moves allow; a fused attention kernel at the curve's attention efficiency; a memory-bound op
+at the achieved memory bandwidth; each kernel plus a fixed overhead. The curve's figures are published
+measurements (hardware/gpus.toml names them).
+
+Tensor parallelism t (Megatron's split, priced here, never run): every product keeps its token dimension and
+divides its weight's other one by t (batched products, the attention's, divide their batch of heads); a product
+split on its contraction (row-parallel forward, column-parallel input gradient) ends in an all-reduce of its
+output on the node's link, or with sequence parallelism a reduce-scatter and an all-gather. Memory-bound ops
+on the residual stream (norms, residual adds: tensors of the layer's output size and width) run whole on every
+rank unless sequence parallelism divides them too. Activation memory follows Korthikanti et al. 2022 (arXiv
+2205.05198): of a layer's saved bytes, the s×s attention core and 24/34 of the rest divide by t, 10/34 stay
+whole unless sequence parallelism divides them. Recomputation: "selective" drops the core's saved bytes and
+reruns its forward in the backward; "full" keeps only the layer's input and reruns its whole forward.
+
+Placement: t inside a node first, then p, then d (Megatron's order); a stage boundary or a data-parallel group
+that leaves a node uses the network. Pure arithmetic on counts: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from ..hardware.collectives import all_reduce_ms, reduce_scatter_ms
+from ..profiles.partition import partition
+from ..profiles.schema import (
+    OPTIMIZERS,
+    Environment,
+    Estimate,
+    EstimateLink,
+    LayerProfile,
+    LinkProfile,
+    LinkSegmentModel,
+    ModelInfo,
+    Partition,
+    Profile,
+    StepTimes,
+    Timing,
+    aggregate_stages,
+    boundary_bytes,
+    layer_costs,
+)
+from ..profiles.workload import LayerCount, OpCount, WorkloadCount
+
+if TYPE_CHECKING:
+    from ..hardware.catalogue import Cluster, Curve, Gpu
+
+RECOMPUTE = ("none", "selective", "full")
+PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
+REPLICATED_SHARE = 10 / 34  # Korthikanti et al.: 10·sbh of a block's 34·sbh (s×s terms aside) stay whole under t
+# NCCL's per-step latency of its Simple protocol by link (src/graph/tuning.cc, hwLat, ring): NVLink 3.4 us, PCIe
+# 5.7 us, the network 14 us; xGMI is taken as NVLink
+STEP_LATENCY_MS = {"nvlink": 0.0034, "xgmi": 0.0034, "pcie": 0.0057, "infiniband": 0.014, "roce": 0.014,
+                   "ethernet": 0.014}
+
+
+class EstimateError(ValueError):
+    """A parallelism or part the estimate cannot price; the message is one line naming what is wrong."""
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Tensor (t), pipeline (p) and data (d) parallel degrees, and how activations and optimizer state are kept."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    sharded_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "pipeline", "data"):
+            if getattr(self, name) < 1:
+                raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
+        if self.recompute not in RECOMPUTE:
+            raise EstimateError(f"recompute: choose from {', '.join(RECOMPUTE)} (got {self.recompute!r})")
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+
+@dataclass(frozen=True)
+class Device:
+    """What pricing an op needs of the part: peak FLOP/ms in the count's dtype, achieved bytes/ms of memory."""
+
+    peak_flops_per_ms: float
+    memory_bytes_per_ms: float
+    curve: Curve
+
+
+def matmul_ms(op: OpCount, device: Device) -> float:
+    """One call of a matrix product (batch, m, n, k): its FLOPs at the large-product efficiency scaled by the
+    best tile's fill of the multiprocessors (tile and wave quantisation), or its bytes at the memory bandwidth,
+    whichever is slower, plus the kernel overhead."""
+    curve = device.curve
+    batch, m, n, _ = op.shape
+    fill = max(batch * m * n / (math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / curve.multiprocessors)
+                                * curve.multiprocessors * tm * tn) for tm, tn in curve.tiles)
+    compute = op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency * fill)
+    return curve.kernel_overhead_ms + max(compute, op.moved_bytes / device.memory_bytes_per_ms)
+
+
+def op_ms(op: OpCount, device: Device) -> float:
+    """One call of `op` on `device`."""
+    curve = device.curve
+    if op.kind == "matmul":
+        return matmul_ms(op, device)
+    if op.kind == "memory":
+        return curve.kernel_overhead_ms + op.moved_bytes / device.memory_bytes_per_ms
+    efficiency = curve.attention_efficiency if op.kind == "attention" else curve.matmul_efficiency
+    return curve.kernel_overhead_ms + max(op.flops / (device.peak_flops_per_ms * efficiency),
+                                          op.moved_bytes / device.memory_bytes_per_ms)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """How one layer divides over t ranks: its width (the output's last dimension), tokens (the output's other
+    dimensions) and sequence length, which tell residual-stream tensors, token dimensions and the s×s core."""
+
+    t: int
+    sequence_parallel: bool
+    width: int
+    tokens: int
+    seq: int | None
+
+    @classmethod
+    def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
+        shape = layer.output_shape
+        width = shape[-1] if shape else 0
+        return cls(parallel.tensor, parallel.sequence_parallel, width, math.prod(shape[:-1]) if shape else 0,
+                   shape[-2] if len(shape) >= 3 else None)
+
+    def residual(self, shape: tuple[int, ...]) -> bool:
+        return bool(shape) and shape[-1] == self.width and math.prod(shape) == self.tokens * self.width
+
+    def core(self, shape: tuple[int, ...]) -> bool:
+        return self.seq is not None and len(shape) >= 2 and shape[-2:] == (self.seq, self.seq)
+
+    def matmul(self, op: OpCount, forward: bool) -> tuple[OpCount, bool]:
+        """The product on one of t ranks, and whether it was split on its contraction (ends in an all-reduce).
+        A width × width weight (the attention's output projection) is row-parallel: split on its contraction
+        in the forward, on its output in the backward."""
+        batch, m, n, k = op.shape
+        if self.t == 1:
+            return op, False
+        if batch > 1:
+            return _scaled(op, (max(batch // self.t, 1), m, n, k), self.t), False
+        dims = [m, n, k]
+        free = [i for i in range(3) if dims[i] != self.tokens] or [2]
+        split = next((i for i in free if dims[i] != self.width), free[-1] if forward else free[0])
+        dims[split] = max(dims[split] // self.t, 1)
+        return _scaled(op, (1, *dims), self.t), split == 2
+
+    def memory(self, op: OpCount) -> OpCount:
+        whole = self.residual(op.shape) and not self.sequence_parallel
+        return op if whole or self.t == 1 else _scaled(op, op.shape, self.t)
+
+
+def _scaled(op: OpCount, shape: tuple[int, ...], t: int) -> OpCount:
+    return OpCount(op.op, op.kind, shape, op.flops // t, op.moved_bytes // t, op.count)
+
+
+@dataclass(frozen=True)
+class _Links:
+    """The links the placement gives (latency ms per step, bytes/ms per GPU and direction)."""
+
+    tensor: EstimateLink
+    stage: EstimateLink
+    data: EstimateLink
+
+
+def _link(kind: str, gb_s: float) -> EstimateLink:
+    return EstimateLink(kind=kind, latency_ms=STEP_LATENCY_MS[kind], bytes_per_ms=gb_s * 1e6)
+
+
+def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = None) -> _Links:
+    """t inside a node first, then p, then d: the stage boundaries leave the node once t·p exceeds it, the
+    data-parallel group once t·p·d does (a cluster's node size and network replace the part's)."""
+    node = cluster.gpus_per_node if cluster and cluster.gpus_per_node else gpu.intra_node.gpus_per_node
+    intra = cluster.intra_node if cluster and cluster.intra_node else gpu.intra_node
+    network = cluster.network if cluster and cluster.network else gpu.network
+    inside = _link(intra.link, intra.gb_s_per_direction)
+    outside = _link(network.kind, network.gbit_s / 8)
+    t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+    if t > node:
+        raise EstimateError(f"tensor: {t} exceeds the {node} GPUs of a node (tensor parallelism stays inside one)")
+    return _Links(inside, inside if t * p <= node else outside, inside if t * p * d <= node else outside)
+
+
+@dataclass(frozen=True)
+class LayerEstimate:
+    """One layer on one GPU: times (ms) per pass, recomputation and tensor-parallel collectives included, and
+    activation bytes kept for the backward."""
+
+    fwd_ms: float
+    bwd_ms: float
+    igrad_ms: float
+    wgrad_ms: float
+    activation_bytes: int
+
+
+def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, collective_ms: Callable[[OpCount], float],
+             forward: bool, only_core: bool = False) -> float:
+    """A pass's time on one of t ranks: its ops, split, plus a collective per product split on its contraction."""
+    total = 0.0
+    for op in ops:
+        if op.kind in ("matmul", "attention"):
+            core = op.kind == "attention" or op.shape[0] > 1
+            if only_core and not core:
+                continue
+            mine, reduced = (split.matmul(op, forward) if op.kind == "matmul" else
+                             (_scaled(op, op.shape, split.t), False))
+            total += op.count * (op_ms(mine, device) + (collective_ms(mine) if reduced else 0.0))
+        elif not only_core or split.core(op.shape):
+            mine = split.memory(op) if op.kind == "memory" else _scaled(op, op.shape, split.t)
+            total += op.count * op_ms(mine, device)
+    return total
+
+
+def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, tensor_link: EstimateLink,
+                   element_bytes: int) -> LayerEstimate:
+    """`layer` priced on one of the t ranks of its stage (see the module docstring)."""
+    split = _Split.of(layer, parallel)
+    t = parallel.tensor
+
+    def collective_ms(op: OpCount) -> float:
+        batch, m, n, _ = op.shape
+        nbytes = batch * m * n * element_bytes
+        if parallel.sequence_parallel:
+            return 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
+        return all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
+
+    times = {name: _pass_ms(layer.ops.get(name, ()), split, device, collective_ms, name == "fwd")
+             for name in ("fwd", "bwd", "igrad", "wgrad")}
+    saved = layer.saved_bytes
+    core = sum(nbytes for shape, nbytes in layer.saved_tensors if split.core(shape))
+    rest = saved - core
+    kept = (core + rest) / t if parallel.sequence_parallel else core / t + rest * (
+        REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t)
+    rerun = 0.0
+    if parallel.recompute == "selective":
+        kept -= core / t
+        rerun = _pass_ms(layer.ops.get("fwd", ()), split, device, collective_ms, True, only_core=True)
+    elif parallel.recompute == "full":
+        inputs = split.tokens * split.width * element_bytes
+        kept = inputs / t if parallel.sequence_parallel else inputs
+        rerun = times["fwd"]
+    return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"],
+                         round(min(kept, saved) if parallel.recompute != "none" else kept))
+
+
+def _timing(ms: float) -> Timing:
+    return Timing(median_ms=ms, spread_ms=0.0, repeats=1)
+
+
+def _element_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *, optimizer: str = "adam",
+                     cluster: Cluster | None = None, curve: Curve | None = None,
+                     bounds: list[int] | None = None) -> Profile:
+    """The Profile of `counted` on `gpu` parallelised as `parallel` says, per GPU: every layer's times and bytes
+    on one of its stage's t ranks, the stages cut at `bounds` (default: p stages balanced by time), the link
+    between stages from the placement, the optimizer step as the bytes it moves. Mixed precision (a 16-bit
+    count) keeps float32 master weights and optimizer state, as Megatron-LM does. `curve` replaces the part's."""
+    curve = curve or gpu.curve
+    if curve is None:
+        raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
+    if optimizer not in OPTIMIZERS:
+        raise EstimateError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+    heads = counted.options.get("heads")
+    if heads and heads % parallel.tensor:
+        raise EstimateError(f"tensor: {parallel.tensor} does not divide the model's {heads} heads")
+    if parallel.pipeline > len(counted.layers):
+        raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
+    links = placement_links(gpu, parallel, cluster)
+    peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
+    if peak is None:
+        raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
+    device = Device(peak * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve)
+    element = _element_bytes(counted.dtype)
+    t = parallel.tensor
+    shards = t * (parallel.data if parallel.sharded_optimizer else 1)
+    widen = 2 if element == 2 else 1  # mixed precision: float32 state, and a float32 master copy of the weights
+    layers = []
+    for layer in counted.layers:
+        priced = estimate_layer(layer, device, parallel, links.tensor, element)
+        params = layer.param_bytes // t
+        layers.append(LayerProfile(
+            name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
+            igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
+            shared_with_previous_bytes=0, output_bytes=layer.output_bytes // t, param_bytes=params,
+            grad_bytes=layer.grad_bytes // t,
+            optimizer_state_bytes={name: (layer.optimizer_state_bytes[name] * widen + (widen - 1) * 2 *
+                                          layer.param_bytes) // shards for name in OPTIMIZERS}))
+    if bounds is None:
+        bounds = partition(layer_costs(layers, optimizer), parallel.pipeline)
+    stage_steps = []
+    for start, stop in zip(bounds, bounds[1:]):
+        mine = counted.layers[start:stop]
+        params = sum(layer.param_bytes for layer in mine) // t
+
+        def memory_ms(nbytes: float) -> float:
+            return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms
+
+        steps = {name: StepTimes(
+            step=_timing(memory_ms(sum(layer.optimizer_step_moved_bytes[name] for layer in mine) * widen / shards)),
+            predict=_timing(memory_ms(3 * params))) for name in OPTIMIZERS}
+        stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(memory_ms(3 * params)),
+                            _timing(memory_ms(2 * params))))
+    stages = aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), stage_steps)
+    link = LinkProfile(segments=[LinkSegmentModel(min_bytes=0, latency_ms=links.stage.latency_ms,
+                                                  bytes_per_ms=links.stage.bytes_per_ms)],
+                       points=[], meta={"estimated": f"{links.stage.kind} by the placement"})
+    environment = Environment(
+        device="cuda", device_name=gpu.name, device_memory_bytes=int(gpu.memory_gib * (1 << 30)),
+        memory_cap_bytes=None, dtype=counted.dtype, microbatch_size=counted.microbatch_size, threads=1,
+        torch_version="", cuda_version=None, driver_version=None, python_version=platform.python_version(),
+        pipesim_version=_version(), host="estimate", date=datetime.now(UTC).isoformat(timespec="seconds"))
+    estimate = Estimate(gpu=gpu.name, parallelism=asdict(parallel), attention=counted.attention,
+                        curve=curve.model_dump(), tensor_link=links.tensor, stage_link=links.stage,
+                        data_parallel_link=links.data)
+    return Profile(schema_version=2, environment=environment, model=ModelInfo(
+        name=counted.model, options={k: int(v) for k, v in counted.options.items() if v is not None}),
+        layers=layers, partition=Partition(bounds=list(bounds), optimizer=optimizer), stages=stages, link=link,
+        allreduce=None, estimate=estimate)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pipesim")
+    except PackageNotFoundError:
+        return "unknown"
