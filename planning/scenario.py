@@ -10,6 +10,7 @@ a profile skips.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -51,6 +52,7 @@ class Scenario:
     source: Path | None = None  # the schedule file, named in errors
     cost_scale: float = 1.0  # `sweep --cost-scale`: every compute time x this (a faster or slower accelerator)
     memory_bytes: int | None = None  # `tune --memory-gb`: every device's memory, whatever the cluster or profile say
+    network_gb_s: float | None = None  # typed costs: each GPU's network for the data-parallel all-reduce (GB/s)
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
@@ -80,9 +82,37 @@ class Scenario:
         - "stage": one number, or one per model stage, as given.
         - "model" (`sweep`, where the stage count varies too): the whole model's, split over all stages.
 
-        Compute times are then scaled by `cost_scale`.
+        Compute times are then scaled by `cost_scale`. With d > 1 data-parallel replicas (`sched.data_parallel`),
+        each stage's REDUCE (and GATHER) is priced on `data_parallel_link` (`collective_costs`).
         """
-        return scaled(self._costs(sched, bounds), self.cost_scale)
+        costs = scaled(self._costs(sched, bounds), self.cost_scale)
+        if sched.data_parallel == 1:
+            return costs
+        return collective_costs(self._whole_state(costs), sched, self.data_parallel_link())
+
+    def _whole_state(self, costs: Costs) -> Costs:
+        """Costs whose optimizer state is each replica's whole (an estimate for a sharded optimizer holds one
+        shard of d, which the simulator divides by the schedule's d itself)."""
+        estimate = self.measured.estimate if self.measured is not None else None
+        if estimate is None or not estimate.parallelism.get("sharded_optimizer"):
+            return costs
+        shards = int(estimate.parallelism.get("data", 1))
+        return replace(costs, stages=tuple(replace(c, optimizer_state_bytes=c.optimizer_state_bytes * shards)
+                                           for c in costs.stages))
+
+    def data_parallel_link(self) -> CollectiveLink:
+        """The link a stage's d replicas synchronise over: an estimated profile's (its placement's data-parallel
+        group), else the α–β fit of a calibrated profile's measured all-reduce, else --comm's time per ring
+        step with `network_gb_s` (unlimited where not given)."""
+        measured = self.measured
+        if measured is not None and measured.estimate is not None:
+            link = measured.estimate.data_parallel_link
+            return CollectiveLink(link.latency_ms, link.bytes_per_ms, f"the estimate's {link.kind}")
+        if measured is not None and measured.allreduce is not None:
+            return fitted_link(measured.allreduce.world_size, [(p.nbytes, p.ms) for p in measured.allreduce.points])
+        rate = self.network_gb_s * 1e6 if self.network_gb_s is not None else math.inf
+        return CollectiveLink(self.comm_ms, rate, "--comm per ring step" + (
+            f" at {self.network_gb_s:g} GB/s" if self.network_gb_s is not None else ""))
 
     def _costs(self, sched: Schedule, bounds: Sequence[int] | None) -> Costs:
         n = sched.num_stages
@@ -150,14 +180,55 @@ class Scenario:
         return Cluster.uniform(sched.num_devices, self.comm_ms, overlap_comm=self.overlap_comm)
 
 
+@dataclass(frozen=True)
+class CollectiveLink:
+    """The link data-parallel replicas synchronise over, as `hardware.collectives` prices collectives on it:
+    the latency of one ring step (ms) and the bytes per ms per GPU and direction; `source` says where it comes
+    from."""
+
+    latency_ms: float
+    bytes_per_ms: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
+            raise CostError(f"data-parallel link: latency must be a finite number of ms >= 0 (got {self.latency_ms})")
+        if not self.bytes_per_ms > 0:
+            raise CostError(f"data-parallel link: bandwidth must be > 0 (got {self.bytes_per_ms} bytes/ms)")
+
+
+def fitted_link(ranks: int, points: Sequence[tuple[int, float]]) -> CollectiveLink:
+    """The α–β link whose ring all-reduce over `ranks` fits measured (bytes, ms) points best (least squares):
+    a ring all-reduce takes 2(n-1) steps of α, moving 2(n-1)/n of the buffer through each rank's link."""
+    nbytes, ms = (np.asarray(column, dtype=float) for column in zip(*points))
+    slope, intercept = np.polyfit(nbytes, ms, 1) if len(points) > 1 else (ms[0] / nbytes[0], 0.0)
+    steps = 2 * (ranks - 1)
+    return CollectiveLink(max(intercept, 0.0) / steps, steps / ranks / max(slope, 1e-300),
+                          f"the profile's all-reduce over {ranks} ranks, fitted")
+
+
+def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink) -> Costs:
+    """Each stage's REDUCE and GATHER priced for the schedule's d replicas on `link`: the gradients (the size of
+    the weights) all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then
+    all-gathered; NCCL's faster of ring and tree for an all-reduce."""
+    from ..hardware.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+
+    d, sharded = sched.data_parallel, sched.sharded_optimizer
+    reduce = reduce_scatter_ms if sharded else all_reduce_ms
+    return replace(costs, stages=tuple(replace(
+        c, reduce_ms=reduce(c.param_bytes, d, link.latency_ms, link.bytes_per_ms),
+        gather_ms=all_gather_ms(c.param_bytes, d, link.latency_ms, link.bytes_per_ms) if sharded else 0.0)
+        for c in costs.stages))
+
+
 def scaled(costs: Costs, factor: float) -> Costs:
-    """Every compute time (the stages' `*_ms` costs) x factor, transfers and memory as they are: the same
-    model on a faster or slower accelerator over the same network."""
+    """Every compute time (the stages' `*_ms` costs but their collectives') x factor, transfers, collectives and
+    memory as they are: the same model on a faster or slower accelerator over the same network."""
     if factor == 1.0:
         return costs
     return replace(costs, stages=tuple(
-        replace(c, **{f.name: getattr(c, f.name) * factor for f in fields(c)
-                      if f.name.endswith("_ms") and getattr(c, f.name) is not None})
+        replace(c, **{f.name: getattr(c, f.name) * factor for f in fields(c) if f.name.endswith("_ms")
+                      and f.name not in ("reduce_ms", "gather_ms") and getattr(c, f.name) is not None})
         for c in costs.stages))
 
 

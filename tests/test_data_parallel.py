@@ -1,12 +1,15 @@
 """Data parallelism as rows of the IR: the REDUCE (and ZeRO-1's GATHER) pass, and its checks."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipesim.planning.scenario import CollectiveLink, Scenario, fitted_link, profile_scenario
+from pipesim.profiles.schema import Estimate, EstimateLink, load_profile
 from pipesim.schedules import (
     Action,
     Kind,
@@ -23,6 +26,7 @@ from pipesim.sim import Cluster, Costs, Link, simulate
 from pipesim.traces import Stream, summarize
 from pipesim.units import MIB
 
+PROFILES = Path(__file__).resolve().parent.parent / "traces" / "profiles"
 _SYNCHRONOUS_BUILT = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "pipedream", "xpipe", "avgpipe")
 
 
@@ -176,3 +180,56 @@ def test_a_sharded_optimizer_keeps_a_dth_of_the_state_and_gathers_after_the_upda
     labels = [sharded.op_label(i) for i in range(len(sharded.ops))]
     gather, forward = labels.index("GATHER"), labels.index("F0.1")
     assert sharded.ops.device[forward] == 0 and sharded.ops.start_us[forward] == sharded.ops.end_us[gather] == 9e3
+
+
+def _what_if(**extra) -> Scenario:
+    per_stage = {"--fwd": [1.0], "--bwd": [2.0], "--param-mb": [64.0], "--activation-mb": [0.0], "--output-mb": [0.0]}
+    return Scenario(per_stage=per_stage, wgrad_fraction=0.5, opt_ms=0.0, pred_ms=None, avg_ms=None,
+                    optimizer="adam", microbatch_size=1, comm_ms=0.01, overlap_comm=True, per="stage", **extra)
+
+
+def test_typed_costs_price_the_all_reduce_on_comm_per_ring_step_and_the_network_bandwidth():
+    grads = 64 * MIB
+    sched = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=4))
+    stage = _what_if(network_gb_s=10.0).costs(sched).stages[0]
+    # Ring: 2(d-1) steps of 0.01 ms and 2(d-1)/d of the gradients through each GPU's 10 GB/s (1e7 bytes/ms);
+    # the tree's 2·log2(d) steps move 2 buffers at 92 % of it, slower here.
+    assert stage.reduce_ms == pytest.approx(6 * 0.01 + grads * 6 / 4 / 1e7) and stage.gather_ms == 0.0
+    sharded = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=4, sharded_optimizer=True))
+    stage = _what_if(network_gb_s=10.0).costs(sharded).stages[0]
+    assert stage.reduce_ms == stage.gather_ms == pytest.approx(3 * 0.01 + grads * 3 / 4 / 1e7)
+    # Without a bandwidth, --comm alone: the tree's 2·log2(4) latency steps.
+    assert _what_if().costs(sched).stages[0].reduce_ms == pytest.approx(4 * 0.01)
+    assert _what_if().costs(build_schedule("1f1b", ScheduleParams(2, 2))).stages[0].reduce_ms == 0.0
+
+
+def test_a_calibrated_all_reduce_is_fitted_to_a_link():
+    latency_ms, bytes_per_ms, ranks = 0.02, 1e6, 4
+    points = [(n, 2 * (ranks - 1) * (latency_ms + n / ranks / bytes_per_ms)) for n in (4096, 65536, 1 << 20)]
+    link = fitted_link(ranks, points)
+    assert link.latency_ms == pytest.approx(latency_ms) and link.bytes_per_ms == pytest.approx(bytes_per_ms)
+
+
+def test_a_profile_prices_the_reduce_rows_it_simulates():
+    scenario = profile_scenario(load_profile(PROFILES / "gpt-cpu.json"), "adam")
+    sched = scenario.build("1f1b", ScheduleParams(2, 4, data_parallel=2))
+    costs = scenario.costs(sched)
+    assert scenario.data_parallel_link().source == "the profile's all-reduce over 2 ranks, fitted"
+    assert all(c.reduce_ms > 0 for c in costs.stages)
+    trace = simulate(sched, costs, scenario.links(sched))
+    network = trace.ops.stream == Stream.NETWORK
+    assert np.allclose(np.sort(trace.ops.dur_us[network]), np.sort([c.reduce_ms * 1e3 for c in costs.stages]))
+
+
+def test_an_estimate_prices_on_its_data_parallel_link_and_its_state_is_divided_once():
+    profile = load_profile(PROFILES / "gpt-cpu.json")
+    link = EstimateLink(kind="infiniband", latency_ms=0.014, bytes_per_ms=25e6)
+    estimate = Estimate(gpu="h100-sxm", parallelism={"data": 4, "sharded_optimizer": True}, attention="sdpa",
+                        curve={}, tensor_link=link, stage_link=link, data_parallel_link=link)
+    measured, estimated = (profile_scenario(p, "adam")
+                           for p in (profile, profile.model_copy(update={"estimate": estimate})))
+    sched = estimated.build("1f1b", ScheduleParams(2, 4, data_parallel=4, sharded_optimizer=True))
+    assert estimated.data_parallel_link() == CollectiveLink(0.014, 25e6, "the estimate's infiniband")
+    # The estimate holds one shard of the state per GPU; the simulator divides each replica's whole state by d.
+    assert [c.optimizer_state_bytes for c in estimated.costs(sched).stages] == [
+        4 * c.optimizer_state_bytes for c in measured.costs(sched).stages]
