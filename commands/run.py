@@ -52,6 +52,11 @@ from .common import (
 )
 
 DEVICES = ("cpu", "cuda")
+DataParallel = Annotated[int, typer.Option(
+    "--data-parallel", metavar="D", min=1, help="Data-parallel replicas of the pipeline: p x D ranks (rank = replica "
+                                                "x p + device); each replica trains on its own M micro-batches of a "
+                                                "D x M mini-batch, and each stage averages its gradients over its "
+                                                "replicas before its update.")]
 
 
 def run(
@@ -69,6 +74,7 @@ def run(
     microbatches: Microbatches = 4,
     minibatches: Minibatches = 10,
     pipelines: Pipelines = None,
+    data_parallel: DataParallel = 1,
     advance: Advance = None,
     average_every: AverageEvery = 1,
     elastic_alpha: ElasticAlpha = None,
@@ -112,7 +118,8 @@ def run(
     measured trace (same schema as `simulate --trace`). auto runs the order searched for --profile's costs, or
     for --fwd and --bwd.
 
-    Spawns one process per device, or, started by torchrun, runs this rank and rank 0 writes the trace.
+    Spawns one process per device (per device and replica with --data-parallel), or, started by torchrun, runs
+    this rank and rank 0 writes the trace.
     """
     from ..schedules import ScheduleError
     from ..schedules.catalogue import method_named
@@ -161,6 +168,7 @@ def run(
         scenario = searched_scenario(ctx, method, measured)
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
                                average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
+                               data_parallel=data_parallel,
                                **{option: value for option, value in search.items() if method.reads(option)})
         if scenario is None:
             built = method.build(params)
@@ -321,7 +329,9 @@ def _print_table(result, summary, trace: Path, html: Path | None) -> None:
     meta = result.trace.meta
     hardware = meta.hardware or {}
     first, last = _loss_ends(result)
-    table = Table(title=f"{meta.schedule} measured: {meta.minibatches} mini-batches of {meta.microbatches} x "
+    replicas = int(meta.params.get("data_parallel", 1))
+    shares = f"{replicas} replicas x " if replicas > 1 else ""
+    table = Table(title=f"{meta.schedule} measured: {meta.minibatches} mini-batches of {shares}{meta.microbatches} x "
                         f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks over "
                         f"{hardware.get('transport')} ({hardware.get('device')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,

@@ -10,12 +10,12 @@ duration, a start error in ms from each trace's own first op, the iteration time
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
 from .metrics import Summary, summarize
-from .trace import Stream, Trace, TraceError
+from .trace import Ops, Stream, Trace, TraceError
 
 _IDENTITY = ("stage", "microbatch", "minibatch", "pipeline", "peer")
 _SHAPE = ("schedule", "microbatches", "minibatches", "pipelines", "placement", "stage_edges")
@@ -109,6 +109,21 @@ def check_comparable(predicted: Trace, measured: Trace) -> None:
     if predicted.num_devices != measured.num_devices:
         raise TraceError(f"the traces describe different runs: {measured.num_devices} devices measured, "
                          f"{predicted.num_devices} predicted")
+
+
+def _replica_zero(predicted: Trace, measured: Trace) -> tuple[Trace, list[str]]:
+    """A run measured on d > 1 data-parallel replicas holds every rank as a device (rank = replica x p +
+    device: replica 0 is devices 0 .. p-1), a prediction one replica (the others run the same rows): the
+    measurement's replica 0, and a note saying so."""
+    replicas, devices = int(measured.meta.params.get("data_parallel", 1)), predicted.num_devices
+    if replicas == 1 or measured.num_devices != replicas * devices:
+        return measured, []
+    mine = measured.ops.device < devices
+    ops = Ops(**{f.name: getattr(measured.ops, f.name)[mine] for f in fields(Ops)})
+    counters = {name: series[:devices] for name, series in measured.counters.items()}
+    return (replace(measured, num_devices=devices, ops=ops, counters=counters),
+            [f"measured on {replicas} data-parallel replicas: replica 0 (ranks 0-{devices - 1}) is compared; the "
+             "others ran the same rows"])
 
 
 def _identities(predicted: Trace, measured: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -208,7 +223,9 @@ def _warnings(predicted: Trace) -> list[str]:
 
 
 def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Comparison:
-    """Match the two traces op by op and measure how far the prediction is from the measurement."""
+    """Match the two traces op by op and measure how far the prediction is from the measurement (of a run on
+    several data-parallel replicas, replica 0's)."""
+    measured, notes = _replica_zero(predicted, measured)
     check_comparable(predicted, measured)
     at_p, at_m, only_p, only_m, examples = _match(predicted, measured)
     sp, sm = summarize(predicted), summarize(measured)
@@ -219,7 +236,6 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
     version_examples = [f"{measured.op_label(int(at_m[recorded][i]))} on device "
                         f"{measured.ops.device[at_m[recorded][i]]}: predicted version {v_p[i]}, measured {v_m[i]}"
                         for i in wrong[:3]]
-    notes = []
     if not measured.meta.complete:
         who = f" (rank {measured.meta.failed_rank} failed)" if measured.meta.failed_rank is not None else ""
         notes.append(f"the measured run is incomplete{who}: {len(only_p):,} predicted ops were never run; the "

@@ -1,0 +1,167 @@
+"""Data parallelism in the executor: d replicas of the pipeline, each training on its own share of the
+mini-batch and averaging its gradients with the others' in REDUCE rows, train exactly as one process on the whole
+mini-batch (d x m micro-batches). The reference (tests/reference.py) draws, cuts and steps on its own: its whole
+mini-batch is micro-batches 0 .. d*m-1, of which replica q trains on q*m .. q*m+m-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from pipesim.executor import ExecutorError, RunSpec, run_in_process, run_multiprocess
+from pipesim.executor.runners import TorchrunEnv, run_torchrun
+from pipesim.schedules import KINDS, Kind, lower
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces.compare import compare
+from pipesim.traces.trace import Stream
+from tests.conftest import build, pipesim
+from tests.reference import Reference, draw, forward_version, initial_model, single_process
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+D = 2
+
+
+def dp_spec(method: str, m: int, *, stages: int = 2, n: int = 2, optimizer: str = "sgd", d: int = D) -> RunSpec:
+    """The mlp's 5 Linear layers over `stages` stages, float64, d replicas."""
+    return RunSpec(build(method, stages, m, n, data_parallel=d), "mlp", {"layers": 4, "width": 12},
+                   microbatch_size=4, optimizer=optimizer, lr=0.05, seed=5, dtype="float64")
+
+
+def whole(spec: RunSpec) -> RunSpec:
+    """The same training in one process: one pipeline's mini-batch of d x m micro-batches."""
+    schedule = spec.schedule
+    return replace(spec, schedule=build("gpipe", 2, schedule.data_parallel * schedule.microbatches,
+                                        schedule.minibatches))
+
+
+def replica_weights(result, spec: RunSpec, replica: int) -> list[torch.Tensor]:
+    weights = result.replica_weights[replica]
+    return [w for k in range(spec.schedule.num_stages) for w in weights[(k, 0)]]
+
+
+def assert_every_replica_is(result, spec: RunSpec, want: list[torch.Tensor]) -> None:
+    """Replica 0 holds `want`, and every other replica exactly replica 0's weights."""
+    first = replica_weights(result, spec, 0)
+    assert len(first) == len(want)
+    for got, expected in zip(first, want):
+        torch.testing.assert_close(got, expected, **TIGHT)
+    for q in range(1, spec.schedule.data_parallel):
+        assert all(torch.equal(a, b) for a, b in zip(replica_weights(result, spec, q), first))
+
+
+SYNCHRONOUS = [("gpipe", 2, "sgd"), ("1f1b", 2, "adam"), ("interleaved-1f1b", 4, "sgd"), ("zb-h1", 4, "momentum"),
+               ("zb-h2", 4, "sgd"), ("zb-v", 4, "adamw"), ("dualpipev", 4, "sgd"), ("auto", 4, "sgd")]
+
+
+@pytest.mark.parametrize("method,m,optimizer", SYNCHRONOUS)
+def test_every_synchronous_method_with_two_replicas_trains_as_one_process_on_the_whole_minibatch(method, m,
+                                                                                                   optimizer):
+    spec = dp_spec(method, m, optimizer=optimizer)
+    assert [a.kind for a in spec.schedule.orders[0]].count(Kind.REDUCE) > 0
+    result = run_in_process(spec)
+    assert_every_replica_is(result, spec, single_process(whole(spec)))
+
+
+def test_without_the_all_reduce_the_replicas_would_train_apart():
+    """The check above can fail: each replica alone, on its own half of the mini-batch, ends elsewhere."""
+    spec = dp_spec("1f1b", 2)
+    alone = replace(spec, schedule=build("1f1b", 2, 2, 2))  # d = 1: replica 0's share only
+    want = single_process(whole(spec))
+    got = replica_weights(run_in_process(alone), alone, 0)
+    assert any(not torch.allclose(a, b, **TIGHT) for a, b in zip(got, want))
+
+
+def test_the_loss_is_the_whole_minibatchs():
+    """Mini-batch 0 runs on the initial weights: its loss is the mean over all d x m micro-batches."""
+    spec = dp_spec("gpipe", 2)
+    reference = whole(spec)
+    model = initial_model(reference)
+    with torch.no_grad():
+        first = np.mean([float(model.loss(model.forward(x), target))
+                         for x, target in (draw(reference, model, 0, j) for j in range(D * 2))])
+    assert run_in_process(spec).losses[0][0] == pytest.approx(first, rel=1e-12)
+
+
+def test_the_trace_holds_every_ranks_rows_and_each_reduce_ends_before_its_update():
+    spec = dp_spec("1f1b", 2, n=3)
+    trace = run_in_process(spec).trace
+    lowered = lower(spec.schedule)
+    p = spec.schedule.num_devices
+    assert trace.num_devices == p * D and trace.meta.hardware["ranks"] == p * D
+    ops = trace.ops
+    kinds = np.array(KINDS)[ops.kind]
+    for rank in range(p * D):
+        mine = ops.device == rank
+        rows = slice(lowered.rows(rank % p).start, lowered.rows(rank % p).stop)  # replica rank // p's device
+        for column in ("kind", "stage", "microbatch", "minibatch", "peer"):
+            np.testing.assert_array_equal(getattr(ops, column)[mine], getattr(lowered.table, column)[rows])
+        np.testing.assert_array_equal(ops.version[mine], lowered.version[rows])
+        reduces = np.flatnonzero(mine & (kinds == Kind.REDUCE))
+        updates = np.flatnonzero(mine & (kinds == Kind.OPT))
+        assert len(reduces) == len(updates) == 3 * len(spec.schedule.stages_on(rank % p))
+        assert (ops.stream[reduces] == Stream.NETWORK).all()
+        assert (ops.end_us[reduces] <= ops.start_us[updates] + 1e-3).all()
+
+
+def test_compare_matches_replica_0_with_the_prediction_op_by_op():
+    spec = dp_spec("zb-v", 4)
+    measured = run_in_process(spec).trace
+    predicted = simulate(spec.schedule, Costs.per_stage(spec.schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0),
+                         Cluster.uniform(spec.schedule.num_devices, 0.1))
+    result = compare(predicted, measured)
+    assert result.matched_ops == len(predicted.ops) and result.missing_in_measured == result.missing_in_predicted == 0
+    assert result.versions_compared > 0 and result.version_mismatches == 0
+    assert [d.device for d in result.devices] == [0, 1]
+    assert any("replica 0" in note for note in result.notes)
+
+
+def test_pipedream_with_two_replicas_stashes_as_with_one_and_averages_each_update():
+    """An asynchronous method runs too: each replica reads the versions PipeDream's rule names for its own
+    micro-batch j, and every update applies the mean gradient of both replicas' micro-batches."""
+    spec = dp_spec("pipedream", 2, n=4)
+    p, m = 2, 2
+
+    def reads(k: int, b: int, j: int):
+        v = forward_version(p, m, k, b, j % m)  # replica j // m's micro-batch j % m
+        return (v, 0), (v, 0)
+
+    reference = Reference(whole(spec))
+    reference.train(reads)
+    assert_every_replica_is(run_in_process(spec), spec, reference.flat())
+
+
+def test_a_failing_replica_stops_the_run_naming_its_rank():
+    spec = replace(dp_spec("1f1b", 2), lr=1e30, optimizer="sgd")
+    with pytest.raises(ExecutorError, match=r"rank \d \(device 1, replica \d\): DivergedError"):
+        run_in_process(spec)
+
+
+def test_a_sharded_optimizer_is_refused_in_one_line():
+    spec = replace(dp_spec("1f1b", 2), schedule=build("1f1b", 2, 2, 1, data_parallel=2, sharded_optimizer=True))
+    with pytest.raises(ExecutorError, match="does not run a sharded optimizer"):
+        run_in_process(spec)
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_gloo_ranks_train_as_one_process():
+    """The real thing: 4 processes, a gloo group per device's replicas."""
+    spec = dp_spec("1f1b", 2, optimizer="adam")
+    result = run_multiprocess(spec, timeout_s=120)
+    assert result.trace.meta.hardware["backend"] == "gloo" and result.trace.meta.hardware["ranks"] == 4
+    assert_every_replica_is(result, spec, single_process(whole(spec)))
+
+
+def test_torchrun_must_start_a_rank_per_device_and_replica():
+    with pytest.raises(ExecutorError, match=r"runs on 2 devices x 2 data-parallel replicas: start 4 ranks"):
+        run_torchrun(dp_spec("1f1b", 2), TorchrunEnv(rank=0, world_size=2, local_rank=0, local_world_size=2))
+
+
+def test_run_refuses_a_data_parallel_degree_below_one(tmp_path):
+    code, _, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--data-parallel", 0, "--trace",
+                           tmp_path / "t.json")
+    assert code == 2 and "--data-parallel" in err
+    assert not (tmp_path / "t.json").exists()
