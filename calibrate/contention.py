@@ -14,7 +14,8 @@ made two at once measure 1.84x, against 1.09-1.14x in the minutes before and aft
 after MIN_ROUNDS when those agree (`rounds_agree`): a slow spell in one of them shows as disagreement, and the
 next round outvotes it. Windows start and end on
 the host's monotonic clock, so every kept iteration overlaps the other k - 1 computing; each window drops its
-first WARMUP_S (waking up, cold caches) and any iteration running past its end.
+first WARMUP_S (waking up, cold caches) and any iteration running past its end, and is long enough for
+MIN_ITERATIONS of the slowest stage's iterations with k at once slowed k-fold (WINDOW_S at least).
 
 A rank's time is its mean iteration, not the median: with more processes than cores, an iteration shorter than
 the scheduler's time slice mostly runs undisturbed and a few absorb the whole wait (3 one-thread processes on 2
@@ -52,7 +53,7 @@ BLOCKS = 5  # runs of consecutive iterations per window whose ratios give the sp
 ROUNDS = 3  # of alone and together windows at most, each ratio taken within its round
 MIN_ROUNDS = 2
 AGREEMENT = 0.03  # rounds whose ratios differ by at most this (relative) need no round to outvote one
-MIN_ITERATIONS = 5  # a window holds at least this many of the slowest stage's iterations, all K slowed K-fold
+MIN_ITERATIONS = 5  # a window holds at least this many of the slowest stage's iterations, the k at once slowed k-fold
 PRIMING_ITERATIONS = 3  # untimed, once per process, before any window (first allocations, lazy set-up)
 LEAD_S = 0.05  # from posting a window to its start: every process has its command by then
 START_TIMEOUT_S = 120.0  # spawning, importing torch and building the model, on a loaded machine
@@ -137,7 +138,9 @@ class ContentionProbe:
         self.job = _Job(model, {key: value for key, value in options.items() if value is not None}, env.dtype,
                         env.microbatch_size, env.threads, list(profile.partition.bounds))
         iteration_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
-        self.window_s = max(WINDOW_S, WARMUP_S + MIN_ITERATIONS * self.count * iteration_s)
+        # per k = 1 .. count at once: a rank alone needs no room for k - 1 others (a long stage's windows were
+        # all sized for count at once: 3 s each for the default gpt's two, 1.55 s enough alone)
+        self.window_s = [max(WINDOW_S, WARMUP_S + MIN_ITERATIONS * k * iteration_s) for k in range(1, self.count + 1)]
         self.advance = advance
         self.rounds: list[Round] = []
         self.retaken: list[float] = []  # the lengths of the windows taken again
@@ -181,7 +184,7 @@ class ContentionProbe:
             which a rank finished no iteration (a host so loaded that it hardly ran) is taken again, twice as
             long, up to WINDOW_TRIES times."""
             for attempt in range(WINDOW_TRIES):
-                length_s = self.window_s * 2 ** attempt
+                length_s = self.window_s[len(ranks) - 1] * 2 ** attempt
                 start_s = time.monotonic() + LEAD_S
                 for rank in ranks:
                     conns[rank].send((start_s, start_s + length_s))
@@ -234,7 +237,8 @@ class ContentionProbe:
                   for index in range(count)]
         spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
         meta = {"processes": count, "processes_started": self.processes, "threads_per_process": job.threads,
-                "window_s": self.window_s, "warmup_s": WARMUP_S, "cpu_count": os.cpu_count(),
+                "window_s": self.window_s[-1], "window_s_by_count": self.window_s, "warmup_s": WARMUP_S,
+                "cpu_count": os.cpu_count(),
                 "cpus_usable": _usable_cpus(),
                 "workload": {"model": job.model, "options": job.options, "bounds": job.bounds, "dtype": job.dtype,
                              "microbatch_size": job.microbatch_size,

@@ -106,6 +106,9 @@ def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path, ranks
         [statistics.median(ratios[k] for ratios in by_round) for k in range(count - 1)], rel=1e-3)
     assert (meta["processes"], meta["threads_per_process"], meta["cpu_count"]) == (count, 1, os.cpu_count())
     assert meta["window_s"] > meta["warmup_s"] > 0
+    # alone, a window needs no room for the others: each k's windows are sized for k at once, the last for all
+    assert len(meta["window_s_by_count"]) == count and meta["window_s_by_count"][-1] == meta["window_s"]
+    assert meta["window_s_by_count"] == sorted(meta["window_s_by_count"])
     assert meta["workload"] == {"model": "mlp", "options": {"layers": 2, "width": 16}, "dtype": "float32",
                                 "microbatch_size": 2, "bounds": profile.partition.bounds,
                                 "stages": [rank % 2 for rank in range(count)],
