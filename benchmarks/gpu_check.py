@@ -1,0 +1,147 @@
+"""The one-shot GPU check: on a machine with one CUDA GPU, in one go (under 8 minutes on an H100):
+
+1. calibrate a GPT on the GPU (`pipesim calibrate --device cuda --stages 2`);
+2. run it for real with the executor on 2 ranks sharing the GPU (1F1B and ZB-H1), measured traces;
+3. compare each run with pipesim's prediction from that profile (`pipesim compare`);
+4. predict the same model from the GPU catalogue alone (`pipesim estimate`, the what-if path that needs no GPU);
+
+then print per stage and op the estimated, calibrated and measured milliseconds side by side, and per schedule
+the iteration time three ways. Everything lands in `--out` (profiles, traces, the comparisons, `check.json`):
+commit the small files under traces/measured/ so that tests and CI can replay them.
+
+    python benchmarks/gpu_check.py --out traces/measured/gpu-check-h100        # on the GPU machine
+    python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu-check  # the same steps on a CPU, small
+
+The device tool's machines lack simpy, plotly and pydantic: carry them as wheels (docs/benchmarks.md says how);
+this script then runs with `PYTHONPATH` set to them and to a folder holding this checkout as `pipesim`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.profiles.schema import load_profile
+from pipesim.traces.trace import read_trace
+
+METHODS = ("1f1b", "zb-h1")
+SHAPES = {  # a GPT whose layers take about a millisecond on an H100, and a small one for a CPU smoke run
+    "full": ["--layers", "8", "--width", "2048", "--heads", "16", "--seq-len", "1024", "--vocab", "32000",
+             "-b", "4"],
+    "quick": ["--layers", "4", "--width", "128", "--heads", "4", "--seq-len", "64", "--vocab", "512", "-b", "2"],
+}
+console = Console()
+
+
+def pipesim(*args: str, log: Path) -> str:
+    """Run one pipesim command as a user would; its output is kept in `log`, a failure stops the check."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pipesim.cli", *args], capture_output=True, text=True)
+    log.write_text(f"$ pipesim {' '.join(args)}\n{done.stdout}{done.stderr}")
+    console.print(f"[dim]{time.perf_counter() - started:6.1f} s[/dim]  pipesim {' '.join(args)}", highlight=False)
+    if done.returncode != 0:
+        console.print(done.stdout + done.stderr, markup=False, highlight=False)
+        raise SystemExit(f"pipesim {args[0]} failed (exit {done.returncode}); see {log}")
+    return done.stdout
+
+
+def catalogue_part(device: str) -> str | None:
+    """The catalogue's part for this machine's GPU: the one whose name shares the most words with torch's."""
+    if device != "cuda":
+        return None
+    import torch
+
+    seen = set(torch.cuda.get_device_name().lower().replace("-", " ").split())
+    parts = load_catalogue().gpu
+    scores = {key: len(seen & set(part.name.lower().replace("-", " ").split())) for key, part in parts.items()}
+    return max(scores, key=scores.get)
+
+
+def measured_ms(trace_path: Path) -> dict[tuple[int, str], float]:
+    """Per (stage, kind) the median duration of the measured compute ops."""
+    trace = read_trace(trace_path)
+    ops = trace.ops
+    duration_ms = ops.dur_us / 1e3
+    result = {}
+    for code, kind in enumerate(trace.kinds):
+        for stage in np.unique(ops.stage[ops.kind == code]):
+            chosen = (ops.kind == code) & (ops.stage == stage)
+            result[(int(stage), kind)] = float(np.median(duration_ms[chosen]))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="Folder for profiles, traces and check.json.")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="A small GPT (for a CPU smoke run of the steps).")
+    parser.add_argument("--gpu", help="Catalogue part to estimate for (default: matched from the GPU's name).")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = ["--model", "gpt", *SHAPES["quick" if args.quick else "full"]]
+    dtype = ["--dtype", "bfloat16" if args.device == "cuda" else "float32"]
+    minibatches = ["-m", "8", "-n", "4" if args.quick else "8"]
+    part = args.gpu or catalogue_part(args.device)
+    check: dict = {"device": args.device, "catalogue_part": part, "shape": shape, "steps": {}}
+    if args.device == "cuda":
+        import torch
+
+        check["gpu"] = torch.cuda.get_device_name()
+        check["torch"] = torch.__version__
+
+    profile = args.out / "profile.json"
+    pipesim("calibrate", *shape, *dtype, "--device", args.device, "--stages", "2", "--out", str(profile),
+            log=args.out / "calibrate.log")
+    calibrated = load_profile(profile)
+    for method in METHODS:
+        trace = args.out / f"run-{method}.json"
+        pipesim("run", "-s", method, *shape[:2], "--profile", str(profile), "--device", args.device, *minibatches,
+                "--trace", str(trace), log=args.out / f"run-{method}.log")
+        compared = json.loads(pipesim("compare", str(trace), "--json", log=args.out / f"compare-{method}.log"))
+        (args.out / f"compare-{method}.json").write_text(json.dumps(compared, indent=1))
+        check["steps"][method] = {"calibrated_ms": compared["predicted_ms"], "measured_ms": compared["measured_ms"],
+                                  "error": compared["iteration_time_error"], "ops": measured_ms(trace)}
+
+    estimated = None
+    if part is not None:
+        estimate = args.out / "estimate.json"
+        pipesim("estimate", "--gpu", part, *shape, *dtype, "--stages", "2", "--out", str(estimate),
+                log=args.out / "estimate.log")
+        estimated = load_profile(estimate)
+        for method in METHODS:
+            simulated = json.loads(pipesim("simulate", "--profile", str(estimate), "-s", method, "-p", "2",
+                                           *minibatches, "--json", log=args.out / f"simulate-{method}.log"))
+            check["steps"][method]["estimated_ms"] = simulated["results"][0]["time_per_minibatch_ms"]
+
+    table = Table(box=box.SIMPLE_HEAD, title="per stage and micro-batch, ms")
+    for column in ("stage", "op", f"estimated ({part})", "calibrated", "measured (1f1b)"):
+        table.add_column(column, justify="right")
+    ops = check["steps"]["1f1b"]["ops"]
+    for k, stage in enumerate(calibrated.stages):
+        for kind, field in (("F", "fwd_ms"), ("B", "bwd_ms")):
+            guess = f"{getattr(estimated.stages[k], field):.3f}" if estimated else "-"
+            table.add_row(str(k), kind, guess, f"{getattr(stage, field):.3f}",
+                          f"{ops.get((k, kind), float('nan')):.3f}")
+    console.print(table)
+    for method, step in check["steps"].items():
+        guess = f"estimated {step['estimated_ms']:.2f} ms, " if "estimated_ms" in step else ""
+        console.print(f"{method} per mini-batch: {guess}calibrated {step['calibrated_ms']:.2f} ms, measured "
+                      f"{step['measured_ms']:.2f} ms (calibrated's error {step['error']:+.1%})", highlight=False)
+        step["ops"] = {f"{stage}{kind}": ms for (stage, kind), ms in step["ops"].items()}
+    (args.out / "check.json").write_text(json.dumps(check, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
