@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -368,10 +368,15 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
     The update and the prediction are the executor's own (`StageWeights.step` and `.predict`), the update on
     the gradient buffer that pass makes afresh, as a mini-batch's first backward does: a buffer kept from step
     to step stays in cache (an SGD step of a 4 MiB stage, timed in turn on the 2-core CPUs here: mean 0.37 ms
-    on a kept buffer, 0.44-0.52 ms on a fresh one). Averaging, accumulation and the copy follow a pass that
-    adds into kept gradients. Given the stages' `passes`, each op stops repeating once known to STEP_SHARE of
-    its stage's F + B (the untimed passes between them are not checked)."""
+    on a kept buffer, 0.44-0.52 ms on a fresh one). Accumulation, the copy and averaging follow one pass that
+    adds into kept gradients, in that order: each finds what the pass left as in a run (the gradients it made,
+    the weights its backward read), and the copy and averaging read only the weights, which the backward read
+    too. Given the stages' `passes`, each op stops repeating once known to STEP_SHARE of its stage's F + B (the
+    untimed passes between them are not checked). The passes take most of the time (the default gpt's 0.25-0.3 s
+    each), so at most one untimed round comes first: the stage's passes were just timed, and it makes the
+    optimizer's state."""
     out = []
+    settings = replace(settings, warmup=min(settings.warmup, 1))
     for k, run in enumerate(runs):
         if not run.weights:
             zero = _zero(settings)
@@ -394,15 +399,15 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
                            ("drop", lambda predicted, state=state: state.free_predicted(
                                (predicted.version, predicted.distance, "F")))], floor_ms=floor_ms)
             steps[name] = StepTimes(step=times["step"], predict=times["predict"])
-        advance(f"stage {k}: elastic averaging")
+        advance(f"stage {k}: gradient accumulation, weight copy, elastic averaging")
         weights = run.weights = _with_grads(run.weights)
         run.into = [w.grad for w in weights]  # the pass adds into the gradients these ops read, as a last B does
         warm = ("pass", lambda _, run=run: run.backward(run.forward()))  # timed with the rest, not kept
         reference = [p.detach().clone() for p in weights]
         average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
         accumulate = _call_with(_accumulate, [torch.zeros_like(w) for w in weights], [w.grad for w in weights])
-        times = _time(settings, [warm, ("average", average)], [warm, ("accumulate", accumulate)],
-                      [warm, ("copy", _call_with(copy_on_write, weights))], floor_ms=floor_ms)
+        times = _time(settings, [warm, ("accumulate", accumulate), ("copy", _call_with(copy_on_write, weights)),
+                                 ("average", average)], floor_ms=floor_ms)
         out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 
