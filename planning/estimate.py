@@ -328,9 +328,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         memory_cap_bytes=None, dtype=counted.dtype, microbatch_size=counted.microbatch_size, threads=1,
         torch_version="", cuda_version=None, driver_version=None, python_version=platform.python_version(),
         pipesim_version=_version(), host="estimate", date=datetime.now(UTC).isoformat(timespec="seconds"))
+    flops = sum(counted.total(name) for name in ("fwd_flops", "igrad_flops", "wgrad_flops"))
     estimate = Estimate(gpu=gpu.name, parallelism=asdict(parallel), attention=counted.attention,
                         curve=curve.model_dump(), tensor_link=links.tensor, stage_link=links.stage,
-                        data_parallel_link=links.data)
+                        data_parallel_link=links.data, model_flops_per_sample=flops / counted.microbatch_size or None,
+                        peak_flops_per_s=peak * 1e12)
     return Profile(schema_version=2, environment=environment, model=ModelInfo(
         name=counted.model, options={k: int(v) for k, v in counted.options.items() if v is not None}),
         layers=layers, partition=Partition(bounds=list(bounds), optimizer=optimizer), stages=stages, link=link,

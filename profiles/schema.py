@@ -296,7 +296,9 @@ class Estimate(_Strict):
     parallelism its per-GPU figures hold for (tensor, pipeline, data, sequence_parallel, recompute,
     sharded_optimizer), the attention kernel counted, the efficiency curve used (with its `source`), and the
     links of the placement: inside a tensor-parallel group, between stages, and the data-parallel group's,
-    which prices a stage's gradient all-reduce."""
+    which prices a stage's gradient all-reduce. For MFU: the model's FLOPs per sample without recomputation
+    (forward and both halves of the backward, as counted) and the part's dense peak FLOP/s in the model's dtype
+    (None: an estimate from before they were recorded)."""
 
     gpu: str
     parallelism: dict[str, Any]
@@ -305,6 +307,8 @@ class Estimate(_Strict):
     tensor_link: EstimateLink
     stage_link: EstimateLink
     data_parallel_link: EstimateLink
+    model_flops_per_sample: float | None = Field(None, gt=0)
+    peak_flops_per_s: float | None = Field(None, gt=0)
 
 
 class Profile(_Strict):
@@ -341,11 +345,12 @@ class Profile(_Strict):
 
     def describe(self) -> dict:
         """What the profile measured, as a prediction made from it records it: the model and the setting its
-        times hold for (micro-batch size, device, threads, torch)."""
+        times hold for (micro-batch size, device, threads, torch), and for an estimate what it was made from."""
         env = self.environment
         return {"model": self.model.name, "options": dict(self.model.options), "microbatch_size": env.microbatch_size,
                 "device": env.device, "device_name": env.device_name, "threads": env.threads,
-                "torch_version": env.torch_version}
+                "torch_version": env.torch_version,
+                **({"estimate": self.estimate.model_dump(mode="json")} if self.estimate is not None else {})}
 
 
 def _stage_of(bounds: list[int]) -> list[int]:
