@@ -57,7 +57,9 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph")
 RECOMPUTE = ("none", "selective", "full")
-PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
+# The estimate's names for what it was given -> the flags that give them.
+ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
+                  "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu"}
 
 
 def _flag(name: str) -> str:
@@ -147,30 +149,34 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     try:
         return estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster)
     except EstimateError as exc:
-        raise InputError(str(exc)) from None
+        field, _, rest = str(exc).partition(": ")
+        raise InputError(f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else str(exc)) from None
 
 
 @dataclass(frozen=True)
 class ModelWork:
-    """What MFU and tokens/s need of a counted model: its FLOPs per sample without recomputation (forward and
-    both halves of the backward), the tokens a sample holds (None: not a sequence model), and the part's dense
-    peak FLOP/s in the model's dtype."""
+    """What MFU and tokens/s need of an estimated model: its FLOPs per sample without recomputation (forward
+    and both halves of the backward), the tokens a sample holds (None: not a sequence model), the part's dense
+    peak FLOP/s in the model's dtype, and the GPUs t each of a schedule's devices stands for."""
 
     flops_per_sample: float
     tokens_per_sample: int | None
     peak_flops_per_s: float
+    tensor: int
 
     @classmethod
-    def of(cls, counted: WorkloadCount, gpu: Gpu) -> ModelWork:
-        flops = sum(counted.total(name) for name in ("fwd_flops", "igrad_flops", "wgrad_flops"))
-        tokens = counted.options.get("seq_len")
-        peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype]) * 1e12
-        return cls(flops / counted.microbatch_size, tokens, peak)
+    def of(cls, profile: Profile | None) -> ModelWork | None:
+        """The estimate's (None: a measured profile, or an estimate from before these were recorded)."""
+        estimate = profile.estimate if profile is not None else None
+        if estimate is None or estimate.model_flops_per_sample is None or estimate.peak_flops_per_s is None:
+            return None
+        return cls(estimate.model_flops_per_sample, profile.model.options.get("seq_len"), estimate.peak_flops_per_s,
+                   int(estimate.parallelism.get("tensor", 1)))
 
-    def metrics(self, samples_per_s: float, devices: int) -> dict[str, float | None]:
-        """tokens/s and MFU (model FLOPs over the `devices`' dense peak) at `samples_per_s` over all replicas."""
+    def metrics(self, samples_per_s: float, gpus: int) -> dict[str, float | None]:
+        """tokens/s and MFU (model FLOPs over the `gpus`' dense peak) at `samples_per_s` over all replicas."""
         return {"tokens_per_s": None if self.tokens_per_sample is None else samples_per_s * self.tokens_per_sample,
-                "mfu": samples_per_s * self.flops_per_sample / (devices * self.peak_flops_per_s)}
+                "mfu": samples_per_s * self.flops_per_sample / (gpus * self.peak_flops_per_s)}
 
 
 def estimate(
@@ -218,7 +224,43 @@ def estimate(
         fail(str(exc))
     except OSError as exc:
         fail(write_error(exc))
-    from .calibrate import _print_profile
-
-    _print_profile(profile)
+    _print_estimate(profile)
     stdout.print(f"wrote {out}", highlight=False)
+
+
+def parallelism_text(parallelism: dict[str, Any]) -> str:
+    """An estimate's parallelism in the flags' terms: t, p and d, and what else is not the default."""
+    flags = [f"{key} {value}" if not isinstance(value, bool) else key.replace("_", " ")
+             for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data")
+             and value not in (False, "none")]
+    return ", ".join([f"t={parallelism['tensor']} p={parallelism['pipeline']} d={parallelism['data']}", *flags])
+
+
+def _print_estimate(profile: Profile) -> None:
+    """Per stage: its layers, times and memory on one GPU; then the placement's links."""
+    from rich import box
+    from rich.table import Table
+
+    from ..units import MIB
+
+    env, estimate = profile.environment, profile.estimate
+    table = Table(title=f"{profile.model.name} estimated on {env.device_name} ({env.dtype}, micro-batch "
+                        f"{env.microbatch_size}, {parallelism_text(estimate.parallelism)}), per GPU",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
+                  caption="per micro-batch; I/W: the split backward's input- and weight-gradient passes; peak: 1F1B "
+                          f"estimate; efficiency curve: {estimate.curve['source']}")
+    for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "act MiB", "params MiB", "peak MiB"):
+        table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
+    for k, stage in enumerate(profile.stages):
+        first, stop = stage.layers
+        table.add_row(str(k), f"{first}-{stop - 1}" if stop - first > 1 else str(first), f"{stage.fwd_ms:.3f}",
+                      f"{stage.bwd_ms:.3f}", f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
+                      f"{stage.activation_bytes / MIB:,.1f}", f"{stage.param_bytes / MIB:,.1f}",
+                      f"{stage.memory_bytes / MIB:,.0f}")
+    stdout.print(table)
+    links = [(what, link) for what, link in (("tensor-parallel group", estimate.tensor_link),
+                                               ("between stages", estimate.stage_link),
+                                               ("data-parallel group", estimate.data_parallel_link))]
+    stdout.print("links: " + "; ".join(f"{what} {link.kind} {link.bytes_per_ms / 1e6:.3g} GB/s, "
+                                       f"{link.latency_ms * 1e3:.1f} us a step" for what, link in links),
+                 highlight=False)

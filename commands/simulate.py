@@ -65,7 +65,7 @@ from .common import (
     stdout,
     write_error,
 )
-from .estimate import ModelWork, count_what_if, estimated_profile, what_if
+from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, what_if
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
@@ -216,14 +216,12 @@ def simulate(
         check_writable("--html", html)
         check_writable("--trace", trace)
         what = what_if(ctx)
-        estimated, work = None, None
-        if what is not None:
-            counted = count_what_if(what, microbatch_size)
-            estimated = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
-                                                                          recompute), optimizer)
-            work = ModelWork.of(counted, what.gpu)
+        estimated = None if what is None else estimated_profile(
+            what, count_what_if(what, microbatch_size),
+            what.parallelism(stages, tensor_parallel, data_parallel, recompute), optimizer)
         scenario = scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                        opt=opt)
+        work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
 
@@ -272,7 +270,7 @@ def simulate(
             raise InputError(_nothing_runs(requested, skipped))
         built = [schedules[name] for name in names]
         steady = [sched.minibatches >= steady_minibatches(sched) for sched in built]
-        gpus_used = [sched.num_devices * tensor_parallel * data_parallel for sched in built]
+        gpus_used = [sched.num_devices * sched.data_parallel * (work.tensor if work else 1) for sched in built]
         rates = [work.metrics(summary.samples_per_s, used) if work else {}
                  for summary, used in zip(summaries, gpus_used)]
         trace_paths = []
@@ -396,6 +394,10 @@ def _out_of_memory(checks) -> tuple[str, str] | None:
 
 def _cost_basis(scenario, schedules: list) -> str:
     """What the cost flags' numbers describe, for the table's caption."""
+    if scenario.measured is not None and scenario.measured.estimate is not None:
+        estimate = scenario.measured.estimate
+        return (f"costs: estimated on {estimate.gpu} ({parallelism_text(estimate.parallelism)}) from the model "
+                "counted on the meta device; MFU: model FLOPs (no recomputation) per second over the GPUs' dense peak")
     if scenario.measured is not None:
         return "costs: measured (--profile)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from itertools import pairwise
 from pathlib import Path
@@ -13,17 +14,45 @@ from rich import box
 from rich.table import Table
 
 from ..units import GIB
-from .common import InputError, SearchSeconds, check_memory_gb, fail, load_profile_flag, search_options, stdout
+from .common import (
+    Attention,
+    DataParallel,
+    Ffn,
+    Gated,
+    GpuName,
+    GpusFile,
+    Heads,
+    InputError,
+    KvHeads,
+    Layers,
+    ModelDtype,
+    ModelName,
+    Recompute,
+    SearchSeconds,
+    SeqLen,
+    SequenceParallel,
+    TensorParallel,
+    Vocab,
+    Width,
+    check_memory_gb,
+    fail,
+    load_profile_flag,
+    search_options,
+    stdout,
+)
+from .estimate import RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
+
+MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
 
 
 def tune(
     ctx: typer.Context,
-    profile: Annotated[Path, typer.Option(
-        "--profile", help="Profile from `pipesim calibrate`: the model's layers, link and all-reduce, measured at its "
-                          "micro-batch size b.")],
     devices: Annotated[int, typer.Option(
-        "--devices", "-D", min=1, help="Devices D: r = D/p data-parallel replicas of a p-deep pipeline (p divides "
-                                       "D).")],
+        "--devices", "-D", min=1, help="Devices D: d = D/(p·t) data-parallel replicas of a p-deep pipeline of "
+                                       "t-way tensor-parallel stages (p·t divides D; t = 1 without --gpu).")],
+    profile: Annotated[Path | None, typer.Option(
+        "--profile", help="Profile from `pipesim calibrate` (or `pipesim estimate`): the model's layers, link and "
+                          "all-reduce, measured at its micro-batch size b. Or --gpu.")] = None,
     memory_gb: Annotated[float | None, typer.Option(
         "--memory-gb", help="Memory cap per device, GiB. Default: the profiled device's memory (or the calibration's "
                             "cap).")] = None,
@@ -44,6 +73,27 @@ def tune(
         "--optimizer", help="Optimizer whose state is held and whose step is timed: sgd, momentum, adam, "
                             "adamw.")] = "adam",
     search_seconds: SearchSeconds = None,
+    gpu: GpuName = None,
+    gpus: GpusFile = None,
+    tensor_parallel: TensorParallel = None,
+    data_parallel: DataParallel = None,
+    sequence_parallel: SequenceParallel = False,
+    recompute: Recompute = None,
+    microbatch_size: Annotated[int | None, typer.Option(
+        "--microbatch-size", "-b", metavar="B", min=1, help="With --gpu: samples per micro-batch b (default: "
+                                                            f"searched over {', '.join(map(str, MICROBATCH_SIZES))})."
+                                                            )] = None,
+    model: ModelName = None,
+    layers: Layers = None,
+    width: Width = None,
+    heads: Heads = None,
+    seq_len: SeqLen = None,
+    vocab: Vocab = None,
+    ffn: Ffn = None,
+    kv_heads: KvHeads = None,
+    gated: Gated = None,
+    dtype: ModelDtype = "bf16",
+    attention: Attention = "math",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Pick the fastest schedule, depth p, micro-batches m, chunks v, pipelines P and layer partition for a
@@ -62,6 +112,11 @@ def tune(
 
     The search bounds before it simulates: staleness and a memory floor from the schedule alone, a
     throughput bound from the busiest device's compute; the choice and its five runners-up are exact.
+
+    With --gpu instead of --profile, the model (--model and its size flags) is counted on the meta device and
+    estimated on the catalogue GPU for every tensor-parallel degree t (powers of two within a node), micro-batch
+    size b and recomputation the flags leave open, and every p those allow: all compete in one search, under the
+    GPU's memory (or --memory-gb).
     """
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Problem, Setting, TuneError
@@ -78,54 +133,124 @@ def tune(
             raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
         check_memory_gb(memory_gb)
         budget = search_options(None, search_seconds)["search_seconds"]
-        measured = load_profile_flag(ctx, profile)
-        env = measured.environment
+        what = what_if(ctx)
+        work: dict[int, ModelWork] = {}  # by b, with --gpu
+        if what is None:
+            if profile is None:
+                raise InputError("--profile or --gpu: give the model's profile, or a GPU and --model to estimate it on")
+            measured = load_profile_flag(ctx, profile)
+            env = measured.environment
+            b = env.microbatch_size
+            batch = batch_size if batch_size is not None else 4 * devices * b
+            if batch % b:
+                raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
+                                 "(its times were measured at that size)")
+            settings = [Setting(profile_scenario(measured, optimizer))]
+        else:
+            _check_degrees(devices, tensor_parallel, data_parallel)
+            sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES
+            batch = batch_size if batch_size is not None else 4 * devices * sizes[0]
+            sizes = tuple(b for b in sizes if batch % b == 0)
+            if not sizes:
+                raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
+            settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
+                                           optimizer)
+            work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
+            measured = settings[0].scenario.measured
+            env = measured.environment
         if memory_gb is None and not (env.memory_cap_bytes or env.device_memory_bytes):
             raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; give the cap")
-        b = env.microbatch_size
-        batch = batch_size if batch_size is not None else 4 * devices * b
-        if batch % b:
-            raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
-                             "(its times were measured at that size)")
         problem = Problem(devices, int(memory_gb * GIB) if memory_gb is not None else
                           env.memory_cap_bytes or env.device_memory_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget)
-        tuning = search([Setting(profile_scenario(measured, optimizer))], problem)
+        tuning = search(settings, problem)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
     if as_json:
-        sys.stdout.write(json.dumps(tuning.to_dict(), indent=2) + "\n")
+        document = tuning.to_dict()
+        for row in (document["choice"], *document["runners_up"], *document["excluded"]):
+            if work:
+                row.update(work[row["microbatch_size"]].metrics(row["samples_per_s"], devices))
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return
-    _print_tuning(tuning, measured)
+    _print_tuning(tuning, measured, work)
+
+
+def _check_degrees(devices: int, tensor: int | None, data: int | None) -> None:
+    """D must be p x d x t for some p: the degrees given must divide it."""
+    given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data)) if value]
+    product = math.prod(value for _, value in given)
+    if devices % product:
+        named = " x ".join(f"{flag} {value}" for flag, value in given)
+        raise InputError(f"--devices {devices}: p x d x t must give it, and {named} = {product} does not divide it")
+
+
+def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
+                        sizes: tuple[int, ...], optimizer: str):
+    """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
+    that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
+    the layers) and recomputation (given, or each)."""
+    from ..planning.scenario import profile_scenario
+    from ..planning.tune import Setting
+
+    per_node = (what.cluster.gpus_per_node if what.cluster and what.cluster.gpus_per_node else
+                what.gpu.intra_node.gpus_per_node)
+    tensors = [tensor] if tensor else [1 << k for k in range(per_node.bit_length())
+                                       if devices % ((1 << k) * (data or 1)) == 0]
+    settings = []
+    for b in sizes:
+        counted = count_what_if(what, b)
+        for t in tensors:
+            depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
+                                                           if devices % (t * p) == 0]
+            try:
+                settings += [Setting(profile_scenario(estimated_profile(
+                    what, counted, what.parallelism(p, t, devices // (t * p), kind), optimizer), optimizer), t, kind,
+                    (p,)) for p in depths for kind in ([recompute] if recompute else RECOMPUTE)]
+            except InputError:
+                if tensor:  # the user's t: say why it cannot be
+                    raise
+    if not settings:
+        raise InputError(f"--devices {devices}: no tensor-parallel degree t of {', '.join(map(str, tensors))} suits "
+                         "the model (t must divide its heads and MLP width); give --tensor-parallel")
+    return settings
 
 
 
-def _print_tuning(tuning, measured) -> None:
+def _print_tuning(tuning, measured, work: dict) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost."""
-    from ..planning.tune import memory_text
+    from ..planning.tune import memory_text, ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
+    estimated = (f"estimated, t, b and recomputation searched where not given; MFU: model FLOPs per second over "
+                 f"the {problem.devices} GPUs' dense peak in {env.dtype}; ") if work else ""
+    replicas = "d = D/(p·t) replicas, t GPUs per stage" if work else "D/p replicas"
     table = Table(title=f"{measured.model.name} on {problem.devices} x {env.device_name} ({env.device}), "
-                        f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples "
-                        f"(micro-batch {env.microbatch_size}), staleness <= {problem.max_staleness}",
+                        f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples"
+                        + ("" if work else f" (micro-batch {env.microbatch_size})")
+                        + f", staleness <= {problem.max_staleness}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
-                  caption="p: devices per pipeline (D/p replicas), v: chunks per device, P: pipelines, m: "
-                          "micro-batches per pipeline and step; R: the activation memory a searched order (auto) "
-                          "holds, in 1F1B's; bubble: 1 - mean compute / step time; ms/step: the "
+                  caption=f"{estimated}p: devices per pipeline ({replicas}), v: chunks per device, P: pipelines,"
+                          " m: micro-batches per pipeline and step; R: the activation memory a searched "
+                          "order (auto) holds, in 1F1B's; bubble: 1 - mean compute / step time; ms/step: the "
                           "busiest device's compute per step")
-    for header in ("", "schedule", "p", "v", "P", "m", "R", "samples/s", "bubble", "peak", "stale", "why not"):
-        table.add_column(header, justify="left" if header in ("schedule", "why not") else "right",
+    estimate_columns = ("t", "d", "b", "recompute") if work else ()
+    for header in ("", "schedule", "p", "v", "P", *estimate_columns, "m", "R", "samples/s", *("MFU",) * bool(work),
+                   "bubble", "peak", "stale", "why not"):
+        table.add_column(header, justify="left" if header in ("schedule", "recompute", "why not") else "right",
                          no_wrap=header != "why not")
 
     def add(mark: str, row, style: str | None = None) -> None:
         c, result = row.result.config, row.result
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
         ratio = result.candidate.activation_limit
-        table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), str(c.pipelines), str(c.microbatches),
-                      "-" if ratio is None else f"{ratio:.2g}", f"{result.samples_per_s:,.1f}",
-                      f"{result.bubble_fraction:.0%}", memory_text(result.peak_memory_bytes), str(result.staleness),
-                      "; ".join(filter(None, (row.why, same))), style=style)
+        mfu = [f"{work[c.microbatch_size].metrics(result.samples_per_s, problem.devices)['mfu']:.1%}"] if work else []
+        table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), str(c.pipelines),
+                      *([str(c.tensor), str(c.replicas), str(c.microbatch_size), c.recompute] if work else []),
+                      str(c.microbatches), "-" if ratio is None else f"{ratio:.2g}", f"{result.samples_per_s:,.1f}",
+                      *mfu, f"{result.bubble_fraction:.0%}", memory_text(result.peak_memory_bytes),
+                      str(result.staleness), "; ".join(filter(None, (row.why, same))), style=style)
 
     add("best", tuning.choice, style="bold")
     for rank, row in enumerate(tuning.runners_up, 2):
@@ -138,7 +263,7 @@ def _print_tuning(tuning, measured) -> None:
     bounds = tuning.choice.result.candidate.bounds
     stdout.print("partition (layers per model stage): " + " | ".join(
         f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; all-reduce "
-        f"{tuning.choice.result.candidate.allreduce_ms:,.1f} ms per step", highlight=False)
+        f"{ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
     stdout.print(f"searched {stats.configurations} configurations ({stats.refused} more shapes refused by their "
                  f"method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by their memory floor "
                  f"({stats.simulated_over_limits} of them simulated to show what the limits cost), {stats.pruned} "

@@ -16,11 +16,12 @@ split its all-reduce. Configurations with equal speed, memory and staleness are 
 as 1F1B's activations (R = 1) allow, then searched for that partition at the memory each device allows (an
 activation limit R no order reaches, so that G binds); the R its order then holds is reported.
 
-Costs. One replica is simulated (p devices, the profile's link between every pair). Data parallelism adds,
-per stage and step, a ring all-reduce of its gradients over the r replicas: (r-1)·t2(2n/r) for n bytes,
-t2 being the profile's measured 2-rank all-reduce (a ring makes 2(r-1) steps of n/r bytes; t2(2c) is two
-such steps of c). It runs just before the stage's update, on its compute stream: DDP's overlap of the
-all-reduce with the backward is not modelled, so this is its most exposed cost.
+Costs. One replica is simulated (p devices, the profile's link between every pair), with its r data-parallel
+replicas as the schedule's REDUCE rows: per stage and step, the all-reduce of its gradients over the r
+replicas, priced by the scenario (`Scenario.data_parallel_link`: an estimate's data-parallel link, or the fit
+of a calibrated profile's measured all-reduce) and run on the device's network stream, overlapping the
+backward work still to come; the stage's update waits for it. A calibrated profile without all-reduce times
+cannot price it, so it allows p = D only.
 
 Partition. The DP partitioner (profiles/partition.py) minimises the slowest stage with every stage within
 G/v, by models read off the candidate's own schedule (`_splitter`): a stage's compute per step as that
@@ -51,7 +52,9 @@ import numpy as np
 from ..profiles.partition import PartitionError, leanest_partition, partition, stage_activation_bytes
 from ..profiles.schema import Profile, layer_costs
 from ..schedules import (
+    COLLECTIVE_KINDS,
     KIND_CODE,
+    KINDS,
     METHODS,
     NUM_COMPUTE_KINDS,
     Kind,
@@ -64,7 +67,6 @@ from ..schedules import (
     steady_minibatches,
     weight_versions,
 )
-from ..sim.cluster import Link
 from ..sim.costs import Costs
 from ..sim.engine import simulate, static_bytes
 from ..traces import summarize
@@ -73,6 +75,7 @@ from .auto import activation_ratio
 from .scenario import Scenario, profile_costs
 
 RUNNERS_UP = 5
+COMPUTE = np.array([kind not in COLLECTIVE_KINDS for kind in KINDS[:NUM_COMPUTE_KINDS]])  # op kinds on compute
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
 
 
@@ -123,7 +126,8 @@ class Config:
     def label(self) -> str:
         extra = [f"v={self.chunks}"] * (self.chunks > 1) + [f"P={self.pipelines}"] * (self.pipelines > 1)
         extra += [f"t={self.tensor}"] * (self.tensor > 1) + [f"d={self.replicas}"] * (self.recompute is not None)
-        extra += [f"b={self.microbatch_size}", f"recompute {self.recompute}"] if self.recompute is not None else []
+        extra += [f"b={self.microbatch_size}"] * (self.recompute is not None)
+        extra += [f"recompute {self.recompute}"] * (self.recompute not in (None, "none"))
         return f"{self.schedule} p={self.stages}" + "".join(f" {e}" for e in extra)
 
 
@@ -319,9 +323,8 @@ def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate],
         scenario, t, b = setting.scenario, setting.tensor, setting.microbatch_size
         profile = scenario.measured
         layers = len(profile.layers)
-        link = _allreduce_link(profile)
-        split = _splitter(profile, scenario.optimizer, link)
-        depths = [p for p in _depths(problem.devices // t, layers, link is not None)
+        split = _splitter(profile, scenario.optimizer)
+        depths = [p for p in _depths(problem.devices // t, layers, _prices_data_parallel(profile))
                   if setting.depths is None or p in setting.depths] if problem.devices % t == 0 else []
         for name in problem.schedules:
             for p in depths:
@@ -335,7 +338,7 @@ def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate],
                         shapes += 1
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
                         try:
-                            candidate = _candidate(setting, problem, config, len(candidates), split, link)
+                            candidate = _candidate(setting, problem, config, len(candidates), split)
                         except ScheduleError:
                             refused += 1
                             continue
@@ -375,8 +378,8 @@ def explain(result: Result, choice: Result, problem: Problem) -> str:
         more_idle = (result.step_ms - result.candidate.busiest_ms) - (choice.step_ms - choice.candidate.busiest_ms)
         if more_idle >= more_work:
             return f"{slower}: bubble {result.bubble_fraction:.0%} vs {choice.bubble_fraction:.0%}"
-        return (f"{slower}: busiest device {_ms(result.candidate.busiest_ms)} vs "
-                f"{_ms(choice.candidate.busiest_ms)} ms/step")
+        return (f"{slower}: busiest device {ms_text(result.candidate.busiest_ms)} vs "
+                f"{ms_text(choice.candidate.busiest_ms)} ms/step")
     if result.peak_memory_bytes > choice.peak_memory_bytes:
         return (f"as fast, more memory: {memory_text(result.peak_memory_bytes)} vs "
                 f"{memory_text(choice.peak_memory_bytes)}")
@@ -389,8 +392,8 @@ def build(scenario: Scenario, problem: Problem, name: str, params: ScheduleParam
     return replace(scenario, memory_bytes=problem.memory_cap_bytes).build(name, params, bounds)
 
 
-def _candidate(setting: Setting, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
-               link: Link | None) -> Candidate:
+def _candidate(setting: Setting, problem: Problem, config: Config, index: int,
+               split: Callable[..., list[int]]) -> Candidate:
     scenario = setting.scenario
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     method = METHODS[name]
@@ -398,7 +401,7 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     # partition and the memory cap with an activation limit R no order reaches (every micro-batch on every stage, up
     # to p times stage 0's each), so that the cap binds.
     searched = {"activation_limit": 1.0, "search_seconds": problem.search_seconds} if method.needs_costs else {}
-    params = ScheduleParams(p, m, 2, v, pipelines, **searched)
+    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas, **searched)
     probe = scenario.build(name, params, None)
     short = steady_minibatches(probe)
     long = short + (1 if flushes(probe) else STEADY_STEPS)  # a flushing schedule's steps repeat exactly
@@ -407,32 +410,31 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     n = schedule.num_stages
     staleness, in_flight, lingering = _held(schedule)
     per_step = _ops_per_step(schedule)
-    bounds = split(n, pipelines, config.replicas, tuple(map(tuple, per_step.tolist())), schedule.policy.extra_copies,
-                   in_flight, lingering, problem.memory_cap_bytes // v)
+    bounds = split(n, pipelines, tuple(map(tuple, per_step.tolist())), schedule.policy.extra_copies, in_flight,
+                   lingering, problem.memory_cap_bytes // v)
     if schedule.graph != StageGraph.chain(n) or method.needs_costs:  # cut where the costs are; searched for them
         params = replace(params, activation_limit=float(p * m)) if method.needs_costs else params
         schedule = build(scenario, problem, name, params, bounds)
         staleness, in_flight, lingering = _held(schedule)
         per_step = _ops_per_step(schedule)
     costs = scenario.costs(schedule, bounds)
-    allreduce = [_allreduce_ms(link, c.param_bytes, config.replicas) for c in costs.stages]
-    costs = replace(costs, stages=tuple(replace(c, opt_ms=c.opt_ms + a) for c, a in zip(costs.stages, allreduce)))
-    stage_ms = (per_step * costs.op_ms_table(pipelines)).sum(axis=1)
+    op_ms = per_step * costs.op_ms_table(pipelines)
+    stage_ms, network_ms = (op_ms * COMPUTE).sum(axis=1), (op_ms * ~COMPUTE).sum(axis=1)
     busy_ms = np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
     held = [max(in_flight[s] * c.activation_bytes, lingering[s] * c.param_bytes) for s, c in enumerate(costs.stages)]
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
-    allreduce_ms = max(pipelines * sum(allreduce[s] for s in schedule.stages_on(d)) for d in range(p))
+    allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
     return Candidate(config, setting, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor,
                      allreduce_ms, problem.batch_size / float(busy_ms.max()) * 1e3,
                      activation_ratio(schedule, costs) if method.needs_costs else None)
 
 
-def _splitter(profile: Profile, optimizer: str, link: Link | None) -> Callable[..., list[int]]:
+def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     """The memory-capped partitioner with the candidate's own models, cached (candidates share them):
     - time: a stage's compute per step as its schedule runs it, the counts of each op kind per step priced
-      from the layers (updates, predictions and averaging shared out by weight bytes, as for any split;
-      an update with its all-reduce over the replicas);
+      from the layers (updates, predictions and averaging shared out by weight bytes, as for any split; the
+      all-reduce runs on the network, beside it);
     - memory: P replicas of weights, gradients and optimizer state, the weight versions and micro-batches
       of activations its order holds at most, and an activation and a gradient in transfer at each boundary.
     """
@@ -450,14 +452,13 @@ def _splitter(profile: Profile, optimizer: str, link: Link | None) -> Callable[.
         return np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(each.op_ms_table(pipelines), axis=0)])
 
     @cache
-    def split(stages: int, pipelines: int, replicas: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
+    def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
               in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int) -> list[int]:
         weights = np.array(per_step)
         summed = summed_ms(pipelines)
 
         def stage_time(k: int, i: int, j: int) -> float:
-            allreduce = _allreduce_ms(link, params[j] - params[i], replicas)
-            return float(weights[k] @ (summed[j] - summed[i]) + weights[k, KIND_CODE[Kind.OPT]] * allreduce)
+            return float(weights[k] @ (summed[j] - summed[i]))
 
         def stage_bytes(k: int, i: int, j: int) -> float:
             return float(pipelines * (static[j] - static[i]) + (extra_copies + lingering[k]) * (params[j] - params[i])
@@ -510,26 +511,16 @@ def _depths(devices: int, layers: int, data_parallel: bool) -> list[int]:
     return [p for p in range(1, min(devices, layers) + 1) if devices % p == 0 and (data_parallel or p == devices)]
 
 
-def _allreduce_link(profile: Profile) -> Link | None:
-    """The measured all-reduce time by size, interpolated (a size -> time table), or None if not measured."""
-    points = sorted(profile.allreduce.points, key=lambda point: point.nbytes) if profile.allreduce else []
-    if not points:
-        return None
-    return Link(table_bytes=tuple(float(point.nbytes) for point in points),
-                table_ms=tuple(point.ms for point in points))
-
-
-def _allreduce_ms(link: Link | None, nbytes: int, ranks: int) -> float:
-    if link is None or ranks == 1 or nbytes == 0:
-        return 0.0
-    return (ranks - 1) * link.transfer_ms(round(2 * nbytes / ranks))
+def _prices_data_parallel(profile: Profile) -> bool:
+    """Whether the profile prices a data-parallel all-reduce: an estimate's link, or measured all-reduce times."""
+    return profile.estimate is not None or bool(profile.allreduce and profile.allreduce.points)
 
 
 def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int) -> str:
     profile = settings[0].scenario.measured  # the model's layers are the same in every setting
     sizes = " or ".join(map(str, sorted({setting.microbatch_size for setting in settings})))
-    if not any(_depths(problem.devices // s.tensor, len(profile.layers), _allreduce_link(s.scenario.measured)
-                       is not None) for s in settings if problem.devices % s.tensor == 0):
+    if not any(_depths(problem.devices // s.tensor, len(profile.layers), _prices_data_parallel(s.scenario.measured))
+               for s in settings if problem.devices % s.tensor == 0):
         return (f"no pipeline depth p: p must divide --devices {problem.devices}, be at most the model's "
                 f"{len(profile.layers)} layers and, as the profile has no all-reduce times, equal D")
     if not shapes:
@@ -563,7 +554,7 @@ def _nothing_fits(settings: list[Setting], problem: Problem) -> str:
 def _notes(settings: list[Setting], problem: Problem) -> list[str]:
     profile = settings[0].scenario.measured
     notes = []
-    if _allreduce_link(profile) is None and problem.devices > 1:
+    if not _prices_data_parallel(profile) and problem.devices > 1:
         notes.append("the profile has no all-reduce times: data parallelism can't be costed, so p = D only")
     if profile.link is None:
         notes.append("the profile has no link times: transfers between devices are free")
@@ -575,7 +566,7 @@ def memory_text(nbytes: float) -> str:
     return np.format_float_positional(nbytes / GIB, precision=3, unique=False, fractional=False, trim="-") + " GiB"
 
 
-def _ms(value: float) -> str:
+def ms_text(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 

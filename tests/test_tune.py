@@ -7,9 +7,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from pipesim.hardware.collectives import all_reduce_ms
 from pipesim.planning import tune as tuning
 from pipesim.planning.scenario import profile_scenario
 from pipesim.profiles.schema import load_profile
@@ -141,18 +141,17 @@ def test_bounds_hold_for_every_candidate(which, devices, cap_gib):
             assert growth == pytest.approx(result.step_ms, rel=1e-9), label
 
 
-def test_data_parallel_all_reduce_is_a_ring_scaled_from_the_measured_points():
+def test_data_parallel_is_reduce_rows_priced_on_the_measured_all_reduce():
     profile = load_profile(GPT)
     source, prob = scenario(profile), problem(profile, 4, 8.0, schedules=("1f1b",))
     candidates, _, _ = tuning.prepare(source, prob)
-    sizes = [point.nbytes for point in profile.allreduce.points]
-    times = [point.ms for point in profile.allreduce.points]
+    link = source[0].scenario.data_parallel_link()
     for candidate in candidates:
         replicas = candidate.config.replicas
-        measured = candidate.setting.scenario.costs(candidate.schedule, candidate.bounds)
-        for stage, with_allreduce in zip(measured.stages, candidate.costs.stages):
-            ring = (replicas - 1) * np.interp(2 * stage.param_bytes / replicas, sizes, times)  # sizes in range here
-            assert with_allreduce.opt_ms - stage.opt_ms == pytest.approx(ring, rel=1e-6)
+        assert candidate.schedule.data_parallel == replicas
+        for stage in candidate.costs.stages:
+            expected = all_reduce_ms(stage.param_bytes, replicas, link.latency_ms, link.bytes_per_ms)
+            assert stage.reduce_ms == pytest.approx(expected if replicas > 1 else 0.0)
     assert {c.config.replicas for c in candidates} == {1, 2, 4}  # p = 4, 2, 1
 
 
@@ -219,7 +218,7 @@ def test_cli_json_is_the_search_result():
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--devices", "4"], "Missing option '--profile'"),
+    (["--devices", "4"], "--profile or --gpu: give the model's profile"),
     (["--profile", str(GPT), "--devices", "0"], "--devices"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "0.01"],
      "--memory-gb: no configuration fits in 0.01 GiB; the least memory any needs is 0.178 GiB per device (1f1b p=4"),

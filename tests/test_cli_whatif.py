@@ -1,0 +1,97 @@
+"""The what-if GPU on the command line: `simulate`, `sweep`, `tune` and `estimate` with --gpu count the model on
+the meta device, estimate its profile on a catalogue part and go on as with a calibrated --profile; bad input is
+one line and exit 2, with nothing written."""
+
+import json
+
+import pytest
+
+from tests.conftest import pipesim
+
+pytest.importorskip("torch")
+
+SMALL = ("--model", "gpt", "--layers", "3", "--width", "64", "--heads", "4", "--seq-len", "32", "--vocab", "128")
+GPU = ("--gpu", "a100-sxm-80gb")
+HUGE = ("--model", "gpt", "--layers", "4", "--width", "16384", "--heads", "16", "--seq-len", "64", "--vocab", "128")
+
+
+def simulate_json(*args) -> list[dict]:
+    code, out, err = pipesim("simulate", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)["results"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("simulate", *GPU), "--gpu: give the model to estimate"),
+    (("simulate", "--gpu", "nope", *SMALL), "--gpu: unknown 'nope'; known GPUs: a100-sxm-40gb, a100-sxm-80gb"),
+    (("simulate", "--layers", "3"), "--layers: only --gpu's estimate reads it"),
+    (("simulate", "--tensor-parallel", "2", "--recompute", "full"), "--tensor-parallel, --recompute: only --gpu's"),
+    (("simulate", *GPU, *SMALL, "--fwd", "2", "--comm", "1"), "--fwd, --comm: --gpu estimates the costs"),
+    (("simulate", *GPU, *SMALL, "--profile", "x.json"), "--profile: --gpu estimates the costs"),
+    (("simulate", *GPU, *SMALL, "--recompute", "some"), "--recompute: choose from none, selective, full"),
+    (("simulate", *GPU, *SMALL, "--dtype", "int8"), "--dtype: choose from fp32, bf16"),
+    (("simulate", *GPU, *SMALL, "--tensor-parallel", "3"), "--tensor-parallel"),
+    (("estimate", *GPU, *SMALL, "-p", "9", "--out", "est.json"), "--stages 9: gpt has 5 layers"),
+    (("tune", *GPU, *SMALL, "-D", "6", "--tensor-parallel", "4"), "--devices 6: p x d x t must give it"),
+    (("tune", *GPU, *SMALL, "-D", "8", "--tensor-parallel", "2", "--data-parallel", "3"),
+     "--tensor-parallel 2 x --data-parallel 3 = 6 does not divide it"),
+    (("tune", "-D", "4"), "--profile or --gpu"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*args)
+    assert code == 2, err
+    assert fragment in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_simulate_reports_mfu_tokens_and_memory_per_gpu():
+    p, t, d, seq = 2, 2, 2, 32
+    one, zb = simulate_json(*GPU, *SMALL, "-p", p, "-m", 4, "--tensor-parallel", t, "--data-parallel", d,
+                            "-s", "1f1b", "-s", "zb-h1")
+    for result in (one, zb):
+        assert result["gpus"] == p * t * d
+        assert result["tokens_per_s"] == pytest.approx(result["samples_per_s"] * seq)
+        assert 0 < result["mfu"] < 1
+        assert all(device["peak_memory_mb"] > 0 and device["out_of_memory"] is False for device in result["devices"])
+    assert zb["mfu"] / one["mfu"] == pytest.approx(one["time_per_minibatch_ms"] / zb["time_per_minibatch_ms"])
+
+
+def test_a_model_that_fits_no_device_is_marked_out_of_memory_not_refused():
+    """12.9 G parameters with Adam's state in mixed precision (16 bytes each) on two 80 GB GPUs."""
+    code, out, err = pipesim("simulate", *GPU, *HUGE, "-p", 2, "-s", "1f1b")
+    assert code == 0, err
+    assert "OOM on devices 0," in out and "1f1b runs out of memory" in err
+    [result] = simulate_json(*GPU, *HUGE, "-p", 2, "-s", "1f1b")
+    assert all(device["out_of_memory"] for device in result["devices"])
+    [fits] = simulate_json(*GPU, *HUGE, "-p", 2, "-s", "1f1b", "--tensor-parallel", 4)  # a quarter on each GPU
+    assert not any(device["out_of_memory"] for device in fits["devices"])
+
+
+def test_an_estimate_written_and_read_back_simulates_as_the_flags_do(tmp_path):
+    est, traced = tmp_path / "est.json", tmp_path / "t.json"
+    shape = ("-p", 2, "--tensor-parallel", 2, "--recompute", "selective")
+    code, out, err = pipesim("estimate", *GPU, *SMALL, *shape, "--out", est)
+    assert code == 0, err
+    direct = simulate_json(*GPU, *SMALL, *shape, "-s", "1f1b", "-m", 4)
+    [reread] = simulate_json("--profile", est, "-s", "1f1b", "-m", 4, "--trace", traced)
+    assert reread["time_per_minibatch_ms"] == direct[0]["time_per_minibatch_ms"]
+    assert reread["mfu"] == direct[0]["mfu"]
+    meta = json.loads(traced.read_text())["pipesim"]["meta"]
+    assert meta["calibration"]["estimate"]["gpu"] == "NVIDIA A100 SXM4 80GB"
+    assert meta["calibration"]["estimate"]["parallelism"]["recompute"] == "selective"
+
+
+def test_tune_searches_t_d_b_and_recomputation_under_the_gpu_memory():
+    code, out, err = pipesim("tune", *GPU, *SMALL, "-D", 4, "-s", "1f1b", "--recompute", "none", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    rows = [document["choice"], *document["runners_up"]]
+    assert document["problem"]["memory_cap_gib"] == 80
+    assert len({row["microbatch_size"] for row in rows}) > 1  # b searched
+    assert len({row["tensor_parallel"] for row in rows}) > 1  # t searched (4 heads: 1, 2, 4)
+    for row in rows:
+        assert row["stages"] * row["replicas"] * row["tensor_parallel"] == 4 and row["recompute"] == "none"
+        assert 0 < row["mfu"] < 1
+    code, out, err = pipesim("tune", *GPU, *SMALL, "-D", 4, "-s", "1f1b", "--recompute", "none")
+    assert code == 0 and "MFU" in out and "recompute" in out, err
