@@ -6,18 +6,21 @@ mini-batch is micro-batches 0 .. d*m-1, of which replica q trains on q*m .. q*m+
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from pipesim.executor import ExecutorError, RunSpec, run_in_process, run_multiprocess
+from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, cut, run_in_process, run_multiprocess
+from pipesim.executor.replicas import Layout, thread_replicas
 from pipesim.executor.runners import TorchrunEnv, run_torchrun
 from pipesim.schedules import KINDS, Kind, lower
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces.compare import compare
 from pipesim.traces.trace import Stream
+from pipesim.workload.transport import InProcessTransport
 from tests.conftest import build, pipesim
 from tests.reference import Reference, draw, forward_version, initial_model, single_process
 
@@ -117,6 +120,36 @@ def test_compare_matches_replica_0_with_the_prediction_op_by_op():
     assert result.versions_compared > 0 and result.version_mismatches == 0
     assert [d.device for d in result.devices] == [0, 1]
     assert any("replica 0" in note for note in result.notes)
+
+
+def test_ranks_that_take_turns_for_compute_wait_for_their_replicas_outside_the_turn():
+    """Ranks sharing one GPU compute under one lock; an update waits for its all-reduce without it (inside, a
+    rank would hold the GPU while waiting for a replica that needs the GPU to get there)."""
+    spec = replace(dp_spec("gpipe", 2), timeout_s=10.0)
+    lowered, layout = lower(spec.schedule), Layout(2, D)
+    transports = InProcessTransport.connected(layout.ranks)
+    _, members = thread_replicas(layout, spec.timeout_s)
+    turn = threading.Lock()
+    loops = [DeviceLoop(spec, lowered, cut(spec), device, transports[rank], replica=replica, replicas=members[rank],
+                        compute_lock=turn) for rank, (device, replica) in enumerate(map(layout.place, range(4)))]
+    results, errors = [None] * 4, []
+
+    def work(rank: int) -> None:
+        try:
+            results[rank] = loops[rank].run()
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    want = single_process(whole(spec))
+    got = [torch.from_numpy(w) for k in range(2) for w in results[layout.rank(k, 1)].weights[(k, 0)]]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TIGHT)
 
 
 def test_pipedream_with_two_replicas_stashes_as_with_one_and_averages_each_update():
