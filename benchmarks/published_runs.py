@@ -1,7 +1,7 @@
 """Every published run of ../shared/published/ predicted from the catalogue's a100-sxm-80gb, nothing fitted.
 
 Per row: the GPT counted by torch on the meta device at the run's micro-batch size (fp16, the scores
-materialised as Megatron-LM ran them), estimated per GPU for its t, p, d and recomputation
+materialised as Megatron-LM ran them, its 0.1 dropouts), estimated per GPU for its t, p, d and recomputation
 (planning/estimate.py), cut into p (or p·v, interleaved) stages of equal blocks (the embedding with the first,
 the head with the last, as Megatron places them), then simulated for one iteration (1F1B or interleaved 1F1B,
 the data-parallel all-reduce a REDUCE row on the network) and compared:
@@ -22,7 +22,7 @@ import argparse
 import csv
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from pipesim.workload.count import WorkloadCount, count_built
 
 PUBLISHED = Path(__file__).resolve().parents[2] / "shared" / "published"
 SEQ, VOCAB = 2048, 51200
+DROPOUT = 0.1  # Megatron-LM's GPT default (--attention-dropout, --hidden-dropout), as both papers ran
 GPU = load_catalogue().find("a100-sxm-80gb")
 
 
@@ -60,8 +61,8 @@ class Run:
 
 @cache
 def _counted(layers: int, hidden: int, heads: int, b: int) -> WorkloadCount:
-    return count_built("gpt", dict(layers=layers, width=hidden, heads=heads, seq_len=SEQ, vocab=VOCAB), b,
-                       torch.float16, "math")
+    return count_built("gpt", dict(layers=layers, width=hidden, heads=heads, seq_len=SEQ, vocab=VOCAB,
+                                   dropout=DROPOUT), b, torch.float16, "math")
 
 
 def _bounds(layers: int, stages: int) -> list[int]:
@@ -81,7 +82,7 @@ def iteration_s(run: Run, sequence_parallel: bool, recompute: str) -> float:
     parallel = Parallelism(tensor=run.tensor, pipeline=run.pipeline, data=run.data,
                            sequence_parallel=sequence_parallel, recompute=recompute)
     profile = estimated(run, parallel)
-    scenario = profile_scenario(profile, "adam")
+    scenario = replace(profile_scenario(profile, "adam"), overlap_comm=False)  # Megatron-LM waits on its p2p
     bounds = profile.partition.bounds
     method = "interleaved-1f1b" if run.chunks > 1 else "1f1b"
     params = ScheduleParams(run.pipeline, run.microbatches, 1, run.chunks, data_parallel=run.data)

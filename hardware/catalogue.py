@@ -60,13 +60,15 @@ class Curve(_Strict):
     """How far below its datasheet a part runs, from published measurements (`source`), for the time model of
     planning/estimate.py: the large matrix products' fraction of peak (`matmul_efficiency`: at shapes that fill
     every multiprocessor with whole tiles), a fused attention kernel's (`attention_efficiency`), the memory
-    bandwidth's (`memory_efficiency`), what each kernel costs beyond its work (`kernel_overhead_ms`: launch,
-    ramp and tail), and the shape of the machine the products' tiles are spread over: `multiprocessors` and
-    the output tiles (m × n) its matrix-product kernels pick from."""
+    bandwidth's (`memory_efficiency`), the intra-node link's (`link_efficiency`: a GPU-to-GPU copy over the
+    datasheet's bandwidth per direction; the network is taken at its datasheet rate), what each kernel costs
+    beyond its work (`kernel_overhead_ms`: launch, ramp and tail), and the shape of the machine the products'
+    tiles are spread over: `multiprocessors` and the output tiles (m × n) its matrix-product kernels pick from."""
 
     matmul_efficiency: float = Field(gt=0, le=1)
     attention_efficiency: float = Field(gt=0, le=1)
     memory_efficiency: float = Field(gt=0, le=1)
+    link_efficiency: float = Field(1.0, gt=0, le=1)
     kernel_overhead_ms: float = Field(ge=0)
     multiprocessors: int = Field(ge=1)
     tiles: list[tuple[int, int]] = Field(min_length=1)

@@ -17,7 +17,8 @@ whole unless sequence parallelism divides them. Recomputation: "selective" drops
 reruns its forward in the backward; "full" keeps only the layer's input and reruns its whole forward.
 
 Placement: t inside a node first, then p, then d (Megatron's order); a stage boundary or a data-parallel group
-that leaves a node uses the network. Pure arithmetic on counts: no torch.
+that leaves a node uses the network (a stage boundary with t > 1 as Megatron's scatter/gather: 1/t of the
+tensor per rank on the network, then an all-gather on the node's link). Pure arithmetic on counts: no torch.
 """
 
 from __future__ import annotations
@@ -183,18 +184,32 @@ def _link(kind: str, gb_s: float) -> EstimateLink:
     return EstimateLink(kind=kind, latency_ms=STEP_LATENCY_MS[kind], bytes_per_ms=gb_s * 1e6)
 
 
-def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = None) -> _Links:
+def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = None,
+                    curve: Curve | None = None) -> _Links:
     """t inside a node first, then p, then d: the stage boundaries leave the node once t·p exceeds it, the
-    data-parallel group once t·p·d does (a cluster's node size and network replace the part's)."""
+    data-parallel group once t·p·d does (a cluster's node size and network replace the part's). The node's
+    link runs at the curve's measured fraction of its datasheet rate, the network at its datasheet rate."""
     node = cluster.gpus_per_node if cluster and cluster.gpus_per_node else gpu.intra_node.gpus_per_node
     intra = cluster.intra_node if cluster and cluster.intra_node else gpu.intra_node
     network = cluster.network if cluster and cluster.network else gpu.network
-    inside = _link(intra.link, intra.gb_s_per_direction)
+    curve = curve or gpu.curve
+    inside = _link(intra.link, intra.gb_s_per_direction * (curve.link_efficiency if curve else 1.0))
     outside = _link(network.kind, network.gbit_s / 8)
     t, p, d = parallel.tensor, parallel.pipeline, parallel.data
     if t > node:
         raise EstimateError(f"tensor: {t} exceeds the {node} GPUs of a node (tensor parallelism stays inside one)")
-    return _Links(inside, inside if t * p <= node else outside, inside if t * p * d <= node else outside)
+    return _Links(inside, inside if t * p <= node else _scatter_gather(outside, inside, t),
+                  inside if t * p * d <= node else outside)
+
+
+def _scatter_gather(network: EstimateLink, node: EstimateLink, t: int) -> EstimateLink:
+    """Megatron's scatter/gather between stages on other nodes: each of the t ranks sends 1/t of the boundary
+    tensor on its own NIC (the profile's boundary bytes are that share), then the t ranks all-gather it on the
+    node's link: (t-1) steps of the same share, so a byte sent costs 1/network + (t-1)/node."""
+    if t == 1:
+        return network
+    return EstimateLink(kind=network.kind, latency_ms=network.latency_ms + (t - 1) * node.latency_ms,
+                        bytes_per_ms=1 / (1 / network.bytes_per_ms + (t - 1) / node.bytes_per_ms))
 
 
 @dataclass(frozen=True)
@@ -284,7 +299,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         raise EstimateError(f"tensor: {parallel.tensor} does not divide the model's {heads} heads")
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
-    links = placement_links(gpu, parallel, cluster)
+    links = placement_links(gpu, parallel, cluster, curve)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
@@ -334,7 +349,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                         data_parallel_link=links.data, model_flops_per_sample=flops / counted.microbatch_size or None,
                         peak_flops_per_s=peak * 1e12)
     return Profile(schema_version=2, environment=environment, model=ModelInfo(
-        name=counted.model, options={k: int(v) for k, v in counted.options.items() if v is not None}),
+        name=counted.model, options={k: v for k, v in counted.options.items() if v is not None}),
         layers=layers, partition=Partition(bounds=list(bounds), optimizer=optimizer), stages=stages, link=link,
         allreduce=None, estimate=estimate)
 

@@ -62,7 +62,7 @@ class Environment(_Strict):
 
 class ModelInfo(_Strict):
     name: str
-    options: dict[str, int]  # the size options it was built with (layers, width, ...)
+    options: dict[str, int | float]  # the size options it was built with (layers, width, dropout, ...)
 
 
 class LayerProfile(_Strict):

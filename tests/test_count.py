@@ -173,3 +173,16 @@ def test_op_records_add_up_to_the_passes_totals_and_name_the_products_shapes(att
         assert [op.shape for op in kernels] == [(B * A, S, S, H // A)]
     else:
         assert (B * A, S, S, H // A) in {op.shape for op in block.ops["fwd"] if op.kind == "matmul"}
+
+
+def test_dropout_is_counted_as_the_fused_kernel_a_gpu_runs_with_korthikantis_mask_bytes_saved():
+    plain = gpt_block("math")
+    dropped = count_built("gpt", {**GPT, "dropout": 0.1}, B, torch.float16, "math").layers[1]
+    kernels = {op.shape: (op.count, op.moved_bytes) for op in dropped.ops["fwd"] if op.op == "native_dropout"}
+    scores, hidden = B * A * S * S, B * S * H
+    assert kernels == {(B, A, S, S): (1, 5 * scores), (B, S, H): (2, 5 * hidden)}  # fp16 in and out, a bool mask
+    assert not any(op.op in ("bernoulli_", "empty_like") for op in dropped.ops["fwd"])  # not the meta decomposition
+    # Korthikanti et al.'s dropout terms: the scores' mask (a·s²·b) and dropped copy (2·a·s²·b), a mask after
+    # attention and after the MLP (s·b·h each); plus the causal mask the unfused softmax reads (s² bytes)
+    assert dropped.saved_bytes - plain.saved_bytes == 3 * scores + 2 * hidden + S * S
+    assert dropped.fwd_flops == plain.fwd_flops

@@ -120,7 +120,7 @@ def test_tensor_parallelism_divides_the_products_and_adds_two_all_reduces_each_w
 def test_an_estimated_profile_is_a_profile_with_its_links_from_the_placement(small_gpt):
     one = estimate_profile(small_gpt, A100, Parallelism(pipeline=2))
     assert one.estimate.gpu == A100.name and one.partition.stages == 2 and one.link.segments[0].bytes_per_ms == \
-        A100.intra_node.gb_s_per_direction * 1e6  # 2 GPUs: one node
+        A100.intra_node.gb_s_per_direction * A100.curve.link_efficiency * 1e6  # 2 GPUs: one node
     tp = estimate_profile(small_gpt, A100, Parallelism(tensor=8, pipeline=2, data=2))
     assert tp.estimate.stage_link.kind == tp.estimate.data_parallel_link.kind == "infiniband"
     assert tp.layers[1].param_bytes * 8 == one.layers[1].param_bytes

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -120,20 +120,43 @@ def _counting() -> Iterator[_Tally]:
     tally.flops = flops.get_total_flops()
 
 
-class _FlashAttention(TorchFunctionMode):
-    """scaled_dot_product_attention as torch's flash kernel, which a GPU runs and the meta device does not pick."""
+class _GpuKernels(TorchFunctionMode):
+    """The kernels a GPU runs where the meta device would decompose or pick another: dropout as one fused
+    kernel (torch's native_dropout, as CUDA runs it: the output and a mask written in one pass); with
+    `flash`, scaled_dot_product_attention as torch's flash kernel; without, an attention with dropout as
+    Megatron-LM's unfused attention (scores, masked softmax, fused dropout, product), since torch's math path
+    would decompose its dropout."""
+
+    def __init__(self, flash: bool) -> None:
+        super().__init__()
+        self.flash = flash
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.dropout:
+            given = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
+            p, training = given.get("p", 0.5), given.get("training", True)
+            if training and 0 < p < 1:
+                return torch.native_dropout(given["input"], p, True)[0]
+            return func(*args, **kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
         given = {**dict(zip(names, args)), **kwargs}
         if given.get("attn_mask") is not None or given.get("enable_gqa"):
             return func(*args, **kwargs)  # flash takes neither: torch falls back too
-        return torch.ops.aten._scaled_dot_product_flash_attention(
-            given["query"], given["key"], given["value"], given.get("dropout_p", 0.0), given.get("is_causal", False),
-            scale=given.get("scale"))[0]
+        q, k, v, p, causal = (given["query"], given["key"], given["value"], given.get("dropout_p", 0.0),
+                              given.get("is_causal", False))
+        if self.flash:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, causal, scale=given.get("scale"))[0]
+        if not p:
+            return func(*args, **kwargs)
+        scale = given.get("scale") or q.shape[-1] ** -0.5
+        scores = q @ k.transpose(-2, -1) * scale
+        if causal:
+            future = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        return torch.native_dropout(scores.softmax(-1), p, True)[0] @ v
 
 
 @contextmanager
@@ -143,7 +166,7 @@ def _attention(kind: str) -> Iterator[None]:
     allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     try:
-        with _FlashAttention() if kind == "flash" else nullcontext():
+        with _GpuKernels(kind == "flash"):
             yield
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)

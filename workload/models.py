@@ -167,9 +167,10 @@ class _Block(nn.Module):
     each with a residual. With `kv_heads` < `heads`, groups of query heads share a key and value head
     (grouped-query attention, as Llama 2 70B), repeated to every head of the group before the attention."""
 
-    def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool) -> None:
+    def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool, dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads, self.kv_heads = heads, kv_heads
+        self.heads, self.kv_heads, self.dropout = heads, kv_heads, dropout
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, width + 2 * kv_heads * (width // heads))
         self.proj = nn.Linear(width, width)
@@ -184,27 +185,33 @@ class _Block(nn.Module):
         k, v = (part.view(b, t, self.kv_heads, head).transpose(1, 2) for part in (k, v))
         if self.kv_heads < self.heads:
             k, v = (part.repeat_interleave(self.heads // self.kv_heads, dim=1) for part in (k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 def gpt(layers: int = 4, width: int = 256, heads: int = 4, seq_len: int = 128, vocab: int = 2048,
-        ffn: int | None = None, kv_heads: int | None = None, gated: bool = False) -> Model:
+        ffn: int | None = None, kv_heads: int | None = None, gated: bool = False,
+        dropout: float | None = None) -> Model:
     """GPT-style decoder: token+position embedding, `layers` blocks, LayerNorm and a vocabulary head;
     next-token cross entropy on the token task of `workload.data` (a fixed successor rule with 10 % noise;
     its loss floor is `data.token_loss_floor(vocab)`). `ffn` is the MLP's hidden size (default 4 x width, as
     GPT-3), `kv_heads` the key/value heads (default `heads`; fewer is grouped-query attention), `gated` a
-    SwiGLU MLP (Llama's), so that published GPT-3- and Llama-style shapes can be described."""
+    SwiGLU MLP (Llama's), so that published GPT-3- and Llama-style shapes can be described. `dropout` (None:
+    none) is Megatron-LM's in each block: on the attention's probabilities and on each residual branch before
+    its add, so that a count holds the work and memory of the published runs' dropouts."""
     ffn = 4 * width if ffn is None else ffn
     kv_heads = heads if kv_heads is None else kv_heads
     _positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn, kv_heads=kv_heads)
+    if dropout is not None and not 0 <= dropout < 1:
+        raise ModelError(f"--dropout ({dropout}) must be at least 0 and below 1")
     if width % heads:
         raise ModelError(f"--width ({width}) must be a multiple of --heads ({heads})")
     if heads % kv_heads:
         raise ModelError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
     blocks: list[nn.Module] = [_Embed(vocab, width, seq_len)]
-    blocks += [_Block(width, heads, ffn, kv_heads, gated) for _ in range(layers)]
+    blocks += [_Block(width, heads, ffn, kv_heads, gated, dropout or 0.0) for _ in range(layers)]
     blocks.append(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab)))
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
