@@ -188,7 +188,9 @@ def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = N
                     curve: Curve | None = None) -> _Links:
     """t inside a node first, then p, then d: the stage boundaries leave the node once t·p exceeds it, the
     data-parallel group once t·p·d does (a cluster's node size and network replace the part's). The node's
-    link runs at the curve's measured fraction of its datasheet rate, the network at its datasheet rate."""
+    link runs at the curve's measured fraction of its datasheet rate, the network at its datasheet rate. A
+    data-parallel group with k ranks on each node crosses nodes on k NICs at once (NCCL runs a ring per
+    channel, each through its own NIC), up to the node's link."""
     node = cluster.gpus_per_node if cluster and cluster.gpus_per_node else gpu.intra_node.gpus_per_node
     intra = cluster.intra_node if cluster and cluster.intra_node else gpu.intra_node
     network = cluster.network if cluster and cluster.network else gpu.network
@@ -198,8 +200,11 @@ def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = N
     t, p, d = parallel.tensor, parallel.pipeline, parallel.data
     if t > node:
         raise EstimateError(f"tensor: {t} exceeds the {node} GPUs of a node (tensor parallelism stays inside one)")
+    members = max(node // (t * p), 1)  # a data-parallel group's ranks on each node
+    across = EstimateLink(kind=outside.kind, latency_ms=outside.latency_ms,
+                          bytes_per_ms=min(members * outside.bytes_per_ms, inside.bytes_per_ms))
     return _Links(inside, inside if t * p <= node else _scatter_gather(outside, inside, t),
-                  inside if t * p * d <= node else outside)
+                  inside if t * p * d <= node else across)
 
 
 def _scatter_gather(network: EstimateLink, node: EstimateLink, t: int) -> EstimateLink:

@@ -128,3 +128,12 @@ def test_an_estimated_profile_is_a_profile_with_its_links_from_the_placement(sma
     assert full.layers[1].bwd.median_ms == pytest.approx(one.layers[1].bwd.median_ms + one.layers[1].fwd.median_ms)
     with pytest.raises(EstimateError, match="does not divide"):
         estimate_profile(small_gpt, A100, Parallelism(tensor=3))
+
+
+def test_a_data_parallel_group_with_ranks_on_every_node_crosses_on_as_many_nics():
+    nic = A100.network.gbit_s / 8 * 1e6
+    one_per_node = placement_links(A100, Parallelism(tensor=8, data=4)).data
+    four_per_node = placement_links(A100, Parallelism(tensor=2, data=16)).data
+    assert one_per_node.kind == four_per_node.kind == "infiniband"
+    assert (one_per_node.bytes_per_ms, four_per_node.bytes_per_ms) == (nic, 4 * nic)
+    assert placement_links(A100, Parallelism(tensor=2, data=4)).data.kind == "nvlink"  # 8 GPUs: one node
