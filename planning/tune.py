@@ -319,6 +319,7 @@ def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate],
     many shapes there were and how many of those the methods refused."""
     candidates: list[Candidate] = []
     shapes = refused = 0
+    orders = _Orders()
     for setting in settings:
         scenario, t, b = setting.scenario, setting.tensor, setting.microbatch_size
         profile = scenario.measured
@@ -338,7 +339,7 @@ def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate],
                         shapes += 1
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
                         try:
-                            candidate = _candidate(setting, problem, config, len(candidates), split)
+                            candidate = _candidate(setting, problem, config, len(candidates), split, orders)
                         except ScheduleError:
                             refused += 1
                             continue
@@ -392,8 +393,46 @@ def build(scenario: Scenario, problem: Problem, name: str, params: ScheduleParam
     return replace(scenario, memory_bytes=problem.memory_cap_bytes).build(name, params, bounds)
 
 
-def _candidate(setting: Setting, problem: Problem, config: Config, index: int,
-               split: Callable[..., list[int]]) -> Candidate:
+@dataclass(frozen=True)
+class _Order:
+    """A schedule and what the search reads off its order alone (`_held`, `_ops_per_step`)."""
+
+    schedule: Schedule
+    staleness: int
+    in_flight: tuple[int, ...]
+    lingering: tuple[int, ...]
+    per_step: np.ndarray
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> _Order:
+        return cls(schedule, *_held(schedule), _ops_per_step(schedule))
+
+
+class _Orders:
+    """The orders one search builds. A fixed order of a chain (any method but auto's and a stage DAG's) depends
+    on the method and its parameters alone, not on the profile, so every setting shares it: built once, refusal
+    included."""
+
+    def __init__(self) -> None:
+        self._fixed: dict[tuple[str, ScheduleParams], _Order | ScheduleError] = {}
+
+    def __call__(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Order:
+        method = METHODS[name]
+        if method.needs_costs or method.on_graph is not None:
+            return _Order.of(scenario.build(name, params))
+        if (name, params) not in self._fixed:
+            try:
+                self._fixed[name, params] = _Order.of(method.build(params))
+            except ScheduleError as exc:
+                self._fixed[name, params] = exc
+        found = self._fixed[name, params]
+        if isinstance(found, ScheduleError):
+            raise found
+        return found
+
+
+def _candidate(setting: Setting, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
+               orders: _Orders) -> Candidate:
     scenario = setting.scenario
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     method = METHODS[name]
@@ -402,21 +441,19 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int,
     # to p times stage 0's each), so that the cap binds.
     searched = {"activation_limit": 1.0, "search_seconds": problem.search_seconds} if method.needs_costs else {}
     params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas, **searched)
-    probe = scenario.build(name, params, None)
+    probe = orders(scenario, name, params).schedule
     short = steady_minibatches(probe)
     long = short + (1 if flushes(probe) else STEADY_STEPS)  # a flushing schedule's steps repeat exactly
     params = replace(params, minibatches=long)
-    schedule = scenario.build(name, params, None)
-    n = schedule.num_stages
-    staleness, in_flight, lingering = _held(schedule)
-    per_step = _ops_per_step(schedule)
-    bounds = split(n, pipelines, tuple(map(tuple, per_step.tolist())), schedule.policy.extra_copies, in_flight,
-                   lingering, problem.memory_cap_bytes // v)
-    if schedule.graph != StageGraph.chain(n) or method.needs_costs:  # cut where the costs are; searched for them
+    order = orders(scenario, name, params)
+    n = order.schedule.num_stages
+    bounds = split(n, pipelines, tuple(map(tuple, order.per_step.tolist())), order.schedule.policy.extra_copies,
+                   order.in_flight, order.lingering, problem.memory_cap_bytes // v)
+    if order.schedule.graph != StageGraph.chain(n) or method.needs_costs:  # cut where the costs are; searched for them
         params = replace(params, activation_limit=float(p * m)) if method.needs_costs else params
-        schedule = build(scenario, problem, name, params, bounds)
-        staleness, in_flight, lingering = _held(schedule)
-        per_step = _ops_per_step(schedule)
+        order = _Order.of(build(scenario, problem, name, params, bounds))
+    schedule, staleness, in_flight, lingering, per_step = (order.schedule, order.staleness, order.in_flight,
+                                                           order.lingering, order.per_step)
     costs = scenario.costs(schedule, bounds)
     op_ms = per_step * costs.op_ms_table(pipelines)
     stage_ms, network_ms = (op_ms * COMPUTE).sum(axis=1), (op_ms * ~COMPUTE).sum(axis=1)
