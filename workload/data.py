@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import math
 import zipfile
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
@@ -82,13 +83,10 @@ def digits_split() -> dict[str, np.ndarray]:
     split = {name: part.astype(np.uint8) for name, part in zip(("train_x", "heldout_x", "train_y", "heldout_y"),
                                                                 parts)}
     if path is not None:
-        with io.BytesIO() as packed:
+        with io.BytesIO() as packed, suppress(OSError):
             np.savez_compressed(packed, **split)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(path, packed.getvalue())
-            except OSError:
-                pass
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, packed.getvalue())
     return split
 
 
