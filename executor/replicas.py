@@ -47,10 +47,14 @@ class Layout:
         replica, device = divmod(rank, self.devices)
         return device, replica
 
-    def name(self, rank: int) -> str:
-        """How errors name a rank: its device, and its replica where there are several."""
+    def where(self, rank: int) -> str:
+        """What errors add to a rank's number: its device and replica, where there are several replicas."""
         device, replica = self.place(rank)
-        return f"device {device}" if self.replicas == 1 else f"rank {rank} (device {device}, replica {replica})"
+        return "" if self.replicas == 1 else f" (device {device}, replica {replica})"
+
+    def name(self, rank: int) -> str:
+        """How errors name a rank of threads: its device, or its rank, device and replica."""
+        return f"device {rank}" if self.replicas == 1 else f"rank {rank}{self.where(rank)}"
 
     def group(self, device: int) -> list[int]:
         """The ranks that hold `device` in every replica, replica 0 first."""

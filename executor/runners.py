@@ -349,6 +349,9 @@ class _Supervisor:
                                for r, beat in zip(self.results, self.beats)])
         return Progress(done, losses.get((0, done - 1)) if done else None)
 
+    def named(self, rank: int) -> str:
+        return f"rank {rank}{_layout(self.spec).where(rank)}"
+
     def last_action(self, rank: int) -> str:
         beat = self.beats[rank]
         return beat.last_action if beat is not None else "setup"
@@ -366,11 +369,11 @@ class _Supervisor:
         if dead:
             code = self.procs[dead[0]].exitcode
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            return dead[0], f"rank {dead[0]} {how} (last action {self.last_action(dead[0])})", False
+            return dead[0], f"{self.named(dead[0])} {how} (last action {self.last_action(dead[0])})", False
         if self.errors:
             rank = next((r for r, (_, diverged) in self.errors.items() if diverged), next(iter(self.errors)))
             text, diverged = self.errors[rank]
-            return rank, f"rank {rank} failed (last action {self.last_action(rank)}): {text}", diverged
+            return rank, f"{self.named(rank)} failed (last action {self.last_action(rank)}): {text}", diverged
         now = time.monotonic()
         # before its first heartbeat a rank is starting (spawn, imports, joining the process group, which has a
         # timeout of its own): it gets that timeout
@@ -382,8 +385,8 @@ class _Supervisor:
             return None
         stopped = [rank for rank in stalled if _stopped(self.procs[rank].pid)]
         rank = stopped[0] if stopped else min(stalled, key=lambda r: self.moved[r])
-        return rank, (f"rank {rank} made no progress for {limits[rank]:g} s (last action {self.last_action(rank)}"
-                      f"{'; the process is stopped' if stopped else ''})"), False
+        return rank, (f"{self.named(rank)} made no progress for {limits[rank]:g} s (last action "
+                      f"{self.last_action(rank)}{'; the process is stopped' if stopped else ''})"), False
 
     def partial(self, hardware: dict[str, Any], failed_rank: int | None) -> RunResult:
         timed = {rank: rows for rank, rows in enumerate(self.rows) if self.results[rank] is None}
