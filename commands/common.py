@@ -57,6 +57,10 @@ MicrobatchSize = Annotated[int, typer.Option(
                                                         "model is counted at).")]
 BlockingComm = Annotated[bool, typer.Option(
     "--blocking-comm", help="Sends block the compute stream until they finish.")]
+NetworkGbS = Annotated[float | None, typer.Option(
+    "--network-gb-s", metavar="GB/S", help="With --data-parallel and typed costs: each GPU's network bandwidth for "
+                                           "the gradient all-reduce (--comm: the latency of each ring step). "
+                                           "Default: unlimited.")]
 # `simulate` and `run`: one source of the prediction distance s, checked by `check_prediction`.
 PredictionSource = Annotated[str | None, typer.Option(
     "--prediction", metavar="SOURCE", help="Where predicting methods (spectrain, pipeoptim, xpipe) take the prediction "
@@ -327,6 +331,12 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     comm_ms = parse_numbers("--comm", flags["comm"])
     if len(comm_ms) != 1:
         raise InputError("--comm: give one number of milliseconds")
+    network = flags.get("network_gb_s")
+    if network is not None and not 0 < network < math.inf:
+        raise InputError(f"--network-gb-s: give GB/s above 0 (got {network})")
+    if network is not None and (flags.get("data_parallel") or 1) == 1:
+        raise InputError("--network-gb-s prices the gradient all-reduce of data-parallel replicas: give "
+                         "--data-parallel 2 or more")
     topology = None
     if flags["cluster"] is not None:
         if is_given(ctx, "comm"):
@@ -339,7 +349,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         per_stage, flags["wgrad_fraction"], flags["opt"], flags["pred"], flags["avg"], flags["optimizer"],
         flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology,
         estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None),
-        _load_graph(graph) if graph is not None else None, per, source)
+        _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network)
 
 
 def searched_scenario(ctx: typer.Context, method, measured: Profile | None = None) -> Scenario | None:
@@ -365,7 +375,7 @@ def searched_scenario(ctx: typer.Context, method, measured: Profile | None = Non
 
 
 PROFILE_COSTS = ("fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb", "output_mb",
-                 "microbatch_size", "graph")
+                 "microbatch_size", "graph", "network_gb_s")
 
 
 def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:

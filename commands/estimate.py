@@ -55,7 +55,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "recompute")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
-             "output_mb", "comm", "cluster", "graph")
+             "output_mb", "comm", "cluster", "graph", "network_gb_s")
 RECOMPUTE = ("none", "selective", "full")
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pipesim.hardware.collectives import all_reduce_ms
 from tests.conftest import pipesim
 
 pytest.importorskip("torch")
@@ -36,6 +37,8 @@ def simulate_json(*args) -> list[dict]:
     (("tune", *GPU, *SMALL, "-D", "8", "--tensor-parallel", "2", "--data-parallel", "3"),
      "--tensor-parallel 2 x --data-parallel 3 = 6 does not divide it"),
     (("tune", "-D", "4"), "--profile or --gpu"),
+    (("simulate", "--network-gb-s", "10"), "--network-gb-s prices the gradient all-reduce of data-parallel replicas"),
+    (("simulate", *GPU, *SMALL, "--data-parallel", "2", "--network-gb-s", "10"), "--network-gb-s: --gpu estimates"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)
@@ -55,6 +58,15 @@ def test_simulate_reports_mfu_tokens_and_memory_per_gpu():
         assert 0 < result["mfu"] < 1
         assert all(device["peak_memory_mb"] > 0 and device["out_of_memory"] is False for device in result["devices"])
     assert zb["mfu"] / one["mfu"] == pytest.approx(one["time_per_minibatch_ms"] / zb["time_per_minibatch_ms"])
+
+
+def test_typed_costs_price_the_all_reduce_on_the_network_given():
+    """1F1B's stage 0 ends its backwards last: its all-reduce (256 MiB over d = 4) is exposed whole."""
+    shape = ("-p", 4, "-m", 8, "-s", "1f1b", "--data-parallel", 4, "--comm", 0.01)
+    [unlimited], [limited] = simulate_json(*shape), simulate_json(*shape, "--network-gb-s", 25)
+    ring = [all_reduce_ms(256 * 2**20, 4, 0.01, rate) for rate in (25e6, float("inf"))]
+    assert limited["time_per_minibatch_ms"] - unlimited["time_per_minibatch_ms"] == pytest.approx(ring[0] - ring[1])
+    assert limited["samples_per_s"] == pytest.approx(4 * 8 / limited["time_per_minibatch_ms"] * 1e3)  # d x m
 
 
 def test_a_model_that_fits_no_device_is_marked_out_of_memory_not_refused():
