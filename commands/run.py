@@ -315,7 +315,8 @@ def _loss_ends(result) -> tuple[float, float]:
 def _document(result, summary, trace: Path, html: Path | None) -> dict:
     first, last = _loss_ends(result)
     meta = result.trace.meta
-    return {"schedule": meta.schedule, "ms_per_step": summary.time_per_minibatch_ms,
+    return {"schedule": meta.schedule, "data_parallel": int(meta.params.get("data_parallel", 1)),
+            "ms_per_step": summary.time_per_minibatch_ms,
             "samples_per_s": summary.samples_per_s, "makespan_ms": summary.makespan_ms,
             "bubble_fraction": summary.bubble_fraction, "loss_first": first, "loss_last": last,
             "heldout": meta.extra.get("heldout"),
