@@ -228,12 +228,14 @@ def estimate(
     stdout.print(f"wrote {out}", highlight=False)
 
 
-def parallelism_text(parallelism: dict[str, Any]) -> str:
-    """An estimate's parallelism in the flags' terms: t, p and d, and what else is not the default."""
+def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
+    """An estimate's parallelism in the flags' terms: t (and with `shape` p and d, which a simulation may change),
+    and what else is not the default."""
     flags = [f"{key} {value}" if not isinstance(value, bool) else key.replace("_", " ")
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data")
              and value not in (False, "none")]
-    return ", ".join([f"t={parallelism['tensor']} p={parallelism['pipeline']} d={parallelism['data']}", *flags])
+    degrees = f"t={parallelism['tensor']}" + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else "")
+    return ", ".join([degrees, *flags])
 
 
 def _print_estimate(profile: Profile) -> None:

@@ -311,7 +311,7 @@ def simulate(
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     else:
         _print_table(summaries, built, steady, example, skipped, memory, _cost_basis(scenario, built),
-                     [rate.get("mfu") for rate in rates])
+                     [rate.get("mfu") for rate in rates], work.tensor if work else 1)
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
@@ -398,8 +398,9 @@ def _cost_basis(scenario, schedules: list) -> str:
     """What the cost flags' numbers describe, for the table's caption."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
         estimate = scenario.measured.estimate
-        return (f"costs: estimated on {estimate.gpu} ({parallelism_text(estimate.parallelism)}) from the model "
-                "counted on the meta device; MFU: model FLOPs (no recomputation) per second over the GPUs' dense peak")
+        return (f"costs: estimated on {estimate.gpu} ({parallelism_text(estimate.parallelism, shape=False)}) from "
+                "the model counted on the meta device; MFU: model FLOPs (no recomputation) per second over the GPUs' "
+                "dense peak")
     if scenario.measured is not None:
         return "costs: measured (--profile)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})
@@ -436,10 +437,13 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
 
 
 def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],
-                 memory: list, basis: str, mfu: list[float | None]) -> None:
-    first = schedules[0]
+                 memory: list, basis: str, mfu: list[float | None], tensor: int) -> None:
+    """The results side by side; with an estimate, MFU instead of the makespan (in --json), which N sets."""
+    first, estimated = schedules[0], any(share is not None for share in mfu)
     title = (f"p={first.num_devices} devices per pipeline, m={first.microbatches} "
-             f"micro-batches, N={first.minibatches} mini-batches")
+             f"micro-batches, N={first.minibatches} mini-batches"
+             + (f", d={first.data_parallel} replicas" if first.data_parallel > 1 else "")
+             + (f", t={tensor} GPUs per device" if tensor > 1 else ""))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"{basis}; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
                           "held; weights: copies of one stage's weights held"
@@ -447,8 +451,8 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                           + ("; skipped: why on stderr" if skipped else ""),
                   caption_justify="left")
     table.add_column("schedule", no_wrap=True)
-    headers = ["ms/step", "samples/s", *(["MFU"] if any(mfu) else []), "bubble", "peak MiB", "peak act", "weights",
-               "staleness", "makespan"]
+    headers = ["ms/step", "samples/s", *(["MFU"] if estimated else []), "bubble", "peak MiB", "peak act", "weights",
+               "staleness", *([] if estimated else ["makespan"])]
     limited = any(check.limit_bytes is not None for checks in memory for check in checks)
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
@@ -469,7 +473,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
             str(max((d.peak_activations for d in s.devices), default=0)),
             str(max((d.peak_weight_versions for d in s.devices), default=0)),
             str(s.max_staleness) + ("" if is_steady else "*"),
-            f"{s.makespan_ms:.3f}",
+            *([] if estimated else [f"{s.makespan_ms:.3f}"]),
             *([oom[0] if oom else "fits"] if limited else []),
             style="red" if oom else None,
         )
