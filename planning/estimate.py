@@ -99,15 +99,19 @@ class Device:
     curve: Curve
 
 
-def matmul_ms(op: OpCount, device: Device) -> float:
-    """One call of a matrix product (batch, m, n, k): its FLOPs at the large-product efficiency scaled by the
-    best tile's fill of the multiprocessors (tile and wave quantisation), or its bytes at the memory bandwidth,
-    whichever is slower, plus the kernel overhead."""
-    curve = device.curve
-    batch, m, n, _ = op.shape
-    fill = max(batch * m * n / (math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / curve.multiprocessors)
+def tile_fill(shape: tuple[int, ...], curve: Curve) -> float:
+    """How well a product (batch, m, n, k) fills the multiprocessors: useful output over waves × multiprocessors
+    × tile area, for the best of the curve's tiles (tile and wave quantisation)."""
+    batch, m, n, _ = shape
+    return max(batch * m * n / (math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / curve.multiprocessors)
                                 * curve.multiprocessors * tm * tn) for tm, tn in curve.tiles)
-    compute = op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency * fill)
+
+
+def matmul_ms(op: OpCount, device: Device) -> float:
+    """One call of a matrix product: its FLOPs at the large-product efficiency times its tile fill, or its bytes
+    at the memory bandwidth, whichever is slower, plus the kernel overhead."""
+    curve = device.curve
+    compute = op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency * tile_fill(op.shape, curve))
     return curve.kernel_overhead_ms + max(compute, op.moved_bytes / device.memory_bytes_per_ms)
 
 
@@ -357,6 +361,74 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         name=counted.model, options={k: v for k, v in counted.options.items() if v is not None}),
         layers=layers, partition=Partition(bounds=list(bounds), optimizer=optimizer), stages=stages, link=link,
         allreduce=None, estimate=estimate)
+
+
+# the passes a calibration times as the count describes them: its split backward's weight half walks the graph
+# again (calibrate's autograd.grad on the weights), which the count's weight-gradient ops leave out
+FIT_PASSES = ("fwd", "bwd")
+
+
+def curve_terms(layer: LayerCount, name: str, device: Device) -> tuple[float, float, float, int]:
+    """A pass of `layer` as the curve's linear terms, one GPU, no parallelism: ms of its products and other
+    counted FLOPs at full peak (times their tile fill), ms of its attention kernels at full peak, ms of its
+    memory-bound bytes at full bandwidth, and its kernels. Its time is their sum weighted by 1/efficiency
+    (and the kernel overhead), leaving out the roofline's floor, which large products never reach."""
+    products = attention = memory = 0.0
+    kernels = 0
+    for op in layer.ops.get(name, ()):
+        kernels += op.count
+        if op.kind == "memory":
+            memory += op.count * op.moved_bytes / device.memory_bytes_per_ms
+        elif op.kind == "attention":
+            attention += op.count * op.flops / device.peak_flops_per_ms
+        else:
+            fill = tile_fill(op.shape, device.curve) if op.kind == "matmul" else 1.0
+            products += op.count * op.flops / (device.peak_flops_per_ms * fill)
+    return products, attention, memory, kernels
+
+
+def fit_curve(measured: Profile, counted: WorkloadCount, device: Device, source: str) -> Curve:
+    """The curve's efficiencies and kernel overhead fitted by non-negative least squares (numpy) to a
+    calibration's measured per-layer times (the `FIT_PASSES` of every layer) on the same model's count, so that
+    one measured device predicts its other sizes and shapes. Each time is weighted by its inverse: the fit
+    minimises relative errors, and a short layer counts as much as a long one. `device` holds the part's
+    datasheet peak and bandwidth and the curve whose tiles and multiprocessors give the fill (its efficiencies
+    are replaced); an efficiency the data does not determine (no attention kernel counted) keeps
+    `device.curve`'s. EstimateError where the calibration and the count are not of the same model, or a fit
+    comes out above the datasheet."""
+    import numpy as np
+
+    if len(measured.layers) != len(counted.layers):
+        raise EstimateError(f"the profile has {len(measured.layers)} layers, the count {len(counted.layers)}: "
+                            "count the model the profile calibrated")
+    rows, times = [], []
+    for layer, timed in zip(counted.layers, measured.layers):
+        for name in FIT_PASSES:
+            rows.append(curve_terms(layer, name, device))
+            times.append(getattr(timed, name).median_ms)
+    measured_ms = np.array(times)
+    if (measured_ms <= 0).any():
+        raise EstimateError("the profile has a layer pass of 0 ms: nothing to fit")
+    terms, measured_ms = np.array(rows, dtype=float) / measured_ms[:, None], np.ones_like(measured_ms)
+    used = terms.any(axis=0)
+    coefficients = np.zeros(terms.shape[1])
+    while True:  # non-negative: a term whose weight comes out negative is left out and the rest refitted
+        coefficients[:] = 0.0
+        coefficients[used] = np.linalg.lstsq(terms[:, used], measured_ms, rcond=None)[0]
+        if (coefficients >= 0).all():
+            break
+        used &= coefficients > 0
+    base = device.curve
+    inverse = dict(zip(("matmul_efficiency", "attention_efficiency", "memory_efficiency"), coefficients[:3]))
+    fitted = {key: (1 / value if used[i] else getattr(base, key)) for i, (key, value) in enumerate(inverse.items())}
+    if terms[:, 2].any() and not used[2]:
+        fitted["memory_efficiency"] = 1.0  # the memory-bound bytes cost nothing measurable: the datasheet's
+    bad = [key for key, value in fitted.items() if not 0 < value <= 1]
+    if bad:
+        raise EstimateError(f"{bad[0]}: the fit gives {fitted[bad[0]]:.3g}, outside (0, 1]: the datasheet figures "
+                            "given are below what the calibration measured, or the times do not follow the count")
+    return base.model_copy(update={**fitted, "kernel_overhead_ms": max(float(coefficients[3]), 0.0),
+                                   "source": source})
 
 
 def _version() -> str:

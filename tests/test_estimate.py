@@ -137,3 +137,30 @@ def test_a_data_parallel_group_with_ranks_on_every_node_crosses_on_as_many_nics(
     assert one_per_node.kind == four_per_node.kind == "infiniband"
     assert (one_per_node.bytes_per_ms, four_per_node.bytes_per_ms) == (nic, 4 * nic)
     assert placement_links(A100, Parallelism(tensor=2, data=4)).data.kind == "nvlink"  # 8 GPUs: one node
+
+
+def test_a_curve_fitted_to_a_profile_recovers_the_curve_that_made_it_and_predicts_another_size(small_gpt):
+    """A slow part (compute-bound products), a profile estimated on a known curve, the curve fitted back by
+    least squares from the profile's layer times and the count alone."""
+    from pipesim.planning.estimate import fit_curve
+
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    slow = A100.model_copy(update={"dense_tflops": A100.dense_tflops.model_copy(update={"fp16": 0.01}),
+                                   "memory_bandwidth_gb_s": 10.0})
+    truth = A100.curve.model_copy(update={"matmul_efficiency": 0.7, "memory_efficiency": 0.6,
+                                          "kernel_overhead_ms": 0.02})
+    measured = estimate_profile(small_gpt, slow, Parallelism(), curve=truth)
+    datasheet = Device(slow.dense_tflops.fp16 * 1e9, slow.memory_bandwidth_gb_s * 1e6, A100.curve)
+    fitted = fit_curve(measured, small_gpt, datasheet, "fitted in a test")
+    assert (fitted.matmul_efficiency, fitted.memory_efficiency, fitted.kernel_overhead_ms) == pytest.approx(
+        (0.7, 0.6, 0.02), rel=1e-6)
+    assert fitted.attention_efficiency == A100.curve.attention_efficiency  # no fused kernel counted: kept
+    larger = count_built("gpt", dict(layers=2, width=2 * H, heads=HEADS, seq_len=S, vocab=512), B, torch.float16)
+    predicted = estimate_profile(larger, slow, Parallelism(), curve=fitted)
+    actual = estimate_profile(larger, slow, Parallelism(), curve=truth)
+    assert [layer.bwd.median_ms for layer in predicted.layers] == pytest.approx(
+        [layer.bwd.median_ms for layer in actual.layers], rel=1e-6)
+    with pytest.raises(EstimateError, match="layers"):
+        fit_curve(measured, larger.__class__(**{**larger.__dict__, "layers": larger.layers[:2]}), datasheet, "x")
