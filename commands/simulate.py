@@ -140,9 +140,9 @@ def simulate(
                                           "shared resources); replaces --comm. A peak over a device's memory is "
                                           "marked OOM.")] = None,
     profile: Annotated[Path | None, typer.Option(
-        "--profile", metavar="JSON", help="Profile from `pipesim calibrate`: per-stage times, bytes and links from "
-                                          "measurements (replaces the cost and size flags; other stage counts "
-                                          "re-partition its layers).")] = None,
+        "--profile", metavar="JSON", help="Profile from `pipesim calibrate` (or `pipesim estimate`): per-stage "
+                                          "times, bytes and links (replaces the cost and size flags; other stage "
+                                          "counts re-partition its layers).")] = None,
     param_mb: Annotated[str, typer.Option(
         "--param-mb", metavar="MIB[,MIB...]", help="Parameter MiB, as --fwd.")] = "256",
     activation_mb: Annotated[str, typer.Option(

@@ -99,8 +99,8 @@ def sweep(
     cluster: Annotated[Path | None, typer.Option(
         "--cluster", help="Cluster JSON (devices, links, shared resources); replaces --comm.")] = None,
     profile: Annotated[Path | None, typer.Option(
-        "--profile", help="Profile from `pipesim calibrate`: its layers cut into each configuration's stages give the "
-                          "costs, sizes and links.")] = None,
+        "--profile", help="Profile from `pipesim calibrate` (or `pipesim estimate`): its layers cut into each "
+                          "configuration's stages give the costs, sizes and links.")] = None,
     param_mb: Annotated[str, typer.Option(
         "--param-mb", help="Parameter MiB of the whole model (split likewise).")] = "1024",
     activation_mb: Annotated[str, typer.Option(

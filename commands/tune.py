@@ -223,32 +223,38 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     from ..planning.tune import memory_text, ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
-    estimated = (f"estimated, t, b and recomputation searched where not given; MFU: model FLOPs per second over "
-                 f"the {problem.devices} GPUs' dense peak in {env.dtype}; ") if work else ""
+    rows = [tuning.choice, *tuning.runners_up, *tuning.excluded]
+    # Columns that would hold one value on every row are left out: R (no searched order), P (one pipeline).
+    searched = any(row.result.candidate.activation_limit is not None for row in rows)
+    shared = any(row.result.config.pipelines > 1 for row in rows)
+    estimated = (f"estimated, t, b and recomputation (recomp; sel: selective) searched where not given; MFU: model "
+                 f"FLOPs per second over the {problem.devices} GPUs' dense peak in {env.dtype}; ") if work else ""
     replicas = "d = D/(p·t) replicas, t GPUs per stage" if work else "D/p replicas"
     table = Table(title=f"{measured.model.name} on {problem.devices} x {env.device_name} ({env.device}), "
                         f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples"
                         + ("" if work else f" (micro-batch {env.microbatch_size})")
                         + f", staleness <= {problem.max_staleness}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
-                  caption=f"{estimated}p: devices per pipeline ({replicas}), v: chunks per device, P: pipelines,"
-                          " m: micro-batches per pipeline and step; R: the activation memory a searched "
-                          "order (auto) holds, in 1F1B's; bubble: 1 - mean compute / step time; ms/step: the "
-                          "busiest device's compute per step")
-    estimate_columns = ("t", "d", "b", "recompute") if work else ()
-    for header in ("", "schedule", "p", "v", "P", *estimate_columns, "m", "R", "samples/s", *("MFU",) * bool(work),
-                   "bubble", "peak", "stale", "why not"):
-        table.add_column(header, justify="left" if header in ("schedule", "recompute", "why not") else "right",
-                         no_wrap=header != "why not")
+                  caption=f"{estimated}p: devices per pipeline ({replicas}), v: chunks per device, "
+                          + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
+                          + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
+                          + "bubble: 1 - mean compute / step time; ms/step: the busiest device's compute per step")
+    estimate_columns = ("t", "d", "b", "recomp") if work else ()
+    for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
+                   *("MFU",) * bool(work), "bubble", "peak", "stale", "why not"):
+        table.add_column(header, justify="left" if header in ("schedule", "recomp", "why not") else "right",
+                         no_wrap=header != "why not", min_width=20 if header == "why not" else None)
 
     def add(mark: str, row, style: str | None = None) -> None:
         c, result = row.result.config, row.result
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
         ratio = result.candidate.activation_limit
         mfu = [f"{work[c.microbatch_size].metrics(result.samples_per_s, problem.devices)['mfu']:.1%}"] if work else []
-        table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), str(c.pipelines),
-                      *([str(c.tensor), str(c.replicas), str(c.microbatch_size), c.recompute] if work else []),
-                      str(c.microbatches), "-" if ratio is None else f"{ratio:.2g}", f"{result.samples_per_s:,.1f}",
+        table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), *[str(c.pipelines)] * shared,
+                      *([str(c.tensor), str(c.replicas), str(c.microbatch_size),
+                         {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
+                      str(c.microbatches), *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
+                      f"{result.samples_per_s:,.1f}",
                       *mfu, f"{result.bubble_fraction:.0%}", memory_text(result.peak_memory_bytes),
                       str(result.staleness), "; ".join(filter(None, (row.why, same))), style=style)
 
