@@ -466,7 +466,8 @@ class _Model:
         arrival, free_at, clocks, waiters = self.arrival, self.free_at, self.clocks, self.waiters
         routes, channel_ps, units = program.routes, program.channel_ps, program.lowered.units
         overlap = self.overlap_comm
-        send, compute = int(Stream.SEND), int(Stream.COMPUTE)  # plain ints: this loop runs once per step
+        send, recv, compute = int(Stream.SEND), int(Stream.RECV), int(Stream.COMPUTE)  # plain ints: this loop runs
+        queued = cores is not None or unit is not None  # once per step
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
         for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
@@ -481,8 +482,8 @@ class _Model:
                 self.host_stretch_ps[row] = end - clock
                 clock = end
             computed_ps = 0
-            if stream != send:  # a RECV waits for its data, a row that needs a collective for its end
-                if clocks[other] < 0:  # not reached yet: wait until the sender (or lane) has that clock
+            if stream == recv or other != start:  # a RECV waits for its data, a row that needs a collective (or a
+                if clocks[other] < 0:  # lane step its row) for that clock: wait until the sender (or lane) has it
                     waiter = env.event()
                     waiters.setdefault(other, []).append(waiter)
                     yield waiter
@@ -506,8 +507,8 @@ class _Model:
                 if not overlap:
                     clock = end
                 clocks[mine] = clock
-            elif stream == compute and (cores is not None or unit is not None):  # on the shared resource `unit` or
-                if clock > env.now:  # shared `cores`; `xid` is its duration
+            elif stream == compute and queued:  # on the shared resource `unit` or shared `cores`; `xid`: its duration
+                if clock > env.now:
                     yield env.timeout(clock - env.now)
                 if cores is not None:
                     end = yield cores.run(xid)
@@ -519,6 +520,8 @@ class _Model:
                         clock = free_at[unit]
                     free_at[unit] = clock + xid
                     clocks[mine] = clock
+            else:  # a collective issued, or a compute row of its own that waited for one
+                clocks[mine] = clock
             woken = waiters.pop(mine, None)
             if woken:
                 self._succeed(woken)
