@@ -14,7 +14,8 @@ on the residual stream (norms, residual adds: tensors of the layer's output size
 rank unless sequence parallelism divides them too. Activation memory follows Korthikanti et al. 2022 (arXiv
 2205.05198): of a layer's saved bytes, the s×s attention core and 24/34 of the rest divide by t, 10/34 stay
 whole unless sequence parallelism divides them. Recomputation: "selective" drops the core's saved bytes and
-reruns its forward in the backward; "full" keeps only the layer's input and reruns its whole forward.
+reruns its forward in the backward; "full" keeps only the layer's input and reruns its whole forward (in a
+layer with attention: Megatron-LM recomputes its transformer layers, not the embedding or the head).
 
 Placement: t inside a node first, then p, then d (Megatron's order); a stage boundary or a data-parallel group
 that leaves a node uses the network (a stage boundary with t > 1 as Megatron's scatter/gather: 1/t of the
@@ -275,7 +276,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     if parallel.recompute == "selective":
         kept -= core / t
         rerun = _pass_ms(layer.ops.get("fwd", ()), split, device, collective_ms, True, only_core=True)
-    elif parallel.recompute == "full":
+    elif parallel.recompute == "full" and any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1)
+                                              for op in layer.ops.get("fwd", ())):  # a transformer layer, as Megatron
         inputs = split.tokens * split.width * element_bytes
         kept = inputs / t if parallel.sequence_parallel else inputs
         rerun = times["fwd"]

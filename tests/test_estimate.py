@@ -75,8 +75,9 @@ S, B, H, HEADS = 128, 2, 192, 8  # tokens (b·s) differ from the width, as the s
 def _block(saved_tensors, saved_bytes=None) -> LayerCount:
     """A transformer block's sizes (output b x s x h) with the given saved tensors and no ops."""
     saved = sum(n for _, n in saved_tensors) if saved_bytes is None else saved_bytes
+    scores = OpCount("bmm", "matmul", (B * HEADS, S, S, H // HEADS), 2 * B * S * S * H, 0, 1)  # it attends
     return LayerCount("1:_Block", 0, 0, 0, 0, 0, 0, saved, 0, 0, {}, {}, (B, S, H), 2 * B * S * H, (0,),
-                      saved_tensors)
+                      saved_tensors, {"fwd": (scores,)})
 
 
 @pytest.mark.parametrize("t", [1, 2, 8])
