@@ -23,7 +23,7 @@ from pipesim.schedules import (
 from pipesim.schedules.catalogue import METHODS
 from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.sim import Cluster, Costs, Link, simulate
-from pipesim.traces import Stream, summarize
+from pipesim.traces import Stream, read_trace, summarize, write_trace
 from pipesim.units import MIB
 
 PROFILES = Path(__file__).resolve().parent.parent / "traces" / "profiles"
@@ -233,3 +233,13 @@ def test_an_estimate_prices_on_its_data_parallel_link_and_its_state_is_divided_o
     # The estimate holds one shard of the state per GPU; the simulator divides each replica's whole state by d.
     assert [c.optimizer_state_bytes for c in estimated.costs(sched).stages] == [
         4 * c.optimizer_state_bytes for c in measured.costs(sched).stages]
+
+
+def test_a_trace_with_collectives_reads_back_whole(tmp_path):
+    schedule = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=2, sharded_optimizer=True))
+    trace = simulate(schedule, _with_collectives(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=1.0), 1.0, 0.5),
+                     Cluster.uniform(2, 0.1))
+    write_trace(trace, tmp_path / "dp.json")
+    assert read_trace(tmp_path / "dp.json") == trace
+    assert set(trace.ops.stream[np.isin(trace.ops.kind, [trace.kind_code("REDUCE"), trace.kind_code("GATHER")])]) == {
+        Stream.NETWORK}
