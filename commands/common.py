@@ -57,6 +57,10 @@ MicrobatchSize = Annotated[int, typer.Option(
                                                         "model is counted at).")]
 BlockingComm = Annotated[bool, typer.Option(
     "--blocking-comm", help="Sends block the compute stream until they finish.")]
+ShardedOptimizer = Annotated[bool, typer.Option(
+    "--sharded-optimizer", help="With --data-parallel: ZeRO-1, each replica keeps 1/d of the optimizer state; "
+                                "the all-reduce becomes a reduce-scatter before the update and an all-gather "
+                                "after it.")]
 NetworkGbS = Annotated[float | None, typer.Option(
     "--network-gb-s", metavar="GB/S", help="With --data-parallel and typed costs: each GPU's network bandwidth for "
                                            "the gradient all-reduce (--comm: the latency of each ring step). "
@@ -334,6 +338,9 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     network = flags.get("network_gb_s")
     if network is not None and not 0 < network < math.inf:
         raise InputError(f"--network-gb-s: give GB/s above 0 (got {network})")
+    if flags.get("sharded_optimizer") and (flags.get("data_parallel") or 1) == 1:
+        raise InputError("--sharded-optimizer shards the optimizer state over data-parallel replicas: give "
+                         "--data-parallel 2 or more")
     if network is not None and (flags.get("data_parallel") or 1) == 1:
         raise InputError("--network-gb-s prices the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")

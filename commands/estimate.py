@@ -30,6 +30,7 @@ from .common import (
     Recompute,
     SeqLen,
     SequenceParallel,
+    ShardedOptimizer,
     Stages,
     TensorParallel,
     Vocab,
@@ -77,12 +78,13 @@ class WhatIf:
     dtype: str  # torch's name
     attention: str
     sequence_parallel: bool
+    sharded_optimizer: bool
 
     def parallelism(self, stages: int, tensor: int = 1, data: int = 1, recompute: str = "none") -> Parallelism:
         from ..planning.estimate import Parallelism
 
         return Parallelism(tensor=tensor, pipeline=stages, data=data, sequence_parallel=self.sequence_parallel,
-                           recompute=recompute)
+                           recompute=recompute, sharded_optimizer=self.sharded_optimizer and data > 1)
 
 
 def what_if(ctx: typer.Context) -> WhatIf | None:
@@ -121,7 +123,8 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
-                  DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False))
+                  DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False),
+                  params.get("sharded_optimizer", False))
 
 
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
@@ -188,6 +191,7 @@ def estimate(
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,
     sequence_parallel: SequenceParallel = False,
+    sharded_optimizer: ShardedOptimizer = False,
     recompute: Recompute = "none",
     microbatch_size: MicrobatchSize = 1,
     dtype: ModelDtype = "bf16",
@@ -212,6 +216,9 @@ def estimate(
 
     try:
         check_writable("--out", out)
+        if sharded_optimizer and data_parallel == 1:
+            raise InputError("--sharded-optimizer shards the optimizer state over data-parallel replicas: give "
+                             "--data-parallel 2 or more")
         what = what_if(ctx)
         counted = count_what_if(what, microbatch_size)
         if stages > len(counted.layers):

@@ -46,6 +46,7 @@ from .common import (
     SearchSeconds,
     SeqLen,
     SequenceParallel,
+    ShardedOptimizer,
     Stages,
     TensorParallel,
     Vocab,
@@ -160,6 +161,7 @@ def simulate(
     data_parallel: DataParallel = 1,
     network_gb_s: NetworkGbS = None,
     sequence_parallel: SequenceParallel = False,
+    sharded_optimizer: ShardedOptimizer = False,
     recompute: Recompute = "none",
     model: ModelName = None,
     layers: Layers = None,
@@ -233,7 +235,7 @@ def simulate(
                        if method.reads(option)}
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
                                    average_every=average_every, elastic_alpha=elastic_alpha,
-                                   data_parallel=data_parallel, **options)
+                                   data_parallel=data_parallel, sharded_optimizer=sharded_optimizer, **options)
             with search_progress(params.search_seconds, as_json) as report:
                 return scenario.build(name, params, progress=report)
 

@@ -39,6 +39,7 @@ def simulate_json(*args) -> list[dict]:
     (("tune", "-D", "4"), "--profile or --gpu"),
     (("simulate", "--network-gb-s", "10"), "--network-gb-s prices the gradient all-reduce of data-parallel replicas"),
     (("simulate", *GPU, *SMALL, "--data-parallel", "2", "--network-gb-s", "10"), "--network-gb-s: --gpu estimates"),
+    (("simulate", "--sharded-optimizer"), "--sharded-optimizer shards the optimizer state over data-parallel"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)
@@ -67,6 +68,8 @@ def test_typed_costs_price_the_all_reduce_on_the_network_given():
     ring = [all_reduce_ms(256 * 2**20, 4, 0.01, rate) for rate in (25e6, float("inf"))]
     assert limited["time_per_minibatch_ms"] - unlimited["time_per_minibatch_ms"] == pytest.approx(ring[0] - ring[1])
     assert limited["samples_per_s"] == pytest.approx(4 * 8 / limited["time_per_minibatch_ms"] * 1e3)  # d x m
+    [sharded] = simulate_json(*shape, "--network-gb-s", 25, "--sharded-optimizer")  # ZeRO-1: 1/4 of Adam's state
+    assert limited["peak_memory_mb"] - sharded["peak_memory_mb"] == pytest.approx(2 * 256 * 3 / 4)
 
 
 def test_a_model_that_fits_no_device_is_marked_out_of_memory_not_refused():
