@@ -305,9 +305,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
     if optimizer not in OPTIMIZERS:
         raise EstimateError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
-    heads = counted.options.get("heads")
-    if heads and heads % parallel.tensor:
-        raise EstimateError(f"tensor: {parallel.tensor} does not divide the model's {heads} heads")
+    for name, what in (("heads", "heads"), ("kv_heads", "key/value heads"), ("ffn", "MLP width")):
+        size = counted.options.get(name)  # Megatron splits each over the t ranks
+        if size and size % parallel.tensor:
+            raise EstimateError(f"tensor: {parallel.tensor} does not divide the model's {size} {what}")
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
     links = placement_links(gpu, parallel, cluster, curve)
