@@ -224,13 +224,17 @@ class DistReplicas(ReplicaGroup):
         return _WorkPending(self, n, work, work.get_future().then(lambda _: time.perf_counter_ns()), wire, tensors)
 
 
-def dist_replicas(layout: Layout, rank: int, backend: str, staged: bool, timeout_s: float) -> ReplicaGroup | None:
-    """This rank's member of its device's group, once every rank has created every device's group (creating a
-    group is collective over the job: all ranks call this together). None without data parallelism."""
+def dist_replicas(layout: Layout, rank: int, backend: str, compute: torch.device, staged: bool,
+                  timeout_s: float) -> ReplicaGroup | None:
+    """This rank's member of its device's group (the rank computes on `compute`), once every rank has created
+    every device's group (creating a group is collective over the job: all ranks call this together) and each
+    group has run one all-reduce of one element (NCCL creates its communicator then, blocking until every
+    member joins; and the first REDUCE row times the all-reduce alone). None without data parallelism."""
     if layout.replicas == 1:
         return None
     timeout = timedelta(seconds=timeout_s)
     groups = [dist.new_group(layout.group(device), timeout=timeout, backend=backend)
               for device in range(layout.devices)]
     device, _ = layout.place(rank)
+    dist.all_reduce(torch.zeros(1, device="cpu" if staged else compute), group=groups[device])
     return DistReplicas(groups[device], layout.group(device), rank, staged, timeout_s)

@@ -278,7 +278,7 @@ def _joined(spec: RunSpec, lowered: Lowered, choice: TransportChoice, rank: int,
     device, replica = layout.place(rank)
     with connect(choice, rank, layout.ranks, timeout_s=spec.timeout_s, edges=layout.links(_links(lowered)),
                  **options) as transport:
-        replicas = dist_replicas(layout, rank, choice.backend, choice.host_staged, spec.timeout_s)
+        replicas = dist_replicas(layout, rank, choice.backend, transport.device, choice.host_staged, spec.timeout_s)
         yield {"device": device, "transport": transport, "replica": replica, "replicas": replicas}
 
 
