@@ -80,9 +80,21 @@ class WhatIf:
     sequence_parallel: bool
     sharded_optimizer: bool
 
+    @property
+    def cluster_gpus(self) -> int | None:
+        """The GPUs of the catalogue cluster (None: a part alone, as many as asked for)."""
+        if self.cluster is None:
+            return None
+        return self.cluster.nodes * (self.cluster.gpus_per_node or self.gpu.intra_node.gpus_per_node)
+
     def parallelism(self, stages: int, tensor: int = 1, data: int = 1, recompute: str = "none") -> Parallelism:
+        """t x p x d GPUs as the estimate takes them; more than a catalogue cluster has is refused."""
         from ..planning.estimate import Parallelism
 
+        size = self.cluster_gpus
+        if size is not None and tensor * stages * data > size:
+            raise InputError(f"--gpu: the cluster has {size} GPUs, fewer than t x p x d = {tensor} x {stages} x "
+                             f"{data} = {tensor * stages * data}")
         return Parallelism(tensor=tensor, pipeline=stages, data=data, sequence_parallel=self.sequence_parallel,
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data > 1)
 

@@ -147,6 +147,8 @@ def tune(
                                  "(its times were measured at that size)")
             settings = [Setting(profile_scenario(measured, optimizer))]
         else:
+            if what.cluster_gpus is not None and devices > what.cluster_gpus:
+                raise InputError(f"--devices {devices}: the cluster --gpu {gpu} has {what.cluster_gpus} GPUs")
             _check_degrees(devices, tensor_parallel, data_parallel)
             sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES
             batch = batch_size if batch_size is not None else 4 * devices * sizes[0]

@@ -53,6 +53,17 @@ def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+def test_a_catalogue_cluster_names_its_part_and_bounds_the_gpus(tmp_path):
+    catalogue = tmp_path / "mine.toml"
+    catalogue.write_text('[cluster.mine]\ngpu = "a100-sxm-80gb"\nnodes = 2\ngpus_per_node = 4\n')
+    [result] = simulate_json("--gpu", "mine", "--gpus", catalogue, *SMALL, "-p", 2, "-s", "1f1b",
+                             "--tensor-parallel", 2, "--data-parallel", 2)
+    assert result["gpus"] == 8
+    code, _, err = pipesim("simulate", "--gpu", "mine", "--gpus", catalogue, *SMALL, "-p", 4, "-s", "1f1b",
+                           "--tensor-parallel", 2, "--data-parallel", 2)
+    assert code == 2 and "--gpu: the cluster has 8 GPUs, fewer than t x p x d = 2 x 4 x 2 = 16" in err
+
+
 def test_simulate_reports_mfu_tokens_and_memory_per_gpu():
     p, t, d, seq = 2, 2, 2, 32
     one, zb = simulate_json(*GPU, *SMALL, "-p", p, "-m", 4, "--tensor-parallel", t, "--data-parallel", d,
