@@ -72,18 +72,35 @@ class Pending(Protocol):
         completed (the monotonic clock, ns)."""
 
 
+@dataclass
+class _Done:
+    """An all-reduce of nothing (a stage without weights, alike on every replica): done when started."""
+
+    done_ns: int
+
+    def wait(self) -> int:
+        return self.done_ns
+
+
 class ReplicaGroup(ABC):
     """One device's replicas, from one member's side."""
 
     def __init__(self, replicas: int, timeout_s: float) -> None:
         self.replicas, self.timeout_s = replicas, timeout_s
-        self.calls = 0
+        self.calls = 0  # all-reduces started, to number them in errors
 
-    @abstractmethod
     def start(self, tensors: list[torch.Tensor]) -> Pending:
         """Start replacing `tensors` by their mean over the group; returns at once. Every member starts the
         same all-reduces (tensors of the same shapes) in the same order; `tensors` must not change until the
         wait returns."""
+        if not tensors:
+            return _Done(time.perf_counter_ns())
+        self.calls += 1
+        return self._start(self.calls - 1, tensors)
+
+    @abstractmethod
+    def _start(self, number: int, tensors: list[torch.Tensor]) -> Pending:
+        """Start all-reduce number `number` (from 0) of `tensors`, one or more."""
 
 
 # ---------------------------------------------------------------------------------------------- in-process
@@ -147,9 +164,8 @@ class ThreadReplicas(ReplicaGroup):
         super().__init__(room.replicas, timeout_s)
         self.room, self.replica, self.label = room, replica, label
 
-    def start(self, tensors: list[torch.Tensor]) -> Pending:
-        room, n = self.room, self.calls
-        self.calls += 1
+    def _start(self, n: int, tensors: list[torch.Tensor]) -> Pending:
+        room = self.room
         with room.ready:
             this = room.rounds.setdefault(n, _Round())
             this.parts[self.replica] = [t.detach().clone() for t in tensors]
@@ -212,9 +228,7 @@ class DistReplicas(ReplicaGroup):
         self.group, self.staged = group, staged
         self.label = f"rank {rank}: all-reduce over ranks {ranks}"
 
-    def start(self, tensors: list[torch.Tensor]) -> Pending:
-        n = self.calls
-        self.calls += 1
+    def _start(self, n: int, tensors: list[torch.Tensor]) -> Pending:
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         wire = flat.cpu() if self.staged else flat
         try:
