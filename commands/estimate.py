@@ -120,6 +120,9 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
                          "--heads, --seq-len, ...), or --model package.module:attribute")
     if params["dtype"] not in DTYPES:
         raise InputError(f"--dtype: choose from {', '.join(DTYPES)} (got {params['dtype']!r})")
+    if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
+        raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
+                         "--tensor-parallel 2 or more")
     recompute = params.get("recompute")
     if recompute is not None and recompute not in RECOMPUTE:
         raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
@@ -221,7 +224,7 @@ def estimate(
 ) -> None:
     """Estimate a model's profile on a catalogue GPU, without the GPU: the model counted by torch on the meta
     device, priced on the part's figures, parallelised as given, and partitioned into p stages. simulate, sweep,
-    tune and compare read it with --profile as they read a calibrated one; it and every trace made from it say
+    tune and export read it with --profile as they read a calibrated one; it and every trace made from it say
     it is an estimate and from what."""
     from ..profiles.schema import profile_json
     from ..traces import write_atomic

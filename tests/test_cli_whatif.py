@@ -43,6 +43,7 @@ def simulate_json(*args) -> list[dict]:
     (("tune", "-D", "4"), "--profile or --gpu"),
     (("simulate", "--network-gb-s", "10"), "--network-gb-s prices the gradient all-reduce of data-parallel replicas"),
     (("simulate", *GPU, *SMALL, "--data-parallel", "2", "--network-gb-s", "10"), "--network-gb-s: --gpu estimates"),
+    (("simulate", *GPU, *SMALL, "--sequence-parallel"), "--sequence-parallel splits a tensor-parallel group's"),
     (("simulate", "--sharded-optimizer"), "--sharded-optimizer shards the optimizer state over data-parallel"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):
