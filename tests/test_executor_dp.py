@@ -152,6 +152,12 @@ def test_ranks_that_take_turns_for_compute_wait_for_their_replicas_outside_the_t
         torch.testing.assert_close(a, b, **TIGHT)
 
 
+def test_a_stage_without_weights_has_nothing_to_wait_for():
+    """Every replica of a weightless stage skips its all-reduce alike, so none waits for the others."""
+    _, members = thread_replicas(Layout(1, D), timeout_s=0.5)
+    assert members[0].start([]).wait() > 0
+
+
 def test_pipedream_with_two_replicas_stashes_as_with_one_and_averages_each_update():
     """An asynchronous method runs too: each replica reads the versions PipeDream's rule names for its own
     micro-batch j, and every update applies the mean gradient of both replicas' micro-batches."""
