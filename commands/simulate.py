@@ -78,15 +78,21 @@ def keep_freed_memory() -> None:
     the OS. A large simulation makes and drops dozens of arrays of millions of rows; memory handed back is
     faulted in and zeroed again by the kernel at the next allocation, which on this project's virtual machines
     costs a quarter of the page faults and about a third of the system time of `simulate -p 128 -m 4096`
-    (docs/benchmarks.md). The process keeps its peak until it exits, as it would at that peak anyway. Elsewhere
-    than glibc, nothing changes."""
+    (docs/benchmarks.md). The process keeps its peak until it exits, as it would at that peak anyway. It also
+    opts out of transparent huge pages, which numpy asks for on large arrays: where the kernel compacts memory to
+    find one (THP defrag "madvise", as on this project's VMs), a fault stalls for that, and the same run spent
+    1.2-2.0 s in the kernel instead of 0.5 s with ordinary pages (docs/benchmarks.md). Elsewhere than glibc on
+    Linux, nothing changes."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        libc = ctypes.CDLL(None)
+        mallopt, prctl = libc.mallopt, libc.prctl
     except (AttributeError, OSError, TypeError):  # no mallopt, or no process-wide library handle (Windows)
         return
     trim_threshold, mmap_threshold = -1, -3  # glibc's M_TRIM_THRESHOLD and M_MMAP_THRESHOLD
     mallopt(trim_threshold, 1 << 30)  # give memory back only when a GiB at the heap's top is free
     mallopt(mmap_threshold, 1 << 30)  # arrays under a GiB come from the heap, which keeps them once freed
+    thp_disable = 41  # Linux's PR_SET_THP_DISABLE
+    prctl(thp_disable, 1, 0, 0, 0)
 
 
 def _output_paths(path: Path, names: list[str]) -> list[Path]:
