@@ -137,6 +137,17 @@ def test_each_optimizer_steps_bit_for_bit_as_torch_optim(name, dtype):
             assert value.dtype == reference.state[b][key].dtype and torch.equal(value, reference.state[b][key])
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_steps_meta_weights_under_a_meta_default_device(name):
+    """`pipesim count` steps optimizers on meta weights: the step count stays on the host, as torch.optim's."""
+    with torch.device("meta"):
+        w = torch.empty(3, requires_grad=True)
+        w.grad = torch.empty(3)
+        optimizer = make_optimizer(name, [w], LR)
+        optimizer.step()
+    assert optimizer.state[w]["step"].item() == 1 and optimizer.state[w]["exp_avg"].is_meta
+
+
 def _param(*values):
     return torch.nn.Parameter(torch.tensor(values, dtype=torch.float64))
 

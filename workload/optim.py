@@ -81,10 +81,10 @@ class Optimizer:
         """torch.optim.Adam's update on CPU, in its order (AdamW first decays the weights by lr * decay): the
         moments lerp and decay, then W += -lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)."""
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # torch's
+        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # as torch's
         for p in params:
             if p not in self.state:
-                self.state[p] = {"step": torch.tensor(0.0, dtype=step_dtype),
+                self.state[p] = {"step": torch.tensor(0.0, dtype=step_dtype, device="cpu"),  # torch's, on the host
                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         states = [self.state[p] for p in params]
