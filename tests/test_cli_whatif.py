@@ -2,6 +2,7 @@
 the meta device, estimate its profile on a catalogue part and go on as with a calibrated --profile; bad input is
 one line and exit 2, with nothing written."""
 
+import csv
 import json
 
 import pytest
@@ -126,3 +127,15 @@ def test_tune_searches_t_d_b_and_recomputation_under_the_gpu_memory():
         assert 0 < row["mfu"] < 1
     code, out, err = pipesim("tune", *GPU, *SMALL, "-D", 4, "-s", "1f1b", "--recompute", "none")
     assert code == 0 and "MFU" in out and "recomp" in out, err
+
+
+def test_sweep_estimates_each_depth_and_runs_d_replicas(tmp_path):
+    out = tmp_path / "r.csv"
+    code, _, err = pipesim("sweep", *GPU, *SMALL, "-p", "1,2", "-m", 4, "-s", "1f1b", "--data-parallel", 2, "-j", 1,
+                           "--out", out)
+    assert code == 0, err
+    rows = list(csv.DictReader(out.open()))
+    assert [(row["stages"], row["data_parallel"], row["status"]) for row in rows] == [("1", "2", "ok"),
+                                                                                      ("2", "2", "ok")]
+    [one] = simulate_json(*GPU, *SMALL, "-p", 2, "-m", 4, "-s", "1f1b", "--data-parallel", 2, "-n", 4)
+    assert float(rows[1]["time_per_minibatch_ms"]) == pytest.approx(one["time_per_minibatch_ms"])
