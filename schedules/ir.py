@@ -355,6 +355,11 @@ class Schedule:
         reduce-scatter, and a GATHER of the updated weights follows its OPT."""
         return bool(self.params.get("sharded_optimizer", False))
 
+    @property
+    def reduce_after_flush(self) -> bool:
+        """Whether a device's REDUCE rows wait for its last backward before the update, not its stage's."""
+        return bool(self.params.get("reduce_after_flush", False))
+
     def stages_on(self, device: int) -> list[int]:
         return [s for s, d in enumerate(self.placement) if d == device]
 

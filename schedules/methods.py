@@ -32,7 +32,9 @@ class ScheduleParams:
     memory any device may hold as a multiple of what 1F1B holds on its first device (`activation_limit`; None:
     1) and the search's time budget (`search_seconds`; None: the search's default). `data_parallel` (d) replicas of
     every pipeline train on their own micro-batches and average gradients in REDUCE rows, with the optimizer
-    state sharded over them (ZeRO-1) when `sharded_optimizer`."""
+    state sharded over them (ZeRO-1) when `sharded_optimizer`; `reduce_after_flush`: a device starts its stages'
+    REDUCEs only once its last backward of the mini-batch is done (Megatron-LM's own DDP), instead of each right
+    after its stage's last backward, overlapping the device's remaining backward work (torch DDP)."""
 
     stages: int
     microbatches: int
@@ -47,6 +49,7 @@ class ScheduleParams:
     search_seconds: float | None = None
     data_parallel: int = 1
     sharded_optimizer: bool = False
+    reduce_after_flush: bool = False
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every", "data_parallel"):
@@ -64,8 +67,9 @@ class ScheduleParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < math.inf):
                 raise ScheduleError(f"{name} must be a finite number > 0 (got {value!r})")
-        if not isinstance(self.sharded_optimizer, bool):
-            raise ScheduleError(f"sharded_optimizer must be true or false (got {self.sharded_optimizer!r})")
+        for name in ("sharded_optimizer", "reduce_after_flush"):
+            if not isinstance(getattr(self, name), bool):
+                raise ScheduleError(f"{name} must be true or false (got {getattr(self, name)!r})")
         self._check_size()
 
     def _check_size(self) -> None:

@@ -76,8 +76,10 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     Each replica of a stage trains on its own micro-batches, so before each update (OPT) its gradients are
     averaged with the other replicas': a REDUCE row of the OPT's stage, mini-batch and pipeline, right after
     that stage's last backward row (B or W) before the OPT (right before the OPT if none precedes it), on the
-    stage's device. With a sharded optimizer (ZeRO-1) the REDUCE is a reduce-scatter, each replica updates its
-    shard, and a GATHER row right after the OPT all-gathers the updated weights. d = 1: the schedule as it is.
+    stage's device; with `reduce_after_flush`, right after its device's last backward row (of any stage) before the
+    OPT, so that no REDUCE overlaps backward work (Megatron-LM all-reduces every chunk's gradients once the
+    pipeline has flushed). With a sharded optimizer (ZeRO-1) the REDUCE is a reduce-scatter, each replica updates
+    its shard, and a GATHER row right after the OPT all-gathers the updated weights. d = 1: the schedule as it is.
     Vectorised over the action table, so it scales as the schedule does."""
     if schedule.data_parallel == 1:
         return schedule
@@ -85,14 +87,28 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     if kind_mask(t.kind, *COLLECTIVE_KINDS).any():
         raise ScheduleError(f"{schedule.method}: the schedule has its REDUCE rows already")
     updates = t.kind == KIND_CODE[Kind.OPT]
-    rows = np.flatnonzero(updates | kind_mask(t.kind, Kind.B, Kind.W))
+    gradients = kind_mask(t.kind, Kind.B, Kind.W)
+    if schedule.reduce_after_flush:  # the device's rows stand for one replica: the last backward is any stage's
+        last = np.maximum.accumulate(np.where(gradients, np.arange(len(t.kind)), -1))
+        opts = np.flatnonzero(updates)
+        found = last[opts]
+        flushed = (found >= 0) & (t.device[np.maximum(found, 0)] == t.device[opts])
+        return _insert_collectives(schedule, opts, np.where(flushed, found + 1, opts))
+    rows = np.flatnonzero(updates | gradients)
     replica = t.stage[rows] * schedule.pipelines + t.pipeline[rows]
     order = np.argsort(replica, kind="stable")  # by replica, each in program order (a replica is on one device)
     rows, replica = rows[order], replica[order]
     opt_at = np.flatnonzero(updates[rows])
     after_gradient = (opt_at > 0) & ~updates[rows[opt_at - 1]] & (replica[opt_at - 1] == replica[opt_at])
     opts = rows[opt_at]
-    before = [np.where(after_gradient, rows[opt_at - 1] + 1, opts)]  # a REDUCE goes before this row
+    return _insert_collectives(schedule, opts, np.where(after_gradient, rows[opt_at - 1] + 1, opts))
+
+
+def _insert_collectives(schedule: Schedule, opts: np.ndarray, reduce_before: np.ndarray) -> Schedule:
+    """`add_data_parallel`'s rows: a REDUCE for each OPT row in `opts` before the row `reduce_before` names, and
+    with a sharded optimizer a GATHER right after the OPT."""
+    t = schedule.table
+    before = [reduce_before]
     kinds = [np.full(len(opts), KIND_CODE[Kind.REDUCE])]
     if schedule.sharded_optimizer:
         before.append(opts + 1)

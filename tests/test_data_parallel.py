@@ -155,6 +155,34 @@ def test_a_v_device_hides_one_chunks_all_reduce_behind_the_other_chunks_backward
     assert summarize(late).devices[0].exposed_collective_ms == summarize(hidden).devices[0].exposed_collective_ms + 2.5
 
 
+def test_after_the_flush_no_reduce_overlaps_a_backward_and_the_hidden_all_reduce_shows():
+    """`reduce_after_flush` (Megatron-LM's DDP): a device's REDUCEs come after its last backward, every stage's,
+    in the order of the updates; the method's own order is untouched. The all-reduce zb-v's device 0 hid behind
+    stage 0's last backward parts now adds to the iteration."""
+    params = METHODS["zb-v"].params(2, 4, 1, data_parallel=2)
+    overlapped = build_schedule("zb-v", params)
+    flushed = build_schedule("zb-v", replace(params, reduce_after_flush=True))
+    preflight(flushed, dry_run=True)
+    assert flushed.reduce_after_flush and not overlapped.reduce_after_flush
+    for plain, after in zip(overlapped.orders, flushed.orders):
+        assert [a for a in after if a.kind is not Kind.REDUCE] == [a for a in plain if a.kind is not Kind.REDUCE]
+        kinds = [a.kind for a in after]
+        last_grad = max(i for i, k in enumerate(kinds) if k in (Kind.B, Kind.W))
+        reduces = [a.stage for i, a in enumerate(after) if a.kind is Kind.REDUCE]
+        assert [i for i, k in enumerate(kinds) if k is Kind.REDUCE] == list(range(last_grad + 1,
+                                                                                  last_grad + 1 + len(reduces)))
+        assert reduces == [a.stage for a in after if a.kind is Kind.OPT]
+    # Device 0's last backward (stage 0's W) ends at 24 ms, device 1's update at 26 ms. Overlapped, stage 3's 3 ms
+    # all-reduce ran from 20 ms (its W's end) to 23 ms; after the flush it runs from 24 ms, and stage 3's update
+    # (after stage 0's, 0.5 ms, which hides 0.5 ms of it) waits for it: 27.5 ms.
+    costs = _with_collectives(Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, opt_ms=0.5), [0.0, 0.0, 0.0, 3.0])
+    hidden, shown = (summarize(simulate(s, costs, Cluster.uniform(2, 0.0))) for s in (overlapped, flushed))
+    assert (hidden.makespan_ms, hidden.devices[0].exposed_collective_ms) == (26.0, 0.0)
+    assert (shown.makespan_ms, shown.devices[0].exposed_collective_ms) == (27.5, 2.5)
+    with pytest.raises(ScheduleError, match="reduce_after_flush must be true or false"):
+        replace(params, reduce_after_flush=1)
+
+
 def test_collectives_on_one_device_run_one_after_another():
     """Device 0's two all-reduces share its network: the second begins when the first ends."""
     schedule = build_schedule("zb-v", METHODS["zb-v"].params(2, 4, 1, data_parallel=2))
