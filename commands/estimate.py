@@ -143,7 +143,14 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
 
 
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
-    """The model counted on the meta device at `microbatch_size` samples (imports torch)."""
+    """The model counted on the meta device at `microbatch_size` samples. A built-in model's count is kept in the
+    host cache, keyed by everything it depends on (see `_count_cache`), so that only the first what-if of a shape
+    pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import)."""
+    cache = _count_cache(what, microbatch_size)
+    if cache is not None:
+        counted = _read_count(cache)
+        if counted is not None:
+            return counted
     require("--gpu (the model is counted by torch on the meta device)", "torch")
     require_model_data("--gpu", what.model)
     import torch
@@ -154,9 +161,65 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     if what.attention not in ATTENTION:
         raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {what.attention!r})")
     try:
-        return count_built(what.model, what.options, microbatch_size, getattr(torch, what.dtype), what.attention)
+        counted = count_built(what.model, what.options, microbatch_size, getattr(torch, what.dtype), what.attention)
     except ModelError as exc:
         raise InputError(str(exc)) from None
+    if cache is not None:
+        _write_count(cache, counted)
+    return counted
+
+
+def _count_cache(what: WhatIf, microbatch_size: int) -> Path | None:
+    """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype and
+    attention, the installed torch's version and the source of the code that builds and counts it (so that a
+    change to either counts again). None for a user's own model, whose code pipesim cannot watch."""
+    import hashlib
+    import json
+    from importlib import metadata
+
+    from ..workload.cachedir import cache_dir
+
+    if ":" in what.model:
+        return None
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    package = Path(__file__).resolve().parent.parent
+    key = hashlib.sha256(json.dumps([what.model, what.options, microbatch_size, what.dtype, what.attention,
+                                     torch_version], sort_keys=True).encode())
+    for source in ("workload/models.py", "workload/count.py", "profiles/workload.py"):
+        key.update((package / source).read_bytes())
+    return cache_dir() / "counts" / f"{key.hexdigest()[:32]}.json"
+
+
+def _read_count(path: Path) -> WorkloadCount | None:
+    """The kept count, or None where there is none or it cannot be read (it is then counted again)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from ..profiles.workload import WorkloadCount
+
+    try:
+        return TypeAdapter(WorkloadCount).validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None
+
+
+def _write_count(path: Path, counted: WorkloadCount) -> None:
+    """Keep the count, atomically; a cache that cannot be written is skipped (the count is still returned)."""
+    import contextlib
+    import os
+    import tempfile
+
+    from pydantic import TypeAdapter
+
+    from ..profiles.workload import WorkloadCount
+
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("wb", dir=path.parent, suffix=".tmp", delete=False) as handle:
+            handle.write(TypeAdapter(WorkloadCount).dump_json(counted))
+        os.replace(handle.name, path)
 
 
 def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelism, optimizer: str) -> Profile:

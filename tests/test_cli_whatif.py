@@ -139,3 +139,23 @@ def test_sweep_estimates_each_depth_and_runs_d_replicas(tmp_path):
                                                                                       ("2", "2", "ok")]
     [one] = simulate_json(*GPU, *SMALL, "-p", 2, "-m", 4, "-s", "1f1b", "--data-parallel", 2, "-n", 4)
     assert float(rows[1]["time_per_minibatch_ms"]) == pytest.approx(one["time_per_minibatch_ms"])
+
+
+def test_a_built_in_models_count_is_kept_and_read_back_without_counting(tmp_path, monkeypatch):
+    from pipesim.workload import count as counting
+
+    monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path))
+    first = simulate_json(*GPU, *SMALL, "-s", "1f1b", "-p", "2")
+    kept = list((tmp_path / "counts").iterdir())
+    assert len(kept) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("counted again although the count was kept")
+
+    monkeypatch.setattr(counting, "count_built", refuse)
+    assert simulate_json(*GPU, *SMALL, "-s", "1f1b", "-p", "2") == first  # read back: the same prediction
+    with pytest.raises(AssertionError, match="counted again"):  # another micro-batch size is another count
+        simulate_json(*GPU, *SMALL, "-s", "1f1b", "-p", "2", "-b", "2")
+    kept[0].write_text("{not json")  # a damaged file is counted again, not an error
+    with pytest.raises(AssertionError, match="counted again"):
+        simulate_json(*GPU, *SMALL, "-s", "1f1b", "-p", "2")
