@@ -4,7 +4,8 @@ Per row: the GPT counted by torch on the meta device at the run's micro-batch si
 materialised as Megatron-LM ran them, its 0.1 dropouts), estimated per GPU for its t, p, d and recomputation
 (planning/estimate.py), cut into p (or p·v, interleaved) stages of equal blocks (the embedding with the first,
 the head with the last, as Megatron places them), then simulated for one iteration (1F1B or interleaved 1F1B,
-the data-parallel all-reduce a REDUCE row on the network) and compared:
+the data-parallel all-reduce a REDUCE row on the network, every chunk's after the pipeline has flushed as
+Megatron-LM's DDP runs it) and compared:
 
 - Korthikanti et al. 2022, Table 5: iteration seconds, full recomputation, and sequence parallelism with
   selective recomputation;
@@ -85,7 +86,8 @@ def iteration_s(run: Run, sequence_parallel: bool, recompute: str) -> float:
     scenario = replace(profile_scenario(profile, "adam"), overlap_comm=False)  # Megatron-LM waits on its p2p
     bounds = profile.partition.bounds
     method = "interleaved-1f1b" if run.chunks > 1 else "1f1b"
-    params = ScheduleParams(run.pipeline, run.microbatches, 1, run.chunks, data_parallel=run.data)
+    params = ScheduleParams(run.pipeline, run.microbatches, 1, run.chunks, data_parallel=run.data,
+                            reduce_after_flush=True)  # Megatron-LM's DDP all-reduces once the pipeline has flushed
     schedule = scenario.build(method, params, bounds)
     trace = simulate(schedule, scenario.costs(schedule, bounds), scenario.links(schedule))
     return summarize(trace).makespan_ms / 1e3
