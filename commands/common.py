@@ -85,6 +85,9 @@ Ffn = Annotated[int | None, typer.Option("--ffn", help="gpt: MLP hidden size (de
 KvHeads = Annotated[int | None, typer.Option(
     "--kv-heads", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
 Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: SwiGLU MLP (Llama's) instead of GELU.")]
+Dropout = Annotated[float | None, typer.Option(
+    "--dropout", help="gpt: dropout on the attention probabilities and each residual branch (Megatron-LM's default is "
+                      "0.1; none by default), counted as the one fused kernel a GPU runs.")]
 ModelName = Annotated[str | None, typer.Option(
     "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, or package.module:attribute (as calibrate takes).")]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's names -> torch's

@@ -15,6 +15,7 @@ from rich.table import Table
 from .common import (
     DTYPES,
     Attention,
+    Dropout,
     Ffn,
     Gated,
     Heads,
@@ -51,6 +52,7 @@ def count(
     ffn: Ffn = None,
     kv_heads: KvHeads = None,
     gated: Gated = None,
+    dropout: Dropout = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Count a model's work per layer and micro-batch, on torch's meta device (no memory, any size): forward,
@@ -69,7 +71,7 @@ def count(
         if attention not in ATTENTION:
             raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
         options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
-                       kv_heads=kv_heads, gated=gated)
+                       kv_heads=kv_heads, gated=gated, dropout=dropout)
         started = time.perf_counter()
         try:
             counted = count_built(model, options, microbatch_size, getattr(torch, DTYPES[dtype]), attention)

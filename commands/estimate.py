@@ -15,6 +15,7 @@ from .common import (
     DTYPES,
     Attention,
     DataParallel,
+    Dropout,
     Ffn,
     Gated,
     GpuName,
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from ..profiles.schema import Profile
     from ..profiles.workload import WorkloadCount
 
-MODEL_SIZES = ("layers", "width", "heads", "seq_len", "vocab", "ffn", "kv_heads", "gated")
+MODEL_SIZES = ("layers", "width", "heads", "seq_len", "vocab", "ffn", "kv_heads", "gated", "dropout")
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "recompute")
@@ -284,6 +285,7 @@ def estimate(
     ffn: Ffn = None,
     kv_heads: KvHeads = None,
     gated: Gated = None,
+    dropout: Dropout = None,
 ) -> None:
     """Estimate a model's profile on a catalogue GPU, without the GPU: the model counted by torch on the meta
     device, priced on the part's figures, parallelised as given, and partitioned into p stages. simulate, sweep,

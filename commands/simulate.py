@@ -21,6 +21,7 @@ from .common import (
     BlockingComm,
     Chunks,
     DataParallel,
+    Dropout,
     ElasticAlpha,
     Ffn,
     Gated,
@@ -178,6 +179,7 @@ def simulate(
     ffn: Ffn = None,
     kv_heads: KvHeads = None,
     gated: Gated = None,
+    dropout: Dropout = None,
     dtype: ModelDtype = "bf16",
     attention: Attention = "math",
     jitter: Annotated[float, typer.Option(

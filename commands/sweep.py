@@ -14,6 +14,7 @@ from .common import (
     Attention,
     BlockingComm,
     DataParallel,
+    Dropout,
     Ffn,
     Gated,
     GpuName,
@@ -125,6 +126,7 @@ def sweep(
     ffn: Ffn = None,
     kv_heads: KvHeads = None,
     gated: Gated = None,
+    dropout: Dropout = None,
     dtype: ModelDtype = "bf16",
     attention: Attention = "math",
     workers: Annotated[int | None, typer.Option(

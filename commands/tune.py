@@ -17,6 +17,7 @@ from ..units import GIB
 from .common import (
     Attention,
     DataParallel,
+    Dropout,
     Ffn,
     Gated,
     GpuName,
@@ -92,6 +93,7 @@ def tune(
     ffn: Ffn = None,
     kv_heads: KvHeads = None,
     gated: Gated = None,
+    dropout: Dropout = None,
     dtype: ModelDtype = "bf16",
     attention: Attention = "math",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,

@@ -159,3 +159,10 @@ def test_a_built_in_models_count_is_kept_and_read_back_without_counting(tmp_path
     kept[0].write_text("{not json")  # a damaged file is counted again, not an error
     with pytest.raises(AssertionError, match="counted again"):
         simulate_json(*GPU, *SMALL, "-s", "1f1b", "-p", "2")
+
+
+def test_dropout_is_counted_and_priced():
+    plain, dropped = (simulate_json(*GPU, *SMALL, "-s", "gpipe", "-p", "2", *extra)[0]
+                      for extra in ((), ("--dropout", "0.1")))
+    assert dropped["time_per_minibatch_ms"] > plain["time_per_minibatch_ms"]
+    assert dropped["peak_memory_mb"] > plain["peak_memory_mb"]  # its masks are kept for the backward
