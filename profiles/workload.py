@@ -59,7 +59,7 @@ class WorkloadCount:
     """A model counted at micro-batch size `microbatch_size` in `dtype`; `layers` in the model's order."""
 
     model: str
-    options: dict[str, int]
+    options: dict[str, int | float]  # size options (ints, gated a bool) and the dropout probability
     microbatch_size: int
     dtype: str
     attention: str
