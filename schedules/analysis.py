@@ -287,9 +287,9 @@ def weight_versions(schedule: Schedule) -> Versions:
     by_replica = np.argsort(replica, kind="stable")
     opt_sorted = is_opt[by_replica]
     before = np.concatenate([[0], np.cumsum(opt_sorted)])[:-1]
-    group_start = np.searchsorted(replica[by_replica], replica[by_replica])
+    group_start = np.flatnonzero(np.diff(replica[by_replica], prepend=-1))  # each replica's first (replicas >= 0)
     current = np.empty(n, dtype=np.int64)
-    current[by_replica] = before - before[group_start]
+    current[by_replica] = before - np.repeat(before[group_start], np.diff(np.r_[group_start, n]))
     steps = p * schedule.minibatches * r
     consuming = np.full(steps, -1, dtype=np.int64)  # ordinal of the update that consumes a step's gradient
     consuming[t.step_index(schedule)[is_opt]] = current[is_opt]
