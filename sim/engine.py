@@ -117,16 +117,15 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     for rows, ms in ((np.flatnonzero(spans.accumulating), [c.accumulate_ms for c in stages]),  # version stays
                      (copying, [c.copy_ms for c in stages])):
         duration[rows] += np.asarray(ms)[stage[rows]]
-    host_ps = _picoseconds(overhead.host_ms)[kind]
+    host_ps_of_kind = _picoseconds(overhead.host_ms)
+    host_ps = host_ps_of_kind[kind] if host_ps_of_kind.any() else None  # None: no row holds its device longer
     if overhead.warmup_ms:  # a fresh rank's first rows cost more: a compute row in its time, another after it
-        computed = np.cumsum(compute) - compute  # compute rows before each row, counted per device:
-        computed -= np.repeat(computed.take(lowered.bounds[:-1], mode="clip"), np.diff(lowered.bounds))
-        extra = overhead.warmup_extra_ms(computed)
+        extra = overhead.warmup_extra_ms(_before_on_device(compute, lowered.bounds))
         duration, host_ps = duration + extra * compute, _picoseconds(overhead.host_ms[kind] + extra * ~compute)
     if jitter > 0:
         duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
     duration = _picoseconds(duration)
-    held = duration + host_ps  # what each row keeps its device from its next row
+    held = duration if host_ps is None else duration + host_ps  # what each row keeps its device from its next row
 
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
@@ -220,10 +219,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     clock_before = np.cumsum(is_step)
     clock_before -= is_step
     clock_before += device
-    since_ps = np.cumsum(held)  # becomes the compute time of the device's earlier rows, then the time since
-    since_ps -= held
-    since_ps -= np.repeat(since_ps.take(bounds[:-1], mode="clip"), np.diff(bounds))  # a device without rows
-    # repeats its (clipped) first row's value no times
+    since_ps = _before_on_device(held, bounds)  # the compute time of the device's earlier rows, then the time since
     busy_at_clock = np.zeros(len(step_rows) + num_devices, dtype=np.int64)  # 0 at a device's start
     busy_at_clock[clock_before[step_rows] + 1] = since_ps[step_rows]
     since_ps -= busy_at_clock[clock_before]
@@ -282,6 +278,17 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     send_to_arrival, compute_unit + no_unit, host_unit + no_unit, cluster.contention, clock_before,
                     since_ps, duration, channel_ps.tolist(), routes, len(resources), mem_at_start, mem_at_end,
                     act_at_start, act_at_end, static_bytes(schedule, costs))
+
+
+def _before_on_device(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Per row, the sum of `values` over its device's rows before it (device d: rows bounds[d]:bounds[d+1]);
+    each device's part made relative to its first row in place, with no array of a million rows more."""
+    out = np.cumsum(values)
+    out -= values
+    for lo, hi in itertools.pairwise(bounds.tolist()):
+        if hi > lo:
+            out[lo:hi] -= out[lo]
+    return out
 
 
 def _add_sorted(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
