@@ -4,7 +4,8 @@ Each size runs in a fresh process, so its peak resident memory is its own. Print
 seconds of each phase (build the schedule, check it, lower it, price the rows, the device run, the trace,
 the metrics), the simulation's CPU seconds (user + system: on a shared machine they vary less than the
 wall clock, which counts time other processes held the cores), simulated F+B ops per second end to end, and
-peak memory per op; the scaling is linear when ops/s and bytes/op stay flat as the sizes grow. Run:
+peak memory per op; the scaling is linear when ops/s and bytes/op stay flat as the sizes grow. Each process sets
+the allocator as the command does (`keep_freed_memory`: freed memory kept, no transparent huge pages). Run:
 
     python benchmarks/bench_simulate.py [--sizes 64x1024,128x4096] [--profile]
 """
@@ -22,6 +23,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from pipesim.commands.simulate import keep_freed_memory
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.schedules.lowering import lower, preflight
 from pipesim.sim import Cluster, Costs, engine
@@ -63,6 +65,7 @@ def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
 
 
 def _child(args: tuple[int, int, float]) -> dict[str, float]:
+    keep_freed_memory()  # the allocator's settings `pipesim simulate` runs with
     return measure(*args)
 
 
