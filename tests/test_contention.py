@@ -83,8 +83,11 @@ def test_a_bad_contention_term_names_its_field(tmp_path, edit, fragment):
 
 
 @pytest.mark.parametrize("ranks", [None, 3])
-def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path, ranks):
+def test_calibrate_measures_contention_on_cpu(tmp_path, ranks, monkeypatch):
     """One process per stage, or as many as `--ranks` (AvgPipe's pipelines), each repeating its stage."""
+    from pipesim.calibrate import contention as probe
+
+    monkeypatch.setattr(probe, "WINDOW_S", 0.2)  # the parent sets the windows: shorter ones for a test
     out = tmp_path / "p.json"
     code, printed, err = pipesim("calibrate", *TINY, *(["--ranks", ranks] if ranks else []), "--out", out)
     assert code == 0, err
@@ -121,6 +124,8 @@ def test_calibrate_measures_contention_on_cpu_unless_told_not_to(tmp_path, ranks
     drift = flat.split("against its stage's calibrated F + B: ")[1].split(" (the same code")[0]
     assert len(drift.split(", ")) == count and all(d.endswith("%") for d in drift.split(", "))
 
+
+def test_calibrate_told_not_to_measures_no_contention(tmp_path):
     skipped = tmp_path / "skipped.json"
     code, printed, err = pipesim("calibrate", *TINY, "--no-contention", "--out", skipped)
     assert code == 0, err

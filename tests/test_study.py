@@ -147,10 +147,14 @@ def test_plot_only_needs_a_readable_results_file(tmp_path, content, message):
 
 
 @pytest.mark.slow
-def test_timing_measures_spawned_ranks_and_predicts_them_from_a_calibration_with_the_runtime_terms(tmp_path):
+def test_timing_measures_spawned_ranks_and_predicts_them_from_a_calibration_with_the_runtime_terms(tmp_path,
+                                                                                                  monkeypatch):
     """The command's whole timing path at a tiny size: the setting calibrated as `pipesim calibrate` does it
     (the model, the executor's cost per row, contention), then the arm timed on spawned ranks and predicted."""
+    from pipesim.calibrate import contention
     from pipesim.profiles.schema import Profile
+
+    monkeypatch.setattr(contention, "WINDOW_S", 0.2)  # the parent sets the windows: shorter ones for a test
 
     results = tmp_path / "study.json"
     flags = [flag for flag in TINY_FLAGS if flag != "--no-timing"]
