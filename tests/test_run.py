@@ -79,16 +79,6 @@ def test_two_gloo_ranks_train_and_the_trace_reads_back(learnable, tmp_path):
     assert html.read_text().startswith("<!DOCTYPE html>")
 
 
-@pytest.mark.slow
-def test_the_table_names_step_time_loss_memory_and_the_trace(learnable, tmp_path):
-    trace = tmp_path / "t.json"
-    code, out, err = pipesim("run", "--schedule", "gpipe", "--model", learnable, "--stages", 2, "--microbatches", 2,
-                             "--minibatches", 3, "--trace", trace)
-    assert code == 0, err
-    for text in ("ms/step", "samples/s", "loss first -> last", "peak MiB per device", f"wrote {trace}"):
-        assert text in out
-
-
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
     """A 2-stage partition of the small mlp (4 layers), calibrated here without links."""
@@ -172,12 +162,14 @@ def test_a_model_no_cut_of_which_the_stage_graph_carries_is_one_line_naming_the_
 
 
 @pytest.mark.slow
-def test_graphpipe_runs_the_two_branch_model_at_its_default_layers(tmp_path):
+def test_graphpipe_runs_the_two_branch_model_at_its_default_layers_and_tables_the_run(tmp_path):
     trace = tmp_path / "g.json"
-    code, _, err = pipesim("run", "-s", "graphpipe", "--model", "two-branch", "--stages", 4, "--microbatches", 4,
-                           "--minibatches", 2, "--trace", trace)
+    code, out, err = pipesim("run", "-s", "graphpipe", "--model", "two-branch", "--stages", 4, "--microbatches", 4,
+                             "--minibatches", 2, "--trace", trace)
     assert code == 0, err
     assert read_trace(trace).meta.extra["bounds"] not in (None, [0, 2, 4, 5, 6])  # the even cut, which it cannot carry
+    for text in ("ms/step", "samples/s", "loss first -> last", "peak MiB per device", f"wrote {trace}"):
+        assert text in out
 
 
 def test_a_profiles_chain_cut_that_graphpipes_diamond_cannot_carry_runs_on_the_best_cut_it_carries(tmp_path):
