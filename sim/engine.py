@@ -185,7 +185,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
         # (merged: the stage holds it anyway).
         buffered = sending & ~merged
-        _add_sorted(mem_at_end, computing[np.searchsorted(computing, rows[buffered]) - 1], row_bytes[buffered])
+        np.add.at(mem_at_end, computing[np.searchsorted(computing, rows[buffered]) - 1], row_bytes[buffered])
         mem_at_start[rows] = np.where(sending, 0, row_bytes)
         mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
         # A RECV's buffer lives until its consumer (the next compute row) ends; merged, it is the consumer's
@@ -193,8 +193,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         receiving, received = rows[~sending], row_bytes[~sending]
         consumer = computing[np.searchsorted(computing, receiving)]
         merged_in = merged[~sending]
-        _add_sorted(mem_at_end, consumer[~merged_in], -received[~merged_in])
-        _add_sorted(mem_at_start, consumer[merged_in], -received[merged_in])
+        np.add.at(mem_at_end, consumer[~merged_in], -received[~merged_in])
+        np.add.at(mem_at_start, consumer[merged_in], -received[merged_in])
 
     timed = bool(resources) or any(h is not None for h in host_unit)
     bounds = lowered.bounds
@@ -289,15 +289,6 @@ def _before_on_device(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
         if hi > lo:
             out[lo:hi] -= out[lo]
     return out
-
-
-def _add_sorted(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
-    """`np.add.at(target, index, values)` for a sorted `index`: each run of equal indices summed at once
-    (np.add.at adds one value at a time, several times slower on a million rows)."""
-    if len(index) == 0:
-        return
-    starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
-    target[index[starts]] += np.add.reduceat(values, starts)
 
 
 @dataclass
@@ -622,12 +613,11 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     if costs.recv_window:
         first_ms[receives] = posted_ms
     devices = schedule.num_devices
-    memory, activations = _step_counters(bounds, first_ms, end_ms, [
-        (program.mem_at_start, program.mem_at_end, program.static_bytes),
-        (program.act_at_start, program.act_at_end, [0] * devices)])
     counters = {
-        "memory_bytes": memory,
-        "activations": activations,
+        "memory_bytes": _step_counters(bounds, first_ms, end_ms, program.mem_at_start, program.mem_at_end,
+                                       program.static_bytes),
+        "activations": _step_counters(bounds, first_ms, end_ms, program.act_at_start, program.act_at_end,
+                                      [0] * devices),
         "weight_versions": _level_counters(bounds, end_ms, lowered.held_after, 1 + schedule.policy.extra_copies),
     }
     meta = TraceMeta(
@@ -682,27 +672,21 @@ def _issue_times(program: _Program, model: _Model, clocks: np.ndarray) -> np.nda
     return out
 
 
-def _step_counters(bounds, first_ms, second_ms, deltas) -> list[list[Counter]]:
-    """Per (first delta, second delta, initial value per device) in `deltas`, per device (rows
-    bounds[d]..bounds[d+1], in program order): the running total of deltas applied at two event times per op, in
-    time order (ties keep program order, so an op's end counts before the next op's start), sampled where it
-    changes. The counters share their event times, so a device's events are sorted once for all of them."""
-    out: list[list[Counter]] = [[] for _ in deltas]
+def _step_counters(bounds, first_ms, second_ms, first_delta, second_delta, initial) -> list[Counter]:
+    """Per device (rows bounds[d]..bounds[d+1], in program order), the running total of deltas applied at
+    two event times per op, in time order (ties keep program order, so an op's end counts before the next
+    op's start)."""
+    out = []
     for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        times = np.empty(2 * (hi - lo))
-        times[0::2], times[1::2] = first_ms[lo:hi], second_ms[lo:hi]  # op i's two events at 2i, 2i + 1
-        order = np.argsort(times, kind="stable")
-        times = times[order]
-        times *= 1e3
-        for counters, (first_delta, second_delta, initial) in zip(out, deltas):
-            mine = np.empty(2 * (hi - lo), dtype=np.int64)
-            mine[0::2], mine[1::2] = first_delta[lo:hi], second_delta[lo:hi]
-            mine = mine[order]
-            changes = np.flatnonzero(mine)
-            values = np.cumsum(mine.take(changes))
-            values += initial[d]
-            counters.append(Counter(np.concatenate([[0.0], times.take(changes)]),
-                                    np.concatenate([[initial[d]], values]).astype(np.int64)))
+        mine_times, mine_deltas = np.empty(2 * (hi - lo)), np.empty(2 * (hi - lo), dtype=np.int64)
+        mine_times[0::2], mine_times[1::2] = first_ms[lo:hi], second_ms[lo:hi]  # op i's two events at 2i, 2i + 1
+        mine_deltas[0::2], mine_deltas[1::2] = first_delta[lo:hi], second_delta[lo:hi]
+        keep = mine_deltas != 0
+        mine_times, mine_deltas = mine_times[keep], mine_deltas[keep]
+        order = np.argsort(mine_times, kind="stable")
+        values = initial[d] + np.cumsum(mine_deltas[order])
+        out.append(Counter(np.concatenate([[0.0], mine_times[order] * 1e3]),
+                           np.concatenate([[initial[d]], values]).astype(np.int64)))
     return out
 
 
