@@ -4,7 +4,9 @@ describe. Imports only typer and rich at start-up, so every command starts fast.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -97,6 +99,29 @@ ModelDtype = Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 (or
 Attention = Annotated[str, typer.Option(
     "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's fused "
                         "kernel: no scores saved).")]
+MODEL_SHAPE = (("layers", Layers, None), ("width", Width, None), ("heads", Heads, None), ("seq_len", SeqLen, None),
+               ("vocab", Vocab, None), ("ffn", Ffn, None), ("kv_heads", KvHeads, None), ("gated", Gated, None),
+               ("dropout", Dropout, None), ("dtype", ModelDtype, "bf16"), ("attention", Attention, "math"))
+MODEL_SIZES = tuple(name for name, _, _ in MODEL_SHAPE[:-2])  # what the model is built with (dtype and attention
+                                                                # are how it is counted)
+
+
+def model_shape_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command the counted model's shape flags (`MODEL_SHAPE`), declared here once: they join its signature
+    for typer, and the command reads them from `ctx.params` rather than as arguments of its own."""
+    signature = inspect.signature(command, eval_str=True)  # typer reads a given __signature__ as it stands
+    shape = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+             for name, annotation, default in MODEL_SHAPE]
+
+    @functools.wraps(command)
+    def with_shape(*args, **kwargs) -> None:
+        for name, _, _ in MODEL_SHAPE:
+            kwargs.pop(name, None)
+        command(*args, **kwargs)
+
+    with_shape.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *shape])
+    with_shape.__annotations__ = {p.name: p.annotation for p in with_shape.__signature__.parameters.values()}
+    return with_shape
 
 # The what-if GPU (`simulate`, `sweep`, `tune`, `estimate`): the model above, counted by torch on the meta device,
 # priced on a catalogue part and parallelised as these say (commands/estimate.py reads them).

@@ -14,20 +14,11 @@ from rich.table import Table
 
 from .common import (
     DTYPES,
-    Attention,
-    Dropout,
-    Ffn,
-    Gated,
-    Heads,
+    MODEL_SIZES,
     InputError,
-    KvHeads,
-    Layers,
-    ModelDtype,
     ModelName,
-    SeqLen,
-    Vocab,
-    Width,
     fail,
+    model_shape_options,
     require,
     require_model_data,
     stderr,
@@ -38,26 +29,18 @@ if TYPE_CHECKING:
     from ..workload.count import LayerCount, WorkloadCount
 
 
+@model_shape_options
 def count(
+    ctx: typer.Context,
     model: ModelName = "gpt",
     microbatch_size: Annotated[int, typer.Option(
         "--microbatch-size", "-b", min=1, help="Samples per micro-batch.")] = 1,
-    dtype: ModelDtype = "bf16",
-    attention: Attention = "math",
-    layers: Layers = None,
-    width: Width = None,
-    heads: Heads = None,
-    seq_len: SeqLen = None,
-    vocab: Vocab = None,
-    ffn: Ffn = None,
-    kv_heads: KvHeads = None,
-    gated: Gated = None,
-    dropout: Dropout = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Count a model's work per layer and micro-batch, on torch's meta device (no memory, any size): forward,
     input-gradient and weight-gradient FLOPs, bytes moved by memory-bound ops, bytes saved for the backward,
     weight and Adam-state bytes, and the tensor each layer outputs (what a stage ending there sends)."""
+    dtype, attention = ctx.params["dtype"], ctx.params["attention"]
     try:
         require("pipesim count", "torch")
         require_model_data("pipesim count", model)
@@ -70,8 +53,7 @@ def count(
 
         if attention not in ATTENTION:
             raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
-        options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
-                       kv_heads=kv_heads, gated=gated, dropout=dropout)
+        options = {name: ctx.params[name] for name in MODEL_SIZES}
         started = time.perf_counter()
         try:
             counted = count_built(model, options, microbatch_size, getattr(torch, DTYPES[dtype]), attention)

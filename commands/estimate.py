@@ -13,32 +13,23 @@ import typer
 
 from .common import (
     DTYPES,
-    Attention,
+    MODEL_SIZES,
     DataParallel,
-    Dropout,
-    Ffn,
-    Gated,
     GpuName,
     GpusFile,
-    Heads,
     HeldOptimizer,
     InputError,
-    KvHeads,
-    Layers,
     MicrobatchSize,
-    ModelDtype,
     ModelName,
     Recompute,
-    SeqLen,
     SequenceParallel,
     ShardedOptimizer,
     Stages,
     TensorParallel,
-    Vocab,
-    Width,
     check_writable,
     fail,
     is_given,
+    model_shape_options,
     require,
     require_model_data,
     stdout,
@@ -51,7 +42,6 @@ if TYPE_CHECKING:
     from ..profiles.schema import Profile
     from ..profiles.workload import WorkloadCount
 
-MODEL_SIZES = ("layers", "width", "heads", "seq_len", "vocab", "ffn", "kv_heads", "gated", "dropout")
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "recompute")
@@ -261,6 +251,7 @@ class ModelWork:
                 "mfu": samples_per_s * self.flops_per_sample / (gpus * self.peak_flops_per_s)}
 
 
+@model_shape_options
 def estimate(
     ctx: typer.Context,
     gpu: GpuName,
@@ -273,19 +264,8 @@ def estimate(
     sharded_optimizer: ShardedOptimizer = False,
     recompute: Recompute = "none",
     microbatch_size: MicrobatchSize = 1,
-    dtype: ModelDtype = "bf16",
-    attention: Attention = "math",
     optimizer: HeldOptimizer = "adam",
     gpus: GpusFile = None,
-    layers: Layers = None,
-    width: Width = None,
-    heads: Heads = None,
-    seq_len: SeqLen = None,
-    vocab: Vocab = None,
-    ffn: Ffn = None,
-    kv_heads: KvHeads = None,
-    gated: Gated = None,
-    dropout: Dropout = None,
 ) -> None:
     """Estimate a model's profile on a catalogue GPU, without the GPU: the model counted by torch on the meta
     device, priced on the part's figures, parallelised as given, and partitioned into p stages. simulate, sweep,

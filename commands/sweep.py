@@ -11,33 +11,23 @@ from rich import box
 from rich.table import Table
 
 from .common import (
-    Attention,
     BlockingComm,
     DataParallel,
-    Dropout,
-    Ffn,
-    Gated,
     GpuName,
     GpusFile,
-    Heads,
     HeldOptimizer,
     InputError,
-    KvHeads,
-    Layers,
     MicrobatchSize,
-    ModelDtype,
     ModelName,
     NetworkGbS,
     Recompute,
     SearchSeconds,
-    SeqLen,
     SequenceParallel,
     TensorParallel,
-    Vocab,
     WgradFraction,
-    Width,
     check_writable,
     fail,
+    model_shape_options,
     progress,
     require,
     scenario_from_flags,
@@ -48,6 +38,7 @@ from .common import (
 from .estimate import count_what_if, estimated_profile, what_if
 
 
+@model_shape_options
 def sweep(
     ctx: typer.Context,
     schedule: Annotated[str | None, typer.Option(
@@ -118,17 +109,6 @@ def sweep(
     sequence_parallel: SequenceParallel = False,
     recompute: Recompute = "none",
     model: ModelName = None,
-    layers: Layers = None,
-    width: Width = None,
-    heads: Heads = None,
-    seq_len: SeqLen = None,
-    vocab: Vocab = None,
-    ffn: Ffn = None,
-    kv_heads: KvHeads = None,
-    gated: Gated = None,
-    dropout: Dropout = None,
-    dtype: ModelDtype = "bf16",
-    attention: Attention = "math",
     workers: Annotated[int | None, typer.Option(
         "--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
     ray: Annotated[str | None, typer.Option(

@@ -15,29 +15,19 @@ from rich.table import Table
 
 from ..units import GIB
 from .common import (
-    Attention,
     DataParallel,
-    Dropout,
-    Ffn,
-    Gated,
     GpuName,
     GpusFile,
-    Heads,
     InputError,
-    KvHeads,
-    Layers,
-    ModelDtype,
     ModelName,
     Recompute,
     SearchSeconds,
-    SeqLen,
     SequenceParallel,
     TensorParallel,
-    Vocab,
-    Width,
     check_memory_gb,
     fail,
     load_profile_flag,
+    model_shape_options,
     search_options,
     stdout,
 )
@@ -46,6 +36,7 @@ from .estimate import RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_pro
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
 
 
+@model_shape_options
 def tune(
     ctx: typer.Context,
     devices: Annotated[int, typer.Option(
@@ -85,17 +76,6 @@ def tune(
                                                             f"searched over {', '.join(map(str, MICROBATCH_SIZES))})."
                                                             )] = None,
     model: ModelName = None,
-    layers: Layers = None,
-    width: Width = None,
-    heads: Heads = None,
-    seq_len: SeqLen = None,
-    vocab: Vocab = None,
-    ffn: Ffn = None,
-    kv_heads: KvHeads = None,
-    gated: Gated = None,
-    dropout: Dropout = None,
-    dtype: ModelDtype = "bf16",
-    attention: Attention = "math",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Pick the fastest schedule, depth p, micro-batches m, chunks v, pipelines P and layer partition for a
