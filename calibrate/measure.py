@@ -147,16 +147,19 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
     """Time every phase of every sequence on its own, in rounds that each run all the sequences in turn, so a
     slow spell of a shared machine spreads over all of them instead of bending one: `warmup` rounds, then
     timed ones until every phase is `precise` (to `tolerance`, or `floor_ms(name)`) or `repeats` rounds are
-    timed. A phase hands its result to the next (a forward's graph to its backward), so no untimed work is
-    repeated just to set one up; the last result is released after the clock stops, so freeing it is not
-    charged to any phase. A name in several sequences pools their samples."""
+    timed. A sequence whose phases are all precise leaves the rounds: repeating it would only add work (the
+    untimed pass before a step costs a hundred times the step), so one noisy phase repeats its own sequence,
+    not every other. A phase hands its result to the next (a forward's graph to its backward), so no untimed
+    work is repeated just to set one up; the last result is released after the clock stops, so freeing it is
+    not charged to any phase. A name in several sequences pools their samples."""
     samples: dict[Hashable, list[float]] = {}
     rounds = settings.warmup + settings.repeats
+    active = list(sequences)
     for repeat in range(rounds):
         if advance is not None:
             advance(f"round {repeat + 1}/{rounds}")
         timed: list[tuple[Hashable, Any]] = []
-        for sequence in sequences:
+        for sequence in active:
             state = None
             for name, run in sequence:
                 if settings.cuda:
@@ -176,7 +179,9 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
             torch.cuda.synchronize()
         for name, sample in timed:
             samples.setdefault(name, []).append(sample[0].elapsed_time(sample[1]) if settings.cuda else sample)
-        if all(precise(ms, tolerance, floor_ms(name)) for name, ms in samples.items()):
+        active = [sequence for sequence in active
+                  if not all(precise(samples[name], tolerance, floor_ms(name)) for name, _ in sequence)]
+        if not active:
             break
     return {name: _timing(ms) for name, ms in samples.items()}
 
