@@ -383,13 +383,17 @@ def test_stashed_and_predicted_weights_cost_what_the_simulator_counts(weighty_pr
 
 
 @pytest.fixture(scope="module")
-def dag_profile(tmp_path_factory):
-    """GraphPipe's two-branch DAG in 4 stages whose messages outweigh its weights, with the runtime probe."""
+def dag_profile(tmp_path_factory, weighty_profile):
+    """GraphPipe's two-branch DAG in 4 stages whose messages outweigh its weights, with the runtime terms the
+    probe measured for `weighty_profile`: the receives kept posted and the gradients an update keeps are the
+    executor's, not the model's (the probe measures them on its own tiny model), so a second probe (4 ranks
+    spawned twice) would measure the same memory terms again."""
     path = tmp_path_factory.mktemp("profile") / "dag.json"
     code, _, err = pipesim("calibrate", "--model", "two-branch", "--layers", 2, "--width", 16, "--microbatch-size", 8,
-                           "--stages", 4, "--no-links", "--no-contention", "--repeats", 1, "--warmup", 0, "--out", path)
+                           "--stages", 4, "--no-links", "--no-runtime", "--no-contention", "--repeats", 1, "--warmup",
+                           0, "--out", path)
     assert code == 0, err
-    return load_profile(path)
+    return load_profile(path).model_copy(update={"runtime": weighty_profile.runtime})
 
 
 def test_posted_receives_hold_their_buffers_as_the_simulator_counts(dag_profile):
