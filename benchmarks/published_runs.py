@@ -1,4 +1,4 @@
-"""Every published run of ../shared/published/ predicted from the catalogue's a100-sxm-80gb, nothing fitted.
+"""Every published run of benchmarks/published/ (tables copied from the papers) predicted from the catalogue's a100-sxm-80gb, nothing fitted.
 
 Per row: the GPT counted by torch on the meta device at the run's micro-batch size (fp16, the scores
 materialised as Megatron-LM ran them, its 0.1 dropouts), estimated per GPU for its t, p, d and recomputation
@@ -38,7 +38,7 @@ from pipesim.sim import simulate
 from pipesim.traces.metrics import summarize
 from pipesim.workload.count import WorkloadCount, count_built
 
-PUBLISHED = Path(__file__).resolve().parents[2] / "shared" / "published"
+PUBLISHED = Path(__file__).resolve().parent / "published"  # the papers' tables; README.md there says how to read them
 SEQ, VOCAB = 2048, 51200
 DROPOUT = 0.1  # Megatron-LM's GPT default (--attention-dropout, --hidden-dropout), as both papers ran
 GPU = load_catalogue().find("a100-sxm-80gb")
