@@ -67,7 +67,6 @@ FLOOR_MS = 0.002  # an interval this narrow is precise whatever the median: the 
 LAYER_TOLERANCE = 0.05  # layers' times set the partition and scale other cuts' stages
 PASS_TOLERANCE = 0.02  # stage passes are what a prediction prices, m times per mini-batch
 STEP_SHARE = 0.01  # a step or a prediction runs once per mini-batch: precise to 1 % of its stage's F + B
-SETUP = frozenset({"pass"})  # the untimed stage pass before each step, prediction and accumulation
 
 
 class DeviceError(ValueError):
@@ -143,8 +142,8 @@ Phase = tuple[Hashable, Callable[[Any], Any]]  # a name, and the work: the previ
 
 
 def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None = None,
-          tolerance: float = LAYER_TOLERANCE, floor_ms: Callable[[Hashable], float] = lambda name: FLOOR_MS,
-          setup: frozenset[Hashable] = frozenset()) -> dict[Hashable, Timing]:
+          tolerance: float = LAYER_TOLERANCE, floor_ms: Callable[[Hashable], float] = lambda name: FLOOR_MS
+          ) -> dict[Hashable, Timing]:
     """Time every phase of every sequence on its own, in rounds that each run all the sequences in turn, so a
     slow spell of a shared machine spreads over all of them instead of bending one: `warmup` rounds, then
     timed ones until every phase is `precise` (to `tolerance`, or `floor_ms(name)`) or `repeats` rounds are
@@ -152,9 +151,7 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
     untimed pass before a step costs a hundred times the step), so one noisy phase repeats its own sequence,
     not every other. A phase hands its result to the next (a forward's graph to its backward), so no untimed
     work is repeated just to set one up; the last result is released after the clock stops, so freeing it is
-    not charged to any phase. A name in several sequences pools their samples. Phases named in `setup` only
-    set the timed ones' conditions (an untimed pass before a step): warm-up rounds skip them, since a warm-up
-    readies the timed phases' own code and state, and each timed round sets its conditions afresh."""
+    not charged to any phase. A name in several sequences pools their samples."""
     samples: dict[Hashable, list[float]] = {}
     rounds = settings.warmup + settings.repeats
     active = list(sequences)
@@ -165,8 +162,6 @@ def _time(settings: Settings, *sequences: list[Phase], advance: Advance | None =
         for sequence in active:
             state = None
             for name, run in sequence:
-                if repeat < settings.warmup and name in setup:
-                    continue
                 if settings.cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -383,8 +378,8 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
     the weights its backward read), and the copy and averaging read only the weights, which the backward read
     too. Given the stages' `passes`, each op stops repeating once known to STEP_SHARE of its stage's F + B (the
     untimed passes between them are not checked). The passes take most of the time (the default gpt's 0.25-0.3 s
-    each), so at most one untimed round comes first, without them: the stage's passes were just timed, and it
-    makes the optimizer's state (a step on zero gradients)."""
+    each), so at most one untimed round comes first: the stage's passes were just timed, and it makes the
+    optimizer's state."""
     out = []
     settings = replace(settings, warmup=min(settings.warmup, 1))
     for k, run in enumerate(runs):
@@ -395,7 +390,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
         enough_ms = STEP_SHARE * (passes[k].fwd.median_ms + passes[k].bwd.median_ms) if passes else 0.0
 
         def floor_ms(name: Hashable, enough_ms: float = enough_ms) -> float:
-            return math.inf if name in SETUP | {"drop"} else max(FLOOR_MS, enough_ms)
+            return math.inf if name in ("pass", "drop") else max(FLOOR_MS, enough_ms)
         steps = {}
         for name in OPTIMIZERS:
             advance(f"stage {k}: {name} step and prediction")
@@ -407,7 +402,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
                           [("pass", _call_with(_fresh_pass, run, None)),
                            ("predict", lambda _, state=state: state.predict((state.version, 1, "F"))),
                            ("drop", lambda predicted, state=state: state.free_predicted(
-                               (predicted.version, predicted.distance, "F")))], floor_ms=floor_ms, setup=SETUP)
+                               (predicted.version, predicted.distance, "F")))], floor_ms=floor_ms)
             steps[name] = StepTimes(step=times["step"], predict=times["predict"])
         advance(f"stage {k}: gradient accumulation, weight copy, elastic averaging")
         weights = run.weights = _with_grads(run.weights)
@@ -417,7 +412,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
         average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
         accumulate = _call_with(_accumulate, [torch.zeros_like(w) for w in weights], [w.grad for w in weights])
         times = _time(settings, [warm, ("accumulate", accumulate), ("copy", _call_with(copy_on_write, weights)),
-                                 ("average", average)], floor_ms=floor_ms, setup=SETUP)
+                                 ("average", average)], floor_ms=floor_ms)
         out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 

@@ -450,23 +450,17 @@ def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monk
     from pipesim.executor.weights import StageWeights
     from pipesim.workload.models import build_model
 
-    steps, warm_ups, predictions, warmed = [], [], [], set()
+    steps, predictions = [], []
     step, predict = StageWeights.step, StageWeights.predict
 
     def recording_step(self, keep_old):
-        if all(g is None for g in self.grads):  # the warm-up round's, on zero gradients: no pass comes before it
-            warm_ups.append(keep_old)
-            warmed.add(id(self))
-        else:
-            warmed.discard(id(self))
-            steps.append((self.optimizer, keep_old, [id(g) for g in self.grads], [g.clone() for g in self.grads]))
+        steps.append((self.optimizer, keep_old, [id(g) for g in self.grads], [g.clone() for g in self.grads]))
         step(self, keep_old)
 
     def recording_predict(self, key):
         assert not self.predicted  # each prediction is freed after it is timed: none builds up
         predicted = predict(self, key)
-        moved = any(not torch.equal(p, w) for p, w in zip(predicted.tensors, self.current))
-        predictions.append((key, moved or id(self) in warmed))  # a zero gradient gives nothing to extrapolate
+        predictions.append((key, any(not torch.equal(p, w) for p, w in zip(predicted.tensors, self.current))))
         return predicted
 
     monkeypatch.setattr(StageWeights, "step", recording_step)
@@ -477,15 +471,14 @@ def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monk
     measure_bytes(model, settings)
     runs = stage_runs(model, [0, 2, 3], "float64", 3)
     measured = measure_steps(runs, settings, lambda what: None)
-    assert len(steps) == len(runs) * len(OPTIMIZERS) * settings.repeats
-    assert len(warm_ups) == len(runs) * len(OPTIMIZERS) * settings.warmup
-    assert not any(warm_ups) and all(not keep_old for _, keep_old, _, _ in steps)  # in place: `copy` is its own
+    rounds = settings.warmup + settings.repeats
+    assert len(steps) == len(runs) * len(OPTIMIZERS) * rounds
+    assert all(not keep_old for _, keep_old, _, _ in steps)  # in place: a copy-on-write update adds `copy`
     for (a, _, ids_a, grads_a), (b, _, ids_b, _) in itertools.pairwise(steps):
         if a is b:  # the same stage and optimizer, one round later: a new buffer (the old one is still held)
             assert not set(ids_a) & set(ids_b)
     assert all(g.abs().sum() > 0 for _, _, _, grads in steps for g in grads)  # a backward filled it
-    assert len(predictions) == len(steps) + len(warm_ups)
-    assert all(key[1:] == (1, "F") for key, _ in predictions)  # one update ahead
+    assert len(predictions) == len(steps) and all(key[1:] == (1, "F") for key, _ in predictions)  # one update ahead
     assert all(moved for _, moved in predictions)  # each after an update: there is a direction to extrapolate
     for stage_steps, *_ in measured:
         assert set(stage_steps) == set(OPTIMIZERS)
@@ -542,9 +535,8 @@ def test_timing_stops_once_every_median_is_precise_and_not_before(monkeypatch, i
     assert times["a"].repeats == times["b"].repeats == timed
 
 
-def test_a_sequence_leaves_the_rounds_once_its_phases_are_precise_and_warms_up_without_its_setup(monkeypatch):
-    """The untimed pass before a step is the costly part: a precise step must not repeat it for a noisy one, and
-    a warm-up round (it readies the step's code and state) needs none."""
+def test_a_sequence_leaves_the_rounds_once_its_phases_are_precise(monkeypatch):
+    """The untimed pass before a step is the costly part: a precise step must not repeat it for a noisy one."""
     from pipesim.calibrate import measure
 
     monkeypatch.setattr(measure, "time", _clock((0, 1_000_000) * 2 + (0, 3_000_000) * 2))  # never within 2 %
@@ -552,10 +544,9 @@ def test_a_sequence_leaves_the_rounds_once_its_phases_are_precise_and_warms_up_w
     runs = []
     times = measure._time(settings, [("pass", lambda _: runs.append("pass")), ("a", lambda _: runs.append("a"))],
                           [("b", lambda _: runs.append("b"))], tolerance=0.02,
-                          floor_ms=lambda name: 1.0 if name in ("pass", "a") else measure.FLOOR_MS,
-                          setup=frozenset({"pass"}))
+                          floor_ms=lambda name: 1.0 if name in ("pass", "a") else measure.FLOOR_MS)
     assert times["a"].repeats == times["pass"].repeats == 5 and times["b"].repeats == 20
-    assert runs.count("a") == settings.warmup + 5 and runs.count("pass") == 5
+    assert runs.count("pass") == runs.count("a") == settings.warmup + 5
     assert runs.count("b") == settings.warmup + 20
 
 
