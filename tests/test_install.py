@@ -58,6 +58,9 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
         "run": (("run", "-s", "1f1b", "--model", "mlp", "--trace", "m.json"), TORCH_HINT),
         "study": (("study", "--seeds", 1, "--results", "s.json", "--html", "s.html"), TORCH_HINT),
         "count": (("count", "--model", "gpt", "--layers", 2), TORCH_HINT),
+        "estimate": (("estimate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 2, "--out", "e.json"),
+                     TORCH_HINT),
+        "simulate --gpu": (("simulate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 2), TORCH_HINT),
         "sweep --out .parquet": (("sweep", "-s", "1f1b", "--out", "r.parquet"), "pip install 'pipesim[parquet]'"),
         "sweep --ray": (("sweep", "-s", "1f1b", "--ray", "local"), "pip install 'pipesim[ray]'"),
     }
@@ -69,4 +72,4 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
         done = pipesim(*args)
         assert done.returncode == 2 and "Traceback" not in done.stderr, f"{name}: {done.stderr}"
         assert len(done.stderr.strip().splitlines()) == 1 and hint in done.stderr, f"{name}: {done.stderr}"
-    assert not any((tmp_path / name).exists() for name in ("g.json", "m.json", "s.json", "r.parquet"))
+    assert not any((tmp_path / name).exists() for name in ("g.json", "m.json", "s.json", "e.json", "r.parquet"))
