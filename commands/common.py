@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -106,22 +106,32 @@ MODEL_SIZES = tuple(name for name, _, _ in MODEL_SHAPE[:-2])  # what the model i
                                                                 # are how it is counted)
 
 
-def model_shape_options(command: Callable[..., None]) -> Callable[..., None]:
-    """Give a command the counted model's shape flags (`MODEL_SHAPE`), declared here once: they join its signature
-    for typer, and the command reads them from `ctx.params` rather than as arguments of its own."""
-    signature = inspect.signature(command, eval_str=True)  # typer reads a given __signature__ as it stands
-    shape = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
-             for name, annotation, default in MODEL_SHAPE]
+def shared_options(*options: tuple[str, Any, Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command flags declared here once, as (name, annotated type, default): they join its signature for
+    typer, and the command reads them from `ctx.params` rather than as arguments of its own."""
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)  # typer reads a given __signature__ as it stands
+        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+                  for name, annotation, default in options]
 
-    @functools.wraps(command)
-    def with_shape(*args, **kwargs) -> None:
-        for name, _, _ in MODEL_SHAPE:
-            kwargs.pop(name, None)
-        command(*args, **kwargs)
+        @functools.wraps(command)
+        def with_options(*args, **kwargs) -> None:
+            for name, _, _ in options:
+                kwargs.pop(name, None)
+            command(*args, **kwargs)
 
-    with_shape.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *shape])
-    with_shape.__annotations__ = {p.name: p.annotation for p in with_shape.__signature__.parameters.values()}
-    return with_shape
+        with_options.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *shared])
+        with_options.__annotations__ = {p.name: p.annotation for p in with_options.__signature__.parameters.values()}
+        return with_options
+    return decorate
+
+
+CurveFrom = Annotated[Path | None, typer.Option(
+    "--curve-from", metavar="PROFILE", help="With --gpu: a calibration made on that GPU (`pipesim calibrate --device "
+                                            "cuda`): the part's efficiency curve fitted to its measured layers "
+                                            "replaces the catalogue's, so one measured GPU predicts other models.")]
+model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
+what_if_options = shared_options(*MODEL_SHAPE, ("curve_from", CurveFrom, None))  # and the curve, with --gpu
 
 # The what-if GPU (`simulate`, `sweep`, `tune`, `estimate`): the model above, counted by torch on the meta device,
 # priced on a catalogue part and parallelised as these say (commands/estimate.py reads them).

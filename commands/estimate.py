@@ -6,6 +6,7 @@ once --gpu is given, so the commands start fast without it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -29,22 +30,22 @@ from .common import (
     check_writable,
     fail,
     is_given,
-    model_shape_options,
     require,
     require_model_data,
     stdout,
+    what_if_options,
     write_error,
 )
 
 if TYPE_CHECKING:
-    from ..hardware.catalogue import Cluster, Gpu
+    from ..hardware.catalogue import Cluster, Curve, Gpu
     from ..planning.estimate import Parallelism
     from ..profiles.schema import Profile
     from ..profiles.workload import WorkloadCount
 
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
-                 "recompute")
+                 "recompute", "curve_from")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -70,6 +71,32 @@ class WhatIf:
     attention: str
     sequence_parallel: bool
     sharded_optimizer: bool
+    calibrated: Profile | None = None  # --curve-from: a calibration on the part, whose layers fit its curve
+    calibrated_path: Path | None = None
+
+    @cached_property
+    def curve(self) -> Curve | None:
+        """The part's efficiency curve fitted to the --curve-from calibration's measured layers on the same model's
+        count (imports torch; once per command); None: the catalogue's curve."""
+        if self.calibrated is None:
+            return None
+        from ..planning.estimate import PEAK_DTYPE, Device, EstimateError, fit_curve
+
+        env = self.calibrated.environment
+        peak = getattr(self.gpu.dense_tflops, PEAK_DTYPE[env.dtype])
+        if peak is None or self.gpu.curve is None:
+            raise InputError(f"--curve-from: {self.gpu.name} has no {env.dtype} peak or curve in the catalogue to fit")
+        counted = count_model_of(self.calibrated.model.name, dict(self.calibrated.model.options), env.microbatch_size,
+                                 env.dtype, "math", "--curve-from")
+        # A CPU has no tile or wave quantisation: one "multiprocessor" of 1 x 1 tiles, so that a CPU calibration
+        # fits the CPU (how the fit is tested without a GPU)
+        shape = self.gpu.curve if env.device == "cuda" else self.gpu.curve.model_copy(
+            update={"multiprocessors": 1, "tiles": [(1, 1)]})
+        try:
+            return fit_curve(self.calibrated, counted, Device(peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6, shape),
+                             f"fitted to {self.calibrated_path} ({env.device_name}, {env.date})")
+        except EstimateError as exc:
+            raise InputError(f"--curve-from: {exc}") from None
 
     @property
     def cluster_gpus(self) -> int | None:
@@ -128,31 +155,46 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     elif name not in catalogue.gpu:
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
+    calibrated = None
+    if params.get("curve_from") is not None:
+        from ..profiles.schema import ProfileError, load_profile
+
+        try:
+            calibrated = load_profile(params["curve_from"])
+        except ProfileError as exc:
+            raise InputError(f"--curve-from: {exc}") from None
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False),
-                  params.get("sharded_optimizer", False))
+                  params.get("sharded_optimizer", False), calibrated, params.get("curve_from"))
 
 
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     """The model counted on the meta device at `microbatch_size` samples. A built-in model's count is kept in the
     host cache, keyed by everything it depends on (see `_count_cache`), so that only the first what-if of a shape
     pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import)."""
-    cache = _count_cache(what, microbatch_size)
+    return count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
+                          "--gpu (the model is counted by torch on the meta device)")
+
+
+def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
+                   needer: str) -> WorkloadCount:
+    """`model` counted on the meta device, from the host cache where a built-in model's count is kept."""
+    cache = _count_cache(model, options, microbatch_size, dtype, attention)
     if cache is not None:
         counted = _read_count(cache)
         if counted is not None:
             return counted
-    require("--gpu (the model is counted by torch on the meta device)", "torch")
-    require_model_data("--gpu", what.model)
+    require(needer, "torch")
+    require_model_data(needer.split()[0], model)
     import torch
 
     from ..workload.count import ATTENTION, count_built
     from ..workload.models import ModelError
 
-    if what.attention not in ATTENTION:
-        raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {what.attention!r})")
+    if attention not in ATTENTION:
+        raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
     try:
-        counted = count_built(what.model, what.options, microbatch_size, getattr(torch, what.dtype), what.attention)
+        counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention)
     except ModelError as exc:
         raise InputError(str(exc)) from None
     if cache is not None:
@@ -160,7 +202,8 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     return counted
 
 
-def _count_cache(what: WhatIf, microbatch_size: int) -> Path | None:
+def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtype: str,
+                 attention: str) -> Path | None:
     """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype and
     attention, the installed torch's version and the source of the code that builds and counts it (so that a
     change to either counts again). None for a user's own model, whose code pipesim cannot watch."""
@@ -170,15 +213,15 @@ def _count_cache(what: WhatIf, microbatch_size: int) -> Path | None:
 
     from ..workload.cachedir import cache_dir
 
-    if ":" in what.model:
+    if ":" in model:
         return None
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         return None
     package = Path(__file__).resolve().parent.parent
-    key = hashlib.sha256(json.dumps([what.model, what.options, microbatch_size, what.dtype, what.attention,
-                                     torch_version], sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps([model, options, microbatch_size, dtype, attention, torch_version],
+                                    sort_keys=True).encode())
     for source in ("workload/models.py", "workload/count.py", "profiles/workload.py"):
         key.update((package / source).read_bytes())
     return cache_dir() / "counts" / f"{key.hexdigest()[:32]}.json"
@@ -219,7 +262,8 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     from ..planning.estimate import EstimateError, estimate_profile
 
     try:
-        return estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster)
+        return estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
+                                curve=what.curve)
     except EstimateError as exc:
         field, _, rest = str(exc).partition(": ")
         raise InputError(f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else str(exc)) from None
@@ -251,7 +295,7 @@ class ModelWork:
                 "mfu": samples_per_s * self.flops_per_sample / (gpus * self.peak_flops_per_s)}
 
 
-@model_shape_options
+@what_if_options
 def estimate(
     ctx: typer.Context,
     gpu: GpuName,

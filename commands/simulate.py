@@ -48,7 +48,6 @@ from .common import (
     fail,
     is_given,
     load_profile_flag,
-    model_shape_options,
     progress,
     scenario_from_flags,
     search_options,
@@ -56,6 +55,7 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
+    what_if_options,
     write_error,
 )
 from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, what_if
@@ -93,7 +93,7 @@ def _output_paths(path: Path, names: list[str]) -> list[Path]:
     return [path.with_name(f"{path.stem}-{name}{path.suffix}") for name in names]
 
 
-@model_shape_options
+@what_if_options
 def simulate(
     ctx: typer.Context,
     schedule: Annotated[list[str] | None, typer.Option(

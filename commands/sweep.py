@@ -27,18 +27,18 @@ from .common import (
     WgradFraction,
     check_writable,
     fail,
-    model_shape_options,
     progress,
     require,
     scenario_from_flags,
     search_options,
     stdout,
+    what_if_options,
     write_error,
 )
 from .estimate import count_what_if, estimated_profile, what_if
 
 
-@model_shape_options
+@what_if_options
 def sweep(
     ctx: typer.Context,
     schedule: Annotated[str | None, typer.Option(

@@ -27,16 +27,16 @@ from .common import (
     check_memory_gb,
     fail,
     load_profile_flag,
-    model_shape_options,
     search_options,
     stdout,
+    what_if_options,
 )
 from .estimate import RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
 
 
-@model_shape_options
+@what_if_options
 def tune(
     ctx: typer.Context,
     devices: Annotated[int, typer.Option(

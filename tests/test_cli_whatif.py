@@ -4,6 +4,7 @@ one line and exit 2, with nothing written."""
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,26 @@ def test_dropout_is_counted_and_priced():
                       for extra in ((), ("--dropout", "0.1")))
     assert dropped["time_per_minibatch_ms"] > plain["time_per_minibatch_ms"]
     assert dropped["peak_memory_mb"] > plain["peak_memory_mb"]  # its masks are kept for the backward
+
+
+def test_curve_from_a_calibration_fits_the_part_to_its_measured_layers(tmp_path):
+    from statistics import median
+
+    from pipesim.profiles.schema import load_profile
+
+    calibration = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    measured = load_profile(calibration)
+    shape = [f"--{key.replace('_', '-')}={value}" for key, value in measured.model.options.items()]
+    args = ("estimate", *GPU, "--model", "gpt", *shape, "-b", str(measured.environment.microbatch_size),
+            "--dtype", "fp32", "--out")
+    code, out, err = pipesim(*args, str(tmp_path / "fitted.json"), "--curve-from", str(calibration))
+    assert code == 0, err
+    fitted = load_profile(tmp_path / "fitted.json")
+    assert "fitted to" in fitted.estimate.curve["source"] and "gpt-cpu.json" in fitted.estimate.curve["source"]
+    errors = [abs(estimated.fwd.median_ms / timed.fwd.median_ms - 1)
+              for estimated, timed in zip(fitted.layers, measured.layers)]
+    assert median(errors) < 0.25  # the CPU's own layers, from a curve fitted to them (the catalogue's: 1000x off)
+    code, out, err = pipesim(*args, str(tmp_path / "bad.json"), "--curve-from", str(tmp_path / "fitted.json"))
+    assert code == 0, err  # an estimate is a profile too, though fitting to one only gives its curve back
+    code, out, err = pipesim(*args, str(tmp_path / "no.json"), "--curve-from", str(tmp_path / "missing.json"))
+    assert code == 2 and err.startswith("error: --curve-from:") and len(err.strip().splitlines()) == 1, err
