@@ -3,7 +3,8 @@
 1. calibrate a GPT on the GPU (`pipesim calibrate --device cuda --stages 2`);
 2. run it for real with the executor on 2 ranks sharing the GPU (1F1B and ZB-H1), measured traces;
 3. compare each run with pipesim's prediction from that profile (`pipesim compare`);
-4. predict the same model from the GPU catalogue alone (`pipesim estimate`, the what-if path that needs no GPU);
+4. predict the same model from the GPU catalogue alone (`pipesim estimate`, the what-if path that needs no GPU),
+   and with the part's curve fitted to this calibration (`--curve-from`);
 
 then print per stage and op the estimated, calibrated and measured milliseconds side by side, and per schedule
 the iteration time three ways. Everything lands in `--out` (profiles, traces, the comparisons, `check.json`):
@@ -113,29 +114,31 @@ def main() -> None:
         check["steps"][method] = {"calibrated_ms": compared["predicted_ms"], "measured_ms": compared["measured_ms"],
                                   "error": compared["iteration_time_error"], "ops": measured_ms(trace)}
 
-    estimated = None
-    if part is not None:
-        estimate = args.out / "estimate.json"
-        pipesim("estimate", "--gpu", part, *shape, *dtype, "--stages", "2", "--out", str(estimate),
-                log=args.out / "estimate.log")
-        estimated = load_profile(estimate)
+    estimated = {}  # the catalogue's curve, and the part's curve fitted to this calibration
+    for source, curve in (("catalogue", []), ("fitted", ["--curve-from", str(profile)])) if part else ():
+        estimate = args.out / f"estimate-{source}.json"
+        pipesim("estimate", "--gpu", part, *shape, *dtype, "--stages", "2", *curve, "--out", str(estimate),
+                log=args.out / f"estimate-{source}.log")
+        estimated[source] = load_profile(estimate)
         for method in METHODS:
             simulated = json.loads(pipesim("simulate", "--profile", str(estimate), "-s", method, "-p", "2",
-                                           *minibatches, "--json", log=args.out / f"simulate-{method}.log"))
-            check["steps"][method]["estimated_ms"] = simulated["results"][0]["time_per_minibatch_ms"]
+                                           *minibatches, "--json", log=args.out / f"simulate-{source}-{method}.log"))
+            check["steps"][method][f"estimated_{source}_ms"] = simulated["results"][0]["time_per_minibatch_ms"]
 
     table = Table(box=box.SIMPLE_HEAD, title="per stage and micro-batch, ms")
-    for column in ("stage", "op", f"estimated ({part})", "calibrated", "measured (1f1b)"):
+    for column in ("stage", "op", *(f"estimated ({part}, {source} curve)" for source in estimated), "calibrated",
+                   "measured (1f1b)"):
         table.add_column(column, justify="right")
     ops = check["steps"]["1f1b"]["ops"]
     for k, stage in enumerate(calibrated.stages):
         for kind, field in (("F", "fwd_ms"), ("B", "bwd_ms")):
-            guess = f"{getattr(estimated.stages[k], field):.3f}" if estimated else "-"
-            table.add_row(str(k), kind, guess, f"{getattr(stage, field):.3f}",
+            guesses = [f"{getattr(profile.stages[k], field):.3f}" for profile in estimated.values()]
+            table.add_row(str(k), kind, *guesses, f"{getattr(stage, field):.3f}",
                           f"{ops.get((k, kind), float('nan')):.3f}")
     console.print(table)
     for method, step in check["steps"].items():
-        guess = f"estimated {step['estimated_ms']:.2f} ms, " if "estimated_ms" in step else ""
+        guess = "".join(f"estimated ({source} curve) {step[f'estimated_{source}_ms']:.2f} ms, "
+                        for source in estimated)
         console.print(f"{method} per mini-batch: {guess}calibrated {step['calibrated_ms']:.2f} ms, measured "
                       f"{step['measured_ms']:.2f} ms (calibrated's error {step['error']:+.1%})", highlight=False)
         step["ops"] = {f"{stage}{kind}": ms for (stage, kind), ms in step["ops"].items()}
