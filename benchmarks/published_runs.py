@@ -1,4 +1,4 @@
-"""Every published run of benchmarks/published/ (tables copied from the papers) predicted from the catalogue's a100-sxm-80gb, nothing fitted.
+"""Every published run of benchmarks/published/ (the papers' tables) predicted on a100-sxm-80gb, nothing fitted.
 
 Per row: the GPT counted by torch on the meta device at the run's micro-batch size (fp16, the scores
 materialised as Megatron-LM ran them, its 0.1 dropouts), estimated per GPU for its t, p, d and recomputation
