@@ -130,8 +130,6 @@ CurveFrom = Annotated[Path | None, typer.Option(
     "--curve-from", metavar="PROFILE", help="With --gpu: a calibration made on that GPU (`pipesim calibrate --device "
                                             "cuda`): the part's efficiency curve fitted to its measured layers "
                                             "replaces the catalogue's, so one measured GPU predicts other models.")]
-model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
-what_if_options = shared_options(*MODEL_SHAPE, ("curve_from", CurveFrom, None))  # and the curve, with --gpu
 
 # The what-if GPU (`simulate`, `sweep`, `tune`, `estimate`): the model above, counted by torch on the meta device,
 # priced on a catalogue part and parallelised as these say (commands/estimate.py reads them).
@@ -156,6 +154,14 @@ Recompute = Annotated[str | None, typer.Option(
     "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core) or "
                                         "full (each layer's forward again in its backward). tune: searched if not "
                                         "given.")]
+
+model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
+# estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
+WHAT_IF_ONLY = (*MODEL_SHAPE, ("curve_from", CurveFrom, None), ("gpus", GpusFile, None),
+                ("sequence_parallel", SequenceParallel, False))
+what_if_options = shared_options(*WHAT_IF_ONLY)
+# simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
+optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", GpuName, None), ("model", ModelName, None))
 
 
 # The searched method's knobs (auto), as numbers by `search_options`: text, so that a bad value gets our one line.

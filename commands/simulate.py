@@ -21,13 +21,10 @@ from .common import (
     Chunks,
     DataParallel,
     ElasticAlpha,
-    GpuName,
-    GpusFile,
     HeldOptimizer,
     InputError,
     Microbatches,
     MicrobatchSize,
-    ModelName,
     NetworkGbS,
     Pipelines,
     PredictionSource,
@@ -37,7 +34,6 @@ from .common import (
     SearchComm,
     SearchFwd,
     SearchSeconds,
-    SequenceParallel,
     ShardedOptimizer,
     Stages,
     TensorParallel,
@@ -48,6 +44,7 @@ from .common import (
     fail,
     is_given,
     load_profile_flag,
+    optional_what_if_options,
     progress,
     scenario_from_flags,
     search_options,
@@ -55,7 +52,6 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
-    what_if_options,
     write_error,
 )
 from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, what_if
@@ -93,7 +89,7 @@ def _output_paths(path: Path, names: list[str]) -> list[Path]:
     return [path.with_name(f"{path.stem}-{name}{path.suffix}") for name in names]
 
 
-@what_if_options
+@optional_what_if_options
 def simulate(
     ctx: typer.Context,
     schedule: Annotated[list[str] | None, typer.Option(
@@ -153,15 +149,11 @@ def simulate(
     optimizer: HeldOptimizer = "adam",
     microbatch_size: MicrobatchSize = 1,
     blocking_comm: BlockingComm = False,
-    gpu: GpuName = None,
-    gpus: GpusFile = None,
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,
     network_gb_s: NetworkGbS = None,
-    sequence_parallel: SequenceParallel = False,
     sharded_optimizer: ShardedOptimizer = False,
     recompute: Recompute = "none",
-    model: ModelName = None,
     jitter: Annotated[float, typer.Option(
         "--jitter", min=0.0, metavar="SIGMA", help="Sigma of a log-normal factor on every compute time (0: "
                                                    "none).")] = 0.0,

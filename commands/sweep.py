@@ -13,32 +13,28 @@ from rich.table import Table
 from .common import (
     BlockingComm,
     DataParallel,
-    GpuName,
-    GpusFile,
     HeldOptimizer,
     InputError,
     MicrobatchSize,
-    ModelName,
     NetworkGbS,
     Recompute,
     SearchSeconds,
-    SequenceParallel,
     TensorParallel,
     WgradFraction,
     check_writable,
     fail,
+    optional_what_if_options,
     progress,
     require,
     scenario_from_flags,
     search_options,
     stdout,
-    what_if_options,
     write_error,
 )
 from .estimate import count_what_if, estimated_profile, what_if
 
 
-@what_if_options
+@optional_what_if_options
 def sweep(
     ctx: typer.Context,
     schedule: Annotated[str | None, typer.Option(
@@ -101,14 +97,10 @@ def sweep(
     optimizer: HeldOptimizer = "adam",
     microbatch_size: MicrobatchSize = 1,
     blocking_comm: BlockingComm = False,
-    gpu: GpuName = None,
-    gpus: GpusFile = None,
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,
     network_gb_s: NetworkGbS = None,
-    sequence_parallel: SequenceParallel = False,
     recompute: Recompute = "none",
-    model: ModelName = None,
     workers: Annotated[int | None, typer.Option(
         "--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
     ray: Annotated[str | None, typer.Option(

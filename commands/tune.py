@@ -16,27 +16,23 @@ from rich.table import Table
 from ..units import GIB
 from .common import (
     DataParallel,
-    GpuName,
-    GpusFile,
     InputError,
-    ModelName,
     Recompute,
     SearchSeconds,
-    SequenceParallel,
     TensorParallel,
     check_memory_gb,
     fail,
     load_profile_flag,
+    optional_what_if_options,
     search_options,
     stdout,
-    what_if_options,
 )
 from .estimate import RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
 
 
-@what_if_options
+@optional_what_if_options
 def tune(
     ctx: typer.Context,
     devices: Annotated[int, typer.Option(
@@ -65,17 +61,13 @@ def tune(
         "--optimizer", help="Optimizer whose state is held and whose step is timed: sgd, momentum, adam, "
                             "adamw.")] = "adam",
     search_seconds: SearchSeconds = None,
-    gpu: GpuName = None,
-    gpus: GpusFile = None,
     tensor_parallel: TensorParallel = None,
     data_parallel: DataParallel = None,
-    sequence_parallel: SequenceParallel = False,
     recompute: Recompute = None,
     microbatch_size: Annotated[int | None, typer.Option(
         "--microbatch-size", "-b", metavar="B", min=1, help="With --gpu: samples per micro-batch b (default: "
                                                             f"searched over {', '.join(map(str, MICROBATCH_SIZES))})."
                                                             )] = None,
-    model: ModelName = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Pick the fastest schedule, depth p, micro-batches m, chunks v, pipelines P and layer partition for a
@@ -130,7 +122,8 @@ def tune(
             settings = [Setting(profile_scenario(measured, optimizer))]
         else:
             if what.cluster_gpus is not None and devices > what.cluster_gpus:
-                raise InputError(f"--devices {devices}: the cluster --gpu {gpu} has {what.cluster_gpus} GPUs")
+                raise InputError(f"--devices {devices}: the cluster --gpu {ctx.params['gpu']} has "
+                                 f"{what.cluster_gpus} GPUs")
             _check_degrees(devices, tensor_parallel, data_parallel)
             sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES
             batch = batch_size if batch_size is not None else 4 * devices * sizes[0]
