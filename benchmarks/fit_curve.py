@@ -1,32 +1,55 @@
-"""One calibrated size predicts another: the efficiency curve fitted (planning.estimate.fit_curve) to a
-calibration's measured layer times and the same model's count, then the other size's layers estimated on the
-fitted curve and compared with that size's own calibration.
+"""One calibrated size predicts another: a device's curve fitted (planning.estimate.fit_rates) to one size's
+calibrated layer times and the same model's count, then every other size's layers estimated on it
+(estimate_layer, as `--curve-from` prices them) and compared with that size's own calibrations, per pass; and
+the noise floor: the same size calibrated twice, compared layer by layer.
 
-On a CPU the "part" is nominal (its peak and bandwidth only scale the fitted efficiencies: 1 TFLOP/s and
-100 GB/s here, one "multiprocessor" and 1×1 tiles, so no tile quantisation); on a GPU give the catalogue part.
+Give each size's calibrations (a size: the same model, options, micro-batch size, dtype and threads); each
+size's first one is fitted. On a CPU the "part" is nominal (its peak and bandwidth only scale the fitted
+efficiencies: 1 TFLOP/s and 100 GB/s here, one "multiprocessor" and 1×1 tiles, so no tile quantisation); on a
+GPU give the catalogue part.
 
-    pipesim calibrate --model gpt --layers 2 --width 256 --heads 4 --seq-len 128 --vocab 1024 -b 4 \\
-        --dtype float32 --threads 1 --stages 1 --no-links --no-runtime --no-contention --out small.json
-    pipesim calibrate ... --width 512 --seq-len 256 ... --out large.json
-    python benchmarks/fit_curve.py small.json large.json           # fit on small, predict large
-    python benchmarks/fit_curve.py small.json large.json --gpu a100-sxm-80gb   # a GPU's calibrations
+    for rep in 1 2; do for w in 128 256 512; do
+        pipesim calibrate --model gpt --layers 2 --width $w --heads 4 --seq-len 128 --vocab 1024 -b 4 \\
+            --dtype float32 --threads 1 --stages 1 --no-links --no-runtime --no-contention --out w$w-$rep.json
+    done; done
+    python benchmarks/fit_curve.py w*-1.json w*-2.json [--gpu a100-sxm-80gb] [--json fit.json]
+
+The calibration's weight pass (autograd.grad on the weights after the input pass) walks every gradient on the
+way to the weights again: it is predicted as the count's full backward (`CALIBRATED_OPS`), and not fitted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
 
 import torch
 
 from pipesim.hardware.catalogue import Curve, load_catalogue
-from pipesim.planning.estimate import FIT_PASSES, PEAK_DTYPE, Device, Parallelism, estimate_layer, fit_curve
-from pipesim.profiles.schema import EstimateLink, Profile, load_profile
+from pipesim.planning.estimate import (
+    CALIBRATED_OPS,
+    PEAK_DTYPE,
+    Device,
+    Parallelism,
+    curve_for,
+    curve_terms,
+    estimate_layer,
+    fit_rates,
+)
+from pipesim.profiles.schema import PASSES, EstimateLink, Profile, load_profile
 from pipesim.workload.count import WorkloadCount, count_built
 
 CPU = Curve(matmul_efficiency=1.0, attention_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_ms=0.0,
             multiprocessors=1, tiles=[(1, 1)], source="nominal CPU: 1 TFLOP/s, 100 GB/s")
+NO_COLLECTIVES = EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1.0)  # t = 1: never priced
+
+
+def size_of(profile: Profile) -> tuple:
+    env = profile.environment
+    return (profile.model.name, tuple(sorted(profile.model.options.items())), env.microbatch_size, env.dtype,
+            env.threads)
 
 
 def counted(profile: Profile) -> WorkloadCount:
@@ -35,34 +58,79 @@ def counted(profile: Profile) -> WorkloadCount:
                        getattr(torch, env.dtype))
 
 
+def errors(predicted: dict[str, list[float | None]], target: Profile) -> dict[str, list[float]]:
+    """Per pass, each layer's predicted time over the target's measured one, less 1 (layers without work left
+    out)."""
+    return {name: [ms / getattr(timed, name).median_ms - 1 for ms, timed in zip(predicted[name], target.layers)
+                   if ms is not None and getattr(timed, name).median_ms > 0] for name in PASSES}
+
+
+def summary(found: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {name: {"median": statistics.median(map(abs, values)), "worst": max(map(abs, values)),
+                   "signed_median": statistics.median(values)} for name, values in found.items() if values}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("fit", type=Path, help="the calibration the curve is fitted to")
-    parser.add_argument("predict", type=Path, help="the calibration of another size, predicted")
-    parser.add_argument("--gpu", help="the catalogue part both were calibrated on (default: a nominal CPU)")
+    parser.add_argument("profiles", type=Path, nargs="+", help="calibrations of two sizes or more")
+    parser.add_argument("--gpu", help="the catalogue part they were calibrated on (default: a nominal CPU)")
+    parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
-    fit_on, target = load_profile(args.fit), load_profile(args.predict)
+    sizes: dict[tuple, list[tuple[Path, Profile]]] = {}
+    for path in args.profiles:
+        profile = load_profile(path)
+        sizes.setdefault(size_of(profile), []).append((path, profile))
+    names = {key: found[0][0].stem.rsplit("-", 1)[0] for key, found in sizes.items()}
     if args.gpu:
         gpu = load_catalogue().find(args.gpu)
-        peak = getattr(gpu.dense_tflops, PEAK_DTYPE[fit_on.environment.dtype]) * 1e9
-        datasheet = Device(peak, gpu.memory_bandwidth_gb_s * 1e6, gpu.curve)
+        dtype = next(iter(sizes.values()))[0][1].environment.dtype
+        peak, bandwidth, shape = getattr(gpu.dense_tflops, PEAK_DTYPE[dtype]) * 1e9, gpu.memory_bandwidth_gb_s * 1e6, \
+            gpu.curve
     else:
-        datasheet = Device(1e9, 1e8, CPU)
-    curve = fit_curve(fit_on, counted(fit_on), datasheet, f"fitted to {args.fit.name}")
-    print(f"fitted on {args.fit.name}: matmul {curve.matmul_efficiency:.3g}, memory {curve.memory_efficiency:.3g}, "
-          f"kernel overhead {curve.kernel_overhead_ms * 1e3:.1f} us")
-    device = Device(datasheet.peak_flops_per_ms, datasheet.memory_bytes_per_ms * curve.memory_efficiency, curve)
-    no_collectives = EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1.0)  # t = 1: never priced
-    element = 4 if target.environment.dtype == "float32" else 2
-    errors = []
-    print(f"{'layer':<12} {'pass':<6} {'predicted ms':>12} {'measured ms':>12} {'error':>8}")
-    for layer, timed in zip(counted(target).layers, target.layers):
-        priced = estimate_layer(layer, device, Parallelism(), no_collectives, element)
-        for name in FIT_PASSES:
-            predicted, measured = getattr(priced, f"{name}_ms"), getattr(timed, name).median_ms
-            errors.append(abs(predicted / measured - 1))
-            print(f"{layer.name:<12} {name:<6} {predicted:>12.3f} {measured:>12.3f} {predicted / measured - 1:>+8.1%}")
-    print(f"|error| over {len(errors)} layer passes: median {statistics.median(errors):.1%}, worst {max(errors):.1%}")
+        peak, bandwidth, shape = 1e9, 1e8, CPU
+    counts = {key: counted(found[0][1]) for key, found in sizes.items()}
+    results = []
+    widths = max(map(len, names.values())) + 2
+    print(f"{'fitted on':<{widths}} {'predicts':<{widths}} " + " ".join(f"{name:>16}" for name in PASSES)
+          + "   (|error| over the layers: median (worst))")
+    for key, found in sizes.items():
+        fitted = fit_rates(found[0][1], counts[key], shape.multiprocessors, shape.tiles)
+        curve = curve_for(fitted, peak, bandwidth, shape, f"fitted to {found[0][0].name}")
+        device = Device(peak, bandwidth * curve.memory_efficiency, curve)
+        print(f"  {found[0][0].name}: products {fitted.matmul_flops_per_ms / 1e6:.1f} GFLOP/s, memory-bound "
+              f"{(fitted.memory_bytes_per_ms or 0) / 1e6:.1f} GB/s, {fitted.kernel_overhead_ms * 1e3:.1f} us a kernel")
+        for target_key, targets in sizes.items():
+            layers = counts[target_key].layers
+            priced = [estimate_layer(layer, device, Parallelism(), NO_COLLECTIVES, 4 if found[0][1].environment.dtype
+                                     == "float32" else 2) for layer in layers]
+            predicted = {name: [getattr(p, f"{CALIBRATED_OPS[name]}_ms") if curve_terms(
+                layer, name, 1, [(1, 1)])[3] else None for p, layer in zip(priced, layers)] for name in PASSES}
+            pooled = {name: [] for name in PASSES}
+            for _, target in targets[1:] if target_key == key else targets:  # another calibration than the fitted
+                for name, values in errors(predicted, target).items():
+                    pooled[name] += values
+            if not any(pooled.values()):
+                continue
+            result = summary(pooled)
+            results.append({"fitted_on": names[key], "predicts": names[target_key], "errors": result,
+                             "calibrations": len(targets) - (target_key == key)})
+            label = "itself (again)" if target_key == key else names[target_key]
+            print(f"{names[key]:<{widths}} {label:<{widths}} " + " ".join(
+                f"{result[n]['median']:>8.1%} ({result[n]['worst']:>4.0%})" if n in result else f"{'-':>16}"
+                for n in PASSES))
+    print("noise floor: the same size calibrated twice, layer by layer")
+    floors = []
+    for key, found in sizes.items():
+        for (_, first), (_, again) in zip(found, found[1:]):
+            measured = {name: [getattr(timed, name).median_ms if getattr(timed, name).median_ms > 0.01 else None
+                               for timed in first.layers] for name in PASSES}
+            result = summary(errors(measured, again))
+            floors.append({"size": names[key], "errors": result})
+            print(f"{names[key]:<{widths}} {'':<{widths}} " + " ".join(
+                f"{result[n]['median']:>8.1%} ({result[n]['worst']:>4.0%})" if n in result else f"{'-':>16}"
+                for n in PASSES))
+    if args.json:
+        args.json.write_text(json.dumps({"predictions": results, "noise_floor": floors}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from .common import (
     stdout,
     write_error,
 )
+from .estimate import fit_device_curve, print_fitted_curve
 
 
 def calibrate(
@@ -160,6 +161,7 @@ def calibrate(
                         with phase(f"measuring contention ({probe.count} processes)"):
                             probe.run()
                     profile = profile.model_copy(update={"contention": probe.result()})
+                profile = fit_device_curve(profile, phase)
             if cache.unwritable:
                 stderr.print(f"note: the host cache could not be written ({cache.unwritable}); the next "
                              "calibration measures its terms again", highlight=False)
@@ -331,6 +333,7 @@ def _print_profile(profile) -> None:
                       f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
                       f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
     stdout.print(table)
+    print_fitted_curve(profile)
     if profile.runtime is not None:
         rt = profile.runtime
         compute = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.compute_ms.items())

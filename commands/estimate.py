@@ -5,6 +5,8 @@ once --gpu is given, so the commands start fast without it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -30,6 +32,7 @@ from .common import (
     is_given,
     require,
     require_model_data,
+    stderr,
     stdout,
     what_if_options,
     write_error,
@@ -38,7 +41,7 @@ from .common import (
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
     from ..planning.estimate import Parallelism
-    from ..profiles.schema import Profile
+    from ..profiles.schema import FittedCurve, Profile
     from ..profiles.workload import WorkloadCount
 
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
@@ -74,25 +77,31 @@ class WhatIf:
 
     @cached_property
     def curve(self) -> Curve | None:
-        """The part's efficiency curve fitted to the --curve-from calibration's measured layers on the same model's
-        count (imports torch; once per command); None: the catalogue's curve."""
+        """The part's efficiency curve from the --curve-from calibration: the one `pipesim calibrate` stored in it
+        where that was fitted on the tiles this part's products are priced on, else fitted here to its measured
+        layers on the same model's count (imports torch; once per command); None: the catalogue's curve."""
         if self.calibrated is None:
             return None
-        from ..planning.estimate import PEAK_DTYPE, Device, EstimateError, fit_curve
+        from ..planning.estimate import PEAK_DTYPE, EstimateError, curve_for, fit_rates
 
         env = self.calibrated.environment
         peak = getattr(self.gpu.dense_tflops, PEAK_DTYPE[env.dtype])
         if peak is None or self.gpu.curve is None:
             raise InputError(f"--curve-from: {self.gpu.name} has no {env.dtype} peak or curve in the catalogue to fit")
-        counted = count_model_of(self.calibrated.model.name, dict(self.calibrated.model.options), env.microbatch_size,
-                                 env.dtype, "math", "--curve-from")
         # A CPU has no tile or wave quantisation: one "multiprocessor" of 1 x 1 tiles, so that a CPU calibration
         # fits the CPU (how the fit is tested without a GPU)
-        shape = self.gpu.curve if env.device == "cuda" else self.gpu.curve.model_copy(
-            update={"multiprocessors": 1, "tiles": [(1, 1)]})
+        shape = (self.gpu.curve.multiprocessors, self.gpu.curve.tiles) if env.device == "cuda" else (1, [(1, 1)])
+        stored = self.calibrated.fitted_curve
+        where = f"{self.calibrated_path} ({env.device_name}, {env.date})"
         try:
-            return fit_curve(self.calibrated, counted, Device(peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6, shape),
-                             f"fitted to {self.calibrated_path} ({env.device_name}, {env.date})")
+            if stored is not None and (stored.multiprocessors, stored.tiles) == shape:
+                fitted, how = stored, "stored by pipesim calibrate in"
+            else:
+                counted = count_model_of(self.calibrated.model.name, dict(self.calibrated.model.options),
+                                         env.microbatch_size, env.dtype, "math", "--curve-from")
+                fitted, how = fit_rates(self.calibrated, counted, *shape), "fitted to"
+            return curve_for(fitted, peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6, self.gpu.curve,
+                             f"{how} {where}; {fit_errors(fitted)}")
         except EstimateError as exc:
             raise InputError(f"--curve-from: {exc}") from None
 
@@ -164,6 +173,58 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False),
                   params.get("sharded_optimizer", False), calibrated, params.get("curve_from"))
+
+
+def fit_errors(fitted: FittedCurve) -> str:
+    """A fitted curve's error on its own calibration: per pass, median (worst) |error| over the layers; the
+    passes it was not fitted to (the weight pass, predicted as the full backward's work) said apart."""
+    from ..profiles.schema import PASSES
+
+    def errors(names: list[str]) -> str:
+        found = [(name, fitted.error(name)) for name in names]
+        return ", ".join(f"{name} {error[0]:.0%} ({error[1]:.0%})" for name, error in found if error is not None)
+
+    others = errors([name for name in PASSES if name not in fitted.passes])
+    return (f"fit error, median (worst) over the layers: {errors(fitted.passes)}"
+            + (f"; predicted: {others}" if others else ""))
+
+
+def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextManager]) -> Profile:
+    """`profile` (just calibrated) with its device's efficiency curve fitted to its measured layers on the same
+    model's count (`fit_rates`, inside `phase`) and stored, so that `--curve-from` reads it without counting;
+    unchanged, with a note on stderr, where the model cannot be counted or its times do not fit the count."""
+    from ..planning.estimate import CUDA_TILES, EstimateError, fit_rates
+
+    env = profile.environment
+    if env.device == "cuda":
+        import torch
+
+        shape = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count, CUDA_TILES)
+    else:
+        shape = (1, [(1, 1)])  # a CPU: no tile or wave quantisation
+    with phase("fitting the device's efficiency curve to the layers"):
+        try:
+            counted = count_model_of(profile.model.name, dict(profile.model.options), env.microbatch_size, env.dtype,
+                                     "math", "the fitted curve")
+            return profile.model_copy(update={"fitted_curve": fit_rates(profile, counted, *shape)})
+        except (InputError, EstimateError) as exc:
+            stderr.print(f"note: no efficiency curve stored in the profile: {exc}", highlight=False, soft_wrap=True)
+            return profile
+
+
+def print_fitted_curve(profile: Profile) -> None:
+    """One line: the stored curve's rates and its fit error (nothing where the profile has none)."""
+    fitted = profile.fitted_curve
+    if fitted is None:
+        return
+    rates = [f"products {fitted.matmul_flops_per_ms / 1e9:.3g} TFLOP/s"]
+    if fitted.attention_flops_per_ms is not None:
+        rates.append(f"attention {fitted.attention_flops_per_ms / 1e9:.3g} TFLOP/s")
+    rates.append("memory-bound ops free" if fitted.memory_bytes_per_ms is None else
+                 f"memory-bound {fitted.memory_bytes_per_ms / 1e6:.3g} GB/s")
+    stdout.print(f"efficiency curve (stored; --curve-from reads it): {', '.join(rates)}, "
+                 f"{fitted.kernel_overhead_ms * 1e3:.1f} us a kernel; {fit_errors(fitted)}", highlight=False,
+                 soft_wrap=True)
 
 
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:

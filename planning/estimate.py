@@ -35,9 +35,11 @@ from ..hardware.collectives import all_reduce_ms, reduce_scatter_ms
 from ..profiles.partition import partition
 from ..profiles.schema import (
     OPTIMIZERS,
+    PASSES,
     Environment,
     Estimate,
     EstimateLink,
+    FittedCurve,
     LayerProfile,
     LinkProfile,
     LinkSegmentModel,
@@ -100,19 +102,20 @@ class Device:
     curve: Curve
 
 
-def tile_fill(shape: tuple[int, ...], curve: Curve) -> float:
+def tile_fill(shape: tuple[int, ...], multiprocessors: int, tiles: list[tuple[int, int]]) -> float:
     """How well a product (batch, m, n, k) fills the multiprocessors: useful output over waves × multiprocessors
-    × tile area, for the best of the curve's tiles (tile and wave quantisation)."""
+    × tile area, for the best of the tiles (tile and wave quantisation)."""
     batch, m, n, _ = shape
-    return max(batch * m * n / (math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / curve.multiprocessors)
-                                * curve.multiprocessors * tm * tn) for tm, tn in curve.tiles)
+    return max(batch * m * n / (math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / multiprocessors)
+                                * multiprocessors * tm * tn) for tm, tn in tiles)
 
 
 def matmul_ms(op: OpCount, device: Device) -> float:
     """One call of a matrix product: its FLOPs at the large-product efficiency times its tile fill, or its bytes
     at the memory bandwidth, whichever is slower, plus the kernel overhead."""
     curve = device.curve
-    compute = op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency * tile_fill(op.shape, curve))
+    fill = tile_fill(op.shape, curve.multiprocessors, curve.tiles)
+    compute = op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency * fill)
     return curve.kernel_overhead_ms + max(compute, op.moved_bytes / device.memory_bytes_per_ms)
 
 
@@ -366,72 +369,110 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         allreduce=None, estimate=estimate)
 
 
-# the passes a calibration times as the count describes them: its split backward's weight half walks the graph
-# again (calibrate's autograd.grad on the weights), which the count's weight-gradient ops leave out
-FIT_PASSES = ("fwd", "bwd")
+# A layer's passes as the calibration times them, each as the count's ops describe it: its weight pass
+# (autograd.grad on the weights after the input pass, the graph kept) walks every gradient on the way to the
+# weights again, which in a layer whose first op has weights (a norm, an embedding) is the full backward's work.
+CALIBRATED_OPS = {"fwd": "fwd", "bwd": "bwd", "igrad": "igrad", "wgrad": "bwd"}
+FIT_PASSES = ("fwd", "bwd", "igrad")  # fitted; the weight pass repeats the backward's work and is only predicted
+# The output tiles a CUDA device's matrix products pick from (NVIDIA's matmul guide, as the catalogue's parts list)
+CUDA_TILES = ((256, 128), (128, 256), (128, 128))
 
 
-def curve_terms(layer: LayerCount, name: str, device: Device) -> tuple[float, float, float, int]:
-    """A pass of `layer` as the curve's linear terms, one GPU, no parallelism: ms of its products and other
-    counted FLOPs at full peak (times their tile fill), ms of its attention kernels at full peak, ms of its
-    memory-bound bytes at full bandwidth, and its kernels. Its time is their sum weighted by 1/efficiency
-    (and the kernel overhead), leaving out the roofline's floor, which large products never reach."""
+def curve_terms(layer: LayerCount, name: str, multiprocessors: int, tiles: list[tuple[int, int]]
+                ) -> tuple[float, float, float, int]:
+    """The work of a pass of `layer` (the count's ops `CALIBRATED_OPS[name]`) as the curve's linear terms, one
+    device, no parallelism: FLOPs of its products and other counted FLOPs over their tile fill, FLOPs of its
+    attention kernels, bytes of its memory-bound ops, and its kernels. Its time is their sum, each over its
+    achieved rate, plus a kernel overhead each, leaving out the roofline's floor, which large products never
+    reach."""
     products = attention = memory = 0.0
     kernels = 0
-    for op in layer.ops.get(name, ()):
+    for op in layer.ops.get(CALIBRATED_OPS[name], ()):
         kernels += op.count
         if op.kind == "memory":
-            memory += op.count * op.moved_bytes / device.memory_bytes_per_ms
+            memory += op.count * op.moved_bytes
         elif op.kind == "attention":
-            attention += op.count * op.flops / device.peak_flops_per_ms
+            attention += op.count * op.flops
         else:
-            fill = tile_fill(op.shape, device.curve) if op.kind == "matmul" else 1.0
-            products += op.count * op.flops / (device.peak_flops_per_ms * fill)
+            fill = tile_fill(op.shape, multiprocessors, tiles) if op.kind == "matmul" else 1.0
+            products += op.count * op.flops / fill
     return products, attention, memory, kernels
 
 
-def fit_curve(measured: Profile, counted: WorkloadCount, device: Device, source: str) -> Curve:
-    """The curve's efficiencies and kernel overhead fitted by non-negative least squares (numpy) to a
-    calibration's measured per-layer times (the `FIT_PASSES` of every layer) on the same model's count, so that
-    one measured device predicts its other sizes and shapes. Each time is weighted by its inverse: the fit
-    minimises relative errors, and a short layer counts as much as a long one. `device` holds the part's
-    datasheet peak and bandwidth and the curve whose tiles and multiprocessors give the fill (its efficiencies
-    are replaced); an efficiency the data does not determine (no attention kernel counted) keeps
-    `device.curve`'s. EstimateError where the calibration and the count are not of the same model, or a fit
-    comes out above the datasheet."""
+def fit_rates(measured: Profile, counted: WorkloadCount, multiprocessors: int,
+              tiles: list[tuple[int, int]]) -> FittedCurve:
+    """A device's achieved rates and kernel overhead fitted by non-negative least squares (numpy) to a
+    calibration's measured per-layer times (the `FIT_PASSES` of every layer the count gives work in) on the
+    same model's count, with the products' tile fill over `multiprocessors` × `tiles`. Each time is weighted by
+    its inverse: the fit minimises relative errors, and a short layer counts as much as a long one. A term whose
+    weight comes out negative is left out (its rate: None, costs nothing measurable; refused for the products).
+    EstimateError where the calibration and the count are not of the same model, or the times do not follow the
+    count."""
     import numpy as np
 
     if len(measured.layers) != len(counted.layers):
         raise EstimateError(f"the profile has {len(measured.layers)} layers, the count {len(counted.layers)}: "
                             "count the model the profile calibrated")
+    work = {name: [curve_terms(layer, name, multiprocessors, tiles) for layer in counted.layers] for name in PASSES}
     rows, times = [], []
-    for layer, timed in zip(counted.layers, measured.layers):
+    for i, timed in enumerate(measured.layers):
         for name in FIT_PASSES:
-            rows.append(curve_terms(layer, name, device))
-            times.append(getattr(timed, name).median_ms)
+            if work[name][i][3]:  # a pass the count gives work in
+                rows.append(work[name][i])
+                times.append(getattr(timed, name).median_ms)
     measured_ms = np.array(times)
-    if (measured_ms <= 0).any():
-        raise EstimateError("the profile has a layer pass of 0 ms: nothing to fit")
-    terms, measured_ms = np.array(rows, dtype=float) / measured_ms[:, None], np.ones_like(measured_ms)
+    if not rows or (measured_ms <= 0).any():
+        raise EstimateError("the profile has a layer pass of 0 ms the count gives work in: nothing to fit")
+    terms = np.array(rows, dtype=float) / measured_ms[:, None]
+    ones = np.ones_like(measured_ms)
     used = terms.any(axis=0)
     coefficients = np.zeros(terms.shape[1])
     while True:  # non-negative: a term whose weight comes out negative is left out and the rest refitted
         coefficients[:] = 0.0
-        coefficients[used] = np.linalg.lstsq(terms[:, used], measured_ms, rcond=None)[0]
+        coefficients[used] = np.linalg.lstsq(terms[:, used], ones, rcond=None)[0]
         if (coefficients >= 0).all():
             break
         used &= coefficients > 0
-    base = device.curve
-    inverse = dict(zip(("matmul_efficiency", "attention_efficiency", "memory_efficiency"), coefficients[:3]))
-    fitted = {key: (1 / value if used[i] else getattr(base, key)) for i, (key, value) in enumerate(inverse.items())}
-    if terms[:, 2].any() and not used[2]:
-        fitted["memory_efficiency"] = 1.0  # the memory-bound bytes cost nothing measurable: the datasheet's
-    bad = [key for key, value in fitted.items() if not 0 < value <= 1]
+    if coefficients[0] <= 0:
+        raise EstimateError("the fit finds the matrix products cost nothing: the times do not follow the count")
+
+    def rate(i: int) -> float | None:
+        return 1 / float(coefficients[i]) if coefficients[i] > 0 else None
+
+    residuals = {name: [float(np.dot(coefficients, done) / getattr(timed, name).median_ms - 1)
+                        if done[3] and getattr(timed, name).median_ms > 0 else None
+                        for done, timed in zip(work[name], measured.layers)] for name in PASSES}
+    return FittedCurve(matmul_flops_per_ms=rate(0), attention_flops_per_ms=rate(1), memory_bytes_per_ms=rate(2),
+                       kernel_overhead_ms=float(coefficients[3]), multiprocessors=multiprocessors,
+                       tiles=list(tiles), passes=list(FIT_PASSES), attention=counted.attention, residuals=residuals)
+
+
+def curve_for(fitted: FittedCurve, peak_flops_per_ms: float, memory_bytes_per_ms: float, base: Curve,
+              source: str) -> Curve:
+    """The fitted rates as the curve of a part with this datasheet peak (FLOP/ms, the count's dtype) and memory
+    bandwidth (bytes/ms): each rate over its datasheet figure. A rate the fit left out takes `base`'s
+    efficiency (attention) or the datasheet's (memory); `base` gives the link efficiency. EstimateError naming
+    the efficiency where a rate exceeds the datasheet."""
+    efficiencies = {"matmul_efficiency": fitted.matmul_flops_per_ms / peak_flops_per_ms,
+                    "attention_efficiency": (fitted.attention_flops_per_ms / peak_flops_per_ms
+                                             if fitted.attention_flops_per_ms else base.attention_efficiency),
+                    "memory_efficiency": (fitted.memory_bytes_per_ms / memory_bytes_per_ms
+                                          if fitted.memory_bytes_per_ms else 1.0)}
+    bad = [key for key, value in efficiencies.items() if value > 1]
     if bad:
-        raise EstimateError(f"{bad[0]}: the fit gives {fitted[bad[0]]:.3g}, outside (0, 1]: the datasheet figures "
-                            "given are below what the calibration measured, or the times do not follow the count")
-    return base.model_copy(update={**fitted, "kernel_overhead_ms": max(float(coefficients[3]), 0.0),
+        raise EstimateError(f"{bad[0]}: the fit gives {efficiencies[bad[0]]:.3g}, above 1: the datasheet figures "
+                            "given are below what the calibration measured")
+    return base.model_copy(update={**efficiencies, "kernel_overhead_ms": fitted.kernel_overhead_ms,
+                                   "multiprocessors": fitted.multiprocessors, "tiles": list(fitted.tiles),
                                    "source": source})
+
+
+def fit_curve(measured: Profile, counted: WorkloadCount, device: Device, source: str) -> Curve:
+    """The curve of `device` (its datasheet peak and bandwidth, and the curve whose tiles and multiprocessors
+    give the fill and whose other figures are kept) fitted to a calibration on it (`fit_rates`, `curve_for`)."""
+    shape = device.curve
+    return curve_for(fit_rates(measured, counted, shape.multiprocessors, shape.tiles), device.peak_flops_per_ms,
+                     device.memory_bytes_per_ms, shape, source)
 
 
 def _version() -> str:

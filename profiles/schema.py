@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -311,6 +312,36 @@ class Estimate(_Strict):
     peak_flops_per_s: float | None = Field(None, gt=0)
 
 
+PASSES = ("fwd", "bwd", "igrad", "wgrad")  # a layer's timed passes (`LayerProfile`)
+Pass = Literal["fwd", "bwd", "igrad", "wgrad"]
+
+
+class FittedCurve(_Strict):
+    """The device's efficiency curve, fitted by `pipesim calibrate` to its own measured layers and the same
+    model's count (planning/estimate.py's `fit_rates`). Achieved rates, not fractions of a datasheet, so that
+    any part's datasheet turns them into its curve (`curve_for`) and one measured device prices other models:
+    large matrix products' FLOP/ms (before their tile fill over `multiprocessors` × `tiles`), fused attention
+    kernels' (None: the count has none), memory-bound bytes/ms (None: they cost nothing measurable), and what
+    each kernel costs beyond its work. `passes`: the layer passes fitted, on the model counted with `attention`;
+    `residuals`: per pass the calibration times, each layer's time from the fitted curve over its measured
+    time, less 1 (None: a pass the count gives the layer no work for)."""
+
+    matmul_flops_per_ms: float = Field(gt=0)
+    attention_flops_per_ms: float | None = Field(None, gt=0)
+    memory_bytes_per_ms: float | None = Field(None, gt=0)
+    kernel_overhead_ms: float = Field(ge=0)
+    multiprocessors: int = Field(ge=1)
+    tiles: list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]] = Field(min_length=1)
+    passes: list[Pass] = Field(min_length=1)
+    attention: str
+    residuals: dict[Pass, list[float | None]]
+
+    def error(self, name: str) -> tuple[float, float] | None:
+        """Median and worst |residual| of pass `name` over the layers (None: no layer has work in it)."""
+        found = [abs(r) for r in self.residuals.get(name, ()) if r is not None]
+        return (statistics.median(found), max(found)) if found else None
+
+
 class Profile(_Strict):
     schema_version: Literal[1, 2]
     environment: Environment
@@ -323,10 +354,13 @@ class Profile(_Strict):
     runtime: RuntimeProfile | None = None  # None: calibrated with --no-runtime, or a version 1 profile
     contention: ContentionProfile | None = None  # None: --no-contention, a GPU, or a profile from before it
     estimate: Estimate | None = None  # None: measured by `pipesim calibrate`
+    fitted_curve: FittedCurve | None = None  # None: an estimate, a profile from before, or a model not counted
 
     @model_validator(mode="after")
     def _consistent(self) -> Profile:
         n, bounds = len(self.layers), self.partition.bounds
+        if self.fitted_curve is not None and any(len(r) != n for r in self.fitted_curve.residuals.values()):
+            raise ValueError(f"fitted_curve.residuals: one entry per layer ({n}) in every pass")
         if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != n or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"partition.bounds must rise strictly from 0 to {n} (the layer count), got {bounds}")
         if [tuple(s.layers) for s in self.stages] != list(zip(bounds, bounds[1:])):
