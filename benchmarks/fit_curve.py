@@ -3,16 +3,16 @@ calibrated layer times and the same model's count, then every other size's layer
 (estimate_layer, as `--curve-from` prices them) and compared with that size's own calibrations, per pass; and
 the noise floor: the same size calibrated twice, compared layer by layer.
 
-Give each size's calibrations (a size: the same model, options, micro-batch size, dtype and threads); each
-size's first one is fitted. On a CPU the "part" is nominal (its peak and bandwidth only scale the fitted
+Give each size's calibrations (a size: the same model, options, micro-batch size, dtype and threads; each
+size's first one is fitted), or `--calibrate DIR` to make them first: `SIZES` (a small gpt at three widths and
+two sequence lengths, its layers only, one thread) calibrated `--rounds` times, the sizes interleaved within
+each round so that a shared machine's load falls on all of them alike; the 1-minute load average before each
+is printed and kept. On a CPU the "part" is nominal (its peak and bandwidth only scale the fitted
 efficiencies: 1 TFLOP/s and 100 GB/s here, one "multiprocessor" and 1×1 tiles, so no tile quantisation); on a
 GPU give the catalogue part.
 
-    for rep in 1 2; do for w in 128 256 512; do
-        pipesim calibrate --model gpt --layers 2 --width $w --heads 4 --seq-len 128 --vocab 1024 -b 4 \\
-            --dtype float32 --threads 1 --stages 1 --no-links --no-runtime --no-contention --out w$w-$rep.json
-    done; done
-    python benchmarks/fit_curve.py w*-1.json w*-2.json [--gpu a100-sxm-80gb] [--json fit.json]
+    python benchmarks/fit_curve.py --calibrate /tmp/fit --rounds 2 --json fit.json   # about 3 min a round
+    python benchmarks/fit_curve.py gpu-small.json gpu-large.json --gpu a100-sxm-80gb  # a GPU's calibrations
 
 The calibration's weight pass (autograd.grad on the weights after the input pass) walks every gradient on the
 way to the weights again: it is predicted as the count's full backward (`CALIBRATED_OPS`), and not fitted.
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 from pathlib import Path
 
 import torch
@@ -34,7 +36,6 @@ from pipesim.planning.estimate import (
     Device,
     Parallelism,
     curve_for,
-    curve_terms,
     estimate_layer,
     fit_rates,
 )
@@ -44,6 +45,32 @@ from pipesim.workload.count import WorkloadCount, count_built
 CPU = Curve(matmul_efficiency=1.0, attention_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_ms=0.0,
             multiprocessors=1, tiles=[(1, 1)], source="nominal CPU: 1 TFLOP/s, 100 GB/s")
 NO_COLLECTIVES = EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1.0)  # t = 1: never priced
+
+
+SIZES = {  # name -> the gpt's shape flags; the rest as CALIBRATE
+    "w128": ["--width", "128", "--seq-len", "128"],
+    "w256": ["--width", "256", "--seq-len", "128"],
+    "w512": ["--width", "512", "--seq-len", "128"],
+    "w256-s256": ["--width", "256", "--seq-len", "256"],
+}
+CALIBRATE = ["--model", "gpt", "--layers", "2", "--heads", "4", "--vocab", "1024", "-b", "4", "--dtype", "float32",
+             "--threads", "1", "--stages", "1", "--no-links", "--no-runtime", "--no-contention"]
+
+
+def calibrate_sizes(folder: Path, rounds: int) -> tuple[list[Path], dict[str, float]]:
+    """`SIZES` calibrated `rounds` times into `folder` (NAME-ROUND.json), interleaved: the profiles, and the
+    1-minute load average before each."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, loads = [], {}
+    for round_ in range(1, rounds + 1):
+        for name, shape in SIZES.items():
+            path = folder / f"{name}-{round_}.json"
+            loads[path.name] = os.getloadavg()[0]
+            print(f"calibrating {path.name} (load average {loads[path.name]:.2f})", flush=True)
+            subprocess.run(["pipesim", "calibrate", *CALIBRATE, *shape, "--out", str(path)], check=True,
+                           capture_output=True)
+            paths.append(path)
+    return sorted(paths, key=lambda path: path.name.rsplit("-", 1)[1]), loads
 
 
 def size_of(profile: Profile) -> tuple:
@@ -72,12 +99,17 @@ def summary(found: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("profiles", type=Path, nargs="+", help="calibrations of two sizes or more")
+    parser.add_argument("profiles", type=Path, nargs="*", help="calibrations of two sizes or more")
+    parser.add_argument("--calibrate", type=Path, metavar="DIR", help="calibrate SIZES into DIR first")
+    parser.add_argument("--rounds", type=int, default=2, help="with --calibrate: calibrations of each size")
     parser.add_argument("--gpu", help="the catalogue part they were calibrated on (default: a nominal CPU)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
+    paths, loads = calibrate_sizes(args.calibrate, args.rounds) if args.calibrate else (args.profiles, {})
+    if not paths:
+        parser.error("give calibrations, or --calibrate DIR")
     sizes: dict[tuple, list[tuple[Path, Profile]]] = {}
-    for path in args.profiles:
+    for path in paths:
         profile = load_profile(path)
         sizes.setdefault(size_of(profile), []).append((path, profile))
     names = {key: found[0][0].stem.rsplit("-", 1)[0] for key, found in sizes.items()}
@@ -89,10 +121,17 @@ def main() -> None:
     else:
         peak, bandwidth, shape = 1e9, 1e8, CPU
     counts = {key: counted(found[0][1]) for key, found in sizes.items()}
-    results = []
     widths = max(map(len, names.values())) + 2
+
+    def row(first: str, second: str, result: dict[str, dict[str, float]]) -> None:
+        print(f"{first:<{widths}} {second:<{widths}} " + " ".join(
+            f"{result[n]['median']:>8.1%} ({result[n]['worst']:>4.0%})" if n in result else f"{'-':>16}"
+            for n in PASSES))
+
     print(f"{'fitted on':<{widths}} {'predicts':<{widths}} " + " ".join(f"{name:>16}" for name in PASSES)
           + "   (|error| over the layers: median (worst))")
+    results, across = [], {name: [] for name in PASSES}
+    element = 4 if next(iter(sizes.values()))[0][1].environment.dtype == "float32" else 2
     for key, found in sizes.items():
         fitted = fit_rates(found[0][1], counts[key], shape.multiprocessors, shape.tiles)
         curve = curve_for(fitted, peak, bandwidth, shape, f"fitted to {found[0][0].name}")
@@ -101,36 +140,38 @@ def main() -> None:
               f"{(fitted.memory_bytes_per_ms or 0) / 1e6:.1f} GB/s, {fitted.kernel_overhead_ms * 1e3:.1f} us a kernel")
         for target_key, targets in sizes.items():
             layers = counts[target_key].layers
-            priced = [estimate_layer(layer, device, Parallelism(), NO_COLLECTIVES, 4 if found[0][1].environment.dtype
-                                     == "float32" else 2) for layer in layers]
-            predicted = {name: [getattr(p, f"{CALIBRATED_OPS[name]}_ms") if curve_terms(
-                layer, name, 1, [(1, 1)])[3] else None for p, layer in zip(priced, layers)] for name in PASSES}
+            priced = [estimate_layer(layer, device, Parallelism(), NO_COLLECTIVES, element) for layer in layers]
+            predicted = {name: [getattr(p, f"{CALIBRATED_OPS[name]}_ms") if layer.ops.get(CALIBRATED_OPS[name])
+                                else None for p, layer in zip(priced, layers)] for name in PASSES}
             pooled = {name: [] for name in PASSES}
             for _, target in targets[1:] if target_key == key else targets:  # another calibration than the fitted
                 for name, values in errors(predicted, target).items():
                     pooled[name] += values
-            if not any(pooled.values()):
-                continue
-            result = summary(pooled)
-            results.append({"fitted_on": names[key], "predicts": names[target_key], "errors": result,
-                             "calibrations": len(targets) - (target_key == key)})
-            label = "itself (again)" if target_key == key else names[target_key]
-            print(f"{names[key]:<{widths}} {label:<{widths}} " + " ".join(
-                f"{result[n]['median']:>8.1%} ({result[n]['worst']:>4.0%})" if n in result else f"{'-':>16}"
-                for n in PASSES))
+                    if target_key != key:
+                        across[name] += values
+            if any(pooled.values()):
+                results.append({"fitted_on": names[key], "predicts": names[target_key], "errors": summary(pooled),
+                                "calibrations": len(targets) - (target_key == key)})
+                row(names[key], "itself (again)" if target_key == key else names[target_key], summary(pooled))
+    if any(across.values()):
+        row("any size", "another", summary(across))
     print("noise floor: the same size calibrated twice, layer by layer")
-    floors = []
+    floors, floor = [], {name: [] for name in PASSES}
     for key, found in sizes.items():
         for (_, first), (_, again) in zip(found, found[1:]):
             measured = {name: [getattr(timed, name).median_ms if getattr(timed, name).median_ms > 0.01 else None
                                for timed in first.layers] for name in PASSES}
-            result = summary(errors(measured, again))
-            floors.append({"size": names[key], "errors": result})
-            print(f"{names[key]:<{widths}} {'':<{widths}} " + " ".join(
-                f"{result[n]['median']:>8.1%} ({result[n]['worst']:>4.0%})" if n in result else f"{'-':>16}"
-                for n in PASSES))
+            found_errors = errors(measured, again)
+            for name, values in found_errors.items():
+                floor[name] += values
+            floors.append({"size": names[key], "errors": summary(found_errors)})
+            row(names[key], "", summary(found_errors))
+    if any(floor.values()):
+        row("every size", "", summary(floor))
     if args.json:
-        args.json.write_text(json.dumps({"predictions": results, "noise_floor": floors}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"predictions": results, "across_sizes": summary(across),
+                                         "noise_floor": floors, "noise_floor_pooled": summary(floor),
+                                         "load_average": loads}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
