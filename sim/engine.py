@@ -593,33 +593,34 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     collective = program.collective_rows  # from the lane's begin for its network time
     start_ps[collective] = clocks[program.collective_clock]
     end_ps[collective] = start_ps[collective] + program.collective_ps
-    # Milliseconds and microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
-    issued_ms, end_ms = issued_ps / _PS_PER_MS, end_ps / _PS_PER_MS
+    # Counter events: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
+    # or where the runtime posts it ahead. Their times stay picoseconds here (the issue times' column becomes the
+    # first events'): each device's become milliseconds as its counters are made, which spares two columns of
+    # a million rows.
+    first_ps = issued_ps
+    if costs.recv_window:
+        receives, posted = _posting_rows(bounds, program.stream, costs.recv_window)
+        posted_ps = first_ps[posted]
+    receiving = np.flatnonzero(program.stream == Stream.RECV)
+    first_ps[receiving] = end_ps[receiving]
+    if costs.recv_window:
+        first_ps[receives] = posted_ps
+    devices = schedule.num_devices
+    counters = {
+        "memory_bytes": _step_counters(bounds, first_ps, end_ps, program.mem_at_start, program.mem_at_end,
+                                       program.static_bytes),
+        "activations": _step_counters(bounds, first_ps, end_ps, program.act_at_start, program.act_at_end,
+                                      [0] * devices),
+        "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
+    }
+    del first_ps, issued_ps
+    # Microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
     start_us = start_ps / _PS_PER_MS
     start_us *= 1e3
     dur_us = np.subtract(end_ps, start_ps, out=end_ps) / (_PS_PER_MS / 1e3)
     ops = Ops(device=t.device, stream=program.stream, kind=t.kind, stage=t.stage, microbatch=t.microbatch,
               minibatch=t.minibatch, pipeline=t.pipeline, peer=t.peer, version=lowered.version,
               prediction=lowered.prediction, start_us=start_us, dur_us=dur_us)
-
-    # Event times: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
-    # or where the runtime posts it ahead.
-    first_ms = issued_ms
-    if costs.recv_window:
-        receives, posted = _posting_rows(bounds, program.stream, costs.recv_window)
-        posted_ms = issued_ms[posted]
-    receiving = np.flatnonzero(program.stream == Stream.RECV)
-    first_ms[receiving] = end_ms[receiving]
-    if costs.recv_window:
-        first_ms[receives] = posted_ms
-    devices = schedule.num_devices
-    counters = {
-        "memory_bytes": _step_counters(bounds, first_ms, end_ms, program.mem_at_start, program.mem_at_end,
-                                       program.static_bytes),
-        "activations": _step_counters(bounds, first_ms, end_ms, program.act_at_start, program.act_at_end,
-                                      [0] * devices),
-        "weight_versions": _level_counters(bounds, end_ms, lowered.held_after, 1 + schedule.policy.extra_copies),
-    }
     meta = TraceMeta(
         source="predicted", schedule=schedule.method, params=dict(schedule.params),
         microbatches=schedule.microbatches, minibatches=schedule.minibatches, pipelines=schedule.pipelines,
@@ -672,17 +673,19 @@ def _issue_times(program: _Program, model: _Model, clocks: np.ndarray) -> np.nda
     return out
 
 
-def _step_counters(bounds, first_ms, second_ms, first_delta, second_delta, initial) -> list[Counter]:
+def _step_counters(bounds, first_ps, second_ps, first_delta, second_delta, initial) -> list[Counter]:
     """Per device (rows bounds[d]..bounds[d+1], in program order), the running total of deltas applied at
-    two event times per op, in time order (ties keep program order, so an op's end counts before the next
-    op's start)."""
+    two event times per op (picoseconds; the counter's in µs as (ps / ps per ms) * 1e3), in time order (ties keep
+    program order, so an op's end counts before the next op's start). Events that change nothing are left out
+    before any time is converted or sorted."""
     out = []
     for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         mine_times, mine_deltas = np.empty(2 * (hi - lo)), np.empty(2 * (hi - lo), dtype=np.int64)
-        mine_times[0::2], mine_times[1::2] = first_ms[lo:hi], second_ms[lo:hi]  # op i's two events at 2i, 2i + 1
+        mine_times[0::2], mine_times[1::2] = first_ps[lo:hi], second_ps[lo:hi]  # op i's two events at 2i, 2i + 1
         mine_deltas[0::2], mine_deltas[1::2] = first_delta[lo:hi], second_delta[lo:hi]
-        keep = mine_deltas != 0
+        keep = np.flatnonzero(mine_deltas)
         mine_times, mine_deltas = mine_times[keep], mine_deltas[keep]
+        mine_times /= _PS_PER_MS
         order = np.argsort(mine_times, kind="stable")
         values = initial[d] + np.cumsum(mine_deltas[order])
         out.append(Counter(np.concatenate([[0.0], mine_times[order] * 1e3]),
@@ -690,13 +693,14 @@ def _step_counters(bounds, first_ms, second_ms, first_delta, second_delta, initi
     return out
 
 
-def _level_counters(bounds, end_ms, level, initial) -> list[Counter]:
-    """Per device (rows bounds[d]..bounds[d+1]), samples of `level` (valid after each op ends) wherever
-    it changes."""
+def _level_counters(bounds, end_ps, level, initial) -> list[Counter]:
+    """Per device (rows bounds[d]..bounds[d+1]), samples of `level` (valid after each op ends, at `end_ps`)
+    wherever it changes."""
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        times, values = end_ms[lo:hi] * 1e3, level[lo:hi]
+        values = level[lo:hi]
         change = np.ones(len(values), dtype=bool)
         change[1:] = values[1:] != values[:-1]
-        out.append(Counter(np.concatenate([[0.0], times[change]]), np.concatenate([[initial], values[change]])))
+        times = end_ps[lo:hi][change] / _PS_PER_MS
+        out.append(Counter(np.concatenate([[0.0], times * 1e3]), np.concatenate([[initial], values[change]])))
     return out
