@@ -4,8 +4,10 @@ Some of what `pipesim calibrate` measures depends on the host, the torch build a
 the model being calibrated: the p2p link and all-reduce between two local ranks, and the executor's own costs
 per row on its probe model (calibrate/runtime.py). Measuring them takes most of a calibration's time (each
 spawns ranks that import torch), so they are kept here, keyed by everything they depend on, and reused until
-`--fresh` measures them again. What depends on the model (its layers, stage passes and steps, the gaps after
-its rows, how its stages slow each other) is measured every time.
+`--fresh` measures them again. How the model's stages slow each other on the host (calibrate/contention.py)
+depends on both, and is kept too, keyed by the model's workload as well (model, options, cut, dtype,
+micro-batch, threads, processes), for a calibration of the same model again. What depends on the model alone
+(its layers, stage passes and steps, the gaps after its rows) is measured every time.
 
 The directory is `$PIPESIM_CACHE_DIR`, else `$XDG_CACHE_HOME/pipesim`, else `~/.cache/pipesim`. One JSON file
 per entry, written atomically; a file that cannot be read or does not match its key is measured again.
@@ -66,7 +68,11 @@ class Cached:
 
 def fresh(measure: Callable[[], Any]) -> Cached:
     """`measure()` taken now, kept nowhere."""
-    value = measure()
+    return measured_now(measure())
+
+
+def measured_now(value: Any) -> Cached:
+    """`value`, measured just now."""
     return Cached(value, datetime.now(timezone.utc).isoformat(timespec="seconds"), fresh=True)
 
 
@@ -93,19 +99,27 @@ class HostCache:
     def get(self, kind: str, settings: dict[str, Any], measure: Callable[[], Any]) -> Cached:
         """The term `kind` measured with `settings` on this host: from the cache unless fresh or not there,
         else `measure()` (a JSON-serialisable value), which is then kept."""
-        key = json.loads(json.dumps({"kind": kind, **settings, **host_identity()}))  # as it reads back
-        path = self.path(kind, key)
-        if not self.fresh:
-            found = _read(path, key)
-            if found is not None:
-                return found
-        entry = fresh(measure)
+        found = self.find(kind, settings)
+        return found if found is not None else self.keep(kind, settings, measure())
+
+    def find(self, kind: str, settings: dict[str, Any]) -> Cached | None:
+        """The term `kind` measured with `settings` on this host, if the cache holds it and is not fresh."""
+        return None if self.fresh else _read(*self._located(kind, settings))
+
+    def keep(self, kind: str, settings: dict[str, Any], value: Any) -> Cached:
+        """`value` (JSON-serialisable), measured now with `settings`, kept for the next calibration."""
+        entry = measured_now(value)
+        path, key = self._located(kind, settings)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps({"key": key, "measured_at": entry.measured_at, "value": entry.value}) + "\n")
         except OSError as exc:
             self.unwritable = f"{self.directory}: {exc.strerror or exc}"
         return entry
+
+    def _located(self, kind: str, settings: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+        key = json.loads(json.dumps({"kind": kind, **settings, **host_identity()}))  # as it reads back
+        return self.path(kind, key), key
 
 
 def _read(path: Path, key: dict[str, Any]) -> Cached | None:

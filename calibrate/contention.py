@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext, suppress
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -137,6 +137,7 @@ class ContentionProbe:
         self.count = processes_for(ranks or profile.partition.stages)
         self.job = _Job(model, {key: value for key, value in options.items() if value is not None}, env.dtype,
                         env.microbatch_size, env.threads, list(profile.partition.bounds))
+        self.layers = [[layer.name, layer.param_bytes] for layer in profile.layers]
         iteration_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
         # per k = 1 .. count at once: a rank alone needs no room for k - 1 others (a long stage's windows were
         # all sized for count at once: 3 s each for the default gpt's two, 1.55 s enough alone)
@@ -165,6 +166,13 @@ class ContentionProbe:
     @property
     def done(self) -> bool:
         return bool(self.rounds)
+
+    def cache_key(self) -> dict[str, Any]:
+        """What the factors depend on beyond the host (calibrate/cache.py adds it): the workload each process
+        runs, down to its layers' names and weights, the processes, and how the windows are taken."""
+        return {"workload": asdict(self.job), "layers": self.layers, "processes": self.count,
+                "windows": {"min_s": WINDOW_S, "warmup_s": WARMUP_S, "min_iterations": MIN_ITERATIONS,
+                            "rounds": [MIN_ROUNDS, ROUNDS], "agreement": AGREEMENT, "blocks": BLOCKS}}
 
     def prelude(self, phase: PhaseLine = lambda title: nullcontext([])) -> Prelude:
         """The measurement as the prelude of an executor run with `count` ranks (`run_multiprocess(...,

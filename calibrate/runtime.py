@@ -13,9 +13,11 @@ weights, SGD keeping no state, and less the buffers of the receives posted ahead
 probe runs its schedules in turn in one run (`probe_schedule`: 1F1B for B, then ZB-H1 for I and W; both for
 F, OPT and the transfers), so its ranks start once. The gaps and a SEND's host time come from the same run on
 the calibrated model itself (`host_times`): that host work runs on the caches a stage's compute leaves, and
-after a stage of large layers it takes about twice as long as after the probe's. The probe's terms depend on
+after a stage of large layers it takes about twice as long as after the probe's; where even twice the probe's
+is a negligible share of the stages' passes (`host_plan`), that run is not made. The probe's terms depend on
 the host, the torch build, the threads, the dtype and the boundary's size but not on the model, so `pipesim
-calibrate` keeps them in the host cache (calibrate/cache.py); the calibrated model's run is made every time.
+calibrate` keeps them in the host cache (calibrate/cache.py); the calibrated model's run, where made, is made
+every time.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ PROBE_SCHEDULES = ("1f1b", "zb-h1")  # run in turn, each for one warm-up mini-ba
 PROBE_OPTIMIZER = "sgd"  # the probe's OPT rows minus its calibrated SGD step leave the runtime's own part
 PROBE_MICROBATCHES = 8
 PROBE_STEADY = 5  # mini-batches per schedule the probe keeps
+HOST_STEADY = 2  # ... and the calibrated model's run: 32 gaps after each kind of compute row, 8 after updates
 HOST_RUN_S = 1.5  # compute per rank the calibrated model's run aims at: its gaps are short beside large rows
+HOST_SHARE = 0.01  # the run is made where twice the probe's host time per micro-batch is this much of a stage's F + B
+HOST_KINDS = ("F", "B", "SEND_F", "SEND_B", "RECV_F", "RECV_B")  # the rows a micro-batch's gaps follow (1F1B)
 MAX_PROBE_WIDTH = 1 << 16  # boundaries wider than this are probed at this width (meta says so)
 WARMUP_ROWS = 8  # a fresh rank's first compute rows are priced at their own pace this many at a time ...
 WARMUP_STEPS = 6  # ... for at most this many steps (`warmup_ms`)
@@ -67,16 +72,31 @@ def probe_schedule(stages: int, microbatches: int, steady: int) -> Schedule:
                     minibatches=offset, params={**first.params, "minibatches": offset, "warmup_minibatches": warmups})
 
 
-def host_plan(profile: Profile) -> tuple[int, int]:
-    """(micro-batches, steady mini-batches per schedule) for the run of the calibrated model: the probe's, or
-    fewer where its passes are so long that the run would take more than HOST_RUN_S of compute per rank (at
-    least one steady mini-batch, and the 2p micro-batches ZB-H1 needs)."""
+def host_share(profile: Profile, runtime: RuntimeProfile) -> float:
+    """The probe's host time per micro-batch (a SEND row's, and the gaps after a micro-batch's rows of
+    HOST_KINDS) over the shortest stage's F + B: the share of a stage's time the run of the calibrated model
+    prices afresh."""
+    host_ms = runtime.send_ms.median_ms + sum(runtime.gap_ms[kind].median_ms for kind in HOST_KINDS
+                                              if kind in runtime.gap_ms)
+    pass_ms = min(stage.fwd_ms + stage.bwd_ms for stage in profile.stages)
+    return host_ms / pass_ms if pass_ms > 0 else float("inf")
+
+
+def host_plan(profile: Profile, runtime: RuntimeProfile) -> tuple[int, int] | None:
+    """(micro-batches, steady mini-batches per schedule) for the run of the calibrated model, or None where it
+    cannot change a prediction: that host work, after a stage of large layers, once took about twice the
+    probe's, so where twice the probe's is under HOST_SHARE of every stage's F + B (the default gpt's stages:
+    0.2-0.4 %) the probe's terms price it as closely. Else the probe's micro-batches and HOST_STEADY, fewer
+    where its passes are so long that the run would take more than HOST_RUN_S of compute per rank (at least one
+    steady mini-batch, and the 2p micro-batches ZB-H1 needs)."""
+    if 2 * host_share(profile, runtime) < HOST_SHARE:
+        return None
     pass_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
     stages = profile.partition.stages
     microbatches = max(2 * stages, min(PROBE_MICROBATCHES, int(HOST_RUN_S / (4 * pass_s)) if pass_s else 1 << 30))
     per_minibatch_s = microbatches * pass_s
-    steady = PROBE_STEADY if not per_minibatch_s else int(HOST_RUN_S / per_minibatch_s / len(PROBE_SCHEDULES) - 1)
-    return microbatches, min(PROBE_STEADY, max(1, steady))
+    steady = HOST_STEADY if not per_minibatch_s else int(HOST_RUN_S / per_minibatch_s / len(PROBE_SCHEDULES) - 1)
+    return microbatches, min(HOST_STEADY, max(1, steady))
 
 
 def _steady(trace: Trace) -> np.ndarray:

@@ -91,7 +91,8 @@ def calibrate(
     fresh: Annotated[bool, typer.Option(
         "--fresh", help="Measure the per-host terms again (the link, all-reduce and the runtime probe, kept in "
                         "$PIPESIM_CACHE_DIR, else $XDG_CACHE_HOME/pipesim or ~/.cache/pipesim, per host, torch "
-                        "version, threads, dtype and sizes) instead of reusing them.")] = False,
+                        "version, threads, dtype and sizes; and contention, per model, options, cut and micro-batch "
+                        "too) instead of reusing them.")] = False,
 ) -> None:
     """Measure a model on this machine into a profile for `pipesim simulate --profile`.
 
@@ -153,14 +154,13 @@ def calibrate(
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance,
                     cache=cache, phase=phase)
                 probe = ContentionProbe(profile, model, options, advance, ranks) if contention else None
+                kept = cache.find("contention", probe.cache_key()) if probe is not None else None
                 if runtime:
                     profile = profile.model_copy(update={"runtime": measure_runtime(
-                        profile, settings, advance, model, options, cache=cache, phase=phase, alongside=probe)})
+                        profile, settings, advance, model, options, cache=cache, phase=phase,
+                        alongside=probe if kept is None else None)})
                 if probe is not None:
-                    if not probe.done:
-                        with phase(f"measuring contention ({probe.count} processes)"):
-                            probe.run()
-                    profile = profile.model_copy(update={"contention": probe.result()})
+                    profile = profile.model_copy(update={"contention": _contention(probe, kept, cache, phase)})
                 profile = fit_device_curve(profile, phase)
             if cache.unwritable:
                 stderr.print(f"note: the host cache could not be written ({cache.unwritable}); the next "
@@ -202,6 +202,7 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
         PROBE_STEADY,
         WARMUP_ROWS,
         host_plan,
+        host_share,
         host_times,
         probe_width,
     )
@@ -219,10 +220,15 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
         runtime = RuntimeProfile.model_validate(probe.value)
         if cache is not None:
             notes.append(probe.describe())
-    meta = {**runtime.meta, "host_times_from": "the probe"}
-    stages = profile.partition.stages
-    if stages >= 2:
-        microbatches, steady = host_plan(profile)
+        stages = profile.partition.stages
+        plan = host_plan(profile, runtime) if stages >= 2 else None
+        share = host_share(profile, runtime)
+        if stages >= 2 and plan is None:
+            notes.append(f"the gaps and sends from it too: {share:.2%} of the shortest stage's F + B, too little "
+                         "for the calibrated model's run to change")
+    meta = {**runtime.meta, "host_times_from": "the probe", "host_share": round(share, 5)}
+    if plan is not None:
+        microbatches, steady = plan
         hosted = alongside if alongside is not None and alongside.count == stages else None
         with phase(f"running the calibrated model ({stages} ranks, {microbatches} micro-batches, "
                    f"{(1 + steady) * len(PROBE_SCHEDULES)} mini-batches"
@@ -236,6 +242,23 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
     if cache is not None:
         meta["host_cache"] = probe.meta()
     return runtime.model_copy(update={"meta": meta})
+
+
+def _contention(probe, kept, cache, phase):
+    """The contention `probe`'s factors: `kept` in the host cache by a calibration of the same workload, else
+    measured (in the ranks of the calibrated model's run, before it, or now in processes of its own) and kept."""
+    from ..profiles.schema import ContentionProfile
+
+    if kept is None:
+        if not probe.done:
+            with phase(f"measuring contention ({probe.count} processes)"):
+                probe.run()
+        kept = cache.keep("contention", probe.cache_key(), probe.result().model_dump(mode="json"))
+    else:
+        with phase(f"contention ({probe.count} processes)") as notes:
+            notes.append(kept.describe())
+    measured = ContentionProfile.model_validate(kept.value)
+    return measured.model_copy(update={"meta": {**measured.meta, "host_cache": kept.meta()}})
 
 
 def _probe_terms(profile, settings, advance, probe_options: dict):
@@ -352,7 +375,8 @@ def _print_profile(profile) -> None:
         threads = meta.get("threads_per_process")
         stdout.print(f"contention: {at_once} ({threads} thread{'s' * (threads != 1)} per rank, "
                      f"{meta.get('cpus_usable')} cores); a rank alone: mean {profile.contention.tail:.3f}x its "
-                     "median iteration (the passes are priced at their mean)", highlight=False)
+                     "median iteration (the passes are priced at their mean)"
+                     + _cached(meta, "the factors"), highlight=False)
         solo_ms, of = meta.get("solo_median_ms", meta.get("solo_ms")), meta.get("workload", {}).get("stages")
         if solo_ms and of and all(stage.passes is not None for stage in profile.stages):
             drift = [ms / (profile.stages[k].fwd_ms + profile.stages[k].bwd_ms) - 1 for ms, k in zip(solo_ms, of)]

@@ -550,8 +550,8 @@ def test_a_sequence_leaves_the_rounds_once_its_phases_are_precise(monkeypatch):
     assert runs.count("b") == settings.warmup + 20
 
 
-def test_the_runtime_probe_runs_its_schedules_in_turn_in_one_valid_schedule(mlp_profile):
-    from pipesim.calibrate.runtime import PROBE_SCHEDULES, host_plan, probe_schedule
+def test_the_runtime_probe_runs_its_schedules_in_turn_in_one_valid_schedule():
+    from pipesim.calibrate.runtime import PROBE_SCHEDULES, probe_schedule
     from pipesim.schedules.analysis import validate
 
     schedule = probe_schedule(2, 8, 3)
@@ -566,13 +566,6 @@ def test_the_runtime_probe_runs_its_schedules_in_turn_in_one_valid_schedule(mlp_
     kinds = {b: {a.kind for order in schedule.orders for a in order if a.minibatch == b} for b in range(8)}
     assert all(kinds[b] == {Kind.F, Kind.B, Kind.OPT} for b in range(4))
     assert all(kinds[b] == {Kind.F, Kind.I, Kind.W, Kind.OPT} for b in range(4, 8))
-    # The calibrated model's run: the probe's shape for small passes; for long ones fewer, at least ZB-H1's 2p
-    # micro-batches and one steady mini-batch per schedule.
-    profile = load_profile(mlp_profile)
-    assert host_plan(profile) == (8, 5)
-    slow = profile.model_copy(update={"stages": [s.model_copy(update={"fwd_ms": 300.0, "bwd_ms": 600.0})
-                                                 for s in profile.stages]})
-    assert host_plan(slow) == (4, 1)
 
 
 def test_host_cache_reuses_a_term_until_fresh_and_measures_again_what_it_cannot_read(tmp_path):

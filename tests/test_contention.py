@@ -132,6 +132,38 @@ def test_calibrate_told_not_to_measures_no_contention(tmp_path):
     assert load_profile(skipped).contention is None and "contention" not in printed
 
 
+def test_a_calibration_of_the_same_workload_reuses_its_factors_until_fresh(tmp_path, monkeypatch):
+    """Contention depends on the host and on the model's workload: kept in the host cache under both, a second
+    calibration of the same model (one cut: two layers on two stages) takes it from there and says how old it
+    is, and `--fresh` measures it again."""
+    from pipesim.calibrate import contention as probe
+
+    monkeypatch.setattr(probe, "WINDOW_S", 0.1)  # the parent sets the windows: shorter ones for a test
+    monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path / "cache"))
+    one_cut = [*TINY, "--layers", "1"]
+    runs = {}
+    for name, extra in (("first", ()), ("again", ()), ("fresh", ("--fresh",))):
+        code, printed, err = pipesim("calibrate", *one_cut, *extra, "--out", tmp_path / f"{name}.json")
+        assert code == 0, err
+        runs[name] = load_profile(tmp_path / f"{name}.json").contention, err, " ".join(printed.split())
+    (first, first_err, _), (again, again_err, again_out), (fresh, fresh_err, _) = runs.values()
+    assert [c.meta["host_cache"]["reused"] for c in (first, again, fresh)] == [False, True, False]
+    assert "measuring contention (2 processes) ... " in first_err and "measuring contention" in fresh_err
+    assert "measuring contention" not in again_err and "contention (2 processes) ... 0.0 s (from the host cache, " \
+        "measured " in again_err and "the factors from the host cache, measured " in again_out
+    assert again.model_copy(update={"meta": {}}) == first.model_copy(update={"meta": {}})
+    assert again.meta["host_cache"]["measured_at"] == first.meta["host_cache"]["measured_at"]
+    assert len(list((tmp_path / "cache").glob("contention-*.json"))) == 1  # the fresh one replaced the first
+    # the key: the workload each process runs, the processes, and how the windows are taken
+    profile = load_profile(tmp_path / "first.json")
+    key = probe.ContentionProbe(profile, "mlp", {"layers": 1, "width": 16}).cache_key()
+    assert key["workload"] == {"model": "mlp", "options": {"layers": 1, "width": 16}, "dtype": "float32",
+                               "microbatch_size": 2, "threads": 1, "bounds": [0, 1, 2]} and key["processes"] == 2
+    assert key != probe.ContentionProbe(profile, "mlp", {"layers": 1, "width": 16}, ranks=3).cache_key()
+    monkeypatch.setattr(probe, "MIN_ITERATIONS", 4)
+    assert key != probe.ContentionProbe(profile, "mlp", {"layers": 1, "width": 16}).cache_key()
+
+
 def _calibrate_own_model(tmp_path, monkeypatch, module: str, source: str):
     """`pipesim calibrate` of the bring-your-own model `build` of `module` (its `source`), layers and contention
     only: (exit code, stdout, stderr), and the profile's path."""

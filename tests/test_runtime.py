@@ -1,0 +1,47 @@
+"""The runtime terms' plan (calibrate/runtime.py): how much of the calibrated model's run its host time needs."""
+
+from pathlib import Path
+
+import pytest
+
+from pipesim.calibrate.runtime import HOST_KINDS, HOST_SHARE, HOST_STEADY, PROBE_MICROBATCHES, host_plan, host_share
+from pipesim.profiles.schema import COMPUTE_KINDS, RuntimeProfile, Timing, load_profile
+
+PROFILE = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "cnn-cpu.json"  # stages of 5.6-6.9 ms F + B
+
+
+def _timing(ms: float) -> Timing:
+    return Timing(median_ms=ms, spread_ms=0.0, repeats=1)
+
+
+def _runtime(gap_ms: float, send_ms: float) -> RuntimeProfile:
+    """Probe terms whose gaps after every kind of row are `gap_ms` and whose SEND rows hold `send_ms`."""
+    return RuntimeProfile(compute_ms={kind: _timing(0.05) for kind in COMPUTE_KINDS}, send_ms=_timing(send_ms),
+                          recv_ms=_timing(0.03), delivery_ms=_timing(0.1), delivery_bytes=4096,
+                          gap_ms={kind: _timing(gap_ms) for kind in (*HOST_KINDS, "I", "W", "OPT")},
+                          kept_gradients=0.0, meta={})
+
+
+def _with_passes(fwd_ms: float, bwd_ms: float):
+    profile = load_profile(PROFILE)
+    return profile.model_copy(update={"stages": [stage.model_copy(update={"fwd_ms": fwd_ms, "bwd_ms": bwd_ms})
+                                                 for stage in profile.stages]})
+
+
+def test_the_host_share_is_a_micro_batchs_host_time_over_the_shortest_stage():
+    profile = load_profile(PROFILE)
+    shortest_ms = min(stage.fwd_ms + stage.bwd_ms for stage in profile.stages)
+    assert host_share(profile, _runtime(0.1, 0.3)) == pytest.approx((0.3 + 0.1 * len(HOST_KINDS)) / shortest_ms)
+
+
+def test_the_calibrated_models_run_is_sized_by_what_its_host_time_can_change():
+    """Small passes: the probe's micro-batches and HOST_STEADY mini-batches per schedule. Long ones: fewer, at
+    least ZB-H1's 2p micro-batches and one steady mini-batch; and none at all where even twice the probe's host
+    time per micro-batch is under HOST_SHARE of a stage's F + B (the default gpt's 0.2-0.4 %)."""
+    probe = _runtime(0.1, 0.3)  # 0.9 ms per micro-batch
+    assert host_plan(load_profile(PROFILE), probe) == (PROBE_MICROBATCHES, HOST_STEADY)
+    assert host_plan(_with_passes(300.0, 600.0), _runtime(2.0, 3.0)) == (2 * 4, 1)  # 15 ms of 900: 1.7 %
+    assert host_plan(_with_passes(300.0, 600.0), probe) is None  # 0.1 %
+    threshold_ms = 2 * 0.9 / HOST_SHARE  # the F + B at which twice the host time is HOST_SHARE of it
+    assert host_plan(_with_passes(0.33 * threshold_ms, 0.66 * threshold_ms), probe) is not None
+    assert host_plan(_with_passes(0.34 * threshold_ms, 0.67 * threshold_ms), probe) is None
