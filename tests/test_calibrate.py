@@ -182,7 +182,8 @@ def test_calibration_runs_at_the_given_threads_and_times_the_gradient_accumulati
     # a line per phase on stderr, though it is not a terminal here
     phases = [line.split(" ... ")[0] for line in err.splitlines() if " ... " in line]
     assert phases == ["timing layers (4)", "timing stages as one pass (2)",
-                      "timing updates, predictions, averaging (2 stages, 4 optimizers)"]
+                      "timing updates, predictions, averaging (2 stages, 4 optimizers)",
+                      "fitting the device's efficiency curve to the layers"]
     assert torch.get_num_threads() == 1  # this process's count is given back
 
 
