@@ -54,9 +54,16 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
         kinds[slot], peers[slot], channels[slot] = kind_code, peer, channel
     # A row's transfers sit next to it and share its device, stage and unit: repeat its columns over them.
     copies = extra + 1
-    return ActionTable(np.repeat(t.device, copies), kinds, np.repeat(t.stage, copies),
-                       np.repeat(t.microbatch, copies), np.repeat(t.minibatch, copies),
-                       np.repeat(t.pipeline, copies), peers), origin, channels
+
+    def repeated(column: np.ndarray) -> np.ndarray:
+        """`column` repeated over the rows' transfers; a column with one value on every row (the pipeline of one
+        pipeline, the mini-batch of one) is that value broadcast, read-only: no memory for millions of rows."""
+        if n and not np.any(column != column[0]):
+            return np.broadcast_to(column[0], (total,))
+        return np.repeat(column, copies)
+
+    return ActionTable(repeated(t.device), kinds, repeated(t.stage), repeated(t.microbatch), repeated(t.minibatch),
+                       repeated(t.pipeline), peers), origin, channels
 
 
 def add_communication(schedule: Schedule) -> Schedule:
