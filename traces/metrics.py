@@ -69,7 +69,8 @@ def _exposed(comm_s: np.ndarray, comm_e: np.ndarray, busy_runs: tuple[np.ndarray
              ) -> float:
     """Time communication is under way while the compute stream is idle: |comm ∪ busy| − |busy|, where busy is
     given merged (`merged_intervals`) with its length: the union is the same over the runs as over the
-    intervals, down to the bit, and this way costs the length of the runs, not of the rows. None: 0."""
+    intervals, down to the bit (the same runs, with the same ends), and this way costs the length of the runs,
+    not of the rows. None: 0."""
     if len(comm_s) == 0:
         return 0.0
     both = _union_length(np.concatenate([comm_s, busy_runs[0]]), np.concatenate([comm_e, busy_runs[1]]))
@@ -98,17 +99,21 @@ def summarize(trace: Trace) -> Summary:
         device, starts_us, durs_us, grouped_ends_us, on_compute, on_network = (
             column[order] for column in (device, starts_us, durs_us, grouped_ends_us, on_compute, on_network))
     bounds = np.searchsorted(device, np.arange(trace.num_devices + 1))
+    collectives = bool(on_network.any())
     devices = []
     busy_total_us = 0.0
     exposed_total_us = 0.0
     for d in range(trace.num_devices):
         mine = slice(bounds[d], bounds[d + 1])
-        busy, comm, network = on_compute[mine], ~on_compute[mine], on_network[mine]
+        busy = on_compute[mine]
         start_us, end_us = starts_us[mine], grouped_ends_us[mine]
         busy_us = float(durs_us[mine][busy].sum())
         busy_runs = merged_intervals(start_us[busy], end_us[busy])
         busy_run_us = float(np.sum(busy_runs[1] - busy_runs[0]))
-        exposed_us = _exposed(start_us[comm], end_us[comm], busy_runs, busy_run_us)
+        # Communication under way while the compute stream is idle: |comm ∪ busy| − |busy| (as `_exposed`), where
+        # comm ∪ busy is all the device's rows: one merge of them, with no column of its communication taken.
+        exposed_us = 0.0 if busy.all() else _union_length(start_us, end_us) - busy_run_us
+        network = on_network[mine] if collectives else slice(0)
         collective_us = _exposed(start_us[network], end_us[network], busy_runs, busy_run_us)
         busy_total_us += busy_us
         exposed_total_us += exposed_us
@@ -122,28 +127,34 @@ def summarize(trace: Trace) -> Summary:
             peak_weight_versions=int(_peak(trace, "weight_versions", d)),
         ))
 
-    # A mini-batch is done when its last op ends; after the first, they complete once per step.
-    minibatches = int(ops.minibatch[compute].max()) + 1 if compute.any() else 0
+    # A mini-batch is done when its last op ends; after the first, they complete once per step. (Compute rows
+    # are taken once, and the rows that read weights from them: the columns below are read on those alone.)
+    computing = np.flatnonzero(compute)
+    minibatch = ops.minibatch[computing]
+    minibatches = int(minibatch.max()) + 1 if len(computing) else 0
     done_us = np.full(minibatches, -np.inf)
-    np.maximum.at(done_us, ops.minibatch[compute], ends_us[compute])
+    np.maximum.at(done_us, minibatch, ends_us[computing])
     per_minibatch_us = (done_us[-1] - done_us[0]) / (minibatches - 1) if minibatches > 1 else makespan_us
     samples = trace.meta.samples_per_minibatch
 
     f_code, weight_kinds = trace.kind_code("F"), [trace.kind_code(k) for k in ("B", "I", "W")]
-    staleness = ops.minibatch - ops.version
-    num_stages = int(ops.stage[compute].max()) + 1 if compute.any() else 0
-    read = compute & (ops.version >= 0)
-    fwd = read & (ops.kind == f_code)
-    bwd = read & np.isin(ops.kind, weight_kinds)
+    num_stages = int(ops.stage[computing].max()) + 1 if len(computing) else 0
+    version = ops.version[computing]
+    read = computing[version >= 0]
+    kind, stage = ops.kind[read], ops.stage[read]
+    staleness = ops.minibatch[read] - ops.version[read]
+    fwd = kind == f_code
+    bwd = np.isin(kind, weight_kinds)
 
     def per_stage_max(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """Largest value per stage over `mask`, -1 for a stage with none."""
+        """Largest value per stage over `mask` (of the rows that read weights), -1 for a stage with none."""
         out = np.full(num_stages, -1, dtype=np.int64)
-        np.maximum.at(out, ops.stage[mask], values[mask])
+        np.maximum.at(out, stage[mask], values[mask])
         return out
 
+    prediction = ops.prediction[read]
     lag_f, lag_b = per_stage_max(fwd, staleness), per_stage_max(bwd, staleness)
-    s_f, s_b = per_stage_max(fwd, ops.prediction), per_stage_max(bwd, ops.prediction)
+    s_f, s_b = per_stage_max(fwd, prediction), per_stage_max(bwd, prediction)
     stages = [
         StageMetrics(
             stage=k,
