@@ -64,7 +64,7 @@ class _Program:
     # RECV its SEND's clock and the time from there to its arrival (-1: its SEND step finds the arrival out when
     # it runs). Steps are a device's receives and the sends whose arrival is not a fixed time after their issue,
     # and its compute rows too if it shares a compute resource; elsewhere a device's clock just adds durations.
-    steps: list[tuple[np.ndarray, ...]]
+    steps: list[tuple[np.ndarray, ...]]  # consumed: `_Model.run` empties the list
     step_rows: np.ndarray  # every device's steps, as global rows in program order
     step_bounds: np.ndarray  # device d's steps are step_rows[step_bounds[d]:step_bounds[d + 1]]
     start_clock: np.ndarray  # per device: the index of its start in `_Model.clocks` (its steps' clocks follow)
@@ -535,18 +535,21 @@ class _Model:
         self.finished += 1
 
     def run(self) -> None:
+        """Run every device's steps, which the run consumes: it empties `_Program.steps` at the end, so that their
+        columns (five per step: 40 MiB for a million) are free memory for the trace, which does not read them."""
         devices = range(len(self.program.steps))
         if self.env is not None:
             for d in devices:
                 self.env.process(self.process(d))
             self.env.run()
-            return
-        ready = self.ready
-        for d in devices:  # each coroutine takes itself from `running` when first run, to leave with what it waits for
-            self.running = self.coroutine(d)
-            next(self.running, None)
-        while ready:
-            next(ready.pop(), None)
+        else:
+            ready = self.ready
+            for d in devices:  # each coroutine takes itself from `running` when first run, to leave with what it awaits
+                self.running = self.coroutine(d)
+                next(self.running, None)
+            while ready:
+                next(ready.pop(), None)
+        self.program.steps.clear()
 
 
 def simulate(
@@ -568,7 +571,7 @@ def simulate(
     program = _price(lower(schedule), costs, cluster, jitter, seed)
     model = _Model(program, cluster.overlap_comm)
     model.run()
-    if model.finished < len(program.steps):
+    if model.finished < len(program.start_clock):  # a device or lane whose steps never ended
         validate(schedule)
         raise SimulationError(f"{schedule.method}: {schedule.num_devices - model.finished} devices never finished")
     return _trace(costs, cluster, program, model, jitter, seed)
