@@ -104,7 +104,6 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     kind, stage = t.kind, t.stage
     stream = _STREAM_OF_KIND[kind]
     compute = stream == Stream.COMPUTE
-    moving = (stream == Stream.SEND) | (stream == Stream.RECV)  # point-to-point transfers
 
     op_ms = costs.op_ms_table(schedule.pipelines)
     overhead = costs.overhead
@@ -127,38 +126,6 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     duration = _picoseconds(duration)
     held = duration if host_ps is None else duration + host_ps  # what each row keeps its device from its next row
 
-    def per_stage(values: list[float]) -> np.ndarray:
-        return np.asarray(values, dtype=np.int64)
-
-    activation = per_stage([c.activation_bytes for c in stages])
-    param = per_stage([c.param_bytes for c in stages])
-    # A stage whose `held_bytes` is known holds its boundary tensors from F until its backward (a received
-    # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
-    # received one freed when its consumer ends, a sent one when its transfer does.
-    own_boundary = np.array([c.held_bytes is not None for c in stages], dtype=bool)
-    # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
-    # which the producer holds until its own backward, later than this stage's: it is counted there only.
-    local_in = [0] * len(stages)
-    for src, dst in schedule.graph.edges:
-        if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
-            local_in[dst] += stages[src].output_bytes
-    roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
-    kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
-    # Per stage and kind, the bytes a row takes at its start and gives back at its end.
-    at_start, at_end = (np.zeros((len(stages), len(KINDS)), dtype=np.int64) for _ in range(2))
-    at_start[:, KIND_CODE[Kind.F]] = activation + roots
-    at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
-    at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
-    at_end[:, KIND_CODE[Kind.W]] = -kept
-    mem_at_start, mem_at_end = at_start[stage, kind], at_end[stage, kind]
-    copies = np.flatnonzero(lowered.copies_delta)
-    mem_at_end[copies] += lowered.copies_delta[copies] * param[stage[copies]]
-    kept_gradient = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
-    mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
-    mem_at_end[spans.closing] -= np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
-    act_at_start = kind_mask(kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
-    act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int8)
-
     # A channel's transfers share their size, time and route.
     resources: dict[tuple[str, str], int] = {}
     routes, channel_ms, channel_bytes = [], [], []
@@ -176,25 +143,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                  for d, peers in enumerate(cluster.host_peers(schedule.num_devices))]
     channel_ps = _picoseconds(np.asarray(channel_ms, dtype=np.float64))
     transfer_ps = np.repeat(channel_ps, lowered.units)
-    rows = np.flatnonzero(moving)
-    if len(rows):
-        sending = stream[rows] == Stream.SEND
-        row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(lowered.transfer[rows])]
-        forward = kind_mask(kind[rows], Kind.SEND_F, Kind.RECV_F)
-        merged = forward & own_boundary[stage[rows]]  # an activation that is the stage's own from F to backward
-        # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
-        # (merged: the stage holds it anyway).
-        buffered = sending & ~merged
-        np.add.at(mem_at_end, computing[np.searchsorted(computing, rows[buffered]) - 1], row_bytes[buffered])
-        mem_at_start[rows] = np.where(sending, 0, row_bytes)
-        mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
-        # A RECV's buffer lives until its consumer (the next compute row) ends; merged, it is the consumer's
-        # from its start (the F's `held_bytes` or `activation_bytes` count it from there on).
-        receiving, received = rows[~sending], row_bytes[~sending]
-        consumer = computing[np.searchsorted(computing, receiving)]
-        merged_in = merged[~sending]
-        np.add.at(mem_at_end, consumer[~merged_in], -received[~merged_in])
-        np.add.at(mem_at_start, consumer[merged_in], -received[merged_in])
+    mem_at_start, mem_at_end, act_at_start, act_at_end = _memory_deltas(lowered, costs, stream, computing, spans,
+                                                                        channel_bytes)
 
     timed = bool(resources) or any(h is not None for h in host_unit)
     bounds = lowered.bounds
@@ -278,6 +228,69 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     send_to_arrival, compute_unit + no_unit, host_unit + no_unit, cluster.contention, clock_before,
                     since_ps, duration, channel_ps.tolist(), routes, len(resources), mem_at_start, mem_at_end,
                     act_at_start, act_at_end, static_bytes(schedule, costs))
+
+
+def _memory_deltas(lowered: Lowered, costs: Costs, stream: np.ndarray, computing: np.ndarray, spans: _GradientSpans,
+                   channel_bytes: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per row, the bytes it takes at its start and gives back at its end, and likewise the micro-batches whose
+    activations it holds. (A function of its own, so that its temporaries of millions of rows are freed before the
+    rest of the pricing makes its own.)"""
+    schedule, t, stages = lowered.schedule, lowered.table, costs.stages
+    kind, stage = t.kind, t.stage
+
+    def per_stage(values: list[float]) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    activation = per_stage([c.activation_bytes for c in stages])
+    param = per_stage([c.param_bytes for c in stages])
+    # A stage whose `held_bytes` is known holds its boundary tensors from F until its backward (a received
+    # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
+    # received one freed when its consumer ends, a sent one when its transfer does.
+    own_boundary = np.array([c.held_bytes is not None for c in stages], dtype=bool)
+    # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
+    # which the producer holds until its own backward, later than this stage's: it is counted there only.
+    local_in = [0] * len(stages)
+    for src, dst in schedule.graph.edges:
+        if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
+            local_in[dst] += stages[src].output_bytes
+    roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
+    kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
+    # Per stage and kind, the bytes a row takes at its start and gives back at its end.
+    at_start, at_end = (np.zeros((len(stages), len(KINDS)), dtype=np.int64) for _ in range(2))
+    at_start[:, KIND_CODE[Kind.F]] = activation + roots
+    at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
+    at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
+    at_end[:, KIND_CODE[Kind.W]] = -kept
+    mem_at_start, mem_at_end = at_start[stage, kind], at_end[stage, kind]
+    copies = np.flatnonzero(lowered.copies_delta)
+    mem_at_end[copies] += lowered.copies_delta[copies] * param[stage[copies]]
+    kept_gradient = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
+    mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
+    mem_at_end[spans.closing] -= np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
+    act_at_start = kind_mask(kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
+    act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int8)
+
+    rows = np.flatnonzero((stream == Stream.SEND) | (stream == Stream.RECV))  # point-to-point transfers
+    if len(rows):
+        sending = stream[rows] == Stream.SEND
+        row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(lowered.transfer[rows])]
+        forward = kind_mask(kind[rows], Kind.SEND_F, Kind.RECV_F)
+        merged = forward & own_boundary[stage[rows]]  # an activation that is the stage's own from F to backward
+        # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
+        # (merged: the stage holds it anyway).
+        buffered = sending & ~merged
+        np.add.at(mem_at_end, computing[np.searchsorted(computing, rows[buffered]) - 1], row_bytes[buffered])
+        mem_at_start[rows] = np.where(sending, 0, row_bytes)
+        mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
+        # A RECV's buffer lives until its consumer (the next compute row) ends; merged, it is the consumer's
+        # from its start (the F's `held_bytes` or `activation_bytes` count it from there on).
+        receiving, received = rows[~sending], row_bytes[~sending]
+        consumer = computing[np.searchsorted(computing, receiving)]
+        merged_in = merged[~sending]
+        np.add.at(mem_at_end, consumer[~merged_in], -received[~merged_in])
+        np.add.at(mem_at_start, consumer[merged_in], -received[merged_in])
+
+    return mem_at_start, mem_at_end, act_at_start, act_at_end
 
 
 def _before_on_device(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -579,23 +592,8 @@ def simulate(
 
 def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int) -> Trace:
     lowered = program.lowered
-    schedule, xid, t, bounds = lowered.schedule, lowered.transfer, lowered.table, lowered.bounds
-    transfers = np.flatnonzero((program.stream == Stream.SEND) | (program.stream == Stream.RECV))
-    clocks = np.frombuffer(model.clocks, dtype=np.int64)
-    issued_ps = _issue_times(program, model, clocks)
-    start_ps = issued_ps.copy()
-    end_ps = issued_ps + model.duration_ps
-    if len(transfers):
-        if program.timed:  # every SEND was a step and found its arrival
-            arrival = np.frombuffer(model.arrival, dtype=np.int64)
-        else:  # every SEND arrives a fixed time after a clock of its device
-            arrival = clocks[program.send_clock] + program.send_to_arrival_ps
-        ids = xid[transfers]
-        end_ps[transfers] = arrival[ids]  # a transfer starts its duration before it arrives
-        start_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[ids // lowered.units]
-    collective = program.collective_rows  # from the lane's begin for its network time
-    start_ps[collective] = clocks[program.collective_clock]
-    end_ps[collective] = start_ps[collective] + program.collective_ps
+    schedule, t, bounds = lowered.schedule, lowered.table, lowered.bounds
+    issued_ps, start_ps, end_ps = _op_times(program, model)
     # Counter events: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
     # or where the runtime posts it ahead. Their times stay picoseconds here (the issue times' column becomes the
     # first events'): each device's become milliseconds as its counters are made, which spares two columns of
@@ -604,8 +602,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     if costs.recv_window:
         receives, posted = _posting_rows(bounds, program.stream, costs.recv_window)
         posted_ps = first_ps[posted]
-    receiving = np.flatnonzero(program.stream == Stream.RECV)
-    first_ps[receiving] = end_ps[receiving]
+    np.copyto(first_ps, end_ps, where=program.stream == Stream.RECV)
     if costs.recv_window:
         first_ps[receives] = posted_ps
     devices = schedule.num_devices
@@ -633,6 +630,30 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         jitter=jitter, seed=seed, calibration=costs.calibration,
         extra=_runtime_terms(costs))
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
+
+
+def _op_times(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row, when it was issued, started and ended (ps): a transfer starts its duration before it arrives, a
+    collective at its lane's begin. (A function of its own, so that its temporaries are freed before the trace
+    makes its columns.)"""
+    lowered, xid = program.lowered, program.lowered.transfer
+    transfers = np.flatnonzero((program.stream == Stream.SEND) | (program.stream == Stream.RECV))
+    clocks = np.frombuffer(model.clocks, dtype=np.int64)
+    issued_ps = _issue_times(program, model, clocks)
+    start_ps = issued_ps.copy()
+    end_ps = issued_ps + model.duration_ps
+    if len(transfers):
+        if program.timed:  # every SEND was a step and found its arrival
+            arrival = np.frombuffer(model.arrival, dtype=np.int64)
+        else:  # every SEND arrives a fixed time after a clock of its device
+            arrival = clocks[program.send_clock] + program.send_to_arrival_ps
+        ids = xid[transfers]
+        end_ps[transfers] = arrival[ids]
+        start_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[ids // lowered.units]
+    collective = program.collective_rows
+    start_ps[collective] = clocks[program.collective_clock]
+    end_ps[collective] = start_ps[collective] + program.collective_ps
+    return issued_ps, start_ps, end_ps
 
 
 def _runtime_terms(costs: Costs) -> dict:
