@@ -77,12 +77,14 @@ def calibrate(
                                               "(`pipesim run --threads-per-rank`, default 1).")] = 1,
     runtime: Annotated[bool, typer.Option(
         "--runtime/--no-runtime", help="Measure the executor's own cost per row: two ranks running a tiny model "
-                                       "(kept in the host cache), then the calibrated model.")] = True,
+                                       "(kept in the host cache), then the calibrated model where the host "
+                                       "time between its rows can change a prediction.")] = True,
     contention: Annotated[bool, typer.Option(
         "--contention/--no-contention", help="Measure how much ranks computing at once on this CPU host slow each "
                                              "other: the stages' forward and backward in one process per stage "
-                                             "(two at least), each alone, then together (about 5 s for two "
-                                             "stages, 2-3 s more per further stage). Not run on cuda, whose "
+                                             "(two at least), each alone, then together (windows of 0.25 s, "
+                                             "or 5 of the slowest stage's iterations; kept in the host cache for "
+                                             "a calibration of the same model again). Not run on cuda, whose "
                                              "profile has none.")] = True,
     ranks: Annotated[int | None, typer.Option(
         "--ranks", min=2, help="The most ranks a run of this profile will have on this host, which the contention "

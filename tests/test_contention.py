@@ -135,33 +135,36 @@ def test_calibrate_told_not_to_measures_no_contention(tmp_path):
 def test_a_calibration_of_the_same_workload_reuses_its_factors_until_fresh(tmp_path, monkeypatch):
     """Contention depends on the host and on the model's workload: kept in the host cache under both, a second
     calibration of the same model (one cut: two layers on two stages) takes it from there and says how old it
-    is, and `--fresh` measures it again."""
+    is; `--fresh` (a fresh cache) measures it again, and another workload or way of taking the windows is
+    another entry."""
     from pipesim.calibrate import contention as probe
+    from pipesim.calibrate.cache import HostCache
 
     monkeypatch.setattr(probe, "WINDOW_S", 0.1)  # the parent sets the windows: shorter ones for a test
     monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path / "cache"))
     one_cut = [*TINY, "--layers", "1"]
-    runs = {}
-    for name, extra in (("first", ()), ("again", ()), ("fresh", ("--fresh",))):
-        code, printed, err = pipesim("calibrate", *one_cut, *extra, "--out", tmp_path / f"{name}.json")
+    runs = []
+    for name in ("first", "again"):
+        code, printed, err = pipesim("calibrate", *one_cut, "--out", tmp_path / f"{name}.json")
         assert code == 0, err
-        runs[name] = load_profile(tmp_path / f"{name}.json").contention, err, " ".join(printed.split())
-    (first, first_err, _), (again, again_err, again_out), (fresh, fresh_err, _) = runs.values()
-    assert [c.meta["host_cache"]["reused"] for c in (first, again, fresh)] == [False, True, False]
-    assert "measuring contention (2 processes) ... " in first_err and "measuring contention" in fresh_err
-    assert "measuring contention" not in again_err and "contention (2 processes) ... 0.0 s (from the host cache, " \
-        "measured " in again_err and "the factors from the host cache, measured " in again_out
-    assert again.model_copy(update={"meta": {}}) == first.model_copy(update={"meta": {}})
-    assert again.meta["host_cache"]["measured_at"] == first.meta["host_cache"]["measured_at"]
-    assert len(list((tmp_path / "cache").glob("contention-*.json"))) == 1  # the fresh one replaced the first
+        runs.append((load_profile(tmp_path / f"{name}.json"), err, " ".join(printed.split())))
+    (profile, first_err, _), (again, again_err, again_out) = runs
+    first, reused = profile.contention, again.contention
+    assert (first.meta["host_cache"]["reused"], reused.meta["host_cache"]["reused"]) == (False, True)
+    assert "measuring contention (2 processes) ... " in first_err and "measuring contention" not in again_err
+    assert "contention (2 processes) ... 0.0 s (from the host cache, measured " in again_err
+    assert "the factors from the host cache, measured " in again_out
+    assert reused.model_copy(update={"meta": {}}) == first.model_copy(update={"meta": {}})
+    assert reused.meta["host_cache"]["measured_at"] == first.meta["host_cache"]["measured_at"]
     # the key: the workload each process runs, the processes, and how the windows are taken
-    profile = load_profile(tmp_path / "first.json")
-    key = probe.ContentionProbe(profile, "mlp", {"layers": 1, "width": 16}).cache_key()
-    assert key["workload"] == {"model": "mlp", "options": {"layers": 1, "width": 16}, "dtype": "float32",
-                               "microbatch_size": 2, "threads": 1, "bounds": [0, 1, 2]} and key["processes"] == 2
-    assert key != probe.ContentionProbe(profile, "mlp", {"layers": 1, "width": 16}, ranks=3).cache_key()
+    options = {"layers": 1, "width": 16}
+    key = probe.ContentionProbe(profile, "mlp", options).cache_key()
+    assert key["workload"] == {"model": "mlp", "options": options, "dtype": "float32", "microbatch_size": 2,
+                               "threads": 1, "bounds": [0, 1, 2]} and key["processes"] == 2
+    assert HostCache().find("contention", key) is not None and HostCache(fresh=True).find("contention", key) is None
+    assert key != probe.ContentionProbe(profile, "mlp", options, ranks=3).cache_key()
     monkeypatch.setattr(probe, "MIN_ITERATIONS", 4)
-    assert key != probe.ContentionProbe(profile, "mlp", {"layers": 1, "width": 16}).cache_key()
+    assert key != probe.ContentionProbe(profile, "mlp", options).cache_key()
 
 
 def _calibrate_own_model(tmp_path, monkeypatch, module: str, source: str):
@@ -243,8 +246,11 @@ def test_a_window_no_iteration_fits_in_is_taken_again_longer(tmp_path, monkeypat
                                                "def build():\n"
                                                "    return nn.Sequential(Slow(8, 8), nn.ReLU(), nn.Linear(8, 2))\n")
     assert code == 0, err
+    from pipesim.calibrate.contention import WINDOW_S, WINDOW_TRIES
+
     meta = load_profile(out).contention.meta
-    assert meta["window_s"] == 0.5 and meta["windows_retaken"] and set(meta["windows_retaken"]) <= {0.5, 1.0}
+    assert meta["window_s"] == WINDOW_S and meta["windows_retaken"]
+    assert set(meta["windows_retaken"]) <= {WINDOW_S * 2 ** attempt for attempt in range(WINDOW_TRIES - 1)}
     assert all(n >= 1 for by_count in meta["iterations"] for ns in by_count for n in ns)
 
 
