@@ -1,18 +1,23 @@
 """One calibrated size predicts another: a device's curve fitted (planning.estimate.fit_rates) to one size's
-calibrated layer times and the same model's count, then every other size's layers estimated on it
-(estimate_layer, as `--curve-from` prices them) and compared with that size's own calibrations, per pass; and
-the noise floor: the same size calibrated twice, compared layer by layer.
+calibrated layer times and the same model's count, then every size's layers estimated on it (estimate_layer,
+as `--curve-from` prices them) and compared with that size's own calibrations, per pass; and the noise floor:
+the same size calibrated again, compared layer by layer.
 
-Give each size's calibrations (a size: the same model, options, micro-batch size, dtype and threads; each
-size's first one is fitted), or `--calibrate DIR` to make them first: `SIZES` (a small gpt at three widths and
-two sequence lengths, its layers only, one thread) calibrated `--rounds` times, the sizes interleaved within
-each round so that a shared machine's load falls on all of them alike; the 1-minute load average before each
-is printed and kept. On a CPU the "part" is nominal (its peak and bandwidth only scale the fitted
-efficiencies: 1 TFLOP/s and 100 GB/s here, one "multiprocessor" and 1×1 tiles, so no tile quantisation); on a
-GPU give the catalogue part.
+Each size's calibrations (a size: the same model, options, micro-batch size, dtype and threads) are dealt in
+the order given into two halves, alternately (rounds 1, 3, 5 ... and 2, 4, 6 ...); a half's time for a layer
+pass is the least over its calibrations (a shared machine's load only ever adds time). The curve is fitted to
+each size's first half, with the kernel overhead its calibrations timed (their median; fitted where they are
+from before calibrate timed it), and predicts every size's second half; the noise floor compares a size's two
+halves. With one calibration in a half it is that calibration.
 
-    python benchmarks/fit_curve.py --calibrate /tmp/fit --rounds 2 --json fit.json   # about 3 min a round
-    python benchmarks/fit_curve.py gpu-small.json gpu-large.json --gpu a100-sxm-80gb  # a GPU's calibrations
+`--calibrate DIR` makes them first: `SIZES` (a small gpt at three widths and two sequence lengths, its layers
+only, one thread) calibrated `--rounds` times, the sizes interleaved within each round so that the load falls on
+all of them alike; the 1-minute load average before each is printed and kept. On a CPU the "part" is nominal
+(its peak and bandwidth only scale the fitted efficiencies: 1 TFLOP/s and 100 GB/s here, one "multiprocessor"
+and 1×1 tiles, so no tile quantisation); on a GPU give the catalogue part.
+
+    python benchmarks/fit_curve.py --calibrate /tmp/fit --rounds 6 --json fit.json   # about a minute a round
+    python benchmarks/fit_curve.py gpu-small-*.json gpu-large-*.json --gpu a100-sxm-80gb  # a GPU's calibrations
 
 The calibration's weight pass (autograd.grad on the weights after the input pass) walks every gradient on the
 way to the weights again: it is predicted as the count's full backward (`CALIBRATED_OPS`), and not fitted.
@@ -39,14 +44,12 @@ from pipesim.planning.estimate import (
     estimate_layer,
     fit_rates,
 )
-from pipesim.profiles.schema import PASSES, EstimateLink, Profile, load_profile
+from pipesim.profiles.schema import PASSES, EstimateLink, Profile, Timing, load_profile
 from pipesim.workload.count import WorkloadCount, count_built
 
 CPU = Curve(matmul_efficiency=1.0, attention_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_ms=0.0,
             multiprocessors=1, tiles=[(1, 1)], source="nominal CPU: 1 TFLOP/s, 100 GB/s")
 NO_COLLECTIVES = EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1.0)  # t = 1: never priced
-
-
 SIZES = {  # name -> the gpt's shape flags; the rest as CALIBRATE
     "w128": ["--width", "128", "--seq-len", "128"],
     "w256": ["--width", "256", "--seq-len", "128"],
@@ -58,8 +61,8 @@ CALIBRATE = ["--model", "gpt", "--layers", "2", "--heads", "4", "--vocab", "1024
 
 
 def calibrate_sizes(folder: Path, rounds: int) -> tuple[list[Path], dict[str, float]]:
-    """`SIZES` calibrated `rounds` times into `folder` (NAME-ROUND.json), interleaved: the profiles, and the
-    1-minute load average before each."""
+    """`SIZES` calibrated `rounds` times into `folder` (NAME-ROUND.json), interleaved: the profiles in the order
+    made, and the 1-minute load average before each."""
     folder.mkdir(parents=True, exist_ok=True)
     paths, loads = [], {}
     for round_ in range(1, rounds + 1):
@@ -70,13 +73,27 @@ def calibrate_sizes(folder: Path, rounds: int) -> tuple[list[Path], dict[str, fl
             subprocess.run(["pipesim", "calibrate", *CALIBRATE, *shape, "--out", str(path)], check=True,
                            capture_output=True)
             paths.append(path)
-    return sorted(paths, key=lambda path: path.name.rsplit("-", 1)[1]), loads
+    return paths, loads
 
 
 def size_of(profile: Profile) -> tuple:
     env = profile.environment
     return (profile.model.name, tuple(sorted(profile.model.options.items())), env.microbatch_size, env.dtype,
             env.threads)
+
+
+def least(profiles: list[Profile]) -> Profile:
+    """The first profile with each layer pass's time the least over `profiles` (the same size's calibrations)."""
+    return profiles[0].model_copy(update={"layers": [layer.model_copy(update={name: Timing(
+        median_ms=min(getattr(p.layers[i], name).median_ms for p in profiles), spread_ms=0.0, repeats=1)
+        for name in PASSES}) for i, layer in enumerate(profiles[0].layers)]})
+
+
+def measured_overhead(profiles: list[Profile]) -> float | None:
+    """The median kernel overhead calibrate timed in `profiles` (None: none timed it; the fit finds one)."""
+    timed = [p.fitted_curve.kernel_overhead_ms for p in profiles
+             if p.fitted_curve is not None and p.fitted_curve.kernel_overhead_measured]
+    return statistics.median(timed) if timed else None
 
 
 def counted(profile: Profile) -> WorkloadCount:
@@ -86,10 +103,10 @@ def counted(profile: Profile) -> WorkloadCount:
 
 
 def errors(predicted: dict[str, list[float | None]], target: Profile) -> dict[str, list[float]]:
-    """Per pass, each layer's predicted time over the target's measured one, less 1 (layers without work left
-    out)."""
+    """Per pass, each layer's predicted time over the target's measured one, less 1 (layers without work, or
+    under 10 us measured, left out)."""
     return {name: [ms / getattr(timed, name).median_ms - 1 for ms, timed in zip(predicted[name], target.layers)
-                   if ms is not None and getattr(timed, name).median_ms > 0] for name in PASSES}
+                   if ms is not None and getattr(timed, name).median_ms > 0.01] for name in PASSES}
 
 
 def summary(found: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -101,26 +118,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profiles", type=Path, nargs="*", help="calibrations of two sizes or more")
     parser.add_argument("--calibrate", type=Path, metavar="DIR", help="calibrate SIZES into DIR first")
-    parser.add_argument("--rounds", type=int, default=2, help="with --calibrate: calibrations of each size")
+    parser.add_argument("--rounds", type=int, default=6, help="with --calibrate: calibrations of each size")
     parser.add_argument("--gpu", help="the catalogue part they were calibrated on (default: a nominal CPU)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     paths, loads = calibrate_sizes(args.calibrate, args.rounds) if args.calibrate else (args.profiles, {})
     if not paths:
         parser.error("give calibrations, or --calibrate DIR")
-    sizes: dict[tuple, list[tuple[Path, Profile]]] = {}
+    sizes: dict[tuple, list[list[Profile]]] = {}
+    names: dict[tuple, str] = {}
     for path in paths:
         profile = load_profile(path)
-        sizes.setdefault(size_of(profile), []).append((path, profile))
-    names = {key: found[0][0].stem.rsplit("-", 1)[0] for key, found in sizes.items()}
+        halves = sizes.setdefault(size_of(profile), [[], []])
+        names.setdefault(size_of(profile), path.stem.rsplit("-", 1)[0])
+        halves[len(halves[0]) > len(halves[1])].append(profile)
     if args.gpu:
         gpu = load_catalogue().find(args.gpu)
-        dtype = next(iter(sizes.values()))[0][1].environment.dtype
+        dtype = next(iter(sizes.values()))[0][0].environment.dtype
         peak, bandwidth, shape = getattr(gpu.dense_tflops, PEAK_DTYPE[dtype]) * 1e9, gpu.memory_bandwidth_gb_s * 1e6, \
             gpu.curve
     else:
         peak, bandwidth, shape = 1e9, 1e8, CPU
-    counts = {key: counted(found[0][1]) for key, found in sizes.items()}
+    counts = {key: counted(halves[0][0]) for key, halves in sizes.items()}
     widths = max(map(len, names.values())) + 2
 
     def row(first: str, second: str, result: dict[str, dict[str, float]]) -> None:
@@ -131,41 +150,41 @@ def main() -> None:
     print(f"{'fitted on':<{widths}} {'predicts':<{widths}} " + " ".join(f"{name:>16}" for name in PASSES)
           + "   (|error| over the layers: median (worst))")
     results, across = [], {name: [] for name in PASSES}
-    element = 4 if next(iter(sizes.values()))[0][1].environment.dtype == "float32" else 2
-    for key, found in sizes.items():
-        fitted = fit_rates(found[0][1], counts[key], shape.multiprocessors, shape.tiles)
-        curve = curve_for(fitted, peak, bandwidth, shape, f"fitted to {found[0][0].name}")
+    element = 4 if next(iter(sizes.values()))[0][0].environment.dtype == "float32" else 2
+    for key, (first, _) in sizes.items():
+        fitted = fit_rates(least(first), counts[key], shape.multiprocessors, shape.tiles, measured_overhead(first))
+        curve = curve_for(fitted, peak, bandwidth, shape, f"fitted to {names[key]}")
         device = Device(peak, bandwidth * curve.memory_efficiency, curve)
-        print(f"  {found[0][0].name}: products {fitted.matmul_flops_per_ms / 1e6:.1f} GFLOP/s, memory-bound "
-              f"{(fitted.memory_bytes_per_ms or 0) / 1e6:.1f} GB/s, {fitted.kernel_overhead_ms * 1e3:.1f} us a kernel")
-        for target_key, targets in sizes.items():
+        print(f"  {names[key]} ({len(first)} calibrations): products {fitted.matmul_flops_per_ms / 1e6:.1f} GFLOP/s, "
+              f"memory-bound {(fitted.memory_bytes_per_ms or 0) / 1e6:.1f} GB/s, "
+              f"{fitted.kernel_overhead_ms * 1e3:.1f} us a kernel{' (measured)' * fitted.kernel_overhead_measured}")
+        for target_key, (_, second) in sizes.items():
+            if not second:
+                continue
             layers = counts[target_key].layers
             priced = [estimate_layer(layer, device, Parallelism(), NO_COLLECTIVES, element) for layer in layers]
             predicted = {name: [getattr(p, f"{CALIBRATED_OPS[name]}_ms") if layer.ops.get(CALIBRATED_OPS[name])
                                 else None for p, layer in zip(priced, layers)] for name in PASSES}
-            pooled = {name: [] for name in PASSES}
-            for _, target in targets[1:] if target_key == key else targets:  # another calibration than the fitted
-                for name, values in errors(predicted, target).items():
-                    pooled[name] += values
-                    if target_key != key:
-                        across[name] += values
-            if any(pooled.values()):
-                results.append({"fitted_on": names[key], "predicts": names[target_key], "errors": summary(pooled),
-                                "calibrations": len(targets) - (target_key == key)})
-                row(names[key], "itself (again)" if target_key == key else names[target_key], summary(pooled))
+            found = errors(predicted, least(second))
+            if target_key != key:
+                for name, values in found.items():
+                    across[name] += values
+            results.append({"fitted_on": names[key], "predicts": names[target_key], "errors": summary(found)})
+            row(names[key], "itself (again)" if target_key == key else names[target_key], summary(found))
     if any(across.values()):
         row("any size", "another", summary(across))
-    print("noise floor: the same size calibrated twice, layer by layer")
+    print("noise floor: a size's two halves, layer by layer")
     floors, floor = [], {name: [] for name in PASSES}
-    for key, found in sizes.items():
-        for (_, first), (_, again) in zip(found, found[1:]):
-            measured = {name: [getattr(timed, name).median_ms if getattr(timed, name).median_ms > 0.01 else None
-                               for timed in first.layers] for name in PASSES}
-            found_errors = errors(measured, again)
-            for name, values in found_errors.items():
-                floor[name] += values
-            floors.append({"size": names[key], "errors": summary(found_errors)})
-            row(names[key], "", summary(found_errors))
+    for key, (first, second) in sizes.items():
+        if not second:
+            continue
+        once = least(first)
+        measured = {name: [getattr(timed, name).median_ms for timed in once.layers] for name in PASSES}
+        found = errors(measured, least(second))
+        for name, values in found.items():
+            floor[name] += values
+        floors.append({"size": names[key], "errors": summary(found)})
+        row(names[key], "", summary(found))
     if any(floor.values()):
         row("every size", "", summary(floor))
     if args.json:

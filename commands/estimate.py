@@ -190,15 +190,18 @@ def fit_errors(fitted: FittedCurve) -> str:
 
 
 def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextManager]) -> Profile:
-    """`profile` (just calibrated) with its device's efficiency curve fitted to its measured layers on the same
-    model's count (`fit_rates`, inside `phase`) and stored, so that `--curve-from` reads it without counting;
-    unchanged, with a note on stderr, where the model cannot be counted or its times do not fit the count."""
+    """`profile` (just calibrated) with its device's efficiency curve stored: the kernel overhead timed on the
+    device (calibrate/kernel.py), the rates fitted to the measured layers on the same model's count
+    (`fit_rates`), inside `phase`, so that `--curve-from` reads it without counting; unchanged, with a note on
+    stderr, where the model cannot be counted or its times do not fit the count."""
+    import torch
+
+    from ..calibrate.kernel import kernel_overhead_ms
     from ..planning.estimate import CUDA_TILES, EstimateError, fit_rates
 
     env = profile.environment
-    if env.device == "cuda":
-        import torch
-
+    device = torch.device(env.device)
+    if device.type == "cuda":
         shape = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count, CUDA_TILES)
     else:
         shape = (1, [(1, 1)])  # a CPU: no tile or wave quantisation
@@ -206,7 +209,8 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
         try:
             counted = count_model_of(profile.model.name, dict(profile.model.options), env.microbatch_size, env.dtype,
                                      "math", "the fitted curve")
-            return profile.model_copy(update={"fitted_curve": fit_rates(profile, counted, *shape)})
+            overhead_ms = kernel_overhead_ms(device, getattr(torch, env.dtype))
+            return profile.model_copy(update={"fitted_curve": fit_rates(profile, counted, *shape, overhead_ms)})
         except (InputError, EstimateError) as exc:
             stderr.print(f"note: no efficiency curve stored in the profile: {exc}", highlight=False, soft_wrap=True)
             return profile
@@ -223,7 +227,8 @@ def print_fitted_curve(profile: Profile) -> None:
     rates.append("memory-bound ops free" if fitted.memory_bytes_per_ms is None else
                  f"memory-bound {fitted.memory_bytes_per_ms / 1e6:.3g} GB/s")
     stdout.print(f"efficiency curve (stored; --curve-from reads it): {', '.join(rates)}, "
-                 f"{fitted.kernel_overhead_ms * 1e3:.1f} us a kernel; {fit_errors(fitted)}", highlight=False,
+                 f"{fitted.kernel_overhead_ms * 1e3:.1f} us a kernel"
+                 f"{' (measured)' if fitted.kernel_overhead_measured else ''}; {fit_errors(fitted)}", highlight=False,
                  soft_wrap=True)
 
 

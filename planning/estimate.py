@@ -399,13 +399,15 @@ def curve_terms(layer: LayerCount, name: str, multiprocessors: int, tiles: list[
     return products, attention, memory, kernels
 
 
-def fit_rates(measured: Profile, counted: WorkloadCount, multiprocessors: int,
-              tiles: list[tuple[int, int]]) -> FittedCurve:
-    """A device's achieved rates and kernel overhead fitted by non-negative least squares (numpy) to a
-    calibration's measured per-layer times (the `FIT_PASSES` of every layer the count gives work in) on the
-    same model's count, with the products' tile fill over `multiprocessors` × `tiles`. Each time is weighted by
-    its inverse: the fit minimises relative errors, and a short layer counts as much as a long one. A term whose
-    weight comes out negative is left out (its rate: None, costs nothing measurable; refused for the products).
+def fit_rates(measured: Profile, counted: WorkloadCount, multiprocessors: int, tiles: list[tuple[int, int]],
+              kernel_overhead_ms: float | None = None) -> FittedCurve:
+    """A device's achieved rates fitted by non-negative least squares (numpy) to a calibration's measured
+    per-layer times (the `FIT_PASSES` of every layer the count gives work in) on the same model's count, with
+    the products' tile fill over `multiprocessors` × `tiles`. Each time is weighted by its inverse: the fit
+    minimises relative errors, and a short layer counts as much as a long one. `kernel_overhead_ms` is the
+    kernel overhead as measured on the device (calibrate/kernel.py); None fits it too, though one model size's
+    layers hardly tell it from the memory-bound bytes (both grow with a layer's ops alike). A term whose weight
+    comes out negative is left out (its rate: None, costs nothing measurable; refused for the products).
     EstimateError where the calibration and the count are not of the same model, or the times do not follow the
     count."""
     import numpy as np
@@ -424,15 +426,18 @@ def fit_rates(measured: Profile, counted: WorkloadCount, multiprocessors: int,
     if not rows or (measured_ms <= 0).any():
         raise EstimateError("the profile has a layer pass of 0 ms the count gives work in: nothing to fit")
     terms = np.array(rows, dtype=float) / measured_ms[:, None]
-    ones = np.ones_like(measured_ms)
+    target = np.ones_like(measured_ms)
     used = terms.any(axis=0)
     coefficients = np.zeros(terms.shape[1])
+    if kernel_overhead_ms is not None:  # measured: the rest is fitted to what the kernels leave
+        coefficients[3], used[3] = kernel_overhead_ms, False
+        target -= terms[:, 3] * kernel_overhead_ms
     while True:  # non-negative: a term whose weight comes out negative is left out and the rest refitted
-        coefficients[:] = 0.0
-        coefficients[used] = np.linalg.lstsq(terms[:, used], ones, rcond=None)[0]
+        coefficients[used] = np.linalg.lstsq(terms[:, used], target, rcond=None)[0]
         if (coefficients >= 0).all():
             break
         used &= coefficients > 0
+        coefficients[coefficients < 0] = 0.0
     if coefficients[0] <= 0:
         raise EstimateError("the fit finds the matrix products cost nothing: the times do not follow the count")
 
@@ -443,7 +448,8 @@ def fit_rates(measured: Profile, counted: WorkloadCount, multiprocessors: int,
                         if done[3] and getattr(timed, name).median_ms > 0 else None
                         for done, timed in zip(work[name], measured.layers)] for name in PASSES}
     return FittedCurve(matmul_flops_per_ms=rate(0), attention_flops_per_ms=rate(1), memory_bytes_per_ms=rate(2),
-                       kernel_overhead_ms=float(coefficients[3]), multiprocessors=multiprocessors,
+                       kernel_overhead_ms=float(coefficients[3]),
+                       kernel_overhead_measured=kernel_overhead_ms is not None, multiprocessors=multiprocessors,
                        tiles=list(tiles), passes=list(FIT_PASSES), attention=counted.attention, residuals=residuals)
 
 
