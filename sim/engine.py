@@ -279,14 +279,18 @@ def _memory_deltas(lowered: Lowered, costs: Costs, stream: np.ndarray, computing
         # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
         # (merged: the stage holds it anyway).
         buffered = sending & ~merged
-        np.add.at(mem_at_end, computing[np.searchsorted(computing, rows[buffered]) - 1], row_bytes[buffered])
+        # Per row, how many compute rows are at or before it: the compute row before a transfer (its producer) is
+        # `computing[computed - 1]`, the one after it (its consumer) `computing[computed]`.
+        computed = np.cumsum(stream == Stream.COMPUTE)
+        np.add.at(mem_at_end, computing[computed[rows[buffered]] - 1], row_bytes[buffered])
         mem_at_start[rows] = np.where(sending, 0, row_bytes)
         mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
         # A RECV's buffer lives until its consumer (the next compute row) ends; merged, it is the consumer's
         # from its start (the F's `held_bytes` or `activation_bytes` count it from there on).
-        receiving, received = rows[~sending], row_bytes[~sending]
-        consumer = computing[np.searchsorted(computing, receiving)]
-        merged_in = merged[~sending]
+        receiving = ~sending
+        received = row_bytes[receiving]
+        consumer = computing[computed[rows[receiving]]]
+        merged_in = merged[receiving]
         np.add.at(mem_at_end, consumer[~merged_in], -received[~merged_in])
         np.add.at(mem_at_start, consumer[merged_in], -received[merged_in])
 
