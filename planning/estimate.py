@@ -473,14 +473,6 @@ def curve_for(fitted: FittedCurve, peak_flops_per_ms: float, memory_bytes_per_ms
                                    "source": source})
 
 
-def fit_curve(measured: Profile, counted: WorkloadCount, device: Device, source: str) -> Curve:
-    """The curve of `device` (its datasheet peak and bandwidth, and the curve whose tiles and multiprocessors
-    give the fill and whose other figures are kept) fitted to a calibration on it (`fit_rates`, `curve_for`)."""
-    shape = device.curve
-    return curve_for(fit_rates(measured, counted, shape.multiprocessors, shape.tiles), device.peak_flops_per_ms,
-                     device.memory_bytes_per_ms, shape, source)
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

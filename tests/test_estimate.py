@@ -142,8 +142,8 @@ def test_a_data_parallel_group_with_ranks_on_every_node_crosses_on_as_many_nics(
 
 def test_a_curve_fitted_to_a_profile_recovers_the_curve_that_made_it_and_predicts_another_size(small_gpt):
     """A slow part (compute-bound products), a profile estimated on a known curve, the curve fitted back by
-    least squares from the profile's layer times and the count alone."""
-    from pipesim.planning.estimate import fit_curve
+    least squares from the profile's layer times and the count alone, with the kernel overhead fitted or given."""
+    from pipesim.planning.estimate import curve_for, fit_rates
 
     torch = pytest.importorskip("torch")
     from pipesim.workload.count import count_built
@@ -153,10 +153,14 @@ def test_a_curve_fitted_to_a_profile_recovers_the_curve_that_made_it_and_predict
     truth = A100.curve.model_copy(update={"matmul_efficiency": 0.7, "memory_efficiency": 0.6,
                                           "kernel_overhead_ms": 0.02})
     measured = estimate_profile(small_gpt, slow, Parallelism(), curve=truth)
-    datasheet = Device(slow.dense_tflops.fp16 * 1e9, slow.memory_bandwidth_gb_s * 1e6, A100.curve)
-    fitted = fit_curve(measured, small_gpt, datasheet, "fitted in a test")
-    assert (fitted.matmul_efficiency, fitted.memory_efficiency, fitted.kernel_overhead_ms) == pytest.approx(
-        (0.7, 0.6, 0.02), rel=1e-6)
+    peak, bandwidth = slow.dense_tflops.fp16 * 1e9, slow.memory_bandwidth_gb_s * 1e6
+    for overhead in (None, 0.02):
+        rates = fit_rates(measured, small_gpt, A100.curve.multiprocessors, A100.curve.tiles, overhead)
+        assert rates.kernel_overhead_measured == (overhead is not None)
+        fitted = curve_for(rates, peak, bandwidth, A100.curve, "fitted in a test")
+        assert (fitted.matmul_efficiency, fitted.memory_efficiency, fitted.kernel_overhead_ms) == pytest.approx(
+            (0.7, 0.6, 0.02), rel=1e-6)
+        assert all(abs(r) < 1e-6 for r in rates.residuals["fwd"] + rates.residuals["bwd"] if r is not None)
     assert fitted.attention_efficiency == A100.curve.attention_efficiency  # no fused kernel counted: kept
     larger = count_built("gpt", dict(layers=2, width=2 * H, heads=HEADS, seq_len=S, vocab=512), B, torch.float16)
     predicted = estimate_profile(larger, slow, Parallelism(), curve=fitted)
@@ -164,4 +168,6 @@ def test_a_curve_fitted_to_a_profile_recovers_the_curve_that_made_it_and_predict
     assert [layer.bwd.median_ms for layer in predicted.layers] == pytest.approx(
         [layer.bwd.median_ms for layer in actual.layers], rel=1e-6)
     with pytest.raises(EstimateError, match="layers"):
-        fit_curve(measured, larger.__class__(**{**larger.__dict__, "layers": larger.layers[:2]}), datasheet, "x")
+        fit_rates(measured, larger.__class__(**{**larger.__dict__, "layers": larger.layers[:2]}), 1, [(1, 1)])
+    with pytest.raises(EstimateError, match="memory_efficiency"):  # a datasheet below what was measured
+        curve_for(rates, peak, bandwidth / 2, A100.curve, "x")
