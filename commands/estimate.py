@@ -193,7 +193,7 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
     """`profile` (just calibrated) with its device's efficiency curve stored: the kernel overhead timed on the
     device (calibrate/kernel.py), the rates fitted to the measured layers on the same model's count
     (`fit_rates`), inside `phase`, so that `--curve-from` reads it without counting; unchanged, with a note on
-    stderr, where the model cannot be counted or its times do not fit the count."""
+    stderr, where the model cannot be counted (the meta device included) or its times do not fit the count."""
     import torch
 
     from ..calibrate.kernel import kernel_overhead_ms
@@ -211,8 +211,10 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
                                      "math", "the fitted curve")
             overhead_ms = kernel_overhead_ms(device, getattr(torch, env.dtype))
             return profile.model_copy(update={"fitted_curve": fit_rates(profile, counted, *shape, overhead_ms)})
-        except (InputError, EstimateError) as exc:
-            stderr.print(f"note: no efficiency curve stored in the profile: {exc}", highlight=False, soft_wrap=True)
+        except (InputError, EstimateError, RuntimeError, NotImplementedError) as exc:  # the meta device's too
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            stderr.print(f"note: no efficiency curve stored in the profile: {first_line}", highlight=False,
+                         soft_wrap=True)
             return profile
 
 
