@@ -17,8 +17,10 @@ import subprocess
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,7 @@ from ..profiles.schema import (
     boundary_held_bytes,
     layer_costs,
 )
+from ..units import GIB, KIB, MIB
 from ..workload.models import BATCH, Model, ModelError
 from ..workload.optim import elastic_average, make_optimizer
 from .cache import HostCache, fresh
@@ -67,6 +70,8 @@ FLOOR_MS = 0.002  # an interval this narrow is precise whatever the median: the 
 LAYER_TOLERANCE = 0.05  # layers' times set the partition and scale other cuts' stages
 PASS_TOLERANCE = 0.02  # stage passes are what a prediction prices, m times per mini-batch
 STEP_SHARE = 0.01  # a step or a prediction runs once per mini-batch: precise to 1 % of its stage's F + B
+REPLAY_SAVING = 2  # a stage's pass is replayed (`PassTraffic`) only where that costs under half the pass
+DEFAULT_CACHE_BYTES = 32 * MIB  # the last-level cache assumed where neither sysfs nor sysconf gives its size
 
 
 class DeviceError(ValueError):
@@ -367,21 +372,20 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
     micro-batch's weight gradients into the mini-batch's buffer (as the executor's backward does), and the
     copy of the weights a copy-on-write update makes (`copy_on_write`, the executor's own).
 
-    Each is timed right after an untimed F and B of its stage on the same weights, as it runs in a pipeline:
-    these ops stream the weights, gradients and optimizer state through memory, and timed back to back they
-    find them in cache (a momentum step of 4 MiB of weights: 0.4-0.5 ms hot, 0.8 ms after the stage's pass).
-    The update and the prediction are the executor's own (`StageWeights.step` and `.predict`), the update on
-    the gradient buffer that pass makes afresh, as a mini-batch's first backward does: a buffer kept from step
-    to step stays in cache (an SGD step of a 4 MiB stage, timed in turn on the 2-core CPUs here: mean 0.37 ms
-    on a kept buffer, 0.44-0.52 ms on a fresh one). Accumulation, the copy and averaging follow one pass that
-    adds into kept gradients, in that order: each finds what the pass left as in a run (the gradients it made,
-    the weights its backward read), and the copy and averaging read only the weights, which the backward read
-    too. Given the stages' `passes`, each op stops repeating once known to STEP_SHARE of its stage's F + B (the
-    untimed passes between them are not checked). The passes take most of the time (the default gpt's 0.25-0.3 s
-    each), so at most one untimed round comes first: the stage's passes were just timed, and it makes the
-    optimizer's state."""
+    Each is timed on the caches a forward and backward of its stage leave, as it runs in a pipeline: these ops
+    stream the weights, gradients and optimizer state through memory, and timed back to back they find them
+    in cache (a momentum step of 4 MiB of weights: 0.4-0.5 ms hot, 0.8 ms after the stage's pass). The pass
+    may cost a hundred times the op (the default gpt's 0.25-0.3 s against 1-10 ms), so where replaying its
+    memory traffic (`PassTraffic`, 5-20 ms) costs under half the pass, the replay stands in for it: each of
+    the default gpt's 22 ops timed after the replay and after a real pass, in 10 interleaved rounds on the
+    2-core host (loaded), differed by 8.5 % (median), the real pass from itself by 9.5 %. The update and the
+    prediction are the executor's own (`StageWeights.step` and `.predict`), the update on a gradient buffer
+    made afresh, as a mini-batch's first backward makes it: a buffer kept from step to step stays in cache (an
+    SGD step of a 4 MiB stage, timed in turn on the 2-core CPUs here: mean 0.37 ms on a kept buffer, 0.44-0.52
+    ms on a fresh one). Accumulation, the copy and averaging follow gradients added into a kept buffer, in that
+    order, as a later micro-batch's backward adds them. Given the stages' `passes`, each op stops repeating
+    once known to STEP_SHARE of its stage's F + B."""
     out = []
-    settings = replace(settings, warmup=min(settings.warmup, 1))
     for k, run in enumerate(runs):
         if not run.weights:
             zero = _zero(settings)
@@ -391,39 +395,113 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
 
         def floor_ms(name: Hashable, enough_ms: float = enough_ms) -> float:
             return math.inf if name in ("pass", "drop") else max(FLOOR_MS, enough_ms)
+        stage_pass = partial(_stage_pass, run)
+        pass_ms = _wall_ms(settings, stage_pass, run.weights)
+        if passes:
+            pass_ms = passes[k].fwd.median_ms + passes[k].bwd.median_ms
+        made = [torch.zeros_like(w) if g is None else g for w, g in zip(run.weights, run.into)]  # 0: w unused
+        traffic = PassTraffic(settings.device, run.saved_bytes, made)
+        after_pass = traffic if REPLAY_SAVING * _wall_ms(settings, traffic, run.weights) < pass_ms else stage_pass
         steps = {}
         for name in OPTIMIZERS:
             advance(f"stage {k}: {name} step and prediction")
             state = StageWeights(run.module, name, LEARNING_RATE, label=f"stage {k}", device=settings.device)
-            run.weights = state.current
             # The step runs first in every round, so the prediction always has a direction to extrapolate.
-            times = _time(settings, [("pass", _call_with(_fresh_pass, run, state)),
+            times = _time(settings, [("pass", _call_with(after_pass, state.current, state)),
                                      ("step", _call_with(state.step, False))],
-                          [("pass", _call_with(_fresh_pass, run, None)),
+                          [("pass", _call_with(after_pass, state.current)),
                            ("predict", lambda _, state=state: state.predict((state.version, 1, "F"))),
                            ("drop", lambda predicted, state=state: state.free_predicted(
                                (predicted.version, predicted.distance, "F")))], floor_ms=floor_ms)
             steps[name] = StepTimes(step=times["step"], predict=times["predict"])
         advance(f"stage {k}: gradient accumulation, weight copy, elastic averaging")
-        weights = run.weights = _with_grads(run.weights)
-        run.into = [w.grad for w in weights]  # the pass adds into the gradients these ops read, as a last B does
-        warm = ("pass", lambda _, run=run: run.backward(run.forward()))  # timed with the rest, not kept
+        weights = _with_grads(run.weights)
+        kept = [w.grad for w in weights]
         reference = [p.detach().clone() for p in weights]
         average = _call_with(elastic_average, [weights], reference, ELASTIC_ALPHA)
-        accumulate = _call_with(_accumulate, [torch.zeros_like(w) for w in weights], [w.grad for w in weights])
-        times = _time(settings, [warm, ("accumulate", accumulate), ("copy", _call_with(copy_on_write, weights)),
-                                 ("average", average)], floor_ms=floor_ms)
+        accumulate = _call_with(_accumulate, [torch.zeros_like(w) for w in weights], kept)
+        times = _time(settings, [("pass", _call_with(after_pass, weights, None, kept)), ("accumulate", accumulate),
+                                 ("copy", _call_with(copy_on_write, weights)), ("average", average)],
+                      floor_ms=floor_ms)
         out.append((steps, times["average"], times["accumulate"], times["copy"]))
     return out
 
 
-def _fresh_pass(run: StageRun, state: StageWeights | None) -> None:
-    """A forward and backward whose gradients start a new buffer, as a mini-batch's first backward does; the
-    update of `state` (if given) consumes it."""
-    run.into = [None] * len(run.weights)
+def last_level_cache_bytes(device: torch.device) -> int:
+    """The size of the device's last-level data cache: a GPU's L2 (CUDA's device properties), a CPU's largest
+    data or unified cache (sysfs, else glibc's sysconf), else DEFAULT_CACHE_BYTES."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() != "Instruction":
+                sizes.append(_cache_size_bytes((index / "size").read_text()))
+        except (OSError, ValueError):
+            continue
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        if not sizes and name in os.sysconf_names:
+            sizes.append(max(os.sysconf(name), 0))
+    return max(sizes, default=0) or DEFAULT_CACHE_BYTES
+
+
+def _cache_size_bytes(text: str) -> int:
+    """sysfs' cache size ("32768K", "1M") in bytes."""
+    text = text.strip().upper()
+    return int(text.rstrip("KMG")) * {"K": KIB, "M": MIB, "G": GIB}.get(text[-1:], 1)
+
+
+def _wall_ms(settings: Settings, fn: Callable[..., Any], *args: Any) -> float:
+    """How long one call takes, the device's queued work included (to choose between ways to do one thing)."""
+    start = time.perf_counter_ns()
+    fn(*args)
+    if settings.cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter_ns() - start) / 1e6
+
+
+def _stage_pass(run: StageRun, weights: list[torch.Tensor], state: StageWeights | None = None,
+                kept: list[torch.Tensor] | None = None) -> None:
+    """The stage's forward and backward on `weights`, its gradients into a new buffer, as a mini-batch's first
+    backward makes it (the update of `state`, if given, consumes it), or added into `kept`, as a later one
+    adds them."""
+    run.weights = weights
+    run.into = [None] * len(weights) if kept is None else kept
     run.backward(run.forward())
     if state is not None:
         state.grads = run.into
+
+
+class PassTraffic:
+    """A stage's forward and backward as the caches see them, for a few milliseconds instead of the pass:
+    first a buffer twice the last-level cache streamed through it (what ran before is gone, as after a pass
+    whose activations outgrow it), then the pass's own traffic in its order: the forward reads each weight
+    and writes its share of the `activation_bytes` the stage saves (at most the buffer); the backward, last
+    weight first, reads that share and the weight and writes the weight's gradient (one backward's, `made`)."""
+
+    def __init__(self, device: torch.device, activation_bytes: int, made: list[torch.Tensor]) -> None:
+        self.buffer = torch.ones(2 * last_level_cache_bytes(device) // 4, dtype=torch.float32, device=device)
+        self.activations = self.buffer[:activation_bytes // 4]
+        self.made = made
+
+    def __call__(self, weights: list[torch.Tensor], state: StageWeights | None = None,
+                 kept: list[torch.Tensor] | None = None) -> None:
+        """As `_stage_pass` leaves the caches, its gradients written as it writes them."""
+        self.buffer.add_(1.0)
+        shares = self.activations.tensor_split(len(weights))
+        for weight, share in zip(weights, shares):
+            weight.sum()
+            share.fill_(1.0)
+        fresh = []
+        for j in reversed(range(len(weights))):
+            shares[j].sum()
+            weights[j].sum()
+            if kept is None:
+                fresh.append(self.made[j].clone())
+            else:
+                kept[j].add_(self.made[j].clone())
+        if state is not None:
+            state.grads = fresh[::-1]
 
 
 def _accumulate(buffer: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

@@ -45,6 +45,7 @@ class StageRun:
     grad_outputs: list[torch.Tensor | None]  # per outgoing edge, or [None] under the loss
     loss: Any
     into: list[torch.Tensor | None] = field(default_factory=list)
+    saved_bytes: int = 0  # what the last forward saved for backward (its Ledger's count)
 
     @property
     def differentiable(self) -> bool:
@@ -60,9 +61,11 @@ class StageRun:
     def forward(self, _: Any = None) -> Saved:
         inputs = [a.detach().requires_grad_(a.is_floating_point()) if edge else a
                   for a, edge in zip(self.args, self.received)]
-        tape = Tape(Weights(self.weights, 0), Ledger())
+        ledger = Ledger()
+        tape = Tape(Weights(self.weights, 0), ledger)
         parameters = {**dict(zip(self.names, self.weights)), **self.buffers}
         outputs = stage_forward(self.module, parameters, inputs, tape, self.loss)
+        self.saved_bytes = ledger.total
         return [a for a, edge in zip(inputs, self.received) if edge], outputs, None
 
     def backward(self, saved: Saved) -> Saved:

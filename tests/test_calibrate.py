@@ -442,10 +442,13 @@ def test_stage_runs_compute_each_stages_rows_on_the_weights_put_in_place(model_n
             torch.testing.assert_close(buffer, full)
 
 
-def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monkeypatch):
+@pytest.mark.parametrize("replay_saving", [0.0, math.inf])  # always the replayed pass, always the real one
+def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monkeypatch, replay_saving):
     """The update and the prediction a profile prices are the executor's own (`StageWeights.step`, in place,
     and `.predict`), each update on the buffer a mini-batch's first backward makes afresh (a buffer kept from
-    step to step stays in cache, and an SGD step on it came out at 0.6x a run's OPT rows)."""
+    step to step stays in cache, and an SGD step on it came out at 0.6x a run's OPT rows), after the stage's
+    pass or its replayed traffic."""
+    from pipesim.calibrate import measure
     from pipesim.calibrate.measure import OPTIMIZERS, Settings, measure_bytes, measure_steps
     from pipesim.calibrate.passes import stage_runs
     from pipesim.executor.weights import StageWeights
@@ -466,6 +469,8 @@ def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monk
 
     monkeypatch.setattr(StageWeights, "step", recording_step)
     monkeypatch.setattr(StageWeights, "predict", recording_predict)
+    monkeypatch.setattr(measure, "REPLAY_SAVING", replay_saving)
+    monkeypatch.setattr(measure, "last_level_cache_bytes", lambda device: 1 << 20)  # a small eviction: quick
     torch.manual_seed(0)
     model = build_model("mlp", layers=2, width=8)
     settings = Settings(torch.device("cpu"), torch.float64, 3, warmup=1, repeats=2)
@@ -485,6 +490,29 @@ def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monk
         assert set(stage_steps) == set(OPTIMIZERS)
         assert all(t.step.repeats == t.predict.repeats == settings.repeats and t.step.median_ms > 0
                    and t.predict.median_ms > 0 for t in stage_steps.values())
+
+
+def test_pass_traffic_writes_the_gradients_as_a_backward_and_evicts_twice_the_cache(monkeypatch):
+    """The replayed pass leaves what a backward leaves: a fresh gradient buffer equal to a backward's, which the
+    update consumes, or those gradients added into the kept buffer; its buffer is twice the last-level cache."""
+    from pipesim.calibrate import measure
+    from pipesim.calibrate.measure import PassTraffic, last_level_cache_bytes
+    from pipesim.executor.weights import StageWeights
+
+    assert measure._cache_size_bytes("32768K\n") == 32 << 20 and measure._cache_size_bytes("1M") == 1 << 20
+    assert last_level_cache_bytes(torch.device("cpu")) >= 64 << 10  # sysfs, sysconf or the default: some size
+    monkeypatch.setattr(measure, "last_level_cache_bytes", lambda device: 1 << 20)
+    module = torch.nn.Linear(4, 3)
+    made = [torch.randn(3, 4), torch.randn(3)]
+    traffic = PassTraffic(torch.device("cpu"), 12 << 10, made)
+    assert traffic.buffer.numel() * 4 == 2 << 20 and traffic.activations.numel() * 4 == 12 << 10
+    state = StageWeights(module, "momentum", 0.1, label="stage 0")
+    traffic(state.current, state)
+    assert all(torch.equal(g, m) and g is not m for g, m in zip(state.grads, made))  # a new buffer, as B's
+    kept = [torch.ones_like(m) for m in made]
+    before = [k.clone() for k in kept]
+    traffic(state.current, None, kept)
+    assert all(torch.equal(k, b + m) for k, b, m in zip(kept, before, made))
 
 
 @settings(max_examples=200, deadline=None)
