@@ -129,8 +129,11 @@ def local_order_ok(schedule: Schedule, table: ActionTable | None = None) -> bool
         where[per_unit[mask]] = rows[mask]
         return where
 
-    forward, dgrad, wgrad = position(Kind.F), position(Kind.B, Kind.I), position(Kind.B, Kind.W)
-    split = position(Kind.W) >= 0
+    forward, dgrad = position(Kind.F), position(Kind.B, Kind.I)
+    if kind_mask(t.kind, Kind.I, Kind.W).any():  # a split backward
+        wgrad, split = position(Kind.B, Kind.W), position(Kind.W) >= 0
+    else:  # the full backward is both
+        wgrad, split = dgrad, np.zeros(units, dtype=bool)
     if np.any(dgrad < forward) or np.any(split & (wgrad < dgrad)):
         return False
     stride = units // schedule.num_stages  # units per stage
@@ -321,7 +324,8 @@ def weight_versions(schedule: Schedule) -> Versions:
     forward_read = np.zeros(p * m * schedule.minibatches * r, dtype=np.int64)
     forward_read[unit[is_f]] = current[is_f]
     forward_version = read_rule(policy.forward, is_f, forward_read)
-    forward_read[unit[is_f]] = forward_version[is_f]
+    if policy.forward is not Read.LATEST:  # what each forward read, where it is not what was just stored
+        forward_read[unit[is_f]] = forward_version[is_f]
     backward_version = read_rule(policy.backward, backward, backward_read)
     read = np.where(is_f, forward_version, np.where(backward, backward_version, current))
     read = np.where(is_opt | kind_mask(t.kind, *COLLECTIVE_KINDS) | (t.kind >= NUM_COMPUTE_KINDS), -1, read)
