@@ -83,16 +83,17 @@ class _Program:
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
     host_unit: list[int | None]  # per device: the host whose cores its compute rows share, if any
     contention: tuple[float, ...]  # the hosts' slowdown with 1, 2, ... devices computing at once
-    clock_before: np.ndarray  # per row: the index in `_Model.clocks` of its device's clock before it
-    since_ps: np.ndarray  # per row: the compute time of its device's rows between that clock and it
-    duration_ps: np.ndarray
+    # Per row (released by `_trace` once read): the index in `_Model.clocks` of its device's clock before it, the
+    # compute time of its device's rows between that clock and it, and its duration.
+    clock_before: np.ndarray | None
+    since_ps: np.ndarray | None
+    duration_ps: np.ndarray | None
     channel_ps: list[int]  # per channel: the time of each of its transfers (transfer id // units)
     routes: list[tuple[int, ...]]  # per channel: the shared resources its transfers occupy
     num_resources: int
-    mem_at_start: np.ndarray
-    mem_at_end: np.ndarray
-    act_at_start: np.ndarray
-    act_at_end: np.ndarray
+    # What the trace prices memory from (`_memory_deltas`: not before, so that the run does not hold it).
+    spans: _GradientSpans
+    channel_bytes: list[int]  # per channel: the size of each of its transfers
     static_bytes: list[int]
 
 
@@ -143,9 +144,6 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                  for d, peers in enumerate(cluster.host_peers(schedule.num_devices))]
     channel_ps = _picoseconds(np.asarray(channel_ms, dtype=np.float64))
     transfer_ps = np.repeat(channel_ps, lowered.units)
-    mem_at_start, mem_at_end, act_at_start, act_at_end = _memory_deltas(lowered, costs, stream, computing, spans,
-                                                                        channel_bytes)
-
     timed = bool(resources) or any(h is not None for h in host_unit)
     bounds = lowered.bounds
     device = t.device
@@ -226,17 +224,18 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     return _Program(lowered, stream, steps, step_rows, step_bounds, start_clock, collective_rows, collective_clock,
                     collective_ps, first_clock + len(lane) + len(lane_devices), timed, send_clock,
                     send_to_arrival, compute_unit + no_unit, host_unit + no_unit, cluster.contention, clock_before,
-                    since_ps, duration, channel_ps.tolist(), routes, len(resources), mem_at_start, mem_at_end,
-                    act_at_start, act_at_end, static_bytes(schedule, costs))
+                    since_ps, duration, channel_ps.tolist(), routes, len(resources), spans, channel_bytes,
+                    static_bytes(schedule, costs))
 
 
-def _memory_deltas(lowered: Lowered, costs: Costs, stream: np.ndarray, computing: np.ndarray, spans: _GradientSpans,
-                   channel_bytes: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row, the bytes it takes at its start and gives back at its end, and likewise the micro-batches whose
     activations it holds. (A function of its own, so that its temporaries of millions of rows are freed before the
-    rest of the pricing makes its own.)"""
+    counters are made.)"""
+    lowered, stream, spans, channel_bytes = program.lowered, program.stream, program.spans, program.channel_bytes
     schedule, t, stages = lowered.schedule, lowered.table, costs.stages
     kind, stage = t.kind, t.stage
+    computing = np.flatnonzero(stream == Stream.COMPUTE)
 
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
@@ -598,6 +597,9 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     lowered = program.lowered
     schedule, t, bounds = lowered.schedule, lowered.table, lowered.bounds
     issued_ps, start_ps, end_ps = _op_times(program, model)
+    # The trace consumes the program: its per-row timing columns are read, and released here so that the
+    # counters below reuse their memory (three columns of a million rows).
+    program.clock_before = program.since_ps = program.duration_ps = model.duration_ps = None
     # Counter events: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
     # or where the runtime posts it ahead. Their times stay picoseconds here (the issue times' column becomes the
     # first events'): each device's become milliseconds as its counters are made, which spares two columns of
@@ -610,14 +612,13 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     if costs.recv_window:
         first_ps[receives] = posted_ps
     devices = schedule.num_devices
+    mem_at_start, mem_at_end, act_at_start, act_at_end = _memory_deltas(program, costs)
     counters = {
-        "memory_bytes": _step_counters(bounds, first_ps, end_ps, program.mem_at_start, program.mem_at_end,
-                                       program.static_bytes),
-        "activations": _step_counters(bounds, first_ps, end_ps, program.act_at_start, program.act_at_end,
-                                      [0] * devices),
+        "memory_bytes": _step_counters(bounds, first_ps, end_ps, mem_at_start, mem_at_end, program.static_bytes),
+        "activations": _step_counters(bounds, first_ps, end_ps, act_at_start, act_at_end, [0] * devices),
         "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
     }
-    del first_ps, issued_ps
+    del first_ps, issued_ps, mem_at_start, mem_at_end, act_at_start, act_at_end
     # Microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
     start_us = start_ps / _PS_PER_MS
     start_us *= 1e3
