@@ -342,11 +342,47 @@ def _passes(model: Model, i: int, recording: Recording) -> list[list[Phase]]:
 def measure_times(model: Model, settings: Settings, recording: Recording, layers: list[LayerProfile],
                   advance: Advance) -> list[LayerProfile]:
     """`layers` with their forward, full backward, and input-then-weight gradient times filled in (a layer
-    nothing differentiates keeps zero backward times)."""
-    passes = [sequence for i in range(len(layers)) for sequence in _passes(model, i, recording)]
+    nothing differentiates keeps zero backward times). Alike layers (`alike_layers`: a GPT's blocks) are timed
+    once, as the first of them, and share its times."""
+    timed_as = alike_layers(model, recording)
+    passes = [sequence for i in sorted(set(timed_as)) for sequence in _passes(model, i, recording)]
     times = _time(settings, *passes, advance=lambda what: advance(f"timing layers, {what}"))
-    return [layer.model_copy(update={kind: timing for (j, kind), timing in times.items() if j == i})
+    return [layer.model_copy(update={kind: timing for (j, kind), timing in times.items() if j == timed_as[i]})
             for i, layer in enumerate(layers)]
+
+
+def alike_layers(model: Model, recording: Recording) -> list[int]:
+    """Per layer, the first layer alike to it (itself if none before is): the same module tree (each module's
+    class, `extra_repr` and plain attributes), parameters and buffers of the same names, shapes, dtypes and
+    gradient flags, and inputs of the same shapes and dtypes from the same kind of source. Such layers run the
+    same kernels on the same sizes, so one's time is another's. The last layer computes the loss too: it is
+    alike to none."""
+    first: dict[Hashable, int] = {}
+    last = len(model.layers) - 1
+    return [i if i == last else first.setdefault(_structure(layer, recording.inputs[i], model.inputs[i]), i)
+            for i, layer in enumerate(model.layers)]
+
+
+def _structure(layer: torch.nn.Module, args: list[torch.Tensor], sources: tuple[int, ...]) -> Hashable:
+    """What decides a layer's work, hashable (see `alike_layers`)."""
+    modules = tuple((name, type(module), module.extra_repr(), _plain_attributes(module))
+                    for name, module in layer.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                    for name, t in [*layer.named_parameters(), *layer.named_buffers()])
+    inputs = tuple((tuple(a.shape), a.dtype, source == BATCH) for a, source in zip(args, sources))
+    return modules, tensors, inputs
+
+
+def _plain_attributes(module: torch.nn.Module) -> tuple[tuple[str, Hashable], ...]:
+    """A module's own public attributes besides its parameters, buffers and children (a flag, a scale, a
+    function its forward calls), each as itself where hashable, else as its repr."""
+    def key(value: Any) -> Hashable:
+        try:
+            hash(value)
+        except TypeError:
+            return repr(value)
+        return value
+    return tuple(sorted((name, key(value)) for name, value in vars(module).items() if not name.startswith("_")))
 
 
 def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance) -> list[StagePasses]:
@@ -553,12 +589,11 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
     (under the cap, for `optimizer`'s state), the stages' passes and steps, and, given sizes, the p2p link and
     all-reduce (`measure_links`; from `cache` where it holds them for this host). Each of these runs inside
     `phase(title)`."""
-    with phase(f"timing layers ({len(model.layers)})"):
-        recording, layers = measure_bytes(model, settings)
-        partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)  # no split fits the cap: fail now
-        with threads(settings.threads):
+    with threads(settings.threads):  # the bytes too: every core's threads wait on each other on a busy host
+        with phase(f"timing layers ({len(model.layers)})"):
+            recording, layers = measure_bytes(model, settings)
+            partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)  # no split fits the cap: fail now
             layers = measure_times(model, settings, recording, layers, advance)
-    with threads(settings.threads):
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
         runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
         with phase(f"timing stages as one pass ({stages})"):

@@ -442,6 +442,52 @@ def test_stage_runs_compute_each_stages_rows_on_the_weights_put_in_place(model_n
             torch.testing.assert_close(buffer, full)
 
 
+class _Scaled(torch.nn.Module):
+    """A layer whose forward depends on a plain attribute its repr does not show."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_alike_layers_are_timed_once_and_share_the_times():
+    """Layers with the same module tree, tensors and input shapes are timed as the first of them; a different
+    child, hyperparameter, shape, plain attribute or input, and the last layer (it adds the loss), are not."""
+    from torch import nn
+
+    from pipesim.calibrate.measure import Settings, alike_layers, measure_bytes, measure_times
+    from pipesim.workload.models import Model
+
+    def block(activation=nn.ReLU, bias=True, width=8):
+        return nn.Sequential(nn.Linear(8, width, bias=bias), activation())
+
+    layers = [nn.Sequential(nn.Linear(4, 8), nn.ReLU()), block(), block(), block(nn.GELU), block(bias=False),
+              block(), nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1)), nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2)),
+              _Scaled(1.0), _Scaled(2.0), _Scaled(1.0), block(width=6), nn.Linear(6, 6)]
+    expected = [0, 1, 1, 3, 4, 1, 6, 7, 8, 9, 8, 11, 12]
+    model = Model("toy", layers, lambda b, gen: (torch.randn(b, 4, generator=gen), None),
+                  lambda out, target: out.square().mean())
+    settings = Settings(torch.device("cpu"), torch.float32, 3, warmup=1, repeats=5)
+    recording, profiles = measure_bytes(model, settings)
+    assert alike_layers(model, recording) == expected
+    chain = Model("chain", [nn.Linear(8, 8) for _ in range(3)], lambda b, gen: (torch.randn(b, 8, generator=gen), None),
+                  lambda out, target: out.square().mean())
+    assert alike_layers(chain, measure_bytes(chain, settings)[0]) == [0, 1, 2]  # the batch needs no gradient
+
+    calls = [0] * len(layers)
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda module, args, out, i=i: calls.__setitem__(i, calls[i] + 1))
+    timed = measure_times(model, settings, recording, profiles, lambda what: None)
+    assert [bool(n) for n in calls] == [i == first for i, first in enumerate(expected)]  # only the first is run
+    for i, first in enumerate(expected):
+        assert all(getattr(timed[i], kind) == getattr(timed[first], kind) for kind in ("fwd", "bwd", "igrad", "wgrad"))
+        assert timed[i].fwd.median_ms > 0 and timed[i].name == profiles[i].name
+
+
 @pytest.mark.parametrize("replay_saving", [0.0, math.inf])  # always the replayed pass, always the real one
 def test_steps_are_timed_as_the_executor_updates_on_a_fresh_gradient_buffer(monkeypatch, replay_saving):
     """The update and the prediction a profile prices are the executor's own (`StageWeights.step`, in place,
