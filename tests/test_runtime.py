@@ -4,7 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.calibrate.runtime import HOST_KINDS, HOST_SHARE, HOST_STEADY, PROBE_MICROBATCHES, host_plan, host_share
+from pipesim.calibrate.runtime import (
+    HOST_KINDS,
+    HOST_MARGIN,
+    HOST_SHARE,
+    HOST_STEADY,
+    PROBE_MICROBATCHES,
+    host_plan,
+    host_share,
+)
 from pipesim.profiles.schema import COMPUTE_KINDS, RuntimeProfile, Timing, load_profile
 
 PROFILE = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "cnn-cpu.json"  # stages of 5.6-6.9 ms F + B
@@ -36,12 +44,12 @@ def test_the_host_share_is_a_micro_batchs_host_time_over_the_shortest_stage():
 
 def test_the_calibrated_models_run_is_sized_by_what_its_host_time_can_change():
     """Small passes: the probe's micro-batches and HOST_STEADY mini-batches per schedule. Long ones: fewer, at
-    least ZB-H1's 2p micro-batches and one steady mini-batch; and none at all where even twice the probe's host
-    time per micro-batch is under HOST_SHARE of a stage's F + B (the default gpt's 0.2-0.4 %)."""
+    least ZB-H1's 2p micro-batches and one steady mini-batch; and none at all where even HOST_MARGIN times the
+    probe's host time per micro-batch is under HOST_SHARE of a stage's F + B (stages of seconds)."""
     probe = _runtime(0.1, 0.3)  # 0.9 ms per micro-batch
     assert host_plan(load_profile(PROFILE), probe) == (PROBE_MICROBATCHES, HOST_STEADY)
     assert host_plan(_with_passes(300.0, 600.0), _runtime(2.0, 3.0)) == (2 * 4, 1)  # 15 ms of 900: 1.7 %
     assert host_plan(_with_passes(300.0, 600.0), probe) is None  # 0.1 %
-    threshold_ms = 2 * 0.9 / HOST_SHARE  # the F + B at which twice the host time is HOST_SHARE of it
+    threshold_ms = HOST_MARGIN * 0.9 / HOST_SHARE  # the F + B of which HOST_MARGIN x the host time is HOST_SHARE
     assert host_plan(_with_passes(0.33 * threshold_ms, 0.66 * threshold_ms), probe) is not None
     assert host_plan(_with_passes(0.34 * threshold_ms, 0.67 * threshold_ms), probe) is None
