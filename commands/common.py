@@ -128,8 +128,9 @@ def shared_options(*options: tuple[str, Any, Any]) -> Callable[[Callable[..., No
 
 CurveFrom = Annotated[Path | None, typer.Option(
     "--curve-from", metavar="PROFILE", help="With --gpu: a calibration made on that GPU (`pipesim calibrate --device "
-                                            "cuda`): the part's efficiency curve fitted to its measured layers "
-                                            "replaces the catalogue's, so one measured GPU predicts other models.")]
+                                            "cuda`): the efficiency curve calibrate stored in it (else fitted to its "
+                                            "measured layers) replaces the catalogue's, so one measured GPU "
+                                            "predicts other models.")]
 
 # The what-if GPU (`simulate`, `sweep`, `tune`, `estimate`): the model above, counted by torch on the meta device,
 # priced on a catalogue part and parallelised as these say (commands/estimate.py reads them).
