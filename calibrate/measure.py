@@ -388,18 +388,25 @@ def _plain_attributes(module: torch.nn.Module) -> tuple[tuple[str, Hashable], ..
 def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance) -> list[StagePasses]:
     """Each stage's F, B, I and W timed as the executor runs them (calibrate/passes.py): a forward then the
     full backward, and a forward then the split one, every stage in every round (a stage nothing
-    differentiates has its forward only)."""
-    sequences = [[((k, "fwd"), run.forward)] for k, run in enumerate(runs) if not run.differentiable]
+    differentiates has its forward only). Where no input needs a gradient (the first stage), I has nothing to
+    compute and W is B's own autograd call over the whole graph: one sequence times F, I and then B, which is
+    W's time too."""
+    sequences = []
     for k, run in enumerate(runs):
-        if run.differentiable:
+        if not run.differentiable:
+            sequences.append([((k, "fwd"), run.forward)])
+        elif not run.input_gradients:
+            sequences.append([((k, "fwd"), run.forward), ((k, "igrad"), run.backward_input),
+                              ((k, "bwd"), run.backward_weight)])
+        else:
             sequences += [[((k, "fwd"), run.forward), ((k, "bwd"), run.backward)],
                           [((k, "fwd"), run.forward), ((k, "igrad"), run.backward_input),
                            ((k, "wgrad"), run.backward_weight)]]
     times = _time(settings, *sequences, advance=lambda what: advance(f"timing stages as one pass, {what}"),
                   tolerance=PASS_TOLERANCE)
     zero = _zero(settings)
-    return [StagePasses(**{kind: times.get((k, kind), zero) for kind in ("fwd", "bwd", "igrad", "wgrad")})
-            for k in range(len(runs))]
+    return [StagePasses(fwd=times[k, "fwd"], bwd=times.get((k, "bwd"), zero), igrad=times.get((k, "igrad"), zero),
+                        wgrad=times.get((k, "wgrad"), times.get((k, "bwd"), zero))) for k in range(len(runs))]
 
 
 def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,

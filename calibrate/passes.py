@@ -48,9 +48,14 @@ class StageRun:
     saved_bytes: int = 0  # what the last forward saved for backward (its Ledger's count)
 
     @property
+    def input_gradients(self) -> bool:
+        """Whether its backward computes a gradient for an input: one received over an edge, floating point."""
+        return any(edge and a.is_floating_point() for a, edge in zip(self.args, self.received))
+
+    @property
     def differentiable(self) -> bool:
         """Whether the stage has a backward: it holds weights or passes a gradient back."""
-        return bool(self.weights) or any(self.received)
+        return bool(self.weights) or self.input_gradients
 
     def _buffer(self) -> list[torch.Tensor | None]:
         """The gradient buffer, started (by the first backward, as a mini-batch's first starts it) and kept."""

@@ -442,6 +442,24 @@ def test_stage_runs_compute_each_stages_rows_on_the_weights_put_in_place(model_n
             torch.testing.assert_close(buffer, full)
 
 
+def test_a_stage_without_input_gradients_times_its_backward_once_for_b_and_w():
+    """The first stage's I computes nothing and its W is B's own autograd call: one sequence times F, I and B
+    (W's time), the other stages time B and I then W apart."""
+    from pipesim.calibrate.measure import Settings, measure_bytes, measure_passes
+    from pipesim.calibrate.passes import stage_runs
+    from pipesim.workload.models import build_model
+
+    model = build_model("mlp", layers=3, width=8)
+    settings = Settings(torch.device("cpu"), torch.float32, 3, warmup=1, repeats=5)
+    measure_bytes(model, settings)
+    runs = stage_runs(model, [0, 1, 3, 4], "float32", 3)
+    assert [run.input_gradients for run in runs] == [False, True, True]
+    runs[0].backward = None  # never called: its backward is timed through W
+    passes = measure_passes(runs, settings, lambda what: None)
+    assert passes[0].wgrad == passes[0].bwd and passes[0].bwd.median_ms > 0
+    assert all(p.wgrad != p.bwd and p.igrad.median_ms > 0 for p in passes[1:])
+
+
 class _Scaled(torch.nn.Module):
     """A layer whose forward depends on a plain attribute its repr does not show."""
 
