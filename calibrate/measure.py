@@ -439,9 +439,10 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
         def floor_ms(name: Hashable, enough_ms: float = enough_ms) -> float:
             return math.inf if name in ("pass", "drop") else max(FLOOR_MS, enough_ms)
         stage_pass = partial(_stage_pass, run)
-        pass_ms = _wall_ms(settings, stage_pass, run.weights)
-        if passes:
+        if passes and len(run.into) == len(run.weights):  # they left its gradients and what a forward saves
             pass_ms = passes[k].fwd.median_ms + passes[k].bwd.median_ms
+        else:
+            pass_ms = _wall_ms(settings, stage_pass, run.weights)
         made = [torch.zeros_like(w) if g is None else g for w, g in zip(run.weights, run.into)]  # 0: w unused
         traffic = PassTraffic(settings.device, run.saved_bytes, made)
         after_pass = traffic if REPLAY_SAVING * _wall_ms(settings, traffic, run.weights) < pass_ms else stage_pass
