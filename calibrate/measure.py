@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -427,8 +427,10 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
     SGD step of a 4 MiB stage, timed in turn on the 2-core CPUs here: mean 0.37 ms on a kept buffer, 0.44-0.52
     ms on a fresh one). Accumulation, the copy and averaging follow gradients added into a kept buffer, in that
     order, as a later micro-batch's backward adds them. Given the stages' `passes`, each op stops repeating
-    once known to STEP_SHARE of its stage's F + B."""
+    once known to STEP_SHARE of its stage's F + B. One untimed round at most comes first: the stage's passes
+    were just timed, and it makes the optimizer's state."""
     out = []
+    settings = replace(settings, warmup=min(settings.warmup, 1))
     for k, run in enumerate(runs):
         if not run.weights:
             zero = _zero(settings)
