@@ -96,9 +96,9 @@ def test_calibrate_end_to_end_with_links(tmp_path):
     # contention is measured in the ranks of that run, before it: one start-up for both
     assert profile.contention.meta["processes_started"] == "the ranks of the run it preceded"
     phases = [line.split(" ... ")[0] for line in err.splitlines() if " ... " in line]
-    assert phases[-2] == "measuring contention in the run's 2 ranks, before it"
-    assert phases[-1].startswith("running the calibrated model (2 ranks, ")
-    assert phases[-1].endswith("; contention measured in its ranks first)")
+    contention = phases.index("measuring contention in the run's 2 ranks, before it")
+    assert phases[contention + 1].startswith("running the calibrated model (2 ranks, ")
+    assert phases[contention + 1].endswith("; contention measured in its ranks first)")
 
     assert [p.nbytes for p in profile.link.points] == [4096, 8192, 16384, 32768, 65536]
     assert profile.link.segments and profile.link.meta["backend"] == "gloo"
