@@ -265,6 +265,34 @@ def test_too_few_devices_in_cluster():
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-v", "interleaved-1f1b", "xpipe", "avgpipe", "graphpipe"])
 @pytest.mark.parametrize("overlap", [True, False])
+def test_sweeping_every_device_at_once_gives_the_coroutines_trace(name, overlap, monkeypatch):
+    """Wide pipelines run their steps in sweeps (`_Model._lockstep`: every device one step per sweep) and hand
+    over to the coroutines once sweeping stops paying. Made to sweep here on 4 devices, and to hand over after
+    every window of 1 or 3 sweeps, or never, it must give the coroutines' trace bit for bit: blocking sends, the
+    data-parallel collectives' lanes and jittered times included."""
+    from pipesim.schedules.lowering import lower
+    from pipesim.sim import engine
+
+    schedule = build(name, 4, 8, 2, data_parallel=2)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=[1.0 + 0.1 * (s % 3) for s in range(schedule.num_stages)],
+                            bwd_ms=2, opt_ms=0.3, param_mb=10, activation_mb=5, output_mb=1)
+    costs = dataclasses.replace(costs, stages=tuple(dataclasses.replace(c, reduce_ms=0.7 + 0.1 * s, gather_ms=0.2)
+                                                    for s, c in enumerate(costs.stages)))
+    cluster = Cluster.uniform(schedule.num_devices, 0.05, overlap_comm=overlap)
+    monkeypatch.setattr(engine, "_SWEEP_PAYS", 10**9)  # never: the coroutines alone
+    alone = simulate(schedule, costs, cluster, jitter=0.1, seed=3)
+    monkeypatch.setattr(engine, "_SWEEP_PAYS", 1)
+    for window in (1, 3, 10**9):
+        monkeypatch.setattr(engine, "_SWEEP_WINDOW", window)
+        swept = simulate(schedule, costs, cluster, jitter=0.1, seed=3)
+        assert swept.ops == alone.ops and swept.counters == alone.counters
+    program = engine._price(lower(schedule), costs, cluster, 0.0, 0)
+    reached = engine._Model(program, overlap)._lockstep()  # never handing over, the sweeps run every step
+    assert [first for first, _ in reached] == np.diff(program.step_offsets).tolist()
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "interleaved-1f1b", "xpipe", "avgpipe", "graphpipe"])
+@pytest.mark.parametrize("overlap", [True, False])
 def test_devices_run_without_simpy_where_nothing_is_shared_and_give_simpys_trace(name, overlap):
     """Where no resource is shared the device processes run as plain coroutines, sends on private links as no
     steps; SimPy's time-ordered run, here forced by giving every link a resource of its own that no transfer ever
