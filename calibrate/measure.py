@@ -431,6 +431,7 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
     were just timed, and it makes the optimizer's state."""
     out = []
     settings = replace(settings, warmup=min(settings.warmup, 1))
+    buffer = None
     for k, run in enumerate(runs):
         if not run.weights:
             zero = _zero(settings)
@@ -446,7 +447,8 @@ def measure_steps(runs: list[StageRun], settings: Settings, advance: Advance,
         else:
             pass_ms = _wall_ms(settings, stage_pass, run.weights)
         made = [torch.zeros_like(w) if g is None else g for w, g in zip(run.weights, run.into)]  # 0: w unused
-        traffic = PassTraffic(settings.device, run.saved_bytes, made)
+        buffer = eviction_buffer(settings.device) if buffer is None else buffer
+        traffic = PassTraffic(buffer, run.saved_bytes, made)
         after_pass = traffic if REPLAY_SAVING * _wall_ms(settings, traffic, run.weights) < pass_ms else stage_pass
         steps = {}
         for name in OPTIMIZERS:
@@ -518,6 +520,11 @@ def _stage_pass(run: StageRun, weights: list[torch.Tensor], state: StageWeights 
         state.grads = run.into
 
 
+def eviction_buffer(device: torch.device) -> torch.Tensor:
+    """A buffer twice the device's last-level cache: streamed through it, it leaves nothing else there."""
+    return torch.ones(2 * last_level_cache_bytes(device) // 4, dtype=torch.float32, device=device)
+
+
 class PassTraffic:
     """A stage's forward and backward as the caches see them, for a few milliseconds instead of the pass:
     first a buffer twice the last-level cache streamed through it (what ran before is gone, as after a pass
@@ -525,9 +532,9 @@ class PassTraffic:
     and writes its share of the `activation_bytes` the stage saves (at most the buffer); the backward, last
     weight first, reads that share and the weight and writes the weight's gradient (one backward's, `made`)."""
 
-    def __init__(self, device: torch.device, activation_bytes: int, made: list[torch.Tensor]) -> None:
-        self.buffer = torch.ones(2 * last_level_cache_bytes(device) // 4, dtype=torch.float32, device=device)
-        self.activations = self.buffer[:activation_bytes // 4]
+    def __init__(self, buffer: torch.Tensor, activation_bytes: int, made: list[torch.Tensor]) -> None:
+        self.buffer = buffer  # `eviction_buffer`'s, shared by every stage's replay
+        self.activations = buffer[:activation_bytes // buffer.element_size()]
         self.made = made
 
     def __call__(self, weights: list[torch.Tensor], state: StageWeights | None = None,

@@ -560,7 +560,7 @@ def test_pass_traffic_writes_the_gradients_as_a_backward_and_evicts_twice_the_ca
     """The replayed pass leaves what a backward leaves: a fresh gradient buffer equal to a backward's, which the
     update consumes, or those gradients added into the kept buffer; its buffer is twice the last-level cache."""
     from pipesim.calibrate import measure
-    from pipesim.calibrate.measure import PassTraffic, last_level_cache_bytes
+    from pipesim.calibrate.measure import PassTraffic, eviction_buffer, last_level_cache_bytes
     from pipesim.executor.weights import StageWeights
 
     assert measure._cache_size_bytes("32768K\n") == 32 << 20 and measure._cache_size_bytes("1M") == 1 << 20
@@ -568,7 +568,7 @@ def test_pass_traffic_writes_the_gradients_as_a_backward_and_evicts_twice_the_ca
     monkeypatch.setattr(measure, "last_level_cache_bytes", lambda device: 1 << 20)
     module = torch.nn.Linear(4, 3)
     made = [torch.randn(3, 4), torch.randn(3)]
-    traffic = PassTraffic(torch.device("cpu"), 12 << 10, made)
+    traffic = PassTraffic(eviction_buffer(torch.device("cpu")), 12 << 10, made)
     assert traffic.buffer.numel() * 4 == 2 << 20 and traffic.activations.numel() * 4 == 12 << 10
     state = StageWeights(module, "momentum", 0.1, label="stage 0")
     traffic(state.current, state)
