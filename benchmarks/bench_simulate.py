@@ -1,11 +1,12 @@
 """How fast the simulator runs and how it scales: 1F1B at several (p, m), transfers and memory modelled.
 
 Each size runs in a fresh process, so its peak resident memory is its own. Prints, per size, the
-seconds of each phase (build the schedule, check it, lower it, price the rows, the device run, the trace,
-the metrics), the simulation's CPU seconds (user + system: on a shared machine they vary less than the
-wall clock, which counts time other processes held the cores), simulated F+B ops per second end to end, and
-peak memory per op; the scaling is linear when ops/s and bytes/op stay flat as the sizes grow. Each process sets
-the allocator as the command does (`keep_freed_memory`: freed memory kept, no transparent huge pages). Run:
+seconds of each phase (build the schedule, check it, lower it, price the rows' times, the device run, the trace
+with its memory counters, the metrics), the simulation's CPU seconds (user + system: on a shared machine they
+vary less than the wall clock, which counts time other processes held the cores), simulated F+B ops per second
+end to end, and peak memory per op; the scaling is linear when ops/s and bytes/op stay flat as the sizes grow.
+Each process sets the allocator as the command does (`keep_freed_memory`: freed memory kept, no transparent
+huge pages). Run:
 
     python benchmarks/bench_simulate.py [--sizes 64x1024,128x4096] [--profile]
 """
