@@ -127,8 +127,6 @@ class WhatIf:
 def what_if(ctx: typer.Context) -> WhatIf | None:
     """The --gpu flags, checked before any work (no torch yet); None without --gpu, whose flags are then refused
     (they would be silently ignored), as are, beside it, the flags whose costs it estimates."""
-    from ..hardware.catalogue import CatalogueError, load_catalogue
-
     params = ctx.params
     if params.get("gpu") is None:
         given = [_flag(name) for name in ESTIMATE_ONLY if name in params and is_given(ctx, name)]
@@ -136,6 +134,8 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
             raise InputError(f"{', '.join(given)}: only --gpu's estimate reads {'it' if len(given) == 1 else 'them'}; "
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
+    from ..hardware.catalogue import CatalogueError, load_catalogue  # its pydantic models: only where --gpu needs them
+
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
         raise InputError(f"{', '.join(clash)}: --gpu estimates the costs, sizes and links from the model; drop "
