@@ -7,7 +7,8 @@ as a layer timed alone does (a four-layer MLP stage's backward 1.2-1.4x its laye
 here). So `stage_runs` gives each stage's F, B, I and W with the executor's own code (`cut`'s StageModule,
 `stage_forward` and its `Tape`, `full_backward`, `backward_input`, `backward_weight`) on the inputs the stages
 before it compute, and the profile records their times (`StagePasses`). The same runs are the pass a step is
-timed after (measure.py) and a rank's work in the contention probe (contention.py).
+timed after, or whose memory traffic it replays (measure.py), and a rank's work in the contention probe
+(contention.py).
 """
 
 from __future__ import annotations
