@@ -708,5 +708,7 @@ def test_a_second_calibration_reuses_the_host_terms_and_fresh_measures_them(tmp_
     assert warm.link == cold.link.model_copy(update={"meta": warm.link.meta})
     assert warm.runtime.compute_ms == cold.runtime.compute_ms and warm.runtime.gap_ms != cold.runtime.gap_ms
     assert warm.link.meta["host_cache"]["measured_at"] == cold.link.meta["host_cache"]["measured_at"]
-    # the host's terms, and the digits split the mlp draws from (workload/data.py)
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["digits", "links", "runtime"]
+    # the host's terms, the digits split the mlp draws from (workload/data.py), and the model's count the fitted
+    # curve prices (commands/estimate.py)
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["counts", "digits", "links",
+                                                                                   "runtime"]
