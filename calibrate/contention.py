@@ -43,7 +43,7 @@ import torch
 
 from ..executor import Prelude
 from ..profiles.schema import ContentionProfile, Profile
-from ..workload.processes import start_processes
+from ..workload.processes import rank_context, rank_process, start_processes
 from .measure import DTYPES, Advance, PhaseLine, place
 from .passes import stage_runs
 
@@ -150,10 +150,11 @@ class ContentionProbe:
 
     def run(self) -> None:
         """Measure in `count` processes of its own, started here and ended before it returns."""
-        context = torch.multiprocessing.get_context("spawn")
+        context = rank_context()
         pipes = [context.Pipe() for _ in range(self.count)]
-        procs = [context.Process(target=_worker, args=(self.job, theirs, rank), name=f"pipesim-contention-{rank}",
-                                 daemon=True) for rank, (_, theirs) in enumerate(pipes)]
+        procs = [rank_process(context, _worker, (self.job, theirs, rank), f"pipesim-contention-{rank}",
+                              self.job.threads)
+                 for rank, (_, theirs) in enumerate(pipes)]
         conns = [ours for ours, _ in pipes]
         try:
             self.advance(f"contention: starting {self.count} processes")

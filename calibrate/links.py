@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..profiles.linkfit import LinkPoint, LinkPoints
+from ..workload.processes import rank_context, rank_process, start_processes
 from ..workload.transport import TransportChoice, TransportError, choose_transport, connect, free_port
 
 Progress = Callable[[int, int], Any]
+LINK_THREADS = 1  # ranks share the machine's cores with each other and the transport's threads
 
 
 class LinkError(RuntimeError):
@@ -91,17 +92,16 @@ def _measure(jobs: list[Job], world_size: int, device: str, timeout_s: float) ->
         choice = choose_transport(device, world_size)
     except TransportError as exc:
         raise LinkError(str(exc)) from None
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True, args=(rank, world_size, port, plans, choice, timeout_s, results))
-             for rank in range(world_size)]
+    procs = [rank_process(ctx, _worker, (rank, world_size, port, plans, choice, timeout_s, results),
+                          f"pipesim-link-{rank}", LINK_THREADS) for rank in range(world_size)]
     what = f"{' and '.join(op for op, _, _ in plans)} link measurement ({choice.kind}, {world_size} ranks)"
     deadline = time.monotonic() + timeout_s
     samples: dict[int, list[list[float]]] = {}
     try:
-        for p in procs:
-            p.start()
+        start_processes(procs, LINK_THREADS)
         while len(samples) < len(plans):
             try:
                 msg = results.get(timeout=0.2)
@@ -151,7 +151,7 @@ def _worker(rank: int, world_size: int, port: int, plans: list[tuple[str, list[i
     in ms."""
     transport = None
     try:
-        torch.set_num_threads(1)  # ranks share the machine's cores with each other and the transport's threads
+        torch.set_num_threads(LINK_THREADS)
         # The all-reduce needs only the default group: no point-to-point edges for it.
         transport = connect(choice, rank, world_size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
                             edges=None if any(op == "p2p" for op, _, _ in plans) else ())

@@ -127,6 +127,11 @@ def calibrate(
         if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
+        from ..workload.processes import prepare, ready
+
+        starts_processes = runtime or contention or links
+        if starts_processes:  # their server imports torch while this process does
+            prepare()
         from ..calibrate.cache import HostCache
         from ..calibrate.contention import ContentionError, ContentionProbe
         from ..calibrate.links import LinkError
@@ -151,6 +156,8 @@ def calibrate(
             contention = contention and settings.device.type == "cpu"
             cache = HostCache(fresh=fresh)
             with _phases(f"calibrating {net.name}") as (advance, phase):
+                if starts_processes:  # nothing is timed while the server imports
+                    ready()
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance,

@@ -29,7 +29,13 @@ from .. import __version__
 from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight
 from ..schedules.ir import Action, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
-from ..workload.processes import start_processes
+from ..workload.processes import (
+    TORCHRUN_ENV,
+    rank_context,
+    rank_process,
+    start_processes,
+    under_torchrun,
+)
 from ..workload.transport import (
     InProcessTransport,
     TransportChoice,
@@ -410,16 +416,16 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
         choice = choose_transport(device, world, backend=backend)
     except (ValueError, TransportError) as exc:
         raise ExecutorError(str(exc)) from None
-    context = torch.multiprocessing.get_context("spawn")
+    context = rank_context()
     messages = context.Queue()
     compute_lock = context.Lock() if choice.host_staged else None
     init_method = f"tcp://127.0.0.1:{free_port()}"
     hardware = {**choice.meta(), "ranks": world, "threads_per_rank": spec.threads_per_rank}
     setups = [context.Pipe(duplex=False) for _ in range(world)]
     pipes = [context.Pipe() for _ in range(world)] if prelude is not None else []
-    procs = [context.Process(target=_rank_main, name=f"pipesim-rank-{rank}", daemon=True,
-                             args=(setups[rank][0], rank, init_method, choice, messages, compute_lock,
-                                   (prelude.rank, pipes[rank][1]) if prelude is not None else None))
+    procs = [rank_process(context, _rank_main, (setups[rank][0], rank, init_method, choice, messages, compute_lock,
+                                                (prelude.rank, pipes[rank][1]) if prelude is not None else None),
+                          f"pipesim-rank-{rank}", spec.threads_per_rank)
              for rank in range(world)]
     try:
         start_processes(procs, spec.threads_per_rank)
@@ -481,15 +487,14 @@ class TorchrunEnv:
     @classmethod
     def detect(cls) -> TorchrunEnv | None:
         """The job this process belongs to, or None when torchrun did not start it."""
-        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-        if not all(name in os.environ for name in names):
+        if not under_torchrun():
             return None
         try:
-            rank, world, local_rank = (int(os.environ[name]) for name in names[:3])
+            rank, world, local_rank = (int(os.environ[name]) for name in TORCHRUN_ENV[:3])
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         except ValueError:
             raise ExecutorError(f"torchrun environment: RANK, WORLD_SIZE and LOCAL_RANK must be whole numbers "
-                                f"(got {', '.join(os.environ[n] for n in names[:3])})") from None
+                                f"(got {', '.join(os.environ[n] for n in TORCHRUN_ENV[:3])})") from None
         return cls(rank, world, local_rank, local_world)
 
 

@@ -29,18 +29,36 @@ RUN = ["--schedule", "1f1b", "--model", "mlp", "--layers", "3", "--width", "64",
 BOUND_S = 60  # a hung command fails the test here (start-up included) instead of hanging the suite
 
 
-def _children(pid: int) -> set[int]:
-    """The processes whose parent is `pid`, from /proc."""
-    found = set()
+def _parents() -> dict[int, int]:
+    """Every process's parent, from /proc."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.add(int(entry.name))
+            found[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
     return found
+
+
+def _children(pid: int) -> set[int]:
+    """The processes `pid` started and theirs (ranks are forked by the forkserver the command starts)."""
+    parents = _parents()
+    found, new = set(), {pid}
+    while new:
+        new = {child for child, parent in parents.items() if parent in new} - found
+        found |= new
+    return found
+
+
+def _is_rank(pid: int) -> bool:
+    """A spawned rank, or one forked by the forkserver."""
+    try:
+        parent = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return False
+    return "spawn_main" in _cmdline(pid) or "forkserver" in _cmdline(parent)
 
 
 def _alive(pid: int) -> bool:
@@ -101,7 +119,7 @@ def test_a_rank_that_dies_or_stops_ends_the_run(tmp_path, fault, message):
 
 def test_ctrl_c_ends_every_rank(tmp_path):
     proc = _launch(tmp_path, None)
-    ranks = _watch(proc, until=lambda seen: sum("spawn_main" in _cmdline(pid) for pid in seen) >= 2)
+    ranks = _watch(proc, until=lambda seen: sum(map(_is_rank, seen)) >= 2)
     time.sleep(2)  # into the run
     ranks |= _children(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C: the whole foreground group

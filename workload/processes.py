@@ -1,28 +1,173 @@
-"""Starting the processes that stand for a run's ranks (the executor's, and calibration's contention probe)."""
+"""Starting the processes that stand for a run's ranks (the executor's, calibration's contention probe and link
+measurement).
+
+A spawned interpreter imports torch, the executor and (on its first backward, in torch 2.13) sympy for every rank:
+seconds per start on a loaded 2-core host. So ranks are forked from a forkserver that imported them once; a
+command starts it first thing (`prepare`), so that its imports overlap the command's own, and waits for it
+(`ready`) before anything it times. Where forkserver is missing (Windows, and macOS's default is spawn) or its
+server fails to start, ranks are spawned, with one line saying why. A forked rank has the server's environment,
+not the parent's, so every process carries the parent's environment and applies it before its work.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
+import sys
 import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+_PACKAGE = __name__.rsplit(".", 2)[0]
+PRELOAD = ["torch", "sympy", f"{_PACKAGE}.executor.runners", f"{_PACKAGE}.calibrate.contention",
+           f"{_PACKAGE}.calibrate.links"]
+READY_TIMEOUT_S = 120.0  # the server's imports on a loaded machine
 
-def start_processes(procs: list[Any], threads_per_process: int) -> None:
-    """Start `procs` with OMP_NUM_THREADS set for them (torch reads it as it loads; this process keeps its own)
-    and SIGINT ignored, which a spawned interpreter keeps: Ctrl-C reaches the whole terminal group, and the
-    parent alone answers it, by ending them all. Their arguments are small, so the parent ignores SIGINT only
-    for the moments each start takes."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_process)
-    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process meanwhile (only the main thread may set handlers): a process started now,
+    spawned or the forkserver, keeps it ignored through its imports. Ctrl-C reaches the whole terminal group, and
+    the parent alone answers it, by ending them all."""
+    main = threading.current_thread() is threading.main_thread()
     handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
-        for proc in procs:
-            proc.start()
+        yield
     finally:
         if main:
             signal.signal(signal.SIGINT, handler)
+
+
+def _server_ready() -> None:
+    """What the first process forked from the server runs: nothing (it returns once the imports are done)."""
+
+
+class _Starter:
+    """The start method of this process's ranks: forkserver once its server answered, else spawn."""
+
+    def __init__(self) -> None:
+        self.method: str | None = None  # chosen by `ready`
+        self.started = False
+        self.lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """Start the forkserver, its imports included, without waiting for it."""
+        with self.lock:
+            if self.started or self.method is not None:
+                return
+            if "forkserver" not in multiprocessing.get_all_start_methods():
+                self._fall_back("this platform has no forkserver")
+                return
+            from multiprocessing import forkserver
+
+            forkserver.set_forkserver_preload(PRELOAD)
+            try:
+                with _sigint_ignored():
+                    forkserver.ensure_running()
+            except (OSError, ValueError) as exc:
+                self._fall_back(f"the forkserver did not start ({exc})")
+                return
+            self.started = True
+
+    def ready(self) -> str:
+        """The start method, once the forkserver (started here if `prepare` was not called) has finished its
+        imports: one process is forked from it and joined."""
+        self.prepare()
+        with self.lock:
+            if self.method is not None:
+                return self.method
+            context = multiprocessing.get_context("forkserver")
+            probe = context.Process(target=_server_ready, name="pipesim-forkserver-ready", daemon=True)
+            try:
+                with _sigint_ignored():
+                    probe.start()
+                probe.join(READY_TIMEOUT_S)
+            except OSError as exc:
+                self._fall_back(f"the forkserver did not answer ({exc})")
+                return self.method
+            if probe.exitcode != 0:
+                if probe.is_alive():
+                    probe.kill()
+                    probe.join()
+                    self._fall_back(f"the forkserver did not answer within {READY_TIMEOUT_S:g} s")
+                else:
+                    self._fall_back(f"a process forked from the forkserver exited with code {probe.exitcode}")
+                return self.method
+            self.method = "forkserver"
+            return self.method
+
+    def _fall_back(self, why: str) -> None:
+        self.method = "spawn"
+        print(f"note: rank processes are spawned (slower to start): {why}", file=sys.stderr)
+
+
+_STARTER = _Starter()
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")  # what torchrun sets for each rank it starts
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun started this process as one rank of its job (which then starts no ranks itself)."""
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def prepare() -> None:
+    """Start the forkserver now, so that its imports overlap the caller's; `ready` waits for it."""
+    _STARTER.prepare()
+
+
+def ready() -> None:
+    """Wait until ranks can be forked (call it before timing anything: the server's imports take a core)."""
+    _STARTER.ready()
+
+
+def rank_context() -> Any:
+    """The multiprocessing context to make rank processes and what they share (queues, pipes, locks) with."""
+    import torch.multiprocessing  # its pickling of tensors, in the queues the ranks report through
+
+    return torch.multiprocessing.get_context(_STARTER.ready())
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What a rank process runs: the parent's environment as it was when the process was made (a forked rank
+    has the forkserver's), SIGINT ignored, its thread count, then `target(*args)`."""
+
+    target: Callable[..., None]
+    args: tuple
+    env: dict[str, str]
+    threads: int
+
+    def __call__(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.environ.clear()
+        os.environ.update(self.env)
+        torch = sys.modules.get("torch")
+        if torch is not None:  # imported before OMP_NUM_THREADS was ours (by the forkserver, or unpickling)
+            torch.set_num_threads(self.threads)
+        self.target(*self.args)
+
+
+def rank_process(context: Any, target: Callable[..., None], args: tuple, name: str, threads: int) -> Any:
+    """A daemon process of `context` that runs `target(*args)` with `threads` torch threads and the environment
+    this process has now (OMP_NUM_THREADS set to `threads`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return context.Process(target=_Entry(target, args, env, threads), name=name, daemon=True)
+
+
+def start_processes(procs: list[Any], threads_per_process: int) -> None:
+    """Start `procs` (made by `rank_process`) with SIGINT ignored meanwhile, and OMP_NUM_THREADS set to
+    `threads_per_process` in this process's environment meanwhile: a spawned interpreter reads it as it imports
+    torch, before its entry runs."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_process)
+    try:
+        with _sigint_ignored():
+            for proc in procs:
+                proc.start()
+    finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:

@@ -1,0 +1,74 @@
+"""Rank processes forked from the forkserver: each runs with the environment its parent had when it was made
+(not the server's), its own thread count and SIGINT ignored; the server has imported torch and sympy without
+starting a thread; where forkserver is missing or its server fails, ranks are spawned, with one line why.
+
+This module imports no torch at its top: a forked rank that finds sympy loaded got it from the server."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing import forkserver
+from pathlib import Path
+
+import pytest
+
+from pipesim.workload import processes
+
+
+def _report(out) -> None:
+    """A rank's view of itself: a variable the test sets, its threads, its SIGINT handler, what was preloaded,
+    and how many threads its parent runs (for a forked rank, the server)."""
+    import torch
+
+    parent_threads = len(os.listdir(f"/proc/{os.getppid()}/task")) if Path("/proc").exists() else None
+    out.put((os.environ.get("PIPESIM_TEST_PROCESSES"), os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(),
+             signal.getsignal(signal.SIGINT) == signal.SIG_IGN, "sympy" in sys.modules, parent_threads))
+
+
+def _run_one(threads: int) -> tuple:
+    context = processes.rank_context()
+    out = context.Queue()
+    proc = processes.rank_process(context, _report, (out,), "pipesim-test-rank", threads)
+    processes.start_processes([proc], threads)
+    try:
+        return out.get(timeout=60)
+    finally:
+        proc.join(timeout=10)
+
+
+def test_a_rank_gets_the_environment_of_its_making_and_its_threads_and_ignores_sigint(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # ranks import this module
+    processes.ready()  # the server starts with the environment of now, before the variable is set
+    seen = []
+    for value, threads in (("first", 1), ("second", 2)):
+        monkeypatch.setenv("PIPESIM_TEST_PROCESSES", value)
+        seen.append(_run_one(threads))
+    assert [s[:4] for s in seen] == [("first", "1", 1, True), ("second", "2", 2, True)]
+    if processes._STARTER.method == "forkserver" and Path("/proc").exists():
+        assert all(s[4] for s in seen)  # imported once, by the server
+        assert all(s[5] == 1 for s in seen)  # it forks without a thread (OpenMP's pool) besides its own
+
+
+@pytest.mark.parametrize("broken", ["platform", "start", "answer"])
+def test_without_a_working_forkserver_ranks_are_spawned_with_one_line_why(monkeypatch, capsys, broken):
+    if broken == "platform":
+        monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    elif broken == "start":
+        def refuse() -> None:
+            raise OSError("no room for a socket")
+        monkeypatch.setattr(forkserver, "ensure_running", refuse)
+    else:
+        monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # the process imports this module
+        monkeypatch.setattr(processes, "_server_ready", _exit_3)
+    starter = processes._Starter()
+    assert starter.ready() == "spawn" and starter.ready() == "spawn"
+    err = capsys.readouterr().err
+    why = {"platform": "has no forkserver", "start": "no room for a socket", "answer": "exited with code 3"}[broken]
+    assert err.count("\n") == 1 and err.startswith("note: rank processes are spawned") and why in err
+
+
+def _exit_3() -> None:
+    os._exit(3)
