@@ -108,7 +108,11 @@ def calibrate(
     from ..profiles.partition import PartitionError
     from ..profiles.schema import OPTIMIZERS, profile_json
     from ..traces import write_atomic
+    from ..workload.processes import prepare, ready
 
+    starts_processes = runtime or contention or links
+    if starts_processes:  # first: their server imports torch while this process does
+        prepare()
     try:
         require("pipesim calibrate", "torch")
         require_model_data("pipesim calibrate", model)
@@ -127,11 +131,6 @@ def calibrate(
         if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
             raise InputError(f"--link-max-mb: give from 8 KiB ({8 / 1024:g} MiB: two sizes to fit a line) to "
                              f"4096 MiB (got {link_max_mb})")
-        from ..workload.processes import prepare, ready
-
-        starts_processes = runtime or contention or links
-        if starts_processes:  # their server imports torch while this process does
-            prepare()
         from ..calibrate.cache import HostCache
         from ..calibrate.contention import ContentionError, ContentionProbe
         from ..calibrate.links import LinkError

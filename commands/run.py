@@ -125,14 +125,13 @@ def run(
     from ..schedules.catalogue import method_named
     from ..sim import CostError
     from ..traces import summarize, write_trace
+    from ..workload.processes import prepare, under_torchrun
 
+    if not under_torchrun():  # first: this command starts the ranks, and their server imports while it does
+        prepare()
     try:
         require("pipesim run", "torch")
         require_model_data("pipesim run", model)
-        from ..workload.processes import prepare, under_torchrun
-
-        if not under_torchrun():  # this command starts the ranks: their server imports while it does
-            prepare()
         from ..executor import ExecutorError, RunSpec, carried_bounds
         from ..executor.runners import RunFailed, TorchrunEnv, run_multiprocess, run_torchrun
         from ..profiles.schema import layer_costs, threads_mismatch
