@@ -176,8 +176,12 @@ def run_once(case: Case, profile: Profile) -> Trace:
     the schedule's stage graph can carry it (calibration cuts a branching model as a chain, which GraphPipe's
     diamond may not carry: then the carried cut with the fastest slowest stage), the prediction replaying the
     cut the run used."""
-    w = case.workload
-    schedule = method_named(case.method).build(params(case.method, w, w.warmup + w.steps))
+    w, method = case.workload, method_named(case.method)
+    built = params(case.method, w, w.warmup + w.steps)
+    fits = built.stages * (built.chunks or 1) == profile.partition.stages
+    # auto's order is searched for the costs of the stages the run cuts, as `pipesim run --profile` does
+    schedule = (profile_scenario(profile, "sgd").build(case.method, built, profile.partition.bounds if fits else None)
+                if method.needs_costs else method.build(built))
     bounds = tuple(profile.partition.bounds) if schedule.num_stages == profile.partition.stages else None
     spec = RunSpec(schedule, w.model, w.options, microbatch_size=w.microbatch_size, optimizer="sgd", lr=0.01,
                    bounds=bounds, threads_per_rank=profile.environment.threads, timeout_s=300.0)
