@@ -89,9 +89,8 @@ def host_plan(profile: Profile, runtime: RuntimeProfile) -> tuple[int, int] | No
     cannot change a prediction: that host work, after a stage of large layers, took up to HOST_MARGIN times the
     probe's, so where that is under HOST_SHARE of every stage's F + B (stages of seconds; the default gpt's
     share is 0.6 %, so its run is made) the probe's terms price it as closely. Else the probe's micro-batches
-    and HOST_STEADY, fewer
-    where its passes are so long that the run would take more than HOST_RUN_S of compute per rank (at least one
-    steady mini-batch, and the 2p micro-batches ZB-H1 needs)."""
+    and HOST_STEADY, fewer where its passes are so long that the run would take more than HOST_RUN_S of compute
+    per rank (at least one steady mini-batch, and the 2p micro-batches ZB-H1 needs)."""
     if HOST_MARGIN * host_share(profile, runtime) < HOST_SHARE:
         return None
     pass_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
