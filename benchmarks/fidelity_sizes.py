@@ -3,19 +3,23 @@
 `benchmarks/fidelity.py` measures one setting (mlp 8 x 512, b = 32, 2 + 6 mini-batches). A user calibrates
 their own model at their own micro-batch size and runs as many mini-batches as they like, so this sweeps the
 mlp over widths and micro-batch sizes whose stage forward takes from about 0.3 ms to about 30 ms, and over the
-run lengths users run (2, 8 and 32 mini-batches). Per size: `pipesim calibrate` (one thread per rank, as
-fidelity.py calibrates), then `--repeats` fresh runs of each method and length, interleaved so a slow spell
-of the shared machine spreads over all of them, each predicted from the size's profile alone
-(`planning.replay.predict_measured`, as `pipesim compare` predicts) and compared (`traces.compare`).
+run lengths users run (2, 8 and 32 mini-batches). Per size, `--repeats` times: `pipesim calibrate` (one
+thread per rank, as fidelity.py calibrates), then a fresh run of each method and length, each predicted from
+its repeat's profile alone (`planning.replay.predict_measured`, as `pipesim compare` predicts) and compared
+(`traces.compare`). A calibration is a sample too: on a CPU host a backward's time depends on whether the
+allocator faults its weight gradients in afresh, and the median of a calibration's few passes can land on
+either side, so one calibration per size would give every length of that size the same error (the sizes'
+"steady" signs of the first report were that).
 
 The size table: per size, length and method, the predicted and measured iteration time (median over
-repeats), the error (median over repeats of each run against its prediction) and the noise floor (the same
-run repeated: (max - min) / median). Then where the time goes: per mini-batch of the longest runs, its
+repeats), the error (median over repeats of each run against its own repeat's prediction) and two noise
+floors, (max - min) / median over the repeats: of the measured times (the same run repeated) and of the
+predicted ones (the calibration repeated). Then where the time goes: per mini-batch of the longest runs, its
 measured time (from the end of the one before) over its prediction, pooled over sizes and methods; a
 fresh rank's first mini-batches running longer than the rest is what a short run's steady-state figure
 carries and a long run's does not.
 
-    python benchmarks/fidelity_sizes.py                   # 4 sizes x (2, 8, 32) x (gpipe, 1f1b), 3 repeats
+    python benchmarks/fidelity_sizes.py                   # 4 sizes x 3 calibrations x (2, 8, 32) x (gpipe, 1f1b)
     python benchmarks/fidelity_sizes.py --quick           # 3 sizes x (2, 8) x 1f1b, 2 repeats
     python benchmarks/fidelity_sizes.py --keep runs/ --json out.json   # keep profiles and traces; tables as JSON
     python benchmarks/fidelity_sizes.py --from runs/      # the tables again from kept runs, running nothing
@@ -81,17 +85,17 @@ QUICK_LENGTHS = (2, 8)
 
 def measure(sizes: tuple[Size, ...], lengths: tuple[int, ...], methods: list[str], repeats: int, quick: bool,
             folder: Path, say: Callable[[str], None]) -> None:
-    """Per size: calibrate, then each (method, length) `repeats` times in fresh processes, keeping the profile
-    and every measured trace in `folder`."""
+    """Per size, `repeats` times: calibrate, then each (method, length) once in fresh processes, keeping every
+    profile and measured trace in `folder`."""
     loads = []  # the host's 1-minute load average as each size starts and ends: what else was running
     for size in sizes:
         loads.append(os.getloadavg()[0])
-        say(f"{size.key}: calibrating mlp 8 x {size.width}, b = {size.microbatch_size} (one thread, runtime probe)")
-        profile = calibrate(size.workload(lengths[0]), folder / f"{size.key}.profile.json", threads=1, runtime=True,
-                            links=True, quick=quick)
         for repeat in range(repeats):
-            say(f"{size.key}: repeat {repeat + 1}/{repeats}: " + ", ".join(f"{m} x {n}" for n in lengths
-                                                                            for m in methods))
+            say(f"{size.key}: repeat {repeat + 1}/{repeats}: calibrating mlp 8 x {size.width}, b = "
+                f"{size.microbatch_size} (one thread, runtime probe), then " + ", ".join(
+                    f"{m} x {n}" for n in lengths for m in methods))
+            profile = calibrate(size.workload(lengths[0]), profile_path(folder, size, repeat), threads=1,
+                                runtime=True, links=True, quick=quick)
             for n in lengths:
                 for method in methods:
                     trace = run_once(Case(method, size.workload(n)), profile)
@@ -100,17 +104,25 @@ def measure(sizes: tuple[Size, ...], lengths: tuple[int, ...], methods: list[str
         (folder / "load.json").write_text(json.dumps({"cpus": os.cpu_count(), "load_average": loads}))
 
 
+def profile_path(folder: Path, size: Size, repeat: int) -> Path:
+    """Repeat `repeat`'s calibration of `size` (a folder from before calibrating per repeat has one per size)."""
+    path, one = folder / f"{size.key}.{repeat}.profile.json", folder / f"{size.key}.profile.json"
+    return one if one.exists() and not path.exists() else path
+
+
 @dataclass(frozen=True)
 class Cell:
-    """One (size, length, method): its row of the fidelity table, the calibrated stage forward, and the
-    iteration error of the same runs predicted without the profile's warm-up term."""
+    """One (size, length, method): its row of the fidelity table, the calibrated stage forward (median over
+    the calibrations), the iteration error of the same runs predicted without the profiles' warm-up term, and
+    how far the calibrations' predictions of the run lie apart."""
 
     size: Size
     minibatches: int
     fwd_ms: float
     row: Row
     error_steady: float
-    warmup_ms: tuple[float, ...]  # the profile's cost of a fresh rank's first rows, each beyond its steady time
+    warmup_ms: tuple[float, ...]  # the first profile's cost of a fresh rank's first rows, beyond their steady time
+    calibration_spread: float  # (max - min) / median of the repeats' predicted times: the calibration's noise
 
 
 def without_warmup(profile: Profile) -> Profile:
@@ -145,50 +157,63 @@ def _extra(warmup: list[float] | tuple[float, ...]) -> str:
 
 
 def size_table(cells: list[Cell], noise_note: str) -> Table:
-    table = Table(title="fidelity by op size and run length: predicted (the size's profile only) vs measured",
+    table = Table(title="fidelity by op size and run length: predicted (each repeat's profile only) vs measured",
                   title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
-                  caption="F ms: stage 0's calibrated forward; warm-up: the profile's cost of a fresh rank's first "
-                          "rows, us each beyond their steady time, 8 compute rows at a time; error: median over "
-                          "repeats of (predicted - measured) / measured, and the same predicted at the steady pace; "
-                          f"noise: (max - min) / median of the repeats' measured times. {noise_note}")
-    for header in ("size", "F ms", "mini-batches", "method", "warm-up", "predicted ms", "measured ms", "noise",
-                   "error", "without warm-up"):
+                  caption="F ms: stage 0's calibrated forward, median over the calibrations; warm-up: the first "
+                          "profile's cost of a fresh rank's first rows, us each beyond their steady time, 8 compute "
+                          "rows at a time; error: median over repeats of (predicted - measured) / measured, each run "
+                          "against its own repeat's calibration, and the same predicted at the steady pace; noise, "
+                          "(max - min) / median over the repeats: run, of the measured times (the same run "
+                          f"repeated); calibration, of the predicted times (the calibration repeated). {noise_note}")
+    for header in ("size", "F ms", "mini-batches", "method", "warm-up", "predicted ms", "measured ms", "noise: run",
+                   "calibration", "error", "without warm-up"):
         table.add_column(header, justify="left" if header in ("size", "method") else "right", no_wrap=True)
     for c in cells:
         table.add_row(f"{c.size.label} ({c.size.key})", f"{c.fwd_ms:.2f}", str(c.minibatches), c.row.method,
                       _extra(c.warmup_ms[:3]) + "/..." * (len(c.warmup_ms) > 3),
                       f"{c.row.predicted_ms:,.2f}",
                       f"{c.row.measured_ms:,.2f}", _pct(c.row.spread, signed=False),
-                      _pct(c.row.iteration_error, TARGET), _pct(c.error_steady, TARGET))
+                      _pct(c.calibration_spread, signed=False), _pct(c.row.iteration_error, TARGET),
+                      _pct(c.error_steady, TARGET))
     return table
 
 
 def report(folder: Path, console: Console, out: Path | None) -> None:
     """The tables, from what `measure` kept in `folder` (the sizes and lengths it holds)."""
-    sizes = [size for size in SIZES if (folder / f"{size.key}.profile.json").exists()]
+    sizes = [size for size in SIZES if profile_path(folder, size, 0).exists()]
     lengths = sorted({int(path.name.split(".")[2]) for path in folder.glob("*.*.*.*.json")})
     cells: list[Cell] = []
     pooled: list[np.ndarray] = []
     summary: dict[str, dict[str, float]] = {}
     for size in sizes:
-        profile = load_profile(folder / f"{size.key}.profile.json")
-        found: dict[tuple[str, int], list[Trace]] = {}
+        found: dict[tuple[str, int], list[tuple[Trace, Profile]]] = {}
+        kept: dict[int, Profile] = {}
         for path in sorted(folder.glob(f"{size.key}.*.*.*.json")):
-            _, method, n, _ = path.name.removesuffix(".json").rsplit(".", 3)
-            found.setdefault((method, int(n)), []).append(read_trace(path))
-        for (method, n), runs in sorted(found.items(), key=lambda item: (item[0][1], item[0][0])):
+            _, method, n, repeat = path.name.removesuffix(".json").rsplit(".", 3)
+            if int(repeat) not in kept:
+                kept[int(repeat)] = load_profile(profile_path(folder, size, int(repeat)))
+            found.setdefault((method, int(n)), []).append((read_trace(path), kept[int(repeat)]))
+        profiles = list(kept.values())
+        warmup = tuple(profiles[0].runtime.warmup_ms) if profiles[0].runtime is not None else ()
+        fwd_ms = float(np.median([profile.stages[0].fwd_ms for profile in profiles]))
+        for (method, n), pairs in sorted(found.items(), key=lambda item: (item[0][1], item[0][0])):
+            runs, theirs = [run for run, _ in pairs], [profile for _, profile in pairs]
             case = Case(method, size.workload(n), runs)
-            steady = row(method, comparisons(case, [without_warmup(profile)] * len(runs)))
-            warmup = tuple(profile.runtime.warmup_ms) if profile.runtime is not None else ()
-            priced = row(method, comparisons(case, [profile] * len(runs)))
-            cells.append(Cell(size, n, profile.stages[0].fwd_ms, priced, steady.iteration_error, warmup))
-        errors = [abs(c.row.iteration_error) for c in cells if c.size == size]
-        noise = [c.row.spread for c in cells if c.size == size]
-        longest = [runs for (method, n), runs in found.items() if n == max(lengths)]
-        summary[size.key] = {"median_abs_error": float(np.median(errors)), "median_noise": float(np.median(noise)),
-                             "warmup_ms_calibrated": list(cells[-1].warmup_ms),
-                             "warmup_ms_in_runs": warmup_ms([run for runs in longest for run in runs])}
-        pooled += [minibatch_ratios(runs, [without_warmup(profile)] * len(runs)) for runs in longest]
+            steady = row(method, comparisons(case, [without_warmup(profile) for profile in theirs]))
+            compared = comparisons(case, theirs)
+            priced = row(method, compared)
+            predicted = np.array([c.predicted_ms for c in compared])
+            cells.append(Cell(size, n, fwd_ms, priced, steady.iteration_error, warmup,
+                              float((predicted.max() - predicted.min()) / np.median(predicted))))
+        mine = [c for c in cells if c.size == size]
+        longest = [pairs for (method, n), pairs in found.items() if n == max(lengths)]
+        summary[size.key] = {"median_abs_error": float(np.median([abs(c.row.iteration_error) for c in mine])),
+                             "median_noise": float(np.median([c.row.spread for c in mine])),
+                             "median_calibration_noise": float(np.median([c.calibration_spread for c in mine])),
+                             "calibrations": len(profiles), "warmup_ms_calibrated": list(warmup),
+                             "warmup_ms_in_runs": warmup_ms([run for pairs in longest for run, _ in pairs])}
+        pooled += [minibatch_ratios([run for run, _ in pairs], [without_warmup(p) for _, p in pairs])
+                   for pairs in longest]
     load = json.loads((folder / "load.json").read_text()) if (folder / "load.json").exists() else None
     busy = (f"the host's load average ran {min(load['load_average']):.1f}-{max(load['load_average']):.1f} on "
             f"{load['cpus']} cores while it measured" if load else "the host's load was not recorded")
@@ -196,9 +221,10 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     for size in sizes:
         s = summary[size.key]
         console.print(f"{size.label} ({size.key}): median |iteration error| {s['median_abs_error']:.1%} over its "
-                      f"lengths and methods, noise floor {s['median_noise']:.1%}; warm-up, us per row, 8 compute rows "
-                      f"at a time: calibrated {_extra(s['warmup_ms_calibrated'])}, in its {max(lengths)}-mini-batch "
-                      f"runs {_extra(s['warmup_ms_in_runs'])}", highlight=False)
+                      f"lengths and methods; noise floor: the run repeated {s['median_noise']:.1%}, the calibration "
+                      f"repeated ({s['calibrations']}) {s['median_calibration_noise']:.1%}; warm-up, us per row, 8 "
+                      f"compute rows at a time: calibrated {_extra(s['warmup_ms_calibrated'])}, in its "
+                      f"{max(lengths)}-mini-batch runs {_extra(s['warmup_ms_in_runs'])}", highlight=False)
     width = max(r.shape[1] for r in pooled)
     ratios = np.vstack([np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=np.nan) for r in pooled])
     by_minibatch = np.nanmedian(ratios, axis=0)
@@ -209,13 +235,14 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
     if out:
         out.write_text(json.dumps({
             "cells": [{"size": c.size.key, "label": c.size.label, "fwd_ms": c.fwd_ms, "minibatches": c.minibatches,
-                       "warmup_ms": c.warmup_ms, "iteration_error_at_steady_pace": c.error_steady, **vars(c.row)}
+                       "warmup_ms": c.warmup_ms, "iteration_error_at_steady_pace": c.error_steady,
+                       "calibration_spread": c.calibration_spread, **vars(c.row)}
                       for c in cells],
             "summary": summary, "minibatch_ratio": [float(r) for r in by_minibatch], "load": load}, indent=1) + "\n")
 
 
 def main() -> None:
-    args = parse_arguments(__doc__.split("\n\n")[0], runs="per size, method and length",
+    args = parse_arguments(__doc__.split("\n\n")[0], runs="per size (each calibrated afresh), method and length",
                            methods="default: gpipe and 1f1b (--quick: 1f1b)",
                            quick="3 sizes, 2 and 8 mini-batches, 1f1b, 2 repeats")
     sizes, lengths = (QUICK_SIZES, QUICK_LENGTHS) if args.quick else (SIZES, LENGTHS)
