@@ -520,10 +520,12 @@ def report(quick: bool, folder: Path, console: Console, out: Path | None) -> Non
             "torch": [vars(r) for r in torch_rows], "torch_action_ms": action_ms}, indent=1) + "\n")
 
 
-def parse_arguments(description: str, *, runs: str, methods: str, quick: str) -> argparse.Namespace:
-    """The options every fidelity benchmark takes (`runs`, `methods`, `quick`: what its own mean); --quick
-    caps the repeats at 2."""
+def parse_arguments(description: str, *, runs: str, methods: str, quick: str,
+                    more: Callable[[argparse.ArgumentParser], None] = lambda parser: None) -> argparse.Namespace:
+    """The options every fidelity benchmark takes (`runs`, `methods`, `quick`: what its own mean), and those
+    `more` adds; --quick caps the repeats at 2."""
     parser = argparse.ArgumentParser(description=description)
+    more(parser)
     parser.add_argument("--repeats", type=int, default=3, help=f"fresh runs {runs}")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), help=methods)
     parser.add_argument("--quick", action="store_true", help=quick)

@@ -21,6 +21,7 @@ carries and a long run's does not.
 
     python benchmarks/fidelity_sizes.py                   # 4 sizes x 3 calibrations x (2, 8, 32) x (gpipe, 1f1b)
     python benchmarks/fidelity_sizes.py --quick           # 3 sizes x (2, 8) x 1f1b, 2 repeats
+    python benchmarks/fidelity_sizes.py --sizes w64-b8 w512-b16 --keep runs/   # some sizes; --keep adds to runs/
     python benchmarks/fidelity_sizes.py --keep runs/ --json out.json   # keep profiles and traces; tables as JSON
     python benchmarks/fidelity_sizes.py --from runs/      # the tables again from kept runs, running nothing
 """
@@ -87,7 +88,7 @@ def measure(sizes: tuple[Size, ...], lengths: tuple[int, ...], methods: list[str
             folder: Path, say: Callable[[str], None]) -> None:
     """Per size, `repeats` times: calibrate, then each (method, length) once in fresh processes, keeping every
     profile and measured trace in `folder`."""
-    loads = []  # the host's 1-minute load average as each size starts and ends: what else was running
+    loads = recorded_loads(folder)  # the host's 1-minute load average as each size starts and ends
     for size in sizes:
         loads.append(os.getloadavg()[0])
         for repeat in range(repeats):
@@ -102,6 +103,12 @@ def measure(sizes: tuple[Size, ...], lengths: tuple[int, ...], methods: list[str
                     write_trace(trace, folder / f"{size.key}.{method}.{n}.{repeat}.json")
         loads.append(os.getloadavg()[0])
         (folder / "load.json").write_text(json.dumps({"cpus": os.cpu_count(), "load_average": loads}))
+
+
+def recorded_loads(folder: Path) -> list[float]:
+    """The load averages an earlier `measure` into `folder` recorded (a folder filled size by size)."""
+    path = folder / "load.json"
+    return json.loads(path.read_text())["load_average"] if path.exists() else []
 
 
 def profile_path(folder: Path, size: Size, repeat: int) -> Path:
@@ -244,8 +251,13 @@ def report(folder: Path, console: Console, out: Path | None) -> None:
 def main() -> None:
     args = parse_arguments(__doc__.split("\n\n")[0], runs="per size (each calibrated afresh), method and length",
                            methods="default: gpipe and 1f1b (--quick: 1f1b)",
-                           quick="3 sizes, 2 and 8 mini-batches, 1f1b, 2 repeats")
+                           quick="3 sizes, 2 and 8 mini-batches, 1f1b, 2 repeats",
+                           more=lambda parser: parser.add_argument(
+                               "--sizes", nargs="+", choices=[size.key for size in SIZES],
+                               help="only these sizes (with --keep, a folder filled size by size reports them all)"))
     sizes, lengths = (QUICK_SIZES, QUICK_LENGTHS) if args.quick else (SIZES, LENGTHS)
+    if args.sizes:
+        sizes = tuple(size for size in SIZES if size.key in args.sizes)
     methods = args.methods or (["1f1b"] if args.quick else ["gpipe", "1f1b"])
     console = Console(width=160)
     measure_then_report(args, lambda folder: measure(sizes, lengths, methods, args.repeats, args.quick, folder, (
