@@ -14,8 +14,10 @@ made two at once measure 1.84x, against 1.09-1.14x in the minutes before and aft
 after MIN_ROUNDS when those agree (`rounds_agree`): a slow spell in one of them shows as disagreement, and the
 next round outvotes it. Windows start and end on
 the host's monotonic clock, so every kept iteration overlaps the other k - 1 computing; each window drops its
-first WARMUP_S (waking up, cold caches) and any iteration running past its end, and is long enough for
-MIN_ITERATIONS of the slowest stage's iterations with k at once slowed k-fold (WINDOW_S at least).
+warm-up (`Windows`: waking up, cold caches, until every rank's first iteration has ended) and any iteration
+running past its end, and is long enough for MIN_ITERATIONS of the slowest stage's iterations with k at once
+slowed as much as they oversubscribe the host's usable cores (k x threads over cores, at least 1; WINDOW_S at
+least).
 
 A rank's time is its mean iteration, not the median: with more processes than cores, an iteration shorter than
 the scheduler's time slice mostly runs undisturbed and a few absorb the whole wait (3 one-thread processes on 2
@@ -49,13 +51,16 @@ from .passes import stage_runs
 
 WINDOW_S = 0.25  # the shortest window: about 35 iterations after the warm-up of the default mlp's stage (b 16);
 # as reproducible as 0.5 s within the noise of the host (benchmarks/contention_settings.py), in half the time
-WARMUP_S = 0.1  # dropped at the start of every window
+WARMUP_S = 0.1  # dropped at the start of every window at least ...
+WARMUP_ITERATIONS = 1.25  # ... and this many of the slowest stage's iterations: every rank's first one has ended
+# by then (2 ranks of the default gpt: a kept iteration overlapping the other's first, cold, one took 2-6 % longer)
 BLOCKS = 5  # runs of consecutive iterations per window whose ratios give the spread
 ROUNDS = 3  # of alone and together windows at most, each ratio taken within its round
 MIN_ROUNDS = 2
 AGREEMENT = 0.03  # rounds whose ratios differ by at most this (relative) need no round to outvote one
-MIN_ITERATIONS = 5  # a window holds at least this many of the slowest stage's iterations, the k at once slowed k-fold
-PRIMING_ITERATIONS = 3  # untimed, once per process, before any window (first allocations, lazy set-up)
+MIN_ITERATIONS = 2  # a window keeps this many of the slowest stage's iterations, and room for one running past
+PRIMING_ITERATIONS = 1  # untimed, once per process, before any window (first allocations, lazy set-up; each
+# window drops its own cold start)
 LEAD_S = 0.05  # from posting a window to its start: every process has its command by then
 START_TIMEOUT_S = 120.0  # spawning, importing torch and building the model, on a loaded machine
 ANSWER_SLACK_S = 30.0  # beyond a window's end (and one more window for an iteration running past it)
@@ -139,10 +144,8 @@ class ContentionProbe:
         self.job = _Job(model, {key: value for key, value in options.items() if value is not None}, env.dtype,
                         env.microbatch_size, env.threads, list(profile.partition.bounds))
         self.layers = [[layer.name, layer.param_bytes] for layer in profile.layers]
-        iteration_s = max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3
-        # per k = 1 .. count at once: a rank alone needs no room for k - 1 others (a long stage's windows were
-        # all sized for count at once: 3 s each for the default gpt's two, 1.55 s enough alone)
-        self.window_s = [max(WINDOW_S, WARMUP_S + MIN_ITERATIONS * k * iteration_s) for k in range(1, self.count + 1)]
+        self.windows = Windows(max(stage.fwd_ms + stage.bwd_ms for stage in profile.stages) / 1e3, env.threads)
+        self.window_s = [self.windows.length_s(k) for k in range(1, self.count + 1)]
         self.advance = advance
         self.rounds: list[Round] = []
         self.retaken: list[float] = []  # the lengths of the windows taken again
@@ -173,7 +176,8 @@ class ContentionProbe:
         """What the factors depend on beyond the host (calibrate/cache.py adds it): the workload each process
         runs, down to its layers' names and weights, the processes, and how the windows are taken."""
         return {"workload": asdict(self.job), "layers": self.layers, "processes": self.count,
-                "windows": {"min_s": WINDOW_S, "warmup_s": WARMUP_S, "min_iterations": MIN_ITERATIONS,
+                "windows": {"min_s": WINDOW_S, "warmup_s": WARMUP_S, "warmup_iterations": WARMUP_ITERATIONS,
+                            "min_iterations": MIN_ITERATIONS, "slowed_by": "oversubscription",
                             "rounds": [MIN_ROUNDS, ROUNDS], "agreement": AGREEMENT, "blocks": BLOCKS}}
 
     def prelude(self, phase: PhaseLine = lambda title: nullcontext([])) -> Prelude:
@@ -197,7 +201,7 @@ class ContentionProbe:
                 length_s = self.window_s[len(ranks) - 1] * 2 ** attempt
                 start_s = time.monotonic() + LEAD_S
                 for rank in ranks:
-                    conns[rank].send((start_s, start_s + length_s))
+                    conns[rank].send((start_s, start_s + self.windows.warmup_s(len(ranks)), start_s + length_s))
                 times = [_answer(conns[rank], procs[rank], rank,
                                  start_s + 2 * length_s + ANSWER_SLACK_S - time.monotonic()) for rank in ranks]
                 idle = [rank for rank, ms in zip(ranks, times) if not ms]
@@ -247,7 +251,9 @@ class ContentionProbe:
                   for index in range(count)]
         spread = [float(np.subtract(*np.percentile(ratios, [75, 25]))) for ratios in blocks]
         meta = {"processes": count, "processes_started": self.processes, "threads_per_process": job.threads,
-                "window_s": self.window_s[-1], "window_s_by_count": self.window_s, "warmup_s": WARMUP_S,
+                "window_s": self.window_s[-1], "window_s_by_count": self.window_s,
+                "warmup_s": self.windows.warmup_s(count),
+                "warmup_s_by_count": [self.windows.warmup_s(k) for k in range(1, count + 1)],
                 "cpu_count": os.cpu_count(),
                 "cpus_usable": _usable_cpus(),
                 "workload": {"model": job.model, "options": job.options, "bounds": job.bounds, "dtype": job.dtype,
@@ -264,6 +270,29 @@ class ContentionProbe:
         return ContentionProfile(slowdown=[round(s, 4) for s in slowdown], spread=[round(s, 4) for s in spread],
                                  tail=round(tail, 4), meta=meta)
 
+
+
+@dataclass(frozen=True)
+class Windows:
+    """How long a window with k ranks computing lasts, and its warm-up, from the slowest stage's iteration alone
+    (`iteration_s`) and the threads each rank runs: with k at once an iteration is taken to last as much longer
+    as the k oversubscribe the usable cores (on 2 cores, two one-thread ranks of the default gpt measured 1.00-1.03x,
+    and windows sized for 2x were twice what they needed)."""
+
+    iteration_s: float
+    threads: int
+
+    def slowed_s(self, k: int) -> float:
+        """The slowest stage's iteration with k ranks computing."""
+        return self.iteration_s * max(1.0, k * self.threads / (_usable_cpus() or 1))
+
+    def warmup_s(self, k: int) -> float:
+        """Dropped at a window's start: WARMUP_S, or WARMUP_ITERATIONS slowest iterations where longer."""
+        return max(WARMUP_S, WARMUP_ITERATIONS * self.slowed_s(k))
+
+    def length_s(self, k: int) -> float:
+        """The warm-up, MIN_ITERATIONS kept iterations and one running past the end; WINDOW_S at least."""
+        return max(WINDOW_S, self.warmup_s(k) + (MIN_ITERATIONS + 1) * self.slowed_s(k))
 
 
 def _block_means(ms: list[float]) -> np.ndarray:
@@ -312,7 +341,7 @@ def _stop(procs: list[Any], conns: list[Any]) -> None:
 
 def _worker(job: _Job, conn: Any, rank: int) -> None:
     """One measurement process (rank r times stage r mod p): build the stage, prime it, answer "ready", then
-    per (start, end) window received the kept iteration times, until None; a failure is sent as one line."""
+    per (start, warm, end) window received the kept iteration times, until None; a failure is sent as one line."""
     try:
         torch.set_num_threads(job.threads)
         iteration = _stage_iteration(job, rank % (len(job.bounds) - 1))
@@ -328,15 +357,15 @@ def _worker(job: _Job, conn: Any, rank: int) -> None:
             conn.send(("error", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"))
 
 
-def _run_window(iteration: Callable[[], None], start_s: float, end_s: float) -> list[float]:
+def _run_window(iteration: Callable[[], None], start_s: float, warm_s: float, end_s: float) -> list[float]:
     """Iterate from `start_s` until `end_s` (monotonic clock); the ms of those that began after the warm-up
-    and ended within the window."""
+    (at `warm_s`) and ended within the window."""
     time.sleep(max(0.0, start_s - time.monotonic()))
     kept = []
     while (began := time.monotonic()) < end_s:
         iteration()
         ended = time.monotonic()
-        if began >= start_s + WARMUP_S and ended <= end_s:
+        if began >= warm_s and ended <= end_s:
             kept.append((ended - began) * 1e3)
     return kept
 

@@ -67,8 +67,13 @@ PhaseLine = Callable[[str], AbstractContextManager[list[str]]]
 MIN_REPEATS = 5  # timed runs before a measurement may stop: the fewest whose extremes bound a 90 % interval
 CONFIDENCE = 0.9  # of the median's interval the stopping rule checks
 FLOOR_MS = 0.002  # an interval this narrow is precise whatever the median: the clock's and the call's own jitter
-LAYER_TOLERANCE = 0.05  # layers' times set the partition and scale other cuts' stages
-PASS_TOLERANCE = 0.02  # stage passes are what a prediction prices, m times per mini-batch
+LAYER_TOLERANCE = 0.1  # layers' times set the partition and scale other cuts' stages, each layer by its calibrated
+# stage's ratio of pass to layers (the passes are precise to PASS_SHARE): at 5 % the default gpt's layers ran to 10
+# rounds, their split backward's input gradient scattering 11 % (interquartile)
+PASS_SHARE = 0.03  # a stage's pass is precise to this share of its F + B: a prediction prices the stage's rows
+# per micro-batch, and between a calibration and the runs it predicts the host drifts as much (the contention
+# probe's passes, each alone, against the calibrated ones: -3 to +3 % on the 2-core host); at 2 % of each pass's own
+# median the default gpt's passes never stopped before 10 rounds (their 90 % intervals: 3-9 % after 10)
 STEP_SHARE = 0.01  # a step or a prediction runs once per mini-batch: precise to 1 % of its stage's F + B
 REPLAY_SAVING = 2  # a stage's pass is replayed (`PassTraffic`) only where that costs under half the pass
 DEFAULT_CACHE_BYTES = 32 * MIB  # the last-level cache assumed where neither sysfs nor sysconf gives its size
@@ -343,7 +348,9 @@ def measure_times(model: Model, settings: Settings, recording: Recording, layers
                   advance: Advance) -> list[LayerProfile]:
     """`layers` with their forward, full backward, and input-then-weight gradient times filled in (a layer
     nothing differentiates keeps zero backward times). Alike layers (`alike_layers`: a GPT's blocks) are timed
-    once, as the first of them, and share its times."""
+    once, as the first of them, and share its times. One untimed round at most comes first: `measure_bytes` ran
+    every layer forward and backward just before."""
+    settings = replace(settings, warmup=min(settings.warmup, 1))
     timed_as = alike_layers(model, recording)
     passes = [sequence for i in sorted(set(timed_as)) for sequence in _passes(model, i, recording)]
     times = _time(settings, *passes, advance=lambda what: advance(f"timing layers, {what}"))
@@ -385,12 +392,17 @@ def _plain_attributes(module: torch.nn.Module) -> tuple[tuple[str, Hashable], ..
     return tuple(sorted((name, key(value)) for name, value in vars(module).items() if not name.startswith("_")))
 
 
-def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance) -> list[StagePasses]:
+def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance,
+                   stage_ms: list[float]) -> list[StagePasses]:
     """Each stage's F, B, I and W timed as the executor runs them (calibrate/passes.py): a forward then the
     full backward, and a forward then the split one, every stage in every round (a stage nothing
     differentiates has its forward only). Where no input needs a gradient (the first stage), I has nothing to
     compute and W is B's own autograd call over the whole graph: one sequence times F, I and then B, which is
-    W's time too."""
+    W's time too. Each is timed until its median is known to PASS_SHARE of its stage's F + B (`stage_ms`, as its
+    layers sum them). One untimed round at most comes first (the default gpt's passes: the first round 1.3-4.8x the
+    later median, the second 1.0-1.2x, as the later ones scatter: one such sample among five or more moves a
+    median by half a rank at most)."""
+    settings = replace(settings, warmup=min(settings.warmup, 1))
     sequences = []
     for k, run in enumerate(runs):
         if not run.differentiable:
@@ -403,7 +415,7 @@ def measure_passes(runs: list[StageRun], settings: Settings, advance: Advance) -
                           [((k, "fwd"), run.forward), ((k, "igrad"), run.backward_input),
                            ((k, "wgrad"), run.backward_weight)]]
     times = _time(settings, *sequences, advance=lambda what: advance(f"timing stages as one pass, {what}"),
-                  tolerance=PASS_TOLERANCE)
+                  tolerance=0.0, floor_ms=lambda name: max(FLOOR_MS, PASS_SHARE * stage_ms[name[0]]))
     zero = _zero(settings)
     return [StagePasses(fwd=times[k, "fwd"], bwd=times.get((k, "bwd"), zero), igrad=times.get((k, "igrad"), zero),
                         wgrad=times.get((k, "wgrad"), times.get((k, "bwd"), zero))) for k in range(len(runs))]
@@ -617,7 +629,9 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
         bounds = partition(layer_costs(layers, optimizer), stages, memory_cap_bytes)
         runs = stage_runs(model, bounds, dtype_name, settings.microbatch_size)
         with phase(f"timing stages as one pass ({stages})"):
-            passes = measure_passes(runs, settings, advance)
+            passes = measure_passes(runs, settings, advance, [sum(layer.fwd.median_ms + layer.bwd.median_ms
+                                                                  for layer in layers[first:stop])
+                                                              for first, stop in zip(bounds, bounds[1:])])
         with phase(f"timing updates, predictions, averaging ({stages} stages, {len(OPTIMIZERS)} optimizers)"):
             steps = measure_steps(runs, settings, advance, passes)
     link = allreduce = None

@@ -24,6 +24,7 @@ every time.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +37,8 @@ PROBE_OPTIMIZER = "sgd"  # the probe's OPT rows minus its calibrated SGD step le
 PROBE_MICROBATCHES = 8
 PROBE_STEADY = 5  # mini-batches per schedule the probe keeps
 HOST_STEADY = 2  # ... and the calibrated model's run: 32 gaps after each kind of compute row, 8 after updates
+HOST_WARMED = 1  # schedules of that run, from the first, that start with a warm-up mini-batch: the later one runs
+# warm (the default gpt's gaps after I and W in a ZB-H1 warm-up mini-batch were 0.01-0.05 ms over its steady ones)
 HOST_RUN_S = 1.5  # compute per rank the calibrated model's run aims at: its gaps are short beside large rows
 HOST_SHARE = 0.01  # the run is made where HOST_MARGIN x the probe's host time per micro-batch is this much of a
 HOST_MARGIN = 5  # stage's F + B; the default gpt's run measured 3.5x the probe's (a send of its 1 MiB boundary 5x)
@@ -57,21 +60,43 @@ def probe_width(profile: Profile, element_bytes: int) -> int:
     return int(min(max(width, 1), MAX_PROBE_WIDTH))
 
 
-def probe_schedule(stages: int, microbatches: int, steady: int) -> Schedule:
-    """PROBE_SCHEDULES in one schedule on `stages` devices, each in turn for one warm-up mini-batch (its first
-    rows of a kind run cold code paths: `params["warmup_minibatches"]` names them, and every term drops them)
-    and `steady` more, numbered on from the schedule before."""
-    parts = [build_schedule(name, ScheduleParams(stages=stages, microbatches=microbatches, minibatches=1 + steady))
-             for name in PROBE_SCHEDULES]
+def probe_schedule(stages: int, microbatches: int, steady: int, warmed: int = len(PROBE_SCHEDULES)) -> Schedule:
+    """PROBE_SCHEDULES in one schedule on `stages` devices, each in turn for `steady` mini-batches, numbered on
+    from the schedule before; the first `warmed` of them start with one more, a warm-up mini-batch (its first
+    rows of a kind run cold code paths: `params["warmup_minibatches"]` names them, and every term drops them)."""
+    parts = [build_schedule(name, ScheduleParams(stages=stages, microbatches=microbatches,
+                                                 minibatches=(index < warmed) + steady))
+             for index, name in enumerate(PROBE_SCHEDULES)]
     first, orders, offset, warmups = parts[0], [[] for _ in range(stages)], 0, []
-    for part in parts:
+    for index, part in enumerate(parts):
         for device, order in enumerate(part.orders):
             orders[device] += [action._replace(minibatch=action.minibatch + offset) for action in order]
-        warmups.append(offset)
+        if index < warmed:
+            warmups.append(offset)
         offset += part.minibatches
     return Schedule(method=" then ".join(PROBE_SCHEDULES), graph=first.graph, placement=first.placement,
                     orders=[tuple(order) for order in orders], policy=first.policy, microbatches=microbatches,
                     minibatches=offset, params={**first.params, "minibatches": offset, "warmup_minibatches": warmups})
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run of `probe_schedule`: its micro-batches, steady mini-batches per schedule, and how many schedules,
+    from the first, start with a warm-up mini-batch."""
+
+    microbatches: int
+    steady: int
+    warmed: int = len(PROBE_SCHEDULES)
+
+    @property
+    def minibatches(self) -> int:
+        return self.warmed + self.steady * len(PROBE_SCHEDULES)
+
+    def schedule(self, stages: int) -> Schedule:
+        return probe_schedule(stages, self.microbatches, self.steady, self.warmed)
+
+
+PROBE_PLAN = RunPlan(PROBE_MICROBATCHES, PROBE_STEADY)
 
 
 def host_share(profile: Profile, runtime: RuntimeProfile) -> float:
@@ -84,8 +109,9 @@ def host_share(profile: Profile, runtime: RuntimeProfile) -> float:
     return host_ms / pass_ms if pass_ms > 0 else float("inf")
 
 
-def host_plan(profile: Profile, runtime: RuntimeProfile) -> tuple[int, int] | None:
-    """(micro-batches, steady mini-batches per schedule) for the run of the calibrated model, or None where it
+def host_plan(profile: Profile, runtime: RuntimeProfile) -> RunPlan | None:
+    """The run of the calibrated model (HOST_WARMED schedules warmed up: its ranks are warm by the next), or None
+    where it
     cannot change a prediction: that host work, after a stage of large layers, took up to HOST_MARGIN times the
     probe's, so where that is under HOST_SHARE of every stage's F + B (stages of seconds; the default gpt's
     share is 0.6 %, so its run is made) the probe's terms price it as closely. Else the probe's micro-batches
@@ -97,8 +123,9 @@ def host_plan(profile: Profile, runtime: RuntimeProfile) -> tuple[int, int] | No
     stages = profile.partition.stages
     microbatches = max(2 * stages, min(PROBE_MICROBATCHES, int(HOST_RUN_S / (4 * pass_s)) if pass_s else 1 << 30))
     per_minibatch_s = microbatches * pass_s
-    steady = HOST_STEADY if not per_minibatch_s else int(HOST_RUN_S / per_minibatch_s / len(PROBE_SCHEDULES) - 1)
-    return microbatches, min(HOST_STEADY, max(1, steady))
+    steady = HOST_STEADY if not per_minibatch_s else int((HOST_RUN_S / per_minibatch_s - HOST_WARMED)
+                                                         / len(PROBE_SCHEDULES))
+    return RunPlan(microbatches, min(HOST_STEADY, max(1, steady)), HOST_WARMED)
 
 
 def _steady(trace: Trace) -> np.ndarray:

@@ -236,17 +236,15 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
                          "for the calibrated model's run to change")
     meta = {**runtime.meta, "host_times_from": "the probe", "host_share": round(share, 5)}
     if plan is not None:
-        microbatches, steady = plan
         hosted = alongside if alongside is not None and alongside.count == stages else None
-        with phase(f"running the calibrated model ({stages} ranks, {microbatches} micro-batches, "
-                   f"{(1 + steady) * len(PROBE_SCHEDULES)} mini-batches"
-                   f"{'; contention measured in its ranks first' if hosted else ''})"):
+        with phase(f"running the calibrated model ({stages} ranks, {plan.microbatches} micro-batches, "
+                   f"{plan.minibatches} mini-batches{'; contention measured in its ranks first' if hosted else ''})"):
             trace = _probe_run(model, {k: v for k, v in options.items() if v is not None}, profile.partition.bounds,
-                               settings, env, (microbatches, steady), f"the calibrated model's {stages} ranks",
-                               advance, hosted.prelude(phase) if hosted else None)
+                               settings, env, plan, f"the calibrated model's {stages} ranks", advance,
+                               hosted.prelude(phase) if hosted else None)
         runtime = host_times(runtime, [trace])
-        meta.update(host_times_from="the calibrated model", host_microbatches=microbatches,
-                    host_minibatches=(1 + steady) * len(PROBE_SCHEDULES))
+        meta.update(host_times_from="the calibrated model", host_microbatches=plan.microbatches,
+                    host_minibatches=plan.minibatches)
     if cache is not None:
         meta["host_cache"] = probe.meta()
     return runtime.model_copy(update={"meta": meta})
@@ -272,39 +270,33 @@ def _contention(probe, kept, cache, phase):
 def _probe_terms(profile, settings, advance, probe_options: dict):
     """The runtime probe itself: its model calibrated and run (calibrate/runtime.py's `runtime_terms`)."""
     from ..calibrate.measure import calibrate as run_calibration
-    from ..calibrate.runtime import (
-        PROBE_MICROBATCHES,
-        PROBE_OPTIMIZER,
-        PROBE_SCHEDULES,
-        PROBE_STEADY,
-        runtime_terms,
-    )
+    from ..calibrate.runtime import PROBE_OPTIMIZER, PROBE_PLAN, PROBE_SCHEDULES, runtime_terms
     from ..workload.models import build_model
 
     env = profile.environment
     probe = run_calibration(build_model("mlp", **probe_options), settings, stages=2, optimizer=PROBE_OPTIMIZER,
                             memory_cap_bytes=None, link_sizes=[], dtype_name=env.dtype,
                             advance=lambda what: advance(f"runtime probe: {what}"))
-    trace = _probe_run("mlp", probe_options, probe.partition.bounds, settings, env,
-                       (PROBE_MICROBATCHES, PROBE_STEADY), "two ranks", advance)
+    trace = _probe_run("mlp", probe_options, probe.partition.bounds, settings, env, PROBE_PLAN, "two ranks",
+                       advance)
     meta = {"model": "mlp", "options": probe_options, "boundary_bytes": probe.stages[0].output_bytes,
             "schedules": list(PROBE_SCHEDULES), "ranks": 2, "threads_per_rank": settings.threads,
-            "microbatches": PROBE_MICROBATCHES, "minibatches": (1 + PROBE_STEADY) * len(PROBE_SCHEDULES),
+            "microbatches": PROBE_PLAN.microbatches, "minibatches": PROBE_PLAN.minibatches,
             **trace.meta.hardware}
     return runtime_terms([trace], probe, meta)
 
 
-def _probe_run(name: str, given: dict, bounds: list[int], settings, env, plan: tuple[int, int], what: str,
-               advance, prelude=None):
-    """The probe's schedules (`probe_schedule` with `plan`'s micro-batches and steady mini-batches) run for
-    real on model `name` cut at `bounds` (after `prelude` in its ranks, if given): its trace."""
-    from ..calibrate.runtime import PROBE_OPTIMIZER, RuntimeProbeError, probe_schedule
+def _probe_run(name: str, given: dict, bounds: list[int], settings, env, plan, what: str, advance, prelude=None):
+    """The probe's schedules (`plan`, a `RunPlan`) run for
+    real on model `name` cut at `bounds` (after `prelude` in its ranks, if given): its trace, timed for its rows
+    alone (the trained model is not scored)."""
+    from ..calibrate.runtime import PROBE_OPTIMIZER, RuntimeProbeError
     from ..executor import ExecutorError, RunSpec, run_multiprocess
 
     advance(f"runtime probe: running {what}")
-    spec = RunSpec(probe_schedule(len(bounds) - 1, *plan), name, given, microbatch_size=env.microbatch_size,
+    spec = RunSpec(plan.schedule(len(bounds) - 1), name, given, microbatch_size=env.microbatch_size,
                    optimizer=PROBE_OPTIMIZER, dtype=env.dtype, bounds=tuple(bounds),
-                   threads_per_rank=settings.threads)
+                   threads_per_rank=settings.threads, heldout=False)
     try:
         return run_multiprocess(spec, device=env.device, prelude=prelude).trace
     except ExecutorError as exc:

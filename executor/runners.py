@@ -742,6 +742,6 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         if r is not None:
             weights[layout.place(rank)[1]].update({key: [torch.from_numpy(w) for w in ws]
                                                    for key, ws in r.weights.items()})
-    if complete:
+    if complete and spec.heldout:
         meta.extra["heldout"] = heldout_scores(spec, weights[0])
     return RunResult(Trace(tuple(k.value for k in KINDS), layout.ranks, ops, meta, counters), losses, weights)

@@ -457,9 +457,28 @@ def test_a_stage_without_input_gradients_times_its_backward_once_for_b_and_w():
     runs = stage_runs(model, [0, 1, 3, 4], "float32", 3)
     assert [run.input_gradients for run in runs] == [False, True, True]
     runs[0].backward = None  # never called: its backward is timed through W
-    passes = measure_passes(runs, settings, lambda what: None)
+    passes = measure_passes(runs, settings, lambda what: None, [1.0] * 3)
     assert passes[0].wgrad == passes[0].bwd and passes[0].bwd.median_ms > 0
     assert all(p.wgrad != p.bwd and p.igrad.median_ms > 0 for p in passes[1:])
+
+
+def test_a_stages_passes_repeat_until_known_to_a_share_of_its_f_plus_b(monkeypatch):
+    """A stage whose F + B is large knows its passes after MIN_REPEATS rounds; one with none left to spare (no
+    floor either) repeats them to --repeats. The first round is untimed."""
+    from pipesim.calibrate import measure
+    from pipesim.calibrate.passes import stage_runs
+    from pipesim.workload.models import build_model
+
+    model = build_model("mlp", layers=3, width=8)
+    settings = measure.Settings(torch.device("cpu"), torch.float32, 3, warmup=2, repeats=8)
+    measure.measure_bytes(model, settings)
+    runs = stage_runs(model, [0, 2, 4], "float32", 3)
+    roomy = measure.measure_passes(runs, settings, lambda what: None, [1e6, 1e6])
+    assert {p.bwd.repeats for p in roomy} == {p.igrad.repeats for p in roomy} == {measure.MIN_REPEATS}
+    monkeypatch.setattr(measure, "FLOOR_MS", 0.0)
+    counted = []
+    strict = measure.measure_passes(runs, settings, lambda what: counted.append(what), [0.0, 0.0])
+    assert {p.bwd.repeats for p in strict} == {8} and len(counted) == 1 + 8
 
 
 class _Scaled(torch.nn.Module):
@@ -661,6 +680,13 @@ def test_the_runtime_probe_runs_its_schedules_in_turn_in_one_valid_schedule():
     kinds = {b: {a.kind for order in schedule.orders for a in order if a.minibatch == b} for b in range(8)}
     assert all(kinds[b] == {Kind.F, Kind.B, Kind.OPT} for b in range(4))
     assert all(kinds[b] == {Kind.F, Kind.I, Kind.W, Kind.OPT} for b in range(4, 8))
+    # the calibrated model's run warms up its first schedule only: ZB-H1 follows on warm ranks
+    warmed_once = probe_schedule(2, 8, 3, warmed=1)
+    validate(warmed_once)
+    assert warmed_once.minibatches == 1 + 2 * 3 and warmed_once.params["warmup_minibatches"] == [0]
+    assert [a for a in warmed_once.orders[0] if a.minibatch >= 4] == [
+        a._replace(minibatch=a.minibatch + 4) for a in build_schedule(
+            "zb-h1", ScheduleParams(stages=2, microbatches=8, minibatches=3)).orders[0]]
 
 
 def test_host_cache_reuses_a_term_until_fresh_and_measures_again_what_it_cannot_read(tmp_path):

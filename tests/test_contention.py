@@ -232,6 +232,48 @@ def test_rounds_stop_when_two_agree_and_a_third_outvotes_a_slow_spell():
     assert measured_slowdowns([*spell, measured_round(1.12)])[0] == pytest.approx([1.0, 1.12])
 
 
+def test_windows_are_sized_for_the_oversubscription_of_the_cores_and_warm_up_past_every_first_iteration(
+        monkeypatch):
+    """k ranks of t threads on c usable cores run k*t/c times slower where that exceeds 1, else as fast as alone:
+    a window holds the warm-up (WARMUP_S, or WARMUP_ITERATIONS of those iterations), MIN_ITERATIONS kept and one
+    running past the end; WINDOW_S at least."""
+    from pipesim.calibrate import contention
+
+    monkeypatch.setattr(contention, "_usable_cpus", lambda: 2)
+    windows = contention.Windows(iteration_s=0.2, threads=1)
+    assert [windows.slowed_s(k) for k in (1, 2, 3, 4)] == pytest.approx([0.2, 0.2, 0.3, 0.4])
+    assert contention.Windows(0.2, threads=2).slowed_s(2) == pytest.approx(0.4)
+    for k in (1, 2, 3):
+        warmup_s = contention.WARMUP_ITERATIONS * windows.slowed_s(k)
+        assert windows.warmup_s(k) == pytest.approx(warmup_s) and warmup_s > windows.slowed_s(k)
+        assert windows.length_s(k) == pytest.approx(warmup_s + (contention.MIN_ITERATIONS + 1) * windows.slowed_s(k))
+    short = contention.Windows(iteration_s=0.001, threads=1)
+    assert short.warmup_s(2) == contention.WARMUP_S and short.length_s(2) == contention.WINDOW_S
+
+
+def test_a_window_keeps_the_iterations_that_began_after_its_warm_up_and_ended_within_it():
+    """The warm-up is the window's own (here shorter than WARMUP_S), and nothing begins after the end."""
+    import time
+
+    from pipesim.calibrate.contention import WARMUP_S, _run_window
+
+    ran = []
+
+    def iteration():
+        began = time.monotonic()
+        time.sleep(0.02)
+        ran.append((began, time.monotonic()))
+
+    start_s = time.monotonic() + 0.01
+    warm_s, end_s = start_s + 0.02, start_s + 0.3
+    assert warm_s < start_s + WARMUP_S
+    kept = _run_window(iteration, start_s, warm_s, end_s)
+    inside = [(b, e) for b, e in ran if b >= warm_s and e <= end_s]
+    after_constant = [b for b, e in inside if b >= start_s + WARMUP_S]  # what a fixed WARMUP_S would keep
+    assert abs(len(kept) - len(inside)) <= 1 and len(inside) > len(after_constant) + 1
+    assert all(ms >= 20 for ms in kept) and ran[-1][0] < end_s
+
+
 @pytest.mark.slow
 def test_a_window_no_iteration_fits_in_is_taken_again_longer(tmp_path, monkeypatch):
     """A rank that finishes no iteration in a window (here: the measurement processes run a model 0.4 s slower

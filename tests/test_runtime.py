@@ -1,5 +1,6 @@
 """The runtime terms' plan (calibrate/runtime.py): how much of the calibrated model's run its host time needs."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,9 @@ from pipesim.calibrate.runtime import (
     HOST_MARGIN,
     HOST_SHARE,
     HOST_STEADY,
+    HOST_WARMED,
     PROBE_MICROBATCHES,
+    RunPlan,
     host_plan,
     host_share,
 )
@@ -47,9 +50,22 @@ def test_the_calibrated_models_run_is_sized_by_what_its_host_time_can_change():
     least ZB-H1's 2p micro-batches and one steady mini-batch; and none at all where even HOST_MARGIN times the
     probe's host time per micro-batch is under HOST_SHARE of a stage's F + B (stages of seconds)."""
     probe = _runtime(0.1, 0.3)  # 0.9 ms per micro-batch
-    assert host_plan(load_profile(PROFILE), probe) == (PROBE_MICROBATCHES, HOST_STEADY)
-    assert host_plan(_with_passes(300.0, 600.0), _runtime(2.0, 3.0)) == (2 * 4, 1)  # 15 ms of 900: 1.7 %
+    assert host_plan(load_profile(PROFILE), probe) == RunPlan(PROBE_MICROBATCHES, HOST_STEADY, HOST_WARMED)
+    assert host_plan(_with_passes(300.0, 600.0), _runtime(2.0, 3.0)) == RunPlan(2 * 4, 1, HOST_WARMED)  # 1.7 %
     assert host_plan(_with_passes(300.0, 600.0), probe) is None  # 0.1 %
     threshold_ms = HOST_MARGIN * 0.9 / HOST_SHARE  # the F + B of which HOST_MARGIN x the host time is HOST_SHARE
     assert host_plan(_with_passes(0.33 * threshold_ms, 0.66 * threshold_ms), probe) is not None
     assert host_plan(_with_passes(0.34 * threshold_ms, 0.67 * threshold_ms), probe) is None
+
+
+def test_a_run_timed_for_its_rows_alone_scores_no_trained_model():
+    """Calibration's runs (the probe's, the calibrated model's) need their rows, not the held-out score that a run
+    computes after its last row (the default gpt's: 2.6 s)."""
+    from pipesim.executor import RunSpec
+    from pipesim.executor.runners import run_in_process
+    from pipesim.schedules import ScheduleParams, build_schedule
+
+    spec = RunSpec(build_schedule("1f1b", ScheduleParams(stages=2, microbatches=2, minibatches=1)), "mlp",
+                   {"layers": 2, "width": 8}, microbatch_size=2)
+    assert run_in_process(spec).trace.meta.extra["heldout"]["accuracy"] >= 0
+    assert "heldout" not in run_in_process(replace(spec, heldout=False)).trace.meta.extra
