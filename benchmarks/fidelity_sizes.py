@@ -188,6 +188,9 @@ def size_table(cells: list[Cell], noise_note: str) -> Table:
 def report(folder: Path, console: Console, out: Path | None) -> None:
     """The tables, from what `measure` kept in `folder` (the sizes and lengths it holds)."""
     sizes = [size for size in SIZES if profile_path(folder, size, 0).exists()]
+    if not sizes:
+        console.print(f"{folder}: no size's profile there (a folder --keep filled holds w64-b8.0.profile.json, ...)")
+        raise SystemExit(2)
     lengths = sorted({int(path.name.split(".")[2]) for path in folder.glob("*.*.*.*.json")})
     cells: list[Cell] = []
     pooled: list[np.ndarray] = []
