@@ -5,7 +5,7 @@ seconds of each phase (build the schedule, check it, lower it, price the rows' t
 with its memory counters, the metrics), the simulation's CPU seconds (user + system: on a shared machine they
 vary less than the wall clock, which counts time other processes held the cores), simulated F+B ops per second
 end to end, and peak memory per op; the scaling is linear when ops/s and bytes/op stay flat as the sizes grow.
-Each process sets the allocator as the command does (`keep_freed_memory`: freed memory kept, no transparent
+Each process sets the allocator as the command does (pipesim/allocator.py: freed memory kept, no transparent
 huge pages). Run:
 
     python benchmarks/bench_simulate.py [--sizes 64x1024,128x4096] [--profile]
@@ -24,7 +24,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.simulate import keep_freed_memory
+from pipesim.allocator import keep_freed_memory, no_huge_pages
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.schedules.lowering import lower, preflight
 from pipesim.sim import Cluster, Costs, engine
@@ -67,6 +67,7 @@ def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
 
 def _child(args: tuple[int, int, float]) -> dict[str, float]:
     keep_freed_memory()  # the allocator's settings `pipesim simulate` runs with
+    no_huge_pages()
     return measure(*args)
 
 

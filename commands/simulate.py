@@ -3,7 +3,6 @@ listed, or written for torch's runtime."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..allocator import keep_freed_memory, no_huge_pages
 from .common import (
     ActivationLimit,
     Advance,
@@ -58,28 +58,6 @@ from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_t
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc's allocator to keep the memory numpy frees for its next arrays instead of handing it back to
-    the OS. A large simulation makes and drops dozens of arrays of millions of rows; memory handed back is
-    faulted in and zeroed again by the kernel at the next allocation, which on this project's virtual machines
-    costs a quarter of the page faults and about a third of the system time of `simulate -p 128 -m 4096`
-    (docs/benchmarks.md). The process keeps its peak until it exits, as it would at that peak anyway. It also
-    opts out of transparent huge pages, which numpy asks for on large arrays: where the kernel compacts memory to
-    find one (THP defrag "madvise", as on this project's VMs), a fault stalls for that, and the same run spent
-    1.2-2.0 s in the kernel instead of 0.5 s with ordinary pages (docs/benchmarks.md). Elsewhere than glibc on
-    Linux, nothing changes."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt, prctl = libc.mallopt, libc.prctl
-    except (AttributeError, OSError, TypeError):  # no mallopt, or no process-wide library handle (Windows)
-        return
-    trim_threshold, mmap_threshold = -1, -3  # glibc's M_TRIM_THRESHOLD and M_MMAP_THRESHOLD
-    mallopt(trim_threshold, 1 << 30)  # give memory back only when a GiB at the heap's top is free
-    mallopt(mmap_threshold, 1 << 30)  # arrays under a GiB come from the heap, which keeps them once freed
-    thp_disable = 41  # Linux's PR_SET_THP_DISABLE
-    prctl(thp_disable, 1, 0, 0, 0)
 
 
 def _output_paths(path: Path, names: list[str]) -> list[Path]:
@@ -170,7 +148,8 @@ def simulate(
     With no options: a built-in example comparing every method on a 4-stage pipeline. With --gpu, the costs are
     the model's (--model and its size flags), counted on torch's meta device and estimated on a catalogue GPU.
     """
-    keep_freed_memory()
+    keep_freed_memory()  # numpy's arrays of millions of rows, made and dropped: a quarter of the page faults and a
+    no_huge_pages()  # third of the system time of `simulate -p 128 -m 4096` otherwise (docs/benchmarks.md)
     example = not any(is_given(ctx, name) for name in ctx.params)
     if example:
         stages, microbatches, comm, opt, html = (
