@@ -9,7 +9,9 @@ glibc's defaults and with its trim and mmap thresholds raised (freed blocks stay
 median time with and without faults (the thread's minor faults) and the share of passes that faulted. Then,
 with the thresholds raised, the same passes' thread CPU time while the other core idles, spins in a Python loop
 (no memory traffic: what any other process does to a core's sibling), or multiplies matrices (a peer rank
-computing), each over idle, in rounds that alternate the three.
+computing), each over idle, in rounds that alternate the three; and with the last-level cache flushed (a buffer
+twice its size streamed, `calibrate.measure.eviction_buffer`) before the F, or between the F and its B, as a
+peer's traffic or the rank's own other rows leave it, over back to back.
 
     python benchmarks/pass_faults.py                  # 4 sizes, 2 processes each way, 60 passes each
     python benchmarks/pass_faults.py --json out.json  # also the figures as JSON
@@ -36,6 +38,7 @@ from rich.table import Table
 HELD = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}  # glibc's largest
 FAULTED = 50  # minor faults in one pass that mark it as faulting (a faulting backward has hundreds)
 NEIGHBOURS = ("idle", "spin", "compute")
+FLUSHES = ("before F", "before B")  # where the last-level cache is flushed
 PRIMING = 3  # passes untimed at the start of a process
 
 
@@ -56,10 +59,10 @@ def _neighbour(mode: str, stop: multiprocessing.synchronize.Event) -> None:
 
 def child(width: int, microbatch_size: int, passes: int, neighbours: bool) -> dict:
     """Stage 0's F and B of mlp 8 x `width` cut in two, `passes` times: per pass (wall ms, CPU ms, faults);
-    with `neighbours`, per neighbour mode instead."""
+    with `neighbours`, per neighbour mode and per place of a cache flush instead."""
     import torch
 
-    from pipesim.calibrate.measure import DTYPES, place
+    from pipesim.calibrate.measure import DTYPES, eviction_buffer, place
     from pipesim.calibrate.passes import stage_runs
     from pipesim.workload.models import build_model
 
@@ -77,8 +80,14 @@ def child(width: int, microbatch_size: int, passes: int, neighbours: bool) -> di
         return out, [(time.perf_counter_ns() - wall) / 1e6, (time.thread_time_ns() - cpu) / 1e6,
                      resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults]
 
-    def one() -> dict[str, list[float]]:
+    flush = eviction_buffer(torch.device("cpu"))
+
+    def one(flushed: str | None = None) -> dict[str, list[float]]:
+        if flushed == "before F":
+            flush.add_(1.0)
         saved, forward = timed(run.forward)
+        if flushed == "before B":
+            flush.add_(1.0)
         _, backward = timed(run.backward, saved)
         return {"F": forward, "B": backward}
 
@@ -88,7 +97,7 @@ def child(width: int, microbatch_size: int, passes: int, neighbours: bool) -> di
         samples = [one() for _ in range(passes)]
         return {kind: [s[kind] for s in samples] for kind in ("F", "B")}
     context = multiprocessing.get_context("fork")
-    found: dict[str, dict[str, list]] = {mode: {"F": [], "B": []} for mode in NEIGHBOURS}
+    found: dict[str, dict[str, list]] = {mode: {"F": [], "B": []} for mode in (*NEIGHBOURS, *FLUSHES)}
     rounds = max(1, passes // 10)
     for _ in range(rounds):
         for mode in NEIGHBOURS:
@@ -103,6 +112,10 @@ def child(width: int, microbatch_size: int, passes: int, neighbours: bool) -> di
             stop.set()
             if other is not None:
                 other.join()
+        for flushed in FLUSHES:
+            for _ in range(10):
+                for kind, sample in one(flushed).items():
+                    found[flushed][kind].append(sample)
     return found
 
 
@@ -148,9 +161,11 @@ def main() -> None:
                    "faults, share of passes faulting", title_justify="left", box=box.SIMPLE_HEAD)
     for header in ("size", "allocator", "pass", "without faults ms", "faulting ms", "pages", "share faulting"):
         faults.add_column(header, justify="left" if header in ("size", "allocator", "pass") else "right")
-    busy = Table(title="the same passes' thread CPU time with the other core busy, over idle (thresholds raised)",
+    busy = Table(title="the same passes' thread CPU time with the other core busy, or the cache flushed, over idle "
+                       "and back to back (thresholds raised)",
                  title_justify="left", box=box.SIMPLE_HEAD)
-    for header in ("size", "pass", "idle ms", "other core spinning", "other core computing"):
+    for header in ("size", "pass", "idle ms", "other core spinning", "other core computing", "cache flushed before F",
+                   "before B"):
         busy.add_column(header, justify="left" if header in ("size", "pass") else "right")
     out: dict = {"load_average": [os.getloadavg()[0]], "cpus": os.cpu_count(), "held": HELD, "sizes": {}}
     for size in SIZES:
@@ -170,11 +185,11 @@ def main() -> None:
                                " / ".join(f"{r['faulting_share']:.0%}" for r in rows))
         near = in_process(size.width, size.microbatch_size, args.passes, True, True)
         cpu = {mode: {kind: float(np.median([s[1] for s in near[mode][kind]])) for kind in ("F", "B")}
-               for mode in NEIGHBOURS}
+               for mode in (*NEIGHBOURS, *FLUSHES)}
         for kind in ("F", "B"):
             idle = cpu["idle"][kind]
             busy.add_row(f"{size.label} ({size.key})", kind, f"{idle:.3f}",
-                         *(f"{cpu[mode][kind] / idle:.3f}x" for mode in NEIGHBOURS[1:]))
+                         *(f"{cpu[mode][kind] / idle:.3f}x" for mode in (*NEIGHBOURS[1:], *FLUSHES)))
         out["sizes"][size.key] = {"passes": record, "neighbour_cpu_ms": cpu}
     out["load_average"].append(os.getloadavg()[0])
     console.print(faults)
