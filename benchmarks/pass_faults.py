@@ -5,9 +5,10 @@ each weight's gradient afresh and frees it after adding it into the mini-batch's
 glibc's mmap threshold (a Linear(1024)'s 4 MiB) may go back to the OS when freed, and the next backward faults
 its pages in again, or may stay in the heap, depending on the allocator's history in that process. Per size
 (those of `fidelity_sizes.py`), each in `--processes` fresh processes (each its own allocator history), with
-glibc's defaults and with its trim and mmap thresholds raised (freed blocks stay in the heap): per pass, its
+glibc's defaults and with freed memory kept (`pipesim.allocator.keep_freed_memory`, as calibration and every rank
+now keep it): per pass, its
 median time with and without faults (the thread's minor faults) and the share of passes that faulted. Then,
-with the thresholds raised, the same passes' thread CPU time while the other core idles, spins in a Python loop
+with freed memory kept, the same passes' thread CPU time while the other core idles, spins in a Python loop
 (no memory traffic: what any other process does to a core's sibling), or multiplies matrices (a peer rank
 computing), each over idle, in rounds that alternate the three; and with the last-level cache flushed (a buffer
 twice its size streamed, `calibrate.measure.eviction_buffer`) before the F, or between the F and its B, as a
@@ -35,7 +36,6 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-HELD = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}  # glibc's largest
 FAULTED = 50  # minor faults in one pass that mark it as faulting (a faulting backward has hundreds)
 NEIGHBOURS = ("idle", "spin", "compute")
 FLUSHES = ("before F", "before B")  # where the last-level cache is flushed
@@ -57,15 +57,18 @@ def _neighbour(mode: str, stop: multiprocessing.synchronize.Event) -> None:
             a @ w
 
 
-def child(width: int, microbatch_size: int, passes: int, neighbours: bool) -> dict:
+def child(width: int, microbatch_size: int, passes: int, neighbours: bool, kept: bool) -> dict:
     """Stage 0's F and B of mlp 8 x `width` cut in two, `passes` times: per pass (wall ms, CPU ms, faults);
-    with `neighbours`, per neighbour mode and per place of a cache flush instead."""
+    with `neighbours`, per neighbour mode and per place of a cache flush instead. `kept`: freed memory kept."""
     import torch
 
+    from pipesim.allocator import keep_freed_memory
     from pipesim.calibrate.measure import DTYPES, eviction_buffer, place
     from pipesim.calibrate.passes import stage_runs
     from pipesim.workload.models import build_model
 
+    if kept:
+        keep_freed_memory()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model("mlp", layers=8, width=width)
@@ -119,12 +122,11 @@ def child(width: int, microbatch_size: int, passes: int, neighbours: bool) -> di
     return found
 
 
-def in_process(width: int, microbatch_size: int, passes: int, neighbours: bool, held: bool) -> dict:
-    """`child` in a fresh process (its own allocator history), with glibc's thresholds raised where `held`."""
-    env = {**os.environ, **(HELD if held else {})}
+def in_process(width: int, microbatch_size: int, passes: int, neighbours: bool, kept: bool) -> dict:
+    """`child` in a fresh process (its own allocator history), freed memory kept where `kept`."""
     command = [sys.executable, __file__, "--child", str(width), str(microbatch_size), str(passes),
-               *(["--neighbours"] if neighbours else [])]
-    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+               *(["--neighbours"] if neighbours else []), *(["--kept"] if kept else [])]
+    out = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
 
@@ -150,9 +152,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--child", nargs=3, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--neighbours", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kept", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.neighbours)))
+        print(json.dumps(child(*args.child, args.neighbours, args.kept)))
         return
     if args.processes < 1 or args.passes < 10:
         parser.error("--processes must be >= 1 and --passes >= 10")
@@ -162,17 +165,17 @@ def main() -> None:
     for header in ("size", "allocator", "pass", "without faults ms", "faulting ms", "pages", "share faulting"):
         faults.add_column(header, justify="left" if header in ("size", "allocator", "pass") else "right")
     busy = Table(title="the same passes' thread CPU time with the other core busy, or the cache flushed, over idle "
-                       "and back to back (thresholds raised)",
+                       "and back to back (freed memory kept)",
                  title_justify="left", box=box.SIMPLE_HEAD)
     for header in ("size", "pass", "idle ms", "other core spinning", "other core computing", "cache flushed before F",
                    "before B"):
         busy.add_column(header, justify="left" if header in ("size", "pass") else "right")
-    out: dict = {"load_average": [os.getloadavg()[0]], "cpus": os.cpu_count(), "held": HELD, "sizes": {}}
+    out: dict = {"load_average": [os.getloadavg()[0]], "cpus": os.cpu_count(), "sizes": {}}
     for size in SIZES:
         console.print(f"{size.key}: passes in {2 * args.processes} processes, then with the other core busy",
                       style="dim", highlight=False)
-        found = {name: [in_process(size.width, size.microbatch_size, args.passes, False, held)
-                        for _ in range(args.processes)] for name, held in (("default", False), ("held", True))}
+        found = {name: [in_process(size.width, size.microbatch_size, args.passes, False, kept)
+                        for _ in range(args.processes)] for name, kept in (("default", False), ("kept", True))}
         record = {name: {kind: [fault_summary(p[kind]) for p in procs] for kind in ("F", "B")}
                   for name, procs in found.items()}
         for name in found:
