@@ -65,9 +65,11 @@ def calibrate(
     gated: Gated = None,
     repeats: Annotated[int, typer.Option(
         "--repeats", min=1, help="Timed runs per measurement at most (the median is kept; a measurement stops "
-                                 "after 5 once its median's 90 % interval is within 5 %, 2 % for a stage's passes, "
-                                 "or 1 % of its stage's F + B for a step), and rounds over the link sizes.")] = 10,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed runs before them.")] = 2,
+                                 "after 5 once its median's 90 % interval is within 10 %, or 3 % of its stage's "
+                                 "F + B for a stage's passes, 1 % for a step), and rounds over the link sizes.")] = 10,
+    warmup: Annotated[int, typer.Option(
+        "--warmup", min=0, help="Untimed runs before them (one at most for the layers, passes and steps: what "
+                                "ran just before warmed them).")] = 2,
     links: Annotated[bool, typer.Option(
         "--links/--no-links", help="Measure the point-to-point link and the all-reduce between two local "
                                    "ranks.")] = True,
@@ -84,9 +86,9 @@ def calibrate(
         "--contention/--no-contention", help="Measure how much ranks computing at once on this CPU host slow each "
                                              "other: the stages' forward and backward in one process per stage "
                                              "(two at least), each alone, then together (windows of 0.25 s, "
-                                             "or 5 of the slowest stage's iterations; kept in the host cache for "
-                                             "a calibration of the same model again). Not run on cuda, whose "
-                                             "profile has none.")] = True,
+                                             "or a warm-up and 2 of the slowest stage's iterations; kept in the "
+                                             "host cache for a calibration of the same model again). Not run on "
+                                             "cuda, whose profile has none.")] = True,
     ranks: Annotated[int | None, typer.Option(
         "--ranks", min=2, help="The most ranks a run of this profile will have on this host, which the contention "
                                "probe runs up to (default: one per stage; AvgPipe's P pipelines have P per "
