@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import statistics
 import sys
 from multiprocessing import forkserver
 from pathlib import Path
@@ -80,25 +81,24 @@ WIDTH = 3200  # a Linear whose weight gradient (40 MiB) is above glibc's largest
 
 
 def _backward_faults(out) -> None:
-    """The page faults of a Linear(WIDTH)'s backward, its weight gradient made afresh each time, over that
-    gradient's pages (about 1 where it is faulted in afresh, about 0 where freed memory was kept)."""
+    """Per backward of a Linear(WIDTH), its weight gradient made afresh each time, the page faults over that
+    gradient's pages (about 1 where it is faulted in afresh, about 0 where freed memory was kept); after three
+    that grow the heap."""
     import resource
 
     import torch
 
     torch.set_num_threads(1)
     layer, x = torch.nn.Linear(WIDTH, WIDTH), torch.randn(8, WIDTH)
+    pages = layer.weight.nelement() * 4 / os.sysconf("SC_PAGESIZE")
 
-    def backward() -> None:
+    def faults() -> float:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         layer(x).sum().backward()
         layer.weight.grad = layer.bias.grad = None
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / pages
 
-    backward()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
-        backward()
-    pages = 3 * layer.weight.nelement() * 4 / os.sysconf("SC_PAGESIZE")
-    out.put((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / pages)
+    out.put([faults() for _ in range(8)][3:])
 
 
 @pytest.mark.skipif(allocator._libc() is None, reason="glibc's mallopt is not here")
@@ -111,6 +111,6 @@ def test_a_rank_keeps_freed_memory_where_a_plain_process_faults_its_gradients_in
     faults = []
     for proc in (rank, plain):
         proc.start()
-        faults.append(out.get(timeout=60))
+        faults.append(statistics.median(out.get(timeout=60)))  # a backward now and then finds no block that fits
         proc.join(timeout=10)
     assert faults[0] < 0.1 < 0.5 < faults[1]
