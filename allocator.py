@@ -1,12 +1,12 @@
-"""glibc's allocator held steady for the processes that time or simulate (the one place that sets it).
+"""glibc's allocator settings (the one place that sets them): `pipesim simulate` keeps freed memory and opts out
+of transparent huge pages (docs/benchmarks.md); benchmarks/pass_faults.py times a stage's passes with and without.
 
 By default glibc hands a freed block above its mmap threshold back to the OS, and that threshold moves with the
 process's history. The next allocation of the same size is then faulted in and zeroed again by the kernel, or
-not, depending on what the process did before: a stage's backward whose weight gradients (4 MiB for a
-Linear(1024)) are faulted in afresh takes up to 40 % longer, and two calibrations of one model minutes apart
-timed its backward in different modes, predicting the same runs 27 % apart (docs/fidelity.md, report 18).
-Freed memory kept makes every process (the calibration, each rank it prices, each rank that runs) time the
-same steady mode. Elsewhere than glibc on Linux, nothing changes.
+not: a stage's backward whose weight gradients (4 MiB for a Linear(1024)) are faulted in afresh takes up to 40 %
+longer (docs/fidelity.md, report 18). Calibration and the ranks keep glibc's defaults for now: with freed memory
+kept in both, their predictions came out 10-25 % short, the faults having offset what calibration does not yet
+price, a pass's cold caches after a wait (report 19). Elsewhere than glibc on Linux, nothing changes.
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipesim.allocator import keep_freed_memory
 from pipesim.executor import RunSpec, cut, microbatch_data
 from pipesim.schedules import build_schedule
 from pipesim.schedules.catalogue import method_named
@@ -102,7 +101,6 @@ def torch_steps(spec: RunSpec, rank: int, world: int, runtime: str) -> Callable[
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    keep_freed_memory()  # the allocator in the steady mode pipesim's calibration and ranks run in (allocator.py)
     torch.set_num_threads(args.threads_per_rank)
     dist.init_process_group("gloo", rank=rank, world_size=args.stages, init_method=f"tcp://127.0.0.1:{port}")
     schedule = build_schedule(args.schedule, method_named(args.schedule).params(args.stages, args.microbatches))

@@ -12,7 +12,6 @@ import typer
 from rich import box
 from rich.table import Table
 
-from ..allocator import keep_freed_memory
 from ..units import GIB, KIB, MIB
 from .common import (
     Ffn,
@@ -113,7 +112,6 @@ def calibrate(
     from ..traces import write_atomic
     from ..workload.processes import prepare, ready
 
-    keep_freed_memory()  # as every rank it prices keeps it: one steady mode of the allocator to time (allocator.py)
     starts_processes = runtime or contention or links
     if starts_processes:  # first: their server imports torch while this process does
         prepare()

@@ -1,7 +1,6 @@
 """Rank processes forked from the forkserver: each runs with the environment its parent had when it was made
 (not the server's), its own thread count and SIGINT ignored; the server has imported torch and sympy without
-starting a thread; where forkserver is missing or its server fails, ranks are spawned, with one line why; a
-rank keeps the memory it frees (allocator.py).
+starting a thread; where forkserver is missing or its server fails, ranks are spawned, with one line why.
 
 This module imports no torch at its top: a forked rank that finds sympy loaded got it from the server."""
 
@@ -10,14 +9,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import statistics
 import sys
 from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
 
-from pipesim import allocator
 from pipesim.workload import processes
 
 
@@ -75,42 +72,3 @@ def test_without_a_working_forkserver_ranks_are_spawned_with_one_line_why(monkey
 
 def _exit_3() -> None:
     os._exit(3)
-
-
-WIDTH = 3200  # a Linear whose weight gradient (40 MiB) is above glibc's largest self-set mmap threshold (32 MiB)
-
-
-def _backward_faults(out) -> None:
-    """Per backward of a Linear(WIDTH), its weight gradient made afresh each time, the page faults over that
-    gradient's pages (about 1 where it is faulted in afresh, about 0 where freed memory was kept); after three
-    that grow the heap."""
-    import resource
-
-    import torch
-
-    torch.set_num_threads(1)
-    layer, x = torch.nn.Linear(WIDTH, WIDTH), torch.randn(8, WIDTH)
-    pages = layer.weight.nelement() * 4 / os.sysconf("SC_PAGESIZE")
-
-    def faults() -> float:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        layer(x).sum().backward()
-        layer.weight.grad = layer.bias.grad = None
-        return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / pages
-
-    out.put([faults() for _ in range(8)][3:])
-
-
-@pytest.mark.skipif(allocator._libc() is None, reason="glibc's mallopt is not here")
-def test_a_rank_keeps_freed_memory_where_a_plain_process_faults_its_gradients_in_again(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # processes import this module
-    context = processes.rank_context()
-    out = context.Queue()
-    rank = processes.rank_process(context, _backward_faults, (out,), "pipesim-test-rank", 1)
-    plain = multiprocessing.get_context("spawn").Process(target=_backward_faults, args=(out,))
-    faults = []
-    for proc in (rank, plain):
-        proc.start()
-        faults.append(statistics.median(out.get(timeout=60)))  # a backward now and then finds no block that fits
-        proc.join(timeout=10)
-    assert faults[0] < 0.1 < 0.5 < faults[1]

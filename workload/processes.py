@@ -21,8 +21,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..allocator import keep_freed_memory
-
 _PACKAGE = __name__.rsplit(".", 2)[0]
 PRELOAD = ["torch", "sympy", f"{_PACKAGE}.executor.runners", f"{_PACKAGE}.calibrate.contention",
            f"{_PACKAGE}.calibrate.links"]
@@ -135,8 +133,7 @@ def rank_context() -> Any:
 @dataclass(frozen=True)
 class _Entry:
     """What a rank process runs: the parent's environment as it was when the process was made (a forked rank
-    has the forkserver's), SIGINT ignored, freed memory kept (as the calibration that prices it keeps it:
-    allocator.py), its thread count, then `target(*args)`."""
+    has the forkserver's), SIGINT ignored, its thread count, then `target(*args)`."""
 
     target: Callable[..., None]
     args: tuple
@@ -145,7 +142,6 @@ class _Entry:
 
     def __call__(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        keep_freed_memory()
         os.environ.clear()
         os.environ.update(self.env)
         torch = sys.modules.get("torch")
