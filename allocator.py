@@ -12,6 +12,7 @@ price, a pass's cold caches after a wait (report 19). Elsewhere than glibc on Li
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
 M_MMAP_THRESHOLD = -3
@@ -19,8 +20,9 @@ PR_SET_THP_DISABLE = 41  # Linux's prctl option
 KEPT_BYTES = 1 << 30  # blocks under a GiB come from the heap, which gives memory back only when a GiB is free
 
 
+@cache
 def _libc():
-    """The process's own C library, where it has mallopt and prctl (glibc on Linux); else None."""
+    """The process's own C library, where it has mallopt and prctl (glibc on Linux); else None (looked up once)."""
     try:
         libc = ctypes.CDLL(None)
     except (OSError, TypeError):  # no process-wide library handle (Windows)

@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -271,7 +271,6 @@ class ContentionProbe:
                                  tail=round(tail, 4), meta=meta)
 
 
-
 @dataclass(frozen=True)
 class Windows:
     """How long a window with k ranks computing lasts, and its warm-up, from the slowest stage's iteration alone
@@ -281,10 +280,11 @@ class Windows:
 
     iteration_s: float
     threads: int
+    cpus: int = field(default_factory=lambda: _usable_cpus() or 1)  # the host's usable cores, asked once
 
     def slowed_s(self, k: int) -> float:
         """The slowest stage's iteration with k ranks computing."""
-        return self.iteration_s * max(1.0, k * self.threads / (_usable_cpus() or 1))
+        return self.iteration_s * max(1.0, k * self.threads / self.cpus)
 
     def warmup_s(self, k: int) -> float:
         """Dropped at a window's start: WARMUP_S, or WARMUP_ITERATIONS slowest iterations where longer."""

@@ -113,8 +113,7 @@ def host_share(profile: Profile, runtime: RuntimeProfile) -> float:
 
 def host_plan(profile: Profile, runtime: RuntimeProfile) -> RunPlan | None:
     """The run of the calibrated model (HOST_WARMED schedules warmed up: its ranks are warm by the next), or None
-    where it
-    cannot change a prediction: that host work, after a stage of large layers, took up to HOST_MARGIN times the
+    where it cannot change a prediction: that host work, after a stage of large layers, took up to HOST_MARGIN times the
     probe's, so where the difference is under HOST_SHARE of every stage's F + B (the default gpt's probe share is
     0.6-0.7 %, its run's 0.8-1.2 %: not made) the probe's terms price it as closely. Else the probe's micro-batches
     and HOST_STEADY, fewer where its passes are so long that the run would take more than HOST_RUN_S of compute

@@ -289,9 +289,8 @@ def _probe_terms(profile, settings, advance, probe_options: dict):
 
 
 def _probe_run(name: str, given: dict, bounds: list[int], settings, env, plan, what: str, advance, prelude=None):
-    """The probe's schedules (`plan`, a `RunPlan`) run for
-    real on model `name` cut at `bounds` (after `prelude` in its ranks, if given): its trace, timed for its rows
-    alone (the trained model is not scored)."""
+    """The probe's schedules (`plan`, a `RunPlan`) run for real on model `name` cut at `bounds` (after `prelude`
+    in its ranks, if given): its trace, timed for its rows alone (the trained model is not scored)."""
     from ..calibrate.runtime import PROBE_OPTIMIZER, RuntimeProbeError
     from ..executor import ExecutorError, RunSpec, run_multiprocess
 
