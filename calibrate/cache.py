@@ -30,7 +30,7 @@ from typing import Any
 from ..traces import write_atomic
 from ..workload.cachedir import cache_dir
 
-CACHE_VERSION = 2  # raised when what a cached entry holds, or how it is measured, changes
+CACHE_VERSION = 3  # raised when what a cached entry holds, or how it is measured, changes
 
 
 def host_identity() -> dict[str, Any]:

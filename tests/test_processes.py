@@ -1,8 +1,9 @@
 """Rank processes forked from the forkserver: each runs with the environment its parent had when it was made
-(not the server's), its own thread count and SIGINT ignored; the server has imported torch and sympy without
-starting a thread; where forkserver is missing or its server fails, ranks are spawned, with one line why.
+(not the server's), its own thread count and SIGINT ignored; the server has imported torch and all a first
+backward imports, without starting a thread; where forkserver is missing or its server fails, ranks are
+spawned, with one line why.
 
-This module imports no torch at its top: a forked rank that finds sympy loaded got it from the server."""
+This module imports no torch at its top: a forked rank that finds torch loaded got it from the server."""
 
 from __future__ import annotations
 
@@ -19,13 +20,20 @@ from pipesim.workload import processes
 
 
 def _report(out) -> None:
-    """A rank's view of itself: a variable the test sets, its threads, its SIGINT handler, what was preloaded,
-    and how many threads its parent runs (for a forked rank, the server)."""
+    """A rank's view of itself: a variable the test sets, its threads, its SIGINT handler, whether torch was
+    preloaded, the modules its first backward from a given gradient imported (as every stage's but the last
+    does; 27-48 ms of a short run's stage 0 when torch's symbolic shapes were not preloaded), and how many
+    threads its parent runs (for a forked rank, the server)."""
+    preloaded = "torch" in sys.modules
     import torch
 
+    before = set(sys.modules)
+    weight = torch.ones(3, requires_grad=True)
+    torch.autograd.backward([weight * 2.0], [torch.ones(3)])
+    imported = sorted(set(sys.modules) - before)
     parent_threads = len(os.listdir(f"/proc/{os.getppid()}/task")) if Path("/proc").exists() else None
     out.put((os.environ.get("PIPESIM_TEST_PROCESSES"), os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(),
-             signal.getsignal(signal.SIGINT) == signal.SIG_IGN, "sympy" in sys.modules, parent_threads))
+             signal.getsignal(signal.SIGINT) == signal.SIG_IGN, preloaded, imported, parent_threads))
 
 
 def _run_one(threads: int) -> tuple:
@@ -49,7 +57,8 @@ def test_a_rank_gets_the_environment_of_its_making_and_its_threads_and_ignores_s
     assert [s[:4] for s in seen] == [("first", "1", 1, True), ("second", "2", 2, True)]
     if processes._STARTER.method == "forkserver" and Path("/proc").exists():
         assert all(s[4] for s in seen)  # imported once, by the server
-        assert all(s[5] == 1 for s in seen)  # it forks without a thread (OpenMP's pool) besides its own
+        assert [s[5] for s in seen] == [[], []]  # and what the first backward imports
+        assert all(s[6] == 1 for s in seen)  # it forks without a thread (OpenMP's pool) besides its own
 
 
 @pytest.mark.parametrize("broken", ["platform", "start", "answer"])

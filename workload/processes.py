@@ -1,12 +1,15 @@
 """Starting the processes that stand for a run's ranks (the executor's, calibration's contention probe and link
 measurement).
 
-A spawned interpreter imports torch, the executor and (on its first backward, in torch 2.13) sympy for every rank:
-seconds per start on a loaded 2-core host. So ranks are forked from a forkserver that imported them once; a
-command starts it first thing (`prepare`), so that its imports overlap the command's own, and waits for it
-(`ready`) before anything it times. Where forkserver is missing (Windows, and macOS's default is spawn) or its
-server fails to start, ranks are spawned, with one line saying why. A forked rank has the server's environment,
-not the parent's, so every process carries the parent's environment and applies it before its work.
+A spawned interpreter imports torch and the executor for every rank: seconds per start on a loaded 2-core host.
+So ranks are forked from a forkserver that imported them once; a command starts it first thing (`prepare`), so
+that its imports overlap the command's own, and waits for it (`ready`) before anything it times. The server also
+imports what a rank's first backward from a given gradient would (every stage's but the last; torch 2.13's
+`_make_grads` imports its symbolic shapes and sympy): 27-48 ms on the 2-core host, all in stage 0's first B
+(32-48 ms against 3-4 ms after), which a short run carries and calibration, timing warm passes, never sees.
+Where forkserver is missing (Windows, and macOS's default is spawn) or its server fails to start, ranks are
+spawned, with one line saying why. A forked rank has the server's environment, not the parent's, so every
+process carries the parent's environment and applies it before its work.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _PACKAGE = __name__.rsplit(".", 2)[0]
-PRELOAD = ["torch", "sympy", f"{_PACKAGE}.executor.runners", f"{_PACKAGE}.calibrate.contention",
-           f"{_PACKAGE}.calibrate.links"]
+PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", f"{_PACKAGE}.executor.runners",
+           f"{_PACKAGE}.calibrate.contention", f"{_PACKAGE}.calibrate.links"]
 READY_TIMEOUT_S = 120.0  # the server's imports on a loaded machine
 
 
