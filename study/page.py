@@ -158,14 +158,14 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
                               f"over {acc.n} seeds{throughput}<extra></extra>"))
             shown.add(s.arm.label)
     marks = ", ".join(f"{symbols[i % len(symbols)]}: {o}" for i, o in enumerate(optimizers))
-    accuracy = {"title_text": "held-out accuracy (mean ± std over seeds)", "tickformat": ".0%"}
+    spread = "mean ± std over seeds"
     if timed:
         fig.update_xaxes(title_text=f"samples/s measured on spawned ranks ({marks})")
-        fig.update_yaxes(**accuracy)
-    else:
-        fig.update_xaxes(**accuracy)
-        fig.update_yaxes(title_text=f"arm ({marks})", autorange="reversed", type="category",
-                         categoryorder="array", categoryarray=list(colours))
+        fig.update_yaxes(title_text=f"held-out accuracy ({spread})", tickformat=".0%")
+    else:  # the marker key goes under the long axis: the height of a few arms cannot hold it
+        fig.update_xaxes(title_text=f"held-out accuracy ({spread}; {marks})", tickformat=".0%")
+        fig.update_yaxes(title_text="arm", autorange="reversed", type="category", categoryorder="array",
+                         categoryarray=list(colours))
     fig.update_layout(height=460 if timed else 120 + 28 * len(shown), margin={"t": 20, "b": 50, "l": 70, "r": 20},
                       legend={"title": "method"}, showlegend=timed)
     return fig

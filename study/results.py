@@ -209,8 +209,9 @@ class ArmSummary:
 
     @property
     def stages(self) -> list[StageRecord]:
-        """The measured staleness and s per stage (the same for every seed: the schedule fixes them)."""
-        return self.runs[0].stages if self.runs else []
+        """The measured staleness and s per stage (the same for every seed: the schedule fixes them), from the
+        first seed that measured them (a diverged one measured nothing)."""
+        return next((r.stages for r in self.runs if r.stages), [])
 
     def per_stage(self, field: str, separator: str = ",") -> str:
         """One StageRecord field over the stages, as text ("1,1,1,0"); "-" where no stage has it."""

@@ -88,9 +88,25 @@ def test_accuracy_is_drawn_against_a_numeric_axis(blown_up):
     untimed = accuracy_figure(summarize(saved, arms, optimizers, seeds), list(optimizers))
     assert all(isinstance(x, float) and 0 <= x <= 1 for t in untimed.data for x in t.x)
     assert untimed.layout.xaxis.tickformat == ".0%" and untimed.layout.yaxis.type == "category"
+    # the marker key under the accuracy axis: along a few arms' height it was cut off
+    assert untimed.layout.yaxis.title.text == "arm" and "circle: momentum" in untimed.layout.xaxis.title.text
     saved.timings = [TimingRecord(method=m, source=None, optimizer="adam", lr=0.002, seed=0, repeats=1,
                                   measured_samples_per_s=s, measured_spread=0, predicted_samples_per_s=2 * s, ranks=2)
                      for m, s in (("gpipe", 1500.0), ("pipedream", 1800.0))]
     timed = accuracy_figure(summarize(saved, arms, optimizers, seeds), list(optimizers))
     assert sorted({x for t in timed.data for x in t.x}) == [1500.0, 1800.0]
     assert "samples/s" in timed.layout.xaxis.title.text and timed.layout.yaxis.tickformat == ".0%"
+
+
+def test_an_arm_whose_first_seed_diverged_shows_what_its_other_seeds_measured(tmp_path):
+    """A diverged seed measured no staleness; the arm's table row takes its stages from a seed that did."""
+    from pipesim.study.results import recorded_arms, summarize
+
+    falling = [2.3 * 0.9 ** b for b in range(20)]
+    path = tmp_path / "first-diverged.json"
+    StudyFile(format_version=1, setting=TINY.as_dict(),
+              runs=[_record("pipedream", "momentum", 0, falling, status="diverged"),
+                    _record("pipedream", "momentum", 1, falling)]).save(path)
+    saved = load_results(path)
+    (arm,) = summarize(saved, *recorded_arms(saved))
+    assert arm.diverged == 1 and arm.per_stage("forward_staleness") == "0,0"
