@@ -154,7 +154,6 @@ def simulate(
     if example:
         stages, microbatches, comm, opt, html = (
             EXAMPLE[k] for k in ("stages", "microbatches", "comm", "opt", "html"))
-    from ..planning.auto import ActivationLimitError
     from ..schedules import METHODS, ScheduleError, steady_minibatches
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
@@ -203,9 +202,11 @@ def simulate(
         for name in () if loaded else names:
             try:
                 schedules[name] = build(name, minibatches or PROBE_MINIBATCHES)
-            except ActivationLimitError as exc:  # a flag's value, not a method that cannot run here
-                raise InputError(str(exc)) from None
             except (ScheduleError, CostError) as exc:  # a searched method prices its costs as it is built
+                from ..planning.auto import ActivationLimitError  # here: only auto raises it, and imports it
+
+                if isinstance(exc, ActivationLimitError):  # a flag's value, not a method that cannot run here
+                    raise InputError(str(exc)) from None
                 skipped[name] = str(exc)
         if minibatches is None and not loaded:  # one N for the table: the most any method compared needs
             count = max(map(steady_minibatches, schedules.values()), default=PROBE_MINIBATCHES)
