@@ -295,7 +295,8 @@ def weight_versions(schedule: Schedule) -> Versions:
     current[by_replica] = before - np.repeat(before[group_start], np.diff(np.r_[group_start, n]))
     steps = p * schedule.minibatches * r
     consuming = np.full(steps, -1, dtype=np.int64)  # ordinal of the update that consumes a step's gradient
-    consuming[t.step_index(schedule)[is_opt]] = current[is_opt]
+    step = t.step_index(schedule)
+    consuming[step[is_opt]] = current[is_opt]
 
     unit = t.unit_index(schedule)
     first_forward = unit - t.microbatch * schedule.minibatches * r  # micro-batch 0 of the row's mini-batch
@@ -331,12 +332,11 @@ def weight_versions(schedule: Schedule) -> Versions:
     read = np.where(is_opt | kind_mask(t.kind, *COLLECTIVE_KINDS) | (t.kind >= NUM_COMPUTE_KINDS), -1, read)
 
     prediction = np.full(n, -1, dtype=np.int64)
-    counted = consuming[np.where(t.kind < NUM_COMPUTE_KINDS, t.step_index(schedule), 0)] - read
     for rule, mask in ((policy.predict_forward, is_f), (policy.predict_backward, backward)):
         if rule is not None:
             formula = policy.formula(rule)  # the closed form of the source in use; None: counted
             if formula is None:
-                prediction[mask] = counted[mask]
+                prediction[mask] = consuming[step[mask]] - read[mask]  # counted
             else:
                 per_stage = np.array([evaluate_formula(formula, p, k, m) for k in range(p)], dtype=np.int64)
                 prediction[mask] = per_stage[t.stage[mask]]

@@ -51,8 +51,10 @@ def merged_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, 
     """The intervals [starts[i], ends[i]) merged where they overlap: the runs during which any is under way."""
     if len(starts) == 0:
         return np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], np.maximum.accumulate(ends[order])
+    if np.any(starts[1:] < starts[:-1]):  # a compute stream's rows come in start order: no sort to do there
+        order = np.argsort(starts, kind="stable")
+        starts, ends = starts[order], ends[order]
+    ends = np.maximum.accumulate(ends)
     # A new run begins where an interval starts after everything before it has ended.
     new_run = np.r_[True, starts[1:] > ends[:-1]]
     last_of_run = np.r_[np.flatnonzero(new_run)[1:] - 1, len(starts) - 1]
@@ -137,24 +139,23 @@ def summarize(trace: Trace) -> Summary:
     per_minibatch_us = (done_us[-1] - done_us[0]) / (minibatches - 1) if minibatches > 1 else makespan_us
     samples = trace.meta.samples_per_minibatch
 
-    f_code, weight_kinds = trace.kind_code("F"), [trace.kind_code(k) for k in ("B", "I", "W")]
     num_stages = int(ops.stage[computing].max()) + 1 if len(computing) else 0
     version = ops.version[computing]
     read = computing[version >= 0]
     kind, stage = ops.kind[read], ops.stage[read]
     staleness = ops.minibatch[read] - ops.version[read]
-    fwd = kind == f_code
-    bwd = np.isin(kind, weight_kinds)
+    # Per row that reads weights, its slot: its stage's forward, backward (B, I, W) or other reads.
+    group = np.array([0 if k == "F" else 1 if k in ("B", "I", "W") else 2 for k in trace.kinds], dtype=np.int64)
+    slot = group[kind] * num_stages + stage
 
-    def per_stage_max(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """Largest value per stage over `mask` (of the rows that read weights), -1 for a stage with none."""
-        out = np.full(num_stages, -1, dtype=np.int64)
-        np.maximum.at(out, stage[mask], values[mask])
-        return out
+    def per_stage_max(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Largest value per stage over its forwards and over its backwards, -1 for a stage with none."""
+        out = np.full(3 * num_stages, -1, dtype=np.int64)
+        np.maximum.at(out, slot, values)
+        return out[:num_stages], out[num_stages:2 * num_stages]
 
-    prediction = ops.prediction[read]
-    lag_f, lag_b = per_stage_max(fwd, staleness), per_stage_max(bwd, staleness)
-    s_f, s_b = per_stage_max(fwd, prediction), per_stage_max(bwd, prediction)
+    lag_f, lag_b = per_stage_max(staleness)
+    s_f, s_b = per_stage_max(ops.prediction[read])
     stages = [
         StageMetrics(
             stage=k,
