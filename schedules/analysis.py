@@ -290,7 +290,7 @@ def weight_versions(schedule: Schedule) -> Versions:
     by_replica = np.argsort(replica, kind="stable")
     opt_sorted = is_opt[by_replica]
     before = np.concatenate([[0], np.cumsum(opt_sorted)])[:-1]
-    group_start = np.flatnonzero(np.diff(replica[by_replica], prepend=-1))  # each replica's first (replicas >= 0)
+    group_start = np.flatnonzero(np.diff(replica[by_replica], prepend=-1) != 0)  # each replica's first (replicas >= 0)
     current = np.empty(n, dtype=np.int64)
     current[by_replica] = before - np.repeat(before[group_start], np.diff(np.r_[group_start, n]))
     steps = p * schedule.minibatches * r

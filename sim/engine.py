@@ -73,7 +73,7 @@ class _Program:
     # where each device's and lane's begin (the last: their end); consumed by the run as `steps` is.
     step_columns: tuple[np.ndarray, ...]
     step_offsets: np.ndarray
-    step_rows: np.ndarray  # every device's steps, as global rows in program order
+    step_rows: np.ndarray | None  # every device's steps, as global rows in program order
     step_bounds: np.ndarray  # device d's steps are step_rows[step_bounds[d]:step_bounds[d + 1]]
     start_clock: np.ndarray  # per device: the index of its start in `_Model.clocks` (its steps' clocks follow)
     # Each device with collectives has a network lane after the devices: a clock list of its own (in `steps` and
@@ -86,8 +86,8 @@ class _Program:
     timed: bool  # whether a resource is shared, so that devices must take it in simulated time order
     # Per transfer id: the index in `_Model.clocks` of the clock it is sent from, and how long after that clock
     # it arrives (-1: its SEND step finds that out when it runs).
-    send_clock: np.ndarray
-    send_to_arrival_ps: np.ndarray
+    send_clock: np.ndarray | None
+    send_to_arrival_ps: np.ndarray | None
     compute_unit: list[int | None]  # per device: the shared resource its compute rows queue on, if any
     host_unit: list[int | None]  # per device: the host whose cores its compute rows share, if any
     contention: tuple[float, ...]  # the hosts' slowdown with 1, 2, ... devices computing at once
@@ -270,8 +270,10 @@ def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndar
     at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
     at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
     at_end[:, KIND_CODE[Kind.W]] = -kept
-    mem_at_start, mem_at_end = at_start[stage, kind], at_end[stage, kind]
-    copies = np.flatnonzero(lowered.copies_delta)
+    stage_kind = stage * len(KINDS) + kind  # each row's entry in the tables, looked up once for both
+    mem_at_start, mem_at_end = at_start.ravel()[stage_kind], at_end.ravel()[stage_kind]
+    del stage_kind
+    copies = np.flatnonzero(lowered.copies_delta != 0)
     mem_at_end[copies] += lowered.copies_delta[copies] * param[stage[copies]]
     kept_gradient = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
     mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
@@ -453,7 +455,7 @@ class _Model:
         # A row on shared cores lasts as long as they let it (a copy only where there are some), and so does
         # the host time before it (how much longer: its stretch).
         self.duration_ps = program.duration_ps.copy() if self.cores else program.duration_ps
-        self.host_stretch_ps = np.zeros(len(program.duration_ps), dtype=np.int64)
+        self.host_stretch_ps = np.zeros(len(program.duration_ps), dtype=np.int64) if self.cores else None
         self.finished = 0
 
     def _succeed(self, events: list[simpy.Event]) -> None:
@@ -645,10 +647,11 @@ def simulate(
 def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int) -> Trace:
     lowered = program.lowered
     schedule, t, bounds = lowered.schedule, lowered.table, lowered.bounds
-    issued_ps, start_ps, end_ps = _op_times(program, model)
+    issued_ps, end_ps = _issue_and_end_times(program, model)
     # The trace consumes the program: its per-row timing columns are read, and released here so that the
-    # counters below reuse their memory (three columns of a million rows).
+    # counters below reuse their memory (three columns of a million rows, and the transfers' and steps').
     program.clock_before = program.since_ps = program.duration_ps = model.duration_ps = None
+    program.send_clock = program.send_to_arrival_ps = program.step_rows = model.arrival = None
     # Counter events: a SEND allocates when issued and frees when its transfer ends; a RECV allocates on arrival,
     # or where the runtime posts it ahead. Their times stay picoseconds here (the issue times' column becomes the
     # first events'): each device's become milliseconds as its counters are made, which spares two columns of
@@ -667,7 +670,8 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         "activations": _step_counters(bounds, first_ps, end_ps, act_at_start, act_at_end, [0] * devices),
         "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
     }
-    del first_ps, issued_ps, mem_at_start, mem_at_end, act_at_start, act_at_end
+    del issued_ps, mem_at_start, mem_at_end, act_at_start, act_at_end
+    start_ps = _start_times(program, model, first_ps, end_ps)
     # Microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
     start_us = start_ps / _PS_PER_MS
     start_us *= 1e3
@@ -686,28 +690,38 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
 
 
-def _op_times(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row, when it was issued, started and ended (ps): a transfer starts its duration before it arrives, a
-    collective at its lane's begin. (A function of its own, so that its temporaries are freed before the trace
+def _issue_and_end_times(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, when it was issued and when it ended (ps): a transfer when it arrives, a collective its network
+    time after its lane's begin. (A function of its own, so that its temporaries are freed before the trace
     makes its columns.)"""
-    lowered, xid = program.lowered, program.lowered.transfer
-    transfers = np.flatnonzero((program.stream == Stream.SEND) | (program.stream == Stream.RECV))
     clocks = np.frombuffer(model.clocks, dtype=np.int64)
     issued_ps = _issue_times(program, model, clocks)
-    start_ps = issued_ps.copy()
     end_ps = issued_ps + model.duration_ps
+    transfers = _transfer_rows(program)
     if len(transfers):
         if program.timed:  # every SEND was a step and found its arrival
             arrival = np.frombuffer(model.arrival, dtype=np.int64)
         else:  # every SEND arrives a fixed time after a clock of its device
             arrival = clocks[program.send_clock] + program.send_to_arrival_ps
-        ids = xid[transfers]
-        end_ps[transfers] = arrival[ids]
-        start_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[ids // lowered.units]
-    collective = program.collective_rows
-    start_ps[collective] = clocks[program.collective_clock]
-    end_ps[collective] = start_ps[collective] + program.collective_ps
-    return issued_ps, start_ps, end_ps
+        end_ps[transfers] = arrival[program.lowered.transfer[transfers]]
+    end_ps[program.collective_rows] = clocks[program.collective_clock] + program.collective_ps
+    return issued_ps, end_ps
+
+
+def _start_times(program: _Program, model: _Model, issued_ps: np.ndarray, end_ps: np.ndarray) -> np.ndarray:
+    """Per row, when it started (ps), in `issued_ps`'s memory, which holds the issue times on every row but the
+    transfers': a row starts when issued, a transfer its duration before it arrives, a collective at its lane's
+    begin."""
+    lowered = program.lowered
+    transfers = _transfer_rows(program)
+    channel = lowered.transfer[transfers] // lowered.units
+    issued_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[channel]
+    issued_ps[program.collective_rows] = np.frombuffer(model.clocks, dtype=np.int64)[program.collective_clock]
+    return issued_ps
+
+
+def _transfer_rows(program: _Program) -> np.ndarray:
+    return np.flatnonzero((program.stream == Stream.SEND) | (program.stream == Stream.RECV))
 
 
 def _runtime_terms(costs: Costs) -> dict:
@@ -761,7 +775,7 @@ def _step_counters(bounds, first_ps, second_ps, first_delta, second_delta, initi
         mine_times, mine_deltas = np.empty(2 * (hi - lo)), np.empty(2 * (hi - lo), dtype=np.int64)
         mine_times[0::2], mine_times[1::2] = first_ps[lo:hi], second_ps[lo:hi]  # op i's two events at 2i, 2i + 1
         mine_deltas[0::2], mine_deltas[1::2] = first_delta[lo:hi], second_delta[lo:hi]
-        keep = np.flatnonzero(mine_deltas)
+        keep = np.flatnonzero(mine_deltas != 0)
         mine_times, mine_deltas = mine_times[keep], mine_deltas[keep]
         mine_times /= _PS_PER_MS
         order = np.argsort(mine_times, kind="stable")
