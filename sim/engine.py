@@ -195,7 +195,9 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # anything else for its device's start (nothing).
     step_stream = stream[step_rows]
     step_device = device[step_rows]
-    operand = np.where(compute[step_rows], duration[step_rows], lowered.transfer[step_rows])
+    operand = lowered.transfer[step_rows]
+    computing_steps = np.flatnonzero(compute[step_rows])  # a compute row is a step only on a shared resource
+    operand[computing_steps] = duration[step_rows[computing_steps]]
     waits_for = start_clock[step_device]
     after = np.zeros(len(step_rows), dtype=np.int64)
     receiving = np.flatnonzero(step_stream == Stream.RECV)
@@ -292,7 +294,7 @@ def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndar
         buffered = sending & ~merged
         # Per row, how many compute rows are at or before it: the compute row before a transfer (its producer) is
         # `computing[computed - 1]`, the one after it (its consumer) `computing[computed]`.
-        computed = np.cumsum(stream == Stream.COMPUTE)
+        computed = np.cumsum(stream == Stream.COMPUTE, dtype=np.int32 if len(stream) < 2**31 else np.int64)
         np.add.at(mem_at_end, computing[computed[rows[buffered]] - 1], row_bytes[buffered])
         mem_at_start[rows] = np.where(sending, 0, row_bytes)
         mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
