@@ -298,13 +298,20 @@ def weight_versions(schedule: Schedule) -> Versions:
     step = t.step_index(schedule)
     consuming[step[is_opt]] = current[is_opt]
 
-    unit = t.unit_index(schedule)
-    first_forward = unit - t.microbatch * schedule.minibatches * r  # micro-batch 0 of the row's mini-batch
-    opens_backward = kind_mask(t.kind, Kind.B, Kind.I)
-    backward_read = np.zeros(p * m * schedule.minibatches * r, dtype=np.int64)
-    backward_read[unit[opens_backward]] = current[opens_backward]
+    if policy.forward is Read.STASHED:
+        raise ScheduleError("a forward cannot read a stashed version: it is what stashes one")
+    # Per unit, what its forward and its first backward read, where a rule looks that up (none reads the latest).
+    looked_up = bool({policy.forward, policy.backward} & {Read.STASHED, Read.BELLWETHER})
+    unit = first_forward = forward_read = backward_read = None
+    if looked_up:
+        unit = t.unit_index(schedule)
+        first_forward = unit - t.microbatch * schedule.minibatches * r  # micro-batch 0 of the row's mini-batch
+        opens_backward = kind_mask(t.kind, Kind.B, Kind.I)
+        forward_read, backward_read = (np.zeros(p * m * schedule.minibatches * r, dtype=np.int64) for _ in range(2))
+        forward_read[unit[is_f]] = current[is_f]
+        backward_read[unit[opens_backward]] = current[opens_backward]
 
-    def read_rule(rule: Read, mask: np.ndarray, first_read: np.ndarray) -> np.ndarray:
+    def read_rule(rule: Read, mask: np.ndarray, first_read: np.ndarray | None) -> np.ndarray:
         """Versions `mask`'s rows read; `first_read` holds, per unit, what its first op of this side read."""
         if rule is Read.LATEST:
             return current
@@ -320,12 +327,8 @@ def weight_versions(schedule: Schedule) -> Versions:
                                 f"before that version exists (after {current[i]} updates)")
         return wanted
 
-    if policy.forward is Read.STASHED:
-        raise ScheduleError("a forward cannot read a stashed version: it is what stashes one")
-    forward_read = np.zeros(p * m * schedule.minibatches * r, dtype=np.int64)
-    forward_read[unit[is_f]] = current[is_f]
     forward_version = read_rule(policy.forward, is_f, forward_read)
-    if policy.forward is not Read.LATEST:  # what each forward read, where it is not what was just stored
+    if looked_up and policy.forward is not Read.LATEST:  # what each forward read, where not what was just stored
         forward_read[unit[is_f]] = forward_version[is_f]
     backward_version = read_rule(policy.backward, backward, backward_read)
     read = np.where(is_f, forward_version, np.where(backward, backward_version, current))
