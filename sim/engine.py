@@ -52,6 +52,12 @@ def _picoseconds(ms: np.ndarray) -> np.ndarray:
     return np.round(ps, out=ps).astype(np.int64)
 
 
+def _index_dtype(size: int) -> type:
+    """Integers that index `size` items: 32 bits where they do, so that a column of millions of indices takes half
+    the memory."""
+    return np.int32 if size < 2**31 else np.int64
+
+
 class SimulationError(RuntimeError):
     """The model could not finish (a lowered order that waits for a transfer nobody sends)."""
 
@@ -173,7 +179,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # since that clock are all the run leaves to add: the row is issued at that clock plus that time. (Computed
     # in place: these columns have millions of rows.)
     start_clock = step_bounds[:-1] + np.arange(num_devices)
-    clock_before = np.cumsum(is_step)
+    clock_before = np.cumsum(is_step, dtype=_index_dtype(len(step_rows) + num_devices))
     clock_before -= is_step
     clock_before += device
     since_ps = _before_on_device(held, bounds)  # the compute time of the device's earlier rows, then the time since
@@ -295,7 +301,7 @@ def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndar
         buffered = sending & ~merged
         # Per row, how many compute rows are at or before it: the compute row before a transfer (its producer) is
         # `computing[computed - 1]`, the one after it (its consumer) `computing[computed]`.
-        computed = np.cumsum(stream == Stream.COMPUTE, dtype=np.int32 if len(stream) < 2**31 else np.int64)
+        computed = np.cumsum(stream == Stream.COMPUTE, dtype=_index_dtype(len(stream)))
         np.add.at(mem_at_end, computing[computed[rows[buffered]] - 1], row_bytes[buffered])
         mem_at_start[rows] = np.where(sending, 0, row_bytes)
         mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
