@@ -48,13 +48,14 @@ class Summary:
 
 
 def merged_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The intervals [starts[i], ends[i]) merged where they overlap: the runs during which any is under way."""
+    """The intervals [starts[i], ends[i]) merged where they overlap: the runs during which any is under way.
+    No interval ends before it starts (an op's duration is not negative)."""
     if len(starts) == 0:
         return np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
-    if np.any(starts[1:] < starts[:-1]):  # a compute stream's rows come in start order: no sort to do there
-        order = np.argsort(starts, kind="stable")
-        starts, ends = starts[order], ends[order]
-    ends = np.maximum.accumulate(ends)
+    # Starts and ends sorted apart (no sort of one by the other, nor a running maximum): the k intervals that start
+    # first have all ended before the next start exactly where the k smallest ends come before it, since any other
+    # interval ends after its own start, which is later; the run's end is then the largest of those k ends.
+    starts, ends = np.sort(starts, kind="stable"), np.sort(ends, kind="stable")
     # A new run begins where an interval starts after everything before it has ended.
     new_run = np.r_[True, starts[1:] > ends[:-1]]
     last_of_run = np.r_[np.flatnonzero(new_run)[1:] - 1, len(starts) - 1]
