@@ -5,10 +5,13 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim.schedules import KINDS, ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces import Stream, TraceError, read_trace, write_trace
+from pipesim.traces.metrics import merged_intervals
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +59,19 @@ def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
     with pytest.raises(TraceError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         read_trace(path)
 
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 8)), max_size=25))
+def test_merged_intervals_are_the_runs_a_sweep_by_start_finds(intervals):
+    """merged_intervals sorts starts and ends apart: nested, overlapping, touching and repeated intervals give the
+    runs of the plain sweep (by start, extending a run while an interval starts before it has ended)."""
+    runs: list[list[float]] = []
+    for start, end in sorted((float(s), float(s + d)) for s, d in intervals):
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([start, end])
+    starts = np.array([s for s, _ in intervals], dtype=float)
+    merged = merged_intervals(starts, starts + np.array([d for _, d in intervals], dtype=float))
+    assert [list(pair) for pair in zip(*(column.tolist() for column in merged))] == runs
