@@ -1,4 +1,5 @@
-"""How fast the simulator runs and how it scales: 1F1B at several (p, m), transfers and memory modelled.
+"""How fast the simulator runs and how it scales: 1F1B at several (p, m) over N mini-batches (2 by default, as
+`pipesim simulate -s 1f1b` picks for a flushing schedule), transfers and memory modelled.
 
 Each size runs in a fresh process, so its peak resident memory is its own. Prints, per size, the
 seconds of each phase (build the schedule, check it, lower it, price the rows' times, the device run, the trace
@@ -8,7 +9,7 @@ end to end, and peak memory per op; the scaling is linear when ops/s and bytes/o
 Each process sets the allocator as the command does (pipesim/allocator.py: freed memory kept, no transparent
 huge pages). Run:
 
-    python benchmarks/bench_simulate.py [--sizes 64x1024,128x4096] [--profile]
+    python benchmarks/bench_simulate.py [--sizes 64x1024,128x4096] [--minibatches N] [--profile]
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from pipesim.traces import summarize
 PHASES = ("build", "check", "lower", "price", "run", "trace", "metrics")
 
 
-def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
-    """One simulation of 1F1B at (p, m), phase by phase, with its process's peak memory."""
+def measure(p: int, m: int, n: int, comm_ms: float) -> dict[str, float]:
+    """One simulation of 1F1B at (p, m) over n mini-batches, phase by phase, with its process's peak memory."""
     marks = [time.perf_counter()]
-    schedule = build_schedule("1f1b", ScheduleParams(p, m))
+    schedule = build_schedule("1f1b", ScheduleParams(p, m, n))
     marks.append(time.perf_counter())
     cpu_before = os.times()
     costs = Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10, output_mb=1)
@@ -55,7 +56,7 @@ def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
     cpu_after = os.times()
     summary = summarize(trace)
     marks.append(time.perf_counter())
-    fb_ops = 2 * p * m
+    fb_ops = 2 * p * m * n
     assert summary.makespan_ms > 0
     return {
         "p": p, "m": m, "fb_ops": fb_ops, "rows": len(trace.ops),
@@ -65,7 +66,7 @@ def measure(p: int, m: int, comm_ms: float) -> dict[str, float]:
     }
 
 
-def _child(args: tuple[int, int, float]) -> dict[str, float]:
+def _child(args: tuple[int, int, int, float]) -> dict[str, float]:
     keep_freed_memory()  # the allocator's settings `pipesim simulate` runs with
     no_huge_pages()
     return measure(*args)
@@ -74,17 +75,19 @@ def _child(args: tuple[int, int, float]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="16x256,32x1024,64x1024,128x2048,128x4096", help="comma-separated PxM")
+    parser.add_argument("--minibatches", type=int, default=2, help="N, mini-batches simulated")
     parser.add_argument("--comm", type=float, default=0.05, help="ms per transfer")
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile of the first size")
     args = parser.parse_args()
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes.split(",")]
     if args.profile:
         p, m = sizes[0]
-        cProfile.runctx("measure(p, m, args.comm)", globals(), locals(), "/tmp/pipesim.prof")
+        cProfile.runctx("measure(p, m, args.minibatches, args.comm)", globals(), locals(), "/tmp/pipesim.prof")
         pstats.Stats("/tmp/pipesim.prof").sort_stats("cumulative").print_stats(25)
 
-    table = Table(title="1F1B: seconds per phase; simulate = check + lower + price + run + trace (issue 28's target: "
-                        "the whole `pipesim simulate -s 1f1b -p 128 -m 4096` under 2 s, about 1M F+B ops/s)",
+    table = Table(title=f"1F1B, N = {args.minibatches}: seconds per phase; simulate = check + lower + price + run + "
+                        "trace (issue 28's target: the whole `pipesim simulate -s 1f1b -p 128 -m 4096`, N = 2, "
+                        "under 2 s)",
                   title_justify="left")
     for header in ("p x m", "F+B ops", "rows", *PHASES, "simulate s", "CPU s", "F+B ops/s", "rows/s", "peak MiB",
                    "bytes/row"):
@@ -92,7 +95,7 @@ def main() -> None:
     context = multiprocessing.get_context("spawn")
     for p, m in sizes:
         with context.Pool(1) as pool:  # a fresh process per size: its peak memory is this size's
-            r = pool.apply(_child, ((p, m, args.comm),))
+            r = pool.apply(_child, ((p, m, args.minibatches, args.comm),))
         simulate_s = r["check"] + r["lower"] + r["price"] + r["run"] + r["trace"]
         table.add_row(
             f"{p}x{m}", f"{r['fb_ops']:,}", f"{r['rows']:,}", *(f"{r[phase]:.3f}" for phase in PHASES),
