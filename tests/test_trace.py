@@ -61,6 +61,23 @@ def test_bad_metadata_names_the_field(predicted, tmp_path, edit, fragment):
 
 
 
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("dur", -1.0, "dur a finite number >= 0 (got ts="),
+    ("ts", float("nan"), "ts must be finite"),
+    ("dur", "long", "a field is not a number"),
+])
+def test_an_op_that_ends_before_it_starts_or_is_not_a_time_is_refused(predicted, tmp_path, field, value, fragment):
+    path = tmp_path / "t.json"
+    write_trace(predicted, path)
+    doc = json.loads(path.read_text())
+    op = next(e for e in doc["traceEvents"] if e.get("ph") == "X")
+    op[field] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        read_trace(path)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 8)), max_size=25))
 def test_merged_intervals_are_the_runs_a_sweep_by_start_finds(intervals):

@@ -299,7 +299,16 @@ def from_chrome(doc: Any) -> Trace:
                 values.append(event["args"]["value"])
     except (KeyError, TypeError, AttributeError) as exc:
         raise TraceError(f"malformed trace event: missing or wrong field {exc}") from None
-    ops = Ops(**columns)
+    try:
+        ops = Ops(**columns)
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"malformed trace event: a field is not a number ({exc})") from None
+    # an op that ends before it starts would break every interval computed from the trace (summarize's merge)
+    bad = np.flatnonzero(~np.isfinite(ops.start_us) | ~np.isfinite(ops.dur_us) | (ops.dur_us < 0))
+    if len(bad):
+        i = int(bad[0])
+        raise TraceError(f"trace event {i} ({kinds[ops.kind[i]]} on device {ops.device[i]}): ts must be finite and "
+                         f"dur a finite number >= 0 (got ts={float(ops.start_us[i]):g}, dur={float(ops.dur_us[i]):g})")
     counters = {}
     for name in counter_names:
         per_device = []
