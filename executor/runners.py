@@ -128,8 +128,11 @@ def run_in_process(spec: RunSpec) -> RunResult:
         thread.join()
     if causes:
         rank, exc = causes[0]
-        raise (DivergedError if isinstance(exc, DivergedError) else ExecutorError)(
-            f"{layout.name(rank)}: {type(exc).__name__}: {exc}")
+        message = f"{layout.name(rank)}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, DivergedError):
+            raise DivergedError(message, _finished_losses(spec, [loop.finished_losses() for loop in loops
+                                                                  if loop.losses]))
+        raise ExecutorError(message)
     return _merge(spec, lowered, results, {"backend": "in-process", "device": "cpu", "ranks": layout.ranks})
 
 
@@ -676,6 +679,19 @@ def _mean_losses(reported: list[dict[tuple[int, int], float]]) -> dict[tuple[int
         for key, value in losses.items():
             by_key.setdefault(key, []).append(value)
     return {key: sum(values) / len(values) for key, values in by_key.items()}
+
+
+def _finished_losses(spec: RunSpec, reported: list[dict[tuple[int, int], float]]) -> list[list[float]]:
+    """Per pipeline, the losses of its first mini-batches that every last stage's device (one per data-parallel
+    replica) `reported` finished, in order: a run stopped part-way keeps the mini-batches it completed."""
+    done = set.intersection(*(set(losses) for losses in reported)) if reported else set()
+    means = _mean_losses([{key: losses[key] for key in done} for losses in reported])
+    out = []
+    for pipeline in range(spec.schedule.pipelines):
+        out.append([])
+        while (pipeline, len(out[-1])) in means:
+            out[-1].append(means[(pipeline, len(out[-1]))])
+    return out
 
 
 def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,

@@ -236,6 +236,7 @@ class DeviceLoop:
         self.grads: dict[EdgeUnit, torch.Tensor] = {}  # an edge's gradient: computed or received, not yet taken
         self.sends: list[tuple[Handle, torch.Tensor | None]] = []  # sends in flight, with the tensor each holds
         self.losses: dict[tuple[int, int], float] = {}
+        self.loss_parts: dict[tuple[int, int], int] = {}  # micro-batches whose loss `losses` holds
         self.reducing: dict[tuple[int, int], tuple[Pending, int]] = {}  # (stage, pipeline) -> all-reduce, row
         self.ledger = Ledger()
         self.taken: dict[int, int] = {}  # storages of the tensors the current row took: they may die with it
@@ -359,6 +360,7 @@ class DeviceLoop:
                 raise DivergedError(f"loss is {value} at mini-batch {b} (pipeline {r}) on stage {stage} "
                                     f"(micro-batch {j}): training diverged; lower the learning rate")
             self.losses[(r, b)] = self.losses.get((r, b), 0.0) + value
+            self.loss_parts[(r, b)] = self.loss_parts.get((r, b), 0) + 1
         else:
             for (src, dst), o in zip(self.stages.out_edges[stage], outputs):
                 self.acts[(src, dst, j, b, r)] = o.detach()
@@ -487,6 +489,10 @@ class DeviceLoop:
         dropped = sum(nbytes for ptr, nbytes in self.taken.items() if ptr not in held)
         total = sum(held.values()) + posted_bytes
         return total, total + freed + dropped
+
+    def finished_losses(self) -> dict[tuple[int, int], float]:
+        """Per (pipeline, mini-batch), the loss of those whose every micro-batch this device's last stage ran."""
+        return {key: value for key, value in self.losses.items() if self.loss_parts[key] == self.m}
 
     # -------------------------------------------------------------------------------------------- loop
 

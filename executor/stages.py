@@ -29,7 +29,13 @@ class ExecutorError(RuntimeError):
 
 
 class DivergedError(ExecutorError):
-    """The loss went non-finite: the training diverged (bad input, not a fault of the run)."""
+    """The loss went non-finite: the training diverged (bad input, not a fault of the run). `losses`: per
+    pipeline, the loss of each mini-batch that finished before it, in order (known where every rank is a thread
+    of this process; [] where not), so a study can draw a diverged run up to where it left."""
+
+    def __init__(self, message: str, losses: list[list[float]] | None = None) -> None:
+        super().__init__(message)
+        self.losses = losses or []
 
 
 def even_bounds(layers: int, stages: int) -> list[int]:

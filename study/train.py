@@ -41,7 +41,8 @@ def _stages(trace: Trace) -> list[StageRecord]:
 
 
 def train(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> RunRecord:
-    """Train one run to the end, or until its loss goes non-finite (recorded as diverged, not raised)."""
+    """Train one run to the end, or until its loss goes non-finite (recorded as diverged, not raised, with the
+    losses of the mini-batches finished before it)."""
     spec = _spec(setting, arm, optimizer, lr, seed)
     schedule = spec.schedule
     per_minibatch = schedule.pipelines * schedule.microbatches * setting.microbatch_size
@@ -51,9 +52,11 @@ def train(setting: Setting, arm: Arm, optimizer: str, lr: float, seed: int) -> R
     try:
         with threads(1):  # the devices are threads: one intra-op thread each, as each rank of a real run
             result = run_in_process(spec)
-    except DivergedError:
-        return RunRecord(**base, status="diverged", losses=[None] * schedule.minibatches, heldout_loss=None,
-                         heldout_accuracy=None, stages=[], wall_s=time.perf_counter() - began)
+    except DivergedError as exc:
+        finished = [statistics.fmean(pipeline[b] for pipeline in exc.losses)
+                    for b in range(min(map(len, exc.losses), default=0))]
+        return RunRecord(**base, status="diverged", losses=finished + [None] * (schedule.minibatches - len(finished)),
+                         heldout_loss=None, heldout_accuracy=None, stages=[], wall_s=time.perf_counter() - began)
     losses = [statistics.fmean(pipeline[b] for pipeline in result.losses) for b in range(schedule.minibatches)]
     heldout = result.trace.meta.extra.get("heldout") or {}
     return RunRecord(**base, status="ok", losses=losses, heldout_loss=heldout.get("loss"),

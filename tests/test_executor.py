@@ -4,6 +4,7 @@ and a split backward (I then W) gives what a full one (B) gives."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import replace
 from functools import partial
@@ -323,6 +324,11 @@ def test_a_device_that_fails_stops_the_others_and_is_named_alone():
     with pytest.raises(DivergedError) as caught:
         run_in_process(spec)
     assert str(caught.value).startswith("device 1: DivergedError: loss is") and "abandoned" not in str(caught.value)
+    # it keeps the losses of the mini-batches finished before it: those a run stopped there measures
+    diverged_at = int(re.search(r"at mini-batch (\d+)", str(caught.value))[1])
+    assert diverged_at >= 1 and len(caught.value.losses) == 1 and len(caught.value.losses[0]) == diverged_at
+    before = run_in_process(replace(spec_for("1f1b", stages=2, m=2, n=diverged_at, layers=3, lr=1e9), timeout_s=600))
+    assert caught.value.losses == before.losses
 
 
 # ---------------------------------------------------------------------------------------------- real ranks

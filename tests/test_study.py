@@ -83,6 +83,10 @@ def test_a_diverged_run_is_recorded_not_raised():
 
     record = train(TINY, Arm("gpipe"), "sgd", 1e9, 0)
     assert record.status == "diverged" and record.heldout_accuracy is None and math.isnan(record.final_loss)
+    # the mini-batches finished before it keep their losses (the page draws the run up to where it left)
+    finished = len([loss for loss in record.losses if loss is not None])
+    assert finished >= 1 and all(math.isfinite(loss) for loss in record.losses[:finished])
+    assert record.losses[finished:] == [None] * (len(record.losses) - finished)
 
 
 def test_study_trains_writes_its_results_and_page_then_resumes_without_training_again(tmp_path):
