@@ -339,8 +339,8 @@ def _group_name(key: tuple[int, float, int]) -> str:
 def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     """Time per mini-batch against peak memory: a colour per schedule (the legend), a symbol per staleness,
     filled where a configuration is on its Pareto front and hollow where another dominates it, the configuration
-    in the hover. Fronts compare only their own group (p, cost scale, mini-batch), so a dropdown shows one
-    group at a time, or every group at once."""
+    in the hover (with any other drawn on the same spot, which it hides). Fronts compare only their own group
+    (p, cost scale, mini-batch), so a dropdown shows one group at a time, or every group at once."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
@@ -351,11 +351,21 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     palette = qualitative.D3 + qualitative.Dark24
     colours = {name: palette[k % len(palette)] for k, name in enumerate(schedules)}
 
+    def point(r: Result) -> tuple:
+        m = r.metrics
+        return front_group(r.config), m.time_per_minibatch_ms, m.peak_memory_mb, m.max_staleness
+
+    at_point: dict[tuple, list[str]] = {}  # configurations drawn on one spot (interleaved 1F1B at v = 1 is 1F1B)
+    for i in ran:
+        at_point.setdefault(point(results[i]), []).append(results[i].config.label)
+
     def hover(r: Result, best: bool) -> str:
         m = r.metrics
+        others = [label for label in at_point[point(r)] if label != r.config.label]
         return (f"<b>{r.config.label}</b>{' (on its front)' if best else ''}<br>{m.time_per_minibatch_ms:.3f} ms "
                 f"per mini-batch, {m.samples_per_s:,.1f} samples/s<br>peak {m.peak_memory_mb:,.0f} MiB, staleness "
-                f"{m.max_staleness}, bubble {m.bubble_fraction:.1%}")
+                f"{m.max_staleness}, bubble {m.bubble_fraction:.1%}"
+                + (f"<br>same point as {', '.join(others)}" if others else ""))
 
     fig = go.Figure()
     trace_group: list[int] = []

@@ -196,6 +196,21 @@ def test_trade_off_view_names_each_schedule_and_shows_one_front_at_a_time():
                 assert symbol == ("diamond" if r.metrics.max_staleness == 1 else "circle") + ("" if best else "-open")
     assert [t.visible for t in fig.data] == menu.buttons[0].args[0]["visible"]  # the page opens on the first
     assert "front 1 of 8" in fig.layout.title.text
+    assert not any("same point as" in text for t in fig.data for text in t.text)
+
+
+def test_trade_off_view_names_the_configurations_one_dot_hides():
+    """Interleaved 1F1B at v = 1 is 1F1B: both are drawn on one spot, and each one's hover names the other."""
+    from pipesim.planning.sweep import tradeoff_figure
+
+    configs = Grid(("1f1b", "interleaved-1f1b"), (2,), (4,), 2, chunks=(1,)).configs()
+    results = [r for _, r in sorted(run(MODEL, configs), key=lambda pair: pair[0])]
+    fig = tradeoff_figure(results, pareto_front(results))
+    texts = {text.split("</b>")[0].removeprefix("<b>"): text for t in fig.data for text in t.text}
+    (plain,) = [label for label in texts if label.startswith("1f1b")]
+    (interleaved,) = [label for label in texts if label.startswith("interleaved")]
+    assert texts[plain].endswith(f"same point as {interleaved}")
+    assert texts[interleaved].endswith(f"same point as {plain}")
 
 
 def test_workers_never_import_torch():
