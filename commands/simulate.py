@@ -148,8 +148,10 @@ def simulate(
     With no options: a built-in example comparing every method on a 4-stage pipeline. With --gpu, the costs are
     the model's (--model and its size flags), counted on torch's meta device and estimated on a catalogue GPU.
     """
-    keep_freed_memory()  # numpy's arrays of millions of rows, made and dropped: a quarter of the page faults and a
-    no_huge_pages()  # third of the system time of `simulate -p 128 -m 4096` otherwise (docs/benchmarks.md)
+    # numpy's arrays of millions of rows, made and dropped: otherwise a quarter of the page faults and a third of
+    # the system time of `simulate -p 128 -m 4096` (docs/benchmarks.md)
+    keep_freed_memory()
+    no_huge_pages()
     example = not any(is_given(ctx, name) for name in ctx.params)
     if example:
         stages, microbatches, comm, opt, html = (

@@ -19,7 +19,7 @@ import pytest
 from pipesim.workload import processes
 
 
-def _report(out) -> None:
+def _report(out, *_) -> None:
     """A rank's view of itself: a variable the test sets, its threads, its SIGINT handler, whether torch was
     preloaded, the modules its first backward from a given gradient imported (as every stage's but the last
     does; 27-48 ms of a short run's stage 0 when torch's symbolic shapes were not preloaded), and how many
@@ -36,10 +36,10 @@ def _report(out) -> None:
              signal.getsignal(signal.SIGINT) == signal.SIG_IGN, preloaded, imported, parent_threads))
 
 
-def _run_one(threads: int) -> tuple:
+def _run_one(threads: int, *more) -> tuple:
     context = processes.rank_context()
     out = context.Queue()
-    proc = processes.rank_process(context, _report, (out,), "pipesim-test-rank", threads)
+    proc = processes.rank_process(context, _report, (out, *more), "pipesim-test-rank", threads)
     processes.start_processes([proc], threads)
     try:
         return out.get(timeout=60)
@@ -59,6 +59,17 @@ def test_a_rank_gets_the_environment_of_its_making_and_its_threads_and_ignores_s
         assert all(s[4] for s in seen)  # imported once, by the server
         assert [s[5] for s in seen] == [[], []]  # and what the first backward imports
         assert all(s[6] == 1 for s in seen)  # it forks without a thread (OpenMP's pool) besides its own
+
+
+def test_a_spawned_rank_has_what_its_first_backward_imports_before_its_work(monkeypatch):
+    """Where ranks are spawned, a rank whose target brings torch (as the executor's does; here a tensor among its
+    arguments) imports what its first backward would before its work, as a forked rank has it from the server."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # ranks import this module
+    monkeypatch.setattr(processes._STARTER, "method", "spawn")
+    seen = _run_one(1, torch.zeros(1))
+    assert seen[4] and seen[5] == []
 
 
 @pytest.mark.parametrize("broken", ["platform", "start", "answer"])

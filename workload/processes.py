@@ -3,18 +3,19 @@ measurement).
 
 A spawned interpreter imports torch and the executor for every rank: seconds per start on a loaded 2-core host.
 So ranks are forked from a forkserver that imported them once; a command starts it first thing (`prepare`), so
-that its imports overlap the command's own, and waits for it (`ready`) before anything it times. The server also
-imports what a rank's first backward from a given gradient would (every stage's but the last; torch 2.13's
-`_make_grads` imports its symbolic shapes and sympy): 27-48 ms on the 2-core host, all in stage 0's first B
-(32-48 ms against 3-4 ms after), which a short run carries and calibration, timing warm passes, never sees.
-Where forkserver is missing (Windows, and macOS's default is spawn) or its server fails to start, ranks are
-spawned, with one line saying why. A forked rank has the server's environment, not the parent's, so every
-process carries the parent's environment and applies it before its work.
+that its imports overlap the command's own, and waits for it (`ready`) before anything it times. A rank also
+has what its first backward from a given gradient would import (`FIRST_BACKWARD`) before its work, from the
+server or, spawned, on its own: 27-48 ms on the 2-core host, all in stage 0's first B otherwise (32-48 ms
+against 3-4 ms after), which a short run carries and calibration, timing warm passes, never sees. Where
+forkserver is missing (Windows, and macOS's default is spawn) or its server fails to start, ranks are spawned,
+with one line saying why. A forked rank has the server's environment, not the parent's, so every process
+carries the parent's environment and applies it before its work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing
 import os
 import signal
@@ -25,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 _PACKAGE = __name__.rsplit(".", 2)[0]
-PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes", f"{_PACKAGE}.executor.runners",
-           f"{_PACKAGE}.calibrate.contention", f"{_PACKAGE}.calibrate.links"]
+# torch 2.13's `_make_grads` imports it (and sympy) on the first backward given a gradient: every stage's but the last
+FIRST_BACKWARD = "torch.fx.experimental.symbolic_shapes"
+PRELOAD = ["torch", FIRST_BACKWARD, f"{_PACKAGE}.executor.runners", f"{_PACKAGE}.calibrate.contention",
+           f"{_PACKAGE}.calibrate.links"]
 READY_TIMEOUT_S = 120.0  # the server's imports on a loaded machine
 
 
@@ -136,7 +139,8 @@ def rank_context() -> Any:
 @dataclass(frozen=True)
 class _Entry:
     """What a rank process runs: the parent's environment as it was when the process was made (a forked rank
-    has the forkserver's), SIGINT ignored, its thread count, then `target(*args)`."""
+    has the forkserver's), SIGINT ignored, its thread count and what its first backward would import, then
+    `target(*args)`."""
 
     target: Callable[..., None]
     args: tuple
@@ -150,6 +154,7 @@ class _Entry:
         torch = sys.modules.get("torch")
         if torch is not None:  # imported before OMP_NUM_THREADS was ours (by the forkserver, or unpickling)
             torch.set_num_threads(self.threads)
+            importlib.import_module(FIRST_BACKWARD)  # a forked rank has it from the server
         self.target(*self.args)
 
 
