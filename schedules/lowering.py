@@ -15,7 +15,7 @@ import numpy as np
 from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
 from .ir import COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
 from .passes import communication_rows
-from .table import KIND_CODE, NUM_COMPUTE_KINDS, ActionTable, kind_mask
+from .table import FIELD_DTYPE, KIND_CODE, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 
 def preflight(schedule: Schedule, *, dry_run: bool = False) -> None:
@@ -101,7 +101,7 @@ class Lowered:
 
 def lower(schedule: Schedule) -> Lowered:
     """The schedule's rows for a runtime (see `Lowered`); assumes `preflight` passed."""
-    t, origin, channel = communication_rows(schedule)
+    t, origin, transfer = communication_rows(schedule)
     versions = weight_versions(schedule)
     own = np.flatnonzero(origin >= 0)  # the schedule's actions, in order
 
@@ -110,8 +110,8 @@ def lower(schedule: Schedule) -> Lowered:
         is that one number broadcast, read-only (no memory: a synchronous schedule predicts no weights and holds
         no second copy, and these columns have millions of rows)."""
         if not np.any(values != fill):
-            return np.broadcast_to(np.int64(fill), origin.shape)
-        out = np.full(len(origin), fill, dtype=np.int64)
+            return np.broadcast_to(FIELD_DTYPE(fill), origin.shape)
+        out = np.full(len(origin), fill, dtype=FIELD_DTYPE)
         out[own] = values
         return out
 
@@ -123,18 +123,12 @@ def lower(schedule: Schedule) -> Lowered:
         last_compute = np.maximum.accumulate(np.where(origin >= 0, np.arange(len(origin)), 0))
         held = np.where(t.device[last_compute] == t.device, held[last_compute], base)
 
-    # Ids come from structure, not matching: a SEND and its RECV name the same channel and unit, so both
-    # compute the same dense id.
     placement = schedule.placement
     edges = [e for e in schedule.graph.edges if placement[e[0]] != placement[e[1]]]
     channels = tuple(Channel(edge, backward, placement[edge[1] if backward else edge[0]],
                              placement[edge[0] if backward else edge[1]])
                      for edge in edges for backward in (False, True))  # numbered as `communication_rows` does
     units = schedule.microbatches * schedule.minibatches * schedule.pipelines
-    transfer = np.full(len(origin), -1, dtype=np.int64)
-    rows = np.flatnonzero(channel >= 0)
-    unit = (t.microbatch[rows] * schedule.minibatches + t.minibatch[rows]) * schedule.pipelines + t.pipeline[rows]
-    transfer[rows] = channel[rows] * units + unit
     bounds = np.searchsorted(t.device, np.arange(schedule.num_devices + 1))
     return Lowered(schedule, t, origin, bounds, scatter(versions.read, -1), scatter(versions.prediction, -1),
                    scatter(versions.copies_delta, 0), held, transfer, channels, units, _awaits(schedule, t))
@@ -144,8 +138,8 @@ def _awaits(schedule: Schedule, t: ActionTable) -> np.ndarray:
     """`Lowered.awaits`: -1 broadcast where the schedule has no collective rows (d = 1)."""
     collective = kind_mask(t.kind, *COLLECTIVE_KINDS)
     if not collective.any():
-        return np.broadcast_to(np.int64(-1), t.kind.shape)
-    awaits = np.full(len(t.kind), -1, dtype=np.int64)
+        return np.broadcast_to(FIELD_DTYPE(-1), t.kind.shape)
+    awaits = np.full(len(t.kind), -1, dtype=FIELD_DTYPE)
     step = t.step_index(schedule)
     update = np.flatnonzero(t.kind == KIND_CODE[Kind.OPT])
     update_of_step = np.zeros(schedule.num_stages * schedule.minibatches * schedule.pipelines, dtype=np.int64)

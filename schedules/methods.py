@@ -15,7 +15,7 @@ import numpy as np
 
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
 from .passes import add_data_parallel
-from .table import KIND_CODE, ActionTable, OrderView, stacked
+from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, stacked
 
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
 MAX_ROWS = 30_000_000  # ops and transfers (a send and a receive row each): about 430 bytes per row while simulating
@@ -208,7 +208,7 @@ def flushed_1f1b(
     pattern is a warm-up forward (j < w), a cool-down backward (j >= 2m - w), or in between a forward
     (even j - w) or a backward (odd j - w) of the pair (j - w) // 2."""
     m, n = params.microbatches, params.minibatches
-    placement = np.asarray(placement if placement is not None else range(params.stages), dtype=np.int64)
+    placement = np.asarray(placement if placement is not None else range(params.stages), dtype=FIELD_DTYPE)
     stages = np.argsort(placement, kind="stable")  # in device order
     w = np.minimum([warmup(int(k)) for k in stages], m)[:, None]
     j = np.arange(2 * m)[None, :]
@@ -217,16 +217,17 @@ def flushed_1f1b(
     position = np.where(j < w, j, np.where(j >= 2 * m - w, j - m, pair + w * (1 - second)))
     per_step = len(stages), n, 2 * m + 1  # a mini-batch: the pattern, then the update
 
-    def each_step(pattern: np.ndarray, update: int) -> np.ndarray:
-        row = np.concatenate([pattern, np.full((len(stages), 1), update)], axis=1).astype(np.int64)
+    def each_step(pattern: np.ndarray, update: int, dtype: type = FIELD_DTYPE) -> np.ndarray:
+        row = np.concatenate([pattern, np.full((len(stages), 1), update)], axis=1).astype(dtype)
         return np.broadcast_to(row[:, None, :], per_step).ravel()
 
     rows_per_stage = n * (2 * m + 1)
-    return ActionTable(np.repeat(placement[stages], rows_per_stage), each_step(np.where(backward, _B, _F), _OPT),
-                       np.repeat(stages, rows_per_stage), each_step(position, -1),
-                       np.broadcast_to(np.arange(n)[None, :, None], per_step).ravel(),
-                       np.zeros(len(stages) * rows_per_stage, dtype=np.int64),
-                       np.full(len(stages) * rows_per_stage, -1, dtype=np.int64))
+    return ActionTable(np.repeat(placement[stages], rows_per_stage),
+                       each_step(np.where(backward, _B, _F), _OPT, KIND_DTYPE),
+                       np.repeat(stages.astype(FIELD_DTYPE), rows_per_stage), each_step(position, -1),
+                       np.broadcast_to(np.arange(n, dtype=FIELD_DTYPE)[None, :, None], per_step).ravel(),
+                       np.zeros(len(stages) * rows_per_stage, dtype=FIELD_DTYPE),
+                       np.full(len(stages) * rows_per_stage, -1, dtype=FIELD_DTYPE))
 
 
 def gpipe(params: ScheduleParams) -> Schedule:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .ir import COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
-from .table import KIND_CODE, ActionTable, OrderView, kind_mask
+from .table import FIELD_DTYPE, FIELD_MAX, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, kind_mask
 
 
 def communication_table(schedule: Schedule, table: ActionTable | None = None) -> tuple[ActionTable, np.ndarray]:
@@ -17,8 +17,11 @@ def communication_table(schedule: Schedule, table: ActionTable | None = None) ->
 
 def communication_rows(schedule: Schedule, table: ActionTable | None = None
                        ) -> tuple[ActionTable, np.ndarray, np.ndarray]:
-    """`communication_table`, and per lowered row its channel: 2e for the activations of the e-th stage-graph
-    edge between two devices (in `graph.edges` order), 2e + 1 for its gradients; -1 for a compute row."""
+    """`communication_table`, and per lowered row its transfer id (-1 for a compute row), which a SEND shares
+    with its RECV: channel c, unit u is `c * units + u`, for units = m * N * r (u = (micro-batch * N +
+    mini-batch) * r + pipeline); channel 2e carries the activations of the e-th stage-graph edge between two
+    devices (in `graph.edges` order), 2e + 1 its gradients. Ids come from structure, not matching: both ends
+    compute the same dense id."""
     t = table or schedule.table
     n = len(t.kind)
     forward = t.kind == KIND_CODE[Kind.F]
@@ -27,7 +30,7 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
     bounds = np.searchsorted(t.stage[by_stage], np.arange(schedule.num_stages + 1))
     # Each row becomes its RECVs, itself, its SENDs; count them first, then place everything directly.
     groups = []  # (rows that own the transfer, its kind, the peer stage, whether it comes before the row, channel)
-    count = {True: np.zeros(n, dtype=np.int64), False: np.zeros(n, dtype=np.int64)}
+    count = {True: np.zeros(n, dtype=FIELD_DTYPE), False: np.zeros(n, dtype=FIELD_DTYPE)}
     edges = [(src, dst) for src, dst in schedule.graph.edges if schedule.placement[src] != schedule.placement[dst]]
     for e, (src, dst) in enumerate(edges):
         for mask, stage, peer, kind, before, channel in (
@@ -39,19 +42,25 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
             groups.append((owners, KIND_CODE[kind], peer, before, channel))
             count[before][owners] += 1
     extra = count[True] + count[False]
-    first_slot = np.arange(n) + np.cumsum(extra) - extra
+    total = n + int(extra.sum(dtype=np.int64))
+    units = schedule.microbatches * schedule.minibatches * schedule.pipelines
+    if max(total, 2 * len(edges) * units) > FIELD_MAX:
+        raise ScheduleError(f"{schedule.method}: {max(total, 2 * len(edges) * units):,} rows or transfers; a "
+                            f"table holds at most {FIELD_MAX:,} (fewer micro-batches or mini-batches)")
+    first_slot = np.arange(n, dtype=FIELD_DTYPE) + np.cumsum(extra, dtype=FIELD_DTYPE) - extra
     own_slot = first_slot + count[True]
-    total = n + int(extra.sum())
-    kinds, peers = (np.empty(total, dtype=np.int64) for _ in range(2))
-    origin, channels = (np.full(total, -1, dtype=np.int64) for _ in range(2))
-    origin[own_slot] = np.arange(n)
+    kinds, peers = np.empty(total, dtype=KIND_DTYPE), np.empty(total, dtype=FIELD_DTYPE)
+    origin, transfer = (np.full(total, -1, dtype=FIELD_DTYPE) for _ in range(2))
+    origin[own_slot] = np.arange(n, dtype=FIELD_DTYPE)
     kinds[own_slot], peers[own_slot] = t.kind, t.peer
-    placed = {True: np.zeros(n, dtype=np.int64), False: np.zeros(n, dtype=np.int64)}
+    unit = (t.microbatch * schedule.minibatches + t.minibatch) * schedule.pipelines + t.pipeline
+    placed = {True: np.zeros(n, dtype=FIELD_DTYPE), False: np.zeros(n, dtype=FIELD_DTYPE)}
     next_slot = {True: first_slot, False: own_slot + 1}  # where a row's RECVs, and its SENDs, begin
     for owners, kind_code, peer, before, channel in groups:  # in group order, as `add_communication` promises
         slot = next_slot[before][owners] + placed[before][owners]
         placed[before][owners] += 1
-        kinds[slot], peers[slot], channels[slot] = kind_code, peer, channel
+        kinds[slot], peers[slot] = kind_code, peer
+        transfer[slot] = unit[owners] + channel * units
     # A row's transfers sit next to it and share its device, stage and unit: repeat its columns over them.
     copies = extra + 1
 
@@ -63,7 +72,7 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
         return np.repeat(column, copies)
 
     return ActionTable(repeated(t.device), kinds, repeated(t.stage), repeated(t.microbatch), repeated(t.minibatch),
-                       repeated(t.pipeline), peers), origin, channels
+                       repeated(t.pipeline), peers), origin, transfer
 
 
 def add_communication(schedule: Schedule) -> Schedule:

@@ -8,12 +8,18 @@ from functools import cached_property
 
 import numpy as np
 
-from .ir import Action, Kind, Schedule
+from .ir import Action, Kind, Schedule, ScheduleError
 
 KINDS = tuple(Kind)
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 NUM_COMPUTE_KINDS = 9  # a stage's own rows (F, B, I, W, OPT, PRED, AVG, REDUCE, GATHER) come first, then transfers
 assert all(k.value.startswith(("SEND", "RECV")) for k in KINDS[NUM_COMPUTE_KINDS:])
+# A table's columns: a kind code is a byte, every other field (and a row index into a table) 32 bits. A lowered
+# table has millions of rows and a dozen columns, so each byte per row counts (`simulate -p 128 -m 4096` lowers
+# 6.3M rows); no field reaches 2^31 before a table's rows would fill hundreds of GiB (`check_rows`).
+KIND_DTYPE = np.int8
+FIELD_DTYPE = np.int32
+FIELD_MAX = np.iinfo(FIELD_DTYPE).max
 
 
 def kind_mask(kind: np.ndarray, *kinds: Kind) -> np.ndarray:
@@ -39,13 +45,19 @@ class ActionTable:
     def of(cls, schedule: Schedule) -> ActionTable:
         if isinstance(schedule.orders, OrderView):
             return schedule.orders.table
-        device = np.repeat(np.arange(schedule.num_devices), [len(o) for o in schedule.orders])
-        kinds, numbers = [np.zeros(0, dtype=np.int64)], [np.zeros((5, 0), dtype=np.int64)]
+        device = np.repeat(np.arange(schedule.num_devices, dtype=FIELD_DTYPE), [len(o) for o in schedule.orders])
+        kinds, numbers = [np.zeros(0, dtype=KIND_DTYPE)], [np.zeros((5, 0), dtype=np.int64)]
         for order in filter(None, schedule.orders):  # per device: one 2-D conversion is cheapest
             kind, *fields = zip(*order)
-            kinds.append(np.fromiter(map(KIND_CODE.__getitem__, kind), dtype=np.int64, count=len(order)))
+            kinds.append(np.fromiter(map(KIND_CODE.__getitem__, kind), dtype=KIND_DTYPE, count=len(order)))
             numbers.append(np.array(fields, dtype=np.int64))
-        return cls(device, np.concatenate(kinds), *np.concatenate(numbers, axis=1))
+        numbers = np.concatenate(numbers, axis=1)
+        outside = np.abs(numbers) > FIELD_MAX
+        if outside.any():
+            column, row = divmod(int(np.argmax(outside)), numbers.shape[1])
+            raise ScheduleError(f"{schedule.method}: action {row} in device order has {_FIELDS[column + 2]} "
+                                f"{numbers[column, row]}, beyond what a field holds (|value| <= {FIELD_MAX})")
+        return cls(device, np.concatenate(kinds), *numbers.astype(FIELD_DTYPE))
 
     def unit_index(self, schedule: Schedule) -> np.ndarray:
         """Row -> index of its (stage, micro-batch, mini-batch, pipeline); meaningful where microbatch >= 0."""
@@ -75,10 +87,11 @@ _FIELDS = ("device", "kind", "stage", "microbatch", "minibatch", "pipeline", "pe
 def stacked(parts: Sequence[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> ActionTable:
     """A table from per-device columns, devices in order: (device, kind codes, stage, micro-batch,
     mini-batch, pipeline)."""
-    columns = list(zip(*parts)) if parts else [[np.zeros(0, np.int64)]] * 6
-    device = np.concatenate([np.full(len(kind), d, dtype=np.int64) for d, kind in zip(columns[0], columns[1])])
-    rest = [np.concatenate([np.asarray(c, dtype=np.int64) for c in column]) for column in columns[1:]]
-    return ActionTable(device, *rest, np.full(len(device), -1, dtype=np.int64))
+    columns = list(zip(*parts)) if parts else [[np.zeros(0, FIELD_DTYPE)]] * 6
+    device = np.concatenate([np.full(len(kind), d, dtype=FIELD_DTYPE) for d, kind in zip(columns[0], columns[1])])
+    kind, *rest = (np.concatenate([np.asarray(c, dtype=dtype) for c in column])
+                   for column, dtype in zip(columns[1:], (KIND_DTYPE,) + (FIELD_DTYPE,) * 4))
+    return ActionTable(device, kind, *rest, np.full(len(device), -1, dtype=FIELD_DTYPE))
 
 
 class OrderView(Sequence):

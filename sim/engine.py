@@ -202,7 +202,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # anything else for its device's start (nothing).
     step_stream = stream[step_rows]
     step_device = device[step_rows]
-    operand = lowered.transfer[step_rows]
+    operand = lowered.transfer[step_rows].astype(np.int64)  # a compute step's holds its duration in ps
     computing_steps = np.flatnonzero(compute[step_rows])  # a compute row is a step only on a shared resource
     operand[computing_steps] = duration[step_rows[computing_steps]]
     waits_for = start_clock[step_device]
@@ -302,7 +302,7 @@ def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndar
         # Per row, how many compute rows are at or before it: the compute row before a transfer (its producer) is
         # `computing[computed - 1]`, the one after it (its consumer) `computing[computed]`.
         computed = np.cumsum(stream == Stream.COMPUTE, dtype=_index_dtype(len(stream)))
-        np.add.at(mem_at_end, computing[computed[rows[buffered]] - 1], row_bytes[buffered])
+        _add_sorted(mem_at_end, computing[computed[rows[buffered]] - 1], row_bytes[buffered])
         mem_at_start[rows] = np.where(sending, 0, row_bytes)
         mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
         # A RECV's buffer lives until its consumer (the next compute row) ends; merged, it is the consumer's
@@ -311,10 +311,18 @@ def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndar
         received = row_bytes[receiving]
         consumer = computing[computed[rows[receiving]]]
         merged_in = merged[receiving]
-        np.add.at(mem_at_end, consumer[~merged_in], -received[~merged_in])
-        np.add.at(mem_at_start, consumer[merged_in], -received[merged_in])
+        _add_sorted(mem_at_end, consumer[~merged_in], -received[~merged_in])
+        _add_sorted(mem_at_start, consumer[merged_in], -received[merged_in])
 
     return mem_at_start, mem_at_end, act_at_start, act_at_end
+
+
+def _add_sorted(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
+    """`np.add.at(target, index, values)` for a nondecreasing `index` (rows in program order): the values of
+    each run of one index summed first, then added with plain indexing, several times faster over millions."""
+    if len(index):
+        starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
+        target[index[starts]] += np.add.reduceat(values, starts)
 
 
 def _before_on_device(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:

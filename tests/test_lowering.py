@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from pipesim.schedules import (
     KIND_CODE,
     METHODS,
+    SYNCHRONOUS,
     Action,
     Kind,
     Schedule,
@@ -99,6 +100,19 @@ def test_preflight_dry_run_finds_a_deadlock_across_devices():
 def test_preflight_refuses_an_incomplete_schedule():
     with pytest.raises(ScheduleError, match=r"1B1: needs one B"):
         preflight(two_stages("0F0 0F1 0B0 0B1 0OPT", "1F0 1F1 1B0 1OPT"))
+
+
+def test_a_field_beyond_a_columns_32_bits_is_refused_naming_it():
+    with pytest.raises(ScheduleError, match="microbatch 2147483648"):
+        preflight(two_stages("0F0 0F2147483648 0B0 0OPT", "1F0 1B0 1OPT"))
+
+
+def test_a_schedule_whose_transfer_ids_pass_32_bits_is_refused():
+    orders = (tuple(map(Action.parse, "0F0 0B0 0OPT".split())), tuple(map(Action.parse, "1F0 1B0 1OPT".split())))
+    huge = Schedule("hand", StageGraph.chain(2), (0, 1), orders, SYNCHRONOUS, 2**30)  # 2 channels x 2^30 units
+    with pytest.raises(ScheduleError, match="2,147,483,648 rows or transfers"):
+        lower(huge)
+    assert lower(Schedule("hand", StageGraph.chain(2), (0, 1), orders, SYNCHRONOUS, 2**29)).transfer.max() == 2**29
 
 
 def test_transfers_of_a_dag_use_the_graph_edges():

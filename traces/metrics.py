@@ -151,7 +151,7 @@ def summarize(trace: Trace) -> Summary:
 
     def per_stage_max(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Largest value per stage over its forwards and over its backwards, -1 for a stage with none."""
-        out = np.full(3 * num_stages, -1, dtype=np.int64)
+        out = np.full(3 * num_stages, -1, dtype=values.dtype)  # of the values' own type: ufunc.at's fast path
         np.maximum.at(out, slot, values)
         return out[:num_stages], out[num_stages:2 * num_stages]
 

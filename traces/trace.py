@@ -80,8 +80,9 @@ class Ops:
     dur_us: np.ndarray
 
     def __post_init__(self) -> None:
-        for name in _INT_COLUMNS:
-            setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+        for name in _INT_COLUMNS:  # integers of any width as given (a prediction's are narrow), else int64
+            column = np.asarray(getattr(self, name))
+            setattr(self, name, column if column.dtype.kind == "i" else column.astype(np.int64))
         for name in _FLOAT_COLUMNS:
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
         lengths = {len(getattr(self, f.name)) for f in fields(self)}
