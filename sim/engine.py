@@ -30,7 +30,7 @@ import numpy as np
 import simpy
 
 from .. import __version__
-from ..schedules import KIND_CODE, KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
+from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
@@ -124,22 +124,32 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     op_ms = costs.op_ms_table(schedule.pipelines)
     overhead = costs.overhead
     computing = np.flatnonzero(compute)
-    duration = np.zeros(n)
-    computing_kind = kind[computing]
-    duration[computing] = op_ms[stage[computing], computing_kind] + np.asarray(overhead.compute_ms)[computing_kind]
+    # A compute row's time is its stage's and kind's, plus the accumulation of its gradients into the buffer (a
+    # B or W after its span's first) or the copy of the old weights an update leaves to a later reader (an OPT,
+    # copy-on-write): one of a few classes per stage and kind, priced in a table and looked up.
     spans = _gradient_spans(lowered)
-    copying = np.flatnonzero((kind == KIND_CODE[Kind.OPT]) & (lowered.copies_delta > 0))  # copy-on-write: the old
-    for rows, ms in ((np.flatnonzero(spans.accumulating), [c.accumulate_ms for c in stages]),  # version stays
-                     (copying, [c.copy_ms for c in stages])):
-        duration[rows] += np.asarray(ms)[stage[rows]]
+    copying = (kind == KIND_CODE[Kind.OPT]) & (lowered.copies_delta > 0)
+    row_class = stage[computing] * (NUM_COMPUTE_KINDS * 4) + kind[computing] * 4
+    row_class += spans.accumulating[computing] * 2
+    row_class += copying[computing]
+    class_ms = (op_ms + np.asarray(overhead.compute_ms))[:, :, None, None] + np.zeros((1, 1, 2, 2))
+    class_ms[:, :, 1, :] += np.array([c.accumulate_ms for c in stages])[:, None, None]
+    class_ms[:, :, :, 1] += np.array([c.copy_ms for c in stages])[:, None, None]
     host_ps_of_kind = _picoseconds(overhead.host_ms)
     host_ps = host_ps_of_kind[kind] if host_ps_of_kind.any() else None  # None: no row holds its device longer
-    if overhead.warmup_ms:  # a fresh rank's first rows cost more: a compute row in its time, another after it
-        extra = overhead.warmup_extra_ms(_before_on_device(compute, lowered.bounds))
-        duration, host_ps = duration + extra * compute, _picoseconds(overhead.host_ms[kind] + extra * ~compute)
-    if jitter > 0:
-        duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
-    duration = _picoseconds(duration)
+    if overhead.warmup_ms or jitter > 0:  # a time per row: priced per row, then rounded
+        duration = np.zeros(n)
+        duration[computing] = class_ms.ravel()[row_class]
+        if overhead.warmup_ms:  # a fresh rank's first rows cost more: a compute row in its time, another after it
+            extra = overhead.warmup_extra_ms(_before_on_device(compute, lowered.bounds))
+            duration, host_ps = duration + extra * compute, _picoseconds(overhead.host_ms[kind] + extra * ~compute)
+        if jitter > 0:
+            duration = duration * np.random.default_rng(seed).lognormal(0.0, jitter, n)
+        duration = _picoseconds(duration)
+    else:  # each class rounded once: the same integers as each row rounded
+        duration = np.zeros(n, dtype=np.int64)
+        duration[computing] = _picoseconds(class_ms).ravel()[row_class]
+    del row_class
     held = duration if host_ps is None else duration + host_ps  # what each row keeps its device from its next row
 
     # A channel's transfers share their size, time and route.
@@ -170,7 +180,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     lazy = sends & (not timed and cluster.overlap_comm)
     shared = np.array([u is not None or h is not None for u, h in zip(compute_unit, host_unit)], dtype=bool)
     waiter = lowered.awaits >= 0
-    is_step = (shared[device] | ~compute | waiter) & ~lazy
+    is_step = ((shared[device] if shared.any() else False) | ~compute | waiter) & ~lazy
     step_rows = np.flatnonzero(is_step)
     step_bounds = np.searchsorted(step_rows, bounds)
     # Every device's clocks sit in one list (`_Model.clocks`): device d's start at step_bounds[d] + d, then its
@@ -320,8 +330,15 @@ def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndar
 def _add_sorted(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
     """`np.add.at(target, index, values)` for a nondecreasing `index` (rows in program order): the values of
     each run of one index summed first, then added with plain indexing, several times faster over millions."""
-    if len(index):
-        starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]])
+    if len(index) == 0:
+        return
+    first = np.empty(len(index), dtype=bool)  # where a run of one index begins
+    first[0] = True
+    np.not_equal(index[1:], index[:-1], out=first[1:])
+    if first.all():  # no index twice: plain indexing adds each value once
+        target[index] += values
+    else:
+        starts = np.flatnonzero(first)
         target[index[starts]] += np.add.reduceat(values, starts)
 
 
@@ -617,16 +634,30 @@ class _Model:
             clocks = np.frombuffer(self.clocks, dtype=np.int64)
             active = np.flatnonzero(position < end)
             sweep = advanced = 0
+            horizon = 0  # sweeps before a lane can run out of steps (a sweep advances each at most one)
             while len(active):
+                if horizon == 0:
+                    active = active[position[active] < end[active]]
+                    if not len(active):
+                        break
+                    horizon = int((end[active] - position[active]).min())
+                horizon -= 1
                 step = position[active]
                 ready = clocks[waits_for[step]]
                 going = ready >= 0
-                lane, step = active[going], step[going]
-                reached = np.maximum(clock[lane] + busy_ps[step], ready[going] + after_ps[step])
+                if going.all():
+                    lane = active
+                else:
+                    lane, step, ready = active[going], step[going], ready[going]
+                reached = clock[lane]
+                reached += busy_ps[step]
+                ready += after_ps[step]
+                np.maximum(reached, ready, out=reached)
                 clock[lane] = reached
-                clocks[step + lane + 1] = reached  # the clock after global step g of lane L is at g + L + 1
-                position[lane] = step + 1
-                active = active[position[active] < end[active]]
+                step += 1
+                position[lane] = step
+                step += lane
+                clocks[step] = reached  # the clock after global step g of lane L is at g + L + 1
                 advanced += len(lane)
                 sweep += 1
                 if sweep % _SWEEP_WINDOW == 0:
