@@ -32,13 +32,20 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
     groups = []  # (rows that own the transfer, its kind, the peer stage, whether it comes before the row, channel)
     count = {True: np.zeros(n, dtype=FIELD_DTYPE), False: np.zeros(n, dtype=FIELD_DTYPE)}
     edges = [(src, dst) for src, dst in schedule.graph.edges if schedule.placement[src] != schedule.placement[dst]]
-    for e, (src, dst) in enumerate(edges):
-        for mask, stage, peer, kind, before, channel in (
-            (forward, dst, src, Kind.RECV_F, True, 2 * e), (forward, src, dst, Kind.SEND_F, False, 2 * e),
-            (backward, src, dst, Kind.RECV_B, True, 2 * e + 1), (backward, dst, src, Kind.SEND_B, False, 2 * e + 1),
-        ):
+    owners_of: dict[tuple[bool, int], np.ndarray] = {}  # a stage's forwards (or backwards): a chain's receive and send
+
+    def owning(is_forward: bool, stage: int) -> np.ndarray:
+        if (is_forward, stage) not in owners_of:
             of_stage = by_stage[bounds[stage]:bounds[stage + 1]]
-            owners = of_stage[mask[of_stage]]
+            owners_of[is_forward, stage] = of_stage[(forward if is_forward else backward)[of_stage]]
+        return owners_of[is_forward, stage]
+
+    for e, (src, dst) in enumerate(edges):
+        for is_forward, stage, peer, kind, before, channel in (
+            (True, dst, src, Kind.RECV_F, True, 2 * e), (True, src, dst, Kind.SEND_F, False, 2 * e),
+            (False, src, dst, Kind.RECV_B, True, 2 * e + 1), (False, dst, src, Kind.SEND_B, False, 2 * e + 1),
+        ):
+            owners = owning(is_forward, stage)
             groups.append((owners, KIND_CODE[kind], peer, before, channel))
             count[before][owners] += 1
     extra = count[True] + count[False]
@@ -54,11 +61,15 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
     origin[own_slot] = np.arange(n, dtype=FIELD_DTYPE)
     kinds[own_slot], peers[own_slot] = t.kind, t.peer
     unit = (t.microbatch * schedule.minibatches + t.minibatch) * schedule.pipelines + t.pipeline
-    placed = {True: np.zeros(n, dtype=FIELD_DTYPE), False: np.zeros(n, dtype=FIELD_DTYPE)}
-    next_slot = {True: first_slot, False: own_slot + 1}  # where a row's RECVs, and its SENDs, begin
+    # Where a row's next RECV, and its next SEND, goes; moved on only where a row has several on that side.
+    next_slot = {True: first_slot, False: own_slot + 1}
+    several = {before: n and bool(count[before].max() > 1) for before in (True, False)}
+    if several[True]:
+        next_slot[True] = first_slot.copy()
     for owners, kind_code, peer, before, channel in groups:  # in group order, as `add_communication` promises
-        slot = next_slot[before][owners] + placed[before][owners]
-        placed[before][owners] += 1
+        slot = next_slot[before][owners]
+        if several[before]:
+            next_slot[before][owners] += 1
         kinds[slot], peers[slot] = kind_code, peer
         transfer[slot] = unit[owners] + channel * units
     # A row's transfers sit next to it and share its device, stage and unit: repeat its columns over them.
@@ -66,9 +77,16 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
 
     def repeated(column: np.ndarray) -> np.ndarray:
         """`column` repeated over the rows' transfers; a column with one value on every row (the pipeline of one
-        pipeline, the mini-batch of one) is that value broadcast, read-only: no memory for millions of rows."""
-        if n and not np.any(column != column[0]):
+        pipeline, the mini-batch of one) is that value broadcast, read-only: no memory for millions of rows. A
+        column of long runs (a device's, a stage's) repeats each run's value over the run's lowered rows, a fill
+        per run, not a copy count per row."""
+        if n == 0:
+            return column[:0]
+        run = np.flatnonzero(column[1:] != column[:-1]) + 1  # where a run of one value begins, past the first
+        if len(run) == 0:
             return np.broadcast_to(column[0], (total,))
+        if len(run) < n // 16:
+            return np.repeat(column[np.r_[0, run]], np.diff(np.r_[0, first_slot[run], total]))
         return np.repeat(column, copies)
 
     return ActionTable(repeated(t.device), kinds, repeated(t.stage), repeated(t.microbatch), repeated(t.minibatch),
