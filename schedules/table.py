@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -42,6 +42,7 @@ class ActionTable:
     minibatch: np.ndarray
     pipeline: np.ndarray
     peer: np.ndarray
+    _indices: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, schedule: Schedule) -> ActionTable:
@@ -62,14 +63,23 @@ class ActionTable:
         return cls(device, np.concatenate(kinds), *numbers.astype(FIELD_DTYPE))
 
     def unit_index(self, schedule: Schedule) -> np.ndarray:
-        """Row -> index of its (stage, micro-batch, mini-batch, pipeline); meaningful where microbatch >= 0."""
+        """Row -> index of its (stage, micro-batch, mini-batch, pipeline); meaningful where microbatch >= 0.
+        Read-only, and kept (as `step_index`): the checks and the lowering each read it over millions of rows."""
         m, n, r = schedule.microbatches, schedule.minibatches, schedule.pipelines
-        return ((self.stage * m + self.microbatch) * n + self.minibatch) * r + self.pipeline
+        return self._kept(("unit", m, n, r), lambda: ((self.stage * m + self.microbatch) * n + self.minibatch) * r
+                          + self.pipeline)
 
     def step_index(self, schedule: Schedule) -> np.ndarray:
         """Row -> index of its (stage, mini-batch, pipeline)."""
         n, r = schedule.minibatches, schedule.pipelines
-        return (self.stage * n + self.minibatch) * r + self.pipeline
+        return self._kept(("step", n, r), lambda: (self.stage * n + self.minibatch) * r + self.pipeline)
+
+    def _kept(self, key: tuple, compute) -> np.ndarray:
+        if key not in self._indices:
+            index = compute()
+            index.flags.writeable = False
+            self._indices[key] = index
+        return self._indices[key]
 
     def select(self, rows: np.ndarray) -> ActionTable:
         """The rows `rows` (indices, in the order given)."""

@@ -257,10 +257,11 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     len(resources), spans, channel_bytes, static_bytes(schedule, costs))
 
 
-def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_ids: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row, the bytes it takes at its start and gives back at its end, and likewise the micro-batches whose
-    activations it holds. (A function of its own, so that its temporaries of millions of rows are freed before the
-    counters are made.)"""
+    activations it holds; `rows` are the transfers' rows, `transfer_ids` their ids. (A function of its own, so that
+    its temporaries of millions of rows are freed before the counters are made.)"""
     lowered, stream, spans, channel_bytes = program.lowered, program.stream, program.spans, program.channel_bytes
     schedule, t, stages = lowered.schedule, lowered.table, costs.stages
     kind, stage = t.kind, t.stage
@@ -300,10 +301,9 @@ def _memory_deltas(program: _Program, costs: Costs) -> tuple[np.ndarray, np.ndar
     act_at_start = kind_mask(kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
     act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int8)
 
-    rows = np.flatnonzero((stream == Stream.SEND) | (stream == Stream.RECV))  # point-to-point transfers
-    if len(rows):
+    if len(rows):  # point-to-point transfers
         sending = stream[rows] == Stream.SEND
-        row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(lowered.transfer[rows])]
+        row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(transfer_ids)]
         forward = kind_mask(kind[rows], Kind.SEND_F, Kind.RECV_F)
         merged = forward & own_boundary[stage[rows]]  # an activation that is the stage's own from F to backward
         # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
@@ -695,7 +695,10 @@ def simulate(
 def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jitter: float, seed: int) -> Trace:
     lowered = program.lowered
     schedule, t, bounds = lowered.schedule, lowered.table, lowered.bounds
-    issued_ps, end_ps = _issue_and_end_times(program, model)
+    # The point-to-point transfers' rows and ids, which the times and the memory counters below all read.
+    transfers = np.flatnonzero((program.stream == Stream.SEND) | (program.stream == Stream.RECV))
+    transfer_ids = lowered.transfer[transfers]
+    issued_ps, end_ps = _issue_and_end_times(program, model, transfers, transfer_ids)
     # The trace consumes the program: its per-row timing columns are read, and released here so that the
     # counters below reuse their memory (three columns of a million rows, and the transfers' and steps').
     program.clock_before = program.since_ps = program.duration_ps = model.duration_ps = None
@@ -712,14 +715,15 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     if costs.recv_window:
         first_ps[receives] = posted_ps
     devices = schedule.num_devices
-    mem_at_start, mem_at_end, act_at_start, act_at_end = _memory_deltas(program, costs)
+    mem_at_start, mem_at_end, act_at_start, act_at_end = _memory_deltas(program, costs, transfers, transfer_ids)
     counters = {
         "memory_bytes": _step_counters(bounds, first_ps, end_ps, mem_at_start, mem_at_end, program.static_bytes),
         "activations": _step_counters(bounds, first_ps, end_ps, act_at_start, act_at_end, [0] * devices),
         "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
     }
     del issued_ps, mem_at_start, mem_at_end, act_at_start, act_at_end
-    start_ps = _start_times(program, model, first_ps, end_ps)
+    start_ps = _start_times(program, model, first_ps, end_ps, transfers, transfer_ids)
+    del transfers, transfer_ids
     # Microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
     start_us = start_ps / _PS_PER_MS
     start_us *= 1e3
@@ -738,38 +742,33 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
 
 
-def _issue_and_end_times(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray]:
+def _issue_and_end_times(program: _Program, model: _Model, transfers: np.ndarray, transfer_ids: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
     """Per row, when it was issued and when it ended (ps): a transfer when it arrives, a collective its network
     time after its lane's begin. (A function of its own, so that its temporaries are freed before the trace
     makes its columns.)"""
     clocks = np.frombuffer(model.clocks, dtype=np.int64)
     issued_ps = _issue_times(program, model, clocks)
     end_ps = issued_ps + model.duration_ps
-    transfers = _transfer_rows(program)
     if len(transfers):
         if program.timed:  # every SEND was a step and found its arrival
             arrival = np.frombuffer(model.arrival, dtype=np.int64)
         else:  # every SEND arrives a fixed time after a clock of its device
             arrival = clocks[program.send_clock] + program.send_to_arrival_ps
-        end_ps[transfers] = arrival[program.lowered.transfer[transfers]]
+        end_ps[transfers] = arrival[transfer_ids]
     end_ps[program.collective_rows] = clocks[program.collective_clock] + program.collective_ps
     return issued_ps, end_ps
 
 
-def _start_times(program: _Program, model: _Model, issued_ps: np.ndarray, end_ps: np.ndarray) -> np.ndarray:
+def _start_times(program: _Program, model: _Model, issued_ps: np.ndarray, end_ps: np.ndarray, transfers: np.ndarray,
+                 transfer_ids: np.ndarray) -> np.ndarray:
     """Per row, when it started (ps), in `issued_ps`'s memory, which holds the issue times on every row but the
     transfers': a row starts when issued, a transfer its duration before it arrives, a collective at its lane's
     begin."""
-    lowered = program.lowered
-    transfers = _transfer_rows(program)
-    channel = lowered.transfer[transfers] // lowered.units
+    channel = transfer_ids // program.lowered.units
     issued_ps[transfers] = end_ps[transfers] - np.asarray(program.channel_ps, dtype=np.int64)[channel]
     issued_ps[program.collective_rows] = np.frombuffer(model.clocks, dtype=np.int64)[program.collective_clock]
     return issued_ps
-
-
-def _transfer_rows(program: _Program) -> np.ndarray:
-    return np.flatnonzero((program.stream == Stream.SEND) | (program.stream == Stream.RECV))
 
 
 def _runtime_terms(costs: Costs) -> dict:
