@@ -265,7 +265,6 @@ def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     lowered, stream, spans, channel_bytes = program.lowered, program.stream, program.spans, program.channel_bytes
     schedule, t, stages = lowered.schedule, lowered.table, costs.stages
     kind, stage = t.kind, t.stage
-    computing = np.flatnonzero(stream == Stream.COMPUTE)
 
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
@@ -290,9 +289,28 @@ def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
     at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
     at_end[:, KIND_CODE[Kind.W]] = -kept
+    # Point-to-point transfers: a compute row's are fixed by its stage and kind (on every channel between two
+    # devices, each forward of the sending stage has its SEND right after it and each of the receiving stage its
+    # RECV right before it; a gradient's, each B or I), so the buffers they make and free at the compute rows are
+    # entries of the same tables. Per channel, a SEND's and a RECV's own deltas.
+    transfer_start, transfer_end = (np.zeros((len(lowered.channels), 2), dtype=np.int64) for _ in range(2))
+    for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
+        owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
+        if channel.backward or not own_boundary[channel.sender]:  # the sent tensor, a buffer of its own: made
+            at_end[channel.sender, owners] += size  # by the row before the SEND, held until the transfer ends
+            transfer_end[c, 0] = -size
+        transfer_start[c, 1] = size  # the received one, from its arrival until its consumer (the row after the
+        if channel.backward or not own_boundary[channel.receiver]:  # RECV) ends; the consumer's own from its
+            at_end[channel.receiver, owners] -= size  # start where the stage holds its input (`held_bytes` or
+        else:  # `activation_bytes` count it from there on)
+            at_start[channel.receiver, owners] -= size
     stage_kind = stage * len(KINDS) + kind  # each row's entry in the tables, looked up once for both
     mem_at_start, mem_at_end = at_start.ravel()[stage_kind], at_end.ravel()[stage_kind]
     del stage_kind
+    if len(rows):
+        side = lowered.channel_of(transfer_ids) * 2 + (stream[rows] == Stream.RECV)
+        mem_at_start[rows], mem_at_end[rows] = transfer_start.ravel()[side], transfer_end.ravel()[side]
+        del side
     copies = np.flatnonzero(lowered.copies_delta != 0)
     mem_at_end[copies] += lowered.copies_delta[copies] * param[stage[copies]]
     kept_gradient = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
@@ -300,46 +318,7 @@ def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     mem_at_end[spans.closing] -= np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
     act_at_start = kind_mask(kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
     act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int8)
-
-    if len(rows):  # point-to-point transfers
-        sending = stream[rows] == Stream.SEND
-        row_bytes = np.asarray(channel_bytes, dtype=np.int64)[lowered.channel_of(transfer_ids)]
-        forward = kind_mask(kind[rows], Kind.SEND_F, Kind.RECV_F)
-        merged = forward & own_boundary[stage[rows]]  # an activation that is the stage's own from F to backward
-        # A SEND's buffer is made by its producer (the compute row before it) and held until the transfer ends
-        # (merged: the stage holds it anyway).
-        buffered = sending & ~merged
-        # Per row, how many compute rows are at or before it: the compute row before a transfer (its producer) is
-        # `computing[computed - 1]`, the one after it (its consumer) `computing[computed]`.
-        computed = np.cumsum(stream == Stream.COMPUTE, dtype=_index_dtype(len(stream)))
-        _add_sorted(mem_at_end, computing[computed[rows[buffered]] - 1], row_bytes[buffered])
-        mem_at_start[rows] = np.where(sending, 0, row_bytes)
-        mem_at_end[rows] = np.where(buffered, -row_bytes, 0)
-        # A RECV's buffer lives until its consumer (the next compute row) ends; merged, it is the consumer's
-        # from its start (the F's `held_bytes` or `activation_bytes` count it from there on).
-        receiving = ~sending
-        received = row_bytes[receiving]
-        consumer = computing[computed[rows[receiving]]]
-        merged_in = merged[receiving]
-        _add_sorted(mem_at_end, consumer[~merged_in], -received[~merged_in])
-        _add_sorted(mem_at_start, consumer[merged_in], -received[merged_in])
-
     return mem_at_start, mem_at_end, act_at_start, act_at_end
-
-
-def _add_sorted(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
-    """`np.add.at(target, index, values)` for a nondecreasing `index` (rows in program order): the values of
-    each run of one index summed first, then added with plain indexing, several times faster over millions."""
-    if len(index) == 0:
-        return
-    first = np.empty(len(index), dtype=bool)  # where a run of one index begins
-    first[0] = True
-    np.not_equal(index[1:], index[:-1], out=first[1:])
-    if first.all():  # no index twice: plain indexing adds each value once
-        target[index] += values
-    else:
-        starts = np.flatnonzero(first)
-        target[index[starts]] += np.add.reduceat(values, starts)
 
 
 def _before_on_device(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:

@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Cluster, ClusterError, Costs, Link, load_cluster, simulate
@@ -315,18 +313,3 @@ def test_devices_run_without_simpy_where_nothing_is_shared_and_give_simpys_trace
         coroutines = simulate(schedule, costs, plain, jitter=jitter, seed=3)
         timed = simulate(schedule, costs, own_links, jitter=jitter, seed=3)
         assert coroutines.ops == timed.ops and coroutines.counters == timed.counters
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 30), st.integers(-5, 5)), max_size=40))
-def test_adding_at_sorted_rows_is_numpys_add_at(pairs):
-    """The memory deltas add a transfer's bytes at its producer's or consumer's row, rows in program order with
-    repeats (two transfers of one op): the same sums as np.add.at."""
-    from pipesim.sim.engine import _add_sorted
-
-    index = np.array(sorted(i for i, _ in pairs), dtype=np.int64)
-    values = np.array([v for _, v in pairs], dtype=np.int64)
-    expected, got = np.arange(31, dtype=np.int64), np.arange(31, dtype=np.int64)
-    np.add.at(expected, index, values)
-    _add_sorted(got, index, values)
-    assert np.array_equal(got, expected)
