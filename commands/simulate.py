@@ -365,8 +365,8 @@ def _cost_basis(scenario, schedules: list) -> str:
         return (f"costs: estimated on {estimate.gpu} ({parallelism_text(estimate.parallelism, shape=False)}) from "
                 "the model counted on the meta device; MFU: model FLOPs (no recomputation) per second over the GPUs' "
                 "dense peak")
-    if scenario.measured is not None:
-        return "costs: measured (--profile)"
+    if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
+        return f"costs: measured (--profile), {scenario.optimizer}'s updates and state (--optimizer)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})
     chunked = any(sched.num_stages > sched.num_devices for sched in schedules)
     basis = "costs: per device" + (", split over its chunks" if chunked else "")

@@ -317,3 +317,19 @@ def test_torch_is_an_optional_extra():
     assert not any(d.replace(" ", "").startswith(("torch", "scikit-learn")) for d in project["dependencies"])
     assert project["optional-dependencies"]["torch"] == ["torch>=2.3,<3", "scikit-learn>=1.3"]  # digits data
     assert "pipesim[torch]" in project["optional-dependencies"]["test"]
+
+
+def test_a_profiles_table_names_the_optimizer_that_priced_its_updates():
+    """The profile's costs hold every optimizer's step; the caption says which one the table used (Adam's unless
+    --optimizer says), since `run` trains with SGD unless told otherwise and its memory differs by that state."""
+    from pathlib import Path
+
+    profile = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    memory = {}
+    for optimizer, flags in (("adam", ()), ("sgd", ("--optimizer", "sgd"))):
+        code, out, err = pipesim("simulate", "--profile", profile, "-s", "1f1b", "-m", "2", *flags)
+        assert code == 0, err
+        assert f"costs: measured (--profile), {optimizer}'s updates and state (--optimizer)" in " ".join(out.split())
+        (result,) = simulate_json("--profile", profile, "-s", "1f1b", "-m", "2", *flags)
+        memory[optimizer] = result["peak_memory_mb"]
+    assert memory["sgd"] < memory["adam"]
