@@ -198,7 +198,8 @@ def warmup_ms(traces: list[Trace]) -> list[float]:
             compute = ops.stream[rows] == Stream.COMPUTE
             computed = np.cumsum(compute) - compute
             half = int(compute[first[rows]].sum()) // 2
-            key = ops.kind[rows] * (int(ops.stage.max()) + 1) + ops.stage[rows]
+            key = ops.kind[rows].astype(np.int64) * (int(ops.stage.max()) + 1) + ops.stage[rows]  # a prediction's
+            # kind is a byte
             late = timed & (computed >= half)
             steady_us = {k: float(np.median(held_us[late & (key == k)])) for k in np.unique(key[late])}
             excess.append([])

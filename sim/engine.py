@@ -290,9 +290,9 @@ def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
     at_end[:, KIND_CODE[Kind.W]] = -kept
     # Point-to-point transfers: a compute row's are fixed by its stage and kind (on every channel between two
-    # devices, each forward of the sending stage has its SEND right after it and each of the receiving stage its
-    # RECV right before it; a gradient's, each B or I), so the buffers they make and free at the compute rows are
-    # entries of the same tables. Per channel, a SEND's and a RECV's own deltas.
+    # devices, each forward of the sending stage has its SEND among the SENDs after it and each of the receiving
+    # stage its RECV among the RECVs before it; a gradient's, each B or I), so the buffers they make and free at
+    # the compute rows are entries of the same tables. Per channel, a SEND's and a RECV's own deltas.
     transfer_start, transfer_end = (np.zeros((len(lowered.channels), 2), dtype=np.int64) for _ in range(2))
     for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
         owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]

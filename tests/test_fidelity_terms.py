@@ -256,6 +256,16 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
     assert terms.warmup_ms == [0.0] and both.warmup_ms == terms.warmup_ms  # its first rows ran as the rest
 
 
+def test_the_warm_up_of_a_trace_in_memory_is_that_of_the_trace_read_back(tmp_path):
+    """A prediction keeps its byte-wide kinds in memory; its keys per kind and stage must not wrap (128 stages)."""
+    from pipesim.traces import read_trace
+
+    costs = replace(Costs.per_stage(128, fwd_ms=1, bwd_ms=2), overhead=RowOverhead(warmup_ms=(0.5,)))
+    trace = simulate(build("1f1b", 128, 32, 2), costs, Cluster.uniform(128, 0.1), jitter=0.05, seed=1)
+    write_trace(trace, tmp_path / "t.json")
+    assert warmup_ms([trace]) == warmup_ms([read_trace(tmp_path / "t.json")]) == pytest.approx([0.5] + [0.0] * 5)
+
+
 def test_calibration_reads_a_fresh_ranks_warm_up_off_the_probes_run():
     # A device's first 8 compute rows (of 18) cost 0.6 ms more each, and the host time after a row among them
     # as much again (the rest is steady: the first half of the run is priced against the second); receives

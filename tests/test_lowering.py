@@ -113,6 +113,8 @@ def test_a_schedule_whose_transfer_ids_pass_32_bits_is_refused():
     with pytest.raises(ScheduleError, match="2,147,483,648 rows or transfers"):
         lower(huge)
     assert lower(Schedule("hand", StageGraph.chain(2), (0, 1), orders, SYNCHRONOUS, 2**29)).transfer.max() == 2**29
+    with pytest.raises(ScheduleError, match="3,221,225,472 units"):  # checked before the index could wrap
+        preflight(Schedule("hand", StageGraph.chain(3), (0, 1, 2), orders + ((),), SYNCHRONOUS, 2**30))
 
 
 def test_transfers_of_a_dag_use_the_graph_edges():
