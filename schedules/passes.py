@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .ir import COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
-from .table import FIELD_DTYPE, FIELD_MAX, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, kind_mask
+from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, kind_mask, require_field_fits
 
 
 def communication_table(schedule: Schedule, table: ActionTable | None = None) -> tuple[ActionTable, np.ndarray]:
@@ -51,9 +51,7 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
     extra = count[True] + count[False]
     total = n + int(extra.sum(dtype=np.int64))
     units = schedule.microbatches * schedule.minibatches * schedule.pipelines
-    if max(total, 2 * len(edges) * units) > FIELD_MAX:
-        raise ScheduleError(f"{schedule.method}: {max(total, 2 * len(edges) * units):,} rows or transfers; a "
-                            f"table holds at most {FIELD_MAX:,} (fewer micro-batches or mini-batches)")
+    require_field_fits(schedule, max(total, 2 * len(edges) * units), "rows or transfers")
     first_slot = np.arange(n, dtype=FIELD_DTYPE) + np.cumsum(extra, dtype=FIELD_DTYPE) - extra
     own_slot = first_slot + count[True]
     kinds, peers = np.empty(total, dtype=KIND_DTYPE), np.empty(total, dtype=FIELD_DTYPE)

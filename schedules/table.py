@@ -16,11 +16,18 @@ NUM_COMPUTE_KINDS = 9  # a stage's own rows (F, B, I, W, OPT, PRED, AVG, REDUCE,
 assert all(k.value.startswith(("SEND", "RECV")) for k in KINDS[NUM_COMPUTE_KINDS:])
 # A table's columns: a kind code is a byte, every other field (and a row index into a table) 32 bits. A lowered
 # table has millions of rows and a dozen columns, so each byte per row counts (`simulate -p 128 -m 4096` lowers
-# 6.3M rows). A schedule whose units, rows or transfer ids would pass 2^31 is refused (`ActionTable.unit_index`,
-# `passes.communication_rows`): its table would fill hundreds of GiB first.
+# 6.3M rows). A schedule whose units, rows or transfer ids would pass 2^31 is refused (`require_field_fits`): its
+# table would fill hundreds of GiB first.
 KIND_DTYPE = np.int8
 FIELD_DTYPE = np.int32
 FIELD_MAX = np.iinfo(FIELD_DTYPE).max
+
+
+def require_field_fits(schedule: Schedule, count: int, what: str) -> None:
+    """Raise ScheduleError where `count` (of `what`, which a table indexes or holds) would pass a field's 32 bits."""
+    if count > FIELD_MAX:
+        raise ScheduleError(f"{schedule.method}: {count:,} {what}; a table holds at most {FIELD_MAX:,} (fewer "
+                            "micro-batches or mini-batches)")
 
 
 def kind_mask(kind: np.ndarray, *kinds: Kind) -> np.ndarray:
@@ -67,21 +74,19 @@ class ActionTable:
         """Row -> index of its (stage, micro-batch, mini-batch, pipeline); meaningful where microbatch >= 0.
         Read-only, and kept (as `step_index`): the checks and the lowering each read it over millions of rows."""
         m, n, r = schedule.microbatches, schedule.minibatches, schedule.pipelines
-        return self._kept(schedule, ("unit", m, n, r), lambda: ((self.stage * m + self.microbatch) * n + self.minibatch)
-                          * r + self.pipeline)
+        require_field_fits(schedule, schedule.num_stages * m * n * r, "units (stage, micro-batch, mini-batch, "
+                                                                       "pipeline)")
+        return self._kept(("unit", m, n, r), lambda: ((self.stage * m + self.microbatch) * n + self.minibatch) * r
+                          + self.pipeline)
 
     def step_index(self, schedule: Schedule) -> np.ndarray:
         """Row -> index of its (stage, mini-batch, pipeline)."""
         n, r = schedule.minibatches, schedule.pipelines
-        return self._kept(schedule, ("step", n, r), lambda: (self.stage * n + self.minibatch) * r + self.pipeline)
+        require_field_fits(schedule, schedule.num_stages * n * r, "steps (stage, mini-batch, pipeline)")
+        return self._kept(("step", n, r), lambda: (self.stage * n + self.minibatch) * r + self.pipeline)
 
-    def _kept(self, schedule: Schedule, key: tuple, compute) -> np.ndarray:
+    def _kept(self, key: tuple, compute) -> np.ndarray:
         if key not in self._indices:
-            count = schedule.num_stages * int(np.prod(key[1:]))
-            if count > FIELD_MAX:
-                raise ScheduleError(f"{schedule.method}: {count:,} {key[0]}s (one per stage, "
-                                    f"{'micro-batch, ' * (key[0] == 'unit')}mini-batch and pipeline); a table "
-                                    f"indexes at most {FIELD_MAX:,} (fewer micro-batches or mini-batches)")
             index = compute()
             index.flags.writeable = False
             self._indices[key] = index
