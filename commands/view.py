@@ -28,6 +28,13 @@ def _replaces(out: Path, named: bool) -> bool:
     return True
 
 
+def _labels(paths: list[Path], traces: list) -> list[str]:
+    """Each trace named by its method and source ("1f1b, measured"), with its file's name where that alone tells
+    two apart (a file's name says nothing of the run: measured.json of 1F1B was titled "measured (measured)")."""
+    labels = [f"{trace.meta.schedule}, {trace.meta.source}" for trace in traces]
+    return [f"{label} ({path.name})" if labels.count(label) > 1 else label for path, label in zip(paths, labels)]
+
+
 def view(
     traces: Annotated[list[Path], typer.Argument(help="Trace files (from simulate --trace or run --trace).",
                                                  metavar="TRACE...")],
@@ -38,7 +45,7 @@ def view(
     """Draw traces on one self-contained page (works offline): one view per trace and, for several traces, one
     with their lanes interleaved device by device, predicted beside measured; memory under the timelines."""
     from ..traces.trace import TraceError, read_trace
-    from ..traces.view import write_timeline_page
+    from ..traces.view import shape_text, write_timeline_page
 
     out = html if html is not None else traces[0].with_suffix(".html")
     try:
@@ -47,9 +54,10 @@ def view(
         loaded = [read_trace(path) for path in traces]
     except (InputError, TraceError) as exc:
         fail(str(exc))
-    labels = [f"{path.stem} ({trace.meta.source})" for path, trace in zip(traces, loaded)]
+    labels = _labels(traces, loaded)
     views = [(label, [i]) for i, label in enumerate(labels)]
     if len(loaded) > 1:
         views.insert(0, ("all, device by device", list(range(len(loaded)))))
-    write_timeline_page(loaded, out, labels=labels, views=views)
+    title = "pipesim: " + (f"{labels[0]}, {shape_text(loaded[0])}" if len(loaded) == 1 else "; ".join(labels))
+    write_timeline_page(loaded, out, labels=labels, views=views, title=title)
     stdout.print(f"wrote {out}" + (" (replaced the file that was there)" if replaced else ""), highlight=False)

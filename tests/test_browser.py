@@ -401,7 +401,7 @@ def test_traces_of_very_different_memory_each_get_their_own_memory_axis(tmp_path
     assert_healthy(v)
     check_timeline(v)
     panels = v.geometry["memory"]
-    assert [panel["trace"] for panel in panels] == ["big (predicted)", "small (predicted)"]
+    assert [panel["trace"] for panel in panels] == ["1f1b, predicted (big.json)", "1f1b, predicted (small.json)"]
     for panel, path in zip(panels, (big, small)):
         peak = max(c.values.max() for c in read_trace(path).counters["memory_bytes"]) / MIB
         assert peak <= panel["range"][1] <= 1.3 * peak, (panel, peak)

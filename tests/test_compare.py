@@ -118,9 +118,23 @@ def test_view_draws_several_traces_on_one_page_and_refuses_a_bad_file(tmp_path):
         assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--fwd", fwd, "--trace", path).code == 0
     code, out, err = pipesim("view", a, b)
     page = (tmp_path / "a.html").read_text()
-    assert code == 0 and "wrote" in out and "all, device by device" in page and "b (predicted)" in page
+    assert code == 0 and "wrote" in out and "all, device by device" in page
+    assert "<title>pipesim: 1f1b, predicted (a.json); 1f1b, predicted (b.json)</title>" in page  # alike: files named
     code, _, err = pipesim("view", tmp_path / "missing.json")
     assert code == 2 and "cannot read trace" in err and not (tmp_path / "missing.html").exists()
+
+
+def test_view_titles_a_trace_by_its_method_and_shape_not_its_file_name(tmp_path):
+    """A run saved as measured.json was titled "measured (measured)": the page names the method and the shape."""
+    from pipesim.traces.trace import write_trace
+    from tests.conftest import pipesim
+
+    measured = tmp_path / "measured.json"
+    write_trace(as_measured(run("1f1b", 2, 4, 3).trace), measured)
+    code, _, _ = pipesim("view", measured)
+    page = (tmp_path / "measured.html").read_text()
+    assert code == 0 and "<title>pipesim: 1f1b, measured, p=2, m=4, N=3</title>" in page
+    assert "measured (measured)" not in page
 
 
 def test_view_replaces_only_a_page_of_its_own_unless_the_page_is_named(tmp_path):

@@ -10,17 +10,20 @@ import plotly.graph_objects as go
 import pytest
 from plotly.offline import get_plotlyjs
 
+from pipesim.traces import summarize
+from pipesim.traces.compare import compare
 from pipesim.traces.view import (
     KIND_COLORS,
     decode_column,
     encode_column,
+    error_figure,
     timeline_page,
     trace_data,
     write_html,
     write_timeline_page,
 )
 from pipesim.units import MIB
-from tests.conftest import run
+from tests.conftest import build, run, simulated
 
 
 def _trace(name, p, m, n=1, comm=0.1, **options):
@@ -148,3 +151,74 @@ def test_figure_page_embeds_plotly_once_with_its_headings(tmp_path):
     text = path.read_text(encoding="utf-8")
     assert text.count(get_plotlyjs()) == 1 and text.count("Plotly.newPlot(") == 2
     assert "<h2>two</h2>" in text and "<title>figures</title>" in text and "pipesimHealth" in text
+
+
+
+def _replicas(trace, d):
+    """`trace`'s run on d data-parallel replicas as `pipesim run` records it: p·d ranks, rank = replica·p + device,
+    each replica's ops those of `trace` (a prediction draws one replica for all)."""
+    p, ops = trace.num_devices, trace.ops
+
+    def column(name, r):
+        values = getattr(ops, name)
+        if name == "device":
+            return values + r * p
+        return np.where(values >= 0, values + r * p, values) if name == "peer" else values
+
+    replicated = type(ops)(**{f.name: np.concatenate([column(f.name, r) for r in range(d)])
+                              for f in dataclasses.fields(ops)})
+    return dataclasses.replace(trace, num_devices=p * d, ops=replicated,
+                               counters={name: values * d for name, values in trace.counters.items()},
+                               meta=dataclasses.replace(trace.meta, source="measured"))
+
+
+def test_ranks_of_data_parallel_replicas_are_named_by_replica_and_device():
+    """`run --stages 2 --data-parallel 2` records 4 ranks: the page names ranks 2 and 3 replica 1's devices 0 and 1
+    (not "device 2/3") and gives the shape as p=2, d=2 (not p=4); a prediction says it draws one replica."""
+    predicted = simulated(build("1f1b", 2, 4, 2, data_parallel=2), comm=0.1).trace
+    measured = _replicas(predicted, 2)
+    assert measured.num_devices == 4
+    data = _page_data(timeline_page([predicted, measured]))
+    assert data["traces"][1]["device_names"] == ["replica 0 · device 0", "replica 0 · device 1",
+                                                 "replica 1 · device 0", "replica 1 · device 1"]
+    assert data["traces"][1]["meta"]["shape"] == "p=2, d=2, m=4, N=2"
+    assert data["traces"][0]["device_names"] == ["device 0", "device 1"]
+    assert data["traces"][0]["meta"]["shape"] == "p=2, d=2 (one replica drawn), m=4, N=2"
+    plain = trace_data(_trace("interleaved-1f1b", 2, 4, 2, chunks=2))
+    assert plain["device_names"] == ["device 0", "device 1"] and plain["meta"]["shape"] == "p=2, v=2, m=4, N=2"
+
+
+def test_summary_chart_leads_with_samples_per_s_and_says_when_mini_batches_differ(trace):
+    """AvgPipe's mini-batch holds P = 2 pipelines' micro-batches: it takes longer than GPipe's yet trains more
+    samples per second. The chart's first panel is samples/s; time per mini-batch says each one's size."""
+    gpipe, avgpipe = _trace("gpipe", 4, 8, 2), _trace("avgpipe", 4, 8, 2)
+    summaries = [summarize(gpipe), summarize(avgpipe)]
+    assert summaries[1].time_per_minibatch_ms > summaries[0].time_per_minibatch_ms
+    assert summaries[1].samples_per_s > summaries[0].samples_per_s
+    chart = _page_data(timeline_page([gpipe, avgpipe]))["summary"]
+    first, time = chart["data"][:2]
+    assert first["name"].startswith("samples/s") and first["x"] == [s.samples_per_s for s in summaries]
+    assert time["x"] == [s.time_per_minibatch_ms for s in summaries]
+    assert time["customdata"] == [f"{s.time_per_minibatch_ms:,.2f} ms per mini-batch of {n} samples"
+                                  for s, n in zip(summaries, (8, 16))]
+    titles = [a["text"] for a in chart["layout"]["annotations"]]
+    assert titles[:2] == ["<b>samples/s (more is better)</b>", "<b>time per mini-batch (ms; mini-batches differ)</b>"]
+    same = _page_data(timeline_page([trace, _trace("gpipe", 4, 8, 2)]))["summary"]
+    assert same["layout"]["annotations"][1]["text"] == "<b>time per mini-batch (ms)</b>"
+    assert _page_data(timeline_page([trace]))["summary"] is None  # one trace: nothing to compare
+
+
+def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readable():
+    """Transfers predicted 16 times too long (+1,500 %) beside forwards within 5 % and exact backwards: a log axis
+    from the decade under the smallest bar, every bar labelled, an exact kind named so (a log axis has no 0)."""
+    predicted = run("1f1b", 2, 4, 2, comm=1.6).trace
+    measured = run("1f1b", 2, 4, 2, fwd=1.05, comm=0.1).trace
+    fig = error_figure(compare(predicted, dataclasses.replace(
+        measured, meta=dataclasses.replace(measured.meta, source="measured"))))
+    median = fig.data[0]
+    assert fig.layout.yaxis.type == "log"
+    assert list(median.x) == ["F", "B (exact)", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+    assert median.y[0] == pytest.approx(100 / 21) and median.y[1] is None and median.y[3] == pytest.approx(1500)
+    assert median.text[:4] == ("4.8%", "0.0%", "1,500.0%", "1,500.0%")
+    assert fig.layout.yaxis.range[0] == 0 and 10 ** fig.layout.yaxis.range[1] > 1500  # 1 % up to above 1,500 %
+    assert "1,000%" in fig.layout.yaxis.ticktext and "1%" in fig.layout.yaxis.ticktext

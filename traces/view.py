@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import os
 import zlib
 from collections.abc import Iterable, Sequence
@@ -31,7 +32,7 @@ from plotly.colors import qualitative, sample_colorscale
 from ..units import MIB
 from .compare import Comparison
 from .metrics import Summary, summarize
-from .trace import STREAMS, Trace, write_atomic
+from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
 KIND_COLORS = {
@@ -128,8 +129,39 @@ def trace_data(trace: Trace, label: str | None = None, summary: Summary | None =
         "summary": {k: getattr(summary, k) for k in _SUMMARY_FIELDS},
         "meta": {"source": meta.source, "schedule": meta.schedule, "microbatches": meta.microbatches,
                  "minibatches": meta.minibatches, "pipelines": meta.pipelines,
-                 "stages": int(ops.stage.max()) + 1 if len(ops) else 0},
+                 "stages": int(ops.stage.max()) + 1 if len(ops) else 0, "shape": shape_text(trace)},
+        "device_names": device_names(trace),
     }
+
+
+def _devices_per_pipeline(meta: TraceMeta) -> int:
+    """p: the devices one pipeline replica spans (its placement's), whatever a trace of several replicas holds."""
+    return max(meta.placement) + 1 if meta.placement else 1
+
+
+def device_names(trace: Trace) -> list[str]:
+    """Each device's name on the page. A run of d data-parallel replicas has p·d ranks, rank = replica·p + device:
+    they are named by replica and device in it ("replica 1 · device 0"), as `pipesim run` places them."""
+    p = _devices_per_pipeline(trace.meta)
+    if int(trace.meta.params.get("data_parallel", 1)) == 1 or trace.num_devices <= p:
+        return [f"device {d}" for d in range(trace.num_devices)]
+    return [f"replica {rank // p} · device {rank % p}" for rank in range(trace.num_devices)]
+
+
+def shape_text(trace: Trace) -> str:
+    """The run's shape as the command line gives it: p devices per pipeline, d replicas (and whether the trace
+    holds them all or one stands for all, as a prediction's does), v chunks, P pipelines, m, N."""
+    meta = trace.meta
+    p, d = _devices_per_pipeline(meta), int(meta.params.get("data_parallel", 1))
+    chunks = int(meta.params.get("chunks", 1))
+    parts = [f"p={p}"]
+    if d > 1:
+        parts.append(f"d={d}" + ("" if trace.num_devices > p else " (one replica drawn)"))
+    if chunks > 1:
+        parts.append(f"v={chunks}")
+    if meta.pipelines > 1:
+        parts.append(f"P={meta.pipelines}")
+    return ", ".join(parts + [f"m={meta.microbatches}", f"N={meta.minibatches}"])
 
 
 def _labels(traces: Sequence[Trace]) -> list[str]:
@@ -145,6 +177,53 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
     return out
 
 
+# The summary chart's panels: (title, Summary field, bar text); samples/s first, the one measure that a mini-batch
+# of another size (AvgPipe's P pipelines, d replicas) does not distort.
+_SUMMARY_PANELS = (("samples/s (more is better)", "samples_per_s", "{:,.1f}"),
+                   ("time per mini-batch (ms)", "time_per_minibatch_ms", "{:,.2f}"),
+                   ("bubble", "bubble_fraction", "{:.1%}"),
+                   ("peak memory per device (MiB)", "peak_memory_mb", "{:,.0f}"))
+SUMMARY_SHOWN, SUMMARY_OTHER = "#4c78a8", "#bccbe0"  # the selected view's traces' bars, and the others'
+
+
+def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Sequence[Summary],
+                   shown: Sequence[int]) -> dict[str, Any]:
+    """The chart that heads a page of several traces (Plotly's figure JSON, which the page draws): a horizontal bar
+    per trace in each panel of `_SUMMARY_PANELS`, the traces `shown` (the first view's) highlighted. Time per
+    mini-batch says how many samples each mini-batch holds, and its title warns where they differ: a larger
+    mini-batch takes longer."""
+    samples = [t.meta.samples_per_minibatch for t in traces]
+    data = []
+    for j, (title, field, text_format) in enumerate(_SUMMARY_PANELS):
+        values = [getattr(s, field) for s in summaries]
+        texts = ["n/a" if v is None else text_format.format(v) for v in values]
+        hover = ([f"{text} ms per mini-batch of {n:,} samples" for text, n in zip(texts, samples)]
+                 if field == "time_per_minibatch_ms" else texts)
+        data.append({"type": "bar", "orientation": "h", "y": list(labels), "x": values, "text": texts,
+                     "customdata": hover, "textposition": "auto", "cliponaxis": False,
+                     "xaxis": "x" + (str(j + 1) if j else ""), "yaxis": "y", "showlegend": False, "name": title,
+                     "marker": {"color": [SUMMARY_SHOWN if k in shown else SUMMARY_OTHER for k in range(len(labels))]},
+                     "hovertemplate": "%{y}: %{customdata}<extra>" + title + "</extra>"})
+    titles = [title for title, _, _ in _SUMMARY_PANELS]
+    if len(set(samples)) > 1:
+        titles[1] = "time per mini-batch (ms; mini-batches differ)"
+    width = 1 / len(_SUMMARY_PANELS)
+    layout: dict[str, Any] = {
+        "height": 80 + 20 * len(labels),
+        "margin": {"t": 30, "b": 20, "l": 20 + 7 * max(len(label) for label in labels), "r": 20},
+        "paper_bgcolor": "#fff", "plot_bgcolor": "#fff", "font": {"size": 12}, "bargap": 0.25,
+        "yaxis": {"autorange": "reversed", "type": "category", "ticks": "", "fixedrange": True},
+        "annotations": [{"text": f"<b>{html.escape(title)}</b>", "x": j * width, "xref": "paper", "xanchor": "left",
+                         "y": 1, "yref": "paper", "yanchor": "bottom", "showarrow": False}
+                        for j, title in enumerate(titles)],
+    }
+    for j, (_, field, _) in enumerate(_SUMMARY_PANELS):
+        layout["xaxis" + (str(j + 1) if j else "")] = {
+            "domain": [j * width, (j + 1) * width - 0.04], "anchor": "y", "gridcolor": "#ececec", "zeroline": False,
+            "rangemode": "tozero", "fixedrange": True, **({"tickformat": ".0%"} if field == "bubble_fraction" else {})}
+    return {"data": data, "layout": layout, "colors": [SUMMARY_SHOWN, SUMMARY_OTHER]}
+
+
 def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: Sequence[str] | None = None,
                   summaries: Sequence[Summary] | None = None,
                   views: Sequence[tuple[str, Sequence[int]]] | None = None, notes: Sequence[str] = (),
@@ -154,10 +233,10 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     `labels` name the traces (default: their schedules); `summaries` are their `summarize` results (computed
     when not given). `views` are (name, trace indices) pairs, one button each: a view of several traces shows
     their lanes interleaved device by device, e.g. `[("1f1b: predicted vs measured", [0, 1])]`; the default is
-    one view per trace. With two traces or more, a chart comparing them (time per mini-batch, bubble, peak
-    memory; the selected view's traces highlighted) heads the page. `notes` are lines shown under the title
-    (methods that could not run, say); `figures` are small (SVG) figures with a heading each, under the
-    timeline (compare's error panel).
+    one view per trace. With two traces or more, a chart comparing them (`summary_figure`: samples/s, time per
+    mini-batch, bubble, peak memory; the selected view's traces highlighted) heads the page. `notes` are lines
+    shown under the title (methods that could not run, say); `figures` are small (SVG) figures with a heading
+    each, under the timeline (compare's error panel).
     """
     traces = list(traces)
     if not traces:
@@ -177,6 +256,7 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
         "notes": list(notes),
         "traces": [trace_data(t, label, s) for t, label, s in zip(traces, labels, summaries)],
         "views": [{"name": name, "traces": list(members)} for name, members in views],
+        "summary": summary_figure(traces, labels, summaries, views[0][1]) if len(traces) > 1 else None,
     }
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     from plotly.offline import get_plotlyjs
@@ -200,17 +280,30 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
 
 
 def error_figure(comparison: Comparison) -> go.Figure:
-    """Per-op duration error by kind (median and p90 of |predicted − measured| / measured), in the kinds' colours."""
+    """Per-op duration error by kind (median and p90 of |predicted − measured| / measured), in the kinds' colours, on
+    a log axis: one kind's error can be a hundred times another's (a receive that waits 1,500 % longer than
+    predicted beside compute within 5 %), and each must still be read. Every bar carries its value; a kind
+    predicted exactly (0 %, which a log axis cannot draw) is marked so under its bars."""
     kinds = [k for k in comparison.kinds if k.duration_median is not None]
-    names = [k.kind for k in kinds]
-    fig = go.Figure([
-        go.Bar(name="median", x=names, y=[100 * k.duration_median for k in kinds],
-               marker_color=[kind_color(k) for k in names]),
-        go.Bar(name="p90", x=names, y=[100 * k.duration_p90 for k in kinds],
-               marker_color=[kind_color(k) for k in names], opacity=0.45),
-    ])
-    fig.update_layout(barmode="group", height=320, margin=dict(l=60, r=20, t=30, b=40), showlegend=False,
-                      yaxis_title="|duration error| (%)", template="plotly_white",
+    names = [k.kind if k.duration_median > 0 else f"{k.kind} ({'median 0 %' if k.duration_p90 > 0 else 'exact'})"
+             for k in kinds]
+    colours = [kind_color(k.kind) for k in kinds]
+    bars = []
+    for name, values, opacity in (("median", [k.duration_median for k in kinds], 1.0),
+                                  ("p90", [k.duration_p90 for k in kinds], 0.45)):
+        percent = [100 * v for v in values]
+        bars.append(go.Bar(name=name, x=names, y=[v if v > 0 else None for v in percent], marker_color=colours,
+                           opacity=opacity, text=[f"{v:,.1f}%" for v in percent], textposition="outside",
+                           cliponaxis=False, hovertemplate="%{x} " + name + ": %{text}<extra></extra>"))
+    drawn = [y for bar in bars for y in bar.y if y is not None]
+    # From the decade under the smallest bar (a log axis has no zero to start bars from) to above the largest.
+    span = [math.floor(math.log10(min(drawn))), math.log10(max(drawn)) + 0.2] if drawn else [0, 2]
+    ticks = [f * 10.0 ** e for e in range(span[0], math.ceil(span[1]) + 1) for f in (1, 2, 5)]
+    fig = go.Figure(bars)
+    fig.update_layout(barmode="group", height=340, margin=dict(l=60, r=20, t=40, b=40), showlegend=False,
+                      yaxis=dict(type="log", range=span, title="|duration error| (%, log scale)", tickvals=ticks,
+                                 ticktext=[f"{t:,g}%" for t in ticks]),
+                      template="plotly_white",
                       title=f"iteration time error {comparison.iteration_time_error:+.1%}; bars: median, pale: p90")
     return fig
 
@@ -392,7 +485,7 @@ _TIMELINE_JS = r"""
       if (d < T.num_devices && laneOf[m][d * NS + s] === 0) {
         laneOf[m][d * NS + s] = lanes.length;
         lanes.push({device: d, stream: s, member: m, y: lanes.length + GAP * d,
-                    label: "device " + d + STREAM_NAMES[s] + (many ? " \u00b7 " + T.label : "")});
+                    label: T.device_names[d] + STREAM_NAMES[s] + (many ? " \u00b7 " + T.label : "")});
       }
     });
     const rows = lanes.map(() => []);
@@ -424,7 +517,7 @@ _TIMELINE_JS = r"""
     members.forEach((T, m) => {
       const rows = [];
       for (let d = 0; d < T.num_devices; d++) {
-        if (T.memory[d] && T.memory[d].t.length) rows.push({member: m, device: d, label: "device " + d});
+        if (T.memory[d] && T.memory[d].t.length) rows.push({member: m, device: d, label: T.device_names[d]});
       }
       if (rows.length) panels.push({member: m, rows, heatmap: rows.length > MAX_MEMORY_LINES});
     });
@@ -536,8 +629,7 @@ _TIMELINE_JS = r"""
       const s = T.summary, m = T.meta;
       return "<b>" + esc(T.label) + "</b>: makespan " + fmt(s.makespan_ms, 2) + " ms, bubble " +
         fmt(100 * s.bubble_fraction, 1) + "%, " + fmt(s.time_per_minibatch_ms, 3) + " ms/step, peak " +
-        mib(s.peak_memory_mb) + " <span style='font-size:12px;color:#666'>(p=" + T.num_devices + ", m=" +
-        m.microbatches + ", N=" + m.minibatches + (m.pipelines > 1 ? ", P=" + m.pipelines : "") + ", " +
+        mib(s.peak_memory_mb) + " <span style='font-size:12px;color:#666'>(" + esc(m.shape) + ", " +
         T.n.toLocaleString("en-US") + " ops, " + m.source + ")</span>";
     }).join("<br>");
   }
@@ -707,7 +799,8 @@ _TIMELINE_JS = r"""
     const c = T.c, kind = T.kinds[c.kind[i]], mb = c.microbatch[i], mini = c.minibatch[i];
     const label = kind + (mb >= 0 ? mb : "") + (mini ? "." + mini : "");
     const lines = ["<b>" + esc(label) + "</b> (" + esc(kind) + ")" + (many ? " \u00b7 " + esc(T.label) : ""),
-      "device " + c.device[i] + ", stage " + c.stage[i] + (c.peer[i] >= 0 ? ", peer " + c.peer[i] : ""),
+      esc(T.device_names[c.device[i]]) + ", stage " + c.stage[i] +
+        (c.peer[i] >= 0 ? ", peer " + esc(T.device_names[c.peer[i]] || "rank " + c.peer[i]) : ""),
       (mb >= 0 ? "micro-batch " + mb + ", " : "") + "mini-batch " + mini +
         (T.meta.pipelines > 1 || c.pipeline[i] > 0 ? ", pipeline " + c.pipeline[i] : ""),
       "start " + T.start[i].toFixed(3) + " ms, duration " + T.dur[i].toFixed(3) + " ms"];
@@ -732,41 +825,17 @@ _TIMELINE_JS = r"""
   // One bar per trace (a view of several draws theirs side by side and has no summary of its own); the bars of
   // the traces the selected view shows are highlighted, and a click selects the view of that trace alone.
   function summaryColors(selected) {
-    const shown = DATA.views[selected].traces;
-    return DATA.traces.map((_, k) => (shown.includes(k) ? "#4c78a8" : "#bccbe0"));
+    const shown = DATA.views[selected].traces, [on, off] = DATA.summary.colors;
+    return DATA.traces.map((_, k) => (shown.includes(k) ? on : off));
   }
   function viewOf(k) {
     const alone = DATA.views.findIndex(v => v.traces.length === 1 && v.traces[0] === k);
     return alone >= 0 ? alone : DATA.views.findIndex(v => v.traces.includes(k));
   }
   async function drawSummary() {
-    if (DATA.traces.length < 2) return;
-    const names = DATA.traces.map(t => t.label);
-    const summaries = DATA.traces.map(t => t.summary);
-    const metrics = [["time per mini-batch (ms)", s => s.time_per_minibatch_ms, v => fmt(v, 2)],
-                     ["bubble", s => s.bubble_fraction, v => fmt(100 * v, 1) + "%"],
-                     ["peak memory per device (MiB)", s => s.peak_memory_mb, v => v === null ? "n/a" : fmt(v, 0)]];
-    const data = metrics.map(([title, get, show], j) => {
-      const x = summaries.map(get);
-      return {type: "bar", orientation: "h", y: names, x, text: x.map(show), textposition: "auto",
-              cliponaxis: false, xaxis: "x" + (j ? j + 1 : ""), yaxis: "y", showlegend: false, name: title,
-              marker: {color: summaryColors(0)}, hovertemplate: "%{y}: %{text}<extra>" + title + "</extra>"};
-    });
-    const layout = {
-      height: 80 + 20 * names.length, margin: {t: 30, b: 20, l: 20 + 7 * Math.max(...names.map(n => n.length)), r: 20},
-      paper_bgcolor: "#fff", plot_bgcolor: "#fff", font: {size: 12}, bargap: 0.25,
-      yaxis: {autorange: "reversed", type: "category", ticks: ""},
-      annotations: metrics.map(([title], j) => ({text: "<b>" + title + "</b>", x: [0, 0.35, 0.7][j], xref: "paper",
-                                                  xanchor: "left", y: 1, yref: "paper", yanchor: "bottom",
-                                                  showarrow: false})),
-    };
-    [[0, 0.31], [0.35, 0.66], [0.7, 1]].forEach((domain, j) => {
-      layout["xaxis" + (j ? j + 1 : "")] = {domain, anchor: "y", gridcolor: "#ececec", zeroline: false,
-                                           rangemode: "tozero", fixedrange: true,
-                                           tickformat: j === 1 ? ".0%" : undefined};
-    });
-    layout.yaxis.fixedrange = true;
-    await Plotly.newPlot(summaryDiv, data, layout, {displaylogo: false, responsive: true, displayModeBar: false});
+    if (!DATA.summary) return;
+    await Plotly.newPlot(summaryDiv, DATA.summary.data, DATA.summary.layout,
+                         {displaylogo: false, responsive: true, displayModeBar: false});
     summaryDiv.on("plotly_click", ev => { if (ev.points.length) select(viewOf(ev.points[0].pointIndex)); });
   }
   DATA.views.forEach((v, i) => {
@@ -793,7 +862,7 @@ _TIMELINE_JS = r"""
     current = i;
     [...nav.children].forEach((b, j) => b.classList.toggle("on", j === i));
     if (summaryDiv.data) {
-      await Plotly.restyle(summaryDiv, {"marker.color": [summaryColors(i)]}, [0, 1, 2]);
+      await Plotly.restyle(summaryDiv, {"marker.color": [summaryColors(i)]}, [...summaryDiv.data.keys()]);
     }
     const view = DATA.views[i];
     if (!built.has(i)) built.set(i, buildView(view, await Promise.all(view.traces.map(trace))));
