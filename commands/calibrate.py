@@ -34,6 +34,7 @@ from .common import (
     write_error,
 )
 from .estimate import fit_device_curve, print_fitted_curve
+from .tables import print_table
 
 
 def calibrate(
@@ -356,7 +357,7 @@ def _print_profile(profile) -> None:
                       f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
                       f"{stage.wgrad_fraction:.0%}", f"{stage.activation_bytes / MIB:,.2f}",
                       f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
-    stdout.print(table)
+    print_table(table)
     print_fitted_curve(profile)
     if profile.runtime is not None:
         rt = profile.runtime

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from ..planning.scenario import Scenario
     from ..profiles.schema import Profile
 
-stdout = Console(width=None if sys.stdout.isatty() else 120)  # pipes and CI logs get full rows
-stderr = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+# Text wraps at the terminal's width, else at $COLUMNS, else at 120 (pipes and CI logs); tables: commands/tables.py.
+stdout = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
+stderr = Console(stderr=True, width=None if sys.stderr.isatty() or os.environ.get("COLUMNS") else 120)
 
 # The schedule's shape and the method options, as `simulate` and `run` declare them (each with its defaults).
 Stages = Annotated[int, typer.Option(

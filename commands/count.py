@@ -22,8 +22,8 @@ from .common import (
     require,
     require_model_data,
     stderr,
-    stdout,
 )
+from .tables import print_table
 
 if TYPE_CHECKING:
     from ..workload.count import LayerCount, WorkloadCount
@@ -64,7 +64,7 @@ def count(
     if as_json:
         sys.stdout.write(json.dumps(_document(counted), indent=2) + "\n")
         return
-    stdout.print(_table(counted))
+    print_table(_table(counted))
     stderr.print(f"counted on the meta device in {time.perf_counter() - started:.1f} s", highlight=False)
 
 

@@ -37,6 +37,7 @@ from .common import (
     what_if_options,
     write_error,
 )
+from .tables import print_table
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
@@ -434,7 +435,7 @@ def _print_estimate(profile: Profile) -> None:
                       f"{stage.bwd_ms:.3f}", f"{stage.igrad_ms:.3f}/{stage.wgrad_ms:.3f}",
                       f"{stage.activation_bytes / MIB:,.1f}", f"{stage.param_bytes / MIB:,.1f}",
                       f"{stage.memory_bytes / MIB:,.0f}")
-    stdout.print(table)
+    print_table(table)
     links = [(what, link) for what, link in (("tensor-parallel group", estimate.tensor_link),
                                                ("between stages", estimate.stage_link),
                                                ("data-parallel group", estimate.data_parallel_link))]

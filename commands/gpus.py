@@ -10,7 +10,8 @@ import typer
 from rich import box
 from rich.table import Table
 
-from .common import GpusFile, fail, stdout
+from .common import GpusFile, fail
+from .tables import print_table
 
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")]
 
@@ -40,7 +41,7 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
                         (peak.fp32, peak.tf32, peak.bf16, peak.fp16, peak.fp8)),
                       f"{link.link} {link.gb_s_per_direction:g} x{link.gpus_per_node}",
                       f"{part.network.gbit_s:g} {part.network.kind}")
-    stdout.print(table)
+    print_table(table)
     if catalogue.cluster:
         clusters = Table(title="clusters", box=box.SIMPLE_HEAD)
         for column in ("cluster", "gpu", "nodes", "GPUs per node", "network"):
@@ -51,4 +52,4 @@ def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
             clusters.add_row(name, cluster.gpu, str(cluster.nodes),
                              str(cluster.gpus_per_node or (cluster.intra_node or part.intra_node).gpus_per_node),
                              f"{network.kind} {network.gbit_s:g} Gb/s")
-        stdout.print(clusters)
+        print_table(clusters)

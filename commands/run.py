@@ -50,6 +50,7 @@ from .common import (
     stdout,
     write_error,
 )
+from .tables import print_table
 
 DEVICES = ("cpu", "cuda")
 DataParallel = Annotated[int, typer.Option(
@@ -350,6 +351,6 @@ def _print_table(result, summary, trace: Path, html: Path | None) -> None:
     table.add_row(f"{summary.time_per_minibatch_ms:.2f}", f"{summary.samples_per_s:,.1f}",
                   f"{first:.4g} -> {last:.4g}", held,
                   ", ".join(f"{d.device}: {d.peak_memory_mb:,.2f}" for d in summary.devices))
-    stdout.print(table)
+    print_table(table)
     for path in (trace, *([html] if html else [])):
         stdout.print(f"wrote {path}", highlight=False)

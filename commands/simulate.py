@@ -55,6 +55,7 @@ from .common import (
     write_error,
 )
 from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, what_if
+from .tables import print_table
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
@@ -443,7 +444,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
         )
     for name in skipped:
         table.add_row(name, "skipped", *[""] * (len(headers) - 1 + limited), style="dim")
-    stdout.print(table)
+    print_table(table)
     if example:
         stdout.print("Built-in example: one model (per device: forward 1 ms, backward 2 ms, 256 MiB of weights; "
                      "update, prediction and averaging 0.1 ms; transfers 0.1 ms), split over each method's chunks. "
@@ -469,7 +470,7 @@ def list_schedules() -> None:
     for method in METHODS.values():
         policy = SYNCHRONOUS if method.needs_costs else method.build(method.params(4, 8)).policy
         table.add_row(method.name, method.summary, _policy_text(policy), _sources_text(policy))
-    stdout.print(table)
+    print_table(table)
     stdout.print("Sources and where they disagree: docs/methods.md", highlight=False)
 
 

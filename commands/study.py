@@ -31,6 +31,7 @@ from .common import (
     stdout,
     write_error,
 )
+from .tables import print_table
 
 
 def _optimizers(specs: list[str]) -> dict[str, float]:
@@ -247,4 +248,4 @@ def _print_table(setting, summaries) -> None:
         row += [s.per_stage(name) for name in ("forward_staleness", "prediction_distance",
                                                "backward_prediction_distance")]
         table.add_row(*row)
-    stdout.print(table)
+    print_table(table)

@@ -32,6 +32,7 @@ from .common import (
     write_error,
 )
 from .estimate import count_what_if, estimated_profile, what_if
+from .tables import print_table
 
 
 @optional_what_if_options
@@ -231,5 +232,5 @@ def _print_front(results: list, front: list[int]) -> None:
                       "-" if c.activation_limit is None else f"{c.activation_limit:g}",
                       f"{m.time_per_minibatch_ms:.3f}", f"{m.samples_per_s:,.1f}", f"{m.bubble_fraction:.1%}",
                       f"{m.peak_memory_mb:,.0f}", str(m.max_staleness))
-    stdout.print(table)
+    print_table(table)
 

@@ -28,6 +28,7 @@ from .common import (
     stdout,
 )
 from .estimate import RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
+from .tables import print_table
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
 
@@ -242,7 +243,7 @@ def _print_tuning(tuning, measured, work: dict) -> None:
         table.add_section()
         for row in tuning.excluded:
             add("over", row, style="dim")
-    stdout.print(table)
+    print_table(table)
     bounds = tuning.choice.result.candidate.bounds
     stdout.print("partition (layers per model stage): " + " | ".join(
         f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; all-reduce "

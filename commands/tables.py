@@ -1,0 +1,138 @@
+"""Tables that never cut a number. rich shrinks a table wider than the terminal by cutting its cells to "…";
+here a table is fitted instead: text wraps between words, a short cell (a number with its unit) never wraps,
+and a table that cannot fit even so is printed in parts of whole columns, the first column repeated in each,
+with a line that says so. Piped output without $COLUMNS takes the width the table needs."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
+from .common import stdout
+
+SHORT_CELL = 12  # characters: a cell this short is a value ("2,875.9 ms", "8.6%"), never wrapped
+UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
+
+
+def available_width(console: Console) -> int | None:
+    """The columns a table must fit: the terminal's, else $COLUMNS where set, else none (pipes and logs get
+    whole rows)."""
+    if console.is_terminal:
+        return console.width
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        return None
+    return columns if columns > 0 else None
+
+
+def _content_ranges(console: Console, table: Table) -> list[tuple[int, int]]:
+    """Each column's (narrowest, widest) content width: the narrowest keeps the header's longest word and every
+    short cell whole, and wraps longer cells between words."""
+    options = console.options.update_width(UNLIMITED)
+    ranges = []
+    for column in table.columns:
+        header = Measurement.get(console, options, column.header)
+        cells = [Measurement.get(console, options, cell) for cell in column.cells]
+        narrowest = max([header.minimum, *(c.maximum if c.maximum <= SHORT_CELL else c.minimum for c in cells)])
+        widest = max([header.maximum, *(c.maximum for c in cells)])
+        ranges.append((narrowest, widest))
+    return ranges
+
+
+def _narrowest_width(part: Table, ranges: list[tuple[int, int]]) -> int:
+    """The part's whole width at its narrowest: contents, padding and borders."""
+    return sum(narrowest + part._get_padding_width(k) for k, (narrowest, _) in enumerate(ranges)) + part._extra_width
+
+
+def _fitted_widths(ranges: list[tuple[int, int]], width: int) -> list[int]:
+    """Content widths that sum to at most `width`, each at least its narrowest: the widest gives way first."""
+    widths = [widest for _, widest in ranges]
+    while sum(widths) > width:
+        shrinkable = [i for i, (narrowest, _) in enumerate(ranges) if widths[i] > narrowest]
+        if not shrinkable:
+            break
+        widths[max(shrinkable, key=lambda i: widths[i])] -= 1
+    return widths
+
+
+def _part(table: Table, indices: list[int]) -> Table:
+    """The table with only the columns `indices`, without its title and caption (printed apart)."""
+    part = copy.copy(table)
+    part.columns = [replace(table.columns[i], _index=k) for k, i in enumerate(indices)]
+    part.title = part.caption = None
+    return part
+
+
+def _split(table: Table, ranges: list[tuple[int, int]], width: int) -> list[list[int]]:
+    """Column groups, in order, each fitting `width` at its narrowest with the first column repeated in front
+    (a column too wide even beside the first alone gets a part with it all the same)."""
+    groups: list[list[int]] = [[0]]
+    for index in range(1, len(ranges)):
+        grown = [*groups[-1], index]
+        if len(grown) > 2 and _narrowest_width(_part(table, grown), [ranges[i] for i in grown]) > width:
+            groups.append([0, index])
+        else:
+            groups[-1] = grown
+    return groups
+
+
+@contextmanager
+def _at_least(console: Console, width: int) -> Iterator[None]:
+    """The console at least `width` columns wide for a moment (a piped table wider than its 120)."""
+    saved = console.width
+    console.width = max(saved, width)
+    try:
+        yield
+    finally:
+        console.width = saved
+
+
+def _compact(table: Table) -> Table:
+    """The table with one space between columns instead of two (the box's rule, or padding without one), and
+    no edges."""
+    compact = copy.copy(table)
+    compact.padding = (0, 0) if table.box else (0, 1, 0, 0)
+    compact.pad_edge = False
+    compact.show_edge = False
+    return compact
+
+
+def print_table(table: Table, console: Console = stdout) -> None:
+    """Print `table` so that no cell is cut: whole where it fits, else with one space between columns, else
+    in parts of whole columns; its title and caption wrap at the width available, not at the table's."""
+    width = available_width(console)
+    ranges = _content_ranges(console, table)
+    parts = [list(range(len(ranges)))]
+    if width is not None and _narrowest_width(table, ranges) > width:
+        table = _compact(table)
+        if _narrowest_width(table, ranges) > width and len(ranges) > 2:
+            parts = _split(table, ranges, width)
+    tables = [_part(table, group) for group in parts]
+    if width is None:
+        width = max(console.width, sum(w for _, w in ranges) + sum(
+            table._get_padding_width(k) for k in range(len(ranges))) + table._extra_width)
+    for part, group in zip(tables, parts):
+        padding = sum(part._get_padding_width(k) for k in range(len(group))) + part._extra_width
+        for column, fitted in zip(part.columns, _fitted_widths([ranges[i] for i in group], width - padding)):
+            column.width = fitted
+            column.no_wrap = False
+            column.overflow = "fold"  # a word wider than the column (only where nothing else fits) keeps its letters
+    with _at_least(console, width):
+        if table.title:
+            console.print(table.title, style=table.title_style or "table.title", width=width, highlight=False)
+        for part in tables:
+            console.print(part)
+        if table.caption:
+            console.print(table.caption, style=table.caption_style or "table.caption", width=width, highlight=False)
+        if len(tables) > 1:
+            console.print(f"(wider than {width} columns: printed in {len(tables)} parts, the first column repeated "
+                          "in each; a wider terminal, or COLUMNS, shows it whole)", style="dim", width=width,
+                          highlight=False)

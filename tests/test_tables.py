@@ -1,0 +1,155 @@
+"""Tables never cut a number: every command's table at 80 and 120 columns, and the fitting itself over random
+tables at any width."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+from rich.table import Table
+
+from pipesim.commands.tables import SHORT_CELL, print_table
+from tests.conftest import pipesim
+
+REPO = Path(__file__).resolve().parents[1]
+NUMBER = re.compile(r"\d[\d,.]*%?")
+
+
+def rendered(table: Table, width: int | None, monkeypatch) -> list[str]:
+    """The lines `print_table` writes for `table` with $COLUMNS at `width` (None: piped, no limit)."""
+    if width is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(width))
+    out = io.StringIO()
+    print_table(table, Console(file=out, width=120, color_system=None))
+    return out.getvalue().splitlines()
+
+
+values = st.one_of(
+    st.integers(0, 10**7).map(lambda n: f"{n:,}"),
+    st.floats(0, 1e5, allow_nan=False).map(lambda x: f"{x:,.3f}"),
+    st.floats(0, 1).map(lambda x: f"{x:.1%}"),
+    st.sampled_from(["fits", "OOM on devices 0,1,2,3", "xpipe (s: paper)", "2% slower: busiest device 24,536 vs "
+                     "24,031 ms/step; same as pipedream-2bw p=4", "-"]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(columns=st.integers(1, 14), rows=st.integers(0, 5), width=st.integers(40, 200), data=st.data())
+def test_no_cell_is_cut_at_any_width(columns, rows, width, data, monkeypatch_session):
+    table = Table(title="a title " * data.draw(st.integers(0, 30)), caption="a caption " * 12)
+    headers = data.draw(st.lists(st.sampled_from(["schedule", "ms/step", "samples/s", "peak MiB", "why not", "p"]),
+                                 min_size=columns, max_size=columns))
+    for header in headers:
+        table.add_column(header, justify="right")
+    cells = [data.draw(st.lists(values, min_size=columns, max_size=columns)) for _ in range(rows)]
+    for row in cells:
+        table.add_row(*row)
+    lines = rendered(table, width, monkeypatch_session)
+    text = "\n".join(lines)
+    assert "…" not in text
+    assert max(map(len, lines), default=0) <= width
+    for row in cells:
+        for cell in row:  # a short cell whole on one line; a longer one's words each whole
+            for piece in [cell] if len(cell) <= SHORT_CELL else cell.split():
+                assert any(piece in line for line in lines), (piece, text)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_session():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_a_piped_table_takes_the_width_it_needs(monkeypatch):
+    table = Table(title="t")
+    for k in range(12):
+        table.add_column(f"column {k}")
+    table.add_row(*[f"{10 ** k:,}.25 ms" for k in range(12)])
+    lines = rendered(table, None, monkeypatch)
+    assert max(map(len, lines)) > 120  # not the console's 120: one row, every cell whole
+    assert any(all(f"{10 ** k:,}.25 ms" in line for k in range(12)) for line in lines)
+
+
+def test_a_table_too_wide_is_split_with_its_first_column_repeated_and_says_so(monkeypatch):
+    table = Table(title="t")
+    for k in range(12):
+        table.add_column(f"c{k}")
+    table.add_row("key", *[f"{10 ** k:,}.25" for k in range(11)])
+    lines = rendered(table, 80, monkeypatch)
+    assert sum("key" in line for line in lines) >= 2
+    assert any("printed in" in line and "parts" in line for line in lines)
+    assert all(len(line) <= 80 for line in lines)
+
+
+# Every command that prints a table, as a new user would type it (small sizes: seconds each).
+COMMANDS = {
+    "simulate": ["simulate", "-s", "1f1b", "-s", "zb-h1", "-s", "pipedream", "-s", "xpipe", "-p", "4", "-m", "8"],
+    "simulate --gpu": ["simulate", "-s", "1f1b", "-s", "zb-h1", "-p", "4", "-m", "8", "--gpu", "h100-sxm", "--model",
+                       "gpt", "--data-parallel", "2", "--tensor-parallel", "2"],
+    "schedules": ["schedules"],
+    "sweep": ["sweep", "-s", "1f1b,zb-h1,pipedream", "-p", "2,4", "-m", "8"],
+    "tune": ["tune", "--profile", "traces/profiles/gpt-cpu.json", "--devices", "8", "--memory-gb", "0.3"],
+    "gpus": ["gpus"],
+    "count": ["count", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "4"],
+    "estimate": ["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--stages", "4", "--out", "{tmp}/e.json"],
+    "compare": ["compare", "traces/measured/torch-1f1b-2cpu", "{tmp}/p.json"],
+    "study": ["study", "--plot-only", "--results", "traces/study/digits-mlp-p4.json", "--html", "{tmp}/s.html"],
+}
+
+
+def _output(args: list[str], columns: int | None, tmp_path, monkeypatch) -> str:
+    """The command's stdout with $COLUMNS at `columns` (None: unset), as a process started so would print it."""
+    from pipesim.commands import common
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(columns))
+    for console in (common.stdout, common.stderr):  # made at import: their width as if made under $COLUMNS
+        monkeypatch.setattr(console, "width", columns or 120)
+    code, out, err = pipesim(*[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert code == 0, err
+    return out
+
+
+def _numbers(out: str) -> set[str]:
+    """The numbers printed, less the seconds a command took (which differ run to run) and those in addresses
+    (which fold at any width: the whole address is one word)."""
+    out = re.sub(r"https?://\S+", "", out)
+    return set(NUMBER.findall(re.sub(r"[\d.]+ s\b", "", out)))
+
+
+# What a command reads that an earlier one writes.
+SETUP = {"compare": ["simulate", "-s", "1f1b", "-p", "2", "-m", "8", "-n", "3", "--trace", "{tmp}/p.json"]}
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_commands_table_keeps_its_numbers_at_80_and_120_columns(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    if name in SETUP:
+        _output(SETUP[name], None, tmp_path, monkeypatch)
+    whole = _output(COMMANDS[name], None, tmp_path, monkeypatch)
+    numbers = _numbers(whole)
+    for columns in (80, 120):
+        out = _output(COMMANDS[name], columns, tmp_path, monkeypatch)
+        assert "…" not in out, (columns, out)
+        assert max(map(len, out.splitlines())) <= columns, (columns, out)
+        assert numbers <= _numbers(out), (columns, numbers - _numbers(out), out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [
+    ["calibrate", "--model", "mlp", "--layers", "2", "--width", "16", "--stages", "2", "--out", "{tmp}/p.json"],
+    ["run", "-s", "1f1b", "--model", "mlp", "--layers", "2", "--width", "16", "--stages", "2", "-m", "2", "-n", "2",
+     "--trace", "{tmp}/t.json"],
+], ids=["calibrate", "run"])
+def test_measuring_commands_fit_80_columns(args, tmp_path, monkeypatch):
+    out = _output(args, 80, tmp_path, monkeypatch)
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
