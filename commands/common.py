@@ -169,8 +169,9 @@ optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", GpuName, None),
 # The searched method's knobs (auto), as numbers by `search_options`: text, so that a bad value gets our one line.
 ActivationLimit = Annotated[str | None, typer.Option(
     "--activation-limit", metavar="R", help="auto: the peak activation memory any device may hold, as a multiple of "
-                                            "what 1F1B holds on its first device for the same costs (default 1; 2: "
-                                            "twice). Where device memory is known, also what fits in it.")]
+                                            "1F1B's peak for the same costs, on its fullest device (default 1, "
+                                            "which always admits 1F1B's own order; 2: twice). Where device memory "
+                                            "is known, also what fits in it.")]
 SearchSeconds = Annotated[str | None, typer.Option(
     "--search-seconds", metavar="S", help="auto: the search's budget in seconds (default 0.3), counted in ops at "
                                           "a fixed rate, so the same inputs give the same schedule anywhere.")]

@@ -56,9 +56,9 @@ def sweep(
                              "form from (default: each method's primary source).")] = None,
     activation_limit: Annotated[str | None, typer.Option(
         "--activation-limit", metavar="R[,R...]", help="auto's activation limits R, comma-separated: the peak "
-                                                       "activation memory any device may hold, as a multiple of what "
-                                                       "1F1B holds on its first device (default: 1); only auto reads "
-                                                       "them.")] = None,
+                                                       "activation memory any device may hold, as a multiple of "
+                                                       "1F1B's peak on its fullest device (default: 1); only auto "
+                                                       "reads them.")] = None,
     search_seconds: SearchSeconds = None,
     cost_scale: Annotated[str | None, typer.Option(
         "--cost-scale", help="Factors on every compute time, comma-separated: a faster or slower accelerator on the "

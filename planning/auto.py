@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -46,6 +46,7 @@ _GRID = ((2.0, 1.0, True, 0), (2.0, 1.0, False, 0), (2.0, 1.0, False, 1), (1.0, 
          (math.inf, 0.0, True, 0), (1.5, 0.0, True, 0), (1.0, 1.0, False, 0), (3.0, 1.0, False, 0),
          (math.inf, math.inf, False, 0))
 DEFAULT_SECONDS = 0.3  # search budget unless --search-seconds says otherwise
+DEFAULT_LIMIT = 1.0  # R unless --activation-limit says otherwise: 1F1B's peak activation memory
 _OPS_PER_SECOND = 1_000_000  # ops scheduled or timed per CPU second (measured here: 1.0 to 1.4 million)
 
 
@@ -83,10 +84,11 @@ def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster, memory
                     progress: Callable[[float], None] | None = None) -> Schedule:
     """The `auto` schedule for `params` (p stages, one per device, m micro-batches, N mini-batches; its
     activation limit R and search budget) on `costs` and `links`, each device's activations capped by
-    R × what 1F1B holds on device 0 and, where `memory_bytes` knows a device's memory, by what fits beside its
+    R × 1F1B's peak (`one_f_one_b_peak`) and, where `memory_bytes` knows a device's memory, by what fits beside its
     weights, gradients, optimizer state and transfer buffers. `progress`, if given, is told the share of the
-    search's budget spent as it goes (a progress bar). Raises ScheduleError naming --activation-limit when a
-    device could not hold even one micro-batch."""
+    search's budget spent as it goes (a progress bar). Raises ActivationLimitError when R leaves a device less
+    than one micro-batch, ScheduleError when its memory does. The schedule records the R and budget it was
+    searched with, defaults included, so that a trace says what ran."""
     if params.chunks != 1 or params.pipelines != 1:
         raise ScheduleError(f"{METHOD} places one model stage per device in one pipeline: chunks and pipelines "
                             f"must be 1 (got {params.chunks} and {params.pipelines})")
@@ -94,7 +96,8 @@ def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster, memory
     times = stage_times(params, costs, links, memory_bytes, static_bytes(frame, costs))
     budget = params.search_seconds if params.search_seconds is not None else DEFAULT_SECONDS
     pattern = best_pattern(times, budget, progress)
-    return _schedule(params, _merge_backward(pattern, times))
+    limit = params.activation_limit if params.activation_limit is not None else DEFAULT_LIMIT
+    return _schedule(replace(params, activation_limit=limit, search_seconds=budget), _merge_backward(pattern, times))
 
 
 def schedule_frame(params: ScheduleParams) -> Schedule:
@@ -106,7 +109,9 @@ def schedule_frame(params: ScheduleParams) -> Schedule:
 def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_bytes: Sequence[int | None],
                 static: Sequence[int]) -> StageTimes:
     """The search's view of the costs; the activation limit in bytes per device (in micro-batches when no stage
-    saves activations). ScheduleError when a device's limit is below one micro-batch's activations."""
+    saves activations): R × 1F1B's peak, or less where the device's memory is known to hold less.
+    ActivationLimitError when R leaves a device less than one micro-batch's activations (naming the least R
+    that does not), ScheduleError when its memory does."""
     p, m = params.stages, params.microbatches
     ops = costs.op_ms_table(1)
     host = costs.overhead.host_ms + np.pad(np.asarray(costs.overhead.compute_ms), (0, len(KIND_CODE) - len(
@@ -132,27 +137,48 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
     unit = "bytes"
     if not held.any():  # no sizes given: count micro-batches
         held, kept, unit = np.ones(p), np.full(p, costs.wgrad_activation_fraction), "micro-batches"
-    limit_r = params.activation_limit if params.activation_limit is not None else 1.0
-    reference = min(p, m) * held[0]  # what 1F1B holds on its first device
-    limit = np.full(p, limit_r * reference)
+    limit_r = params.activation_limit if params.activation_limit is not None else DEFAULT_LIMIT
+    reference = one_f_one_b_peak(held.tolist(), m)
+    limit = np.full(p, limit_r * reference)  # a Python float: R up to 1e308 saturates to inf, silently
     for d, memory in enumerate(memory_bytes[:p]):
         if memory is not None and unit == "bytes":
             limit[d] = min(limit[d], memory - static[d] - _buffer_bytes(costs, d))
+
+    def amount(value: float) -> str:
+        return f"{value / MIB:,.1f} MiB" if unit == "bytes" else f"{value:g} micro-batch{'' if value == 1 else 'es'}"
+
     short = np.flatnonzero(limit < held - 1e-9)
     if len(short):
         d = int(short[0])
-
-        def amount(value: float) -> str:
-            return f"{value / MIB:,.1f} MiB" if unit == "bytes" else f"{value:g} micro-batches"
-
-        why = (f"its memory holds {amount(max(limit[d], 0.0))} of activations beside its weights, gradients and "
-               "optimizer state" if limit[d] < limit_r * reference else
-               f"R = {limit_r:g} leaves it {amount(limit[d])} of activations")
-        raise ActivationLimitError(f"--activation-limit: device {d}: {why}, less than one micro-batch's "
-                                   f"{amount(held[d])}; R must be at least {max(held / reference):.3g}")
+        if limit[d] < limit_r * reference:  # the device's memory binds, not R: no R helps
+            raise ScheduleError(f"{METHOD}: device {d}'s memory leaves {amount(max(limit[d], 0.0))} for "
+                                "activations beside its weights, gradients, optimizer state and transfer buffers, "
+                                f"less than one micro-batch's {amount(held[d])}: no --activation-limit helps; it "
+                                "needs more device memory or the model cut into more stages")
+        raise ActivationLimitError(f"--activation-limit: R = {limit_r:g} lets a device hold {amount(limit[d])} of "
+                                   f"activations (R = 1: {amount(reference)}, 1F1B's peak), less than one micro-batch "
+                                   f"of device {d}'s ({amount(held[d])}); R must be at least "
+                                   f"{least_limit(held[d], reference)}")
     opt = ops[:, KIND_CODE[Kind.OPT]] + host[KIND_CODE[Kind.OPT]]
     return StageTimes(tuple(map(tuple, op_ms.tolist())), tuple(opt.tolist()), send_ms, grad_ms,
                       tuple(held.tolist()), tuple(kept.tolist()), tuple(limit.tolist()), m)
+
+
+def one_f_one_b_peak(held: Sequence[float], microbatches: int) -> float:
+    """What R = 1 stands for: the most activation memory a device of 1F1B holds at once, on its fullest device
+    (stage k holds min(p - k, m) micro-batches from their F until their B), so that R = 1 always admits 1F1B's
+    own order, whichever stage saves the most."""
+    p = len(held)
+    return max(min(p - k, microbatches) * held[k] for k in range(p))
+
+
+def least_limit(needed: float, reference: float) -> str:
+    """The smallest R, as printed (three significant digits), that gives a device `needed` of `reference`'s:
+    rounded up, so that the value suggested is one that works."""
+    shown = float(f"{needed / reference:.3g}")
+    while shown * reference < needed - 1e-9:  # `stage_times`'s own test, on the value as the user will give it
+        shown = float(f"{shown + 10.0 ** (math.floor(math.log10(shown)) - 2):.3g}")
+    return f"{shown:g}"
 
 
 def _buffer_bytes(costs: Costs, k: int) -> float:
@@ -199,6 +225,7 @@ def _search(times: StageTimes, budget_seconds: float, progress: Callable[[float]
             break
         search.knobs(Knobs.scaled(times, *variant))
     search.improve()
+    search.polish()
     if progress is not None:
         progress(1.0)
     if search.best is None:  # cannot happen: one micro-batch at a time always fits (checked by `stage_times`)
@@ -266,6 +293,53 @@ class _Search:
                         continue
                     if self.knobs(replace(self.best_knobs, **{field: tuple(values)})):
                         improved = True
+
+
+    def polish(self) -> None:
+        """Local search on the best pattern itself, past what the list scheduler's knobs reach: one op of one device
+        moved to another place in its order (each kind's ops staying in micro-batch order, I after its F, W after
+        its I), the first move that shortens the step kept, until none does or the budget is spent."""
+        improved = self.best is not None
+        while improved:
+            improved = False
+            for k in range(self.times.stages):
+                for moved in _moves(self.best[k]):
+                    if not self.affords():
+                        return
+                    self.budget_ops -= self.cost_ops
+                    if self.consider((*self.best[:k], moved, *self.best[k + 1:]), None):
+                        improved = True
+                        break
+            if self.progress is not None:
+                self.progress(min(1.0, 1.0 - self.budget_ops / self.total_ops))
+
+
+def _moves(ops: tuple[tuple[int, int], ...]) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Device orders one op away from `ops`: each op put at each other place between the ops that must stay before
+    it (the previous op of its kind (I and B count as one), its own F or I) and those that must stay after it,
+    nearest places first."""
+    group = (0, 1, 2, 1)  # by op code: F, backward (I or B), W
+
+    def bound(code: int, j: int, other: tuple[int, int], before: bool) -> bool:
+        """Whether `other` must stay on its side of (code, j)."""
+        if group[other[0]] == group[code]:
+            return True
+        if before:
+            return (code != _F and other == (_F, j)) or (code == _W and other == (_I, j))
+        return (code == _F and other[1] == j) or (code == _I and other == (_W, j))
+
+    for a, (code, j) in enumerate(ops):
+        rest = ops[:a] + ops[a + 1:]
+        left = a
+        while left > 0 and not bound(code, j, ops[left - 1], True):
+            left -= 1
+        right = a
+        while right < len(ops) - 1 and not bound(code, j, ops[right + 1], False):
+            right += 1
+        for distance in range(1, max(a - left, right - a) + 1):
+            for b in (a - distance, a + distance):
+                if left <= b <= right:
+                    yield rest[:b] + ((code, j),) + rest[b:]
 
 
 @lru_cache(maxsize=8)
@@ -543,7 +617,7 @@ def _schedule(params: ScheduleParams, pattern: Pattern) -> Schedule:
 
 def activation_ratio(schedule: Schedule, costs: Costs) -> float:
     """The R a searched schedule holds: the most activation memory one of its devices holds at once (the search's
-    rule, `peak_bytes`, on its first mini-batch) over what 1F1B holds on its first device for the same costs.
+    rule, `peak_bytes`, on its first mini-batch) over 1F1B's peak for the same costs (`one_f_one_b_peak`).
     `tune`, which hands the search a device's whole memory, reports it."""
     params = ScheduleParams(**schedule.params)
     times = stage_times(params, costs, Cluster.uniform(params.stages, 0.0), (), [0] * params.stages)
@@ -553,4 +627,4 @@ def activation_ratio(schedule: Schedule, costs: Costs) -> float:
     pattern = tuple(tuple((code[kind], int(j)) for kind, j in zip(t.kind[first & (t.stage == k)],
                                                                      t.microbatch[first & (t.stage == k)]))
                     for k in range(params.stages))
-    return max(peak_bytes(pattern, times)) / (min(params.stages, params.microbatches) * times.held_bytes[0])
+    return max(peak_bytes(pattern, times)) / one_f_one_b_peak(times.held_bytes, params.microbatches)

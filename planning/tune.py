@@ -437,8 +437,8 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     method = METHODS[name]
     # A searched order is partitioned as its order at 1F1B's activations (R = 1) allows, then searched for that
-    # partition and the memory cap with an activation limit R no order reaches (every micro-batch on every stage, up
-    # to p times stage 0's each), so that the cap binds.
+    # partition and the memory cap with an activation limit R no order reaches (p·m times 1F1B's peak: more than
+    # every micro-batch on any stage), so that the cap binds.
     searched = {"activation_limit": 1.0, "search_seconds": problem.search_seconds} if method.needs_costs else {}
     params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas, **searched)
     probe = orders(scenario, name, params).schedule

@@ -29,7 +29,7 @@ class ScheduleParams:
     advance forwards (None: its own rule), averaging period (mini-batches) and elastic coefficient
     (None: 0.9 / P), the source of a predicting method's distances s (`prediction`, one of
     PREDICTION_SOURCES; None: the method's primary source), and for a searched schedule the peak activation
-    memory any device may hold as a multiple of what 1F1B holds on its first device (`activation_limit`; None:
+    memory any device may hold as a multiple of 1F1B's peak on its fullest device (`activation_limit`; None:
     1) and the search's time budget (`search_seconds`; None: the search's default). `data_parallel` (d) replicas of
     every pipeline train on their own micro-batches and average gradients in REDUCE rows, with the optimizer
     state sharded over them (ZeRO-1) when `sharded_optimizer`; `reduce_after_flush`: a device starts its stages'

@@ -9,11 +9,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipesim.planning.auto import forget_searches, search_schedule
+from pipesim.planning.auto import (
+    DEFAULT_SECONDS,
+    ActivationLimitError,
+    forget_searches,
+    one_f_one_b_peak,
+    search_schedule,
+)
 from pipesim.schedules import METHODS, ScheduleError, preflight
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.engine import static_bytes
-from pipesim.traces import summarize
+from pipesim.traces import read_trace, summarize
 from pipesim.units import MIB
 from tests.conftest import pipesim, simulate_json
 
@@ -50,13 +56,12 @@ def scenarios(draw):
 def test_property_auto_is_valid_within_its_limit_and_never_slower_than_a_fixed_order_that_fits(scenario, limit):
     p, m, costs, comm = scenario
     held = [c.activation_bytes for c in costs.stages]
-    limit = max(limit, max(held) / (min(p, m) * held[0]))  # at least one micro-batch on every device
     auto = search_schedule(METHODS["auto"].params(p, m, 2, activation_limit=limit, search_seconds=0.05), costs,
                            Cluster.uniform(p, comm))
     preflight(auto, dry_run=True)
     trace, summary = _run(auto, costs, comm)
     assert summary.max_staleness == 0
-    allowed = limit * min(p, m) * costs.stages[0].activation_bytes  # R × what 1F1B holds on its first device
+    allowed = limit * one_f_one_b_peak(held, m)  # R × what 1F1B holds at most on one device
     assert max(_peak_activation_bytes(trace, auto, costs)) <= allowed + 1
     for name in FIXED:
         try:
@@ -87,9 +92,10 @@ def test_the_search_reports_its_progress_up_to_done():
 def test_auto_needs_costs_and_a_limit_that_holds_one_microbatch():
     with pytest.raises(ScheduleError, match="auto searches its order from the stage costs"):
         METHODS["auto"].build(METHODS["auto"].params(4, 8))
-    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=[1.0, 1.0, 4.0, 1.0])
-    with pytest.raises(ScheduleError, match="--activation-limit: device 2: .* R must be at least 1"):
-        search_schedule(METHODS["auto"].params(4, 8, activation_limit=0.9), costs, Cluster.uniform(4, 0.0))
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=[1.0, 1.0, 4.0, 1.0])  # 1F1B's peak: 8 MiB
+    with pytest.raises(ActivationLimitError, match="--activation-limit: R = 0.45 lets a device hold 3.6 MiB .* "
+                                                   "device 2's .* R must be at least 0.5$"):
+        search_schedule(METHODS["auto"].params(4, 8, activation_limit=0.45), costs, Cluster.uniform(4, 0.0))
 
 
 def test_device_memory_caps_the_limit():
@@ -107,7 +113,7 @@ def test_simulate_shows_auto_beside_the_fixed_schedules_and_refuses_bad_limits()
                             "--comm", "0.1", "--activation-limit", "1")
     step = {r["schedule"]: r["time_per_minibatch_ms"] for r in results}
     assert list(step) == ["auto", "1f1b", "zb-h1"] and step["auto"] <= min(step.values())
-    for args, fragment in ((["--activation-limit", "0.1"], "--activation-limit: device 0: R = 0.1 leaves it"),
+    for args, fragment in ((["--activation-limit", "0.1"], "--activation-limit: R = 0.1 lets a device hold"),
                            (["--activation-limit", "x"], "--activation-limit: give one number above 0 (got 'x')"),
                            (["--search-seconds", "-1"], "--search-seconds: give one number above 0")):
         code, _, err = pipesim("simulate", "-s", "auto", *args)
@@ -135,3 +141,58 @@ def test_auto_matches_or_beats_the_zero_bubble_papers_automatic_schedules(row):
                                Cluster.uniform(p, row["comm_ms"]))
         bubble = 1 - ideal / _run(auto, costs, row["comm_ms"])[1].time_per_minibatch_ms
         assert round(bubble, 4) <= published, (limit, bubble, published)
+
+
+PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
+
+
+def test_r_1_admits_1f1b_where_the_first_stage_saves_little():
+    """R counts against 1F1B's fullest device, not its first: on the GPT profile at 16 stages (stage 0, the
+    embedding, saves 0.07 MiB a micro-batch, the others 16 MiB) the default R = 1 runs, and auto, which may then
+    hold what 1F1B holds, is no slower than 1F1B."""
+    results = simulate_json("-s", "auto", "-s", "1f1b", "--profile", PROFILES / "gpt-cpu.json", "-p", "16")
+    step = {r["schedule"]: r["time_per_minibatch_ms"] for r in results}
+    assert step["auto"] <= step["1f1b"]
+    peak = {r["schedule"]: max(d["peak_activations"] for d in r["devices"]) for r in results}
+    assert peak["auto"] <= 16  # every micro-batch's activations on some device at most, within 1F1B's 15 × 16 MiB
+
+
+def test_a_first_stage_that_saves_nothing_still_has_a_limit():
+    """Stage 0 saving no activations used to make 1F1B's reference 0 (every R refused, 'at least nan')."""
+    results = simulate_json("-s", "auto", "-s", "1f1b", "-p", "4", "--fwd", "1", "--bwd", "2",
+                            "--activation-mb", "0,64,64,64")
+    assert results[0]["time_per_minibatch_ms"] <= results[1]["time_per_minibatch_ms"]
+    code, _, err = pipesim("simulate", "-s", "auto", "-p", "4", "--activation-mb", "0,64,64,64",
+                           "--activation-limit", "0.1")
+    assert code == 2 and "R must be at least 0.334" in err and "nan" not in err, err  # 64 of 3 × 64 MiB
+
+
+def test_the_least_r_suggested_is_rounded_up_and_works():
+    args = ("simulate", "-s", "auto", "-p", "3", "-m", "3", "--activation-mb", "1")  # 1F1B's peak: 3 micro-batches
+    code, _, err = pipesim(*args, "--activation-limit", "0.3")
+    assert code == 2 and err.rstrip().endswith("R must be at least 0.334"), err  # 1/3, not "0.333"
+    assert pipesim(*args, "--activation-limit", "0.333").code == 2
+    assert pipesim(*args, "--activation-limit", "0.334").code == 0
+
+
+def test_short_device_memory_asks_for_memory_not_a_larger_r():
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=64.0, param_mb=80.0, output_mb=0.0)
+    memory = [(80 + 80 + 160 + 20) * MIB] * 4  # weights, gradients, Adam's two moments, and 20 MiB
+    with pytest.raises(ScheduleError, match="device 0's memory leaves 20.0 MiB for activations .* no "
+                                            "--activation-limit helps") as refused:
+        search_schedule(METHODS["auto"].params(4, 8, activation_limit=4.0), costs, Cluster.uniform(4, 0.0), memory)
+    assert not isinstance(refused.value, ActivationLimitError) and "R must be" not in str(refused.value)
+
+
+def test_no_numpy_warning_leaks(recwarn):
+    """R = 1e308 saturates (1F1B's peak times R is infinite); a stage saving nothing divides nothing by zero."""
+    for args in (["--activation-limit", "1e308"], ["--activation-mb", "0,64,64,64", "--activation-limit", "0.1"]):
+        code, _, err = pipesim("simulate", "-s", "auto", "-p", "4", *args)
+        assert code in (0, 2) and "Warning" not in err, err
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_trace_records_the_r_and_budget_used_defaults_included(tmp_path):
+    assert pipesim("simulate", "-s", "auto", "-p", "4", "--trace", tmp_path / "t.json").code == 0
+    params = read_trace(tmp_path / "t.json").meta.params
+    assert (params["activation_limit"], params["search_seconds"]) == (1.0, DEFAULT_SECONDS)

@@ -249,7 +249,7 @@ def without(module, monkeypatch):
     (["--workers", "0"], "--workers"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
     (["-s", "auto", "--activation-limit", "1,x"], "--activation-limit: give one number above 0 (got 'x')"),
-    (["-s", "auto", "--activation-limit", "0.01"], "--activation-limit: device 0: R = 0.01 leaves it"),
+    (["-s", "auto", "--activation-limit", "0.01"], "--activation-limit: R = 0.01 lets a device hold"),
     (["-s", "auto", "--search-seconds", "0"], "--search-seconds: give one number above 0 (got '0')"),
     (["--grid", "GRID:activation-limit = [-1]"], "activation-limit: values must be finite numbers > 0 (got -1)"),
 ])

@@ -279,7 +279,7 @@ def csv_file(tmp_path):
     (lambda f, d: ["export", "-s", "auto", "--format", "torch-csv", "--out", f"{d}/x"],
      "--fwd and --bwd, or --profile: auto searches its order from the stage costs"),
     (lambda f, d: ["export", "-s", "auto", "--fwd", "1", "--bwd", "2", "--activation-limit", "0.1", "--format",
-                   "torch-csv", "--out", f"{d}/x"], "--activation-limit: device 0: R = 0.1 leaves it"),
+                   "torch-csv", "--out", f"{d}/x"], "--activation-limit: R = 0.1 lets a device hold"),
     (lambda f, d: ["export", "-s", "auto", "--fwd", "1", "--bwd", "2", "--activation-limit", "x", "--format",
                    "torch-csv", "--out", f"{d}/x"], "--activation-limit: give one number above 0 (got 'x')"),
     (lambda f, d: ["export", "-s", "1f1b", "--fwd", "1", "--format", "torch-csv", "--out", f"{d}/x"],
