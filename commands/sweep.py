@@ -123,7 +123,17 @@ def sweep(
     with --gpu the model's (--model and its size flags) estimated on a catalogue GPU for each p.
     """
 
-    from ..planning.sweep import AXES, Grid, GridError, load_grid, pareto_front, parse_axis, run, write_results
+    from ..planning.sweep import (
+        AXES,
+        Grid,
+        GridError,
+        load_grid,
+        one_row_per_schedule,
+        pareto_front,
+        parse_axis,
+        run,
+        write_results,
+    )
     from ..schedules import METHODS
     from ..sim import ClusterError
 
@@ -176,6 +186,7 @@ def sweep(
         refused = _limit_refused(results)
         if refused:
             raise InputError(refused)
+        results = one_row_per_schedule(results)
         front = pareto_front(results)
         if out is not None:
             write_results(results, out)
@@ -213,16 +224,22 @@ def _print_front(results: list, front: list[int]) -> None:
     from ..planning.sweep import front_group
 
     skipped = sum(r.metrics is None for r in results)
+    folded = sum(len(r.same_as) for r in results)
     table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
                         f"mini-batch size: {len(front)} of {len(results) - skipped} configurations that ran "
-                        f"({skipped} skipped)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                        f"({skipped} skipped" + (f", {folded} more the same schedule as one of them" if folded else "")
+                        + ")", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                   if len(front) > FRONT_ROWS else None, caption_justify="left")
     table.add_column("schedule", no_wrap=True)
     for header in ("p", "m", "v", "P", "cost×", "s", "R", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
         table.add_column(header, justify="right", no_wrap=True)
+    shown = front[:FRONT_ROWS]
+    folds = any(results[i].same_as for i in shown)
+    if folds:
+        table.add_column("same schedule as", no_wrap=True)
     group = None
-    for i in front[:FRONT_ROWS]:
+    for i in shown:
         c, m = results[i].config, results[i].metrics
         if group is not None and group != front_group(c):
             table.add_section()
@@ -231,6 +248,7 @@ def _print_front(results: list, front: list[int]) -> None:
                       f"{c.cost_scale:g}", c.prediction or "-",
                       "-" if c.activation_limit is None else f"{c.activation_limit:g}",
                       f"{m.time_per_minibatch_ms:.3f}", f"{m.samples_per_s:,.1f}", f"{m.bubble_fraction:.1%}",
-                      f"{m.peak_memory_mb:,.0f}", str(m.max_staleness))
+                      f"{m.peak_memory_mb:,.0f}", str(m.max_staleness),
+                      *([", ".join(s.variant for s in results[i].same_as) or "-"] if folds else []))
     print_table(table)
 

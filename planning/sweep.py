@@ -3,14 +3,16 @@ distance s × auto's activation limit R), run in worker processes or as Ray task
 results over time per mini-batch, peak memory and staleness.
 
 A configuration a method cannot run is a result too (status "skipped", with the reason), so a grid never
-fails half-way. What each simulation needs besides its shape (costs, links, a stage DAG) comes from a
-`Scenario` (the very one `pipesim simulate` builds) shipped to the workers by value. Workers import the
-simulator only, never torch or the command line.
+fails half-way. Configurations that simulate the same run (one schedule under two names: interleaved 1F1B at
+v = 1 is 1F1B) are one result, which names the others (`one_row_per_schedule`). What each simulation needs
+besides its shape (costs, links, a stage DAG) comes from a `Scenario` (the very one `pipesim simulate` builds)
+shipped to the workers by value. Workers import the simulator only, never torch or the command line.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import math
 import multiprocessing
@@ -28,7 +30,7 @@ from ..schedules.ir import PREDICTION_SOURCES
 from ..sim.cluster import ClusterError
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
-from ..traces import summarize, write_atomic
+from ..traces import Trace, summarize, write_atomic
 from .auto import ActivationLimitError
 from .scenario import Scenario
 
@@ -70,6 +72,14 @@ class Config:
                 + (f" R={self.activation_limit:g}" if self.activation_limit is not None else "")
                 + (f" d={self.data_parallel}" if self.data_parallel > 1 else ""))
 
+    @property
+    def variant(self) -> str:
+        """What tells this configuration from another of the same shape (p, m, N, P, d) and cost scale: the method
+        and the axes only some methods read (v, the source of s, R)."""
+        return (self.schedule + (f" v={self.chunks}" if METHODS[self.schedule].reads("chunks") else "")
+                + (f" s: {self.prediction}" if self.prediction else "")
+                + (f" R={self.activation_limit:g}" if self.activation_limit is not None else ""))
+
 
 @dataclass(frozen=True)
 class Metrics:
@@ -84,26 +94,33 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Result:
+    """`run_key`: the digest of the run simulated (`run_key()`; "" when skipped); `same_as`: the grid's other
+    configurations that simulated the very same run (one schedule under other names), folded into this row."""
+
     config: Config
     metrics: Metrics | None = None  # None: the configuration was skipped
     reason: str = ""
     limit_refused: bool = False  # skipped: its activation limit R leaves a device less than one micro-batch
+    run_key: str = ""
+    same_as: tuple[Config, ...] = ()
 
     @property
     def status(self) -> str:
         return "skipped" if self.metrics is None else "ok"
 
     def record(self) -> dict[str, object]:
-        """One flat row: the inputs, the metrics (None when skipped), status and reason."""
+        """One flat row: the inputs, the metrics (None when skipped), status, reason and the configurations it
+        stands for too ("; "-separated, as `Config.variant` names them)."""
         metrics = asdict(self.metrics) if self.metrics else dict.fromkeys(f.name for f in fields(Metrics))
-        return {**asdict(self.config), **metrics, "status": self.status, "reason": self.reason}
+        return {**asdict(self.config), **metrics, "status": self.status, "reason": self.reason,
+                "same_as": "; ".join(c.variant for c in self.same_as)}
 
 
 # The columns of the results file and their types (for Parquet's schema and for readers of the CSV).
 COLUMNS: dict[str, type] = {
     **{f.name: {"str": str, "str | None": str, "int": int, "float": float, "float | None": float}[f.type]
        for f in (*fields(Config), *fields(Metrics))},
-    "status": str, "reason": str,
+    "status": str, "reason": str, "same_as": str,
 }
 
 
@@ -205,13 +222,54 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
                 config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines,
                 prediction=config.prediction, activation_limit=config.activation_limit,
                 search_seconds=config.search_seconds, data_parallel=config.data_parallel))
-            summary = summarize(simulate(sched, scaled.costs(sched), scaled.links(sched)))
+            trace = simulate(sched, scaled.costs(sched), scaled.links(sched))
+            summary = summarize(trace)
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))
             continue
         results.append(Result(replace(config, prediction=sched.params.get("prediction")), Metrics(**{
-            f.name: COLUMNS[f.name](getattr(summary, f.name)) for f in fields(Metrics)})))  # plain Python numbers
+            f.name: COLUMNS[f.name](getattr(summary, f.name)) for f in fields(Metrics)}),  # plain Python numbers
+            run_key=run_key(trace)))
     return results
+
+
+def run_key(trace: Trace) -> str:
+    """A digest of a simulated run but its names: every op (device, stream, kind, indices, weight version and
+    prediction distance read, start, duration) and every counter (memory, activations, weight copies). Two
+    configurations with one key ran the same schedule on the same weights: interleaved 1F1B at v = 1 is 1F1B,
+    SpecTrain's s from the paper is its s from the code. The simulator is deterministic, so equal inputs give one."""
+    digest = hashlib.sha256()
+
+    def add(name: str, values: np.ndarray) -> None:
+        column = np.ascontiguousarray(values)
+        digest.update(f"{name}:{column.dtype.str}:{len(column)}:".encode())
+        digest.update(column.tobytes())
+
+    digest.update(repr((trace.kinds, trace.num_devices)).encode())
+    for f in fields(trace.ops):
+        add(f.name, getattr(trace.ops, f.name))
+    for name in sorted(trace.counters):
+        for device, counter in enumerate(trace.counters[name]):
+            add(f"{name}[{device}].t", counter.times_us)
+            add(f"{name}[{device}].v", counter.values)
+    return digest.hexdigest()
+
+
+def one_row_per_schedule(results: Sequence[Result]) -> list[Result]:
+    """The results with each run once: a configuration that simulated the run of an earlier one (the same `run_key`
+    and cost scale) is folded into that one's `same_as`. Skipped rows stay, each with its own reason."""
+    first: dict[tuple[str, float], int] = {}
+    kept: list[Result] = []
+    for r in results:
+        key = (r.run_key, r.config.cost_scale)
+        if r.metrics is None or key not in first:
+            if r.metrics is not None:
+                first[key] = len(kept)
+            kept.append(r)
+            continue
+        earlier = kept[first[key]]
+        kept[first[key]] = replace(earlier, same_as=(*earlier.same_as, r.config))
+    return kept
 
 
 def _chunks(configs: list[Config], workers: int) -> list[tuple[int, list[Config]]]:
@@ -328,6 +386,11 @@ def write_results(results: Sequence[Result], path: Path) -> None:
     write_atomic(path, buffer.getvalue().to_pybytes())
 
 
+def _also(r: Result, separator: str) -> str:
+    """The configurations `r` stands for too, after `separator`; nothing when it stands for itself alone."""
+    return f"{separator}the same schedule as {', '.join(c.variant for c in r.same_as)}" if r.same_as else ""
+
+
 STALENESS_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "star")  # staleness 0, 1, 2, 3, 4 or more
 
 
@@ -339,8 +402,9 @@ def _group_name(key: tuple[int, float, int]) -> str:
 def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     """Time per mini-batch against peak memory: a colour per schedule (the legend), a symbol per staleness,
     filled where a configuration is on its Pareto front and hollow where another dominates it, the configuration
-    in the hover (with any other drawn on the same spot, which it hides). Fronts compare only their own group
-    (p, cost scale, mini-batch), so a dropdown shows one group at a time, or every group at once."""
+    in the hover (with those it stands for too, and any other drawn on the same spot, which it hides). Fronts
+    compare only their own group (p, cost scale, mini-batch), so a dropdown shows one group at a time, or every
+    group at once."""
     import plotly.graph_objects as go
     from plotly.colors import qualitative
 
@@ -355,7 +419,8 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
         m = r.metrics
         return front_group(r.config), m.time_per_minibatch_ms, m.peak_memory_mb, m.max_staleness
 
-    at_point: dict[tuple, list[str]] = {}  # configurations drawn on one spot (interleaved 1F1B at v = 1 is 1F1B)
+    # Different runs drawn on one spot (PipeDream-2BW reads other weights than PipeDream in the same time and memory)
+    at_point: dict[tuple, list[str]] = {}
     for i in ran:
         at_point.setdefault(point(results[i]), []).append(results[i].config.label)
 
@@ -364,7 +429,7 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
         others = [label for label in at_point[point(r)] if label != r.config.label]
         return (f"<b>{r.config.label}</b>{' (on its front)' if best else ''}<br>{m.time_per_minibatch_ms:.3f} ms "
                 f"per mini-batch, {m.samples_per_s:,.1f} samples/s<br>peak {m.peak_memory_mb:,.0f} MiB, staleness "
-                f"{m.max_staleness}, bubble {m.bubble_fraction:.1%}"
+                f"{m.max_staleness}, bubble {m.bubble_fraction:.1%}" + _also(r, "<br>")
                 + (f"<br>same point as {', '.join(others)}" if others else ""))
 
     fig = go.Figure()
@@ -437,7 +502,7 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
 
     ran = sum(r.metrics is not None for r in results)
     best = [results[i] for i in front]
-    columns = {"configuration": [r.config.label for r in best],
+    columns = {"configuration": [r.config.label + _also(r, ": ") for r in best],
                "cost×, m·P": [f"{r.config.cost_scale:g}, {r.config.microbatches * r.config.pipelines}"
                               for r in best],
                "ms/step": axis(best, "time_per_minibatch_ms"),
@@ -448,6 +513,8 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
         cells={"values": list(columns.values()), "align": "left", "height": 26,
                "format": [None, None, ".3f", ",.0f", "d", ",.1f", ".1%"]}))
     table.update_layout(height=80 + 26 * (len(best) + 1), margin={"t": 10, "b": 10})
-    write_html([(f"Trade-off: time per mini-batch vs peak memory, {ran} configurations ({len(results) - ran} "
-                 "skipped), one Pareto front per p, cost scale and mini-batch size", tradeoff_figure(results, front)),
+    folded = sum(len(r.same_as) for r in results)
+    write_html([(f"Trade-off: time per mini-batch vs peak memory, {ran} configurations ({len(results) - ran} skipped"
+                 + (f", {folded} more the same schedule as one of them" if folded else "")
+                 + "), one Pareto front per p, cost scale and mini-batch size", tradeoff_figure(results, front)),
                 (f"Pareto fronts: {len(best)} configurations", table)], path, title="pipesim sweep")

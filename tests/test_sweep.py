@@ -48,7 +48,7 @@ def test_unrunnable_configurations_are_skipped_rows_with_reasons(tmp_path):
                             "-j", "1", "--out", out)
     assert code == 0 and "Pareto fronts" in text
     rows = read_csv(out)
-    assert len(rows) == 2 + 4 + 4
+    assert len(rows) == 2 + 4 + 4 - 2  # interleaved-1f1b at v = 1 is 1f1b's row
     skipped = {(r["schedule"], r["microbatches"], r["chunks"]): r["reason"] for r in rows if r["status"] == "skipped"}
     assert set(skipped) == {("zb-v", 6, 1), ("zb-v", 8, 1), ("interleaved-1f1b", 6, 2)}
     assert "chunks must be 2" in skipped["zb-v", 6, 1]
@@ -199,18 +199,41 @@ def test_trade_off_view_names_each_schedule_and_shows_one_front_at_a_time():
     assert not any("same point as" in text for t in fig.data for text in t.text)
 
 
-def test_trade_off_view_names_the_configurations_one_dot_hides():
-    """Interleaved 1F1B at v = 1 is 1F1B: both are drawn on one spot, and each one's hover names the other."""
-    from pipesim.planning.sweep import tradeoff_figure
+def test_one_run_under_several_names_is_one_row_naming_the_others(tmp_path):
+    """Interleaved 1F1B at v = 1 simulates 1F1B's run, and SpecTrain's s from the paper equals its s from the code:
+    each is folded into the first configuration of its run (per cost scale), in the results file, the terminal's
+    fronts and the page; other configurations, and skipped ones, stay rows of their own."""
+    out, page = tmp_path / "r.csv", tmp_path / "t.html"
+    code, text, err = pipesim("sweep", "-s", "1f1b,interleaved-1f1b,spectrain,zb-v", "-p", "2", "-m", "4", "-n", "2",
+                              "-v", "1,2", "--prediction", "paper,code", "--cost-scale", "1,2", "-j", "1",
+                              "--out", out, "--html", page)
+    assert code == 0, err
+    rows = read_csv(out)
+    shown = {(r["schedule"], r["chunks"], r["prediction"], r["cost_scale"]): r["same_as"] for r in rows}
+    assert shown == {**{("1f1b", 1, None, scale): "interleaved-1f1b v=1" for scale in (1.0, 2.0)},
+                     **{("interleaved-1f1b", 2, None, scale): "" for scale in (1.0, 2.0)},
+                     **{("spectrain", 1, "paper", scale): "spectrain s: code" for scale in (1.0, 2.0)},
+                     **{("zb-v", v, None, scale): "" for v in (1, 2) for scale in (1.0, 2.0)}}
+    assert [r["status"] for r in rows if r["schedule"] == "zb-v" and r["chunks"] == 1] == ["skipped"] * 2
+    assert "4 more the same schedule as one of them" in " ".join(text.split())
+    assert "same schedule as" in text.splitlines()[3] and "interleaved-1f1b v=1" in text
+    assert "the same schedule as interleaved-1f1b v=1" in page.read_text()
 
-    configs = Grid(("1f1b", "interleaved-1f1b"), (2,), (4,), 2, chunks=(1,)).configs()
-    results = [r for _, r in sorted(run(MODEL, configs), key=lambda pair: pair[0])]
+
+def test_trade_off_view_names_the_configurations_one_dot_hides():
+    """PipeDream-2BW reads other weights than PipeDream (another run) in the same time and memory: both are
+    drawn on one spot, and each one's hover names the other."""
+    from pipesim.planning.sweep import one_row_per_schedule, tradeoff_figure
+
+    configs = Grid(("pipedream", "pipedream-2bw"), (2,), (4,), 4).configs()
+    results = one_row_per_schedule([r for _, r in sorted(run(MODEL, configs), key=lambda pair: pair[0])])
+    assert len(results) == 2 and not any(r.same_as for r in results)
     fig = tradeoff_figure(results, pareto_front(results))
     texts = {text.split("</b>")[0].removeprefix("<b>"): text for t in fig.data for text in t.text}
-    (plain,) = [label for label in texts if label.startswith("1f1b")]
-    (interleaved,) = [label for label in texts if label.startswith("interleaved")]
-    assert texts[plain].endswith(f"same point as {interleaved}")
-    assert texts[interleaved].endswith(f"same point as {plain}")
+    (plain,) = [label for label in texts if label.startswith("pipedream p")]
+    (double,) = [label for label in texts if label.startswith("pipedream-2bw")]
+    assert texts[plain].endswith(f"same point as {double}")
+    assert texts[double].endswith(f"same point as {plain}")
 
 
 def test_workers_never_import_torch():
