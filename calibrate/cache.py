@@ -9,6 +9,11 @@ depends on both, and is kept too, keyed by the model's workload as well (model, 
 micro-batch, threads, processes), for a calibration of the same model again. What depends on the model alone
 (its layers, stage passes and steps, the gaps after its rows) is measured every time.
 
+A cache never changes an answer silently: an entry records when it was measured and the host's load meanwhile
+(traces/hostload.py), and is measured again, saying why, when it is older than MAX_AGE_S or the host's load per
+core differs from the load now (the 2-core host's contention factor went from 1.24x to 2.31x in 20 minutes, and
+a factor kept from a busy hour doubled a quiet hour's predictions).
+
 The directory is `$PIPESIM_CACHE_DIR`, else `$XDG_CACHE_HOME/pipesim`, else `~/.cache/pipesim`. One JSON file
 per entry, written atomically; a file that cannot be read or does not match its key is measured again.
 """
@@ -23,14 +28,16 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ..traces import write_atomic
+from ..traces.hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, format_age, loads_differ, mark, utc_now
 from ..workload.cachedir import cache_dir
 
 CACHE_VERSION = 3  # raised when what a cached entry holds, or how it is measured, changes
+MAX_AGE_S = 24 * 3600.0  # a kept term older than this is measured again
 
 
 def host_identity() -> dict[str, Any]:
@@ -45,12 +52,15 @@ def host_identity() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Cached:
-    """A per-host term as used: its value, when it was measured (UTC, ISO 8601), and whether this calibration
-    measured it (False: taken from the cache)."""
+    """A per-host term as used: its value, when it was measured (UTC, ISO 8601), whether this calibration
+    measured it (False: taken from the cache), the host's load while it was measured (None: not recorded) and,
+    where measured now, why (`measured_because`)."""
 
     value: Any
     measured_at: str
     fresh: bool
+    load: HostLoad | None = None
+    measured_because: str = ""
 
     @property
     def age_s(self) -> float:
@@ -58,61 +68,86 @@ class Cached:
 
     def meta(self) -> dict[str, Any]:
         """What the profile records of it (in the term's `meta["host_cache"]`)."""
-        return {"measured_at": self.measured_at, "age_s": round(self.age_s, 1), "reused": not self.fresh}
+        return {"measured_at": self.measured_at, "age_s": round(self.age_s, 1), "reused": not self.fresh,
+                "load": self.load.to_dict() if self.load is not None else None,
+                **({"measured_because": self.measured_because} if self.fresh else {})}
 
     def describe(self) -> str:
-        """One phrase for the output: measured now, or how old the cached measurement is."""
-        return "measured now, kept in the host cache" if self.fresh else \
-            f"from the host cache, measured {format_age(self.age_s)} ago; --fresh measures again"
+        """One phrase for the output: measured now and why, or how old the cached measurement is and under what
+        load it was taken."""
+        load = self.load.describe() if self.load is not None else "load not recorded"
+        if self.fresh:
+            return f"measured now at {load}, kept in the host cache; {self.measured_because}"
+        return f"from the host cache, measured {format_age(self.age_s)} ago at {load}; --fresh measures again"
 
 
 def fresh(measure: Callable[[], Any]) -> Cached:
     """`measure()` taken now, kept nowhere."""
-    return measured_now(measure())
-
-
-def measured_now(value: Any) -> Cached:
-    """`value`, measured just now."""
-    return Cached(value, datetime.now(timezone.utc).isoformat(timespec="seconds"), fresh=True)
-
-
-def format_age(seconds: float) -> str:
-    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= scale:
-            return f"{seconds / scale:.0f} {unit}"
-    return f"{seconds:.0f} s"
+    return Cached(measure(), utc_now(), fresh=True, measured_because="no host cache")
 
 
 class HostCache:
     """The per-host terms in `directory` (default `cache_dir()`); `fresh` measures every term again (and keeps
-    the new value). A directory that cannot be written only loses the reuse: the measurement still counts."""
+    the new value). A kept term is measured again, not reused, when it is older than MAX_AGE_S or when the
+    host's load per core when it was measured differs from `load_now` (the load when this calibration began;
+    default: now) by more than LOAD_TOLERANCE_PER_CORE (traces/hostload.py), or when it does not say. A
+    directory that cannot be written only loses the reuse: the measurement still counts."""
 
-    def __init__(self, directory: Path | None = None, fresh: bool = False) -> None:
+    def __init__(self, directory: Path | None = None, fresh: bool = False, load_now: HostLoad | None = None) -> None:
         self.directory = directory if directory is not None else cache_dir()
         self.fresh = fresh
+        self.load_now = load_now if load_now is not None else HostLoad.now()
         self.unwritable: str | None = None  # why the last store failed, if it did
+        self._missed: dict[Path, str] = {}  # why `find` found no term to reuse at a path, for `keep` to say
 
     def path(self, kind: str, key: dict[str, Any]) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         return self.directory / f"{kind}-{digest}.json"
 
-    def get(self, kind: str, settings: dict[str, Any], measure: Callable[[], Any]) -> Cached:
-        """The term `kind` measured with `settings` on this host: from the cache unless fresh or not there,
-        else `measure()` (a JSON-serialisable value), which is then kept."""
+    def get(self, kind: str, settings: dict[str, Any], measure: Callable[[], Any], own_tasks: int) -> Cached:
+        """The term `kind` measured with `settings` on this host: from the cache where it holds one to reuse,
+        else `measure()` (a JSON-serialisable value, running up to `own_tasks` busy tasks of its own), which is
+        then kept with the host's load while it ran."""
         found = self.find(kind, settings)
-        return found if found is not None else self.keep(kind, settings, measure())
+        if found is not None:
+            return found
+        start = mark()
+        value = measure()
+        return self.keep(kind, settings, value, HostLoad.since(start, own_tasks))
 
     def find(self, kind: str, settings: dict[str, Any]) -> Cached | None:
-        """The term `kind` measured with `settings` on this host, if the cache holds it and is not fresh."""
-        return None if self.fresh else _read(*self._located(kind, settings))
-
-    def keep(self, kind: str, settings: dict[str, Any], value: Any) -> Cached:
-        """`value` (JSON-serialisable), measured now with `settings`, kept for the next calibration."""
-        entry = measured_now(value)
+        """The term `kind` measured with `settings` on this host, if the cache holds one to reuse (not `fresh`,
+        not too old, measured under the load there is now)."""
         path, key = self._located(kind, settings)
+        entry = None if self.fresh else _read(path, key)
+        why = "--fresh" if self.fresh else "none was cached" if entry is None else self._stale(entry)
+        if why is None:
+            return entry
+        self._missed[path] = why
+        return None
+
+    def _stale(self, entry: Cached) -> str | None:
+        """Why a kept `entry` must be measured again, or None where it holds now."""
+        if entry.age_s > MAX_AGE_S:
+            return f"the cached one is {format_age(entry.age_s)} old, kept {format_age(MAX_AGE_S)} at most"
+        now = self.load_now
+        if entry.load is None and now.per_core is not None:
+            return "the cached one does not say the host's load when it was measured"
+        if loads_differ(entry.load, now):
+            return (f"the cached one was measured at {entry.load.describe()}, the host's is {now.per_core:.2f} per "
+                    f"core now, more than {LOAD_TOLERANCE_PER_CORE} apart")
+        return None
+
+    def keep(self, kind: str, settings: dict[str, Any], value: Any, load: HostLoad) -> Cached:
+        """`value` (JSON-serialisable), measured just now with `settings` under `load`, kept for the next
+        calibration."""
+        path, key = self._located(kind, settings)
+        entry = Cached(value, utc_now(), fresh=True, load=load,
+                       measured_because=self._missed.pop(path, "none was cached"))
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps({"key": key, "measured_at": entry.measured_at, "value": entry.value}) + "\n")
+            write_atomic(path, json.dumps({"key": key, "measured_at": entry.measured_at, "load": load.to_dict(),
+                                           "value": entry.value}) + "\n")
         except OSError as exc:
             self.unwritable = f"{self.directory}: {exc.strerror or exc}"
         return entry
@@ -129,6 +164,6 @@ def _read(path: Path, key: dict[str, Any]) -> Cached | None:
         if raw["key"] != key:
             return None
         datetime.fromisoformat(raw["measured_at"])
-        return Cached(raw["value"], raw["measured_at"], fresh=False)
+        return Cached(raw["value"], raw["measured_at"], fresh=False, load=HostLoad.from_dict(raw.get("load")))
     except (OSError, ValueError, KeyError, TypeError):
         return None

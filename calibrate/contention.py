@@ -45,6 +45,7 @@ import torch
 
 from ..executor import Prelude
 from ..profiles.schema import ContentionProfile, Profile
+from ..traces.hostload import HostLoad, mark
 from ..workload.processes import rank_context, rank_process, start_processes
 from .measure import DTYPES, Advance, PhaseLine, place
 from .passes import stage_runs
@@ -150,6 +151,7 @@ class ContentionProbe:
         self.rounds: list[Round] = []
         self.retaken: list[float] = []  # the lengths of the windows taken again
         self.processes = "its own"  # or "the ranks of the run it preceded" (`prelude`)
+        self.load: HostLoad | None = None  # the host's load over `measure`
 
     def run(self) -> None:
         """Measure in `count` processes of its own, started here and ended before it returns."""
@@ -211,6 +213,7 @@ class ContentionProbe:
             raise ContentionError(f"contention measurement: process {idle[0]} finished no iteration in a "
                                   f"{length_s:g} s window (is the host overloaded?)")
 
+        start = mark()
         self.advance(f"contention: {self.count} processes getting ready")
         for rank in range(self.count):
             _answer(conns[rank], procs[rank], rank, START_TIMEOUT_S)
@@ -228,6 +231,7 @@ class ContentionProbe:
                 break
         for conn in conns:
             conn.send(None)
+        self.load = HostLoad.since(start, self.count * self.job.threads)
 
     def result(self) -> ContentionProfile:
         """The factors from the rounds `measure` took."""

@@ -640,7 +640,7 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
             key = {"device": settings.device.type, "sizes": link_sizes, "repeats": settings.repeats,
                    "warmup": settings.warmup}
             measure = lambda: measure_links(link_sizes, settings, advance)  # noqa: E731
-            links = cache.get("links", key, measure) if cache is not None else fresh(measure)
+            links = cache.get("links", key, measure, own_tasks=2) if cache is not None else fresh(measure)
             link = LinkProfile.model_validate(links.value["link"])
             allreduce = AllReduceProfile.model_validate(links.value["allreduce"])
             if cache is not None:

@@ -111,8 +111,10 @@ def calibrate(
     from ..profiles.partition import PartitionError
     from ..profiles.schema import OPTIMIZERS, profile_json
     from ..traces import write_atomic
+    from ..traces.hostload import HostLoad, mark
     from ..workload.processes import prepare, ready
 
+    began = mark()  # the host's load before this calibration starts anything
     starts_processes = runtime or contention or links
     if starts_processes:  # first: their server imports torch while this process does
         prepare()
@@ -156,7 +158,7 @@ def calibrate(
                 raise InputError(f"--ranks sizes the CPU contention probe; a {settings.device.type} profile has "
                                  "none: leave it out")
             contention = contention and settings.device.type == "cpu"
-            cache = HostCache(fresh=fresh)
+            cache = HostCache(fresh=fresh, load_now=HostLoad.at(began))
             with _phases(f"calibrating {net.name}") as (advance, phase):
                 if starts_processes:  # nothing is timed while the server imports
                     ready()
@@ -173,6 +175,12 @@ def calibrate(
                 if probe is not None:
                     profile = profile.model_copy(update={"contention": _contention(probe, kept, cache, phase)})
                 profile = fit_device_curve(profile, phase)
+            # the most busy tasks it ran at once: the contention probe's processes, else the link's or the
+            # runtime probe's two ranks, else itself
+            busy = max(probe.count if probe is not None else 0, 2 if links or runtime else 1) * threads
+            profile = profile.model_copy(update={"environment": profile.environment.model_copy(update={
+                "load": HostLoad.since(began, busy).to_dict(),
+                "ranks": probe.count if probe is not None else stages})})
             if cache.unwritable:
                 stderr.print(f"note: the host cache could not be written ({cache.unwritable}); the next "
                              "calibration measures its terms again", highlight=False)
@@ -227,7 +235,8 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
            "steady": PROBE_STEADY, "warmup_rows": WARMUP_ROWS}
     with phase(f"runtime probe ({' then '.join(PROBE_SCHEDULES)} on two ranks)") as notes:
         measure = lambda: _probe_terms(profile, settings, advance, probe_options).model_dump(mode="json")  # noqa: E731
-        probe = cache.get("runtime-probe", key, measure) if cache is not None else fresh(measure)
+        probe = cache.get("runtime-probe", key, measure, own_tasks=2 * settings.threads) if cache is not None \
+            else fresh(measure)
         runtime = RuntimeProfile.model_validate(probe.value)
         if cache is not None:
             notes.append(probe.describe())
@@ -262,7 +271,8 @@ def _contention(probe, kept, cache, phase):
         if not probe.done:
             with phase(f"measuring contention ({probe.count} processes)"):
                 probe.run()
-        kept = cache.keep("contention", probe.cache_key(), probe.result().model_dump(mode="json"))
+        kept = cache.keep("contention", probe.cache_key(), probe.result().model_dump(mode="json"), probe.load)
+        stderr.print(f"contention ({probe.count} processes): {kept.describe()}", highlight=False, soft_wrap=True)
     else:
         with phase(f"contention ({probe.count} processes)") as notes:
             notes.append(kept.describe())
@@ -332,7 +342,10 @@ def _phases(title: str):
 
 
 def _print_profile(profile) -> None:
-    """Per stage: layers, times, the backward's split, memory; then the link fit and all-reduce points."""
+    """Per stage: layers, times, the backward's split, memory; the host's load; then the runtime's terms,
+    contention, the link fit and all-reduce points."""
+    from ..traces.hostload import HostLoad
+
     env = profile.environment
     table = Table(title=f"{profile.model.name} on {env.device_name} ({env.device}, {env.dtype}, micro-batch "
                         f"{env.microbatch_size}, {env.threads} thread{'s' * (env.threads != 1)}), partitioned for "
@@ -359,6 +372,10 @@ def _print_profile(profile) -> None:
                       f"{stage.param_bytes / MIB:,.2f}", f"{stage.memory_bytes / MIB:,.1f}")
     print_table(table)
     print_fitted_curve(profile)
+    load = HostLoad.from_dict(env.load)
+    if load is not None:
+        stdout.print(f"host while calibrating: {load.describe()}; calibrated for {env.ranks} ranks computing at once",
+                     highlight=False)
     if profile.runtime is not None:
         rt = profile.runtime
         compute = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.compute_ms.items())
@@ -400,13 +417,16 @@ def _print_profile(profile) -> None:
 
 
 def _cached(meta: dict, what: str) -> str:
-    """Where a per-host term (`what`) taken from the host cache says how old it is."""
-    from ..calibrate.cache import format_age
+    """Where a per-host term (`what`) taken from the host cache says how old it is and under what load it was
+    measured."""
+    from ..traces.hostload import HostLoad, format_age
 
     cached = meta.get("host_cache") or {}
     if not cached.get("reused"):
         return ""
-    return f" ({what} from the host cache, measured {format_age(cached['age_s'])} ago)"
+    load = HostLoad.from_dict(cached.get("load"))
+    return (f" ({what} from the host cache, measured {format_age(cached['age_s'])} ago at "
+            f"{load.describe() if load is not None else 'load not recorded'})")
 
 
 def _size(nbytes: int) -> str:

@@ -32,10 +32,39 @@ def _versions(c) -> str:
         c.version_examples)
 
 
+def _conditions(found) -> list[str]:
+    """The conditions section: the host's load while calibrating and running, the ranks, how long before the
+    run the profile was calibrated, its host terms; "differs" beside what differs enough to explain an error."""
+    from ..traces.hostload import format_age
+
+    def load(value) -> str:
+        return "not recorded" if value is None else value.describe()
+
+    def ago(seconds: float | None) -> str:
+        if seconds is None:
+            return "when not recorded"
+        return f"{format_age(abs(seconds))} {'before' if seconds >= 0 else 'after'} the run"
+
+    differs = " [bold yellow](differs)[/]"
+    lines = [f"conditions: calibrated {ago(found.calibrated_before_run_s)}",
+             f"  host load: {load(found.calibrated_load)} while calibrating; {load(found.run_load)} while running"
+             + (differs if found.load_differs else ""),
+             f"  ranks: calibrated for {found.calibrated_ranks or 'not recorded'} computing at once; ran "
+             f"{found.run_ranks or 'not recorded'}" + (differs if found.ranks_differ else "")]
+    for term in found.host_terms:
+        how = "from the host cache, measured" if term.reused else "measured by the calibration"
+        lines.append(f"  {term.name}: {how} {ago(term.before_run_s)} at {load(term.load)}"
+                     + (differs if term.load_differs else ""))
+    return lines
+
+
 def _render(c) -> None:
     stdout.print(f"[bold]{c.schedule}[/]: predicted {c.predicted_ms:,.3f} ms per mini-batch, measured "
                  f"{c.measured_ms:,.3f} ms: error [bold]{c.iteration_time_error:+.1%}[/] (predicted − measured) / "
                  f"measured; bubble {c.predicted_bubble:.1%} predicted, {c.measured_bubble:.1%} measured")
+    if c.conditions is not None:
+        for line in _conditions(c.conditions):
+            stdout.print(line, highlight=False, soft_wrap=True)
     if c.compute_duration_median is not None:
         stdout.print(f"compute ops: median duration error {c.compute_duration_median:.1%} (bias "
                      f"{c.compute_duration_bias:+.1%})", highlight=False)

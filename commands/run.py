@@ -126,8 +126,10 @@ def run(
     from ..schedules.catalogue import method_named
     from ..sim import CostError
     from ..traces import summarize, write_trace
+    from ..traces.hostload import HostLoad, mark
     from ..workload.processes import prepare, under_torchrun
 
+    began = mark()  # the host's load before this run starts anything
     if not under_torchrun():  # first: this command starts the ranks, and their server imports while it does
         prepare()
     try:
@@ -217,6 +219,8 @@ def run(
                 failure, result = exc, exc.result
         if result is None:  # a torchrun rank other than 0: rank 0 reports
             return
+        ranks = int((result.trace.meta.hardware or {}).get("ranks") or 1)  # this host's, at most (torchrun)
+        result.trace.meta.extra["host_load"] = HostLoad.since(began, ranks * threads_per_rank).to_dict()
         if measured is not None:  # what `pipesim compare` predicts the run from
             result.trace.meta.extra["profile"] = measured.model_dump(mode="json")
         elif scenario is not None:  # the what-if costs the order was searched for

@@ -59,6 +59,10 @@ class Environment(_Strict):
     pipesim_version: str
     host: str
     date: str  # ISO 8601, UTC
+    # The host's load over the calibration (traces/hostload.py's HostLoad: the 1-minute load average at its start
+    # and end, seconds, usable cpus, its own busy tasks, when it began); None: not recorded (a profile from before)
+    load: dict[str, Any] | None = None
+    ranks: int | None = Field(None, ge=1)  # the most ranks computing at once it was calibrated for (contention)
 
 
 class ModelInfo(_Strict):
@@ -182,8 +186,9 @@ class LinkProfile(_Strict):
     """Point-to-point: the piecewise α–β fit (profiles/linkfit.py; calibrate/links.py measures the points), its
     raw points, and how they were measured. The link, the all-reduce and the runtime probe's terms depend on the
     host, not the model: `meta["host_cache"]` (absent where not cached) says when they were measured
-    (`measured_at`, UTC), how old that was at calibration (`age_s`) and whether this calibration `reused` them
-    from the host cache (calibrate/cache.py)."""
+    (`measured_at`, UTC), how old that was at calibration (`age_s`), whether this calibration `reused` them
+    from the host cache (calibrate/cache.py), the host's `load` while they were measured (traces/hostload.py;
+    None: not recorded) and, where measured by this calibration, why (`measured_because`)."""
 
     segments: list[LinkSegmentModel] = Field(min_length=1)
     points: list[LinkPointModel]
@@ -386,7 +391,17 @@ class Profile(_Strict):
         return {"model": self.model.name, "options": dict(self.model.options), "microbatch_size": env.microbatch_size,
                 "device": env.device, "device_name": env.device_name, "threads": env.threads,
                 "torch_version": env.torch_version,
-                **({"estimate": self.estimate.model_dump(mode="json")} if self.estimate is not None else {})}
+                **({"estimate": self.estimate.model_dump(mode="json")} if self.estimate is not None else {}),
+                **({"date": env.date, "load": env.load, "ranks": env.ranks, "host_terms": self.host_terms()}
+                   if env.load is not None else {})}
+
+    def host_terms(self) -> dict[str, dict]:
+        """Per term measured on the host rather than the model (the link and all-reduce, the runtime probe,
+        contention), what its `meta["host_cache"]` says: when and under what load it was measured, and whether
+        the calibration reused it from the host cache."""
+        found = {"link and all-reduce": self.link, "runtime probe": self.runtime, "contention": self.contention}
+        return {name: term.meta["host_cache"] for name, term in found.items()
+                if term is not None and "host_cache" in term.meta}
 
 
 def _stage_of(bounds: list[int]) -> list[int]:

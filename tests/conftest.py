@@ -39,6 +39,15 @@ def host_cache_dir(tmp_path_factory):
         os.environ["PIPESIM_CACHE_DIR"] = saved
 
 
+@pytest.fixture(scope="session", autouse=True)
+def steady_host_load():
+    """The host's load as calibration and runs read it (traces/hostload.py), held at one figure: whether a cached
+    term is reused must not depend on what else the test machine runs. Tests of that rule set their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("pipesim.traces.hostload.read_load_1min", lambda: 0.0)
+        yield
+
+
 class Cli(NamedTuple):
     code: int
     out: str

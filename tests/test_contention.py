@@ -134,21 +134,41 @@ def test_calibrate_told_not_to_measures_no_contention(tmp_path):
 
 def test_a_calibration_of_the_same_workload_reuses_its_factors_until_fresh(tmp_path, monkeypatch):
     """Contention depends on the host and on the model's workload: kept in the host cache under both, a second
-    calibration of the same model (one cut: two layers on two stages) takes it from there and says how old it
-    is; `--fresh` (a fresh cache) measures it again, and another workload or way of taking the windows is
-    another entry."""
+    calibration of the same model (one cut: two layers on two stages) under the same load takes it from there
+    and says how old it is and under what load it was measured; one under another load measures it again and
+    says why; `--fresh` (a fresh cache) measures it again, and another workload or way of taking the windows is
+    another entry. Each profile records the host's load while calibrating and the ranks it was calibrated for."""
     from pipesim.calibrate import contention as probe
     from pipesim.calibrate.cache import HostCache
+    from pipesim.traces import hostload
+    from pipesim.traces.hostload import HostLoad
 
     monkeypatch.setattr(probe, "WINDOW_S", 0.1)  # the parent sets the windows: shorter ones for a test
     monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(hostload, "usable_cpus", lambda: 2)
     one_cut = [*TINY, "--layers", "1"]
     runs = []
-    for name in ("first", "again"):
+    for name, load in (("first", 4.6), ("again", 4.6), ("quiet", 0.2)):  # busy (2.3 per core), then quiet
+        monkeypatch.setattr(hostload, "read_load_1min", lambda load=load: load)
         code, printed, err = pipesim("calibrate", *one_cut, "--out", tmp_path / f"{name}.json")
         assert code == 0, err
         runs.append((load_profile(tmp_path / f"{name}.json"), err, " ".join(printed.split())))
-    (profile, first_err, _), (again, again_err, again_out) = runs
+    (profile, first_err, first_out), (again, again_err, again_out), (quiet, quiet_err, _) = runs
+    load = HostLoad.from_dict(profile.environment.load)
+    assert (load.before, load.after, load.cpus) == (4.6, 4.6, 2) and profile.environment.ranks == 2
+    assert f"host while calibrating: {load.describe()}; calibrated for 2 ranks computing at once" in first_out
+    factors_load = HostLoad.from_dict(profile.contention.meta["host_cache"]["load"])
+    assert factors_load.before == 4.6 and factors_load.own_tasks == 2  # its two processes, one thread each
+    assert f"contention (2 processes): measured now at {factors_load.describe()}, kept in the host cache; none " \
+           "was cached" in first_err
+    assert f"at {factors_load.describe()}" in again_out  # reused, under the load it was measured at
+    # the quiet calibration measures the busy factors again, and says why
+    assert not quiet.contention.meta["host_cache"]["reused"] and quiet.contention.meta["host_cache"]["load"][
+        "before"] == 0.2
+    assert f"the cached one was measured at {factors_load.describe()}, the host's is 0.10 per core now" in quiet_err
+    described = quiet.describe()  # what a prediction from it records
+    assert described["ranks"] == 2 and described["load"]["before"] == 0.2
+    assert described["host_terms"]["contention"]["reused"] is False
     first, reused = profile.contention, again.contention
     assert (first.meta["host_cache"]["reused"], reused.meta["host_cache"]["reused"]) == (False, True)
     assert "measuring contention (2 processes) ... " in first_err and "measuring contention" not in again_err
@@ -162,6 +182,8 @@ def test_a_calibration_of_the_same_workload_reuses_its_factors_until_fresh(tmp_p
     assert key["workload"] == {"model": "mlp", "options": options, "dtype": "float32", "microbatch_size": 2,
                                "threads": 1, "bounds": [0, 1, 2]} and key["processes"] == 2
     assert HostCache().find("contention", key) is not None and HostCache(fresh=True).find("contention", key) is None
+    monkeypatch.setattr(hostload, "read_load_1min", lambda: 4.6)
+    assert HostCache().find("contention", key) is None  # kept from the quiet hour: a busy one measures again
     assert key != probe.ContentionProbe(profile, "mlp", options, ranks=3).cache_key()
     monkeypatch.setattr(probe, "MIN_ITERATIONS", 4)
     assert key != probe.ContentionProbe(profile, "mlp", options).cache_key()

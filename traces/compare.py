@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
+from .hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, loads_differ, seconds_between
 from .metrics import Summary, summarize
 from .trace import Ops, Stream, Trace, TraceError
 
@@ -62,6 +63,36 @@ class DeviceErrors:
 
 
 @dataclass(frozen=True)
+class HostTerm:
+    """A term of the prediction's profile measured on the host rather than the model: whether the calibration
+    reused it from the host cache, how long before the run it was measured (None: not said), and the host's
+    load then (None: not recorded)."""
+
+    name: str
+    reused: bool
+    before_run_s: float | None
+    load: HostLoad | None
+    load_differs: bool  # from the run's, by more than LOAD_TOLERANCE_PER_CORE per core
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What the prediction's profile was measured under against what the run ran under: the host's load while
+    calibrating and while running, the ranks computing at once it was calibrated for and the ranks the run had,
+    how long before the run it was calibrated, and its host terms (None where not recorded: a profile or trace
+    from before these were, or a torch.distributed.pipelining run)."""
+
+    calibrated_load: HostLoad | None
+    run_load: HostLoad | None
+    load_differs: bool
+    calibrated_ranks: int | None
+    run_ranks: int | None
+    ranks_differ: bool  # the run had more ranks computing at once than the contention was calibrated for
+    calibrated_before_run_s: float | None
+    host_terms: list[HostTerm]
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Everything `pipesim compare` reports."""
 
@@ -88,6 +119,7 @@ class Comparison:
     predicted_calibration: dict | None  # the profile the prediction's costs came from; None: what-if costs
     warnings: list[str] = field(default_factory=list)  # what makes the comparison itself misleading
     notes: list[str] = field(default_factory=list)
+    conditions: Conditions | None = None  # None: the prediction's costs came from no calibration
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -222,6 +254,50 @@ def _warnings(predicted: Trace) -> list[str]:
             "and predict with `pipesim simulate --profile PROFILE`"]
 
 
+def conditions(predicted: Trace, measured: Trace) -> Conditions | None:
+    """The conditions the prediction's profile was calibrated under beside those the run ran under (None: the
+    prediction has no calibration)."""
+    calibration = predicted.meta.calibration
+    if calibration is None:
+        return None
+    run_load = HostLoad.from_dict(measured.meta.extra.get("host_load"))
+    calibrated_load = HostLoad.from_dict(calibration.get("load"))
+    ran = (measured.meta.hardware or {}).get("ranks")
+    calibrated_for = calibration.get("ranks")
+    run_began = run_load.began_at if run_load is not None else None
+    terms = []
+    for name, term in (calibration.get("host_terms") or {}).items():
+        load = HostLoad.from_dict(term.get("load"))
+        terms.append(HostTerm(name, bool(term.get("reused")), seconds_between(term.get("measured_at"), run_began),
+                              load, loads_differ(load, run_load)))
+    return Conditions(
+        calibrated_load, run_load, loads_differ(calibrated_load, run_load), calibrated_for, ran,
+        # contention is measured for CPU ranks sharing a host; a GPU profile has none to outgrow
+        calibration.get("device") == "cpu" and None not in (ran, calibrated_for) and ran > calibrated_for,
+        seconds_between(calibration.get("date"), run_began), terms)
+
+
+def _condition_warnings(found: Conditions | None) -> list[str]:
+    """A sentence for each condition that differs enough to explain an error by itself."""
+    if found is None:
+        return []
+    out = []
+    if found.load_differs:
+        out.append(f"the host's load differed: {found.calibrated_load.per_core:.2f} per core while calibrating, "
+                   f"{found.run_load.per_core:.2f} while running (more than {LOAD_TOLERANCE_PER_CORE} apart); the "
+                   "profile's times and contention hold under the first, so part of this error is the host's: "
+                   "calibrate and run under the same load")
+    if found.ranks_differ:
+        out.append(f"the run had {found.run_ranks} ranks, the profile's contention was measured for "
+                   f"{found.calibrated_ranks} computing at once (beyond that the simulator holds its last factor): "
+                   f"calibrate with --ranks {found.run_ranks}")
+    for term in found.host_terms:
+        if term.reused and term.load_differs:
+            out.append(f"the profile's {term.name} came from the host cache, measured at "
+                       f"{term.load.per_core:.2f} load per core, the run's was {found.run_load.per_core:.2f}")
+    return out
+
+
 def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Comparison:
     """Match the two traces op by op and measure how far the prediction is from the measurement (of a run on
     several data-parallel replicas, replica 0's)."""
@@ -246,6 +322,7 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
     timed = compute & (measured.ops.dur_us[at_m] >= min_dur_us)
     dur_m = measured.ops.dur_us[at_m][timed]
     rel = (predicted.ops.dur_us[at_p][timed] - dur_m) / dur_m
+    found = conditions(predicted, measured)
     return Comparison(
         schedule=predicted.meta.schedule, predicted_source=predicted.meta.source,
         measured_source=measured.meta.source, predicted_ms=sp.time_per_minibatch_ms,
@@ -257,4 +334,5 @@ def compare(predicted: Trace, measured: Trace, *, min_dur_us: float = 1.0) -> Co
         compute_duration_bias=float(np.median(rel)) if len(rel) else None,
         devices=_device_errors(sp, sm), versions_compared=int(recorded.sum()), version_mismatches=len(wrong),
         version_examples=version_examples, measured_complete=measured.meta.complete,
-        predicted_calibration=predicted.meta.calibration, warnings=_warnings(predicted), notes=notes)
+        predicted_calibration=predicted.meta.calibration, warnings=_warnings(predicted) + _condition_warnings(found),
+        notes=notes, conditions=found)
