@@ -7,10 +7,11 @@ from __future__ import annotations
 import gc
 import importlib
 import sys
+from typing import Annotated
 
 import typer
 
-from .commands.common import fail, stderr
+from .commands.common import fail, stderr, stdout
 
 # Each command's module under commands/ and its function, in the order `pipesim --help` lists them. A run
 # imports its own command's module only: typer builds every registered command's parameters (and the modules
@@ -32,6 +33,49 @@ COMMANDS = {
 }
 
 
+def _print_version(asked: bool) -> None:
+    """--version: the installed pipesim's version, as its package metadata records it."""
+    if asked:
+        from importlib import metadata
+
+        stdout.print(f"pipesim {metadata.version('pipesim')}", highlight=False)
+        raise typer.Exit()
+
+
+Version = Annotated[bool, typer.Option(
+    "--version", is_eager=True, callback=_print_version, help="Print pipesim's version and exit.")]
+
+
+def _options(version: Version = False) -> None:
+    """The options of `pipesim` itself, before a command: a group even with one command registered, so
+    `pipesim simulate` names it."""
+
+
+class _Argument(typer.core.TyperArgument):
+    """An argument named as click names it: "MEASURED [PREDICTED]" and "TRACE..." in the usage line, not
+    typer's "{MEASURED} [[PREDICTED]]"; in the help, its metavar alone where it has one, as an option's is, not
+    "TRACE... <list[Path]>"."""
+
+    def get_usage_pieces(self, ctx) -> list[str]:
+        name = self.metavar or self.name.upper()
+        name = name if self.required else f"[{name}]"
+        return [name if self.nargs == 1 or name.endswith("...") else f"{name}..."]
+
+    def display_type_rich(self, ctx) -> str | None:
+        return None if self.metavar is not None else super().display_type_rich(ctx)
+
+
+class _Command(typer.core.TyperCommand):
+    """A command whose arguments are `_Argument`s (typer builds its own parameter classes, so they are
+    re-classed here)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if type(param) is typer.core.TyperArgument:
+                param.__class__ = _Argument
+
+
 def make_app(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
     """The typer app with the commands `names` (all by default)."""
     app = typer.Typer(
@@ -42,10 +86,10 @@ def make_app(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
         pretty_exceptions_enable=False,
         rich_markup_mode=None,  # plain help: wraps cleanly at 80 columns, and "[[a, b], ...]" is text, not markup
     )
-    app.callback()(lambda: None)  # a group even with one command registered: `pipesim simulate` names it
+    app.callback()(_options)
     for name in names:
         module, function = COMMANDS[name]
-        app.command(name)(getattr(importlib.import_module(f".commands.{module}", __package__), function))
+        app.command(name, cls=_Command)(getattr(importlib.import_module(f".commands.{module}", __package__), function))
     return app
 
 
@@ -62,7 +106,7 @@ INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: usage errors become one line and exit code 2, never a traceback; Ctrl-C is one
     line, "interrupted", and exit code 130 (outputs are written whole or not at all)."""
-    args = sys.argv[1:] if argv is None else argv
+    args = (sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `pipesim`: its help, on stdout, exit 0
     try:
         named = args[0] if args and args[0] in COMMANDS else None  # else --help, no command or a misspelt one:
         command = typer.main.get_command(make_app((named,) if named else tuple(COMMANDS)))  # all of them

@@ -31,6 +31,7 @@ from .common import (
     require_model_data,
     stderr,
     stdout,
+    too_few_layers,
     write_error,
 )
 from .estimate import fit_device_curve, print_fitted_curve
@@ -151,8 +152,7 @@ def calibrate(
                            kv_heads=kv_heads, gated=gated)
             net = build_model(model, **options)
             if stages > len(net.layers):
-                raise InputError(f"--stages {stages}: {net.name} has {len(net.layers)} layers; give at most "
-                                 f"{len(net.layers)} (each stage needs at least one layer)")
+                raise InputError(too_few_layers(f"--stages {stages}", net.name, net.options, len(net.layers)))
             sizes = default_sizes(int(link_max_mb * MIB)) if links else []
             if ranks is not None and settings.device.type != "cpu":
                 raise InputError(f"--ranks sizes the CPU contention probe; a {settings.device.type} profile has "

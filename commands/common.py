@@ -4,6 +4,7 @@ describe. Imports only typer and rich at start-up, so every command starts fast.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import inspect
@@ -14,11 +15,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, get_args
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
     from ..planning.scenario import Scenario
@@ -76,17 +79,27 @@ PredictionSource = Annotated[str | None, typer.Option(
                                            "lists.")]
 
 
-# The built-in models' size options, as `calibrate` and `count` declare them (None: the model's default).
+def _default_sizes(size: str) -> str:
+    """Each built-in model's default `size` (of those that take it): "mlp 8, cnn 6, gpt 4, two-branch 2"."""
+    return ", ".join(f"{model} {sizes[size]}" for model, sizes in DEFAULT_SIZES.items() if size in sizes)
+
+
+# The built-in models' size options, as `calibrate`, `count` and `run` declare them (None: the model's default).
 Layers = Annotated[int | None, typer.Option(
-    "--layers", help="Built-in models: layers (blocks; per branch for two-branch).")]
+    "--layers", metavar="N", help="Built-in models: layers (blocks; per branch for two-branch). Default: "
+                                  f"{_default_sizes('layers')}.")]
 Width = Annotated[int | None, typer.Option(
-    "--width", help="Built-in models: hidden width (channels for cnn and two-branch).")]
-Heads = Annotated[int | None, typer.Option("--heads", help="gpt: attention heads.")]
-SeqLen = Annotated[int | None, typer.Option("--seq-len", help="gpt: sequence length.")]
-Vocab = Annotated[int | None, typer.Option("--vocab", help="gpt: vocabulary size.")]
-Ffn = Annotated[int | None, typer.Option("--ffn", help="gpt: MLP hidden size (default 4 x width).")]
+    "--width", metavar="N", help="Built-in models: hidden width (channels for cnn and two-branch). Default: "
+                                 f"{_default_sizes('width')}.")]
+Heads = Annotated[int | None, typer.Option(
+    "--heads", metavar="N", help=f"gpt: attention heads (default {DEFAULT_SIZES['gpt']['heads']}).")]
+SeqLen = Annotated[int | None, typer.Option(
+    "--seq-len", metavar="N", help=f"gpt: sequence length (default {DEFAULT_SIZES['gpt']['seq_len']}).")]
+Vocab = Annotated[int | None, typer.Option(
+    "--vocab", metavar="N", help=f"gpt: vocabulary size (default {DEFAULT_SIZES['gpt']['vocab']}).")]
+Ffn = Annotated[int | None, typer.Option("--ffn", metavar="N", help="gpt: MLP hidden size (default 4 x width).")]
 KvHeads = Annotated[int | None, typer.Option(
-    "--kv-heads", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
+    "--kv-heads", metavar="N", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
 Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: SwiGLU MLP (Llama's) instead of GELU.")]
 Dropout = Annotated[float | None, typer.Option(
     "--dropout", help="gpt: dropout on the attention probabilities and each residual branch (Megatron-LM's default is "
@@ -127,6 +140,15 @@ def shared_options(*options: tuple[str, Any, Any]) -> Callable[[Callable[..., No
     return decorate
 
 
+def with_help(option: Any, words: str) -> Any:
+    """Shared option `option` (an Annotated typer option) with `words` after its help: what holds for some of the
+    commands that declare it (tune searches what the others default) said in theirs only."""
+    kind, info = get_args(option)
+    told = copy.copy(info)
+    told.help = f"{info.help} {words}"
+    return Annotated[kind, told]
+
+
 CurveFrom = Annotated[Path | None, typer.Option(
     "--curve-from", metavar="PROFILE", help="With --gpu: a calibration made on that GPU (`pipesim calibrate --device "
                                             "cuda`): the efficiency curve calibrate stored in it (else fitted to its "
@@ -137,25 +159,22 @@ CurveFrom = Annotated[Path | None, typer.Option(
 # priced on a catalogue part and parallelised as these say (commands/estimate.py reads them).
 GpuName = Annotated[str | None, typer.Option(
     "--gpu", metavar="NAME", help="A GPU of the catalogue (`pipesim gpus`): count --model on torch's meta device and "
-                                  "estimate its profile on NAME's figures (instead of --profile or the cost flags).")]
+                                  "estimate its profile on NAME's figures.")]
 GpusFile = Annotated[Path | None, typer.Option(
     "--gpus", metavar="FILE", help="TOML file of further GPUs ([gpu.NAME], replacing a built-in one of the same "
                                    "name) and clusters ([cluster.NAME]), in the schema of the built-in catalogue.")]
 TensorParallel = Annotated[int | None, typer.Option(
     "--tensor-parallel", metavar="T", min=1, help="With --gpu: tensor-parallel degree t, Megatron's split of every "
-                                                  "block over t GPUs of a node (simulated only). tune: searched if not "
-                                                  "given.")]
+                                                  "block over t GPUs of a node (simulated only).")]
 DataParallel = Annotated[int | None, typer.Option(
     "--data-parallel", metavar="D", min=1, help="Data-parallel degree d: replicas of the pipeline, each stage's "
-                                                "gradients all-reduced over them before its update. tune: searched "
-                                                "if not given.")]
+                                                "gradients all-reduced over them before its update.")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
 Recompute = Annotated[str | None, typer.Option(
     "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core) or "
-                                        "full (each layer's forward again in its backward). tune: searched if not "
-                                        "given.")]
+                                        "full (each layer's forward again in its backward).")]
 
 model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
@@ -163,7 +182,9 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("curve_from", CurveFrom, None), ("gpus", GpusFile
                 ("sequence_parallel", SequenceParallel, False))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
-optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", GpuName, None), ("model", ModelName, None))
+optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "
+                                                                                   "flags."), None),
+                                          ("model", ModelName, None))
 
 
 # The searched method's knobs (auto), as numbers by `search_options`: text, so that a bad value gets our one line.
@@ -329,6 +350,15 @@ def require_model_data(needer: str, model: str) -> None:
 
     if model in DIGITS_MODELS:
         require(f"{needer} --model {model} (it trains on scikit-learn's digits)", "sklearn")
+
+
+def too_few_layers(stages: str, model: str, options: dict[str, Any], layers: int) -> str:
+    """The one line for more stages than the model has layers (`stages`: the flags that ask for them). --layers
+    counts a built-in model's blocks, and a pipeline cuts between all its layers, the embedding or classifier
+    around the blocks too: both counts are said, so that 4 blocks and 6 layers do not read as a contradiction."""
+    blocks = f" of {options['layers']} blocks (--layers)" if "layers" in options else ""
+    return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
+            "one layer)")
 
 
 MAX_MEMORY_GB = 1 << 20  # a PiB per device: beyond any machine, and safely inside an int64 of bytes

@@ -111,7 +111,7 @@ def compare(
              "torch.distributed.pipelining run, one per rank.", metavar="MEASURED")],
     predicted: Annotated[Path | None, typer.Argument(
         help="Predicted trace (`pipesim simulate --trace`). Default: predict MEASURED again from the profile it "
-             "was run with.", metavar="[PREDICTED]")] = None,
+             "was run with.", metavar="PREDICTED")] = None,
     html: Annotated[Path | None, typer.Option("--html", help="Write both timelines to this HTML page.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
 ) -> None:

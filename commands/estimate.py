@@ -34,6 +34,7 @@ from .common import (
     require_model_data,
     stderr,
     stdout,
+    too_few_layers,
     what_if_options,
     write_error,
 )
@@ -328,6 +329,9 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     cannot take (t not dividing its heads) is one line naming the flag."""
     from ..planning.estimate import EstimateError, estimate_profile
 
+    if parallel.pipeline > len(counted.layers):
+        raise InputError(too_few_layers(f"--stages {parallel.pipeline}", counted.model, counted.options,
+                                        len(counted.layers)))
     try:
         return estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
                                 curve=what.curve)
@@ -390,9 +394,6 @@ def estimate(
                              "--data-parallel 2 or more")
         what = what_if(ctx)
         counted = count_what_if(what, microbatch_size)
-        if stages > len(counted.layers):
-            raise InputError(f"--stages {stages}: {counted.model} has {len(counted.layers)} layers; give at most "
-                             f"{len(counted.layers)} (each stage needs at least one layer)")
         profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
                                                                     recompute), optimizer)
         write_atomic(out, profile_json(profile))

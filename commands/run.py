@@ -25,6 +25,7 @@ from .common import (
     Chunks,
     ElasticAlpha,
     InputError,
+    Layers,
     Microbatches,
     Minibatches,
     Pipelines,
@@ -36,6 +37,7 @@ from .common import (
     SearchSeconds,
     Stages,
     WgradFraction,
+    Width,
     check_method_options,
     check_prediction,
     check_writable,
@@ -48,6 +50,7 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
+    too_few_layers,
     write_error,
 )
 from .tables import print_table
@@ -90,10 +93,8 @@ def run(
     microbatch_size: Annotated[int, typer.Option(
         "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch (default 8, or the "
                                                                "profile's).")] = 8,
-    layers: Annotated[int | None, typer.Option(
-        "--layers", help="Built-in models: layers (blocks; per branch for two-branch).")] = None,
-    width: Annotated[int | None, typer.Option(
-        "--width", help="Built-in models: hidden width (channels for cnn and two-branch).")] = None,
+    layers: Layers = None,
+    width: Width = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     backend: Annotated[str, typer.Option(
         "--backend", help="auto (gloo on CPU; NCCL with a GPU per rank, else host-staged gloo), gloo or "
@@ -192,7 +193,10 @@ def run(
             raise InputError(str(exc)) from None
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, bounds=bounds, threads_per_rank=threads_per_rank, timeout_s=timeout)
-        if bounds is None and len(net.layers) >= built.num_stages and carried_bounds(spec, model=net) is None:
+        if len(net.layers) < built.num_stages:
+            asked = f"--stages {stages}" + (f" x --chunks {params.chunks}" if params.chunks > 1 else "")
+            raise InputError(too_few_layers(asked, model, net.options, len(net.layers)))
+        if bounds is None and carried_bounds(spec, model=net) is None:
             raise InputError(_no_cut(spec, len(net.layers)))
         if bounds is not None:
             carried = carried_bounds(spec, [cost.ms for cost in layer_costs(measured.layers, optimizer)])

@@ -26,11 +26,16 @@ from .common import (
     optional_what_if_options,
     search_options,
     stdout,
+    with_help,
 )
 from .estimate import RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
 from .tables import print_table
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
+SEARCHED = "Default: searched."  # what tune does with these where simulate and sweep take one value
+SearchedTensorParallel = with_help(TensorParallel, SEARCHED)
+SearchedDataParallel = with_help(DataParallel, SEARCHED)
+SearchedRecompute = with_help(Recompute, SEARCHED)
 
 
 @optional_what_if_options
@@ -62,9 +67,9 @@ def tune(
         "--optimizer", help="Optimizer whose state is held and whose step is timed: sgd, momentum, adam, "
                             "adamw.")] = "adam",
     search_seconds: SearchSeconds = None,
-    tensor_parallel: TensorParallel = None,
-    data_parallel: DataParallel = None,
-    recompute: Recompute = None,
+    tensor_parallel: SearchedTensorParallel = None,
+    data_parallel: SearchedDataParallel = None,
+    recompute: SearchedRecompute = None,
     microbatch_size: Annotated[int | None, typer.Option(
         "--microbatch-size", "-b", metavar="B", min=1, help="With --gpu: samples per micro-batch b (default: "
                                                             f"searched over {', '.join(map(str, MICROBATCH_SIZES))})."

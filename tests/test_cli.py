@@ -333,3 +333,62 @@ def test_a_profiles_table_names_the_optimizer_that_priced_its_updates():
         (result,) = simulate_json("--profile", profile, "-s", "1f1b", "-m", "2", *flags)
         memory[optimizer] = result["peak_memory_mb"]
     assert memory["sgd"] < memory["adam"]
+
+
+def test_bare_pipesim_prints_its_help_and_version_prints_the_installed_one():
+    from importlib import metadata
+
+    code, out, err = pipesim()
+    assert (code, err) == (0, "") and out.startswith("Usage: pipesim [OPTIONS] COMMAND")
+    assert "--version" in out
+    assert pipesim("--version") == (0, f"pipesim {metadata.version('pipesim')}\n", "")
+
+
+def _help_texts():
+    """Each command's name, its own flags, and its options' help texts (the docstring left out: it may name other
+    commands' flags)."""
+    import typer
+
+    from pipesim.cli import make_app
+
+    for name, command in typer.main.get_command(make_app()).commands.items():
+        flags = {flag for param in command.params for flag in (*param.opts, *param.secondary_opts)}
+        yield name, flags, [" ".join((param.help or "").split()) for param in command.params]
+
+
+def test_each_commands_help_names_only_its_own_flags_and_no_other_commands_words():
+    """simulate, sweep and estimate said "tune: searched if not given"; estimate's --gpu said "instead of
+    --profile", a flag estimate does not have."""
+    from pipesim.cli import COMMANDS
+
+    for name, flags, helps in _help_texts():
+        for text in helps:
+            # "(`pipesim calibrate --device cuda`)" and "from simulate --trace" name another command's flags
+            unquoted = re.sub(rf"`[^`]*`|\b({'|'.join(COMMANDS)}) --[a-z-]+", "", text)
+            assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", unquoted)) <= flags, (name, text)
+            assert not [other for other in COMMANDS if other != name  # "tune: ..." opens a sentence for tune
+                        and re.search(rf"(^|[.;(] *){other}: ", unquoted)], (name, text)
+    tune = dict((name, helps) for name, _, helps in _help_texts())["tune"]
+    assert sum(text.endswith("Default: searched.") for text in tune) == 3  # -t, --data-parallel, --recompute
+
+
+def test_usage_lines_name_arguments_plainly_and_help_shows_the_models_default_sizes():
+    code, out, _ = pipesim("compare", "--help")
+    assert code == 0 and "Usage: pipesim compare [OPTIONS] MEASURED [PREDICTED]\n" in out
+    code, out, _ = pipesim("view", "--help")
+    assert code == 0 and "Usage: pipesim view [OPTIONS] TRACE...\n" in out
+    assert "<list[Path]>" not in out and "{" not in out
+    code, out, _ = pipesim("count", "--help")
+    words = " ".join(out.split())
+    assert code == 0 and "Default: mlp 8, cnn 6, gpt 4, two-branch 2." in words
+    assert "Default: mlp 512, cnn 32, gpt 256, two-branch 32." in words and "vocabulary size (default 2048)" in words
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["estimate", "--out", "e.json"]])
+def test_too_many_stages_says_the_blocks_asked_for_and_the_layers_cut(tmp_path, monkeypatch, command):
+    """--layers 4 with 16 stages read "a model of 6 layers": gpt's 4 blocks and its embedding and head."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = pipesim(*command, "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--stages", 16)
+    assert code == 2 and list(tmp_path.iterdir()) == []
+    assert err == ("error: --stages 16: gpt of 4 blocks (--layers) has 6 layers in all; give at most 6 stages (each "
+                   "needs at least one layer)\n")

@@ -92,7 +92,7 @@ def profile(tmp_path_factory):
 BAD = {
     "unknown schedule": (["--schedule", "nope", *SMALL_MLP], "unknown schedule 'nope'"),
     "more stages than layers": (["--schedule", "1f1b", *SMALL_MLP, "--stages", 5],
-                                "cannot cut 4 layers into 5 stages"),
+                                "--stages 5: mlp of 3 blocks (--layers) has 4 layers in all; give at most 4 stages"),
     "nccl without a GPU": (["--schedule", "1f1b", *SMALL_MLP, "--backend", "nccl"], "backend 'nccl'"),
     "unknown optimizer": (["--schedule", "1f1b", *SMALL_MLP, "--optimizer", "lion"], "--optimizer"),
     "learning rate not positive": (["--schedule", "1f1b", *SMALL_MLP, "--lr", 0], "--lr"),

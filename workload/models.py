@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipesim.workload import data
+from pipesim.workload.sizes import DEFAULT_SIZES
 
 MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
@@ -107,7 +108,7 @@ def _relu_linear(inputs: int, outputs: int) -> nn.Linear:
     return layer
 
 
-def mlp(layers: int = 8, width: int = 512) -> Model:
+def mlp(layers: int = DEFAULT_SIZES["mlp"]["layers"], width: int = DEFAULT_SIZES["mlp"]["width"]) -> Model:
     """`layers` Linear+ReLU blocks of `width` (the first reads the 64 digit pixels), then a 10-way
     classifier; trains on digits."""
     _positive(layers=layers, width=width)
@@ -120,7 +121,7 @@ def mlp(layers: int = 8, width: int = 512) -> Model:
                  classifier=True)
 
 
-def cnn(layers: int = 6, width: int = 32) -> Model:
+def cnn(layers: int = DEFAULT_SIZES["cnn"]["layers"], width: int = DEFAULT_SIZES["cnn"]["width"]) -> Model:
     """VGG-style for 32x32 images: 3x3 conv+ReLU layers, channels doubling (up to 512, as VGG's) and a
     2x2 max-pool after every second one (down to 1x1), then a 10-way linear classifier; trains on digits
     upsampled to 32x32 and repeated to 3 channels."""
@@ -191,7 +192,11 @@ class _Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-def gpt(layers: int = 4, width: int = 256, heads: int = 4, seq_len: int = 128, vocab: int = 2048,
+GPT_SIZES = DEFAULT_SIZES["gpt"]
+
+
+def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], heads: int = GPT_SIZES["heads"],
+        seq_len: int = GPT_SIZES["seq_len"], vocab: int = GPT_SIZES["vocab"],
         ffn: int | None = None, kv_heads: int | None = None, gated: bool = False,
         dropout: float | None = None) -> Model:
     """GPT-style decoder: token+position embedding, `layers` blocks, LayerNorm and a vocabulary head;
@@ -231,7 +236,8 @@ class _Merge(nn.Module):
         return self.classify(self.mix(torch.cat([a, b], dim=1)))
 
 
-def two_branch(layers: int = 2, width: int = 32) -> Model:
+def two_branch(layers: int = DEFAULT_SIZES["two-branch"]["layers"],
+               width: int = DEFAULT_SIZES["two-branch"]["width"]) -> Model:
     """A stem, two branches of `layers` conv layers each (3x3 convs of `width` channels; 5x5 convs of
     half as many), and a head that merges them: GraphPipe's case, branches that can run side by side.
     Layers are stem, branch a, branch b, head; `inputs` holds the DAG. Trains on digits as the cnn does."""
