@@ -70,9 +70,10 @@ def run(
     model: Annotated[str, typer.Option(
         "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch (graphpipe's), or package.module:attribute naming a "
                         "torch.nn.Sequential, a list of modules, or a zero-argument callable returning one.")],
-    trace: Annotated[Path, typer.Option(
+    trace: Annotated[Path | None, typer.Option(
         "--trace", metavar="PATH", help="Measured trace to write (Chrome Trace Event JSON; written whole, also "
-                                        "for a run that stopped part-way, then marked incomplete).")],
+                                        "for a run that stopped part-way or was interrupted, then marked "
+                                        "incomplete).")] = None,
     stages: Stages = 2,
     chunks: Chunks = None,
     microbatches: Microbatches = 4,
@@ -137,7 +138,7 @@ def run(
         require("pipesim run", "torch")
         require_model_data("pipesim run", model)
         from ..executor import ExecutorError, RunSpec, carried_bounds
-        from ..executor.runners import RunFailed, TorchrunEnv, run_multiprocess, run_torchrun
+        from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
         from ..profiles.schema import layer_costs, threads_mismatch
         from ..workload.models import ModelError, build_model
         from ..workload.optim import OPTIMIZERS
@@ -230,9 +231,13 @@ def run(
         elif scenario is not None:  # the what-if costs the order was searched for
             result.trace.meta.extra["searched_for"] = {f"--{name.replace('_', '-')}": ctx.params[name]
                                                        for name in SEARCH_COSTS if is_given(ctx, name)}
-        write_trace(result.trace, trace)
+        if trace is not None:
+            write_trace(result.trace, trace)
         if failure is not None:
-            stdout.print(f"wrote {trace} (incomplete)", highlight=False)
+            if trace is not None:
+                stdout.print(f"wrote {trace} (incomplete)", highlight=False)
+            if isinstance(failure, RunInterrupted):
+                raise KeyboardInterrupt  # cli.main's one line, "interrupted", and exit code 130
             if failure.diverged:
                 raise InputError(str(failure))
             stderr.print(f"[bold red]error:[/] {escape(str(failure))}", highlight=False, soft_wrap=True)
@@ -324,7 +329,7 @@ def _loss_ends(result) -> tuple[float, float]:
     return first, last
 
 
-def _document(result, summary, trace: Path, html: Path | None) -> dict:
+def _document(result, summary, trace: Path | None, html: Path | None) -> dict:
     first, last = _loss_ends(result)
     meta = result.trace.meta
     return {"schedule": meta.schedule, "data_parallel": int(meta.params.get("data_parallel", 1)),
@@ -335,10 +340,10 @@ def _document(result, summary, trace: Path, html: Path | None) -> dict:
             "losses": result.losses, "hardware": meta.hardware, "complete": meta.complete,
             "devices": [{"device": d.device, "busy_ms": d.busy_ms, "peak_memory_mb": d.peak_memory_mb}
                         for d in summary.devices],
-            "trace": str(trace), "html": None if html is None else str(html)}
+            "trace": None if trace is None else str(trace), "html": None if html is None else str(html)}
 
 
-def _print_table(result, summary, trace: Path, html: Path | None) -> None:
+def _print_table(result, summary, trace: Path | None, html: Path | None) -> None:
     meta = result.trace.meta
     hardware = meta.hardware or {}
     first, last = _loss_ends(result)
@@ -360,5 +365,5 @@ def _print_table(result, summary, trace: Path, html: Path | None) -> None:
                   f"{first:.4g} -> {last:.4g}", held,
                   ", ".join(f"{d.device}: {d.peak_memory_mb:,.2f}" for d in summary.devices))
     print_table(table)
-    for path in (trace, *([html] if html else [])):
+    for path in (path for path in (trace, html) if path is not None):
         stdout.print(f"wrote {path}", highlight=False)

@@ -173,6 +173,11 @@ class RunFailed(ExecutorError):
         self.result, self.failed_rank, self.diverged = result, failed_rank, diverged
 
 
+class RunInterrupted(RunFailed):
+    """Ctrl-C during a run: `result` holds what was measured until then (an incomplete trace), as for a
+    failure, though no rank is at fault."""
+
+
 def _action_text(lowered: Lowered, row: int) -> str:
     t = lowered.table
     return str(Action(KINDS[t.kind[row]], int(t.stage[row]), int(t.microbatch[row]), int(t.minibatch[row]),
@@ -409,7 +414,8 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
     NCCL with one GPU per rank, or, when ranks share a GPU, host-staged gloo with a cross-process lock around
     compute. The parent supervises: a rank that dies, fails or makes no progress for `stall_timeout_s` stops
     every rank and raises RunFailed naming it, with the incomplete trace; so does a run longer than `timeout_s`
-    (default: none). Ctrl-C (KeyboardInterrupt) ends every rank before it propagates. `on_progress` is called
+    (default: none). Ctrl-C (KeyboardInterrupt) ends every rank and raises RunInterrupted with the rows they
+    reported, or, before any rank was sent its work, propagates. `on_progress` is called
     after each message from a rank, and every HEARTBEAT_S when none comes. A `prelude` runs in the ranks first
     (neither timeout counts its time)."""
     lowered = _lowered(spec)
@@ -430,6 +436,7 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
                                                 (prelude.rank, pipes[rank][1]) if prelude is not None else None),
                           f"pipesim-rank-{rank}", spec.threads_per_rank)
              for rank in range(world)]
+    supervisor = None
     try:
         start_processes(procs, spec.threads_per_rank)
         if prelude is not None:
@@ -459,6 +466,11 @@ def run_multiprocess(spec: RunSpec, *, device: str = "cpu", backend: str = "auto
                                 None)
             if on_progress is not None:
                 on_progress(supervisor.progress())
+    except KeyboardInterrupt:
+        if supervisor is None:
+            raise
+        _drain(messages, supervisor, within_s=2 * HEARTBEAT_S)  # the rows done before Ctrl-C, reported meanwhile
+        raise RunInterrupted("interrupted", supervisor.partial(hardware, None), None) from None
     finally:
         _stop(procs)
     return _merge(spec, lowered, supervisor.results, hardware)

@@ -61,21 +61,27 @@ def _is_rank(pid: int) -> bool:
     return "spawn_main" in _cmdline(pid) or "forkserver" in _cmdline(parent)
 
 
+def _state(pid: int) -> str:
+    """The process's state letter (R running, S sleeping, T stopped, Z a zombie), "" once it is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     """Running or stopped (a zombie has ended)."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return _state(pid) not in ("", "Z")
 
 
-def _launch(tmp_path: Path, fault: str | None) -> subprocess.Popen:
+def _launch(tmp_path: Path, fault: str | None, *flags: str) -> subprocess.Popen:
     env = {name: value for name, value in os.environ.items() if name != FAULT_ENV}
     if fault is not None:
         env[FAULT_ENV] = fault
     # SIGINT as a terminal's foreground command has it: a shell's background job (CI started with `&`) would
     # hand down SIGINT ignored, and Ctrl-C would then mean nothing to the command
-    return subprocess.Popen([sys.executable, "-m", "pipesim.cli", "run", *RUN, "--trace", str(tmp_path / "t.json")],
+    return subprocess.Popen([sys.executable, "-m", "pipesim.cli", "run", *RUN, *flags, "--trace",
+                             str(tmp_path / "t.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -126,6 +132,23 @@ def test_ctrl_c_ends_every_rank(tmp_path):
     out, err = proc.communicate(timeout=BOUND_S)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert _none_left(ranks)
+
+
+def test_ctrl_c_keeps_what_was_measured(tmp_path):
+    """Ctrl-C writes the rows the ranks reported as an incomplete trace, as a failed rank's are kept, then
+    exits 130. Rank 1 stops itself after 12 rows (and the stall limit is far off), so the run is mid-way, with a
+    known count of rows measured, when Ctrl-C comes."""
+    proc = _launch(tmp_path, "1:12:STOP", "--stall-timeout", str(10 * BOUND_S))
+    ranks = _watch(proc, until=lambda seen: any(_is_rank(pid) and _state(pid) == "T" for pid in seen))
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=BOUND_S)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert f"wrote {tmp_path / 't.json'} (incomplete)" in out
+    trace = read_trace(tmp_path / "t.json")
+    assert not trace.meta.complete and trace.meta.failed_rank is None
+    assert (trace.ops.device == 1).sum() == 12 and (trace.ops.device == 0).sum() > 0
     assert _none_left(ranks)
 
 

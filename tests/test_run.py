@@ -121,6 +121,17 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_run_without_trace_prints_its_table_and_writes_nothing(tmp_path, monkeypatch):
+    from pipesim.executor import runners
+
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: run_in_process(spec))  # no spawning
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--microbatches", 2, "--minibatches", 2)
+    assert code == 0, err
+    assert "1f1b measured: 2 mini-batches" in out and "ms/step" in out and "wrote" not in out
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("stages, model, message", [
     (3, "mlp", "its partition has 2 stages, but 1f1b on 3 devices has 3"),
     (2, "cnn", "it profiles model 'mlp', not 'cnn'"),
