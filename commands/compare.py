@@ -50,7 +50,8 @@ def _conditions(found) -> list[str]:
              f"  host load: {load(found.calibrated_load)} while calibrating; {load(found.run_load)} while running"
              + (differs if found.load_differs else ""),
              f"  ranks: calibrated for {found.calibrated_ranks or 'not recorded'} computing at once; ran "
-             f"{found.run_ranks or 'not recorded'}" + (differs if found.ranks_differ else "")]
+             + (f"{found.run_ranks} on one host" if found.run_ranks else "not recorded")
+             + (differs if found.ranks_differ else "")]
     for term in found.host_terms:
         how = "from the host cache, measured" if term.reused else "measured by the calibration"
         lines.append(f"  {term.name}: {how} {ago(term.before_run_s)} at {load(term.load)}"

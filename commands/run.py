@@ -128,7 +128,7 @@ def run(
     from ..schedules.catalogue import method_named
     from ..sim import CostError
     from ..traces import summarize, write_trace
-    from ..traces.hostload import HostLoad, mark
+    from ..traces.hostload import HostLoad, mark, ranks_per_host
     from ..workload.processes import prepare, under_torchrun
 
     began = mark()  # the host's load before this run starts anything
@@ -224,7 +224,7 @@ def run(
                 failure, result = exc, exc.result
         if result is None:  # a torchrun rank other than 0: rank 0 reports
             return
-        ranks = int((result.trace.meta.hardware or {}).get("ranks") or 1)  # this host's, at most (torchrun)
+        ranks = ranks_per_host(result.trace.meta.hardware) or 1
         result.trace.meta.extra["host_load"] = HostLoad.since(began, ranks * threads_per_rank).to_dict()
         if measured is not None:  # what `pipesim compare` predicts the run from
             result.trace.meta.extra["profile"] = measured.model_dump(mode="json")

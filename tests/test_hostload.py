@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.traces import hostload
-from pipesim.traces.hostload import HostLoad, loads_differ
+from pipesim.traces.hostload import HostLoad, loads_differ, ranks_per_host
 from tests.conftest import pipesim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +37,8 @@ def test_others_load_leaves_out_what_the_measurement_itself_added():
     busy = HostLoad(4.6, 4.6, 0.0, 2, 0, load.began_at)
     quiet = HostLoad(0.2, 0.2, 0.0, 2, 0, load.began_at)
     assert loads_differ(busy, quiet) and not loads_differ(quiet, HostLoad(0.6, 0.6, 0.0, 2, 0, load.began_at))
+    assert ranks_per_host({"ranks": 4, "compute": ["a/cpu", "b/cpu", "a/cpu", "a/cpu"]}) == 3
+    assert ranks_per_host({"ranks": 4}) == 4 and ranks_per_host(None) is None
 
 
 def test_a_term_cached_under_high_load_is_measured_again_when_the_load_is_low(tmp_path, monkeypatch):
@@ -130,7 +132,7 @@ def test_compare_names_the_conditions_that_differ_beside_the_error(tmp_path):
     assert "conditions: calibrated 14 min before the run" in flat
     assert ("host load: load 0.20 on 2 cores (0.10 per core) while calibrating; load 4.60 on 2 cores (2.30 per "
             "core) while running (differs)") in flat
-    assert "ranks: calibrated for 2 computing at once; ran 2" in flat and "ran 2 (differs)" not in flat
+    assert "ranks: calibrated for 2 computing at once; ran 2 on one host link" in flat  # not marked: the next line
     assert "link and all-reduce: from the host cache, measured 1 h before the run at load 4.40 on 2 cores" in flat
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "the host's load differed: 0.10 per core while calibrating, 2.30 while running" \
@@ -152,10 +154,17 @@ def test_compare_says_more_ranks_than_calibrated_for(tmp_path):
 
     measured = read_trace(_recorded(tmp_path, "dp.json", run_load=0.2, calibrated_load=0.2))
     predicted = predict_measured(measured.meta)
-    found = compare(predicted, replace(measured, meta=replace(measured.meta,
-                                                              hardware={**measured.meta.hardware, "ranks": 4})))
+
+    def ran_on(*places: str):
+        hardware = {**measured.meta.hardware, "ranks": len(places), "compute": list(places)}
+        return compare(predicted, replace(measured, meta=replace(measured.meta, hardware=hardware)))
+
+    found = ran_on(*["vm/cpu"] * 4)  # say, two data-parallel replicas of the 2-stage pipeline on one host
     assert found.conditions.ranks_differ and (found.conditions.calibrated_ranks, found.conditions.run_ranks) == (2, 4)
     assert any("the run had 4 ranks" in w and "--ranks 4" in w for w in found.warnings)
+    spread = ran_on("a/cpu", "a/cpu", "b/cpu", "b/cpu")  # two per host: as calibrated
+    assert spread.conditions.run_ranks == 2 and not spread.conditions.ranks_differ
+    assert not any("ranks" in w for w in spread.warnings)
 
 
 def test_files_from_before_loads_were_recorded_still_compare_and_say_so(tmp_path):
@@ -163,7 +172,7 @@ def test_files_from_before_loads_were_recorded_still_compare_and_say_so(tmp_path
     assert code == 0, err
     assert "conditions: calibrated when not recorded" in out
     assert "host load: not recorded while calibrating; not recorded while running" in out
-    assert "ranks: calibrated for not recorded computing at once; ran 2" in out
+    assert "ranks: calibrated for not recorded computing at once; ran 2 on one host" in out
     assert "warning" not in err
     from pipesim.profiles.schema import load_profile
 

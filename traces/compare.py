@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from .hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, loads_differ, seconds_between
+from .hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, loads_differ, ranks_per_host, seconds_between
 from .metrics import Summary, summarize
 from .trace import Ops, Stream, Trace, TraceError
 
@@ -86,7 +86,7 @@ class Conditions:
     run_load: HostLoad | None
     load_differs: bool
     calibrated_ranks: int | None
-    run_ranks: int | None
+    run_ranks: int | None  # on its busiest host
     ranks_differ: bool  # the run had more ranks computing at once than the contention was calibrated for
     calibrated_before_run_s: float | None
     host_terms: list[HostTerm]
@@ -262,7 +262,7 @@ def conditions(predicted: Trace, measured: Trace) -> Conditions | None:
         return None
     run_load = HostLoad.from_dict(measured.meta.extra.get("host_load"))
     calibrated_load = HostLoad.from_dict(calibration.get("load"))
-    ran = (measured.meta.hardware or {}).get("ranks")
+    ran = ranks_per_host(measured.meta.hardware)
     calibrated_for = calibration.get("ranks")
     run_began = run_load.began_at if run_load is not None else None
     terms = []

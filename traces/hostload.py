@@ -117,6 +117,17 @@ class HostLoad:
             return None
 
 
+def ranks_per_host(hardware: dict[str, Any] | None) -> int | None:
+    """The most ranks a measured run had on one host (its `hardware["compute"]` names each rank's `host/device`;
+    without it, all its ranks), or None where it does not say."""
+    hardware = hardware or {}
+    places = [place.rsplit("/", 1)[0] for place in hardware.get("compute") or [] if isinstance(place, str)]
+    if places:
+        return max(places.count(host) for host in set(places))
+    ranks = hardware.get("ranks")
+    return int(ranks) if isinstance(ranks, int) else None
+
+
 def loads_differ(first: HostLoad | None, second: HostLoad | None) -> bool:
     """Whether the others' load per core of two measurements differs by more than LOAD_TOLERANCE_PER_CORE
     (False where either is unknown: nothing to tell them apart by)."""
