@@ -356,7 +356,7 @@ def too_few_layers(stages: str, model: str, options: dict[str, Any], layers: int
     """The one line for more stages than the model has layers (`stages`: the flags that ask for them). --layers
     counts a built-in model's blocks, and a pipeline cuts between all its layers, the embedding or classifier
     around the blocks too: both counts are said, so that 4 blocks and 6 layers do not read as a contradiction."""
-    blocks = f" of {options['layers']} blocks (--layers)" if "layers" in options else ""
+    blocks = f" of {options['layers']} block{'s' * (options['layers'] != 1)} (--layers)" if "layers" in options else ""
     return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
             "one layer)")
 

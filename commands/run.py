@@ -284,8 +284,8 @@ LAYERS_TRIED = 12  # --layers values a model the stage graph cannot carry is tri
 
 def _no_cut(spec, layers: int) -> str:
     """The one line for a model of `layers` layers the schedule's stage graph carries no cut of: for a built-in
-    model, which --layers values it does carry (its branches then land on the graph's branches)."""
-    from ..executor import carried_bounds
+    model, which --layers values it does carry (its branches then land on the graph's branches); else which
+    built-in models do, at which --layers."""
     from ..executor.stages import MAX_CUTS_SEARCHED
     from ..workload.models import MODELS
 
@@ -296,13 +296,30 @@ def _no_cut(spec, layers: int) -> str:
                 "carries: give fewer --layers")
     line = (f"{schedule.method}'s stage graph {sorted(schedule.graph.edges)} carries no cut of model {spec.model!r} "
             f"({layers} layers) into {schedule.num_stages} contiguous stages")
-    if spec.model not in MODELS:
-        return f"{line}; give a model whose layers branch as the graph does"
-    works = [n for n in range(1, LAYERS_TRIED + 1)
-             if carried_bounds(dataclasses.replace(spec, model_options={**spec.model_options, "layers": n}))]
-    if not works:
-        return f"{line}; no --layers from 1 to {LAYERS_TRIED} gives one: give a model that branches as the graph does"
-    return f"{line}; --layers {', '.join(map(str, works))} give one (of 1 to {LAYERS_TRIED} tried)"
+    if spec.model in MODELS:
+        works = _layers_carried(spec, spec.model, spec.model_options)
+        if works:
+            return f"{line}; --layers {_listed(works)} give one (of 1 to {LAYERS_TRIED} tried)"
+        line += f"; no --layers from 1 to {LAYERS_TRIED} gives one"
+    others = [f"--model {name} carries one at --layers {_listed(works)}" for name in MODELS if name != spec.model
+              for works in [_layers_carried(spec, name, {})] if works]
+    return f"{line}: give a model that branches as the graph does" + (f" ({'; '.join(others)})" if others else "")
+
+
+def _layers_carried(spec, model: str, options: dict) -> list[int]:
+    """The --layers values from 1 to LAYERS_TRIED at which built-in `model`, with its other `options`, has a cut
+    the schedule's stage graph carries."""
+    from ..executor import carried_bounds
+
+    return [n for n in range(1, LAYERS_TRIED + 1)
+            if carried_bounds(dataclasses.replace(spec, model=model, model_options={**options, "layers": n}))]
+
+
+def _listed(numbers: list[int]) -> str:
+    """Ascending whole numbers as text: "1 to 12" for three or more in a row, else "2, 3, 7"."""
+    if len(numbers) > 2 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{numbers[0]} to {numbers[-1]}"
+    return ", ".join(map(str, numbers))
 
 
 @contextmanager

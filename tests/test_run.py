@@ -169,6 +169,8 @@ def test_a_model_no_cut_of_which_the_stage_graph_carries_is_one_line_naming_the_
     code, _, err = pipesim("run", "-s", "graphpipe", "--model", "mlp", "--layers", 5, "--stages", 4, "--trace", trace)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "carries no cut of model 'mlp'" in err and "no --layers from 1 to 12 gives one" in err
+    assert err.endswith(": give a model that branches as the graph does (--model two-branch carries one at --layers "
+                        "1 to 12)\n")  # the built-in model that does, named
     assert not trace.exists()
 
 
