@@ -79,8 +79,9 @@ def _document(counted: WorkloadCount) -> dict:
 def _table(counted: WorkloadCount) -> Table:
     """One row per run of alike consecutive layers (a GPT's blocks are one row), then the model's totals."""
     shape = " ".join(f"{key}={value}" for key, value in counted.options.items())
-    title = (f"{counted.model} {shape}, b={counted.microbatch_size}, {counted.dtype}, {counted.attention} attention: "
-             "per layer and micro-batch")
+    attention = f", {counted.attention} attention" if counted.attention is not None else ""  # an MLP has none
+    title = (f"{counted.model} {shape}, b={counted.microbatch_size}, {counted.dtype}{attention}: per layer and "
+             "micro-batch")
     table = Table(title=title, box=box.SIMPLE_HEAD)
     for column in ("layers", "fwd FLOP", "igrad FLOP", "wgrad FLOP", "moved B", "saved B", "params B", "Adam B",
                    "output", "output B"):

@@ -308,7 +308,7 @@ class Estimate(_Strict):
 
     gpu: str
     parallelism: dict[str, Any]
-    attention: str
+    attention: str | None  # None: the model computes no attention
     curve: dict[str, Any]
     tensor_link: EstimateLink
     stage_link: EstimateLink
@@ -340,7 +340,7 @@ class FittedCurve(_Strict):
     multiprocessors: int = Field(ge=1)
     tiles: list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]] = Field(min_length=1)
     passes: list[Pass] = Field(min_length=1)
-    attention: str
+    attention: str | None  # None: the model computes no attention
     residuals: dict[Pass, list[float | None]]
 
     def error(self, name: str) -> tuple[float, float] | None:

@@ -56,13 +56,14 @@ class LayerCount:
 
 @dataclass(frozen=True)
 class WorkloadCount:
-    """A model counted at micro-batch size `microbatch_size` in `dtype`; `layers` in the model's order."""
+    """A model counted at micro-batch size `microbatch_size` in `dtype`, its attention as the `attention` kernel
+    (None: the model computes none); `layers` in the model's order."""
 
     model: str
     options: dict[str, int | float]  # size options (ints, gated a bool) and the dropout probability
     microbatch_size: int
     dtype: str
-    attention: str
+    attention: str | None
     layers: list[LayerCount] = field(default_factory=list)
 
     def total(self, name: str) -> int:

@@ -186,3 +186,14 @@ def test_dropout_is_counted_as_the_fused_kernel_a_gpu_runs_with_korthikantis_mas
     # attention and after the MLP (s·b·h each); plus the causal mask the unfused softmax reads (s² bytes)
     assert dropped.saved_bytes - plain.saved_bytes == 3 * scores + 2 * hidden + S * S
     assert dropped.fwd_flops == plain.fwd_flops
+
+
+def test_a_count_names_the_attention_kernel_only_for_a_model_that_attends():
+    """A plain MLP's header said "math attention"."""
+    assert count_built("gpt", GPT, B, torch.float32, "flash").attention == "flash"
+    assert count_built("mlp", dict(layers=2, width=8), B, torch.float32, "math").attention is None
+    code, out, err = pipesim("count", "--model", "mlp", "--layers", 2, "--width", 8)
+    assert code == 0, err
+    assert "mlp layers=2 width=8, b=1, bfloat16: per layer" in out and "attention" not in out
+    code, out, err = pipesim("count", "--layers", 2, "--width", 32, "--heads", 4, "--seq-len", 16, "--vocab", 64)
+    assert code == 0 and "bfloat16, math attention: per layer" in " ".join(out.split())

@@ -130,9 +130,11 @@ class _GpuKernels(TorchFunctionMode):
     def __init__(self, flash: bool) -> None:
         super().__init__()
         self.flash = flash
+        self.attended = False  # whether the model computed attention (an MLP's count names no kernel for it)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.attended |= func is F.scaled_dot_product_attention
         if func is F.dropout:
             given = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
             p, training = given.get("p", 0.5), given.get("training", True)
@@ -160,14 +162,14 @@ class _GpuKernels(TorchFunctionMode):
 
 
 @contextmanager
-def _attention(kind: str) -> Iterator[None]:
+def _attention(kind: str) -> Iterator[_GpuKernels]:
     if kind not in ATTENTION:
         raise ValueError(f"attention: choose from {', '.join(ATTENTION)} (got {kind!r})")
     allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     try:
-        with _GpuKernels(kind == "flash"):
-            yield
+        with _GpuKernels(kind == "flash") as kernels:
+            yield kernels
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
 
@@ -218,7 +220,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     alike: dict[tuple, tuple[LayerCount, torch.Tensor]] = {}
     steps: dict[tuple, tuple[int, int]] = {}  # (optimizer, weight shapes) -> (state bytes, moved bytes)
     counted = []
-    with _attention(attention):
+    with _attention(attention) as kernels:
         for i, layer in enumerate(model.layers):
             layer.to(device=META, dtype=dtype).train()
             inputs = [outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point())
@@ -229,7 +231,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
             count, outputs[i] = alike[key]
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
-                         attention, counted)
+                         attention if kernels.attended else None, counted)
 
 
 def _signature(layer: torch.nn.Module, inputs: list[torch.Tensor], last: bool) -> tuple:
