@@ -280,5 +280,6 @@ def pipedream(params: ScheduleParams) -> Schedule:
 BASELINES = (
     Method("gpipe", "GPipe: all forwards, then all backwards; flush and update per mini-batch", gpipe),
     Method("1f1b", "1F1B (PipeDream-Flush, DAPPLE): warm-up, one forward one backward, flush", one_f_one_b),
-    Method("pipedream", "PipeDream: asynchronous 1F1B without flush; weight stashing, staleness p-1-k", pipedream),
+    Method("pipedream", "PipeDream: asynchronous 1F1B without flush; weight stashing, staleness ⌈(p-1-k)/m⌉ "
+                        "mini-batches", pipedream),
 )

@@ -1,6 +1,7 @@
 """Every method: complete, deadlock-free, and with the weight semantics its paper states."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -118,6 +119,14 @@ def test_pipedream_2bw_staleness_one_two_versions_no_flush():
 def test_pipedream_2bw_rejects_too_few_microbatches():
     with pytest.raises(ScheduleError, match="m >= p-1"):
         build("pipedream-2bw", 6, 2, 3)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (4, 2), (4, 4), (8, 3)])
+def test_pipedreams_staleness_is_what_schedules_lists_in_minibatches(p, m):
+    """`pipesim schedules` said p-1-k, while tables count mini-batches (1 at p = m = 4)."""
+    assert "staleness ⌈(p-1-k)/m⌉ mini-batches" in METHODS["pipedream"].summary
+    summary = simulated(build("pipedream", p, m, 4 * p)).summary
+    assert [s.forward_staleness for s in summary.stages] == [math.ceil((p - 1 - k) / m) for k in range(p)]
 
 
 @pytest.mark.parametrize("p", [2, 4, 6])
