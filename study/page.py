@@ -146,19 +146,22 @@ def accuracy_figure(summaries: Sequence[ArmSummary], optimizers: Sequence[str]) 
             throughput = "" if not timed else (f"<br>{s.timing.measured_samples_per_s:,.0f} samples/s measured, "
                                                f"{s.timing.predicted_samples_per_s:,.0f} predicted")
             diverged = f" ({s.diverged} of {len(s.runs)} seeds diverged)" if s.diverged else ""
-            error = {"type": "data", "array": [acc.std], "color": colours[s.arm.label]}
-            place = ({"x": [s.timing.measured_samples_per_s], "y": [acc.mean], "error_y": error} if timed
-                     else {"x": [acc.mean], "y": [s.arm.label], "error_x": error})
+            place = ({"x": [s.timing.measured_samples_per_s], "y": [acc.mean]} if timed
+                     else {"x": [acc.mean], "y": [s.arm.label]})
+            if acc.std is not None:  # one seed: no spread to draw
+                place["error_y" if timed else "error_x"] = {"type": "data", "array": [acc.std],
+                                                            "color": colours[s.arm.label]}
+            over = f"± {acc.std:.1%} over {acc.n} seeds" if acc.std is not None else "(one seed)"
             fig.add_trace(go.Scatter(
                 **place, mode="markers", name=s.arm.label, legendgroup=s.arm.label,
                 showlegend=s.arm.label not in shown,
                 marker={"color": colours[s.arm.label], "size": 11, "symbol": symbols[i % len(symbols)],
                         "line": {"width": 1, "color": "white"}},
-                hovertemplate=f"{s.arm.label} ({optimizer}{diverged})<br>accuracy {acc.mean:.1%} ± {acc.std:.1%} "
-                              f"over {acc.n} seeds{throughput}<extra></extra>"))
+                hovertemplate=f"{s.arm.label} ({optimizer}{diverged})<br>accuracy {acc.mean:.1%} {over}"
+                              f"{throughput}<extra></extra>"))
             shown.add(s.arm.label)
     marks = ", ".join(f"{symbols[i % len(symbols)]}: {o}" for i, o in enumerate(optimizers))
-    spread = "mean ± std over seeds"
+    spread = "mean ± std over seeds" if any(s.heldout_accuracy.std is not None for s in summaries) else "one seed"
     if timed:
         fig.update_xaxes(title_text=f"samples/s measured on spawned ranks ({marks})")
         fig.update_yaxes(title_text=f"held-out accuracy ({spread})", tickformat=".0%")

@@ -157,11 +157,11 @@ def load_results(path: Path) -> StudyFile:
 
 @dataclass(frozen=True)
 class Spread:
-    """A quantity over seeds: mean, standard deviation (0 with one seed), how many seeds gave it, and what to
-    print where none did."""
+    """A quantity over seeds: mean, sample standard deviation (None with one seed: there is no spread to
+    show), how many seeds gave it, and what to print where none did."""
 
     mean: float
-    std: float
+    std: float | None
     n: int
     missing: str = "-"
 
@@ -170,13 +170,15 @@ class Spread:
         finite = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=float)
         if not len(finite):
             return cls(math.nan, math.nan, 0, missing)
-        return cls(float(finite.mean()), float(finite.std(ddof=1)) if len(finite) > 1 else 0.0, len(finite),
+        return cls(float(finite.mean()), float(finite.std(ddof=1)) if len(finite) > 1 else None, len(finite),
                    missing)
 
     def text(self, fmt: str = ".3f", scale: float = 1.0) -> str:
+        """"mean ± std", the mean alone from one seed."""
         if not self.n:
             return self.missing
-        return f"{self.mean * scale:{fmt}} ± {self.std * scale:{fmt}}"
+        mean = f"{self.mean * scale:{fmt}}"
+        return mean if self.std is None else f"{mean} ± {self.std * scale:{fmt}}"
 
 
 @dataclass(frozen=True)

@@ -110,3 +110,26 @@ def test_an_arm_whose_first_seed_diverged_shows_what_its_other_seeds_measured(tm
     saved = load_results(path)
     (arm,) = summarize(saved, *recorded_arms(saved))
     assert arm.diverged == 1 and arm.per_stage("forward_staleness") == "0,0"
+
+
+def test_a_study_of_one_seed_shows_no_spread(tmp_path):
+    """`study --seeds 1` printed "± 0.0" and "over 1 seeds"."""
+    import json
+
+    from pipesim.study.page import accuracy_figure
+    from pipesim.study.results import recorded_arms, summarize
+
+    falling = [2.3 * 0.9 ** b for b in range(20)]
+    path = tmp_path / "one-seed.json"
+    StudyFile(format_version=1, setting=TINY.as_dict(),
+              runs=[_record(method, "momentum", 0, falling) for method in ("gpipe", "pipedream")]).save(path)
+    code, out, err = pipesim("study", "--plot-only", "--results", path, "--html", tmp_path / "s.html")
+    assert code == 0, err
+    words = " ".join(out.split())
+    assert "±" not in out and "1 seeds" not in words and "of one seed (no spread: give --seeds 2 or more)" in words
+    code, out, err = pipesim("study", "--plot-only", "--results", path, "--html", tmp_path / "s.html", "--json")
+    assert code == 0 and {arm["heldout_accuracy"]["std"] for arm in json.loads(out)["arms"]} == {None}
+    saved = load_results(path)
+    figure = accuracy_figure(summarize(saved, *recorded_arms(saved)), ["momentum"])
+    assert all(trace.error_x.array is None for trace in figure.data)
+    assert all("(one seed)" in trace.hovertemplate and "±" not in trace.hovertemplate for trace in figure.data)
