@@ -135,8 +135,9 @@ def test_compare_names_the_conditions_that_differ_beside_the_error(tmp_path):
     assert "ranks: calibrated for 2 computing at once; ran 2 on one host link" in flat  # not marked: the next line
     assert "link and all-reduce: from the host cache, measured 1 h before the run at load 4.40 on 2 cores" in flat
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "the host's load differed: 0.10 per core while calibrating, 2.30 while running" \
+    assert len(warnings) == 2 and "the host's load differed: 0.10 per core while calibrating, 2.30 while running" \
         in warnings[0]
+    assert "the host was busy (2.30 per core while running: at least 1 per core" in warnings[1]
     code, out, err = pipesim("compare", _recorded(tmp_path, "same.json", run_load=0.3, calibrated_load=0.2,
                                                   contention_load=4.4), "--json")
     assert code == 0, err

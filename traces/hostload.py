@@ -10,7 +10,9 @@ tasks can have added to it (the kernel's average moves towards the running count
 seconds). Where the platform keeps no load average (Windows) the load is unknown, and said so.
 
 Two loads differ when their others' load per usable core differs by more than LOAD_TOLERANCE_PER_CORE: on the
-2-core host one more busy process beside a 2-rank run takes a third of each rank's time.
+2-core host one more busy process beside a 2-rank run takes a third of each rank's time. A host is busy from
+BUSY_PER_CORE: every rank then shares its core with other work, whose load moves from minute to minute (the
+same calibration and run at 2 per core once predicted +96 %, each condition alike).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 LOAD_TOLERANCE_PER_CORE = 0.25  # others' load per core that two measurements may differ by and still compare
+BUSY_PER_CORE = 1.0  # others' load per core from which every rank shares its core with other work
 LOAD_AVERAGE_WINDOW_S = 60.0  # the 1-minute load average's time constant
 
 
