@@ -31,6 +31,8 @@ def test_others_load_leaves_out_what_the_measurement_itself_added():
     assert "on 2 cores" in load.describe()
     assert HostLoad.from_dict(load.to_dict()) == load
     assert HostLoad.from_dict(None) is None and HostLoad.from_dict({"cpus": 2}) is None
+    assert HostLoad.from_dict({**load.to_dict(), "before": "4.6"}) is None  # a hand-edited file: not recorded
+    assert HostLoad.from_dict({**load.to_dict(), "cpus": 0}) is None
     unknown = HostLoad(None, None, 1.0, 2, 0, load.began_at)
     assert unknown.others is None and "unknown" in unknown.describe()
     assert not loads_differ(unknown, load) and not loads_differ(None, load)

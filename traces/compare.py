@@ -263,10 +263,12 @@ def conditions(predicted: Trace, measured: Trace) -> Conditions | None:
     run_load = HostLoad.from_dict(measured.meta.extra.get("host_load"))
     calibrated_load = HostLoad.from_dict(calibration.get("load"))
     ran = ranks_per_host(measured.meta.hardware)
-    calibrated_for = calibration.get("ranks")
+    calibrated_for = calibration.get("ranks") if isinstance(calibration.get("ranks"), int) else None
     run_began = run_load.began_at if run_load is not None else None
     terms = []
     for name, term in (calibration.get("host_terms") or {}).items():
+        if not isinstance(term, dict):
+            continue
         load = HostLoad.from_dict(term.get("load"))
         terms.append(HostTerm(name, bool(term.get("reused")), seconds_between(term.get("measured_at"), run_began),
                               load, loads_differ(load, run_load)))

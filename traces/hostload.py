@@ -114,10 +114,15 @@ class HostLoad:
     def from_dict(cls, doc: Any) -> HostLoad | None:
         """A load as `to_dict` wrote it; None where `doc` is absent or not one (a file from before loads were
         recorded)."""
-        try:
-            return cls(**doc) if isinstance(doc, dict) and doc.get("cpus", 0) >= 1 else None
-        except TypeError:
+        if not isinstance(doc, dict) or set(doc) != set(cls.__dataclass_fields__):
             return None
+        number = (int, float)
+        readings = all(doc[name] is None or isinstance(doc[name], number) for name in ("before", "after"))
+        counts = all(isinstance(doc[name], int) and doc[name] >= 0 for name in ("cpus", "own_tasks"))
+        if not (readings and counts and doc["cpus"] >= 1 and isinstance(doc["seconds"], number)
+                and isinstance(doc["began_at"], str)):
+            return None
+        return cls(**doc)
 
 
 def ranks_per_host(hardware: dict[str, Any] | None) -> int | None:
