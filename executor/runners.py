@@ -660,11 +660,15 @@ def _stopped_by_sigterm() -> Iterator[None]:
 
 
 def _finished_after(lowered: Lowered, device: int) -> np.ndarray:
-    """After how many of its rows `device` has finished each mini-batch, sorted (for progress)."""
+    """After how many of its rows `device` has finished each mini-batch, sorted (for progress); 0 for one it
+    runs no row of. In one pass over the rows: a scan per mini-batch kept a run of 10^5 of them from starting
+    for minutes, and a Ctrl-C meanwhile found nothing measured."""
     rows = lowered.rows(device)
-    minibatch = lowered.table.minibatch[rows.start:rows.stop]
-    return np.sort(np.array([int(np.flatnonzero(minibatch == b)[-1]) + 1 if np.any(minibatch == b) else 0
-                             for b in range(lowered.schedule.minibatches)], dtype=np.int64))
+    minibatch = np.asarray(lowered.table.minibatch[rows.start:rows.stop], dtype=np.int64)
+    ran = (minibatch >= 0) & (minibatch < lowered.schedule.minibatches)
+    after = np.zeros(lowered.schedule.minibatches, dtype=np.int64)
+    np.maximum.at(after, minibatch[ran], np.flatnonzero(ran) + 1)
+    return np.sort(after)
 
 
 # ---------------------------------------------------------------------------------------------- the trace

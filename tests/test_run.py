@@ -132,6 +132,19 @@ def test_a_run_without_trace_prints_its_table_and_writes_nothing(tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("method, p, m, n", [("1f1b", 2, 4, 5), ("pipedream", 3, 2, 7), ("avgpipe", 2, 4, 4),
+                                             ("interleaved-1f1b", 2, 4, 3)])
+def test_progress_counts_a_minibatch_done_at_each_devices_last_row_of_it(method, p, m, n):
+    """The supervisor's progress table, as its definition reads (it is now computed in one pass)."""
+    from pipesim.executor.runners import _finished_after
+
+    lowered = lower(build(method, p, m, n))
+    for device in range(lowered.schedule.num_devices):
+        minibatch = list(lowered.table.minibatch[lowered.rows(device).start:lowered.rows(device).stop])
+        last = [max((i + 1 for i, b in enumerate(minibatch) if b == j), default=0) for j in range(n)]
+        assert list(_finished_after(lowered, device)) == sorted(last)
+
+
 @pytest.mark.parametrize("stages, model, message", [
     (3, "mlp", "its partition has 2 stages, but 1f1b on 3 devices has 3"),
     (2, "cnn", "it profiles model 'mlp', not 'cnn'"),
