@@ -47,6 +47,7 @@ _GRID = ((2.0, 1.0, True, 0), (2.0, 1.0, False, 0), (2.0, 1.0, False, 1), (1.0, 
          (math.inf, math.inf, False, 0))
 DEFAULT_SECONDS = 0.3  # search budget unless --search-seconds says otherwise
 DEFAULT_LIMIT = 1.0  # R unless --activation-limit says otherwise: 1F1B's peak activation memory
+_EXACT_STAGES = 4  # up to this many stages, every in-order pattern is timed where the budget affords it
 _OPS_PER_SECOND = 1_000_000  # ops scheduled or timed per CPU second (measured here: 1.0 to 1.4 million)
 
 
@@ -225,7 +226,8 @@ def _search(times: StageTimes, budget_seconds: float, progress: Callable[[float]
             break
         search.knobs(Knobs.scaled(times, *variant))
     search.improve()
-    search.polish()
+    if times.stages > _EXACT_STAGES or not search.enumerate():
+        search.explore()
     if progress is not None:
         progress(1.0)
     if search.best is None:  # cannot happen: one micro-batch at a time always fits (checked by `stage_times`)
@@ -271,8 +273,7 @@ class _Search:
         self.tried.add(knobs)
         self.budget_ops -= 2 * self.cost_ops  # scheduled, then timed
         better = self.consider(_greedy(self.times, knobs), knobs)
-        if self.progress is not None:
-            self.progress(min(1.0, 1.0 - self.budget_ops / self.total_ops))
+        self.report()
         return better
 
     def improve(self) -> None:
@@ -295,23 +296,121 @@ class _Search:
                         improved = True
 
 
-    def polish(self) -> None:
-        """Local search on the best pattern itself, past what the list scheduler's knobs reach: one op of one device
-        moved to another place in its order (each kind's ops staying in micro-batch order, I after its F, W after
-        its I), the first move that shortens the step kept, until none does or the budget is spent."""
-        improved = self.best is not None
-        while improved:
-            improved = False
+    def explore(self) -> None:
+        """Local search on the best pattern itself, past what the list scheduler's knobs reach: patterns one op
+        move away (`_moves`) from those whose step is no longer than the best's, breadth first, each timed once,
+        until none is left or the budget is spent. Moves that keep the step as it is are followed too: the order
+        that shortens it may lie several such moves away."""
+        if self.best is None:
+            return
+        seen = {self.best}
+        frontier = deque([self.best])
+        while frontier:
+            pattern = frontier.popleft()
             for k in range(self.times.stages):
-                for moved in _moves(self.best[k]):
+                for moved in _moves(pattern[k]):
+                    candidate = (*pattern[:k], moved, *pattern[k + 1:])
+                    if candidate in seen:
+                        continue
                     if not self.affords():
                         return
+                    seen.add(candidate)
                     self.budget_ops -= self.cost_ops
-                    if self.consider((*self.best[:k], moved, *self.best[k + 1:]), None):
-                        improved = True
-                        break
-            if self.progress is not None:
-                self.progress(min(1.0, 1.0 - self.budget_ops / self.total_ops))
+                    step = self.step_ms(candidate)
+                    if step is not None and step <= self.best_key[0] + 1e-9:
+                        frontier.append(candidate)
+                        self.consider(candidate, None)
+            self.report()
+
+    def enumerate(self) -> bool:
+        """Time every in-order pattern (each device's F, I and W in micro-batch order, I after its F, W after its I,
+        within its activation limit) where the budget affords them all, the pairs of neighbouring orders that
+        deadlock left out: then no such pattern is better than the best found. Whether it did."""
+        times, p, length = self.times, self.times.stages, 3 * self.times.microbatches
+        orders = []
+        for k in range(p):  # listing them costs ops too, and stops where they are more than the budget could time
+            found = _in_order(times.microbatches, times.held_bytes[k], times.kept_bytes[k], times.limit_bytes[k],
+                              self.budget_ops // self.cost_ops)
+            self.budget_ops -= length * (len(found) if found is not None else self.budget_ops // self.cost_ops)
+            if found is None:
+                return False
+            orders.append(found)
+        pair_ops = sum(len(a) * len(b) for a, b in zip(orders, orders[1:])) * 2 * length
+        if pair_ops > self.budget_ops // 8:  # most of the budget stays for `explore` where this cannot finish
+            return False
+        self.budget_ops -= pair_ops
+        follows = [[[j for j, b in enumerate(orders[k + 1]) if _live_pair(a, b)] for a in orders[k]]
+                   for k in range(p - 1)]
+        count = [1] * len(orders[-1])  # per order of device k: the live patterns of devices k .. p - 1 it starts
+        for k in range(p - 2, -1, -1):
+            count = [sum(count[j] for j in follows[k][i]) for i in range(len(orders[k]))]
+        if sum(count) * self.cost_ops > self.budget_ops:
+            return False
+
+        def walk(k: int, chosen: tuple[tuple[tuple[int, int], ...], ...], index: int) -> None:
+            if k == p:
+                self.budget_ops -= self.cost_ops
+                self.consider(chosen, None)
+                return
+            for j in range(len(orders[0])) if k == 0 else follows[k - 1][index]:
+                walk(k + 1, (*chosen, orders[k][j]), j)
+
+        walk(0, (), 0)
+        self.report()
+        return True
+
+    def step_ms(self, pattern: Pattern) -> float | None:
+        """`pattern`'s steady step, None where it deadlocks or breaks a device's limit."""
+        if not fits(pattern, self.times):
+            return None
+        done = finish_ms(pattern, self.times, _STEADY)
+        return None if done is None else done[1] - done[0]
+
+    def report(self) -> None:
+        if self.progress is not None:
+            self.progress(min(1.0, 1.0 - self.budget_ops / self.total_ops))
+
+
+def _in_order(m: int, held: float, kept: float, limit: float, most: int) -> list[tuple[tuple[int, int], ...]] | None:
+    """Every order of one device's F, I and W of m micro-batches, each kind in micro-batch order, I after its F and
+    W after its I, whose activations stay within `limit` (F, then I, then W first where there is a choice); None
+    where there are more than `most`."""
+    found: list[tuple[tuple[int, int], ...]] = []
+    ops: list[tuple[int, int]] = []
+
+    def extend(f: int, i: int, w: int, level: float) -> bool:
+        if w == m:
+            found.append(tuple(ops))
+            return len(found) <= most
+        for code, j, after, go in ((_F, f, level + held, f < m), (_I, i, level - held + kept, i < f),
+                                   (_W, w, level - kept, w < i)):
+            if go and (code != _F or after <= limit + 1e-9):
+                ops.append((code, j))
+                more = extend(f + (code == _F), i + (code == _I), w + (code == _W), after)
+                ops.pop()
+                if not more:
+                    return False
+        return True
+
+    return found if extend(0, 0, 0, 0.0) else None
+
+
+def _live_pair(upstream: Sequence[tuple[int, int]], downstream: Sequence[tuple[int, int]]) -> bool:
+    """Whether two neighbouring devices' orders can both finish: each F downstream waits for its F upstream,
+    each I upstream for its I downstream (the rest of the chain only adds waits, so a pair that deadlocks alone
+    deadlocks in it)."""
+    forwards = backwards = a = b = 0  # F's done upstream, I's done downstream, the next op of each
+    while a < len(upstream) or b < len(downstream):
+        moved = False
+        while a < len(upstream) and (upstream[a][0] != _I or upstream[a][1] < backwards):
+            forwards += upstream[a][0] == _F
+            a, moved = a + 1, True
+        while b < len(downstream) and (downstream[b][0] != _F or downstream[b][1] < forwards):
+            backwards += downstream[b][0] == _I
+            b, moved = b + 1, True
+        if not moved:
+            return False
+    return True
 
 
 def _moves(ops: tuple[tuple[int, int], ...]) -> Iterator[tuple[tuple[int, int], ...]]:
