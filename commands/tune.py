@@ -57,8 +57,9 @@ def tune(
     schedule: Annotated[list[str] | None, typer.Option(
         "--schedule", "-s", help="Candidate method (repeat; see `pipesim schedules`). Default: all.")] = None,
     max_staleness: Annotated[int, typer.Option(
-        "--max-staleness", min=0, help="Largest staleness allowed. Default 1: PipeDream-2BW's one-step delay, shown to "
-                                       "train like synchronous SGD; 0 keeps synchronous semantics.")] = 1,
+        "--max-staleness", min=0, help="Largest staleness allowed, in optimizer steps. Default 0: synchronous "
+                                       "methods only, which train as one device would; a note names a staler "
+                                       "method that would be faster. 1 admits PipeDream-2BW's one-step delay.")] = 0,
     max_chunks: Annotated[int, typer.Option(
         "--max-chunks", min=1, help="Largest v tried: model chunks per device (interleaved and V schedules).")] = 4,
     max_pipelines: Annotated[int, typer.Option(
@@ -152,7 +153,8 @@ def tune(
         fail(str(exc))
     if as_json:
         document = tuning.to_dict()
-        for row in (document["choice"], *document["runners_up"], *document["excluded"]):
+        for row in (document["choice"], *document["runners_up"], *document["excluded"],
+                    *filter(None, [document["staler_winner"]])):
             if work:
                 row.update(work[row["microbatch_size"]].metrics(row["samples_per_s"], devices))
         sys.stdout.write(json.dumps(document, indent=2) + "\n")

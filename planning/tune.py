@@ -38,6 +38,9 @@ busiest device's compute per step, an upper bound of samples/s. Candidates over 
 with a floor over the cap are out unsimulated; the rest are simulated best bound first, until the bound
 falls below the sixth best row found, so the choice and its five runners-up are exact. Excluded
 candidates are simulated, best bound first, only while their bound beats the choice: what the limits cost.
+The limit that changes what a run trains is staleness (synchronous by default): so that it is not a hidden
+price, the fastest configuration over it alone (within the cap) that beats the choice is found the same way,
+best bound first among those whose floor fits, and named in a note.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class Problem:
     memory_cap_bytes: int
     batch_size: int  # B: samples per optimizer step, over all replicas and pipelines
     schedules: tuple[str, ...]
-    max_staleness: int = 1
+    max_staleness: int = 0  # synchronous: the same training as one device
     max_chunks: int = 4
     max_pipelines: int = 4
     search_seconds: float | None = None  # auto's search budget (None: its default)
@@ -220,6 +223,7 @@ class Tuning:
     excluded: list[Row]  # faster than the choice but over a limit
     stats: Stats
     notes: list[str]
+    staler: Row | None = None  # the fastest configuration over the staleness limit alone that beats the choice
 
     def to_dict(self) -> dict:
         problem = self.problem
@@ -233,6 +237,7 @@ class Tuning:
             "excluded": [row.to_dict() for row in self.excluded],
             "search": {**asdict(self.stats), "configurations": self.stats.configurations},
             "notes": self.notes,
+            "staler_winner": self.staler.to_dict() if self.staler else None,
         }
 
 
@@ -282,6 +287,10 @@ def tune(settings: list[Setting], problem: Problem) -> Tuning:
     pruned = sum(c.index not in simulated for c in hopeful)
     faster = top_groups(sorted(candidates, key=lambda c: -c.max_samples_per_s), run,
                         lambda result: not allowed(result, problem), speed_key(choice.samples_per_s))
+    staler = top_groups(sorted((c for c in stale if c.memory_floor_bytes <= problem.memory_cap_bytes),
+                               key=lambda c: -c.max_samples_per_s), run,
+                        lambda result: result.peak_memory_bytes <= problem.memory_cap_bytes,
+                        speed_key(choice.samples_per_s), groups=1)
 
     def row(group: list[Result]) -> Row:
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
@@ -289,19 +298,21 @@ def tune(settings: list[Setting], problem: Problem) -> Tuning:
     within = sum(c.index in simulated for c in hopeful)
     stats = Stats(shapes, refused, len(stale), len(heavy), pruned, within, len(simulated) - within,
                   time.perf_counter() - started)
+    staler_row = row(staler[0]) if staler else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster[:RUNNERS_UP]], stats,
-                  _notes(settings, problem))
+                  _notes(settings, problem) + ([_staler_note(staler_row, choice)] if staler_row else []),
+                  staler_row)
 
 
 def top_groups(candidates: list[Candidate], run: Callable[[Candidate], Result], keep: Callable[[Result], bool],
-               above: float) -> list[list[Result]]:
-    """The best RUNNERS_UP + 1 groups of twins among the results `keep` accepts whose speed key beats
-    `above`, in rank order (each group best first). `candidates` come best bound first, and are simulated
-    only while a bound can match the last group kept."""
+               above: float, groups: int = RUNNERS_UP + 1) -> list[list[Result]]:
+    """The best `groups` groups of twins among the results `keep` accepts whose speed key beats `above`, in
+    rank order (each group best first). `candidates` come best bound first, and are simulated only while a
+    bound can match the last group kept."""
     kept: list[list[Result]] = []
     for candidate in candidates:
         bound = speed_key(candidate.max_samples_per_s)
-        if bound <= above or (len(kept) > RUNNERS_UP and bound < speed_key(kept[-1][0].samples_per_s)):
+        if bound <= above or (len(kept) >= groups and bound < speed_key(kept[-1][0].samples_per_s)):
             break
         result = run(candidate)
         if not keep(result) or speed_key(result.samples_per_s) <= above:
@@ -310,7 +321,7 @@ def top_groups(candidates: list[Candidate], run: Callable[[Candidate], Result], 
         if group is not None:
             group[:] = sorted([*group, result], key=rank_key)
         else:
-            kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:RUNNERS_UP + 1]
+            kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
     return kept
 
 
@@ -596,6 +607,16 @@ def _notes(settings: list[Setting], problem: Problem) -> list[str]:
     if profile.link is None:
         notes.append("the profile has no link times: transfers between devices are free")
     return notes
+
+
+def _staler_note(staler: Row, choice: Result) -> str:
+    """What the staleness limit costs: which configuration it rules out, how much faster, how to allow it."""
+    result = staler.result
+    gain = result.samples_per_s - choice.samples_per_s
+    same = f" (same as {', '.join(twin.label() for twin in staler.twins)})" if staler.twins else ""
+    return (f"at staleness {result.staleness}, {result.config.label()}{same} fits and gives "
+            f"{result.samples_per_s:,.1f} samples/s, {_percent(gain / choice.samples_per_s)} ({gain:,.1f}) more than "
+            f"{choice.config.label()}; it trains on stale weights: --max-staleness {result.staleness} allows it")
 
 
 def memory_text(nbytes: float) -> str:
