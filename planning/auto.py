@@ -7,9 +7,11 @@ whenever it is free, what to run next: a ready I first (it is on the critical pa
 device's memory allows it, else a deferred W to fill the gap. Its knobs (how many micro-batches a stage may
 hold in flight, whether W's fill every gap or wait for the end of the mini-batch) are tried in turn, beside the
 fixed orders (1F1B, ZB-H1, ZB-H2, GPipe) that fit the same memory, and every candidate is timed as a repeated
-step: mini-batches following each other, each device starting the next one after its own update. The one with
-the shortest steady-state time per mini-batch wins (ties: the faster cold first mini-batch, then the first
-tried), so the same inputs give the same schedule.
+step: mini-batches following each other, each device starting the next one after its own update. Past what the
+knobs reach, up to 4 stages every in-order pattern is timed where the budget affords them all (then none is
+faster), else patterns one op move away from the best are, for the rest of the budget. The one with the
+shortest steady-state time per mini-batch wins (ties: the faster cold first mini-batch, then the first tried),
+so the same inputs give the same schedule.
 
 The result is an ordinary Schedule: per mini-batch each device runs its pattern, then its stage's OPT.
 """
@@ -198,7 +200,9 @@ def best_pattern(times: StageTimes, budget_seconds: float = DEFAULT_SECONDS,
                  progress: Callable[[float], None] | None = None) -> Pattern:
     """The candidate with the shortest steady-state time per mini-batch (then the shortest first mini-batch,
     then the first tried): the fixed orders that fit (always timed), then the list scheduler's variants in
-    `_GRID` order, then a local search over its per-stage knobs, for as long as the budget lasts. The budget is
+    `_GRID` order, then a local search over its per-stage knobs, then every in-order pattern (up to
+    `_EXACT_STAGES` stages, where the budget affords them all) or a search over one-op moves, for as long as the
+    budget lasts. The budget is
     counted in ops scheduled and timed at a rate fixed in `_OPS_PER_SECOND`, not on the clock, so the same inputs
     give the same schedule on any machine, loaded or not; the fixed orders and the first variant are always tried
     (the constructive pass), the budget bounds the rest. The last 8 results are remembered: a command builds one
