@@ -1,47 +1,46 @@
-"""Every published run of benchmarks/published/ (the papers' tables) predicted on a100-sxm-80gb, nothing fitted.
+"""Every published run of benchmarks/published/ (the papers' tables) predicted on a100-sxm-80gb by a pipesim command
+line, nothing fitted.
 
-Per row: the GPT counted by torch on the meta device at the run's micro-batch size (fp16, the scores
-materialised as Megatron-LM ran them, its 0.1 dropouts), estimated per GPU for its t, p, d and recomputation
-(planning/estimate.py), cut into p (or p·v, interleaved) stages of equal blocks (the embedding with the first,
-the head with the last, as Megatron places them), then simulated for one iteration (1F1B or interleaved 1F1B,
-the data-parallel all-reduce a REDUCE row on the network, every chunk's after the pipeline has flushed as
-Megatron-LM's DDP runs it) and compared:
+Each row's command is built as text, printed, and run as written (in-process, with --json added to read its
+figure). Per row: the GPT counted by torch on the meta device at the run's micro-batch size (fp16, the scores
+materialised as Megatron-LM ran them, its 0.1 dropouts), estimated per GPU for its t, p, d and recomputation,
+cut into p (or p·v, interleaved) stages of equal blocks (`--stage-cut equal-blocks`: the embedding with the
+first, the head with the last, as Megatron-LM places them), then simulated (1F1B or interleaved 1F1B; sends
+blocking as Megatron-LM's p2p waits, `--blocking-comm`; the data-parallel all-reduce a REDUCE row on the
+network, every chunk's after the pipeline has flushed as Megatron-LM's DDP runs it, `--reduce-after-flush`)
+and compared:
 
-- Korthikanti et al. 2022, Table 5: iteration seconds, full recomputation, and sequence parallelism with
-  selective recomputation;
-- Korthikanti et al. 2022, Table 4: one layer of the 22B model (t = 8), forward and backward ms;
+- Korthikanti et al. 2022, Table 5: iteration seconds (`simulate`'s ms/step), full recomputation, and
+  sequence parallelism with selective recomputation;
+- Korthikanti et al. 2022, Table 4: one layer of the 22B model (t = 8), forward and backward ms (`estimate
+  --out`'s profile, its layers[1]);
 - Narayanan et al. 2021 (Megatron-LM), Table 1: TFLOP/s per GPU by the paper's Eq. 3 (which counts the
   recomputed forward) from the predicted iteration time.
 
-    python benchmarks/published_runs.py                 # the table
+    python benchmarks/published_runs.py                 # the table, then each row's command
     python benchmarks/published_runs.py --json out.json # and the rows as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import io
 import json
+import shlex
 import statistics
-from dataclasses import dataclass, replace
-from functools import cache
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Parallelism, estimate_profile
-from pipesim.planning.scenario import profile_scenario
-from pipesim.profiles.schema import Profile
-from pipesim.schedules import ScheduleParams
-from pipesim.sim import simulate
-from pipesim.traces.metrics import summarize
-from pipesim.workload.count import WorkloadCount, count_built
+from pipesim.cli import main as pipesim
 
 PUBLISHED = Path(__file__).resolve().parent / "published"  # the papers' tables; README.md there says how to read them
 SEQ, VOCAB = 2048, 51200
 DROPOUT = 0.1  # Megatron-LM's GPT default (--attention-dropout, --hidden-dropout), as both papers ran
-GPU = load_catalogue().find("a100-sxm-80gb")
+GPU = "a100-sxm-80gb"
+LAYER_PROFILE = "layer.json"  # where a layer row's `estimate` writes its profile
 
 
 @dataclass(frozen=True)
@@ -59,38 +58,43 @@ class Run:
     microbatches: int
     chunks: int  # v: model chunks per device (1: plain 1F1B)
 
+    def estimate_flags(self, sequence_parallel: bool, recompute: str) -> list[str]:
+        """The model as both papers ran it, on the part, parallelised: what `estimate` and `simulate` share."""
+        return ["--model", "gpt", "--layers", str(self.layers), "--width", str(self.hidden), "--heads",
+                str(self.heads), "--seq-len", str(SEQ), "--vocab", str(VOCAB), "--dropout", str(DROPOUT),
+                "-b", str(self.microbatch_size), "--dtype", "fp16", "--gpu", GPU,
+                "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if sequence_parallel else []),
+                "--recompute", recompute]
 
-@cache
-def _counted(layers: int, hidden: int, heads: int, b: int) -> WorkloadCount:
-    return count_built("gpt", dict(layers=layers, width=hidden, heads=heads, seq_len=SEQ, vocab=VOCAB,
-                                   dropout=DROPOUT), b, torch.float16, "math")
-
-
-def _bounds(layers: int, stages: int) -> list[int]:
-    """Blocks 1..layers split evenly over `stages`, the embedding (layer 0) with the first, the head with the
-    last."""
-    per = layers // stages
-    return [0, *(1 + per * k for k in range(1, stages)), layers + 2]
-
-
-def estimated(run: Run, parallel: Parallelism) -> Profile:
-    counted = _counted(run.layers, run.hidden, run.heads, run.microbatch_size)
-    return estimate_profile(counted, GPU, parallel, bounds=_bounds(run.layers, run.pipeline * run.chunks))
+    def simulate_command(self, sequence_parallel: bool, recompute: str) -> list[str]:
+        """One iteration of the run as Megatron-LM trains it (see the module docstring)."""
+        schedule = ["-s", "interleaved-1f1b", "--chunks", str(self.chunks)] if self.chunks > 1 else ["-s", "1f1b"]
+        data = ["--data-parallel", str(self.data), "--reduce-after-flush"] if self.data > 1 else []
+        return ["simulate", *self.estimate_flags(sequence_parallel, recompute), "-p", str(self.pipeline),
+                "-m", str(self.microbatches), *data, *schedule, "--blocking-comm", "--stage-cut", "equal-blocks"]
 
 
-def iteration_s(run: Run, sequence_parallel: bool, recompute: str) -> float:
-    """One iteration (a mini-batch's m micro-batches, its all-reduce and the optimizer step), simulated."""
-    parallel = Parallelism(tensor=run.tensor, pipeline=run.pipeline, data=run.data,
-                           sequence_parallel=sequence_parallel, recompute=recompute)
-    profile = estimated(run, parallel)
-    scenario = replace(profile_scenario(profile, "adam"), overlap_comm=False)  # Megatron-LM waits on its p2p
-    bounds = profile.partition.bounds
-    method = "interleaved-1f1b" if run.chunks > 1 else "1f1b"
-    params = ScheduleParams(run.pipeline, run.microbatches, 1, run.chunks, data_parallel=run.data,
-                            reduce_after_flush=True)  # Megatron-LM's DDP all-reduces once the pipeline has flushed
-    schedule = scenario.build(method, params, bounds)
-    trace = simulate(schedule, scenario.costs(schedule, bounds), scenario.links(schedule))
-    return summarize(trace).makespan_ms / 1e3
+def command_text(args: list[str]) -> str:
+    return shlex.join(["pipesim", *args])
+
+
+def run_cli(args: list[str]) -> str:
+    """`pipesim ARGS`, in-process: its stdout; a failure raises with its error line."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            pipesim(args)
+        except SystemExit as exc:
+            if exc.code:
+                raise RuntimeError(f"{command_text(args)} exited {exc.code}: {err.getvalue().strip()}") from None
+    return out.getvalue()
+
+
+def iteration_ms(args: list[str]) -> float:
+    """The simulated iteration (a mini-batch's m micro-batches, its all-reduce and the optimizer step, in steady
+    state) of `pipesim simulate ARGS`: its ms/step."""
+    (result,) = json.loads(run_cli([*args, "--json"]))["results"]
+    return result["time_per_minibatch_ms"]
 
 
 def _rows(name: str) -> list[dict[str, str]]:
@@ -107,8 +111,10 @@ def korthikanti() -> list[dict]:
                   batch // (gpus // (t * p) * b), int(row["interleaved_stages"] or 1))
         for column, sp, recompute in (("iteration_s_full_recompute", False, "full"),
                                       ("iteration_s_sequence_parallel_selective_recompute", True, "selective")):
-            out.append(_row(f"Korthikanti {run.name} {'SP + selective' if sp else 'full recompute'}", "s",
-                            iteration_s(run, sp, recompute), float(row[column])))
+            args = run.simulate_command(sp, recompute)
+            ms = iteration_ms(args)
+            out.append(_row(f"Korthikanti {run.name} {'SP + selective' if sp else 'full recompute'}", "s", ms / 1e3,
+                            float(row[column]), args, ms))
     return out
 
 
@@ -119,12 +125,14 @@ def korthikanti_layer() -> list[dict]:
                 "selective recompute + sequence parallelism": (True, "selective")}
     out = []
     for row in _rows("korthikanti-2022-layer.csv"):
-        sp, recompute = settings[row["experiment"]]
-        layer = estimated(run, Parallelism(tensor=8, sequence_parallel=sp, recompute=recompute)).layers[1]
-        out.append(_row(f"Korthikanti layer {row['experiment']}: forward", "ms", layer.fwd.median_ms,
-                        float(row["forward_ms"])))
-        out.append(_row(f"Korthikanti layer {row['experiment']}: backward", "ms", layer.bwd.median_ms,
-                        float(row["backward_ms"])))
+        args = ["estimate", *run.estimate_flags(*settings[row["experiment"]]), "--out", LAYER_PROFILE]
+        with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+            run_cli(args)
+            layer = json.loads(Path(LAYER_PROFILE).read_text())["layers"][1]  # the first block
+        for name, key in (("forward", "fwd"), ("backward", "bwd")):
+            ms = layer[key]["median_ms"]
+            out.append(_row(f"Korthikanti layer {row['experiment']}: {name}", "ms", ms, float(row[f"{name}_ms"]),
+                            args, ms))
     return out
 
 
@@ -137,16 +145,18 @@ def megatron() -> list[dict]:
         per_virtual = row["layers_per_virtual_stage"]
         chunks = layers // p // int(per_virtual) if per_virtual else 1
         run = Run(f"{row['params_billion']}B", layers, hidden, int(row["heads"]), t, p, d, b, batch // (d * b), chunks)
-        seconds = iteration_s(run, False, "full")
+        args = run.simulate_command(False, "full")
+        ms = iteration_ms(args)
         flops = 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
         out.append(_row(f"Megatron {run.name} (t{t} p{p} d{d} v{chunks})", "TFLOP/s/GPU",
-                        flops / (seconds * gpus) / 1e12, float(row["tflops_per_gpu"])))
+                        flops / (ms / 1e3 * gpus) / 1e12, float(row["tflops_per_gpu"]), args, ms))
     return out
 
 
-def _row(name: str, unit: str, predicted: float, published: float) -> dict:
+def _row(name: str, unit: str, predicted: float, published: float, args: list[str], command_ms: float) -> dict:
+    """A compared row; `command_ms`: the figure its command printed (ms/step, or the layer's ms)."""
     return {"run": name, "unit": unit, "predicted": predicted, "published": published,
-            "error": predicted / published - 1}
+            "error": predicted / published - 1, "command": command_text(args), "command_ms": command_ms}
 
 
 def main() -> None:
@@ -162,8 +172,11 @@ def main() -> None:
     errors = [abs(r["error"]) for r in rows]
     print(f"|error|: median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(rows)} rows "
           f"(within 10 %: {sum(e <= 0.10 for e in errors)})")
+    print("\nEach row's command (s: its ms/step; layer rows: the profile's layers[1]; TFLOP/s: Eq. 3 of ms/step):")
+    for command in dict.fromkeys(r["command"] for r in rows):
+        print(f"{', '.join(r['run'] for r in rows if r['command'] == command)}:\n  {command}")
     if args.json:
-        args.json.write_text(json.dumps({"gpu": "a100-sxm-80gb", "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"gpu": GPU, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

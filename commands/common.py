@@ -67,6 +67,15 @@ ShardedOptimizer = Annotated[bool, typer.Option(
     "--sharded-optimizer", help="With --data-parallel: ZeRO-1, each replica keeps 1/d of the optimizer state; "
                                 "the all-reduce becomes a reduce-scatter before the update and an all-gather "
                                 "after it.")]
+ReduceAfterFlush = Annotated[bool, typer.Option(
+    "--reduce-after-flush", help="With --data-parallel: a device all-reduces its stages' gradients once its last "
+                                 "backward of the mini-batch is done (Megatron-LM's DDP), instead of each stage's "
+                                 "right after that stage's last backward, overlapping the rest (torch DDP).")]
+StageCut = Annotated[str, typer.Option(
+    "--stage-cut", metavar="HOW", help="How --gpu's or --profile's layers are cut into the p·v model stages: "
+                                       "balanced (the slowest stage as fast as can be, PipeDream's planner) or "
+                                       "equal-blocks (as many of the model's blocks in each, the layers before "
+                                       "them in the first, after them in the last: Megatron-LM's cut).")]
 NetworkGbS = Annotated[float | None, typer.Option(
     "--network-gb-s", metavar="GB/S", help="With --data-parallel and typed costs: each GPU's network bandwidth for "
                                            "the gradient all-reduce (--comm: the latency of each ring step). "
@@ -401,7 +410,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
     share; `overrides` replace their values), checked before any work; `estimated` (--gpu's) stands for
     --profile's."""
-    from ..planning.scenario import Scenario
+    from ..planning.scenario import STAGE_CUTS, Scenario
     from ..sim import OPTIMIZER_STATE_FACTOR, load_cluster
 
     flags = {**ctx.params, **overrides}
@@ -418,6 +427,16 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if flags.get("sharded_optimizer") and (flags.get("data_parallel") or 1) == 1:
         raise InputError("--sharded-optimizer shards the optimizer state over data-parallel replicas: give "
                          "--data-parallel 2 or more")
+    if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) == 1:
+        raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
+                         "--data-parallel 2 or more")
+    stage_cut = flags.get("stage_cut", "balanced")
+    if stage_cut not in STAGE_CUTS:
+        raise InputError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)} (got {stage_cut!r})")
+    measured = estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None)
+    if is_given(ctx, "stage_cut") and measured is None and flags.get("gpu") is None:
+        raise InputError("--stage-cut cuts --gpu's or --profile's layers into stages; the cost flags give each "
+                         "stage's costs already")
     if network is not None and (flags.get("data_parallel") or 1) == 1:
         raise InputError("--network-gb-s prices the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
@@ -431,9 +450,8 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     graph = flags.get("graph")
     return Scenario(
         per_stage, flags["wgrad_fraction"], flags["opt"], flags["pred"], flags["avg"], flags["optimizer"],
-        flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology,
-        estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None),
-        _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network)
+        flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology, measured,
+        _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network, stage_cut=stage_cut)
 
 
 def searched_scenario(ctx: typer.Context, method, measured: Profile | None = None) -> Scenario | None:

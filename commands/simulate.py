@@ -29,12 +29,14 @@ from .common import (
     Pipelines,
     PredictionSource,
     Recompute,
+    ReduceAfterFlush,
     SearchActivationMb,
     SearchBwd,
     SearchComm,
     SearchFwd,
     SearchSeconds,
     ShardedOptimizer,
+    StageCut,
     Stages,
     TensorParallel,
     WgradFraction,
@@ -132,7 +134,9 @@ def simulate(
     data_parallel: DataParallel = 1,
     network_gb_s: NetworkGbS = None,
     sharded_optimizer: ShardedOptimizer = False,
+    reduce_after_flush: ReduceAfterFlush = False,
     recompute: Recompute = "none",
+    stage_cut: StageCut = "balanced",
     jitter: Annotated[float, typer.Option(
         "--jitter", min=0.0, metavar="SIGMA", help="Sigma of a log-normal factor on every compute time (0: "
                                                    "none).")] = 0.0,
@@ -196,7 +200,8 @@ def simulate(
                        if method.reads(option)}
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
                                    average_every=average_every, elastic_alpha=elastic_alpha,
-                                   data_parallel=data_parallel, sharded_optimizer=sharded_optimizer, **options)
+                                   data_parallel=data_parallel, sharded_optimizer=sharded_optimizer,
+                                   reduce_after_flush=reduce_after_flush, **options)
             with search_progress(params.search_seconds, as_json) as report:
                 return scenario.build(name, params, progress=report)
 

@@ -18,7 +18,9 @@ from .common import (
     MicrobatchSize,
     NetworkGbS,
     Recompute,
+    ReduceAfterFlush,
     SearchSeconds,
+    StageCut,
     TensorParallel,
     WgradFraction,
     check_writable,
@@ -100,8 +102,10 @@ def sweep(
     blocking_comm: BlockingComm = False,
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,
+    reduce_after_flush: ReduceAfterFlush = False,
     network_gb_s: NetworkGbS = None,
     recompute: Recompute = "none",
+    stage_cut: StageCut = "balanced",
     workers: Annotated[int | None, typer.Option(
         "--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
     ray: Annotated[str | None, typer.Option(
@@ -169,7 +173,7 @@ def sweep(
             axes.get("stages", (scenario.measured.partition.stages if scenario.measured else 4,)),
             axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
             axes.get("cost-scale", (1.0,)), axes.get("prediction"), axes.get("activation-limit"),
-            search["search_seconds"], data_parallel).configs()
+            search["search_seconds"], data_parallel, reduce_after_flush).configs()
         # (scenario, the configurations it runs): an estimate depends on p (which links a stage boundary crosses)
         jobs = [(scenario, list(range(len(configs))))]
         if what is not None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..profiles.linkfit import piecewise_ms
-from ..profiles.partition import partition
+from ..profiles.partition import PartitionError, equal_blocks, partition
 from ..schedules import COLLECTIVE_KINDS, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
@@ -28,6 +28,10 @@ from ..sim.costs import RowOverhead
 
 if TYPE_CHECKING:
     from ..profiles.schema import Profile, RuntimeProfile
+
+# How a profile's layers are cut into model stages: balanced for time (PipeDream's planner, `partition`), or the
+# same number of the model's blocks per stage (Megatron-LM's cut, `equal_blocks`)
+STAGE_CUTS = ("balanced", "equal-blocks")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Scenario:
     cost_scale: float = 1.0  # `sweep --cost-scale`: every compute time x this (a faster or slower accelerator)
     memory_bytes: int | None = None  # `tune --memory-gb`: every device's memory, whatever the cluster or profile say
     network_gb_s: float | None = None  # typed costs: each GPU's network for the data-parallel all-reduce (GB/s)
+    stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: one of STAGE_CUTS
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
@@ -70,7 +75,7 @@ class Scenario:
             return method.build(params)
         if self.dag:
             return method.on_graph(replace(params, stages=self.dag[0].num_stages), *self.dag)
-        return method.on_graph(params, profile_graph(self.measured, params.stages, bounds))
+        return method.on_graph(params, profile_graph(self.measured, params.stages, bounds, self.stage_cut))
 
     def costs(self, sched: Schedule, bounds: Sequence[int] | None = None) -> Costs:
         """Per-model-stage costs from the flags' values (--output-mb, per transfer, is always one number or one
@@ -117,7 +122,7 @@ class Scenario:
     def _costs(self, sched: Schedule, bounds: Sequence[int] | None) -> Costs:
         n = sched.num_stages
         if self.measured is not None:
-            cut = list(bounds) if bounds is not None else profile_bounds(self.measured, n)
+            cut = list(bounds) if bounds is not None else profile_bounds(self.measured, n, self.stage_cut)
             return profile_costs(self.measured, self.optimizer, cut, dag=sched.graph.edges != StageGraph.chain(n).edges)
         held = Counter(sched.placement)  # model stages per device
         share = {"stage": [1.0] * n, "device": [1.0 / held[d] for d in sched.placement],
@@ -249,25 +254,33 @@ def profile_scenario(measured: Profile, optimizer: str) -> Scenario:
                     measured=measured)
 
 
-def profile_bounds(measured: Profile, num_stages: int) -> list[int]:
-    """The profile's own partition for its stage count; other counts re-partition its layers for time
-    alone (the calibration's memory cap planned for its own stage count, so it is not applied here)."""
+def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced") -> list[int]:
+    """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS). Balanced: the profile's own
+    partition for its stage count; other counts re-partition its layers for time alone (the calibration's memory
+    cap planned for its own stage count, so it is not applied here)."""
     from ..profiles.schema import layer_costs
 
-    if num_stages == measured.partition.stages:
-        return measured.partition.bounds
     if num_stages > len(measured.layers):
         raise CostError(f"--profile: the schedule has {num_stages} model stages but the profile's model has "
                         f"{len(measured.layers)} layers; lower --stages or --chunks")
+    if stage_cut == "equal-blocks":
+        try:
+            return equal_blocks([layer.name.partition(":")[2] or layer.name for layer in measured.layers],
+                                num_stages)
+        except PartitionError as exc:
+            raise CostError(f"--stage-cut equal-blocks: {exc}; use --stage-cut balanced") from None
+    if num_stages == measured.partition.stages:
+        return measured.partition.bounds
     return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages)
 
 
-def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | None = None) -> StageGraph:
-    """The stage DAG of the profile's model cut into `num_stages` (at `bounds`, default `profile_bounds`; a
-    chain unless its layers branch)."""
+def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | None = None,
+                  stage_cut: str = "balanced") -> StageGraph:
+    """The stage DAG of the profile's model cut into `num_stages` (at `bounds`, default `profile_bounds` by
+    `stage_cut`; a chain unless its layers branch)."""
     from ..profiles.schema import stage_edges
 
-    cut = list(bounds) if bounds is not None else profile_bounds(measured, num_stages)
+    cut = list(bounds) if bounds is not None else profile_bounds(measured, num_stages, stage_cut)
     return StageGraph(num_stages, tuple(stage_edges(measured.layers, cut)))
 
 

@@ -51,7 +51,7 @@ class Config:
     distances s (None: the method's primary source, or no prediction); a result names the source used.
     `activation_limit` (R) and `search_seconds`: a searched method's (auto) limit and budget (None: its
     defaults, or not searched). `data_parallel`: replicas d of the pipeline, each stage's gradients all-reduced
-    over them (REDUCE rows)."""
+    over them (REDUCE rows), on each device once its last backward is done where `reduce_after_flush`."""
 
     schedule: str
     stages: int
@@ -64,6 +64,7 @@ class Config:
     activation_limit: float | None = None
     search_seconds: float | None = None
     data_parallel: int = 1
+    reduce_after_flush: bool = False
 
     @property
     def label(self) -> str:
@@ -118,7 +119,8 @@ class Result:
 
 # The columns of the results file and their types (for Parquet's schema and for readers of the CSV).
 COLUMNS: dict[str, type] = {
-    **{f.name: {"str": str, "str | None": str, "int": int, "float": float, "float | None": float}[f.type]
+    **{f.name: {"str": str, "str | None": str, "int": int, "float": float, "float | None": float,
+                "bool": bool}[f.type]
        for f in (*fields(Config), *fields(Metrics))},
     "status": str, "reason": str, "same_as": str,
 }
@@ -175,7 +177,7 @@ def load_grid(path: Path) -> dict[str, tuple]:
 class Grid:
     """The axes of a sweep. `chunks`, `pipelines`, `predictions` (sources of s) and `activation_limits` (auto's
     R) None: each method's default; `search_seconds`: auto's search budget (None: its default); `data_parallel`:
-    every configuration's replicas d."""
+    every configuration's replicas d, and whether their all-reduce waits for the pipeline's flush."""
 
     schedules: tuple[str, ...]
     stages: tuple[int, ...]
@@ -188,6 +190,7 @@ class Grid:
     activation_limits: tuple[float, ...] | None = None
     search_seconds: float | None = None
     data_parallel: int = 1
+    reduce_after_flush: bool = False
 
     def configs(self) -> list[Config]:
         """Every configuration, method by method. v, P, the source of s and R multiply only the methods that
@@ -203,7 +206,8 @@ class Grid:
             limits = self.activation_limits if self.activation_limits and method.reads("activation_limit") else (None,)
             budget = self.search_seconds if method.reads("search_seconds") else None
             replicas = self.data_parallel
-            configs += [Config(name, p, m, self.minibatches, v, copies, scale, source, limit, budget, replicas)
+            configs += [Config(name, p, m, self.minibatches, v, copies, scale, source, limit, budget, replicas,
+                               self.reduce_after_flush)
                         for p, m, v, copies, scale, source, limit in
                         product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales, sources, limits)]
         return configs
@@ -221,7 +225,8 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
             sched = scaled.build(config.schedule, ScheduleParams(
                 config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines,
                 prediction=config.prediction, activation_limit=config.activation_limit,
-                search_seconds=config.search_seconds, data_parallel=config.data_parallel))
+                search_seconds=config.search_seconds, data_parallel=config.data_parallel,
+                reduce_after_flush=config.reduce_after_flush))
             trace = simulate(sched, scaled.costs(sched), scaled.links(sched))
             summary = summarize(trace)
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:

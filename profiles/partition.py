@@ -86,7 +86,25 @@ def leanest_partition(layers: Sequence[LayerCost], stages: int,
     return _min_max_split(len(layers), stages, stage_bytes or _one_f_one_b_bytes(layers, stages))
 
 
-def _check(layers: Sequence[LayerCost], stages: int) -> int:
+def equal_blocks(kinds: Sequence[str], stages: int) -> list[int]:
+    """Stage bounds giving every stage the same number of the model's blocks (the layers of its most common kind,
+    one contiguous run), the layers before them with the first stage and those after with the last: how
+    Megatron-LM cuts a transformer (the embedding with the first stage, the head with the last), which refuses a
+    block count the stages do not divide (megatron/model/transformer.py, `_get_num_layers`)."""
+    _check(kinds, stages)
+    kind = max(dict.fromkeys(kinds), key=kinds.count)  # on a tie, the first seen
+    where = [i for i, k in enumerate(kinds) if k == kind]
+    first, blocks = where[0], len(where)
+    if where[-1] - first + 1 != blocks:
+        raise PartitionError(f"the model's {blocks} {kind} layers are not one run of blocks, so equal blocks per "
+                             "stage are not defined for it")
+    if blocks % stages:
+        raise PartitionError(f"{blocks} blocks ({kind}) do not divide into {stages} model stages (p·v)")
+    per = blocks // stages
+    return [0, *(first + per * k for k in range(1, stages)), len(kinds)]
+
+
+def _check(layers: Sequence, stages: int) -> int:
     n = len(layers)
     if stages < 1:
         raise PartitionError(f"stages must be >= 1 (got {stages})")

@@ -1,0 +1,129 @@
+"""Published runs from the command line: the flags that say how Megatron-LM ran them (`--stage-cut equal-blocks`,
+`--reduce-after-flush`), one row per paper of benchmarks/published_runs.json reproduced by the command printed
+for it, and the README's published run printing the figure the README quotes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pipesim.profiles.partition import PartitionError, equal_blocks
+from tests.conftest import pipesim, simulate_json
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = json.loads((REPO / "benchmarks" / "published_runs.json").read_text())["rows"]
+GPT = ("--model", "gpt", "--layers", 4, "--width", 64, "--heads", 2, "--seq-len", 32, "--vocab", 32768,
+       "--gpu", "a100-sxm-80gb")  # a head as heavy as several blocks: a cut balanced for time gives it fewer
+
+
+def test_equal_blocks_gives_every_stage_as_many_blocks_the_ends_with_the_first_and_last():
+    gpt = ["_Embed", *["_Block"] * 8, "Sequential"]
+    assert equal_blocks(gpt, 1) == [0, 10]
+    assert equal_blocks(gpt, 2) == [0, 5, 10]
+    assert equal_blocks(gpt, 4) == [0, 3, 5, 7, 10]
+    assert equal_blocks(gpt, 8) == [0, 2, 3, 4, 5, 6, 7, 8, 10]
+    with pytest.raises(PartitionError, match="8 blocks \\(_Block\\) do not divide into 3 model stages"):
+        equal_blocks(gpt, 3)
+    with pytest.raises(PartitionError, match="not one run of blocks"):
+        equal_blocks(["a", "b", "b", "a", "b"], 1)
+
+
+def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
+    args = (*GPT, "-p", 2, "-m", 4, "-s", "1f1b")
+    (balanced,) = simulate_json(*args)
+    (blocks,) = simulate_json(*args, "--stage-cut", "equal-blocks")
+    (interleaved,) = simulate_json(*GPT, "-p", 2, "-m", 4, "-s", "interleaved-1f1b", "--chunks", 2, "--stage-cut",
+                                   "equal-blocks")
+    # balanced gives the head's stage fewer blocks; equal blocks put two on each device, the head on the last
+    assert blocks["time_per_minibatch_ms"] > balanced["time_per_minibatch_ms"]
+    assert blocks["devices"][1]["busy_ms"] > blocks["devices"][0]["busy_ms"]
+    assert interleaved["time_per_minibatch_ms"] > 0
+    code, _, err = pipesim("simulate", *GPT, "-p", 3, "-s", "1f1b", "--stage-cut", "equal-blocks")
+    assert code == 2 and err.count("\n") == 1
+    assert "4 blocks (_Block) do not divide into 3 model stages (p·v); use --stage-cut balanced" in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--stage-cut", "even"), "--stage-cut: choose from balanced, equal-blocks (got 'even')"),
+    (("--stage-cut", "equal-blocks", "--fwd", "2"), "--stage-cut cuts --gpu's or --profile's layers into stages"),
+    (("--reduce-after-flush",), "--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
+                                "--data-parallel 2 or more"),
+])
+def test_bad_published_run_flags_are_one_line(args, message):
+    code, out, err = pipesim("simulate", "-s", "1f1b", *args)
+    assert code == 2 and not out and err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_reduce_after_flush_waits_for_the_devices_last_backward():
+    """Interleaved 1F1B with d = 2 on a slow network: each chunk's all-reduce no longer overlaps the device's
+    remaining backward work, so the step is longer by what that overlap hid."""
+    args = ("-s", "interleaved-1f1b", "-p", 4, "-m", 8, "--data-parallel", 2, "--network-gb-s", 0.5)
+    (overlapped,) = simulate_json(*args)
+    (flushed,) = simulate_json(*args, "--reduce-after-flush")
+    assert flushed["time_per_minibatch_ms"] > overlapped["time_per_minibatch_ms"]
+
+
+def test_sweep_takes_the_same_flags(tmp_path):
+    """sweep shares --data-parallel and --blocking-comm with simulate, and so these: its rows record the reduce's
+    timing, and a p whose p·v does not divide the blocks is a skipped row saying so."""
+    rows = {}
+    for name, flags in (("overlapped", ()), ("flushed", ("--reduce-after-flush",))):
+        out = tmp_path / f"{name}.csv"
+        code, _, err = pipesim("sweep", "-s", "interleaved-1f1b", "-p", 4, "--data-parallel", 2, "--network-gb-s", 0.5,
+                               "-j", 1, "-o", out, *flags)
+        assert code == 0, err
+        (rows[name],) = list(csv.DictReader(out.open()))
+    assert (rows["overlapped"]["reduce_after_flush"], rows["flushed"]["reduce_after_flush"]) == ("False", "True")
+    assert float(rows["flushed"]["time_per_minibatch_ms"]) > float(rows["overlapped"]["time_per_minibatch_ms"])
+    out = tmp_path / "cut.csv"
+    code, _, err = pipesim("sweep", *GPT, "-s", "1f1b", "-p", "2,3", "--stage-cut", "equal-blocks", "-j", 1, "-o", out)
+    assert code == 0, err
+    status = {row["stages"]: (row["status"], row["reason"]) for row in csv.DictReader(out.open())}
+    assert status["2"][0] == "ok" and "4 blocks (_Block) do not divide into 3 model stages" in status["3"][1]
+
+
+def _command_ms(command: str, run: str) -> float:
+    """The figure `command` (a pipesim command line as printed, run as written in the current folder) gives for
+    `run`: simulate's ms/step, or the first block's forward or backward ms of the profile `estimate --out` wrote."""
+    args = shlex.split(command)
+    assert args[0] == "pipesim"
+    if args[1] == "simulate":
+        (result,) = simulate_json(*args[2:])
+        return result["time_per_minibatch_ms"]
+    code, _, err = pipesim(*args[1:])
+    assert code == 0 and args[-2] == "--out", err
+    block = json.loads(Path(args[-1]).read_text())["layers"][1]
+    return block["fwd" if run.endswith("forward") else "bwd"]["median_ms"]
+
+
+@pytest.mark.parametrize("run", ["Korthikanti 22B full recompute",
+                                 "Korthikanti layer baseline no recompute: backward",
+                                 "Megatron 1.7B (t1 p1 d32 v1)"])
+def test_one_row_per_paper_is_reproduced_by_its_printed_command(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (row,) = [r for r in RUNS if r["run"] == run]
+    figure = _command_ms(row["command"], run)
+    assert figure == pytest.approx(row["command_ms"], rel=1e-9)
+    assert row["predicted"] == pytest.approx(figure / 1e3 if row["unit"] == "s" else figure, rel=1e-12) \
+        or row["unit"] == "TFLOP/s/GPU"
+
+
+def test_the_readme_published_run_prints_the_figure_it_quotes():
+    section = (REPO / "README.md").read_text().split("## What-if GPUs")[1].split("\n## ")[0]
+    command = re.search(r"```bash\n(pipesim [^\n]+)\n```", section).group(1)
+    shown = re.search(r"```\n(p=.*?)```", section, flags=re.S).group(1)
+    quoted_s = float(re.search(r"pipesim predicts ([\d.]+) s", section).group(1))
+    code, out, err = pipesim(*shlex.split(command)[1:])
+    assert code == 0, err
+    shown_rows = [line.split() for line in shown.splitlines() if line.startswith(" interleaved")]
+    printed_rows = [line.split() for line in out.splitlines() if line.startswith(" interleaved")]
+    assert shown_rows and shown_rows == printed_rows
+    ms_per_step = float(printed_rows[0][2])
+    assert quoted_s == round(ms_per_step / 1e3, 2)
+    (published,) = [r for r in RUNS if r["run"] == "Korthikanti 175B SP + selective"]
+    assert published["command"] == command and round(published["predicted"], 2) == quoted_s
