@@ -126,7 +126,11 @@ def tune(
             if batch % b:
                 raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
                                  "(its times were measured at that size)")
-            settings = [Setting(profile_scenario(measured, optimizer))]
+            tensor = measured.estimate.degrees[0] if measured.estimate else 1  # an estimate's t GPUs per stage
+            if devices % tensor:
+                raise InputError(f"--devices {devices}: the profile was estimated for t={tensor} GPUs per stage; give "
+                                 f"a multiple of {tensor}")
+            settings = [Setting(profile_scenario(measured, optimizer), tensor)]
         else:
             if what.cluster_gpus is not None and devices > what.cluster_gpus:
                 raise InputError(f"--devices {devices}: the cluster --gpu {ctx.params['gpu']} has "
@@ -214,7 +218,9 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     shared = any(row.result.config.pipelines > 1 for row in rows)
     estimated = (f"estimated, t, b and recomputation (recomp; sel: selective) searched where not given; MFU: model "
                  f"FLOPs per second over the {problem.devices} GPUs' dense peak in {env.dtype}; ") if work else ""
-    replicas = "d = D/(p·t) replicas, t GPUs per stage" if work else "D/p replicas"
+    tensor = tuning.choice.result.config.tensor  # with --profile, an estimate's t
+    replicas = ("d = D/(p·t) replicas, t GPUs per stage" if work else
+                f"D/(p·{tensor}) replicas, {tensor} GPUs per stage" if tensor > 1 else "D/p replicas")
     table = Table(title=f"{measured.model.name} on {problem.devices} x {env.device_name} ({env.device}), "
                         f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples"
                         + ("" if work else f" (micro-batch {env.microbatch_size})")

@@ -39,6 +39,7 @@ from ..profiles.schema import (
     Environment,
     Estimate,
     EstimateLink,
+    EstimatePlacement,
     FittedCurve,
     LayerProfile,
     LinkProfile,
@@ -180,7 +181,7 @@ def _scaled(op: OpCount, shape: tuple[int, ...], t: int) -> OpCount:
 
 
 @dataclass(frozen=True)
-class _Links:
+class PlacementLinks:
     """The links the placement gives (latency ms per step, bytes/ms per GPU and direction)."""
 
     tensor: EstimateLink
@@ -192,26 +193,36 @@ def _link(kind: str, gb_s: float) -> EstimateLink:
     return EstimateLink(kind=kind, latency_ms=STEP_LATENCY_MS[kind], bytes_per_ms=gb_s * 1e6)
 
 
-def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = None,
-                    curve: Curve | None = None) -> _Links:
-    """t inside a node first, then p, then d: the stage boundaries leave the node once t·p exceeds it, the
-    data-parallel group once t·p·d does (a cluster's node size and network replace the part's). The node's
-    link runs at the curve's measured fraction of its datasheet rate, the network at its datasheet rate. A
-    data-parallel group with k ranks on each node crosses nodes on k NICs at once (NCCL runs a ring per
-    channel, each through its own NIC), up to the node's link."""
-    node = cluster.gpus_per_node if cluster and cluster.gpus_per_node else gpu.intra_node.gpus_per_node
+def node_placement(gpu: Gpu, cluster: Cluster | None = None, curve: Curve | None = None) -> EstimatePlacement:
+    """What every placement's links follow from: the node's size and link and the network (a cluster's replace
+    the part's). The node's link runs at the curve's measured fraction of its datasheet rate, the network at its
+    datasheet rate."""
     intra = cluster.intra_node if cluster and cluster.intra_node else gpu.intra_node
     network = cluster.network if cluster and cluster.network else gpu.network
     curve = curve or gpu.curve
-    inside = _link(intra.link, intra.gb_s_per_direction * (curve.link_efficiency if curve else 1.0))
-    outside = _link(network.kind, network.gbit_s / 8)
-    t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+    return EstimatePlacement(
+        gpus_per_node=cluster.gpus_per_node if cluster and cluster.gpus_per_node else gpu.intra_node.gpus_per_node,
+        node_link=_link(intra.link, intra.gb_s_per_direction * (curve.link_efficiency if curve else 1.0)),
+        network_link=_link(network.kind, network.gbit_s / 8))
+
+
+def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = None,
+                    curve: Curve | None = None) -> PlacementLinks:
+    """The links of `parallel`'s placement on the part (or cluster): `links_of` its `node_placement`."""
+    return links_of(node_placement(gpu, cluster, curve), parallel.tensor, parallel.pipeline, parallel.data)
+
+
+def links_of(placement: EstimatePlacement, t: int, p: int, d: int) -> PlacementLinks:
+    """t inside a node first, then p, then d: the stage boundaries leave the node once t·p exceeds it, the
+    data-parallel group once t·p·d does. A data-parallel group with k ranks on each node crosses nodes on k
+    NICs at once (NCCL runs a ring per channel, each through its own NIC), up to the node's link."""
+    node, inside, outside = placement.gpus_per_node, placement.node_link, placement.network_link
     if t > node:
         raise EstimateError(f"tensor: {t} exceeds the {node} GPUs of a node (tensor parallelism stays inside one)")
     members = max(node // (t * p), 1)  # a data-parallel group's ranks on each node
     across = EstimateLink(kind=outside.kind, latency_ms=outside.latency_ms,
                           bytes_per_ms=min(members * outside.bytes_per_ms, inside.bytes_per_ms))
-    return _Links(inside, inside if t * p <= node else _scatter_gather(outside, inside, t),
+    return PlacementLinks(inside, inside if t * p <= node else _scatter_gather(outside, inside, t),
                   inside if t * p * d <= node else across)
 
 
@@ -314,7 +325,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             raise EstimateError(f"tensor: {parallel.tensor} does not divide the model's {size} {what}")
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
-    links = placement_links(gpu, parallel, cluster, curve)
+    placement = node_placement(gpu, cluster, curve)
+    links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
@@ -362,7 +374,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     estimate = Estimate(gpu=gpu.name, parallelism=asdict(parallel), attention=counted.attention,
                         curve=curve.model_dump(), tensor_link=links.tensor, stage_link=links.stage,
                         data_parallel_link=links.data, model_flops_per_sample=flops / counted.microbatch_size or None,
-                        peak_flops_per_s=peak * 1e12)
+                        peak_flops_per_s=peak * 1e12, placement=placement)
     return Profile(schema_version=2, environment=environment, model=ModelInfo(
         name=counted.model, options={k: v for k, v in counted.options.items() if v is not None}),
         layers=layers, partition=Partition(bounds=list(bounds), optimizer=optimizer), stages=stages, link=link,

@@ -27,7 +27,8 @@ from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.costs import RowOverhead
 
 if TYPE_CHECKING:
-    from ..profiles.schema import Profile, RuntimeProfile
+    from ..profiles.schema import Estimate, Profile, RuntimeProfile
+    from .estimate import PlacementLinks
 
 # How a profile's layers are cut into model stages: balanced for time (PipeDream's planner, `partition`), or the
 # same number of the model's blocks per stage (Megatron-LM's cut, `equal_blocks`)
@@ -90,28 +91,52 @@ class Scenario:
         Compute times are then scaled by `cost_scale`. With d > 1 data-parallel replicas (`sched.data_parallel`),
         each stage's REDUCE (and GATHER) is priced on `data_parallel_link` (`collective_costs`).
         """
-        costs = scaled(self._costs(sched, bounds), self.cost_scale)
+        costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
         if sched.data_parallel == 1:
             return costs
-        return collective_costs(self._whole_state(costs), sched, self.data_parallel_link())
+        return collective_costs(costs, sched, self.data_parallel_link(sched))
 
-    def _whole_state(self, costs: Costs) -> Costs:
-        """Costs whose optimizer state is each replica's whole (an estimate for a sharded optimizer holds one
-        shard of d, which the simulator divides by the schedule's d itself)."""
+    def _sharded_for(self, costs: Costs, sched: Schedule) -> Costs:
+        """An estimate for a sharded optimizer holds one shard of its d and steps over it: here each replica's
+        whole state (the simulator divides it by the schedule's d where the schedule shards), and the step over
+        the shard the schedule updates (its bytes at the memory's rate, the kernel's overhead aside)."""
         estimate = self.measured.estimate if self.measured is not None else None
         if estimate is None or not estimate.parallelism.get("sharded_optimizer"):
             return costs
-        shards = int(estimate.parallelism.get("data", 1))
-        return replace(costs, stages=tuple(replace(c, optimizer_state_bytes=c.optimizer_state_bytes * shards)
-                                           for c in costs.stages))
+        shards = estimate.degrees[2]
+        stepped = shards / (sched.data_parallel if sched.sharded_optimizer else 1)
+        overhead_ms = float(estimate.curve.get("kernel_overhead_ms", 0.0))
+        return replace(costs, stages=tuple(replace(
+            c, optimizer_state_bytes=c.optimizer_state_bytes * shards,
+            opt_ms=overhead_ms + (c.opt_ms - overhead_ms) * stepped) for c in costs.stages))
 
-    def data_parallel_link(self) -> CollectiveLink:
-        """The link a stage's d replicas synchronise over: an estimated profile's (its placement's data-parallel
-        group), else the α–β fit of a calibrated profile's measured all-reduce, else --comm's time per ring
-        step with `network_gb_s` (unlimited where not given)."""
+    def estimate_links(self, sched: Schedule) -> PlacementLinks:
+        """An estimated profile's links for the schedule's placement: its own t, p = the schedule's devices and
+        d = its replicas, priced from the placement it records where they are not the estimate's own. An
+        estimate that does not record it (an older pipesim's) is refused where a link it would use differs."""
+        from .estimate import EstimateError, PlacementLinks, links_of
+
+        estimate = self.measured.estimate
+        t, p, d = estimate.degrees
+        if (sched.num_devices, sched.data_parallel) == (p, d):
+            return PlacementLinks(estimate.tensor_link, estimate.stage_link, estimate.data_parallel_link)
+        if estimate.placement is None:
+            refusal = placement_refusal(estimate, sched.num_devices, sched.data_parallel)
+            if refusal:
+                raise CostError(refusal)
+            return PlacementLinks(estimate.tensor_link, estimate.stage_link, estimate.data_parallel_link)
+        try:
+            return links_of(estimate.placement, t, sched.num_devices, sched.data_parallel)
+        except EstimateError as exc:
+            raise CostError(f"--profile: {exc}") from None
+
+    def data_parallel_link(self, sched: Schedule) -> CollectiveLink:
+        """The link a stage's d replicas synchronise over: an estimated profile's (the data-parallel group of the
+        schedule's placement), else the α–β fit of a calibrated profile's measured all-reduce, else --comm's time
+        per ring step with `network_gb_s` (unlimited where not given)."""
         measured = self.measured
         if measured is not None and measured.estimate is not None:
-            link = measured.estimate.data_parallel_link
+            link = self.estimate_links(sched).data
             return CollectiveLink(link.latency_ms, link.bytes_per_ms, f"the estimate's {link.kind}")
         if measured is not None and measured.allreduce is not None:
             return fitted_link(measured.allreduce.world_size, [(p.nbytes, p.ms) for p in measured.allreduce.points])
@@ -180,6 +205,10 @@ class Scenario:
     def links(self, sched: Schedule) -> Cluster:
         if self.topology is not None:
             return self.topology
+        if self.measured is not None and self.measured.estimate is not None:
+            link = self.estimate_links(sched).stage
+            return profile_cluster(self.measured, sched.num_devices, self.overlap_comm,
+                                   ((0, link.latency_ms, link.bytes_per_ms),))
         if self.measured is not None and self.measured.link:
             return profile_cluster(self.measured, sched.num_devices, self.overlap_comm)
         return Cluster.uniform(sched.num_devices, self.comm_ms, overlap_comm=self.overlap_comm)
@@ -324,16 +353,31 @@ def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:
                        tuple(runtime.warmup_ms), runtime.warmup_rows)
 
 
-def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool) -> Cluster:
-    """Every device pair gets the measured p2p link, a resource of its own (transfers on one link queue);
-    the devices are named, with their memory (or the calibration's cap), in the trace's metadata. Where the
-    profile measured how ranks computing at once slow each other, the devices are ranks on its host's cores.
+def placement_refusal(estimate: Estimate, stages: int, data: int) -> str | None:
+    """Why an estimate that does not record its placement cannot be read at p = `stages`, d = `data` (a link
+    the run uses may differ from the one it recorded: the stages' where p > 1, the replicas' where d > 1), in
+    one line with the command that re-estimates it; None where it can."""
+    t, p, d = estimate.degrees
+    if not ((stages > 1 and stages != p) or (data > 1 and (stages, data) != (p, d))):
+        return None
+    return (f"--profile: estimated for t={t} p={p} d={d} by an older pipesim that did not record the placement, "
+            f"so the links of p={stages} d={data} cannot be priced; re-estimate it: `pipesim estimate` as it was "
+            f"run, with --stages {stages} --data-parallel {data}")
+
+
+def profile_cluster(measured: Profile, num_devices: int, overlap_comm: bool,
+                    segments: tuple[tuple[int, float, float], ...] | None = None) -> Cluster:
+    """Every device pair gets the measured p2p link (or `segments`: an estimate's, priced for the placement), a
+    resource of its own (transfers on one link queue); the devices are named, with their memory (or the
+    calibration's cap), in the trace's metadata. Where the profile measured how ranks computing at once slow
+    each other, the devices are ranks on its host's cores.
 
     Where the profile measured the runtime, the fit is moved (every segment's latency by the same amount, never
     below zero) to pass through the delivery time the runtime probe saw at its message size: a ping-pong pays
     for waking a blocked rank on every message, a pipeline's pre-posted receive mostly does not."""
     env = measured.environment
-    segments = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in measured.link.segments)
+    if segments is None:
+        segments = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in measured.link.segments)
     if measured.runtime is not None:
         runtime = measured.runtime
         shift = runtime.delivery_ms.median_ms - piecewise_ms(segments, runtime.delivery_bytes)

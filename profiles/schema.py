@@ -297,14 +297,25 @@ class EstimateLink(_Strict):
     bytes_per_ms: float = Field(gt=0)
 
 
+class EstimatePlacement(_Strict):
+    """What the links of every placement follow from (planning/estimate.py's `links_of`): the GPUs of a node,
+    the link inside it (at the curve's measured fraction of its datasheet rate) and the network's. Recorded so
+    that a profile read back at another p or d is priced on that placement's links."""
+
+    gpus_per_node: int = Field(ge=1)
+    node_link: EstimateLink
+    network_link: EstimateLink
+
+
 class Estimate(_Strict):
     """A profile estimated, not measured (planning/estimate.py): the catalogue part (`gpu`, its name), the
     parallelism its per-GPU figures hold for (tensor, pipeline, data, sequence_parallel, recompute,
     sharded_optimizer), the attention kernel counted, the efficiency curve used (with its `source`), and the
     links of the placement: inside a tensor-parallel group, between stages, and the data-parallel group's,
-    which prices a stage's gradient all-reduce. For MFU: the model's FLOPs per sample without recomputation
-    (forward and both halves of the backward, as counted) and the part's dense peak FLOP/s in the model's dtype
-    (None: an estimate from before they were recorded)."""
+    which prices a stage's gradient all-reduce; `placement` what they follow from (None: an estimate from before
+    it was recorded, whose links hold for its own p and d only). For MFU: the model's FLOPs per sample without
+    recomputation (forward and both halves of the backward, as counted) and the part's dense peak FLOP/s in the
+    model's dtype (None: an estimate from before they were recorded)."""
 
     gpu: str
     parallelism: dict[str, Any]
@@ -315,6 +326,12 @@ class Estimate(_Strict):
     data_parallel_link: EstimateLink
     model_flops_per_sample: float | None = Field(None, gt=0)
     peak_flops_per_s: float | None = Field(None, gt=0)
+    placement: EstimatePlacement | None = None
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        """t, p and d as estimated."""
+        return tuple(int(self.parallelism.get(name, 1)) for name in ("tensor", "pipeline", "data"))
 
 
 PASSES = ("fwd", "bwd", "igrad", "wgrad")  # a layer's timed passes (`LayerProfile`)

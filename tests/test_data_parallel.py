@@ -242,7 +242,7 @@ def test_a_profile_prices_the_reduce_rows_it_simulates():
     scenario = profile_scenario(load_profile(PROFILES / "gpt-cpu.json"), "adam")
     sched = scenario.build("1f1b", ScheduleParams(2, 4, data_parallel=2))
     costs = scenario.costs(sched)
-    assert scenario.data_parallel_link().source == "the profile's all-reduce over 2 ranks, fitted"
+    assert scenario.data_parallel_link(sched).source == "the profile's all-reduce over 2 ranks, fitted"
     assert all(c.reduce_ms > 0 for c in costs.stages)
     trace = simulate(sched, costs, scenario.links(sched))
     network = trace.ops.stream == Stream.NETWORK
@@ -252,12 +252,12 @@ def test_a_profile_prices_the_reduce_rows_it_simulates():
 def test_an_estimate_prices_on_its_data_parallel_link_and_its_state_is_divided_once():
     profile = load_profile(PROFILES / "gpt-cpu.json")
     link = EstimateLink(kind="infiniband", latency_ms=0.014, bytes_per_ms=25e6)
-    estimate = Estimate(gpu="h100-sxm", parallelism={"data": 4, "sharded_optimizer": True}, attention="sdpa",
-                        curve={}, tensor_link=link, stage_link=link, data_parallel_link=link)
+    estimate = Estimate(gpu="h100-sxm", parallelism={"pipeline": 2, "data": 4, "sharded_optimizer": True},
+                        attention="sdpa", curve={}, tensor_link=link, stage_link=link, data_parallel_link=link)
     measured, estimated = (profile_scenario(p, "adam")
                            for p in (profile, profile.model_copy(update={"estimate": estimate})))
     sched = estimated.build("1f1b", ScheduleParams(2, 4, data_parallel=4, sharded_optimizer=True))
-    assert estimated.data_parallel_link() == CollectiveLink(0.014, 25e6, "the estimate's infiniband")
+    assert estimated.data_parallel_link(sched) == CollectiveLink(0.014, 25e6, "the estimate's infiniband")
     # The estimate holds one shard of the state per GPU; the simulator divides each replica's whole state by d.
     assert [c.optimizer_state_bytes for c in estimated.costs(sched).stages] == [
         4 * c.optimizer_state_bytes for c in measured.costs(sched).stages]

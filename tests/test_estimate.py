@@ -171,3 +171,104 @@ def test_a_curve_fitted_to_a_profile_recovers_the_curve_that_made_it_and_predict
         fit_rates(measured, larger.__class__(**{**larger.__dict__, "layers": larger.layers[:2]}), 1, [(1, 1)])
     with pytest.raises(EstimateError, match="memory_efficiency"):  # a datasheet below what was measured
         curve_for(rates, peak, bandwidth / 2, A100.curve, "x")
+
+
+# --- a profile read back at another placement (issue 40) ---
+
+
+def _written(small_gpt, parallel: Parallelism, path):
+    """The estimate as `pipesim estimate --out` writes it, read back."""
+    from pipesim.profiles.schema import load_profile, profile_json
+
+    path.write_text(profile_json(estimate_profile(small_gpt, A100, parallel)))
+    return load_profile(path)
+
+
+def _placed(profile, p: int, d: int, sharded: bool = False):
+    """A 1F1B run of `profile` at p, d: its scenario, schedule, costs and links."""
+    from pipesim.planning.scenario import profile_scenario
+    from pipesim.schedules import ScheduleParams
+
+    scenario = profile_scenario(profile, "adam")
+    sched = scenario.build("1f1b", ScheduleParams(p, 8, data_parallel=d, sharded_optimizer=sharded))
+    return scenario, sched, scenario.costs(sched), scenario.links(sched)
+
+
+def test_an_estimate_read_at_another_d_or_p_is_priced_on_that_placements_links(small_gpt, tmp_path):
+    """t = 2, p = 4 fill an 8-GPU node: estimated at d = 1 its data-parallel group is NVLink, at d = 2 it spans
+    two nodes (InfiniBand). The d = 1 profile read at d = 2 kept NVLink (issue 40: 1,419 ms against 1,434 ms
+    estimated at d = 2); now it runs exactly as the d = 2 estimate. Likewise t = 4 estimated at p = 2 and read at
+    p = 4: its stage boundaries leave the node."""
+    from pipesim.sim import simulate
+    from pipesim.traces import summarize
+
+    one = _written(small_gpt, Parallelism(tensor=2, pipeline=4, data=1), tmp_path / "d1.json")
+    two = _written(small_gpt, Parallelism(tensor=2, pipeline=4, data=2), tmp_path / "d2.json")
+    assert (one.estimate.data_parallel_link.kind, two.estimate.data_parallel_link.kind) == ("nvlink", "infiniband")
+    assert one.estimate.placement == two.estimate.placement and one.estimate.placement.gpus_per_node == 8
+    runs = {}
+    for name, profile in (("d1", one), ("d2", two)):
+        scenario, sched, costs, links = _placed(profile, 4, 2)
+        assert scenario.data_parallel_link(sched).source == "the estimate's infiniband"
+        runs[name] = summarize(simulate(sched, costs, links)).makespan_ms
+    assert runs["d1"] == runs["d2"]
+    shallow = _written(small_gpt, Parallelism(tensor=4, pipeline=2), tmp_path / "p2.json")
+    deep = _written(small_gpt, Parallelism(tensor=4, pipeline=4), tmp_path / "p4.json")
+    assert shallow.estimate.stage_link != deep.estimate.stage_link
+    read_deeper = _placed(shallow, 4, 1)[3].links[0, 1].segments
+    assert read_deeper == _placed(deep, 4, 1)[3].links[0, 1].segments == (
+        (0, deep.estimate.stage_link.latency_ms, deep.estimate.stage_link.bytes_per_ms),)
+
+
+def test_an_estimate_without_its_placement_still_loads_and_is_refused_where_its_links_would_differ(
+        small_gpt, tmp_path):
+    """An older pipesim's estimate (no `placement`) runs at its own p and d; at another d it is refused in one
+    line naming what differs and how to re-estimate, and nothing is written."""
+    import json
+
+    from pipesim.profiles.schema import load_profile
+    from pipesim.sim import CostError
+    from tests.conftest import pipesim
+
+    new = _written(small_gpt, Parallelism(tensor=2, pipeline=4, data=1), tmp_path / "new.json")
+    raw = json.loads((tmp_path / "new.json").read_text())
+    del raw["estimate"]["placement"]
+    (tmp_path / "old.json").write_text(json.dumps(raw))
+    old = load_profile(tmp_path / "old.json")
+    assert old.estimate.placement is None
+    (_, _, old_costs, old_links), (_, _, new_costs, new_links) = _placed(old, 4, 1), _placed(new, 4, 1)
+    assert old_costs.stages == new_costs.stages and old_links == new_links
+    with pytest.raises(CostError, match="estimated for t=2 p=4 d=1 .* re-estimate it"):
+        _placed(old, 4, 2)
+    code, out, err = pipesim("simulate", "--profile", tmp_path / "old.json", "-s", "1f1b", "--data-parallel", 2,
+                             "--trace", tmp_path / "t.json")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "links of p=4 d=2 cannot be priced" in err and "--stages 4 --data-parallel 2" in err
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_a_sharded_estimate_read_at_another_d_updates_and_holds_that_ds_shard(small_gpt, tmp_path):
+    """ZeRO-1 estimated over d = 2 holds and steps over half the optimizer state; read at d = 4 it is a quarter,
+    as the estimate at d = 4 prices it."""
+    two = _written(small_gpt, Parallelism(pipeline=2, data=2, sharded_optimizer=True), tmp_path / "d2.json")
+    four = _written(small_gpt, Parallelism(pipeline=2, data=4, sharded_optimizer=True), tmp_path / "d4.json")
+    read, estimated = (_placed(profile, 2, 4, sharded=True)[2].stages for profile in (two, four))
+    assert [c.opt_ms for c in read] == pytest.approx([c.opt_ms for c in estimated], rel=1e-9)
+    assert [c.optimizer_state_bytes for c in read] == [c.optimizer_state_bytes for c in estimated]
+    assert read[0].opt_ms < _placed(two, 2, 2, sharded=True)[2].stages[0].opt_ms
+
+
+def test_tune_reads_an_estimates_t_as_gpus_per_stage(small_gpt, tmp_path):
+    """An estimate for t = 2 stands for 2 GPUs per stage: on 8 GPUs tune searches p·d = 4, not 8."""
+    import json
+
+    from tests.conftest import pipesim
+
+    _written(small_gpt, Parallelism(tensor=2, pipeline=2), tmp_path / "t2.json")
+    code, out, err = pipesim("tune", "--profile", tmp_path / "t2.json", "-D", 8, "-s", "1f1b", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = [doc["choice"], *doc["runners_up"]]
+    assert {r["tensor_parallel"] for r in rows} == {2} and {r["stages"] * r["replicas"] for r in rows} == {4}
+    code, _, err = pipesim("tune", "--profile", tmp_path / "t2.json", "-D", 7, "-s", "1f1b")
+    assert code == 2 and "--devices 7: the profile was estimated for t=2 GPUs per stage" in err

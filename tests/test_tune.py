@@ -148,8 +148,8 @@ def test_data_parallel_is_reduce_rows_priced_on_the_measured_all_reduce():
     profile = load_profile(GPT)
     source, prob = scenario(profile), problem(profile, 4, 8.0, schedules=("1f1b",))
     candidates, _, _ = tuning.prepare(source, prob)
-    link = source[0].scenario.data_parallel_link()
     for candidate in candidates:
+        link = source[0].scenario.data_parallel_link(candidate.schedule)
         replicas = candidate.config.replicas
         assert candidate.schedule.data_parallel == replicas
         for stage in candidate.costs.stages:
