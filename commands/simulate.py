@@ -368,9 +368,12 @@ def _cost_basis(scenario, schedules: list) -> str:
     """What the cost flags' numbers describe, for the table's caption."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
         estimate = scenario.measured.estimate
+        _, p, d = estimate.degrees
+        placed = any((sched.num_devices, sched.data_parallel) != (p, d) for sched in schedules)
+        elsewhere = f" at p={p} d={d}, links priced for this run's p and d" if placed else ""
         return (f"costs: estimated on {estimate.gpu} ({parallelism_text(estimate.parallelism, shape=False)}) from "
-                "the model counted on the meta device; MFU: model FLOPs (no recomputation) per second over the GPUs' "
-                "dense peak")
+                f"the model counted on the meta device{elsewhere}; MFU: model FLOPs (no recomputation) per second "
+                "over the GPUs' dense peak")
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
         return f"costs: measured (--profile), {scenario.optimizer}'s updates and state (--optimizer)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})

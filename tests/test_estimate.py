@@ -201,6 +201,7 @@ def test_an_estimate_read_at_another_d_or_p_is_priced_on_that_placements_links(s
     p = 4: its stage boundaries leave the node."""
     from pipesim.sim import simulate
     from pipesim.traces import summarize
+    from tests.conftest import pipesim
 
     one = _written(small_gpt, Parallelism(tensor=2, pipeline=4, data=1), tmp_path / "d1.json")
     two = _written(small_gpt, Parallelism(tensor=2, pipeline=4, data=2), tmp_path / "d2.json")
@@ -212,6 +213,8 @@ def test_an_estimate_read_at_another_d_or_p_is_priced_on_that_placements_links(s
         assert scenario.data_parallel_link(sched).source == "the estimate's infiniband"
         runs[name] = summarize(simulate(sched, costs, links)).makespan_ms
     assert runs["d1"] == runs["d2"]
+    code, out, err = pipesim("simulate", "--profile", tmp_path / "d1.json", "-s", "1f1b", "--data-parallel", 2)
+    assert code == 0 and "meta device at p=4 d=1, links priced for this run's p and d;" in " ".join(out.split()), err
     shallow = _written(small_gpt, Parallelism(tensor=4, pipeline=2), tmp_path / "p2.json")
     deep = _written(small_gpt, Parallelism(tensor=4, pipeline=4), tmp_path / "p4.json")
     assert shallow.estimate.stage_link != deep.estimate.stage_link
