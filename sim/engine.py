@@ -32,7 +32,7 @@ import simpy
 from .. import __version__
 from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
 from ..schedules.lowering import Lowered, lower, preflight
-from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
+from ..traces.trace import MEMORY_PARTS, Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
 from .costs import Costs, RowOverhead
 
@@ -109,7 +109,7 @@ class _Program:
     # What the trace prices memory from (`_memory_deltas`: not before, so that the run does not hold it).
     spans: _GradientSpans
     channel_bytes: list[int]  # per channel: the size of each of its transfers
-    static_bytes: list[int]
+    static_parts: dict[str, list[int]]  # `static_parts`
 
 
 def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed: int) -> _Program:
@@ -254,14 +254,15 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     collective_rows, collective_clock, collective_ps, first_clock + len(lane) + len(lane_devices),
                     timed, send_clock, send_to_arrival, compute_unit + no_unit, host_unit + no_unit,
                     cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(), routes,
-                    len(resources), spans, channel_bytes, static_bytes(schedule, costs))
+                    len(resources), spans, channel_bytes, static_parts(schedule, costs))
 
 
-def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_ids: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per row, the bytes it takes at its start and gives back at its end, and likewise the micro-batches whose
-    activations it holds; `rows` are the transfers' rows, `transfer_ids` their ids. (A function of its own, so that
-    its temporaries of millions of rows are freed before the counters are made.)"""
+def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_ids: np.ndarray, part: str
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the bytes of `part` (one of `MEMORY_PARTS`) it takes at its start and gives back at its end; `rows`
+    are the transfers' rows, `transfer_ids` their ids. The memory counter adds the parts' deltas, so that the
+    breakdown at a peak is read from the same events as the peak. (A function of its own, so that its temporaries
+    of millions of rows are freed before the counters are made.)"""
     lowered, stream, spans, channel_bytes = program.lowered, program.stream, program.spans, program.channel_bytes
     schedule, t, stages = lowered.schedule, lowered.table, costs.stages
     kind, stage = t.kind, t.stage
@@ -269,56 +270,61 @@ def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
 
-    activation = per_stage([c.activation_bytes for c in stages])
     param = per_stage([c.param_bytes for c in stages])
+    mem_at_start, mem_at_end = np.zeros(len(kind), dtype=np.int64), np.zeros(len(kind), dtype=np.int64)
+    if part == "parameters":  # weight copies an update leaves to later readers (copy-on-write), until their last
+        copies = np.flatnonzero(lowered.copies_delta != 0)
+        mem_at_end[copies] = lowered.copies_delta[copies] * param[stage[copies]]
+        return mem_at_start, mem_at_end
+    if part == "gradients":  # a second gradient copy while the update's last one is kept
+        mem_at_start[spans.opening] = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
+        mem_at_end[spans.closing] = -np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
+        return mem_at_start, mem_at_end
+    if part not in ("activations", "communication"):  # held from start to end: `static_parts`
+        return mem_at_start, mem_at_end
     # A stage whose `held_bytes` is known holds its boundary tensors from F until its backward (a received
     # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
     # received one freed when its consumer ends, a sent one when its transfer does.
     own_boundary = np.array([c.held_bytes is not None for c in stages], dtype=bool)
-    # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
-    # which the producer holds until its own backward, later than this stage's: it is counted there only.
-    local_in = [0] * len(stages)
-    for src, dst in schedule.graph.edges:
-        if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
-            local_in[dst] += stages[src].output_bytes
-    roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
-    kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
     # Per stage and kind, the bytes a row takes at its start and gives back at its end.
     at_start, at_end = (np.zeros((len(stages), len(KINDS)), dtype=np.int64) for _ in range(2))
-    at_start[:, KIND_CODE[Kind.F]] = activation + roots
-    at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
-    at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
-    at_end[:, KIND_CODE[Kind.W]] = -kept
     # Point-to-point transfers: a compute row's are fixed by its stage and kind (on every channel between two
     # devices, each forward of the sending stage has its SEND among the SENDs after it and each of the receiving
     # stage its RECV among the RECVs before it; a gradient's, each B or I), so the buffers they make and free at
     # the compute rows are entries of the same tables. Per channel, a SEND's and a RECV's own deltas.
     transfer_start, transfer_end = (np.zeros((len(lowered.channels), 2), dtype=np.int64) for _ in range(2))
-    for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
-        owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
-        if channel.backward or not own_boundary[channel.sender]:  # the sent tensor, a buffer of its own: made
-            at_end[channel.sender, owners] += size  # by the row before the SEND, held until the transfer ends
-            transfer_end[c, 0] = -size
-        transfer_start[c, 1] = size  # the received one, from its arrival until its consumer (the row after the
-        if channel.backward or not own_boundary[channel.receiver]:  # RECV) ends; the consumer's own from its
-            at_end[channel.receiver, owners] -= size  # start where the stage holds its input (`held_bytes` or
-        else:  # `activation_bytes` count it from there on)
-            at_start[channel.receiver, owners] -= size
+    if part == "activations":
+        activation = per_stage([c.activation_bytes for c in stages])
+        # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
+        # which the producer holds until its own backward, later than this stage's: it is counted there only.
+        local_in = [0] * len(stages)
+        for src, dst in schedule.graph.edges:
+            if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
+                local_in[dst] += stages[src].output_bytes
+        roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
+        kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
+        at_start[:, KIND_CODE[Kind.F]] = activation + roots
+        at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
+        at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
+        at_end[:, KIND_CODE[Kind.W]] = -kept
+    else:
+        for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
+            owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
+            if channel.backward or not own_boundary[channel.sender]:  # the sent tensor, a buffer of its own: made
+                at_end[channel.sender, owners] += size  # by the row before the SEND, held until the transfer ends
+                transfer_end[c, 0] = -size
+            transfer_start[c, 1] = size  # the received one, from its arrival until its consumer (the row after the
+            if channel.backward or not own_boundary[channel.receiver]:  # RECV) ends; the consumer's own from its
+                at_end[channel.receiver, owners] -= size  # start where the stage holds its input (`held_bytes` or
+            else:  # `activation_bytes` count it, as activations, from there on)
+                at_start[channel.receiver, owners] -= size
     stage_kind = stage * len(KINDS) + kind  # each row's entry in the tables, looked up once for both
-    mem_at_start, mem_at_end = at_start.ravel()[stage_kind], at_end.ravel()[stage_kind]
+    mem_at_start[:], mem_at_end[:] = at_start.ravel()[stage_kind], at_end.ravel()[stage_kind]
     del stage_kind
-    if len(rows):
+    if len(rows) and part == "communication":
         side = lowered.channel_of(transfer_ids) * 2 + (stream[rows] == Stream.RECV)
         mem_at_start[rows], mem_at_end[rows] = transfer_start.ravel()[side], transfer_end.ravel()[side]
-        del side
-    copies = np.flatnonzero(lowered.copies_delta != 0)
-    mem_at_end[copies] += lowered.copies_delta[copies] * param[stage[copies]]
-    kept_gradient = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
-    mem_at_start[spans.opening] += kept_gradient  # a second gradient copy while the update's last one is kept
-    mem_at_end[spans.closing] -= np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
-    act_at_start = kind_mask(kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
-    act_at_end = -kind_mask(kind, Kind.B, Kind.W).astype(np.int8)
-    return mem_at_start, mem_at_end, act_at_start, act_at_end
+    return mem_at_start, mem_at_end
 
 
 def _before_on_device(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -367,20 +373,27 @@ def _gradient_spans(lowered: Lowered) -> _GradientSpans:
     return _GradientSpans(accumulating, opening, closing)
 
 
-def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
-    """Per device, the bytes held from start to end: weights, gradients and optimizer state (1/d of it when
-    sharded over d data-parallel replicas) of every stage it holds, per pipeline replica, plus the policy's
-    extra weight copies. Its memory never drops below."""
-    static = []
+def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
+    """Per part (`MEMORY_PARTS`) and device, the bytes held from start to end: weights, gradients and optimizer
+    state (1/d of it when sharded over d data-parallel replicas) of every stage it holds, per pipeline replica, and
+    the policy's extra weight copies (parameters). Its memory never drops below their sum."""
+    parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
     for device in range(schedule.num_devices):
         mine = [costs.stages[s] for s in schedule.stages_on(device)]
+        weights = sum(c.param_bytes for c in mine)
         state = sum(c.optimizer_state_bytes for c in mine)
         if schedule.sharded_optimizer:  # ZeRO-1: each of the d replicas keeps its shard of the state
             state = -(-state // schedule.data_parallel)
-        per_replica = sum(2 * c.param_bytes for c in mine) + state  # weights, gradients, optimizer state
-        extra = schedule.policy.extra_copies * sum(c.param_bytes for c in mine)
-        static.append(per_replica * schedule.pipelines + extra)
-    return static
+        held = {"parameters": weights * schedule.pipelines + schedule.policy.extra_copies * weights,
+                "gradients": weights * schedule.pipelines, "optimizer_state": state * schedule.pipelines}
+        for part, values in parts.items():
+            values.append(held.get(part, 0))
+    return parts
+
+
+def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:
+    """Per device, the bytes held from start to end (`static_parts` summed)."""
+    return [sum(held) for held in zip(*static_parts(schedule, costs).values())]
 
 
 class _SharedCores:
@@ -694,13 +707,32 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     if costs.recv_window:
         first_ps[receives] = posted_ps
     devices = schedule.num_devices
-    mem_at_start, mem_at_end, act_at_start, act_at_end = _memory_deltas(program, costs, transfers, transfer_ids)
+    mem_at_start, mem_at_end = np.zeros(len(t.kind), dtype=np.int64), np.zeros(len(t.kind), dtype=np.int64)
+    for part in MEMORY_PARTS:
+        part_at_start, part_at_end = _memory_deltas(program, costs, transfers, transfer_ids, part)
+        mem_at_start += part_at_start
+        mem_at_end += part_at_end
+    del part_at_start, part_at_end
+    static = program.static_parts
+    memory, peak_events = _step_counters(bounds, first_ps, end_ps, mem_at_start, mem_at_end,
+                                         [sum(held) for held in zip(*static.values())])
+    del mem_at_start, mem_at_end
+    up_to_peak = _up_to_peak(bounds, first_ps, end_ps, peak_events)
+    parts_at_peak = [{part: static[part][d] for part in MEMORY_PARTS} for d in range(devices)]
+    for part in MEMORY_PARTS:
+        part_at_start, part_at_end = _memory_deltas(program, costs, transfers, transfer_ids, part)
+        for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            parts_at_peak[d][part] += int(part_at_start[lo:hi][up_to_peak[0][lo:hi]].sum()
+                                          + part_at_end[lo:hi][up_to_peak[1][lo:hi]].sum())
+    del part_at_start, part_at_end, up_to_peak
+    act_at_start = kind_mask(t.kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
+    act_at_end = -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int8)
     counters = {
-        "memory_bytes": _step_counters(bounds, first_ps, end_ps, mem_at_start, mem_at_end, program.static_bytes),
-        "activations": _step_counters(bounds, first_ps, end_ps, act_at_start, act_at_end, [0] * devices),
+        "memory_bytes": memory,
+        "activations": _step_counters(bounds, first_ps, end_ps, act_at_start, act_at_end, [0] * devices)[0],
         "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
     }
-    del issued_ps, mem_at_start, mem_at_end, act_at_start, act_at_end
+    del issued_ps, act_at_start, act_at_end
     start_ps = _start_times(program, model, first_ps, end_ps, transfers, transfer_ids)
     del transfers, transfer_ids
     # Microseconds as (ps / ps per ms) * 1e3, computed in place where a buffer is free.
@@ -716,7 +748,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         microbatch_size=costs.microbatch_size, placement=list(schedule.placement),
         stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
         tool=f"pipesim {__version__}", costs=[dict(vars(c)) for c in costs.stages], cluster=cluster.describe(),
-        jitter=jitter, seed=seed, calibration=costs.calibration,
+        jitter=jitter, seed=seed, calibration=costs.calibration, peak_memory_parts=parts_at_peak,
         extra=_runtime_terms(costs))
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
 
@@ -791,24 +823,48 @@ def _issue_times(program: _Program, model: _Model, clocks: np.ndarray) -> np.nda
     return out
 
 
-def _step_counters(bounds, first_ps, second_ps, first_delta, second_delta, initial) -> list[Counter]:
+def _event_times_ms(first_ps: np.ndarray, second_ps: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Rows lo..hi's two events in order (row i's at 2i and 2i + 1, relative to lo), in ms: the times the
+    counters sort by."""
+    times = np.empty(2 * (hi - lo))
+    times[0::2], times[1::2] = first_ps[lo:hi], second_ps[lo:hi]
+    times /= _PS_PER_MS
+    return times
+
+
+def _step_counters(bounds, first_ps, second_ps, first_delta, second_delta, initial) -> tuple[list[Counter], list[int]]:
     """Per device (rows bounds[d]..bounds[d+1], in program order), the running total of deltas applied at
-    two event times per op (picoseconds; the counter's in µs as (ps / ps per ms) * 1e3), in time order (ties keep
-    program order, so an op's end counts before the next op's start). Events that change nothing are left out
-    before any time is converted or sorted."""
-    out = []
+    two event times per op (picoseconds; the counter's in µs as ms * 1e3), in time order (ties keep program order,
+    so an op's end counts before the next op's start); and per device the event (2i: row lo + i's start, 2i + 1:
+    its end) after which the total first reaches its largest value, -1 where that is the initial value. Events
+    that change nothing are left out before any time is sorted."""
+    out, peaks = [], []
     for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        mine_times, mine_deltas = np.empty(2 * (hi - lo)), np.empty(2 * (hi - lo), dtype=np.int64)
-        mine_times[0::2], mine_times[1::2] = first_ps[lo:hi], second_ps[lo:hi]  # op i's two events at 2i, 2i + 1
+        mine_deltas = np.empty(2 * (hi - lo), dtype=np.int64)
         mine_deltas[0::2], mine_deltas[1::2] = first_delta[lo:hi], second_delta[lo:hi]
         keep = np.flatnonzero(mine_deltas != 0)
-        mine_times, mine_deltas = mine_times[keep], mine_deltas[keep]
-        mine_times /= _PS_PER_MS
+        mine_times, mine_deltas = _event_times_ms(first_ps, second_ps, lo, hi)[keep], mine_deltas[keep]
         order = np.argsort(mine_times, kind="stable")
         values = initial[d] + np.cumsum(mine_deltas[order])
+        highest = int(np.argmax(values)) if len(values) else -1
+        peaks.append(int(keep[order[highest]]) if highest >= 0 and values[highest] > initial[d] else -1)
         out.append(Counter(np.concatenate([[0.0], mine_times[order] * 1e3]),
                            np.concatenate([[initial[d]], values]).astype(np.int64)))
-    return out
+    return out, peaks
+
+
+def _up_to_peak(bounds, first_ps, second_ps, peak_events: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, whether its first and its second event count at its device's peak (`_step_counters`'
+    `peak_events`): those the counters' order (by time, ties by event) puts at or before the peak's event, as
+    the sort put them, whether or not they change the total (one that moves bytes from part to part does not)."""
+    firsts, seconds = np.zeros(len(first_ps), dtype=bool), np.zeros(len(first_ps), dtype=bool)
+    for (lo, hi), peak in zip(itertools.pairwise(bounds), peak_events):
+        if peak < 0:
+            continue
+        times = _event_times_ms(first_ps, second_ps, lo, hi)
+        counted = (times < times[peak]) | ((times == times[peak]) & (np.arange(len(times)) <= peak))
+        firsts[lo:hi], seconds[lo:hi] = counted[0::2], counted[1::2]
+    return firsts, seconds
 
 
 def _level_counters(bounds, end_ps, level, initial) -> list[Counter]:

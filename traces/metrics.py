@@ -19,6 +19,8 @@ class DeviceMetrics:
     peak_memory_mb: float | None  # None: the trace records no memory (torch profiler traces): unknown, not zero
     peak_activations: int
     peak_weight_versions: int
+    # At the peak's moment, MiB per part (`MEMORY_PARTS`), which sum to `peak_memory_mb`; None: not broken down
+    peak_memory_parts_mb: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ def summarize(trace: Trace) -> Summary:
     ops = trace.ops
     ends_us = ops.end_us
     has_memory = "memory_bytes" in trace.counters
+    parts = trace.meta.peak_memory_parts if has_memory else None
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
     compute = ops.stream == Stream.COMPUTE
 
@@ -128,6 +131,8 @@ def summarize(trace: Trace) -> Summary:
             peak_memory_mb=float(_peak(trace, "memory_bytes", d)) / MIB if has_memory else None,
             peak_activations=int(_peak(trace, "activations", d)),
             peak_weight_versions=int(_peak(trace, "weight_versions", d)),
+            peak_memory_parts_mb=({part: held / MIB for part, held in parts[d].items()} if parts is not None
+                                  else None),
         ))
 
     # A mini-batch is done when its last op ends; after the first, they complete once per step. (Compute rows

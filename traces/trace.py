@@ -22,6 +22,10 @@ from typing import Any, Literal
 import numpy as np
 
 SCHEMA_VERSION = 2
+# What holds a device's memory, the parts a prediction's peak is broken into (`TraceMeta.peak_memory_parts`):
+# weights (with the copies a method keeps), weight gradients, optimizer state, what the forward keeps for the
+# backward (boundary tensors included), and point-to-point buffers in flight.
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication")
 
 
 class Stream(IntEnum):
@@ -127,8 +131,9 @@ class TraceMeta:
     a measurement its `hardware` (devices, backend, threads). A prediction's `calibration` names the profile
     its costs were measured into (model, micro-batch size, device, threads); None: typed what-if costs, whose
     times describe no machine. `complete` is false when a run stopped
-    early, `failed_rank` then names the rank that failed, if one did. `extra` holds what a source adds
-    (a measured run's losses, say).
+    early, `failed_rank` then names the rank that failed, if one did. `peak_memory_parts`: per device, the bytes
+    of each of `MEMORY_PARTS` at the moment of its `memory_bytes` peak, which they sum to (None: the source does
+    not break memory down, as a measurement). `extra` holds what a source adds (a measured run's losses, say).
     """
 
     source: Literal["predicted", "measured"]
@@ -150,6 +155,7 @@ class TraceMeta:
     complete: bool = True
     failed_rank: int | None = None
     calibration: dict[str, Any] | None = None
+    peak_memory_parts: list[dict[str, int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

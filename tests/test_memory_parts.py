@@ -1,0 +1,78 @@
+"""The memory breakdown: each device's peak split by what holds it, read from the same events as the peak."""
+
+import json
+
+import pytest
+
+from pipesim.schedules import METHODS
+from pipesim.sim import Costs, simulate
+from pipesim.sim.cluster import Cluster
+from pipesim.traces import summarize
+from pipesim.traces.trace import MEMORY_PARTS
+from pipesim.units import MIB
+from tests.conftest import build, pipesim, simulate_json
+
+# Profiles whose layers say what autograd saves (boundary tensors held from F to B); graphpipe's branches.
+PROFILE = "traces/profiles/gpt-cpu.json"
+DAG_PROFILE = "traces/measured/fidelity-cpu2-day3-runs/two-branch-profile.json"
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("profiled", [False, True], ids=["typed", "profile"])
+def test_parts_sum_to_the_peak_in_every_methods_json(name, profiled):
+    dag = name == "graphpipe"
+    if profiled:
+        costs = ["--profile", DAG_PROFILE if dag else PROFILE, "-n", "2"]
+    else:
+        costs = ["--param-mb", "96", "--activation-mb", "12", "--output-mb", "3", "--comm", "0.4", "-n", "3",
+                 *(["--graph", "examples/dag.json"] if dag else [])]
+    result, = simulate_json("--schedule", name, *costs)
+    for device in result["devices"]:
+        parts = device["peak_memory_parts_mb"]
+        assert list(parts) == list(MEMORY_PARTS)
+        assert sum(parts.values()) == pytest.approx(device["peak_memory_mb"], rel=1e-12)
+        assert parts["activations"] > 0 and parts["parameters"] > 0
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "pipedream", "avgpipe", "dualpipev"])
+def test_parts_are_the_counters_bytes_at_the_peak_exactly(name):
+    schedule = build(name, 4, 8, 2)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, param_mb=7.3, activation_mb=1.1,
+                            output_mb=0.7)
+    trace = simulate(schedule, costs, Cluster.uniform(schedule.num_devices, 0.3))
+    for d, parts in enumerate(trace.meta.peak_memory_parts):
+        assert sum(parts.values()) == int(trace.counters["memory_bytes"][d].values.max())
+
+
+def test_1f1b_parts_are_what_each_part_holds():
+    """1F1B on 4 devices: device k holds 4 - k micro-batches' activations at its peak, Adam's two moments, and
+    ZeRO-1 over d = 2 halves the state and nothing else."""
+    args = ["--schedule", "1f1b", "-p", "4", "-m", "8", "--param-mb", "100", "--activation-mb", "10",
+            "--output-mb", "0"]
+    plain, = simulate_json(*args)
+    sharded, = simulate_json(*args, "--data-parallel", "2", "--sharded-optimizer")
+    for k, (device, zero1) in enumerate(zip(plain["devices"], sharded["devices"])):
+        parts = device["peak_memory_parts_mb"]
+        assert parts == {"parameters": 100, "gradients": 100, "optimizer_state": 200,
+                         "activations": 10 * (4 - k), "communication": 0}
+        assert zero1["peak_memory_parts_mb"] == {**parts, "optimizer_state": 100}
+
+
+def test_a_stashing_methods_weight_copies_are_parameters():
+    """PipeDream stashes a weight version per micro-batch in flight: device 0 of 4 holds 4 copies at its peak."""
+    result, = simulate_json("--schedule", "pipedream", "-p", "4", "-m", "4", "-n", "4", "--param-mb", "10",
+                            "--activation-mb", "1")
+    device = result["devices"][0]
+    assert device["peak_memory_parts_mb"]["parameters"] == 10 * device["peak_weight_versions"] > 10
+
+
+def test_a_trace_keeps_its_breakdown(tmp_path):
+    path = tmp_path / "t.json"
+    code, _, err = pipesim("simulate", "--schedule", "1f1b", "--trace", path)
+    assert code == 0, err
+    from pipesim.traces import read_trace
+
+    trace = read_trace(path)
+    assert [sum(parts.values()) for parts in trace.meta.peak_memory_parts] == [
+        round(d.peak_memory_mb * MIB) for d in summarize(trace).devices]
+    assert "peak_memory_parts" in json.loads(path.read_text())["pipesim"]["meta"]
