@@ -151,13 +151,15 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
         return f"{value / MIB:,.1f} MiB" if unit == "bytes" else f"{value:g} micro-batch{'' if value == 1 else 'es'}"
 
     short = np.flatnonzero(limit < held - 1e-9)
-    if len(short):
-        d = int(short[0])
-        if limit[d] < limit_r * reference:  # the device's memory binds, not R: no R helps
-            raise ScheduleError(f"{METHOD}: device {d}'s memory leaves {amount(max(limit[d], 0.0))} for "
-                                "activations beside its weights, gradients, optimizer state and transfer buffers, "
-                                f"less than one micro-batch's {amount(held[d])}: no --activation-limit helps; it "
-                                "needs more device memory or the model cut into more stages")
+    by_memory = [int(d) for d in short if limit[d] < limit_r * reference]  # the device's memory binds: no R helps
+    if by_memory:
+        d = by_memory[0]
+        raise ScheduleError(f"{METHOD}: device {d}'s memory leaves {amount(max(limit[d], 0.0))} for activations "
+                            "beside its weights, gradients, optimizer state and transfer buffers, less than one "
+                            f"micro-batch's {amount(held[d])}: no --activation-limit helps; it needs more device "
+                            "memory or the model cut into more stages")
+    if len(short):  # R binds: the least R that admits every device is the fullest short one's
+        d = int(short[np.argmax(held[short])])
         raise ActivationLimitError(f"--activation-limit: R = {limit_r:g} lets a device hold {amount(limit[d])} of "
                                    f"activations (R = 1: {amount(reference)}, 1F1B's peak), less than one micro-batch "
                                    f"of device {d}'s ({amount(held[d])}); R must be at least "
@@ -202,11 +204,10 @@ def best_pattern(times: StageTimes, budget_seconds: float = DEFAULT_SECONDS,
     then the first tried): the fixed orders that fit (always timed), then the list scheduler's variants in
     `_GRID` order, then a local search over its per-stage knobs, then every in-order pattern (up to
     `_EXACT_STAGES` stages, where the budget affords them all) or a search over one-op moves, for as long as the
-    budget lasts. The budget is
-    counted in ops scheduled and timed at a rate fixed in `_OPS_PER_SECOND`, not on the clock, so the same inputs
-    give the same schedule on any machine, loaded or not; the fixed orders and the first variant are always tried
-    (the constructive pass), the budget bounds the rest. The last 8 results are remembered: a command builds one
-    schedule for several mini-batch counts, and searches once."""
+    budget lasts. The budget is counted in ops scheduled and timed at a rate fixed in `_OPS_PER_SECOND`, not on
+    the clock, so the same inputs give the same schedule on any machine, loaded or not; the fixed orders and the
+    first variant are always tried (the constructive pass), the budget bounds the rest. The last 8 results are
+    remembered: a command builds one schedule for several mini-batch counts, and searches once."""
     key = (times, budget_seconds)
     if key not in _SEARCHED:
         while len(_SEARCHED) >= 8:
@@ -230,7 +231,7 @@ def _search(times: StageTimes, budget_seconds: float, progress: Callable[[float]
             break
         search.knobs(Knobs.scaled(times, *variant))
     search.improve()
-    if times.stages > _EXACT_STAGES or not search.enumerate():
+    if times.stages > _EXACT_STAGES or not search.time_every_in_order():
         search.explore()
     if progress is not None:
         progress(1.0)
@@ -299,7 +300,6 @@ class _Search:
                     if self.knobs(replace(self.best_knobs, **{field: tuple(values)})):
                         improved = True
 
-
     def explore(self) -> None:
         """Local search on the best pattern itself, past what the list scheduler's knobs reach: patterns one op
         move away (`_moves`) from those whose step is no longer than the best's, breadth first, each timed once,
@@ -326,7 +326,7 @@ class _Search:
                         self.consider(candidate, None)
             self.report()
 
-    def enumerate(self) -> bool:
+    def time_every_in_order(self) -> bool:
         """Time every in-order pattern (each device's F, I and W in micro-batch order, I after its F, W after its I,
         within its activation limit) where the budget affords them all, the pairs of neighbouring orders that
         deadlock left out: then no such pattern is better than the best found. Whether it did."""
