@@ -20,14 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"\d[\d,.]*%?")
 
 
-def rendered(table: Table, width: int | None, monkeypatch) -> list[str]:
+def rendered(table: Table, width: int | None) -> list[str]:
     """The lines `print_table` writes for `table` with $COLUMNS at `width` (None: piped, no limit)."""
-    if width is None:
-        monkeypatch.delenv("COLUMNS", raising=False)
-    else:
-        monkeypatch.setenv("COLUMNS", str(width))
     out = io.StringIO()
-    print_table(table, Console(file=out, width=120, color_system=None))
+    with pytest.MonkeyPatch.context() as patch:
+        if width is None:
+            patch.delenv("COLUMNS", raising=False)
+        else:
+            patch.setenv("COLUMNS", str(width))
+        print_table(table, Console(file=out, width=120, color_system=None))
     return out.getvalue().splitlines()
 
 
@@ -42,7 +43,7 @@ values = st.one_of(
 
 @settings(max_examples=60, deadline=None)
 @given(columns=st.integers(1, 14), rows=st.integers(0, 5), width=st.integers(40, 200), data=st.data())
-def test_no_cell_is_cut_at_any_width(columns, rows, width, data, monkeypatch_session):
+def test_no_cell_is_cut_at_any_width(columns, rows, width, data):
     table = Table(title="a title " * data.draw(st.integers(0, 30)), caption="a caption " * 12)
     headers = data.draw(st.lists(st.sampled_from(["schedule", "ms/step", "samples/s", "peak MiB", "why not", "p"]),
                                  min_size=columns, max_size=columns))
@@ -51,7 +52,7 @@ def test_no_cell_is_cut_at_any_width(columns, rows, width, data, monkeypatch_ses
     cells = [data.draw(st.lists(values, min_size=columns, max_size=columns)) for _ in range(rows)]
     for row in cells:
         table.add_row(*row)
-    lines = rendered(table, width, monkeypatch_session)
+    lines = rendered(table, width)
     text = "\n".join(lines)
     assert "…" not in text
     assert max(map(len, lines), default=0) <= width
@@ -61,28 +62,22 @@ def test_no_cell_is_cut_at_any_width(columns, rows, width, data, monkeypatch_ses
                 assert any(piece in line for line in lines), (piece, text)
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_session():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
-def test_a_piped_table_takes_the_width_it_needs(monkeypatch):
+def test_a_piped_table_takes_the_width_it_needs():
     table = Table(title="t")
     for k in range(12):
         table.add_column(f"column {k}")
     table.add_row(*[f"{10 ** k:,}.25 ms" for k in range(12)])
-    lines = rendered(table, None, monkeypatch)
+    lines = rendered(table, None)
     assert max(map(len, lines)) > 120  # not the console's 120: one row, every cell whole
     assert any(all(f"{10 ** k:,}.25 ms" in line for k in range(12)) for line in lines)
 
 
-def test_a_table_too_wide_is_split_with_its_first_column_repeated_and_says_so(monkeypatch):
+def test_a_table_too_wide_is_split_with_its_first_column_repeated_and_says_so():
     table = Table(title="t")
     for k in range(12):
         table.add_column(f"c{k}")
     table.add_row("key", *[f"{10 ** k:,}.25" for k in range(11)])
-    lines = rendered(table, 80, monkeypatch)
+    lines = rendered(table, 80)
     assert sum("key" in line for line in lines) >= 2
     assert any("printed in" in line and "parts" in line for line in lines)
     assert all(len(line) <= 80 for line in lines)
