@@ -67,6 +67,13 @@ ShardedOptimizer = Annotated[bool, typer.Option(
     "--sharded-optimizer", help="With --data-parallel: ZeRO-1, each replica keeps 1/d of the optimizer state; "
                                 "the all-reduce becomes a reduce-scatter before the update and an all-gather "
                                 "after it.")]
+HeldPrecision = Annotated[str | None, typer.Option(
+    "--precision", metavar="MODE", help="How weights, gradients and optimizer state are held: fp32 (all float32) "
+                                        "megatron (Megatron-LM's mixed precision: 16-bit weights, float32 main "
+                                        "gradients, master weights and moments) or megatron-16bit-grads (its "
+                                        "gradients kept in 16 bits). Default: as Megatron-LM keeps the model's "
+                                        "--dtype (bf16: megatron, fp16: megatron-16bit-grads); typed costs: "
+                                        "fp32, their parameter MiB being the weights as the passes read them.")]
 ReduceAfterFlush = Annotated[bool, typer.Option(
     "--reduce-after-flush", help="With --data-parallel: a device all-reduces its stages' gradients once its last "
                                  "backward of the mini-batch is done (Megatron-LM's DDP), instead of each stage's "
@@ -412,12 +419,20 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     --profile's."""
     from ..planning.scenario import STAGE_CUTS, Scenario
     from ..sim import OPTIMIZER_STATE_FACTOR, load_cluster
+    from ..sim.costs import PRECISIONS
 
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
                  for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
     if flags["optimizer"] not in OPTIMIZER_STATE_FACTOR:
         raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {flags['optimizer']!r})")
+    precision = flags.get("precision")
+    if precision is not None and precision not in PRECISIONS:
+        raise InputError(f"--precision: choose from {', '.join(PRECISIONS)} (got {precision!r})")
+    if precision is not None and flags["profile"] is not None:
+        raise InputError("--precision: a profile holds its weights, gradients and optimizer state as it was "
+                         "calibrated or estimated with; drop --precision (`pipesim estimate --precision` sets an "
+                         "estimate's)")
     comm_ms = parse_numbers("--comm", flags["comm"])
     if len(comm_ms) != 1:
         raise InputError("--comm: give one number of milliseconds")
@@ -451,7 +466,8 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     return Scenario(
         per_stage, flags["wgrad_fraction"], flags["opt"], flags["pred"], flags["avg"], flags["optimizer"],
         flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology, measured,
-        _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network, stage_cut=stage_cut)
+        _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network, stage_cut=stage_cut,
+        precision=precision or "fp32")
 
 
 def searched_scenario(ctx: typer.Context, method, measured: Profile | None = None) -> Scenario | None:

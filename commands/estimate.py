@@ -20,6 +20,7 @@ from .common import (
     DataParallel,
     GpuName,
     HeldOptimizer,
+    HeldPrecision,
     InputError,
     MicrobatchSize,
     ModelName,
@@ -55,7 +56,8 @@ ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "p
 RECOMPUTE = ("none", "selective", "full")
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
-                  "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu"}
+                  "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
+                  "precision": "--precision"}
 
 
 def _flag(name: str) -> str:
@@ -74,6 +76,7 @@ class WhatIf:
     attention: str
     sequence_parallel: bool
     sharded_optimizer: bool
+    precision: str | None  # --precision (None: by --dtype)
     calibrated: Profile | None = None  # --curve-from: a calibration on the part, whose layers fit its curve
     calibrated_path: Path | None = None
 
@@ -123,7 +126,8 @@ class WhatIf:
             raise InputError(f"--gpu: the cluster has {size} GPUs, fewer than t x p x d = {tensor} x {stages} x "
                              f"{data} = {tensor * stages * data}")
         return Parallelism(tensor=tensor, pipeline=stages, data=data, sequence_parallel=self.sequence_parallel,
-                           recompute=recompute, sharded_optimizer=self.sharded_optimizer and data > 1)
+                           recompute=recompute, sharded_optimizer=self.sharded_optimizer and data > 1,
+                           precision=self.precision)
 
 
 def what_if(ctx: typer.Context) -> WhatIf | None:
@@ -174,7 +178,8 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
             raise InputError(f"--curve-from: {exc}") from None
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False),
-                  params.get("sharded_optimizer", False), calibrated, params.get("curve_from"))
+                  params.get("sharded_optimizer", False), params.get("precision"), calibrated,
+                  params.get("curve_from"))
 
 
 def fit_errors(fitted: FittedCurve) -> str:
@@ -376,6 +381,7 @@ def estimate(
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,
     sharded_optimizer: ShardedOptimizer = False,
+    precision: HeldPrecision = None,
     recompute: Recompute = "none",
     microbatch_size: MicrobatchSize = 1,
     optimizer: HeldOptimizer = "adam",
@@ -410,7 +416,7 @@ def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     and what else is not the default."""
     flags = [f"{key} {value}" if not isinstance(value, bool) else key.replace("_", " ")
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data")
-             and value not in (False, "none")]
+             and value not in (False, "none", None)]
     degrees = f"t={parallelism['tensor']}" + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else "")
     return ", ".join([degrees, *flags])
 

@@ -54,6 +54,7 @@ from ..profiles.schema import (
     layer_costs,
 )
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
+from ..sim.costs import PRECISIONS, Precision
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
@@ -73,7 +74,9 @@ class EstimateError(ValueError):
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Tensor (t), pipeline (p) and data (d) parallel degrees, and how activations and optimizer state are kept."""
+    """Tensor (t), pipeline (p) and data (d) parallel degrees, and how activations, gradients and optimizer state
+    are kept: `precision` is one of `PRECISIONS` (None: as Megatron-LM keeps the count's dtype: float32 main
+    gradients for bfloat16, which it forces, 16-bit ones for float16, its default there)."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -81,6 +84,7 @@ class Parallelism:
     sequence_parallel: bool = False
     recompute: str = "none"
     sharded_optimizer: bool = False
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data"):
@@ -88,6 +92,17 @@ class Parallelism:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
         if self.recompute not in RECOMPUTE:
             raise EstimateError(f"recompute: choose from {', '.join(RECOMPUTE)} (got {self.recompute!r})")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise EstimateError(f"precision: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
+
+    def held(self, dtype: str) -> Precision:
+        """How a model counted in `dtype` (torch's name) holds its weights, gradients and optimizer state."""
+        name = self.precision or {"float32": "fp32", "bfloat16": "megatron", "float16": "megatron-16bit-grads"}[dtype]
+        held = PRECISIONS[name]
+        if held.weight_bytes != _element_bytes(dtype):
+            raise EstimateError(f"precision: {name} holds {8 * held.weight_bytes}-bit weights; the model is "
+                                f"counted in {dtype}")
+        return held
 
     @property
     def gpus(self) -> int:
@@ -312,8 +327,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                      bounds: list[int] | None = None) -> Profile:
     """The Profile of `counted` on `gpu` parallelised as `parallel` says, per GPU: every layer's times and bytes
     on one of its stage's t ranks, the stages cut at `bounds` (default: p stages balanced by time), the link
-    between stages from the placement, the optimizer step as the bytes it moves. Mixed precision (a 16-bit
-    count) keeps float32 master weights and optimizer state, as Megatron-LM does. `curve` replaces the part's."""
+    between stages from the placement, the optimizer step as the bytes it moves. Weights, gradients and optimizer
+    state are held as `parallel.precision` says (a 16-bit count: as Megatron-LM, float32 master weights and
+    moments). `curve` replaces the part's."""
     curve = curve or gpu.curve
     if curve is None:
         raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
@@ -332,9 +348,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
     device = Device(peak * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve)
     element = _element_bytes(counted.dtype)
+    held = parallel.held(counted.dtype)
     t = parallel.tensor
     shards = t * (parallel.data if parallel.sharded_optimizer else 1)
-    widen = 2 if element == 2 else 1  # mixed precision: float32 state, and a float32 master copy of the weights
+    widen = held.state_bytes // element  # the count's state is in its dtype; mixed precision keeps it in float32
     layers = []
     for layer in counted.layers:
         priced = estimate_layer(layer, device, parallel, links.tensor, element)
@@ -343,9 +360,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // t, param_bytes=params,
-            grad_bytes=layer.grad_bytes // t,
-            optimizer_state_bytes={name: (layer.optimizer_state_bytes[name] * widen + (widen - 1) * 2 *
-                                          layer.param_bytes) // shards for name in OPTIMIZERS}))
+            grad_bytes=held.gradient_bytes(layer.grad_bytes) // t,
+            optimizer_state_bytes={name: (layer.optimizer_state_bytes[name] * widen + held.master_bytes *
+                                          layer.param_bytes // element) // shards for name in OPTIMIZERS}))
     if bounds is None:
         bounds = partition(layer_costs(layers, optimizer), parallel.pipeline)
     stage_steps = []

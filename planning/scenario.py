@@ -59,6 +59,7 @@ class Scenario:
     memory_bytes: int | None = None  # `tune --memory-gb`: every device's memory, whatever the cluster or profile say
     network_gb_s: float | None = None  # typed costs: each GPU's network for the data-parallel all-reduce (GB/s)
     stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: one of STAGE_CUTS
+    precision: str = "fp32"  # typed costs: how --param-mb's weights, their gradients and state are held (PRECISIONS)
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
@@ -161,7 +162,7 @@ class Scenario:
         costs = Costs.per_stage(
             n, fwd_ms=values["--fwd"], bwd_ms=values["--bwd"], wgrad_fraction=self.wgrad_fraction,
             param_mb=values["--param-mb"], activation_mb=values["--activation-mb"], output_mb=values["--output-mb"],
-            optimizer=self.optimizer, microbatch_size=self.microbatch_size)
+            optimizer=self.optimizer, microbatch_size=self.microbatch_size, precision=self.precision)
         return replace(costs, stages=tuple(
             replace(c, opt_ms=opt[k], pred_ms=(pred or opt)[k], avg_ms=(avg or opt)[k])
             for k, c in enumerate(costs.stages)))
@@ -329,7 +330,8 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         avg_ms=s.average.median_ms, param_bytes=s.param_bytes, activation_bytes=s.activation_bytes,
         output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer],
         accumulate_ms=s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0,
-        copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes)
+        copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,
+        grad_bytes=s.grad_bytes)
         for s in stages_for(measured, list(bounds), dag=dag)), microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),
         kept_gradients=measured.runtime.kept_gradients if measured.runtime is not None else 0.0,

@@ -15,6 +15,33 @@ MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would ove
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
+@dataclass(frozen=True)
+class Precision:
+    """How a runtime holds each parameter, in bytes: the weights the passes read, their gradients as accumulated,
+    the optimizer's float32 master copy of the weights (0: it updates the weights themselves) and each tensor of
+    its state (a moment). The master copy is optimizer state, sharded with it."""
+
+    weight_bytes: int
+    grad_bytes: int
+    master_bytes: int
+    state_bytes: int
+
+    def optimizer_state_bytes(self, weight_bytes: int, optimizer: str) -> int:
+        """The state `optimizer` keeps, master copy included, for weights of `weight_bytes`."""
+        params = weight_bytes / self.weight_bytes
+        return round(params * (self.master_bytes + OPTIMIZER_STATE_FACTOR[optimizer] * self.state_bytes))
+
+    def gradient_bytes(self, weight_bytes: int) -> int:
+        return round(weight_bytes / self.weight_bytes * self.grad_bytes)
+
+
+# `--precision`: fp32 holds everything in float32; megatron is Megatron-LM's mixed precision (--bf16: 16-bit
+# weights, float32 main gradients, float32 master weights and moments); megatron-16bit-grads accumulates and
+# reduces the gradients in 16 bits (Megatron-core's DistributedDataParallelConfig(grad_reduce_in_fp32=False)).
+PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
+              "megatron-16bit-grads": Precision(2, 2, 4, 4)}
+
+
 class CostError(ValueError):
     """Costs that cannot describe a run; the message names the field and what is allowed."""
 
@@ -40,6 +67,8 @@ class StageCosts:
     the network time of the stage's gradient synchronisation over its data-parallel replicas (a REDUCE: an
     all-reduce, or with a sharded optimizer a reduce-scatter), `gather_ms` that of the all-gather of its updated
     weights (a GATHER); the simulator runs them on the device's network stream, beside its compute.
+    `grad_bytes`: the weight gradients as accumulated (float32 under Megatron-LM's mixed precision; None: as
+    large as the weights); `optimizer_state_bytes` includes a mixed-precision master copy of the weights.
     """
 
     fwd_ms: float
@@ -59,13 +88,19 @@ class StageCosts:
     held_bytes: int | None = None
     reduce_ms: float = 0.0
     gather_ms: float = 0.0
+    grad_bytes: int | None = None
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.param_bytes if self.grad_bytes is None else self.grad_bytes
 
     def __post_init__(self) -> None:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
                  "copy_ms", "reduce_ms", "gather_ms")
-        for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "held_bytes"):
+        for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "held_bytes",
+                     "grad_bytes"):
             value = getattr(self, name)
-            if value is None and name in ("igrad_ms", "wgrad_ms", "held_bytes"):
+            if value is None and name in ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes"):
                 continue
             limit = MAX_MS if name in times else math.inf
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= limit:
@@ -165,13 +200,19 @@ class Costs:
         output_mb: float | Sequence[float] = 0.0,
         optimizer: str = "adam",
         microbatch_size: int = 1,
+        precision: str = "fp32",
     ) -> Costs:
-        """Costs from what-if numbers: each either one value for every stage or one value per stage.
+        """Costs from what-if numbers: each either one value for every stage or one value per stage; `param_mb`
+        is the weights as the passes read them, their gradients and optimizer state held as `precision` (one of
+        `PRECISIONS`) says.
 
         A weight prediction (PRED) and an elastic averaging step (AVG) read and write a stage's weights and
         optimizer state as an update does, so they cost `opt_ms` unless given."""
         if optimizer not in OPTIMIZER_STATE_FACTOR:
             raise CostError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
+        if precision not in PRECISIONS:
+            raise CostError(f"precision must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+        held = PRECISIONS[precision]
         if not isinstance(microbatch_size, int) or microbatch_size < 1:
             raise CostError(f"microbatch_size must be a whole number >= 1 (got {microbatch_size!r})")
         values = {
@@ -179,7 +220,6 @@ class Costs:
             for name, value in {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "param_mb": param_mb,
                                 "activation_mb": activation_mb, "output_mb": output_mb}.items()
         }
-        factor = OPTIMIZER_STATE_FACTOR[optimizer]
         stages = []
         for k in range(num_stages):
             param_bytes = _bytes(values["param_mb"][k])
@@ -193,7 +233,8 @@ class Costs:
                 param_bytes=param_bytes,
                 activation_bytes=_bytes(values["activation_mb"][k]),
                 output_bytes=_bytes(values["output_mb"][k]),
-                optimizer_state_bytes=factor * param_bytes,
+                optimizer_state_bytes=held.optimizer_state_bytes(param_bytes, optimizer),
+                grad_bytes=held.gradient_bytes(param_bytes),
             ))
         return cls(tuple(stages), microbatch_size)
 

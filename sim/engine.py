@@ -374,8 +374,9 @@ def _gradient_spans(lowered: Lowered) -> _GradientSpans:
 
 
 def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
-    """Per part (`MEMORY_PARTS`) and device, the bytes held from start to end: weights, gradients and optimizer
-    state (1/d of it when sharded over d data-parallel replicas) of every stage it holds, per pipeline replica, and
+    """Per part (`MEMORY_PARTS`) and device, the bytes held from start to end: weights, gradients as accumulated
+    and optimizer state (master weights included; 1/d of it when sharded over d data-parallel replicas) of every
+    stage it holds, per pipeline replica, and
     the policy's extra weight copies (parameters). Its memory never drops below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
     for device in range(schedule.num_devices):
@@ -385,7 +386,8 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
         if schedule.sharded_optimizer:  # ZeRO-1: each of the d replicas keeps its shard of the state
             state = -(-state // schedule.data_parallel)
         held = {"parameters": weights * schedule.pipelines + schedule.policy.extra_copies * weights,
-                "gradients": weights * schedule.pipelines, "optimizer_state": state * schedule.pipelines}
+                "gradients": sum(c.gradient_bytes for c in mine) * schedule.pipelines,
+                "optimizer_state": state * schedule.pipelines}
         for part, values in parts.items():
             values.append(held.get(part, 0))
     return parts

@@ -76,3 +76,57 @@ def test_a_trace_keeps_its_breakdown(tmp_path):
     assert [sum(parts.values()) for parts in trace.meta.peak_memory_parts] == [
         round(d.peak_memory_mb * MIB) for d in summarize(trace).devices]
     assert "peak_memory_parts" in json.loads(path.read_text())["pipesim"]["meta"]
+
+
+def test_megatron_precision_holds_float32_gradients_master_weights_and_moments():
+    """--param-mb is the 16-bit weights: float32 main gradients are twice them, Adam's float32 moments and master
+    weights six times; fp32 (the default for typed costs) holds gradients as large as the weights."""
+    args = ["--schedule", "1f1b", "-p", "2", "-m", "4", "--param-mb", "100"]
+    plain, = simulate_json(*args)
+    mixed, = simulate_json(*args, "--precision", "megatron")
+    assert plain["devices"][0]["peak_memory_parts_mb"]["gradients"] == 100
+    parts = mixed["devices"][0]["peak_memory_parts_mb"]
+    assert (parts["parameters"], parts["gradients"], parts["optimizer_state"]) == (100, 200, 600)
+
+
+TINY_GPT = ["--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "4",
+            "--seq-len", "32", "--vocab", "128", "-p", "2", "-s", "1f1b"]
+
+
+@pytest.mark.parametrize("dtype,precision,grads_per_weight", [
+    ("bf16", None, 2.0),  # Megatron-LM forces float32 main gradients for bf16
+    ("fp16", None, 1.0),  # and keeps fp16 ones by default
+    ("bf16", "megatron-16bit-grads", 1.0),
+    ("fp32", None, 1.0),
+])
+def test_an_estimate_holds_gradients_in_their_accumulation_dtype(dtype, precision, grads_per_weight):
+    result, = simulate_json(*TINY_GPT, "--dtype", dtype, *(["--precision", precision] if precision else []))
+    for device in result["devices"]:
+        parts = device["peak_memory_parts_mb"]
+        assert parts["gradients"] == pytest.approx(grads_per_weight * parts["parameters"], rel=1e-3)
+        # Adam's two moments; beside 16-bit weights, both and a master copy in float32: 12 bytes per 2
+        state_per_weight = 2.0 if dtype == "fp32" else 6.0
+        assert parts["optimizer_state"] == pytest.approx(state_per_weight * parts["parameters"], rel=1e-3)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--precision", "fp8"], "--precision: choose from fp32, megatron, megatron-16bit-grads (got 'fp8')"),
+    (["--profile", PROFILE, "--precision", "megatron"], "--precision: a profile holds"),
+    ([*TINY_GPT, "--dtype", "fp32", "--precision", "megatron"],
+     "--precision megatron holds 16-bit weights; the model is counted in float32"),
+])
+def test_a_precision_that_cannot_apply_is_one_line(args, message):
+    code, out, err = pipesim("simulate", *args)
+    assert code == 2 and out == "" and err.startswith(f"error: {message}") and err.count("\n") == 1
+
+
+def test_a_trace_whose_breakdown_misses_a_device_is_refused(tmp_path):
+    from pipesim.traces import TraceError, read_trace
+
+    path = tmp_path / "t.json"
+    assert pipesim("simulate", "--schedule", "1f1b", "--trace", path).code == 0
+    doc = json.loads(path.read_text())
+    doc["pipesim"]["meta"]["peak_memory_parts"].pop()
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match="peak_memory_parts must hold, for each of the 4 devices"):
+        read_trace(path)

@@ -169,7 +169,7 @@ def _replicas(trace, d):
                               for f in dataclasses.fields(ops)})
     return dataclasses.replace(trace, num_devices=p * d, ops=replicated,
                                counters={name: values * d for name, values in trace.counters.items()},
-                               meta=dataclasses.replace(trace.meta, source="measured"))
+                               meta=dataclasses.replace(trace.meta, source="measured", peak_memory_parts=None))
 
 
 def test_ranks_of_data_parallel_replicas_are_named_by_replica_and_device():

@@ -23,7 +23,8 @@ import numpy as np
 
 SCHEMA_VERSION = 2
 # What holds a device's memory, the parts a prediction's peak is broken into (`TraceMeta.peak_memory_parts`):
-# weights (with the copies a method keeps), weight gradients, optimizer state, what the forward keeps for the
+# weights (with the copies a method keeps), weight gradients as accumulated, optimizer state (a mixed-precision
+# master copy of the weights included), what the forward keeps for the
 # backward (boundary tensors included), and point-to-point buffers in flight.
 MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication")
 
@@ -323,7 +324,12 @@ def from_chrome(doc: Any) -> Trace:
             times, values = samples.get((name, d), ([], []))
             per_device.append(Counter(np.asarray(times, dtype=np.float64), np.asarray(values)))
         counters[name] = per_device
-    return Trace(kinds, num_devices, ops, TraceMeta.from_dict(meta), counters)
+    meta = TraceMeta.from_dict(meta)
+    parts = meta.peak_memory_parts
+    if parts is not None and (len(parts) != num_devices or any(set(held) != set(MEMORY_PARTS) for held in parts)):
+        raise TraceError(f"pipesim header: meta.peak_memory_parts must hold, for each of the {num_devices} devices, "
+                         f"the bytes of {', '.join(MEMORY_PARTS)}")
+    return Trace(kinds, num_devices, ops, meta, counters)
 
 
 _OWN_FD = re.compile(r"/(?:proc/(self|\d+)/fd|dev/fd)/(\d+)")  # a descriptor of a process, by number
