@@ -144,6 +144,9 @@ def simulate(
                                                    "none).")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed for --jitter.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
+    memory_view: Annotated[bool, typer.Option(
+        "--memory", help="Print each device's peak memory by what holds it (weights, gradients, optimizer state, "
+                         "activations, transfer buffers) instead of the timing table.")] = False,
     html: Annotated[Path | None, typer.Option(
         "--html", metavar="PATH", help="Write an interactive timeline (self-contained HTML).")] = None,
     trace: Annotated[Path | None, typer.Option(
@@ -186,6 +189,9 @@ def simulate(
         search = search_options(activation_limit, search_seconds)
         check_writable("--html", html)
         check_writable("--trace", trace)
+        if memory_view and as_json:
+            raise InputError("--memory is a table; --json gives each device's breakdown as peak_memory_parts_mb: "
+                             "give one")
         what = what_if(ctx)
         estimated = None if what is None else estimated_profile(
             what, count_what_if(what, microbatch_size),
@@ -281,6 +287,8 @@ def simulate(
         document = {"results": results, "skipped": [{"schedule": name, "reason": reason}
                                                     for name, reason in skipped.items()]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    elif memory_view:
+        _print_memory_table(summaries, built, memory, skipped)
     else:
         _print_table(summaries, built, steady, example, skipped, memory, _cost_basis(scenario, built),
                      [rate.get("mfu") for rate in rates], work.tensor if work else 1)
@@ -460,6 +468,43 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                      "update, prediction and averaging 0.1 ms; transfers 0.1 ms), split over each method's chunks. "
                      "Try: pipesim simulate --schedule 1f1b --schedule xpipe --stages 8 --microbatches 32 "
                      "--html t.html", highlight=False)
+
+
+MEMORY_COLUMNS = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "optimizer",
+                  "activations": "activations", "communication": "buffers"}  # MEMORY_PARTS -> the table's words
+
+
+def _print_memory_table(summaries: list, schedules: list, memory: list, skipped: dict[str, str]) -> None:
+    """`--memory`: per method and device, the MiB each part holds at the device's peak, which they sum to."""
+    from ..traces.trace import MEMORY_PARTS
+    from ..units import MIB
+
+    first = schedules[0]
+    table = Table(title=f"memory at each device's peak (MiB), p={first.num_devices}, m={first.microbatches}"
+                        + (f", d={first.data_parallel}" if first.data_parallel > 1 else ""),
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
+                  caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
+                          "accumulated, optimizer state with its master weights, activations saved for the "
+                          "backward, buffers of transfers in flight; --json: peak_memory_parts_mb")
+    table.add_column("schedule", no_wrap=True)
+    table.add_column("device", justify="right", no_wrap=True)
+    for part in MEMORY_PARTS:
+        table.add_column(MEMORY_COLUMNS[part], justify="right", no_wrap=True)
+    table.add_column("peak", justify="right", no_wrap=True)
+    limited = any(check.limit_bytes is not None for checks in memory for check in checks)
+    if limited:
+        table.add_column("limit", justify="right", no_wrap=True)
+    for s, sched, checks in zip(summaries, schedules, memory):
+        for d, (device, check) in enumerate(zip(s.devices, checks)):
+            parts = device.peak_memory_parts_mb
+            table.add_row(
+                s.schedule if d == 0 else "", str(device.device), *[f"{parts[part]:,.0f}" for part in MEMORY_PARTS],
+                f"{device.peak_memory_mb:,.0f}",
+                *([f"{check.limit_bytes / MIB:,.0f}" if check.limit_bytes is not None else ""] if limited else []),
+                style="red" if check.out_of_memory else None, end_section=d == len(s.devices) - 1)
+    for name in skipped:
+        table.add_row(name, "skipped", style="dim")
+    print_table(table)
 
 
 def _source(sched) -> str | None:

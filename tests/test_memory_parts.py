@@ -130,3 +130,23 @@ def test_a_trace_whose_breakdown_misses_a_device_is_refused(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(TraceError, match="peak_memory_parts must hold, for each of the 4 devices"):
         read_trace(path)
+
+
+def test_the_memory_view_fits_100_columns_with_every_part_whole(monkeypatch):
+    from pipesim.commands import common
+
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(common.stdout, "width", 100)
+    args = ["--schedule", "1f1b", "--schedule", "zb-h2", "-p", "4", "-m", "8", "--param-mb", "100",
+            "--activation-mb", "10", "--output-mb", "0", "--optimizer", "momentum"]
+    code, out, err = pipesim("simulate", *args, "--memory")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 100
+    header = next(line for line in lines if "weights" in line).split()
+    assert header == ["schedule", "device", "weights", "gradients", "optimizer", "activations", "buffers", "peak"]
+    rows = [line.split() for line in lines if line.split()[:1] in (["1f1b"], ["zb-h2"])]
+    assert rows[0] == ["1f1b", "0", "100", "100", "100", "40", "0", "340"]
+    assert rows[1][:2] == ["zb-h2", "0"]
+    code, _, err = pipesim("simulate", *args, "--memory", "--json")
+    assert code == 2 and err.startswith("error: --memory is a table; --json gives")

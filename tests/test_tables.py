@@ -88,6 +88,8 @@ COMMANDS = {
     "simulate": ["simulate", "-s", "1f1b", "-s", "zb-h1", "-s", "pipedream", "-s", "xpipe", "-p", "4", "-m", "8"],
     "simulate --gpu": ["simulate", "-s", "1f1b", "-s", "zb-h1", "-p", "4", "-m", "8", "--gpu", "h100-sxm", "--model",
                        "gpt", "--data-parallel", "2", "--tensor-parallel", "2"],
+    "simulate --memory": ["simulate", "-s", "1f1b", "-s", "interleaved-1f1b", "-p", "4", "-m", "8", "--gpu",
+                          "h100-sxm", "--model", "gpt", "--data-parallel", "2", "--memory"],
     "schedules": ["schedules"],
     "sweep": ["sweep", "-s", "1f1b,zb-h1,pipedream", "-p", "2,4", "-m", "8"],
     "tune": ["tune", "--profile", "traces/profiles/gpt-cpu.json", "--devices", "8", "--memory-gb", "0.3"],
