@@ -384,7 +384,7 @@ def write_results(results: Sequence[Result], path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    kinds = {str: pa.string(), int: pa.int64(), float: pa.float64()}
+    kinds = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
     table = pa.Table.from_pylist(records, schema=pa.schema([(name, kinds[t]) for name, t in COLUMNS.items()]))
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)

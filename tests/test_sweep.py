@@ -22,10 +22,16 @@ MODEL = Scenario({"--fwd": [4.0], "--bwd": [8.0], "--param-mb": [1024.0], "--act
 
 
 def read_csv(path):
-    """Rows of a results CSV with their types back (empty numbers, and an empty source of s, are None)."""
+    """Rows of a results CSV with their types back (empty numbers, and an empty source of s, are None; a flag is
+    written True or False)."""
+
+    def value(key, text):
+        if text == "" and (COLUMNS[key] is not str or key == "prediction"):
+            return None
+        return text == "True" if COLUMNS[key] is bool else COLUMNS[key](text)
+
     with open(path, newline="") as handle:
-        return [{k: None if v == "" and (COLUMNS[k] is not str or k == "prediction") else COLUMNS[k](v)
-                 for k, v in row.items()} for row in csv.DictReader(handle)]
+        return [{k: value(k, v) for k, v in row.items()} for row in csv.DictReader(handle)]
 
 
 def test_grid_multiplies_v_and_p_only_for_the_methods_that_read_them():
