@@ -258,11 +258,11 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
 
 
 def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_ids: np.ndarray, part: str
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the bytes of `part` (one of `MEMORY_PARTS`) it takes at its start and gives back at its end; `rows`
-    are the transfers' rows, `transfer_ids` their ids. The memory counter adds the parts' deltas, so that the
-    breakdown at a peak is read from the same events as the peak. (A function of its own, so that its temporaries
-    of millions of rows are freed before the counters are made.)"""
+                   ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per row, the bytes of `part` (one of `MEMORY_PARTS`) it takes at its start and gives back at its end (None:
+    no row changes it); `rows` are the transfers' rows, `transfer_ids` their ids. The memory counter adds the
+    parts' deltas, so that the breakdown at a peak is read from the same events as the peak. (A function of its
+    own, so that its temporaries of millions of rows are freed before the counters are made.)"""
     lowered, stream, spans, channel_bytes = program.lowered, program.stream, program.spans, program.channel_bytes
     schedule, t, stages = lowered.schedule, lowered.table, costs.stages
     kind, stage = t.kind, t.stage
@@ -271,16 +271,17 @@ def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         return np.asarray(values, dtype=np.int64)
 
     param = per_stage([c.param_bytes for c in stages])
+    copies = np.flatnonzero(lowered.copies_delta != 0)
+    if (part not in ("parameters", "gradients", "activations", "communication")  # held throughout: `static_parts`
+            or (part == "parameters" and not len(copies)) or (part == "gradients" and not costs.kept_gradients)):
+        return None
     mem_at_start, mem_at_end = np.zeros(len(kind), dtype=np.int64), np.zeros(len(kind), dtype=np.int64)
     if part == "parameters":  # weight copies an update leaves to later readers (copy-on-write), until their last
-        copies = np.flatnonzero(lowered.copies_delta != 0)
         mem_at_end[copies] = lowered.copies_delta[copies] * param[stage[copies]]
         return mem_at_start, mem_at_end
     if part == "gradients":  # a second gradient copy while the update's last one is kept
         mem_at_start[spans.opening] = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
         mem_at_end[spans.closing] = -np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
-        return mem_at_start, mem_at_end
-    if part not in ("activations", "communication"):  # held from start to end: `static_parts`
         return mem_at_start, mem_at_end
     # A stage whose `held_bytes` is known holds its boundary tensors from F until its backward (a received
     # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
@@ -711,28 +712,36 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     devices = schedule.num_devices
     mem_at_start, mem_at_end = np.zeros(len(t.kind), dtype=np.int64), np.zeros(len(t.kind), dtype=np.int64)
     for part in MEMORY_PARTS:
-        part_at_start, part_at_end = _memory_deltas(program, costs, transfers, transfer_ids, part)
-        mem_at_start += part_at_start
-        mem_at_end += part_at_end
-    del part_at_start, part_at_end
+        deltas = _memory_deltas(program, costs, transfers, transfer_ids, part)
+        if deltas is not None:
+            mem_at_start += deltas[0]
+            mem_at_end += deltas[1]
+    del deltas
     static = program.static_parts
     memory, peak_events = _step_counters(bounds, first_ps, end_ps, mem_at_start, mem_at_end,
                                          [sum(held) for held in zip(*static.values())])
     del mem_at_start, mem_at_end
     up_to_peak = _up_to_peak(bounds, first_ps, end_ps, peak_events)
     parts_at_peak = [{part: static[part][d] for part in MEMORY_PARTS} for d in range(devices)]
+    part_counters = {}  # each part's own curve, which the page stacks
     for part in MEMORY_PARTS:
-        part_at_start, part_at_end = _memory_deltas(program, costs, transfers, transfer_ids, part)
+        deltas = _memory_deltas(program, costs, transfers, transfer_ids, part)
+        if deltas is None:
+            part_counters[f"memory_bytes.{part}"] = [Counter(np.zeros(1), np.array([held], dtype=np.int64))
+                                                     for held in static[part]]
+            continue
         for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-            parts_at_peak[d][part] += int(part_at_start[lo:hi][up_to_peak[0][lo:hi]].sum()
-                                          + part_at_end[lo:hi][up_to_peak[1][lo:hi]].sum())
-    del part_at_start, part_at_end, up_to_peak
+            parts_at_peak[d][part] += int(deltas[0][lo:hi][up_to_peak[0][lo:hi]].sum()
+                                          + deltas[1][lo:hi][up_to_peak[1][lo:hi]].sum())
+        part_counters[f"memory_bytes.{part}"] = _step_counters(bounds, first_ps, end_ps, *deltas, static[part])[0]
+    del deltas, up_to_peak
     act_at_start = kind_mask(t.kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
     act_at_end = -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int8)
     counters = {
         "memory_bytes": memory,
         "activations": _step_counters(bounds, first_ps, end_ps, act_at_start, act_at_end, [0] * devices)[0],
         "weight_versions": _level_counters(bounds, end_ps, lowered.held_after, 1 + schedule.policy.extra_copies),
+        **part_counters,
     }
     del issued_ps, act_at_start, act_at_end
     start_ps = _start_times(program, model, first_ps, end_ps, transfers, transfer_ids)

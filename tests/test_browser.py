@@ -463,3 +463,28 @@ def test_compare_page_aligns_predicted_and_measured_and_shows_the_error_panel(tm
     assert len(v.geometry["lanes"]) == 2 * 3 * 2  # per device, compute, send and receive, predicted and measured
     bottom = round(v.geometry["plot"][1] + v.geometry["plot"][3])
     assert kind_pixels(v.screenshot[bottom:], (0x4C, 0x78, 0xA8)).sum() > 200, "no error panel under the timeline"
+
+
+@needs_chromium
+def test_the_memory_panel_stacks_the_fullest_devices_parts(tmp_path):
+    """Under the devices' lines, the fullest device's memory fills the panel by part: the optimizer state's band
+    (Adam: twice the weights) lies above the weights' and gradients', each in its colour, blended as drawn."""
+    from tests.conftest import pipesim
+
+    page = tmp_path / "m.html"
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 4, "-m", 8, "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test", height=1100)
+    assert_healthy(v)
+    panel = v.geometry["memory"][0]
+    left, top, width, height = (round(c) for c in panel["plot"])
+    area = v.screenshot[top:top + height, left:left + width]
+
+    def filled(hex_rgb: str) -> np.ndarray:  # a part's fill: its colour at 0x99 alpha over white
+        rgb = np.array([int(hex_rgb[i:i + 2], 16) for i in (1, 3, 5)])
+        return kind_pixels(area, tuple(np.round(rgb * 0x99 / 255 + 255 * (1 - 0x99 / 255)).astype(int)), 6)
+
+    weights, optimizer = filled("#4c78a8"), filled("#54a24b")
+    assert weights.mean() > 0.05 and optimizer.mean() > 0.1, (weights.mean(), optimizer.mean())
+    rows = lambda mask: np.flatnonzero(mask.mean(axis=1) > 0.5)  # noqa: E731
+    assert rows(optimizer).max() < rows(weights).min()  # higher on screen: stacked above

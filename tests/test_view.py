@@ -222,3 +222,28 @@ def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readab
     assert median.text[:4] == ("4.8%", "0.0%", "1,500.0%", "1,500.0%")
     assert fig.layout.yaxis.range[0] == 0 and 10 ** fig.layout.yaxis.range[1] > 1500  # 1 % up to above 1,500 %
     assert "1,000%" in fig.layout.yaxis.ticktext and "1%" in fig.layout.yaxis.ticktext
+
+
+def test_the_fullest_devices_memory_is_stacked_by_part_up_to_its_curve():
+    """The page stacks the fullest device's parts (weights at the bottom): their top is that device's memory curve
+    wherever a part changes, and its peak is the device's peak; a long run keeps STACK_COLUMNS samples and the
+    peak's moment among them."""
+    from pipesim.traces.trace import MEMORY_PARTS
+    from pipesim.traces.view import STACK_COLUMNS
+
+    for trace, long in ((_trace("zb-h2", 4, 8, 2), False), (_trace("1f1b", 4, 1200, 2), True)):
+        parts = trace_data(trace)["memory"]["parts"]
+        total = trace.counters["memory_bytes"][parts["device"]]
+        assert total.values.max() == max(c.values.max() for c in trace.counters["memory_bytes"])
+        times = decode_column(parts["t_us"])
+        stack = [decode_column(level) for level in parts["stack"]]
+        assert parts["names"][0] == "weights" and np.all(np.diff(stack, axis=0) >= 0)
+        at = np.searchsorted(total.times_us, times, side="right") - 1
+        assert np.allclose(stack[-1], total.values[at] / MIB)
+        assert stack[-1].max() == pytest.approx(total.values.max() / MIB)
+        changes = np.unique(np.concatenate([trace.counters[f"memory_bytes.{part}"][parts["device"]].times_us
+                                            for part in MEMORY_PARTS]))
+        if long:
+            assert len(changes) > STACK_COLUMNS >= len(times) - 1
+        else:
+            assert len(times) == len(changes) + 1  # and the last held to the run's end

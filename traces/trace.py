@@ -190,7 +190,8 @@ class Trace:
     """What happened (or is predicted to happen), when, on which weights, with how much memory.
 
     counters: name -> one Counter per device. Known names: `memory_bytes`, `activations` (micro-batches
-    whose activations are held), `weight_versions` (copies of one stage's weights held).
+    whose activations are held), `weight_versions` (copies of one stage's weights held), and a prediction's
+    `memory_bytes.PART` for each of `MEMORY_PARTS`, which add up to `memory_bytes`.
     """
 
     kinds: tuple[str, ...]

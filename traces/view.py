@@ -32,7 +32,7 @@ from plotly.colors import qualitative, sample_colorscale
 from ..units import MIB
 from .compare import Comparison
 from .metrics import Summary, summarize
-from .trace import STREAMS, Trace, TraceMeta, write_atomic
+from .trace import MEMORY_PARTS, STREAMS, Trace, TraceMeta, write_atomic
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
 KIND_COLORS = {
@@ -97,6 +97,38 @@ def decode_column(column: dict[str, Any]) -> np.ndarray:
     return planes.reshape(dtype.itemsize, column["n"]).T.copy().view(dtype).ravel()
 
 
+STACK_COLUMNS = 4000  # the stacked memory curve's most samples: beyond, one per column, where its total is highest
+PART_WORDS = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
+              "activations": "activations", "communication": "transfer buffers"}
+PART_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#54a24b",
+               "activations": "#e45756", "communication": "#b279a2"}
+
+
+def stacked_memory(trace: Trace, device: int, end_us: float) -> dict[str, Any] | None:
+    """`device`'s memory by part (`memory_bytes.PART` counters), stacked: per part, MiB of it and of the parts
+    before it, on the times any part changes (held to `end_us`); None where the trace has no parts. A long run's
+    curve keeps STACK_COLUMNS samples, each its column's moment of most memory, so the peak's parts stay shown."""
+    curves = [trace.counters.get(f"memory_bytes.{part}") for part in MEMORY_PARTS]
+    if any(curve is None for curve in curves):
+        return None
+    curves = [curve[device] for curve in curves]
+    times = np.unique(np.concatenate([curve.times_us for curve in curves]))
+    held = np.array([curve.values[np.searchsorted(curve.times_us, times, side="right") - 1] for curve in curves])
+    if len(times) > STACK_COLUMNS:
+        column = np.minimum((times / max(end_us, float(times[-1]), 1e-9) * STACK_COLUMNS).astype(np.int64),
+                            STACK_COLUMNS - 1)
+        order = np.lexsort((-held.sum(axis=0), column))  # by column, most memory first
+        first = order[np.r_[True, column[order][1:] != column[order][:-1]]]
+        keep = np.sort(first)
+        times, held = times[keep], held[:, keep]
+    times = np.append(times, max(end_us, float(times[-1])))
+    held = np.concatenate([held, held[:, -1:]], axis=1)
+    stack = np.cumsum(held, axis=0) / MIB
+    return {"device": device, "names": [PART_WORDS[part] for part in MEMORY_PARTS],
+            "colors": [PART_COLORS[part] for part in MEMORY_PARTS], "t_us": encode_column(times.astype(np.float64)),
+            "stack": [encode_column(level.astype(np.float64)) for level in stack]}
+
+
 def trace_data(trace: Trace, label: str | None = None, summary: Summary | None = None) -> dict[str, Any]:
     """What the page needs of one trace: its op columns, memory per device (MiB, the last value held to the
     end of the run), summary and shape."""
@@ -114,9 +146,11 @@ def trace_data(trace: Trace, label: str | None = None, summary: Summary | None =
                 times.append(np.append(counter.times_us, max(end_us, float(counter.times_us[-1]))))
                 values.append(np.append(counter.values, counter.values[-1]) / MIB)
             counts.append(k + 1 if k else 0)
+        fullest = int(np.argmax([c.values.max() if len(c.values) else 0 for c in counters]))
         memory = {"counts": counts, "t_us": encode_column(np.concatenate(times)),
                   "mib": encode_column(np.concatenate(values).astype(np.float64)),
-                  "colors": sample_colorscale("Viridis", np.linspace(0, 0.85, max(len(counters), 2)).tolist())}
+                  "colors": sample_colorscale("Viridis", np.linspace(0, 0.85, max(len(counters), 2)).tolist()),
+                  "parts": stacked_memory(trace, fullest, end_us)}
     return {
         "label": label or meta.schedule,
         "kinds": list(trace.kinds),
@@ -465,9 +499,17 @@ _TIMELINE_JS = r"""
         at += k;
       });
     }
+    let memoryParts = null;  // the fullest device's memory by part, stacked
+    if (t.memory && t.memory.parts) {
+      const p = t.memory.parts;
+      const [times, ...stack] = await Promise.all([column(p.t_us), ...p.stack.map(column)]);
+      memoryParts = {device: p.device, names: p.names, colors: p.colors, t: Float64Array.from(times, v => v / 1e3),
+                     stack};
+    }
     let end = 0;
     for (let i = 0; i < t.n; i++) end = Math.max(end, start[i] + dur[i]);
-    return Object.assign({}, t, {c, start, dur, end, memory, memoryColors: t.memory ? t.memory.colors : []});
+    return Object.assign({}, t, {c, start, dur, end, memory, memoryParts,
+                                 memoryColors: t.memory ? t.memory.colors : []});
   }
 
   // ---- a view: lanes, bars per kind, hit index --------------------------------------------------------
@@ -696,6 +738,20 @@ _TIMELINE_JS = r"""
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "device" : "memory"}, type: "category",
                                    autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
       } else {
+        const parts = T.memoryParts;
+        if (parts) {  // its fullest device stacked by part, under every device's line
+          const who = T.device_names[parts.device] + (many ? " \u00b7 " + esc(T.label) : "");
+          parts.stack.forEach((top, i) => {
+            const own = Array.from(top, (v, k) => (i ? v - parts.stack[i - 1][k] : v));
+            data.push({type: "scatter", mode: "lines", x: parts.t, y: top, customdata: own, xaxis: "x", yaxis: axis,
+                       name: parts.names[i], legend: "legend2", legendgroup: "part " + parts.names[i],
+                       showlegend: !inLegend.has("part " + i), fill: i ? "tonexty" : "tozeroy",
+                       fillcolor: parts.colors[i] + "99", line: {color: parts.colors[i], width: 0.5, shape: "hv"},
+                       hovertemplate: parts.names[i] + " of " + who + ": %{customdata:,.1f} MiB at %{x:.3f} ms" +
+                                      "<extra></extra>"});
+            inLegend.add("part " + i);
+          });
+        }
         panel.rows.forEach(({member, device, label}) => {
           const mem = T.memory[device];
           const pts = decimate(mem.t, mem.v, 0, xEnd, plotColumns);
@@ -731,7 +787,12 @@ _TIMELINE_JS = r"""
     Object.assign(layout, axes);
     layout.annotations = headings;
     if (memoryLegend) {
-      layout.legend2 = {x: 1.01, xanchor: "left", y: memoryPx / plotPx, yanchor: "top", title: {text: "memory"}};
+      // One trace's parts are its fullest device's, which the title names; several traces' hovers name theirs.
+      const stacked = members.filter(T => T.memoryParts);
+      const of = stacked.length === 1 ? T => esc(T.device_names[T.memoryParts.device]) + "'s" : () => "fullest";
+      layout.legend2 = {x: 1.01, xanchor: "left", y: memoryPx / plotPx, yanchor: "top",
+                        title: {text: "memory" + (stacked.length ? "<br><span style='font-size:10px'>filled: " +
+                                                  of(stacked[0]) + " parts</span>" : "")}};
     }
     built.span = span;
     built.barPx = barPx;
@@ -894,7 +955,7 @@ _TIMELINE_JS = r"""
   }
 
   // Where the lanes are on the page (the browser test checks a screenshot's bars against them), and the
-  // range of each memory panel's axis.
+  // range and place of each memory panel's axis.
   function record(b) {
     const fl = gd._fullLayout, ya = fl.yaxis, xa = fl.xaxis, box = gd.getBoundingClientRect();
     const top = box.top + window.scrollY + ya._offset, left = box.left + window.scrollX + xa._offset;
@@ -903,8 +964,11 @@ _TIMELINE_JS = r"""
       plot: [left, top, xa._length, ya._length], bar_px: b.barPx,
       points: gd.data.reduce((total, d) => total + (d.x ? d.x.length : 0), 0),
       lanes: b.lanes.map(l => toPx(l.y)),
-      memory: b.panels.map((panel, j) => ({trace: b.members[panel.member].label,
-                                           range: fl["yaxis" + (j + 2)].range})),
+      memory: b.panels.map((panel, j) => {
+        const axis = fl["yaxis" + (j + 2)];
+        return {trace: b.members[panel.member].label, range: axis.range,
+                plot: [left, box.top + window.scrollY + axis._offset, xa._length, axis._length]};
+      }),
     });
   }
 
