@@ -9,10 +9,12 @@ depends on both, and is kept too, keyed by the model's workload as well (model, 
 micro-batch, threads, processes), for a calibration of the same model again. What depends on the model alone
 (its layers, stage passes and steps, the gaps after its rows) is measured every time.
 
-A cache never changes an answer silently: an entry records when it was measured and the host's load meanwhile
-(traces/hostload.py), and is measured again, saying why, when it is older than MAX_AGE_S or the host's load per
-core differs from the load now (the 2-core host's contention factor went from 1.24x to 2.31x in 20 minutes, and
-a factor kept from a busy hour doubled a quiet hour's predictions).
+A cache never changes an answer silently: an entry records when it was measured, the host's load meanwhile
+and the load when the calibration that measured it began (traces/hostload.py), and is measured again, saying
+why, when it is older than MAX_AGE_S or that load per core differs from the load when this calibration began
+(the 2-core host's contention factor went from 1.24x to 2.31x in 20 minutes, and a factor kept from a busy hour
+doubled a quiet hour's predictions). Both are taken with nothing of the calibration running: the load while a
+term is measured is only the others' share of the cores its ranks leave them.
 
 The directory is `$PIPESIM_CACHE_DIR`, else `$XDG_CACHE_HOME/pipesim`, else `~/.cache/pipesim`. One JSON file
 per entry, written atomically; a file that cannot be read or does not match its key is measured again.
@@ -36,7 +38,7 @@ from ..traces import write_atomic
 from ..traces.hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, format_age, loads_differ, mark, utc_now
 from ..workload.cachedir import cache_dir
 
-CACHE_VERSION = 3  # raised when what a cached entry holds, or how it is measured, changes
+CACHE_VERSION = 4  # raised when what a cached entry holds, or how it is measured, changes
 MAX_AGE_S = 24 * 3600.0  # a kept term older than this is measured again
 
 
@@ -53,13 +55,15 @@ def host_identity() -> dict[str, Any]:
 @dataclass(frozen=True)
 class Cached:
     """A per-host term as used: its value, when it was measured (UTC, ISO 8601), whether this calibration
-    measured it (False: taken from the cache), the host's load while it was measured (None: not recorded) and,
-    where measured now, why (`measured_because`)."""
+    measured it (False: taken from the cache), the host's load while it was measured and when the calibration
+    that measured it began (`load_before`; None: not recorded) and, where measured now, why
+    (`measured_because`)."""
 
     value: Any
     measured_at: str
     fresh: bool
     load: HostLoad | None = None
+    load_before: HostLoad | None = None
     measured_because: str = ""
 
     @property
@@ -89,16 +93,23 @@ def fresh(measure: Callable[[], Any]) -> Cached:
 class HostCache:
     """The per-host terms in `directory` (default `cache_dir()`); `fresh` measures every term again (and keeps
     the new value). A kept term is measured again, not reused, when it is older than MAX_AGE_S or when the
-    host's load per core when it was measured differs from `load_now` (the load when this calibration began;
-    default: now) by more than LOAD_TOLERANCE_PER_CORE (traces/hostload.py), or when it does not say. A
-    directory that cannot be written only loses the reuse: the measurement still counts."""
+    host's load per core when the calibration that measured it began differs from `load_now` (the load when
+    this calibration began, `HostLoad.now`; default: taken when first needed) by more than
+    LOAD_TOLERANCE_PER_CORE (traces/hostload.py), or when it does not say. A directory that cannot be written
+    only loses the reuse: the measurement still counts."""
 
     def __init__(self, directory: Path | None = None, fresh: bool = False, load_now: HostLoad | None = None) -> None:
         self.directory = directory if directory is not None else cache_dir()
         self.fresh = fresh
-        self.load_now = load_now if load_now is not None else HostLoad.now()
+        self._load_now = load_now
         self.unwritable: str | None = None  # why the last store failed, if it did
         self._missed: dict[Path, str] = {}  # why `find` found no term to reuse at a path, for `keep` to say
+
+    @property
+    def load_now(self) -> HostLoad:
+        if self._load_now is None:
+            self._load_now = HostLoad.now()
+        return self._load_now
 
     def path(self, kind: str, key: dict[str, Any]) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -130,24 +141,24 @@ class HostCache:
         """Why a kept `entry` must be measured again, or None where it holds now."""
         if entry.age_s > MAX_AGE_S:
             return f"the cached one is {format_age(entry.age_s)} old, kept {format_age(MAX_AGE_S)} at most"
-        now = self.load_now
-        if entry.load is None and now.per_core is not None:
+        then, now = entry.load_before, self.load_now
+        if then is None and now.per_core is not None:
             return "the cached one does not say the host's load when it was measured"
-        if loads_differ(entry.load, now):
-            return (f"the cached one was measured at {entry.load.describe()}, the host's is {now.per_core:.2f} per "
-                    f"core now, more than {LOAD_TOLERANCE_PER_CORE} apart")
+        if loads_differ(then, now):
+            return (f"the cached one's calibration began at {then.describe()}, this one at "
+                    f"{now.per_core:.2f} per core, more than {LOAD_TOLERANCE_PER_CORE} apart")
         return None
 
     def keep(self, kind: str, settings: dict[str, Any], value: Any, load: HostLoad) -> Cached:
         """`value` (JSON-serialisable), measured just now with `settings` under `load`, kept for the next
         calibration."""
         path, key = self._located(kind, settings)
-        entry = Cached(value, utc_now(), fresh=True, load=load,
+        entry = Cached(value, utc_now(), fresh=True, load=load, load_before=self.load_now,
                        measured_because=self._missed.pop(path, "none was cached"))
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps({"key": key, "measured_at": entry.measured_at, "load": load.to_dict(),
-                                           "value": entry.value}) + "\n")
+                                           "load_before": self.load_now.to_dict(), "value": entry.value}) + "\n")
         except OSError as exc:
             self.unwritable = f"{self.directory}: {exc.strerror or exc}"
         return entry
@@ -164,6 +175,7 @@ def _read(path: Path, key: dict[str, Any]) -> Cached | None:
         if raw["key"] != key:
             return None
         datetime.fromisoformat(raw["measured_at"])
-        return Cached(raw["value"], raw["measured_at"], fresh=False, load=HostLoad.from_dict(raw.get("load")))
+        return Cached(raw["value"], raw["measured_at"], fresh=False, load=HostLoad.from_dict(raw.get("load")),
+                      load_before=HostLoad.from_dict(raw.get("load_before")))
     except (OSError, ValueError, KeyError, TypeError):
         return None

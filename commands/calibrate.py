@@ -117,6 +117,8 @@ def calibrate(
 
     began = mark()  # the host's load before this calibration starts anything
     starts_processes = runtime or contention or links
+    # what a cached host term is reused under: the others' load with nothing of this calibration running yet
+    load_now = HostLoad.now(began) if starts_processes else None
     if starts_processes:  # first: their server imports torch while this process does
         prepare()
     try:
@@ -158,7 +160,7 @@ def calibrate(
                 raise InputError(f"--ranks sizes the CPU contention probe; a {settings.device.type} profile has "
                                  "none: leave it out")
             contention = contention and settings.device.type == "cpu"
-            cache = HostCache(fresh=fresh, load_now=HostLoad.at(began))
+            cache = HostCache(fresh=fresh, load_now=load_now)
             with _phases(f"calibrating {net.name}") as (advance, phase):
                 if starts_processes:  # nothing is timed while the server imports
                     ready()

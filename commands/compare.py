@@ -33,28 +33,32 @@ def _versions(c) -> str:
 
 
 def _conditions(found) -> list[str]:
-    """The conditions section: the host's load while calibrating and running, the ranks, how long before the
-    run the profile was calibrated, its host terms; "differs" beside what differs enough to explain an error."""
+    """The conditions section: how long before the run the profile was calibrated, the others' load on the host
+    while calibrating and running, the ranks, its host terms; "differs" beside what differs enough to explain an
+    error."""
     from ..traces.hostload import format_age
 
     def load(value) -> str:
-        return "not recorded" if value is None else value.describe()
+        return "not recorded" if value is None else value.figure()
 
     def ago(seconds: float | None) -> str:
-        if seconds is None:
-            return "when not recorded"
         return f"{format_age(abs(seconds))} {'before' if seconds >= 0 else 'after'} the run"
 
     differs = " [bold yellow](differs)[/]"
-    lines = [f"conditions: calibrated {ago(found.calibrated_before_run_s)}",
-             f"  host load: {load(found.calibrated_load)} while calibrating; {load(found.run_load)} while running"
-             + (differs if found.load_differs else ""),
-             f"  ranks: calibrated for {found.calibrated_ranks or 'not recorded'} computing at once; ran "
-             + (f"{found.run_ranks} on one host" if found.run_ranks else "not recorded")
+    calibrated_for = (f"calibrated for {found.calibrated_ranks} computing at once" if found.calibrated_ranks
+                      else "not recorded for the calibration")
+    lines = ["conditions:",
+             "  calibrated: " + (ago(found.calibrated_before_run_s) if found.calibrated_before_run_s is not None
+                                 else "when not recorded"),
+             f"  others' load on the host: {load(found.calibrated_load)} while calibrating; {load(found.run_load)} "
+             "while running" + (differs if found.load_differs else ""),
+             f"  ranks: {calibrated_for}; "
+             + (f"ran {found.run_ranks} on one host" if found.run_ranks else "not recorded for the run")
              + (differs if found.ranks_differ else "")]
     for term in found.host_terms:
         how = "from the host cache, measured" if term.reused else "measured by the calibration"
-        lines.append(f"  {term.name}: {how} {ago(term.before_run_s)} at {load(term.load)}"
+        when = f" {ago(term.before_run_s)}" if term.before_run_s is not None else ""
+        lines.append(f"  {term.name}: {how}{when} at {term.load.describe() if term.load else 'a load not recorded'}"
                      + (differs if term.load_differs else ""))
     return lines
 

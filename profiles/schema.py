@@ -59,8 +59,9 @@ class Environment(_Strict):
     pipesim_version: str
     host: str
     date: str  # ISO 8601, UTC
-    # The host's load over the calibration (traces/hostload.py's HostLoad: the 1-minute load average at its start
-    # and end, seconds, usable cpus, its own busy tasks, when it began); None: not recorded (a profile from before)
+    # The host's load over the calibration (traces/hostload.py's HostLoad: the cores others kept busy, from CPU
+    # time, where read; the 1-minute load average at its start and end, seconds, usable cpus, its own busy tasks,
+    # when it began); None: not recorded (a profile from before)
     load: dict[str, Any] | None = None
     ranks: int | None = Field(None, ge=1)  # the most ranks computing at once it was calibrated for (contention)
 

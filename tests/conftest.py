@@ -4,6 +4,7 @@
 - `simulate_json(*args)`: `pipesim simulate ... --json`, which must succeed: its results.
 - `build(name, p, m, n)`: a method's schedule in its default shape (the V schedules' two chunks, AvgPipe's two
   pipelines) unless the call overrides it.
+- `host_counters(others_cores, own_cores, load_1min)`: a host's CPU counters as traces/hostload.py reads them.
 - `simulated(schedule, ...)` and `run(name, p, m, ...)`: simulate with the same costs on every model stage and a
   uniform link: (schedule, trace, summary).
 
@@ -39,12 +40,30 @@ def host_cache_dir(tmp_path_factory):
         os.environ["PIPESIM_CACHE_DIR"] = saved
 
 
+def host_counters(others_cores: float, own_cores: float = 0.0, load_1min: float | None = 0.0):
+    """A stand-in for traces/hostload.py's `sample`: a host whose other work keeps `others_cores` busy while this
+    command keeps `own_cores` busy, and whose load average reads `load_1min`, on a clock that moves 1 s a
+    reading."""
+    import itertools
+
+    from pipesim.traces.hostload import CpuSample
+
+    readings = itertools.count()
+
+    def sample() -> CpuSample:
+        seconds = float(next(readings))
+        return CpuSample(seconds, (others_cores + own_cores) * seconds, own_cores * seconds, load_1min)
+
+    return sample
+
+
 @pytest.fixture(scope="session", autouse=True)
 def steady_host_load():
     """The host's load as calibration and runs read it (traces/hostload.py), held at one figure: whether a cached
     term is reused must not depend on what else the test machine runs. Tests of that rule set their own."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("pipesim.traces.hostload.read_load_1min", lambda: 0.0)
+        patch.setattr("pipesim.traces.hostload.sample", host_counters(0.0))
+        patch.setattr("pipesim.traces.hostload.QUIET_WINDOW_S", 0.0)
         yield
 
 

@@ -12,7 +12,7 @@ import pytest
 from pipesim.calibrate.contention import slowdowns
 from pipesim.planning.scenario import profile_cluster, profile_costs
 from pipesim.profiles.schema import ProfileError, load_profile, profile_json
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import host_counters, pipesim, simulate_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "traces" / "profiles" / "cnn-cpu.json"  # measured before contention was
@@ -148,26 +148,26 @@ def test_a_calibration_of_the_same_workload_reuses_its_factors_until_fresh(tmp_p
     monkeypatch.setattr(hostload, "usable_cpus", lambda: 2)
     one_cut = [*TINY, "--layers", "1"]
     runs = []
-    for name, load in (("first", 4.6), ("again", 4.6), ("quiet", 0.2)):  # busy (2.3 per core), then quiet
-        monkeypatch.setattr(hostload, "read_load_1min", lambda load=load: load)
+    for name, load in (("first", 1.8), ("again", 1.8), ("quiet", 0.2)):  # busy (0.9 per core), then quiet
+        monkeypatch.setattr(hostload, "sample", host_counters(load))
         code, printed, err = pipesim("calibrate", *one_cut, "--out", tmp_path / f"{name}.json")
         assert code == 0, err
         runs.append((load_profile(tmp_path / f"{name}.json"), err, " ".join(printed.split())))
     (profile, first_err, first_out), (again, again_err, again_out), (quiet, quiet_err, _) = runs
     load = HostLoad.from_dict(profile.environment.load)
-    assert (load.before, load.after, load.cpus) == (4.6, 4.6, 2) and profile.environment.ranks == 2
+    assert (load.others_cores, load.cpus) == (1.8, 2) and profile.environment.ranks == 2
     assert f"host while calibrating: {load.describe()}; calibrated for 2 ranks computing at once" in first_out
     factors_load = HostLoad.from_dict(profile.contention.meta["host_cache"]["load"])
-    assert factors_load.before == 4.6 and factors_load.own_tasks == 2  # its two processes, one thread each
+    assert factors_load.others_cores == 1.8 and factors_load.own_tasks == 2  # its two processes, one thread each
     assert f"contention (2 processes): measured now at {factors_load.describe()}, kept in the host cache; none " \
            "was cached" in first_err
     assert f"at {factors_load.describe()}" in again_out  # reused, under the load it was measured at
     # the quiet calibration measures the busy factors again, and says why
     assert not quiet.contention.meta["host_cache"]["reused"] and quiet.contention.meta["host_cache"]["load"][
-        "before"] == 0.2
-    assert f"the cached one was measured at {factors_load.describe()}, the host's is 0.10 per core now" in quiet_err
+        "others_cores"] == 0.2
+    assert f"the cached one's calibration began at {load.describe()}, this one at 0.10 per core" in quiet_err
     described = quiet.describe()  # what a prediction from it records
-    assert described["ranks"] == 2 and described["load"]["before"] == 0.2
+    assert described["ranks"] == 2 and described["load"]["others_cores"] == 0.2
     assert described["host_terms"]["contention"]["reused"] is False
     first, reused = profile.contention, again.contention
     assert (first.meta["host_cache"]["reused"], reused.meta["host_cache"]["reused"]) == (False, True)
@@ -182,7 +182,7 @@ def test_a_calibration_of_the_same_workload_reuses_its_factors_until_fresh(tmp_p
     assert key["workload"] == {"model": "mlp", "options": options, "dtype": "float32", "microbatch_size": 2,
                                "threads": 1, "bounds": [0, 1, 2]} and key["processes"] == 2
     assert HostCache().find("contention", key) is not None and HostCache(fresh=True).find("contention", key) is None
-    monkeypatch.setattr(hostload, "read_load_1min", lambda: 4.6)
+    monkeypatch.setattr(hostload, "sample", host_counters(1.8))
     assert HostCache().find("contention", key) is None  # kept from the quiet hour: a busy one measures again
     assert key != probe.ContentionProbe(profile, "mlp", options, ranks=3).cache_key()
     monkeypatch.setattr(probe, "MIN_ITERATIONS", 4)

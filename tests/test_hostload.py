@@ -1,9 +1,12 @@
-"""The host's load while something was measured (traces/hostload.py): a cached host term taken under another
-load is measured again, the profile and a run's trace record their load and ranks, and `compare` names what
-differs between them (tests/test_contention.py calibrates under two loads). The load is read through
-`read_load_1min`, set here: no test reads the machine's."""
+"""The host's load while something was measured (traces/hostload.py): the others' CPU time over a window, this
+command's own process tree left out, else the load average; a cached host term taken under another load is
+measured again, the profile and a run's trace record their load and ranks, and `compare` names what differs
+between them (tests/test_contention.py calibrates under two loads). The load is read through `sample`, set here
+with `host_counters`: no test reads the machine's."""
 
 import json
+import subprocess
+import sys
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -11,36 +14,81 @@ from pathlib import Path
 import pytest
 
 from pipesim.traces import hostload
-from pipesim.traces.hostload import HostLoad, loads_differ, ranks_per_host
-from tests.conftest import pipesim
+from pipesim.traces.hostload import CpuSample, HostLoad, loads_differ, ranks_per_host
+from tests.conftest import host_counters, pipesim
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "traces" / "measured" / "fidelity-cpu2-day3-runs"  # recorded before loads were
+BEGAN = "2026-11-29T03:00:00+00:00"
 
 
-def load_is(monkeypatch, load: float | None) -> None:
-    monkeypatch.setattr(hostload, "read_load_1min", lambda: load)
+def host_is(monkeypatch, others_cores: float, own_cores: float = 0.0, load_1min: float | None = 0.0) -> None:
+    monkeypatch.setattr(hostload, "sample", host_counters(others_cores, own_cores, load_1min))
     monkeypatch.setattr(hostload, "usable_cpus", lambda: 2)
 
 
-def test_others_load_leaves_out_what_the_measurement_itself_added():
+def test_others_load_is_the_host_cpu_time_less_this_commands_own(monkeypatch):
+    # an idle host right after a command of ours: the load average still counts that command, CPU time does not
+    host_is(monkeypatch, others_cores=0.0, own_cores=1.9, load_1min=1.6)
+    load = HostLoad.since(hostload.mark(), own_tasks=2)
+    assert load.others_cores == 0.0 and load.per_core == 0.0 and not load.busy and load.seconds == 1.0
+    assert load.describe() == "others' load 0.00 on 2 cores (0.00 per core, from CPU time)"
+    busy = HostLoad(1.6, 1.6, 10.0, 2, 2, BEGAN, others_cores=1.1)  # others' half of both cores beside our ranks
+    assert busy.busy and busy.per_core == pytest.approx(0.55) and loads_differ(busy, load)
+    assert HostLoad.from_dict(busy.to_dict()) == busy
+    assert HostLoad.from_dict({**busy.to_dict(), "others_cores": -1}) is None  # a hand-edited file: not recorded
+
+
+def test_a_load_average_from_before_cpu_time_was_recorded_reads_as_before():
     # 2 busy tasks for 60 s add at most 2 (1 - 1/e) = 1.26 to the 1-minute average
-    load = HostLoad(before=0.5, after=2.0, seconds=60.0, cpus=2, own_tasks=2, began_at="2026-11-29T03:00:00+00:00")
+    old = {"before": 0.5, "after": 2.0, "seconds": 60.0, "cpus": 2, "own_tasks": 2, "began_at": BEGAN}
+    load = HostLoad.from_dict(old)
+    assert load.others_cores is None and load.measure == "load average"
     assert load.others == pytest.approx((0.5 + 2.0 - 2 * (1 - 2.718281828 ** -1)) / 2, abs=1e-6)
     assert load.per_core == pytest.approx(load.others / 2)
-    assert "on 2 cores" in load.describe()
+    assert "on 2 cores" in load.describe() and "from load average" in load.describe()
     assert HostLoad.from_dict(load.to_dict()) == load
     assert HostLoad.from_dict(None) is None and HostLoad.from_dict({"cpus": 2}) is None
-    assert HostLoad.from_dict({**load.to_dict(), "before": "4.6"}) is None  # a hand-edited file: not recorded
-    assert HostLoad.from_dict({**load.to_dict(), "cpus": 0}) is None
-    unknown = HostLoad(None, None, 1.0, 2, 0, load.began_at)
+    assert HostLoad.from_dict({**old, "before": "4.6"}) is None  # a hand-edited file: not recorded
+    assert HostLoad.from_dict({**old, "cpus": 0}) is None
+    unknown = HostLoad(None, None, 1.0, 2, 0, BEGAN)
     assert unknown.others is None and "unknown" in unknown.describe()
     assert not loads_differ(unknown, load) and not loads_differ(None, load)
-    busy = HostLoad(4.6, 4.6, 0.0, 2, 0, load.began_at)
-    quiet = HostLoad(0.2, 0.2, 0.0, 2, 0, load.began_at)
-    assert loads_differ(busy, quiet) and not loads_differ(quiet, HostLoad(0.6, 0.6, 0.0, 2, 0, load.began_at))
+    busy = HostLoad(4.6, 4.6, 0.0, 2, 0, BEGAN)
+    quiet = HostLoad(0.2, 0.2, 0.0, 2, 0, BEGAN)
+    assert loads_differ(busy, quiet) and not loads_differ(quiet, HostLoad(0.6, 0.6, 0.0, 2, 0, BEGAN))
+    assert busy.busy and not HostLoad(1.6, 1.6, 0.0, 2, 0, BEGAN).busy  # 0.8 per core: busy from 1 on this measure
+    # read by different measures, two loads are not compared
+    assert not loads_differ(busy, HostLoad(0.2, 0.2, 0.0, 2, 0, BEGAN, others_cores=0.1))
     assert ranks_per_host({"ranks": 4, "compute": ["a/cpu", "b/cpu", "a/cpu", "a/cpu"]}) == 3
     assert ranks_per_host({"ranks": 4}) == 4 and ranks_per_host(None) is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_own_cpu_time_counts_descendants_alive_and_ended():
+    """A grandchild burns 0.3 s of CPU and waits: this command's CPU time holds it while it lives (unlike
+    getrusage's children, which counts only those waited for) and after it and its parent have ended."""
+    burn = "import sys, time\nwhile time.process_time() < 0.3: pass\nprint('burnt', flush=True)\nsys.stdin.read()"
+    before = hostload._own_cpu_s()
+    child = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                              f"{burn!r}])"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "burnt\n"
+        alive = hostload._own_cpu_s() - before
+    finally:
+        child.stdin.close()
+        child.wait(30)
+    ended = hostload._own_cpu_s() - before
+    assert alive >= 0.29 and ended >= alive
+
+
+def test_the_load_now_is_others_cpu_over_a_quiet_window(monkeypatch):
+    host_is(monkeypatch, others_cores=0.6, own_cores=0.0, load_1min=3.0)
+    now = HostLoad.now()
+    assert now.others_cores == 0.6 and now.own_tasks == 0 and now.per_core == pytest.approx(0.3)
+    monkeypatch.setattr(hostload, "sample", lambda: CpuSample(time.monotonic(), None, None, 3.0))  # no /proc
+    fallback = HostLoad.now()
+    assert fallback.others_cores is None and fallback.others == 3.0 and fallback.measure == "load average"
 
 
 def test_a_term_cached_under_high_load_is_measured_again_when_the_load_is_low(tmp_path, monkeypatch):
@@ -55,17 +103,18 @@ def test_a_term_cached_under_high_load_is_measured_again_when_the_load_is_low(tm
     def get():
         return HostCache(tmp_path).get("links", {"sizes": [4096]}, measure, 2)
 
-    load_is(monkeypatch, 4.6)  # busy: 2.3 per core
+    host_is(monkeypatch, others_cores=1.8, own_cores=0.2)  # busy: 0.9 per core
     busy = get()
-    assert busy.fresh and busy.load.per_core == pytest.approx(2.3, abs=0.01)
-    assert busy.meta()["load"]["before"] == 4.6 and busy.meta()["measured_because"] == "none was cached"
+    assert busy.fresh and busy.load.per_core == pytest.approx(0.9) and busy.meta()["load"]["others_cores"] == 1.8
+    assert busy.meta()["measured_because"] == "none was cached"
     again = get()  # the same load: reused, and it says under what load it was measured
-    assert not again.fresh and again.value == {"ms": 1} and "at load 4.60 on 2 cores" in again.describe()
-    load_is(monkeypatch, 0.2)  # quiet
+    assert not again.fresh and again.value == {"ms": 1}
+    assert "at others' load 1.80 on 2 cores (0.90 per core, from CPU time)" in again.describe()
+    host_is(monkeypatch, others_cores=0.2, own_cores=1.8)  # quiet, however busy this command keeps the cores
     quiet = get()
     assert quiet.fresh and quiet.value == {"ms": 2} and quiet.load.per_core == pytest.approx(0.1)
-    assert "the cached one was measured at load 4.60 on 2 cores (2.30 per core), the host's is 0.10 per core now" \
-        in quiet.describe()
+    assert ("the cached one's calibration began at others' load 1.80 on 2 cores (0.90 per core, from CPU time), "
+            "this one at 0.10 per core, more than 0.25 apart") in quiet.describe()
     assert not get().fresh  # the quiet one kept
     # an entry older than MAX_AGE_S is measured again, whatever its load
     (entry,) = tmp_path.glob("links-*.json")
@@ -74,78 +123,123 @@ def test_a_term_cached_under_high_load_is_measured_again_when_the_load_is_low(tm
     entry.write_text(json.dumps(doc))
     old = get()
     assert old.fresh and "old, kept 1 d at most" in old.describe()
-    # an entry from before loads were recorded is measured again
+    # an entry that does not say the load its calibration began at is measured again
     doc = json.loads(entry.read_text())
-    del doc["load"]
+    del doc["load_before"]
     entry.write_text(json.dumps(doc))
     unrecorded = get()
     assert unrecorded.fresh and "does not say the host's load" in unrecorded.describe()
-    # where the platform keeps no load average nothing tells two loads apart: reused, the load said unknown
-    load_is(monkeypatch, None)
+    # where the platform keeps neither CPU time nor a load average nothing tells two loads apart: reused, said unknown
+    monkeypatch.setattr(hostload, "sample", lambda: CpuSample(time.monotonic(), None, None, None))
     entry.unlink()
     assert get().fresh
     unknown = get()
-    assert not unknown.fresh and "at load unknown (this platform keeps no load average)" in unknown.describe()
+    assert not unknown.fresh and "at others' load unknown" in unknown.describe()
+
+
+def test_back_to_back_calibrations_on_an_idle_host_reuse_the_cache(tmp_path, monkeypatch):
+    """The first calibration's own ranks leave the load average at 1.6 for the next; its CPU time is its own, so
+    the second, at once after, finds the host as idle as the first did and reuses the term."""
+    from pipesim.calibrate.cache import HostCache
+
+    host_is(monkeypatch, others_cores=0.0, own_cores=0.0, load_1min=0.1)
+    first = HostCache(tmp_path).get("links", {"sizes": [4096]}, lambda: {"ms": 1}, 2)
+    host_is(monkeypatch, others_cores=0.0, own_cores=2.0, load_1min=1.6)
+    second = HostCache(tmp_path).get("links", {"sizes": [4096]}, lambda: {"ms": 2}, 2)
+    assert first.fresh and not second.fresh and second.value == {"ms": 1}
 
 
 def test_a_run_records_its_load_and_ranks(tmp_path, monkeypatch):
     from pipesim.traces import read_trace
 
-    load_is(monkeypatch, 1.5)
+    host_is(monkeypatch, others_cores=0.4, own_cores=1.6, load_1min=1.5)
     trace = tmp_path / "run.json"
     code, _, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--layers", 2, "--width", 16, "-b", 2, "-m", 2,
                            "-n", 2, "--trace", trace)
     assert code == 0, err
     meta = read_trace(trace).meta
     load = HostLoad.from_dict(meta.extra["host_load"])
-    assert (load.before, load.after, load.own_tasks, load.cpus) == (1.5, 1.5, 2, 2) and meta.hardware["ranks"] == 2
-    assert time.time() - datetime.fromisoformat(load.began_at).timestamp() < 600
+    assert (load.others_cores, load.before, load.after, load.own_tasks, load.cpus) == (0.4, 1.5, 1.5, 2, 2)
+    assert meta.hardware["ranks"] == 2 and time.time() - datetime.fromisoformat(load.began_at).timestamp() < 600
 
 
 def _recorded(tmp_path: Path, name: str, run_load: float | None, calibrated_load: float | None,
               contention_load: float | None = None) -> Path:
-    """The committed 1F1B run with its profile (recorded before loads were), the loads given written in."""
+    """The committed 1F1B run with its profile (recorded before loads were), the others' cores given written in
+    as measured from CPU time."""
     doc = json.loads((RUNS / "1f1b.json").read_text())
     profile = json.loads((RUNS / "mlp-profile.json").read_text())
     began = "2026-11-25T20:30:00+00:00"
 
-    def load(value: float) -> dict:
-        return HostLoad(value, value, 5.0, 2, 0, began).to_dict()
+    def load(cores: float, seconds: float) -> dict:
+        return HostLoad(1.5, 1.5, seconds, 2, 2, began, others_cores=cores).to_dict()
 
     if calibrated_load is not None:
-        profile["environment"].update(load=load(calibrated_load), ranks=2)
+        profile["environment"].update(load=load(calibrated_load, 5.0), ranks=2)
     if contention_load is not None:
         profile["link"]["meta"]["host_cache"] = {"measured_at": "2026-11-25T19:30:00+00:00", "age_s": 2760.0,
-                                                 "reused": True, "load": load(contention_load)}
+                                                 "reused": True, "load": load(contention_load, 5.0)}
     extra = doc["pipesim"]["meta"]["extra"]
     extra["profile"] = profile
     if run_load is not None:
-        extra["host_load"] = HostLoad(run_load, run_load, 10.0, 2, 0, began).to_dict()
+        extra["host_load"] = load(run_load, 10.0)
     path = tmp_path / name
     path.write_text(json.dumps(doc))
     return path
 
 
 def test_compare_names_the_conditions_that_differ_beside_the_error(tmp_path):
-    code, out, err = pipesim("compare", _recorded(tmp_path, "busy.json", run_load=4.6, calibrated_load=0.2,
-                                                  contention_load=4.4))
+    code, out, err = pipesim("compare", _recorded(tmp_path, "busy.json", run_load=1.4, calibrated_load=0.1,
+                                                  contention_load=1.3))
     assert code == 0, err
     flat = " ".join(out.split())
-    assert "conditions: calibrated 14 min before the run" in flat
-    assert ("host load: load 0.20 on 2 cores (0.10 per core) while calibrating; load 4.60 on 2 cores (2.30 per "
-            "core) while running (differs)") in flat
+    assert "conditions: calibrated: 14 min before the run" in flat
+    assert ("others' load on the host: 0.10 on 2 cores (0.05 per core, from CPU time) while calibrating; 1.40 on 2 "
+            "cores (0.70 per core, from CPU time) while running (differs)") in flat
     assert "ranks: calibrated for 2 computing at once; ran 2 on one host link" in flat  # not marked: the next line
-    assert "link and all-reduce: from the host cache, measured 1 h before the run at load 4.40 on 2 cores" in flat
+    assert ("link and all-reduce: from the host cache, measured 1 h before the run at others' load 1.30 on 2 cores "
+            "(0.65 per core, from CPU time)") in flat
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 2 and "the host's load differed: 0.10 per core while calibrating, 2.30 while running" \
+    assert len(warnings) == 2 and "the host's load differed: 0.05 per core while calibrating, 0.70 while running" \
         in warnings[0]
-    assert "the host was busy (2.30 per core while running: at least 1 per core" in warnings[1]
+    assert ("the host was busy (others' load 0.70 per core while running (busy from 0.5, CPU time): other work "
+            "shared every rank's core)") in warnings[1]
     code, out, err = pipesim("compare", _recorded(tmp_path, "same.json", run_load=0.3, calibrated_load=0.2,
-                                                  contention_load=4.4), "--json")
+                                                  contention_load=1.3), "--json")
     assert code == 0, err
     found = json.loads(out)["conditions"]
     assert not found["load_differs"] and found["host_terms"][0]["load_differs"] and found["run_ranks"] == 2
-    assert err.count("warning:") == 1 and "link and all-reduce came from the host cache, measured at 2.20" in err
+    assert err.count("warning:") == 1 and "link and all-reduce came from the host cache, measured at others' load " \
+        "0.65 per core, the run's was 0.15" in err
+
+
+def test_a_busy_host_is_flagged_while_our_own_ranks_keep_the_cores_busy(tmp_path):
+    # both ranks computing take what they can; the others still held 0.55 of each core: every rank shared its own
+    code, _, err = pipesim("compare", _recorded(tmp_path, "shared.json", run_load=1.1, calibrated_load=1.0))
+    assert code == 0, err
+    assert err.count("warning:") == 1 and "the host was busy (others' load 0.50 per core while calibrating (busy " \
+        "from 0.5, CPU time), 0.55 per core while running" in " ".join(err.split())
+
+
+def test_calibrate_then_run_at_once_on_an_idle_host_compares_under_the_same_conditions(tmp_path, monkeypatch):
+    """The documented workflow on a host where nothing else runs: the calibration's and the run's ranks keep
+    both cores busy and leave the load average high for the next command, but the others' CPU time is nil, so
+    compare marks nothing as differing and warns of nothing."""
+    host_is(monkeypatch, others_cores=0.0, own_cores=2.0, load_1min=1.6)
+    profile, trace = tmp_path / "p.json", tmp_path / "run.json"
+    code, _, err = pipesim("calibrate", "--model", "mlp", "--layers", 2, "--width", 16, "-b", 2, "--stages", 2,
+                           "--repeats", 3, "--warmup", 1, "--no-links", "--no-runtime", "--no-contention",
+                           "--out", profile)
+    assert code == 0, err
+    code, _, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--profile", profile, "-m", 2, "-n", 2,
+                           "--trace", trace)
+    assert code == 0, err
+    code, out, err = pipesim("compare", trace)
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert ("others' load on the host: 0.00 on 2 cores (0.00 per core, from CPU time) while calibrating; 0.00 on 2 "
+            "cores (0.00 per core, from CPU time) while running") in flat
+    assert "(differs)" not in flat and "warning" not in err
 
 
 def test_compare_says_more_ranks_than_calibrated_for(tmp_path):
@@ -173,9 +267,10 @@ def test_compare_says_more_ranks_than_calibrated_for(tmp_path):
 def test_files_from_before_loads_were_recorded_still_compare_and_say_so(tmp_path):
     code, out, err = pipesim("compare", _recorded(tmp_path, "old.json", run_load=None, calibrated_load=None))
     assert code == 0, err
-    assert "conditions: calibrated when not recorded" in out
-    assert "host load: not recorded while calibrating; not recorded while running" in out
-    assert "ranks: calibrated for not recorded computing at once; ran 2 on one host" in out
+    flat = " ".join(out.split())
+    assert "conditions: calibrated: when not recorded" in flat
+    assert "others' load on the host: not recorded while calibrating; not recorded while running" in flat
+    assert "ranks: not recorded for the calibration; ran 2 on one host" in flat
     assert "warning" not in err
     from pipesim.profiles.schema import load_profile
 

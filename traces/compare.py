@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from .hostload import BUSY_PER_CORE, LOAD_TOLERANCE_PER_CORE, HostLoad, loads_differ, ranks_per_host, seconds_between
+from .hostload import LOAD_TOLERANCE_PER_CORE, HostLoad, loads_differ, ranks_per_host, seconds_between
 from .metrics import Summary, summarize
 from .trace import Ops, Stream, Trace, TraceError
 
@@ -293,17 +293,17 @@ def _condition_warnings(found: Conditions | None) -> list[str]:
         out.append(f"the run had {found.run_ranks} ranks, the profile's contention was measured for "
                    f"{found.calibrated_ranks} computing at once (beyond that the simulator holds its last factor): "
                    f"calibrate with --ranks {found.run_ranks}")
-    busy = [f"{load.per_core:.2f} per core {when}" for load, when in ((found.calibrated_load, "while calibrating"),
-                                                                     (found.run_load, "while running"))
-            if load is not None and load.per_core is not None and load.per_core >= BUSY_PER_CORE]
+    busy = [f"{load.per_core:.2f} per core {when} (busy from {load.busy_from:g}, {load.measure})"
+            for load, when in ((found.calibrated_load, "while calibrating"), (found.run_load, "while running"))
+            if load is not None and load.busy]
     if busy:
-        out.append(f"the host was busy ({', '.join(busy)}: at least {BUSY_PER_CORE:g} per core, other work shared "
-                   "every rank's core): its load moves from minute to minute, so part of this error is the host's; "
-                   "calibrate and run on a quieter host to judge the prediction")
+        out.append(f"the host was busy (others' load {', '.join(busy)}: other work shared every rank's core): its "
+                   "load moves from minute to minute, so part of this error is the host's; calibrate and run on a "
+                   "quieter host to judge the prediction")
     for term in found.host_terms:
         if term.reused and term.load_differs:
-            out.append(f"the profile's {term.name} came from the host cache, measured at "
-                       f"{term.load.per_core:.2f} load per core, the run's was {found.run_load.per_core:.2f}")
+            out.append(f"the profile's {term.name} came from the host cache, measured at others' load "
+                       f"{term.load.per_core:.2f} per core, the run's was {found.run_load.per_core:.2f}")
     return out
 
 

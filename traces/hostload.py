@@ -3,16 +3,32 @@
 A CPU host's other work takes cores from a measurement: the same calibration measured two ranks computing at
 once 1.24x their time alone, and 2.31x twenty minutes later, and a contention factor kept from a busy hour
 doubled predictions in a quiet one. So every measurement that may be reused or compared (a host cache entry, a
-calibration, a run) records the host's 1-minute load average when it began and when it ended, over how many
-seconds, on how many usable cores, and how many busy tasks of its own it ran (`HostLoad`). The load it reports
-is the others' load: the average of the reading at its start and the one at its end less the most its own
-tasks can have added to it (the kernel's average moves towards the running count by 1 - e^(-t/60) over t
-seconds). Where the platform keeps no load average (Windows) the load is unknown, and said so.
+calibration, a run) records the others' load over its window (`HostLoad`): where Linux's /proc keeps CPU time,
+the cores the host's other work kept busy, measured directly (`others_cores`): the busy time of the usable CPUs
+(/proc/stat) less the CPU time of this process tree (its live processes, read from /proc/PID/stat, and those it
+waited for), over the wall time. The tree is the command's: itself, its forkserver and every rank forked from
+it, alive or ended; under torchrun, the agent's, whose children are this host's ranks of the job. Elsewhere it
+falls back on the 1-minute load average at the window's start and end, less the most the measurement's own
+tasks can have added (the kernel's average moves towards the running count by 1 - e^(-t/60) over t seconds);
+that average still counts the tail of the command before (a calibration run at once after another read 0.26
+to 0.80 per core on an idle host), which CPU time does not. With neither, the load is unknown, and said so.
+
+"Usable" CPUs are this process's affinity: a container's cpuset or a taskset. /proc/stat lists the host's
+CPUs by the same numbers, so others' work on cores the measurement cannot use does not count; where /proc/stat
+is a container's own view (lxcfs: its own numbering) and names none of them, all its CPUs count.
+
+CPU time counts what the others ran, not what they wanted to: while the measurement's own tasks fill the cores,
+other work gets its share of them only (4 busy processes beside 2 ranks on 2 cores: a third of each). So the
+load before a calibration, which decides whether a cached term holds (`HostLoad.now`), is taken over
+QUIET_WINDOW_S with nothing of the command running, and a cached term keeps the load taken so when the
+calibration that measured it began, to be compared like with like.
 
 Two loads differ when their others' load per usable core differs by more than LOAD_TOLERANCE_PER_CORE: on the
-2-core host one more busy process beside a 2-rank run takes a third of each rank's time. A host is busy from
-BUSY_PER_CORE: every rank then shares its core with other work, whose load moves from minute to minute (the
-same calibration and run at 2 per core once predicted +96 %, each condition alike).
+2-core host one more busy process beside a 2-rank run takes a third of each rank's time. Loads taken by the two
+measures are not compared. A host is busy when other work shared every rank's core: from BUSY_CPU_PER_CORE of
+each core's time to others (one busy process per core beside a rank per core takes half), or a load average of
+BUSY_LOAD_PER_CORE; whose load moves from minute to minute (the same calibration and run at a load average of 2
+per core once predicted +96 %, each condition alike).
 """
 
 from __future__ import annotations
@@ -20,13 +36,18 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
 
 LOAD_TOLERANCE_PER_CORE = 0.25  # others' load per core that two measurements may differ by and still compare
-BUSY_PER_CORE = 1.0  # others' load per core from which every rank shares its core with other work
+BUSY_CPU_PER_CORE = 0.5  # others' share of every usable core's time from which the host is busy (CPU time)
+BUSY_LOAD_PER_CORE = 1.0  # the same, read from the load average: another runnable task on every core
 LOAD_AVERAGE_WINDOW_S = 60.0  # the 1-minute load average's time constant
+QUIET_WINDOW_S = 0.25  # the load now: others' CPU time over this long, with nothing of ours running
+# /proc/stat's columns after a cpuN label that count busy time: user, nice, system, irq, softirq and steal (a
+# hypervisor running other machines); idle and iowait are not, guest time is inside user already
+BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
 
 
 def read_load_1min() -> float | None:
@@ -47,23 +68,92 @@ def utc_now() -> str:
 
 
 @dataclass(frozen=True)
-class LoadMark:
-    """The start of a measurement: the load then, when (UTC, ISO 8601), and the monotonic clock."""
+class CpuSample:
+    """What the host had run by one moment: the monotonic clock, the CPU-seconds its usable CPUs had been busy
+    since boot and those this process tree had used (None: no /proc to read them from), and the 1-minute load
+    average (None: the platform keeps none)."""
 
-    load_1min: float | None
-    at: str
     monotonic_s: float
+    busy_cpu_s: float | None
+    own_cpu_s: float | None
+    load_1min: float | None
+
+
+def sample() -> CpuSample:
+    """The host's counters now (tests replace this function, and shorten QUIET_WINDOW_S: no test reads the
+    machine's load)."""
+    return CpuSample(time.monotonic(), _busy_cpu_s(), _own_cpu_s(), read_load_1min())
+
+
+def _busy_cpu_s() -> float | None:
+    """The CPU-seconds the usable CPUs have been busy since boot (all /proc/stat lists where it names none of
+    them), or None without /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            rows = {int(label[3:]): [int(value) for value in values]
+                    for label, *values in (line.split() for line in stat)
+                    if label.startswith("cpu") and label[3:].isdigit()}
+    except (OSError, ValueError):
+        return None
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    counted = [rows[cpu] for cpu in usable if cpu in rows] or list(rows.values())
+    ticks = sum(values[column] for values in counted for column in BUSY_COLUMNS if column < len(values))
+    return ticks / os.sysconf("SC_CLK_TCK") if counted else None
+
+
+def _own_cpu_s() -> float | None:
+    """The CPU-seconds this command's process tree has used (under torchrun, the agent's: this host's ranks of
+    the job): each live process's own and what its ended children used (those it waited for), or None without
+    /proc."""
+    from ..workload.processes import under_torchrun
+
+    parents, used = {}, {}
+    try:
+        names = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                text = stat.read()
+        except OSError:  # ended meanwhile
+            continue
+        after_name = text[text.rindex(b")") + 2:].split()  # the name in brackets may hold spaces
+        parents[int(name)] = int(after_name[1])
+        used[int(name)] = sum(int(ticks) for ticks in after_name[11:15])  # utime, stime, cutime, cstime
+    root = os.getppid() if under_torchrun() else os.getpid()
+    if root not in used:
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    tree, ticks = [root], 0
+    while tree:
+        pid = tree.pop()
+        ticks += used[pid]
+        tree += children.get(pid, [])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class LoadMark:
+    """The start of a measurement: when (UTC, ISO 8601) and the host's counters then."""
+
+    at: str
+    counters: CpuSample
 
 
 def mark() -> LoadMark:
-    return LoadMark(read_load_1min(), utc_now(), time.monotonic())
+    return LoadMark(utc_now(), sample())
 
 
 @dataclass(frozen=True)
 class HostLoad:
-    """The host's load over one measurement: the 1-minute load average at its start (`before`) and end
-    (`after`; None: the platform keeps none), `seconds` between them, the usable `cpus`, the busy tasks the
-    measurement ran itself at most (`own_tasks`: processes x threads), and when it began (`began_at`, UTC)."""
+    """The host's load over one measurement: the cores the host's other work kept busy (`others_cores`, from
+    CPU time; None: not measured, a record from before it was or a platform without /proc), the 1-minute load
+    average at its start (`before`) and end (`after`; None: the platform keeps none), `seconds` between them,
+    the usable `cpus`, the busy tasks the measurement ran itself at most (`own_tasks`: processes x threads, for
+    the load average), and when it began (`began_at`, UTC)."""
 
     before: float | None
     after: float | None
@@ -71,26 +161,42 @@ class HostLoad:
     cpus: int
     own_tasks: int
     began_at: str
+    others_cores: float | None = None
 
     @classmethod
     def since(cls, start: LoadMark, own_tasks: int) -> HostLoad:
         """The load from `start` until now, of a measurement that ran up to `own_tasks` busy tasks."""
-        return cls(start.load_1min, read_load_1min(), round(time.monotonic() - start.monotonic_s, 2), usable_cpus(),
-                   own_tasks, start.at)
+        first, last = start.counters, sample()
+        seconds = last.monotonic_s - first.monotonic_s
+        others = None
+        if None not in (first.busy_cpu_s, last.busy_cpu_s, first.own_cpu_s, last.own_cpu_s) and seconds > 0:
+            others_cpu_s = (last.busy_cpu_s - first.busy_cpu_s) - (last.own_cpu_s - first.own_cpu_s)
+            others = round(max(0.0, others_cpu_s) / seconds, 3)
+        return cls(first.load_1min, last.load_1min, round(seconds, 2), usable_cpus(), own_tasks, start.at, others)
 
     @classmethod
-    def at(cls, start: LoadMark) -> HostLoad:
-        """The load at `start` alone (before the measurement started anything)."""
-        return cls(start.load_1min, start.load_1min, 0.0, usable_cpus(), 0, start.at)
+    def now(cls, start: LoadMark | None = None) -> HostLoad:
+        """The others' load now: their CPU time over QUIET_WINDOW_S from `start` (default: now) while this
+        command runs nothing (where /proc has none: the load average at `start`)."""
+        start = start if start is not None else mark()
+        if start.counters.busy_cpu_s is None:
+            return cls(start.counters.load_1min, start.counters.load_1min, 0.0, usable_cpus(), 0, start.at)
+        time.sleep(QUIET_WINDOW_S)
+        return cls.since(start, 0)
 
-    @classmethod
-    def now(cls) -> HostLoad:
-        return cls.at(mark())
+    @property
+    def measure(self) -> str | None:
+        """What the load was read from: "CPU time" or "load average" (None: neither, unknown)."""
+        if self.others_cores is not None:
+            return "CPU time"
+        return None if self.before is None or self.after is None else "load average"
 
     @property
     def others(self) -> float | None:
-        """The load of the host's other work: the mean of the reading at the start and the one at the end less
-        what the measurement's own tasks can have added (None: unknown)."""
+        """The load of the host's other work: the cores it kept busy, else the mean of the load average at the
+        start and the one at the end less what the measurement's own tasks can have added (None: unknown)."""
+        if self.others_cores is not None:
+            return self.others_cores
         if self.before is None or self.after is None:
             return None
         own = self.own_tasks * (1 - math.exp(-self.seconds / LOAD_AVERAGE_WINDOW_S))
@@ -101,25 +207,42 @@ class HostLoad:
         others = self.others
         return None if others is None else others / self.cpus
 
-    def describe(self) -> str:
-        """E.g. "load 4.52 on 2 cores (2.26 per core)", or that the platform keeps none."""
+    @property
+    def busy_from(self) -> float:
+        """The others' load per core from which the host is busy, by its measure."""
+        return BUSY_CPU_PER_CORE if self.others_cores is not None else BUSY_LOAD_PER_CORE
+
+    @property
+    def busy(self) -> bool:
+        return self.per_core is not None and self.per_core >= self.busy_from
+
+    def figure(self) -> str:
+        """E.g. "0.05 on 2 cores (0.03 per core, from CPU time)", or that it is unknown."""
         if self.others is None:
-            return "load unknown (this platform keeps no load average)"
-        return f"load {self.others:.2f} on {self.cpus} core{'s' * (self.cpus != 1)} ({self.per_core:.2f} per core)"
+            return "unknown (this platform keeps neither CPU time nor a load average)"
+        return (f"{self.others:.2f} on {self.cpus} core{'s' * (self.cpus != 1)} ({self.per_core:.2f} per core, "
+                f"from {self.measure})")
+
+    def describe(self) -> str:
+        """E.g. "others' load 0.05 on 2 cores (0.03 per core, from CPU time)"."""
+        return f"others' load {self.figure()}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, doc: Any) -> HostLoad | None:
-        """A load as `to_dict` wrote it; None where `doc` is absent or not one (a file from before loads were
-        recorded)."""
-        if not isinstance(doc, dict) or set(doc) != set(cls.__dataclass_fields__):
+        """A load as `to_dict` wrote it, or as it was written before `others_cores` was (None there); None where
+        `doc` is absent or not one (a file from before loads were recorded, or edited by hand)."""
+        names = {field.name for field in fields(cls)}
+        if not isinstance(doc, dict) or set(doc) not in (names, names - {"others_cores"}):
             return None
         number = (int, float)
-        readings = all(doc[name] is None or isinstance(doc[name], number) for name in ("before", "after"))
+        readings = all(doc.get(name) is None or isinstance(doc[name], number) for name in ("before", "after"))
         counts = all(isinstance(doc[name], int) and doc[name] >= 0 for name in ("cpus", "own_tasks"))
-        if not (readings and counts and doc["cpus"] >= 1 and isinstance(doc["seconds"], number)
+        others = doc.get("others_cores")
+        measured = others is None or isinstance(others, number) and others >= 0
+        if not (readings and counts and measured and doc["cpus"] >= 1 and isinstance(doc["seconds"], number)
                 and isinstance(doc["began_at"], str)):
             return None
         return cls(**doc)
@@ -138,8 +261,8 @@ def ranks_per_host(hardware: dict[str, Any] | None) -> int | None:
 
 def loads_differ(first: HostLoad | None, second: HostLoad | None) -> bool:
     """Whether the others' load per core of two measurements differs by more than LOAD_TOLERANCE_PER_CORE
-    (False where either is unknown: nothing to tell them apart by)."""
-    if first is None or second is None or first.per_core is None or second.per_core is None:
+    (False where either is unknown or they were read by different measures: nothing to tell them apart by)."""
+    if first is None or second is None or first.measure is None or first.measure != second.measure:
         return False
     return abs(first.per_core - second.per_core) > LOAD_TOLERANCE_PER_CORE
 
