@@ -102,15 +102,25 @@ def _rows(name: str) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def korthikanti() -> list[dict]:
+def korthikanti_runs() -> list[tuple[Run, dict[str, str]]]:
+    """Korthikanti et al.'s Table 3 runs, each with its row."""
     out = []
     for row in _rows("korthikanti-2022.csv"):
         t, p, gpus, batch, b = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus", "global_batch",
                                                         "microbatch_size"))
-        run = Run(row["model"], int(row["layers"]), int(row["hidden"]), int(row["heads"]), t, p, gpus // (t * p), b,
-                  batch // (gpus // (t * p) * b), int(row["interleaved_stages"] or 1))
-        for column, sp, recompute in (("iteration_s_full_recompute", False, "full"),
-                                      ("iteration_s_sequence_parallel_selective_recompute", True, "selective")):
+        out.append((Run(row["model"], int(row["layers"]), int(row["hidden"]), int(row["heads"]), t, p, gpus // (t * p),
+                        b, batch // (gpus // (t * p) * b), int(row["interleaved_stages"] or 1)), row))
+    return out
+
+
+KORTHIKANTI_SETTINGS = (("iteration_s_full_recompute", False, "full"),  # Table 5's columns: SP, recompute
+                        ("iteration_s_sequence_parallel_selective_recompute", True, "selective"))
+
+
+def korthikanti() -> list[dict]:
+    out = []
+    for run, row in korthikanti_runs():
+        for column, sp, recompute in KORTHIKANTI_SETTINGS:
             args = run.simulate_command(sp, recompute)
             ms = iteration_ms(args)
             out.append(_row(f"Korthikanti {run.name} {'SP + selective' if sp else 'full recompute'}", "s", ms / 1e3,
@@ -136,7 +146,8 @@ def korthikanti_layer() -> list[dict]:
     return out
 
 
-def megatron() -> list[dict]:
+def megatron_runs() -> list[tuple[Run, dict[str, str]]]:
+    """Narayanan et al.'s Table 1 runs (full recomputation), each with its row."""
     out = []
     for row in _rows("megatron-2021-table1.csv"):
         t, p, gpus, batch, b, layers, hidden = (int(row[k]) for k in (
@@ -144,7 +155,16 @@ def megatron() -> list[dict]:
         d = gpus // (t * p)
         per_virtual = row["layers_per_virtual_stage"]
         chunks = layers // p // int(per_virtual) if per_virtual else 1
-        run = Run(f"{row['params_billion']}B", layers, hidden, int(row["heads"]), t, p, d, b, batch // (d * b), chunks)
+        out.append((Run(f"{row['params_billion']}B", layers, hidden, int(row["heads"]), t, p, d, b, batch // (d * b),
+                        chunks), row))
+    return out
+
+
+def megatron() -> list[dict]:
+    out = []
+    for run, row in megatron_runs():
+        t, p, d, gpus, batch = run.tensor, run.pipeline, run.data, int(row["gpus"]), int(row["global_batch"])
+        layers, hidden, chunks = run.layers, run.hidden, run.chunks
         args = run.simulate_command(False, "full")
         ms = iteration_ms(args)
         flops = 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))

@@ -1,0 +1,125 @@
+"""Memory held against published memory, nothing fitted: each row's pipesim command line is built as text, printed,
+and run as written (in-process, --json or --out added to read its figure).
+
+- Korthikanti et al. 2022, Table 2 (benchmarks/published/korthikanti-2022-table2.csv): activation bytes per
+  transformer layer, no parallelism, tensor parallel, tensor + sequence parallel, selective and full
+  recomputation, for the models of their Table 3 (t = 8, b = 1), against the GPT counted by torch on the meta
+  device and estimated (`estimate --out`'s layers[1], the first block);
+- runs that were measured running (Korthikanti et al.'s Table 3 runs in both Table 5 settings, Narayanan et al.'s
+  Table 1, NVIDIA's Nemotron-4 340B as issue 40 quotes it): none may be marked out of memory; the fullest
+  device's peak and its parts are printed beside the GPU's memory;
+- torchtitan's Llama 3.1 runs (torchtitan-2024-llama3.csv): listed, every row shards with FSDP (ZeRO-3), which
+  pipesim does not model yet;
+- the zero-bubble paper's Table 4: not reachable from here (benchmarks/published/README.md).
+
+    python benchmarks/published_memory.py                 # the tables, then each row's command
+    python benchmarks/published_memory.py --json out.json # and the rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from published_runs import KORTHIKANTI_SETTINGS, SEQ, Run, _rows, command_text, korthikanti_runs, megatron_runs, run_cli
+
+LAYER_PROFILE = "layer.json"  # where a Table 2 row's `estimate` writes its profile
+# NVIDIA's Nemotron-4 340B on 128 H100 80GB as issue 40 quotes it: t = 8, p = 8, v = 12, micro-batch 1, sequence
+# parallelism, selective recomputation, the distributed optimizer (d = 2), bf16. The issue gives no global batch:
+# m = 16 per pipeline; any m >= 9 peaks alike (the first device's warm-up of (p-1)·2 + (v-1)·p = 102 chunk
+# forwards is then whole).
+NEMOTRON = ["simulate", "--model", "gpt", "--layers", "96", "--width", "18432", "--heads", "96", "--kv-heads", "8",
+            "--ffn", "73728", "--seq-len", "4096", "--vocab", "256000", "--dtype", "bf16", "--attention", "flash",
+            "-b", "1", "--gpu", "h100-sxm", "--tensor-parallel", "8", "--sequence-parallel", "--recompute",
+            "selective", "-p", "8", "-s", "interleaved-1f1b", "--chunks", "12", "-m", "16", "--data-parallel", "2",
+            "--sharded-optimizer", "--stage-cut", "equal-blocks"]
+
+
+def table2() -> list[dict]:
+    """Per Table 3 model and Table 2 row: the estimate's bytes per layer against the paper's formula (b = 1)."""
+    out = []
+    formulas = _rows("korthikanti-2022-table2.csv")
+    for run, _ in korthikanti_runs():
+        one = Run(run.name, run.layers, run.hidden, run.heads, run.tensor, run.pipeline, 1, 1, 1, 1)
+        for formula in formulas:
+            t = 1 if formula["tensor_parallel"] == "1" else run.tensor
+            sized = Run(one.name, one.layers, one.hidden, one.heads, t, 1, 1, 1, 1, 1)
+            args = ["estimate", *sized.estimate_flags(formula["sequence_parallel"] == "true", formula["recompute"]),
+                    "--out", LAYER_PROFILE]
+            with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+                run_cli(args)
+                predicted = json.loads(Path(LAYER_PROFILE).read_text())["layers"][1]["activation_bytes"]
+            sbh, scores = SEQ * run.hidden, run.heads * SEQ * SEQ
+            published = (sbh * (float(formula["replicated_sbh"]) + float(formula["split_sbh"]) / t)
+                         + scores * (float(formula["scores_replicated"]) + float(formula["scores_split"]) / t))
+            out.append({"source": "Korthikanti 2022 Table 2", "run": f"{run.name} t={t}: {formula['configuration']}",
+                        "unit": "MiB/layer", "predicted": predicted / 2**20, "published": published / 2**20,
+                        "error": predicted / published - 1, "command": command_text(args)})
+    return out
+
+
+def fullest(args: list[str]) -> dict:
+    """The fullest device of `pipesim simulate ARGS`: its peak, parts and memory (MiB), and whether any device is
+    marked out of memory."""
+    (result,) = json.loads(run_cli([*args, "--json"]))["results"]
+    device = max(result["devices"], key=lambda d: d["peak_memory_mb"])
+    return {"peak_mib": device["peak_memory_mb"], "parts_mib": device["peak_memory_parts_mb"],
+            "limit_mib": device["memory_limit_mb"], "device": device["device"],
+            "out_of_memory": any(d["out_of_memory"] for d in result["devices"])}
+
+
+def measured_runs() -> list[dict]:
+    """The configurations published as run: each must fit."""
+    runs = [(f"Korthikanti {run.name} {'SP + selective' if sp else 'full recompute'}", run.simulate_command(sp, how))
+            for run, _ in korthikanti_runs() for _, sp, how in KORTHIKANTI_SETTINGS]
+    runs += [(f"Megatron {run.name} (t{run.tensor} p{run.pipeline} d{run.data} v{run.chunks})",
+              run.simulate_command(False, "full")) for run, _ in megatron_runs()]
+    runs.append(("Nemotron-4 340B (issue 40)", NEMOTRON))
+    return [{"run": name, **fullest(args), "command": command_text(args)} for name, args in runs]
+
+
+def torchtitan() -> list[dict]:
+    return [{"run": f"Table {row['table']} {row['model']}, {row['parallelism']}: {row['techniques']}",
+             "published_gib": float(row["memory_gib"]),
+             "why_not": "FSDP (ZeRO-3) sharding is not modelled" + (
+                 "; nor Float8" if "Float8" in row["techniques"] else "") + (
+                 "; nor context parallelism" if "CP" in row["parallelism"] else "")}
+            for row in _rows("torchtitan-2024-llama3.csv")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    compared, ran, listed = table2(), measured_runs(), torchtitan()
+    width = max(len(r["run"]) for r in compared)
+    print(f"{'Korthikanti 2022 Table 2':<{width}}  {'pipesim':>9} {'paper':>9} {'error':>7}   (MiB per layer)")
+    for r in compared:
+        print(f"{r['run']:<{width}}  {r['predicted']:>9.1f} {r['published']:>9.1f} {r['error']:>+7.1%}")
+    errors = [abs(r["error"]) for r in compared]
+    print(f"|error|: median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(compared)} rows\n")
+    width = max(len(r["run"]) for r in ran)
+    print(f"{'measured running':<{width}}  {'peak MiB':>9} {'of MiB':>7}  fits  parts at the peak (MiB)")
+    for r in ran:
+        parts = ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items())
+        print(f"{r['run']:<{width}}  {r['peak_mib']:>9,.0f} {r['limit_mib']:>7,.0f}  "
+              f"{'OOM ' if r['out_of_memory'] else 'yes '}  device {r['device']}: {parts}")
+    print(f"marked out of memory: {sum(r['out_of_memory'] for r in ran)} of {len(ran)}\n")
+    print("torchtitan (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): not compared")
+    for r in listed:
+        print(f"  {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
+    print("\nzero-bubble (Qi et al. 2024) Table 4: not reachable offline; see benchmarks/published/README.md")
+    print("\nEach row's command:")
+    for r in compared + ran:
+        print(f"{r['run']}:\n  {r['command']}")
+    if args.json:
+        args.json.write_text(json.dumps({"table2": compared, "measured_running": ran, "torchtitan": listed},
+                                        indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

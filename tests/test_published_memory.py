@@ -1,0 +1,49 @@
+"""Memory against published memory (benchmarks/published_memory.py and the rows it recorded in
+benchmarks/published_memory.json): each source's figure is its paper's, a row's printed command reproduces its
+figure, and the runs published as run are not marked out of memory."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import pipesim
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = json.loads((REPO / "benchmarks" / "published_memory.json").read_text())
+
+
+def test_table2_rows_hold_korthikanti_within_the_target_and_every_row_is_listed():
+    rows = RECORDED["table2"]
+    assert len(rows) == 4 * 6  # Table 3's four models, Table 2's six configurations
+    errors = [abs(r["error"]) for r in rows]
+    assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10
+    # The paper's formula, written out here: 175B (s 2048, h 12288, a 96), t = 8, sequence parallel, b = 1
+    row = next(r for r in rows if r["run"] == "175B t=8: tensor + sequence parallel")
+    assert row["published"] == pytest.approx(2048 * 12288 / 8 * (34 + 5 * 96 * 2048 / 12288) / 2**20)
+
+
+def test_a_table2_rows_command_prints_its_figure(tmp_path, monkeypatch):
+    row = next(r for r in RECORDED["table2"] if r["run"] == "22B t=8: tensor parallel + selective activation "
+                                                             "recomputation")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = pipesim(*shlex.split(row["command"])[1:])
+    assert code == 0, err
+    layer = json.loads((tmp_path / "layer.json").read_text())["layers"][1]
+    assert layer["activation_bytes"] / 2**20 == pytest.approx(row["predicted"])
+
+
+def test_the_runs_published_as_run_fit_and_a_rows_command_prints_its_peak():
+    papers = [r for r in RECORDED["measured_running"] if not r["run"].startswith("Nemotron")]
+    assert len(papers) == 8 + 10 and not any(r["out_of_memory"] for r in papers)
+    for r in RECORDED["measured_running"]:
+        assert sum(r["parts_mib"].values()) == pytest.approx(r["peak_mib"])
+    row = next(r for r in papers if r["run"] == "Korthikanti 22B SP + selective")
+    code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
+    assert code == 0, err
+    devices = json.loads(out)["results"][0]["devices"]
+    assert max(d["peak_memory_mb"] for d in devices) == pytest.approx(row["peak_mib"])
