@@ -276,3 +276,14 @@ def test_files_from_before_loads_were_recorded_still_compare_and_say_so(tmp_path
 
     for path in (*(ROOT / "traces" / "profiles").glob("*.json"), RUNS / "mlp-profile.json"):
         assert load_profile(path).environment.load is None
+
+
+def test_the_forkserver_exits_without_tearing_torch_down():
+    """The server's teardown once ran 0.4-0.5 s of CPU after the command had returned, which the next command's
+    load counted as other work: its last preload makes its exit the first thing it does at exit."""
+    from pipesim.workload.processes import PRELOAD
+
+    assert PRELOAD[-1] == "pipesim.workload.server_exit"
+    done = subprocess.run([sys.executable, "-c", "import atexit; atexit.register(print, 'torn down'); "
+                           "import pipesim.workload.server_exit"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "torn down" not in done.stdout

@@ -29,7 +29,7 @@ _PACKAGE = __name__.rsplit(".", 2)[0]
 # torch 2.13's `_make_grads` imports it (and sympy) on the first backward given a gradient: every stage's but the last
 FIRST_BACKWARD = "torch.fx.experimental.symbolic_shapes"
 PRELOAD = ["torch", FIRST_BACKWARD, f"{_PACKAGE}.executor.runners", f"{_PACKAGE}.calibrate.contention",
-           f"{_PACKAGE}.calibrate.links"]
+           f"{_PACKAGE}.calibrate.links", f"{_PACKAGE}.workload.server_exit"]  # the last: it exits first
 READY_TIMEOUT_S = 120.0  # the server's imports on a loaded machine
 
 
