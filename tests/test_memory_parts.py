@@ -150,3 +150,19 @@ def test_the_memory_view_fits_100_columns_with_every_part_whole(monkeypatch):
     assert rows[1][:2] == ["zb-h2", "0"]
     code, _, err = pipesim("simulate", *args, "--memory", "--json")
     assert code == 2 and err.startswith("error: --memory is a table; --json gives")
+
+
+def test_sweep_holds_the_precision_it_is_given(tmp_path):
+    """Each 1F1B stage of 2 holds half of 100 MiB of 16-bit weights: megatron adds their float32 gradients' second
+    half (50 MiB) and Adam's float32 moments and master copy beyond fp32's moments (200 MiB): 250 MiB more."""
+    import csv
+
+    peaks = []
+    for precision in ("fp32", "megatron"):
+        path = tmp_path / f"{precision}.csv"
+        code, _, err = pipesim("sweep", "-s", "1f1b", "-p", "2", "-m", "8", "--param-mb", "100", "--precision",
+                               precision, "--out", path)
+        assert code == 0, err
+        (row,) = csv.DictReader(path.open())
+        peaks.append(float(row["peak_memory_mb"]))
+    assert peaks[1] - peaks[0] == 250
