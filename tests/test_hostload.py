@@ -221,11 +221,13 @@ def test_a_busy_host_is_flagged_while_our_own_ranks_keep_the_cores_busy(tmp_path
         "from 0.5, CPU time), 0.55 per core while running" in " ".join(err.split())
 
 
-def test_calibrate_then_run_at_once_on_an_idle_host_compares_under_the_same_conditions(tmp_path, monkeypatch):
-    """The documented workflow on a host where nothing else runs: the calibration's and the run's ranks keep
-    both cores busy and leave the load average high for the next command, but the others' CPU time is nil, so
-    compare marks nothing as differing and warns of nothing."""
-    host_is(monkeypatch, others_cores=0.0, own_cores=2.0, load_1min=1.6)
+@pytest.mark.parametrize("others_cores", [0.0, 1.1])
+def test_calibrate_then_run_at_once_is_judged_by_the_others_load_alone(tmp_path, monkeypatch, others_cores):
+    """The documented workflow. On a host where nothing else runs, the calibration's and the run's ranks keep
+    both cores busy and leave the load average high for the next command, but the others' CPU time is nil: compare
+    marks nothing as differing and warns of nothing. On a busy one, other work holding 0.55 of each core while
+    our ranks take the rest is flagged."""
+    host_is(monkeypatch, others_cores=others_cores, own_cores=2.0 - others_cores, load_1min=1.6)
     profile, trace = tmp_path / "p.json", tmp_path / "run.json"
     code, _, err = pipesim("calibrate", "--model", "mlp", "--layers", 2, "--width", 16, "-b", 2, "--stages", 2,
                            "--repeats", 3, "--warmup", 1, "--no-links", "--no-runtime", "--no-contention",
@@ -236,10 +238,17 @@ def test_calibrate_then_run_at_once_on_an_idle_host_compares_under_the_same_cond
     assert code == 0, err
     code, out, err = pipesim("compare", trace)
     assert code == 0, err
-    flat = " ".join(out.split())
-    assert ("others' load on the host: 0.00 on 2 cores (0.00 per core, from CPU time) while calibrating; 0.00 on 2 "
-            "cores (0.00 per core, from CPU time) while running") in flat
-    assert "(differs)" not in flat and "warning" not in err
+    flat, per_core = " ".join(out.split()), others_cores / 2
+    assert (f"others' load on the host: {others_cores:.2f} on 2 cores ({per_core:.2f} per core, from CPU time) "
+            f"while calibrating; {others_cores:.2f} on 2 cores ({per_core:.2f} per core, from CPU time) while "
+            "running") in flat
+    assert "(differs)" not in flat
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    if others_cores:
+        assert len(warnings) == 1 and f"the host was busy (others' load {per_core:.2f} per core while calibrating" \
+            in warnings[0]
+    else:
+        assert not warnings
 
 
 def test_compare_says_more_ranks_than_calibrated_for(tmp_path):
