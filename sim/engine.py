@@ -723,17 +723,22 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     del mem_at_start, mem_at_end
     up_to_peak = _up_to_peak(bounds, first_ps, end_ps, peak_events)
     parts_at_peak = [{part: static[part][d] for part in MEMORY_PARTS} for d in range(devices)]
-    part_counters = {}  # each part's own curve, which the page stacks
+    # Each part's own curve on the fullest device, which the page stacks (the others' would double the counters'
+    # memory): every other device's is empty.
+    fullest = int(np.argmax([counter.values.max() for counter in memory]))
+    part_counters = {}
     for part in MEMORY_PARTS:
         deltas = _memory_deltas(program, costs, transfers, transfer_ids, part)
+        curves = [Counter(np.zeros(0), np.zeros(0, dtype=np.int64)) for _ in range(devices)]
+        part_counters[f"memory_bytes.{part}"] = curves
         if deltas is None:
-            part_counters[f"memory_bytes.{part}"] = [Counter(np.zeros(1), np.array([held], dtype=np.int64))
-                                                     for held in static[part]]
+            curves[fullest] = Counter(np.zeros(1), np.array([static[part][fullest]], dtype=np.int64))
             continue
         for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
             parts_at_peak[d][part] += int(deltas[0][lo:hi][up_to_peak[0][lo:hi]].sum()
                                           + deltas[1][lo:hi][up_to_peak[1][lo:hi]].sum())
-        part_counters[f"memory_bytes.{part}"] = _step_counters(bounds, first_ps, end_ps, *deltas, static[part])[0]
+        (curves[fullest],), _ = _step_counters(bounds[fullest:fullest + 2], first_ps, end_ps, *deltas,
+                                               [static[part][fullest]])
     del deltas, up_to_peak
     act_at_start = kind_mask(t.kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
     act_at_end = -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int8)

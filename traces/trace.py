@@ -191,7 +191,8 @@ class Trace:
 
     counters: name -> one Counter per device. Known names: `memory_bytes`, `activations` (micro-batches
     whose activations are held), `weight_versions` (copies of one stage's weights held), and a prediction's
-    `memory_bytes.PART` for each of `MEMORY_PARTS`, which add up to `memory_bytes`.
+    `memory_bytes.PART` for each of `MEMORY_PARTS`, which add up to `memory_bytes` on its fullest device (the
+    one device whose curves they hold; the others' are empty).
     """
 
     kinds: tuple[str, ...]

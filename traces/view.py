@@ -104,12 +104,16 @@ PART_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state
                "activations": "#e45756", "communication": "#b279a2"}
 
 
-def stacked_memory(trace: Trace, device: int, end_us: float) -> dict[str, Any] | None:
-    """`device`'s memory by part (`memory_bytes.PART` counters), stacked: per part, MiB of it and of the parts
-    before it, on the times any part changes (held to `end_us`); None where the trace has no parts. A long run's
-    curve keeps STACK_COLUMNS samples, each its column's moment of most memory, so the peak's parts stay shown."""
+def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
+    """The fullest device's memory by part (the one device the `memory_bytes.PART` counters hold), stacked: per
+    part, MiB of it and of the parts before it, on the times any part changes (held to `end_us`); None where the
+    trace has no parts. A long run's curve keeps STACK_COLUMNS samples, each its column's moment of most memory,
+    so the peak's parts stay shown."""
     curves = [trace.counters.get(f"memory_bytes.{part}") for part in MEMORY_PARTS]
     if any(curve is None for curve in curves):
+        return None
+    device = next((d for d, curve in enumerate(curves[0]) if len(curve.times_us)), None)
+    if device is None:
         return None
     curves = [curve[device] for curve in curves]
     times = np.unique(np.concatenate([curve.times_us for curve in curves]))
@@ -146,11 +150,10 @@ def trace_data(trace: Trace, label: str | None = None, summary: Summary | None =
                 times.append(np.append(counter.times_us, max(end_us, float(counter.times_us[-1]))))
                 values.append(np.append(counter.values, counter.values[-1]) / MIB)
             counts.append(k + 1 if k else 0)
-        fullest = int(np.argmax([c.values.max() if len(c.values) else 0 for c in counters]))
         memory = {"counts": counts, "t_us": encode_column(np.concatenate(times)),
                   "mib": encode_column(np.concatenate(values).astype(np.float64)),
                   "colors": sample_colorscale("Viridis", np.linspace(0, 0.85, max(len(counters), 2)).tolist()),
-                  "parts": stacked_memory(trace, fullest, end_us)}
+                  "parts": stacked_memory(trace, end_us)}
     return {
         "label": label or meta.schedule,
         "kinds": list(trace.kinds),
