@@ -10,15 +10,18 @@ waited for), over the wall time. The tree is the command's: itself, its forkserv
 it, alive or ended; under torchrun, the agent's, whose children are this host's ranks of the job. Elsewhere it
 falls back on the 1-minute load average at the window's start and end, less the most the measurement's own
 tasks can have added (the kernel's average moves towards the running count by 1 - e^(-t/60) over t seconds);
-that average still counts the tail of the command before (a calibration run at once after another read 0.26
-to 0.80 per core on an idle host), which CPU time does not. With neither, the load is unknown, and said so.
+that average still counts the tail of the command before (on an idle 2-core host, a run at once after a
+calibration read 0.26 to 0.80 per core), which CPU time does not. With neither, the load is unknown, and said so.
 
 "Usable" CPUs are this process's affinity: a container's cpuset or a taskset. /proc/stat lists the host's
 CPUs by the same numbers, so others' work on cores the measurement cannot use does not count; where /proc/stat
-is a container's own view (lxcfs: its own numbering) and names none of them, all its CPUs count.
+is a container's own view (lxcfs: its own numbering) and does not name each of them, all its CPUs count. A CPU quota
+without a cpuset (cgroup cpu.max) leaves every host CPU usable: the load is then the whole host's, per host
+core. In a virtual machine, time the hypervisor gave other machines (steal) counts as others' work.
 
 CPU time counts what the others ran, not what they wanted to: while the measurement's own tasks fill the cores,
-other work gets its share of them only (4 busy processes beside 2 ranks on 2 cores: a third of each). So the
+other work gets its share of them only (4 busy processes beside 2 ranks on 2 cores run 0.67 per core, not the
+2 they would alone). So the
 load before a calibration, which decides whether a cached term holds (`HostLoad.now`), is taken over
 QUIET_WINDOW_S with nothing of the command running, and a cached term keeps the load taken so when the
 calibration that measured it began, to be compared like with like.
@@ -27,7 +30,7 @@ Two loads differ when their others' load per usable core differs by more than LO
 2-core host one more busy process beside a 2-rank run takes a third of each rank's time. Loads taken by the two
 measures are not compared. A host is busy when other work shared every rank's core: from BUSY_CPU_PER_CORE of
 each core's time to others (one busy process per core beside a rank per core takes half), or a load average of
-BUSY_LOAD_PER_CORE; whose load moves from minute to minute (the same calibration and run at a load average of 2
+BUSY_LOAD_PER_CORE. Such load moves from minute to minute (the same calibration and run at a load average of 2
 per core once predicted +96 %, each condition alike).
 """
 
@@ -86,8 +89,8 @@ def sample() -> CpuSample:
 
 
 def _busy_cpu_s() -> float | None:
-    """The CPU-seconds the usable CPUs have been busy since boot (all /proc/stat lists where it names none of
-    them), or None without /proc/stat."""
+    """The CPU-seconds the usable CPUs have been busy since boot (all /proc/stat lists where it does not name
+    each of them), or None without /proc/stat."""
     try:
         with open("/proc/stat", encoding="ascii") as stat:
             rows = {int(label[3:]): [int(value) for value in values]
@@ -96,7 +99,7 @@ def _busy_cpu_s() -> float | None:
     except (OSError, ValueError):
         return None
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    counted = [rows[cpu] for cpu in usable if cpu in rows] or list(rows.values())
+    counted = [rows[cpu] for cpu in usable] if usable and usable <= rows.keys() else list(rows.values())
     ticks = sum(values[column] for values in counted for column in BUSY_COLUMNS if column < len(values))
     return ticks / os.sysconf("SC_CLK_TCK") if counted else None
 
