@@ -106,7 +106,7 @@ class _Program:
     channel_ps: list[int]  # per channel: the time of each of its transfers (transfer id // units)
     routes: list[tuple[int, ...]]  # per channel: the shared resources its transfers occupy
     num_resources: int
-    # What the trace prices memory from (`_memory_deltas`: not before, so that the run does not hold it).
+    # What the trace prices memory from (`_memory_tables`: not before, so that the run does not hold it).
     spans: _GradientSpans
     channel_bytes: list[int]  # per channel: the size of each of its transfers
     static_parts: dict[str, list[int]]  # `static_parts`
@@ -257,75 +257,128 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     len(resources), spans, channel_bytes, static_parts(schedule, costs))
 
 
-def _memory_deltas(program: _Program, costs: Costs, rows: np.ndarray, transfer_ids: np.ndarray, part: str
-                   ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per row, the bytes of `part` (one of `MEMORY_PARTS`) it takes at its start and gives back at its end (None:
-    no row changes it); `rows` are the transfers' rows, `transfer_ids` their ids. The memory counter adds the
-    parts' deltas, so that the breakdown at a peak is read from the same events as the peak. (A function of its
-    own, so that its temporaries of millions of rows are freed before the counters are made.)"""
+@dataclass
+class _MemoryTables:
+    """What each row takes at its start and gives back at its end, per part (`MEMORY_PARTS`): a row's bytes are its
+    stage's and kind's (`at_start`, `at_end`: stages × kinds, raveled), a transfer's its channel's and side's
+    (`transfer_start`, `transfer_end`: channels × 2, send then receive, raveled), and the few rows beyond those
+    (`sparse`: rows, bytes at their start, bytes at their end): weight copies, a kept gradient. Tables, not
+    columns of millions of rows, so that the counter sums the parts in one look-up and the breakdown at a peak
+    counts each device's rows before it (`parts_up_to`)."""
+
+    at_start: dict[str, np.ndarray]
+    at_end: dict[str, np.ndarray]
+    transfer_start: dict[str, np.ndarray]
+    transfer_end: dict[str, np.ndarray]
+    sparse: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    stage_kind: np.ndarray  # per row, its entry in `at_start` and `at_end`
+    transfers: np.ndarray  # the transfers' rows, ascending
+    side: np.ndarray  # per transfer row, its entry in `transfer_start` and `transfer_end`
+
+    def row_deltas(self, parts: Sequence[str], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows lo..hi's bytes of `parts`, summed, taken at their start and given back at their end."""
+        at_start, at_end = (sum(table[part] for part in parts) for table in (self.at_start, self.at_end))
+        start, end = at_start[self.stage_kind[lo:hi]], at_end[self.stage_kind[lo:hi]]
+        i0, i1 = np.searchsorted(self.transfers, (lo, hi))
+        rows, side = self.transfers[i0:i1] - lo, self.side[i0:i1]
+        for table, out in ((self.transfer_start, start), (self.transfer_end, end)):
+            out[rows] += sum(table[part] for part in parts)[side]
+        for part in parts:
+            sparse_rows, sparse_start, sparse_end = self.sparse[part]
+            j0, j1 = np.searchsorted(sparse_rows, (lo, hi))
+            np.add.at(start, sparse_rows[j0:j1] - lo, sparse_start[j0:j1])
+            np.add.at(end, sparse_rows[j0:j1] - lo, sparse_end[j0:j1])
+        return start, end
+
+    def parts_up_to(self, lo: int, hi: int, counted_start: np.ndarray, counted_end: np.ndarray) -> dict[str, int]:
+        """Per part, the bytes rows lo..hi add up to where `counted_start` and `counted_end` (one per row) say
+        which of their events count: per table entry, the events counted, times its bytes."""
+        entries = self.at_start[MEMORY_PARTS[0]].size
+        kinds_start = np.bincount(self.stage_kind[lo:hi][counted_start], minlength=entries)
+        kinds_end = np.bincount(self.stage_kind[lo:hi][counted_end], minlength=entries)
+        i0, i1 = np.searchsorted(self.transfers, (lo, hi))
+        rows, side = self.transfers[i0:i1] - lo, self.side[i0:i1]
+        channels = self.transfer_start[MEMORY_PARTS[0]].size
+        sides_start = np.bincount(side[counted_start[rows]], minlength=channels)
+        sides_end = np.bincount(side[counted_end[rows]], minlength=channels)
+        out = {}
+        for part in MEMORY_PARTS:
+            sparse_rows, sparse_start, sparse_end = self.sparse[part]
+            j0, j1 = np.searchsorted(sparse_rows, (lo, hi))
+            mine = sparse_rows[j0:j1] - lo
+            out[part] = int(kinds_start @ self.at_start[part] + kinds_end @ self.at_end[part]
+                            + sides_start @ self.transfer_start[part] + sides_end @ self.transfer_end[part]
+                            + sparse_start[j0:j1][counted_start[mine]].sum()
+                            + sparse_end[j0:j1][counted_end[mine]].sum())
+        return out
+
+
+def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_ids: np.ndarray) -> _MemoryTables:
+    """The memory each row takes and gives back, by part, as tables (`_MemoryTables`); `rows` are the transfers'
+    rows, `transfer_ids` their ids."""
     lowered, stream, spans, channel_bytes = program.lowered, program.stream, program.spans, program.channel_bytes
     schedule, t, stages = lowered.schedule, lowered.table, costs.stages
-    kind, stage = t.kind, t.stage
+    stage = t.stage
 
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
 
+    def tables(shape: tuple[int, int]) -> dict[str, np.ndarray]:
+        return {part: np.zeros(shape, dtype=np.int64) for part in MEMORY_PARTS}
+
     param = per_stage([c.param_bytes for c in stages])
-    copies = np.flatnonzero(lowered.copies_delta != 0)
-    if (part not in ("parameters", "gradients", "activations", "communication")  # held throughout: `static_parts`
-            or (part == "parameters" and not len(copies)) or (part == "gradients" and not costs.kept_gradients)):
-        return None
-    mem_at_start, mem_at_end = np.zeros(len(kind), dtype=np.int64), np.zeros(len(kind), dtype=np.int64)
-    if part == "parameters":  # weight copies an update leaves to later readers (copy-on-write), until their last
-        mem_at_end[copies] = lowered.copies_delta[copies] * param[stage[copies]]
-        return mem_at_start, mem_at_end
-    if part == "gradients":  # a second gradient copy while the update's last one is kept
-        mem_at_start[spans.opening] = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
-        mem_at_end[spans.closing] = -np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
-        return mem_at_start, mem_at_end
+    activation = per_stage([c.activation_bytes for c in stages])
     # A stage whose `held_bytes` is known holds its boundary tensors from F until its backward (a received
     # input becomes the forward's, a sent output stays its own); otherwise they are buffers of their own, a
     # received one freed when its consumer ends, a sent one when its transfer does.
     own_boundary = np.array([c.held_bytes is not None for c in stages], dtype=bool)
+    # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
+    # which the producer holds until its own backward, later than this stage's: it is counted there only.
+    local_in = [0] * len(stages)
+    for src, dst in schedule.graph.edges:
+        if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
+            local_in[dst] += stages[src].output_bytes
+    roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
+    kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
     # Per stage and kind, the bytes a row takes at its start and gives back at its end.
-    at_start, at_end = (np.zeros((len(stages), len(KINDS)), dtype=np.int64) for _ in range(2))
+    at_start, at_end = tables((len(stages), len(KINDS))), tables((len(stages), len(KINDS)))
+    at_start["activations"][:, KIND_CODE[Kind.F]] = activation + roots
+    at_end["activations"][:, KIND_CODE[Kind.B]] = -(activation + roots)
+    at_end["activations"][:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
+    at_end["activations"][:, KIND_CODE[Kind.W]] = -kept
     # Point-to-point transfers: a compute row's are fixed by its stage and kind (on every channel between two
     # devices, each forward of the sending stage has its SEND among the SENDs after it and each of the receiving
     # stage its RECV among the RECVs before it; a gradient's, each B or I), so the buffers they make and free at
     # the compute rows are entries of the same tables. Per channel, a SEND's and a RECV's own deltas.
-    transfer_start, transfer_end = (np.zeros((len(lowered.channels), 2), dtype=np.int64) for _ in range(2))
-    if part == "activations":
-        activation = per_stage([c.activation_bytes for c in stages])
-        # An input from a stage on the same device is the producer's output itself (no transfer, one storage),
-        # which the producer holds until its own backward, later than this stage's: it is counted there only.
-        local_in = [0] * len(stages)
-        for src, dst in schedule.graph.edges:
-            if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
-                local_in[dst] += stages[src].output_bytes
-        roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
-        kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
-        at_start[:, KIND_CODE[Kind.F]] = activation + roots
-        at_end[:, KIND_CODE[Kind.B]] = -(activation + roots)
-        at_end[:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
-        at_end[:, KIND_CODE[Kind.W]] = -kept
-    else:
-        for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
-            owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
-            if channel.backward or not own_boundary[channel.sender]:  # the sent tensor, a buffer of its own: made
-                at_end[channel.sender, owners] += size  # by the row before the SEND, held until the transfer ends
-                transfer_end[c, 0] = -size
-            transfer_start[c, 1] = size  # the received one, from its arrival until its consumer (the row after the
-            if channel.backward or not own_boundary[channel.receiver]:  # RECV) ends; the consumer's own from its
-                at_end[channel.receiver, owners] -= size  # start where the stage holds its input (`held_bytes` or
-            else:  # `activation_bytes` count it, as activations, from there on)
-                at_start[channel.receiver, owners] -= size
-    stage_kind = stage * len(KINDS) + kind  # each row's entry in the tables, looked up once for both
-    mem_at_start[:], mem_at_end[:] = at_start.ravel()[stage_kind], at_end.ravel()[stage_kind]
-    del stage_kind
-    if len(rows) and part == "communication":
-        side = lowered.channel_of(transfer_ids) * 2 + (stream[rows] == Stream.RECV)
-        mem_at_start[rows], mem_at_end[rows] = transfer_start.ravel()[side], transfer_end.ravel()[side]
-    return mem_at_start, mem_at_end
+    transfer_start, transfer_end = tables((len(lowered.channels), 2)), tables((len(lowered.channels), 2))
+    buffers, sent, received = at_start["communication"], at_end["communication"], transfer_start["communication"]
+    for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
+        owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
+        if channel.backward or not own_boundary[channel.sender]:  # the sent tensor, a buffer of its own: made
+            sent[channel.sender, owners] += size  # by the row before the SEND, held until the transfer ends
+            transfer_end["communication"][c, 0] = -size
+        received[c, 1] = size  # the received one, from its arrival until its consumer (the row after the RECV)
+        if channel.backward or not own_boundary[channel.receiver]:  # ends; the consumer's own from its start
+            sent[channel.receiver, owners] -= size  # where the stage holds its input (`held_bytes` or
+        else:  # `activation_bytes` count it, as activations, from there on)
+            buffers[channel.receiver, owners] -= size
+    none = (np.zeros(0, dtype=np.int64),) * 3
+    sparse = {part: none for part in MEMORY_PARTS}
+    copies = np.flatnonzero(lowered.copies_delta != 0)  # weight copies an update leaves to later readers
+    sparse["parameters"] = (copies, np.zeros(len(copies), dtype=np.int64),
+                            lowered.copies_delta[copies] * param[stage[copies]])
+    if costs.kept_gradients:  # a second gradient copy while the update's last one is kept
+        opening = np.round(param[stage[spans.opening]] * costs.kept_gradients).astype(np.int64)
+        closing = -np.round(param[stage[spans.closing]] * costs.kept_gradients).astype(np.int64)
+        both = np.concatenate([spans.opening, spans.closing])
+        order = np.argsort(both, kind="stable")
+        sparse["gradients"] = (both[order], np.concatenate([opening, np.zeros_like(closing)])[order],
+                               np.concatenate([np.zeros_like(opening), closing])[order])
+    stage_kind = (stage * len(KINDS) + t.kind).astype(np.int32)  # each row's entry in the tables
+    side = (lowered.channel_of(transfer_ids) * 2 + (stream[rows] == Stream.RECV)) if len(rows) else rows
+    ravel = lambda table: {part: values.ravel() for part, values in table.items()}  # noqa: E731
+    return _MemoryTables(ravel(at_start), ravel(at_end), ravel(transfer_start), ravel(transfer_end), sparse,
+                         stage_kind, rows, side)
 
 
 def _before_on_device(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -710,36 +763,30 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     if costs.recv_window:
         first_ps[receives] = posted_ps
     devices = schedule.num_devices
-    mem_at_start, mem_at_end = np.zeros(len(t.kind), dtype=np.int64), np.zeros(len(t.kind), dtype=np.int64)
-    for part in MEMORY_PARTS:
-        deltas = _memory_deltas(program, costs, transfers, transfer_ids, part)
-        if deltas is not None:
-            mem_at_start += deltas[0]
-            mem_at_end += deltas[1]
-    del deltas
+    memory_tables = _memory_tables(program, costs, transfers, transfer_ids)
+    mem_at_start, mem_at_end = memory_tables.row_deltas(MEMORY_PARTS, 0, len(t.kind))
     static = program.static_parts
     memory, peak_events = _step_counters(bounds, first_ps, end_ps, mem_at_start, mem_at_end,
                                          [sum(held) for held in zip(*static.values())])
     del mem_at_start, mem_at_end
+    # Per device, each part at its peak: what it holds throughout and its rows' events up to the peak's.
     up_to_peak = _up_to_peak(bounds, first_ps, end_ps, peak_events)
-    parts_at_peak = [{part: static[part][d] for part in MEMORY_PARTS} for d in range(devices)]
+    parts_at_peak = []
+    for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        moved = memory_tables.parts_up_to(lo, hi, up_to_peak[0][lo:hi], up_to_peak[1][lo:hi])
+        parts_at_peak.append({part: static[part][d] + moved[part] for part in MEMORY_PARTS})
+    del up_to_peak
     # Each part's own curve on the fullest device, which the page stacks (the others' would double the counters'
     # memory): every other device's is empty.
     fullest = int(np.argmax([counter.values.max() for counter in memory]))
+    lo, hi = bounds[fullest], bounds[fullest + 1]
     part_counters = {}
     for part in MEMORY_PARTS:
-        deltas = _memory_deltas(program, costs, transfers, transfer_ids, part)
         curves = [Counter(np.zeros(0), np.zeros(0, dtype=np.int64)) for _ in range(devices)]
+        (curves[fullest],), _ = _step_counters([0, hi - lo], first_ps[lo:hi], end_ps[lo:hi],
+                                               *memory_tables.row_deltas((part,), lo, hi), [static[part][fullest]])
         part_counters[f"memory_bytes.{part}"] = curves
-        if deltas is None:
-            curves[fullest] = Counter(np.zeros(1), np.array([static[part][fullest]], dtype=np.int64))
-            continue
-        for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-            parts_at_peak[d][part] += int(deltas[0][lo:hi][up_to_peak[0][lo:hi]].sum()
-                                          + deltas[1][lo:hi][up_to_peak[1][lo:hi]].sum())
-        (curves[fullest],), _ = _step_counters(bounds[fullest:fullest + 2], first_ps, end_ps, *deltas,
-                                               [static[part][fullest]])
-    del deltas, up_to_peak
+    del memory_tables
     act_at_start = kind_mask(t.kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
     act_at_end = -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int8)
     counters = {
