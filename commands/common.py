@@ -298,7 +298,7 @@ def search_options(activation_limit: str | None, search_seconds: str | None) -> 
             except ValueError:
                 value = math.nan
             if not 0 < value < math.inf:
-                raise InputError(f"{flag}: give one number above 0 (got {text!r})")
+                raise InputError(f"{flag}: give one finite number above 0 (got {text!r})")
         values[flag[2:].replace("-", "_")] = value
     return values
 

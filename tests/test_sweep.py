@@ -277,9 +277,9 @@ def without(module, monkeypatch):
     (["--ray", "auto", "WITHOUT:ray"], "--ray auto needs ray, which is not installed: pip install 'pipesim[ray]'"),
     (["--workers", "0"], "--workers"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
-    (["-s", "auto", "--activation-limit", "1,x"], "--activation-limit: give one number above 0 (got 'x')"),
+    (["-s", "auto", "--activation-limit", "1,x"], "--activation-limit: give one finite number above 0 (got 'x')"),
     (["-s", "auto", "--activation-limit", "0.01"], "--activation-limit: R = 0.01 lets a device hold"),
-    (["-s", "auto", "--search-seconds", "0"], "--search-seconds: give one number above 0 (got '0')"),
+    (["-s", "auto", "--search-seconds", "0"], "--search-seconds: give one finite number above 0 (got '0')"),
     (["--grid", "GRID:activation-limit = [-1]"], "activation-limit: values must be finite numbers > 0 (got -1)"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, args, fragment):
