@@ -53,7 +53,7 @@ from ..profiles.schema import (
     boundary_bytes,
     layer_costs,
 )
-from ..profiles.workload import LayerCount, OpCount, WorkloadCount
+from ..profiles.workload import SAVED_PARTS, LayerCount, OpCount, WorkloadCount
 from ..sim.costs import PRECISIONS, Precision
 
 if TYPE_CHECKING:
@@ -261,6 +261,7 @@ class LayerEstimate:
     igrad_ms: float
     wgrad_ms: float
     activation_bytes: int
+    activation_parts: dict[str, int]  # of those, by what saves them (`SAVED_PARTS`), summing to them
 
 
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, collective_ms: Callable[[OpCount], float],
@@ -297,21 +298,37 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     times = {name: _pass_ms(layer.ops.get(name, ()), split, device, collective_ms, name == "fwd")
              for name in ("fwd", "bwd", "igrad", "wgrad")}
     saved = layer.saved_bytes
-    core = sum(nbytes for shape, nbytes in layer.saved_tensors if split.core(shape))
-    rest = saved - core
-    kept = (core + rest) / t if parallel.sequence_parallel else core / t + rest * (
-        REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t)
+    rest_share = 1 / t if parallel.sequence_parallel else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t
+    # Per part (what saved it; a count from before parts were recorded: all other), the bytes kept on one rank:
+    # a core tensor (split by t) 1/t of itself, unless selective recomputation drops it; the rest its share.
+    parts = dict.fromkeys(SAVED_PARTS, 0.0)
+    named = layer.saved_parts or ("other",) * len(layer.saved_tensors)
+    for (shape, nbytes), part in zip(layer.saved_tensors, named):
+        core = split.core(shape)
+        parts[part] += (0.0 if parallel.recompute == "selective" else nbytes / t) if core else nbytes * rest_share
+    parts["other"] += (saved - sum(nbytes for _, nbytes in layer.saved_tensors)) * rest_share  # a count lists all
     rerun = 0.0
     if parallel.recompute == "selective":
-        kept -= core / t
         rerun = _pass_ms(layer.ops.get("fwd", ()), split, device, collective_ms, True, only_core=True)
     elif parallel.recompute == "full" and any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1)
                                               for op in layer.ops.get("fwd", ())):  # a transformer layer, as Megatron
         inputs = split.tokens * split.width * element_bytes
-        kept = inputs / t if parallel.sequence_parallel else inputs
+        parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
         rerun = times["fwd"]
-    return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"],
-                         round(min(kept, saved) if parallel.recompute != "none" else kept))
+    kept = sum(parts.values())
+    total = round(min(kept, saved) if parallel.recompute != "none" else kept)
+    return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
+                         whole_parts(parts, total))
+
+
+def whole_parts(parts: dict[str, float], total: int) -> dict[str, int]:
+    """`parts` scaled to sum to `total` in whole bytes, the remainders to the largest fractions."""
+    scale = total / sum(parts.values()) if sum(parts.values()) else 0.0
+    scaled = {name: value * scale for name, value in parts.items()}
+    whole = {name: math.floor(value) for name, value in scaled.items()}
+    for name in sorted(scaled, key=lambda n: whole[n] - scaled[n])[:total - sum(whole.values())]:
+        whole[name] += 1
+    return whole
 
 
 def _timing(ms: float) -> Timing:
@@ -359,6 +376,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
+            activation_parts=priced.activation_parts,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // t, param_bytes=params,
             grad_bytes=held.gradient_bytes(layer.grad_bytes) // t,
             optimizer_state_bytes={name: (layer.optimizer_state_bytes[name] * widen + held.master_bytes *

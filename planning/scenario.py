@@ -331,7 +331,7 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer],
         accumulate_ms=s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0,
         copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,
-        grad_bytes=s.grad_bytes)
+        grad_bytes=s.grad_bytes, activation_parts=s.activation_parts)
         for s in stages_for(measured, list(bounds), dag=dag)), microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),
         kept_gradients=measured.runtime.kept_gradients if measured.runtime is not None else 0.0,

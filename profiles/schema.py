@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ..files import first_error
 from .partition import LayerCost, stage_activation_bytes, stage_memory_bytes
+from .workload import SAVED_PARTS
 
 SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
 SUPPORTED_VERSIONS = (1, 2)
@@ -93,18 +94,32 @@ class LayerProfile(_Strict):
     # output (a ReLU does). None: a profile from before they were recorded.
     saved_input_bytes: list[int] | None = None
     output_saved: bool | None = None
+    # Of `activation_bytes`, the bytes by what saves them (an estimate's: attention, mlp, norms, dropout, other);
+    # None: not attributed (a calibration measures them whole).
+    activation_parts: dict[str, int] | None = None
 
     @model_validator(mode="after")
     def _per_input(self) -> LayerProfile:
         if self.saved_input_bytes is not None and len(self.saved_input_bytes) != len(self.inputs):
             raise ValueError(f"saved_input_bytes has {len(self.saved_input_bytes)} entries for "
                              f"{len(self.inputs)} inputs")
+        _check_parts(self.activation_parts, self.activation_bytes)
         return self
 
     @property
     def wgrad_fraction(self) -> float:
         total = self.igrad.median_ms + self.wgrad.median_ms
         return self.wgrad.median_ms / total if total > 0 else 0.0
+
+
+def _check_parts(parts: dict[str, int] | None, total: int) -> None:
+    """Activation parts, where given, are `SAVED_PARTS` of whole bytes that sum to the activations."""
+    if parts is None:
+        return
+    if set(parts) != set(SAVED_PARTS) or any(not isinstance(v, int) or v < 0 for v in parts.values()):
+        raise ValueError(f"activation_parts must give whole bytes >= 0 for each of {', '.join(SAVED_PARTS)}")
+    if sum(parts.values()) != total:
+        raise ValueError(f"activation_parts sum to {sum(parts.values())}, not activation_bytes {total}")
 
 
 class StepTimes(_Strict):
@@ -153,6 +168,12 @@ class StageProfile(_Strict):
     passes: StagePasses | None = None  # None: a profile from before they were measured
     weight_copy: Timing | None = None
     held_bytes: int | None = Field(None, ge=0)  # boundary tensors autograd does not save (`boundary_held_bytes`)
+    activation_parts: dict[str, int] | None = None  # as its layers' (`LayerProfile.activation_parts`)
+
+    @model_validator(mode="after")
+    def _parts(self) -> StageProfile:
+        _check_parts(self.activation_parts, self.activation_bytes)
+        return self
 
     @property
     def wgrad_fraction(self) -> float:
@@ -533,11 +554,21 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
             held_bytes=held_bytes[k] if held_bytes is not None else None,
+            activation_parts=_stage_parts(mine, stage_activation_bytes(costs, start, stop)),
             accumulate=steps[k][2],
             weight_copy=steps[k][3],
             passes=passes[k] if passes is not None else None,
         ))
     return out
+
+
+def _stage_parts(layers: list[LayerProfile], activation_bytes: int) -> dict[str, int] | None:
+    """A stage's activations by part: its layers' summed, where each layer has them and they sum to the stage's
+    (layers that share what they save do not say whose part the shared bytes were); else None."""
+    if any(layer.activation_parts is None for layer in layers):
+        return None
+    parts = {part: sum(layer.activation_parts[part] for layer in layers) for part in SAVED_PARTS}
+    return parts if sum(parts.values()) == activation_bytes else None
 
 
 def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[StageProfile]:

@@ -69,6 +69,8 @@ class StageCosts:
     weights (a GATHER); the simulator runs them on the device's network stream, beside its compute.
     `grad_bytes`: the weight gradients as accumulated (float32 under Megatron-LM's mixed precision; None: as
     large as the weights); `optimizer_state_bytes` includes a mixed-precision master copy of the weights.
+    `activation_parts`: of `activation_bytes`, the bytes by what saves them (attention, mlp, norms, dropout,
+    other), summing to them; None: not attributed.
     """
 
     fwd_ms: float
@@ -89,6 +91,7 @@ class StageCosts:
     reduce_ms: float = 0.0
     gather_ms: float = 0.0
     grad_bytes: int | None = None
+    activation_parts: dict[str, int] | None = None
 
     @property
     def gradient_bytes(self) -> int:
@@ -107,6 +110,8 @@ class StageCosts:
                 raise CostError(f"{name} must be a finite number from 0 to {limit:g} (got {value!r})")
         if not 0.0 <= self.wgrad_fraction <= 1.0:
             raise CostError(f"wgrad_fraction must be between 0 and 1 (got {self.wgrad_fraction!r})")
+        if self.activation_parts is not None and sum(self.activation_parts.values()) != self.activation_bytes:
+            raise CostError(f"activation_parts must sum to activation_bytes ({self.activation_bytes})")
 
 
 @dataclass(frozen=True)

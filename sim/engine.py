@@ -30,6 +30,7 @@ import numpy as np
 import simpy
 
 from .. import __version__
+from ..profiles.workload import SAVED_PARTS
 from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import MEMORY_PARTS, Counter, Ops, Stream, Trace, TraceMeta
@@ -37,6 +38,7 @@ from .cluster import Cluster
 from .costs import Costs, RowOverhead
 
 _PS_PER_MS = 1e9
+SAVERS = tuple(f"activations.{saver}" for saver in SAVED_PARTS)  # the activations' part by what saves them, other last
 # `_Model._lockstep`: the steps per sweep, over a window of sweeps, above which sweeping pays (a sweep costs about
 # as much as 25 steps one at a time).
 _SWEEP_PAYS = 32
@@ -291,8 +293,9 @@ class _MemoryTables:
         return start, end
 
     def parts_up_to(self, lo: int, hi: int, counted_start: np.ndarray, counted_end: np.ndarray) -> dict[str, int]:
-        """Per part, the bytes rows lo..hi add up to where `counted_start` and `counted_end` (one per row) say
-        which of their events count: per table entry, the events counted, times its bytes."""
+        """Per part (and per `activations.SAVER`), the bytes rows lo..hi add up to where `counted_start` and
+        `counted_end` (one per row) say which of their events count: per table entry, the events counted, times
+        its bytes."""
         entries = self.at_start[MEMORY_PARTS[0]].size
         kinds_start = np.bincount(self.stage_kind[lo:hi][counted_start], minlength=entries)
         kinds_end = np.bincount(self.stage_kind[lo:hi][counted_end], minlength=entries)
@@ -302,7 +305,7 @@ class _MemoryTables:
         sides_start = np.bincount(side[counted_start[rows]], minlength=channels)
         sides_end = np.bincount(side[counted_end[rows]], minlength=channels)
         out = {}
-        for part in MEMORY_PARTS:
+        for part in self.at_start:
             sparse_rows, sparse_start, sparse_end = self.sparse[part]
             j0, j1 = np.searchsorted(sparse_rows, (lo, hi))
             mine = sparse_rows[j0:j1] - lo
@@ -323,8 +326,8 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     def per_stage(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
 
-    def tables(shape: tuple[int, int]) -> dict[str, np.ndarray]:
-        return {part: np.zeros(shape, dtype=np.int64) for part in MEMORY_PARTS}
+    def tables(shape: tuple[int, int]) -> dict[str, np.ndarray]:  # the parts, then the activations' savers
+        return {part: np.zeros(shape, dtype=np.int64) for part in (*MEMORY_PARTS, *SAVERS)}
 
     param = per_stage([c.param_bytes for c in stages])
     activation = per_stage([c.activation_bytes for c in stages])
@@ -346,6 +349,20 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     at_end["activations"][:, KIND_CODE[Kind.B]] = -(activation + roots)
     at_end["activations"][:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
     at_end["activations"][:, KIND_CODE[Kind.W]] = -kept
+    # The activations by what saves them, where a stage says (else all other), each kept from I until W in
+    # proportion; other takes the boundary tensors and what rounding leaves, so that they sum to the activations.
+    for k, c in enumerate(stages):
+        for saver, held in (c.activation_parts or {}).items():
+            if saver == "other" or not held:
+                continue
+            kept_here = int(kept[k]) * held // int(activation[k])
+            key = f"activations.{saver}"
+            at_start[key][k, KIND_CODE[Kind.F]] = held
+            at_end[key][k, KIND_CODE[Kind.B]] = -held
+            at_end[key][k, KIND_CODE[Kind.I]] = -(held - kept_here)
+            at_end[key][k, KIND_CODE[Kind.W]] = -kept_here
+    for table in (at_start, at_end):
+        table["activations.other"] = table["activations"] - sum(table[saver] for saver in SAVERS[:-1])
     # Point-to-point transfers: a compute row's are fixed by its stage and kind (on every channel between two
     # devices, each forward of the sending stage has its SEND among the SENDs after it and each of the receiving
     # stage its RECV among the RECVs before it; a gradient's, each B or I), so the buffers they make and free at
@@ -363,7 +380,7 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         else:  # `activation_bytes` count it, as activations, from there on)
             buffers[channel.receiver, owners] -= size
     none = (np.zeros(0, dtype=np.int64),) * 3
-    sparse = {part: none for part in MEMORY_PARTS}
+    sparse = {part: none for part in (*MEMORY_PARTS, *SAVERS)}
     copies = np.flatnonzero(lowered.copies_delta != 0)  # weight copies an update leaves to later readers
     sparse["parameters"] = (copies, np.zeros(len(copies), dtype=np.int64),
                             lowered.copies_delta[copies] * param[stage[copies]])
@@ -771,10 +788,11 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     del mem_at_start, mem_at_end
     # Per device, each part at its peak: what it holds throughout and its rows' events up to the peak's.
     up_to_peak = _up_to_peak(bounds, first_ps, end_ps, peak_events)
-    parts_at_peak = []
+    parts_at_peak, savers_at_peak = [], []
     for d, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         moved = memory_tables.parts_up_to(lo, hi, up_to_peak[0][lo:hi], up_to_peak[1][lo:hi])
         parts_at_peak.append({part: static[part][d] + moved[part] for part in MEMORY_PARTS})
+        savers_at_peak.append({saver.partition(".")[2]: moved[saver] for saver in SAVERS})
     del up_to_peak
     # Each part's own curve on the fullest device, which the page stacks (the others' would double the counters'
     # memory): every other device's is empty.
@@ -812,6 +830,7 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         stage_edges=[list(e) for e in schedule.graph.edges], policy=schedule.policy.describe(),
         tool=f"pipesim {__version__}", costs=[dict(vars(c)) for c in costs.stages], cluster=cluster.describe(),
         jitter=jitter, seed=seed, calibration=costs.calibration, peak_memory_parts=parts_at_peak,
+        peak_activation_parts=savers_at_peak,
         extra=_runtime_terms(costs))
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
 

@@ -166,3 +166,91 @@ def test_sweep_holds_the_precision_it_is_given(tmp_path):
         (row,) = csv.DictReader(path.open())
         peaks.append(float(row["peak_memory_mb"]))
     assert peaks[1] - peaks[0] == 250
+
+
+S, H, A = 32, 64, 4  # a small GPT block: sequence, width, heads (fp16, Megatron-LM's 0.1 dropouts)
+
+
+@pytest.fixture(scope="module")
+def gpt_block():
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=2, width=H, heads=A, seq_len=S, vocab=128, dropout=0.1), 1,
+                       torch.float16).layers[1]
+
+
+def test_the_count_says_what_saves_each_activation_as_korthikanti_groups_them(gpt_block):
+    """Korthikanti et al.'s 34·sbh + 5·as²b (bytes, fp16), grouped by what saves them: the attention's 11·sbh and
+    5·as²b less its output dropout's mask, the MLP's 19·sbh less its mask, the norms' 4·sbh, the two 1-byte
+    dropout masks; beyond the paper, the attention's s × s causal mask and the norms' float32 mean and 1/std."""
+    from collections import Counter
+
+    held = Counter()
+    for (_, nbytes), saver in zip(gpt_block.saved_tensors, gpt_block.saved_parts):
+        held[saver] += nbytes
+    sbh = S * H
+    assert held == {"attention": 10 * sbh + 5 * A * S * S + S * S, "mlp": 18 * sbh, "norms": 4 * sbh + 2 * 2 * 4 * S,
+                    "dropout": 2 * sbh}
+
+
+def test_the_estimate_keeps_each_savers_share_and_selective_recomputation_drops_the_attentions_core(gpt_block):
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Parallelism, estimate_layer, placement_links
+
+    gpu = load_catalogue().gpu["a100-sxm-80gb"]
+    from pipesim.planning.estimate import Device
+
+    device = Device(gpu.dense_tflops.fp16 * 1e9, gpu.memory_bandwidth_gb_s * 1e6, gpu.curve)
+
+    def kept(**how):
+        parallel = Parallelism(tensor=4, sequence_parallel=True, **how)
+        return estimate_layer(gpt_block, device, parallel, placement_links(gpu, parallel).tensor, 2)
+
+    plain, selective = kept(), kept(recompute="selective")
+    for layer in (plain, selective):
+        assert sum(layer.activation_parts.values()) == layer.activation_bytes
+    # the scores, probabilities, their dropout mask and the causal mask: the core recomputed, 1/t of it on a rank
+    assert plain.activation_parts["attention"] - selective.activation_parts["attention"] == (5 * A * S * S
+                                                                                           + S * S) // 4
+    assert {k: v for k, v in plain.activation_parts.items() if k != "attention"} == {
+        k: v for k, v in selective.activation_parts.items() if k != "attention"}
+    assert kept(recompute="full").activation_parts == {"attention": 0, "mlp": 0, "norms": 0, "dropout": 0,
+                                                       "other": S * H * 2 // 4}
+
+
+@pytest.fixture(scope="module")
+def estimated_gpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("estimate") / "gpt.json"
+    code, _, err = pipesim("estimate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "4", "--width", H,
+                           "--heads", A, "--seq-len", S, "--vocab", 128, "--dropout", 0.1, "--dtype", "fp16",
+                           "--stages", 2, "--out", path)
+    assert code == 0, err
+    return path
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS if n != "graphpipe"])
+def test_the_activations_split_by_saver_sum_to_the_activations_part_in_every_methods_json(name, estimated_gpt):
+    result, = simulate_json("--schedule", name, "--profile", estimated_gpt, "-n", "2")
+    for device in result["devices"]:
+        savers = device["peak_activation_parts_mb"]
+        assert sum(savers.values()) == pytest.approx(device["peak_memory_parts_mb"]["activations"], rel=1e-12)
+        assert savers["attention"] > 0 and savers["mlp"] > 0 and savers["norms"] > 0 and savers["dropout"] > 0
+
+
+def test_typed_costs_say_nothing_of_what_saves_the_activations():
+    result, = simulate_json("--schedule", "1f1b", "--activation-mb", "10", "--output-mb", "0")
+    assert result["devices"][0]["peak_activation_parts_mb"] == {"attention": 0, "mlp": 0, "norms": 0,
+                                                                "dropout": 0, "other": 40}
+
+
+def test_a_trace_whose_savers_do_not_sum_to_its_activations_is_refused(tmp_path):
+    from pipesim.traces import TraceError, read_trace
+
+    path = tmp_path / "t.json"
+    assert pipesim("simulate", "--schedule", "1f1b", "--trace", path).code == 0
+    doc = json.loads(path.read_text())
+    doc["pipesim"]["meta"]["peak_activation_parts"][0]["other"] += 1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match="peak_activation_parts must hold, for each device, bytes that sum"):
+        read_trace(path)

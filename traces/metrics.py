@@ -21,6 +21,8 @@ class DeviceMetrics:
     peak_weight_versions: int
     # At the peak's moment, MiB per part (`MEMORY_PARTS`), which sum to `peak_memory_mb`; None: not broken down
     peak_memory_parts_mb: dict[str, float] | None = None
+    # Of the activations part, MiB by what saves them (attention, mlp, norms, dropout, other); None: not known
+    peak_activation_parts_mb: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ def summarize(trace: Trace) -> Summary:
     ends_us = ops.end_us
     has_memory = "memory_bytes" in trace.counters
     parts = trace.meta.peak_memory_parts if has_memory else None
+    savers = trace.meta.peak_activation_parts if parts is not None else None
     makespan_us = float(ends_us.max() - ops.start_us.min()) if len(ops) else 0.0
     compute = ops.stream == Stream.COMPUTE
 
@@ -133,6 +136,8 @@ def summarize(trace: Trace) -> Summary:
             peak_weight_versions=int(_peak(trace, "weight_versions", d)),
             peak_memory_parts_mb=({part: held / MIB for part, held in parts[d].items()} if parts is not None
                                   else None),
+            peak_activation_parts_mb=({saver: held / MIB for saver, held in savers[d].items()}
+                                      if savers is not None else None),
         ))
 
     # A mini-batch is done when its last op ends; after the first, they complete once per step. (Compute rows

@@ -134,7 +134,9 @@ class TraceMeta:
     times describe no machine. `complete` is false when a run stopped
     early, `failed_rank` then names the rank that failed, if one did. `peak_memory_parts`: per device, the bytes
     of each of `MEMORY_PARTS` at the moment of its `memory_bytes` peak, which they sum to (None: the source does
-    not break memory down, as a measurement). `extra` holds what a source adds (a measured run's losses, say).
+    not break memory down, as a measurement); `peak_activation_parts` splits its activations likewise by what saves
+    them (attention, mlp, norms, dropout, other: all other where the costs do not say). `extra` holds what a
+    source adds (a measured run's losses, say).
     """
 
     source: Literal["predicted", "measured"]
@@ -157,6 +159,7 @@ class TraceMeta:
     failed_rank: int | None = None
     calibration: dict[str, Any] | None = None
     peak_memory_parts: list[dict[str, int]] | None = None
+    peak_activation_parts: list[dict[str, int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -331,6 +334,11 @@ def from_chrome(doc: Any) -> Trace:
     if parts is not None and (len(parts) != num_devices or any(set(held) != set(MEMORY_PARTS) for held in parts)):
         raise TraceError(f"pipesim header: meta.peak_memory_parts must hold, for each of the {num_devices} devices, "
                          f"the bytes of {', '.join(MEMORY_PARTS)}")
+    savers = meta.peak_activation_parts
+    if savers is not None and (parts is None or len(savers) != num_devices or any(
+            sum(held.values()) != whole["activations"] for held, whole in zip(savers, parts))):
+        raise TraceError("pipesim header: meta.peak_activation_parts must hold, for each device, bytes that sum to "
+                         "its peak_memory_parts' activations")
     return Trace(kinds, num_devices, ops, meta, counters)
 
 

@@ -23,7 +23,7 @@ count turns off), "flash" is torch's fused flash kernel (no scores saved: what t
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -174,23 +174,79 @@ def _attention(kind: str) -> Iterator[_GpuKernels]:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
 
 
+# What saves an activation (`SAVED_PARTS`): these torch functions, else a submodule's name (`_module_part`).
+_FUNCTION_PART = {F.layer_norm: "norms", F.group_norm: "norms", F.batch_norm: "norms", F.instance_norm: "norms",
+                  F.dropout: "dropout", F.dropout1d: "dropout", F.dropout2d: "dropout", F.dropout3d: "dropout",
+                  F.alpha_dropout: "dropout", F.scaled_dot_product_attention: "attention",
+                  **({F.rms_norm: "norms"} if hasattr(F, "rms_norm") else {})}
+_ATTENTION_NAMES = {"qkv", "proj", "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "query", "key", "value",
+                    "c_attn"}
+_MLP_NAMES = {"fc1", "fc2", "c_fc", "up_proj", "down_proj", "gate_proj", "w1", "w2", "w3"}
+
+
+def _module_part(name: str) -> str | None:
+    """The part a submodule's own name says it is (`mlp`, `self_attn.q_proj`'s `q_proj`), or None."""
+    word = name.lower()
+    if word in _ATTENTION_NAMES or "attn" in word or "attention" in word:
+        return "attention"
+    if word in _MLP_NAMES or any(key in word for key in ("mlp", "ffn", "feed_forward", "feedforward")):
+        return "mlp"
+    return None
+
+
+class _SaverParts(TorchFunctionMode):
+    """Which part is saving now: the torch functions of `_FUNCTION_PART` under way, innermost last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        part = _FUNCTION_PART.get(func)
+        if part is not None:
+            self.running.append(part)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            if part is not None:
+                self.running.pop()
+
+
 @contextmanager
-def _saved(layer: torch.nn.Module) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...]]]]:
+def _saved(layer: torch.nn.Module) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str]]]:
     """The storages autograd saves inside, by identity (meta storages have no address), each with the shape of
-    the first tensor saved on it, `layer`'s weights left out. Every storage compared is held meanwhile, so no
-    identity is reused."""
+    the first tensor saved on it and what saved it (one of `SAVED_PARTS`), `layer`'s weights left out. Every storage
+    compared is held meanwhile, so no identity is reused."""
     weights = [p.untyped_storage() for p in layer.parameters()]
     params = {id(storage) for storage in weights}
-    saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...]]] = {}
+    saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str]] = {}
+    modules: list[str | None] = []  # the submodules under way, outermost first: the part each name says
+    hooks = []
+    def enter(part: str | None) -> Callable[..., None]:
+        return lambda *_: modules.append(part)  # None: the module's inputs and outputs stay as they are
+
+    def leave(*_: Any) -> None:
+        modules.pop()
+
+    for name, module in layer.named_modules():
+        hooks.append(module.register_forward_pre_hook(enter(_module_part(name.rpartition(".")[2]) if name else None)))
+        hooks.append(module.register_forward_hook(leave))
+    functions = _SaverParts()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if id(storage) not in params and id(storage) not in saved:
-            saved[id(storage)] = (storage, tuple(t.shape))
+            named = [part for part in reversed(modules) if part is not None]
+            part = functions.running[-1] if functions.running else named[0] if named else "other"
+            saved[id(storage)] = (storage, tuple(t.shape), part)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield saved
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), functions:
+            yield saved
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[int, int]:
@@ -264,8 +320,10 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     count = LayerCount(
         name="", fwd_flops=fwd.flops, igrad_flops=igrad.flops, wgrad_flops=full.flops - igrad.flops,
         fwd_moved_bytes=fwd.moved_bytes, igrad_moved_bytes=igrad.moved_bytes,
-        wgrad_moved_bytes=full.moved_bytes - igrad.moved_bytes, saved_bytes=sum(s.nbytes() for s, _ in saved.values()),
-        saved_tensors=tuple((shape, s.nbytes()) for s, shape in saved.values()),
+        wgrad_moved_bytes=full.moved_bytes - igrad.moved_bytes,
+        saved_bytes=sum(s.nbytes() for s, _, _ in saved.values()),
+        saved_tensors=tuple((shape, s.nbytes()) for s, shape, _ in saved.values()),
+        saved_parts=tuple(part for _, _, part in saved.values()),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
