@@ -799,10 +799,11 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
     fullest = int(np.argmax([counter.values.max() for counter in memory]))
     lo, hi = bounds[fullest], bounds[fullest + 1]
     part_counters = {}
-    for part in MEMORY_PARTS:
+    for part in (*MEMORY_PARTS, *SAVERS):
         curves = [Counter(np.zeros(0), np.zeros(0, dtype=np.int64)) for _ in range(devices)]
         (curves[fullest],), _ = _step_counters([0, hi - lo], first_ps[lo:hi], end_ps[lo:hi],
-                                               *memory_tables.row_deltas((part,), lo, hi), [static[part][fullest]])
+                                               *memory_tables.row_deltas((part,), lo, hi),
+                                               [static[part][fullest] if part in static else 0])
         part_counters[f"memory_bytes.{part}"] = curves
     del memory_tables
     act_at_start = kind_mask(t.kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough

@@ -247,3 +247,24 @@ def test_the_fullest_devices_memory_is_stacked_by_part_up_to_its_curve():
             assert len(changes) > STACK_COLUMNS >= len(times) - 1
         else:
             assert len(times) == len(changes) + 1  # and the last held to the run's end
+
+
+def test_an_estimates_activations_are_stacked_by_what_saves_them(tmp_path):
+    """With a count's savers, the stack's activations are its attention's, MLP's, norms', dropout masks' and
+    the rest, which still reach the device's curve; typed costs stack them whole."""
+    from pipesim.traces import read_trace
+    from tests.conftest import pipesim
+
+    path = tmp_path / "gpt.json"
+    code, _, err = pipesim("simulate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 64,
+                           "--heads", 4, "--seq-len", 32, "--vocab", 128, "--dropout", 0.1, "--dtype", "fp16",
+                           "-p", 2, "-s", "1f1b", "--trace", path)
+    assert code == 0, err
+    trace = read_trace(path)
+    parts = trace_data(trace)["memory"]["parts"]
+    assert parts["names"] == ["weights", "gradients", "optimizer state", "activations: attention",
+                              "activations: MLP", "activations: norms", "activations: dropout masks",
+                              "activations: other", "transfer buffers"]
+    top = decode_column(parts["stack"][-1])
+    assert top.max() == pytest.approx(trace.counters["memory_bytes"][parts["device"]].values.max() / MIB)
+    assert trace_data(_trace("1f1b", 4, 8, 2))["memory"]["parts"]["names"][3] == "activations"

@@ -99,23 +99,35 @@ def decode_column(column: dict[str, Any]) -> np.ndarray:
 
 STACK_COLUMNS = 4000  # the stacked memory curve's most samples: beyond, one per column, where its total is highest
 PART_WORDS = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "optimizer state",
-              "activations": "activations", "communication": "transfer buffers"}
+              "activations": "activations", "activations.attention": "activations: attention",
+              "activations.mlp": "activations: MLP", "activations.norms": "activations: norms",
+              "activations.dropout": "activations: dropout masks", "activations.other": "activations: other",
+              "communication": "transfer buffers"}
 PART_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#54a24b",
-               "activations": "#e45756", "communication": "#b279a2"}
+               "activations": "#e45756", "activations.attention": "#e45756", "activations.mlp": "#ff9da6",
+               "activations.norms": "#9d755d", "activations.dropout": "#bab0ac", "activations.other": "#eeca3b",
+               "communication": "#b279a2"}
+SAVERS = ("activations.attention", "activations.mlp", "activations.norms", "activations.dropout",
+          "activations.other")
 
 
 def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
     """The fullest device's memory by part (the one device the `memory_bytes.PART` counters hold), stacked: per
-    part, MiB of it and of the parts before it, on the times any part changes (held to `end_us`); None where the
-    trace has no parts. A long run's curve keeps STACK_COLUMNS samples, each its column's moment of most memory,
-    so the peak's parts stay shown."""
-    curves = [trace.counters.get(f"memory_bytes.{part}") for part in MEMORY_PARTS]
-    if any(curve is None for curve in curves):
+    part, MiB of it and of the parts before it, on the times any part changes (held to `end_us`); the
+    activations by what saves them where the trace says (not all other); None where the trace has no parts. A
+    long run's curve keeps STACK_COLUMNS samples, each its column's moment of most memory, so the peak's parts
+    stay shown."""
+    if any(f"memory_bytes.{part}" not in trace.counters for part in MEMORY_PARTS):
         return None
-    device = next((d for d, curve in enumerate(curves[0]) if len(curve.times_us)), None)
+    device = next((d for d, curve in enumerate(trace.counters["memory_bytes.parameters"]) if len(curve.times_us)),
+                  None)
     if device is None:
         return None
-    curves = [curve[device] for curve in curves]
+    savers = [trace.counters.get(f"memory_bytes.{saver}") for saver in SAVERS]
+    attributed = all(curve is not None for curve in savers) and any(
+        curve[device].values.any() for curve in savers[:-1])
+    parts = [*MEMORY_PARTS[:3], *(SAVERS if attributed else ("activations",)), "communication"]
+    curves = [trace.counters[f"memory_bytes.{part}"][device] for part in parts]
     times = np.unique(np.concatenate([curve.times_us for curve in curves]))
     held = np.array([curve.values[np.searchsorted(curve.times_us, times, side="right") - 1] for curve in curves])
     if len(times) > STACK_COLUMNS:
@@ -128,8 +140,8 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
     times = np.append(times, max(end_us, float(times[-1])))
     held = np.concatenate([held, held[:, -1:]], axis=1)
     stack = np.cumsum(held, axis=0) / MIB
-    return {"device": device, "names": [PART_WORDS[part] for part in MEMORY_PARTS],
-            "colors": [PART_COLORS[part] for part in MEMORY_PARTS], "t_us": encode_column(times.astype(np.float64)),
+    return {"device": device, "names": [PART_WORDS[part] for part in parts],
+            "colors": [PART_COLORS[part] for part in parts], "t_us": encode_column(times.astype(np.float64)),
             "stack": [encode_column(level.astype(np.float64)) for level in stack]}
 
 
