@@ -92,15 +92,20 @@ def search_schedule(params: ScheduleParams, costs: Costs, links: Cluster, memory
     search's budget spent as it goes (a progress bar). Raises ActivationLimitError when R leaves a device less
     than one micro-batch, ScheduleError when its memory does. The schedule records the R and budget it was
     searched with, defaults included, so that a trace says what ran."""
-    if params.chunks != 1 or params.pipelines != 1:
-        raise ScheduleError(f"{METHOD} places one model stage per device in one pipeline: chunks and pipelines "
-                            f"must be 1 (got {params.chunks} and {params.pipelines})")
+    check_shape(params)
     frame = schedule_frame(params)
     times = stage_times(params, costs, links, memory_bytes, static_bytes(frame, costs))
     budget = params.search_seconds if params.search_seconds is not None else DEFAULT_SECONDS
     pattern = best_pattern(times, budget, progress)
     limit = params.activation_limit if params.activation_limit is not None else DEFAULT_LIMIT
     return _schedule(replace(params, activation_limit=limit, search_seconds=budget), _merge_backward(pattern, times))
+
+
+def check_shape(params: ScheduleParams) -> None:
+    """ScheduleError for a shape the search cannot take, known before any cost is (`tune` skips it unsearched)."""
+    if params.chunks != 1 or params.pipelines != 1:
+        raise ScheduleError(f"{METHOD} places one model stage per device in one pipeline: chunks and pipelines "
+                            f"must be 1 (got {params.chunks} and {params.pipelines})")
 
 
 def schedule_frame(params: ScheduleParams) -> Schedule:

@@ -45,6 +45,8 @@ best bound first among those whose floor fits, and named in a note.
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -74,7 +76,7 @@ from ..sim.costs import Costs
 from ..sim.engine import simulate, static_bytes
 from ..traces import summarize
 from ..units import GIB
-from .auto import activation_ratio
+from .auto import activation_ratio, check_shape
 from .scenario import Scenario, profile_costs
 
 RUNNERS_UP = 5
@@ -263,58 +265,73 @@ def twins(a: Result, b: Result) -> bool:
 
 def tune(settings: list[Setting], problem: Problem) -> Tuning:
     """The best configuration, its runners-up and what the limits cost (see the module docstring), over every
-    profile of `settings`."""
+    profile of `settings`. A candidate is built (partitioned, costed) only when its shape's bound comes up in
+    the search, and simulated only when its own does."""
     started = time.perf_counter()
-    candidates, shapes, refused = prepare(settings, problem)
-    if not candidates:
-        raise TuneError(_nothing_to_search(settings, problem, shapes))
-    stale = [c for c in candidates if c.staleness > problem.max_staleness]
-    heavy = [c for c in candidates if c.staleness <= problem.max_staleness
-             and c.memory_floor_bytes > problem.memory_cap_bytes]
-    hopeful = sorted((c for c in candidates if c.staleness <= problem.max_staleness
-                      and c.memory_floor_bytes <= problem.memory_cap_bytes), key=lambda c: -c.max_samples_per_s)
-    simulated: dict[int, Result] = {}
+    shapes, count, refused = _shapes(settings, problem)
+    if not shapes:
+        raise TuneError(_nothing_to_search(settings, problem, count))
+    built = _Built(problem)
+    limit, cap = problem.max_staleness, problem.memory_cap_bytes
 
-    def run(candidate: Candidate) -> Result:
-        if candidate.index not in simulated:
-            simulated[candidate.index] = evaluate(problem, candidate)
-        return simulated[candidate.index]
+    def fits_floor(item: Shape | Candidate) -> bool:
+        return isinstance(item, Shape) or item.memory_floor_bytes <= cap
 
-    best = top_groups(hopeful, run, lambda result: allowed(result, problem), float("-inf"))
+    best = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness <= limit)
+                      and fits_floor(item), lambda result: allowed(result, problem), float("-inf"))
     if not best:
         raise TuneError(_nothing_fits(settings, problem))
     choice = best[0][0]
-    pruned = sum(c.index not in simulated for c in hopeful)
-    faster = top_groups(sorted(candidates, key=lambda c: -c.max_samples_per_s), run,
-                        lambda result: not allowed(result, problem), speed_key(choice.samples_per_s))
-    staler = top_groups(sorted((c for c in stale if c.memory_floor_bytes <= problem.memory_cap_bytes),
-                               key=lambda c: -c.max_samples_per_s), run,
-                        lambda result: result.peak_memory_bytes <= problem.memory_cap_bytes,
+    faster = top_groups(shapes, built, lambda item: True, lambda result: not allowed(result, problem),
+                        speed_key(choice.samples_per_s))
+    staler = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness > limit)
+                        and fits_floor(item), lambda result: result.peak_memory_bytes <= cap,
                         speed_key(choice.samples_per_s), groups=1)
 
     def row(group: list[Result]) -> Row:
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
 
-    within = sum(c.index in simulated for c in hopeful)
-    stats = Stats(shapes, refused, len(stale), len(heavy), pruned, within, len(simulated) - within,
-                  time.perf_counter() - started)
+    candidates = [c for c in built.candidates.values() if c is not None]
+    stale = sum(s.staleness is not None and s.staleness > limit for s in shapes) + sum(
+        c.staleness > limit for c in candidates if built.shapes[c.index].staleness is None)
+    heavy = sum(c.staleness <= limit and c.memory_floor_bytes > cap for c in candidates)
+    within = sum(c.staleness <= limit and c.memory_floor_bytes <= cap for c in
+                 (result.candidate for result in built.results.values()))
+    refused += sum(c is None for c in built.candidates.values())
+    stats = Stats(count, refused, stale, heavy, count - refused - stale - heavy - within, within,
+                  len(built.results) - within, time.perf_counter() - started)
     staler_row = row(staler[0]) if staler else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster[:RUNNERS_UP]], stats,
                   _notes(settings, problem) + ([_staler_note(staler_row, choice)] if staler_row else []),
                   staler_row)
 
 
-def top_groups(candidates: list[Candidate], run: Callable[[Candidate], Result], keep: Callable[[Result], bool],
-               above: float, groups: int = RUNNERS_UP + 1) -> list[list[Result]]:
+def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | Candidate], bool],
+               keep: Callable[[Result], bool], above: float, groups: int = RUNNERS_UP + 1) -> list[list[Result]]:
     """The best `groups` groups of twins among the results `keep` accepts whose speed key beats `above`, in
-    rank order (each group best first). `candidates` come best bound first, and are simulated only while a
-    bound can match the last group kept."""
+    rank order (each group best first), of the candidates `eligible` accepts. Best bound first: a shape not yet
+    built is built when its bound (`Shape.max_samples_per_s`, which no partition beats) comes up, and goes back
+    with the candidate's own bound (never higher); a candidate is simulated when its bound comes up. So the
+    bounds popped never rise, and the search stops at the first that can neither beat `above` nor match the
+    last group kept: no later one could."""
+    heap = []
+    for shape in shapes:
+        item = built.candidates.get(shape.index, shape)
+        if item is not None and eligible(item):
+            heap.append((-item.max_samples_per_s, shape.index, item))
+    heapq.heapify(heap)
     kept: list[list[Result]] = []
-    for candidate in candidates:
-        bound = speed_key(candidate.max_samples_per_s)
+    while heap:
+        negative, index, item = heapq.heappop(heap)
+        bound = speed_key(-negative)
         if bound <= above or (len(kept) >= groups and bound < speed_key(kept[-1][0].samples_per_s)):
             break
-        result = run(candidate)
+        if isinstance(item, Shape):
+            candidate = built.candidate(item)
+            if candidate is not None and eligible(candidate):
+                heapq.heappush(heap, (-candidate.max_samples_per_s, index, candidate))
+            continue
+        result = built.result(item)
         if not keep(result) or speed_key(result.samples_per_s) <= above:
             continue
         group = next((g for g in kept if twins(g[0], result)), None)
@@ -325,17 +342,118 @@ def top_groups(candidates: list[Candidate], run: Callable[[Candidate], Result], 
     return kept
 
 
+class _Built:
+    """The candidates one search has built (None: refused once built, as a searched order short of memory is)
+    and simulated, each at most once, by shape index."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.orders = _Orders()
+        self.shapes: dict[int, Shape] = {}
+        self.candidates: dict[int, Candidate | None] = {}
+        self.results: dict[int, Result] = {}
+        self._splitters: dict[int, Callable[..., list[int]]] = {}  # by id of the setting: partitions are shared
+
+    def candidate(self, shape: Shape) -> Candidate | None:
+        if shape.index not in self.candidates:
+            self.shapes[shape.index] = shape
+            setting = shape.setting
+            if id(setting) not in self._splitters:
+                self._splitters[id(setting)] = _splitter(setting.scenario.measured, setting.scenario.optimizer)
+            try:
+                self.candidates[shape.index] = _candidate(setting, self.problem, shape.config, shape.index,
+                                                          self._splitters[id(setting)], self.orders)
+            except ScheduleError:
+                self.candidates[shape.index] = None
+        return self.candidates[shape.index]
+
+    def result(self, candidate: Candidate) -> Result:
+        if candidate.index not in self.results:
+            self.results[candidate.index] = evaluate(self.problem, candidate)
+        return self.results[candidate.index]
+
+
 def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate], int, int]:
     """Every configuration the problem allows on each setting's profile, built, partitioned and bounded; and how
-    many shapes there were and how many of those the methods refused."""
-    candidates: list[Candidate] = []
-    shapes = refused = 0
+    many shapes there were and how many of those the methods refused: what an exhaustive search simulates."""
+    shapes, count, refused = _shapes(settings, problem)
+    built = _Built(problem)
+    found = [built.candidate(shape) for shape in shapes]
+    return [c for c in found if c is not None], count, refused + sum(c is None for c in found)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A configuration before it is partitioned and costed: its staleness where its order tells it without
+    costs (None: a searched order's, known once built) and `max_samples_per_s`, a bound no partition beats
+    (`_shape_bound`), so that the search builds a candidate only when it could still win."""
+
+    config: Config
+    setting: Setting
+    index: int  # enumeration order over all shapes: the candidate's, the last tie-break
+    staleness: int | None
+    max_samples_per_s: float
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What bounds a setting's compute per step for any partition, summed over its layers for one micro-batch:
+    the forward, the backward, and the least backward (B, or its halves I + W) ms."""
+
+    fwd_ms: float
+    bwd_ms: float
+    least_bwd_ms: float
+
+
+def _work(profile: Profile, optimizer: str) -> _Work:
+    """Per-layer sums that no cut into stages exceeds (see `_shape_bound`). A stage's F and B are its layers'
+    sums (times the calibrated stage's measured pass over its layers' sum, where passes were measured), so
+    their totals over the stages are the layers' whatever the cut. Its I and W are its layers' sums too, except
+    on a stage that sends no input gradient (the first), whose I is 0 and W its whole B: either way a stage's
+    min(B, I + W) is at least its layers' sum of min(B, I + W). Where passes were measured, the calibrated cut's
+    I and W are measured, which no layer sum bounds: they count for nothing."""
+    if all(stage.passes is not None for stage in profile.stages):
+        table = profile_costs(profile, optimizer, range(len(profile.layers) + 1)).op_ms_table(1)
+        return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0)
+    tail = profile.contention.tail if profile.contention is not None else 1.0
+    layers = profile.layers
+    return _Work(tail * math.fsum(layer.fwd.median_ms for layer in layers),
+                 tail * math.fsum(layer.bwd.median_ms for layer in layers),
+                 tail * math.fsum(min(layer.bwd.median_ms, layer.igrad.median_ms + layer.wgrad.median_ms)
+                                  for layer in layers))
+
+
+def _shape_bound(problem: Problem, config: Config, work: _Work, per_step: np.ndarray | None, cost_scale: float
+                 ) -> float:
+    """An upper bound of `config`'s samples/s under any partition. The busiest device computes at least the
+    mean of the p devices, and together they compute at least every stage's forwards (the fewest any stage runs
+    per step, times the layers' forward sum: F is additive over a cut) and backwards (each micro-batch's B, or
+    I and W, costs at least min(B, I + W) >= the layers' least backward; B alone, its layers' B), with updates
+    and the rest counted as 0. The candidate's bound (`Candidate.max_samples_per_s`) is its busiest device's
+    compute, so at most this. A searched order (`per_step` None) runs each of its m micro-batches' F and
+    backward on every stage. Shaded by 1e-9 against rounding (the sums run in another order)."""
+    m = config.microbatches
+    if per_step is None:
+        forwards, backwards, whole = m, m, 0.0
+    else:
+        f, b, i, w = (per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
+        forwards, backwards, whole = float(f.min()), float((b + np.minimum(i, w)).min()), float(b.min())
+    total_ms = cost_scale * (forwards * work.fwd_ms + max(backwards * work.least_bwd_ms, whole * work.bwd_ms))
+    busiest_ms = total_ms / config.stages * (1 - 1e-9)
+    return problem.batch_size / busiest_ms * 1e3 if busiest_ms > 0 else math.inf
+
+
+def _shapes(settings: list[Setting], problem: Problem) -> tuple[list[Shape], int, int]:
+    """Every shape (schedule, p, v, P with a whole m) on each setting, with what its order tells before costs;
+    how many shapes there were, and how many the methods refused from the shape alone."""
+    shapes: list[Shape] = []
+    count = refused = 0
     orders = _Orders()
     for setting in settings:
         scenario, t, b = setting.scenario, setting.tensor, setting.microbatch_size
         profile = scenario.measured
         layers = len(profile.layers)
-        split = _splitter(profile, scenario.optimizer)
+        work = _work(profile, scenario.optimizer)
         depths = [p for p in _depths(problem.devices // t, layers, _prices_data_parallel(profile))
                   if setting.depths is None or p in setting.depths] if problem.devices % t == 0 else []
         for name in problem.schedules:
@@ -347,15 +465,28 @@ def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate],
                         m, rest = divmod(problem.batch_size, replicas * pipelines * b)
                         if m < 1 or rest:
                             continue
-                        shapes += 1
+                        count += 1
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
+                        params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=replicas)
                         try:
-                            candidate = _candidate(setting, problem, config, len(candidates), split, orders)
+                            if METHODS[name].needs_costs:
+                                check_shape(params)
+                                staleness, per_step = None, None
+                            else:
+                                order = orders(scenario, name, _long(orders(scenario, name, params).schedule, params))
+                                staleness, per_step = order.staleness, order.per_step
                         except ScheduleError:
                             refused += 1
                             continue
-                        candidates.append(candidate)
-    return candidates, shapes, refused
+                        shapes.append(Shape(config, setting, count - 1, staleness,
+                                            _shape_bound(problem, config, work, per_step, scenario.cost_scale)))
+    return shapes, count, refused
+
+
+def _long(probe: Schedule, params: ScheduleParams) -> ScheduleParams:
+    """The run a candidate is simulated over: enough mini-batches past `probe`'s warm-up to show its steady
+    state (a flushing schedule's steps repeat exactly, so one more; else STEADY_STEPS)."""
+    return replace(params, minibatches=steady_minibatches(probe) + (1 if flushes(probe) else STEADY_STEPS))
 
 
 def evaluate(problem: Problem, candidate: Candidate) -> Result:
@@ -454,8 +585,7 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas, **searched)
     probe = orders(scenario, name, params).schedule
     short = steady_minibatches(probe)
-    long = short + (1 if flushes(probe) else STEADY_STEPS)  # a flushing schedule's steps repeat exactly
-    params = replace(params, minibatches=long)
+    params = _long(probe, params)
     order = orders(scenario, name, params)
     n = order.schedule.num_stages
     bounds = split(n, pipelines, tuple(map(tuple, order.per_step.tolist())), order.schedule.policy.extra_copies,
@@ -473,9 +603,43 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
+    least_step_ms = max(float(busy_ms.max()), _flush_bound_ms(schedule, costs.op_ms_table(pipelines)))
     return Candidate(config, setting, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor,
-                     allreduce_ms, problem.batch_size / float(busy_ms.max()) * 1e3,
+                     allreduce_ms, problem.batch_size / least_step_ms * 1e3,
                      activation_ratio(schedule, costs) if method.needs_costs else None)
+
+
+def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray) -> float:
+    """A lower bound of a flushing chain's steady step (one stage per device, stage k on device k, one pipeline;
+    0 for any other schedule): for every device d, the forwards of stages 0..d-1, then d's own work in program
+    order up to its last B or I of the step, then the input-gradient passes (B or I) of stages d-1..0.
+
+    Why: device 0 starts step s+1 only after its last op of step s (it flushes), at E0(s). Device d's first op
+    of step s+1 is an F (any other op needs an F of its own step before it on d), whose micro-batch went
+    through F on stages 0..d-1 after E0(s); so d starts step s+1 no earlier than E0(s) + sum F_k. Its last B or
+    I of the step ends no earlier than that plus the work d runs before it, one op at a time. That micro-batch's
+    input gradient then passes B or I on each of stages d-1..0 before device 0 ends step s+1, at E0(s+1).
+    Transfers, waits and overheads only add, and steps repeat from the second on, so E0(s+1) - E0(s) is the
+    step. A test holds the bound to the simulated step over every candidate."""
+    p = schedule.num_devices
+    if (schedule.pipelines != 1 or schedule.placement != tuple(range(p)) or schedule.graph != StageGraph.chain(p)
+            or not flushes(schedule)):
+        return 0.0
+    t = schedule.table
+    compute_ms = op_ms * COMPUTE
+    forward_ms = op_ms[:, KIND_CODE[Kind.F]]
+    input_grad_ms = np.minimum(op_ms[:, KIND_CODE[Kind.B]], op_ms[:, KIND_CODE[Kind.I]])
+    steady = t.minibatch == 1
+    step_ms = 0.0
+    for d in range(p):
+        mine = np.flatnonzero(steady & (t.device == d))
+        backward = np.flatnonzero(kind_mask(t.kind[mine], Kind.B, Kind.I))
+        if not len(backward):
+            continue
+        upto = mine[:backward[-1] + 1]
+        work_ms = float(compute_ms[t.stage[upto], t.kind[upto]].sum())
+        step_ms = max(step_ms, float(forward_ms[:d].sum() + work_ms + input_grad_ms[:d].sum()))
+    return step_ms
 
 
 def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:

@@ -7,6 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipesim.hardware.collectives import all_reduce_ms
@@ -274,3 +275,50 @@ def test_tune_never_imports_torch():
              "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
              "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
+
+
+def jittered(profile, seed):
+    """The profile with every layer's passes scaled at random (x0.2 to x5, each pass on its own): other costs,
+    other balances, other winners."""
+    rng = np.random.default_rng(seed)
+
+    def scaled(timing):
+        return timing.model_copy(update={"median_ms": timing.median_ms * float(rng.uniform(0.2, 5.0))})
+
+    layers = [layer.model_copy(update={kind: scaled(getattr(layer, kind)) for kind in ("fwd", "bwd", "igrad", "wgrad")})
+              for layer in profile.layers]
+    return profile.model_copy(update={"layers": layers})
+
+
+@pytest.mark.parametrize("which,devices,cap_gib,seed", [(GPT, 8, 1.0, 1), (GPT, 4, 0.2, 2), (CNN, 8, 0.05, 3),
+                                                       (CNN, 4, 0.02, 4)])
+def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
+    """Shape bound >= candidate bound >= simulated samples/s for every configuration of random costs: what makes
+    the pruned search exact. On the GPT the flushing chains' bound binds (it is what prunes them; the CNN's
+    compute dominates its bubbles)."""
+    profile = jittered(load_profile(which), seed)
+    source, prob = scenario(profile), problem(profile, devices, cap_gib, search_seconds=0.02)
+    shapes, _, _ = tuning._shapes(source, prob)
+    built = tuning._Built(prob)
+    bubbles = 0
+    for shape in shapes:
+        candidate = built.candidate(shape)
+        if candidate is None:
+            continue
+        result = built.result(candidate)
+        label = candidate.config.label()
+        assert result.samples_per_s <= candidate.max_samples_per_s <= shape.max_samples_per_s, label
+        assert shape.staleness in (None, candidate.staleness), label
+        bubbles += candidate.max_samples_per_s < prob.batch_size / candidate.busiest_ms * 1e3
+    assert bubbles or which == CNN
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_search_equals_exhaustive_search_over_random_costs(seed):
+    profile = jittered(load_profile(GPT), seed)
+    source, prob = scenario(profile), problem(profile, 8, 0.3, search_seconds=0.02)
+    best, faster, staler, results = exhaustive(source, prob)
+    found = tuning.tune(source, prob)
+    assert differences(found, best, faster, staler) == []
+    built = found.stats.simulated + found.stats.simulated_over_limits
+    assert built < len(results)
