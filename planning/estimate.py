@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import platform
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -370,8 +370,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     shards = t * (parallel.data if parallel.sharded_optimizer else 1)
     widen = held.state_bytes // element  # the count's state is in its dtype; mixed precision keeps it in float32
     layers = []
+    previous: tuple[LayerCount, LayerEstimate] | None = None  # a model's blocks repeat: each priced once
     for layer in counted.layers:
-        priced = estimate_layer(layer, device, parallel, links.tensor, element)
+        if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
+            previous = (layer, estimate_layer(layer, device, parallel, links.tensor, element))
+        priced = previous[1]
         params = layer.param_bytes // t
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),

@@ -275,3 +275,23 @@ def test_tune_reads_an_estimates_t_as_gpus_per_stage(small_gpt, tmp_path):
     assert {r["tensor_parallel"] for r in rows} == {2} and {r["stages"] * r["replicas"] for r in rows} == {4}
     code, _, err = pipesim("tune", "--profile", tmp_path / "t2.json", "-D", 7, "-s", "1f1b")
     assert code == 2 and "--devices 7: the profile was estimated for t=2 GPUs per stage" in err
+
+
+def test_repeated_blocks_are_priced_once_and_alike(small_gpt, monkeypatch):
+    """A model's blocks repeat: each run of alike blocks is priced once (tune prices hundreds of profiles of an
+    80-block model), and every block of it gets the same times and bytes."""
+    from dataclasses import replace
+
+    from pipesim.planning import estimate
+
+    deep = replace(small_gpt, layers=[small_gpt.layers[0], *[small_gpt.layers[1]] * 6, *small_gpt.layers[3:]])
+    priced = []
+    pricing = estimate.estimate_layer
+    monkeypatch.setattr(estimate, "estimate_layer", lambda layer, *args: priced.append(layer) or pricing(layer, *args))
+    profile = estimate_profile(deep, A100, Parallelism(pipeline=2))
+    assert [layer.name for layer in priced] == [deep.layers[0].name, deep.layers[1].name, *(
+        layer.name for layer in small_gpt.layers[3:])]  # embedding, one block for six, head
+    blocks = profile.layers[1:7]
+    assert all((b.fwd, b.bwd, b.igrad, b.wgrad, b.activation_bytes) == (blocks[0].fwd, blocks[0].bwd, blocks[0].igrad,
+                                                                         blocks[0].wgrad, blocks[0].activation_bytes)
+               for b in blocks)
