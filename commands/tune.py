@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
 from typing import Annotated
@@ -25,6 +28,7 @@ from .common import (
     load_profile_flag,
     optional_what_if_options,
     search_options,
+    stderr,
     stdout,
     with_help,
 )
@@ -141,8 +145,9 @@ def tune(
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
-            settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
-                                           optimizer)
+            with _working("estimating the model's profile for each t, b, recomputation and p") as report:
+                settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
+                                               optimizer, report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -152,7 +157,8 @@ def tune(
                           env.memory_cap_bytes or env.device_memory_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget)
-        tuning = search(settings, problem)
+        with _working(f"searching the configurations of {len(settings):,} profiles, best bound first") as report:
+            tuning = search(settings, problem, report)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
     if as_json:
@@ -175,11 +181,28 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None) -> None:
         raise InputError(f"--devices {devices}: p x d x t must give it, and {named} = {product} does not divide it")
 
 
+@contextmanager
+def _working(what: str) -> Iterator[Callable[[str], None] | None]:
+    """What a step that may take seconds is doing, on stderr: a transient status on an interactive terminal,
+    kept up to date by the callback yielded; else, if it takes over a second, one line (output piped to a file
+    must not look hung)."""
+    if stderr.is_terminal:
+        with stderr.status(what) as status:
+            yield status.update
+        return
+    note = threading.Timer(1.0, lambda: stderr.print(f"tune: {what} ...", highlight=False, soft_wrap=True))
+    note.start()
+    try:
+        yield None
+    finally:
+        note.cancel()
+
+
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
-                        sizes: tuple[int, ...], optimizer: str):
+                        sizes: tuple[int, ...], optimizer: str, report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
     that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
-    the layers) and recomputation (given, or each)."""
+    the layers) and recomputation (given, or each); `report` is told how many are done."""
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
 
@@ -191,6 +214,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     for b in sizes:
         counted = count_what_if(what, b)
         for t in tensors:
+            if report is not None:
+                report(f"estimating the model's profile for each t, b, recomputation and p: {len(settings)} done")
             depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
                                                            if devices % (t * p) == 0]
             try:

@@ -263,15 +263,15 @@ def twins(a: Result, b: Result) -> bool:
         speed_key(b.samples_per_s), b.peak_memory_bytes, b.staleness)
 
 
-def tune(settings: list[Setting], problem: Problem) -> Tuning:
+def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None] | None = None) -> Tuning:
     """The best configuration, its runners-up and what the limits cost (see the module docstring), over every
     profile of `settings`. A candidate is built (partitioned, costed) only when its shape's bound comes up in
-    the search, and simulated only when its own does."""
+    the search, and simulated only when its own does; `report`, if given, is told how far the search is."""
     started = time.perf_counter()
     shapes, count, refused = _shapes(settings, problem)
     if not shapes:
         raise TuneError(_nothing_to_search(settings, problem, count))
-    built = _Built(problem)
+    built = _Built(problem, report, len(shapes))
     limit, cap = problem.max_staleness, problem.memory_cap_bytes
 
     def fits_floor(item: Shape | Candidate) -> bool:
@@ -346,8 +346,9 @@ class _Built:
     """The candidates one search has built (None: refused once built, as a searched order short of memory is)
     and simulated, each at most once, by shape index."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, report: Callable[[str], None] | None = None, shapes: int = 0) -> None:
         self.problem = problem
+        self._report, self._shapes = report, shapes
         self.orders = _Orders()
         self.shapes: dict[int, Shape] = {}
         self.candidates: dict[int, Candidate | None] = {}
@@ -365,12 +366,19 @@ class _Built:
                                                           self._splitters[id(setting)], self.orders)
             except ScheduleError:
                 self.candidates[shape.index] = None
+            self._progress()
         return self.candidates[shape.index]
 
     def result(self, candidate: Candidate) -> Result:
         if candidate.index not in self.results:
             self.results[candidate.index] = evaluate(self.problem, candidate)
+            self._progress()
         return self.results[candidate.index]
+
+    def _progress(self) -> None:
+        if self._report is not None:
+            self._report(f"searching {self._shapes:,} configurations, best bound first: {len(self.candidates):,} "
+                         f"built, {len(self.results):,} simulated")
 
 
 def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate], int, int]:

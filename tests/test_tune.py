@@ -322,3 +322,21 @@ def test_search_equals_exhaustive_search_over_random_costs(seed):
     assert differences(found, best, faster, staler) == []
     built = found.stats.simulated + found.stats.simulated_over_limits
     assert built < len(results)
+
+
+def test_a_step_over_a_second_says_what_it_does_on_stderr_when_piped():
+    """Piped, a long search must not look hung: one line once a step passes a second; a quick one says nothing."""
+    import contextlib
+    import io
+    import time
+
+    from pipesim.commands.tune import _working
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        with _working("estimating") as report:
+            assert report is None  # no terminal: no status to update
+            time.sleep(1.5)
+        with _working("searching"):
+            pass
+    assert err.getvalue() == "tune: estimating ...\n"
