@@ -69,7 +69,7 @@ def _render(c) -> None:
                  f"measured; bubble {c.predicted_bubble:.1%} predicted, {c.measured_bubble:.1%} measured")
     if c.conditions is not None:
         for line in _conditions(c.conditions):
-            stdout.print(line, highlight=False, soft_wrap=True)
+            stdout.print(line, highlight=False)
     if c.compute_duration_median is not None:
         stdout.print(f"compute ops: median duration error {c.compute_duration_median:.1%} (bias "
                      f"{c.compute_duration_bias:+.1%})", highlight=False)

@@ -237,8 +237,7 @@ def print_fitted_curve(profile: Profile) -> None:
                  f"memory-bound {fitted.memory_bytes_per_ms / 1e6:.3g} GB/s")
     stdout.print(f"efficiency curve (stored; --curve-from reads it): {', '.join(rates)}, "
                  f"{fitted.kernel_overhead_ms * 1e3:.1f} us a kernel"
-                 f"{' (measured)' if fitted.kernel_overhead_measured else ''}; {fit_errors(fitted)}", highlight=False,
-                 soft_wrap=True)
+                 f"{' (measured)' if fitted.kernel_overhead_measured else ''}; {fit_errors(fitted)}", highlight=False)
 
 
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:

@@ -124,12 +124,13 @@ def run(
     Spawns one process per device (per device and replica with --data-parallel), or, started by torchrun, runs
     this rank and rank 0 writes the trace.
     """
+    from ..launch import under_torchrun
     from ..schedules import ScheduleError
     from ..schedules.catalogue import method_named
     from ..sim import CostError
     from ..traces import summarize, write_trace
     from ..traces.hostload import HostLoad, mark, ranks_per_host
-    from ..workload.processes import prepare, under_torchrun
+    from ..workload.processes import prepare
 
     began = mark()  # the host's load before this run starts anything
     if not under_torchrun():  # first: this command starts the ranks, and their server imports while it does

@@ -26,16 +26,11 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
+from ..launch import TORCHRUN_ENV, under_torchrun
 from ..schedules import KINDS, Lowered, check_transfer_order, lower, preflight
 from ..schedules.ir import Action, ScheduleError
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
-from ..workload.processes import (
-    TORCHRUN_ENV,
-    rank_context,
-    rank_process,
-    start_processes,
-    under_torchrun,
-)
+from ..workload.processes import rank_context, rank_process, start_processes
 from ..workload.transport import (
     InProcessTransport,
     TransportChoice,

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
 
+from ..launch import under_torchrun
+
 LOAD_TOLERANCE_PER_CORE = 0.25  # others' load per core that two measurements may differ by and still compare
 BUSY_CPU_PER_CORE = 0.5  # others' share of every usable core's time from which the host is busy (CPU time)
 BUSY_LOAD_PER_CORE = 1.0  # the same, read from the load average: another runnable task on every core
@@ -108,8 +110,6 @@ def _own_cpu_s() -> float | None:
     """The CPU-seconds this command's process tree has used (under torchrun, the agent's: this host's ranks of
     the job): each live process's own and what its ended children used (those it waited for), or None without
     /proc."""
-    from ..workload.processes import under_torchrun
-
     parents, used = {}, {}
     try:
         names = [name for name in os.listdir("/proc") if name.isdigit()]

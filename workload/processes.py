@@ -111,13 +111,6 @@ class _Starter:
 
 
 _STARTER = _Starter()
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")  # what torchrun sets for each rank it starts
-
-
-def under_torchrun() -> bool:
-    """Whether torchrun started this process as one rank of its job (which then starts no ranks itself)."""
-    return all(name in os.environ for name in TORCHRUN_ENV)
-
 
 def prepare() -> None:
     """Start the forkserver now, so that its imports overlap the caller's; `ready` waits for it."""
