@@ -368,7 +368,8 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     replicas = int(meta.params.get("data_parallel", 1))
     shares = f"{replicas} replicas x " if replicas > 1 else ""
     table = Table(title=f"{meta.schedule} measured: {meta.minibatches} mini-batches of {shares}{meta.microbatches} x "
-                        f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks over "
+                        f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks"
+                        f"{f' (p={len(summary.devices) // replicas}, d={replicas})' if replicas > 1 else ''} over "
                         f"{hardware.get('transport')} ({hardware.get('device')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="step: one mini-batch in steady state (from the second mini-batch's end on); "
@@ -379,9 +380,14 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
         f" / {heldout['accuracy']:.1%}" if "accuracy" in heldout else "")
     for header in ("ms/step", "samples/s", "loss first -> last", "held-out loss / acc", "peak MiB per device"):
         table.add_column(header, justify="right", no_wrap=True)
+    peaks = [f"{d.peak_memory_mb:,.2f}" for d in summary.devices]
+    if replicas > 1:  # rank = replica·p + device, as the ranks are placed
+        p = len(peaks) // replicas
+        peaks = [f"replica {r}: " + ", ".join(peaks[r * p:(r + 1) * p]) for r in range(replicas)]
+    else:
+        peaks = [f"{device}: {peak}" for device, peak in enumerate(peaks)]
     table.add_row(f"{summary.time_per_minibatch_ms:.2f}", f"{summary.samples_per_s:,.1f}",
-                  f"{first:.4g} -> {last:.4g}", held,
-                  ", ".join(f"{d.device}: {d.peak_memory_mb:,.2f}" for d in summary.devices))
+                  f"{first:.4g} -> {last:.4g}", held, "; ".join(peaks) if replicas > 1 else ", ".join(peaks))
     print_table(table)
     for path in (path for path in (trace, html) if path is not None):
         stdout.print(f"wrote {path}", highlight=False)

@@ -121,6 +121,17 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_data_parallel_runs_table_names_p_d_and_each_replicas_devices(monkeypatch):
+    """4 ranks of p = 2 and d = 2: the title says both, the peaks are grouped by replica (not 'device 2/3')."""
+    from pipesim.executor import runners
+
+    monkeypatch.setattr(runners, "run_multiprocess", lambda spec, **options: run_in_process(spec))
+    code, out, err = pipesim("run", "--schedule", "1f1b", *SMALL_MLP, "--microbatches", 2, "--minibatches", 2,
+                             "--data-parallel", 2)
+    assert code == 0, err
+    assert "4 ranks (p=2, d=2)" in out and "replica 0: " in out and "replica 1: " in out and "3: " not in out
+
+
 def test_a_run_without_trace_prints_its_table_and_writes_nothing(tmp_path, monkeypatch):
     from pipesim.executor import runners
 
