@@ -268,10 +268,11 @@ def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None
     profile of `settings`. A candidate is built (partitioned, costed) only when its shape's bound comes up in
     the search, and simulated only when its own does; `report`, if given, is told how far the search is."""
     started = time.perf_counter()
-    shapes, count, refused = _shapes(settings, problem)
+    orders = _Orders()
+    shapes, count, refused = _shapes(settings, problem, orders)
     if not shapes:
         raise TuneError(_nothing_to_search(settings, problem, count))
-    built = _Built(problem, report, len(shapes))
+    built = _Built(problem, orders, report, len(shapes))
     limit, cap = problem.max_staleness, problem.memory_cap_bytes
 
     def fits_floor(item: Shape | Candidate) -> bool:
@@ -346,10 +347,11 @@ class _Built:
     """The candidates one search has built (None: refused once built, as a searched order short of memory is)
     and simulated, each at most once, by shape index."""
 
-    def __init__(self, problem: Problem, report: Callable[[str], None] | None = None, shapes: int = 0) -> None:
+    def __init__(self, problem: Problem, orders: _Orders, report: Callable[[str], None] | None = None,
+                 shapes: int = 0) -> None:
         self.problem = problem
         self._report, self._shapes = report, shapes
-        self.orders = _Orders()
+        self.orders = orders  # the shapes' own: a fixed order is built once
         self.shapes: dict[int, Shape] = {}
         self.candidates: dict[int, Candidate | None] = {}
         self.results: dict[int, Result] = {}
@@ -384,8 +386,9 @@ class _Built:
 def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate], int, int]:
     """Every configuration the problem allows on each setting's profile, built, partitioned and bounded; and how
     many shapes there were and how many of those the methods refused: what an exhaustive search simulates."""
-    shapes, count, refused = _shapes(settings, problem)
-    built = _Built(problem)
+    orders = _Orders()
+    shapes, count, refused = _shapes(settings, problem, orders)
+    built = _Built(problem, orders)
     found = [built.candidate(shape) for shape in shapes]
     return [c for c in found if c is not None], count, refused + sum(c is None for c in found)
 
@@ -451,12 +454,11 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, per_step: np.nda
     return problem.batch_size / busiest_ms * 1e3 if busiest_ms > 0 else math.inf
 
 
-def _shapes(settings: list[Setting], problem: Problem) -> tuple[list[Shape], int, int]:
-    """Every shape (schedule, p, v, P with a whole m) on each setting, with what its order tells before costs;
-    how many shapes there were, and how many the methods refused from the shape alone."""
+def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple[list[Shape], int, int]:
+    """Every shape (schedule, p, v, P with a whole m) on each setting, with what its order (built by `orders`)
+    tells before costs; how many shapes there were, and how many the methods refused from the shape alone."""
     shapes: list[Shape] = []
     count = refused = 0
-    orders = _Orders()
     for setting in settings:
         scenario, t, b = setting.scenario, setting.tensor, setting.microbatch_size
         profile = scenario.measured

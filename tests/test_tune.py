@@ -298,8 +298,9 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
     compute dominates its bubbles)."""
     profile = jittered(load_profile(which), seed)
     source, prob = scenario(profile), problem(profile, devices, cap_gib, search_seconds=0.02)
-    shapes, _, _ = tuning._shapes(source, prob)
-    built = tuning._Built(prob)
+    orders = tuning._Orders()
+    shapes, _, _ = tuning._shapes(source, prob, orders)
+    built = tuning._Built(prob, orders)
     bubbles = 0
     for shape in shapes:
         candidate = built.candidate(shape)
