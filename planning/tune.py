@@ -434,15 +434,26 @@ def _work(profile: Profile, optimizer: str) -> _Work:
                                   for layer in layers))
 
 
-def _shape_bound(problem: Problem, config: Config, work: _Work, per_step: np.ndarray | None, cost_scale: float
-                 ) -> float:
+def _shape_bound(problem: Problem, config: Config, work: _Work, per_step: np.ndarray | None, cost_scale: float,
+                 chain: tuple[int, bool] | None = None) -> float:
     """An upper bound of `config`'s samples/s under any partition. The busiest device computes at least the
     mean of the p devices, and together they compute at least every stage's forwards (the fewest any stage runs
     per step, times the layers' forward sum: F is additive over a cut) and backwards (each micro-batch's B, or
     I and W, costs at least min(B, I + W) >= the layers' least backward; B alone, its layers' B), with updates
-    and the rest counted as 0. The candidate's bound (`Candidate.max_samples_per_s`) is its busiest device's
-    compute, so at most this. A searched order (`per_step` None) runs each of its m micro-batches' F and
-    backward on every stage. Shaded by 1e-9 against rounding (the sums run in another order)."""
+    and the rest counted as 0. A searched order (`per_step` None) runs each of its m micro-batches' F and
+    backward on every stage.
+
+    A flushing chain's step is also at least, for every device d, X_0 + ... + X_{d-1} + c·X_d, where X_k is
+    stage k's forward plus its input-gradient pass and c the fewest of each any device runs before its last
+    input-gradient pass (`_flush_bound_ms`, `_flush_chain`). Weighting device d's inequality by w_d, with
+    w_d = a(c-1)^(p-1-d)/c^(p-d), gives every X_k the same coefficient a, and the weights sum to 1 for
+    a = 1/(1 - (1 - 1/c)^p): the step is at least a·(X_0 + ... + X_{p-1}), whatever the cut; the X_k sum to at
+    least the layers' forwards, plus their backwards where no stage runs I (B is additive; a first stage's I
+    is empty). About m/p + 1/2 micro-batches' passes for m >> p: half the fill and drain, where the mean
+    compute alone gives none.
+
+    The candidate's bound (`Candidate.max_samples_per_s`, from its own stages) can only be lower: a test holds
+    them to it. Shaded by 1e-9 against rounding (the sums run in another order)."""
     m = config.microbatches
     if per_step is None:
         forwards, backwards, whole = m, m, 0.0
@@ -450,8 +461,13 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, per_step: np.nda
         f, b, i, w = (per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
         forwards, backwards, whole = float(f.min()), float((b + np.minimum(i, w)).min()), float(b.min())
     total_ms = cost_scale * (forwards * work.fwd_ms + max(backwards * work.least_bwd_ms, whole * work.bwd_ms))
-    busiest_ms = total_ms / config.stages * (1 - 1e-9)
-    return problem.batch_size / busiest_ms * 1e3 if busiest_ms > 0 else math.inf
+    step_ms = total_ms / config.stages
+    if chain is not None:
+        c, runs_input_halves = chain
+        passes_ms = cost_scale * (work.fwd_ms + (0.0 if runs_input_halves else work.bwd_ms))
+        step_ms = max(step_ms, passes_ms / (1 - (1 - 1 / c) ** config.stages))
+    step_ms *= 1 - 1e-9
+    return problem.batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
 
 
 def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple[list[Shape], int, int]:
@@ -481,15 +497,16 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                         try:
                             if METHODS[name].needs_costs:
                                 check_shape(params)
-                                staleness, per_step = None, None
+                                staleness, per_step, chain = None, None, None
                             else:
                                 order = orders(scenario, name, _long(orders(scenario, name, params).schedule, params))
-                                staleness, per_step = order.staleness, order.per_step
+                                staleness, per_step, chain = order.staleness, order.per_step, order.chain
                         except ScheduleError:
                             refused += 1
                             continue
                         shapes.append(Shape(config, setting, count - 1, staleness,
-                                            _shape_bound(problem, config, work, per_step, scenario.cost_scale)))
+                                            _shape_bound(problem, config, work, per_step, scenario.cost_scale,
+                                                         chain)))
     return shapes, count, refused
 
 
@@ -554,10 +571,11 @@ class _Order:
     in_flight: tuple[int, ...]
     lingering: tuple[int, ...]
     per_step: np.ndarray
+    chain: tuple[int, bool] | None  # `_flush_chain`
 
     @classmethod
     def of(cls, schedule: Schedule) -> _Order:
-        return cls(schedule, *_held(schedule), _ops_per_step(schedule))
+        return cls(schedule, *_held(schedule), _ops_per_step(schedule), _flush_chain(schedule))
 
 
 class _Orders:
@@ -632,13 +650,14 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray) -> float:
     Transfers, waits and overheads only add, and steps repeat from the second on, so E0(s+1) - E0(s) is the
     step. A test holds the bound to the simulated step over every candidate."""
     p = schedule.num_devices
-    if (schedule.pipelines != 1 or schedule.placement != tuple(range(p)) or schedule.graph != StageGraph.chain(p)
-            or not flushes(schedule)):
+    if not _is_flushing_chain(schedule):
         return 0.0
     t = schedule.table
     compute_ms = op_ms * COMPUTE
     forward_ms = op_ms[:, KIND_CODE[Kind.F]]
-    input_grad_ms = np.minimum(op_ms[:, KIND_CODE[Kind.B]], op_ms[:, KIND_CODE[Kind.I]])
+    runs = {kind: np.bincount(t.stage[t.kind == KIND_CODE[kind]], minlength=p) > 0 for kind in (Kind.B, Kind.I)}
+    input_grad_ms = np.minimum(*(np.where(runs[kind], op_ms[:, KIND_CODE[kind]], np.inf) for kind in runs))
+    input_grad_ms[np.isinf(input_grad_ms)] = 0.0  # a stage with no backward (none here: every stage has one)
     steady = t.minibatch == 1
     step_ms = 0.0
     for d in range(p):
@@ -650,6 +669,32 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray) -> float:
         work_ms = float(compute_ms[t.stage[upto], t.kind[upto]].sum())
         step_ms = max(step_ms, float(forward_ms[:d].sum() + work_ms + input_grad_ms[:d].sum()))
     return step_ms
+
+
+def _is_flushing_chain(schedule: Schedule) -> bool:
+    p = schedule.num_devices
+    return (schedule.pipelines == 1 and schedule.placement == tuple(range(p)) and schedule.graph == StageGraph.chain(p)
+            and flushes(schedule))
+
+
+def _flush_chain(schedule: Schedule) -> tuple[int, bool] | None:
+    """For a flushing chain (`_flush_bound_ms`; None for any other order): the fewest forwards, and the fewest
+    input-gradient passes (B or I), any device runs in a step up to and including its last B or I; and whether
+    any stage runs I (then the first stage's input-gradient pass is empty, as its I is)."""
+    if not _is_flushing_chain(schedule):
+        return None
+    t = schedule.table
+    steady = t.minibatch == 1
+    fewest = None
+    for d in range(schedule.num_devices):
+        kinds = t.kind[steady & (t.device == d)]
+        backward = np.flatnonzero(kind_mask(kinds, Kind.B, Kind.I))
+        if not len(backward):
+            return None
+        upto = kinds[:backward[-1] + 1]
+        counted = min(int(np.count_nonzero(upto == KIND_CODE[Kind.F])), len(backward))
+        fewest = counted if fewest is None else min(fewest, counted)
+    return fewest, bool(np.any(t.kind == KIND_CODE[Kind.I]))
 
 
 def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
