@@ -39,7 +39,7 @@ def run(flags: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    found = re.search(r"searched .*?; [\d.]+ s", " ".join(done.stdout.split()))
+    found = re.search(r"searched [\d,]+ configurations .*?; [\d.]+ s", " ".join(done.stdout.split()))
     return wall, cpu, found.group(0) if found else ""
 
 
