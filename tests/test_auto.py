@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pipesim.planning.auto import (
@@ -57,8 +57,15 @@ def scenarios(draw):
     return p, m, costs, draw(st.sampled_from([0.0, 0.05, 0.3]))
 
 
+# R = 2 allows exactly two of the last stage's micro-batches; ZB-H2 holds them and one rounded byte more (its I
+# keeps half of an odd byte count, rounded up), so it does not fit, and auto rightly takes the slower order.
+BYTE_OVER = (2, 3, Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0, wgrad_fraction=0.5, activation_mb=[1.0, 2963127 / MIB],
+                                   output_mb=0.0, param_mb=1.0), 0.0)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.sampled_from([1.0, 2.0]))
+@example(BYTE_OVER, 2.0)
 def test_property_auto_is_valid_within_its_limit_and_never_slower_than_a_fixed_order_that_fits(scenario, limit):
     p, m, costs, comm = scenario
     held = [c.activation_bytes for c in costs.stages]
@@ -68,14 +75,14 @@ def test_property_auto_is_valid_within_its_limit_and_never_slower_than_a_fixed_o
     trace, summary = _run(auto, costs, comm)
     assert summary.max_staleness == 0
     allowed = limit * one_f_one_b_peak(held, m)  # R × what 1F1B holds at most on one device
-    assert max(_peak_activation_bytes(trace, auto, costs)) <= allowed + 1
+    assert max(_peak_activation_bytes(trace, auto, costs)) <= allowed  # whole bytes, as auto and the simulator count
     for name in FIXED:
         try:
             fixed = METHODS[name].build(METHODS[name].params(p, m, 2))
         except ScheduleError:  # zb-h2 needs m >= 2p - 1
             continue
         fixed_trace, fixed_summary = _run(fixed, costs, comm)
-        if max(_peak_activation_bytes(fixed_trace, fixed, costs)) <= allowed + 1:
+        if max(_peak_activation_bytes(fixed_trace, fixed, costs)) <= allowed:  # not a byte over, as auto holds it
             assert summary.time_per_minibatch_ms <= fixed_summary.time_per_minibatch_ms + 1e-6, name  # ps clock
 
 
