@@ -141,6 +141,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # its pydantic models: only where --gpu needs them
+    from ..sim.costs import PRECISIONS
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
@@ -157,6 +158,9 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     recompute = params.get("recompute")
     if recompute is not None and recompute not in RECOMPUTE:
         raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
+    precision = params.get("precision")
+    if precision is not None and precision not in PRECISIONS:  # before the model is counted, which takes seconds
+        raise InputError(f"--precision: choose from {', '.join(PRECISIONS)} (got {precision!r})")
     try:
         catalogue = load_catalogue(params.get("gpus"))
     except CatalogueError as exc:

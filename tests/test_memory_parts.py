@@ -254,3 +254,12 @@ def test_a_trace_whose_savers_do_not_sum_to_its_activations_is_refused(tmp_path)
     path.write_text(json.dumps(doc))
     with pytest.raises(TraceError, match="peak_activation_parts must hold, for each device, bytes that sum"):
         read_trace(path)
+
+
+@pytest.mark.parametrize("command", [["simulate", "-s", "1f1b", "-p", "4"], ["estimate", "-p", "4", "-o", "OUT"]])
+def test_an_unknown_precision_with_gpu_is_one_line_before_the_model_is_counted(command, tmp_path):
+    out = tmp_path / "e.json"
+    args = [str(out) if a == "OUT" else a for a in command]
+    code, _, err = pipesim(*args, "--gpu", "a100-sxm-80gb", "--model", "gpt", "--precision", "bogus")
+    assert code == 2 and err.count("\n") == 1 and "--precision: choose from fp32, megatron" in err, err
+    assert not out.exists()
