@@ -100,11 +100,15 @@ class Scenario:
     def _sharded_for(self, costs: Costs, sched: Schedule) -> Costs:
         """An estimate for a sharded optimizer holds one shard of its d and steps over it: here each replica's
         whole state (the simulator divides it by the schedule's d where the schedule shards), and the step over
-        the shard the schedule updates (its bytes at the memory's rate, the kernel's overhead aside)."""
+        the shard the schedule updates (its bytes at the memory's rate, the kernel's overhead aside), whether the
+        estimate or only the schedule shards."""
         estimate = self.measured.estimate if self.measured is not None else None
-        if estimate is None or not estimate.parallelism.get("sharded_optimizer"):
+        if estimate is None:
             return costs
-        shards = estimate.degrees[2]
+        sharded = bool(estimate.parallelism.get("sharded_optimizer"))
+        if not (sharded or sched.sharded_optimizer):
+            return costs
+        shards = estimate.degrees[2] if sharded else 1
         stepped = shards / (sched.data_parallel if sched.sharded_optimizer else 1)
         overhead_ms = float(estimate.curve.get("kernel_overhead_ms", 0.0))
         return replace(costs, stages=tuple(replace(

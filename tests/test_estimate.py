@@ -261,6 +261,16 @@ def test_a_sharded_estimate_read_at_another_d_updates_and_holds_that_ds_shard(sm
     assert read[0].opt_ms < _placed(two, 2, 2, sharded=True)[2].stages[0].opt_ms
 
 
+def test_an_unsharded_estimate_run_sharded_steps_over_the_schedules_shard(small_gpt, tmp_path):
+    """Estimated without ZeRO-1 and run with it at d = 2: each replica steps over half the state, as the estimate
+    made sharded at d = 2 prices it (the step was the whole state's on every replica)."""
+    plain = _written(small_gpt, Parallelism(pipeline=2, data=2), tmp_path / "plain.json")
+    sharded = _written(small_gpt, Parallelism(pipeline=2, data=2, sharded_optimizer=True), tmp_path / "zero1.json")
+    read, estimated = (_placed(profile, 2, 2, sharded=True)[2].stages for profile in (plain, sharded))
+    assert [c.opt_ms for c in read] == pytest.approx([c.opt_ms for c in estimated], rel=1e-9)
+    assert [c.optimizer_state_bytes for c in read] == [c.optimizer_state_bytes for c in estimated]
+
+
 def test_tune_reads_an_estimates_t_as_gpus_per_stage(small_gpt, tmp_path):
     """An estimate for t = 2 stands for 2 GPUs per stage: on 8 GPUs tune searches p·d = 4, not 8."""
     import json
