@@ -496,15 +496,21 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
         table.add_column("limit", justify="right", no_wrap=True)
     for s, sched, checks in zip(summaries, schedules, memory):
         for d, (device, check) in enumerate(zip(s.devices, checks)):
-            parts = device.peak_memory_parts_mb
+            whole = _summing_whole([device.peak_memory_parts_mb[part] for part in MEMORY_PARTS])
             table.add_row(
-                s.schedule if d == 0 else "", str(device.device), *[f"{parts[part]:,.0f}" for part in MEMORY_PARTS],
-                f"{device.peak_memory_mb:,.0f}",
+                s.schedule if d == 0 else "", str(device.device), *[f"{mib:,}" for mib in whole], f"{sum(whole):,}",
                 *([f"{check.limit_bytes / MIB:,.0f}" if check.limit_bytes is not None else ""] if limited else []),
                 style="red" if check.out_of_memory else None, end_section=d == len(s.devices) - 1)
     for name in skipped:
         table.add_row(name, "skipped", style="dim")
     print_table(table)
+
+
+def _summing_whole(values: list[float]) -> list[int]:
+    """`values` as whole numbers that still sum to their sum's rounding: each rounded at its running total, so a
+    table's parts add up to the peak it prints beside them (rounded alone, 863 MiB of parts stood by 864)."""
+    totals = [round(sum(values[:k + 1])) for k in range(len(values))]
+    return [total - before for total, before in zip(totals, [0, *totals[:-1]])]
 
 
 def _source(sched) -> str | None:

@@ -263,3 +263,15 @@ def test_an_unknown_precision_with_gpu_is_one_line_before_the_model_is_counted(c
     code, _, err = pipesim(*args, "--gpu", "a100-sxm-80gb", "--model", "gpt", "--precision", "bogus")
     assert code == 2 and err.count("\n") == 1 and "--precision: choose from fp32, megatron" in err, err
     assert not out.exists()
+
+
+def test_the_memory_views_whole_mib_add_up_to_its_peak():
+    """Parts of fractional MiB rounded each alone printed 863 beside a peak of 864; rounded at their running
+    total, the row adds up."""
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-s", "zb-v", "-p", "4", "-m", "8", "--param-mb", "10.4",
+                             "--activation-mb", "3.3,2.7,4.4,1.6", "--output-mb", "0.45", "--memory")
+    assert code == 0, err
+    rows = [[int(v.replace(",", "")) for v in line.split()[-6:]] for line in out.splitlines()
+            if line.split() and line.split()[-1].replace(",", "").isdigit() and len(line.split()) >= 7]
+    assert len(rows) >= 8
+    assert all(sum(row[:5]) == row[5] for row in rows), rows
