@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from ..hardware.collectives import all_reduce_ms, reduce_scatter_ms
+from ..memory_parts import SAVED_PARTS
 from ..profiles.partition import partition
 from ..profiles.schema import (
     OPTIMIZERS,
@@ -53,7 +54,7 @@ from ..profiles.schema import (
     boundary_bytes,
     layer_costs,
 )
-from ..profiles.workload import SAVED_PARTS, LayerCount, OpCount, WorkloadCount
+from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from ..sim.costs import PRECISIONS, Precision
 
 if TYPE_CHECKING:

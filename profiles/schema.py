@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..files import first_error
+from ..memory_parts import SAVED_PARTS
 from .partition import LayerCost, stage_activation_bytes, stage_memory_bytes
-from .workload import SAVED_PARTS
 
 SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
 SUPPORTED_VERSIONS = (1, 2)

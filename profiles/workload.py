@@ -30,9 +30,6 @@ class OpCount:
     count: int
 
 
-# What saves an activation (`LayerCount.saved_parts`): the torch function running (a norm, a dropout's mask, the
-# attention kernel), else the innermost submodule named for attention or an MLP, else other.
-SAVED_PARTS = ("attention", "mlp", "norms", "dropout", "other")
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ class LayerCount:
     inputs: tuple[int, ...]  # the layers it reads (-1: the batch)
     saved_tensors: tuple[tuple[tuple[int, ...], int], ...] = ()  # (shape, bytes) per storage saved_bytes sums
     ops: dict[str, tuple[OpCount, ...]] = field(default_factory=dict)
-    saved_parts: tuple[str, ...] = ()  # per saved tensor, what saved it (`SAVED_PARTS`); (): not attributed
+    saved_parts: tuple[str, ...] = ()  # per saved tensor, what saved it (memory_parts.SAVED_PARTS); (): not attributed
 
 
 @dataclass(frozen=True)

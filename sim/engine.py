@@ -30,15 +30,14 @@ import numpy as np
 import simpy
 
 from .. import __version__
-from ..profiles.workload import SAVED_PARTS
+from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
 from ..schedules.lowering import Lowered, lower, preflight
-from ..traces.trace import MEMORY_PARTS, Counter, Ops, Stream, Trace, TraceMeta
+from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
 from .costs import Costs, RowOverhead
 
 _PS_PER_MS = 1e9
-SAVERS = tuple(f"activations.{saver}" for saver in SAVED_PARTS)  # the activations' part by what saves them, other last
 # `_Model._lockstep`: the steps per sweep, over a window of sweeps, above which sweeping pays (a sweep costs about
 # as much as 25 steps one at a time).
 _SWEEP_PAYS = 32

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("schedules", "traces", "profiles", "hardware", "sim", "planning", "workload", "calibrate", "executor",
             "study", "commands")
-LEAVES = {"units", "files", "launch"}
+LEAVES = {"units", "files", "launch", "memory_parts"}
 OURS = {*PACKAGES, "cli", *LEAVES}
 
 # package -> import prefixes (ours as "pipesim.x", third-party by name) it must never import, and why.

@@ -21,12 +21,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..memory_parts import MEMORY_PARTS
+
 SCHEMA_VERSION = 2
-# What holds a device's memory, the parts a prediction's peak is broken into (`TraceMeta.peak_memory_parts`):
-# weights (with the copies a method keeps), weight gradients as accumulated, optimizer state (a mixed-precision
-# master copy of the weights included), what the forward keeps for the
-# backward (boundary tensors included), and point-to-point buffers in flight.
-MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication")
 
 
 class Stream(IntEnum):

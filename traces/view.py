@@ -29,10 +29,11 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.colors import qualitative, sample_colorscale
 
+from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..units import MIB
 from .compare import Comparison
 from .metrics import Summary, summarize
-from .trace import MEMORY_PARTS, STREAMS, Trace, TraceMeta, write_atomic
+from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
 KIND_COLORS = {
@@ -107,8 +108,6 @@ PART_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state
                "activations": "#e45756", "activations.attention": "#e45756", "activations.mlp": "#ff9da6",
                "activations.norms": "#9d755d", "activations.dropout": "#bab0ac", "activations.other": "#eeca3b",
                "communication": "#b279a2"}
-SAVERS = ("activations.attention", "activations.mlp", "activations.norms", "activations.dropout",
-          "activations.other")
 
 
 def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:

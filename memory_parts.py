@@ -1,0 +1,16 @@
+"""The parts a device's memory is broken into, in one place: the prediction's counters (sim/), the trace and its
+page (traces/) and a model's count (profiles/) name them alike. A leaf module (it imports nothing), so that the
+shared vocabularies and the profile data may use it."""
+
+# What holds a device's memory, the parts a prediction's peak is broken into (`TraceMeta.peak_memory_parts`):
+# weights (with the copies a method keeps), weight gradients as accumulated, optimizer state (a mixed-precision
+# master copy of the weights included), what the forward keeps for the backward (boundary tensors included), and
+# point-to-point buffers in flight.
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication")
+
+# What saves an activation (`LayerCount.saved_parts`): the torch function running (a norm, a dropout's mask, the
+# attention kernel), else the innermost submodule named for attention or an MLP, else other.
+SAVED_PARTS = ("attention", "mlp", "norms", "dropout", "other")
+
+# The activations' part by what saves them, as counters name them ("activations.mlp"), other last.
+SAVERS = tuple(f"activations.{saver}" for saver in SAVED_PARTS)
