@@ -64,9 +64,14 @@ MicrobatchSize = Annotated[int, typer.Option(
 BlockingComm = Annotated[bool, typer.Option(
     "--blocking-comm", help="Sends block the compute stream until they finish.")]
 ShardedOptimizer = Annotated[bool, typer.Option(
-    "--sharded-optimizer", help="With --data-parallel: ZeRO-1, each replica keeps 1/d of the optimizer state; "
-                                "the all-reduce becomes a reduce-scatter before the update and an all-gather "
-                                "after it.")]
+    "--sharded-optimizer", help="The same as --zero 1.")]
+Zero = Annotated[int | None, typer.Option(
+    "--zero", metavar="STAGE", help="With --data-parallel: what the d replicas shard (ZeRO's stages): 1 the "
+                                    "optimizer state, 2 the gradients too (each kept whole from a stage's first "
+                                    "backward of a mini-batch until its last), 3 the weights too (FSDP: whole from "
+                                    "the first forward until the last backward in a pipeline; one pass's at a time "
+                                    "with one stage); the all-reduce becomes a reduce-scatter before the update and "
+                                    "an all-gather after it. Default 0: none.")]
 HeldPrecision = Annotated[str | None, typer.Option(
     "--precision", metavar="MODE", help="How weights, gradients and optimizer state are held: fp32 (all float32) "
                                         "megatron (Megatron-LM's mixed precision: 16-bit weights, float32 main "
@@ -412,6 +417,22 @@ def search_progress(search_seconds: float | None, quiet: bool) -> Iterator[Calla
         yield lambda share: bar.update(task, completed=share)
 
 
+def zero_stage(flags: dict) -> int:
+    """ZeRO's stage from --zero and --sharded-optimizer (the same as --zero 1), checked against --data-parallel."""
+    from ..schedules.methods import ZERO_STAGES
+
+    zero, sharded = flags.get("zero"), flags.get("sharded_optimizer", False)
+    if zero is not None and zero not in ZERO_STAGES:
+        raise InputError(f"--zero: choose from {', '.join(map(str, ZERO_STAGES))} (got {zero})")
+    if sharded and zero not in (None, 1):
+        raise InputError(f"--sharded-optimizer is --zero 1, but --zero {zero} was given: give one of them")
+    stage = 1 if sharded else zero or 0
+    if stage and (flags.get("data_parallel") or 1) == 1:
+        flag = "--sharded-optimizer" if sharded else f"--zero {stage}"
+        raise InputError(f"{flag} shards over data-parallel replicas: give --data-parallel 2 or more")
+    return stage
+
+
 def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None, estimated: Profile | None = None,
                         **overrides) -> Scenario:
     """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
@@ -439,9 +460,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     network = flags.get("network_gb_s")
     if network is not None and not 0 < network < math.inf:
         raise InputError(f"--network-gb-s: give GB/s above 0 (got {network})")
-    if flags.get("sharded_optimizer") and (flags.get("data_parallel") or 1) == 1:
-        raise InputError("--sharded-optimizer shards the optimizer state over data-parallel replicas: give "
-                         "--data-parallel 2 or more")
+    zero_stage(flags)
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")

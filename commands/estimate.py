@@ -28,6 +28,7 @@ from .common import (
     ShardedOptimizer,
     Stages,
     TensorParallel,
+    Zero,
     check_writable,
     fail,
     is_given,
@@ -38,6 +39,7 @@ from .common import (
     too_few_layers,
     what_if_options,
     write_error,
+    zero_stage,
 )
 from .tables import print_table
 
@@ -182,7 +184,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
             raise InputError(f"--curve-from: {exc}") from None
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False),
-                  params.get("sharded_optimizer", False), params.get("precision"), calibrated,
+                  zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"))
 
 
@@ -384,6 +386,7 @@ def estimate(
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,
     sharded_optimizer: ShardedOptimizer = False,
+    zero: Zero = None,
     precision: HeldPrecision = None,
     recompute: Recompute = "none",
     microbatch_size: MicrobatchSize = 1,
@@ -398,9 +401,7 @@ def estimate(
 
     try:
         check_writable("--out", out)
-        if sharded_optimizer and data_parallel == 1:
-            raise InputError("--sharded-optimizer shards the optimizer state over data-parallel replicas: give "
-                             "--data-parallel 2 or more")
+        zero = zero_stage(ctx.params)
         what = what_if(ctx)
         counted = count_what_if(what, microbatch_size)
         profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
@@ -411,6 +412,10 @@ def estimate(
     except OSError as exc:
         fail(write_error(exc))
     _print_estimate(profile)
+    if zero >= 2:
+        stdout.print(f"ZeRO-{zero}: the profile holds each GPU's whole {'weights and ' if zero == 3 else ''}"
+                     f"gradients, the peak above counts them whole; `pipesim simulate --profile {out} --zero {zero}` "
+                     "shards them", highlight=False)
     stdout.print(f"wrote {out}", highlight=False)
 
 

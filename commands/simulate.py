@@ -41,6 +41,7 @@ from .common import (
     Stages,
     TensorParallel,
     WgradFraction,
+    Zero,
     check_method_options,
     check_prediction,
     check_writable,
@@ -56,6 +57,7 @@ from .common import (
     stderr,
     stdout,
     write_error,
+    zero_stage,
 )
 from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, what_if
 from .tables import print_table
@@ -135,6 +137,7 @@ def simulate(
     data_parallel: DataParallel = 1,
     network_gb_s: NetworkGbS = None,
     sharded_optimizer: ShardedOptimizer = False,
+    zero: Zero = None,
     precision: HeldPrecision = None,
     reduce_after_flush: ReduceAfterFlush = False,
     recompute: Recompute = "none",
@@ -208,7 +211,7 @@ def simulate(
                        if method.reads(option)}
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
                                    average_every=average_every, elastic_alpha=elastic_alpha,
-                                   data_parallel=data_parallel, sharded_optimizer=sharded_optimizer,
+                                   data_parallel=data_parallel, zero=zero_stage(ctx.params),
                                    reduce_after_flush=reduce_after_flush, **options)
             with search_progress(params.search_seconds, as_json) as report:
                 return scenario.build(name, params, progress=report)

@@ -21,9 +21,11 @@ from .common import (
     Recompute,
     ReduceAfterFlush,
     SearchSeconds,
+    ShardedOptimizer,
     StageCut,
     TensorParallel,
     WgradFraction,
+    Zero,
     check_writable,
     fail,
     optional_what_if_options,
@@ -33,6 +35,7 @@ from .common import (
     search_options,
     stdout,
     write_error,
+    zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, what_if
 from .tables import print_table
@@ -105,6 +108,8 @@ def sweep(
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,
     reduce_after_flush: ReduceAfterFlush = False,
+    sharded_optimizer: ShardedOptimizer = False,
+    zero: Zero = None,
     network_gb_s: NetworkGbS = None,
     recompute: Recompute = "none",
     stage_cut: StageCut = "balanced",
@@ -175,7 +180,7 @@ def sweep(
             axes.get("stages", (scenario.measured.partition.stages if scenario.measured else 4,)),
             axes.get("microbatches", (8,)), minibatches, axes.get("chunks"), axes.get("pipelines"),
             axes.get("cost-scale", (1.0,)), axes.get("prediction"), axes.get("activation-limit"),
-            search["search_seconds"], data_parallel, reduce_after_flush).configs()
+            search["search_seconds"], data_parallel, reduce_after_flush, zero_stage(ctx.params)).configs()
         # (scenario, the configurations it runs): an estimate depends on p (which links a stage boundary crosses)
         jobs = [(scenario, list(range(len(configs))))]
         if what is not None:

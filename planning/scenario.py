@@ -10,6 +10,7 @@ a profile skips.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.costs import RowOverhead
 
 if TYPE_CHECKING:
-    from ..profiles.schema import Estimate, Profile, RuntimeProfile
+    from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile
     from .estimate import PlacementLinks
 
 # How a profile's layers are cut into model stages: balanced for time (PipeDream's planner, `partition`), or the
@@ -327,6 +328,7 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
     from ..profiles.schema import stages_for
 
     tail = measured.contention.tail if measured.contention is not None else 1.0
+    stage_layers = [measured.layers[start:stop] for start, stop in itertools.pairwise(bounds)]
     return Costs(tuple(StageCosts(
         fwd_ms=s.fwd_ms * tail, bwd_ms=s.bwd_ms * tail, igrad_ms=s.igrad_ms * tail, wgrad_ms=s.wgrad_ms * tail,
         wgrad_fraction=s.wgrad_fraction,
@@ -335,12 +337,21 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer],
         accumulate_ms=s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0,
         copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,
-        grad_bytes=s.grad_bytes, activation_parts=s.activation_parts)
-        for s in stages_for(measured, list(bounds), dag=dag)), microbatch_size=measured.environment.microbatch_size,
+        grad_bytes=s.grad_bytes, activation_parts=s.activation_parts, gathered_bytes=gathered_bytes(layers))
+        for s, layers in zip(stages_for(measured, list(bounds), dag=dag), stage_layers)),
+        microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),
         kept_gradients=measured.runtime.kept_gradients if measured.runtime is not None else 0.0,
         recv_window=measured.runtime.recv_window if measured.runtime is not None else 0,
         calibration=measured.describe())
+
+
+def gathered_bytes(layers: Sequence[LayerProfile]) -> int:
+    """The whole weights FSDP2 holds at once while a pass runs over `layers`, each a module of its own (as
+    torchtitan wraps each transformer block): the layer computing and the next, whose all-gather FSDP2's implicit
+    prefetching issues meanwhile; the largest two neighbours' sum."""
+    sizes = [layer.param_bytes for layer in layers]
+    return max((a + b for a, b in itertools.pairwise(sizes)), default=sum(sizes))
 
 
 def profile_overhead(runtime: RuntimeProfile) -> RowOverhead:

@@ -51,7 +51,8 @@ class Config:
     distances s (None: the method's primary source, or no prediction); a result names the source used.
     `activation_limit` (R) and `search_seconds`: a searched method's (auto) limit and budget (None: its
     defaults, or not searched). `data_parallel`: replicas d of the pipeline, each stage's gradients all-reduced
-    over them (REDUCE rows), on each device once its last backward is done where `reduce_after_flush`."""
+    over them (REDUCE rows), on each device once its last backward is done where `reduce_after_flush`, and sharded
+    over them as ZeRO's stage `zero` says."""
 
     schedule: str
     stages: int
@@ -65,13 +66,15 @@ class Config:
     search_seconds: float | None = None
     data_parallel: int = 1
     reduce_after_flush: bool = False
+    zero: int = 0
 
     @property
     def label(self) -> str:
         return (f"{self.schedule} p={self.stages} m={self.microbatches} v={self.chunks} P={self.pipelines} "
                 f"cost×{self.cost_scale:g}" + (f" s: {self.prediction}" if self.prediction else "")
                 + (f" R={self.activation_limit:g}" if self.activation_limit is not None else "")
-                + (f" d={self.data_parallel}" if self.data_parallel > 1 else ""))
+                + (f" d={self.data_parallel}" if self.data_parallel > 1 else "")
+                + (f" ZeRO-{self.zero}" if self.zero else ""))
 
     @property
     def variant(self) -> str:
@@ -177,7 +180,8 @@ def load_grid(path: Path) -> dict[str, tuple]:
 class Grid:
     """The axes of a sweep. `chunks`, `pipelines`, `predictions` (sources of s) and `activation_limits` (auto's
     R) None: each method's default; `search_seconds`: auto's search budget (None: its default); `data_parallel`:
-    every configuration's replicas d, and whether their all-reduce waits for the pipeline's flush."""
+    every configuration's replicas d, whether their all-reduce waits for the pipeline's flush, and ZeRO's stage
+    `zero` over them."""
 
     schedules: tuple[str, ...]
     stages: tuple[int, ...]
@@ -191,6 +195,7 @@ class Grid:
     search_seconds: float | None = None
     data_parallel: int = 1
     reduce_after_flush: bool = False
+    zero: int = 0
 
     def configs(self) -> list[Config]:
         """Every configuration, method by method. v, P, the source of s and R multiply only the methods that
@@ -207,7 +212,7 @@ class Grid:
             budget = self.search_seconds if method.reads("search_seconds") else None
             replicas = self.data_parallel
             configs += [Config(name, p, m, self.minibatches, v, copies, scale, source, limit, budget, replicas,
-                               self.reduce_after_flush)
+                               self.reduce_after_flush, self.zero)
                         for p, m, v, copies, scale, source, limit in
                         product(self.stages, self.microbatches, chunks, pipelines, self.cost_scales, sources, limits)]
         return configs
@@ -226,7 +231,7 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
                 config.stages, config.microbatches, config.minibatches, config.chunks, config.pipelines,
                 prediction=config.prediction, activation_limit=config.activation_limit,
                 search_seconds=config.search_seconds, data_parallel=config.data_parallel,
-                reduce_after_flush=config.reduce_after_flush))
+                reduce_after_flush=config.reduce_after_flush, zero=config.zero))
             trace = simulate(sched, scaled.costs(sched), scaled.links(sched))
             summary = summarize(trace)
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:

@@ -350,10 +350,16 @@ class Schedule:
         return int(self.params.get("data_parallel", 1))
 
     @property
+    def zero(self) -> int:
+        """ZeRO's stage over the d replicas (`ScheduleParams.zero`): 0 none, 1 the optimizer state sharded, 2 the
+        gradients too, 3 the weights too."""
+        return int(self.params.get("zero", 0))
+
+    @property
     def sharded_optimizer(self) -> bool:
-        """Whether each of the d replicas keeps 1/d of the optimizer state (ZeRO-1): its REDUCE is a
+        """Whether each of the d replicas keeps 1/d of the optimizer state (ZeRO-1 and up): its REDUCE is a
         reduce-scatter, and a GATHER of the updated weights follows its OPT."""
-        return bool(self.params.get("sharded_optimizer", False))
+        return self.zero >= 1
 
     @property
     def reduce_after_flush(self) -> bool:

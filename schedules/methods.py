@@ -20,6 +20,10 @@ from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, s
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
 MAX_ROWS = 30_000_000  # ops and transfers (a send and a receive row each): about 430 bytes per row while simulating
 MAX_STAGES = 4_096  # model stages (p·v) of one pipeline: per-device and per-stage work grows faster than rows
+# ZeRO's stages (Rajbhandari et al. 2020) as `ScheduleParams.zero` says what d data-parallel replicas shard: 0
+# nothing, 1 the optimizer state (its master weights included), 2 the weight gradients as well, 3 the weights too
+# (FSDP); what each holds when is sim/engine.py's `static_parts` and `_unsharded_spans`.
+ZERO_STAGES = (0, 1, 2, 3)
 _FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--chunks", "P": "--pipelines"}
 
 
@@ -31,10 +35,10 @@ class ScheduleParams:
     PREDICTION_SOURCES; None: the method's primary source), and for a searched schedule the peak activation
     memory any device may hold as a multiple of 1F1B's peak on its fullest device (`activation_limit`; None:
     1) and the search's time budget (`search_seconds`; None: the search's default). `data_parallel` (d) replicas of
-    every pipeline train on their own micro-batches and average gradients in REDUCE rows, with the optimizer
-    state sharded over them (ZeRO-1) when `sharded_optimizer`; `reduce_after_flush`: a device starts its stages'
-    REDUCEs only once its last backward of the mini-batch is done (Megatron-LM's own DDP), instead of each right
-    after its stage's last backward, overlapping the device's remaining backward work (torch DDP)."""
+    every pipeline train on their own micro-batches and average gradients in REDUCE rows, sharding over them as
+    `zero` says (ZeRO's stage, `ZERO_STAGES`); `reduce_after_flush`: a device starts its stages' REDUCEs only once
+    its last backward of the mini-batch is done (Megatron-LM's own DDP), instead of each right after its stage's
+    last backward, overlapping the device's remaining backward work (torch DDP)."""
 
     stages: int
     microbatches: int
@@ -48,7 +52,7 @@ class ScheduleParams:
     activation_limit: float | None = None
     search_seconds: float | None = None
     data_parallel: int = 1
-    sharded_optimizer: bool = False
+    zero: int = 0
     reduce_after_flush: bool = False
 
     def __post_init__(self) -> None:
@@ -67,9 +71,10 @@ class ScheduleParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < math.inf):
                 raise ScheduleError(f"{name} must be a finite number > 0 (got {value!r})")
-        for name in ("sharded_optimizer", "reduce_after_flush"):
-            if not isinstance(getattr(self, name), bool):
-                raise ScheduleError(f"{name} must be true or false (got {getattr(self, name)!r})")
+        if not isinstance(self.reduce_after_flush, bool):
+            raise ScheduleError(f"reduce_after_flush must be true or false (got {self.reduce_after_flush!r})")
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise ScheduleError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))} (got {self.zero!r})")
         self._check_size()
 
     def _check_size(self) -> None:

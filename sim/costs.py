@@ -70,7 +70,11 @@ class StageCosts:
     `grad_bytes`: the weight gradients as accumulated (float32 under Megatron-LM's mixed precision; None: as
     large as the weights); `optimizer_state_bytes` includes a mixed-precision master copy of the weights.
     `activation_parts`: of `activation_bytes`, the bytes by what saves them (attention, mlp, norms, dropout,
-    other), summing to them; None: not attributed.
+    other), summing to them; None: not attributed. `stored_bytes`: the weights as stored between passes where
+    ZeRO-3 shards them, if not as the passes read them (FSDP2's float32 shards of 16-bit compute copies; None:
+    `param_bytes`). `gathered_bytes`: under ZeRO-3 with one stage and no pipeline, the whole weights one pass
+    holds at a time (FSDP2 gathers each wrapped module before its pass and the next one's during it; None: the
+    stage's whole weights).
     """
 
     fwd_ms: float
@@ -92,18 +96,25 @@ class StageCosts:
     gather_ms: float = 0.0
     grad_bytes: int | None = None
     activation_parts: dict[str, int] | None = None
+    stored_bytes: int | None = None
+    gathered_bytes: int | None = None
 
     @property
     def gradient_bytes(self) -> int:
         return self.param_bytes if self.grad_bytes is None else self.grad_bytes
 
+    @property
+    def stored_param_bytes(self) -> int:
+        return self.param_bytes if self.stored_bytes is None else self.stored_bytes
+
     def __post_init__(self) -> None:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
                  "copy_ms", "reduce_ms", "gather_ms")
-        for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "held_bytes",
-                     "grad_bytes"):
+        optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
+        for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
+                     *optional[2:]):
             value = getattr(self, name)
-            if value is None and name in ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes"):
+            if value is None and name in optional:
                 continue
             limit = MAX_MS if name in times else math.inf
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= limit:

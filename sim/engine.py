@@ -390,11 +390,99 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         order = np.argsort(both, kind="stable")
         sparse["gradients"] = (both[order], np.concatenate([opening, np.zeros_like(closing)])[order],
                                np.concatenate([np.zeros_like(opening), closing])[order])
+    if schedule.zero >= 2:
+        for part, (rows_of, start_of, end_of) in _unsharded(lowered, costs, at_start, at_end).items():
+            sparse[part] = _merged(sparse[part], (rows_of, start_of, end_of))
     stage_kind = (stage * len(KINDS) + t.kind).astype(np.int32)  # each row's entry in the tables
     side = (lowered.channel_of(transfer_ids) * 2 + (stream[rows] == Stream.RECV)) if len(rows) else rows
     ravel = lambda table: {part: values.ravel() for part, values in table.items()}  # noqa: E731
     return _MemoryTables(ravel(at_start), ravel(at_end), ravel(transfer_start), ravel(transfer_end), sparse,
                          stage_kind, rows, side)
+
+
+def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], at_end: dict[str, np.ndarray]
+               ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """ZeRO-2's and ZeRO-3's gradients, and ZeRO-3's whole weights beside the shards `static_parts` counts, as
+    torch's runtimes hold them while a stage computes: the sparse rows they add per part, and entries of the
+    tables, added here.
+
+    In a pipeline (torch.distributed.pipelining over FSDP2): `PipelineStage.backward_maybe_with_nosync` turns
+    gradient sync and resharding after backward off for every backward of a stage but its last of the step, so a
+    stage replica holds its whole gradients from its first backward (B or W) of a mini-batch until its last,
+    accumulated as they are kept (FSDP2 upcasts them to its reduce dtype to accumulate them:
+    `FSDPParam.to_accumulated_grad_if_needed`), then reduce-scatters them into a 1/d shard, held until the update
+    ends (torchtitan zeroes the gradients to None before each step); with torchtitan's `reshard_after_forward=False`
+    under PP (`apply_fsdp`) its whole weights from its first forward until that last backward.
+    One stage and no pipeline (FSDP2 alone): each pass gathers the weights it computes with and frees them after,
+    reduce-scattering its gradients into the shard as it goes, so every F, B, I and W holds
+    `StageCosts.gathered_bytes` of whole weights (ZeRO-3) and B and W as many of whole gradients, in the weights'
+    dtype; the shard from the first backward until the update ends."""
+    schedule, t, stages = lowered.schedule, lowered.table, costs.stages
+
+    def per_stage(values: list[int]) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    shard = -(-per_stage([c.gradient_bytes for c in stages]) // schedule.data_parallel)
+    backward = _per_replica_minibatch(t, schedule, (Kind.B, Kind.W))
+    updates = _per_replica_minibatch(t, schedule, (Kind.OPT,))
+    events: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {"gradients": [], "parameters": []}
+    if schedule.graph.num_stages == 1 and schedule.pipelines == 1:
+        gathered = per_stage([c.param_bytes if c.gathered_bytes is None else c.gathered_bytes for c in stages])
+        passes = {"gradients": (Kind.B, Kind.W), "parameters": (Kind.F, Kind.B, Kind.I, Kind.W)}
+        for part, kinds in passes.items():
+            if part == "parameters" and schedule.zero < 3:
+                continue
+            for kind in kinds:
+                at_start[part][:, KIND_CODE[kind]] += gathered
+                at_end[part][:, KIND_CODE[kind]] -= gathered
+        first = backward.first
+        events["gradients"].append(_events(first, start=shard[t.stage[first]]))
+    else:
+        whole = per_stage([c.gradient_bytes for c in stages])
+        first, last = backward.first, backward.last
+        events["gradients"] += [_events(first, start=whole[t.stage[first]]),
+                                _events(last, end=shard[t.stage[last]] - whole[t.stage[last]])]
+        if schedule.zero >= 3:
+            forwards = _per_replica_minibatch(t, schedule, (Kind.F,)).first
+            closing = _per_replica_minibatch(t, schedule, (Kind.B, Kind.I, Kind.W)).last
+            weights = per_stage([c.param_bytes for c in stages])
+            events["parameters"] += [_events(forwards, start=weights[t.stage[forwards]]),
+                                     _events(closing, end=-weights[t.stage[closing]])]
+    events["gradients"].append(_events(updates.last, end=-shard[t.stage[updates.last]]))
+    return {part: _merged(*found) for part, found in events.items() if found}
+
+
+@dataclass
+class _Ends:
+    """Per stage replica and mini-batch (in the same order), the first and the last of some kinds' rows."""
+
+    first: np.ndarray
+    last: np.ndarray
+
+
+def _per_replica_minibatch(t, schedule: Schedule, kinds: tuple[Kind, ...]) -> _Ends:
+    """`_Ends` of the `kinds` rows (a stage replica is on one device, whose rows are in program order)."""
+    rows = np.flatnonzero(kind_mask(t.kind, *kinds))
+    key = (t.minibatch[rows].astype(np.int64) * schedule.graph.num_stages + t.stage[rows]) * schedule.pipelines
+    key += t.pipeline[rows]
+    _, first = np.unique(key, return_index=True)
+    _, last = np.unique(key[::-1], return_index=True)
+    return _Ends(rows[first], rows[::-1][last])
+
+
+def _events(rows: np.ndarray, start: np.ndarray | None = None, end: np.ndarray | None = None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sparse rows: `rows` taking `start` bytes at their start and giving `end` bytes (negative: freeing) at
+    their end (None: none)."""
+    none = np.zeros(len(rows), dtype=np.int64)
+    return rows, none if start is None else start, none if end is None else end
+
+
+def _merged(*sparse: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sparse rows (rows, bytes at their start, at their end) of several sources as one, by row."""
+    rows, start, end = (np.concatenate(column) for column in zip(*sparse))
+    order = np.argsort(rows, kind="stable")
+    return rows[order], start[order], end[order]
 
 
 def _before_on_device(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -445,18 +533,28 @@ def _gradient_spans(lowered: Lowered) -> _GradientSpans:
 
 def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     """Per part (`MEMORY_PARTS`) and device, the bytes held from start to end: weights, gradients as accumulated
-    and optimizer state (master weights included; 1/d of it when sharded over d data-parallel replicas) of every
-    stage it holds, per pipeline replica, and
-    the policy's extra weight copies (parameters). Its memory never drops below their sum."""
+    and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/d of
+    itself where ZeRO's stage shards it over d data-parallel replicas (the whole copies ZeRO-2 and 3 hold while
+    they compute are `_unsharded`'s), and the policy's extra weight copies (parameters). Its memory never drops
+    below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
+
+    def shard(nbytes: int) -> int:
+        return -(-nbytes // schedule.data_parallel)
+
     for device in range(schedule.num_devices):
         mine = [costs.stages[s] for s in schedule.stages_on(device)]
         weights = sum(c.param_bytes for c in mine)
+        stored, grads = weights, sum(c.gradient_bytes for c in mine)
         state = sum(c.optimizer_state_bytes for c in mine)
-        if schedule.sharded_optimizer:  # ZeRO-1: each of the d replicas keeps its shard of the state
-            state = -(-state // schedule.data_parallel)
-        held = {"parameters": weights * schedule.pipelines + schedule.policy.extra_copies * weights,
-                "gradients": sum(c.gradient_bytes for c in mine) * schedule.pipelines,
+        if schedule.zero >= 3:  # ZeRO-3 (FSDP): the weights as stored, sharded
+            stored = shard(sum(c.stored_param_bytes for c in mine))
+        if schedule.zero >= 2:  # ZeRO-2: the gradients only while computed and until the update (`_unsharded`)
+            grads = 0
+        if schedule.zero >= 1:  # ZeRO-1: each of the d replicas keeps its shard of the state
+            state = shard(state)
+        held = {"parameters": stored * schedule.pipelines + schedule.policy.extra_copies * weights,
+                "gradients": grads * schedule.pipelines,
                 "optimizer_state": state * schedule.pipelines}
         for part, values in parts.items():
             values.append(held.get(part, 0))

@@ -46,7 +46,7 @@ def simulate_json(*args) -> list[dict]:
     (("simulate", "--network-gb-s", "10"), "--network-gb-s prices the gradient all-reduce of data-parallel replicas"),
     (("simulate", *GPU, *SMALL, "--data-parallel", "2", "--network-gb-s", "10"), "--network-gb-s: --gpu estimates"),
     (("simulate", *GPU, *SMALL, "--sequence-parallel"), "--sequence-parallel splits a tensor-parallel group's"),
-    (("simulate", "--sharded-optimizer"), "--sharded-optimizer shards the optimizer state over data-parallel"),
+    (("simulate", "--sharded-optimizer"), "--sharded-optimizer shards over data-parallel replicas"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fragment):
     monkeypatch.chdir(tmp_path)

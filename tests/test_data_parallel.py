@@ -39,7 +39,7 @@ def _params(name: str, **extra) -> ScheduleParams:
 @given(st.sampled_from(_SYNCHRONOUS_BUILT), st.integers(2, 4), st.booleans())
 def test_one_reduce_per_update_after_the_stages_last_backward(name, d, sharded):
     plain = build_schedule(name, _params(name))
-    schedule = build_schedule(name, _params(name, data_parallel=d, sharded_optimizer=sharded))
+    schedule = build_schedule(name, _params(name, data_parallel=d, zero=int(sharded)))
     preflight(schedule, dry_run=True)
     assert schedule.data_parallel == d and schedule.sharded_optimizer is sharded
     for before, after in zip(plain.orders, schedule.orders):
@@ -90,12 +90,13 @@ def test_checks_refuse_a_misplaced_or_missing_reduce():
 def test_d_must_be_a_whole_number():
     with pytest.raises(ScheduleError, match="data_parallel must be a whole number >= 1"):
         ScheduleParams(2, 2, data_parallel=0)
-    with pytest.raises(ScheduleError, match="sharded_optimizer must be true or false"):
-        ScheduleParams(2, 2, data_parallel=2, sharded_optimizer="yes")
+    for zero in (True, 4, "1"):
+        with pytest.raises(ScheduleError, match="zero must be one of 0, 1, 2, 3"):
+            ScheduleParams(2, 2, data_parallel=2, zero=zero)
 
 
 def test_lowering_reads_no_weights_in_a_collective_and_torch_csv_leaves_it_out():
-    schedule = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=2, sharded_optimizer=True))
+    schedule = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=2, zero=1))
     lowered = lower(schedule)
     collective = np.isin([a.kind for o in schedule.orders for a in o], [Kind.REDUCE, Kind.GATHER])
     assert np.all(np.asarray(lowered.version)[lowered.origin >= 0][collective] == -1)
@@ -197,7 +198,7 @@ def test_a_sharded_optimizer_keeps_a_dth_of_the_state_and_gathers_after_the_upda
     params = dict(stages=2, microbatches=2, minibatches=2)
     costs = _with_collectives(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=1.0, param_mb=8.0, optimizer="adam"), 1.0, 2.0)
     full = simulate(build_schedule("1f1b", ScheduleParams(**params, data_parallel=4)), costs, Cluster.uniform(2, 0))
-    sharded = simulate(build_schedule("1f1b", ScheduleParams(**params, data_parallel=4, sharded_optimizer=True)),
+    sharded = simulate(build_schedule("1f1b", ScheduleParams(**params, data_parallel=4, zero=1)),
                        costs, Cluster.uniform(2, 0))
     state = 2 * 8 * MIB  # Adam: two moments of 8 MiB of weights
     for d in range(2):
@@ -223,7 +224,7 @@ def test_typed_costs_price_the_all_reduce_on_comm_per_ring_step_and_the_network_
     # Ring: 2(d-1) steps of 0.01 ms and 2(d-1)/d of the gradients through each GPU's 10 GB/s (1e7 bytes/ms);
     # the tree's 2·log2(d) steps move 2 buffers at 92 % of it, slower here.
     assert stage.reduce_ms == pytest.approx(6 * 0.01 + grads * 6 / 4 / 1e7) and stage.gather_ms == 0.0
-    sharded = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=4, sharded_optimizer=True))
+    sharded = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=4, zero=1))
     stage = _what_if(network_gb_s=10.0).costs(sharded).stages[0]
     assert stage.reduce_ms == stage.gather_ms == pytest.approx(3 * 0.01 + grads * 3 / 4 / 1e7)
     # Without a bandwidth, --comm alone: the tree's 2·log2(4) latency steps.
@@ -256,7 +257,7 @@ def test_an_estimate_prices_on_its_data_parallel_link_and_its_state_is_divided_o
                         attention="sdpa", curve={}, tensor_link=link, stage_link=link, data_parallel_link=link)
     measured, estimated = (profile_scenario(p, "adam")
                            for p in (profile, profile.model_copy(update={"estimate": estimate})))
-    sched = estimated.build("1f1b", ScheduleParams(2, 4, data_parallel=4, sharded_optimizer=True))
+    sched = estimated.build("1f1b", ScheduleParams(2, 4, data_parallel=4, zero=1))
     assert estimated.data_parallel_link(sched) == CollectiveLink(0.014, 25e6, "the estimate's infiniband")
     # The estimate holds one shard of the state per GPU; the simulator divides each replica's whole state by d.
     assert [c.optimizer_state_bytes for c in estimated.costs(sched).stages] == [
@@ -264,7 +265,7 @@ def test_an_estimate_prices_on_its_data_parallel_link_and_its_state_is_divided_o
 
 
 def test_a_trace_with_collectives_reads_back_whole(tmp_path):
-    schedule = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=2, sharded_optimizer=True))
+    schedule = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=2, zero=1))
     trace = simulate(schedule, _with_collectives(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=1.0), 1.0, 0.5),
                      Cluster.uniform(2, 0.1))
     write_trace(trace, tmp_path / "dp.json")

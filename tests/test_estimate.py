@@ -190,7 +190,7 @@ def _placed(profile, p: int, d: int, sharded: bool = False):
     from pipesim.schedules import ScheduleParams
 
     scenario = profile_scenario(profile, "adam")
-    sched = scenario.build("1f1b", ScheduleParams(p, 8, data_parallel=d, sharded_optimizer=sharded))
+    sched = scenario.build("1f1b", ScheduleParams(p, 8, data_parallel=d, zero=int(sharded)))
     return scenario, sched, scenario.costs(sched), scenario.links(sched)
 
 

@@ -275,3 +275,67 @@ def test_the_memory_views_whole_mib_add_up_to_its_peak():
             if line.split() and line.split()[-1].replace(",", "").isdigit() and len(line.split()) >= 7]
     assert len(rows) >= 8
     assert all(sum(row[:5]) == row[5] for row in rows), rows
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("zero", ["2", "3"])
+def test_parts_sum_to_the_peak_under_zero_2_and_3(name, zero):
+    graph = ["--graph", "examples/dag.json"] if name == "graphpipe" else []
+    result, = simulate_json("--schedule", name, "--param-mb", "96", "--activation-mb", "12", "--output-mb", "3",
+                            "-n", "2", "--data-parallel", "2", "--zero", zero, *graph)
+    for device in result["devices"]:
+        assert sum(device["peak_memory_parts_mb"].values()) == pytest.approx(device["peak_memory_mb"], rel=1e-12)
+
+
+def _part_curve(zero: int, part: str, stages: int = 4) -> list[tuple[float, int]]:
+    """Device 0's `part` (MiB) over time, 1F1B, m = 8, two mini-batches, d = 2, 100 MiB of weights."""
+    schedule = build("1f1b", stages, 8, 2, data_parallel=2, zero=zero)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10, output_mb=0)
+    counter = simulate(schedule, costs, Cluster.uniform(schedule.num_devices, 0.1)).counters[f"memory_bytes.{part}"][0]
+    return [(float(t), int(v) // MIB) for t, v in zip(counter.times_us, counter.values)]
+
+
+def test_zero_stages_shard_exactly_their_parts():
+    """d = 2, 1F1B: ZeRO-1 halves the optimizer state; ZeRO-2 holds the gradients whole from a stage's first
+    backward of a mini-batch until its last (torch's pipelining defers FSDP's reduce-scatter to it), then their
+    half until the update; ZeRO-3 holds half the weights, and all of them from the first forward until the last
+    backward."""
+    args = ["--schedule", "1f1b", "-p", "4", "-m", "8", "--param-mb", "100", "--activation-mb", "10",
+            "--output-mb", "0", "--data-parallel", "2"]
+    peaks = {zero: [d["peak_memory_parts_mb"] for d in simulate_json(*args, "--zero", str(zero))[0]["devices"]]
+             for zero in (0, 1, 2, 3)}
+    for k in range(4):
+        whole = {"parameters": 100, "gradients": 100, "optimizer_state": 200, "activations": 10 * (4 - k),
+                 "communication": 0}
+        assert peaks[0][k] == whole
+        assert peaks[1][k] == peaks[2][k] == {**whole, "optimizer_state": 100}
+        assert peaks[3][k] == {**whole, "parameters": 150, "optimizer_state": 100}
+    assert [mib for _, mib in _part_curve(1, "gradients")] == [100]
+    grads = _part_curve(2, "gradients")
+    assert [mib for _, mib in grads] == [0, 100, 50, 0, 100, 50, 0]
+    weights = _part_curve(3, "parameters")
+    assert [mib for _, mib in weights] == [50, 150, 50, 150, 50]
+    assert [t for t, _ in weights][2] == [t for t, _ in grads][2]  # resharded at the last backward's end
+
+
+def test_zero_3_with_one_stage_gathers_each_pass():
+    """No pipeline (FSDP2 alone): every pass gathers the weights and frees them after, each backward's gradients
+    whole until reduce-scattered into the shard, held until the update."""
+    weights = _part_curve(3, "parameters", stages=1)
+    assert max(mib for _, mib in weights) == 150 and weights[-1][1] == 50
+    assert sum(1 for (_, before), (_, after) in zip(weights, weights[1:]) if after > before) == 2 * 8 * 2
+    grads = _part_curve(3, "gradients", stages=1)
+    assert max(mib for _, mib in grads) == 150 and grads[-1][1] == 0
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--zero", "2"], "--zero 2 shards over data-parallel replicas: give --data-parallel 2 or more"),
+    (["--data-parallel", "2", "--zero", "3", "--sharded-optimizer"], "--sharded-optimizer is --zero 1, but --zero 3"),
+    (["--data-parallel", "2", "--zero", "4"], "--zero: choose from 0, 1, 2, 3 (got 4)"),
+])
+@pytest.mark.parametrize("command", [["simulate", "--schedule", "1f1b"], ["sweep", "--schedule", "1f1b"],
+                                     ["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out", "e.json"]])
+def test_bad_zero_is_one_line(command, flags, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*command, *flags)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err
