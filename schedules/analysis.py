@@ -20,6 +20,7 @@ from .ir import (
     Schedule,
     ScheduleError,
     evaluate_formula,
+    is_pair,
 )
 from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
@@ -46,6 +47,7 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
     t = table or schedule.table
     p, m, n, r = schedule.num_stages, schedule.microbatches, schedule.minibatches, schedule.pipelines
     compute = t.kind < NUM_COMPUTE_KINDS
+    _check_pairs(schedule, t, compute)
     outside = compute & ~((t.stage >= 0) & (t.stage < p) & (t.microbatch < m) & (t.minibatch >= 0)
                           & (t.minibatch < n) & (t.pipeline >= 0) & (t.pipeline < r))
     if outside.any():
@@ -91,6 +93,26 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
     if problems:
         shown = "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
         raise ScheduleError(f"{schedule.method}: incomplete schedule: {shown}")
+
+
+def _check_pairs(schedule: Schedule, t: ActionTable, compute: np.ndarray) -> None:
+    """Each part of an overlapped pair (a compute row naming a peer) sits next to its other part on its device,
+    the forward first, as `ir.overlapped` makes them."""
+    tagged = compute & (t.peer >= 0)
+    if not tagged.any():
+        return
+    forward = np.flatnonzero(tagged & (t.kind == KIND_CODE[Kind.F]))
+    after = np.minimum(forward + 1, len(t.kind) - 1)
+    paired = np.zeros(len(t.kind), dtype=bool)
+    good = forward[(forward + 1 < len(t.kind)) & (t.device[after] == t.device[forward])]
+    good = good[[is_pair(_action(t, i), _action(t, i + 1)) for i in good.tolist()]]
+    paired[good] = paired[good + 1] = True
+    stray = np.flatnonzero(tagged & ~paired)
+    if len(stray):
+        i = int(stray[0])
+        raise ScheduleError(f"{schedule.method}: action {_action(t, i)} on device {t.device[i]} names a peer, so it is "
+                            "part of an overlapped pair, but its other part is not next to it: a pair is an F then a "
+                            "B of one mini-batch, each naming the other's stage, written (F;B)OVERLAP_F_B")
 
 
 def _action(t: ActionTable, i: int) -> Action:
@@ -211,25 +233,27 @@ def find_deadlock(schedule: Schedule) -> dict[int, tuple[Action, _Key]]:
         i = pointer[device]
         while i < len(order):
             a = order[i]
-            if a.kind in COMPUTE_KINDS:
-                missing = next((k for k in _requires(a, schedule) if k not in done), None)
+            group = order[i:i + 2] if i + 1 < len(order) and is_pair(a, order[i + 1]) else (a,)
+            if a.kind in COMPUTE_KINDS:  # an overlapped pair starts once both its parts can
+                missing = next((k for x in group for k in _requires(x, schedule) if k not in done), None)
                 if missing is not None:
                     waiting[missing].append(device)
                     blocked_on[device] = missing
                     break
-                s, j, b, q = a.stage, a.microbatch, a.minibatch, a.pipeline
-                kind = a.kind
-                if kind is Kind.F:
-                    finish(("F", s, j, b, q))
-                if kind is Kind.B or kind is Kind.I:
-                    finish(("D", s, j, b, q))
-                if kind is Kind.B or kind is Kind.W:
-                    wgrads[(s, b, q)] += 1
-                    if wgrads[(s, b, q)] == m:
-                        finish(("WALL", s, -1, b, q))
-                if kind is Kind.OPT or kind is Kind.REDUCE:
-                    finish((kind.value, s, -1, b, q))
-            i += 1
+                for x in group:
+                    s, j, b, q = x.stage, x.microbatch, x.minibatch, x.pipeline
+                    kind = x.kind
+                    if kind is Kind.F:
+                        finish(("F", s, j, b, q))
+                    if kind is Kind.B or kind is Kind.I:
+                        finish(("D", s, j, b, q))
+                    if kind is Kind.B or kind is Kind.W:
+                        wgrads[(s, b, q)] += 1
+                        if wgrads[(s, b, q)] == m:
+                            finish(("WALL", s, -1, b, q))
+                    if kind is Kind.OPT or kind is Kind.REDUCE:
+                        finish((kind.value, s, -1, b, q))
+            i += len(group)
         pointer[device] = i
     return {
         d: (schedule.orders[d][pointer[d]], blocked_on[d])

@@ -7,6 +7,13 @@ the peer stage:
     [P<pipeline>:]<stage><KIND>[<micro-batch>][.<mini-batch>][>|<<peer>]
 
 e.g. `2F0.3` (mini-batch 3), `P1:0B5`, `1OPT.2`, `1REDUCE.2`, `1GATHER.2`, `0SEND_F4>1`, `1RECV_F4<0`.
+
+An *overlapped pair* (DeepSeek-V3's F&B, torch's `OVERLAP_F_B`) is one action of two parts: a forward of one
+micro-batch and a full backward of another, run together on one device (DualPipe overlaps each part's
+communication with the other's compute). A device's order holds its parts next to each other, forward first,
+each naming the other's stage as its `peer` (`0F7&7`, `7B3&0`); a schedule's text writes the pair as torch
+does, `(0F7;7B3)OVERLAP_F_B`. Its receives come before it and its sends after it, and what it costs is the
+simulator's to say.
 """
 
 from __future__ import annotations
@@ -55,15 +62,20 @@ RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B})
 _ACTION_RE = re.compile(
     r"^(?:P(?P<pipeline>\d+):)?(?P<stage>\d+)"
     r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|OPT|PRED|AVG|REDUCE|GATHER|F|B|I|W)"
-    r"(?P<microbatch>\d+)?(?:\.(?P<minibatch>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?$"
+    r"(?P<microbatch>\d+)?(?:\.(?P<minibatch>\d+))?(?:(?P<dir>[<>&])(?P<peer>\d+))?$"
 )
+OVERLAP_F_B = "OVERLAP_F_B"  # torch.distributed.pipelining's name, and the suffix of a pair's text
+_OVERLAP_RE = re.compile(r"^\((?P<forward>[^;()]+);(?P<backward>[^;()]+)\)" + OVERLAP_F_B + "$")
+
+
+OVERLAP_KINDS = frozenset({Kind.F, Kind.B})  # the kinds of an overlapped pair's parts
 
 
 class Action(NamedTuple):
     """One unit of work. A tuple, so that millions of them stay cheap to build, hash and compare.
 
     `microbatch` is -1 for per-mini-batch work (OPT, AVG, REDUCE, GATHER, a mini-batch-wide PRED); `peer` is the other
-    stage of a transfer and -1 otherwise.
+    stage of a transfer, or of an overlapped pair's other part (`overlapped`), and -1 otherwise.
     """
 
     kind: Kind
@@ -80,7 +92,7 @@ class Action(NamedTuple):
         if self.minibatch:
             text += f".{self.minibatch}"
         if self.peer >= 0:
-            text += (">" if self.kind in SEND_KINDS else "<") + str(self.peer)
+            text += (">" if self.kind in SEND_KINDS else "<" if self.kind in RECV_KINDS else "&") + str(self.peer)
         return f"P{self.pipeline}:{text}" if self.pipeline else text
 
     @classmethod
@@ -89,17 +101,16 @@ class Action(NamedTuple):
         if match is None:
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected [P<pipeline>:]<stage><KIND>[<micro-batch>]"
-                f"[.<mini-batch>][>|<<peer>] with KIND one of {', '.join(k.value for k in Kind)}"
+                f"[.<mini-batch>][>|<|&<peer>] with KIND one of {', '.join(k.value for k in Kind)}"
             )
         kind = Kind(match["kind"])
         direction = match["dir"]
-        is_transfer = kind in SEND_KINDS or kind in RECV_KINDS
-        if is_transfer != (direction is not None) or (
-            direction is not None and (direction == ">") != (kind in SEND_KINDS)
-        ):
+        wanted = ">" if kind in SEND_KINDS else "<" if kind in RECV_KINDS else None
+        if direction != wanted and not (direction == "&" and kind in OVERLAP_KINDS):
             raise ScheduleError(
                 f"action {text!r}: a SEND names its destination with '>peer', a RECV its source with "
-                "'<peer'; other actions have no peer"
+                "'<peer', a part of an overlapped pair (F or B) its other part's stage with '&peer'; other actions "
+                "have no peer"
             )
         return cls(
             kind,
@@ -109,6 +120,49 @@ class Action(NamedTuple):
             int(match["pipeline"] or 0),
             int(match["peer"]) if match["peer"] is not None else -1,
         )
+
+
+def overlapped(forward: Action, backward: Action) -> tuple[Action, Action]:
+    """The two parts of one overlapped pair (F&B), in a device's order: `forward` then `backward`, each naming the
+    other's stage as its peer. They belong to one mini-batch of one pipeline and are different micro-batches'
+    work (DualPipe pairs a forward with an earlier micro-batch's backward)."""
+    if (forward.kind is not Kind.F or backward.kind is not Kind.B or forward.peer >= 0 or backward.peer >= 0
+            or (forward.minibatch, forward.pipeline) != (backward.minibatch, backward.pipeline)
+            or (forward.stage, forward.microbatch) == (backward.stage, backward.microbatch)):
+        raise ScheduleError(f"an overlapped pair is a forward and a full backward of one mini-batch and pipeline, "
+                            f"each of its own unit, neither paired yet (got {forward} and {backward})")
+    return forward._replace(peer=backward.stage), backward._replace(peer=forward.stage)
+
+
+def is_pair(forward: Action, backward: Action) -> bool:
+    """Whether `forward` then `backward` are the two parts of one overlapped pair, as `overlapped` makes them."""
+    return (forward.kind is Kind.F and backward.kind is Kind.B and forward.peer == backward.stage >= 0
+            and backward.peer == forward.stage and (forward.minibatch, forward.pipeline)
+            == (backward.minibatch, backward.pipeline))
+
+
+def order_tokens(order: Sequence[Action]) -> list[str]:
+    """A device's order as text tokens: one per action, an overlapped pair as torch writes it,
+    `(0F7;7B3)OVERLAP_F_B` (a part without its partner next to it keeps its own form, `0F7&7`)."""
+    tokens: list[str] = []
+    i = 0
+    while i < len(order):
+        a = order[i]
+        if i + 1 < len(order) and is_pair(a, order[i + 1]):
+            tokens.append(f"({a._replace(peer=-1)};{order[i + 1]._replace(peer=-1)}){OVERLAP_F_B}")
+            i += 2
+        else:
+            tokens.append(str(a))
+            i += 1
+    return tokens
+
+
+def parse_token(text: str) -> tuple[Action, ...]:
+    """The actions one text token holds: one, or an overlapped pair's two parts."""
+    pair = _OVERLAP_RE.match(text.strip())
+    if pair is None:
+        return (Action.parse(text),)
+    return overlapped(Action.parse(pair["forward"]), Action.parse(pair["backward"]))
 
 
 @dataclass(frozen=True)
@@ -374,7 +428,7 @@ class Schedule:
 
     def to_text(self) -> str:
         """One line per device: `device: action action ...`; `from_text` reads it back."""
-        return "\n".join(f"{d}: " + " ".join(map(str, order)) for d, order in enumerate(self.orders))
+        return "\n".join(f"{d}: " + " ".join(order_tokens(order)) for d, order in enumerate(self.orders))
 
     def with_orders(self, orders: tuple[tuple[Action, ...], ...]) -> Schedule:
         return Schedule(
@@ -390,5 +444,5 @@ class Schedule:
             device, sep, rest = line.partition(":")
             if not sep or device.strip() != str(number):
                 raise ScheduleError(f"line {number + 1}: expected '{number}: <actions>'")
-            orders.append(tuple(Action.parse(tok) for tok in rest.split()))
+            orders.append(tuple(a for token in rest.split() for a in parse_token(token)))
         return tuple(orders)

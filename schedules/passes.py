@@ -40,14 +40,22 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
             owners_of[is_forward, stage] = of_stage[(forward if is_forward else backward)[of_stage]]
         return owners_of[is_forward, stage]
 
+    # An overlapped pair (an F row then its B row, both naming a peer) receives both parts' inputs before its F and
+    # sends both parts' outputs after its B: a transfer sits by its anchor, which is its owner but there.
+    pair_forward = np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0))
+    anchor = {True: np.arange(n), False: np.arange(n)} if len(pair_forward) else None
+    if anchor is not None:
+        anchor[True][pair_forward + 1] = pair_forward
+        anchor[False][pair_forward] = pair_forward + 1
     for e, (src, dst) in enumerate(edges):
         for is_forward, stage, peer, kind, before, channel in (
             (True, dst, src, Kind.RECV_F, True, 2 * e), (True, src, dst, Kind.SEND_F, False, 2 * e),
             (False, src, dst, Kind.RECV_B, True, 2 * e + 1), (False, dst, src, Kind.SEND_B, False, 2 * e + 1),
         ):
             owners = owning(is_forward, stage)
-            groups.append((owners, KIND_CODE[kind], peer, before, channel))
-            count[before][owners] += 1
+            anchors = owners if anchor is None else anchor[before][owners]
+            groups.append((owners, anchors, KIND_CODE[kind], peer, before, channel))
+            count[before][anchors] += 1
     extra = count[True] + count[False]
     total = n + int(extra.sum(dtype=np.int64))
     units = schedule.microbatches * schedule.minibatches * schedule.pipelines
@@ -64,12 +72,16 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
     several = {before: n and bool(count[before].max() > 1) for before in (True, False)}
     if several[True]:
         next_slot[True] = first_slot.copy()
-    for owners, kind_code, peer, before, channel in groups:  # in group order, as `add_communication` promises
-        slot = next_slot[before][owners]
+    moved = []  # (slots, owners) of the transfers an overlapped pair's other part anchors
+    for owners, anchors, kind_code, peer, before, channel in groups:  # in group order, as `add_communication` says
+        slot = next_slot[before][anchors]
         if several[before]:
-            next_slot[before][owners] += 1
+            next_slot[before][anchors] += 1
         kinds[slot], peers[slot] = kind_code, peer
         transfer[slot] = unit[owners] + channel * units
+        if anchors is not owners:
+            away = anchors != owners
+            moved.append((slot[away], owners[away]))
     # A row's transfers sit next to it and share its device, stage and unit: repeat its columns over them.
     copies = extra + 1
 
@@ -87,7 +99,12 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
             return np.repeat(column[np.r_[0, run]], np.diff(np.r_[0, first_slot[run], total]))
         return np.repeat(column, copies)
 
-    return ActionTable(repeated(t.device), kinds, repeated(t.stage), repeated(t.microbatch), repeated(t.minibatch),
+    stage, microbatch = repeated(t.stage), repeated(t.microbatch)
+    if moved:  # such a transfer is its owner's, not its anchor's (a pair's parts share device, mini-batch, pipeline)
+        stage, microbatch = np.array(stage), np.array(microbatch)
+        for slots, owners in moved:
+            stage[slots], microbatch[slots] = t.stage[owners], t.microbatch[owners]
+    return ActionTable(repeated(t.device), kinds, stage, microbatch, repeated(t.minibatch),
                        repeated(t.pipeline), peers), origin, transfer
 
 

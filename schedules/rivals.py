@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from .ir import Action, Kind, Schedule, ScheduleError
+from .ir import Action, Kind, Schedule, ScheduleError, overlapped
 from .methods import Method, ScheduleParams, Unit, make_schedule, one_forward_one_backward, require_plain
 
 
@@ -149,12 +149,22 @@ class _VOrder:
 
     def add(self, kind: Kind, chunk: int) -> None:
         """F, B or I of `chunk`'s next micro-batch (B and I share the backward count)."""
-        key = (kind is Kind.F, chunk)
-        j = self.issued[key]
-        self.issued[key] += 1
+        j = self._issue(kind, chunk)
         if kind is Kind.I:
             self.pending.append((chunk, j))
         self._emit(kind, chunk, j)
+
+    def overlap(self, forward_chunk: int, backward_chunk: int) -> None:
+        """F of `forward_chunk`'s next micro-batch and B of `backward_chunk`'s next, as one overlapped pair."""
+        pair = overlapped(*(Action(kind, self.stages[chunk], self._issue(kind, chunk), self.minibatch)
+                            for kind, chunk in ((Kind.F, forward_chunk), (Kind.B, backward_chunk))))
+        self.actions += [a._replace(peer=-1) if pair[1 - n].microbatch >= self.microbatches else a
+                         for n, a in enumerate(pair) if a.microbatch < self.microbatches]
+
+    def _issue(self, kind: Kind, chunk: int) -> int:
+        key = (kind is Kind.F, chunk)
+        self.issued[key] += 1
+        return self.issued[key] - 1
 
     def weight(self, chunk: int | None = None) -> None:
         """W of the oldest pending I, of `chunk` if given."""
@@ -219,9 +229,10 @@ def dualpipev(params: ScheduleParams) -> Schedule:
     """DeepSeek's DualPipeV (DualPipe cut in half, deepseek-ai/DualPipe dualpipev.py), the eight phases of
     its step() for rank r: 2(p−r−1) F0; r+1 × (F0 F1); p−r−1 × (I1 W F1); m−2p+r+1 × (F0 B1 F1 B0);
     p−r−1 × (B1 F1 B0); r+1 × (B1 B0) with the later r+1 of those split into I; p−r−1 × (W I0); r+1 × W.
-    W's run oldest first across both chunks (its WeightGradStore is one queue). The F/B pairs that
-    DualPipe overlaps (F&B) run back to back here. One copy of each stage's weights (DualPipe, with both
-    directions, holds two). Needs m ≥ 2p, as DualPipeV asserts.
+    W's run oldest first across both chunks (its WeightGradStore is one queue). The F and B that its
+    `_forward_backward_chunk` overlaps are one overlapped pair (F&B), all but the last rank's first, which it
+    runs apart. One copy of each stage's weights (DualPipe, with both directions, holds two). Needs m ≥ 2p, as
+    DualPipeV asserts.
     """
     method = "dualpipev"
     _require_v(method, params)
@@ -243,14 +254,16 @@ def dualpipev(params: ScheduleParams) -> Schedule:
             o.add(Kind.I, 1)
             o.weight()
             o.add(Kind.F, 1)
-        for _ in range(m - 2 * p + r + 1):
-            for forward, backward in ((0, 1), (1, 0)):
-                o.add(Kind.F, forward)
-                o.add(Kind.B, backward)
+        for i in range(m - 2 * p + r + 1):
+            if i == 0 and r == p - 1:  # the last rank runs its first pair apart, "to further reduce bubble size"
+                o.add(Kind.F, 0)
+                o.add(Kind.B, 1)
+            else:
+                o.overlap(0, 1)
+            o.overlap(1, 0)
         for _ in range(p - r - 1):
             o.add(Kind.B, 1)
-            o.add(Kind.F, 1)
-            o.add(Kind.B, 0)
+            o.overlap(1, 0)
         for n in range(2 * (r + 1)):
             o.add(Kind.I if n >= r + 1 else Kind.B, 1 - n % 2)
         for _ in range(p - r - 1):

@@ -5,7 +5,7 @@ The format (torch's `_dump_csv` / `_load_csv`): one CSV row per rank, one cell p
 order, an empty cell for an idle step. A compute cell is `[stage][F|B|I|W][micro-batch]`, e.g. `0F0,0F1,1B0`.
 Lowered dumps also hold `SEND_F`, `RECV_F`, `SEND_B`, `RECV_B` (always naming a stage on the cell's own
 rank), FSDP's `UNSHARD`/`RESHARD`, `REDUCE_GRAD`, and `(0F7;7B3)OVERLAP_F_B`, one cell that runs its
-sub-actions.
+sub-actions overlapped (pipesim's overlapped pair).
 
 A CSV is one training step of one synchronous pipeline (torch repeats it every `step()`), so only such
 schedules export, built for one mini-batch. Text only: torch is never imported here.
@@ -18,19 +18,33 @@ import io
 import re
 
 from .analysis import validate
-from .ir import RECV_KINDS, SEND_KINDS, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph
+from .ir import (
+    OVERLAP_F_B,
+    RECV_KINDS,
+    SEND_KINDS,
+    SYNCHRONOUS,
+    Action,
+    Kind,
+    Read,
+    Schedule,
+    ScheduleError,
+    StageGraph,
+    is_pair,
+    overlapped,
+)
 
 _COMPUTE = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
 # Derived again by our SEND/RECV pass, or no-ops for one pipeline without data or FSDP sharding.
 _IGNORED = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
 _CELL = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD|F|B|I|W)(\d*)")
-_OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+_OVERLAP = re.compile(r"\((.*)\)" + OVERLAP_F_B)
 _EXPECTED = ("expected [stage][F|B|I|W][micro-batch] such as 2F0, a transfer such as 0SEND_F3, "
              "UNSHARD, RESHARD, REDUCE_GRAD, (..;..)OVERLAP_F_B, or an empty cell")
 
 
 def to_torch_csv(schedule: Schedule) -> str:
-    """The F/B/I/W order of each device as torch's compute-only CSV, one row per device (= rank).
+    """The F/B/I/W order of each device as torch's compute-only CSV, one row per device (= rank); an overlapped
+    pair is one `(F;B)OVERLAP_F_B` cell, as torch writes it.
 
     OPT and explicit transfers are left out: torch's runtime steps the optimizer outside the schedule and
     derives its own SEND/RECV. So are REDUCE and GATHER (d > 1 data-parallel replicas): a torch stage wrapped in
@@ -56,9 +70,11 @@ def to_torch_csv(schedule: Schedule) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     for device, order in enumerate(schedule.orders):
-        row = []
-        for a in order:
-            if a.kind.value in _COMPUTE:
+        row: list[str] = []
+        for i, a in enumerate(order):
+            if a.kind.value in _COMPUTE and i and is_pair(order[i - 1], a):  # an overlapped pair: one cell
+                row[-1] = f"({row[-1]};{a.stage}{a.kind.value}{a.microbatch}){OVERLAP_F_B}"
+            elif a.kind.value in _COMPUTE:
                 row.append(f"{a.stage}{a.kind.value}{a.microbatch}")
             elif a.kind not in (Kind.OPT, Kind.REDUCE, Kind.GATHER) and a.kind not in SEND_KINDS | RECV_KINDS:
                 raise ScheduleError(f"{name}: device {device} runs {a}; torch.distributed.pipelining runs synchronous "
@@ -85,7 +101,8 @@ def from_torch_csv(text: str, name: str) -> Schedule:
     Rows are ranks. The stages, micro-batches and placement are inferred from the cells (a stage runs on
     the one rank whose row names it); the stage graph is a chain, as in torch; each rank's list gets one OPT
     per stage it holds, at its end. Transfers, UNSHARD, RESHARD and REDUCE_GRAD are ignored; an OVERLAP_F_B
-    cell becomes its sub-actions in order, as torch's runtime runs them. Raises ScheduleError naming the row
+    cell of a forward and a full backward becomes one overlapped pair (`ir.overlapped`), of other sub-actions
+    those in order, as torch's runtime runs them. Raises ScheduleError naming the row
     and cell of a bad or repeated action, the stages and micro-batches an incomplete schedule lacks, and,
     via `validate`, per device the first action that can never start.
     """
@@ -134,6 +151,8 @@ def from_torch_csv(text: str, name: str) -> Schedule:
                 if key[2] > top[0]:
                     top = (key[2], where)
                 compute[rank].append(Action(*key))
+            if overlap and len(parts) == 2 and [a.kind for a in compute[rank][-2:]] == [Kind.F, Kind.B]:
+                compute[rank][-2:] = overlapped(*compute[rank][-2:])
 
     if not seen:
         raise ScheduleError(f"{name}: no compute actions (F, B, I, W) in {len(rows)} rows")

@@ -19,12 +19,15 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 class Precision:
     """How a runtime holds each parameter, in bytes: the weights the passes read, their gradients as accumulated,
     the optimizer's float32 master copy of the weights (0: it updates the weights themselves) and each tensor of
-    its state (a moment). The master copy is optimizer state, sharded with it."""
+    its state (a moment). The master copy is optimizer state, sharded with it. `stored_bytes`: the weights as
+    stored between passes, which the passes read as copies of `weight_bytes` gathered from them (FSDP2's mixed
+    precision: float32 shards, 16-bit compute copies; None: the weights the passes read are the stored ones)."""
 
     weight_bytes: int
     grad_bytes: int
     master_bytes: int
     state_bytes: int
+    stored_bytes: int | None = None
 
     def optimizer_state_bytes(self, weight_bytes: int, optimizer: str) -> int:
         """The state `optimizer` keeps, master copy included, for weights of `weight_bytes`."""
@@ -34,12 +37,21 @@ class Precision:
     def gradient_bytes(self, weight_bytes: int) -> int:
         return round(weight_bytes / self.weight_bytes * self.grad_bytes)
 
+    def stored_weight_bytes(self, weight_bytes: int) -> int | None:
+        """The stored weights of weights the passes read as `weight_bytes` (None: those themselves)."""
+        return None if self.stored_bytes is None else round(weight_bytes / self.weight_bytes * self.stored_bytes)
+
 
 # `--precision`: fp32 holds everything in float32; megatron is Megatron-LM's mixed precision (--bf16: 16-bit
 # weights, float32 main gradients, float32 master weights and moments); megatron-16bit-grads accumulates and
-# reduces the gradients in 16 bits (Megatron-core's DistributedDataParallelConfig(grad_reduce_in_fp32=False)).
+# reduces the gradients in 16 bits (Megatron-core's DistributedDataParallelConfig(grad_reduce_in_fp32=False));
+# fsdp2 is torch FSDP2's MixedPrecisionPolicy as torchtitan sets it (param_dtype bfloat16, reduce_dtype float32;
+# torchtitan/parallelisms/parallelize_llama.py `apply_fsdp`): the sharded parameters stay float32 and are what
+# the optimizer updates (no master copy), each pass computes with 16-bit copies all-gathered from them
+# (`FSDPParam.all_gather_inputs` casts them to param_dtype), gradients are reduced and accumulated in float32
+# (`to_accumulated_grad_if_needed`) and Adam's moments follow the float32 parameters. Only with --zero 3.
 PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
-              "megatron-16bit-grads": Precision(2, 2, 4, 4)}
+              "megatron-16bit-grads": Precision(2, 2, 4, 4), "fsdp2": Precision(2, 4, 0, 4, stored_bytes=4)}
 
 
 class CostError(ValueError):
@@ -179,6 +191,12 @@ class Costs:
     posted ahead of the row it runs (pipesim's executor: 16), each holding its buffer from its posting; 0 holds
     a received buffer from its message's arrival. `calibration`: the profile the costs were measured into
     (`Profile.describe`), which traces record; None: typed what-if costs.
+
+    `overlap_hidden_fraction`: of an overlapped pair (DualPipe's F&B: a forward and another micro-batch's backward
+    on one device), the share of its shorter part that runs hidden under its longer part, so the pair takes
+    F + B − fraction × min(F, B) (`overlapped_ms`). 0 by default: both parts compute on the same device, and what
+    DualPipe hides under the other part's compute is each part's communication (expert parallelism's all-to-all),
+    which these costs have none of; a measured F&B gives the fraction (F + B − F&B) / min(F, B).
     """
 
     stages: tuple[StageCosts, ...]
@@ -188,10 +206,23 @@ class Costs:
     kept_gradients: float = 0.0
     recv_window: int = 0
     calibration: dict | None = None
+    overlap_hidden_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.recv_window, int) or self.recv_window < 0:
             raise CostError(f"recv_window must be a whole number >= 0 (got {self.recv_window!r})")
+        fraction = self.overlap_hidden_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise CostError(f"overlap_hidden_fraction must be a number from 0 to 1 (got {fraction!r})")
+
+    def overlapped_ms(self, forward_ms: np.ndarray, backward_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What an overlapped pair's parts take, run together: the longer part its own time, the shorter part what
+        of it is not hidden under the longer (`overlap_hidden_fraction`; a forward as long as its backward is taken
+        for the shorter)."""
+        forward_ms, backward_ms = np.asarray(forward_ms, dtype=float), np.asarray(backward_ms, dtype=float)
+        hidden = self.overlap_hidden_fraction * np.minimum(forward_ms, backward_ms)
+        forward_shorter = forward_ms <= backward_ms
+        return forward_ms - hidden * forward_shorter, backward_ms - hidden * ~forward_shorter
 
     def op_ms_table(self, pipelines: int) -> np.ndarray:
         """Ms of one op per (model stage, compute kind), kinds in `KINDS` order (F, B, I, W, OPT, PRED, AVG,
@@ -250,7 +281,7 @@ class Costs:
                 activation_bytes=_bytes(values["activation_mb"][k]),
                 output_bytes=_bytes(values["output_mb"][k]),
                 optimizer_state_bytes=held.optimizer_state_bytes(param_bytes, optimizer),
-                grad_bytes=held.gradient_bytes(param_bytes),
+                grad_bytes=held.gradient_bytes(param_bytes), stored_bytes=held.stored_weight_bytes(param_bytes),
             ))
         return cls(tuple(stages), microbatch_size)
 

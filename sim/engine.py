@@ -151,6 +151,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         duration = np.zeros(n, dtype=np.int64)
         duration[computing] = _picoseconds(class_ms).ravel()[row_class]
     del row_class
+    pair = np.flatnonzero((kind == KIND_CODE[Kind.F]) & (t.peer >= 0))  # overlapped pairs: an F row, then its B
+    if len(pair) and costs.overlap_hidden_fraction > 0:
+        forward_ms, backward_ms = costs.overlapped_ms(duration[pair] / _PS_PER_MS, duration[pair + 1] / _PS_PER_MS)
+        duration[pair], duration[pair + 1] = _picoseconds(forward_ms), _picoseconds(backward_ms)
     held = duration if host_ps is None else duration + host_ps  # what each row keeps its device from its next row
 
     # A channel's transfers share their size, time and route.

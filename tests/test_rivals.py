@@ -12,7 +12,7 @@ RIVALS = ["interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev"]
 
 
 def device_text(schedule: Schedule, device: int) -> str:
-    return " ".join(map(str, schedule.orders[device]))
+    return schedule.to_text().splitlines()[device].partition(": ")[2]
 
 
 # Interleaved 1F1B (Megatron)
@@ -123,13 +123,13 @@ def test_v_schedules_are_valid_and_fold_the_chain(name, p, m):
     assert all(schedule.stages_on(i) == [i, 2 * p - 1 - i] for i in range(p))
 
 
-@pytest.mark.parametrize("name,p,m", [("zb-v", 2, 3), ("zb-v", 4, 8), ("zb-v", 6, 20), ("dualpipev", 2, 4),
-                                      ("dualpipev", 4, 10), ("dualpipev", 6, 20)])
-def test_v_schedules_reach_the_lower_bound_when_f_i_w_are_equal(name, p, m):
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 8), (6, 20)])
+def test_zb_v_reaches_the_lower_bound_when_f_i_w_are_equal(p, m):
     """With F = I = W (ZB-V's "zero bubble" case) the last device, whose first input arrives after p−1
-    forwards, never idles again: makespan (p−1)F + 2m(F+B), the least any order can do."""
+    forwards, never idles again: makespan (p−1)F + 2m(F+B), the least any order can do. (DualPipeV's overlapped
+    pairs wait for both parts' inputs, so it does not: its bubble is the README's, test_deepseek_table.)"""
     fwd, bwd = 1.0, 2.0
-    summary = run(name, p, m, chunks=2, fwd=fwd, bwd=bwd, wgrad_fraction=0.5).summary
+    summary = run("zb-v", p, m, chunks=2, fwd=fwd, bwd=bwd, wgrad_fraction=0.5).summary
     assert summary.makespan_ms == pytest.approx((p - 1) * fwd + 2 * m * (fwd + bwd))
 
 
@@ -143,26 +143,31 @@ def test_zb_v_activation_memory_is_1f1b_peak(p, m):
 
 
 def test_dualpipev_matches_the_readme_figure():
-    """DualPipe README, DualPipeV with 4 ranks and 10 micro-batches: device 0 (stages 0 and 7)."""
+    """DualPipe README, DualPipeV with 4 ranks and 10 micro-batches (images/dualpipev.png): device 0 (stages 0 and
+    7) and device 3 (stages 3 and 4), each cell in order, two cells in one black border an overlapped pair; the
+    last device's first F and B stand apart, as dualpipev.py's step 4 runs them."""
     schedule = build_schedule("dualpipev", ScheduleParams(4, 10, chunks=2))
     assert device_text(schedule, 0) == (
         "0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 "
-        "0F7 7B3 7F4 0B0 0F8 7B4 7F5 0B1 0F9 7B5 7F6 0B2 "
-        "7B6 7F7 0B3 7B7 7F8 0B4 7B8 7F9 0B5 "
+        "(0F7;7B3)OVERLAP_F_B (7F4;0B0)OVERLAP_F_B (0F8;7B4)OVERLAP_F_B (7F5;0B1)OVERLAP_F_B "
+        "(0F9;7B5)OVERLAP_F_B (7F6;0B2)OVERLAP_F_B "
+        "7B6 (7F7;0B3)OVERLAP_F_B 7B7 (7F8;0B4)OVERLAP_F_B 7B8 (7F9;0B5)OVERLAP_F_B "
         "7B9 0I6 0W6 0I7 0W7 0I8 0W8 0I9 0W9 0OPT 7OPT")
+    assert device_text(schedule, 3) == (
+        "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 3F4 4B0 (4F4;3B0)OVERLAP_F_B (3F5;4B1)OVERLAP_F_B (4F5;3B1)OVERLAP_F_B "
+        "(3F6;4B2)OVERLAP_F_B (4F6;3B2)OVERLAP_F_B (3F7;4B3)OVERLAP_F_B (4F7;3B3)OVERLAP_F_B (3F8;4B4)OVERLAP_F_B "
+        "(4F8;3B4)OVERLAP_F_B (3F9;4B5)OVERLAP_F_B (4F9;3B5)OVERLAP_F_B "
+        "4B6 3B6 4B7 3B7 4I8 3I8 4I9 3I9 4W8 3W8 4W9 3W9 3OPT 4OPT")
 
 
 @pytest.mark.parametrize("p,m,fwd,bwd,wgrad", [(2, 4, 1, 2, 0.5), (4, 8, 1, 2, 0.3), (4, 16, 1.3, 2.1, 0.6),
                                                (8, 16, 1, 3, 0.5)])
 def test_dualpipev_beats_1f1b_with_the_same_work_per_device(p, m, fwd, bwd, wgrad):
     """1F1B on p devices with stages twice as long (2F, 2B) has the same work per device and bubble
-    (p−1)·2(F+B). DualPipeV's README bubble is (p−1)(F&B + B − 3W); F&B = F + B here, as the simulator
-    runs an overlapped pair back to back, but does not hold one op of a pair for the other, so it can
-    only do better. Activations: the README's PP+1 = 2p+1 chunks; weights: one copy per stage."""
-    weight_ms = bwd * wgrad
+    (p−1)·2(F+B); DualPipeV, its overlapped pairs priced F + B (nothing to hide), still has less. Activations: the
+    README's PP+1 = 2p+1 chunks; weights: one copy per stage. (Its README bubble: test_deepseek_table.)"""
     dpv = run("dualpipev", p, m, chunks=2, fwd=fwd, bwd=bwd, wgrad_fraction=wgrad).summary
     one_f_one_b = run("1f1b", p, m, fwd=2 * fwd, bwd=2 * bwd).summary
-    assert dpv.makespan_ms <= 2 * m * (fwd + bwd) + (p - 1) * (fwd + 2 * bwd - 3 * weight_ms) + 1e-9
     assert dpv.makespan_ms < one_f_one_b.makespan_ms
     assert [d.peak_activations for d in dpv.devices] == [2 * p + 1] * p
     assert [d.peak_weight_versions for d in dpv.devices] == [1] * p

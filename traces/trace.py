@@ -65,8 +65,8 @@ class TraceError(ValueError):
 @dataclass(eq=False)
 class Ops:
     """One row per op. `kind` indexes `Trace.kinds`, `stream` indexes STREAMS; -1 means "not applicable"
-    (`microbatch` of an optimizer step, `peer` of compute, `version` of a transfer, `prediction` when
-    the weights were not predicted)."""
+    (`microbatch` of an optimizer step, `peer` of compute that runs alone (a part of an overlapped pair names
+    its other part's stage), `version` of a transfer, `prediction` when the weights were not predicted)."""
 
     device: np.ndarray
     stream: np.ndarray

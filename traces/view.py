@@ -875,7 +875,8 @@ _TIMELINE_JS = r"""
     const label = kind + (mb >= 0 ? mb : "") + (mini ? "." + mini : "");
     const lines = ["<b>" + esc(label) + "</b> (" + esc(kind) + ")" + (many ? " \u00b7 " + esc(T.label) : ""),
       esc(T.device_names[c.device[i]]) + ", stage " + c.stage[i] +
-        (c.peer[i] >= 0 ? ", peer device " + c.peer[i] : ""),  // in its own pipeline replica
+        (c.peer[i] < 0 ? "" : /^(SEND|RECV)/.test(kind) ? ", peer device " + c.peer[i]  // in its own replica
+         : ", overlapped with stage " + c.peer[i] + "'s op beside it"),  // one part of an overlapped pair (F&B)
       (mb >= 0 ? "micro-batch " + mb + ", " : "") + "mini-batch " + mini +
         (T.meta.pipelines > 1 || c.pipeline[i] > 0 ? ", pipeline " + c.pipeline[i] : ""),
       "start " + T.start[i].toFixed(3) + " ms, duration " + T.dur[i].toFixed(3) + " ms"];

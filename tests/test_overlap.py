@@ -1,0 +1,112 @@
+"""Overlapped pairs (DeepSeek-V3's F&B, torch's OVERLAP_F_B): their text, checks, lowering and price."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pipesim.schedules import (
+    SYNCHRONOUS,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    ScheduleParams,
+    StageGraph,
+    build_schedule,
+    check_complete,
+    find_deadlock,
+    lower,
+)
+from pipesim.schedules.ir import overlapped
+from pipesim.sim import Cluster, CostError, Costs, simulate
+from pipesim.traces.trace import Stream
+
+
+def two_stage(text: str) -> Schedule:
+    """Stages 0 and 1 on devices 0 and 1, two micro-batches, orders as text."""
+    return Schedule("hand", StageGraph.chain(2), (0, 1), Schedule.orders_from_text(text), SYNCHRONOUS, 2)
+
+
+def test_a_pair_is_written_as_torch_writes_it_and_read_back():
+    forward, backward = overlapped(Action.parse("0F7"), Action.parse("7B3"))
+    assert (str(forward), str(backward)) == ("0F7&7", "7B3&0")
+    assert Action.parse("7B3&0") == backward
+    schedule = build_schedule("dualpipev", ScheduleParams(2, 4, 2, chunks=2))
+    assert "(0F3;3B1)OVERLAP_F_B" in schedule.to_text().split()
+    assert Schedule.orders_from_text(schedule.to_text()) == tuple(tuple(o) for o in schedule.orders)
+
+
+@pytest.mark.parametrize("text", ["0OPT&1", "1RECV_F3&0", "0W2&1", "0SEND_B1&0"])
+def test_only_a_forward_or_a_full_backward_names_a_pair_partner(text):
+    with pytest.raises(ScheduleError, match="'&peer'"):
+        Action.parse(text)
+
+
+@pytest.mark.parametrize("token", ["(0F1;0F0)OVERLAP_F_B", "(0B1;0F0)OVERLAP_F_B", "(0F1;0B1)OVERLAP_F_B",
+                                   "(0F1;0I0)OVERLAP_F_B", "(0F1;0B0.1)OVERLAP_F_B"])
+def test_a_pair_is_a_forward_then_a_full_backward_of_another_micro_batch(token):
+    with pytest.raises(ScheduleError, match="overlapped pair is a forward and a full backward"):
+        Schedule.orders_from_text(f"0: {token}")
+
+
+def test_a_part_without_its_partner_next_to_it_is_refused():
+    schedule = two_stage("0: 0F0&1 0F1 0B0 0B1 0OPT\n1: 1F0 1B0 1F1 1B1 1OPT")
+    with pytest.raises(ScheduleError, match="0F0&1 on device 0 .* its other part is not next to it"):
+        check_complete(schedule)
+
+
+def test_a_pair_starts_only_once_both_parts_can():
+    """Run in turn, 0F1 would feed 1F1, then 1B0 would feed 0B0; as a pair, 0F1 waits for 0B0's input."""
+    in_turn = two_stage("0: 0F0 0F1 0B0 0B1 0OPT\n1: 1F0 1F1 1B0 1B1 1OPT")
+    assert find_deadlock(in_turn) == {}
+    paired = two_stage("0: 0F0 (0F1;0B0)OVERLAP_F_B 0B1 0OPT\n1: 1F0 1F1 1B0 1B1 1OPT")
+    stuck = find_deadlock(paired)
+    assert str(stuck[0][0]) == "0F1&0" and stuck[1][0] == Action(Kind.F, 1, 1)
+
+
+def test_a_pair_receives_both_inputs_before_it_and_sends_both_outputs_after_it():
+    lowered = lower(build_schedule("dualpipev", ScheduleParams(3, 6, chunks=2)))
+    t = lowered.table
+    pairs = np.flatnonzero((t.kind == list(Kind).index(Kind.F)) & (t.peer >= 0))
+    assert len(pairs) and (t.kind[pairs + 1] == list(Kind).index(Kind.B)).all()
+    checked = 0
+    kinds = [Kind(k) for k in (list(Kind)[c] for c in t.kind)]
+    for f in pairs.tolist():
+        before, after = f, f + 2
+        while before > 0 and kinds[before - 1] in (Kind.RECV_F, Kind.RECV_B) and t.device[before - 1] == t.device[f]:
+            before -= 1
+        while after < len(kinds) and kinds[after] in (Kind.SEND_F, Kind.SEND_B) and t.device[after] == t.device[f]:
+            after += 1
+        received = {(int(t.stage[i]), int(t.microbatch[i])) for i in range(before, f)}
+        sent = {(int(t.stage[i]), int(t.microbatch[i])) for i in range(f + 2, after)}
+        parts = {(int(t.stage[f]), int(t.microbatch[f])), (int(t.stage[f + 1]), int(t.microbatch[f + 1]))}
+        assert received <= parts and sent <= parts
+        checked += len(received) + len(sent)
+    # and every part's transfers are there: those of the same order run without pairs
+    plain = build_schedule("dualpipev", ScheduleParams(3, 6, chunks=2))
+    unpaired = lower(plain.with_orders(tuple(tuple(a._replace(peer=-1) for a in o) for o in plain.orders)))
+    paired_transfers = sorted(lowered.transfer[lowered.transfer >= 0])
+    assert paired_transfers == sorted(unpaired.transfer[unpaired.transfer >= 0])
+    assert checked > len(pairs)  # the pairs' own transfers were found around them
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 1.0])
+def test_a_pair_costs_both_parts_less_the_hidden_share_of_the_shorter(fraction):
+    fwd_ms, bwd_ms = 1.0, 3.0
+    schedule = build_schedule("dualpipev", ScheduleParams(2, 4, chunks=2))
+    costs = replace(Costs.per_stage(4, fwd_ms=fwd_ms, bwd_ms=bwd_ms), overlap_hidden_fraction=fraction)
+    ops = simulate(schedule, costs, Cluster.uniform(2, 0.0)).ops
+    compute = np.flatnonzero(ops.stream == Stream.COMPUTE)
+    forward = compute[(ops.kind[compute] == list(Kind).index(Kind.F)) & (ops.peer[compute] >= 0)]
+    assert len(forward)
+    backward = np.array([compute[np.searchsorted(compute, f) + 1] for f in forward])
+    assert np.allclose(ops.start_us[backward], ops.start_us[forward] + ops.dur_us[forward])  # back to back
+    assert np.allclose(ops.dur_us[forward] + ops.dur_us[backward], 1e3 * (fwd_ms + bwd_ms - fraction * fwd_ms))
+    assert np.allclose(ops.dur_us[backward], 1e3 * bwd_ms)  # the longer part keeps its time
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan"), True])
+def test_a_hidden_share_outside_0_to_1_is_refused(fraction):
+    with pytest.raises(CostError, match="overlap_hidden_fraction must be a number from 0 to 1"):
+        replace(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0), overlap_hidden_fraction=fraction)
