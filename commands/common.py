@@ -75,9 +75,12 @@ Zero = Annotated[int | None, typer.Option(
 HeldPrecision = Annotated[str | None, typer.Option(
     "--precision", metavar="MODE", help="How weights, gradients and optimizer state are held: fp32 (all float32) "
                                         "megatron (Megatron-LM's mixed precision: 16-bit weights, float32 main "
-                                        "gradients, master weights and moments) or megatron-16bit-grads (its "
-                                        "gradients kept in 16 bits). Default: as Megatron-LM keeps the model's "
-                                        "--dtype (bf16: megatron, fp16: megatron-16bit-grads); typed costs: "
+                                        "gradients, master weights and moments), megatron-16bit-grads (its "
+                                        "gradients kept in 16 bits) or fsdp2 (torch FSDP2's as torchtitan sets "
+                                        "it, with --zero 3: float32 sharded weights, 16-bit gathered copies, "
+                                        "float32 gradients and moments, no master copy). Default: as "
+                                        "Megatron-LM keeps the model's --dtype (bf16: megatron, fp16: "
+                                        "megatron-16bit-grads); typed costs: "
                                         "fp32, their parameter MiB being the weights as the passes read them.")]
 ReduceAfterFlush = Annotated[bool, typer.Option(
     "--reduce-after-flush", help="With --data-parallel: a device all-reduces its stages' gradients once its last "
@@ -418,7 +421,8 @@ def search_progress(search_seconds: float | None, quiet: bool) -> Iterator[Calla
 
 
 def zero_stage(flags: dict) -> int:
-    """ZeRO's stage from --zero and --sharded-optimizer (the same as --zero 1), checked against --data-parallel."""
+    """ZeRO's stage from --zero and --sharded-optimizer (the same as --zero 1), checked against --data-parallel
+    and --precision."""
     from ..schedules.methods import ZERO_STAGES
 
     zero, sharded = flags.get("zero"), flags.get("sharded_optimizer", False)
@@ -430,6 +434,9 @@ def zero_stage(flags: dict) -> int:
     if stage and (flags.get("data_parallel") or 1) == 1:
         flag = "--sharded-optimizer" if sharded else f"--zero {stage}"
         raise InputError(f"{flag} shards over data-parallel replicas: give --data-parallel 2 or more")
+    if flags.get("precision") == "fsdp2" and stage != 3:
+        raise InputError("--precision fsdp2 is FSDP2's mixed precision, whose float32 weights are sharded: give "
+                         "--zero 3 (with --data-parallel 2 or more)")
     return stage
 
 
@@ -460,7 +467,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     network = flags.get("network_gb_s")
     if network is not None and not 0 < network < math.inf:
         raise InputError(f"--network-gb-s: give GB/s above 0 (got {network})")
-    zero_stage(flags)
+    zero = zero_stage(flags)
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
@@ -468,6 +475,10 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if stage_cut not in STAGE_CUTS:
         raise InputError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)} (got {stage_cut!r})")
     measured = estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None)
+    if measured is not None and measured.estimate is not None and zero != 3 and (
+            measured.estimate.parallelism.get("precision") == "fsdp2"):
+        raise InputError("--profile: estimated with --precision fsdp2, whose float32 weights are sharded: give "
+                         "--zero 3 (with --data-parallel 2 or more)")
     if is_given(ctx, "stage_cut") and measured is None and flags.get("gpu") is None:
         raise InputError("--stage-cut cuts --gpu's or --profile's layers into stages; the cost flags give each "
                          "stage's costs already")

@@ -25,7 +25,7 @@ from ..profiles.partition import PartitionError, equal_blocks, partition
 from ..schedules import COLLECTIVE_KINDS, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
-from ..sim.costs import RowOverhead
+from ..sim.costs import PRECISIONS, RowOverhead
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile
@@ -329,6 +329,8 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
 
     tail = measured.contention.tail if measured.contention is not None else 1.0
     stage_layers = [measured.layers[start:stop] for start, stop in itertools.pairwise(bounds)]
+    # An estimate's precision may store the weights otherwise than the passes read them (FSDP2's float32 shards)
+    held = PRECISIONS.get(measured.estimate.parallelism.get("precision")) if measured.estimate is not None else None
     return Costs(tuple(StageCosts(
         fwd_ms=s.fwd_ms * tail, bwd_ms=s.bwd_ms * tail, igrad_ms=s.igrad_ms * tail, wgrad_ms=s.wgrad_ms * tail,
         wgrad_fraction=s.wgrad_fraction,
@@ -337,7 +339,8 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer],
         accumulate_ms=s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0,
         copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,
-        grad_bytes=s.grad_bytes, activation_parts=s.activation_parts, gathered_bytes=gathered_bytes(layers))
+        grad_bytes=s.grad_bytes, activation_parts=s.activation_parts, gathered_bytes=gathered_bytes(layers),
+        stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None)
         for s, layers in zip(stages_for(measured, list(bounds), dag=dag), stage_layers)),
         microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),

@@ -110,7 +110,7 @@ def test_an_estimate_holds_gradients_in_their_accumulation_dtype(dtype, precisio
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--precision", "fp8"], "--precision: choose from fp32, megatron, megatron-16bit-grads (got 'fp8')"),
+    (["--precision", "fp8"], "--precision: choose from fp32, megatron, megatron-16bit-grads, fsdp2 (got 'fp8')"),
     (["--profile", PROFILE, "--precision", "megatron"], "--precision: a profile holds"),
     ([*TINY_GPT, "--dtype", "fp32", "--precision", "megatron"],
      "--precision megatron holds 16-bit weights; the model is counted in float32"),
@@ -339,3 +339,39 @@ def test_bad_zero_is_one_line(command, flags, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = pipesim(*command, *flags)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_fsdp2_precision_keeps_float32_shards_and_gathers_16_bit_copies():
+    """FSDP2's mixed precision as torchtitan sets it, d = 2: 100 MiB of 16-bit weights are 200 MiB stored in
+    float32, half of them per replica, beside the 100 MiB gathered; float32 gradients; Adam's two float32 moments
+    sharded; no master copy."""
+    args = ["--schedule", "1f1b", "-p", "4", "-m", "8", "--param-mb", "100", "--activation-mb", "10",
+            "--output-mb", "0", "--data-parallel", "2", "--zero", "3"]
+    fsdp2, = simulate_json(*args, "--precision", "fsdp2")
+    megatron, = simulate_json(*args, "--precision", "megatron")
+    for k, (device, other) in enumerate(zip(fsdp2["devices"], megatron["devices"])):
+        held = {"parameters": 100 + 100, "gradients": 200, "optimizer_state": 200, "activations": 10 * (4 - k),
+                "communication": 0}
+        assert device["peak_memory_parts_mb"] == held
+        assert other["peak_memory_parts_mb"] == {**held, "parameters": 50 + 100, "optimizer_state": 300}
+
+
+def test_an_fsdp2_estimate_stores_float32_weights(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = ["--model", "gpt", "--layers", "4", "--width", "256", "--heads", "4", "--seq-len", "128"]
+    code, _, err = pipesim("estimate", *model, "--gpu", "h100-sxm", "-p", "2", "--data-parallel", "2", "--zero", "3",
+                           "--precision", "fsdp2", "--out", "e.json")
+    assert code == 0, err
+    code, out, err = pipesim("simulate", "--profile", "e.json", "-s", "1f1b", "-m", "4", "--data-parallel", "2")
+    assert code == 2 and out == "" and "--profile: estimated with --precision fsdp2" in err
+    result, = simulate_json("--profile", "e.json", "-s", "1f1b", "-m", "4", "--data-parallel", "2", "--zero", "3")
+    layers = json.loads((tmp_path / "e.json").read_text())["layers"]
+    weights = sum(layer["param_bytes"] for layer in layers[:3]) / MIB  # stage 0's, 16-bit
+    assert result["devices"][0]["peak_memory_parts_mb"]["parameters"] == pytest.approx(
+        2 * weights / 2 + weights, abs=0.5)
+
+
+@pytest.mark.parametrize("command", [["simulate", "--schedule", "1f1b"], ["sweep", "--schedule", "1f1b"]])
+def test_fsdp2_precision_needs_zero_3(command):
+    code, out, err = pipesim(*command, "--data-parallel", "2", "--zero", "2", "--precision", "fsdp2")
+    assert code == 2 and out == "" and "--precision fsdp2 is FSDP2's mixed precision" in err
