@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -105,6 +106,10 @@ def simulate(
     bwd: Annotated[str, typer.Option(
         "--bwd", metavar="MS[,MS...]", help="Full backward ms per micro-batch, as --fwd.")] = "2",
     wgrad_fraction: WgradFraction = 0.5,
+    fb_hidden_fraction: Annotated[float, typer.Option(
+        "--fb-hidden-fraction", min=0.0, max=1.0, metavar="H", help="Of each overlapped F&B pair (dualpipev), the "
+        "share of its shorter part hidden under the longer: the pair takes F + B - H x min(F, B). Default 0: "
+        "without expert parallelism's all-to-all there is nothing to hide.")] = 0.0,
     opt: Annotated[float, typer.Option(
         "--opt", min=0.0, metavar="MS", help="Optimizer step ms per device (split over its chunks).")] = 0.0,
     pred: Annotated[float | None, typer.Option(
@@ -170,6 +175,7 @@ def simulate(
         stages, microbatches, comm, opt, html = (
             EXAMPLE[k] for k in ("stages", "microbatches", "comm", "opt", "html"))
     from ..schedules import METHODS, ScheduleError, steady_minibatches
+    from ..schedules.analysis import overlapped_pairs
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
     from ..traces import summarize, write_trace
@@ -199,8 +205,8 @@ def simulate(
         estimated = None if what is None else estimated_profile(
             what, count_what_if(what, microbatch_size),
             what.parallelism(stages, tensor_parallel, data_parallel, recompute), optimizer)
-        scenario = scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
-                                       opt=opt)
+        scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
+                                               opt=opt), overlap_hidden_fraction=fb_hidden_fraction)
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
@@ -236,6 +242,10 @@ def simulate(
                     del schedules[name]
                     skipped[name] = str(exc)
         _check_cost_lists(scenario, schedules)
+        pairs = {name: overlapped_pairs(sched) for name, sched in schedules.items()}
+        if fb_hidden_fraction and not any(pairs.values()):
+            raise InputError(f"--fb-hidden-fraction prices overlapped F&B pairs, and none of {', '.join(schedules)} "
+                             "runs one (dualpipev does): leave it out")
         summaries, traces, memory = [], [], []
         for name, sched in progress(list(schedules.items()), as_json):
             try:
@@ -280,6 +290,8 @@ def simulate(
             result["prediction"] = sched.params.get("prediction")  # the source of s used; null: no prediction
             result["minibatches"] = sched.minibatches
             result["steady_state"] = is_steady  # false: time_per_minibatch_ms includes the warm-up
+            result["overlapped_pairs"] = pairs[sched.method]  # F&B pairs over every device and mini-batch
+            result["fb_hidden_fraction"] = fb_hidden_fraction if pairs[sched.method] else None
             if work:  # the what-if's totals: every GPU of the t x p x d
                 result.update(gpus=used, **rate)
         for result, checks in zip(results, memory):
@@ -293,7 +305,8 @@ def simulate(
     elif memory_view:
         _print_memory_table(summaries, built, memory, skipped)
     else:
-        _print_table(summaries, built, steady, example, skipped, memory, _cost_basis(scenario, built),
+        _print_table(summaries, built, steady, example, skipped, memory,
+                     _cost_basis(scenario, built) + _overlap_text(built, pairs, fb_hidden_fraction),
                      [rate.get("mfu") for rate in rates], work.tensor if work else 1)
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
@@ -395,6 +408,17 @@ def _cost_basis(scenario, schedules: list) -> str:
     if stage_flags:
         basis += f"; {', '.join(stage_flags)} per model stage (p·v values)"
     return basis
+
+
+def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> str:
+    """For the caption: which methods overlap F&B pairs, how many per mini-batch, and what each costs."""
+    overlapping = [f"{sched.method} {pairs[sched.method] // sched.minibatches}" for sched in schedules
+                   if pairs[sched.method]]
+    if not overlapping:
+        return ""
+    price = ("F + B, nothing hidden" if fraction == 0
+             else f"F + B less {fraction:g} of the shorter part") + " (--fb-hidden-fraction)"
+    return f"; F&B pairs per mini-batch: {', '.join(overlapping)}, each {price}"
 
 
 def _warn(skipped: dict[str, str], summaries: list, memory: list) -> None:

@@ -61,6 +61,7 @@ class Scenario:
     network_gb_s: float | None = None  # typed costs: each GPU's network for the data-parallel all-reduce (GB/s)
     stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: one of STAGE_CUTS
     precision: str = "fp32"  # typed costs: how --param-mb's weights, their gradients and state are held (PRECISIONS)
+    overlap_hidden_fraction: float = 0.0  # `simulate --fb-hidden-fraction`: Costs.overlap_hidden_fraction
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
@@ -90,10 +91,13 @@ class Scenario:
         - "stage": one number, or one per model stage, as given.
         - "model" (`sweep`, where the stage count varies too): the whole model's, split over all stages.
 
-        Compute times are then scaled by `cost_scale`. With d > 1 data-parallel replicas (`sched.data_parallel`),
+        Compute times are then scaled by `cost_scale`; an overlapped pair hides `overlap_hidden_fraction` of its
+        shorter part. With d > 1 data-parallel replicas (`sched.data_parallel`),
         each stage's REDUCE (and GATHER) is priced on `data_parallel_link` (`collective_costs`).
         """
         costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
+        if self.overlap_hidden_fraction:
+            costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
         if sched.data_parallel == 1:
             return costs
         return collective_costs(costs, sched, self.data_parallel_link(sched))

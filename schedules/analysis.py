@@ -95,6 +95,12 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
         raise ScheduleError(f"{schedule.method}: incomplete schedule: {shown}")
 
 
+def overlapped_pairs(schedule: Schedule) -> int:
+    """How many overlapped pairs (F&B) the schedule runs, over every device and mini-batch."""
+    t = schedule.table
+    return int(np.count_nonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0)))
+
+
 def _check_pairs(schedule: Schedule, t: ActionTable, compute: np.ndarray) -> None:
     """Each part of an overlapped pair (a compute row naming a peer) sits next to its other part on its device,
     the forward first, as `ir.overlapped` makes them."""

@@ -284,6 +284,7 @@ RIVALS = (
            "activations", zb_h2),
     Method("zb-v", "Zero bubble V: two chunks per device in a V, split backward; 1F1B's activation memory", zb_v,
            defaults={"chunks": 2}),
-    Method("dualpipev", "DualPipeV (DeepSeek): DualPipe cut in half, two chunks per device in a V; m >= 2p",
+    Method("dualpipev", "DualPipeV (DeepSeek): DualPipe cut in half, two chunks per device in a V; a forward and "
+           "another micro-batch's backward run as one overlapped F&B pair (--fb-hidden-fraction); m >= 2p",
            dualpipev, defaults={"chunks": 2}),
 )

@@ -21,6 +21,7 @@ from pipesim.schedules import (
 from pipesim.schedules.ir import overlapped
 from pipesim.sim import Cluster, CostError, Costs, simulate
 from pipesim.traces.trace import Stream
+from tests.conftest import pipesim, simulate_json
 
 
 def two_stage(text: str) -> Schedule:
@@ -110,3 +111,28 @@ def test_a_pair_costs_both_parts_less_the_hidden_share_of_the_shorter(fraction):
 def test_a_hidden_share_outside_0_to_1_is_refused(fraction):
     with pytest.raises(CostError, match="overlap_hidden_fraction must be a number from 0 to 1"):
         replace(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0), overlap_hidden_fraction=fraction)
+
+
+def test_simulate_says_how_many_pairs_each_method_overlaps_and_prices_them_by_the_flag():
+    """DualPipeV on 4 ranks, 8 micro-batches: rank r overlaps 2m - 3p + r + 1 pairs (dualpipev.py's steps 4 and
+    5), the last rank one fewer (its first F and B apart): 5 + 6 + 7 + 7."""
+    args = ("-s", "dualpipev", "-s", "1f1b", "-p", 4, "-m", 8, "-n", 1)
+    plain, hidden = simulate_json(*args), simulate_json(*args, "--fb-hidden-fraction", 1)
+    assert [(r["schedule"], r["overlapped_pairs"], r["fb_hidden_fraction"]) for r in plain] == [
+        ("dualpipev", 25, 0.0), ("1f1b", 0, None)]
+    assert hidden[0]["fb_hidden_fraction"] == 1.0
+    assert hidden[0]["makespan_ms"] < plain[0]["makespan_ms"] and hidden[1] == plain[1]
+    code, out, _ = pipesim("simulate", *args)
+    assert code == 0 and "F&B pairs per mini-batch: dualpipev 25, each F + B, nothing hidden" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("-s", "1f1b", "--fb-hidden-fraction", "0.3"), "--fb-hidden-fraction prices overlapped F&B pairs, and none of"),
+    (("-s", "dualpipev", "--fb-hidden-fraction", "1.5"), "--fb-hidden-fraction"),
+    (("-s", "dualpipev", "--fb-hidden-fraction", "half"), "--fb-hidden-fraction"),
+])
+def test_a_bad_hidden_share_is_one_line_and_exit_2(args, fragment, tmp_path):
+    page = tmp_path / "t.html"
+    code, _, err = pipesim("simulate", *args, "--html", page)
+    assert code == 2 and fragment in err and err.strip().count("\n") == 0
+    assert not page.exists()
