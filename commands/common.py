@@ -197,8 +197,10 @@ SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
 Recompute = Annotated[str | None, typer.Option(
-    "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core) or "
-                                        "full (each layer's forward again in its backward).")]
+    "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core), "
+                                        "full (each layer's forward again in its backward) or op (torchtitan's "
+                                        "selective op policy: keeps every other matrix product's output and the "
+                                        "attention's, reruns the rest; t = 1).")]
 
 model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)

@@ -32,7 +32,7 @@ from .common import (
     stdout,
     with_help,
 )
-from .estimate import RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
+from .estimate import SEARCHED_RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
 from .tables import print_table
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
@@ -221,7 +221,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             try:
                 settings += [Setting(profile_scenario(estimated_profile(
                     what, counted, what.parallelism(p, t, devices // (t * p), kind), optimizer), optimizer), t, kind,
-                    (p,)) for p in depths for kind in ([recompute] if recompute else RECOMPUTE)]
+                    (p,)) for p in depths for kind in ([recompute] if recompute else SEARCHED_RECOMPUTE)]
             except InputError:
                 if tensor:  # the user's t: say why it cannot be
                     raise

@@ -15,7 +15,10 @@ rank unless sequence parallelism divides them too. Activation memory follows Kor
 2205.05198): of a layer's saved bytes, the s×s attention core and 24/34 of the rest divide by t, 10/34 stay
 whole unless sequence parallelism divides them. Recomputation: "selective" drops the core's saved bytes and
 reruns its forward in the backward; "full" keeps only the layer's input and reruns its whole forward (in a
-layer with attention: Megatron-LM recomputes its transformer layers, not the embedding or the head).
+layer with attention: Megatron-LM recomputes its transformer layers, not the embedding or the head); "op" is
+torchtitan's selective op policy (`_apply_ac_to_transformer_block`, selective_ac_option "op"): in such a layer it
+keeps the layer's input, the output of every other matrix product (the 1st, 3rd, ... in forward order) and the
+attention kernel's outputs, and reruns the rest (t = 1 only).
 
 Placement: t inside a node first, then p, then d (Megatron's order); a stage boundary or a data-parallel group
 that leaves a node uses the network (a stage boundary with t > 1 as Megatron's scatter/gather: 1/t of the
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -60,7 +63,7 @@ from ..sim.costs import PRECISIONS, Precision
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "op")
 PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
 REPLICATED_SHARE = 10 / 34  # Korthikanti et al.: 10·sbh of a block's 34·sbh (s×s terms aside) stay whole under t
 # NCCL's per-step latency of its Simple protocol by link (src/graph/tuning.cc, hwLat, ring): NVLink 3.4 us, PCIe
@@ -93,6 +96,9 @@ class Parallelism:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
         if self.recompute not in RECOMPUTE:
             raise EstimateError(f"recompute: choose from {', '.join(RECOMPUTE)} (got {self.recompute!r})")
+        if self.recompute == "op" and self.tensor > 1:
+            raise EstimateError("recompute: op (torchtitan's selective op policy) is modelled for tensor 1 only "
+                                f"(got tensor {self.tensor})")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise EstimateError(f"precision: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
 
@@ -309,17 +315,47 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         parts[part] += (0.0 if parallel.recompute == "selective" else nbytes / t) if core else nbytes * rest_share
     parts["other"] += (saved - sum(nbytes for _, nbytes in layer.saved_tensors)) * rest_share  # a count lists all
     rerun = 0.0
-    if parallel.recompute == "selective":
+    transformer = any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1)
+                      for op in layer.ops.get("fwd", ()))  # a transformer layer, as Megatron and torchtitan say
+    if parallel.recompute == "op" and transformer:
+        kept_parts, rerun_ops = _op_policy(layer.ops.get("fwd", ()), element_bytes)
+        parts = {**dict.fromkeys(SAVED_PARTS, 0.0), **kept_parts}
+        parts["other"] += split.tokens * split.width * element_bytes  # the layer's input
+        rerun = _pass_ms(rerun_ops, split, device, collective_ms, True)
+    elif parallel.recompute == "selective":
         rerun = _pass_ms(layer.ops.get("fwd", ()), split, device, collective_ms, True, only_core=True)
-    elif parallel.recompute == "full" and any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1)
-                                              for op in layer.ops.get("fwd", ())):  # a transformer layer, as Megatron
+    elif parallel.recompute == "full" and transformer:
         inputs = split.tokens * split.width * element_bytes
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
         rerun = times["fwd"]
     kept = sum(parts.values())
-    total = round(min(kept, saved) if parallel.recompute != "none" else kept)
+    total = round(min(kept, saved) if parallel.recompute in ("selective", "full") else kept)  # op's keeps its own
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
                          whole_parts(parts, total))
+
+
+def _op_policy(ops: Sequence[OpCount], element_bytes: int) -> tuple[dict[str, float], list[OpCount]]:
+    """torchtitan's selective op policy over a layer's forward `ops` (in the order the count first saw them, each
+    call of a product numbered in turn): the bytes it keeps by part, every other product's output (odd numbers:
+    `_custom_policy` recomputes each second aten.mm) as other and the fused attention's output and its float32
+    log-sum-exp as attention; and the ops it reruns in the backward (the rest)."""
+    kept = {"attention": 0.0, "other": 0.0}
+    rerun: list[OpCount] = []
+    products = 0
+    for op in ops:
+        if op.kind == "matmul":
+            saved = (products + op.count + 1) // 2 - (products + 1) // 2  # odd numbers in products+1..+count
+            products += op.count
+            batch, m, n, _ = op.shape
+            kept["other"] += saved * batch * m * n * element_bytes
+            if op.count > saved:
+                rerun.append(replace(op, count=op.count - saved))
+        elif op.kind == "attention":
+            heads, queries, _, head_size = op.shape
+            kept["attention"] += op.count * heads * queries * (head_size * element_bytes + 4)
+        else:
+            rerun.append(op)
+    return kept, rerun
 
 
 def whole_parts(parts: dict[str, float], total: int) -> dict[str, int]:

@@ -420,7 +420,7 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
     One stage and no pipeline (FSDP2 alone): each pass gathers the weights it computes with and frees them after,
     reduce-scattering its gradients into the shard as it goes, so every F, B, I and W holds
     `StageCosts.gathered_bytes` of whole weights (ZeRO-3) and B and W as many of whole gradients, in the weights'
-    dtype; the shard from the first backward until the update ends."""
+    dtype; the shard from the end of the first backward until the update ends."""
     schedule, t, stages = lowered.schedule, lowered.table, costs.stages
 
     def per_stage(values: list[int]) -> np.ndarray:
@@ -439,8 +439,8 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
             for kind in kinds:
                 at_start[part][:, KIND_CODE[kind]] += gathered
                 at_end[part][:, KIND_CODE[kind]] -= gathered
-        first = backward.first
-        events["gradients"].append(_events(first, start=shard[t.stage[first]]))
+        first = backward.first  # its gradients reduce-scattered as it goes, the shard whole once it ends
+        events["gradients"].append(_events(first, end=shard[t.stage[first]]))
     else:
         whole = per_stage([c.gradient_bytes for c in stages])
         first, last = backward.first, backward.last

@@ -2,6 +2,7 @@
 tensor parallelism's split and collectives, Korthikanti et al.'s activation memory."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -305,3 +306,28 @@ def test_repeated_blocks_are_priced_once_and_alike(small_gpt, monkeypatch):
     assert all((b.fwd, b.bwd, b.igrad, b.wgrad, b.activation_bytes) == (blocks[0].fwd, blocks[0].bwd, blocks[0].igrad,
                                                                          blocks[0].wgrad, blocks[0].activation_bytes)
                for b in blocks)
+
+
+def test_torchtitans_op_policy_keeps_every_other_product_and_the_attention():
+    """torchtitan's selective op policy on a Llama block's forward (q, k, v, o, then w1, w3, w2; k and v counted
+    as one op of two calls): it keeps products 1, 3, 5, 7 (q, v, w1, w2), the attention's output and float32
+    log-sum-exp, and the block's input, and reruns products 2, 4, 6 and the memory-bound ops."""
+    tokens, width, kv, ffn, heads = B * S, H, H // 4, 4 * H, HEADS
+
+    def mm(n: int, k: int, count: int = 1) -> OpCount:
+        return OpCount("mm", "matmul", (1, tokens, n, k), 2 * tokens * n * k, 0, count)
+
+    norm = OpCount("rms_norm", "memory", (B, S, H), 0, 4 * tokens * width, 2)
+    attention = OpCount("flash", "attention", (B * heads, S, S, width // heads), 4 * B * S * S * width, 0, 1)
+    ops = (norm, mm(width, width), mm(kv, width, 2), attention, mm(width, width), mm(ffn, width), mm(ffn, width),
+           mm(width, ffn))
+    block = replace(_block([((B, S, H), 10**9)]), ops={"fwd": ops})
+    kept = estimate_layer(block, DEVICE, Parallelism(recompute="op"), placement_links(
+        A100, Parallelism()).tensor, 2)
+    products = 2 * tokens * (width + kv + ffn + width)  # q, one of k and v, w1, w2
+    assert kept.activation_bytes == 2 * tokens * width + products + B * S * width * 2 + B * heads * S * 4
+    assert kept.activation_parts["attention"] == B * S * width * 2 + B * heads * S * 4
+    assert kept.bwd_ms > estimate_layer(block, DEVICE, Parallelism(), placement_links(A100, Parallelism()).tensor,
+                                        2).bwd_ms  # it reruns what it did not keep
+    with pytest.raises(EstimateError, match="op .* is modelled for tensor 1 only"):
+        Parallelism(tensor=2, recompute="op")

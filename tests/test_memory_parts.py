@@ -320,11 +320,12 @@ def test_zero_stages_shard_exactly_their_parts():
 
 def test_zero_3_with_one_stage_gathers_each_pass():
     """No pipeline (FSDP2 alone): every pass gathers the weights and frees them after, each backward's gradients
-    whole until reduce-scattered into the shard, held until the update."""
+    whole until reduce-scattered into the shard, which is whole from the first backward's end until the update."""
     weights = _part_curve(3, "parameters", stages=1)
     assert max(mib for _, mib in weights) == 150 and weights[-1][1] == 50
     assert sum(1 for (_, before), (_, after) in zip(weights, weights[1:]) if after > before) == 2 * 8 * 2
     grads = _part_curve(3, "gradients", stages=1)
+    assert [mib for _, mib in grads[:4]] == [0, 100, 50, 150]  # the shard whole once the first backward ends
     assert max(mib for _, mib in grads) == 150 and grads[-1][1] == 0
 
 
