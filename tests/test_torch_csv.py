@@ -190,6 +190,15 @@ def test_torch_v_schedules_simulate_between_the_work_and_interleaved(cls, p, m, 
     assert from_torch_csv((tmp_path / "lowered.csv").read_text(), cls.__name__).orders == schedule.orders
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 10), (4, 16)])
+def test_torch_dualpipev_overlaps_the_same_pairs_as_ours(p, m):
+    """torch 2.13's ScheduleDualPipeV, written from deepseek-ai/DualPipe independently of pipesim: the same order
+    on every rank, and the same F and B in each OVERLAP_F_B (its last rank's first F and B apart, as ours)."""
+    theirs = from_torch_csv(dump(torch_schedule(ts.ScheduleDualPipeV, p, 2, m).pipeline_order), "torch-dualpipev")
+    ours = build_schedule("dualpipev", ScheduleParams(p, m, 1, 2))
+    assert theirs.to_text() == ours.to_text() and "OVERLAP_F_B" in ours.to_text()
+
+
 def test_torch_1f1b_pipeline_order_is_rejected_naming_what_is_wrong():
     """torch 2.13's Schedule1F1B.pipeline_order starts the last rank at F1 and runs to F<m>: not ground truth."""
     order = torch_schedule(ts.Schedule1F1B, 4, 1, 8).pipeline_order
