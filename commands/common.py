@@ -129,7 +129,9 @@ Dropout = Annotated[float | None, typer.Option(
     "--dropout", help="gpt: dropout on the attention probabilities and each residual branch (Megatron-LM's default is "
                       "0.1; none by default), counted as the one fused kernel a GPU runs.")]
 ModelName = Annotated[str | None, typer.Option(
-    "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, or package.module:attribute (as calibrate takes).")]
+    "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, package.module:attribute (as calibrate takes), or "
+                                    "hf:PATH, a Hugging Face config.json or its folder (e.g. hf:examples/llama3.1-70b; "
+                                    "with --seq-len).")]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's names -> torch's
 DTYPES.update({name: name for name in list(DTYPES.values())})  # calibrate's names too
 ModelDtype = Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as "
@@ -253,7 +255,8 @@ class InputError(Exception):
 
 
 def fail(message: str) -> NoReturn:
-    stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # keep [..] text
+    stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True,
+                 emoji=False)  # keep [..] text, and :x: in hf:x: as written
     raise SystemExit(2)
 
 
@@ -347,7 +350,7 @@ def write_error(exc: OSError) -> str:
 
 # What the optional modules are and how to install them: import name -> (pip package, pipesim's extra with it).
 EXTRAS = {"torch": ("torch", "torch"), "sklearn": ("scikit-learn", "torch"), "pyarrow": ("pyarrow", "parquet"),
-          "ray": ("ray", "ray")}
+          "ray": ("ray", "ray"), "transformers": ("transformers", "hf")}
 
 
 def require(needer: str, *modules: str) -> None:
@@ -370,19 +373,25 @@ def require(needer: str, *modules: str) -> None:
 
 
 def require_model_data(needer: str, model: str) -> None:
-    """scikit-learn, for a built-in model that trains on its digits data (call after torch is required: the
-    models are torch code)."""
+    """scikit-learn, for a built-in model that trains on its digits data; transformers, for a Hugging Face config
+    (call after torch is required: the models are torch code)."""
+    from ..workload.hfconfig import is_hf
     from ..workload.models import DIGITS_MODELS
 
     if model in DIGITS_MODELS:
         require(f"{needer} --model {model} (it trains on scikit-learn's digits)", "sklearn")
+    if is_hf(model):
+        require(f"{needer} --model {model} (transformers builds it from its config)", "transformers")
 
 
 def too_few_layers(stages: str, model: str, options: dict[str, Any], layers: int) -> str:
     """The one line for more stages than the model has layers (`stages`: the flags that ask for them). --layers
     counts a built-in model's blocks, and a pipeline cuts between all its layers, the embedding or classifier
     around the blocks too: both counts are said, so that 4 blocks and 6 layers do not read as a contradiction."""
-    blocks = f" of {options['layers']} block{'s' * (options['layers'] != 1)} (--layers)" if "layers" in options else ""
+    from ..workload.hfconfig import is_hf
+
+    given = "" if is_hf(model) else " (--layers)"  # a Hugging Face config gives its own
+    blocks = f" of {options['layers']} block{'s' * (options['layers'] != 1)}{given}" if "layers" in options else ""
     return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
             "one layer)")
 

@@ -80,8 +80,8 @@ def _table(counted: WorkloadCount) -> Table:
     """One row per run of alike consecutive layers (a GPT's blocks are one row), then the model's totals."""
     shape = " ".join(f"{key}={value}" for key, value in counted.options.items())
     attention = f", {counted.attention} attention" if counted.attention is not None else ""  # an MLP has none
-    title = (f"{counted.model} {shape}, b={counted.microbatch_size}, {counted.dtype}{attention}: per layer and "
-             "micro-batch")
+    title = (f"{' '.join(filter(None, (counted.model, shape)))}, b={counted.microbatch_size}, {counted.dtype}"
+             f"{attention}: per layer and micro-batch")  # a module of the user's own has no size options
     table = Table(title=title, box=box.SIMPLE_HEAD)
     for column in ("layers", "fwd FLOP", "igrad FLOP", "wgrad FLOP", "moved B", "saved B", "params B", "Adam B",
                    "output", "output B"):

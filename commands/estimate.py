@@ -152,7 +152,8 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
                          f"{'these flags' if len(clash) > 1 else 'it'}")
     if params.get("model") is None:
         raise InputError("--gpu: give the model to estimate: --model gpt with its size flags (--layers, --width, "
-                         "--heads, --seq-len, ...), or --model package.module:attribute")
+                         "--heads, --seq-len, ...), --model hf:PATH (a Hugging Face config.json) with --seq-len, or "
+                         "--model package.module:attribute")
     if params["dtype"] not in DTYPES:
         raise InputError(f"--dtype: choose from {', '.join(DTYPES)} (got {params['dtype']!r})")
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
@@ -257,12 +258,15 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
 
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
                    needer: str) -> WorkloadCount:
-    """`model` counted on the meta device, from the host cache where a built-in model's count is kept."""
+    """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
+    count is kept."""
+    from dataclasses import replace
+
     cache = _count_cache(model, options, microbatch_size, dtype, attention)
     if cache is not None:
         counted = _read_count(cache)
         if counted is not None:
-            return counted
+            return replace(counted, model=model)  # a config is kept by its content, whatever path named it
     require(needer, "torch")
     require_model_data(needer.split()[0], model)
     import torch
@@ -285,23 +289,34 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
                  attention: str) -> Path | None:
     """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype and
     attention, the installed torch's version and the source of the code that builds and counts it (so that a
-    change to either counts again). None for a user's own model, whose code pipesim cannot watch."""
+    change to either counts again); a Hugging Face config's by its content (`HfConfig.digest`) and transformers'
+    version too. None for a user's own model, whose code pipesim cannot watch. An unreadable config is refused
+    here, before torch is imported."""
     import hashlib
     import json
     from importlib import metadata
 
     from ..workload.cachedir import cache_dir
+    from ..workload.hfconfig import HfConfigError, is_hf, read_hf_config
 
-    if ":" in model:
+    sources = ["workload/models.py", "workload/count.py", "profiles/workload.py"]
+    described: list[str] = [model]
+    if is_hf(model):
+        try:
+            described = [read_hf_config(model).digest]
+        except HfConfigError as exc:
+            raise InputError(str(exc)) from None
+        sources += ["workload/hf.py", "workload/hfconfig.py"]
+    elif ":" in model:
         return None
     try:
-        torch_version = metadata.version("torch")
+        versions = [metadata.version(name) for name in ("torch", *(("transformers",) if is_hf(model) else ()))]
     except metadata.PackageNotFoundError:
         return None
     package = Path(__file__).resolve().parent.parent
-    key = hashlib.sha256(json.dumps([model, options, microbatch_size, dtype, attention, torch_version],
+    key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, *versions],
                                     sort_keys=True).encode())
-    for source in ("workload/models.py", "workload/count.py", "profiles/workload.py"):
+    for source in sources:
         key.update((package / source).read_bytes())
     return cache_dir() / "counts" / f"{key.hexdigest()[:32]}.json"
 

@@ -145,14 +145,16 @@ class _GpuKernels(TorchFunctionMode):
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
         given = {**dict(zip(names, args)), **kwargs}
-        if given.get("attn_mask") is not None or given.get("enable_gqa"):
-            return func(*args, **kwargs)  # flash takes neither: torch falls back too
+        if given.get("attn_mask") is not None:
+            return func(*args, **kwargs)  # flash takes none: torch falls back too
         q, k, v, p, causal = (given["query"], given["key"], given["value"], given.get("dropout_p", 0.0),
                               given.get("is_causal", False))
-        if self.flash:
+        if self.flash:  # grouped-query too (enable_gqa): torch's flash kernel reads the fewer key/value heads
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, causal, scale=given.get("scale"))[0]
         if not p:
             return func(*args, **kwargs)
+        if given.get("enable_gqa"):  # the unfused product needs a key and value head for every query head
+            k, v = (part.repeat_interleave(q.shape[-3] // part.shape[-3], dim=-3) for part in (k, v))
         scale = given.get("scale") or q.shape[-1] ** -0.5
         scores = q @ k.transpose(-2, -1) * scale
         if causal:
@@ -187,6 +189,8 @@ _MLP_NAMES = {"fc1", "fc2", "c_fc", "up_proj", "down_proj", "gate_proj", "w1", "
 def _module_part(name: str) -> str | None:
     """The part a submodule's own name says it is (`mlp`, `self_attn.q_proj`'s `q_proj`), or None."""
     word = name.lower()
+    if "norm" in word:  # before the words below: transformers' post_attention_layernorm is a norm
+        return "norms"
     if word in _ATTENTION_NAMES or "attn" in word or "attention" in word:
         return "attention"
     if word in _MLP_NAMES or any(key in word for key in ("mlp", "ffn", "feed_forward", "feedforward")):
@@ -292,10 +296,12 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
 
 def _signature(layer: torch.nn.Module, inputs: list[torch.Tensor], last: bool) -> tuple:
     """What a layer's count depends on: each submodule's class, plain attributes (sizes, heads, flags) and
-    weight shapes, and the inputs' shapes."""
+    weight shapes, and the inputs' shapes. Not where the layer sits: transformers numbers each decoder layer
+    (`layer_idx`), and what that number changes in a layer (a sliding window, a dense or an expert MLP) is set
+    as an attribute or a class of its own, which count."""
     def plain(module: torch.nn.Module) -> tuple:
         return tuple(sorted((k, repr(v)) for k, v in vars(module).items()
-                            if isinstance(v, (bool, int, float, str, tuple, type(None)))))
+                            if isinstance(v, (bool, int, float, str, tuple, type(None))) and k != "layer_idx"))
 
     def tensors(named) -> tuple:
         return tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in named)

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from pipesim.workload import data
+from pipesim.workload.hfconfig import is_hf
 from pipesim.workload.sizes import DEFAULT_SIZES
 
 MAX_CNN_CHANNELS = 512
@@ -264,17 +266,26 @@ def model_options(name: str) -> list[str]:
 
 
 def build_model(name: str, **options: int) -> Model:
-    """A built-in model by name, or bring-your-own `package.module:attribute`. `options` are the size
-    options the user gave (None values are left at the model's defaults)."""
+    """A built-in model by name, a Hugging Face config (`hf:PATH`, workload/hf.py) or bring-your-own
+    `package.module:attribute`. `options` are the size options the user gave (None values are left at the
+    model's defaults)."""
     given = {key: value for key, value in options.items() if value is not None}
+    if is_hf(name):
+        wrong = [key for key in given if key != "seq_len"]
+        if wrong:
+            raise ModelError(f"--{wrong[0].replace('_', '-')} does not apply to {name}: its config gives its sizes "
+                             "(--seq-len is the one it takes)")
+        from .hf import hf_model
+
+        return hf_model(name, given.get("seq_len"))
     if ":" in name:
         if given:
             raise ModelError(f"--{next(iter(given)).replace('_', '-')} applies to the built-in models only; "
                              f"{name} is built by its own code")
         return load_model(name)
     if name not in MODELS:
-        raise ModelError(f"--model: unknown {name!r}; choose from {', '.join(MODELS)} or give "
-                         "package.module:attribute")
+        raise ModelError(f"--model: unknown {name!r}; choose from {', '.join(MODELS)}, or give "
+                         "package.module:attribute or hf:PATH (a Hugging Face config.json)")
     takes = model_options(name)
     wrong = [key for key in given if key not in takes]
     if wrong:
@@ -289,9 +300,10 @@ def build_model(name: str, **options: int) -> Model:
 
 def load_model(spec: str) -> Model:
     """Bring-your-own: `package.module:attribute` naming a Model, a torch.nn.Sequential, a list of modules,
-    or a zero-argument callable returning one of them. The current folder is importable, as for
-    `python -m`. A Sequential or list gets a sample batch inferred from its first layer and a mean-square
-    loss, since nothing else is known about it."""
+    any torch.nn.Module with an example input as `(module, example)`, or a zero-argument callable returning one
+    of them. The current folder is importable, as for `python -m`. A Sequential or list gets a sample batch
+    inferred from its first layer, and a mean-square loss, since nothing else is known about it; a module with
+    its example is cut as `module_model` says."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise ModelError(f"--model {spec!r}: give package.module:attribute")
@@ -316,9 +328,11 @@ def load_model(spec: str) -> Model:
                              f"{(str(exc).splitlines() or [''])[0]}") from None
     if isinstance(value, Model):
         return value
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], nn.Module) and torch.is_tensor(value[1]):
+        return module_model(spec, *value)
     if not isinstance(value, (nn.Sequential, list, tuple)):
-        raise ModelError(f"--model {spec}: expected a torch.nn.Sequential, a list of modules or a "
-                         f"pipesim Model, got {type(value).__name__}")
+        raise ModelError(f"--model {spec}: expected a torch.nn.Sequential, a list of modules, (a torch.nn.Module, "
+                         f"an example input) or a pipesim Model, got {type(value).__name__}")
     if not len(value):
         raise ModelError(f"--model {spec}: has no layers")
     layers = list(value)
@@ -327,6 +341,44 @@ def load_model(spec: str) -> Model:
 
 def _mean_square(out: torch.Tensor, target: Any) -> torch.Tensor:
     return out.float().square().mean()
+
+
+class WholeModule(nn.Module):
+    """A module counted as one layer, its output the first floating-point tensor it returns (a transformers
+    model's logits or last hidden state), which the loss reads."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.module(x)
+        floats = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()]
+        if not floats:
+            raise ModelError(f"{type(self.module).__name__} returned no floating-point tensor for a loss to read")
+        return floats[0]
+
+
+def module_model(name: str, module: nn.Module, example: torch.Tensor) -> Model:
+    """Any module with an example input, whose first dimension is the batch (a micro-batch of b samples repeats
+    its first sample). A pipeline can cut what it knows the order of: a transformers causal language model into
+    its embedding, decoder layers, final norm and head (workload/hf.py), a Sequential into its layers; any other
+    module is one layer."""
+    from .hf import decoder_layers
+
+    if example.dim() == 0:
+        raise ModelError(f"--model {name}: the example input needs the batch as its first dimension")
+    if isinstance(module, nn.Sequential) and len(module):
+        layers = list(module)
+    else:
+        try:
+            layers = decoder_layers(module, f"--model {name}")
+        except ModelError:
+            layers = [WholeModule(module)]
+
+    def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, None]:
+        return example[:1].expand(b, *example.shape[1:]).clone(), None
+    return Model(name, layers, make, _mean_square)
 
 
 def _infer_batch(spec: str, first: Any) -> Callable[[int, torch.Generator], tuple[torch.Tensor, None]]:
@@ -341,4 +393,5 @@ def _infer_batch(spec: str, first: Any) -> Callable[[int, torch.Generator], tupl
     if isinstance(first, nn.Embedding):
         return lambda b, gen: (torch.randint(0, first.num_embeddings, (b, 128), generator=gen), None)
     raise ModelError(f"--model {spec}: cannot tell what input its first layer ({type(first).__name__}) takes; "
-                     "start with Linear, Conv2d or Embedding, or return a pipesim.workload.models.Model")
+                     "start with Linear, Conv2d or Embedding, give (the module, an example input), or return a "
+                     "pipesim.workload.models.Model")

@@ -1,0 +1,264 @@
+"""Any model from its Hugging Face config (`--model hf:PATH`, workload/hf.py): a Llama-shaped config counted
+against pipesim's own `gpt --gated --kv-heads --ffn` of the same shape, every difference a named mechanism; the
+Llama 3.1 configs of examples/; bad configs refused in one line; any torch module with an example input counted.
+transformers is in the test extra, so CI runs all of these; without it only those that need it skip."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipesim.workload.count import WorkloadCount, count_built
+from tests.conftest import pipesim, simulate_json
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
+
+B, S, H, A, KV, FFN, V, L = 2, 32, 64, 4, 2, 176, 512, 2  # micro-batch, sequence, hidden, heads, kv heads, ...
+HEAD = H // A
+E = 2  # bytes per bf16 element
+# Llama's config, with the biases pipesim's gpt has (attention_bias, mlp_bias) so that its products match the gpt's
+LLAMA = {"model_type": "llama", "hidden_size": H, "intermediate_size": FFN, "num_hidden_layers": L,
+         "num_attention_heads": A, "num_key_value_heads": KV, "vocab_size": V, "max_position_embeddings": 256,
+         "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False, "rope_theta": 10000.0}
+GPT = dict(layers=L, width=H, heads=A, kv_heads=KV, ffn=FFN, gated=True, vocab=V, seq_len=S)
+
+
+def write_config(folder: Path, fields: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(fields))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return write_config(tmp_path_factory.mktemp("llama"), LLAMA)
+
+
+@cache
+def counts(folder: str, attention: str) -> tuple[WorkloadCount, WorkloadCount]:
+    """The config's count and the gpt's of the same shape, in bf16."""
+    return (count_built(f"hf:{folder}", {"seq_len": S}, B, torch.bfloat16, attention),
+            count_built("gpt", GPT, B, torch.bfloat16, attention))
+
+
+@needs_transformers
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_a_llama_config_is_cut_as_pipesims_gpt_and_does_its_flops_exactly(llama, attention):
+    """The products are the same: q, k, v and o as the gpt's fused qkv and proj, gate and up as its fused gate_up,
+    the head; RoPE's rotations and the RMSNorms are elementwise (no FLOPs). With flash, transformers asks for
+    grouped-query attention (enable_gqa), which torch's flash kernel takes as it is."""
+    hf, gpt = counts(str(llama), attention)
+    assert [layer.name for layer in hf.layers] == ["0:Embedding", "1:DecoderLayer", "2:DecoderLayer",
+                                                     "3:LlamaRMSNorm", "4:Linear"]
+    assert hf.options == {"layers": L, "width": H, "heads": A, "ffn": FFN, "vocab": V, "kv_heads": KV, "seq_len": S}
+    assert hf.attention == attention
+    for name in ("fwd_flops", "igrad_flops", "wgrad_flops"):
+        assert hf.layers[1].__getattribute__(name) == gpt.layers[1].__getattribute__(name)
+        assert hf.total(name) == gpt.total(name)
+
+
+@needs_transformers
+def test_its_parameters_are_the_gpts_less_learned_positions_layernorm_biases_and_the_heads_bias(llama):
+    """Llama has RoPE (no s x h position table), RMSNorm (a weight, no bias: 2 per block and the final one) and a
+    head without a bias; every product's weights and biases are the gpt's."""
+    hf, gpt = counts(str(llama), "math")
+    positions, norm_biases, head_bias = S * H, (2 * L + 1) * H, V
+    assert hf.total("param_bytes") == gpt.total("param_bytes") - E * (positions + norm_biases + head_bias)
+    assert hf.layers[1].param_bytes == gpt.layers[1].param_bytes - E * 2 * H
+
+
+@needs_transformers
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_its_activations_are_the_gpts_plus_eager_rmsnorm_and_rope_less_what_gqa_does_not_repeat(llama, attention):
+    """Per norm, transformers' RMSNorm (float32 elementwise ops) saves x in float32 (4·bsh), its 1/rms (4·bs)
+    and the normalised x (2·bsh) where a LayerNorm saves x (2·bsh), a mean and a 1/std (8·bs); RoPE saves its
+    cos and sin (s x head size each); with flash, the kernel keeps k and v with their kv heads, where the gpt
+    repeats them to every head first; the gpt's embedding also keeps its positions' ids (8·s)."""
+    hf, gpt = counts(str(llama), attention)
+    rms_norm = 4 * B * S * H - 4 * B * S
+    rope = 2 * S * HEAD * E
+    repeats = 2 * B * A * S * HEAD * E if attention == "flash" else 0
+    block = 2 * rms_norm + rope - repeats
+    assert hf.layers[1].saved_bytes == gpt.layers[1].saved_bytes + block
+    assert hf.total("saved_bytes") == gpt.total("saved_bytes") + L * block + rms_norm - 8 * S
+    norms = sum(nbytes for (_, nbytes), part in zip(hf.layers[1].saved_tensors, hf.layers[1].saved_parts)
+                if part == "norms")
+    assert norms == 2 * (6 * B * S * H + 4 * B * S)  # post_attention_layernorm is a norm, not attention
+
+
+@needs_transformers
+def test_alike_decoder_layers_are_counted_once_though_transformers_numbers_them(tmp_path, monkeypatch):
+    from pipesim.workload import count as counting
+
+    calls = []
+    real = counting._count_layer
+    monkeypatch.setattr(counting, "_count_layer", lambda *args: calls.append(1) or real(*args))
+    folder = write_config(tmp_path / "deep", {**LLAMA, "num_hidden_layers": 6})
+    counted = count_built(f"hf:{folder}", {"seq_len": 8}, 1, torch.bfloat16)
+    assert len(counted.layers) == 9 and len(calls) == 4  # embedding, one block, norm, head
+
+
+@needs_transformers
+def test_the_llama_3_1_examples_have_their_published_parameter_counts():
+    """Embedding and untied head V·h each, per block q and o h², k and v h·kv·head, the SwiGLU MLP 3·h·ffn, two
+    RMSNorms; and the final norm: 8.03 B, 70.6 B and 405.9 B (Meta's model cards: 8B, 70B, 405B)."""
+    for name, billions in (("8b", 8.03), ("70b", 70.55)):
+        counted = count_built(f"hf:{ROOT / 'examples' / f'llama3.1-{name}'}", {"seq_len": 16}, 1, torch.bfloat16)
+        o = counted.options
+        block = 2 * o["width"] ** 2 + 2 * o["width"] * o["kv_heads"] * (o["width"] // o["heads"]) \
+            + 3 * o["width"] * o["ffn"] + 2 * o["width"]
+        assert counted.total("param_bytes") // E == 2 * o["vocab"] * o["width"] + o["layers"] * block + o["width"]
+        assert round(counted.total("param_bytes") / E / 1e9, 2) == billions
+    fields = json.loads((ROOT / "examples" / "llama3.1-405b" / "config.json").read_text())
+    assert (fields["num_hidden_layers"], fields["hidden_size"], fields["intermediate_size"],
+            fields["num_attention_heads"], fields["num_key_value_heads"]) == (126, 16384, 53248, 128, 8)
+    assert "llama3.1-405b/config.json" in (ROOT / "examples" / "README.md").read_text()
+
+
+@needs_transformers
+def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_counting(tmp_path, monkeypatch):
+    from pipesim.workload import count as counting
+
+    monkeypatch.setenv("PIPESIM_CACHE_DIR", str(tmp_path / "cache"))
+    args = ("--gpu", "h100-sxm", "--model", f"hf:{ROOT / 'examples' / 'llama3.1-8b'}", "--seq-len", 256, "-p", 4,
+            "-m", 8, "-s", "1f1b")
+    [first] = simulate_json(*args)
+    assert first["mfu"] > 0 and first["tokens_per_s"] == pytest.approx(first["samples_per_s"] * 256)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("counted again although the count was kept")
+
+    monkeypatch.setattr(counting, "count_built", refuse)
+    moved = shutil.copytree(ROOT / "examples" / "llama3.1-8b", tmp_path / "elsewhere")
+    assert simulate_json(*args[:3], f"hf:{moved}", *args[4:]) == [first]  # the same config, at another path
+    (moved / "config.json").write_text(json.dumps({**json.loads((moved / "config.json").read_text()),
+                                                   "num_hidden_layers": 31}))
+    with pytest.raises(AssertionError, match="counted again"):
+        simulate_json(*args[:3], f"hf:{moved}", *args[4:])
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda folder: folder / "absent", "no {folder}/absent; give hf:PATH, a config.json or a folder holding one"),
+    (lambda folder: folder, "no {folder}/config.json"),
+    (lambda folder: (folder / "c.json").write_text("{not json") and folder / "c.json", "is not JSON"),
+    (lambda folder: (folder / "c.json").write_text('{"hidden_size": 8}') and folder / "c.json", "has no model_type"),
+])
+def test_an_unreadable_config_is_one_line_before_torch_and_nothing_is_written(tmp_path, make, fragment):
+    path, out = make(tmp_path), tmp_path / "profile.json"
+    code, stdout, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", f"hf:{path}", "--seq-len", 64,
+                                "--out", out)
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert fragment.format(folder=tmp_path) in err and not out.exists()
+
+
+SEQ = ("--seq-len", 16)
+
+
+@needs_transformers
+@pytest.mark.parametrize("fields, args, fragment", [
+    ({**LLAMA, "model_type": "nosuch"}, SEQ, "does not know model_type 'nosuch'; it builds"),
+    ({"model_type": "llama", "hidden_size": 64}, SEQ, "gives no num_hidden_layers, num_attention_heads, "
+                                                       "intermediate_size, vocab_size"),
+    ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "intermediate_size": 256},
+     SEQ, "GPT2LMHeadModel is not laid out as pipesim cuts a decoder"),
+    ({"model_type": "t5", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+      "intermediate_size": 128}, SEQ, "cannot build model_type 't5' as a causal language model"),
+    (LLAMA, (), "--seq-len: give the tokens a sample of"),
+    (LLAMA, ("--seq-len", 512), "--seq-len 512: hf:"),
+    (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),
+])
+def test_a_config_transformers_cannot_build_as_a_decoder_is_one_line(tmp_path, fields, args, fragment):
+    folder = write_config(tmp_path / "model", fields)
+    code, out, err = pipesim("count", "--model", f"hf:{folder}", *args)
+    assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_without_transformers_a_config_says_how_to_install_it(llama, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # its import fails as an uninstalled module's does
+    out = tmp_path / "profile.json"
+    code, stdout, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", f"hf:{llama}", "--seq-len", 16,
+                                "--out", out)
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1 and not out.exists(), err
+    assert (f"--model hf:{llama} (transformers builds it from its config) needs transformers, which is not "
+            "installed: pip install 'pipesim[hf]' (or pip install transformers)") in " ".join(err.split())
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch, request):
+    """A module of the test's own name in the current folder, importable as --model NAME:attribute."""
+    name = f"user_{request.node.name.replace('[', '_').replace(']', '').replace('-', '_')}"
+    monkeypatch.chdir(tmp_path)
+
+    def write(source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(source)
+        return name
+    return write
+
+
+def test_count_takes_any_module_with_an_example_input_as_one_layer(user_module):
+    name = user_module(
+        "import torch\nfrom torch import nn\n\n"
+        "class Residual(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)\n\n"
+        "    def forward(self, x):\n"
+        "        return x + self.b(torch.relu(self.a(x)))\n\n"
+        "def build():\n"
+        "    return Residual(), torch.randn(3, 32)\n")
+    code, out, err = pipesim("count", "--model", f"{name}:build", "-b", 8, "--dtype", "fp32", "--json")
+    assert code == 0, err
+    [layer] = json.loads(out)["layers"]
+    product = 2 * 8 * 32 * 64  # each Linear layer's 2·b·i·o
+    assert layer["name"] == "0:WholeModule" and layer["fwd_flops"] == 2 * product
+    # its input is the data, so no input gradient; the backward is both weights' gradients and the one between
+    assert layer["igrad_flops"] == 0 and layer["wgrad_flops"] == 3 * product
+    assert layer["param_bytes"] == 4 * (32 * 64 + 64 + 64 * 32 + 32)
+
+
+def test_a_sequential_with_an_example_input_is_cut_into_its_layers(user_module):
+    name = user_module("import torch\nfrom torch import nn\n\n"
+                       "def build():\n"
+                       "    return nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 8)), torch.randn(1, 5, 16)\n")
+    code, out, err = pipesim("count", "--model", f"{name}:build", "-b", 4, "--json")
+    assert code == 0, err
+    layers = json.loads(out)["layers"]
+    assert [layer["name"] for layer in layers] == ["0:LayerNorm", "1:Linear"]
+    assert layers[0]["output_shape"] == [4, 5, 16] and layers[1]["fwd_flops"] == 2 * 4 * 5 * 16 * 8
+
+
+@needs_transformers
+def test_a_transformers_model_given_as_a_module_is_cut_as_its_config_is(user_module, llama):
+    name = user_module("import json, torch\nfrom transformers import AutoConfig, AutoModelForCausalLM\n\n"
+                       "def build():\n"
+                       f"    fields = json.loads(open({str(llama / 'config.json')!r}).read())\n"
+                       "    config = AutoConfig.for_model(**fields)\n"
+                       f"    return AutoModelForCausalLM.from_config(config), torch.zeros(1, {S}, dtype=torch.long)\n")
+    code, out, err = pipesim("count", "--model", f"{name}:build", "-b", B, "--json")
+    assert code == 0, err
+    layers = json.loads(out)["layers"]
+    hf, _ = counts(str(llama), "math")
+    assert [layer["name"] for layer in layers] == [layer.name for layer in hf.layers]
+    assert layers[1]["fwd_flops"] == hf.layers[1].fwd_flops and layers[1]["saved_bytes"] == hf.layers[1].saved_bytes
+
+
+def test_a_module_without_an_example_input_says_how_to_give_one(user_module):
+    name = user_module("from torch import nn\n\nbuild = nn.Sequential(nn.ReLU(), nn.Linear(4, 4))\n")
+    code, out, err = pipesim("count", "--model", f"{name}:build")
+    assert code == 2 and "give (the module, an example input)" in err
+
+
+def test_a_bare_module_is_refused_naming_what_to_give(user_module):
+    name = user_module("from torch import nn\n\nclass Odd(nn.Module):\n    pass\n\nbuild = Odd()\n")
+    code, out, err = pipesim("count", "--model", f"{name}:build")
+    assert code == 2 and "(a torch.nn.Module, an example input)" in err
+
