@@ -253,14 +253,16 @@ def fitted_link(ranks: int, points: Sequence[tuple[int, float]]) -> CollectiveLi
 
 def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink) -> Costs:
     """Each stage's REDUCE and GATHER priced for the schedule's d replicas on `link`: the gradients (the size of
-    the weights) all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then
-    all-gathered; NCCL's faster of ring and tree for an all-reduce."""
+    the weights; with ZeRO-2 and 3 as accumulated, which FSDP2 reduce-scatters in its reduce dtype) all-reduced,
+    or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered; NCCL's faster of
+    ring and tree for an all-reduce."""
     from ..hardware.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 
     d, sharded = sched.data_parallel, sched.sharded_optimizer
     reduce = reduce_scatter_ms if sharded else all_reduce_ms
     return replace(costs, stages=tuple(replace(
-        c, reduce_ms=reduce(c.param_bytes, d, link.latency_ms, link.bytes_per_ms),
+        c, reduce_ms=reduce(c.gradient_bytes if sched.zero >= 2 else c.param_bytes, d, link.latency_ms,
+                            link.bytes_per_ms),
         gather_ms=all_gather_ms(c.param_bytes, d, link.latency_ms, link.bytes_per_ms) if sharded else 0.0)
         for c in costs.stages))
 

@@ -227,6 +227,11 @@ def test_typed_costs_price_the_all_reduce_on_comm_per_ring_step_and_the_network_
     sharded = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=4, zero=1))
     stage = _what_if(network_gb_s=10.0).costs(sharded).stages[0]
     assert stage.reduce_ms == stage.gather_ms == pytest.approx(3 * 0.01 + grads * 3 / 4 / 1e7)
+    # ZeRO-3 under FSDP2's precision: the float32 gradients (twice the 16-bit weights) are reduce-scattered
+    fsdp = build_schedule("1f1b", ScheduleParams(2, 2, data_parallel=4, zero=3))
+    stage = _what_if(network_gb_s=10.0, precision="fsdp2").costs(fsdp).stages[0]
+    assert stage.reduce_ms == pytest.approx(3 * 0.01 + 2 * grads * 3 / 4 / 1e7)
+    assert stage.gather_ms == pytest.approx(3 * 0.01 + grads * 3 / 4 / 1e7)
     # Without a bandwidth, --comm alone: the tree's 2·log2(4) latency steps.
     assert _what_if().costs(sched).stages[0].reduce_ms == pytest.approx(4 * 0.01)
     assert _what_if().costs(build_schedule("1f1b", ScheduleParams(2, 2))).stages[0].reduce_ms == 0.0
