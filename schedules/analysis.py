@@ -108,10 +108,12 @@ def _check_pairs(schedule: Schedule, t: ActionTable, compute: np.ndarray) -> Non
     if not tagged.any():
         return
     forward = np.flatnonzero(tagged & (t.kind == KIND_CODE[Kind.F]))
-    after = np.minimum(forward + 1, len(t.kind) - 1)
+    forward = forward[forward + 1 < len(t.kind)]
+    after = forward + 1  # as `ir.is_pair` says, over every pair at once
+    good = forward[(t.kind[after] == KIND_CODE[Kind.B]) & (t.device[after] == t.device[forward])
+                   & (t.peer[forward] == t.stage[after]) & (t.peer[after] == t.stage[forward])
+                   & (t.minibatch[after] == t.minibatch[forward]) & (t.pipeline[after] == t.pipeline[forward])]
     paired = np.zeros(len(t.kind), dtype=bool)
-    good = forward[(forward + 1 < len(t.kind)) & (t.device[after] == t.device[forward])]
-    good = good[[is_pair(_action(t, i), _action(t, i + 1)) for i in good.tolist()]]
     paired[good] = paired[good + 1] = True
     stray = np.flatnonzero(tagged & ~paired)
     if len(stray):
