@@ -152,7 +152,10 @@ def from_torch_csv(text: str, name: str) -> Schedule:
                     top = (key[2], where)
                 compute[rank].append(Action(*key))
             if overlap and len(parts) == 2 and [a.kind for a in compute[rank][-2:]] == [Kind.F, Kind.B]:
-                compute[rank][-2:] = overlapped(*compute[rank][-2:])
+                try:
+                    compute[rank][-2:] = overlapped(*compute[rank][-2:])
+                except ScheduleError as exc:
+                    raise ScheduleError(f"{name}: {where}: {exc}") from None
 
     if not seen:
         raise ScheduleError(f"{name}: no compute actions (F, B, I, W) in {len(rows)} rows")

@@ -216,6 +216,8 @@ def test_torch_1f1b_pipeline_order_is_rejected_naming_what_is_wrong():
     ("0F0\n1F0,1X\n", "rank 1 (row 2), cell 2 '1X'"),
     ("0F0,0B\n", "rank 0 (row 1), cell 2 '0B': B names no micro-batch"),
     ("0F0,(0F1;0SEND_F1)OVERLAP_F_B\n", "not a torch pipelining action"),
+    ("(0F0;0B0)OVERLAP_F_B\n", "rank 0 (row 1), cell 1 '(0F0;0B0)OVERLAP_F_B': an overlapped pair is a forward and "
+                               "a full backward of one mini-batch and pipeline, each of its own unit"),
     ('0F0,"0B0\n', "line 1: not CSV"),
     ("0F0,0B0,0F0\n", "rank 0 (row 1), cell 3 '0F0': repeats rank 0 (row 1), cell 1 '0F0'"),
     ("0F0,1F0,0B0\n1B0\n", "rank 1 (row 2), cell 1 '1B0': stage 1 already runs on rank 0"),
