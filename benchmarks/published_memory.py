@@ -29,6 +29,7 @@ from pathlib import Path
 from published_runs import KORTHIKANTI_SETTINGS, SEQ, Run, _rows, command_text, korthikanti_runs, megatron_runs, run_cli
 
 LAYER_PROFILE = "layer.json"  # where a Table 2 row's `estimate` writes its profile
+REPO = Path(__file__).resolve().parents[1]  # where the printed commands run (they name examples/ files)
 # NVIDIA's Nemotron-4 340B on 128 H100 80GB as issue 40 quotes it: t = 8, p = 8, v = 12, micro-batch 1, sequence
 # parallelism, selective recomputation, the distributed optimizer (d = 2), bf16. The issue gives no global batch:
 # m = 16 per pipeline; any m >= 9 peaks alike (the first device's warm-up of (p-1)·2 + (v-1)·p = 102 chunk
@@ -87,11 +88,11 @@ def torchtitan_8b(gpus: int) -> list[str]:
     """torchtitan's Llama 3.1 8B FSDP run on `gpus` H100s as pipesim's command line: its train_configs/llama3_8b.toml
     at 9dec370 (seq_len 8192, selective activation checkpointing with selective_ac_option "op"), the page's local
     batch of 2, bf16 with FSDP2's MixedPrecisionPolicy (param bf16, reduce fp32: `--precision fsdp2`), every GPU
-    one FSDP shard (`--zero 3`), no pipeline. The model is pipesim's gpt in Llama 3.1 8B's shape (32 layers, width
-    4096, 32 heads, 8 KV heads, SwiGLU 14336, vocabulary 128,256). The peak counts what is allocated (tensors
-    live), not the caching allocator's reserve, which torchtitan's figure (max reserved) includes."""
-    return ["simulate", "--model", "gpt", "--layers", "32", "--width", "4096", "--heads", "32", "--kv-heads", "8",
-            "--ffn", "14336", "--gated", "--vocab", "128256", "--seq-len", "8192", "--dtype", "bf16", "--attention",
+    one FSDP shard (`--zero 3`), no pipeline. The model is Llama 3.1 8B from its Hugging Face config
+    (examples/llama3.1-8b: torchtitan's Llama 3 is the same architecture, seven products per block). The peak
+    counts what is allocated (tensors live), not the caching allocator's reserve, which torchtitan's figure (max
+    reserved) includes."""
+    return ["simulate", "--model", "hf:examples/llama3.1-8b", "--seq-len", "8192", "--dtype", "bf16", "--attention",
             "flash", "-b", "2", "--gpu", "h100-sxm", "-p", "1", "-m", "1", "-s", "gpipe", "--data-parallel",
             str(gpus), "--zero", "3", "--precision", "fsdp2", "--recompute", "op"]
 
@@ -104,7 +105,8 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
         published = float(row["memory_gib"])
         if row["model"] == "Llama 3.1 8B" and row["techniques"] == "FSDP":
             args = torchtitan_8b(int(row["gpus"]))
-            found = fullest(args)
+            with contextlib.chdir(REPO):
+                found = fullest(args)
             predicted = found["peak_mib"] / 1024
             compared.append({"run": run, "predicted_gib": predicted, "published_gib": published,
                              "error": predicted / published - 1, "parts_mib": found["parts_mib"],
@@ -143,9 +145,9 @@ def main() -> None:
         parts = ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items())
         print(f"{r['run']:<{width}}  {r['predicted_gib']:>8.1f} {r['published_gib']:>6.1f} {r['error']:>+7.1%}   "
               f"{parts}")
-    print("pipesim counts the tensors allocated at the peak (not the caching allocator's reserve, which the page's "
-          "max reserved includes, nor the backward's temporaries); its gpt computes q, k and v in one product and "
-          "w1 and w3 in one, torchtitan's Llama apart, so torchtitan's op policy keeps more of it per block")
+    print("pipesim counts the tensors allocated at the peak: not the caching allocator's reserve, which the page's "
+          "max reserved includes, nor the backward's temporaries (the loss's backward holds two float32 tokens x "
+          "vocabulary tensors beside the one it saved)")
     for r in listed:
         print(f"  {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
     print("\nzero-bubble (Qi et al. 2024) Table 4: not reachable offline; see benchmarks/published/README.md")

@@ -49,9 +49,9 @@ def test_the_runs_published_as_run_fit_and_a_rows_command_prints_its_peak():
     assert max(d["peak_memory_mb"] for d in devices) == pytest.approx(row["peak_mib"])
 
 
-def test_torchtitans_plain_fsdp_rows_are_compared_from_their_commands_and_the_rest_listed():
+def test_torchtitans_plain_fsdp_rows_are_compared_from_their_commands_and_the_rest_listed(monkeypatch):
     """Tables 1 and 3's plain FSDP rows (Llama 3.1 8B on 8 and 128 H100s) are simulated as torchtitan ran them;
-    every other row is listed with what pipesim does not model."""
+    every other row is listed with what pipesim does not model. The commands run from the repository's root."""
     compared, listed = RECORDED["torchtitan"], RECORDED["torchtitan_not_modelled"]
     assert [(r["run"], r["published_gib"]) for r in compared] == [
         ("Table 1 Llama 3.1 8B, FSDP 8: FSDP", 82.4), ("Table 3 Llama 3.1 8B, FSDP 128: FSDP", 67.0)]
@@ -61,6 +61,7 @@ def test_torchtitans_plain_fsdp_rows_are_compared_from_their_commands_and_the_re
         assert {"--zero 3", "--precision fsdp2", "--recompute op", "--seq-len 8192", "-b 2"} <= {
             " ".join(pair) for pair in zip(shlex.split(r["command"]), shlex.split(r["command"])[1:])}
     row = compared[1]
+    monkeypatch.chdir(REPO)
     code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
     assert code == 0, err
     device = json.loads(out)["results"][0]["devices"][0]
