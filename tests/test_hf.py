@@ -171,7 +171,11 @@ SEQ = ("--seq-len", 16)
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "intermediate_size": 256},
      SEQ, "GPT2LMHeadModel is not laid out as pipesim cuts a decoder"),
     ({"model_type": "t5", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
-      "intermediate_size": 128}, SEQ, "cannot build model_type 't5' as a causal language model"),
+      "intermediate_size": 128}, SEQ, "model_type 't5' is not a causal language model transformers builds"),
+    ({**LLAMA, "model_type": "phi3", "pad_token_id": 10 ** 6}, SEQ, "transformers cannot build it: AssertionError: "
+                                                                   "Padding_idx must be within num_embeddings"),
+    ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, SEQ,
+     "a mixture of experts (num_local_experts = 4); pipesim counts dense decoders only"),
     (LLAMA, (), "--seq-len: give the tokens a sample of"),
     (LLAMA, ("--seq-len", 512), "--seq-len 512: hf:"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),

@@ -4,9 +4,10 @@ and the vocabulary head, which workload/count.py counts as it counts the built-i
 
 Each decoder layer is handed what the model's own forward hands it: the rotary position embeddings, computed in
 the layer from the model's rotary module (as each pipeline stage computes them for its own layers), and no mask,
-so that transformers' sdpa attention asks for a causal kernel (`is_causal`). What a model's forward does between
-its parts beyond that (Gemma's embedding scale: one elementwise product) is not counted. A tied head is counted
-as its own copy of the embedding's weights, as Megatron-LM keeps one on the last stage.
+so that transformers' sdpa attention asks for a causal kernel (`is_causal`). Anything else a model's forward does
+between its parts is not counted (Llama's, Mistral's and Qwen's do nothing else; Gemma scales its embedding in its
+embedding module). A tied head is counted as its own copy of the embedding's weights, as Megatron-LM keeps one on
+the last stage.
 
 transformers is an optional extra (`pipesim[hf]`), imported only here."""
 
@@ -26,6 +27,10 @@ from .models import Model, ModelError, _classify
 FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_attention_heads",
            "ffn": "intermediate_size", "vocab": "vocab_size"}
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
+# The fields by which transformers' configs give a mixture of experts its routed experts (Mixtral, Qwen-MoE,
+# DeepSeek, OLMoE): their experts run as transformers' grouped products, which torch's FLOP counter does not count,
+# and how many tokens each gets depends on the router's values; refused until pipesim counts them at their share.
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 class DecoderLayer(nn.Module):
@@ -56,7 +61,7 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
     import transformers
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     transformers.logging.set_verbosity_error()  # its notes on a config's unused fields are not ours to print
     where = f"--model {spec}"
@@ -66,6 +71,10 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
                          f"{config.model_type!r}; it builds {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} types of causal "
                          f"language model, {', '.join(known)} among them")
     settings = _settings(config, CONFIG_MAPPING[config.model_type])
+    experts = next((name for name in EXPERT_FIELDS if getattr(settings, name, None)), None)  # aliases: one is enough
+    if experts is not None:
+        raise ModelError(f"{where}: a mixture of experts ({experts} = {getattr(settings, experts)}); pipesim counts "
+                         "dense decoders only, so far (a model without routed experts)")
     options = {name: getattr(settings, field) for name, field in FIGURES.items()}
     options["kv_heads"] = getattr(settings, "num_key_value_heads", None) or options["heads"]
     longest = getattr(settings, "max_position_embeddings", None)
@@ -74,11 +83,18 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
                          + (f" (its config allows up to {longest})" if longest else ""))
     if longest and seq_len > longest:
         raise ModelError(f"--seq-len {seq_len}: {spec} takes at most its max_position_embeddings, {longest}")
+    built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(settings), None)
+    if built is None:
+        raise ModelError(f"{where}: model_type {config.model_type!r} is not a causal language model transformers "
+                         f"builds (as {', '.join(WELL_KNOWN)} are)")
+    # sdpa where the model has it (its attention counted as the kernel --attention names), else its own (Gemma 2's
+    # soft-capped scores: products and a softmax, as --attention math)
+    attention = "sdpa" if getattr(built, "_supports_sdpa", False) else "eager"
     try:
-        model = AutoModelForCausalLM.from_config(settings, attn_implementation="sdpa")
-    except ValueError as exc:  # not a causal language model, or no sdpa attention
-        raise ModelError(f"{where}: transformers cannot build model_type {config.model_type!r} as a causal language "
-                         f"model with sdpa attention: {(str(exc).splitlines() or [''])[0]}") from None
+        model = AutoModelForCausalLM.from_config(settings, attn_implementation=attention)
+    except Exception as exc:  # transformers' own code on the config's values: whatever it raised, in one line
+        raise ModelError(f"{where}: transformers cannot build it: {type(exc).__name__}: "
+                         f"{(str(exc).splitlines() or [''])[0]}") from None
     layers = decoder_layers(model, where)
     options["seq_len"] = seq_len
     vocab = options["vocab"]
