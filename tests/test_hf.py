@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -137,6 +138,14 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     def refuse(*args, **kwargs):
         raise AssertionError("counted again although the count was kept")
 
+    # read back in a fresh process, neither torch nor transformers imported
+    probe = ("import json, sys; from pipesim.cli import main\n"
+             f"try:\n    main(['simulate', *{[str(a) for a in args]!r}, '--json'])\n"
+             "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
+             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'counted again'")
+    kept = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert kept.returncode == 0, kept.stderr
+    assert json.loads(kept.stdout)["results"] == [first]
     monkeypatch.setattr(counting, "count_built", refuse)
     moved = shutil.copytree(ROOT / "examples" / "llama3.1-8b", tmp_path / "elsewhere")
     assert simulate_json(*args[:3], f"hf:{moved}", *args[4:]) == [first]  # the same config, at another path
