@@ -975,6 +975,8 @@ def _runtime_terms(costs: Costs) -> dict:
         terms["kept_gradients"] = costs.kept_gradients
     if costs.recv_window:
         terms["recv_window"] = costs.recv_window
+    if costs.overlap_hidden_fraction:  # how the overlapped pairs were priced
+        terms["overlap_hidden_fraction"] = costs.overlap_hidden_fraction
     return terms
 
 

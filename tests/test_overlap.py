@@ -20,6 +20,7 @@ from pipesim.schedules import (
 )
 from pipesim.schedules.ir import overlapped
 from pipesim.sim import Cluster, CostError, Costs, simulate
+from pipesim.traces import read_trace, write_trace
 from pipesim.traces.trace import Stream
 from tests.conftest import pipesim, simulate_json
 
@@ -105,6 +106,15 @@ def test_a_pair_costs_both_parts_less_the_hidden_share_of_the_shorter(fraction):
     assert np.allclose(ops.start_us[backward], ops.start_us[forward] + ops.dur_us[forward])  # back to back
     assert np.allclose(ops.dur_us[forward] + ops.dur_us[backward], 1e3 * (fwd_ms + bwd_ms - fraction * fwd_ms))
     assert np.allclose(ops.dur_us[backward], 1e3 * bwd_ms)  # the longer part keeps its time
+
+
+def test_the_trace_says_how_its_pairs_were_priced(tmp_path):
+    schedule = build_schedule("dualpipev", ScheduleParams(2, 4, chunks=2))
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0)
+    assert "overlap_hidden_fraction" not in simulate(schedule, costs, Cluster.uniform(2, 0.0)).meta.extra
+    trace = simulate(schedule, replace(costs, overlap_hidden_fraction=0.5), Cluster.uniform(2, 0.0))
+    write_trace(trace, tmp_path / "t.json")
+    assert read_trace(tmp_path / "t.json").meta.extra["overlap_hidden_fraction"] == 0.5
 
 
 @pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan"), True])
