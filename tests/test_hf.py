@@ -181,6 +181,8 @@ SEQ = ("--seq-len", 16)
      SEQ, "GPT2LMHeadModel is not laid out as pipesim cuts a decoder"),
     ({"model_type": "t5", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
       "intermediate_size": 128}, SEQ, "model_type 't5' is not a causal language model transformers builds"),
+    ({**LLAMA, "rope_scaling": {"rope_type": "nosuch", "factor": 2.0}}, SEQ, "transformers cannot build it: "
+                                                                            "KeyError: 'nosuch'"),
     ({**LLAMA, "model_type": "phi3", "pad_token_id": 10 ** 6}, SEQ, "transformers cannot build it: AssertionError: "
                                                                    "Padding_idx must be within num_embeddings"),
     ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, SEQ,

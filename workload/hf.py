@@ -116,8 +116,8 @@ def _settings(config: HfConfig, config_class: type) -> Any:
                          f"config needs {', '.join(FIGURES.values())}")
     try:
         settings = config_class.from_dict(config.fields)
-    except (TypeError, ValueError) as exc:
-        raise ModelError(f"--model {config.spec}: transformers refuses {config.path}: "
+    except Exception as exc:  # its checks of the fields' values (rope settings, ...): whatever they raised, in one line
+        raise ModelError(f"--model {config.spec}: transformers refuses {config.path}: {type(exc).__name__}: "
                          f"{(str(exc).splitlines() or [''])[0]}") from None
     settings.use_cache = False
     return settings
