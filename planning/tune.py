@@ -54,7 +54,7 @@ from functools import cache
 
 import numpy as np
 
-from ..profiles.partition import PartitionError, leanest_partition, partition, stage_activation_bytes
+from ..profiles.partition import PartitionError, activation_ranges, leanest_partition, partition, ranges
 from ..profiles.schema import Profile, layer_costs
 from ..schedules import (
     COLLECTIVE_KINDS,
@@ -706,30 +706,33 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
       of activations its order holds at most, and an activation and a gradient in transfer at each boundary.
     """
     layers = layer_costs(profile.layers, optimizer)
-    static = np.concatenate([[0], np.cumsum([c.static_bytes for c in layers])]).tolist()
-    params = np.concatenate([[0], np.cumsum([layer.param_bytes for layer in profile.layers])]).tolist()
-    activations = cache(lambda i, j: stage_activation_bytes(layers, i, j))
-    sent = [layer.output_bytes for layer in profile.layers[:-1]] + [0]
-    buffers = [2 * (sent[i - 1] if i else 0) for i in range(len(layers))]
+    static = ranges(np.cumsum([0, *(c.static_bytes for c in layers)]))
+    params = ranges(np.cumsum([0, *(layer.param_bytes for layer in profile.layers)]))
+    activations = activation_ranges(layers)
+    sent = np.array([layer.output_bytes for layer in profile.layers[:-1]] + [0])
+    # an activation and a gradient in transfer at each boundary: into the stage's first layer, out of its last
+    boundary = 2 * np.concatenate([[0], sent])  # [i]: what layer i receives (and its gradient), as layer i-1 sends
+    buffers = boundary[:, None] + boundary[None, :]
     each = profile_costs(profile, optimizer, range(len(layers) + 1))  # every layer a stage of its own
 
     @cache
     def summed_ms(pipelines: int) -> np.ndarray:
-        """Prefix sums over the layers of what each op kind costs: a stage's are two rows' difference."""
-        return np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(each.op_ms_table(pipelines), axis=0)])
+        """Each op kind's ms over every range of layers: [i, j, kind]."""
+        prefix = np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(each.op_ms_table(pipelines), axis=0)])
+        return prefix[None, :, :] - prefix[:, None, :]
 
     @cache
     def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
               in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int) -> list[int]:
-        weights = np.array(per_step)
         summed = summed_ms(pipelines)
+        held = pipelines * static + buffers
+        times = cache(lambda weights: summed @ np.array(weights))  # stages that run the same ops share theirs
 
-        def stage_time(k: int, i: int, j: int) -> float:
-            return float(weights[k] @ (summed[j] - summed[i]))
+        def stage_time(k: int) -> np.ndarray:
+            return times(per_step[k])
 
-        def stage_bytes(k: int, i: int, j: int) -> float:
-            return float(pipelines * (static[j] - static[i]) + (extra_copies + lingering[k]) * (params[j] - params[i])
-                         + in_flight[k] * activations(i, j) + buffers[i] + 2 * sent[j - 1])
+        def stage_bytes(k: int) -> np.ndarray:
+            return held + (extra_copies + lingering[k]) * params + in_flight[k] * activations
 
         try:
             return partition(layers, stages, budget_bytes, stage_bytes, stage_time)

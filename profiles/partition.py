@@ -1,6 +1,6 @@
 """Split a model's layers into p contiguous stages so that the slowest stage (forward + backward) is as
 fast as possible, as PipeDream's planner does by dynamic programming, optionally under a per-device
-memory cap. Pure Python: `pipesim simulate` re-partitions profiles with it without importing torch.
+memory cap. numpy, no torch: `pipesim simulate` re-partitions profiles with it.
 
 Memory model of stage k of p (0 is the input stage), planned for 1F1B: its layers' weights, gradients
 and optimizer state, plus the activations of the p - k micro-batches 1F1B keeps in flight there (p-k-1
@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+
+import numpy as np
 
 GIB = 1 << 30
 
@@ -49,24 +50,24 @@ def stage_memory_bytes(layers: Sequence[LayerCost], start: int, stop: int, stage
     return static + (stages - stage) * stage_activation_bytes(layers, start, stop)
 
 
-StageBytes = Callable[[int, int, int], float]  # (stage, start, stop) -> bytes that stage would hold
-StageTime = Callable[[int, int, int], float]  # (stage, start, stop) -> ms that stage would take
+StageCosts = Callable[[int], np.ndarray]  # stage k -> its cost for every [start, stop): an (n+1, n+1) array
 
 
 def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | None = None,
-              stage_bytes: StageBytes | None = None, stage_time: StageTime | None = None) -> list[int]:
+              stage_bytes: StageCosts | None = None, stage_time: StageCosts | None = None) -> list[int]:
     """Stage bounds [0, b1, ..., n]: stage k holds layers bounds[k] .. bounds[k+1]-1. Minimises the slowest
     stage; ties keep the earliest cut, so the result is deterministic. `stage_bytes` replaces the 1F1B
     memory model of the module docstring (a schedule that holds other activations or weight versions),
-    `stage_time` the layers' forward + backward (a schedule that splits backwards, or counts its updates)."""
+    `stage_time` the layers' forward + backward (a schedule that splits backwards, or counts its updates); each
+    gives stage k's bytes or ms for every range of layers at once, entry [i, j] for layers i .. j-1."""
     n = _check(layers, stages)
     memory = stage_bytes or _one_f_one_b_bytes(layers, stages)
     time_ms = stage_time or _forward_backward_ms(layers)
 
-    def time_within_cap(k: int, i: int, j: int) -> float:
-        if memory_cap_bytes is not None and memory(k, i, j) > memory_cap_bytes:
-            return math.inf
-        return time_ms(k, i, j)
+    def time_within_cap(k: int) -> np.ndarray:
+        if memory_cap_bytes is None:
+            return time_ms(k)
+        return np.where(memory(k) > memory_cap_bytes, math.inf, time_ms(k))
 
     slowest_ms, bounds = _min_max_split(n, stages, time_within_cap)
     if slowest_ms == math.inf:
@@ -78,8 +79,14 @@ def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | 
     return bounds
 
 
+def ranges(prefix: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Entry [i, j]: prefix[j] - prefix[i], what items i .. j-1 add up to given the prefix sums (0 first)."""
+    values = np.asarray(prefix)
+    return values[None, :] - values[:, None]
+
+
 def leanest_partition(layers: Sequence[LayerCost], stages: int,
-                      stage_bytes: StageBytes | None = None) -> tuple[float, list[int]]:
+                      stage_bytes: StageCosts | None = None) -> tuple[float, list[int]]:
     """The split whose fullest stage holds the least memory (by `stage_bytes`, default 1F1B's), and those
     bytes: what to fall back on, and to report, when no split fits a cap."""
     _check(layers, stages)
@@ -113,33 +120,46 @@ def _check(layers: Sequence, stages: int) -> int:
     return n
 
 
-def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageTime:
-    time_ms = cache(lambda i, j: stage_ms(layers, i, j))  # the DP asks for each range once per stage count
-    return lambda k, i, j: time_ms(i, j)
+def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageCosts:
+    """Every range's `stage_ms`, summed exactly (so that equal ranges tie exactly), for every stage."""
+    n = len(layers)
+    table = np.full((n + 1, n + 1), math.inf)
+    for i in range(n):
+        for j in range(i + 1, n + 1):
+            table[i, j] = stage_ms(layers, i, j)
+    return lambda k: table
 
 
-def _one_f_one_b_bytes(layers: Sequence[LayerCost], stages: int) -> StageBytes:
-    static = cache(lambda i, j: sum(layer.static_bytes for layer in layers[i:j]))
-    activations = cache(lambda i, j: stage_activation_bytes(layers, i, j))
-    return lambda k, i, j: float(static(i, j) + (stages - k) * activations(i, j))
+def _one_f_one_b_bytes(layers: Sequence[LayerCost], stages: int) -> StageCosts:
+    static = ranges(np.cumsum([0, *(layer.static_bytes for layer in layers)]))
+    activations = activation_ranges(layers)
+    return lambda k: static + (stages - k) * activations
 
 
-def _min_max_split(n: int, p: int, cost: Callable[[int, int, int], float]) -> tuple[float, list[int]]:
-    """Minimise max_k cost(k, start_k, stop_k) over splits of n items into p non-empty contiguous parts.
+def activation_ranges(layers: Sequence[LayerCost]) -> np.ndarray:
+    """`stage_activation_bytes` of every range [i, j) at once: its layers' saved bytes, less what layers
+    i+1 .. j-1 share with the layer before them."""
+    saved = np.cumsum([0, *(layer.activation_bytes for layer in layers)])
+    shared = np.cumsum([0, *(layer.shared_with_previous_bytes for layer in layers)])
+    after_first = np.append(shared[1:], shared[-1])  # prefix up to layer i+1: what [i, j) does not share
+    return ranges(saved) - (shared[None, :] - after_first[:, None])
 
-    best[k][j]: the least max over the first j items in k+1 parts; O(p n^2) calls of `cost`."""
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(p)]
-    cut = [[0] * (n + 1) for _ in range(p)]
-    for j in range(1, n - p + 2):
-        best[0][j] = cost(0, 0, j)
+
+def _min_max_split(n: int, p: int, cost: StageCosts) -> tuple[float, list[int]]:
+    """Minimise max_k cost(k)[start_k, stop_k] over splits of n items into p non-empty contiguous parts.
+
+    best[k][j]: the least max over the first j items in k+1 parts, each stage's row of candidates at once
+    (numpy over the (n+1)^2 ranges, p times); ties keep the earliest cut (argmin's first)."""
+    best = np.full((p, n + 1), math.inf)
+    cut = np.zeros((p, n + 1), dtype=np.int64)
+    best[0, 1:n - p + 2] = cost(0)[0, 1:n - p + 2]
+    later = np.tri(n + 1, k=-1, dtype=bool).T  # [i, j]: i < j
     for k in range(1, p):
-        for j in range(k + 1, n - p + k + 2):
-            for i in range(k, j):
-                value = max(best[k - 1][i], cost(k, i, j))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
+        stops = slice(k + 1, n - p + k + 2)
+        candidates = np.where(later, np.maximum(best[k - 1][:, None], cost(k)), math.inf)[:, stops]
+        cut[k, stops] = np.argmin(candidates, axis=0)
+        best[k, stops] = candidates[cut[k, stops], np.arange(candidates.shape[1])]
     bounds = [n]
     for k in range(p - 1, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
-    return best[p - 1][n], [0, *reversed(bounds)]
+        bounds.append(int(cut[k, bounds[-1]]))
+    return float(best[p - 1, n]), [0, *reversed(bounds)]
