@@ -360,9 +360,10 @@ def test_fsdp2_precision_keeps_float32_shards_and_gathers_16_bit_copies():
 def test_an_fsdp2_estimate_stores_float32_weights(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = ["--model", "gpt", "--layers", "4", "--width", "256", "--heads", "4", "--seq-len", "128"]
-    code, _, err = pipesim("estimate", *model, "--gpu", "h100-sxm", "-p", "2", "--data-parallel", "2", "--zero", "3",
+    code, out, err = pipesim("estimate", *model, "--gpu", "h100-sxm", "-p", "2", "--data-parallel", "2", "--zero", "3",
                            "--precision", "fsdp2", "--out", "e.json")
     assert code == 0, err
+    assert "ZeRO-3: the profile holds each GPU's whole weights and gradients" in " ".join(out.split())
     code, out, err = pipesim("simulate", "--profile", "e.json", "-s", "1f1b", "-m", "4", "--data-parallel", "2")
     assert code == 2 and out == "" and "--profile: estimated with --precision fsdp2" in err
     result, = simulate_json("--profile", "e.json", "-s", "1f1b", "-m", "4", "--data-parallel", "2", "--zero", "3")
@@ -376,3 +377,19 @@ def test_an_fsdp2_estimate_stores_float32_weights(tmp_path, monkeypatch):
 def test_fsdp2_precision_needs_zero_3(command):
     code, out, err = pipesim(*command, "--data-parallel", "2", "--zero", "2", "--precision", "fsdp2")
     assert code == 2 and out == "" and "--precision fsdp2 is FSDP2's mixed precision" in err
+
+
+def test_a_sweeps_rows_say_their_zero_and_are_sharded_alike(tmp_path):
+    """sweep --zero shards as simulate does: a row's peak is simulate's for the same flags."""
+    import csv
+
+    flags = ["--data-parallel", "2", "--zero", "3", "--param-mb", "400", "--activation-mb", "40", "--output-mb", "0"]
+    code, _, err = pipesim("sweep", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", *flags,
+                           "--out", tmp_path / "rows.csv")
+    assert code == 0, err
+    (row,) = list(csv.DictReader((tmp_path / "rows.csv").open()))
+    assert row["zero"] == "3"
+    result, = simulate_json("--schedule", "1f1b", "-p", "4", "-m", "8", "-n", row["minibatches"],
+                            "--data-parallel", "2", "--zero", "3", "--param-mb", "100", "--activation-mb", "10",
+                            "--output-mb", "0")
+    assert float(row["peak_memory_mb"]) == pytest.approx(result["peak_memory_mb"])
