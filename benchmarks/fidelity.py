@@ -223,7 +223,7 @@ def with_measured_ops(run: Trace, profile: Profile) -> Trace:
 
     scenario = profile_scenario(profile, str(run.meta.extra.get("optimizer", "sgd")))
     bounds = run.meta.extra.get("bounds")
-    schedule = scenario.build(run.meta.schedule, ScheduleParams(**run.meta.params), bounds)
+    schedule = scenario.build(run.meta.schedule, ScheduleParams.recorded(run.meta.params), bounds)
     costs = scenario.costs(schedule, bounds)
     stages = tuple(replace(s, fwd_ms=mean_ms("F", k, 0.0), bwd_ms=mean_ms("B", k, s.bwd_ms),
                            igrad_ms=mean_ms("I", k, s.igrad_ms), wgrad_ms=mean_ms("W", k, s.wgrad_ms),

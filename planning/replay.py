@@ -40,7 +40,7 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None) -> Trace:
     scenario = profile_scenario(profile, str(meta.extra.get("optimizer", "sgd")))
     bounds = meta.extra.get("bounds")
     try:
-        schedule = scenario.build(meta.schedule, ScheduleParams(**meta.params), bounds)
+        schedule = scenario.build(meta.schedule, ScheduleParams.recorded(meta.params), bounds)
         costs = _windowed(scenario.costs(schedule, bounds), meta)
         trace = simulate(schedule, costs, _placed(scenario.links(schedule), meta.hardware or {}))
     except (ScheduleError, CostError, TypeError) as exc:

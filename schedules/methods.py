@@ -77,6 +77,15 @@ class ScheduleParams:
             raise ScheduleError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))} (got {self.zero!r})")
         self._check_size()
 
+    @classmethod
+    def recorded(cls, params: Mapping) -> ScheduleParams:
+        """The parameters a trace recorded (`TraceMeta.params`), an older pipesim's too, which wrote ZeRO-1 as
+        `sharded_optimizer`."""
+        params = dict(params)
+        if "sharded_optimizer" in params:
+            params["zero"] = int(bool(params.pop("sharded_optimizer")))
+        return cls(**params)
+
     def _check_size(self) -> None:
         """Refuse what would take minutes or more memory than a machine has, naming the parameter to lower: the
         largest factor of the estimated rows (F and B of every stage and micro-batch, and with more than one

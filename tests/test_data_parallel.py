@@ -1,6 +1,6 @@
 """Data parallelism as rows of the IR: the REDUCE (and ZeRO-1's GATHER) pass, and its checks."""
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -277,3 +277,11 @@ def test_a_trace_with_collectives_reads_back_whole(tmp_path):
     assert read_trace(tmp_path / "dp.json") == trace
     assert set(trace.ops.stream[np.isin(trace.ops.kind, [trace.kind_code("REDUCE"), trace.kind_code("GATHER")])]) == {
         Stream.NETWORK}
+
+
+def test_a_trace_of_an_older_pipesim_reads_its_sharded_optimizer_as_zero_1():
+    recorded = asdict(ScheduleParams(2, 4, data_parallel=2))
+    del recorded["zero"]
+    assert ScheduleParams.recorded({**recorded, "sharded_optimizer": True}).zero == 1
+    assert ScheduleParams.recorded({**recorded, "sharded_optimizer": False}).zero == 0
+    assert ScheduleParams.recorded(asdict(ScheduleParams(2, 4, data_parallel=2, zero=3))).zero == 3
