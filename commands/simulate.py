@@ -325,6 +325,9 @@ def _schedule_file(ctx: typer.Context, path: Path):
     if fixed:
         raise InputError(f"{', '.join(fixed)}: the schedule file fixes stages, chunks and micro-batches "
                          "(one mini-batch); drop these flags")
+    if (ctx.params.get("data_parallel") or 1) > 1:  # --zero and the like need it, so they are refused with it
+        raise InputError("--data-parallel: the schedule file is one pipeline's ranks, without data-parallel "
+                         "replicas; simulate d replicas of a method with --schedule")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:

@@ -393,3 +393,8 @@ def test_a_sweeps_rows_say_their_zero_and_are_sharded_alike(tmp_path):
                             "--data-parallel", "2", "--zero", "3", "--param-mb", "100", "--activation-mb", "10",
                             "--output-mb", "0")
     assert float(row["peak_memory_mb"]) == pytest.approx(result["peak_memory_mb"])
+
+
+def test_a_schedule_file_with_data_parallel_replicas_is_refused_not_ignored():
+    code, out, err = pipesim("simulate", "--schedule-file", "examples/order.csv", "--data-parallel", "2", "--zero", "3")
+    assert code == 2 and out == "" and "--data-parallel: the schedule file is one pipeline's ranks" in err
