@@ -538,9 +538,9 @@ def _gradient_spans(lowered: Lowered) -> _GradientSpans:
 def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     """Per part (`MEMORY_PARTS`) and device, the bytes held from start to end: weights, gradients as accumulated
     and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/d of
-    itself where ZeRO's stage shards it over d data-parallel replicas (the whole copies ZeRO-2 and 3 hold while
-    they compute are `_unsharded`'s), and the policy's extra weight copies (parameters). Its memory never drops
-    below their sum."""
+    itself where ZeRO's stage shards it over d data-parallel replicas (ZeRO-2's and 3's gradients, held only from
+    a backward until the update, and ZeRO-3's whole weights while computed with, are `_unsharded`'s), and the
+    policy's extra weight copies (parameters). Its memory never drops below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
 
     def shard(nbytes: int) -> int:
