@@ -11,6 +11,9 @@ from typing import Literal
 # computes its weights' gradients with its input's, is there whole)
 PASSES = ("fwd", "bwd", "igrad", "wgrad")
 OpKind = Literal["matmul", "attention", "compute", "memory"]
+# Whether a saved tensor is a linear layer's input, which its product keeps for the weight gradient (and a float8
+# recipe may keep cast instead): "only" (no other op saved it), "also" (another op saved it too), "" (not one)
+LINEAR_INPUT_SAVES = ("only", "also", "")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class LayerCount:
     saved_tensors: tuple[tuple[tuple[int, ...], int], ...] = ()  # (shape, bytes) per storage saved_bytes sums
     ops: dict[str, tuple[OpCount, ...]] = field(default_factory=dict)
     saved_parts: tuple[str, ...] = ()  # per saved tensor, what saved it (memory_parts.SAVED_PARTS); (): not attributed
+    linear_input_saves: tuple[str, ...] = ()  # per saved tensor, `LINEAR_INPUT_SAVES`; (): not recorded
 
 
 @dataclass(frozen=True)

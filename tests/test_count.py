@@ -95,6 +95,21 @@ def test_flash_attention_saves_no_scores():
     assert counted == 34 * S * B * H - dropout_masks + logsumexp + generator + norm_statistics
 
 
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_a_block_marks_the_linear_layers_inputs_it_saves(attention):
+    """Each of the four products' input (b·s·h, the MLP's second 4·b·s·h) is saved by its product for the weight
+    gradient; under flash the output projection's input is the attention kernel's output, which the kernel saves
+    too; nothing else is marked."""
+    block = gpt_block(attention)
+    marked = {how: sorted(nbytes for (_, nbytes), saves in zip(block.saved_tensors, block.linear_input_saves)
+                          if saves == how) for how in ("only", "also")}
+    linear_inputs = sorted([2 * B * S * H] * 3 + [2 * B * S * 4 * H])
+    if attention == "flash":
+        assert marked == {"only": sorted([2 * B * S * H] * 2 + [2 * B * S * 4 * H]), "also": [2 * B * S * H]}
+    else:
+        assert marked == {"only": linear_inputs, "also": []}
+
+
 def test_a_large_model_is_counted_on_the_meta_device_with_its_closed_form_parameters():
     """70B parameters: 140 GB in bf16 that this machine does not have, counted in a second."""
     layers, h, s, v, ffn, kv = 80, 8192, 4096, 32000, 28672, 8  # Llama-2-70B's shape (with biases)

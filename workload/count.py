@@ -199,31 +199,36 @@ def _module_part(name: str) -> str | None:
 
 
 class _SaverParts(TorchFunctionMode):
-    """Which part is saving now: the torch functions of `_FUNCTION_PART` under way, innermost last."""
+    """Which part is saving now: the torch functions of `_FUNCTION_PART` under way, innermost last; and whether
+    a linear layer's product (F.linear) is: what it saves is its input, kept for its weight gradient."""
 
     def __init__(self) -> None:
         super().__init__()
         self.running: list[str] = []
+        self.linear = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         part = _FUNCTION_PART.get(func)
         if part is not None:
             self.running.append(part)
+        self.linear += func is F.linear
         try:
             return func(*args, **(kwargs or {}))
         finally:
+            self.linear -= func is F.linear
             if part is not None:
                 self.running.pop()
 
 
 @contextmanager
-def _saved(layer: torch.nn.Module) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str]]]:
+def _saved(layer: torch.nn.Module) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]]]:
     """The storages autograd saves inside, by identity (meta storages have no address), each with the shape of
-    the first tensor saved on it and what saved it (one of `SAVED_PARTS`), `layer`'s weights left out. Every storage
-    compared is held meanwhile, so no identity is reused."""
+    the first tensor saved on it, what saved it (one of `SAVED_PARTS`) and whether it is a linear layer's input
+    (`LINEAR_INPUT_SAVES`), `layer`'s weights left out. Every storage compared is held meanwhile, so no identity is
+    reused."""
     weights = [p.untyped_storage() for p in layer.parameters()]
     params = {id(storage) for storage in weights}
-    saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str]] = {}
+    saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]] = {}
     modules: list[str | None] = []  # the submodules under way, outermost first: the part each name says
     hooks = []
     def enter(part: str | None) -> Callable[..., None]:
@@ -239,10 +244,14 @@ def _saved(layer: torch.nn.Module) -> Iterator[dict[int, tuple[torch.UntypedStor
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if id(storage) not in params and id(storage) not in saved:
+        linear = "only" if functions.linear else ""
+        if id(storage) in saved:
+            first = saved[id(storage)]
+            saved[id(storage)] = (*first[:3], first[3] if first[3] == linear else "also")
+        elif id(storage) not in params:
             named = [part for part in reversed(modules) if part is not None]
             part = functions.running[-1] if functions.running else named[0] if named else "other"
-            saved[id(storage)] = (storage, tuple(t.shape), part)
+            saved[id(storage)] = (storage, tuple(t.shape), part, linear)
         return t
 
     try:
@@ -327,9 +336,10 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         name="", fwd_flops=fwd.flops, igrad_flops=igrad.flops, wgrad_flops=full.flops - igrad.flops,
         fwd_moved_bytes=fwd.moved_bytes, igrad_moved_bytes=igrad.moved_bytes,
         wgrad_moved_bytes=full.moved_bytes - igrad.moved_bytes,
-        saved_bytes=sum(s.nbytes() for s, _, _ in saved.values()),
-        saved_tensors=tuple((shape, s.nbytes()) for s, shape, _ in saved.values()),
-        saved_parts=tuple(part for _, _, part in saved.values()),
+        saved_bytes=sum(s.nbytes() for s, *_ in saved.values()),
+        saved_tensors=tuple((shape, s.nbytes()) for s, shape, *_ in saved.values()),
+        saved_parts=tuple(part for _, _, part, _ in saved.values()),
+        linear_input_saves=tuple(linear for *_, linear in saved.values()),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
