@@ -424,6 +424,11 @@ def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> st
     return f"; F&B pairs per mini-batch: {', '.join(overlapping)}, each {price}"
 
 
+def _zero_text(schedule) -> str:
+    """What d replicas shard, for a title: ', ZeRO-3' (nothing without sharding)."""
+    return f", ZeRO-{schedule.zero}" if schedule.zero else ""
+
+
 def _warn(skipped: dict[str, str], summaries: list, memory: list) -> None:
     """On stderr: the methods that could not run and why, and the devices that run out of memory."""
     for name, reason in skipped.items():
@@ -455,7 +460,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
     first, estimated = schedules[0], any(share is not None for share in mfu)
     title = (f"p={first.num_devices} devices per pipeline, m={first.microbatches} "
              f"micro-batches, N={first.minibatches} mini-batches"
-             + (f", d={first.data_parallel} replicas" if first.data_parallel > 1 else "")
+             + (f", d={first.data_parallel} replicas" if first.data_parallel > 1 else "") + _zero_text(first)
              + (f", t={tensor} GPUs per device" if tensor > 1 else ""))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"{basis}; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
@@ -511,7 +516,7 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
 
     first = schedules[0]
     table = Table(title=f"memory at each device's peak (MiB), p={first.num_devices}, m={first.microbatches}"
-                        + (f", d={first.data_parallel}" if first.data_parallel > 1 else ""),
+                        + (f", d={first.data_parallel}" if first.data_parallel > 1 else "") + _zero_text(first),
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
                           "accumulated, optimizer state with its master weights, activations saved for the "

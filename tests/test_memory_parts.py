@@ -398,3 +398,10 @@ def test_a_sweeps_rows_say_their_zero_and_are_sharded_alike(tmp_path):
 def test_a_schedule_file_with_data_parallel_replicas_is_refused_not_ignored():
     code, out, err = pipesim("simulate", "--schedule-file", "examples/order.csv", "--data-parallel", "2", "--zero", "3")
     assert code == 2 and out == "" and "--data-parallel: the schedule file is one pipeline's ranks" in err
+
+
+@pytest.mark.parametrize("memory", [[], ["--memory"]])
+def test_the_tables_title_says_what_the_replicas_shard(memory):
+    code, out, err = pipesim("simulate", "--schedule", "1f1b", "--data-parallel", "2", "--zero", "3", *memory)
+    assert code == 0, err
+    assert "d=2" in out.splitlines()[0] and out.splitlines()[0].endswith(", ZeRO-3")
