@@ -279,10 +279,14 @@ def test_the_memory_views_whole_mib_add_up_to_its_peak():
 
 @pytest.mark.parametrize("name", list(METHODS))
 @pytest.mark.parametrize("zero", ["2", "3"])
-def test_parts_sum_to_the_peak_under_zero_2_and_3(name, zero):
-    graph = ["--graph", "examples/dag.json"] if name == "graphpipe" else []
-    result, = simulate_json("--schedule", name, "--param-mb", "96", "--activation-mb", "12", "--output-mb", "3",
-                            "-n", "2", "--data-parallel", "2", "--zero", zero, *graph)
+@pytest.mark.parametrize("profiled", [False, True], ids=["typed", "profile"])
+def test_parts_sum_to_the_peak_under_zero_2_and_3(name, zero, profiled):
+    if profiled:
+        costs = ["--profile", DAG_PROFILE if name == "graphpipe" else PROFILE]
+    else:
+        costs = ["--param-mb", "96", "--activation-mb", "12", "--output-mb", "3",
+                 *(["--graph", "examples/dag.json"] if name == "graphpipe" else [])]
+    result, = simulate_json("--schedule", name, *costs, "-n", "2", "--data-parallel", "2", "--zero", zero)
     for device in result["devices"]:
         assert sum(device["peak_memory_parts_mb"].values()) == pytest.approx(device["peak_memory_mb"], rel=1e-12)
 
