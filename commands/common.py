@@ -128,6 +128,19 @@ Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: Swi
 Dropout = Annotated[float | None, typer.Option(
     "--dropout", help="gpt: dropout on the attention probabilities and each residual branch (Megatron-LM's default is "
                       "0.1; none by default), counted as the one fused kernel a GPU runs.")]
+Experts = Annotated[int | None, typer.Option(
+    "--experts", metavar="E", help="gpt: a mixture of experts, E routed experts in each block's MLP (counted at "
+                                   "balanced routing: each expert computes k/E of the tokens).")]
+TopK = Annotated[int | None, typer.Option(
+    "--top-k", metavar="K", help="gpt with --experts: the routed experts each token goes to (default 2).")]
+SharedExperts = Annotated[int | None, typer.Option(
+    "--shared-experts", metavar="S", help="gpt with --experts: experts every token passes (DeepSeekMoE's; default 0).")]
+ExpertFfn = Annotated[int | None, typer.Option(
+    "--expert-ffn", metavar="N", help="gpt with --experts: each expert's MLP hidden size (default --ffn).")]
+CapacityFactor = Annotated[float | None, typer.Option(
+    "--capacity-factor", metavar="C", help="gpt with --experts: an expert drops the tokens past C·k·T/E of a "
+                                           "micro-batch's T and computes that many (GShard's, Switch's); default: "
+                                           "drops none.")]
 ModelName = Annotated[str | None, typer.Option(
     "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, package.module:attribute (as calibrate takes), or "
                                     "hf:PATH, a Hugging Face config.json or its folder (e.g. hf:examples/llama3.1-70b; "
@@ -141,7 +154,10 @@ Attention = Annotated[str, typer.Option(
                         "kernel: no scores saved).")]
 MODEL_SHAPE = (("layers", Layers, None), ("width", Width, None), ("heads", Heads, None), ("seq_len", SeqLen, None),
                ("vocab", Vocab, None), ("ffn", Ffn, None), ("kv_heads", KvHeads, None), ("gated", Gated, None),
-               ("dropout", Dropout, None), ("dtype", ModelDtype, "bf16"), ("attention", Attention, "math"))
+               ("dropout", Dropout, None), ("experts", Experts, None), ("top_k", TopK, None),
+               ("shared_experts", SharedExperts, None), ("expert_ffn", ExpertFfn, None),
+               ("capacity_factor", CapacityFactor, None), ("dtype", ModelDtype, "bf16"),
+               ("attention", Attention, "math"))
 MODEL_SIZES = tuple(name for name, _, _ in MODEL_SHAPE[:-2])  # what the model is built with (dtype and attention
                                                                 # are how it is counted)
 

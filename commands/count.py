@@ -65,7 +65,21 @@ def count(
         sys.stdout.write(json.dumps(_document(counted), indent=2) + "\n")
         return
     print_table(_table(counted))
+    if counted.options.get("experts"):
+        stderr.print(_routing_note(counted), highlight=False)
     stderr.print(f"counted on the meta device in {time.perf_counter() - started:.1f} s", highlight=False)
+
+
+def _routing_note(counted: WorkloadCount) -> str:
+    """How a mixture of experts' data-dependent routing was counted (workload/moe.py)."""
+    from ..workload.moe import DEFAULT_TOP_K, expected_tokens
+
+    options = counted.options
+    tokens, experts = counted.microbatch_size * options["seq_len"], options["experts"]
+    top_k = options.get("top_k") or DEFAULT_TOP_K
+    each = expected_tokens(tokens, top_k, experts, options.get("capacity_factor"))
+    return (f"routed experts counted at balanced routing: each of the {experts} computes {each:,} of a micro-batch's "
+            f"{tokens:,} tokens (top {top_k}{', padded to its capacity' if options.get('capacity_factor') else ''})")
 
 
 TOTALS = ("fwd_flops", "igrad_flops", "wgrad_flops", "fwd_moved_bytes", "igrad_moved_bytes", "wgrad_moved_bytes",

@@ -299,7 +299,7 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     from ..workload.cachedir import cache_dir
     from ..workload.hfconfig import HfConfigError, is_hf, read_hf_config
 
-    sources = ["workload/models.py", "workload/count.py", "profiles/workload.py"]
+    sources = ["workload/models.py", "workload/moe.py", "workload/count.py", "profiles/workload.py"]
     described: list[str] = [model]
     if is_hf(model):
         try:

@@ -185,8 +185,8 @@ SEQ = ("--seq-len", 16)
                                                                             "KeyError: 'nosuch'"),
     ({**LLAMA, "model_type": "phi3", "pad_token_id": 10 ** 6}, SEQ, "transformers cannot build it: AssertionError: "
                                                                    "Padding_idx must be within num_embeddings"),
-    ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, SEQ,
-     "a mixture of experts (num_local_experts = 4); pipesim counts dense decoders only"),
+    ({**LLAMA, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": HEAD}, SEQ,
+     "its experts (GptOssExperts) have biases, a norm after each expert or interleaved gate/up weights"),
     (LLAMA, (), "--seq-len: give the tokens a sample of"),
     (LLAMA, ("--seq-len", 512), "--seq-len 512: hf:"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),

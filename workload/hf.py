@@ -21,6 +21,7 @@ from torch import nn
 from . import data
 from .hfconfig import HfConfig, HfConfigError, read_hf_config
 from .models import Model, ModelError, _classify
+from .moe import routed_experts
 
 # The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
 # model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
@@ -28,9 +29,24 @@ FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_
            "ffn": "intermediate_size", "vocab": "vocab_size"}
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
 # The fields by which transformers' configs give a mixture of experts its routed experts (Mixtral, Qwen-MoE,
-# DeepSeek, OLMoE): their experts run as transformers' grouped products, which torch's FLOP counter does not count,
-# and how many tokens each gets depends on the router's values; refused until pipesim counts them at their share.
+# DeepSeek, OLMoE) and how many of them each token goes to. transformers runs the experts as grouped products,
+# which torch's FLOP counter counts as nothing, so pipesim runs them as its own (`balanced_experts`).
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+TOP_K_FIELD = "num_experts_per_tok"
+EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
+
+
+def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """A transformers experts module (`@use_experts_implementation`: every expert's gate/up and down products as
+    3-D weights) run by `workload.moe.routed_experts`: on the meta device each expert at its expected share of
+    the tokens, counted as one matrix product per expert."""
+    up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    down = experts.down_proj
+    if not experts.is_transposed:  # stored (E, out, in), as nn.Linear's weights
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
+    activation = experts._apply_gate if experts.has_gate else experts.act_fn
+    return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation)
 
 
 class DecoderLayer(nn.Module):
@@ -71,12 +87,11 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
                          f"{config.model_type!r}; it builds {len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} types of causal "
                          f"language model, {', '.join(known)} among them")
     settings = _settings(config, CONFIG_MAPPING[config.model_type])
-    experts = next((name for name in EXPERT_FIELDS if getattr(settings, name, None)), None)  # aliases: one is enough
-    if experts is not None:
-        raise ModelError(f"{where}: a mixture of experts ({experts} = {getattr(settings, experts)}); pipesim counts "
-                         "dense decoders only, so far (a model without routed experts)")
     options = {name: getattr(settings, field) for name, field in FIGURES.items()}
     options["kv_heads"] = getattr(settings, "num_key_value_heads", None) or options["heads"]
+    experts = next((getattr(settings, name) for name in EXPERT_FIELDS if getattr(settings, name, None)), None)
+    if experts:  # aliases of one another: one is enough
+        options.update(experts=experts, top_k=getattr(settings, TOP_K_FIELD, None))
     longest = getattr(settings, "max_position_embeddings", None)
     if seq_len is None:
         raise ModelError(f"--seq-len: give the tokens a sample of {spec} holds"
@@ -91,10 +106,13 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
     # soft-capped scores: products and a softmax, as --attention math)
     attention = "sdpa" if getattr(built, "_supports_sdpa", False) else "eager"
     try:
-        model = AutoModelForCausalLM.from_config(settings, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_config(settings, attn_implementation=attention,
+                                                 **_experts_implementation(experts))
     except Exception as exc:  # transformers' own code on the config's values: whatever it raised, in one line
         raise ModelError(f"{where}: transformers cannot build it: {type(exc).__name__}: "
                          f"{(str(exc).splitlines() or [''])[0]}") from None
+    if experts:
+        _check_experts(model, where, experts)
     layers = decoder_layers(model, where)
     options["seq_len"] = seq_len
     vocab = options["vocab"]
@@ -103,6 +121,30 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
         return data.token_batch(b, seq_len, vocab, gen)
     return Model(spec, layers, make, _classify, options=options, heldout=data.token_heldout(seq_len, vocab),
                  classifier=True)
+
+
+def _experts_implementation(experts: int | None) -> dict[str, str]:
+    """transformers' keyword that runs a mixture of experts' experts as `balanced_experts` (none for a dense
+    model), registered with transformers on first use."""
+    if not experts:
+        return {}
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, balanced_experts)
+    return {"experts_implementation": EXPERTS_IMPLEMENTATION}
+
+
+def _check_experts(model: nn.Module, where: str, experts: int) -> None:
+    """Refuse a mixture of experts whose experts `balanced_experts` cannot run as they are: not held as 3-D weights
+    (transformers' experts interface), or with biases or a norm after each expert (gpt-oss)."""
+    held = [m for m in model.modules() if hasattr(m, "is_concatenated")]  # what @use_experts_implementation sets
+    if not held:
+        raise ModelError(f"{where}: its {experts} experts are not held as transformers' experts modules (3-D weights "
+                         "run by an experts implementation), which pipesim counts at their expected share")
+    odd = next((m for m in held if m.has_bias or m.has_post_expert_norm or not m.is_concatenated), None)
+    if odd is not None:
+        raise ModelError(f"{where}: its experts ({type(odd).__name__}) have biases, a norm after each expert or "
+                         "interleaved gate/up weights; pipesim counts experts of gate/up and down products only")
 
 
 def _settings(config: HfConfig, config_class: type) -> Any:

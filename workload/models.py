@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from pipesim.workload import data
 from pipesim.workload.hfconfig import is_hf
+from pipesim.workload.moe import DEFAULT_TOP_K, ExpertShape, routed_experts
 from pipesim.workload.sizes import DEFAULT_SIZES
 
 MAX_CNN_CHANNELS = 512
@@ -165,20 +166,55 @@ class _GatedMLP(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+def _mlp(width: int, ffn: int, gated: bool) -> nn.Module:
+    """The gpt's dense MLP: SwiGLU if `gated`, else GELU."""
+    return _GatedMLP(width, ffn) if gated else nn.Sequential(nn.Linear(width, ffn), nn.GELU(), nn.Linear(ffn, width))
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _ExpertsMLP(nn.Module):
+    """A mixture of experts in place of the MLP: a router (a product to one score per routed expert, softmax in
+    float32, the top k kept and their weights renormalised to sum to 1, as Mixtral's), the routed experts
+    (`workload.moe.routed_experts`), each an MLP as the dense one without biases (as Mixtral's and DeepSeek's), and
+    the shared experts, one MLP of shared·ffn that every token passes (DeepSeekMoE's)."""
+
+    def __init__(self, width: int, shape: ExpertShape, gated: bool) -> None:
+        super().__init__()
+        self.top_k, self.capacity_factor, self.gated = shape.top_k, shape.capacity_factor, gated
+        self.router = nn.Linear(width, shape.routed, bias=False)
+        inner = 2 * shape.ffn if gated else shape.ffn
+        self.up = nn.Parameter(torch.empty(shape.routed, width, inner).uniform_(-width ** -0.5, width ** -0.5))
+        self.down = nn.Parameter(torch.empty(shape.routed, shape.ffn, width).uniform_(-shape.ffn ** -0.5,
+                                                                                      shape.ffn ** -0.5))
+        self.shared = _mlp(width, shape.shared * shape.ffn, gated) if shape.shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = self.router(flat).float().softmax(-1).topk(self.top_k, dim=-1)
+        routed = routed_experts(flat, index, weights / weights.sum(-1, keepdim=True), self.up, self.down,
+                                _swiglu if self.gated else F.gelu, self.capacity_factor).view(x.shape)
+        return routed if self.shared is None else routed + self.shared(x)
+
+
 class _Block(nn.Module):
     """Pre-LayerNorm decoder block: causal self-attention, then an MLP of `ffn` (GELU, or SwiGLU if `gated`),
     each with a residual. With `kv_heads` < `heads`, groups of query heads share a key and value head
-    (grouped-query attention, as Llama 2 70B), repeated to every head of the group before the attention."""
+    (grouped-query attention, as Llama 2 70B), repeated to every head of the group before the attention. With
+    `experts`, the MLP is a mixture of experts (`_ExpertsMLP`)."""
 
-    def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool, dropout: float = 0.0) -> None:
+    def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool, dropout: float = 0.0,
+                 experts: ExpertShape | None = None) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.dropout = heads, kv_heads, dropout
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, width + 2 * kv_heads * (width // heads))
         self.proj = nn.Linear(width, width)
-        self.mlp = _GatedMLP(width, ffn) if gated else nn.Sequential(
-            nn.Linear(width, ffn), nn.GELU(), nn.Linear(ffn, width))
+        self.mlp = _mlp(width, ffn, gated) if experts is None else _ExpertsMLP(width, experts, gated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -200,15 +236,22 @@ GPT_SIZES = DEFAULT_SIZES["gpt"]
 def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], heads: int = GPT_SIZES["heads"],
         seq_len: int = GPT_SIZES["seq_len"], vocab: int = GPT_SIZES["vocab"],
         ffn: int | None = None, kv_heads: int | None = None, gated: bool = False,
-        dropout: float | None = None) -> Model:
+        dropout: float | None = None, experts: int | None = None, top_k: int | None = None,
+        shared_experts: int | None = None, expert_ffn: int | None = None,
+        capacity_factor: float | None = None) -> Model:
     """GPT-style decoder: token+position embedding, `layers` blocks, LayerNorm and a vocabulary head;
     next-token cross entropy on the token task of `workload.data` (a fixed successor rule with 10 % noise;
     its loss floor is `data.token_loss_floor(vocab)`). `ffn` is the MLP's hidden size (default 4 x width, as
     GPT-3), `kv_heads` the key/value heads (default `heads`; fewer is grouped-query attention), `gated` a
     SwiGLU MLP (Llama's), so that published GPT-3- and Llama-style shapes can be described. `dropout` (None:
     none) is Megatron-LM's in each block: on the attention's probabilities and on each residual branch before
-    its add, so that a count holds the work and memory of the published runs' dropouts."""
+    its add, so that a count holds the work and memory of the published runs' dropouts. `experts` routed experts
+    make every block's MLP a mixture of experts (`_ExpertsMLP`): each token goes to `top_k` of them (default
+    `DEFAULT_TOP_K`), each an MLP of `expert_ffn` (default `ffn`), besides `shared_experts` that every token passes
+    (default none); `capacity_factor` drops an expert's tokens past its capacity and pads it to it (default: drops
+    none)."""
     ffn = 4 * width if ffn is None else ffn
+    moe = _expert_shape(ffn, experts, top_k, shared_experts, expert_ffn, capacity_factor)
     kv_heads = heads if kv_heads is None else kv_heads
     _positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn, kv_heads=kv_heads)
     if dropout is not None and not 0 <= dropout < 1:
@@ -218,12 +261,33 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     if heads % kv_heads:
         raise ModelError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
     blocks: list[nn.Module] = [_Embed(vocab, width, seq_len)]
-    blocks += [_Block(width, heads, ffn, kv_heads, gated, dropout or 0.0) for _ in range(layers)]
+    blocks += [_Block(width, heads, ffn, kv_heads, gated, dropout or 0.0, moe) for _ in range(layers)]
     blocks.append(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab)))
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return data.token_batch(b, seq_len, vocab, gen)
     return Model("gpt", blocks, make, _classify, heldout=data.token_heldout(seq_len, vocab), classifier=True)
+
+
+def _expert_shape(ffn: int, experts: int | None, top_k: int | None, shared: int | None, expert_ffn: int | None,
+                  capacity_factor: float | None) -> ExpertShape | None:
+    """The gpt's mixture of experts from its flags (None without --experts, which the others need)."""
+    if experts is None:
+        given = [name for name, value in (("top-k", top_k), ("shared-experts", shared), ("expert-ffn", expert_ffn),
+                                          ("capacity-factor", capacity_factor)) if value is not None]
+        if given:
+            raise ModelError(f"--{given[0]} applies to a mixture of experts: give --experts too")
+        return None
+    shape = ExpertShape(experts, DEFAULT_TOP_K if top_k is None else top_k, ffn if expert_ffn is None else expert_ffn,
+                        shared or 0, capacity_factor)
+    _positive(experts=experts, top_k=shape.top_k, expert_ffn=shape.ffn)
+    if shape.top_k > experts:
+        raise ModelError(f"--top-k ({shape.top_k}) must be at most --experts ({experts})")
+    if shape.shared < 0:
+        raise ModelError(f"--shared-experts must be >= 0 (got {shape.shared})")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ModelError(f"--capacity-factor must be above 0 (got {capacity_factor})")
+    return shape
 
 
 class _Merge(nn.Module):

@@ -1,0 +1,160 @@
+"""Mixtures of experts (workload/moe.py): the gpt's `--experts` and Hugging Face MoE configs counted at balanced
+routing, held against the dense models that must do the same products (a router aside), DeepSeek-V3's published
+parameter counts, the real routing the executor would run, and bad input refused in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipesim.workload.count import WorkloadCount, count_built
+from pipesim.workload.moe import expected_tokens, routed_experts
+from tests.conftest import pipesim
+from tests.test_hf import write_config
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
+B, S, H, EXPERTS, TOP_K, FFN = 2, 32, 64, 8, 2, 96  # micro-batch, sequence, width, experts, top-k, expert MLP
+TOKENS = B * S
+GPT = dict(layers=1, width=H, heads=4, seq_len=S, vocab=100, gated=True)
+MLP_FLOPS = 3 * 2 * H * FFN  # a SwiGLU expert's three products, per token
+ROUTER_FLOPS = 2 * TOKENS * H * EXPERTS  # per micro-batch, forward (and again for each backward part)
+
+
+@cache
+def gpt_count(**options) -> WorkloadCount:
+    return count_built("gpt", {**GPT, **options}, B, torch.bfloat16)
+
+
+def block(counted: WorkloadCount):
+    return counted.layers[1]
+
+
+def test_expected_tokens_are_k_over_e_of_them_or_the_capacity_at_most_all():
+    assert expected_tokens(64, 2, 8) == 16
+    assert expected_tokens(64, 2, 8, capacity_factor=1.25) == 20
+    assert expected_tokens(10, 2, 8) == 3  # ⌈2.5⌉
+    assert expected_tokens(64, 8, 8, capacity_factor=2.0) == 64  # an expert takes a token once
+
+
+def test_top_k_of_e_experts_do_the_products_of_a_dense_mlp_k_times_as_wide_plus_the_router():
+    """Balanced routing: each expert computes k·T/E tokens, so E experts of f do what one MLP of k·f does for all
+    T tokens; the router adds one product of E scores per token, forward, input- and weight-gradient alike."""
+    moe, dense = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN)), block(gpt_count(ffn=TOP_K * FFN))
+    assert moe.fwd_flops - dense.fwd_flops == ROUTER_FLOPS
+    assert moe.igrad_flops - dense.igrad_flops == ROUTER_FLOPS
+    assert moe.wgrad_flops - dense.wgrad_flops == ROUTER_FLOPS
+
+
+def test_its_weights_are_every_experts_and_the_routers():
+    """All E experts' weights are held (bias-free, as Mixtral's), whatever share of the tokens each computes."""
+    moe, dense = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN)), block(gpt_count(ffn=TOP_K * FFN))
+    dense_mlp = 3 * H * TOP_K * FFN + 2 * TOP_K * FFN + H  # gate_up and down with their biases
+    assert (moe.param_bytes - dense.param_bytes) // 2 == EXPERTS * 3 * H * FFN + H * EXPERTS - dense_mlp
+
+
+def test_shared_experts_are_one_mlp_every_token_passes():
+    plain = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    shared = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN, shared_experts=2))
+    assert shared.fwd_flops - plain.fwd_flops == TOKENS * 2 * MLP_FLOPS
+
+
+def test_a_capacity_factor_pads_every_expert_to_its_capacity():
+    """c = 2: each expert computes 2·k·T/E tokens, twice the routed experts' products of the dropless count."""
+    dropless = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    padded = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN, capacity_factor=2.0))
+    assert padded.fwd_flops - dropless.fwd_flops == TOKENS * TOP_K * MLP_FLOPS
+
+
+def test_off_the_meta_device_the_router_routes_each_token_to_its_own_experts():
+    """The executor's path: each token's output is the weighted sum of its k experts' MLPs, computed one by one."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, up, down = (torch.randn(*shape, generator=gen) for shape in ((6, 4), (3, 4, 5), (3, 5, 4)))
+    index = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0], [2, 1]])
+    weights = torch.rand(6, 2, generator=gen)
+    out = routed_experts(hidden, index, weights, up, down, torch.relu)
+    expected = torch.stack([sum(weights[t, j] * torch.relu(hidden[t] @ up[e]) @ down[e]
+                                for j, e in enumerate(index[t].tolist())) for t in range(6)])
+    torch.testing.assert_close(out, expected)
+    # a capacity of 0.5 · 2 · 6 / 3 = 2 tokens an expert, kept in token order: expert 0 (tokens 0, 1, 3, 4) and
+    # expert 2 (tokens 1, 2, 3, 5) both drop token 3, which keeps nothing; token 0's experts 0 and 1 keep it
+    dropped = routed_experts(hidden, index, weights, up, down, torch.relu, capacity_factor=0.5)
+    torch.testing.assert_close(dropped[3], torch.zeros(4))
+    torch.testing.assert_close(dropped[0], expected[0])
+
+
+def test_a_moe_gpt_trains_off_the_meta_device():
+    from pipesim.workload.models import build_model
+
+    model = build_model("gpt", **GPT, experts=4, top_k=2, shared_experts=1, expert_ffn=16)
+    batch, target = model.make_batch(2, torch.Generator().manual_seed(0))
+    model.loss(model.forward(batch), target).backward()
+    experts = model.layers[1].mlp
+    assert experts.up.grad.abs().sum() > 0 and experts.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--top-k", 2), "--top-k applies to a mixture of experts: give --experts too"),
+    (("--experts", 4, "--top-k", 5), "--top-k (5) must be at most --experts (4)"),
+    (("--experts", 0), "--experts must be >= 1 (got 0)"),
+    (("--experts", 4, "--capacity-factor", 0), "--capacity-factor must be above 0 (got 0.0)"),
+    (("--experts", 4, "--shared-experts", -1), "--shared-experts must be >= 0 (got -1)"),
+])
+def test_a_bad_mixture_of_experts_is_one_line(args, fragment):
+    code, out, err = pipesim("count", "--model", "gpt", *args)
+    assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+# Mixtral's config as Llama's with the MLP replaced by E experts of the same products: tiny, for the test
+LLAMA = {"model_type": "llama", "hidden_size": H, "intermediate_size": TOP_K * FFN, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 256,
+         "tie_word_embeddings": False}
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "intermediate_size": FFN, "num_local_experts": EXPERTS,
+           "num_experts_per_tok": TOP_K}
+
+
+@needs_transformers
+def test_a_mixtral_config_does_a_llamas_products_with_a_k_times_wider_mlp_plus_the_router(tmp_path):
+    """transformers runs Mixtral's experts as grouped products, which torch's FLOP counter counts as nothing;
+    pipesim runs them as one product per expert at its expected share, so the count is Llama's of MLP k·f."""
+    mixtral, llama = (count_built(f"hf:{write_config(tmp_path / name, fields)}", {"seq_len": S}, B, torch.bfloat16)
+                      for name, fields in (("mixtral", MIXTRAL), ("llama", LLAMA)))
+    moe, dense = mixtral.layers[1], llama.layers[1]
+    assert (moe.fwd_flops - dense.fwd_flops, moe.igrad_flops - dense.igrad_flops,
+            moe.wgrad_flops - dense.wgrad_flops) == (ROUTER_FLOPS,) * 3
+    assert (moe.param_bytes - dense.param_bytes) // 2 == (EXPERTS - TOP_K) * 3 * H * FFN + H * EXPERTS
+    assert mixtral.options["experts"] == EXPERTS and mixtral.options["top_k"] == TOP_K
+
+
+DEEPSEEK_MOE_LAYERS, DEEPSEEK_ROUTED, DEEPSEEK_TOP_K = 61 - 3, 256, 8
+DEEPSEEK_EXPERT = 3 * 7168 * 2048  # one routed expert's weights
+
+
+@needs_transformers
+def test_deepseek_v3_has_its_published_total_and_activated_parameters():
+    """DeepSeek-V3's model card: 671B parameters, 37B activated per token; its README_WEIGHTS.md: the main model
+    (without the multi-token-prediction module, which transformers does not build) 671B, 36.6B activated
+    including the 0.9B output head, not the input embedding, which a token reads one row of. Activated is the
+    total less the routed experts a token does not go to, 248 of 256 in each of the 58 MoE layers."""
+    counted = count_built(f"hf:{ROOT / 'examples' / 'deepseek-v3'}", {"seq_len": 64}, 1, torch.bfloat16)
+    total = sum(layer.param_bytes for layer in counted.layers) // 2
+    idle = DEEPSEEK_MOE_LAYERS * (DEEPSEEK_ROUTED - DEEPSEEK_TOP_K) * DEEPSEEK_EXPERT
+    embedding = counted.layers[0].param_bytes // 2
+    assert round(total / 1e9) == 671
+    activated = total - idle - embedding
+    assert round(activated / 1e8) == 366 and round(activated / 1e9) == 37
+    assert [layer.param_bytes for layer in counted.layers[1:4]] != [counted.layers[4].param_bytes] * 3  # dense first
+
+
+@needs_transformers
+@pytest.mark.parametrize("example, billions", [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5)])
+def test_the_moe_examples_have_their_published_parameter_counts(example, billions):
+    """Mixtral of Experts (arXiv 2401.04088): 47B parameters (46.7B on its model card); Qwen3-30B-A3B's model
+    card: 30.5B in total."""
+    counted = count_built(f"hf:{ROOT / 'examples' / example}", {"seq_len": 64}, 1, torch.bfloat16)
+    assert round(sum(layer.param_bytes for layer in counted.layers) / 2e9, 1) == billions

@@ -1,0 +1,75 @@
+"""Routed experts (a mixture of experts' MLPs), run as a real runtime runs them and counted at balanced routing.
+
+Which tokens an expert receives depends on the router's values, which the meta device does not have. So on the
+meta device every expert computes its expected share of the tokens, as a batched product over the experts (one
+matrix product per expert, as a grouped GEMM runs them): each of the T·k routed token copies of a micro-batch
+lands on one of the E experts, k·T/E per expert when routing is balanced, which the load-balancing loss (Switch
+Transformer, Fedus et al. 2021) and DeepSeek-V3's bias adjustment aim for. A model that drops tokens pads every
+expert to its capacity, ⌈c·k·T/E⌉ tokens for a capacity factor c (GShard, Lepikhin et al. 2020; Switch
+Transformer), and computes that many. The gather of each expert's tokens and the weighted scatter back are
+counted as the index_select and index_add a dispatch runs. On a real device the router's choices route the tokens,
+expert by expert, and a capacity drops each expert's tokens past it (in token order, as Switch Transformer).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_TOP_K = 2  # GShard's and Mixtral's
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """A mixture of experts' MLP: `routed` experts of hidden size `ffn`, each token sent to `top_k` of them by a
+    router, `shared` experts that every token passes (DeepSeek's, one MLP of shared·ffn), and the capacity factor
+    of a model that drops tokens (None: it drops none, as Mixtral, Qwen3-MoE and DeepSeek-V3)."""
+
+    routed: int
+    top_k: int
+    ffn: int
+    shared: int = 0
+    capacity_factor: float | None = None
+
+
+def expected_tokens(tokens: int, top_k: int, experts: int, capacity_factor: float | None = None) -> int:
+    """The tokens each of `experts` experts computes for `tokens` tokens routed to `top_k` each, routing balanced:
+    ⌈k·T/E⌉, or its capacity ⌈c·k·T/E⌉ (at most T: an expert takes a token once) with a capacity factor c."""
+    share = top_k * tokens / experts * (capacity_factor or 1.0)
+    return min(tokens, math.ceil(share))
+
+
+def capacity(tokens: int, top_k: int, experts: int, capacity_factor: float | None) -> int | None:
+    """The tokens past which an expert drops (None: it drops none)."""
+    return None if capacity_factor is None else expected_tokens(tokens, top_k, experts, capacity_factor)
+
+
+def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                   capacity_factor: float | None = None) -> torch.Tensor:
+    """The experts' weighted outputs summed per token, for `hidden` (T, d) routed as `top_k_index` and
+    `top_k_weights` (T, k) say. `up` (E, d, u) and `down` (E, f, d) are every expert's two products, `activation`
+    what runs between them (SwiGLU's silu(gate)·up halves u = 2f). On the meta device every expert takes its
+    expected share (`expected_tokens`)."""
+    tokens, width = hidden.shape
+    experts, top_k = up.shape[0], top_k_index.shape[-1]
+    out = torch.zeros_like(hidden)
+    if hidden.device.type == "meta":
+        each = expected_tokens(tokens, top_k, experts, capacity_factor)
+        token = torch.empty(experts * each, dtype=torch.long, device=hidden.device)  # each expert's tokens, in turn
+        copy = torch.empty_like(token)  # and which of the T·k routed copies each one is
+        routed = hidden.index_select(0, token).view(experts, each, width)
+        weights = top_k_weights.reshape(-1).index_select(0, copy).view(experts, each, 1)
+        done = torch.bmm(activation(torch.bmm(routed, up)), down) * weights.to(hidden.dtype)
+        return out.index_add(0, token, done.view(experts * each, width))
+    limit = capacity(tokens, top_k, experts, capacity_factor)
+    for expert in range(experts):
+        token, slot = torch.where(top_k_index == expert)
+        token, slot = token[:limit], slot[:limit]
+        if token.numel():
+            done = activation(hidden[token] @ up[expert]) @ down[expert]
+            out = out.index_add(0, token, done * top_k_weights[token, slot, None].to(hidden.dtype))
+    return out
