@@ -211,6 +211,11 @@ TensorParallel = Annotated[int | None, typer.Option(
 DataParallel = Annotated[int | None, typer.Option(
     "--data-parallel", metavar="D", min=1, help="Data-parallel degree d: replicas of the pipeline, each stage's "
                                                 "gradients all-reduced over them before its update.")]
+ContextParallel = Annotated[int, typer.Option(
+    "--context-parallel", metavar="C", min=1, help="With --gpu: context-parallel degree C, the sequence split over C "
+                                                   "GPUs (2C chunks, causal load balance) whose attention passes keys "
+                                                   "and values round a ring (torch's and Megatron's context "
+                                                   "parallel); gradients reduced over C x d.")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
@@ -223,7 +228,7 @@ Recompute = Annotated[str | None, typer.Option(
 model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("curve_from", CurveFrom, None), ("gpus", GpusFile, None),
-                ("sequence_parallel", SequenceParallel, False))
+                ("sequence_parallel", SequenceParallel, False), ("context_parallel", ContextParallel, 1))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "
@@ -458,9 +463,10 @@ def zero_stage(flags: dict) -> int:
     if sharded and zero not in (None, 1):
         raise InputError(f"--sharded-optimizer is --zero 1, but --zero {zero} was given: give one of them")
     stage = 1 if sharded else zero or 0
-    if stage and (flags.get("data_parallel") or 1) == 1:
+    if stage and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         flag = "--sharded-optimizer" if sharded else f"--zero {stage}"
-        raise InputError(f"{flag} shards over data-parallel replicas: give --data-parallel 2 or more")
+        raise InputError(f"{flag} shards over data-parallel replicas: give --data-parallel 2 or more (or with "
+                         "--gpu, --context-parallel 2 or more, whose ranks shard alike)")
     if flags.get("precision") == "fsdp2" and stage != 3:
         raise InputError("--precision fsdp2 is FSDP2's mixed precision, whose float32 weights are sharded: give "
                          "--zero 3 (with --data-parallel 2 or more)")

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
-                 "recompute", "curve_from")
+                 "context_parallel", "recompute", "curve_from")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -59,6 +59,7 @@ RECOMPUTE = ("none", "selective", "full", "op")
 SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
+                  "context": "--context-parallel",
                   "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
 
@@ -78,6 +79,7 @@ class WhatIf:
     dtype: str  # torch's name
     attention: str
     sequence_parallel: bool
+    context: int  # --context-parallel C
     sharded_optimizer: bool
     precision: str | None  # --precision (None: by --dtype)
     calibrated: Profile | None = None  # --curve-from: a calibration on the part, whose layers fit its curve
@@ -121,15 +123,18 @@ class WhatIf:
         return self.cluster.nodes * (self.cluster.gpus_per_node or self.gpu.intra_node.gpus_per_node)
 
     def parallelism(self, stages: int, tensor: int = 1, data: int = 1, recompute: str = "none") -> Parallelism:
-        """t x p x d GPUs as the estimate takes them; more than a catalogue cluster has is refused."""
+        """t x C x p x d GPUs as the estimate takes them; more than a catalogue cluster has is refused."""
         from ..planning.estimate import Parallelism
 
-        size = self.cluster_gpus
-        if size is not None and tensor * stages * data > size:
-            raise InputError(f"--gpu: the cluster has {size} GPUs, fewer than t x p x d = {tensor} x {stages} x "
-                             f"{data} = {tensor * stages * data}")
-        return Parallelism(tensor=tensor, pipeline=stages, data=data, sequence_parallel=self.sequence_parallel,
-                           recompute=recompute, sharded_optimizer=self.sharded_optimizer and data > 1,
+        size, used = self.cluster_gpus, tensor * self.context * stages * data
+        if size is not None and used > size:
+            degrees = {"t": tensor, "C": self.context, "p": stages, "d": data}
+            shown = {name: value for name, value in degrees.items() if name != "C" or value > 1}
+            raise InputError(f"--gpu: the cluster has {size} GPUs, fewer than {' x '.join(shown)} = "
+                             f"{' x '.join(map(str, shown.values()))} = {used}")
+        return Parallelism(tensor=tensor, pipeline=stages, data=data, context=self.context,
+                           sequence_parallel=self.sequence_parallel,
+                           recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
                            precision=self.precision)
 
 
@@ -159,6 +164,9 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
+    if params.get("context_parallel", 1) > 1 and params["attention"] != "flash":
+        raise InputError("--context-parallel: ring attention runs on a fused attention kernel (torch's and "
+                         "TransformerEngine's context parallel): give --attention flash")
     recompute = params.get("recompute")
     if recompute is not None and recompute not in RECOMPUTE:
         raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
@@ -186,7 +194,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
             raise InputError(f"--curve-from: {exc}") from None
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False),
-                  zero_stage(params) >= 1, params.get("precision"), calibrated,
+                  params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"))
 
 
@@ -370,12 +378,24 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
 class ModelWork:
     """What MFU and tokens/s need of an estimated model: its FLOPs per sample without recomputation (forward
     and both halves of the backward), the tokens a sample holds (None: not a sequence model), the part's dense
-    peak FLOP/s in the model's dtype, and the GPUs t each of a schedule's devices stands for."""
+    peak FLOP/s in the model's dtype, and the GPUs t x C each of a schedule's devices stands for (its tensor- and
+    context-parallel ranks, which run one micro-batch together)."""
 
     flops_per_sample: float
     tokens_per_sample: int | None
     peak_flops_per_s: float
     tensor: int
+    context: int
+
+    @property
+    def gpus_per_device(self) -> int:
+        return self.tensor * self.context
+
+    def per_device_text(self) -> str:
+        """The GPUs a schedule's device stands for, as a table's title says them ("" for one)."""
+        if self.context > 1:
+            return f"t x C = {self.tensor} x {self.context} GPUs per device"
+        return f"t={self.tensor} GPUs per device" if self.tensor > 1 else ""
 
     @classmethod
     def of(cls, profile: Profile | None) -> ModelWork | None:
@@ -384,7 +404,7 @@ class ModelWork:
         if estimate is None or estimate.model_flops_per_sample is None or estimate.peak_flops_per_s is None:
             return None
         return cls(estimate.model_flops_per_sample, profile.model.options.get("seq_len"), estimate.peak_flops_per_s,
-                   int(estimate.parallelism.get("tensor", 1)))
+                   int(estimate.parallelism.get("tensor", 1)), int(estimate.parallelism.get("context", 1)))
 
     def metrics(self, samples_per_s: float, gpus: int) -> dict[str, float | None]:
         """tokens/s and MFU (model FLOPs over the `gpus`' dense peak) at `samples_per_s` over all replicas."""
@@ -439,9 +459,11 @@ def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     """An estimate's parallelism in the flags' terms: t (and with `shape` p and d, which a simulation may change),
     and what else is not the default."""
     flags = [f"{key} {value}" if not isinstance(value, bool) else key.replace("_", " ")
-             for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data")
+             for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context")
              and value not in (False, "none", None)]
-    degrees = f"t={parallelism['tensor']}" + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else "")
+    context = int(parallelism.get("context", 1))
+    degrees = (f"t={parallelism['tensor']}" + (f" C={context}" if context > 1 else "")
+               + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else ""))
     return ", ".join([degrees, *flags])
 
 
@@ -469,7 +491,9 @@ def _print_estimate(profile: Profile) -> None:
     print_table(table)
     links = [(what, link) for what, link in (("tensor-parallel group", estimate.tensor_link),
                                                ("between stages", estimate.stage_link),
-                                               ("data-parallel group", estimate.data_parallel_link))]
+                                               ("data-parallel group" + (" (its C x d ranks)" if
+                                                estimate.context_link else ""), estimate.data_parallel_link),
+                                               ("context-parallel ring", estimate.context_link)) if link is not None]
     stdout.print("links: " + "; ".join(f"{what} {link.kind} {link.bytes_per_ms / 1e6:.3g} GB/s, "
                                        f"{link.latency_ms * 1e3:.1f} us a step" for what, link in links),
                  highlight=False)

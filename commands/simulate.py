@@ -263,7 +263,8 @@ def simulate(
             raise InputError(_nothing_runs(requested, skipped))
         built = [schedules[name] for name in names]
         steady = [sched.minibatches >= steady_minibatches(sched) for sched in built]
-        gpus_used = [sched.num_devices * sched.data_parallel * (work.tensor if work else 1) for sched in built]
+        gpus_used = [sched.num_devices * sched.data_parallel * (work.gpus_per_device if work else 1)
+                     for sched in built]
         rates = [work.metrics(summary.samples_per_s, used) if work else {}
                  for summary, used in zip(summaries, gpus_used)]
         trace_paths = []
@@ -307,7 +308,7 @@ def simulate(
     else:
         _print_table(summaries, built, steady, example, skipped, memory,
                      _cost_basis(scenario, built) + _overlap_text(built, pairs, fb_hidden_fraction),
-                     [rate.get("mfu") for rate in rates], work.tensor if work else 1)
+                     [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
@@ -455,13 +456,13 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
 
 
 def _print_table(summaries: list, schedules: list, steady: list[bool], example: bool, skipped: dict[str, str],
-                 memory: list, basis: str, mfu: list[float | None], tensor: int) -> None:
+                 memory: list, basis: str, mfu: list[float | None], per_device: str) -> None:
     """The results side by side; with an estimate, MFU instead of the makespan (in --json), which N sets."""
     first, estimated = schedules[0], any(share is not None for share in mfu)
     title = (f"p={first.num_devices} devices per pipeline, m={first.microbatches} "
              f"micro-batches, N={first.minibatches} mini-batches"
              + (f", d={first.data_parallel} replicas" if first.data_parallel > 1 else "") + _zero_text(first)
-             + (f", t={tensor} GPUs per device" if tensor > 1 else ""))
+             + (f", {per_device}" if per_device else ""))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"{basis}; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
                           "held; weights: copies of one stage's weights held"

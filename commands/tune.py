@@ -119,6 +119,9 @@ def tune(
         check_memory_gb(memory_gb)
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
+        if what is not None and what.context > 1:
+            raise InputError("--context-parallel: tune searches t, p and d over --devices, not C; simulate or sweep "
+                             "a context-parallel layout")
         work: dict[int, ModelWork] = {}  # by b, with --gpu
         if what is None:
             if profile is None:

@@ -78,20 +78,22 @@ class EstimateError(ValueError):
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Tensor (t), pipeline (p) and data (d) parallel degrees, and how activations, gradients and optimizer state
-    are kept: `precision` is one of `PRECISIONS` (None: as Megatron-LM keeps the count's dtype: float32 main
-    gradients for bfloat16, which it forces, 16-bit ones for float16, its default there)."""
+    """Tensor (t), pipeline (p) and data (d) parallel degrees, context parallelism (C: the sequence split over C
+    ranks holding the same weights, `ContextRing`), and how activations, gradients and optimizer state are kept:
+    `precision` is one of `PRECISIONS` (None: as Megatron-LM keeps the count's dtype: float32 main gradients for
+    bfloat16, which it forces, 16-bit ones for float16, its default there)."""
 
     tensor: int = 1
     pipeline: int = 1
     data: int = 1
+    context: int = 1
     sequence_parallel: bool = False
     recompute: str = "none"
     sharded_optimizer: bool = False
     precision: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "data"):
+        for name in ("tensor", "pipeline", "data", "context"):
             if getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
         if self.recompute not in RECOMPUTE:
@@ -113,7 +115,7 @@ class Parallelism:
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.pipeline * self.data
+        return self.tensor * self.context * self.pipeline * self.data
 
 
 @dataclass(frozen=True)
@@ -156,21 +158,36 @@ def op_ms(op: OpCount, device: Device) -> float:
 
 @dataclass(frozen=True)
 class _Split:
-    """How one layer divides over t ranks: its width (the output's last dimension), tokens (the output's other
-    dimensions) and sequence length, which tell residual-stream tensors, token dimensions and the s×s core."""
+    """How one layer divides over t tensor-parallel and C context-parallel ranks: its width (the output's last
+    dimension), tokens (the output's other dimensions) and sequence length, which tell residual-stream tensors,
+    token dimensions and the s×s core."""
 
     t: int
     sequence_parallel: bool
     width: int
     tokens: int
     seq: int | None
+    context: int = 1
 
     @classmethod
     def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
         shape = layer.output_shape
         width = shape[-1] if shape else 0
         return cls(parallel.tensor, parallel.sequence_parallel, width, math.prod(shape[:-1]) if shape else 0,
-                   shape[-2] if len(shape) >= 3 else None)
+                   shape[-2] if len(shape) >= 3 else None, parallel.context)
+
+    def context_share(self, op: OpCount) -> OpCount:
+        """The op on one of C context-parallel ranks: every op works per token, so 1/C of its FLOPs and bytes,
+        its first token or sequence dimension divided (an attention's queries: with the causal load balance each
+        rank's queries meet an even share of the keys, `ContextRing`)."""
+        if self.context == 1:
+            return op
+        dims = list(op.shape)
+        at = next((i for i in range(1 if len(dims) == 4 else 0, len(dims)) if dims[i] in (self.tokens, self.seq)),
+                  None)
+        if at is not None:
+            dims[at] = max(dims[at] // self.context, 1)
+        return _scaled(op, tuple(dims), self.context)
 
     def residual(self, shape: tuple[int, ...]) -> bool:
         return bool(shape) and shape[-1] == self.width and math.prod(shape) == self.tokens * self.width
@@ -204,11 +221,13 @@ def _scaled(op: OpCount, shape: tuple[int, ...], t: int) -> OpCount:
 
 @dataclass(frozen=True)
 class PlacementLinks:
-    """The links the placement gives (latency ms per step, bytes/ms per GPU and direction)."""
+    """The links the placement gives (latency ms per step, bytes/ms per GPU and direction); `context`: the
+    context-parallel ring's (None where the placement was read back from an estimate that has no ring)."""
 
     tensor: EstimateLink
     stage: EstimateLink
     data: EstimateLink
+    context: EstimateLink | None = None
 
 
 def _link(kind: str, gb_s: float) -> EstimateLink:
@@ -231,21 +250,25 @@ def node_placement(gpu: Gpu, cluster: Cluster | None = None, curve: Curve | None
 def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = None,
                     curve: Curve | None = None) -> PlacementLinks:
     """The links of `parallel`'s placement on the part (or cluster): `links_of` its `node_placement`."""
-    return links_of(node_placement(gpu, cluster, curve), parallel.tensor, parallel.pipeline, parallel.data)
+    return links_of(node_placement(gpu, cluster, curve), parallel.tensor, parallel.pipeline, parallel.data,
+                    parallel.context)
 
 
-def links_of(placement: EstimatePlacement, t: int, p: int, d: int) -> PlacementLinks:
-    """t inside a node first, then p, then d: the stage boundaries leave the node once t·p exceeds it, the
-    data-parallel group once t·p·d does. A data-parallel group with k ranks on each node crosses nodes on k
-    NICs at once (NCCL runs a ring per channel, each through its own NIC), up to the node's link."""
+def links_of(placement: EstimatePlacement, t: int, p: int, d: int, c: int = 1) -> PlacementLinks:
+    """t inside a node first, then the C context-parallel ranks (Megatron's order tp-cp-...; torchtitan's mesh
+    keeps cp next to tp too), then p, then d: the context ring leaves the node once t·C exceeds it (a ring step
+    waits for its slowest hop, a GPU's own NIC), the stage boundaries once t·C·p does, the data-parallel group once
+    t·C·p·d does. The gradients are reduced over the C·d ranks that hold the same weights; with k of them on each
+    node the group crosses nodes on k NICs at once (NCCL runs a ring per channel, each through its own NIC), up to
+    the node's link."""
     node, inside, outside = placement.gpus_per_node, placement.node_link, placement.network_link
     if t > node:
         raise EstimateError(f"tensor: {t} exceeds the {node} GPUs of a node (tensor parallelism stays inside one)")
-    members = max(node // (t * p), 1)  # a data-parallel group's ranks on each node
+    members = min(c, max(node // t, 1)) * max(node // (t * c * p), 1)  # the gradient group's ranks on each node
     across = EstimateLink(kind=outside.kind, latency_ms=outside.latency_ms,
                           bytes_per_ms=min(members * outside.bytes_per_ms, inside.bytes_per_ms))
-    return PlacementLinks(inside, inside if t * p <= node else _scatter_gather(outside, inside, t),
-                  inside if t * p * d <= node else across)
+    return PlacementLinks(inside, inside if t * c * p <= node else _scatter_gather(outside, inside, t),
+                          inside if t * c * p * d <= node else across, inside if t * c <= node else outside)
 
 
 def _scatter_gather(network: EstimateLink, node: EstimateLink, t: int) -> EstimateLink:
@@ -271,9 +294,66 @@ class LayerEstimate:
     activation_parts: dict[str, int]  # of those, by what saves them (`SAVED_PARTS`), summing to them
 
 
+@dataclass(frozen=True)
+class ContextRing:
+    """Ring attention over the C ranks of a context-parallel group, as torch's context parallel runs it
+    (pytorch/pytorch torch/distributed/tensor/experimental/_context_parallel/_attention.py,
+    `_templated_ring_attention` and `_templated_ring_attention_backward`, its ring rotater) and Megatron-core's
+    through TransformerEngine (cp_comm_type p2p). Each rank holds 2 of the sequence's 2C chunks, i and 2C-1-i, so
+    that under a causal mask every rank's queries meet the same share of the keys: the forward runs C steps, each
+    a block of 1/C of the rank's attention, while the keys and values it holds go on to the next rank (C - 1
+    transfers); the backward passes them round again and, after each step, the key and value gradients so far,
+    in float32 (torch's `convert_to_f32`): C transfers, the last after the last step. A step's transfer hides under
+    its block; what outlasts it is exposed. The blocks' merge (a few float32 elementwise passes over the output) is
+    not counted."""
+
+    ranks: int
+    link: EstimateLink
+
+    def step_bytes(self, op: OpCount, element_bytes: int) -> tuple[list[int], int]:
+        """Bytes sent during each of the C steps of one call of the rank's attention kernel `op` (its shape: the
+        rank's (batch·heads, queries, keys, head size), its keys and values as many tokens as its queries), and
+        those sent after the last step."""
+        heads, queries, _, head_size = op.shape
+        keys_values = 2 * heads * queries * head_size  # elements
+        if not op.op.endswith("_backward"):
+            return [keys_values * element_bytes] * (self.ranks - 1) + [0], 0
+        gradients = keys_values * 4
+        return [keys_values * element_bytes + (gradients if i else 0) for i in range(self.ranks - 1)] + [gradients], \
+            gradients
+
+    def step_pairs(self, rank: int) -> list[float]:
+        """The (query chunk, key chunk) pairs `rank` computes at each of the C steps under the causal mask, a pair
+        on the diagonal half masked: it holds chunks rank and 2C-1-rank, and at step i the keys and values of rank
+        (rank - i) mod C (torch's round-robin load balance, `_is_causal_behavior` and the branches after it)."""
+        c = self.ranks
+
+        def chunks(holder: int) -> tuple[int, int]:
+            return holder, 2 * c - 1 - holder
+
+        return [sum(1.0 if key < query else 0.5 if key == query else 0.0
+                    for query in chunks(rank) for key in chunks((rank - i) % c)) for i in range(c)]
+
+    def transfer_ms(self, nbytes: int) -> float:
+        return self.link.latency_ms + nbytes / self.link.bytes_per_ms
+
+    def attention_ms(self, op: OpCount, device: Device, element_bytes: int) -> float:
+        """One call of the rank's attention `op` (its 1/C share, `_Split.context_share`) run as the ring's C
+        blocks, each step at the pace of its busiest rank, with the transfers they leave exposed."""
+        busiest = [max(pairs) for pairs in zip(*(self.step_pairs(rank) for rank in range(self.ranks)))]
+        share = self.ranks / sum(sum(self.step_pairs(rank)) for rank in range(self.ranks))  # of the rank's op
+        blocks = [op_ms(replace(op, flops=round(op.flops * pairs * share),
+                                moved_bytes=round(op.moved_bytes * pairs * share)), device) for pairs in busiest]
+        steps, after = self.step_bytes(op, element_bytes)
+        exposed = sum(max(self.transfer_ms(nbytes) - block_ms, 0.0) for nbytes, block_ms in zip(steps, blocks)
+                      if nbytes)
+        return sum(blocks) + exposed + (self.transfer_ms(after) if after else 0.0)
+
+
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, collective_ms: Callable[[OpCount], float],
-             forward: bool, only_core: bool = False) -> float:
-    """A pass's time on one of t ranks: its ops, split, plus a collective per product split on its contraction."""
+             forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2) -> float:
+    """A pass's time on one of the t·C ranks: its ops, split, plus a collective per product split on its
+    contraction, an attention kernel as the context ring's blocks and exposed transfers."""
     total = 0.0
     for op in ops:
         if op.kind in ("matmul", "attention"):
@@ -281,19 +361,26 @@ def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, collective
             if only_core and not core:
                 continue
             mine, reduced = (split.matmul(op, forward) if op.kind == "matmul" else
-                             (_scaled(op, op.shape, split.t), False))
-            total += op.count * (op_ms(mine, device) + (collective_ms(mine) if reduced else 0.0))
+                             (_scaled(op, (max(op.shape[0] // split.t, 1), *op.shape[1:]), split.t), False))
+            mine = split.context_share(mine)
+            spent = (ring.attention_ms(mine, device, element_bytes) if ring is not None and op.kind == "attention"
+                     else op_ms(mine, device))
+            total += op.count * (spent + (collective_ms(mine) if reduced else 0.0))
         elif not only_core or split.core(op.shape):
             mine = split.memory(op) if op.kind == "memory" else _scaled(op, op.shape, split.t)
-            total += op.count * op_ms(mine, device)
+            total += op.count * op_ms(split.context_share(mine), device)
     return total
 
 
 def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, tensor_link: EstimateLink,
-                   element_bytes: int) -> LayerEstimate:
-    """`layer` priced on one of the t ranks of its stage (see the module docstring)."""
+                   element_bytes: int, context_link: EstimateLink | None = None) -> LayerEstimate:
+    """`layer` priced on one of the t·C ranks of its stage (see the module docstring); `context_link`: the
+    context-parallel ring's, where C > 1."""
     split = _Split.of(layer, parallel)
-    t = parallel.tensor
+    t, c = parallel.tensor, parallel.context
+    if c > 1 and context_link is None:
+        raise EstimateError(f"context: {c} ranks need the ring's link")
+    ring = ContextRing(c, context_link) if c > 1 else None
 
     def collective_ms(op: OpCount) -> float:
         batch, m, n, _ = op.shape
@@ -302,8 +389,10 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
             return 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
         return all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
 
-    times = {name: _pass_ms(layer.ops.get(name, ()), split, device, collective_ms, name == "fwd")
-             for name in ("fwd", "bwd", "igrad", "wgrad")}
+    def pass_ms(ops: Sequence[OpCount], forward: bool, only_core: bool = False) -> float:
+        return _pass_ms(tuple(ops), split, device, collective_ms, forward, only_core, ring, element_bytes)
+
+    times = {name: pass_ms(layer.ops.get(name, ()), name == "fwd") for name in ("fwd", "bwd", "igrad", "wgrad")}
     saved = layer.saved_bytes
     rest_share = 1 / t if parallel.sequence_parallel else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t
     # Per part (what saved it; a count from before parts were recorded: all other), the bytes kept on one rank:
@@ -321,15 +410,16 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         kept_parts, rerun_ops = _op_policy(layer.ops.get("fwd", ()), element_bytes)
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), **kept_parts}
         parts["other"] += split.tokens * split.width * element_bytes  # the layer's input
-        rerun = _pass_ms(rerun_ops, split, device, collective_ms, True)
+        rerun = pass_ms(rerun_ops, True)
     elif parallel.recompute == "selective":
-        rerun = _pass_ms(layer.ops.get("fwd", ()), split, device, collective_ms, True, only_core=True)
+        rerun = pass_ms(layer.ops.get("fwd", ()), True, only_core=True)
     elif parallel.recompute == "full" and transformer:
         inputs = split.tokens * split.width * element_bytes
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
         rerun = times["fwd"]
+    parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     kept = sum(parts.values())
-    total = round(min(kept, saved) if parallel.recompute in ("selective", "full") else kept)  # op's keeps its own
+    total = round(min(kept, saved / c) if parallel.recompute in ("selective", "full") else kept)  # op's: its own
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
                          whole_parts(parts, total))
 
@@ -368,6 +458,22 @@ def whole_parts(parts: dict[str, float], total: int) -> dict[str, int]:
     return whole
 
 
+def _check_context(counted: WorkloadCount, c: int) -> None:
+    """C context-parallel ranks need a sequence of 2C equal chunks (the causal load balance) and a fused attention
+    kernel for the ring to run (torch's context parallel dispatches its SDPA kernels only, Megatron's
+    TransformerEngine's)."""
+    seq = counted.options.get("seq_len")
+    if not seq:
+        raise EstimateError(f"context: {c} splits the sequence, and {counted.model} has none")
+    if seq % (2 * c):
+        raise EstimateError(f"context: {c} does not split the sequence of {seq} tokens into 2 x {c} equal chunks "
+                            "(the causal load balance); give a C that divides seq_len / 2")
+    if counted.attention != "flash":
+        raise EstimateError(f"context: ring attention runs on a fused attention kernel (torch's context parallel, "
+                            f"TransformerEngine's); the model is counted with {counted.attention or 'no'} "
+                            "attention: give --attention flash")
+
+
 def _timing(ms: float) -> Timing:
     return Timing(median_ms=ms, spread_ms=0.0, repeats=1)
 
@@ -395,8 +501,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             raise EstimateError(f"tensor: {parallel.tensor} does not divide the model's {size} {what}")
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
+    if parallel.context > 1:
+        _check_context(counted, parallel.context)
     placement = node_placement(gpu, cluster, curve)
-    links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data)
+    links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
@@ -404,20 +512,21 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     element = _element_bytes(counted.dtype)
     held = parallel.held(counted.dtype)
     t = parallel.tensor
-    shards = t * (parallel.data if parallel.sharded_optimizer else 1)
+    shards = t * (parallel.data * parallel.context if parallel.sharded_optimizer else 1)  # C ranks shard as d do
     widen = held.state_bytes // element  # the count's state is in its dtype; mixed precision keeps it in float32
     layers = []
     previous: tuple[LayerCount, LayerEstimate] | None = None  # a model's blocks repeat: each priced once
     for layer in counted.layers:
         if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
-            previous = (layer, estimate_layer(layer, device, parallel, links.tensor, element))
+            previous = (layer, estimate_layer(layer, device, parallel, links.tensor, element, links.context))
         priced = previous[1]
         params = layer.param_bytes // t
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
             activation_parts=priced.activation_parts,
-            shared_with_previous_bytes=0, output_bytes=layer.output_bytes // t, param_bytes=params,
+            shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
+            param_bytes=params,
             grad_bytes=held.gradient_bytes(layer.grad_bytes) // t,
             optimizer_state_bytes={name: (layer.optimizer_state_bytes[name] * widen + held.master_bytes *
                                           layer.param_bytes // element) // shards for name in OPTIMIZERS}))
@@ -448,6 +557,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     flops = sum(counted.total(name) for name in ("fwd_flops", "igrad_flops", "wgrad_flops"))
     estimate = Estimate(gpu=gpu.name, parallelism=asdict(parallel), attention=counted.attention,
                         curve=curve.model_dump(), tensor_link=links.tensor, stage_link=links.stage,
+                        context_link=links.context if parallel.context > 1 else None,
                         data_parallel_link=links.data, model_flops_per_sample=flops / counted.microbatch_size or None,
                         peak_flops_per_s=peak * 1e12, placement=placement)
     return Profile(schema_version=2, environment=environment, model=ModelInfo(

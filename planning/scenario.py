@@ -67,8 +67,12 @@ class Scenario:
               progress: Callable[[float], None] | None = None) -> Schedule:
         """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
         the profile's model cut into p stages (at `bounds` if given); a method searched from the costs (auto)
-        gets this scenario's costs, links and device memory, and tells `progress` how far its search is."""
+        gets this scenario's costs, links and device memory, and tells `progress` how far its search is. An
+        estimate's context-parallel ranks C are the schedule's: its devices stand for them."""
         method = method_named(name)
+        estimate = self.measured.estimate if self.measured is not None else None
+        if estimate is not None:
+            params = replace(params, context_parallel=int(estimate.parallelism.get("context", 1)))
         if method.needs_costs:
             from .auto import schedule_frame, search_schedule
 
@@ -92,13 +96,14 @@ class Scenario:
         - "model" (`sweep`, where the stage count varies too): the whole model's, split over all stages.
 
         Compute times are then scaled by `cost_scale`; an overlapped pair hides `overlap_hidden_fraction` of its
-        shorter part. With d > 1 data-parallel replicas (`sched.data_parallel`),
-        each stage's REDUCE (and GATHER) is priced on `data_parallel_link` (`collective_costs`).
+        shorter part. With d > 1 data-parallel replicas (`sched.data_parallel`) or C > 1 context-parallel ranks,
+        each stage's REDUCE (and GATHER) is priced over their `gradient_ranks` on `data_parallel_link`
+        (`collective_costs`).
         """
         costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
         if self.overlap_hidden_fraction:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
-        if sched.data_parallel == 1:
+        if sched.gradient_ranks == 1:
             return costs
         return collective_costs(costs, sched, self.data_parallel_link(sched))
 
@@ -113,8 +118,8 @@ class Scenario:
         sharded = bool(estimate.parallelism.get("sharded_optimizer"))
         if not (sharded or sched.sharded_optimizer):
             return costs
-        shards = estimate.degrees[2] if sharded else 1
-        stepped = shards / (sched.data_parallel if sched.sharded_optimizer else 1)
+        shards = estimate.degrees[2] * int(estimate.parallelism.get("context", 1)) if sharded else 1
+        stepped = shards / (sched.gradient_ranks if sched.sharded_optimizer else 1)
         overhead_ms = float(estimate.curve.get("kernel_overhead_ms", 0.0))
         return replace(costs, stages=tuple(replace(
             c, optimizer_state_bytes=c.optimizer_state_bytes * shards,
@@ -136,7 +141,8 @@ class Scenario:
                 raise CostError(refusal)
             return PlacementLinks(estimate.tensor_link, estimate.stage_link, estimate.data_parallel_link)
         try:
-            return links_of(estimate.placement, t, sched.num_devices, sched.data_parallel)
+            return links_of(estimate.placement, t, sched.num_devices, sched.data_parallel,
+                            int(estimate.parallelism.get("context", 1)))
         except EstimateError as exc:
             raise CostError(f"--profile: {exc}") from None
 
@@ -252,13 +258,13 @@ def fitted_link(ranks: int, points: Sequence[tuple[int, float]]) -> CollectiveLi
 
 
 def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink) -> Costs:
-    """Each stage's REDUCE and GATHER priced for the schedule's d replicas on `link`: the gradients (the size of
-    the weights; with ZeRO-2 and 3 as accumulated, which FSDP2 reduce-scatters in its reduce dtype) all-reduced,
-    or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered; NCCL's faster of
-    ring and tree for an all-reduce."""
+    """Each stage's REDUCE and GATHER priced for the schedule's d·C `gradient_ranks` on `link`: the gradients (the
+    size of the weights; with ZeRO-2 and 3 as accumulated, which FSDP2 reduce-scatters in its reduce dtype)
+    all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered; NCCL's
+    faster of ring and tree for an all-reduce."""
     from ..hardware.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 
-    d, sharded = sched.data_parallel, sched.sharded_optimizer
+    d, sharded = sched.gradient_ranks, sched.sharded_optimizer
     reduce = reduce_scatter_ms if sharded else all_reduce_ms
     return replace(costs, stages=tuple(replace(
         c, reduce_ms=reduce(c.gradient_bytes if sched.zero >= 2 else c.param_bytes, d, link.latency_ms,

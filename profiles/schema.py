@@ -331,11 +331,12 @@ class EstimatePlacement(_Strict):
 
 class Estimate(_Strict):
     """A profile estimated, not measured (planning/estimate.py): the catalogue part (`gpu`, its name), the
-    parallelism its per-GPU figures hold for (tensor, pipeline, data, sequence_parallel, recompute,
+    parallelism its per-GPU figures hold for (tensor, pipeline, data, context, sequence_parallel, recompute,
     sharded_optimizer), the attention kernel counted, the efficiency curve used (with its `source`), and the
-    links of the placement: inside a tensor-parallel group, between stages, and the data-parallel group's,
-    which prices a stage's gradient all-reduce; `placement` what they follow from (None: an estimate from before
-    it was recorded, whose links hold for its own p and d only). For MFU: the model's FLOPs per sample without
+    links of the placement: inside a tensor-parallel group, between stages, the data-parallel group's (with
+    context parallelism its C·d ranks), which prices a stage's gradient all-reduce, and the context ring's;
+    `placement` what they follow from (None: an estimate from before it was recorded, whose links hold for its own
+    p and d only). For MFU: the model's FLOPs per sample without
     recomputation (forward and both halves of the backward, as counted) and the part's dense peak FLOP/s in the
     model's dtype (None: an estimate from before they were recorded)."""
 
@@ -346,6 +347,7 @@ class Estimate(_Strict):
     tensor_link: EstimateLink
     stage_link: EstimateLink
     data_parallel_link: EstimateLink
+    context_link: EstimateLink | None = None  # the context-parallel ring's (None: C = 1)
     model_flops_per_sample: float | None = Field(None, gt=0)
     peak_flops_per_s: float | None = Field(None, gt=0)
     placement: EstimatePlacement | None = None

@@ -70,12 +70,14 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
     step = t.step_index(schedule)
     opt = np.bincount(step[t.kind == KIND_CODE[Kind.OPT]], minlength=steps)
     problems = []
-    for kind, wanted in ((Kind.REDUCE, schedule.data_parallel > 1),
-                         (Kind.GATHER, schedule.data_parallel > 1 and schedule.sharded_optimizer)):
+    for kind, wanted in ((Kind.REDUCE, schedule.gradient_ranks > 1),
+                         (Kind.GATHER, schedule.gradient_ranks > 1 and schedule.sharded_optimizer)):
         rows = np.bincount(step[t.kind == KIND_CODE[kind]], minlength=steps)
         for u in np.flatnonzero(rows != int(wanted))[:5]:
+            context = schedule.gradient_ranks // schedule.data_parallel
             problems.append(f"{_step_action(schedule, int(u), kind)} appears {rows[u]} times (d = "
-                            f"{schedule.data_parallel}{', sharded optimizer' if schedule.sharded_optimizer else ''}"
+                            f"{schedule.data_parallel}{f', C = {context}' if context > 1 else ''}"
+                            f"{', sharded optimizer' if schedule.sharded_optimizer else ''}"
                             f": {int(wanted)} per update)")
     for kind, counts in count.items():
         for u in np.flatnonzero(counts > 1)[:5]:
@@ -201,7 +203,7 @@ def _requires(a: Action, schedule: Schedule) -> list[_Key]:
     if kind is Kind.W:
         return [("D", s, j, b, q)]
     if kind is Kind.OPT:
-        return [("WALL", s, -1, b, q)] + ([("REDUCE", s, -1, b, q)] if schedule.data_parallel > 1 else [])
+        return [("WALL", s, -1, b, q)] + ([("REDUCE", s, -1, b, q)] if schedule.gradient_ranks > 1 else [])
     if kind is Kind.REDUCE:
         return [("WALL", s, -1, b, q)]
     if kind is Kind.GATHER:

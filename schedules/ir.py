@@ -404,6 +404,12 @@ class Schedule:
         return int(self.params.get("data_parallel", 1))
 
     @property
+    def gradient_ranks(self) -> int:
+        """The ranks that hold each stage's same weights and reduce (and with ZeRO shard) its gradients: the d
+        replicas times the C context-parallel ranks each device stands for (`ScheduleParams.context_parallel`)."""
+        return self.data_parallel * int(self.params.get("context_parallel", 1))
+
+    @property
     def zero(self) -> int:
         """ZeRO's stage over the d replicas (`ScheduleParams.zero`): 0 none, 1 the optimizer state sharded, 2 the
         gradients too, 3 the weights too."""

@@ -36,7 +36,9 @@ class ScheduleParams:
     memory any device may hold as a multiple of 1F1B's peak on its fullest device (`activation_limit`; None:
     1) and the search's time budget (`search_seconds`; None: the search's default). `data_parallel` (d) replicas of
     every pipeline train on their own micro-batches and average gradients in REDUCE rows, sharding over them as
-    `zero` says (ZeRO's stage, `ZERO_STAGES`); `reduce_after_flush`: a device starts its stages' REDUCEs only once
+    `zero` says (ZeRO's stage, `ZERO_STAGES`), together with each device's `context_parallel` (C) ranks, which
+    split every micro-batch's sequence, hold the same weights and so reduce and shard with the replicas;
+    `reduce_after_flush`: a device starts its stages' REDUCEs only once
     its last backward of the mini-batch is done (Megatron-LM's own DDP), instead of each right after its stage's
     last backward, overlapping the device's remaining backward work (torch DDP)."""
 
@@ -54,9 +56,11 @@ class ScheduleParams:
     data_parallel: int = 1
     zero: int = 0
     reduce_after_flush: bool = False
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every", "data_parallel"):
+        for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every", "data_parallel",
+                     "context_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"{name} must be a whole number >= 1 (got {value!r})")

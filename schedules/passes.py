@@ -120,7 +120,8 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 
 def add_data_parallel(schedule: Schedule) -> Schedule:
-    """Insert the gradient synchronisation of d > 1 data-parallel replicas (`Schedule.data_parallel`).
+    """Insert the gradient synchronisation of d > 1 data-parallel replicas (`Schedule.data_parallel`), or of the
+    C > 1 context-parallel ranks a device stands for (`Schedule.gradient_ranks`).
 
     Each replica of a stage trains on its own micro-batches, so before each update (OPT) its gradients are
     averaged with the other replicas': a REDUCE row of the OPT's stage, mini-batch and pipeline, right after
@@ -128,9 +129,10 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     stage's device; with `reduce_after_flush`, right after its device's last backward row (of any stage) before the
     OPT, so that no REDUCE overlaps backward work (Megatron-LM all-reduces every chunk's gradients once the
     pipeline has flushed). With a sharded optimizer (ZeRO-1) the REDUCE is a reduce-scatter, each replica updates
-    its shard, and a GATHER row right after the OPT all-gathers the updated weights. d = 1: the schedule as it is.
+    its shard, and a GATHER row right after the OPT all-gathers the updated weights. d·C = 1: the schedule as it
+    is.
     Vectorised over the action table, so it scales as the schedule does."""
-    if schedule.data_parallel == 1:
+    if schedule.gradient_ranks == 1:
         return schedule
     t = schedule.table
     if kind_mask(t.kind, *COLLECTIVE_KINDS).any():

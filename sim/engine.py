@@ -414,9 +414,10 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
     gradient sync and resharding after backward off for every backward of a stage but its last of the step, so a
     stage replica holds its whole gradients from its first backward (B or W) of a mini-batch until its last,
     accumulated as they are kept (FSDP2 upcasts them to its reduce dtype to accumulate them:
-    `FSDPParam.to_accumulated_grad_if_needed`), then reduce-scatters them into a 1/d shard, held until the update
-    ends (torchtitan zeroes the gradients to None before each step); with torchtitan's `reshard_after_forward=False`
-    under PP (`apply_fsdp`) its whole weights from its first forward until that last backward.
+    `FSDPParam.to_accumulated_grad_if_needed`), then reduce-scatters them into a 1/(d·C) shard
+    (`Schedule.gradient_ranks`), held until the update ends (torchtitan zeroes the gradients to None before each
+    step); with torchtitan's `reshard_after_forward=False` under PP (`apply_fsdp`) its whole weights from its first
+    forward until that last backward.
     One stage and no pipeline (FSDP2 alone): each pass gathers the weights it computes with and frees them after,
     reduce-scattering its gradients into the shard as it goes, so every F, B, I and W holds
     `StageCosts.gathered_bytes` of whole weights (ZeRO-3) and B and W as many of whole gradients, in the weights'
@@ -426,7 +427,7 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
     def per_stage(values: list[int]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
 
-    shard = -(-per_stage([c.gradient_bytes for c in stages]) // schedule.data_parallel)
+    shard = -(-per_stage([c.gradient_bytes for c in stages]) // schedule.gradient_ranks)
     backward = _per_replica_minibatch(t, schedule, (Kind.B, Kind.W))
     updates = _per_replica_minibatch(t, schedule, (Kind.OPT,))
     events: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {"gradients": [], "parameters": []}
@@ -537,14 +538,14 @@ def _gradient_spans(lowered: Lowered) -> _GradientSpans:
 
 def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     """Per part (`MEMORY_PARTS`) and device, the bytes held from start to end: weights, gradients as accumulated
-    and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/d of
-    itself where ZeRO's stage shards it over d data-parallel replicas (ZeRO-2's and 3's gradients, held only from
-    a backward until the update, and ZeRO-3's whole weights while computed with, are `_unsharded`'s), and the
-    policy's extra weight copies (parameters). Its memory never drops below their sum."""
+    and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/(d·C) of
+    itself where ZeRO's stage shards it over the d replicas and C context ranks (ZeRO-2's and 3's gradients, held
+    only from a backward until the update, and ZeRO-3's whole weights while computed with, are `_unsharded`'s), and
+    the policy's extra weight copies (parameters). Its memory never drops below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
 
     def shard(nbytes: int) -> int:
-        return -(-nbytes // schedule.data_parallel)
+        return -(-nbytes // schedule.gradient_ranks)
 
     for device in range(schedule.num_devices):
         mine = [costs.stages[s] for s in schedule.stages_on(device)]

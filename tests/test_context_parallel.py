@@ -1,0 +1,169 @@
+"""Context parallelism (`--context-parallel C`, issue 42): the sequence split over C ranks with torch's causal load
+balance, attention's keys and values passed round a ring overlapped with its blocks, activations and per-token work
+1/C per rank, the gradients reduced over C x d."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pipesim.hardware import collectives
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import (
+    ContextRing,
+    Device,
+    EstimateError,
+    Parallelism,
+    _Split,
+    estimate_layer,
+    estimate_profile,
+    links_of,
+    node_placement,
+    op_ms,
+    placement_links,
+)
+from pipesim.planning.scenario import profile_scenario
+from pipesim.profiles.schema import EstimateLink
+from pipesim.profiles.workload import OpCount, WorkloadCount
+from pipesim.schedules import Kind, ScheduleParams
+from tests.conftest import pipesim
+
+H100 = load_catalogue().find("h100-sxm")
+DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                H100.curve)
+S, B, H, HEADS = 256, 2, 192, 8  # tokens (b·s) differ from the width, as the split tells them apart
+
+
+@pytest.fixture(scope="module")
+def flash_gpt() -> WorkloadCount:
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=2, width=H, heads=HEADS, seq_len=S, vocab=512), B, torch.bfloat16, "flash")
+
+
+@pytest.mark.parametrize("c", [2, 3, 4, 8])
+def test_the_causal_load_balance_gives_every_rank_the_same_work_at_every_step(c):
+    ring = ContextRing(c, placement_links(H100, Parallelism(context=c)).context)
+    pairs = [ring.step_pairs(rank) for rank in range(c)]
+    assert all(step == 2.0 for steps in pairs for step in steps)  # two chunk pairs a step, whoever and whenever
+    assert sum(map(sum, pairs)) == (2 * c) ** 2 / 2  # together: the whole causal triangle of the 2C chunks
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_per_rank_attention_flops_and_activation_bytes_are_one_cth(flash_gpt, c):
+    block = flash_gpt.layers[1]
+    split = _Split.of(block, Parallelism(context=c))
+    for name in ("fwd", "igrad"):
+        attention = [op for op in block.ops[name] if op.kind == "attention"]
+        assert attention, name
+        for op in attention:
+            mine = split.context_share(op)
+            assert mine.flops * c == op.flops and mine.shape[1] * c == op.shape[1] == S  # its queries: s/C
+        assert sum(split.context_share(op).flops * op.count for op in block.ops[name]) * c == \
+            sum(op.flops * op.count for op in block.ops[name])  # every op works per token
+    link = placement_links(H100, Parallelism(context=c)).context
+
+    def kept(context: int, **kwargs) -> int:
+        return estimate_layer(block, DEVICE, Parallelism(context=context, **kwargs), link, 2, link).activation_bytes
+
+    for recompute in ("none", "selective", "full"):
+        assert kept(c, recompute=recompute) == pytest.approx(kept(1, recompute=recompute) / c, abs=1)
+    whole, split_c = (estimate_profile(flash_gpt, H100, Parallelism(context=context)) for context in (1, c))
+    assert split_c.layers[1].output_bytes * c == whole.layers[1].output_bytes  # a stage sends its tokens only
+    assert split_c.layers[1].param_bytes == whole.layers[1].param_bytes  # the C ranks hold the same weights
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_the_ring_sends_keys_and_values_c_minus_1_times_and_their_gradients_c_times(flash_gpt, c):
+    block = flash_gpt.layers[1]
+    split = _Split.of(block, Parallelism(context=c))
+    ring = ContextRing(c, placement_links(H100, Parallelism(context=c)).context)
+    forward, = (split.context_share(op) for op in block.ops["fwd"] if op.kind == "attention")
+    backward, = (split.context_share(op) for op in block.ops["igrad"] if op.kind == "attention")
+    keys_values = 2 * B * HEADS * (S // c) * (H // HEADS) * 2  # a rank's K and V in bf16
+    gradients = keys_values * 2  # in float32 (torch's convert_to_f32)
+    assert ring.step_bytes(forward, 2) == ([keys_values] * (c - 1) + [0], 0)
+    steps, after = ring.step_bytes(backward, 2)
+    assert steps == [keys_values] + [keys_values + gradients] * (c - 2) + [gradients] and after == gradients
+    assert sum(steps) + after == (c - 1) * keys_values + c * gradients
+
+
+def test_a_transfer_is_hidden_under_its_block_when_the_link_is_fast_and_exposed_when_slow(flash_gpt):
+    c = 4
+    op = _Split.of(flash_gpt.layers[1], Parallelism(context=c)).context_share(
+        next(op for op in flash_gpt.layers[1].ops["fwd"] if op.kind == "attention"))
+    fast = ContextRing(c, EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1e15))
+    slow = ContextRing(c, EstimateLink(kind="infiniband", latency_ms=0.014, bytes_per_ms=1e3))
+    block_ms = op_ms(OpCount(op.op, op.kind, op.shape, op.flops // c, op.moved_bytes // c, 1), DEVICE)
+    assert fast.attention_ms(op, DEVICE, 2) == pytest.approx(c * block_ms)  # C blocks, every transfer hidden
+    transfer_ms = slow.transfer_ms(slow.step_bytes(op, 2)[0][0])
+    assert transfer_ms > block_ms
+    assert slow.attention_ms(op, DEVICE, 2) == pytest.approx(c * block_ms + (c - 1) * (transfer_ms - block_ms))
+
+
+def test_the_ring_stays_in_the_node_beside_tensor_parallelism_where_it_fits():
+    placement = node_placement(H100)
+    inside = links_of(placement, t=2, p=2, d=2, c=4)
+    assert inside.context.kind == "nvlink" and inside.stage.kind == "infiniband"  # t·C = 8 fill the node
+    across = links_of(placement, t=4, p=1, d=1, c=4)
+    assert across.context == placement.network_link  # a ring step waits for its hop between nodes, one NIC
+    # the gradients' group: the C·d ranks of one tensor rank; t = 2, C = 4: four on each node, four NICs at once
+    assert links_of(placement, t=2, p=1, d=2, c=4).data.bytes_per_ms == 4 * placement.network_link.bytes_per_ms
+
+
+def test_the_gradients_are_reduced_and_sharded_over_the_context_ranks_and_the_replicas(flash_gpt):
+    c, d = 4, 2
+    estimated = estimate_profile(flash_gpt, H100, Parallelism(pipeline=2, data=d, context=c))
+    scenario = profile_scenario(estimated, "adam")
+    for replicas in (1, d):  # with one replica the C ranks still reduce their gradients
+        sched = scenario.build("1f1b", ScheduleParams(2, 4, data_parallel=replicas, zero=1))
+        assert sched.gradient_ranks == c * replicas and sched.data_parallel == replicas
+        assert sum(1 for row in sched.orders[0] if row.kind is Kind.REDUCE) == 1
+        costs = scenario.costs(sched)
+        link = scenario.data_parallel_link(sched)
+        stage = costs.stages[0]
+        assert stage.reduce_ms == collectives.reduce_scatter_ms(stage.param_bytes, c * replicas, link.latency_ms,
+                                                                link.bytes_per_ms)
+    assert estimated.estimate.parallelism["context"] == c
+
+
+def test_context_parallelism_refuses_what_it_cannot_split(flash_gpt):
+    with pytest.raises(EstimateError, match=r"context: 3 does not split the sequence of 256 tokens into 2 x 3"):
+        estimate_profile(flash_gpt, H100, Parallelism(context=3))
+
+
+GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "96")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("estimate", *GPT, "--attention", "flash", "--context-parallel", "5", "-o", "cp.json"),
+     "--context-parallel 5 does not split the sequence of 96 tokens into 2 x 5 equal chunks"),
+    (("estimate", *GPT, "--context-parallel", "2", "-o", "cp.json"),
+     "--context-parallel: ring attention runs on a fused attention kernel"),
+    (("simulate", "--context-parallel", "2"), "--context-parallel: only --gpu's estimate reads it"),
+    (("simulate", *GPT[:2], "--model", "gpt", "--attention", "flash", "--context-parallel", "0"), "--context-parallel"),
+    (("tune", *GPT, "--attention", "flash", "--context-parallel", "2", "--devices", "8"),
+     "--context-parallel: tune searches t, p and d"),
+])
+def test_bad_context_parallelism_is_one_line_and_writes_nothing(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert not Path("cp.json").exists()
+
+
+def test_simulate_counts_t_x_c_gpus_per_device_and_shards_zero_over_the_context_ranks(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    flags = (*GPT, "--attention", "flash", "-s", "1f1b", "-p", "2", "-m", "4", "--json")
+    results = {}
+    for c in (1, 2):
+        code, out, err = pipesim("simulate", *flags, "--context-parallel", str(c), "--zero", "3",
+                                 *(("--data-parallel", "2") if c == 1 else ()))
+        assert code == 0, err
+        results[c] = json.loads(out)["results"][0]
+    assert results[2]["gpus"] == 4 == results[1]["gpus"]  # p·C and p·d
+    assert math.isclose(results[2]["devices"][0]["peak_memory_parts_mb"]["optimizer_state"],
+                        results[1]["devices"][0]["peak_memory_parts_mb"]["optimizer_state"], rel_tol=1e-9)
