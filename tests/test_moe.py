@@ -64,6 +64,17 @@ def test_shared_experts_are_one_mlp_every_token_passes():
     assert shared.fwd_flops - plain.fwd_flops == TOKENS * 2 * MLP_FLOPS
 
 
+def test_a_layer_records_its_experts_weights_and_the_token_copies_its_dispatch_sends():
+    """What expert parallelism needs of the count: the routed experts' weights (which it shards) and the bytes of
+    the k copies of each token the dispatch sends (padded to capacity where the model pads): bf16, 2 bytes."""
+    counted = gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN)
+    assert [layer.expert_param_bytes for layer in counted.layers] == [0, EXPERTS * 3 * H * FFN * 2, 0]
+    assert [layer.dispatched_bytes for layer in counted.layers] == [0, TOKENS * TOP_K * H * 2, 0]
+    padded = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN, capacity_factor=2.0))
+    assert padded.dispatched_bytes == 2 * TOKENS * TOP_K * H * 2
+    assert block(gpt_count(ffn=FFN)).expert_param_bytes == 0
+
+
 def test_a_capacity_factor_pads_every_expert_to_its_capacity():
     """c = 2: each expert computes 2·k·T/E tokens, twice the routed experts' products of the dropless count."""
     dropless = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
@@ -148,7 +159,8 @@ def test_deepseek_v3_has_its_published_total_and_activated_parameters():
     assert round(total / 1e9) == 671
     activated = total - idle - embedding
     assert round(activated / 1e8) == 366 and round(activated / 1e9) == 37
-    assert [layer.param_bytes for layer in counted.layers[1:4]] != [counted.layers[4].param_bytes] * 3  # dense first
+    experts = [layer.expert_param_bytes // 2 for layer in counted.layers[1:-2]]
+    assert experts == [0] * 3 + [DEEPSEEK_ROUTED * DEEPSEEK_EXPERT] * DEEPSEEK_MOE_LAYERS  # the first 3 dense
 
 
 @needs_transformers

@@ -37,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .models import BATCH, Model
+from .moe import dispatches
 from .optim import OPTIMIZERS, make_optimizer
 
 __all__ = ["ATTENTION", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
@@ -324,7 +325,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                  steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
     """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
     weights = [p for p in layer.parameters() if p.requires_grad]
-    with _counting() as fwd, _saved(layer) as saved:
+    with _counting() as fwd, _saved(layer) as saved, dispatches() as routed:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
     igrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights)
@@ -344,6 +345,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
+        expert_param_bytes=routed.expert_weight_bytes, dispatched_bytes=routed.token_bytes,
         ops={"fwd": fwd.records(), "bwd": full.records(), "igrad": igrad.records(),
              "wgrad": _Tally(ops=full.ops - igrad.ops).records()})
     return count, out.detach()

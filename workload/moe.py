@@ -14,7 +14,8 @@ expert by expert, and a capacity drops each expert's tokens past it (in token or
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,30 @@ class ExpertShape:
     ffn: int
     shared: int = 0
     capacity_factor: float | None = None
+
+
+@dataclass
+class Dispatched:
+    """What the routed experts run while `dispatches` records: the bytes of the token copies each dispatch sends
+    to the experts (the combine returns as many) and of the experts' weights, each summed over the calls."""
+
+    token_bytes: int = 0
+    expert_weight_bytes: int = 0
+
+
+_recording: list[Dispatched] = []  # the records open, innermost last
+
+
+@contextmanager
+def dispatches() -> Iterator[Dispatched]:
+    """Record the routed experts run inside (workload/count.py: a layer's, for expert parallelism's all-to-all
+    and its sharded weights)."""
+    record = Dispatched()
+    _recording.append(record)
+    try:
+        yield record
+    finally:
+        _recording.remove(record)
 
 
 def expected_tokens(tokens: int, top_k: int, experts: int, capacity_factor: float | None = None) -> int:
@@ -57,6 +82,10 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     tokens, width = hidden.shape
     experts, top_k = up.shape[0], top_k_index.shape[-1]
     out = torch.zeros_like(hidden)
+    for record in _recording:  # each expert's tokens in turn: what a dispatch sends (padded to its capacity)
+        sent = experts * expected_tokens(tokens, top_k, experts, capacity_factor) * width * hidden.element_size()
+        record.token_bytes += sent
+        record.expert_weight_bytes += sum(w.untyped_storage().nbytes() for w in (up, down))
     if hidden.device.type == "meta":
         each = expected_tokens(tokens, top_k, experts, capacity_factor)
         token = torch.empty(experts * each, dtype=torch.long, device=hidden.device)  # each expert's tokens, in turn
