@@ -148,7 +148,15 @@ ModelName = Annotated[str | None, typer.Option(
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's names -> torch's
 DTYPES.update({name: name for name in list(DTYPES.values())})  # calibrate's names too
 ModelDtype = Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as "
-                                                         "calibrate names them).")]
+                                                         "calibrate names them); a what-if estimate also takes "
+                                                         "fp8: bf16 with the transformer layers' linear products in "
+                                                         "float8 at the part's FP8 peak.")]
+Fp8Recipe = Annotated[str | None, typer.Option(
+    "--fp8-recipe", metavar="RECIPE", help="With --dtype fp8: te (TransformerEngine's delayed scaling as Megatron-LM "
+                                           "runs it: float8 copies of the products' inputs saved, weights cast once "
+                                           "a step; the default) or torchao (torchao.float8's tensorwise dynamic "
+                                           "scaling as torchtitan runs it: 16-bit inputs saved, every tensor cast "
+                                           "again in the backward).")]
 Attention = Annotated[str, typer.Option(
     "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's fused "
                         "kernel: no scores saved).")]
@@ -227,7 +235,8 @@ Recompute = Annotated[str | None, typer.Option(
 
 model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
-WHAT_IF_ONLY = (*MODEL_SHAPE, ("curve_from", CurveFrom, None), ("gpus", GpusFile, None),
+WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
+                ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("context_parallel", ContextParallel, 1))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)

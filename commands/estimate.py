@@ -51,11 +51,12 @@ if TYPE_CHECKING:
 
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
-                 "context_parallel", "recompute", "curve_from")
+                 "context_parallel", "recompute", "curve_from", "fp8_recipe")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
 RECOMPUTE = ("none", "selective", "full", "op")
+FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
 SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
@@ -76,7 +77,7 @@ class WhatIf:
     cluster: Cluster | None  # a catalogue cluster named by --gpu: its part, node size and network
     model: str
     options: dict[str, Any]  # the model's size flags (None: its default)
-    dtype: str  # torch's name
+    dtype: str  # torch's name, as the model is counted (--dtype fp8: bfloat16)
     attention: str
     sequence_parallel: bool
     context: int  # --context-parallel C
@@ -84,6 +85,7 @@ class WhatIf:
     precision: str | None  # --precision (None: by --dtype)
     calibrated: Profile | None = None  # --curve-from: a calibration on the part, whose layers fit its curve
     calibrated_path: Path | None = None
+    fp8: str | None = None  # --dtype fp8's recipe (planning/fp8.py), None: no float8
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -135,7 +137,7 @@ class WhatIf:
         return Parallelism(tensor=tensor, pipeline=stages, data=data, context=self.context,
                            sequence_parallel=self.sequence_parallel,
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
-                           precision=self.precision)
+                           precision=self.precision, fp8=self.fp8)
 
 
 def what_if(ctx: typer.Context) -> WhatIf | None:
@@ -159,8 +161,8 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
         raise InputError("--gpu: give the model to estimate: --model gpt with its size flags (--layers, --width, "
                          "--heads, --seq-len, ...), --model hf:PATH (a Hugging Face config.json) with --seq-len, or "
                          "--model package.module:attribute")
-    if params["dtype"] not in DTYPES:
-        raise InputError(f"--dtype: choose from {', '.join(DTYPES)} (got {params['dtype']!r})")
+    if params["dtype"] not in (*DTYPES, FP8):
+        raise InputError(f"--dtype: choose from {', '.join((*DTYPES, FP8))} (got {params['dtype']!r})")
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
@@ -184,6 +186,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     elif name not in catalogue.gpu:
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
+    fp8 = _fp8_recipe(params, name, catalogue.gpu)
     calibrated = None
     if params.get("curve_from") is not None:
         from ..profiles.schema import ProfileError, load_profile
@@ -193,9 +196,29 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
         except ProfileError as exc:
             raise InputError(f"--curve-from: {exc}") from None
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
-                  DTYPES[params["dtype"]], params["attention"], params.get("sequence_parallel", False),
+                  DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
-                  params.get("curve_from"))
+                  params.get("curve_from"), fp8)
+
+
+def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
+    """--dtype fp8's recipe (--fp8-recipe, default te), on a part with a float8 peak; None for another --dtype,
+    with which --fp8-recipe is refused."""
+    from ..planning.fp8 import FP8_RECIPES
+
+    recipe = params.get("fp8_recipe")
+    if params["dtype"] != FP8:
+        if recipe is not None:
+            raise InputError("--fp8-recipe says how --dtype fp8 runs the linear products: give --dtype fp8")
+        return None
+    if gpus[name].dense_tflops.fp8 is None:
+        having = [part for part, gpu in gpus.items() if gpu.dense_tflops.fp8 is not None]
+        raise InputError(f"--dtype fp8: {name} has no FP8 peak in the catalogue (no float8 tensor cores); parts "
+                         f"with one: {', '.join(having)}")
+    recipe = recipe or "te"
+    if recipe not in FP8_RECIPES:
+        raise InputError(f"--fp8-recipe: choose from {', '.join(FP8_RECIPES)} (got {recipe!r})")
+    return recipe
 
 
 def fit_errors(fitted: FittedCurve) -> str:

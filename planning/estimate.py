@@ -18,7 +18,8 @@ reruns its forward in the backward; "full" keeps only the layer's input and reru
 layer with attention: Megatron-LM recomputes its transformer layers, not the embedding or the head); "op" is
 torchtitan's selective op policy (`_apply_ac_to_transformer_block`, selective_ac_option "op"): in such a layer it
 keeps the layer's input, the output of every other matrix product (the 1st, 3rd, ... in forward order) and the
-attention kernel's outputs, and reruns the rest (t = 1 only).
+attention kernel's outputs, and reruns the rest (t = 1 only). Float8 (`Parallelism.fp8`): a transformer layer's
+linear products at the part's float8 peak with the recipe's casts and saved bytes (planning/fp8.py).
 
 Placement: t inside a node first, then p, then d (Megatron's order); a stage boundary or a data-parallel group
 that leaves a node uses the network (a stage boundary with t > 1 as Megatron's scatter/gather: 1/t of the
@@ -59,6 +60,7 @@ from ..profiles.schema import (
 )
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from ..sim.costs import PRECISIONS, Precision
+from .fp8 import FP8_RECIPES, in_float8, step_cast_ops
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
@@ -91,6 +93,7 @@ class Parallelism:
     recompute: str = "none"
     sharded_optimizer: bool = False
     precision: str | None = None
+    fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context"):
@@ -103,6 +106,8 @@ class Parallelism:
                                 f"(got tensor {self.tensor})")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise EstimateError(f"precision: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise EstimateError(f"fp8: choose a recipe from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
 
     def held(self, dtype: str) -> Precision:
         """How a model counted in `dtype` (torch's name) holds its weights, gradients and optimizer state."""
@@ -120,11 +125,13 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class Device:
-    """What pricing an op needs of the part: peak FLOP/ms in the count's dtype, achieved bytes/ms of memory."""
+    """What pricing an op needs of the part: peak FLOP/ms in the count's dtype, achieved bytes/ms of memory, the
+    float8 peak FLOP/ms that a float8 product runs at (None: no float8 products)."""
 
     peak_flops_per_ms: float
     memory_bytes_per_ms: float
     curve: Curve
+    fp8_peak_flops_per_ms: float | None = None
 
 
 def tile_fill(shape: tuple[int, ...], multiprocessors: int, tiles: list[tuple[int, int]]) -> float:
@@ -136,11 +143,15 @@ def tile_fill(shape: tuple[int, ...], multiprocessors: int, tiles: list[tuple[in
 
 
 def matmul_ms(op: OpCount, device: Device) -> float:
-    """One call of a matrix product: its FLOPs at the large-product efficiency times its tile fill, or its bytes
-    at the memory bandwidth, whichever is slower, plus the kernel overhead."""
+    """One call of a matrix product: its FLOPs at the large-product efficiency times its tile fill (of the float8
+    peak for a float8 product), or its bytes at the memory bandwidth, whichever is slower, plus the kernel
+    overhead."""
     curve = device.curve
     fill = tile_fill(op.shape, curve.multiprocessors, curve.tiles)
-    compute = op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency * fill)
+    peak = device.fp8_peak_flops_per_ms if op.float8 else device.peak_flops_per_ms
+    if peak is None:
+        raise EstimateError("fp8: the part has no float8 peak")
+    compute = op.flops / (peak * curve.matmul_efficiency * fill)
     return curve.kernel_overhead_ms + max(compute, op.moved_bytes / device.memory_bytes_per_ms)
 
 
@@ -216,7 +227,7 @@ class _Split:
 
 
 def _scaled(op: OpCount, shape: tuple[int, ...], t: int) -> OpCount:
-    return OpCount(op.op, op.kind, shape, op.flops // t, op.moved_bytes // t, op.count)
+    return replace(op, shape=shape, flops=op.flops // t, moved_bytes=op.moved_bytes // t)
 
 
 @dataclass(frozen=True)
@@ -376,6 +387,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                    element_bytes: int, context_link: EstimateLink | None = None) -> LayerEstimate:
     """`layer` priced on one of the t·C ranks of its stage (see the module docstring); `context_link`: the
     context-parallel ring's, where C > 1."""
+    if parallel.fp8 is not None:
+        layer = in_float8(layer, FP8_RECIPES[parallel.fp8], element_bytes)
     split = _Split.of(layer, parallel)
     t, c = parallel.tensor, parallel.context
     if c > 1 and context_link is None:
@@ -508,7 +521,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
-    device = Device(peak * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve)
+    fp8_peak = gpu.dense_tflops.fp8
+    if parallel.fp8 is not None and fp8_peak is None:
+        raise EstimateError(f"fp8: gpu {gpu.name!r} has no fp8 peak in the catalogue")
+    device = Device(peak * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve,
+                    fp8_peak * 1e9 if parallel.fp8 is not None else None)
     element = _element_bytes(counted.dtype)
     held = parallel.held(counted.dtype)
     t = parallel.tensor
@@ -540,8 +557,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         def memory_ms(nbytes: float) -> float:
             return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms
 
+        # a float8 recipe's weight casts once per step (TransformerEngine's), each weight 1/t of itself
+        casts_ms = sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in mine
+                       for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element)) if parallel.fp8 else 0.0
         steps = {name: StepTimes(
-            step=_timing(memory_ms(sum(layer.optimizer_step_moved_bytes[name] for layer in mine) * widen / shards)),
+            step=_timing(casts_ms + memory_ms(sum(layer.optimizer_step_moved_bytes[name] for layer in mine)
+                                              * widen / shards)),
             predict=_timing(memory_ms(3 * params))) for name in OPTIMIZERS}
         stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(memory_ms(3 * params)),
                             _timing(memory_ms(2 * params))))

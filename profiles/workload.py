@@ -31,6 +31,7 @@ class OpCount:
     flops: int
     moved_bytes: int
     count: int
+    float8: bool = False  # a product a float8 recipe runs at the part's float8 peak (planning/fp8.py); never counted
 
 
 

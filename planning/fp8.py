@@ -1,0 +1,119 @@
+"""Float8 training (`--dtype fp8`) as the estimate prices it: a transformer layer's linear products run at the
+part's float8 peak (the catalogue's `fp8`) on the same efficiency curve and tile fill, reading float8 inputs and
+writing 16-bit outputs; everything else stays in the count's 16-bit dtype: the attention's core
+(TransformerEngine's DotProductAttention runs in bf16 unless the recipe sets fp8_dpa, False by default;
+torchao.float8 converts nn.Linear modules only), norms, activations, the embedding and the output head
+(Megatron-LM's output layer is not a TransformerEngine module; torchtitan's float8 converter skipped `output`,
+its module_filter_fn of December 2024). The recipe adds the scaling's memory-bound work as ops of their own, and
+says what the forward saves for the backward. Two recipes, `--fp8-recipe`:
+
+te: TransformerEngine's delayed scaling (recipe.DelayedScaling, its default) as Megatron-LM runs it. A cast is
+  one fused cast-transpose kernel: it reads the 16-bit tensor and writes its float8 copy and that copy's
+  transpose (Hopper's float8 products take one layout only), recording the amax on the way (the scale comes
+  from the amax history: no second pass). The forward casts each product's input, the backward its output's
+  gradient once for both products. The weights are cast once per optimizer step and the casts kept
+  (Linear.forward's `is_first_microbatch`, which Megatron-LM's TELinear passes for a step's first micro-batch):
+  counted with the step. The forward saves its float8 copy of each product's input, not the 16-bit one
+  (transformer_engine/pytorch/module/linear.py: `saved_inputmat_t = inputmat_t` under fp8).
+torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (float8_linear.py,
+  `matmul_with_hp_or_float8_args`). A cast is two kernels: the amax (reads the tensor) and the scaled cast
+  (reads it, writes float8). The forward casts the input and the weight; the backward casts the output's
+  gradient and the weight for the input gradient, then the output's gradient and the input again for the weight
+  gradient, since the forward saves the 16-bit input and weight (`ctx.save_for_backward(input_hp,
+  weight_hp_t)`): activation memory is the 16-bit run's. (Its FSDP float8 all-gather is not modelled.)
+
+Not modelled: TransformerEngine's float8 weight copies held between steps (the cast and its transpose, 2 bytes
+a weight), casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
+directly: counted here as a cast of their own), torch.compile's fusions of torchao's casts. Pure arithmetic on
+counts: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..profiles.workload import LayerCount, OpCount
+
+FP8_BYTES = 1
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """A float8 recipe's extra work and memory. `casts`: per pass, the tensors cast for each linear product
+    (input, weight, grad: its output's gradient); `kernels`: one cast's kernels, each as (name, 16-bit reads,
+    float8 writes) per element; `weights_per_step`: the weights cast once per optimizer step instead of in the
+    passes; `saves_float8_inputs`: the forward saves each product's input as its float8 copy."""
+
+    casts: dict[str, tuple[str, ...]]
+    kernels: tuple[tuple[str, int, int], ...]
+    weights_per_step: bool
+    saves_float8_inputs: bool
+
+
+FP8_RECIPES = {
+    "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
+                    kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True),
+    "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
+                                "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
+                         kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False),
+}
+
+
+def attends(layer: LayerCount) -> bool:
+    """A transformer layer (it attends: a fused attention kernel or batched products in its forward), whose
+    linear products a float8 recipe converts; the embedding and the head do not attend."""
+    return any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1) for op in layer.ops.get("fwd", ()))
+
+
+def _linear(op: OpCount) -> bool:
+    return op.kind == "matmul" and op.shape[0] == 1
+
+
+def _in_float8(op: OpCount, element_bytes: int) -> OpCount:
+    """A linear product reading float8 inputs (1 byte an element) and writing its 16-bit output."""
+    batch, m, n, k = op.shape
+    return replace(op, moved_bytes=batch * (m * k + k * n) * FP8_BYTES + batch * m * n * element_bytes, float8=True)
+
+
+def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8Recipe,
+             element_bytes: int) -> tuple[OpCount, ...]:
+    """The memory-bound kernels casting each of `roles`' tensors of every forward linear product (batch 1, m × k
+    input, n × k weight, m × n output gradient) to float8."""
+    ops = []
+    for product in products:
+        _, m, n, k = product.shape
+        shapes = {"input": (m, k), "weight": (n, k), "grad": (m, n)}
+        for role in roles:
+            elements = shapes[role][0] * shapes[role][1]
+            ops += [OpCount(f"fp8_{kernel}_{role}", "memory", shapes[role], 0,
+                            elements * (reads * element_bytes + writes * FP8_BYTES), product.count)
+                    for kernel, reads, writes in recipe.kernels]
+    return tuple(ops)
+
+
+def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> LayerCount:
+    """`layer` as the recipe runs it: in a transformer layer, every pass's linear products in float8 with the
+    recipe's casts after them, and what its forward saves (a tensor only the products saved as its float8 copy,
+    one another op saves too beside its float8 copy); any other layer unchanged."""
+    if not attends(layer):
+        return layer
+    products = tuple(op for op in layer.ops.get("fwd", ()) if _linear(op))
+    ops = {name: tuple(_in_float8(op, element_bytes) if _linear(op) else op for op in passed)
+           + cast_ops(products, recipe.casts[name], recipe, element_bytes) for name, passed in layer.ops.items()}
+    saved = layer.saved_tensors
+    if recipe.saves_float8_inputs and layer.linear_input_saves:
+        def kept(nbytes: int, how: str) -> int:
+            float8 = nbytes // element_bytes * FP8_BYTES
+            return {"only": float8, "also": nbytes + float8, "": nbytes}[how]
+
+        saved = tuple((shape, kept(nbytes, how)) for (shape, nbytes), how in zip(saved, layer.linear_input_saves))
+    delta = sum(nbytes for _, nbytes in saved) - sum(nbytes for _, nbytes in layer.saved_tensors)
+    return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta)
+
+
+def step_cast_ops(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> tuple[OpCount, ...]:
+    """The weight casts a recipe runs once per optimizer step (TransformerEngine's), for a transformer layer."""
+    if not (recipe.weights_per_step and attends(layer)):
+        return ()
+    products = tuple(op for op in layer.ops.get("fwd", ()) if _linear(op))
+    return cast_ops(products, ("weight",), recipe, element_bytes)
