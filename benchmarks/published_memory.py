@@ -114,7 +114,6 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
             continue
         why = [what for what, used in (("torch.compile", "compile" in row["techniques"]),
                                        ("Float8", "Float8" in row["techniques"]),
-                                       ("context parallelism", "CP" in row["parallelism"]),
                                        ("async TP", "AsyncTP" in row["techniques"])) if used]
         listed.append({"run": run, "published_gib": published, "why_not": "not modelled: " + ", ".join(why)})
     return compared, listed
