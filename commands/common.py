@@ -224,6 +224,11 @@ ContextParallel = Annotated[int, typer.Option(
                                                    "GPUs (2C chunks, causal load balance) whose attention passes keys "
                                                    "and values round a ring (torch's and Megatron's context "
                                                    "parallel); gradients reduced over C x d.")]
+ExpertParallel = Annotated[int, typer.Option(
+    "--expert-parallel", metavar="E", min=1, help="With --gpu and a mixture of experts: its routed experts placed over "
+                                                  "E of the d data-parallel replicas (E divides d and the experts), "
+                                                  "each holding 1/E of their weights and optimizer state; the tokens' "
+                                                  "dispatch and combine are all-to-alls over them.")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
@@ -237,7 +242,8 @@ model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
-                ("sequence_parallel", SequenceParallel, False), ("context_parallel", ContextParallel, 1))
+                ("sequence_parallel", SequenceParallel, False), ("context_parallel", ContextParallel, 1),
+                ("expert_parallel", ExpertParallel, 1))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "

@@ -60,7 +60,7 @@ from ..profiles.schema import (
 )
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from ..sim.costs import PRECISIONS, Precision
-from .fp8 import FP8_RECIPES, in_float8, step_cast_ops
+from .fp8 import FP8_RECIPES, float8_weight_bytes, in_float8, step_cast_ops
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
@@ -542,6 +542,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
             activation_parts=priced.activation_parts,
+            float8_weight_bytes=float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8]) // t if parallel.fp8 else 0,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             param_bytes=params,
             grad_bytes=held.gradient_bytes(layer.grad_bytes) // t,

@@ -13,7 +13,8 @@ te: TransformerEngine's delayed scaling (recipe.DelayedScaling, its default) as 
   from the amax history: no second pass). The forward casts each product's input, the backward its output's
   gradient once for both products. The weights are cast once per optimizer step and the casts kept
   (Linear.forward's `is_first_microbatch`, which Megatron-LM's TELinear passes for a step's first micro-batch):
-  counted with the step. The forward saves its float8 copy of each product's input, not the 16-bit one
+  counted with the step, and held until the next (the cast and its transpose: 2 bytes a weight, beside the
+  16-bit weights). The forward saves its float8 copy of each product's input, not the 16-bit one
   (transformer_engine/pytorch/module/linear.py: `saved_inputmat_t = inputmat_t` under fp8).
 torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (float8_linear.py,
   `matmul_with_hp_or_float8_args`). A cast is two kernels: the amax (reads the tensor) and the scaled cast
@@ -22,8 +23,7 @@ torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (floa
   gradient, since the forward saves the 16-bit input and weight (`ctx.save_for_backward(input_hp,
   weight_hp_t)`): activation memory is the 16-bit run's. (Its FSDP float8 all-gather is not modelled.)
 
-Not modelled: TransformerEngine's float8 weight copies held between steps (the cast and its transpose, 2 bytes
-a weight), casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
+Not modelled: casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
 directly: counted here as a cast of their own), torch.compile's fusions of torchao's casts. Pure arithmetic on
 counts: no torch.
 """
@@ -42,17 +42,20 @@ class Fp8Recipe:
     """A float8 recipe's extra work and memory. `casts`: per pass, the tensors cast for each linear product
     (input, weight, grad: its output's gradient); `kernels`: one cast's kernels, each as (name, 16-bit reads,
     float8 writes) per element; `weights_per_step`: the weights cast once per optimizer step instead of in the
-    passes; `saves_float8_inputs`: the forward saves each product's input as its float8 copy."""
+    passes, and their casts held until the next, `weight_copy_bytes` a weight; `saves_float8_inputs`: the
+    forward saves each product's input as its float8 copy."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
     weights_per_step: bool
     saves_float8_inputs: bool
+    weight_copy_bytes: int = 0
 
 
 FP8_RECIPES = {
     "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
-                    kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True),
+                    kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
+                    weight_copy_bytes=2 * FP8_BYTES),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False),
@@ -111,9 +114,19 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta)
 
 
-def step_cast_ops(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> tuple[OpCount, ...]:
-    """The weight casts a recipe runs once per optimizer step (TransformerEngine's), for a transformer layer."""
+def _weighed_products(layer: LayerCount, recipe: Fp8Recipe) -> tuple[OpCount, ...]:
+    """A transformer layer's forward linear products whose weights the recipe casts once a step (none else)."""
     if not (recipe.weights_per_step and attends(layer)):
         return ()
-    products = tuple(op for op in layer.ops.get("fwd", ()) if _linear(op))
-    return cast_ops(products, ("weight",), recipe, element_bytes)
+    return tuple(op for op in layer.ops.get("fwd", ()) if _linear(op))
+
+
+def step_cast_ops(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> tuple[OpCount, ...]:
+    """The weight casts a recipe runs once per optimizer step (TransformerEngine's), for a transformer layer."""
+    return cast_ops(_weighed_products(layer, recipe), ("weight",), recipe, element_bytes)
+
+
+def float8_weight_bytes(layer: LayerCount, recipe: Fp8Recipe) -> int:
+    """The float8 weight casts the recipe holds between steps for `layer` (each product's n × k weight)."""
+    return sum(op.count * op.shape[2] * op.shape[3] for op in _weighed_products(layer, recipe)) * \
+        recipe.weight_copy_bytes

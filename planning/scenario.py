@@ -352,7 +352,8 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         accumulate_ms=s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0,
         copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,
         grad_bytes=s.grad_bytes, activation_parts=s.activation_parts, gathered_bytes=gathered_bytes(layers),
-        stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None)
+        stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
+        float8_weight_bytes=s.float8_weight_bytes)
         for s, layers in zip(stages_for(measured, list(bounds), dag=dag), stage_layers)),
         microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),

@@ -97,6 +97,9 @@ class LayerProfile(_Strict):
     # Of `activation_bytes`, the bytes by what saves them (an estimate's: attention, mlp, norms, dropout, other);
     # None: not attributed (a calibration measures them whole).
     activation_parts: dict[str, int] | None = None
+    # Float8 casts of the weights a float8 recipe keeps between optimizer steps (an estimate's under
+    # TransformerEngine: the cast and its transpose), beside `param_bytes`, whole on every data-parallel rank
+    float8_weight_bytes: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _per_input(self) -> LayerProfile:
@@ -169,6 +172,7 @@ class StageProfile(_Strict):
     weight_copy: Timing | None = None
     held_bytes: int | None = Field(None, ge=0)  # boundary tensors autograd does not save (`boundary_held_bytes`)
     activation_parts: dict[str, int] | None = None  # as its layers' (`LayerProfile.activation_parts`)
+    float8_weight_bytes: int = Field(0, ge=0)  # as its layers' (`LayerProfile.float8_weight_bytes`)
 
     @model_validator(mode="after")
     def _parts(self) -> StageProfile:
@@ -505,7 +509,8 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
 def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
     """The partitioner's view: forward + backward ms, weights + gradients + `optimizer`'s state."""
     return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms,
-                      layer.param_bytes + layer.grad_bytes + layer.optimizer_state_bytes[optimizer],
+                      layer.param_bytes + layer.float8_weight_bytes + layer.grad_bytes
+                      + layer.optimizer_state_bytes[optimizer],
                       layer.activation_bytes, layer.shared_with_previous_bytes) for layer in layers]
 
 
@@ -552,6 +557,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             grad_bytes=sum(layer.grad_bytes for layer in mine),
             optimizer_state_bytes={name: sum(layer.optimizer_state_bytes[name] for layer in mine)
                                    for name in OPTIMIZERS},
+            float8_weight_bytes=sum(layer.float8_weight_bytes for layer in mine),
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),

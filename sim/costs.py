@@ -86,7 +86,8 @@ class StageCosts:
     ZeRO-3 shards them, if not as the passes read them (FSDP2's float32 shards of 16-bit compute copies; None:
     `param_bytes`). `gathered_bytes`: under ZeRO-3 with one stage and no pipeline, the whole weights one pass
     holds at a time (FSDP2 gathers each wrapped module before its pass and the next one's during it; None: the
-    stage's whole weights).
+    stage's whole weights). `float8_weight_bytes`: float8 casts of the weights a float8 recipe holds between
+    updates beside them (TransformerEngine's), whole on every data-parallel rank.
     """
 
     fwd_ms: float
@@ -110,6 +111,7 @@ class StageCosts:
     activation_parts: dict[str, int] | None = None
     stored_bytes: int | None = None
     gathered_bytes: int | None = None
+    float8_weight_bytes: int = 0
 
     @property
     def gradient_bytes(self) -> int:
@@ -124,7 +126,7 @@ class StageCosts:
                  "copy_ms", "reduce_ms", "gather_ms")
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
-                     *optional[2:]):
+                     "float8_weight_bytes", *optional[2:]):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue

@@ -541,7 +541,8 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/(d·C) of
     itself where ZeRO's stage shards it over the d replicas and C context ranks (ZeRO-2's and 3's gradients, held
     only from a backward until the update, and ZeRO-3's whole weights while computed with, are `_unsharded`'s), and
-    the policy's extra weight copies (parameters). Its memory never drops below their sum."""
+    the policy's extra weight copies and a float8 recipe's weight casts, whole (parameters). Its memory never drops
+    below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
 
     def shard(nbytes: int) -> int:
@@ -558,7 +559,8 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
             grads = 0
         if schedule.zero >= 1:  # ZeRO-1: each of the d replicas keeps its shard of the state
             state = shard(state)
-        held = {"parameters": stored * schedule.pipelines + schedule.policy.extra_copies * weights,
+        float8 = sum(c.float8_weight_bytes for c in mine)  # a float8 recipe's weight casts: never sharded
+        held = {"parameters": (stored + float8) * schedule.pipelines + schedule.policy.extra_copies * weights,
                 "gradients": grads * schedule.pipelines,
                 "optimizer_state": state * schedule.pipelines}
         for part, values in parts.items():

@@ -168,3 +168,22 @@ def test_te_casts_the_weights_once_a_step_with_the_update_and_torchao_in_the_pas
 
     assert step_ms(te) - step_ms(plain) == pytest.approx(casts_ms)
     assert step_ms(torchao) == step_ms(plain)
+
+
+def test_te_holds_its_float8_weight_casts_beside_the_weights_whole_on_every_replica():
+    """TransformerEngine keeps each converted weight's cast and its transpose (2 bytes a weight) between steps;
+    torchao keeps none. The simulated parameters part grows by exactly that, unsharded by ZeRO-1."""
+    pytest.importorskip("torch")
+    model = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "512", "--heads", "4", "--seq-len",
+             "128", "--vocab", "128", "--attention", "flash", "-p", "1", "-m", "2", "-s", "1f1b",
+             "--data-parallel", "2", "--zero", "1")
+    block_weights = 512 * 3 * 512 + 512 * 512 + 2 * 512 * 4 * 512  # q/k/v, projection, the MLP's two products
+
+    def parameters_mib(*args) -> float:
+        code, out, err = pipesim("simulate", *model, *args, "--json")
+        assert code == 0, err
+        return json.loads(out)["results"][0]["devices"][0]["peak_memory_parts_mb"]["parameters"]
+
+    bf16 = parameters_mib()
+    assert parameters_mib("--dtype", "fp8", "--fp8-recipe", "torchao") == bf16
+    assert (parameters_mib("--dtype", "fp8") - bf16) * 2 ** 20 == pytest.approx(2 * 2 * block_weights)

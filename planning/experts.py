@@ -1,0 +1,71 @@
+"""Expert parallelism (EP) in an estimate: a mixture of experts' routed experts placed over E ranks, each holding
+1/E of them, and the token dispatch and combine as all-to-alls over those ranks.
+
+As Megatron-core does, the E ranks of an expert-parallel group are drawn from the data-parallel replicas (its
+expert layers run E-way expert parallel and d/E-way data parallel, the other layers d-way data parallel), so E
+divides d. With pipesim's placement (t inside a node, then C, then p, then d: `links_of`), a group's E replicas
+sit t·C·p ranks apart, so max(node / (t·C·p), 1) of them share a node.
+
+An all-to-all of a rank's token copies (the count's `dispatched_bytes`, 1/t of them per tensor-parallel rank)
+keeps 1/E of them and sends the rest, (E-1)/E, as E-1 messages issued at once (NCCL's all-to-all is grouped
+point-to-point sends): those to the group's ranks on the same node over the node's link, those to other nodes
+over the rank's own NIC, both at once. Routing is balanced, as the count assumes (workload/moe.py). A layer's
+forward runs two (dispatch, combine), its input-gradient pass two more (the gradients' way back); the weight
+gradient none. Pure arithmetic: no torch, no simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..profiles.schema import EstimateLink, EstimatePlacement
+from ..profiles.workload import LayerCount
+
+ALL_TO_ALLS = {"fwd": 2, "igrad": 2, "wgrad": 0}  # per MoE layer and micro-batch: dispatch and combine, each way
+
+
+class ExpertParallelError(ValueError):
+    """An expert-parallel degree the model or the placement cannot take; one line naming what is wrong."""
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The E ranks of an expert-parallel group: how many share each node, and the links between them."""
+
+    ranks: int
+    per_node: int
+    node_link: EstimateLink
+    network_link: EstimateLink
+
+    def all_to_all_ms(self, nbytes: float) -> float:
+        """One all-to-all of a rank's `nbytes`: its (E-1)/E sent, the share for its node's ranks over the node's
+        link beside the share for other nodes' over its NIC."""
+        if self.ranks == 1 or nbytes == 0:
+            return 0.0
+        inside = nbytes * (self.per_node - 1) / self.ranks
+        outside = nbytes * (self.ranks - self.per_node) / self.ranks
+        return max(self.node_link.latency_ms + inside / self.node_link.bytes_per_ms if inside else 0.0,
+                   self.network_link.latency_ms + outside / self.network_link.bytes_per_ms if outside else 0.0)
+
+
+def held_share(layer: LayerCount, ranks: int) -> float:
+    """The share of `layer`'s weights (and their gradients and optimizer state) one of `ranks` expert-parallel
+    ranks holds: the dense ones and 1/ranks of its routed experts'."""
+    if not layer.param_bytes:
+        return 1.0
+    return 1 - layer.expert_param_bytes * (1 - 1 / ranks) / layer.param_bytes
+
+
+def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
+                 pipeline: int, data: int) -> ExpertGroup:
+    """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
+    model), placed as the module docstring says; an impossible degree is `ExpertParallelError`."""
+    if ranks > 1 and not experts:
+        raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
+                                  "experts: gpt --experts, or a Hugging Face MoE config)")
+    if experts and experts % ranks:
+        raise ExpertParallelError(f"expert: {ranks} does not divide the model's {experts} routed experts")
+    if data % ranks:
+        raise ExpertParallelError(f"expert: {ranks} must divide the data-parallel degree, {data} (its ranks are "
+                                  "drawn from the data-parallel replicas, as Megatron-core's)")
+    per_node = min(ranks, max(placement.gpus_per_node // (tensor * context * pipeline), 1))
+    return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link)

@@ -1,0 +1,108 @@
+"""Expert parallelism in an estimate (planning/experts.py, `--expert-parallel E`): the routed experts' weights,
+gradients and optimizer state sharded over E of the d replicas, the dispatch and combine all-to-alls priced on the
+placement's links (the node's inside it, each GPU's NIC across), and bad degrees refused in one line."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import Parallelism, estimate_profile, node_placement
+from pipesim.planning.experts import ExpertParallelError, expert_group
+from pipesim.workload.count import WorkloadCount, count_built
+from tests.conftest import pipesim
+
+H100 = load_catalogue().find("h100-sxm")
+PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
+EXPERTS, TOP_K, S, H, FFN = 8, 2, 512, 256, 512
+GPT = dict(layers=4, width=H, heads=4, seq_len=S, vocab=1000, gated=True, experts=EXPERTS, top_k=TOP_K,
+           expert_ffn=FFN)
+
+
+@cache
+def counted() -> WorkloadCount:
+    return count_built("gpt", GPT, 1, torch.bfloat16, "flash")
+
+
+def profile(**parallel):
+    return estimate_profile(counted(), H100, Parallelism(pipeline=2, data=8, **parallel))
+
+
+def test_an_all_to_all_sends_all_but_its_own_share_over_the_node_and_the_nic_at_once():
+    """E = 8 ranks, 2 on each node: of a rank's bytes 1/8 stays, 1/8 goes to the other rank of its node over the
+    node's link, 6/8 leave the node over its NIC; the slower of the two sets the time."""
+    group = expert_group(PLACEMENT, 8, EXPERTS, tensor=1, context=1, pipeline=4, data=8)
+    assert group.per_node == 2
+    node, network, nbytes = PLACEMENT.node_link, PLACEMENT.network_link, 8e6
+    inside = node.latency_ms + nbytes / 8 / node.bytes_per_ms
+    outside = network.latency_ms + nbytes * 6 / 8 / network.bytes_per_ms
+    assert group.all_to_all_ms(nbytes) == pytest.approx(max(inside, outside))
+    within = expert_group(PLACEMENT, 8, EXPERTS, tensor=1, context=1, pipeline=1, data=8)  # all 8 on one node
+    assert within.per_node == 8
+    assert within.all_to_all_ms(nbytes) == pytest.approx(node.latency_ms + nbytes * 7 / 8 / node.bytes_per_ms)
+    assert expert_group(PLACEMENT, 1, EXPERTS, 1, 1, 4, 8).all_to_all_ms(nbytes) == 0.0
+
+
+def test_each_rank_holds_its_share_of_the_experts_weights_gradients_and_optimizer_state():
+    whole, sharded = profile(), profile(expert=4)
+    for one, four, layer in zip(whole.layers, sharded.layers, counted().layers):
+        moved = layer.expert_param_bytes * 3 // 4  # the 3/4 of the experts the other ranks hold
+        assert one.param_bytes - four.param_bytes == moved
+        assert one.grad_bytes - four.grad_bytes == moved * 2  # float32 main gradients of bf16 weights (Megatron's)
+        held = four.param_bytes / one.param_bytes
+        assert four.optimizer_state_bytes["adam"] == pytest.approx(one.optimizer_state_bytes["adam"] * held, abs=1)
+    assert sum(layer.expert_param_bytes for layer in counted().layers) > 0
+
+
+def test_with_a_sharded_optimizer_the_experts_state_is_spread_over_the_d_replicas_as_the_rest_is():
+    """ZeRO-1 with EP: the experts' state over E ranks times the d/E replicas of each expert, d in all."""
+    whole, sharded = profile(sharded_optimizer=True), profile(sharded_optimizer=True, expert=4)
+    assert [layer.optimizer_state_bytes for layer in sharded.layers] == \
+        [layer.optimizer_state_bytes for layer in whole.layers]
+
+
+def test_a_moe_layer_waits_for_two_all_to_alls_forward_and_two_in_the_input_gradient_pass():
+    group = expert_group(PLACEMENT, 4, EXPERTS, tensor=1, context=1, pipeline=2, data=8)
+    whole, sharded = profile(), profile(expert=4)
+    blocks = [i for i, layer in enumerate(counted().layers) if layer.dispatched_bytes]
+    assert len(blocks) == GPT["layers"]
+    each = group.all_to_all_ms(S * TOP_K * H * 2)  # a 512-token micro-batch's copies, bf16
+    for i in blocks:
+        one, four = whole.layers[i], sharded.layers[i]
+        assert four.fwd.median_ms - one.fwd.median_ms == pytest.approx(2 * each)
+        assert four.igrad.median_ms - one.igrad.median_ms == pytest.approx(2 * each)
+        assert four.bwd.median_ms - one.bwd.median_ms == pytest.approx(2 * each)
+        assert four.wgrad.median_ms == pytest.approx(one.wgrad.median_ms)
+    assert whole.layers[0].fwd == sharded.layers[0].fwd  # the embedding routes nothing
+
+
+@pytest.mark.parametrize("ranks, experts, data, fragment", [
+    (3, EXPERTS, 6, "expert: 3 does not divide the model's 8 routed experts"),
+    (4, EXPERTS, 2, "expert: 4 must divide the data-parallel degree, 2"),
+    (2, None, 2, "expert: 2, but the model has no routed experts"),
+])
+def test_an_impossible_degree_names_what_it_must_divide(ranks, experts, data, fragment):
+    with pytest.raises(ExpertParallelError, match=fragment):
+        expert_group(PLACEMENT, ranks, experts, 1, 1, 1, data)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--experts", 8, "--expert-parallel", 3, "--data-parallel", 6),
+     "--expert-parallel 3 does not divide the model's 8 routed experts"),
+    (("--experts", 8, "--expert-parallel", 4), "--expert-parallel 4 must divide the data-parallel degree, 1"),
+    (("--expert-parallel", 2, "--data-parallel", 2), "--expert-parallel 2, but the model has no routed experts"),
+])
+def test_a_bad_expert_parallel_degree_is_one_line_and_nothing_is_written(tmp_path, args, fragment):
+    out = tmp_path / "profile.json"
+    code, stdout, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64,
+                                "--heads", 4, "--seq-len", 32, "--vocab", 100, *args, "--out", out)
+    assert code == 2 and stdout == "" and fragment in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_expert_parallel_needs_the_estimate():
+    code, _, err = pipesim("simulate", "--expert-parallel", 2)
+    assert code == 2 and "--expert-parallel: only --gpu's estimate reads it" in err
