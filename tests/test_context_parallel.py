@@ -2,6 +2,7 @@
 balance, attention's keys and values passed round a ring overlapped with its blocks, activations and per-token work
 1/C per rank, the gradients reduced over C x d."""
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -167,3 +168,22 @@ def test_simulate_counts_t_x_c_gpus_per_device_and_shards_zero_over_the_context_
     assert results[2]["gpus"] == 4 == results[1]["gpus"]  # p·C and p·d
     assert math.isclose(results[2]["devices"][0]["peak_memory_parts_mb"]["optimizer_state"],
                         results[1]["devices"][0]["peak_memory_parts_mb"]["optimizer_state"], rel_tol=1e-9)
+
+
+def test_sweep_and_estimate_take_the_context_ranks(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    model = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "256", "--heads", "4", "--seq-len",
+             "2048", "--attention", "flash")
+    rows = {}
+    for c in (1, 2):
+        code, _, err = pipesim("sweep", *model, "--context-parallel", str(c), "-s", "1f1b", "--stages", "2", "-m", "4",
+                               "-o", f"c{c}.csv")
+        assert code == 0, err
+        rows[c] = next(csv.DictReader(Path(f"c{c}.csv").open()))
+    for column in ("time_per_minibatch_ms", "peak_memory_mb"):  # half the tokens per GPU: faster, less held
+        assert float(rows[2][column]) < float(rows[1][column]), column
+    code, out, err = pipesim("estimate", *model, "--context-parallel", "2", "-o", "cp.json")
+    assert code == 0 and "t=1 C=2 p=1 d=1" in " ".join(out.split()), err
+    assert "context-parallel ring nvlink" in " ".join(out.split())
+    assert json.loads(Path("cp.json").read_text())["estimate"]["context_link"]["kind"] == "nvlink"
