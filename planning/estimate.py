@@ -60,6 +60,7 @@ from ..profiles.schema import (
 )
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from ..sim.costs import PRECISIONS, Precision
+from .experts import ALL_TO_ALLS, ExpertGroup, ExpertParallelError, expert_group, held_share
 from .fp8 import FP8_RECIPES, float8_weight_bytes, in_float8, step_cast_ops
 
 if TYPE_CHECKING:
@@ -81,7 +82,8 @@ class EstimateError(ValueError):
 @dataclass(frozen=True)
 class Parallelism:
     """Tensor (t), pipeline (p) and data (d) parallel degrees, context parallelism (C: the sequence split over C
-    ranks holding the same weights, `ContextRing`), and how activations, gradients and optimizer state are kept:
+    ranks holding the same weights, `ContextRing`), expert parallelism (E: a mixture of experts' routed experts
+    over E of the d replicas, `planning.experts`), and how activations, gradients and optimizer state are kept:
     `precision` is one of `PRECISIONS` (None: as Megatron-LM keeps the count's dtype: float32 main gradients for
     bfloat16, which it forces, 16-bit ones for float16, its default there)."""
 
@@ -89,6 +91,7 @@ class Parallelism:
     pipeline: int = 1
     data: int = 1
     context: int = 1
+    expert: int = 1  # expert parallelism's E ranks, drawn from the d replicas (planning/experts.py)
     sequence_parallel: bool = False
     recompute: str = "none"
     sharded_optimizer: bool = False
@@ -96,7 +99,7 @@ class Parallelism:
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "data", "context"):
+        for name in ("tensor", "pipeline", "data", "context", "expert"):
             if getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
         if self.recompute not in RECOMPUTE:
@@ -437,6 +440,20 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                          whole_parts(parts, total))
 
 
+def _with_all_to_alls(priced: LayerEstimate, layer: LayerCount, experts: ExpertGroup,
+                      parallel: Parallelism) -> LayerEstimate:
+    """`priced` with its routed experts' all-to-alls (`planning.experts`), waited for by the pass that sends them:
+    each of the t·C ranks sends its share of the layer's token copies; a full recomputation reruns the forward's."""
+    each = experts.all_to_all_ms(layer.dispatched_bytes / (parallel.tensor * parallel.context))
+    if not each:
+        return priced
+    rerun = ALL_TO_ALLS["fwd"] * each if parallel.recompute == "full" else 0.0
+    backward = (ALL_TO_ALLS["igrad"] + ALL_TO_ALLS["wgrad"]) * each + rerun
+    return replace(priced, fwd_ms=priced.fwd_ms + ALL_TO_ALLS["fwd"] * each, bwd_ms=priced.bwd_ms + backward,
+                   igrad_ms=priced.igrad_ms + ALL_TO_ALLS["igrad"] * each + rerun,
+                   wgrad_ms=priced.wgrad_ms + ALL_TO_ALLS["wgrad"] * each)
+
+
 def _op_policy(ops: Sequence[OpCount], element_bytes: int) -> tuple[dict[str, float], list[OpCount]]:
     """torchtitan's selective op policy over a layer's forward `ops` (in the order the count first saw them, each
     call of a product numbered in turn): the bytes it keeps by part, every other product's output (odd numbers:
@@ -517,6 +534,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if parallel.context > 1:
         _check_context(counted, parallel.context)
     placement = node_placement(gpu, cluster, curve)
+    try:
+        experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
+                               parallel.context, parallel.pipeline, parallel.data)
+    except ExpertParallelError as exc:
+        raise EstimateError(str(exc)) from None
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
@@ -535,9 +557,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     previous: tuple[LayerCount, LayerEstimate] | None = None  # a model's blocks repeat: each priced once
     for layer in counted.layers:
         if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
-            previous = (layer, estimate_layer(layer, device, parallel, links.tensor, element, links.context))
+            previous = (layer, _with_all_to_alls(estimate_layer(layer, device, parallel, links.tensor, element,
+                                                                links.context), layer, experts, parallel))
         priced = previous[1]
-        params = layer.param_bytes // t
+        share = held_share(layer, experts.ranks)  # of its weights, one of the E expert-parallel ranks holds
+        state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
+        params = round(layer.param_bytes * share) // t
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
@@ -545,9 +570,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             float8_weight_bytes=float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8]) // t if parallel.fp8 else 0,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             param_bytes=params,
-            grad_bytes=held.gradient_bytes(layer.grad_bytes) // t,
-            optimizer_state_bytes={name: (layer.optimizer_state_bytes[name] * widen + held.master_bytes *
-                                          layer.param_bytes // element) // shards for name in OPTIMIZERS}))
+            grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
+            optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + held.master_bytes *
+                                                layer.param_bytes // element) * state_share) // shards
+                                   for name in OPTIMIZERS}))
     if bounds is None:
         bounds = partition(layer_costs(layers, optimizer), parallel.pipeline)
     stage_steps = []
@@ -562,7 +588,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         casts_ms = sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in mine
                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element)) if parallel.fp8 else 0.0
         steps = {name: StepTimes(
-            step=_timing(casts_ms + memory_ms(sum(layer.optimizer_step_moved_bytes[name] for layer in mine)
+            step=_timing(casts_ms + memory_ms(sum(layer.optimizer_step_moved_bytes[name] * (
+                1.0 if parallel.sharded_optimizer else held_share(layer, experts.ranks)) for layer in mine)
                                               * widen / shards)),
             predict=_timing(memory_ms(3 * params))) for name in OPTIMIZERS}
         stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(memory_ms(3 * params)),
