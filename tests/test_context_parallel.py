@@ -76,14 +76,20 @@ def test_per_rank_attention_flops_and_activation_bytes_are_one_cth(flash_gpt, c)
     assert split_c.layers[1].param_bytes == whole.layers[1].param_bytes  # the C ranks hold the same weights
 
 
-@pytest.mark.parametrize("c", [2, 4])
-def test_the_ring_sends_keys_and_values_c_minus_1_times_and_their_gradients_c_times(flash_gpt, c):
-    block = flash_gpt.layers[1]
-    split = _Split.of(block, Parallelism(context=c))
-    ring = ContextRing(c, placement_links(H100, Parallelism(context=c)).context)
-    forward, = (split.context_share(op) for op in block.ops["fwd"] if op.kind == "attention")
-    backward, = (split.context_share(op) for op in block.ops["igrad"] if op.kind == "attention")
-    keys_values = 2 * B * HEADS * (S // c) * (H // HEADS) * 2  # a rank's K and V in bf16
+@pytest.mark.parametrize(("c", "t"), [(2, 1), (4, 1), (4, 2)])
+def test_the_ring_sends_keys_and_values_c_minus_1_times_and_their_gradients_c_times(flash_gpt, c, t, monkeypatch):
+    parallel = Parallelism(context=c, tensor=t)
+    links = placement_links(H100, parallel)
+    priced: list[OpCount] = []  # the attention calls the ring prices, as the estimate hands them over
+    attention_ms = ContextRing.attention_ms
+    monkeypatch.setattr(ContextRing, "attention_ms", lambda ring, op, *args: priced.append(op)
+                        or attention_ms(ring, op, *args))
+    estimate_layer(flash_gpt.layers[1], DEVICE, parallel, links.tensor, 2, links.context)
+    ring = ContextRing(c, links.context)
+    forward = next(op for op in priced if not op.op.endswith("_backward"))
+    backward = next(op for op in priced if op.op.endswith("_backward"))
+    assert forward.shape[:2] == (B * HEADS // t, S // c)  # its t-th of the heads, its C-th of the queries
+    keys_values = 2 * B * HEADS // t * (S // c) * (H // HEADS) * 2  # a rank's K and V in bf16
     gradients = keys_values * 2  # in float32 (torch's convert_to_f32)
     assert ring.step_bytes(forward, 2) == ([keys_values] * (c - 1) + [0], 0)
     steps, after = ring.step_bytes(backward, 2)
