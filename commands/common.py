@@ -516,7 +516,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if network is not None and not 0 < network < math.inf:
         raise InputError(f"--network-gb-s: give GB/s above 0 (got {network})")
     zero = zero_stage(flags)
-    if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) == 1:
+    if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
     stage_cut = flags.get("stage_cut", "balanced")

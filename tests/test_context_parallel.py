@@ -193,3 +193,12 @@ def test_sweep_and_estimate_take_the_context_ranks(tmp_path, monkeypatch):
     assert code == 0 and "t=1 C=2 p=1 d=1" in " ".join(out.split()), err
     assert "context-parallel ring nvlink" in " ".join(out.split())
     assert json.loads(Path("cp.json").read_text())["estimate"]["context_link"]["kind"] == "nvlink"
+
+
+def test_reduce_after_flush_is_taken_by_one_replica_of_context_parallel_ranks(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)  # d = 1, but the C ranks reduce their gradients: the flag has REDUCEs to time
+    code, out, err = pipesim("simulate", *GPT, "--attention", "flash", "--context-parallel", "2", "-s", "1f1b", "-p",
+                             "2", "-m", "4", "--reduce-after-flush", "--json")
+    assert code == 0, err
+    assert json.loads(out)["results"][0]["schedule"] == "1f1b"
