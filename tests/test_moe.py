@@ -170,3 +170,23 @@ def test_the_moe_examples_have_their_published_parameter_counts(example, billion
     card: 30.5B in total."""
     counted = count_built(f"hf:{ROOT / 'examples' / example}", {"seq_len": 64}, 1, torch.bfloat16)
     assert round(sum(layer.param_bytes for layer in counted.layers) / 2e9, 1) == billions
+
+
+# DeepSeek-V3's layout, tiny: MLA (queries and keys of 16 + 8 RoPE, values of 16), one dense layer, then experts
+TINY_DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": H, "intermediate_size": 128, "moe_intermediate_size": 32,
+                 "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "n_routed_experts": EXPERTS, "n_shared_experts": 1,
+                 "num_experts_per_tok": TOP_K, "n_group": 2, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 24,
+                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 100,
+                 "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+@needs_transformers
+def test_mla_under_flash_pads_the_values_to_the_queries_head_size(tmp_path):
+    """torch's flash kernel takes one head size: MLA's values (16) are padded to the queries' and keys' (16 + 8),
+    so both of its products run at 24 (4·b·heads·s²·24 FLOPs, every score counted as torch counts them)."""
+    counted = count_built(f"hf:{write_config(tmp_path / 'deepseek', TINY_DEEPSEEK)}", {"seq_len": S}, B,
+                          torch.bfloat16, "flash")
+    attention = [op for op in counted.layers[2].ops["fwd"] if op.kind == "attention"]
+    assert [(op.shape, op.flops) for op in attention] == [((B * 2, S, S, 24), 4 * B * 2 * S * S * 24)]
+    assert counted.layers[1].expert_param_bytes == 0 and counted.layers[2].expert_param_bytes > 0

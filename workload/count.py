@@ -151,7 +151,12 @@ class _GpuKernels(TorchFunctionMode):
         q, k, v, p, causal = (given["query"], given["key"], given["value"], given.get("dropout_p", 0.0),
                               given.get("is_causal", False))
         if self.flash:  # grouped-query too (enable_gqa): torch's flash kernel reads the fewer key/value heads
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, causal, scale=given.get("scale"))[0]
+            # one head size for queries, keys and values: values of a smaller one (DeepSeek's MLA, 192 and 128)
+            # padded to it and the output cut back, as transformers 4.x's DeepseekV3Attention ran flash_attention_2
+            wide = q.shape[-1] - v.shape[-1]
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, F.pad(v, (0, wide)) if wide else v, p,
+                                                                     causal, scale=given.get("scale"))[0]
+            return out[..., :v.shape[-1]] if wide else out
         if not p:
             return func(*args, **kwargs)
         if given.get("enable_gqa"):  # the unfused product needs a key and value head for every query head
