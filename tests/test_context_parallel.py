@@ -202,3 +202,15 @@ def test_reduce_after_flush_is_taken_by_one_replica_of_context_parallel_ranks(tm
                              "2", "-m", "4", "--reduce-after-flush", "--json")
     assert code == 0, err
     assert json.loads(out)["results"][0]["schedule"] == "1f1b"
+
+
+def test_run_refuses_a_profile_estimated_for_context_parallelism(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = pipesim("estimate", *GPT, "--attention", "flash", "--context-parallel", "2", "-p", "2",
+                           "-o", "cp.json")
+    assert code == 0, err
+    code, out, err = pipesim("run", "-s", "auto", "--profile", "cp.json", "-m", "2", "-p", "2", "--model", "gpt",
+                             "--trace", "run.json")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "estimated for context parallelism C=2" in err
+    assert not Path("run.json").exists()
