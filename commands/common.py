@@ -229,6 +229,10 @@ ExpertParallel = Annotated[int, typer.Option(
                                                   "E of the d data-parallel replicas (E divides d and the experts), "
                                                   "each holding 1/E of their weights and optimizer state; the tokens' "
                                                   "dispatch and combine are all-to-alls over them.")]
+HotExpertShare = Annotated[float | None, typer.Option(
+    "--hot-expert-share", metavar="S", help="With --expert-parallel: the busiest expert's share of a micro-batch's "
+                                            "routed tokens (balanced: 1/experts); its rank computes and receives "
+                                            "that much more, and the others wait for it. Default: balanced.")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
@@ -243,7 +247,7 @@ model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("context_parallel", ContextParallel, 1),
-                ("expert_parallel", ExpertParallel, 1))
+                ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
-                 "context_parallel", "expert_parallel", "recompute", "curve_from", "fp8_recipe")
+                 "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from", "fp8_recipe")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -61,6 +61,7 @@ SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torcht
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
+                  "hot_expert_share": "--hot-expert-share",
                   "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
 
@@ -87,6 +88,7 @@ class WhatIf:
     calibrated_path: Path | None = None
     fp8: str | None = None  # --dtype fp8's recipe (planning/fp8.py), None: no float8
     expert: int = 1  # --expert-parallel E
+    hot_expert_share: float | None = None  # --hot-expert-share S (None: balanced)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -138,7 +140,8 @@ class WhatIf:
         return Parallelism(tensor=tensor, pipeline=stages, data=data, context=self.context,
                            sequence_parallel=self.sequence_parallel,
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
-                           precision=self.precision, fp8=self.fp8, expert=self.expert)
+                           precision=self.precision, fp8=self.fp8, expert=self.expert,
+                           hot_expert_share=self.hot_expert_share)
 
 
 def what_if(ctx: typer.Context) -> WhatIf | None:
@@ -199,7 +202,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
-                  params.get("curve_from"), fp8, params.get("expert_parallel", 1))
+                  params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"))
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
@@ -482,7 +485,7 @@ def estimate(
 def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     """An estimate's parallelism in the flags' terms: t (and with `shape` p and d, which a simulation may change),
     and what else is not the default."""
-    flags = [f"{key} {value}" if not isinstance(value, bool) else key.replace("_", " ")
+    flags = [f"{key.replace('_', ' ')} {value}" if not isinstance(value, bool) else key.replace("_", " ")
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context", "expert")
              and value not in (False, "none", None)]
     context, expert = int(parallelism.get("context", 1)), int(parallelism.get("expert", 1))

@@ -92,6 +92,7 @@ class Parallelism:
     data: int = 1
     context: int = 1
     expert: int = 1  # expert parallelism's E ranks, drawn from the d replicas (planning/experts.py)
+    hot_expert_share: float | None = None  # the busiest expert's share of the routed tokens (None: balanced)
     sequence_parallel: bool = False
     recompute: str = "none"
     sharded_optimizer: bool = False
@@ -443,8 +444,9 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
 def _with_all_to_alls(priced: LayerEstimate, layer: LayerCount, experts: ExpertGroup,
                       parallel: Parallelism) -> LayerEstimate:
     """`priced` with its routed experts' all-to-alls (`planning.experts`), waited for by the pass that sends them:
-    each of the t·C ranks sends its share of the layer's token copies; a full recomputation reruns the forward's."""
-    each = experts.all_to_all_ms(layer.dispatched_bytes / (parallel.tensor * parallel.context))
+    each of the t·C ranks sends its share of the layer's token copies, the busiest receiving `load` times as
+    many; a full recomputation reruns the forward's."""
+    each = experts.all_to_all_ms(layer.dispatched_bytes * experts.load / (parallel.tensor * parallel.context))
     if not each:
         return priced
     rerun = ALL_TO_ALLS["fwd"] * each if parallel.recompute == "full" else 0.0
@@ -536,7 +538,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     placement = node_placement(gpu, cluster, curve)
     try:
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
-                               parallel.context, parallel.pipeline, parallel.data)
+                               parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share)
     except ExpertParallelError as exc:
         raise EstimateError(str(exc)) from None
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context)
@@ -557,8 +559,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     previous: tuple[LayerCount, LayerEstimate] | None = None  # a model's blocks repeat: each priced once
     for layer in counted.layers:
         if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
-            previous = (layer, _with_all_to_alls(estimate_layer(layer, device, parallel, links.tensor, element,
-                                                                links.context), layer, experts, parallel))
+            previous = (layer, _with_all_to_alls(estimate_layer(experts.busiest(layer), device, parallel,
+                                                                links.tensor, element, links.context),
+                                                 layer, experts, parallel))
         priced = previous[1]
         share = held_share(layer, experts.ranks)  # of its weights, one of the E expert-parallel ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way

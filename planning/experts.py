@@ -11,14 +11,21 @@ keeps 1/E of them and sends the rest, (E-1)/E, as E-1 messages issued at once (N
 point-to-point sends): those to the group's ranks on the same node over the node's link, those to other nodes
 over the rank's own NIC, both at once. Routing is balanced, as the count assumes (workload/moe.py). A layer's
 forward runs two (dispatch, combine), its input-gradient pass two more (the gradients' way back); the weight
-gradient none. Pure arithmetic: no torch, no simulator."""
+gradient none.
+
+Routing is data-dependent; balanced, every rank computes the same. With the busiest expert taking a share S of a
+micro-batch's routed token copies (`hot_share`; balanced: 1/n of n experts), the rank holding it and n/E - 1
+others at the rest's even share, (1 - S)/(n - 1) each, computes E·(S + (n/E - 1)(1 - S)/(n - 1)) times the
+balanced work (`ExpertGroup.load`) and receives as many token copies, and every rank of the group waits for it at
+the combine. On one rank (E = 1) the work is the same whatever the routing (dropless: every copy computed once).
+Pure arithmetic: no torch, no simulator."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..profiles.schema import EstimateLink, EstimatePlacement
-from ..profiles.workload import LayerCount
+from ..profiles.workload import LayerCount, OpCount
 
 ALL_TO_ALLS = {"fwd": 2, "igrad": 2, "wgrad": 0}  # per MoE layer and micro-batch: dispatch and combine, each way
 
@@ -29,12 +36,38 @@ class ExpertParallelError(ValueError):
 
 @dataclass(frozen=True)
 class ExpertGroup:
-    """The E ranks of an expert-parallel group: how many share each node, and the links between them."""
+    """The E ranks of an expert-parallel group: how many share each node, the links between them, and the
+    routed experts' count and busiest share (None: balanced)."""
 
     ranks: int
     per_node: int
     node_link: EstimateLink
     network_link: EstimateLink
+    experts: int | None = None
+    hot_share: float | None = None
+
+    @property
+    def load(self) -> float:
+        """The busiest rank's routed work over a balanced rank's (module docstring)."""
+        if self.hot_share is None or not self.experts or self.experts == 1:
+            return 1.0
+        n, share = self.experts, self.hot_share
+        return self.ranks * (share + (n // self.ranks - 1) * (1 - share) / (n - 1))
+
+    def busiest(self, layer: LayerCount) -> LayerCount:
+        """`layer` as the busiest rank runs it: the routed experts' ops (`OpCount.routed`) `load` times larger, a
+        product's rows with them."""
+        if self.load == 1.0:
+            return layer
+
+        def heavier(op: OpCount) -> OpCount:
+            if not op.routed:
+                return op
+            shape = (op.shape[0], round(op.shape[1] * self.load), *op.shape[2:]) if op.kind == "matmul" else op.shape
+            return replace(op, shape=shape, flops=round(op.flops * self.load),
+                           moved_bytes=round(op.moved_bytes * self.load))
+
+        return replace(layer, ops={name: tuple(map(heavier, ops)) for name, ops in layer.ops.items()})
 
     def all_to_all_ms(self, nbytes: float) -> float:
         """One all-to-all of a rank's `nbytes`: its (E-1)/E sent, the share for its node's ranks over the node's
@@ -56,9 +89,10 @@ def held_share(layer: LayerCount, ranks: int) -> float:
 
 
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
-                 pipeline: int, data: int) -> ExpertGroup:
+                 pipeline: int, data: int, hot_share: float | None = None) -> ExpertGroup:
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
-    model), placed as the module docstring says; an impossible degree is `ExpertParallelError`."""
+    model), placed as the module docstring says, its busiest expert taking `hot_share` of the routed token
+    copies (None: balanced); an impossible degree or share is `ExpertParallelError`."""
     if ranks > 1 and not experts:
         raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
                                   "experts: gpt --experts, or a Hugging Face MoE config)")
@@ -67,5 +101,13 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
     if data % ranks:
         raise ExpertParallelError(f"expert: {ranks} must divide the data-parallel degree, {data} (its ranks are "
                                   "drawn from the data-parallel replicas, as Megatron-core's)")
+    if hot_share is not None:
+        if ranks == 1:
+            raise ExpertParallelError("hot_expert_share: changes nothing on one expert-parallel rank (the experts' "
+                                      "work is the same however the tokens are routed); give --expert-parallel "
+                                      "above 1")
+        if not 1 / experts <= hot_share <= 1:
+            raise ExpertParallelError(f"hot_expert_share: {hot_share} is not a share of {experts} experts' tokens: "
+                                      f"from 1/{experts} (balanced) to 1")
     per_node = min(ranks, max(placement.gpus_per_node // (tensor * context * pipeline), 1))
-    return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link)
+    return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share)

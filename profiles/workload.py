@@ -32,6 +32,7 @@ class OpCount:
     moved_bytes: int
     count: int
     float8: bool = False  # a product a float8 recipe runs at the part's float8 peak (planning/fp8.py); never counted
+    routed: bool = False  # a routed expert's op (workload/moe.py), of which a busy expert-parallel rank runs more
 
 
 

@@ -79,6 +79,33 @@ def test_a_moe_layer_waits_for_two_all_to_alls_forward_and_two_in_the_input_grad
     assert whole.layers[0].fwd == sharded.layers[0].fwd  # the embedding routes nothing
 
 
+def test_the_busiest_rank_holds_the_hot_expert_and_its_share_of_the_rest():
+    """8 experts over 4 ranks, 2 each: the hot one takes 0.3 of the routed copies, the 7 others 0.1 each, so its
+    rank computes 0.4 of them where a balanced rank computes 0.25: 1.6 times the work, its products' rows too."""
+    group = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, hot_share=0.3)
+    assert group.load == pytest.approx(1.6)
+    assert expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, hot_share=1 / EXPERTS).load == pytest.approx(1.0)
+    layer = counted().layers[1]
+    busy = group.busiest(layer)
+    for name in ("fwd", "igrad", "wgrad"):
+        for mine, balanced in zip(busy.ops[name], layer.ops[name]):
+            assert mine.flops == (round(balanced.flops * 1.6) if balanced.routed else balanced.flops)
+            if balanced.routed and balanced.kind == "matmul":
+                assert mine.shape[1] == round(balanced.shape[1] * 1.6)
+
+
+def test_every_rank_waits_for_the_busiest_ones_work_and_all_to_alls():
+    group = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8)
+    balanced, hot = profile(expert=4), profile(expert=4, hot_expert_share=0.3)
+    extra_all_to_alls = 2 * (group.all_to_all_ms(1.6 * S * TOP_K * H * 2) - group.all_to_all_ms(S * TOP_K * H * 2))
+    for one, busy, layer in zip(balanced.layers, hot.layers, counted().layers):
+        if layer.dispatched_bytes:
+            assert busy.fwd.median_ms - one.fwd.median_ms > extra_all_to_alls  # and the experts' products
+        else:
+            assert busy.fwd == one.fwd
+    assert [layer.param_bytes for layer in hot.layers] == [layer.param_bytes for layer in balanced.layers]
+
+
 @pytest.mark.parametrize("ranks, experts, data, fragment", [
     (3, EXPERTS, 6, "expert: 3 does not divide the model's 8 routed experts"),
     (4, EXPERTS, 2, "expert: 4 must divide the data-parallel degree, 2"),
@@ -89,11 +116,23 @@ def test_an_impossible_degree_names_what_it_must_divide(ranks, experts, data, fr
         expert_group(PLACEMENT, ranks, experts, 1, 1, 1, data)
 
 
+@pytest.mark.parametrize("ranks, share, fragment", [
+    (2, 0.1, r"hot_expert_share: 0.1 is not a share of 8 experts' tokens: from 1/8 \(balanced\) to 1"),
+    (2, 1.5, r"hot_expert_share: 1.5 is not a share"),
+    (1, 0.5, r"hot_expert_share: changes nothing on one expert-parallel rank"),
+])
+def test_a_hot_share_must_be_a_share_and_needs_expert_parallelism(ranks, share, fragment):
+    with pytest.raises(ExpertParallelError, match=fragment):
+        expert_group(PLACEMENT, ranks, EXPERTS, 1, 1, 1, 2, hot_share=share)
+
+
 @pytest.mark.parametrize("args, fragment", [
     (("--experts", 8, "--expert-parallel", 3, "--data-parallel", 6),
      "--expert-parallel 3 does not divide the model's 8 routed experts"),
     (("--experts", 8, "--expert-parallel", 4), "--expert-parallel 4 must divide the data-parallel degree, 1"),
     (("--expert-parallel", 2, "--data-parallel", 2), "--expert-parallel 2, but the model has no routed experts"),
+    (("--experts", 8, "--expert-parallel", 2, "--data-parallel", 2, "--hot-expert-share", 0.05),
+     "--hot-expert-share 0.05 is not a share of 8 experts' tokens"),
 ])
 def test_a_bad_expert_parallel_degree_is_one_line_and_nothing_is_written(tmp_path, args, fragment):
     out = tmp_path / "profile.json"

@@ -75,6 +75,18 @@ def test_a_layer_records_its_experts_weights_and_the_token_copies_its_dispatch_s
     assert block(gpt_count(ffn=FFN)).expert_param_bytes == 0
 
 
+def test_the_routed_experts_own_ops_are_marked_forward_and_backward():
+    """The experts' products, found by the weights and products they read: E batched products at k·T/E tokens,
+    three a SwiGLU expert, in each pass; the router's product and the dispatch's gather are not the experts'."""
+    layer = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    for name in ("fwd", "igrad", "wgrad"):
+        products = [op for op in layer.ops[name] if op.routed and op.kind == "matmul"]
+        assert sum(op.flops * op.count for op in products) == TOKENS * TOP_K * MLP_FLOPS, name
+        assert {op.shape[0] for op in products} == {EXPERTS}
+    assert not any(op.routed for op in layer.ops["fwd"] if op.op in ("mm", "index_select", "index_add"))
+    assert not any(op.routed for layer in gpt_count(ffn=FFN).layers for ops in layer.ops.values() for op in ops)
+
+
 def test_a_capacity_factor_pads_every_expert_to_its_capacity():
     """c = 2: each expert computes 2·k·T/E tokens, twice the routed experts' products of the dropless count."""
     dropless = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))

@@ -37,7 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .models import BATCH, Model
-from .moe import dispatches
+from .moe import Dispatched, dispatches
 from .optim import OPTIMIZERS, make_optimizer
 
 __all__ = ["ATTENTION", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
@@ -52,10 +52,10 @@ ATTENTION_KERNELS = {str(op).removeprefix("aten.") for op in flop_registry if "a
 class _Tally:
     flops: int = 0
     moved_bytes: int = 0  # of the memory-bound ops
-    ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes) -> calls
+    ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed) -> calls
 
     def records(self) -> tuple[OpCount, ...]:
-        return tuple(OpCount(*key, count=n) for key, n in self.ops.items() if n > 0)
+        return tuple(OpCount(*key[:5], count=n, routed=key[5]) for key, n in self.ops.items() if n > 0)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -81,21 +81,24 @@ def _kind(name: str) -> str:
 
 class _MovedBytes(TorchDispatchMode):
     """Records every op with its FLOPs (torch's formula) and the bytes it reads and writes, and sums the bytes of
-    those torch has no FLOP formula for, except views (ops whose outputs alias an input without writing it)."""
+    those torch has no FLOP formula for, except views (ops whose outputs alias an input without writing it).
+    With `routed`, an op reading a routed expert's weights or products is marked as the experts'."""
 
-    def __init__(self, tally: _Tally) -> None:
+    def __init__(self, tally: _Tally, routed: Dispatched | None = None) -> None:
         super().__init__()
         self.tally = tally
+        self.routed = routed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         reads = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         writes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         name = func.overloadpacket.__name__
+        experts = self.routed is not None and self.routed.reads_experts(reads)
         if func.overloadpacket in flop_registry:
             flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
             moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
-            self.tally.ops[name, _kind(name), _shape(name, reads), flops, moved] += 1
+            self.tally.ops[name, _kind(name), _shape(name, reads), flops, moved, experts] += 1
             return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)
@@ -107,16 +110,16 @@ class _MovedBytes(TorchDispatchMode):
         moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
-        self.tally.ops[name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved] += 1
+        self.tally.ops[name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts] += 1
         return out
 
 
 @contextmanager
-def _counting() -> Iterator[_Tally]:
+def _counting(routed: Dispatched | None = None) -> Iterator[_Tally]:
     """FLOPs and moved bytes of what runs inside, filled in when it ends."""
     tally = _Tally()
     flops = FlopCounterMode(display=False)
-    with flops, _MovedBytes(tally):
+    with flops, _MovedBytes(tally, routed):
         yield tally
     tally.flops = flops.get_total_flops()
 
@@ -330,10 +333,10 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                  steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
     """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
     weights = [p for p in layer.parameters() if p.requires_grad]
-    with _counting() as fwd, _saved(layer) as saved, dispatches() as routed:
+    with dispatches() as routed, _counting(routed) as fwd, _saved(layer) as saved:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
-    igrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights)
+    igrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)
     shapes = tuple((tuple(w.shape), w.dtype) for w in weights)
     for name in OPTIMIZERS:
         if (name, shapes) not in steps:
@@ -356,16 +359,18 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     return count, out.detach()
 
 
-def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> tuple[_Tally, _Tally]:
-    """The input-gradient pass alone, and the full backward (inputs and weights), counted."""
+def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch.Tensor],
+              routed: Dispatched | None = None) -> tuple[_Tally, _Tally]:
+    """The input-gradient pass alone, and the full backward (inputs and weights), counted; `routed`: the forward's
+    routed experts, whose ops the backward's reading their weights or products are."""
     igrad = full = _Tally()
     if not out.requires_grad:
         return igrad, full
     grad = torch.ones_like(out)
     if inputs:
-        with _counting() as igrad:
+        with _counting(routed) as igrad:
             torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
-    with _counting() as full:
+    with _counting(routed) as full:
         torch.autograd.grad(out, inputs + weights, grad, allow_unused=True)
     return igrad, full
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,10 +39,17 @@ class ExpertShape:
 @dataclass
 class Dispatched:
     """What the routed experts run while `dispatches` records: the bytes of the token copies each dispatch sends
-    to the experts (the combine returns as many) and of the experts' weights, each summed over the calls."""
+    to the experts (the combine returns as many) and of the experts' weights, each summed over the calls; and the
+    storages of the experts' weights and of what their products read and write (by identity, held so that none is
+    reused), by which workload/count.py tells the experts' own ops, forward and backward, from the rest."""
 
     token_bytes: int = 0
     expert_weight_bytes: int = 0
+    expert_storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)
+
+    def reads_experts(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether an op reading `tensors` is an expert's: it reads an expert's weights or products."""
+        return bool(self.expert_storages) and any(id(t.untyped_storage()) in self.expert_storages for t in tensors)
 
 
 _recording: list[Dispatched] = []  # the records open, innermost last
@@ -58,6 +65,13 @@ def dispatches() -> Iterator[Dispatched]:
         yield record
     finally:
         _recording.remove(record)
+
+
+def _experts_own(*tensors: torch.Tensor) -> None:
+    """Mark `tensors` as the experts' own (`Dispatched.expert_storages`) in every record open."""
+    for record in _recording:
+        for t in tensors:
+            record.expert_storages[id(t.untyped_storage())] = t.untyped_storage()
 
 
 def expected_tokens(tokens: int, top_k: int, experts: int, capacity_factor: float | None = None) -> int:
@@ -92,7 +106,12 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         copy = torch.empty_like(token)  # and which of the T·k routed copies each one is
         routed = hidden.index_select(0, token).view(experts, each, width)
         weights = top_k_weights.reshape(-1).index_select(0, copy).view(experts, each, 1)
-        done = torch.bmm(activation(torch.bmm(routed, up)), down) * weights.to(hidden.dtype)
+        _experts_own(routed, up, down)  # what the experts' products read: their own ops read these
+        inner = torch.bmm(routed, up)
+        _experts_own(inner)
+        active = activation(inner)
+        _experts_own(active)
+        done = torch.bmm(active, down) * weights.to(hidden.dtype)
         return out.index_add(0, token, done.view(experts * each, width))
     limit = capacity(tokens, top_k, experts, capacity_factor)
     for expert in range(experts):
