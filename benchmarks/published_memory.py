@@ -113,7 +113,6 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
                              "command": command_text(args)})
             continue
         why = [what for what, used in (("torch.compile", "compile" in row["techniques"]),
-                                       ("Float8", "Float8" in row["techniques"]),
                                        ("async TP", "AsyncTP" in row["techniques"])) if used]
         listed.append({"run": run, "published_gib": published, "why_not": "not modelled: " + ", ".join(why)})
     return compared, listed
