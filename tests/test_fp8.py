@@ -116,8 +116,17 @@ SMALL = ("--model", "gpt", "--layers", "2", "--width", "256", "--heads", "4", "-
          "--attention", "flash")
 
 
+@pytest.mark.parametrize("command", ["estimate", "simulate", "sweep", "tune"])
+def test_fp8_on_a_part_without_an_fp8_peak_is_refused_by_every_what_if_command(tmp_path, monkeypatch, command):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    more = {"estimate": ("--out", "e.json"), "sweep": ("--out", "r.csv"), "tune": ("-D", "2")}.get(command, ())
+    code, _, err = pipesim(command, "--gpu", "a100-sxm-80gb", *SMALL, "--dtype", "fp8", *more)
+    assert code == 2 and "--dtype fp8: a100-sxm-80gb has no FP8 peak in the catalogue" in err, err
+    assert len(err.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("gpu, args, fragment", [
-    ("a100-sxm-80gb", ("--dtype", "fp8"), "--dtype fp8: a100-sxm-80gb has no FP8 peak in the catalogue"),
     ("h100-sxm", ("--fp8-recipe", "te"), "--fp8-recipe says how --dtype fp8 runs the linear products"),
     ("h100-sxm", ("--dtype", "fp8", "--fp8-recipe", "mx"), "--fp8-recipe: choose from te, torchao (got 'mx')"),
 ])
@@ -129,7 +138,7 @@ def test_bad_fp8_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypat
     assert not list(tmp_path.iterdir())
 
 
-def test_simulate_sweep_and_estimate_take_fp8_and_the_estimate_records_its_recipe(tmp_path):
+def test_simulate_sweep_tune_and_estimate_take_fp8_and_the_estimate_records_its_recipe(tmp_path):
     pytest.importorskip("torch")
     big = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "4096", "--heads", "32", "--seq-len",
            "2048", "--vocab", "1024", "--attention", "flash", "-p", "2", "-m", "4", "-s", "1f1b")
@@ -147,6 +156,8 @@ def test_simulate_sweep_and_estimate_take_fp8_and_the_estimate_records_its_recip
     assert estimate["parallelism"]["fp8"] == "te"
     code, _, err = pipesim("sweep", *big, "--dtype", "fp8", "-j", 1, "--out", tmp_path / "r.csv")
     assert code == 0, err
+    code, out, err = pipesim("tune", *big[:-6], "-D", 4, "-s", "1f1b", "--dtype", "fp8", "--json")
+    assert code == 0 and 0 < json.loads(out)["choice"]["mfu"] < 1, err
 
 
 def test_te_casts_the_weights_once_a_step_with_the_update_and_torchao_in_the_passes():
