@@ -220,7 +220,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             if report is not None:
                 report(f"estimating the model's profile for each t, b, recomputation and p: {len(settings)} done")
             depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
-                                                           if devices % (t * p) == 0]
+                                                           if devices % (t * p) == 0
+                                                           and devices // (t * p) % what.expert == 0]
             try:
                 settings += [Setting(profile_scenario(estimated_profile(
                     what, counted, what.parallelism(p, t, devices // (t * p), kind), optimizer), optimizer), t, kind,
@@ -229,8 +230,10 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 if tensor:  # the user's t: say why it cannot be
                     raise
     if not settings:
+        replicas = (f"; the replicas d = D/(t·p) must be a multiple of --expert-parallel {what.expert}"
+                    if what.expert > 1 else "")
         raise InputError(f"--devices {devices}: no tensor-parallel degree t of {', '.join(map(str, tensors))} suits "
-                         "the model (t must divide its heads and MLP width); give --tensor-parallel")
+                         f"the model (t must divide its heads and MLP width{replicas}); give --tensor-parallel")
     return settings
 
 

@@ -527,7 +527,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
     if optimizer not in OPTIMIZERS:
         raise EstimateError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
-    for name, what in (("heads", "heads"), ("kv_heads", "key/value heads"), ("ffn", "MLP width")):
+    for name, what in (("heads", "heads"), ("kv_heads", "key/value heads"), ("ffn", "MLP width"),
+                       ("expert_ffn", "experts' MLP width")):
         size = counted.options.get(name)  # Megatron splits each over the t ranks
         if size and size % parallel.tensor:
             raise EstimateError(f"tensor: {parallel.tensor} does not divide the model's {size} {what}")

@@ -4,6 +4,7 @@ placement's links (the node's inside it, each GPU's NIC across), and bad degrees
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 import pytest
@@ -145,3 +146,21 @@ def test_a_bad_expert_parallel_degree_is_one_line_and_nothing_is_written(tmp_pat
 def test_expert_parallel_needs_the_estimate():
     code, _, err = pipesim("simulate", "--expert-parallel", 2)
     assert code == 2 and "--expert-parallel: only --gpu's estimate reads it" in err
+
+
+def test_tune_searches_only_the_shapes_whose_replicas_expert_parallelism_can_draw_from():
+    """With --expert-parallel 4 on 8 GPUs, d = 8/(t·p) must be a multiple of 4: t·p of 1 or 2 only."""
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256,
+                             "--heads", 4, "--seq-len", 128, "--vocab", 1000, "--gated", "--experts", 8,
+                             "--expert-parallel", 4, "-D", 8, "--json")
+    assert code == 0, err
+    tuned = json.loads(out)
+    rows = [tuned["choice"], *tuned["runners_up"], *tuned["excluded"]]
+    assert rows and all(row["replicas"] % 4 == 0 for row in rows)
+
+
+def test_tensor_parallelism_must_split_each_experts_mlp(tmp_path):
+    code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64,
+                           "--heads", 4, "--seq-len", 32, "--vocab", 100, "--experts", 4, "--expert-ffn", 33,
+                           "--tensor-parallel", 2, "--out", tmp_path / "profile.json")
+    assert code == 2 and "--tensor-parallel 2 does not divide the model's 33 experts' MLP width" in err, err

@@ -33,6 +33,7 @@ WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  
 # which torch's FLOP counter counts as nothing, so pipesim runs them as its own (`balanced_experts`).
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K_FIELD = "num_experts_per_tok"
+EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is not intermediate_size's (Mixtral's)
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
 
 
@@ -91,7 +92,8 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
     options["kv_heads"] = getattr(settings, "num_key_value_heads", None) or options["heads"]
     experts = next((getattr(settings, name) for name in EXPERT_FIELDS if getattr(settings, name, None)), None)
     if experts:  # aliases of one another: one is enough
-        options.update(experts=experts, top_k=getattr(settings, TOP_K_FIELD, None))
+        options.update(experts=experts, top_k=getattr(settings, TOP_K_FIELD, None),
+                       expert_ffn=getattr(settings, EXPERT_FFN_FIELD, None) or options["ffn"])
     longest = getattr(settings, "max_position_embeddings", None)
     if seq_len is None:
         raise ModelError(f"--seq-len: give the tokens a sample of {spec} holds"
