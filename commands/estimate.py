@@ -495,6 +495,21 @@ def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     return ", ".join([degrees, *flags])
 
 
+def _expert_group_text(profile: Profile, expert: int) -> str:
+    """Where an expert-parallel group's all-to-alls go (planning/experts.py): its ranks on each node, the shares of
+    a rank's token copies that cross the node's link and its NIC."""
+    from ..planning.experts import expert_group
+
+    estimate = profile.estimate
+    t, p, d = estimate.degrees
+    group = expert_group(estimate.placement, expert, profile.model.options.get("experts"), t,
+                         int(estimate.parallelism.get("context", 1)), p, d)
+    node, network = group.node_link, group.network_link
+    return (f"expert-parallel group: {expert} ranks, {group.per_node} on each node; an all-to-all sends "
+            f"{group.per_node - 1}/{expert} of a rank's token copies over {node.kind} and {expert - group.per_node}/"
+            f"{expert} over its NIC ({network.kind} {network.bytes_per_ms / 1e6:.3g} GB/s)")
+
+
 def _print_estimate(profile: Profile) -> None:
     """Per stage: its layers, times and memory on one GPU; then the placement's links."""
     from rich import box
@@ -525,3 +540,6 @@ def _print_estimate(profile: Profile) -> None:
     stdout.print("links: " + "; ".join(f"{what} {link.kind} {link.bytes_per_ms / 1e6:.3g} GB/s, "
                                        f"{link.latency_ms * 1e3:.1f} us a step" for what, link in links),
                  highlight=False)
+    expert = int(estimate.parallelism.get("expert", 1))
+    if expert > 1 and estimate.placement is not None:
+        stdout.print(_expert_group_text(profile, expert), highlight=False)

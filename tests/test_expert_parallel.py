@@ -164,3 +164,15 @@ def test_tensor_parallelism_must_split_each_experts_mlp(tmp_path):
                            "--heads", 4, "--seq-len", 32, "--vocab", 100, "--experts", 4, "--expert-ffn", 33,
                            "--tensor-parallel", 2, "--out", tmp_path / "profile.json")
     assert code == 2 and "--tensor-parallel 2 does not divide the model's 33 experts' MLP width" in err, err
+
+
+def test_the_estimate_says_where_the_all_to_alls_go(tmp_path):
+    """p = 4 stages of one GPU: 2 of a group's 8 replicas on each 8-GPU node, 6/8 of a rank's copies on its NIC."""
+    code, out, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64,
+                             "--heads", 4, "--seq-len", 32, "--vocab", 100, "--experts", 8, "--stages", 4,
+                             "--data-parallel", 8, "--expert-parallel", 8, "--out", tmp_path / "profile.json")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "t=1 p=4 d=8 E=8" in text
+    assert ("expert-parallel group: 8 ranks, 2 on each node; an all-to-all sends 1/8 of a rank's token copies over "
+            "nvlink and 6/8 over its NIC (infiniband") in text
