@@ -31,13 +31,19 @@ Score. The steady-state step time: how much the makespan grows per extra mini-ba
 repeat exactly from the second step on; the others are averaged over STEADY_STEPS steps past their warm-up),
 never below the busiest device's compute per step, which no steady state can beat.
 
-Search. Everything but the simulation is cheap. Building a candidate's schedule gives its staleness and its
-memory floor (static bytes plus the largest activations or weight versions one of a device's stages holds:
-a lower bound of the simulated peak, which adds transfer buffers and overlaps on top); its costs give the
-busiest device's compute per step, an upper bound of samples/s. Candidates over the staleness limit or
+Search. Best bound first, in two tiers, so that only what can still win is built and only what can still
+win once built is simulated. A shape (schedule, p, v, P, m) is bounded from a sketch of its order read off a
+small probe (`_Sketch`): the mean compute, the busiest stage of the best split of the layers, a flushing
+chain's fill and drain and its REDUCE waits; and a memory floor, the mean of the bytes every device holds
+throughout. Building a candidate (its partition, its order at m) gives its staleness and its memory floor
+(static bytes plus the largest activations or weight versions one of a device's stages holds: a lower bound
+of the simulated peak, which adds transfer buffers and overlaps on top); its costs give each device's compute
+per step plus the REDUCE it must wait out, and a flushing chain's bound: an upper bound of samples/s that
+tests hold to the simulation. Candidates over the staleness limit or
 with a floor over the cap are out unsimulated; the rest are simulated best bound first, until the bound
 falls below the sixth best row found, so the choice and its five runners-up are exact. Excluded
-candidates are simulated, best bound first, only while their bound beats the choice: what the limits cost.
+candidates whose floor fits are simulated, best bound first, only while their bound beats the choice: what
+the limits cost (one whose floor is over the cap holds more than the device before any schedule runs).
 The limit that changes what a run trains is staleness (synchronous by default): so that it is not a hidden
 price, the fastest configuration over it alone (within the cap) that beats the choice is found the same way,
 best bound first among those whose floor fits, and named in a note.
@@ -54,7 +60,15 @@ from functools import cache
 
 import numpy as np
 
-from ..profiles.partition import PartitionError, activation_ranges, leanest_partition, partition, ranges
+from ..hardware.collectives import all_reduce_ms
+from ..profiles.partition import (
+    PartitionError,
+    activation_ranges,
+    leanest_partition,
+    least_slowest,
+    partition,
+    ranges,
+)
 from ..profiles.schema import Profile, layer_costs
 from ..schedules import (
     COLLECTIVE_KINDS,
@@ -76,7 +90,7 @@ from ..sim.costs import Costs
 from ..sim.engine import simulate, static_bytes
 from ..traces import summarize
 from ..units import GIB
-from .auto import activation_ratio, check_shape
+from .auto import activation_ratio, check_shape, schedule_frame
 from .scenario import Scenario, profile_costs
 
 RUNNERS_UP = 5
@@ -276,14 +290,14 @@ def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None
     limit, cap = problem.max_staleness, problem.memory_cap_bytes
 
     def fits_floor(item: Shape | Candidate) -> bool:
-        return isinstance(item, Shape) or item.memory_floor_bytes <= cap
+        return item.memory_floor_bytes <= cap
 
     best = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness <= limit)
                       and fits_floor(item), lambda result: allowed(result, problem), float("-inf"))
     if not best:
         raise TuneError(_nothing_fits(settings, problem))
     choice = best[0][0]
-    faster = top_groups(shapes, built, lambda item: True, lambda result: not allowed(result, problem),
+    faster = top_groups(shapes, built, fits_floor, lambda result: not allowed(result, problem),
                         speed_key(choice.samples_per_s))
     staler = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness > limit)
                         and fits_floor(item), lambda result: result.peak_memory_bytes <= cap,
@@ -292,15 +306,8 @@ def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None
     def row(group: list[Result]) -> Row:
         return Row(group[0], explain(group[0], choice, problem), [twin.config for twin in group[1:]])
 
-    candidates = [c for c in built.candidates.values() if c is not None]
-    stale = sum(s.staleness is not None and s.staleness > limit for s in shapes) + sum(
-        c.staleness > limit for c in candidates if built.shapes[c.index].staleness is None)
-    heavy = sum(c.staleness <= limit and c.memory_floor_bytes > cap for c in candidates)
-    within = sum(c.staleness <= limit and c.memory_floor_bytes <= cap for c in
-                 (result.candidate for result in built.results.values()))
-    refused += sum(c is None for c in built.candidates.values())
-    stats = Stats(count, refused, stale, heavy, count - refused - stale - heavy - within, within,
-                  len(built.results) - within, time.perf_counter() - started)
+    refused_built, *accounts = _accounts(shapes, built, problem)
+    stats = Stats(count, refused + refused_built, *accounts, time.perf_counter() - started)
     staler_row = row(staler[0]) if staler else None
     return Tuning(problem, row(best[0]), [row(g) for g in best[1:]], [row(g) for g in faster[:RUNNERS_UP]], stats,
                   _notes(settings, problem) + ([_staler_note(staler_row, choice)] if staler_row else []),
@@ -341,6 +348,30 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
         else:
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
     return kept
+
+
+def _accounts(shapes: list[Shape], built: _Built, problem: Problem) -> tuple[int, int, int, int, int, int]:
+    """Where each configuration ended, each counted once, by what is known of it: refused once built, too stale,
+    over the cap by its memory floor (a built candidate's, else its shape's), simulated, or pruned by the
+    throughput bound unbuilt; and how many of the stale and heavy ones were simulated to show what the limits
+    cost. Returns (refused, stale, heavy, pruned, simulated within the limits, simulated over them)."""
+    limit, cap = problem.max_staleness, problem.memory_cap_bytes
+    refused = stale = heavy = pruned = within = over = 0
+    for shape in shapes:
+        item = built.candidates.get(shape.index, shape)
+        if item is None:
+            refused += 1
+        elif item.staleness is not None and item.staleness > limit:
+            stale += 1
+            over += shape.index in built.results
+        elif item.memory_floor_bytes > cap:
+            heavy += 1
+            over += shape.index in built.results
+        elif shape.index in built.results:
+            within += 1
+        else:
+            pruned += 1
+    return refused, stale, heavy, pruned, within, over
 
 
 class _Built:
@@ -396,24 +427,30 @@ def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate],
 @dataclass(frozen=True)
 class Shape:
     """A configuration before it is partitioned and costed: its staleness where its order tells it without
-    costs (None: a searched order's, known once built) and `max_samples_per_s`, a bound no partition beats
-    (`_shape_bound`), so that the search builds a candidate only when it could still win."""
+    costs (None: known once built), `max_samples_per_s`, a bound no partition beats (`_shape_bound`), and a
+    memory floor no partition goes below, so that the search builds a candidate only when it could still win
+    and fit."""
 
     config: Config
     setting: Setting
     index: int  # enumeration order over all shapes: the candidate's, the last tie-break
     staleness: int | None
     max_samples_per_s: float
+    memory_floor_bytes: int  # what no partition's floor goes below: the fullest device holds at least the mean
 
 
 @dataclass(frozen=True)
 class _Work:
-    """What bounds a setting's compute per step for any partition, summed over its layers for one micro-batch:
-    the forward, the backward, and the least backward (B, or its halves I + W) ms."""
+    """What bounds a setting's configurations for any partition, summed over its layers for one micro-batch:
+    the forward, the backward and the least backward (B, or its halves I + W) ms; and the bytes every device
+    together holds throughout, per pipeline (weights, gradients, optimizer state) and per extra weight copy."""
 
     fwd_ms: float
     bwd_ms: float
     least_bwd_ms: float
+    static_bytes: int
+    param_bytes: int
+    slowest_ms: np.ndarray  # [k]: the least a busiest of k stages runs per micro-batch (F + least backward)
 
 
 def _work(profile: Profile, optimizer: str) -> _Work:
@@ -422,26 +459,62 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     their totals over the stages are the layers' whatever the cut. Its I and W are its layers' sums too, except
     on a stage that sends no input gradient (the first), whose I is 0 and W its whole B: either way a stage's
     min(B, I + W) is at least its layers' sum of min(B, I + W). Where passes were measured, the calibrated cut's
-    I and W are measured, which no layer sum bounds: they count for nothing."""
-    if all(stage.passes is not None for stage in profile.stages):
-        table = profile_costs(profile, optimizer, range(len(profile.layers) + 1)).op_ms_table(1)
-        return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0)
-    tail = profile.contention.tail if profile.contention is not None else 1.0
+    I and W are measured, which no layer sum bounds: they count for nothing; the same goes for `slowest_ms`, the
+    best split of the layers' F + min(B, I + W) into k stages (`least_slowest`), which no stage's passes undercut.
+    Bytes are additive over a cut."""
+    held = (sum(c.static_bytes for c in layer_costs(profile.layers, optimizer)),
+            sum(layer.param_bytes for layer in profile.layers))
     layers = profile.layers
+    if all(stage.passes is not None for stage in profile.stages):
+        table = profile_costs(profile, optimizer, range(len(layers) + 1)).op_ms_table(1)
+        return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0, *held,
+                     np.zeros(len(layers) + 1))
+    tail = profile.contention.tail if profile.contention is not None else 1.0
+    least_bwd = [min(layer.bwd.median_ms, layer.igrad.median_ms + layer.wgrad.median_ms) for layer in layers]
     return _Work(tail * math.fsum(layer.fwd.median_ms for layer in layers),
-                 tail * math.fsum(layer.bwd.median_ms for layer in layers),
-                 tail * math.fsum(min(layer.bwd.median_ms, layer.igrad.median_ms + layer.wgrad.median_ms)
-                                  for layer in layers))
+                 tail * math.fsum(layer.bwd.median_ms for layer in layers), tail * math.fsum(least_bwd), *held,
+                 tail * _least_slowest(tuple(layer.fwd.median_ms + b for layer, b in zip(layers, least_bwd))))
 
 
-def _shape_bound(problem: Problem, config: Config, work: _Work, per_step: np.ndarray | None, cost_scale: float,
-                 chain: tuple[int, bool] | None = None) -> float:
+_least_slowest = cache(least_slowest)  # settings of one model at other depths share their layers' costs
+
+
+@dataclass(frozen=True)
+class _Sketch:
+    """What a method's order tells the search before any cost, per micro-batch (`_Orders.sketch`, read off a
+    probe of the same shape): every method runs each micro-batch's forward and backward once on every stage, so
+    its counts scale with m; whether it is a flushing chain, splits backwards or keeps extra weight copies does
+    not depend on m, nor does a flushing order's staleness (nothing is in flight across its steps)."""
+
+    forwards: float  # the fewest forwards a model stage runs, per micro-batch
+    backwards: float  # the fewest B + min(I, W)
+    whole: float  # the fewest full backwards (B)
+    chain: tuple[float, bool] | None  # `_flush_chain`, its count per micro-batch
+    staleness: int | None  # None: known at the candidate's m only
+    extra_copies: int
+
+    @classmethod
+    def of(cls, order: _Order) -> _Sketch:
+        m = order.schedule.microbatches
+        f, b, i, w = (order.per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
+        chain = (order.chain[0] / m, order.chain[1]) if order.chain is not None else None
+        return cls(float(f.min()) / m, float((b + np.minimum(i, w)).min()) / m, float(b.min()) / m, chain,
+                   order.staleness if flushes(order.schedule) else None, order.schedule.policy.extra_copies)
+
+
+# A searched order (auto) flushes every mini-batch on a chain (`check_shape`: one stage per device, one pipeline),
+# running each micro-batch's F and backward once per stage; whether it splits a backward is searched: say it may.
+SEARCHED = _Sketch(1.0, 1.0, 0.0, (1.0, True), None, 0)
+
+
+def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch, cost_scale: float,
+                 reduce_ms: float = 0.0, chain: bool = True) -> float:
     """An upper bound of `config`'s samples/s under any partition. The busiest device computes at least the
     mean of the p devices, and together they compute at least every stage's forwards (the fewest any stage runs
     per step, times the layers' forward sum: F is additive over a cut) and backwards (each micro-batch's B, or
     I and W, costs at least min(B, I + W) >= the layers' least backward; B alone, its layers' B), with updates
-    and the rest counted as 0. A searched order (`per_step` None) runs each of its m micro-batches' F and
-    backward on every stage.
+    and the rest counted as 0 (`sketch` gives the counts per micro-batch); and the busiest device computes at
+    least its busiest stage, which runs at least the fewest passes on the best split of the layers into stages.
 
     A flushing chain's step is also at least, for every device d, X_0 + ... + X_{d-1} + c·X_d, where X_k is
     stage k's forward plus its input-gradient pass and c the fewest of each any device runs before its last
@@ -452,27 +525,31 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, per_step: np.nda
     is empty). About m/p + 1/2 micro-batches' passes for m >> p: half the fill and drain, where the mean
     compute alone gives none.
 
+    A flushing chain's device waits out its stage's REDUCE between its last backward and its update
+    (`_exposed_reduce_ms`), so the step is at least the mean compute plus the mean REDUCE, `reduce_ms`.
+
     The candidate's bound (`Candidate.max_samples_per_s`, from its own stages) can only be lower: a test holds
     them to it. Shaded by 1e-9 against rounding (the sums run in another order)."""
     m = config.microbatches
-    if per_step is None:
-        forwards, backwards, whole = m, m, 0.0
-    else:
-        f, b, i, w = (per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
-        forwards, backwards, whole = float(f.min()), float((b + np.minimum(i, w)).min()), float(b.min())
+    forwards, backwards, whole = m * sketch.forwards, m * sketch.backwards, m * sketch.whole
     total_ms = cost_scale * (forwards * work.fwd_ms + max(backwards * work.least_bwd_ms, whole * work.bwd_ms))
-    step_ms = total_ms / config.stages
-    if chain is not None:
-        c, runs_input_halves = chain
+    mean_ms = total_ms / config.stages
+    stages = config.stages * config.chunks
+    step_ms = max(mean_ms, cost_scale * m * min(sketch.forwards, sketch.backwards) * float(work.slowest_ms[stages])
+                  if stages < len(work.slowest_ms) else 0.0)
+    if chain and sketch.chain is not None:
+        c, runs_input_halves = m * sketch.chain[0], sketch.chain[1]
         passes_ms = cost_scale * (work.fwd_ms + (0.0 if runs_input_halves else work.bwd_ms))
-        step_ms = max(step_ms, passes_ms / (1 - (1 - 1 / c) ** config.stages))
+        step_ms = max(step_ms, mean_ms + reduce_ms, passes_ms / (1 - (1 - 1 / c) ** config.stages))
     step_ms *= 1 - 1e-9
     return problem.batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
 
 
 def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple[list[Shape], int, int]:
-    """Every shape (schedule, p, v, P with a whole m) on each setting, with what its order (built by `orders`)
-    tells before costs; how many shapes there were, and how many the methods refused from the shape alone."""
+    """Every shape (schedule, p, v, P with a whole m) on each setting, with what its order's sketch
+    (`orders.sketch`) tells before costs; how many shapes there were, and how many the methods refused from the
+    sketch. The floor: the devices together hold every pipeline's weights, gradients and optimizer state and the
+    policy's extra weight copies throughout, and the fullest at least the mean of that."""
     shapes: list[Shape] = []
     count = refused = 0
     for setting in settings:
@@ -482,6 +559,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
         work = _work(profile, scenario.optimizer)
         depths = [p for p in _depths(problem.devices // t, layers, _prices_data_parallel(profile))
                   if setting.depths is None or p in setting.depths] if problem.devices % t == 0 else []
+        reduce_ms = {p: _mean_reduce_ms(scenario, p, problem.devices // (p * t), work.param_bytes) for p in depths}
         for name in problem.schedules:
             for p in depths:
                 replicas = problem.devices // (p * t)
@@ -493,21 +571,32 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                             continue
                         count += 1
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
-                        params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=replicas)
                         try:
+                            params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=replicas)
                             if METHODS[name].needs_costs:
                                 check_shape(params)
-                                staleness, per_step, chain = None, None, None
+                                sketch = SEARCHED
                             else:
-                                order = orders(scenario, name, _long(orders(scenario, name, params).schedule, params))
-                                staleness, per_step, chain = order.staleness, order.per_step, order.chain
+                                sketch = orders.sketch(scenario, name, params)
                         except ScheduleError:
                             refused += 1
                             continue
-                        shapes.append(Shape(config, setting, count - 1, staleness,
-                                            _shape_bound(problem, config, work, per_step, scenario.cost_scale,
-                                                         chain)))
+                        floor = (pipelines * work.static_bytes + sketch.extra_copies * work.param_bytes) // p
+                        bound = _shape_bound(problem, config, work, sketch, scenario.cost_scale, reduce_ms[p])
+                        shapes.append(Shape(config, setting, count - 1, sketch.staleness, bound, floor))
     return shapes, count, refused
+
+
+def _mean_reduce_ms(scenario: Scenario, stages: int, replicas: int, gradient_bytes: int) -> float:
+    """What p stages' REDUCEs over r replicas take at least on average, however the model's gradients are cut
+    among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the bytes, is concave in
+    them, so the mean over any cut is at least the chord from no bytes to all of them, 1/p of the way."""
+    if replicas == 1:
+        return 0.0
+    link = scenario.data_parallel_link(schedule_frame(ScheduleParams(stages, 1, data_parallel=replicas)))
+    empty, whole = (all_reduce_ms(nbytes, replicas, link.latency_ms, link.bytes_per_ms)
+                    for nbytes in (0, gradient_bytes))
+    return empty + (whole - empty) / stages
 
 
 def _long(probe: Schedule, params: ScheduleParams) -> ScheduleParams:
@@ -585,6 +674,7 @@ class _Orders:
 
     def __init__(self) -> None:
         self._fixed: dict[tuple[str, ScheduleParams], _Order | ScheduleError] = {}
+        self._sketches: dict[tuple[str, ScheduleParams, int | None], _Sketch | ScheduleError] = {}
 
     def __call__(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Order:
         method = METHODS[name]
@@ -598,6 +688,25 @@ class _Orders:
         found = self._fixed[name, params]
         if isinstance(found, ScheduleError):
             raise found
+        return found
+
+    def sketch(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Sketch:
+        """`name`'s sketch for `params`, read off a probe of at most 2p micro-batches (each multiple of p from
+        2p - 1 up that a method may ask for) and one replica: a deep pipeline's order at a large m is slow to
+        build, and the search builds it only if the shape can win. A method that refuses the probe is asked at
+        m itself; one that takes the probe and refuses m is found out when the candidate is built."""
+        probe = replace(params, microbatches=min(params.microbatches, 2 * params.stages), data_parallel=1)
+        key = (name, probe, id(scenario) if METHODS[name].on_graph is not None else None)  # a DAG is the model's
+        if key not in self._sketches:
+            try:
+                self._sketches[key] = _Sketch.of(self(scenario, name, probe))
+            except ScheduleError as exc:
+                self._sketches[key] = exc
+        found = self._sketches[key]
+        if isinstance(found, ScheduleError):
+            if probe.microbatches == params.microbatches:
+                raise found
+            return _Sketch.of(self(scenario, name, replace(params, data_parallel=1)))
         return found
 
 
@@ -624,14 +733,16 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     schedule, staleness, in_flight, lingering, per_step = (order.schedule, order.staleness, order.in_flight,
                                                            order.lingering, order.per_step)
     costs = scenario.costs(schedule, bounds)
-    op_ms = per_step * costs.op_ms_table(pipelines)
+    per_op_ms = costs.op_ms_table(pipelines)
+    op_ms = per_step * per_op_ms
     stage_ms, network_ms = (op_ms * COMPUTE).sum(axis=1), (op_ms * ~COMPUTE).sum(axis=1)
     busy_ms = np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
     held = [max(in_flight[s] * c.activation_bytes, lingering[s] * c.param_bytes) for s, c in enumerate(costs.stages)]
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
-    least_step_ms = max(float(busy_ms.max()), _flush_bound_ms(schedule, costs.op_ms_table(pipelines)))
+    least_step_ms = max(float((busy_ms + _exposed_reduce_ms(schedule, per_op_ms, short)).max()),  # shaded: sums of
+                        _flush_bound_ms(schedule, per_op_ms)) * (1 - 1e-9)  # the same times in another order
     return Candidate(config, setting, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor,
                      allreduce_ms, problem.batch_size / least_step_ms * 1e3,
                      activation_ratio(schedule, costs) if method.needs_costs else None)
@@ -659,6 +770,9 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray) -> float:
     input_grad_ms = np.minimum(*(np.where(runs[kind], op_ms[:, KIND_CODE[kind]], np.inf) for kind in runs))
     input_grad_ms[np.isinf(input_grad_ms)] = 0.0  # a stage with no backward (none here: every stage has one)
     steady = t.minibatch == 1
+    reduces = steady & (t.kind == KIND_CODE[Kind.REDUCE]) & (t.stage == 0)
+    # device 0 then reduces stage 0's gradients (after its last backward, so after that pass) and updates it
+    tail_ms = (op_ms[0, KIND_CODE[Kind.REDUCE]] if reduces.any() else 0.0) + op_ms[0, KIND_CODE[Kind.OPT]]
     step_ms = 0.0
     for d in range(p):
         mine = np.flatnonzero(steady & (t.device == d))
@@ -667,8 +781,29 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray) -> float:
             continue
         upto = mine[:backward[-1] + 1]
         work_ms = float(compute_ms[t.stage[upto], t.kind[upto]].sum())
-        step_ms = max(step_ms, float(forward_ms[:d].sum() + work_ms + input_grad_ms[:d].sum()))
+        step_ms = max(step_ms, float(forward_ms[:d].sum() + work_ms + input_grad_ms[:d].sum() + tail_ms))
     return step_ms
+
+
+def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) -> np.ndarray:
+    """Per device, compute-free time each steady step must have, read off mini-batch `minibatch` (past the
+    warm-up; 0 for a schedule of P > 1 pipelines, which share a device's compute as they go): a stage's REDUCE
+    starts where the device's program reaches it, after the stage's last backward, and its OPT waits for it, so
+    the device computes only the rows between the two while it runs. Each step holds at least the longest such
+    wait beyond those rows, on top of the device's compute."""
+    exposed = np.zeros(schedule.num_devices)
+    if schedule.pipelines > 1:
+        return exposed
+    t = schedule.table
+    steady = t.minibatch == minibatch
+    own = np.minimum(t.kind, NUM_COMPUTE_KINDS - 1)  # transfers come after a stage's own kinds: none computes
+    compute_ms = np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own], 0.0)
+    for row in np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE])):
+        stage, device = t.stage[row], t.device[row]
+        update = row + 1 + int(np.argmax((t.kind[row + 1:] == KIND_CODE[Kind.OPT]) & (t.stage[row + 1:] == stage)))
+        waited_ms = op_ms[stage, KIND_CODE[Kind.REDUCE]] - float(compute_ms[row + 1:update].sum())
+        exposed[device] = max(exposed[device], waited_ms)
+    return exposed
 
 
 def _is_flushing_chain(schedule: Schedule) -> bool:

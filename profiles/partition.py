@@ -163,3 +163,26 @@ def _min_max_split(n: int, p: int, cost: StageCosts) -> tuple[float, list[int]]:
     for k in range(p - 1, 0, -1):
         bounds.append(int(cut[k, bounds[-1]]))
     return float(best[p - 1, n]), [0, *reversed(bounds)]
+
+
+def least_slowest(weights: Sequence[float]) -> np.ndarray:
+    """[k] for k = 1 .. n: the least largest sum any split of `weights` (n, each >= 0) into k contiguous non-empty
+    parts can have; [0] is inf. The optimum is one of the ranges' sums, so every range sum is tried at once as a
+    threshold, each split greedily (the fewest parts whose sums stay within it); a threshold is stretched by
+    1e-12 so that sums in another order pass it, which can only lower what is returned: a bound from below."""
+    prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=float)])
+    n = len(prefix) - 1
+    thresholds = np.unique(ranges(prefix)[np.triu_indices(n + 1, k=1)])
+    stretched = thresholds * (1 + 1e-12)
+    at = np.zeros(len(thresholds), dtype=np.int64)
+    parts = np.zeros(len(thresholds))
+    while (open_ := at < n).any():
+        reach = np.searchsorted(prefix, prefix[at] + stretched, side="right") - 1
+        parts += open_
+        parts[open_ & (reach <= at)] = math.inf  # one weight alone over the threshold: no split keeps within it
+        at = np.where(open_ & (reach > at), reach, n)
+    least = np.full(n + 1, math.inf)
+    for k in range(1, n + 1):
+        fits = parts <= k  # more parts than the greedy needs only split further (down to one weight each)
+        least[k] = thresholds[np.argmax(fits)] if fits.any() else math.inf
+    return least
