@@ -46,7 +46,7 @@ from .tables import print_table
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
     from ..planning.estimate import Parallelism
-    from ..profiles.schema import FittedCurve, Profile
+    from ..profiles.schema import Estimate, FittedCurve, Profile
     from ..profiles.workload import WorkloadCount
 
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
@@ -495,6 +495,14 @@ def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     return ", ".join([degrees, *flags])
 
 
+def tensor_span_text(estimate: Estimate) -> str:
+    """' across k nodes' where an estimate's tensor-parallel group leaves its node (priced on the network), else
+    nothing."""
+    node = estimate.placement.gpus_per_node if estimate.placement is not None else None
+    t = estimate.degrees[0]
+    return f" across {t // node} nodes" if node and t > node else ""
+
+
 def _expert_group_text(profile: Profile, expert: int) -> str:
     """Where an expert-parallel group's all-to-alls go (planning/experts.py): its ranks on each node, the shares of
     a rank's token copies that cross the node's link and its NIC."""
@@ -532,7 +540,8 @@ def _print_estimate(profile: Profile) -> None:
                       f"{stage.activation_bytes / MIB:,.1f}", f"{stage.param_bytes / MIB:,.1f}",
                       f"{stage.memory_bytes / MIB:,.0f}")
     print_table(table)
-    links = [(what, link) for what, link in (("tensor-parallel group", estimate.tensor_link),
+    links = [(what, link) for what, link in (("tensor-parallel group" + tensor_span_text(estimate),
+                                                estimate.tensor_link),
                                                ("between stages", estimate.stage_link),
                                                ("data-parallel group" + (" (its C x d ranks)" if
                                                 estimate.context_link else ""), estimate.data_parallel_link),

@@ -60,7 +60,7 @@ from .common import (
     write_error,
     zero_stage,
 )
-from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, what_if
+from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, tensor_span_text, what_if
 from .tables import print_table
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
@@ -401,7 +401,10 @@ def _cost_basis(scenario, schedules: list) -> str:
         _, p, d = estimate.degrees
         placed = any((sched.num_devices, sched.data_parallel) != (p, d) for sched in schedules)
         elsewhere = f" at p={p} d={d}, links priced for this run's p and d" if placed else ""
-        return (f"costs: estimated on {estimate.gpu} ({parallelism_text(estimate.parallelism, shape=False)}) from "
+        span = tensor_span_text(estimate)
+        degrees = parallelism_text(estimate.parallelism, shape=False) + (
+            f", the tensor-parallel group{span}" if span else "")
+        return (f"costs: estimated on {estimate.gpu} ({degrees}) from "
                 f"the model counted on the meta device{elsewhere}; MFU: model FLOPs (no recomputation) per second "
                 "over the GPUs' dense peak")
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
@@ -507,7 +510,8 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
 
 
 MEMORY_COLUMNS = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "optimizer",
-                  "activations": "activations", "communication": "buffers"}  # MEMORY_PARTS -> the table's words
+                  "activations": "activations", "communication": "buffers",
+                  "transient": "transient"}  # MEMORY_PARTS -> the table's words
 
 
 def _print_memory_table(summaries: list, schedules: list, memory: list, skipped: dict[str, str]) -> None:
@@ -521,7 +525,8 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
                           "accumulated, optimizer state with its master weights, activations saved for the "
-                          "backward, buffers of transfers in flight; --json: peak_memory_parts_mb")
+                          "backward, buffers of transfers in flight, what the running pass creates and frees "
+                          "within itself; --json: peak_memory_parts_mb")
     table.add_column("schedule", no_wrap=True)
     table.add_column("device", justify="right", no_wrap=True)
     for part in MEMORY_PARTS:

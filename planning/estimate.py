@@ -275,21 +275,40 @@ def links_of(placement: EstimatePlacement, t: int, p: int, d: int, c: int = 1) -
     waits for its slowest hop, a GPU's own NIC), the stage boundaries once t·C·p does, the data-parallel group once
     t·C·p·d does. The gradients are reduced over the C·d ranks that hold the same weights; with k of them on each
     node the group crosses nodes on k NICs at once (NCCL runs a ring per channel, each through its own NIC), up to
-    the node's link."""
+    the node's link. A tensor-parallel group larger than a node fills whole nodes and crosses them likewise
+    (`_across_nodes`)."""
     node, inside, outside = placement.gpus_per_node, placement.node_link, placement.network_link
-    if t > node:
-        raise EstimateError(f"tensor: {t} exceeds the {node} GPUs of a node (tensor parallelism stays inside one)")
+    if t > node and t % node:
+        raise EstimateError(f"tensor: {t} spans nodes of {node} GPUs and must fill them: give a multiple of {node}")
     members = min(c, max(node // t, 1)) * max(node // (t * c * p), 1)  # the gradient group's ranks on each node
-    across = EstimateLink(kind=outside.kind, latency_ms=outside.latency_ms,
-                          bytes_per_ms=min(members * outside.bytes_per_ms, inside.bytes_per_ms))
-    return PlacementLinks(inside, inside if t * c * p <= node else _scatter_gather(outside, inside, t),
-                          inside if t * c * p * d <= node else across, inside if t * c <= node else outside)
+    tensor = inside if t <= node else _across_nodes(outside, inside, node, t)
+    return PlacementLinks(tensor, inside if t * c * p <= node else _scatter_gather(outside, tensor, t),
+                          inside if t * c * p * d <= node else _across(outside, inside, members),
+                          inside if t * c <= node else outside)
+
+
+def _across(network: EstimateLink, node: EstimateLink, members: int) -> EstimateLink:
+    """A group with `members` ranks on each of its nodes: it crosses nodes on as many NICs at once, up to the
+    node's link, each step at the network's latency."""
+    return EstimateLink(kind=network.kind, latency_ms=network.latency_ms,
+                        bytes_per_ms=min(members * network.bytes_per_ms, node.bytes_per_ms))
+
+
+def _across_nodes(network: EstimateLink, node: EstimateLink, per_node: int, ranks: int) -> EstimateLink:
+    """A tensor-parallel group of `ranks` filling ranks/per_node whole nodes: its bytes cross on the nodes' NICs,
+    all of them at once (`_across`), its slowest link. NCCL's tuner (src/graph/tuning.cc, ncclTopoTuneModel)
+    times a ring all-reduce of n ranks on k nodes as 2k steps at the network's latency and the other 2(n-1) - 2k
+    at the node link's: its step latency here is that mean."""
+    steps = 2 * (ranks - 1)
+    crossing_steps = min(2 * (ranks // per_node), steps)
+    return _across(network, node, per_node).model_copy(update={"latency_ms": (
+        crossing_steps * network.latency_ms + (steps - crossing_steps) * node.latency_ms) / steps})
 
 
 def _scatter_gather(network: EstimateLink, node: EstimateLink, t: int) -> EstimateLink:
     """Megatron's scatter/gather between stages on other nodes: each of the t ranks sends 1/t of the boundary
-    tensor on its own NIC (the profile's boundary bytes are that share), then the t ranks all-gather it on the
-    node's link: (t-1) steps of the same share, so a byte sent costs 1/network + (t-1)/node."""
+    tensor on its own NIC (the profile's boundary bytes are that share), then the t ranks all-gather it on their
+    group's link `node`: (t-1) steps of the same share, so a byte sent costs 1/network + (t-1)/node."""
     if t == 1:
         return network
     return EstimateLink(kind=network.kind, latency_ms=network.latency_ms + (t - 1) * node.latency_ms,
