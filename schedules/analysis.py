@@ -22,6 +22,7 @@ from .ir import (
     evaluate_formula,
     is_pair,
 )
+from .passes import gathered_passes
 from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 # Dependency keys: (role, stage, microbatch, minibatch, pipeline). "D" is an input gradient, produced by
@@ -43,7 +44,8 @@ def validate(schedule: Schedule) -> None:
 def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None:
     """Each (stage, micro-batch, mini-batch, pipeline) has one F and one backward (B, or I and W);
     each (stage, mini-batch, pipeline) one OPT, and with d > 1 data-parallel replicas one REDUCE (and with a
-    sharded optimizer one GATHER), none with d = 1; every action runs on the device its stage is placed on."""
+    sharded optimizer one GATHER, under ZeRO-3 one per `gathered_passes` row), none with d = 1; every action runs
+    on the device its stage is placed on."""
     t = table or schedule.table
     p, m, n, r = schedule.num_stages, schedule.microbatches, schedule.minibatches, schedule.pipelines
     compute = t.kind < NUM_COMPUTE_KINDS
@@ -70,15 +72,16 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
     step = t.step_index(schedule)
     opt = np.bincount(step[t.kind == KIND_CODE[Kind.OPT]], minlength=steps)
     problems = []
-    for kind, wanted in ((Kind.REDUCE, schedule.gradient_ranks > 1),
-                         (Kind.GATHER, schedule.gradient_ranks > 1 and schedule.sharded_optimizer)):
+    synchronised = schedule.gradient_ranks > 1
+    gathers = (np.bincount(step[gathered_passes(schedule, t)], minlength=steps) if schedule.zero >= 3
+               else np.full(steps, int(synchronised and schedule.sharded_optimizer)))
+    for kind, wanted in ((Kind.REDUCE, np.full(steps, int(synchronised))), (Kind.GATHER, gathers)):
         rows = np.bincount(step[t.kind == KIND_CODE[kind]], minlength=steps)
-        for u in np.flatnonzero(rows != int(wanted))[:5]:
+        for u in np.flatnonzero(rows != wanted)[:5]:
             context = schedule.gradient_ranks // schedule.data_parallel
             problems.append(f"{_step_action(schedule, int(u), kind)} appears {rows[u]} times (d = "
                             f"{schedule.data_parallel}{f', C = {context}' if context > 1 else ''}"
-                            f"{', sharded optimizer' if schedule.sharded_optimizer else ''}"
-                            f": {int(wanted)} per update)")
+                            f"{f', ZeRO-{schedule.zero}' if schedule.zero else ''}: {wanted[u]} per update)")
     for kind, counts in count.items():
         for u in np.flatnonzero(counts > 1)[:5]:
             problems.append(f"{_unit_action(schedule, kind, int(u))} appears {counts[u]} times")
@@ -186,9 +189,11 @@ def local_order_ok(schedule: Schedule, table: ActionTable | None = None) -> bool
     update_row = np.zeros(steps, dtype=np.int64)
     update_row[step[opt]] = rows[opt]
     reduce, gather = t.kind == KIND_CODE[Kind.REDUCE], t.kind == KIND_CODE[Kind.GATHER]
-    # A REDUCE comes after its step's gradients and before its update; a GATHER after its update.
+    # A REDUCE comes after its step's gradients and before its update; a GATHER after its update (ZeRO-3's gather
+    # the weights their pass reads, whichever update precedes them on the device: `Lowered.awaits` ties them).
+    gathered = schedule.zero >= 3 or np.all(rows[gather] > update_row[step[gather]])
     return bool(np.all(rows[opt] > last_wgrad[step[opt]]) and np.all(rows[reduce] > last_wgrad[step[reduce]])
-                and np.all(rows[reduce] < update_row[step[reduce]]) and np.all(rows[gather] > update_row[step[gather]]))
+                and np.all(rows[reduce] < update_row[step[reduce]]) and gathered)
 
 
 def _requires(a: Action, schedule: Schedule) -> list[_Key]:
@@ -206,8 +211,8 @@ def _requires(a: Action, schedule: Schedule) -> list[_Key]:
         return [("WALL", s, -1, b, q)] + ([("REDUCE", s, -1, b, q)] if schedule.gradient_ranks > 1 else [])
     if kind is Kind.REDUCE:
         return [("WALL", s, -1, b, q)]
-    if kind is Kind.GATHER:
-        return [("OPT", s, -1, b, q)]
+    if kind is Kind.GATHER:  # the updated weights (ZeRO-3's: those its pass reads, by the device's own order)
+        return [] if schedule.zero >= 3 else [("OPT", s, -1, b, q)]
     if kind is Kind.AVG:
         return [("OPT", s, -1, b, other) for other in range(schedule.pipelines)]
     return []

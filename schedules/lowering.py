@@ -14,7 +14,7 @@ import numpy as np
 
 from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
 from .ir import COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
-from .passes import communication_rows
+from .passes import communication_rows, gathered_passes
 from .table import FIELD_DTYPE, KIND_CODE, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 
@@ -68,7 +68,8 @@ class Lowered:
     `transfer`, the id a SEND shares with its RECV (-1 for compute): channel c, unit u (micro-batch,
     mini-batch, pipeline) is `c * units + u`; `awaits`, the collective row (REDUCE, GATHER) a row must wait for
     before it starts (-1: none): an OPT waits for its REDUCE (the gradients it applies), a stage's first row
-    after a GATHER for the gathered weights. A collective itself holds its device no longer than issuing it.
+    after a GATHER for the gathered weights (under ZeRO-3 the pass it was issued ahead of).
+    A collective itself holds its device no longer than issuing it.
     """
 
     schedule: Schedule
@@ -146,15 +147,20 @@ def _awaits(schedule: Schedule, t: ActionTable) -> np.ndarray:
     update_of_step[step[update]] = update
     reduces = np.flatnonzero(t.kind == KIND_CODE[Kind.REDUCE])
     awaits[update_of_step[step[reduces]]] = reduces
-    # A GATHER's waiter: the next row of its stage replica that is not a collective (a stage is on one device,
-    # so its rows, grouped by replica in program order, follow one another there).
-    own = np.flatnonzero((t.kind < NUM_COMPUTE_KINDS) & ~kind_mask(t.kind, Kind.REDUCE))
-    replica = t.stage[own] * schedule.pipelines + t.pipeline[own]
-    own = own[np.argsort(replica, kind="stable")]
-    replica = t.stage[own] * schedule.pipelines + t.pipeline[own]
-    gathers = np.flatnonzero(t.kind[own] == KIND_CODE[Kind.GATHER])
-    waited = gathers[(gathers + 1 < len(own)) & (replica[np.minimum(gathers + 1, len(own) - 1)] == replica[gathers])]
-    awaits[own[waited + 1]] = own[waited]
+    if schedule.zero >= 3:  # ZeRO-3's GATHERs, each a step's, in program order as the passes they gather for
+        gathers = np.flatnonzero(t.kind == KIND_CODE[Kind.GATHER])
+        passes = gathered_passes(schedule, t)
+        awaits[passes[np.argsort(step[passes], kind="stable")]] = gathers[np.argsort(step[gathers], kind="stable")]
+    else:  # a GATHER's waiter: the next row of its stage replica that is not a collective (a stage is on one
+        # device, so its rows, grouped by replica in program order, follow one another there)
+        own = np.flatnonzero((t.kind < NUM_COMPUTE_KINDS) & ~kind_mask(t.kind, Kind.REDUCE))
+        replica = t.stage[own] * schedule.pipelines + t.pipeline[own]
+        own = own[np.argsort(replica, kind="stable")]
+        replica = t.stage[own] * schedule.pipelines + t.pipeline[own]
+        gathers = np.flatnonzero(t.kind[own] == KIND_CODE[Kind.GATHER])
+        waited = gathers[(gathers + 1 < len(own))
+                         & (replica[np.minimum(gathers + 1, len(own) - 1)] == replica[gathers])]
+        awaits[own[waited + 1]] = own[waited]
     return awaits
 
 

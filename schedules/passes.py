@@ -128,9 +128,12 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     that stage's last backward row (B or W) before the OPT (right before the OPT if none precedes it), on the
     stage's device; with `reduce_after_flush`, right after its device's last backward row (of any stage) before the
     OPT, so that no REDUCE overlaps backward work (Megatron-LM all-reduces every chunk's gradients once the
-    pipeline has flushed). With a sharded optimizer (ZeRO-1) the REDUCE is a reduce-scatter, each replica updates
-    its shard, and a GATHER row right after the OPT all-gathers the updated weights. d·C = 1: the schedule as it
-    is.
+    pipeline has flushed). With a sharded optimizer (ZeRO-1 and 2) the REDUCE is a reduce-scatter, each replica
+    updates its shard, and a GATHER row right after the OPT all-gathers the updated weights. ZeRO-3 (FSDP) keeps
+    only the shards: a GATHER row before each pass that computes with the whole weights (`gathered_passes`) instead,
+    issued one row of its device ahead of it (FSDP2's prefetch: torch's `FSDPParamGroup` issues the next
+    all-gather on its own stream while the current module computes), but never before a row that changes its
+    stage's weights, nor inside an overlapped pair. d·C = 1: the schedule as it is.
     Vectorised over the action table, so it scales as the schedule does."""
     if schedule.gradient_ranks == 1:
         return schedule
@@ -155,19 +158,56 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     return _insert_collectives(schedule, opts, np.where(after_gradient, rows[opt_at - 1] + 1, opts))
 
 
+def gathered_passes(schedule: Schedule, table: ActionTable | None = None) -> np.ndarray:
+    """The rows (of `table`, by default the schedule's) that ZeRO-3 all-gathers its stage's whole weights for, in
+    program order: each stage replica's first forward of a mini-batch, whose weights then stay whole until its
+    last backward (torchtitan's `apply_fsdp` sets `reshard_after_forward=False` under pipeline parallelism, and
+    torch's pipelining reshards only after a stage's last backward); with one stage and no pipeline, every pass
+    (F, B, I, W: FSDP2's default reshards after forward, so the backward gathers again). None with d·C = 1 or
+    below ZeRO-3."""
+    t = table or schedule.table
+    if schedule.zero < 3 or schedule.gradient_ranks == 1:
+        return np.zeros(0, dtype=np.int64)
+    if schedule.graph.num_stages == 1 and schedule.pipelines == 1:
+        return np.flatnonzero(kind_mask(t.kind, Kind.F, Kind.B, Kind.I, Kind.W))
+    forwards = np.flatnonzero(t.kind == KIND_CODE[Kind.F])
+    _, first = np.unique(t.step_index(schedule)[forwards], return_index=True)
+    return np.sort(forwards[first])
+
+
+def _prefetched(schedule: Schedule, passes: np.ndarray) -> np.ndarray:
+    """Where a GATHER for each of `passes` goes (an index to insert before): before the row ahead of it on its
+    device, or right before it where that row changes its stage's weights (an OPT, PRED or AVG: the gathered
+    weights are the changed ones) or it is its device's first; before an overlapped pair's forward part, not
+    between its parts. Assumes the table holds no collective rows yet."""
+    t = schedule.table
+    ahead = np.maximum(passes - 1, 0)
+    own_update = kind_mask(t.kind[ahead], Kind.OPT, Kind.PRED, Kind.AVG) & (t.stage[ahead] == t.stage[passes])
+    early = (passes > 0) & (t.device[ahead] == t.device[passes]) & ~own_update
+    pair_backward = (t.kind[ahead] == KIND_CODE[Kind.B]) & (t.peer[ahead] >= 0)
+    return np.where(early, ahead - pair_backward, passes)
+
+
 def _insert_collectives(schedule: Schedule, opts: np.ndarray, reduce_before: np.ndarray) -> Schedule:
     """`add_data_parallel`'s rows: a REDUCE for each OPT row in `opts` before the row `reduce_before` names, and
-    with a sharded optimizer a GATHER right after the OPT."""
+    with a sharded optimizer a GATHER right after the OPT (ZeRO-1, 2), or ahead of each of `gathered_passes`
+    (ZeRO-3), of that pass's stage, micro-batch and mini-batch."""
     t = schedule.table
-    before = [reduce_before]
+    before, owner = [reduce_before], [opts]
     kinds = [np.full(len(opts), KIND_CODE[Kind.REDUCE])]
-    if schedule.sharded_optimizer:
+    passes = gathered_passes(schedule)
+    if schedule.zero >= 3:
+        before.append(_prefetched(schedule, passes))
+        owner.append(passes)
+    elif schedule.sharded_optimizer:
         before.append(opts + 1)
-        kinds.append(np.full(len(opts), KIND_CODE[Kind.GATHER]))
-    before, kinds, owner = np.concatenate(before), np.concatenate(kinds), np.tile(opts, len(kinds))
-    placed = np.lexsort((kinds, before))  # np.insert keeps the given order among rows inserted at one place
+        owner.append(opts)
+    if len(before) > 1:
+        kinds.append(np.full(len(owner[1]), KIND_CODE[Kind.GATHER]))
+    before, kinds, owner = np.concatenate(before), np.concatenate(kinds), np.concatenate(owner)
+    placed = np.lexsort((owner, kinds, before))  # np.insert keeps the given order among rows inserted at one place
     before, kinds, owner = before[placed], kinds[placed], owner[placed]
-    inserted = {"device": t.device[owner], "kind": kinds, "stage": t.stage[owner], "microbatch": -1,
+    inserted = {"device": t.device[owner], "kind": kinds, "stage": t.stage[owner], "microbatch": t.microbatch[owner],
                 "minibatch": t.minibatch[owner], "pipeline": t.pipeline[owner], "peer": -1}
     table = ActionTable(**{name: np.insert(getattr(t, name), before, value) for name, value in inserted.items()})
     return schedule.with_orders(OrderView(table, schedule.num_devices))

@@ -416,8 +416,9 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
     accumulated as they are kept (FSDP2 upcasts them to its reduce dtype to accumulate them:
     `FSDPParam.to_accumulated_grad_if_needed`), then reduce-scatters them into a 1/(d·C) shard
     (`Schedule.gradient_ranks`), held until the update ends (torchtitan zeroes the gradients to None before each
-    step); with torchtitan's `reshard_after_forward=False` under PP (`apply_fsdp`) its whole weights from its first
-    forward until that last backward.
+    step); with torchtitan's `reshard_after_forward=False` under PP (`apply_fsdp`) its whole weights from the
+    all-gather ahead of its first forward (the GATHER row, whose output FSDP2 allocates when it issues it) until
+    that last backward.
     One stage and no pipeline (FSDP2 alone): each pass gathers the weights it computes with and frees them after,
     reduce-scattering its gradients into the shard as it goes, so every F, B, I and W holds
     `StageCosts.gathered_bytes` of whole weights (ZeRO-3) and B and W as many of whole gradients, in the weights'
@@ -447,8 +448,8 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
         first, last = backward.first, backward.last
         events["gradients"] += [_events(first, start=whole[t.stage[first]]),
                                 _events(last, end=shard[t.stage[last]] - whole[t.stage[last]])]
-        if schedule.zero >= 3:
-            forwards = _per_replica_minibatch(t, schedule, (Kind.F,)).first
+        if schedule.zero >= 3:  # from the GATHER issued ahead of the first forward (`passes.gathered_passes`)
+            forwards = _per_replica_minibatch(t, schedule, (Kind.GATHER, Kind.F)).first
             closing = _per_replica_minibatch(t, schedule, (Kind.B, Kind.I, Kind.W)).last
             weights = per_stage([c.param_bytes for c in stages])
             events["parameters"] += [_events(forwards, start=weights[t.stage[forwards]]),

@@ -1,0 +1,135 @@
+"""ZeRO-3 (FSDP) beside the pipeline as rows of the IR (schedules/passes.py `gathered_passes`): a GATHER of a
+stage's whole weights ahead of the passes that compute with them, issued one row early as FSDP2 prefetches, on the
+data-parallel link; the reduce-scatter of the gradients after the stage's last backward; memory from the gather."""
+
+import numpy as np
+import pytest
+
+from pipesim.planning.scenario import CollectiveLink, collective_costs
+from pipesim.schedules import KIND_CODE, Kind, ScheduleError, build_schedule, check_complete, lower
+from pipesim.schedules.catalogue import METHODS
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.units import MIB
+
+GB_PER_S = 1e6  # bytes per ms in a GB/s
+
+
+def _schedule(name: str, stages: int, zero: int = 3, d: int = 2, m: int = 4, n: int = 2):
+    return build_schedule(name, METHODS[name].params(stages, m, n, data_parallel=d, zero=zero))
+
+
+def _text(order) -> list[str]:
+    return [str(a) for a in order]
+
+
+def test_a_pipeline_gathers_each_stage_once_a_mini_batch_ahead_of_its_first_forward():
+    """1F1B, p = 4: one GATHER per stage and mini-batch (the first mini-batch's too), none after an update; the
+    first right before the device's first forward, the next right after the stage's own update (the weights it
+    gathers are the updated ones)."""
+    schedule = _schedule("1f1b", 4)
+    for k, order in enumerate(schedule.orders):
+        text = _text(order)
+        assert text.count(f"{k}GATHER0") == 1 and text.count(f"{k}GATHER0.1") == 1
+        assert text[:2] == [f"{k}GATHER0", f"{k}F0"]
+        assert text[text.index(f"{k}OPT") + 1:text.index(f"{k}OPT") + 3] == [f"{k}GATHER0.1", f"{k}F0.1"]
+        assert text[-1] == f"{k}OPT.1"  # nothing gathered after the last update
+
+
+def test_a_later_chunks_gather_is_issued_one_row_ahead_of_its_first_forward():
+    """Interleaved 1F1B: stage 2 (device 0's second chunk) is gathered before the forward that precedes its first,
+    so that its all-gather overlaps that forward (FSDP2's prefetch of the next module)."""
+    text = _text(_schedule("interleaved-1f1b", 2).orders[0])
+    first = text.index("2F0")
+    assert text[first - 2:first + 1] == ["2GATHER0", "0F1", "2F0"]
+
+
+def test_one_stage_gathers_before_every_pass_one_pass_ahead():
+    """No pipeline (FSDP2 alone, resharding after forward): a GATHER for every F and B, each issued before the
+    pass ahead of the one it is for, and the lowering makes that pass wait for it."""
+    schedule = _schedule("1f1b", 1, m=4, n=1)
+    text = _text(schedule.orders[0])
+    assert text[:7] == ["0GATHER0", "0GATHER0", "0F0", "0GATHER1", "0B0", "0GATHER1", "0F1"]
+    assert text.count("0GATHER0") == 2 and sum(s.startswith("0GATHER") for s in text) == 2 * 4
+    lowered = lower(schedule)
+    t = lowered.table
+    gathers = np.flatnonzero(t.kind == KIND_CODE[Kind.GATHER])
+    passes = np.flatnonzero(np.isin(t.kind, [KIND_CODE[Kind.F], KIND_CODE[Kind.B]]))
+    assert lowered.awaits[passes].tolist() == gathers.tolist()
+
+
+def test_a_missing_gather_is_named():
+    schedule = _schedule("1f1b", 2, n=1)
+    orders = [[a for a in order if str(a) != "1GATHER0"] for order in schedule.orders]
+    with pytest.raises(ScheduleError, match=r"1GATHER appears 0 times \(d = 2, ZeRO-3: 1 per update\)"):
+        check_complete(schedule.with_orders(tuple(tuple(o) for o in orders)))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_below_zero_3_the_gather_follows_the_update(zero):
+    text = _text(_schedule("1f1b", 2, zero=zero).orders[0])
+    assert text[:1] == ["0F0"] and text[text.index("0OPT") + 1] == "0GATHER"
+
+
+@pytest.mark.parametrize("d", [2, 8])
+def test_the_rows_move_16_bit_weights_and_reduce_scatter_float32_gradients(d):
+    """FSDP2's mixed precision: a GATHER moves (d-1)/d of the stage's 16-bit weights per rank, its REDUCE is a
+    reduce-scatter of (d-1)/d of the float32 gradients (twice the bytes)."""
+    schedule = _schedule("1f1b", 2, d=d)
+    costs = Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, precision="fsdp2")
+    priced = collective_costs(costs, schedule, CollectiveLink(0.0, 10 * GB_PER_S, "test"))
+    stage = priced.stages[0]
+    assert stage.gather_ms == pytest.approx(100 * MIB * (d - 1) / d / (10 * GB_PER_S))
+    assert stage.reduce_ms == pytest.approx(2 * stage.gather_ms)
+
+
+def _one_stage_run(gb_per_s: float):
+    """One stage, 4 micro-batches, F 1 ms and B 2 ms, 100 MiB of weights gathered over d = 2 at `gb_per_s`."""
+    schedule = _schedule("1f1b", 1, m=4, n=1)
+    costs = Costs.per_stage(1, fwd_ms=1.0, bwd_ms=2.0, param_mb=100)
+    costs = collective_costs(costs, schedule, CollectiveLink(0.0, gb_per_s * GB_PER_S, "test"))
+    trace = simulate(schedule, costs, Cluster.uniform(1, 0.0))
+    kinds = list(trace.kinds)
+    ops = trace.ops
+    passes = np.flatnonzero(np.isin(ops.kind, [kinds.index("F"), kinds.index("B")]))
+    gathers = np.flatnonzero(ops.kind == kinds.index("GATHER"))
+    start, end = ops.start_us / 1e3, (ops.start_us + ops.dur_us) / 1e3
+    return costs.stages[0].gather_ms, start[passes], end[passes], start[gathers], end[gathers]
+
+
+def test_a_fast_links_gathers_hide_behind_the_pass_ahead():
+    """26 us gathers: only the first is exposed; every later pass starts where the one before it ends."""
+    gather_ms, start, end, _, gather_end = _one_stage_run(2000.0)
+    assert gather_ms < 0.1
+    assert start[0] == pytest.approx(gather_end[0]) == pytest.approx(gather_ms)
+    assert start[1:] == pytest.approx(end[:-1])
+
+
+def test_a_slow_links_gathers_are_exposed():
+    """2.6 ms gathers, longer than any pass (F 1 ms, B 2 ms): the link runs them back to back and each pass waits
+    for its own, so the passes start a gather apart, idle between."""
+    gather_ms, start, end, gather_start, gather_end = _one_stage_run(20.0)
+    assert gather_ms > 2.5
+    assert start == pytest.approx(gather_end)
+    assert np.diff(start) == pytest.approx(np.full(len(start) - 1, gather_ms))
+    assert np.all(start[1:] > end[:-1] + 0.5)
+    assert gather_start[1:] == pytest.approx(gather_end[:-1])
+
+
+def test_the_whole_weights_are_held_from_the_gather():
+    """1F1B, p = 2, d = 2, ZeRO-3: device 0's parameters rise from their half to the whole when the GATHER starts,
+    which is before its first forward of the mini-batch by the gather's time."""
+    schedule = _schedule("1f1b", 2, n=2)
+    costs = Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0, param_mb=100)
+    costs = collective_costs(costs, schedule, CollectiveLink(0.0, 20 * GB_PER_S, "test"))
+    trace = simulate(schedule, costs, Cluster.uniform(2, 0.0))
+    counter = trace.counters["memory_bytes.parameters"][0]
+    rises = [float(t) / 1e3 for t, v, before in zip(counter.times_us[1:], counter.values[1:], counter.values)
+             if v > before]
+    kinds = list(trace.kinds)
+    ops = trace.ops
+    mine = ops.device == 0
+    gathers = np.flatnonzero(mine & (ops.kind == kinds.index("GATHER")))
+    forwards = np.flatnonzero(mine & (ops.kind == kinds.index("F")) & (ops.microbatch == 0))
+    assert rises == pytest.approx((ops.start_us[gathers] / 1e3).tolist())
+    assert ops.start_us[forwards] / 1e3 == pytest.approx(ops.start_us[gathers] / 1e3 + costs.stages[0].gather_ms)
+    assert max(counter.values) // MIB == 150
