@@ -13,8 +13,8 @@ Ties: less peak memory, then less staleness, then fewer model stages, fewer pipe
 (catalogue order of the schedules, then smaller p). v > 1 needs p > 1: chunks on a lone device would only
 split its all-reduce. Configurations with equal speed, memory and staleness are "twins", listed as one row
 (every method is the same schedule at p = 1). `auto`, whose order is searched from the costs, is partitioned
-as 1F1B's activations (R = 1) allow, then searched for that partition at the memory each device allows (an
-activation limit R no order reaches, so that G binds); the R its order then holds is reported.
+as 1F1B's order is (R = 1, 1F1B's activations), then searched for that partition at the memory each device
+allows (an activation limit R no order reaches, so that G binds); the R its order then holds is reported.
 
 Costs. One replica is simulated (p devices, the profile's link between every pair), with its r data-parallel
 replicas as the schedule's REDUCE rows: per stage and step, the all-reduce of its gradients over the r
@@ -715,20 +715,21 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     scenario = setting.scenario
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     method = METHODS[name]
-    # A searched order is partitioned as its order at 1F1B's activations (R = 1) allows, then searched for that
-    # partition and the memory cap with an activation limit R no order reaches (p·m times 1F1B's peak: more than
-    # every micro-batch on any stage), so that the cap binds.
-    searched = {"activation_limit": 1.0, "search_seconds": problem.search_seconds} if method.needs_costs else {}
-    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas, **searched)
-    probe = orders(scenario, name, params).schedule
+    # A searched order is partitioned as 1F1B's order is (R = 1: 1F1B's activations, which its search always
+    # admits), then searched for that partition and the memory cap with an activation limit R no order reaches
+    # (p·m times 1F1B's peak: more than every micro-batch on any stage), so that the cap binds.
+    planned = "1f1b" if method.needs_costs else name
+    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas)
+    probe = orders(scenario, planned, params).schedule
     short = steady_minibatches(probe)
     params = _long(probe, params)
-    order = orders(scenario, name, params)
+    order = orders(scenario, planned, params)
     n = order.schedule.num_stages
     bounds = split(n, pipelines, tuple(map(tuple, order.per_step.tolist())), order.schedule.policy.extra_copies,
                    order.in_flight, order.lingering, problem.memory_cap_bytes // v)
     if order.schedule.graph != StageGraph.chain(n) or method.needs_costs:  # cut where the costs are; searched for them
-        params = replace(params, activation_limit=float(p * m)) if method.needs_costs else params
+        if method.needs_costs:
+            params = replace(params, activation_limit=float(p * m), search_seconds=problem.search_seconds)
         order = _Order.of(build(scenario, problem, name, params, bounds))
     schedule, staleness, in_flight, lingering, per_step = (order.schedule, order.staleness, order.in_flight,
                                                            order.lingering, order.per_step)
