@@ -236,6 +236,10 @@ HotExpertShare = Annotated[float | None, typer.Option(
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
+TpOverlap = Annotated[bool, typer.Option(
+    "--tp-overlap", help="With --sequence-parallel: its all-gathers and reduce-scatters split into t chunks and "
+                         "overlapped with the products (Megatron-LM's tp-comm-overlap, torch's async TP); only what "
+                         "outlasts a chunk's product is exposed. Within a node.")]
 Recompute = Annotated[str | None, typer.Option(
     "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core), "
                                         "full (each layer's forward again in its backward) or op (torchtitan's "
@@ -246,7 +250,8 @@ model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
-                ("sequence_parallel", SequenceParallel, False), ("context_parallel", ContextParallel, 1),
+                ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
+                ("context_parallel", ContextParallel, 1),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
-                 "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from", "fp8_recipe")
+                 "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
+                 "fp8_recipe")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -61,7 +62,7 @@ SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torcht
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
-                  "hot_expert_share": "--hot-expert-share",
+                  "hot_expert_share": "--hot-expert-share", "tp_overlap": "--tp-overlap",
                   "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
 
@@ -89,6 +90,7 @@ class WhatIf:
     fp8: str | None = None  # --dtype fp8's recipe (planning/fp8.py), None: no float8
     expert: int = 1  # --expert-parallel E
     hot_expert_share: float | None = None  # --hot-expert-share S (None: balanced)
+    tp_overlap: bool = False  # --tp-overlap
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -141,7 +143,7 @@ class WhatIf:
                            sequence_parallel=self.sequence_parallel,
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
-                           hot_expert_share=self.hot_expert_share)
+                           hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap)
 
 
 def what_if(ctx: typer.Context) -> WhatIf | None:
@@ -170,6 +172,9 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
+    if params.get("tp_overlap") and not params.get("sequence_parallel"):
+        raise InputError("--tp-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+                         "products (Megatron's and torch's): give --sequence-parallel too")
     if params.get("context_parallel", 1) > 1 and params["attention"] != "flash":
         raise InputError("--context-parallel: ring attention runs on a fused attention kernel (torch's and "
                          "TransformerEngine's context parallel): give --attention flash")
@@ -202,7 +207,8 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
-                  params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"))
+                  params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
+                  params.get("tp_overlap", False))
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:

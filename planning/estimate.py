@@ -98,6 +98,7 @@ class Parallelism:
     sharded_optimizer: bool = False
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
+    tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context", "expert"):
@@ -112,6 +113,9 @@ class Parallelism:
             raise EstimateError(f"precision: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise EstimateError(f"fp8: choose a recipe from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
+        if self.tp_overlap and not self.sequence_parallel:
+            raise EstimateError("tp_overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with "
+                                "the products (Megatron's and torch's): give sequence parallelism too")
 
     def held(self, dtype: str) -> Precision:
         """How a model counted in `dtype` (torch's name) holds its weights, gradients and optimizer state."""
@@ -384,10 +388,26 @@ class ContextRing:
         return sum(blocks) + exposed + (self.transfer_ms(after) if after else 0.0)
 
 
-def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, collective_ms: Callable[[OpCount], float],
+def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
+    """A product split on its contraction, on one of t sequence-parallel ranks, with its reduce-scatter and the
+    next product's all-gather (of an `nbytes` tensor) overlapped as Megatron-LM's --tp-comm-overlap
+    (TransformerEngine's userbuffers) and torch's async TP (torch/distributed/_symmetric_memory/__init__.py:
+    `_pipelined_all_gather_and_consume`, `_pipelined_produce_and_all2all`) run them: the product in t chunks of
+    1/t of its rows, the local chunk first; each collective's t-1 transfers of 1/t of the tensor (a step of
+    `reduce_scatter_ms`) go one under each other chunk, and only what outlasts its chunk is exposed. The
+    all-gather hides under the next column-parallel product's chunks, taken as this one's (a GPT block's QKV and
+    first MLP products are as large or larger). The chunks' own kernels and tile fill are priced."""
+    batch, m, n, k = op.shape
+    chunk_ms = op_ms(_scaled(op, (batch, max(m // t, 1), n, k), t), device)
+    step_ms = link.latency_ms + nbytes / t / link.bytes_per_ms
+    return t * chunk_ms + 2 * (t - 1) * max(step_ms - chunk_ms, 0.0)
+
+
+def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
              forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2) -> float:
-    """A pass's time on one of the t·C ranks: its ops, split, plus a collective per product split on its
-    contraction, an attention kernel as the context ring's blocks and exposed transfers."""
+    """A pass's time on one of the t·C ranks: its ops, split, a product split on its contraction with its
+    collective (`reduced_ms` of it and its own time), an attention kernel as the context ring's blocks and
+    exposed transfers."""
     total = 0.0
     for op in ops:
         if op.kind in ("matmul", "attention"):
@@ -399,7 +419,7 @@ def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, collective
             mine = split.context_share(mine)
             spent = (ring.attention_ms(mine, device, element_bytes) if ring is not None and op.kind == "attention"
                      else op_ms(mine, device))
-            total += op.count * (spent + (collective_ms(mine) if reduced else 0.0))
+            total += op.count * (reduced_ms(mine, spent) if reduced else spent)
         elif not only_core or split.core(op.shape):
             mine = split.memory(op) if op.kind == "memory" else _scaled(op, op.shape, split.t)
             total += op.count * op_ms(split.context_share(mine), device)
@@ -418,15 +438,17 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         raise EstimateError(f"context: {c} ranks need the ring's link")
     ring = ContextRing(c, context_link) if c > 1 else None
 
-    def collective_ms(op: OpCount) -> float:
+    def reduced_ms(op: OpCount, product_ms: float) -> float:
         batch, m, n, _ = op.shape
         nbytes = batch * m * n * element_bytes
+        if parallel.tp_overlap:
+            return overlapped_ms(op, device, t, nbytes, tensor_link)
         if parallel.sequence_parallel:
-            return 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
-        return all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
+            return product_ms + 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
+        return product_ms + all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
 
     def pass_ms(ops: Sequence[OpCount], forward: bool, only_core: bool = False) -> float:
-        return _pass_ms(tuple(ops), split, device, collective_ms, forward, only_core, ring, element_bytes)
+        return _pass_ms(tuple(ops), split, device, reduced_ms, forward, only_core, ring, element_bytes)
 
     times = {name: pass_ms(layer.ops.get(name, ()), name == "fwd") for name in ("fwd", "bwd", "igrad", "wgrad")}
     saved = layer.saved_bytes
@@ -556,6 +578,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if parallel.context > 1:
         _check_context(counted, parallel.context)
     placement = node_placement(gpu, cluster, curve)
+    if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:
+        raise EstimateError(f"tp_overlap: moves its chunks between the GPUs of one node (userbuffers, symmetric "
+                            f"memory), and a tensor-parallel group of {parallel.tensor} spans nodes of "
+                            f"{placement.gpus_per_node} GPUs")
     try:
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share)

@@ -4,7 +4,7 @@ import pytest
 
 from pipesim.hardware import collectives
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, EstimateError, Parallelism, estimate_layer, placement_links
+from pipesim.planning.estimate import Device, EstimateError, Parallelism, estimate_layer, op_ms, placement_links
 from pipesim.profiles.workload import WorkloadCount
 from tests.conftest import pipesim
 
@@ -70,4 +70,49 @@ def test_a_tensor_parallel_degree_that_splits_a_node_is_one_line_and_writes_noth
     code, out, err = pipesim("estimate", *GPT16, "--tensor-parallel", 12, "--out", tmp_path / "p.json")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--tensor-parallel 12 spans nodes of 8 GPUs and must fill them" in err
+    assert not (tmp_path / "p.json").exists()
+
+
+# --- --tp-overlap: sequence parallelism's collectives overlapped with the products in t chunks ---
+
+from pipesim.planning.estimate import overlapped_ms  # noqa: E402
+from pipesim.profiles.workload import OpCount  # noqa: E402
+
+PRODUCT = OpCount("mm", "matmul", (1, 8192, 6144, 768), 2 * 8192 * 6144 * 768, 2 * (8192 * 768 + 768 * 6144), 1)
+
+
+@pytest.mark.parametrize("bytes_per_ms, hidden", [(1e12, True), (1e6, False)])
+def test_tp_overlap_hides_each_transfer_under_one_chunk_and_exposes_only_what_outlasts_it(bytes_per_ms, hidden):
+    t, nbytes = 8, 8192 * 6144 * 2
+    link = placement_links(A100, Parallelism(tensor=t)).tensor.model_copy(update={"bytes_per_ms": bytes_per_ms})
+    chunk = OpCount("mm", "matmul", (1, 8192 // t, 6144, 768), PRODUCT.flops // t, PRODUCT.moved_bytes // t, 1)
+    chunk_ms = op_ms(chunk, DEVICE)
+    step_ms = link.latency_ms + nbytes / t / bytes_per_ms  # one of a reduce-scatter's t - 1 steps
+    assert (step_ms < chunk_ms) is hidden
+    expected = t * chunk_ms + (0.0 if hidden else 2 * (t - 1) * (step_ms - chunk_ms))
+    assert overlapped_ms(PRODUCT, DEVICE, t, nbytes, link) == pytest.approx(expected)
+    serial = op_ms(PRODUCT, DEVICE) + 2 * collectives.reduce_scatter_ms(nbytes, t, link.latency_ms, bytes_per_ms)
+    # chunking costs kernels and tile fill: it pays where the transfers are long, not where they are free
+    assert (overlapped_ms(PRODUCT, DEVICE, t, nbytes, link) < serial) is not hidden
+
+
+def test_tp_overlap_makes_a_sequence_parallel_layer_faster_but_no_faster_than_its_products_alone(gpt16):
+    block = gpt16.layers[1]
+    link = placement_links(A100, Parallelism(tensor=8)).tensor
+    free = link.model_copy(update={"latency_ms": 0.0, "bytes_per_ms": 1e15})  # the collectives cost nothing
+
+    def fwd(link, **kwargs) -> float:
+        return estimate_layer(block, DEVICE, Parallelism(tensor=8, sequence_parallel=True, **kwargs), link, 2).fwd_ms
+
+    assert fwd(free, tp_overlap=True) <= fwd(link, tp_overlap=True) < fwd(link)
+
+
+def test_tp_overlap_needs_sequence_parallelism_and_one_node(tmp_path):
+    with pytest.raises(EstimateError, match="tp_overlap"):
+        Parallelism(tensor=8, tp_overlap=True)
+    code, _, err = pipesim("estimate", *GPT16, "--tensor-parallel", 8, "--tp-overlap", "--out", tmp_path / "p.json")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "give --sequence-parallel too" in err
+    code, _, err = pipesim("estimate", *GPT16, "--tensor-parallel", 16, "--sequence-parallel", "--tp-overlap",
+                           "--out", tmp_path / "p.json")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--tp-overlap moves its chunks" in err
     assert not (tmp_path / "p.json").exists()
