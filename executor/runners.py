@@ -74,9 +74,10 @@ class Prelude:
 
 
 def _lowered(spec: RunSpec):
-    if spec.schedule.sharded_optimizer:
-        raise ExecutorError("the executor does not run a sharded optimizer (ZeRO-1: REDUCE as a reduce-scatter, "
-                            "then GATHER); run data parallelism with the whole optimizer on every replica")
+    if spec.schedule.sharded_optimizer:  # torch's fully_shard runs on CPU over gloo, but not on explicit versions
+        raise ExecutorError(f"the executor does not run a sharded optimizer (ZeRO-{spec.schedule.zero}: REDUCE as a "
+                            "reduce-scatter, GATHER rows of weight shards; it computes on whole weight versions, "
+                            "not FSDP's sharded modules); run data parallelism without --zero")
     try:
         preflight(spec.schedule, dry_run=True)
         lowered = lower(spec.schedule)

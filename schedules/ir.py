@@ -418,7 +418,8 @@ class Schedule:
     @property
     def sharded_optimizer(self) -> bool:
         """Whether each of the d replicas keeps 1/d of the optimizer state (ZeRO-1 and up): its REDUCE is a
-        reduce-scatter, and a GATHER of the updated weights follows its OPT."""
+        reduce-scatter, and a GATHER of the updated weights follows its OPT (ZeRO-3: precedes the passes that
+        compute with them, `passes.gathered_passes`)."""
         return self.zero >= 1
 
     @property

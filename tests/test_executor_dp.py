@@ -179,9 +179,10 @@ def test_a_failing_replica_stops_the_run_naming_its_rank():
         run_in_process(spec)
 
 
-def test_a_sharded_optimizer_is_refused_in_one_line():
-    spec = replace(dp_spec("1f1b", 2), schedule=build("1f1b", 2, 2, 1, data_parallel=2, zero=1))
-    with pytest.raises(ExecutorError, match="does not run a sharded optimizer"):
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_sharded_optimizer_is_refused_in_one_line(zero):
+    spec = replace(dp_spec("1f1b", 2), schedule=build("1f1b", 2, 2, 1, data_parallel=2, zero=zero))
+    with pytest.raises(ExecutorError, match=rf"does not run a sharded optimizer \(ZeRO-{zero}: .*without --zero$"):
         run_in_process(spec)
 
 
