@@ -133,3 +133,27 @@ def test_the_whole_weights_are_held_from_the_gather():
     assert rises == pytest.approx((ops.start_us[gathers] / 1e3).tolist())
     assert ops.start_us[forwards] / 1e3 == pytest.approx(ops.start_us[gathers] / 1e3 + costs.stages[0].gather_ms)
     assert max(counter.values) // MIB == 150
+
+
+@pytest.mark.parametrize(("gb_per_s", "exposed_gathers"), [(2000.0, 1), (20.0, 8)])
+def test_the_page_draws_the_gathers_on_the_network_lane_and_the_summary_counts_what_they_expose(
+        gb_per_s, exposed_gathers):
+    """The timeline's data hold one GATHER per pass of the one-stage run on the network stream; the summary's
+    exposed collective time is the first gather alone on a fast link, and on a slow one every gather but what
+    the pass ahead hides (its compute) plus the REDUCE after the last backward."""
+    from pipesim.traces import summarize
+    from pipesim.traces.view import decode_column, trace_data
+
+    schedule = _schedule("1f1b", 1, m=4, n=1)
+    costs = Costs.per_stage(1, fwd_ms=1.0, bwd_ms=2.0, param_mb=100)
+    costs = collective_costs(costs, schedule, CollectiveLink(0.0, gb_per_s * GB_PER_S, "test"))
+    trace = simulate(schedule, costs, Cluster.uniform(1, 0.0))
+    page = trace_data(trace)
+    kind = decode_column(page["columns"]["kind"])
+    stream = decode_column(page["columns"]["stream"])
+    gathers = kind == page["kinds"].index("GATHER")
+    assert gathers.sum() == 8 and {page["streams"][s] for s in stream[gathers]} == {"network"}
+    stage = costs.stages[0]
+    hidden = 0.0 if exposed_gathers == 1 else 4 * 1.0 + 3 * 2.0  # every pass but the last hides one gather
+    assert summarize(trace).devices[0].exposed_collective_ms == pytest.approx(
+        exposed_gathers * stage.gather_ms - hidden + stage.reduce_ms)
