@@ -157,3 +157,24 @@ def test_the_page_draws_the_gathers_on_the_network_lane_and_the_summary_counts_w
     hidden = 0.0 if exposed_gathers == 1 else 4 * 1.0 + 3 * 2.0  # every pass but the last hides one gather
     assert summarize(trace).devices[0].exposed_collective_ms == pytest.approx(
         exposed_gathers * stage.gather_ms - hidden + stage.reduce_ms)
+
+
+@pytest.mark.parametrize("name", [name for name in METHODS if name not in ("auto", "graphpipe")])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_every_method_gathers_and_simulates_under_zero_3(name, stages):
+    """A GATHER per pass where one stage runs alone (FSDP2's resharding after forward), else one per stage a
+    device holds and mini-batch; each simulates with the memory parts summing to the peak."""
+    from pipesim.traces import summarize
+
+    schedule = build_schedule(name, METHODS[name].params(stages, 4, 2, data_parallel=2, zero=3))
+    kinds = [a.kind for a in schedule.orders[0]]
+    alone = schedule.num_stages == 1 and schedule.pipelines == 1
+    passes = sum(k in (Kind.F, Kind.B, Kind.I, Kind.W) for k in kinds)
+    held = len(schedule.stages_on(0)) * schedule.pipelines * 2
+    assert kinds.count(Kind.GATHER) == (passes if alone else held)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10,
+                            output_mb=1)
+    costs = collective_costs(costs, schedule, CollectiveLink(0.0, 100 * GB_PER_S, "test"))
+    summary = summarize(simulate(schedule, costs, Cluster.uniform(schedule.num_devices, 0.1)))
+    for device in summary.devices:
+        assert sum(device.peak_memory_parts_mb.values()) == pytest.approx(device.peak_memory_mb, rel=1e-12)
