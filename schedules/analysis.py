@@ -22,7 +22,7 @@ from .ir import (
     evaluate_formula,
     is_pair,
 )
-from .passes import gathered_passes
+from .passes import gathered_passes, reduced_passes
 from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 # Dependency keys: (role, stage, microbatch, minibatch, pipeline). "D" is an input gradient, produced by
@@ -43,9 +43,9 @@ def validate(schedule: Schedule) -> None:
 
 def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None:
     """Each (stage, micro-batch, mini-batch, pipeline) has one F and one backward (B, or I and W);
-    each (stage, mini-batch, pipeline) one OPT, and with d > 1 data-parallel replicas one REDUCE (and with a
-    sharded optimizer one GATHER, under ZeRO-3 one per `gathered_passes` row), none with d = 1; every action runs
-    on the device its stage is placed on."""
+    each (stage, mini-batch, pipeline) one OPT, and with d > 1 data-parallel replicas one REDUCE, or one per
+    `reduced_passes` row, and with a sharded optimizer one GATHER, under ZeRO-3 one per `gathered_passes` row;
+    none with d = 1; every action runs on the device its stage is placed on."""
     t = table or schedule.table
     p, m, n, r = schedule.num_stages, schedule.microbatches, schedule.minibatches, schedule.pipelines
     compute = t.kind < NUM_COMPUTE_KINDS
@@ -75,7 +75,9 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
     synchronised = schedule.gradient_ranks > 1
     gathers = (np.bincount(step[gathered_passes(schedule, t)], minlength=steps) if schedule.zero >= 3
                else np.full(steps, int(synchronised and schedule.sharded_optimizer)))
-    for kind, wanted in ((Kind.REDUCE, np.full(steps, int(synchronised))), (Kind.GATHER, gathers)):
+    each = reduced_passes(schedule, t)
+    reduces = np.full(steps, int(synchronised)) if each is None else np.bincount(step[each], minlength=steps)
+    for kind, wanted in ((Kind.REDUCE, reduces), (Kind.GATHER, gathers)):
         rows = np.bincount(step[t.kind == KIND_CODE[kind]], minlength=steps)
         for u in np.flatnonzero(rows != wanted)[:5]:
             context = schedule.gradient_ranks // schedule.data_parallel
@@ -189,10 +191,13 @@ def local_order_ok(schedule: Schedule, table: ActionTable | None = None) -> bool
     update_row = np.zeros(steps, dtype=np.int64)
     update_row[step[opt]] = rows[opt]
     reduce, gather = t.kind == KIND_CODE[Kind.REDUCE], t.kind == KIND_CODE[Kind.GATHER]
-    # A REDUCE comes after its step's gradients and before its update; a GATHER after its update (ZeRO-3's gather
-    # the weights their pass reads, whichever update precedes them on the device: `Lowered.awaits` ties them).
+    # A REDUCE comes after its step's gradients (a backward's own after that backward) and before its update;
+    # a GATHER after its update (ZeRO-3's gather the weights their pass reads, whichever update precedes them on
+    # the device: `Lowered.awaits` ties them).
     gathered = schedule.zero >= 3 or np.all(rows[gather] > update_row[step[gather]])
-    return bool(np.all(rows[opt] > last_wgrad[step[opt]]) and np.all(rows[reduce] > last_wgrad[step[reduce]])
+    own = reduce & (t.microbatch >= 0)
+    reduce_after = np.where(own, wgrad[np.where(own, per_unit, 0)], last_wgrad[step])[reduce]
+    return bool(np.all(rows[opt] > last_wgrad[step[opt]]) and np.all(rows[reduce] > reduce_after)
                 and np.all(rows[reduce] < update_row[step[reduce]]) and gathered)
 
 
@@ -209,8 +214,8 @@ def _requires(a: Action, schedule: Schedule) -> list[_Key]:
         return [("D", s, j, b, q)]
     if kind is Kind.OPT:
         return [("WALL", s, -1, b, q)] + ([("REDUCE", s, -1, b, q)] if schedule.gradient_ranks > 1 else [])
-    if kind is Kind.REDUCE:
-        return [("WALL", s, -1, b, q)]
+    if kind is Kind.REDUCE:  # a backward's own (`passes.reduced_passes`) follows it on its device
+        return [] if j >= 0 else [("WALL", s, -1, b, q)]
     if kind is Kind.GATHER:  # the updated weights (ZeRO-3's: those its pass reads, by the device's own order)
         return [] if schedule.zero >= 3 else [("OPT", s, -1, b, q)]
     if kind is Kind.AVG:

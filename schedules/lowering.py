@@ -145,8 +145,9 @@ def _awaits(schedule: Schedule, t: ActionTable) -> np.ndarray:
     update = np.flatnonzero(t.kind == KIND_CODE[Kind.OPT])
     update_of_step = np.zeros(schedule.num_stages * schedule.minibatches * schedule.pipelines, dtype=np.int64)
     update_of_step[step[update]] = update
-    reduces = np.flatnonzero(t.kind == KIND_CODE[Kind.REDUCE])
-    awaits[update_of_step[step[reduces]]] = reduces
+    reduces = np.flatnonzero(t.kind == KIND_CODE[Kind.REDUCE])[::-1]
+    _, last = np.unique(step[reduces], return_index=True)  # a step's last (one a backward: `reduced_passes`)
+    awaits[update_of_step[step[reduces[last]]]] = reduces[last]
     if schedule.zero >= 3:  # ZeRO-3's GATHERs, each a step's, in program order as the passes they gather for
         gathers = np.flatnonzero(t.kind == KIND_CODE[Kind.GATHER])
         passes = gathered_passes(schedule, t)

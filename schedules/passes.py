@@ -133,7 +133,8 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     only the shards: a GATHER row before each pass that computes with the whole weights (`gathered_passes`) instead,
     issued one row of its device ahead of it (FSDP2's prefetch: torch's `FSDPParamGroup` issues the next
     all-gather on its own stream while the current module computes), but never before a row that changes its
-    stage's weights, nor inside an overlapped pair. d·C = 1: the schedule as it is.
+    stage's weights, nor inside an overlapped pair. With one stage and no pipeline under ZeRO-2 and 3, a REDUCE
+    right after every backward row instead (`reduced_passes`). d·C = 1: the schedule as it is.
     Vectorised over the action table, so it scales as the schedule does."""
     if schedule.gradient_ranks == 1:
         return schedule
@@ -142,12 +143,15 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
         raise ScheduleError(f"{schedule.method}: the schedule has its REDUCE rows already")
     updates = t.kind == KIND_CODE[Kind.OPT]
     gradients = kind_mask(t.kind, Kind.B, Kind.W)
+    each = reduced_passes(schedule)
+    if each is not None:
+        return _insert_collectives(schedule, np.flatnonzero(updates), each, each + 1)
     if schedule.reduce_after_flush:  # the device's rows stand for one replica: the last backward is any stage's
         last = np.maximum.accumulate(np.where(gradients, np.arange(len(t.kind)), -1))
         opts = np.flatnonzero(updates)
         found = last[opts]
         flushed = (found >= 0) & (t.device[np.maximum(found, 0)] == t.device[opts])
-        return _insert_collectives(schedule, opts, np.where(flushed, found + 1, opts))
+        return _insert_collectives(schedule, opts, opts, np.where(flushed, found + 1, opts))
     rows = np.flatnonzero(updates | gradients)
     replica = t.stage[rows] * schedule.pipelines + t.pipeline[rows]
     order = np.argsort(replica, kind="stable")  # by replica, each in program order (a replica is on one device)
@@ -155,7 +159,23 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     opt_at = np.flatnonzero(updates[rows])
     after_gradient = (opt_at > 0) & ~updates[rows[opt_at - 1]] & (replica[opt_at - 1] == replica[opt_at])
     opts = rows[opt_at]
-    return _insert_collectives(schedule, opts, np.where(after_gradient, rows[opt_at - 1] + 1, opts))
+    return _insert_collectives(schedule, opts, opts, np.where(after_gradient, rows[opt_at - 1] + 1, opts))
+
+
+def _alone(schedule: Schedule) -> bool:
+    """One stage and no pipeline: FSDP2 without torch's pipelining, at its defaults."""
+    return schedule.graph.num_stages == 1 and schedule.pipelines == 1
+
+
+def reduced_passes(schedule: Schedule, table: ActionTable | None = None) -> np.ndarray | None:
+    """The backward rows (B, W; of `table`, by default the schedule's) that each reduce-scatter their gradients in
+    a REDUCE of their own, where the runtime does so: FSDP2 alone under ZeRO-2 and 3 (`FSDPParamGroup.post_backward`
+    reduce-scatters after every backward unless `set_requires_gradient_sync(False)`, which only torch's pipelining
+    calls, for every backward of a stage but its last). None: one REDUCE a step, after the stage's last backward."""
+    if schedule.zero < 2 or schedule.gradient_ranks == 1 or not _alone(schedule):
+        return None
+    t = table or schedule.table
+    return np.flatnonzero(kind_mask(t.kind, Kind.B, Kind.W))
 
 
 def gathered_passes(schedule: Schedule, table: ActionTable | None = None) -> np.ndarray:
@@ -168,7 +188,7 @@ def gathered_passes(schedule: Schedule, table: ActionTable | None = None) -> np.
     t = table or schedule.table
     if schedule.zero < 3 or schedule.gradient_ranks == 1:
         return np.zeros(0, dtype=np.int64)
-    if schedule.graph.num_stages == 1 and schedule.pipelines == 1:
+    if _alone(schedule):
         return np.flatnonzero(kind_mask(t.kind, Kind.F, Kind.B, Kind.I, Kind.W))
     forwards = np.flatnonzero(t.kind == KIND_CODE[Kind.F])
     _, first = np.unique(t.step_index(schedule)[forwards], return_index=True)
@@ -188,13 +208,15 @@ def _prefetched(schedule: Schedule, passes: np.ndarray) -> np.ndarray:
     return np.where(early, ahead - pair_backward, passes)
 
 
-def _insert_collectives(schedule: Schedule, opts: np.ndarray, reduce_before: np.ndarray) -> Schedule:
-    """`add_data_parallel`'s rows: a REDUCE for each OPT row in `opts` before the row `reduce_before` names, and
-    with a sharded optimizer a GATHER right after the OPT (ZeRO-1, 2), or ahead of each of `gathered_passes`
-    (ZeRO-3), of that pass's stage, micro-batch and mini-batch."""
+def _insert_collectives(schedule: Schedule, opts: np.ndarray, reducing: np.ndarray, reduce_before: np.ndarray
+                        ) -> Schedule:
+    """`add_data_parallel`'s rows: a REDUCE for each row in `reducing` (an OPT, or a backward that reduces its own
+    gradients) before the row `reduce_before` names, and with a sharded optimizer a GATHER right after each OPT of
+    `opts` (ZeRO-1, 2), or ahead of each of `gathered_passes` (ZeRO-3); each of its row's stage, micro-batch and
+    mini-batch."""
     t = schedule.table
-    before, owner = [reduce_before], [opts]
-    kinds = [np.full(len(opts), KIND_CODE[Kind.REDUCE])]
+    before, owner = [reduce_before], [reducing]
+    kinds = [np.full(len(reducing), KIND_CODE[Kind.REDUCE])]
     passes = gathered_passes(schedule)
     if schedule.zero >= 3:
         before.append(_prefetched(schedule, passes))
