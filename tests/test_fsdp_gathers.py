@@ -58,6 +58,8 @@ def test_one_stage_gathers_before_every_pass_one_pass_ahead_and_reduces_after_ev
     gathers = np.flatnonzero(t.kind == KIND_CODE[Kind.GATHER])
     passes = np.flatnonzero(np.isin(t.kind, [KIND_CODE[Kind.F], KIND_CODE[Kind.B]]))
     assert lowered.awaits[passes].tolist() == gathers.tolist()
+    reduces = np.flatnonzero(t.kind == KIND_CODE[Kind.REDUCE])
+    assert lowered.awaits[t.kind == KIND_CODE[Kind.OPT]].tolist() == [reduces[-1]]  # the update, for the last
 
 
 def test_a_missing_gather_is_named():
