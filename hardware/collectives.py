@@ -15,6 +15,10 @@ from __future__ import annotations
 import math
 
 TREE_BANDWIDTH_FACTOR = 0.92  # NCCL's tuner (src/graph/tuning.cc) credits a tree 92 % of the link's bandwidth
+# NCCL's tuner for its Simple protocol (src/graph/tuning.cc at b647562, baseLat, hwLat and ncclTopoGetAlgoTime):
+RING_BASE_LATENCY_MS = 0.0084  # a ring collective's fixed latency
+TREE_HOP_LATENCY_MS = 0.028  # a tree's latency per hop, on NVLink, PCIe and the network alike
+RING_PLATEAU = 1.4  # a ring all-reduce across nodes: its latency x1.4 ("plateau effect of ring", sm80 and later)
 
 def _check(nbytes: float, ranks: int, bytes_per_ms: float) -> None:
     if nbytes < 0:
@@ -61,3 +65,42 @@ def reduce_scatter_ms(nbytes: float, ranks: int, latency_ms: float, bytes_per_ms
 def all_gather_ms(nbytes: float, ranks: int, latency_ms: float, bytes_per_ms: float) -> float:
     """A ring all-gather into an nbytes buffer (each rank gives nbytes/n): the reduce-scatter's traffic reversed."""
     return reduce_scatter_ms(nbytes, ranks, latency_ms, bytes_per_ms)
+
+
+def _nodes(ranks: int, per_node: int) -> int:
+    """The nodes `ranks` occupy, `per_node` on each (the last may hold fewer)."""
+    if per_node < 1:
+        raise ValueError(f"per_node: {per_node}; at least 1")
+    return math.ceil(ranks / per_node)
+
+
+def nccl_all_reduce_ms(nbytes: float, ranks: int, per_node: int, node_latency_ms: float, network_latency_ms: float,
+                       bytes_per_ms: float) -> float:
+    """An all-reduce over `ranks`, `per_node` of them on each of k nodes, as NCCL's tuner times it (Simple protocol)
+    and picks the faster: a ring's base latency and 2(n-1) steps, 2k of them at the network's latency and the rest
+    at the node link's, x`RING_PLATEAU` across nodes, then its bytes (`ring_all_reduce_ms`'s); a tree's
+    2((n/k - 1) + log2 k) hops of `TREE_HOP_LATENCY_MS`, then its bytes (`tree_all_reduce_ms`'s). Its latency grows
+    with the ranks: the ring's in steps, the tree's in hops."""
+    _check(nbytes, ranks, bytes_per_ms)
+    if ranks == 1:
+        return 0.0
+    nodes, steps = _nodes(ranks, per_node), 2 * (ranks - 1)
+    crossing = min(2 * nodes, steps) if nodes > 1 else 0
+    ring_latency_ms = RING_BASE_LATENCY_MS + (steps - crossing) * node_latency_ms + crossing * network_latency_ms
+    ring = ring_latency_ms * (RING_PLATEAU if nodes > 1 else 1.0) + nbytes * steps / ranks / bytes_per_ms
+    tree = (2 * (min(per_node, ranks) - 1 + math.log2(nodes)) * TREE_HOP_LATENCY_MS
+            + 2 * nbytes / (TREE_BANDWIDTH_FACTOR * bytes_per_ms))
+    return min(ring, tree)
+
+
+def nccl_reduce_scatter_ms(nbytes: float, ranks: int, per_node: int, node_latency_ms: float,
+                           network_latency_ms: float, bytes_per_ms: float) -> float:
+    """A ring reduce-scatter (or all-gather: the same traffic reversed) over `ranks`, `per_node` of them on each of k
+    nodes, as NCCL's tuner times it: the base latency and n-1 steps, k-1 of them at the network's latency and the
+    rest at the node link's, then `reduce_scatter_ms`'s bytes."""
+    _check(nbytes, ranks, bytes_per_ms)
+    if ranks == 1:
+        return 0.0
+    crossing, steps = _nodes(ranks, per_node) - 1, ranks - 1
+    return (RING_BASE_LATENCY_MS + (steps - crossing) * node_latency_ms + crossing * network_latency_ms
+            + nbytes * steps / ranks / bytes_per_ms)

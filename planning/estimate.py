@@ -284,11 +284,16 @@ def links_of(placement: EstimatePlacement, t: int, p: int, d: int, c: int = 1) -
     node, inside, outside = placement.gpus_per_node, placement.node_link, placement.network_link
     if t > node and t % node:
         raise EstimateError(f"tensor: {t} spans nodes of {node} GPUs and must fill them: give a multiple of {node}")
-    members = min(c, max(node // t, 1)) * max(node // (t * c * p), 1)  # the gradient group's ranks on each node
+    members = gradient_ranks_per_node(node, t, p, c)
     tensor = inside if t <= node else _across_nodes(outside, inside, node, t)
     return PlacementLinks(tensor, inside if t * c * p <= node else _scatter_gather(outside, tensor, t),
                           inside if t * c * p * d <= node else _across(outside, inside, members),
                           inside if t * c <= node else outside)
+
+
+def gradient_ranks_per_node(gpus_per_node: int, t: int, p: int, c: int = 1) -> int:
+    """How many of the C·d ranks that reduce the same gradients (`links_of`'s placement) share each node."""
+    return min(c, max(gpus_per_node // t, 1)) * max(gpus_per_node // (t * c * p), 1)
 
 
 def _across(network: EstimateLink, node: EstimateLink, members: int) -> EstimateLink:

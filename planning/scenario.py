@@ -152,13 +152,28 @@ class Scenario:
         per ring step with `network_gb_s` (unlimited where not given)."""
         measured = self.measured
         if measured is not None and measured.estimate is not None:
-            link = self.estimate_links(sched).data
-            return CollectiveLink(link.latency_ms, link.bytes_per_ms, f"the estimate's {link.kind}")
+            return self._estimated_collective_link(sched)
         if measured is not None and measured.allreduce is not None:
             return fitted_link(measured.allreduce.world_size, [(p.nbytes, p.ms) for p in measured.allreduce.points])
         rate = self.network_gb_s * 1e6 if self.network_gb_s is not None else math.inf
         return CollectiveLink(self.comm_ms, rate, "--comm per ring step" + (
             f" at {self.network_gb_s:g} GB/s" if self.network_gb_s is not None else ""))
+
+    def _estimated_collective_link(self, sched: Schedule) -> CollectiveLink:
+        """An estimate's data-parallel link for the schedule's placement; where the estimate records its placement,
+        with the gradient group's ranks on each node and the node link's latency, which NCCL's tuner prices by."""
+        from .estimate import gradient_ranks_per_node
+
+        estimate = self.measured.estimate
+        link = self.estimate_links(sched).data
+        placement = estimate.placement
+        if placement is None:
+            return CollectiveLink(link.latency_ms, link.bytes_per_ms, f"the estimate's {link.kind}")
+        t, c, node = estimate.degrees[0], int(estimate.parallelism.get("context", 1)), placement.gpus_per_node
+        p, ranks = sched.num_devices, sched.gradient_ranks
+        per_node = ranks if t * c * p * sched.data_parallel <= node else gradient_ranks_per_node(node, t, p, c)
+        return CollectiveLink(link.latency_ms, link.bytes_per_ms, f"the estimate's {link.kind}",
+                              min(per_node, ranks), placement.node_link.latency_ms)
 
     def _costs(self, sched: Schedule, bounds: Sequence[int] | None) -> Costs:
         n = sched.num_stages
@@ -234,11 +249,32 @@ class Scenario:
 class CollectiveLink:
     """The link data-parallel replicas synchronise over, as `hardware.collectives` prices collectives on it:
     the latency of one ring step (ms) and the bytes per ms per GPU and direction; `source` says where it comes
-    from."""
+    from. Where the group's ranks on each node are known (`per_node`, an estimate's placement), its collectives
+    are priced as NCCL's tuner prices them (`nccl_all_reduce_ms`): the steps between nodes at `latency_ms`, those
+    inside one at `node_latency_ms`; else as a plain ring (or tree) of `latency_ms` steps."""
 
     latency_ms: float
     bytes_per_ms: float
     source: str
+    per_node: int | None = None
+    node_latency_ms: float = 0.0
+
+    def all_reduce_ms(self, nbytes: float, ranks: int) -> float:
+        from ..hardware.collectives import all_reduce_ms, nccl_all_reduce_ms
+
+        if self.per_node is None:
+            return all_reduce_ms(nbytes, ranks, self.latency_ms, self.bytes_per_ms)
+        return nccl_all_reduce_ms(nbytes, ranks, self.per_node, self.node_latency_ms, self.latency_ms,
+                                  self.bytes_per_ms)
+
+    def reduce_scatter_ms(self, nbytes: float, ranks: int) -> float:
+        """A reduce-scatter, or an all-gather (the same traffic reversed)."""
+        from ..hardware.collectives import nccl_reduce_scatter_ms, reduce_scatter_ms
+
+        if self.per_node is None:
+            return reduce_scatter_ms(nbytes, ranks, self.latency_ms, self.bytes_per_ms)
+        return nccl_reduce_scatter_ms(nbytes, ranks, self.per_node, self.node_latency_ms, self.latency_ms,
+                                      self.bytes_per_ms)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.latency_ms) and self.latency_ms >= 0):
@@ -262,14 +298,11 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink) -> Cos
     size of the weights; with ZeRO-2 and 3 as accumulated, which FSDP2 reduce-scatters in its reduce dtype)
     all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered; NCCL's
     faster of ring and tree for an all-reduce."""
-    from ..hardware.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
-
     d, sharded = sched.gradient_ranks, sched.sharded_optimizer
-    reduce = reduce_scatter_ms if sharded else all_reduce_ms
+    reduce = link.reduce_scatter_ms if sharded else link.all_reduce_ms
     return replace(costs, stages=tuple(replace(
-        c, reduce_ms=reduce(c.gradient_bytes if sched.zero >= 2 else c.param_bytes, d, link.latency_ms,
-                            link.bytes_per_ms),
-        gather_ms=all_gather_ms(c.param_bytes, d, link.latency_ms, link.bytes_per_ms) if sharded else 0.0)
+        c, reduce_ms=reduce(c.gradient_bytes if sched.zero >= 2 else c.param_bytes, d),
+        gather_ms=link.reduce_scatter_ms(c.param_bytes, d) if sharded else 0.0)
         for c in costs.stages))
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.hardware import collectives
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     ContextRing,
@@ -131,8 +130,7 @@ def test_the_gradients_are_reduced_and_sharded_over_the_context_ranks_and_the_re
         costs = scenario.costs(sched)
         link = scenario.data_parallel_link(sched)
         stage = costs.stages[0]
-        assert stage.reduce_ms == collectives.reduce_scatter_ms(stage.param_bytes, c * replicas, link.latency_ms,
-                                                                link.bytes_per_ms)
+        assert stage.reduce_ms == link.reduce_scatter_ms(stage.param_bytes, c * replicas)
     assert estimated.estimate.parallelism["context"] == c
 
 

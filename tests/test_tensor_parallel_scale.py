@@ -116,3 +116,47 @@ def test_tp_overlap_needs_sequence_parallelism_and_one_node(tmp_path):
                            "--out", tmp_path / "p.json")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--tp-overlap moves its chunks" in err
     assert not (tmp_path / "p.json").exists()
+
+
+# --- data-parallel collectives as NCCL's tuner prices them (hardware/collectives.py) ---
+
+NIC_MS, NVLINK_MS = 0.014, 0.0034  # NCCL's ring step latencies on the network and on NVLink (Simple protocol)
+
+
+@pytest.mark.parametrize("ranks", [16, 64, 256])
+def test_a_data_parallel_ring_all_reduce_pays_nccls_latency_for_each_rank_across_nodes(ranks):
+    """One rank a node (t = 8): a large buffer takes the ring, whose latency is NCCL's base and 2(n-1) steps, every
+    one across nodes (its tuner counts 2k of them on k nodes, here at most all), the whole x1.4, beside its bytes."""
+    nbytes, rate = 2e9, NIC_BYTES_PER_MS
+    latency = (collectives.RING_BASE_LATENCY_MS + 2 * (ranks - 1) * NIC_MS) * collectives.RING_PLATEAU
+    expected = latency + nbytes * 2 * (ranks - 1) / ranks / rate
+    assert collectives.nccl_all_reduce_ms(nbytes, ranks, 1, NVLINK_MS, NIC_MS, rate) == pytest.approx(expected)
+
+
+def test_the_data_parallel_collective_grows_with_the_ranks_and_takes_the_tree_where_its_hops_are_fewer():
+    nbytes, rate = 64e6, NIC_BYTES_PER_MS
+    times = [collectives.nccl_all_reduce_ms(nbytes, n, 1, NVLINK_MS, NIC_MS, rate) for n in (16, 64, 256, 1024)]
+    assert times == sorted(times) and times[-1] > times[0]
+    tree = (2 * 10 * collectives.TREE_HOP_LATENCY_MS + 2 * nbytes / (collectives.TREE_BANDWIDTH_FACTOR * rate))
+    assert times[-1] == pytest.approx(tree)  # 1,024 nodes: 2·log2(1024) hops beat 2,046 ring steps
+    within = collectives.nccl_all_reduce_ms(nbytes, 8, 8, NVLINK_MS, NIC_MS, rate)  # one node: no network step
+    assert within == pytest.approx(min(collectives.RING_BASE_LATENCY_MS + 14 * NVLINK_MS + nbytes * 14 / 8 / rate,
+                                       2 * 7 * collectives.TREE_HOP_LATENCY_MS
+                                       + 2 * nbytes / (collectives.TREE_BANDWIDTH_FACTOR * rate)))
+    shard = collectives.nccl_reduce_scatter_ms(nbytes, 32, 4, NVLINK_MS, NIC_MS, rate)  # 8 nodes: 7 of 31 steps
+    assert shard == pytest.approx(collectives.RING_BASE_LATENCY_MS + 24 * NVLINK_MS + 7 * NIC_MS
+                                  + nbytes * 31 / 32 / rate)
+
+
+def test_an_estimates_reduce_is_priced_over_its_placements_ranks_on_each_node(gpt16):
+    from pipesim.planning.estimate import estimate_profile
+    from pipesim.planning.scenario import profile_scenario
+    from pipesim.schedules import ScheduleParams
+
+    scenario = profile_scenario(estimate_profile(gpt16, A100, Parallelism(tensor=2, pipeline=2, data=16)), "adam")
+    sched = scenario.build("1f1b", ScheduleParams(2, 4, data_parallel=16))
+    link = scenario.data_parallel_link(sched)
+    assert (link.per_node, link.node_latency_ms) == (2, NVLINK_MS)  # t2 p2: 2 replicas on each node of 8
+    stage = scenario.costs(sched).stages[0]
+    assert stage.reduce_ms == pytest.approx(collectives.nccl_all_reduce_ms(
+        stage.param_bytes, 16, 2, NVLINK_MS, NIC_MS, link.bytes_per_ms))
