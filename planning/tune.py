@@ -86,6 +86,7 @@ from ..schedules import (
     steady_minibatches,
     weight_versions,
 )
+from ..sim.cluster import Cluster
 from ..sim.costs import Costs
 from ..sim.engine import simulate, static_bytes
 from ..traces import summarize
@@ -451,6 +452,7 @@ class _Work:
     static_bytes: int
     param_bytes: int
     slowest_ms: np.ndarray  # [k]: the least a busiest of k stages runs per micro-batch (F + least backward)
+    step_ms: tuple[float, float, float]  # an update, a weight prediction and an averaging of every stage, summed
 
 
 def _work(profile: Profile, optimizer: str) -> _Work:
@@ -461,19 +463,22 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     min(B, I + W) is at least its layers' sum of min(B, I + W). Where passes were measured, the calibrated cut's
     I and W are measured, which no layer sum bounds: they count for nothing; the same goes for `slowest_ms`, the
     best split of the layers' F + min(B, I + W) into k stages (`least_slowest`), which no stage's passes undercut.
-    Bytes are additive over a cut."""
+    Bytes are additive over a cut, and so are a stage's update, prediction and averaging, shared out by its
+    weights' bytes (`stages_for`)."""
     held = (sum(c.static_bytes for c in layer_costs(profile.layers, optimizer)),
             sum(layer.param_bytes for layer in profile.layers))
+    steps = tuple(math.fsum(pick(stage).median_ms for stage in profile.stages) for pick in (
+        lambda s: s.steps[optimizer].step, lambda s: s.steps[optimizer].predict, lambda s: s.average))
     layers = profile.layers
     if all(stage.passes is not None for stage in profile.stages):
         table = profile_costs(profile, optimizer, range(len(layers) + 1)).op_ms_table(1)
         return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0, *held,
-                     np.zeros(len(layers) + 1))
+                     np.zeros(len(layers) + 1), steps)
     tail = profile.contention.tail if profile.contention is not None else 1.0
     least_bwd = [min(layer.bwd.median_ms, layer.igrad.median_ms + layer.wgrad.median_ms) for layer in layers]
     return _Work(tail * math.fsum(layer.fwd.median_ms for layer in layers),
                  tail * math.fsum(layer.bwd.median_ms for layer in layers), tail * math.fsum(least_bwd), *held,
-                 tail * _least_slowest(tuple(layer.fwd.median_ms + b for layer, b in zip(layers, least_bwd))))
+                 tail * _least_slowest(tuple(layer.fwd.median_ms + b for layer, b in zip(layers, least_bwd))), steps)
 
 
 _least_slowest = cache(least_slowest)  # settings of one model at other depths share their layers' costs
@@ -484,7 +489,8 @@ class _Sketch:
     """What a method's order tells the search before any cost, per micro-batch (`_Orders.sketch`, read off a
     probe of the same shape): every method runs each micro-batch's forward and backward once on every stage, so
     its counts scale with m; whether it is a flushing chain, splits backwards or keeps extra weight copies does
-    not depend on m, nor does a flushing order's staleness (nothing is in flight across its steps)."""
+    not depend on m, nor does a flushing order's staleness (nothing is in flight across its steps). Its updates,
+    predictions and averagings per step do not fall as m grows, so the probe's (at m or fewer) are a floor."""
 
     forwards: float  # the fewest forwards a model stage runs, per micro-batch
     backwards: float  # the fewest B + min(I, W)
@@ -492,19 +498,22 @@ class _Sketch:
     chain: tuple[float, bool] | None  # `_flush_chain`, its count per micro-batch
     staleness: int | None  # None: known at the candidate's m only
     extra_copies: int
+    steps: tuple[float, float, float]  # the fewest OPT, PRED, AVG a stage runs per step
 
     @classmethod
     def of(cls, order: _Order) -> _Sketch:
         m = order.schedule.microbatches
         f, b, i, w = (order.per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
         chain = (order.chain[0] / m, order.chain[1]) if order.chain is not None else None
+        steps = tuple(float(order.per_step[:, KIND_CODE[kind]].min()) for kind in (Kind.OPT, Kind.PRED, Kind.AVG))
         return cls(float(f.min()) / m, float((b + np.minimum(i, w)).min()) / m, float(b.min()) / m, chain,
-                   order.staleness if flushes(order.schedule) else None, order.schedule.policy.extra_copies)
+                   order.staleness if flushes(order.schedule) else None, order.schedule.policy.extra_copies, steps)
 
 
 # A searched order (auto) flushes every mini-batch on a chain (`check_shape`: one stage per device, one pipeline),
-# running each micro-batch's F and backward once per stage; whether it splits a backward is searched: say it may.
-SEARCHED = _Sketch(1.0, 1.0, 0.0, (1.0, True), None, 0)
+# running each micro-batch's F and backward once per stage and one update per stage and step; whether it splits a
+# backward is searched: say it may.
+SEARCHED = _Sketch(1.0, 1.0, 0.0, (1.0, True), None, 0, (1.0, 0.0, 0.0))
 
 
 def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch, cost_scale: float,
@@ -512,8 +521,8 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch,
     """An upper bound of `config`'s samples/s under any partition. The busiest device computes at least the
     mean of the p devices, and together they compute at least every stage's forwards (the fewest any stage runs
     per step, times the layers' forward sum: F is additive over a cut) and backwards (each micro-batch's B, or
-    I and W, costs at least min(B, I + W) >= the layers' least backward; B alone, its layers' B), with updates
-    and the rest counted as 0 (`sketch` gives the counts per micro-batch); and the busiest device computes at
+    I and W, costs at least min(B, I + W) >= the layers' least backward; B alone, its layers' B) and updates,
+    predictions and averagings (`sketch` gives the counts), the rest counted as 0; and the busiest device computes at
     least its busiest stage, which runs at least the fewest passes on the best split of the layers into stages.
 
     A flushing chain's step is also at least, for every device d, X_0 + ... + X_{d-1} + c·X_d, where X_k is
@@ -532,7 +541,8 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch,
     them to it. Shaded by 1e-9 against rounding (the sums run in another order)."""
     m = config.microbatches
     forwards, backwards, whole = m * sketch.forwards, m * sketch.backwards, m * sketch.whole
-    total_ms = cost_scale * (forwards * work.fwd_ms + max(backwards * work.least_bwd_ms, whole * work.bwd_ms))
+    total_ms = cost_scale * (forwards * work.fwd_ms + max(backwards * work.least_bwd_ms, whole * work.bwd_ms)
+                             + float(np.dot(sketch.steps, work.step_ms)))
     mean_ms = total_ms / config.stages
     stages = config.stages * config.chunks
     step_ms = max(mean_ms, cost_scale * m * min(sketch.forwards, sketch.backwards) * float(work.slowest_ms[stages])
@@ -743,23 +753,33 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
     least_step_ms = max(float((busy_ms + _exposed_reduce_ms(schedule, per_op_ms, short)).max()),  # shaded: sums of
-                        _flush_bound_ms(schedule, per_op_ms)) * (1 - 1e-9)  # the same times in another order
+                        _flush_bound_ms(schedule, per_op_ms, _hops_ms(scenario.links(schedule), costs))
+                        ) * (1 - 1e-9)  # the same times in another order
     return Candidate(config, setting, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor,
                      allreduce_ms, problem.batch_size / least_step_ms * 1e3,
                      activation_ratio(schedule, costs) if method.needs_costs else None)
 
 
-def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray) -> float:
+def _hops_ms(links: Cluster, costs: Costs) -> np.ndarray:
+    """[k]: the least time a chain's micro-batch spends between devices k and k+1 and back: its activation's
+    transfer forward and its gradient's (the same size) back, each at least its link's time alone."""
+    return np.array([links.link(k, k + 1).transfer_ms(stage.output_bytes) + links.link(k + 1, k).transfer_ms(
+        stage.output_bytes) for k, stage in enumerate(costs.stages[:-1])])
+
+
+def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) -> float:
     """A lower bound of a flushing chain's steady step (one stage per device, stage k on device k, one pipeline;
     0 for any other schedule): for every device d, the forwards of stages 0..d-1, then d's own work in program
     order up to its last B or I of the step, then the input-gradient passes (B or I) of stages d-1..0.
 
     Why: device 0 starts step s+1 only after its last op of step s (it flushes), at E0(s). Device d's first op
     of step s+1 is an F (any other op needs an F of its own step before it on d), whose micro-batch went
-    through F on stages 0..d-1 after E0(s); so d starts step s+1 no earlier than E0(s) + sum F_k. Its last B or
-    I of the step ends no earlier than that plus the work d runs before it, one op at a time. That micro-batch's
-    input gradient then passes B or I on each of stages d-1..0 before device 0 ends step s+1, at E0(s+1).
-    Transfers, waits and overheads only add, and steps repeat from the second on, so E0(s+1) - E0(s) is the
+    through F on stages 0..d-1 after E0(s), crossing each link on the way (`hops_ms`: there and back); so d starts
+    step s+1 no earlier than E0(s) + sum F_k and the hops' forward halves. Its last B or I of the step ends no
+    earlier than that plus the work d runs before it, one op at a time. That micro-batch's input gradient then
+    passes B or I on each of stages d-1..0, crossing the links back, before device 0 ends step s+1, at E0(s+1),
+    after it has reduced stage 0's gradients and updated.
+    Waits, contention and overheads only add, and steps repeat from the second on, so E0(s+1) - E0(s) is the
     step. A test holds the bound to the simulated step over every candidate."""
     p = schedule.num_devices
     if not _is_flushing_chain(schedule):
@@ -782,7 +802,8 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray) -> float:
             continue
         upto = mine[:backward[-1] + 1]
         work_ms = float(compute_ms[t.stage[upto], t.kind[upto]].sum())
-        step_ms = max(step_ms, float(forward_ms[:d].sum() + work_ms + input_grad_ms[:d].sum() + tail_ms))
+        step_ms = max(step_ms, float(forward_ms[:d].sum() + work_ms + input_grad_ms[:d].sum() + hops_ms[:d].sum()
+                                     + tail_ms))
     return step_ms
 
 
