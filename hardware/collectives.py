@@ -19,6 +19,9 @@ TREE_BANDWIDTH_FACTOR = 0.92  # NCCL's tuner (src/graph/tuning.cc) credits a tre
 RING_BASE_LATENCY_MS = 0.0084  # a ring collective's fixed latency
 TREE_HOP_LATENCY_MS = 0.028  # a tree's latency per hop, on NVLink, PCIe and the network alike
 RING_PLATEAU = 1.4  # a ring all-reduce across nodes: its latency x1.4 ("plateau effect of ring", sm80 and later)
+# a tree's bandwidth by size (treeCorrectionFactor, Simple): x TREE_CORRECTION[i] for a buffer of 64·2^i to
+# 64·2^(i+1) bytes (the first: below 128), x1 from 512 MiB
+TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9)
 
 def _check(nbytes: float, ranks: int, bytes_per_ms: float) -> None:
     if nbytes < 0:
@@ -79,8 +82,8 @@ def nccl_all_reduce_ms(nbytes: float, ranks: int, per_node: int, node_latency_ms
     """An all-reduce over `ranks`, `per_node` of them on each of k nodes, as NCCL's tuner times it (Simple protocol)
     and picks the faster: a ring's base latency and 2(n-1) steps, 2k of them at the network's latency and the rest
     at the node link's, x`RING_PLATEAU` across nodes, then its bytes (`ring_all_reduce_ms`'s); a tree's
-    2((n/k - 1) + log2 k) hops of `TREE_HOP_LATENCY_MS`, then its bytes (`tree_all_reduce_ms`'s). Its latency grows
-    with the ranks: the ring's in steps, the tree's in hops."""
+    2((n/k - 1) + log2 k) hops of `TREE_HOP_LATENCY_MS`, then its bytes (`tree_all_reduce_ms`'s) at its
+    `TREE_CORRECTION` for the size. Its latency grows with the ranks: the ring's in steps, the tree's in hops."""
     _check(nbytes, ranks, bytes_per_ms)
     if ranks == 1:
         return 0.0
@@ -88,8 +91,10 @@ def nccl_all_reduce_ms(nbytes: float, ranks: int, per_node: int, node_latency_ms
     crossing = min(2 * nodes, steps) if nodes > 1 else 0
     ring_latency_ms = RING_BASE_LATENCY_MS + (steps - crossing) * node_latency_ms + crossing * network_latency_ms
     ring = ring_latency_ms * (RING_PLATEAU if nodes > 1 else 1.0) + nbytes * steps / ranks / bytes_per_ms
+    size_class = max((int(nbytes) >> 6).bit_length() - 1, 0)  # NCCL's log2i(nBytes >> 6)
+    correction = TREE_CORRECTION[size_class] if size_class < len(TREE_CORRECTION) else 1.0
     tree = (2 * (min(per_node, ranks) - 1 + math.log2(nodes)) * TREE_HOP_LATENCY_MS
-            + 2 * nbytes / (TREE_BANDWIDTH_FACTOR * bytes_per_ms))
+            + 2 * nbytes / (TREE_BANDWIDTH_FACTOR * correction * bytes_per_ms))
     return min(ring, tree)
 
 
