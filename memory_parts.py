@@ -4,9 +4,10 @@ shared vocabularies and the profile data may use it."""
 
 # What holds a device's memory, the parts a prediction's peak is broken into (`TraceMeta.peak_memory_parts`):
 # weights (with the copies a method keeps), weight gradients as accumulated, optimizer state (a mixed-precision
-# master copy of the weights included), what the forward keeps for the backward (boundary tensors included), and
-# point-to-point buffers in flight.
-MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication")
+# master copy of the weights included), what the forward keeps for the backward (boundary tensors included),
+# point-to-point buffers in flight, and the tensors a pass creates and frees within itself while it runs
+# (`transient`: the loss's backward's float32 tokens x vocabulary gradients, an MLP's intermediate gradients).
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication", "transient")
 
 # What saves an activation (`LayerCount.saved_parts`): the torch function running (a norm, a dropout's mask, the
 # attention kernel), else the innermost submodule named for attention or an MLP, else other.

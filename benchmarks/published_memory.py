@@ -143,9 +143,9 @@ def main() -> None:
         parts = ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items())
         print(f"{r['run']:<{width}}  {r['predicted_gib']:>8.1f} {r['published_gib']:>6.1f} {r['error']:>+7.1%}   "
               f"{parts}")
-    print("pipesim counts the tensors allocated at the peak: not the caching allocator's reserve, which the page's "
-          "max reserved includes, nor the backward's temporaries (the loss's backward holds two float32 tokens x "
-          "vocabulary tensors beside the one it saved)")
+    print("pipesim counts the tensors allocated at the peak, the running pass's transient ones included (the loss's "
+          "backward's two float32 tokens x vocabulary gradients): not the caching allocator's reserve, which the "
+          "page's max reserved includes")
     for r in listed:
         print(f"  {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
     print("\nzero-bubble (Qi et al. 2024) Table 4: not reachable offline; see benchmarks/published/README.md")

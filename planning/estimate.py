@@ -335,6 +335,7 @@ class LayerEstimate:
     wgrad_ms: float
     activation_bytes: int
     activation_parts: dict[str, int]  # of those, by what saves them (`SAVED_PARTS`), summing to them
+    transient_bytes: dict[str, int]  # per pass of `PASSES`, what it creates and frees within itself at its peak
 
 
 @dataclass(frozen=True)
@@ -466,6 +467,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         core = split.core(shape)
         parts[part] += (0.0 if parallel.recompute == "selective" else nbytes / t) if core else nbytes * rest_share
     parts["other"] += (saved - sum(nbytes for _, nbytes in layer.saved_tensors)) * rest_share  # a count lists all
+    saved_unless_rerun = sum(parts.values()) + sum(nbytes / t for shape, nbytes in layer.saved_tensors
+                                                   if split.core(shape) and parallel.recompute == "selective")
     rerun = 0.0
     transformer = any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1)
                       for op in layer.ops.get("fwd", ()))  # a transformer layer, as Megatron and torchtitan say
@@ -484,7 +487,22 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     kept = sum(parts.values())
     total = round(min(kept, saved / c) if parallel.recompute in ("selective", "full") else kept)  # op's: its own
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
-                         whole_parts(parts, total))
+                         whole_parts(parts, total), _transient_bytes(layer, split, saved_unless_rerun / c - total))
+
+
+def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dict[str, int]:
+    """Per pass, the bytes of the count's transient tensors at the pass's peak on one of the t·C ranks (a
+    residual-stream tensor whole without sequence parallelism, as Megatron-LM keeps it, any other 1/t: a head's, an
+    MLP's or the vocabulary's share; every one 1/C), and in the input-gradient and full backward the `recomputed`
+    bytes, which the backward recreates before it frees them (Korthikanti et al. 2022, section 4: full
+    recomputation holds one layer's activations during its backward)."""
+    def on_rank(tensors: tuple[tuple[tuple[int, ...], int], ...]) -> float:
+        whole = lambda shape: split.residual(shape) and not split.sequence_parallel  # noqa: E731
+        return sum(nbytes if whole(shape) or split.t == 1 else nbytes / split.t for shape, nbytes in tensors) \
+            / split.context
+
+    return {name: round(on_rank(layer.transient_tensors.get(name, ()))
+                        + (max(recomputed, 0.0) if name in ("bwd", "igrad") else 0.0)) for name in PASSES}
 
 
 def _with_all_to_alls(priced: LayerEstimate, layer: LayerCount, experts: ExpertGroup,
@@ -620,7 +638,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
-            activation_parts=priced.activation_parts,
+            activation_parts=priced.activation_parts, transient_bytes=priced.transient_bytes,
             float8_weight_bytes=float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8]) // t if parallel.fp8 else 0,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             param_bytes=params,

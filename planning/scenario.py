@@ -386,7 +386,7 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,
         grad_bytes=s.grad_bytes, activation_parts=s.activation_parts, gathered_bytes=gathered_bytes(layers),
         stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
-        float8_weight_bytes=s.float8_weight_bytes)
+        float8_weight_bytes=s.float8_weight_bytes, transient_bytes=s.transient_bytes)
         for s, layers in zip(stages_for(measured, list(bounds), dag=dag), stage_layers)),
         microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),

@@ -100,6 +100,9 @@ class LayerProfile(_Strict):
     # Float8 casts of the weights a float8 recipe keeps between optimizer steps (an estimate's under
     # TransformerEngine: the cast and its transpose), beside `param_bytes`, whole on every data-parallel rank
     float8_weight_bytes: int = Field(0, ge=0)
+    # Per pass (`PASSES`), the bytes of the tensors it creates and frees within itself at its peak, above its
+    # inputs and what outlives it (an estimate's, from the count; {}: none known, a calibration's)
+    transient_bytes: dict[str, int] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _per_input(self) -> LayerProfile:
@@ -173,6 +176,7 @@ class StageProfile(_Strict):
     held_bytes: int | None = Field(None, ge=0)  # boundary tensors autograd does not save (`boundary_held_bytes`)
     activation_parts: dict[str, int] | None = None  # as its layers' (`LayerProfile.activation_parts`)
     float8_weight_bytes: int = Field(0, ge=0)  # as its layers' (`LayerProfile.float8_weight_bytes`)
+    transient_bytes: dict[str, int] = Field(default_factory=dict)  # its passes' (`stage_transient_bytes`)
 
     @model_validator(mode="after")
     def _parts(self) -> StageProfile:
@@ -558,6 +562,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             optimizer_state_bytes={name: sum(layer.optimizer_state_bytes[name] for layer in mine)
                                    for name in OPTIMIZERS},
             float8_weight_bytes=sum(layer.float8_weight_bytes for layer in mine),
+            transient_bytes=stage_transient_bytes(layers, start, stop),
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
@@ -568,6 +573,25 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             passes=passes[k] if passes is not None else None,
         ))
     return out
+
+
+def stage_transient_bytes(layers: list[LayerProfile], start: int, stop: int) -> dict[str, int]:
+    """Per pass, the most a stage's pass holds above its activations (which a prediction counts whole from the
+    forward's start until the backward frees them) while one of its layers runs: in the forward and the full
+    backward, layer i's transient less what the layers after it save (not yet saved in the forward, freed already
+    in the backward, which runs them first); the split backward keeps its graph for the weight pass and frees
+    nothing as it goes. A stage fed by the batch alone runs its whole backward as the weight pass (`_summed`)."""
+    mine = layers[start:stop]
+    after = [sum(layer.activation_bytes for layer in mine[i + 1:]) for i in range(len(mine))]
+
+    def peak(name: str, freeing: bool) -> int:
+        return max([0, *(layer.transient_bytes.get(name, 0) - (later if freeing else 0)
+                         for layer, later in zip(mine, after))])
+
+    sends_input_grad = any(0 <= source < start for layer in mine for source in layer.inputs)
+    return {"fwd": peak("fwd", True), "bwd": peak("bwd", True),
+            "igrad": peak("igrad", False) if sends_input_grad else 0,
+            "wgrad": peak("wgrad", False) if sends_input_grad else peak("bwd", True)}
 
 
 def _stage_parts(layers: list[LayerProfile], activation_bytes: int) -> dict[str, int] | None:

@@ -66,6 +66,10 @@ class LayerCount:
     # as many), which its all-to-alls carry
     expert_param_bytes: int = 0
     dispatched_bytes: int = 0
+    # Per pass of `PASSES`, the tensors it creates and frees within itself that were live at once at their most
+    # bytes, (shape, bytes) each: its transient peak above its inputs and what outlives it (workload/count.py's
+    # `_LiveBytes`); {}: a count from before they were recorded
+    transient_tensors: dict[str, tuple[tuple[tuple[int, ...], int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,6 +12,8 @@ from ..schedules import KINDS, NUM_COMPUTE_KINDS, Kind
 from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
+# The passes a stage's `transient_bytes` name, and the row each is (`KINDS`)
+TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.W}
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
@@ -87,7 +89,9 @@ class StageCosts:
     `param_bytes`). `gathered_bytes`: under ZeRO-3 with one stage and no pipeline, the whole weights one pass
     holds at a time (FSDP2 gathers each wrapped module before its pass and the next one's during it; None: the
     stage's whole weights). `float8_weight_bytes`: float8 casts of the weights a float8 recipe holds between
-    updates beside them (TransformerEngine's), whole on every data-parallel rank.
+    updates beside them (TransformerEngine's), whole on every data-parallel rank. `transient_bytes`: per pass
+    (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's activations while it runs, created
+    and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
     """
 
     fwd_ms: float
@@ -112,6 +116,7 @@ class StageCosts:
     stored_bytes: int | None = None
     gathered_bytes: int | None = None
     float8_weight_bytes: int = 0
+    transient_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def gradient_bytes(self) -> int:
@@ -135,6 +140,10 @@ class StageCosts:
                 raise CostError(f"{name} must be a finite number from 0 to {limit:g} (got {value!r})")
         if not 0.0 <= self.wgrad_fraction <= 1.0:
             raise CostError(f"wgrad_fraction must be between 0 and 1 (got {self.wgrad_fraction!r})")
+        if any(name not in TRANSIENT_KINDS or not isinstance(value, int) or value < 0
+               for name, value in self.transient_bytes.items()):
+            raise CostError(f"transient_bytes must give whole bytes >= 0 for some of {', '.join(TRANSIENT_KINDS)} "
+                            f"(got {self.transient_bytes!r})")
         if self.activation_parts is not None and sum(self.activation_parts.values()) != self.activation_bytes:
             raise CostError(f"activation_parts must sum to activation_bytes ({self.activation_bytes})")
 

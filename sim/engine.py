@@ -35,7 +35,7 @@ from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, Sch
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
-from .costs import Costs, RowOverhead
+from .costs import TRANSIENT_KINDS, Costs, RowOverhead
 
 _PS_PER_MS = 1e9
 # `_Model._lockstep`: the steps per sweep, over a window of sweeps, above which sweeping pays (a sweep costs about
@@ -366,6 +366,11 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
             at_end[key][k, KIND_CODE[Kind.W]] = -kept_here
     for table in (at_start, at_end):
         table["activations.other"] = table["activations"] - sum(table[saver] for saver in SAVERS[:-1])
+    # What a pass creates and frees within itself, held while its row runs.
+    for name, kind in TRANSIENT_KINDS.items():
+        transient = per_stage([c.transient_bytes.get(name, 0) for c in stages])
+        at_start["transient"][:, KIND_CODE[kind]] = transient
+        at_end["transient"][:, KIND_CODE[kind]] = -transient
     # Point-to-point transfers: a compute row's are fixed by its stage and kind (on every channel between two
     # devices, each forward of the sending stage has its SEND among the SENDs after it and each of the receiving
     # stage its RECV among the RECVs before it; a gradient's, each B or I), so the buffers they make and free at

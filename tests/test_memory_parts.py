@@ -54,7 +54,7 @@ def test_1f1b_parts_are_what_each_part_holds():
     for k, (device, zero1) in enumerate(zip(plain["devices"], sharded["devices"])):
         parts = device["peak_memory_parts_mb"]
         assert parts == {"parameters": 100, "gradients": 100, "optimizer_state": 200,
-                         "activations": 10 * (4 - k), "communication": 0}
+                         "activations": 10 * (4 - k), "communication": 0, "transient": 0}
         assert zero1["peak_memory_parts_mb"] == {**parts, "optimizer_state": 100}
 
 
@@ -144,9 +144,10 @@ def test_the_memory_view_fits_100_columns_with_every_part_whole(monkeypatch):
     lines = out.splitlines()
     assert max(map(len, lines)) <= 100
     header = next(line for line in lines if "weights" in line).split()
-    assert header == ["schedule", "device", "weights", "gradients", "optimizer", "activations", "buffers", "peak"]
+    assert header == ["schedule", "device", "weights", "gradients", "optimizer", "activations", "buffers", "transient",
+                      "peak"]
     rows = [line.split() for line in lines if line.split()[:1] in (["1f1b"], ["zb-h2"])]
-    assert rows[0] == ["1f1b", "0", "100", "100", "100", "40", "0", "340"]
+    assert rows[0] == ["1f1b", "0", "100", "100", "100", "40", "0", "0", "340"]
     assert rows[1][:2] == ["zb-h2", "0"]
     code, _, err = pipesim("simulate", *args, "--memory", "--json")
     assert code == 2 and err.startswith("error: --memory is a table; --json gives")
@@ -271,10 +272,10 @@ def test_the_memory_views_whole_mib_add_up_to_its_peak():
     code, out, err = pipesim("simulate", "-s", "1f1b", "-s", "zb-v", "-p", "4", "-m", "8", "--param-mb", "10.4",
                              "--activation-mb", "3.3,2.7,4.4,1.6", "--output-mb", "0.45", "--memory")
     assert code == 0, err
-    rows = [[int(v.replace(",", "")) for v in line.split()[-6:]] for line in out.splitlines()
-            if line.split() and line.split()[-1].replace(",", "").isdigit() and len(line.split()) >= 7]
+    rows = [[int(v.replace(",", "")) for v in line.split()[-7:]] for line in out.splitlines()
+            if line.split() and line.split()[-1].replace(",", "").isdigit() and len(line.split()) >= 8]
     assert len(rows) >= 8
-    assert all(sum(row[:5]) == row[5] for row in rows), rows
+    assert all(sum(row[:6]) == row[6] for row in rows), rows
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -310,7 +311,7 @@ def test_zero_stages_shard_exactly_their_parts():
              for zero in (0, 1, 2, 3)}
     for k in range(4):
         whole = {"parameters": 100, "gradients": 100, "optimizer_state": 200, "activations": 10 * (4 - k),
-                 "communication": 0}
+                 "communication": 0, "transient": 0}
         assert peaks[0][k] == whole
         assert peaks[1][k] == peaks[2][k] == {**whole, "optimizer_state": 100}
         assert peaks[3][k] == {**whole, "parameters": 150, "optimizer_state": 100}
@@ -356,7 +357,7 @@ def test_fsdp2_precision_keeps_float32_shards_and_gathers_16_bit_copies():
     megatron, = simulate_json(*args, "--precision", "megatron")
     for k, (device, other) in enumerate(zip(fsdp2["devices"], megatron["devices"])):
         held = {"parameters": 100 + 100, "gradients": 200, "optimizer_state": 200, "activations": 10 * (4 - k),
-                "communication": 0}
+                "communication": 0, "transient": 0}
         assert device["peak_memory_parts_mb"] == held
         assert other["peak_memory_parts_mb"] == {**held, "parameters": 50 + 100, "optimizer_state": 300}
 

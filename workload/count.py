@@ -13,7 +13,11 @@ Per layer and per micro-batch of b samples:
   (the rule calibration measures by);
 - parameter, gradient and optimizer-state bytes (each optimizer of `OPTIMIZERS`, after one real step) and the
   bytes that step moves;
-- the tensor the layer outputs: what a stage ending there sends (the last layer's output is its loss).
+- the tensor the layer outputs: what a stage ending there sends (the last layer's output is its loss);
+- per pass, its transient tensors (`_LiveBytes`): those it creates and frees within itself, as live at their
+  peak, above its inputs and what it keeps (saved tensors, gradients, its output). The loss's backward holds two
+  float32 tokens x vocabulary tensors (nll_loss_backward's and _log_softmax_backward_data's) beside the log-softmax
+  it saved.
 
 Attention is counted as the kernel a GPU would run: "math" materialises the s x s scores in the model's dtype
 (as Megatron-LM 2021 and Korthikanti et al. 2022 ran it; torch upcasts them to float32 off CUDA, which the
@@ -22,6 +26,8 @@ count turns off), "flash" is torch's fused flash kernel (no scores saved: what t
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,6 +59,7 @@ class _Tally:
     flops: int = 0
     moved_bytes: int = 0  # of the memory-bound ops
     ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed) -> calls
+    transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
 
     def records(self) -> tuple[OpCount, ...]:
         return tuple(OpCount(*key[:5], count=n, routed=key[5]) for key, n in self.ops.items() if n > 0)
@@ -114,14 +121,66 @@ class _MovedBytes(TorchDispatchMode):
         return out
 
 
+class _LiveBytes(TorchDispatchMode):
+    """The storages the ops inside create, each with its bytes and the shape of its first tensor, and when each is
+    freed (a weak reference's callback: torch keeps a storage's Python object while the storage lives), in order,
+    so that the pass's transient peak can be read when it ends (`transient`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[int, tuple[weakref.ref, tuple[int, ...], int]] = {}  # by event number
+        self.events: list[tuple[int, bool]] = []  # (event number of the creation, created: else freed)
+        self.known: set[int] = set()  # the ids of the live storages created inside
+        self.outside: dict[int, torch.UntypedStorage] = {}  # those an op read that were not: held, ids kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.known:
+                self.outside.setdefault(id(t.untyped_storage()), t.untyped_storage())
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            if id(storage) in self.known or id(storage) in self.outside:  # a view, or written in place
+                continue
+            number = len(self.events)
+            self.known.add(id(storage))
+            self.created[number] = (weakref.ref(storage, lambda _, n=number, key=id(storage): self._freed(n, key)),
+                                    tuple(t.shape), storage.nbytes())
+            self.events.append((number, True))
+        return out
+
+    def _freed(self, number: int, key: int) -> None:
+        self.known.discard(key)
+        self.events.append((number, False))
+
+    def transient(self) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """(shape, bytes) of the storages created and freed inside that were live at once at their most bytes:
+        what the pass holds above its inputs and what outlives it."""
+        freed = {number for number, created in self.events if not created}
+        steps = [(number, created) for number, created in self.events if number in freed]
+        running = list(itertools.accumulate(self.created[n][2] * (1 if created else -1) for n, created in steps))
+        if not running or max(running) <= 0:
+            return ()
+        live: dict[int, int] = {}
+        for number, created in steps[:running.index(max(running)) + 1]:
+            if created:
+                live[number] = self.created[number][2]
+            else:
+                del live[number]
+        return tuple((self.created[number][1], nbytes) for number, nbytes in live.items())
+
+
 @contextmanager
 def _counting(routed: Dispatched | None = None) -> Iterator[_Tally]:
-    """FLOPs and moved bytes of what runs inside, filled in when it ends."""
+    """FLOPs, moved bytes and transient tensors of what runs inside, filled in when it ends."""
     tally = _Tally()
     flops = FlopCounterMode(display=False)
-    with flops, _MovedBytes(tally, routed):
+    with flops, _MovedBytes(tally, routed), _LiveBytes() as live:
         yield tally
     tally.flops = flops.get_total_flops()
+    tally.transient = live.transient()
 
 
 class _GpuKernels(TorchFunctionMode):
@@ -336,7 +395,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     with dispatches() as routed, _counting(routed) as fwd, _saved(layer) as saved:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
-    igrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)
+    igrad, wgrad_transient, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)
     shapes = tuple((tuple(w.shape), w.dtype) for w in weights)
     for name in OPTIMIZERS:
         if (name, shapes) not in steps:
@@ -355,24 +414,33 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
         expert_param_bytes=routed.expert_weight_bytes, dispatched_bytes=routed.token_bytes,
         ops={"fwd": fwd.records(), "bwd": full.records(), "igrad": igrad.records(),
-             "wgrad": _Tally(ops=full.ops - igrad.ops).records()})
+             "wgrad": _Tally(ops=full.ops - igrad.ops).records()},
+        transient_tensors={"fwd": fwd.transient, "bwd": full.transient, "igrad": igrad.transient,
+                           "wgrad": wgrad_transient})
     return count, out.detach()
 
 
 def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch.Tensor],
-              routed: Dispatched | None = None) -> tuple[_Tally, _Tally]:
-    """The input-gradient pass alone, and the full backward (inputs and weights), counted; `routed`: the forward's
-    routed experts, whose ops the backward's reading their weights or products are."""
+              routed: Dispatched | None = None) -> tuple[_Tally, tuple[tuple[tuple[int, ...], int], ...], _Tally]:
+    """The input-gradient pass alone, the weight-gradient pass's transient tensors (autograd.grad on the weights
+    over the graph the input pass kept, as a zero-bubble W runs; with no input to differentiate, the full
+    backward's), and the full backward (inputs and weights), counted; `routed`: the forward's routed experts,
+    whose ops the backward's reading their weights or products are."""
     igrad = full = _Tally()
     if not out.requires_grad:
-        return igrad, full
+        return igrad, (), full
     grad = torch.ones_like(out)
+    wgrad_transient = None
     if inputs:
         with _counting(routed) as igrad:
-            torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)
+            kept = torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)  # noqa: F841
+        if weights:  # (the gradients held until the pass's transients are read: they outlive it)
+            with _LiveBytes() as live:
+                kept = torch.autograd.grad(out, weights, grad, retain_graph=True, allow_unused=True)  # noqa: F841
+            wgrad_transient = live.transient()
     with _counting(routed) as full:
-        torch.autograd.grad(out, inputs + weights, grad, allow_unused=True)
-    return igrad, full
+        kept = torch.autograd.grad(out, inputs + weights, grad, allow_unused=True)  # noqa: F841
+    return igrad, full.transient if wgrad_transient is None else wgrad_transient, full
 
 
 def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
