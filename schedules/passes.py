@@ -131,10 +131,8 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     pipeline has flushed). With a sharded optimizer (ZeRO-1 and 2) the REDUCE is a reduce-scatter, each replica
     updates its shard, and a GATHER row right after the OPT all-gathers the updated weights. ZeRO-3 (FSDP) keeps
     only the shards: a GATHER row before each pass that computes with the whole weights (`gathered_passes`) instead,
-    issued one row of its device ahead of it (FSDP2's prefetch: torch's `FSDPParamGroup` issues the next
-    all-gather on its own stream while the current module computes), but never before a row that changes its
-    stage's weights, nor inside an overlapped pair. With one stage and no pipeline under ZeRO-2 and 3, a REDUCE
-    right after every backward row instead (`reduced_passes`). d·C = 1: the schedule as it is.
+    issued ahead of it as the runtime prefetches (`_prefetched`). With one stage and no pipeline under ZeRO-2
+    and 3, a REDUCE right after every backward row instead (`reduced_passes`). d·C = 1: the schedule as it is.
     Vectorised over the action table, so it scales as the schedule does."""
     if schedule.gradient_ranks == 1:
         return schedule
@@ -196,16 +194,30 @@ def gathered_passes(schedule: Schedule, table: ActionTable | None = None) -> np.
 
 
 def _prefetched(schedule: Schedule, passes: np.ndarray) -> np.ndarray:
-    """Where a GATHER for each of `passes` goes (an index to insert before): before the row ahead of it on its
-    device, or right before it where that row changes its stage's weights (an OPT, PRED or AVG: the gathered
-    weights are the changed ones) or it is its device's first; before an overlapped pair's forward part, not
-    between its parts. Assumes the table holds no collective rows yet."""
+    """Where a GATHER for each of `passes` goes (an index to insert before). With one stage and no pipeline (FSDP2
+    alone): before the row ahead of it on its device, as FSDP2 issues the next module's all-gather while the
+    current one computes. In a pipeline, as torch's runtime lowers a multi-stage schedule (`_add_unshard_reshard`
+    in torch/distributed/pipelining/schedules.py: an UNSHARD, an all-gather of the whole stage issued async,
+    for each of the next 3 stages the rank computes, before its step's first action; a single-stage schedule's
+    first forward gathers at that same place): before its device's first row of its mini-batch (a device's
+    stages all, even beyond 3). Never before a row that changes its stage's weights ahead of its pass (an OPT,
+    PRED or AVG: the gathered weights are the changed ones), nor between an overlapped pair's parts. Assumes the
+    table holds no collective rows yet."""
     t = schedule.table
-    ahead = np.maximum(passes - 1, 0)
-    own_update = kind_mask(t.kind[ahead], Kind.OPT, Kind.PRED, Kind.AVG) & (t.stage[ahead] == t.stage[passes])
-    early = (passes > 0) & (t.device[ahead] == t.device[passes]) & ~own_update
-    pair_backward = (t.kind[ahead] == KIND_CODE[Kind.B]) & (t.peer[ahead] >= 0)
-    return np.where(early, ahead - pair_backward, passes)
+    n = len(t.kind)
+    if _alone(schedule):
+        ahead = np.maximum(passes - 1, 0)
+        place = np.where((passes > 0) & (t.device[ahead] == t.device[passes]), ahead, passes)
+    else:
+        step_of_device = t.device.astype(np.int64) * schedule.minibatches + t.minibatch
+        steps, first = np.unique(step_of_device, return_index=True)
+        place = first[np.searchsorted(steps, step_of_device[passes])]
+    changes = np.flatnonzero(kind_mask(t.kind, Kind.OPT, Kind.PRED, Kind.AVG))
+    changed = np.sort(t.stage[changes].astype(np.int64) * n + changes)  # by stage, then row
+    before = np.searchsorted(changed, t.stage[passes].astype(np.int64) * n + passes) - 1
+    own = (before >= 0) & (changed[np.maximum(before, 0)] // n == t.stage[passes])
+    place = np.maximum(place, np.where(own, changed[np.maximum(before, 0)] % n + 1, 0))
+    return place - ((t.kind[place] == KIND_CODE[Kind.B]) & (t.peer[place] >= 0))
 
 
 def _insert_collectives(schedule: Schedule, opts: np.ndarray, reducing: np.ndarray, reduce_before: np.ndarray

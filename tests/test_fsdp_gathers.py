@@ -35,12 +35,16 @@ def test_a_pipeline_gathers_each_stage_once_a_mini_batch_ahead_of_its_first_forw
         assert text[-1] == f"{k}OPT.1"  # nothing gathered after the last update
 
 
-def test_a_later_chunks_gather_is_issued_one_row_ahead_of_its_first_forward():
-    """Interleaved 1F1B: stage 2 (device 0's second chunk) is gathered before the forward that precedes its first,
-    so that its all-gather overlaps that forward (FSDP2's prefetch of the next module)."""
-    text = _text(_schedule("interleaved-1f1b", 2).orders[0])
-    first = text.index("2F0")
-    assert text[first - 2:first + 1] == ["2GATHER0", "0F1", "2F0"]
+@pytest.mark.parametrize(("name", "second"), [("interleaved-1f1b", 2), ("zb-v", 3), ("dualpipev", 3)])
+def test_a_devices_stages_are_all_gathered_before_its_first_row_of_the_mini_batch(name, second):
+    """Two stages a device: as torch's runtime lowers a multi-stage schedule (`_add_unshard_reshard`: the next
+    three stages unsharded before the step's first action), both GATHERs come before the device's first row of
+    each mini-batch, in the order the stages are first used, and after both updates of the mini-batch before."""
+    text = _text(_schedule(name, 2).orders[0])
+    assert text[:3] == ["0GATHER0", f"{second}GATHER0", "0F0"]
+    at = text.index("0GATHER0.1")
+    assert text[at - 2:at] in (["0OPT", f"{second}OPT"], [f"{second}OPT", "0OPT"])
+    assert text[at + 1:at + 3] == [f"{second}GATHER0.1", "0F0.1"]
 
 
 def test_one_stage_gathers_before_every_pass_one_pass_ahead_and_reduces_after_every_backward():
