@@ -78,12 +78,14 @@ def _nodes(ranks: int, per_node: int) -> int:
 
 
 def nccl_all_reduce_ms(nbytes: float, ranks: int, per_node: int, node_latency_ms: float, network_latency_ms: float,
-                       bytes_per_ms: float) -> float:
+                       bytes_per_ms: float, tree_correction: bool = True) -> float:
     """An all-reduce over `ranks`, `per_node` of them on each of k nodes, as NCCL's tuner times it (Simple protocol)
     and picks the faster: a ring's base latency and 2(n-1) steps, 2k of them at the network's latency and the rest
     at the node link's, x`RING_PLATEAU` across nodes, then its bytes (`ring_all_reduce_ms`'s); a tree's
     2((n/k - 1) + log2 k) hops of `TREE_HOP_LATENCY_MS`, then its bytes (`tree_all_reduce_ms`'s) at its
-    `TREE_CORRECTION` for the size. Its latency grows with the ranks: the ring's in steps, the tree's in hops."""
+    `TREE_CORRECTION` for the size (without `tree_correction`: at its full rate, a lower bound affine in the bytes
+    for either algorithm, so their minimum is concave in them). Its latency grows with the ranks: the ring's in
+    steps, the tree's in hops."""
     _check(nbytes, ranks, bytes_per_ms)
     if ranks == 1:
         return 0.0
@@ -92,7 +94,7 @@ def nccl_all_reduce_ms(nbytes: float, ranks: int, per_node: int, node_latency_ms
     ring_latency_ms = RING_BASE_LATENCY_MS + (steps - crossing) * node_latency_ms + crossing * network_latency_ms
     ring = ring_latency_ms * (RING_PLATEAU if nodes > 1 else 1.0) + nbytes * steps / ranks / bytes_per_ms
     size_class = max((int(nbytes) >> 6).bit_length() - 1, 0)  # NCCL's log2i(nBytes >> 6)
-    correction = TREE_CORRECTION[size_class] if size_class < len(TREE_CORRECTION) else 1.0
+    correction = TREE_CORRECTION[size_class] if tree_correction and size_class < len(TREE_CORRECTION) else 1.0
     tree = (2 * (min(per_node, ranks) - 1 + math.log2(nodes)) * TREE_HOP_LATENCY_MS
             + 2 * nbytes / (TREE_BANDWIDTH_FACTOR * correction * bytes_per_ms))
     return min(ring, tree)

@@ -259,13 +259,15 @@ class CollectiveLink:
     per_node: int | None = None
     node_latency_ms: float = 0.0
 
-    def all_reduce_ms(self, nbytes: float, ranks: int) -> float:
+    def all_reduce_ms(self, nbytes: float, ranks: int, tree_correction: bool = True) -> float:
+        """An all-reduce; without `tree_correction`, NCCL's tree at its full rate: a bound from below that is
+        concave in the bytes (`nccl_all_reduce_ms`)."""
         from ..hardware.collectives import all_reduce_ms, nccl_all_reduce_ms
 
         if self.per_node is None:
             return all_reduce_ms(nbytes, ranks, self.latency_ms, self.bytes_per_ms)
         return nccl_all_reduce_ms(nbytes, ranks, self.per_node, self.node_latency_ms, self.latency_ms,
-                                  self.bytes_per_ms)
+                                  self.bytes_per_ms, tree_correction)
 
     def reduce_scatter_ms(self, nbytes: float, ranks: int) -> float:
         """A reduce-scatter, or an all-gather (the same traffic reversed)."""

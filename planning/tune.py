@@ -60,7 +60,6 @@ from functools import cache
 
 import numpy as np
 
-from ..hardware.collectives import all_reduce_ms
 from ..profiles.partition import (
     PartitionError,
     activation_ranges,
@@ -599,13 +598,13 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
 
 def _mean_reduce_ms(scenario: Scenario, stages: int, replicas: int, gradient_bytes: int) -> float:
     """What p stages' REDUCEs over r replicas take at least on average, however the model's gradients are cut
-    among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the bytes, is concave in
-    them, so the mean over any cut is at least the chord from no bytes to all of them, 1/p of the way."""
+    among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the bytes (the tree at
+    its full rate, at most what its size correction leaves), is concave in them, so the mean over any cut is at
+    least the chord from no bytes to all of them, 1/p of the way."""
     if replicas == 1:
         return 0.0
     link = scenario.data_parallel_link(schedule_frame(ScheduleParams(stages, 1, data_parallel=replicas)))
-    empty, whole = (all_reduce_ms(nbytes, replicas, link.latency_ms, link.bytes_per_ms)
-                    for nbytes in (0, gradient_bytes))
+    empty, whole = (link.all_reduce_ms(nbytes, replicas, tree_correction=False) for nbytes in (0, gradient_bytes))
     return empty + (whole - empty) / stages
 
 

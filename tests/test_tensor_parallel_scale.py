@@ -164,3 +164,18 @@ def test_an_estimates_reduce_is_priced_over_its_placements_ranks_on_each_node(gp
     stage = scenario.costs(sched).stages[0]
     assert stage.reduce_ms == pytest.approx(collectives.nccl_all_reduce_ms(
         stage.param_bytes, 16, 2, NVLINK_MS, NIC_MS, link.bytes_per_ms))
+
+
+def test_tunes_reduce_bound_stays_below_what_the_simulation_prices(gpt16):
+    """tune prunes by a REDUCE that must never exceed the priced one: 16 replicas, 8 on each node, reduce 1 GB
+    on NCCL's ring, whose steps inside a node cost 3.4 us, not the 14 us of a plain ring's network steps."""
+    from pipesim.planning.estimate import estimate_profile
+    from pipesim.planning.scenario import profile_scenario
+    from pipesim.planning.tune import _mean_reduce_ms
+    from pipesim.schedules import ScheduleParams
+
+    scenario = profile_scenario(estimate_profile(gpt16, A100, Parallelism(data=16)), "adam")
+    link = scenario.data_parallel_link(scenario.build("gpipe", ScheduleParams(1, 1, data_parallel=16)))
+    assert link.per_node == 8
+    nbytes = 10 ** 9
+    assert 0 < _mean_reduce_ms(scenario, 1, 16, nbytes) <= link.all_reduce_ms(nbytes, 16)
