@@ -194,10 +194,12 @@ def least_limit(needed: float, reference: float) -> str:
 def _buffer_bytes(costs: Costs, k: int) -> float:
     """What stage k's device may hold besides its weights, gradients, optimizer state and saved activations, at
     most: an activation and a gradient in transfer at each of its boundaries, the receives the runtime posts ahead
-    (`recv_window`, each holding a boundary tensor) and the gradient copies an update leaves held."""
+    (`recv_window`, each holding a boundary tensor), the gradient copies an update leaves held and the transient
+    tensors of the pass running (its largest pass's, `StageCosts.transient_bytes`)."""
     boundary = [costs.stages[j].output_bytes for j in (k - 1, k) if 0 <= j < len(costs.stages) - 1]
     return (2 * sum(boundary) + costs.recv_window * max(boundary, default=0)
-            + costs.kept_gradients * costs.stages[k].param_bytes)
+            + costs.kept_gradients * costs.stages[k].param_bytes
+            + max(costs.stages[k].transient_bytes.values(), default=0))
 
 
 _SEARCHED: dict[tuple[StageTimes, float], Pattern] = {}  # the last few searches' results, by their inputs

@@ -119,6 +119,20 @@ def test_a_transient_is_held_only_while_its_row_runs():
     assert set(curve.values.tolist()) == {0, 1 * MIB, 3 * MIB} and curve.values[-1] == 0
 
 
+def test_auto_leaves_room_for_the_transients_beside_its_activation_limit():
+    """auto's search holds the activations it schedules within what a device's memory leaves beside its weights,
+    gradients and state: a backward's 10 MiB transient takes that room too, so the simulated peak still fits."""
+    from pipesim.planning.auto import search_schedule
+
+    costs = _with_transients(Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=10.0, param_mb=10.0,
+                                             output_mb=0.0), {"bwd": 10 * MIB, "igrad": 10 * MIB})
+    memory = [(10 + 10 + 20 + 35) * MIB] * 4  # weights, gradients, Adam's two moments, and 35 MiB
+    auto = search_schedule(METHODS["auto"].params(4, 8, 2, activation_limit=4.0), costs, Cluster.uniform(4, 0.0),
+                           memory)
+    trace = simulate(auto, costs, Cluster.uniform(4, 0.0))
+    assert max(counter.values.max() for counter in trace.counters["memory_bytes"]) <= memory[0]
+
+
 def test_bad_transients_are_refused_naming_the_field():
     with pytest.raises(CostError, match="transient_bytes must give whole bytes >= 0"):
         StageCosts(fwd_ms=1.0, bwd_ms=1.0, transient_bytes={"fwd": -1})
