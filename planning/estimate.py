@@ -505,19 +505,13 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dic
                         + (max(recomputed, 0.0) if name in ("bwd", "igrad") else 0.0)) for name in PASSES}
 
 
-def _with_all_to_alls(priced: LayerEstimate, layer: LayerCount, experts: ExpertGroup,
-                      parallel: Parallelism) -> LayerEstimate:
-    """`priced` with its routed experts' all-to-alls (`planning.experts`), waited for by the pass that sends them:
-    each of the t·C ranks sends its share of the layer's token copies, the busiest receiving `load` times as
-    many; a full recomputation reruns the forward's."""
+def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Parallelism) -> tuple[float, float]:
+    """The network time of `layer`'s routed experts' all-to-alls (`planning.experts`) after its forward and after
+    its backward: each of the t·C ranks sends its share of the layer's token copies, the busiest receiving `load`
+    times as many; a full recomputation reruns the forward's in the backward."""
     each = experts.all_to_all_ms(layer.dispatched_bytes * experts.load / (parallel.tensor * parallel.context))
-    if not each:
-        return priced
     rerun = ALL_TO_ALLS["fwd"] * each if parallel.recompute == "full" else 0.0
-    backward = (ALL_TO_ALLS["igrad"] + ALL_TO_ALLS["wgrad"]) * each + rerun
-    return replace(priced, fwd_ms=priced.fwd_ms + ALL_TO_ALLS["fwd"] * each, bwd_ms=priced.bwd_ms + backward,
-                   igrad_ms=priced.igrad_ms + ALL_TO_ALLS["igrad"] * each + rerun,
-                   wgrad_ms=priced.wgrad_ms + ALL_TO_ALLS["wgrad"] * each)
+    return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
 
 def _op_policy(ops: Sequence[OpCount], element_bytes: int) -> tuple[dict[str, float], list[OpCount]]:
@@ -628,13 +622,13 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     previous: tuple[LayerCount, LayerEstimate] | None = None  # a model's blocks repeat: each priced once
     for layer in counted.layers:
         if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
-            previous = (layer, _with_all_to_alls(estimate_layer(experts.busiest(layer), device, parallel,
-                                                                links.tensor, element, links.context),
-                                                 layer, experts, parallel))
+            previous = (layer, estimate_layer(experts.busiest(layer), device, parallel, links.tensor, element,
+                                              links.context))
         priced = previous[1]
         share = held_share(layer, experts.ranks)  # of its weights, one of the E expert-parallel ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
+        all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
@@ -643,6 +637,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             param_bytes=params,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
+            all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + held.master_bytes *
                                                 layer.param_bytes // element) * state_share) // shards
                                    for name in OPTIMIZERS}))

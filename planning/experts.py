@@ -11,7 +11,8 @@ keeps 1/E of them and sends the rest, (E-1)/E, as E-1 messages issued at once (N
 point-to-point sends): those to the group's ranks on the same node over the node's link, those to other nodes
 over the rank's own NIC, both at once. Routing is balanced, as the count assumes (workload/moe.py). A layer's
 forward runs two (dispatch, combine), its input-gradient pass two more (the gradients' way back); the weight
-gradient none.
+gradient none. They are rows of the schedule (`schedules.passes.add_expert_parallel`), on the device's network
+stream, which the pass's next row waits for.
 
 Routing is data-dependent; balanced, every rank computes the same. With the busiest expert taking a share S of a
 micro-batch's routed token copies (`hot_share`; balanced: 1/n of n experts), the rank holding it and n/E - 1
@@ -27,7 +28,9 @@ from dataclasses import dataclass, replace
 from ..profiles.schema import EstimateLink, EstimatePlacement
 from ..profiles.workload import LayerCount, OpCount
 
-ALL_TO_ALLS = {"fwd": 2, "igrad": 2, "wgrad": 0}  # per MoE layer and micro-batch: dispatch and combine, each way
+# Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
+# back after its backward (an A2A_B after B, or after I: the weight-gradient pass routes nothing)
+ALL_TO_ALLS = {"fwd": 2, "bwd": 2}
 
 
 class ExpertParallelError(ValueError):

@@ -68,11 +68,13 @@ class Scenario:
         """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
         the profile's model cut into p stages (at `bounds` if given); a method searched from the costs (auto)
         gets this scenario's costs, links and device memory, and tells `progress` how far its search is. An
-        estimate's context-parallel ranks C are the schedule's: its devices stand for them."""
+        estimate's context-parallel ranks C are the schedule's: its devices stand for them; its expert-parallel
+        ranks E put the all-to-all rows in it."""
         method = method_named(name)
         estimate = self.measured.estimate if self.measured is not None else None
         if estimate is not None:
-            params = replace(params, context_parallel=int(estimate.parallelism.get("context", 1)))
+            params = replace(params, context_parallel=int(estimate.parallelism.get("context", 1)),
+                             expert_parallel=int(estimate.parallelism.get("expert", 1)))
         if method.needs_costs:
             from .auto import schedule_frame, search_schedule
 
@@ -388,7 +390,8 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,
         grad_bytes=s.grad_bytes, activation_parts=s.activation_parts, gathered_bytes=gathered_bytes(layers),
         stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
-        float8_weight_bytes=s.float8_weight_bytes, transient_bytes=s.transient_bytes)
+        float8_weight_bytes=s.float8_weight_bytes, transient_bytes=s.transient_bytes,
+        all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms)
         for s, layers in zip(stages_for(measured, list(bounds), dag=dag), stage_layers)),
         microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),

@@ -103,6 +103,10 @@ class LayerProfile(_Strict):
     # Per pass (`PASSES`), the bytes of the tensors it creates and frees within itself at its peak, above its
     # inputs and what outlives it (an estimate's, from the count; {}: none known, a calibration's)
     transient_bytes: dict[str, int] = Field(default_factory=dict)
+    # The network time of the layer's routed experts' all-to-alls over their expert-parallel group (an estimate's,
+    # planning/experts.py) after its forward and after its backward, which the stage's A2A_F and A2A_B rows run
+    all_to_all_fwd_ms: float = Field(0.0, ge=0)
+    all_to_all_bwd_ms: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _per_input(self) -> LayerProfile:
@@ -177,6 +181,8 @@ class StageProfile(_Strict):
     activation_parts: dict[str, int] | None = None  # as its layers' (`LayerProfile.activation_parts`)
     float8_weight_bytes: int = Field(0, ge=0)  # as its layers' (`LayerProfile.float8_weight_bytes`)
     transient_bytes: dict[str, int] = Field(default_factory=dict)  # its passes' (`stage_transient_bytes`)
+    all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
+    all_to_all_bwd_ms: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _parts(self) -> StageProfile:
@@ -511,8 +517,9 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
 
 
 def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
-    """The partitioner's view: forward + backward ms, weights + gradients + `optimizer`'s state."""
-    return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms,
+    """The partitioner's view: forward + backward ms (their all-to-alls with them), weights + gradients +
+    `optimizer`'s state."""
+    return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms + layer.all_to_all_fwd_ms + layer.all_to_all_bwd_ms,
                       layer.param_bytes + layer.float8_weight_bytes + layer.grad_bytes
                       + layer.optimizer_state_bytes[optimizer],
                       layer.activation_bytes, layer.shared_with_previous_bytes) for layer in layers]
@@ -563,6 +570,8 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
                                    for name in OPTIMIZERS},
             float8_weight_bytes=sum(layer.float8_weight_bytes for layer in mine),
             transient_bytes=stage_transient_bytes(layers, start, stop),
+            all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
+            all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),

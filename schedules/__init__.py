@@ -15,6 +15,7 @@ from .analysis import (
 )
 from .catalogue import METHODS, build_schedule
 from .ir import (
+    ALL_TO_ALL_KINDS,
     BACKWARD_KINDS,
     COLLECTIVE_KINDS,
     COMPUTE_KINDS,
@@ -33,11 +34,12 @@ from .ir import (
 )
 from .lowering import Channel, Lowered, check_transfer_order, lower, preflight
 from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward
-from .passes import add_communication, add_data_parallel, communication_table
+from .passes import add_communication, add_data_parallel, add_expert_parallel, communication_table
 from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 __all__ = [
-    "Action", "ActionTable", "add_communication", "add_data_parallel", "BACKWARD_KINDS", "build_schedule", "Channel",
+    "Action", "ActionTable", "ALL_TO_ALL_KINDS", "add_communication", "add_data_parallel", "add_expert_parallel",
+    "BACKWARD_KINDS", "build_schedule", "Channel",
     "check_complete", "check_transfer_order", "COLLECTIVE_KINDS", "communication_table", "COMPUTE_KINDS",
     "evaluate_formula", "find_deadlock", "flushes",
     "Kind", "KIND_CODE", "kind_mask", "KINDS", "local_order_ok", "lower", "Lowered", "make_schedule", "Method",

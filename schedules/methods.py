@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
-from .passes import add_data_parallel
+from .passes import add_data_parallel, add_expert_parallel
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, stacked
 
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
@@ -38,7 +38,8 @@ class ScheduleParams:
     every pipeline train on their own micro-batches and average gradients in REDUCE rows, sharding over them as
     `zero` says (ZeRO's stage, `ZERO_STAGES`), together with each device's `context_parallel` (C) ranks, which
     split every micro-batch's sequence, hold the same weights and so reduce and shard with the replicas;
-    `reduce_after_flush`: a device starts its stages' REDUCEs only once
+    `expert_parallel` (E) ranks hold a mixture of experts' routed experts, whose dispatch and combine are all-to-all
+    rows after every forward and backward; `reduce_after_flush`: a device starts its stages' REDUCEs only once
     its last backward of the mini-batch is done (Megatron-LM's own DDP), instead of each right after its stage's
     last backward, overlapping the device's remaining backward work (torch DDP)."""
 
@@ -57,10 +58,11 @@ class ScheduleParams:
     zero: int = 0
     reduce_after_flush: bool = False
     context_parallel: int = 1
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every", "data_parallel",
-                     "context_parallel"):
+                     "context_parallel", "expert_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"{name} must be a whole number >= 1 (got {value!r})")
@@ -176,14 +178,15 @@ def make_schedule(
 ) -> Schedule:
     """Package a method's orders (Action lists, or a table with rows grouped by device); by default a
     chain of p stages, stage k on device k, one pipeline. With d > 1 data-parallel replicas, their gradient
-    synchronisation is inserted (`add_data_parallel`)."""
+    synchronisation is inserted (`add_data_parallel`); with E > 1 expert-parallel ranks, the all-to-alls after
+    every forward and backward (`add_expert_parallel`)."""
     graph = graph or StageGraph.chain(len(placement) if placement is not None else params.stages)
     placement = tuple(placement) if placement is not None else tuple(range(graph.num_stages))
     if isinstance(orders, ActionTable):
         orders = OrderView(orders, max(placement) + 1)
     else:
         orders = tuple(tuple(order) for order in orders)
-    return add_data_parallel(Schedule(
+    return add_expert_parallel(add_data_parallel(Schedule(
         method=method,
         graph=graph,
         placement=placement,
@@ -193,7 +196,7 @@ def make_schedule(
         minibatches=params.minibatches,
         pipelines=params.pipelines,
         params=asdict(params),
-    ))
+    )))
 
 
 def interleave_1f1b(count: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:

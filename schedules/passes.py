@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
+from .ir import ALL_TO_ALL_KINDS, COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, kind_mask, require_field_fits
 
 
@@ -41,12 +41,18 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
         return owners_of[is_forward, stage]
 
     # An overlapped pair (an F row then its B row, both naming a peer) receives both parts' inputs before its F and
-    # sends both parts' outputs after its B: a transfer sits by its anchor, which is its owner but there.
+    # sends both parts' outputs after its B; a pass's output is sent once its all-to-alls (the rows of
+    # `ALL_TO_ALL_KINDS` right after it) are done: a transfer sits by its anchor, which is its owner but there.
     pair_forward = np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0))
-    anchor = {True: np.arange(n), False: np.arange(n)} if len(pair_forward) else None
+    all_to_all = kind_mask(t.kind, *ALL_TO_ALL_KINDS)
+    moved_anchor = len(pair_forward) or all_to_all.any()
+    anchor = {True: np.arange(n), False: np.arange(n)} if moved_anchor else None
     if anchor is not None:
         anchor[True][pair_forward + 1] = pair_forward
         anchor[False][pair_forward] = pair_forward + 1
+        if all_to_all.any():  # after a row, past the all-to-alls that follow it: the next other row's, less one
+            next_other = np.minimum.accumulate(np.where(all_to_all, n, np.arange(n))[::-1])[::-1]
+            anchor[False] = np.append(next_other[1:], n)[anchor[False]] - 1
     for e, (src, dst) in enumerate(edges):
         for is_forward, stage, peer, kind, before, channel in (
             (True, dst, src, Kind.RECV_F, True, 2 * e), (True, src, dst, Kind.SEND_F, False, 2 * e),
@@ -158,6 +164,32 @@ def add_data_parallel(schedule: Schedule) -> Schedule:
     after_gradient = (opt_at > 0) & ~updates[rows[opt_at - 1]] & (replica[opt_at - 1] == replica[opt_at])
     opts = rows[opt_at]
     return _insert_collectives(schedule, opts, opts, np.where(after_gradient, rows[opt_at - 1] + 1, opts))
+
+
+def add_expert_parallel(schedule: Schedule) -> Schedule:
+    """Insert the all-to-alls of E > 1 expert-parallel ranks (`Schedule.expert_parallel`): an A2A_F row right after
+    every forward (its routed experts' dispatch and combine) and an A2A_B row right after every backward that
+    sends the input gradients back (B, or I: the routed tokens' gradients return as they came), on the row's
+    device and of its stage and unit; an overlapped pair's after both its parts, the forward's first (the pair's
+    parts stay next to each other). The row that follows a run of them waits for them (`Lowered.awaits`), and
+    the pass's outputs are sent after them. E = 1: the schedule as it is. Vectorised."""
+    if schedule.expert_parallel == 1:
+        return schedule
+    t = schedule.table
+    if kind_mask(t.kind, *ALL_TO_ALL_KINDS).any():
+        raise ScheduleError(f"{schedule.method}: the schedule has its all-to-all rows already")
+    forward = t.kind == KIND_CODE[Kind.F]
+    rows = np.flatnonzero(forward | kind_mask(t.kind, Kind.B, Kind.I))
+    after = rows + 1
+    pair_forward = forward[rows] & (t.peer[rows] >= 0)
+    after[pair_forward] += 1  # past the pair's backward part
+    kinds = np.where(forward[rows], KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]).astype(t.kind.dtype)
+    placed = np.lexsort((kinds, after))  # at one place, the forward's first
+    rows, after, kinds = rows[placed], after[placed], kinds[placed]
+    inserted = {"device": t.device[rows], "kind": kinds, "stage": t.stage[rows], "microbatch": t.microbatch[rows],
+                "minibatch": t.minibatch[rows], "pipeline": t.pipeline[rows], "peer": -1}
+    table = ActionTable(**{name: np.insert(getattr(t, name), after, value) for name, value in inserted.items()})
+    return schedule.with_orders(OrderView(table, schedule.num_devices))
 
 
 def _alone(schedule: Schedule) -> bool:

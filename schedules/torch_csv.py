@@ -19,6 +19,7 @@ import re
 
 from .analysis import validate
 from .ir import (
+    COLLECTIVE_KINDS,
     OVERLAP_F_B,
     RECV_KINDS,
     SEND_KINDS,
@@ -49,7 +50,8 @@ def to_torch_csv(schedule: Schedule) -> str:
     OPT and explicit transfers are left out: torch's runtime steps the optimizer outside the schedule and
     derives its own SEND/RECV. So are REDUCE and GATHER (d > 1 data-parallel replicas): a torch stage wrapped in
     DDP synchronises its gradients outside the schedule too (its REDUCE_GRAD cell is FSDP's, which pipesim does
-    not model, so none is written). Raises ScheduleError for what torch's format cannot say.
+    not model, so none is written); and the experts' all-to-alls (A2A_F, A2A_B), which a torch stage runs inside
+    its forward and backward. Raises ScheduleError for what torch's format cannot say.
     """
     name = schedule.method
     policy = schedule.policy
@@ -76,7 +78,7 @@ def to_torch_csv(schedule: Schedule) -> str:
                 row[-1] = f"({row[-1]};{a.stage}{a.kind.value}{a.microbatch}){OVERLAP_F_B}"
             elif a.kind.value in _COMPUTE:
                 row.append(f"{a.stage}{a.kind.value}{a.microbatch}")
-            elif a.kind not in (Kind.OPT, Kind.REDUCE, Kind.GATHER) and a.kind not in SEND_KINDS | RECV_KINDS:
+            elif a.kind not in COLLECTIVE_KINDS | {Kind.OPT} and a.kind not in SEND_KINDS | RECV_KINDS:
                 raise ScheduleError(f"{name}: device {device} runs {a}; torch.distributed.pipelining runs synchronous "
                                     f"schedules only, of F, B, I and W (the optimizer steps outside), and has no "
                                     f"{a.kind.value}")

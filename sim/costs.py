@@ -89,9 +89,11 @@ class StageCosts:
     `param_bytes`). `gathered_bytes`: under ZeRO-3 with one stage and no pipeline, the whole weights one pass
     holds at a time (FSDP2 gathers each wrapped module before its pass and the next one's during it; None: the
     stage's whole weights). `float8_weight_bytes`: float8 casts of the weights a float8 recipe holds between
-    updates beside them (TransformerEngine's), whole on every data-parallel rank. `transient_bytes`: per pass
-    (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's activations while it runs, created
-    and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
+    updates beside them (TransformerEngine's), whole on every data-parallel rank. `all_to_all_fwd_ms` and
+    `all_to_all_bwd_ms`: the network time of the all-to-alls of the stage's routed experts over their
+    expert-parallel group after a forward (an A2A_F) and after a backward (an A2A_B), on the network stream.
+    `transient_bytes`: per pass (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's
+    activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
     """
 
     fwd_ms: float
@@ -117,6 +119,8 @@ class StageCosts:
     gathered_bytes: int | None = None
     float8_weight_bytes: int = 0
     transient_bytes: dict[str, int] = field(default_factory=dict)
+    all_to_all_fwd_ms: float = 0.0
+    all_to_all_bwd_ms: float = 0.0
 
     @property
     def gradient_bytes(self) -> int:
@@ -128,7 +132,7 @@ class StageCosts:
 
     def __post_init__(self) -> None:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
-                 "copy_ms", "reduce_ms", "gather_ms")
+                 "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms")
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
                      "float8_weight_bytes", *optional[2:]):
@@ -309,6 +313,8 @@ def _op_ms(c: StageCosts, pipelines: int) -> list[float]:
         Kind.AVG: c.avg_ms * pipelines,
         Kind.REDUCE: c.reduce_ms,
         Kind.GATHER: c.gather_ms,
+        Kind.A2A_F: c.all_to_all_fwd_ms,
+        Kind.A2A_B: c.all_to_all_bwd_ms,
     }
     return [by_kind[kind] for kind in KINDS[:NUM_COMPUTE_KINDS]]
 

@@ -181,10 +181,11 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     sends = stream == Stream.SEND
     # A send on a link of its own that does not block its device arrives a fixed time after the clock it is
     # issued at: no step, the receiver works its arrival out from the sender's clock (only where nothing is
-    # shared: taking a shared resource, devices must meet in simulated time order, which steps keep).
-    lazy = sends & (not timed and cluster.overlap_comm)
-    shared = np.array([u is not None or h is not None for u, h in zip(compute_unit, host_unit)], dtype=bool)
+    # shared: taking a shared resource, devices must meet in simulated time order, which steps keep); nor one that
+    # waits for a collective (the output of a pass whose all-to-alls must end first).
     waiter = lowered.awaits >= 0
+    lazy = sends & (not timed and cluster.overlap_comm) & ~waiter
+    shared = np.array([u is not None or h is not None for u, h in zip(compute_unit, host_unit)], dtype=bool)
     is_step = ((shared[device] if shared.any() else False) | ~compute | waiter) & ~lazy
     step_rows = np.flatnonzero(is_step)
     step_bounds = np.searchsorted(step_rows, bounds)

@@ -46,6 +46,8 @@ KIND_COLORS = {
     "AVG": "#f58518",
     "REDUCE": "#e0a100",
     "GATHER": "#b07c00",
+    "A2A_F": "#72b7b2",
+    "A2A_B": "#3d8a85",
     "SEND_F": "#b0b0b0",
     "RECV_F": "#b0b0b0",
     "SEND_B": "#7a7a7a",

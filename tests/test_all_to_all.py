@@ -1,0 +1,98 @@
+"""Expert parallelism's all-to-alls as rows of the schedule (schedules/passes.py `add_expert_parallel`): an A2A_F
+after every forward, an A2A_B after every backward that sends gradients back (B or I), an overlapped pair's after
+both its parts; lowered so that the pass's outputs are sent after them and its device's next row waits for them;
+run by the simulator on the device's network stream, priced from the costs (an estimate's, planning/experts.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipesim.schedules import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    ScheduleParams,
+    build_schedule,
+    lower,
+    validate,
+)
+from pipesim.schedules.table import KINDS
+from pipesim.schedules.torch_csv import to_torch_csv
+from pipesim.sim.cluster import Cluster
+from pipesim.sim.costs import Costs, StageCosts
+from pipesim.sim.engine import simulate
+from pipesim.traces.trace import Stream
+from tests.conftest import simulate_json
+
+
+def ep(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1) -> Schedule:
+    return build_schedule(method, ScheduleParams(stages=stages, microbatches=microbatches, chunks=chunks,
+                                                 expert_parallel=4))
+
+
+def test_an_all_to_all_action_reads_and_prints_as_its_kind_stage_and_micro_batch():
+    action = Action.parse("2A2A_F5")
+    assert (action.kind, action.stage, action.microbatch) == (Kind.A2A_F, 2, 5) and str(action) == "2A2A_F5"
+    assert str(Action.parse("P1:0A2A_B3.2")) == "P1:0A2A_B3.2"
+
+
+def test_every_forward_and_backward_is_followed_by_its_all_to_alls():
+    assert ep("1f1b").to_text() == ("0: 0F0 0A2A_F0 0F1 0A2A_F1 0B0 0A2A_B0 0B1 0A2A_B1 0OPT\n"
+                                    "1: 1F0 1A2A_F0 1B0 1A2A_B0 1F1 1A2A_F1 1B1 1A2A_B1 1OPT")
+    assert build_schedule("1f1b", ScheduleParams(stages=2, microbatches=2)).to_text() == \
+        "0: 0F0 0F1 0B0 0B1 0OPT\n1: 1F0 1B0 1F1 1B1 1OPT"
+
+
+def test_a_split_backward_routes_its_gradients_back_in_its_input_pass_not_its_weight_pass():
+    order = ep("zb-h1").to_text().splitlines()[1].split()[1:]
+    assert order[:4] == ["1F0", "1A2A_F0", "1I0", "1A2A_B0"] and "1A2A_B0" not in order[order.index("1W0"):]
+
+
+def test_an_overlapped_pair_keeps_its_parts_together_and_runs_both_all_to_alls_after_them():
+    tokens = ep("dualpipev", chunks=2, microbatches=4).to_text().split()
+    pair = tokens.index("(0F3;3B1)OVERLAP_F_B")
+    assert tokens[pair + 1:pair + 3] == ["0A2A_F3", "3A2A_B1"]
+
+
+def test_a_missing_all_to_all_is_an_incomplete_schedule():
+    schedule = ep("1f1b")
+    broken = schedule.with_orders(Schedule.orders_from_text(schedule.to_text().replace(" 0A2A_F1", "")))
+    with pytest.raises(ScheduleError, match=r"0A2A_F1 appears 0 times \(E = 4: 1 per forward\)"):
+        validate(broken)
+
+
+def test_a_forward_sends_its_output_after_its_all_to_alls_and_the_next_row_waits_for_them():
+    lowered = lower(ep("1f1b"))
+    t = lowered.table
+    rows = [(str(KINDS[k]), int(s), int(m)) for k, s, m in zip(t.kind, t.stage, t.microbatch)]
+    first = rows.index(("A2A_F", 0, 0))
+    assert rows[first - 1:first + 2] == [("F", 0, 0), ("A2A_F", 0, 0), ("SEND_F", 0, 0)]
+    assert lowered.awaits[first + 1] == first  # the send waits for the combine
+    after_backward = rows.index(("A2A_B", 0, 0)) + 1
+    assert rows[after_backward][0] == "RECV_B" and lowered.awaits[after_backward] == -1  # a receive waits for data
+    assert lowered.awaits[after_backward + 1] == after_backward - 1  # the next compute row waits for the all-to-all
+
+
+def test_the_simulator_runs_them_on_the_network_stream_between_the_passes():
+    """One stage, one micro-batch: F 1 ms, its all-to-alls 0.5, B 2, its 0.25, back to back."""
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=0.25),))
+    trace = simulate(ep("1f1b", stages=1, microbatches=1), costs, Cluster(1))
+    ops = trace.ops
+    rows = [(trace.kinds[k], int(s), start / 1e3, dur / 1e3) for k, s, start, dur
+            in zip(ops.kind, ops.stream, ops.start_us, ops.dur_us)]
+    assert rows[:4] == [("F", Stream.COMPUTE, 0.0, 1.0), ("A2A_F", Stream.NETWORK, 1.0, 0.5),
+                        ("B", Stream.COMPUTE, 1.5, 2.0), ("A2A_B", Stream.NETWORK, 3.5, 0.25)]
+
+
+def test_torch_has_no_all_to_all_cell_its_stages_run_them_inside():
+    assert to_torch_csv(ep("1f1b")) == to_torch_csv(build_schedule("1f1b", ScheduleParams(stages=2, microbatches=2)))
+
+
+def test_a_what_if_with_expert_parallelism_runs_the_estimated_all_to_alls_as_rows():
+    args = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256,
+            "--vocab", 1000, "--gated", "--experts", 8, "--stages", 2, "--data-parallel", 8, "-m", 4, "-s", "1f1b")
+    whole, sharded = simulate_json(*args)[0], simulate_json(*args, "--expert-parallel", 8)[0]
+    assert sharded["makespan_ms"] > whole["makespan_ms"]  # the all-to-alls leave 6/8 of each copy on the NIC
+    assert all(mine["peak_memory_mb"] < theirs["peak_memory_mb"]
+               for mine, theirs in zip(sharded["devices"], whole["devices"]))
