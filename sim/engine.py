@@ -233,6 +233,15 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # A collective's lane: step j begins when its row has issued it and the lane's step before has ended.
     collective_rows = np.flatnonzero(stream == Stream.NETWORK)
     collective_ps = _picoseconds(op_ms[stage[collective_rows], kind[collective_rows]])
+    # An overlapped pair's all-to-alls (the A2A_F and A2A_B right after it) run under its other part's compute, as
+    # DualPipe overlaps them (DeepSeek-V3's report, section 3.2.1: each part's communication hidden under the other
+    # part's computation): what remains of each once that compute has run is what its row holds the lane for.
+    paired = pair[pair + 3 < n]
+    paired = paired[(kind[paired + 2] == KIND_CODE[Kind.A2A_F]) & (kind[paired + 3] == KIND_CODE[Kind.A2A_B])]
+    if len(paired):
+        at = np.searchsorted(collective_rows, paired + 2)
+        collective_ps[at] = np.maximum(collective_ps[at] - duration[paired + 1], 0)
+        collective_ps[at + 1] = np.maximum(collective_ps[at + 1] - duration[paired], 0)
     lane_devices, lane = np.unique(device[collective_rows], return_inverse=True)
     first_clock = len(step_rows) + num_devices  # the lanes' clocks follow the devices'
     lane_starts = np.searchsorted(lane, np.arange(len(lane_devices)))

@@ -5,6 +5,8 @@ run by the simulator on the device's network stream, priced from the costs (an e
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from pipesim.schedules import (
@@ -17,6 +19,7 @@ from pipesim.schedules import (
     lower,
     validate,
 )
+from pipesim.schedules.analysis import overlapped_pairs
 from pipesim.schedules.table import KINDS
 from pipesim.schedules.torch_csv import to_torch_csv
 from pipesim.sim.cluster import Cluster
@@ -96,3 +99,17 @@ def test_a_what_if_with_expert_parallelism_runs_the_estimated_all_to_alls_as_row
     assert sharded["makespan_ms"] > whole["makespan_ms"]  # the all-to-alls leave 6/8 of each copy on the NIC
     assert all(mine["peak_memory_mb"] < theirs["peak_memory_mb"]
                for mine, theirs in zip(sharded["devices"], whole["devices"]))
+
+
+def test_an_overlapped_pair_hides_each_parts_all_to_alls_under_the_other_parts_compute():
+    """DualPipe's point (DeepSeek-V3's report, 3.2.1): F 1 ms, B 2 ms; the forward's all-to-alls (0.5) vanish under
+    the backward's compute, the backward's (1.5) leave 0.5 past the forward's. Unpaired passes' stay whole."""
+    schedule = build_schedule("dualpipev", ScheduleParams(stages=2, chunks=2, microbatches=4, expert_parallel=4))
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=1.5),) * 4)
+    trace = simulate(schedule, costs, Cluster(2))
+    held = Counter((trace.kinds[k], d / 1e3) for k, d in zip(trace.ops.kind, trace.ops.dur_us)
+                   if trace.kinds[k] in ("A2A_F", "A2A_B"))
+    pairs = overlapped_pairs(schedule)
+    assert pairs == 6
+    assert held == {("A2A_F", 0.0): pairs, ("A2A_B", 0.5): pairs, ("A2A_F", 0.5): 16 - pairs,
+                    ("A2A_B", 1.5): 16 - pairs}
