@@ -168,6 +168,8 @@ class Candidate:
     allreduce_ms: float  # per step, on the device that spends most on it
     max_samples_per_s: float
     activation_limit: float | None  # a searched order's (auto): the R it holds; None for a fixed order
+    short_schedule: Schedule | None = None  # the short run, built with the long where building it later would
+    # search again (a searched order's search is remembered only for the next few)
 
     @property
     def busiest_ms(self) -> float:
@@ -319,12 +321,13 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     """The best `groups` groups of twins among the results `keep` accepts whose speed key beats `above`, in
     rank order (each group best first), of the candidates `eligible` accepts. Best bound first: a shape not yet
     built is built when its bound (`Shape.max_samples_per_s`, which no partition beats) comes up, and goes back
-    with the candidate's own bound (never higher); a candidate is simulated when its bound comes up. So the
+    with the candidate's own bound (never higher; a searched order's shape first goes back bounded on its
+    partition, before its search, `_Built.advance`); a candidate is simulated when its bound comes up. So the
     bounds popped never rise, and the search stops at the first that can neither beat `above` nor match the
     last group kept: no later one could."""
     heap = []
     for shape in shapes:
-        item = built.candidates.get(shape.index, shape)
+        item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
         if item is not None and eligible(item):
             heap.append((-item.max_samples_per_s, shape.index, item))
     heapq.heapify(heap)
@@ -335,9 +338,9 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
         if bound <= above or (len(kept) >= groups and bound < speed_key(kept[-1][0].samples_per_s)):
             break
         if isinstance(item, Shape):
-            candidate = built.candidate(item)
-            if candidate is not None and eligible(candidate):
-                heapq.heappush(heap, (-candidate.max_samples_per_s, index, candidate))
+            following = built.advance(item)
+            if following is not None and eligible(following):
+                heapq.heappush(heap, (-following.max_samples_per_s, index, following))
             continue
         result = built.result(item)
         if not keep(result) or speed_key(result.samples_per_s) <= above:
@@ -386,21 +389,44 @@ class _Built:
         self.shapes: dict[int, Shape] = {}
         self.candidates: dict[int, Candidate | None] = {}
         self.results: dict[int, Result] = {}
+        self.partitioned: dict[int, Shape] = {}  # searched orders' shapes bounded on their partitions
         self._splitters: dict[int, Callable[..., list[int]]] = {}  # by id of the setting: partitions are shared
+
+    def advance(self, shape: Shape) -> Shape | Candidate | None:
+        """What a shape becomes once its bound comes up: its candidate; first, for a searched order, whose search
+        is dear, the shape bounded on its partition (`_searched_bound_ms`), which may never come up again."""
+        if not METHODS[shape.config.schedule].needs_costs or shape.partitioned:
+            return self.candidate(shape)
+        if shape.index not in self.partitioned:
+            scenario, config = shape.setting.scenario, shape.config
+            try:
+                _, _, order, bounds = _plan(shape.setting, self.problem, config, self._split(shape.setting),
+                                            self.orders)
+            except ScheduleError:
+                self.candidates[shape.index] = None
+                return None
+            costs = scenario.costs(order.schedule, bounds)
+            step_ms = _searched_bound_ms(costs, config.microbatches, _hops_ms(scenario.links(order.schedule), costs))
+            bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3  # shaded as `_candidate`'s
+            self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
+                                                    partitioned=True)
+        return self.partitioned[shape.index]
 
     def candidate(self, shape: Shape) -> Candidate | None:
         if shape.index not in self.candidates:
             self.shapes[shape.index] = shape
-            setting = shape.setting
-            if id(setting) not in self._splitters:
-                self._splitters[id(setting)] = _splitter(setting.scenario.measured, setting.scenario.optimizer)
             try:
-                self.candidates[shape.index] = _candidate(setting, self.problem, shape.config, shape.index,
-                                                          self._splitters[id(setting)], self.orders)
+                self.candidates[shape.index] = _candidate(shape.setting, self.problem, shape.config, shape.index,
+                                                          self._split(shape.setting), self.orders)
             except ScheduleError:
                 self.candidates[shape.index] = None
             self._progress()
         return self.candidates[shape.index]
+
+    def _split(self, setting: Setting) -> Callable[..., list[int]]:
+        if id(setting) not in self._splitters:
+            self._splitters[id(setting)] = _splitter(setting.scenario.measured, setting.scenario.optimizer)
+        return self._splitters[id(setting)]
 
     def result(self, candidate: Candidate) -> Result:
         if candidate.index not in self.results:
@@ -437,6 +463,7 @@ class Shape:
     staleness: int | None
     max_samples_per_s: float
     memory_floor_bytes: int  # what no partition's floor goes below: the fullest device holds at least the mean
+    partitioned: bool = False  # a searched order's shape bounded again on its partition, before its search
 
 
 @dataclass(frozen=True)
@@ -618,8 +645,8 @@ def evaluate(problem: Problem, candidate: Candidate) -> Result:
     """Simulate the candidate's long and short runs: the steady-state step, memory and bubble."""
     config, scenario = candidate.config, candidate.setting.scenario
     links = scenario.links(candidate.schedule)
-    short = build(scenario, problem, config.schedule,
-                  replace(candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
+    short = candidate.short_schedule or build(scenario, problem, config.schedule, replace(
+        candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
     long_run = summarize(simulate(candidate.schedule, candidate.costs, links))
     short_run = summarize(simulate(short, candidate.costs, links))
     growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
@@ -719,23 +746,32 @@ class _Orders:
         return found
 
 
+def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..., list[int]],
+          orders: _Orders) -> tuple[ScheduleParams, int, _Order, list[int]]:
+    """The long run's parameters, its warm-up mini-batches, the order the partition reads and the partition.
+    A searched order is partitioned as 1F1B's order is (R = 1: 1F1B's activations, which its search always
+    admits), then searched for that partition (`_candidate`)."""
+    name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
+    planned = "1f1b" if METHODS[name].needs_costs else name
+    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas)
+    probe = orders(setting.scenario, planned, params).schedule
+    short = steady_minibatches(probe)
+    params = _long(probe, params)
+    order = orders(setting.scenario, planned, params)
+    bounds = split(order.schedule.num_stages, pipelines, tuple(map(tuple, order.per_step.tolist())),
+                   order.schedule.policy.extra_copies, order.in_flight, order.lingering, problem.memory_cap_bytes // v)
+    return params, short, order, bounds
+
+
 def _candidate(setting: Setting, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
                orders: _Orders) -> Candidate:
     scenario = setting.scenario
-    name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
+    name, p, pipelines, m = config.schedule, config.stages, config.pipelines, config.microbatches
     method = METHODS[name]
-    # A searched order is partitioned as 1F1B's order is (R = 1: 1F1B's activations, which its search always
-    # admits), then searched for that partition and the memory cap with an activation limit R no order reaches
-    # (p·m times 1F1B's peak: more than every micro-batch on any stage), so that the cap binds.
-    planned = "1f1b" if method.needs_costs else name
-    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas)
-    probe = orders(scenario, planned, params).schedule
-    short = steady_minibatches(probe)
-    params = _long(probe, params)
-    order = orders(scenario, planned, params)
+    params, short, order, bounds = _plan(setting, problem, config, split, orders)
     n = order.schedule.num_stages
-    bounds = split(n, pipelines, tuple(map(tuple, order.per_step.tolist())), order.schedule.policy.extra_copies,
-                   order.in_flight, order.lingering, problem.memory_cap_bytes // v)
+    # A searched order is searched for its partition and the memory cap with an activation limit R no order
+    # reaches (p·m times 1F1B's peak: more than every micro-batch on any stage), so that the cap binds.
     if order.schedule.graph != StageGraph.chain(n) or method.needs_costs:  # cut where the costs are; searched for them
         if method.needs_costs:
             params = replace(params, activation_limit=float(p * m), search_seconds=problem.search_seconds)
@@ -754,9 +790,11 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     least_step_ms = max(float((busy_ms + _exposed_reduce_ms(schedule, per_op_ms, short)).max()),  # shaded: sums of
                         _flush_bound_ms(schedule, per_op_ms, _hops_ms(scenario.links(schedule), costs))
                         ) * (1 - 1e-9)  # the same times in another order
+    searched = method.needs_costs
     return Candidate(config, setting, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor,
                      allreduce_ms, problem.batch_size / least_step_ms * 1e3,
-                     activation_ratio(schedule, costs) if method.needs_costs else None)
+                     activation_ratio(schedule, costs) if searched else None,
+                     build(scenario, problem, name, replace(params, minibatches=short), bounds) if searched else None)
 
 
 def _hops_ms(links: Cluster, costs: Costs) -> np.ndarray:
@@ -764,6 +802,22 @@ def _hops_ms(links: Cluster, costs: Costs) -> np.ndarray:
     transfer forward and its gradient's (the same size) back, each at least its link's time alone."""
     return np.array([links.link(k, k + 1).transfer_ms(stage.output_bytes) + links.link(k + 1, k).transfer_ms(
         stage.output_bytes) for k, stage in enumerate(costs.stages[:-1])])
+
+
+def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray) -> float:
+    """A lower bound of the step of any flushing order on a chain of these stages, one per device (a searched
+    order's, before it is searched), with m micro-batches: `_flush_bound_ms`'s chains with only what every such
+    order runs (each stage's m forwards and m input-gradient passes, B or I, before its last), and each device's
+    compute plus its REDUCE, which waits for the stage's last backward and holds up its update, with no
+    backward after it (every I's W follows it)."""
+    op_ms = costs.op_ms_table(1)
+    f, b, i, w, opt, reduce = (op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
+                                                                       Kind.REDUCE))
+    passes_ms = f + np.minimum(b, i)
+    busy_ms = microbatches * (f + np.minimum(b, i + w)) + opt + reduce
+    before_ms = np.concatenate([[0.0], np.cumsum(passes_ms[:-1] + hops_ms)])  # [d]: stages 0..d-1 and their links
+    chains_ms = before_ms + microbatches * passes_ms + reduce[0] + opt[0]
+    return float(max(busy_ms.max(), chains_ms.max()))
 
 
 def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) -> float:

@@ -263,9 +263,12 @@ def test_cli_json_is_the_search_result():
     (["--profile", "missing.json", "--devices", "4"], "cannot read profile missing.json"),
 ])
 def test_bad_input_is_one_line_exit_2(args, fragment):
+    """One line of error; on a slow host a search may first say, after a second, what it is doing."""
     code, out, err = pipesim("tune", *args)
-    assert code == 2 and fragment in err, err
-    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert code == 2 and fragment in lines[-1], err
+    assert all(line.startswith("tune: ") and line.endswith(" ...") for line in lines[:-1]), err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("path", sorted(PROFILES.glob("*.json")), ids=lambda p: p.name)
@@ -310,12 +313,14 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
     work = tuning._work(profile, "adam")
     bubbles = shape_bubbles = 0
     for shape in shapes:
+        partitioned = built.advance(shape) if METHODS[shape.config.schedule].needs_costs else shape
         candidate = built.candidate(shape)
         if candidate is None:
             continue
         result = built.result(candidate)
         label = candidate.config.label()
         assert result.samples_per_s <= candidate.max_samples_per_s <= shape.max_samples_per_s, label
+        assert result.samples_per_s <= partitioned.max_samples_per_s <= shape.max_samples_per_s, label
         assert shape.memory_floor_bytes <= candidate.memory_floor_bytes, label
         assert shape.staleness in (None, candidate.staleness), label
         bubbles += candidate.max_samples_per_s < prob.batch_size / candidate.busiest_ms * 1e3
