@@ -425,7 +425,9 @@ def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> st
         return ""
     price = ("F + B, nothing hidden" if fraction == 0
              else f"F + B less {fraction:g} of the shorter part") + " (--fb-hidden-fraction)"
-    return f"; F&B pairs per mini-batch: {', '.join(overlapping)}, each {price}"
+    experts = any(sched.expert_parallel > 1 for sched in schedules)
+    hidden = ", each part's expert all-to-alls under the other's compute" if experts else ""
+    return f"; F&B pairs per mini-batch: {', '.join(overlapping)}, each {price}{hidden}"
 
 
 def _zero_text(schedule) -> str:

@@ -26,7 +26,7 @@ from pipesim.sim.cluster import Cluster
 from pipesim.sim.costs import Costs, StageCosts
 from pipesim.sim.engine import simulate
 from pipesim.traces.trace import Stream
-from tests.conftest import simulate_json
+from tests.conftest import pipesim, simulate_json
 
 
 def ep(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1) -> Schedule:
@@ -113,3 +113,11 @@ def test_an_overlapped_pair_hides_each_parts_all_to_alls_under_the_other_parts_c
     assert pairs == 6
     assert held == {("A2A_F", 0.0): pairs, ("A2A_B", 0.5): pairs, ("A2A_F", 0.5): 16 - pairs,
                     ("A2A_B", 1.5): 16 - pairs}
+
+
+def test_the_table_says_the_pairs_hide_the_all_to_alls():
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256,
+                             "--heads", 4, "--seq-len", 256, "--vocab", 1000, "--gated", "--experts", 8, "--stages",
+                             2, "--data-parallel", 8, "--expert-parallel", 8, "-m", 4, "-s", "dualpipev")
+    assert code == 0, err
+    assert "each part's expert all-to-alls under the other's compute" in " ".join(out.split())
