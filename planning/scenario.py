@@ -311,13 +311,14 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink) -> Cos
 
 
 def scaled(costs: Costs, factor: float) -> Costs:
-    """Every compute time (the stages' `*_ms` costs but their collectives') x factor, transfers, collectives and
-    memory as they are: the same model on a faster or slower accelerator over the same network."""
+    """Every compute time (the stages' `*_ms` costs but their collectives' and all-to-alls') x factor, transfers,
+    collectives and memory as they are: the same model on a faster or slower accelerator over the same network."""
     if factor == 1.0:
         return costs
+    network = ("reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms")
     return replace(costs, stages=tuple(
         replace(c, **{f.name: getattr(c, f.name) * factor for f in fields(c) if f.name.endswith("_ms")
-                      and f.name not in ("reduce_ms", "gather_ms") and getattr(c, f.name) is not None})
+                      and f.name not in network and getattr(c, f.name) is not None})
         for c in costs.stages))
 
 

@@ -121,3 +121,11 @@ def test_the_table_says_the_pairs_hide_the_all_to_alls():
                              2, "--data-parallel", 8, "--expert-parallel", 8, "-m", 4, "-s", "dualpipev")
     assert code == 0, err
     assert "each part's expert all-to-alls under the other's compute" in " ".join(out.split())
+
+
+def test_a_cost_scale_scales_compute_not_the_all_to_alls():
+    from pipesim.planning.scenario import scaled
+
+    stage = StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=0.25)
+    (faster,) = scaled(Costs((stage,)), 0.5).stages
+    assert (faster.fwd_ms, faster.bwd_ms, faster.all_to_all_fwd_ms, faster.all_to_all_bwd_ms) == (0.5, 1.0, 0.5, 0.25)
