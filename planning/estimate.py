@@ -638,6 +638,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             param_bytes=params,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
+            expert_param_bytes=layer.expert_param_bytes // experts.ranks // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + held.master_bytes *
                                                 layer.param_bytes // element) * state_share) // shards
                                    for name in OPTIMIZERS}))

@@ -301,12 +301,19 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink) -> Cos
     """Each stage's REDUCE and GATHER priced for the schedule's d·C `gradient_ranks` on `link`: the gradients (the
     size of the weights; with ZeRO-2 and 3 as accumulated, which FSDP2 reduce-scatters in its reduce dtype)
     all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered; NCCL's
-    faster of ring and tree for an all-reduce."""
+    faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed experts' share
+    (`expert_param_bytes`) goes over the d·C/E ranks that hold the same experts, after the rest."""
     d, sharded = sched.gradient_ranks, sched.sharded_optimizer
     reduce = link.reduce_scatter_ms if sharded else link.all_reduce_ms
+
+    def over_groups(collective: Callable[[float, int], float], nbytes: float, c: StageCosts) -> float:
+        experts = c.expert_param_bytes / c.param_bytes if sched.expert_parallel > 1 and c.param_bytes else 0.0
+        return collective(nbytes * (1 - experts), d) + (
+            collective(nbytes * experts, d // sched.expert_parallel) if experts else 0.0)
+
     return replace(costs, stages=tuple(replace(
-        c, reduce_ms=reduce(c.gradient_bytes if sched.zero >= 2 else c.param_bytes, d),
-        gather_ms=link.reduce_scatter_ms(c.param_bytes, d) if sharded else 0.0)
+        c, reduce_ms=over_groups(reduce, c.gradient_bytes if sched.zero >= 2 else c.param_bytes, c),
+        gather_ms=over_groups(link.reduce_scatter_ms, c.param_bytes, c) if sharded else 0.0)
         for c in costs.stages))
 
 
@@ -392,7 +399,8 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         grad_bytes=s.grad_bytes, activation_parts=s.activation_parts, gathered_bytes=gathered_bytes(layers),
         stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
         float8_weight_bytes=s.float8_weight_bytes, transient_bytes=s.transient_bytes,
-        all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms)
+        all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms,
+        expert_param_bytes=s.expert_param_bytes)
         for s, layers in zip(stages_for(measured, list(bounds), dag=dag), stage_layers)),
         microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),

@@ -107,6 +107,9 @@ class LayerProfile(_Strict):
     # planning/experts.py) after its forward and after its backward, which the stage's A2A_F and A2A_B rows run
     all_to_all_fwd_ms: float = Field(0.0, ge=0)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
+    # Of `param_bytes`, the routed experts' weights (an estimate's): under expert parallelism only the replicas that
+    # hold the same experts reduce their gradients
+    expert_param_bytes: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _per_input(self) -> LayerProfile:
@@ -183,6 +186,7 @@ class StageProfile(_Strict):
     transient_bytes: dict[str, int] = Field(default_factory=dict)  # its passes' (`stage_transient_bytes`)
     all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
+    expert_param_bytes: int = Field(0, ge=0)  # its layers' summed (`LayerProfile.expert_param_bytes`)
 
     @model_validator(mode="after")
     def _parts(self) -> StageProfile:
@@ -572,6 +576,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             transient_bytes=stage_transient_bytes(layers, start, stop),
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),
+            expert_param_bytes=sum(layer.expert_param_bytes for layer in mine),
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),

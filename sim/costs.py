@@ -91,7 +91,9 @@ class StageCosts:
     stage's whole weights). `float8_weight_bytes`: float8 casts of the weights a float8 recipe holds between
     updates beside them (TransformerEngine's), whole on every data-parallel rank. `all_to_all_fwd_ms` and
     `all_to_all_bwd_ms`: the network time of the all-to-alls of the stage's routed experts over their
-    expert-parallel group after a forward (an A2A_F) and after a backward (an A2A_B), on the network stream.
+    expert-parallel group after a forward (an A2A_F) and after a backward (an A2A_B), on the network stream;
+    `expert_param_bytes`, of `param_bytes`, the routed experts' weights, whose gradients under E-way expert
+    parallelism only the d/E replicas that hold the same experts reduce.
     `transient_bytes`: per pass (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's
     activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
     """
@@ -121,6 +123,7 @@ class StageCosts:
     transient_bytes: dict[str, int] = field(default_factory=dict)
     all_to_all_fwd_ms: float = 0.0
     all_to_all_bwd_ms: float = 0.0
+    expert_param_bytes: int = 0
 
     @property
     def gradient_bytes(self) -> int:
@@ -135,7 +138,7 @@ class StageCosts:
                  "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms")
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
-                     "float8_weight_bytes", *optional[2:]):
+                     "expert_param_bytes", "float8_weight_bytes", *optional[2:]):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue

@@ -180,3 +180,23 @@ def test_the_estimate_says_where_the_all_to_alls_go(tmp_path):
     assert "t=1 p=4 d=8 E=8" in text
     assert ("expert-parallel group: 8 ranks, 2 on each node; an all-to-all sends 1/8 of a rank's token copies over "
             "nvlink and 6/8 over its NIC (infiniband") in text
+
+
+def test_each_experts_gradients_are_reduced_over_the_replicas_that_hold_it():
+    """d = 8, E = 4: the dense weights' gradients over 8 replicas, the experts' over the 2 that hold the same ones;
+    with E = 8 every expert is on one replica and its gradients are reduced by none."""
+    from pipesim.planning.scenario import CollectiveLink, collective_costs
+    from pipesim.schedules import ScheduleParams, build_schedule
+    from pipesim.sim.costs import Costs, StageCosts
+
+    link = CollectiveLink(latency_ms=0.01, bytes_per_ms=1e6, source="typed")
+    stage = StageCosts(fwd_ms=1.0, bwd_ms=2.0, param_bytes=4_000_000, expert_param_bytes=3_000_000)
+
+    def reduce_ms(expert: int) -> float:
+        schedule = build_schedule("1f1b", ScheduleParams(stages=1, microbatches=1, data_parallel=8,
+                                                         expert_parallel=expert))
+        return collective_costs(Costs((stage,)), schedule, link).stages[0].reduce_ms
+
+    assert reduce_ms(4) == pytest.approx(link.all_reduce_ms(1_000_000, 8) + link.all_reduce_ms(3_000_000, 2))
+    assert reduce_ms(8) == pytest.approx(link.all_reduce_ms(1_000_000, 8))
+    assert reduce_ms(1) == pytest.approx(link.all_reduce_ms(4_000_000, 8))
