@@ -629,8 +629,8 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[S
         steps = [(stage.steps, stage.average, stage.accumulate, stage.weight_copy) for stage in profile.stages]
     else:
         total_bytes = sum(stage.param_bytes for stage in profile.stages) or 1
-        steps = [_shared_steps(profile, sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes)
-                 for start, stop in zip(bounds, bounds[1:])]
+        steps = _shared_steps(profile, [sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes
+                                        for start, stop in zip(bounds, bounds[1:])])
     return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
                             boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds),
                             boundary_held_bytes(profile.layers, bounds, dag))
@@ -664,19 +664,29 @@ def _ratio(measured_ms: float, summed_ms: float) -> float:
     return measured_ms / summed_ms if summed_ms > 0 else 1.0
 
 
-def _shared_steps(profile: Profile, share: float) -> StageSteps:
-    """`share` of the calibrated stages' summed step times."""
-    def total(pick: Callable[[StageProfile], Timing]) -> Timing:
+def _shared_steps(profile: Profile, shares: Sequence[float]) -> list[StageSteps]:
+    """Each of `shares` of the calibrated stages' summed step times. The sums are taken once and the shares'
+    timings built without validating again (each is a valid timing scaled by a share >= 0): a what-if search
+    costs thousands of cuts."""
+    def total(pick: Callable[[StageProfile], Timing]) -> tuple[float, float, int]:
         timings = [pick(stage) for stage in profile.stages]
-        return Timing(median_ms=math.fsum(t.median_ms for t in timings) * share,
-                      spread_ms=math.fsum(t.spread_ms for t in timings) * share, repeats=timings[0].repeats)
+        return math.fsum(t.median_ms for t in timings), math.fsum(t.spread_ms for t in timings), timings[0].repeats
 
-    steps = {name: StepTimes(step=total(lambda s, n=name: s.steps[n].step),
-                             predict=total(lambda s, n=name: s.steps[n].predict)) for name in OPTIMIZERS}
-    def measured(pick: Callable[[StageProfile], Timing | None]) -> Timing | None:
+    def measured(pick: Callable[[StageProfile], Timing | None]) -> tuple[float, float, int] | None:
         return total(pick) if all(pick(stage) is not None for stage in profile.stages) else None
 
-    return steps, total(lambda s: s.average), measured(lambda s: s.accumulate), measured(lambda s: s.weight_copy)
+    steps = {name: (total(lambda s, n=name: s.steps[n].step), total(lambda s, n=name: s.steps[n].predict))
+             for name in OPTIMIZERS}
+    average, accumulate, copy = (total(lambda s: s.average), measured(lambda s: s.accumulate),
+                                 measured(lambda s: s.weight_copy))
+
+    def timing(summed: tuple[float, float, int] | None, share: float) -> Timing | None:
+        return None if summed is None else Timing.model_construct(
+            median_ms=summed[0] * share, spread_ms=summed[1] * share, repeats=summed[2])
+
+    return [({name: StepTimes.model_construct(step=timing(step, share), predict=timing(predict, share))
+              for name, (step, predict) in steps.items()},
+             timing(average, share), timing(accumulate, share), timing(copy, share)) for share in shares]
 
 
 def load_profile(path: str | Path) -> Profile:
