@@ -406,7 +406,8 @@ class _Built:
                 self.candidates[shape.index] = None
                 return None
             costs = scenario.costs(order.schedule, bounds)
-            step_ms = _searched_bound_ms(costs, config.microbatches, _hops_ms(scenario.links(order.schedule), costs))
+            step_ms = _searched_bound_ms(costs, config.microbatches,
+                                         _hops_ms(scenario.links(order.schedule), costs, config.stages))
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3  # shaded as `_candidate`'s
             self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                                     partitioned=True)
@@ -564,7 +565,7 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch,
     (`_exposed_reduce_ms`), so the step is at least the mean compute plus the mean REDUCE, `reduce_ms`.
 
     The candidate's bound (`Candidate.max_samples_per_s`, from its own stages) can only be lower: a test holds
-    them to it. Shaded by 1e-9 against rounding (the sums run in another order)."""
+    them to it. Shaded against rounding (the sums run in another order)."""
     m = config.microbatches
     forwards, backwards, whole = m * sketch.forwards, m * sketch.backwards, m * sketch.whole
     total_ms = cost_scale * (forwards * work.fwd_ms + max(backwards * work.least_bwd_ms, whole * work.bwd_ms)
@@ -577,7 +578,7 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch,
         c, runs_input_halves = m * sketch.chain[0], sketch.chain[1]
         passes_ms = cost_scale * (work.fwd_ms + (0.0 if runs_input_halves else work.bwd_ms))
         step_ms = max(step_ms, mean_ms + reduce_ms, passes_ms / (1 - (1 - 1 / c) ** config.stages))
-    step_ms *= 1 - 1e-9
+    step_ms *= 1 - 2e-9  # twice a candidate's shading: its bound, the same sums in another order, stays below
     return problem.batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
 
 
@@ -788,7 +789,7 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
     least_step_ms = max(float((busy_ms + _exposed_reduce_ms(schedule, per_op_ms, short)).max()),  # shaded: sums of
-                        _flush_bound_ms(schedule, per_op_ms, _hops_ms(scenario.links(schedule), costs))
+                        _flush_bound_ms(schedule, per_op_ms, _hops_ms(scenario.links(schedule), costs, p))
                         ) * (1 - 1e-9)  # the same times in another order
     searched = method.needs_costs
     return Candidate(config, setting, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor,
@@ -797,11 +798,12 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
                      build(scenario, problem, name, replace(params, minibatches=short), bounds) if searched else None)
 
 
-def _hops_ms(links: Cluster, costs: Costs) -> np.ndarray:
-    """[k]: the least time a chain's micro-batch spends between devices k and k+1 and back: its activation's
-    transfer forward and its gradient's (the same size) back, each at least its link's time alone."""
-    return np.array([links.link(k, k + 1).transfer_ms(stage.output_bytes) + links.link(k + 1, k).transfer_ms(
-        stage.output_bytes) for k, stage in enumerate(costs.stages[:-1])])
+def _hops_ms(links: Cluster, costs: Costs, devices: int) -> np.ndarray:
+    """[k] for the first `devices` stages, stage k on device k: the least time a micro-batch spends between
+    stages k and k+1 and back: its activation's transfer forward and its gradient's (the same size) back, each
+    at least its link's time alone."""
+    return np.array([links.link(k, k + 1).transfer_ms(costs.stages[k].output_bytes) + links.link(k + 1, k).transfer_ms(
+        costs.stages[k].output_bytes) for k in range(devices - 1)])
 
 
 def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray) -> float:
@@ -821,51 +823,59 @@ def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray) -> 
 
 
 def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) -> float:
-    """A lower bound of a flushing chain's steady step (one stage per device, stage k on device k, one pipeline;
-    0 for any other schedule): for every device d, the forwards of stages 0..d-1, then d's own work in program
-    order up to its last B or I of the step, then the input-gradient passes (B or I) of stages d-1..0.
+    """A lower bound of the steady step of a flushing schedule of one pipeline down a chain of stages whose
+    first p are on devices 0..p-1 in turn (1F1B's placement, and the interleaved and V schedules'; 0 for any
+    other): for every device d, the forwards of stages 0..d-1, then d's own work in program order up to its
+    last B or I of the step, then the input-gradient passes (B or I) of stages d-1..0.
 
     Why: device 0 starts step s+1 only after its last op of step s (it flushes), at E0(s). Device d's first op
     of step s+1 is an F (any other op needs an F of its own step before it on d), whose micro-batch went
-    through F on stages 0..d-1 after E0(s), crossing each link on the way (`hops_ms`: there and back); so d starts
+    through F on stages 0..d-1 after E0(s) (stage d is d's lowest: its first op is an F of stage d), crossing
+    each link on the way (`hops_ms`: there and back); so d starts
     step s+1 no earlier than E0(s) + sum F_k and the hops' forward halves. Its last B or I of the step ends no
-    earlier than that plus the work d runs before it, one op at a time. That micro-batch's input gradient then
+    earlier than that plus the work d runs before it, one op at a time (it is stage d's: any later stage's
+    input gradient still has stage d on d to pass). That micro-batch's input gradient then
     passes B or I on each of stages d-1..0, crossing the links back, before device 0 ends step s+1, at E0(s+1),
     after it has reduced stage 0's gradients and updated.
     Waits, contention and overheads only add, and steps repeat from the second on, so E0(s+1) - E0(s) is the
     step. A test holds the bound to the simulated step over every candidate."""
     p = schedule.num_devices
-    if not _is_flushing_chain(schedule):
+    if not (schedule.pipelines == 1 and schedule.placement[:p] == tuple(range(p)) and flushes(schedule)
+            and schedule.graph == StageGraph.chain(schedule.num_stages)):
         return 0.0
     t = schedule.table
     compute_ms = op_ms * COMPUTE
     forward_ms = op_ms[:, KIND_CODE[Kind.F]]
-    runs = {kind: np.bincount(t.stage[t.kind == KIND_CODE[kind]], minlength=p) > 0 for kind in (Kind.B, Kind.I)}
+    runs = {kind: np.bincount(t.stage[t.kind == KIND_CODE[kind]], minlength=schedule.num_stages) > 0
+            for kind in (Kind.B, Kind.I)}
     input_grad_ms = np.minimum(*(np.where(runs[kind], op_ms[:, KIND_CODE[kind]], np.inf) for kind in runs))
     input_grad_ms[np.isinf(input_grad_ms)] = 0.0  # a stage with no backward (none here: every stage has one)
     steady = t.minibatch == 1
     reduces = steady & (t.kind == KIND_CODE[Kind.REDUCE]) & (t.stage == 0)
     # device 0 then reduces stage 0's gradients (after its last backward, so after that pass) and updates it
     tail_ms = (op_ms[0, KIND_CODE[Kind.REDUCE]] if reduces.any() else 0.0) + op_ms[0, KIND_CODE[Kind.OPT]]
-    step_ms = 0.0
-    for d in range(p):
-        mine = np.flatnonzero(steady & (t.device == d))
-        backward = np.flatnonzero(kind_mask(t.kind[mine], Kind.B, Kind.I))
-        if not len(backward):
-            continue
-        upto = mine[:backward[-1] + 1]
-        work_ms = float(compute_ms[t.stage[upto], t.kind[upto]].sum())
-        step_ms = max(step_ms, float(forward_ms[:d].sum() + work_ms + input_grad_ms[:d].sum() + hops_ms[:d].sum()
-                                     + tail_ms))
-    return step_ms
+    rows = np.flatnonzero(steady)  # grouped by device, each in program order
+    device = t.device[rows]
+    done_ms = np.concatenate([[0.0], np.cumsum(compute_ms[t.stage[rows], t.kind[rows]])])
+    first = np.full(p, len(rows))
+    np.minimum.at(first, device, np.arange(len(rows)))
+    last = np.full(p, -1)  # each device's last B or I of the step
+    backward = np.flatnonzero(kind_mask(t.kind[rows], Kind.B, Kind.I))
+    np.maximum.at(last, device[backward], backward)
+    before_ms = np.concatenate([[0.0], np.cumsum(forward_ms[:p - 1] + input_grad_ms[:p - 1] + hops_ms)])
+    ran = last >= 0
+    work_ms = done_ms[last[ran] + 1] - done_ms[first[ran]]
+    return float((before_ms[ran] + work_ms + tail_ms).max(initial=0.0))
 
 
 def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) -> np.ndarray:
     """Per device, compute-free time each steady step must have, read off mini-batch `minibatch` (past the
-    warm-up; 0 for a schedule of P > 1 pipelines, which share a device's compute as they go): a stage's REDUCE
-    starts where the device's program reaches it, after the stage's last backward, and its OPT waits for it, so
-    the device computes only the rows between the two while it runs. Each step holds at least the longest such
-    wait beyond those rows, on top of the device's compute."""
+    warm-up; 0 for a schedule of P > 1 pipelines, which share a device's compute as they go). A stage's REDUCE
+    starts where the device's program reaches it, after the stage's last backward, and runs on the device's
+    network stream after the REDUCEs before it; its OPT waits for it. So from REDUCE i's start to REDUCE l's
+    OPT (i <= l, in program order) the network works at least REDUCEs i..l while the device computes only the
+    rows between the two: each step holds at least the most any such span waits beyond its rows, on top of
+    the device's compute."""
     exposed = np.zeros(schedule.num_devices)
     if schedule.pipelines > 1:
         return exposed
@@ -873,11 +883,31 @@ def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) ->
     steady = t.minibatch == minibatch
     own = np.minimum(t.kind, NUM_COMPUTE_KINDS - 1)  # transfers come after a stage's own kinds: none computes
     compute_ms = np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own], 0.0)
-    for row in np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE])):
-        stage, device = t.stage[row], t.device[row]
-        update = row + 1 + int(np.argmax((t.kind[row + 1:] == KIND_CODE[Kind.OPT]) & (t.stage[row + 1:] == stage)))
-        waited_ms = op_ms[stage, KIND_CODE[Kind.REDUCE]] - float(compute_ms[row + 1:update].sum())
-        exposed[device] = max(exposed[device], waited_ms)
+    reduces = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE]))  # grouped by device, in program order
+    updates = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.OPT]))
+    update_of = np.zeros(schedule.num_stages, dtype=np.int64)
+    update_of[t.stage[updates]] = updates  # one pipeline: one OPT per stage and mini-batch, after its REDUCE
+    done_ms = np.concatenate([[0.0], np.cumsum(compute_ms)])  # rows are grouped by device, in program order
+    for device in np.unique(t.device[reduces]):
+        mine = reduces[t.device[reduces] == device]
+        reduce_ms = op_ms[t.stage[mine], KIND_CODE[Kind.REDUCE]]
+        through_ms = np.cumsum(reduce_ms)  # REDUCEs up to l
+        since_ms = np.maximum.accumulate(done_ms[mine + 1] - (through_ms - reduce_ms))  # best start i <= l
+        waited_ms = through_ms - done_ms[update_of[t.stage[mine]]] + since_ms
+        exposed[device] = max(0.0, float(waited_ms.max()))
+    return exposed
+    t = schedule.table
+    steady = t.minibatch == minibatch
+    own = np.minimum(t.kind, NUM_COMPUTE_KINDS - 1)  # transfers come after a stage's own kinds: none computes
+    compute_ms = np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own], 0.0)
+    reduces = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE]))
+    updates = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.OPT]))
+    update_of = np.zeros(schedule.num_stages, dtype=np.int64)
+    update_of[t.stage[updates]] = updates  # one pipeline: one OPT per stage and mini-batch, after its REDUCE
+    done_ms = np.concatenate([[0.0], np.cumsum(compute_ms)])  # rows are grouped by device, in program order
+    stages = t.stage[reduces]
+    waited_ms = op_ms[stages, KIND_CODE[Kind.REDUCE]] - (done_ms[update_of[stages]] - done_ms[reduces + 1])
+    np.maximum.at(exposed, t.device[reduces], waited_ms)
     return exposed
 
 
