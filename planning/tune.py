@@ -82,7 +82,7 @@ from ..schedules import (
     StageGraph,
     flushes,
     kind_mask,
-    steady_minibatches,
+    warmup_minibatches,
     weight_versions,
 )
 from ..sim.cluster import Cluster
@@ -526,6 +526,8 @@ class _Sketch:
     staleness: int | None  # None: known at the candidate's m only
     extra_copies: int
     steps: tuple[float, float, float]  # the fewest OPT, PRED, AVG a stage runs per step
+    flushing: bool
+    stages: int  # model stages
 
     @classmethod
     def of(cls, order: _Order) -> _Sketch:
@@ -533,14 +535,17 @@ class _Sketch:
         f, b, i, w = (order.per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
         chain = (order.chain[0] / m, order.chain[1]) if order.chain is not None else None
         steps = tuple(float(order.per_step[:, KIND_CODE[kind]].min()) for kind in (Kind.OPT, Kind.PRED, Kind.AVG))
+        flushing = flushes(order.schedule)
         return cls(float(f.min()) / m, float((b + np.minimum(i, w)).min()) / m, float(b.min()) / m, chain,
-                   order.staleness if flushes(order.schedule) else None, order.schedule.policy.extra_copies, steps)
+                   order.staleness if flushing else None, order.schedule.policy.extra_copies, steps, flushing,
+                   order.schedule.num_stages)
 
 
-# A searched order (auto) flushes every mini-batch on a chain (`check_shape`: one stage per device, one pipeline),
-# running each micro-batch's F and backward once per stage and one update per stage and step; whether it splits a
-# backward is searched: say it may.
-SEARCHED = _Sketch(1.0, 1.0, 0.0, (1.0, True), None, 0, (1.0, 0.0, 0.0))
+def _searched_sketch(stages: int) -> _Sketch:
+    """A searched order's (auto's): it flushes every mini-batch on a chain (`check_shape`: one stage per device,
+    one pipeline), running each micro-batch's F and backward once per stage and one update per stage and step;
+    whether it splits a backward is searched: say it may."""
+    return _Sketch(1.0, 1.0, 0.0, (1.0, True), None, 0, (1.0, 0.0, 0.0), True, stages)
 
 
 def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch, cost_scale: float,
@@ -612,7 +617,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                             params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=replicas)
                             if METHODS[name].needs_costs:
                                 check_shape(params)
-                                sketch = SEARCHED
+                                sketch = _searched_sketch(p)
                             else:
                                 sketch = orders.sketch(scenario, name, params)
                         except ScheduleError:
@@ -634,12 +639,6 @@ def _mean_reduce_ms(scenario: Scenario, stages: int, replicas: int, gradient_byt
     link = scenario.data_parallel_link(schedule_frame(ScheduleParams(stages, 1, data_parallel=replicas)))
     empty, whole = (link.all_reduce_ms(nbytes, replicas, tree_correction=False) for nbytes in (0, gradient_bytes))
     return empty + (whole - empty) / stages
-
-
-def _long(probe: Schedule, params: ScheduleParams) -> ScheduleParams:
-    """The run a candidate is simulated over: enough mini-batches past `probe`'s warm-up to show its steady
-    state (a flushing schedule's steps repeat exactly, so one more; else STEADY_STEPS)."""
-    return replace(params, minibatches=steady_minibatches(probe) + (1 if flushes(probe) else STEADY_STEPS))
 
 
 def evaluate(problem: Problem, candidate: Candidate) -> Result:
@@ -755,9 +754,9 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     planned = "1f1b" if METHODS[name].needs_costs else name
     params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas)
-    probe = orders(setting.scenario, planned, params).schedule
-    short = steady_minibatches(probe)
-    params = _long(probe, params)
+    sketch = orders.sketch(setting.scenario, planned, params)
+    short = warmup_minibatches(sketch.flushing, sketch.stages, m)
+    params = replace(params, minibatches=short + (1 if sketch.flushing else STEADY_STEPS))
     order = orders(setting.scenario, planned, params)
     bounds = split(order.schedule.num_stages, pipelines, tuple(map(tuple, order.per_step.tolist())),
                    order.schedule.policy.extra_copies, order.in_flight, order.lingering, problem.memory_cap_bytes // v)

@@ -11,6 +11,7 @@ from .analysis import (
     local_order_ok,
     steady_minibatches,
     validate,
+    warmup_minibatches,
     weight_versions,
 )
 from .catalogue import METHODS, build_schedule
@@ -45,5 +46,5 @@ __all__ = [
     "Kind", "KIND_CODE", "kind_mask", "KINDS", "local_order_ok", "lower", "Lowered", "make_schedule", "Method",
     "METHODS", "NUM_COMPUTE_KINDS", "one_forward_one_backward", "Prediction", "preflight", "Read", "RECV_KINDS",
     "Schedule", "ScheduleError", "ScheduleParams", "SEND_KINDS", "StageGraph", "steady_minibatches", "SYNCHRONOUS",
-    "validate", "Versions", "weight_versions", "WeightPolicy",
+    "validate", "Versions", "warmup_minibatches", "weight_versions", "WeightPolicy",
 ]

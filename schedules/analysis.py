@@ -318,9 +318,14 @@ def steady_minibatches(schedule: Schedule) -> int:
     flushing schedule repeats its step from the second on; one that never flushes is past its warm-up once a
     pipeline of p·v stages, holding at most p·v micro-batches, has turned over twice. `schedule` is built with
     any N >= 2 (the order's shape, not N, decides)."""
-    if flushes(schedule):
+    return warmup_minibatches(flushes(schedule), schedule.num_stages, schedule.microbatches)
+
+
+def warmup_minibatches(flushing: bool, stages: int, microbatches: int) -> int:
+    """`steady_minibatches` from what decides it: whether the order flushes, its model stages and m."""
+    if flushing:
         return 2
-    return 2 * -(-schedule.num_stages // schedule.microbatches) + 2
+    return 2 * -(-stages // microbatches) + 2
 
 
 def weight_versions(schedule: Schedule) -> Versions:
