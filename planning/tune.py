@@ -822,10 +822,11 @@ def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray) -> 
 
 
 def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) -> float:
-    """A lower bound of the steady step of a flushing schedule of one pipeline down a chain of stages whose
-    first p are on devices 0..p-1 in turn (1F1B's placement, and the interleaved and V schedules'; 0 for any
-    other): for every device d, the forwards of stages 0..d-1, then d's own work in program order up to its
-    last B or I of the step, then the input-gradient passes (B or I) of stages d-1..0.
+    """A lower bound of the steady step of a flushing schedule down a chain of stages whose first p are on
+    devices 0..p-1 in turn (1F1B's placement, the interleaved and V schedules', and AvgPipe's P pipelines, each
+    so placed; 0 for any other): for every device d, the forwards of stages 0..d-1, then d's own work in program
+    order (every pipeline's) up to its last B or I of the step, then the input-gradient passes (B or I) of
+    stages d-1..0 (of that pass's pipeline).
 
     Why: device 0 starts step s+1 only after its last op of step s (it flushes), at E0(s). Device d's first op
     of step s+1 is an F (any other op needs an F of its own step before it on d), whose micro-batch went
@@ -839,7 +840,7 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) 
     Waits, contention and overheads only add, and steps repeat from the second on, so E0(s+1) - E0(s) is the
     step. A test holds the bound to the simulated step over every candidate."""
     p = schedule.num_devices
-    if not (schedule.pipelines == 1 and schedule.placement[:p] == tuple(range(p)) and flushes(schedule)
+    if not (schedule.placement[:p] == tuple(range(p)) and flushes(schedule)
             and schedule.graph == StageGraph.chain(schedule.num_stages)):
         return 0.0
     t = schedule.table
