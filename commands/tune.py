@@ -96,7 +96,9 @@ def tune(
     memory to hold activations; the R column is the activation limit its order then holds (1: 1F1B's).
 
     The search bounds before it simulates: staleness and a memory floor from the schedule alone, a
-    throughput bound from the busiest device's compute; the choice and its five runners-up are exact.
+    throughput bound from each device's compute, its waits for the all-reduce and the pipeline's fill and
+    drain; the choice and its five runners-up are exact. Faster configurations over a limit are listed from
+    those whose memory floor fits the cap.
 
     With --gpu instead of --profile, the model (--model and its size flags) is counted on the meta device and
     estimated on the catalogue GPU for every tensor-parallel degree t (powers of two within a node), micro-batch
