@@ -70,6 +70,7 @@ from ..profiles.partition import (
 )
 from ..profiles.schema import Profile, layer_costs
 from ..schedules import (
+    ALL_TO_ALL_KINDS,
     COLLECTIVE_KINDS,
     KIND_CODE,
     KINDS,
@@ -94,7 +95,8 @@ from .auto import activation_ratio, check_shape, schedule_frame
 from .scenario import Scenario, profile_costs
 
 RUNNERS_UP = 5
-COMPUTE = np.array([kind not in COLLECTIVE_KINDS for kind in KINDS[:NUM_COMPUTE_KINDS]])  # op kinds on compute
+COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
+                    for kind in KINDS[:NUM_COMPUTE_KINDS]])
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
 
 
@@ -386,7 +388,6 @@ class _Built:
         self.problem = problem
         self._report, self._shapes = report, shapes
         self.orders = orders  # the shapes' own: a fixed order is built once
-        self.shapes: dict[int, Shape] = {}
         self.candidates: dict[int, Candidate | None] = {}
         self.results: dict[int, Result] = {}
         self.partitioned: dict[int, Shape] = {}  # searched orders' shapes bounded on their partitions
@@ -415,7 +416,6 @@ class _Built:
 
     def candidate(self, shape: Shape) -> Candidate | None:
         if shape.index not in self.candidates:
-            self.shapes[shape.index] = shape
             try:
                 self.candidates[shape.index] = _candidate(shape.setting, self.problem, shape.config, shape.index,
                                                           self._split(shape.setting), self.orders)
@@ -844,7 +844,6 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) 
             and schedule.graph == StageGraph.chain(schedule.num_stages)):
         return 0.0
     t = schedule.table
-    compute_ms = op_ms * COMPUTE
     forward_ms = op_ms[:, KIND_CODE[Kind.F]]
     runs = {kind: np.bincount(t.stage[t.kind == KIND_CODE[kind]], minlength=schedule.num_stages) > 0
             for kind in (Kind.B, Kind.I)}
@@ -856,7 +855,7 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) 
     tail_ms = (op_ms[0, KIND_CODE[Kind.REDUCE]] if reduces.any() else 0.0) + op_ms[0, KIND_CODE[Kind.OPT]]
     rows = np.flatnonzero(steady)  # grouped by device, each in program order
     device = t.device[rows]
-    done_ms = np.concatenate([[0.0], np.cumsum(compute_ms[t.stage[rows], t.kind[rows]])])
+    done_ms = np.concatenate([[0.0], np.cumsum(_compute_ms(t, op_ms)[rows])])
     first = np.full(p, len(rows))
     np.minimum.at(first, device, np.arange(len(rows)))
     last = np.full(p, -1)  # each device's last B or I of the step
@@ -866,6 +865,12 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) 
     ran = last >= 0
     work_ms = done_ms[last[ran] + 1] - done_ms[first[ran]]
     return float((before_ms[ran] + work_ms + tail_ms).max(initial=0.0))
+
+
+def _compute_ms(t, op_ms: np.ndarray) -> np.ndarray:
+    """Per row of the table, the ms it keeps its device's compute busy (0 for a row on the network lane)."""
+    own = np.minimum(t.kind, NUM_COMPUTE_KINDS - 1)  # transfers come after a stage's own kinds: none computes
+    return np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own], 0.0)
 
 
 def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) -> np.ndarray:
@@ -881,13 +886,11 @@ def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) ->
         return exposed
     t = schedule.table
     steady = t.minibatch == minibatch
-    own = np.minimum(t.kind, NUM_COMPUTE_KINDS - 1)  # transfers come after a stage's own kinds: none computes
-    compute_ms = np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own], 0.0)
     reduces = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE]))  # grouped by device, in program order
     updates = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.OPT]))
     update_of = np.zeros(schedule.num_stages, dtype=np.int64)
     update_of[t.stage[updates]] = updates  # one pipeline: one OPT per stage and mini-batch, after its REDUCE
-    done_ms = np.concatenate([[0.0], np.cumsum(compute_ms)])  # rows are grouped by device, in program order
+    done_ms = np.concatenate([[0.0], np.cumsum(_compute_ms(t, op_ms))])  # rows: by device, in program order
     for device in np.unique(t.device[reduces]):
         mine = reduces[t.device[reduces] == device]
         reduce_ms = op_ms[t.stage[mine], KIND_CODE[Kind.REDUCE]]
@@ -895,19 +898,6 @@ def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) ->
         since_ms = np.maximum.accumulate(done_ms[mine + 1] - (through_ms - reduce_ms))  # best start i <= l
         waited_ms = through_ms - done_ms[update_of[t.stage[mine]]] + since_ms
         exposed[device] = max(0.0, float(waited_ms.max()))
-    return exposed
-    t = schedule.table
-    steady = t.minibatch == minibatch
-    own = np.minimum(t.kind, NUM_COMPUTE_KINDS - 1)  # transfers come after a stage's own kinds: none computes
-    compute_ms = np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own], 0.0)
-    reduces = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE]))
-    updates = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.OPT]))
-    update_of = np.zeros(schedule.num_stages, dtype=np.int64)
-    update_of[t.stage[updates]] = updates  # one pipeline: one OPT per stage and mini-batch, after its REDUCE
-    done_ms = np.concatenate([[0.0], np.cumsum(compute_ms)])  # rows are grouped by device, in program order
-    stages = t.stage[reduces]
-    waited_ms = op_ms[stages, KIND_CODE[Kind.REDUCE]] - (done_ms[update_of[stages]] - done_ms[reduces + 1])
-    np.maximum.at(exposed, t.device[reduces], waited_ms)
     return exposed
 
 

@@ -373,3 +373,16 @@ def test_least_slowest_is_the_best_split_by_brute_force(weights):
         best = min(max(math.fsum(weights[a:b]) for a, b in itertools.pairwise([0, *cuts, n]))
                    for cuts in itertools.combinations(range(1, n), parts - 1))
         assert best * (1 - 1e-9) - 1e-12 <= least[parts] <= best * (1 + 1e-12) + 1e-300, (parts, best)
+
+
+def test_all_to_alls_are_not_counted_as_compute():
+    """An expert-parallel all-to-all runs on the device's network lane (hidden under the other part's compute in an
+    F&B pair), so the bounds, which count compute from below, must not count it as compute."""
+    from pipesim.schedules import KIND_CODE, Kind, ScheduleParams, build_schedule
+
+    schedule = build_schedule("dualpipev", ScheduleParams(stages=2, microbatches=4, chunks=2, expert_parallel=2))
+    t = schedule.table
+    all_to_all = np.isin(t.kind, [KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]])
+    assert all_to_all.any()
+    computed = tuning._compute_ms(t, np.ones((schedule.num_stages, len(tuning.COMPUTE))))
+    assert not computed[all_to_all].any() and computed[t.kind == KIND_CODE[Kind.F]].all()
