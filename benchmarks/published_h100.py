@@ -1,0 +1,98 @@
+"""NVIDIA's published dense H100 step times (benchmarks/published/nvidia-dgxc-h100.csv: GPT-3 175B, Nemotron-4 15B
+and 340B, BF16 and FP8, 16 to 2,048 GPUs) predicted by a pipesim command line each, nothing fitted.
+
+Each row's `pipesim simulate` command is built from the row's own columns as NeMo ran it (its launcher's config,
+benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (flash attention, sequence
+parallelism, the tensor-parallel collectives overlapped with the products, `--tp-overlap`), no recomputation,
+the distributed optimizer (`--zero 1`) with its gradient reduce-scatter overlapped with the backward (each
+stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the vocabulary padded
+as Megatron pads it, FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te` recipe). The command is
+printed and run as written (in-process, with --json added to read its ms/step).
+
+    python benchmarks/published_h100.py                 # the table, then each row's command
+    python benchmarks/published_h100.py --json out.json # and the rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from published_runs import _rows, command_text, iteration_ms
+from rich.table import Table
+
+from pipesim.commands.tables import print_table
+
+SOURCE = "nvidia-dgxc-h100.csv"
+GPU = "h100-sxm"
+VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by, as NeMo's configs set it
+
+
+def padded_vocab(vocab: int, tensor: int) -> int:
+    """The vocabulary Megatron builds: padded to a multiple of 128·t (megatron/training/tokenizer's
+    `_vocab_size_with_padding`), so the output layer splits evenly over the t ranks."""
+    multiple = VOCAB_MULTIPLE * tensor
+    return math.ceil(vocab / multiple) * multiple
+
+
+def simulate_command(row: dict[str, str]) -> list[str]:
+    """The row's step as NeMo ran it (see the module docstring), from the row's columns alone."""
+    t, p, v, gpus, batch, b = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "virtual_pipeline",
+                                                      "gpus", "global_batch", "microbatch_size"))
+    d = gpus // (t * p)
+    schedule = ["-s", "interleaved-1f1b", "--chunks", str(v)] if v > 1 else ["-s", "1f1b"]
+    return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden"], "--ffn",
+            row["ffn_hidden"], "--heads", row["heads"], "--kv-heads", row["kv_heads"], "--seq-len", row["seq_len"],
+            "--vocab", str(padded_vocab(int(row["vocab"]), t)), *(["--dropout", row["dropout"]]
+                                                                  if float(row["dropout"]) else []),
+            "--dtype", row["precision"], "--attention", "flash", "-b", str(b), "--gpu", GPU,
+            "--tensor-parallel", str(t), "--sequence-parallel", "--tp-overlap", "-p", str(p), "-m",
+            str(batch // (d * b)), *schedule, "--data-parallel", str(d), "--zero", "1", "--stage-cut", "equal-blocks"]
+
+
+def rows() -> list[dict]:
+    """Every row: its command, the predicted and the published step in seconds, and the error."""
+    out = []
+    for row in _rows(SOURCE):
+        args = simulate_command(row)
+        predicted_s = iteration_ms(args) / 1e3
+        published_s = float(row["step_s"])
+        out.append({"run": f"{row['model']} {row['precision'].upper()} {row['gpus']} GPUs", "model": row["model"],
+                    "precision": row["precision"], "gpus": int(row["gpus"]), "predicted_s": predicted_s,
+                    "published_s": published_s, "error": predicted_s / published_s - 1,
+                    "command": command_text(args)})
+    return out
+
+
+def summary(compared: list[dict]) -> str:
+    """|error|'s median and worst over the rows, one line."""
+    errors = [abs(r["error"]) for r in compared]
+    return f"median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(errors)} rows"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    compared = rows()
+    table = Table(title=f"Step time on {GPU}: predicted against NVIDIA's published (s)")
+    for name, justify in (("run", "left"), ("predicted s", "right"), ("published s", "right"), ("error", "right")):
+        table.add_column(name, justify=justify)
+    for r in compared:
+        table.add_row(r["run"], f"{r['predicted_s']:.3f}", f"{r['published_s']:.3f}", f"{r['error']:+.1%}")
+    print_table(table)
+    for precision in dict.fromkeys(r["precision"] for r in compared):
+        print(f"{precision.upper()} |error|: {summary([r for r in compared if r['precision'] == precision])}")
+    print(f"all |error|: {summary(compared)}")
+    print("\nEach row's command (its ms/step / 1000 is the predicted s):")
+    for r in compared:
+        print(f"{r['run']}:\n  {r['command']}")
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

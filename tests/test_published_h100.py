@@ -1,0 +1,46 @@
+"""NVIDIA's published dense H100 step times (benchmarks/published_h100.py and the rows it recorded in
+benchmarks/published_h100.json): every published figure is the CSV's, each row's command carries its layout, and
+a row's printed command reproduces its recorded prediction."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import simulate_json
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = json.loads((REPO / "benchmarks" / "published_h100.json").read_text())["rows"]
+PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / "nvidia-dgxc-h100.csv").open()))
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_every_published_row_is_recorded_with_its_figure_and_layout():
+    assert len(RECORDED) == len(PUBLISHED) == 36
+    for row, published in zip(RECORDED, PUBLISHED):
+        args = shlex.split(row["command"])
+        t, p, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus"))
+        d = gpus // (t * p)
+        assert row["published_s"] == float(published["step_s"]) and row["gpus"] == gpus
+        assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "--data-parallel")) == (
+            str(t), str(p), str(d))
+        assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == int(published["global_batch"])
+        assert _flag(args, "--dtype") == published["precision"]
+        assert int(_flag(args, "--vocab")) % (128 * t) == 0 <= int(_flag(args, "--vocab")) - int(published["vocab"])
+
+
+@pytest.mark.parametrize("run", ["Nemotron-4 15B FP8 2048 GPUs"])
+def test_a_row_is_reproduced_by_its_printed_command(run):
+    (row,) = [r for r in RECORDED if r["run"] == run]
+    args = shlex.split(row["command"])
+    assert args[:2] == ["pipesim", "simulate"]
+    (result,) = simulate_json(*args[2:])
+    assert result["time_per_minibatch_ms"] / 1e3 == pytest.approx(row["predicted_s"], rel=1e-9)
+    assert row["error"] == pytest.approx(row["predicted_s"] / row["published_s"] - 1, rel=1e-12)
