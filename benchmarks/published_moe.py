@@ -1,0 +1,130 @@
+"""NVIDIA's published MoE pre-training throughput on DGX-H100 (benchmarks/published/nemo-megatron-bridge-moe-h100.csv:
+Megatron-Bridge's performance summaries, Qwen3-30B-A3B and DeepSeek-V3 among them) predicted by a pipesim command
+line each, nothing fitted.
+
+Each expressible row's `pipesim simulate` command is built from the row's own columns and the model's Hugging Face
+config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8
+--fp8-recipe te`), flash attention, no recomputation, the distributed optimizer (`--zero 1`), the routed experts
+over E of the d = gpus / (t·p) data-parallel replicas, interleaved 1F1B where the row has virtual stages, the
+layers cut into equal blocks where they divide into p·v stages (Megatron's cut), else balanced. Routing is
+balanced, as the summary's footnote says its MoE runs force it. The predicted tokens/s per GPU is the global batch's
+tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why.
+
+    python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
+    python benchmarks/published_moe.py --json out.json # and the rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from published_h100 import summary
+from published_runs import _rows, command_text, iteration_ms
+from rich.table import Table
+
+from pipesim.commands.tables import print_table
+
+SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: its source and how to read it
+GPU = "h100-sxm"
+EXAMPLES = "examples"  # the Hugging Face configs, relative to the repository root the commands run in
+PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "DeepSeekV3": "deepseek-v3"}  # the table's model: its examples/ folder
+NOT_EXPRESSIBLE = {
+    "Qwen3_235B_a22B": "EP 32 with TP 2 on 256 GPUs (PP 8): Megatron-core folds the expert-parallel ranks over the "
+                       "tensor- and data-parallel ones, pipesim draws them from the d = 16 replicas only; and no "
+                       "config of it in examples/",
+    "GPT OSS 120B": "no config of it in examples/",
+    "Nemotron_3_Nano": "a hybrid of Mamba-2 and attention layers: pipesim counts no Mamba layer",
+}
+
+
+@dataclass(frozen=True)
+class MoeRun:
+    """One row's model and layout."""
+
+    name: str
+    preset: str  # examples/<preset>: the model's Hugging Face config
+    gpus: int
+    global_batch: int
+    microbatch_size: int
+    seq_len: int
+    tensor: int
+    pipeline: int
+    chunks: int  # VP: model chunks per device (1: plain 1F1B)
+    expert: int
+
+    @property
+    def data(self) -> int:
+        return self.gpus // (self.tensor * self.pipeline)
+
+    def simulate_command(self, root: Path) -> list[str]:
+        """One step as the module docstring says; `root`: the repository root, where the config is read."""
+        schedule = ["-s", "interleaved-1f1b", "--chunks", str(self.chunks)] if self.chunks > 1 else ["-s", "1f1b"]
+        blocks = json.loads((root / EXAMPLES / self.preset / "config.json").read_text())["num_hidden_layers"]
+        cut = "equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced"
+        return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
+                "fp8", "--fp8-recipe", "te", "--attention", "flash", "-b", str(self.microbatch_size), "--gpu", GPU,
+                "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
+                "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
+                "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
+                "--recompute", "none", *schedule, "--stage-cut", cut]
+
+
+def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, str], str]]]:
+    """The table's rows as runs, each with its row, and the rows pipesim cannot express, each with why."""
+    expressible, left_out = [], []
+    for row in _rows(SOURCE):
+        model = row["model"].split(" (")[0]  # "(dropless)", "(tokendrop)": forced balance drops no token either way
+        if model in NOT_EXPRESSIBLE:
+            left_out.append((row, NOT_EXPRESSIBLE[model]))
+            continue
+        t, p, gpus, batch, b, seq, e = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus",
+                                                               "global_batch", "microbatch_size", "sequence_length",
+                                                               "expert_parallel"))
+        chunks = 1 if row["virtual_pipeline"] == "n/a" else int(row["virtual_pipeline"])
+        expressible.append((MoeRun(f"{row['container']} {row['model']} t{t} p{p} v{chunks} E{e}", PRESETS[model],
+                                   gpus, batch, b, seq, t, p, chunks, e), row))
+    return expressible, left_out
+
+
+def rows(root: Path) -> list[dict]:
+    """Every expressible row: its command, the predicted and published tokens/s per GPU, and the error."""
+    out = []
+    for run, row in runs()[0]:
+        args = run.simulate_command(root)
+        ms = iteration_ms(args)
+        predicted = run.global_batch * run.seq_len / (ms / 1e3 * run.gpus)
+        published = float(row["tokens_per_s_per_gpu"])
+        out.append({"run": run.name, "predicted_tokens_per_s_per_gpu": predicted,
+                    "published_tokens_per_s_per_gpu": published, "error": predicted / published - 1,
+                    "command": command_text(args), "command_ms": ms})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    compared = rows(Path.cwd())
+    table = Table(title=f"Tokens/s per GPU on {GPU}: predicted against NVIDIA's published")
+    for name, justify in (("run", "left"), ("predicted", "right"), ("published", "right"), ("error", "right")):
+        table.add_column(name, justify=justify)
+    for r in compared:
+        table.add_row(r["run"], f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
+                      f"{r['published_tokens_per_s_per_gpu']:,.0f}", f"{r['error']:+.1%}")
+    print_table(table)
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
+    print(f"|error|: {summary(compared)}")
+    print("\nNot expressible:")
+    for row, why in runs()[1]:
+        print(f"{row['container']} {row['model']}: {why}")
+    print("\nThe commands, each with its rows (tokens/s per GPU: global batch x sequence over its ms/step x GPUs):")
+    for command in dict.fromkeys(r["command"] for r in compared):
+        print(f"{', '.join(r['run'] for r in compared if r['command'] == command)}:\n  {command}")
+
+
+if __name__ == "__main__":
+    main()

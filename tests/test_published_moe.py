@@ -1,0 +1,54 @@
+"""NVIDIA's published MoE throughput on H100 (benchmarks/published_moe.py and the rows it recorded in
+benchmarks/published_moe.json): every expressible row is recorded with the CSV's figure and its layout, the others
+are left out with a reason, and a row's printed command reproduces its recorded prediction."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import simulate_json
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
+PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / "nemo-megatron-bridge-moe-h100.csv").open()))
+EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "DeepSeekV3"))]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
+    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 8
+    for row, published in zip(RECORDED, EXPRESSIBLE):
+        args = shlex.split(row["command"])
+        t, p, e, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
+                                                     "gpus"))
+        d = gpus // (t * p)
+        assert row["published_tokens_per_s_per_gpu"] == float(published["tokens_per_s_per_gpu"])
+        assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "--data-parallel"),
+                _flag(args, "--expert-parallel")) == (str(t), str(p), str(d), str(e))
+        assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == int(published["global_batch"])
+        assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == "fp8"
+        chunks = "1" if published["virtual_pipeline"] == "n/a" else published["virtual_pipeline"]
+        assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
+        predicted = int(published["global_batch"]) * int(published["sequence_length"]) / (
+            row["command_ms"] / 1e3 * gpus)
+        assert row["predicted_tokens_per_s_per_gpu"] == pytest.approx(predicted, rel=1e-12)
+
+
+@pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16"])
+def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
+    monkeypatch.chdir(REPO)  # the command names its config as examples/, from the repository root
+    (row,) = [r for r in RECORDED if r["run"] == run]
+    args = shlex.split(row["command"])
+    assert args[:2] == ["pipesim", "simulate"]
+    (result,) = simulate_json(*args[2:])
+    assert result["time_per_minibatch_ms"] == pytest.approx(row["command_ms"], rel=1e-9)
+    assert row["error"] == pytest.approx(row["predicted_tokens_per_s_per_gpu"]
+                                         / row["published_tokens_per_s_per_gpu"] - 1, rel=1e-12)
