@@ -110,6 +110,17 @@ def test_a_block_marks_the_linear_layers_inputs_it_saves(attention):
         assert marked == {"only": linear_inputs, "also": []}
 
 
+def test_grouped_keys_and_values_are_saved_with_their_own_heads_under_flash_and_repeated_under_math():
+    """A flash kernel reads each key and value head for its group (Megatron-core's TransformerEngine attention,
+    flash-attn's GQA), so a block with one kv head saves k and v at 1/A of the full heads' size; the math path
+    multiplies repeated ones, saving them at every head as a full-heads block does."""
+    one, full = ({attention: count_built("gpt", {**GPT, "kv_heads": kv}, B, torch.float16, attention).layers[1]
+                  for attention in ("flash", "math")} for kv in (1, A))
+    head = H // A
+    assert full["flash"].saved_bytes - one["flash"].saved_bytes == 2 * B * S * (A - 1) * head * 2  # k, v in fp16
+    assert one["math"].saved_bytes == full["math"].saved_bytes
+
+
 def test_a_large_model_is_counted_on_the_meta_device_with_its_closed_form_parameters():
     """70B parameters: 140 GB in bf16 that this machine does not have, counted in a second."""
     layers, h, s, v, ffn, kv = 80, 8192, 4096, 32000, 28672, 8  # Llama-2-70B's shape (with biases)

@@ -79,16 +79,15 @@ def test_its_parameters_are_the_gpts_less_learned_positions_layernorm_biases_and
 
 @needs_transformers
 @pytest.mark.parametrize("attention", ["math", "flash"])
-def test_its_activations_are_the_gpts_plus_eager_rmsnorm_and_rope_less_what_gqa_does_not_repeat(llama, attention):
+def test_its_activations_are_the_gpts_plus_eager_rmsnorm_and_rope(llama, attention):
     """Per norm, transformers' RMSNorm (float32 elementwise ops) saves x in float32 (4·bsh), its 1/rms (4·bs)
     and the normalised x (2·bsh) where a LayerNorm saves x (2·bsh), a mean and a 1/std (8·bs); RoPE saves its
-    cos and sin (s x head size each); with flash, the kernel keeps k and v with their kv heads, where the gpt
-    repeats them to every head first; the gpt's embedding also keeps its positions' ids (8·s)."""
+    cos and sin (s x head size each); both hand the attention grouped keys and values (enable_gqa), which flash
+    keeps with their kv heads; the gpt's embedding also keeps its positions' ids (8·s)."""
     hf, gpt = counts(str(llama), attention)
     rms_norm = 4 * B * S * H - 4 * B * S
     rope = 2 * S * HEAD * E
-    repeats = 2 * B * A * S * HEAD * E if attention == "flash" else 0
-    block = 2 * rms_norm + rope - repeats
+    block = 2 * rms_norm + rope
     assert hf.layers[1].saved_bytes == gpt.layers[1].saved_bytes + block
     assert hf.total("saved_bytes") == gpt.total("saved_bytes") + L * block + rms_norm - 8 * S
     norms = sum(nbytes for (_, nbytes), part in zip(hf.layers[1].saved_tensors, hf.layers[1].saved_parts)

@@ -203,7 +203,9 @@ class _ExpertsMLP(nn.Module):
 class _Block(nn.Module):
     """Pre-LayerNorm decoder block: causal self-attention, then an MLP of `ffn` (GELU, or SwiGLU if `gated`),
     each with a residual. With `kv_heads` < `heads`, groups of query heads share a key and value head
-    (grouped-query attention, as Llama 2 70B), repeated to every head of the group before the attention. With
+    (grouped-query attention, as Llama 2 70B), handed to the attention as they are (`enable_gqa`): a flash kernel
+    reads each key and value head for its whole group, as Megatron-core's TransformerEngine attention and
+    flash-attn do (`num_gqa_groups`), so only the fewer heads are saved; the math path repeats them. With
     `experts`, the MLP is a mixture of experts (`_ExpertsMLP`)."""
 
     def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool, dropout: float = 0.0,
@@ -222,9 +224,7 @@ class _Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split([d, self.kv_heads * head, self.kv_heads * head], dim=-1)
         q = q.view(b, t, self.heads, head).transpose(1, 2)
         k, v = (part.view(b, t, self.kv_heads, head).transpose(1, 2) for part in (k, v))
-        if self.kv_heads < self.heads:
-            k, v = (part.repeat_interleave(self.heads // self.kv_heads, dim=1) for part in (k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads < self.heads,
                                                   dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.mlp(self.ln2(x)))
