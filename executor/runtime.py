@@ -4,7 +4,8 @@ A device walks its rows in order. RECV waits for a receive posted ahead of time 
 channel is the order its peer sends in) and is timed as the wait; F, B, I and W run on the weights the row
 names; SEND is issued and not waited on until the end; OPT applies the optimizer, copy-on-write when the
 lowering says a later row still reads the old version; a version is dropped after its last read. Nothing here
-knows a method by name: every decision comes from the lowered rows.
+knows a method by name: every decision comes from the lowered rows. An overlapped pair's parts are its two
+rows, run one after the other on CPU and on two CUDA streams on a GPU (overlap.py).
 
 Weights an op runs on: the version the row names, or, when the row has a prediction distance s >= 0, the
 prediction buffer (stage, pipeline, version, s, side) that a PRED row filled before it. A PRED row fills the
@@ -55,6 +56,7 @@ from ..schedules import KINDS, Kind, Lowered, ScheduleParams
 from ..workload.optim import elastic_average
 from ..workload.transport import Handle, Transport
 from .backward import PendingWeightGrad, backward_input, backward_weight, full_backward
+from .overlap import PairStreams
 from .replicas import Layout, Pending, ReplicaGroup
 from .stages import DivergedError, ExecutorError, RunSpec, Stages, microbatch_data
 from .weights import BufferKey, StageWeights, Weights
@@ -244,6 +246,7 @@ class DeviceLoop:
                         Kind.W: self.backward_weight}
         self._plan_buffers()
         self._plan_averaging()
+        self.pairs = PairStreams(lowered, device, self.torch_device)  # a pair's parts on two streams on a GPU
 
     # ------------------------------------------------------------------------------------------ planning
 
@@ -546,7 +549,7 @@ class DeviceLoop:
                 elif kind is Kind.REDUCE:
                     self.reduce(i, stage, r)
                 else:
-                    with self.compute_lock:
+                    with self.compute_lock, self.pairs.around(i):
                         began = gpu_clock.mark() if gpu_clock else None
                         used = self._compute(i, kind, (stage, j, b, r))
                         if gpu_clock:  # ranks that take turns on one GPU hold it until their kernels finish
