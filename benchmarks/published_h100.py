@@ -1,9 +1,11 @@
 """NVIDIA's published dense H100 step times (benchmarks/published/nvidia-dgxc-h100.csv: GPT-3 175B, Nemotron-4 15B
-and 340B, BF16 and FP8, 16 to 2,048 GPUs) predicted by a pipesim command line each, nothing fitted.
+and 340B, Llama 3.1 8B, 70B and 405B, BF16 and FP8, 8 to 2,304 GPUs) predicted by a pipesim command line each,
+nothing fitted.
 
 Each row's `pipesim simulate` command is built from the row's own columns as NeMo ran it (its launcher's config,
 benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (flash attention, sequence
-parallelism, the tensor-parallel collectives overlapped with the products, `--tp-overlap`), no recomputation,
+parallelism and the tensor-parallel collectives overlapped with the products, `--tp-overlap`, where t > 1;
+context parallelism where the row has it), no recomputation,
 the distributed optimizer (`--zero 1`) with its gradient reduce-scatter overlapped with the backward (each
 stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the vocabulary padded
 as Megatron pads it, FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te` recipe). The command is
@@ -40,17 +42,20 @@ def padded_vocab(vocab: int, tensor: int) -> int:
 
 def simulate_command(row: dict[str, str]) -> list[str]:
     """The row's step as NeMo ran it (see the module docstring), from the row's columns alone."""
-    t, p, v, gpus, batch, b = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "virtual_pipeline",
-                                                      "gpus", "global_batch", "microbatch_size"))
-    d = gpus // (t * p)
+    t, p, v, c, gpus, batch, b = (int(row[k]) for k in (
+        "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "context_parallel", "gpus", "global_batch",
+        "microbatch_size"))
+    d = gpus // (t * p * c)
     schedule = ["-s", "interleaved-1f1b", "--chunks", str(v)] if v > 1 else ["-s", "1f1b"]
+    tensor = ["--tensor-parallel", str(t), "--sequence-parallel", "--tp-overlap"] if t > 1 else []
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden"], "--ffn",
-            row["ffn_hidden"], "--heads", row["heads"], "--kv-heads", row["kv_heads"], "--seq-len", row["seq_len"],
-            "--vocab", str(padded_vocab(int(row["vocab"]), t)), *(["--dropout", row["dropout"]]
-                                                                  if float(row["dropout"]) else []),
-            "--dtype", row["precision"], "--attention", "flash", "-b", str(b), "--gpu", GPU,
-            "--tensor-parallel", str(t), "--sequence-parallel", "--tp-overlap", "-p", str(p), "-m",
-            str(batch // (d * b)), *schedule, "--data-parallel", str(d), "--zero", "1", "--stage-cut", "equal-blocks"]
+            row["ffn_hidden"], "--heads", row["heads"], "--kv-heads", row["kv_heads"],
+            *(["--gated"] if row["gated"] == "true" else []), "--seq-len", row["seq_len"],
+            "--vocab", str(padded_vocab(int(row["vocab"]), t)),
+            *(["--dropout", row["dropout"]] if float(row["dropout"]) else []),
+            "--dtype", row["precision"], "--attention", "flash", "-b", str(b), "--gpu", GPU, *tensor,
+            *(["--context-parallel", str(c)] if c > 1 else []), "-p", str(p), "-m", str(batch // (d * b)),
+            *schedule, "--data-parallel", str(d), "--zero", "1", "--stage-cut", "equal-blocks"]
 
 
 def rows() -> list[dict]:

@@ -23,20 +23,22 @@ def _flag(args: list[str], flag: str) -> str:
 
 
 def test_every_published_row_is_recorded_with_its_figure_and_layout():
-    assert len(RECORDED) == len(PUBLISHED) == 36
+    assert len(RECORDED) == len(PUBLISHED) == 70
     for row, published in zip(RECORDED, PUBLISHED):
         args = shlex.split(row["command"])
-        t, p, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus"))
-        d = gpus // (t * p)
+        t, p, c, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "context_parallel",
+                                                     "gpus"))
+        d = gpus // (t * p * c)
         assert row["published_s"] == float(published["step_s"]) and row["gpus"] == gpus
-        assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "--data-parallel")) == (
-            str(t), str(p), str(d))
+        assert (_flag(args, "-p"), _flag(args, "--data-parallel")) == (str(p), str(d))
+        assert _flag(args, "--tensor-parallel") == str(t) if t > 1 else "--tensor-parallel" not in args
+        assert _flag(args, "--context-parallel") == str(c) if c > 1 else "--context-parallel" not in args
         assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == int(published["global_batch"])
         assert _flag(args, "--dtype") == published["precision"]
         assert int(_flag(args, "--vocab")) % (128 * t) == 0 <= int(_flag(args, "--vocab")) - int(published["vocab"])
 
 
-@pytest.mark.parametrize("run", ["Nemotron-4 15B FP8 2048 GPUs"])
+@pytest.mark.parametrize("run", ["Nemotron-4 15B FP8 2048 GPUs", "Llama 3.1 8B BF16 8 GPUs"])
 def test_a_row_is_reproduced_by_its_printed_command(run):
     (row,) = [r for r in RECORDED if r["run"] == run]
     args = shlex.split(row["command"])
