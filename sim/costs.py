@@ -52,8 +52,14 @@ class Precision:
 # the optimizer updates (no master copy), each pass computes with 16-bit copies all-gathered from them
 # (`FSDPParam.all_gather_inputs` casts them to param_dtype), gradients are reduced and accumulated in float32
 # (`to_accumulated_grad_if_needed`) and Adam's moments follow the float32 parameters. Only with --zero 3.
+# nemo-bf16-adam is NeMo's distributed Adam (Apex's DistributedFusedAdam) with `optim.dtype: bf16` and
+# `optim.grad_sync_dtype: bf16`, as NVIDIA's Nemotron-4 340B benchmark sets them (NVIDIA/dgxc-benchmarking
+# nemotron/nemotron4-340b-synth.yaml, NeMo 24.09): gradients accumulated and reduced in 16 bits, the moments in
+# 16 bits, and no master copy, since NeMo's `setup_optimization` (megatron_base_model.py) sets `store_params=False`
+# when the optimizer's dtype is the model's.
 PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
-              "megatron-16bit-grads": Precision(2, 2, 4, 4), "fsdp2": Precision(2, 4, 0, 4, stored_bytes=4)}
+              "megatron-16bit-grads": Precision(2, 2, 4, 4), "fsdp2": Precision(2, 4, 0, 4, stored_bytes=4),
+              "nemo-bf16-adam": Precision(2, 2, 0, 2)}
 
 
 class CostError(ValueError):

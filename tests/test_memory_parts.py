@@ -109,8 +109,22 @@ def test_an_estimate_holds_gradients_in_their_accumulation_dtype(dtype, precisio
         assert parts["optimizer_state"] == pytest.approx(state_per_weight * parts["parameters"], rel=1e-3)
 
 
+def test_nemos_bf16_distributed_adam_holds_16_bit_gradients_and_moments_and_no_master_copy():
+    """NeMo's distributed Adam with optim.dtype and grad_sync_dtype bf16 (NVIDIA's Nemotron-4 340B benchmark):
+    per 16-bit weight, a 16-bit gradient and two 16-bit moments, sharded over the d replicas; Megatron-LM's
+    default keeps a float32 master copy and float32 moments (12 bytes per 2)."""
+    args = (*TINY_GPT, "--dtype", "bf16", "--data-parallel", "2", "--sharded-optimizer")
+    (nemo,), (megatron,) = (simulate_json(*args, "--precision", name) for name in ("nemo-bf16-adam", "megatron"))
+    for held, state_per_weight, grads_per_weight in ((nemo, 1.0, 1.0), (megatron, 3.0, 2.0)):
+        for device in held["devices"]:
+            parts = device["peak_memory_parts_mb"]
+            assert parts["gradients"] == pytest.approx(grads_per_weight * parts["parameters"], rel=1e-3)
+            assert parts["optimizer_state"] == pytest.approx(state_per_weight * parts["parameters"], rel=1e-3)
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--precision", "fp8"], "--precision: choose from fp32, megatron, megatron-16bit-grads, fsdp2 (got 'fp8')"),
+    (["--precision", "fp8"],
+     "--precision: choose from fp32, megatron, megatron-16bit-grads, fsdp2, nemo-bf16-adam (got 'fp8')"),
     (["--profile", PROFILE, "--precision", "megatron"], "--precision: a profile holds"),
     ([*TINY_GPT, "--dtype", "fp32", "--precision", "megatron"],
      "--precision megatron holds 16-bit weights; the model is counted in float32"),
