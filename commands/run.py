@@ -22,8 +22,11 @@ from .common import (
     ActivationLimit,
     Advance,
     AverageEvery,
+    CapacityFactor,
     Chunks,
     ElasticAlpha,
+    ExpertFfn,
+    Experts,
     InputError,
     Layers,
     Microbatches,
@@ -35,7 +38,9 @@ from .common import (
     SearchComm,
     SearchFwd,
     SearchSeconds,
+    SharedExperts,
     Stages,
+    TopK,
     WgradFraction,
     Width,
     check_method_options,
@@ -61,6 +66,11 @@ DataParallel = Annotated[int, typer.Option(
                                                 "x p + device); each replica trains on its own M micro-batches of a "
                                                 "D x M mini-batch, and each stage averages its gradients over its "
                                                 "replicas before its update.")]
+ExpertParallel = Annotated[int, typer.Option(
+    "--expert-parallel", metavar="E", min=1, help="gpt with --experts: its routed experts placed over E of the D "
+                                                  "data-parallel replicas (D defaults to E; E divides D and "
+                                                  "--experts), each holding 1/E of them; the tokens go to their "
+                                                  "experts' ranks and back by all-to-alls (CPU ranks, gloo).")]
 
 
 def run(
@@ -80,6 +90,7 @@ def run(
     minibatches: Minibatches = 10,
     pipelines: Pipelines = None,
     data_parallel: DataParallel = 1,
+    expert_parallel: ExpertParallel = 1,
     advance: Advance = None,
     average_every: AverageEvery = 1,
     elastic_alpha: ElasticAlpha = None,
@@ -96,6 +107,11 @@ def run(
                                                                "profile's).")] = 8,
     layers: Layers = None,
     width: Width = None,
+    experts: Experts = None,
+    top_k: TopK = None,
+    shared_experts: SharedExperts = None,
+    expert_ffn: ExpertFfn = None,
+    capacity_factor: CapacityFactor = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     backend: Annotated[str, typer.Option(
         "--backend", help="auto (gloo on CPU; NCCL with a GPU per rank, else host-staged gloo), gloo or "
@@ -161,7 +177,12 @@ def run(
         check_prediction(prediction)
         check_writable("--trace", trace)
         check_writable("--html", html)
-        options = {key: value for key, value in (("layers", layers), ("width", width)) if value is not None}
+        options = {key: value for key, value in (("layers", layers), ("width", width), ("experts", experts),
+                                                 ("top_k", top_k), ("shared_experts", shared_experts),
+                                                 ("expert_ffn", expert_ffn), ("capacity_factor", capacity_factor))
+                   if value is not None}
+        if expert_parallel > 1:
+            data_parallel = _expert_replicas(ctx, expert_parallel, data_parallel, device)
         bounds, measured = None, None
         if profile is not None:
             measured, bounds, options = _partition(profile, model, options)
@@ -181,7 +202,7 @@ def run(
         scenario = searched_scenario(ctx, method, measured)
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
                                average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
-                               data_parallel=data_parallel,
+                               data_parallel=data_parallel, expert_parallel=expert_parallel,
                                **{option: value for option, value in search.items() if method.reads(option)})
         if scenario is None:
             built = method.build(params)
@@ -197,6 +218,8 @@ def run(
             net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
         except ModelError as exc:
             raise InputError(str(exc)) from None
+        if expert_parallel > 1:
+            _check_experts(expert_parallel, model, net)
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, bounds=bounds, threads_per_rank=threads_per_rank, timeout_s=timeout)
         if len(net.layers) < built.num_stages:
@@ -263,6 +286,33 @@ def run(
         sys.stdout.write(json.dumps(_document(result, summary, trace, html), indent=2) + "\n")
     else:
         _print_table(result, summary, trace, html)
+
+
+def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: int, device: str) -> int:
+    """The data-parallel replicas D that --expert-parallel E draws its ranks from (executor/experts.py): E unless
+    --data-parallel says, which E must divide."""
+    if device != "cpu":
+        raise InputError(f"--expert-parallel {expert_parallel}: runs on CPU ranks (gloo) only; drop --device "
+                         f"{device}")
+    if not is_given(ctx, "data_parallel"):
+        return expert_parallel
+    if data_parallel % expert_parallel:
+        raise InputError(f"--expert-parallel {expert_parallel}: its ranks are drawn from the data-parallel replicas, "
+                         f"so it must divide --data-parallel {data_parallel}")
+    return data_parallel
+
+
+def _check_experts(expert_parallel: int, model: str, net) -> None:
+    """--expert-parallel E needs a mixture of experts whose routed experts E divides."""
+    from ..workload.models import routed_experts_of
+
+    routed = next((n for layer in net.layers if (n := routed_experts_of(layer)) is not None), None)
+    if routed is None:
+        raise InputError(f"--expert-parallel {expert_parallel}: model {model!r} has no routed experts to place "
+                         "(a mixture of experts: --model gpt --experts N)")
+    if routed % expert_parallel:
+        raise InputError(f"--expert-parallel {expert_parallel} does not divide the model's {routed} routed experts "
+                         "(--experts): each rank holds an equal share")
 
 
 def _partition(path: Path, model: str, options: dict[str, int]):
@@ -355,6 +405,7 @@ def _document(result, summary, trace: Path | None, html: Path | None) -> dict:
     first, last = _loss_ends(result)
     meta = result.trace.meta
     return {"schedule": meta.schedule, "data_parallel": int(meta.params.get("data_parallel", 1)),
+            "expert_parallel": int(meta.params.get("expert_parallel", 1)),
             "ms_per_step": summary.time_per_minibatch_ms,
             "samples_per_s": summary.samples_per_s, "makespan_ms": summary.makespan_ms,
             "bubble_fraction": summary.bubble_fraction, "loss_first": first, "loss_last": last,
@@ -370,10 +421,12 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     hardware = meta.hardware or {}
     first, last = _loss_ends(result)
     replicas = int(meta.params.get("data_parallel", 1))
+    experts = int(meta.params.get("expert_parallel", 1))
     shares = f"{replicas} replicas x " if replicas > 1 else ""
+    degrees = f"p={len(summary.devices) // replicas}, d={replicas}" + (f", E={experts}" if experts > 1 else "")
     table = Table(title=f"{meta.schedule} measured: {meta.minibatches} mini-batches of {shares}{meta.microbatches} x "
                         f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks"
-                        f"{f' (p={len(summary.devices) // replicas}, d={replicas})' if replicas > 1 else ''} over "
+                        f"{f' ({degrees})' if replicas > 1 else ''} over "
                         f"{hardware.get('transport')} ({hardware.get('device')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="step: one mini-batch in steady state (from the second mini-batch's end on); "

@@ -39,6 +39,7 @@ from ..workload.transport import (
     connect,
     free_port,
 )
+from .experts import dist_experts
 from .replicas import Layout, dist_replicas, thread_replicas
 from .runtime import DeviceLoop, DeviceResult
 from .stages import DivergedError, ExecutorError, RunSpec, cut, heldout_scores
@@ -78,6 +79,10 @@ def _lowered(spec: RunSpec):
         raise ExecutorError(f"the executor does not run a sharded optimizer (ZeRO-{spec.schedule.zero}: REDUCE as a "
                             "reduce-scatter, GATHER rows of weight shards; it computes on whole weight versions, "
                             "not FSDP's sharded modules); run data parallelism without --zero")
+    experts, replicas = spec.schedule.expert_parallel, spec.schedule.data_parallel
+    if replicas % experts:
+        raise ExecutorError(f"expert parallelism E={experts} draws its ranks from the d={replicas} data-parallel "
+                            "replicas (executor/experts.py): E must divide d")
     try:
         preflight(spec.schedule, dry_run=True)
         lowered = lower(spec.schedule)
@@ -97,6 +102,9 @@ def run_in_process(spec: RunSpec) -> RunResult:
     The setups are built one after another here (model construction draws from torch's global generator),
     then the threads run."""
     lowered = _lowered(spec)
+    if spec.schedule.expert_parallel > 1:
+        raise ExecutorError(f"expert parallelism (E={spec.schedule.expert_parallel}) exchanges tokens by "
+                            "torch.distributed all-to-alls: run it on processes (run_multiprocess, torchrun)")
     layout = _layout(spec)
     transports = InProcessTransport.connected(layout.ranks, timeout_s=spec.timeout_s)
     rooms, members = thread_replicas(layout, spec.timeout_s)
@@ -283,13 +291,16 @@ def _joined(spec: RunSpec, lowered: Lowered, choice: TransportChoice, rank: int,
             ) -> Iterator[dict[str, Any]]:
     """This rank in the job: its transport (the pipeline links of every replica, each among its own ranks) and
     its device's data-parallel group, created in one order on every rank; yields them as DeviceLoop's `device`,
-    `transport`, `replica` and `replicas`. `options` go to `connect`."""
+    `transport`, `replica`, `replicas` and `experts`. `options` go to `connect`."""
     layout = _layout(spec)
     device, replica = layout.place(rank)
+    if spec.schedule.expert_parallel > 1 and choice.device != "cpu":
+        raise ExecutorError(f"expert parallelism runs on CPU ranks (gloo), not on {choice.device}")
     with connect(choice, rank, layout.ranks, timeout_s=spec.timeout_s, edges=layout.links(_links(lowered)),
                  **options) as transport:
         replicas = dist_replicas(layout, rank, choice.backend, transport.device, choice.host_staged, spec.timeout_s)
-        yield {"device": device, "transport": transport, "replica": replica, "replicas": replicas}
+        experts = dist_experts(layout, spec.schedule.expert_parallel, rank, choice.backend, spec.timeout_s)
+        yield {"device": device, "transport": transport, "replica": replica, "replicas": replicas, "experts": experts}
 
 
 def _stopped(pid: int | None) -> bool:
@@ -706,6 +717,21 @@ def _finished_losses(spec: RunSpec, reported: list[dict[tuple[int, int], float]]
     return out
 
 
+def _whole_experts(weights: list[dict[tuple[int, int], list[torch.Tensor]]], routed: dict[int, list[int]],
+                   expert_parallel: int) -> list[dict[tuple[int, int], list[torch.Tensor]]]:
+    """Each replica's weights with its routed experts whole: the slices its expert-parallel group's E ranks
+    hold, in group order (executor/experts.py), so that a replica's weights are the whole model's."""
+    if expert_parallel == 1:
+        return weights
+    whole = []
+    for q, held in enumerate(weights):
+        first = q - q % expert_parallel
+        group = weights[first:first + expert_parallel]
+        whole.append({key: [torch.cat([other[key][i] for other in group]) if i in routed.get(key[0], ()) else w
+                            for i, w in enumerate(ws)] for key, ws in held.items()})
+    return whole
+
+
 def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,
            timed: dict[int, list[tuple[int, int, int]]] | None = None, failed_rank: int | None = None) -> RunResult:
     """One measured trace from every rank's rows (ranks on one host share the monotonic clock): its device is
@@ -770,6 +796,9 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         if r is not None:
             weights[layout.place(rank)[1]].update({key: [torch.from_numpy(w) for w in ws]
                                                    for key, ws in r.weights.items()})
+    if complete:
+        weights = _whole_experts(weights, {k: i for r in results for k, i in r.routed.items()},
+                                 schedule.expert_parallel)
     if complete and spec.heldout:
         meta.extra["heldout"] = heldout_scores(spec, weights[0])
     return RunResult(Trace(tuple(k.value for k in KINDS), layout.ranks, ops, meta, counters), losses, weights)

@@ -53,9 +53,13 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.func import functional_call
 
 from ..schedules import KINDS, Kind, Lowered, ScheduleParams
+from ..schedules.ir import ALL_TO_ALL_KINDS
+from ..workload.models import place_experts, routed_parameters
+from ..workload.moe import ExpertExchange
 from ..workload.optim import elastic_average
 from ..workload.transport import Handle, Transport
 from .backward import PendingWeightGrad, backward_input, backward_weight, full_backward
+from .experts import ExpertRanks, Joined
 from .overlap import PairStreams
 from .replicas import Layout, Pending, ReplicaGroup
 from .stages import DivergedError, ExecutorError, RunSpec, Stages, microbatch_data
@@ -177,6 +181,46 @@ def _int_array(n: int, fill: int = 0) -> np.ndarray:
     return np.full(n, fill, dtype=np.int64)
 
 
+class AllToAllRows:
+    """Where the time a pass spends in its experts' all-to-alls goes in the trace. The exchanges run inside the
+    pass (a layer dispatches its tokens, its experts compute, it combines them, the next layer runs), so they
+    cannot run as rows of their own; the schedule's A2A_F row after a forward and its A2A_B row after a B or I
+    (an overlapped pair's after both parts: `schedules.passes.add_expert_parallel`) stand for them. So each such
+    pass is recorded for its time less its exchanges', the rows up to its all-to-all rows move earlier by that
+    much, and each all-to-all row lasts what its pass exchanged: the timeline keeps the pass's span, in the
+    schedule's order. A pass that exchanged with no all-to-all row after it (a first stage's W, whose I had no
+    input gradient to take and left the whole backward to it) keeps that time."""
+
+    def __init__(self, lowered: Lowered, device: int, exchange: ExpertExchange) -> None:
+        t = lowered.table
+        latest: dict[tuple[bool, Unit], int] = {}  # (forward?, unit) -> its latest pass row
+        self.all_to_all_of: dict[int, int] = {}  # pass row -> its all-to-all row
+        for i in lowered.rows(device):
+            kind = KINDS[t.kind[i]]
+            unit = (int(t.stage[i]), int(t.microbatch[i]), int(t.minibatch[i]), int(t.pipeline[i]))
+            if kind in (Kind.F, Kind.B, Kind.I):
+                latest[(kind is Kind.F, unit)] = i
+            elif kind in ALL_TO_ALL_KINDS:
+                self.all_to_all_of[latest.pop((kind is Kind.A2A_F, unit))] = i
+        self.exchange = exchange
+        self.seen_ns = exchange.spent_ns
+        self.owed: dict[int, int] = {}  # all-to-all row -> ns its pass exchanged
+        self.shift_ns = 0  # how much earlier the rows now run are recorded
+
+    def place(self, row: int, start_ns: int, end_ns: int) -> tuple[int, int]:
+        """Row `row`, measured from `start_ns` to `end_ns`, as the trace records it."""
+        spent, self.seen_ns = self.exchange.spent_ns - self.seen_ns, self.exchange.spent_ns
+        start_ns -= self.shift_ns
+        if row in self.owed:
+            taken = self.owed.pop(row)
+            self.shift_ns -= taken
+            return start_ns, start_ns + taken
+        if row in self.all_to_all_of:
+            self.owed[self.all_to_all_of[row]] = spent
+            self.shift_ns += spent
+        return start_ns, end_ns - self.shift_ns
+
+
 @dataclass
 class DeviceResult:
     """What a device reports, per row (its rows in order): start and end on the monotonic clock (ns); the
@@ -202,11 +246,13 @@ class DeviceResult:
     error: str | None = None
     compute: str = ""
     bounds: list[int] = field(default_factory=list)  # the stage bounds the model was cut at
+    routed: dict[int, list[int]] = field(default_factory=dict)  # stage -> its weights that are slices of experts
 
 
 class DeviceLoop:
     """Runs device `device`'s rows of `lowered` on `stages` over `transport`, in data-parallel replica `replica`
-    (rank = replica * devices + device), whose REDUCE rows average over `replicas`.
+    (rank = replica * devices + device), whose REDUCE rows average over `replicas`; with `experts`, its stages'
+    mixture-of-experts layers keep this rank's experts and exchange tokens with its expert-parallel group.
 
     `on_row(i)` is called after each row finishes with its global index (progress, heartbeats; `losses`,
     (pipeline, mini-batch) -> loss, is readable then). `compute_lock` is held around each compute row, so
@@ -214,11 +260,12 @@ class DeviceLoop:
     has the rows done (`rows_done`) when `run` raises."""
 
     def __init__(self, spec: RunSpec, lowered: Lowered, stages: Stages, device: int, transport: Transport, *,
-                 replica: int = 0, replicas: ReplicaGroup | None = None, on_row: Callable[[int], None] | None = None,
+                 replica: int = 0, replicas: ReplicaGroup | None = None, experts: ExpertRanks | None = None,
+                 on_row: Callable[[int], None] | None = None,
                  compute_lock: contextlib.AbstractContextManager | None = None) -> None:
         self.spec, self.lowered, self.stages, self.device = spec, lowered, stages, device
         self.transport = transport
-        self.replica, self.replicas = replica, replicas
+        self.replica, self.replicas, self.experts = replica, replicas, experts
         self.layout = Layout(lowered.schedule.num_devices, lowered.schedule.data_parallel)
         self.on_row = on_row
         self.compute_lock = compute_lock if compute_lock is not None else contextlib.nullcontext()
@@ -229,6 +276,14 @@ class DeviceLoop:
         self.m = schedule.microbatches
         self.placement = schedule.placement
         self.pipelines = schedule.pipelines
+        if (experts.ranks if experts else 1) != schedule.expert_parallel:
+            raise ExecutorError(f"device {device}: the schedule places its experts over E={schedule.expert_parallel} "
+                                f"ranks, but this rank exchanges tokens with {experts.ranks if experts else 1}")
+        self.routed: dict[int, list[int]] = {}  # stage -> the indices of its routed experts' weights
+        for k in schedule.stages_on(device) if experts else ():
+            place_experts(stages.modules[k], experts.exchange)
+            names = [name for name, _ in stages.modules[k].named_parameters()]
+            self.routed[k] = [names.index(name) for name in routed_parameters(stages.modules[k])]
         self.weights = {(k, r): StageWeights(stages.modules[k], spec.optimizer, spec.lr,
                                              label=f"stage {k} (pipeline {r}) on device {device}",
                                              device=self.torch_device)
@@ -425,13 +480,21 @@ class DeviceLoop:
             elastic_average(replicas, self.references[stage], self.alpha)
 
     def reduce(self, row: int, stage: int, r: int) -> None:
-        """Start averaging the stage replica's accumulated gradients over its data-parallel replicas; its OPT
-        waits (`reduced`)."""
+        """Start averaging the stage replica's accumulated gradients over its data-parallel replicas (its routed
+        experts' over the replicas that hold the same experts: executor/experts.py); its OPT waits (`reduced`)."""
         if self.replicas is None:
             raise ExecutorError(f"device {self.device}: a REDUCE row, but the run has no data-parallel replicas")
         state = self.weights[(stage, r)]
         state.grads = [torch.zeros_like(w) if g is None else g for w, g in zip(state.current, state.grads)]
-        self.reducing[(stage, r)] = (self.replicas.start(state.grads), row)
+        routed = self.routed.get(stage, [])
+        if not routed:
+            self.reducing[(stage, r)] = (self.replicas.start(state.grads), row)
+            return
+        experts = [state.grads[i].div_(self.experts.ranks) for i in routed]  # made by its group's E micro-batches
+        started = [self.replicas.start([g for i, g in enumerate(state.grads) if i not in routed])]
+        if self.experts.holders is not None:
+            started.append(self.experts.holders.start(experts))
+        self.reducing[(stage, r)] = (Joined(started), row)
 
     def reduced(self, stage: int, r: int) -> tuple[int, int] | None:
         """Wait for the stage replica's all-reduce, if one is under way: (its row, when it completed, ns)."""
@@ -507,7 +570,7 @@ class DeviceLoop:
         result = self.result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n),
                                             _int_array(n, -1), _int_array(n, -1), *(_int_array(n) for _ in range(3)),
                                             compute=f"{socket.gethostname()}/{self.torch_device}",
-                                            bounds=list(self.stages.bounds))
+                                            bounds=list(self.stages.bounds), routed=self.routed)
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
         posted: dict[int, Handle] = {}
         buffer_bytes = {i: self._posted_bytes(i) for i in receives}
@@ -516,6 +579,7 @@ class DeviceLoop:
         level = self._held()
         weight_storage = {} if self.on_cuda else self._weight_storage()
         gpu_clock = _GpuClock(self.torch_device) if self.on_cuda else None
+        all_to_alls = AllToAllRows(lowered, self.device, self.experts.exchange) if self.experts else None
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.torch_device)  # each row's peak is its own
         done = 0
@@ -548,6 +612,8 @@ class DeviceLoop:
                     self.grads[(stage, peer, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
                 elif kind is Kind.REDUCE:
                     self.reduce(i, stage, r)
+                elif kind in ALL_TO_ALL_KINDS:
+                    pass  # its pass ran its exchanges (`AllToAllRows`)
                 else:
                     with self.compute_lock, self.pairs.around(i):
                         began = gpu_clock.mark() if gpu_clock else None
@@ -561,6 +627,9 @@ class DeviceLoop:
                         for k, q, key in self.frees.get(i, ()):
                             freed += self.weights[(k, q)].free_predicted(key)
                 result.end_ns[i - lo] = time.perf_counter_ns()  # a REDUCE's: when it completed, once its OPT knows
+                if all_to_alls is not None:
+                    result.start_ns[i - lo], result.end_ns[i - lo] = all_to_alls.place(
+                        i, int(result.start_ns[i - lo]), int(result.end_ns[i - lo]))
                 if kind not in _TRANSFERS:
                     level = self._held()
                     # The tensors weights, gradients and buffers hold change only where an update, prediction or

@@ -42,7 +42,7 @@ def draw(spec: RunSpec, model: Model, minibatch: int, microbatch: int, pipeline:
     schedule = spec.schedule
     number = (pipeline * schedule.minibatches + minibatch) * schedule.microbatches + microbatch
     x, target = model.make_batch(spec.microbatch_size, torch.Generator().manual_seed(spec.seed * 1_000_003 + number))
-    return x.to(getattr(torch, spec.dtype)), target
+    return (x.to(getattr(torch, spec.dtype)) if x.is_floating_point() else x), target  # token ids stay whole
 
 
 def optimizer(name: str, weights: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -176,17 +176,22 @@ class Reference:
         return [w for ws in self.weights for w in ws]
 
 
-def single_process(spec: RunSpec) -> list[torch.Tensor]:
+def single_process(spec: RunSpec, losses: list[float] | None = None) -> list[torch.Tensor]:
     """The model trained in one process, its layers wired as the model says (a DAG for two-branch): what a
-    synchronous schedule's run must end with."""
+    synchronous schedule's run must end with. Each mini-batch's loss is appended to `losses`, if given."""
     model = initial_model(spec)
     params = [p for layer in model.layers for p in layer.parameters()]
     opt = optimizer(spec.optimizer, params, spec.lr)
     m = spec.schedule.microbatches
     for b in range(spec.schedule.minibatches):
+        total = 0.0
         for j in range(m):
             x, target = draw(spec, model, b, j)
-            (model.loss(model.forward(x), target) / m).backward()
+            loss = model.loss(model.forward(x), target) / m
+            loss.backward()
+            total += float(loss.detach())
+        if losses is not None:
+            losses.append(total)
         opt.step()
         opt.zero_grad()
     return [p.detach() for p in params]

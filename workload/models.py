@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from pipesim.workload import data
 from pipesim.workload.hfconfig import is_hf
-from pipesim.workload.moe import DEFAULT_TOP_K, ExpertShape, routed_experts
+from pipesim.workload.moe import DEFAULT_TOP_K, ExpertExchange, ExpertShape, exchanged_experts, routed_experts
 from pipesim.workload.sizes import DEFAULT_SIZES
 
 MAX_CNN_CHANNELS = 512
@@ -191,13 +191,53 @@ class _ExpertsMLP(nn.Module):
         self.down = nn.Parameter(torch.empty(shape.routed, shape.ffn, width).uniform_(-shape.ffn ** -0.5,
                                                                                       shape.ffn ** -0.5))
         self.shared = _mlp(width, shape.shared * shape.ffn, gated) if shape.shared else None
+        self.exchange: ExpertExchange | None = None
+
+    def place(self, exchange: ExpertExchange) -> None:
+        """Keep only the routed experts `exchange`'s rank holds (`up` and `down` become their slices) and route the
+        tokens to the others' ranks through it (`workload.moe.exchanged_experts`)."""
+        routed = self.up.shape[0]
+        if routed % exchange.ranks:
+            raise ModelError(f"--expert-parallel {exchange.ranks} does not divide the model's {routed} routed experts")
+        held = slice(exchange.rank * routed // exchange.ranks, (exchange.rank + 1) * routed // exchange.ranks)
+        self.up = nn.Parameter(self.up.detach()[held].clone())
+        self.down = nn.Parameter(self.down.detach()[held].clone())
+        self.exchange = exchange
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, index = self.router(flat).float().softmax(-1).topk(self.top_k, dim=-1)
-        routed = routed_experts(flat, index, weights / weights.sum(-1, keepdim=True), self.up, self.down,
-                                _swiglu if self.gated else F.gelu, self.capacity_factor).view(x.shape)
+        weights = weights / weights.sum(-1, keepdim=True)
+        activation = _swiglu if self.gated else F.gelu
+        if self.exchange is None:
+            routed = routed_experts(flat, index, weights, self.up, self.down, activation, self.capacity_factor)
+        else:
+            routed = exchanged_experts(flat, index, weights, self.up, self.down, activation, self.exchange,
+                                       self.capacity_factor)
+        routed = routed.view(x.shape)
         return routed if self.shared is None else routed + self.shared(x)
+
+
+ROUTED_PARAMETERS = ("up", "down")  # an `_ExpertsMLP`'s parameters that hold one slice per routed expert
+
+
+def routed_parameters(module: nn.Module) -> list[str]:
+    """The names (as `named_parameters` gives them) of `module`'s routed experts' weights, which expert
+    parallelism shards: the rest is dense, alike on every rank."""
+    return [f"{name}.{part}" if name else part for name, sub in module.named_modules()
+            if isinstance(sub, _ExpertsMLP) for part in ROUTED_PARAMETERS]
+
+
+def routed_experts_of(module: nn.Module) -> int | None:
+    """How many routed experts each of `module`'s mixture-of-experts layers has (None: it has none)."""
+    return next((sub.up.shape[0] for sub in module.modules() if isinstance(sub, _ExpertsMLP)), None)
+
+
+def place_experts(module: nn.Module, exchange: ExpertExchange) -> None:
+    """Every mixture-of-experts layer of `module` keeps the experts `exchange`'s rank holds (`_ExpertsMLP.place`)."""
+    for sub in module.modules():
+        if isinstance(sub, _ExpertsMLP):
+            sub.place(exchange)
 
 
 class _Block(nn.Module):

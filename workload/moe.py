@@ -14,9 +14,11 @@ expert by expert, and a capacity drops each expert's tokens past it (in token or
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -121,3 +123,78 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
             done = activation(hidden[token] @ up[expert]) @ down[expert]
             out = out.index_add(0, token, done * top_k_weights[token, slot, None].to(hidden.dtype))
     return out
+
+
+class ExpertExchange:
+    """One rank's side of an expert-parallel group of `ranks` ranks over torch.distributed `group`: this rank,
+    number `rank` in it, holds routed experts rank·n/E .. (rank+1)·n/E - 1 of n, and sends each token copy to the
+    rank holding its expert. The exchange is `all_to_all_single` with uneven splits (alltoallv), which gloo
+    (torch 2.13: checked on CPU ranks), NCCL and MPI implement. `spent_ns` adds up the time this rank spent in the
+    exchanges, forward and backward, which the executor records as the schedule's all-to-all rows."""
+
+    def __init__(self, group: Any, rank: int, ranks: int) -> None:
+        self.group, self.rank, self.ranks = group, rank, ranks
+        self.spent_ns = 0
+
+    def swap(self, tensor: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """`tensor`'s rows, `send[r]` of them to rank r in order; what the ranks sent here, `receive[r]` from rank
+        r, in rank order."""
+        import torch.distributed as dist
+
+        began = time.perf_counter_ns()
+        wire = tensor.detach().contiguous()
+        out = wire.new_empty((sum(receive), *wire.shape[1:]))
+        dist.all_to_all_single(out, wire, receive, send, group=self.group)
+        self.spent_ns += time.perf_counter_ns() - began
+        return out
+
+
+class _Exchanged(torch.autograd.Function):
+    """An exchange autograd sees through: the gradients of the rows received go back to the ranks that sent
+    them, by the same all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, exchange: ExpertExchange, send: list[int],
+                receive: list[int]) -> torch.Tensor:
+        ctx.exchange, ctx.send, ctx.receive = exchange, send, receive
+        return exchange.swap(tensor, send, receive)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.exchange.swap(grad, ctx.receive, ctx.send), None, None, None
+
+
+def exchanged_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                      exchange: ExpertExchange, capacity_factor: float | None = None) -> torch.Tensor:
+    """`routed_experts` with the experts spread over an expert-parallel group (`exchange`): `up` and `down` hold
+    this rank's n/E experts. Dispatch: the token copies, sorted by expert (each expert's in token order, past its
+    capacity dropped as `routed_experts` drops them), go to the ranks holding their experts, after an exchange of
+    how many each expert gets from each rank. Each local expert computes every copy it received as one product,
+    and the combine returns the outputs to the copies' ranks, which weight them and add them up per token in
+    expert order, as `routed_experts` does. Every rank of the group calls this for the same layer at once."""
+    tokens, local = hidden.shape[0], up.shape[0]
+    experts = local * exchange.ranks
+    expert = top_k_index.reshape(-1)
+    order = torch.sort(expert, stable=True).indices  # by expert; each expert's copies in token order
+    per_expert = torch.bincount(expert, minlength=experts)
+    limit = capacity(tokens, top_k_index.shape[-1], experts, capacity_factor)
+    if limit is not None:
+        first = torch.cumsum(per_expert, 0) - per_expert
+        order = order[torch.arange(len(order)) - first[expert[order]] < limit]
+        per_expert = per_expert.clamp(max=limit)
+    token, slot = order // top_k_index.shape[-1], order % top_k_index.shape[-1]
+    counts = exchange.swap(per_expert, [local] * exchange.ranks, [local] * exchange.ranks).view(exchange.ranks, local)
+    send = per_expert.view(exchange.ranks, local).sum(1).tolist()
+    receive = counts.sum(1).tolist()
+    received = _Exchanged.apply(hidden[token], exchange, send, receive)
+    blocks = list(received.split([n for row in counts.tolist() for n in row]))  # by source rank, then expert
+    for e in range(local):
+        mine = blocks[e::local]
+        sizes = [len(block) for block in mine]
+        if sum(sizes):
+            done = activation(torch.cat(mine) @ up[e]) @ down[e]
+            blocks[e::local] = done.split(sizes)
+    returned = _Exchanged.apply(torch.cat(blocks), exchange, receive, send)
+    weighted = returned * top_k_weights[token, slot, None].to(hidden.dtype)
+    return torch.zeros_like(hidden).index_add(0, token, weighted)

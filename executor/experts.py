@@ -1,0 +1,86 @@
+"""Expert parallelism: which ranks exchange a mixture of experts' tokens, and which average its experts' gradients.
+
+As Megatron-core draws them (and the simulator, planning/experts.py), the E expert-parallel ranks of a device are
+E of its d data-parallel replicas (E divides d): replicas gE .. gE+E-1 form expert-parallel group g, replica q
+being rank q mod E of its group, which holds routed experts (q mod E)·n/E .. of each of the device's
+mixture-of-experts layers. For the dense weights the replicas are data parallel as ever (the REDUCE row averages
+their gradients over all d); an expert's gradient, which the tokens of its whole group's micro-batches made, is
+averaged over the d/E replicas that hold the same expert (none where E = d) and divided by E, so that every
+update applies the mean over the whole mini-batch's d x M micro-batches, as one process training the whole model
+does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..workload.moe import ExpertExchange
+from .replicas import DistReplicas, Layout, Pending, ReplicaGroup
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """E expert-parallel ranks drawn from the `layout`'s data-parallel replicas, as the module docstring says."""
+
+    layout: Layout
+    ranks: int
+
+    def group(self, device: int, replica: int) -> list[int]:
+        """The ranks `replica` of `device` exchanges tokens with, itself included, in group order."""
+        first = replica - replica % self.ranks
+        return [self.layout.rank(device, q) for q in range(first, first + self.ranks)]
+
+    def holders(self, device: int, replica: int) -> list[int]:
+        """The ranks of `device` that hold the same experts as `replica`: one per expert-parallel group."""
+        return [self.layout.rank(device, q) for q in range(replica % self.ranks, self.layout.replicas, self.ranks)]
+
+
+@dataclass
+class Joined:
+    """All-reduces a REDUCE row started together (a stage's dense gradients, its experts'): done when all are."""
+
+    parts: list[Pending]
+
+    def wait(self) -> int:
+        return max(part.wait() for part in self.parts)
+
+
+@dataclass
+class ExpertRanks:
+    """This rank's expert parallelism: its `exchange` with its group, and `holders`, its device's replicas that
+    hold the same experts (None: this rank alone holds them); `ranks` is E."""
+
+    exchange: ExpertExchange
+    holders: ReplicaGroup | None
+
+    @property
+    def ranks(self) -> int:
+        return self.exchange.ranks
+
+
+def dist_experts(layout: Layout, expert_parallel: int, rank: int, backend: str, timeout_s: float) -> ExpertRanks | None:
+    """This rank's `ExpertRanks` (its ranks compute on CPUs), once every rank has created every device's groups
+    (collective over the job: all ranks call this together, after `replicas.dist_replicas`) and its group has run
+    one collective (NCCL creates its communicator then); None without expert parallelism."""
+    if expert_parallel == 1:
+        return None
+    experts = ExpertLayout(layout, expert_parallel)
+    timeout = timedelta(seconds=timeout_s)
+    exchange = holders = None
+    for d in range(layout.devices):
+        for first in range(0, layout.replicas, expert_parallel):
+            ranks = experts.group(d, first)
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                exchange = ExpertExchange(group, ranks.index(rank), expert_parallel)
+        for held in range(expert_parallel if layout.replicas > expert_parallel else 0):
+            ranks = experts.holders(d, held)
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                holders = DistReplicas(group, ranks, rank, False, timeout_s)
+    dist.all_reduce(torch.zeros(1), group=exchange.group)
+    return ExpertRanks(exchange, holders)

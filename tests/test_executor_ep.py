@@ -1,0 +1,130 @@
+"""Pipeline x expert parallelism in the executor: the E expert-parallel ranks of a device are E of its data-parallel
+replicas, each holding 1/E of every mixture-of-experts layer's routed experts and sending each token copy to its
+expert's rank and back by all-to-alls (executor/experts.py, workload/moe.py `exchanged_experts`). Trained on 4 gloo
+ranks (p = 2 x E = 2), it ends with the weights, and reports the losses, of one process training the whole model on
+the whole mini-batch (tests/reference.py, float64); the time each pass spent in its exchanges is recorded as the
+schedule's A2A_F and A2A_B rows (`AllToAllRows`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import torch
+
+from pipesim.executor import ExecutorError, RunSpec, run_in_process, run_multiprocess
+from pipesim.executor.experts import ExpertLayout
+from pipesim.executor.replicas import Layout
+from pipesim.executor.runtime import AllToAllRows
+from pipesim.schedules import KINDS, Kind, lower
+from pipesim.traces import read_trace
+from tests.conftest import build, pipesim
+from tests.reference import single_process
+
+# float64 throughout: an expert's product over the tokens of both replicas' micro-batches at once, and its
+# gradient summed over them in one product, round differently from one process's product per micro-batch
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+MOE = {"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "experts": 4, "top_k": 2,
+       "shared_experts": 1, "expert_ffn": 8}
+
+
+def ep_spec(method: str, m: int, optimizer: str) -> RunSpec:
+    """The gpt with 4 routed experts and a shared one in each of its 2 blocks, over 2 stages, E = d = 2."""
+    return RunSpec(build(method, 2, m, 2, data_parallel=2, expert_parallel=2), "gpt", MOE, microbatch_size=2,
+                   optimizer=optimizer, lr=0.05, seed=3, dtype="float64", heldout=False)
+
+
+@pytest.mark.parametrize("method, m, optimizer", [("1f1b", 2, "sgd"), ("zb-h1", 4, "momentum")])
+def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(method, m, optimizer):
+    spec = ep_spec(method, m, optimizer)
+    result = run_multiprocess(spec, timeout_s=120)
+    losses: list[float] = []
+    want = single_process(replace(spec, schedule=build("gpipe", 2, 2 * m, 2)), losses)
+    np.testing.assert_allclose(result.losses[0], losses, **TIGHT)
+    for q in range(2):  # each replica's experts are its group's two halves, whole again
+        got = [w for k in range(2) for w in result.replica_weights[q][(k, 0)]]
+        assert [w.shape for w in got] == [w.shape for w in want]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **TIGHT)
+    ops, kinds = result.trace.ops, result.trace.kinds
+    forward, backward = (ops.kind == kinds.index("A2A_F")), (ops.kind == kinds.index("A2A_B"))
+    assert forward.sum() == backward.sum() == 4 * m * 2  # ranks x micro-batches x mini-batches
+    # each all-to-all row holds its pass's exchanges; but the first stage's inputs (token ids) take no gradient,
+    # so zb-h1's I there has nothing to do and its W runs the whole backward, exchanges included
+    idle = backward & (ops.stage == 0) if method == "zb-h1" else np.zeros_like(backward)
+    assert (ops.dur_us[(forward | backward) & ~idle] > 0).all() and (ops.dur_us[idle] == 0).all()
+
+
+@dataclass
+class _Clock:
+    """An exchange as `AllToAllRows` reads it: the ns spent in all-to-alls so far."""
+
+    spent_ns: int = 0
+
+
+@pytest.mark.parametrize("method, chunks", [("1f1b", 1), ("dualpipev", 2)])
+def test_a_pass_gives_its_exchanges_time_to_its_all_to_all_rows_and_keeps_its_span(method, chunks):
+    """Each pass exchanges 10 ns of its 100; its all-to-all rows, right after it (after an overlapped pair's both
+    parts), take those 10 ns each, and the rows from the pass to its last all-to-all row fill the same span."""
+    lowered = lower(build(method, 2, 4, 1, chunks=chunks, data_parallel=2, expert_parallel=2))
+    clock = _Clock()
+    rows = AllToAllRows(lowered, 0, clock)
+    now, placed = 0, {}
+    for i in lowered.rows(0):
+        kind = KINDS[lowered.table.kind[i]]
+        took = 100 if kind in (Kind.F, Kind.B, Kind.I, Kind.W) else 0
+        clock.spent_ns += 10 if kind in (Kind.F, Kind.B, Kind.I) else 0
+        placed[i] = (kind, rows.place(i, now, now + took))
+        now += took
+    spans = sorted(span for _, span in placed.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] == now  # in order, no overlap
+    for kind, (start, end) in placed.values():
+        assert end - start == {Kind.A2A_F: 10, Kind.A2A_B: 10, Kind.F: 90, Kind.B: 90, Kind.I: 90, Kind.W: 100}.get(
+            kind, 0)
+    assert sum(kind in (Kind.A2A_F, Kind.A2A_B) for kind, _ in placed.values()) == sum(
+        kind in (Kind.F, Kind.B, Kind.I) for kind, _ in placed.values())
+
+
+def test_a_device_exchanges_within_groups_of_e_replicas_and_averages_experts_over_their_holders():
+    experts = ExpertLayout(Layout(devices=2, replicas=4), ranks=2)
+    assert experts.group(device=1, replica=2) == [5, 7] and experts.group(device=1, replica=3) == [5, 7]
+    assert experts.holders(device=0, replica=1) == [2, 6] and experts.holders(device=0, replica=2) == [0, 4]
+
+
+def test_threads_of_one_process_refuse_expert_parallelism():
+    with pytest.raises(ExecutorError, match="all-to-alls: run it on processes"):
+        run_in_process(ep_spec("1f1b", 2, "sgd"))
+
+
+def test_the_expert_parallel_degree_must_divide_the_data_parallel_one():
+    spec = replace(ep_spec("1f1b", 2, "sgd"), schedule=build("1f1b", 2, 2, 1, data_parallel=3, expert_parallel=2))
+    with pytest.raises(ExecutorError, match="E must divide d"):
+        run_multiprocess(spec, timeout_s=30)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--model", "gpt", "--experts", 3), "--expert-parallel 2 does not divide the model's 3 routed experts"),
+    (("--model", "mlp"), "model 'mlp' has no routed experts"),
+    (("--model", "gpt", "--experts", 4, "--data-parallel", 3), "must divide --data-parallel 3"),
+    (("--model", "gpt", "--experts", 4, "--device", "cuda"), "runs on CPU ranks (gloo) only"),
+])
+def test_run_refuses_experts_it_cannot_place_in_one_line(tmp_path, flags, says):
+    code, out, err = pipesim("run", "-s", "1f1b", "--expert-parallel", 2, *flags, "--trace", tmp_path / "t.json")
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err + out
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_run_places_the_experts_over_e_replicas_from_the_command_line(tmp_path):
+    """--expert-parallel 2 alone runs the gpt's --experts over 2 replicas of a 2-device pipeline: 4 ranks."""
+    code, out, err = pipesim("run", "-s", "1f1b", "--model", "gpt", "--layers", 2, "--width", 16, "--experts", 4,
+                             "--top-k", 1, "--shared-experts", 1, "--expert-ffn", 8, "--expert-parallel", 2,
+                             "-m", 2, "-n", 2, "-b", 1, "--trace", tmp_path / "t.json", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert (document["expert_parallel"], document["data_parallel"], document["hardware"]["ranks"]) == (2, 2, 4)
+    trace = read_trace(tmp_path / "t.json")
+    assert trace.meta.params["expert_parallel"] == 2 and trace.meta.extra["model_options"]["experts"] == 4
+    assert (trace.ops.kind == trace.kinds.index("A2A_B")).sum() == 4 * 2 * 2
