@@ -14,6 +14,9 @@ from rich.table import Table
 
 from ..units import GIB, KIB, MIB
 from .common import (
+    CapacityFactor,
+    ExpertFfn,
+    Experts,
     Ffn,
     Gated,
     Heads,
@@ -21,6 +24,8 @@ from .common import (
     KvHeads,
     Layers,
     SeqLen,
+    SharedExperts,
+    TopK,
     Vocab,
     Width,
     check_memory_gb,
@@ -64,6 +69,11 @@ def calibrate(
     ffn: Ffn = None,
     kv_heads: KvHeads = None,
     gated: Gated = None,
+    experts: Experts = None,
+    top_k: TopK = None,
+    shared_experts: SharedExperts = None,
+    expert_ffn: ExpertFfn = None,
+    capacity_factor: CapacityFactor = None,
     repeats: Annotated[int, typer.Option(
         "--repeats", min=1, help="Timed runs per measurement at most (the median is kept; a measurement stops "
                                  "after 5 once its median's 90 % interval is within 10 %, or 3 % of its stage's "
@@ -151,7 +161,8 @@ def calibrate(
         try:
             settings = Settings(resolve_device(device), DTYPES[dtype], microbatch_size, warmup, repeats, threads)
             options = dict(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn,
-                           kv_heads=kv_heads, gated=gated)
+                           kv_heads=kv_heads, gated=gated, experts=experts, top_k=top_k,
+                           shared_experts=shared_experts, expert_ffn=expert_ffn, capacity_factor=capacity_factor)
             net = build_model(model, **options)
             if stages > len(net.layers):
                 raise InputError(too_few_layers(f"--stages {stages}", net.name, net.options, len(net.layers)))

@@ -31,15 +31,18 @@ MOE = {"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "experts
        "shared_experts": 1, "expert_ffn": 8}
 
 
-def ep_spec(method: str, m: int, optimizer: str) -> RunSpec:
+def ep_spec(method: str, m: int, optimizer: str, **options: float) -> RunSpec:
     """The gpt with 4 routed experts and a shared one in each of its 2 blocks, over 2 stages, E = d = 2."""
-    return RunSpec(build(method, 2, m, 2, data_parallel=2, expert_parallel=2), "gpt", MOE, microbatch_size=2,
-                   optimizer=optimizer, lr=0.05, seed=3, dtype="float64", heldout=False)
+    return RunSpec(build(method, 2, m, 2, data_parallel=2, expert_parallel=2), "gpt", {**MOE, **options},
+                   microbatch_size=2, optimizer=optimizer, lr=0.05, seed=3, dtype="float64", heldout=False)
 
 
-@pytest.mark.parametrize("method, m, optimizer", [("1f1b", 2, "sgd"), ("zb-h1", 4, "momentum")])
-def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(method, m, optimizer):
-    spec = ep_spec(method, m, optimizer)
+@pytest.mark.parametrize("method, m, optimizer, options", [
+    ("1f1b", 2, "sgd", {}),
+    ("zb-h1", 4, "momentum", {"capacity_factor": 0.75}),  # each expert drops past 6 of a micro-batch's 32 copies
+])
+def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(method, m, optimizer, options):
+    spec = ep_spec(method, m, optimizer, **options)
     result = run_multiprocess(spec, timeout_s=120)
     losses: list[float] = []
     want = single_process(replace(spec, schedule=build("gpipe", 2, 2 * m, 2)), losses)
@@ -117,14 +120,24 @@ def test_run_refuses_experts_it_cannot_place_in_one_line(tmp_path, flags, says):
     assert not (tmp_path / "t.json").exists()
 
 
-def test_run_places_the_experts_over_e_replicas_from_the_command_line(tmp_path):
-    """--expert-parallel 2 alone runs the gpt's --experts over 2 replicas of a 2-device pipeline: 4 ranks."""
-    code, out, err = pipesim("run", "-s", "1f1b", "--model", "gpt", "--layers", 2, "--width", 16, "--experts", 4,
-                             "--top-k", 1, "--shared-experts", 1, "--expert-ffn", 8, "--expert-parallel", 2,
-                             "-m", 2, "-n", 2, "-b", 1, "--trace", tmp_path / "t.json", "--json")
+def test_a_calibrated_mixture_of_experts_runs_over_e_replicas_and_compares_row_by_row(tmp_path):
+    """calibrate takes the gpt's expert flags; `run --profile --expert-parallel 2` runs that model over 2 replicas
+    of its 2-device pipeline (4 ranks); compare predicts it from the profile and matches every all-to-all row."""
+    profile, trace = tmp_path / "p.json", tmp_path / "t.json"
+    code, _, err = pipesim("calibrate", "--model", "gpt", "--layers", 2, "--width", 16, "--heads", 2, "--seq-len", 8,
+                           "--vocab", 32, "--experts", 4, "--top-k", 1, "--shared-experts", 1, "--expert-ffn", 8,
+                           "-b", 1, "--no-links", "--no-runtime", "--no-contention", "--repeats", 1, "--warmup", 0,
+                           "--out", profile)
+    assert code == 0, err
+    code, out, err = pipesim("run", "-s", "1f1b", "--model", "gpt", "--profile", profile, "--expert-parallel", 2,
+                             "-m", 2, "-n", 2, "--trace", trace, "--json")
     assert code == 0, err
     document = json.loads(out)
     assert (document["expert_parallel"], document["data_parallel"], document["hardware"]["ranks"]) == (2, 2, 4)
-    trace = read_trace(tmp_path / "t.json")
-    assert trace.meta.params["expert_parallel"] == 2 and trace.meta.extra["model_options"]["experts"] == 4
-    assert (trace.ops.kind == trace.kinds.index("A2A_B")).sum() == 4 * 2 * 2
+    assert read_trace(trace).meta.extra["model_options"]["experts"] == 4
+    code, out, err = pipesim("compare", trace, "--json")
+    assert code == 0, err
+    compared = json.loads(out)
+    ops = {kind["kind"]: kind["ops"] for kind in compared["kinds"]}
+    assert ops["A2A_F"] == ops["A2A_B"] == 2 * 2 * 2  # replica 0's devices x micro-batches x mini-batches
+    assert compared["missing_in_measured"] == compared["missing_in_predicted"] == 0
