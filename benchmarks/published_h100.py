@@ -65,11 +65,29 @@ def rows() -> list[dict]:
         args = simulate_command(row)
         predicted_s = iteration_ms(args) / 1e3
         published_s = float(row["step_s"])
+        layout = tuple(v for k, v in row.items() if k not in ("gpus", "global_batch", "step_s"))
         out.append({"run": f"{row['model']} {row['precision'].upper()} {row['gpus']} GPUs", "model": row["model"],
-                    "precision": row["precision"], "gpus": int(row["gpus"]), "predicted_s": predicted_s,
+                    "precision": row["precision"], "gpus": int(row["gpus"]), "layout": layout,
+                    "predicted_s": predicted_s,
                     "published_s": published_s, "error": predicted_s / published_s - 1,
                     "command": command_text(args)})
     return out
+
+
+def scaling(compared: list[dict]) -> list[str]:
+    """Per run that only its data-parallel degree varies in (the same model, precision and layout per replica):
+    the step's rise from its fewest GPUs to its most, measured against predicted, one line each."""
+    families: dict[tuple, list[dict]] = {}
+    for r in compared:
+        families.setdefault(r["layout"], []).append(r)
+    lines = []
+    for runs in families.values():
+        if len(runs) > 1:
+            first, last = min(runs, key=lambda r: r["gpus"]), max(runs, key=lambda r: r["gpus"])
+            lines.append(f"{first['model']} {first['precision'].upper()} {first['gpus']}->{last['gpus']} GPUs: "
+                         f"measured {last['published_s'] / first['published_s'] - 1:+.1%}, "
+                         f"predicted {last['predicted_s'] / first['predicted_s'] - 1:+.1%}")
+    return lines
 
 
 def summary(compared: list[dict]) -> str:
@@ -92,11 +110,14 @@ def main() -> None:
     for precision in dict.fromkeys(r["precision"] for r in compared):
         print(f"{precision.upper()} |error|: {summary([r for r in compared if r['precision'] == precision])}")
     print(f"all |error|: {summary(compared)}")
+    print("\nThe step from the fewest GPUs to the most (the data-parallel degree alone grows):")
+    print("\n".join(scaling(compared)))
     print("\nEach row's command (its ms/step / 1000 is the predicted s):")
     for r in compared:
         print(f"{r['run']}:\n  {r['command']}")
     if args.json:
-        args.json.write_text(json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
+        rows_out = [{k: v for k, v in r.items() if k != "layout"} for r in compared]
+        args.json.write_text(json.dumps({"gpu": GPU, "rows": rows_out}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

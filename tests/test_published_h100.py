@@ -46,3 +46,15 @@ def test_a_row_is_reproduced_by_its_printed_command(run):
     (result,) = simulate_json(*args[2:])
     assert result["time_per_minibatch_ms"] / 1e3 == pytest.approx(row["predicted_s"], rel=1e-9)
     assert row["error"] == pytest.approx(row["predicted_s"] / row["published_s"] - 1, rel=1e-12)
+
+
+def test_the_rise_is_read_per_layout_from_its_fewest_gpus_to_its_most(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from published_h100 import scaling
+
+    def run(gpus: int, layout: str, predicted: float, published: float) -> dict:
+        return {"model": "M", "precision": "bf16", "gpus": gpus, "layout": layout, "predicted_s": predicted,
+                "published_s": published}
+
+    rows = [run(256, "a", 1.0, 2.2), run(16, "a", 1.0, 2.0), run(64, "a", 1.1, 2.1), run(8, "b", 1.0, 1.0)]
+    assert scaling(rows) == ["M BF16 16->256 GPUs: measured +10.0%, predicted +0.0%"]
