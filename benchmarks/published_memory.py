@@ -8,9 +8,10 @@ and run as written (in-process, --json or --out added to read its figure).
 - runs that were measured running (Korthikanti et al.'s Table 3 runs in both Table 5 settings, Narayanan et al.'s
   Table 1, NVIDIA's Nemotron-4 340B as its benchmark ran it): none may be marked out of memory; the fullest
   device's peak and its parts are printed beside the GPU's memory;
-- torchtitan's Llama 3.1 runs (torchtitan-2024-llama3.csv): the plain FSDP rows of Llama 3.1 8B (Tables 1 and 3,
-  no torch.compile, no Float8) simulated as torchtitan ran them (`TORCHTITAN_8B`), the fullest device's peak
-  against the published memory; the others listed with what pipesim does not model;
+- torchtitan's Llama 3.1 runs (torchtitan-2024-llama3.csv): every row pipesim expresses (16 of 18: Llama 3.1 8B,
+  70B and 405B with FSDP, TP, PP, CP and Float8), its command built from the row's columns (`torchtitan_command`),
+  the fullest device's peak against the published memory, with what pipesim does not model (torch.compile, async
+  TP); the two rows of 262,144 tokens listed (beyond the configs' positions);
 - the zero-bubble paper's Table 4: not reachable from here (benchmarks/published/README.md).
 
     python benchmarks/published_memory.py                 # the tables, then each row's command
@@ -27,6 +28,9 @@ import tempfile
 from pathlib import Path
 
 from published_runs import KORTHIKANTI_SETTINGS, SEQ, Run, _rows, command_text, korthikanti_runs, megatron_runs, run_cli
+from rich.table import Table
+
+from pipesim.commands.tables import print_table
 
 LAYER_PROFILE = "layer.json"  # where a Table 2 row's `estimate` writes its profile
 REPO = Path(__file__).resolve().parents[1]  # where the printed commands run (they name examples/ files)
@@ -86,37 +90,75 @@ def measured_runs() -> list[dict]:
     return [{"run": name, **fullest(args), "command": command_text(args)} for name, args in runs]
 
 
-def torchtitan_8b(gpus: int) -> list[str]:
-    """torchtitan's Llama 3.1 8B FSDP run on `gpus` H100s as pipesim's command line: its train_configs/llama3_8b.toml
-    at 9dec370 (seq_len 8192, selective activation checkpointing with selective_ac_option "op"), the page's local
-    batch of 2, bf16 with FSDP2's MixedPrecisionPolicy (param bf16, reduce fp32: `--precision fsdp2`), every GPU
-    one FSDP shard (`--zero 3`), no pipeline. The model is Llama 3.1 8B from its Hugging Face config
-    (examples/llama3.1-8b: torchtitan's Llama 3 is the same architecture, seven products per block). The peak
-    counts what is allocated (tensors live), not the caching allocator's reserve, which torchtitan's figure (max
-    reserved) includes."""
-    return ["simulate", "--model", "hf:examples/llama3.1-8b", "--seq-len", "8192", "--dtype", "bf16", "--attention",
-            "flash", "-b", "2", "--gpu", "h100-sxm", "-p", "1", "-m", "1", "-s", "gpipe", "--data-parallel",
-            str(gpus), "--zero", "3", "--precision", "fsdp2", "--recompute", "op"]
+TORCHTITAN_SEQ = 8192  # train_configs/llama3_{8b,70b,405b}.toml at 9dec370, where the page gives no length
+TORCHTITAN_MODELS = {"Llama 3.1 8B": "hf:examples/llama3.1-8b", "Llama 3.1 70B": "hf:examples/llama3.1-70b",
+                     "Llama 3.1 405B": "hf:examples/llama3.1-405b"}
+HF_MAX_POSITIONS = 131072  # the Llama 3.1 configs' max_position_embeddings, which `--model hf:` holds a run to
+
+
+def torchtitan_layout(parallelism: str) -> dict[str, int | str]:
+    """A row's parallelism column ("FSDP 4, TP 8, PP 8 (interleaved 1F1B), CP 2") as degrees, the schedule's
+    name in its parentheses."""
+    layout: dict[str, int | str] = {"FSDP": 1, "TP": 1, "PP": 1, "CP": 1, "schedule": "1F1B"}
+    for part in parallelism.split(", "):
+        name, _, rest = part.partition(" ")
+        degree, _, schedule = rest.partition(" ")
+        layout[name] = int(degree)
+        if schedule:
+            layout["schedule"] = schedule.strip("()")
+    return layout
+
+
+def torchtitan_command(row: dict[str, str]) -> list[str] | None:
+    """A torchtitan row as pipesim's command line, built from its columns, nothing fitted; None where pipesim
+    cannot express it (a sequence beyond the Hugging Face config's positions). As torchtitan ran them at 9dec370:
+    FSDP2 over the C·d ranks (`--zero 3 --precision fsdp2`, its dp_shard_cp mesh), bf16 or Float8 as torchao's
+    recipe (`--dtype fp8 --fp8-recipe torchao`), TP with its plan's sequence-parallel norms, the page's local
+    batch as micro-batches of the pipeline's default count (pipelining_utils.py `build_pipeline_schedule`: as
+    many as the stages; interleaved 1F1B with its 2 stages a rank, `generate_split_points`) or, with no pipeline,
+    one micro-batch; selective activation checkpointing is its "op" policy (`--recompute op`), else full."""
+    layout = torchtitan_layout(row["parallelism"])
+    seq = int(row["sequence_length"] or TORCHTITAN_SEQ)
+    if seq > HF_MAX_POSITIONS:
+        return None
+    t, p, c, d = (int(layout[name]) for name in ("TP", "PP", "CP", "FSDP"))
+    chunks = 2 if layout["schedule"] == "interleaved 1F1B" else 1
+    microbatches = p * chunks
+    local_batch = int(row["local_batch_size"])
+    float8 = "Float8" in row["techniques"]
+    args = ["simulate", "--model", TORCHTITAN_MODELS[row["model"]], "--seq-len", str(seq),
+            "--dtype", "fp8" if float8 else "bf16", *(["--fp8-recipe", "torchao"] if float8 else []),
+            "--attention", "flash", "-b", str(local_batch // microbatches), "--gpu", "h100-sxm",
+            *(["--tensor-parallel", str(t), "--sequence-parallel"] if t > 1 else []),
+            "-p", str(p), "-m", str(microbatches),
+            "-s", "gpipe" if p == 1 else "interleaved-1f1b" if chunks > 1 else "1f1b",
+            *(["--chunks", str(chunks)] if chunks > 1 else []), "--data-parallel", str(d),
+            *(["--context-parallel", str(c)] if c > 1 else []), "--zero", "3", "--precision", "fsdp2",
+            "--recompute", "op" if row["activation_checkpointing"] == "selective" else "full"]
+    return args
 
 
 def torchtitan() -> tuple[list[dict], list[dict]]:
-    """torchtitan's rows: those pipesim expresses, simulated (GiB), and the others with why not."""
+    """torchtitan's rows: every one pipesim expresses, simulated (GiB) with what it does not model (torch.compile,
+    async TP), and the others with why not."""
     compared, listed = [], []
     for row in _rows("torchtitan-2024-llama3.csv"):
         run = f"Table {row['table']} {row['model']}, {row['parallelism']}: {row['techniques']}"
         published = float(row["memory_gib"])
-        if row["model"] == "Llama 3.1 8B" and row["techniques"] == "FSDP":
-            args = torchtitan_8b(int(row["gpus"]))
-            with contextlib.chdir(REPO):
-                found = fullest(args)
-            predicted = found["peak_mib"] / 1024
-            compared.append({"run": run, "predicted_gib": predicted, "published_gib": published,
-                             "error": predicted / published - 1, "parts_mib": found["parts_mib"],
-                             "command": command_text(args)})
+        args = torchtitan_command(row)
+        if args is None:
+            listed.append({"run": run, "published_gib": published,
+                           "why_not": f"sequence {row['sequence_length']} beyond the config's {HF_MAX_POSITIONS:,} "
+                                      "positions"})
             continue
-        why = [what for what, used in (("torch.compile", "compile" in row["techniques"]),
-                                       ("async TP", "AsyncTP" in row["techniques"])) if used]
-        listed.append({"run": run, "published_gib": published, "why_not": "not modelled: " + ", ".join(why)})
+        with contextlib.chdir(REPO):
+            found = fullest(args)
+        predicted = found["peak_mib"] / 1024
+        unmodelled = [what for what, used in (("torch.compile", "compile" in row["techniques"]),
+                                              ("async TP", "AsyncTP" in row["techniques"])) if used]
+        compared.append({"run": run, "predicted_gib": predicted, "published_gib": published,
+                         "error": predicted / published - 1, "parts_mib": found["parts_mib"],
+                         "not_modelled": unmodelled, "command": command_text(args)})
     return compared, listed
 
 
@@ -138,18 +180,24 @@ def main() -> None:
         print(f"{r['run']:<{width}}  {r['peak_mib']:>9,.0f} {r['limit_mib']:>7,.0f}  "
               f"{'OOM ' if r['out_of_memory'] else 'yes '}  device {r['device']}: {parts}")
     print(f"marked out of memory: {sum(r['out_of_memory'] for r in ran)} of {len(ran)}\n")
-    width = max(len(r["run"]) for r in titan)
-    print(f"{'torchtitan (allocated vs max reserved)':<{width}}  {'pipesim':>8} {'page':>6} {'error':>7}   "
-          "(GiB; parts at the peak in MiB)")
+    table = Table(title="torchtitan (pipesim allocated against the page's max reserved, GiB)")
+    for name, justify in (("run", "left"), ("pipesim", "right"), ("page", "right"), ("error", "right"),
+                          ("not modelled", "left")):
+        table.add_column(name, justify=justify)
     for r in titan:
-        parts = ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items())
-        print(f"{r['run']:<{width}}  {r['predicted_gib']:>8.1f} {r['published_gib']:>6.1f} {r['error']:>+7.1%}   "
-              f"{parts}")
-    print("pipesim counts the tensors allocated at the peak, the running pass's transient ones included (the loss's "
-          "backward's two float32 tokens x vocabulary gradients): not the caching allocator's reserve, which the "
-          "page's max reserved includes")
+        table.add_row(r["run"], f"{r['predicted_gib']:.1f}", f"{r['published_gib']:.1f}", f"{r['error']:+.1%}",
+                      ", ".join(r["not_modelled"]))
+    print_table(table)
+    errors = [abs(r["error"]) for r in titan]
+    eager = ", ".join(f"{r['error']:+.1%}" for r in titan if not r["not_modelled"])
+    print(f"|error|: median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(titan)} rows "
+          f"(the rows without torch.compile: {eager})")
+    print("pipesim counts the tensors allocated at the peak, the running pass's transient ones included: not the "
+          "caching allocator's reserve, which the page's max reserved includes. Parts at each row's peak (MiB):")
+    for r in titan:
+        print(f"  {r['run']}: " + ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items()))
     for r in listed:
-        print(f"  {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
+        print(f"  not simulated: {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
     print("\nzero-bubble (Qi et al. 2024) Table 4: not reachable offline; see benchmarks/published/README.md")
     print("\nEach row's command:")
     for r in compared + ran + titan:
