@@ -5,11 +5,11 @@ nothing fitted.
 Each row's `pipesim simulate` command is built from the row's own columns as NeMo ran it (its launcher's config,
 benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (flash attention, sequence
 parallelism and the tensor-parallel collectives overlapped with the products, `--tp-overlap`, where t > 1;
-context parallelism where the row has it), no recomputation,
-the distributed optimizer (`--zero 1`) with its gradient reduce-scatter overlapped with the backward (each
-stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the vocabulary padded
-as Megatron pads it, FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te` recipe). The command is
-printed and run as written (in-process, with --json added to read its ms/step).
+context parallelism where the row has it), no recomputation, the distributed optimizer (`--zero 1`;
+`--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
+backward (each stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the
+vocabulary padded as Megatron pads it, FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te`
+recipe). The command is printed and run as written (in-process, with --json added to read its ms/step).
 
     python benchmarks/published_h100.py                 # the table, then each row's command
     python benchmarks/published_h100.py --json out.json # and the rows as JSON
@@ -55,7 +55,9 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             *(["--dropout", row["dropout"]] if float(row["dropout"]) else []),
             "--dtype", row["precision"], "--attention", "flash", "-b", str(b), "--gpu", GPU, *tensor,
             *(["--context-parallel", str(c)] if c > 1 else []), "-p", str(p), "-m", str(batch // (d * b)),
-            *schedule, "--data-parallel", str(d), "--zero", "1", "--stage-cut", "equal-blocks"]
+            *schedule, "--data-parallel", str(d), "--zero", "1",
+            *(["--precision", "nemo-bf16-adam"] if row["optimizer_state"] == "bf16" else []),
+            "--stage-cut", "equal-blocks"]
 
 
 def rows() -> list[dict]:
