@@ -235,6 +235,12 @@ HotExpertShare = Annotated[float | None, typer.Option(
     "--hot-expert-share", metavar="S", help="With --expert-parallel: the busiest expert's share of a micro-batch's "
                                             "routed tokens (balanced: 1/experts); its rank computes and receives "
                                             "that much more, and the others wait for it. Default: balanced.")]
+TokenDispatcher = Annotated[str | None, typer.Option(
+    "--token-dispatcher", metavar="HOW", help="With --expert-parallel: how tokens reach their experts, alltoall "
+                                              "(NCCL's all-to-all: every routed copy sent; the default) or deepep "
+                                              "(DeepEP's and HybridEP's: a token sent once to each rank, and across "
+                                              "nodes once to each node, holding any of its experts, forwarded "
+                                              "there over the node's link).")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
@@ -254,7 +260,8 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
                 ("context_parallel", ContextParallel, 1),
-                ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None))
+                ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
+                ("token_dispatcher", TokenDispatcher, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "

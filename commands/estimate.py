@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
-                 "fp8_recipe")
+                 "fp8_recipe", "token_dispatcher")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -62,7 +62,8 @@ SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torcht
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
-                  "hot_expert_share": "--hot-expert-share", "tp_overlap": "--tp-overlap",
+                  "hot_expert_share": "--hot-expert-share", "token_dispatcher": "--token-dispatcher",
+                  "tp_overlap": "--tp-overlap",
                   "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
 
@@ -91,6 +92,7 @@ class WhatIf:
     expert: int = 1  # --expert-parallel E
     hot_expert_share: float | None = None  # --hot-expert-share S (None: balanced)
     tp_overlap: bool = False  # --tp-overlap
+    token_dispatcher: str | None = None  # --token-dispatcher (None: alltoall)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -143,7 +145,8 @@ class WhatIf:
                            sequence_parallel=self.sequence_parallel,
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
-                           hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap)
+                           hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap,
+                           token_dispatcher=self.token_dispatcher)
 
 
 def what_if(ctx: typer.Context) -> WhatIf | None:
@@ -157,6 +160,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # its pydantic models: only where --gpu needs them
+    from ..planning.experts import DISPATCHERS
     from ..sim.costs import PRECISIONS
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
@@ -196,6 +200,9 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
     fp8 = _fp8_recipe(params, name, catalogue.gpu)
+    dispatcher = params.get("token_dispatcher")
+    if dispatcher is not None and dispatcher not in DISPATCHERS:
+        raise InputError(f"--token-dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
     calibrated = None
     if params.get("curve_from") is not None:
         from ..profiles.schema import ProfileError, load_profile
@@ -208,7 +215,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
                   DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
-                  params.get("tp_overlap", False))
+                  params.get("tp_overlap", False), dispatcher)
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
@@ -517,11 +524,17 @@ def _expert_group_text(profile: Profile, expert: int) -> str:
     estimate = profile.estimate
     t, p, d = estimate.degrees
     group = expert_group(estimate.placement, expert, profile.model.options.get("experts"), t,
-                         int(estimate.parallelism.get("context", 1)), p, d)
+                         int(estimate.parallelism.get("context", 1)), p, d,
+                         dispatcher=estimate.parallelism.get("token_dispatcher"))
     node, network = group.node_link, group.network_link
+    nic = f"its NIC ({network.kind} {network.bytes_per_ms / 1e6:.3g} GB/s)"
+    if group.dispatcher == "deepep":
+        return (f"expert-parallel group: {expert} ranks, {group.per_node} on each node; DeepEP's dispatch sends a "
+                f"token once to each other rank holding any of its experts over {node.kind}, once to each other "
+                f"node over {nic}")
     return (f"expert-parallel group: {expert} ranks, {group.per_node} on each node; an all-to-all sends "
             f"{group.per_node - 1}/{expert} of a rank's token copies over {node.kind} and {expert - group.per_node}/"
-            f"{expert} over its NIC ({network.kind} {network.bytes_per_ms / 1e6:.3g} GB/s)")
+            f"{expert} over {nic}")
 
 
 def _print_estimate(profile: Profile) -> None:

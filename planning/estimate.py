@@ -93,6 +93,7 @@ class Parallelism:
     context: int = 1
     expert: int = 1  # expert parallelism's E ranks, drawn from the d replicas (planning/experts.py)
     hot_expert_share: float | None = None  # the busiest expert's share of the routed tokens (None: balanced)
+    token_dispatcher: str | None = None  # how tokens reach the experts (planning/experts.py; None: alltoall)
     sequence_parallel: bool = False
     recompute: str = "none"
     sharded_optimizer: bool = False
@@ -508,8 +509,11 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dic
 def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Parallelism) -> tuple[float, float]:
     """The network time of `layer`'s routed experts' all-to-alls (`planning.experts`) after its forward and after
     its backward: each of the t·C ranks sends its share of the layer's token copies, the busiest receiving `load`
-    times as many; a full recomputation reruns the forward's in the backward."""
-    each = experts.all_to_all_ms(layer.dispatched_bytes * experts.load / (parallel.tensor * parallel.context))
+    times as many, each token in as many copies as the dispatched bytes hold its output's; a full recomputation
+    reruns the forward's in the backward."""
+    copies = round(layer.dispatched_bytes / layer.output_bytes) if layer.output_bytes else 1
+    each = experts.all_to_all_ms(layer.dispatched_bytes * experts.load / (parallel.tensor * parallel.context),
+                                 max(copies, 1))
     rerun = ALL_TO_ALLS["fwd"] * each if parallel.recompute == "full" else 0.0
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
@@ -601,7 +605,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                             f"{placement.gpus_per_node} GPUs")
     try:
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
-                               parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share)
+                               parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
+                               parallel.token_dispatcher)
     except ExpertParallelError as exc:
         raise EstimateError(str(exc)) from None
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context)
@@ -633,7 +638,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
             activation_parts=priced.activation_parts, transient_bytes=priced.transient_bytes,
-            float8_weight_bytes=float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8]) // t if parallel.fp8 else 0,
+            float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.ranks) // t
+                                 if parallel.fp8 else 0),
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             param_bytes=params,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
@@ -653,8 +659,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms
 
         # a float8 recipe's weight casts once per step (TransformerEngine's), each weight 1/t of itself
-        casts_ms = sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in mine
-                       for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element)) if parallel.fp8 else 0.0
+        casts_ms = (sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in mine
+                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, experts.ranks))
+                    if parallel.fp8 else 0.0)
         steps = {name: StepTimes(
             step=_timing(casts_ms + memory_ms(sum(layer.optimizer_step_moved_bytes[name] * (
                 1.0 if parallel.sharded_optimizer else held_share(layer, experts.ranks)) for layer in mine)

@@ -14,6 +14,15 @@ forward runs two (dispatch, combine), its input-gradient pass two more (the grad
 gradient none. They are rows of the schedule (`schedules.passes.add_expert_parallel`), on the device's network
 stream, which the pass's next row waits for.
 
+DeepEP's dispatch (`dispatcher` "deepep": DeepEP's normal kernels, and NVIDIA's HybridEP, Megatron-core's flex
+dispatcher) sends a token once to each rank holding any of its k experts, and across nodes once to each node
+holding any: over the NIC to the rank of the same local index there, which forwards it over the node's link to
+that node's ranks (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.2.2; github.com/deepseek-ai/DeepEP,
+its normal kernels' NVLink-to-RDMA forwarding). With balanced routing a token's k experts are k of the n drawn
+alike, so a group of g of them misses all k with chance C(n - g, k) / C(n, k): a rank (g = n/E) or a node (g its
+ranks' experts) receives the token with one minus that. The NIC carries one copy per other node receiving it, the
+node's link one per other rank receiving it on each node (`ExpertGroup.all_to_all_ms`).
+
 Routing is data-dependent; balanced, every rank computes the same. With the busiest expert taking a share S of a
 micro-batch's routed token copies (`hot_share`; balanced: 1/n of n experts), the rank holding it and n/E - 1
 others at the rest's even share, (1 - S)/(n - 1) each, computes E·(S + (n/E - 1)(1 - S)/(n - 1)) times the
@@ -23,6 +32,7 @@ Pure arithmetic: no torch, no simulator."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..profiles.schema import EstimateLink, EstimatePlacement
@@ -31,6 +41,7 @@ from ..profiles.workload import LayerCount, OpCount
 # Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
 # back after its backward (an A2A_B after B, or after I: the weight-gradient pass routes nothing)
 ALL_TO_ALLS = {"fwd": 2, "bwd": 2}
+DISPATCHERS = ("alltoall", "deepep")  # NCCL's all-to-all of every copy (the default); DeepEP's deduplicated one
 
 
 class ExpertParallelError(ValueError):
@@ -39,8 +50,8 @@ class ExpertParallelError(ValueError):
 
 @dataclass(frozen=True)
 class ExpertGroup:
-    """The E ranks of an expert-parallel group: how many share each node, the links between them, and the
-    routed experts' count and busiest share (None: balanced)."""
+    """The E ranks of an expert-parallel group: how many share each node, the links between them, the routed
+    experts' count and busiest share (None: balanced), and how tokens are dispatched to them."""
 
     ranks: int
     per_node: int
@@ -48,6 +59,7 @@ class ExpertGroup:
     network_link: EstimateLink
     experts: int | None = None
     hot_share: float | None = None
+    dispatcher: str | None = None  # of `DISPATCHERS` (None: alltoall)
 
     @property
     def load(self) -> float:
@@ -72,15 +84,26 @@ class ExpertGroup:
 
         return replace(layer, ops={name: tuple(map(heavier, ops)) for name, ops in layer.ops.items()})
 
-    def all_to_all_ms(self, nbytes: float) -> float:
-        """One all-to-all of a rank's `nbytes`: its (E-1)/E sent, the share for its node's ranks over the node's
-        link beside the share for other nodes' over its NIC."""
+    def all_to_all_ms(self, nbytes: float, copies: int = 1) -> float:
+        """One all-to-all of a rank's `nbytes`, `copies` of each token (its k experts' routed copies): its (E-1)/E
+        sent, the share for its node's ranks over the node's link beside the share for other nodes' over its NIC;
+        DeepEP's sends each token once to each other rank and node receiving it (module docstring)."""
         if self.ranks == 1 or nbytes == 0:
             return 0.0
-        inside = nbytes * (self.per_node - 1) / self.ranks
-        outside = nbytes * (self.ranks - self.per_node) / self.ranks
+        if self.dispatcher == "deepep" and self.experts:
+            nodes, token = self.ranks / self.per_node, nbytes / copies
+            inside = token * nodes * (self.per_node - 1) * self._receives(self.experts // self.ranks, copies)
+            outside = token * (nodes - 1) * self._receives(self.experts // self.ranks * self.per_node, copies)
+        else:
+            inside = nbytes * (self.per_node - 1) / self.ranks
+            outside = nbytes * (self.ranks - self.per_node) / self.ranks
         return max(self.node_link.latency_ms + inside / self.node_link.bytes_per_ms if inside else 0.0,
                    self.network_link.latency_ms + outside / self.network_link.bytes_per_ms if outside else 0.0)
+
+    def _receives(self, held: int, copies: int) -> float:
+        """The chance that a group of ranks holding `held` of the experts receives a token routed to `copies` of
+        them, drawn alike (balanced routing)."""
+        return 1 - math.comb(self.experts - held, copies) / math.comb(self.experts, copies)
 
 
 def held_share(layer: LayerCount, ranks: int) -> float:
@@ -92,10 +115,12 @@ def held_share(layer: LayerCount, ranks: int) -> float:
 
 
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
-                 pipeline: int, data: int, hot_share: float | None = None) -> ExpertGroup:
+                 pipeline: int, data: int, hot_share: float | None = None,
+                 dispatcher: str | None = None) -> ExpertGroup:
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
     model), placed as the module docstring says, its busiest expert taking `hot_share` of the routed token
-    copies (None: balanced); an impossible degree or share is `ExpertParallelError`."""
+    copies (None: balanced), its tokens dispatched by `dispatcher` (None: alltoall); an impossible degree, share
+    or dispatcher is `ExpertParallelError`."""
     if ranks > 1 and not experts:
         raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
                                   "experts: gpt --experts, or a Hugging Face MoE config)")
@@ -112,5 +137,11 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
         if not 1 / experts <= hot_share <= 1:
             raise ExpertParallelError(f"hot_expert_share: {hot_share} is not a share of {experts} experts' tokens: "
                                       f"from 1/{experts} (balanced) to 1")
+    if dispatcher is not None:
+        if dispatcher not in DISPATCHERS:
+            raise ExpertParallelError(f"token_dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
+        if ranks == 1:
+            raise ExpertParallelError("token_dispatcher: dispatches tokens between expert-parallel ranks; give "
+                                      "--expert-parallel above 1")
     per_node = min(ranks, max(placement.gpus_per_node // (tensor * context * pipeline), 1))
-    return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share)
+    return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share, dispatcher)

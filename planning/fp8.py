@@ -23,6 +23,12 @@ torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (floa
   gradient, since the forward saves the 16-bit input and weight (`ctx.save_for_backward(input_hp,
   weight_hp_t)`): activation memory is the 16-bit run's. (Its FSDP float8 all-gather is not modelled.)
 
+The routed experts' grouped products (a mixture of experts', `OpCount.routed`): te runs them in float8 too, as
+Megatron-core's TEGroupedMLP does (TransformerEngine's GroupedLinear under the same fp8_autocast, each expert's
+input, output gradient and, once a step, weight cast as a linear product's; a rank casts and holds only its E
+expert-parallel share of the weights); torchao does not (torchtitan's float8 converter swaps nn.Linear modules,
+and its grouped experts are not: their products stay 16-bit). A routed product's saved input stays 16-bit here.
+
 Not modelled: casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
 directly: counted here as a cast of their own), torch.compile's fusions of torchao's casts. Pure arithmetic on
 counts: no torch.
@@ -43,19 +49,21 @@ class Fp8Recipe:
     (input, weight, grad: its output's gradient); `kernels`: one cast's kernels, each as (name, 16-bit reads,
     float8 writes) per element; `weights_per_step`: the weights cast once per optimizer step instead of in the
     passes, and their casts held until the next, `weight_copy_bytes` a weight; `saves_float8_inputs`: the
-    forward saves each product's input as its float8 copy."""
+    forward saves each product's input as its float8 copy; `routed`: the routed experts' grouped products run in
+    float8 too."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
     weights_per_step: bool
     saves_float8_inputs: bool
     weight_copy_bytes: int = 0
+    routed: bool = False
 
 
 FP8_RECIPES = {
     "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
                     kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
-                    weight_copy_bytes=2 * FP8_BYTES),
+                    weight_copy_bytes=2 * FP8_BYTES, routed=True),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False),
@@ -72,6 +80,11 @@ def _linear(op: OpCount) -> bool:
     return op.kind == "matmul" and op.shape[0] == 1
 
 
+def _converted(op: OpCount, recipe: Fp8Recipe) -> bool:
+    """A product the recipe runs in float8: a linear one, or with `recipe.routed` a routed experts' grouped one."""
+    return _linear(op) or (recipe.routed and op.kind == "matmul" and op.routed)
+
+
 def _in_float8(op: OpCount, element_bytes: int) -> OpCount:
     """A linear product reading float8 inputs (1 byte an element) and writing its 16-bit output."""
     batch, m, n, k = op.shape
@@ -79,15 +92,17 @@ def _in_float8(op: OpCount, element_bytes: int) -> OpCount:
 
 
 def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8Recipe,
-             element_bytes: int) -> tuple[OpCount, ...]:
-    """The memory-bound kernels casting each of `roles`' tensors of every forward linear product (batch 1, m × k
-    input, n × k weight, m × n output gradient) to float8."""
+             element_bytes: int, expert_ranks: int = 1) -> tuple[OpCount, ...]:
+    """The memory-bound kernels casting each of `roles`' tensors of every forward product (each of its `batch`
+    products' m × k input, n × k weight, m × n output gradient) to float8; a routed product's weights only the
+    1/`expert_ranks` of its experts one rank holds."""
     ops = []
     for product in products:
-        _, m, n, k = product.shape
+        batch, m, n, k = product.shape
         shapes = {"input": (m, k), "weight": (n, k), "grad": (m, n)}
         for role in roles:
-            elements = shapes[role][0] * shapes[role][1]
+            held = batch // expert_ranks if role == "weight" and product.routed else batch
+            elements = held * shapes[role][0] * shapes[role][1]
             ops += [OpCount(f"fp8_{kernel}_{role}", "memory", shapes[role], 0,
                             elements * (reads * element_bytes + writes * FP8_BYTES), product.count)
                     for kernel, reads, writes in recipe.kernels]
@@ -100,8 +115,8 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     one another op saves too beside its float8 copy); any other layer unchanged."""
     if not attends(layer):
         return layer
-    products = tuple(op for op in layer.ops.get("fwd", ()) if _linear(op))
-    ops = {name: tuple(_in_float8(op, element_bytes) if _linear(op) else op for op in passed)
+    products = tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
+    ops = {name: tuple(_in_float8(op, element_bytes) if _converted(op, recipe) else op for op in passed)
            + cast_ops(products, recipe.casts[name], recipe, element_bytes) for name, passed in layer.ops.items()}
     saved = layer.saved_tensors
     if recipe.saves_float8_inputs and layer.linear_input_saves:
@@ -118,15 +133,18 @@ def _weighed_products(layer: LayerCount, recipe: Fp8Recipe) -> tuple[OpCount, ..
     """A transformer layer's forward linear products whose weights the recipe casts once a step (none else)."""
     if not (recipe.weights_per_step and attends(layer)):
         return ()
-    return tuple(op for op in layer.ops.get("fwd", ()) if _linear(op))
+    return tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
 
 
-def step_cast_ops(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> tuple[OpCount, ...]:
-    """The weight casts a recipe runs once per optimizer step (TransformerEngine's), for a transformer layer."""
-    return cast_ops(_weighed_products(layer, recipe), ("weight",), recipe, element_bytes)
+def step_cast_ops(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int,
+                  expert_ranks: int = 1) -> tuple[OpCount, ...]:
+    """The weight casts a recipe runs once per optimizer step (TransformerEngine's), for a transformer layer on
+    one of `expert_ranks` expert-parallel ranks."""
+    return cast_ops(_weighed_products(layer, recipe), ("weight",), recipe, element_bytes, expert_ranks)
 
 
-def float8_weight_bytes(layer: LayerCount, recipe: Fp8Recipe) -> int:
-    """The float8 weight casts the recipe holds between steps for `layer` (each product's n × k weight)."""
-    return sum(op.count * op.shape[2] * op.shape[3] for op in _weighed_products(layer, recipe)) * \
-        recipe.weight_copy_bytes
+def float8_weight_bytes(layer: LayerCount, recipe: Fp8Recipe, expert_ranks: int = 1) -> int:
+    """The float8 weight casts the recipe holds between steps for `layer` on one of `expert_ranks` expert-parallel
+    ranks (each product's n × k weight, a routed product's for the rank's share of its experts)."""
+    return sum(op.count * (op.shape[0] // expert_ranks if op.routed else 1) * op.shape[2] * op.shape[3]
+               for op in _weighed_products(layer, recipe)) * recipe.weight_copy_bytes

@@ -1,6 +1,6 @@
 """NVIDIA's published MoE throughput on H100 (benchmarks/published_moe.py and the rows it recorded in
-benchmarks/published_moe.json): every expressible row is recorded with the CSV's figure and its layout, the others
-are left out with a reason, and a row's printed command reproduces its recorded prediction."""
+benchmarks/published_moe.json): every expressible row is recorded with the CSV's figure, its layout and its recipe's
+token dispatcher, and a row's printed command reproduces its recorded prediction."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.conftest import simulate_json
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / "nemo-megatron-bridge-moe-h100.csv").open()))
-EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "DeepSeekV3"))]
+EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith("Qwen3_30B_a3B")]
 
 
 def _flag(args: list[str], flag: str) -> str:
@@ -24,7 +24,7 @@ def _flag(args: list[str], flag: str) -> str:
 
 
 def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
-    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 8
+    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 7
     for row, published in zip(RECORDED, EXPRESSIBLE):
         args = shlex.split(row["command"])
         t, p, e, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
@@ -37,6 +37,9 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == "fp8"
         chunks = "1" if published["virtual_pipeline"] == "n/a" else published["virtual_pipeline"]
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
+        flex = (p, chunks, e) in ((1, "1", 16), (2, "12", 8))  # the layouts whose recipes ran DeepEP or HybridEP
+        assert (_flag(args, "--token-dispatcher") if "--token-dispatcher" in args else None) == (
+            "deepep" if flex else None)
         predicted = int(published["global_batch"]) * int(published["sequence_length"]) / (
             row["command_ms"] / 1e3 * gpus)
         assert row["predicted_tokens_per_s_per_gpu"] == pytest.approx(predicted, rel=1e-12)
