@@ -31,24 +31,27 @@ MOE = {"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "experts
        "shared_experts": 1, "expert_ffn": 8}
 
 
-def ep_spec(method: str, m: int, optimizer: str, **options: float) -> RunSpec:
-    """The gpt with 4 routed experts and a shared one in each of its 2 blocks, over 2 stages, E = d = 2."""
-    return RunSpec(build(method, 2, m, 2, data_parallel=2, expert_parallel=2), "gpt", {**MOE, **options},
+def ep_spec(method: str, m: int, optimizer: str, stages: int = 2, replicas: int = 2, **options: float) -> RunSpec:
+    """The gpt with 4 routed experts and a shared one in each of its 2 blocks, over `stages` stages and `replicas`
+    data-parallel replicas, E = 2 of them in each expert-parallel group."""
+    return RunSpec(build(method, stages, m, 2, data_parallel=replicas, expert_parallel=2), "gpt", {**MOE, **options},
                    microbatch_size=2, optimizer=optimizer, lr=0.05, seed=3, dtype="float64", heldout=False)
 
 
-@pytest.mark.parametrize("method, m, optimizer, options", [
-    ("1f1b", 2, "sgd", {}),
-    ("zb-h1", 4, "momentum", {"capacity_factor": 0.75}),  # each expert drops past 6 of a micro-batch's 32 copies
-    ("dualpipev", 4, "sgd", {"layers": 4}),  # overlapped F&B pairs, run part after part
+@pytest.mark.parametrize("method, m, optimizer, shape, options", [
+    ("1f1b", 2, "sgd", {}, {}),
+    ("zb-h1", 4, "momentum", {}, {"capacity_factor": 0.75}),  # each expert drops past 6 of a micro-batch's 32 copies
+    ("dualpipev", 4, "sgd", {}, {"layers": 4}),  # overlapped F&B pairs, run part after part
+    ("1f1b", 2, "sgd", {"stages": 1, "replicas": 4}, {}),  # two groups: each expert averaged over its 2 holders
 ])
-def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(method, m, optimizer, options):
-    spec = ep_spec(method, m, optimizer, **options)
+def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(method, m, optimizer, shape, options):
+    spec = ep_spec(method, m, optimizer, **shape, **options)
+    replicas = spec.schedule.data_parallel
     result = run_multiprocess(spec, timeout_s=120)
     losses: list[float] = []
-    want = single_process(replace(spec, schedule=build("gpipe", 2, 2 * m, 2)), losses)
+    want = single_process(replace(spec, schedule=build("gpipe", 2, replicas * m, 2)), losses)
     np.testing.assert_allclose(result.losses[0], losses, **TIGHT)
-    for q in range(2):  # each replica's experts are its group's two halves, whole again
+    for q in range(replicas):  # each replica's experts are its group's two halves, whole again
         got = [w for k in range(spec.schedule.num_stages) for w in result.replica_weights[q][(k, 0)]]
         assert [w.shape for w in got] == [w.shape for w in want]
         for a, b in zip(got, want):
