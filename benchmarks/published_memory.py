@@ -12,7 +12,8 @@ and run as written (in-process, --json or --out added to read its figure).
   70B and 405B with FSDP, TP, PP, CP and Float8), its command built from the row's columns (`torchtitan_command`),
   the fullest device's peak against the published memory, with what pipesim does not model (torch.compile, async
   TP); the two rows of 262,144 tokens listed (beyond the configs' positions);
-- the zero-bubble paper's Table 4: not reachable from here (benchmarks/published/README.md).
+- the zero-bubble paper's Table 4 (zero-bubble-2024-table4.csv): peak memory of 1F1B, interleaved 1F1B, ZB-1p and
+  ZB-2p for its four GPTs on A100 80GB, each as its fork launched it (`zero_bubble_command`).
 
     python benchmarks/published_memory.py                 # the tables, then each row's command
     python benchmarks/published_memory.py --json out.json # and the rows as JSON
@@ -162,11 +163,51 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
     return compared, listed
 
 
+# The zero-bubble paper's runs as its Megatron-LM fork launched them when the paper was written
+# (sail-sg/zero-bubble-pipeline-parallelism 425b42e5, examples/pretrain_zero_bubble.sh): --fp16 (16-bit gradients,
+# float32 master weights and moments, no distributed optimizer), Megatron-LM's default attention (unfused, no
+# --use-flash-attn) and dropout (0.1), no tensor or data parallelism, the blocks cut by --allow-padding-num-layers.
+# Its SentencePiece tokenizer is not in the repository: Llama's 32,000 pieces are taken, which size only the
+# first stage's embedding and the last's head. ZB-1p and ZB-2p are schedules searched under an activation limit of
+# p and 2p micro-batches (the paper's section 5.1): pipesim's handcrafted ZB-H1 and ZB-H2 keep the same limits.
+ZERO_BUBBLE_VOCAB = 32000
+ZERO_BUBBLE_SCHEDULES = {"1F1B": "1f1b", "1F1B-I": "interleaved-1f1b", "ZB-1p": "zb-h1", "ZB-2p": "zb-h2"}
+
+
+def zero_bubble_command(row: dict[str, str]) -> list[str]:
+    """A row of the zero-bubble paper's Table 4 as pipesim's command line; 1F1B-I with one block per chunk, as the
+    paper ran it, the blocks padded to chunks of the p stages (the fork's `get_offset`)."""
+    layers, stages = int(row["layers"]), int(row["gpus"])
+    schedule = ZERO_BUBBLE_SCHEDULES[row["schedule"]]
+    chunks = ["--chunks", str(-(-layers // stages))] if schedule == "interleaved-1f1b" else []
+    return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden_size"], "--heads",
+            row["attention_heads"], "--seq-len", row["sequence_length"], "--vocab", str(ZERO_BUBBLE_VOCAB),
+            "--dropout", "0.1", "--dtype", "fp16", "--attention", "math", "-b", row["microbatch_size"],
+            "--gpu", "a100-sxm-80gb", "-p", str(stages), "-m", row["microbatches"], "-s", schedule, *chunks,
+            "--stage-cut", "padded-blocks"]
+
+
+def zero_bubble() -> list[dict]:
+    """Table 4's memory per model and schedule (the same at each of its three micro-batch counts, so simulated at
+    the fewest), the fullest device's peak in GiB (Megatron-LM's report_memory divides by 1024²) against it."""
+    out = []
+    for row in _rows("zero-bubble-2024-table4.csv"):
+        run = f"{row['model']} {row['schedule']}"
+        if any(r["run"] == run for r in out):
+            continue
+        args = zero_bubble_command(row)
+        predicted = fullest(args)["peak_mib"] / 1024
+        published = float(row["memory_gb"])
+        out.append({"run": run, "predicted_gib": predicted, "published_gib": published,
+                    "error": predicted / published - 1, "command": command_text(args)})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
-    compared, ran, (titan, listed) = table2(), measured_runs(), torchtitan()
+    compared, ran, (titan, listed), bubble = table2(), measured_runs(), torchtitan(), zero_bubble()
     width = max(len(r["run"]) for r in compared)
     print(f"{'Korthikanti 2022 Table 2':<{width}}  {'pipesim':>9} {'paper':>9} {'error':>7}   (MiB per layer)")
     for r in compared:
@@ -198,13 +239,20 @@ def main() -> None:
         print(f"  {r['run']}: " + ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items()))
     for r in listed:
         print(f"  not simulated: {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
-    print("\nzero-bubble (Qi et al. 2024) Table 4: not reachable offline; see benchmarks/published/README.md")
+    table = Table(title="zero-bubble (Qi et al. 2024) Table 4: peak memory on A100 80GB (GiB)")
+    for name, justify in (("run", "left"), ("pipesim", "right"), ("paper", "right"), ("error", "right")):
+        table.add_column(name, justify=justify)
+    for r in bubble:
+        table.add_row(r["run"], f"{r['predicted_gib']:.1f}", f"{r['published_gib']:.0f}", f"{r['error']:+.1%}")
+    print_table(table)
+    errors = [abs(r["error"]) for r in bubble]
+    print(f"|error|: median {statistics.median(errors):.1%}, worst {max(errors):.1%} over {len(bubble)} rows")
     print("\nEach row's command:")
-    for r in compared + ran + titan:
+    for r in compared + ran + titan + bubble:
         print(f"{r['run']}:\n  {r['command']}")
     if args.json:
         args.json.write_text(json.dumps({"table2": compared, "measured_running": ran, "torchtitan": titan,
-                                         "torchtitan_not_modelled": listed}, indent=1) + "\n")
+                                         "torchtitan_not_modelled": listed, "zero_bubble": bubble}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

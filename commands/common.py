@@ -92,7 +92,9 @@ StageCut = Annotated[str, typer.Option(
     "--stage-cut", metavar="HOW", help="How --gpu's or --profile's layers are cut into the p·v model stages: "
                                        "balanced (the slowest stage as fast as can be, PipeDream's planner) or "
                                        "equal-blocks (as many of the model's blocks in each, the layers before "
-                                       "them in the first, after them in the last: Megatron-LM's cut).")]
+                                       "them in the first, after them in the last: Megatron-LM's cut) or "
+                                       "padded-blocks (as many padded to a multiple of the stages, one fewer in "
+                                       "the last, first, ... stage per padded block: the zero-bubble paper's).")]
 NetworkGbS = Annotated[float | None, typer.Option(
     "--network-gb-s", metavar="GB/S", help="With --data-parallel and typed costs: each GPU's network bandwidth for "
                                            "the gradient all-reduce (--comm: the latency of each ring step). "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..profiles.linkfit import piecewise_ms
-from ..profiles.partition import PartitionError, equal_blocks, partition
+from ..profiles.partition import PartitionError, equal_blocks, padded_blocks, partition
 from ..schedules import COLLECTIVE_KINDS, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
@@ -31,9 +31,11 @@ if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile
     from .estimate import PlacementLinks
 
-# How a profile's layers are cut into model stages: balanced for time (PipeDream's planner, `partition`), or the
-# same number of the model's blocks per stage (Megatron-LM's cut, `equal_blocks`)
-STAGE_CUTS = ("balanced", "equal-blocks")
+# How a profile's layers are cut into model stages: balanced for time (PipeDream's planner, `partition`), the
+# same number of the model's blocks per stage (Megatron-LM's cut, `equal_blocks`), or as many padded, one fewer
+# at the ends (the zero-bubble paper's fork, `padded_blocks`)
+BLOCK_CUTS = {"equal-blocks": equal_blocks, "padded-blocks": padded_blocks}
+STAGE_CUTS = ("balanced", *BLOCK_CUTS)
 
 
 @dataclass(frozen=True)
@@ -355,12 +357,12 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     if num_stages > len(measured.layers):
         raise CostError(f"--profile: the schedule has {num_stages} model stages but the profile's model has "
                         f"{len(measured.layers)} layers; lower --stages or --chunks")
-    if stage_cut == "equal-blocks":
+    if stage_cut in BLOCK_CUTS:
         try:
-            return equal_blocks([layer.name.partition(":")[2] or layer.name for layer in measured.layers],
-                                num_stages)
+            return BLOCK_CUTS[stage_cut]([layer.name.partition(":")[2] or layer.name for layer in measured.layers],
+                                         num_stages)
         except PartitionError as exc:
-            raise CostError(f"--stage-cut equal-blocks: {exc}; use --stage-cut balanced") from None
+            raise CostError(f"--stage-cut {stage_cut}: {exc}; use --stage-cut balanced") from None
     if num_stages == measured.partition.stages:
         return measured.partition.bounds
     return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages)

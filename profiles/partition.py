@@ -9,6 +9,7 @@ warm-up forwards and the one whose backward has not run yet). Communication buff
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,17 +99,46 @@ def equal_blocks(kinds: Sequence[str], stages: int) -> list[int]:
     one contiguous run), the layers before them with the first stage and those after with the last: how
     Megatron-LM cuts a transformer (the embedding with the first stage, the head with the last), which refuses a
     block count the stages do not divide (megatron/model/transformer.py, `_get_num_layers`)."""
+    first, blocks, kind = _block_run(kinds, stages)
+    if blocks % stages:
+        raise PartitionError(f"{blocks} blocks ({kind}) do not divide into {stages} model stages (p·v)")
+    return _bounds(kinds, first, [blocks // stages] * stages)
+
+
+def padded_blocks(kinds: Sequence[str], stages: int) -> list[int]:
+    """Stage bounds as the zero-bubble paper's Megatron-LM fork cuts a block count the stages do not divide
+    (`--allow-padding-num-layers`; sail-sg/zero-bubble-pipeline-parallelism, megatron/arguments.py and
+    `ParallelTransformer.get_offset`): padded up to a multiple of the stages, each stage as many blocks, then one
+    fewer in the last stage, the first, the second, ... for each padded block, so that with two the ends, which
+    also hold the embedding and the loss, have one block fewer than the rest (the paper's section 5.1)."""
+    first, blocks, _ = _block_run(kinds, stages)
+    per = -(-blocks // stages)
+    sizes = [per] * stages
+    for stage in range(-1, per * stages - blocks - 1):
+        sizes[stage] -= 1
+    return _bounds(kinds, first, sizes)
+
+
+def _block_run(kinds: Sequence[str], stages: int) -> tuple[int, int, str]:
+    """Where the model's blocks (the layers of its most common kind, on a tie the first seen) start, how many
+    there are, and their kind; refused where they are not one contiguous run."""
     _check(kinds, stages)
-    kind = max(dict.fromkeys(kinds), key=kinds.count)  # on a tie, the first seen
+    kind = max(dict.fromkeys(kinds), key=kinds.count)
     where = [i for i, k in enumerate(kinds) if k == kind]
     first, blocks = where[0], len(where)
     if where[-1] - first + 1 != blocks:
         raise PartitionError(f"the model's {blocks} {kind} layers are not one run of blocks, so equal blocks per "
                              "stage are not defined for it")
-    if blocks % stages:
-        raise PartitionError(f"{blocks} blocks ({kind}) do not divide into {stages} model stages (p·v)")
-    per = blocks // stages
-    return [0, *(first + per * k for k in range(1, stages)), len(kinds)]
+    return first, blocks, kind
+
+
+def _bounds(kinds: Sequence[str], first: int, sizes: Sequence[int]) -> list[int]:
+    """Bounds of stages holding `sizes` blocks each from `first`, the layers before with the first stage and
+    those after with the last; refused where a stage would hold no layer."""
+    bounds = [0, *(first + sum(sizes[:k]) for k in range(1, len(sizes))), len(kinds)]
+    if any(b >= c for b, c in itertools.pairwise(bounds)):
+        raise PartitionError(f"{sum(sizes)} blocks cut as {sizes} leave a model stage without a layer")
+    return bounds
 
 
 def _check(layers: Sequence, stages: int) -> int:

@@ -85,3 +85,23 @@ def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(mon
         assert code == 0, err
         devices = json.loads(out)["results"][0]["devices"]
         assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["predicted_gib"])
+
+
+def test_the_zero_bubble_papers_table4_is_compared_per_model_and_schedule(monkeypatch, tmp_path):
+    """Its 48 memory figures (4 GPTs, 3 micro-batch counts, 4 schedules) are one per model and schedule, each
+    simulated from a command that launches the run as the paper's fork did; a row's command prints its figure."""
+    rows = RECORDED["zero_bubble"]
+    assert [r["run"] for r in rows] == [f"{model} {schedule}" for model in ("1.5B", "6.2B", "14.6B", "28.3B")
+                                        for schedule in ("1F1B", "1F1B-I", "ZB-1p", "ZB-2p")]
+    assert [r["published_gib"] for r in rows if r["run"].startswith("1.5B")] == [30, 40, 32, 59]
+    for r in rows:
+        assert {"--dtype fp16", "--attention math", "--dropout 0.1", "--stage-cut padded-blocks",
+                "--gpu a100-sxm-80gb"} <= flag_pairs(r["command"])
+        assert r["error"] == pytest.approx(r["predicted_gib"] / r["published_gib"] - 1)
+    row = next(r for r in rows if r["run"] == "1.5B 1F1B-I")
+    assert {"-s interleaved-1f1b", "--chunks 3", "-p 8", "-b 6"} <= flag_pairs(row["command"])
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
+    assert code == 0, err
+    devices = json.loads(out)["results"][0]["devices"]
+    assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["predicted_gib"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.profiles.partition import PartitionError, equal_blocks
+from pipesim.profiles.partition import PartitionError, equal_blocks, padded_blocks
 from tests.conftest import pipesim, simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,6 +33,20 @@ def test_equal_blocks_gives_every_stage_as_many_blocks_the_ends_with_the_first_a
         equal_blocks(["a", "b", "b", "a", "b"], 1)
 
 
+def test_padded_blocks_pads_the_blocks_to_a_multiple_of_the_stages_and_gives_the_ends_one_fewer():
+    """The zero-bubble fork's --allow-padding-num-layers: 22 blocks on 8 stages as 24, the last and the first one
+    fewer (its Table 3's 1.5B: 4p - 2 layers); one padded block comes off the last stage only."""
+    gpt = ["_Embed", *["_Block"] * 22, "Sequential"]
+    assert padded_blocks(gpt, 8) == [0, 3, 6, 9, 12, 15, 18, 21, 24]
+    assert padded_blocks(["_Embed", *["_Block"] * 7, "Sequential"], 4) == [0, 3, 5, 7, 9]
+    assert padded_blocks(["_Embed", *["_Block"] * 8, "Sequential"], 4) == equal_blocks(
+        ["_Embed", *["_Block"] * 8, "Sequential"], 4)
+    with pytest.raises(PartitionError, match="leave a model stage without a layer"):
+        padded_blocks(["_Embed", *["_Block"] * 3], 4)
+    code, _, err = pipesim("simulate", *GPT, "-p", 3, "-s", "1f1b", "--stage-cut", "padded-blocks", "--json")
+    assert code == 0, err
+
+
 def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
     args = (*GPT, "-p", 2, "-m", 4, "-s", "1f1b")
     (balanced,) = simulate_json(*args)
@@ -49,7 +63,7 @@ def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--stage-cut", "even"), "--stage-cut: choose from balanced, equal-blocks (got 'even')"),
+    (("--stage-cut", "even"), "--stage-cut: choose from balanced, equal-blocks, padded-blocks (got 'even')"),
     (("--stage-cut", "equal-blocks", "--fwd", "2"), "--stage-cut cuts --gpu's or --profile's layers into stages"),
     (("--reduce-after-flush",), "--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                                 "--data-parallel 2 or more"),
