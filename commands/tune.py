@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -163,7 +164,7 @@ def tune(
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget)
         with _working(f"searching the configurations of {len(settings):,} profiles, best bound first") as report:
-            tuning = search(settings, problem, report)
+            tuning = search(settings, problem, report, os.cpu_count() or 1)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
     if as_json:

@@ -53,8 +53,11 @@ from __future__ import annotations
 
 import heapq
 import math
+import multiprocessing
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from functools import cache
 
@@ -281,16 +284,23 @@ def twins(a: Result, b: Result) -> bool:
         speed_key(b.samples_per_s), b.peak_memory_bytes, b.staleness)
 
 
-def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None] | None = None) -> Tuning:
+def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None] | None = None,
+         workers: int = 1) -> Tuning:
     """The best configuration, its runners-up and what the limits cost (see the module docstring), over every
     profile of `settings`. A candidate is built (partitioned, costed) only when its shape's bound comes up in
-    the search, and simulated only when its own does; `report`, if given, is told how far the search is."""
+    the search, and simulated only when its own does, in `workers` processes (1: here); `report`, if given, is
+    told how far the search is."""
     started = time.perf_counter()
     orders = _Orders()
     shapes, count, refused = _shapes(settings, problem, orders)
     if not shapes:
         raise TuneError(_nothing_to_search(settings, problem, count))
-    built = _Built(problem, orders, report, len(shapes))
+    with _Built(problem, orders, report, len(shapes), workers) as built:
+        return _search(settings, problem, shapes, built, count, refused, started)
+
+
+def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], built: _Built, count: int, refused: int,
+            started: float) -> Tuning:
     limit, cap = problem.max_staleness, problem.memory_cap_bytes
 
     def fits_floor(item: Shape | Candidate) -> bool:
@@ -326,7 +336,15 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     with the candidate's own bound (never higher; a searched order's shape first goes back bounded on its
     partition, before its search, `_Built.advance`); a candidate is simulated when its bound comes up. So the
     bounds popped never rise, and the search stops at the first that can neither beat `above` nor match the
-    last group kept: no later one could."""
+    last group kept: no later one could.
+
+    With worker processes, up to `built.window` candidates are simulated at once: those popped next, while the
+    results before them are still out, and shapes that come up meanwhile are built here. Results are taken in
+    the order popped, and only when the next candidate finds the window full or the search ends, so what is
+    built and simulated does not depend on timing, and the answer is the one simulating one at a time gives: a
+    shape or candidate popped only because a result before it was not in yet has a bound no better than the
+    first that would have stopped the search, so its result can neither beat `above` nor enter the groups
+    kept; it was only built or simulated for nothing."""
     heap = []
     for shape in shapes:
         item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
@@ -334,24 +352,35 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             heap.append((-item.max_samples_per_s, shape.index, item))
     heapq.heapify(heap)
     kept: list[list[Result]] = []
-    while heap:
-        negative, index, item = heapq.heappop(heap)
-        bound = speed_key(-negative)
-        if bound <= above or (len(kept) >= groups and bound < speed_key(kept[-1][0].samples_per_s)):
-            break
-        if isinstance(item, Shape):
-            following = built.advance(item)
-            if following is not None and eligible(following):
-                heapq.heappush(heap, (-following.max_samples_per_s, index, following))
-            continue
-        result = built.result(item)
+    simulating: deque[Candidate] = deque()  # popped and submitted, in the order popped
+
+    def take(result: Result) -> None:
+        nonlocal kept
         if not keep(result) or speed_key(result.samples_per_s) <= above:
-            continue
+            return
         group = next((g for g in kept if twins(g[0], result)), None)
         if group is not None:
             group[:] = sorted([*group, result], key=rank_key)
         else:
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
+
+    while heap or simulating:
+        bound = speed_key(-heap[0][0]) if heap else above
+        if bound <= above or (len(kept) >= groups and bound < speed_key(kept[-1][0].samples_per_s)):
+            while simulating:  # what is out can only raise the bar: nothing left on the heap can beat it
+                take(built.result(simulating.popleft()))
+            break
+        if isinstance(heap[0][2], Shape):
+            _, index, shape = heapq.heappop(heap)
+            following = built.advance(shape)
+            if following is not None and eligible(following):
+                heapq.heappush(heap, (-following.max_samples_per_s, index, following))
+        elif len(simulating) >= built.window:
+            take(built.result(simulating.popleft()))
+        else:
+            candidate = heapq.heappop(heap)[2]
+            built.submit(candidate)
+            simulating.append(candidate)
     return kept
 
 
@@ -381,12 +410,18 @@ def _accounts(shapes: list[Shape], built: _Built, problem: Problem) -> tuple[int
 
 class _Built:
     """The candidates one search has built (None: refused once built, as a searched order short of memory is)
-    and simulated, each at most once, by shape index."""
+    and simulated, each at most once, by shape index; with `workers` > 1, simulated in that many spawned
+    processes (a fresh interpreter imports the simulator only; forking a parent whose progress bar runs a
+    thread is unsafe), up to `window` at once. A context manager: leaving it stops the workers."""
 
     def __init__(self, problem: Problem, orders: _Orders, report: Callable[[str], None] | None = None,
-                 shapes: int = 0) -> None:
+                 shapes: int = 0, workers: int = 1) -> None:
         self.problem = problem
         self._report, self._shapes = report, shapes
+        self.window = workers
+        self._pool = (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+                      if workers > 1 else None)
+        self._simulating: dict[int, Future] = {}
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
         self.results: dict[int, Result] = {}
@@ -429,11 +464,27 @@ class _Built:
             self._splitters[id(setting)] = _splitter(setting.scenario.measured, setting.scenario.optimizer)
         return self._splitters[id(setting)]
 
+    def submit(self, candidate: Candidate) -> None:
+        """Start simulating the candidate in a worker, if there are workers and it is not simulated yet."""
+        index = candidate.index
+        if self._pool is not None and index not in self.results and index not in self._simulating:
+            self._simulating[index] = self._pool.submit(_measured, self.problem, candidate)
+
     def result(self, candidate: Candidate) -> Result:
-        if candidate.index not in self.results:
-            self.results[candidate.index] = evaluate(self.problem, candidate)
+        index = candidate.index
+        if index not in self.results:
+            running = self._simulating.pop(index, None)
+            measured = running.result() if running is not None else _measured(self.problem, candidate)
+            self.results[index] = Result(candidate, *measured)
             self._progress()
-        return self.results[candidate.index]
+        return self.results[index]
+
+    def __enter__(self) -> _Built:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
 
     def _progress(self) -> None:
         if self._report is not None:
@@ -643,6 +694,12 @@ def _mean_reduce_ms(scenario: Scenario, stages: int, replicas: int, gradient_byt
 
 def evaluate(problem: Problem, candidate: Candidate) -> Result:
     """Simulate the candidate's long and short runs: the steady-state step, memory and bubble."""
+    return Result(candidate, *_measured(problem, candidate))
+
+
+def _measured(problem: Problem, candidate: Candidate) -> tuple[float, float, float, int]:
+    """`evaluate`'s figures without the candidate (a worker sends back only these): samples/s, the step in ms,
+    the bubble fraction and the peak memory in bytes."""
     config, scenario = candidate.config, candidate.setting.scenario
     links = scenario.links(candidate.schedule)
     short = candidate.short_schedule or build(scenario, problem, config.schedule, replace(
@@ -652,8 +709,8 @@ def evaluate(problem: Problem, candidate: Candidate) -> Result:
     growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
         candidate.schedule.minibatches - candidate.short_minibatches)
     step_ms = max(growth_ms, candidate.busiest_ms)
-    return Result(candidate, problem.batch_size / step_ms * 1e3, step_ms,
-                  1.0 - float(candidate.busy_ms.mean()) / step_ms, round(long_run.peak_memory_mb * (1 << 20)))
+    return (problem.batch_size / step_ms * 1e3, step_ms, 1.0 - float(candidate.busy_ms.mean()) / step_ms,
+            round(long_run.peak_memory_mb * (1 << 20)))
 
 
 def explain(result: Result, choice: Result, problem: Problem) -> str:

@@ -112,6 +112,21 @@ def test_search_equals_exhaustive_search(which, devices, cap_gib, kw):
     assert tuning.speed_key(choice.samples_per_s) == fastest
 
 
+def test_simulations_run_in_worker_processes_and_give_the_same_answer(monkeypatch):
+    """Two workers simulate several candidates at once; results are taken in bound order, so the answer is the
+    exhaustive search's. The simulator is broken here, in the parent: only the workers can have simulated."""
+    profile = load_profile(GPT)
+    source, prob = scenario(profile), problem(profile, 8, 0.25, max_staleness=1)
+    best, faster, staler, _ = exhaustive(source, prob)
+
+    def broken(*args, **kw):
+        raise AssertionError("simulated in the parent")
+
+    monkeypatch.setattr(tuning, "simulate", broken)
+    found = tuning.tune(source, prob, workers=2)
+    assert differences(found, best, faster, staler) == []
+
+
 def test_the_comparison_catches_a_bound_that_lies(monkeypatch):
     """Claim the true best can do no better than 1 sample/s: the search prunes it and the check must say so."""
     profile = load_profile(GPT)
