@@ -35,8 +35,10 @@ class ExpertLayout:
         return [self.layout.rank(device, q) for q in range(first, first + self.ranks)]
 
     def holders(self, device: int, replica: int) -> list[int]:
-        """The ranks of `device` that hold the same experts as `replica`: one per expert-parallel group."""
-        return [self.layout.rank(device, q) for q in range(replica % self.ranks, self.layout.replicas, self.ranks)]
+        """The ranks that hold the same experts as `replica` of `device`: of the ranks that hold its weights
+        (`Layout.group`), those of the same rank in their expert-parallel group."""
+        return [rank for rank in self.layout.group(device) if self.layout.place(rank)[1] % self.ranks
+                == replica % self.ranks]
 
 
 @dataclass
@@ -70,17 +72,16 @@ def dist_experts(layout: Layout, expert_parallel: int, rank: int, backend: str, 
         return None
     experts = ExpertLayout(layout, expert_parallel)
     timeout = timedelta(seconds=timeout_s)
+    places = [(device, replica) for device in range(layout.devices) for replica in range(layout.replicas)]
     exchange = holders = None
-    for d in range(layout.devices):
-        for first in range(0, layout.replicas, expert_parallel):
-            ranks = experts.group(d, first)
-            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+    for ranks in sorted({tuple(experts.group(*place)) for place in places}):
+        group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+        if rank in ranks:
+            exchange = ExpertExchange(group, ranks.index(rank), expert_parallel)
+    for ranks in sorted({tuple(experts.holders(*place)) for place in places}):
+        if len(ranks) > 1:  # one holder has no one to average with
+            group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
             if rank in ranks:
-                exchange = ExpertExchange(group, ranks.index(rank), expert_parallel)
-        for held in range(expert_parallel if layout.replicas > expert_parallel else 0):
-            ranks = experts.holders(d, held)
-            group = dist.new_group(ranks, timeout=timeout, backend=backend)
-            if rank in ranks:
-                holders = DistReplicas(group, ranks, rank, False, timeout_s)
+                holders = DistReplicas(group, list(ranks), rank, False, timeout_s)
     dist.all_reduce(torch.zeros(1), group=exchange.group)
     return ExpertRanks(exchange, holders)
