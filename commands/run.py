@@ -27,6 +27,7 @@ from .common import (
     ElasticAlpha,
     ExpertFfn,
     Experts,
+    Ffn,
     InputError,
     Layers,
     Microbatches,
@@ -107,6 +108,7 @@ def run(
                                                                "profile's).")] = 8,
     layers: Layers = None,
     width: Width = None,
+    ffn: Ffn = None,
     experts: Experts = None,
     top_k: TopK = None,
     shared_experts: SharedExperts = None,
@@ -177,10 +179,10 @@ def run(
         check_prediction(prediction)
         check_writable("--trace", trace)
         check_writable("--html", html)
-        options = {key: value for key, value in (("layers", layers), ("width", width), ("experts", experts),
-                                                 ("top_k", top_k), ("shared_experts", shared_experts),
-                                                 ("expert_ffn", expert_ffn), ("capacity_factor", capacity_factor))
-                   if value is not None}
+        options = {key: value for key, value in (("layers", layers), ("width", width), ("ffn", ffn),
+                                                 ("experts", experts), ("top_k", top_k),
+                                                 ("shared_experts", shared_experts), ("expert_ffn", expert_ffn),
+                                                 ("capacity_factor", capacity_factor)) if value is not None}
         if expert_parallel > 1:
             data_parallel = _expert_replicas(ctx, expert_parallel, data_parallel, device)
         bounds, measured = None, None
