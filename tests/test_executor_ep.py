@@ -129,6 +129,11 @@ def test_run_refuses_experts_it_cannot_place_in_one_line(tmp_path, flags, says):
     assert not (tmp_path / "t.json").exists()
 
 
+def test_run_takes_the_gpts_mlp_size():
+    code, _, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--ffn", 8)
+    assert code == 2 and "--ffn does not apply to mlp" in err
+
+
 def test_a_calibrated_mixture_of_experts_runs_over_e_replicas_and_compares_row_by_row(tmp_path):
     """calibrate takes the gpt's expert flags; `run --profile --expert-parallel 2` runs that model over 2 replicas
     of its 2-device pipeline (4 ranks); compare predicts it from the profile and matches every all-to-all row."""
@@ -138,11 +143,13 @@ def test_a_calibrated_mixture_of_experts_runs_over_e_replicas_and_compares_row_b
                            "-b", 1, "--no-links", "--no-runtime", "--no-contention", "--repeats", 1, "--warmup", 0,
                            "--out", profile)
     assert code == 0, err
-    code, out, err = pipesim("run", "-s", "1f1b", "--model", "gpt", "--profile", profile, "--expert-parallel", 2,
-                             "-m", 2, "-n", 2, "--trace", trace, "--json")
+    run = ("run", "-s", "1f1b", "--model", "gpt", "--profile", profile, "--expert-parallel", 2, "-m", 2, "-n", 2)
+    code, out, err = pipesim(*run, "--json")
     assert code == 0, err
     document = json.loads(out)
     assert (document["expert_parallel"], document["data_parallel"], document["hardware"]["ranks"]) == (2, 2, 4)
+    code, out, err = pipesim(*run, "--trace", trace)
+    assert code == 0 and "4 ranks (p=2, d=2, E=2)" in " ".join(out.split()), err
     assert read_trace(trace).meta.extra["model_options"]["experts"] == 4
     code, out, err = pipesim("compare", trace, "--json")
     assert code == 0, err
