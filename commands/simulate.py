@@ -410,8 +410,10 @@ def _cost_basis(scenario, schedules: list) -> str:
     if scenario.measured is not None:  # the optimizer prices the updates and sizes their state: say whose
         return f"costs: measured (--profile), {scenario.optimizer}'s updates and state (--optimizer)"
     stage_flags = sorted({flag for sched in schedules for flag in scenario.stage_flags(sched)})
-    chunked = any(sched.num_stages > sched.num_devices for sched in schedules)
-    basis = "costs: per device" + (", split over its chunks" if chunked else "")
+    chunked = any(sched.graph.stages_per_copy > sched.num_devices for sched in schedules)
+    copied = [sched.method for sched in schedules if sched.graph.copies > 1]
+    basis = "costs: per device" + (", split over its chunks" if chunked else "") + (
+        f" ({', '.join(copied)}: for each model copy it holds)" if copied else "")
     if stage_flags:
         basis += f"; {', '.join(stage_flags)} per model stage (p·v values)"
     return basis

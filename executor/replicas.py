@@ -8,9 +8,14 @@ accumulated weight gradients over that group, and the stage's update (OPT) waits
 them overlap with it, and the update applies the mean over the whole mini-batch's d x m micro-batches on every
 replica, which keeps the replicas' weights equal.
 
+A schedule of several model copies (DualPipe's two, `StageGraph.copies`) holds each model stage on several
+devices of one pipeline too: the devices that hold the same model stages (DualPipe's i and p-1-i) are peers, and
+their ranks in every replica form one group, whose mean over the copies' gradients (each the mean over its own
+micro-batches) is the whole mini-batch's.
+
 Two implementations behind one interface: threads of one process (the in-process runner) meet in a shared
-room; processes use a torch.distributed group per device (gloo on CPU and for ranks that share a GPU, staged
-through the host; NCCL when each rank has its own GPU).
+room; processes use a torch.distributed group per group of ranks (gloo on CPU and for ranks that share a GPU,
+staged through the host; NCCL when each rank has its own GPU).
 """
 
 from __future__ import annotations
@@ -25,15 +30,44 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..schedules import Kind, Schedule
 from .stages import ExecutorError
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the ranks of `replicas` pipelines of `devices` devices each sit: rank = replica * devices + device."""
+    """Where the ranks of `replicas` pipelines of `devices` devices each sit: rank = replica * devices + device.
+    `peers[d]`: the devices whose ranks hold device d's weights too, d among them (none given: d alone)."""
 
     devices: int
     replicas: int = 1
+    peers: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> Layout:
+        """The schedule's devices in each of its d replicas; with several model copies, each device's peers hold
+        the same model stages. ExecutorError where peers would reduce different model stages' gradients with
+        each other: each reduces its stages in its own order, and a group pairs its members' all-reduces in
+        the order they start them."""
+        graph, devices = schedule.graph, schedule.num_devices
+        if graph.copies == 1:
+            return cls(devices, schedule.data_parallel)
+        n = graph.stages_per_copy
+        held = [sorted({s % n for s in schedule.stages_on(d)}) for d in range(devices)]
+        reduced = [[a.stage % n for a in order if a.kind is Kind.REDUCE] for order in schedule.orders]
+        peers = tuple(tuple(e for e in range(devices) if held[e] == held[d]) for d in range(devices))
+        for d, group in enumerate(peers):
+            other = next((e for e in group if reduced[e] != reduced[d]), None)
+            if other is not None:
+                raise ExecutorError(f"{schedule.method}: devices {d} and {other} hold the same model stages "
+                                    f"{held[d]} but reduce their gradients in different orders ({reduced[d]} and "
+                                    f"{reduced[other]}), so their all-reduces would pair different stages")
+        return cls(devices, schedule.data_parallel, peers)
+
+    @property
+    def synchronised(self) -> bool:
+        """Whether any device's weights are held by more than one rank, whose gradients REDUCE rows average."""
+        return self.replicas > 1 or any(len(group) > 1 for group in self.peers)
 
     @property
     def ranks(self) -> int:
@@ -57,8 +91,9 @@ class Layout:
         return f"device {rank}" if self.replicas == 1 else f"rank {rank}{self.where(rank)}"
 
     def group(self, device: int) -> list[int]:
-        """The ranks that hold `device` in every replica, replica 0 first."""
-        return [self.rank(device, q) for q in range(self.replicas)]
+        """The ranks that hold `device`'s weights: its own and its peers' in every replica, lowest first."""
+        devices = self.peers[device] if self.peers else (device,)
+        return sorted(self.rank(d, q) for q in range(self.replicas) for d in devices)
 
     def links(self, edges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         """The pipeline links (src device, dst device, channel) of one replica, for every replica, in ranks."""
@@ -178,15 +213,15 @@ class ThreadReplicas(ReplicaGroup):
 
 
 def thread_replicas(layout: Layout, timeout_s: float) -> tuple[list[Room], list[ReplicaGroup | None]]:
-    """A room per device and every rank's member of its device's room (by rank); none without data
-    parallelism."""
-    if layout.replicas == 1:
+    """A room per group of ranks (`Layout.group`) and every rank's member of its group's room (by rank); none
+    where every device's weights are one rank's."""
+    if not layout.synchronised:
         return [], [None] * layout.ranks
-    rooms = [Room(layout.replicas) for _ in range(layout.devices)]
-    members: list[ReplicaGroup | None] = [ThreadReplicas(rooms[device], replica, layout.name(rank), timeout_s)
-                                          for rank, (device, replica) in enumerate(map(layout.place,
-                                                                                       range(layout.ranks)))]
-    return rooms, members
+    groups = [tuple(layout.group(layout.place(rank)[0])) for rank in range(layout.ranks)]
+    rooms = {group: Room(len(group)) for group in sorted(set(groups))}
+    members: list[ReplicaGroup | None] = [ThreadReplicas(rooms[group], group.index(rank), layout.name(rank),
+                                                         timeout_s) for rank, group in enumerate(groups)]
+    return list(rooms.values()), members
 
 
 # --------------------------------------------------------------------------------------- torch.distributed
@@ -241,14 +276,15 @@ class DistReplicas(ReplicaGroup):
 def dist_replicas(layout: Layout, rank: int, backend: str, compute: torch.device, staged: bool,
                   timeout_s: float) -> ReplicaGroup | None:
     """This rank's member of its device's group (the rank computes on `compute`), once every rank has created
-    every device's group (creating a group is collective over the job: all ranks call this together) and each
-    group has run one all-reduce of one element (NCCL creates its communicator then, blocking until every
-    member joins; and the first REDUCE row times the all-reduce alone). None without data parallelism."""
-    if layout.replicas == 1:
+    every group (creating a group is collective over the job: all ranks call this together; peers share one) and
+    each group has run one all-reduce of one element (NCCL creates its communicator then, blocking until every
+    member joins; and the first REDUCE row times the all-reduce alone). None where every device's weights are
+    one rank's."""
+    if not layout.synchronised:
         return None
     timeout = timedelta(seconds=timeout_s)
-    groups = [dist.new_group(layout.group(device), timeout=timeout, backend=backend)
-              for device in range(layout.devices)]
-    device, _ = layout.place(rank)
-    dist.all_reduce(torch.zeros(1, device="cpu" if staged else compute), group=groups[device])
-    return DistReplicas(groups[device], layout.group(device), rank, staged, timeout_s)
+    groups = {members: dist.new_group(list(members), timeout=timeout, backend=backend)
+              for members in sorted({tuple(layout.group(device)) for device in range(layout.devices)})}
+    mine = tuple(layout.group(layout.place(rank)[0]))
+    dist.all_reduce(torch.zeros(1, device="cpu" if staged else compute), group=groups[mine])
+    return DistReplicas(groups[mine], list(mine), rank, staged, timeout_s)

@@ -94,7 +94,7 @@ def _lowered(spec: RunSpec):
 
 def _layout(spec: RunSpec) -> Layout:
     """The ranks of the run: the schedule's devices in each of its d data-parallel replicas."""
-    return Layout(spec.schedule.num_devices, spec.schedule.data_parallel)
+    return Layout.of(spec.schedule)
 
 
 def run_in_process(spec: RunSpec) -> RunResult:

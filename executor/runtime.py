@@ -273,7 +273,8 @@ class DeviceLoop:
         self.torch_device = transport.device
         self.on_cuda = self.torch_device.type == "cuda"  # the allocator counts memory; nothing to add up
         schedule = lowered.schedule
-        self.m = schedule.microbatches
+        # the micro-batches each stage runs (a model copy runs its share; its REDUCE rows average the copies' means)
+        self.m = schedule.microbatches // schedule.graph.copies
         self.placement = schedule.placement
         self.pipelines = schedule.pipelines
         if (experts.ranks if experts else 1) != schedule.expert_parallel:

@@ -3,11 +3,13 @@ and outputs where the layers form a DAG, as GraphPipe's stages do), the data eve
 crosses each stage edge: the layer outputs a later stage reads, as one flat tensor.
 
 Every rank builds the whole model from one seed, so a stage's initial weights equal those of the same layers
-in a single-process run, whichever rank holds it.
+in a single-process run, whichever rank holds it. A schedule of several model copies (DualPipe's two:
+`StageGraph.copies`) cuts the model once, into one copy's stages; every copy's stage s holds stage s's layers.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -160,7 +162,8 @@ class StageModule(nn.Module):
 
 @dataclass
 class Stages:
-    """The model cut into the schedule's stages: `modules[k]` runs layers `bounds[k]:bounds[k+1]`;
+    """The model cut into the schedule's stages: `modules[k]` runs layers `bounds[k]:bounds[k+1]` (with several
+    model copies, of p stages each, `bounds[k mod p]:bounds[k mod p + 1]`);
     `in_edges[k]` / `out_edges[k]` the stage edges into and out of stage k, in the order its module takes
     and returns them; `reads_batch[k]` whether it takes the batch first; `edge_shapes[e]` / `edge_dtypes[e]`
     what crosses edge e (its gradient comes back with the same)."""
@@ -196,11 +199,19 @@ def _path(graph: StageGraph, src: int, dst: int) -> list[int] | None:
     return path[::-1]
 
 
+def _one_copy(schedule: Schedule) -> StageGraph:
+    """The stage graph of one model copy: the schedule's, or its first copy's stages and edges."""
+    graph = schedule.graph
+    n = graph.stages_per_copy
+    return graph if graph.copies == 1 else StageGraph(n, tuple(e for e in graph.edges if e[1] < n))
+
+
 def _route(name: str, inputs: Sequence[Sequence[int]], bounds: list[int], schedule: Schedule
            ) -> dict[tuple[int, int], set[int]]:
-    """Per stage edge, the layer outputs it carries when layers wired by `inputs` are cut at `bounds`;
-    ExecutorError where the stage graph cannot carry the cut."""
-    graph, p = schedule.graph, schedule.num_stages
+    """Per edge of one model copy's stage graph, the layer outputs it carries when layers wired by `inputs` are
+    cut at `bounds`; ExecutorError where the stage graph cannot carry the cut."""
+    graph = _one_copy(schedule)
+    p = graph.num_stages
     stage_of = [k for k in range(p) for _ in range(bounds[k], bounds[k + 1])]
     sinks = [k for k in range(p) if not graph.succs[k]]
     if sinks != [stage_of[-1]]:
@@ -237,7 +248,7 @@ def carried_bounds(spec: RunSpec, layer_ms: Sequence[float] | None = None,
     A branching model cut as a chain (by a profile's partition, or evenly) may not fit a graph schedule's
     stages (GraphPipe's diamond): its branches must land on the graph's branches."""
     model = model if model is not None else spec.build_model()
-    inputs, layers, p = model.inputs, len(model.layers), spec.schedule.num_stages
+    inputs, layers, p = model.inputs, len(model.layers), spec.schedule.graph.stages_per_copy
 
     def carries(bounds: Sequence[int]) -> bool:
         try:
@@ -268,9 +279,9 @@ def cut(spec: RunSpec, model: Model | None = None) -> Stages:
     nothing, the last layer not on the one final stage) fails with one clear message. Without `spec.bounds`
     the cut is the even one where the stage graph carries it, else the most even one it carries."""
     schedule = spec.schedule
-    graph = schedule.graph
+    graph = _one_copy(schedule)
     model = model if model is not None else spec.build_model()
-    layers, p = len(model.layers), schedule.num_stages
+    layers, p = len(model.layers), graph.num_stages
     if spec.bounds is None:  # the even cut, or the most even one the stage graph carries
         default = carried_bounds(spec, model=model)
         bounds = list(default) if default is not None else even_bounds(layers, p)  # none: _route says why not
@@ -297,7 +308,16 @@ def cut(spec: RunSpec, model: Model | None = None) -> Stages:
     modules = [StageModule(model, bounds[k], bounds[k + 1], reads_batch[k], [shaped[e] for e in in_edges[k]],
                            [shaped[e] for e in out_edges[k]]) for k in range(p)]
     edge_shapes = {e: (sum(math.prod(shape) for _, shape in outs),) for e, outs in shaped.items()}
-    return Stages(model, bounds, modules, in_edges, out_edges, reads_batch, edge_shapes, edge_dtypes)
+    copies = schedule.graph.copies  # copy c's stage s: stage c·p + s, its own module of stage s's layers and weights
+    modules += [copy.deepcopy(modules[s]) for _ in range(1, copies) for s in range(p)]
+
+    def shifted(edges: list[tuple[int, int]], c: int) -> list[tuple[int, int]]:
+        return [(a + c * p, b + c * p) for a, b in edges]
+
+    return Stages(model, bounds, modules, [shifted(in_edges[s], c) for c in range(copies) for s in range(p)],
+                  [shifted(out_edges[s], c) for c in range(copies) for s in range(p)], reads_batch * copies,
+                  {shifted([e], c)[0]: shape for c in range(copies) for e, shape in edge_shapes.items()},
+                  {shifted([e], c)[0]: dtype for c in range(copies) for e, dtype in edge_dtypes.items()})
 
 
 @torch.no_grad()

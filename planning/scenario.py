@@ -180,13 +180,16 @@ class Scenario:
                               min(per_node, ranks), placement.node_link.latency_ms)
 
     def _costs(self, sched: Schedule, bounds: Sequence[int] | None) -> Costs:
-        n = sched.num_stages
+        n, copies = sched.num_stages, sched.graph.copies  # several model copies: each copy's stage s is stage s
         if self.measured is not None:
-            cut = list(bounds) if bounds is not None else profile_bounds(self.measured, n, self.stage_cut)
-            return profile_costs(self.measured, self.optimizer, cut, dag=sched.graph.edges != StageGraph.chain(n).edges)
+            per_copy = sched.graph.stages_per_copy
+            cut = list(bounds) if bounds is not None else profile_bounds(self.measured, per_copy, self.stage_cut)
+            costs = profile_costs(self.measured, self.optimizer, cut,
+                                  dag=sched.graph.edges != StageGraph.chain(n, copies).edges)
+            return replace(costs, stages=costs.stages * copies)
         held = Counter(sched.placement)  # model stages per device
-        share = {"stage": [1.0] * n, "device": [1.0 / held[d] for d in sched.placement],
-                 "model": [1.0 / n] * n}[self.per]
+        share = {"stage": [1.0] * n, "device": [copies / held[d] for d in sched.placement],
+                 "model": [copies / n] * n}[self.per]
         values = {flag: self._per_stage(flag, given, sched, share) for flag, given in self.per_stage.items()}
 
         def shared(ms: float | None) -> list[float] | None:  # an update's work scales with the stage's weights

@@ -582,6 +582,9 @@ class _Sketch:
 
     @classmethod
     def of(cls, order: _Order) -> _Sketch:
+        if order.schedule.graph.copies > 1:  # the search cuts one chain of p·v stages, not a copy of each
+            raise ScheduleError(f"{order.schedule.method}: the search cuts the model into one chain of stages; a "
+                                f"schedule of {order.schedule.graph.copies} model copies is not searched yet")
         m = order.schedule.microbatches
         f, b, i, w = (order.per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
         chain = (order.chain[0] / m, order.chain[1]) if order.chain is not None else None

@@ -42,7 +42,8 @@ def validate(schedule: Schedule) -> None:
 
 
 def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None:
-    """Each (stage, micro-batch, mini-batch, pipeline) has one F and one backward (B, or I and W), and with E > 1
+    """Each (stage, micro-batch, mini-batch, pipeline) has one F and one backward (B, or I and W), where the stage
+    runs the micro-batch (a model copy's stages run its share: `StageGraph.copies`; none elsewhere), and with E > 1
     expert-parallel ranks one A2A_F and one A2A_B, none with E = 1; each (stage, mini-batch, pipeline) one OPT, and
     with d > 1 data-parallel replicas one REDUCE, or one per `reduced_passes` row, and with a sharded optimizer
     one GATHER, under ZeRO-3 one per `gathered_passes` row; none with d = 1; every action runs on the device its
@@ -90,10 +91,14 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
             problems.append(f"{_unit_action(schedule, kind, int(u))} appears {counts[u]} times")
     for u in np.flatnonzero(opt > 1)[:5]:
         problems.append(f"{_step_action(schedule, int(u))} appears {opt[u]} times")
-    for u in np.flatnonzero(count[Kind.F] == 0)[:5]:
+    runs = _runs(schedule)
+    for u in np.flatnonzero(runs & (count[Kind.F] == 0))[:5]:
         problems.append(f"{_unit_action(schedule, Kind.F, int(u))} missing")
     full, split = count[Kind.B], count[Kind.I] + count[Kind.W]
-    backward_ok = ((full == 1) & (split == 0)) | ((full == 0) & (count[Kind.I] == 1) & (count[Kind.W] == 1))
+    backward_ok = np.where(runs, ((full == 1) & (split == 0)) | ((full == 0) & (count[Kind.I] == 1)
+                                                                 & (count[Kind.W] == 1)), full + split == 0)
+    for u in np.flatnonzero(~runs & (count[Kind.F] > 0))[:5]:
+        problems.append(f"{_unit_action(schedule, Kind.F, int(u))}: its micro-batch is another model copy's")
     for u in np.flatnonzero(~backward_ok)[:5]:
         problems.append(f"{_unit_action(schedule, Kind.B, int(u))}: needs one B, or one I and one W")
     for u in np.flatnonzero(opt == 0)[:5]:
@@ -108,6 +113,14 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
     if problems:
         shown = "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
         raise ScheduleError(f"{schedule.method}: incomplete schedule: {shown}")
+
+
+def _runs(schedule: Schedule) -> np.ndarray:
+    """Per unit (`ActionTable.unit_index`), whether its stage runs its micro-batch: always, but where the stages
+    are several model copies, each running its own share of the micro-batches (`StageGraph.copies`)."""
+    m, per_stage = schedule.microbatches, schedule.microbatches * schedule.minibatches * schedule.pipelines
+    unit = np.arange(schedule.num_stages * per_stage)
+    return schedule.graph.copy_of(unit // per_stage) == schedule.copy_of_microbatch(unit // (per_stage // m) % m)
 
 
 def overlapped_pairs(schedule: Schedule) -> int:
@@ -243,7 +256,7 @@ def _describe(key: _Key) -> str:
 def find_deadlock(schedule: Schedule) -> dict[int, tuple[Action, _Key]]:
     """Dry-run every device in order; return, per device that cannot finish, its first action that can
     never start and what it waits for. Empty when the order completes."""
-    m = schedule.microbatches
+    m = schedule.microbatches // schedule.graph.copies  # the micro-batches each stage runs
     done: set[_Key] = set()
     wgrads: Counter[tuple[int, int, int]] = Counter()
     waiting: dict[_Key, list[int]] = defaultdict(list)

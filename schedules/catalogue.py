@@ -22,7 +22,7 @@ SEARCHED = (
 )
 _ALL = {method.name: method for method in (*BASELINES, *RIVALS, *SEARCHED, *ASYNCHRONOUS, *GRAPH)}
 # The order the command line lists them in: fixed synchronous methods, the searched one, asynchronous ones, the rest.
-_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "auto", "pipedream",
+_ORDER = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe", "auto", "pipedream",
           "pipedream-2bw", "spectrain", "pipeoptim", "xpipe", "avgpipe", "graphpipe")
 METHODS: dict[str, Method] = {name: _ALL[name] for name in sorted(_ALL, key=lambda n: (_ORDER + (n,)).index(n))}
 

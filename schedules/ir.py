@@ -172,10 +172,17 @@ def parse_token(text: str) -> tuple[Action, ...]:
 
 @dataclass(frozen=True)
 class StageGraph:
-    """Model stages and the edges activations flow along: a chain by default, a DAG for GraphPipe."""
+    """Model stages and the edges activations flow along: a chain by default, a DAG for GraphPipe.
+
+    `copies` > 1: the stages are that many copies of one model's n = num_stages / copies stages (copy c's stage s
+    is stage c·n + s, with copy 0's edges shifted by c·n), each copy fed its own share of every mini-batch's
+    micro-batches (`Schedule.copy_of_microbatch`); a stage's copies hold the same weights, their gradients summed
+    before each update. DualPipe feeds two copies from the two ends of the devices (DeepSeek-V3's report, 3.2.1).
+    """
 
     num_stages: int
     edges: tuple[tuple[int, int], ...]
+    copies: int = 1
     preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
@@ -194,10 +201,31 @@ class StageGraph:
         object.__setattr__(self, "preds", tuple(tuple(p) for p in preds))
         object.__setattr__(self, "succs", tuple(tuple(s) for s in succs))
         self.topological_order()
+        self._check_copies()
         self._check_connected()
 
+    @property
+    def stages_per_copy(self) -> int:
+        return self.num_stages // self.copies
+
+    def copy_of(self, stage: int) -> int:
+        return stage // self.stages_per_copy
+
+    def _check_copies(self) -> None:
+        """Every copy has copy 0's edges, shifted to its own stages, and no edge joins two copies."""
+        if self.copies < 1 or self.num_stages % self.copies:
+            raise ScheduleError(f"a stage graph of {self.copies} model copies needs a multiple of {self.copies} "
+                                f"stages (got {self.num_stages})")
+        n = self.stages_per_copy
+        first = sorted((a, b) for a, b in self.edges if b < n)
+        wanted = sorted((a + c * n, b + c * n) for c in range(self.copies) for a, b in first)
+        if self.copies > 1 and sorted(self.edges) != wanted:
+            raise ScheduleError(f"a stage graph of {self.copies} model copies holds copy 0's edges {first} shifted "
+                                f"to each copy's {n} stages, and no edge between copies (got {sorted(self.edges)})")
+
     def _check_connected(self) -> None:
-        """One model: its stages joined by edges (either way) into one graph; else the message names the parts."""
+        """One model: its stages (each copy's) joined by edges (either way) into one graph; else the message names
+        the parts."""
         part = [-1] * self.num_stages
         parts: list[list[int]] = []
         for first in range(self.num_stages):
@@ -212,14 +240,17 @@ class StageGraph:
                         members.append(other)
                         todo.append(other)
             parts.append(sorted(members))
-        if len(parts) > 1:
+        if len(parts) > self.copies:
             named = ", ".join(map(str, parts[:-1])) + f" and {parts[-1]}"
             raise ScheduleError(f"stage graph is not connected: no edges join its {len(parts)} parts, stages {named}; "
                                 "one model's stages must form one graph")
 
     @classmethod
-    def chain(cls, num_stages: int) -> StageGraph:
-        return cls(num_stages, tuple((k, k + 1) for k in range(num_stages - 1)))
+    def chain(cls, num_stages: int, copies: int = 1) -> StageGraph:
+        """A chain of `num_stages` stages; `copies` chains of num_stages / copies stages each."""
+        n = num_stages // copies
+        return cls(num_stages, tuple((c * n + k, c * n + k + 1) for c in range(copies) for k in range(n - 1)),
+                   copies)
 
     def topological_order(self) -> list[int]:
         """Stages with every predecessor first; raises on a cycle, naming the stages on it."""
@@ -387,6 +418,14 @@ class Schedule:
         bad = [s for s, d in enumerate(self.placement) if not 0 <= d < len(self.orders)]
         if bad:
             raise ScheduleError(f"stages {bad} are placed on devices outside 0..{len(self.orders) - 1}")
+        if self.microbatches % self.graph.copies:
+            raise ScheduleError(f"{self.method}: {self.graph.copies} model copies share each mini-batch's "
+                                f"micro-batches evenly: m must be a multiple of {self.graph.copies} (got "
+                                f"{self.microbatches})")
+
+    def copy_of_microbatch(self, microbatch: int) -> int:
+        """The model copy (`StageGraph.copies`) that runs `microbatch`: copy c the c-th m / copies of them."""
+        return microbatch // (self.microbatches // self.graph.copies)
 
     @property
     def num_devices(self) -> int:
@@ -411,8 +450,9 @@ class Schedule:
     @property
     def gradient_ranks(self) -> int:
         """The ranks that hold each stage's same weights and reduce (and with ZeRO shard) its gradients: the d
-        replicas times the C context-parallel ranks each device stands for (`ScheduleParams.context_parallel`)."""
-        return self.data_parallel * int(self.params.get("context_parallel", 1))
+        replicas times the C context-parallel ranks each device stands for (`ScheduleParams.context_parallel`),
+        times the model copies that hold each of its stages (`StageGraph.copies`)."""
+        return self.data_parallel * int(self.params.get("context_parallel", 1)) * self.graph.copies
 
     @property
     def expert_parallel(self) -> int:

@@ -1,4 +1,4 @@
-"""The synchronous rivals of 1F1B: interleaved 1F1B, zero bubble (H1, H2, V) and DualPipeV.
+"""The synchronous rivals of 1F1B: interleaved 1F1B, zero bubble (H1, H2, V), DualPipeV and DualPipe.
 
 All of them flush: per mini-batch every device runs its pattern, then one OPT per model stage it holds,
 so no op ever reads stale weights (policy SYNCHRONOUS). With several mini-batches the pattern repeats.
@@ -10,15 +10,17 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from .ir import Action, Kind, Schedule, ScheduleError, overlapped
+from .ir import Action, Kind, Schedule, ScheduleError, StageGraph, overlapped
 from .methods import Method, ScheduleParams, Unit, make_schedule, one_forward_one_backward, require_plain
 
 
 def _flushed(
-    method: str, params: ScheduleParams, placement: Sequence[int], device_order: Callable[[int, int], list[Action]]
+    method: str, params: ScheduleParams, placement: Sequence[int], device_order: Callable[[int, int], list[Action]],
+    graph: StageGraph | None = None,
 ) -> Schedule:
     """Repeat `device_order(device, minibatch)` per mini-batch, each followed by the OPT of every stage the
-    device holds (after all of that stage's backward work, which the pattern finishes first)."""
+    device holds (after all of that stage's backward work, which the pattern finishes first); the stages a chain
+    unless `graph` says otherwise."""
     orders = []
     for device in range(params.stages):
         stages = [s for s, d in enumerate(placement) if d == device]
@@ -27,7 +29,7 @@ def _flushed(
             order += device_order(device, b)
             order += [Action(Kind.OPT, s, -1, b) for s in stages]
         orders.append(order)
-    return make_schedule(method, params, orders, placement=placement)
+    return make_schedule(method, params, orders, placement=placement, graph=graph)
 
 
 def _require_single_pipeline(method: str, params: ScheduleParams) -> None:
@@ -122,23 +124,26 @@ def _v_placement(p: int) -> list[int]:
     return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
 
 
-def _require_v(method: str, params: ScheduleParams) -> None:
+def _require_v(method: str, params: ScheduleParams,
+               holds: str = "folds the model into a V of two chunks per device") -> None:
     _require_single_pipeline(method, params)
     if params.chunks != 2:
         raise ScheduleError(
-            f"{method} folds the model into a V of two chunks per device (device i holds stages i and "
-            f"2p-1-i): chunks must be 2 (got {params.chunks})"
+            f"{method} {holds} (device i holds stages i and 2p-1-i): chunks must be 2 (got {params.chunks})"
         )
 
 
 class _VOrder:
-    """One device's actions for one mini-batch of a V schedule, built pass by pass as the sources do:
-    each (pass, chunk) takes its next micro-batch in order, every I queues its W (oldest first), and
-    micro-batches ≥ m are dropped (ZB-V is built for at least 2p−1 and trimmed, as torch does)."""
+    """One device's actions for one mini-batch of a schedule of two chunks per device, built pass by pass as the
+    sources do: each (pass, chunk) takes its next micro-batch in order (chunk c's count from `first[c]`), every I
+    queues its W (oldest first), and each chunk's micro-batches beyond its `microbatches` are dropped (ZB-V is
+    built for at least 2p−1 and trimmed, as torch does)."""
 
-    def __init__(self, device: int, p: int, microbatches: int, minibatch: int) -> None:
-        self.stages = (device, 2 * p - 1 - device)  # chunk 0 on the way down, chunk 1 on the way back
+    def __init__(self, stages: tuple[int, int], microbatches: int, minibatch: int,
+                 first: tuple[int, int] = (0, 0)) -> None:
+        self.stages = stages  # V schedules: chunk 0 on the way down, chunk 1 on the way back
         self.microbatches = microbatches
+        self.first = first
         self.minibatch = minibatch
         self.issued: Counter[tuple[bool, int]] = Counter()  # (is forward, chunk) -> micro-batches issued
         self.pending: deque[tuple[int, int]] = deque()  # (chunk, micro-batch) whose W is still to run
@@ -156,10 +161,12 @@ class _VOrder:
 
     def overlap(self, forward_chunk: int, backward_chunk: int) -> None:
         """F of `forward_chunk`'s next micro-batch and B of `backward_chunk`'s next, as one overlapped pair."""
-        pair = overlapped(*(Action(kind, self.stages[chunk], self._issue(kind, chunk), self.minibatch)
-                            for kind, chunk in ((Kind.F, forward_chunk), (Kind.B, backward_chunk))))
-        self.actions += [a._replace(peer=-1) if pair[1 - n].microbatch >= self.microbatches else a
-                         for n, a in enumerate(pair) if a.microbatch < self.microbatches]
+        chunks = (forward_chunk, backward_chunk)
+        issued = [self._issue(kind, chunk) for kind, chunk in zip((Kind.F, Kind.B), chunks)]
+        pair = overlapped(*(Action(kind, self.stages[chunk], self.first[chunk] + j, self.minibatch)
+                            for kind, chunk, j in zip((Kind.F, Kind.B), chunks, issued)))
+        self.actions += [a._replace(peer=-1) if issued[1 - n] >= self.microbatches else a
+                         for n, a in enumerate(pair) if issued[n] < self.microbatches]
 
     def _issue(self, kind: Kind, chunk: int) -> int:
         key = (kind is Kind.F, chunk)
@@ -178,7 +185,7 @@ class _VOrder:
 
     def _emit(self, kind: Kind, chunk: int, j: int) -> None:
         if j < self.microbatches:
-            self.actions.append(Action(kind, self.stages[chunk], j, self.minibatch))
+            self.actions.append(Action(kind, self.stages[chunk], self.first[chunk] + j, self.minibatch))
 
 
 def zb_v(params: ScheduleParams) -> Schedule:
@@ -193,7 +200,7 @@ def zb_v(params: ScheduleParams) -> Schedule:
     planned = max(m, 2 * p - 1)
 
     def device_order(i: int, b: int) -> list[Action]:
-        o = _VOrder(i, p, m, b)
+        o = _VOrder((i, 2 * p - 1 - i), m, b)
         for _ in range(2 * (p - i) - 1):
             o.add(Kind.F, 0)
         for _ in range(i):
@@ -225,14 +232,47 @@ def zb_v(params: ScheduleParams) -> Schedule:
     return _flushed(method, params, _v_placement(p), device_order)
 
 
+def _dualpipe_phases(o: _VOrder, ranks: int, rank: int, microbatches: int) -> list[Action]:
+    """The eight phases of DualPipe's step() (deepseek-ai/DualPipe, dualpipe.py and dualpipev.py alike) for rank
+    `rank` of `ranks`, chunk 0 the one its first forwards feed, each chunk running `microbatches`:
+    2(p−r−1) F0; r+1 × (F0 F1); p−r−1 × (I1 W F1); m−2p+r+1 × (F0 B1 F1 B0); p−r−1 × (B1 F1 B0); r+1 × (B1 B0)
+    with the later r+1 of those split into I; p−r−1 × (W I0); r+1 × W. W's run oldest first across both chunks
+    (its WeightGradStore is one queue). The F and B that its `_forward_backward_chunk` overlaps are one overlapped
+    pair (F&B), all but the last rank's first, which it runs apart "to further reduce bubble size"."""
+    p, r = ranks, rank
+    for _ in range(2 * (p - r - 1)):
+        o.add(Kind.F, 0)
+    for _ in range(r + 1):
+        o.add(Kind.F, 0)
+        o.add(Kind.F, 1)
+    for _ in range(p - r - 1):
+        o.add(Kind.I, 1)
+        o.weight()
+        o.add(Kind.F, 1)
+    for i in range(microbatches - 2 * p + r + 1):
+        if i == 0 and r == p - 1:
+            o.add(Kind.F, 0)
+            o.add(Kind.B, 1)
+        else:
+            o.overlap(0, 1)
+        o.overlap(1, 0)
+    for _ in range(p - r - 1):
+        o.add(Kind.B, 1)
+        o.overlap(1, 0)
+    for n in range(2 * (r + 1)):
+        o.add(Kind.I if n >= r + 1 else Kind.B, 1 - n % 2)
+    for _ in range(p - r - 1):
+        o.weight()
+        o.add(Kind.I, 0)
+    for _ in range(r + 1):
+        o.weight()
+    return o.actions
+
+
 def dualpipev(params: ScheduleParams) -> Schedule:
-    """DeepSeek's DualPipeV (DualPipe cut in half, deepseek-ai/DualPipe dualpipev.py), the eight phases of
-    its step() for rank r: 2(p−r−1) F0; r+1 × (F0 F1); p−r−1 × (I1 W F1); m−2p+r+1 × (F0 B1 F1 B0);
-    p−r−1 × (B1 F1 B0); r+1 × (B1 B0) with the later r+1 of those split into I; p−r−1 × (W I0); r+1 × W.
-    W's run oldest first across both chunks (its WeightGradStore is one queue). The F and B that its
-    `_forward_backward_chunk` overlaps are one overlapped pair (F&B), all but the last rank's first, which it
-    runs apart. One copy of each stage's weights (DualPipe, with both directions, holds two). Needs m ≥ 2p, as
-    DualPipeV asserts.
+    """DeepSeek's DualPipeV (DualPipe cut in half, deepseek-ai/DualPipe dualpipev.py): DualPipe's eight phases
+    (`_dualpipe_phases`) on p ranks, chunk 0 the V's way down. One copy of each stage's weights (DualPipe, with
+    both directions, holds two). Needs m ≥ 2p, as DualPipeV asserts.
     """
     method = "dualpipev"
     _require_v(method, params)
@@ -244,36 +284,37 @@ def dualpipev(params: ScheduleParams) -> Schedule:
         )
 
     def device_order(r: int, b: int) -> list[Action]:
-        o = _VOrder(r, p, m, b)
-        for _ in range(2 * (p - r - 1)):
-            o.add(Kind.F, 0)
-        for _ in range(r + 1):
-            o.add(Kind.F, 0)
-            o.add(Kind.F, 1)
-        for _ in range(p - r - 1):
-            o.add(Kind.I, 1)
-            o.weight()
-            o.add(Kind.F, 1)
-        for i in range(m - 2 * p + r + 1):
-            if i == 0 and r == p - 1:  # the last rank runs its first pair apart, "to further reduce bubble size"
-                o.add(Kind.F, 0)
-                o.add(Kind.B, 1)
-            else:
-                o.overlap(0, 1)
-            o.overlap(1, 0)
-        for _ in range(p - r - 1):
-            o.add(Kind.B, 1)
-            o.overlap(1, 0)
-        for n in range(2 * (r + 1)):
-            o.add(Kind.I if n >= r + 1 else Kind.B, 1 - n % 2)
-        for _ in range(p - r - 1):
-            o.weight()
-            o.add(Kind.I, 0)
-        for _ in range(r + 1):
-            o.weight()
-        return o.actions
+        return _dualpipe_phases(_VOrder((r, 2 * p - 1 - r), m, b), p, r, m)
 
     return _flushed(method, params, _v_placement(p), device_order)
+
+
+def dualpipe(params: ScheduleParams) -> Schedule:
+    """DeepSeek's bidirectional DualPipe (DeepSeek-V3's report, section 3.2.1 and figure 5; deepseek-ai/DualPipe
+    dualpipe.py): two copies of the model on p devices fed from both ends, copy 0's stage s on device s and copy
+    1's stage s (model stage p + s) on device p−1−s, so device r holds stages r and 2p−1−r (the V's placement,
+    each a whole device's share of the model). Copy 0 runs the first m/2 micro-batches, copy 1 the rest. Rank r
+    runs DualPipe's eight phases (`_dualpipe_phases`) as rank min(r, p−1−r) of p/2, on m/2 micro-batches per copy,
+    its chunk 0 the copy fed from its own end (copy 0 on the first p/2 ranks). Two copies of every stage's weights,
+    their gradients summed before the update. Needs p even and m even and ≥ 2p, as DualPipe asserts.
+    """
+    method = "dualpipe"
+    _require_v(method, params, "holds a stage of each of its two model copies on every device")
+    p, m = params.stages, params.microbatches
+    if p % 2 or m % 2 or m < 2 * p:
+        raise ScheduleError(
+            f"{method} needs an even number of devices and an even number of micro-batches, at least 2p (DualPipe "
+            f"asserts num_ranks % 2 == 0, num_chunks % 2 == 0 and num_chunks >= num_ranks * 2): got p={p}, m={m}"
+        )
+    half = m // 2
+
+    def device_order(r: int, b: int) -> list[Action]:
+        own, other = (r, 0), (2 * p - 1 - r, half)  # (stage, first micro-batch) of copy 0's and copy 1's stage
+        near, far = (own, other) if r < p // 2 else (other, own)
+        order = _VOrder((near[0], far[0]), half, b, first=(near[1], far[1]))
+        return _dualpipe_phases(order, p // 2, min(r, p - 1 - r), half)
+
+    return _flushed(method, params, _v_placement(p), device_order, StageGraph.chain(2 * p, copies=2))
 
 
 RIVALS = (
@@ -287,4 +328,6 @@ RIVALS = (
     Method("dualpipev", "DualPipeV (DeepSeek): DualPipe cut in half, two chunks per device in a V; a forward and "
            "another micro-batch's backward run as one overlapped F&B pair (--fb-hidden-fraction); m >= 2p",
            dualpipev, defaults={"chunks": 2}),
+    Method("dualpipe", "DualPipe (DeepSeek-V3): two copies of the model fed from both ends of the devices, F&B pairs "
+           "in the steady state; twice the weights; p even, m even and >= 2p", dualpipe, defaults={"chunks": 2}),
 )

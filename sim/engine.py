@@ -209,7 +209,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     send_rows = np.flatnonzero(sends)
     xids = lowered.transfer[send_rows]
     own_step = ~lazy[send_rows]
-    send_clock, send_to_arrival = (np.empty(len(transfer_ps), dtype=np.int64) for _ in range(2))
+    # (zeros: a unit a channel does not carry, as a model copy's micro-batches on another copy's edges, has none)
+    send_clock, send_to_arrival = (np.zeros(len(transfer_ps), dtype=np.int64) for _ in range(2))
     send_clock[xids] = clock_before[send_rows] + own_step
     send_to_arrival[xids] = np.where(own_step, 0 if not timed else -1, since_ps[send_rows] + transfer_ps[xids])
 

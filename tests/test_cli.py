@@ -166,7 +166,7 @@ def test_a_comparison_skips_the_methods_that_cannot_run():
     assert code == 0
     document = json.loads(out)
     skipped = {entry["schedule"]: entry["reason"] for entry in document["skipped"]}
-    assert set(skipped) == {"zb-h2", "dualpipev"} and "2p-1 = 15 micro-batches" in skipped["zb-h2"]
+    assert set(skipped) == {"zb-h2", "dualpipev", "dualpipe"} and "2p-1 = 15 micro-batches" in skipped["zb-h2"]
     assert [r["schedule"] for r in document["results"]] == [n for n in METHODS if n not in skipped]
     assert "skipped: zb-h2 runs 2p-1 forwards" in err
     code, out, err = pipesim("simulate", "--microbatches", "2")  # the table: a row per skipped method
@@ -208,7 +208,7 @@ def test_the_table_says_what_the_costs_describe():
     (["-s", "zb-v", "--fwd", "1,2,3"], "--fwd: 3 values given; give one number, one per device (4) or one per model "
                                        "stage (8) for zb-v"),
     (["--bwd", "1,2,3"], "--bwd: 3 values given; give one number, or 4 (one per device) or 8 (one per model stage: "
-                         "interleaved-1f1b, zb-v, dualpipev)"),
+                         "interleaved-1f1b, zb-v, dualpipev, dualpipe)"),
     (["-s", "1f1b", "-s", "zb-v", "--output-mb", "1,2,3"], "--output-mb: 3 values given; give one number, or 4 (one "
                                                            "per model stage: 1f1b) or 8 (one per model stage: zb-v)"),
 ])

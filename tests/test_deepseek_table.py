@@ -20,8 +20,8 @@ minus the time the device computes, with no communication time (the figures draw
 the largest over the devices (1F1B and ZB1P idle alike on every device; on DualPipeV each device overlaps one pair
 more than the one before it, up to the last two, which compute the least and idle the most). Parameters are counted
 in one stage's weights, activations in micro-batches of one stage's activations held at once (peak_activations).
-pipesim has no bidirectional DualPipe (PP devices, both directions): the DualPipe row is checked on DualPipeV, to
-which the README gives the same bubble and memory.
+The DualPipe row is checked on DualPipe itself (PP devices, two model copies fed from both ends) and on DualPipeV,
+to which the README gives the same bubble and memory.
 
 Each formula holds where its own figure's costs do, and only there: every cell of those figures is one unit wide
 (F = B - W = W, and a full backward two). ZB1P's holds on ZB-H1 wherever W is no longer than F and than B - W
@@ -93,3 +93,19 @@ def test_dualpipe_row_on_dualpipev(half, extra, wgrad, longer_fwd, data):
     assert bubble == (pp // 2 - 1) * (overlapped + bwd - 3 * wgrad)
     assert params == {2}
     assert activations == [pp + 1] * half
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 6), st.integers(1, 10), st.integers(0, 10), st.data())
+@example(half=4, extra=2, wgrad=1, longer_fwd=0, data=None)  # the README's figure: 8 devices, 20 micro-batches
+def test_dualpipe_row(half, extra, wgrad, longer_fwd, data):
+    """PP = 2·half devices, each holding a stage of each of the two model copies; m even and >= 2·PP, as DualPipe
+    asserts; F = B - W >= W; any F&B from the longer part alone (B) to both back to back (F + B)."""
+    fwd = wgrad + longer_fwd
+    bwd = fwd + wgrad
+    overlapped = fwd + bwd if data is None else data.draw(st.integers(bwd, fwd + bwd), label="F&B")
+    pp = 2 * half
+    bubble, params, activations = simulated("dualpipe", pp, 2 * (pp + extra), fwd, bwd, wgrad, overlapped, chunks=2)
+    assert bubble == (pp // 2 - 1) * (overlapped + bwd - 3 * wgrad)
+    assert params == {2}
+    assert activations == [pp + 1] * pp

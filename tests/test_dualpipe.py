@@ -7,14 +7,27 @@ matches the pair part by part.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
-from pipesim.executor import DeviceLoop, RunSpec, cut, run_multiprocess
+from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, cut, run_in_process, run_multiprocess
 from pipesim.executor.overlap import PairStreams
-from pipesim.schedules import KINDS, Kind, ScheduleParams, build_schedule, lower
+from pipesim.executor.replicas import Layout
+from pipesim.schedules import (
+    KINDS,
+    Kind,
+    ScheduleError,
+    ScheduleParams,
+    StageGraph,
+    build_schedule,
+    check_complete,
+    lower,
+)
 from pipesim.schedules.analysis import overlapped_pairs
+from pipesim.schedules.ir import order_tokens, parse_token
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import InProcessTransport
@@ -111,3 +124,107 @@ def test_on_a_gpu_a_pairs_parts_run_side_by_side_and_train_as_on_cpu():
             b, f = i - rows.start, i - 1 - rows.start
             overlapped += int(result.start_ns[b] < result.end_ns[f])
     assert overlapped > 0
+
+
+# ---------------------------------------------------------------------------------- the bidirectional DualPipe
+
+# deepseek-ai/DualPipe's README figure (images/dualpipe.png: 8 ranks, 20 micro-batches in two directions), rows
+# of devices 0, 3, 4 and 7 read off it cell by cell: a forward-direction cell as drawn (F, B, I, W and its
+# micro-batch), a reverse-direction cell, whose micro-batch the figure omits, in lower case; two cells in one
+# border (an overlapped forward and backward) in parentheses. Idle cells are left out.
+FIGURE = {
+    0: "F0 F1 F2 F3 F4 F5 F6 f i w f i w f i w f (F7;b) (f;B0) (F8;b) (f;B1) (F9;b) (f;B2) b (f;B3) b (f;B4) b "
+       "(f;B5) b I6 W6 I7 W7 I8 W8 I9 W9",
+    3: "F0 f F1 f F2 f F3 f F4 b (f;B0) (F5;b) (f;B1) (F6;b) (f;B2) (F7;b) (f;B3) (F8;b) (f;B4) (F9;b) (f;B5) b B6 "
+       "b B7 i I8 i I9 w W8 w W9",
+    4: "f F0 f F1 f F2 f F3 f B0 (F4;b) (f;B1) (F5;b) (f;B2) (F6;b) (f;B3) (F7;b) (f;B4) (F8;b) (f;B5) (F9;b) B6 "
+       "b B7 b I8 i I9 i W8 w W9 w",
+    7: "f f f f f f f F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 (f;B3) (F4;b) (f;B4) (F5;b) (f;B5) (F6;b) B6 (F7;b) B7 (F8;b) "
+       "B8 (F9;b) B9 i w i w i w i w",
+}
+
+
+def as_figure(schedule, device: int) -> str:
+    """A device's order of one mini-batch in the figure's notation: copy 0 (fed from device 0) is the forward
+    direction, whose micro-batches 0..m/2-1 it numbers; copy 1's are the reverse direction's."""
+    copy_size = schedule.graph.stages_per_copy
+
+    def cell(a) -> str:
+        return f"{a.kind.value}{a.microbatch}" if a.stage < copy_size else a.kind.value.lower()
+
+    cells = []
+    for token in order_tokens(schedule.orders[device]):
+        parts = parse_token(token)
+        if parts[0].kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+            cells.append(f"({cell(parts[0])};{cell(parts[1])})" if len(parts) == 2 else cell(parts[0]))
+    return " ".join(cells)
+
+
+def test_dualpipe_runs_the_order_of_the_repositorys_figure():
+    schedule = build_schedule("dualpipe", ScheduleParams(8, 20, chunks=2))
+    assert {d: as_figure(schedule, d) for d in FIGURE} == FIGURE
+    # copy 0's stage s on device s, copy 1's on device p-1-s; copy 1 runs micro-batches 10..19
+    assert schedule.placement == (0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0) and schedule.graph.copies == 2
+    assert {a.microbatch for a in schedule.orders[0] if a.stage == 15 and a.kind is Kind.F} == set(range(10, 20))
+
+
+@pytest.mark.parametrize("stages,m", [(3, 12), (4, 6), (4, 9)])
+def test_dualpipe_refuses_what_the_repository_asserts_against(stages, m):
+    with pytest.raises(ScheduleError, match=r"dualpipe needs an even number of devices and an even number of "
+                                            rf"micro-batches, at least 2p .*: got p={stages}, m={m}"):
+        build_schedule("dualpipe", ScheduleParams(stages, m, chunks=2))
+
+
+def test_model_copies_share_the_microbatches_and_hold_their_own_stages():
+    """A graph of copies is each copy's edges shifted, none between copies; m splits evenly; a stage runs only its
+    copy's micro-batches."""
+    assert StageGraph.chain(6, copies=2).edges == ((0, 1), (1, 2), (3, 4), (4, 5))
+    with pytest.raises(ScheduleError, match=r"holds copy 0's edges \[\(0, 1\)\] shifted .* no edge between copies"):
+        StageGraph(4, ((0, 1), (2, 3), (1, 2)), copies=2)
+    with pytest.raises(ScheduleError, match="needs a multiple of 2 stages"):
+        StageGraph(3, ((0, 1),), copies=2)
+    schedule = build_schedule("dualpipe", ScheduleParams(2, 4, chunks=2))
+    assert [schedule.copy_of_microbatch(j) for j in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(ScheduleError, match="m must be a multiple of 2"):
+        replace(schedule, microbatches=5)
+    swapped = [tuple(a._replace(microbatch={0: 2, 2: 0}.get(a.microbatch, a.microbatch)) if a.stage in (0, 1) else a
+                     for a in order) for order in schedule.orders]
+    with pytest.raises(ScheduleError, match=r"0F2: its micro-batch is another model copy's"):
+        check_complete(schedule.with_orders(tuple(swapped)))
+
+
+def test_copies_that_would_reduce_different_stages_together_are_refused():
+    """Device 0 holds copy 0's stage 0 and copy 1's stage 1, device 1 the others: each pair's all-reduces meet in
+    the order the devices start them, so both must reduce model stage 1, then 0 (DualPipe's mirrored orders do)."""
+    schedule = build_schedule("dualpipe", ScheduleParams(2, 4, chunks=2))
+    assert Layout.of(schedule).peers == ((0, 1), (0, 1)) and Layout.of(schedule).group(0) == [0, 1]
+    order = list(schedule.orders[0])
+    first, second = (i for i, a in enumerate(order) if a.kind is Kind.REDUCE)
+    order[first], order[second] = order[second], order[first]
+    with pytest.raises(ExecutorError, match=r"devices 0 and 1 hold the same model stages \[0, 1\] but reduce their "
+                                            r"gradients in different orders \(\[0, 1\] and \[1, 0\]\)"):
+        Layout.of(schedule.with_orders((tuple(order), tuple(schedule.orders[1]))))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("stages,m,n", [(2, 4, 3), (4, 8, 2)])
+def test_dualpipe_trains_exactly_like_one_process(stages, m, n, optimizer):
+    """Each copy trains on its half of every mini-batch; averaging the copies' gradients before each update keeps
+    both copies at single-process training's weights."""
+    spec = spec_for("dualpipe", stages=stages, chunks=2, m=m, n=n, optimizer=optimizer)
+    result = run_in_process(spec)
+    want, losses = single_process(spec)
+    assert_same(pipeline_weights(result, stages), want)
+    assert_same([w for k in range(stages, 2 * stages) for w in result.weights[(k, 0)]], want)
+    np.testing.assert_allclose(result.losses[0], losses, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_dualpipe_on_two_gloo_ranks_trains_like_one_process():
+    spec = spec_for("dualpipe", stages=2, chunks=2, m=4, n=2)
+    real = run_multiprocess(spec, timeout_s=120)
+    assert real.trace.meta.hardware["ranks"] == 2
+    want, losses = single_process(spec)
+    assert_same(pipeline_weights(real, 2), want)
+    assert_same([w for k in (2, 3) for w in real.weights[(k, 0)]], want)
+    np.testing.assert_allclose(real.losses[0], losses, rtol=1e-6)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from pipesim.executor import DeviceLoop, ExecutorError, RunSpec, Weights, cut, run_in_process, run_multiprocess
+from pipesim.executor.replicas import Layout, thread_replicas
 from pipesim.planning.auto import search_schedule
 from pipesim.schedules import KINDS, METHODS, Kind, ScheduleParams, StageGraph, lower
 from pipesim.schedules.graph import graph_schedule, two_branch_graph
@@ -46,10 +47,14 @@ def make_spec(method: str, *, stages: int = 2, m: int = 2, n: int = 3, optimizer
 
 
 def device_loops(spec: RunSpec, loop: type[DeviceLoop] = DeviceLoop, **loop_options) -> list[DeviceLoop]:
+    """A loop per device, over the in-process transport; the devices that hold a model copy's same stages (DualPipe)
+    average their gradients in a room."""
     lowered = lower(spec.schedule)
     devices = spec.schedule.num_devices
     transports = InProcessTransport.connected(devices, timeout_s=60)
-    return [loop(spec, lowered, cut(spec), d, transports[d], **loop_options) for d in range(devices)]
+    _, replicas = thread_replicas(Layout.of(spec.schedule), 60)
+    return [loop(spec, lowered, cut(spec), d, transports[d], replicas=replicas[d], **loop_options)
+            for d in range(devices)]
 
 
 def run_loops(loops: list[DeviceLoop]) -> list:
@@ -145,7 +150,8 @@ def recorded(spec: RunSpec) -> tuple[list, list[Ran]]:
 
 
 SHAPES = {"interleaved-1f1b": dict(m=2), "zb-h1": dict(m=4), "zb-h2": dict(m=4), "zb-v": dict(m=4),
-          "dualpipev": dict(m=4), "graphpipe": dict(stages=4, model="two-branch", options={"layers": 1, "width": 4})}
+          "dualpipev": dict(m=4), "dualpipe": dict(m=4),
+          "graphpipe": dict(stages=4, model="two-branch", options={"layers": 1, "width": 4})}
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -24,8 +24,8 @@ from tests.conftest import build
 
 def refused(name, p, m):
     """The shapes the methods refuse, as their docs state them."""
-    return {"zb-h2": m < 2 * p - 1, "dualpipev": m < 2 * p, "interleaved-1f1b": m % p != 0,
-            "graphpipe": p < 4, "pipedream-2bw": m < p - 1}.get(name, False)
+    return {"zb-h2": m < 2 * p - 1, "dualpipev": m < 2 * p, "dualpipe": p % 2 or m % 2 or m < 2 * p,
+            "interleaved-1f1b": m % p != 0, "graphpipe": p < 4, "pipedream-2bw": m < p - 1}.get(name, False)
 
 
 def two_stages(device0, device1, m=2):
