@@ -766,7 +766,8 @@ class _Order:
 class _Orders:
     """The orders one search builds. A fixed order of a chain (any method but auto's and a stage DAG's) depends
     on the method and its parameters alone, not on the profile, so every setting shares it: built once, refusal
-    included."""
+    included. Nor does it depend on how many data-parallel replicas d > 1 there are (`add_data_parallel` puts
+    a stage's REDUCE where it does for any d > 1; d only prices it), so it is built once for all of them."""
 
     def __init__(self) -> None:
         self._fixed: dict[tuple[str, ScheduleParams], _Order | ScheduleError] = {}
@@ -777,8 +778,10 @@ class _Orders:
         if method.needs_costs or method.on_graph is not None:
             return _Order.of(scenario.build(name, params))
         if (name, params) not in self._fixed:
+            shared = replace(params, data_parallel=min(params.data_parallel, 2))
             try:
-                self._fixed[name, params] = _Order.of(method.build(params))
+                self._fixed[name, params] = (_Order.of(method.build(params)) if shared == params else
+                                             _with_replicas(self(scenario, name, shared), params.data_parallel))
             except ScheduleError as exc:
                 self._fixed[name, params] = exc
         found = self._fixed[name, params]
@@ -804,6 +807,14 @@ class _Orders:
                 raise found
             return _Sketch.of(self(scenario, name, replace(params, data_parallel=1)))
         return found
+
+
+def _with_replicas(order: _Order, replicas: int) -> _Order:
+    """`order` for d = `replicas` > 1 replicas, from its order for another d > 1: the same rows (its action
+    table, built once, is shared), priced for d (`Schedule.data_parallel`)."""
+    schedule = replace(order.schedule, params={**order.schedule.params, "data_parallel": replicas})
+    schedule.__dict__["table"] = order.schedule.table  # the cached property: the same rows
+    return replace(order, schedule=schedule)
 
 
 def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..., list[int]],

@@ -166,6 +166,33 @@ def test_bounds_hold_for_every_candidate(which, devices, cap_gib):
             assert growth == pytest.approx(result.step_ms, rel=1e-9), label
 
 
+def test_a_fixed_order_is_built_once_for_every_number_of_replicas():
+    """A stage's REDUCE sits where it does for any d > 1, so the search builds each fixed order once for all d:
+    what it gives for d = 3 or 4 shares the d = 2 order's rows, and is the order built for that d."""
+    from pipesim.schedules import ScheduleParams
+
+    source = scenario(load_profile(GPT))[0].scenario
+    orders = tuning._Orders()
+    columns = ("device", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer")
+    checked = 0
+    for name, method in METHODS.items():
+        if method.needs_costs or method.on_graph is not None:
+            continue
+        for chunks in (1, 2):
+            try:
+                first = orders(source, name, ScheduleParams(4, 8, 3, chunks, data_parallel=2))
+            except tuning.ScheduleError:
+                continue
+            for replicas in (3, 4):
+                params = ScheduleParams(4, 8, 3, chunks, data_parallel=replicas)
+                shared, direct = orders(source, name, params).schedule, method.build(params)
+                assert shared.table is first.schedule.table, name
+                assert shared.params == direct.params and shared.data_parallel == replicas, name
+                assert all(np.array_equal(getattr(shared.table, c), getattr(direct.table, c)) for c in columns), name
+                checked += 1
+    assert checked >= 2 * (len(METHODS) - 2)
+
+
 def test_data_parallel_is_reduce_rows_priced_on_the_measured_all_reduce():
     profile = load_profile(GPT)
     source, prob = scenario(profile), problem(profile, 4, 8.0, schedules=("1f1b",))
