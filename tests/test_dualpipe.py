@@ -31,7 +31,9 @@ from pipesim.schedules.ir import order_tokens, parse_token
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces.compare import compare
 from pipesim.workload.transport import InProcessTransport
+from tests.reference import single_process as reference_single_process
 from tests.test_executor import assert_same, pipeline_weights, single_process, spec_for
+from tests.test_executor_dp import dp_spec, whole
 from tests.test_executor_methods import run_loops
 
 
@@ -228,3 +230,15 @@ def test_dualpipe_on_two_gloo_ranks_trains_like_one_process():
     assert_same(pipeline_weights(real, 2), want)
     assert_same([w for k in (2, 3) for w in real.weights[(k, 0)]], want)
     np.testing.assert_allclose(real.losses[0], losses, rtol=1e-6)
+
+
+def test_dualpipe_with_two_data_parallel_replicas_trains_as_one_process_on_the_whole_minibatch():
+    """A stage's REDUCE averages over both copies of both replicas (4 ranks of 2 devices): every copy of every
+    replica ends at one process's weights on the d x m micro-batches."""
+    spec = dp_spec("dualpipe", 4)
+    assert Layout.of(spec.schedule).group(0) == [0, 1, 2, 3]
+    result = run_in_process(spec)
+    want = reference_single_process(whole(spec))
+    for weights in result.replica_weights:
+        for copy in (0, 1):
+            assert_same([w for k in (2 * copy, 2 * copy + 1) for w in weights[(k, 0)]], want)
