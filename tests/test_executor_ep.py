@@ -8,6 +8,7 @@ schedule's A2A_F and A2A_B rows (`AllToAllRows`).
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, replace
 
@@ -42,6 +43,7 @@ def ep_spec(method: str, m: int, optimizer: str, stages: int = 2, replicas: int 
     ("1f1b", 2, "sgd", {}, {}),
     ("zb-h1", 4, "momentum", {}, {"capacity_factor": 0.75}),  # each expert drops past 6 of a micro-batch's 32 copies
     ("dualpipev", 4, "sgd", {}, {"layers": 4}),  # overlapped F&B pairs, run part after part
+    ("dualpipe", 4, "sgd", {}, {}),  # two model copies: an expert's holders are both copies' ranks holding it
     ("1f1b", 2, "sgd", {"stages": 1, "replicas": 4}, {}),  # two groups: each expert averaged over its 2 holders
 ])
 def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(method, m, optimizer, shape, options):
@@ -51,8 +53,10 @@ def test_pipeline_by_expert_parallel_on_four_gloo_ranks_trains_as_one_process(me
     losses: list[float] = []
     want = single_process(replace(spec, schedule=build("gpipe", 2, replicas * m, 2)), losses)
     np.testing.assert_allclose(result.losses[0], losses, **TIGHT)
-    for q in range(replicas):  # each replica's experts are its group's two halves, whole again
-        got = [w for k in range(spec.schedule.num_stages) for w in result.replica_weights[q][(k, 0)]]
+    graph = spec.schedule.graph
+    for q, copy in itertools.product(range(replicas), range(graph.copies)):  # experts whole again: the group's
+        got = [w for k in range(copy * graph.stages_per_copy, (copy + 1) * graph.stages_per_copy)  # two halves
+               for w in result.replica_weights[q][(k, 0)]]
         assert [w.shape for w in got] == [w.shape for w in want]
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, **TIGHT)
