@@ -13,9 +13,8 @@ Autograd runs each backward kernel on the stream its forward kernel ran on (torc
 passes"), so the stream a backward part's kernels use is the one its micro-batch's forward used: the device's
 stream, or a side stream if that forward was itself a pair's part. The pair's forward part takes the side stream
 that is not that one, so the two parts' kernels really run side by side. On CPU, or where ranks take turns on one
-GPU (each row waits for its kernels there), the parts run one after the other, as the IR orders them; so do the
-parts of a pair whose forward part computes the loss, which the host reads (to stop a diverging run at once)
-before the backward part is issued.
+GPU (each row waits for its kernels there), the parts run one after the other, as the IR orders them. A loss a
+forward part computes is read on the host (which waits for it) only after the pair (`DeviceLoop.read_losses`).
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ class PairStreams:
                 forward_side[unit(i)] = self.side[i]
             elif t.kind[i] in (backward, input_grad) and i not in self.seconds:
                 forward_side.pop(unit(i), None)
+        self.forward_parts = {i - 1 for i in self.seconds}
         self.on_gpu = torch_device.type == "cuda" and bool(self.side)
         self.device_stream = torch.cuda.current_stream(torch_device) if self.on_gpu else None
         self.sides = (torch.cuda.Stream(torch_device), torch.cuda.Stream(torch_device)) if self.on_gpu else ()

@@ -295,6 +295,7 @@ class DeviceLoop:
         self.sends: list[tuple[Handle, torch.Tensor | None]] = []  # sends in flight, with the tensor each holds
         self.losses: dict[tuple[int, int], float] = {}
         self.loss_parts: dict[tuple[int, int], int] = {}  # micro-batches whose loss `losses` holds
+        self.unread_losses: list[tuple[Unit, torch.Tensor]] = []  # the last stage's losses not yet read
         self.reducing: dict[tuple[int, int], tuple[Pending, int]] = {}  # (stage, pipeline) -> all-reduce, row
         self.ledger = Ledger()
         self.taken: dict[int, int] = {}  # storages of the tensors the current row took: they may die with it
@@ -413,13 +414,8 @@ class DeviceLoop:
         tape = Tape(weights, self.ledger)
         loss = (lambda out: self.stages.model.loss(out, target) / self.m) if last else None
         outputs = stage_forward(self.stages.modules[stage], state.parameters(weights), args, tape, loss)
-        if last:
-            value = float(outputs[0].detach())
-            if not math.isfinite(value):
-                raise DivergedError(f"loss is {value} at mini-batch {b} (pipeline {r}) on stage {stage} "
-                                    f"(micro-batch {j}): training diverged; lower the learning rate")
-            self.losses[(r, b)] = self.losses.get((r, b), 0.0) + value
-            self.loss_parts[(r, b)] = self.loss_parts.get((r, b), 0) + 1
+        if last:  # read on the host after the row (`read_losses`)
+            self.unread_losses.append((unit, outputs[0].detach()))
         else:
             for (src, dst), o in zip(self.stages.out_edges[stage], outputs):
                 self.acts[(src, dst, j, b, r)] = o.detach()
@@ -557,6 +553,18 @@ class DeviceLoop:
         total = sum(held.values()) + posted_bytes
         return total, total + freed + dropped
 
+    def read_losses(self) -> None:
+        """Add the losses the last stage's forwards computed to their mini-batches'; a non-finite one stops the run.
+        Reading one waits for it on a GPU, so a pair's forward part leaves its loss to be read after the pair."""
+        for (stage, j, b, r), loss in self.unread_losses:
+            value = float(loss)
+            if not math.isfinite(value):
+                raise DivergedError(f"loss is {value} at mini-batch {b} (pipeline {r}) on stage {stage} "
+                                    f"(micro-batch {j}): training diverged; lower the learning rate")
+            self.losses[(r, b)] = self.losses.get((r, b), 0.0) + value
+            self.loss_parts[(r, b)] = self.loss_parts.get((r, b), 0) + 1
+        self.unread_losses.clear()
+
     def finished_losses(self) -> dict[tuple[int, int], float]:
         """Per (pipeline, mini-batch), the loss of those whose every micro-batch this device's last stage ran."""
         return {key: value for key, value in self.losses.items() if self.loss_parts[key] == self.m}
@@ -627,6 +635,8 @@ class DeviceLoop:
                             freed += self.weights[(stage, r)].release(version)
                         for k, q, key in self.frees.get(i, ()):
                             freed += self.weights[(k, q)].free_predicted(key)
+                    if i not in self.pairs.forward_parts:  # a pair's loss once both parts are issued
+                        self.read_losses()
                 result.end_ns[i - lo] = time.perf_counter_ns()  # a REDUCE's: when it completed, once its OPT knows
                 if all_to_alls is not None:
                     result.start_ns[i - lo], result.end_ns[i - lo] = all_to_alls.place(

@@ -34,7 +34,7 @@ from pipesim.workload.transport import InProcessTransport
 from tests.reference import single_process as reference_single_process
 from tests.test_executor import assert_same, pipeline_weights, single_process, spec_for
 from tests.test_executor_dp import dp_spec, whole
-from tests.test_executor_methods import run_loops
+from tests.test_executor_methods import device_loops, run_loops
 
 
 def pair_parts(trace) -> tuple[np.ndarray, np.ndarray]:
@@ -242,3 +242,26 @@ def test_dualpipe_with_two_data_parallel_replicas_trains_as_one_process_on_the_w
     for weights in result.replica_weights:
         for copy in (0, 1):
             assert_same([w for k in (2 * copy, 2 * copy + 1) for w in weights[(k, 0)]], want)
+
+
+def test_a_pairs_loss_is_read_once_both_its_parts_are_issued():
+    """Reading a loss waits for it on a GPU, so a pair whose forward part computes the loss leaves it unread until
+    its backward part is issued; a forward alone reads its own."""
+    spec = spec_for("dualpipev", stages=2, chunks=2, m=4, n=1)
+    lowered = lower(spec.schedule)
+    t = lowered.table
+    read: dict[int, int] = {}  # row -> losses its device had read after it
+
+    def after(row: int) -> None:
+        read[row] = sum(loops[int(t.device[row])].loss_parts.values())
+
+    loops = device_loops(spec, on_row=after)
+    run_loops(loops)
+    last = spec.schedule.num_stages - 1
+    forwards = [i for i in range(len(t.kind)) if KINDS[t.kind[i]] is Kind.F and t.stage[i] == last]
+    paired = [i for i in forwards if t.peer[i] >= 0]
+    assert paired and len(paired) < len(forwards)
+    for i in forwards:
+        before = read.get(i - 1, 0) if t.device[i - 1] == t.device[i] else 0
+        assert read[i] == before + (i not in paired)
+        assert read[i + 1] == before + 1
