@@ -1,8 +1,9 @@
 """DualPipe's overlapped F&B pair in the executor, and the bidirectional DualPipe.
 
-A pair runs as its two parts: on CPU one after the other on the device's thread; the measured trace records
-each part as its own op naming the other's stage (`peer`), as the simulated trace does, so `pipesim compare`
-matches the pair part by part.
+A pair runs as its two parts: on CPU one after the other, on a GPU on two CUDA streams (executor/overlap.py). The
+measured trace records each part as its own op naming the other's stage (`peer`), as the simulated trace does, so
+`pipesim compare` matches the pair part by part. DualPipe (two model copies fed from both ends of the devices)
+runs the order of the DualPipe repository's figure and trains as one process.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def test_dualpipe_trains_exactly_like_one_process(stages, m, n, optimizer):
 def test_dualpipe_on_two_gloo_ranks_trains_like_one_process():
     spec = spec_for("dualpipe", stages=2, chunks=2, m=4, n=2)
     real = run_multiprocess(spec, timeout_s=120)
-    assert real.trace.meta.hardware["ranks"] == 2
+    assert real.trace.meta.hardware["backend"] == "gloo" and real.trace.meta.hardware["ranks"] == 2
     want, losses = single_process(spec)
     assert_same(pipeline_weights(real, 2), want)
     assert_same([w for k in (2, 3) for w in real.weights[(k, 0)]], want)
