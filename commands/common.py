@@ -243,6 +243,17 @@ TokenDispatcher = Annotated[str | None, typer.Option(
                                               "(DeepEP's and HybridEP's: a token sent once to each rank, and across "
                                               "nodes once to each node, holding any of its experts, forwarded "
                                               "there over the node's link).")]
+ExpertTensorParallel = Annotated[int | None, typer.Option(
+    "--expert-tensor-parallel", metavar="ETP", min=1, help="With --expert-parallel and --rank-order megatron: the "
+                                                           "ranks each routed expert is split over (Megatron-core's "
+                                                           "expert_tensor_parallel_size; default t), the E·ETP ranks "
+                                                           "folded over the t·C·d of a stage (E·ETP divides t·C·d); "
+                                                           "each holds 1/(E·ETP) of the experts' weights.")]
+RankOrder = Annotated[str | None, typer.Option(
+    "--rank-order", metavar="ORDER", help="With --gpu: how the ranks are numbered onto nodes, which sets every "
+                                          "group's links: pipesim (t, C, p, then d, the experts' E of the d "
+                                          "replicas; the default) or megatron (Megatron-core's tp-cp-ep-dp-pp: t, "
+                                          "C, d, then p, the experts folded over t·C·d).")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
@@ -263,7 +274,8 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
                 ("context_parallel", ContextParallel, 1),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
-                ("token_dispatcher", TokenDispatcher, None))
+                ("token_dispatcher", TokenDispatcher, None), ("expert_tensor_parallel", ExpertTensorParallel, None),
+                ("rank_order", RankOrder, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
-                 "fp8_recipe", "token_dispatcher")
+                 "fp8_recipe", "token_dispatcher", "expert_tensor_parallel", "rank_order")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -63,7 +63,8 @@ SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torcht
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
                   "hot_expert_share": "--hot-expert-share", "token_dispatcher": "--token-dispatcher",
-                  "tp_overlap": "--tp-overlap",
+                  "tp_overlap": "--tp-overlap", "expert_tensor": "--expert-tensor-parallel",
+                  "rank_order": "--rank-order",
                   "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
 
@@ -93,6 +94,8 @@ class WhatIf:
     hot_expert_share: float | None = None  # --hot-expert-share S (None: balanced)
     tp_overlap: bool = False  # --tp-overlap
     token_dispatcher: str | None = None  # --token-dispatcher (None: alltoall)
+    expert_tensor: int | None = None  # --expert-tensor-parallel ETP (None: t)
+    rank_order: str = "pipesim"  # --rank-order
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -146,7 +149,8 @@ class WhatIf:
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
                            hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap,
-                           token_dispatcher=self.token_dispatcher)
+                           token_dispatcher=self.token_dispatcher, expert_tensor=self.expert_tensor,
+                           rank_order=self.rank_order)
 
 
 def what_if(ctx: typer.Context) -> WhatIf | None:
@@ -161,6 +165,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # its pydantic models: only where --gpu needs them
     from ..planning.experts import DISPATCHERS
+    from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
@@ -203,6 +208,12 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
     dispatcher = params.get("token_dispatcher")
     if dispatcher is not None and dispatcher not in DISPATCHERS:
         raise InputError(f"--token-dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
+    rank_order = params.get("rank_order") or "pipesim"
+    if rank_order not in RANK_ORDERS:
+        raise InputError(f"--rank-order: choose from {', '.join(RANK_ORDERS)} (got {rank_order!r})")
+    if params.get("expert_tensor_parallel") is not None and rank_order != "megatron":
+        raise InputError("--expert-tensor-parallel folds the experts over the tensor-, context- and data-parallel "
+                         "ranks as Megatron-core numbers them: give --rank-order megatron")
     calibrated = None
     if params.get("curve_from") is not None:
         from ..profiles.schema import ProfileError, load_profile
@@ -215,7 +226,7 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
                   DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
-                  params.get("tp_overlap", False), dispatcher)
+                  params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order)
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
@@ -500,7 +511,7 @@ def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     and what else is not the default."""
     flags = [f"{key.replace('_', ' ')} {value}" if not isinstance(value, bool) else key.replace("_", " ")
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context", "expert")
-             and value not in (False, "none", None)]
+             and value not in (False, "none", None) and (key, value) != ("rank_order", "pipesim")]
     context, expert = int(parallelism.get("context", 1)), int(parallelism.get("expert", 1))
     degrees = (f"t={parallelism['tensor']}" + (f" C={context}" if context > 1 else "")
                + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else "")
@@ -525,7 +536,9 @@ def _expert_group_text(profile: Profile, expert: int) -> str:
     t, p, d = estimate.degrees
     group = expert_group(estimate.placement, expert, profile.model.options.get("experts"), t,
                          int(estimate.parallelism.get("context", 1)), p, d,
-                         dispatcher=estimate.parallelism.get("token_dispatcher"))
+                         dispatcher=estimate.parallelism.get("token_dispatcher"),
+                         order=estimate.parallelism.get("rank_order", "pipesim"),
+                         expert_tensor=estimate.parallelism.get("expert_tensor"))
     node, network = group.node_link, group.network_link
     nic = f"its NIC ({network.kind} {network.bytes_per_ms / 1e6:.3g} GB/s)"
     if group.dispatcher == "deepep":

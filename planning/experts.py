@@ -1,10 +1,14 @@
 """Expert parallelism (EP) in an estimate: a mixture of experts' routed experts placed over E ranks, each holding
 1/E of them, and the token dispatch and combine as all-to-alls over those ranks.
 
-As Megatron-core does, the E ranks of an expert-parallel group are drawn from the data-parallel replicas (its
-expert layers run E-way expert parallel and d/E-way data parallel, the other layers d-way data parallel), so E
-divides d. With pipesim's placement (t inside a node, then C, then p, then d: `links_of`), a group's E replicas
-sit t·C·p ranks apart, so max(node / (t·C·p), 1) of them share a node.
+Where the E ranks of an expert-parallel group sit follows the rank order (planning/ranks.py). pipesim's draws them
+from the data-parallel replicas (the expert layers E-way expert parallel and d/E-way data parallel, the other
+layers d-way data parallel), so E divides d and a group's ranks sit t·C·p apart: max(node / (t·C·p), 1) of them
+share a node. Megatron-core's ("megatron") folds them over the t·C·d ranks of a stage, ETP apart for an
+expert-tensor-parallel size ETP (default t), so E·ETP divides t·C·d and max(node / ETP, 1) of them share a node; a
+rank then holds 1/(E·ETP) of the routed experts' weights, and the experts' work per rank is unchanged (its t·C-th
+share of the token copies through whole experts at ETP = 1, or every copy of its group through 1/t of each at
+ETP = t: the same FLOPs, priced as the count's experts split t ways).
 
 An all-to-all of a rank's token copies (the count's `dispatched_bytes`, 1/t of them per tensor-parallel rank)
 keeps 1/E of them and sends the rest, (E-1)/E, as E-1 messages issued at once (NCCL's all-to-all is grouped
@@ -34,9 +38,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 from ..profiles.schema import EstimateLink, EstimatePlacement
 from ..profiles.workload import LayerCount, OpCount
+from .ranks import RankOrderError, expert_grid
 
 # Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
 # back after its backward (an A2A_B after B, or after I: the weight-gradient pass routes nothing)
@@ -51,7 +57,8 @@ class ExpertParallelError(ValueError):
 @dataclass(frozen=True)
 class ExpertGroup:
     """The E ranks of an expert-parallel group: how many share each node, the links between them, the routed
-    experts' count and busiest share (None: balanced), and how tokens are dispatched to them."""
+    experts' count and busiest share (None: balanced), how tokens are dispatched to them, and the experts' tensor
+    split ETP beside the dense layers' t."""
 
     ranks: int
     per_node: int
@@ -60,6 +67,15 @@ class ExpertGroup:
     experts: int | None = None
     hot_share: float | None = None
     dispatcher: str | None = None  # of `DISPATCHERS` (None: alltoall)
+    tensor: int = 1  # ETP: the ranks each expert's weights are split over
+    dense_tensor: int = 1  # t: the ranks each dense layer's weights are split over
+
+    @property
+    def weight_shards(self) -> int | Fraction:
+        """E·ETP/t: a rank holds 1/weight_shards of the routed experts' weights beside its 1/t of the dense ones'
+        (E where ETP = t; a whole number as an int, so an unfolded group is priced exactly as before)."""
+        shards = Fraction(self.ranks * self.tensor, self.dense_tensor)
+        return shards.numerator if shards.denominator == 1 else shards
 
     @property
     def load(self) -> float:
@@ -106,29 +122,31 @@ class ExpertGroup:
         return 1 - math.comb(self.experts - held, copies) / math.comb(self.experts, copies)
 
 
-def held_share(layer: LayerCount, ranks: int) -> float:
-    """The share of `layer`'s weights (and their gradients and optimizer state) one of `ranks` expert-parallel
-    ranks holds: the dense ones and 1/ranks of its routed experts'."""
+def held_share(layer: LayerCount, shards: int | Fraction) -> float | Fraction:
+    """The share of `layer`'s weights (and their gradients and optimizer state) a rank holds before the tensor
+    split: the dense ones and 1/shards of its routed experts' (`ExpertGroup.weight_shards`)."""
     if not layer.param_bytes:
         return 1.0
-    return 1 - layer.expert_param_bytes * (1 - 1 / ranks) / layer.param_bytes
+    return 1 - layer.expert_param_bytes * (1 - 1 / shards) / layer.param_bytes
 
 
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
-                 pipeline: int, data: int, hot_share: float | None = None,
-                 dispatcher: str | None = None) -> ExpertGroup:
+                 pipeline: int, data: int, hot_share: float | None = None, dispatcher: str | None = None,
+                 order: str = "pipesim", expert_tensor: int | None = None) -> ExpertGroup:
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
-    model), placed as the module docstring says, its busiest expert taking `hot_share` of the routed token
-    copies (None: balanced), its tokens dispatched by `dispatcher` (None: alltoall); an impossible degree, share
-    or dispatcher is `ExpertParallelError`."""
+    model), placed as the rank `order` says (planning/ranks.py) with each expert split over `expert_tensor` ranks
+    (None: t), its busiest expert taking `hot_share` of the routed token copies (None: balanced), its tokens
+    dispatched by `dispatcher` (None: alltoall); an impossible degree, share or dispatcher is
+    `ExpertParallelError`."""
     if ranks > 1 and not experts:
         raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
                                   "experts: gpt --experts, or a Hugging Face MoE config)")
     if experts and experts % ranks:
         raise ExpertParallelError(f"expert: {ranks} does not divide the model's {experts} routed experts")
-    if data % ranks:
-        raise ExpertParallelError(f"expert: {ranks} must divide the data-parallel degree, {data} (its ranks are "
-                                  "drawn from the data-parallel replicas, as Megatron-core's)")
+    try:
+        grid = expert_grid(order, tensor, context, pipeline, data, ranks, expert_tensor)
+    except RankOrderError as exc:
+        raise ExpertParallelError(str(exc)) from None
     if hot_share is not None:
         if ranks == 1:
             raise ExpertParallelError("hot_expert_share: changes nothing on one expert-parallel rank (the experts' "
@@ -143,5 +161,5 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
         if ranks == 1:
             raise ExpertParallelError("token_dispatcher: dispatches tokens between expert-parallel ranks; give "
                                       "--expert-parallel above 1")
-    per_node = min(ranks, max(placement.gpus_per_node // (tensor * context * pipeline), 1))
-    return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share, dispatcher)
+    return ExpertGroup(ranks, grid.per_node(("ep",), placement.gpus_per_node), placement.node_link,
+                       placement.network_link, experts, hot_share, dispatcher, grid.size("tp"), tensor)

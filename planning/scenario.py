@@ -146,7 +146,8 @@ class Scenario:
             return PlacementLinks(estimate.tensor_link, estimate.stage_link, estimate.data_parallel_link)
         try:
             return links_of(estimate.placement, t, sched.num_devices, sched.data_parallel,
-                            int(estimate.parallelism.get("context", 1)))
+                            int(estimate.parallelism.get("context", 1)),
+                            estimate.parallelism.get("rank_order", "pipesim"))
         except EstimateError as exc:
             raise CostError(f"--profile: {exc}") from None
 
@@ -175,7 +176,8 @@ class Scenario:
             return CollectiveLink(link.latency_ms, link.bytes_per_ms, f"the estimate's {link.kind}")
         t, c, node = estimate.degrees[0], int(estimate.parallelism.get("context", 1)), placement.gpus_per_node
         p, ranks = sched.num_devices, sched.gradient_ranks
-        per_node = ranks if t * c * p * sched.data_parallel <= node else gradient_ranks_per_node(node, t, p, c)
+        per_node = gradient_ranks_per_node(node, t, p, c, sched.data_parallel,
+                                           estimate.parallelism.get("rank_order", "pipesim"))
         return CollectiveLink(link.latency_ms, link.bytes_per_ms, f"the estimate's {link.kind}",
                               min(per_node, ranks), placement.node_link.latency_ms)
 

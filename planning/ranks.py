@@ -1,0 +1,101 @@
+"""Where each parallel group's ranks sit, numbered as the runtime numbers them, and so which of its members share
+a node: what the links of an estimate's placement follow from (planning/estimate.py's `links_of`,
+planning/experts.py's `expert_group`).
+
+The ranks are numbered along an order of the parallel dimensions, the first varying fastest, as Megatron-core's
+`RankGenerator` does (megatron/core/parallel_state.py, `generate_masked_orthogonal_rank_groups`): with sizes
+n_0, n_1, ... in that order a rank is i_0 + n_0·(i_1 + n_1·(i_2 + ...)), and a group of some dimensions is the ranks
+that differ in those only. Two orders (`RANK_ORDERS`):
+
+- "pipesim" (the default, as every estimate has been priced): tp, cp, pp, dp: t inside a node first, then the C
+  context-parallel ranks, then the p stages, then the d replicas; the E expert-parallel ranks are drawn from the
+  replicas (ep between pp and dp), so E divides d.
+- "megatron": Megatron-core's default order "tp-cp-ep-dp-pp", the stages outermost. Its dense layers number
+  tp, cp, dp, pp (ep is 1 there); its expert layers number the same ranks on a grid of their own, tp = the
+  expert-tensor-parallel size ETP, ep = E, dp = t·C·d / (ETP·E), pp (cp is 1 there): Megatron-core's "parallel
+  folding" (Liu et al. 2025, arXiv 2504.14960), the experts' groups folded over the t·C·d ranks that hold one
+  stage, so E·ETP divides t·C·d. ETP defaults to t, as `expert_tensor_parallel_size` does.
+
+A group's ranks on each node: of each of its dimensions, as many steps as fit in a node (at most all of them),
+multiplied; a group is within one node when the block of consecutive ranks its dimensions run over is.
+Pure arithmetic: no torch."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+RANK_ORDERS = ("pipesim", "megatron")
+# per order, the dense layers' grid and the expert layers' (innermost first)
+_DENSE = {"pipesim": ("tp", "cp", "pp", "dp"), "megatron": ("tp", "cp", "dp", "pp")}
+_EXPERT = {"pipesim": ("tp", "cp", "pp", "ep", "dp"), "megatron": ("tp", "ep", "dp", "pp")}
+
+
+class RankOrderError(ValueError):
+    """A rank order, or an expert grid, the order cannot number; one line naming what is wrong."""
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Ranks numbered along `order` (innermost first), each dimension of the size `sizes` gives."""
+
+    order: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def size(self, dim: str) -> int:
+        return self.sizes[self.order.index(dim)]
+
+    def stride(self, dim: str) -> int:
+        """The rank distance between neighbours along `dim`."""
+        return math.prod(self.sizes[:self.order.index(dim)])
+
+    def group(self, dims: Sequence[str], rank: int = 0) -> list[int]:
+        """The ranks, ascending, of the group of `dims` that holds `rank`: those that differ from it in `dims`
+        only."""
+        base = rank - sum((rank // self.stride(dim)) % self.size(dim) * self.stride(dim) for dim in dims)
+        ranks = [base]
+        for dim in dims:
+            ranks = [r + i * self.stride(dim) for i in range(self.size(dim)) for r in ranks]
+        return sorted(ranks)
+
+    def per_node(self, dims: Sequence[str], gpus_per_node: int) -> int:
+        """How many of a group's ranks share each node: of each dimension, as many steps as fit in a node."""
+        return math.prod(min(self.size(dim), max(gpus_per_node // self.stride(dim), 1)) for dim in dims)
+
+    def within_node(self, dims: Sequence[str], gpus_per_node: int) -> bool:
+        """Whether the block of consecutive ranks the group's dimensions run over fits in one node."""
+        return max(self.stride(dim) * self.size(dim) for dim in dims) <= gpus_per_node
+
+
+def dense_grid(order: str, t: int, c: int, p: int, d: int) -> RankGrid:
+    """The dense layers' ranks: tensor (tp), context (cp), pipeline (pp) and data (dp) parallel, as `order` numbers
+    them."""
+    _check(order)
+    sizes = {"tp": t, "cp": c, "pp": p, "dp": d}
+    return RankGrid(_DENSE[order], tuple(sizes[dim] for dim in _DENSE[order]))
+
+
+def expert_grid(order: str, t: int, c: int, p: int, d: int, e: int, etp: int | None = None) -> RankGrid:
+    """The expert layers' ranks for E expert-parallel ranks of expert-tensor-parallel size `etp` (None: t): under
+    "pipesim" E of the d replicas (etp must be t); under "megatron" Megatron-core's folded grid (module docstring).
+    A grid the order cannot number is `RankOrderError`."""
+    _check(order)
+    etp = t if etp is None else etp
+    if order == "pipesim":
+        if etp != t:
+            raise RankOrderError(f"expert_tensor: {etp} folds the experts over the tensor-parallel ranks, which "
+                                 "pipesim's rank order keeps for the dense layers: give rank order megatron")
+        if d % e:
+            raise RankOrderError(f"expert: {e} must divide the data-parallel degree, {d} (pipesim's rank order draws "
+                                 "its ranks from the data-parallel replicas; Megatron's folds them over t·C·d)")
+        return RankGrid(_EXPERT[order], (t, c, p, e, d // e))
+    if (t * c * d) % (etp * e):
+        raise RankOrderError(f"expert: {e} ranks of {etp} expert-tensor-parallel ranks each, {e * etp}, must "
+                             f"divide the t·C·d = {t * c * d} ranks of a stage that Megatron-core folds them over")
+    return RankGrid(_EXPERT[order], (etp, e, t * c * d // (etp * e), p))
+
+
+def _check(order: str) -> None:
+    if order not in RANK_ORDERS:
+        raise RankOrderError(f"rank_order: choose from {', '.join(RANK_ORDERS)} (got {order!r})")

@@ -1,0 +1,100 @@
+"""--rank-order and --expert-tensor-parallel: each group's ranks as Megatron-core's RankGenerator numbers them
+(megatron/core/parallel_state.py: rank = i_0 + n_0·(i_1 + n_1·(...)) along the order, a group the ranks that
+differ in its dimensions only; the expected ranks below are written out by hand from that rule), the links they
+give, and the experts folded over t·C·d."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import gradient_ranks_per_node, links_of, node_placement
+from pipesim.planning.experts import ExpertParallelError, expert_group
+from pipesim.planning.ranks import RankOrderError, dense_grid, expert_grid
+from tests.conftest import pipesim, simulate_json
+
+PLACEMENT = node_placement(load_catalogue().find("h100-sxm"))  # 8 GPUs a node on NVLink, a NIC each
+
+
+def groups(grid, dims: tuple[str, ...]) -> list[list[int]]:
+    """Every group of `dims` over the grid's ranks, each once, in order of their first rank."""
+    return sorted(map(list, {tuple(grid.group(dims, rank)) for rank in range(math.prod(grid.sizes))}))
+
+
+def test_megatron_order_numbers_the_dense_groups_as_its_rank_generator():
+    # tp-cp-ep-dp-pp with t = 2, C = 1, d = 4, p = 2 on 16 ranks: strides tp 1, dp 2, pp 8
+    grid = dense_grid("megatron", t=2, c=1, p=2, d=4)
+    assert groups(grid, ("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert groups(grid, ("dp",)) == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert groups(grid, ("pp",)) == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    # with C = 2 (t = 2, d = 2, p = 2): strides tp 1, cp 2, dp 4, pp 8
+    grid = dense_grid("megatron", t=2, c=2, p=2, d=2)
+    assert groups(grid, ("cp",)) == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert groups(grid, ("cp", "dp")) == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert groups(grid, ("pp",))[0] == [0, 8]
+
+
+def test_megatron_order_folds_the_experts_over_tensor_and_data_parallel_ranks():
+    # the expert grid tp-ep-dp-pp with ETP = 1, E = 4 over t·C·d = 8 (t = 2, d = 4), p = 2: strides ep 1, edp 4, pp 8
+    grid = expert_grid("megatron", t=2, c=1, p=2, d=4, e=4, etp=1)
+    assert groups(grid, ("ep",)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert groups(grid, ("dp",)) == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    # the stages are the dense grid's, as Megatron-core asserts
+    assert groups(grid, ("pp",)) == groups(dense_grid("megatron", t=2, c=1, p=2, d=4), ("pp",))
+    # ETP = t (the default): E = 2 over C·d, every expert split over the dense tensor-parallel pair
+    grid = expert_grid("megatron", t=2, c=1, p=2, d=4, e=2)
+    assert groups(grid, ("tp",))[:2] == [[0, 1], [2, 3]]
+    assert groups(grid, ("ep",))[:2] == [[0, 2], [1, 3]]
+
+
+def test_pipesim_order_keeps_the_stages_inside_the_replicas():
+    grid = dense_grid("pipesim", t=2, c=1, p=2, d=4)  # strides tp 1, pp 2, dp 4
+    assert groups(grid, ("pp",))[:2] == [[0, 2], [1, 3]]
+    assert groups(grid, ("dp",))[:2] == [[0, 4, 8, 12], [1, 5, 9, 13]]
+    assert groups(expert_grid("pipesim", t=2, c=1, p=2, d=4, e=2), ("ep",))[:2] == [[0, 4], [1, 5]]
+
+
+def test_the_order_moves_the_stage_and_data_parallel_links():
+    pipesim = links_of(PLACEMENT, t=1, p=2, d=8)
+    megatron = links_of(PLACEMENT, t=1, p=2, d=8, order="megatron")
+    assert (pipesim.stage.kind, pipesim.data.kind) == ("nvlink", "infiniband")  # both stages on a node
+    assert (megatron.stage.kind, megatron.data.kind) == ("infiniband", "nvlink")  # the 8 replicas on a node
+    assert links_of(PLACEMENT, t=1, p=2, d=8, order="pipesim") == pipesim  # the default is pipesim's
+    # d = 32: 8 of a stage's replicas share each node under megatron's order, 4 under pipesim's
+    assert gradient_ranks_per_node(8, t=1, p=2, c=1, d=32, order="megatron") == 8
+    assert gradient_ranks_per_node(8, t=1, p=2, c=1, d=32) == 4
+    nic, node = PLACEMENT.network_link.bytes_per_ms, PLACEMENT.node_link.bytes_per_ms  # up to the node's link
+    assert links_of(PLACEMENT, t=1, p=2, d=32, order="megatron").data.bytes_per_ms == min(8 * nic, node)
+    assert links_of(PLACEMENT, t=1, p=2, d=32).data.bytes_per_ms == min(4 * nic, node)
+
+
+def test_the_order_places_the_expert_group_and_folding_shards_the_experts():
+    # E = 8 with p = 2: pipesim's 8 replicas sit 2 ranks apart (4 a node), megatron's on one node
+    assert expert_group(PLACEMENT, 8, 128, 1, 1, 2, 8).per_node == 4
+    assert expert_group(PLACEMENT, 8, 128, 1, 1, 2, 8, order="megatron").per_node == 8
+    # Qwen3-235B's H100 layout: t = 2, p = 8, d = 16, E = 32 with ETP = 1, each rank 1/32 of the experts
+    folded = expert_group(PLACEMENT, 32, 128, 2, 1, 8, 16, order="megatron", expert_tensor=1)
+    assert (folded.per_node, folded.weight_shards) == (8, 16)  # 1/16 beside the dense layers' 1/t = 1/2
+    assert expert_group(PLACEMENT, 8, 128, 2, 1, 2, 8).weight_shards == 8  # unfolded: E, as before
+    with pytest.raises(ExpertParallelError, match="must divide the data-parallel degree, 16"):
+        expert_group(PLACEMENT, 32, 128, 2, 1, 8, 16)
+    with pytest.raises(ExpertParallelError, match="24, must divide the t·C·d = 32"):
+        expert_group(PLACEMENT, 8, 128, 2, 1, 8, 16, order="megatron", expert_tensor=3)
+    with pytest.raises(RankOrderError, match="rank_order: choose from pipesim, megatron"):
+        dense_grid("torchtitan", 1, 1, 1, 1)
+
+
+MOE = ["--model", "gpt", "--layers", "4", "--width", "256", "--heads", "4", "--seq-len", "128", "--experts", "16",
+       "--gpu", "h100-sxm", "-p", "2", "-m", "4", "--data-parallel", "8", "--expert-parallel", "8", "-s", "1f1b"]
+
+
+def test_simulate_takes_the_rank_order_and_refuses_bad_values_in_one_line():
+    default, megatron = simulate_json(*MOE), simulate_json(*MOE, "--rank-order", "megatron")
+    assert default[0]["makespan_ms"] != megatron[0]["makespan_ms"]
+    for flags, line in ((("--rank-order", "zigzag"), "--rank-order: choose from pipesim, megatron (got 'zigzag')"),
+                        (("--expert-tensor-parallel", "1"), "give --rank-order megatron"),
+                        (("--rank-order", "megatron", "--expert-tensor-parallel", "3"), "--expert-parallel 8 ranks")):
+        code, out, err = pipesim("simulate", *MOE, *flags)
+        assert code == 2 and line in err and len(err.strip().splitlines()) == 1, err
