@@ -58,11 +58,11 @@ ATTENTION_KERNELS = {str(op).removeprefix("aten.") for op in flop_registry if "a
 class _Tally:
     flops: int = 0
     moved_bytes: int = 0  # of the memory-bound ops
-    ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed) -> calls
+    ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed, causal) -> calls
     transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
 
     def records(self) -> tuple[OpCount, ...]:
-        return tuple(OpCount(*key[:5], count=n, routed=key[5]) for key, n in self.ops.items() if n > 0)
+        return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6]) for key, n in self.ops.items() if n > 0)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -105,7 +105,9 @@ class _MovedBytes(TorchDispatchMode):
         if func.overloadpacket in flop_registry:
             flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
             moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
-            self.tally.ops[name, _kind(name), _shape(name, reads), flops, moved, experts] += 1
+            given = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
+            causal = bool(given.get("is_causal", False))  # an attention kernel's mask; no other op has one
+            self.tally.ops[name, _kind(name), _shape(name, reads), flops, moved, experts, causal] += 1
             return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)
@@ -117,7 +119,8 @@ class _MovedBytes(TorchDispatchMode):
         moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
-        self.tally.ops[name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts] += 1
+        self.tally.ops[name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
+                       False] += 1
         return out
 
 

@@ -1,0 +1,79 @@
+"""A causal attention kernel is priced by the FLOPs it computes: torch counts the whole s x s
+(`sdpa_flop_count` ignores is_causal), FlashAttention skips the blocks past the diagonal, and the catalogue's
+attention efficiencies are FlashAttention's benchmarks, which count a causal kernel as half the square."""
+
+from dataclasses import replace
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import (
+    ContextRing,
+    Device,
+    Parallelism,
+    _Split,
+    curve_terms,
+    estimate_layer,
+    kernel_flops,
+    node_placement,
+    op_ms,
+)
+from pipesim.profiles.schema import EstimateLink
+from pipesim.profiles.workload import OpCount
+
+H100 = load_catalogue().find("h100-sxm")
+DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                H100.curve)
+HEADS, SEQ, HEAD = 32, 8192, 128
+FLOPS = 4 * HEADS * SEQ * SEQ * HEAD  # torch's count of the forward: the whole square
+
+
+def _attention(causal: bool) -> OpCount:
+    return OpCount("_scaled_dot_product_flash_attention", "attention", (HEADS, SEQ, SEQ, HEAD), FLOPS,
+                   4 * HEADS * SEQ * HEAD * 2, 1, causal=causal)
+
+
+def test_a_causal_kernel_computes_half_the_square_and_takes_half_the_time():
+    whole, causal = _attention(False), _attention(True)
+    assert kernel_flops(whole) == FLOPS and kernel_flops(causal) == FLOPS / 2
+    overhead = H100.curve.kernel_overhead_ms
+    assert op_ms(causal, DEVICE) - overhead == pytest.approx((op_ms(whole, DEVICE) - overhead) / 2)
+    assert FLOPS / 2 / (op_ms(causal, DEVICE) - overhead) == pytest.approx(
+        DEVICE.peak_flops_per_ms * H100.curve.attention_efficiency)  # FlashAttention's convention, its efficiency
+
+
+def test_the_calibration_fits_the_attention_rate_on_the_same_flops_it_prices():
+    class Layer:
+        ops = {"fwd": (_attention(True),)}
+
+    _, attention, _, kernels = curve_terms(Layer(), "fwd", 132, [(128, 128)])
+    assert attention == FLOPS / 2 and kernels == 1
+
+
+def test_the_context_ring_prices_the_visible_blocks_once():
+    c = 2  # each rank: 2 of the 4 chunks, 2 visible pairs a step; every transfer hidden on a fast link
+    split = _Split(1, False, HEADS * HEAD, SEQ, SEQ, c)
+    mine = split.context_share(_attention(True))
+    fast = ContextRing(c, EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1e15))
+    block = OpCount(mine.op, mine.kind, mine.shape, mine.flops // 4, mine.moved_bytes // c, 1)
+    assert fast.attention_ms(mine, DEVICE, 2) == pytest.approx(c * op_ms(block, DEVICE))
+    assert c * (op_ms(block, DEVICE) - H100.curve.kernel_overhead_ms) == pytest.approx(
+        op_ms(mine, DEVICE) - H100.curve.kernel_overhead_ms)  # the rank's causal share, as one kernel would
+
+
+def test_a_gpt_layer_counts_its_flash_kernels_causal_and_its_forward_saves_half_the_attention():
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    counted = count_built("gpt", {"layers": 2, "width": 256, "heads": 4, "seq_len": 512, "vocab": 1000},
+                          microbatch_size=1, dtype=torch.bfloat16, attention="flash")
+    layer = counted.layers[1]
+    kernels = [op for name in ("fwd", "bwd", "igrad") for op in layer.ops[name] if op.kind == "attention"]
+    assert len(kernels) == 3 and all(op.causal for op in kernels)
+    links = node_placement(H100)
+    causal = estimate_layer(layer, DEVICE, Parallelism(), links.node_link, 2)
+    unmasked = {name: tuple(replace(op, causal=False) for op in ops) for name, ops in layer.ops.items()}
+    whole = estimate_layer(replace(layer, ops=unmasked), DEVICE, Parallelism(), links.node_link, 2)
+    (kernel,) = [op for op in layer.ops["fwd"] if op.kind == "attention"]
+    saved_ms = op_ms(replace(kernel, causal=False), DEVICE) - op_ms(kernel, DEVICE)
+    assert saved_ms > 0 and whole.fwd_ms - causal.fwd_ms == pytest.approx(saved_ms)
