@@ -21,8 +21,9 @@ keeps the layer's input, the output of every other matrix product (the 1st, 3rd,
 attention kernel's outputs, and reruns the rest (t = 1 only). Float8 (`Parallelism.fp8`): a transformer layer's
 linear products at the part's float8 peak with the recipe's casts and saved bytes (planning/fp8.py).
 
-Placement: t inside a node first, then p, then d (Megatron's order); a stage boundary or a data-parallel group
-that leaves a node uses the network (a stage boundary with t > 1 as Megatron's scatter/gather: 1/t of the
+Placement: the ranks numbered as the rank order says (planning/ranks.py: pipesim's, t inside a node first, then
+C, p, d; or Megatron-core's, t, C, d, then p); a stage boundary or a data-parallel group that leaves a node uses
+the network (a stage boundary with t > 1 as Megatron's scatter/gather: 1/t of the
 tensor per rank on the network, then an all-gather on the node's link). Pure arithmetic on counts: no torch.
 """
 
@@ -62,12 +63,14 @@ from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from ..sim.costs import PRECISIONS, Precision
 from .experts import ALL_TO_ALLS, ExpertGroup, ExpertParallelError, expert_group, held_share
 from .fp8 import FP8_RECIPES, float8_weight_bytes, in_float8, step_cast_ops
+from .ranks import RANK_ORDERS, dense_grid
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
 
 RECOMPUTE = ("none", "selective", "full", "op")
 PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
+GRADIENT_GROUP = ("cp", "dp")  # the ranks that hold the same weights and reduce their gradients (planning/ranks.py)
 REPLICATED_SHARE = 10 / 34  # Korthikanti et al.: 10·sbh of a block's 34·sbh (s×s terms aside) stay whole under t
 # NCCL's per-step latency of its Simple protocol by link (src/graph/tuning.cc, hwLat, ring): NVLink 3.4 us, PCIe
 # 5.7 us, the network 14 us; xGMI is taken as NVLink
@@ -83,7 +86,8 @@ class EstimateError(ValueError):
 class Parallelism:
     """Tensor (t), pipeline (p) and data (d) parallel degrees, context parallelism (C: the sequence split over C
     ranks holding the same weights, `ContextRing`), expert parallelism (E: a mixture of experts' routed experts
-    over E of the d replicas, `planning.experts`), and how activations, gradients and optimizer state are kept:
+    over E ranks, each expert split over ETP `expert_tensor` ranks, `planning.experts`), the order the ranks are
+    numbered in (`planning.ranks`), and how activations, gradients and optimizer state are kept:
     `precision` is one of `PRECISIONS` (None: as Megatron-LM keeps the count's dtype: float32 main gradients for
     bfloat16, which it forces, 16-bit ones for float16, its default there)."""
 
@@ -91,7 +95,9 @@ class Parallelism:
     pipeline: int = 1
     data: int = 1
     context: int = 1
-    expert: int = 1  # expert parallelism's E ranks, drawn from the d replicas (planning/experts.py)
+    expert: int = 1  # expert parallelism's E ranks (planning/experts.py)
+    expert_tensor: int | None = None  # ETP: the ranks each routed expert is split over (None: t; planning/ranks.py)
+    rank_order: str = "pipesim"  # how the ranks are numbered, of `RANK_ORDERS` (planning/ranks.py)
     hot_expert_share: float | None = None  # the busiest expert's share of the routed tokens (None: balanced)
     token_dispatcher: str | None = None  # how tokens reach the experts (planning/experts.py; None: alltoall)
     sequence_parallel: bool = False
@@ -102,9 +108,11 @@ class Parallelism:
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "data", "context", "expert"):
-            if getattr(self, name) < 1:
+        for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
+        if self.rank_order not in RANK_ORDERS:
+            raise EstimateError(f"rank_order: choose from {', '.join(RANK_ORDERS)} (got {self.rank_order!r})")
         if self.recompute not in RECOMPUTE:
             raise EstimateError(f"recompute: choose from {', '.join(RECOMPUTE)} (got {self.recompute!r})")
         if self.recompute == "op" and self.tensor > 1:
@@ -281,30 +289,33 @@ def placement_links(gpu: Gpu, parallel: Parallelism, cluster: Cluster | None = N
                     curve: Curve | None = None) -> PlacementLinks:
     """The links of `parallel`'s placement on the part (or cluster): `links_of` its `node_placement`."""
     return links_of(node_placement(gpu, cluster, curve), parallel.tensor, parallel.pipeline, parallel.data,
-                    parallel.context)
+                    parallel.context, parallel.rank_order)
 
 
-def links_of(placement: EstimatePlacement, t: int, p: int, d: int, c: int = 1) -> PlacementLinks:
-    """t inside a node first, then the C context-parallel ranks (Megatron's order tp-cp-...; torchtitan's mesh
-    keeps cp next to tp too), then p, then d: the context ring leaves the node once t·C exceeds it (a ring step
-    waits for its slowest hop, a GPU's own NIC), the stage boundaries once t·C·p does, the data-parallel group once
-    t·C·p·d does. The gradients are reduced over the C·d ranks that hold the same weights; with k of them on each
-    node the group crosses nodes on k NICs at once (NCCL runs a ring per channel, each through its own NIC), up to
-    the node's link. A tensor-parallel group larger than a node fills whole nodes and crosses them likewise
-    (`_across_nodes`)."""
+def links_of(placement: EstimatePlacement, t: int, p: int, d: int, c: int = 1,
+             order: str = "pipesim") -> PlacementLinks:
+    """The links of the groups as `order` numbers the ranks (planning/ranks.py; "pipesim": t inside a node first,
+    then the C context-parallel ranks, then p, then d; "megatron": t, C, d, then p): a group within one node talks
+    over the node's link, else over the network: the context ring once t·C exceeds a node (a ring step waits for its
+    slowest hop, a GPU's own NIC), the stage boundaries once the pipeline's block of ranks does, the data-parallel
+    group once its block does. The gradients are reduced over the C·d ranks that hold the same weights; with k of
+    them on each node the group crosses nodes on k NICs at once (NCCL runs a ring per channel, each through its own
+    NIC), up to the node's link. A tensor-parallel group larger than a node fills whole nodes and crosses them
+    likewise (`_across_nodes`)."""
     node, inside, outside = placement.gpus_per_node, placement.node_link, placement.network_link
     if t > node and t % node:
         raise EstimateError(f"tensor: {t} spans nodes of {node} GPUs and must fill them: give a multiple of {node}")
-    members = gradient_ranks_per_node(node, t, p, c)
+    grid = dense_grid(order, t, c, p, d)
+    members = grid.per_node(GRADIENT_GROUP, node)
     tensor = inside if t <= node else _across_nodes(outside, inside, node, t)
-    return PlacementLinks(tensor, inside if t * c * p <= node else _scatter_gather(outside, tensor, t),
-                          inside if t * c * p * d <= node else _across(outside, inside, members),
-                          inside if t * c <= node else outside)
+    return PlacementLinks(tensor, inside if grid.within_node(("pp",), node) else _scatter_gather(outside, tensor, t),
+                          inside if grid.within_node(GRADIENT_GROUP, node) else _across(outside, inside, members),
+                          inside if grid.within_node(("cp",), node) else outside)
 
 
-def gradient_ranks_per_node(gpus_per_node: int, t: int, p: int, c: int = 1) -> int:
+def gradient_ranks_per_node(gpus_per_node: int, t: int, p: int, c: int, d: int, order: str = "pipesim") -> int:
     """How many of the C·d ranks that reduce the same gradients (`links_of`'s placement) share each node."""
-    return min(c, max(gpus_per_node // t, 1)) * max(gpus_per_node // (t * c * p), 1)
+    return dense_grid(order, t, c, p, d).per_node(GRADIENT_GROUP, gpus_per_node)
 
 
 def _across(network: EstimateLink, node: EstimateLink, members: int) -> EstimateLink:
@@ -600,11 +611,15 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
     if optimizer not in OPTIMIZERS:
         raise EstimateError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
-    for name, what in (("heads", "heads"), ("kv_heads", "key/value heads"), ("ffn", "MLP width"),
-                       ("expert_ffn", "experts' MLP width")):
-        size = counted.options.get(name)  # Megatron splits each over the t ranks
-        if size and size % parallel.tensor:
-            raise EstimateError(f"tensor: {parallel.tensor} does not divide the model's {size} {what}")
+    expert_split = ("tensor", parallel.tensor) if parallel.expert_tensor is None else (
+        "expert_tensor", parallel.expert_tensor)
+    for name, what, (flag, ranks) in (("heads", "heads", ("tensor", parallel.tensor)),
+                                      ("kv_heads", "key/value heads", ("tensor", parallel.tensor)),
+                                      ("ffn", "MLP width", ("tensor", parallel.tensor)),
+                                      ("expert_ffn", "experts' MLP width", expert_split)):
+        size = counted.options.get(name)  # Megatron splits each over the t ranks (an expert's over ETP)
+        if size and size % ranks:
+            raise EstimateError(f"{flag}: {ranks} does not divide the model's {size} {what}")
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
     if parallel.context > 1:
@@ -617,10 +632,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     try:
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
-                               parallel.token_dispatcher)
+                               parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor)
     except ExpertParallelError as exc:
         raise EstimateError(str(exc)) from None
-    links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context)
+    links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,
+                     parallel.rank_order)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
@@ -641,7 +657,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             previous = (layer, estimate_layer(experts.busiest(layer), device, parallel, links.tensor, element,
                                               links.context))
         priced = previous[1]
-        share = held_share(layer, experts.ranks)  # of its weights, one of the E expert-parallel ranks holds
+        share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
@@ -649,13 +665,13 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
             activation_parts=priced.activation_parts, transient_bytes=priced.transient_bytes,
-            float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.ranks) // t
+            float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.weight_shards) // t
                                  if parallel.fp8 else 0),
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             param_bytes=params,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
-            expert_param_bytes=layer.expert_param_bytes // experts.ranks // t,
+            expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + held.master_bytes *
                                                 layer.param_bytes // element) * state_share) // shards
                                    for name in OPTIMIZERS}))
@@ -671,11 +687,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
 
         # a float8 recipe's weight casts once per step (TransformerEngine's), each weight 1/t of itself
         casts_ms = (sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in mine
-                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, experts.ranks))
+                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, experts.weight_shards))
                     if parallel.fp8 else 0.0)
         steps = {name: StepTimes(
             step=_timing(casts_ms + memory_ms(sum(layer.optimizer_step_moved_bytes[name] * (
-                1.0 if parallel.sharded_optimizer else held_share(layer, experts.ranks)) for layer in mine)
+                1.0 if parallel.sharded_optimizer else held_share(layer, experts.weight_shards)) for layer in mine)
                                               * widen / shards)),
             predict=_timing(memory_ms(3 * params))) for name in OPTIMIZERS}
         stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(memory_ms(3 * params)),
