@@ -142,8 +142,9 @@ class ReplicaGroup(ABC):
 
 
 @dataclass
-class _Round:
-    """One all-reduce in a room: each member's tensors by replica, then their mean and when it was ready."""
+class Round:
+    """One all-reduce in a room: each member's tensors by replica, then their mean and when it was ready (an
+    expert-parallel exchange's: each member's rows for each other member, executor/experts.py)."""
 
     parts: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     mean: list[torch.Tensor] | None = None
@@ -153,11 +154,12 @@ class _Round:
 
 @dataclass
 class Room:
-    """Where the threads holding one device's replicas meet; `abandon` fails every wait (a thread failed)."""
+    """Where the threads holding one device's replicas meet (or those of an expert-parallel group: `replicas` is
+    then its E ranks); `abandon` fails every wait (a thread failed)."""
 
     replicas: int
     ready: threading.Condition = field(default_factory=threading.Condition)
-    rounds: dict[int, _Round] = field(default_factory=dict)
+    rounds: dict[int, Round] = field(default_factory=dict)
     abandoned: str | None = None
 
     def abandon(self, reason: str) -> None:
@@ -171,7 +173,7 @@ class Room:
 class _RoomPending:
     member: ThreadReplicas
     number: int
-    this: _Round
+    this: Round
     tensors: list[torch.Tensor]
 
     def wait(self) -> int:
@@ -202,7 +204,7 @@ class ThreadReplicas(ReplicaGroup):
     def _start(self, n: int, tensors: list[torch.Tensor]) -> Pending:
         room = self.room
         with room.ready:
-            this = room.rounds.setdefault(n, _Round())
+            this = room.rounds.setdefault(n, Round())
             this.parts[self.replica] = [t.detach().clone() for t in tensors]
             if len(this.parts) == room.replicas:
                 ordered = [this.parts[q] for q in range(room.replicas)]

@@ -39,7 +39,7 @@ from ..workload.transport import (
     connect,
     free_port,
 )
-from .experts import dist_experts
+from .experts import dist_experts, thread_experts
 from .replicas import Layout, dist_replicas, thread_replicas
 from .runtime import DeviceLoop, DeviceResult
 from .stages import DivergedError, ExecutorError, RunSpec, cut, heldout_scores
@@ -98,17 +98,18 @@ def _layout(spec: RunSpec) -> Layout:
 
 
 def run_in_process(spec: RunSpec) -> RunResult:
-    """Every rank a thread of this process, over the in-process transport (its REDUCE rows meet in rooms).
+    """Every rank a thread of this process, over the in-process transport (its REDUCE rows and its experts'
+    exchanges meet in rooms).
     The setups are built one after another here (model construction draws from torch's global generator),
     then the threads run."""
     lowered = _lowered(spec)
-    if spec.schedule.expert_parallel > 1:
-        raise ExecutorError(f"expert parallelism (E={spec.schedule.expert_parallel}) exchanges tokens by "
-                            "torch.distributed all-to-alls: run it on processes (run_multiprocess, torchrun)")
     layout = _layout(spec)
     transports = InProcessTransport.connected(layout.ranks, timeout_s=spec.timeout_s)
     rooms, members = thread_replicas(layout, spec.timeout_s)
-    loops = [DeviceLoop(spec, lowered, cut(spec), device, transports[rank], replica=replica, replicas=members[rank])
+    exchanges, experts = thread_experts(layout, spec.schedule.expert_parallel, spec.timeout_s)
+    rooms += exchanges
+    loops = [DeviceLoop(spec, lowered, cut(spec), device, transports[rank], replica=replica, replicas=members[rank],
+                        experts=experts[rank])
              for rank, (device, replica) in enumerate(map(layout.place, range(layout.ranks)))]
     results: list[DeviceResult | None] = [None] * layout.ranks
     causes: list[tuple[int, Exception]] = []

@@ -110,9 +110,22 @@ def test_a_device_exchanges_within_groups_of_e_replicas_and_averages_experts_ove
     assert experts.holders(device=0, replica=1) == [2, 6] and experts.holders(device=0, replica=2) == [0, 4]
 
 
-def test_threads_of_one_process_refuse_expert_parallelism():
-    with pytest.raises(ExecutorError, match="all-to-alls: run it on processes"):
-        run_in_process(ep_spec("1f1b", 2, "sgd"))
+@pytest.mark.parametrize("method, m", [("gpipe", 2), ("zb-v", 4)])
+def test_threads_of_one_process_exchange_in_rooms_and_train_as_one_process(method, m):
+    spec = ep_spec(method, m, "momentum")
+    result = run_in_process(spec)
+    losses: list[float] = []
+    want = single_process(replace(spec, schedule=build("gpipe", 2, 2 * m, 2)), losses)
+    np.testing.assert_allclose(result.losses[0], losses, **TIGHT)
+    for q in range(2):
+        got = [w for k in range(spec.schedule.num_stages) for w in result.replica_weights[q][(k, 0)]]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **TIGHT)
+
+
+def test_a_rank_that_fails_stops_its_groups_exchanges_and_names_itself():
+    with pytest.raises(ExecutorError, match=r"rank \d \(device 1, replica \d\): DivergedError"):
+        run_in_process(replace(ep_spec("1f1b", 2, "sgd"), lr=1e30))
 
 
 def test_the_expert_parallel_degree_must_divide_the_data_parallel_one():

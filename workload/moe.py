@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -125,27 +126,42 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     return out
 
 
-class ExpertExchange:
-    """One rank's side of an expert-parallel group of `ranks` ranks over torch.distributed `group`: this rank,
-    number `rank` in it, holds routed experts rank·n/E .. (rank+1)·n/E - 1 of n, and sends each token copy to the
-    rank holding its expert. The exchange is `all_to_all_single` with uneven splits (alltoallv), which gloo
-    (torch 2.13: checked on CPU ranks), NCCL and MPI implement. `spent_ns` adds up the time this rank spent in the
-    exchanges, forward and backward, which the executor records as the schedule's all-to-all rows."""
+class ExpertExchange(ABC):
+    """One rank's side of an expert-parallel group of `ranks` ranks: this rank, number `rank` in it, holds routed
+    experts rank·n/E .. (rank+1)·n/E - 1 of n, and sends each token copy to the rank holding its expert. `spent_ns`
+    adds up the time this rank spent in the exchanges, forward and backward, which the executor records as the
+    schedule's all-to-all rows."""
 
-    def __init__(self, group: Any, rank: int, ranks: int) -> None:
-        self.group, self.rank, self.ranks = group, rank, ranks
+    def __init__(self, rank: int, ranks: int) -> None:
+        self.rank, self.ranks = rank, ranks
         self.spent_ns = 0
 
     def swap(self, tensor: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
         """`tensor`'s rows, `send[r]` of them to rank r in order; what the ranks sent here, `receive[r]` from rank
-        r, in rank order."""
+        r, in rank order. Every rank of the group calls it at once."""
+        began = time.perf_counter_ns()
+        out = self._swap(tensor.detach().contiguous(), send, receive)
+        self.spent_ns += time.perf_counter_ns() - began
+        return out
+
+    @abstractmethod
+    def _swap(self, wire: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """`swap` of a contiguous tensor that needs no gradient."""
+
+
+class DistExchange(ExpertExchange):
+    """An exchange over torch.distributed `group`: `all_to_all_single` with uneven splits (alltoallv), which gloo
+    (torch 2.13: checked on CPU ranks), NCCL and MPI implement."""
+
+    def __init__(self, group: Any, rank: int, ranks: int) -> None:
+        super().__init__(rank, ranks)
+        self.group = group
+
+    def _swap(self, wire: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
         import torch.distributed as dist
 
-        began = time.perf_counter_ns()
-        wire = tensor.detach().contiguous()
         out = wire.new_empty((sum(receive), *wire.shape[1:]))
         dist.all_to_all_single(out, wire, receive, send, group=self.group)
-        self.spent_ns += time.perf_counter_ns() - began
         return out
 
 
