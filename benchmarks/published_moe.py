@@ -4,8 +4,11 @@ line each, nothing fitted.
 
 Each expressible row's `pipesim simulate` command is built from the row's own columns and the model's Hugging Face
 config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8
---fp8-recipe te`), flash attention, no recomputation, the distributed optimizer (`--zero 1`), the routed experts
-over E of the d = gpus / (t·p) data-parallel replicas, interleaved 1F1B where the row has virtual stages, the
+--fp8-recipe te`), flash attention, no recomputation, the distributed optimizer (`--zero 1`), the ranks in
+Megatron-core's order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which
+Megatron-Bridge keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts
+over E ranks folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`EXPERT_TENSOR`),
+interleaved 1F1B where the row has virtual stages, the
 layers cut into equal blocks where they divide into p·v stages (Megatron's cut), else balanced, and the tokens
 dispatched as the layout's recipe did (`DISPATCHERS`). Routing is balanced, as the summary's footnote says its MoE
 runs force it. The predicted tokens/s per GPU is the global batch's
@@ -31,7 +34,11 @@ from pipesim.commands.tables import print_table
 SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: its source and how to read it
 GPU = "h100-sxm"
 EXAMPLES = "examples"  # the Hugging Face configs, relative to the repository root the commands run in
-PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b"}  # the table's model: its examples/ folder
+PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b"}  # the table's model: its examples/
+# the model -> --expert-tensor-parallel: Megatron-Bridge's scripts/performance/configs/qwen/
+# qwen3_workload_base_configs.py (01b2977), BASE_QWEN3_235B_A22B_CONFIG and BASE_QWEN3_30B_A3B_CONFIG:
+# expert_tensor_parallel_size=1, which every H100 preset of both keeps
+EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1}
 # (model, t, p, v, E) -> --token-dispatcher: the layout's H100 recipe in Megatron-Bridge's history (README.md there);
 # the rest ran the model provider's default, NCCL's all-to-all (qwen_provider.py: moe_token_dispatcher_type)
 DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): "deepep",  # HybridEP, the layout's only recipe (4a64507, 2026-02-23)
@@ -40,9 +47,6 @@ NOT_EXPRESSIBLE = {
     "DeepSeekV3": "its recipe (scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml at 7623546) has a "
                   "multi-token-prediction layer (mtp_num_layers 1), which no config in examples/ builds, and a layout "
                   "of its own (\"Et|(tt|)*30mL\"); the row states no precision",
-    "Qwen3_235B_a22B": "EP 32 with TP 2 on 256 GPUs (PP 8): Megatron-core folds the expert-parallel ranks over the "
-                       "tensor- and data-parallel ones, pipesim draws them from the d = 16 replicas only; and no "
-                       "config of it in examples/",
     "GPT OSS 120B": "no config of it in examples/",
     "Nemotron_3_Nano": "a hybrid of Mamba-2 and attention layers: pipesim counts no Mamba layer",
 }
@@ -63,6 +67,7 @@ class MoeRun:
     chunks: int  # VP: model chunks per device (1: plain 1F1B)
     expert: int
     dispatcher: str | None  # --token-dispatcher (None: NCCL's all-to-all)
+    expert_tensor: int  # --expert-tensor-parallel: each routed expert's tensor split
 
     @property
     def data(self) -> int:
@@ -78,7 +83,8 @@ class MoeRun:
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
                 "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
                 "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
-                "--recompute", "none", *schedule, "--stage-cut", cut,
+                "--recompute", "none", *schedule, "--stage-cut", cut, "--rank-order", "megatron",
+                "--expert-tensor-parallel", str(self.expert_tensor),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else [])]
 
 
@@ -95,7 +101,8 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
                                                                "expert_parallel"))
         chunks = 1 if row["virtual_pipeline"] == "n/a" else int(row["virtual_pipeline"])
         expressible.append((MoeRun(f"{row['container']} {row['model']} t{t} p{p} v{chunks} E{e}", PRESETS[model],
-                                   gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get((model, t, p, chunks, e))),
+                                   gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get((model, t, p, chunks, e)),
+                                   EXPERT_TENSOR[model]),
                             row))
     return expressible, left_out
 

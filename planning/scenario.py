@@ -109,7 +109,17 @@ class Scenario:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
         if sched.gradient_ranks == 1:
             return costs
-        return collective_costs(costs, sched, self.data_parallel_link(sched))
+        return collective_costs(costs, sched, self.data_parallel_link(sched), self._expert_replicas(sched))
+
+    def _expert_replicas(self, sched: Schedule) -> int | None:
+        """The ranks that hold the same routed experts where an estimate folds them over t·C·d with an
+        expert-tensor-parallel size ETP (planning/ranks.py): the d·C gradient ranks times t/(E·ETP); None
+        otherwise."""
+        estimate = self.measured.estimate if self.measured is not None else None
+        etp = estimate.parallelism.get("expert_tensor") if estimate is not None else None
+        if etp is None:
+            return None
+        return sched.gradient_ranks * estimate.degrees[0] // (sched.expert_parallel * etp)
 
     def _sharded_for(self, costs: Costs, sched: Schedule) -> Costs:
         """An estimate for a sharded optimizer holds one shard of its d and steps over it: here each replica's
@@ -304,19 +314,21 @@ def fitted_link(ranks: int, points: Sequence[tuple[int, float]]) -> CollectiveLi
                           f"the profile's all-reduce over {ranks} ranks, fitted")
 
 
-def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink) -> Costs:
+def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert_replicas: int | None = None) -> Costs:
     """Each stage's REDUCE and GATHER priced for the schedule's d·C `gradient_ranks` on `link`: the gradients (the
     size of the weights; with ZeRO-2 and 3 as accumulated, which FSDP2 reduce-scatters in its reduce dtype)
     all-reduced, or with a sharded optimizer reduce-scattered, and the updated weights then all-gathered; NCCL's
     faster of ring and tree for an all-reduce. Under E-way expert parallelism the routed experts' share
-    (`expert_param_bytes`) goes over the d·C/E ranks that hold the same experts, after the rest."""
+    (`expert_param_bytes`) goes over the `expert_replicas` ranks that hold the same experts (None: d·C/E; folded
+    over t·C·d, planning/ranks.py: t·C·d/(E·ETP)), after the rest."""
     d, sharded = sched.gradient_ranks, sched.sharded_optimizer
+    expert_replicas = expert_replicas or d // sched.expert_parallel
     reduce = link.reduce_scatter_ms if sharded else link.all_reduce_ms
 
     def over_groups(collective: Callable[[float, int], float], nbytes: float, c: StageCosts) -> float:
         experts = c.expert_param_bytes / c.param_bytes if sched.expert_parallel > 1 and c.param_bytes else 0.0
         return collective(nbytes * (1 - experts), d) + (
-            collective(nbytes * experts, d // sched.expert_parallel) if experts else 0.0)
+            collective(nbytes * experts, expert_replicas) if experts else 0.0)
 
     return replace(costs, stages=tuple(replace(
         c, reduce_ms=over_groups(reduce, c.gradient_bytes if sched.zero >= 2 else c.param_bytes, c),

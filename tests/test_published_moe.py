@@ -1,6 +1,7 @@
 """NVIDIA's published MoE throughput on H100 (benchmarks/published_moe.py and the rows it recorded in
-benchmarks/published_moe.json): every expressible row is recorded with the CSV's figure, its layout and its recipe's
-token dispatcher, and a row's printed command reproduces its recorded prediction."""
+benchmarks/published_moe.json): every expressible row is recorded with the CSV's figure, its layout, Megatron-core's
+rank order with its recipe's expert-tensor-parallel size and its recipe's token dispatcher, and a row's printed
+command reproduces its recorded prediction."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.conftest import simulate_json
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / "nemo-megatron-bridge-moe-h100.csv").open()))
-EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith("Qwen3_30B_a3B")]
+EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "Qwen3_235B_a22B"))]
 
 
 def _flag(args: list[str], flag: str) -> str:
@@ -24,7 +25,7 @@ def _flag(args: list[str], flag: str) -> str:
 
 
 def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
-    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 7
+    assert len(PUBLISHED) == 23 and len(RECORDED) == len(EXPRESSIBLE) == 13
     for row, published in zip(RECORDED, EXPRESSIBLE):
         args = shlex.split(row["command"])
         t, p, e, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
@@ -35,6 +36,7 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
                 _flag(args, "--expert-parallel")) == (str(t), str(p), str(d), str(e))
         assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == int(published["global_batch"])
         assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == "fp8"
+        assert (_flag(args, "--rank-order"), _flag(args, "--expert-tensor-parallel")) == ("megatron", "1")
         chunks = "1" if published["virtual_pipeline"] == "n/a" else published["virtual_pipeline"]
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
         flex = (p, chunks, e) in ((1, "1", 16), (2, "12", 8))  # the layouts whose recipes ran DeepEP or HybridEP
@@ -45,7 +47,7 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert row["predicted_tokens_per_s_per_gpu"] == pytest.approx(predicted, rel=1e-12)
 
 
-@pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16"])
+@pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02.01 Qwen3_30B_a3B t1 p2 v12 E8"])
 def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
     monkeypatch.chdir(REPO)  # the command names its config as examples/, from the repository root
     (row,) = [r for r in RECORDED if r["run"] == run]

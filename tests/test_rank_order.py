@@ -98,3 +98,20 @@ def test_simulate_takes_the_rank_order_and_refuses_bad_values_in_one_line():
                         (("--rank-order", "megatron", "--expert-tensor-parallel", "3"), "--expert-parallel 8 ranks")):
         code, out, err = pipesim("simulate", *MOE, *flags)
         assert code == 2 and line in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_experts_folded_past_the_replicas_reduce_their_gradients_over_the_ranks_holding_the_same_ones():
+    """E = 16 over t·d = 2 x 8 at ETP = 1 (more expert-parallel ranks than replicas): the experts' gradients go over
+    t·C·d/(E·ETP) ranks, not d·C/E (which is none here)."""
+    from pipesim.planning.scenario import CollectiveLink, collective_costs
+    from pipesim.schedules import ScheduleParams, build_schedule
+    from pipesim.sim.costs import Costs, StageCosts
+
+    folded = [*MOE[:-8], "--tensor-parallel", "2", "--data-parallel", "8", "--expert-parallel", "16", "-s", "1f1b",
+              "--rank-order", "megatron", "--expert-tensor-parallel", "1"]
+    assert simulate_json(*folded)[0]["makespan_ms"] > 0
+    link = CollectiveLink(latency_ms=0.01, bytes_per_ms=1e6, source="typed")
+    stage = StageCosts(fwd_ms=1.0, bwd_ms=2.0, param_bytes=4_000_000, expert_param_bytes=3_000_000)
+    schedule = build_schedule("1f1b", ScheduleParams(stages=1, microbatches=1, data_parallel=8, expert_parallel=16))
+    assert collective_costs(Costs((stage,)), schedule, link, expert_replicas=2).stages[0].reduce_ms == pytest.approx(
+        link.all_reduce_ms(1_000_000, 8) + link.all_reduce_ms(3_000_000, 2))
