@@ -224,7 +224,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 report(f"estimating the model's profile for each t, b, recomputation and p: {len(settings)} done")
             depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
                                                            if devices % (t * p) == 0
-                                                           and devices // (t * p) % what.expert == 0]
+                                                           and _experts_fit(what, t, devices // (t * p))]
             try:
                 settings += [Setting(profile_scenario(estimated_profile(
                     what, counted, what.parallelism(p, t, devices // (t * p), kind), optimizer), optimizer), t, kind,
@@ -233,12 +233,26 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 if tensor:  # the user's t: say why it cannot be
                     raise
     if not settings:
-        replicas = (f"; the replicas d = D/(t·p) must be a multiple of --expert-parallel {what.expert}"
-                    if what.expert > 1 else "")
+        replicas = ("" if what.expert == 1 else
+                    f"; the replicas d = D/(t·p) must be a multiple of --expert-parallel {what.expert}"
+                    if what.rank_order == "pipesim" else
+                    f"; --expert-parallel {what.expert} times --expert-tensor-parallel (default t) must divide t·C·d")
         raise InputError(f"--devices {devices}: no tensor-parallel degree t of {', '.join(map(str, tensors))} suits "
                          f"the model (t must divide its heads and MLP width{replicas}); give --tensor-parallel")
     return settings
 
+
+
+def _experts_fit(what: WhatIf, t: int, d: int) -> bool:
+    """Whether the E expert-parallel ranks can be placed, in the rank order asked for, over t x C x d ranks a
+    stage (planning/ranks.py: pipesim's draws them from the d replicas, Megatron's folds them over t·C·d)."""
+    from ..planning.ranks import RankOrderError, expert_grid
+
+    try:
+        expert_grid(what.rank_order, t, what.context, 1, d, what.expert, what.expert_tensor)
+    except RankOrderError:
+        return False
+    return True
 
 
 def _print_tuning(tuning, measured, work: dict) -> None:

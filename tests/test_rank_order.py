@@ -5,6 +5,7 @@ give, and the experts folded over t·C·d."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -115,3 +116,17 @@ def test_experts_folded_past_the_replicas_reduce_their_gradients_over_the_ranks_
     schedule = build_schedule("1f1b", ScheduleParams(stages=1, microbatches=1, data_parallel=8, expert_parallel=16))
     assert collective_costs(Costs((stage,)), schedule, link, expert_replicas=2).stages[0].reduce_ms == pytest.approx(
         link.all_reduce_ms(1_000_000, 8) + link.all_reduce_ms(3_000_000, 2))
+
+
+def test_tune_folds_the_experts_over_tensor_and_data_parallel_ranks_in_megatrons_order():
+    """E = 8 at ETP = 1 on 8 GPUs: t·d must be a multiple of 8, so t = 2 with d = 4 is searched too (pipesim's order
+    would need d = 8)."""
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256,
+                             "--heads", 4, "--seq-len", 128, "--vocab", 1000, "--gated", "--experts", 8,
+                             "--expert-parallel", 8, "-D", 8, "--json", "--rank-order", "megatron",
+                             "--expert-tensor-parallel", 1)
+    assert code == 0, err
+    tuned = json.loads(out)
+    rows = [tuned["choice"], *tuned["runners_up"], *tuned["excluded"]]
+    assert all(row["tensor_parallel"] * row["replicas"] % 8 == 0 for row in rows)
+    assert any(row["replicas"] < 8 for row in rows)
