@@ -175,6 +175,7 @@ class Candidate:
     activation_limit: float | None  # a searched order's (auto): the R it holds; None for a fixed order
     short_schedule: Schedule | None = None  # the short run, built with the long where building it later would
     # search again (a searched order's search is remembered only for the next few)
+    critical: bool = False  # whether its bound holds its critical path too (`_with_critical_path`)
 
     @property
     def busiest_ms(self) -> float:
@@ -334,7 +335,8 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     rank order (each group best first), of the candidates `eligible` accepts. Best bound first: a shape not yet
     built is built when its bound (`Shape.max_samples_per_s`, which no partition beats) comes up, and goes back
     with the candidate's own bound (never higher; a searched order's shape first goes back bounded on its
-    partition, before its search, `_Built.advance`); a candidate is simulated when its bound comes up. So the
+    partition, before its search, `_Built.advance`); a candidate goes back once more with its critical path
+    (`_Built.tighten`), and is simulated when its bound comes up after that. So the
     bounds popped never rise, and the search stops at the first that can neither beat `above` nor match the
     last group kept: no later one could.
 
@@ -370,9 +372,9 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             while simulating:  # what is out can only raise the bar: nothing left on the heap can beat it
                 take(built.result(simulating.popleft()))
             break
-        if isinstance(heap[0][2], Shape):
-            _, index, shape = heapq.heappop(heap)
-            following = built.advance(shape)
+        if isinstance(heap[0][2], Shape) or not heap[0][2].critical:
+            _, index, item = heapq.heappop(heap)
+            following = built.advance(item) if isinstance(item, Shape) else built.tighten(item)
             if following is not None and eligible(following):
                 heapq.heappush(heap, (-following.max_samples_per_s, index, following))
         elif len(simulating) >= built.window:
@@ -463,6 +465,12 @@ class _Built:
         if id(setting) not in self._splitters:
             self._splitters[id(setting)] = _splitter(setting.scenario.measured, setting.scenario.optimizer)
         return self._splitters[id(setting)]
+
+    def tighten(self, candidate: Candidate) -> Candidate:
+        """The candidate bounded by its critical path too (`_with_critical_path`), from now on."""
+        tightened = _with_critical_path(self.problem, candidate)
+        self.candidates[candidate.index] = tightened
+        return tightened
 
     def submit(self, candidate: Candidate) -> None:
         """Start simulating the candidate in a worker, if there are workers and it is not simulated yet."""
@@ -866,6 +874,139 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
                      allreduce_ms, problem.batch_size / least_step_ms * 1e3,
                      activation_ratio(schedule, costs) if searched else None,
                      build(scenario, problem, name, replace(params, minibatches=short), bounds) if searched else None)
+
+
+def _with_critical_path(problem: Problem, candidate: Candidate) -> Candidate:
+    """The candidate with its bound lowered to what its critical path allows (`_critical_path_ms`; shaded as
+    `_candidate`'s bound), and marked as such."""
+    schedule, costs = candidate.schedule, candidate.costs
+    step_ms = _critical_path_ms(schedule, costs.op_ms_table(candidate.config.pipelines), costs,
+                                candidate.setting.scenario.links(schedule)) * (1 - 1e-9)
+    bound = problem.batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
+    return replace(candidate, max_samples_per_s=min(candidate.max_samples_per_s, bound), critical=True)
+
+
+_CRITICAL_PATH_KINDS = kind_mask(np.arange(len(KINDS)), Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.PRED, Kind.AVG,
+                                 Kind.REDUCE)
+
+
+def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links: Cluster) -> float:
+    """A lower bound of the steady step of a flushing schedule down a chain whose stage 0 is on device 0: the
+    longest path through the steady mini-batch's rows (0 for any other schedule, and for one whose rows the
+    path does not model: transfers of ZeRO-3 or all-to-alls, parts of a pair that overlap).
+
+    Why: device 0 runs all of a step before the next (it flushes), so it starts step s+1 at E0(s) or later,
+    where E0(s) is when it ends step s. From there every row of step s+1 waits at least for the row before it
+    on its device (a REDUCE runs on the device's network stream, after the REDUCEs before it there, once the
+    device's program has reached it; the next row does not wait for it), for its stage's REDUCE if it is an
+    update (`Lowered.awaits`), and for its input: a forward for its micro-batch's forward on the stage before,
+    an input-gradient pass (B or I) for that of the stage after (the last stage's for its own forward), each
+    plus its transfer over the link between their devices alone (`Channel`: a gradient has its activation's
+    size). Every row of the step is reached so from device 0's first (a stage-0 forward; every other row
+    waits, through these, for one). Taking each row's cost (`op_ms`, and a B's or W's accumulation into the
+    gradient buffer where the engine adds it) as its time and starting every row as soon as those waits
+    allow gives the earliest each row can end; the engine's rows take at least that (overheads, copies,
+    shared resources only add) and wait for at least these, so device
+    0 cannot end step s+1 before E0(s) plus the path to its last row. As `_flush_bound_ms`, the steps repeat
+    from the second on, so E0(s+1) - E0(s) is the step. Where nothing is shared (no link carries two transfers
+    at once) this is the engine's own timing, so the bound is the simulated step: a test holds it below the
+    simulation on every candidate of the test problems, and equal to it on some."""
+    t = schedule.table
+    step = t.minibatch == 1
+    rows = np.flatnonzero(step)  # grouped by device, each in program order
+    in_steps = (np.diff(t.minibatch) >= 0) | (np.diff(t.device) != 0)  # each device runs its steps one by one
+    if (not flushes(schedule) or schedule.graph != StageGraph.chain(schedule.num_stages) or schedule.placement[0] != 0
+            or not _CRITICAL_PATH_KINDS[t.kind[rows]].all() or not in_steps.all()
+            or (costs.overlap_hidden_fraction > 0 and bool(np.any(t.peer[rows] >= 0)))):
+        return 0.0
+    n, m, pipelines = schedule.num_stages, schedule.microbatches, schedule.pipelines
+    kind, stage, microbatch, pipeline = t.kind[rows], t.stage[rows], t.microbatch[rows], t.pipeline[rows]
+    code = {k: KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.REDUCE)}
+    forward, passing = kind == code[Kind.F], (kind == code[Kind.B]) | (kind == code[Kind.I])
+    # A B or W adds its gradients into the buffer but for the first of its stage replica's span, the rows
+    # between two of its updates (`sim.engine._gradient_spans`): in a step, all but the first, where the
+    # replica's update ends the step's span (at most one, after its B and W rows; else the bound gives up).
+    replica = pipeline * n + stage
+    updating, gradient = kind == code[Kind.OPT], (kind == code[Kind.B]) | (kind == code[Kind.W])
+    position = np.arange(len(rows))
+    last_gradient = np.full(pipelines * n, -1)
+    np.maximum.at(last_gradient, replica[gradient], position[gradient])
+    if (np.bincount(replica[updating], minlength=pipelines * n).max(initial=0) > 1
+            or np.any(last_gradient[replica[updating]] > position[updating])):
+        return 0.0
+    first_gradient = np.full(pipelines * n, len(rows))
+    np.minimum.at(first_gradient, replica[gradient], position[gradient])
+    accumulating = gradient & (position > first_gradient[replica])
+    unit = replica * m + microbatch  # a micro-batch of a pipeline on a stage
+    forward_at, passing_at = np.full(pipelines * n * m, -1), np.full(pipelines * n * m, -1)
+    forward_at[unit[forward]], passing_at[unit[passing]] = position[forward], position[passing]
+    reduce_at = np.full(pipelines * n, -1)
+    reducing = kind == code[Kind.REDUCE]
+    reduce_at[replica[reducing]] = position[reducing]
+    placement = np.asarray(schedule.placement)
+    sizes = [c.output_bytes for c in costs.stages]
+
+    def hop_ms(src: int, dst: int, k: int) -> float:
+        a, b = int(placement[src]), int(placement[dst])
+        return 0.0 if a == b else links.link(a, b).transfer_ms(sizes[k])
+
+    forward_hop = np.array([hop_ms(k, k + 1, k) for k in range(n - 1)] + [0.0])  # [k]: stage k to k + 1
+    backward_hop = np.array([hop_ms(k + 1, k, k) for k in range(n - 1)] + [0.0])  # [k]: stage k + 1 back to k
+    waits_for, lag = np.full(len(rows), -1), np.zeros(len(rows))
+    later = forward & (stage > 0)
+    waits_for[later] = forward_at[unit[later] - m]
+    lag[later] = forward_hop[stage[later] - 1]
+    inner = passing & (stage < n - 1)
+    waits_for[inner] = passing_at[unit[inner] + m]
+    lag[inner] = backward_hop[stage[inner]]
+    last = passing & (stage == n - 1)
+    waits_for[last] = forward_at[unit[last]]
+    waits_for[updating] = reduce_at[replica[updating]]
+    weighing = kind == code[Kind.W]  # after its I, which its device runs before it
+    waits_for[weighing] = passing_at[unit[weighing]]
+    duration = op_ms[stage, kind] + accumulating * np.array([c.accumulate_ms for c in costs.stages])[stage]
+    programs = np.split(position, np.searchsorted(t.device[rows], np.arange(1, schedule.num_devices)))
+    return _longest_path_ms(programs, reducing.tolist(), waits_for.tolist(), lag.tolist(), duration.tolist())
+
+
+def _longest_path_ms(programs: list[np.ndarray], network: list[bool], waits_for: list[int], lag: list[float],
+                     duration: list[float]) -> float:
+    """When device 0 ends its last row, each row starting as soon as the row before it on its device (a network
+    row: as soon as it is reached, after the network rows before it) and the row it waits for (`waits_for`,
+    -1: none; plus `lag`) have ended, device 0's first row at 0 and nothing else before it (`_critical_path_ms`).
+    0.0 if the rows cannot all run (they wait on one another)."""
+    end = [math.nan] * len(duration)
+    clock = [-math.inf] * len(programs)
+    clock[0] = 0.0
+    lane = [-math.inf] * len(programs)
+    next_row = [0] * len(programs)
+    pending = [program.tolist() for program in programs]
+    done = 0
+    while done < len(duration):
+        progressed = False
+        for d, program in enumerate(pending):
+            i, now, free = next_row[d], clock[d], lane[d]
+            while i < len(program):
+                row = program[i]
+                if network[row]:
+                    free = max(now, free) + duration[row]
+                    end[row] = free
+                else:
+                    wait = waits_for[row]
+                    if wait >= 0:
+                        ready = end[wait]
+                        if ready != ready:  # nan: not ended yet
+                            break
+                        now = max(now, ready + lag[row])
+                    now += duration[row]
+                    end[row] = now
+                i += 1
+            progressed |= i > next_row[d]
+            done += i - next_row[d]
+            next_row[d], clock[d], lane[d] = i, now, free
+        if not progressed:
+            return 0.0
+    return clock[0]
 
 
 def _hops_ms(links: Cluster, costs: Costs, devices: int) -> np.ndarray:
