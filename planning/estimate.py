@@ -378,10 +378,12 @@ class ContextRing:
 
     def step_bytes(self, op: OpCount, element_bytes: int) -> tuple[list[int], int]:
         """Bytes sent during each of the C steps of one call of the rank's attention kernel `op` (its shape: the
-        rank's (batch·heads, queries, keys, head size), its keys and values as many tokens as its queries), and
-        those sent after the last step."""
+        rank's (batch·heads, queries, keys, head size), its keys and values as many tokens as its queries, at their
+        own heads: 1/`kv_group` of the queries' under grouped-query attention, at least one, as TransformerEngine's
+        ring (`AttnFuncWithCPAndKVP2P`) and torch's pass the K and V the kernel takes), and those sent after the
+        last step."""
         heads, queries, _, head_size = op.shape
-        keys_values = 2 * heads * queries * head_size  # elements
+        keys_values = 2 * max(heads // op.kv_group, 1) * queries * head_size  # elements
         if not op.op.endswith("_backward"):
             return [keys_values * element_bytes] * (self.ranks - 1) + [0], 0
         gradients = keys_values * 4

@@ -34,6 +34,7 @@ class OpCount:
     float8: bool = False  # a product a float8 recipe runs at the part's float8 peak (planning/fp8.py); never counted
     routed: bool = False  # a routed expert's op (workload/moe.py), of which a busy expert-parallel rank runs more
     causal: bool = False  # an attention kernel under a causal mask (its is_causal), which skips the masked blocks
+    kv_group: int = 1  # an attention kernel's query heads per key/value head (grouped-query attention; 1: as many)
 
 
 

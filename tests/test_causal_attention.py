@@ -1,6 +1,7 @@
 """A causal attention kernel is priced by the FLOPs it computes: torch counts the whole s x s
 (`sdpa_flop_count` ignores is_causal), FlashAttention skips the blocks past the diagonal, and the catalogue's
-attention efficiencies are FlashAttention's benchmarks, which count a causal kernel as half the square."""
+attention efficiencies are FlashAttention's benchmarks, which count a causal kernel as half the square. A
+context-parallel ring passes keys and values at the heads the kernel reads them at (grouped-query attention)."""
 
 from dataclasses import replace
 
@@ -77,3 +78,27 @@ def test_a_gpt_layer_counts_its_flash_kernels_causal_and_its_forward_saves_half_
     (kernel,) = [op for op in layer.ops["fwd"] if op.kind == "attention"]
     saved_ms = op_ms(replace(kernel, causal=False), DEVICE) - op_ms(kernel, DEVICE)
     assert saved_ms > 0 and whole.fwd_ms - causal.fwd_ms == pytest.approx(saved_ms)
+
+
+def test_the_context_ring_passes_keys_and_values_at_their_own_heads():
+    ring = ContextRing(2, EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1e9))
+    grouped = replace(_attention(True), kv_group=4)  # 32 query heads, 8 key/value heads
+    (sent, _), after = ring.step_bytes(_attention(True), 2)
+    (grouped_sent, _), grouped_after = ring.step_bytes(grouped, 2)
+    assert sent == 2 * HEADS * SEQ * HEAD * 2 and grouped_sent == sent // 4
+    backward = replace(grouped, op="_scaled_dot_product_flash_attention_backward")
+    assert ring.step_bytes(backward, 2)[1] == 2 * HEADS // 4 * SEQ * HEAD * 4  # float32 gradients, 8 heads
+    one_head = replace(_attention(True), shape=(2, SEQ, SEQ, HEAD), kv_group=8)  # t splits 2 heads: 1 kv head
+    assert ring.step_bytes(one_head, 2)[0][0] == 2 * SEQ * HEAD * 2
+
+
+def test_the_count_records_the_kernels_grouped_key_value_heads():
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    def groups(kv_heads: int) -> set[int]:
+        counted = count_built("gpt", {"layers": 2, "width": 256, "heads": 8, "kv_heads": kv_heads, "seq_len": 64,
+                                      "vocab": 100}, microbatch_size=1, dtype=torch.bfloat16, attention="flash")
+        return {op.kv_group for name in ("fwd", "bwd") for op in counted.layers[1].ops[name] if op.kind == "attention"}
+
+    assert groups(2) == {4} and groups(8) == {1}

@@ -58,11 +58,12 @@ ATTENTION_KERNELS = {str(op).removeprefix("aten.") for op in flop_registry if "a
 class _Tally:
     flops: int = 0
     moved_bytes: int = 0  # of the memory-bound ops
-    ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed, causal) -> calls
+    ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed, causal, kv group)
     transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
 
     def records(self) -> tuple[OpCount, ...]:
-        return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6]) for key, n in self.ops.items() if n > 0)
+        return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6], kv_group=key[7])
+                     for key, n in self.ops.items() if n > 0)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -80,6 +81,15 @@ def _shape(name: str, tensors: list[torch.Tensor]) -> tuple[int, ...]:
         q, k = tensors[1:3] if grad_first else tensors[:2]
         return (q.shape[0] * q.shape[1], q.shape[2], k.shape[2], q.shape[3])
     return ()
+
+
+def _kv_group(name: str, tensors: list[torch.Tensor]) -> int:
+    """An attention kernel's query heads per key/value head: grouped-query attention hands the kernel its fewer
+    key/value heads (enable_gqa), a repeated one as many as the queries; 1 for any other op."""
+    if name not in ATTENTION_KERNELS:
+        return 1
+    q, k = tensors[1:3] if name.endswith("_backward") else tensors[:2]
+    return q.shape[1] // k.shape[1]
 
 
 def _kind(name: str) -> str:
@@ -107,7 +117,8 @@ class _MovedBytes(TorchDispatchMode):
             moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
             given = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
             causal = bool(given.get("is_causal", False))  # an attention kernel's mask; no other op has one
-            self.tally.ops[name, _kind(name), _shape(name, reads), flops, moved, experts, causal] += 1
+            self.tally.ops[name, _kind(name), _shape(name, reads), flops, moved, experts, causal,
+                           _kv_group(name, reads)] += 1
             return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)
@@ -120,7 +131,7 @@ class _MovedBytes(TorchDispatchMode):
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
         self.tally.ops[name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
-                       False] += 1
+                       False, 1] += 1
         return out
 
 
