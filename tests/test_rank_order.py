@@ -85,6 +85,29 @@ def test_the_order_places_the_expert_group_and_folding_shards_the_experts():
         expert_group(PLACEMENT, 8, 128, 2, 1, 8, 16, order="megatron", expert_tensor=3)
     with pytest.raises(RankOrderError, match="rank_order: choose from pipesim, megatron"):
         dense_grid("torchtitan", 1, 1, 1, 1)
+    # Megatron folds E over the context-parallel ranks too (its expert grid has no cp): E = 4 over C·d = 2 x 2
+    assert expert_grid("megatron", t=1, c=2, p=1, d=2, e=4).group(("ep",)) == [0, 1, 2, 3]
+
+
+def test_a_folded_expert_is_held_by_etp_ranks_whatever_t_is():
+    """t = 2 with E = 2: at ETP = 2 (the default) a rank holds 1/4 of the routed experts' weights, at ETP = 1 half,
+    more than its 1/t share of the dense ones."""
+    import torch
+
+    from pipesim.planning.estimate import Parallelism, estimate_profile
+    from pipesim.workload.count import count_built
+
+    counted = count_built("gpt", dict(layers=2, width=256, heads=4, seq_len=128, vocab=1000, gated=True, experts=8,
+                                      expert_ffn=512), 1, torch.bfloat16, "flash")
+    routed = sum(layer.expert_param_bytes for layer in counted.layers)
+
+    def held(etp: int | None) -> int:
+        profile = estimate_profile(counted, load_catalogue().find("h100-sxm"), Parallelism(
+            tensor=2, data=4, expert=2, expert_tensor=etp, rank_order="megatron"))
+        return sum(layer.expert_param_bytes for layer in profile.layers)
+
+    assert held(None) == held(2) == pytest.approx(routed / 4, rel=1e-3)
+    assert held(1) == pytest.approx(routed / 2, rel=1e-3)
 
 
 MOE = ["--model", "gpt", "--layers", "4", "--width", "256", "--heads", "4", "--seq-len", "128", "--experts", "16",
