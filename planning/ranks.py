@@ -91,8 +91,8 @@ def expert_grid(order: str, t: int, c: int, p: int, d: int, e: int, etp: int | N
                                  "its ranks from the data-parallel replicas; Megatron's folds them over t·C·d)")
         return RankGrid(_EXPERT[order], (t, c, p, e, d // e))
     if (t * c * d) % (etp * e):
-        raise RankOrderError(f"expert: {e} ranks of {etp} expert-tensor-parallel ranks each, {e * etp}, must "
-                             f"divide the t·C·d = {t * c * d} ranks of a stage that Megatron-core folds them over")
+        raise RankOrderError(f"expert: {e} x expert_tensor {etp} = {e * etp} must divide the t·C·d = {t * c * d} "
+                             "ranks of a stage, which Megatron-core folds the experts over")
     return RankGrid(_EXPERT[order], (etp, e, t * c * d // (etp * e), p))
 
 

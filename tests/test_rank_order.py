@@ -81,7 +81,7 @@ def test_the_order_places_the_expert_group_and_folding_shards_the_experts():
     assert expert_group(PLACEMENT, 8, 128, 2, 1, 2, 8).weight_shards == 8  # unfolded: E, as before
     with pytest.raises(ExpertParallelError, match="must divide the data-parallel degree, 16"):
         expert_group(PLACEMENT, 32, 128, 2, 1, 8, 16)
-    with pytest.raises(ExpertParallelError, match="24, must divide the t·C·d = 32"):
+    with pytest.raises(ExpertParallelError, match="expert: 8 x expert_tensor 3 = 24 must divide the t·C·d = 32"):
         expert_group(PLACEMENT, 8, 128, 2, 1, 8, 16, order="megatron", expert_tensor=3)
     with pytest.raises(RankOrderError, match="rank_order: choose from pipesim, megatron"):
         dense_grid("torchtitan", 1, 1, 1, 1)
@@ -119,7 +119,8 @@ def test_simulate_takes_the_rank_order_and_refuses_bad_values_in_one_line():
     assert default[0]["makespan_ms"] != megatron[0]["makespan_ms"]
     for flags, line in ((("--rank-order", "zigzag"), "--rank-order: choose from pipesim, megatron (got 'zigzag')"),
                         (("--expert-tensor-parallel", "1"), "give --rank-order megatron"),
-                        (("--rank-order", "megatron", "--expert-tensor-parallel", "3"), "--expert-parallel 8 ranks")):
+                        (("--rank-order", "megatron", "--expert-tensor-parallel", "3"),
+                         "--expert-parallel 8 x expert_tensor 3 = 24 must divide")):
         code, out, err = pipesim("simulate", *MOE, *flags)
         assert code == 2 and line in err and len(err.strip().splitlines()) == 1, err
 
