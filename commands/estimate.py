@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
-                 "fp8_recipe", "token_dispatcher", "expert_tensor_parallel", "rank_order")
+                 "fp8_recipe", "token_dispatcher", "expert_tensor_parallel", "rank_order", "loss_parallel")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -96,6 +96,7 @@ class WhatIf:
     token_dispatcher: str | None = None  # --token-dispatcher (None: alltoall)
     expert_tensor: int | None = None  # --expert-tensor-parallel ETP (None: t)
     rank_order: str = "pipesim"  # --rank-order
+    loss_parallel: bool = False  # --loss-parallel (workload/loss.py)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -226,7 +227,8 @@ def what_if(ctx: typer.Context) -> WhatIf | None:
                   DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
-                  params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order)
+                  params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
+                  params.get("loss_parallel", False))
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
@@ -312,16 +314,16 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     host cache, keyed by everything it depends on (see `_count_cache`), so that only the first what-if of a shape
     pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import)."""
     return count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
-                          "--gpu (the model is counted by torch on the meta device)")
+                          "--gpu (the model is counted by torch on the meta device)", what.loss_parallel)
 
 
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
-                   needer: str) -> WorkloadCount:
+                   needer: str, loss_parallel: bool = False) -> WorkloadCount:
     """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
     count is kept."""
     from dataclasses import replace
 
-    cache = _count_cache(model, options, microbatch_size, dtype, attention)
+    cache = _count_cache(model, options, microbatch_size, dtype, attention, loss_parallel)
     if cache is not None:
         counted = _read_count(cache)
         if counted is not None:
@@ -336,7 +338,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
     if attention not in ATTENTION:
         raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
     try:
-        counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention)
+        counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention, loss_parallel)
     except ModelError as exc:
         raise InputError(str(exc)) from None
     if cache is not None:
@@ -344,10 +346,10 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
     return counted
 
 
-def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtype: str,
-                 attention: str) -> Path | None:
-    """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype and
-    attention, the installed torch's version and the source of the code that builds and counts it (so that a
+def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
+                 loss_parallel: bool) -> Path | None:
+    """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype,
+    attention and loss, the installed torch's version and the source of the code that builds and counts it (so that a
     change to either counts again); a Hugging Face config's by its content (`HfConfig.digest`) and transformers'
     version too. None for a user's own model, whose code pipesim cannot watch. An unreadable config is refused
     here, before torch is imported."""
@@ -358,7 +360,8 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     from ..workload.cachedir import cache_dir
     from ..workload.hfconfig import HfConfigError, is_hf, read_hf_config
 
-    sources = ["workload/models.py", "workload/moe.py", "workload/count.py", "profiles/workload.py"]
+    sources = ["workload/models.py", "workload/moe.py", "workload/loss.py", "workload/count.py",
+               "profiles/workload.py"]
     described: list[str] = [model]
     if is_hf(model):
         try:
@@ -373,8 +376,8 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     except metadata.PackageNotFoundError:
         return None
     package = Path(__file__).resolve().parent.parent
-    key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, *versions],
-                                    sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, loss_parallel,
+                                     *versions], sort_keys=True).encode())
     for source in sources:
         key.update((package / source).read_bytes())
     return cache_dir() / "counts" / f"{key.hexdigest()[:32]}.json"

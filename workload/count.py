@@ -42,7 +42,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
-from .models import BATCH, Model
+from .loss import vocabulary_parallel_cross_entropy
+from .models import BATCH, Model, ModelError, _classify
 from .moe import Dispatched, dispatches
 from .optim import OPTIMIZERS, make_optimizer
 
@@ -169,32 +170,37 @@ class _LiveBytes(TorchDispatchMode):
         self.known.discard(key)
         self.events.append((number, False))
 
-    def transient(self) -> tuple[tuple[tuple[int, ...], int], ...]:
+    def transient(self, beside_kept: bool = False) -> tuple[tuple[tuple[int, ...], int], ...]:
         """(shape, bytes) of the storages created and freed inside that were live at once at their most bytes:
-        what the pass holds above its inputs and what outlives it."""
+        what the pass holds above its inputs and what outlives it. `beside_kept`: at the last moment of the most
+        bytes live counting those that outlive the pass too, for a pass whose kept tensors the simulator holds from
+        its start (a forward's saved tensors): a tensor kept is then counted once, not again beside transients
+        freed before it was made (torch's decomposed log-softmax frees its exponential before writing its result)."""
         freed = {number for number, created in self.events if not created}
-        steps = [(number, created) for number, created in self.events if number in freed]
+        steps = [(number, created) for number, created in self.events if beside_kept or number in freed]
         running = list(itertools.accumulate(self.created[n][2] * (1 if created else -1) for n, created in steps))
         if not running or max(running) <= 0:
             return ()
+        peak = len(running) - running[::-1].index(max(running)) if beside_kept else running.index(max(running)) + 1
         live: dict[int, int] = {}
-        for number, created in steps[:running.index(max(running)) + 1]:
+        for number, created in steps[:peak]:
             if created:
                 live[number] = self.created[number][2]
             else:
                 del live[number]
-        return tuple((self.created[number][1], nbytes) for number, nbytes in live.items())
+        return tuple((self.created[number][1], nbytes) for number, nbytes in live.items() if number in freed)
 
 
 @contextmanager
-def _counting(routed: Dispatched | None = None) -> Iterator[_Tally]:
-    """FLOPs, moved bytes and transient tensors of what runs inside, filled in when it ends."""
+def _counting(routed: Dispatched | None = None, forward: bool = False) -> Iterator[_Tally]:
+    """FLOPs, moved bytes and transient tensors of what runs inside, filled in when it ends; `forward`: a forward,
+    whose saved tensors the simulator holds from its start (`_LiveBytes.transient`)."""
     tally = _Tally()
     flops = FlopCounterMode(display=False)
     with flops, _MovedBytes(tally, routed), _LiveBytes() as live:
         yield tally
     tally.flops = flops.get_total_flops()
-    tally.transient = live.transient()
+    tally.transient = live.transient(beside_kept=forward)
 
 
 class _GpuKernels(TorchFunctionMode):
@@ -359,10 +365,17 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
     return state, tally.moved_bytes
 
 
-def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math") -> WorkloadCount:
+def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math",
+                loss_parallel: bool = False) -> WorkloadCount:
     """Count `model` for a micro-batch of `microbatch_size` samples in `dtype`. Its layers are moved to the meta
     device (their values are lost): build it there (`with torch.device("meta")`, as `count_built` does). Layers
-    alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one."""
+    alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one. `loss_parallel`: its cross entropy
+    computed as torch's loss_parallel computes it (workload/loss.py)."""
+    if loss_parallel:
+        if model.loss is not _classify:
+            raise ModelError(f"--loss-parallel: model {model.name!r} has a loss of its own, not the cross entropy "
+                             "torch's loss_parallel computes")
+        model = replace(model, loss=vocabulary_parallel_cross_entropy)
     batch, target = model.make_batch(microbatch_size, torch.Generator().manual_seed(0))
     batch = batch.to(META, dtype if batch.is_floating_point() else batch.dtype)
     target = target.to(META) if torch.is_tensor(target) else target
@@ -406,7 +419,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                  steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
     """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
     weights = [p for p in layer.parameters() if p.requires_grad]
-    with dispatches() as routed, _counting(routed) as fwd, _saved(layer) as saved:
+    with dispatches() as routed, _counting(routed, forward=True) as fwd, _saved(layer) as saved:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
     igrad, wgrad_transient, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)
@@ -458,10 +471,10 @@ def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch
 
 
 def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
-                attention: str = "math") -> WorkloadCount:
+                attention: str = "math", loss_parallel: bool = False) -> WorkloadCount:
     """Build model `name` (built-in or package.module:attribute, with `options`) on the meta device and count it."""
     from .models import build_model
 
     with META:
         model = build_model(name, **options)
-    return count_model(model, microbatch_size, dtype, attention)
+    return count_model(model, microbatch_size, dtype, attention, loss_parallel)

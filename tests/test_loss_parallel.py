@@ -1,0 +1,83 @@
+"""--loss-parallel: the loss computed as torch's loss_parallel computes it (workload/loss.py), the same loss and
+gradient as aten's cross entropy, counted with its fused backward's one more float32 tokens x vocabulary tensor,
+and that tensor held on the last device, split over t."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import pipesim
+
+torch = pytest.importorskip("torch")
+
+B, S, VOCAB = 2, 32, 1000
+TINY_GPT = {"layers": 2, "width": 64, "heads": 2, "seq_len": S, "vocab": VOCAB}
+
+
+def test_it_computes_aten_cross_entropys_loss_and_gradient():
+    """Real numbers on the CPU, an ignored target among them: torch's loss_parallel over one rank is the loss."""
+    import torch.nn.functional as F
+
+    from pipesim.workload.loss import IGNORE_INDEX, vocabulary_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 11, (2, 5), generator=gen)
+    target[0, 1] = IGNORE_INDEX
+    expected = F.cross_entropy(logits.float().reshape(-1, 11), target.reshape(-1))
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    loss = vocabulary_parallel_cross_entropy(logits, target)
+    (grad,) = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_its_backward_holds_three_float32_tokens_by_vocabulary_tensors_and_its_forward_the_shifted_logits():
+    """aten's loss backward holds two float32 tokens x V tensors beside the saved log-softmax; loss_parallel's fused
+    backward three (grad_input, the exponential, their sum). Its forward holds the 16-bit logits, their float32
+    copy and the shifted logits when it writes the log-softmax it keeps (not also the exponential, freed before)."""
+    from pipesim.workload.count import count_built
+
+    tokens = B * S
+    aten, fused = (count_built("gpt", TINY_GPT, B, torch.bfloat16, "math", parallel).layers[-1]
+                   for parallel in (False, True))
+    float32 = ((tokens, VOCAB), tokens * VOCAB * 4)
+    assert sorted(aten.transient_tensors["bwd"]) == [float32] * 2
+    assert [held for held in fused.transient_tensors["bwd"] if held[0] == (tokens, VOCAB)] == [float32] * 3
+    assert sum(n for _, n in aten.transient_tensors["fwd"]) == tokens * VOCAB * (2 + 4)
+    assert sum(n for shape, n in fused.transient_tensors["fwd"] if shape[-1:] == (VOCAB,)) \
+        == tokens * VOCAB * (2 + 4 + 4)
+    assert fused.saved_bytes == aten.saved_bytes
+
+
+def test_a_model_with_a_loss_of_its_own_is_refused():
+    from pipesim.workload.count import count_model
+    from pipesim.workload.models import Model, ModelError
+
+    with torch.device("meta"):
+        model = Model("own", [torch.nn.Linear(4, 4)], lambda b, gen: (torch.zeros(b, 4), torch.zeros(b, 4)),
+                      lambda out, target: (out - target).square().mean())
+    with pytest.raises(ModelError, match="--loss-parallel: model 'own' has a loss of its own"):
+        count_model(model, 2, torch.float32, loss_parallel=True)
+
+
+def test_the_last_device_holds_one_more_tokens_by_vocabulary_over_t_tensor():
+    """A GPT whose head dwarfs its blocks (64 tokens x 32768 x 4 bytes = 8 MiB a float32 tensor): with
+    --loss-parallel the last device's transient is three such tensors where it was two, each split over t = 2."""
+    args = ["simulate", "--model", "gpt", "--layers", "4", "--width", "64", "--heads", "2", "--seq-len", "32",
+            "--vocab", "32768", "-b", "2", "--gpu", "a100-sxm-80gb", "--tensor-parallel", "2", "-p", "2", "-m", "4",
+            "-s", "1f1b", "--json"]
+    held = []
+    for flags in ((), ("--loss-parallel",)):
+        code, out, err = pipesim(*args, *flags)
+        assert code == 0, err
+        held.append(json.loads(out)["results"][0]["devices"][-1]["peak_memory_parts_mb"]["transient"])
+    assert held == [pytest.approx(2 * 8 / 2, rel=0.01), pytest.approx(3 * 8 / 2, rel=0.01)]
+
+
+def test_without_gpu_it_is_refused_in_one_line():
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "2", "--loss-parallel")
+    assert code == 2 and out == ""
+    assert "--loss-parallel: only --gpu's estimate reads it" in err and len(err.strip().splitlines()) == 1
