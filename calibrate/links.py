@@ -1,9 +1,11 @@
-"""Measure the links between ranks on this machine: point-to-point and all-reduce times per message size.
+"""Measure the links between ranks on this machine: point-to-point, all-reduce and all-to-all times per message
+size.
 
 Point-to-point runs through the executor's own transports (workload/transport.py: gloo on CPU, NCCL with one
 GPU per rank, host-staged gloo when ranks share a GPU), so a profile prices what the executor pays per message,
-receive buffer included. The all-reduce runs on the default process group, staged through the host when ranks
-share a GPU. `profiles.linkfit` fits the points.
+receive buffer included. The all-reduce and the all-to-all (`all_to_all_single`, the call expert parallelism's
+exchange makes: workload/moe.py) run on the default process group, staged through the host when ranks share a
+GPU. `profiles.linkfit` fits the points.
 """
 
 from __future__ import annotations
@@ -70,7 +72,19 @@ def measure_p2p_and_allreduce(sizes: Iterable[int], *, device: str = "cpu", repe
     return p2p, reduced
 
 
-# An op to time in the ranks: its name ("p2p" or "allreduce"), sizes, plan and progress callback.
+def measure_all_to_all(sizes: Iterable[int], *, world_size: int = 2, device: str = "cpu", repeats: int = 10,
+                       warmup: int = 2, progress: Progress | None = None, min_time_s: float = 0.15,
+                       timeout_s: float = 120.0) -> LinkPoints:
+    """All-to-all time per size over `world_size` ranks: each rank's buffer of that many bytes (rounded down to a
+    multiple of `world_size`) split evenly among the ranks, as an expert-parallel group's dispatch sends a rank's
+    token copies. Paced and counted as `measure_allreduce`'s collectives; other arguments as measure_p2p."""
+    if world_size < 2:
+        raise ValueError(f"an all-to-all needs world_size >= 2 (got {world_size})")
+    return _measure([("alltoall", sizes, (repeats, warmup, min_time_s), progress)], world_size, device,
+                    timeout_s)[0]
+
+
+# An op to time in the ranks: its name ("p2p", "allreduce" or "alltoall"), sizes, plan and progress callback.
 Job = tuple[str, Iterable[int], Plan, Progress | None]
 
 
@@ -83,6 +97,8 @@ def _measure(jobs: list[Job], world_size: int, device: str, timeout_s: float) ->
             raise ValueError("sizes must be a non-empty list of byte counts > 0")
         if op == "allreduce":
             sizes = sorted({max(4, s - s % 4) for s in sizes})
+        elif op == "alltoall":  # an even split among the ranks
+            sizes = sorted({max(world_size, s - s % world_size) for s in sizes})
         repeats, warmup, min_time_s = plan
         if repeats < 1 or warmup < 0 or min_time_s < 0:
             raise ValueError(f"need repeats >= 1, warmup >= 0, min_time_s >= 0 (got {repeats}, {warmup}, "
@@ -175,10 +191,12 @@ def _time_sizes(rank: int, op: str, sizes: list[int], plan: Plan, choice: Transp
                 progress: Progress) -> list[list[float]]:
     """Per size, this rank's times (ms) of `op` in `plan`'s rounds; rank 0 reports each round to `progress`."""
     cuda = choice.device == "cuda"
-    dtype = torch.uint8 if op == "p2p" else torch.float32
+    dtype = torch.float32 if op == "allreduce" else torch.uint8
     numel = sizes[-1] // dtype.itemsize
     buf = torch.ones(numel, dtype=dtype, device=transport.device)
     host = torch.empty(numel, dtype=dtype, pin_memory=True) if choice.host_staged and op != "p2p" else None
+    received = torch.empty_like(buf) if op == "alltoall" else None
+    host_received = torch.empty_like(host) if host is not None and op == "alltoall" else None
 
     def p2p(t: torch.Tensor) -> None:
         """A ping-pong: each message is sent, then received. A send is not waited on, as the executor
@@ -200,6 +218,16 @@ def _time_sizes(rank: int, op: str, sizes: list[int], plan: Plan, choice: Transp
         dist.all_reduce(h)
         t.copy_(h)
 
+    def all_to_all(t: torch.Tensor) -> None:
+        out = received[: t.numel()]
+        if host is None:
+            dist.all_to_all_single(out, t)
+            return
+        h, g = host[: t.numel()], host_received[: t.numel()]
+        h.copy_(t)
+        dist.all_to_all_single(g, h)
+        out.copy_(g)
+
     def timed_ms(fn: Callable[[], Any]) -> float:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -214,10 +242,10 @@ def _time_sizes(rank: int, op: str, sizes: list[int], plan: Plan, choice: Transp
 
     def step_for(nbytes: int) -> Callable[[], None]:
         t = buf[: nbytes // dtype.itemsize]
-        return (lambda: p2p(t)) if op == "p2p" else (lambda: allreduce(t))
+        return lambda: {"p2p": p2p, "allreduce": allreduce, "alltoall": all_to_all}[op](t)
 
-    def before_batch() -> None:  # all-reduce ranks start each batch together, then pace each other
-        if op == "allreduce":
+    def before_batch() -> None:  # a collective's ranks start each batch together, then pace each other
+        if op != "p2p":
             dist.barrier()
             if cuda:
                 torch.cuda.synchronize()

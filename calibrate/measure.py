@@ -31,9 +31,11 @@ from ..executor.weights import StageWeights, copy_on_write
 from ..profiles.linkfit import fit_link
 from ..profiles.partition import partition
 from ..profiles.schema import (
+    COUNT_BYTES,
     OPTIMIZERS,
     SCHEMA_VERSION,
     AllReduceProfile,
+    AllToAllProfile,
     Environment,
     LayerProfile,
     LinkProfile,
@@ -50,10 +52,11 @@ from ..profiles.schema import (
     layer_costs,
 )
 from ..units import GIB, KIB, MIB
-from ..workload.models import BATCH, Model, ModelError
+from ..workload.models import BATCH, Model, ModelError, routed_experts_of
+from ..workload.moe import dispatches
 from ..workload.optim import elastic_average, make_optimizer
 from .cache import HostCache, fresh
-from .links import measure_p2p_and_allreduce
+from .links import measure_all_to_all, measure_p2p_and_allreduce
 from .passes import StageRun, stage_runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -246,7 +249,8 @@ def place(model: Model, device: torch.device, dtype: torch.dtype) -> None:
 
 def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[LayerProfile]]:
     """Move the model to the device and dtype and run it once: each layer's weight, gradient, optimizer
-    state, output and saved-activation bytes (timings left at zero: `measure_times` fills them, so a
+    state, output and saved-activation bytes, and a mixture of experts' routed experts and the token copies they
+    are dispatched (workload/moe.py `dispatches`; timings left at zero: `measure_times` fills them, so a
     memory cap nothing fits fails before the slow part).
 
     Saved activations are what autograd keeps for backward (saved_tensors_hooks), weights excluded, each
@@ -274,7 +278,7 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
             return t
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dispatches() as routed:
                 leaves = _leaves(args, model.inputs[i])
                 out = _call(model, i, layer, leaves, target)
                 if torch.is_tensor(out) and out.requires_grad:  # the backward must run too, before timing it
@@ -299,7 +303,8 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
             param_bytes=_nbytes(layer.parameters()), grad_bytes=_nbytes(weights),
             optimizer_state_bytes={name: _state_bytes(name, weights) for name in OPTIMIZERS},
             saved_input_bytes=[saved.get(a.untyped_storage().data_ptr(), 0) for a in args],
-            output_saved=out.untyped_storage().data_ptr() in saved))
+            output_saved=out.untyped_storage().data_ptr() in saved, expert_param_bytes=routed.expert_weight_bytes,
+            routed_experts=routed_experts_of(layer) or 0, dispatched_bytes=routed.token_bytes))
         previous = saved
     return Recording(inputs, target), layers
 
@@ -616,11 +621,12 @@ def _nvidia_driver() -> str | None:
 
 def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, memory_cap_bytes: int | None,
               link_sizes: list[int], dtype_name: str, advance: Advance, cache: HostCache | None = None,
-              phase: PhaseLine = lambda title: nullcontext([])) -> Profile:
+              phase: PhaseLine = lambda title: nullcontext([]), expert_parallel: int = 2) -> Profile:
     """Everything `pipesim calibrate` measures in process, as a Profile: layers, the partition into `stages`
     (under the cap, for `optimizer`'s state), the stages' passes and steps, and, given sizes, the p2p link and
-    all-reduce (`measure_links`; from `cache` where it holds them for this host). Each of these runs inside
-    `phase(title)`."""
+    all-reduce (`measure_links`), and for a mixture of experts the all-to-all over `expert_parallel` ranks at the
+    sizes its layers exchange (`measure_all_to_alls`), each from `cache` where it holds them for this host. Each
+    of these runs inside `phase(title)`."""
     with threads(settings.threads):  # the bytes too: every core's threads wait on each other on a busy host
         with phase(f"timing layers ({len(model.layers)})"):
             recording, layers = measure_bytes(model, settings)
@@ -647,13 +653,27 @@ def calibrate(model: Model, settings: Settings, *, stages: int, optimizer: str, 
                 notes.append(links.describe())
                 link = link.model_copy(update={"meta": {**link.meta, "host_cache": links.meta()}})
                 allreduce = allreduce.model_copy(update={"meta": {**allreduce.meta, "host_cache": links.meta()}})
+    sizes = all_to_all_sizes(layers, expert_parallel)
+    all_to_all = None
+    if link_sizes and sizes:
+        with phase(f"measuring the all-to-all over {expert_parallel} ranks ({len(sizes)} sizes)") as notes:
+            key = {"device": settings.device.type, "sizes": sizes, "world_size": expert_parallel,
+                   "repeats": settings.repeats, "warmup": settings.warmup}
+            measure = lambda: measure_all_to_alls(sizes, expert_parallel, settings, advance)  # noqa: E731
+            measured = cache.get("all-to-all", key, measure, own_tasks=expert_parallel) if cache is not None \
+                else fresh(measure)
+            all_to_all = AllToAllProfile.model_validate(measured.value)
+            if cache is not None:
+                notes.append(measured.describe())
+                all_to_all = all_to_all.model_copy(update={"meta": {**all_to_all.meta,
+                                                                    "host_cache": measured.meta()}})
     return Profile(
         schema_version=SCHEMA_VERSION, environment=environment(settings, dtype_name, memory_cap_bytes),
         model=ModelInfo(name=model.name, options=model.options), layers=layers,
         partition=Partition(bounds=bounds, optimizer=optimizer),
         stages=aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), steps,
                                 passes, boundary_held_bytes(layers, bounds, dag=False)),
-        link=link, allreduce=allreduce)
+        link=link, allreduce=allreduce, all_to_all=all_to_all)
 
 
 def measure_links(link_sizes: list[int], settings: Settings, advance: Advance) -> dict[str, Any]:
@@ -672,3 +692,26 @@ def measure_links(link_sizes: list[int], settings: Settings, advance: Advance) -
     allreduce = AllReduceProfile(world_size=reduced.meta["world_size"], points=[asdict(p) for p in reduced],
                                  meta=reduced.meta)
     return {"link": link.model_dump(mode="json"), "allreduce": allreduce.model_dump(mode="json")}
+
+
+def all_to_all_sizes(layers: list[LayerProfile], ranks: int) -> list[int]:
+    """The per-rank buffers a mixture of experts' layers exchange over `ranks` ranks (their counts, their token
+    copies: workload/moe.py `exchanged_experts`), each rounded down to an even split, and powers of four between
+    the least and the most so that the fit sees the curve's shape; [] for a model without routed experts."""
+    exchanged = {size for layer in layers if layer.dispatched_bytes
+                 for size in (COUNT_BYTES * layer.routed_experts, layer.dispatched_bytes)}
+    if not exchanged:
+        return []
+    between = {1 << e for e in range(0, max(exchanged).bit_length(), 2) if min(exchanged) < 1 << e < max(exchanged)}
+    return sorted({max(ranks, size - size % ranks) for size in exchanged | between})
+
+
+def measure_all_to_alls(sizes: list[int], ranks: int, settings: Settings, advance: Advance) -> dict[str, Any]:
+    """The all-to-all over `ranks` local ranks at `sizes` (calibrate/links.py) in `repeats` rounds, its points
+    and their fit, as an AllToAllProfile's JSON."""
+    points = measure_all_to_all(sizes, world_size=ranks, device=settings.device.type, repeats=settings.repeats,
+                                warmup=settings.warmup,
+                                progress=lambda done, total: advance(f"all-to-all: round {done}/{total}"))
+    fit = fit_link(points)
+    return AllToAllProfile(world_size=ranks, segments=[asdict(s) for s in fit.segments],
+                           points=[asdict(p) for p in points], meta=dict(fit.meta)).model_dump(mode="json")

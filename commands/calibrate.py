@@ -28,6 +28,7 @@ from .common import (
     TopK,
     Vocab,
     Width,
+    check_expert_parallel,
     check_memory_gb,
     check_writable,
     fail,
@@ -84,6 +85,10 @@ def calibrate(
     links: Annotated[bool, typer.Option(
         "--links/--no-links", help="Measure the point-to-point link and the all-reduce between two local "
                                    "ranks.")] = True,
+    expert_parallel: Annotated[int, typer.Option(
+        "--expert-parallel", metavar="E", min=2, help="With --experts: the expert-parallel ranks the all-to-all is "
+                                                      "measured over, at the sizes the layers exchange, for runs of "
+                                                      "`pipesim run --expert-parallel E`.")] = 2,
     link_max_mb: Annotated[float, typer.Option(
         "--link-max-mb", help="Largest link message in MiB (powers of two from 4 KiB).")] = 64.0,
     threads: Annotated[int, typer.Option(
@@ -142,8 +147,10 @@ def calibrate(
         if optimizer not in OPTIMIZERS:
             raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
         check_memory_gb(memory_gb)
-        if not links and is_given(ctx, "link_max_mb"):
-            raise InputError("--link-max-mb sizes the link measurement, which --no-links skips: give one")
+        for flag in ("link_max_mb", "expert_parallel"):
+            if not links and is_given(ctx, flag):
+                raise InputError(f"--{flag.replace('_', '-')} sizes the link measurement, which --no-links skips: "
+                                 "give one")
         if ranks is not None and not contention:
             raise InputError("--ranks sizes the contention probe, which --no-contention skips: give one")
         if links and not 8 << 10 <= link_max_mb * MIB <= 4 << 30:
@@ -166,6 +173,8 @@ def calibrate(
             net = build_model(model, **options)
             if stages > len(net.layers):
                 raise InputError(too_few_layers(f"--stages {stages}", net.name, net.options, len(net.layers)))
+            if is_given(ctx, "expert_parallel"):
+                check_expert_parallel(expert_parallel, model, net)
             sizes = default_sizes(int(link_max_mb * MIB)) if links else []
             if ranks is not None and settings.device.type != "cpu":
                 raise InputError(f"--ranks sizes the CPU contention probe; a {settings.device.type} profile has "
@@ -178,7 +187,7 @@ def calibrate(
                 profile = run_calibration(
                     net, settings, stages=stages, optimizer=optimizer, dtype_name=dtype, link_sizes=sizes,
                     memory_cap_bytes=int(memory_gb * GIB) if memory_gb is not None else None, advance=advance,
-                    cache=cache, phase=phase)
+                    cache=cache, phase=phase, expert_parallel=expert_parallel)
                 probe = ContentionProbe(profile, model, options, advance, ranks) if contention else None
                 kept = cache.find("contention", probe.cache_key()) if probe is not None else None
                 if runtime:
@@ -427,6 +436,12 @@ def _print_profile(profile) -> None:
     stdout.print(f"all-reduce ({profile.allreduce.world_size} ranks): " + ", ".join(
         f"{_size(p.nbytes)} {p.ms:.3g} ms" for p in (points[0], points[len(points) // 2], points[-1])),
         highlight=False)
+    if profile.all_to_all is not None:
+        term = profile.all_to_all
+        stdout.print(f"all-to-all ({term.world_size} ranks, {term.meta.get('backend')}): " + "; ".join(
+            f"from {_size(s.min_bytes)}: {s.latency_ms * 1e3:.1f} us + {s.bytes_per_ms / 1e6:.3g} GB/s"
+            for s in term.segments) + f" (a rank's buffer, {_size(term.points[0].nbytes)} to "
+            f"{_size(term.points[-1].nbytes)})" + _cached(term.meta, "the all-to-all"), highlight=False)
 
 
 def _cached(meta: dict, what: str) -> str:

@@ -154,12 +154,14 @@ class WhatIf:
                            rank_order=self.rank_order)
 
 
-def what_if(ctx: typer.Context) -> WhatIf | None:
+def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
     """The --gpu flags, checked before any work (no torch yet); None without --gpu, whose flags are then refused
-    (they would be silently ignored), as are, beside it, the flags whose costs it estimates."""
+    (they would be silently ignored) but for `profile_reads` beside --profile (the command reads those itself),
+    as are, beside it, the flags whose costs it estimates."""
     params = ctx.params
     if params.get("gpu") is None:
-        given = [_flag(name) for name in ESTIMATE_ONLY if name in params and is_given(ctx, name)]
+        read = profile_reads if params.get("profile") is not None else ()
+        given = [_flag(name) for name in ESTIMATE_ONLY if name in params and is_given(ctx, name) and name not in read]
         if given:
             raise InputError(f"{', '.join(given)}: only --gpu's estimate reads {'it' if len(given) == 1 else 'them'}; "
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")

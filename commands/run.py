@@ -44,6 +44,7 @@ from .common import (
     TopK,
     WgradFraction,
     Width,
+    check_expert_parallel,
     check_method_options,
     check_prediction,
     check_writable,
@@ -158,6 +159,7 @@ def run(
         require_model_data("pipesim run", model)
         from ..executor import ExecutorError, RunSpec, carried_bounds
         from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
+        from ..planning.scenario import all_to_all_refusal
         from ..profiles.schema import layer_costs, threads_mismatch
         from ..workload.models import ModelError, build_model
         from ..workload.optim import OPTIMIZERS
@@ -195,6 +197,10 @@ def run(
             why = threads_mismatch(measured, threads_per_rank)
             if why:
                 raise InputError(f"--profile {profile}: {why}")
+            if expert_parallel > 1 and measured.estimate is None:  # `compare` prices its A2A rows on the profile's
+                why = all_to_all_refusal(measured, expert_parallel)
+                if why:
+                    raise InputError(why)
             profiled_b = measured.environment.microbatch_size
             if is_given(ctx, "microbatch_size") and microbatch_size != profiled_b:
                 raise InputError(f"--microbatch-size {microbatch_size}: the profile {profile} was measured at "
@@ -221,7 +227,7 @@ def run(
         except ModelError as exc:
             raise InputError(str(exc)) from None
         if expert_parallel > 1:
-            _check_experts(expert_parallel, model, net)
+            check_expert_parallel(expert_parallel, model, net)
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, bounds=bounds, threads_per_rank=threads_per_rank, timeout_s=timeout)
         if len(net.layers) < built.num_stages:
@@ -302,19 +308,6 @@ def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: in
         raise InputError(f"--expert-parallel {expert_parallel}: its ranks are drawn from the data-parallel replicas, "
                          f"so it must divide --data-parallel {data_parallel}")
     return data_parallel
-
-
-def _check_experts(expert_parallel: int, model: str, net) -> None:
-    """--expert-parallel E needs a mixture of experts whose routed experts E divides."""
-    from ..workload.models import routed_experts_of
-
-    routed = next((n for layer in net.layers if (n := routed_experts_of(layer)) is not None), None)
-    if routed is None:
-        raise InputError(f"--expert-parallel {expert_parallel}: model {model!r} has no routed experts to place "
-                         "(a mixture of experts: --model gpt --experts N)")
-    if routed % expert_parallel:
-        raise InputError(f"--expert-parallel {expert_parallel} does not divide the model's {routed} routed experts "
-                         "(--experts): each rank holds an equal share")
 
 
 def _partition(path: Path, model: str, options: dict[str, int]):

@@ -201,7 +201,7 @@ def simulate(
         if memory_view and as_json:
             raise InputError("--memory is a table; --json gives each device's breakdown as peak_memory_parts_mb: "
                              "give one")
-        what = what_if(ctx)
+        what = what_if(ctx, profile_reads=("expert_parallel",))
         estimated = None if what is None else estimated_profile(
             what, count_what_if(what, microbatch_size),
             what.parallelism(stages, tensor_parallel, data_parallel, recompute), optimizer)
@@ -210,6 +210,9 @@ def simulate(
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
+        experts = ctx.params.get("expert_parallel", 1)
+        if what is None and experts > 1:
+            _check_profile_experts(scenario.measured, experts, data_parallel)
 
         def build(name: str, count: int):
             method = METHODS[name]
@@ -218,7 +221,7 @@ def simulate(
             params = method.params(stages, microbatches, count, chunks, pipelines, advance=advance,
                                    average_every=average_every, elastic_alpha=elastic_alpha,
                                    data_parallel=data_parallel, zero=zero_stage(ctx.params),
-                                   reduce_after_flush=reduce_after_flush, **options)
+                                   reduce_after_flush=reduce_after_flush, expert_parallel=experts, **options)
             with search_progress(params.search_seconds, as_json) as report:
                 return scenario.build(name, params, progress=report)
 
@@ -312,6 +315,24 @@ def simulate(
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
+
+
+def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
+    """--expert-parallel E beside a calibrated --profile: its ranks drawn from the d replicas, as `pipesim run`
+    draws them, and its all-to-alls priced on the profile's (planning/scenario.py `measured_all_to_alls`)."""
+    from ..planning.scenario import all_to_all_refusal
+
+    if measured.estimate is not None:
+        raise InputError(f"--expert-parallel {experts}: the profile is an estimate, made for the expert parallelism "
+                         f"it was estimated with (E={measured.estimate.parallelism.get('expert', 1)}); drop "
+                         "--expert-parallel, or estimate again with it")
+    if data_parallel % experts:
+        raise InputError(f"--expert-parallel {experts} must divide the data-parallel degree, {data_parallel} (its "
+                         f"ranks are drawn from the data-parallel replicas, as `pipesim run` draws them): give "
+                         f"--data-parallel {experts}")
+    refusal = all_to_all_refusal(measured, experts)
+    if refusal is not None:
+        raise InputError(refusal)
 
 
 def _schedule_file(ctx: typer.Context, path: Path):

@@ -198,6 +198,8 @@ class Scenario:
             cut = list(bounds) if bounds is not None else profile_bounds(self.measured, per_copy, self.stage_cut)
             costs = profile_costs(self.measured, self.optimizer, cut,
                                   dag=sched.graph.edges != StageGraph.chain(n, copies).edges)
+            if sched.expert_parallel > 1 and self.measured.estimate is None:
+                costs = measured_all_to_alls(costs, self.measured, cut, sched.expert_parallel)
             return replace(costs, stages=costs.stages * copies)
         held = Counter(sched.placement)  # model stages per device
         share = {"stage": [1.0] * n, "device": [copies / held[d] for d in sched.placement],
@@ -341,7 +343,7 @@ def scaled(costs: Costs, factor: float) -> Costs:
     collectives and memory as they are: the same model on a faster or slower accelerator over the same network."""
     if factor == 1.0:
         return costs
-    network = ("reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms")
+    network = ("reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms", "ring_bwd_ms")
     return replace(costs, stages=tuple(
         replace(c, **{f.name: getattr(c, f.name) * factor for f in fields(c) if f.name.endswith("_ms")
                       and f.name not in network and getattr(c, f.name) is not None})
@@ -419,13 +421,57 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
         float8_weight_bytes=s.float8_weight_bytes, transient_bytes=s.transient_bytes,
         all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms,
-        expert_param_bytes=s.expert_param_bytes)
+        expert_param_bytes=s.expert_param_bytes, ring_fwd_ms=s.ring_fwd_ms, ring_bwd_ms=s.ring_bwd_ms,
+        ring_fwd_hidden_ms=s.ring_fwd_hidden_ms, ring_bwd_hidden_ms=s.ring_bwd_hidden_ms,
+        ring_buffer_bytes=s.ring_buffer_bytes)
         for s, layers in zip(stages_for(measured, list(bounds), dag=dag), stage_layers)),
         microbatch_size=measured.environment.microbatch_size,
         overhead=profile_overhead(measured.runtime) if measured.runtime is not None else RowOverhead(),
         kept_gradients=measured.runtime.kept_gradients if measured.runtime is not None else 0.0,
         recv_window=measured.runtime.recv_window if measured.runtime is not None else 0,
         calibration=measured.describe())
+
+
+def all_to_all_refusal(measured: Profile, ranks: int) -> str | None:
+    """Why a calibrated profile cannot price the all-to-alls of an expert-parallel group of `ranks` ranks (it
+    measured none, or over another number of ranks: a collective's time depends on its ranks; or `ranks` does not
+    divide its model's routed experts), in one line with the command that measures it; None where it can. Not
+    measured here: that would start ranks and import torch, which `simulate` never does."""
+    term = measured.all_to_all
+    if term is not None and term.world_size == ranks:
+        routed = next(layer.routed_experts for layer in measured.layers if layer.dispatched_bytes)
+        return None if routed % ranks == 0 else (f"--expert-parallel {ranks} does not divide the profile's model's "
+                                                 f"{routed} routed experts: each rank holds an equal share")
+    measured_over = f"measured it over {term.world_size} ranks" if term is not None else "measured no all-to-all"
+    return (f"--profile: expert parallelism over {ranks} ranks prices its all-to-alls on the profile's, and it "
+            f"{measured_over}: calibrate the mixture of experts again with --expert-parallel {ranks} (links "
+            "measured)")
+
+
+def measured_all_to_alls(costs: Costs, measured: Profile, bounds: Sequence[int], ranks: int) -> Costs:
+    """Each stage's A2A_F and A2A_B priced on the calibrated profile's all-to-all over the `ranks` ranks of an
+    expert-parallel group (`Profile.all_to_all`, its fit at each rank's buffer): per mixture-of-experts layer, a
+    forward exchanges the counts (one int64 per routed expert), dispatches its token copies and combines as many
+    back; its backward sends their gradients both ways (workload/moe.py `exchanged_experts`; `ALL_TO_ALLS`).
+    The fit is of collectives started together after a barrier: the group's wait for its last rank to arrive is
+    not in it. CostError where the profile cannot price them (`all_to_all_refusal`)."""
+    from ..profiles.schema import COUNT_BYTES
+    from .experts import ALL_TO_ALLS
+
+    refusal = all_to_all_refusal(measured, ranks)
+    if refusal is not None:
+        raise CostError(refusal)
+    segments = tuple((s.min_bytes, s.latency_ms, s.bytes_per_ms) for s in measured.all_to_all.segments)
+
+    def exchanges_ms(start: int, stop: int, counts: bool, each: int) -> float:
+        return math.fsum((piecewise_ms(segments, COUNT_BYTES * layer.routed_experts) if counts else 0.0)
+                         + each * piecewise_ms(segments, layer.dispatched_bytes)
+                         for layer in measured.layers[start:stop] if layer.dispatched_bytes)
+
+    return replace(costs, stages=tuple(
+        replace(c, all_to_all_fwd_ms=exchanges_ms(start, stop, True, ALL_TO_ALLS["fwd"]),
+                all_to_all_bwd_ms=exchanges_ms(start, stop, False, ALL_TO_ALLS["bwd"]))
+        for c, (start, stop) in zip(costs.stages, itertools.pairwise(bounds))))
 
 
 def gathered_bytes(layers: Sequence[LayerProfile]) -> int:

@@ -72,6 +72,9 @@ class ModelInfo(_Strict):
     options: dict[str, int | float]  # the size options it was built with (layers, width, dropout, ...)
 
 
+COUNT_BYTES = 8  # per routed expert, a mixture-of-experts layer's exchange of how many copies it gets: an int64
+
+
 class LayerProfile(_Strict):
     """One layer for one micro-batch. `bwd` is the full backward; `igrad` then `wgrad` split it as a
     zero-bubble schedule does (autograd.grad on the input, then on the weights; their sum can exceed
@@ -107,9 +110,14 @@ class LayerProfile(_Strict):
     # planning/experts.py) after its forward and after its backward, which the stage's A2A_F and A2A_B rows run
     all_to_all_fwd_ms: float = Field(0.0, ge=0)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
-    # Of `param_bytes`, the routed experts' weights (an estimate's): under expert parallelism only the replicas that
-    # hold the same experts reduce their gradients
+    # Of `param_bytes`, the routed experts' weights: under expert parallelism only the replicas that hold the same
+    # experts reduce their gradients
     expert_param_bytes: int = Field(0, ge=0)
+    # A calibration's mixture-of-experts layer (workload/moe.py), for its all-to-alls priced on the profile's
+    # `all_to_all` term: its routed experts (its count exchange sends `COUNT_BYTES` per expert) and the bytes of the
+    # token copies a micro-batch's dispatch sends (balanced routing; the combine returns as many)
+    routed_experts: int = Field(0, ge=0)
+    dispatched_bytes: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _per_input(self) -> LayerProfile:
@@ -240,6 +248,15 @@ class LinkProfile(_Strict):
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"link.segments: min_bytes must rise from one segment to the next (got {starts})")
         return self
+
+
+class AllToAllProfile(LinkProfile):
+    """All-to-all time per size over `world_size` local ranks (calibrate/links.py, the size being each rank's
+    buffer, split evenly among them), its points' piecewise α–β fit, and how and under what load they were
+    measured (`meta`, as the link's): prices a calibrated mixture of experts' A2A rows for an expert-parallel
+    group of that many ranks (planning/scenario.py `measured_all_to_alls`)."""
+
+    world_size: int = Field(ge=2)
 
 
 class AllReduceProfile(_Strict):
@@ -421,6 +438,7 @@ class Profile(_Strict):
     contention: ContentionProfile | None = None  # None: --no-contention, a GPU, or a profile from before it
     estimate: Estimate | None = None  # None: measured by `pipesim calibrate`
     fitted_curve: FittedCurve | None = None  # None: an estimate, a profile from before, or a model not counted
+    all_to_all: AllToAllProfile | None = None  # None: a model without routed experts, --no-links, or from before
 
     @model_validator(mode="after")
     def _consistent(self) -> Profile:
@@ -455,10 +473,11 @@ class Profile(_Strict):
                    if env.load is not None else {})}
 
     def host_terms(self) -> dict[str, dict]:
-        """Per term measured on the host rather than the model (the link and all-reduce, the runtime probe,
-        contention), what its `meta["host_cache"]` says: when and under what load it was measured, and whether
-        the calibration reused it from the host cache."""
-        found = {"link and all-reduce": self.link, "runtime probe": self.runtime, "contention": self.contention}
+        """Per term measured on the host rather than the model (the link and all-reduce, the all-to-all, the
+        runtime probe, contention), what its `meta["host_cache"]` says: when and under what load it was measured,
+        and whether the calibration reused it from the host cache."""
+        found = {"link and all-reduce": self.link, "all-to-all": self.all_to_all, "runtime probe": self.runtime,
+                 "contention": self.contention}
         return {name: term.meta["host_cache"] for name, term in found.items()
                 if term is not None and "host_cache" in term.meta}
 

@@ -152,12 +152,14 @@ def test_run_takes_the_gpts_mlp_size():
 
 
 def test_a_calibrated_mixture_of_experts_runs_over_e_replicas_and_compares_row_by_row(tmp_path):
-    """calibrate takes the gpt's expert flags; `run --profile --expert-parallel 2` runs that model over 2 replicas
-    of its 2-device pipeline (4 ranks); compare predicts it from the profile and matches every all-to-all row."""
+    """calibrate takes the gpt's expert flags and measures the all-to-all (its links at two sizes); `run --profile
+    --expert-parallel 2` runs that model over 2 replicas of its 2-device pipeline (4 ranks); compare predicts it
+    from the profile, pricing every all-to-all row on the profile's all-to-all, and matches them."""
     profile, trace = tmp_path / "p.json", tmp_path / "t.json"
     code, _, err = pipesim("calibrate", "--model", "gpt", "--layers", 2, "--width", 16, "--heads", 2, "--seq-len", 8,
                            "--vocab", 32, "--experts", 4, "--top-k", 1, "--shared-experts", 1, "--expert-ffn", 8,
-                           "-b", 1, "--no-links", "--no-runtime", "--no-contention", "--repeats", 1, "--warmup", 0,
+                           "-b", 1, "--link-max-mb", 1 / 128, "--no-runtime", "--no-contention", "--repeats", 1,
+                           "--warmup", 0,
                            "--out", profile)
     assert code == 0, err
     run = ("run", "-s", "1f1b", "--model", "gpt", "--profile", profile, "--expert-parallel", 2, "-m", 2, "-n", 2)
@@ -174,3 +176,5 @@ def test_a_calibrated_mixture_of_experts_runs_over_e_replicas_and_compares_row_b
     ops = {kind["kind"]: kind["ops"] for kind in compared["kinds"]}
     assert ops["A2A_F"] == ops["A2A_B"] == 2 * 2 * 2  # replica 0's devices x micro-batches x mini-batches
     assert compared["missing_in_measured"] == compared["missing_in_predicted"] == 0
+    predicted = {kind["kind"]: kind["predicted_ms"] for kind in compared["kinds"]}
+    assert predicted["A2A_F"] > predicted["A2A_B"] > 0  # the forward's count exchange besides the same two

@@ -1,0 +1,107 @@
+"""Expert parallelism predicted from a calibration: calibrate records what a mixture of experts' layers exchange
+(their routed experts, the token copies a dispatch sends) and measures the all-to-all over E ranks at those sizes
+(calibrate/links.py, an α–β fit in the profile); simulate, run and compare price each A2A row on that fit for the
+bytes its stage's layers move (planning/scenario.py `measured_all_to_alls`), and refuse in one line a profile that
+cannot price them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipesim.calibrate.measure import Settings, all_to_all_sizes, calibrate, measure_bytes
+from pipesim.profiles.schema import COUNT_BYTES, AllToAllProfile, profile_json
+from pipesim.traces import read_trace
+from pipesim.workload.models import build_model, routed_parameters
+from tests.conftest import pipesim
+
+MOE = {"layers": 2, "width": 16, "heads": 2, "seq_len": 8, "vocab": 32, "experts": 4, "top_k": 2, "expert_ffn": 8}
+SETTINGS = Settings(torch.device("cpu"), torch.float32, microbatch_size=2, warmup=0, repeats=1)
+TOKEN_COPIES = 2 * 8 * 2  # micro-batch x sequence x top-k, balanced over the 4 experts (8 each)
+LATENCY_MS, BYTES_PER_MS = 0.5, 1000.0  # the all-to-all term written into the profile below
+
+
+def test_calibration_records_what_each_mixture_of_experts_layer_exchanges():
+    net = build_model("gpt", **MOE)
+    _, layers = measure_bytes(net, SETTINGS)
+    assert [(layer.routed_experts, layer.dispatched_bytes) for layer in layers] == \
+        [(0, 0), *[(4, TOKEN_COPIES * 16 * 4)] * 2, (0, 0)]  # embedding, 2 blocks (float32 copies), head
+    experts = [sum(p.numel() * 4 for name, p in module.named_parameters() if name in routed_parameters(module))
+               for module in net.layers]
+    assert [layer.expert_param_bytes for layer in layers] == experts and experts[1] > 0
+
+
+def test_the_all_to_all_is_measured_at_the_sizes_exchanged_and_powers_of_four_between_split_evenly():
+    _, layers = measure_bytes(build_model("gpt", **MOE), SETTINGS)
+    counts, copies = COUNT_BYTES * 4, TOKEN_COPIES * 16 * 4  # 32 and 2,048 bytes a rank
+    assert all_to_all_sizes(layers, 2) == [counts, 64, 256, 1024, copies]
+    assert all_to_all_sizes(layers, 3) == [30, 63, 255, 1023, 2046]
+    dense = {name: value for name, value in MOE.items() if name not in ("experts", "top_k", "expert_ffn")}
+    assert all_to_all_sizes(measure_bytes(build_model("gpt", **dense), SETTINGS)[1], 2) == []  # nothing exchanged
+
+
+@pytest.fixture(scope="module")
+def moe_profile(tmp_path_factory):
+    """The small MoE gpt calibrated in process without links (so without an all-to-all), and the same profile with
+    an all-to-all over 2 ranks of 0.5 ms + 1,000 bytes/ms written in."""
+    measured = calibrate(build_model("gpt", **MOE), SETTINGS, stages=2, optimizer="sgd", memory_cap_bytes=None,
+                         link_sizes=[], dtype_name="float32", advance=lambda what: None)
+    assert measured.all_to_all is None
+    term = AllToAllProfile(world_size=2, segments=[{"min_bytes": 0, "latency_ms": LATENCY_MS,
+                                                    "bytes_per_ms": BYTES_PER_MS}],
+                           points=[{"nbytes": 32, "ms": 0.532, "spread_ms": 0.0}], meta={"backend": "gloo"})
+    folder = tmp_path_factory.mktemp("moe")
+    without, priced = folder / "without.json", folder / "priced.json"
+    without.write_text(profile_json(measured))
+    priced.write_text(profile_json(measured.model_copy(update={"all_to_all": term})))
+    return without, priced, measured.partition.bounds
+
+
+def test_a_profile_with_an_all_to_all_term_prices_each_row_for_the_bytes_its_layers_move(moe_profile, tmp_path):
+    _, priced, bounds = moe_profile
+    trace_path = tmp_path / "sim.json"
+    code, _, err = pipesim("simulate", "--profile", priced, "--expert-parallel", 2, "--data-parallel", 2, "-s",
+                           "1f1b", "-m", 2, "--trace", trace_path)
+    assert code == 0, err
+    trace = read_trace(trace_path)
+    ops = trace.ops
+
+    def ms(nbytes: int) -> float:
+        return LATENCY_MS + nbytes / BYTES_PER_MS
+
+    copies = TOKEN_COPIES * 16 * 4
+    blocks = [sum(1 <= i <= 2 for i in range(start, stop)) for start, stop in zip(bounds, bounds[1:])]
+    for kind, each in (("A2A_F", ms(COUNT_BYTES * 4) + 2 * ms(copies)), ("A2A_B", 2 * ms(copies))):
+        rows = ops.kind == trace.kinds.index(kind)
+        assert rows.any()
+        for stage, moe_layers in enumerate(blocks):  # a forward: counts, dispatch, combine; a backward: the two back
+            got = ops.dur_us[rows & (ops.stage == stage)] / 1e3
+            np.testing.assert_allclose(got, moe_layers * each, rtol=1e-6)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--expert-parallel", 2, "--data-parallel", 2), "the profile's, and it measured no all-to-all: calibrate the "
+                                                     "mixture of experts again with --expert-parallel 2"),
+    (("--expert-parallel", 2), "--expert-parallel 2 must divide the data-parallel degree, 1"),
+])
+def test_simulate_refuses_a_profile_that_cannot_price_the_all_to_alls_in_one_line(moe_profile, args, fragment):
+    without, _, _ = moe_profile
+    code, out, err = pipesim("simulate", "--profile", without, "-s", "1f1b", *args)
+    assert code == 2 and out == "" and fragment in " ".join(err.split()) and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_all_to_all_over_other_ranks_is_refused_naming_them(moe_profile):
+    _, priced, _ = moe_profile
+    code, _, err = pipesim("simulate", "--profile", priced, "-s", "1f1b", "--expert-parallel", 4, "--data-parallel", 4)
+    assert code == 2 and "measured it over 2 ranks: calibrate the mixture of experts again with --expert-parallel 4" \
+        in " ".join(err.split()), err
+
+
+def test_run_refuses_before_starting_ranks_and_writes_nothing(moe_profile, tmp_path):
+    without, _, _ = moe_profile
+    trace = tmp_path / "run.json"
+    code, _, err = pipesim("run", "-s", "1f1b", "--model", "gpt", "--profile", without, "--expert-parallel", 2,
+                           "--trace", trace)
+    assert code == 2 and "measured no all-to-all" in err and len(err.strip().splitlines()) == 1, err
+    assert not trace.exists()
