@@ -4,15 +4,19 @@ line each, nothing fitted.
 
 Each expressible row's `pipesim simulate` command is built from the row's own columns and the model's Hugging Face
 config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8
---fp8-recipe te`), flash attention, no recomputation, the distributed optimizer (`--zero 1`), the ranks in
-Megatron-core's order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which
-Megatron-Bridge keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts
-over E ranks folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`EXPERT_TENSOR`),
-interleaved 1F1B where the row has virtual stages, the
-layers cut into equal blocks where they divide into p·v stages (Megatron's cut), else balanced, and the tokens
-dispatched as the layout's recipe did (`DISPATCHERS`). Routing is balanced, as the summary's footnote says its MoE
-runs force it. The predicted tokens/s per GPU is the global batch's
-tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why.
+--fp8-recipe te`), flash attention, no recomputation, the distributed optimizer (`--zero 1`) with 16-bit gradients
+(`--precision megatron-16bit-grads`: every Qwen3 recipe sets grad_reduce_in_fp32 False, perf_recipes/_common.py's
+_perf_precision and _benchmark_common at 067f987df0, scripts/performance/configs/qwen*/qwen3_llm_pretrain.py
+before, and Megatron-core's gradient buffer takes the parameters' dtype then, param_and_grad_buffer.py
+group_params_for_buffers), the ranks in Megatron-core's order (`--rank-order megatron`: tp-cp-ep-dp-pp,
+megatron/core/parallel_state.py's default, which Megatron-Bridge keeps unless `use_tp_pp_dp_mapping`, default False
+in its DistributedInitConfig), the routed experts over E ranks folded over the t·d of a stage with the recipe's
+expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B where the row has virtual stages, the layers cut
+into equal blocks where they divide into p·v stages (Megatron's cut), else balanced, and the tokens dispatched as
+the layout's recipe did (`DISPATCHERS`). Routing is balanced, as the summary's footnote says its MoE runs force it.
+The predicted tokens/s per GPU is the global batch's tokens over the predicted step and the row's GPUs. A row
+pipesim cannot express is listed with why. Each command's fullest device's peak memory is printed with it: the
+summaries publish no memory figure, but every row ran, so none should be marked out of memory.
 
     python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
     python benchmarks/published_moe.py --json out.json # and the rows as JSON
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from published_h100 import summary
+from published_memory import fullest
 from published_runs import _rows, command_text, iteration_ms
 from rich.table import Table
 
@@ -83,8 +88,8 @@ class MoeRun:
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
                 "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
                 "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
-                "--recompute", "none", *schedule, "--stage-cut", cut, "--rank-order", "megatron",
-                "--expert-tensor-parallel", str(self.expert_tensor),
+                "--precision", "megatron-16bit-grads", "--recompute", "none", *schedule, "--stage-cut", cut,
+                "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else [])]
 
 
@@ -108,16 +113,20 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
 
 
 def rows(root: Path) -> list[dict]:
-    """Every expressible row: its command, the predicted and published tokens/s per GPU, and the error."""
-    out = []
+    """Every expressible row: its command, the predicted and published tokens/s per GPU, the error, and its
+    fullest device's memory (`fullest`, once per command)."""
+    out, memory = [], {}
     for run, row in runs()[0]:
         args = run.simulate_command(root)
         ms = iteration_ms(args)
         predicted = run.global_batch * run.seq_len / (ms / 1e3 * run.gpus)
         published = float(row["tokens_per_s_per_gpu"])
+        command = command_text(args)
+        if command not in memory:
+            memory[command] = fullest(args)
         out.append({"run": run.name, "predicted_tokens_per_s_per_gpu": predicted,
                     "published_tokens_per_s_per_gpu": published, "error": predicted / published - 1,
-                    "command": command_text(args), "command_ms": ms})
+                    "command": command, "command_ms": ms, "memory": memory[command]})
     return out
 
 
@@ -141,7 +150,11 @@ def main() -> None:
         print(f"{row['container']} {row['model']}: {why}")
     print("\nThe commands, each with its rows (tokens/s per GPU: global batch x sequence over its ms/step x GPUs):")
     for command in dict.fromkeys(r["command"] for r in compared):
-        print(f"{', '.join(r['run'] for r in compared if r['command'] == command)}:\n  {command}")
+        ran = [r for r in compared if r["command"] == command]
+        fullest_device = ran[0]["memory"]
+        fits = "out of memory" if fullest_device["out_of_memory"] else "fits"
+        print(f"{', '.join(r['run'] for r in ran)}:\n  {command}\n  peak {fullest_device['peak_mib']:,.0f} MiB of "
+              f"{fullest_device['limit_mib']:,.0f} on device {fullest_device['device']}: {fits}")
 
 
 if __name__ == "__main__":

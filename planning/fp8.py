@@ -27,7 +27,9 @@ The routed experts' grouped products (a mixture of experts', `OpCount.routed`): 
 Megatron-core's TEGroupedMLP does (TransformerEngine's GroupedLinear under the same fp8_autocast, each expert's
 input, output gradient and, once a step, weight cast as a linear product's; a rank casts and holds only its E
 expert-parallel share of the weights); torchao does not (torchtitan's float8 converter swaps nn.Linear modules,
-and its grouped experts are not: their products stay 16-bit). A routed product's saved input stays 16-bit here.
+and its grouped experts are not: their products stay 16-bit). Under te a routed product keeps its input's float8
+copy for the backward, as a linear product does (transformer_engine/pytorch/module/grouped_linear.py keeps the
+quantized `inputmats`, their transposes only); the count marks it a product's input (workload/count.py).
 
 Not modelled: casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
 directly: counted here as a cast of their own), torch.compile's fusions of torchao's casts. Pure arithmetic on

@@ -83,8 +83,35 @@ def test_the_routed_experts_own_ops_are_marked_forward_and_backward():
         products = [op for op in layer.ops[name] if op.routed and op.kind == "matmul"]
         assert sum(op.flops * op.count for op in products) == TOKENS * TOP_K * MLP_FLOPS, name
         assert {op.shape[0] for op in products} == {EXPERTS}
-    assert not any(op.routed for op in layer.ops["fwd"] if op.op in ("mm", "index_select", "index_add"))
+    assert not any(op.routed for op in layer.ops["fwd"] if op.op in ("mm", "index_select", "index_put"))
     assert not any(op.routed for layer in gpt_count(ffn=FFN).layers for ops in layer.ops.values() for op in ops)
+
+
+def test_the_routed_experts_keep_what_megatron_cores_grouped_mlp_keeps():
+    """Per micro-batch, of its k·T token copies (bf16, 2 bytes): the gathered inputs and the scaled activation,
+    each kept by a grouped product as its input; the gate-up output, the activation's silu and its product (kept
+    for the router's weights' gradient) and the weights. The down product's output is not kept: the weights
+    scale the activation before it (TEGroupedMLP), and the scatter back keeps only its indices."""
+    layer = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    copies = TOKENS * TOP_K
+    kept = [(nbytes, how) for (shape, nbytes), how, part in zip(layer.saved_tensors, layer.linear_input_saves,
+                                                                layer.saved_parts)
+            if part == "mlp" and shape[0] == EXPERTS]
+    assert kept == [(copies * H * 2, "only"), (copies * 2 * FFN * 2, ""), (copies * FFN * 2, ""), (copies * 2, ""),
+                    (copies * FFN * 2, ""), (copies * FFN * 2, "only")]
+
+
+def test_under_te_the_grouped_products_keep_their_inputs_in_float8():
+    """TransformerEngine's GroupedLinear keeps its inputs' float8 copies (1 byte) for the weight gradient."""
+    from pipesim.planning.fp8 import FP8_RECIPES, in_float8
+
+    layer = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    copies = TOKENS * TOP_K
+    float8 = in_float8(layer, FP8_RECIPES["te"], 2)
+    routed = [nbytes for (shape, nbytes), how, part in zip(float8.saved_tensors, layer.linear_input_saves,
+                                                            layer.saved_parts) if part == "mlp" and shape[0] == EXPERTS
+              and how == "only"]
+    assert routed == [copies * H, copies * FFN]
 
 
 def test_a_capacity_factor_pads_every_expert_to_its_capacity():

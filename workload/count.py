@@ -288,32 +288,41 @@ def _module_part(name: str) -> str | None:
 
 class _SaverParts(TorchFunctionMode):
     """Which part is saving now: the torch functions of `_FUNCTION_PART` under way, innermost last; and whether
-    a linear layer's product (F.linear) is: what it saves is its input, kept for its weight gradient."""
+    a product with weights is: a linear layer's (F.linear) or the routed experts' grouped one (a batched product
+    of `routed`'s expert weights, TransformerEngine's GroupedLinear under Megatron-core): what it saves is its
+    input, kept for its weight gradient."""
 
-    def __init__(self) -> None:
+    def __init__(self, routed: Dispatched | None = None) -> None:
         super().__init__()
         self.running: list[str] = []
         self.linear = 0
+        self.routed = routed
+
+    def _weighted(self, func: Callable[..., Any], args: tuple) -> bool:
+        grouped = func is torch.bmm and self.routed is not None and self.routed.reads_experts([args[1]])
+        return func is F.linear or grouped
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         part = _FUNCTION_PART.get(func)
         if part is not None:
             self.running.append(part)
-        self.linear += func is F.linear
+        weighted = self._weighted(func, args)
+        self.linear += weighted
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            self.linear -= func is F.linear
+            self.linear -= weighted
             if part is not None:
                 self.running.pop()
 
 
 @contextmanager
-def _saved(layer: torch.nn.Module) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]]]:
+def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
+           ) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]]]:
     """The storages autograd saves inside, by identity (meta storages have no address), each with the shape of
-    the first tensor saved on it, what saved it (one of `SAVED_PARTS`) and whether it is a linear layer's input
-    (`LINEAR_INPUT_SAVES`), `layer`'s weights left out. Every storage compared is held meanwhile, so no identity is
-    reused."""
+    the first tensor saved on it, what saved it (one of `SAVED_PARTS`) and whether it is the input of a product
+    with weights (`LINEAR_INPUT_SAVES`; `routed`: the routed experts running inside), `layer`'s weights left out.
+    Every storage compared is held meanwhile, so no identity is reused."""
     weights = [p.untyped_storage() for p in layer.parameters()]
     params = {id(storage) for storage in weights}
     saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]] = {}
@@ -328,7 +337,7 @@ def _saved(layer: torch.nn.Module) -> Iterator[dict[int, tuple[torch.UntypedStor
     for name, module in layer.named_modules():
         hooks.append(module.register_forward_pre_hook(enter(_module_part(name.rpartition(".")[2]) if name else None)))
         hooks.append(module.register_forward_hook(leave))
-    functions = _SaverParts()
+    functions = _SaverParts(routed)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -419,7 +428,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                  steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
     """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
     weights = [p for p in layer.parameters() if p.requires_grad]
-    with dispatches() as routed, _counting(routed, forward=True) as fwd, _saved(layer) as saved:
+    with dispatches() as routed, _counting(routed, forward=True) as fwd, _saved(layer, routed) as saved:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
     igrad, wgrad_transient, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)

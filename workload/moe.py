@@ -6,9 +6,17 @@ matrix product per expert, as a grouped GEMM runs them): each of the T·k routed
 lands on one of the E experts, k·T/E per expert when routing is balanced, which the load-balancing loss (Switch
 Transformer, Fedus et al. 2021) and DeepSeek-V3's bias adjustment aim for. A model that drops tokens pads every
 expert to its capacity, ⌈c·k·T/E⌉ tokens for a capacity factor c (GShard, Lepikhin et al. 2020; Switch
-Transformer), and computes that many. The gather of each expert's tokens and the weighted scatter back are
-counted as the index_select and index_add a dispatch runs. On a real device the router's choices route the tokens,
-expert by expert, and a capacity drops each expert's tokens past it (in token order, as Switch Transformer).
+Transformer), and computes that many. The gather of each expert's tokens and the scatter back are counted as the
+index_select and the accumulating index_put a dispatch runs. On a real device the router's choices route the
+tokens, expert by expert, and a capacity drops each expert's tokens past it (in token order, as Switch
+Transformer).
+
+On the meta device the count is of what Megatron-core keeps for the backward, in its order (megatron/core/
+transformer/moe/experts.py, TEGroupedMLP.forward; moe_utils.py, unpermute): the router's weights scale each
+expert's activation before its down product (`intermediate_parallel * permuted_probs`, then linear_fc2), so the
+down product's output is not kept; the scatter back keeps its indices only (as scatter_add_ does, or
+TransformerEngine's fused unpermute under `moe_permute_fusion`); each grouped product keeps its input
+(workload/count.py counts it as a linear layer's, which a float8 recipe keeps in float8: planning/fp8.py).
 """
 
 from __future__ import annotations
@@ -114,8 +122,10 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         _experts_own(inner)
         active = activation(inner)
         _experts_own(active)
-        done = torch.bmm(active, down) * weights.to(hidden.dtype)
-        return out.index_add(0, token, done.view(experts * each, width))
+        weighted = active * weights.to(hidden.dtype)  # scaled before the down product, as Megatron-core
+        _experts_own(weighted)
+        done = torch.bmm(weighted, down).view(experts * each, width)
+        return out.index_put((token,), done, accumulate=True)  # autograd keeps the index only
     limit = capacity(tokens, top_k, experts, capacity_factor)
     for expert in range(experts):
         token, slot = torch.where(top_k_index == expert)
