@@ -101,6 +101,7 @@ RUNNERS_UP = 5
 COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
                     for kind in KINDS[:NUM_COMPUTE_KINDS]])
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
+CRITICAL_STEPS = 4  # steps of those a critical path follows (`_with_critical_path`), fewer than STEADY_STEPS
 
 
 class TuneError(ValueError):
@@ -877,11 +878,14 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
 
 
 def _with_critical_path(problem: Problem, candidate: Candidate) -> Candidate:
-    """The candidate with its bound lowered to what its critical path allows (`_critical_path_ms`; shaded as
-    `_candidate`'s bound), and marked as such."""
+    """The candidate with its bound lowered to what its critical path allows (`_critical_path_ms` over the long
+    run's last step if it flushes, else its last `CRITICAL_STEPS`, all steady; shaded as `_candidate`'s
+    bound), and marked as such."""
     schedule, costs = candidate.schedule, candidate.costs
+    steps = 1 if flushes(schedule) else CRITICAL_STEPS
     step_ms = _critical_path_ms(schedule, costs.op_ms_table(candidate.config.pipelines), costs,
-                                candidate.setting.scenario.links(schedule)) * (1 - 1e-9)
+                                candidate.setting.scenario.links(schedule), schedule.minibatches - 1 - steps,
+                                steps) * (1 - 1e-9)
     bound = problem.batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
     return replace(candidate, max_samples_per_s=min(candidate.max_samples_per_s, bound), critical=True)
 
@@ -890,59 +894,57 @@ _CRITICAL_PATH_KINDS = kind_mask(np.arange(len(KINDS)), Kind.F, Kind.B, Kind.I, 
                                  Kind.REDUCE)
 
 
-def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links: Cluster) -> float:
-    """A lower bound of the steady step of a flushing schedule down a chain whose stage 0 is on device 0: the
-    longest path through the steady mini-batch's rows (0 for any other schedule, and for one whose rows the
-    path does not model: transfers of ZeRO-3 or all-to-alls, parts of a pair that overlap).
+def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links: Cluster, minibatch: int,
+                      steps: int) -> float:
+    """A lower bound of the steady step of a schedule down a chain whose stage 0 is on device 0: the longest
+    path from device 0's first row of mini-batch `minibatch` (steady) to its first row `steps` mini-batches
+    later, over `steps` (0 for any other schedule, and for one whose rows the path does not model: transfers
+    of ZeRO-3 or all-to-alls, parts of a pair that overlap).
 
-    Why: device 0 runs all of a step before the next (it flushes), so it starts step s+1 at E0(s) or later,
-    where E0(s) is when it ends step s. From there every row of step s+1 waits at least for the row before it
-    on its device (a REDUCE runs on the device's network stream, after the REDUCEs before it there, once the
-    device's program has reached it; the next row does not wait for it), for its stage's REDUCE if it is an
-    update (`Lowered.awaits`), and for its input: a forward for its micro-batch's forward on the stage before,
-    an input-gradient pass (B or I) for that of the stage after (the last stage's for its own forward), each
-    plus its transfer over the link between their devices alone (`Channel`: a gradient has its activation's
-    size). Every row of the step is reached so from device 0's first (a stage-0 forward; every other row
-    waits, through these, for one). Taking each row's cost (`op_ms`, and a B's or W's accumulation into the
-    gradient buffer where the engine adds it) as its time and starting every row as soon as those waits
-    allow gives the earliest each row can end; the engine's rows take at least that (overheads, copies,
-    shared resources only add) and wait for at least these, so device
-    0 cannot end step s+1 before E0(s) plus the path to its last row. As `_flush_bound_ms`, the steps repeat
-    from the second on, so E0(s+1) - E0(s) is the step. Where nothing is shared (no link carries two transfers
-    at once) this is the engine's own timing, so the bound is the simulated step: a test holds it below the
-    simulation on every candidate of the test problems, and equal to it on some."""
+    Why: a row starts no earlier than each row it waits for ends: the row before it on its device (a REDUCE
+    runs on the device's network stream, after the REDUCEs before it there, once the device's program has
+    reached it; the next row does not wait for it), its stage's last REDUCE of the step if it is an update
+    (`Lowered.awaits`), and its input: a forward its micro-batch's forward on the stage before, an
+    input-gradient pass (B or I) that of the stage after (the last stage's its own forward), each plus its
+    transfer over the link between their devices alone (`Channel`: a gradient has its activation's size).
+    So along any chain of such waits from row a to row b, b starts at least the chain's rows' times and
+    transfers after a starts. A row's time is at least its cost (`op_ms`, and a B's or W's accumulation into
+    the gradient buffer where the engine adds it, `sim.engine._gradient_spans`): overheads, copies and shared
+    resources only add. Rows from one mini-batch before `minibatch` to `steps` after are counted (the chains
+    that leave them count for nothing: what is left out only lowers the path), each starting as soon as its
+    waits allow, device 0's first of `minibatch` at 0 and nothing that does not wait on it before it. As in
+    `_flush_bound_ms`, the steps repeat from the steady one on, so `steps` of them take the difference of
+    the two rows' starts, at least the path. Where nothing is shared (no link carries two transfers at once)
+    a flushing schedule's path over one step is the engine's own timing, so the bound is the simulated step:
+    a test holds it below the simulation on every candidate of the test problems, and equal to it on some."""
     t = schedule.table
-    step = t.minibatch == 1
-    rows = np.flatnonzero(step)  # grouped by device, each in program order
-    in_steps = (np.diff(t.minibatch) >= 0) | (np.diff(t.device) != 0)  # each device runs its steps one by one
-    if (not flushes(schedule) or schedule.graph != StageGraph.chain(schedule.num_stages) or schedule.placement[0] != 0
-            or not _CRITICAL_PATH_KINDS[t.kind[rows]].all() or not in_steps.all()
+    n, m, pipelines = schedule.num_stages, schedule.microbatches, schedule.pipelines
+    window = (t.minibatch >= minibatch - 1) & (t.minibatch <= minibatch + steps)
+    rows = np.flatnonzero(window)  # grouped by device, each in program order
+    if (steps < 1 or minibatch < 1 or schedule.graph != StageGraph.chain(n) or schedule.placement[0] != 0
+            or not _CRITICAL_PATH_KINDS[t.kind[rows]].all()
             or (costs.overlap_hidden_fraction > 0 and bool(np.any(t.peer[rows] >= 0)))):
         return 0.0
-    n, m, pipelines = schedule.num_stages, schedule.microbatches, schedule.pipelines
-    kind, stage, microbatch, pipeline = t.kind[rows], t.stage[rows], t.microbatch[rows], t.pipeline[rows]
     code = {k: KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.REDUCE)}
+    # A B or W adds its gradients into the buffer unless it opens its stage replica's span (its replica's row
+    # before it among B, W and OPT, in program order, is no B or W): `sim.engine._gradient_spans`.
+    spanned = np.flatnonzero(kind_mask(t.kind, Kind.B, Kind.W, Kind.OPT))
+    spanned = spanned[np.argsort(t.stage[spanned] * pipelines + t.pipeline[spanned], kind="stable")]
+    owner = t.stage[spanned] * pipelines + t.pipeline[spanned]
+    is_gradient = t.kind[spanned] != code[Kind.OPT]
+    accumulates = np.zeros(len(t.kind), dtype=bool)
+    accumulates[spanned[1:]] = is_gradient[1:] & is_gradient[:-1] & (owner[1:] == owner[:-1])
+    kind, stage, microbatch = t.kind[rows], t.stage[rows], t.microbatch[rows]
+    replica = (t.minibatch[rows] - (minibatch - 1)) * pipelines + t.pipeline[rows]  # of a pipeline in a step
     forward, passing = kind == code[Kind.F], (kind == code[Kind.B]) | (kind == code[Kind.I])
-    # A B or W adds its gradients into the buffer but for the first of its stage replica's span, the rows
-    # between two of its updates (`sim.engine._gradient_spans`): in a step, all but the first, where the
-    # replica's update ends the step's span (at most one, after its B and W rows; else the bound gives up).
-    replica = pipeline * n + stage
-    updating, gradient = kind == code[Kind.OPT], (kind == code[Kind.B]) | (kind == code[Kind.W])
+    unit = (replica * n + stage) * m + microbatch  # a micro-batch of a step's pipeline on a stage
     position = np.arange(len(rows))
-    last_gradient = np.full(pipelines * n, -1)
-    np.maximum.at(last_gradient, replica[gradient], position[gradient])
-    if (np.bincount(replica[updating], minlength=pipelines * n).max(initial=0) > 1
-            or np.any(last_gradient[replica[updating]] > position[updating])):
-        return 0.0
-    first_gradient = np.full(pipelines * n, len(rows))
-    np.minimum.at(first_gradient, replica[gradient], position[gradient])
-    accumulating = gradient & (position > first_gradient[replica])
-    unit = replica * m + microbatch  # a micro-batch of a pipeline on a stage
-    forward_at, passing_at = np.full(pipelines * n * m, -1), np.full(pipelines * n * m, -1)
+    units = (steps + 2) * pipelines * n * m
+    forward_at, passing_at = np.full(units, -1), np.full(units, -1)
     forward_at[unit[forward]], passing_at[unit[passing]] = position[forward], position[passing]
-    reduce_at = np.full(pipelines * n, -1)
-    reducing = kind == code[Kind.REDUCE]
-    reduce_at[replica[reducing]] = position[reducing]
+    reducing, updating = kind == code[Kind.REDUCE], kind == code[Kind.OPT]
+    reduce_at = np.full(units // m, -1)
+    np.maximum.at(reduce_at, (replica * n + stage)[reducing], position[reducing])  # a step's last
     placement = np.asarray(schedule.placement)
     sizes = [c.output_bytes for c in costs.stages]
 
@@ -952,6 +954,9 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
 
     forward_hop = np.array([hop_ms(k, k + 1, k) for k in range(n - 1)] + [0.0])  # [k]: stage k to k + 1
     backward_hop = np.array([hop_ms(k + 1, k, k) for k in range(n - 1)] + [0.0])  # [k]: stage k + 1 back to k
+    anchor = len(rows)  # device 0's first row of `minibatch` waits for this row, which ends at 0
+    first, target = (int(np.flatnonzero((t.device[rows] == 0) & (t.minibatch[rows] == b))[0])
+                     for b in (minibatch, minibatch + steps))
     waits_for, lag = np.full(len(rows), -1), np.zeros(len(rows))
     later = forward & (stage > 0)
     waits_for[later] = forward_at[unit[later] - m]
@@ -961,28 +966,29 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     lag[inner] = backward_hop[stage[inner]]
     last = passing & (stage == n - 1)
     waits_for[last] = forward_at[unit[last]]
-    waits_for[updating] = reduce_at[replica[updating]]
+    waits_for[updating] = reduce_at[(replica * n + stage)[updating]]
     weighing = kind == code[Kind.W]  # after its I, which its device runs before it
     waits_for[weighing] = passing_at[unit[weighing]]
-    duration = op_ms[stage, kind] + accumulating * np.array([c.accumulate_ms for c in costs.stages])[stage]
+    waits_for[first] = anchor
+    duration = op_ms[stage, kind] + accumulates[rows] * np.array([c.accumulate_ms for c in costs.stages])[stage]
     programs = np.split(position, np.searchsorted(t.device[rows], np.arange(1, schedule.num_devices)))
-    return _longest_path_ms(programs, reducing.tolist(), waits_for.tolist(), lag.tolist(), duration.tolist())
+    end = _earliest_ends_ms(programs, reducing.tolist(), waits_for.tolist(), lag.tolist(), duration.tolist())
+    return max(0.0, (end[target] - float(duration[target])) / steps)
 
 
-def _longest_path_ms(programs: list[np.ndarray], network: list[bool], waits_for: list[int], lag: list[float],
-                     duration: list[float]) -> float:
-    """When device 0 ends its last row, each row starting as soon as the row before it on its device (a network
-    row: as soon as it is reached, after the network rows before it) and the row it waits for (`waits_for`,
-    -1: none; plus `lag`) have ended, device 0's first row at 0 and nothing else before it (`_critical_path_ms`).
-    0.0 if the rows cannot all run (they wait on one another)."""
-    end = [math.nan] * len(duration)
+def _earliest_ends_ms(programs: list[np.ndarray], network: list[bool], waits_for: list[int], lag: list[float],
+                      duration: list[float]) -> list[float]:
+    """When each row ends at the earliest (-inf: nothing it waits on has a time), each starting as soon as the
+    row before it on its device (a network row: as soon as it is reached, after the network rows before it)
+    and the row it waits for (`waits_for`, -1: none; plus `lag`) have ended; `waits_for` may name one row past
+    the last, which ends at 0 (`_critical_path_ms`). Rows that wait on one another end at nan."""
+    end = [math.nan] * len(duration) + [0.0]
     clock = [-math.inf] * len(programs)
-    clock[0] = 0.0
     lane = [-math.inf] * len(programs)
     next_row = [0] * len(programs)
     pending = [program.tolist() for program in programs]
-    done = 0
-    while done < len(duration):
+    progressed = True
+    while progressed:
         progressed = False
         for d, program in enumerate(pending):
             i, now, free = next_row[d], clock[d], lane[d]
@@ -1002,11 +1008,8 @@ def _longest_path_ms(programs: list[np.ndarray], network: list[bool], waits_for:
                     end[row] = now
                 i += 1
             progressed |= i > next_row[d]
-            done += i - next_row[d]
             next_row[d], clock[d], lane[d] = i, now, free
-        if not progressed:
-            return 0.0
-    return clock[0]
+    return end
 
 
 def _hops_ms(links: Cluster, costs: Costs, devices: int) -> np.ndarray:
