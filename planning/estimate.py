@@ -34,7 +34,7 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..hardware.collectives import all_reduce_ms, reduce_scatter_ms
 from ..memory_parts import SAVED_PARTS
@@ -227,6 +227,10 @@ class _Split:
             dims[at] = max(dims[at] // self.context, 1)
         return _scaled(op, tuple(dims), self.context)
 
+    def attention(self, op: OpCount) -> OpCount:
+        """An attention kernel on one of the t·C ranks: its t-th of the heads, its C-th of the queries."""
+        return self.context_share(_scaled(op, (max(op.shape[0] // self.t, 1), *op.shape[1:]), self.t))
+
     def residual(self, shape: tuple[int, ...]) -> bool:
         return bool(shape) and shape[-1] == self.width and math.prod(shape) == self.tokens * self.width
 
@@ -358,6 +362,24 @@ class LayerEstimate:
     activation_bytes: int
     activation_parts: dict[str, int]  # of those, by what saves them (`SAVED_PARTS`), summing to them
     transient_bytes: dict[str, int]  # per pass of `PASSES`, what it creates and frees within itself at its peak
+    ring_fwd: RingExchange | None = None  # the context ring's exchanges during a forward (None: C = 1)
+    ring_bwd: RingExchange | None = None  # during a backward (B or I), a recomputed forward's with them
+
+
+@dataclass(frozen=True)
+class RingExchange:
+    """A pass's key/value exchanges around the context-parallel ring (`ContextRing`), which its RING_F or RING_B
+    row runs: their link time, how much of it the attention blocks cover (`ContextRing.exchange_ms`), and the
+    most buffer bytes one of its attention calls holds for them."""
+
+    link_ms: float = 0.0
+    hidden_ms: float = 0.0
+    buffer_bytes: int = 0
+
+    def __add__(self, other: RingExchange) -> RingExchange:
+        """Both passes' exchanges, one after the other: their times add, their buffers do not meet."""
+        return RingExchange(self.link_ms + other.link_ms, self.hidden_ms + other.hidden_ms,
+                            max(self.buffer_bytes, other.buffer_bytes))
 
 
 @dataclass(frozen=True)
@@ -369,12 +391,20 @@ class ContextRing:
     that under a causal mask every rank's queries meet the same share of the keys: the forward runs C steps, each
     a block of 1/C of the rank's attention, while the keys and values it holds go on to the next rank (C - 1
     transfers); the backward passes them round again and, after each step, the key and value gradients so far,
-    in float32 (torch's `convert_to_f32`): C transfers, the last after the last step. A step's transfer hides under
-    its block; what outlasts it is exposed. The blocks' merge (a few float32 elementwise passes over the output) is
-    not counted."""
+    in float32 (torch's `convert_to_f32`): C transfers, the last after the last step. A step's transfer runs under
+    its block; the exchanges are the pass's RING_F or RING_B row (`schedules.passes.add_context_parallel`), priced
+    here as their link time and how much of it the blocks cover (`exchange_ms`); the simulator runs what the blocks
+    leave on the device's network stream, after the collectives issued before it. The blocks' merge (a few float32
+    elementwise passes over the output) is not counted."""
 
     ranks: int
     link: EstimateLink
+
+    @staticmethod
+    def keys_values(op: OpCount) -> int:
+        """The elements of the keys and values one call of the rank's attention kernel `op` sends a step."""
+        heads, queries, _, head_size = op.shape
+        return 2 * max(heads // op.kv_group, 1) * queries * head_size
 
     def step_bytes(self, op: OpCount, element_bytes: int) -> tuple[list[int], int]:
         """Bytes sent during each of the C steps of one call of the rank's attention kernel `op` (its shape: the
@@ -382,8 +412,7 @@ class ContextRing:
         own heads: 1/`kv_group` of the queries' under grouped-query attention, at least one, as TransformerEngine's
         ring (`AttnFuncWithCPAndKVP2P`) and torch's pass the K and V the kernel takes), and those sent after the
         last step."""
-        heads, queries, _, head_size = op.shape
-        keys_values = 2 * max(heads // op.kv_group, 1) * queries * head_size  # elements
+        keys_values = self.keys_values(op)
         if not op.op.endswith("_backward"):
             return [keys_values * element_bytes] * (self.ranks - 1) + [0], 0
         gradients = keys_values * 4
@@ -405,18 +434,38 @@ class ContextRing:
     def transfer_ms(self, nbytes: int) -> float:
         return self.link.latency_ms + nbytes / self.link.bytes_per_ms
 
-    def attention_ms(self, op: OpCount, device: Device, element_bytes: int) -> float:
+    def blocks_ms(self, op: OpCount, device: Device) -> list[float]:
         """One call of the rank's attention `op` (its 1/C share, `_Split.context_share`) run as the ring's C
-        blocks, each step at the pace of its busiest rank, with the transfers they leave exposed. The pairs are
-        the work a causal kernel computes (`kernel_flops`): a block is priced as that share of it, unmasked."""
+        blocks, each step at the pace of its busiest rank. The pairs are the work a causal kernel computes
+        (`kernel_flops`): a block is priced as that share of it, unmasked."""
         busiest = [max(pairs) for pairs in zip(*(self.step_pairs(rank) for rank in range(self.ranks)))]
         share = self.ranks / sum(sum(self.step_pairs(rank)) for rank in range(self.ranks))  # of the rank's op
-        blocks = [op_ms(replace(op, flops=round(kernel_flops(op) * pairs * share), causal=False,
-                                moved_bytes=round(op.moved_bytes * pairs * share)), device) for pairs in busiest]
+        return [op_ms(replace(op, flops=round(kernel_flops(op) * pairs * share), causal=False,
+                              moved_bytes=round(op.moved_bytes * pairs * share)), device) for pairs in busiest]
+
+    def attention_ms(self, op: OpCount, device: Device) -> float:
+        """One call of the rank's attention `op` as its C blocks, the exchanges aside (`exchange_ms`)."""
+        return sum(self.blocks_ms(op, device))
+
+    def exchange_ms(self, op: OpCount, device: Device, element_bytes: int) -> tuple[float, float]:
+        """The link time of one call's exchanges (its steps' transfers and the one after the last step), and how
+        much of it the blocks cover: each step's transfer runs under that step's block, and the next step waits
+        for both (the ring's next keys and values), so a block covers its own step's transfer up to its length,
+        never another step's slack; the transfer after the last step runs under none."""
         steps, after = self.step_bytes(op, element_bytes)
-        exposed = sum(max(self.transfer_ms(nbytes) - block_ms, 0.0) for nbytes, block_ms in zip(steps, blocks)
-                      if nbytes)
-        return sum(blocks) + exposed + (self.transfer_ms(after) if after else 0.0)
+        sending = [(self.transfer_ms(nbytes), block_ms)
+                   for nbytes, block_ms in zip(steps, self.blocks_ms(op, device)) if nbytes]
+        link_ms = sum(transfer_ms for transfer_ms, _ in sending) + (self.transfer_ms(after) if after else 0.0)
+        return link_ms, sum(min(transfer_ms, block_ms) for transfer_ms, block_ms in sending)
+
+    def buffer_bytes(self, op: OpCount, element_bytes: int) -> int:
+        """The ring's buffers one call holds at its busiest step (torch's `_AllToAllRotater`, the ring it
+        sends on): the keys and values it computes with once they are received, the copy it sends and the one it
+        receives (two of them with C = 2, whose last step sends nothing); in the backward also the key and value
+        gradients in float32: the sum it adds to, the copy it sends and the one it receives."""
+        keys_values = self.keys_values(op)
+        kept = min(self.ranks, 3) * keys_values * element_bytes
+        return kept + (3 * keys_values * 4 if op.op.endswith("_backward") else 0)
 
 
 def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
@@ -437,23 +486,37 @@ def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: Estima
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
              forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2) -> float:
     """A pass's time on one of the t·C ranks: its ops, split, a product split on its contraction with its
-    collective (`reduced_ms` of it and its own time), an attention kernel as the context ring's blocks and
-    exposed transfers."""
+    collective (`reduced_ms` of it and its own time), an attention kernel as the context ring's blocks (its
+    exchanges are the ring's row: `_ring_of`)."""
     total = 0.0
     for op in ops:
         if op.kind in ("matmul", "attention"):
             core = op.kind == "attention" or op.shape[0] > 1
             if only_core and not core:
                 continue
-            mine, reduced = (split.matmul(op, forward) if op.kind == "matmul" else
-                             (_scaled(op, (max(op.shape[0] // split.t, 1), *op.shape[1:]), split.t), False))
-            mine = split.context_share(mine)
-            spent = (ring.attention_ms(mine, device, element_bytes) if ring is not None and op.kind == "attention"
+            if op.kind == "matmul":
+                product, reduced = split.matmul(op, forward)
+                mine = split.context_share(product)
+            else:
+                mine, reduced = split.attention(op), False
+            spent = (ring.attention_ms(mine, device) if ring is not None and op.kind == "attention"
                      else op_ms(mine, device))
             total += op.count * (reduced_ms(mine, spent) if reduced else spent)
         elif not only_core or split.core(op.shape):
             mine = split.memory(op) if op.kind == "memory" else _scaled(op, op.shape, split.t)
             total += op.count * op_ms(split.context_share(mine), device)
+    return total
+
+
+def _ring_of(ops: Sequence[OpCount], split: _Split, ring: ContextRing, device: Device,
+             element_bytes: int) -> RingExchange:
+    """The ring's exchanges of a pass's attention calls, each on one of the t·C ranks (`_Split.attention`)."""
+    total = RingExchange()
+    for op in ops:
+        if op.kind == "attention":
+            mine = split.attention(op)
+            link_ms, hidden_ms = ring.exchange_ms(mine, device, element_bytes)
+            total += RingExchange(op.count * link_ms, op.count * hidden_ms, ring.buffer_bytes(mine, element_bytes))
     return total
 
 
@@ -495,6 +558,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     saved_unless_rerun = sum(parts.values()) + sum(nbytes / t for shape, nbytes in layer.saved_tensors
                                                    if split.core(shape) and parallel.recompute == "selective")
     rerun = 0.0
+    rerun_ops: Sequence[OpCount] = ()  # what the backward recomputes of the forward
     transformer = any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1)
                       for op in layer.ops.get("fwd", ()))  # a transformer layer, as Megatron and torchtitan say
     if parallel.recompute == "op" and transformer:
@@ -503,16 +567,22 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         parts["other"] += split.tokens * split.width * element_bytes  # the layer's input
         rerun = pass_ms(rerun_ops, True)
     elif parallel.recompute == "selective":
+        rerun_ops = [op for op in layer.ops.get("fwd", ()) if op.kind == "attention"]  # the core it reruns has them
         rerun = pass_ms(layer.ops.get("fwd", ()), True, only_core=True)
     elif parallel.recompute == "full" and transformer:
         inputs = split.tokens * split.width * element_bytes
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
+        rerun_ops = layer.ops.get("fwd", ())
         rerun = times["fwd"]
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     kept = sum(parts.values())
     total = round(min(kept, saved / c) if parallel.recompute in ("selective", "full") else kept)  # op's: its own
+    rings = (None, None) if ring is None else (
+        _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes),
+        _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
-                         whole_parts(parts, total), _transient_bytes(layer, split, saved_unless_rerun / c - total))
+                         whole_parts(parts, total), _transient_bytes(layer, split, saved_unless_rerun / c - total),
+                         *rings)
 
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dict[str, int]:
@@ -590,6 +660,17 @@ def _check_context(counted: WorkloadCount, c: int) -> None:
         raise EstimateError(f"context: ring attention runs on a fused attention kernel (torch's context parallel, "
                             f"TransformerEngine's); the model is counted with {counted.attention or 'no'} "
                             "attention: give --attention flash")
+
+
+def _ring_fields(priced: LayerEstimate) -> dict[str, Any]:
+    """A layer profile's context-ring fields (`LayerProfile.ring_fwd_ms` and on) of its estimate (none: C = 1)."""
+    if priced.ring_fwd is None or priced.ring_bwd is None:
+        return {}
+    forward, backward = priced.ring_fwd, priced.ring_bwd
+    return dict(ring_fwd_ms=forward.link_ms, ring_bwd_ms=backward.link_ms, ring_fwd_hidden_ms=forward.hidden_ms,
+                ring_bwd_hidden_ms=backward.hidden_ms,
+                ring_buffer_bytes={"fwd": forward.buffer_bytes, "bwd": backward.buffer_bytes,
+                                   "igrad": backward.buffer_bytes})
 
 
 def _timing(ms: float) -> Timing:
@@ -673,6 +754,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             param_bytes=params,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
+            **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + held.master_bytes *
                                                 layer.param_bytes // element) * state_share) // shards

@@ -106,6 +106,14 @@ class LayerProfile(_Strict):
     # Per pass (`PASSES`), the bytes of the tensors it creates and frees within itself at its peak, above its
     # inputs and what outlives it (an estimate's, from the count; {}: none known, a calibration's)
     transient_bytes: dict[str, int] = Field(default_factory=dict)
+    # The link time of the key/value exchanges around the layer's context-parallel ring (an estimate's,
+    # planning/estimate.py `ContextRing`) during its forward and during its backward, which the stage's RING_F and
+    # RING_B rows run; how much of it the attention blocks cover; per pass (`PASSES`), the ring's buffers it holds
+    ring_fwd_ms: float = Field(0.0, ge=0)
+    ring_bwd_ms: float = Field(0.0, ge=0)
+    ring_fwd_hidden_ms: float = Field(0.0, ge=0)
+    ring_bwd_hidden_ms: float = Field(0.0, ge=0)
+    ring_buffer_bytes: dict[str, int] = Field(default_factory=dict)
     # The network time of the layer's routed experts' all-to-alls over their expert-parallel group (an estimate's,
     # planning/experts.py) after its forward and after its backward, which the stage's A2A_F and A2A_B rows run
     all_to_all_fwd_ms: float = Field(0.0, ge=0)
@@ -195,6 +203,11 @@ class StageProfile(_Strict):
     all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
     expert_param_bytes: int = Field(0, ge=0)  # its layers' summed (`LayerProfile.expert_param_bytes`)
+    ring_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.ring_fwd_ms`), as the next three
+    ring_bwd_ms: float = Field(0.0, ge=0)
+    ring_fwd_hidden_ms: float = Field(0.0, ge=0)
+    ring_bwd_hidden_ms: float = Field(0.0, ge=0)
+    ring_buffer_bytes: dict[str, int] = Field(default_factory=dict)  # per pass, its layers' largest (one at a time)
 
     @model_validator(mode="after")
     def _parts(self) -> StageProfile:
@@ -394,6 +407,8 @@ class Estimate(_Strict):
 
 
 PASSES = ("fwd", "bwd", "igrad", "wgrad")  # a layer's timed passes (`LayerProfile`)
+RING_TIMES = ("ring_fwd_ms", "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms")  # a stage sums its layers'
+
 Pass = Literal["fwd", "bwd", "igrad", "wgrad"]
 
 
@@ -540,9 +555,11 @@ def boundary_held_bytes(layers: list[LayerProfile], bounds: list[int], dag: bool
 
 
 def layer_costs(layers: list[LayerProfile], optimizer: str) -> list[LayerCost]:
-    """The partitioner's view: forward + backward ms (their all-to-alls with them), weights + gradients +
-    `optimizer`'s state."""
-    return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms + layer.all_to_all_fwd_ms + layer.all_to_all_bwd_ms,
+    """The partitioner's view: forward + backward ms (their all-to-alls with them, and what of their context rings'
+    exchanges their attention does not hide), weights + gradients + `optimizer`'s state."""
+    return [LayerCost(layer.fwd.median_ms + layer.bwd.median_ms + layer.all_to_all_fwd_ms + layer.all_to_all_bwd_ms
+                      + max(layer.ring_fwd_ms - layer.ring_fwd_hidden_ms, 0.0)
+                      + max(layer.ring_bwd_ms - layer.ring_bwd_hidden_ms, 0.0),
                       layer.param_bytes + layer.float8_weight_bytes + layer.grad_bytes
                       + layer.optimizer_state_bytes[optimizer],
                       layer.activation_bytes, layer.shared_with_previous_bytes) for layer in layers]
@@ -596,6 +613,9 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),
             expert_param_bytes=sum(layer.expert_param_bytes for layer in mine),
+            **{name: math.fsum(getattr(layer, name) for layer in mine) for name in RING_TIMES},
+            ring_buffer_bytes={name: max(layer.ring_buffer_bytes.get(name, 0) for layer in mine)
+                               for name in PASSES if any(name in layer.ring_buffer_bytes for layer in mine)},
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),

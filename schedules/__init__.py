@@ -20,7 +20,9 @@ from .ir import (
     BACKWARD_KINDS,
     COLLECTIVE_KINDS,
     COMPUTE_KINDS,
+    PASS_COLLECTIVE_KINDS,
     RECV_KINDS,
+    RING_KINDS,
     SEND_KINDS,
     SYNCHRONOUS,
     Action,
@@ -35,16 +37,23 @@ from .ir import (
 )
 from .lowering import Channel, Lowered, check_transfer_order, lower, preflight
 from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward
-from .passes import add_communication, add_data_parallel, add_expert_parallel, communication_table
+from .passes import (
+    add_communication,
+    add_context_parallel,
+    add_data_parallel,
+    add_expert_parallel,
+    communication_table,
+)
 from .table import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
 __all__ = [
-    "Action", "ActionTable", "ALL_TO_ALL_KINDS", "add_communication", "add_data_parallel", "add_expert_parallel",
-    "BACKWARD_KINDS", "build_schedule", "Channel",
+    "Action", "ActionTable", "ALL_TO_ALL_KINDS", "add_communication", "add_context_parallel", "add_data_parallel",
+    "add_expert_parallel", "BACKWARD_KINDS", "build_schedule", "Channel",
     "check_complete", "check_transfer_order", "COLLECTIVE_KINDS", "communication_table", "COMPUTE_KINDS",
     "evaluate_formula", "find_deadlock", "flushes",
     "Kind", "KIND_CODE", "kind_mask", "KINDS", "local_order_ok", "lower", "Lowered", "make_schedule", "Method",
-    "METHODS", "NUM_COMPUTE_KINDS", "one_forward_one_backward", "Prediction", "preflight", "Read", "RECV_KINDS",
+    "METHODS", "NUM_COMPUTE_KINDS", "one_forward_one_backward", "PASS_COLLECTIVE_KINDS", "Prediction", "preflight",
+    "Read", "RECV_KINDS", "RING_KINDS",
     "Schedule", "ScheduleError", "ScheduleParams", "SEND_KINDS", "StageGraph", "steady_minibatches", "SYNCHRONOUS",
     "validate", "Versions", "warmup_minibatches", "weight_versions", "WeightPolicy",
 ]

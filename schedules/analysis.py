@@ -44,7 +44,8 @@ def validate(schedule: Schedule) -> None:
 def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None:
     """Each (stage, micro-batch, mini-batch, pipeline) has one F and one backward (B, or I and W), where the stage
     runs the micro-batch (a model copy's stages run its share: `StageGraph.copies`; none elsewhere), and with E > 1
-    expert-parallel ranks one A2A_F and one A2A_B, none with E = 1; each (stage, mini-batch, pipeline) one OPT, and
+    expert-parallel ranks one A2A_F and one A2A_B, none with E = 1, and likewise with C > 1 context-parallel ranks
+    one RING_F and one RING_B; each (stage, mini-batch, pipeline) one OPT, and
     with d > 1 data-parallel replicas one REDUCE, or one per `reduced_passes` row, and with a sharded optimizer
     one GATHER, under ZeRO-3 one per `gathered_passes` row; none with d = 1; every action runs on the device its
     stage is placed on."""
@@ -103,13 +104,17 @@ def check_complete(schedule: Schedule, table: ActionTable | None = None) -> None
         problems.append(f"{_unit_action(schedule, Kind.B, int(u))}: needs one B, or one I and one W")
     for u in np.flatnonzero(opt == 0)[:5]:
         problems.append(f"{_step_action(schedule, int(u))} missing")
-    wanted = int(schedule.expert_parallel > 1)  # an all-to-all after each forward and each backward that sends back
-    for kind, passes in ((Kind.A2A_F, count[Kind.F]), (Kind.A2A_B, full + count[Kind.I])):
+    # an all-to-all (a ring) after each forward and each backward that sends back, with E > 1 (C > 1)
+    for kind, passes, degree in ((Kind.A2A_F, count[Kind.F], ("E", schedule.expert_parallel)),
+                                 (Kind.A2A_B, full + count[Kind.I], ("E", schedule.expert_parallel)),
+                                 (Kind.RING_F, count[Kind.F], ("C", schedule.context_parallel)),
+                                 (Kind.RING_B, full + count[Kind.I], ("C", schedule.context_parallel))):
+        wanted = int(degree[1] > 1)
         rows = np.bincount(per_unit[t.kind == KIND_CODE[kind]], minlength=units)
-        each = "forward" if kind is Kind.A2A_F else "backward"
+        each = "forward" if kind in (Kind.A2A_F, Kind.RING_F) else "backward"
         for u in np.flatnonzero(rows != passes * wanted)[:5]:
-            problems.append(f"{_unit_action(schedule, kind, int(u))} appears {rows[u]} times (E = "
-                            f"{schedule.expert_parallel}: {wanted} per {each})")
+            problems.append(f"{_unit_action(schedule, kind, int(u))} appears {rows[u]} times ({degree[0]} = "
+                            f"{degree[1]}: {wanted} per {each})")
     if problems:
         shown = "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
         raise ScheduleError(f"{schedule.method}: incomplete schedule: {shown}")

@@ -7,7 +7,8 @@ the peer stage:
     [P<pipeline>:]<stage><KIND>[<micro-batch>][.<mini-batch>][>|<<peer>]
 
 e.g. `2F0.3` (mini-batch 3), `P1:0B5`, `1OPT.2`, `1REDUCE.2`, `1GATHER.2`, `0SEND_F4>1`, `1RECV_F4<0`,
-`2A2A_F5` (stage 2's all-to-alls after its forward of micro-batch 5).
+`2A2A_F5` (stage 2's all-to-alls after its forward of micro-batch 5), `2RING_F5` (its key/value ring's exchanges
+during that forward).
 
 An *overlapped pair* (DeepSeek-V3's F&B, torch's `OVERLAP_F_B`) is one action of two parts: a forward of one
 micro-batch and a full backward of another, run together on one device (DualPipe overlaps each part's
@@ -46,6 +47,8 @@ class Kind(str, Enum):
     GATHER = "GATHER"  # all-gather a stage's updated weight shards over its d replicas (sharded optimizer)
     A2A_F = "A2A_F"  # a forward's all-to-alls over the expert-parallel group (its experts' dispatch and combine)
     A2A_B = "A2A_B"  # a backward's (B or I) all-to-alls: the routed tokens' gradients back and forth
+    RING_F = "RING_F"  # a forward's key/value exchanges around the context-parallel ring, under its attention
+    RING_B = "RING_B"  # a backward's (B or I): the keys and values again and their gradients, under its attention
     SEND_F = "SEND_F"  # send a forward activation to `peer`
     RECV_F = "RECV_F"  # receive a forward activation from `peer`
     SEND_B = "SEND_B"  # send an input gradient to `peer`
@@ -56,17 +59,21 @@ class Kind(str, Enum):
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.PRED, Kind.AVG, Kind.REDUCE,
-                           Kind.GATHER, Kind.A2A_F, Kind.A2A_B})
+                           Kind.GATHER, Kind.A2A_F, Kind.A2A_B, Kind.RING_F, Kind.RING_B})
 ALL_TO_ALL_KINDS = frozenset({Kind.A2A_F, Kind.A2A_B})  # across an expert-parallel group (`passes.add_expert_parallel`)
-# run on the device's network stream: the data-parallel replicas' collectives and the experts' all-to-alls
-COLLECTIVE_KINDS = frozenset({Kind.REDUCE, Kind.GATHER}) | ALL_TO_ALL_KINDS
+RING_KINDS = frozenset({Kind.RING_F, Kind.RING_B})  # around a context-parallel group (`passes.add_context_parallel`)
+# A pass's own collectives, in rows right after it: its output is sent, and its device's next row starts, once
+# they are done
+PASS_COLLECTIVE_KINDS = ALL_TO_ALL_KINDS | RING_KINDS
+# run on the device's network stream: the data-parallel replicas' collectives and the passes' own
+COLLECTIVE_KINDS = frozenset({Kind.REDUCE, Kind.GATHER}) | PASS_COLLECTIVE_KINDS
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I, Kind.W})
 SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B})
 
 _ACTION_RE = re.compile(
     r"^(?:P(?P<pipeline>\d+):)?(?P<stage>\d+)"
-    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|A2A_F|A2A_B|OPT|PRED|AVG|REDUCE|GATHER|F|B|I|W)"
+    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|A2A_F|A2A_B|RING_F|RING_B|OPT|PRED|AVG|REDUCE|GATHER|F|B|I|W)"
     r"(?P<microbatch>\d+)?(?:\.(?P<minibatch>\d+))?(?:(?P<dir>[<>&])(?P<peer>\d+))?$"
 )
 OVERLAP_F_B = "OVERLAP_F_B"  # torch.distributed.pipelining's name, and the suffix of a pair's text
@@ -459,6 +466,13 @@ class Schedule:
         """E: the ranks a mixture of experts' routed experts are placed over (`ScheduleParams.expert_parallel`),
         whose all-to-alls follow every forward and backward (`passes.add_expert_parallel`)."""
         return int(self.params.get("expert_parallel", 1))
+
+    @property
+    def context_parallel(self) -> int:
+        """C: the ranks each device stands for that split every micro-batch's sequence
+        (`ScheduleParams.context_parallel`), whose key/value rings run under every forward and backward
+        (`passes.add_context_parallel`)."""
+        return int(self.params.get("context_parallel", 1))
 
     @property
     def zero(self) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .analysis import _action, check_complete, local_order_ok, validate, weight_versions
-from .ir import ALL_TO_ALL_KINDS, COLLECTIVE_KINDS, RECV_KINDS, Kind, Schedule, ScheduleError
+from .ir import COLLECTIVE_KINDS, PASS_COLLECTIVE_KINDS, RECV_KINDS, Kind, Schedule, ScheduleError
 from .passes import communication_rows, gathered_passes
 from .table import FIELD_DTYPE, KIND_CODE, NUM_COMPUTE_KINDS, ActionTable, kind_mask
 
@@ -66,7 +66,7 @@ class Lowered:
     old version a later row still reads, -1 after a version's last read); `held_after`, the largest
     number of weight copies of one stage its device holds after it (transfers keep the level before them);
     `transfer`, the id a SEND shares with its RECV (-1 for compute): channel c, unit u (micro-batch,
-    mini-batch, pipeline) is `c * units + u`; `awaits`, the collective row (REDUCE, GATHER, A2A_F, A2A_B) a row
+    mini-batch, pipeline) is `c * units + u`; `awaits`, the collective row (REDUCE, GATHER, A2A_*, RING_*) a row
     must wait for before it starts (-1: none): an OPT waits for its REDUCE (the gradients it applies), a stage's
     first row after a GATHER for the gathered weights (under ZeRO-3 the pass it was issued ahead of), the
     device's next row after a run of all-to-alls, a receive aside, for the last of them (the pass they follow is
@@ -163,9 +163,9 @@ def _awaits(schedule: Schedule, t: ActionTable) -> np.ndarray:
         waited = gathers[(gathers + 1 < len(own))
                          & (replica[np.minimum(gathers + 1, len(own) - 1)] == replica[gathers])]
         awaits[own[waited + 1]] = own[waited]
-    # After a run of all-to-alls, their device's next row but a receive (which waits for its data, not for them)
-    # waits for the run's last, which its network stream runs last.
-    all_to_all = kind_mask(t.kind, *ALL_TO_ALL_KINDS)
+    # After a run of a pass's collectives (all-to-alls, rings), their device's next row but a receive (which waits
+    # for its data, not for them) waits for the run's last, which its network stream runs last.
+    all_to_all = kind_mask(t.kind, *PASS_COLLECTIVE_KINDS)
     last = np.flatnonzero(all_to_all & ~np.append(all_to_all[1:], False))
     others = np.flatnonzero(~all_to_all & ~kind_mask(t.kind, *RECV_KINDS))
     following = np.searchsorted(others, last)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
-from .passes import add_data_parallel, add_expert_parallel
+from .passes import add_context_parallel, add_data_parallel, add_expert_parallel, overlap_expert_communication
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, stacked
 
 Unit = tuple[int, int]  # (micro-batch, mini-batch)
@@ -59,6 +59,7 @@ class ScheduleParams:
     reduce_after_flush: bool = False
     context_parallel: int = 1
     expert_parallel: int = 1
+    overlap_expert_comm: bool = False  # Megatron-core's EP overlap: `passes.overlap_expert_communication`
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "minibatches", "chunks", "pipelines", "average_every", "data_parallel",
@@ -77,8 +78,9 @@ class ScheduleParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < math.inf):
                 raise ScheduleError(f"{name} must be a finite number > 0 (got {value!r})")
-        if not isinstance(self.reduce_after_flush, bool):
-            raise ScheduleError(f"reduce_after_flush must be true or false (got {self.reduce_after_flush!r})")
+        for name in ("reduce_after_flush", "overlap_expert_comm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ScheduleError(f"{name} must be true or false (got {getattr(self, name)!r})")
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
             raise ScheduleError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))} (got {self.zero!r})")
         self._check_size()
@@ -179,14 +181,16 @@ def make_schedule(
     """Package a method's orders (Action lists, or a table with rows grouped by device); by default a
     chain of p stages, stage k on device k, one pipeline. With d > 1 data-parallel replicas, their gradient
     synchronisation is inserted (`add_data_parallel`); with E > 1 expert-parallel ranks, the all-to-alls after
-    every forward and backward (`add_expert_parallel`)."""
+    every forward and backward (`add_expert_parallel`), paired first as Megatron-core overlaps them where
+    `overlap_expert_comm` asks (`overlap_expert_communication`); with C > 1 context-parallel ranks, their key/value
+    rings (`add_context_parallel`)."""
     graph = graph or StageGraph.chain(len(placement) if placement is not None else params.stages)
     placement = tuple(placement) if placement is not None else tuple(range(graph.num_stages))
     if isinstance(orders, ActionTable):
         orders = OrderView(orders, max(placement) + 1)
     else:
         orders = tuple(tuple(order) for order in orders)
-    return add_expert_parallel(add_data_parallel(Schedule(
+    return add_context_parallel(add_expert_parallel(add_data_parallel(overlap_expert_communication(Schedule(
         method=method,
         graph=graph,
         placement=placement,
@@ -196,7 +200,7 @@ def make_schedule(
         minibatches=params.minibatches,
         pipelines=params.pipelines,
         params=asdict(params),
-    )))
+    )))))
 
 
 def interleave_1f1b(count: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import ALL_TO_ALL_KINDS, COLLECTIVE_KINDS, Kind, Schedule, ScheduleError
+from .ir import ALL_TO_ALL_KINDS, COLLECTIVE_KINDS, PASS_COLLECTIVE_KINDS, RING_KINDS, Kind, Schedule, ScheduleError
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, kind_mask, require_field_fits
 
 
@@ -41,16 +41,16 @@ def communication_rows(schedule: Schedule, table: ActionTable | None = None
         return owners_of[is_forward, stage]
 
     # An overlapped pair (an F row then its B row, both naming a peer) receives both parts' inputs before its F and
-    # sends both parts' outputs after its B; a pass's output is sent once its all-to-alls (the rows of
-    # `ALL_TO_ALL_KINDS` right after it) are done: a transfer sits by its anchor, which is its owner but there.
+    # sends both parts' outputs after its B; a pass's output is sent once its own collectives (the rows of
+    # `PASS_COLLECTIVE_KINDS` right after it) are done: a transfer sits by its anchor, which is its owner but there.
     pair_forward = np.flatnonzero((t.kind == KIND_CODE[Kind.F]) & (t.peer >= 0))
-    all_to_all = kind_mask(t.kind, *ALL_TO_ALL_KINDS)
+    all_to_all = kind_mask(t.kind, *PASS_COLLECTIVE_KINDS)
     moved_anchor = len(pair_forward) or all_to_all.any()
     anchor = {True: np.arange(n), False: np.arange(n)} if moved_anchor else None
     if anchor is not None:
         anchor[True][pair_forward + 1] = pair_forward
         anchor[False][pair_forward] = pair_forward + 1
-        if all_to_all.any():  # after a row, past the all-to-alls that follow it: the next other row's, less one
+        if all_to_all.any():  # after a row, past the collectives that follow it: the next other row's, less one
             next_other = np.minimum.accumulate(np.where(all_to_all, n, np.arange(n))[::-1])[::-1]
             anchor[False] = np.append(next_other[1:], n)[anchor[False]] - 1
     for e, (src, dst) in enumerate(edges):
@@ -175,18 +175,42 @@ def add_expert_parallel(schedule: Schedule) -> Schedule:
     the pass's outputs are sent after them. E = 1: the schedule as it is. Vectorised."""
     if schedule.expert_parallel == 1:
         return schedule
+    return _after_passes(schedule, ALL_TO_ALL_KINDS, Kind.A2A_F, Kind.A2A_B, "all-to-all")
+
+
+def add_context_parallel(schedule: Schedule) -> Schedule:
+    """Insert the key/value rings of C > 1 context-parallel ranks (`Schedule.context_parallel`): a RING_F row after
+    every forward (its attention's C - 1 exchanges of the keys and values) and a RING_B row after every backward
+    that runs the attention's backward (B, or I: the weight-gradient pass has none; the keys and values go round
+    again with their gradients), each after the pass's all-to-alls (`add_expert_parallel`, applied first), as
+    those are placed. The ring runs during its pass's attention (torch's `_templated_ring_attention`, Megatron's
+    TransformerEngine p2p: step i's exchange under step i's partial attention); the simulator prices what of it
+    the attention does not hide (`sim.costs.StageCosts.ring_fwd_ms`). C = 1: the schedule as it is. Vectorised."""
+    if schedule.context_parallel == 1:
+        return schedule
+    return _after_passes(schedule, RING_KINDS, Kind.RING_F, Kind.RING_B, "ring")
+
+
+def _after_passes(schedule: Schedule, kinds: frozenset[Kind], after_forward: Kind, after_backward: Kind,
+                  what: str) -> Schedule:
+    """A row of `after_forward` after every forward and one of `after_backward` after every B and I, of the pass's
+    device, stage and unit, past the pass's collectives already there; an overlapped pair's after both its parts
+    and theirs, the forward's first."""
     t = schedule.table
-    if kind_mask(t.kind, *ALL_TO_ALL_KINDS).any():
-        raise ScheduleError(f"{schedule.method}: the schedule has its all-to-all rows already")
+    if kind_mask(t.kind, *kinds).any():
+        raise ScheduleError(f"{schedule.method}: the schedule has its {what} rows already")
     forward = t.kind == KIND_CODE[Kind.F]
     rows = np.flatnonzero(forward | kind_mask(t.kind, Kind.B, Kind.I))
-    after = rows + 1
+    n = len(t.kind)
+    own = kind_mask(t.kind, *PASS_COLLECTIVE_KINDS)  # a row's collectives already after it: the next other row's
+    next_other = np.minimum.accumulate(np.where(own, n, np.arange(n))[::-1])[::-1]
     pair_forward = forward[rows] & (t.peer[rows] >= 0)
-    after[pair_forward] += 1  # past the pair's backward part
-    kinds = np.where(forward[rows], KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]).astype(t.kind.dtype)
-    placed = np.lexsort((kinds, after))  # at one place, the forward's first
-    rows, after, kinds = rows[placed], after[placed], kinds[placed]
-    inserted = {"device": t.device[rows], "kind": kinds, "stage": t.stage[rows], "microbatch": t.microbatch[rows],
+    past = rows + 1 + pair_forward  # past the pair's backward part
+    after = np.append(next_other, n)[past]
+    codes = np.where(forward[rows], KIND_CODE[after_forward], KIND_CODE[after_backward]).astype(t.kind.dtype)
+    placed = np.lexsort((codes, after))  # at one place, the forward's first
+    rows, after, codes = rows[placed], after[placed], codes[placed]
+    inserted = {"device": t.device[rows], "kind": codes, "stage": t.stage[rows], "microbatch": t.microbatch[rows],
                 "minibatch": t.minibatch[rows], "pipeline": t.pipeline[rows], "peer": -1}
     table = ActionTable(**{name: np.insert(getattr(t, name), after, value) for name, value in inserted.items()})
     return schedule.with_orders(OrderView(table, schedule.num_devices))
@@ -276,4 +300,54 @@ def _insert_collectives(schedule: Schedule, opts: np.ndarray, reducing: np.ndarr
     inserted = {"device": t.device[owner], "kind": kinds, "stage": t.stage[owner], "microbatch": t.microbatch[owner],
                 "minibatch": t.minibatch[owner], "pipeline": t.pipeline[owner], "peer": -1}
     table = ActionTable(**{name: np.insert(getattr(t, name), before, value) for name, value in inserted.items()})
+    return schedule.with_orders(OrderView(table, schedule.num_devices))
+
+
+# The methods whose order Megatron-core pairs under `overlap_moe_expert_parallel_comm`: its interleaved 1F1B
+# (pipesim's interleaved-1f1b with v >= 2), and with no pipeline its combined 1F1B (1f1b with p = 1).
+EXPERT_OVERLAP_METHODS = ("1f1b", "interleaved-1f1b")
+
+
+def overlap_expert_communication(schedule: Schedule) -> Schedule:
+    """Megatron-core's expert-parallel overlap (`overlap_moe_expert_parallel_comm`, the recipes' `moe_a2a_overlap`):
+    each device's steady-state forward runs as an overlapped pair with the backward it runs next, so each part's
+    all-to-alls hide under the other's compute, as the schedule's `overlap_expert_comm` asks. Megatron-core
+    (megatron/core/pipeline_parallel/schedules.py `get_pp_rank_microbatches`) runs one more warm-up forward than
+    without, so that each pair's parts are independent, then in the steady state pairs forward k + warm-up with
+    backward k (`combined_1f1b_schedule_for_interleaved_pipelining`); warm-up forwards and cool-down backwards run
+    alone. With no pipeline (`combined_1f1b_schedule_for_no_pipelining`) that is the first forward alone, then each
+    forward with the previous micro-batch's backward, then the last backward alone. Megatron-core refuses the
+    overlap without expert parallelism, and under pipeline parallelism without virtual stages (transformer_config.py
+    `__post_init__`; a virtual size of 1 is none, training/arguments.py), so this pass refuses them too. Applied
+    before the other passes (`methods.make_schedule`), to the flushed F and B rows only."""
+    if not schedule.params.get("overlap_expert_comm", False):
+        return schedule
+    if schedule.method not in EXPERT_OVERLAP_METHODS:
+        raise ScheduleError(f"{schedule.method}: Megatron-core overlaps the expert-parallel all-to-alls only in "
+                            f"{' and '.join(EXPERT_OVERLAP_METHODS)}'s order; leave out the expert-communication "
+                            "overlap")
+    if schedule.expert_parallel == 1:
+        raise ScheduleError(f"{schedule.method}: the expert-communication overlap hides the expert-parallel "
+                            "all-to-alls, and with E = 1 there are none: give expert parallelism E >= 2")
+    if schedule.num_devices > 1 and schedule.num_stages == schedule.num_devices:
+        raise ScheduleError(f"{schedule.method}: Megatron-core overlaps the expert-parallel all-to-alls under "
+                            "pipeline parallelism only with virtual stages: use interleaved-1f1b with 2 chunks or "
+                            "more, or one stage")
+    t = schedule.table
+    forward, backward = t.kind == KIND_CODE[Kind.F], t.kind == KIND_CODE[Kind.B]
+    segment = (t.device.astype(np.int64) * schedule.minibatches + t.minibatch) * schedule.pipelines + t.pipeline
+    starts = np.flatnonzero(np.r_[True, segment[1:] != segment[:-1]])  # a device's mini-batch: its pattern, its OPTs
+    order, peer = [], t.peer.copy()
+    for lo, hi in zip(starts, np.r_[starts[1:], len(segment)]):
+        rows = np.arange(lo, hi)
+        forwards, backwards = rows[forward[lo:hi]], rows[backward[lo:hi]]
+        warmup = int(np.searchsorted(rows[forward[lo:hi] | backward[lo:hi]], backwards[0]))  # 1F1B's, plus one
+        paired = len(forwards) - warmup
+        pair_forwards, pair_backwards = forwards[warmup:], backwards[:paired]
+        peer[pair_forwards], peer[pair_backwards] = t.stage[pair_backwards], t.stage[pair_forwards]
+        order += [forwards[:warmup], np.stack([pair_forwards, pair_backwards], axis=1).ravel(), backwards[paired:],
+                  rows[~(forward[lo:hi] | backward[lo:hi])]]
+    taken = np.concatenate(order)
+    table = ActionTable(t.device[taken], t.kind[taken], t.stage[taken], t.microbatch[taken], t.minibatch[taken],
+                        t.pipeline[taken], peer[taken])
     return schedule.with_orders(OrderView(table, schedule.num_devices))

@@ -12,8 +12,8 @@ from .ir import Action, Kind, Schedule, ScheduleError
 
 KINDS = tuple(Kind)
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
-NUM_COMPUTE_KINDS = 11  # a stage's own rows (F, B, I, W, OPT, PRED, AVG, REDUCE, GATHER, A2A_F, A2A_B) come first,
-# then transfers
+NUM_COMPUTE_KINDS = 13  # a stage's own rows (F, B, I, W, OPT, PRED, AVG, REDUCE, GATHER, A2A_F, A2A_B, RING_F,
+# RING_B) come first, then transfers
 assert all(k.value.startswith(("SEND", "RECV")) for k in KINDS[NUM_COMPUTE_KINDS:])
 # A table's columns: a kind code is a byte, every other field (and a row index into a table) 32 bits. A lowered
 # table has millions of rows and a dozen columns, so each byte per row counts (`simulate -p 128 -m 4096` lowers

@@ -50,8 +50,10 @@ def to_torch_csv(schedule: Schedule) -> str:
     OPT and explicit transfers are left out: torch's runtime steps the optimizer outside the schedule and
     derives its own SEND/RECV. So are REDUCE and GATHER (d > 1 data-parallel replicas): a torch stage wrapped in
     DDP synchronises its gradients outside the schedule too (its REDUCE_GRAD cell is FSDP's, which pipesim does
-    not model, so none is written); and the experts' all-to-alls (A2A_F, A2A_B), which a torch stage runs inside
-    its forward and backward. Raises ScheduleError for what torch's format cannot say.
+    not model, so none is written); the experts' all-to-alls (A2A_F, A2A_B), which a torch stage runs inside
+    its forward and backward; and the context-parallel rings (RING_F, RING_B): torch's pipelining has no such
+    action, its context parallel runs the ring inside the attention call (`_templated_ring_attention`). Raises
+    ScheduleError for what torch's format cannot say.
     """
     name = schedule.method
     policy = schedule.policy

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..schedules import KINDS, NUM_COMPUTE_KINDS, Kind
+from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind
 from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
@@ -100,6 +100,13 @@ class StageCosts:
     expert-parallel group after a forward (an A2A_F) and after a backward (an A2A_B), on the network stream;
     `expert_param_bytes`, of `param_bytes`, the routed experts' weights, whose gradients under E-way expert
     parallelism only the d/E replicas that hold the same experts reduce.
+    `ring_fwd_ms` and `ring_bwd_ms`: the link time of the key/value exchanges of the stage's attention around its
+    context-parallel ring during a forward (a RING_F) and during a backward (a RING_B: the keys and values again
+    and their gradients, and a full recomputation's forward ring), on the network stream; `ring_fwd_hidden_ms`
+    and `ring_bwd_hidden_ms`: how much of that the pass's attention blocks cover, each step's exchange under its
+    own block (planning/estimate.py's `ContextRing.exchange_ms`), which the simulator subtracts from them
+    (`hidden_ms_table`). `ring_buffer_bytes`: per pass
+    (`TRANSIENT_KINDS`' names), the ring's send and receive buffers it holds while it runs, as communication.
     `transient_bytes`: per pass (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's
     activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
     """
@@ -130,6 +137,11 @@ class StageCosts:
     all_to_all_fwd_ms: float = 0.0
     all_to_all_bwd_ms: float = 0.0
     expert_param_bytes: int = 0
+    ring_fwd_ms: float = 0.0
+    ring_bwd_ms: float = 0.0
+    ring_fwd_hidden_ms: float = 0.0
+    ring_bwd_hidden_ms: float = 0.0
+    ring_buffer_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def gradient_bytes(self) -> int:
@@ -141,7 +153,8 @@ class StageCosts:
 
     def __post_init__(self) -> None:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
-                 "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms")
+                 "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms",
+                 "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms")
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
                      "expert_param_bytes", "float8_weight_bytes", *optional[2:]):
@@ -153,10 +166,11 @@ class StageCosts:
                 raise CostError(f"{name} must be a finite number from 0 to {limit:g} (got {value!r})")
         if not 0.0 <= self.wgrad_fraction <= 1.0:
             raise CostError(f"wgrad_fraction must be between 0 and 1 (got {self.wgrad_fraction!r})")
-        if any(name not in TRANSIENT_KINDS or not isinstance(value, int) or value < 0
-               for name, value in self.transient_bytes.items()):
-            raise CostError(f"transient_bytes must give whole bytes >= 0 for some of {', '.join(TRANSIENT_KINDS)} "
-                            f"(got {self.transient_bytes!r})")
+        for name in ("transient_bytes", "ring_buffer_bytes"):
+            if any(pass_name not in TRANSIENT_KINDS or not isinstance(value, int) or value < 0
+                   for pass_name, value in getattr(self, name).items()):
+                raise CostError(f"{name} must give whole bytes >= 0 for some of {', '.join(TRANSIENT_KINDS)} "
+                                f"(got {getattr(self, name)!r})")
         if self.activation_parts is not None and sum(self.activation_parts.values()) != self.activation_bytes:
             raise CostError(f"activation_parts must sum to activation_bytes ({self.activation_bytes})")
 
@@ -255,6 +269,15 @@ class Costs:
         network time, on a stream of its own."""
         return np.array([_op_ms(c, pipelines) for c in self.stages], dtype=float).reshape(-1, NUM_COMPUTE_KINDS)
 
+    def hidden_ms_table(self) -> np.ndarray:
+        """Ms per (model stage, compute kind), as `op_ms_table`: of a collective row's network time, the part its
+        pass's compute covers (a ring's exchanges under the attention blocks they run beside: a RING_F's under its
+        forward's, a RING_B's under its backward's); 0 for every other kind."""
+        hidden = np.zeros((len(self.stages), NUM_COMPUTE_KINDS))
+        hidden[:, KIND_CODE[Kind.RING_F]] = [c.ring_fwd_hidden_ms for c in self.stages]
+        hidden[:, KIND_CODE[Kind.RING_B]] = [c.ring_bwd_hidden_ms for c in self.stages]
+        return hidden
+
     @classmethod
     def per_stage(
         cls,
@@ -324,6 +347,8 @@ def _op_ms(c: StageCosts, pipelines: int) -> list[float]:
         Kind.GATHER: c.gather_ms,
         Kind.A2A_F: c.all_to_all_fwd_ms,
         Kind.A2A_B: c.all_to_all_bwd_ms,
+        Kind.RING_F: c.ring_fwd_ms,
+        Kind.RING_B: c.ring_bwd_ms,
     }
     return [by_kind[kind] for kind in KINDS[:NUM_COMPUTE_KINDS]]
 

@@ -233,7 +233,11 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         after[blocking] = pre[blocking] + transfer_ps[operand[blocking]]
     # A collective's lane: step j begins when its row has issued it and the lane's step before has ended.
     collective_rows = np.flatnonzero(stream == Stream.NETWORK)
-    collective_ps = _picoseconds(op_ms[stage[collective_rows], kind[collective_rows]])
+    # Of a collective's network time, the part its pass's compute covers (a ring's exchanges, each under the
+    # attention block computed beside it) does not hold the lane: the row holds it for what that compute leaves.
+    collective_ms = op_ms[stage[collective_rows], kind[collective_rows]]
+    hidden_ms = costs.hidden_ms_table()[stage[collective_rows], kind[collective_rows]]
+    collective_ps = _picoseconds(np.maximum(collective_ms - hidden_ms, 0.0))
     # An overlapped pair's all-to-alls (the A2A_F and A2A_B right after it) run under its other part's compute, as
     # DualPipe overlaps them (DeepSeek-V3's report, section 3.2.1: each part's communication hidden under the other
     # part's computation): what remains of each once that compute has run is what its row holds the lane for.
@@ -382,6 +386,9 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         transient = per_stage([c.transient_bytes.get(name, 0) for c in stages])
         at_start["transient"][:, KIND_CODE[kind]] = transient
         at_end["transient"][:, KIND_CODE[kind]] = -transient
+        exchanged = per_stage([c.ring_buffer_bytes.get(name, 0) for c in stages])  # its ring's buffers, likewise
+        at_start["communication"][:, KIND_CODE[kind]] += exchanged
+        at_end["communication"][:, KIND_CODE[kind]] -= exchanged
     # Point-to-point transfers: a compute row's are fixed by its stage and kind (on every channel between two
     # devices, each forward of the sending stage has its SEND among the SENDs after it and each of the receiving
     # stage its RECV among the RECVs before it; a gradient's, each B or I), so the buffers they make and free at

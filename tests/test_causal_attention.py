@@ -57,7 +57,7 @@ def test_the_context_ring_prices_the_visible_blocks_once():
     mine = split.context_share(_attention(True))
     fast = ContextRing(c, EstimateLink(kind="nvlink", latency_ms=0.0, bytes_per_ms=1e15))
     block = OpCount(mine.op, mine.kind, mine.shape, mine.flops // 4, mine.moved_bytes // c, 1)
-    assert fast.attention_ms(mine, DEVICE, 2) == pytest.approx(c * op_ms(block, DEVICE))
+    assert fast.attention_ms(mine, DEVICE) == pytest.approx(c * op_ms(block, DEVICE))
     assert c * (op_ms(block, DEVICE) - H100.curve.kernel_overhead_ms) == pytest.approx(
         op_ms(mine, DEVICE) - H100.curve.kernel_overhead_ms)  # the rank's causal share, as one kernel would
 

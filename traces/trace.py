@@ -38,8 +38,8 @@ class Stream(IntEnum):
     @classmethod
     def of_kind(cls, kind: str) -> Stream:
         """The schema's rule: a kind named SEND_* runs on the send stream, RECV_* on the receive stream, a
-        collective (REDUCE, GATHER, an expert-parallel all-to-all) on the network stream, every other kind on the
-        compute stream."""
+        collective (REDUCE, GATHER, an expert-parallel all-to-all, a context-parallel ring) on the network stream,
+        every other kind on the compute stream."""
         if kind in COLLECTIVE_KINDS:
             return cls.NETWORK
         return cls.SEND if kind.startswith("SEND") else cls.RECV if kind.startswith("RECV") else cls.COMPUTE
@@ -50,7 +50,7 @@ class Stream(IntEnum):
         return np.array([cls.of_kind(k) for k in kinds], dtype=np.int64)
 
 
-COLLECTIVE_KINDS = ("REDUCE", "GATHER", "A2A_F", "A2A_B")  # schedules.COLLECTIVE_KINDS' names
+COLLECTIVE_KINDS = ("REDUCE", "GATHER", "A2A_F", "A2A_B", "RING_F", "RING_B")  # schedules.COLLECTIVE_KINDS' names
 STREAMS = tuple(s.name.lower() for s in Stream)
 
 _INT_COLUMNS = ("device", "stream", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer", "version",

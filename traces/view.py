@@ -48,6 +48,8 @@ KIND_COLORS = {
     "GATHER": "#b07c00",
     "A2A_F": "#72b7b2",
     "A2A_B": "#3d8a85",
+    "RING_F": "#d67fb5",
+    "RING_B": "#a0457e",
     "SEND_F": "#b0b0b0",
     "RECV_F": "#b0b0b0",
     "SEND_B": "#7a7a7a",

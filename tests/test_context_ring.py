@@ -1,0 +1,195 @@
+"""Context parallelism's key/value ring as rows of the schedule (schedules/passes.py `add_context_parallel`): a
+RING_F after every forward, a RING_B after every backward that runs the attention's backward (B or I), after the
+pass's all-to-alls; lowered so that the pass's outputs are sent after them and the device's next row waits for
+them; run by the simulator on the device's network stream for what of their exchanges the attention blocks do not cover
+(planning/estimate.py `ContextRing.exchange_ms`), their buffers held by their pass as communication."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import ContextRing, Parallelism, _Split, estimate_profile, placement_links
+from pipesim.planning.scenario import profile_scenario
+from pipesim.profiles.workload import OpCount, WorkloadCount
+from pipesim.schedules import Action, Kind, Schedule, ScheduleError, ScheduleParams, build_schedule, lower, validate
+from pipesim.schedules.table import KINDS
+from pipesim.schedules.torch_csv import to_torch_csv
+from pipesim.sim.cluster import Cluster
+from pipesim.sim.costs import Costs, StageCosts
+from pipesim.sim.engine import simulate
+from pipesim.traces.metrics import summarize
+from pipesim.traces.trace import Stream
+from tests.conftest import simulate_json
+
+H100 = load_catalogue().find("h100-sxm")
+
+
+def cp(method: str, stages: int = 2, microbatches: int = 2, chunks: int = 1, **params) -> Schedule:
+    return build_schedule(method, ScheduleParams(stages=stages, microbatches=microbatches, chunks=chunks,
+                                                 context_parallel=4, **params))
+
+
+def test_a_ring_action_reads_and_prints_as_its_kind_stage_and_micro_batch():
+    action = Action.parse("2RING_F5")
+    assert (action.kind, action.stage, action.microbatch) == (Kind.RING_F, 2, 5) and str(action) == "2RING_F5"
+    assert str(Action.parse("P1:0RING_B3.2")) == "P1:0RING_B3.2"
+
+
+def test_every_forward_and_attention_backward_is_followed_by_its_ring_and_none_without_context_parallelism():
+    assert cp("1f1b").to_text() == (
+        "0: 0F0 0RING_F0 0F1 0RING_F1 0B0 0RING_B0 0B1 0RING_B1 0REDUCE 0OPT\n"
+        "1: 1F0 1RING_F0 1B0 1RING_B0 1F1 1RING_F1 1B1 1RING_B1 1REDUCE 1OPT")
+    assert "RING" not in build_schedule("1f1b", ScheduleParams(stages=2, microbatches=2)).to_text()
+    order = cp("zb-h1").to_text().splitlines()[1].split()[1:]
+    assert order[:4] == ["1F0", "1RING_F0", "1I0", "1RING_B0"] and "1RING_B0" not in order[order.index("1W0"):]
+
+
+def test_the_ring_comes_after_the_passs_all_to_alls_and_after_both_parts_of_an_overlapped_pair():
+    order = cp("1f1b", expert_parallel=2).to_text().splitlines()[0].split()[1:]
+    assert order[:6] == ["0F0", "0A2A_F0", "0RING_F0", "0F1", "0A2A_F1", "0RING_F1"]
+    tokens = cp("dualpipev", chunks=2, microbatches=4, expert_parallel=2).to_text().split()
+    pair = tokens.index("(0F3;3B1)OVERLAP_F_B")
+    assert tokens[pair + 1:pair + 5] == ["0A2A_F3", "3A2A_B1", "0RING_F3", "3RING_B1"]
+
+
+def test_a_missing_ring_is_an_incomplete_schedule():
+    schedule = cp("1f1b")
+    broken = schedule.with_orders(Schedule.orders_from_text(schedule.to_text().replace(" 0RING_B1", "")))
+    with pytest.raises(ScheduleError, match=r"0RING_B1 appears 0 times \(C = 4: 1 per backward\)"):
+        validate(broken)
+
+
+def test_a_pass_sends_its_output_after_its_ring_and_the_next_row_waits_for_it():
+    lowered = lower(cp("1f1b"))
+    t = lowered.table
+    rows = [(str(KINDS[k]), int(s), int(m)) for k, s, m in zip(t.kind, t.stage, t.microbatch)]
+    first = rows.index(("RING_F", 0, 0))
+    assert rows[first - 1:first + 2] == [("F", 0, 0), ("RING_F", 0, 0), ("SEND_F", 0, 0)]
+    assert lowered.awaits[first + 1] == first
+
+
+def test_torch_has_no_ring_action_its_context_parallel_runs_the_ring_inside_the_attention():
+    assert to_torch_csv(cp("1f1b")) == to_torch_csv(build_schedule("1f1b", ScheduleParams(stages=2, microbatches=2)))
+
+
+def test_the_simulator_holds_the_network_stream_for_what_the_attention_leaves_of_the_rings_exchanges():
+    """One stage, one micro-batch: F 1 ms, its ring's exchanges 0.75, 0.5 of them under its attention: 0.25
+    exposed; B 2 ms, its ring's 0.5, all of them covered: none."""
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, ring_fwd_ms=0.75, ring_fwd_hidden_ms=0.5, ring_bwd_ms=0.5,
+                              ring_bwd_hidden_ms=0.5),))
+    trace = simulate(cp("1f1b", stages=1, microbatches=1), costs, Cluster(1))
+    ops = trace.ops
+    rows = [(trace.kinds[k], int(s), start / 1e3, dur / 1e3) for k, s, start, dur
+            in zip(ops.kind, ops.stream, ops.start_us, ops.dur_us)]
+    assert rows[:4] == [("F", Stream.COMPUTE, 0.0, 1.0), ("RING_F", Stream.NETWORK, 1.0, 0.25),
+                        ("B", Stream.COMPUTE, 1.25, 2.0), ("RING_B", Stream.NETWORK, 3.25, 0.0)]
+
+
+def test_the_ring_waits_for_the_network_stream_like_any_collective():
+    """One stage under ZeRO-3 (FSDP2 alone): the forward's GATHER holds the lane 0..1.5, the forward computes
+    1.5..2.5 while the backward's GATHER, prefetched as it starts, holds the lane 1.5..3.0: the forward's ring,
+    hidden under its attention, still goes after it on the lane."""
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, gather_ms=1.5, reduce_ms=0.0, ring_fwd_ms=0.5,
+                              ring_fwd_hidden_ms=0.5),))
+    schedule = cp("1f1b", stages=1, microbatches=1, zero=3)
+    trace = simulate(schedule, costs, Cluster(1))
+    ring = [(start / 1e3, dur / 1e3) for k, start, dur in zip(trace.ops.kind, trace.ops.start_us, trace.ops.dur_us)
+            if trace.kinds[k] == "RING_F"]
+    assert ring == [(3.0, 0.0)]
+
+
+@pytest.fixture(scope="module")
+def flash_gpt() -> WorkloadCount:
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=2, width=192, heads=8, seq_len=256, vocab=512), 2, torch.bfloat16, "flash")
+
+
+def _closed_form_ms(counted: WorkloadCount, parallel: Parallelism, pass_name: str, bounds: list[int]) -> list[float]:
+    """Per stage, the exposure the estimate priced into the attention before the rings were rows: per step, what
+    its transfer outlasts its block by, and the transfer after the last step whole."""
+    ring = ContextRing(parallel.context, placement_links(H100, parallel).context)
+    exposed = []
+    for start, stop in zip(bounds, bounds[1:]):
+        total = 0.0
+        for layer in counted.layers[start:stop]:
+            split = _Split.of(layer, parallel)
+            for op in layer.ops.get(pass_name, ()):
+                if op.kind != "attention":
+                    continue
+                mine = split.attention(op)
+                steps, after = ring.step_bytes(mine, 2)
+                total += op.count * (sum(max(ring.transfer_ms(nbytes) - block_ms, 0.0) for nbytes, block_ms
+                                         in zip(steps, ring.blocks_ms(mine, _device())) if nbytes)
+                                     + (ring.transfer_ms(after) if after else 0.0))
+        exposed.append(total)
+    return exposed
+
+
+def _device():
+    from pipesim.planning.estimate import Device
+
+    return Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                  H100.curve)
+
+
+def _makespans(counted: WorkloadCount, parallel: Parallelism, rings: bool = True) -> tuple[float, float]:
+    """The 1F1B makespan with the ring as rows, and with the closed form priced into the passes instead (and no
+    ring rows' time)."""
+    estimated = estimate_profile(counted, H100, parallel)
+    scenario = profile_scenario(estimated, "adam")
+    schedule = scenario.build("1f1b", ScheduleParams(2, 4))
+    costs, cluster = scenario.costs(schedule), scenario.links(schedule)
+    if not rings:
+        return summarize(simulate(schedule, costs, cluster)).makespan_ms, 0.0
+    bounds = [stage.layers[0] for stage in estimated.stages] + [estimated.stages[-1].layers[1]]
+    forward, backward = (_closed_form_ms(counted, parallel, name, bounds) for name in ("fwd", "bwd"))
+    folded = replace(costs, stages=tuple(
+        replace(c, fwd_ms=c.fwd_ms + f, bwd_ms=c.bwd_ms + b, igrad_ms=c.igrad_ms + b, ring_fwd_ms=0.0,
+                ring_bwd_ms=0.0, ring_fwd_hidden_ms=0.0, ring_bwd_hidden_ms=0.0)
+        for c, f, b in zip(costs.stages, forward, backward)))
+    rows, closed = (summarize(simulate(schedule, each, cluster)).makespan_ms for each in (costs, folded))
+    return rows, closed
+
+
+@pytest.mark.parametrize("parallel", [Parallelism(tensor=4, context=4, pipeline=2), Parallelism(context=2, pipeline=2)])
+def test_the_rows_give_the_closed_forms_step_time(flash_gpt, parallel):
+    """The rows' exchanges less what the blocks cover, run on a free network stream after the pass, take the step
+    what the attention priced them at before: C = 4 beside t = 4 spans two nodes of 8 (the ring's steps on the
+    network, each outlasting its block in this small model), C = 2 on NVLink (the blocks cover every step; the
+    backward's last dK/dV exchange, after the last block, stays exposed)."""
+    rows, closed = _makespans(flash_gpt, parallel)
+    assert rows == pytest.approx(closed, rel=1e-9)
+    plain = Parallelism(tensor=parallel.tensor, pipeline=2)
+    assert closed > _makespans(flash_gpt, plain, rings=False)[0]  # the rings cost something either way
+
+
+def test_the_passes_hold_the_rings_buffers_as_communication(flash_gpt):
+    estimated = estimate_profile(flash_gpt, H100, Parallelism(context=4))
+    block = estimated.layers[1]
+    heads, queries, head_size = 2 * 8, 256 // 4, 192 // 8  # batch x heads (no grouped-query), the rank's queries
+    keys_values = 2 * heads * queries * head_size
+    assert block.ring_buffer_bytes == {"fwd": 3 * keys_values * 2, "bwd": 3 * keys_values * 2 + 3 * keys_values * 4,
+                                       "igrad": 3 * keys_values * 2 + 3 * keys_values * 4}
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, ring_buffer_bytes={"fwd": 1000, "bwd": 5000}),))
+    trace = simulate(cp("gpipe", stages=1, microbatches=1), costs, Cluster(1))
+    assert trace.meta.peak_memory_parts[0]["communication"] == 5000
+
+
+def test_a_what_if_with_context_parallelism_runs_the_estimated_rings_as_rows():
+    args = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "256", "--heads", "4", "--seq-len",
+            "1024", "--attention", "flash", "-p", "2", "-m", "4", "-s", "1f1b", "--tensor-parallel", "4")
+    result = simulate_json(*args, "--context-parallel", "4")[0]
+    assert result["exposed_comm_ms"] > simulate_json(*args)[0]["exposed_comm_ms"]
+
+
+def test_a_grouped_query_kernel_sends_and_buffers_its_fewer_key_value_heads():
+    ring = ContextRing(4, placement_links(H100, Parallelism(context=4)).context)
+    op = OpCount("_flash_attention_forward", "attention", (16, 64, 256, 32), 1, 1, 1)
+    grouped = replace(op, kv_group=4)
+    assert ring.buffer_bytes(grouped, 2) * 4 == ring.buffer_bytes(op, 2) == 3 * (2 * 16 * 64 * 32) * 2
+    assert ring.step_bytes(grouped, 2)[0][0] * 4 == ring.step_bytes(op, 2)[0][0]
