@@ -12,7 +12,12 @@ import torch
 
 from pipesim.calibrate.measure import Settings, all_to_all_sizes, calibrate, measure_bytes
 from pipesim.profiles.schema import COUNT_BYTES, AllToAllProfile, profile_json
+from pipesim.schedules import ScheduleParams, build_schedule
+from pipesim.sim.cluster import Cluster
+from pipesim.sim.costs import Costs, StageCosts
+from pipesim.sim.engine import simulate
 from pipesim.traces import read_trace
+from pipesim.traces.trace import Stream
 from pipesim.workload.models import build_model, routed_parameters
 from tests.conftest import pipesim
 
@@ -105,3 +110,24 @@ def test_run_refuses_before_starting_ranks_and_writes_nothing(moe_profile, tmp_p
                            "--trace", trace)
     assert code == 2 and "measured no all-to-all" in err and len(err.strip().splitlines()) == 1, err
     assert not trace.exists()
+
+
+def test_an_all_to_all_starts_when_its_pass_ends_and_holds_the_next_pass_behind_it():
+    """An A2A row is its expert-parallel group's exchange: it starts once every member has reached it. The simulated
+    devices stand for every replica of the group (each runs the same rows at the same costs: `pipesim run` starts
+    them so), so every member reaches it as its pass ends: the row starts there, lasts its link time, and the
+    device's next pass waits for it. Two stages of unequal costs, 1F1B, d = E = 2."""
+    schedule = build_schedule("1f1b", ScheduleParams(stages=2, microbatches=4, data_parallel=2, expert_parallel=2))
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.3, all_to_all_bwd_ms=0.2),
+                   StageCosts(fwd_ms=1.5, bwd_ms=3.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=0.4)))
+    trace = simulate(schedule, costs, Cluster.uniform(2, 0.1))
+    ops, kinds = trace.ops, trace.kinds
+    end_us = ops.start_us + ops.dur_us
+    for exchange, after, priced in (("A2A_F", "F", "all_to_all_fwd_ms"), ("A2A_B", "B", "all_to_all_bwd_ms")):
+        for row in np.flatnonzero(ops.kind == kinds.index(exchange)):
+            mine = (ops.stage == ops.stage[row]) & (ops.microbatch == ops.microbatch[row])
+            (pass_row,) = np.flatnonzero(mine & (ops.kind == kinds.index(after)))
+            assert ops.start_us[row] == pytest.approx(end_us[pass_row])
+            assert ops.dur_us[row] == pytest.approx(getattr(costs.stages[ops.stage[row]], priced) * 1e3)
+            device = (ops.device == ops.device[row]) & (ops.stream == Stream.COMPUTE)
+            assert (ops.start_us[device & (ops.start_us > ops.start_us[row])] >= end_us[row] - 1e-6).all()
