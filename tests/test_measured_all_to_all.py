@@ -131,3 +131,17 @@ def test_an_all_to_all_starts_when_its_pass_ends_and_holds_the_next_pass_behind_
             assert ops.dur_us[row] == pytest.approx(getattr(costs.stages[ops.stage[row]], priced) * 1e3)
             device = (ops.device == ops.device[row]) & (ops.stream == Stream.COMPUTE)
             assert (ops.start_us[device & (ops.start_us > ops.start_us[row])] >= end_us[row] - 1e-6).all()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--model", "mlp", "--expert-parallel", 2), "--expert-parallel 2: model 'mlp' has no routed experts to place"),
+    (("--model", "gpt", *(f"--{k.replace('_', '-')}={v}" for k, v in MOE.items()), "--expert-parallel", 3),
+     "--expert-parallel 3 does not divide the model's 4 routed experts"),
+    (("--model", "gpt", "--experts", 4, "--no-links", "--expert-parallel", 2),
+     "--expert-parallel sizes the link measurement, which --no-links skips"),
+])
+def test_calibrate_refuses_an_expert_parallel_degree_it_cannot_measure_in_one_line(tmp_path, args, fragment):
+    out = tmp_path / "p.json"
+    code, _, err = pipesim("calibrate", *args, "--out", out)
+    assert code == 2 and fragment in " ".join(err.split()) and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
