@@ -271,6 +271,15 @@ Recompute = Annotated[str | None, typer.Option(
                                         "selective op policy: keeps every other matrix product's output and the "
                                         "attention's, reruns the rest; t = 1).")]
 
+OverlapExpertComm = Annotated[bool, typer.Option(
+    "--overlap-expert-comm", help="With --expert-parallel: Megatron-core's expert-parallel overlap "
+                                  "(overlap_moe_expert_parallel_comm; the recipes' moe_a2a_overlap): one more warm-up "
+                                  "forward, then each steady-state forward runs with the backward after it as one "
+                                  "F&B pair, each one's all-to-alls under the other's compute. 1f1b with one stage, "
+                                  "interleaved-1f1b with 2 chunks or more.")]
+# The commands that build schedules from a Scenario (simulate, sweep): `scenario_from_flags` reads it.
+expert_overlap_options = shared_options(("overlap_expert_comm", OverlapExpertComm, False))
+
 model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
@@ -595,7 +604,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         per_stage, flags["wgrad_fraction"], flags["opt"], flags["pred"], flags["avg"], flags["optimizer"],
         flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology, measured,
         _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network, stage_cut=stage_cut,
-        precision=precision or "fp32")
+        precision=precision or "fp32", overlap_expert_comm=bool(flags.get("overlap_expert_comm")))
 
 
 def searched_scenario(ctx: typer.Context, method, measured: Profile | None = None) -> Scenario | None:

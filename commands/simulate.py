@@ -46,6 +46,7 @@ from .common import (
     check_method_options,
     check_prediction,
     check_writable,
+    expert_overlap_options,
     fail,
     is_given,
     load_profile_flag,
@@ -75,6 +76,7 @@ def _output_paths(path: Path, names: list[str]) -> list[Path]:
 
 
 @optional_what_if_options
+@expert_overlap_options
 def simulate(
     ctx: typer.Context,
     schedule: Annotated[list[str] | None, typer.Option(

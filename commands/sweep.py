@@ -27,6 +27,7 @@ from .common import (
     WgradFraction,
     Zero,
     check_writable,
+    expert_overlap_options,
     fail,
     optional_what_if_options,
     progress,
@@ -42,6 +43,7 @@ from .tables import print_table
 
 
 @optional_what_if_options
+@expert_overlap_options
 def sweep(
     ctx: typer.Context,
     schedule: Annotated[str | None, typer.Option(

@@ -64,6 +64,7 @@ class Scenario:
     stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: one of STAGE_CUTS
     precision: str = "fp32"  # typed costs: how --param-mb's weights, their gradients and state are held (PRECISIONS)
     overlap_hidden_fraction: float = 0.0  # `simulate --fb-hidden-fraction`: Costs.overlap_hidden_fraction
+    overlap_expert_comm: bool = False  # `--overlap-expert-comm`: ScheduleParams.overlap_expert_comm of every build
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
@@ -73,6 +74,8 @@ class Scenario:
         estimate's context-parallel ranks C are the schedule's: its devices stand for them; its expert-parallel
         ranks E put the all-to-all rows in it."""
         method = method_named(name)
+        if self.overlap_expert_comm:
+            params = replace(params, overlap_expert_comm=True)
         estimate = self.measured.estimate if self.measured is not None else None
         if estimate is not None:
             params = replace(params, context_parallel=int(estimate.parallelism.get("context", 1)),
