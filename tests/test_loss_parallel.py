@@ -34,6 +34,51 @@ def test_it_computes_aten_cross_entropys_loss_and_gradient():
     torch.testing.assert_close(grad, expected_grad)
 
 
+def test_it_holds_what_torchs_own_loss_parallel_functions_hold():
+    """torch's loss_parallel handlers' functions run on one gloo rank's vocabulary shard (its all-reduces over one
+    rank): the same log-softmax and gradient, and the same float32 tokens x V tensors live at each pass's peak (the
+    forward's shifted logits beside the log-softmax it keeps; the backward's three)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss as torch_loss
+
+    from pipesim.workload.count import _LiveBytes
+    from pipesim.workload.loss import _VocabularyParallelCrossEntropy
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with no process group of its own running")
+    tokens, vocab = 64, 512
+    gen = torch.Generator().manual_seed(0)
+    logits, target = torch.randn(tokens, vocab, generator=gen), torch.randint(0, vocab, (tokens,), generator=gen)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with _LiveBytes() as torch_forward:
+            log_probs = torch_loss._log_softmax(logits, 1, False, mesh, 0)
+        with _LiveBytes() as torch_backward:
+            grad = torch_loss._nll_loss_and_log_softmax_backward(
+                torch.tensor(1.0), log_probs, target, None, 1, -100, torch.tensor(float(tokens)), logits.shape, 1,
+                mesh, 0)
+    finally:
+        dist.destroy_process_group()
+
+    class Saved:
+        def save_for_backward(self, *tensors):
+            self.saved_tensors = tensors
+
+    ctx = Saved()
+    with _LiveBytes() as forward:
+        _VocabularyParallelCrossEntropy.forward(ctx, logits, target)
+    with _LiveBytes() as backward:
+        ours, _ = _VocabularyParallelCrossEntropy.backward(ctx, torch.tensor(1.0))
+    torch.testing.assert_close(ctx.saved_tensors[0], log_probs)
+    torch.testing.assert_close(ours, grad)
+    whole = ((tokens, vocab), tokens * vocab * 4)
+    for theirs, mine, count in ((torch_forward.transient(beside_kept=True), forward.transient(beside_kept=True), 1),
+                                (torch_backward.transient(), backward.transient(), 3)):
+        assert [held for held in theirs if held == whole] == [held for held in mine if held == whole] == [whole] * count
+
+
 def test_its_backward_holds_three_float32_tokens_by_vocabulary_tensors_and_its_forward_the_shifted_logits():
     """aten's loss backward holds two float32 tokens x V tensors beside the saved log-softmax; loss_parallel's fused
     backward three (grad_input, the exponential, their sum). Its forward holds the 16-bit logits, their float32
