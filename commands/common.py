@@ -229,8 +229,7 @@ ContextParallel = Annotated[int, typer.Option(
                                                    "and values round a ring (torch's and Megatron's context "
                                                    "parallel); gradients reduced over C x d.")]
 ExpertParallel = Annotated[int, typer.Option(
-    "--expert-parallel", metavar="E", min=1, help="With --gpu and a mixture of experts (simulate: or its calibrated "
-                                                  "--profile): its routed experts placed over "
+    "--expert-parallel", metavar="E", min=1, help="With --gpu and a mixture of experts: its routed experts placed over "
                                                   "E of the d data-parallel replicas (E divides d and the experts), "
                                                   "each holding 1/E of their weights and optimizer state; the tokens' "
                                                   "dispatch and combine are all-to-alls over them.")]
