@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipesim.calibrate.measure import Settings, all_to_all_sizes, calibrate, measure_bytes
-from pipesim.profiles.schema import COUNT_BYTES, AllToAllProfile, profile_json
+from pipesim.profiles.schema import COUNT_BYTES, AllToAllProfile, load_profile, profile_json
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim.cluster import Cluster
 from pipesim.sim.costs import Costs, StageCosts
@@ -145,3 +145,12 @@ def test_calibrate_refuses_an_expert_parallel_degree_it_cannot_measure_in_one_li
     code, _, err = pipesim("calibrate", *args, "--out", out)
     assert code == 2 and fragment in " ".join(err.split()) and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_the_all_to_all_is_a_host_term_whose_conditions_compare_shows(moe_profile):
+    _, priced, _ = moe_profile
+    measured = load_profile(priced)
+    cached = {"measured_at": "2026-01-01T00:00:00+00:00", "age_s": 3.0, "reused": True, "load": None}
+    term = measured.all_to_all.model_copy(update={"meta": {"backend": "gloo", "host_cache": cached}})
+    assert "all-to-all" not in measured.host_terms()
+    assert measured.model_copy(update={"all_to_all": term}).host_terms()["all-to-all"] == cached
