@@ -151,7 +151,7 @@ class WhatIf:
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
                            hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap,
                            token_dispatcher=self.token_dispatcher, expert_tensor=self.expert_tensor,
-                           rank_order=self.rank_order)
+                           rank_order=self.rank_order, loss_parallel=self.loss_parallel)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:

@@ -106,6 +106,7 @@ class Parallelism:
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
+    loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):

@@ -122,6 +122,18 @@ def test_the_last_device_holds_one_more_tokens_by_vocabulary_over_t_tensor():
     assert held == [pytest.approx(2 * 8 / 2, rel=0.01), pytest.approx(3 * 8 / 2, rel=0.01)]
 
 
+def test_the_costs_line_and_an_estimated_profile_say_so(tmp_path, monkeypatch):
+    model = ["--model", "gpt", "--layers", "2", "--width", "64", "--heads", "2", "--seq-len", "32", "--vocab", "512",
+             "--gpu", "a100-sxm-80gb", "--tensor-parallel", "2", "--loss-parallel"]
+    code, out, err = pipesim("simulate", *model, "-p", "1", "-m", "1", "-s", "gpipe")
+    assert code == 0, err
+    assert "(t=2, loss parallel)" in " ".join(out.split())
+    monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim("estimate", *model, "--out", "e.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "e.json").read_text())["estimate"]["parallelism"]["loss_parallel"] is True
+
+
 def test_without_gpu_it_is_refused_in_one_line():
     code, out, err = pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "2", "--loss-parallel")
     assert code == 2 and out == ""
