@@ -154,3 +154,15 @@ def test_the_all_to_all_is_a_host_term_whose_conditions_compare_shows(moe_profil
     term = measured.all_to_all.model_copy(update={"meta": {"backend": "gloo", "host_cache": cached}})
     assert "all-to-all" not in measured.host_terms()
     assert measured.model_copy(update={"all_to_all": term}).host_terms()["all-to-all"] == cached
+
+
+def test_an_estimate_keeps_the_expert_parallelism_it_was_estimated_for(tmp_path):
+    estimated = tmp_path / "estimate.json"
+    code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads",
+                           4, "--seq-len", 32, "--vocab", 100, "--experts", 4, "--out", estimated)
+    assert code == 0, err
+    code, out, err = pipesim("simulate", "--profile", estimated, "-s", "1f1b", "--expert-parallel", 2,
+                             "--data-parallel", 2)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "the profile is an estimate, made for the expert parallelism it was estimated with (E=1)" in \
+        " ".join(err.split())
