@@ -15,9 +15,10 @@ Per layer and per micro-batch of b samples:
   bytes that step moves;
 - the tensor the layer outputs: what a stage ending there sends (the last layer's output is its loss);
 - per pass, its transient tensors (`_LiveBytes`): those it creates and frees within itself, as live at their
-  peak, above its inputs and what it keeps (saved tensors, gradients, its output). The loss's backward holds two
-  float32 tokens x vocabulary tensors (nll_loss_backward's and _log_softmax_backward_data's) beside the log-softmax
-  it saved.
+  peak, above its inputs and what it keeps (saved tensors, gradients, its output); a forward's at the moment of
+  the most bytes live counting what it keeps, which the simulator holds from the forward's start. The loss's
+  backward holds two float32 tokens x vocabulary tensors (nll_loss_backward's and _log_softmax_backward_data's)
+  beside the log-softmax it saved, three as torch's loss_parallel computes it (`loss_parallel`, workload/loss.py).
 
 Attention is counted as the kernel a GPU would run: "math" materialises the s x s scores in the model's dtype
 (as Megatron-LM 2021 and Korthikanti et al. 2022 ran it; torch upcasts them to float32 off CUDA, which the
