@@ -13,7 +13,9 @@ megatron/core/parallel_state.py's default, which Megatron-Bridge keeps unless `u
 in its DistributedInitConfig), the routed experts over E ranks folded over the t·d of a stage with the recipe's
 expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B where the row has virtual stages, the layers cut
 into equal blocks where they divide into p·v stages (Megatron's cut), else balanced, and the tokens dispatched as
-the layout's recipe did (`DISPATCHERS`). Routing is balanced, as the summary's footnote says its MoE runs force it.
+the layout's recipe did (`DISPATCHERS`), with Megatron-core's expert-parallel overlap where the recipe sets
+moe_a2a_overlap (`--overlap-expert-comm`, `A2A_OVERLAP`). Routing is balanced, as the summary's footnote says its
+MoE runs force it.
 The predicted tokens/s per GPU is the global batch's tokens over the predicted step and the row's GPUs. A row
 pipesim cannot express is listed with why. Each command's fullest device's peak memory is printed with it: the
 summaries publish no memory figure, but every row ran, so none should be marked out of memory.
@@ -48,6 +50,21 @@ EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1}
 # the rest ran the model provider's default, NCCL's all-to-all (qwen_provider.py: moe_token_dispatcher_type)
 DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): "deepep",  # HybridEP, the layout's only recipe (4a64507, 2026-02-23)
                ("Qwen3_30B_a3B", 1, 2, 12, 8): "deepep"}  # DeepEP with GBS 1024, 90bdd9f and c4cc63b (2026-02-13)
+# (model, t, p, v, E) -> the containers whose recipe for that layout sets moe_a2a_overlap (Megatron-core's
+# overlap_moe_expert_parallel_comm: `--overlap-expert-comm`), each with its line in Megatron-Bridge. 25.09 ran
+# v0.1.0's recipe, which sets no overlap (scripts/performance/configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml at
+# v0.1.0rc4); the 30B at v24 is no recipe's layout there.
+A2A_OVERLAP = {
+    # 25.11 (Megatron-Bridge v0.2.0, whose docs/performance-summary.md has the 25.11 rows from v0.2.1):
+    # scripts/performance/configs/qwen3/workload_base_configs.py line 143, QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG
+    # (GBS 2048): moe_a2a_overlap=True. 26.x: perf_recipes/qwen/h100/qwen3_moe.py at 067f987df0,
+    # qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config, lines 213-219: cfg.model.moe_a2a_overlap = True,
+    # overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True
+    ("Qwen3_235B_a22B", 2, 8, 4, 32): ("25.11", "26."),
+    # scripts/performance/configs/qwen/qwen3_workload_base_configs.py at c4cc63b, line 429,
+    # QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 (p 2, v 12, DeepEP, GBS 1024): moe_a2a_overlap=True
+    ("Qwen3_30B_a3B", 1, 2, 12, 8): ("26.",),
+}
 NOT_EXPRESSIBLE = {
     "DeepSeekV3": "its recipe (scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml at 7623546) has a "
                   "multi-token-prediction layer (mtp_num_layers 1), which no config in examples/ builds, and a layout "
@@ -73,6 +90,7 @@ class MoeRun:
     expert: int
     dispatcher: str | None  # --token-dispatcher (None: NCCL's all-to-all)
     expert_tensor: int  # --expert-tensor-parallel: each routed expert's tensor split
+    a2a_overlap: bool  # --overlap-expert-comm: the recipe sets moe_a2a_overlap (`A2A_OVERLAP`)
 
     @property
     def data(self) -> int:
@@ -90,7 +108,8 @@ class MoeRun:
                 "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
                 "--precision", "megatron-16bit-grads", "--recompute", "none", *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
-                *(["--token-dispatcher", self.dispatcher] if self.dispatcher else [])]
+                *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
+                *(["--overlap-expert-comm"] if self.a2a_overlap else [])]
 
 
 def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, str], str]]]:
@@ -105,9 +124,10 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
                                                                "global_batch", "microbatch_size", "sequence_length",
                                                                "expert_parallel"))
         chunks = 1 if row["virtual_pipeline"] == "n/a" else int(row["virtual_pipeline"])
+        layout = (model, t, p, chunks, e)
         expressible.append((MoeRun(f"{row['container']} {row['model']} t{t} p{p} v{chunks} E{e}", PRESETS[model],
-                                   gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get((model, t, p, chunks, e)),
-                                   EXPERT_TENSOR[model]),
+                                   gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get(layout),
+                                   EXPERT_TENSOR[model], row["container"].startswith(A2A_OVERLAP.get(layout, ()))),
                             row))
     return expressible, left_out
 

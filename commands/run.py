@@ -32,6 +32,7 @@ from .common import (
     Layers,
     Microbatches,
     Minibatches,
+    OverlapExpertComm,
     Pipelines,
     PredictionSource,
     SearchActivationMb,
@@ -93,6 +94,7 @@ def run(
     pipelines: Pipelines = None,
     data_parallel: DataParallel = 1,
     expert_parallel: ExpertParallel = 1,
+    overlap_expert_comm: OverlapExpertComm = False,
     advance: Advance = None,
     average_every: AverageEvery = 1,
     elastic_alpha: ElasticAlpha = None,
@@ -211,6 +213,7 @@ def run(
         params = method.params(stages, microbatches, minibatches, chunks, pipelines, advance=advance,
                                average_every=average_every, elastic_alpha=elastic_alpha, prediction=prediction,
                                data_parallel=data_parallel, expert_parallel=expert_parallel,
+                               overlap_expert_comm=overlap_expert_comm,
                                **{option: value for option, value in search.items() if method.reads(option)})
         if scenario is None:
             built = method.build(params)

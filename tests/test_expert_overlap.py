@@ -5,8 +5,10 @@ and the executor runs part after part on CPU."""
 
 from __future__ import annotations
 
+import csv
 import itertools
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +21,12 @@ from pipesim.sim.cluster import Cluster, Link
 from pipesim.sim.costs import Costs, StageCosts
 from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
-from tests.conftest import build, pipesim
+from tests.conftest import build, pipesim, simulate_json
 from tests.reference import single_process
 from tests.test_dualpipe import pair_parts
 from tests.test_executor_ep import TIGHT, ep_spec
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def overlapped(method: str, stages: int, microbatches: int, chunks: int = 1, minibatches: int = 1,
@@ -124,6 +128,32 @@ def test_the_cli_refuses_the_overlap_without_expert_parallelism_in_one_line(tmp_
                      "--overlap-expert-comm", "--trace", str(out))
     assert result.code == 2 and "E = 1" in result.err and len(result.err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+QWEN3_30B = ("--model", "hf:examples/qwen3-30b-a3b", "--gpu", "h100-sxm", "--seq-len", "4096", "--attention", "flash",
+             "-s", "interleaved-1f1b", "--chunks", "2", "-p", "2", "-m", "8", "--data-parallel", "8",
+             "--expert-parallel", "8")
+
+
+def test_simulate_and_sweep_run_the_pairs_the_flag_asks_for(monkeypatch, tmp_path):
+    """A what-if MoE (E = 8 over 2 nodes' replicas): the step with the overlap is shorter, and says its pairs."""
+    monkeypatch.chdir(REPO)  # the config is named from the repository root
+    (alone,), (paired,) = simulate_json(*QWEN3_30B), simulate_json(*QWEN3_30B, "--overlap-expert-comm")
+    assert (alone["overlapped_pairs"], paired["overlapped_pairs"]) == (0, 2 * (2 * 16 - 5 - 3))  # N = 2
+    assert paired["time_per_minibatch_ms"] < alone["time_per_minibatch_ms"]
+    swept = []
+    for name, flags in (("alone", ()), ("paired", ("--overlap-expert-comm",))):
+        out = tmp_path / f"{name}.csv"
+        assert pipesim("sweep", *QWEN3_30B, *flags, "-o", out).code == 0
+        (row,) = csv.DictReader(out.open())
+        swept.append(float(row["time_per_minibatch_ms"]))
+    assert swept[1] < swept[0]
+
+
+def test_run_refuses_an_order_megatron_does_not_pair_in_one_line():
+    code, out, err = pipesim("run", "--model", "gpt", "--experts", "4", "-s", "1f1b", "-p", "2", "-m", "4",
+                             "--data-parallel", "2", "--expert-parallel", "2", "--overlap-expert-comm")
+    assert code == 2 and "only with virtual stages" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
