@@ -349,6 +349,9 @@ def _schedule_file(ctx: typer.Context, path: Path):
     if fixed:
         raise InputError(f"{', '.join(fixed)}: the schedule file fixes stages, chunks and micro-batches "
                          "(one mini-batch); drop these flags")
+    if ctx.params.get("overlap_expert_comm"):
+        raise InputError("--overlap-expert-comm pairs a method's order as it is built; the schedule file runs its "
+                         "order as written (a pair is written (F;B)OVERLAP_F_B): drop the flag")
     if (ctx.params.get("data_parallel") or 1) > 1:  # --zero and the like need it, so they are refused with it
         raise InputError("--data-parallel: the schedule file is one pipeline's ranks, without data-parallel "
                          "replicas; simulate d replicas of a method with --schedule")

@@ -150,6 +150,13 @@ def test_simulate_and_sweep_run_the_pairs_the_flag_asks_for(monkeypatch, tmp_pat
     assert swept[1] < swept[0]
 
 
+def test_a_schedule_file_runs_as_written_so_the_flag_is_refused_beside_it(tmp_path):
+    csv_file = tmp_path / "order.csv"
+    csv_file.write_text("0F0,0B0\n")
+    code, _, err = pipesim("simulate", "--schedule-file", csv_file, "--overlap-expert-comm")
+    assert code == 2 and "schedule file runs its order as written" in err and len(err.strip().splitlines()) == 1
+
+
 def test_run_refuses_an_order_megatron_does_not_pair_in_one_line():
     code, out, err = pipesim("run", "--model", "gpt", "--experts", "4", "-s", "1f1b", "-p", "2", "-m", "4",
                              "--data-parallel", "2", "--expert-parallel", "2", "--overlap-expert-comm")
