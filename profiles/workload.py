@@ -72,6 +72,10 @@ class LayerCount:
     # bytes, (shape, bytes) each: its transient peak above its inputs and what outlives it (workload/count.py's
     # `_LiveBytes`); {}: a count from before they were recorded
     transient_tensors: dict[str, tuple[tuple[tuple[int, ...], int], ...]] = field(default_factory=dict)
+    # Per pass of `PASSES`, every storage it creates and each one it frees, in order: (its number in the pass, its
+    # shape, its bytes; negative: freed) (`_LiveBytes.allocations`), what the caching allocator replays; {}: a
+    # count from before they were recorded
+    allocations: dict[str, tuple[tuple[int, tuple[int, ...], int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

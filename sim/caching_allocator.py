@@ -24,6 +24,7 @@ expandable segments off (the default) and no garbage-collection threshold:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..units import MIB
@@ -128,6 +129,17 @@ class CachingAllocator:
                     if block.after is not None:
                         block.after.before = block
         self._cache(block)
+
+    def replay(self, allocations: Sequence[tuple[int, tuple[int, ...], int]], stream: int = 0) -> dict[int, int]:
+        """Allocate and free on `stream` as a pass did (`LayerCount.allocations`: number, shape, bytes, negative
+        where freed); the addresses of the storages it left live, by number, to be freed by a later pass."""
+        live: dict[int, int] = {}
+        for number, _, nbytes in allocations:
+            if nbytes >= 0:
+                live[number] = self.malloc(nbytes, stream)
+            else:
+                self.free(live.pop(number))
+        return live
 
     def _should_split(self, block: Block, request_bytes: int) -> bool:
         remaining = block.size_bytes - request_bytes

@@ -62,6 +62,7 @@ class _Tally:
     moved_bytes: int = 0  # of the memory-bound ops
     ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed, causal, kv group)
     transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
+    allocations: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # `_LiveBytes.allocations`
 
     def records(self) -> tuple[OpCount, ...]:
         return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6], kv_group=key[7])
@@ -191,6 +192,13 @@ class _LiveBytes(TorchDispatchMode):
                 del live[number]
         return tuple((self.created[number][1], nbytes) for number, nbytes in live.items() if number in freed)
 
+    def allocations(self) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+        """Every storage created inside and each one freed so far, in order, as (its number in the pass, its shape,
+        its bytes; negative where freed): the pass's own allocations, replayed through the caching allocator's
+        rules (sim/caching_allocator.py) to read what it reserves and not only what it holds."""
+        return tuple((number, self.created[number][1], self.created[number][2] * (1 if created else -1))
+                     for number, created in self.events)
+
 
 @contextmanager
 def _counting(routed: Dispatched | None = None, forward: bool = False) -> Iterator[_Tally]:
@@ -202,6 +210,7 @@ def _counting(routed: Dispatched | None = None, forward: bool = False) -> Iterat
         yield tally
     tally.flops = flops.get_total_flops()
     tally.transient = live.transient(beside_kept=forward)
+    tally.allocations = live.allocations()
 
 
 class _GpuKernels(TorchFunctionMode):
@@ -432,7 +441,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     with dispatches() as routed, _counting(routed, forward=True) as fwd, _saved(layer, routed) as saved:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
-    igrad, wgrad_transient, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)
+    igrad, wgrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)
     shapes = tuple((tuple(w.shape), w.dtype) for w in weights)
     for name in OPTIMIZERS:
         if (name, shapes) not in steps:
@@ -453,31 +462,33 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         ops={"fwd": fwd.records(), "bwd": full.records(), "igrad": igrad.records(),
              "wgrad": _Tally(ops=full.ops - igrad.ops).records()},
         transient_tensors={"fwd": fwd.transient, "bwd": full.transient, "igrad": igrad.transient,
-                           "wgrad": wgrad_transient})
+                           "wgrad": wgrad.transient},
+        allocations={"fwd": fwd.allocations, "bwd": full.allocations, "igrad": igrad.allocations,
+                     "wgrad": wgrad.allocations})
     return count, out.detach()
 
 
 def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch.Tensor],
-              routed: Dispatched | None = None) -> tuple[_Tally, tuple[tuple[tuple[int, ...], int], ...], _Tally]:
-    """The input-gradient pass alone, the weight-gradient pass's transient tensors (autograd.grad on the weights
-    over the graph the input pass kept, as a zero-bubble W runs; with no input to differentiate, the full
-    backward's), and the full backward (inputs and weights), counted; `routed`: the forward's routed experts,
-    whose ops the backward's reading their weights or products are."""
+              routed: Dispatched | None = None) -> tuple[_Tally, _Tally, _Tally]:
+    """The input-gradient pass alone, the weight-gradient pass's transient tensors and allocations (autograd.grad
+    on the weights over the graph the input pass kept, as a zero-bubble W runs; with no input to differentiate,
+    the full backward's), and the full backward (inputs and weights), counted; `routed`: the forward's routed
+    experts, whose ops the backward's reading their weights or products are."""
     igrad = full = _Tally()
     if not out.requires_grad:
-        return igrad, (), full
+        return igrad, full, full
     grad = torch.ones_like(out)
-    wgrad_transient = None
+    wgrad = None
     if inputs:
         with _counting(routed) as igrad:
             kept = torch.autograd.grad(out, inputs, grad, retain_graph=True, allow_unused=True)  # noqa: F841
         if weights:  # (the gradients held until the pass's transients are read: they outlive it)
             with _LiveBytes() as live:
                 kept = torch.autograd.grad(out, weights, grad, retain_graph=True, allow_unused=True)  # noqa: F841
-            wgrad_transient = live.transient()
+            wgrad = _Tally(transient=live.transient(), allocations=live.allocations())
     with _counting(routed) as full:
         kept = torch.autograd.grad(out, inputs + weights, grad, allow_unused=True)  # noqa: F841
-    return igrad, full.transient if wgrad_transient is None else wgrad_transient, full
+    return igrad, full if wgrad is None else wgrad, full
 
 
 def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
