@@ -24,7 +24,7 @@ expandable segments off (the default) and no garbage-collection threshold:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..units import MIB
@@ -130,11 +130,11 @@ class CachingAllocator:
                         block.after.before = block
         self._cache(block)
 
-    def replay(self, allocations: Sequence[tuple[int, tuple[int, ...], int]], stream: int = 0) -> dict[int, int]:
-        """Allocate and free on `stream` as a pass did (`LayerCount.allocations`: number, shape, bytes, negative
-        where freed); the addresses of the storages it left live, by number, to be freed by a later pass."""
+    def replay(self, allocations: Iterable[tuple[int, int]], stream: int = 0) -> dict[int, int]:
+        """Allocate and free on `stream` as a pass did (its storages' numbers and bytes, negative where freed, as
+        `LayerCount.allocations` without the shapes); the addresses of the storages it left live, by number."""
         live: dict[int, int] = {}
-        for number, _, nbytes in allocations:
+        for number, nbytes in allocations:
             if nbytes >= 0:
                 live[number] = self.malloc(nbytes, stream)
             else:
@@ -192,3 +192,35 @@ class CachingAllocator:
         keys = self._cached[block.small_pool]
         del keys[bisect.bisect_left(keys, block.pool_key)]
         del self._cached_blocks[block.pool_key]
+
+
+# A layer's pass on one rank: its storages' numbers and bytes in order, negative where freed (`CachingAllocator.replay`)
+PassAllocations = Sequence[tuple[int, int]]
+
+
+def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, int]],
+                  layers: Mapping[int, Sequence[Mapping[str, PassAllocations]]],
+                  capacity_bytes: int | None = None) -> CachingAllocator:
+    """One device's step through the caching allocator: its state (`static_bytes`, a block each: weights,
+    gradients, optimizer state) allocated first and held, then its `rows` in the order they run, each (pass of
+    `PASSES`, stage, micro-batch) with `layers[stage]` the stage's layers' allocations per pass. A forward runs
+    its layers in order and each keeps what its pass leaves live (what it saves, its output) until that layer's
+    full or weight backward; a backward runs them reversed, each freeing what its own pass leaves live (the
+    gradients, which the runtime accumulates into the state's or hands to the layer before) once that layer is
+    done. The allocator as it ends: its peak reserved and allocated bytes (an AllocatorOutOfMemory where the
+    step does not fit in `capacity_bytes` even with the cache released)."""
+    allocator = CachingAllocator(capacity_bytes=capacity_bytes)
+    for nbytes in static_bytes:
+        allocator.malloc(nbytes)
+    kept: dict[tuple[int, int, int], dict[int, int]] = {}  # by (stage, layer, micro-batch): the forward's live
+    for name, stage, microbatch in rows:
+        order = range(len(layers[stage])) if name == "fwd" else reversed(range(len(layers[stage])))
+        for layer in order:
+            left = allocator.replay(layers[stage][layer].get(name, ()))
+            if name == "fwd":
+                kept[stage, layer, microbatch] = left
+                continue
+            freed = [*left.values(), *(kept.pop((stage, layer, microbatch)).values() if name != "igrad" else ())]
+            for address in freed:
+                allocator.free(address)
+    return allocator

@@ -2,7 +2,13 @@
 
 import pytest
 
-from pipesim.sim.caching_allocator import AllocatorOutOfMemory, CachingAllocator, round_request, segment_bytes
+from pipesim.sim.caching_allocator import (
+    AllocatorOutOfMemory,
+    CachingAllocator,
+    replay_device,
+    round_request,
+    segment_bytes,
+)
 from pipesim.units import KIB, MIB
 
 
@@ -152,8 +158,54 @@ def test_the_losss_16_bit_logits_stay_reserved_beside_its_backwards_float32_tens
                           torch.bfloat16)
     loss = counted.layers[-1]
     allocator = CachingAllocator()
-    kept = allocator.replay(loss.allocations["fwd"])
+    kept = allocator.replay((number, nbytes) for number, _, nbytes in loss.allocations["fwd"])
     assert allocator.reserved_bytes == (2 + 32 + 2 * 64) * MIB and len(kept) == 6  # the log-softmax among them
-    allocator.replay(loss.allocations["bwd"])
+    allocator.replay((number, nbytes) for number, _, nbytes in loss.allocations["bwd"])
     assert allocator.peak_reserved_bytes == (2 + 32 + 3 * 64) * MIB
     assert allocator.peak_reserved_bytes - allocator.peak_allocated_bytes > 32 * MIB
+
+
+def test_a_devices_state_is_allocated_first_and_held():
+    """3 MiB: a 20 MiB segment; 100 and 300 KiB: one 2 MiB small segment between them."""
+    allocator = replay_device([3 * MIB, 100 * KIB, 300 * KIB], [], {})
+    assert (allocator.reserved_bytes, allocator.allocated_bytes) == (22 * MIB, 3 * MIB + 400 * KIB)
+
+
+def test_a_devices_rows_keep_each_forwards_tensors_until_its_backward():
+    """One layer keeping 30 MiB with a 12 MiB transient in its forward; its backward a 20 MiB transient and a 4 MiB
+    gradient. F0 reserves 30 + 12; F1 30 more (the cached 12 MiB block holds its transient, not its 30); B0's 20
+    MiB a new segment (the 12 MiB block is too small, F0's 30 is still held), its gradient split from the 12 MiB
+    block; B1 reuses the cached 20. Allocated at most 30 + 30 + 20 (in B0), reserved 92."""
+    layers = {0: [{"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB)],
+                   "bwd": [(0, 20 * MIB), (0, -20 * MIB), (1, 4 * MIB)]}]}
+    rows = [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)]
+    allocator = replay_device([], rows, layers)
+    assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes) == (92 * MIB, 80 * MIB)
+    assert allocator.allocated_bytes == 0
+
+
+def test_a_split_backward_frees_the_forwards_tensors_after_the_weight_pass():
+    """The input pass's 10 MiB gradient goes as it ends; the forward's 30 MiB stay through the weight pass, whose
+    20 MiB then need a segment of their own: 30 + 10 + 20 reserved (40, were the 30 freed after the input pass)."""
+    layers = {0: [{"fwd": [(0, 30 * MIB)], "igrad": [(0, 10 * MIB)], "wgrad": [(0, 20 * MIB)]}]}
+    allocator = replay_device([], [("fwd", 0, 0), ("igrad", 0, 0), ("wgrad", 0, 0)], layers)
+    assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
+        60 * MIB, 50 * MIB, 0)
+
+
+def test_a_device_runs_its_stages_layers_in_order_and_reversed():
+    """Two stages on a device (interleaved), of two layers each: `first` keeps 30 MiB and its backward makes and
+    frees 12, `second` keeps 16 and its backward 14. Stage 1's backward runs its layers reversed: `first` while
+    all four forwards' tensors are held (92 + 12 MiB), then `second`, whose 14 MiB take the 30 MiB block `first`
+    freed. Run in forward order it would be 92 + 14."""
+    first = {"fwd": [(0, 30 * MIB)], "bwd": [(0, 12 * MIB), (0, -12 * MIB)]}
+    second = {"fwd": [(0, 16 * MIB)], "bwd": [(0, 14 * MIB), (0, -14 * MIB)]}
+    layers = {0: [first, second], 1: [second, first]}
+    allocator = replay_device([], [("fwd", 0, 0), ("fwd", 1, 0), ("bwd", 1, 0), ("bwd", 0, 0)], layers)
+    assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
+        104 * MIB, 104 * MIB, 0)
+
+
+def test_a_device_that_does_not_fit_even_with_its_cache_released():
+    with pytest.raises(AllocatorOutOfMemory):
+        replay_device([50 * MIB], [("fwd", 0, 0)], {0: [{"fwd": [(0, 20 * MIB)]}]}, capacity_bytes=60 * MIB)
