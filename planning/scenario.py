@@ -103,11 +103,16 @@ class Scenario:
         - "model" (`sweep`, where the stage count varies too): the whole model's, split over all stages.
 
         Compute times are then scaled by `cost_scale`; an overlapped pair hides `overlap_hidden_fraction` of its
-        shorter part. With d > 1 data-parallel replicas (`sched.data_parallel`) or C > 1 context-parallel ranks,
-        each stage's REDUCE (and GATHER) is priced over their `gradient_ranks` on `data_parallel_link`
-        (`collective_costs`).
+        shorter part. An estimate's context ring runs on its own link where the data-parallel group's is another
+        (`Costs.collective_links`). With d > 1 data-parallel replicas (`sched.data_parallel`) or C > 1
+        context-parallel ranks, each stage's REDUCE (and GATHER) is priced over their `gradient_ranks` on
+        `data_parallel_link` (`collective_costs`).
         """
         costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
+        estimate = self.measured.estimate if self.measured is not None else None
+        ring = estimate.context_link if estimate is not None else None
+        if ring is not None and sched.context_parallel > 1 and ring.kind != self.estimate_links(sched).data.kind:
+            costs = replace(costs, collective_links=dict.fromkeys(("RING_F", "RING_B"), ring.kind))
         if self.overlap_hidden_fraction:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
         if sched.gradient_ranks == 1:

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind
+from ..schedules import COLLECTIVE_KINDS, KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind
 from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
 # The passes a stage's `transient_bytes` name, and the row each is (`KINDS`)
 TRANSIENT_KINDS = {"fwd": Kind.F, "bwd": Kind.B, "igrad": Kind.I, "wgrad": Kind.W}
+COLLECTIVE_KIND_NAMES = tuple(sorted(kind.value for kind in COLLECTIVE_KINDS))
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
@@ -235,6 +236,11 @@ class Costs:
     F + B − fraction × min(F, B) (`overlapped_ms`). 0 by default: both parts compute on the same device, and what
     DualPipe hides under the other part's compute is each part's communication (expert parallelism's all-to-all),
     which these costs have none of; a measured F&B gives the fraction (F + B − F&B) / min(F, B).
+
+    `collective_links`: per collective kind (its name), the link its rows run on where it is not the device's
+    network (none named: every collective on that one). The simulator keeps a stream per device and link: rows on
+    one link run one after another, on different links side by side (a context ring on NVLink beside the
+    data-parallel reduce-scatter across nodes, as Megatron runs them on their own communicators).
     """
 
     stages: tuple[StageCosts, ...]
@@ -245,10 +251,15 @@ class Costs:
     recv_window: int = 0
     calibration: dict | None = None
     overlap_hidden_fraction: float = 0.0
+    collective_links: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.recv_window, int) or self.recv_window < 0:
             raise CostError(f"recv_window must be a whole number >= 0 (got {self.recv_window!r})")
+        if any(kind not in COLLECTIVE_KIND_NAMES or not isinstance(link, str) or not link
+               for kind, link in self.collective_links.items()):
+            raise CostError(f"collective_links must name a link for some of {', '.join(COLLECTIVE_KIND_NAMES)} "
+                            f"(got {self.collective_links!r})")
         fraction = self.overlap_hidden_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
             raise CostError(f"overlap_hidden_fraction must be a number from 0 to 1 (got {fraction!r})")

@@ -5,15 +5,15 @@ resource is shared, the same processes run as plain coroutines: see `_Model`).
 the op's cost), SEND (the transfer is queued on the link's resources and the compute stream goes on, unless
 the cluster says sends block), RECV (the compute stream waits until the data has arrived). Transfers are
 reserved on their link when issued, which, since SimPy advances in time order, is first come first served
-on shared links. A collective (REDUCE, GATHER: data-parallel replicas synchronising) runs on the device's
-network stream, beside its compute and after the collectives issued before it there, and the row that needs
-its result (`Lowered.awaits`) waits for it to end. Devices on one compute resource (ranks sharing a GPU, which
-the executor runs under one lock per compute row) reserve it the same way for each compute row: a row starts
-when its device is ready and the rows asked for before it have ended. That wait is not busy time: the trace
-shows it as a gap in the device's compute stream, idle like any other, so the bubble counts it. Devices on one
-host's cores (CPU ranks) share them by processor sharing: a compute row runs as soon as its device is ready, at
-the speed the number of the host's devices computing at that moment allows, so it lasts longer while others
-compute too.
+on shared links. A collective (REDUCE, GATHER: data-parallel replicas synchronising; a pass's all-to-alls or
+context ring) runs on the device's network stream, beside its compute and after the collectives issued before it
+on its link (`Costs.collective_links`), and the row that needs its result (`Lowered.awaits`) waits for it to
+end. Devices on one compute resource (ranks sharing a GPU, which the executor runs under one lock per compute
+row) reserve it the same way for each compute row: a row starts when its device is ready and the rows asked for
+before it have ended. That wait is not busy time: the trace shows it as a gap in the device's compute stream,
+idle like any other, so the bubble counts it. Devices on one host's cores (CPU ranks) share them by processor
+sharing: a compute row runs as soon as its device is ready, at the speed the number of the host's devices
+computing at that moment allows, so it lasts longer while others compute too.
 This module only prices the rows and runs them: nothing here knows a method by name.
 """
 
@@ -84,9 +84,10 @@ class _Program:
     step_rows: np.ndarray | None  # every device's steps, as global rows in program order
     step_bounds: np.ndarray  # device d's steps are step_rows[step_bounds[d]:step_bounds[d + 1]]
     start_clock: np.ndarray  # per device: the index of its start in `_Model.clocks` (its steps' clocks follow)
-    # Each device with collectives has a network lane after the devices: a clock list of its own (in `steps` and
-    # `start_clock` after the devices'), one step per collective: when it begins, after the one before it has
-    # ended (its busy ps) and once its row has issued it (the clock it waits for).
+    # Each device with collectives has a lane per link they run on (`Costs.collective_links`) after the devices: a
+    # clock list of its own (in `steps` and `start_clock` after the devices'), one step per collective: when it
+    # begins, after the one before it on the lane has ended (its busy ps) and once its row has issued it (the
+    # clock it waits for).
     collective_rows: np.ndarray  # the collective rows, in program order
     collective_clock: np.ndarray  # per collective row: the index in `_Model.clocks` of its lane's clock at its begin
     collective_ps: np.ndarray  # per collective row: its network time
@@ -212,7 +213,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     # (zeros: a unit a channel does not carry, as a model copy's micro-batches on another copy's edges, has none)
     send_clock, send_to_arrival = (np.zeros(len(transfer_ps), dtype=np.int64) for _ in range(2))
     send_clock[xids] = clock_before[send_rows] + own_step
-    send_to_arrival[xids] = np.where(own_step, 0 if not timed else -1, since_ps[send_rows] + transfer_ps[xids])
+    # (a step of its own: found when it runs where timed; else its clock is its arrival where it blocks, its issue
+    # where it waited for a collective, the output of a pass whose all-to-alls or ring must end first)
+    send_to_arrival[xids] = np.where(own_step, -1 if timed else np.where(waiter[send_rows], transfer_ps[xids], 0),
+                                     since_ps[send_rows] + transfer_ps[xids])
 
     # Per step: the clock it waits for and how long after it. A RECV waits for its SEND's clock; a blocking SEND
     # where nothing is timed waits for its own device's clock before it plus its compute and transfer time;
@@ -247,13 +251,23 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
         at = np.searchsorted(collective_rows, paired + 2)
         collective_ps[at] = np.maximum(collective_ps[at] - duration[paired + 1], 0)
         collective_ps[at + 1] = np.maximum(collective_ps[at + 1] - duration[paired], 0)
-    lane_devices, lane = np.unique(device[collective_rows], return_inverse=True)
+    # A lane per device and link (`Costs.collective_links`; one per device where none is named), its steps its rows'
+    # in program order.
+    links = sorted(set(costs.collective_links.values()))
+    link_of_kind = np.zeros(len(KINDS), dtype=np.int64)
+    for name, link in costs.collective_links.items():
+        link_of_kind[KIND_CODE[Kind(name)]] = links.index(link) + 1
+    lane_keys, lane = np.unique(device[collective_rows].astype(np.int64) * (len(links) + 1)
+                                + link_of_kind[kind[collective_rows]], return_inverse=True)
+    by_lane = np.argsort(lane, kind="stable")  # the lanes' steps, one lane after another
+    lane = lane[by_lane]
     first_clock = len(step_rows) + num_devices  # the lanes' clocks follow the devices'
-    lane_starts = np.searchsorted(lane, np.arange(len(lane_devices)))
-    collective_clock = first_clock + np.arange(len(collective_rows)) + lane + 1
-    lane_busy = np.r_[0, collective_ps[:-1]]
+    lane_starts = np.searchsorted(lane, np.arange(len(lane_keys)))
+    collective_clock = np.empty(len(collective_rows), dtype=np.int64)
+    collective_clock[by_lane] = first_clock + np.arange(len(collective_rows)) + lane + 1
+    lane_busy = np.r_[0, collective_ps[by_lane][:-1]]
     lane_busy[lane_starts] = 0
-    lane_waits_for = clock_before[collective_rows] + 1  # the clock after the collective row's own step
+    lane_waits_for = clock_before[collective_rows[by_lane]] + 1  # the clock after the collective row's own step
     # A row that needs a collective's result waits for the lane's clock at its begin, plus its network time.
     waiting = np.flatnonzero(waiter[step_rows])
     awaited = np.searchsorted(collective_rows, lowered.awaits[step_rows[waiting]])
@@ -268,10 +282,10 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     step_offsets = np.r_[step_bounds, len(step_rows) + np.asarray(lane_bounds[1:], dtype=np.int64)]
     steps = [tuple(c[lo:hi] for c in columns) for lo, hi in itertools.pairwise(step_offsets.tolist())]
     start_clock = np.r_[start_clock, first_clock + np.asarray(lane_bounds[:-1], dtype=np.int64)
-                        + np.arange(len(lane_devices))]
-    no_unit = [None] * len(lane_devices)
+                        + np.arange(len(lane_keys))]
+    no_unit = [None] * len(lane_keys)
     return _Program(lowered, stream, steps, columns, step_offsets, step_rows, step_bounds, start_clock,
-                    collective_rows, collective_clock, collective_ps, first_clock + len(lane) + len(lane_devices),
+                    collective_rows, collective_clock, collective_ps, first_clock + len(lane) + len(lane_keys),
                     timed, send_clock, send_to_arrival, compute_unit + no_unit, host_unit + no_unit,
                     cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(), routes,
                     len(resources), spans, channel_bytes, static_parts(schedule, costs))
@@ -750,11 +764,12 @@ class _Model:
                     waiter = env.event()
                     waiters.setdefault(other, []).append(waiter)
                     yield waiter
-                # A fixed time after that clock, or the arrival its SEND step found.
+                # A fixed time after that clock, or the arrival its SEND step found. (The step's own clock is set
+                # below, once known whole: a SEND that waited for a collective has not found its arrival yet, and a
+                # receive that sees the clock reads that arrival.)
                 ready = clocks[other] + after_ps if after_ps >= 0 else arrival[xid]
                 if ready > clock:
                     clock = ready
-                clocks[mine] = clock
             if stream == send:
                 route, transfer_ps = routes[xid // units], channel_ps[xid // units]
                 if route:  # a shared link: wait until simulated time reaches the send, then queue on it

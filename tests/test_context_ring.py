@@ -17,7 +17,7 @@ from pipesim.profiles.workload import OpCount, WorkloadCount
 from pipesim.schedules import Action, Kind, Schedule, ScheduleError, ScheduleParams, build_schedule, lower, validate
 from pipesim.schedules.table import KINDS
 from pipesim.schedules.torch_csv import to_torch_csv
-from pipesim.sim.cluster import Cluster
+from pipesim.sim.cluster import Cluster, Link
 from pipesim.sim.costs import Costs, StageCosts
 from pipesim.sim.engine import simulate
 from pipesim.traces.metrics import summarize
@@ -88,17 +88,31 @@ def test_the_simulator_holds_the_network_stream_for_what_the_attention_leaves_of
                         ("B", Stream.COMPUTE, 1.25, 2.0), ("RING_B", Stream.NETWORK, 3.25, 0.0)]
 
 
-def test_the_ring_waits_for_the_network_stream_like_any_collective():
-    """One stage under ZeRO-3 (FSDP2 alone): the forward's GATHER holds the lane 0..1.5, the forward computes
-    1.5..2.5 while the backward's GATHER, prefetched as it starts, holds the lane 1.5..3.0: the forward's ring,
-    hidden under its attention, still goes after it on the lane."""
+@pytest.mark.parametrize(("links", "ring_at"), [({}, 3.0), (dict.fromkeys(("RING_F", "RING_B"), "nvlink"), 2.5)])
+def test_the_ring_waits_for_the_collectives_before_it_on_its_link(links, ring_at):
+    """One stage under ZeRO-3 (FSDP2 alone): the forward's GATHER holds the network 0..1.5, the forward computes
+    1.5..2.5 while the backward's GATHER, prefetched as it starts, holds it 1.5..3.0: the forward's ring, covered
+    by its attention, still goes after that gather on the same link, and right at the forward's end on a link of
+    its own (`Costs.collective_links`)."""
     costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, gather_ms=1.5, reduce_ms=0.0, ring_fwd_ms=0.5,
-                              ring_fwd_hidden_ms=0.5),))
+                              ring_fwd_hidden_ms=0.5),), collective_links=links)
     schedule = cp("1f1b", stages=1, microbatches=1, zero=3)
     trace = simulate(schedule, costs, Cluster(1))
     ring = [(start / 1e3, dur / 1e3) for k, start, dur in zip(trace.ops.kind, trace.ops.start_us, trace.ops.dur_us)
             if trace.kinds[k] == "RING_F"]
-    assert ring == [(3.0, 0.0)]
+    assert ring == [(ring_at, 0.0)]
+
+
+@pytest.mark.parametrize(("parallel", "own_link"), [(Parallelism(context=2, pipeline=2, data=4), "nvlink"),
+                                                     (Parallelism(tensor=4, context=4, pipeline=2, data=2), None)])
+def test_an_estimates_ring_runs_on_its_own_link_where_the_data_parallel_group_has_another(flash_gpt, parallel,
+                                                                                       own_link):
+    """C = 2 fits a node (NVLink) while the d·C = 8 gradient ranks of a tensor rank cross nodes: the ring does not
+    queue behind the reduce-scatter; t·C = 16 puts both across nodes, on one stream."""
+    scenario = profile_scenario(estimate_profile(flash_gpt, H100, parallel), "adam")
+    schedule = scenario.build("1f1b", ScheduleParams(2, 4, data_parallel=parallel.data))
+    links = scenario.costs(schedule).collective_links
+    assert links == ({} if own_link is None else dict.fromkeys(("RING_F", "RING_B"), own_link))
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +207,27 @@ def test_a_grouped_query_kernel_sends_and_buffers_its_fewer_key_value_heads():
     grouped = replace(op, kv_group=4)
     assert ring.buffer_bytes(grouped, 2) * 4 == ring.buffer_bytes(op, 2) == 3 * (2 * 16 * 64 * 32) * 2
     assert ring.step_bytes(grouped, 2)[0][0] * 4 == ring.step_bytes(op, 2)[0][0]
+
+
+@pytest.mark.parametrize("shared_link", [False, True])
+@pytest.mark.parametrize("degree", [dict(context_parallel=2), dict(expert_parallel=2)])
+def test_an_output_sent_after_the_passs_collectives_arrives_its_transfer_after_them_and_is_waited_for(shared_link,
+                                                                                                      degree):
+    """Two stages, 1F1B, 4 micro-batches: each forward 1 ms and its ring (all-to-alls) 0.5 exposed, each transfer
+    0.3 ms. Device 0 sends its second forward's output at 3.0, once the ring has ended; it arrives at 3.3. Its
+    first backward waits for its gradient, which device 1 sends at 5.8 after its own ring: it starts at 6.1 on a
+    link of its own or on one the transfers queue on (a waiting send's clock was set before its arrival was found,
+    so a receive read no arrival and its backward started early; with nothing shared, its arrival left out the
+    transfer)."""
+    costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, output_bytes=1, ring_fwd_ms=0.5, ring_bwd_ms=0.5,
+                              all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=0.5),) * 2)
+    cluster = Cluster.uniform(2, 0.3)
+    if shared_link:
+        cluster = replace(cluster, default_link=Link(0.3, 1e12, "the link"))
+    schedule = build_schedule("1f1b", ScheduleParams(stages=2, microbatches=4, **degree))
+    trace = simulate(schedule, costs, cluster)
+    ops = trace.ops
+    device0 = [(trace.kinds[k], round(start / 1e3, 6), round((start + dur) / 1e3, 6))
+               for k, d, start, dur in zip(ops.kind, ops.device, ops.start_us, ops.dur_us) if d == 0]
+    assert [row for row in device0 if row[0] in ("SEND_F", "RECV_B", "B")][1:4] == [
+        ("SEND_F", 3.0, 3.3), ("RECV_B", 5.8, 6.1), ("B", 6.1, 8.1)]
