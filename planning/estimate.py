@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import platform
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -365,6 +365,9 @@ class LayerEstimate:
     transient_bytes: dict[str, int]  # per pass of `PASSES`, what it creates and frees within itself at its peak
     ring_fwd: RingExchange | None = None  # the context ring's exchanges during a forward (None: C = 1)
     ring_bwd: RingExchange | None = None  # during a backward (B or I), a recomputed forward's with them
+    # per pass of `PASSES`, its storages' numbers and bytes on the rank in order, negative where freed
+    # (`_rank_allocations`), which the caching allocator replays
+    allocations: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -583,7 +586,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
                          whole_parts(parts, total), _transient_bytes(layer, split, saved_unless_rerun / c - total),
-                         *rings)
+                         *rings, allocations=_rank_allocations(layer, split))
 
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dict[str, int]:
@@ -592,13 +595,22 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dic
     MLP's or the vocabulary's share; every one 1/C), and in the input-gradient and full backward the `recomputed`
     bytes, which the backward recreates before it frees them (Korthikanti et al. 2022, section 4: full
     recomputation holds one layer's activations during its backward)."""
-    def on_rank(tensors: tuple[tuple[tuple[int, ...], int], ...]) -> float:
-        whole = lambda shape: split.residual(shape) and not split.sequence_parallel  # noqa: E731
-        return sum(nbytes if whole(shape) or split.t == 1 else nbytes / split.t for shape, nbytes in tensors) \
-            / split.context
-
-    return {name: round(on_rank(layer.transient_tensors.get(name, ()))
+    return {name: round(sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
                         + (max(recomputed, 0.0) if name in ("bwd", "igrad") else 0.0)) for name in PASSES}
+
+
+def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split) -> float:
+    """A tensor of the count's on one of the t·C ranks: a residual-stream tensor whole without sequence parallelism
+    (as Megatron-LM keeps it), any other 1/t (a head's, an MLP's or the vocabulary's share); every one 1/C."""
+    whole = split.residual(shape) and not split.sequence_parallel
+    return (nbytes if whole or split.t == 1 else nbytes / split.t) / split.context
+
+
+def _rank_allocations(layer: LayerCount, split: _Split) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per pass, the count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them
+    (`_on_rank`): what the caching allocator replays (sim/caching_allocator.py)."""
+    return {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes in events)
+            for name, events in layer.allocations.items()}
 
 
 def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Parallelism) -> tuple[float, float]:

@@ -209,3 +209,23 @@ def test_a_device_runs_its_stages_layers_in_order_and_reversed():
 def test_a_device_that_does_not_fit_even_with_its_cache_released():
     with pytest.raises(AllocatorOutOfMemory):
         replay_device([50 * MIB], [("fwd", 0, 0)], {0: [{"fwd": [(0, 20 * MIB)]}]}, capacity_bytes=60 * MIB)
+
+
+def test_an_estimate_replays_the_counts_allocations_as_one_tensor_parallel_rank_makes_them():
+    """A GPT block (width 64, MLP 256) over 2 x 32 tokens in bf16 on one of 2 tensor-parallel ranks, no sequence
+    parallelism: its residual-stream tensors whole (2 x 32 x 64 x 2 bytes), its MLP's hidden ones halved (2 x 32 x
+    256 x 2 / 2), each freed as many bytes as it was made with."""
+    torch = pytest.importorskip("torch")
+    from pipesim.planning.estimate import Parallelism, _rank_allocations, _Split
+    from pipesim.workload.count import count_built
+
+    counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 32, "vocab": 1000}, 2,
+                          torch.bfloat16)
+    block = counted.layers[1]
+    ranked = _rank_allocations(block, _Split.of(block, Parallelism(tensor=2)))
+    for name, events in block.allocations.items():
+        on_rank = dict(zip(((number, nbytes > 0) for number, _, nbytes in events), ranked[name], strict=True))
+        by_shape = {shape: abs(on_rank[number, nbytes > 0][1]) for number, shape, nbytes in events}
+        assert by_shape.get((2, 32, 64), 8192) == 8192 and by_shape.get((2, 32, 256), 16384) == 16384
+        assert all(-on_rank[number, True][1] == freed for (number, made), (_, freed) in on_rank.items() if not made)
+    assert any((2, 32, 256) in {shape for _, shape, _ in events} for events in block.allocations.values())
