@@ -114,8 +114,9 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     """A torchtitan row as pipesim's command line, built from its columns, nothing fitted; None where pipesim
     cannot express it (a sequence beyond the Hugging Face config's positions). As torchtitan ran them at 9dec370:
     FSDP2 over the C·d ranks (`--zero 3 --precision fsdp2`, its dp_shard_cp mesh), bf16 or Float8 as torchao's
-    recipe (`--dtype fp8 --fp8-recipe torchao`), TP with its plan's sequence-parallel norms and its loss computed
-    by torch's loss_parallel (`--loss-parallel`: ParallelDims.loss_parallel_enabled, TP > 1), the page's local
+    recipe (`--dtype fp8 --fp8-recipe torchao`), TP with its plan's sequence-parallel norms as DTensor runs them
+    (`--tp-runtime torch`) and its loss computed by torch's loss_parallel (`--loss-parallel`:
+    ParallelDims.loss_parallel_enabled, TP > 1), the page's local
     batch as micro-batches of the pipeline's default count (pipelining_utils.py `build_pipeline_schedule`: as
     many as the stages; interleaved 1F1B with its 2 stages a rank, `generate_split_points`) or, with no pipeline,
     one micro-batch; selective activation checkpointing is its "op" policy (`--recompute op`), else full."""
@@ -131,7 +132,8 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     args = ["simulate", "--model", TORCHTITAN_MODELS[row["model"]], "--seq-len", str(seq),
             "--dtype", "fp8" if float8 else "bf16", *(["--fp8-recipe", "torchao"] if float8 else []),
             "--attention", "flash", "-b", str(local_batch // microbatches), "--gpu", "h100-sxm",
-            *(["--tensor-parallel", str(t), "--sequence-parallel", "--loss-parallel"] if t > 1 else []),
+            *(["--tensor-parallel", str(t), "--sequence-parallel", "--tp-runtime", "torch", "--loss-parallel"]
+              if t > 1 else []),
             "-p", str(p), "-m", str(microbatches),
             "-s", "gpipe" if p == 1 else "interleaved-1f1b" if chunks > 1 else "1f1b",
             *(["--chunks", str(chunks)] if chunks > 1 else []), "--data-parallel", str(d),

@@ -261,6 +261,12 @@ TpOverlap = Annotated[bool, typer.Option(
     "--tp-overlap", help="With --sequence-parallel: its all-gathers and reduce-scatters split into t chunks and "
                          "overlapped with the products (Megatron-LM's tp-comm-overlap, torch's async TP); only what "
                          "outlasts a chunk's product is exposed. Within a node.")]
+TpRuntime = Annotated[str | None, typer.Option(
+    "--tp-runtime", metavar="RUNTIME", help="With --sequence-parallel: whose tensor-parallel layers run: megatron "
+                                            "(Megatron-core and TransformerEngine, NeMo's; the default: each "
+                                            "column-parallel product keeps its 1/t of the input and gathers it again "
+                                            "for its weight gradient) or torch (DTensor's, torchtitan's: keeps the "
+                                            "gathered input).")]
 LossParallel = Annotated[bool, typer.Option(
     "--loss-parallel", help="With --gpu: the loss computed as torch's loss_parallel computes it (torchtitan's with "
                             "t > 1): logits split by vocabulary over the t GPUs, its fused backward holding one "
@@ -285,7 +291,7 @@ model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
-                ("loss_parallel", LossParallel, False),
+                ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("context_parallel", ContextParallel, 1),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("token_dispatcher", TokenDispatcher, None), ("expert_tensor_parallel", ExpertTensorParallel, None),

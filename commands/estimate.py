@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
-                 "fp8_recipe", "token_dispatcher", "expert_tensor_parallel", "rank_order", "loss_parallel")
+                 "fp8_recipe", "token_dispatcher", "expert_tensor_parallel", "rank_order", "loss_parallel",
+                 "tp_runtime")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -63,8 +64,8 @@ SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torcht
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
                   "hot_expert_share": "--hot-expert-share", "token_dispatcher": "--token-dispatcher",
-                  "tp_overlap": "--tp-overlap", "expert_tensor": "--expert-tensor-parallel",
-                  "rank_order": "--rank-order",
+                  "tp_overlap": "--tp-overlap", "tp_runtime": "--tp-runtime",
+                  "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
                   "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
 
@@ -97,6 +98,7 @@ class WhatIf:
     expert_tensor: int | None = None  # --expert-tensor-parallel ETP (None: t)
     rank_order: str = "pipesim"  # --rank-order
     loss_parallel: bool = False  # --loss-parallel (workload/loss.py)
+    tp_runtime: str = "megatron"  # --tp-runtime, of planning/estimate.py's TP_RUNTIMES
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -151,7 +153,7 @@ class WhatIf:
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
                            hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap,
                            token_dispatcher=self.token_dispatcher, expert_tensor=self.expert_tensor,
-                           rank_order=self.rank_order, loss_parallel=self.loss_parallel)
+                           rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -167,6 +169,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # its pydantic models: only where --gpu needs them
+    from ..planning.estimate import TP_RUNTIMES
     from ..planning.experts import DISPATCHERS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
@@ -187,6 +190,12 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("tp_overlap") and not params.get("sequence_parallel"):
         raise InputError("--tp-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
                          "products (Megatron's and torch's): give --sequence-parallel too")
+    tp_runtime = params.get("tp_runtime") or "megatron"
+    if tp_runtime not in TP_RUNTIMES:
+        raise InputError(f"--tp-runtime: choose from {', '.join(TP_RUNTIMES)} (got {tp_runtime!r})")
+    if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
+        raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
+                         "too")
     if params.get("context_parallel", 1) > 1 and params["attention"] != "flash":
         raise InputError("--context-parallel: ring attention runs on a fused attention kernel (torch's and "
                          "TransformerEngine's context parallel): give --attention flash")
@@ -230,7 +239,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
-                  params.get("loss_parallel", False))
+                  params.get("loss_parallel", False), tp_runtime)
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:

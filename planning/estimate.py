@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ..hardware.collectives import all_reduce_ms, reduce_scatter_ms
+from ..hardware.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from ..memory_parts import SAVED_PARTS
 from ..profiles.partition import partition
 from ..profiles.schema import (
@@ -62,7 +62,7 @@ from ..profiles.schema import (
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from ..sim.costs import PRECISIONS, Precision
 from .experts import ALL_TO_ALLS, ExpertGroup, ExpertParallelError, expert_group, held_share
-from .fp8 import FP8_RECIPES, float8_weight_bytes, in_float8, step_cast_ops
+from .fp8 import FP8_BYTES, FP8_RECIPES, attends, float8_weight_bytes, in_float8, step_cast_ops
 from .ranks import RANK_ORDERS, dense_grid
 
 if TYPE_CHECKING:
@@ -76,6 +76,11 @@ REPLICATED_SHARE = 10 / 34  # Korthikanti et al.: 10·sbh of a block's 34·sbh (
 # 5.7 us, the network 14 us; xGMI is taken as NVLink
 STEP_LATENCY_MS = {"nvlink": 0.0034, "xgmi": 0.0034, "pcie": 0.0057, "infiniband": 0.014, "roce": 0.014,
                    "ethernet": 0.014}
+
+
+# Whose tensor-parallel layers run: Megatron-core's and TransformerEngine's (NeMo's) or torch's DTensor
+# `parallelize_module` (torchtitan's); they differ in what a sequence-parallel layer keeps for its backward.
+TP_RUNTIMES = ("megatron", "torch")
 
 
 class EstimateError(ValueError):
@@ -106,6 +111,7 @@ class Parallelism:
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
+    tp_runtime: str = "megatron"  # whose tensor-parallel layers, of `TP_RUNTIMES` (`input_gather_ms`)
     loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
 
     def __post_init__(self) -> None:
@@ -123,6 +129,8 @@ class Parallelism:
             raise EstimateError(f"precision: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise EstimateError(f"fp8: choose a recipe from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
+        if self.tp_runtime not in TP_RUNTIMES:
+            raise EstimateError(f"tp_runtime: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
         if self.tp_overlap and not self.sequence_parallel:
             raise EstimateError("tp_overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with "
                                 "the products (Megatron's and torch's): give sequence parallelism too")
@@ -487,6 +495,21 @@ def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: Estima
     return t * chunk_ms + 2 * (t - 1) * max(step_ms - chunk_ms, 0.0)
 
 
+def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink) -> float:
+    """What stays exposed of the backward's all-gather of a column-parallel product's input (`nbytes`, gathered
+    over t sequence-parallel ranks): sequence parallelism saves each rank's 1/t of the input and gathers it again
+    for the weight gradient (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2), the backward's fifth and
+    sixth collectives of a layer. Megatron-core launches it before the input-gradient product and waits for it
+    after (`LinearWithGradAccumulationAndAsyncCommunication.backward`, async_op=True, with
+    CUDA_DEVICE_MAX_CONNECTIONS=1 so it starts first), as TransformerEngine's `_Linear` backward does (its
+    userbuffers run it as the bulk overlap `ub_bulk_dgrad`): only what outlasts that `product_ms` is exposed.
+    Under float8 it gathers the float8 copy TransformerEngine's forward saved (`ln_out` or `inputmat`, gathered
+    in float8 and transposed for the float8 weight-gradient product), 1 byte an element.
+    torch's tensor parallelism gathers nothing here: its DTensor redistribute hands the gathered input to the
+    product, whose autograd keeps it whole for the weight gradient (`--tp-runtime torch`)."""
+    return max(all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms) - product_ms, 0.0)
+
+
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
              forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2) -> float:
     """A pass's time on one of the t·C ranks: its ops, split, a product split on its contraction with its
@@ -535,18 +558,26 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     if c > 1 and context_link is None:
         raise EstimateError(f"context: {c} ranks need the ring's link")
     ring = ContextRing(c, context_link) if c > 1 else None
+    # the backward gathers the input as the forward saved it: TransformerEngine keeps its float8 copy
+    saved_input_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].saves_float8_inputs \
+        and attends(layer) else element_bytes
 
-    def reduced_ms(op: OpCount, product_ms: float) -> float:
+    def reduced_ms(op: OpCount, product_ms: float, forward: bool) -> float:
         batch, m, n, _ = op.shape
         nbytes = batch * m * n * element_bytes
+        regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
+        gather_ms = input_gather_ms(batch * m * n * saved_input_bytes, product_ms, t, tensor_link) if regathers \
+            else 0.0
         if parallel.tp_overlap:
-            return overlapped_ms(op, device, t, nbytes, tensor_link)
+            return overlapped_ms(op, device, t, nbytes, tensor_link) + gather_ms
         if parallel.sequence_parallel:
-            return product_ms + 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
+            return product_ms + 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms,
+                                                      tensor_link.bytes_per_ms) + gather_ms
         return product_ms + all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
 
     def pass_ms(ops: Sequence[OpCount], forward: bool, only_core: bool = False) -> float:
-        return _pass_ms(tuple(ops), split, device, reduced_ms, forward, only_core, ring, element_bytes)
+        return _pass_ms(tuple(ops), split, device, lambda op, product_ms: reduced_ms(op, product_ms, forward),
+                        forward, only_core, ring, element_bytes)
 
     times = {name: pass_ms(layer.ops.get(name, ()), name == "fwd") for name in ("fwd", "bwd", "igrad", "wgrad")}
     saved = layer.saved_bytes

@@ -1,5 +1,7 @@
 """Tensor parallelism beyond a node and overlapped, data-parallel collectives at scale (issue 42, item 4)."""
 
+from dataclasses import replace
+
 import pytest
 
 from pipesim.hardware import collectives
@@ -75,7 +77,7 @@ def test_a_tensor_parallel_degree_that_splits_a_node_is_one_line_and_writes_noth
 
 # --- --tp-overlap: sequence parallelism's collectives overlapped with the products in t chunks ---
 
-from pipesim.planning.estimate import overlapped_ms  # noqa: E402
+from pipesim.planning.estimate import input_gather_ms, overlapped_ms  # noqa: E402
 from pipesim.profiles.workload import OpCount  # noqa: E402
 
 PRODUCT = OpCount("mm", "matmul", (1, 8192, 6144, 768), 2 * 8192 * 6144 * 768, 2 * (8192 * 768 + 768 * 6144), 1)
@@ -179,3 +181,61 @@ def test_tunes_reduce_bound_stays_below_what_the_simulation_prices(gpt16):
     assert link.per_node == 8
     nbytes = 10 ** 9
     assert 0 < _mean_reduce_ms(scenario, 1, 16, nbytes) <= link.all_reduce_ms(nbytes, 16)
+
+
+@pytest.mark.parametrize("tp_overlap", [False, True])
+def test_the_backward_gathers_each_column_parallel_products_input_again_for_its_weight_gradient(tp_overlap):
+    """Sequence parallelism's six backward collectives a layer: the input gradients' two reduce-scatters and the
+    next two all-gathers as before, and the all-gathers of the QKV and first MLP products' saved inputs, exposed
+    where they outlast the input-gradient product they run under. On links slow enough that each does, halving the
+    rate adds 2 x (reduce-scatter + all-gather + all-gather) to the backward and 2 x 2 to the forward; the weight
+    gradients, which wait for nothing, do not move."""
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    width, t = 384, 8  # not B·S: a weight gradient's shape tells its width from its tokens
+    block = count_built("gpt", dict(layers=2, width=width, heads=HEADS, seq_len=S, vocab=512), B,
+                        torch.float16).layers[1]
+    slow = placement_links(A100, Parallelism(tensor=t)).tensor.model_copy(update={"bytes_per_ms": 1e4})
+    slower = slow.model_copy(update={"bytes_per_ms": slow.bytes_per_ms / 2})
+    parallel = Parallelism(tensor=t, sequence_parallel=True, tp_overlap=tp_overlap)
+    on_slow, on_slower = (estimate_layer(block, DEVICE, parallel, link, 2) for link in (slow, slower))
+    nbytes = B * S * width * 2
+    if tp_overlap:  # each of a collective's t - 1 steps exposed beyond its chunk, whose time cancels
+        step = lambda link: (t - 1) * nbytes / t / link.bytes_per_ms  # noqa: E731
+    else:
+        step = lambda link: collectives.reduce_scatter_ms(nbytes, t, link.latency_ms, link.bytes_per_ms)  # noqa: E731
+    gather = lambda link: collectives.all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms)  # noqa: E731
+    assert on_slower.fwd_ms - on_slow.fwd_ms == pytest.approx(2 * 2 * (step(slower) - step(slow)))
+    expected = 2 * (2 * (step(slower) - step(slow)) + gather(slower) - gather(slow))
+    assert on_slower.bwd_ms - on_slow.bwd_ms == pytest.approx(expected)
+    assert on_slower.igrad_ms - on_slow.igrad_ms == pytest.approx(expected)
+    assert on_slower.wgrad_ms == on_slow.wgrad_ms
+    # torch's keeps the gathered input (DTensor's autograd): its backward gathers nothing more than its forward
+    torch_runtime = replace(parallel, tp_runtime="torch")
+    on_slow, on_slower = (estimate_layer(block, DEVICE, torch_runtime, link, 2) for link in (slow, slower))
+    assert on_slower.bwd_ms - on_slow.bwd_ms == pytest.approx(2 * 2 * (step(slower) - step(slow)))
+    # TransformerEngine's float8 forward saves the input's float8 copy: the backward gathers 1 byte an element
+    float8 = replace(parallel, fp8="te")
+    device = replace(DEVICE, fp8_peak_flops_per_ms=2 * DEVICE.peak_flops_per_ms)
+    on_slow, on_slower = (estimate_layer(block, device, float8, link, 2) for link in (slow, slower))
+    half = lambda link: collectives.all_gather_ms(nbytes // 2, t, link.latency_ms, link.bytes_per_ms)  # noqa: E731
+    assert on_slower.bwd_ms - on_slow.bwd_ms == pytest.approx(
+        2 * (2 * (step(slower) - step(slow)) + half(slower) - half(slow)))
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--tp-runtime", "deepspeed"], "--tp-runtime: choose from megatron, torch (got 'deepspeed')"),
+    (["--tp-runtime", "torch"], "--tp-runtime sets how sequence-parallel layers keep their inputs: give "
+                                "--sequence-parallel too"),
+])
+def test_a_bad_tp_runtime_is_one_line_and_writes_nothing(args, fragment, tmp_path):
+    code, _, err = pipesim("estimate", *GPT16, "--tensor-parallel", 8, *args, "--out", tmp_path / "p.json")
+    assert code == 2 and err.strip() == f"error: {fragment}" and not (tmp_path / "p.json").exists()
+
+
+def test_the_input_gather_hides_under_the_input_gradient_product_up_to_its_length():
+    link = placement_links(A100, Parallelism(tensor=8)).tensor
+    gather_ms = collectives.all_gather_ms(2**24, 8, link.latency_ms, link.bytes_per_ms)
+    assert input_gather_ms(2**24, 2 * gather_ms, 8, link) == 0.0
+    assert input_gather_ms(2**24, gather_ms / 4, 8, link) == pytest.approx(3 * gather_ms / 4)
