@@ -341,13 +341,15 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     bounds popped never rise, and the search stops at the first that can neither beat `above` nor match the
     last group kept: no later one could.
 
-    With worker processes, up to `built.window` candidates are simulated at once: those popped next, while the
-    results before them are still out, and shapes that come up meanwhile are built here. Results are taken in
-    the order popped, and only when the next candidate finds the window full or the search ends, so what is
-    built and simulated does not depend on timing, and the answer is the one simulating one at a time gives: a
-    shape or candidate popped only because a result before it was not in yet has a bound no better than the
-    first that would have stopped the search, so its result can neither beat `above` nor enter the groups
-    kept; it was only built or simulated for nothing."""
+    With worker processes, up to `built.window` candidates are simulated, or searched orders searched (their
+    candidates built: `_Built.submit_search`), at once: those popped next, while the results before them are
+    still out; other shapes that come up meanwhile are built here. Results are taken in the order popped, and
+    only when the next finds the window full or the heap has nothing left that could win, so what is built
+    and simulated does not depend on timing. The answer is the one doing one at a time gives: the search stops
+    only once no search is out (a candidate it builds goes back on the heap), and a shape or candidate popped
+    only because a result before it was not in yet has a bound no better than the first that would have
+    stopped the search, so its result can neither beat `above` nor enter the groups kept (which groups are
+    kept does not depend on the order results come in); it was only built or simulated for nothing."""
     heap = []
     for shape in shapes:
         item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
@@ -355,10 +357,17 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             heap.append((-item.max_samples_per_s, shape.index, item))
     heapq.heapify(heap)
     kept: list[list[Result]] = []
-    simulating: deque[Candidate] = deque()  # popped and submitted, in the order popped
+    out: deque[Shape | Candidate] = deque()  # popped and handed to a worker (searched or simulated), in order
 
-    def take(result: Result) -> None:
+    def take() -> None:
         nonlocal kept
+        item = out.popleft()
+        if isinstance(item, Shape):  # searched: its candidate goes back
+            candidate = built.candidate(item)
+            if candidate is not None and eligible(candidate):
+                heapq.heappush(heap, (-candidate.max_samples_per_s, item.index, candidate))
+            return
+        result = built.result(item)
         if not keep(result) or speed_key(result.samples_per_s) <= above:
             return
         group = next((g for g in kept if twins(g[0], result)), None)
@@ -367,23 +376,31 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
         else:
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
 
-    while heap or simulating:
+    while heap or out:
         bound = speed_key(-heap[0][0]) if heap else above
         if bound <= above or (len(kept) >= groups and bound < speed_key(kept[-1][0].samples_per_s)):
-            while simulating:  # what is out can only raise the bar: nothing left on the heap can beat it
-                take(built.result(simulating.popleft()))
-            break
-        if isinstance(heap[0][2], Shape) or not heap[0][2].critical:
+            if not any(isinstance(item, Shape) for item in out):
+                while out:  # what is out can only raise the bar: nothing left on the heap can beat it
+                    take()
+                break
+            take()  # a search out may put back a candidate that can
+            continue
+        item = heap[0][2]
+        searched = isinstance(item, Shape) and item.partitioned and built.parallel
+        if (isinstance(item, Shape) and not searched) or (isinstance(item, Candidate) and not item.critical):
             _, index, item = heapq.heappop(heap)
             following = built.advance(item) if isinstance(item, Shape) else built.tighten(item)
             if following is not None and eligible(following):
                 heapq.heappush(heap, (-following.max_samples_per_s, index, following))
-        elif len(simulating) >= built.window:
-            take(built.result(simulating.popleft()))
+        elif len(out) >= built.window:
+            take()
         else:
-            candidate = heapq.heappop(heap)[2]
-            built.submit(candidate)
-            simulating.append(candidate)
+            item = heapq.heappop(heap)[2]
+            if searched:
+                built.submit_search(item)
+            else:
+                built.submit(item)
+            out.append(item)
     return kept
 
 
@@ -413,9 +430,10 @@ def _accounts(shapes: list[Shape], built: _Built, problem: Problem) -> tuple[int
 
 class _Built:
     """The candidates one search has built (None: refused once built, as a searched order short of memory is)
-    and simulated, each at most once, by shape index; with `workers` > 1, simulated in that many spawned
-    processes (a fresh interpreter imports the simulator only; forking a parent whose progress bar runs a
-    thread is unsafe), up to `window` at once. A context manager: leaving it stops the workers."""
+    and simulated, each at most once, by shape index; with `workers` > 1, simulated, and searched orders
+    searched, in that many spawned processes (a fresh interpreter imports the simulator only; forking a parent
+    whose progress bar runs a thread is unsafe), up to `window` at once. A context manager: leaving it stops
+    the workers."""
 
     def __init__(self, problem: Problem, orders: _Orders, report: Callable[[str], None] | None = None,
                  shapes: int = 0, workers: int = 1) -> None:
@@ -425,6 +443,7 @@ class _Built:
         self._pool = (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
                       if workers > 1 else None)
         self._simulating: dict[int, Future] = {}
+        self._searching: dict[int, Future] = {}
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
         self.results: dict[int, Result] = {}
@@ -454,13 +473,28 @@ class _Built:
 
     def candidate(self, shape: Shape) -> Candidate | None:
         if shape.index not in self.candidates:
-            try:
-                self.candidates[shape.index] = _candidate(shape.setting, self.problem, shape.config, shape.index,
-                                                          self._split(shape.setting), self.orders)
-            except ScheduleError:
-                self.candidates[shape.index] = None
+            searching = self._searching.pop(shape.index, None)
+            if searching is not None:
+                found = searching.result()  # a copy of the setting came back with it: this one prices the rest
+                self.candidates[shape.index] = found and replace(found, setting=shape.setting)
+            else:
+                try:
+                    self.candidates[shape.index] = _candidate(shape.setting, self.problem, shape.config,
+                                                              shape.index, self._split(shape.setting), self.orders)
+                except ScheduleError:
+                    self.candidates[shape.index] = None
             self._progress()
         return self.candidates[shape.index]
+
+    @property
+    def parallel(self) -> bool:
+        return self._pool is not None
+
+    def submit_search(self, shape: Shape) -> None:
+        """Start building a searched order's candidate (its search, the dear part) in a worker."""
+        if shape.index not in self.candidates and shape.index not in self._searching:
+            self._searching[shape.index] = self._pool.submit(_searched_candidate, shape.setting, self.problem,
+                                                             shape.config, shape.index)
 
     def _split(self, setting: Setting) -> Callable[..., list[int]]:
         if id(setting) not in self._splitters:
@@ -499,6 +533,15 @@ class _Built:
         if self._report is not None:
             self._report(f"searching {self._shapes:,} configurations, best bound first: {len(self.candidates):,} "
                          f"built, {len(self.results):,} simulated")
+
+
+def _searched_candidate(setting: Setting, problem: Problem, config: Config, index: int) -> Candidate | None:
+    """`_candidate` in a worker, with a partitioner and orders of its own (None: refused)."""
+    try:
+        return _candidate(setting, problem, config, index, _splitter(setting.scenario.measured,
+                                                                     setting.scenario.optimizer), _Orders())
+    except ScheduleError:
+        return None
 
 
 def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate], int, int]:

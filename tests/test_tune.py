@@ -124,19 +124,25 @@ def test_search_equals_exhaustive_search(which, devices, cap_gib, kw):
     assert tuning.speed_key(choice.samples_per_s) == fastest
 
 
-def test_simulations_run_in_worker_processes_and_give_the_same_answer(monkeypatch):
-    """Two workers simulate several candidates at once; results are taken in bound order, so the answer is the
-    exhaustive search's. The simulator is broken here, in the parent: only the workers can have simulated."""
-    profile = load_profile(GPT)
-    source, prob = scenario(profile), problem(profile, 8, 0.25, max_staleness=1)
+def test_simulations_and_searches_run_in_worker_processes_and_give_the_same_answer(monkeypatch):
+    """Two workers simulate several candidates, and search auto's orders, at once; results are taken in the
+    order popped, so the answer is the exhaustive search's. The simulator and auto's search are broken here, in
+    the parent: only the workers can have run them."""
+    from pipesim.planning import auto
+
+    profile = load_profile(CNN)
+    source, prob = scenario(profile), problem(profile, 8, 0.1, max_staleness=1)
     best, faster, staler, _ = exhaustive(source, prob)
 
     def broken(*args, **kw):
-        raise AssertionError("simulated in the parent")
+        raise AssertionError("run in the parent")
 
     monkeypatch.setattr(tuning, "simulate", broken)
+    monkeypatch.setattr(auto, "search_schedule", broken)
     found = tuning.tune(source, prob, workers=2)
     assert differences(found, best, faster, staler) == []
+    rows = [found.choice, *found.runners_up, *found.excluded]
+    assert any(row.result.candidate.activation_limit is not None for row in rows)  # auto's were searched
 
 
 def test_the_comparison_catches_a_bound_that_lies(monkeypatch):
