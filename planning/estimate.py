@@ -640,7 +640,7 @@ def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split) -> float:
 def _rank_allocations(layer: LayerCount, split: _Split) -> dict[str, tuple[tuple[int, int], ...]]:
     """Per pass, the count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them
     (`_on_rank`): what the caching allocator replays (sim/caching_allocator.py)."""
-    return {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes in events)
+    return {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events)
             for name, events in layer.allocations.items()}
 
 

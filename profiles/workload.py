@@ -73,9 +73,12 @@ class LayerCount:
     # `_LiveBytes`); {}: a count from before they were recorded
     transient_tensors: dict[str, tuple[tuple[tuple[int, ...], int], ...]] = field(default_factory=dict)
     # Per pass of `PASSES`, every storage it creates and each one it frees, in order: (its number in the pass, its
-    # shape, its bytes; negative: freed) (`_LiveBytes.allocations`), what the caching allocator replays; {}: a
-    # count from before they were recorded
-    allocations: dict[str, tuple[tuple[int, tuple[int, ...], int], ...]] = field(default_factory=dict)
+    # shape, its bytes, negative: freed, the op that created it) (`_LiveBytes.allocations`), what the caching
+    # allocator replays; {}: a count from before they were recorded
+    allocations: dict[str, tuple[tuple[int, tuple[int, ...], int, str], ...]] = field(default_factory=dict)
+    # the numbers, in `allocations["fwd"]`, of the forward's storages that autograd saves for the backward (the
+    # rest it leaves live is its output), which a recomputation drops and the backward makes again
+    saved_allocations: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

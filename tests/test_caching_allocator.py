@@ -133,11 +133,11 @@ def test_the_counts_allocations_are_each_passs_creations_and_frees_in_order():
     for layer in counted.layers[1:]:
         assert set(layer.allocations) == {"fwd", "bwd", "igrad", "wgrad"}
         for name in ("bwd", "igrad", "wgrad"):
-            created = {number: nbytes for number, _, nbytes in layer.allocations[name] if nbytes >= 0}
-            freed = [(number, -nbytes) for number, _, nbytes in layer.allocations[name] if nbytes < 0]
+            created = {number: nbytes for number, _, nbytes, _ in layer.allocations[name] if nbytes >= 0}
+            freed = [(number, -nbytes) for number, _, nbytes, _ in layer.allocations[name] if nbytes < 0]
             assert all(created[number] == nbytes for number, nbytes in freed)
             live, most = 0, 0
-            for number, _, nbytes in layer.allocations[name]:
+            for number, _, nbytes, _ in layer.allocations[name]:
                 if number in dict(freed):
                     live += nbytes
                     most = max(most, live)
@@ -158,9 +158,9 @@ def test_the_losss_16_bit_logits_stay_reserved_beside_its_backwards_float32_tens
                           torch.bfloat16)
     loss = counted.layers[-1]
     allocator = CachingAllocator()
-    kept = allocator.replay((number, nbytes) for number, _, nbytes in loss.allocations["fwd"])
+    kept = allocator.replay((number, nbytes) for number, _, nbytes, _ in loss.allocations["fwd"])
     assert allocator.reserved_bytes == (2 + 32 + 2 * 64) * MIB and len(kept) == 6  # the log-softmax among them
-    allocator.replay((number, nbytes) for number, _, nbytes in loss.allocations["bwd"])
+    allocator.replay((number, nbytes) for number, _, nbytes, _ in loss.allocations["bwd"])
     assert allocator.peak_reserved_bytes == (2 + 32 + 3 * 64) * MIB
     assert allocator.peak_reserved_bytes - allocator.peak_allocated_bytes > 32 * MIB
 
@@ -224,8 +224,31 @@ def test_an_estimate_replays_the_counts_allocations_as_one_tensor_parallel_rank_
     block = counted.layers[1]
     ranked = _rank_allocations(block, _Split.of(block, Parallelism(tensor=2)))
     for name, events in block.allocations.items():
-        on_rank = dict(zip(((number, nbytes > 0) for number, _, nbytes in events), ranked[name], strict=True))
-        by_shape = {shape: abs(on_rank[number, nbytes > 0][1]) for number, shape, nbytes in events}
+        on_rank = dict(zip(((number, nbytes > 0) for number, _, nbytes, _ in events), ranked[name], strict=True))
+        by_shape = {shape: abs(on_rank[number, nbytes > 0][1]) for number, shape, nbytes, _ in events}
         assert by_shape.get((2, 32, 64), 8192) == 8192 and by_shape.get((2, 32, 256), 16384) == 16384
         assert all(-on_rank[number, True][1] == freed for (number, made), (_, freed) in on_rank.items() if not made)
-    assert any((2, 32, 256) in {shape for _, shape, _ in events} for events in block.allocations.values())
+    assert any((2, 32, 256) in {shape for _, shape, _, _ in events} for events in block.allocations.values())
+
+
+def test_the_count_says_which_of_a_forwards_storages_autograd_saves_and_what_made_each():
+    """A GPT block's and the loss layer's forwards leave live what autograd saves and their output, nothing else;
+    the saved ones and what it saves of its inputs (the loss's targets too) are its saved bytes; the loss saves
+    the log-softmax (_log_softmax's), not the logits it frees. What a recomputation policy needs to replay."""
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    b, s, width = 2, 1024, 64
+    counted = count_built("gpt", {"layers": 2, "width": width, "heads": 2, "seq_len": s, "vocab": 8192}, b,
+                          torch.bfloat16)
+    for layer, output_bytes, saved_input_bytes in ((counted.layers[1], b * s * width * 2, b * s * width * 2),
+                                             (counted.layers[-1], 4, b * s * (width * 2 + 8))):  # int64 targets
+        events = layer.allocations["fwd"]
+        freed = {number for number, _, nbytes, _ in events if nbytes < 0}
+        left = {number: nbytes for number, _, nbytes, _ in events if number not in freed}
+        unsaved = [nbytes for number, nbytes in left.items() if number not in layer.saved_allocations]
+        assert unsaved == [output_bytes]
+        assert sum(left[number] for number in layer.saved_allocations) + saved_input_bytes == layer.saved_bytes
+    made_by = {op for number, shape, _, op in counted.layers[-1].allocations["fwd"]
+               if number in counted.layers[-1].saved_allocations and shape == (b * s, 8192)}
+    assert made_by == {"_log_softmax"}

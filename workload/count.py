@@ -62,7 +62,8 @@ class _Tally:
     moved_bytes: int = 0  # of the memory-bound ops
     ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed, causal, kv group)
     transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
-    allocations: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # `_LiveBytes.allocations`
+    allocations: tuple[tuple[int, tuple[int, ...], int, str], ...] = ()  # `_LiveBytes.allocations`
+    live: _LiveBytes = field(default_factory=lambda: _LiveBytes())  # what recorded them (`_LiveBytes.alive`)
 
     def records(self) -> tuple[OpCount, ...]:
         return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6], kv_group=key[7])
@@ -145,7 +146,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.created: dict[int, tuple[weakref.ref, tuple[int, ...], int]] = {}  # by event number
+        self.created: dict[int, tuple[weakref.ref, tuple[int, ...], int, str]] = {}  # by event number, with its op
         self.events: list[tuple[int, bool]] = []  # (event number of the creation, created: else freed)
         self.known: set[int] = set()  # the ids of the live storages created inside
         self.outside: dict[int, torch.UntypedStorage] = {}  # those an op read that were not: held, ids kept
@@ -164,7 +165,7 @@ class _LiveBytes(TorchDispatchMode):
             number = len(self.events)
             self.known.add(id(storage))
             self.created[number] = (weakref.ref(storage, lambda _, n=number, key=id(storage): self._freed(n, key)),
-                                    tuple(t.shape), storage.nbytes())
+                                    tuple(t.shape), storage.nbytes(), func.overloadpacket.__name__)
             self.events.append((number, True))
         return out
 
@@ -192,12 +193,18 @@ class _LiveBytes(TorchDispatchMode):
                 del live[number]
         return tuple((self.created[number][1], nbytes) for number, nbytes in live.items() if number in freed)
 
-    def allocations(self) -> tuple[tuple[int, tuple[int, ...], int], ...]:
+    def allocations(self) -> tuple[tuple[int, tuple[int, ...], int, str], ...]:
         """Every storage created inside and each one freed so far, in order, as (its number in the pass, its shape,
-        its bytes; negative where freed): the pass's own allocations, replayed through the caching allocator's
-        rules (sim/caching_allocator.py) to read what it reserves and not only what it holds."""
-        return tuple((number, self.created[number][1], self.created[number][2] * (1 if created else -1))
-                     for number, created in self.events)
+        its bytes, negative where freed, and the op that created it): the pass's own allocations, replayed through
+        the caching allocator's rules (sim/caching_allocator.py) to read what it reserves and not only what it
+        holds; the op tells what a recomputation policy keeps (torchtitan's op policy saves by op)."""
+        return tuple((number, shape, nbytes * (1 if created else -1), op)
+                     for number, created in self.events for _, shape, nbytes, op in (self.created[number],))
+
+    def alive(self, storages: dict[int, Any]) -> tuple[int, ...]:
+        """The numbers of the storages created inside that are among `storages` (by identity) and still live."""
+        return tuple(number for number, (ref, *_) in self.created.items()
+                     if ref() is not None and id(ref()) in storages)
 
 
 @contextmanager
@@ -211,6 +218,7 @@ def _counting(routed: Dispatched | None = None, forward: bool = False) -> Iterat
     tally.flops = flops.get_total_flops()
     tally.transient = live.transient(beside_kept=forward)
     tally.allocations = live.allocations()
+    tally.live = live
 
 
 class _GpuKernels(TorchFunctionMode):
@@ -464,7 +472,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         transient_tensors={"fwd": fwd.transient, "bwd": full.transient, "igrad": igrad.transient,
                            "wgrad": wgrad.transient},
         allocations={"fwd": fwd.allocations, "bwd": full.allocations, "igrad": igrad.allocations,
-                     "wgrad": wgrad.allocations})
+                     "wgrad": wgrad.allocations},
+        saved_allocations=fwd.live.alive(saved))
     return count, out.detach()
 
 
