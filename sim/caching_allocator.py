@@ -24,7 +24,7 @@ expandable segments off (the default) and no garbage-collection threshold:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from ..units import MIB
@@ -130,14 +130,18 @@ class CachingAllocator:
                         block.after.before = block
         self._cache(block)
 
-    def replay(self, allocations: Iterable[tuple[int, int]], stream: int = 0) -> dict[int, int]:
+    def replay(self, allocations: Iterable[tuple[int, int]], stream: int = 0, held: Set[int] = frozenset(),
+               skipped: Set[int] = frozenset()) -> dict[int, int]:
         """Allocate and free on `stream` as a pass did (its storages' numbers and bytes, negative where freed, as
-        `LayerCount.allocations` without the shapes); the addresses of the storages it left live, by number."""
+        `LayerCount.allocations` without the shapes), but never free those `held` nor make those `skipped`; the
+        addresses of the storages it left live, by number."""
         live: dict[int, int] = {}
         for number, nbytes in allocations:
+            if number in skipped:
+                continue
             if nbytes >= 0:
                 live[number] = self.malloc(nbytes, stream)
-            else:
+            elif number not in held:
                 self.free(live.pop(number))
         return live
 
@@ -198,29 +202,63 @@ class CachingAllocator:
 PassAllocations = Sequence[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class LayerAllocations:
+    """One layer's passes on one rank by pass of `PASSES`; `saved`: the forward's storages autograd saves (the rest
+    it leaves live is its output). `kept`: under a recomputation, what the forward keeps for the backward (a
+    policy's choice, held even where the pass freed it): the rest of what autograd saves goes as the forward
+    ends, and the backward first reruns every op whose output was not kept (torch's checkpoint, Megatron-LM's
+    recomputation), holding what that saves until the layer's backward is done. None: no recomputation."""
+
+    passes: Mapping[str, PassAllocations]
+    saved: frozenset[int] = frozenset()
+    kept: frozenset[int] | None = None
+
+
 def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, int]],
-                  layers: Mapping[int, Sequence[Mapping[str, PassAllocations]]],
+                  layers: Mapping[int, Sequence[LayerAllocations]],
                   capacity_bytes: int | None = None) -> CachingAllocator:
     """One device's step through the caching allocator: its state (`static_bytes`, a block each: weights,
     gradients, optimizer state) allocated first and held, then its `rows` in the order they run, each (pass of
-    `PASSES`, stage, micro-batch) with `layers[stage]` the stage's layers' allocations per pass. A forward runs
-    its layers in order and each keeps what its pass leaves live (what it saves, its output) until that layer's
-    full or weight backward; a backward runs them reversed, each freeing what its own pass leaves live (the
-    gradients, which the runtime accumulates into the state's or hands to the layer before) once that layer is
-    done. The allocator as it ends: its peak reserved and allocated bytes (an AllocatorOutOfMemory where the
-    step does not fit in `capacity_bytes` even with the cache released)."""
+    `PASSES`, stage, micro-batch) with `layers[stage]` the stage's layers. A forward runs its layers in order,
+    each keeping what it leaves live (`LayerAllocations.kept` under a recomputation) until its full or weight
+    backward; a backward runs them reversed, each recomputing first where its forward did not keep all, and
+    freeing what its own pass leaves live (the gradients, which the runtime accumulates into the state's or
+    hands to the layer before) once the layer is done. The allocator as it ends: its peak reserved and
+    allocated bytes (an AllocatorOutOfMemory where the step does not fit in `capacity_bytes` even with the
+    cache released)."""
     allocator = CachingAllocator(capacity_bytes=capacity_bytes)
     for nbytes in static_bytes:
         allocator.malloc(nbytes)
-    kept: dict[tuple[int, int, int], dict[int, int]] = {}  # by (stage, layer, micro-batch): the forward's live
+    held: dict[tuple[int, int, int], list[int]] = {}  # by (stage, layer, micro-batch): what its backward frees
     for name, stage, microbatch in rows:
         order = range(len(layers[stage])) if name == "fwd" else reversed(range(len(layers[stage])))
-        for layer in order:
-            left = allocator.replay(layers[stage][layer].get(name, ()))
+        for index in order:
+            layer, key = layers[stage][index], (stage, index, microbatch)
             if name == "fwd":
-                kept[stage, layer, microbatch] = left
+                held[key] = _forward(allocator, layer)
                 continue
-            freed = [*left.values(), *(kept.pop((stage, layer, microbatch)).values() if name != "igrad" else ())]
-            for address in freed:
+            if name != "wgrad" and layer.kept is not None:
+                held[key] += _recomputed(allocator, layer)
+            done = allocator.replay(layer.passes.get(name, ()))
+            for address in [*done.values(), *(held.pop(key) if name != "igrad" else ())]:
                 allocator.free(address)
     return allocator
+
+
+def _forward(allocator: CachingAllocator, layer: LayerAllocations) -> list[int]:
+    """A layer's forward replayed: the addresses it holds for its backward."""
+    live = allocator.replay(layer.passes.get("fwd", ()), held=layer.kept or frozenset())
+    if layer.kept is not None:
+        for number in (layer.saved - layer.kept) & live.keys():  # dropped: the backward makes them again
+            allocator.free(live.pop(number))
+    return list(live.values())
+
+
+def _recomputed(allocator: CachingAllocator, layer: LayerAllocations) -> list[int]:
+    """A recomputation before a layer's backward: the forward's ops again but those whose output it kept; what
+    autograd saves held for the backward, the output made again freed (the next layer has its own)."""
+    live = allocator.replay(layer.passes.get("fwd", ()), skipped=layer.kept or frozenset())
+    for number in live.keys() - layer.saved:
+        allocator.free(live.pop(number))
+    return list(live.values())

@@ -5,6 +5,7 @@ import pytest
 from pipesim.sim.caching_allocator import (
     AllocatorOutOfMemory,
     CachingAllocator,
+    LayerAllocations,
     replay_device,
     round_request,
     segment_bytes,
@@ -176,8 +177,8 @@ def test_a_devices_rows_keep_each_forwards_tensors_until_its_backward():
     gradient. F0 reserves 30 + 12; F1 30 more (the cached 12 MiB block holds its transient, not its 30); B0's 20
     MiB a new segment (the 12 MiB block is too small, F0's 30 is still held), its gradient split from the 12 MiB
     block; B1 reuses the cached 20. Allocated at most 30 + 30 + 20 (in B0), reserved 92."""
-    layers = {0: [{"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB)],
-                   "bwd": [(0, 20 * MIB), (0, -20 * MIB), (1, 4 * MIB)]}]}
+    layers = {0: [LayerAllocations({"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB)],
+                                    "bwd": [(0, 20 * MIB), (0, -20 * MIB), (1, 4 * MIB)]})]}
     rows = [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)]
     allocator = replay_device([], rows, layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes) == (92 * MIB, 80 * MIB)
@@ -187,7 +188,7 @@ def test_a_devices_rows_keep_each_forwards_tensors_until_its_backward():
 def test_a_split_backward_frees_the_forwards_tensors_after_the_weight_pass():
     """The input pass's 10 MiB gradient goes as it ends; the forward's 30 MiB stay through the weight pass, whose
     20 MiB then need a segment of their own: 30 + 10 + 20 reserved (40, were the 30 freed after the input pass)."""
-    layers = {0: [{"fwd": [(0, 30 * MIB)], "igrad": [(0, 10 * MIB)], "wgrad": [(0, 20 * MIB)]}]}
+    layers = {0: [LayerAllocations({"fwd": [(0, 30 * MIB)], "igrad": [(0, 10 * MIB)], "wgrad": [(0, 20 * MIB)]})]}
     allocator = replay_device([], [("fwd", 0, 0), ("igrad", 0, 0), ("wgrad", 0, 0)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         60 * MIB, 50 * MIB, 0)
@@ -198,17 +199,44 @@ def test_a_device_runs_its_stages_layers_in_order_and_reversed():
     frees 12, `second` keeps 16 and its backward 14. Stage 1's backward runs its layers reversed: `first` while
     all four forwards' tensors are held (92 + 12 MiB), then `second`, whose 14 MiB take the 30 MiB block `first`
     freed. Run in forward order it would be 92 + 14."""
-    first = {"fwd": [(0, 30 * MIB)], "bwd": [(0, 12 * MIB), (0, -12 * MIB)]}
-    second = {"fwd": [(0, 16 * MIB)], "bwd": [(0, 14 * MIB), (0, -14 * MIB)]}
+    first = LayerAllocations({"fwd": [(0, 30 * MIB)], "bwd": [(0, 12 * MIB), (0, -12 * MIB)]})
+    second = LayerAllocations({"fwd": [(0, 16 * MIB)], "bwd": [(0, 14 * MIB), (0, -14 * MIB)]})
     layers = {0: [first, second], 1: [second, first]}
     allocator = replay_device([], [("fwd", 0, 0), ("fwd", 1, 0), ("bwd", 1, 0), ("bwd", 0, 0)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         104 * MIB, 104 * MIB, 0)
 
 
+# A forward that saves 30 MiB (0), makes and frees 12 (1) and outputs 16 (2); its backward makes and frees 20.
+RECOMPUTED = {"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB), (2, 16 * MIB)],
+              "bwd": [(0, 20 * MIB), (0, -20 * MIB)]}
+
+
+def test_a_full_recomputation_drops_what_the_forward_saves_and_remakes_it_in_the_backward():
+    """Nothing kept: each forward holds only its 16 MiB output, its 30 MiB going as it ends (F1 reuses F0's 30 and
+    12 MiB blocks, its output a new 16). B0 reruns the forward (30 and 12 from the cache, its output again a new
+    16, freed at once), then its 20 MiB need a segment of their own: 30 + 12 + 3 x 16 + 20 reserved, at most
+    16 + 16 + 30 + 20 allocated."""
+    layers = {0: [LayerAllocations(RECOMPUTED, saved=frozenset({0}), kept=frozenset())]}
+    allocator = replay_device([], [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)], layers)
+    assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
+        110 * MIB, 82 * MIB, 0)
+
+
+def test_a_policy_keeps_what_it_saves_even_where_the_forward_freed_it():
+    """Keeping the 12 MiB (an op's output the policy saves though autograd does not): the forward holds it and
+    its output, its 30 MiB go; the backward's rerun makes only the 30 and the output again (a new 16, freed), then
+    its 20: reserved 30 + 12 + 16 + 16 + 20, at most 12 + 16 + 30 + 20 allocated."""
+    layers = {0: [LayerAllocations(RECOMPUTED, saved=frozenset({0}), kept=frozenset({1}))]}
+    allocator = replay_device([], [("fwd", 0, 0), ("bwd", 0, 0)], layers)
+    assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
+        94 * MIB, 78 * MIB, 0)
+
+
 def test_a_device_that_does_not_fit_even_with_its_cache_released():
     with pytest.raises(AllocatorOutOfMemory):
-        replay_device([50 * MIB], [("fwd", 0, 0)], {0: [{"fwd": [(0, 20 * MIB)]}]}, capacity_bytes=60 * MIB)
+        replay_device([50 * MIB], [("fwd", 0, 0)], {0: [LayerAllocations({"fwd": [(0, 20 * MIB)]})]},
+                      capacity_bytes=60 * MIB)
 
 
 def test_an_estimate_replays_the_counts_allocations_as_one_tensor_parallel_rank_makes_them():
