@@ -131,13 +131,13 @@ class CachingAllocator:
         self._cache(block)
 
     def replay(self, allocations: Iterable[tuple[int, int]], stream: int = 0, held: Set[int] = frozenset(),
-               skipped: Set[int] = frozenset()) -> dict[int, int]:
+               only: Set[int] | None = None) -> dict[int, int]:
         """Allocate and free on `stream` as a pass did (its storages' numbers and bytes, negative where freed, as
-        `LayerCount.allocations` without the shapes), but never free those `held` nor make those `skipped`; the
-        addresses of the storages it left live, by number."""
+        `LayerCount.allocations` without the shapes), but never free those `held`, and with `only`, make those
+        alone; the addresses of the storages it left live, by number."""
         live: dict[int, int] = {}
         for number, nbytes in allocations:
-            if number in skipped:
+            if only is not None and number not in only:
                 continue
             if nbytes >= 0:
                 live[number] = self.malloc(nbytes, stream)
@@ -205,14 +205,16 @@ PassAllocations = Sequence[tuple[int, int]]
 @dataclass(frozen=True)
 class LayerAllocations:
     """One layer's passes on one rank by pass of `PASSES`; `saved`: the forward's storages autograd saves (the rest
-    it leaves live is its output). `kept`: under a recomputation, what the forward keeps for the backward (a
-    policy's choice, held even where the pass freed it): the rest of what autograd saves goes as the forward
-    ends, and the backward first reruns every op whose output was not kept (torch's checkpoint, Megatron-LM's
-    recomputation), holding what that saves until the layer's backward is done. None: no recomputation."""
+    it leaves live is its output). Under a recomputation, `rerun`: the forward's storages its backward makes
+    again first (torch's checkpoint: all but what its policy keeps; Megatron-LM's selective: the attention
+    core's), holding what of them autograd saves until the layer's backward is done; the forward drops those as
+    it ends. `kept`: what a policy holds for the backward even where the forward freed it (torchtitan's op
+    policy keeps every second product's output). None: no recomputation."""
 
     passes: Mapping[str, PassAllocations]
     saved: frozenset[int] = frozenset()
-    kept: frozenset[int] | None = None
+    rerun: frozenset[int] | None = None
+    kept: frozenset[int] = frozenset()
 
 
 def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, int]],
@@ -221,8 +223,8 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, in
     """One device's step through the caching allocator: its state (`static_bytes`, a block each: weights,
     gradients, optimizer state) allocated first and held, then its `rows` in the order they run, each (pass of
     `PASSES`, stage, micro-batch) with `layers[stage]` the stage's layers. A forward runs its layers in order,
-    each keeping what it leaves live (`LayerAllocations.kept` under a recomputation) until its full or weight
-    backward; a backward runs them reversed, each recomputing first where its forward did not keep all, and
+    each keeping what it leaves live but what its backward reruns (`LayerAllocations`) until its full or weight
+    backward; a backward runs them reversed, each rerunning first what its forward did not keep, and
     freeing what its own pass leaves live (the gradients, which the runtime accumulates into the state's or
     hands to the layer before) once the layer is done. The allocator as it ends: its peak reserved and
     allocated bytes (an AllocatorOutOfMemory where the step does not fit in `capacity_bytes` even with the
@@ -238,7 +240,7 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, in
             if name == "fwd":
                 held[key] = _forward(allocator, layer)
                 continue
-            if name != "wgrad" and layer.kept is not None:
+            if name != "wgrad" and layer.rerun is not None:
                 held[key] += _recomputed(allocator, layer)
             done = allocator.replay(layer.passes.get(name, ()))
             for address in [*done.values(), *(held.pop(key) if name != "igrad" else ())]:
@@ -248,17 +250,16 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, in
 
 def _forward(allocator: CachingAllocator, layer: LayerAllocations) -> list[int]:
     """A layer's forward replayed: the addresses it holds for its backward."""
-    live = allocator.replay(layer.passes.get("fwd", ()), held=layer.kept or frozenset())
-    if layer.kept is not None:
-        for number in (layer.saved - layer.kept) & live.keys():  # dropped: the backward makes them again
-            allocator.free(live.pop(number))
+    live = allocator.replay(layer.passes.get("fwd", ()), held=layer.kept)
+    for number in (layer.saved & (layer.rerun or frozenset())) & live.keys():  # the backward makes them again
+        allocator.free(live.pop(number))
     return list(live.values())
 
 
 def _recomputed(allocator: CachingAllocator, layer: LayerAllocations) -> list[int]:
-    """A recomputation before a layer's backward: the forward's ops again but those whose output it kept; what
-    autograd saves held for the backward, the output made again freed (the next layer has its own)."""
-    live = allocator.replay(layer.passes.get("fwd", ()), skipped=layer.kept or frozenset())
+    """A recomputation before a layer's backward: the forward's `rerun` storages made again, what autograd saves
+    of them held for the backward, the rest freed (the output made again: the next layer has its own)."""
+    live = allocator.replay(layer.passes.get("fwd", ()), only=layer.rerun)
     for number in live.keys() - layer.saved:
         allocator.free(live.pop(number))
     return list(live.values())

@@ -217,7 +217,7 @@ def test_a_full_recomputation_drops_what_the_forward_saves_and_remakes_it_in_the
     12 MiB blocks, its output a new 16). B0 reruns the forward (30 and 12 from the cache, its output again a new
     16, freed at once), then its 20 MiB need a segment of their own: 30 + 12 + 3 x 16 + 20 reserved, at most
     16 + 16 + 30 + 20 allocated."""
-    layers = {0: [LayerAllocations(RECOMPUTED, saved=frozenset({0}), kept=frozenset())]}
+    layers = {0: [LayerAllocations(RECOMPUTED, saved=frozenset({0}), rerun=frozenset({0, 1, 2}))]}
     allocator = replay_device([], [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         110 * MIB, 82 * MIB, 0)
@@ -227,10 +227,21 @@ def test_a_policy_keeps_what_it_saves_even_where_the_forward_freed_it():
     """Keeping the 12 MiB (an op's output the policy saves though autograd does not): the forward holds it and
     its output, its 30 MiB go; the backward's rerun makes only the 30 and the output again (a new 16, freed), then
     its 20: reserved 30 + 12 + 16 + 16 + 20, at most 12 + 16 + 30 + 20 allocated."""
-    layers = {0: [LayerAllocations(RECOMPUTED, saved=frozenset({0}), kept=frozenset({1}))]}
+    layers = {0: [LayerAllocations(RECOMPUTED, saved=frozenset({0}), rerun=frozenset({0, 2}), kept=frozenset({1}))]}
     allocator = replay_device([], [("fwd", 0, 0), ("bwd", 0, 0)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         94 * MIB, 78 * MIB, 0)
+
+
+def test_a_selective_recomputation_reruns_only_its_part_of_the_forward():
+    """Megatron-LM's selective recomputation as a rerun of the 12 MiB its forward also saves (the attention core):
+    each forward holds 30 + 16, F1 takes F0's freed 12 MiB block for its own; each backward makes the 12 again
+    beside its 20: 2 x (30 + 16) + 12 + 20 at most, where keeping the 12 would hold 2 x 58 + 20."""
+    passes = {"fwd": [(0, 30 * MIB), (1, 12 * MIB), (2, 16 * MIB)], "bwd": [(0, 20 * MIB), (0, -20 * MIB)]}
+    layers = {0: [LayerAllocations(passes, saved=frozenset({0, 1}), rerun=frozenset({1}))]}
+    allocator = replay_device([], [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)], layers)
+    assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
+        124 * MIB, 124 * MIB, 0)
 
 
 def test_a_device_that_does_not_fit_even_with_its_cache_released():
