@@ -8,7 +8,8 @@ config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine
 (`--precision megatron-16bit-grads`: every Qwen3 recipe sets grad_reduce_in_fp32 False, perf_recipes/_common.py's
 _perf_precision and _benchmark_common at 067f987df0, scripts/performance/configs/qwen*/qwen3_llm_pretrain.py
 before, and Megatron-core's gradient buffer takes the parameters' dtype then, param_and_grad_buffer.py
-group_params_for_buffers), the ranks in Megatron-core's order (`--rank-order megatron`: tp-cp-ep-dp-pp,
+group_params_for_buffers) and the routed experts' SwiGLU fused (`--expert-swiglu-fusion`, the default: the
+recipes' bias_activation_fusion True), the ranks in Megatron-core's order (`--rank-order megatron`: tp-cp-ep-dp-pp,
 megatron/core/parallel_state.py's default, which Megatron-Bridge keeps unless `use_tp_pp_dp_mapping`, default False
 in its DistributedInitConfig), the routed experts over E ranks folded over the t·d of a stage with the recipe's
 expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B where the row has virtual stages, the layers cut

@@ -271,6 +271,11 @@ LossParallel = Annotated[bool, typer.Option(
     "--loss-parallel", help="With --gpu: the loss computed as torch's loss_parallel computes it (torchtitan's with "
                             "t > 1): logits split by vocabulary over the t GPUs, its fused backward holding one "
                             "more float32 tokens x vocabulary/t tensor than aten's cross entropy.")]
+ExpertSwigluFusion = Annotated[bool, typer.Option(
+    "--expert-swiglu-fusion/--no-expert-swiglu-fusion",
+    help="With --gpu: a gated expert's SwiGLU and the router's weights as one fused kernel keeping only its input "
+         "and the weights for the backward (Megatron-core's, under bias_activation_fusion: Megatron-LM's default); "
+         "--no-expert-swiglu-fusion: as the ops that compute them, each keeping what it saves.")]
 Recompute = Annotated[str | None, typer.Option(
     "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core), "
                                         "full (each layer's forward again in its backward) or op (torchtitan's "
@@ -292,6 +297,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
+                ("expert_swiglu_fusion", ExpertSwigluFusion, True),
                 ("context_parallel", ContextParallel, 1),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("token_dispatcher", TokenDispatcher, None), ("expert_tensor_parallel", ExpertTensorParallel, None),

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "expert_tensor_parallel", "rank_order", "loss_parallel",
-                 "tp_runtime")
+                 "tp_runtime", "expert_swiglu_fusion")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -99,6 +99,7 @@ class WhatIf:
     rank_order: str = "pipesim"  # --rank-order
     loss_parallel: bool = False  # --loss-parallel (workload/loss.py)
     tp_runtime: str = "megatron"  # --tp-runtime, of planning/estimate.py's TP_RUNTIMES
+    expert_swiglu_fusion: bool = True  # --expert-swiglu-fusion (workload/moe.py)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -123,7 +124,7 @@ class WhatIf:
                 fitted, how = stored, "stored by pipesim calibrate in"
             else:
                 counted = count_model_of(self.calibrated.model.name, dict(self.calibrated.model.options),
-                                         env.microbatch_size, env.dtype, "math", "--curve-from")
+                                         env.microbatch_size, env.dtype, "math", "--curve-from", swiglu_fusion=False)
                 fitted, how = fit_rates(self.calibrated, counted, *shape), "fitted to"
             return curve_for(fitted, peak * 1e9, self.gpu.memory_bandwidth_gb_s * 1e6, self.gpu.curve,
                              f"{how} {where}; {fit_errors(fitted)}")
@@ -239,7 +240,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
-                  params.get("loss_parallel", False), tp_runtime)
+                  params.get("loss_parallel", False), tp_runtime,
+                  expert_swiglu_fusion=params.get("expert_swiglu_fusion", True))
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
@@ -295,7 +297,7 @@ def fit_device_curve(profile: Profile, phase: Callable[[str], AbstractContextMan
     with phase("fitting the device's efficiency curve to the layers"):
         try:
             counted = count_model_of(profile.model.name, dict(profile.model.options), env.microbatch_size, env.dtype,
-                                     "math", "the fitted curve")
+                                     "math", "the fitted curve", swiglu_fusion=False)
             overhead_ms = kernel_overhead_ms(device, getattr(torch, env.dtype))
             return profile.model_copy(update={"fitted_curve": fit_rates(profile, counted, *shape, overhead_ms)})
         except (InputError, EstimateError, RuntimeError, NotImplementedError) as exc:  # the meta device's too
@@ -325,16 +327,18 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     host cache, keyed by everything it depends on (see `_count_cache`), so that only the first what-if of a shape
     pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import)."""
     return count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
-                          "--gpu (the model is counted by torch on the meta device)", what.loss_parallel)
+                          "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
+                          what.expert_swiglu_fusion)
 
 
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
-                   needer: str, loss_parallel: bool = False) -> WorkloadCount:
+                   needer: str, loss_parallel: bool = False, swiglu_fusion: bool = True) -> WorkloadCount:
     """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
-    count is kept."""
+    count is kept. `swiglu_fusion`: gated experts' SwiGLU as one fused kernel; a calibrated model ran its own torch
+    ops, unfused."""
     from dataclasses import replace
 
-    cache = _count_cache(model, options, microbatch_size, dtype, attention, loss_parallel)
+    cache = _count_cache(model, options, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion)
     if cache is not None:
         counted = _read_count(cache)
         if counted is not None:
@@ -349,7 +353,8 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
     if attention not in ATTENTION:
         raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
     try:
-        counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention, loss_parallel)
+        counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention, loss_parallel,
+                              swiglu_fusion)
     except ModelError as exc:
         raise InputError(str(exc)) from None
     if cache is not None:
@@ -358,7 +363,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
 
 
 def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
-                 loss_parallel: bool) -> Path | None:
+                 loss_parallel: bool, swiglu_fusion: bool) -> Path | None:
     """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype,
     attention and loss, the installed torch's version and the source of the code that builds and counts it (so that a
     change to either counts again); a Hugging Face config's by its content (`HfConfig.digest`) and transformers'
@@ -388,7 +393,7 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
         return None
     package = Path(__file__).resolve().parent.parent
     key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, loss_parallel,
-                                     *versions], sort_keys=True).encode())
+                                     swiglu_fusion, *versions], sort_keys=True).encode())
     for source in sources:
         key.update((package / source).read_bytes())
     return cache_dir() / "counts" / f"{key.hexdigest()[:32]}.json"

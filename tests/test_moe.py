@@ -13,7 +13,7 @@ import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
 from pipesim.workload.moe import expected_tokens, routed_experts
-from tests.conftest import pipesim
+from tests.conftest import pipesim, simulate_json
 from tests.test_hf import write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +27,8 @@ ROUTER_FLOPS = 2 * TOKENS * H * EXPERTS  # per micro-batch, forward (and again f
 
 
 @cache
-def gpt_count(**options) -> WorkloadCount:
-    return count_built("gpt", {**GPT, **options}, B, torch.bfloat16)
+def gpt_count(swiglu_fusion: bool = True, **options) -> WorkloadCount:
+    return count_built("gpt", {**GPT, **options}, B, torch.bfloat16, swiglu_fusion=swiglu_fusion)
 
 
 def block(counted: WorkloadCount):
@@ -87,25 +87,56 @@ def test_the_routed_experts_own_ops_are_marked_forward_and_backward():
     assert not any(op.routed for layer in gpt_count(ffn=FFN).layers for ops in layer.ops.values() for op in ops)
 
 
-def test_the_routed_experts_keep_what_megatron_cores_grouped_mlp_keeps():
-    """Per micro-batch, of its k·T token copies (bf16, 2 bytes): the gathered inputs and the scaled activation,
-    each kept by a grouped product as its input; the gate-up output, the activation's silu and its product (kept
-    for the router's weights' gradient) and the weights. The down product's output is not kept: the weights
-    scale the activation before it (TEGroupedMLP), and the scatter back keeps only its indices."""
-    layer = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
-    copies = TOKENS * TOP_K
-    kept = [(nbytes, how) for (shape, nbytes), how, part in zip(layer.saved_tensors, layer.linear_input_saves,
+def _experts_kept(layer) -> list[tuple[int, str]]:
+    """The routed experts' saved tensors (bytes, whether a product's input) of a counted block."""
+    return [(nbytes, how) for (shape, nbytes), how, part in zip(layer.saved_tensors, layer.linear_input_saves,
                                                                 layer.saved_parts)
             if part == "mlp" and shape[0] == EXPERTS]
-    assert kept == [(copies * H * 2, "only"), (copies * 2 * FFN * 2, ""), (copies * FFN * 2, ""), (copies * 2, ""),
-                    (copies * FFN * 2, ""), (copies * FFN * 2, "only")]
+
+
+def test_the_routed_experts_keep_what_megatron_cores_grouped_mlp_keeps():
+    """Per micro-batch, of its k·T token copies (bf16, 2 bytes): the gathered inputs and the scaled activation,
+    each kept by a grouped product as its input, the gate-up output and the router's weights; unfused, also the
+    activation's silu and its product (kept for the weights' gradient). The down product's output is not kept: the
+    weights scale the activation before it (TEGroupedMLP), and the scatter back keeps only its indices."""
+    copies = TOKENS * TOP_K
+    fused = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    assert _experts_kept(fused) == [(copies * H * 2, "only"), (copies * 2 * FFN * 2, ""), (copies * 2, ""),
+                                    (copies * FFN * 2, "only")]
+    unfused = block(gpt_count(False, experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    assert _experts_kept(unfused) == [(copies * H * 2, "only"), (copies * 2 * FFN * 2, ""), (copies * FFN * 2, ""),
+                                      (copies * 2, ""), (copies * FFN * 2, ""), (copies * FFN * 2, "only")]
+
+
+def test_the_fused_swiglu_is_counted_with_the_same_work_as_its_ops():
+    """Fused or not, every pass does the same counted work (the count prices ops, not fusions); only what the
+    forward keeps differs."""
+    fused = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    unfused = block(gpt_count(False, experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    for part in ("flops", "moved_bytes"):
+        assert [getattr(fused, f"{name}_{part}") for name in ("fwd", "igrad", "wgrad")] == [
+            getattr(unfused, f"{name}_{part}") for name in ("fwd", "igrad", "wgrad")]
+    assert fused.saved_bytes < unfused.saved_bytes
+
+
+def test_no_expert_swiglu_fusion_holds_the_activations_intermediates_until_the_backward():
+    """One micro-batch's forward holds, unfused, the silu and its product beside what the fused kernel keeps:
+    2 x k·T·f bf16 values more at the peak; the flag reads only the estimate, refused in one line without --gpu."""
+    shape = ("--model", "gpt", "--layers", 1, "--width", H, "--heads", 4, "--seq-len", S, "--vocab", 100, "--gated",
+             "--experts", EXPERTS, "--top-k", TOP_K, "--expert-ffn", FFN, "-b", B)
+    run = ("--gpu", "h100-sxm", *shape, "-p", 1, "-m", 1, "-s", "1f1b")
+    (fused,), (unfused,) = simulate_json(*run), simulate_json(*run, "--no-expert-swiglu-fusion")
+    held = [result["devices"][0]["peak_memory_parts_mb"]["activations"] * 2**20 for result in (fused, unfused)]
+    assert held[1] - held[0] == pytest.approx(2 * TOKENS * TOP_K * FFN * 2)
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "--no-expert-swiglu-fusion")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "only --gpu's estimate reads it" in err
 
 
 def test_under_te_the_grouped_products_keep_their_inputs_in_float8():
     """TransformerEngine's GroupedLinear keeps its inputs' float8 copies (1 byte) for the weight gradient."""
     from pipesim.planning.fp8 import FP8_RECIPES, in_float8
 
-    layer = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    layer = block(gpt_count(False, experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
     copies = TOKENS * TOP_K
     float8 = in_float8(layer, FP8_RECIPES["te"], 2)
     routed = [nbytes for (shape, nbytes), how, part in zip(float8.saved_tensors, layer.linear_input_saves,

@@ -45,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .loss import vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, _classify
-from .moe import Dispatched, dispatches
+from .moe import Dispatched, dispatches, expert_swiglu_fusion
 from .optim import OPTIMIZERS, make_optimizer
 
 __all__ = ["ATTENTION", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
@@ -393,11 +393,12 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
 
 
 def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math",
-                loss_parallel: bool = False) -> WorkloadCount:
+                loss_parallel: bool = False, swiglu_fusion: bool = True) -> WorkloadCount:
     """Count `model` for a micro-batch of `microbatch_size` samples in `dtype`. Its layers are moved to the meta
     device (their values are lost): build it there (`with torch.device("meta")`, as `count_built` does). Layers
     alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one. `loss_parallel`: its cross entropy
-    computed as torch's loss_parallel computes it (workload/loss.py)."""
+    computed as torch's loss_parallel computes it (workload/loss.py). `swiglu_fusion`: a gated expert's activation
+    scaled by the router's weights counted as one fused kernel (`workload.moe.expert_swiglu_fusion`)."""
     if loss_parallel:
         if model.loss is not _classify:
             raise ModelError(f"--loss-parallel: model {model.name!r} has a loss of its own, not the cross entropy "
@@ -411,7 +412,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     alike: dict[tuple, tuple[LayerCount, torch.Tensor]] = {}
     steps: dict[tuple, tuple[int, int]] = {}  # (optimizer, weight shapes) -> (state bytes, moved bytes)
     counted = []
-    with _attention(attention) as kernels:
+    with _attention(attention) as kernels, expert_swiglu_fusion(swiglu_fusion):
         for i, layer in enumerate(model.layers):
             layer.to(device=META, dtype=dtype).train()
             inputs = [outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point())
@@ -501,10 +502,10 @@ def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch
 
 
 def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
-                attention: str = "math", loss_parallel: bool = False) -> WorkloadCount:
+                attention: str = "math", loss_parallel: bool = False, swiglu_fusion: bool = True) -> WorkloadCount:
     """Build model `name` (built-in or package.module:attribute, with `options`) on the meta device and count it."""
     from .models import build_model
 
     with META:
         model = build_model(name, **options)
-    return count_model(model, microbatch_size, dtype, attention, loss_parallel)
+    return count_model(model, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion)

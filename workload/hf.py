@@ -47,7 +47,7 @@ def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torc
     if not experts.is_transposed:  # stored (E, out, in), as nn.Linear's weights
         up, down = up.transpose(1, 2), down.transpose(1, 2)
     activation = experts._apply_gate if experts.has_gate else experts.act_fn
-    return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation)
+    return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation, gated=experts.has_gate)
 
 
 class DecoderLayer(nn.Module):

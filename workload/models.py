@@ -210,7 +210,8 @@ class _ExpertsMLP(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         activation = _swiglu if self.gated else F.gelu
         if self.exchange is None:
-            routed = routed_experts(flat, index, weights, self.up, self.down, activation, self.capacity_factor)
+            routed = routed_experts(flat, index, weights, self.up, self.down, activation, self.capacity_factor,
+                                    self.gated)
         else:
             routed = exchanged_experts(flat, index, weights, self.up, self.down, activation, self.exchange,
                                        self.capacity_factor)

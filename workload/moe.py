@@ -17,6 +17,12 @@ expert's activation before its down product (`intermediate_parallel * permuted_p
 down product's output is not kept; the scatter back keeps its indices only (as scatter_add_ does, or
 TransformerEngine's fused unpermute under `moe_permute_fusion`); each grouped product keeps its input
 (workload/count.py counts it as a linear layer's, which a float8 recipe keeps in float8: planning/fp8.py).
+
+Inside `expert_swiglu_fusion(True)` (the count's default) a gated expert's activation and the weights' scaling are
+one kernel that keeps only its input and the weights, as Megatron-core's `weighted_bias_swiglu_impl` under
+`bias_activation_fusion` (fusions/fused_bias_swiglu.py; Megatron-LM's default, which its --no-bias-swiglu-fusion
+turns off, and every Megatron-Bridge MoE recipe's setting); its work is counted as the ops that compute it, as
+the count's other ops are. Off the meta device the experts run as torch ops.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class Dispatched:
 
 
 _recording: list[Dispatched] = []  # the records open, innermost last
+_fusing: list[bool] = []  # `expert_swiglu_fusion`'s settings open, innermost last
 
 
 @contextmanager
@@ -76,6 +83,39 @@ def dispatches() -> Iterator[Dispatched]:
         yield record
     finally:
         _recording.remove(record)
+
+
+@contextmanager
+def expert_swiglu_fusion(on: bool) -> Iterator[None]:
+    """Count a gated expert's activation scaled by the router's weights as one fused kernel (`on`) or as the ops
+    that compute it, on the meta device inside."""
+    _fusing.append(on)
+    try:
+        yield
+    finally:
+        _fusing.pop()
+
+
+class _WeightedSwiglu(torch.autograd.Function):
+    """`activation(inner) * weights` as one kernel on the meta device: autograd keeps its input and the weights
+    only (Megatron-core's WeightedSwiGLUFunction). Its work is counted as the ops that compute it, forward and
+    backward, as every op of the count is (their graph is kept aside, its saved tensors out of the count's: meta
+    tensors hold no memory)."""
+
+    @staticmethod
+    def forward(ctx: Any, inner: torch.Tensor, weights: torch.Tensor,
+                activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(inner, weights)  # what the kernel keeps
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            ctx.leaves = inner.detach().requires_grad_(), weights.detach().requires_grad_()
+            active = activation(ctx.leaves[0])
+            _experts_own(active)
+            ctx.out = active * ctx.leaves[1]
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return (*torch.autograd.grad(ctx.out, ctx.leaves, grad, retain_graph=True), None)  # the count's passes
 
 
 def _experts_own(*tensors: torch.Tensor) -> None:
@@ -99,11 +139,11 @@ def capacity(tokens: int, top_k: int, experts: int, capacity_factor: float | Non
 
 def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    up: torch.Tensor, down: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
-                   capacity_factor: float | None = None) -> torch.Tensor:
+                   capacity_factor: float | None = None, gated: bool = False) -> torch.Tensor:
     """The experts' weighted outputs summed per token, for `hidden` (T, d) routed as `top_k_index` and
     `top_k_weights` (T, k) say. `up` (E, d, u) and `down` (E, f, d) are every expert's two products, `activation`
-    what runs between them (SwiGLU's silu(gate)·up halves u = 2f). On the meta device every expert takes its
-    expected share (`expected_tokens`)."""
+    what runs between them (SwiGLU's silu(gate)·up halves u = 2f, `gated`). On the meta device every expert takes
+    its expected share (`expected_tokens`)."""
     tokens, width = hidden.shape
     experts, top_k = up.shape[0], top_k_index.shape[-1]
     out = torch.zeros_like(hidden)
@@ -120,9 +160,13 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         _experts_own(routed, up, down)  # what the experts' products read: their own ops read these
         inner = torch.bmm(routed, up)
         _experts_own(inner)
-        active = activation(inner)
-        _experts_own(active)
-        weighted = active * weights.to(hidden.dtype)  # scaled before the down product, as Megatron-core
+        scale = weights.to(hidden.dtype)  # the activation scaled before the down product, as Megatron-core
+        if gated and _fusing and _fusing[-1]:
+            weighted = _WeightedSwiglu.apply(inner, scale, activation)
+        else:
+            active = activation(inner)
+            _experts_own(active)
+            weighted = active * scale
         _experts_own(weighted)
         done = torch.bmm(weighted, down).view(experts * each, width)
         return out.index_put((token,), done, accumulate=True)  # autograd keeps the index only
