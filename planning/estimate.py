@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import platform
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,7 @@ from ..profiles.schema import (
     layer_costs,
 )
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
+from ..sim.caching_allocator import LayerAllocations
 from ..sim.costs import PRECISIONS, Precision
 from .experts import ALL_TO_ALLS, ExpertGroup, ExpertParallelError, expert_group, held_share
 from .fp8 import FP8_BYTES, FP8_RECIPES, attends, float8_weight_bytes, in_float8, step_cast_ops
@@ -373,9 +374,7 @@ class LayerEstimate:
     transient_bytes: dict[str, int]  # per pass of `PASSES`, what it creates and frees within itself at its peak
     ring_fwd: RingExchange | None = None  # the context ring's exchanges during a forward (None: C = 1)
     ring_bwd: RingExchange | None = None  # during a backward (B or I), a recomputed forward's with them
-    # per pass of `PASSES`, its storages' numbers and bytes on the rank in order, negative where freed
-    # (`_rank_allocations`), which the caching allocator replays
-    allocations: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    allocations: LayerAllocations | None = None  # what the caching allocator replays (`_rank_allocations`)
 
 
 @dataclass(frozen=True)
@@ -617,7 +616,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
                          whole_parts(parts, total), _transient_bytes(layer, split, saved_unless_rerun / c - total),
-                         *rings, allocations=_rank_allocations(layer, split))
+                         *rings, allocations=_rank_allocations(layer, split, parallel.recompute, transformer))
 
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dict[str, int]:
@@ -637,11 +636,26 @@ def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split) -> float:
     return (nbytes if whole or split.t == 1 else nbytes / split.t) / split.context
 
 
-def _rank_allocations(layer: LayerCount, split: _Split) -> dict[str, tuple[tuple[int, int], ...]]:
-    """Per pass, the count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them
-    (`_on_rank`): what the caching allocator replays (sim/caching_allocator.py)."""
-    return {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events)
-            for name, events in layer.allocations.items()}
+def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, transformer: bool) -> LayerAllocations:
+    """The count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them (`_on_rank`), with
+    what `recompute` has the backward make again: a transformer layer's whole forward under full recomputation,
+    and under torchtitan's op policy all but what it keeps, every second product's output and the fused
+    attention's (`_op_policy`); the attention core (s x s tensors) under Megatron-LM's selective. What the
+    caching allocator replays (sim/caching_allocator.py)."""
+    passes = {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events)
+              for name, events in layer.allocations.items()}
+    made = [(number, shape, op) for number, shape, nbytes, op in layer.allocations.get("fwd", ()) if nbytes >= 0]
+    kinds = {op.op: op.kind for op in layer.ops.get("fwd", ())}
+    kept: frozenset[int] = frozenset()
+    rerun: frozenset[int] | None = None
+    if recompute == "selective":
+        rerun = frozenset(number for number, shape, _ in made if split.core(shape))
+    elif recompute in ("full", "op") and transformer:
+        if recompute == "op":
+            products = [number for number, _, op in made if kinds.get(op) == "matmul"]
+            kept = frozenset(products[::2]) | {number for number, _, op in made if kinds.get(op) == "attention"}
+        rerun = frozenset(number for number, _, _ in made) - kept
+    return LayerAllocations(passes, frozenset(layer.saved_allocations), rerun, kept)
 
 
 def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Parallelism) -> tuple[float, float]:

@@ -261,7 +261,7 @@ def test_an_estimate_replays_the_counts_allocations_as_one_tensor_parallel_rank_
     counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 32, "vocab": 1000}, 2,
                           torch.bfloat16)
     block = counted.layers[1]
-    ranked = _rank_allocations(block, _Split.of(block, Parallelism(tensor=2)))
+    ranked = _rank_allocations(block, _Split.of(block, Parallelism(tensor=2)), "none", True).passes
     for name, events in block.allocations.items():
         on_rank = dict(zip(((number, nbytes > 0) for number, _, nbytes, _ in events), ranked[name], strict=True))
         by_shape = {shape: abs(on_rank[number, nbytes > 0][1]) for number, shape, nbytes, _ in events}
@@ -291,3 +291,32 @@ def test_the_count_says_which_of_a_forwards_storages_autograd_saves_and_what_mad
     made_by = {op for number, shape, _, op in counted.layers[-1].allocations["fwd"]
                if number in counted.layers[-1].saved_allocations and shape == (b * s, 8192)}
     assert made_by == {"_log_softmax"}
+
+
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_what_each_recomputation_has_a_blocks_backward_make_again(attention):
+    """A GPT block's forward under each policy: none reruns nothing; full reruns every storage it made; torchtitan's
+    op policy keeps the 1st, 3rd, ... product's output and the fused attention's, rerunning the rest; Megatron-LM's
+    selective reruns the s x s tensors of the attention core (math attention; flash has none). Replayed over two
+    micro-batches, each recomputation holds less at its peak than none."""
+    torch = pytest.importorskip("torch")
+    from pipesim.planning.estimate import Parallelism, _rank_allocations, _Split
+    from pipesim.workload.count import count_built
+
+    counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 128, "vocab": 1000}, 2,
+                          torch.bfloat16, attention)
+    block = counted.layers[1]
+    split = _Split.of(block, Parallelism())
+    made = [(number, shape, op) for number, shape, nbytes, op in block.allocations["fwd"] if nbytes >= 0]
+    policy = {name: _rank_allocations(block, split, name, True) for name in ("none", "full", "op", "selective")}
+    assert policy["none"].rerun is None and policy["full"].rerun == {number for number, _, _ in made}
+    products = [number for number, _, op in made if op in ("mm", "addmm", "bmm")]
+    fused = {number for number, _, op in made if "attention" in op}
+    assert policy["op"].kept == set(products[::2]) | fused and policy["op"].rerun == policy["full"].rerun - \
+        policy["op"].kept
+    assert policy["selective"].rerun == {number for number, shape, _ in made if shape[-2:] == (128, 128)}
+    assert bool(policy["selective"].rerun) == (attention == "math") and bool(fused) == (attention == "flash")
+    rows = [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)]
+    peaks = {name: replay_device([], rows, {0: [layer] * 2}).peak_allocated_bytes for name, layer in policy.items()}
+    assert all(peaks[name] < peaks["none"] for name in ("full", "op")) and peaks["full"] < peaks["op"]
+    assert peaks["selective"] < peaks["none"] if attention == "math" else peaks["selective"] == peaks["none"]
