@@ -228,6 +228,12 @@ ContextParallel = Annotated[int, typer.Option(
                                                    "GPUs (2C chunks, causal load balance) whose attention passes keys "
                                                    "and values round a ring (torch's and Megatron's context "
                                                    "parallel); gradients reduced over C x d.")]
+CpRotate = Annotated[str | None, typer.Option(
+    "--cp-rotate", metavar="HOW", help="With --context-parallel: how the ring passes keys and values, by torch's "
+                                       "rotate_method: alltoall (a point-to-point ring, C - 1 transfers each under a "
+                                       "block: TransformerEngine's p2p, Megatron's and NeMo's; the default) or "
+                                       "allgather (torch's and torchtitan's default: one all-gather of every rank's "
+                                       "keys and values under the first block, held whole).")]
 ExpertParallel = Annotated[int, typer.Option(
     "--expert-parallel", metavar="E", min=1, help="With --gpu and a mixture of experts: its routed experts placed over "
                                                   "E of the d data-parallel replicas (E divides d and the experts), "
@@ -298,7 +304,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("expert_swiglu_fusion", ExpertSwigluFusion, True),
-                ("context_parallel", ContextParallel, 1),
+                ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("token_dispatcher", TokenDispatcher, None), ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None))

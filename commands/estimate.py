@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "expert_tensor_parallel", "rank_order", "loss_parallel",
-                 "tp_runtime", "expert_swiglu_fusion")
+                 "tp_runtime", "cp_rotate", "expert_swiglu_fusion")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -64,7 +64,7 @@ SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torcht
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
                   "hot_expert_share": "--hot-expert-share", "token_dispatcher": "--token-dispatcher",
-                  "tp_overlap": "--tp-overlap", "tp_runtime": "--tp-runtime",
+                  "tp_overlap": "--tp-overlap", "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
                   "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
                   "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
@@ -99,6 +99,7 @@ class WhatIf:
     rank_order: str = "pipesim"  # --rank-order
     loss_parallel: bool = False  # --loss-parallel (workload/loss.py)
     tp_runtime: str = "megatron"  # --tp-runtime, of planning/estimate.py's TP_RUNTIMES
+    cp_rotate: str = "alltoall"  # --cp-rotate, of planning/estimate.py's CP_ROTATES
     expert_swiglu_fusion: bool = True  # --expert-swiglu-fusion (workload/moe.py)
 
     @cached_property
@@ -154,7 +155,8 @@ class WhatIf:
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
                            hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap,
                            token_dispatcher=self.token_dispatcher, expert_tensor=self.expert_tensor,
-                           rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime)
+                           rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
+                           cp_rotate=self.cp_rotate)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -170,7 +172,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # its pydantic models: only where --gpu needs them
-    from ..planning.estimate import TP_RUNTIMES
+    from ..planning.estimate import CP_ROTATES, TP_RUNTIMES
     from ..planning.experts import DISPATCHERS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
@@ -197,6 +199,12 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
         raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
                          "too")
+    cp_rotate = params.get("cp_rotate") or "alltoall"
+    if cp_rotate not in CP_ROTATES:
+        raise InputError(f"--cp-rotate: choose from {', '.join(CP_ROTATES)} (got {cp_rotate!r})")
+    if params.get("cp_rotate") is not None and params.get("context_parallel", 1) == 1:
+        raise InputError("--cp-rotate sets how the context ring passes keys and values: give --context-parallel 2 "
+                         "or more")
     if params.get("context_parallel", 1) > 1 and params["attention"] != "flash":
         raise InputError("--context-parallel: ring attention runs on a fused attention kernel (torch's and "
                          "TransformerEngine's context parallel): give --attention flash")
@@ -240,7 +248,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
-                  params.get("loss_parallel", False), tp_runtime,
+                  params.get("loss_parallel", False), tp_runtime, cp_rotate,
                   expert_swiglu_fusion=params.get("expert_swiglu_fusion", True))
 
 

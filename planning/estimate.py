@@ -82,6 +82,10 @@ STEP_LATENCY_MS = {"nvlink": 0.0034, "xgmi": 0.0034, "pcie": 0.0057, "infiniband
 # Whose tensor-parallel layers run: Megatron-core's and TransformerEngine's (NeMo's) or torch's DTensor
 # `parallelize_module` (torchtitan's); they differ in what a sequence-parallel layer keeps for its backward.
 TP_RUNTIMES = ("megatron", "torch")
+# How the context ring passes keys and values, by torch's rotate_method names (`set_rotate_method`): alltoall, a
+# point-to-point ring (torch's `_AllToAllRotater`, and the transfers TransformerEngine's p2p ring makes, Megatron's
+# and NeMo's default) or allgather (torch's `_AllGatherRotater`, torch's and torchtitan's default): `ContextRing`.
+CP_ROTATES = ("alltoall", "allgather")
 
 
 class EstimateError(ValueError):
@@ -114,6 +118,7 @@ class Parallelism:
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
     tp_runtime: str = "megatron"  # whose tensor-parallel layers, of `TP_RUNTIMES` (`input_gather_ms`)
     loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
+    cp_rotate: str = "alltoall"  # how the context ring passes keys and values, of `CP_ROTATES` (`ContextRing`)
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
@@ -132,6 +137,8 @@ class Parallelism:
             raise EstimateError(f"fp8: choose a recipe from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
         if self.tp_runtime not in TP_RUNTIMES:
             raise EstimateError(f"tp_runtime: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
+        if self.cp_rotate not in CP_ROTATES:
+            raise EstimateError(f"cp_rotate: choose from {', '.join(CP_ROTATES)} (got {self.cp_rotate!r})")
         if self.tp_overlap and not self.sequence_parallel:
             raise EstimateError("tp_overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with "
                                 "the products (Megatron's and torch's): give sequence parallelism too")
@@ -406,10 +413,15 @@ class ContextRing:
     its block; the exchanges are the pass's RING_F or RING_B row (`schedules.passes.add_context_parallel`), priced
     here as their link time and how much of it the blocks cover (`exchange_ms`); the simulator runs what the blocks
     leave on the device's network stream, after the collectives issued before it. The blocks' merge (a few float32
-    elementwise passes over the output) is not counted."""
+    elementwise passes over the output) is not counted. `rotate` (of `CP_ROTATES`) is torch's rotate_method:
+    alltoall the ring above (`_AllToAllRotater`), allgather torch's default (`_AllGatherRotater`): the keys and
+    values of all C ranks gathered once, at the first step, under its block, the other steps sending none; the
+    backward gathers them so too, and its key and value gradients still go round the ring (its gradient rotater
+    is `_AllToAllRotater` whatever the option)."""
 
     ranks: int
     link: EstimateLink
+    rotate: str = "alltoall"
 
     @staticmethod
     def keys_values(op: OpCount) -> int:
@@ -422,8 +434,12 @@ class ContextRing:
         rank's (batch·heads, queries, keys, head size), its keys and values as many tokens as its queries, at their
         own heads: 1/`kv_group` of the queries' under grouped-query attention, at least one, as TransformerEngine's
         ring (`AttnFuncWithCPAndKVP2P`) and torch's pass the K and V the kernel takes), and those sent after the
-        last step."""
+        last step. Under allgather, the first step's is the all-gather, each rank receiving the other C - 1 ranks'
+        keys and values, and the backward's gradients go one a step after it."""
         keys_values = self.keys_values(op)
+        if self.rotate == "allgather":
+            gradients = keys_values * 4 if op.op.endswith("_backward") else 0
+            return [(self.ranks - 1) * keys_values * element_bytes] + [gradients] * (self.ranks - 1), gradients
         if not op.op.endswith("_backward"):
             return [keys_values * element_bytes] * (self.ranks - 1) + [0], 0
         gradients = keys_values * 4
@@ -445,6 +461,14 @@ class ContextRing:
     def transfer_ms(self, nbytes: int) -> float:
         return self.link.latency_ms + nbytes / self.link.bytes_per_ms
 
+    def step_link_ms(self, step: int, nbytes: int) -> float:
+        """The link time of a step's `nbytes`: one transfer, or under allgather the first step's all-gather, NCCL's
+        ring of C - 1 transfers (`all_gather_ms`)."""
+        if self.rotate == "allgather" and step == 0:
+            return all_gather_ms(nbytes * self.ranks / (self.ranks - 1), self.ranks, self.link.latency_ms,
+                                 self.link.bytes_per_ms)
+        return self.transfer_ms(nbytes)
+
     def blocks_ms(self, op: OpCount, device: Device) -> list[float]:
         """One call of the rank's attention `op` (its 1/C share, `_Split.context_share`) run as the ring's C
         blocks, each step at the pace of its busiest rank. The pairs are the work a causal kernel computes
@@ -464,8 +488,8 @@ class ContextRing:
         for both (the ring's next keys and values), so a block covers its own step's transfer up to its length,
         never another step's slack; the transfer after the last step runs under none."""
         steps, after = self.step_bytes(op, element_bytes)
-        sending = [(self.transfer_ms(nbytes), block_ms)
-                   for nbytes, block_ms in zip(steps, self.blocks_ms(op, device)) if nbytes]
+        sending = [(self.step_link_ms(step, nbytes), block_ms)
+                   for step, (nbytes, block_ms) in enumerate(zip(steps, self.blocks_ms(op, device))) if nbytes]
         link_ms = sum(transfer_ms for transfer_ms, _ in sending) + (self.transfer_ms(after) if after else 0.0)
         return link_ms, sum(min(transfer_ms, block_ms) for transfer_ms, block_ms in sending)
 
@@ -473,10 +497,17 @@ class ContextRing:
         """The ring's buffers one call holds at its busiest step (torch's `_AllToAllRotater`, the ring it
         sends on): the keys and values it computes with once they are received, the copy it sends and the one it
         receives (two of them with C = 2, whose last step sends nothing); in the backward also the key and value
-        gradients in float32: the sum it adds to, the copy it sends and the one it receives."""
+        gradients in float32: the sum it adds to, the copy it sends and the one it receives. Under allgather
+        (`_AllGatherRotater`) the keys and values are the gathered C copies and the one concatenated to send, and in
+        the backward with C > 2 also the next step's concatenation beside it (`_templated_ring_attention_backward`
+        concatenates one at every step but the last while the last one sent is still held)."""
         keys_values = self.keys_values(op)
-        kept = min(self.ranks, 3) * keys_values * element_bytes
-        return kept + (3 * keys_values * 4 if op.op.endswith("_backward") else 0)
+        backward = op.op.endswith("_backward")
+        if self.rotate == "allgather":
+            kept = (self.ranks + (2 if backward and self.ranks > 2 else 1)) * keys_values * element_bytes
+        else:
+            kept = min(self.ranks, 3) * keys_values * element_bytes
+        return kept + (3 * keys_values * 4 if backward else 0)
 
 
 def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
@@ -556,7 +587,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     t, c = parallel.tensor, parallel.context
     if c > 1 and context_link is None:
         raise EstimateError(f"context: {c} ranks need the ring's link")
-    ring = ContextRing(c, context_link) if c > 1 else None
+    ring = ContextRing(c, context_link, parallel.cp_rotate) if c > 1 else None
     # the backward gathers the input as the forward saved it: TransformerEngine keeps its float8 copy
     saved_input_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].saves_float8_inputs \
         and attends(layer) else element_bytes

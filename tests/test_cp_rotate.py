@@ -1,0 +1,127 @@
+"""--cp-rotate: how the context ring passes keys and values, by torch's rotate_method (planning/estimate.py
+`ContextRing.rotate`). The figures are written out by hand from torch's code
+(torch/distributed/tensor/experimental/_context_parallel/_attention.py): `_AllGatherRotater` all-gathers every
+rank's concatenated keys and values once, at the first step, into a C x buffer it keeps; the backward's key and
+value gradients go round the ring in float32 whatever the option (its dkv rotater is `_AllToAllRotater`)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import ContextRing, Device, EstimateError, Parallelism, estimate_profile
+from pipesim.profiles.schema import EstimateLink
+from pipesim.profiles.workload import OpCount
+from tests.conftest import pipesim, simulate_json
+
+H100 = load_catalogue().find("h100-sxm")
+DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                H100.curve)
+SLOW = EstimateLink(kind="infiniband", latency_ms=0.01, bytes_per_ms=1e6)  # every transfer outlasts its block
+FORWARD = OpCount("_flash_attention_forward", "attention", (16, 64, 256, 32), 1, 1, 1)
+BACKWARD = OpCount("_flash_attention_backward", "attention", (16, 64, 256, 32), 1, 1, 1)
+KEYS_VALUES = 2 * 16 * 64 * 32  # K and V: batch x heads 16, the rank's 64 tokens, head size 32
+GRADIENTS = KEYS_VALUES * 4  # dK and dV in float32 (convert_to_f32)
+
+
+def test_allgather_gathers_the_other_ranks_keys_and_values_at_the_first_step_and_rings_the_gradients():
+    ring = ContextRing(4, SLOW, "allgather")
+    assert ring.step_bytes(FORWARD, 2) == ([3 * KEYS_VALUES * 2, 0, 0, 0], 0)
+    assert ring.step_bytes(BACKWARD, 2) == ([3 * KEYS_VALUES * 2, GRADIENTS, GRADIENTS, GRADIENTS], GRADIENTS)
+
+
+def test_allgather_prices_the_all_gather_as_nccls_ring_under_the_first_block_only():
+    ring = ContextRing(4, SLOW, "allgather")
+    gather_ms = 3 * 0.01 + 3 * KEYS_VALUES * 2 / 1e6  # C - 1 ring steps of one rank's K/V
+    blocks = ring.blocks_ms(FORWARD, DEVICE)
+    assert ring.exchange_ms(FORWARD, DEVICE, 2) == pytest.approx((gather_ms, blocks[0]))
+    gradient_ms = 0.01 + GRADIENTS / 1e6
+    blocks = ring.blocks_ms(BACKWARD, DEVICE)
+    assert ring.exchange_ms(BACKWARD, DEVICE, 2) == pytest.approx((gather_ms + 4 * gradient_ms, sum(blocks)))
+
+
+@pytest.mark.parametrize("c, forward_copies, backward_copies", [
+    (4, 4 + 1, 4 + 2),  # the gathered 4 and the copy sent; the backward's next concatenation beside the last
+    (2, 2 + 1, 2 + 1),  # C = 2: the backward's last step (the second) concatenates none
+])
+def test_allgather_holds_the_gathered_keys_and_values_and_its_concatenations(c, forward_copies, backward_copies):
+    ring = ContextRing(c, SLOW, "allgather")
+    assert ring.buffer_bytes(FORWARD, 2) == forward_copies * KEYS_VALUES * 2
+    assert ring.buffer_bytes(BACKWARD, 2) == backward_copies * KEYS_VALUES * 2 + 3 * GRADIENTS
+
+
+def test_alltoall_is_the_default_and_its_ring_is_unchanged():
+    ring = ContextRing(4, SLOW)
+    assert ring == ContextRing(4, SLOW, "alltoall")
+    assert ring.step_bytes(FORWARD, 2) == ([KEYS_VALUES * 2] * 3 + [0], 0)
+    assert ring.step_bytes(BACKWARD, 2) == ([KEYS_VALUES * 2, KEYS_VALUES * 2 + GRADIENTS, KEYS_VALUES * 2 + GRADIENTS,
+                                             GRADIENTS], GRADIENTS)
+    assert ring.buffer_bytes(BACKWARD, 2) == 3 * KEYS_VALUES * 2 + 3 * GRADIENTS
+    assert Parallelism(context=4).cp_rotate == "alltoall"
+    with pytest.raises(EstimateError, match="cp_rotate: choose from alltoall, allgather"):
+        Parallelism(context=4, cp_rotate="ring")
+
+
+def test_the_estimate_prices_and_holds_the_named_rotation(flash_gpt):
+    default, gathered = (estimate_profile(flash_gpt, H100, Parallelism(context=4, **rotate))
+                         for rotate in ({}, {"cp_rotate": "allgather"}))
+    assert gathered.estimate.parallelism["cp_rotate"] == "allgather"
+    block, gathered_block = default.layers[1], gathered.layers[1]
+    keys_values = 2 * (2 * 8) * (256 // 4) * (192 // 8) * 2  # batch 2 x heads 8, the rank's 64 tokens, head 24
+    assert gathered_block.ring_buffer_bytes["fwd"] - block.ring_buffer_bytes["fwd"] == (5 - 3) * keys_values
+    assert gathered_block.ring_buffer_bytes["bwd"] - block.ring_buffer_bytes["bwd"] == (6 - 3) * keys_values
+    assert (gathered_block.fwd, gathered_block.bwd) == (block.fwd, block.bwd)  # the blocks alike
+
+
+@pytest.fixture(scope="module")
+def flash_gpt():
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=2, width=192, heads=8, seq_len=256, vocab=512), 2, torch.bfloat16, "flash")
+
+
+WHAT_IF = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 4096,
+           "--attention", "flash")
+
+
+def test_simulate_holds_the_all_gathers_buffers_and_the_default_keeps_todays_figures():
+    """b = 1, 4 heads of 64, 1,024 tokens a rank: a K/V of 1 MiB; allgather's backward holds 6 of them, alltoall's 3."""
+    args = (*WHAT_IF, "-p", 2, "-m", 4, "-s", "1f1b", "--context-parallel", 4)
+    default, alltoall, allgather = (simulate_json(*args, *rotate)[0] for rotate in
+                                    ((), ("--cp-rotate", "alltoall"), ("--cp-rotate", "allgather")))
+    assert default == alltoall
+    parts = [r["devices"][0]["peak_memory_parts_mb"]["communication"] for r in (alltoall, allgather)]
+    assert parts[1] - parts[0] == pytest.approx(3.0)
+    assert allgather["exposed_comm_ms"] > alltoall["exposed_comm_ms"]
+
+
+def test_estimate_sweep_and_tune_take_the_rotation(tmp_path):
+    code, _, err = pipesim("estimate", *WHAT_IF, "-p", 2, "--context-parallel", 2, "--cp-rotate", "allgather",
+                           "--out", tmp_path / "p.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "p.json").read_text())["estimate"]["parallelism"]["cp_rotate"] == "allgather"
+    peaks = []
+    for rotate in ("alltoall", "allgather"):
+        code, _, err = pipesim("sweep", *WHAT_IF, "-p", 2, "-m", 4, "-s", "1f1b", "--context-parallel", 2,
+                               "--cp-rotate", rotate, "-o", tmp_path / f"{rotate}.csv")
+        assert code == 0, err
+        [row] = csv.DictReader((tmp_path / f"{rotate}.csv").open())
+        peaks.append(float(row["peak_memory_mb"]))
+    assert peaks[1] > peaks[0]  # C = 2: allgather's backward holds 3 K/V, alltoall's 2
+    # tune takes the flag and refuses the context-parallel layout it needs in one line (it does not search C)
+    code, _, err = pipesim("tune", *WHAT_IF, "-D", 4, "--context-parallel", 2, "--cp-rotate", "allgather")
+    assert code == 2 and err.strip().startswith("error: --context-parallel: tune searches t, p and d"), err
+
+
+@pytest.mark.parametrize("args, line", [
+    (("--context-parallel", 2, "--cp-rotate", "ring"), "--cp-rotate: choose from alltoall, allgather (got 'ring')"),
+    (("--cp-rotate", "allgather"), "--cp-rotate sets how the context ring passes keys and values: give "
+                                   "--context-parallel 2 or more"),
+])
+def test_a_bad_rotation_is_one_line_and_writes_nothing(args, line, tmp_path):
+    code, _, err = pipesim("estimate", *WHAT_IF, "-p", 2, *args, "--out", tmp_path / "p.json")
+    assert code == 2 and err.strip() == f"error: {line}" and not (tmp_path / "p.json").exists()
