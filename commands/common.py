@@ -264,9 +264,11 @@ SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --gpu and t > 1: Megatron's sequence parallelism (norms and dropouts split over "
                                 "the t GPUs; reduce-scatter and all-gather instead of all-reduces).")]
 TpOverlap = Annotated[bool, typer.Option(
-    "--tp-overlap", help="With --sequence-parallel: its all-gathers and reduce-scatters split into t chunks and "
-                         "overlapped with the products (Megatron-LM's tp-comm-overlap, torch's async TP); only what "
-                         "outlasts a chunk's product is exposed. Within a node.")]
+    "--tp-overlap", help="With --sequence-parallel: its all-gathers and reduce-scatters overlapped with the "
+                         "products as --tp-runtime runs them: megatron's forward as TransformerEngine's userbuffers "
+                         "(4 splits on the SMs its kernels leave, the last reduce-scatter exposed), torch's async TP "
+                         "(and megatron's backward) in t chunks; only what outlasts a chunk's product is exposed. "
+                         "Within a node.")]
 TpRuntime = Annotated[str | None, typer.Option(
     "--tp-runtime", metavar="RUNTIME", help="With --sequence-parallel: whose tensor-parallel layers run: megatron "
                                             "(Megatron-core and TransformerEngine, NeMo's; the default: each "

@@ -510,11 +510,52 @@ class ContextRing:
         return kept + (3 * keys_values * 4 if backward else 0)
 
 
+# TransformerEngine's userbuffers defaults for the `pipeline` method, which runs the row-parallel forward products'
+# reduce-scatters (proj_fprop, fc2_fprop): `initialize_ub`'s default config in transformer_engine/pytorch/module/
+# base.py, num_splits 4, num_sm 16 with set_sm_margin (the product leaves those multiprocessors to the
+# communication kernels; NeMo's per-model userbuffer configs set 8-24, tp_overlap_configs/userbuffers.py).
+TE_PIPELINE_SPLITS = 4
+TE_PIPELINE_MULTIPROCESSORS = 16
+
+
+def on_multiprocessors(device: Device, multiprocessors: int) -> Device:
+    """`device` running a kernel on `multiprocessors` of its own: the peaks in that share, the tiles' waves over
+    that many (`tile_fill`)."""
+    share = multiprocessors / device.curve.multiprocessors
+    fp8 = device.fp8_peak_flops_per_ms
+    return replace(device, peak_flops_per_ms=device.peak_flops_per_ms * share,
+                   fp8_peak_flops_per_ms=None if fp8 is None else fp8 * share,
+                   curve=device.curve.model_copy(update={"multiprocessors": multiprocessors}))
+
+
+def userbuffers_forward_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
+    """A row-parallel forward product (split on its contraction) with its reduce-scatter and the next product's
+    all-gather (of an `nbytes` tensor over t sequence-parallel ranks) as TransformerEngine's userbuffers run them
+    under Megatron-LM's --tp-comm-overlap (`--tp-runtime megatron --tp-overlap`). The reduce-scatter is the
+    `pipeline` method (`CommOverlapBase::split_overlap_rs`): the product in `TE_PIPELINE_SPLITS` splits of its
+    rows on the multiprocessors the communication kernels leave it, each split's reduce-scatter (1/splits of the
+    tensor) under the next split, the last one's after it, exposed. The all-gather is `ring_exchange` (copy
+    engines, no multiprocessors held): the next column-parallel product in t chunks, each of the t-1 transfers
+    under one, only what outlasts its chunk exposed; those chunks are taken as this product's (a GPT block's QKV
+    and first MLP products are as large or larger), and what chunking costs them is priced."""
+    batch, m, n, k = op.shape
+    splits = TE_PIPELINE_SPLITS
+    split = _scaled(op, (batch, max(m // splits, 1), n, k), splits)
+    split_ms = op_ms(split, on_multiprocessors(device, device.curve.multiprocessors - TE_PIPELINE_MULTIPROCESSORS))
+    scatter_ms = reduce_scatter_ms(nbytes / splits, t, link.latency_ms, link.bytes_per_ms)
+    reduce_scattered = splits * split_ms + (splits - 1) * max(scatter_ms - split_ms, 0.0) + scatter_ms
+    chunk_ms = op_ms(_scaled(op, (batch, max(m // t, 1), n, k), t), device)
+    step_ms = link.latency_ms + nbytes / t / link.bytes_per_ms
+    gathered = t * chunk_ms - op_ms(op, device) + (t - 1) * max(step_ms - chunk_ms, 0.0)
+    return reduce_scattered + gathered
+
+
 def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
     """A product split on its contraction, on one of t sequence-parallel ranks, with its reduce-scatter and the
-    next product's all-gather (of an `nbytes` tensor) overlapped as Megatron-LM's --tp-comm-overlap
-    (TransformerEngine's userbuffers) and torch's async TP (torch/distributed/_symmetric_memory/__init__.py:
-    `_pipelined_all_gather_and_consume`, `_pipelined_produce_and_all2all`) run them: the product in t chunks of
+    next product's all-gather (of an `nbytes` tensor) overlapped as torch's async TP runs them (`--tp-runtime
+    torch`; torch/distributed/_symmetric_memory/__init__.py: `_pipelined_all_gather_and_consume`,
+    `_pipelined_produce_and_all2all`), and as the backward of Megatron-LM's --tp-comm-overlap is taken (its bulk
+    overlaps are not modelled; its forward: `userbuffers_forward_ms`): the product in t chunks of
     1/t of its rows, the local chunk first; each collective's t-1 transfers of 1/t of the tensor (a step of
     `reduce_scatter_ms`) go one under each other chunk, and only what outlasts its chunk is exposed. The
     all-gather hides under the next column-parallel product's chunks, taken as this one's (a GPT block's QKV and
@@ -599,7 +640,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         gather_ms = input_gather_ms(batch * m * n * saved_input_bytes, product_ms, t, tensor_link) if regathers \
             else 0.0
         if parallel.tp_overlap:
-            return overlapped_ms(op, device, t, nbytes, tensor_link) + gather_ms
+            overlap = userbuffers_forward_ms if forward and parallel.tp_runtime == "megatron" else overlapped_ms
+            return overlap(op, device, t, nbytes, tensor_link) + gather_ms
         if parallel.sequence_parallel:
             return product_ms + 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms,
                                                       tensor_link.bytes_per_ms) + gather_ms

@@ -77,7 +77,7 @@ def test_a_tensor_parallel_degree_that_splits_a_node_is_one_line_and_writes_noth
 
 # --- --tp-overlap: sequence parallelism's collectives overlapped with the products in t chunks ---
 
-from pipesim.planning.estimate import input_gather_ms, overlapped_ms  # noqa: E402
+from pipesim.planning.estimate import input_gather_ms, overlapped_ms, userbuffers_forward_ms  # noqa: E402
 from pipesim.profiles.workload import OpCount  # noqa: E402
 
 PRODUCT = OpCount("mm", "matmul", (1, 8192, 6144, 768), 2 * 8192 * 6144 * 768, 2 * (8192 * 768 + 768 * 6144), 1)
@@ -98,15 +98,37 @@ def test_tp_overlap_hides_each_transfer_under_one_chunk_and_exposes_only_what_ou
     assert (overlapped_ms(PRODUCT, DEVICE, t, nbytes, link) < serial) is not hidden
 
 
-def test_tp_overlap_makes_a_sequence_parallel_layer_faster_but_no_faster_than_its_products_alone(gpt16):
+def test_torchs_async_tp_makes_a_sequence_parallel_layer_faster_but_no_faster_than_its_products_alone(gpt16):
     block = gpt16.layers[1]
     link = placement_links(A100, Parallelism(tensor=8)).tensor
     free = link.model_copy(update={"latency_ms": 0.0, "bytes_per_ms": 1e15})  # the collectives cost nothing
 
     def fwd(link, **kwargs) -> float:
-        return estimate_layer(block, DEVICE, Parallelism(tensor=8, sequence_parallel=True, **kwargs), link, 2).fwd_ms
+        parallel = Parallelism(tensor=8, sequence_parallel=True, tp_runtime="torch", **kwargs)
+        return estimate_layer(block, DEVICE, parallel, link, 2).fwd_ms
 
     assert fwd(free, tp_overlap=True) <= fwd(link, tp_overlap=True) < fwd(link)
+
+
+@pytest.mark.parametrize("bytes_per_ms", [1e15, 1e6])
+def test_userbuffers_pipeline_the_forward_reduce_scatter_in_four_splits_on_the_multiprocessors_left(bytes_per_ms):
+    """TransformerEngine's `pipeline` overlap as written in its initialize_ub defaults: 4 splits of the rows, each
+    on 108 - 16 of the A100's multiprocessors (its peak in that share, its tiles' waves over 92), each split's
+    reduce-scatter of a quarter of the tensor under the next split and the last one's exposed; then the
+    all-gather's ring exchange as the chunks of t that torch's async TP prices."""
+    t, nbytes = 8, 8192 * 6144 * 2
+    link = placement_links(A100, Parallelism(tensor=t)).tensor.model_copy(update={"bytes_per_ms": bytes_per_ms})
+    split = OpCount("mm", "matmul", (1, 8192 // 4, 6144, 768), PRODUCT.flops // 4, PRODUCT.moved_bytes // 4, 1)
+    narrower = Device(DEVICE.peak_flops_per_ms * 92 / 108, DEVICE.memory_bytes_per_ms,
+                      A100.curve.model_copy(update={"multiprocessors": 92}))
+    split_ms = op_ms(split, narrower)
+    assert split_ms > op_ms(PRODUCT, DEVICE) / 4  # fewer multiprocessors, never faster
+    scatter_ms = collectives.reduce_scatter_ms(nbytes / 4, t, link.latency_ms, bytes_per_ms)
+    pipelined = split_ms + 3 * max(split_ms, scatter_ms) + scatter_ms
+    chunk = OpCount("mm", "matmul", (1, 8192 // t, 6144, 768), PRODUCT.flops // t, PRODUCT.moved_bytes // t, 1)
+    chunk_ms, step_ms = op_ms(chunk, DEVICE), link.latency_ms + nbytes / t / bytes_per_ms
+    gathered = t * chunk_ms - op_ms(PRODUCT, DEVICE) + (t - 1) * max(step_ms - chunk_ms, 0.0)
+    assert userbuffers_forward_ms(PRODUCT, DEVICE, t, nbytes, link) == pytest.approx(pipelined + gathered)
 
 
 def test_tp_overlap_needs_sequence_parallelism_and_one_node(tmp_path):
@@ -239,3 +261,15 @@ def test_the_input_gather_hides_under_the_input_gradient_product_up_to_its_lengt
     gather_ms = collectives.all_gather_ms(2**24, 8, link.latency_ms, link.bytes_per_ms)
     assert input_gather_ms(2**24, 2 * gather_ms, 8, link) == 0.0
     assert input_gather_ms(2**24, gather_ms / 4, 8, link) == pytest.approx(3 * gather_ms / 4)
+
+
+def test_tp_overlap_runs_the_forward_as_the_named_runtime_does(gpt16):
+    """With free links only the products' own time is left: Megatron's forward pays its splits on the
+    multiprocessors the userbuffers kernels leave, torch's its t chunks on all of them; the backward is the same."""
+    block = gpt16.layers[1]
+    free = placement_links(A100, Parallelism(tensor=8)).tensor.model_copy(update={"latency_ms": 0.0,
+                                                                                   "bytes_per_ms": 1e15})
+    megatron, torch = (estimate_layer(block, DEVICE, Parallelism(tensor=8, sequence_parallel=True, tp_overlap=True,
+                                                                 tp_runtime=runtime), free, 2)
+                       for runtime in ("megatron", "torch"))
+    assert megatron.fwd_ms > torch.fwd_ms and megatron.bwd_ms == torch.bwd_ms
