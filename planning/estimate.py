@@ -895,7 +895,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     stage_steps = []
     for start, stop in zip(bounds, bounds[1:]):
         mine = counted.layers[start:stop]
-        params = sum(layer.param_bytes for layer in mine) // t
+        # the weights this rank holds (its 1/t, and of the routed experts its 1/(E·ETP)), which its accumulation,
+        # averaging, prediction and copy pass over: each layer's held `param_bytes` above
+        params = sum(layer.param_bytes for layer in layers[start:stop])
 
         def memory_ms(nbytes: float) -> float:
             return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms
