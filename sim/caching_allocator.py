@@ -24,10 +24,14 @@ expandable segments off (the default) and no garbage-collection threshold:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ..traces.trace import Trace
 from ..units import MIB
+from .costs import TRANSIENT_KINDS
 
 MIN_BLOCK_BYTES = 512  # kMinBlockSize: every request is rounded up to a multiple of it
 SMALL_REQUEST_BYTES = 1 * MIB  # kSmallSize: the largest request the small pool serves
@@ -217,7 +221,20 @@ class LayerAllocations:
     kept: frozenset[int] = frozenset()
 
 
-def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, int]],
+def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, int, int]]]:
+    """A device's forward and backward rows in the order they start, as `replay_device` takes them: (pass of
+    `PASSES`, stage, the micro-batch as (pipeline, mini-batch, micro-batch), so that each forward's tensors meet
+    their own backward whatever the method runs between them)."""
+    ops = trace.ops
+    passes = {trace.kinds.index(kind.value): name for name, kind in TRANSIENT_KINDS.items()
+              if kind.value in trace.kinds}
+    mine = np.flatnonzero((ops.device == device) & np.isin(ops.kind, list(passes)))
+    return [(passes[int(ops.kind[row])], int(ops.stage[row]),
+             (int(ops.pipeline[row]), int(ops.minibatch[row]), int(ops.microbatch[row])))
+            for row in mine[np.argsort(ops.start_us[mine], kind="stable")]]
+
+
+def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Hashable]],
                   layers: Mapping[int, Sequence[LayerAllocations]],
                   capacity_bytes: int | None = None) -> CachingAllocator:
     """One device's step through the caching allocator: its state (`static_bytes`, a block each: weights,
@@ -232,7 +249,7 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, in
     allocator = CachingAllocator(capacity_bytes=capacity_bytes)
     for nbytes in static_bytes:
         allocator.malloc(nbytes)
-    held: dict[tuple[int, int, int], list[int]] = {}  # by (stage, layer, micro-batch): what its backward frees
+    held: dict[tuple[int, int, Hashable], list[int]] = {}  # by (stage, layer, micro-batch): what its backward frees
     for name, stage, microbatch in rows:
         order = range(len(layers[stage])) if name == "fwd" else reversed(range(len(layers[stage])))
         for index in order:

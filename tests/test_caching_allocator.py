@@ -320,3 +320,21 @@ def test_what_each_recomputation_has_a_blocks_backward_make_again(attention):
     peaks = {name: replay_device([], rows, {0: [layer] * 2}).peak_allocated_bytes for name, layer in policy.items()}
     assert all(peaks[name] < peaks["none"] for name in ("full", "op")) and peaks["full"] < peaks["op"]
     assert peaks["selective"] < peaks["none"] if attention == "math" else peaks["selective"] == peaks["none"]
+
+
+def test_a_devices_rows_are_its_passes_in_the_order_they_start():
+    """1F1B on 4 devices, 8 micro-batches, as Megatron-LM runs it: device 1 warms up with 4 - 1 - 1 = 2 forwards,
+    then alternates a forward and a backward, then drains its last 2 backwards; each micro-batch of each
+    mini-batch named apart."""
+    from pipesim.sim import Costs, simulate
+    from pipesim.sim.caching_allocator import device_rows
+    from pipesim.sim.cluster import Cluster
+    from tests.conftest import build
+
+    schedule = build("1f1b", 4, 8, 2)
+    trace = simulate(schedule, Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0), Cluster.uniform(4, 0.0))
+    rows = device_rows(trace, 1)
+    first = [(name, microbatch) for name, stage, (_, minibatch, microbatch) in rows if minibatch == 0]
+    assert first == [("fwd", 0), ("fwd", 1), *[row for i in range(6) for row in (("fwd", i + 2), ("bwd", i))],
+                     ("bwd", 6), ("bwd", 7)]
+    assert {stage for _, stage, _ in rows} == {1} and len(rows) == 2 * 2 * 8
