@@ -1,0 +1,146 @@
+"""DeepSeek-V3's own pre-training run (benchmarks/published/deepseek-v3-2024.csv, from its technical report, arXiv
+2412.19437) predicted by one pipesim command line, nothing fitted.
+
+The command is built from the row's columns and the model's Hugging Face config (examples/deepseek-v3), each
+setting as the report gives it: 2,048 H800s (`--gpu h800`), no tensor parallelism, 16 pipeline stages run by the
+bidirectional DualPipe of its section 3.2.1 and figure 5 (`-s dualpipe`: two copies of the model fed from both
+ends; not DualPipeV, which came later in deepseek-ai/DualPipe), the routed experts of each layer over 64 GPUs of 8
+nodes (`--expert-parallel 64 --rank-order megatron`: an expert group is 64 consecutive ranks, 8 a node), DeepEP's
+dispatch (`--token-dispatcher deepep`: once over IB to each node, forwarded over NVLink, section 3.2.2), ZeRO-1 over
+the 128 replicas (`--zero 1`), FP8 products with FP8 inputs cached for the backward and weights quantized once a
+step (`--dtype fp8 --fp8-recipe te`, section 3.3), 16-bit weights with FP32 gradients and master weights
+(`--precision megatron`, section 3.3.1), 4,096-token sequences and 15,360 of them a step (the batch after its
+ramp over the first 469B of 14.8T tokens). The report states no micro-batch size: one sequence
+(`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a step. What no flag expresses is in `NOT_MODELLED`.
+
+Published: 180K H800 GPU hours per trillion tokens, so 10^12 tokens / (180,000 GPU h x 3,600 s/h) = 1,543 tokens/s
+per GPU (the report's own "3.7 days on our cluster with 2048 H800 GPUs" gives 1,527). It is the whole pre-training's
+average (the batch ramp, checkpoints and anything else the run spent included), so the steady step it is held
+against can only be as fast or faster. Predicted: the global batch's tokens over the simulated step and the GPUs.
+
+    python benchmarks/published_deepseek.py                 # the row, what is not modelled, its command
+    python benchmarks/published_deepseek.py --json out.json # and the row as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from published_memory import fullest
+from published_runs import _rows, command_text, iteration_ms
+from rich.table import Table
+
+from pipesim.commands.tables import print_table
+
+SOURCE = "deepseek-v3-2024.csv"  # benchmarks/published/README.md: its source and the report's sentences
+GPUS = {"H800": "h800"}  # the row's GPU -> the catalogue's (hardware/gpus.toml, with its sources)
+SCHEDULES = {"DualPipe": "dualpipe"}  # the row's pipeline schedule -> pipesim's
+MICROBATCH_SIZE = 1  # not in the report
+NOT_MODELLED = {
+    "multi-token prediction": "the MTP module (config num_nextn_predict_layers 1: one more MoE decoder layer, a "
+                              "2h -> h projection and a second pass through the shared output head, on the last "
+                              "stage, figure 3) is not built: transformers' DeepseekV3 model has none, so its work, "
+                              "about 1/61 of the layers' and one more head, is missing from the last stage",
+    "node-limited routing": "each token reaches at most 4 of the 8 nodes (M = 4); the deepep dispatch prices "
+                            "balanced routing over all 8, about 4.6 other nodes a token instead of at most 3.5 "
+                            "(the all-to-all over IB is dearer, but DualPipe's pairs hide most of it)",
+    "communication SMs": "20 of the H800's 132 SMs run the all-to-all kernels (section 3.2.2); the overlapped "
+                         "pairs' compute is priced on all 132",
+    "fine-grained FP8": "1x128 activation tiles and 128x128 weight blocks with FP32 promotion every 128 products "
+                        "(section 3.3.2), the dispatch sent in FP8 (3.3.3): priced as TransformerEngine's "
+                        "per-tensor recipe, the dispatch in 16 bits",
+    "recomputation": "RMSNorm and MLA up-projections recomputed in the backward (section 3.2.3): no --recompute "
+                     "option selects those ops; their saved outputs are kept (memory) and not rerun (time)",
+    "BF16 moments": "AdamW's moments in BF16 (section 3.3.1): held in FP32 (memory only)",
+    "EMA in CPU": "updated on the host asynchronously after each step, \"without incurring additional memory or "
+                  "time overhead\" (section 3.2.3): nothing on the GPUs to model",
+}
+
+
+@dataclass(frozen=True)
+class DeepSeekRun:
+    """The row's layout and published throughput."""
+
+    gpus: int
+    gpu: str  # the catalogue's name
+    global_batch: int
+    seq_len: int
+    tensor: int
+    pipeline: int
+    expert: int
+    schedule: str  # pipesim's name
+    gpu_hours_per_trillion_tokens: float
+
+    @property
+    def data(self) -> int:
+        return self.gpus // (self.tensor * self.pipeline)
+
+    @property
+    def published_tokens_per_s_per_gpu(self) -> float:
+        return 1e12 / (self.gpu_hours_per_trillion_tokens * 3600)
+
+    def simulate_command(self) -> list[str]:
+        """One step as the module docstring says, run from the repository root (the config is examples/)."""
+        return ["simulate", "--model", "hf:examples/deepseek-v3", "--seq-len", str(self.seq_len), "--dtype", "fp8",
+                "--fp8-recipe", "te", "--attention", "flash", "-b", str(MICROBATCH_SIZE), "--gpu", self.gpu,
+                "--tensor-parallel", str(self.tensor), "-p", str(self.pipeline),
+                "-m", str(self.global_batch // (self.data * MICROBATCH_SIZE)), "--data-parallel", str(self.data),
+                "--expert-parallel", str(self.expert), "--zero", "1", "--precision", "megatron", "--recompute",
+                "none", "-s", self.schedule, "--stage-cut", "balanced", "--rank-order", "megatron",
+                "--expert-tensor-parallel", "1", "--token-dispatcher", "deepep"]
+
+
+def run() -> DeepSeekRun:
+    """The CSV's row as a run; a setting the command does not build as the row gives it is an error."""
+    (row,) = _rows(SOURCE)
+    if (row["data_parallel"], row["precision"], row["routed_nodes_per_token"]) != ("ZeRO-1", "FP8", "4"):
+        raise ValueError(f"{SOURCE}: the command builds ZeRO-1, FP8 and (not modelled) M = 4, not {row}")
+    gpus, expert, nodes = int(row["gpus"]), int(row["expert_parallel"]), int(row["expert_nodes"])
+    if expert // nodes != 8:
+        raise ValueError(f"{SOURCE}: {expert} expert ranks over {nodes} nodes is not 8 a node, as the H800's")
+    return DeepSeekRun(gpus, GPUS[row["gpu"]], int(row["global_batch"]), int(row["sequence_length"]),
+                       int(row["tensor_parallel"]), int(row["pipeline_parallel"]), expert,
+                       SCHEDULES[row["schedule"]], float(row["gpu_hours_per_trillion_tokens"]))
+
+
+def compared() -> dict:
+    """The row: its command, predicted and published tokens/s per GPU, the error and its fullest device."""
+    deepseek = run()
+    args = deepseek.simulate_command()
+    ms = iteration_ms(args)
+    predicted = deepseek.global_batch * deepseek.seq_len / (ms / 1e3 * deepseek.gpus)
+    published = deepseek.published_tokens_per_s_per_gpu
+    return {"run": f"DeepSeek-V3 p{deepseek.pipeline} E{deepseek.expert} d{deepseek.data} {deepseek.schedule}",
+            "predicted_tokens_per_s_per_gpu": predicted, "published_tokens_per_s_per_gpu": published,
+            "error": predicted / published - 1, "command": command_text(args), "command_ms": ms,
+            "memory": fullest(args)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the row as JSON here")
+    args = parser.parse_args()
+    row = compared()
+    table = Table(title="Tokens/s per GPU on h800: predicted against DeepSeek-V3's report")
+    for name, justify in (("run", "left"), ("predicted", "right"), ("published", "right"), ("error", "right")):
+        table.add_column(name, justify=justify)
+    table.add_row(row["run"], f"{row['predicted_tokens_per_s_per_gpu']:,.0f}",
+                  f"{row['published_tokens_per_s_per_gpu']:,.0f}", f"{row['error']:+.1%}")
+    print_table(table)
+    if args.json:
+        args.json.write_text(json.dumps(row, indent=1) + "\n")
+    print("\nNot modelled:")
+    for what, why in NOT_MODELLED.items():
+        print(f"{what}: {why}")
+    memory = row["memory"]
+    fits = "out of memory" if memory["out_of_memory"] else "fits"
+    print(f"\nThe command (tokens/s per GPU: global batch x sequence over its ms/step x GPUs):\n  {row['command']}\n"
+          f"  {row['command_ms']:,.1f} ms/step; peak {memory['peak_mib']:,.0f} MiB of {memory['limit_mib']:,.0f} on "
+          f"device {memory['device']}: {fits}")
+
+
+if __name__ == "__main__":
+    main()
