@@ -119,7 +119,10 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     ParallelDims.loss_parallel_enabled, TP > 1), the page's local
     batch as micro-batches of the pipeline's default count (pipelining_utils.py `build_pipeline_schedule`: as
     many as the stages; interleaved 1F1B with its 2 stages a rank, `generate_split_points`) or, with no pipeline,
-    one micro-batch; selective activation checkpointing is its "op" policy (`--recompute op`), else full."""
+    one micro-batch; selective activation checkpointing is its "op" policy (`--recompute op`), else full; context
+    parallelism rotates the keys and values by torch's all-gather (`--cp-rotate allgather`: the page sets no
+    rotation, and torchtitan's option, config_manager.py's --experimental.context_parallel_rotate_method, later
+    job_config.py's parallelism.context_parallel_rotate_method, defaults to allgather)."""
     layout = torchtitan_layout(row["parallelism"])
     seq = int(row["sequence_length"] or TORCHTITAN_SEQ)
     if seq > HF_MAX_POSITIONS:
@@ -137,7 +140,8 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
             "-p", str(p), "-m", str(microbatches),
             "-s", "gpipe" if p == 1 else "interleaved-1f1b" if chunks > 1 else "1f1b",
             *(["--chunks", str(chunks)] if chunks > 1 else []), "--data-parallel", str(d),
-            *(["--context-parallel", str(c)] if c > 1 else []), "--zero", "3", "--precision", "fsdp2",
+            *(["--context-parallel", str(c), "--cp-rotate", "allgather"] if c > 1 else []),
+            "--zero", "3", "--precision", "fsdp2",
             "--recompute", "op" if row["activation_checkpointing"] == "selective" else "full"]
     return args
 

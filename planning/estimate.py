@@ -381,7 +381,6 @@ class LayerEstimate:
     transient_bytes: dict[str, int]  # per pass of `PASSES`, what it creates and frees within itself at its peak
     ring_fwd: RingExchange | None = None  # the context ring's exchanges during a forward (None: C = 1)
     ring_bwd: RingExchange | None = None  # during a backward (B or I), a recomputed forward's with them
-    allocations: LayerAllocations | None = None  # what the caching allocator replays (`_rank_allocations`)
 
 
 @dataclass(frozen=True)
@@ -666,8 +665,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                                                    if split.core(shape) and parallel.recompute == "selective")
     rerun = 0.0
     rerun_ops: Sequence[OpCount] = ()  # what the backward recomputes of the forward
-    transformer = any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1)
-                      for op in layer.ops.get("fwd", ()))  # a transformer layer, as Megatron and torchtitan say
+    transformer = _transformer(layer)
     if parallel.recompute == "op" and transformer:
         kept_parts, rerun_ops = _op_policy(layer.ops.get("fwd", ()), element_bytes)
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), **kept_parts}
@@ -689,7 +687,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
                          whole_parts(parts, total), _transient_bytes(layer, split, saved_unless_rerun / c - total),
-                         *rings, allocations=_rank_allocations(layer, split, parallel.recompute, transformer))
+                         *rings)
 
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dict[str, int]:
@@ -709,7 +707,19 @@ def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split) -> float:
     return (nbytes if whole or split.t == 1 else nbytes / split.t) / split.context
 
 
-def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, transformer: bool) -> LayerAllocations:
+def _transformer(layer: LayerCount) -> bool:
+    """Whether a layer is a transformer layer, as Megatron-LM and torchtitan say (what their recomputation
+    applies to): it computes attention or a batched product."""
+    return any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1) for op in layer.ops.get("fwd", ()))
+
+
+def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[LayerAllocations]:
+    """Every counted layer's allocations on one of its stage's t·C ranks under `parallel`'s recomputation
+    (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step."""
+    return [_rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute) for layer in counted.layers]
+
+
+def _rank_allocations(layer: LayerCount, split: _Split, recompute: str) -> LayerAllocations:
     """The count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them (`_on_rank`), with
     what `recompute` has the backward make again: a transformer layer's whole forward under full recomputation,
     and under torchtitan's op policy all but what it keeps, every second product's output and the fused
@@ -723,7 +733,7 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, transfor
     rerun: frozenset[int] | None = None
     if recompute == "selective":
         rerun = frozenset(number for number, shape, _ in made if split.core(shape))
-    elif recompute in ("full", "op") and transformer:
+    elif recompute in ("full", "op") and _transformer(layer):
         if recompute == "op":
             products = [number for number, _, op in made if kinds.get(op) == "matmul"]
             kept = frozenset(products[::2]) | {number for number, _, op in made if kinds.get(op) == "attention"}

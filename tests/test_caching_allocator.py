@@ -255,13 +255,13 @@ def test_an_estimate_replays_the_counts_allocations_as_one_tensor_parallel_rank_
     parallelism: its residual-stream tensors whole (2 x 32 x 64 x 2 bytes), its MLP's hidden ones halved (2 x 32 x
     256 x 2 / 2), each freed as many bytes as it was made with."""
     torch = pytest.importorskip("torch")
-    from pipesim.planning.estimate import Parallelism, _rank_allocations, _Split
+    from pipesim.planning.estimate import Parallelism, layer_allocations
     from pipesim.workload.count import count_built
 
     counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 32, "vocab": 1000}, 2,
                           torch.bfloat16)
     block = counted.layers[1]
-    ranked = _rank_allocations(block, _Split.of(block, Parallelism(tensor=2)), "none", True).passes
+    ranked = layer_allocations(counted, Parallelism(tensor=2))[1].passes
     for name, events in block.allocations.items():
         on_rank = dict(zip(((number, nbytes > 0) for number, _, nbytes, _ in events), ranked[name], strict=True))
         by_shape = {shape: abs(on_rank[number, nbytes > 0][1]) for number, shape, nbytes, _ in events}
@@ -298,17 +298,18 @@ def test_what_each_recomputation_has_a_blocks_backward_make_again(attention):
     """A GPT block's forward under each policy: none reruns nothing; full reruns every storage it made; torchtitan's
     op policy keeps the 1st, 3rd, ... product's output and the fused attention's, rerunning the rest; Megatron-LM's
     selective reruns the s x s tensors of the attention core (math attention; flash has none). Replayed over two
-    micro-batches, each recomputation holds less at its peak than none."""
+    micro-batches, each recomputation holds less at its peak than none. The loss layer (no attention) reruns
+    nothing under full."""
     torch = pytest.importorskip("torch")
-    from pipesim.planning.estimate import Parallelism, _rank_allocations, _Split
+    from pipesim.planning.estimate import Parallelism, layer_allocations
     from pipesim.workload.count import count_built
 
     counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 128, "vocab": 1000}, 2,
                           torch.bfloat16, attention)
     block = counted.layers[1]
-    split = _Split.of(block, Parallelism())
     made = [(number, shape, op) for number, shape, nbytes, op in block.allocations["fwd"] if nbytes >= 0]
-    policy = {name: _rank_allocations(block, split, name, True) for name in ("none", "full", "op", "selective")}
+    policy = {name: layer_allocations(counted, Parallelism(recompute=name))[1]
+              for name in ("none", "full", "op", "selective")}
     assert policy["none"].rerun is None and policy["full"].rerun == {number for number, _, _ in made}
     products = [number for number, _, op in made if op in ("mm", "addmm", "bmm")]
     fused = {number for number, _, op in made if "attention" in op}
@@ -320,6 +321,7 @@ def test_what_each_recomputation_has_a_blocks_backward_make_again(attention):
     peaks = {name: replay_device([], rows, {0: [layer] * 2}).peak_allocated_bytes for name, layer in policy.items()}
     assert all(peaks[name] < peaks["none"] for name in ("full", "op")) and peaks["full"] < peaks["op"]
     assert peaks["selective"] < peaks["none"] if attention == "math" else peaks["selective"] == peaks["none"]
+    assert layer_allocations(counted, Parallelism(recompute="full"))[-1].rerun is None
 
 
 def test_a_devices_rows_are_its_passes_in_the_order_they_start():
