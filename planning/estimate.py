@@ -533,28 +533,48 @@ def userbuffers_forward_ms(op: OpCount, device: Device, t: int, nbytes: int, lin
     under Megatron-LM's --tp-comm-overlap (`--tp-runtime megatron --tp-overlap`). The reduce-scatter is the
     `pipeline` method (`CommOverlapBase::split_overlap_rs`): the product in `TE_PIPELINE_SPLITS` splits of its
     rows on the multiprocessors the communication kernels leave it, each split's reduce-scatter (1/splits of the
-    tensor) under the next split, the last one's after it, exposed. The all-gather is `ring_exchange` (copy
-    engines, no multiprocessors held): the next column-parallel product in t chunks, each of the t-1 transfers
-    under one, only what outlasts its chunk exposed; those chunks are taken as this product's (a GPT block's QKV
-    and first MLP products are as large or larger), and what chunking costs them is priced."""
+    tensor) under the next split, the last one's after it, exposed. The all-gather into the next column-parallel
+    product is `ring_exchange_ms`."""
     batch, m, n, k = op.shape
     splits = TE_PIPELINE_SPLITS
     split = _scaled(op, (batch, max(m // splits, 1), n, k), splits)
     split_ms = op_ms(split, on_multiprocessors(device, device.curve.multiprocessors - TE_PIPELINE_MULTIPROCESSORS))
     scatter_ms = reduce_scatter_ms(nbytes / splits, t, link.latency_ms, link.bytes_per_ms)
     reduce_scattered = splits * split_ms + (splits - 1) * max(scatter_ms - split_ms, 0.0) + scatter_ms
+    return reduce_scattered + ring_exchange_ms(op, device, t, nbytes, link)
+
+
+def userbuffers_backward_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
+    """A column-parallel input-gradient product (split on its contraction in the backward) with its reduce-scatter
+    and the all-gather of the output gradient the next row-parallel input gradient reads, as TransformerEngine's
+    userbuffers run them in NeMo's configs (nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py: the
+    qkv_wgrad and fc1_wgrad `bulk` overlaps without set_sm_margin, proj_dgrad and fc2_dgrad `ring_exchange`).
+    The product runs whole; its reduce-scatter is a bulk overlap under the weight-gradient product (of the same
+    m·n·k, taken as this one's time), exposed only where it outlasts it; the all-gather is the ring exchange
+    `ring_exchange_ms` prices."""
+    product_ms = op_ms(op, device)
+    scatter_ms = reduce_scatter_ms(nbytes, t, link.latency_ms, link.bytes_per_ms)
+    return product_ms + max(scatter_ms - product_ms, 0.0) + ring_exchange_ms(op, device, t, nbytes, link)
+
+
+def ring_exchange_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
+    """What an all-gather of an `nbytes` tensor over t ranks adds to the product that reads it, run as
+    TransformerEngine's `ring_exchange` (copy engines, no multiprocessors held; `CommOverlapP2PBase`): the product
+    in t chunks, each of the t-1 transfers under one, only what outlasts its chunk exposed, and what chunking
+    costs the product. The product is taken as `op`'s size (a GPT block's products on either side are as large
+    or larger)."""
+    batch, m, n, k = op.shape
     chunk_ms = op_ms(_scaled(op, (batch, max(m // t, 1), n, k), t), device)
     step_ms = link.latency_ms + nbytes / t / link.bytes_per_ms
-    gathered = t * chunk_ms - op_ms(op, device) + (t - 1) * max(step_ms - chunk_ms, 0.0)
-    return reduce_scattered + gathered
+    return t * chunk_ms - op_ms(op, device) + (t - 1) * max(step_ms - chunk_ms, 0.0)
 
 
 def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
     """A product split on its contraction, on one of t sequence-parallel ranks, with its reduce-scatter and the
     next product's all-gather (of an `nbytes` tensor) overlapped as torch's async TP runs them (`--tp-runtime
     torch`; torch/distributed/_symmetric_memory/__init__.py: `_pipelined_all_gather_and_consume`,
-    `_pipelined_produce_and_all2all`), and as the backward of Megatron-LM's --tp-comm-overlap is taken (its bulk
-    overlaps are not modelled; its forward: `userbuffers_forward_ms`): the product in t chunks of
+    `_pipelined_produce_and_all2all`; Megatron-LM's --tp-comm-overlap: `userbuffers_forward_ms`,
+    `userbuffers_backward_ms`): the product in t chunks of
     1/t of its rows, the local chunk first; each collective's t-1 transfers of 1/t of the tensor (a step of
     `reduce_scatter_ms`) go one under each other chunk, and only what outlasts its chunk is exposed. The
     all-gather hides under the next column-parallel product's chunks, taken as this one's (a GPT block's QKV and
@@ -639,7 +659,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         gather_ms = input_gather_ms(batch * m * n * saved_input_bytes, product_ms, t, tensor_link) if regathers \
             else 0.0
         if parallel.tp_overlap:
-            overlap = userbuffers_forward_ms if forward and parallel.tp_runtime == "megatron" else overlapped_ms
+            overlap = overlapped_ms if parallel.tp_runtime == "torch" else (
+                userbuffers_forward_ms if forward else userbuffers_backward_ms)
             return overlap(op, device, t, nbytes, tensor_link) + gather_ms
         if parallel.sequence_parallel:
             return product_ms + 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms,

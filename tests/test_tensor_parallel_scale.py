@@ -77,7 +77,12 @@ def test_a_tensor_parallel_degree_that_splits_a_node_is_one_line_and_writes_noth
 
 # --- --tp-overlap: sequence parallelism's collectives overlapped with the products in t chunks ---
 
-from pipesim.planning.estimate import input_gather_ms, overlapped_ms, userbuffers_forward_ms  # noqa: E402
+from pipesim.planning.estimate import (  # noqa: E402
+    input_gather_ms,
+    overlapped_ms,
+    userbuffers_backward_ms,
+    userbuffers_forward_ms,
+)
 from pipesim.profiles.workload import OpCount  # noqa: E402
 
 PRODUCT = OpCount("mm", "matmul", (1, 8192, 6144, 768), 2 * 8192 * 6144 * 768, 2 * (8192 * 768 + 768 * 6144), 1)
@@ -263,9 +268,34 @@ def test_the_input_gather_hides_under_the_input_gradient_product_up_to_its_lengt
     assert input_gather_ms(2**24, gather_ms / 4, 8, link) == pytest.approx(3 * gather_ms / 4)
 
 
+@pytest.mark.parametrize("link_ms_per_product_ms", [0.0, 1.13, 20.0])
+def test_userbuffers_backward_scatter_in_bulk_under_the_weight_gradient_and_gather_in_a_ring(link_ms_per_product_ms):
+    """NeMo's backward: the input-gradient product whole, its reduce-scatter a bulk overlap under the weight
+    gradient (the same m·n·k), exposed only beyond it; the next all-gather a ring exchange over t chunks. Where
+    the tensor's time on the link is a little over the product's, the bulk reduce-scatter hides whole while each of
+    torch's chunked steps outlasts its chunk."""
+    t, (m, n, k) = 8, (8192, 6144, 6144)
+    product = OpCount("mm", "matmul", (1, m, n, k), 2 * m * n * k, 2 * (m * k + k * n + m * n), 1)
+    chunk = OpCount("mm", "matmul", (1, m // t, n, k), product.flops // t, product.moved_bytes // t, 1)
+    nbytes, product_ms, chunk_ms = m * n * 2, op_ms(product, DEVICE), op_ms(chunk, DEVICE)
+    bytes_per_ms = nbytes / (link_ms_per_product_ms * product_ms) if link_ms_per_product_ms else 1e15
+    link = placement_links(A100, Parallelism(tensor=t)).tensor.model_copy(update={"latency_ms": 0.0,
+                                                                                   "bytes_per_ms": bytes_per_ms})
+    step_ms = nbytes / t / bytes_per_ms
+    scatter_ms = collectives.reduce_scatter_ms(nbytes, t, 0.0, bytes_per_ms)
+    expected = product_ms + max(scatter_ms - product_ms, 0.0) + t * chunk_ms - product_ms + (t - 1) * max(
+        step_ms - chunk_ms, 0.0)
+    assert userbuffers_backward_ms(product, DEVICE, t, nbytes, link) == pytest.approx(expected)
+    if link_ms_per_product_ms == 1.13:
+        assert scatter_ms < product_ms and step_ms > chunk_ms
+        assert userbuffers_backward_ms(product, DEVICE, t, nbytes, link) < overlapped_ms(product, DEVICE, t, nbytes,
+                                                                                        link)
+
+
 def test_tp_overlap_runs_the_forward_as_the_named_runtime_does(gpt16):
     """With free links only the products' own time is left: Megatron's forward pays its splits on the
-    multiprocessors the userbuffers kernels leave, torch's its t chunks on all of them; the backward is the same."""
+    multiprocessors the userbuffers kernels leave, torch's its t chunks on all of them; in the backward both pay
+    t chunks (Megatron's for the ring exchange's all-gather)."""
     block = gpt16.layers[1]
     free = placement_links(A100, Parallelism(tensor=8)).tensor.model_copy(update={"latency_ms": 0.0,
                                                                                    "bytes_per_ms": 1e15})
