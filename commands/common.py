@@ -267,8 +267,8 @@ TpOverlap = Annotated[bool, typer.Option(
     "--tp-overlap", help="With --sequence-parallel: its all-gathers and reduce-scatters overlapped with the "
                          "products as --tp-runtime runs them: megatron's forward as TransformerEngine's userbuffers "
                          "(4 splits on the SMs its kernels leave, the last reduce-scatter exposed; the backward's "
-                         "reduce-scatter under the weight gradient), torch's async TP in t chunks; only what "
-                         "outlasts a chunk's product is exposed. Within a node.")]
+                         "reduce-scatter under the weight gradient), torch's async TP in t chunks and a sum of the "
+                         "partials; only what outlasts a chunk's product is exposed. Within a node.")]
 TpRuntime = Annotated[str | None, typer.Option(
     "--tp-runtime", metavar="RUNTIME", help="With --sequence-parallel: whose tensor-parallel layers run: megatron "
                                             "(Megatron-core and TransformerEngine, NeMo's; the default: each "

@@ -585,6 +585,16 @@ def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: Estima
     return t * chunk_ms + 2 * (t - 1) * max(step_ms - chunk_ms, 0.0)
 
 
+def async_tp_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
+    """`overlapped_ms` as torch's async TP ends it (`--tp-runtime torch`): `_fused_matmul_reduce_scatter_impl`
+    (torch/distributed/_symmetric_memory/__init__.py) has each rank's t chunks written into the owners' stacked
+    partials (the whole `nbytes` output, t pieces of 1/t) and only then sums them in one reduction kernel, reading
+    all of it and writing the rank's 1/t, after the last chunk: exposed, at the memory bandwidth."""
+    batch, m, n, _ = op.shape
+    reduction = OpCount("sum", "memory", (batch, max(m // t, 1), n), 0, nbytes + nbytes // t, 1)
+    return overlapped_ms(op, device, t, nbytes, link) + op_ms(reduction, device)
+
+
 def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink) -> float:
     """What stays exposed of the backward's all-gather of a column-parallel product's input (`nbytes`, gathered
     over t sequence-parallel ranks): sequence parallelism saves each rank's 1/t of the input and gathers it again
@@ -659,7 +669,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         gather_ms = input_gather_ms(batch * m * n * saved_input_bytes, product_ms, t, tensor_link) if regathers \
             else 0.0
         if parallel.tp_overlap:
-            overlap = overlapped_ms if parallel.tp_runtime == "torch" else (
+            overlap = async_tp_ms if parallel.tp_runtime == "torch" else (
                 userbuffers_forward_ms if forward else userbuffers_backward_ms)
             return overlap(op, device, t, nbytes, tensor_link) + gather_ms
         if parallel.sequence_parallel:

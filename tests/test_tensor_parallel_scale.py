@@ -78,6 +78,7 @@ def test_a_tensor_parallel_degree_that_splits_a_node_is_one_line_and_writes_noth
 # --- --tp-overlap: sequence parallelism's collectives overlapped with the products in t chunks ---
 
 from pipesim.planning.estimate import (  # noqa: E402
+    async_tp_ms,
     input_gather_ms,
     overlapped_ms,
     userbuffers_backward_ms,
@@ -294,12 +295,23 @@ def test_userbuffers_backward_scatter_in_bulk_under_the_weight_gradient_and_gath
 
 def test_tp_overlap_runs_the_forward_as_the_named_runtime_does(gpt16):
     """With free links only the products' own time is left: Megatron's forward pays its splits on the
-    multiprocessors the userbuffers kernels leave, torch's its t chunks on all of them; in the backward both pay
-    t chunks (Megatron's for the ring exchange's all-gather)."""
+    multiprocessors the userbuffers kernels leave, torch's its t chunks on all of them and the sum of its stacked
+    partials; in the backward both pay t chunks (Megatron's for the ring exchange's all-gather), torch's the sum
+    too."""
     block = gpt16.layers[1]
     free = placement_links(A100, Parallelism(tensor=8)).tensor.model_copy(update={"latency_ms": 0.0,
                                                                                    "bytes_per_ms": 1e15})
     megatron, torch = (estimate_layer(block, DEVICE, Parallelism(tensor=8, sequence_parallel=True, tp_overlap=True,
                                                                  tp_runtime=runtime), free, 2)
                        for runtime in ("megatron", "torch"))
-    assert megatron.fwd_ms > torch.fwd_ms and megatron.bwd_ms == torch.bwd_ms
+    assert megatron.fwd_ms > torch.fwd_ms and megatron.bwd_ms < torch.bwd_ms
+
+
+def test_torchs_async_tp_sums_its_stacked_partials_after_the_last_chunk():
+    """torch's `_fused_matmul_reduce_scatter_impl`: the t chunks land in the owners' stacked partials (the whole
+    output), then one reduction reads them all and writes the rank's 1/t, exposed after the pipeline."""
+    t, nbytes = 8, 8192 * 6144 * 2
+    link = placement_links(A100, Parallelism(tensor=t)).tensor
+    reduction_ms = A100.curve.kernel_overhead_ms + (nbytes + nbytes // t) / DEVICE.memory_bytes_per_ms
+    assert async_tp_ms(PRODUCT, DEVICE, t, nbytes, link) == pytest.approx(
+        overlapped_ms(PRODUCT, DEVICE, t, nbytes, link) + reduction_ms)
