@@ -125,3 +125,11 @@ def test_estimate_sweep_and_tune_take_the_rotation(tmp_path):
 def test_a_bad_rotation_is_one_line_and_writes_nothing(args, line, tmp_path):
     code, _, err = pipesim("estimate", *WHAT_IF, "-p", 2, *args, "--out", tmp_path / "p.json")
     assert code == 2 and err.strip() == f"error: {line}" and not (tmp_path / "p.json").exists()
+
+
+def test_the_costs_line_names_the_rotation_only_where_there_is_a_ring():
+    args = (*WHAT_IF, "-p", 2, "-m", 4, "-s", "1f1b")
+    code, out, err = pipesim("simulate", *args, "--context-parallel", 4, "--cp-rotate", "allgather")
+    assert code == 0 and "cp rotate allgather" in " ".join(out.split()), err
+    code, out, err = pipesim("simulate", *args)
+    assert code == 0 and "cp rotate" not in " ".join(out.split()), err
