@@ -6,7 +6,8 @@ setting as the report gives it: 2,048 H800s (`--gpu h800`), no tensor parallelis
 bidirectional DualPipe of its section 3.2.1 and figure 5 (`-s dualpipe`: two copies of the model fed from both
 ends; not DualPipeV, which came later in deepseek-ai/DualPipe), the routed experts of each layer over 64 GPUs of 8
 nodes (`--expert-parallel 64 --rank-order megatron`: an expert group is 64 consecutive ranks, 8 a node), DeepEP's
-dispatch (`--token-dispatcher deepep`: once over IB to each node, forwarded over NVLink, section 3.2.2), ZeRO-1 over
+dispatch (`--token-dispatcher deepep`: once over IB to each node, forwarded over NVLink, section 3.2.2; each token
+to at most 4 of the 8 nodes, M = 4, read from the config's n_group 8 and topk_group 4, a group a node), ZeRO-1 over
 the 128 replicas (`--zero 1`), FP8 products with FP8 inputs cached for the backward and weights quantized once a
 step (`--dtype fp8 --fp8-recipe te`, section 3.3), 16-bit weights with FP32 gradients and master weights
 (`--precision megatron`, section 3.3.1), 4,096-token sequences and 15,360 of them a step (the batch after its
@@ -44,9 +45,6 @@ NOT_MODELLED = {
                               "2h -> h projection and a second pass through the shared output head, on the last "
                               "stage, figure 3) is not built: transformers' DeepseekV3 model has none, so its work, "
                               "about 1/61 of the layers' and one more head, is missing from the last stage",
-    "node-limited routing": "each token reaches at most 4 of the 8 nodes (M = 4); the deepep dispatch prices "
-                            "balanced routing over all 8, about 4.6 other nodes a token instead of at most 3.5 "
-                            "(the all-to-all over IB is dearer, but DualPipe's pairs hide most of it)",
     "communication SMs": "20 of the H800's 132 SMs run the all-to-all kernels (section 3.2.2); the overlapped "
                          "pairs' compute is priced on all 132",
     "fine-grained FP8": "1x128 activation tiles and 128x128 weight blocks with FP32 promotion every 128 products "

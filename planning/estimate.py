@@ -853,6 +853,11 @@ def _element_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+def _routing_groups(options: dict) -> tuple[int, int] | None:
+    """The count's group-limited routing, (G groups, M a token), as `expert_group` takes it (None: none)."""
+    return (options["expert_groups"], options["groups_per_token"]) if options.get("expert_groups") else None
+
+
 def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *, optimizer: str = "adam",
                      cluster: Cluster | None = None, curve: Curve | None = None,
                      bounds: list[int] | None = None) -> Profile:
@@ -887,7 +892,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     try:
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
-                               parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor)
+                               parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor,
+                               _routing_groups(counted.options))
     except ExpertParallelError as exc:
         raise EstimateError(str(exc)) from None
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,

@@ -25,7 +25,13 @@ that node's ranks (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.2.2
 its normal kernels' NVLink-to-RDMA forwarding). With balanced routing a token's k experts are k of the n drawn
 alike, so a group of g of them misses all k with chance C(n - g, k) / C(n, k): a rank (g = n/E) or a node (g its
 ranks' experts) receives the token with one minus that. The NIC carries one copy per other node receiving it, the
-node's link one per other rank receiving it on each node (`ExpertGroup.all_to_all_ms`).
+node's link one per other rank receiving it on each node (`ExpertGroup.all_to_all_ms`). Where the router limits a
+token to M of G expert groups of s = n/G (DeepSeek-V3's node-limited routing, M = 4 of 8, a group a node: its
+report, section 2.1.2; transformers' DeepseekV3 router, n_group and topk_group), its M groups are M of the G drawn
+alike and its k experts k of their M·s: a rank whose experts lie in one group receives it with chance
+M/G·(1 - C(Ms - g, k)/C(Ms, k)), a node holding j whole groups with one minus the sum over the i of its groups
+chosen (hypergeometric: C(j, i)·C(G - j, M - i)/C(G, M)) of C((M - i)s, k)/C(Ms, k). A placement whose ranks or
+nodes split groups otherwise is priced without the limit.
 
 Routing is data-dependent; balanced, every rank computes the same. With the busiest expert taking a share S of a
 micro-batch's routed token copies (`hot_share`; balanced: 1/n of n experts), the rank holding it and n/E - 1
@@ -69,6 +75,7 @@ class ExpertGroup:
     dispatcher: str | None = None  # of `DISPATCHERS` (None: alltoall)
     tensor: int = 1  # ETP: the ranks each expert's weights are split over
     dense_tensor: int = 1  # t: the ranks each dense layer's weights are split over
+    groups: tuple[int, int] | None = None  # (G, M): a token's experts lie in M of G expert groups (None: any)
 
     @property
     def weight_shards(self) -> int | Fraction:
@@ -118,8 +125,18 @@ class ExpertGroup:
 
     def _receives(self, held: int, copies: int) -> float:
         """The chance that a group of ranks holding `held` of the experts receives a token routed to `copies` of
-        them, drawn alike (balanced routing)."""
-        return 1 - math.comb(self.experts - held, copies) / math.comb(self.experts, copies)
+        them, drawn alike (balanced routing), within the token's M of G groups where the router limits it (module
+        docstring)."""
+        if self.groups is None:
+            return 1 - math.comb(self.experts - held, copies) / math.comb(self.experts, copies)
+        groups, chosen = self.groups
+        size = self.experts // groups
+        reach = math.comb(chosen * size, copies)
+        if held <= size:
+            return chosen / groups * (1 - math.comb(chosen * size - held, copies) / reach)
+        whole = held // size
+        return 1 - sum(math.comb(whole, i) * math.comb(groups - whole, chosen - i) / math.comb(groups, chosen)
+                       * math.comb((chosen - i) * size, copies) / reach for i in range(min(whole, chosen) + 1))
 
 
 def held_share(layer: LayerCount, shards: int | Fraction) -> float | Fraction:
@@ -132,12 +149,14 @@ def held_share(layer: LayerCount, shards: int | Fraction) -> float | Fraction:
 
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
                  pipeline: int, data: int, hot_share: float | None = None, dispatcher: str | None = None,
-                 order: str = "pipesim", expert_tensor: int | None = None) -> ExpertGroup:
+                 order: str = "pipesim", expert_tensor: int | None = None,
+                 groups: tuple[int, int] | None = None) -> ExpertGroup:
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
     model), placed as the rank `order` says (planning/ranks.py) with each expert split over `expert_tensor` ranks
     (None: t), its busiest expert taking `hot_share` of the routed token copies (None: balanced), its tokens
-    dispatched by `dispatcher` (None: alltoall); an impossible degree, share or dispatcher is
-    `ExpertParallelError`."""
+    dispatched by `dispatcher` (None: alltoall), each routed within M of G expert `groups` (None: any; kept only
+    where each rank's and each node's experts lie in one group or hold whole ones); an impossible degree, share or
+    dispatcher is `ExpertParallelError`."""
     if ranks > 1 and not experts:
         raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
                                   "experts: gpt --experts, or a Hugging Face MoE config)")
@@ -161,5 +180,14 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
         if ranks == 1:
             raise ExpertParallelError("token_dispatcher: dispatches tokens between expert-parallel ranks; give "
                                       "--expert-parallel above 1")
-    return ExpertGroup(ranks, grid.per_node(("ep",), placement.gpus_per_node), placement.node_link,
-                       placement.network_link, experts, hot_share, dispatcher, grid.size("tp"), tensor)
+    per_node = grid.per_node(("ep",), placement.gpus_per_node)
+    if groups is not None and not (experts and experts % groups[0] == 0 and all(
+            _aligned(experts // ranks * count, experts // groups[0]) for count in (1, per_node))):
+        groups = None
+    return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share, dispatcher,
+                       grid.size("tp"), tensor, groups)
+
+
+def _aligned(held: int, size: int) -> bool:
+    """Whether `held` experts placed in order lie in one group of `size` or hold whole groups."""
+    return size % held == 0 if held <= size else held % size == 0

@@ -34,6 +34,9 @@ WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K_FIELD = "num_experts_per_tok"
 EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is not intermediate_size's (Mixtral's)
+# DeepSeek-V3's group-limited routing: the router picks topk_group of n_group expert groups a token, then its k
+# experts among them (transformers' DeepseekV3 router; the report's node-limited routing, a group a node)
+GROUP_FIELDS = ("n_group", "topk_group")
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
 
 
@@ -94,6 +97,9 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
     if experts:  # aliases of one another: one is enough
         options.update(experts=experts, top_k=getattr(settings, TOP_K_FIELD, None),
                        expert_ffn=getattr(settings, EXPERT_FFN_FIELD, None) or options["ffn"])
+        groups, per_token = (getattr(settings, name, None) for name in GROUP_FIELDS)
+        if groups and per_token and per_token < groups:
+            options.update(expert_groups=groups, groups_per_token=per_token)
     longest = getattr(settings, "max_position_embeddings", None)
     if seq_len is None:
         raise ModelError(f"--seq-len: give the tokens a sample of {spec} holds"
