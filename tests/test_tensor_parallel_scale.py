@@ -315,3 +315,11 @@ def test_torchs_async_tp_sums_its_stacked_partials_after_the_last_chunk():
     reduction_ms = A100.curve.kernel_overhead_ms + (nbytes + nbytes // t) / DEVICE.memory_bytes_per_ms
     assert async_tp_ms(PRODUCT, DEVICE, t, nbytes, link) == pytest.approx(
         overlapped_ms(PRODUCT, DEVICE, t, nbytes, link) + reduction_ms)
+
+
+def test_the_costs_line_names_the_tp_runtime_only_where_it_is_not_megatrons(tmp_path):
+    args = ("estimate", *GPT16, "--tensor-parallel", 8, "--sequence-parallel")
+    code, out, err = pipesim(*args, "--tp-runtime", "torch", "--out", tmp_path / "torch.json")
+    assert code == 0 and "tp runtime torch" in " ".join(out.split()), err
+    code, out, err = pipesim(*args, "--out", tmp_path / "megatron.json")
+    assert code == 0 and "tp runtime" not in " ".join(out.split()), err
