@@ -9,10 +9,11 @@ nodes (`--expert-parallel 64 --rank-order megatron`: an expert group is 64 conse
 dispatch (`--token-dispatcher deepep`: once over IB to each node, forwarded over NVLink, section 3.2.2; each token
 to at most 4 of the 8 nodes, M = 4, read from the config's n_group 8 and topk_group 4, a group a node), ZeRO-1 over
 the 128 replicas (`--zero 1`), FP8 products with FP8 inputs cached for the backward and weights quantized once a
-step (`--dtype fp8 --fp8-recipe te`, section 3.3), 16-bit weights with FP32 gradients and master weights
-(`--precision megatron`, section 3.3.1), 4,096-token sequences and 15,360 of them a step (the batch after its
-ramp over the first 469B of 14.8T tokens). The report states no micro-batch size: one sequence
-(`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a step. What no flag expresses is in `NOT_MODELLED`.
+step (`--dtype fp8 --fp8-recipe te`, section 3.3), 16-bit weights with FP32 gradients and master weights and
+AdamW's moments in BF16 (`--precision megatron-bf16-moments`, section 3.3.3), 4,096-token sequences and 15,360 of
+them a step (the batch after its ramp over the first 469B of 14.8T tokens). The report states no micro-batch size:
+one sequence (`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a step. What no flag expresses is in
+`NOT_MODELLED`.
 
 Published: 180K H800 GPU hours per trillion tokens, so 10^12 tokens / (180,000 GPU h x 3,600 s/h) = 1,543 tokens/s
 per GPU (the report's own "3.7 days on our cluster with 2048 H800 GPUs" gives 1,527). It is the whole pre-training's
@@ -52,7 +53,6 @@ NOT_MODELLED = {
                         "per-tensor recipe, the dispatch in 16 bits",
     "recomputation": "RMSNorm and MLA up-projections recomputed in the backward (section 3.2.3): no --recompute "
                      "option selects those ops; their saved outputs are kept (memory) and not rerun (time)",
-    "BF16 moments": "AdamW's moments in BF16 (section 3.3.1): held in FP32 (memory only)",
     "EMA in CPU": "updated on the host asynchronously after each step, \"without incurring additional memory or "
                   "time overhead\" (section 3.2.3): nothing on the GPUs to model",
 }
@@ -86,8 +86,8 @@ class DeepSeekRun:
                 "--fp8-recipe", "te", "--attention", "flash", "-b", str(MICROBATCH_SIZE), "--gpu", self.gpu,
                 "--tensor-parallel", str(self.tensor), "-p", str(self.pipeline),
                 "-m", str(self.global_batch // (self.data * MICROBATCH_SIZE)), "--data-parallel", str(self.data),
-                "--expert-parallel", str(self.expert), "--zero", "1", "--precision", "megatron", "--recompute",
-                "none", "-s", self.schedule, "--stage-cut", "balanced", "--rank-order", "megatron",
+                "--expert-parallel", str(self.expert), "--zero", "1", "--precision", "megatron-bf16-moments",
+                "--recompute", "none", "-s", self.schedule, "--stage-cut", "balanced", "--rank-order", "megatron",
                 "--expert-tensor-parallel", "1", "--token-dispatcher", "deepep"]
 
 

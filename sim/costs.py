@@ -57,10 +57,14 @@ class Precision:
 # `optim.grad_sync_dtype: bf16`, as NVIDIA's Nemotron-4 340B benchmark sets them (NVIDIA/dgxc-benchmarking
 # nemotron/nemotron4-340b-synth.yaml, NeMo 24.09): gradients accumulated and reduced in 16 bits, the moments in
 # 16 bits, and no master copy, since NeMo's `setup_optimization` (megatron_base_model.py) sets `store_params=False`
-# when the optimizer's dtype is the model's.
+# when the optimizer's dtype is the model's. megatron-bf16-moments is megatron with AdamW's two moments in 16 bits,
+# as DeepSeek-V3 trained (arXiv 2412.19437, section 3.3.3, "Low-Precision Optimizer States": "We adopt the BF16
+# data format instead of FP32 to track the first and second moments in the AdamW optimizer [...] However, the
+# master weights (stored by the optimizer) and gradients (used for batch size accumulation) are still retained in
+# FP32").
 PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
               "megatron-16bit-grads": Precision(2, 2, 4, 4), "fsdp2": Precision(2, 4, 0, 4, stored_bytes=4),
-              "nemo-bf16-adam": Precision(2, 2, 0, 2)}
+              "nemo-bf16-adam": Precision(2, 2, 0, 2), "megatron-bf16-moments": Precision(2, 4, 4, 2)}
 
 
 class CostError(ValueError):

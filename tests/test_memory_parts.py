@@ -122,9 +122,24 @@ def test_nemos_bf16_distributed_adam_holds_16_bit_gradients_and_moments_and_no_m
             assert parts["optimizer_state"] == pytest.approx(state_per_weight * parts["parameters"], rel=1e-3)
 
 
+def test_deepseek_v3s_bf16_moments_keep_float32_master_weights_and_gradients():
+    """DeepSeek-V3's AdamW moments in BF16 (arXiv 2412.19437, section 3.3.3) beside float32 master weights and
+    gradients: per 16-bit weight, 4 bytes of gradient and 4 + 2 + 2 of optimizer state; Megatron-LM's default
+    holds its moments in float32 (4 + 4 + 4)."""
+    args = (*TINY_GPT, "--dtype", "bf16")
+    (moments,), (megatron,) = (simulate_json(*args, "--precision", name)
+                               for name in ("megatron-bf16-moments", "megatron"))
+    for held, state_per_weight in ((moments, 4.0), (megatron, 6.0)):
+        for device in held["devices"]:
+            parts = device["peak_memory_parts_mb"]
+            assert parts["gradients"] == pytest.approx(2.0 * parts["parameters"], rel=1e-3)
+            assert parts["optimizer_state"] == pytest.approx(state_per_weight * parts["parameters"], rel=1e-3)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--precision", "fp8"],
-     "--precision: choose from fp32, megatron, megatron-16bit-grads, fsdp2, nemo-bf16-adam (got 'fp8')"),
+     "--precision: choose from fp32, megatron, megatron-16bit-grads, fsdp2, nemo-bf16-adam, megatron-bf16-moments "
+     "(got 'fp8')"),
     (["--profile", PROFILE, "--precision", "megatron"], "--precision: a profile holds"),
     ([*TINY_GPT, "--dtype", "fp32", "--precision", "megatron"],
      "--precision megatron holds 16-bit weights; the model is counted in float32"),
