@@ -250,6 +250,11 @@ TokenDispatcher = Annotated[str | None, typer.Option(
                                               "(DeepEP's and HybridEP's: a token sent once to each rank, and across "
                                               "nodes once to each node, holding any of its experts, forwarded "
                                               "there over the node's link).")]
+DispatcherSms = Annotated[int | None, typer.Option(
+    "--dispatcher-sms", metavar="N", min=1, help="With --token-dispatcher deepep: the multiprocessors its dispatch "
+                                                 "and combine kernels hold, which the compute overlapped with them "
+                                                 "(an overlapped pair's other part) goes without. "
+                                                 "Default: 20, DeepEP's and Megatron-core's moe_deepep_num_sms.")]
 ExpertTensorParallel = Annotated[int | None, typer.Option(
     "--expert-tensor-parallel", metavar="ETP", min=1, help="With --expert-parallel and --rank-order megatron: the "
                                                            "ranks each routed expert is split over (Megatron-core's "
@@ -309,7 +314,8 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("expert_swiglu_fusion", ExpertSwigluFusion, True),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
-                ("token_dispatcher", TokenDispatcher, None), ("expert_tensor_parallel", ExpertTensorParallel, None),
+                ("token_dispatcher", TokenDispatcher, None), ("dispatcher_sms", DispatcherSms, None),
+                ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)

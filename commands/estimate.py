@@ -52,8 +52,8 @@ if TYPE_CHECKING:
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
-                 "fp8_recipe", "token_dispatcher", "expert_tensor_parallel", "rank_order", "loss_parallel",
-                 "tp_runtime", "cp_rotate", "expert_swiglu_fusion")
+                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
+                 "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -64,6 +64,7 @@ SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torcht
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
                   "hot_expert_share": "--hot-expert-share", "token_dispatcher": "--token-dispatcher",
+                  "dispatcher_sms": "--dispatcher-sms",
                   "tp_overlap": "--tp-overlap", "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
                   "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
                   "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
@@ -101,6 +102,7 @@ class WhatIf:
     tp_runtime: str = "megatron"  # --tp-runtime, of planning/estimate.py's TP_RUNTIMES
     cp_rotate: str = "alltoall"  # --cp-rotate, of planning/estimate.py's CP_ROTATES
     expert_swiglu_fusion: bool = True  # --expert-swiglu-fusion (workload/moe.py)
+    dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -154,7 +156,8 @@ class WhatIf:
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
                            hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap,
-                           token_dispatcher=self.token_dispatcher, expert_tensor=self.expert_tensor,
+                           token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
+                           expert_tensor=self.expert_tensor,
                            rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
                            cp_rotate=self.cp_rotate)
 
@@ -229,6 +232,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     dispatcher = params.get("token_dispatcher")
     if dispatcher is not None and dispatcher not in DISPATCHERS:
         raise InputError(f"--token-dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
+    if params.get("dispatcher_sms") is not None and dispatcher != "deepep":
+        raise InputError("--dispatcher-sms: the multiprocessors DeepEP's kernels hold; give --token-dispatcher deepep")
     rank_order = params.get("rank_order") or "pipesim"
     if rank_order not in RANK_ORDERS:
         raise InputError(f"--rank-order: choose from {', '.join(RANK_ORDERS)} (got {rank_order!r})")
@@ -249,7 +254,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
-                  expert_swiglu_fusion=params.get("expert_swiglu_fusion", True))
+                  expert_swiglu_fusion=params.get("expert_swiglu_fusion", True),
+                  dispatcher_sms=params.get("dispatcher_sms"))
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:

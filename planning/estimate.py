@@ -110,6 +110,7 @@ class Parallelism:
     rank_order: str = "pipesim"  # how the ranks are numbered, of `RANK_ORDERS` (planning/ranks.py)
     hot_expert_share: float | None = None  # the busiest expert's share of the routed tokens (None: balanced)
     token_dispatcher: str | None = None  # how tokens reach the experts (planning/experts.py; None: alltoall)
+    dispatcher_sms: int | None = None  # multiprocessors DeepEP's kernels hold (None: `DEEPEP_MULTIPROCESSORS`)
     sequence_parallel: bool = False
     recompute: str = "none"
     sharded_optimizer: bool = False
@@ -124,6 +125,9 @@ class Parallelism:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
+        if self.dispatcher_sms is not None and (self.token_dispatcher != "deepep" or self.dispatcher_sms < 1):
+            raise EstimateError(f"dispatcher_sms: {self.dispatcher_sms}; the multiprocessors DeepEP's kernels hold, "
+                                "at least 1, with token_dispatcher deepep")
         if self.rank_order not in RANK_ORDERS:
             raise EstimateError(f"rank_order: choose from {', '.join(RANK_ORDERS)} (got {self.rank_order!r})")
         if self.recompute not in RECOMPUTE:
@@ -515,6 +519,27 @@ class ContextRing:
 # communication kernels; NeMo's per-model userbuffer configs set 8-24, tp_overlap_configs/userbuffers.py).
 TE_PIPELINE_SPLITS = 4
 TE_PIPELINE_MULTIPROCESSORS = 16
+
+
+# The multiprocessors DeepEP's dispatch and combine kernels hold while they run: its `Buffer.num_sms` default 20,
+# Megatron-core's `moe_deepep_num_sms` default 20 (transformer_config.py), the "only 20 SMs" DeepSeek-V3's report
+# gives its communication (arXiv 2412.19437, section 3.2.2). Whatever computes beside them gets the rest
+# (`sharing_dispatcher`).
+DEEPEP_MULTIPROCESSORS = 20
+
+
+def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
+    """`device` as a pass computing beside DeepEP's kernels sees it: on the multiprocessors they leave
+    (`on_multiprocessors`); None where no dispatcher holds any (NCCL's all-to-all: `--token-dispatcher alltoall`).
+    Only an overlapped pair computes beside them (sim/costs.py `Costs.sharing_dispatcher_ms`): without the expert
+    overlap the dispatch is a row the next pass waits for."""
+    if parallel.token_dispatcher != "deepep":
+        return None
+    held = DEEPEP_MULTIPROCESSORS if parallel.dispatcher_sms is None else parallel.dispatcher_sms
+    if held >= device.curve.multiprocessors:
+        raise EstimateError(f"dispatcher_sms: {held} of the part's {device.curve.multiprocessors} multiprocessors "
+                            "leaves none to compute on; give fewer")
+    return on_multiprocessors(device, device.curve.multiprocessors - held)
 
 
 def on_multiprocessors(device: Device, multiprocessors: int) -> Device:
@@ -912,12 +937,15 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     shards = t * (parallel.data * parallel.context if parallel.sharded_optimizer else 1)  # C ranks shard as d do
     widen = held.state_bytes // element  # the count's state is in its dtype; mixed precision keeps it in float32
     layers = []
-    previous: tuple[LayerCount, LayerEstimate] | None = None  # a model's blocks repeat: each priced once
+    sharing = sharing_dispatcher(device, parallel)
+    previous: tuple[LayerCount, LayerEstimate, LayerEstimate | None] | None = None  # a model's blocks repeat
     for layer in counted.layers:
         if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
-            previous = (layer, estimate_layer(experts.busiest(layer), device, parallel, links.tensor, element,
-                                              links.context))
-        priced = previous[1]
+            busiest = experts.busiest(layer)
+            previous = (layer, estimate_layer(busiest, device, parallel, links.tensor, element, links.context),
+                        None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor,
+                                                                    element, links.context))
+        priced, shared = previous[1], previous[2]
         share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
@@ -932,6 +960,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             param_bytes=params,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
+            fwd_sharing_ms=shared.fwd_ms if shared else 0.0, bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + held.master_bytes *

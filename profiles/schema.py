@@ -118,6 +118,10 @@ class LayerProfile(_Strict):
     # planning/experts.py) after its forward and after its backward, which the stage's A2A_F and A2A_B rows run
     all_to_all_fwd_ms: float = Field(0.0, ge=0)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
+    # The layer's forward and backward on the multiprocessors a dispatcher's kernels leave them while its
+    # all-to-alls run beside them (planning/estimate.py `sharing_dispatcher`); 0: none holds any
+    fwd_sharing_ms: float = Field(0.0, ge=0)
+    bwd_sharing_ms: float = Field(0.0, ge=0)
     # Of `param_bytes`, the routed experts' weights: under expert parallelism only the replicas that hold the same
     # experts reduce their gradients
     expert_param_bytes: int = Field(0, ge=0)
@@ -202,6 +206,8 @@ class StageProfile(_Strict):
     transient_bytes: dict[str, int] = Field(default_factory=dict)  # its passes' (`stage_transient_bytes`)
     all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
+    fwd_sharing_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.fwd_sharing_ms`), as the next
+    bwd_sharing_ms: float = Field(0.0, ge=0)
     expert_param_bytes: int = Field(0, ge=0)  # its layers' summed (`LayerProfile.expert_param_bytes`)
     ring_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.ring_fwd_ms`), as the next three
     ring_bwd_ms: float = Field(0.0, ge=0)
@@ -408,6 +414,7 @@ class Estimate(_Strict):
 
 PASSES = ("fwd", "bwd", "igrad", "wgrad")  # a layer's timed passes (`LayerProfile`)
 RING_TIMES = ("ring_fwd_ms", "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms")  # a stage sums its layers'
+SHARING_TIMES = ("fwd_sharing_ms", "bwd_sharing_ms")  # a stage sums its layers'
 
 Pass = Literal["fwd", "bwd", "igrad", "wgrad"]
 
@@ -612,6 +619,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             transient_bytes=stage_transient_bytes(layers, start, stop),
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),
+            **{name: math.fsum(getattr(layer, name) for layer in mine) for name in SHARING_TIMES},
             expert_param_bytes=sum(layer.expert_param_bytes for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in RING_TIMES},
             ring_buffer_bytes={name: max(layer.ring_buffer_bytes.get(name, 0) for layer in mine)

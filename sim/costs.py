@@ -103,6 +103,9 @@ class StageCosts:
     updates beside them (TransformerEngine's), whole on every data-parallel rank. `all_to_all_fwd_ms` and
     `all_to_all_bwd_ms`: the network time of the all-to-alls of the stage's routed experts over their
     expert-parallel group after a forward (an A2A_F) and after a backward (an A2A_B), on the network stream;
+    `fwd_sharing_ms` and `bwd_sharing_ms`: the forward and backward on the multiprocessors the dispatcher's kernels
+    leave them (0: none held), which an overlapped pair's part runs at while the other part's all-to-alls run
+    (`Costs.sharing_dispatcher_ms`);
     `expert_param_bytes`, of `param_bytes`, the routed experts' weights, whose gradients under E-way expert
     parallelism only the d/E replicas that hold the same experts reduce.
     `ring_fwd_ms` and `ring_bwd_ms`: the link time of the key/value exchanges of the stage's attention around its
@@ -141,6 +144,8 @@ class StageCosts:
     transient_bytes: dict[str, int] = field(default_factory=dict)
     all_to_all_fwd_ms: float = 0.0
     all_to_all_bwd_ms: float = 0.0
+    fwd_sharing_ms: float = 0.0
+    bwd_sharing_ms: float = 0.0
     expert_param_bytes: int = 0
     ring_fwd_ms: float = 0.0
     ring_bwd_ms: float = 0.0
@@ -159,7 +164,7 @@ class StageCosts:
     def __post_init__(self) -> None:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
                  "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms",
-                 "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms")
+                 "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms")
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
                      "expert_param_bytes", "float8_weight_bytes", *optional[2:]):
@@ -276,6 +281,17 @@ class Costs:
         hidden = self.overlap_hidden_fraction * np.minimum(forward_ms, backward_ms)
         forward_shorter = forward_ms <= backward_ms
         return forward_ms - hidden * forward_shorter, backward_ms - hidden * ~forward_shorter
+
+    def sharing_dispatcher_ms(self, stage: np.ndarray, forward: bool, part_ms: np.ndarray,
+                              beside_ms: np.ndarray) -> np.ndarray:
+        """What an overlapped pair's part (a forward, or a backward: `forward`) of `stage` takes while the other
+        part's all-to-alls run `beside_ms` beside it on kernels that hold multiprocessors (DeepEP's): for as long
+        as they run, it computes at its own time over its time on the multiprocessors they leave
+        (`StageCosts.fwd_sharing_ms`), the rest at full speed; unchanged where none are held."""
+        own = np.array([c.fwd_ms if forward else c.bwd_ms for c in self.stages])[stage]
+        sharing = np.array([c.fwd_sharing_ms if forward else c.bwd_sharing_ms for c in self.stages])[stage]
+        slower = np.divide(sharing, own, out=np.ones_like(own), where=(sharing > 0) & (own > 0))
+        return part_ms + np.minimum(beside_ms, part_ms * slower) * (1 - 1 / slower)
 
     def op_ms_table(self, pipelines: int) -> np.ndarray:
         """Ms of one op per (model stage, compute kind), kinds in `KINDS` order (F, B, I, W, OPT, PRED, AVG,

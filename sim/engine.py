@@ -156,6 +156,16 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     if len(pair) and costs.overlap_hidden_fraction > 0:
         forward_ms, backward_ms = costs.overlapped_ms(duration[pair] / _PS_PER_MS, duration[pair + 1] / _PS_PER_MS)
         duration[pair], duration[pair + 1] = _picoseconds(forward_ms), _picoseconds(backward_ms)
+    # An overlapped pair's all-to-alls (the A2A_F and A2A_B right after it) run beside its other part's compute.
+    paired = pair[pair + 3 < n]
+    paired = paired[(kind[paired + 2] == KIND_CODE[Kind.A2A_F]) & (kind[paired + 3] == KIND_CODE[Kind.A2A_B])]
+    if len(paired) and any(c.fwd_sharing_ms or c.bwd_sharing_ms for c in stages):  # a dispatcher holds some
+        a2a_f, a2a_b = KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]
+        forward_ms = costs.sharing_dispatcher_ms(stage[paired], True, duration[paired] / _PS_PER_MS,
+                                                 op_ms[stage[paired + 3], a2a_b])
+        backward_ms = costs.sharing_dispatcher_ms(stage[paired + 1], False, duration[paired + 1] / _PS_PER_MS,
+                                                  op_ms[stage[paired + 2], a2a_f])
+        duration[paired], duration[paired + 1] = _picoseconds(forward_ms), _picoseconds(backward_ms)
     held = duration if host_ps is None else duration + host_ps  # what each row keeps its device from its next row
 
     # A channel's transfers share their size, time and route.
@@ -242,11 +252,9 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     collective_ms = op_ms[stage[collective_rows], kind[collective_rows]]
     hidden_ms = costs.hidden_ms_table()[stage[collective_rows], kind[collective_rows]]
     collective_ps = _picoseconds(np.maximum(collective_ms - hidden_ms, 0.0))
-    # An overlapped pair's all-to-alls (the A2A_F and A2A_B right after it) run under its other part's compute, as
-    # DualPipe overlaps them (DeepSeek-V3's report, section 3.2.1: each part's communication hidden under the other
-    # part's computation): what remains of each once that compute has run is what its row holds the lane for.
-    paired = pair[pair + 3 < n]
-    paired = paired[(kind[paired + 2] == KIND_CODE[Kind.A2A_F]) & (kind[paired + 3] == KIND_CODE[Kind.A2A_B])]
+    # An overlapped pair's all-to-alls run under its other part's compute, as DualPipe overlaps them (DeepSeek-V3's
+    # report, section 3.2.1: each part's communication hidden under the other part's computation): what remains
+    # of each once that compute has run is what its row holds the lane for.
     if len(paired):
         at = np.searchsorted(collective_rows, paired + 2)
         collective_ps[at] = np.maximum(collective_ps[at] - duration[paired + 1], 0)

@@ -1,0 +1,45 @@
+"""The multiprocessors DeepEP's kernels hold (`--dispatcher-sms`, planning/estimate.py `sharing_dispatcher`): while
+an overlapped pair's all-to-alls run, the other part computes on the multiprocessors they leave
+(`Costs.sharing_dispatcher_ms`); without the overlap nothing computes beside them; bad values are one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipesim.sim.costs import Costs, StageCosts
+from tests.conftest import pipesim, simulate_json
+
+GPT = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
+       "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "-p", 1, "-m", 4,
+       "-s", "1f1b", "--data-parallel", 16, "--expert-parallel", 16, "--token-dispatcher", "deepep")
+
+
+def test_a_part_computes_slower_only_while_the_other_parts_all_to_alls_run_beside_it():
+    """A 10 ms forward that takes 12.5 ms on what the kernels leave (0.8 of its speed): 4 ms beside them lose
+    4 x 0.2 ms; all-to-alls outlasting it slow the whole of it; no multiprocessors held, no change."""
+    costs = Costs((StageCosts(fwd_ms=10.0, bwd_ms=20.0, fwd_sharing_ms=12.5), StageCosts(fwd_ms=10.0, bwd_ms=20.0)))
+    stage, part_ms = np.array([0, 0, 1]), np.array([10.0, 10.0, 10.0])
+    assert costs.sharing_dispatcher_ms(stage, True, part_ms, np.array([4.0, 100.0, 4.0])) == pytest.approx(
+        [10.8, 12.5, 10.0])
+    assert costs.sharing_dispatcher_ms(stage, False, part_ms, np.array([4.0, 4.0, 4.0])) == pytest.approx(part_ms)
+
+
+def test_the_multiprocessors_held_lengthen_only_an_overlapped_step():
+    """Under --overlap-expert-comm the pair's compute shares the part with DeepEP's kernels: holding more of its
+    132 multiprocessors lengthens the step; without the overlap the dispatch is a row the next pass waits for, so
+    the step is the same."""
+    (few,), (many,) = (simulate_json(*GPT, "--overlap-expert-comm", "--dispatcher-sms", sms) for sms in (20, 100))
+    assert many["time_per_minibatch_ms"] > few["time_per_minibatch_ms"]
+    (alone_few,), (alone_many,) = (simulate_json(*GPT, "--dispatcher-sms", sms) for sms in (20, 100))
+    assert alone_many["time_per_minibatch_ms"] == alone_few["time_per_minibatch_ms"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--token-dispatcher", "alltoall", "--dispatcher-sms", 20),
+     "--dispatcher-sms: the multiprocessors DeepEP's kernels hold; give --token-dispatcher deepep"),
+    (("--dispatcher-sms", 132), "--dispatcher-sms 132 of the part's 132 multiprocessors leaves none to compute on"),
+])
+def test_bad_dispatcher_sms_is_one_line(args, message):
+    code, out, err = pipesim("simulate", *GPT, *args)
+    assert code == 2 and not out and err.count("\n") == 1 and message in err and "Traceback" not in err
