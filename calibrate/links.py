@@ -119,11 +119,11 @@ def _measure(jobs: list[Job], world_size: int, device: str, timeout_s: float) ->
     try:
         start_processes(procs, LINK_THREADS)
         while len(samples) < len(plans):
+            if time.monotonic() > deadline:  # before reading: a rank's own timeout error queued late is this one
+                raise LinkError(f"{what} timed out after {timeout_s:g} s")
             try:
                 msg = results.get(timeout=0.2)
             except queue_mod.Empty:
-                if time.monotonic() > deadline:
-                    raise LinkError(f"{what} timed out after {timeout_s:g} s") from None
                 failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
                     raise LinkError(f"{what}: rank {failed[0][0]} exited with code {failed[0][1]}") from None
