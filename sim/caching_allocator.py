@@ -138,10 +138,11 @@ class CachingAllocator:
                only: Set[int] | None = None) -> dict[int, int]:
         """Allocate and free on `stream` as a pass did (its storages' numbers and bytes, negative where freed, as
         `LayerCount.allocations` without the shapes), but never free those `held`, and with `only`, make those
-        alone; the addresses of the storages it left live, by number."""
+        alone; the addresses of the storages it left live, by number. An empty storage takes nothing (torch's
+        allocator hands out no block for 0 bytes), and its free reads as 0 bytes too: both are passed over."""
         live: dict[int, int] = {}
         for number, nbytes in allocations:
-            if only is not None and number not in only:
+            if nbytes == 0 or only is not None and number not in only:
                 continue
             if nbytes >= 0:
                 live[number] = self.malloc(nbytes, stream)

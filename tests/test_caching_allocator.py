@@ -340,3 +340,11 @@ def test_a_devices_rows_are_its_passes_in_the_order_they_start():
     assert first == [("fwd", 0), ("fwd", 1), *[row for i in range(6) for row in (("fwd", i + 2), ("bwd", i))],
                      ("bwd", 6), ("bwd", 7)]
     assert {stage for _, stage, _ in rows} == {1} and len(rows) == 2 * 2 * 8
+
+
+def test_an_empty_storage_takes_no_block():
+    """torch hands out nothing for 0 bytes; the count records its free as 0 bytes too, which must not allocate."""
+    allocator = CachingAllocator()
+    assert allocator.replay([(0, 0), (1, 3 * MIB), (0, 0), (0, 0)]) == {1: 0}
+    assert (allocator.allocated_bytes, allocator.reserved_bytes) == (3 * MIB, 20 * MIB)
+
