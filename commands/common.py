@@ -295,6 +295,14 @@ Recompute = Annotated[str | None, typer.Option(
                                         "full (each layer's forward again in its backward) or op (torchtitan's "
                                         "selective op policy: keeps every other matrix product's output and the "
                                         "attention's, reruns the rest; t = 1).")]
+RecomputeModules = Annotated[str | None, typer.Option(
+    "--recompute-modules", metavar="PARTS", help="With --gpu and --recompute none or selective: parts of every layer "
+                                                 "whose saved outputs are dropped after the forward and made again "
+                                                 "in the backward from what they read (Megatron-core's "
+                                                 "--recompute-modules, output-discarding): a comma list of layernorm "
+                                                 "(every norm), mla_up_proj (MLA's up-projections and RoPE) and "
+                                                 "moe_act (the experts' activation); DeepSeek-V3's report (3.2.3) "
+                                                 "recomputes the first two.")]
 
 OverlapExpertComm = Annotated[bool, typer.Option(
     "--overlap-expert-comm", help="With --expert-parallel: Megatron-core's expert-parallel overlap "
@@ -316,7 +324,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("token_dispatcher", TokenDispatcher, None), ("dispatcher_sms", DispatcherSms, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
-                ("rank_order", RankOrder, None))
+                ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "

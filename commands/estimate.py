@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
-                 "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion")
+                 "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion", "recompute_modules")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -67,7 +67,8 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "dispatcher_sms": "--dispatcher-sms",
                   "tp_overlap": "--tp-overlap", "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
                   "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
-                  "recompute": "--recompute", "optimizer": "--optimizer", "gpu": "--gpu",
+                  "recompute": "--recompute", "recompute_modules": "--recompute-modules", "optimizer": "--optimizer",
+                  "gpu": "--gpu",
                   "precision": "--precision"}
 
 
@@ -103,6 +104,7 @@ class WhatIf:
     cp_rotate: str = "alltoall"  # --cp-rotate, of planning/estimate.py's CP_ROTATES
     expert_swiglu_fusion: bool = True  # --expert-swiglu-fusion (workload/moe.py)
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
+    recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -159,7 +161,7 @@ class WhatIf:
                            token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
                            expert_tensor=self.expert_tensor,
                            rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
-                           cp_rotate=self.cp_rotate)
+                           cp_rotate=self.cp_rotate, recompute_modules=self.recompute_modules)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -214,6 +216,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     recompute = params.get("recompute")
     if recompute is not None and recompute not in RECOMPUTE:
         raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
+    modules = _recompute_modules(params.get("recompute_modules"), recompute)
     precision = params.get("precision")
     if precision is not None and precision not in PRECISIONS:  # before the model is counted, which takes seconds
         raise InputError(f"--precision: choose from {', '.join(PRECISIONS)} (got {precision!r})")
@@ -255,7 +258,24 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
                   expert_swiglu_fusion=params.get("expert_swiglu_fusion", True),
-                  dispatcher_sms=params.get("dispatcher_sms"))
+                  dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules)
+
+
+def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:
+    """--recompute-modules' comma list, each of `RECOMPUTE_REGIONS` once, beside --recompute none or selective."""
+    from ..profiles.workload import RECOMPUTE_REGIONS
+
+    if given is None:
+        return ()
+    modules = tuple(name.strip() for name in given.split(","))
+    wrong = next((name for name in modules if name not in RECOMPUTE_REGIONS), None)
+    if wrong is not None or len(set(modules)) < len(modules):
+        raise InputError(f"--recompute-modules: a comma list of {', '.join(RECOMPUTE_REGIONS)}, each once "
+                         f"(got {given!r})")
+    if recompute not in (None, "none", "selective"):
+        raise InputError(f"--recompute-modules reruns parts of a layer beside --recompute none or selective; "
+                         f"--recompute {recompute} already decides what every layer keeps")
+    return modules
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:

@@ -59,10 +59,16 @@ from ..profiles.schema import (
     boundary_bytes,
     layer_costs,
 )
-from ..profiles.workload import LayerCount, OpCount, WorkloadCount
+from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount
 from ..sim.caching_allocator import LayerAllocations
 from ..sim.costs import PRECISIONS, Precision
-from .experts import ALL_TO_ALLS, ExpertGroup, ExpertParallelError, expert_group, held_share
+from .experts import (
+    ALL_TO_ALLS,
+    ExpertGroup,
+    ExpertParallelError,
+    expert_group,
+    held_share,
+)
 from .fp8 import FP8_BYTES, FP8_RECIPES, attends, float8_weight_bytes, in_float8, step_cast_ops
 from .ranks import RANK_ORDERS, dense_grid
 
@@ -113,6 +119,7 @@ class Parallelism:
     dispatcher_sms: int | None = None  # multiprocessors DeepEP's kernels hold (None: `DEEPEP_MULTIPROCESSORS`)
     sequence_parallel: bool = False
     recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ()  # of `RECOMPUTE_REGIONS`, their outputs dropped and rerun (`Regions`)
     sharded_optimizer: bool = False
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
@@ -132,6 +139,12 @@ class Parallelism:
             raise EstimateError(f"rank_order: choose from {', '.join(RANK_ORDERS)} (got {self.rank_order!r})")
         if self.recompute not in RECOMPUTE:
             raise EstimateError(f"recompute: choose from {', '.join(RECOMPUTE)} (got {self.recompute!r})")
+        unknown = [name for name in self.recompute_modules if name not in RECOMPUTE_REGIONS]
+        if unknown:
+            raise EstimateError(f"recompute_modules: choose from {', '.join(RECOMPUTE_REGIONS)} (got {unknown[0]!r})")
+        if self.recompute_modules and self.recompute not in ("none", "selective"):
+            raise EstimateError(f"recompute_modules: reruns parts of a layer beside none or selective recomputation; "
+                                f"{self.recompute} already decides what every layer keeps")
         if self.recompute == "op" and self.tensor > 1:
             raise EstimateError("recompute: op (torchtitan's selective op policy) is modelled for tensor 1 only "
                                 f"(got tensor {self.tensor})")
@@ -713,12 +726,17 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     # a core tensor (split by t) 1/t of itself, unless selective recomputation drops it; the rest its share.
     parts = dict.fromkeys(SAVED_PARTS, 0.0)
     named = layer.saved_parts or ("other",) * len(layer.saved_tensors)
-    for (shape, nbytes), part in zip(layer.saved_tensors, named):
+    regions = Regions.of(layer, parallel.recompute_modules)
+    for i, ((shape, nbytes), part) in enumerate(zip(layer.saved_tensors, named)):
         core = split.core(shape)
-        parts[part] += (0.0 if parallel.recompute == "selective" else nbytes / t) if core else nbytes * rest_share
+        kept_bytes = nbytes / t if core else nbytes * rest_share
+        parts[part] += 0.0 if (core and parallel.recompute == "selective") or i in regions.dropped else kept_bytes
     parts["other"] += (saved - sum(nbytes for _, nbytes in layer.saved_tensors)) * rest_share  # a count lists all
-    saved_unless_rerun = sum(parts.values()) + sum(nbytes / t for shape, nbytes in layer.saved_tensors
-                                                   if split.core(shape) and parallel.recompute == "selective")
+    parts["other"] += sum(nbytes for _, _, nbytes in regions.inputs) * rest_share
+    saved_unless_rerun = sum(parts.values()) + sum(
+        (nbytes / t if split.core(shape) else nbytes * rest_share) for i, (shape, nbytes) in
+        enumerate(layer.saved_tensors) if (split.core(shape) and parallel.recompute == "selective")
+        or i in regions.dropped)
     rerun = 0.0
     rerun_ops: Sequence[OpCount] = ()  # what the backward recomputes of the forward
     transformer = _transformer(layer)
@@ -735,6 +753,9 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
         rerun_ops = layer.ops.get("fwd", ())
         rerun = times["fwd"]
+    if regions.ops:
+        rerun += pass_ms(regions.ops, True)
+        rerun_ops = (*rerun_ops, *regions.ops)
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     kept = sum(parts.values())
     total = round(min(kept, saved / c) if parallel.recompute in ("selective", "full") else kept)  # op's: its own
@@ -744,6 +765,32 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
                          whole_parts(parts, total), _transient_bytes(layer, split, saved_unless_rerun / c - total),
                          *rings)
+
+
+@dataclass(frozen=True)
+class Regions:
+    """What recomputing a layer's regions (profiles/workload.py `RECOMPUTE_REGIONS`, `--recompute-modules`) does, as
+    Megatron-core's output-discarding checkpoints run it (CheckpointWithoutOutput, megatron/core/tensor_parallel/
+    random.py): the saved tensors the regions created are dropped after the forward and made again before the
+    backward needs them, from what the regions read, which is kept (the checkpoint's inputs); a region's input
+    that another recomputed region made is made again too. `dropped`: indices in the layer's saved_tensors;
+    `inputs`: (number in allocations["fwd"], negative: made before the layer; shape; bytes) of those kept that
+    nothing saved; `ops`: the forward's ops the backward reruns; `made`: the allocations they make again."""
+
+    dropped: frozenset[int] = frozenset()
+    inputs: tuple[tuple[int, tuple[int, ...], int], ...] = ()
+    ops: tuple[OpCount, ...] = ()
+    made: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, layer: LayerCount, modules: Sequence[str]) -> Regions:
+        run = [name for name in modules if name in layer.region_saves]
+        inputs = {number: (number, shape, nbytes) for name in run
+                  for number, shape, nbytes, made_by, saved in layer.region_inputs.get(name, ())
+                  if saved < 0 and not set(made_by) & set(run)}
+        return cls(frozenset(i for name in run for i in layer.region_saves[name]), tuple(inputs.values()),
+                   tuple(op for name in run for op in layer.region_ops.get(name, ())),
+                   frozenset(n for name in run for n in layer.region_allocations.get(name, ())))
 
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dict[str, int]:
@@ -772,15 +819,18 @@ def _transformer(layer: LayerCount) -> bool:
 def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[LayerAllocations]:
     """Every counted layer's allocations on one of its stage's t·C ranks under `parallel`'s recomputation
     (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step."""
-    return [_rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute) for layer in counted.layers]
+    return [_rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute, parallel.recompute_modules)
+            for layer in counted.layers]
 
 
-def _rank_allocations(layer: LayerCount, split: _Split, recompute: str) -> LayerAllocations:
+def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,
+                      modules: Sequence[str] = ()) -> LayerAllocations:
     """The count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them (`_on_rank`), with
     what `recompute` has the backward make again: a transformer layer's whole forward under full recomputation,
     and under torchtitan's op policy all but what it keeps, every second product's output and the fused
-    attention's (`_op_policy`); the attention core (s x s tensors) under Megatron-LM's selective. What the
-    caching allocator replays (sim/caching_allocator.py)."""
+    attention's (`_op_policy`); the attention core (s x s tensors) under Megatron-LM's selective; and what the
+    recomputed `modules` make, keeping what they read (`Regions`). What the caching allocator replays
+    (sim/caching_allocator.py)."""
     passes = {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events)
               for name, events in layer.allocations.items()}
     made = [(number, shape, op) for number, shape, nbytes, op in layer.allocations.get("fwd", ()) if nbytes >= 0]
@@ -794,6 +844,10 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str) -> Layer
             products = [number for number, _, op in made if kinds.get(op) == "matmul"]
             kept = frozenset(products[::2]) | {number for number, _, op in made if kinds.get(op) == "attention"}
         rerun = frozenset(number for number, _, _ in made) - kept
+    regions = Regions.of(layer, modules)
+    if regions.made:
+        rerun = (rerun or frozenset()) | regions.made
+        kept |= {number for number, _, _ in regions.inputs if number >= 0}
     return LayerAllocations(passes, frozenset(layer.saved_allocations), rerun, kept)
 
 

@@ -14,6 +14,12 @@ OpKind = Literal["matmul", "attention", "compute", "memory"]
 # Whether a saved tensor is a linear layer's input, which its product keeps for the weight gradient (and a float8
 # recipe may keep cast instead): "only" (no other op saved it), "also" (another op saved it too), "" (not one)
 LINEAR_INPUT_SAVES = ("only", "also", "")
+# The parts of a layer a recomputation may drop the outputs of and rerun in the backward, by Megatron-core's names
+# (`recompute_modules`, megatron/core/transformer/transformer_config.py: its output-discarding checkpoints): every
+# norm ("layernorm"; DeepSeek-V3 recomputes "all RMSNorm operations", its report's section 3.2.3, where Megatron-core
+# recomputes the input and pre-MLP norms), MLA's up-projections with the RoPE and concatenations that make the
+# attention's queries, keys and values ("mla_up_proj") and the routed experts' activation ("moe_act")
+RECOMPUTE_REGIONS = ("layernorm", "mla_up_proj", "moe_act")
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,17 @@ class LayerCount:
     # the numbers, in `allocations["fwd"]`, of the forward's storages that autograd saves for the backward (the
     # rest it leaves live is its output), which a recomputation drops and the backward makes again
     saved_allocations: tuple[int, ...] = ()
+    # Per recomputation region of `RECOMPUTE_REGIONS` that the layer runs (workload/count.py `_Regions`), what
+    # recomputing it changes: `region_saves`, the indices in `saved_tensors` of those its ops created (dropped);
+    # `region_inputs`, the storages its ops read and did not create, each (its number in allocations["fwd"], or
+    # negative: made before the layer; its shape; bytes; the regions that created it; its index in saved_tensors,
+    # -1: not saved), which the recomputation keeps; `region_ops`, its forward's ops, which the backward reruns;
+    # `region_allocations`, the numbers in allocations["fwd"] of the storages it creates
+    region_saves: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    region_inputs: dict[str, tuple[tuple[int, tuple[int, ...], int, tuple[str, ...], int], ...]] = field(
+        default_factory=dict)
+    region_ops: dict[str, tuple[OpCount, ...]] = field(default_factory=dict)
+    region_allocations: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

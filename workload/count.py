@@ -27,6 +27,7 @@ count turns off), "flash" is torch's fused flash kernel (no scores saved: what t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections import Counter
@@ -45,7 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .loss import vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, _classify
-from .moe import Dispatched, dispatches, expert_swiglu_fusion
+from .moe import OPEN_REGIONS, Dispatched, dispatches, expert_swiglu_fusion
 from .optim import OPTIMIZERS, make_optimizer
 
 __all__ = ["ATTENTION", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
@@ -105,10 +106,16 @@ class _MovedBytes(TorchDispatchMode):
     those torch has no FLOP formula for, except views (ops whose outputs alias an input without writing it).
     With `routed`, an op reading a routed expert's weights or products is marked as the experts'."""
 
-    def __init__(self, tally: _Tally, routed: Dispatched | None = None) -> None:
+    def __init__(self, tally: _Tally, routed: Dispatched | None = None, regions: _Regions | None = None) -> None:
         super().__init__()
         self.tally = tally
         self.routed = routed
+        self.regions = regions
+
+    def _record(self, key: tuple) -> None:
+        self.tally.ops[key] += 1
+        for kind in self.regions.last if self.regions is not None else ():
+            self.regions.ops.setdefault(kind, Counter())[key] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -121,8 +128,8 @@ class _MovedBytes(TorchDispatchMode):
             moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
             given = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
             causal = bool(given.get("is_causal", False))  # an attention kernel's mask; no other op has one
-            self.tally.ops[name, _kind(name), _shape(name, reads), flops, moved, experts, causal,
-                           _kv_group(name, reads)] += 1
+            self._record((name, _kind(name), _shape(name, reads), flops, moved, experts, causal,
+                          _kv_group(name, reads)))
             return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)
@@ -134,8 +141,8 @@ class _MovedBytes(TorchDispatchMode):
         moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
-        self.tally.ops[name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
-                       False, 1] += 1
+        self._record((name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
+                      False, 1))
         return out
 
 
@@ -144,12 +151,14 @@ class _LiveBytes(TorchDispatchMode):
     freed (a weak reference's callback: torch keeps a storage's Python object while the storage lives), in order,
     so that the pass's transient peak can be read when it ends (`transient`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, regions: _Regions | None = None) -> None:
         super().__init__()
         self.created: dict[int, tuple[weakref.ref, tuple[int, ...], int, str]] = {}  # by event number, with its op
         self.events: list[tuple[int, bool]] = []  # (event number of the creation, created: else freed)
-        self.known: set[int] = set()  # the ids of the live storages created inside
+        self.known: dict[int, int] = {}  # the ids of the live storages created inside -> their numbers
         self.outside: dict[int, torch.UntypedStorage] = {}  # those an op read that were not: held, ids kept
+        self.regions = regions
+        self.region_kinds: dict[int, tuple[str, ...]] = {}  # by number: the regions that created it (`_Regions`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in tree_leaves((args, kwargs)):
@@ -163,14 +172,16 @@ class _LiveBytes(TorchDispatchMode):
             if id(storage) in self.known or id(storage) in self.outside:  # a view, or written in place
                 continue
             number = len(self.events)
-            self.known.add(id(storage))
+            self.known[id(storage)] = number
+            if self.regions is not None:
+                self.region_kinds[number] = tuple(self.regions.kinds.get(id(storage), ()))
             self.created[number] = (weakref.ref(storage, lambda _, n=number, key=id(storage): self._freed(n, key)),
                                     tuple(t.shape), storage.nbytes(), func.overloadpacket.__name__)
             self.events.append((number, True))
         return out
 
     def _freed(self, number: int, key: int) -> None:
-        self.known.discard(key)
+        self.known.pop(key, None)
         self.events.append((number, False))
 
     def transient(self, beside_kept: bool = False) -> tuple[tuple[tuple[int, ...], int], ...]:
@@ -207,13 +218,106 @@ class _LiveBytes(TorchDispatchMode):
                      if ref() is not None and id(ref()) in storages)
 
 
+# MLA's up-projections (`RECOMPUTE_REGIONS`' "mla_up_proj"; the routed experts' activation, workload/moe.py marks)
+_MLA_UP_NAMES = {"q_b_proj", "kv_b_proj", "linear_q_up_proj", "linear_kv_up_proj"}  # transformers', Megatron-core's
+
+
+def _region_kind(name: str, module: torch.nn.Module) -> str | None:
+    """The recomputation region a submodule (its qualified name, itself) is, or None: a norm by its class or name."""
+    word = name.rpartition(".")[2]
+    if "norm" in type(module).__name__.lower() or _module_part(word) == "norms":
+        return "layernorm"
+    return "mla_up_proj" if word in _MLA_UP_NAMES else None
+
+
+class _Regions(TorchDispatchMode):
+    """Which forward ops each recomputation region (profiles/workload.py `RECOMPUTE_REGIONS`) runs, what they
+    create and what they read that they did not create: the ops inside a region's module (or workload/moe.py's
+    `OPEN_REGIONS`), and after them, until a product or an attention kernel, the ops the module's parent runs on
+    what they made (MLA's RoPE and concatenations of the up-projections' outputs, which the attention then saves).
+    A recomputation drops the saved tensors a region created, keeps what it read, and reruns its ops
+    (planning/estimate.py `Regions`). Holds no storage: a storage's regions are forgotten when it is freed."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.params = {id(p.untyped_storage()) for p in layer.parameters()}
+        self.stack: list[str] = []  # the qualified names of the submodules under way, outermost first
+        self.region_of = {name: kind for name, module in layer.named_modules() if (kind := _region_kind(name, module))}
+        self.kinds: dict[int, dict[str, str]] = {}  # a live storage's id -> {region: where its ops may go on}
+        self.inputs: dict[str, dict[Any, tuple[int, tuple[int, ...], int, tuple[str, ...]]]] = {}
+        self.outside: list[int] = []  # the storages read that the layer's ops did not create, in order
+        self.last: tuple[str, ...] = ()  # the regions of the op just run (`_MovedBytes` records it in them)
+        self.ops: dict[str, Counter] = {}  # per region, its ops as `_Tally.ops` (`_MovedBytes` fills it)
+        self.live: _LiveBytes | None = None  # its storage numbers
+
+    def own(self) -> dict[str, str]:
+        """The regions the ops running now are inside, each with its module's parent (where its ops go on)."""
+        mine = {self.region_of[name]: name.rpartition(".")[0] for name in self.stack if name in self.region_of}
+        return {**mine, **{kind: self.stack[-1] if self.stack else "" for kind in OPEN_REGIONS}}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        reads = [t for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.params]
+        here = self.stack[-1] if self.stack else ""
+        heavy = func.overloadpacket in flop_registry
+        kinds = {kind: where for t in reads for kind, where in self.kinds.get(id(t.untyped_storage()), {}).items()
+                 if not heavy and where == here}
+        kinds.update(self.own())
+        out = func(*args, **(kwargs or {}))
+        for t in reads:
+            made = self.kinds.get(id(t.untyped_storage()), {})
+            for kind in kinds.keys() - made.keys():
+                self._read(kind, t, tuple(made))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if id(storage) not in self.kinds:
+                    weakref.finalize(storage, self.kinds.pop, id(storage), None)
+                self.kinds[id(storage)] = {**self.kinds.get(id(storage), {}), **kinds}
+        self.last = tuple(kinds)
+        return out
+
+    def _read(self, kind: str, tensor: torch.Tensor, made: tuple[str, ...]) -> None:
+        """Note that region `kind` read `tensor`'s storage, which regions `made` created (none: no region)."""
+        storage = tensor.untyped_storage()
+        number = self.live.known.get(id(storage)) if self.live is not None else None
+        if number is None:  # made before the layer: held by the layer's caller meanwhile, its id kept
+            if id(storage) not in self.outside:
+                self.outside.append(id(storage))
+            number = -1 - self.outside.index(id(storage))
+        self.inputs.setdefault(kind, {}).setdefault(number, (number, tuple(tensor.shape), storage.nbytes(), made))
+
+    @contextmanager
+    def tracing(self, layer: torch.nn.Module) -> Iterator[_Regions]:
+        """Follow `layer`'s submodules (the one it was made for) while it runs inside."""
+        def enter(name: str) -> Callable[..., None]:
+            return lambda *_: self.stack.append(name)
+
+        def leave(*_: Any) -> None:
+            self.stack.pop()
+
+        hooks = [hook for name, module in layer.named_modules() if name
+                 for hook in (module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave))]
+        try:
+            yield self
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+
 @contextmanager
-def _counting(routed: Dispatched | None = None, forward: bool = False) -> Iterator[_Tally]:
+def _counting(routed: Dispatched | None = None, forward: bool = False,
+              regions: _Regions | None = None) -> Iterator[_Tally]:
     """FLOPs, moved bytes and transient tensors of what runs inside, filled in when it ends; `forward`: a forward,
-    whose saved tensors the simulator holds from its start (`_LiveBytes.transient`)."""
+    whose saved tensors the simulator holds from its start (`_LiveBytes.transient`); `regions`: its recomputation
+    regions traced too."""
     tally = _Tally()
     flops = FlopCounterMode(display=False)
-    with flops, _MovedBytes(tally, routed), _LiveBytes() as live:
+    live = _LiveBytes(regions)
+    if regions is not None:
+        regions.live = live
+    with regions if regions is not None else contextlib.nullcontext(), flops, _MovedBytes(tally, routed, regions), \
+            live:
         yield tally
     tally.flops = flops.get_total_flops()
     tally.transient = live.transient(beside_kept=forward)
@@ -447,7 +551,9 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                  steps: dict[tuple, tuple[int, int]]) -> tuple[LayerCount, torch.Tensor]:
     """One layer counted (the last with its loss), and its output; `steps` caches optimizer steps by shapes."""
     weights = [p for p in layer.parameters() if p.requires_grad]
-    with dispatches() as routed, _counting(routed, forward=True) as fwd, _saved(layer, routed) as saved:
+    regions = _Regions(layer)
+    with dispatches() as routed, regions.tracing(layer), _counting(routed, True, regions) as fwd, \
+            _saved(layer, routed) as saved:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
     igrad, wgrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)
@@ -474,8 +580,23 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                            "wgrad": wgrad.transient},
         allocations={"fwd": fwd.allocations, "bwd": full.allocations, "igrad": igrad.allocations,
                      "wgrad": wgrad.allocations},
-        saved_allocations=fwd.live.alive(saved))
+        saved_allocations=fwd.live.alive(saved), **_region_fields(regions, fwd.live, saved))
     return count, out.detach()
+
+
+def _region_fields(regions: _Regions, live: _LiveBytes, saved: dict[int, Any]) -> dict[str, dict]:
+    """`LayerCount`'s region fields (`region_saves` and on) of a forward's traced `regions`, `saved` its saves."""
+    index = {key: i for i, key in enumerate(saved)}  # saved_tensors' order
+    numbered = {live.known[key]: i for key, i in index.items() if key in live.known}
+    made = {kind: tuple(n for n, kinds in live.region_kinds.items() if kind in kinds) for kind in regions.ops}
+    outside = {-1 - i: index.get(key, -1) for i, key in enumerate(regions.outside)}
+    return {"region_saves": {kind: tuple(sorted(numbered[n] for n in numbers if n in numbered))
+                             for kind, numbers in made.items()},
+            "region_inputs": {kind: tuple((*read, numbered.get(read[0], outside.get(read[0], -1)))
+                                          for read in regions.inputs.get(kind, {}).values())
+                              for kind in regions.ops},
+            "region_ops": {kind: _Tally(ops=ops).records() for kind, ops in regions.ops.items()},
+            "region_allocations": made}
 
 
 def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch.Tensor],

@@ -71,6 +71,9 @@ class Dispatched:
 
 _recording: list[Dispatched] = []  # the records open, innermost last
 _fusing: list[bool] = []  # `expert_swiglu_fusion`'s settings open, innermost last
+# The recomputation regions under way that no module marks (workload/count.py's `_Regions` reads it): the routed
+# experts' activation, Megatron-core's "moe_act" (`--recompute-modules`)
+OPEN_REGIONS: list[str] = []
 
 
 @contextmanager
@@ -161,12 +164,16 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         inner = torch.bmm(routed, up)
         _experts_own(inner)
         scale = weights.to(hidden.dtype)  # the activation scaled before the down product, as Megatron-core
-        if gated and _fusing and _fusing[-1]:
-            weighted = _WeightedSwiglu.apply(inner, scale, activation)
-        else:
-            active = activation(inner)
-            _experts_own(active)
-            weighted = active * scale
+        OPEN_REGIONS.append("moe_act")
+        try:
+            if gated and _fusing and _fusing[-1]:
+                weighted = _WeightedSwiglu.apply(inner, scale, activation)
+            else:
+                active = activation(inner)
+                _experts_own(active)
+                weighted = active * scale
+        finally:
+            OPEN_REGIONS.pop()
         _experts_own(weighted)
         done = torch.bmm(weighted, down).view(experts * each, width)
         return out.index_put((token,), done, accumulate=True)  # autograd keeps the index only

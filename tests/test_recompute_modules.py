@@ -1,0 +1,119 @@
+"""--recompute-modules (planning/estimate.py `Regions`, workload/count.py `_Regions`): the saved tensors a layer's
+norms, MLA's up-projections or the experts' activation made are dropped and made again in the backward from what
+they read, as Megatron-core's output-discarding checkpoints and DeepSeek-V3's report (3.2.3) do; traced on the
+meta device, not matched by size."""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+
+import pytest
+import torch
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import Device, EstimateError, Parallelism, estimate_layer, layer_allocations, op_ms
+from pipesim.workload.count import WorkloadCount, count_built
+from tests.conftest import pipesim
+from tests.test_hf import write_config
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
+H100 = load_catalogue().find("h100-sxm")
+DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                H100.curve)
+B, S, H = 2, 32, 64
+TOKENS = B * S
+
+
+@cache
+def gpt() -> WorkloadCount:
+    return count_built("gpt", dict(layers=1, width=H, heads=4, seq_len=S, vocab=100), B, torch.bfloat16, "flash")
+
+
+@cache
+def deepseek() -> WorkloadCount:
+    """The tiny DeepSeek-V3 of tests/test_moe.py (MLA, a dense layer, then routed experts)."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.test_moe import TINY_DEEPSEEK
+
+    config = write_config(Path(tempfile.mkdtemp()) / "deepseek", TINY_DEEPSEEK)
+    return count_built(f"hf:{config}", {"seq_len": S}, B, torch.bfloat16, "flash")
+
+
+def priced(layer, *modules: str, recompute: str = "none"):
+    parallel = Parallelism(recompute=recompute, recompute_modules=modules)
+    return estimate_layer(layer, DEVICE, parallel, None, 2)
+
+
+def test_recomputing_the_norms_drops_exactly_their_outputs_and_statistics_and_reruns_them():
+    """A GPT block's two LayerNorms: each keeps its input for its own backward (the block's input, the residual
+    after the attention: read, not made, so kept), and what it made is dropped: its output, which the next linear
+    saved (tokens x width in bf16), and its float32 mean and reciprocal deviation; its two calls rerun."""
+    block = gpt().layers[1]
+    made = 2 * (TOKENS * H * 2 + 2 * TOKENS * 4)
+    assert priced(block).activation_bytes - priced(block, "layernorm").activation_bytes == made
+    rerun = [op for op in block.region_ops["layernorm"]]
+    assert [(op.op, op.count) for op in rerun] == [("native_layer_norm", 2)]
+    assert priced(block, "layernorm").bwd_ms - priced(block).bwd_ms == pytest.approx(
+        sum(op.count * op_ms(op, DEVICE) for op in rerun))
+    assert priced(block, "mla_up_proj", "moe_act").activation_bytes == priced(block).activation_bytes  # none here
+
+
+def test_the_allocator_replays_the_norms_outputs_made_again_in_the_backward():
+    (_, block, *_) = layer_allocations(gpt(), Parallelism(recompute_modules=("layernorm",)))
+    assert block.rerun == frozenset(gpt().layers[1].region_allocations["layernorm"])
+    assert block.rerun and block.rerun <= {number for number, *_ in gpt().layers[1].allocations["fwd"]}
+    assert layer_allocations(gpt(), Parallelism())[1].rerun is None
+
+
+@needs_transformers
+def test_mla_up_projections_drop_the_attentions_queries_keys_and_values_and_keep_the_roped_key():
+    """MLA (2 heads, queries and keys of 16 + 8 RoPE, values of 16 padded to 24 for the flash kernel): the
+    attention saved the queries, keys and values that the up-projections, the RoPE and the concatenations made;
+    they are dropped, and the RoPE'd shared key (B, 1 head, S, 8), which nothing saved, is kept."""
+    layer = deepseek().layers[1]
+    dropped = [layer.saved_tensors[i] for i in layer.region_saves["mla_up_proj"]]
+    assert dropped == [((B, 2, S, 24), B * 2 * S * 24 * 2)] * 3
+    kept = [(shape, nbytes) for _, shape, nbytes, made_by, saved in layer.region_inputs["mla_up_proj"]
+            if saved < 0 and not made_by]
+    assert kept == [((B, 2, S, 8), B * 1 * S * 8 * 2)]  # expanded to the heads, stored once
+    assert priced(layer).activation_bytes - priced(layer, "mla_up_proj").activation_bytes == \
+        3 * B * 2 * S * 24 * 2 - B * S * 8 * 2
+
+
+@needs_transformers
+def test_the_experts_activation_drops_exactly_the_down_products_input():
+    """moe_act: the gated activation scaled by the router's weights (one fused kernel) keeps its input and the
+    weights; its output, which the down product saved, is dropped: each of 8 experts' 16 tokens x 32."""
+    layer = deepseek().layers[2]
+    assert [layer.saved_tensors[i] for i in layer.region_saves["moe_act"]] == [((8, 16, 32), 8 * 16 * 32 * 2)]
+    assert priced(layer).activation_bytes - priced(layer, "moe_act").activation_bytes == 8 * 16 * 32 * 2
+
+
+@needs_transformers
+def test_recomputed_regions_feeding_each_other_keep_only_what_neither_made():
+    """The q and kv norms make the up-projections' inputs: recomputing both keeps the down-projections' outputs
+    (what the norms read) instead, and drops every tensor either made."""
+    layer = deepseek().layers[1]
+    both = priced(layer, "layernorm", "mla_up_proj")
+    dropped = {*layer.region_saves["layernorm"], *layer.region_saves["mla_up_proj"]}
+    kept_inputs = {number: nbytes for name in ("layernorm", "mla_up_proj")
+                   for number, _, nbytes, made_by, saved in layer.region_inputs[name]
+                   if saved < 0 and not {"layernorm", "mla_up_proj"} & set(made_by)}
+    assert priced(layer).activation_bytes - both.activation_bytes == \
+        sum(layer.saved_tensors[i][1] for i in dropped) - sum(kept_inputs.values())
+
+
+def test_bad_recompute_modules_are_refused_in_one_line():
+    for args, message in ((("--recompute-modules", "norms"), "--recompute-modules: a comma list of layernorm"),
+                          (("--recompute-modules", "layernorm,layernorm"), "each once"),
+                          (("--recompute", "full", "--recompute-modules", "layernorm"),
+                           "beside --recompute none or selective")):
+        code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "-p", "2",
+                                 *args)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out
+    with pytest.raises(EstimateError, match="recompute_modules: choose from"):
+        Parallelism(recompute_modules=("norms",))
