@@ -34,7 +34,7 @@ from pathlib import Path
 
 from published_h100 import summary
 from published_memory import fullest
-from published_runs import _rows, command_text, iteration_ms
+from published_runs import _rows, command_text, run_cli
 from rich.table import Table
 
 from pipesim.commands.tables import print_table
@@ -133,21 +133,34 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
     return expressible, left_out
 
 
+def step_parts(result: dict) -> dict[str, float | int]:
+    """A simulated step (`simulate --json`'s result) on its slowest device, ms a mini-batch: what it computes,
+    what it waits on communication nothing hides (the all-to-alls, the gradients' collectives, stage transfers)
+    and the rest idle (the pipeline's bubble): where a row's miss lies."""
+    step, batches = result["time_per_minibatch_ms"], result["minibatches"]
+    device = max(result["devices"], key=lambda d: d["busy_ms"] + d["exposed_comm_ms"])
+    compute, exposed = device["busy_ms"] / batches, device["exposed_comm_ms"] / batches
+    return {"device": device["device"], "compute_ms": compute, "exposed_comm_ms": exposed,
+            "idle_ms": step - compute - exposed}
+
+
 def rows(root: Path) -> list[dict]:
-    """Every expressible row: its command, the predicted and published tokens/s per GPU, the error, and its
-    fullest device's memory (`fullest`, once per command)."""
-    out, memory = [], {}
+    """Every expressible row: its command, the predicted and published tokens/s per GPU, the error, its step's
+    parts (`step_parts`) and its fullest device's memory (`fullest`), each once per command."""
+    out, simulated, memory = [], {}, {}
     for run, row in runs()[0]:
         args = run.simulate_command(root)
-        ms = iteration_ms(args)
+        command = command_text(args)
+        if command not in simulated:
+            (simulated[command],) = json.loads(run_cli([*args, "--json"]))["results"]
+            memory[command] = fullest(args)
+        ms = simulated[command]["time_per_minibatch_ms"]
         predicted = run.global_batch * run.seq_len / (ms / 1e3 * run.gpus)
         published = float(row["tokens_per_s_per_gpu"])
-        command = command_text(args)
-        if command not in memory:
-            memory[command] = fullest(args)
         out.append({"run": run.name, "predicted_tokens_per_s_per_gpu": predicted,
                     "published_tokens_per_s_per_gpu": published, "error": predicted / published - 1,
-                    "command": command, "command_ms": ms, "memory": memory[command]})
+                    "command": command, "command_ms": ms, "parts": step_parts(simulated[command]),
+                    "memory": memory[command]})
     return out
 
 
@@ -172,10 +185,14 @@ def main() -> None:
     print("\nThe commands, each with its rows (tokens/s per GPU: global batch x sequence over its ms/step x GPUs):")
     for command in dict.fromkeys(r["command"] for r in compared):
         ran = [r for r in compared if r["command"] == command]
-        fullest_device = ran[0]["memory"]
+        fullest_device, parts = ran[0]["memory"], ran[0]["parts"]
         fits = "out of memory" if fullest_device["out_of_memory"] else "fits"
+        published_ms = ran[0]["command_ms"] * (1 + ran[0]["error"])  # the first row's, from its tokens/s
         print(f"{', '.join(r['run'] for r in ran)}:\n  {command}\n  peak {fullest_device['peak_mib']:,.0f} MiB of "
-              f"{fullest_device['limit_mib']:,.0f} on device {fullest_device['device']}: {fits}")
+              f"{fullest_device['limit_mib']:,.0f} on device {fullest_device['device']}: {fits}\n"
+              f"  step {ran[0]['command_ms'] / 1e3:,.2f} s (the first row published {published_ms / 1e3:,.2f} s) on "
+              f"device {parts['device']}: compute {parts['compute_ms'] / 1e3:,.2f} s, exposed communication "
+              f"{parts['exposed_comm_ms'] / 1e3:,.2f} s, idle {parts['idle_ms'] / 1e3:,.2f} s")
 
 
 if __name__ == "__main__":

@@ -66,8 +66,10 @@ from .experts import (
     ALL_TO_ALLS,
     ExpertGroup,
     ExpertParallelError,
+    MoePass,
     expert_group,
     held_share,
+    paired_exposed_ms,
 )
 from .fp8 import FP8_BYTES, FP8_RECIPES, attends, float8_weight_bytes, in_float8, step_cast_ops
 from .ranks import RANK_ORDERS, dense_grid
@@ -863,6 +865,12 @@ def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Paralleli
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
 
+def _routed_part(layer: LayerCount) -> LayerCount:
+    """`layer`'s routed experts' ops alone (`OpCount.routed`): what Megatron-core's `mlp` node of an overlapped
+    pair runs between the dispatch and the combine (`planning.experts.paired_exposed_ms`)."""
+    return replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()})
+
+
 def _op_policy(ops: Sequence[OpCount], element_bytes: int) -> tuple[dict[str, float], list[OpCount]]:
     """torchtitan's selective op policy over a layer's forward `ops` (in the order the count first saw them, each
     call of a product numbered in turn): the bytes it keeps by part, every other product's output (odd numbers:
@@ -992,14 +1000,16 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     widen = held.state_bytes // element  # the count's state is in its dtype; mixed precision keeps it in float32
     layers = []
     sharing = sharing_dispatcher(device, parallel)
-    previous: tuple[LayerCount, LayerEstimate, LayerEstimate | None] | None = None  # a model's blocks repeat
-    for layer in counted.layers:
+    previous: tuple[LayerCount, LayerEstimate, LayerEstimate | None, LayerEstimate | None] | None = None
+    for layer in counted.layers:  # a model's blocks repeat: each priced once
         if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
             busiest = experts.busiest(layer)
             previous = (layer, estimate_layer(busiest, device, parallel, links.tensor, element, links.context),
                         None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor,
-                                                                    element, links.context))
-        priced, shared = previous[1], previous[2]
+                                                                    element, links.context),
+                        estimate_layer(_routed_part(busiest), device, parallel, links.tensor, element,
+                                       links.context) if parallel.expert > 1 and layer.dispatched_bytes else None)
+        priced, shared, routed = previous[1], previous[2], previous[3]
         share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
@@ -1014,6 +1024,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             param_bytes=params,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
+            all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(  # dispatch and combine alike
+                MoePass(priced.fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2),
+                MoePass(priced.bwd_ms - routed.bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2)),
             fwd_sharing_ms=shared.fwd_ms if shared else 0.0, bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,

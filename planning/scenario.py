@@ -429,6 +429,7 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
         float8_weight_bytes=s.float8_weight_bytes, transient_bytes=s.transient_bytes,
         all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms,
+        all_to_all_paired_ms=s.all_to_all_paired_ms,
         fwd_sharing_ms=s.fwd_sharing_ms * tail, bwd_sharing_ms=s.bwd_sharing_ms * tail,
         expert_param_bytes=s.expert_param_bytes, ring_fwd_ms=s.ring_fwd_ms, ring_bwd_ms=s.ring_bwd_ms,
         ring_fwd_hidden_ms=s.ring_fwd_hidden_ms, ring_bwd_hidden_ms=s.ring_bwd_hidden_ms,

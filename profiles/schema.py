@@ -118,6 +118,9 @@ class LayerProfile(_Strict):
     # planning/experts.py) after its forward and after its backward, which the stage's A2A_F and A2A_B rows run
     all_to_all_fwd_ms: float = Field(0.0, ge=0)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
+    # Of those, the time Megatron-core's overlapped pair leaves exposed, its forward beside a backward of the same
+    # layer node by node (planning/experts.py `paired_exposed_ms`); 0: none known, each pass hidden whole
+    all_to_all_paired_ms: float = Field(0.0, ge=0)
     # The layer's forward and backward on the multiprocessors a dispatcher's kernels leave them while its
     # all-to-alls run beside them (planning/estimate.py `sharing_dispatcher`); 0: none holds any
     fwd_sharing_ms: float = Field(0.0, ge=0)
@@ -206,6 +209,7 @@ class StageProfile(_Strict):
     transient_bytes: dict[str, int] = Field(default_factory=dict)  # its passes' (`stage_transient_bytes`)
     all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
+    all_to_all_paired_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_paired_ms`)
     fwd_sharing_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.fwd_sharing_ms`), as the next
     bwd_sharing_ms: float = Field(0.0, ge=0)
     expert_param_bytes: int = Field(0, ge=0)  # its layers' summed (`LayerProfile.expert_param_bytes`)
@@ -619,6 +623,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             transient_bytes=stage_transient_bytes(layers, start, stop),
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),
+            all_to_all_paired_ms=math.fsum(layer.all_to_all_paired_ms for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in SHARING_TIMES},
             expert_param_bytes=sum(layer.expert_param_bytes for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in RING_TIMES},

@@ -103,6 +103,9 @@ class StageCosts:
     updates beside them (TransformerEngine's), whole on every data-parallel rank. `all_to_all_fwd_ms` and
     `all_to_all_bwd_ms`: the network time of the all-to-alls of the stage's routed experts over their
     expert-parallel group after a forward (an A2A_F) and after a backward (an A2A_B), on the network stream;
+    `all_to_all_paired_ms`: of both, what Megatron-core's overlapped pair of a forward and a backward leaves exposed
+    (its layers' nodes side by side: planning/experts.py `paired_exposed_ms`; 0: not known, each part's all-to-alls
+    hidden under the other part's whole compute), half of it its forward's and half its backward's;
     `fwd_sharing_ms` and `bwd_sharing_ms`: the forward and backward on the multiprocessors the dispatcher's kernels
     leave them (0: none held), which an overlapped pair's part runs at while the other part's all-to-alls run
     (`Costs.sharing_dispatcher_ms`);
@@ -144,6 +147,7 @@ class StageCosts:
     transient_bytes: dict[str, int] = field(default_factory=dict)
     all_to_all_fwd_ms: float = 0.0
     all_to_all_bwd_ms: float = 0.0
+    all_to_all_paired_ms: float = 0.0
     fwd_sharing_ms: float = 0.0
     bwd_sharing_ms: float = 0.0
     expert_param_bytes: int = 0
@@ -164,7 +168,8 @@ class StageCosts:
     def __post_init__(self) -> None:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
                  "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms",
-                 "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms")
+                 "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms",
+                 "all_to_all_paired_ms")
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
                      "expert_param_bytes", "float8_weight_bytes", *optional[2:]):

@@ -254,11 +254,20 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
     collective_ps = _picoseconds(np.maximum(collective_ms - hidden_ms, 0.0))
     # An overlapped pair's all-to-alls run under its other part's compute, as DualPipe overlaps them (DeepSeek-V3's
     # report, section 3.2.1: each part's communication hidden under the other part's computation): what remains
-    # of each once that compute has run is what its row holds the lane for.
+    # of each once that compute has run is what its row holds the lane for. Megatron-core's pair (the schedule's
+    # expert overlap) runs its layers' nodes side by side, each all-to-all under the one node beside it: its rows
+    # hold the lane at least for what that leaves exposed (`StageCosts.all_to_all_paired_ms`, half of each part's
+    # stage's), the shortfall split between them.
     if len(paired):
         at = np.searchsorted(collective_rows, paired + 2)
         collective_ps[at] = np.maximum(collective_ps[at] - duration[paired + 1], 0)
         collective_ps[at + 1] = np.maximum(collective_ps[at + 1] - duration[paired], 0)
+        if schedule.params.get("overlap_expert_comm", False):
+            exposed = np.array([c.all_to_all_paired_ms for c in stages]) / 2
+            short = np.maximum(_picoseconds(exposed[stage[paired]] + exposed[stage[paired + 1]])
+                               - collective_ps[at] - collective_ps[at + 1], 0)
+            collective_ps[at] += short // 2
+            collective_ps[at + 1] += short - short // 2
     # A lane per device and link (`Costs.collective_links`; one per device where none is named), its steps its rows'
     # in program order.
     links = sorted(set(costs.collective_links.values()))

@@ -1,7 +1,7 @@
 """NVIDIA's published MoE throughput on H100 (benchmarks/published_moe.py and the rows it recorded in
 benchmarks/published_moe.json): every expressible row is recorded with the CSV's figure, its layout, Megatron-core's
 rank order with its recipe's expert-tensor-parallel size and its recipe's token dispatcher, and a row's printed
-command reproduces its recorded prediction."""
+command reproduces its recorded prediction and the parts of its step."""
 
 from __future__ import annotations
 
@@ -47,8 +47,11 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert row["predicted_tokens_per_s_per_gpu"] == pytest.approx(predicted, rel=1e-12)
 
 
-@pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02.01 Qwen3_30B_a3B t1 p2 v12 E8"])
+@pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02.01 Qwen3_30B_a3B t1 p2 v12 E8",
+                                 "25.11 Qwen3_235B_a22B t2 p8 v4 E32"])
 def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
+    """The 235B row runs Megatron-core's overlapped pairs, each leaving its layers' all-to-alls exposed as their
+    nodes' order does (planning/experts.py `paired_exposed_ms`)."""
     monkeypatch.chdir(REPO)  # the command names its config as examples/, from the repository root
     (row,) = [r for r in RECORDED if r["run"] == run]
     args = shlex.split(row["command"])
@@ -60,6 +63,10 @@ def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
     assert fullest["out_of_memory"] == row["memory"]["out_of_memory"]
     assert row["error"] == pytest.approx(row["predicted_tokens_per_s_per_gpu"]
                                          / row["published_tokens_per_s_per_gpu"] - 1, rel=1e-12)
+    parts = row["parts"]
+    slowest = next(device for device in result["devices"] if device["device"] == parts["device"])
+    assert parts["compute_ms"] == pytest.approx(slowest["busy_ms"] / result["minibatches"], rel=1e-9)
+    assert parts["compute_ms"] + parts["exposed_comm_ms"] + parts["idle_ms"] == pytest.approx(row["command_ms"])
 
 
 def test_the_rows_whose_recipe_sets_moe_a2a_overlap_run_megatron_cores_expert_overlap():

@@ -1,0 +1,106 @@
+"""Megatron-core's overlapped pair node by node (planning/experts.py `paired_exposed_ms`): a forward beside a backward
+of the same layer runs its attention, dispatch, experts and combine on two streams in TransformerLayerSchedulePlan's
+order, so each all-to-all hides only under the one node beside it; what that leaves exposed is a stage's
+`all_to_all_paired_ms`, which the simulator charges each pair of a schedule run with the expert overlap."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+
+import pytest
+import torch
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import (
+    Device,
+    Parallelism,
+    estimate_layer,
+    estimate_profile,
+    links_of,
+    node_placement,
+)
+from pipesim.planning.experts import MoePass, paired_exposed_ms
+from pipesim.schedules import ScheduleParams, build_schedule
+from pipesim.sim.cluster import Cluster, Link
+from pipesim.sim.costs import Costs, StageCosts
+from pipesim.sim.engine import simulate
+from pipesim.traces.metrics import summarize
+from pipesim.workload.count import WorkloadCount, count_built
+
+H100 = load_catalogue().find("h100-sxm")
+DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                H100.curve)
+
+
+def test_an_all_to_all_hides_only_under_the_node_beside_it():
+    """Forward: attention 3, experts 1, dispatch 1, combine 1; backward: attention 6, experts 2, dispatch and
+    combine 1.5 each. Hidden whole-pass (2 ms under the backward's 8, 3 under the forward's 4) nothing shows; in
+    Megatron-core's order the backward's dispatch starts after its experts (at 5) and runs to 6.5 beside the
+    forward's experts (5 to 6), so the backward's attention starts 0.5 late: 12.5 ms for 12 of compute."""
+    forward, backward = MoePass(3.0, 1.0, 1.0, 1.0), MoePass(6.0, 2.0, 1.5, 1.5)
+    assert paired_exposed_ms(forward, backward) == pytest.approx(0.5)
+
+
+def test_all_to_alls_no_longer_than_their_nodes_are_hidden_and_longer_ones_show_their_excess():
+    compute = (MoePass(2.0, 2.0, 0.0, 0.0), MoePass(4.0, 4.0, 0.0, 0.0))
+    assert paired_exposed_ms(*compute) == 0.0
+    assert paired_exposed_ms(MoePass(2.0, 2.0, 1.0, 1.0), MoePass(4.0, 4.0, 1.0, 1.0)) == 0.0
+    # the backward's combine (3) runs first beside the forward's attention (2): its experts wait 1 ms
+    assert paired_exposed_ms(MoePass(2.0, 2.0, 0.0, 0.0), MoePass(4.0, 4.0, 0.0, 3.0)) == pytest.approx(1.0)
+
+
+@cache
+def counted() -> WorkloadCount:
+    """A small MoE whose experts compute little beside what they exchange (f = 128, 2,048 tokens)."""
+    return count_built("gpt", dict(layers=4, width=256, heads=4, seq_len=2048, vocab=1000, gated=True, experts=8,
+                                   top_k=2, expert_ffn=128), 1, torch.bfloat16, "flash")
+
+
+def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
+    """E = 8 from d = 8 replicas of p = 4 stages (2 of the group a node, 3/4 of each all-to-all on the NIC): a
+    block's field is `paired_exposed_ms` of its passes split at the routed experts' ops, half of each pass's
+    all-to-alls its dispatch; the embedding and the head route nothing, and with E = 1 there is nothing to expose."""
+    parallel = Parallelism(pipeline=4, data=8, expert=8)
+    profile = estimate_profile(counted(), H100, parallel)
+    links = links_of(node_placement(H100), 1, 4, 8)
+    for layer, priced in zip(counted().layers, profile.layers):
+        if not layer.dispatched_bytes:
+            assert priced.all_to_all_paired_ms == 0.0
+            continue
+        routed = replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()})
+        experts = estimate_layer(routed, DEVICE, parallel, links.tensor, 2)
+        forward = MoePass(priced.fwd.median_ms - experts.fwd_ms, experts.fwd_ms, *(priced.all_to_all_fwd_ms / 2,) * 2)
+        backward = MoePass(priced.bwd.median_ms - experts.bwd_ms, experts.bwd_ms, *(priced.all_to_all_bwd_ms / 2,) * 2)
+        assert priced.all_to_all_paired_ms == pytest.approx(paired_exposed_ms(forward, backward), rel=1e-12)
+        assert priced.all_to_all_paired_ms > 0
+    single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
+    assert all(layer.all_to_all_paired_ms == 0.0 for layer in single.layers)
+
+
+def step_ms(method: str, paired_ms: float, overlap: bool, microbatches: int = 8, stages: int = 1, chunks: int = 1,
+            backward_all_to_all_ms: float = 0.5) -> float:
+    schedule = build_schedule(method, ScheduleParams(stages=stages, microbatches=microbatches, chunks=chunks,
+                                                     minibatches=2, expert_parallel=2, overlap_expert_comm=overlap))
+    costs = StageCosts(fwd_ms=1.0, bwd_ms=2.0, all_to_all_fwd_ms=0.5, all_to_all_bwd_ms=backward_all_to_all_ms,
+                       all_to_all_paired_ms=paired_ms)
+    trace = simulate(schedule, Costs((costs,) * (stages * chunks)), Cluster(stages, default_link=Link(latency_ms=0)))
+    return summarize(trace).time_per_minibatch_ms
+
+
+@pytest.mark.parametrize("microbatches", [4, 8])
+def test_each_megatron_pair_holds_its_device_for_what_its_layers_leave_exposed(microbatches):
+    """One stage, combined 1F1B (m - 1 pairs): the whole-pass model hides both 0.5 ms all-to-alls under the other
+    part; a stage whose layers leave 2 ms exposed adds 2 ms to each pair, 0 (not known) nothing. Where the whole
+    pass already leaves more (a 3 ms backward all-to-all, 2 ms past the forward's 1 ms), that stands."""
+    pairs = microbatches - 1
+    hidden = step_ms("1f1b", 0.0, True, microbatches)
+    assert step_ms("1f1b", 2.0, True, microbatches) == pytest.approx(hidden + 2.0 * pairs)
+    longer = step_ms("1f1b", 0.0, True, microbatches, backward_all_to_all_ms=3.0)
+    assert step_ms("1f1b", 1.5, True, microbatches, backward_all_to_all_ms=3.0) == pytest.approx(longer)
+    assert step_ms("1f1b", 3.0, True, microbatches, backward_all_to_all_ms=3.0) == pytest.approx(longer + pairs)
+
+
+def test_dualpipes_pairs_keep_hiding_each_part_under_the_other():
+    """DualPipe's pairs are its own order (DeepSeek-V3's report), not Megatron-core's: the field changes nothing."""
+    assert step_ms("dualpipev", 2.0, False, 8, 2, 2) == pytest.approx(step_ms("dualpipev", 0.0, False, 8, 2, 2))
