@@ -63,7 +63,10 @@ class Curve(_Strict):
     bandwidth's (`memory_efficiency`), the intra-node link's (`link_efficiency`: a GPU-to-GPU copy over the
     datasheet's bandwidth per direction; the network is taken at its datasheet rate), what each kernel costs
     beyond its work (`kernel_overhead_ms`: launch, ramp and tail), and the shape of the machine the products'
-    tiles are spread over: `multiprocessors` and the output tiles (m × n) its matrix-product kernels pick from."""
+    tiles are spread over: `multiprocessors` and the output tiles (m × n) its matrix-product kernels pick from;
+    `persistent_products`: its products run persistent CTAs, one per multiprocessor, each with a fixed share of the
+    tiles (Hopper's cuBLAS and CUTLASS), so that a collective kernel holding some multiprocessors delays the whole
+    product (planning/estimate.py `bulk_exposed_ms`)."""
 
     matmul_efficiency: float = Field(gt=0, le=1)
     attention_efficiency: float = Field(gt=0, le=1)
@@ -72,6 +75,7 @@ class Curve(_Strict):
     kernel_overhead_ms: float = Field(ge=0)
     multiprocessors: int = Field(ge=1)
     tiles: list[tuple[int, int]] = Field(min_length=1)
+    persistent_products: bool = False
     source: str = Field(min_length=1)
 
 

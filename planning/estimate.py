@@ -590,11 +590,30 @@ def userbuffers_backward_ms(op: OpCount, device: Device, t: int, nbytes: int, li
     userbuffers run them in NeMo's configs (nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py: the
     qkv_wgrad and fc1_wgrad `bulk` overlaps without set_sm_margin, proj_dgrad and fc2_dgrad `ring_exchange`).
     The product runs whole; its reduce-scatter is a bulk overlap under the weight-gradient product (of the same
-    m·n·k, taken as this one's time), exposed only where it outlasts it; the all-gather is the ring exchange
+    m·n·k, taken as this one's time), exposed as `bulk_exposed_ms` says; the all-gather is the ring exchange
     `ring_exchange_ms` prices."""
     product_ms = op_ms(op, device)
     scatter_ms = reduce_scatter_ms(nbytes, t, link.latency_ms, link.bytes_per_ms)
-    return product_ms + max(scatter_ms - product_ms, 0.0) + ring_exchange_ms(op, device, t, nbytes, link)
+    return product_ms + bulk_exposed_ms(scatter_ms, product_ms, device) + ring_exchange_ms(op, device, t, nbytes,
+                                                                                            link)
+
+
+def bulk_exposed_ms(collective_ms: float, product_ms: float, device: Device) -> float:
+    """What a collective kernel launched beside a product leaves exposed, where the product runs on every
+    multiprocessor: TransformerEngine's `bulk` overlaps (`CommOverlapBase::bulk_overlap`: the communication kernel
+    on num_sm multiprocessors first, then the product on `_math_sms`, all of them without `set_sm_margin`, which
+    every bulk overlap of NeMo's configs leaves 0 and TransformerEngine 1.x defaults to) and Megatron-core's
+    asynchronous all-gather before the input-gradient product. On a part whose products run persistent CTAs, one
+    per multiprocessor with a fixed share of the tiles (`Curve.persistent_products`: Hopper; CUTLASS's sm90
+    `StaticPersistentTileScheduler`, and TransformerEngine orders the two launches because "Hopper ... uses
+    persistent CTA execution", comm_gemm_overlap.cpp), the CTAs whose multiprocessors the collective holds start
+    when it ends and still run their whole share: the product ends the collective's time late, all of it exposed
+    (on an H100, a GEMM of 132 CTAs beside NCCL's 24-CTA all-gather nearly doubled: NVIDIA developer forums, topic
+    337991). Elsewhere the product's waves take up the held multiprocessors' work and only what outlasts the
+    product is exposed."""
+    if device.curve.persistent_products:
+        return collective_ms
+    return max(collective_ms - product_ms, 0.0)
 
 
 def ring_exchange_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
@@ -635,19 +654,20 @@ def async_tp_ms(op: OpCount, device: Device, t: int, nbytes: int, link: Estimate
     return overlapped_ms(op, device, t, nbytes, link) + op_ms(reduction, device)
 
 
-def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink) -> float:
+def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink, device: Device) -> float:
     """What stays exposed of the backward's all-gather of a column-parallel product's input (`nbytes`, gathered
     over t sequence-parallel ranks): sequence parallelism saves each rank's 1/t of the input and gathers it again
     for the weight gradient (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2), the backward's fifth and
     sixth collectives of a layer. Megatron-core launches it before the input-gradient product and waits for it
     after (`LinearWithGradAccumulationAndAsyncCommunication.backward`, async_op=True, with
     CUDA_DEVICE_MAX_CONNECTIONS=1 so it starts first), as TransformerEngine's `_Linear` backward does (its
-    userbuffers run it as the bulk overlap `ub_bulk_dgrad`): only what outlasts that `product_ms` is exposed.
+    userbuffers run it as the bulk overlap `ub_bulk_dgrad`): exposed as `bulk_exposed_ms` says beside that
+    `product_ms`.
     Under float8 it gathers the float8 copy TransformerEngine's forward saved (`ln_out` or `inputmat`, gathered
     in float8 and transposed for the float8 weight-gradient product), 1 byte an element.
     torch's tensor parallelism gathers nothing here: its DTensor redistribute hands the gathered input to the
     product, whose autograd keeps it whole for the weight gradient (`--tp-runtime torch`)."""
-    return max(all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms) - product_ms, 0.0)
+    return bulk_exposed_ms(all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms), product_ms, device)
 
 
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
@@ -706,8 +726,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         batch, m, n, _ = op.shape
         nbytes = batch * m * n * element_bytes
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
-        gather_ms = input_gather_ms(batch * m * n * saved_input_bytes, product_ms, t, tensor_link) if regathers \
-            else 0.0
+        gather_ms = input_gather_ms(batch * m * n * saved_input_bytes, product_ms, t, tensor_link,
+                                    device) if regathers else 0.0
         if parallel.tp_overlap:
             overlap = async_tp_ms if parallel.tp_runtime == "torch" else (
                 userbuffers_forward_ms if forward else userbuffers_backward_ms)

@@ -265,8 +265,8 @@ def test_a_bad_tp_runtime_is_one_line_and_writes_nothing(args, fragment, tmp_pat
 def test_the_input_gather_hides_under_the_input_gradient_product_up_to_its_length():
     link = placement_links(A100, Parallelism(tensor=8)).tensor
     gather_ms = collectives.all_gather_ms(2**24, 8, link.latency_ms, link.bytes_per_ms)
-    assert input_gather_ms(2**24, 2 * gather_ms, 8, link) == 0.0
-    assert input_gather_ms(2**24, gather_ms / 4, 8, link) == pytest.approx(3 * gather_ms / 4)
+    assert input_gather_ms(2**24, 2 * gather_ms, 8, link, DEVICE) == 0.0
+    assert input_gather_ms(2**24, gather_ms / 4, 8, link, DEVICE) == pytest.approx(3 * gather_ms / 4)
 
 
 @pytest.mark.parametrize("link_ms_per_product_ms", [0.0, 1.13, 20.0])

@@ -1,0 +1,75 @@
+"""A collective kernel beside a product that runs on every multiprocessor (TransformerEngine's bulk overlaps,
+Megatron-core's asynchronous input all-gather): on a part whose products run persistent CTAs (Hopper) the product
+ends the collective's time late; elsewhere only what outlasts the product is exposed (planning/estimate.py
+`bulk_exposed_ms`)."""
+
+from dataclasses import replace
+
+import pytest
+
+from pipesim.hardware import collectives
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import (
+    Device,
+    Parallelism,
+    bulk_exposed_ms,
+    estimate_layer,
+    input_gather_ms,
+    op_ms,
+    placement_links,
+    userbuffers_backward_ms,
+)
+from pipesim.profiles.workload import OpCount
+
+CATALOGUE = load_catalogue()
+H100 = CATALOGUE.find("h100-sxm")
+PERSISTENT = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                    H100.curve)
+WAVES = replace(PERSISTENT, curve=H100.curve.model_copy(update={"persistent_products": False}))
+T = 4
+LINK = placement_links(H100, Parallelism(tensor=T)).tensor
+M, N, K = 2048, 12288, 12288
+PRODUCT = OpCount("mm", "matmul", (1, M, N, K), 2 * M * N * K, 2 * (M * K + K * N + M * N), 1)
+NBYTES = M * N * 2
+
+
+def test_hoppers_products_run_persistent_ctas_and_amperes_do_not():
+    assert {name for name, gpu in CATALOGUE.gpu.items() if gpu.curve and gpu.curve.persistent_products} == {
+        "h100-sxm", "h100-pcie", "h200", "h800"}
+
+
+@pytest.mark.parametrize("device, exposed_share", [(PERSISTENT, 1.0), (WAVES, 0.0)])
+def test_a_collective_shorter_than_its_product_is_exposed_whole_only_beside_persistent_ctas(device, exposed_share):
+    product_ms = op_ms(PRODUCT, device)
+    gather_ms = collectives.all_gather_ms(NBYTES, T, LINK.latency_ms, LINK.bytes_per_ms)
+    assert gather_ms < product_ms
+    assert bulk_exposed_ms(gather_ms, product_ms, device) == exposed_share * gather_ms
+    assert input_gather_ms(NBYTES, product_ms, T, LINK, device) == pytest.approx(exposed_share * gather_ms)
+    # one longer than the product: beside waves, its excess; beside persistent CTAs, still all of it
+    exposed_ms = (3 if exposed_share else 2) * product_ms
+    assert bulk_exposed_ms(3 * product_ms, product_ms, device) == pytest.approx(exposed_ms)
+
+
+def test_the_backward_reduce_scatter_in_bulk_costs_its_whole_time_on_a_persistent_part():
+    scatter_ms = collectives.reduce_scatter_ms(NBYTES, T, LINK.latency_ms, LINK.bytes_per_ms)
+    assert userbuffers_backward_ms(PRODUCT, PERSISTENT, T, NBYTES, LINK) - userbuffers_backward_ms(
+        PRODUCT, WAVES, T, NBYTES, LINK) == pytest.approx(scatter_ms)
+
+
+def test_a_layers_backward_on_hopper_pays_each_bulk_collective_and_its_forward_none():
+    """A GPT block under Megatron's runtime with --tp-overlap: its two column-parallel input gradients (QKV, the
+    MLP's first) each pay their reduce-scatter and the all-gather of their saved input whole; the forward runs no
+    bulk overlap and does not move."""
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    width, seq = 4096, 2048  # each collective shorter than its product: hidden whole beside waves
+    block = count_built("gpt", dict(layers=2, width=width, heads=32, seq_len=seq, vocab=512), 1,
+                        torch.bfloat16).layers[1]
+    parallel = Parallelism(tensor=T, sequence_parallel=True, tp_overlap=True)
+    persistent, waves = (estimate_layer(block, device, parallel, LINK, 2) for device in (PERSISTENT, WAVES))
+    nbytes = seq * width * 2
+    scatter_ms = collectives.reduce_scatter_ms(nbytes, T, LINK.latency_ms, LINK.bytes_per_ms)
+    gather_ms = collectives.all_gather_ms(nbytes, T, LINK.latency_ms, LINK.bytes_per_ms)
+    assert persistent.fwd_ms == waves.fwd_ms
+    assert persistent.bwd_ms - waves.bwd_ms == pytest.approx(2 * (scatter_ms + gather_ms))
