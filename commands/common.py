@@ -159,9 +159,13 @@ ModelDtype = Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 (or
 Fp8Recipe = Annotated[str | None, typer.Option(
     "--fp8-recipe", metavar="RECIPE", help="With --dtype fp8: te (TransformerEngine's delayed scaling as Megatron-LM "
                                            "runs it: float8 copies of the products' inputs saved, weights cast once "
-                                           "a step; the default) or torchao (torchao.float8's tensorwise dynamic "
+                                           "a step; the default), te-current (TransformerEngine's current "
+                                           "scaling, Megatron-core's tensorwise: te's, each cast after its "
+                                           "tensor's amax) or torchao (torchao.float8's tensorwise dynamic "
                                            "scaling as torchtitan runs it: 16-bit inputs saved, every tensor cast "
-                                           "again in the backward).")]
+                                           "again in the backward) or deepseek (DeepSeek-V3's, its report's 3.3: "
+                                           "te's, with the attention's output kept once in E5M6 and the experts' "
+                                           "SwiGLU inputs in float8).")]
 Attention = Annotated[str, typer.Option(
     "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's fused "
                         "kernel: no scores saved).")]

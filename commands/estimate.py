@@ -161,7 +161,8 @@ class WhatIf:
                            token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
                            expert_tensor=self.expert_tensor,
                            rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
-                           cp_rotate=self.cp_rotate, recompute_modules=self.recompute_modules)
+                           cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
+                           recompute_modules=self.recompute_modules if recompute in ("none", "selective") else ())
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:

@@ -5,7 +5,7 @@ writing 16-bit outputs; everything else stays in the count's 16-bit dtype: the a
 torchao.float8 converts nn.Linear modules only), norms, activations, the embedding and the output head
 (Megatron-LM's output layer is not a TransformerEngine module; torchtitan's float8 converter skipped `output`,
 its module_filter_fn of December 2024). The recipe adds the scaling's memory-bound work as ops of their own, and
-says what the forward saves for the backward. Two recipes, `--fp8-recipe`:
+says what the forward saves for the backward. The recipes, `--fp8-recipe`:
 
 te: TransformerEngine's delayed scaling (recipe.DelayedScaling, its default) as Megatron-LM runs it. A cast is
   one fused cast-transpose kernel: it reads the 16-bit tensor and writes its float8 copy and that copy's
@@ -16,6 +16,12 @@ te: TransformerEngine's delayed scaling (recipe.DelayedScaling, its default) as 
   counted with the step, and held until the next (the cast and its transpose: 2 bytes a weight, beside the
   16-bit weights). The forward saves its float8 copy of each product's input, not the 16-bit one
   (transformer_engine/pytorch/module/linear.py: `saved_inputmat_t = inputmat_t` under fp8).
+te-current: TransformerEngine's current scaling (recipe.Float8CurrentScaling; Megatron-core's fp8_recipe
+  "tensorwise", Megatron-Bridge's fp8cs configs, the performance summaries' FP8-CS) as te otherwise: each tensor's
+  scale comes from its own amax, so a cast is three kernels (transformer_engine/pytorch/csrc/quantizer.cpp,
+  `Float8CurrentScalingQuantizer::quantize_impl`): the amax (`nvte_compute_amax`, reads the tensor), the scale
+  from it (`nvte_compute_scale_from_amax`, one value) and the cast-transpose (`nvte_quantize_v2`). The amaxes'
+  all-reduce over the tensor-parallel group it runs for a sequence-parallel input is not modelled.
 torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (float8_linear.py,
   `matmul_with_hp_or_float8_args`). A cast is two kernels: the amax (reads the tensor) and the scaled cast
   (reads it, writes float8). The forward casts the input and the weight; the backward casts the output's
@@ -31,6 +37,14 @@ and its grouped experts are not: their products stay 16-bit). Under te a routed 
 copy for the backward, as a linear product does (transformer_engine/pytorch/module/grouped_linear.py keeps the
 quantized `inputmats`, their transposes only); the count marks it a product's input (workload/count.py).
 
+deepseek: DeepSeek-V3's own (its report, arXiv 2412.19437, section 3.3): te's casts, float8 copies of the products'
+  inputs saved and weights cast once a step (its 1x128 activation tiles and 128x128 weight blocks are cast as one
+  pass each, as te's), and its low-precision storage (3.3.3): the attention's output, which its backward and the
+  output projection's weight gradient both read, kept once in its E5M6 format (12 bits: 1.5 bytes an element; the
+  kernel's own 16-bit copy dropped); the routed experts' SwiGLU inputs kept in float8 (1 byte); what else it keeps
+  stays 16-bit. Each cached copy is one cast in the forward (reads 16 bits, writes the format) and one read back
+  in the backward (`cache_ops`).
+
 Not modelled: casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
 directly: counted here as a cast of their own), torch.compile's fusions of torchao's casts. Pure arithmetic on
 counts: no torch.
@@ -38,6 +52,7 @@ counts: no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..profiles.workload import LayerCount, OpCount
@@ -52,7 +67,9 @@ class Fp8Recipe:
     float8 writes) per element; `weights_per_step`: the weights cast once per optimizer step instead of in the
     passes, and their casts held until the next, `weight_copy_bytes` a weight; `saves_float8_inputs`: the
     forward saves each product's input as its float8 copy; `routed`: the routed experts' grouped products run in
-    float8 too."""
+    float8 too; `attention_output_bytes`: the attention's output (the count's "attention_out" region) kept once,
+    for the attention's backward and the next product's, at that many bytes an element; `activation_input_bytes`:
+    the routed experts' activation inputs (the "moe_act" region's, saved) at that many (None: as counted)."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -60,6 +77,8 @@ class Fp8Recipe:
     saves_float8_inputs: bool
     weight_copy_bytes: int = 0
     routed: bool = False
+    attention_output_bytes: float | None = None  # the attention's output kept once at this many bytes an element
+    activation_input_bytes: float | None = None  # the routed experts' activation (SwiGLU) inputs kept so
 
 
 FP8_RECIPES = {
@@ -70,6 +89,9 @@ FP8_RECIPES = {
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False),
 }
+FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("amax", 1, 0), ("scale", 0, 0),
+                                                                  ("cast_transpose", 1, 2)))
+FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES)
 
 
 def attends(layer: LayerCount) -> bool:
@@ -113,8 +135,9 @@ def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8R
 
 def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> LayerCount:
     """`layer` as the recipe runs it: in a transformer layer, every pass's linear products in float8 with the
-    recipe's casts after them, and what its forward saves (a tensor only the products saved as its float8 copy,
-    one another op saves too beside its float8 copy); any other layer unchanged."""
+    recipe's casts after them (those a recomputation reruns in float8 too), and what its forward saves (a tensor
+    only the products saved as its float8 copy, one another op saves too beside its float8 copy, those the recipe
+    caches in a format of its own as `cached_saves` says); any other layer unchanged."""
     if not attends(layer):
         return layer
     products = tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
@@ -127,8 +150,48 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
             return {"only": float8, "also": nbytes + float8, "": nbytes}[how]
 
         saved = tuple((shape, kept(nbytes, how)) for (shape, nbytes), how in zip(saved, layer.linear_input_saves))
+    cached = cached_saves(layer, recipe, element_bytes)
+    saved = tuple((shape, cached.get(i, nbytes)) for i, (shape, nbytes) in enumerate(saved))
+    ops["fwd"] += cache_ops(layer, cached, element_bytes, forward=True)
+    for name in ("bwd", "igrad"):
+        ops[name] = ops.get(name, ()) + cache_ops(layer, cached, element_bytes, forward=False)
     delta = sum(nbytes for _, nbytes in saved) - sum(nbytes for _, nbytes in layer.saved_tensors)
-    return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta)
+    rerun = {name: tuple(_in_float8(op, element_bytes) if _converted(op, recipe) else op for op in region)
+             for name, region in layer.region_ops.items()}  # a recomputed product reads its float8 input again
+    return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta, region_ops=rerun)
+
+
+def cached_saves(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> dict[int, int]:
+    """The saved tensors (by index in `layer.saved_tensors`) the recipe keeps in a format of its own, with their
+    bytes: of the attention's output and the copies made of it (the "attention_out" region), the next product's
+    input at `attention_output_bytes` an element and the other 16-bit copies none (the same values, kept once);
+    the routed experts' saved activation inputs at `activation_input_bytes`."""
+    cached: dict[int, int] = {}
+    if recipe.attention_output_bytes is not None:
+        for i in layer.region_saves.get("attention_out", ()):
+            shape, nbytes = layer.saved_tensors[i]
+            elements = math.prod(shape)
+            if layer.linear_input_saves and layer.linear_input_saves[i]:
+                cached[i] = math.ceil(elements * recipe.attention_output_bytes)
+            elif nbytes == elements * element_bytes:
+                cached[i] = 0
+    if recipe.activation_input_bytes is not None:
+        for _, shape, _, _, i in layer.region_inputs.get("moe_act", ()):
+            if i >= 0:
+                cached[i] = math.ceil(math.prod(shape) * recipe.activation_input_bytes)
+    return cached
+
+
+def cache_ops(layer: LayerCount, cached: dict[int, int], element_bytes: int, forward: bool) -> tuple[OpCount, ...]:
+    """The memory-bound kernels of the recipe's cached copies (`cached_saves`): each written in the forward from
+    its 16-bit tensor, read back into 16 bits in the backward (a copy kept as none is neither)."""
+    ops = []
+    for i, nbytes in cached.items():
+        shape, _ = layer.saved_tensors[i]
+        if nbytes:
+            moved = math.prod(shape) * element_bytes + nbytes
+            ops.append(OpCount("fp8_cache" if forward else "fp8_uncache", "memory", shape, 0, moved, 1))
+    return tuple(ops)
 
 
 def _weighed_products(layer: LayerCount, recipe: Fp8Recipe) -> tuple[OpCount, ...]:

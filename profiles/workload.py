@@ -20,6 +20,10 @@ LINEAR_INPUT_SAVES = ("only", "also", "")
 # recomputes the input and pre-MLP norms), MLA's up-projections with the RoPE and concatenations that make the
 # attention's queries, keys and values ("mla_up_proj") and the routed experts' activation ("moe_act")
 RECOMPUTE_REGIONS = ("layernorm", "mla_up_proj", "moe_act")
+# The regions the count traces (`LayerCount.region_saves` and on): those, and the attention kernel's output with the
+# copies made of it before the next product ("attention_out"), which a float8 recipe may keep once for both the
+# attention's backward and that product's (planning/fp8.py `Fp8Recipe.attention_output_bytes`)
+TRACED_REGIONS = (*RECOMPUTE_REGIONS, "attention_out")
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,8 @@ class LayerCount:
     # the numbers, in `allocations["fwd"]`, of the forward's storages that autograd saves for the backward (the
     # rest it leaves live is its output), which a recomputation drops and the backward makes again
     saved_allocations: tuple[int, ...] = ()
-    # Per recomputation region of `RECOMPUTE_REGIONS` that the layer runs (workload/count.py `_Regions`), what
-    # recomputing it changes: `region_saves`, the indices in `saved_tensors` of those its ops created (dropped);
+    # Per region of `TRACED_REGIONS` that the layer runs (workload/count.py `_Regions`), what recomputing it
+    # changes: `region_saves`, the indices in `saved_tensors` of those its ops created (dropped);
     # `region_inputs`, the storages its ops read and did not create, each (its number in allocations["fwd"], or
     # negative: made before the layer; its shape; bytes; the regions that created it; its index in saved_tensors,
     # -1: not saved), which the recomputation keeps; `region_ops`, its forward's ops, which the backward reruns;

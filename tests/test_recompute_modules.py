@@ -117,3 +117,11 @@ def test_bad_recompute_modules_are_refused_in_one_line():
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out
     with pytest.raises(EstimateError, match="recompute_modules: choose from"):
         Parallelism(recompute_modules=("norms",))
+
+
+def test_tune_tries_full_recomputation_beside_recompute_modules():
+    """tune searches none, selective and full: --recompute-modules reruns its parts under the first two; full
+    keeps only each layer's input, nothing more to drop, so it is tried as it is rather than refused."""
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "4", "--devices", "4",
+                             "--recompute-modules", "layernorm")
+    assert code == 0, err

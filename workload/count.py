@@ -231,12 +231,13 @@ def _region_kind(name: str, module: torch.nn.Module) -> str | None:
 
 
 class _Regions(TorchDispatchMode):
-    """Which forward ops each recomputation region (profiles/workload.py `RECOMPUTE_REGIONS`) runs, what they
-    create and what they read that they did not create: the ops inside a region's module (or workload/moe.py's
-    `OPEN_REGIONS`), and after them, until a product or an attention kernel, the ops the module's parent runs on
-    what they made (MLA's RoPE and concatenations of the up-projections' outputs, which the attention then saves).
-    A recomputation drops the saved tensors a region created, keeps what it read, and reruns its ops
-    (planning/estimate.py `Regions`). Holds no storage: a storage's regions are forgotten when it is freed."""
+    """Which forward ops each region (profiles/workload.py `TRACED_REGIONS`) runs, what they create and what they
+    read that they did not create: the ops inside a region's module (or workload/moe.py's `OPEN_REGIONS`; the
+    attention kernel for "attention_out"), and after them, until a product or an attention kernel, the ops the
+    module's parent runs on what they made (MLA's RoPE and concatenations of the up-projections' outputs, which the
+    attention then saves). A recomputation drops the saved tensors a region created, keeps what it read, and
+    reruns its ops (planning/estimate.py `Regions`). Holds no storage: a storage's regions are forgotten when it is
+    freed."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         super().__init__()
@@ -263,6 +264,8 @@ class _Regions(TorchDispatchMode):
         kinds = {kind: where for t in reads for kind, where in self.kinds.get(id(t.untyped_storage()), {}).items()
                  if not heavy and where == here}
         kinds.update(self.own())
+        if func.overloadpacket.__name__ in ATTENTION_KERNELS:
+            kinds["attention_out"] = here
         out = func(*args, **(kwargs or {}))
         for t in reads:
             made = self.kinds.get(id(t.untyped_storage()), {})
