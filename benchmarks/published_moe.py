@@ -3,23 +3,23 @@ Megatron-Bridge's performance summaries, Qwen3-30B-A3B and DeepSeek-V3 among the
 line each, nothing fitted.
 
 Each expressible row's `pipesim simulate` command is built from the row's own columns and the model's Hugging Face
-config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8
---fp8-recipe te`), flash attention, no recomputation, the distributed optimizer (`--zero 1`) with 16-bit gradients
-(`--precision megatron-16bit-grads`: every Qwen3 recipe sets grad_reduce_in_fp32 False, perf_recipes/_common.py's
-_perf_precision and _benchmark_common at 067f987df0, scripts/performance/configs/qwen*/qwen3_llm_pretrain.py
-before, and Megatron-core's gradient buffer takes the parameters' dtype then, param_and_grad_buffer.py
-group_params_for_buffers) and the routed experts' SwiGLU fused (`--expert-swiglu-fusion`, the default: the
-recipes' bias_activation_fusion True), the ranks in Megatron-core's order (`--rank-order megatron`: tp-cp-ep-dp-pp,
-megatron/core/parallel_state.py's default, which Megatron-Bridge keeps unless `use_tp_pp_dp_mapping`, default False
-in its DistributedInitConfig), the routed experts over E ranks folded over the t·d of a stage with the recipe's
-expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B where the row has virtual stages, the layers cut
-into equal blocks where they divide into p·v stages (Megatron's cut), else balanced, and the tokens dispatched as
-the layout's recipe did (`DISPATCHERS`), with Megatron-core's expert-parallel overlap where the recipe sets
-moe_a2a_overlap (`--overlap-expert-comm`, `A2A_OVERLAP`). Routing is balanced, as the summary's footnote says its
-MoE runs force it.
-The predicted tokens/s per GPU is the global batch's tokens over the predicted step and the row's GPUs. A row
-pipesim cannot express is listed with why. Each command's fullest device's peak memory is printed with it: the
-summaries publish no memory figure, but every row ran, so none should be marked out of memory.
+config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8`)
+with the row's scaling (`FP8_RECIPES`), flash attention, no recomputation, the distributed optimizer (`--zero 1`)
+with 16-bit gradients (`--precision megatron-16bit-grads`: every Qwen3 recipe sets grad_reduce_in_fp32 False,
+perf_recipes/_common.py's _perf_precision and _benchmark_common at 067f987df0,
+scripts/performance/configs/qwen*/qwen3_llm_pretrain.py before, and Megatron-core's gradient buffer takes the
+parameters' dtype then, param_and_grad_buffer.py group_params_for_buffers) and the routed experts' SwiGLU fused
+(`--expert-swiglu-fusion`, the default: the recipes' bias_activation_fusion True), the ranks in Megatron-core's
+order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which Megatron-Bridge
+keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts over E ranks
+folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B
+where the row has virtual stages, the layers cut into equal blocks where they divide into p·v stages (Megatron's
+cut), else balanced, and the tokens dispatched as the layout's recipe did (`DISPATCHERS`), with Megatron-core's
+expert-parallel overlap where the recipe sets moe_a2a_overlap (`--overlap-expert-comm`, `A2A_OVERLAP`). Routing is
+balanced, as the summary's footnote says its MoE runs force it. The predicted tokens/s per GPU is the global batch's
+tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why. Each command's
+fullest device's peak memory is printed with it: the summaries publish no memory figure, but every row ran, so none
+should be marked out of memory.
 
     python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
     python benchmarks/published_moe.py --json out.json # and the rows as JSON
@@ -47,6 +47,11 @@ PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b
 # qwen3_workload_base_configs.py (01b2977), BASE_QWEN3_235B_A22B_CONFIG and BASE_QWEN3_30B_A3B_CONFIG:
 # expert_tensor_parallel_size=1, which every H100 preset of both keeps
 EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1}
+# the row's precision -> --fp8-recipe: FP8-CS is TransformerEngine's current scaling, and so is the 26.x rows' FP8:
+# their recipes are the fp8cs configs (perf_recipes/qwen/h100/qwen3_moe.py at 067f987df0, e.g.
+# qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config; benchmarks/published/README.md); 25.09 states none: delayed
+# scaling, TransformerEngine's default recipe
+FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te"}
 # (model, t, p, v, E) -> --token-dispatcher: the layout's H100 recipe in Megatron-Bridge's history (README.md there);
 # the rest ran the model provider's default, NCCL's all-to-all (qwen_provider.py: moe_token_dispatcher_type)
 DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): "deepep",  # HybridEP, the layout's only recipe (4a64507, 2026-02-23)
@@ -92,6 +97,7 @@ class MoeRun:
     dispatcher: str | None  # --token-dispatcher (None: NCCL's all-to-all)
     expert_tensor: int  # --expert-tensor-parallel: each routed expert's tensor split
     a2a_overlap: bool  # --overlap-expert-comm: the recipe sets moe_a2a_overlap (`A2A_OVERLAP`)
+    fp8_recipe: str  # --fp8-recipe: the row's float8 scaling (`FP8_RECIPES`)
 
     @property
     def data(self) -> int:
@@ -103,7 +109,8 @@ class MoeRun:
         blocks = json.loads((root / EXAMPLES / self.preset / "config.json").read_text())["num_hidden_layers"]
         cut = "equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced"
         return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
-                "fp8", "--fp8-recipe", "te", "--attention", "flash", "-b", str(self.microbatch_size), "--gpu", GPU,
+                "fp8", "--fp8-recipe", self.fp8_recipe, "--attention", "flash", "-b", str(self.microbatch_size),
+                "--gpu", GPU,
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
                 "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
                 "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
@@ -128,7 +135,8 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
         layout = (model, t, p, chunks, e)
         expressible.append((MoeRun(f"{row['container']} {row['model']} t{t} p{p} v{chunks} E{e}", PRESETS[model],
                                    gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get(layout),
-                                   EXPERT_TENSOR[model], row["container"].startswith(A2A_OVERLAP.get(layout, ()))),
+                                   EXPERT_TENSOR[model], row["container"].startswith(A2A_OVERLAP.get(layout, ())),
+                                   FP8_RECIPES[row["precision"]]),
                             row))
     return expressible, left_out
 
