@@ -296,7 +296,7 @@ def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None
     orders = _Orders()
     shapes, count, refused = _shapes(settings, problem, orders)
     if not shapes:
-        raise TuneError(_nothing_to_search(settings, problem, count))
+        raise TuneError(_nothing_to_search(settings, problem, count, orders.refusals()))
     with _Built(problem, orders, report, len(shapes), workers) as built:
         return _search(settings, problem, shapes, built, count, refused, started)
 
@@ -635,8 +635,8 @@ class _Sketch:
     @classmethod
     def of(cls, order: _Order) -> _Sketch:
         if order.schedule.graph.copies > 1:  # the search cuts one chain of p·v stages, not a copy of each
-            raise ScheduleError(f"{order.schedule.method}: the search cuts the model into one chain of stages; a "
-                                f"schedule of {order.schedule.graph.copies} model copies is not searched yet")
+            raise _CopiesRefused(f"{order.schedule.method}: the search cuts the model into one chain of stages, and "
+                                 f"this method runs {order.schedule.graph.copies} copies of it; not searched yet")
         m = order.schedule.microbatches
         f, b, i, w = (order.per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
         chain = (order.chain[0] / m, order.chain[1]) if order.chain is not None else None
@@ -645,6 +645,11 @@ class _Sketch:
         return cls(float(f.min()) / m, float((b + np.minimum(i, w)).min()) / m, float(b.min()) / m, chain,
                    order.staleness if flushing else None, order.schedule.policy.extra_copies, steps, flushing,
                    order.schedule.num_stages)
+
+
+class _CopiesRefused(ScheduleError):
+    """A method whose order runs several copies of the model (DualPipe's two): refused for every shape, as its
+    graph's copies are the method's, whatever the shape."""
 
 
 def _searched_sketch(stages: int) -> _Sketch:
@@ -720,12 +725,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                         count += 1
                         config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
                         try:
-                            params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=replicas)
-                            if METHODS[name].needs_costs:
-                                check_shape(params)
-                                sketch = _searched_sketch(p)
-                            else:
-                                sketch = orders.sketch(scenario, name, params)
+                            sketch = orders.of_shape(scenario, name, p, m, v, pipelines)
                         except ScheduleError:
                             refused += 1
                             continue
@@ -824,6 +824,15 @@ class _Orders:
     def __init__(self) -> None:
         self._fixed: dict[tuple[str, ScheduleParams], _Order | ScheduleError] = {}
         self._sketches: dict[tuple[str, ScheduleParams, int | None], _Sketch | ScheduleError] = {}
+        self._shapes: dict[tuple, _Sketch | ScheduleError] = {}
+        self._refused_methods: dict[str, _CopiesRefused] = {}
+        self._refusals: dict[bool, dict[str, str]] = {True: {}, False: {}}  # by whether v and P are the method's
+
+    def refusals(self) -> dict[str, str]:
+        """Per method that refused a shape, why: its first refusal at its own v and P (`Method.defaults`: 2
+        chunks for a V schedule), else its first one; at other v or P the reason is mostly those."""
+        usual, other = self._refusals[True], self._refusals[False]
+        return {name: usual.get(name, other.get(name)) for name in {**other, **usual}}
 
     def __call__(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Order:
         method = METHODS[name]
@@ -841,24 +850,73 @@ class _Orders:
             raise found
         return found
 
+    def of_shape(self, scenario: Scenario, name: str, stages: int, microbatches: int, chunks: int,
+                 pipelines: int) -> _Sketch:
+        """The sketch of a shape (a searched order's, `_searched_sketch`, once `check_shape` takes it), remembered
+        by its numbers: it does not depend on the replicas d, so the settings share it, and most of the search's
+        shapes (tens of thousands on a large problem, most refused) are looked up without building anything."""
+        key = (name, stages, microbatches, chunks, pipelines, self._model_key(scenario, name))
+        if key not in self._shapes:
+            try:
+                params = ScheduleParams(stages, microbatches, 2, chunks, pipelines)
+                if METHODS[name].needs_costs:
+                    check_shape(params)
+                    self._shapes[key] = _searched_sketch(stages)
+                else:
+                    self._shapes[key] = self.sketch(scenario, name, params)
+            except ScheduleError as exc:
+                self._shapes[key] = exc
+                defaults = METHODS[name].defaults
+                usual = (chunks, pipelines) == (defaults.get("chunks", 1), defaults.get("pipelines", 1))
+                self._refusals[usual].setdefault(name, str(exc))
+        found = self._shapes[key]
+        if isinstance(found, ScheduleError):
+            raise found
+        return found
+
     def sketch(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Sketch:
         """`name`'s sketch for `params`, read off a probe of at most 2p micro-batches (each multiple of p from
         2p - 1 up that a method may ask for) and one replica: a deep pipeline's order at a large m is slow to
         build, and the search builds it only if the shape can win. A method that refuses the probe is asked at
-        m itself; one that takes the probe and refuses m is found out when the candidate is built."""
+        m itself; one that takes the probe and refuses m is found out when the candidate is built. A method
+        found to run several model copies is refused from then on, unbuilt."""
+        if name in self._refused_methods:
+            raise self._refused_methods[name]
         probe = replace(params, microbatches=min(params.microbatches, 2 * params.stages), data_parallel=1)
-        key = (name, probe, id(scenario) if METHODS[name].on_graph is not None else None)  # a DAG is the model's
+        key = (name, probe, self._model_key(scenario, name))
         if key not in self._sketches:
-            try:
-                self._sketches[key] = _Sketch.of(self(scenario, name, probe))
-            except ScheduleError as exc:
-                self._sketches[key] = exc
+            self._sketches[key] = self._read(scenario, name, probe)
         found = self._sketches[key]
+        if isinstance(found, ScheduleError) and probe.microbatches != params.microbatches and name not in \
+                self._refused_methods:
+            found = self._read(scenario, name, replace(params, data_parallel=1))
         if isinstance(found, ScheduleError):
-            if probe.microbatches == params.microbatches:
-                raise found
-            return _Sketch.of(self(scenario, name, replace(params, data_parallel=1)))
+            raise found
         return found
+
+    def _read(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Sketch | ScheduleError:
+        try:
+            return _Sketch.of(self(scenario, name, params))
+        except _CopiesRefused as exc:
+            self._refused_methods[name] = exc
+            return exc
+        except ScheduleError as exc:
+            return exc
+
+    @staticmethod
+    def _model_key(scenario: Scenario, name: str) -> int | None:
+        """What a method's order depends on beyond its parameters: a stage DAG's, the model's stage graph, which
+        is a chain however a chain of layers is cut (then None: settings of the model share it), else the
+        scenario's own."""
+        if METHODS[name].on_graph is None or (scenario.dag is None and _chain_of_layers(scenario.measured)):
+            return None
+        return id(scenario)
+
+
+def _chain_of_layers(profile: Profile | None) -> bool:
+    """Whether each layer reads the one before it and nothing else (the first, the batch): every cut is a chain."""
+    return profile is not None and all({s for s in layer.inputs if s >= 0} == ({i - 1} if i else set())
+                                       for i, layer in enumerate(profile.layers))
 
 
 def _with_replicas(order: _Order, replicas: int) -> _Order:
@@ -1274,7 +1332,9 @@ def _prices_data_parallel(profile: Profile) -> bool:
     return profile.estimate is not None or bool(profile.allreduce and profile.allreduce.points)
 
 
-def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int) -> str:
+def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int, refusals: dict[str, str]) -> str:
+    """Why there is nothing to search, in one line: no depth, no whole micro-batches, or each method's first
+    refusal (`_Orders.refusals`)."""
     profile = settings[0].scenario.measured  # the model's layers are the same in every setting
     sizes = " or ".join(map(str, sorted({setting.microbatch_size for setting in settings})))
     if not any(_depths(problem.devices // s.tensor, len(profile.layers), _prices_data_parallel(s.scenario.measured))
@@ -1285,8 +1345,10 @@ def _nothing_to_search(settings: list[Setting], problem: Problem, shapes: int) -
         return (f"no configuration: the batch of {problem.batch_size} samples must split into whole micro-batches "
                 f"of {sizes} over r = D/p replicas and P pipelines for some pipeline depth p dividing "
                 f"{problem.devices} (p <= {len(profile.layers)} layers); change --batch-size or --devices")
-    return (f"no configuration: {', '.join(problem.schedules)} refuse every shape with a batch of "
-            f"{problem.batch_size} samples on {problem.devices} devices; try other schedules or --batch-size")
+    why = "; ".join(text if text.startswith(f"{name}:") else f"{name}: {text}" for name, text in refusals.items())
+    verb = "refuses" if len(problem.schedules) == 1 else "refuse"
+    return (f"no configuration: {', '.join(problem.schedules)} {verb} every shape with a batch of "
+            f"{problem.batch_size} samples on {problem.devices} devices ({why}); try other schedules or --batch-size")
 
 
 def _nothing_fits(settings: list[Setting], problem: Problem) -> str:

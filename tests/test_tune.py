@@ -333,6 +333,9 @@ def test_cli_json_is_the_search_result():
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "-1"], "--memory-gb: give GiB per device, more than 0"),
     (["--profile", str(GPT), "--devices", "4", "--memory-gb", "1e300"], "at most 1,048,576"),
     (["--profile", "missing.json", "--devices", "4"], "cannot read profile missing.json"),
+    (["--profile", str(GPT), "--devices", "4", "-s", "dualpipe"],
+     "dualpipe refuses every shape with a batch of 128 samples on 4 devices (dualpipe: the search cuts the model "
+     "into one chain of stages, and this method runs 2 copies of it; not searched yet)"),
 ])
 def test_bad_input_is_one_line_exit_2(args, fragment):
     """One line of error; on a slow host a search may first say, after a second, what it is doing."""
@@ -459,3 +462,17 @@ def test_all_to_alls_are_not_counted_as_compute():
     assert all_to_all.any()
     computed = tuning._compute_ms(t, np.ones((schedule.num_stages, len(tuning.COMPUTE))))
     assert not computed[all_to_all].any() and computed[t.kind == KIND_CODE[Kind.F]].all()
+
+
+def test_settings_of_a_chain_model_share_a_graph_methods_orders_and_a_branching_models_do_not():
+    """A chain of layers cut anywhere is a chain of stages, so GraphPipe's order at a shape is one for every setting
+    of the model (the search looks it up instead of building it per setting); a model whose layers branch is cut
+    into its own DAG, so each setting's is its own."""
+    chain = load_profile(GPT)
+    branching = chain.model_copy(update={"layers": [layer.model_copy(update={"inputs": [1, 2]}) if i == 3 else layer
+                                                    for i, layer in enumerate(chain.layers)]})
+    for profile, shared in ((chain, True), (branching, False)):
+        orders = tuning._Orders()
+        scenarios = [profile_scenario(profile, "adam") for _ in "ab"]  # both alive: an order may be keyed by one's id
+        first, second = (orders.of_shape(each, "graphpipe", 4, 8, 1, 1) for each in scenarios)
+        assert (first is second) == shared
