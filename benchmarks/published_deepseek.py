@@ -9,7 +9,10 @@ nodes (`--expert-parallel 64 --rank-order megatron`: an expert group is 64 conse
 dispatch (`--token-dispatcher deepep`: once over IB to each node, forwarded over NVLink, section 3.2.2; each token
 to at most 4 of the 8 nodes, M = 4, read from the config's n_group 8 and topk_group 4, a group a node), ZeRO-1 over
 the 128 replicas (`--zero 1`), FP8 products with FP8 inputs cached for the backward and weights quantized once a
-step (`--dtype fp8 --fp8-recipe te`, section 3.3), 16-bit weights with FP32 gradients and master weights and
+step, the attention's output cached once in E5M6 and the MoE SwiGLU inputs in FP8 (`--dtype fp8 --fp8-recipe
+deepseek`, sections 3.3.2 and 3.3.3), every RMSNorm and MLA's up-projections recomputed in the backward (section
+3.2.3) and the SwiGLU's output too (3.3.3: "cache the inputs of the SwiGLU operator and recompute its output";
+`--recompute-modules layernorm,mla_up_proj,moe_act`), 16-bit weights with FP32 gradients and master weights and
 AdamW's moments in BF16 (`--precision megatron-bf16-moments`, section 3.3.3), 4,096-token sequences and 15,360 of
 them a step (the batch after its ramp over the first 469B of 14.8T tokens). The report states no micro-batch size:
 one sequence (`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a step. What no flag expresses is in
@@ -41,6 +44,7 @@ SOURCE = "deepseek-v3-2024.csv"  # benchmarks/published/README.md: its source an
 GPUS = {"H800": "h800"}  # the row's GPU -> the catalogue's (hardware/gpus.toml, with its sources)
 SCHEDULES = {"DualPipe": "dualpipe"}  # the row's pipeline schedule -> pipesim's
 MICROBATCH_SIZE = 1  # not in the report
+RECOMPUTED = "layernorm,mla_up_proj,moe_act"  # sections 3.2.3 and 3.3.3 (the module docstring)
 NOT_MODELLED = {
     "multi-token prediction": "the MTP module (config num_nextn_predict_layers 1: one more MoE decoder layer, a "
                               "2h -> h projection and a second pass through the shared output head, on the last "
@@ -49,10 +53,9 @@ NOT_MODELLED = {
     "communication SMs": "20 of the H800's 132 SMs run the all-to-all kernels (section 3.2.2); the overlapped "
                          "pairs' compute is priced on all 132",
     "fine-grained FP8": "1x128 activation tiles and 128x128 weight blocks with FP32 promotion every 128 products "
-                        "(section 3.3.2), the dispatch sent in FP8 (3.3.3): priced as TransformerEngine's "
-                        "per-tensor recipe, the dispatch in 16 bits",
-    "recomputation": "RMSNorm and MLA up-projections recomputed in the backward (section 3.2.3): no --recompute "
-                     "option selects those ops; their saved outputs are kept (memory) and not rerun (time)",
+                        "(section 3.3.2), the dispatch sent in FP8 (3.3.3): their casts priced as TransformerEngine's "
+                        "per-tensor recipe's, the dispatch in 16 bits (what it keeps is modelled: --fp8-recipe "
+                        "deepseek)",
     "EMA in CPU": "updated on the host asynchronously after each step, \"without incurring additional memory or "
                   "time overhead\" (section 3.2.3): nothing on the GPUs to model",
 }
@@ -83,12 +86,12 @@ class DeepSeekRun:
     def simulate_command(self) -> list[str]:
         """One step as the module docstring says, run from the repository root (the config is examples/)."""
         return ["simulate", "--model", "hf:examples/deepseek-v3", "--seq-len", str(self.seq_len), "--dtype", "fp8",
-                "--fp8-recipe", "te", "--attention", "flash", "-b", str(MICROBATCH_SIZE), "--gpu", self.gpu,
+                "--fp8-recipe", "deepseek", "--attention", "flash", "-b", str(MICROBATCH_SIZE), "--gpu", self.gpu,
                 "--tensor-parallel", str(self.tensor), "-p", str(self.pipeline),
                 "-m", str(self.global_batch // (self.data * MICROBATCH_SIZE)), "--data-parallel", str(self.data),
                 "--expert-parallel", str(self.expert), "--zero", "1", "--precision", "megatron-bf16-moments",
-                "--recompute", "none", "-s", self.schedule, "--stage-cut", "balanced", "--rank-order", "megatron",
-                "--expert-tensor-parallel", "1", "--token-dispatcher", "deepep"]
+                "--recompute", "none", "--recompute-modules", RECOMPUTED, "-s", self.schedule, "--stage-cut",
+                "balanced", "--rank-order", "megatron", "--expert-tensor-parallel", "1", "--token-dispatcher", "deepep"]
 
 
 def run() -> DeepSeekRun:
