@@ -115,9 +115,39 @@ class Scenario:
             costs = replace(costs, collective_links=dict.fromkeys(("RING_F", "RING_B"), ring.kind))
         if self.overlap_hidden_fraction:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
+        costs = self._amax_reductions(costs, sched)
         if sched.gradient_ranks == 1:
             return costs
         return collective_costs(costs, sched, self.data_parallel_link(sched), self._expert_replicas(sched))
+
+    def amax_reduction_ms(self, sched: Schedule) -> float:
+        """TransformerEngine's delayed scaling (an estimate's te recipe) all-reduces the amaxes of a chunk's float8
+        tensors when its forward ends (fp8_autocast's exit) and when its backward does (its first module's),
+        blocking the compute stream, over Megatron-core's amax reduction group: the t·C·d ranks of the tensor-,
+        context- and data-parallel groups (parallel_state.get_amax_reduction_group(with_context_parallel=True), the
+        group TransformerBlock's fp8_autocast is given). A few float32 a product, which NCCL sends on its LL
+        protocol: the all-reduce's latency (`nccl_ll_all_reduce_ms`; the bytes' nanoseconds left out), which grows
+        with log2 of the nodes the group spans. 0 without an estimate's te recipe or its placement."""
+        from ..hardware.collectives import nccl_ll_all_reduce_ms
+
+        estimate = self.measured.estimate if self.measured is not None else None
+        if estimate is None or estimate.parallelism.get("fp8") != "te" or estimate.placement is None:
+            return 0.0
+        t, link = estimate.degrees[0], self.data_parallel_link(sched)
+        per_node = min(t * link.per_node, estimate.placement.gpus_per_node)
+        return nccl_ll_all_reduce_ms(0, t * sched.gradient_ranks, per_node, link.bytes_per_ms, link.node_link)
+
+    def _amax_reductions(self, costs: Costs, sched: Schedule) -> Costs:
+        """Every stage that runs float8 products (holds float8 weights: one block's fp8_autocast, a chunk) pays
+        `amax_reduction_ms` in each forward and backward (and input-gradient pass, where the backward's amaxes
+        are taken)."""
+        amax_ms = self.amax_reduction_ms(sched)
+        if not amax_ms:
+            return costs
+        return replace(costs, stages=tuple(replace(
+            c, fwd_ms=c.fwd_ms + amax_ms, bwd_ms=c.bwd_ms + amax_ms,
+            igrad_ms=None if c.igrad_ms is None else c.igrad_ms + amax_ms) if c.float8_weight_bytes else c
+            for c in costs.stages))
 
     def _expert_replicas(self, sched: Schedule) -> int | None:
         """The ranks that hold the same routed experts where an estimate folds them over t·C·d with an
@@ -197,7 +227,7 @@ class Scenario:
         per_node = gradient_ranks_per_node(node, t, p, c, sched.data_parallel,
                                            estimate.parallelism.get("rank_order", "pipesim"))
         return CollectiveLink(link.latency_ms, link.bytes_per_ms, f"the estimate's {link.kind}",
-                              min(per_node, ranks), placement.node_link.latency_ms)
+                              min(per_node, ranks), placement.node_link.latency_ms, placement.node_link.kind)
 
     def _costs(self, sched: Schedule, bounds: Sequence[int] | None) -> Costs:
         n, copies = sched.num_stages, sched.graph.copies  # several model copies: each copy's stage s is stage s
@@ -280,13 +310,15 @@ class CollectiveLink:
     the latency of one ring step (ms) and the bytes per ms per GPU and direction; `source` says where it comes
     from. Where the group's ranks on each node are known (`per_node`, an estimate's placement), its collectives
     are priced as NCCL's tuner prices them (`nccl_all_reduce_ms`): the steps between nodes at `latency_ms`, those
-    inside one at `node_latency_ms`; else as a plain ring (or tree) of `latency_ms` steps."""
+    inside one at `node_latency_ms` over the node's `node_link` (whose kind sets its LL protocol's hops); else as a
+    plain ring (or tree) of `latency_ms` steps."""
 
     latency_ms: float
     bytes_per_ms: float
     source: str
     per_node: int | None = None
     node_latency_ms: float = 0.0
+    node_link: str = "nvlink"
 
     def all_reduce_ms(self, nbytes: float, ranks: int, tree_correction: bool = True) -> float:
         """An all-reduce; without `tree_correction`, NCCL's tree at its full rate: a bound from below that is
@@ -296,7 +328,7 @@ class CollectiveLink:
         if self.per_node is None:
             return all_reduce_ms(nbytes, ranks, self.latency_ms, self.bytes_per_ms)
         return nccl_all_reduce_ms(nbytes, ranks, self.per_node, self.node_latency_ms, self.latency_ms,
-                                  self.bytes_per_ms, tree_correction)
+                                  self.bytes_per_ms, tree_correction, self.node_link)
 
     def reduce_scatter_ms(self, nbytes: float, ranks: int) -> float:
         """A reduce-scatter, or an all-gather (the same traffic reversed)."""
