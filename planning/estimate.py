@@ -541,16 +541,21 @@ TE_PIPELINE_MULTIPROCESSORS = 16
 # gives its communication (arXiv 2412.19437, section 3.2.2). Whatever computes beside them gets the rest
 # (`sharing_dispatcher`).
 DEEPEP_MULTIPROCESSORS = 20
+# The multiprocessors NCCL's all-to-all holds while it runs (`--token-dispatcher alltoall`): one CTA a channel, on an
+# SM of its own that no compute kernel shares, 16 on a DGX with 8 NICs (NCCL's maintainer, github.com/NVIDIA/nccl
+# issue 689); all_to_all_single's ncclDevKernel_SendRecv launched 16 CTAs (issue 1598).
+NCCL_ALL_TO_ALL_MULTIPROCESSORS = 16
 
 
 def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
-    """`device` as a pass computing beside DeepEP's kernels sees it: on the multiprocessors they leave
-    (`on_multiprocessors`); None where no dispatcher holds any (NCCL's all-to-all: `--token-dispatcher alltoall`).
+    """`device` as a pass computing beside the dispatcher's kernels sees it: on the multiprocessors they leave
+    (`on_multiprocessors`), DeepEP's (`--dispatcher-sms`) or NCCL's all-to-all's; None without expert parallelism.
     Only an overlapped pair computes beside them (sim/costs.py `Costs.sharing_dispatcher_ms`): without the expert
     overlap the dispatch is a row the next pass waits for."""
-    if parallel.token_dispatcher != "deepep":
+    if parallel.expert == 1:
         return None
-    held = DEEPEP_MULTIPROCESSORS if parallel.dispatcher_sms is None else parallel.dispatcher_sms
+    held = (NCCL_ALL_TO_ALL_MULTIPROCESSORS if parallel.token_dispatcher != "deepep" else
+            DEEPEP_MULTIPROCESSORS if parallel.dispatcher_sms is None else parallel.dispatcher_sms)
     if held >= device.curve.multiprocessors:
         raise EstimateError(f"dispatcher_sms: {held} of the part's {device.curve.multiprocessors} multiprocessors "
                             "leaves none to compute on; give fewer")

@@ -290,8 +290,8 @@ class Costs:
     def sharing_dispatcher_ms(self, stage: np.ndarray, forward: bool, part_ms: np.ndarray,
                               beside_ms: np.ndarray) -> np.ndarray:
         """What an overlapped pair's part (a forward, or a backward: `forward`) of `stage` takes while the other
-        part's all-to-alls run `beside_ms` beside it on kernels that hold multiprocessors (DeepEP's): for as long
-        as they run, it computes at its own time over its time on the multiprocessors they leave
+        part's all-to-alls run `beside_ms` beside it on kernels that hold multiprocessors (DeepEP's, NCCL's): for as
+        long as they run, it computes at its own time over its time on the multiprocessors they leave
         (`StageCosts.fwd_sharing_ms`), the rest at full speed; unchanged where none are held."""
         own = np.array([c.fwd_ms if forward else c.bwd_ms for c in self.stages])[stage]
         sharing = np.array([c.fwd_sharing_ms if forward else c.bwd_sharing_ms for c in self.stages])[stage]

@@ -19,6 +19,7 @@ from pipesim.planning.estimate import (
     estimate_profile,
     links_of,
     node_placement,
+    on_multiprocessors,
 )
 from pipesim.planning.experts import MoePass, paired_exposed_ms
 from pipesim.schedules import ScheduleParams, build_schedule
@@ -76,6 +77,22 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
         assert priced.all_to_all_paired_ms > 0
     single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
     assert all(layer.all_to_all_paired_ms == 0.0 for layer in single.layers)
+
+
+def test_nccls_all_to_all_holds_sixteen_multiprocessors_beside_the_pair():
+    """NCCL's all-to-all (the default dispatcher) runs a CTA a channel on multiprocessors no compute kernel shares,
+    16 on a DGX H100 (NCCL issue 689): a layer's passes beside it are priced on the other 116 of 132, which an
+    overlapped pair's part runs at while the other part's all-to-alls run; without expert parallelism none."""
+    parallel = Parallelism(pipeline=4, data=8, expert=8)
+    links = links_of(node_placement(H100), 1, 4, 8)
+    beside = on_multiprocessors(DEVICE, 116)
+    for layer, priced in zip(counted().layers, estimate_profile(counted(), H100, parallel).layers):
+        shared = estimate_layer(layer, beside, parallel, links.tensor, 2)
+        assert (priced.fwd_sharing_ms, priced.bwd_sharing_ms) == pytest.approx((shared.fwd_ms, shared.bwd_ms))
+        if layer.dispatched_bytes:  # its products take the multiprocessors' share (the embedding is memory-bound)
+            assert priced.bwd_sharing_ms > priced.bwd.median_ms
+    single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
+    assert all(layer.fwd_sharing_ms == layer.bwd_sharing_ms == 0.0 for layer in single.layers)
 
 
 def step_ms(method: str, paired_ms: float, overlap: bool, microbatches: int = 8, stages: int = 1, chunks: int = 1,
