@@ -12,7 +12,8 @@ the 128 replicas (`--zero 1`), FP8 products with FP8 inputs cached for the backw
 step, the attention's output cached once in E5M6 and the MoE SwiGLU inputs in FP8 (`--dtype fp8 --fp8-recipe
 deepseek`, sections 3.3.2 and 3.3.3), every RMSNorm and MLA's up-projections recomputed in the backward (section
 3.2.3) and the SwiGLU's output too (3.3.3: "cache the inputs of the SwiGLU operator and recompute its output";
-`--recompute-modules layernorm,mla_up_proj,moe_act`), 16-bit weights with FP32 gradients and master weights and
+`--recompute-modules layernorm,mla_up_proj,moe_act`), the EMA of the weights on the host (`--ema cpu`, section
+3.2.3), 16-bit weights with FP32 gradients and master weights and
 AdamW's moments in BF16 (`--precision megatron-bf16-moments`, section 3.3.3), 4,096-token sequences and 15,360 of
 them a step (the batch after its ramp over the first 469B of 14.8T tokens). The report states no micro-batch size:
 one sequence (`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a step. What no flag expresses is in
@@ -56,8 +57,6 @@ NOT_MODELLED = {
                         "(section 3.3.2), the dispatch sent in FP8 (3.3.3): their casts priced as TransformerEngine's "
                         "per-tensor recipe's, the dispatch in 16 bits (what it keeps is modelled: --fp8-recipe "
                         "deepseek)",
-    "EMA in CPU": "updated on the host asynchronously after each step, \"without incurring additional memory or "
-                  "time overhead\" (section 3.2.3): nothing on the GPUs to model",
 }
 
 
@@ -90,8 +89,9 @@ class DeepSeekRun:
                 "--tensor-parallel", str(self.tensor), "-p", str(self.pipeline),
                 "-m", str(self.global_batch // (self.data * MICROBATCH_SIZE)), "--data-parallel", str(self.data),
                 "--expert-parallel", str(self.expert), "--zero", "1", "--precision", "megatron-bf16-moments",
-                "--recompute", "none", "--recompute-modules", RECOMPUTED, "-s", self.schedule, "--stage-cut",
-                "balanced", "--rank-order", "megatron", "--expert-tensor-parallel", "1", "--token-dispatcher", "deepep"]
+                "--recompute", "none", "--recompute-modules", RECOMPUTED, "--ema", "cpu", "-s", self.schedule,
+                "--stage-cut", "balanced", "--rank-order", "megatron", "--expert-tensor-parallel", "1",
+                "--token-dispatcher", "deepep"]
 
 
 def run() -> DeepSeekRun:

@@ -307,6 +307,11 @@ RecomputeModules = Annotated[str | None, typer.Option(
                                                  "(every norm), mla_up_proj (MLA's up-projections and RoPE) and "
                                                  "moe_act (the experts' activation); DeepSeek-V3's report (3.2.3) "
                                                  "recomputes the first two.")]
+Ema = Annotated[str | None, typer.Option(
+    "--ema", metavar="WHERE", help="With --gpu: an exponential moving average of the weights kept on the gpu (a "
+                                   "float32 copy sharded as the master weights, updated after each step) or the "
+                                   "cpu (DeepSeek-V3's, its report's 3.2.3: on the host, updated asynchronously, "
+                                   "nothing on the GPUs). Default: none.")]
 
 OverlapExpertComm = Annotated[bool, typer.Option(
     "--overlap-expert-comm", help="With --expert-parallel: Megatron-core's expert-parallel overlap "
@@ -328,7 +333,8 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("token_dispatcher", TokenDispatcher, None), ("dispatcher_sms", DispatcherSms, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
-                ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None))
+                ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
+                ("ema", Ema, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "

@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
-                 "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion", "recompute_modules")
+                 "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion", "recompute_modules",
+                 "ema")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -67,8 +68,8 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "dispatcher_sms": "--dispatcher-sms",
                   "tp_overlap": "--tp-overlap", "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
                   "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
-                  "recompute": "--recompute", "recompute_modules": "--recompute-modules", "optimizer": "--optimizer",
-                  "gpu": "--gpu",
+                  "recompute": "--recompute", "recompute_modules": "--recompute-modules", "ema": "--ema",
+                  "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
 
 
@@ -105,6 +106,7 @@ class WhatIf:
     expert_swiglu_fusion: bool = True  # --expert-swiglu-fusion (workload/moe.py)
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
+    ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -162,7 +164,8 @@ class WhatIf:
                            expert_tensor=self.expert_tensor,
                            rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
-                           recompute_modules=self.recompute_modules if recompute in ("none", "selective") else ())
+                           recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
+                           ema=self.ema)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -178,7 +181,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # its pydantic models: only where --gpu needs them
-    from ..planning.estimate import CP_ROTATES, TP_RUNTIMES
+    from ..planning.estimate import CP_ROTATES, EMA_PLACES, TP_RUNTIMES
     from ..planning.experts import DISPATCHERS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
@@ -218,6 +221,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if recompute is not None and recompute not in RECOMPUTE:
         raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
     modules = _recompute_modules(params.get("recompute_modules"), recompute)
+    if params.get("ema") is not None and params["ema"] not in EMA_PLACES:
+        raise InputError(f"--ema: choose from {', '.join(EMA_PLACES)} (got {params['ema']!r})")
     precision = params.get("precision")
     if precision is not None and precision not in PRECISIONS:  # before the model is counted, which takes seconds
         raise InputError(f"--precision: choose from {', '.join(PRECISIONS)} (got {precision!r})")
@@ -259,7 +264,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
                   expert_swiglu_fusion=params.get("expert_swiglu_fusion", True),
-                  dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules)
+                  dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
+                  ema=params.get("ema"))
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

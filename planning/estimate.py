@@ -78,6 +78,13 @@ if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
 
 RECOMPUTE = ("none", "selective", "full", "op")
+# Where an exponential moving average of the weights is kept (`Parallelism.ema`): "gpu", a float32 copy beside the
+# master weights, sharded as they are and updated after each step (reads the new weights, reads and writes the
+# average); "cpu", as DeepSeek-V3 kept it (its report, arXiv 2412.19437, 3.2.3: "stored in CPU memory and updated
+# asynchronously after each training step [...] without incurring additional memory or time overhead"): nothing
+# on the GPUs
+EMA_PLACES = ("gpu", "cpu")
+EMA_BYTES = 4
 PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
 GRADIENT_GROUP = ("cp", "dp")  # the ranks that hold the same weights and reduce their gradients (planning/ranks.py)
 REPLICATED_SHARE = 10 / 34  # Korthikanti et al.: 10·sbh of a block's 34·sbh (s×s terms aside) stay whole under t
@@ -122,6 +129,7 @@ class Parallelism:
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ()  # of `RECOMPUTE_REGIONS`, their outputs dropped and rerun (`Regions`)
+    ema: str | None = None  # where the weights' moving average is kept, of `EMA_PLACES` (None: none is kept)
     sharded_optimizer: bool = False
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
@@ -147,6 +155,8 @@ class Parallelism:
         if self.recompute_modules and self.recompute not in ("none", "selective"):
             raise EstimateError(f"recompute_modules: reruns parts of a layer beside none or selective recomputation; "
                                 f"{self.recompute} already decides what every layer keeps")
+        if self.ema is not None and self.ema not in EMA_PLACES:
+            raise EstimateError(f"ema: choose from {', '.join(EMA_PLACES)} (got {self.ema!r})")
         if self.recompute == "op" and self.tensor > 1:
             raise EstimateError("recompute: op (torchtitan's selective op policy) is modelled for tensor 1 only "
                                 f"(got tensor {self.tensor})")
@@ -1023,6 +1033,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     t = parallel.tensor
     shards = t * (parallel.data * parallel.context if parallel.sharded_optimizer else 1)  # C ranks shard as d do
     widen = held.state_bytes // element  # the count's state is in its dtype; mixed precision keeps it in float32
+    ema = EMA_BYTES if parallel.ema == "gpu" else 0  # a float32 average of each weight, with the master copy
     layers = []
     sharing = sharing_dispatcher(device, parallel)
     previous: tuple[LayerCount, LayerEstimate, LayerEstimate | None, LayerEstimate | None] | None = None
@@ -1055,8 +1066,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             fwd_sharing_ms=shared.fwd_ms if shared else 0.0, bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
-            optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + held.master_bytes *
-                                                layer.param_bytes // element) * state_share) // shards
+            optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
+                                                * layer.param_bytes // element) * state_share) // shards
                                    for name in OPTIMIZERS}))
     if bounds is None:
         bounds = partition(layer_costs(layers, optimizer), parallel.pipeline)
@@ -1075,9 +1086,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                         for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, experts.weight_shards))
                     if parallel.fp8 else 0.0)
         steps = {name: StepTimes(
-            step=_timing(casts_ms + memory_ms(sum(layer.optimizer_step_moved_bytes[name] * (
+            step=_timing(casts_ms + memory_ms(sum((layer.optimizer_step_moved_bytes[name] * widen + 3 * ema *
+                                                   layer.param_bytes // element) * (
                 1.0 if parallel.sharded_optimizer else held_share(layer, experts.weight_shards)) for layer in mine)
-                                              * widen / shards)),
+                                              / shards)),
             predict=_timing(memory_ms(3 * params))) for name in OPTIMIZERS}
         stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(memory_ms(3 * params)),
                             _timing(memory_ms(2 * params))))
