@@ -4,8 +4,10 @@ nothing fitted.
 
 Each row's `pipesim simulate` command is built from the row's own columns as NeMo ran it (its launcher's config,
 benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (flash attention, sequence
-parallelism and the tensor-parallel collectives overlapped with the products, `--tp-overlap`, where t > 1;
-context parallelism where the row has it), no recomputation, the distributed optimizer (`--zero 1`;
+parallelism and the tensor-parallel collectives overlapped with the products, `--tp-overlap`, where t > 1, the
+forward's pipelined reduce-scatters without TransformerEngine's SM margin, `--tp-overlap-no-margin`, where the
+run's config left it at TransformerEngine 1.x's default; context parallelism where the row has it), no
+recomputation, the distributed optimizer (`--zero 1`;
 `--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
 backward (each stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the
 vocabulary padded as Megatron pads it, FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te`
@@ -47,7 +49,8 @@ def simulate_command(row: dict[str, str]) -> list[str]:
         "microbatch_size"))
     d = gpus // (t * p * c)
     schedule = ["-s", "interleaved-1f1b", "--chunks", str(v)] if v > 1 else ["-s", "1f1b"]
-    tensor = ["--tensor-parallel", str(t), "--sequence-parallel", "--tp-overlap"] if t > 1 else []
+    tensor = ["--tensor-parallel", str(t), "--sequence-parallel", "--tp-overlap",
+              *(["--tp-overlap-no-margin"] if row["tp_overlap_sm_margin"] == "false" else [])] if t > 1 else []
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden"], "--ffn",
             row["ffn_hidden"], "--heads", row["heads"], "--kv-heads", row["kv_heads"],
             *(["--gated"] if row["gated"] == "true" else []), "--seq-len", row["seq_len"],

@@ -279,6 +279,12 @@ TpOverlap = Annotated[bool, typer.Option(
                          "(4 splits on the SMs its kernels leave, the last reduce-scatter exposed; the backward's "
                          "reduce-scatter under the weight gradient), torch's async TP in t chunks and a sum of the "
                          "partials; only what outlasts a chunk's product is exposed. Within a node.")]
+TpOverlapNoMargin = Annotated[bool, typer.Option(
+    "--tp-overlap-no-margin", help="With --tp-overlap under --tp-runtime megatron: the forward's pipelined "
+                                   "reduce-scatters without TransformerEngine's set_sm_margin (its 1.x default, "
+                                   "which a run without a userbuffers config gets; NeMo's configs set it): each "
+                                   "split's product on every SM, which on Hopper waits out the reduce-scatter "
+                                   "beside it.")]
 TpRuntime = Annotated[str | None, typer.Option(
     "--tp-runtime", metavar="RUNTIME", help="With --sequence-parallel: whose tensor-parallel layers run: megatron "
                                             "(Megatron-core and TransformerEngine, NeMo's; the default: each "
@@ -327,6 +333,7 @@ model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
+                ("tp_overlap_no_margin", TpOverlapNoMargin, False),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("expert_swiglu_fusion", ExpertSwigluFusion, True),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),

@@ -54,7 +54,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion", "recompute_modules",
-                 "ema")
+                 "ema", "tp_overlap_no_margin")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -66,7 +66,8 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "context": "--context-parallel", "expert": "--expert-parallel",
                   "hot_expert_share": "--hot-expert-share", "token_dispatcher": "--token-dispatcher",
                   "dispatcher_sms": "--dispatcher-sms",
-                  "tp_overlap": "--tp-overlap", "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
+                  "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
+                  "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
                   "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
                   "recompute": "--recompute", "recompute_modules": "--recompute-modules", "ema": "--ema",
                   "optimizer": "--optimizer", "gpu": "--gpu",
@@ -107,6 +108,7 @@ class WhatIf:
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
+    tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -163,6 +165,7 @@ class WhatIf:
                            token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
                            expert_tensor=self.expert_tensor,
                            rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
+                           tp_overlap_no_margin=self.tp_overlap_no_margin,
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
                            ema=self.ema)
@@ -208,6 +211,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
         raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
                          "too")
+    if params.get("tp_overlap_no_margin") and not (params.get("tp_overlap") and tp_runtime == "megatron"):
+        raise InputError("--tp-overlap-no-margin sets the SMs of TransformerEngine's pipelined reduce-scatters: give "
+                         "--tp-overlap under --tp-runtime megatron")
     cp_rotate = params.get("cp_rotate") or "alltoall"
     if cp_rotate not in CP_ROTATES:
         raise InputError(f"--cp-rotate: choose from {', '.join(CP_ROTATES)} (got {cp_rotate!r})")
@@ -265,7 +271,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
                   expert_swiglu_fusion=params.get("expert_swiglu_fusion", True),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
-                  ema=params.get("ema"))
+                  ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False))
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

@@ -135,6 +135,7 @@ class Parallelism:
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
     tp_runtime: str = "megatron"  # whose tensor-parallel layers, of `TP_RUNTIMES` (`input_gather_ms`)
+    tp_overlap_no_margin: bool = False  # the forward's pipelined products on every SM (`userbuffers_forward_ms`)
     loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
     cp_rotate: str = "alltoall"  # how the context ring passes keys and values, of `CP_ROTATES` (`ContextRing`)
 
@@ -166,6 +167,9 @@ class Parallelism:
             raise EstimateError(f"fp8: choose a recipe from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
         if self.tp_runtime not in TP_RUNTIMES:
             raise EstimateError(f"tp_runtime: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
+        if self.tp_overlap_no_margin and not (self.tp_overlap and self.tp_runtime == "megatron"):
+            raise EstimateError("tp_overlap_no_margin: the SMs of TransformerEngine's pipelined reduce-scatters; "
+                                "give tp_overlap with tp_runtime megatron")
         if self.cp_rotate not in CP_ROTATES:
             raise EstimateError(f"cp_rotate: choose from {', '.join(CP_ROTATES)} (got {self.cp_rotate!r})")
         if self.tp_overlap and not self.sequence_parallel:
@@ -582,20 +586,30 @@ def on_multiprocessors(device: Device, multiprocessors: int) -> Device:
                    curve=device.curve.model_copy(update={"multiprocessors": multiprocessors}))
 
 
-def userbuffers_forward_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
+def userbuffers_forward_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink,
+                           sm_margin: bool = True) -> float:
     """A row-parallel forward product (split on its contraction) with its reduce-scatter and the next product's
     all-gather (of an `nbytes` tensor over t sequence-parallel ranks) as TransformerEngine's userbuffers run them
     under Megatron-LM's --tp-comm-overlap (`--tp-runtime megatron --tp-overlap`). The reduce-scatter is the
     `pipeline` method (`CommOverlapBase::split_overlap_rs`): the product in `TE_PIPELINE_SPLITS` splits of its
-    rows on the multiprocessors the communication kernels leave it, each split's reduce-scatter (1/splits of the
-    tensor) under the next split, the last one's after it, exposed. The all-gather into the next column-parallel
-    product is `ring_exchange_ms`."""
+    rows, each split's reduce-scatter (1/splits of the tensor) beside the next split, the last one's after it,
+    exposed. With `sm_margin` (`set_sm_margin`, which NeMo's userbuffers configs set for this method) each split
+    runs on the multiprocessors the communication kernels leave it and the reduce-scatter hides under it up to
+    its length; without (TransformerEngine 1.x's default, `initialize_ub`, which a run without a config gets) each
+    split runs on every multiprocessor beside the reduce-scatter, exposed as `bulk_exposed_ms` says. The
+    all-gather into the next column-parallel product is `ring_exchange_ms`."""
     batch, m, n, k = op.shape
     splits = TE_PIPELINE_SPLITS
     split = _scaled(op, (batch, max(m // splits, 1), n, k), splits)
-    split_ms = op_ms(split, on_multiprocessors(device, device.curve.multiprocessors - TE_PIPELINE_MULTIPROCESSORS))
     scatter_ms = reduce_scatter_ms(nbytes / splits, t, link.latency_ms, link.bytes_per_ms)
-    reduce_scattered = splits * split_ms + (splits - 1) * max(scatter_ms - split_ms, 0.0) + scatter_ms
+    if sm_margin:
+        split_ms = op_ms(split, on_multiprocessors(device, device.curve.multiprocessors -
+                                                   TE_PIPELINE_MULTIPROCESSORS))
+        beside_ms = max(scatter_ms - split_ms, 0.0)
+    else:
+        split_ms = op_ms(split, device)
+        beside_ms = bulk_exposed_ms(scatter_ms, split_ms, device)
+    reduce_scattered = splits * split_ms + (splits - 1) * beside_ms + scatter_ms
     return reduce_scattered + ring_exchange_ms(op, device, t, nbytes, link)
 
 
@@ -743,10 +757,13 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
         gather_ms = input_gather_ms(batch * m * n * saved_input_bytes, product_ms, t, tensor_link,
                                     device) if regathers else 0.0
+        if parallel.tp_overlap and parallel.tp_runtime == "torch":
+            return async_tp_ms(op, device, t, nbytes, tensor_link) + gather_ms
+        if parallel.tp_overlap and forward:
+            return userbuffers_forward_ms(op, device, t, nbytes, tensor_link,
+                                          sm_margin=not parallel.tp_overlap_no_margin) + gather_ms
         if parallel.tp_overlap:
-            overlap = async_tp_ms if parallel.tp_runtime == "torch" else (
-                userbuffers_forward_ms if forward else userbuffers_backward_ms)
-            return overlap(op, device, t, nbytes, tensor_link) + gather_ms
+            return userbuffers_backward_ms(op, device, t, nbytes, tensor_link) + gather_ms
         if parallel.sequence_parallel:
             return product_ms + 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms,
                                                       tensor_link.bytes_per_ms) + gather_ms

@@ -10,16 +10,23 @@ import pytest
 from pipesim.hardware import collectives
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
+    TE_PIPELINE_MULTIPROCESSORS,
+    TE_PIPELINE_SPLITS,
     Device,
+    EstimateError,
     Parallelism,
     bulk_exposed_ms,
     estimate_layer,
     input_gather_ms,
+    on_multiprocessors,
     op_ms,
     placement_links,
+    ring_exchange_ms,
     userbuffers_backward_ms,
+    userbuffers_forward_ms,
 )
 from pipesim.profiles.workload import OpCount
+from tests.conftest import pipesim
 
 CATALOGUE = load_catalogue()
 H100 = CATALOGUE.find("h100-sxm")
@@ -73,3 +80,36 @@ def test_a_layers_backward_on_hopper_pays_each_bulk_collective_and_its_forward_n
     gather_ms = collectives.all_gather_ms(nbytes, T, LINK.latency_ms, LINK.bytes_per_ms)
     assert persistent.fwd_ms == waves.fwd_ms
     assert persistent.bwd_ms - waves.bwd_ms == pytest.approx(2 * (scatter_ms + gather_ms))
+    # without the margin the forward's two row-parallel products (the projection, the MLP's second) run on every SM
+    no_margin = estimate_layer(block, PERSISTENT, replace(parallel, tp_overlap_no_margin=True), LINK, 2)
+    assert no_margin.fwd_ms != persistent.fwd_ms and no_margin.bwd_ms == persistent.bwd_ms
+
+
+@pytest.mark.parametrize("device", [PERSISTENT, WAVES])
+def test_the_forwards_pipelined_reduce_scatter_without_its_sm_margin_runs_each_split_on_every_sm(device):
+    """TransformerEngine 1.x's default `pipeline` overlap (no `set_sm_margin`): each split's product on every
+    SM beside the previous split's reduce-scatter, which a persistent product waits out whole and waves hide up to
+    the split's length; with the margin (NeMo's configs) the splits run on the SMs the kernels leave."""
+    split = OpCount("mm", "matmul", (1, M // TE_PIPELINE_SPLITS, N, K), PRODUCT.flops // TE_PIPELINE_SPLITS,
+                    PRODUCT.moved_bytes // TE_PIPELINE_SPLITS, 1)
+    scatter_ms = collectives.reduce_scatter_ms(NBYTES / TE_PIPELINE_SPLITS, T, LINK.latency_ms, LINK.bytes_per_ms)
+    gathered_ms = ring_exchange_ms(PRODUCT, device, T, NBYTES, LINK)
+    split_ms = op_ms(split, device)
+    beside_ms = scatter_ms if device.curve.persistent_products else max(scatter_ms - split_ms, 0.0)
+    expected = TE_PIPELINE_SPLITS * split_ms + (TE_PIPELINE_SPLITS - 1) * beside_ms + scatter_ms + gathered_ms
+    assert userbuffers_forward_ms(PRODUCT, device, T, NBYTES, LINK, sm_margin=False) == pytest.approx(expected)
+    narrower_ms = op_ms(split, on_multiprocessors(device, device.curve.multiprocessors - TE_PIPELINE_MULTIPROCESSORS))
+    margin = TE_PIPELINE_SPLITS * narrower_ms + (TE_PIPELINE_SPLITS - 1) * max(scatter_ms - narrower_ms, 0.0)
+    assert userbuffers_forward_ms(PRODUCT, device, T, NBYTES, LINK) == pytest.approx(margin + scatter_ms + gathered_ms)
+
+
+def test_no_margin_needs_megatrons_overlapped_tensor_parallelism(tmp_path):
+    with pytest.raises(EstimateError, match="tp_overlap_no_margin"):
+        Parallelism(tensor=T, sequence_parallel=True, tp_overlap=True, tp_runtime="torch", tp_overlap_no_margin=True)
+    model = ["--model", "gpt", "--layers", 2, "--gpu", "h100-sxm", "--tensor-parallel", T, "--sequence-parallel"]
+    for extra in ([], ["--tp-overlap", "--tp-runtime", "torch"]):
+        code, _, err = pipesim("estimate", *model, *extra, "--tp-overlap-no-margin", "--out", tmp_path / "p.json")
+        assert code == 2 and err.strip() == ("error: --tp-overlap-no-margin sets the SMs of TransformerEngine's "
+                                             "pipelined reduce-scatters: give --tp-overlap under --tp-runtime "
+                                             "megatron")
+        assert not (tmp_path / "p.json").exists()
