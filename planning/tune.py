@@ -51,6 +51,7 @@ best bound first among those whose floor fits, and named in a note.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import multiprocessing
@@ -447,14 +448,18 @@ class _Built:
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
         self.results: dict[int, Result] = {}
-        self.partitioned: dict[int, Shape] = {}  # searched orders' shapes bounded on their partitions
+        self.partitioned: dict[int, Shape] = {}  # shapes bounded again before they are built (`advance`)
+        self._chains: dict[int, _ChainWork | None] = {}  # by id of the setting
         self._splitters: dict[int, Callable[..., list[int]]] = {}  # by id of the setting: partitions are shared
 
     def advance(self, shape: Shape) -> Shape | Candidate | None:
         """What a shape becomes once its bound comes up: its candidate; first, for a searched order, whose search
-        is dear, the shape bounded on its partition (`_searched_bound_ms`), which may never come up again."""
-        if not METHODS[shape.config.schedule].needs_costs or shape.partitioned:
+        is dear, the shape bounded on its partition (`_searched_bound_ms`), and for a fixed flushing chain the
+        shape bounded over its best cut (`_best_cut_ms`), either of which may never come up again."""
+        if shape.partitioned or shape.cut_bounded:
             return self.candidate(shape)
+        if not METHODS[shape.config.schedule].needs_costs:
+            return self._cut_bounded(shape)
         if shape.index not in self.partitioned:
             scenario, config = shape.setting.scenario, shape.config
             try:
@@ -469,6 +474,28 @@ class _Built:
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3  # shaded as `_candidate`'s
             self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                                     partitioned=True)
+        return self.partitioned[shape.index]
+
+    def _cut_bounded(self, shape: Shape) -> Shape | Candidate | None:
+        """A fixed flushing chain's shape bounded over the best cut of its layers (cheap next to building it: no
+        order at m, no partition, no costs); any other fixed order's candidate."""
+        config, setting = shape.config, shape.setting
+        sketch = self.orders.of_shape(setting.scenario, config.schedule, config.stages, config.microbatches,
+                                      config.chunks, config.pipelines)
+        if id(setting) not in self._chains:
+            self._chains[id(setting)] = _ChainWork.of(setting.scenario.measured)
+        chain = self._chains[id(setting)]
+        if sketch.chain is None or chain is None:
+            return self.candidate(shape)
+        if shape.index not in self.partitioned:
+            scenario, p = setting.scenario, config.stages
+            frame = schedule_frame(ScheduleParams(p, 1, data_parallel=config.replicas))
+            step_ms = _best_cut_ms(chain, config.microbatches * sketch.chain[0], sketch.chain[1], scenario.cost_scale,
+                                   chain.hops_ms(scenario.links(frame), p),
+                                   _mean_reduce_ms(scenario, 1, config.replicas, chain.first_param_bytes, p))
+            bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3 if step_ms > 0 else math.inf
+            self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
+                                                    cut_bounded=True)
         return self.partitioned[shape.index]
 
     def candidate(self, shape: Shape) -> Candidate | None:
@@ -568,6 +595,7 @@ class Shape:
     max_samples_per_s: float
     memory_floor_bytes: int  # what no partition's floor goes below: the fullest device holds at least the mean
     partitioned: bool = False  # a searched order's shape bounded again on its partition, before its search
+    cut_bounded: bool = False  # a fixed flushing chain's shape bounded again over its best cut (`_best_cut_ms`)
 
 
 @dataclass(frozen=True)
@@ -650,6 +678,81 @@ class _Sketch:
 class _CopiesRefused(ScheduleError):
     """A method whose order runs several copies of the model (DualPipe's two): refused for every shape, as its
     graph's copies are the method's, whatever the shape."""
+
+
+@dataclass(frozen=True)
+class _ChainWork:
+    """What bounds a flushing chain over every cut of a profile's layers (`_best_cut_ms`): per layer, the forward
+    and the input-gradient pass (B, or the least of B and I where the chain splits backwards) as prefix sums, the
+    first layer's weights (stage 0 holds them) and, for a chain of layers, the fewest bytes a stage can send."""
+
+    forward: list[float]  # prefix sums over the layers, ms, with the profile's contention tail
+    whole: list[float]  # F + B
+    least: list[float]  # F + min(B, I)
+    first_param_bytes: int
+    sent_bytes: tuple[int, ...]  # what a stage may send: a layer's output (none where the layers branch)
+
+    @classmethod
+    def of(cls, profile: Profile) -> _ChainWork | None:
+        """None where passes were measured per stage: no sum of layers bounds them (`_work`)."""
+        if all(stage.passes is not None for stage in profile.stages):
+            return None
+        tail = profile.contention.tail if profile.contention is not None else 1.0
+        layers = profile.layers
+
+        def prefix(values) -> list[float]:
+            return np.concatenate([[0.0], np.cumsum([tail * v for v in values])]).tolist()
+
+        return cls(prefix(layer.fwd.median_ms for layer in layers),
+                   prefix(layer.fwd.median_ms + layer.bwd.median_ms for layer in layers),
+                   prefix(layer.fwd.median_ms + min(layer.bwd.median_ms, layer.igrad.median_ms) for layer in layers),
+                   layers[0].param_bytes,
+                   tuple(sorted({layer.output_bytes for layer in layers[:-1]})) if _chain_of_layers(profile) else ())
+
+    def hops_ms(self, links: Cluster, devices: int) -> list[float]:
+        """[d]: the least time a micro-batch's activation and gradient spend crossing the links between devices
+        0..d of a chain (`_hops_ms` at the cheapest size a stage may send; 0 where the layers branch)."""
+        return np.concatenate([[0.0], np.cumsum([min((links.link(k, k + 1).transfer_ms(sent) + links.link(
+            k + 1, k).transfer_ms(sent) for sent in self.sent_bytes), default=0.0) for k in range(devices - 1)])
+                               ]).tolist()
+
+
+def _best_cut_ms(work: _ChainWork, passes: float, splits: bool, cost_scale: float, hops_ms: list[float],
+                 tail_ms: float) -> float:
+    """A lower bound of a flushing chain's step over every cut of the layers into p stages (p = len(hops_ms)),
+    without building its order: `_flush_bound_ms`'s inequalities with what the shape knows. Device d's step is
+    at least S_d + H_d + c·X_d + tail, where X_k is stage k's forward and input-gradient pass (its layers' sums;
+    stage 0's input pass empty where the chain splits backwards), S_d = X_0 + ... + X_{d-1}, H_d the links'
+    least hops to d, c (`passes`) the fewest forwards and input passes a device runs up to its last, and tail
+    the least REDUCE of stage 0, which holds the first layer. The least T that some cut keeps every device
+    under is found by bisection: for a given T, taking as many layers into each stage in turn as its inequality
+    allows (leaving one for each stage after) finds a cut if any exists, since moving a stage's first layer
+    into the stage before it lowers the later stage's term by (c - 1)·x >= 0 and leaves the others' alone. The
+    largest T found to leave no cut is returned: no cut, so no candidate of the shape, steps faster."""
+    stages = len(hops_ms)
+    first = work.forward if splits else work.whole  # stage 0's X per layer
+    rest = work.least if splits else work.whole
+    layers = len(rest) - 1
+    if stages > layers or passes < 1:  # the argument needs c >= 1 (every order here runs each micro-batch once)
+        return 0.0
+
+    def fits(step_ms: float) -> bool:
+        start, before_ms = 0, 0.0  # the stage's first layer, and S_d
+        for d in range(stages):
+            weights = first if d == 0 else rest
+            room_ms = (step_ms - before_ms - hops_ms[d] - tail_ms) / (passes * cost_scale)
+            end = min(bisect.bisect_right(weights, weights[start] + room_ms) - 1, layers - (stages - 1 - d))
+            if end <= start:
+                return False
+            before_ms += cost_scale * (weights[end] - weights[start])
+            start = end
+        return start == layers
+
+    low, high = 0.0, cost_scale * (passes + 1) * rest[-1] + hops_ms[-1] + tail_ms + 1.0
+    while high - low > 1e-7 * high:
+        middle = (low + high) / 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return low
 
 
 def _searched_sketch(stages: int) -> _Sketch:
@@ -735,14 +838,16 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
     return shapes, count, refused
 
 
-def _mean_reduce_ms(scenario: Scenario, stages: int, replicas: int, gradient_bytes: int) -> float:
+def _mean_reduce_ms(scenario: Scenario, stages: int, replicas: int, gradient_bytes: int,
+                    depth: int | None = None) -> float:
     """What p stages' REDUCEs over r replicas take at least on average, however the model's gradients are cut
     among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the bytes (the tree at
     its full rate, at most what its size correction leaves), is concave in them, so the mean over any cut is at
-    least the chord from no bytes to all of them, 1/p of the way."""
+    least the chord from no bytes to all of them, 1/p of the way. `depth`: the pipeline's, where it is not
+    the number of parts the bytes are cut into (one part: a REDUCE of at least those bytes)."""
     if replicas == 1:
         return 0.0
-    link = scenario.data_parallel_link(schedule_frame(ScheduleParams(stages, 1, data_parallel=replicas)))
+    link = scenario.data_parallel_link(schedule_frame(ScheduleParams(depth or stages, 1, data_parallel=replicas)))
     empty, whole = (link.all_reduce_ms(nbytes, replicas, tree_correction=False) for nbytes in (0, gradient_bytes))
     return empty + (whole - empty) / stages
 

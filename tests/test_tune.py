@@ -387,8 +387,9 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
     built = tuning._Built(prob, orders)
     work = tuning._work(profile, "adam")
     bubbles = shape_bubbles = 0
+    cut = 0
     for shape in shapes:
-        partitioned = built.advance(shape) if METHODS[shape.config.schedule].needs_costs else shape
+        partitioned = built.advance(shape)  # auto's shape on its partition, a chain's over its best cut, else built
         candidate = built.candidate(shape)
         if candidate is None:
             continue
@@ -397,6 +398,9 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
         assert result.samples_per_s <= candidate.max_samples_per_s <= shape.max_samples_per_s, label
         assert result.samples_per_s <= built.tighten(candidate).max_samples_per_s, label
         assert result.samples_per_s <= partitioned.max_samples_per_s <= shape.max_samples_per_s, label
+        if isinstance(partitioned, tuning.Shape) and partitioned.cut_bounded:  # no cut beats it, so neither this one
+            assert candidate.max_samples_per_s <= partitioned.max_samples_per_s * (1 + 1e-9), label
+            cut += partitioned.max_samples_per_s < shape.max_samples_per_s
         assert shape.memory_floor_bytes <= candidate.memory_floor_bytes, label
         assert shape.staleness in (None, candidate.staleness), label
         bubbles += candidate.max_samples_per_s < prob.batch_size / candidate.busiest_ms * 1e3
@@ -404,7 +408,7 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
             sketch = orders.sketch(source[0].scenario, shape.config.schedule, candidate.params)
             plain = tuning._shape_bound(prob, shape.config, work, sketch, 1.0, chain=False)
             shape_bubbles += shape.max_samples_per_s < plain
-    assert (bubbles and shape_bubbles) or which == CNN
+    assert (bubbles and shape_bubbles and cut) or which == CNN
 
 
 @pytest.mark.parametrize("seed", [5, 6])
@@ -476,3 +480,31 @@ def test_settings_of_a_chain_model_share_a_graph_methods_orders_and_a_branching_
         scenarios = [profile_scenario(profile, "adam") for _ in "ab"]  # both alive: an order may be keyed by one's id
         first, second = (orders.of_shape(each, "graphpipe", 4, 8, 1, 1) for each in scenarios)
         assert (first is second) == shared
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(*[st.floats(0, 100)] * 3), min_size=1, max_size=7), st.integers(1, 4), st.floats(1, 16),
+       st.booleans(), st.lists(st.floats(0, 50), min_size=3, max_size=3), st.floats(0, 50), st.floats(0.5, 2))
+@example([(1.0, 2.0, 1.5)] * 5, 3, 10.0, True, [0.5, 0.5, 0.5], 3.0, 1.0)
+def test_best_cut_bound_is_the_least_over_every_cut_by_brute_force(layers, stages, passes, splits, hops, tail, scale):
+    """`_best_cut_ms`, which bounds a flushing chain's shape before it is cut, against every cut into p stages:
+    max over devices d of S_d + H_d + c·X_d + tail, X_0 without its input pass where the chain splits backwards.
+    Never above the least (a bound the search prunes by must not overshoot), and below it by the bisection's
+    tolerance only."""
+    forward, backward, input_grad = (np.array(column) for column in zip(*layers))
+    first = forward if splits else forward + backward
+    rest = forward + (np.minimum(backward, input_grad) if splits else backward)
+    work = tuning._ChainWork(*(np.concatenate([[0.0], np.cumsum(w)]).tolist() for w in (
+        forward, forward + backward, forward + np.minimum(backward, input_grad))), 0, ())
+    reach = np.concatenate([[0.0], np.cumsum(hops)])[:stages].tolist()  # H_d
+    bound = tuning._best_cut_ms(work, passes, splits, scale, reach, tail)
+    n = len(layers)
+    if stages > n:
+        assert bound == 0.0
+        return
+    least = math.inf
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        edges = [0, *cuts, n]
+        x = [scale * math.fsum((first if d == 0 else rest)[a:b]) for d, (a, b) in enumerate(itertools.pairwise(edges))]
+        least = min(least, max(math.fsum(x[:d]) + reach[d] + passes * x[d] + tail for d in range(stages)))
+    assert least * (1 - 1e-6) - 1e-9 <= bound <= least * (1 + 1e-9) + 1e-9, (bound, least)
