@@ -36,6 +36,7 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == int(published["global_batch"])
         assert _flag(args, "--dtype") == published["precision"]
         assert ("nemo-bf16-adam" in args) == (published["optimizer_state"] == "bf16")
+        assert (_flag(args, "--recompute") if "--recompute" in args else "none") == published["recompute"]
         assert ("--tp-overlap-no-margin" in args) == (published["tp_overlap_sm_margin"] == "false")
         assert (published["tp_overlap_sm_margin"] == "") == (t == 1)
         assert int(_flag(args, "--vocab")) % (128 * t) == 0 <= int(_flag(args, "--vocab")) - int(published["vocab"])
