@@ -577,9 +577,10 @@ def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     and what else is not the default (Megatron's tensor-parallel runtime is); the context ring's rotation only where
     there is a ring."""
     context, expert = int(parallelism.get("context", 1)), int(parallelism.get("expert", 1))
-    flags = [f"{key.replace('_', ' ')} {value}" if not isinstance(value, bool) else key.replace("_", " ")
+    flags = [key.replace("_", " ") if isinstance(value, bool) else f"{key.replace('_', ' ')} "
+             f"{','.join(value) if isinstance(value, (list, tuple)) else value}"  # --recompute-modules' list
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context", "expert")
-             and value not in (False, "none", None) and (key, value) not in (("rank_order", "pipesim"),
+             and value not in (False, "none", None, (), []) and (key, value) not in (("rank_order", "pipesim"),
                                                                               ("tp_runtime", "megatron"))
              and (key != "cp_rotate" or context > 1)]
     degrees = (f"t={parallelism['tensor']}" + (f" C={context}" if context > 1 else "")

@@ -125,3 +125,11 @@ def test_tune_tries_full_recomputation_beside_recompute_modules():
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "4", "--devices", "4",
                              "--recompute-modules", "layernorm")
     assert code == 0, err
+
+
+def test_the_costs_line_names_the_recomputed_modules_only_where_given():
+    args = ("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "-p", "2")
+    code, out, err = pipesim(*args)
+    assert code == 0 and "recompute modules" not in " ".join(out.split()), err
+    code, out, err = pipesim(*args, "--recompute-modules", "layernorm,moe_act")
+    assert code == 0 and "recompute modules layernorm,moe_act" in " ".join(out.split()), err
