@@ -6,8 +6,10 @@ shared vocabularies and the profile data may use it."""
 # weights (with the copies a method keeps), weight gradients as accumulated, optimizer state (a mixed-precision
 # master copy of the weights included), what the forward keeps for the backward (boundary tensors included),
 # point-to-point buffers in flight, and the tensors a pass creates and frees within itself while it runs
-# (`transient`: the loss's backward's float32 tokens x vocabulary gradients, an MLP's intermediate gradients).
-MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication", "transient")
+# (`transient`: the loss's backward's float32 tokens x vocabulary gradients, an MLP's intermediate gradients), and
+# what the CUDA caching allocator holds beyond the tensors, cached segments that no request of the step could take
+# (`reserve`, sim/caching_allocator.py; 0 where not replayed): torch's max reserved less its max allocated.
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication", "transient", "reserve")
 
 # What saves an activation (`LayerCount.saved_parts`): the torch function running (a norm, a dropout's mask, the
 # attention kernel), else the innermost submodule named for attention or an MLP, else other.

@@ -295,6 +295,12 @@ LossParallel = Annotated[bool, typer.Option(
     "--loss-parallel", help="With --gpu: the loss computed as torch's loss_parallel computes it (torchtitan's with "
                             "t > 1): logits split by vocabulary over the t GPUs, its fused backward holding one "
                             "more float32 tokens x vocabulary/t tensor than aten's cross entropy.")]
+ALLOCATORS = ("caching", "none")  # --allocator
+Allocator = Annotated[str, typer.Option(
+    "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
+                                         "segments torch's CUDA caching allocator keeps cached beside them, its "
+                                         "step replayed by the allocator's rules: max reserved, as torchtitan "
+                                         "logs it; the default) or none (its tensors alone: max allocated).")]
 ExpertSwigluFusion = Annotated[bool, typer.Option(
     "--expert-swiglu-fusion/--no-expert-swiglu-fusion",
     help="With --gpu: a gated expert's SwiGLU and the router's weights as one fused kernel keeping only its input "

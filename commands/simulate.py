@@ -15,8 +15,10 @@ from rich.table import Table
 
 from ..allocator import keep_freed_memory, no_huge_pages
 from .common import (
+    ALLOCATORS,
     ActivationLimit,
     Advance,
+    Allocator,
     AverageEvery,
     BlockingComm,
     Chunks,
@@ -148,6 +150,7 @@ def simulate(
     precision: HeldPrecision = None,
     reduce_after_flush: ReduceAfterFlush = False,
     recompute: Recompute = "none",
+    allocator: Allocator = "caching",
     stage_cut: StageCut = "balanced",
     jitter: Annotated[float, typer.Option(
         "--jitter", min=0.0, metavar="SIGMA", help="Sigma of a log-normal factor on every compute time (0: "
@@ -176,12 +179,14 @@ def simulate(
     if example:
         stages, microbatches, comm, opt, html = (
             EXAMPLE[k] for k in ("stages", "microbatches", "comm", "opt", "html"))
+    from ..planning.estimate import layer_allocations
     from ..schedules import METHODS, ScheduleError, steady_minibatches
     from ..schedules.analysis import overlapped_pairs
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
+    from ..sim.caching_allocator import add_reserve, device_reserves
     from ..traces import summarize, write_trace
-    from ..units import MIB
+    from ..units import GIB, MIB
 
     names = schedule or list(METHODS)
     loaded = None
@@ -204,9 +209,14 @@ def simulate(
             raise InputError("--memory is a table; --json gives each device's breakdown as peak_memory_parts_mb: "
                              "give one")
         what = what_if(ctx, profile_reads=("expert_parallel",))
-        estimated = None if what is None else estimated_profile(
-            what, count_what_if(what, microbatch_size),
-            what.parallelism(stages, tensor_parallel, data_parallel, recompute), optimizer)
+        if allocator not in ALLOCATORS:
+            raise InputError(f"--allocator: choose from {', '.join(ALLOCATORS)} (got {allocator!r})")
+        if what is None and is_given(ctx, "allocator"):
+            raise InputError("--allocator: only --gpu's estimate counts each pass's allocations, which the "
+                             "allocator replays; give --gpu NAME and --model")
+        counted = None if what is None else count_what_if(what, microbatch_size)
+        parallel = None if what is None else what.parallelism(stages, tensor_parallel, data_parallel, recompute)
+        estimated = None if what is None else estimated_profile(what, counted, parallel, optimizer)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction)
         work = ModelWork.of(scenario.measured)
@@ -252,12 +262,17 @@ def simulate(
             raise InputError(f"--fb-hidden-fraction prices overlapped F&B pairs, and none of {', '.join(schedules)} "
                              "runs one (dualpipev does): leave it out")
         summaries, traces, memory = [], [], []
+        replayed = (layer_allocations(counted, parallel) if what is not None and allocator == "caching"
+                    and not any(layer.dispatched_bytes for layer in counted.layers) else None)
         for name, sched in progress(list(schedules.items()), as_json):
             try:
                 result = run_simulation(sched, scenario.costs(sched), scenario.links(sched), jitter=jitter, seed=seed)
             except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
                 skipped[name] = str(exc)
                 continue
+            if replayed is not None:
+                add_reserve(result, device_reserves(result, _stage_allocations(scenario, sched, replayed),
+                                                    round(what.gpu.memory_gib * GIB)))
             traces.append(result)
             summaries.append(summarize(result))
             memory.append(scenario.links(sched).memory_checks(
@@ -317,6 +332,16 @@ def simulate(
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
+
+
+def _stage_allocations(scenario, sched, allocations: list) -> dict[int, list]:
+    """Each model stage's layers' allocations (`layer_allocations`, in the model's order), cut as the scenario cuts
+    the estimate's layers into the schedule's stages (`profile_bounds`), what `device_reserves` replays."""
+    from ..planning.scenario import profile_bounds
+
+    per_copy = sched.graph.stages_per_copy
+    cut = profile_bounds(scenario.measured, per_copy, scenario.stage_cut)
+    return {stage: allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]] for stage in range(sched.num_stages)}
 
 
 def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
@@ -541,7 +566,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
 
 MEMORY_COLUMNS = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "optimizer",
                   "activations": "activations", "communication": "buffers",
-                  "transient": "transient"}  # MEMORY_PARTS -> the table's words
+                  "transient": "transient", "reserve": "reserve"}  # MEMORY_PARTS -> the table's words
 
 
 def _print_memory_table(summaries: list, schedules: list, memory: list, skipped: dict[str, str]) -> None:
@@ -556,10 +581,13 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
                   caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
                           "accumulated, optimizer state with its master weights, activations saved for the "
                           "backward, buffers of transfers in flight, what the running pass creates and frees "
-                          "within itself; --json: peak_memory_parts_mb")
+                          "within itself, the segments torch's caching allocator keeps cached beside them (--gpu's "
+                          "--allocator caching; not replayed for a mixture of experts); --json: peak_memory_parts_mb")
     table.add_column("schedule", no_wrap=True)
     table.add_column("device", justify="right", no_wrap=True)
-    for part in MEMORY_PARTS:
+    replayed = any(device.peak_memory_parts_mb["reserve"] for s in summaries for device in s.devices)
+    parts = MEMORY_PARTS if replayed else tuple(part for part in MEMORY_PARTS if part != "reserve")  # else all 0
+    for part in parts:
         table.add_column(MEMORY_COLUMNS[part], justify="right", no_wrap=True)
     table.add_column("peak", justify="right", no_wrap=True)
     limited = any(check.limit_bytes is not None for checks in memory for check in checks)
@@ -567,7 +595,7 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
         table.add_column("limit", justify="right", no_wrap=True)
     for s, sched, checks in zip(summaries, schedules, memory):
         for d, (device, check) in enumerate(zip(s.devices, checks)):
-            whole = _summing_whole([device.peak_memory_parts_mb[part] for part in MEMORY_PARTS])
+            whole = _summing_whole([device.peak_memory_parts_mb[part] for part in parts])
             table.add_row(
                 s.schedule if d == 0 else "", str(device.device), *[f"{mib:,}" for mib in whole], f"{sum(whole):,}",
                 *([f"{check.limit_bytes / MIB:,.0f}" if check.limit_bytes is not None else ""] if limited else []),

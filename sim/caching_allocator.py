@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..traces.trace import Trace
+from ..traces.trace import Counter, Trace
 from ..units import MIB
 from .costs import TRANSIENT_KINDS
 
@@ -45,7 +45,7 @@ class AllocatorOutOfMemory(MemoryError):
     """A segment that does not fit beside what is reserved, even once every whole cached segment is released."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     """A range of one segment, allocated or cached; `before` and `after`: its neighbours within the segment."""
 
@@ -57,10 +57,10 @@ class Block:
     before: Block | None = None
     after: Block | None = None
 
-    @property
-    def pool_key(self) -> tuple[int, int, int]:
-        """How a pool orders its cached blocks (BlockComparatorSize): by stream, then size, then address."""
-        return (self.stream, self.size_bytes, self.address)
+
+# How a pool and stream order their cached blocks (BlockComparatorSize): by size, then address, as one number,
+# size << ADDRESS_BITS | address, which a list bisects faster than a tuple (the allocator's addresses: < 256 TiB)
+ADDRESS_BITS = 48
 
 
 def round_request(nbytes: int) -> int:
@@ -91,19 +91,22 @@ class CachingAllocator:
     peak_allocated_bytes: int = 0
     _next_address: int = 0
     _allocated: dict[int, Block] = field(default_factory=dict)  # by address
-    _cached: dict[bool, list[tuple[int, int, int]]] = field(
-        default_factory=lambda: {True: [], False: []})  # pool keys, sorted, by small_pool
-    _cached_blocks: dict[tuple[int, int, int], Block] = field(default_factory=dict)
+    # per pool (small or not) and stream, the cached blocks' pool keys, sorted; the blocks by pool and key
+    _cached: dict[tuple[bool, int], list[int]] = field(default_factory=dict)
+    _cached_blocks: dict[tuple[bool, int], dict[int, Block]] = field(default_factory=dict)
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """Hand out a block for `nbytes` on `stream` as torch would; returns its address (for `free`)."""
-        request_bytes = round_request(nbytes)
+        request_bytes = max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)  # `round_request`
         small_pool = request_bytes <= SMALL_REQUEST_BYTES
         block = self._take_cached(request_bytes, stream, small_pool) or self._new_segment(
             request_bytes, stream, small_pool)
-        if self._should_split(block, request_bytes):
-            rest = Block(block.address + request_bytes, block.size_bytes - request_bytes, stream, small_pool,
-                         before=block, after=block.after)
+        remaining = block.size_bytes - request_bytes
+        if (remaining >= MIN_BLOCK_BYTES if small_pool else  # `should_split`
+                remaining > SMALL_REQUEST_BYTES and (self.max_split_bytes is None
+                                                     or request_bytes < self.max_split_bytes)):
+            rest = Block(block.address + request_bytes, remaining, stream, small_pool, before=block,
+                         after=block.after)
             if block.after is not None:
                 block.after.before = rest
             block.after = rest
@@ -112,7 +115,8 @@ class CachingAllocator:
         block.allocated = True
         self._allocated[block.address] = block
         self.allocated_bytes += block.size_bytes
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
         return block.address
 
     def free(self, address: int) -> None:
@@ -120,18 +124,19 @@ class CachingAllocator:
         block = self._allocated.pop(address)
         block.allocated = False
         self.allocated_bytes -= block.size_bytes
-        for neighbour in (block.before, block.after):
-            if neighbour is not None and not neighbour.allocated:
-                self._uncache(neighbour)
-                block.size_bytes += neighbour.size_bytes
-                if neighbour is block.before:
-                    block.address, block.before = neighbour.address, neighbour.before
-                    if block.before is not None:
-                        block.before.after = block
-                else:
-                    block.after = neighbour.after
-                    if block.after is not None:
-                        block.after.before = block
+        before, after = block.before, block.after
+        if before is not None and not before.allocated:
+            self._uncache(before)
+            block.size_bytes += before.size_bytes
+            block.address, block.before = before.address, before.before
+            if block.before is not None:
+                block.before.after = block
+        if after is not None and not after.allocated:
+            self._uncache(after)
+            block.size_bytes += after.size_bytes
+            block.after = after.after
+            if block.after is not None:
+                block.after.before = block
         self._cache(block)
 
     def replay(self, allocations: Iterable[tuple[int, int]], stream: int = 0, held: Set[int] = frozenset(),
@@ -141,37 +146,32 @@ class CachingAllocator:
         alone; the addresses of the storages it left live, by number. An empty storage takes nothing (torch's
         allocator hands out no block for 0 bytes), and its free reads as 0 bytes too: both are passed over."""
         live: dict[int, int] = {}
+        malloc, free = self.malloc, self.free
         for number, nbytes in allocations:
             if nbytes == 0 or only is not None and number not in only:
                 continue
-            if nbytes >= 0:
-                live[number] = self.malloc(nbytes, stream)
+            if nbytes > 0:
+                live[number] = malloc(nbytes, stream)
             elif number not in held:
-                self.free(live.pop(number))
+                free(live.pop(number))
         return live
-
-    def _should_split(self, block: Block, request_bytes: int) -> bool:
-        remaining = block.size_bytes - request_bytes
-        if block.small_pool:
-            return remaining >= MIN_BLOCK_BYTES
-        return self._under_max_split(request_bytes) and remaining > SMALL_REQUEST_BYTES
-
-    def _under_max_split(self, nbytes: int) -> bool:
-        return self.max_split_bytes is None or nbytes < self.max_split_bytes
 
     def _take_cached(self, request_bytes: int, stream: int, small_pool: bool) -> Block | None:
         """The smallest cached block of the pool and stream that holds the request, taken out of the cache."""
-        keys = self._cached[small_pool]
-        at = bisect.bisect_left(keys, (stream, request_bytes, -1))
-        if at == len(keys) or keys[at][0] != stream:
+        keys = self._cached.get((small_pool, stream))
+        if not keys:
             return None
-        block = self._cached_blocks[keys[at]]
+        at = bisect.bisect_left(keys, request_bytes << ADDRESS_BITS)
+        if at == len(keys):
+            return None
+        blocks = self._cached_blocks[small_pool, stream]
+        block = blocks[keys[at]]
         if self.max_split_bytes is not None:
             if request_bytes < self.max_split_bytes <= block.size_bytes:
                 return None
             if request_bytes >= self.max_split_bytes and block.size_bytes >= request_bytes + LARGE_SEGMENT_BYTES:
                 return None
-        self._uncache(block)
+        del blocks[keys[at]], keys[at]
         return block
 
     def _new_segment(self, request_bytes: int, stream: int, small_pool: bool) -> Block:
@@ -189,18 +189,22 @@ class CachingAllocator:
 
     def _release_whole_segments(self) -> None:
         """What a failed cudaMalloc makes torch do (`release_cached_blocks`): free every cached whole segment."""
-        for block in [b for b in self._cached_blocks.values() if b.before is None and b.after is None]:
+        for block in [b for blocks in self._cached_blocks.values() for b in blocks.values()
+                      if b.before is None and b.after is None]:
             self._uncache(block)
             self.reserved_bytes -= block.size_bytes
 
     def _cache(self, block: Block) -> None:
-        bisect.insort(self._cached[block.small_pool], block.pool_key)
-        self._cached_blocks[block.pool_key] = block
+        pool, key = (block.small_pool, block.stream), block.size_bytes << ADDRESS_BITS | block.address
+        if pool not in self._cached:
+            self._cached[pool], self._cached_blocks[pool] = [], {}
+        bisect.insort(self._cached[pool], key)
+        self._cached_blocks[pool][key] = block
 
     def _uncache(self, block: Block) -> None:
-        keys = self._cached[block.small_pool]
-        del keys[bisect.bisect_left(keys, block.pool_key)]
-        del self._cached_blocks[block.pool_key]
+        pool, key = (block.small_pool, block.stream), block.size_bytes << ADDRESS_BITS | block.address
+        keys = self._cached[pool]
+        del keys[bisect.bisect_left(keys, key)], self._cached_blocks[pool][key]
 
 
 # A layer's pass on one rank: its storages' numbers and bytes in order, negative where freed (`CachingAllocator.replay`)
@@ -246,24 +250,130 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     freeing what its own pass leaves live (the gradients, which the runtime accumulates into the state's or
     hands to the layer before) once the layer is done. The allocator as it ends: its peak reserved and
     allocated bytes (an AllocatorOutOfMemory where the step does not fit in `capacity_bytes` even with the
-    cache released)."""
-    allocator = CachingAllocator(capacity_bytes=capacity_bytes)
+    cache released).
+
+    A pipeline's steady state repeats its rows, thousands of them at p = 64 and m = 512, more than a simulation
+    may spend replaying: once a run of rows has brought back what the step had after an earlier row (the same
+    micro-batches' layers held, counted back from the last begun, the same bytes allocated and reserved, no new
+    peak) and the rows go on repeating that run, each further repetition is taken to do the same and skipped
+    (`_Replay.skip`). The one reading not from torch's rules: the blocks may have traded places meanwhile (best
+    fit takes the lowest address among equal sizes), and a later repetition can then split a block the first
+    did not and take a segment more (docs/benchmarks.md: the zero-bubble 1.5B's 1F1B middle stages reserve 322
+    MiB where every row replayed reserves 610)."""
+    replay = _Replay(CachingAllocator(capacity_bytes=capacity_bytes), rows)
     for nbytes in static_bytes:
-        allocator.malloc(nbytes)
-    held: dict[tuple[int, int, Hashable], list[int]] = {}  # by (stage, layer, micro-batch): what its backward frees
-    for name, stage, microbatch in rows:
+        replay.allocator.malloc(nbytes)
+    seen: dict[tuple, list[int]] = {}  # a state after a row: the rows after which it was, the last first
+    at = 0
+    while at < len(rows):
+        replay.run(rows[at], layers)
+        earlier = seen.setdefault(replay.state(at), [])
+        for before in earlier:  # a state can come back within a repetition (after an input and a weight pass)
+            skipped = replay.skip(before, at)
+            if skipped > at:
+                at = skipped
+                break
+        earlier.insert(0, at)
+        at += 1
+    return replay.allocator
+
+
+@dataclass
+class _Replay:
+    """`replay_device`'s step in progress: the allocator, and what each layer's backward frees by (stage, layer,
+    micro-batch); micro-batches numbered in the order the rows begin them (`begun[row]`: how many by then)."""
+
+    allocator: CachingAllocator
+    rows: Sequence[tuple[str, int, Hashable]]
+    held: dict[tuple[int, int, Hashable], list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.number: dict[Hashable, int] = {}
+        self.begun: list[int] = []
+        for _, _, microbatch in self.rows:
+            self.number.setdefault(microbatch, len(self.number))
+            self.begun.append(len(self.number))
+        self.microbatches = list(self.number)
+        # what a row does, its micro-batch named by its place among those begun before it
+        self.shapes = [(name, stage, self.number[microbatch] - (self.begun[at - 1] if at else 0))
+                       for at, (name, stage, microbatch) in enumerate(self.rows)]
+
+    def run(self, row: tuple[str, int, Hashable], layers: Mapping[int, Sequence[LayerAllocations]]) -> None:
+        name, stage, microbatch = row
+        allocator = self.allocator
         order = range(len(layers[stage])) if name == "fwd" else reversed(range(len(layers[stage])))
         for index in order:
             layer, key = layers[stage][index], (stage, index, microbatch)
             if name == "fwd":
-                held[key] = _forward(allocator, layer)
+                self.held[key] = _forward(allocator, layer)
                 continue
             if name != "wgrad" and layer.rerun is not None:
-                held[key] += _recomputed(allocator, layer)
+                self.held[key] += _recomputed(allocator, layer)
             done = allocator.replay(layer.passes.get(name, ()))
-            for address in [*done.values(), *(held.pop(key) if name != "igrad" else ())]:
+            for address in [*done.values(), *(self.held.pop(key) if name != "igrad" else ())]:
                 allocator.free(address)
-    return allocator
+
+    def state(self, at: int) -> tuple:
+        """After row `at`, what `replay_device` compares to see the rows repeat: the allocated, reserved and peak
+        bytes, and the layers held, each under its micro-batch counted back from the last begun."""
+        allocator, begun = self.allocator, self.begun[at]
+        held = sorted((stage, index, self.number[microbatch] - begun) for stage, index, microbatch in self.held)
+        return (allocator.allocated_bytes, allocator.reserved_bytes, allocator.peak_allocated_bytes,
+                allocator.peak_reserved_bytes, tuple(held))
+
+    def skip(self, before: int, at: int) -> int:
+        """After row `at`, the state as after row `before`: skip each further whole repetition of the rows
+        between while the rows repeat them, renaming the held blocks' micro-batches; the last row skipped."""
+        period = at - before
+        repeated = 0
+        while at + repeated + 1 < len(self.rows) and (
+                self.shapes[at + repeated + 1] == self.shapes[at + repeated + 1 - period]):
+            repeated += 1
+        cycles = repeated // period
+        if cycles == 0:
+            return at
+        shift = cycles * (self.begun[at] - self.begun[before])
+        self.held = {(stage, index, self.microbatches[self.number[microbatch] + shift]): addresses
+                     for (stage, index, microbatch), addresses in self.held.items()}
+        return at + cycles * period
+
+
+def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations]],
+                    capacity_bytes: int | None) -> list[int]:
+    """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed
+    (`replay_device`: its parameters, gradients and optimizer state at the prediction's peak as a block each, then
+    its rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it
+    allocates: what torch's max reserved adds to its max allocated. Its own difference, not its reserved less the
+    prediction's peak: the replay frees layer by layer where the prediction holds a stage's activations and a
+    pass's transient peak for whole rows, so it can allocate less than the prediction holds and that difference
+    would read nothing. `capacity_bytes`: the GPU's memory, whose cached segments torch releases when a
+    cudaMalloc fails; where the step does not fit even then (torch's out of memory), its reserve is what it would
+    take without that bound, which puts the device's peak over its memory."""
+    reserves = []
+    for device, held in enumerate(trace.meta.peak_memory_parts or ()):
+        static = [held[part] for part in ("parameters", "gradients", "optimizer_state")]
+        rows = device_rows(trace, device)
+        try:
+            replayed = replay_device(static, rows, layers, capacity_bytes)
+        except AllocatorOutOfMemory:
+            replayed = replay_device(static, rows, layers)
+        reserves.append(replayed.peak_reserved_bytes - replayed.peak_allocated_bytes)
+    return reserves
+
+
+def add_reserve(trace: Trace, reserve_bytes: Sequence[int]) -> None:
+    """Each device's reserve (`device_reserves`) in the trace's memory as the part `reserve`: held throughout the
+    step (nothing cached is released, so from the second step on a device's reserved bytes never drop), on its
+    memory curve, in its parts at the peak, and as a curve beside the other parts' on the device they are drawn
+    for."""
+    for device, reserve in enumerate(reserve_bytes):
+        curve = trace.counters["memory_bytes"][device]
+        curve.values = curve.values + reserve
+        trace.meta.peak_memory_parts[device]["reserve"] = reserve
+    drawn = trace.counters["memory_bytes.reserve"]
+    for device, curve in enumerate(drawn):
+        if len(curve.times_us):
+            drawn[device] = Counter(curve.times_us, curve.values + reserve_bytes[device])
 
 
 def _forward(allocator: CachingAllocator, layer: LayerAllocations) -> list[int]:

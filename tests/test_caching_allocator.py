@@ -348,3 +348,96 @@ def test_an_empty_storage_takes_no_block():
     assert allocator.replay([(0, 0), (1, 3 * MIB), (0, 0), (0, 0)]) == {1: 0}
     assert (allocator.allocated_bytes, allocator.reserved_bytes) == (3 * MIB, 20 * MIB)
 
+def _one_f_one_b(warm_up: int, microbatches: int) -> list[tuple[str, int, tuple[int, int]]]:
+    """One device's 1F1B rows over two mini-batches: `warm_up` forwards, a forward and a backward each, the drain."""
+    rows = []
+    for minibatch in range(2):
+        order = [*range(warm_up), *[i for j in range(microbatches - warm_up) for i in (warm_up + j, -j - 1)],
+                 *range(-(microbatches - warm_up) - 1, -microbatches - 1, -1)]
+        rows += [("fwd" if i >= 0 else "bwd", 0, (minibatch, i if i >= 0 else -i - 1)) for i in order]
+    return rows
+
+
+def test_a_steady_state_is_replayed_once_with_the_full_replays_peaks(monkeypatch):
+    """Two layers, one keeping 30 MiB and making a 12 MiB transient, the other keeping 16 and its backward making
+    20: every forward-backward pair of 1F1B's steady state after the first brings back the same state, so the
+    replay runs a few of the 2 x 32 rows' pairs and reads the peaks the whole replay reads."""
+    from pipesim.sim import caching_allocator
+
+    layers = {0: [LayerAllocations({"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB)],
+                                    "bwd": [(0, 20 * MIB), (0, -20 * MIB), (1, 4 * MIB)]}),
+                  LayerAllocations(RECOMPUTED)]}
+    rows = _one_f_one_b(4, 32)
+    run = caching_allocator._Replay.run
+    whole = caching_allocator._Replay(CachingAllocator(), rows)
+    for row in rows:
+        run(whole, row, layers)
+    ran = []
+    monkeypatch.setattr(caching_allocator._Replay, "run", lambda *args: ran.append(run(*args)))
+    skipped = replay_device([], rows, layers)
+    assert (skipped.peak_reserved_bytes, skipped.peak_allocated_bytes, skipped.allocated_bytes) == (
+        whole.allocator.peak_reserved_bytes, whole.allocator.peak_allocated_bytes, 0)
+    assert len(ran) < len(rows) / 3
+
+
+def test_a_device_whose_step_does_not_fit_reserves_what_it_takes_unbounded():
+    """torch releases its cached segments when a cudaMalloc fails; a step that still does not fit is out of
+    memory, and its reserve is read without the bound (its peak then over the GPU's), not left out."""
+    from pipesim.sim import Costs, simulate
+    from pipesim.sim.caching_allocator import device_reserves
+    from pipesim.sim.cluster import Cluster
+    from tests.conftest import build
+
+    trace = simulate(build("1f1b", 2, 4, 1), Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0), Cluster.uniform(2, 0.0))
+    layer = LayerAllocations({"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB)],
+                              "bwd": [(0, 20 * MIB), (0, -20 * MIB), (1, 4 * MIB)]})
+    unbounded = device_reserves(trace, {0: [layer], 1: [layer]}, None)
+    assert all(unbounded) and device_reserves(trace, {0: [layer], 1: [layer]}, 10 * MIB) == unbounded
+
+
+# A GPT whose loss's logits (256 tokens x 8,192 x 2 bytes: 4 MiB) and their float32 gradients are large-pool blocks
+SMALL_GPT = ["--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "2", "--width", "128", "--heads", "4",
+             "--seq-len", "256", "--vocab", "8192", "-p", "2", "-m", "4", "-s", "1f1b"]
+
+
+def test_the_allocators_reserve_is_a_part_of_each_devices_peak(tmp_path):
+    """--gpu replays each device's step (--allocator caching, the default): its reserve is a part of the peak, on
+    the memory curve and in the page's stacked parts; --allocator none leaves every other part and the tensors'
+    peak as they were."""
+    from pipesim.traces import read_trace
+    from pipesim.traces.view import stacked_memory
+    from tests.conftest import simulate_json
+
+    (caching,), (none,) = (simulate_json(*SMALL_GPT, *flags)
+                           for flags in (["--trace", tmp_path / "t.json"], ["--allocator", "none"]))
+    for device, tensors in zip(caching["devices"], none["devices"]):
+        parts = device["peak_memory_parts_mb"]
+        assert parts["reserve"] > 0 and tensors["peak_memory_parts_mb"]["reserve"] == 0
+        assert sum(parts.values()) == pytest.approx(device["peak_memory_mb"], rel=1e-12)
+        assert device["peak_memory_mb"] == pytest.approx(tensors["peak_memory_mb"] + parts["reserve"], rel=1e-12)
+        assert {**parts, "reserve": 0} == pytest.approx(tensors["peak_memory_parts_mb"], rel=1e-12)
+    trace = read_trace(tmp_path / "t.json")
+    assert [counter.values.max() / MIB for counter in trace.counters["memory_bytes"]] == pytest.approx(
+        [device["peak_memory_mb"] for device in caching["devices"]], rel=1e-12)
+    stacked = stacked_memory(trace, 1e9)
+    assert stacked["names"][-1] == "allocator's reserve"
+
+
+def test_a_mixture_of_experts_is_not_replayed():
+    """The count's allocations are a whole layer's on one device, every expert's; a rank of E holds 1/E of them,
+    which the estimate's allocations do not divide (t and C alone): no reserve rather than a wrong one."""
+    from tests.conftest import simulate_json
+
+    (result,) = simulate_json(*SMALL_GPT, "--gated", "--experts", "4", "--top-k", "2")
+    assert all(device["peak_memory_parts_mb"]["reserve"] == 0 for device in result["devices"])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--allocator", "slab", *SMALL_GPT], "error: --allocator: choose from caching, none (got 'slab')"),
+    (["--allocator", "none", "-s", "1f1b"], "error: --allocator: only --gpu's estimate counts"),
+])
+def test_a_bad_allocator_is_one_line(flags, message):
+    from tests.conftest import pipesim
+
+    code, _, err = pipesim("simulate", *flags)
+    assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1, err

@@ -264,7 +264,8 @@ def test_an_estimates_activations_are_stacked_by_what_saves_them(tmp_path):
     parts = trace_data(trace)["memory"]["parts"]
     assert parts["names"] == ["weights", "gradients", "optimizer state", "activations: attention",
                               "activations: MLP", "activations: norms", "activations: dropout masks",
-                              "activations: other", "transfer buffers", "a pass's transient tensors"]
+                              "activations: other", "transfer buffers", "a pass's transient tensors",
+                              "allocator's reserve"]
     top = decode_column(parts["stack"][-1])
     assert top.max() == pytest.approx(trace.counters["memory_bytes"][parts["device"]].values.max() / MIB)
     assert trace_data(_trace("1f1b", 4, 8, 2))["memory"]["parts"]["names"][3] == "activations"

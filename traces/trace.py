@@ -330,8 +330,9 @@ def from_chrome(doc: Any) -> Trace:
         counters[name] = per_device
     meta = TraceMeta.from_dict(meta)
     parts = meta.peak_memory_parts
-    if parts is not None and all(set(held) == set(MEMORY_PARTS) - {"transient"} for held in parts):
-        parts = meta.peak_memory_parts = [{**held, "transient": 0} for held in parts]  # recorded before they were
+    later = {"transient", "reserve"}  # the parts counted since breakdowns were first recorded: 0 before
+    if parts is not None and all(set(MEMORY_PARTS) - later <= set(held) <= set(MEMORY_PARTS) for held in parts):
+        parts = meta.peak_memory_parts = [{part: held.get(part, 0) for part in MEMORY_PARTS} for held in parts]
     if parts is not None and (len(parts) != num_devices or any(set(held) != set(MEMORY_PARTS) for held in parts)):
         raise TraceError(f"pipesim header: meta.peak_memory_parts must hold, for each of the {num_devices} devices, "
                          f"the bytes of {', '.join(MEMORY_PARTS)}")

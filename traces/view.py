@@ -107,11 +107,12 @@ PART_WORDS = {"parameters": "weights", "gradients": "gradients", "optimizer_stat
               "activations": "activations", "activations.attention": "activations: attention",
               "activations.mlp": "activations: MLP", "activations.norms": "activations: norms",
               "activations.dropout": "activations: dropout masks", "activations.other": "activations: other",
-              "communication": "transfer buffers", "transient": "a pass's transient tensors"}
+              "communication": "transfer buffers", "transient": "a pass's transient tensors",
+              "reserve": "allocator's reserve"}
 PART_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#54a24b",
                "activations": "#e45756", "activations.attention": "#e45756", "activations.mlp": "#ff9da6",
                "activations.norms": "#9d755d", "activations.dropout": "#bab0ac", "activations.other": "#eeca3b",
-               "communication": "#b279a2", "transient": "#17becf"}
+               "communication": "#b279a2", "transient": "#17becf", "reserve": "#79706e"}
 
 
 def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
@@ -120,8 +121,8 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
     activations by what saves them where the trace says (not all other); None where the trace has no parts. A
     long run's curve keeps STACK_COLUMNS samples, each its column's moment of most memory, so the peak's parts
     stay shown."""
-    if any(f"memory_bytes.{part}" not in trace.counters for part in MEMORY_PARTS[:-1]):
-        return None  # (a trace from before transients were counted has the others)
+    if any(f"memory_bytes.{part}" not in trace.counters for part in MEMORY_PARTS[:5]):
+        return None  # (a trace from before transients and the reserve were counted has the others)
     device = next((d for d, curve in enumerate(trace.counters["memory_bytes.parameters"]) if len(curve.times_us)),
                   None)
     if device is None:
@@ -130,7 +131,7 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
     attributed = all(curve is not None for curve in savers) and any(
         curve[device].values.any() for curve in savers[:-1])
     parts = [*MEMORY_PARTS[:3], *(SAVERS if attributed else ("activations",)), "communication",
-             *(("transient",) if "memory_bytes.transient" in trace.counters else ())]
+             *(part for part in MEMORY_PARTS[5:] if f"memory_bytes.{part}" in trace.counters)]
     curves = [trace.counters[f"memory_bytes.{part}"][device] for part in parts]
     times = np.unique(np.concatenate([curve.times_us for curve in curves]))
     held = np.array([curve.values[np.searchsorted(curve.times_us, times, side="right") - 1] for curve in curves])
