@@ -96,7 +96,7 @@ from ..sim.engine import simulate, static_bytes
 from ..traces import summarize
 from ..units import GIB
 from .auto import activation_ratio, check_shape, schedule_frame
-from .scenario import Scenario, profile_costs
+from .scenario import CollectiveLink, Scenario, profile_costs
 
 RUNNERS_UP = 5
 COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
@@ -387,7 +387,8 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             take()  # a search out may put back a candidate that can
             continue
         item = heap[0][2]
-        searched = isinstance(item, Shape) and item.partitioned and built.parallel
+        searched = (isinstance(item, Shape) and item.partitioned and METHODS[item.config.schedule].needs_costs
+                    and built.parallel)
         if (isinstance(item, Shape) and not searched) or (isinstance(item, Candidate) and not item.critical):
             _, index, item = heapq.heappop(heap)
             following = built.advance(item) if isinstance(item, Shape) else built.tighten(item)
@@ -448,55 +449,103 @@ class _Built:
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
         self.results: dict[int, Result] = {}
-        self.partitioned: dict[int, Shape] = {}  # shapes bounded again before they are built (`advance`)
+        self.partitioned: dict[int, Shape] = {}  # shapes bounded again on their partitions before they are built
+        self._cut: dict[int, Shape] = {}  # fixed chains' shapes bounded over their best cut
+        self._plans: dict[int, tuple] = {}  # fixed orders' partitions (`_plan`), which their candidates reuse
         self._chains: dict[int, _ChainWork | None] = {}  # by id of the setting
+        self._links: dict[tuple[int, int, int], tuple[Cluster, CollectiveLink]] = {}  # by setting, p and d
         self._splitters: dict[int, Callable[..., list[int]]] = {}  # by id of the setting: partitions are shared
 
     def advance(self, shape: Shape) -> Shape | Candidate | None:
         """What a shape becomes once its bound comes up: its candidate; first, for a searched order, whose search
         is dear, the shape bounded on its partition (`_searched_bound_ms`), and for a fixed flushing chain the
         shape bounded over its best cut (`_best_cut_ms`), either of which may never come up again."""
-        if shape.partitioned or shape.cut_bounded:
+        searched = METHODS[shape.config.schedule].needs_costs
+        if shape.partitioned:
             return self.candidate(shape)
-        if not METHODS[shape.config.schedule].needs_costs:
-            return self._cut_bounded(shape)
+        if not searched and not shape.cut_bounded:
+            cut = self._cut_bounded(shape)
+            if cut is not None:
+                return cut
         if shape.index not in self.partitioned:
             scenario, config = shape.setting.scenario, shape.config
+            split = self._split(shape.setting)
             try:
-                _, _, order, bounds = _plan(shape.setting, self.problem, config, self._split(shape.setting),
-                                            self.orders)
+                plan = _plan(shape.setting, self.problem, config, split, self.orders)
             except ScheduleError:
                 self.candidates[shape.index] = None
                 return None
-            costs = scenario.costs(order.schedule, bounds)
-            step_ms = _searched_bound_ms(costs, config.microbatches,
-                                         _hops_ms(scenario.links(order.schedule), costs, config.stages))
+            _, short, order, bounds = plan
+            if searched:
+                costs = scenario.costs(order.schedule, bounds)
+                step_ms = _searched_bound_ms(costs, config.microbatches,
+                                             _hops_ms(scenario.links(order.schedule), costs, config.stages))
+            elif order.schedule.graph == StageGraph.chain(order.schedule.num_stages):
+                self._plans[shape.index] = plan
+                stage_ms = split.stage_ms(bounds, config.pipelines) * scenario.cost_scale
+                step_ms = _planned_bound_ms(order, short, stage_ms,
+                                            self._layer_reduces_ms(shape.setting, config, bounds),
+                                            self._layer_hops_ms(shape.setting, config, bounds))
+            else:  # cut into the model's own DAG, which only its build knows
+                return self.candidate(shape)
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3  # shaded as `_candidate`'s
             self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                                     partitioned=True)
         return self.partitioned[shape.index]
 
-    def _cut_bounded(self, shape: Shape) -> Shape | Candidate | None:
+    def _chain_work(self, setting: Setting) -> _ChainWork | None:
+        if id(setting) not in self._chains:
+            self._chains[id(setting)] = _ChainWork.of(setting.scenario.measured)
+        return self._chains[id(setting)]
+
+    def _layer_reduces_ms(self, setting: Setting, config: Config, bounds: list[int]) -> np.ndarray:
+        """[k]: the least REDUCE of stage k's gradients (its layers' weights' bytes) over the replicas, NCCL's
+        tree at its full rate (`_mean_reduce_ms`); none for one replica."""
+        if config.replicas == 1:
+            return np.zeros(len(bounds) - 1)
+        link = self._frame_links(setting, config)[1]
+        held = np.concatenate([[0], np.cumsum([layer.param_bytes for layer in setting.scenario.measured.layers])])
+        return np.array([link.all_reduce_ms(float(nbytes), config.replicas, tree_correction=False)
+                         for nbytes in held[bounds[1:]] - held[bounds[:-1]]])
+
+    def _frame_links(self, setting: Setting, config: Config) -> tuple[Cluster, CollectiveLink]:
+        """The links between a chain's devices and its replicas' all-reduce link, which depend on p and d alone
+        (`Scenario.links`, `Scenario.data_parallel_link`): looked up once per setting, p and d."""
+        key = (id(setting), config.stages, config.replicas)
+        if key not in self._links:
+            frame = schedule_frame(ScheduleParams(config.stages, 1, data_parallel=config.replicas))
+            self._links[key] = setting.scenario.links(frame), setting.scenario.data_parallel_link(frame)
+        return self._links[key]
+
+    def _layer_hops_ms(self, setting: Setting, config: Config, bounds: list[int]) -> np.ndarray:
+        """`_hops_ms` for these stages, each sending its last layer's output (a chain of layers; 0 where the
+        layers branch, whose boundaries carry what their costs say)."""
+        p, profile = config.stages, setting.scenario.measured
+        if not _chain_of_layers(profile):
+            return np.zeros(p - 1)
+        links = self._frame_links(setting, config)[0]
+        sent = [profile.layers[bounds[k + 1] - 1].output_bytes for k in range(p - 1)]
+        return np.array([links.link(k, k + 1).transfer_ms(sent[k]) + links.link(k + 1, k).transfer_ms(sent[k])
+                         for k in range(p - 1)])
+
+    def _cut_bounded(self, shape: Shape) -> Shape | None:
         """A fixed flushing chain's shape bounded over the best cut of its layers (cheap next to building it: no
-        order at m, no partition, no costs); any other fixed order's candidate."""
+        order at m, no partition, no costs); None for any other fixed order."""
         config, setting = shape.config, shape.setting
         sketch = self.orders.of_shape(setting.scenario, config.schedule, config.stages, config.microbatches,
                                       config.chunks, config.pipelines)
-        if id(setting) not in self._chains:
-            self._chains[id(setting)] = _ChainWork.of(setting.scenario.measured)
-        chain = self._chains[id(setting)]
+        chain = self._chain_work(setting)
         if sketch.chain is None or chain is None:
-            return self.candidate(shape)
-        if shape.index not in self.partitioned:
+            return None
+        if shape.index not in self._cut:
             scenario, p = setting.scenario, config.stages
-            frame = schedule_frame(ScheduleParams(p, 1, data_parallel=config.replicas))
             step_ms = _best_cut_ms(chain, config.microbatches * sketch.chain[0], sketch.chain[1], scenario.cost_scale,
-                                   chain.hops_ms(scenario.links(frame), p),
+                                   chain.hops_ms(self._frame_links(setting, config)[0], p),
                                    _mean_reduce_ms(scenario, 1, config.replicas, chain.first_param_bytes, p))
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3 if step_ms > 0 else math.inf
-            self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
-                                                    cut_bounded=True)
-        return self.partitioned[shape.index]
+            self._cut[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
+                                             cut_bounded=True)
+        return self._cut[shape.index]
 
     def candidate(self, shape: Shape) -> Candidate | None:
         if shape.index not in self.candidates:
@@ -507,7 +556,8 @@ class _Built:
             else:
                 try:
                     self.candidates[shape.index] = _candidate(shape.setting, self.problem, shape.config,
-                                                              shape.index, self._split(shape.setting), self.orders)
+                                                              shape.index, self._split(shape.setting), self.orders,
+                                                              self._plans.pop(shape.index, None))
                 except ScheduleError:
                     self.candidates[shape.index] = None
             self._progress()
@@ -1050,11 +1100,12 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
 
 
 def _candidate(setting: Setting, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
-               orders: _Orders) -> Candidate:
+               orders: _Orders, plan: tuple | None = None) -> Candidate:
+    """The configuration built: partitioned (`plan`, if `_plan` has already run), ordered, costed and bounded."""
     scenario = setting.scenario
     name, p, pipelines, m = config.schedule, config.stages, config.pipelines, config.microbatches
     method = METHODS[name]
-    params, short, order, bounds = _plan(setting, problem, config, split, orders)
+    params, short, order, bounds = plan or _plan(setting, problem, config, split, orders)
     n = order.schedule.num_stages
     # A searched order is searched for its partition and the memory cap with an activation limit R no order
     # reaches (p·m times 1F1B's peak: more than every micro-batch on any stage), so that the cap binds.
@@ -1226,6 +1277,22 @@ def _hops_ms(links: Cluster, costs: Costs, devices: int) -> np.ndarray:
         costs.stages[k].output_bytes) for k in range(devices - 1)])
 
 
+def _planned_bound_ms(order: _Order, short: int, stage_ms: np.ndarray, reduces_ms: np.ndarray,
+                      hops_ms: np.ndarray) -> float:
+    """A lower bound of a partitioned fixed order's step before it is costed: `_candidate`'s bound (each device's
+    compute plus the REDUCEs it waits out, `_exposed_reduce_ms`; a flushing chain's fill and drain,
+    `_flush_bound_ms`) on costs no more than its own: `stage_ms`, its layers' costs summed, `reduces_ms`, the
+    least REDUCE of its stages, and `hops_ms`, its transfers. Both bounds only grow with the costs (a device's
+    compute plus what it waits out is its compute outside the span waited plus the span's REDUCEs)."""
+    schedule = order.schedule
+    table = stage_ms.copy()
+    table[:, KIND_CODE[Kind.REDUCE]] = reduces_ms
+    stage_busy_ms = ((order.per_step * table) * COMPUTE).sum(axis=1)
+    busy_ms = np.array([stage_busy_ms[schedule.stages_on(d)].sum() for d in range(schedule.num_devices)])
+    return max(float((busy_ms + _exposed_reduce_ms(schedule, table, short)).max()),
+               _flush_bound_ms(schedule, table, hops_ms))
+
+
 def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray) -> float:
     """A lower bound of the step of any flushing order on a chain of these stages, one per device (a searched
     order's, before it is searched), with m micro-batches: `_flush_bound_ms`'s chains with only what every such
@@ -1390,6 +1457,18 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         except PartitionError:
             return leanest_partition(layers, stages, stage_bytes)[1]
 
+    def stage_ms(bounds: list[int], pipelines: int) -> np.ndarray:
+        """[k, kind]: each layer's own F, B, I and W summed over stage k's layers, with stage 0's I empty and its
+        W its whole B, as a first stage's are: no more than the stage's own costs (`profile_costs`: those are
+        additive over a cut), which the search prices only if this bound comes up. The rest count for nothing
+        (a stage's updates share out its measured ones by bytes: their total is the layers', not each stage's)."""
+        table = np.zeros((len(bounds) - 1, NUM_COMPUTE_KINDS))
+        passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
+        table[:, passes] = summed_ms(pipelines)[bounds[:-1], bounds[1:]][:, passes]
+        table[0, KIND_CODE[Kind.I]], table[0, KIND_CODE[Kind.W]] = 0.0, table[0, KIND_CODE[Kind.B]]
+        return table
+
+    split.stage_ms = stage_ms
     return split
 
 

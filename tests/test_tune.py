@@ -387,7 +387,7 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
     built = tuning._Built(prob, orders)
     work = tuning._work(profile, "adam")
     bubbles = shape_bubbles = 0
-    cut = 0
+    cut = planned = 0
     for shape in shapes:
         partitioned = built.advance(shape)  # auto's shape on its partition, a chain's over its best cut, else built
         candidate = built.candidate(shape)
@@ -401,6 +401,13 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
         if isinstance(partitioned, tuning.Shape) and partitioned.cut_bounded:  # no cut beats it, so neither this one
             assert candidate.max_samples_per_s <= partitioned.max_samples_per_s * (1 + 1e-9), label
             cut += partitioned.max_samples_per_s < shape.max_samples_per_s
+            partitioned = built.advance(partitioned)
+        if isinstance(partitioned, tuning.Shape) and not METHODS[shape.config.schedule].needs_costs:
+            # on its partition before it is costed: its own costs are no less than its layers'
+            assert partitioned.partitioned, label
+            assert result.samples_per_s <= partitioned.max_samples_per_s <= shape.max_samples_per_s, label
+            assert candidate.max_samples_per_s <= partitioned.max_samples_per_s * (1 + 1e-9), label
+            planned += partitioned.max_samples_per_s < shape.max_samples_per_s
         assert shape.memory_floor_bytes <= candidate.memory_floor_bytes, label
         assert shape.staleness in (None, candidate.staleness), label
         bubbles += candidate.max_samples_per_s < prob.batch_size / candidate.busiest_ms * 1e3
@@ -408,7 +415,7 @@ def test_bounds_hold_over_random_costs(which, devices, cap_gib, seed):
             sketch = orders.sketch(source[0].scenario, shape.config.schedule, candidate.params)
             plain = tuning._shape_bound(prob, shape.config, work, sketch, 1.0, chain=False)
             shape_bubbles += shape.max_samples_per_s < plain
-    assert (bubbles and shape_bubbles and cut) or which == CNN
+    assert (bubbles and shape_bubbles and cut and planned) or which == CNN
 
 
 @pytest.mark.parametrize("seed", [5, 6])
