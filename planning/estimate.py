@@ -707,10 +707,12 @@ def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms
     total = 0.0
     for op in ops:
         if op.kind in ("matmul", "attention"):
-            core = op.kind == "attention" or op.shape[0] > 1
+            core = op.kind == "attention" or (op.shape[0] > 1 and not op.routed)  # a routed product runs once
             if only_core and not core:
                 continue
-            if op.kind == "matmul":
+            if op.kind == "matmul" and op.routed:  # a grouped one comes at its rank's shape (ExpertGroup.local)
+                mine, reduced = op, False
+            elif op.kind == "matmul":
                 product, reduced = split.matmul(op, forward)
                 mine = split.context_share(product)
             else:
@@ -1056,7 +1058,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     previous: tuple[LayerCount, LayerEstimate, LayerEstimate | None, LayerEstimate | None] | None = None
     for layer in counted.layers:  # a model's blocks repeat: each priced once
         if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
-            busiest = experts.busiest(layer)
+            busiest = experts.local(layer)
             previous = (layer, estimate_layer(busiest, device, parallel, links.tensor, element, links.context),
                         None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor,
                                                                     element, links.context),

@@ -76,6 +76,7 @@ class ExpertGroup:
     tensor: int = 1  # ETP: the ranks each expert's weights are split over
     dense_tensor: int = 1  # t: the ranks each dense layer's weights are split over
     groups: tuple[int, int] | None = None  # (G, M): a token's experts lie in M of G expert groups (None: any)
+    context: int = 1  # C: the context-parallel ranks a stage's tokens are split over beside the t
 
     @property
     def weight_shards(self) -> int | Fraction:
@@ -92,20 +93,59 @@ class ExpertGroup:
         n, share = self.experts, self.hot_share
         return self.ranks * (share + (n // self.ranks - 1) * (1 - share) / (n - 1))
 
-    def busiest(self, layer: LayerCount) -> LayerCount:
-        """`layer` as the busiest rank runs it: the routed experts' ops (`OpCount.routed`) `load` times larger, a
-        product's rows with them."""
-        if self.load == 1.0:
-            return layer
+    def local(self, layer: LayerCount) -> LayerCount:
+        """`layer` as the group's busiest rank runs it: its routed experts' grouped products at the shapes
+        Megatron-core's grouped GEMM runs them on the rank (`local_product`), its other routed ops (`OpCount.routed`)
+        `load` times larger. The rest is the count's, which the estimate splits over the t·C ranks.
 
-        def heavier(op: OpCount) -> OpCount:
-            if not op.routed:
-                return op
-            shape = (op.shape[0], round(op.shape[1] * self.load), *op.shape[2:]) if op.kind == "matmul" else op.shape
-            return replace(op, shape=shape, flops=round(op.flops * self.load),
-                           moved_bytes=round(op.moved_bytes * self.load))
+        Each product's roles follow from the forward's, whose m is the tokens and whose k × n is an expert's weight
+        (the first fc1, split on its output n by ETP; the second fc2, split on its contraction k): a backward
+        product whose m × n is a weight computes its gradient (the tokens its k), any other the input's gradient
+        (m the tokens, n × k the weight transposed)."""
+        forward = [op.shape[:0:-1][:2] for op in layer.ops.get("fwd", ()) if _grouped(op)]  # (k, n) each
+        split = {weight: 1 if i == 0 else 0 for i, weight in reversed(list(enumerate(forward)))}  # of (k, n)
 
-        return replace(layer, ops={name: tuple(map(heavier, ops)) for name, ops in layer.ops.items()})
+        def roles(op: OpCount, in_forward: bool) -> tuple[int, tuple[int, int]]:
+            """The token dimension of (m, n, k) and those of the weight's (k, n)."""
+            if in_forward:
+                return 0, (2, 1)
+            return (2, (0, 1)) if op.shape[1:3] in split else (0, (1, 2))
+
+        def mine(op: OpCount, in_forward: bool) -> OpCount:
+            if _grouped(op):
+                tokens, weight = roles(op, in_forward)
+                rows_cols = tuple(op.shape[1:][i] for i in weight)
+                return self.local_product(op, tokens, weight[split.get(rows_cols, 1)])
+            if op.routed and self.load != 1.0:
+                return replace(op, flops=round(op.flops * self.load), moved_bytes=round(op.moved_bytes * self.load))
+            return op
+
+        return replace(layer, ops={name: tuple(mine(op, name == "fwd") for op in ops) for name, ops in
+                                   layer.ops.items()},
+                       region_ops={name: tuple(mine(op, True) for op in ops) for name, ops in layer.region_ops.items()})
+
+    def local_product(self, op: OpCount, tokens: int, hidden: int) -> OpCount:
+        """One of the count's grouped products (`op.shape` (n, m, n', k): each of the n routed experts' m × k by
+        k × n' product, at its share of the whole micro-batch's tokens) as one rank of the group runs it:
+        Megatron-core's TEGroupedMLP / GroupedMLP (megatron/core/transformer/moe/experts.py) runs the rank's n/E
+        local experts (batch n/E), each on the tokens dispatched to it from the E·ETP ranks of its expert- and
+        expert-tensor-parallel groups, each rank holding 1/(t·C) of the micro-batch's tokens: the token dimension
+        (`tokens`: 0, 1, 2 for m, n', k) times E·ETP/(t·C), and `load` on the busiest rank; the expert's hidden
+        dimension (`hidden`) its 1/ETP. The same FLOPs a rank as the count's split over t·C, but only the local
+        experts' weights read, where the count's product read all n experts' on every rank."""
+        batch, *dims = op.shape
+        local = list(dims)
+        local[tokens] = max(round(dims[tokens] * self.ranks * self.tensor * self.load
+                                  / (self.dense_tensor * self.context)), 1)
+        local[hidden] = dims[hidden] // self.tensor
+        shape = (batch // self.ranks, *local)
+
+        def elements(shape: tuple[int, ...]) -> int:  # of both operands and the output
+            b, m, n, k = shape
+            return b * (m * k + k * n + m * n)
+
+        return replace(op, shape=shape, flops=round(op.flops * math.prod(shape) / math.prod(op.shape)),
+                       moved_bytes=round(op.moved_bytes * elements(shape) / elements(op.shape)))
 
     def all_to_all_ms(self, nbytes: float, copies: int = 1) -> float:
         """One all-to-all of a rank's `nbytes`, `copies` of each token (its k experts' routed copies): its (E-1)/E
@@ -176,6 +216,11 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass) -> float:
     return max(max(combine_fwd, attention_bwd) - compute, 0.0)  # never below its compute, rounding aside
 
 
+def _grouped(op: OpCount) -> bool:
+    """A routed experts' grouped product (workload/moe.py: a batched product over the experts)."""
+    return op.routed and op.kind == "matmul"
+
+
 def held_share(layer: LayerCount, shards: int | Fraction) -> float | Fraction:
     """The share of `layer`'s weights (and their gradients and optimizer state) a rank holds before the tensor
     split: the dense ones and 1/shards of its routed experts' (`ExpertGroup.weight_shards`)."""
@@ -222,7 +267,7 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
             _aligned(experts // ranks * count, experts // groups[0]) for count in (1, per_node))):
         groups = None
     return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share, dispatcher,
-                       grid.size("tp"), tensor, groups)
+                       grid.size("tp"), tensor, groups, context)
 
 
 def _aligned(held: int, size: int) -> bool:

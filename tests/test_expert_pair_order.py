@@ -21,7 +21,7 @@ from pipesim.planning.estimate import (
     node_placement,
     on_multiprocessors,
 )
-from pipesim.planning.experts import MoePass, paired_exposed_ms
+from pipesim.planning.experts import MoePass, expert_group, paired_exposed_ms
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim.cluster import Cluster, Link
 from pipesim.sim.costs import Costs, StageCosts
@@ -65,7 +65,8 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
     parallel = Parallelism(pipeline=4, data=8, expert=8)
     profile = estimate_profile(counted(), H100, parallel)
     links = links_of(node_placement(H100), 1, 4, 8)
-    for layer, priced in zip(counted().layers, profile.layers):
+    group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8)
+    for layer, priced in zip(map(group.local, counted().layers), profile.layers):
         if not layer.dispatched_bytes:
             assert priced.all_to_all_paired_ms == 0.0
             continue
@@ -86,7 +87,8 @@ def test_nccls_all_to_all_holds_sixteen_multiprocessors_beside_the_pair():
     parallel = Parallelism(pipeline=4, data=8, expert=8)
     links = links_of(node_placement(H100), 1, 4, 8)
     beside = on_multiprocessors(DEVICE, 116)
-    for layer, priced in zip(counted().layers, estimate_profile(counted(), H100, parallel).layers):
+    group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8)
+    for layer, priced in zip(map(group.local, counted().layers), estimate_profile(counted(), H100, parallel).layers):
         shared = estimate_layer(layer, beside, parallel, links.tensor, 2)
         assert (priced.fwd_sharing_ms, priced.bwd_sharing_ms) == pytest.approx((shared.fwd_ms, shared.bwd_ms))
         if layer.dispatched_bytes:  # its products take the multiprocessors' share (the embedding is memory-bound)

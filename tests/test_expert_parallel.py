@@ -5,19 +5,29 @@ placement's links (the node's inside it, each GPU's NIC across), and bad degrees
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from functools import cache
 
 import pytest
 import torch
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Parallelism, estimate_profile, node_placement
+from pipesim.planning.estimate import (
+    Device,
+    Parallelism,
+    estimate_layer,
+    estimate_profile,
+    node_placement,
+    placement_links,
+)
 from pipesim.planning.experts import ExpertParallelError, expert_group
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import pipesim
 
 H100 = load_catalogue().find("h100-sxm")
 PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
+DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                H100.curve)
 EXPERTS, TOP_K, S, H, FFN = 8, 2, 512, 256, 512
 GPT = dict(layers=4, width=H, heads=4, seq_len=S, vocab=1000, gated=True, experts=EXPERTS, top_k=TOP_K,
            expert_ffn=FFN)
@@ -82,8 +92,9 @@ def test_with_a_sharded_optimizer_the_experts_state_is_spread_over_the_d_replica
 
 
 def test_a_moe_layer_records_two_all_to_alls_after_its_forward_and_two_after_its_backward():
-    """The passes' compute is a balanced rank's either way; the all-to-alls are the layer's own figures, which the
-    stage's A2A_F and A2A_B rows run (tests/test_all_to_all.py)."""
+    """The all-to-alls are the layer's own figures, which the stage's A2A_F and A2A_B rows run
+    (tests/test_all_to_all.py); the other layers' passes are unchanged (a MoE layer's grouped products run the
+    rank's local experts: `test_a_ranks_grouped_products_run_its_local_experts_on_the_tokens_sent_to_them`)."""
     group = expert_group(PLACEMENT, 4, EXPERTS, tensor=1, context=1, pipeline=2, data=8)
     whole, sharded = profile(), profile(expert=4)
     blocks = [i for i, layer in enumerate(counted().layers) if layer.dispatched_bytes]
@@ -92,7 +103,8 @@ def test_a_moe_layer_records_two_all_to_alls_after_its_forward_and_two_after_its
     for i, (one, four) in enumerate(zip(whole.layers, sharded.layers)):
         assert (four.all_to_all_fwd_ms, four.all_to_all_bwd_ms) == pytest.approx((2 * each, 2 * each) if i in blocks
                                                                                  else (0.0, 0.0))
-        assert (four.fwd, four.bwd, four.igrad, four.wgrad) == (one.fwd, one.bwd, one.igrad, one.wgrad)
+        if i not in blocks:
+            assert (four.fwd, four.bwd, four.igrad, four.wgrad) == (one.fwd, one.bwd, one.igrad, one.wgrad)
         assert (one.all_to_all_fwd_ms, one.all_to_all_bwd_ms) == (0.0, 0.0)
     stage = sharded.stages[0]
     mine = range(*stage.layers)
@@ -101,17 +113,55 @@ def test_a_moe_layer_records_two_all_to_alls_after_its_forward_and_two_after_its
 
 def test_the_busiest_rank_holds_the_hot_expert_and_its_share_of_the_rest():
     """8 experts over 4 ranks, 2 each: the hot one takes 0.3 of the routed copies, the 7 others 0.1 each, so its
-    rank computes 0.4 of them where a balanced rank computes 0.25: 1.6 times the work, its products' rows too."""
+    rank computes 0.4 of them where a balanced rank computes 0.25: 1.6 times the work, its products' token rows
+    too (a weight gradient's contraction)."""
     group = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, hot_share=0.3)
     assert group.load == pytest.approx(1.6)
-    assert expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, hot_share=1 / EXPERTS).load == pytest.approx(1.0)
+    balanced = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, hot_share=1 / EXPERTS)
+    assert balanced.load == pytest.approx(1.0)
     layer = counted().layers[1]
-    busy = group.busiest(layer)
+    busy, even = group.local(layer), balanced.local(layer)
     for name in ("fwd", "igrad", "wgrad"):
-        for mine, balanced in zip(busy.ops[name], layer.ops[name]):
-            assert mine.flops == (round(balanced.flops * 1.6) if balanced.routed else balanced.flops)
-            if balanced.routed and balanced.kind == "matmul":
-                assert mine.shape[1] == round(balanced.shape[1] * 1.6)
+        for mine, other in zip(busy.ops[name], even.ops[name]):
+            assert mine.flops == pytest.approx(other.flops * 1.6 if other.routed else other.flops, rel=1e-3)  # rows
+            if other.routed and other.kind == "matmul":
+                rows = 3 if name == "wgrad" else 1
+                assert mine.shape[rows] == round(other.shape[rows] * 1.6)
+
+
+def test_a_ranks_grouped_products_run_its_local_experts_on_the_tokens_sent_to_them():
+    """Megatron-core's grouped GEMM runs a rank's n/E local experts, each on the tokens the E·ETP ranks of its
+    groups send it, on its 1/ETP of the expert. 8 experts of f = 128 (gated: fc1 256 wide) at top 2 over a
+    2,048-token micro-batch: the count's products run all 8 on 512 tokens each. t = 2 (sequence parallel: 1,024
+    tokens a rank), d = 4, E = 2, ETP = 2 under Megatron's order: 4 local experts, each on 2·2·1,024·2/8 = 1,024
+    tokens, fc1 128 and fc2's contraction 64 wide; 1/t of the FLOPs, and 4 experts' halves of the weights read
+    where the count read all 8 whole."""
+    moe = count_built("gpt", dict(layers=2, width=256, heads=4, seq_len=2048, vocab=1000, gated=True, experts=8,
+                                  top_k=2, expert_ffn=128), 1, torch.bfloat16, "flash")
+    layer = moe.layers[1]
+    parallel = Parallelism(tensor=2, sequence_parallel=True, data=4, expert=2, expert_tensor=2,
+                           rank_order="megatron")
+    group = expert_group(PLACEMENT, 2, 8, 2, 1, 1, 4, order="megatron", expert_tensor=2)
+    local = group.local(layer)
+    grouped = {name: [(op.shape, op.flops, op.moved_bytes) for op in ops if op.routed and op.kind == "matmul"]
+               for name, ops in local.ops.items()}
+
+    def product(shape: tuple[int, int, int, int]) -> tuple[tuple[int, ...], int, int]:
+        b, m, n, k = shape
+        return shape, 2 * b * m * n * k, 2 * b * (m * k + k * n + m * n)  # bf16 operands and output
+
+    fc1, fc2 = (4, 1024, 128, 256), (4, 1024, 256, 64)
+    assert grouped["fwd"] == [product(fc1), product(fc2)]
+    weight_grads = [product((4, 64, 256, 1024)), product((4, 256, 128, 1024))]
+    input_grads = [product((4, 1024, 64, 256)), product((4, 1024, 256, 128))]
+    assert grouped["wgrad"] == weight_grads and grouped["igrad"] == input_grads
+    assert sorted(grouped["bwd"]) == sorted(weight_grads + input_grads)
+    whole = [op for op in layer.ops["fwd"] if op.routed and op.kind == "matmul"]
+    assert [op.shape for op in whole] == [(8, 512, 256, 256), (8, 512, 256, 128)]
+    assert sum(flops for _, flops, _ in grouped["fwd"]) * 2 == sum(op.flops for op in whole)
+    priced = estimate_profile(moe, H100, replace(parallel, pipeline=1)).layers[1]
+    links = placement_links(H100, parallel)
+    assert priced.fwd.median_ms == pytest.approx(estimate_layer(local, DEVICE, parallel, links.tensor, 2).fwd_ms)
 
 
 def test_every_rank_waits_for_the_busiest_ones_work_and_all_to_alls():
