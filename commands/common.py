@@ -443,6 +443,27 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
         raise InputError(f"--elastic-alpha: must be in (0, 1] (got {alpha})")
 
 
+def check_allocator(ctx: typer.Context, what) -> None:
+    """--allocator: one of ALLOCATORS, and with --gpu only (what `what_if` returned: None without it)."""
+    allocator = ctx.params["allocator"]
+    if allocator not in ALLOCATORS:
+        raise InputError(f"--allocator: choose from {', '.join(ALLOCATORS)} (got {allocator!r})")
+    if what is None and is_given(ctx, "allocator"):
+        raise InputError("--allocator: only --gpu's estimate counts each pass's allocations, which the allocator "
+                         "replays; give --gpu NAME and --model")
+
+
+def replayed_allocations(allocator: str, counted, parallel) -> tuple | None:
+    """What `Scenario.allocations` replays under --allocator (`layer_allocations`): none without --gpu (`counted`
+    None), with --allocator none, or for a mixture of experts, whose count is a whole layer's, every expert's,
+    which the estimate divides by t·C but not by the E ranks sharing them."""
+    if counted is None or allocator != "caching" or any(layer.dispatched_bytes for layer in counted.layers):
+        return None
+    from ..planning.estimate import layer_allocations
+
+    return tuple(layer_allocations(counted, parallel))
+
+
 def check_prediction(source: str | None) -> None:
     """--prediction's value: one of the sources of s (a method that records no form from it is refused when
     its schedule is built, naming the sources it does record)."""

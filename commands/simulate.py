@@ -15,7 +15,6 @@ from rich.table import Table
 
 from ..allocator import keep_freed_memory, no_huge_pages
 from .common import (
-    ALLOCATORS,
     ActivationLimit,
     Advance,
     Allocator,
@@ -45,6 +44,7 @@ from .common import (
     TensorParallel,
     WgradFraction,
     Zero,
+    check_allocator,
     check_method_options,
     check_prediction,
     check_writable,
@@ -54,6 +54,7 @@ from .common import (
     load_profile_flag,
     optional_what_if_options,
     progress,
+    replayed_allocations,
     scenario_from_flags,
     search_options,
     search_progress,
@@ -179,14 +180,12 @@ def simulate(
     if example:
         stages, microbatches, comm, opt, html = (
             EXAMPLE[k] for k in ("stages", "microbatches", "comm", "opt", "html"))
-    from ..planning.estimate import layer_allocations
     from ..schedules import METHODS, ScheduleError, steady_minibatches
     from ..schedules.analysis import overlapped_pairs
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
-    from ..sim.caching_allocator import add_reserve, device_reserves
     from ..traces import summarize, write_trace
-    from ..units import GIB, MIB
+    from ..units import MIB
 
     names = schedule or list(METHODS)
     loaded = None
@@ -209,16 +208,13 @@ def simulate(
             raise InputError("--memory is a table; --json gives each device's breakdown as peak_memory_parts_mb: "
                              "give one")
         what = what_if(ctx, profile_reads=("expert_parallel",))
-        if allocator not in ALLOCATORS:
-            raise InputError(f"--allocator: choose from {', '.join(ALLOCATORS)} (got {allocator!r})")
-        if what is None and is_given(ctx, "allocator"):
-            raise InputError("--allocator: only --gpu's estimate counts each pass's allocations, which the "
-                             "allocator replays; give --gpu NAME and --model")
+        check_allocator(ctx, what)
         counted = None if what is None else count_what_if(what, microbatch_size)
         parallel = None if what is None else what.parallelism(stages, tensor_parallel, data_parallel, recompute)
         estimated = None if what is None else estimated_profile(what, counted, parallel, optimizer)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
-                                               opt=opt), overlap_hidden_fraction=fb_hidden_fraction)
+                                               opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
+                           allocations=replayed_allocations(allocator, counted, parallel))
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages
@@ -262,17 +258,13 @@ def simulate(
             raise InputError(f"--fb-hidden-fraction prices overlapped F&B pairs, and none of {', '.join(schedules)} "
                              "runs one (dualpipev does): leave it out")
         summaries, traces, memory = [], [], []
-        replayed = (layer_allocations(counted, parallel) if what is not None and allocator == "caching"
-                    and not any(layer.dispatched_bytes for layer in counted.layers) else None)
         for name, sched in progress(list(schedules.items()), as_json):
             try:
                 result = run_simulation(sched, scenario.costs(sched), scenario.links(sched), jitter=jitter, seed=seed)
             except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
                 skipped[name] = str(exc)
                 continue
-            if replayed is not None:
-                add_reserve(result, device_reserves(result, _stage_allocations(scenario, sched, replayed),
-                                                    round(what.gpu.memory_gib * GIB)))
+            scenario.add_reserve(sched, result)
             traces.append(result)
             summaries.append(summarize(result))
             memory.append(scenario.links(sched).memory_checks(
@@ -332,16 +324,6 @@ def simulate(
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
     _warn(skipped, summaries, memory)
-
-
-def _stage_allocations(scenario, sched, allocations: list) -> dict[int, list]:
-    """Each model stage's layers' allocations (`layer_allocations`, in the model's order), cut as the scenario cuts
-    the estimate's layers into the schedule's stages (`profile_bounds`), what `device_reserves` replays."""
-    from ..planning.scenario import profile_bounds
-
-    per_copy = sched.graph.stages_per_copy
-    cut = profile_bounds(scenario.measured, per_copy, scenario.stage_cut)
-    return {stage: allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]] for stage in range(sched.num_stages)}
 
 
 def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +12,7 @@ from rich import box
 from rich.table import Table
 
 from .common import (
+    Allocator,
     BlockingComm,
     DataParallel,
     HeldOptimizer,
@@ -26,11 +28,13 @@ from .common import (
     TensorParallel,
     WgradFraction,
     Zero,
+    check_allocator,
     check_writable,
     expert_overlap_options,
     fail,
     optional_what_if_options,
     progress,
+    replayed_allocations,
     require,
     scenario_from_flags,
     search_options,
@@ -114,6 +118,7 @@ def sweep(
     zero: Zero = None,
     network_gb_s: NetworkGbS = None,
     recompute: Recompute = "none",
+    allocator: Allocator = "caching",
     stage_cut: StageCut = "balanced",
     workers: Annotated[int | None, typer.Option(
         "--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
@@ -172,6 +177,7 @@ def sweep(
             if text is not None:
                 axes[key] = parse_axis(key, text)
         what = what_if(ctx)
+        check_allocator(ctx, what)
         scenario = scenario_from_flags(ctx, "model")
         lists = [flag for flag, values in scenario.per_stage.items() if len(values) > 1]
         if lists:
@@ -188,8 +194,10 @@ def sweep(
         if what is not None:
             counted = count_what_if(what, microbatch_size)
             depths = sorted({config.stages for config in configs})
-            jobs = [(scenario_from_flags(ctx, "model", estimated=estimated_profile(
-                what, counted, what.parallelism(p, tensor_parallel, data_parallel, recompute), optimizer)),
+            parallel = {p: what.parallelism(p, tensor_parallel, data_parallel, recompute) for p in depths}
+            jobs = [(replace(scenario_from_flags(ctx, "model", estimated=estimated_profile(
+                what, counted, parallel[p], optimizer)), allocations=replayed_allocations(allocator, counted,
+                                                                                            parallel[p])),
                      [i for i, config in enumerate(configs) if config.stages == p]) for p in depths]
         results = [None] * len(configs)
         finished = ((indices[i], result) for shared, indices in jobs

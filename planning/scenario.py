@@ -25,7 +25,9 @@ from ..profiles.partition import PartitionError, equal_blocks, padded_blocks, pa
 from ..schedules import COLLECTIVE_KINDS, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
+from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
 from ..sim.costs import PRECISIONS, RowOverhead
+from ..traces.trace import Trace
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile
@@ -65,6 +67,9 @@ class Scenario:
     precision: str = "fp32"  # typed costs: how --param-mb's weights, their gradients and state are held (PRECISIONS)
     overlap_hidden_fraction: float = 0.0  # `simulate --fb-hidden-fraction`: Costs.overlap_hidden_fraction
     overlap_expert_comm: bool = False  # `--overlap-expert-comm`: ScheduleParams.overlap_expert_comm of every build
+    # `--allocator caching` with --gpu: every layer's allocations on a rank in the model's order
+    # (`layer_allocations`), which `add_reserve` replays; None: the tensors alone
+    allocations: tuple[LayerAllocations, ...] | None = None
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
@@ -278,6 +283,18 @@ class Scenario:
             return []
         n, p = sched.num_stages, sched.num_devices
         return [flag for flag, given in self.per_stage.items() if flag != "--output-mb" and len(given) == n != p]
+
+    def add_reserve(self, sched: Schedule, trace: Trace) -> None:
+        """With `allocations`, each device's caching-allocator reserve in the trace's memory (sim/caching_allocator.py
+        `device_reserves`, `add_reserve`): each model stage's layers cut as its costs are, each device bounded by
+        its memory."""
+        if self.allocations is None:
+            return
+        per_copy = sched.graph.stages_per_copy
+        cut = profile_bounds(self.measured, per_copy, self.stage_cut)
+        layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
+                  for stage in range(sched.num_stages)}
+        add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched)))
 
     def memory_limits(self, sched: Schedule) -> tuple[int | None, ...]:
         """Each device's memory in bytes (None: not known): `memory_bytes`, the cluster file's `memory_gib`, or the

@@ -233,6 +233,7 @@ def run_chunk(scenario: Scenario, configs: Sequence[Config]) -> list[Result]:
                 search_seconds=config.search_seconds, data_parallel=config.data_parallel,
                 reduce_after_flush=config.reduce_after_flush, zero=config.zero))
             trace = simulate(sched, scaled.costs(sched), scaled.links(sched))
+            scaled.add_reserve(sched, trace)
             summary = summarize(trace)
         except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
             results.append(Result(config, reason=str(exc), limit_refused=isinstance(exc, ActivationLimitError)))

@@ -339,22 +339,22 @@ class _Replay:
 
 
 def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations]],
-                    capacity_bytes: int | None) -> list[int]:
+                    capacity_bytes: Sequence[int | None]) -> list[int]:
     """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed
     (`replay_device`: its parameters, gradients and optimizer state at the prediction's peak as a block each, then
     its rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it
     allocates: what torch's max reserved adds to its max allocated. Its own difference, not its reserved less the
     prediction's peak: the replay frees layer by layer where the prediction holds a stage's activations and a
     pass's transient peak for whole rows, so it can allocate less than the prediction holds and that difference
-    would read nothing. `capacity_bytes`: the GPU's memory, whose cached segments torch releases when a
-    cudaMalloc fails; where the step does not fit even then (torch's out of memory), its reserve is what it would
-    take without that bound, which puts the device's peak over its memory."""
+    would read nothing. `capacity_bytes`: each device's memory (None: unbounded), whose cached segments torch
+    releases when a cudaMalloc fails; where the step does not fit even then (torch's out of memory), its reserve
+    is what it would take without that bound, which puts the device's peak over its memory."""
     reserves = []
     for device, held in enumerate(trace.meta.peak_memory_parts or ()):
         static = [held[part] for part in ("parameters", "gradients", "optimizer_state")]
         rows = device_rows(trace, device)
         try:
-            replayed = replay_device(static, rows, layers, capacity_bytes)
+            replayed = replay_device(static, rows, layers, capacity_bytes[device])
         except AllocatorOutOfMemory:
             replayed = replay_device(static, rows, layers)
         reserves.append(replayed.peak_reserved_bytes - replayed.peak_allocated_bytes)

@@ -391,8 +391,8 @@ def test_a_device_whose_step_does_not_fit_reserves_what_it_takes_unbounded():
     trace = simulate(build("1f1b", 2, 4, 1), Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0), Cluster.uniform(2, 0.0))
     layer = LayerAllocations({"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB)],
                               "bwd": [(0, 20 * MIB), (0, -20 * MIB), (1, 4 * MIB)]})
-    unbounded = device_reserves(trace, {0: [layer], 1: [layer]}, None)
-    assert all(unbounded) and device_reserves(trace, {0: [layer], 1: [layer]}, 10 * MIB) == unbounded
+    unbounded = device_reserves(trace, {0: [layer], 1: [layer]}, [None, None])
+    assert all(unbounded) and device_reserves(trace, {0: [layer], 1: [layer]}, [10 * MIB] * 2) == unbounded
 
 
 # A GPT whose loss's logits (256 tokens x 8,192 x 2 bytes: 4 MiB) and their float32 gradients are large-pool blocks
@@ -441,3 +441,24 @@ def test_a_bad_allocator_is_one_line(flags, message):
 
     code, _, err = pipesim("simulate", *flags)
     assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_sweep_reads_each_configurations_peak_as_simulate_does(tmp_path):
+    """sweep --gpu replays each configuration's devices as simulate does: its peak is simulate's, the reserve in;
+    --allocator none leaves the tensors' peak."""
+    import csv
+
+    from tests.conftest import pipesim, simulate_json
+
+    flags = SMALL_GPT[:-6]  # the model and GPU: a sweep takes -p, -m and -s as lists
+    peaks = {}
+    for allocator in ("caching", "none"):
+        out = tmp_path / f"{allocator}.csv"
+        code, _, err = pipesim("sweep", *flags, "-s", "1f1b", "-p", "2", "-m", "4", "--allocator", allocator,
+                               "--workers", "1", "--out", out)
+        assert code == 0, err
+        (row,) = csv.DictReader(out.open())
+        peaks[allocator] = float(row["peak_memory_mb"])
+    (simulated,) = simulate_json(*SMALL_GPT)
+    assert peaks["caching"] == pytest.approx(max(d["peak_memory_mb"] for d in simulated["devices"]), rel=1e-9)
+    assert peaks["caching"] > peaks["none"]
