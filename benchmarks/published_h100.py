@@ -6,7 +6,8 @@ Each row's `pipesim simulate` command is built from the row's own columns as NeM
 benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (flash attention, sequence
 parallelism and the tensor-parallel collectives overlapped with the products, `--tp-overlap`, where t > 1, the
 forward's pipelined reduce-scatters without TransformerEngine's SM margin, `--tp-overlap-no-margin`, where the
-run's config left it at TransformerEngine 1.x's default; context parallelism where the row has it), the
+run's config left it at TransformerEngine 1.x's default; context parallelism where the row has it; the fused
+attention kernel its environment picks, `--attention-kernel`), the
 recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B), the distributed optimizer
 (`--zero 1`;
 `--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
@@ -57,7 +58,8 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             *(["--gated"] if row["gated"] == "true" else []), "--seq-len", row["seq_len"],
             "--vocab", str(padded_vocab(int(row["vocab"]), t)),
             *(["--dropout", row["dropout"]] if float(row["dropout"]) else []),
-            "--dtype", row["precision"], "--attention", "flash", "-b", str(b), "--gpu", GPU, *tensor,
+            "--dtype", row["precision"], "--attention", "flash", "--attention-kernel", row["attention_kernel"],
+            "-b", str(b), "--gpu", GPU, *tensor,
             *(["--context-parallel", str(c)] if c > 1 else []), "-p", str(p), "-m", str(batch // (d * b)),
             *schedule, "--data-parallel", str(d), "--zero", "1",
             *(["--precision", "nemo-bf16-adam"] if row["optimizer_state"] == "bf16" else []),

@@ -169,6 +169,11 @@ Fp8Recipe = Annotated[str | None, typer.Option(
 Attention = Annotated[str, typer.Option(
     "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's fused "
                         "kernel: no scores saved).")]
+AttentionKernel = Annotated[str | None, typer.Option(
+    "--attention-kernel", metavar="KERNEL", help="With --attention flash: which fused kernel runs it, at its "
+                                                 "published rate on the part (`pipesim gpus`' curves): flash2 "
+                                                 "(FlashAttention-2; the default), cudnn (cuDNN's, TransformerEngine "
+                                                 "with NVTE_FUSED_ATTN=1) or flash3 (FlashAttention-3).")]
 MODEL_SHAPE = (("layers", Layers, None), ("width", Width, None), ("heads", Heads, None), ("seq_len", SeqLen, None),
                ("vocab", Vocab, None), ("ffn", Ffn, None), ("kv_heads", KvHeads, None), ("gated", Gated, None),
                ("dropout", Dropout, None), ("experts", Experts, None), ("top_k", TopK, None),
@@ -339,7 +344,7 @@ model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
-                ("tp_overlap_no_margin", TpOverlapNoMargin, False),
+                ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("attention_kernel", AttentionKernel, None),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("expert_swiglu_fusion", ExpertSwigluFusion, True),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),

@@ -54,7 +54,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion", "recompute_modules",
-                 "ema", "tp_overlap_no_margin")
+                 "ema", "tp_overlap_no_margin", "attention_kernel")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -67,6 +67,7 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "hot_expert_share": "--hot-expert-share", "token_dispatcher": "--token-dispatcher",
                   "dispatcher_sms": "--dispatcher-sms",
                   "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
+                  "attention_kernel": "--attention-kernel",
                   "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
                   "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
                   "recompute": "--recompute", "recompute_modules": "--recompute-modules", "ema": "--ema",
@@ -109,6 +110,7 @@ class WhatIf:
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
+    attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -165,7 +167,7 @@ class WhatIf:
                            token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
                            expert_tensor=self.expert_tensor,
                            rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
-                           tp_overlap_no_margin=self.tp_overlap_no_margin,
+                           tp_overlap_no_margin=self.tp_overlap_no_margin, attention_kernel=self.attention_kernel,
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
                            ema=self.ema)
@@ -183,8 +185,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
             raise InputError(f"{', '.join(given)}: only --gpu's estimate reads {'it' if len(given) == 1 else 'them'}; "
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
-    from ..hardware.catalogue import CatalogueError, load_catalogue  # its pydantic models: only where --gpu needs them
-    from ..planning.estimate import CP_ROTATES, EMA_PLACES, TP_RUNTIMES
+    from ..hardware.catalogue import ATTENTION_KERNELS, CatalogueError, load_catalogue  # pydantic: only for --gpu
+    from ..planning.estimate import CP_ROTATES, EMA_PLACES, TP_RUNTIMES, EstimateError, kernel_curve
     from ..planning.experts import DISPATCHERS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
@@ -223,6 +225,15 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("context_parallel", 1) > 1 and params["attention"] != "flash":
         raise InputError("--context-parallel: ring attention runs on a fused attention kernel (torch's and "
                          "TransformerEngine's context parallel): give --attention flash")
+    attention_kernel = params.get("attention_kernel") or "flash2"
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise InputError(f"--attention-kernel: choose from {', '.join(ATTENTION_KERNELS)} (got {attention_kernel!r})")
+    if params.get("attention_kernel") is not None and params["attention"] != "flash":
+        raise InputError("--attention-kernel names the fused kernel that runs --attention flash: give --attention "
+                         "flash")
+    if params.get("attention_kernel") is not None and params.get("curve_from") is not None:
+        raise InputError("--attention-kernel prices attention at a kernel's published rate; --curve-from's "
+                         "calibration measured its own: give one of them")
     recompute = params.get("recompute")
     if recompute is not None and recompute not in RECOMPUTE:
         raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
@@ -244,6 +255,11 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
     fp8 = _fp8_recipe(params, name, catalogue.gpu)
+    if catalogue.gpu[name].curve is not None:  # before the model is counted
+        try:
+            kernel_curve(catalogue.gpu[name].curve, attention_kernel, name)
+        except EstimateError as exc:
+            raise InputError(f"--attention-kernel: {str(exc).partition(': ')[2]}") from None
     dispatcher = params.get("token_dispatcher")
     if dispatcher is not None and dispatcher not in DISPATCHERS:
         raise InputError(f"--token-dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
@@ -271,7 +287,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
                   expert_swiglu_fusion=params.get("expert_swiglu_fusion", True),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
-                  ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False))
+                  ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
+                  attention_kernel=attention_kernel)
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

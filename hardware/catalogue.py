@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -14,6 +14,10 @@ from ..files import first_error, read_toml
 
 BUILT_IN = Path(__file__).with_name("gpus.toml")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+# The fused attention kernels a curve can price (`Curve.attention_kernel_efficiency`): FlashAttention-2 (flash-attn
+# 2.x, TransformerEngine with NVTE_FUSED_ATTN=0), cuDNN's fused attention (TransformerEngine's FusedAttention, which
+# it prefers on Hopper when NVTE_FUSED_ATTN=1) and FlashAttention-3 (flash-attn's hopper/ kernels).
+ATTENTION_KERNELS = ("flash2", "cudnn", "flash3")
 NAME = r"^[a-z0-9][a-z0-9.-]*$"  # how parts and clusters are named on the command line (--gpu a100-sxm-80gb)
 
 
@@ -59,7 +63,8 @@ class Network(_Strict):
 class Curve(_Strict):
     """How far below its datasheet a part runs, from published measurements (`source`), for the time model of
     planning/estimate.py: the large matrix products' fraction of peak (`matmul_efficiency`: at shapes that fill
-    every multiprocessor with whole tiles), a fused attention kernel's (`attention_efficiency`), the memory
+    every multiprocessor with whole tiles), a fused attention kernel's (`attention_efficiency`: FlashAttention-2's;
+    `attention_kernels`: another of `ATTENTION_KERNELS`' where its rate on the part is published), the memory
     bandwidth's (`memory_efficiency`), the intra-node link's (`link_efficiency`: a GPU-to-GPU copy over the
     datasheet's bandwidth per direction; the network is taken at its datasheet rate), what each kernel costs
     beyond its work (`kernel_overhead_ms`: launch, ramp and tail), and the shape of the machine the products'
@@ -70,6 +75,8 @@ class Curve(_Strict):
 
     matmul_efficiency: float = Field(gt=0, le=1)
     attention_efficiency: float = Field(gt=0, le=1)
+    attention_kernels: dict[Literal["cudnn", "flash3"], Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=dict)
     memory_efficiency: float = Field(gt=0, le=1)
     link_efficiency: float = Field(1.0, gt=0, le=1)
     kernel_overhead_ms: float = Field(ge=0)
@@ -77,6 +84,11 @@ class Curve(_Strict):
     tiles: list[tuple[int, int]] = Field(min_length=1)
     persistent_products: bool = False
     source: str = Field(min_length=1)
+
+    def attention_kernel_efficiency(self, kernel: str) -> float | None:
+        """`kernel`'s fraction of the peak on this part (of `ATTENTION_KERNELS`): FlashAttention-2's is
+        `attention_efficiency`; None where no figure is published for it here."""
+        return self.attention_efficiency if kernel == "flash2" else self.attention_kernels.get(kernel)
 
 
 class Gpu(_Strict):

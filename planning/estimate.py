@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from ..hardware.catalogue import ATTENTION_KERNELS
 from ..hardware.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from ..memory_parts import SAVED_PARTS
 from ..profiles.partition import partition
@@ -138,6 +139,7 @@ class Parallelism:
     tp_overlap_no_margin: bool = False  # the forward's pipelined products on every SM (`userbuffers_forward_ms`)
     loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
     cp_rotate: str = "alltoall"  # how the context ring passes keys and values, of `CP_ROTATES` (`ContextRing`)
+    attention_kernel: str = "flash2"  # the fused attention kernel, of `ATTENTION_KERNELS` (`kernel_curve`)
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
@@ -172,6 +174,9 @@ class Parallelism:
                                 "give tp_overlap with tp_runtime megatron")
         if self.cp_rotate not in CP_ROTATES:
             raise EstimateError(f"cp_rotate: choose from {', '.join(CP_ROTATES)} (got {self.cp_rotate!r})")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise EstimateError(f"attention_kernel: choose from {', '.join(ATTENTION_KERNELS)} "
+                                f"(got {self.attention_kernel!r})")
         if self.tp_overlap and not self.sequence_parallel:
             raise EstimateError("tp_overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with "
                                 "the products (Megatron's and torch's): give sequence parallelism too")
@@ -994,6 +999,19 @@ def _element_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+def kernel_curve(curve: Curve, kernel: str, gpu: str) -> Curve:
+    """`curve` pricing fused attention at `kernel`'s published rate on the part: which kernel a run's attention
+    takes is the framework's choice (TransformerEngine: FlashAttention-2 with NVTE_FUSED_ATTN=0, cuDNN's fused
+    attention with NVTE_FUSED_ATTN=1, which `get_attention_backend` prefers on Hopper), and on an H100 cuDNN's runs
+    1.5 times FlashAttention-2's rate (arXiv 2407.08608, figures 5 and 6)."""
+    efficiency = curve.attention_kernel_efficiency(kernel)
+    if efficiency is None:
+        published = ", ".join(name for name in ATTENTION_KERNELS if curve.attention_kernel_efficiency(name))
+        raise EstimateError(f"attention_kernel: no published {kernel} rate for {gpu} in its curve (published: "
+                            f"{published}; a --gpus file can add attention_kernels)")
+    return curve.model_copy(update={"attention_efficiency": efficiency})
+
+
 def _routing_groups(options: dict) -> tuple[int, int] | None:
     """The count's group-limited routing, (G groups, M a token), as `expert_group` takes it (None: none)."""
     return (options["expert_groups"], options["groups_per_token"]) if options.get("expert_groups") else None
@@ -1010,6 +1028,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     curve = curve or gpu.curve
     if curve is None:
         raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
+    curve = kernel_curve(curve, parallel.attention_kernel, gpu.name)
     if optimizer not in OPTIMIZERS:
         raise EstimateError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
     expert_split = ("tensor", parallel.tensor) if parallel.expert_tensor is None else (

@@ -39,6 +39,9 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert (_flag(args, "--recompute") if "--recompute" in args else "none") == published["recompute"]
         assert ("--tp-overlap-no-margin" in args) == (published["tp_overlap_sm_margin"] == "false")
         assert (published["tp_overlap_sm_margin"] == "") == (t == 1)
+        assert _flag(args, "--attention-kernel") == published["attention_kernel"]
+        assert published["attention_kernel"] == ("flash2" if published["model"] in ("GPT-3 175B", "Nemotron-4 340B")
+                                                 else "cudnn")
         assert int(_flag(args, "--vocab")) % (128 * t) == 0 <= int(_flag(args, "--vocab")) - int(published["vocab"])
 
 

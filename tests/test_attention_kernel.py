@@ -1,0 +1,68 @@
+"""Which fused attention kernel runs a model's attention (`--attention-kernel`): each priced at its published rate
+on the part (the catalogue curve's `attention_kernels`; FlashAttention-2's is `attention_efficiency`, the
+default), refused where the part has no published figure for it (planning/estimate.py `kernel_curve`)."""
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import Device, EstimateError, Parallelism, kernel_curve, op_ms
+from pipesim.profiles.workload import OpCount
+from tests.conftest import pipesim, simulate_json
+
+CATALOGUE = load_catalogue()
+H100 = CATALOGUE.find("h100-sxm")
+SEQ, HEADS, HEAD_DIM = 8192, 32, 128
+ATTENTION = OpCount("sdpa", "attention", (1, HEADS, SEQ, HEAD_DIM), 4 * HEADS * SEQ * SEQ * HEAD_DIM,
+                    4 * HEADS * SEQ * HEAD_DIM * 2, 1, causal=True)
+MODEL = ["--model", "gpt", "--layers", 2, "--width", 1024, "--heads", 8, "--seq-len", 4096, "--vocab", 512,
+         "--attention", "flash", "--gpu", "h100-sxm"]
+RUN = [*MODEL, "-b", 1, "-p", 1, "-m", 2, "-s", "1f1b"]
+
+
+def _on(kernel: str) -> Device:
+    curve = kernel_curve(H100.curve, kernel, "h100-sxm")
+    return Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve)
+
+
+def test_each_kernel_prices_attention_at_its_published_fraction_of_the_peak():
+    """FlashAttention-3's paper measures on H100 SXM5 cuDNN's fused attention at 499-539 TFLOP/s and its own at
+    542-616 against FlashAttention-2's 310-335 (head dim 128, 4k-16k tokens): a compute-bound kernel's time is its
+    FLOPs over that rate."""
+    assert H100.curve.attention_kernels == {"cudnn": 0.52, "flash3": 0.58}
+    times = {kernel: op_ms(ATTENTION, _on(kernel)) - H100.curve.kernel_overhead_ms
+             for kernel in ("flash2", "cudnn", "flash3")}
+    assert times["flash2"] == op_ms(ATTENTION, Device(H100.dense_tflops.bf16 * 1e9, 1e12, H100.curve)) \
+        - H100.curve.kernel_overhead_ms
+    assert times["flash2"] / times["cudnn"] == pytest.approx(0.52 / 0.35)
+    assert times["flash2"] / times["flash3"] == pytest.approx(0.58 / 0.35)
+
+
+def test_a_kernel_without_a_published_rate_on_the_part_is_refused():
+    a100 = CATALOGUE.find("a100-sxm-80gb")
+    with pytest.raises(EstimateError, match="attention_kernel: no published cudnn rate for a100-sxm-80gb in its curve"):
+        kernel_curve(a100.curve, "cudnn", "a100-sxm-80gb")
+    with pytest.raises(EstimateError, match="attention_kernel: choose from flash2, cudnn, flash3"):
+        Parallelism(attention_kernel="flash4")
+
+
+def test_the_simulated_step_runs_faster_on_cudnns_kernel_and_the_default_is_flash2():
+    (default,) = simulate_json(*RUN)
+    (flash2,) = simulate_json(*RUN, "--attention-kernel", "flash2")
+    (cudnn,) = simulate_json(*RUN, "--attention-kernel", "cudnn")
+    assert default["time_per_minibatch_ms"] == flash2["time_per_minibatch_ms"]
+    assert cudnn["time_per_minibatch_ms"] < flash2["time_per_minibatch_ms"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--attention-kernel", "flash4"], "--attention-kernel: choose from flash2, cudnn, flash3 (got 'flash4')"),
+    (["--attention-kernel", "cudnn", "--gpu", "a100-sxm-80gb"],
+     "--attention-kernel: no published cudnn rate for a100-sxm-80gb in its curve (published: flash2; a --gpus file "
+     "can add attention_kernels)"),
+    (["--attention-kernel", "cudnn", "--attention", "math"],
+     "--attention-kernel names the fused kernel that runs --attention flash: give --attention flash"),
+])
+def test_bad_kernels_are_one_line_and_write_nothing(tmp_path, extra, message):
+    out = tmp_path / "profile.json"
+    code, _, err = pipesim("estimate", *MODEL, *extra, "--out", out)
+    assert code == 2 and err.strip() == f"error: {message}"
+    assert not out.exists()
