@@ -981,6 +981,7 @@ class _Orders:
         self._sketches: dict[tuple[str, ScheduleParams, int | None], _Sketch | ScheduleError] = {}
         self._shapes: dict[tuple, _Sketch | ScheduleError] = {}
         self._refused_methods: dict[str, _CopiesRefused] = {}
+        self._chains: dict[int, bool] = {}  # by id of the scenario: whether its model's layers form a chain
         self._refusals: dict[bool, dict[str, str]] = {True: {}, False: {}}  # by whether v and P are the method's
 
     def refusals(self) -> dict[str, str]:
@@ -1058,14 +1059,15 @@ class _Orders:
         except ScheduleError as exc:
             return exc
 
-    @staticmethod
-    def _model_key(scenario: Scenario, name: str) -> int | None:
+    def _model_key(self, scenario: Scenario, name: str) -> int | None:
         """What a method's order depends on beyond its parameters: a stage DAG's, the model's stage graph, which
         is a chain however a chain of layers is cut (then None: settings of the model share it), else the
         scenario's own."""
-        if METHODS[name].on_graph is None or (scenario.dag is None and _chain_of_layers(scenario.measured)):
+        if METHODS[name].on_graph is None:
             return None
-        return id(scenario)
+        if id(scenario) not in self._chains:
+            self._chains[id(scenario)] = scenario.dag is None and _chain_of_layers(scenario.measured)
+        return None if self._chains[id(scenario)] else id(scenario)
 
 
 def _chain_of_layers(profile: Profile | None) -> bool:
