@@ -592,7 +592,7 @@ def on_multiprocessors(device: Device, multiprocessors: int) -> Device:
 
 
 def userbuffers_forward_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink,
-                           sm_margin: bool = True) -> float:
+                           sm_margin: bool = True, gathered_nbytes: int | None = None) -> float:
     """A row-parallel forward product (split on its contraction) with its reduce-scatter and the next product's
     all-gather (of an `nbytes` tensor over t sequence-parallel ranks) as TransformerEngine's userbuffers run them
     under Megatron-LM's --tp-comm-overlap (`--tp-runtime megatron --tp-overlap`). The reduce-scatter is the
@@ -602,7 +602,8 @@ def userbuffers_forward_ms(op: OpCount, device: Device, t: int, nbytes: int, lin
     runs on the multiprocessors the communication kernels leave it and the reduce-scatter hides under it up to
     its length; without (TransformerEngine 1.x's default, `initialize_ub`, which a run without a config gets) each
     split runs on every multiprocessor beside the reduce-scatter, exposed as `bulk_exposed_ms` says. The
-    all-gather into the next column-parallel product is `ring_exchange_ms`."""
+    all-gather into the next column-parallel product is `ring_exchange_ms`, of `gathered_nbytes` (None: `nbytes`;
+    under float8 the input's float8 copy, `estimate_layer`)."""
     batch, m, n, k = op.shape
     splits = TE_PIPELINE_SPLITS
     split = _scaled(op, (batch, max(m // splits, 1), n, k), splits)
@@ -615,20 +616,23 @@ def userbuffers_forward_ms(op: OpCount, device: Device, t: int, nbytes: int, lin
         split_ms = op_ms(split, device)
         beside_ms = bulk_exposed_ms(scatter_ms, split_ms, device)
     reduce_scattered = splits * split_ms + (splits - 1) * beside_ms + scatter_ms
-    return reduce_scattered + ring_exchange_ms(op, device, t, nbytes, link)
+    gathered = nbytes if gathered_nbytes is None else gathered_nbytes
+    return reduce_scattered + ring_exchange_ms(op, device, t, gathered, link)
 
 
-def userbuffers_backward_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
+def userbuffers_backward_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink,
+                            gathered_nbytes: int | None = None) -> float:
     """A column-parallel input-gradient product (split on its contraction in the backward) with its reduce-scatter
     and the all-gather of the output gradient the next row-parallel input gradient reads, as TransformerEngine's
     userbuffers run them in NeMo's configs (nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py: the
     qkv_wgrad and fc1_wgrad `bulk` overlaps without set_sm_margin, proj_dgrad and fc2_dgrad `ring_exchange`).
     The product runs whole; its reduce-scatter is a bulk overlap under the weight-gradient product (of the same
     m·n·k, taken as this one's time), exposed as `bulk_exposed_ms` says; the all-gather is the ring exchange
-    `ring_exchange_ms` prices."""
+    `ring_exchange_ms` prices, of `gathered_nbytes` (None: `nbytes`; under float8 the gradient's float8 copy)."""
     product_ms = op_ms(op, device)
     scatter_ms = reduce_scatter_ms(nbytes, t, link.latency_ms, link.bytes_per_ms)
-    return product_ms + bulk_exposed_ms(scatter_ms, product_ms, device) + ring_exchange_ms(op, device, t, nbytes,
+    gathered = nbytes if gathered_nbytes is None else gathered_nbytes
+    return product_ms + bulk_exposed_ms(scatter_ms, product_ms, device) + ring_exchange_ms(op, device, t, gathered,
                                                                                             link)
 
 
@@ -754,26 +758,30 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     if c > 1 and context_link is None:
         raise EstimateError(f"context: {c} ranks need the ring's link")
     ring = ContextRing(c, context_link, parallel.cp_rotate) if c > 1 else None
-    # the backward gathers the input as the forward saved it: TransformerEngine keeps its float8 copy
-    saved_input_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].saves_float8_inputs \
+    # TransformerEngine's recipes (those that save float8 inputs) cast before they gather: a column-parallel
+    # product's input is cast (LayerNormLinear's fused norm writes float8 into the userbuffer, `fp8_buf` for every
+    # all-gather overlap in initialize_ub; gather_along_first_dim of the float8 `ln_out` without one) and that copy
+    # saved and gathered again in the backward, and the backward's output gradient is cast before its gather
+    # (`grad_output_preprocess`): every sequence-parallel all-gather of a float8 layer moves 1 byte an element
+    gathered_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].saves_float8_inputs \
         and attends(layer) else element_bytes
 
     def reduced_ms(op: OpCount, product_ms: float, forward: bool) -> float:
         batch, m, n, _ = op.shape
-        nbytes = batch * m * n * element_bytes
+        nbytes, gathered = batch * m * n * element_bytes, batch * m * n * gathered_bytes
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
-        gather_ms = input_gather_ms(batch * m * n * saved_input_bytes, product_ms, t, tensor_link,
-                                    device) if regathers else 0.0
+        gather_ms = input_gather_ms(gathered, product_ms, t, tensor_link, device) if regathers else 0.0
         if parallel.tp_overlap and parallel.tp_runtime == "torch":
             return async_tp_ms(op, device, t, nbytes, tensor_link) + gather_ms
         if parallel.tp_overlap and forward:
             return userbuffers_forward_ms(op, device, t, nbytes, tensor_link,
-                                          sm_margin=not parallel.tp_overlap_no_margin) + gather_ms
+                                          sm_margin=not parallel.tp_overlap_no_margin,
+                                          gathered_nbytes=gathered) + gather_ms
         if parallel.tp_overlap:
-            return userbuffers_backward_ms(op, device, t, nbytes, tensor_link) + gather_ms
+            return userbuffers_backward_ms(op, device, t, nbytes, tensor_link, gathered_nbytes=gathered) + gather_ms
         if parallel.sequence_parallel:
-            return product_ms + 2 * reduce_scatter_ms(nbytes, t, tensor_link.latency_ms,
-                                                      tensor_link.bytes_per_ms) + gather_ms
+            return product_ms + reduce_scatter_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms) \
+                + all_gather_ms(gathered, t, tensor_link.latency_ms, tensor_link.bytes_per_ms) + gather_ms
         return product_ms + all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
 
     def pass_ms(ops: Sequence[OpCount], forward: bool, only_core: bool = False) -> float:

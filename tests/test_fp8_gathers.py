@@ -1,0 +1,42 @@
+"""TransformerEngine's float8 recipes cast before they gather: a float8 layer's sequence-parallel all-gathers (the
+forward's of a column-parallel product's input, the backward's of an output gradient and its re-gather of the
+saved input) move 1 byte an element, with and without --tp-overlap (planning/estimate.py `estimate_layer`)."""
+
+from dataclasses import replace
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
+from pipesim.planning.fp8 import FP8_RECIPES
+
+H100 = load_catalogue().find("h100-sxm")
+DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
+                H100.curve, H100.dense_tflops.fp8 * 1e9)
+T, WIDTH, SEQ = 4, 4096, 2048
+# a link so slow that every transfer outlasts the chunk beside it: each gathered byte is exposed
+SLOW = placement_links(H100, Parallelism(tensor=T)).tensor.model_copy(update={"latency_ms": 0.0, "bytes_per_ms": 1e5})
+
+
+@pytest.fixture(scope="module")
+def block():
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=2, width=WIDTH, heads=32, seq_len=SEQ, vocab=512), 1,
+                       torch.bfloat16).layers[1]
+
+
+@pytest.mark.parametrize("tp_overlap", [True, False])
+def test_a_float8_layers_forward_gathers_its_products_inputs_in_float8(block, monkeypatch, tp_overlap):
+    """The forward's two all-gathers (into QKV and the MLP's first product) at 1 byte an element: against the same
+    recipe gathering 16-bit copies, each saves (t-1)/t of a tokens x width tensor's second byte on the link."""
+    parallel = Parallelism(tensor=T, sequence_parallel=True, tp_overlap=tp_overlap, fp8="te")
+    float8 = estimate_layer(block, DEVICE, parallel, SLOW, 2)
+    monkeypatch.setitem(FP8_RECIPES, "te", replace(FP8_RECIPES["te"], saves_float8_inputs=False))
+    sixteen_bit = estimate_layer(block, DEVICE, parallel, SLOW, 2)
+    saved_byte_ms = (T - 1) / T * SEQ * WIDTH / SLOW.bytes_per_ms
+    assert sixteen_bit.fwd_ms - float8.fwd_ms == pytest.approx(2 * saved_byte_ms)
+    # the backward's two output-gradient gathers and two input re-gathers, each exposed whole on a slow link
+    assert sixteen_bit.bwd_ms - float8.bwd_ms == pytest.approx(4 * saved_byte_ms, rel=1e-6)
+
