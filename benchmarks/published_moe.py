@@ -8,7 +8,11 @@ with the row's scaling (`FP8_RECIPES`), flash attention, no recomputation, the d
 with 16-bit gradients (`--precision megatron-16bit-grads`: every Qwen3 recipe sets grad_reduce_in_fp32 False,
 perf_recipes/_common.py's _perf_precision and _benchmark_common at 067f987df0,
 scripts/performance/configs/qwen*/qwen3_llm_pretrain.py before, and Megatron-core's gradient buffer takes the
-parameters' dtype then, param_and_grad_buffer.py group_params_for_buffers) and the routed experts' SwiGLU fused
+parameters' dtype then, param_and_grad_buffer.py group_params_for_buffers), each backward's weight gradients
+accumulated inside TransformerEngine's weight-gradient products (`--grad-accumulation fused`: Megatron-Bridge's GPT
+provider sets gradient_accumulation_fusion wherever APEX's fused_weight_gradient_mlp_cuda is present,
+utils/fusions.py can_enable_gradient_accumulation_fusion, which NeMo's containers ship) and the routed experts'
+SwiGLU fused
 (`--expert-swiglu-fusion`, the default: the recipes' bias_activation_fusion True), the ranks in Megatron-core's
 order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which Megatron-Bridge
 keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts over E ranks
@@ -114,7 +118,8 @@ class MoeRun:
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
                 "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
                 "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
-                "--precision", "megatron-16bit-grads", "--recompute", "none", *schedule, "--stage-cut", cut,
+                "--precision", "megatron-16bit-grads", "--grad-accumulation", "fused", "--recompute", "none",
+                *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else [])]

@@ -330,6 +330,14 @@ Ema = Annotated[str | None, typer.Option(
                                    "cpu (DeepSeek-V3's, its report's 3.2.3: on the host, updated asynchronously, "
                                    "nothing on the GPUs). Default: none.")]
 
+GradAccumulation = Annotated[str | None, typer.Option(
+    "--grad-accumulation", metavar="HOW", help="With --gpu: how each backward after a stage's first adds its weight "
+                                              "gradients into the accumulated ones: fused (inside the "
+                                              "weight-gradient product, TransformerEngine's and Megatron-LM's "
+                                              "gradient_accumulation_fusion: no pass of its own) or separate "
+                                              "(torch's autograd: a pass over the held gradients; the "
+                                              "default).")]
+
 OverlapExpertComm = Annotated[bool, typer.Option(
     "--overlap-expert-comm", help="With --expert-parallel: Megatron-core's expert-parallel overlap "
                                   "(overlap_moe_expert_parallel_comm; the recipes' moe_a2a_overlap): one more warm-up "
@@ -352,7 +360,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("token_dispatcher", TokenDispatcher, None), ("dispatcher_sms", DispatcherSms, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
-                ("ema", Ema, None))
+                ("ema", Ema, None), ("grad_accumulation", GradAccumulation, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "

@@ -54,7 +54,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion", "recompute_modules",
-                 "ema", "tp_overlap_no_margin", "attention_kernel")
+                 "ema", "tp_overlap_no_margin", "attention_kernel", "grad_accumulation")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -71,6 +71,7 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
                   "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
                   "recompute": "--recompute", "recompute_modules": "--recompute-modules", "ema": "--ema",
+                  "grad_accumulation": "--grad-accumulation",
                   "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
 
@@ -109,6 +110,7 @@ class WhatIf:
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
+    grad_accumulation: str = "separate"  # --grad-accumulation (planning/estimate.py `GRAD_ACCUMULATIONS`)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
     attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
 
@@ -170,7 +172,7 @@ class WhatIf:
                            tp_overlap_no_margin=self.tp_overlap_no_margin, attention_kernel=self.attention_kernel,
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
-                           ema=self.ema)
+                           ema=self.ema, grad_accumulation=self.grad_accumulation)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -186,7 +188,14 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
     from ..hardware.catalogue import ATTENTION_KERNELS, CatalogueError, load_catalogue  # pydantic: only for --gpu
-    from ..planning.estimate import CP_ROTATES, EMA_PLACES, TP_RUNTIMES, EstimateError, kernel_curve
+    from ..planning.estimate import (
+        CP_ROTATES,
+        EMA_PLACES,
+        GRAD_ACCUMULATIONS,
+        TP_RUNTIMES,
+        EstimateError,
+        kernel_curve,
+    )
     from ..planning.experts import DISPATCHERS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
@@ -240,6 +249,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     modules = _recompute_modules(params.get("recompute_modules"), recompute)
     if params.get("ema") is not None and params["ema"] not in EMA_PLACES:
         raise InputError(f"--ema: choose from {', '.join(EMA_PLACES)} (got {params['ema']!r})")
+    accumulation = params.get("grad_accumulation") or "separate"
+    if accumulation not in GRAD_ACCUMULATIONS:
+        raise InputError(f"--grad-accumulation: choose from {', '.join(GRAD_ACCUMULATIONS)} (got {accumulation!r})")
     precision = params.get("precision")
     if precision is not None and precision not in PRECISIONS:  # before the model is counted, which takes seconds
         raise InputError(f"--precision: choose from {', '.join(PRECISIONS)} (got {precision!r})")
@@ -288,7 +300,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   expert_swiglu_fusion=params.get("expert_swiglu_fusion", True),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
-                  attention_kernel=attention_kernel)
+                  attention_kernel=attention_kernel, grad_accumulation=accumulation)
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

@@ -102,6 +102,14 @@ TP_RUNTIMES = ("megatron", "torch")
 # point-to-point ring (torch's `_AllToAllRotater`, and the transfers TransformerEngine's p2p ring makes, Megatron's
 # and NeMo's default) or allgather (torch's `_AllGatherRotater`, torch's and torchtitan's default): `ContextRing`.
 CP_ROTATES = ("alltoall", "allgather")
+# How a backward's weight gradients are added into those accumulated over the mini-batch's micro-batches: fused,
+# inside the weight-gradient product (TransformerEngine's and APEX's fuse_wgrad_accumulation: the GEMM writes
+# main_grad with beta = 1, no pass of its own; Megatron-LM's default, its --no-gradient-accumulation-fusion turns
+# it off; Megatron-Bridge's GPT provider and NeMo 2's GPTConfig enable it wherever the kernels are present,
+# NeMo-Framework-Launcher's GPT-3 yamls set gradient_accumulation_fusion True), or separate (torch's autograd
+# AccumulateGrad, FSDP2's and DDP's: a pass over the held gradients, read, read, write, per backward after the
+# first). Default separate, as pipesim priced every run before the setting; a run of Megatron's says fused.
+GRAD_ACCUMULATIONS = ("fused", "separate")
 
 
 class EstimateError(ValueError):
@@ -131,6 +139,7 @@ class Parallelism:
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ()  # of `RECOMPUTE_REGIONS`, their outputs dropped and rerun (`Regions`)
     ema: str | None = None  # where the weights' moving average is kept, of `EMA_PLACES` (None: none is kept)
+    grad_accumulation: str = "separate"  # how the gradients are accumulated, of `GRAD_ACCUMULATIONS`
     sharded_optimizer: bool = False
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
@@ -160,6 +169,9 @@ class Parallelism:
                                 f"{self.recompute} already decides what every layer keeps")
         if self.ema is not None and self.ema not in EMA_PLACES:
             raise EstimateError(f"ema: choose from {', '.join(EMA_PLACES)} (got {self.ema!r})")
+        if self.grad_accumulation not in GRAD_ACCUMULATIONS:
+            raise EstimateError(f"grad_accumulation: choose from {', '.join(GRAD_ACCUMULATIONS)} "
+                                f"(got {self.grad_accumulation!r})")
         if self.recompute == "op" and self.tensor > 1:
             raise EstimateError("recompute: op (torchtitan's selective op policy) is modelled for tensor 1 only "
                                 f"(got tensor {self.tensor})")
@@ -1137,7 +1149,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                 1.0 if parallel.sharded_optimizer else held_share(layer, experts.weight_shards)) for layer in mine)
                                               / shards)),
             predict=_timing(memory_ms(3 * params))) for name in OPTIMIZERS}
-        stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(memory_ms(3 * params)),
+        accumulate_ms = memory_ms(3 * params) if parallel.grad_accumulation == "separate" else 0.0
+        stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(accumulate_ms),
                             _timing(memory_ms(2 * params))))
     stages = aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), stage_steps)
     link = LinkProfile(segments=[LinkSegmentModel(min_bytes=0, latency_ms=links.stage.latency_ms,

@@ -1,0 +1,63 @@
+"""How a backward's weight gradients join the accumulated ones (`--grad-accumulation`, planning/estimate.py
+`GRAD_ACCUMULATIONS`): separate, torch's autograd, a pass over the held gradients per backward after a stage's
+first; fused, inside the weight-gradient product (TransformerEngine's under Megatron's gradient_accumulation_fusion),
+no pass at all. Separate by default, as pipesim priced every run before; a run of Megatron's says fused."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import EstimateError, Parallelism, estimate_profile
+from pipesim.workload.count import WorkloadCount, count_built
+from tests.conftest import pipesim, simulate_json
+
+H100 = load_catalogue().find("h100-sxm")
+GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256,
+       "--vocab", 1000, "--stages", 2, "-m", 8, "-s", "1f1b")
+
+
+@cache
+def counted() -> WorkloadCount:
+    return count_built("gpt", dict(layers=4, width=256, heads=4, seq_len=256, vocab=1000), 1, torch.bfloat16,
+                       "flash")
+
+
+def test_a_separate_accumulation_passes_over_the_held_gradients_and_a_fused_one_costs_nothing_of_its_own():
+    separate = estimate_profile(counted(), H100, Parallelism(pipeline=2, grad_accumulation="separate"))
+    fused = estimate_profile(counted(), H100, Parallelism(pipeline=2, grad_accumulation="fused"))
+    curve = separate.estimate.curve
+    bytes_per_ms = H100.memory_bandwidth_gb_s * 1e6 * curve["memory_efficiency"]
+    for apart, inside in zip(separate.stages, fused.stages):
+        assert apart.accumulate.median_ms == pytest.approx(
+            curve["kernel_overhead_ms"] + 3 * apart.param_bytes / bytes_per_ms, rel=1e-12)
+        assert inside.accumulate.median_ms == 0.0
+        assert (inside.fwd_ms, inside.bwd_ms, inside.weight_copy) == (apart.fwd_ms, apart.bwd_ms, apart.weight_copy)
+
+
+def test_the_default_is_the_separate_pass_and_anything_else_is_refused():
+    """Separate is what pipesim charged every run before the setting; a run of Megatron's says fused."""
+    assert Parallelism().grad_accumulation == "separate"
+    with pytest.raises(EstimateError, match="grad_accumulation: choose from fused, separate"):
+        Parallelism(grad_accumulation="both")
+
+
+def test_the_simulated_step_charges_each_backward_after_the_first_its_pass_only_when_separate():
+    """1F1B over 2 stages, m = 8: each stage's 7 backwards after its first add their gradients in a pass of their
+    own under separate (the default), none under fused."""
+    separate, default = simulate_json(*GPT, "--grad-accumulation", "separate")[0], simulate_json(*GPT)[0]
+    fused = simulate_json(*GPT, "--grad-accumulation", "fused")[0]
+    assert fused["makespan_ms"] < separate["makespan_ms"] == default["makespan_ms"]
+    busy = [s["busy_ms"] - f["busy_ms"] for s, f in zip(separate["devices"], fused["devices"])]
+    assert all(extra > 0 for extra in busy)
+
+
+def test_a_bad_value_or_one_without_gpu_is_one_line_exit_2():
+    code, out, err = pipesim("simulate", *GPT, "--grad-accumulation", "later")
+    assert (code, out) == (2, "") and err.strip() == "error: --grad-accumulation: choose from fused, separate (got " \
+                                                      "'later')"
+    code, _, err = pipesim("simulate", "--stages", 2, "--grad-accumulation", "fused")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--grad-accumulation" in err
