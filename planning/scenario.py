@@ -123,7 +123,46 @@ class Scenario:
         costs = self._amax_reductions(costs, sched)
         if sched.gradient_ranks == 1:
             return costs
-        return collective_costs(costs, sched, self.data_parallel_link(sched), self._expert_replicas(sched))
+        link = self.data_parallel_link(sched)
+        return self._bucketed_first_stage(collective_costs(costs, sched, link, self._expert_replicas(sched)),
+                                          sched, link, bounds)
+
+    def _bucketed_first_stage(self, costs: Costs, sched: Schedule, link: CollectiveLink,
+                              bounds: Sequence[int] | None) -> Costs:
+        """An estimate's run under Megatron-core's distributed optimizer (ZeRO-1, each stage reduced after its last
+        backward) reduce-scatters and all-gathers its first model stage in buckets (planning/buckets.py): its
+        REDUCE is what of the buckets' reduce-scatters runs past its last backward, its GATHER what its first
+        forward waits for its buckets' all-gathers (on a part with persistent products, Hopper, every bucket's
+        whole time: what runs beside a product delays it); every other stage is one bucket, as its rows are. A stage
+        holding routed experts (their own bucket groups) or a schedule of several model copies: as it is."""
+        from .buckets import bucket_params, buckets, exposed_gather_ms, exposed_reduce_ms
+
+        measured = self.measured
+        first = costs.stages[0]
+        if (measured is None or measured.estimate is None or sched.zero != 1 or sched.reduce_after_flush
+                or sched.graph.copies != 1 or first.expert_param_bytes or not first.param_bytes):
+            return costs
+        start, stop = (list(bounds) if bounds is not None else profile_bounds(measured, sched.num_stages,
+                                                                              self.stage_cut))[:2]
+        layers = measured.layers[start:stop]
+        element = 4 if measured.environment.dtype == "float32" else 2
+        bucketed = buckets([layer.param_bytes // element for layer in layers], bucket_params(sched.data_parallel))
+        held = sum(layer.param_bytes for layer in layers)
+
+        def bucket_ms(bucket: list[int]) -> float:  # a reduce-scatter, or an all-gather: the same traffic
+            return link.reduce_scatter_ms(first.param_bytes * sum(layers[i].param_bytes for i in bucket) / held,
+                                          sched.gradient_ranks)
+
+        def shares(times: list[float], stage_ms: float) -> list[float]:  # the stage's pass, split as its layers'
+            total = sum(times)
+            return [stage_ms * ms / total if total else stage_ms / len(times) for ms in times]
+
+        persistent = bool(measured.estimate.curve.get("persistent_products"))
+        return replace(costs, stages=(replace(
+            first, reduce_ms=exposed_reduce_ms(shares([layer.bwd.median_ms for layer in layers], first.bwd_ms),
+                                               bucketed, bucket_ms, persistent),
+            gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms),
+                                        bucketed, bucket_ms, persistent)), *costs.stages[1:]))
 
     def amax_reduction_ms(self, sched: Schedule) -> float:
         """TransformerEngine's delayed scaling (an estimate's te recipe) all-reduces the amaxes of a chunk's float8

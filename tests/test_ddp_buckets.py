@@ -1,0 +1,92 @@
+"""Megatron-core's gradient buckets (issue 42, item 4): the first model stage's reduce-scatter and all-gather run
+bucket by bucket, max(40M, 1M x d) parameters each (distributed_data_parallel.py), so only the buckets the
+backward's end and the forward's start wait for are exposed."""
+
+import pytest
+
+from pipesim.planning import buckets
+
+
+def test_the_bucket_size_is_megatron_cores_default():
+    assert buckets.bucket_params(8) == 40_000_000
+    assert buckets.bucket_params(256) == 256_000_000
+
+
+def test_a_bucket_closes_once_it_holds_the_size_taking_the_layers_last_to_first():
+    assert buckets.buckets([5, 30, 30, 30, 10], 40) == [[4, 3], [2, 1], [0]]
+
+
+def test_a_reduce_scatter_starts_when_its_bucket_is_ready_and_the_stream_is_free():
+    # backward 4, 4, 1 ms (layers 2, 1, 0), 3 ms a bucket: done at 4 + 3 = 7, max(7, 8) + 3 = 11, max(11, 9) + 3 = 14
+    exposed = buckets.exposed_reduce_ms([1.0, 4.0, 4.0], [[2], [1], [0]], lambda bucket: 3.0)
+    assert exposed == pytest.approx(14.0 - 9.0)
+
+
+def test_a_layers_forward_waits_for_its_buckets_all_gather_the_gathers_back_to_back():
+    # gathers done at 3, 6, 9 (layers 0, 1, 2); forwards 1, 4, 4 ms: 3 + 1 = 4, max(4, 6) + 4 = 10, max(10, 9) + 4 = 14
+    exposed = buckets.exposed_gather_ms([1.0, 4.0, 4.0], [[2], [1], [0]], lambda bucket: 3.0)
+    assert exposed == pytest.approx(14.0 - 9.0)
+
+
+def _first_stage(gpu: str, d: int):
+    """One stage (1F1B, m = 2, ZeRO-1 over d replicas) of a model of an embedding (285M parameters), two blocks
+    (201M each) and a head (269M), estimated on `gpu`: its profile, its costs and a collective's time over the
+    d ranks (a reduce-scatter of the layers' bytes, as an all-gather)."""
+    torch = pytest.importorskip("torch")
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Parallelism, estimate_profile
+    from pipesim.planning.scenario import profile_scenario
+    from pipesim.schedules import ScheduleParams
+    from pipesim.workload.count import count_built
+
+    count = count_built("gpt", dict(layers=2, width=4096, ffn=16384, heads=32, seq_len=4096, vocab=65536), 1,
+                        torch.bfloat16)
+    profile = estimate_profile(count, load_catalogue().find(gpu), Parallelism(data=d, sharded_optimizer=True))
+    scenario = profile_scenario(profile, "adam")
+    sched = scenario.build("1f1b", ScheduleParams(1, 2, data_parallel=d, zero=1))
+    assert [layer.param_bytes // 2 for layer in profile.layers] == [285_212_672, 201_379_840, 201_379_840,
+                                                                    268_509_184]
+    link = scenario.data_parallel_link(sched)
+    return profile, scenario.costs(sched).stages[0], lambda *layers: link.reduce_scatter_ms(
+        sum(layer.param_bytes for layer in layers), d)
+
+
+@pytest.mark.parametrize("d, last_blocks", [(8, (1,)), (256, (1, 2))])
+def test_the_first_stage_exposes_the_buckets_the_backward_ends_and_the_forward_starts_with(d, last_blocks):
+    """On an A100 (products in waves: a collective beside them hides). At d = 8 (40M) every layer is a bucket; at
+    d = 256 (256M) the head is one and the two blocks another. The backward ends with the bucket of block 1 and
+    then the embedding's: the first's reduce-scatter starts as the embedding's backward does and the embedding's
+    follows it; the forward waits for the embedding's all-gather, and after the embedding's forward for its
+    blocks' bucket's."""
+    profile, stage, collective_ms = _first_stage("a100-sxm-80gb", d)
+    embed, *blocks, head = profile.layers
+
+    def share(pass_ms: float, layer, of: str) -> float:
+        return pass_ms * getattr(layer, of).median_ms / sum(getattr(x, of).median_ms for x in profile.layers)
+
+    bwd_ms = {layer.name: share(stage.bwd_ms, layer, "bwd") for layer in profile.layers}
+    fwd_ms = {layer.name: share(stage.fwd_ms, layer, "fwd") for layer in profile.layers}
+    last = [blocks[i - 1] for i in last_blocks]
+    blocks_ms = collective_ms(*last)
+    # the premises: the buckets before the last blocks' are reduced while the backward reaches it and gathered
+    # while the forward runs the blocks before theirs; the last blocks' outlast the embedding's passes
+    earlier = [[head]] + ([[blocks[1]]] if d == 8 else [])
+    assert sum(collective_ms(*b) for b in earlier) < sum(bwd_ms[x.name] for x in (head, *blocks) if x not in last)
+    if d == 8:  # block 2's all-gather under block 1's forward
+        assert collective_ms(blocks[1]) < fwd_ms[blocks[0].name]
+    assert sum(collective_ms(*b) for b in earlier) < fwd_ms[blocks[0].name] + fwd_ms[blocks[1].name]
+    assert blocks_ms > max(bwd_ms[embed.name], fwd_ms[embed.name])
+    assert stage.reduce_ms == pytest.approx(blocks_ms - bwd_ms[embed.name] + collective_ms(embed), rel=1e-9)
+    assert stage.gather_ms == pytest.approx(collective_ms(embed) + blocks_ms - fwd_ms[embed.name], rel=1e-9)
+    assert stage.reduce_ms < collective_ms(*profile.layers)  # the stage's whole reduce-scatter, as one bucket
+
+
+def test_beside_persistent_products_every_buckets_collective_costs_its_whole_time():
+    """On an H100 (persistent products: a collective beside one delays it by its whole time) at d = 256: the
+    buckets' reduce-scatters and all-gathers each whole, the head's, the blocks' and the embedding's."""
+    profile, stage, collective_ms = _first_stage("h100-sxm", 256)
+    embed, *blocks, head = profile.layers
+    whole_ms = collective_ms(head) + collective_ms(*blocks) + collective_ms(embed)
+    assert stage.reduce_ms == pytest.approx(whole_ms, rel=1e-9)
+    assert stage.gather_ms == pytest.approx(whole_ms, rel=1e-9)
+    assert whole_ms > collective_ms(*profile.layers)  # three latencies, not one
