@@ -610,7 +610,8 @@ def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
              f"{','.join(value) if isinstance(value, (list, tuple)) else value}"  # --recompute-modules' list
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context", "expert")
              and value not in (False, "none", None, (), []) and (key, value) not in (("rank_order", "pipesim"),
-                                                                              ("tp_runtime", "megatron"))
+                                                                              ("tp_runtime", "megatron"),
+                                                                              ("grad_accumulation", "separate"))
              and (key != "cp_rotate" or context > 1)]
     degrees = (f"t={parallelism['tensor']}" + (f" C={context}" if context > 1 else "")
                + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else "")

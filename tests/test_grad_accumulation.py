@@ -61,3 +61,11 @@ def test_a_bad_value_or_one_without_gpu_is_one_line_exit_2():
                                                       "'later')"
     code, _, err = pipesim("simulate", "--stages", 2, "--grad-accumulation", "fused")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--grad-accumulation" in err
+
+
+def test_the_costs_line_names_the_accumulation_only_where_it_is_fused():
+    """The default (separate) goes unsaid, as the other defaults do; fused is named."""
+    code, out, _ = pipesim("simulate", *GPT)
+    assert code == 0 and "costs: " in out and "grad accumulation" not in out
+    code, out, _ = pipesim("simulate", *GPT, "--grad-accumulation", "fused")
+    assert code == 0 and "grad accumulation fused" in " ".join(out.split())
