@@ -10,8 +10,9 @@ and run as written (in-process, --json or --out added to read its figure).
   device's peak and its parts are printed beside the GPU's memory;
 - torchtitan's Llama 3.1 runs (torchtitan-2024-llama3.csv): every row pipesim expresses (16 of 18: Llama 3.1 8B,
   70B and 405B with FSDP, TP, PP, CP and Float8), its command built from the row's columns (`torchtitan_command`),
-  the fullest device's peak against the published memory, with what pipesim does not model (torch.compile, async
-  TP); the two rows of 262,144 tokens listed (beyond the configs' positions);
+  the fullest device's peak against the published memory on the page's 96 GB HBM2e H100s
+  (examples/h100-hbm2e-96gb.toml; none may be marked out of memory), with what pipesim does not model
+  (torch.compile, async TP); the two rows of 262,144 tokens listed (beyond the configs' positions);
 - the zero-bubble paper's Table 4 (zero-bubble-2024-table4.csv): peak memory of 1F1B, interleaved 1F1B, ZB-1p and
   ZB-2p for its four GPTs on A100 80GB, each as its fork launched it (`zero_bubble_command`).
 
@@ -95,6 +96,9 @@ TORCHTITAN_SEQ = 8192  # train_configs/llama3_{8b,70b,405b}.toml at 9dec370, whe
 TORCHTITAN_MODELS = {"Llama 3.1 8B": "hf:examples/llama3.1-8b", "Llama 3.1 70B": "hf:examples/llama3.1-70b",
                      "Llama 3.1 405B": "hf:examples/llama3.1-405b"}
 HF_MAX_POSITIONS = 131072  # the Llama 3.1 configs' max_position_embeddings, which `--model hf:` holds a run to
+# The page's GPUs: 96 GB HBM2e H100s at 500 W (docs/performance.md), not the catalogue's 80 GB SXM5; each figure
+# and its source in the file.
+TORCHTITAN_GPU = ["--gpus", "examples/h100-hbm2e-96gb.toml", "--gpu", "h100-hbm2e-96gb"]
 
 
 def torchtitan_layout(parallelism: str) -> dict[str, int | str]:
@@ -134,7 +138,7 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     float8 = "Float8" in row["techniques"]
     args = ["simulate", "--model", TORCHTITAN_MODELS[row["model"]], "--seq-len", str(seq),
             "--dtype", "fp8" if float8 else "bf16", *(["--fp8-recipe", "torchao"] if float8 else []),
-            "--attention", "flash", "-b", str(local_batch // microbatches), "--gpu", "h100-sxm",
+            "--attention", "flash", "-b", str(local_batch // microbatches), *TORCHTITAN_GPU,
             *(["--tensor-parallel", str(t), "--sequence-parallel", "--tp-runtime", "torch", "--loss-parallel"]
               if t > 1 else []),
             "-p", str(p), "-m", str(microbatches),
@@ -252,8 +256,8 @@ def main() -> None:
     for r in titan:
         print(f"  {r['run']}: " + ", ".join(f"{name} {mib:,.0f}" for name, mib in r["parts_mib"].items()))
     over = [r["run"] for r in titan if r["out_of_memory"]]
-    print(f"over the catalogue's 80 GB H100 (the page's ran on 96 GB HBM2e parts, and its own figure is over 80 GiB "
-          f"where pipesim's is): {len(over)} of {len(titan)} rows{': ' if over else ''}{'; '.join(over)}")
+    print(f"marked out of memory on the page's 96 GB HBM2e H100s (examples/h100-hbm2e-96gb.toml), though each ran: "
+          f"{len(over)} of {len(titan)} rows{': ' if over else ''}{'; '.join(over)}")
     for r in listed:
         print(f"  not simulated: {r['run']}: {r['published_gib']} GiB; {r['why_not']}")
     table = Table(title="zero-bubble (Qi et al. 2024) Table 4: peak memory on A100 80GB (GiB), pipesim's max "

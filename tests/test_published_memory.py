@@ -61,8 +61,8 @@ def flag_pairs(command: str) -> set[str]:
 
 def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(monkeypatch):
     """All 18 rows of torchtitan's page: 16 simulated from commands built from their columns (with what pipesim does
-    not model named), the two of 262,144 tokens listed as beyond the configs' positions. The commands run from the
-    repository's root."""
+    not model named) on the page's 96 GB H100s, none marked out of memory, the two of 262,144 tokens listed as
+    beyond the configs' positions. The commands run from the repository's root."""
     compared, listed = RECORDED["torchtitan"], RECORDED["torchtitan_not_modelled"]
     assert len(compared) + len(listed) == 18 and len(compared) == 16
     assert all(", CP 8" in r["run"] and "262144" in r["why_not"] for r in listed)
@@ -72,7 +72,9 @@ def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(mon
     for r in compared:
         assert r["error"] == pytest.approx(r["predicted_gib"] / r["published_gib"] - 1)
         pairs = flag_pairs(r["command"])
-        assert {"--zero 3", "--precision fsdp2"} <= pairs
+        assert {"--zero 3", "--precision fsdp2", "--gpus examples/h100-hbm2e-96gb.toml",
+                "--gpu h100-hbm2e-96gb"} <= pairs  # the page's 96 GB HBM2e parts
+        assert not r["out_of_memory"]  # every row ran
         assert ("--dtype fp8" in pairs) == ("Float8" in r["run"])
         assert ("--loss-parallel" in r["command"]) == ("TP 8" in r["run"])  # torchtitan's loss under TP
         assert ("--tp-runtime torch" in pairs) == ("TP 8" in r["run"])  # and its layers, DTensor's
