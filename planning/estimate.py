@@ -720,6 +720,19 @@ def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink, 
     return bulk_exposed_ms(all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms), product_ms, device)
 
 
+def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
+    """The float8 transposes TransformerEngine 1.x makes after a sequence-parallel gather, for a backward's
+    column-parallel input gradient of `elements` (its whole, gathered tokens x width): its weight gradient's input
+    (LayerNormLinear.backward: `ln_out_total_t = tex.fp8_transpose(ln_out_total)`) and the output gradient the
+    row-parallel product before it gathered (`grad_output_preprocess`, "FP8 case with gather: unfused bgrad, cast,
+    transpose for efficient gather": cast_to_fp8 on the rank's share, the gather, then `tex.fp8_transpose` of the
+    gathered tensor; with userbuffers the same after the dgrad product). Each reads and writes the gathered float8
+    tensor, where the recipe's fused cast-transpose (`cast_ops`) wrote a transpose of the rank's 1/t share only:
+    that share is taken off here."""
+    moved = 2 * (2 * elements - elements // t) * FP8_BYTES
+    return 2 * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
+
+
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
              forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2) -> float:
     """A pass's time on one of the t·C ranks: its ops, split, a product split on its contraction with its
@@ -783,6 +796,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         nbytes, gathered = batch * m * n * element_bytes, batch * m * n * gathered_bytes
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
         gather_ms = input_gather_ms(gathered, product_ms, t, tensor_link, device) if regathers else 0.0
+        if regathers and gathered_bytes == FP8_BYTES:
+            gather_ms += gathered_transposes_ms(batch * m * n, t, device)
         if parallel.tp_overlap and parallel.tp_runtime == "torch":
             return async_tp_ms(op, device, t, nbytes, tensor_link) + gather_ms
         if parallel.tp_overlap and forward:

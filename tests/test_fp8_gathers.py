@@ -1,13 +1,15 @@
 """TransformerEngine's float8 recipes cast before they gather: a float8 layer's sequence-parallel all-gathers (the
 forward's of a column-parallel product's input, the backward's of an output gradient and its re-gather of the
-saved input) move 1 byte an element, with and without --tp-overlap (planning/estimate.py `estimate_layer`)."""
+saved input) move 1 byte an element, with and without --tp-overlap (planning/estimate.py `estimate_layer`), and
+the weight gradients' transposes of the gathered tensors are kernels of their own (`gathered_transposes_ms`)."""
 
 from dataclasses import replace
 
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
+from pipesim.planning import estimate
+from pipesim.planning.estimate import Device, Parallelism, estimate_layer, gathered_transposes_ms, placement_links
 from pipesim.planning.fp8 import FP8_RECIPES
 
 H100 = load_catalogue().find("h100-sxm")
@@ -37,6 +39,29 @@ def test_a_float8_layers_forward_gathers_its_products_inputs_in_float8(block, mo
     sixteen_bit = estimate_layer(block, DEVICE, parallel, SLOW, 2)
     saved_byte_ms = (T - 1) / T * SEQ * WIDTH / SLOW.bytes_per_ms
     assert sixteen_bit.fwd_ms - float8.fwd_ms == pytest.approx(2 * saved_byte_ms)
-    # the backward's two output-gradient gathers and two input re-gathers, each exposed whole on a slow link
-    assert sixteen_bit.bwd_ms - float8.bwd_ms == pytest.approx(4 * saved_byte_ms, rel=1e-6)
+    # the backward's two output-gradient gathers and two input re-gathers, each exposed whole on a slow link; a
+    # 16-bit gather makes no float8 transposes of what it gathered
+    transposes_ms = gathered_transposes_ms(SEQ * WIDTH, T, DEVICE)
+    assert sixteen_bit.bwd_ms - float8.bwd_ms == pytest.approx(4 * saved_byte_ms - 2 * transposes_ms, rel=1e-6)
+
+
+@pytest.mark.parametrize("tp_overlap", [True, False])
+def test_each_backward_transposes_its_two_gathered_float8_tensors_whole(block, monkeypatch, tp_overlap):
+    """TransformerEngine 1.x transposes the gathered input (LayerNormLinear's `ln_out_total`) and the gathered
+    output gradient (`grad_output_preprocess`) after the gather, each read and written whole at 1 byte an element,
+    where the fused cast-transpose had written the rank's 1/t: (2 - 1/t) x 2 bytes an element of each, for the
+    QKV and first MLP products' input gradients."""
+    elements = SEQ * WIDTH
+    moved = 2 * (2 * elements - elements // T)
+    assert gathered_transposes_ms(elements, T, DEVICE) == pytest.approx(
+        2 * DEVICE.curve.kernel_overhead_ms + moved / DEVICE.memory_bytes_per_ms)
+    parallel = Parallelism(tensor=T, sequence_parallel=True, tp_overlap=tp_overlap, fp8="te")
+    link = placement_links(H100, parallel).tensor
+    bf16 = replace(parallel, fp8=None)  # gathers 16-bit copies and transposes nothing after
+    with_transposes, bf16_before = (estimate_layer(block, DEVICE, run, link, 2) for run in (parallel, bf16))
+    monkeypatch.setattr(estimate, "gathered_transposes_ms", lambda elements, t, device: 0.0)
+    without = estimate_layer(block, DEVICE, parallel, link, 2)
+    assert with_transposes.fwd_ms == without.fwd_ms
+    assert with_transposes.bwd_ms - without.bwd_ms == pytest.approx(2 * gathered_transposes_ms(elements, T, DEVICE))
+    assert estimate_layer(block, DEVICE, bf16, link, 2).bwd_ms == bf16_before.bwd_ms
 
