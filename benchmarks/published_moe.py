@@ -13,7 +13,7 @@ accumulated inside TransformerEngine's weight-gradient products (`--grad-accumul
 provider sets gradient_accumulation_fusion wherever APEX's fused_weight_gradient_mlp_cuda is present,
 utils/fusions.py can_enable_gradient_accumulation_fusion, which NeMo's containers ship) and the routed experts'
 SwiGLU fused
-(`--expert-swiglu-fusion`, the default: the recipes' bias_activation_fusion True), the ranks in Megatron-core's
+(`--swiglu-fusion`, the default: the recipes' bias_activation_fusion True), the ranks in Megatron-core's
 order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which Megatron-Bridge
 keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts over E ranks
 folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B

@@ -306,11 +306,12 @@ Allocator = Annotated[str, typer.Option(
                                          "segments torch's CUDA caching allocator keeps cached beside them, its "
                                          "step replayed by the allocator's rules: max reserved, as torchtitan "
                                          "logs it; the default) or none (its tensors alone: max allocated).")]
-ExpertSwigluFusion = Annotated[bool, typer.Option(
-    "--expert-swiglu-fusion/--no-expert-swiglu-fusion",
-    help="With --gpu: a gated expert's SwiGLU and the router's weights as one fused kernel keeping only its input "
-         "and the weights for the backward (Megatron-core's, under bias_activation_fusion: Megatron-LM's default); "
-         "--no-expert-swiglu-fusion: as the ops that compute them, each keeping what it saves.")]
+SwigluFusion = Annotated[bool, typer.Option(
+    "--swiglu-fusion/--no-swiglu-fusion",
+    help="With --gpu: a gated MLP's SwiGLU (a routed expert's, with the router's weights; a Hugging Face model's "
+         "dense and shared-expert MLPs) as one fused kernel keeping only its input (and the weights) for the "
+         "backward (Megatron-core's, under bias_activation_fusion: Megatron-LM's default); --no-swiglu-fusion: as "
+         "the ops that compute it, each keeping what it saves.")]
 Recompute = Annotated[str | None, typer.Option(
     "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core), "
                                         "full (each layer's forward again in its backward) or op (torchtitan's "
@@ -354,7 +355,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
                 ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("attention_kernel", AttentionKernel, None),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
-                ("expert_swiglu_fusion", ExpertSwigluFusion, True),
+                ("swiglu_fusion", SwigluFusion, True),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("token_dispatcher", TokenDispatcher, None), ("dispatcher_sms", DispatcherSms, None),

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
-                 "loss_parallel", "tp_runtime", "cp_rotate", "expert_swiglu_fusion", "recompute_modules",
+                 "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "recompute_modules",
                  "ema", "tp_overlap_no_margin", "attention_kernel", "grad_accumulation")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
@@ -106,7 +106,7 @@ class WhatIf:
     loss_parallel: bool = False  # --loss-parallel (workload/loss.py)
     tp_runtime: str = "megatron"  # --tp-runtime, of planning/estimate.py's TP_RUNTIMES
     cp_rotate: str = "alltoall"  # --cp-rotate, of planning/estimate.py's CP_ROTATES
-    expert_swiglu_fusion: bool = True  # --expert-swiglu-fusion (workload/moe.py)
+    swiglu_fusion: bool = True  # --swiglu-fusion (workload/moe.py)
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
@@ -297,7 +297,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
-                  expert_swiglu_fusion=params.get("expert_swiglu_fusion", True),
+                  swiglu_fusion=params.get("swiglu_fusion", True),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   attention_kernel=attention_kernel, grad_accumulation=accumulation)
@@ -404,7 +404,7 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import)."""
     return count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                           "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
-                          what.expert_swiglu_fusion)
+                          what.swiglu_fusion)
 
 
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
@@ -453,7 +453,7 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     from ..workload.hfconfig import HfConfigError, is_hf, read_hf_config
 
     sources = ["workload/models.py", "workload/moe.py", "workload/loss.py", "workload/count.py",
-               "profiles/workload.py"]
+               "profiles/workload.py", "workload/hf.py"]
     described: list[str] = [model]
     if is_hf(model):
         try:

@@ -4,7 +4,9 @@ writing 16-bit outputs; everything else stays in the count's 16-bit dtype: the a
 (TransformerEngine's DotProductAttention runs in bf16 unless the recipe sets fp8_dpa, False by default;
 torchao.float8 converts nn.Linear modules only), norms, activations, the embedding and the output head
 (Megatron-LM's output layer is not a TransformerEngine module; torchtitan's float8 converter skipped `output`,
-its module_filter_fn of December 2024). The recipe adds the scaling's memory-bound work as ops of their own, and
+its module_filter_fn of December 2024) and a mixture of experts' router (`OpCount.gating`: DeepSeek-V3's report,
+3.3.1, keeps "MoE gating modules" in their original precision; Megatron-core's TopKRouter is no TransformerEngine
+module). The recipe adds the scaling's memory-bound work as ops of their own, and
 says what the forward saves for the backward. The recipes, `--fp8-recipe`:
 
 te: TransformerEngine's delayed scaling (recipe.DelayedScaling, its default) as Megatron-LM runs it. A cast is
@@ -105,8 +107,10 @@ def _linear(op: OpCount) -> bool:
 
 
 def _converted(op: OpCount, recipe: Fp8Recipe) -> bool:
-    """A product the recipe runs in float8: a linear one, or with `recipe.routed` a routed experts' grouped one."""
-    return _linear(op) or (recipe.routed and op.kind == "matmul" and op.routed)
+    """A product the recipe runs in float8: a linear one, or with `recipe.routed` a routed experts' grouped one; not
+    a router's gating product, which stays in its own precision (DeepSeek-V3's report, 3.3.1; Megatron-core's
+    router is no TransformerEngine module)."""
+    return not op.gating and (_linear(op) or (recipe.routed and op.kind == "matmul" and op.routed))
 
 
 def _in_float8(op: OpCount, element_bytes: int) -> OpCount:

@@ -45,6 +45,7 @@ class OpCount:
     routed: bool = False  # a routed expert's op (workload/moe.py), of which a busy expert-parallel rank runs more
     causal: bool = False  # an attention kernel under a causal mask (its is_causal), which skips the masked blocks
     kv_group: int = 1  # an attention kernel's query heads per key/value head (grouped-query attention; 1: as many)
+    gating: bool = False  # a router's gating product or its casts (workload/moe.py), kept out of float8 recipes
 
 
 

@@ -45,9 +45,9 @@ def llama(tmp_path_factory) -> Path:
 
 
 @cache
-def counts(folder: str, attention: str) -> tuple[WorkloadCount, WorkloadCount]:
+def counts(folder: str, attention: str, swiglu_fusion: bool = True) -> tuple[WorkloadCount, WorkloadCount]:
     """The config's count and the gpt's of the same shape, in bf16."""
-    return (count_built(f"hf:{folder}", {"seq_len": S}, B, torch.bfloat16, attention),
+    return (count_built(f"hf:{folder}", {"seq_len": S}, B, torch.bfloat16, attention, swiglu_fusion=swiglu_fusion),
             count_built("gpt", GPT, B, torch.bfloat16, attention))
 
 
@@ -68,6 +68,17 @@ def test_a_llama_config_is_cut_as_pipesims_gpt_and_does_its_flops_exactly(llama,
 
 
 @needs_transformers
+def test_its_fused_swiglu_keeps_its_input_only(llama):
+    """With --swiglu-fusion (the default) a dense MLP's SwiGLU keeps the gate and up products' outputs, as
+    Megatron-core's bias_swiglu_impl keeps fc1's, not silu's output too (b·s·ffn 16-bit values a block less); its
+    work is the ops' either way."""
+    (fused, _), (unfused, _) = counts(str(llama), "flash"), counts(str(llama), "flash", swiglu_fusion=False)
+    assert unfused.layers[1].saved_bytes - fused.layers[1].saved_bytes == B * S * FFN * E
+    for name in ("fwd_flops", "igrad_flops", "wgrad_flops", "fwd_moved_bytes", "igrad_moved_bytes"):
+        assert getattr(fused.layers[1], name) == getattr(unfused.layers[1], name)
+
+
+@needs_transformers
 def test_its_parameters_are_the_gpts_less_learned_positions_layernorm_biases_and_the_heads_bias(llama):
     """Llama has RoPE (no s x h position table), RMSNorm (a weight, no bias: 2 per block and the final one) and a
     head without a bias; every product's weights and biases are the gpt's."""
@@ -83,8 +94,9 @@ def test_its_activations_are_the_gpts_plus_eager_rmsnorm_and_rope(llama, attenti
     """Per norm, transformers' RMSNorm (float32 elementwise ops) saves x in float32 (4·bsh), its 1/rms (4·bs)
     and the normalised x (2·bsh) where a LayerNorm saves x (2·bsh), a mean and a 1/std (8·bs); RoPE saves its
     cos and sin (s x head size each); both hand the attention grouped keys and values (enable_gqa), which flash
-    keeps with their kv heads; the gpt's embedding also keeps its positions' ids (8·s)."""
-    hf, gpt = counts(str(llama), attention)
+    keeps with their kv heads; the gpt's embedding also keeps its positions' ids (8·s). Its SwiGLU unfused, as the
+    gpt's ops run it."""
+    hf, gpt = counts(str(llama), attention, swiglu_fusion=False)
     rms_norm = 4 * B * S * H - 4 * B * S
     rope = 2 * S * HEAD * E
     block = 2 * rms_norm + rope

@@ -119,16 +119,16 @@ def test_the_fused_swiglu_is_counted_with_the_same_work_as_its_ops():
     assert fused.saved_bytes < unfused.saved_bytes
 
 
-def test_no_expert_swiglu_fusion_holds_the_activations_intermediates_until_the_backward():
+def test_no_swiglu_fusion_holds_the_activations_intermediates_until_the_backward():
     """One micro-batch's forward holds, unfused, the silu and its product beside what the fused kernel keeps:
     2 x k·T·f bf16 values more at the peak; the flag reads only the estimate, refused in one line without --gpu."""
     shape = ("--model", "gpt", "--layers", 1, "--width", H, "--heads", 4, "--seq-len", S, "--vocab", 100, "--gated",
              "--experts", EXPERTS, "--top-k", TOP_K, "--expert-ffn", FFN, "-b", B)
     run = ("--gpu", "h100-sxm", *shape, "-p", 1, "-m", 1, "-s", "1f1b")
-    (fused,), (unfused,) = simulate_json(*run), simulate_json(*run, "--no-expert-swiglu-fusion")
+    (fused,), (unfused,) = simulate_json(*run), simulate_json(*run, "--no-swiglu-fusion")
     held = [result["devices"][0]["peak_memory_parts_mb"]["activations"] * 2**20 for result in (fused, unfused)]
     assert held[1] - held[0] == pytest.approx(2 * TOKENS * TOP_K * FFN * 2)
-    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "--no-expert-swiglu-fusion")
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 2, "--no-swiglu-fusion")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "only --gpu's estimate reads it" in err
 
 

@@ -46,7 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .loss import vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, _classify
-from .moe import OPEN_REGIONS, Dispatched, dispatches, expert_swiglu_fusion
+from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now
 from .optim import OPTIMIZERS, make_optimizer
 
 __all__ = ["ATTENTION", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
@@ -61,13 +61,14 @@ ATTENTION_KERNELS = {str(op).removeprefix("aten.") for op in flop_registry if "a
 class _Tally:
     flops: int = 0
     moved_bytes: int = 0  # of the memory-bound ops
-    ops: Counter = field(default_factory=Counter)  # (op, kind, shape, flops, moved bytes, routed, causal, kv group)
+    # (op, kind, shape, flops, moved bytes, routed, causal, kv group, gating)
+    ops: Counter = field(default_factory=Counter)
     transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
     allocations: tuple[tuple[int, tuple[int, ...], int, str], ...] = ()  # `_LiveBytes.allocations`
     live: _LiveBytes = field(default_factory=lambda: _LiveBytes())  # what recorded them (`_LiveBytes.alive`)
 
     def records(self) -> tuple[OpCount, ...]:
-        return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6], kv_group=key[7])
+        return tuple(OpCount(*key[:5], count=n, routed=key[5], causal=key[6], kv_group=key[7], gating=key[8])
                      for key, n in self.ops.items() if n > 0)
 
 
@@ -129,7 +130,7 @@ class _MovedBytes(TorchDispatchMode):
             given = {**dict(zip((a.name for a in func._schema.arguments), args)), **(kwargs or {})}
             causal = bool(given.get("is_causal", False))  # an attention kernel's mask; no other op has one
             self._record((name, _kind(name), _shape(name, reads), flops, moved, experts, causal,
-                          _kv_group(name, reads)))
+                          _kv_group(name, reads), gating_now()))
             return out
         if not writes and func._schema.is_mutable:  # in place, returning nothing (torch._foreach_add_)
             written = [value for arg, value in zip(func._schema.arguments, args)
@@ -142,7 +143,7 @@ class _MovedBytes(TorchDispatchMode):
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
         self._record((name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
-                      False, 1))
+                      False, 1, gating_now()))
         return out
 
 
@@ -504,8 +505,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     """Count `model` for a micro-batch of `microbatch_size` samples in `dtype`. Its layers are moved to the meta
     device (their values are lost): build it there (`with torch.device("meta")`, as `count_built` does). Layers
     alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one. `loss_parallel`: its cross entropy
-    computed as torch's loss_parallel computes it (workload/loss.py). `swiglu_fusion`: a gated expert's activation
-    scaled by the router's weights counted as one fused kernel (`workload.moe.expert_swiglu_fusion`)."""
+    computed as torch's loss_parallel computes it (workload/loss.py). `swiglu_fusion`: a gated MLP's activation (a
+    routed expert's scaled by the router's weights) counted as one fused kernel (`workload.moe.fused_swiglu`)."""
     if loss_parallel:
         if model.loss is not _classify:
             raise ModelError(f"--loss-parallel: model {model.name!r} has a loss of its own, not the cross entropy "
@@ -519,7 +520,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     alike: dict[tuple, tuple[LayerCount, torch.Tensor]] = {}
     steps: dict[tuple, tuple[int, int]] = {}  # (optimizer, weight shapes) -> (state bytes, moved bytes)
     counted = []
-    with _attention(attention) as kernels, expert_swiglu_fusion(swiglu_fusion):
+    with _attention(attention) as kernels, fused_swiglu(swiglu_fusion):
         for i, layer in enumerate(model.layers):
             layer.to(device=META, dtype=dtype).train()
             inputs = [outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point())

@@ -13,6 +13,7 @@ transformers is an optional extra (`pipesim[hf]`), imported only here."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from . import data
 from .hfconfig import HfConfig, HfConfigError, read_hf_config
 from .models import Model, ModelError, _classify
-from .moe import routed_experts
+from .moe import gated_mlp, gating_router, routed_experts
 
 # The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
 # model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
@@ -185,5 +186,20 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
                          "Phi-3 are)")
     embed, blocks, norm = parts
     rotary = getattr(base, "rotary_emb", None)
+    for block in blocks:
+        _as_megatron_runs(block)
     return [embed, *(DecoderLayer(block, rotary) for block in blocks), norm, head]
+
+
+def _as_megatron_runs(block: nn.Module) -> None:
+    """Run `block`'s gated MLPs (dense, shared experts) as `workload.moe.gated_mlp` (their activation fused under
+    --swiglu-fusion) and its router (a mixture of experts' `gate` beside its `experts`, with a `weight`) as
+    `workload.moe.gating_router` (its product in its own precision, keeping its input as it is)."""
+    for module in block.modules():
+        if all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            module.forward = functools.partial(gated_mlp, module)
+        router = getattr(module, "gate", None)
+        if hasattr(module, "experts") and isinstance(router, nn.Module) and isinstance(getattr(router, "weight", None),
+                                                                                       torch.Tensor):
+            gating_router(router)
 

@@ -18,15 +18,24 @@ down product's output is not kept; the scatter back keeps its indices only (as s
 TransformerEngine's fused unpermute under `moe_permute_fusion`); each grouped product keeps its input
 (workload/count.py counts it as a linear layer's, which a float8 recipe keeps in float8: planning/fp8.py).
 
-Inside `expert_swiglu_fusion(True)` (the count's default) a gated expert's activation and the weights' scaling are
-one kernel that keeps only its input and the weights, as Megatron-core's `weighted_bias_swiglu_impl` under
+Inside `fused_swiglu(True)` (the count's default) a gated MLP's activation is one kernel that keeps only its
+input (`Fused`): a routed expert's scaled by the router's weights, as Megatron-core's `weighted_bias_swiglu_impl`,
+a dense MLP's (transformers' gate and up products' outputs, `gated_mlp`) as its `bias_swiglu_impl`, both under
 `bias_activation_fusion` (fusions/fused_bias_swiglu.py; Megatron-LM's default, which its --no-bias-swiglu-fusion
-turns off, and every Megatron-Bridge MoE recipe's setting); its work is counted as the ops that compute it, as
-the count's other ops are. Off the meta device the experts run as torch ops.
+turns off, and every Megatron-Bridge MoE recipe's setting); its work is counted as the ops that compute it, as the
+count's other ops are. Off the meta device the MLPs run as torch ops.
+
+A router's gating product (`gating_linear`) keeps its input and weight in their own dtype and computes in the
+dtype the router's code asks for (float32 where transformers' DeepseekV3 router casts both), as Megatron-core's
+RouterGatingLinearFunction (transformer/moe/moe_utils.py: `save_for_backward(inp, weight)`, the casts inside);
+its ops are marked (`gating_now`) so that a float8 recipe leaves it in that precision (DeepSeek-V3's report,
+arXiv 2412.19437, 3.3.1: "MoE gating modules" stay in their original precision; Megatron-core's router is no
+TransformerEngine module, so no fp8_autocast converts it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from abc import ABC, abstractmethod
@@ -36,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 DEFAULT_TOP_K = 2  # GShard's and Mixtral's
 
@@ -70,7 +80,8 @@ class Dispatched:
 
 
 _recording: list[Dispatched] = []  # the records open, innermost last
-_fusing: list[bool] = []  # `expert_swiglu_fusion`'s settings open, innermost last
+_fusing: list[bool] = []  # `fused_swiglu`'s settings open, innermost last
+_gating: list[bool] = []  # a router's gating product under way (`gating_now`)
 # The recomputation regions under way that no module marks (workload/count.py's `_Regions` reads it): the routed
 # experts' activation, Megatron-core's "moe_act" (`--recompute-modules`)
 OPEN_REGIONS: list[str] = []
@@ -89,9 +100,9 @@ def dispatches() -> Iterator[Dispatched]:
 
 
 @contextmanager
-def expert_swiglu_fusion(on: bool) -> Iterator[None]:
-    """Count a gated expert's activation scaled by the router's weights as one fused kernel (`on`) or as the ops
-    that compute it, on the meta device inside."""
+def fused_swiglu(on: bool) -> Iterator[None]:
+    """Count a gated MLP's activation (a routed expert's scaled by the router's weights) as one fused kernel (`on`)
+    or as the ops that compute it, on the meta device inside."""
     _fusing.append(on)
     try:
         yield
@@ -99,33 +110,125 @@ def expert_swiglu_fusion(on: bool) -> Iterator[None]:
         _fusing.pop()
 
 
-class _WeightedSwiglu(torch.autograd.Function):
-    """`activation(inner) * weights` as one kernel on the meta device: autograd keeps its input and the weights
-    only (Megatron-core's WeightedSwiGLUFunction). Its work is counted as the ops that compute it, forward and
-    backward, as every op of the count is (their graph is kept aside, its saved tensors out of the count's: meta
-    tensors hold no memory)."""
+def _fusing_now(t: torch.Tensor) -> bool:
+    return t.device.type == "meta" and bool(_fusing) and _fusing[-1]
+
+
+def gating_now() -> bool:
+    """Whether the op running is a router's gating product or its casts, forward or backward (`gating_linear`)."""
+    return bool(_gating)
+
+
+@contextmanager
+def _in_gating() -> Iterator[None]:
+    _gating.append(True)
+    try:
+        yield
+    finally:
+        _gating.pop()
+
+
+class Fused(torch.autograd.Function):
+    """`compute(*inputs)` as one kernel on the meta device: autograd keeps its inputs only (Megatron-core's
+    SwiGLUFunction and WeightedSwiGLUFunction keep the activation's input, and the weights). Its work is counted as
+    the ops that compute it, forward and backward, as every op of the count is (their graph is kept aside, its
+    saved tensors out of the count's: meta tensors hold no memory). `gating`: a router's product (`gating_now`)."""
 
     @staticmethod
-    def forward(ctx: Any, inner: torch.Tensor, weights: torch.Tensor,
-                activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        ctx.save_for_backward(inner, weights)  # what the kernel keeps
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            ctx.leaves = inner.detach().requires_grad_(), weights.detach().requires_grad_()
-            active = activation(ctx.leaves[0])
-            _experts_own(active)
-            ctx.out = active * ctx.leaves[1]
+    def forward(ctx: Any, compute: Callable[..., torch.Tensor], gating: bool, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*inputs)  # what the kernel keeps
+        ctx.gating = gating
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                _in_gating() if gating else contextlib.nullcontext():
+            ctx.leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
+            ctx.out = compute(*ctx.leaves)
         return ctx.out.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return (*torch.autograd.grad(ctx.out, ctx.leaves, grad, retain_graph=True), None)  # the count's passes
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        wanted = [leaf for leaf, (node, _) in zip(ctx.leaves, ctx.next_functions) if _wanted(node)]
+        with _in_gating() if ctx.gating else contextlib.nullcontext():  # the count's passes
+            grads = iter(torch.autograd.grad(ctx.out, wanted, grad, retain_graph=True) if wanted else ())
+        return None, None, *(next(grads) if any(leaf is w for w in wanted) else None for leaf in ctx.leaves)
 
 
-def _experts_own(*tensors: torch.Tensor) -> None:
-    """Mark `tensors` as the experts' own (`Dispatched.expert_storages`) in every record open."""
+def _wanted(node: Any) -> bool:
+    """Whether the backward under way wants the gradient along an input's edge `node`: the count's input-gradient
+    pass wants none of the weights', so a fused kernel's weight gradient runs in the weight pass only."""
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf autograd.grad asked for: captured, not executed
+        return True
+
+
+def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' gated MLP, `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, its activation one fused kernel on
+    the meta device inside `fused_swiglu(True)` (keeping the gate and up products' outputs: Megatron-core's fc1
+    output, which its `bias_swiglu_impl` keeps), else as transformers runs it."""
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    if _fusing_now(x):
+        return mlp.down_proj(Fused.apply(lambda g, u: mlp.act_fn(g) * u, False, gate, up))
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+class _GatingCasts(TorchFunctionMode):
+    """Inside a router's forward on the meta device: the casts of its input and weight (`kept`) are left to its
+    product, which `gating_linear` computes in the dtype they asked for, keeping both as they are."""
+
+    def __init__(self, kept: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.kept = {id(t.untyped_storage()) for t in kept}
+        self.dtype: torch.dtype | None = None  # the dtype the router's code cast them to (None: their own)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _CASTS and id(args[0].untyped_storage()) in self.kept:
+            dtype = torch.float32 if func is torch.Tensor.float else next(
+                (a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.dtype)), None)
+            if dtype is not None:
+                self.dtype = dtype
+                return args[0]
+        if func is torch.nn.functional.linear and kwargs.get("bias", args[2] if len(args) > 2 else None) is None:
+            inp, weight = args[0], kwargs.get("weight", args[1] if len(args) > 1 else None)
+            return gating_linear(inp, weight, self.dtype or inp.dtype)
+        return func(*args, **kwargs)
+
+
+_CASTS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.float)
+
+
+def gating_router(router: torch.nn.Module) -> None:
+    """Run `router` (a mixture of experts' router: its `weight` and the product it computes from it) with its
+    product as `gating_linear` on the meta device."""
+    forward = router.forward
+
+    def run(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if hidden.device.type != "meta":
+            return forward(hidden, *args, **kwargs)
+        with _GatingCasts((hidden, router.weight)):
+            return forward(hidden, *args, **kwargs)
+    router.forward = run
+
+
+def gating_linear(inp: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A router's product `inp @ weight.T` computed in `dtype` from `inp` and `weight` kept in their own dtype
+    (Megatron-core's RouterGatingLinearFunction), its ops marked as the gating's (`gating_now`)."""
+    def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(a.to(dtype), w.to(dtype))
+
+    if inp.device.type != "meta":
+        return product(inp, weight)
+    return Fused.apply(product, True, inp, weight)
+
+
+def _experts_own(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mark `tensors` as the experts' own (`Dispatched.expert_storages`) in every record open; returns them."""
     for record in _recording:
         for t in tensors:
             record.expert_storages[id(t.untyped_storage())] = t.untyped_storage()
+    return tensors
 
 
 def expected_tokens(tokens: int, top_k: int, experts: int, capacity_factor: float | None = None) -> int:
@@ -166,8 +269,8 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         scale = weights.to(hidden.dtype)  # the activation scaled before the down product, as Megatron-core
         OPEN_REGIONS.append("moe_act")
         try:
-            if gated and _fusing and _fusing[-1]:
-                weighted = _WeightedSwiglu.apply(inner, scale, activation)
+            if gated and _fusing_now(inner):
+                weighted = Fused.apply(lambda i, w: _experts_own(activation(i))[0] * w, False, inner, scale)
             else:
                 active = activation(inner)
                 _experts_own(active)
