@@ -95,7 +95,9 @@ StageCut = Annotated[str, typer.Option(
                                        "equal-blocks (as many of the model's blocks in each, the layers before "
                                        "them in the first, after them in the last: Megatron-LM's cut) or "
                                        "padded-blocks (as many padded to a multiple of the stages, one fewer in "
-                                       "the last, first, ... stage per padded block: the zero-bubble paper's).")]
+                                       "the last, first, ... stage per padded block: the zero-bubble paper's) or "
+                                       "first-last:F,L (F blocks in the first stage, L in the last, the others an "
+                                       "equal share: Megatron-core's decoder_first/last_pipeline_num_layers).")]
 NetworkGbS = Annotated[float | None, typer.Option(
     "--network-gb-s", metavar="GB/S", help="With --data-parallel and typed costs: each GPU's network bandwidth for "
                                            "the gradient all-reduce (--comm: the latency of each ring step). "
@@ -645,8 +647,8 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
     share; `overrides` replace their values), checked before any work; `estimated` (--gpu's) stands for
     --profile's."""
-    from ..planning.scenario import STAGE_CUTS, Scenario
-    from ..sim import OPTIMIZER_STATE_FACTOR, load_cluster
+    from ..planning.scenario import Scenario, first_last
+    from ..sim import OPTIMIZER_STATE_FACTOR, CostError, load_cluster
     from ..sim.costs import PRECISIONS
 
     flags = {**ctx.params, **overrides}
@@ -672,8 +674,10 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
     stage_cut = flags.get("stage_cut", "balanced")
-    if stage_cut not in STAGE_CUTS:
-        raise InputError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)} (got {stage_cut!r})")
+    try:
+        first_last(stage_cut)
+    except CostError as exc:
+        raise InputError(str(exc)) from None
     measured = estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None)
     if measured is not None and measured.estimate is not None and zero != 3 and (
             measured.estimate.parallelism.get("precision") == "fsdp2"):

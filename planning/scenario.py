@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..profiles.linkfit import piecewise_ms
-from ..profiles.partition import PartitionError, equal_blocks, padded_blocks, partition
+from ..profiles.partition import PartitionError, equal_blocks, first_last_blocks, padded_blocks, partition
 from ..schedules import COLLECTIVE_KINDS, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
@@ -38,6 +38,19 @@ if TYPE_CHECKING:
 # at the ends (the zero-bubble paper's fork, `padded_blocks`)
 BLOCK_CUTS = {"equal-blocks": equal_blocks, "padded-blocks": padded_blocks}
 STAGE_CUTS = ("balanced", *BLOCK_CUTS)
+FIRST_LAST = "first-last:"  # first-last:F,L: F blocks on the first stage, L on the last (`first_last_blocks`)
+
+
+def first_last(stage_cut: str) -> tuple[int, int] | None:
+    """The first and last stages' block counts `stage_cut` gives (first-last:F,L), None for a named cut
+    (`STAGE_CUTS`); a cut that is neither is refused in one line."""
+    if stage_cut in STAGE_CUTS:
+        return None
+    counts = stage_cut.removeprefix(FIRST_LAST).split(",") if stage_cut.startswith(FIRST_LAST) else []
+    if len(counts) != 2 or not all(count.isdigit() for count in counts):
+        raise CostError(f"--stage-cut: choose from {', '.join(STAGE_CUTS)} or {FIRST_LAST}F,L (the first and last "
+                        f"stages' blocks, whole numbers; got {stage_cut!r})")
+    return int(counts[0]), int(counts[1])
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,7 @@ class Scenario:
     cost_scale: float = 1.0  # `sweep --cost-scale`: every compute time x this (a faster or slower accelerator)
     memory_bytes: int | None = None  # `tune --memory-gb`: every device's memory, whatever the cluster or profile say
     network_gb_s: float | None = None  # typed costs: each GPU's network for the data-parallel all-reduce (GB/s)
-    stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: one of STAGE_CUTS
+    stage_cut: str = "balanced"  # how a profile's layers are cut into model stages: STAGE_CUTS or first-last:F,L
     precision: str = "fp32"  # typed costs: how --param-mb's weights, their gradients and state are held (PRECISIONS)
     overlap_hidden_fraction: float = 0.0  # `simulate --fb-hidden-fraction`: Costs.overlap_hidden_fraction
     overlap_expert_comm: bool = False  # `--overlap-expert-comm`: ScheduleParams.overlap_expert_comm of every build
@@ -464,18 +477,21 @@ def profile_scenario(measured: Profile, optimizer: str) -> Scenario:
 
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced") -> list[int]:
-    """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS). Balanced: the profile's own
-    partition for its stage count; other counts re-partition its layers for time alone (the calibration's memory
-    cap planned for its own stage count, so it is not applied here)."""
+    """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`). Balanced: the
+    profile's own partition for its stage count; other counts re-partition its layers for time alone (the
+    calibration's memory cap planned for its own stage count, so it is not applied here)."""
     from ..profiles.schema import layer_costs
 
     if num_stages > len(measured.layers):
         raise CostError(f"--profile: the schedule has {num_stages} model stages but the profile's model has "
                         f"{len(measured.layers)} layers; lower --stages or --chunks")
-    if stage_cut in BLOCK_CUTS:
+    ends = first_last(stage_cut)
+    if stage_cut in BLOCK_CUTS or ends is not None:
+        kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]
         try:
-            return BLOCK_CUTS[stage_cut]([layer.name.partition(":")[2] or layer.name for layer in measured.layers],
-                                         num_stages)
+            if ends is not None:
+                return first_last_blocks(kinds, num_stages, *ends)
+            return BLOCK_CUTS[stage_cut](kinds, num_stages)
         except PartitionError as exc:
             raise CostError(f"--stage-cut {stage_cut}: {exc}; use --stage-cut balanced") from None
     if num_stages == measured.partition.stages:

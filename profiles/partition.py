@@ -119,6 +119,20 @@ def padded_blocks(kinds: Sequence[str], stages: int) -> list[int]:
     return _bounds(kinds, first, sizes)
 
 
+def first_last_blocks(kinds: Sequence[str], stages: int, first_blocks: int, last_blocks: int) -> list[int]:
+    """Stage bounds as Megatron-core cuts uneven ends (`--decoder-first-pipeline-num-layers`,
+    `--decoder-last-pipeline-num-layers`): the first stage `first_blocks` of the model's blocks (with the layers
+    before them, the embedding), the last `last_blocks` (with those after, the norm and head), every other stage an
+    equal share of the rest, refused where they do not divide it (as TransformerConfig's check refuses it)."""
+    first, blocks, kind = _block_run(kinds, stages)
+    middle, inner = blocks - first_blocks - last_blocks, stages - 2
+    if stages < 2 or middle < 0 or (middle % inner if inner else middle):
+        raise PartitionError(f"{blocks} blocks ({kind}) less {first_blocks} first and {last_blocks} last do not "
+                             f"divide into the {max(inner, 0)} model stages between (p·v = {stages})")
+    return _bounds(kinds, first, [first_blocks, *[middle // inner] * inner, last_blocks] if inner else
+                   [first_blocks, last_blocks])
+
+
 def _block_run(kinds: Sequence[str], stages: int) -> tuple[int, int, str]:
     """Where the model's blocks (the layers of its most common kind, on a tie the first seen) start, how many
     there are, and their kind; refused where they are not one contiguous run."""

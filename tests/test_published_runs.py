@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.profiles.partition import PartitionError, equal_blocks, padded_blocks
+from pipesim.profiles.partition import PartitionError, equal_blocks, first_last_blocks, padded_blocks
 from tests.conftest import pipesim, simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +47,19 @@ def test_padded_blocks_pads_the_blocks_to_a_multiple_of_the_stages_and_gives_the
     assert code == 0, err
 
 
+def test_first_last_gives_the_ends_their_blocks_and_the_stages_between_an_equal_share():
+    """Megatron-core's --decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 2: 61 blocks on 16
+    stages (DeepSeek-V3's count) as 3, 14 x 4, 2; refused where the stages between do not divide the rest."""
+    deepseek = ["Embedding", *["DecoderLayer"] * 61, "Norm", "Linear"]
+    assert first_last_blocks(deepseek, 16, 3, 2) == [0, *range(4, 61, 4), 64]
+    assert first_last_blocks(["_Embed", *["_Block"] * 5, "Sequential"], 2, 3, 2) == [0, 4, 7]
+    with pytest.raises(PartitionError, match="61 blocks \\(DecoderLayer\\) less 2 first and 2 last do not divide"):
+        first_last_blocks(deepseek, 16, 2, 2)
+    (cut,) = simulate_json(*GPT, "-p", 3, "-m", 3, "-s", "1f1b", "--stage-cut", "first-last:1,1")
+    (even,) = simulate_json(*GPT, "-p", 3, "-m", 3, "-s", "1f1b", "--stage-cut", "first-last:2,1")
+    assert cut["devices"][0]["busy_ms"] < even["devices"][0]["busy_ms"]  # one block fewer on the first stage
+
+
 def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
     args = (*GPT, "-p", 2, "-m", 4, "-s", "1f1b")
     (balanced,) = simulate_json(*args)
@@ -63,7 +76,8 @@ def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--stage-cut", "even"), "--stage-cut: choose from balanced, equal-blocks, padded-blocks (got 'even')"),
+    (("--stage-cut", "even"), "--stage-cut: choose from balanced, equal-blocks, padded-blocks or first-last:F,L"),
+    (("--stage-cut", "first-last:3"), "(the first and last stages' blocks, whole numbers; got 'first-last:3')"),
     (("--stage-cut", "equal-blocks", "--fwd", "2"), "--stage-cut cuts --gpu's or --profile's layers into stages"),
     (("--reduce-after-flush",), "--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                                 "--data-parallel 2 or more"),
