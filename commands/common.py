@@ -302,6 +302,12 @@ LossParallel = Annotated[bool, typer.Option(
     "--loss-parallel", help="With --gpu: the loss computed as torch's loss_parallel computes it (torchtitan's with "
                             "t > 1): logits split by vocabulary over the t GPUs, its fused backward holding one "
                             "more float32 tokens x vocabulary/t tensor than aten's cross entropy.")]
+CrossEntropy = Annotated[str, typer.Option(
+    "--cross-entropy", metavar="RUNTIME", help="With --gpu: whose cross entropy the loss runs: torch (aten's "
+                                               "log-softmax and NLL loss, whose backward holds two float32 tokens x "
+                                               "vocabulary tensors; the default) or megatron (Megatron-core's "
+                                               "vocabulary-parallel one, fused or not: its backward writes the "
+                                               "gradient into the saved float32 softmax in place).")]
 ALLOCATORS = ("caching", "none")  # --allocator
 Allocator = Annotated[str, typer.Option(
     "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
@@ -357,7 +363,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
                 ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("attention_kernel", AttentionKernel, None),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
-                ("swiglu_fusion", SwigluFusion, True),
+                ("swiglu_fusion", SwigluFusion, True), ("cross_entropy", CrossEntropy, "torch"),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("token_dispatcher", TokenDispatcher, None), ("dispatcher_sms", DispatcherSms, None),

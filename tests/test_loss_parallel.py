@@ -17,11 +17,14 @@ B, S, VOCAB = 2, 32, 1000
 TINY_GPT = {"layers": 2, "width": 64, "heads": 2, "seq_len": S, "vocab": VOCAB}
 
 
-def test_it_computes_aten_cross_entropys_loss_and_gradient():
-    """Real numbers on the CPU, an ignored target among them: torch's loss_parallel over one rank is the loss."""
+@pytest.mark.parametrize("computed_as", ["vocabulary_parallel_cross_entropy", "megatron_cross_entropy"])
+def test_it_computes_aten_cross_entropys_loss_and_gradient(computed_as):
+    """Real numbers on the CPU, an ignored target among them: torch's loss_parallel over one rank is the loss, and
+    so is Megatron-core's vocabulary-parallel cross entropy (--cross-entropy megatron, tests/test_cross_entropy.py)."""
     import torch.nn.functional as F
 
-    from pipesim.workload.loss import IGNORE_INDEX, vocabulary_parallel_cross_entropy
+    from pipesim.workload import loss as losses
+    from pipesim.workload.loss import IGNORE_INDEX
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 11, generator=gen, dtype=torch.bfloat16).requires_grad_()
@@ -29,7 +32,7 @@ def test_it_computes_aten_cross_entropys_loss_and_gradient():
     target[0, 1] = IGNORE_INDEX
     expected = F.cross_entropy(logits.float().reshape(-1, 11), target.reshape(-1))
     (expected_grad,) = torch.autograd.grad(expected, logits)
-    loss = vocabulary_parallel_cross_entropy(logits, target)
+    loss = getattr(losses, computed_as)(logits, target)
     (grad,) = torch.autograd.grad(loss, logits)
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad, expected_grad)

@@ -18,7 +18,9 @@ Per layer and per micro-batch of b samples:
   peak, above its inputs and what it keeps (saved tensors, gradients, its output); a forward's at the moment of
   the most bytes live counting what it keeps, which the simulator holds from the forward's start. The loss's
   backward holds two float32 tokens x vocabulary tensors (nll_loss_backward's and _log_softmax_backward_data's)
-  beside the log-softmax it saved, three as torch's loss_parallel computes it (`loss_parallel`, workload/loss.py).
+  beside the log-softmax it saved, three as torch's loss_parallel computes it (`loss_parallel`, workload/loss.py),
+  none as Megatron-core computes it (`cross_entropy` "megatron": the saved softmax becomes the gradient in place),
+  only autograd's cast of that gradient to the logits' dtype.
 
 Attention is counted as the kernel a GPU would run: "math" materialises the s x s scores in the model's dtype
 (as Megatron-LM 2021 and Korthikanti et al. 2022 ran it; torch upcasts them to float32 off CUDA, which the
@@ -44,12 +46,13 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
-from .loss import vocabulary_parallel_cross_entropy
+from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, _classify
 from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now
 from .optim import OPTIMIZERS, make_optimizer
+from .sizes import CROSS_ENTROPY
 
-__all__ = ["ATTENTION", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
+__all__ = ["ATTENTION", "CROSS_ENTROPY", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
 
 ATTENTION = ("math", "flash")
 META = torch.device("meta")
@@ -501,17 +504,26 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
 
 
 def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math",
-                loss_parallel: bool = False, swiglu_fusion: bool = True) -> WorkloadCount:
+                loss_parallel: bool = False, swiglu_fusion: bool = True,
+                cross_entropy: str = "torch") -> WorkloadCount:
     """Count `model` for a micro-batch of `microbatch_size` samples in `dtype`. Its layers are moved to the meta
     device (their values are lost): build it there (`with torch.device("meta")`, as `count_built` does). Layers
     alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one. `loss_parallel`: its cross entropy
     computed as torch's loss_parallel computes it (workload/loss.py). `swiglu_fusion`: a gated MLP's activation (a
-    routed expert's scaled by the router's weights) counted as one fused kernel (`workload.moe.fused_swiglu`)."""
+    routed expert's scaled by the router's weights) counted as one fused kernel (`workload.moe.fused_swiglu`).
+    `cross_entropy`: whose cross entropy, of `CROSS_ENTROPY` (megatron: workload/loss.py `megatron_cross_entropy`)."""
+    if cross_entropy not in CROSS_ENTROPY:
+        raise ModelError(f"--cross-entropy: choose from {', '.join(CROSS_ENTROPY)} (got {cross_entropy!r})")
+    if loss_parallel and cross_entropy != "torch":
+        raise ModelError("--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron")
+    flag = "--loss-parallel" if loss_parallel else "--cross-entropy megatron"
+    if (loss_parallel or cross_entropy != "torch") and model.loss is not _classify:
+        raise ModelError(f"{flag}: model {model.name!r} has a loss of its own, not a cross entropy pipesim can "
+                         "compute as another runtime does")
     if loss_parallel:
-        if model.loss is not _classify:
-            raise ModelError(f"--loss-parallel: model {model.name!r} has a loss of its own, not the cross entropy "
-                             "torch's loss_parallel computes")
         model = replace(model, loss=vocabulary_parallel_cross_entropy)
+    elif cross_entropy == "megatron":
+        model = replace(model, loss=megatron_cross_entropy)
     batch, target = model.make_batch(microbatch_size, torch.Generator().manual_seed(0))
     batch = batch.to(META, dtype if batch.is_floating_point() else batch.dtype)
     target = target.to(META) if torch.is_tensor(target) else target
@@ -627,10 +639,11 @@ def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch
 
 
 def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
-                attention: str = "math", loss_parallel: bool = False, swiglu_fusion: bool = True) -> WorkloadCount:
+                attention: str = "math", loss_parallel: bool = False, swiglu_fusion: bool = True,
+                cross_entropy: str = "torch") -> WorkloadCount:
     """Build model `name` (built-in or package.module:attribute, with `options`) on the meta device and count it."""
     from .models import build_model
 
     with META:
         model = build_model(name, **options)
-    return count_model(model, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion)
+    return count_model(model, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion, cross_entropy)

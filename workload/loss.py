@@ -49,3 +49,41 @@ def vocabulary_parallel_cross_entropy(out: torch.Tensor, target: torch.Tensor) -
     """Cross entropy in float32 over every leading position, as the models' own loss (`models._classify`) and
     torchtitan's (`pred.flatten(0, 1).float()`) take it, computed as torch's loss_parallel computes it."""
     return _VocabularyParallelCrossEntropy.apply(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+class _MegatronCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy of `logits` (tokens x vocabulary, in the model's dtype) against `target`, op for op as
+    Megatron-core's vocabulary-parallel cross entropy computes it on a rank (megatron/core/tensor_parallel/
+    cross_entropy.py, `VocabParallelCrossEntropy`, which its fused variant under cross_entropy_loss_fusion,
+    fusions/fused_cross_entropy.py, runs too): one float32 copy of the logits, shifted, exponentiated and
+    normalised in place into the softmax it saves; its backward writes the gradient into that softmax in place
+    (`grad_input = softmax`, then `grad_2d[arange, target] -= 1` and `mul_`), so it creates no tokens x vocabulary
+    tensor of its own; autograd casts the float32 gradient to the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        probs = logits.float()
+        probs -= torch.max(probs, dim=-1)[0].unsqueeze(-1)
+        kept = target != IGNORE_INDEX
+        safe_target = torch.where(kept, target, 0)
+        picked = probs[torch.arange(probs.shape[0], device=probs.device), safe_target].clone()
+        torch.exp(probs, out=probs)
+        sum_exp = probs.sum(dim=-1)
+        losses = torch.where(kept, torch.log(sum_exp) - picked, 0.0)
+        probs.div_(sum_exp.unsqueeze(-1))
+        total_weight = kept.sum().to(probs.dtype)
+        ctx.save_for_backward(probs, safe_target, kept, total_weight)
+        return losses.sum() / total_weight
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad_input, safe_target, kept, total_weight = ctx.saved_tensors
+        grad_input[torch.arange(grad_input.shape[0], device=grad_input.device), safe_target] -= kept.float()
+        grad_input.mul_(torch.where(kept, grad_output / total_weight, 0.0).unsqueeze(-1))
+        return grad_input, None
+
+
+def megatron_cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over every leading position, computed as Megatron-core's computes it (`--cross-entropy
+    megatron`): the logits handed over in the model's dtype, the float32 softmax kept and reused as the gradient."""
+    return _MegatronCrossEntropy.apply(out.reshape(-1, out.shape[-1]), target.reshape(-1))

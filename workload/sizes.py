@@ -1,5 +1,6 @@
-"""The built-in models' default sizes, apart from their torch code (workload/models.py builds with them), so
-that the command line's help can show them without importing torch."""
+"""The built-in models' default sizes and the choices their count takes, apart from their torch code
+(workload/models.py builds with them, workload/count.py counts with them), so that the command line can show and
+check them without importing torch."""
 
 DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "mlp": {"layers": 8, "width": 512},
@@ -7,3 +8,5 @@ DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "gpt": {"layers": 4, "width": 256, "heads": 4, "seq_len": 128, "vocab": 2048},
     "two-branch": {"layers": 2, "width": 32},
 }
+
+CROSS_ENTROPY = ("torch", "megatron")  # whose cross entropy a model's loss runs (workload/count.py `count_model`)
