@@ -914,9 +914,17 @@ def _transformer(layer: LayerCount) -> bool:
 
 def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[LayerAllocations]:
     """Every counted layer's allocations on one of its stage's t·C ranks under `parallel`'s recomputation
-    (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step."""
-    return [_rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute, parallel.recompute_modules)
-            for layer in counted.layers]
+    (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step. A run of
+    layers alike but for their names and inputs (a model's repeated blocks) shares the first one's, made once."""
+    allocations: list[LayerAllocations] = []
+    previous: LayerCount | None = None
+    for layer in counted.layers:
+        if previous is None or replace(layer, name=previous.name, inputs=previous.inputs) != previous:
+            previous = layer
+            made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
+                                     parallel.recompute_modules)
+        allocations.append(made)
+    return allocations
 
 
 def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,

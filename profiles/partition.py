@@ -165,12 +165,23 @@ def _check(layers: Sequence, stages: int) -> int:
 
 
 def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageCosts:
-    """Every range's `stage_ms`, summed exactly (so that equal ranges tie exactly), for every stage."""
+    """Every range's `stage_ms`, to the bit (so that equal ranges tie exactly), for every stage: each range's
+    exact sum rounded once, as math.fsum rounds it, taken off integer prefix sums of the layers' times over their
+    common power-of-two denominator (Python's int division rounds correctly, half to even as fsum): n^2 divisions
+    instead of n^3 additions. A time that is not finite has no such integer: each range summed by fsum then."""
     n = len(layers)
     table = np.full((n + 1, n + 1), math.inf)
-    for i in range(n):
-        for j in range(i + 1, n + 1):
-            table[i, j] = stage_ms(layers, i, j)
+    times = [float(layer.ms) for layer in layers]
+    if all(map(math.isfinite, times)):
+        ratios = [ms.as_integer_ratio() for ms in times]
+        scale = max(denominator for _, denominator in ratios)
+        prefix = list(itertools.accumulate((numerator * (scale // denominator) for numerator, denominator in ratios),
+                                           initial=0))
+        for i in range(n):
+            table[i, i + 1:] = [(total - prefix[i]) / scale for total in prefix[i + 1:]]
+    else:
+        for i in range(n):
+            table[i, i + 1:] = [stage_ms(layers, i, j) for j in range(i + 1, n + 1)]
     return lambda k: table
 
 

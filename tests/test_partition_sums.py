@@ -1,0 +1,38 @@
+"""The partitioner's table of every range's forward + backward ms, taken off integer prefix sums, is each range's
+`stage_ms` (math.fsum's correctly rounded sum) to the bit: equal ranges tie as before, so no split changes."""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim.profiles.partition import LayerCost, _forward_backward_ms, stage_ms
+
+# times of every magnitude, including those a float prefix sum would cancel away (1e16 + 1 - 1e16)
+times = st.floats(-1e16, 1e16, allow_nan=False, allow_infinity=False) | st.floats(0, 1e-300) | st.sampled_from(
+    [0.1, 0.2, 0.3, 1e16, -1e16, 1.0, 5e-324])
+
+
+def _table_matches_fsum(ms: list[float]) -> None:
+    layers = [LayerCost(value, 0, 0) for value in ms]
+    table = _forward_backward_ms(layers)(0)
+    for i in range(len(layers)):
+        for j in range(i + 1, len(layers) + 1):
+            expected = stage_ms(layers, i, j)
+            assert table[i, j] == expected or (math.isnan(expected) and math.isnan(table[i, j])), (i, j)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ms=st.lists(times, min_size=1, max_size=12))
+def test_stage_time_table_is_each_ranges_exact_sum(ms):
+    _table_matches_fsum(ms)
+
+
+def test_stage_time_table_keeps_what_a_float_prefix_sum_cancels():
+    ms = [1e16, 1.0, -1e16, 0.1, 0.2]
+    _table_matches_fsum(ms)
+    assert _forward_backward_ms([LayerCost(value, 0, 0) for value in ms])(0)[0, 3] == 1.0  # prefixes would give 0
+
+
+def test_stage_time_table_sums_a_time_that_is_not_finite_as_fsum_does():
+    _table_matches_fsum([1.0, math.inf, 2.0])
