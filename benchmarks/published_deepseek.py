@@ -14,10 +14,13 @@ deepseek`, sections 3.3.2 and 3.3.3), every RMSNorm and MLA's up-projections rec
 3.2.3) and the SwiGLU's output too (3.3.3: "cache the inputs of the SwiGLU operator and recompute its output";
 `--recompute-modules layernorm,mla_up_proj,moe_act`), the EMA of the weights on the host (`--ema cpu`, section
 3.2.3), 16-bit weights with FP32 gradients and master weights and
-AdamW's moments in BF16 (`--precision megatron-bf16-moments`, section 3.3.3), 4,096-token sequences and 15,360 of
-them a step (the batch after its ramp over the first 469B of 14.8T tokens). The report states no micro-batch size:
-one sequence (`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a step. What no flag expresses is in
-`NOT_MODELLED`.
+AdamW's moments in BF16 (`--precision megatron-bf16-moments`, section 3.3.3), each backward's weight gradients
+added to the FP32 ones in a pass of their own (`--grad-accumulation separate`: the report says the gradients are
+accumulated in FP32, not whether its framework fuses that into the weight-gradient products as Megatron's
+gradient_accumulation_fusion does, so the row keeps the pass it was priced with; docs/hardware.md gives both),
+4,096-token sequences and 15,360 of them a step (the batch after its ramp over the first 469B of 14.8T tokens).
+The report states no micro-batch size: one sequence (`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a
+step. What no flag expresses is in `NOT_MODELLED`.
 
 Published: 180K H800 GPU hours per trillion tokens, so 10^12 tokens / (180,000 GPU h x 3,600 s/h) = 1,543 tokens/s
 per GPU (the report's own "3.7 days on our cluster with 2048 H800 GPUs" gives 1,527). It is the whole pre-training's
@@ -89,7 +92,8 @@ class DeepSeekRun:
                 "--tensor-parallel", str(self.tensor), "-p", str(self.pipeline),
                 "-m", str(self.global_batch // (self.data * MICROBATCH_SIZE)), "--data-parallel", str(self.data),
                 "--expert-parallel", str(self.expert), "--zero", "1", "--precision", "megatron-bf16-moments",
-                "--recompute", "none", "--recompute-modules", RECOMPUTED, "--ema", "cpu", "-s", self.schedule,
+                "--grad-accumulation", "separate", "--recompute", "none", "--recompute-modules", RECOMPUTED,
+                "--ema", "cpu", "-s", self.schedule,
                 "--stage-cut", "balanced", "--rank-order", "megatron", "--expert-tensor-parallel", "1",
                 "--token-dispatcher", "deepep"]
 

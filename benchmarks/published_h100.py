@@ -13,7 +13,9 @@ recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B
 `--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
 backward (each stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the
 vocabulary padded as Megatron pads it, FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te`
-recipe). The command is printed and run as written (in-process, with --json added to read its ms/step).
+recipe), each backward's weight gradients accumulated inside TransformerEngine's weight-gradient products
+(`--grad-accumulation fused`: every row's yaml sets `gradient_accumulation_fusion: true`, benchmarks/published/
+README.md). The command is printed and run as written (in-process, with --json added to read its ms/step).
 
     python benchmarks/published_h100.py                 # the table, then each row's command
     python benchmarks/published_h100.py --json out.json # and the rows as JSON
@@ -61,7 +63,7 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             "--dtype", row["precision"], "--attention", "flash", "--attention-kernel", row["attention_kernel"],
             "-b", str(b), "--gpu", GPU, *tensor,
             *(["--context-parallel", str(c)] if c > 1 else []), "-p", str(p), "-m", str(batch // (d * b)),
-            *schedule, "--data-parallel", str(d), "--zero", "1",
+            *schedule, "--data-parallel", str(d), "--zero", "1", "--grad-accumulation", "fused",
             *(["--precision", "nemo-bf16-adam"] if row["optimizer_state"] == "bf16" else []),
             *(["--recompute", row["recompute"]] if row["recompute"] != "none" else []),
             "--stage-cut", "equal-blocks"]

@@ -344,8 +344,10 @@ GradAccumulation = Annotated[str | None, typer.Option(
                                               "gradients into the accumulated ones: fused (inside the "
                                               "weight-gradient product, TransformerEngine's and Megatron-LM's "
                                               "gradient_accumulation_fusion: no pass of its own) or separate "
-                                              "(torch's autograd: a pass over the held gradients; the "
-                                              "default).")]
+                                              "(torch's autograd: a pass over the held gradients). Default: "
+                                              "fused where the precision is Megatron's or NeMo's (megatron, "
+                                              "megatron-16bit-grads, megatron-bf16-moments, nemo-bf16-adam), "
+                                              "separate otherwise.")]
 
 OverlapExpertComm = Annotated[bool, typer.Option(
     "--overlap-expert-comm", help="With --expert-parallel: Megatron-core's expert-parallel overlap "

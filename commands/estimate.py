@@ -111,7 +111,7 @@ class WhatIf:
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
-    grad_accumulation: str = "separate"  # --grad-accumulation (planning/estimate.py `GRAD_ACCUMULATIONS`)
+    grad_accumulation: str | None = None  # --grad-accumulation (None: --precision's, planning/estimate.py)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
     attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
 
@@ -255,8 +255,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     modules = _recompute_modules(params.get("recompute_modules"), recompute)
     if params.get("ema") is not None and params["ema"] not in EMA_PLACES:
         raise InputError(f"--ema: choose from {', '.join(EMA_PLACES)} (got {params['ema']!r})")
-    accumulation = params.get("grad_accumulation") or "separate"
-    if accumulation not in GRAD_ACCUMULATIONS:
+    accumulation = params.get("grad_accumulation")
+    if accumulation is not None and accumulation not in GRAD_ACCUMULATIONS:
         raise InputError(f"--grad-accumulation: choose from {', '.join(GRAD_ACCUMULATIONS)} (got {accumulation!r})")
     precision = params.get("precision")
     if precision is not None and precision not in PRECISIONS:  # before the model is counted, which takes seconds

@@ -104,12 +104,22 @@ TP_RUNTIMES = ("megatron", "torch")
 CP_ROTATES = ("alltoall", "allgather")
 # How a backward's weight gradients are added into those accumulated over the mini-batch's micro-batches: fused,
 # inside the weight-gradient product (TransformerEngine's and APEX's fuse_wgrad_accumulation: the GEMM writes
-# main_grad with beta = 1, no pass of its own; Megatron-LM's default, its --no-gradient-accumulation-fusion turns
-# it off; Megatron-Bridge's GPT provider and NeMo 2's GPTConfig enable it wherever the kernels are present,
-# NeMo-Framework-Launcher's GPT-3 yamls set gradient_accumulation_fusion True), or separate (torch's autograd
-# AccumulateGrad, FSDP2's and DDP's: a pass over the held gradients, read, read, write, per backward after the
-# first). Default separate, as pipesim priced every run before the setting; a run of Megatron's says fused.
+# main_grad with beta = 1, no pass of its own), or separate (torch's autograd AccumulateGrad, FSDP2's and DDP's: a
+# pass over the held gradients, read, read, write, per backward after the first).
 GRAD_ACCUMULATIONS = ("fused", "separate")
+# Whose accumulation runs where --grad-accumulation is not given: the runtime each --precision names runs its own.
+# Megatron-LM's gradient_accumulation_fusion defaults True (arguments.py `--no-gradient-accumulation-fusion`,
+# store_false, since 83b1e42f30, February 2022; with 16-bit main gradients only since 07916bf245, September 2022)
+# and Megatron-core, Megatron-Bridge and NeMo keep it (NVIDIA/dgxc-benchmarking's NeMo yamls at 143b90dd91 set
+# `gradient_accumulation_fusion: true`, Nemotron-4 340B's with `mcore_distributed_optim` too): fused for the
+# precisions named for them. torch FSDP2's is autograd's (Megatron-LM asserts `--use-torch-fsdp2` is not supported
+# with gradient accumulation fusion; FSDP2 under a pipeline accumulates the unsharded gradients across
+# micro-batches), and fp32 names no runtime's mixed precision, plain torch's: separate. With no --precision, no
+# runtime is named: separate, the pass pipesim charged before the setting (Narayanan et al. 2021's and Korthikanti
+# et al. 2022's Megatron-LM ran without the fusion: it did not exist in 2021, and with their 16-bit gradients
+# arguments.py turned it off until September 2022).
+PRECISION_ACCUMULATION = {"fp32": "separate", "megatron": "fused", "megatron-16bit-grads": "fused",
+                          "fsdp2": "separate", "nemo-bf16-adam": "fused", "megatron-bf16-moments": "fused"}
 
 
 class EstimateError(ValueError):
@@ -139,7 +149,7 @@ class Parallelism:
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ()  # of `RECOMPUTE_REGIONS`, their outputs dropped and rerun (`Regions`)
     ema: str | None = None  # where the weights' moving average is kept, of `EMA_PLACES` (None: none is kept)
-    grad_accumulation: str = "separate"  # how the gradients are accumulated, of `GRAD_ACCUMULATIONS`
+    grad_accumulation: str | None = None  # of `GRAD_ACCUMULATIONS` (None: the precision's, `accumulation`)
     sharded_optimizer: bool = False
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
@@ -169,7 +179,7 @@ class Parallelism:
                                 f"{self.recompute} already decides what every layer keeps")
         if self.ema is not None and self.ema not in EMA_PLACES:
             raise EstimateError(f"ema: choose from {', '.join(EMA_PLACES)} (got {self.ema!r})")
-        if self.grad_accumulation not in GRAD_ACCUMULATIONS:
+        if self.grad_accumulation is not None and self.grad_accumulation not in GRAD_ACCUMULATIONS:
             raise EstimateError(f"grad_accumulation: choose from {', '.join(GRAD_ACCUMULATIONS)} "
                                 f"(got {self.grad_accumulation!r})")
         if self.recompute == "op" and self.tensor > 1:
@@ -192,6 +202,12 @@ class Parallelism:
         if self.tp_overlap and not self.sequence_parallel:
             raise EstimateError("tp_overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with "
                                 "the products (Megatron's and torch's): give sequence parallelism too")
+
+    @property
+    def accumulation(self) -> str:
+        """How the gradients are accumulated: as given, else as the named precision's runtime runs it
+        (`PRECISION_ACCUMULATION`), else separate."""
+        return self.grad_accumulation or PRECISION_ACCUMULATION.get(self.precision, "separate")
 
     def held(self, dtype: str) -> Precision:
         """How a model counted in `dtype` (torch's name) holds its weights, gradients and optimizer state."""
@@ -1172,7 +1188,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                 1.0 if parallel.sharded_optimizer else held_share(layer, experts.weight_shards)) for layer in mine)
                                               / shards)),
             predict=_timing(memory_ms(3 * params))) for name in OPTIMIZERS}
-        accumulate_ms = memory_ms(3 * params) if parallel.grad_accumulation == "separate" else 0.0
+        accumulate_ms = memory_ms(3 * params) if parallel.accumulation == "separate" else 0.0
         stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(accumulate_ms),
                             _timing(memory_ms(2 * params))))
     stages = aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), stage_steps)
@@ -1185,7 +1201,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         torch_version="", cuda_version=None, driver_version=None, python_version=platform.python_version(),
         pipesim_version=_version(), host="estimate", date=datetime.now(UTC).isoformat(timespec="seconds"))
     flops = sum(counted.total(name) for name in ("fwd_flops", "igrad_flops", "wgrad_flops"))
-    estimate = Estimate(gpu=gpu.name, parallelism=asdict(parallel), attention=counted.attention,
+    estimate = Estimate(gpu=gpu.name, parallelism={**asdict(parallel), "grad_accumulation": parallel.accumulation},
+                        attention=counted.attention,
                         curve=curve.model_dump(), tensor_link=links.tensor, stage_link=links.stage,
                         context_link=links.context if parallel.context > 1 else None,
                         data_parallel_link=links.data, model_flops_per_sample=flops / counted.microbatch_size or None,

@@ -1,17 +1,22 @@
 """How a backward's weight gradients join the accumulated ones (`--grad-accumulation`, planning/estimate.py
 `GRAD_ACCUMULATIONS`): separate, torch's autograd, a pass over the held gradients per backward after a stage's
 first; fused, inside the weight-gradient product (TransformerEngine's under Megatron's gradient_accumulation_fusion),
-no pass at all. Separate by default, as pipesim priced every run before; a run of Megatron's says fused."""
+no pass at all. Unless given, as the runtime the --precision names runs it (`PRECISION_ACCUMULATION`), and every
+published benchmark's command says what its runs ran."""
 
 from __future__ import annotations
 
+import json
+import shlex
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import EstimateError, Parallelism, estimate_profile
+from pipesim.planning.estimate import PRECISION_ACCUMULATION, EstimateError, Parallelism, estimate_profile
+from pipesim.sim.costs import PRECISIONS
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import pipesim, simulate_json
 
@@ -38,9 +43,15 @@ def test_a_separate_accumulation_passes_over_the_held_gradients_and_a_fused_one_
         assert (inside.fwd_ms, inside.bwd_ms, inside.weight_copy) == (apart.fwd_ms, apart.bwd_ms, apart.weight_copy)
 
 
-def test_the_default_is_the_separate_pass_and_anything_else_is_refused():
-    """Separate is what pipesim charged every run before the setting; a run of Megatron's says fused."""
-    assert Parallelism().grad_accumulation == "separate"
+def test_the_default_is_the_named_precisions_runtimes_and_anything_else_is_refused():
+    """Megatron-LM, Megatron-core and NeMo fuse it (gradient_accumulation_fusion, default True); torch's FSDP2 and
+    plain float32 training run autograd's pass; with no precision named, no runtime is: the pass."""
+    assert set(PRECISION_ACCUMULATION) == set(PRECISIONS)
+    fused = {name for name in PRECISIONS if Parallelism(precision=name).accumulation == "fused"}
+    assert fused == {"megatron", "megatron-16bit-grads", "megatron-bf16-moments", "nemo-bf16-adam"}
+    assert Parallelism().accumulation == "separate"
+    assert Parallelism(precision="megatron", grad_accumulation="separate").accumulation == "separate"
+    assert Parallelism(precision="fsdp2", grad_accumulation="fused").accumulation == "fused"
     with pytest.raises(EstimateError, match="grad_accumulation: choose from fused, separate"):
         Parallelism(grad_accumulation="both")
 
@@ -69,3 +80,39 @@ def test_the_costs_line_names_the_accumulation_only_where_it_is_fused():
     assert code == 0 and "costs: " in out and "grad accumulation" not in out
     code, out, _ = pipesim("simulate", *GPT, "--grad-accumulation", "fused")
     assert code == 0 and "grad accumulation fused" in " ".join(out.split())
+    code, out, _ = pipesim("simulate", *GPT, "--precision", "megatron")  # fused by the precision's default
+    assert code == 0 and "grad accumulation fused" in " ".join(out.split())
+
+
+def test_a_megatron_precision_accumulates_fused_unless_told_otherwise():
+    megatron = ("--precision", "megatron")
+    default = simulate_json(*GPT, *megatron)[0]
+    fused, separate = (simulate_json(*GPT, *megatron, "--grad-accumulation", how)[0] for how in ("fused", "separate"))
+    assert default["makespan_ms"] == fused["makespan_ms"] < separate["makespan_ms"]
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _commands(name: str) -> list[list[str]]:
+    recorded = json.loads((BENCHMARKS / f"{name}.json").read_text())
+    return [shlex.split(row["command"]) for row in recorded.get("rows", [recorded])]
+
+
+def _accumulation(args: list[str]) -> str:
+    """What a recorded command's step accumulates by: its flag, else its precision's default."""
+    given = {flag: args[args.index(flag) + 1] for flag in ("--grad-accumulation", "--precision") if flag in args}
+    parallel = Parallelism(precision=given.get("--precision"), grad_accumulation=given.get("--grad-accumulation"))
+    return parallel.accumulation
+
+
+@pytest.mark.parametrize(("benchmark", "ran"), [
+    ("published_h100", "fused"),  # NeMo: every dgxc yaml sets gradient_accumulation_fusion true
+    ("published_moe", "fused"),  # Megatron-Bridge: wherever the fused kernels are present
+    ("published_deepseek", "separate"),  # DeepSeek's framework does not say: the pass it was priced with
+    ("published_runs", "separate")])  # Megatron-LM 2021-22: no fusion yet, or off for 16-bit gradients
+def test_each_benchmark_command_accumulates_as_its_runs_did(benchmark, ran):
+    commands = _commands(benchmark)
+    assert commands and {_accumulation(args) for args in commands} == {ran}
+    if benchmark != "published_runs":  # the A100 rows by their default: the README quotes one as it is
+        assert all(args[args.index("--grad-accumulation") + 1] == ran for args in commands)
