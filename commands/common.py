@@ -308,6 +308,12 @@ CrossEntropy = Annotated[str, typer.Option(
                                                "vocabulary tensors; the default) or megatron (Megatron-core's "
                                                "vocabulary-parallel one, fused or not: its backward writes the "
                                                "gradient into the saved float32 softmax in place).")]
+NormKernel = Annotated[str, typer.Option(
+    "--norm-kernel", metavar="KERNEL", help="With --gpu: how a Hugging Face model's RMSNorms run: eager "
+                                            "(transformers' module, keeping a float32 copy of its input and the "
+                                            "normalised 16-bit tensor; the default) or fused (TransformerEngine's "
+                                            "kernel, Megatron-core's: keeping its 16-bit input and one float32 a "
+                                            "token).")]
 ALLOCATORS = ("caching", "none")  # --allocator
 Allocator = Annotated[str, typer.Option(
     "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
@@ -366,6 +372,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("attention_kernel", AttentionKernel, None),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("swiglu_fusion", SwigluFusion, True), ("cross_entropy", CrossEntropy, "torch"),
+                ("norm_kernel", NormKernel, "eager"),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("token_dispatcher", TokenDispatcher, None), ("dispatcher_sms", DispatcherSms, None),

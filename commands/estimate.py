@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
-                 "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "recompute_modules",
+                 "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
+                 "recompute_modules",
                  "ema", "tp_overlap_no_margin", "attention_kernel", "grad_accumulation")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
@@ -108,6 +109,7 @@ class WhatIf:
     cp_rotate: str = "alltoall"  # --cp-rotate, of planning/estimate.py's CP_ROTATES
     swiglu_fusion: bool = True  # --swiglu-fusion (workload/moe.py)
     cross_entropy: str = "torch"  # --cross-entropy, of workload/sizes.py's CROSS_ENTROPY
+    norm_kernel: str = "eager"  # --norm-kernel, of workload/sizes.py's NORM_KERNELS
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
@@ -200,7 +202,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     from ..planning.experts import DISPATCHERS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
-    from ..workload.sizes import CROSS_ENTROPY
+    from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
@@ -222,6 +224,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError(f"--cross-entropy: choose from {', '.join(CROSS_ENTROPY)} (got {params['cross_entropy']!r})")
     if params.get("cross_entropy", "torch") != "torch" and params.get("loss_parallel"):
         raise InputError("--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron")
+    if params.get("norm_kernel", "eager") not in NORM_KERNELS:
+        raise InputError(f"--norm-kernel: choose from {', '.join(NORM_KERNELS)} (got {params['norm_kernel']!r})")
     tp_runtime = params.get("tp_runtime") or "megatron"
     if tp_runtime not in TP_RUNTIMES:
         raise InputError(f"--tp-runtime: choose from {', '.join(TP_RUNTIMES)} (got {tp_runtime!r})")
@@ -304,6 +308,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
                   swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=params.get("cross_entropy", "torch"),
+                  norm_kernel=params.get("norm_kernel", "eager"),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   attention_kernel=attention_kernel, grad_accumulation=accumulation)
@@ -410,19 +415,19 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import)."""
     return count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                           "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
-                          what.swiglu_fusion, what.cross_entropy)
+                          what.swiglu_fusion, what.cross_entropy, what.norm_kernel)
 
 
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
                    needer: str, loss_parallel: bool = False, swiglu_fusion: bool = True,
-                   cross_entropy: str = "torch") -> WorkloadCount:
+                   cross_entropy: str = "torch", norm_kernel: str = "eager") -> WorkloadCount:
     """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
     count is kept. `swiglu_fusion`: gated experts' SwiGLU as one fused kernel; a calibrated model ran its own torch
     ops, unfused."""
     from dataclasses import replace
 
     cache = _count_cache(model, options, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion,
-                         cross_entropy)
+                         cross_entropy, norm_kernel)
     if cache is not None:
         counted = _read_count(cache)
         if counted is not None:
@@ -438,7 +443,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
         raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
     try:
         counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention, loss_parallel,
-                              swiglu_fusion, cross_entropy)
+                              swiglu_fusion, cross_entropy, norm_kernel)
     except ModelError as exc:
         raise InputError(str(exc)) from None
     if cache is not None:
@@ -447,7 +452,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
 
 
 def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
-                 loss_parallel: bool, swiglu_fusion: bool, cross_entropy: str) -> Path | None:
+                 loss_parallel: bool, swiglu_fusion: bool, cross_entropy: str, norm_kernel: str) -> Path | None:
     """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype,
     attention and loss, the installed torch's version and the source of the code that builds and counts it (so that a
     change to either counts again); a Hugging Face config's by its content (`HfConfig.digest`) and transformers'
@@ -460,7 +465,7 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     from ..workload.cachedir import cache_dir
     from ..workload.hfconfig import HfConfigError, is_hf, read_hf_config
 
-    sources = ["workload/models.py", "workload/moe.py", "workload/loss.py", "workload/count.py",
+    sources = ["workload/models.py", "workload/moe.py", "workload/loss.py", "workload/norms.py", "workload/count.py",
                "profiles/workload.py", "workload/hf.py"]
     described: list[str] = [model]
     if is_hf(model):
@@ -477,7 +482,8 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
         return None
     package = Path(__file__).resolve().parent.parent
     key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, loss_parallel,
-                                     swiglu_fusion, cross_entropy, *versions], sort_keys=True).encode())
+                                     swiglu_fusion, cross_entropy, norm_kernel, *versions],
+                                    sort_keys=True).encode())
     for source in sources:
         key.update((package / source).read_bytes())
     return cache_dir() / "counts" / f"{key.hexdigest()[:32]}.json"

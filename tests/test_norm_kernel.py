@@ -1,0 +1,70 @@
+"""--norm-kernel fused: a Hugging Face model's RMSNorms run as TransformerEngine's kernel (workload/norms.py), the
+same output and gradients as transformers' eager module, keeping the 16-bit input and one float32 a token where
+the eager module keeps a float32 copy of its input and the normalised 16-bit tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipesim.workload.count import count_built
+from tests.conftest import pipesim
+from tests.test_hf import GPT, LLAMA, B, H, S, needs_transformers, write_config
+
+E = 2  # bytes per bf16 element
+
+
+@needs_transformers
+def test_it_computes_transformers_rmsnorm_and_its_gradients():
+    """Real numbers on the CPU, in float32 (both compute in it)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from pipesim.workload.norms import fused_norms
+
+    gen = torch.Generator().manual_seed(0)
+    eager = LlamaRMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        eager.weight.copy_(torch.randn(8, generator=gen))
+    x = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
+    grad = torch.randn(3, 5, 8, generator=gen)
+    expected = eager(x)
+    expected_grads = torch.autograd.grad(expected, (x, eager.weight), grad)
+    with fused_norms(eager, True):
+        out = eager(x)
+    torch.testing.assert_close(out, expected)
+    for mine, theirs in zip(torch.autograd.grad(out, (x, eager.weight), grad), expected_grads):
+        torch.testing.assert_close(mine, theirs)
+    assert "forward" not in vars(eager)  # the module runs as transformers' again
+
+
+@needs_transformers
+def test_each_norm_keeps_its_16_bit_input_and_a_float32_a_token(tmp_path):
+    """A decoder layer's two norms: eager, 6 bytes an element and 4 a token each (the float32 input, 1/rms and the
+    normalised 16-bit tensor); fused, 2 and 4, 4 bytes a token fewer than the gpt's LayerNorm (a mean and 1/std)."""
+    llama = write_config(tmp_path / "llama", LLAMA)
+    eager, fused = (count_built(f"hf:{llama}", {"seq_len": S}, B, torch.bfloat16, "flash", swiglu_fusion=False,
+                                norm_kernel=kernel).layers[1] for kernel in ("eager", "fused"))
+    gpt = count_built("gpt", GPT, B, torch.bfloat16, "flash").layers[1]
+
+    def norms(layer) -> int:
+        return sum(n for (_, n), part in zip(layer.saved_tensors, layer.saved_parts) if part == "norms")
+
+    assert norms(eager) == 2 * (6 * B * S * H + 4 * B * S)
+    assert norms(fused) == 2 * (E * B * S * H + 4 * B * S)
+    assert norms(fused) == norms(gpt) - 2 * 4 * B * S
+    assert eager.saved_bytes - fused.saved_bytes == 2 * 4 * B * S * H
+
+
+def test_a_bad_kernel_is_refused_in_one_line():
+    code, out, err = pipesim("simulate", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "2",
+                             "--seq-len", "32", "--vocab", "512", "--gpu", "a100-sxm-80gb", "-p", "1", "-m", "1",
+                             "-s", "gpipe", "--norm-kernel", "te")
+    assert code == 2 and out == ""
+    assert "--norm-kernel: choose from eager, fused (got 'te')" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kernel", ["eager", "fused"])
+def test_the_gpts_layernorm_is_what_it_is_either_way(kernel):
+    """pipesim's gpt runs torch's LayerNorm, whose kernel keeps what TransformerEngine's does: no RMSNorm to fuse."""
+    assert count_built("gpt", GPT, B, torch.bfloat16, "flash", norm_kernel=kernel).layers[1].saved_bytes \
+        == count_built("gpt", GPT, B, torch.bfloat16, "flash").layers[1].saved_bytes

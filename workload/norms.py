@@ -1,0 +1,62 @@
+"""A Hugging Face model's RMSNorm run as one fused kernel (`--norm-kernel fused`), keeping for the backward what
+TransformerEngine's keeps, where transformers' eager module keeps what its ops save.
+
+transformers' eager RMSNorm (LlamaRMSNorm, Qwen3MoeRMSNorm, DeepseekV3RMSNorm: `hidden_states.to(float32)`, its
+mean square, `hidden_states * rsqrt(...)`, `weight * hidden_states.to(input_dtype)`) keeps the float32 copy of
+its input (the power's and the product's) and the normalised 16-bit tensor (the weight's product's) for the
+backward: 6 bytes an element beside the 16-bit output the next product keeps. TransformerEngine's RMSNorm, which
+Megatron-core builds every norm of (TENorm, and LayerNormLinear's fused norm; transformer_engine/pytorch/ops/
+basic/rmsnorm.py and module/_common.py: `ctx.save_for_backward(x, rstdevs)`, the 16-bit input and one float32 per
+token), keeps 2 bytes an element and 4 a token. NVIDIA's NeMo and Megatron-Bridge runs train with it; torchtitan
+runs torch's own modules (its default, eager)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .moe import _wanted
+
+
+class _FusedRmsNorm(torch.autograd.Function):
+    """`weight * x / rms(x)` in `x`'s dtype, keeping `x`, the weight and the float32 reciprocal RMS per token."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rsigma = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rsigma)
+        return weight * (x * rsigma).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, rsigma = ctx.saved_tensors
+        normed = x.float() * rsigma
+        grad_x = grad_weight = None
+        if _wanted(ctx.next_functions[0][0]):
+            grad_normed = grad.float() * weight.float()
+            grad_x = (rsigma * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))).to(x.dtype)
+        if _wanted(ctx.next_functions[1][0]):
+            grad_weight = (grad.float() * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
+        return grad_x, grad_weight, None
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    """transformers' eager RMSNorm: its class named so, with the weight and the epsilon its forward reads."""
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") \
+        and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+
+
+@contextmanager
+def fused_norms(layer: torch.nn.Module, on: bool) -> Iterator[None]:
+    """Run `layer`'s RMSNorms as `_FusedRmsNorm` inside (`on`), else as they are."""
+    norms = [module for module in layer.modules() if on and _is_rms_norm(module)]
+    for norm in norms:
+        norm.forward = lambda x, norm=norm: _FusedRmsNorm.apply(x, norm.weight, norm.variance_epsilon)
+    try:
+        yield
+    finally:
+        for norm in norms:
+            del norm.forward
