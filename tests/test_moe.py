@@ -108,14 +108,24 @@ def test_the_routed_experts_keep_what_megatron_cores_grouped_mlp_keeps():
                                       (copies * 2, ""), (copies * FFN * 2, ""), (copies * FFN * 2, "only")]
 
 
-def test_the_fused_swiglu_is_counted_with_the_same_work_as_its_ops():
-    """Fused or not, every pass does the same counted work (the count prices ops, not fusions); only what the
-    forward keeps differs."""
+def test_the_fused_swiglu_is_counted_as_the_one_kernel_it_is():
+    """Fused, the activation and the weights' scaling are one memory-bound kernel reading its input (k·T x 2f) and
+    the weights and writing its output (k·T x f), in the forward and where moe_act recomputes it; its backward reads
+    the output's gradient beside them and writes theirs (Megatron-core's fused_bias_swiglu.py), where the ops it
+    replaces each read and write their own. The FLOPs are the same."""
+    copies = TOKENS * TOP_K
     fused = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
     unfused = block(gpt_count(False, experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
-    for part in ("flops", "moved_bytes"):
-        assert [getattr(fused, f"{name}_{part}") for name in ("fwd", "igrad", "wgrad")] == [
-            getattr(unfused, f"{name}_{part}") for name in ("fwd", "igrad", "wgrad")]
+    assert [fused.fwd_flops, fused.igrad_flops, fused.wgrad_flops] == [
+        unfused.fwd_flops, unfused.igrad_flops, unfused.wgrad_flops]
+    one_pass = copies * 2 * FFN * 2 + copies * 2 + copies * FFN * 2  # input, weights, output
+    (kernel,) = [op for op in fused.ops["fwd"] if op.op == "fused_swiglu"]
+    assert (kernel.moved_bytes, kernel.routed) == (one_pass, True)
+    assert [(op.op, op.moved_bytes) for op in fused.region_ops["moe_act"]] == [("fused_swiglu", one_pass)]
+    (backward,) = [op for op in fused.ops["igrad"] if op.op == "fused_swiglu_backward"]
+    assert backward.moved_bytes == one_pass + copies * 2 * FFN * 2 + copies * 2  # the gradients of both inputs
+    for name in ("fwd", "igrad"):
+        assert getattr(fused, f"{name}_moved_bytes") < getattr(unfused, f"{name}_moved_bytes")
     assert fused.saved_bytes < unfused.saved_bytes
 
 

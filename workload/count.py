@@ -48,7 +48,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, _classify
-from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now
+from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now, in_fused_kernel, kernel_listeners
 from .norms import fused_norms
 from .optim import OPTIMIZERS, make_optimizer
 from .sizes import CROSS_ENTROPY, NORM_KERNELS
@@ -117,6 +117,21 @@ class _MovedBytes(TorchDispatchMode):
         self.routed = routed
         self.regions = regions
 
+    def __enter__(self) -> _MovedBytes:
+        kernel_listeners.append(self._fused)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        kernel_listeners.remove(self._fused)
+        super().__exit__(*exc)
+
+    def _fused(self, name: str, reads: tuple[torch.Tensor, ...], writes: tuple[torch.Tensor, ...]) -> None:
+        """A fused kernel (workload/moe.py `Fused`) recorded as the one memory-bound op it is."""
+        moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
+        experts = self.routed is not None and self.routed.reads_experts(list(reads))
+        self.tally.moved_bytes += moved
+        self._record((name, "memory", tuple(max(writes, key=_nbytes).shape), 0, moved, experts, False, 1, False))
+
     def _record(self, key: tuple) -> None:
         self.tally.ops[key] += 1
         for kind in self.regions.last if self.regions is not None else ():
@@ -124,6 +139,8 @@ class _MovedBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if in_fused_kernel():  # its kernel is recorded once it has run (`_fused`)
+            return out
         reads = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         writes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         name = func.overloadpacket.__name__

@@ -22,8 +22,8 @@ Inside `fused_swiglu(True)` (the count's default) a gated MLP's activation is on
 input (`Fused`): a routed expert's scaled by the router's weights, as Megatron-core's `weighted_bias_swiglu_impl`,
 a dense MLP's (transformers' gate and up products' outputs, `gated_mlp`) as its `bias_swiglu_impl`, both under
 `bias_activation_fusion` (fusions/fused_bias_swiglu.py; Megatron-LM's default, which its --no-bias-swiglu-fusion
-turns off, and every Megatron-Bridge MoE recipe's setting); its work is counted as the ops that compute it, as the
-count's other ops are. Off the meta device the MLPs run as torch ops.
+turns off, and every Megatron-Bridge MoE recipe's setting); its work is that one kernel's, forward, backward and
+where a recomputation reruns it. Off the meta device the MLPs run as torch ops.
 
 A router's gating product (`gating_linear`) keeps its input and weight in their own dtype and computes in the
 dtype the router's code asks for (float32 where transformers' DeepseekV3 router casts both), as Megatron-core's
@@ -35,7 +35,6 @@ TransformerEngine module, so no fp8_autocast converts it).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from abc import ABC, abstractmethod
@@ -130,26 +129,60 @@ def _in_gating() -> Iterator[None]:
 
 class Fused(torch.autograd.Function):
     """`compute(*inputs)` as one kernel on the meta device: autograd keeps its inputs only (Megatron-core's
-    SwiGLUFunction and WeightedSwiGLUFunction keep the activation's input, and the weights). Its work is counted as
-    the ops that compute it, forward and backward, as every op of the count is (their graph is kept aside, its
-    saved tensors out of the count's: meta tensors hold no memory). `gating`: a router's product (`gating_now`)."""
+    SwiGLUFunction and WeightedSwiGLUFunction keep the activation's input, and the weights), and its work, forward
+    and backward, is one memory-bound kernel reading its inputs (and the output's gradient) and writing its output
+    (the inputs' gradients), as the fused kernel runs (fusions/fused_bias_swiglu.py), not the ops that compute it:
+    those run with their graph kept aside, their saved tensors out of the count's (meta tensors hold no memory),
+    and `kernels` hears the one kernel instead (workload/count.py records it). `gating`: a router's product, whose
+    ops are its products and casts, counted as they run (`gating_now`)."""
 
     @staticmethod
     def forward(ctx: Any, compute: Callable[..., torch.Tensor], gating: bool, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*inputs)  # what the kernel keeps
         ctx.gating = gating
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
-                _in_gating() if gating else contextlib.nullcontext():
+                _in_gating() if gating else _one_kernel("fused_swiglu", inputs):
             ctx.leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
             ctx.out = compute(*ctx.leaves)
+            if not gating:
+                _kernel_writes(ctx.out)
         return ctx.out.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         wanted = [leaf for leaf, (node, _) in zip(ctx.leaves, ctx.next_functions) if _wanted(node)]
-        with _in_gating() if ctx.gating else contextlib.nullcontext():  # the count's passes
-            grads = iter(torch.autograd.grad(ctx.out, wanted, grad, retain_graph=True) if wanted else ())
-        return None, None, *(next(grads) if any(leaf is w for w in wanted) else None for leaf in ctx.leaves)
+        with _in_gating() if ctx.gating else _one_kernel("fused_swiglu_backward", (grad, *ctx.leaves)):
+            grads = tuple(torch.autograd.grad(ctx.out, wanted, grad, retain_graph=True) if wanted else ())
+            if not ctx.gating:
+                _kernel_writes(*grads)
+        given = iter(grads)
+        return None, None, *(next(given) if any(leaf is w for w in wanted) else None for leaf in ctx.leaves)
+
+
+# The fused kernels under way, innermost last: each its name, the tensors it reads and those it writes
+_kernels: list[tuple[str, tuple[torch.Tensor, ...], list[torch.Tensor]]] = []
+# Who hears each fused kernel once it has run, as (name, reads, writes): workload/count.py's op records
+kernel_listeners: list[Callable[[str, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], None]] = []
+
+
+def in_fused_kernel() -> bool:
+    """Whether the op running is inside a fused kernel (`Fused`), whose own ops the count does not record."""
+    return bool(_kernels)
+
+
+@contextmanager
+def _one_kernel(name: str, reads: tuple[torch.Tensor, ...]) -> Iterator[None]:
+    _kernels.append((name, reads, []))
+    try:
+        yield
+    finally:
+        name, reads, writes = _kernels.pop()
+    for listener in kernel_listeners:
+        listener(name, reads, tuple(writes))
+
+
+def _kernel_writes(*tensors: torch.Tensor) -> None:
+    _kernels[-1][2].extend(tensors)
 
 
 def _wanted(node: Any) -> bool:
