@@ -34,6 +34,7 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from ..hardware.catalogue import ATTENTION_KERNELS
@@ -1135,13 +1136,15 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     sharing = sharing_dispatcher(device, parallel)
     previous: tuple[LayerCount, LayerEstimate, LayerEstimate | None, LayerEstimate | None] | None = None
     for layer in counted.layers:  # a model's blocks repeat: each priced once
-        if previous is None or replace(layer, name=previous[0].name, inputs=previous[0].inputs) != previous[0]:
-            busiest = experts.local(layer)
-            previous = (layer, estimate_layer(busiest, device, parallel, links.tensor, element, links.context),
-                        None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor,
-                                                                    element, links.context),
-                        estimate_layer(_routed_part(busiest), device, parallel, links.tensor, element,
-                                       links.context) if parallel.expert > 1 and layer.dispatched_bytes else None)
+        if previous is not None and replace(layer, name=previous[0].name, inputs=previous[0].inputs) == previous[0]:
+            layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
+            continue  # the block before it renamed: every figure is its layer's, which equals the one before
+        busiest = experts.local(layer)
+        previous = (layer, estimate_layer(busiest, device, parallel, links.tensor, element, links.context),
+                    None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor,
+                                                                element, links.context),
+                    estimate_layer(_routed_part(busiest), device, parallel, links.tensor, element,
+                                   links.context) if parallel.expert > 1 and layer.dispatched_bytes else None)
         priced, shared, routed = previous[1], previous[2], previous[3]
         share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
@@ -1317,7 +1320,9 @@ def curve_for(fitted: FittedCurve, peak_flops_per_ms: float, memory_bytes_per_ms
                                    "source": source})
 
 
+@cache
 def _version() -> str:
+    """The installed pipesim's version, read from its metadata once a process (a search estimates hundreds)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

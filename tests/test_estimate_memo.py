@@ -1,12 +1,15 @@
-"""A model's repeated blocks are priced once per setting: what the caching allocator replays of each layer
-(`layer_allocations`) is, field for field, what pricing every layer on its own gives, on a dense GPT, a mixture of
-experts and a Hugging Face model, under each recomputation and tensor parallelism."""
+"""A model's repeated blocks are priced once per setting: its estimated profile (`estimate_profile`) and what the
+caching allocator replays of each layer (`layer_allocations`) are, field for field, what pricing every layer on its
+own gives, on a dense GPT, a mixture of experts and a Hugging Face model, under each recomputation and tensor, pipeline
+and expert parallelism."""
 
 from pathlib import Path
 
 import pytest
 
-from pipesim.planning.estimate import Parallelism, _rank_allocations, _Split, layer_allocations
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import Parallelism, _rank_allocations, _Split, estimate_profile, layer_allocations
+from pipesim.profiles.workload import LayerCount
 
 torch = pytest.importorskip("torch")
 from pipesim.workload.count import count_built  # noqa: E402  (counting needs torch)
@@ -21,6 +24,7 @@ MODELS = {
 SETTINGS = [Parallelism(), Parallelism(tensor=2, sequence_parallel=True), Parallelism(recompute="selective"),
             Parallelism(recompute="full"), Parallelism(recompute="op"),
             Parallelism(recompute_modules=("layernorm", "moe_act"))]
+H100 = load_catalogue().find("h100-sxm")
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -34,3 +38,34 @@ def test_repeated_blocks_allocations_are_each_layers_own(model):
         blocks = [made for layer, made in zip(counted.layers, shared, strict=True) if "Block" in layer.name
                   or "DecoderLayer" in layer.name]
         assert len(blocks) >= 3 and all(block is blocks[0] for block in blocks)  # made once, shared
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_repeated_blocks_estimate_is_each_layers_own(model, monkeypatch):
+    name, options = MODELS[model]
+    counted = count_built(name, options, 2, torch.bfloat16)
+    settings = [Parallelism(pipeline=2, data=2), Parallelism(tensor=2, pipeline=2, sequence_parallel=True),
+                Parallelism(pipeline=2, recompute="full", data=2, expert=2 if model == "moe" else 1)]
+    shared = [estimate_profile(counted, H100, parallel) for parallel in settings]
+    blocks = [layer for layer in shared[0].layers if "Block" in layer.name or "DecoderLayer" in layer.name]
+    assert len(blocks) >= 3 and len({layer.name for layer in blocks}) == len(blocks)
+    monkeypatch.setattr(LayerCount, "__eq__", lambda a, b: a is b)  # no layer repeats another: each priced anew
+    for profile, parallel in zip(shared, settings, strict=True):
+        alone = estimate_profile(counted, H100, parallel)
+        assert profile.model_dump(exclude={"environment"}) == alone.model_dump(exclude={"environment"}), parallel
+        assert profile.layers == alone.layers
+
+
+def test_the_version_is_read_once_a_process(monkeypatch):
+    import importlib.metadata
+
+    from pipesim.planning import estimate
+
+    reads = []
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: reads.append(name) or "0.1.0")
+    estimate._version.cache_clear()
+    counted = count_built("gpt", GPT, 2, torch.bfloat16)
+    for p in (1, 2):
+        assert estimate_profile(counted, H100, Parallelism(pipeline=p)).environment.pipesim_version == "0.1.0"
+    estimate._version.cache_clear()  # the monkeypatched figure goes with the patch
+    assert reads == ["pipesim"]
