@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Annotated
@@ -19,15 +21,18 @@ from rich.table import Table
 
 from ..units import GIB
 from .common import (
+    Allocator,
     DataParallel,
     InputError,
     Recompute,
     SearchSeconds,
     TensorParallel,
+    check_allocator,
     check_memory_gb,
     fail,
     load_profile_flag,
     optional_what_if_options,
+    replayed_allocations,
     search_options,
     stderr,
     stdout,
@@ -76,6 +81,7 @@ def tune(
     tensor_parallel: SearchedTensorParallel = None,
     data_parallel: SearchedDataParallel = None,
     recompute: SearchedRecompute = None,
+    allocator: Allocator = "caching",
     microbatch_size: Annotated[int | None, typer.Option(
         "--microbatch-size", "-b", metavar="B", min=1, help="With --gpu: samples per micro-batch b (default: "
                                                             f"searched over {', '.join(map(str, MICROBATCH_SIZES))})."
@@ -122,6 +128,7 @@ def tune(
         check_memory_gb(memory_gb)
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
+        check_allocator(ctx, what)
         if what is not None and what.context > 1:
             raise InputError("--context-parallel: tune searches t, p and d over --devices, not C; simulate or sweep "
                              "a context-parallel layout")
@@ -153,7 +160,7 @@ def tune(
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
             with _working("estimating the model's profile for each t, b, recomputation and p") as report:
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
-                                               optimizer, report)
+                                               optimizer, allocator, report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -205,10 +212,13 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
 
 
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
-                        sizes: tuple[int, ...], optimizer: str, report: Callable[[str], None] | None = None):
+                        sizes: tuple[int, ...], optimizer: str, allocator: str,
+                        report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
     that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
-    the layers) and recomputation (given, or each); `report` is told how many are done."""
+    the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
+    (`replayed_allocations`), so tune's peaks and memory check are simulate's; `report` is told how many are
+    done."""
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
 
@@ -226,9 +236,11 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                                                            if devices % (t * p) == 0
                                                            and _experts_fit(what, t, devices // (t * p))]
             try:
-                settings += [Setting(profile_scenario(estimated_profile(
-                    what, counted, what.parallelism(p, t, devices // (t * p), kind), optimizer), optimizer), t, kind,
-                    (p,)) for p in depths for kind in ([recompute] if recompute else SEARCHED_RECOMPUTE)]
+                for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
+                    parallel = what.parallelism(p, t, devices // (t * p), kind)
+                    scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer), optimizer)
+                    settings.append(Setting(replace(scenario, allocations=replayed_allocations(
+                        allocator, counted, parallel)), t, kind, (p,)))
             except InputError:
                 if tensor:  # the user's t: say why it cannot be
                     raise

@@ -914,7 +914,9 @@ def _measured(problem: Problem, candidate: Candidate) -> tuple[float, float, flo
     links = scenario.links(candidate.schedule)
     short = candidate.short_schedule or build(scenario, problem, config.schedule, replace(
         candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
-    long_run = summarize(simulate(candidate.schedule, candidate.costs, links))
+    long_trace = simulate(candidate.schedule, candidate.costs, links)
+    scenario.add_reserve(candidate.schedule, long_trace)  # the caching allocator's, as simulate's and sweep's peaks
+    long_run = summarize(long_trace)
     short_run = summarize(simulate(short, candidate.costs, links))
     growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
         candidate.schedule.minibatches - candidate.short_minibatches)
