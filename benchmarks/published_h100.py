@@ -12,7 +12,9 @@ recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B
 (`--zero 1`;
 `--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
 backward (each stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the
-vocabulary padded as Megatron pads it, FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te`
+vocabulary padded as Megatron pads it and its loss Megatron-core's cross entropy (`--cross-entropy megatron`: NeMo's
+GPTConfig sets cross_entropy_loss_fusion; fused or not, its backward turns the kept softmax into the gradient in
+place), FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te`
 recipe), each backward's weight gradients accumulated inside TransformerEngine's weight-gradient products
 (`--grad-accumulation fused`: every row's yaml sets `gradient_accumulation_fusion: true`, benchmarks/published/
 README.md). The command is printed and run as written (in-process, with --json added to read its ms/step).
@@ -66,7 +68,7 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             *schedule, "--data-parallel", str(d), "--zero", "1", "--grad-accumulation", "fused",
             *(["--precision", "nemo-bf16-adam"] if row["optimizer_state"] == "bf16" else []),
             *(["--recompute", row["recompute"]] if row["recompute"] != "none" else []),
-            "--stage-cut", "equal-blocks"]
+            "--stage-cut", "equal-blocks", "--cross-entropy", "megatron"]
 
 
 def rows() -> list[dict]:

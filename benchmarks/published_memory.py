@@ -41,12 +41,14 @@ REPO = Path(__file__).resolve().parents[1]  # where the printed commands run (th
 # batch 2 per node (32: m = 16 per pipeline, d = 2), sequence parallelism, selective recomputation, no dropout,
 # TransformerEngine's flash attention (NVTE_FUSED_ATTN=0) with 8 query groups, and NeMo's distributed Adam with
 # `optim.dtype: bf16` and `grad_sync_dtype: bf16` (`--precision nemo-bf16-adam`). Its squared-ReLU MLP saves what
-# the gpt's GELU does (the product's output, 8·sbh/t bytes, and the activation's, 8).
+# the gpt's GELU does (the product's output, 8·sbh/t bytes, and the activation's, 8). Its loss is Megatron-core's
+# cross entropy (`--cross-entropy megatron`: NeMo's GPTConfig sets cross_entropy_loss_fusion).
 NEMOTRON = ["simulate", "--model", "gpt", "--layers", "96", "--width", "18432", "--heads", "96", "--kv-heads", "8",
             "--ffn", "73728", "--seq-len", "4096", "--vocab", "256000", "--dtype", "bf16", "--attention", "flash",
             "-b", "1", "--gpu", "h100-sxm", "--tensor-parallel", "8", "--sequence-parallel", "--recompute",
             "selective", "-p", "8", "-s", "interleaved-1f1b", "--chunks", "12", "-m", "16", "--data-parallel", "2",
-            "--sharded-optimizer", "--precision", "nemo-bf16-adam", "--stage-cut", "equal-blocks"]
+            "--sharded-optimizer", "--precision", "nemo-bf16-adam", "--stage-cut", "equal-blocks",
+            "--cross-entropy", "megatron"]
 
 
 def table2() -> list[dict]:
@@ -180,7 +182,8 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
 # The zero-bubble paper's runs as its Megatron-LM fork launched them when the paper was written
 # (sail-sg/zero-bubble-pipeline-parallelism 425b42e5, examples/pretrain_zero_bubble.sh): --fp16 (16-bit gradients,
 # float32 master weights and moments, no distributed optimizer), Megatron-LM's default attention (unfused, no
-# --use-flash-attn) and dropout (0.1), no tensor or data parallelism, the blocks cut by --allow-padding-num-layers.
+# --use-flash-attn) and dropout (0.1), no tensor or data parallelism, the blocks cut by --allow-padding-num-layers,
+# the loss Megatron-LM's vocabulary-parallel cross entropy (`--cross-entropy megatron`).
 # Its SentencePiece tokenizer is not in the repository: Llama's 32,000 pieces are taken, which size only the
 # first stage's embedding and the last's head. ZB-1p and ZB-2p are schedules searched under an activation limit of
 # p and 2p micro-batches (the paper's section 5.1): pipesim's handcrafted ZB-H1 and ZB-H2 keep the same limits.
@@ -198,7 +201,7 @@ def zero_bubble_command(row: dict[str, str]) -> list[str]:
             row["attention_heads"], "--seq-len", row["sequence_length"], "--vocab", str(ZERO_BUBBLE_VOCAB),
             "--dropout", "0.1", "--dtype", "fp16", "--attention", "math", "-b", row["microbatch_size"],
             "--gpu", "a100-sxm-80gb", "-p", str(stages), "-m", row["microbatches"], "-s", schedule, *chunks,
-            "--stage-cut", "padded-blocks"]
+            "--stage-cut", "padded-blocks", "--cross-entropy", "megatron"]
 
 
 def zero_bubble() -> list[dict]:

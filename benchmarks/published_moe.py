@@ -13,7 +13,11 @@ accumulated inside TransformerEngine's weight-gradient products (`--grad-accumul
 provider sets gradient_accumulation_fusion wherever APEX's fused_weight_gradient_mlp_cuda is present,
 utils/fusions.py can_enable_gradient_accumulation_fusion, which NeMo's containers ship) and the routed experts'
 SwiGLU fused
-(`--swiglu-fusion`, the default: the recipes' bias_activation_fusion True), the ranks in Megatron-core's
+(`--swiglu-fusion`, the default: the recipes' bias_activation_fusion True), the loss Megatron-core's cross entropy
+(`--cross-entropy megatron`: the GPT provider's cross_entropy_loss_fusion True; Megatron-core's function turns the
+kept softmax into the gradient in place), every RMSNorm TransformerEngine's
+(`--norm-kernel fused`: Megatron-core's TENorm and LayerNormLinear keep the 16-bit input and one float32 a token,
+where transformers' eager module keeps a float32 copy too), the ranks in Megatron-core's
 order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which Megatron-Bridge
 keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts over E ranks
 folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B
@@ -121,6 +125,7 @@ class MoeRun:
                 "--precision", "megatron-16bit-grads", "--grad-accumulation", "fused", "--recompute", "none",
                 *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
+                "--cross-entropy", "megatron", "--norm-kernel", "fused",
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else [])]
 
