@@ -322,10 +322,10 @@ Allocator = Annotated[str, typer.Option(
                                          "logs it; the default) or none (its tensors alone: max allocated).")]
 SwigluFusion = Annotated[bool, typer.Option(
     "--swiglu-fusion/--no-swiglu-fusion",
-    help="With --gpu: a gated MLP's SwiGLU (a routed expert's, with the router's weights; a Hugging Face model's "
-         "dense and shared-expert MLPs) as one fused kernel keeping only its input (and the weights) for the "
-         "backward (Megatron-core's, under bias_activation_fusion: Megatron-LM's default); --no-swiglu-fusion: as "
-         "the ops that compute it, each keeping what it saves.")]
+    help="With --gpu: a gated MLP's SwiGLU (a routed expert's, with the router's weights; the dense and "
+         "shared-expert MLPs of a Hugging Face model and of the gpt --gated) as one fused kernel keeping only its "
+         "input (and the weights) for the backward (Megatron-core's, under bias_activation_fusion: Megatron-LM's "
+         "default); --no-swiglu-fusion: as the ops that compute it, each keeping what it saves.")]
 Recompute = Annotated[str | None, typer.Option(
     "--recompute", metavar="WHAT", help="With --gpu: activation recomputation, none, selective (the attention core), "
                                         "full (each layer's forward again in its backward) or op (torchtitan's "

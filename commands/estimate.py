@@ -422,7 +422,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
                    needer: str, loss_parallel: bool = False, swiglu_fusion: bool = True,
                    cross_entropy: str = "torch", norm_kernel: str = "eager") -> WorkloadCount:
     """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
-    count is kept. `swiglu_fusion`: gated experts' SwiGLU as one fused kernel; a calibrated model ran its own torch
+    count is kept. `swiglu_fusion`: gated MLPs' SwiGLU as one fused kernel; a calibrated model ran its own torch
     ops, unfused."""
     from dataclasses import replace
 

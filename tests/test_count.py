@@ -121,6 +121,21 @@ def test_grouped_keys_and_values_are_saved_with_their_own_heads_under_flash_and_
     assert one["math"].saved_bytes == full["math"].saved_bytes
 
 
+def test_a_gated_gpt_blocks_fused_swiglu_keeps_fc1s_output_only():
+    """Under --swiglu-fusion (the default) the gated gpt's SwiGLU is Megatron-core's bias_swiglu_impl: it keeps
+    fc1's output (gate and up, 2·b·s·ffn values) where the eager ops also keep silu's output (b·s·ffn more), and
+    runs as one kernel reading gate and up and writing its output, where silu and the product move 5·b·s·ffn
+    values; the products' FLOPs are the same."""
+    ffn = 96
+    fused, eager = (count_built("gpt", {**GPT, "ffn": ffn, "gated": True}, B, torch.bfloat16, "flash",
+                                swiglu_fusion=fusion).layers[1] for fusion in (True, False))
+    assert eager.saved_bytes - fused.saved_bytes == B * S * ffn * 2
+    assert eager.fwd_moved_bytes - fused.fwd_moved_bytes == 2 * B * S * ffn * 2
+    assert [op.op for op in fused.ops["fwd"] if op.op.startswith("fused_swiglu")] == ["fused_swiglu"]
+    for name in ("fwd_flops", "igrad_flops", "wgrad_flops"):
+        assert getattr(fused, name) == getattr(eager, name)
+
+
 def test_a_large_model_is_counted_on_the_meta_device_with_its_closed_form_parameters():
     """70B parameters: 140 GB in bf16 that this machine does not have, counted in a second."""
     layers, h, s, v, ffn, kv = 80, 8192, 4096, 32000, 28672, 8  # Llama-2-70B's shape (with biases)

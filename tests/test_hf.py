@@ -46,9 +46,9 @@ def llama(tmp_path_factory) -> Path:
 
 @cache
 def counts(folder: str, attention: str, swiglu_fusion: bool = True) -> tuple[WorkloadCount, WorkloadCount]:
-    """The config's count and the gpt's of the same shape, in bf16."""
+    """The config's count and the gpt's of the same shape, in bf16, their SwiGLUs fused or not alike."""
     return (count_built(f"hf:{folder}", {"seq_len": S}, B, torch.bfloat16, attention, swiglu_fusion=swiglu_fusion),
-            count_built("gpt", GPT, B, torch.bfloat16, attention))
+            count_built("gpt", GPT, B, torch.bfloat16, attention, swiglu_fusion=swiglu_fusion))
 
 
 @needs_transformers

@@ -197,9 +197,13 @@ def _as_megatron_runs(block: nn.Module) -> None:
     `workload.moe.gating_router` (its product in its own precision, keeping its input as it is)."""
     for module in block.modules():
         if all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            module.forward = functools.partial(gated_mlp, module)
+            module.forward = functools.partial(_gated_mlp, module)
         router = getattr(module, "gate", None)
         if hasattr(module, "experts") and isinstance(router, nn.Module) and isinstance(getattr(router, "weight", None),
                                                                                        torch.Tensor):
             gating_router(router)
 
+
+def _gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' gated MLP, `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, as `workload.moe.gated_mlp`."""
+    return gated_mlp(mlp.down_proj, mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x))

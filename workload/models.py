@@ -23,7 +23,14 @@ from torch.utils._pytree import tree_leaves
 
 from pipesim.workload import data
 from pipesim.workload.hfconfig import is_hf
-from pipesim.workload.moe import DEFAULT_TOP_K, ExpertExchange, ExpertShape, exchanged_experts, routed_experts
+from pipesim.workload.moe import (
+    DEFAULT_TOP_K,
+    ExpertExchange,
+    ExpertShape,
+    exchanged_experts,
+    gated_mlp,
+    routed_experts,
+)
 from pipesim.workload.sizes import DEFAULT_SIZES
 
 MAX_CNN_CHANNELS = 512
@@ -154,7 +161,8 @@ class _Embed(nn.Module):
 
 
 class _GatedMLP(nn.Module):
-    """SwiGLU (Shazeer 2020, as Llama's MLP): down(silu(gate(x)) * up(x)), gate and up as one matrix product."""
+    """SwiGLU (Shazeer 2020, as Llama's MLP): down(silu(gate(x)) * up(x)), gate and up as one matrix product
+    (Megatron-core's fc1), run as `workload.moe.gated_mlp` (one fused kernel under --swiglu-fusion)."""
 
     def __init__(self, width: int, ffn: int) -> None:
         super().__init__()
@@ -162,8 +170,7 @@ class _GatedMLP(nn.Module):
         self.down = nn.Linear(ffn, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return gated_mlp(self.down, F.silu, *self.gate_up(x).chunk(2, dim=-1))
 
 
 def _mlp(width: int, ffn: int, gated: bool) -> nn.Module:

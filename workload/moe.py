@@ -20,10 +20,10 @@ TransformerEngine's fused unpermute under `moe_permute_fusion`); each grouped pr
 
 Inside `fused_swiglu(True)` (the count's default) a gated MLP's activation is one kernel that keeps only its
 input (`Fused`): a routed expert's scaled by the router's weights, as Megatron-core's `weighted_bias_swiglu_impl`,
-a dense MLP's (transformers' gate and up products' outputs, `gated_mlp`) as its `bias_swiglu_impl`, both under
-`bias_activation_fusion` (fusions/fused_bias_swiglu.py; Megatron-LM's default, which its --no-bias-swiglu-fusion
-turns off, and every Megatron-Bridge MoE recipe's setting); its work is that one kernel's, forward, backward and
-where a recomputation reruns it. Off the meta device the MLPs run as torch ops.
+a dense MLP's (its gate and up products' outputs, `gated_mlp`: a Hugging Face model's and the built-in gpt's) as
+its `bias_swiglu_impl`, both under `bias_activation_fusion` (fusions/fused_bias_swiglu.py; Megatron-LM's default,
+which its --no-bias-swiglu-fusion turns off, and every Megatron-Bridge MoE recipe's setting); its work is that one
+kernel's, forward, backward and where a recomputation reruns it. Off the meta device the MLPs run as torch ops.
 
 A router's gating product (`gating_linear`) keeps its input and weight in their own dtype and computes in the
 dtype the router's code asks for (float32 where transformers' DeepseekV3 router casts both), as Megatron-core's
@@ -196,14 +196,15 @@ def _wanted(node: Any) -> bool:
         return True
 
 
-def gated_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' gated MLP, `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, its activation one fused kernel on
-    the meta device inside `fused_swiglu(True)` (keeping the gate and up products' outputs: Megatron-core's fc1
-    output, which its `bias_swiglu_impl` keeps), else as transformers runs it."""
-    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-    if _fusing_now(x):
-        return mlp.down_proj(Fused.apply(lambda g, u: mlp.act_fn(g) * u, False, gate, up))
-    return mlp.down_proj(mlp.act_fn(gate) * up)
+def gated_mlp(down: Callable[[torch.Tensor], torch.Tensor], activation: Callable[[torch.Tensor], torch.Tensor],
+              gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's `down(activation(gate) * up)` from its gate and up products' outputs (transformers' gate_proj
+    and up_proj, the gpt's gate_up halves), its activation one fused kernel on the meta device inside
+    `fused_swiglu(True)` (keeping gate and up: Megatron-core's fc1 output, which its `bias_swiglu_impl` keeps),
+    else as the eager ops run it (silu keeping gate, the product keeping silu's output and up)."""
+    if _fusing_now(gate):
+        return down(Fused.apply(lambda g, u: activation(g) * u, False, gate, up))
+    return down(activation(gate) * up)
 
 
 class _GatingCasts(TorchFunctionMode):
