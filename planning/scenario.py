@@ -27,6 +27,7 @@ from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
 from ..sim.costs import PRECISIONS, RowOverhead
+from ..sim.engine import keep_fullest_parts
 from ..traces.trace import Trace
 
 if TYPE_CHECKING:
@@ -339,14 +340,14 @@ class Scenario:
     def add_reserve(self, sched: Schedule, trace: Trace) -> None:
         """With `allocations`, each device's caching-allocator reserve in the trace's memory (sim/caching_allocator.py
         `device_reserves`, `add_reserve`): each model stage's layers cut as its costs are, each device bounded by
-        its memory."""
-        if self.allocations is None:
-            return
-        per_copy = sched.graph.stages_per_copy
-        cut = profile_bounds(self.measured, per_copy, self.stage_cut)
-        layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
-                  for stage in range(sched.num_stages)}
-        add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched)))
+        its memory. Then the parts' curves of the device whose peak that makes highest only (`keep_fullest_parts`)."""
+        if self.allocations is not None:
+            per_copy = sched.graph.stages_per_copy
+            cut = profile_bounds(self.measured, per_copy, self.stage_cut)
+            layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
+                      for stage in range(sched.num_stages)}
+            add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched)))
+        keep_fullest_parts(trace)
 
     def memory_limits(self, sched: Schedule) -> tuple[int | None, ...]:
         """Each device's memory in bytes (None: not known): `memory_bytes`, the cluster file's `memory_gib`, or the

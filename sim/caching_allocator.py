@@ -364,8 +364,7 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
 def add_reserve(trace: Trace, reserve_bytes: Sequence[int]) -> None:
     """Each device's reserve (`device_reserves`) in the trace's memory as the part `reserve`: held throughout the
     step (nothing cached is released, so from the second step on a device's reserved bytes never drop), on its
-    memory curve, in its parts at the peak, and as a curve beside the other parts' on the device they are drawn
-    for."""
+    memory curve, in its parts at the peak, and as a curve beside the other parts' on each device that has them."""
     for device, reserve in enumerate(reserve_bytes):
         curve = trace.counters["memory_bytes"][device]
         curve.values = curve.values + reserve

@@ -954,17 +954,14 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         parts_at_peak.append({part: static[part][d] + moved[part] for part in MEMORY_PARTS})
         savers_at_peak.append({saver.partition(".")[2]: moved[saver] for saver in SAVERS})
     del up_to_peak
-    # Each part's own curve on the fullest device, which the page stacks (the others' would double the counters'
-    # memory): every other device's is empty.
-    fullest = int(np.argmax([counter.values.max() for counter in memory]))
-    lo, hi = bounds[fullest], bounds[fullest + 1]
+    # Each part's own curve on every device, one pass per part: the page stacks the fullest device's, which the
+    # caching allocator's reserve, added after the step (sim/caching_allocator.py `add_reserve`), can change;
+    # `keep_fullest_parts` then drops the others'.
     part_counters = {}
     for part in (*MEMORY_PARTS, *SAVERS):
-        curves = [Counter(np.zeros(0), np.zeros(0, dtype=np.int64)) for _ in range(devices)]
-        (curves[fullest],), _ = _step_counters([0, hi - lo], first_ps[lo:hi], end_ps[lo:hi],
-                                               *memory_tables.row_deltas((part,), lo, hi),
-                                               [static[part][fullest] if part in static else 0])
-        part_counters[f"memory_bytes.{part}"] = curves
+        part_counters[f"memory_bytes.{part}"], _ = _step_counters(
+            bounds, first_ps, end_ps, *memory_tables.row_deltas((part,), 0, len(t.kind)),
+            static[part] if part in static else [0] * devices)
     del memory_tables
     act_at_start = kind_mask(t.kind, Kind.F).astype(np.int8)  # +1 or 0: a byte per row is enough
     act_at_end = -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int8)
@@ -994,6 +991,18 @@ def _trace(costs: Costs, cluster: Cluster, program: _Program, model: _Model, jit
         peak_activation_parts=savers_at_peak,
         extra=_runtime_terms(costs))
     return Trace(tuple(k.value for k in KINDS), devices, ops, meta, counters)
+
+
+def keep_fullest_parts(trace: Trace) -> None:
+    """Empties every device's `memory_bytes.PART` curves but the fullest's (its `memory_bytes` peak, the reserve
+    included where added), the one the table's peak and the page's stacked curve show: the others' would nearly
+    double a trace's counters in memory and on disk."""
+    totals = trace.counters["memory_bytes"]
+    fullest = int(np.argmax([curve.values.max() for curve in totals]))
+    empty = Counter(np.zeros(0), np.zeros(0, dtype=np.int64))
+    for name, curves in trace.counters.items():
+        if name.startswith("memory_bytes."):
+            trace.counters[name] = [curve if d == fullest else empty for d, curve in enumerate(curves)]
 
 
 def _issue_and_end_times(program: _Program, model: _Model, transfers: np.ndarray, transfer_ids: np.ndarray

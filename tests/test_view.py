@@ -249,6 +249,52 @@ def test_the_fullest_devices_memory_is_stacked_by_part_up_to_its_curve():
             assert len(times) == len(changes) + 1  # and the last held to the run's end
 
 
+def test_the_stacked_device_is_the_one_the_reserve_makes_fullest():
+    """The caching allocator's reserve, added after the step, can make another device the fullest: the page
+    stacks that device, whose parts reach its peak with the reserve, and `keep_fullest_parts` keeps its curves
+    alone."""
+    from pipesim.sim.caching_allocator import add_reserve
+
+    trace = _trace("1f1b", 4, 8, 2)
+    peaks = [int(curve.values.max()) for curve in trace.counters["memory_bytes"]]
+    tensors_fullest, least = int(np.argmax(peaks)), int(np.argmin(peaks))
+    assert tensors_fullest != least
+    reserves = [0] * len(peaks)
+    reserves[least] = peaks[tensors_fullest] - peaks[least] + MIB  # a reserve just over the difference
+    add_reserve(trace, reserves)
+    parts = trace_data(trace)["memory"]["parts"]
+    assert parts["device"] == least
+    assert parts["names"][-1] == "allocator's reserve"
+    top = decode_column(parts["stack"][-1])
+    assert top.max() == pytest.approx((peaks[least] + reserves[least]) / MIB)
+    assert summarize(trace).devices[least].peak_memory_mb == pytest.approx(top.max())
+    from pipesim.sim.engine import keep_fullest_parts  # (after the page's checks, which hold before it too)
+
+    keep_fullest_parts(trace)
+    assert [len(curve.times_us) > 0 for curve in trace.counters["memory_bytes.parameters"]] == [
+        device == least for device in range(len(peaks))]
+    assert trace_data(trace)["memory"]["parts"] == parts
+
+
+def test_simulate_gpu_stacks_the_device_whose_peak_with_the_reserve_it_prints(tmp_path):
+    """A GPT whose last stage's tensors peak just under the first's (its vocabulary's weights) and whose reserve
+    is larger: `simulate --gpu` prints the first device's peak, the page stacks that device up to it, and the
+    trace holds that device's part curves alone."""
+    from pipesim.traces import read_trace
+    from tests.conftest import pipesim
+
+    code, out, err = pipesim("simulate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 8, "--width", 1024,
+                             "--heads", 16, "--seq-len", 1024, "--vocab", 86000, "--dtype", "fp16", "-p", 4, "-m", 8,
+                             "-s", "1f1b", "--html", tmp_path / "page.html", "--trace", tmp_path / "1f1b.json")
+    assert code == 0, err
+    trace = read_trace(tmp_path / "1f1b.json")
+    peaks = [curve.values.max() for curve in trace.counters["memory_bytes"]]
+    parts = _page_data((tmp_path / "page.html").read_text())["traces"][0]["memory"]["parts"]
+    assert parts["device"] == int(np.argmax(peaks)) == 0 and f"{max(peaks) / MIB:,.0f}" in out
+    assert decode_column(parts["stack"][-1]).max() == pytest.approx(max(peaks) / MIB)
+    assert [len(curve.times_us) > 0 for curve in trace.counters["memory_bytes.reserve"]] == [True, False, False, False]
+
+
 def test_an_estimates_activations_are_stacked_by_what_saves_them(tmp_path):
     """With a count's savers, the stack's activations are its attention's, MLP's, norms', dropout masks' and
     the rest, which still reach the device's curve; typed costs stack them whole."""

@@ -192,8 +192,9 @@ class Trace:
 
     counters: name -> one Counter per device. Known names: `memory_bytes`, `activations` (micro-batches
     whose activations are held), `weight_versions` (copies of one stage's weights held), and a prediction's
-    `memory_bytes.PART` for each of `MEMORY_PARTS`, which add up to `memory_bytes` on its fullest device (the
-    one device whose curves they hold; the others' are empty), and `memory_bytes.activations.SAVER` for each
+    `memory_bytes.PART` for each of `MEMORY_PARTS`, which add up to `memory_bytes` on each device whose curves
+    they hold (every device's from the engine; the fullest's only, reserve included, once a planning `Scenario`
+    adds the reserve: the others' are empty), and `memory_bytes.activations.SAVER` for each
     of what saves activations (attention, mlp, norms, dropout, other), which add up to its activations.
     """
 

@@ -116,17 +116,18 @@ PART_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state
 
 
 def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
-    """The fullest device's memory by part (the one device the `memory_bytes.PART` counters hold), stacked: per
+    """The fullest device's memory by part (of those the `memory_bytes.PART` counters hold), stacked: per
     part, MiB of it and of the parts before it, on the times any part changes (held to `end_us`); the
     activations by what saves them where the trace says (not all other); None where the trace has no parts. A
     long run's curve keeps STACK_COLUMNS samples, each its column's moment of most memory, so the peak's parts
     stay shown."""
     if any(f"memory_bytes.{part}" not in trace.counters for part in MEMORY_PARTS[:5]):
         return None  # (a trace from before transients and the reserve were counted has the others)
-    device = next((d for d, curve in enumerate(trace.counters["memory_bytes.parameters"]) if len(curve.times_us)),
-                  None)
-    if device is None:
+    drawn = [d for d, curve in enumerate(trace.counters["memory_bytes.parameters"]) if len(curve.times_us)]
+    if not drawn:
         return None
+    totals = trace.counters["memory_bytes"]
+    device = max(drawn, key=lambda d: totals[d].values.max())  # the device whose peak the table shows
     savers = [trace.counters.get(f"memory_bytes.{saver}") for saver in SAVERS]
     attributed = all(curve is not None for curve in savers) and any(
         curve[device].values.any() for curve in savers[:-1])
