@@ -665,7 +665,8 @@ def _expert_group_text(profile: Profile, expert: int) -> str:
 
 
 def _print_estimate(profile: Profile) -> None:
-    """Per stage: its layers, times and memory on one GPU; then the placement's links."""
+    """Per stage: its layers, times and memory on one GPU (its peak named as allocated, so that it is not read as
+    simulate --gpu's max reserved); then the placement's links."""
     from rich import box
     from rich.table import Table
 
@@ -675,9 +676,11 @@ def _print_estimate(profile: Profile) -> None:
     table = Table(title=f"{profile.model.name} estimated on {env.device_name} ({env.dtype}, micro-batch "
                         f"{env.microbatch_size}, {parallelism_text(estimate.parallelism)}), per GPU",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
-                  caption="per micro-batch; I/W: the split backward's input- and weight-gradient passes; peak: 1F1B "
-                          f"estimate; efficiency curve: {estimate.curve['source']}")
-    for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "act MiB", "params MiB", "peak MiB"):
+                  caption="per micro-batch; I/W: the split backward's input- and weight-gradient passes; alloc: "
+                          "the peak of the tensors alone (max allocated) in a 1F1B estimate; simulate --gpu's peak "
+                          "adds the segments torch's caching allocator keeps cached beside them (max reserved, "
+                          f"--allocator caching); efficiency curve: {estimate.curve['source']}")
+    for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "act MiB", "params MiB", "alloc MiB"):
         table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
     for k, stage in enumerate(profile.stages):
         first, stop = stage.layers

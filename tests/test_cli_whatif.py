@@ -115,6 +115,18 @@ def test_an_estimate_written_and_read_back_simulates_as_the_flags_do(tmp_path):
     assert meta["calibration"]["estimate"]["parallelism"]["recompute"] == "selective"
 
 
+def test_the_estimates_peak_is_named_allocated_where_simulate_gpu_adds_the_allocators_reserve(tmp_path):
+    """The estimate's table counts the tensors alone; simulate --gpu adds the caching allocator's reserve, so the
+    estimate names its column and says why the two peaks differ."""
+    code, out, err = pipesim("estimate", *GPU, *SMALL, "-p", 2, "--out", tmp_path / "est.json")
+    assert code == 0, err
+    assert "alloc MiB" in out and "peak MiB" not in out
+    words = " ".join(out.split())  # the caption wraps at the terminal's width
+    assert "(max allocated)" in words and "(max reserved, --allocator caching)" in words
+    [reserved] = simulate_json(*GPU, *SMALL, "-p", 2, "-s", "1f1b")
+    assert reserved["devices"][0]["peak_memory_parts_mb"]["reserve"] > 0
+
+
 def test_tune_searches_t_d_b_and_recomputation_under_the_gpu_memory():
     code, out, err = pipesim("tune", *GPU, *SMALL, "-D", 4, "-s", "1f1b", "--recompute", "none", "--json")
     assert code == 0, err
