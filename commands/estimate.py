@@ -59,6 +59,12 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
+# The count's kernels (workload/count.py) and their defaults: recorded beside an estimate's parallelism, so that a
+# profile says what it priced and the costs line names what is not the default.
+KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager"}
+# Settings named in an estimate's parallelism text only when they are not these (a bool not listed: when set).
+SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
+                    **KERNEL_DEFAULTS}
 RECOMPUTE = ("none", "selective", "full", "op")
 FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
 SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
@@ -186,6 +192,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("gpu") is None:
         read = profile_reads if params.get("profile") is not None else ()
         given = [_flag(name) for name in ESTIMATE_ONLY if name in params and is_given(ctx, name) and name not in read]
+        if given and params.get("profile") is not None:
+            raise InputError(f"{', '.join(given)}: --profile's costs are priced already (an estimate records its "
+                             "settings, which the costs line names); write another with `pipesim estimate ... "
+                             f"{' '.join(given)}`, or give --gpu NAME and --model in place of --profile")
         if given:
             raise InputError(f"{', '.join(given)}: only --gpu's estimate reads {'it' if len(given) == 1 else 'them'}; "
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
@@ -519,19 +529,23 @@ def _write_count(path: Path, counted: WorkloadCount) -> None:
 
 
 def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelism, optimizer: str) -> Profile:
-    """The profile of `counted` on the what-if part, parallelised as `parallel` says; a parallelism the model
-    cannot take (t not dividing its heads) is one line naming the flag."""
+    """The profile of `counted` on the what-if part, parallelised as `parallel` says, with the kernels it was
+    counted with (`KERNEL_DEFAULTS`) in its parallelism; a parallelism the model cannot take (t not dividing its
+    heads) is one line naming the flag."""
     from ..planning.estimate import EstimateError, estimate_profile
 
     if parallel.pipeline > len(counted.layers):
         raise InputError(too_few_layers(f"--stages {parallel.pipeline}", counted.model, counted.options,
                                         len(counted.layers)))
     try:
-        return estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
-                                curve=what.curve)
+        profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
+                                   curve=what.curve)
     except EstimateError as exc:
         field, _, rest = str(exc).partition(": ")
         raise InputError(f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else str(exc)) from None
+    kernels = {name: getattr(what, name) for name in KERNEL_DEFAULTS}
+    estimate = profile.estimate.model_copy(update={"parallelism": {**profile.estimate.parallelism, **kernels}})
+    return profile.model_copy(update={"estimate": estimate})
 
 
 @dataclass(frozen=True)
@@ -617,15 +631,13 @@ def estimate(
 
 def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     """An estimate's parallelism in the flags' terms: t (and with `shape` p and d, which a simulation may change),
-    and what else is not the default (Megatron's tensor-parallel runtime is); the context ring's rotation only where
-    there is a ring."""
+    and what else is not the default (`SETTING_DEFAULTS`; a setting on by default is named when off); the context
+    ring's rotation only where there is a ring."""
     context, expert = int(parallelism.get("context", 1)), int(parallelism.get("expert", 1))
-    flags = [key.replace("_", " ") if isinstance(value, bool) else f"{key.replace('_', ' ')} "
-             f"{','.join(value) if isinstance(value, (list, tuple)) else value}"  # --recompute-modules' list
+    flags = [(key.replace("_", " ") if value else f"no {key.replace('_', ' ')}") if isinstance(value, bool)
+             else f"{key.replace('_', ' ')} {','.join(value) if isinstance(value, (list, tuple)) else value}"
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context", "expert")
-             and value not in (False, "none", None, (), []) and (key, value) not in (("rank_order", "pipesim"),
-                                                                              ("tp_runtime", "megatron"),
-                                                                              ("grad_accumulation", "separate"))
+             and value not in ("none", None, (), []) and value != SETTING_DEFAULTS.get(key, False)
              and (key != "cp_rotate" or context > 1)]
     degrees = (f"t={parallelism['tensor']}" + (f" C={context}" if context > 1 else "")
                + (f" p={parallelism['pipeline']} d={parallelism['data']}" if shape else "")

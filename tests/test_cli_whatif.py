@@ -127,6 +127,46 @@ def test_the_estimates_peak_is_named_allocated_where_simulate_gpu_adds_the_alloc
     assert reserved["devices"][0]["peak_memory_parts_mb"]["reserve"] > 0
 
 
+KERNELS = ("--cross-entropy", "megatron", "--norm-kernel", "fused", "--no-swiglu-fusion")
+
+
+@pytest.fixture(scope="module")
+def kernels_estimate(tmp_path_factory) -> Path:
+    """An estimate counted with every kernel that is not the default."""
+    est = tmp_path_factory.mktemp("kernels") / "est.json"
+    code, _, err = pipesim("estimate", *GPU, *SMALL, "-p", 2, *KERNELS, "--out", est)
+    assert code == 0, err
+    return est
+
+
+def test_an_estimate_records_the_kernels_it_counted_and_the_costs_line_names_those_not_the_default(
+        kernels_estimate, tmp_path):
+    parallelism = json.loads(kernels_estimate.read_text())["estimate"]["parallelism"]
+    assert (parallelism["cross_entropy"], parallelism["norm_kernel"], parallelism["swiglu_fusion"]) == (
+        "megatron", "fused", False)
+    code, out, err = pipesim("simulate", "--profile", kernels_estimate, "-s", "1f1b", "-m", 4)
+    assert code == 0, err
+    assert "no swiglu fusion, cross entropy megatron, norm kernel fused" in " ".join(out.split())
+    code, out, err = pipesim("estimate", *GPU, *SMALL, "-p", 2, "--out", tmp_path / "defaults.json")
+    assert code == 0, err
+    assert not any(name in " ".join(out.split()) for name in ("swiglu", "cross entropy", "norm kernel"))
+
+
+@pytest.mark.parametrize("args", [
+    ("simulate", "-s", "1f1b", "--cross-entropy", "torch"), ("simulate", "-s", "1f1b", "--norm-kernel", "eager"),
+    ("simulate", "-s", "1f1b", "--swiglu-fusion"), ("simulate", "-s", "1f1b", "--grad-accumulation", "fused"),
+    ("simulate", "-s", "1f1b", "--attention-kernel", "cudnn"),
+    ("simulate", "-s", "1f1b", "--recompute-modules", "layernorm"), ("simulate", "-s", "1f1b", "--fp8-recipe", "te"),
+    ("simulate", "-s", "1f1b", "--ema", "cpu"), ("sweep", "-s", "1f1b", "--ema", "cpu"),
+    ("tune", "--devices", 2, "--ema", "cpu"),
+])
+def test_a_setting_the_profile_was_priced_with_given_again_beside_it_is_refused_in_one_line(kernels_estimate, args):
+    code, out, err = pipesim(*args, "--profile", kernels_estimate)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    setting = [arg for arg in args if str(arg).startswith("--")][-1]
+    assert err.startswith(f"error: {setting}: --profile's costs are priced already"), err
+
+
 def test_tune_searches_t_d_b_and_recomputation_under_the_gpu_memory():
     code, out, err = pipesim("tune", *GPU, *SMALL, "-D", 4, "-s", "1f1b", "--recompute", "none", "--json")
     assert code == 0, err
