@@ -253,25 +253,20 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     cache released).
 
     A pipeline's steady state repeats its rows, thousands of them at p = 64 and m = 512, more than a simulation
-    may spend replaying: once a run of rows has brought back the allocator's whole state after an earlier row
-    (`_Replay.state`: every segment's blocks, their sizes in address order, free or whose, per pool and stream,
-    the tensors named by layer and micro-batch counted back from the last begun) and the rows go on repeating
-    that run, each further repetition would do exactly what the first did, and is skipped (`_Replay.skip`).
-    Where the blocks have traded places meanwhile the states differ and the rows go on being replayed.
-    """
+    may spend replaying: once a run of rows has brought back what the step had after an earlier row (the same
+    micro-batches' layers held, counted back from the last begun, the same bytes allocated and reserved, no new
+    peak) and the rows go on repeating that run, each further repetition is taken to do the same and skipped
+    (`_Replay.skip`). The one reading not from torch's rules: the blocks may have traded places meanwhile (best
+    fit takes the lowest address among equal sizes), and a later repetition can then split a block the first
+    did not and take a segment more (docs/benchmarks.md: the zero-bubble 1.5B's 1F1B middle stages reserve 322
+    MiB where every row replayed reserves 610)."""
     replay = _Replay(CachingAllocator(capacity_bytes=capacity_bytes), rows)
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
-    totals_seen: set[tuple] = set()  # the totals after each row (`_Replay.totals`): a state is read where they recur
     seen: dict[tuple, list[int]] = {}  # a state after a row: the rows after which it was, the last first
     at = 0
     while at < len(rows):
         replay.run(rows[at], layers)
-        totals = replay.totals(at)
-        if totals not in totals_seen:
-            totals_seen.add(totals)
-            at += 1
-            continue
         earlier = seen.setdefault(replay.state(at), [])
         for before in earlier:  # a state can come back within a repetition (after an input and a weight pass)
             skipped = replay.skip(before, at)
@@ -318,35 +313,13 @@ class _Replay:
             for address in [*done.values(), *(self.held.pop(key) if name != "igrad" else ())]:
                 allocator.free(address)
 
-    def totals(self, at: int) -> tuple:
-        """After row `at`, what any state equal to an earlier one has equal too, and costs little to read: the
-        bytes allocated and reserved, and the layers held, each under its micro-batch counted back from the last
-        begun."""
-        begun = self.begun[at]
-        held = sorted((stage, index, self.number[microbatch] - begun) for stage, index, microbatch in self.held)
-        return self.allocator.allocated_bytes, self.allocator.reserved_bytes, tuple(held)
-
     def state(self, at: int) -> tuple:
-        """After row `at`, what `replay_device` compares to see the rows repeat: every segment in address order
-        (its pool, stream and blocks), each block as its bytes and, where allocated, its tensor: the layer and
-        micro-batch, counted back from the last begun, that holds it and its place among that layer's blocks
-        (the device's state: None, held throughout); and its `totals`. Equal states differ only
-        in the tensors' names and the segments' addresses, of which best fit reads only the order, so the same rows
-        after each do the same."""
-        begun = self.begun[at]
-        tensors = {address: (stage, index, self.number[microbatch] - begun, place)
-                   for (stage, index, microbatch), addresses in self.held.items()
-                   for place, address in enumerate(addresses)}
-        allocator = self.allocator
-        blocks = [*allocator._allocated.values(),
-                  *(block for cached in allocator._cached_blocks.values() for block in cached.values())]
-        segments = []
-        for block in sorted(blocks, key=lambda block: block.address):
-            if block.before is None:
-                segments.append([block.small_pool, block.stream])
-            segments[-1].append((block.size_bytes, tensors.get(block.address)) if block.allocated
-                                else block.size_bytes)
-        return self.totals(at), tuple(map(tuple, segments))
+        """After row `at`, what `replay_device` compares to see the rows repeat: the allocated, reserved and peak
+        bytes, and the layers held, each under its micro-batch counted back from the last begun."""
+        allocator, begun = self.allocator, self.begun[at]
+        held = sorted((stage, index, self.number[microbatch] - begun) for stage, index, microbatch in self.held)
+        return (allocator.allocated_bytes, allocator.reserved_bytes, allocator.peak_allocated_bytes,
+                allocator.peak_reserved_bytes, tuple(held))
 
     def skip(self, before: int, at: int) -> int:
         """After row `at`, the state as after row `before`: skip each further whole repetition of the rows
