@@ -13,26 +13,26 @@ times = st.floats(-1e16, 1e16, allow_nan=False, allow_infinity=False) | st.float
     [0.1, 0.2, 0.3, 1e16, -1e16, 1.0, 5e-324])
 
 
-def _table_matches_fsum(ms: list[float]) -> None:
+def _ranges_off_fsum(ms: list[float]) -> list[tuple[int, int]]:
+    """The ranges (i, j) whose table entry is not stage_ms's, bit for bit (NaN matching NaN)."""
     layers = [LayerCost(value, 0, 0) for value in ms]
     table = _forward_backward_ms(layers)(0)
-    for i in range(len(layers)):
-        for j in range(i + 1, len(layers) + 1):
-            expected = stage_ms(layers, i, j)
-            assert table[i, j] == expected or (math.isnan(expected) and math.isnan(table[i, j])), (i, j)
+    return [(i, j) for i in range(len(layers)) for j in range(i + 1, len(layers) + 1)
+            if not (table[i, j] == stage_ms(layers, i, j)
+                    or (math.isnan(stage_ms(layers, i, j)) and math.isnan(table[i, j])))]
 
 
 @settings(max_examples=300, deadline=None)
 @given(ms=st.lists(times, min_size=1, max_size=12))
 def test_stage_time_table_is_each_ranges_exact_sum(ms):
-    _table_matches_fsum(ms)
+    assert _ranges_off_fsum(ms) == []
 
 
 def test_stage_time_table_keeps_what_a_float_prefix_sum_cancels():
     ms = [1e16, 1.0, -1e16, 0.1, 0.2]
-    _table_matches_fsum(ms)
+    assert _ranges_off_fsum(ms) == []
     assert _forward_backward_ms([LayerCost(value, 0, 0) for value in ms])(0)[0, 3] == 1.0  # prefixes would give 0
 
 
 def test_stage_time_table_sums_a_time_that_is_not_finite_as_fsum_does():
-    _table_matches_fsum([1.0, math.inf, 2.0])
+    assert _ranges_off_fsum([1.0, math.inf, 2.0]) == []
