@@ -31,7 +31,7 @@ PARALLELISMS = [
     Parallelism(tensor=2, pipeline=2, data=4, sequence_parallel=True, tp_overlap=True, tp_runtime="torch"),
     Parallelism(tensor=16, pipeline=2, data=2, rank_order="megatron", grad_accumulation="fused"),
     Parallelism(pipeline=2, data=2, context=2), Parallelism(tensor=2, pipeline=2, data=2, context=4),
-    Parallelism(pipeline=2, data=4, expert=2), Parallelism(tensor=2, pipeline=3, data=4, expert=4, expert_tensor=1,
+    Parallelism(pipeline=2, data=4, expert=4), Parallelism(tensor=2, pipeline=3, data=4, expert=4, expert_tensor=1,
                 rank_order="megatron"),
     Parallelism(pipeline=2, data=4, expert=2, token_dispatcher="deepep", recompute="full"),
     Parallelism(pipeline=2, data=2, recompute_modules=("layernorm", "moe_act")),
