@@ -934,10 +934,8 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[Lay
     (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step. A run of
     layers alike but for their names and inputs (a model's repeated blocks) shares the first one's, made once."""
     allocations: list[LayerAllocations] = []
-    previous: LayerCount | None = None
-    for layer in counted.layers:
-        if previous is None or replace(layer, name=previous.name, inputs=previous.inputs) != previous:
-            previous = layer
+    for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
+        if not repeated:
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
                                      parallel.recompute_modules)
         allocations.append(made)
@@ -1134,18 +1132,16 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     ema = EMA_BYTES if parallel.ema == "gpu" else 0  # a float32 average of each weight, with the master copy
     layers = []
     sharing = sharing_dispatcher(device, parallel)
-    previous: tuple[LayerCount, LayerEstimate, LayerEstimate | None, LayerEstimate | None] | None = None
-    for layer in counted.layers:  # a model's blocks repeat: each priced once
-        if previous is not None and replace(layer, name=previous[0].name, inputs=previous[0].inputs) == previous[0]:
+    for layer, repeated in zip(counted.layers, counted.repeats, strict=True):  # a model's blocks repeat
+        if repeated:
             layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
             continue  # the block before it renamed: every figure is its layer's, which equals the one before
         busiest = experts.local(layer)
-        previous = (layer, estimate_layer(busiest, device, parallel, links.tensor, element, links.context),
-                    None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor,
-                                                                element, links.context),
-                    estimate_layer(_routed_part(busiest), device, parallel, links.tensor, element,
-                                   links.context) if parallel.expert > 1 and layer.dispatched_bytes else None)
-        priced, shared, routed = previous[1], previous[2], previous[3]
+        priced = estimate_layer(busiest, device, parallel, links.tensor, element, links.context)
+        shared = None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor, element,
+                                                              links.context)
+        routed = (estimate_layer(_routed_part(busiest), device, parallel, links.tensor, element, links.context)
+                  if parallel.expert > 1 and layer.dispatched_bytes else None)
         share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t

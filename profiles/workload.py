@@ -3,7 +3,8 @@ dataclasses, so that the planning side prices counts (planning/estimate.py) with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Literal
 
 # forward, full backward, and the backward split into its input-gradient and weight-gradient passes: the weight
@@ -46,6 +47,7 @@ class OpCount:
     causal: bool = False  # an attention kernel under a causal mask (its is_causal), which skips the masked blocks
     kv_group: int = 1  # an attention kernel's query heads per key/value head (grouped-query attention; 1: as many)
     gating: bool = False  # a router's gating product or its casts (workload/moe.py), kept out of float8 recipes
+    split_accumulation: bool = False  # a float8 product adding its partial sums into float32 every few steps
 
 
 
@@ -118,3 +120,12 @@ class WorkloadCount:
     def total(self, name: str) -> int:
         """The sum over layers of LayerCount field `name` (a number field)."""
         return sum(getattr(layer, name) for layer in self.layers)
+
+    @cached_property
+    def repeats(self) -> tuple[bool, ...]:
+        """Per layer, whether it is the layer before it but for its name and inputs (a model's repeated blocks,
+        which an estimate prices once); found once a count, since comparing two whole layers costs about what
+        pricing one does and tune estimates a count hundreds of times."""
+        layers = self.layers
+        return tuple(i > 0 and replace(layer, name=layers[i - 1].name, inputs=layers[i - 1].inputs) == layers[i - 1]
+                     for i, layer in enumerate(layers))

@@ -3,6 +3,7 @@ caching allocator replays of each layer (`layer_allocations`) are, field for fie
 own gives, on a dense GPT, a mixture of experts and a Hugging Face model, under each recomputation and tensor, pipeline
 and expert parallelism."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,10 @@ def test_repeated_blocks_estimate_is_each_layers_own(model, monkeypatch):
     blocks = [layer for layer in shared[0].layers if "Block" in layer.name or "DecoderLayer" in layer.name]
     assert len(blocks) >= 3 and len({layer.name for layer in blocks}) == len(blocks)
     monkeypatch.setattr(LayerCount, "__eq__", lambda a, b: a is b)  # no layer repeats another: each priced anew
+    anew = replace(counted, layers=list(counted.layers))  # a count of its own, which has not found its repeats yet
+    assert not any(anew.repeats) and sum(counted.repeats) >= 2
     for profile, parallel in zip(shared, settings, strict=True):
-        alone = estimate_profile(counted, H100, parallel)
+        alone = estimate_profile(anew, H100, parallel)
         assert profile.model_dump(exclude={"environment"}) == alone.model_dump(exclude={"environment"}), parallel
         assert profile.layers == alone.layers
 
