@@ -120,9 +120,34 @@ class ExpertGroup:
                 return replace(op, flops=round(op.flops * self.load), moved_bytes=round(op.moved_bytes * self.load))
             return op
 
-        return replace(layer, ops={name: tuple(mine(op, name == "fwd") for op in ops) for name, ops in
-                                   layer.ops.items()},
+        sorts = self.chunk_sorts(layer)
+        return replace(layer, ops={name: (*(mine(op, name == "fwd") for op in ops), *sorts.get(name, ()))
+                                   for name, ops in layer.ops.items()},
                        region_ops={name: tuple(mine(op, True) for op in ops) for name, ops in layer.region_ops.items()})
+
+    def chunk_sorts(self, layer: LayerCount) -> dict[str, tuple[OpCount, ...]]:
+        """Per pass, the copies Megatron-core's all-to-all dispatcher makes on a rank holding more than one of the
+        routed experts, beyond the count's gather and scatter (its permutation 1 and unpermutation 1). What the
+        all-to-all delivers is ordered by source rank, then expert, so MoEAlltoAllTokenDispatcher sorts it by
+        local expert for the grouped product ("Permutation 2", `dispatch_postprocess`) and back before the
+        combine ("Unpermutation 2", `combine_preprocess`), each `sort_chunks_by_idxs` (moe_utils.py: split and
+        cat, or TransformerEngine's fused `moe_sort_chunks_by_index` under `moe_permute_fusion`), whose backward
+        is the inverse sort of the gradient (megatron/core/transformer/moe/token_dispatcher.py at Megatron-LM
+        d98e8a64dd; since the dispatcher came in, 9208adbdc7). Each reads and writes every copy the rank received:
+        the layer's dispatched bytes times ETP (gathered over the expert-tensor group first) and `load`, which
+        the estimate splits over the t·C ranks. The router's weights sorted beside (4 bytes a copy against
+        2·hidden) are left out. DeepEP's flex dispatcher receives each token once a rank and permutes it to its
+        experts there, as the count's gather and scatter do, so it adds none; nor does one local expert."""
+        if (self.dispatcher not in (None, "alltoall") or self.ranks == 1 or not self.experts
+                or self.experts // self.ranks == 1 or not layer.dispatched_bytes):
+            return {}
+        width = layer.output_shape[-1]
+        copies = round(layer.dispatched_bytes * self.tensor * self.load / (width * layer.output_bytes)
+                       * math.prod(layer.output_shape))
+        moved = round(2 * layer.dispatched_bytes * self.tensor * self.load)
+        sort = OpCount("moe_sort_chunks_by_index", "memory", (copies, width), 0, moved, 2, routed=True)
+        backward = replace(sort, op="moe_sort_chunks_by_index_backward")
+        return {"fwd": (sort,), "bwd": (backward,), "igrad": (backward,)}
 
     def local_product(self, op: OpCount, tokens: int, hidden: int) -> OpCount:
         """One of the count's grouped products (`op.shape` (n, m, n', k): each of the n routed experts' m × k by

@@ -164,6 +164,37 @@ def test_a_ranks_grouped_products_run_its_local_experts_on_the_tokens_sent_to_th
     assert priced.fwd.median_ms == pytest.approx(estimate_layer(local, DEVICE, parallel, links.tensor, 2).fwd_ms)
 
 
+def test_megatron_cores_all_to_all_sorts_what_a_rank_receives_by_local_expert_and_back():
+    """8 experts at top 2 over E = 4 ranks (2 local experts each) under the all-to-all dispatcher: a 512-token
+    micro-batch's 1,024 copies of 256 bf16 (524,288 bytes) are sorted by local expert after the dispatch and back
+    before the combine, each a read and a write of every copy, and each sort's gradient in the backward's input
+    pass; the busiest rank (the hot expert's, 1.6 times the copies) sorts 1.6 times as many. DeepEP's dispatcher
+    and one local expert a rank (E = 8) sort nothing."""
+    layer = counted().layers[1]
+    dispatched = S * TOP_K * H * 2
+    assert layer.dispatched_bytes == dispatched
+    for share, load in ((None, 1.0), (0.3, 1.6)):
+        group = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, hot_share=share)
+        sorts = {name: [op for op in ops if op.op.startswith("moe_sort_chunks")]
+                 for name, ops in group.local(layer).ops.items()}
+        (forward,), (backward,), (input_pass,) = sorts["fwd"], sorts["bwd"], sorts["igrad"]
+        assert (forward.op, forward.kind, forward.count, forward.routed) == ("moe_sort_chunks_by_index", "memory",
+                                                                             2, True)
+        assert forward.moved_bytes == round(2 * dispatched * load)
+        assert forward.shape == (round(S * TOP_K * load), H)
+        assert backward == input_pass == replace(forward, op="moe_sort_chunks_by_index_backward")
+        assert sorts["wgrad"] == []
+    alltoall, deepep = profile(expert=4), profile(expert=4, token_dispatcher="deepep")
+    sort_ms = 2 * (H100.curve.kernel_overhead_ms + 2 * dispatched / DEVICE.memory_bytes_per_ms)
+    for one, other, counted_layer in zip(alltoall.layers, deepep.layers, counted().layers):
+        extra = sort_ms if counted_layer.dispatched_bytes else 0.0
+        for name in ("fwd", "bwd", "igrad"):
+            assert getattr(one, name).median_ms - getattr(other, name).median_ms == pytest.approx(extra)
+        assert one.wgrad == other.wgrad
+    one_each, deepep_each = profile(expert=8), profile(expert=8, token_dispatcher="deepep")
+    assert [layer.fwd for layer in one_each.layers] == [layer.fwd for layer in deepep_each.layers]
+
+
 def test_every_rank_waits_for_the_busiest_ones_work_and_all_to_alls():
     group = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8)
     balanced, hot = profile(expert=4), profile(expert=4, hot_expert_share=0.3)
