@@ -41,7 +41,9 @@ of the simulated peak, which adds transfer buffers and overlaps on top); its cos
 per step plus the REDUCE it must wait out, and a flushing chain's bound: an upper bound of samples/s that
 tests hold to the simulation. Candidates over the staleness limit or
 with a floor over the cap are out unsimulated; the rest are simulated best bound first, until the bound
-falls below the sixth best row found, so the choice and its five runners-up are exact. Excluded
+falls below the sixth best row found, so the choice and its five runners-up are exact; the caching
+allocator's reserve, the dear part of a simulation, is replayed only for a result that could be kept by its
+speed and its peak less the reserve (`top_groups`). Excluded
 candidates whose floor fits are simulated, best bound first, only while their bound beats the choice: what
 the limits cost (one whose floor is over the cap holds more than the device before any schedule runs).
 The limit that changes what a run trains is staleness (synchronous by default): so that it is not a hidden
@@ -93,7 +95,7 @@ from ..schedules import (
 from ..sim.cluster import Cluster
 from ..sim.costs import Costs
 from ..sim.engine import simulate, static_bytes
-from ..traces import summarize
+from ..traces import Summary, summarize
 from ..units import GIB
 from .auto import activation_ratio, check_shape, schedule_frame
 from .scenario import CollectiveLink, Scenario, profile_costs
@@ -101,6 +103,7 @@ from .scenario import CollectiveLink, Scenario, profile_costs
 RUNNERS_UP = 5
 COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
                     for kind in KINDS[:NUM_COMPUTE_KINDS]])
+_UNBOUNDED_BYTES = 1 << 62  # a peak no cap admits
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
 CRITICAL_STEPS = 4  # steps of those a critical path follows (`_with_critical_path`), fewer than STEADY_STEPS
 
@@ -350,7 +353,15 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     only once no search is out (a candidate it builds goes back on the heap), and a shape or candidate popped
     only because a result before it was not in yet has a bound no better than the first that would have
     stopped the search, so its result can neither beat `above` nor enter the groups kept (which groups are
-    kept does not depend on the order results come in); it was only built or simulated for nothing."""
+    kept does not depend on the order results come in); it was only built or simulated for nothing.
+
+    A result is first taken with its peak less the caching allocator's reserve (`_Built.floor`), which is at
+    least 0 (max reserved >= max allocated): a lower bound of its peak. Its speed alone says whether it beats
+    `above` and whether its group would rank above the last group kept; `keep` compares the peak with the cap
+    (at most or over it), so if it refuses both that bound and an unbounded peak it refuses the peak between.
+    Only a result that passes all three is replayed (`_Built.result`), for its peak: whether `keep` takes it,
+    its twins and its rank among equally fast ones. So the groups kept are the ones every result replayed
+    gives."""
     heap = []
     for shape in shapes:
         item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
@@ -368,8 +379,14 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             if candidate is not None and eligible(candidate):
                 heapq.heappush(heap, (-candidate.max_samples_per_s, item.index, candidate))
             return
+        result = built.floor(item)  # its peak without the caching allocator's reserve, a lower bound
+        speed = speed_key(result.samples_per_s)
+        if speed <= above or (len(kept) >= groups and speed < speed_key(kept[-1][0].samples_per_s)):
+            return  # its group would rank below the last kept: cut, whatever its peak
+        if not (keep(result) or keep(replace(result, peak_memory_bytes=_UNBOUNDED_BYTES))):
+            return  # refused at its least peak and at any larger one: at its own too (`keep` compares it to a cap)
         result = built.result(item)
-        if not keep(result) or speed_key(result.samples_per_s) <= above:
+        if not keep(result):
             return
         group = next((g for g in kept if twins(g[0], result)), None)
         if group is not None:
@@ -419,11 +436,11 @@ def _accounts(shapes: list[Shape], built: _Built, problem: Problem) -> tuple[int
             refused += 1
         elif item.staleness is not None and item.staleness > limit:
             stale += 1
-            over += shape.index in built.results
+            over += shape.index in built.floors
         elif item.memory_floor_bytes > cap:
             heavy += 1
-            over += shape.index in built.results
-        elif shape.index in built.results:
+            over += shape.index in built.floors
+        elif shape.index in built.floors:
             within += 1
         else:
             pruned += 1
@@ -448,7 +465,8 @@ class _Built:
         self._searching: dict[int, Future] = {}
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
-        self.results: dict[int, Result] = {}
+        self.floors: dict[int, Result] = {}  # simulated, the peak without the caching allocator's reserve
+        self.results: dict[int, Result] = {}  # the reserve replayed too: the peak simulate gives
         self.partitioned: dict[int, Shape] = {}  # shapes bounded again on their partitions before they are built
         self._cut: dict[int, Shape] = {}  # fixed chains' shapes bounded over their best cut
         self._plans: dict[int, tuple] = {}  # fixed orders' partitions (`_plan`), which their candidates reuse
@@ -587,16 +605,32 @@ class _Built:
     def submit(self, candidate: Candidate) -> None:
         """Start simulating the candidate in a worker, if there are workers and it is not simulated yet."""
         index = candidate.index
-        if self._pool is not None and index not in self.results and index not in self._simulating:
-            self._simulating[index] = self._pool.submit(_measured, self.problem, candidate)
+        if self._pool is not None and index not in self.floors and index not in self._simulating:
+            self._simulating[index] = self._pool.submit(_measured, self.problem, candidate, False)
+
+    def floor(self, candidate: Candidate) -> Result:
+        """The candidate simulated, its peak without the caching allocator's reserve (the replay, the dear part
+        of a simulation: `result` adds it), a lower bound of the peak; the peak itself where nothing is
+        replayed (`Scenario.allocations` None)."""
+        index = candidate.index
+        if index not in self.floors:
+            running = self._simulating.pop(index, None)
+            measured = running.result() if running is not None else _measured(self.problem, candidate, False)
+            self.floors[index] = Result(candidate, *measured)
+            if candidate.setting.scenario.allocations is None:
+                self.results[index] = self.floors[index]
+            self._progress()
+        return self.floors[index]
 
     def result(self, candidate: Candidate) -> Result:
+        """The candidate simulated with the caching allocator's reserve: the peak simulate and sweep give (its
+        replay in a worker, if there are workers)."""
         index = candidate.index
         if index not in self.results:
-            running = self._simulating.pop(index, None)
-            measured = running.result() if running is not None else _measured(self.problem, candidate)
-            self.results[index] = Result(candidate, *measured)
-            self._progress()
+            floor = self.floor(candidate)
+            peak_bytes = (self._pool.submit(_reserved_peak_bytes, candidate).result() if self._pool is not None
+                          else _reserved_peak_bytes(candidate))
+            self.results[index] = replace(floor, peak_memory_bytes=peak_bytes)
         return self.results[index]
 
     def __enter__(self) -> _Built:
@@ -609,7 +643,7 @@ class _Built:
     def _progress(self) -> None:
         if self._report is not None:
             self._report(f"searching {self._shapes:,} configurations, best bound first: {len(self.candidates):,} "
-                         f"built, {len(self.results):,} simulated")
+                         f"built, {len(self.floors):,} simulated")
 
 
 def _searched_candidate(setting: Setting, problem: Problem, config: Config, index: int) -> Candidate | None:
@@ -907,22 +941,37 @@ def evaluate(problem: Problem, candidate: Candidate) -> Result:
     return Result(candidate, *_measured(problem, candidate))
 
 
-def _measured(problem: Problem, candidate: Candidate) -> tuple[float, float, float, int]:
+def _measured(problem: Problem, candidate: Candidate, reserve: bool = True) -> tuple[float, float, float, int]:
     """`evaluate`'s figures without the candidate (a worker sends back only these): samples/s, the step in ms,
-    the bubble fraction and the peak memory in bytes."""
+    the bubble fraction and the peak memory in bytes, with the caching allocator's reserve if `reserve` (as
+    simulate's and sweep's peaks), else without it (the tensors alone: no more than that peak)."""
     config, scenario = candidate.config, candidate.setting.scenario
     links = scenario.links(candidate.schedule)
     short = candidate.short_schedule or build(scenario, problem, config.schedule, replace(
         candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
     long_trace = simulate(candidate.schedule, candidate.costs, links)
-    scenario.add_reserve(candidate.schedule, long_trace)  # the caching allocator's, as simulate's and sweep's peaks
+    if reserve:
+        scenario.add_reserve(candidate.schedule, long_trace)
     long_run = summarize(long_trace)
     short_run = summarize(simulate(short, candidate.costs, links))
     growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
         candidate.schedule.minibatches - candidate.short_minibatches)
     step_ms = max(growth_ms, candidate.busiest_ms)
     return (problem.batch_size / step_ms * 1e3, step_ms, 1.0 - float(candidate.busy_ms.mean()) / step_ms,
-            round(long_run.peak_memory_mb * (1 << 20)))
+            _peak_bytes(long_run))
+
+
+def _reserved_peak_bytes(candidate: Candidate) -> int:
+    """The long run's peak with the caching allocator's reserve: `_measured`'s, for a result first simulated
+    without it (the simulation again, a small part of the replay's time, rather than its trace sent back)."""
+    scenario = candidate.setting.scenario
+    trace = simulate(candidate.schedule, candidate.costs, scenario.links(candidate.schedule))
+    scenario.add_reserve(candidate.schedule, trace)
+    return _peak_bytes(summarize(trace))
+
+
+def _peak_bytes(run: Summary) -> int:
+    return round(run.peak_memory_mb * (1 << 20))
 
 
 def explain(result: Result, choice: Result, problem: Problem) -> str:

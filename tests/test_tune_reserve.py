@@ -49,3 +49,95 @@ def test_allocator_without_gpu_is_refused_in_one_line():
     code, _, err = pipesim("tune", "--profile", "traces/profiles/gpt-cpu.json", "--devices", 8, "--memory-gb", 0.3,
                            "--allocator", "none")
     assert code == 2 and "--allocator" in err and len(err.strip().splitlines()) == 1
+
+
+class _Captured(Exception):
+    """Raised in place of the search: the command line's settings are all the fixture wanted."""
+
+
+@pytest.fixture(scope="module")
+def small_gpt_settings():
+    """The profiles `tune --gpu` searches for MODEL on 4 GPUs at b = 2, t = 1, no recomputation (one per p), their
+    caching allocator's allocations replayed as simulate's."""
+    from pipesim.planning import tune as tuning
+
+    captured = []
+
+    def capture(settings, *_):
+        captured.extend(settings)
+        raise _Captured
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning, "tune", capture)
+        with pytest.raises(_Captured):
+            pipesim("tune", *MODEL, "-D", 4, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--recompute", "none")
+    assert captured and all(setting.scenario.allocations is not None for setting in captured)
+    return captured
+
+
+def replaying_every_candidate(patch) -> None:
+    """The search as it was before it replayed lazily: every candidate simulated has its reserve replayed at once."""
+    from pipesim.planning import tune as tuning
+
+    def floor(built, candidate):
+        if candidate.index not in built.floors:
+            built.floors[candidate.index] = built.results[candidate.index] = tuning.evaluate(built.problem, candidate)
+        return built.floors[candidate.index]
+
+    patch.setattr(tuning._Built, "floor", floor)
+
+
+def counting_replays(patch) -> list[int]:
+    """Count the caching allocator's replays (one per candidate replayed) from now on."""
+    from pipesim.planning import scenario
+
+    replays = []
+    real = scenario.Scenario.add_reserve
+
+    def add_reserve(self, schedule, trace):
+        replays.append(self.allocations is not None)
+        real(self, schedule, trace)
+
+    patch.setattr(scenario.Scenario, "add_reserve", add_reserve)
+    return replays
+
+
+def answer(tuning_found) -> dict:
+    document = tuning_found.to_dict()
+    del document["search"]["seconds"]
+    return document
+
+
+@pytest.mark.parametrize("cap_gib,max_staleness", [(0.3, 0), (0.35, 1), (0.4, 0)])
+def test_replaying_only_the_results_the_answer_needs_gives_the_answer_of_replaying_every_one(
+        small_gpt_settings, cap_gib, max_staleness):
+    """The caps cut between some configurations' max allocated and max reserved, and rule others out by their
+    floor alone: the choice, runners-up, 'over' rows, staler winner, peaks and counts are the same, and at the
+    tightest cap fewer candidates are replayed than simulated."""
+    from pipesim.planning import tune as tuning
+    from pipesim.schedules import METHODS
+
+    problem = tuning.Problem(4, int(cap_gib * tuning.GIB), 32, tuple(METHODS), max_staleness)
+    with pytest.MonkeyPatch.context() as patch:
+        replays = counting_replays(patch)
+        lazy = tuning.tune(small_gpt_settings, problem)
+        lazy_replays = sum(replays)
+        replaying_every_candidate(patch)
+        eager = tuning.tune(small_gpt_settings, problem)
+    assert answer(lazy) == answer(eager)
+    simulated = lazy.stats.simulated + lazy.stats.simulated_over_limits
+    assert lazy_replays <= simulated and (cap_gib != 0.3 or lazy_replays < simulated)
+
+
+def test_the_json_is_the_one_replaying_every_candidate_gives():
+    """The command line (its worker processes replay) prints what replaying every simulated candidate prints."""
+    flags = (*MODEL, "-D", 4, "-B", 16, "-b", 2, "--tensor-parallel", 1, "--memory-gb", 0.3, "--json")
+    code, out, err = pipesim("tune", *flags)
+    assert code == 0, err
+    with pytest.MonkeyPatch.context() as patch:
+        replaying_every_candidate(patch)
+        code, eager, err = pipesim("tune", *flags)
+    assert code == 0, err
+    lazy, eager = json.loads(out), json.loads(eager)
+    del lazy["search"]["seconds"], eager["search"]["seconds"]
+    assert lazy == eager
