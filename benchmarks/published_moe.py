@@ -25,7 +25,9 @@ where the row has virtual stages, the layers cut into equal blocks where they di
 cut), else balanced, and the tokens dispatched as the layout's recipe did (`DISPATCHERS`), with Megatron-core's
 expert-parallel overlap where the recipe sets moe_a2a_overlap (`--overlap-expert-comm`, `A2A_OVERLAP`). Routing is
 balanced, as the summary's footnote says its MoE runs force it. The predicted tokens/s per GPU is the global batch's
-tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why. Each command's
+tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why; a row whose
+release's recipe ran another layout than the row prints runs that layout (`RELEASE_LAYOUTS`, each with its
+source), listed too. Each command's
 fullest device's peak memory is printed with it: the summaries publish no memory figure, but every row ran, so none
 should be marked out of memory.
 
@@ -63,7 +65,9 @@ FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te"}
 # (model, t, p, v, E) -> --token-dispatcher: the layout's H100 recipe in Megatron-Bridge's history (README.md there);
 # the rest ran the model provider's default, NCCL's all-to-all (qwen_provider.py: moe_token_dispatcher_type)
 DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): "deepep",  # HybridEP, the layout's only recipe (4a64507, 2026-02-23)
-               ("Qwen3_30B_a3B", 1, 2, 12, 8): "deepep"}  # DeepEP with GBS 1024, 90bdd9f and c4cc63b (2026-02-13)
+               # DeepEP with GBS 1024 (90bdd9f, c4cc63b): in r0.3.0 (26.02) qwen3_llm_pretrain.py hands the base
+               # config's deepep to the library recipe, whose apply_flex_dispatcher_backend picks flex on Hopper
+               ("Qwen3_30B_a3B", 1, 2, 12, 8): "deepep"}
 # (model, t, p, v, E) -> the containers whose recipe for that layout sets moe_a2a_overlap (Megatron-core's
 # overlap_moe_expert_parallel_comm: `--overlap-expert-comm`), each with its line in Megatron-Bridge. 25.09 ran
 # v0.1.0's recipe, which sets no overlap (scripts/performance/configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml at
@@ -78,6 +82,17 @@ A2A_OVERLAP = {
     # scripts/performance/configs/qwen/qwen3_workload_base_configs.py at c4cc63b, line 429,
     # QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 (p 2, v 12, DeepEP, GBS 1024): moe_a2a_overlap=True
     ("Qwen3_30B_a3B", 1, 2, 12, 8): ("26.",),
+}
+# (container, model) -> the layout (t, p, v, E) its release's recipe ran where the row prints another, with why.
+# 26.02.01 is Megatron-Bridge r0.3.1 (its docs/releases/known-issues.md at v0.4.0: "Fixed in 26.02.01 (r0.3.1)"),
+# whose only H100 FP8-CS Qwen3-30B-A3B recipe is t1 p1 E16 over HybridEP without moe_a2a_overlap
+# (scripts/performance/configs/qwen/qwen3_workload_base_configs.py at v0.3.1, QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_
+# FP8_CS_V1: f29a269f8, the cherry-pick of 4a6450755, "Update Qwen3 30B H100 Base Configs with HybridEP"); the row
+# prints 26.02's p2 v12 E8 (r0.3.0's recipe) and measures within 1-3 % of the E16 recipe's 26.04 to 26.06 rows.
+RELEASE_LAYOUTS = {
+    ("26.02.01", "Qwen3_30B_a3B"): ((1, 1, 1, 16), "Megatron-Bridge r0.3.1's only H100 FP8-CS recipe for it is "
+                                   "t1 p1 E16 over HybridEP, no expert overlap (qwen3_workload_base_configs.py at "
+                                   "v0.3.1; the row prints r0.3.0's p2 v12 E8)"),
 }
 NOT_EXPRESSIBLE = {
     "DeepSeekV3": "its recipe (scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml at 7623546) has a "
@@ -142,6 +157,8 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
                                                                "global_batch", "microbatch_size", "sequence_length",
                                                                "expert_parallel"))
         chunks = 1 if row["virtual_pipeline"] == "n/a" else int(row["virtual_pipeline"])
+        if (row["container"], model) in RELEASE_LAYOUTS:
+            t, p, chunks, e = RELEASE_LAYOUTS[row["container"], model][0]
         layout = (model, t, p, chunks, e)
         expressible.append((MoeRun(f"{row['container']} {row['model']} t{t} p{p} v{chunks} E{e}", PRESETS[model],
                                    gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get(layout),
@@ -200,6 +217,9 @@ def main() -> None:
     print("\nNot expressible:")
     for row, why in runs()[1]:
         print(f"{row['container']} {row['model']}: {why}")
+    print("\nRun as their release's recipe ran them, not as printed:")
+    for (container, model), (_, why) in RELEASE_LAYOUTS.items():
+        print(f"{container} {model}: {why}")
     print("\nThe commands, each with its rows (tokens/s per GPU: global batch x sequence over its ms/step x GPUs):")
     for command in dict.fromkeys(r["command"] for r in compared):
         ran = [r for r in compared if r["command"] == command]
