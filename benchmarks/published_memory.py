@@ -130,7 +130,9 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     rotation, and torchtitan's option, config_manager.py's --experimental.context_parallel_rotate_method, later
     job_config.py's parallelism.context_parallel_rotate_method, defaults to allgather); its MLP's SwiGLU as eager
     ops (`--no-swiglu-fusion`: models/llama3/model.py FeedForward, `w2(F.silu(w1(x)) * w3(x))`, keeps silu's output
-    beside the products' outputs; torch.compile's fusion is not modelled)."""
+    beside the products' outputs; torch.compile's fusion is not modelled); with a pipeline, torch's pipelining
+    holds the tensors passed between stages (`--pp-runtime torch`: its stages' receive buffers, outputs and
+    input gradients)."""
     layout = torchtitan_layout(row["parallelism"])
     seq = int(row["sequence_length"] or TORCHTITAN_SEQ)
     if seq > HF_MAX_POSITIONS:
@@ -147,7 +149,8 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
               if t > 1 else []),
             "-p", str(p), "-m", str(microbatches),
             "-s", "gpipe" if p == 1 else "interleaved-1f1b" if chunks > 1 else "1f1b",
-            *(["--chunks", str(chunks)] if chunks > 1 else []), "--data-parallel", str(d),
+            *(["--chunks", str(chunks)] if chunks > 1 else []), *(["--pp-runtime", "torch"] if p > 1 else []),
+            "--data-parallel", str(d),
             *(["--context-parallel", str(c), "--cp-rotate", "allgather"] if c > 1 else []),
             "--zero", "3", "--precision", "fsdp2", "--no-swiglu-fusion",
             "--recompute", "op" if row["activation_checkpointing"] == "selective" else "full"]

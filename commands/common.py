@@ -89,6 +89,13 @@ ReduceAfterFlush = Annotated[bool, typer.Option(
     "--reduce-after-flush", help="With --data-parallel: a device all-reduces its stages' gradients once its last "
                                  "backward of the mini-batch is done (Megatron-LM's DDP), instead of each stage's "
                                  "right after that stage's last backward, overlapping the rest (torch DDP).")]
+PpRuntime = Annotated[str, typer.Option(
+    "--pp-runtime", metavar="RUNTIME", help="Whose pipeline runtime holds the tensors passed between stages: "
+                                            "pipesim (a received one from its arrival until its forward or "
+                                            "backward ends, a sent one until sent; the default) or torch "
+                                            "(torch.distributed.pipelining's stage: a receive buffer per "
+                                            "micro-batch for every input and output gradient, kept, and every "
+                                            "forward's output and input gradient kept until the update).")]
 StageCut = Annotated[str, typer.Option(
     "--stage-cut", metavar="HOW", help="How --gpu's or --profile's layers are cut into the p·v model stages: "
                                        "balanced (the slowest stage as fast as can be, PipeDream's planner) or "
@@ -664,7 +671,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     --profile's."""
     from ..planning.scenario import Scenario, first_last
     from ..sim import OPTIMIZER_STATE_FACTOR, CostError, load_cluster
-    from ..sim.costs import PRECISIONS
+    from ..sim.costs import PP_RUNTIMES, PRECISIONS
 
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
@@ -688,6 +695,9 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
+    pp_runtime = flags.get("pp_runtime", "pipesim")
+    if pp_runtime not in PP_RUNTIMES:
+        raise InputError(f"--pp-runtime: choose from {', '.join(PP_RUNTIMES)} (got {pp_runtime!r})")
     stage_cut = flags.get("stage_cut", "balanced")
     try:
         first_last(stage_cut)
@@ -716,7 +726,8 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         per_stage, flags["wgrad_fraction"], flags["opt"], flags["pred"], flags["avg"], flags["optimizer"],
         flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology, measured,
         _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network, stage_cut=stage_cut,
-        precision=precision or "fp32", overlap_expert_comm=bool(flags.get("overlap_expert_comm")))
+        precision=precision or "fp32", overlap_expert_comm=bool(flags.get("overlap_expert_comm")),
+        pp_runtime=pp_runtime)
 
 
 def searched_scenario(ctx: typer.Context, method, measured: Profile | None = None) -> Scenario | None:

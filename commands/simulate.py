@@ -30,6 +30,7 @@ from .common import (
     MicrobatchSize,
     NetworkGbS,
     Pipelines,
+    PpRuntime,
     PredictionSource,
     Recompute,
     ReduceAfterFlush,
@@ -152,6 +153,7 @@ def simulate(
     reduce_after_flush: ReduceAfterFlush = False,
     recompute: Recompute = "none",
     allocator: Allocator = "caching",
+    pp_runtime: PpRuntime = "pipesim",
     stage_cut: StageCut = "balanced",
     jitter: Annotated[float, typer.Option(
         "--jitter", min=0.0, metavar="SIGMA", help="Sigma of a log-normal factor on every compute time (0: "
@@ -562,7 +564,8 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
                           "accumulated, optimizer state with its master weights, activations saved for the "
-                          "backward, buffers of transfers in flight, what the running pass creates and frees "
+                          "backward, buffers of transfers in flight (--pp-runtime torch: its stages' kept ones), what "
+                          "the running pass creates and frees "
                           "within itself, the segments torch's caching allocator keeps cached beside them (--gpu's "
                           "--allocator caching; not replayed for a mixture of experts); --json: peak_memory_parts_mb")
     table.add_column("schedule", no_wrap=True)

@@ -67,6 +67,10 @@ PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
               "nemo-bf16-adam": Precision(2, 2, 0, 2), "megatron-bf16-moments": Precision(2, 4, 4, 2)}
 
 
+# Whose pipeline runtime holds the boundary tensors (`Costs.pp_runtime`, `--pp-runtime`).
+PP_RUNTIMES = ("pipesim", "torch")
+
+
 class CostError(ValueError):
     """Costs that cannot describe a run; the message names the field and what is allowed."""
 
@@ -255,6 +259,15 @@ class Costs:
     network (none named: every collective on that one). The simulator keeps a stream per device and link: rows on
     one link run one after another, on different links side by side (a context ring on NVLink beside the
     data-parallel reduce-scatter across nodes, as Megatron runs them on their own communicators).
+
+    `pp_runtime`: whose pipeline runtime holds the boundary tensors (`PP_RUNTIMES`). pipesim: a received tensor
+    is a buffer from its arrival until its consumer ends, a sent one until its transfer ends. torch:
+    torch.distributed.pipelining's stage (torch/distributed/pipelining/stage.py as torchtitan ran it in December
+    2024, torch 1963fc8; docs/benchmarks.md) makes one receive buffer per micro-batch for every input
+    (`_prepare_forward_infra`) and every output's gradient (`_prepare_backward_infra`) at its first step and keeps
+    them, computes a forward on the buffer itself, keeps every forward's output (`output_chunks`, which its sends
+    read) and leaves every input's gradient on its buffer (`stage_backward` reads `.grad`) until the next step's
+    `clear_runtime_states`: sim/engine.py's `_memory_tables` and `static_parts`.
     """
 
     stages: tuple[StageCosts, ...]
@@ -266,8 +279,11 @@ class Costs:
     calibration: dict | None = None
     overlap_hidden_fraction: float = 0.0
     collective_links: dict[str, str] = field(default_factory=dict)
+    pp_runtime: str = "pipesim"
 
     def __post_init__(self) -> None:
+        if self.pp_runtime not in PP_RUNTIMES:
+            raise CostError(f"pp_runtime: choose from {', '.join(PP_RUNTIMES)} (got {self.pp_runtime!r})")
         if not isinstance(self.recv_window, int) or self.recv_window < 0:
             raise CostError(f"recv_window must be a whole number >= 0 (got {self.recv_window!r})")
         if any(kind not in COLLECTIVE_KIND_NAMES or not isinstance(link, str) or not link

@@ -31,7 +31,7 @@ import simpy
 
 from .. import __version__
 from ..memory_parts import MEMORY_PARTS, SAVERS
-from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleError, kind_mask, validate
+from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind, Read, Schedule, ScheduleError, kind_mask, validate
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
@@ -392,19 +392,30 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
             local_in[dst] += stages[src].output_bytes
     roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
     kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
+    # torch's stage computes a forward on its receive buffer itself, a buffer `static_parts` counts whole: of what
+    # the stage holds from F, the inputs it receives (saved by its first layer, or held as roots) are that buffer.
+    torch_buffers = costs.pp_runtime == "torch"
+    received = np.zeros(len(stages), dtype=np.int64)
+    for channel, size in zip(lowered.channels, channel_bytes):
+        if torch_buffers and not channel.backward:
+            received[channel.receiver] += size
+    received = np.minimum(received, activation - kept + roots)
+    own = activation + roots - received
     # Per stage and kind, the bytes a row takes at its start and gives back at its end.
     at_start, at_end = tables((len(stages), len(KINDS))), tables((len(stages), len(KINDS)))
-    at_start["activations"][:, KIND_CODE[Kind.F]] = activation + roots
-    at_end["activations"][:, KIND_CODE[Kind.B]] = -(activation + roots)
-    at_end["activations"][:, KIND_CODE[Kind.I]] = -(activation - kept + roots)
+    at_start["activations"][:, KIND_CODE[Kind.F]] = own
+    at_end["activations"][:, KIND_CODE[Kind.B]] = -own
+    at_end["activations"][:, KIND_CODE[Kind.I]] = -(own - kept)
     at_end["activations"][:, KIND_CODE[Kind.W]] = -kept
-    # The activations by what saves them, where a stage says (else all other), each kept from I until W in
-    # proportion; other takes the boundary tensors and what rounding leaves, so that they sum to the activations.
+    # The activations by what saves them, where a stage says (else all other), each kept from I until W and each
+    # short of a received input in proportion; other takes the boundary tensors and what rounding leaves, so that
+    # they sum to the activations.
     for k, c in enumerate(stages):
         for saver, held in (c.activation_parts or {}).items():
             if saver == "other" or not held:
                 continue
             kept_here = int(kept[k]) * held // int(activation[k])
+            held -= int(received[k]) * held // int(activation[k])
             key = f"activations.{saver}"
             at_start[key][k, KIND_CODE[Kind.F]] = held
             at_end[key][k, KIND_CODE[Kind.B]] = -held
@@ -425,13 +436,18 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     # stage its RECV among the RECVs before it; a gradient's, each B or I), so the buffers they make and free at
     # the compute rows are entries of the same tables. Per channel, a SEND's and a RECV's own deltas.
     transfer_start, transfer_end = tables((len(lowered.channels), 2)), tables((len(lowered.channels), 2))
-    buffers, sent, received = at_start["communication"], at_end["communication"], transfer_start["communication"]
+    buffers, sent, arrived = at_start["communication"], at_end["communication"], transfer_start["communication"]
+    kept_to_update = np.zeros(len(stages), dtype=np.int64)  # torch's: per stage, what each micro-batch leaves
     for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
         owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
+        if torch_buffers:  # a forward's output (`output_chunks`), an input's gradient (its buffer's `.grad`),
+            sent[channel.sender, owners] += size  # from the row that makes it until the stage's update; received
+            kept_to_update[channel.sender] += size  # into a buffer of `static_parts`'
+            continue
         if channel.backward or not own_boundary[channel.sender]:  # the sent tensor, a buffer of its own: made
             sent[channel.sender, owners] += size  # by the row before the SEND, held until the transfer ends
             transfer_end["communication"][c, 0] = -size
-        received[c, 1] = size  # the received one, from its arrival until its consumer (the row after the RECV)
+        arrived[c, 1] = size  # the received one, from its arrival until its consumer (the row after the RECV)
         if channel.backward or not own_boundary[channel.receiver]:  # ends; the consumer's own from its start
             sent[channel.receiver, owners] -= size  # where the stage holds its input (`held_bytes` or
         else:  # `activation_bytes` count it, as activations, from there on)
@@ -448,6 +464,15 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         order = np.argsort(both, kind="stable")
         sparse["gradients"] = (both[order], np.concatenate([opening, np.zeros_like(closing)])[order],
                                np.concatenate([np.zeros_like(opening), closing])[order])
+    if torch_buffers:  # freed as the update ends: the next step's `clear_runtime_states` comes after it
+        updates = _per_replica_minibatch(t, schedule, (Kind.OPT,)).last
+        policy = schedule.policy
+        if (schedule.pipelines != 1 or policy.forward is not Read.LATEST or policy.backward is not Read.LATEST
+                or len(updates) != len(stages) * schedule.minibatches):
+            raise ScheduleError(f"{schedule.method}: --pp-runtime torch is torch.distributed.pipelining's stage, "
+                                "which runs one synchronous pipeline whose stages each update once a mini-batch")
+        forwards = np.bincount(t.stage[t.kind == KIND_CODE[Kind.F]], minlength=len(stages)) // schedule.minibatches
+        sparse["communication"] = _merged(_events(updates, end=-(forwards * kept_to_update)[stage[updates]]))
     if schedule.zero >= 2:
         for part, (rows_of, start_of, end_of) in _unsharded(lowered, costs, at_start, at_end).items():
             sparse[part] = _merged(sparse[part], (rows_of, start_of, end_of))
@@ -596,9 +621,16 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/(d·C) of
     itself where ZeRO's stage shards it over the d replicas and C context ranks (ZeRO-2's and 3's gradients, held
     only from a backward until the update, and ZeRO-3's whole weights while computed with, are `_unsharded`'s), and
-    the policy's extra weight copies and a float8 recipe's weight casts, whole (parameters). Its memory never drops
-    below their sum."""
+    the policy's extra weight copies and a float8 recipe's weight casts, whole (parameters), and under torch's
+    pipelining (`Costs.pp_runtime`) its stages' receive buffers, one a micro-batch for every input from another
+    device and every gradient of an output to one (communication). Its memory never drops below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
+    receive_buffers = [0] * schedule.num_devices
+    if costs.pp_runtime == "torch":
+        for src, dst in schedule.graph.edges:
+            if schedule.placement[src] != schedule.placement[dst]:
+                for device in (schedule.placement[src], schedule.placement[dst]):
+                    receive_buffers[device] += schedule.microbatches * costs.stages[src].output_bytes
 
     def shard(nbytes: int) -> int:
         return -(-nbytes // schedule.gradient_ranks)
@@ -617,7 +649,8 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
         float8 = sum(c.float8_weight_bytes for c in mine)  # a float8 recipe's weight casts: never sharded
         held = {"parameters": (stored + float8) * schedule.pipelines + schedule.policy.extra_copies * weights,
                 "gradients": grads * schedule.pipelines,
-                "optimizer_state": state * schedule.pipelines}
+                "optimizer_state": state * schedule.pipelines,
+                "communication": receive_buffers[device]}
         for part, values in parts.items():
             values.append(held.get(part, 0))
     return parts

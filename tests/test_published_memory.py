@@ -80,6 +80,7 @@ def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(mon
         assert ("--tp-runtime torch" in pairs) == ("TP 8" in r["run"])  # and its layers, DTensor's
         context = "CP" in r["run"] and ", CP 1" not in r["run"]
         assert ("--cp-rotate allgather" in pairs) == context  # and its context parallel, torch's all-gather
+        assert ("--pp-runtime torch" in pairs) == ("PP 8" in r["run"])  # and its pipeline, torch's pipelining
     for r in plain:
         assert {"--recompute op", "--seq-len 8192", "-b 2"} <= flag_pairs(r["command"])
     row = next(r for r in compared if r["run"].startswith("Table 5") and "interleaved" in r["run"])

@@ -1,0 +1,54 @@
+"""`--pp-runtime torch`: the tensors passed between stages as torch.distributed.pipelining's stage holds them (a
+receive buffer per micro-batch for every input and output gradient, kept; every forward's output and input
+gradient kept until the update), against pipesim's runtime (buffers only while in flight)."""
+
+import pytest
+
+from tests.conftest import pipesim, simulate_json
+
+# 1F1B on 4 devices, 8 micro-batches: 100 MiB of weights, 10 MiB of activations a micro-batch (its 2 MiB input
+# among them: the first layer saves it) and 2 MiB sent to the next stage.
+ONE_F_ONE_B = ["--schedule", "1f1b", "-p", "4", "-m", "8", "--param-mb", "100", "--activation-mb", "10",
+               "--output-mb", "2"]
+STATIC = {"parameters": 100, "gradients": 100, "optimizer_state": 200, "transient": 0, "reserve": 0}
+
+
+def peak_parts(*args: str) -> list[dict[str, float]]:
+    result, = simulate_json(*ONE_F_ONE_B, *args)
+    for device in result["devices"]:
+        assert sum(device["peak_memory_parts_mb"].values()) == pytest.approx(device["peak_memory_mb"], rel=1e-12)
+    return [device["peak_memory_parts_mb"] for device in result["devices"]]
+
+
+def test_torchs_stage_keeps_its_buffers_outputs_and_input_gradients_until_the_update():
+    """The first stage at its last forward: 4 micro-batches in flight, its 8 outputs kept and 8 gradient receive
+    buffers (32 MiB, where pipesim's runtime holds one sent output); the last stage at its last forward: one in
+    flight without the 2 MiB input its receive buffer holds, 8 input buffers and 7 input gradients kept (30 MiB);
+    a middle stage: 3 in flight, 8 + 8 buffers, 8 outputs and 5 input gradients."""
+    pipesim_runtime = peak_parts("-n", "2")
+    assert [p["communication"] for p in pipesim_runtime] == [2, 4, 4, 2]
+    torch = peak_parts("-n", "2", "--pp-runtime", "torch")
+    assert torch[0] == {**STATIC, "activations": 4 * 10, "communication": (8 + 8) * 2}
+    assert torch[1] == {**STATIC, "activations": 3 * (10 - 2), "communication": (8 + 8 + 8 + 5) * 2}
+    assert torch[3] == {**STATIC, "activations": 10 - 2, "communication": (8 + 7) * 2}
+    assert peak_parts("-n", "3", "--pp-runtime", "torch") == torch  # freed at each update: no step adds to it
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "dualpipev", "gpipe"])
+def test_parts_sum_to_the_peak_under_torchs_stage(name):
+    result, = simulate_json("--schedule", name, "--param-mb", "96", "--activation-mb", "12", "--output-mb", "3",
+                            "--comm", "0.4", "-n", "2", "--pp-runtime", "torch")
+    for device in result["devices"]:
+        assert sum(device["peak_memory_parts_mb"].values()) == pytest.approx(device["peak_memory_mb"], rel=1e-12)
+        assert device["peak_memory_parts_mb"]["activations"] > 0
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--pp-runtime", "jax"], "error: --pp-runtime: choose from pipesim, torch (got 'jax')\n"),
+    (["--pp-runtime", "torch", "--schedule", "pipedream"],
+     "error: pipedream: --pp-runtime torch is torch.distributed.pipelining's stage, which runs one synchronous "
+     "pipeline whose stages each update once a mini-batch\n"),
+])
+def test_a_runtime_that_cannot_run_it_is_one_line(flags, message):
+    code, out, err = pipesim("simulate", *flags)
+    assert (code, out, err) == (2, "", message)
