@@ -169,7 +169,7 @@ def test_a_curve_fitted_to_a_profile_recovers_the_curve_that_made_it_and_predict
     assert [layer.bwd.median_ms for layer in predicted.layers] == pytest.approx(
         [layer.bwd.median_ms for layer in actual.layers], rel=1e-6)
     with pytest.raises(EstimateError, match="layers"):
-        fit_rates(measured, larger.__class__(**{**larger.__dict__, "layers": larger.layers[:2]}), 1, [(1, 1)])
+        fit_rates(measured, replace(larger, layers=larger.layers[:2]), 1, [(1, 1)])
     with pytest.raises(EstimateError, match="memory_efficiency"):  # a datasheet below what was measured
         curve_for(rates, peak, bandwidth / 2, A100.curve, "x")
 
