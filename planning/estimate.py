@@ -1165,32 +1165,34 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
                                                 * layer.param_bytes // element) * state_share) // shards
                                    for name in OPTIMIZERS}))
+    costs = layer_costs(layers, optimizer)
     if bounds is None:
-        bounds = partition(layer_costs(layers, optimizer), parallel.pipeline)
+        bounds = partition(costs, parallel.pipeline)
+    weight_shards = experts.weight_shards
+    held_shares = [1.0 if parallel.sharded_optimizer else held_share(layer, weight_shards) for layer in counted.layers]
+    # each layer's bytes an optimizer's step moves, found once: a stage's are its layers' summed in their order
+    step_bytes = {name: [(layer.optimizer_step_moved_bytes[name] * widen + 3 * ema * layer.param_bytes // element)
+                         * held for layer, held in zip(counted.layers, held_shares)] for name in OPTIMIZERS}
+
+    def memory_ms(nbytes: float) -> float:
+        return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms
+
     stage_steps = []
     for start, stop in zip(bounds, bounds[1:]):
-        mine = counted.layers[start:stop]
         # the weights this rank holds (its 1/t, and of the routed experts its 1/(E·ETP)), which its accumulation,
         # averaging, prediction and copy pass over: each layer's held `param_bytes` above
         params = sum(layer.param_bytes for layer in layers[start:stop])
-
-        def memory_ms(nbytes: float) -> float:
-            return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms
-
         # a float8 recipe's weight casts once per step (TransformerEngine's), each weight 1/t of itself
-        casts_ms = (sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in mine
-                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, experts.weight_shards))
+        casts_ms = (sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in counted.layers[start:stop]
+                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, weight_shards))
                     if parallel.fp8 else 0.0)
-        steps = {name: StepTimes(
-            step=_timing(casts_ms + memory_ms(sum((layer.optimizer_step_moved_bytes[name] * widen + 3 * ema *
-                                                   layer.param_bytes // element) * (
-                1.0 if parallel.sharded_optimizer else held_share(layer, experts.weight_shards)) for layer in mine)
-                                              / shards)),
-            predict=_timing(memory_ms(3 * params))) for name in OPTIMIZERS}
+        passes_weights = _timing(memory_ms(3 * params))  # a prediction's and the averaging's pass (frozen: shared)
+        steps = {name: StepTimes(step=_timing(casts_ms + memory_ms(sum(step_bytes[name][start:stop]) / shards)),
+                                 predict=passes_weights) for name in OPTIMIZERS}
         accumulate_ms = memory_ms(3 * params) if parallel.accumulation == "separate" else 0.0
-        stage_steps.append((steps, _timing(memory_ms(3 * params)), _timing(accumulate_ms),
-                            _timing(memory_ms(2 * params))))
-    stages = aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), stage_steps)
+        stage_steps.append((steps, passes_weights, _timing(accumulate_ms), _timing(memory_ms(2 * params))))
+    stages = aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), stage_steps,
+                              costs=costs)
     link = LinkProfile(segments=[LinkSegmentModel(min_bytes=0, latency_ms=links.stage.latency_ms,
                                                   bytes_per_ms=links.stage.bytes_per_ms)],
                        points=[], meta={"estimated": f"{links.stage.kind} by the placement"})

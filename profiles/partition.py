@@ -13,6 +13,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -165,13 +166,21 @@ def _check(layers: Sequence, stages: int) -> int:
 
 
 def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageCosts:
-    """Every range's `stage_ms`, to the bit (so that equal ranges tie exactly), for every stage: each range's
-    exact sum rounded once, as math.fsum rounds it, taken off integer prefix sums of the layers' times over their
-    common power-of-two denominator (Python's int division rounds correctly, half to even as fsum): n^2 divisions
-    instead of n^3 additions. A time that is not finite has no such integer: each range summed by fsum then."""
-    n = len(layers)
+    """Every range's `stage_ms`, to the bit (so that equal ranges tie exactly), for every stage
+    (`_range_ms`)."""
+    table = _range_ms(tuple(float(layer.ms) for layer in layers))
+    return lambda k: table
+
+
+@lru_cache(maxsize=64)
+def _range_ms(times: tuple[float, ...]) -> np.ndarray:
+    """Every range's sum of `times`, read-only: each range's exact sum rounded once, as math.fsum rounds it, taken
+    off integer prefix sums of the times over their common power-of-two denominator (Python's int division rounds
+    correctly, half to even as fsum): n^2 divisions instead of n^3 additions. A time that is not finite has no such
+    integer: each range summed by fsum then. Kept for the times: tune partitions one estimate's layers for every
+    depth p it searches."""
+    n = len(times)
     table = np.full((n + 1, n + 1), math.inf)
-    times = [float(layer.ms) for layer in layers]
     if all(map(math.isfinite, times)):
         ratios = [ms.as_integer_ratio() for ms in times]
         scale = max(denominator for _, denominator in ratios)
@@ -181,8 +190,9 @@ def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageCosts:
             table[i, i + 1:] = [(total - prefix[i]) / scale for total in prefix[i + 1:]]
     else:
         for i in range(n):
-            table[i, i + 1:] = [stage_ms(layers, i, j) for j in range(i + 1, n + 1)]
-    return lambda k: table
+            table[i, i + 1:] = [math.fsum(times[i:j]) for j in range(i + 1, n + 1)]
+    table.flags.writeable = False
+    return table
 
 
 def _one_f_one_b_bytes(layers: Sequence[LayerCost], stages: int) -> StageCosts:

@@ -598,11 +598,13 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
 
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
                      steps: list[StageSteps], passes: list[StagePasses] | None = None,
-                     held_bytes: list[int | None] | None = None) -> list[StageProfile]:
+                     held_bytes: list[int | None] | None = None,
+                     costs: list[LayerCost] | None = None) -> list[StageProfile]:
     """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
     averaging, gradient accumulation, weight copy), `passes` (where measured) its rows timed as the executor
-    runs them, which are then its times. `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`."""
-    costs = layer_costs(layers, optimizer)
+    runs them, which are then its times. `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`, of
+    the layers' `layer_costs` (`costs`, where the caller has them already)."""
+    costs = layer_costs(layers, optimizer) if costs is None else costs
     p = len(bounds) - 1
     ones = [1.0] * len(layers)
     out = []
@@ -648,7 +650,7 @@ def stage_transient_bytes(layers: list[LayerProfile], start: int, stop: int) -> 
     in the backward, which runs them first); the split backward keeps its graph for the weight pass and frees
     nothing as it goes. A stage fed by the batch alone runs its whole backward as the weight pass (`_summed`)."""
     mine = layers[start:stop]
-    after = [sum(layer.activation_bytes for layer in mine[i + 1:]) for i in range(len(mine))]
+    after = list(itertools.accumulate((layer.activation_bytes for layer in reversed(mine[1:])), initial=0))[::-1]
 
     def peak(name: str, freeing: bool) -> int:
         return max([0, *(layer.transient_bytes.get(name, 0) - (later if freeing else 0)

@@ -1,0 +1,119 @@
+"""tune --gpu estimates hundreds of profiles before it searches (commands/tune.py `_estimated_settings`); what makes
+that fast gives the figures it gave before: each stage's optimizer step against the sum it was taken as, stage by
+stage, the partitioner's range table against its own sums, a stage's transient peak against its sum over later
+layers, and the cyclic garbage collector held off while the estimates are made and restored after."""
+
+import gc
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import EMA_BYTES, Parallelism, _element_bytes, estimate_profile
+from pipesim.planning.experts import held_share
+from pipesim.profiles import partition as partitioning
+from pipesim.profiles.schema import OPTIMIZERS, LayerProfile, Timing, layer_costs, stage_transient_bytes
+from tests.conftest import pipesim
+
+torch = pytest.importorskip("torch")
+from pipesim.workload.count import count_built  # noqa: E402  (counting needs torch)
+
+H100 = load_catalogue().find("h100-sxm")
+GPT = {"layers": 4, "width": 128, "heads": 16, "seq_len": 32, "vocab": 1000}
+
+
+@pytest.mark.parametrize(("model", "parallel"), [
+    ("gpt", Parallelism(pipeline=3, data=2)),
+    ("gpt", Parallelism(tensor=2, pipeline=2, data=4, sharded_optimizer=True, ema="gpu")),
+    ("moe", Parallelism(pipeline=2, data=4, expert=4)),
+    ("moe", Parallelism(pipeline=3, data=4, expert=4, recompute="full", precision="fsdp2")),
+])
+def test_each_stage_step_is_its_layers_bytes_summed_in_order(model, parallel):
+    """Each layer's step bytes are found once a profile and a stage's summed from them: the same float, to the bit,
+    as summing the stage's layers one by one (the reference below, as the estimate summed them before)."""
+    options = GPT if model == "gpt" else {**GPT, "experts": 4, "top_k": 2, "expert_ffn": 128}
+    counted = count_built("gpt", options, 2, torch.bfloat16)
+    profile = estimate_profile(counted, H100, parallel)
+    held, element = parallel.held(counted.dtype), _element_bytes(counted.dtype)
+    widen, ema = held.state_bytes // element, EMA_BYTES if parallel.ema == "gpu" else 0
+    shards = parallel.tensor * (parallel.data * parallel.context if parallel.sharded_optimizer else 1)
+    group_shards = parallel.expert  # E·ETP/t with ETP = t
+    device_bytes_per_ms = H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency
+    bounds = profile.partition.bounds
+    assert len(bounds) - 1 == parallel.pipeline
+    for stage, (start, stop) in zip(profile.stages, itertools.pairwise(bounds), strict=True):
+        for name in OPTIMIZERS:
+            moved = sum((layer.optimizer_step_moved_bytes[name] * widen + 3 * ema * layer.param_bytes // element)
+                        * (1.0 if parallel.sharded_optimizer else held_share(layer, group_shards))
+                        for layer in counted.layers[start:stop])
+            assert stage.steps[name].step.median_ms == H100.curve.kernel_overhead_ms + moved / shards \
+                / device_bytes_per_ms, (stage.layers, name)
+            assert stage.steps[name].predict == stage.average
+
+
+def test_the_partitioner_builds_one_range_table_for_the_same_times():
+    """tune partitions one estimate's layers for every depth p: the table of every range's ms is built once for
+    the same times (read-only, shared) and gives the splits it gives built anew."""
+    costs = [partitioning.LayerCost(ms, 0, 0) for ms in (0.1, 0.2, 0.3, 0.7, 0.1, 0.2, 1e-9, 3.0)]
+    partitioning._range_ms.cache_clear()
+    splits = [partitioning.partition(costs, p) for p in (2, 3, 5)]
+    assert partitioning._range_ms.cache_info().misses == 1 and partitioning._range_ms.cache_info().hits == 2
+    table = partitioning._forward_backward_ms(costs)(0)
+    assert not table.flags.writeable
+    for p, bounds in zip((2, 3, 5), splits, strict=True):
+        assert bounds == partitioning._min_max_split(len(costs), p, lambda k: partitioning._range_ms.__wrapped__(
+            tuple(cost.ms for cost in costs)))[1]
+
+
+def _layer(saved: int, transient: dict[str, int]) -> LayerProfile:
+    timing = Timing(median_ms=1.0, spread_ms=0.0, repeats=1)
+    return LayerProfile(name="l", inputs=[-1], fwd=timing, bwd=timing, igrad=timing, wgrad=timing,
+                        activation_bytes=saved, shared_with_previous_bytes=0, output_bytes=0, param_bytes=0,
+                        grad_bytes=0, optimizer_state_bytes=dict.fromkeys(OPTIMIZERS, 0), transient_bytes=transient)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40)), min_size=1, max_size=9), st.data())
+def test_a_stages_transient_peak_is_each_layers_less_what_the_layers_after_it_save(layers, data):
+    profiles = [_layer(saved, dict.fromkeys(("fwd", "bwd", "igrad", "wgrad"), transient))
+                for saved, transient in layers]
+    start = data.draw(st.integers(0, len(layers) - 1))
+    stop = data.draw(st.integers(start + 1, len(layers)))
+    mine = profiles[start:stop]
+    peak = max([0, *(layer.transient_bytes["fwd"] - sum(later.activation_bytes for later in mine[i + 1:])
+                     for i, layer in enumerate(mine))])
+    assert stage_transient_bytes(profiles, start, stop)["fwd"] == peak
+
+
+def test_costs_given_to_the_stages_are_the_layers_own():
+    from pipesim.profiles.schema import aggregate_stages, boundary_bytes
+
+    counted = count_built("gpt", GPT, 2, torch.bfloat16)
+    profile = estimate_profile(counted, H100, Parallelism(pipeline=3))
+    layers, bounds = profile.layers, profile.partition.bounds
+    steps = [(stage.steps, stage.average, stage.accumulate, stage.weight_copy) for stage in profile.stages]
+    given_costs = aggregate_stages(layers, bounds, "adam", boundary_bytes(layers, bounds, dag=False), steps,
+                                   costs=layer_costs(layers, "adam"))
+    assert given_costs == aggregate_stages(layers, bounds, "adam", boundary_bytes(layers, bounds, dag=False), steps)
+    assert given_costs == profile.stages
+
+
+def test_tune_estimates_with_the_cycle_collector_held_off_and_restores_it(monkeypatch):
+    from pipesim.commands import tune
+
+    seen = []
+    estimated = tune._estimated_settings
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return estimated(*args, **kwargs)
+
+    monkeypatch.setattr(tune, "_estimated_settings", spy)
+    assert gc.isenabled()
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
+                             "--seq-len", 32, "--vocab", 1000, "-D", 2, "-b", 1, "--json")
+    assert code == 0, err
+    assert json.loads(out)["choice"] and seen == [False] and gc.isenabled()
