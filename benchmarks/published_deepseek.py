@@ -18,6 +18,9 @@ AdamW's moments in BF16 (`--precision megatron-bf16-moments`, section 3.3.3), ea
 added to the FP32 ones in a pass of their own (`--grad-accumulation separate`: the report says the gradients are
 accumulated in FP32, not whether its framework fuses that into the weight-gradient products as Megatron's
 gradient_accumulation_fusion does, so the row keeps the pass it was priced with; docs/hardware.md gives both),
+the multi-token-prediction module at depth 1 on the last stage (`--mtp-layers 1`: section 2.2's module, one more
+MoE decoder layer and a 2h -> h projection reading the main model's embedding and head, which 3.2.3 shares on the
+rank holding both; 4.2: "The multi-token prediction depth D is set to 1"),
 4,096-token sequences and 15,360 of them a step (the batch after its ramp over the first 469B of 14.8T tokens).
 The report states no micro-batch size: one sequence (`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a
 step. What no flag expresses is in `NOT_MODELLED`.
@@ -49,11 +52,11 @@ GPUS = {"H800": "h800"}  # the row's GPU -> the catalogue's (hardware/gpus.toml,
 SCHEDULES = {"DualPipe": "dualpipe"}  # the row's pipeline schedule -> pipesim's
 MICROBATCH_SIZE = 1  # not in the report
 RECOMPUTED = "layernorm,mla_up_proj,moe_act"  # sections 3.2.3 and 3.3.3 (the module docstring)
+MTP_DEPTH = 1  # section 4.2: "The multi-token prediction depth D is set to 1"
 NOT_MODELLED = {
-    "multi-token prediction": "the MTP module (config num_nextn_predict_layers 1: one more MoE decoder layer, a "
-                              "2h -> h projection and a second pass through the shared output head, on the last "
-                              "stage, figure 3) is not built: transformers' DeepseekV3 model has none, so its work, "
-                              "about 1/61 of the layers' and one more head, is missing from the last stage",
+    "stage cut": "the layers each of the 16 stages holds are not published: --stage-cut balanced is pipesim's "
+                 "planner's (docs/hardware.md: with the 4 MoE layers a chunk of DeepSeek's profile-data the ends "
+                 "hold 5 layers between them, and device 0 fits when the first stage holds 3 or fewer)",
     "communication SMs": "20 of the H800's 132 SMs run the all-to-all kernels (section 3.2.2); the overlapped "
                          "pairs' compute is priced on all 132",
     "fine-grained FP8": "1x128 activation tiles and 128x128 weight blocks with FP32 promotion every 128 products "
@@ -93,7 +96,7 @@ class DeepSeekRun:
                 "-m", str(self.global_batch // (self.data * MICROBATCH_SIZE)), "--data-parallel", str(self.data),
                 "--expert-parallel", str(self.expert), "--zero", "1", "--precision", "megatron-bf16-moments",
                 "--grad-accumulation", "separate", "--recompute", "none", "--recompute-modules", RECOMPUTED,
-                "--ema", "cpu", "-s", self.schedule,
+                "--ema", "cpu", "--mtp-layers", str(MTP_DEPTH), "-s", self.schedule,
                 "--stage-cut", "balanced", "--rank-order", "megatron", "--expert-tensor-parallel", "1",
                 "--token-dispatcher", "deepep"]
 

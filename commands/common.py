@@ -155,6 +155,11 @@ CapacityFactor = Annotated[float | None, typer.Option(
     "--capacity-factor", metavar="C", help="gpt with --experts: an expert drops the tokens past C·k·T/E of a "
                                            "micro-batch's T and computes that many (GShard's, Switch's); default: "
                                            "drops none.")]
+MtpLayers = Annotated[int | None, typer.Option(
+    "--mtp-layers", metavar="D", help="hf:PATH: DeepSeek-V3's multi-token prediction at depth D (its report's 2.2; "
+                                      "Megatron-core's `--mtp-num-layers`): D more modules after the final norm, each "
+                                      "a 2h -> h projection, one more decoder layer and a pass through the shared "
+                                      "head, the embedding and head counted once; default none.")]
 ModelName = Annotated[str | None, typer.Option(
     "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, package.module:attribute (as calibrate takes), or "
                                     "hf:PATH, a Hugging Face config.json or its folder (e.g. hf:examples/llama3.1-70b; "
@@ -187,8 +192,8 @@ MODEL_SHAPE = (("layers", Layers, None), ("width", Width, None), ("heads", Heads
                ("vocab", Vocab, None), ("ffn", Ffn, None), ("kv_heads", KvHeads, None), ("gated", Gated, None),
                ("dropout", Dropout, None), ("experts", Experts, None), ("top_k", TopK, None),
                ("shared_experts", SharedExperts, None), ("expert_ffn", ExpertFfn, None),
-               ("capacity_factor", CapacityFactor, None), ("dtype", ModelDtype, "bf16"),
-               ("attention", Attention, "math"))
+               ("capacity_factor", CapacityFactor, None), ("mtp_layers", MtpLayers, None),
+               ("dtype", ModelDtype, "bf16"), ("attention", Attention, "math"))
 MODEL_SIZES = tuple(name for name, _, _ in MODEL_SHAPE[:-2])  # what the model is built with (dtype and attention
                                                                 # are how it is counted)
 

@@ -22,7 +22,8 @@ def _flag(args: list[str], flag: str) -> str:
 
 def test_the_rows_command_is_rebuilt_from_the_csv_with_the_reports_layout(monkeypatch):
     """2,048 H800s, no tensor parallelism, PP 16 under the bidirectional DualPipe, EP 64 over 8 nodes with DeepEP's
-    dispatch, ZeRO-1 over d = 128, 15,360 sequences of 4,096 tokens; published 10^12 / (180,000 x 3,600)."""
+    dispatch, ZeRO-1 over d = 128, 15,360 sequences of 4,096 tokens, the multi-token-prediction module at depth 1;
+    published 10^12 / (180,000 x 3,600)."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from published_deepseek import run
     from published_runs import command_text
@@ -34,6 +35,7 @@ def test_the_rows_command_is_rebuilt_from_the_csv_with_the_reports_layout(monkey
     assert (_flag(args, "--expert-parallel"), _flag(args, "--rank-order"), _flag(args, "--token-dispatcher")) == (
         "64", "megatron", "deepep")
     assert (_flag(args, "--data-parallel"), _flag(args, "--zero"), _flag(args, "--seq-len")) == ("128", "1", "4096")
+    assert _flag(args, "--mtp-layers") == "1"  # 4.2: "The multi-token prediction depth D is set to 1"
     assert int(_flag(args, "-m")) * int(_flag(args, "-b")) * 128 == 15360
     assert RECORDED["published_tokens_per_s_per_gpu"] == pytest.approx(1e12 / (180_000 * 3600), rel=1e-12)
     assert RECORDED["predicted_tokens_per_s_per_gpu"] == pytest.approx(

@@ -263,7 +263,7 @@ class _Regions(TorchDispatchMode):
 
     def __init__(self, layer: torch.nn.Module) -> None:
         super().__init__()
-        self.params = {id(p.untyped_storage()) for p in layer.parameters()}
+        self.params = {id(p.untyped_storage()) for p in (*layer.parameters(), *shared_weights(layer))}
         self.stack: list[str] = []  # the qualified names of the submodules under way, outermost first
         self.region_of = {name: kind for name, module in layer.named_modules() if (kind := _region_kind(name, module))}
         self.kinds: dict[int, dict[str, str]] = {}  # a live storage's id -> {region: where its ops may go on}
@@ -470,7 +470,7 @@ def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
     the first tensor saved on it, what saved it (one of `SAVED_PARTS`) and whether it is the input of a product
     with weights (`LINEAR_INPUT_SAVES`; `routed`: the routed experts running inside), `layer`'s weights left out.
     Every storage compared is held meanwhile, so no identity is reused."""
-    weights = [p.untyped_storage() for p in layer.parameters()]
+    weights = [p.untyped_storage() for p in (*layer.parameters(), *shared_weights(layer))]
     params = {id(storage) for storage in weights}
     saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]] = {}
     modules: list[str | None] = []  # the submodules under way, outermost first: the part each name says
@@ -545,6 +545,9 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
         model = replace(model, loss=vocabulary_parallel_cross_entropy)
     elif cross_entropy == "megatron":
         model = replace(model, loss=megatron_cross_entropy)
+    for layer in model.layers:
+        if hasattr(layer, "criterion"):  # a layer computing a loss of its own (workload/hf.py's multi-token prediction)
+            layer.criterion = model.loss
     batch, target = model.make_batch(microbatch_size, torch.Generator().manual_seed(0))
     batch = batch.to(META, dtype if batch.is_floating_point() else batch.dtype)
     target = target.to(META) if torch.is_tensor(target) else target
@@ -553,9 +556,10 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     alike: dict[tuple, tuple[LayerCount, torch.Tensor]] = {}
     steps: dict[tuple, tuple[int, int]] = {}  # (optimizer, weight shapes) -> (state bytes, moved bytes)
     counted = []
+    for layer in model.layers:  # all before any is counted: a layer may read another's weights (`shared_weights`)
+        layer.to(device=META, dtype=dtype).train()
     with _attention(attention) as kernels, fused_swiglu(swiglu_fusion):
         for i, layer in enumerate(model.layers):
-            layer.to(device=META, dtype=dtype).train()
             inputs = [outputs[s].detach().requires_grad_(s != BATCH and outputs[s].is_floating_point())
                       for s in model.inputs[i]]
             key = _signature(layer, inputs, i == last)
@@ -566,6 +570,13 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
+
+
+def shared_weights(layer: torch.nn.Module) -> tuple[torch.nn.Parameter, ...]:
+    """Weights `layer` reads and gives gradients to that another layer holds and is counted with (`shared_weights`:
+    workload/hf.py's multi-token prediction reads the embedding's and the head's): not its own bytes, gradients or
+    optimizer state, and not activations it saves."""
+    return tuple(getattr(layer, "shared_weights", ()))
 
 
 def _signature(layer: torch.nn.Module, inputs: list[torch.Tensor], last: bool) -> tuple:
@@ -594,7 +605,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
             _saved(layer, routed) as saved:
         out = layer(*inputs)
         out = model.loss(out, target) if last else out
-    igrad, wgrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights, routed)
+    igrad, wgrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights + list(shared_weights(layer)),
+                                   routed)
     shapes = tuple((tuple(w.shape), w.dtype) for w in weights)
     for name in OPTIMIZERS:
         if (name, shapes) not in steps:

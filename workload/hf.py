@@ -9,20 +9,27 @@ between its parts is not counted (Llama's, Mistral's and Qwen's do nothing else;
 embedding module). A tied head is counted as its own copy of the embedding's weights, as Megatron-LM keeps one on
 the last stage.
 
+With `mtp_layers` D (`--mtp-layers`), DeepSeek-V3's multi-token prediction (its report, arXiv 2412.19437, 2.2: D
+sequential modules, each a projection of [RMSNorm(h); RMSNorm(Emb(t_{i+k}))] from 2h to h, one more transformer
+block, and the shared output head predicting token i+k+1; section 4.2: D = 1; Megatron-core's --mtp-num-layers)
+is one more layer after the final norm, `MultiTokenPrediction`, which the head then reads.
+
 transformers is an optional extra (`pipesim[hf]`), imported only here."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import data
 from .hfconfig import HfConfig, HfConfigError, read_hf_config
-from .models import Model, ModelError, _classify
-from .moe import gated_mlp, gating_router, routed_experts
+from .models import BATCH, Model, ModelError, _classify
+from .moe import gated_mlp, gating_linear, gating_router, routed_experts
 
 # The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
 # model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
@@ -71,10 +78,11 @@ class DecoderLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def hf_model(spec: str, seq_len: int | None) -> Model:
+def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0) -> Model:
     """The model config `spec` (`hf:PATH`) describes, built by transformers in the current default device (meta
-    to count it), cut into its embedding, decoder layers, final norm and head; trained, as the gpt is, on the token
-    task of `workload.data` at `seq_len` tokens a sample."""
+    to count it), cut into its embedding, decoder layers, final norm, `mtp_layers` multi-token-prediction modules
+    (one `MultiTokenPrediction` layer; none by default) and head; trained, as the gpt is, on the token task of
+    `workload.data` at `seq_len` tokens a sample."""
     try:
         config = read_hf_config(spec)
     except HfConfigError as exc:
@@ -107,6 +115,8 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
                          + (f" (its config allows up to {longest})" if longest else ""))
     if longest and seq_len > longest:
         raise ModelError(f"--seq-len {seq_len}: {spec} takes at most its max_position_embeddings, {longest}")
+    if mtp_layers < 0:
+        raise ModelError(f"--mtp-layers: the multi-token-prediction depth D is 0 or more (got {mtp_layers})")
     built = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(settings), None)
     if built is None:
         raise ModelError(f"{where}: model_type {config.model_type!r} is not a causal language model transformers "
@@ -123,13 +133,71 @@ def hf_model(spec: str, seq_len: int | None) -> Model:
     if experts:
         _check_experts(model, where, experts)
     layers = decoder_layers(model, where)
+    inputs: list[tuple[int, ...]] = []
+    if mtp_layers:
+        head = layers.pop()
+        layers += [MultiTokenPrediction(model, mtp_layers), head]
+        last = len(layers) - 1
+        inputs = [(i - 1,) for i in range(last - 1)] + [(last - 2, BATCH), (last - 1,)]
+        options["mtp_layers"] = mtp_layers
     options["seq_len"] = seq_len
     vocab = options["vocab"]
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return data.token_batch(b, seq_len, vocab, gen)
-    return Model(spec, layers, make, _classify, options=options, heldout=data.token_heldout(seq_len, vocab),
-                 classifier=True)
+    return Model(spec, layers, make, _classify, inputs=inputs, options=options,
+                 heldout=data.token_heldout(seq_len, vocab), classifier=True)
+
+
+class _WithLoss(torch.autograd.Function):
+    """`hidden` passed on with `loss` attached: the backward hands `hidden`'s gradient back and starts the loss's
+    own backward from a gradient of one (Megatron-core's MTPLossAutoScaler, multi_token_prediction.py, by which
+    the main model's path carries the multi-token-prediction loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_ones(())
+
+
+class MultiTokenPrediction(nn.Module):
+    """DeepSeek-V3's multi-token prediction modules (its report, 2.2, equations 21 to 25), read after the main
+    model's final norm with the batch's tokens: module k normalises the hidden state it is given (the main model's,
+    then module k-1's) and the embedding of token i+k, projects the two joined (2h -> h), runs one more decoder
+    layer of the model's own kind (its config's next layer: DeepSeek-V3's is a mixture of experts), its own final
+    norm and the main model's head, and adds the cross entropy against token i+k+1 to the loss. The embedding and
+    the head are the main model's (`shared_weights`: the report's 3.2.3 shares their parameters and gradients, with
+    DualPipe's placement, on the rank that holds both), read and given gradients here but counted with their own
+    layers; the head's product stays in its precision, as a router's does (the report's 3.3.1 keeps "the output
+    head" in BF16). The layer passes the main hidden state on, with the loss attached (`_WithLoss`)."""
+
+    def __init__(self, model: nn.Module, depth: int) -> None:
+        super().__init__()
+        base = model.get_decoder()
+        config, norm = model.config, base.norm
+        self.modules_at = nn.ModuleList()
+        for k in range(depth):
+            block = type(base.layers[-1])(config, config.num_hidden_layers + k)
+            _as_megatron_runs(block)
+            self.modules_at.append(nn.ModuleDict({
+                "hnorm": copy.deepcopy(norm), "enorm": copy.deepcopy(norm),
+                "eh_proj": nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False),
+                "block": DecoderLayer(block, getattr(base, "rotary_emb", None)), "norm": copy.deepcopy(norm)}))
+        self.shared_weights = (base.embed_tokens.weight, model.get_output_embeddings().weight)
+        self.criterion = _classify  # the model's loss (workload/count.py gives it the one it counts with)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        embedding, head = self.shared_weights
+        state, loss = hidden, hidden.new_zeros((), dtype=torch.float32)
+        for k, at in enumerate(self.modules_at, start=1):
+            ahead = F.embedding(tokens.roll(-k, dims=1), embedding)
+            state = at["block"](at["eh_proj"](torch.cat([at["hnorm"](state), at["enorm"](ahead)], dim=-1)))
+            logits = gating_linear(at["norm"](state), head, state.dtype)
+            loss = loss + self.criterion(logits, tokens.roll(-k - 1, dims=1))
+        return _WithLoss.apply(hidden, loss)
 
 
 def _experts_implementation(experts: int | None) -> dict[str, str]:

@@ -35,6 +35,7 @@ from pipesim.workload.sizes import DEFAULT_SIZES
 
 MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
+HF_OPTIONS = ("seq_len", "mtp_layers")  # the options a Hugging Face config takes (workload/hf.py `hf_model`)
 
 
 class ModelError(ValueError):
@@ -383,13 +384,13 @@ def build_model(name: str, **options: int) -> Model:
     model's defaults)."""
     given = {key: value for key, value in options.items() if value is not None}
     if is_hf(name):
-        wrong = [key for key in given if key != "seq_len"]
+        wrong = [key for key in given if key not in HF_OPTIONS]
         if wrong:
             raise ModelError(f"--{wrong[0].replace('_', '-')} does not apply to {name}: its config gives its sizes "
-                             "(--seq-len is the one it takes)")
+                             "(--seq-len and --mtp-layers are the ones it takes)")
         from .hf import hf_model
 
-        return hf_model(name, given.get("seq_len"))
+        return hf_model(name, given.get("seq_len"), given.get("mtp_layers", 0))
     if ":" in name:
         if given:
             raise ModelError(f"--{next(iter(given)).replace('_', '-')} applies to the built-in models only; "
