@@ -214,14 +214,14 @@ def _min_max_split(n: int, p: int, cost: StageCosts) -> tuple[float, list[int]]:
     """Minimise max_k cost(k)[start_k, stop_k] over splits of n items into p non-empty contiguous parts.
 
     best[k][j]: the least max over the first j items in k+1 parts, each stage's row of candidates at once
-    (numpy over the (n+1)^2 ranges, p times); ties keep the earliest cut (argmin's first)."""
+    (numpy over the ranges that can end stage k, p times); ties keep the earliest cut (argmin's first)."""
     best = np.full((p, n + 1), math.inf)
     cut = np.zeros((p, n + 1), dtype=np.int64)
     best[0, 1:n - p + 2] = cost(0)[0, 1:n - p + 2]
     later = np.tri(n + 1, k=-1, dtype=bool).T  # [i, j]: i < j
     for k in range(1, p):
         stops = slice(k + 1, n - p + k + 2)
-        candidates = np.where(later, np.maximum(best[k - 1][:, None], cost(k)), math.inf)[:, stops]
+        candidates = np.where(later[:, stops], np.maximum(best[k - 1][:, None], cost(k)[:, stops]), math.inf)
         cut[k, stops] = np.argmin(candidates, axis=0)
         best[k, stops] = candidates[cut[k, stops], np.arange(candidates.shape[1])]
     bounds = [n]

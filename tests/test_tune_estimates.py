@@ -117,3 +117,30 @@ def test_tune_estimates_with_the_cycle_collector_held_off_and_restores_it(monkey
                              "--seq-len", 32, "--vocab", 1000, "-D", 2, "-b", 1, "--json")
     assert code == 0, err
     assert json.loads(out)["choice"] and seen == [False] and gc.isenabled()
+
+
+def _reference_split(n: int, p: int, table) -> tuple[float, list[int]]:
+    """The least slowest stage over the first j items in k + 1 parts, by recursion over the last cut, ties to the
+    earliest cut: the partitioner's rule in plain Python."""
+    from functools import cache
+
+    @cache
+    def best(k: int, j: int) -> tuple[float, tuple[int, ...]]:
+        if k == 0:
+            return float(table[0, j]), ()
+        options = [(max(best(k - 1, i)[0], float(table[i, j])), i) for i in range(k, j)]
+        least = min(value for value, _ in options)
+        cut = next(i for value, i in options if value == least)
+        return least, (*best(k - 1, cut)[1], cut)
+
+    slowest, cuts = best(p - 1, n)
+    return slowest, [0, *cuts, n]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12), st.data())
+def test_the_split_takes_only_the_ranges_that_can_end_each_stage_and_finds_the_same(ms, data):
+    """Ties abound (small whole times): the earliest cut wins as it did over the whole table."""
+    p = data.draw(st.integers(1, len(ms)))
+    table = partitioning._range_ms(tuple(map(float, ms)))
+    assert partitioning._min_max_split(len(ms), p, lambda k: table) == _reference_split(len(ms), p, table)
