@@ -45,7 +45,7 @@ from .tables import print_table
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
-    from ..planning.estimate import Parallelism
+    from ..planning.estimate import LayerMemo, Parallelism
     from ..profiles.schema import Estimate, FittedCurve, Profile
     from ..profiles.workload import WorkloadCount
 
@@ -528,10 +528,12 @@ def _write_count(path: Path, counted: WorkloadCount) -> None:
         os.replace(handle.name, path)
 
 
-def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelism, optimizer: str) -> Profile:
+def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelism, optimizer: str,
+                      memo: LayerMemo | None = None) -> Profile:
     """The profile of `counted` on the what-if part, parallelised as `parallel` says, with the kernels it was
     counted with (`KERNEL_DEFAULTS`) in its parallelism; a parallelism the model cannot take (t not dividing its
-    heads) is one line naming the flag."""
+    heads) is one line naming the flag. `memo` (`LayerMemo`, of `counted` on the what-if part and curve) keeps
+    its layers for the next."""
     from ..planning.estimate import EstimateError, estimate_profile
 
     if parallel.pipeline > len(counted.layers):
@@ -539,7 +541,7 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
                                         len(counted.layers)))
     try:
         profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
-                                   curve=what.curve)
+                                   curve=what.curve, memo=memo)
     except EstimateError as exc:
         field, _, rest = str(exc).partition(": ")
         raise InputError(f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else str(exc)) from None

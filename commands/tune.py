@@ -221,6 +221,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
     (`replayed_allocations`), so tune's peaks and memory check are simulate's; `report` is told how many are
     done."""
+    from ..planning.estimate import LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
 
@@ -231,6 +232,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     settings = []
     for b in sizes:
         counted = count_what_if(what, b)
+        memo = LayerMemo(counted, what.gpu, what.curve)  # each t and recomputation's layers made for one p
         for t in tensors:
             if report is not None:
                 report(f"estimating the model's profile for each t, b, recomputation and p: {len(settings)} done")
@@ -240,7 +242,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             try:
                 for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
                     parallel = what.parallelism(p, t, devices // (t * p), kind)
-                    scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer), optimizer)
+                    scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo), optimizer)
                     settings.append(Setting(replace(scenario, allocations=replayed_allocations(
                         allocator, counted, parallel)), t, kind, (p,)))
             except InputError:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import platform
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -1075,14 +1075,31 @@ def _routing_groups(options: dict) -> tuple[int, int] | None:
     return (options["expert_groups"], options["groups_per_token"]) if options.get("expert_groups") else None
 
 
+@dataclass
+class LayerMemo:
+    """The layer profiles of one count's estimates on one part and curve, by what else they depend on
+    (`estimate_profile`'s key: the parallelism but its depth p and replicas d, the ranks the optimizer's state is
+    sharded over, the expert group and the tensor and context links), so that an estimate at another p or d takes
+    them as made: tune estimates every p of each t, b and recomputation, and a layer is priced on one of its
+    stage's ranks whatever the stages and replicas (p and d only place the ranks: the links and groups)."""
+
+    counted: WorkloadCount
+    gpu: Gpu
+    curve: Curve | None = None
+    layers: dict[tuple, list[LayerProfile]] = field(default_factory=dict)
+
+
 def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *, optimizer: str = "adam",
                      cluster: Cluster | None = None, curve: Curve | None = None,
-                     bounds: list[int] | None = None) -> Profile:
+                     bounds: list[int] | None = None, memo: LayerMemo | None = None) -> Profile:
     """The Profile of `counted` on `gpu` parallelised as `parallel` says, per GPU: every layer's times and bytes
     on one of its stage's t ranks, the stages cut at `bounds` (default: p stages balanced by time), the link
     between stages from the placement, the optimizer step as the bytes it moves. Weights, gradients and optimizer
     state are held as `parallel.precision` says (a 16-bit count: as Megatron-LM, float32 master weights and
-    moments). `curve` replaces the part's."""
+    moments). `curve` replaces the part's. `memo` keeps the layers for the next estimate of the same count, part
+    and curve."""
+    if memo is not None and (memo.counted is not counted or memo.gpu is not gpu or memo.curve is not curve):
+        raise ValueError("memo: made for another count, part or curve")
     curve = curve or gpu.curve
     if curve is None:
         raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
@@ -1130,9 +1147,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     shards = t * (parallel.data * parallel.context if parallel.sharded_optimizer else 1)  # C ranks shard as d do
     widen = held.state_bytes // element  # the count's state is in its dtype; mixed precision keeps it in float32
     ema = EMA_BYTES if parallel.ema == "gpu" else 0  # a float32 average of each weight, with the master copy
-    layers = []
+    key = (replace(parallel, pipeline=1, data=1), shards, experts, links.tensor, links.context)
+    made = None if memo is None else memo.layers.get(key)  # by an estimate at another p or d
+    layers = [] if made is None else made
     sharing = sharing_dispatcher(device, parallel)
-    for layer, repeated in zip(counted.layers, counted.repeats, strict=True):  # a model's blocks repeat
+    for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
         if repeated:
             layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
             continue  # the block before it renamed: every figure is its layer's, which equals the one before
@@ -1165,6 +1184,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
                                                 * layer.param_bytes // element) * state_share) // shards
                                    for name in OPTIMIZERS}))
+    if memo is not None:
+        memo.layers[key] = layers
     costs = layer_costs(layers, optimizer)
     if bounds is None:
         bounds = partition(costs, parallel.pipeline)

@@ -6,13 +6,14 @@ layers, and the cyclic garbage collector held off while the estimates are made a
 import gc
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import EMA_BYTES, Parallelism, _element_bytes, estimate_profile
+from pipesim.planning.estimate import EMA_BYTES, Parallelism, _element_bytes, estimate_layer, estimate_profile
 from pipesim.planning.experts import held_share
 from pipesim.profiles import partition as partitioning
 from pipesim.profiles.schema import OPTIMIZERS, LayerProfile, Timing, layer_costs, stage_transient_bytes
@@ -144,3 +145,29 @@ def test_the_split_takes_only_the_ranges_that_can_end_each_stage_and_finds_the_s
     p = data.draw(st.integers(1, len(ms)))
     table = partitioning._range_ms(tuple(map(float, ms)))
     assert partitioning._min_max_split(len(ms), p, lambda k: table) == _reference_split(len(ms), p, table)
+
+
+@pytest.mark.parametrize("model", ["gpt", "moe"])
+def test_estimates_at_other_depths_take_the_layers_made_and_equal_estimates_made_alone(model, monkeypatch):
+    """A layer is priced on one of its stage's ranks whatever p and d: estimates sharing a LayerMemo price each
+    t, recomputation, sharding and expert group once, and every profile is the one estimated alone."""
+    from pipesim.planning import estimate
+
+    options = GPT if model == "gpt" else {**GPT, "experts": 4, "top_k": 2, "expert_ffn": 128}
+    counted = count_built("gpt", options, 2, torch.bfloat16)
+    settings = [Parallelism(tensor=t, pipeline=p, data=d, recompute=kind, sharded_optimizer=sharded,
+                            expert=4 if model == "moe" and d % 4 == 0 else 1)
+                for t, kind, sharded in itertools.product((1, 2), ("none", "full"), (False, True))
+                for p, d in ((1, 8), (2, 4), (3, 4), (4, 2))]
+    priced = []
+    monkeypatch.setattr(estimate, "estimate_layer", lambda *args: priced.append(args) or estimate_layer(*args))
+    alone = [estimate_profile(counted, H100, parallel) for parallel in settings]
+    priced_alone, priced[:] = len(priced), []
+    memo = estimate.LayerMemo(counted, H100)
+    shared = [estimate_profile(counted, H100, parallel, memo=memo) for parallel in settings]
+    for one, other, parallel in zip(alone, shared, settings, strict=True):
+        assert one.model_dump(exclude={"environment": {"date"}}) == other.model_dump(
+            exclude={"environment": {"date"}}), parallel
+    assert 0 < len(memo.layers) < len(settings) and len(priced) < priced_alone
+    with pytest.raises(ValueError, match="memo"):
+        estimate_profile(replace(counted), H100, settings[0], memo=memo)
