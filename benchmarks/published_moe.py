@@ -17,7 +17,7 @@ SwiGLU fused
 (`--cross-entropy megatron`: the GPT provider's cross_entropy_loss_fusion True; Megatron-core's function turns the
 kept softmax into the gradient in place), every RMSNorm TransformerEngine's
 (`--norm-kernel fused`: Megatron-core's TENorm and LayerNormLinear keep the 16-bit input and one float32 a token,
-where transformers' eager module keeps a float32 copy too), the ranks in Megatron-core's
+where transformers' eager module keeps a float32 copy too, and run one kernel each way), the ranks in Megatron-core's
 order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which Megatron-Bridge
 keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts over E ranks
 folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B

@@ -55,6 +55,31 @@ def test_each_norm_keeps_its_16_bit_input_and_a_float32_a_token(tmp_path):
     assert eager.saved_bytes - fused.saved_bytes == 2 * 4 * B * S * H
 
 
+@needs_transformers
+def test_each_norm_is_counted_as_one_kernel_each_way(tmp_path):
+    """Fused, a decoder layer's two norms are one memory-bound kernel each way, as TransformerEngine's rmsnorm_fwd
+    and rmsnorm_bwd: the forward reads the 16-bit input and the weight and writes the output and a float32 1/rms a
+    token; the backward reads the output's gradient beside them and writes the input's and the weight's gradients
+    at once (the input pass the input's alone). Eager, the upcast, square, mean, rsqrt, products and downcast each
+    read and write their own."""
+    llama = write_config(tmp_path / "llama", LLAMA)
+    eager, fused = (count_built(f"hf:{llama}", {"seq_len": S}, B, torch.bfloat16, "flash", swiglu_fusion=False,
+                                norm_kernel=kernel).layers[1] for kernel in ("eager", "fused"))
+    tokens = B * S
+    x, weight, rms = tokens * H * E, H * E, tokens * 4
+    (forward,) = [op for op in fused.ops["fwd"] if op.op == "fused_rmsnorm"]
+    assert (forward.count, forward.moved_bytes, forward.shape) == (2, x + weight + x + rms, (B, S, H))
+    (backward,) = [op for op in fused.ops["igrad"] if op.op == "fused_rmsnorm_backward"]
+    assert (backward.count, backward.moved_bytes) == (2, x + x + weight + rms + x)
+    (whole,) = [op for op in fused.ops["bwd"] if op.op == "fused_rmsnorm_backward"]
+    assert (whole.count, whole.moved_bytes) == (2, x + x + weight + rms + x + weight)
+    assert not {"pow", "rsqrt", "mean"} & {op.op for name in ("fwd", "igrad", "wgrad") for op in fused.ops[name]}
+    assert {"pow", "rsqrt", "mean"} <= {op.op for op in eager.ops["fwd"]}
+    for name in ("fwd", "igrad"):
+        assert getattr(fused, f"{name}_moved_bytes") < getattr(eager, f"{name}_moved_bytes")
+    assert fused.fwd_flops == eager.fwd_flops
+
+
 def test_a_bad_kernel_is_refused_in_one_line():
     code, out, err = pipesim("simulate", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "2",
                              "--seq-len", "32", "--vocab", "512", "--gpu", "a100-sxm-80gb", "-p", "1", "-m", "1",

@@ -8,7 +8,11 @@ backward: 6 bytes an element beside the 16-bit output the next product keeps. Tr
 Megatron-core builds every norm of (TENorm, and LayerNormLinear's fused norm; transformer_engine/pytorch/ops/
 basic/rmsnorm.py and module/_common.py: `ctx.save_for_backward(x, rstdevs)`, the 16-bit input and one float32 per
 token), keeps 2 bytes an element and 4 a token. NVIDIA's NeMo and Megatron-Bridge runs train with it; torchtitan
-runs torch's own modules (its default, eager)."""
+runs torch's own modules (its default, eager). Its work is that kernel's too, one each way (TransformerEngine's
+rmsnorm_fwd and rmsnorm_bwd, transformer_engine/common/normalization/rmsnorm): the forward reads the input and
+the weight and writes the output and the reciprocal RMS, the backward reads the output's gradient beside them and
+writes the gradients asked for, where the eager module's upcast, square, mean, rsqrt, products and downcast each
+read and write their own (as workload/moe.py `Fused` counts the fused SwiGLU)."""
 
 from __future__ import annotations
 
@@ -18,28 +22,38 @@ from typing import Any
 
 import torch
 
-from .moe import _wanted
+from .moe import _kernel_writes, _one_kernel, _wanted
 
 
 class _FusedRmsNorm(torch.autograd.Function):
-    """`weight * x / rms(x)` in `x`'s dtype, keeping `x`, the weight and the float32 reciprocal RMS per token."""
+    """`weight * x / rms(x)` in `x`'s dtype, keeping `x`, the weight and the float32 reciprocal RMS per token, each
+    way one kernel (module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rsigma = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        with _one_kernel("fused_rmsnorm", (x, weight)):
+            rsigma = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+            out = weight * (x * rsigma).to(x.dtype)
+            _kernel_writes(out, rsigma)
         ctx.save_for_backward(x, weight, rsigma)
-        return weight * (x * rsigma).to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, rsigma = ctx.saved_tensors
-        normed = x.float() * rsigma
-        grad_x = grad_weight = None
-        if _wanted(ctx.next_functions[0][0]):
-            grad_normed = grad.float() * weight.float()
-            grad_x = (rsigma * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))).to(x.dtype)
-        if _wanted(ctx.next_functions[1][0]):
-            grad_weight = (grad.float() * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
+        wanted = [_wanted(ctx.next_functions[i][0]) for i in (0, 1)]
+        if not any(wanted):
+            return None, None, None
+        with _one_kernel("fused_rmsnorm_backward", (grad, x, weight, rsigma)):
+            normed = x.float() * rsigma
+            grad_x = grad_weight = None
+            if wanted[0]:
+                grad_normed = grad.float() * weight.float()
+                grad_x = (rsigma * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))).to(
+                    x.dtype)
+            if wanted[1]:
+                grad_weight = (grad.float() * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
+            _kernel_writes(*(g for g in (grad_x, grad_weight) if g is not None))
         return grad_x, grad_weight, None
 
 
