@@ -36,7 +36,7 @@ from .ir import (
     evaluate_formula,
 )
 from .lowering import Channel, Lowered, check_transfer_order, lower, preflight
-from .methods import Method, ScheduleParams, make_schedule, one_forward_one_backward
+from .methods import Method, ScheduleParams, make_schedule
 from .passes import (
     add_communication,
     add_context_parallel,
@@ -52,7 +52,7 @@ __all__ = [
     "check_complete", "check_transfer_order", "COLLECTIVE_KINDS", "communication_table", "COMPUTE_KINDS",
     "evaluate_formula", "find_deadlock", "flushes",
     "Kind", "KIND_CODE", "kind_mask", "KINDS", "local_order_ok", "lower", "Lowered", "make_schedule", "Method",
-    "METHODS", "NUM_COMPUTE_KINDS", "one_forward_one_backward", "PASS_COLLECTIVE_KINDS", "Prediction", "preflight",
+    "METHODS", "NUM_COMPUTE_KINDS", "PASS_COLLECTIVE_KINDS", "Prediction", "preflight",
     "Read", "RECV_KINDS", "RING_KINDS",
     "Schedule", "ScheduleError", "ScheduleParams", "SEND_KINDS", "StageGraph", "steady_minibatches", "SYNCHRONOUS",
     "validate", "Versions", "warmup_minibatches", "weight_versions", "WeightPolicy",

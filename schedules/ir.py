@@ -24,7 +24,8 @@ import ast
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import cached_property
+from functools import cache, cached_property
+from types import CodeType
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 if TYPE_CHECKING:
@@ -253,8 +254,10 @@ class StageGraph:
                                 "one model's stages must form one graph")
 
     @classmethod
+    @cache
     def chain(cls, num_stages: int, copies: int = 1) -> StageGraph:
-        """A chain of `num_stages` stages; `copies` chains of num_stages / copies stages each."""
+        """A chain of `num_stages` stages; `copies` chains of num_stages / copies stages each. Kept per shape: a
+        graph is immutable, and every schedule of a chain (thousands in one tune) asks for its own."""
         n = num_stages // copies
         return cls(num_stages, tuple((c * n + k, c * n + k + 1) for c in range(copies) for k in range(n - 1)),
                    copies)
@@ -328,10 +331,15 @@ def _check_formula(text: str) -> ast.Expression:
     return tree
 
 
+@cache
+def _compiled(text: str) -> CodeType:
+    """A prediction formula, checked and compiled once: `weight_versions` evaluates it for every stage."""
+    return compile(_check_formula(text), "<formula>", "eval")
+
+
 def evaluate_formula(text: str, p: int, k: int, m: int) -> int:
     """The value of a prediction formula (checked to hold only integer arithmetic on p, k and m)."""
-    code = compile(_check_formula(text), "<formula>", "eval")
-    return int(eval(code, {"__builtins__": {}}, {"p": p, "k": k, "m": m}))
+    return int(eval(_compiled(text), {"__builtins__": {}}, {"p": p, "k": k, "m": m}))
 
 
 @dataclass(frozen=True)

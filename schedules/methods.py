@@ -8,7 +8,7 @@ The registry of all methods is `catalogue.METHODS`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -17,7 +17,6 @@ from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, S
 from .passes import add_context_parallel, add_data_parallel, add_expert_parallel, overlap_expert_communication
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, stacked
 
-Unit = tuple[int, int]  # (micro-batch, mini-batch)
 MAX_ROWS = 30_000_000  # ops and transfers (a send and a receive row each): about 430 bytes per row while simulating
 MAX_STAGES = 4_096  # model stages (p·v) of one pipeline: per-device and per-stage work grows faster than rows
 # ZeRO's stages (Rajbhandari et al. 2020) as `ScheduleParams.zero` says what d data-parallel replicas shard: 0
@@ -207,19 +206,20 @@ def interleave_1f1b(count: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:
     """The 1F1B pattern over `count` units as arrays (is backward, unit position): `warmup` forwards,
     then one forward and one backward in turn, then the remaining backwards. warmup >= count is GPipe's
     all forwards, then all backwards."""
-    w = min(warmup, count)
-    steady = np.arange(w, count)
-    backward = np.concatenate([np.zeros(w, bool), np.tile([False, True], count - w), np.ones(w, bool)])
-    position = np.concatenate([np.arange(w), np.stack([steady, steady - w], axis=1).ravel(),
-                               np.arange(count - w, count)])
+    backward, position = interleave_1f1b_rows(count, np.array([warmup]))
+    return backward[0], position[0]
+
+
+def interleave_1f1b_rows(count: int, warmups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`interleave_1f1b` for many rows at once, row r's warm-up `warmups[r]`: (rows, 2·count) arrays. Position j
+    of a row's pattern is a warm-up forward (j < w), a cool-down backward (j >= 2·count − w), or in between a
+    forward (even j − w) or a backward (odd j − w) of the pair (j − w) // 2."""
+    w = np.minimum(warmups, count)[:, None]
+    j = np.arange(2 * count)[None, :]
+    pair, second = np.divmod(j - w, 2)
+    backward = (j >= 2 * count - w) | ((j >= w) & (second == 1))
+    position = np.where(j < w, j, np.where(j >= 2 * count - w, j - count, pair + w * (1 - second)))
     return backward, position
-
-
-def one_forward_one_backward(units: Sequence[Unit], warmup: int) -> Iterator[tuple[Kind, Unit]]:
-    """`interleave_1f1b` over `units`, as (kind, unit) pairs."""
-    backward, position = interleave_1f1b(len(units), warmup)
-    for is_backward, i in zip(backward.tolist(), position.tolist()):
-        yield (Kind.B if is_backward else Kind.F), units[i]
 
 
 _F, _B, _OPT, _PRED = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.OPT, Kind.PRED))
@@ -229,17 +229,11 @@ def flushed_1f1b(
     params: ScheduleParams, warmup: Callable[[int], int], placement: Sequence[int] | None = None
 ) -> ActionTable:
     """Stage k (on device placement[k], default k; one stage per device) runs `interleave_1f1b(m,
-    warmup(k))` then its update, once per mini-batch. Built for all stages at once: position j of the
-    pattern is a warm-up forward (j < w), a cool-down backward (j >= 2m - w), or in between a forward
-    (even j - w) or a backward (odd j - w) of the pair (j - w) // 2."""
+    warmup(k))` then its update, once per mini-batch. Built for all stages at once (`interleave_1f1b_rows`)."""
     m, n = params.microbatches, params.minibatches
     placement = np.asarray(placement if placement is not None else range(params.stages), dtype=FIELD_DTYPE)
     stages = np.argsort(placement, kind="stable")  # in device order
-    w = np.minimum([warmup(int(k)) for k in stages], m)[:, None]
-    j = np.arange(2 * m)[None, :]
-    pair, second = np.divmod(j - w, 2)
-    backward = (j >= 2 * m - w) | ((j >= w) & (second == 1))
-    position = np.where(j < w, j, np.where(j >= 2 * m - w, j - m, pair + w * (1 - second)))
+    backward, position = interleave_1f1b_rows(m, np.array([warmup(int(k)) for k in stages]))
     per_step = len(stages), n, 2 * m + 1  # a mini-batch: the pattern, then the update
 
     def each_step(pattern: np.ndarray, update: int, dtype: type = FIELD_DTYPE) -> np.ndarray:

@@ -7,29 +7,49 @@ Each function names the source whose order it follows; the order rules are writt
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 
-from .ir import Action, Kind, Schedule, ScheduleError, StageGraph, overlapped
-from .methods import Method, ScheduleParams, Unit, make_schedule, one_forward_one_backward, require_plain
+import numpy as np
+
+from .ir import Action, Kind, Schedule, ScheduleError, StageGraph
+from .methods import Method, ScheduleParams, interleave_1f1b_rows, make_schedule, require_plain
+from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable
+
+_F, _B, _I, _W, _OPT = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT))
 
 
-def _flushed(
-    method: str, params: ScheduleParams, placement: Sequence[int], device_order: Callable[[int, int], list[Action]],
-    graph: StageGraph | None = None,
-) -> Schedule:
-    """Repeat `device_order(device, minibatch)` per mini-batch, each followed by the OPT of every stage the
-    device holds (after all of that stage's backward work, which the pattern finishes first); the stages a chain
-    unless `graph` says otherwise."""
-    orders = []
-    for device in range(params.stages):
-        stages = [s for s, d in enumerate(placement) if d == device]
-        order: list[Action] = []
-        for b in range(params.minibatches):
-            order += device_order(device, b)
-            order += [Action(Kind.OPT, s, -1, b) for s in stages]
-        orders.append(order)
-    return make_schedule(method, params, orders, placement=placement, graph=graph)
+def _flushed(method: str, params: ScheduleParams, placement: Sequence[int], pattern: ActionTable,
+             graph: StageGraph | None = None) -> Schedule:
+    """Repeat `pattern`, every device's actions for mini-batch 0 (rows grouped by device, device 0's first), per
+    mini-batch, each followed by the OPT of every stage the device holds (after all of that stage's backward work,
+    which the pattern finishes first); the stages a chain unless `graph` says otherwise. The pattern is the same
+    for every mini-batch, so it is built once and repeated as table rows (`ActionTable.per_minibatch`)."""
+    stages = np.argsort(placement, kind="stable")  # every device's, in device order
+    devices = np.asarray(placement)[stages]
+    updates = {"device": devices, "kind": _OPT, "stage": stages, "microbatch": -1, "minibatch": 0, "pipeline": 0,
+               "peer": -1}
+    after = np.searchsorted(pattern.device, devices, side="right")  # past the device's pattern
+    minibatch = ActionTable(**{name: np.insert(getattr(pattern, name), after, value)
+                               for name, value in updates.items()})
+    return make_schedule(method, params, minibatch.per_minibatch(params.minibatches), placement=placement,
+                         graph=graph)
+
+
+def _every_device(kind: np.ndarray, stage: np.ndarray, microbatch: np.ndarray) -> ActionTable:
+    """A pattern (`_flushed`) from (devices, actions per device) arrays of kind codes, stages (broadcast) and
+    micro-batches."""
+    devices, length = kind.shape
+    size = devices * length
+    return ActionTable(np.repeat(np.arange(devices, dtype=FIELD_DTYPE), length), kind.astype(KIND_DTYPE).ravel(),
+                       np.broadcast_to(stage, kind.shape).astype(FIELD_DTYPE).ravel(),
+                       microbatch.astype(FIELD_DTYPE).ravel(), np.zeros(size, dtype=FIELD_DTYPE),
+                       np.zeros(size, dtype=FIELD_DTYPE), np.full(size, -1, dtype=FIELD_DTYPE))
+
+
+def _each_device(method: str, devices: int, device_order: Callable[[int], list[Action]]) -> ActionTable:
+    """A pattern (`_flushed`) from each device's actions for mini-batch 0, `device_order(device)`."""
+    return ActionTable.from_orders([device_order(device) for device in range(devices)], method)
 
 
 def _require_single_pipeline(method: str, params: ScheduleParams) -> None:
@@ -54,47 +74,40 @@ def interleaved_1f1b(params: ScheduleParams) -> Schedule:
             f"{method} with {v} chunks per device needs micro-batches to be a multiple of stages "
             f"(Megatron sends p micro-batches through each chunk in turn): got m={m}, p={p}"
         )
-    round_size = p * v
-
-    def device_order(k: int, b: int) -> list[Action]:
-        warmup = (p - k - 1) * 2 + (v - 1) * p if v > 1 else p - k - 1
-        virtual = [(i, b) for i in range(m * v)]
-        actions = []
-        for kind, (i, _) in one_forward_one_backward(virtual, warmup):
-            group, offset = divmod(i, round_size)
-            chunk = offset // p if kind is Kind.F else v - 1 - offset // p
-            actions.append(Action(kind, chunk * p + k, group * p + offset % p, b))
-        return actions
-
-    return _flushed(method, params, [s % p for s in range(p * v)], device_order)
+    k = np.arange(p)  # the device
+    warmup = (p - k - 1) * 2 + (v - 1) * p if v > 1 else p - k - 1
+    backward, i = interleave_1f1b_rows(m * v, warmup)  # per device, the virtual micro-batch i of each step
+    group, offset = np.divmod(i, p * v)
+    chunk = np.where(backward, v - 1 - offset // p, offset // p)
+    pattern = _every_device(np.where(backward, _B, _F), chunk * p + k[:, None], group * p + offset % p)
+    return _flushed(method, params, [s % p for s in range(p * v)], pattern)
 
 
-def _defer_weight_gradients(steps: Iterable[tuple[Kind, Unit]], lag: int) -> Iterator[tuple[Kind, Unit]]:
+def _defer_weight_gradients(backward: np.ndarray, microbatch: np.ndarray,
+                            lag: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Split every B into I then W, holding each W back until `lag` later I's have run (oldest first),
-    the rest at the end: W has no consumer, so it can fill the bubbles the I chain leaves."""
-    pending: deque[Unit] = deque()
-    for kind, unit in steps:
-        if kind is not Kind.B:
-            yield kind, unit
-            continue
-        yield Kind.I, unit
-        pending.append(unit)
-        if len(pending) > lag:
-            yield Kind.W, pending.popleft()
-    for unit in pending:
-        yield Kind.W, unit
+    the rest at the end: W has no consumer, so it can fill the bubbles the I chain leaves. Per row of (rows,
+    2m) 1F1B patterns (is backward, micro-batch), row r's lag `lag[r]`: (rows, 3m) kind codes and micro-batches,
+    sorted by where each action goes (an F or I at its step, the n-th I's W right after the (n + lag)-th I)."""
+    rows, m = len(backward), backward.shape[1] // 2
+    inputs = np.nonzero(backward)[1].reshape(rows, m)  # per row, the step of its n-th I
+    n = np.arange(m)
+    follows = n + lag[:, None]  # the I that the n-th I's W follows
+    weight_at = np.where(follows < m, 2 * np.take_along_axis(inputs, np.minimum(follows, m - 1), 1) + 1, 4 * m + n)
+    at = np.concatenate([np.broadcast_to(2 * np.arange(2 * m), (rows, 2 * m)), weight_at], axis=1)
+    order = np.argsort(at, axis=1)
+    kind = np.concatenate([np.where(backward, _I, _F), np.full((rows, m), _W)], axis=1)
+    microbatch = np.concatenate([microbatch, np.take_along_axis(microbatch, inputs, 1)], axis=1)
+    return np.take_along_axis(kind, order, 1), np.take_along_axis(microbatch, order, 1)
 
 
 def _zero_bubble_handcrafted(method: str, params: ScheduleParams, c: int) -> Schedule:
     """Stage k: 1F1B with warm-up c·(p−k−1) forwards and B split into I then W, each W lagging c·k I's
     (Qi et al. 2023, figure 3; DeepSpeed's ZeroBubbleH1Pipeline for c = 1). Well defined for every m."""
     p, m = params.stages, params.microbatches
-
-    def device_order(k: int, b: int) -> list[Action]:
-        steps = one_forward_one_backward([(j, b) for j in range(m)], c * (p - k - 1))
-        return [Action(kind, k, j, b) for kind, (j, b) in _defer_weight_gradients(steps, c * k)]
-
-    return _flushed(method, params, range(p), device_order)
+    k = np.arange(p)  # the stage, on device k
+    kind, microbatch = _defer_weight_gradients(*interleave_1f1b_rows(m, c * (p - k - 1)), c * k)
+    return _flushed(method, params, range(p), _every_device(kind, k[:, None], microbatch))
 
 
 def zb_h1(params: ScheduleParams) -> Schedule:
@@ -134,58 +147,58 @@ def _require_v(method: str, params: ScheduleParams,
 
 
 class _VOrder:
-    """One device's actions for one mini-batch of a schedule of two chunks per device, built pass by pass as the
+    """One device's actions for mini-batch 0 of a schedule of two chunks per device, built pass by pass as the
     sources do: each (pass, chunk) takes its next micro-batch in order (chunk c's count from `first[c]`), every I
     queues its W (oldest first), and each chunk's micro-batches beyond its `microbatches` are dropped (ZB-V is
     built for at least 2p−1 and trimmed, as torch does)."""
 
-    def __init__(self, stages: tuple[int, int], microbatches: int, minibatch: int,
-                 first: tuple[int, int] = (0, 0)) -> None:
+    def __init__(self, stages: tuple[int, int], microbatches: int, first: tuple[int, int] = (0, 0)) -> None:
         self.stages = stages  # V schedules: chunk 0 on the way down, chunk 1 on the way back
         self.microbatches = microbatches
         self.first = first
-        self.minibatch = minibatch
-        self.issued: Counter[tuple[bool, int]] = Counter()  # (is forward, chunk) -> micro-batches issued
-        self.pending: deque[tuple[int, int]] = deque()  # (chunk, micro-batch) whose W is still to run
+        self.issued = {True: [0, 0], False: [0, 0]}  # is forward -> per chunk, micro-batches issued
+        # per chunk, (I's queued before it, micro-batch) of each I whose W is still to run, oldest first
+        self.pending: tuple[deque[tuple[int, int]], deque[tuple[int, int]]] = (deque(), deque())
+        self.queued = 0
         self.actions: list[Action] = []
 
     def forwards(self, chunk: int) -> int:
-        return self.issued[(True, chunk)]
+        return self.issued[True][chunk]
 
     def add(self, kind: Kind, chunk: int) -> None:
         """F, B or I of `chunk`'s next micro-batch (B and I share the backward count)."""
         j = self._issue(kind, chunk)
         if kind is Kind.I:
-            self.pending.append((chunk, j))
+            self.pending[chunk].append((self.queued, j))
+            self.queued += 1
         self._emit(kind, chunk, j)
 
     def overlap(self, forward_chunk: int, backward_chunk: int) -> None:
-        """F of `forward_chunk`'s next micro-batch and B of `backward_chunk`'s next, as one overlapped pair."""
-        chunks = (forward_chunk, backward_chunk)
-        issued = [self._issue(kind, chunk) for kind, chunk in zip((Kind.F, Kind.B), chunks)]
-        pair = overlapped(*(Action(kind, self.stages[chunk], self.first[chunk] + j, self.minibatch)
-                            for kind, chunk, j in zip((Kind.F, Kind.B), chunks, issued)))
-        self.actions += [a._replace(peer=-1) if issued[1 - n] >= self.microbatches else a
-                         for n, a in enumerate(pair) if issued[n] < self.microbatches]
+        """F of `forward_chunk`'s next micro-batch and B of `backward_chunk`'s next, as one overlapped pair (each
+        part naming the other's stage, `ir.overlapped`); a part whose other part is dropped runs alone."""
+        forward, backward = self._issue(Kind.F, forward_chunk), self._issue(Kind.B, backward_chunk)
+        paired = forward < self.microbatches and backward < self.microbatches
+        self._emit(Kind.F, forward_chunk, forward, self.stages[backward_chunk] if paired else -1)
+        self._emit(Kind.B, backward_chunk, backward, self.stages[forward_chunk] if paired else -1)
 
     def _issue(self, kind: Kind, chunk: int) -> int:
-        key = (kind is Kind.F, chunk)
-        self.issued[key] += 1
-        return self.issued[key] - 1
+        counts = self.issued[kind is Kind.F]
+        counts[chunk] += 1
+        return counts[chunk] - 1
 
     def weight(self, chunk: int | None = None) -> None:
         """W of the oldest pending I, of `chunk` if given."""
-        i = 0 if chunk is None else next(n for n, (c, _) in enumerate(self.pending) if c == chunk)
-        chunk, j = self.pending[i]
-        del self.pending[i]
+        if chunk is None:
+            chunk = min((c for c in (0, 1) if self.pending[c]), key=lambda c: self.pending[c][0])
+        _, j = self.pending[chunk].popleft()
         self._emit(Kind.W, chunk, j)
 
     def pending_of(self, chunk: int) -> int:
-        return sum(c == chunk for c, _ in self.pending)
+        return len(self.pending[chunk])
 
-    def _emit(self, kind: Kind, chunk: int, j: int) -> None:
+    def _emit(self, kind: Kind, chunk: int, j: int, peer: int = -1) -> None:
         if j < self.microbatches:
-            self.actions.append(Action(kind, self.stages[chunk], self.first[chunk] + j, self.minibatch))
+            self.actions.append(Action(kind, self.stages[chunk], self.first[chunk] + j, 0, 0, peer))
 
 
 def zb_v(params: ScheduleParams) -> Schedule:
@@ -199,8 +212,8 @@ def zb_v(params: ScheduleParams) -> Schedule:
     p, m = params.stages, params.microbatches
     planned = max(m, 2 * p - 1)
 
-    def device_order(i: int, b: int) -> list[Action]:
-        o = _VOrder((i, 2 * p - 1 - i), m, b)
+    def device_order(i: int) -> list[Action]:
+        o = _VOrder((i, 2 * p - 1 - i), m)
         for _ in range(2 * (p - i) - 1):
             o.add(Kind.F, 0)
         for _ in range(i):
@@ -229,7 +242,7 @@ def zb_v(params: ScheduleParams) -> Schedule:
                 o.weight(chunk)
         return o.actions
 
-    return _flushed(method, params, _v_placement(p), device_order)
+    return _flushed(method, params, _v_placement(p), _each_device(method, p, device_order))
 
 
 def _dualpipe_phases(o: _VOrder, ranks: int, rank: int, microbatches: int) -> list[Action]:
@@ -283,10 +296,10 @@ def dualpipev(params: ScheduleParams) -> Schedule:
             f"num_chunks >= 2 * num_ranks): got m={m}, p={p}"
         )
 
-    def device_order(r: int, b: int) -> list[Action]:
-        return _dualpipe_phases(_VOrder((r, 2 * p - 1 - r), m, b), p, r, m)
+    def device_order(r: int) -> list[Action]:
+        return _dualpipe_phases(_VOrder((r, 2 * p - 1 - r), m), p, r, m)
 
-    return _flushed(method, params, _v_placement(p), device_order)
+    return _flushed(method, params, _v_placement(p), _each_device(method, p, device_order))
 
 
 def dualpipe(params: ScheduleParams) -> Schedule:
@@ -308,13 +321,14 @@ def dualpipe(params: ScheduleParams) -> Schedule:
         )
     half = m // 2
 
-    def device_order(r: int, b: int) -> list[Action]:
+    def device_order(r: int) -> list[Action]:
         own, other = (r, 0), (2 * p - 1 - r, half)  # (stage, first micro-batch) of copy 0's and copy 1's stage
         near, far = (own, other) if r < p // 2 else (other, own)
-        order = _VOrder((near[0], far[0]), half, b, first=(near[1], far[1]))
+        order = _VOrder((near[0], far[0]), half, first=(near[1], far[1]))
         return _dualpipe_phases(order, p // 2, min(r, p - 1 - r), half)
 
-    return _flushed(method, params, _v_placement(p), device_order, StageGraph.chain(2 * p, copies=2))
+    return _flushed(method, params, _v_placement(p), _each_device(method, p, device_order),
+                    StageGraph.chain(2 * p, copies=2))
 
 
 RIVALS = (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -57,9 +57,15 @@ class ActionTable:
     def of(cls, schedule: Schedule) -> ActionTable:
         if isinstance(schedule.orders, OrderView):
             return schedule.orders.table
-        device = np.repeat(np.arange(schedule.num_devices, dtype=FIELD_DTYPE), [len(o) for o in schedule.orders])
+        return cls.from_orders(schedule.orders, schedule.method)
+
+    @classmethod
+    def from_orders(cls, orders: Sequence[Sequence[Action]], method: str) -> ActionTable:
+        """The table of per-device action lists (device 0's first); a field beyond 32 bits raises ScheduleError
+        naming `method`."""
+        device = np.repeat(np.arange(len(orders), dtype=FIELD_DTYPE), [len(o) for o in orders])
         kinds, numbers = [np.zeros(0, dtype=KIND_DTYPE)], [np.zeros((5, 0), dtype=np.int64)]
-        for order in filter(None, schedule.orders):  # per device: one 2-D conversion is cheapest
+        for order in filter(None, orders):  # per device: one 2-D conversion is cheapest
             kind, *fields = zip(*order)
             kinds.append(np.fromiter(map(KIND_CODE.__getitem__, kind), dtype=KIND_DTYPE, count=len(order)))
             numbers.append(np.array(fields, dtype=np.int64))
@@ -67,7 +73,7 @@ class ActionTable:
         outside = (numbers > FIELD_MAX) | (numbers < -FIELD_MAX)
         if outside.any():
             column, row = divmod(int(np.argmax(outside)), numbers.shape[1])
-            raise ScheduleError(f"{schedule.method}: action {row} in device order has {_FIELDS[column + 2]} "
+            raise ScheduleError(f"{method}: action {row} in device order has {_FIELDS[column + 2]} "
                                 f"{numbers[column, row]}, beyond what a field holds (|value| <= {FIELD_MAX})")
         return cls(device, np.concatenate(kinds), *numbers.astype(FIELD_DTYPE))
 
@@ -92,6 +98,18 @@ class ActionTable:
             index.flags.writeable = False
             self._indices[key] = index
         return self._indices[key]
+
+    def per_minibatch(self, minibatches: int) -> ActionTable:
+        """This table's rows (one mini-batch's, grouped by device) repeated for each of `minibatches` mini-batches,
+        device by device, each repeat's mini-batch numbers raised by its index: a flushing method's whole order
+        from one mini-batch's, with no action made per repeat."""
+        lengths = np.bincount(self.device)  # rows per device
+        per_device = lengths * minibatches
+        device = np.repeat(np.arange(len(lengths)), per_device)
+        repeat, row = np.divmod(np.arange(len(device)) - np.repeat(np.cumsum(per_device) - per_device, per_device),
+                                lengths[device])
+        table = self.select(np.repeat(np.cumsum(lengths) - lengths, per_device) + row)
+        return replace(table, minibatch=table.minibatch + repeat.astype(FIELD_DTYPE))
 
     def select(self, rows: np.ndarray) -> ActionTable:
         """The rows `rows` (indices, in the order given)."""
