@@ -71,7 +71,10 @@ class Curve(_Strict):
     tiles are spread over: `multiprocessors` and the output tiles (m × n) its matrix-product kernels pick from;
     `persistent_products`: its products run persistent CTAs, one per multiprocessor, each with a fixed share of the
     tiles (Hopper's cuBLAS and CUTLASS), so that a collective kernel holding some multiprocessors delays the whole
-    product (planning/estimate.py `bulk_exposed_ms`)."""
+    product (planning/estimate.py `bulk_exposed_ms`); `fp8_split_accumulation_efficiency`: a float8 product's
+    fraction of the float8 peak where it adds its partial sums into float32 every few steps (cuBLASLt's FAST_ACCUM
+    off, torch._scaled_mm's default; the backward's products under TransformerEngine and torchao: planning/fp8.py),
+    where published; None: at `matmul_efficiency`, as a product with fast accumulation is priced."""
 
     matmul_efficiency: float = Field(gt=0, le=1)
     attention_efficiency: float = Field(gt=0, le=1)
@@ -83,12 +86,20 @@ class Curve(_Strict):
     multiprocessors: int = Field(ge=1)
     tiles: list[tuple[int, int]] = Field(min_length=1)
     persistent_products: bool = False
+    fp8_split_accumulation_efficiency: float | None = Field(default=None, gt=0, le=1)
     source: str = Field(min_length=1)
 
     def attention_kernel_efficiency(self, kernel: str) -> float | None:
         """`kernel`'s fraction of the peak on this part (of `ATTENTION_KERNELS`): FlashAttention-2's is
         `attention_efficiency`; None where no figure is published for it here."""
         return self.attention_efficiency if kernel == "flash2" else self.attention_kernels.get(kernel)
+
+    def product_efficiency(self, split_accumulation: bool) -> float:
+        """A matrix product's fraction of its dtype's peak at whole tiles: a float8 one accumulating split at
+        `fp8_split_accumulation_efficiency` where the part has one, any other at `matmul_efficiency`."""
+        if split_accumulation and self.fp8_split_accumulation_efficiency is not None:
+            return self.fp8_split_accumulation_efficiency
+        return self.matmul_efficiency
 
 
 class Gpu(_Strict):

@@ -245,14 +245,15 @@ def tile_fill(shape: tuple[int, ...], multiprocessors: int, tiles: list[tuple[in
 
 def matmul_ms(op: OpCount, device: Device) -> float:
     """One call of a matrix product: its FLOPs at the large-product efficiency times its tile fill (of the float8
-    peak for a float8 product), or its bytes at the memory bandwidth, whichever is slower, plus the kernel
+    peak for a float8 product, at the split-accumulation efficiency for one that accumulates so:
+    `Curve.product_efficiency`), or its bytes at the memory bandwidth, whichever is slower, plus the kernel
     overhead."""
     curve = device.curve
     fill = tile_fill(op.shape, curve.multiprocessors, curve.tiles)
     peak = device.fp8_peak_flops_per_ms if op.float8 else device.peak_flops_per_ms
     if peak is None:
         raise EstimateError("fp8: the part has no float8 peak")
-    compute = op.flops / (peak * curve.matmul_efficiency * fill)
+    compute = op.flops / (peak * curve.product_efficiency(op.split_accumulation) * fill)
     return curve.kernel_overhead_ms + max(compute, op.moved_bytes / device.memory_bytes_per_ms)
 
 

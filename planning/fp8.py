@@ -47,6 +47,18 @@ deepseek: DeepSeek-V3's own (its report, arXiv 2412.19437, section 3.3): te's ca
   stays 16-bit. Each cached copy is one cast in the forward (reads 16 bits, writes the format) and one read back
   in the backward (`cache_ops`).
 
+Accumulation (`split_accumulation`): Hopper's float8 tensor cores accumulate in reduced precision, so a product
+may add its partial sums into float32 every few steps instead (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM off),
+which runs slower. te and te-current run the forward's products with fast accumulation and the backward's without
+(transformer_engine/pytorch/module/base.py: `_2X_ACC_FPROP = False`, `_2X_ACC_DGRAD = True`, `_2X_ACC_WGRAD =
+True`; common/gemm/cublaslt_gemm.cu sets `fastAccuMode = use_split_accumulator ? 0 : 1`); torchao the same
+(Float8LinearConfig: `use_fast_accum` for the output only, pytorch/ao#2377). Such a product runs at the curve's
+`fp8_split_accumulation_efficiency` (hardware/catalogue.py: the float8 MAMF, measured through torch._scaled_mm
+with its default `use_fast_accum=False`), a fast-accumulating one at `matmul_efficiency` (fast accumulation
+measured 1.1-1.2x faster, pytorch/ao#2377: about the bf16 share). deepseek's products are DeepSeek's own kernels
+(DeepGEMM: promotion to CUDA cores every 128 elements, "up to 1550 TFLOPS on H800", 78 % of the peak, in all
+passes), not cuBLAS's: none is priced split.
+
 Not modelled: casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
 directly: counted here as a cast of their own), torch.compile's fusions of torchao's casts. Pure arithmetic on
 counts: no torch.
@@ -60,6 +72,7 @@ from dataclasses import dataclass, replace
 from ..profiles.workload import LayerCount, OpCount
 
 FP8_BYTES = 1
+BACKWARD_PASSES = ("bwd", "igrad", "wgrad")
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,9 @@ class Fp8Recipe:
     forward saves each product's input as its float8 copy; `routed`: the routed experts' grouped products run in
     float8 too; `attention_output_bytes`: the attention's output (the count's "attention_out" region) kept once,
     for the attention's backward and the next product's, at that many bytes an element; `activation_input_bytes`:
-    the routed experts' activation inputs (the "moe_act" region's, saved) at that many (None: as counted)."""
+    the routed experts' activation inputs (the "moe_act" region's, saved) at that many (None: as counted);
+    `split_accumulation`: the passes whose float8 products add their partial sums into float32 every few steps
+    (`OpCount.split_accumulation`) rather than accumulate fast in the tensor cores."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -81,19 +96,22 @@ class Fp8Recipe:
     routed: bool = False
     attention_output_bytes: float | None = None  # the attention's output kept once at this many bytes an element
     activation_input_bytes: float | None = None  # the routed experts' activation (SwiGLU) inputs kept so
+    split_accumulation: tuple[str, ...] = ()  # the passes (of PASSES) whose float8 products accumulate split
 
 
 FP8_RECIPES = {
     "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
                     kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
-                    weight_copy_bytes=2 * FP8_BYTES, routed=True),
+                    weight_copy_bytes=2 * FP8_BYTES, routed=True, split_accumulation=BACKWARD_PASSES),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
-                         kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False),
+                         kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
+                         split_accumulation=BACKWARD_PASSES),
 }
 FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("amax", 1, 0), ("scale", 0, 0),
                                                                   ("cast_transpose", 1, 2)))
-FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES)
+FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
+                                  split_accumulation=())
 
 
 def attends(layer: LayerCount) -> bool:
@@ -113,10 +131,12 @@ def _converted(op: OpCount, recipe: Fp8Recipe) -> bool:
     return not op.gating and (_linear(op) or (recipe.routed and op.kind == "matmul" and op.routed))
 
 
-def _in_float8(op: OpCount, element_bytes: int) -> OpCount:
-    """A linear product reading float8 inputs (1 byte an element) and writing its 16-bit output."""
+def _in_float8(op: OpCount, element_bytes: int, split_accumulation: bool) -> OpCount:
+    """A linear product reading float8 inputs (1 byte an element) and writing its 16-bit output, its partial sums
+    added into float32 every few steps where `split_accumulation`."""
     batch, m, n, k = op.shape
-    return replace(op, moved_bytes=batch * (m * k + k * n) * FP8_BYTES + batch * m * n * element_bytes, float8=True)
+    return replace(op, moved_bytes=batch * (m * k + k * n) * FP8_BYTES + batch * m * n * element_bytes, float8=True,
+                   split_accumulation=split_accumulation)
 
 
 def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8Recipe,
@@ -145,7 +165,8 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     if not attends(layer):
         return layer
     products = tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
-    ops = {name: tuple(_in_float8(op, element_bytes) if _converted(op, recipe) else op for op in passed)
+    ops = {name: tuple(_in_float8(op, element_bytes, name in recipe.split_accumulation) if _converted(op, recipe)
+                       else op for op in passed)
            + cast_ops(products, recipe.casts[name], recipe, element_bytes) for name, passed in layer.ops.items()}
     saved = layer.saved_tensors
     if recipe.saves_float8_inputs and layer.linear_input_saves:
@@ -160,8 +181,9 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     for name in ("bwd", "igrad"):
         ops[name] = ops.get(name, ()) + cache_ops(layer, cached, element_bytes, forward=False)
     delta = sum(nbytes for _, nbytes in saved) - sum(nbytes for _, nbytes in layer.saved_tensors)
-    rerun = {name: tuple(_in_float8(op, element_bytes) if _converted(op, recipe) else op for op in region)
-             for name, region in layer.region_ops.items()}  # a recomputed product reads its float8 input again
+    rerun = {name: tuple(_in_float8(op, element_bytes, "fwd" in recipe.split_accumulation)
+                         if _converted(op, recipe) else op for op in region)
+             for name, region in layer.region_ops.items()}  # a recomputed forward product reads its float8 input
     return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta, region_ops=rerun)
 
 
