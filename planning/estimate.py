@@ -1148,6 +1148,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     shards = t * (parallel.data * parallel.context if parallel.sharded_optimizer else 1)  # C ranks shard as d do
     widen = held.state_bytes // element  # the count's state is in its dtype; mixed precision keeps it in float32
     ema = EMA_BYTES if parallel.ema == "gpu" else 0  # a float32 average of each weight, with the master copy
+    # the logits split over t under torch's loss_parallel, else whole on every rank (torchtitan's head:
+    # ColwiseParallel, output_layouts Replicate unless loss_parallel); only torch's pipelining keeps them
+    vocabulary_ranks = t if parallel.loss_parallel else 1
     key = (replace(parallel, pipeline=1, data=1), shards, experts, links.tensor, links.context)
     made = None if memo is None else memo.layers.get(key)  # by an estimate at another p or d
     layers = [] if made is None else made
@@ -1173,6 +1176,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.weight_shards) // t
                                  if parallel.fp8 else 0),
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
+            model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
             param_bytes=params,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,

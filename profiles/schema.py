@@ -103,6 +103,9 @@ class LayerProfile(_Strict):
     # Float8 casts of the weights a float8 recipe keeps between optimizer steps (an estimate's under
     # TransformerEngine: the cast and its transpose), beside `param_bytes`, whole on every data-parallel rank
     float8_weight_bytes: int = Field(0, ge=0)
+    # The last layer's: the model's output its loss reads (the logits), per rank (an estimate's; 0: none or not
+    # known), which torch's pipelining keeps from the forward until the step ends (`Costs.pp_runtime`)
+    model_output_bytes: int = Field(0, ge=0)
     # Per pass (`PASSES`), the bytes of the tensors it creates and frees within itself at its peak, above its
     # inputs and what outlives it (an estimate's, from the count; {}: none known, a calibration's)
     transient_bytes: dict[str, int] = Field(default_factory=dict)
@@ -206,6 +209,7 @@ class StageProfile(_Strict):
     held_bytes: int | None = Field(None, ge=0)  # boundary tensors autograd does not save (`boundary_held_bytes`)
     activation_parts: dict[str, int] | None = None  # as its layers' (`LayerProfile.activation_parts`)
     float8_weight_bytes: int = Field(0, ge=0)  # as its layers' (`LayerProfile.float8_weight_bytes`)
+    model_output_bytes: int = Field(0, ge=0)  # as its layers' (`LayerProfile.model_output_bytes`)
     transient_bytes: dict[str, int] = Field(default_factory=dict)  # its passes' (`stage_transient_bytes`)
     all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
@@ -622,6 +626,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             optimizer_state_bytes={name: sum(layer.optimizer_state_bytes[name] for layer in mine)
                                    for name in OPTIMIZERS},
             float8_weight_bytes=sum(layer.float8_weight_bytes for layer in mine),
+            model_output_bytes=sum(layer.model_output_bytes for layer in mine),
             transient_bytes=stage_transient_bytes(layers, start, stop),
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),

@@ -122,6 +122,8 @@ class StageCosts:
     own block (planning/estimate.py's `ContextRing.exchange_ms`), which the simulator subtracts from them
     (`hidden_ms_table`). `ring_buffer_bytes`: per pass
     (`TRANSIENT_KINDS`' names), the ring's send and receive buffers it holds while it runs, as communication.
+    `model_output_bytes`: the last stage's, the model's output its loss reads (the logits) per micro-batch, which
+    torch's pipelining keeps until the step ends (`Costs.pp_runtime`; 0: none known).
     `transient_bytes`: per pass (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's
     activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
     """
@@ -160,6 +162,7 @@ class StageCosts:
     ring_fwd_hidden_ms: float = 0.0
     ring_bwd_hidden_ms: float = 0.0
     ring_buffer_bytes: dict[str, int] = field(default_factory=dict)
+    model_output_bytes: int = 0
 
     @property
     def gradient_bytes(self) -> int:
@@ -176,7 +179,7 @@ class StageCosts:
                  "all_to_all_paired_ms")
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
-                     "expert_param_bytes", "float8_weight_bytes", *optional[2:]):
+                     "expert_param_bytes", "float8_weight_bytes", "model_output_bytes", *optional[2:]):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
@@ -266,7 +269,8 @@ class Costs:
     2024, torch 1963fc8; docs/benchmarks.md) makes one receive buffer per micro-batch for every input
     (`_prepare_forward_infra`) and every output's gradient (`_prepare_backward_infra`) at its first step and keeps
     them, computes a forward on the buffer itself, keeps every forward's output (`output_chunks`, which its sends
-    read) and leaves every input's gradient on its buffer (`stage_backward` reads `.grad`) until the next step's
+    read; the last stage's, its `StageCosts.model_output_bytes`, are what the schedule merges and returns) and
+    leaves every input's gradient on its buffer (`stage_backward` reads `.grad`) until the next step's
     `clear_runtime_states`: sim/engine.py's `_memory_tables` and `static_parts`.
     """
 

@@ -438,6 +438,9 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     transfer_start, transfer_end = tables((len(lowered.channels), 2)), tables((len(lowered.channels), 2))
     buffers, sent, arrived = at_start["communication"], at_end["communication"], transfer_start["communication"]
     kept_to_update = np.zeros(len(stages), dtype=np.int64)  # torch's: per stage, what each micro-batch leaves
+    if torch_buffers:  # the last stage's outputs too (`output_chunks`), which it sends to no stage
+        kept_to_update += per_stage([c.model_output_bytes for c in stages])
+        sent[:, KIND_CODE[Kind.F]] += kept_to_update
     for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
         owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
         if torch_buffers:  # a forward's output (`output_chunks`), an input's gradient (its buffer's `.grad`),

@@ -2,9 +2,15 @@
 receive buffer per micro-batch for every input and output gradient, kept; every forward's output and input
 gradient kept until the update), against pipesim's runtime (buffers only while in flight)."""
 
+import json
+from dataclasses import replace
+
 import pytest
 
-from tests.conftest import pipesim, simulate_json
+from pipesim.sim import Costs, simulate
+from pipesim.sim.cluster import Cluster
+from pipesim.units import MIB
+from tests.conftest import build, pipesim, simulate_json
 
 # 1F1B on 4 devices, 8 micro-batches: 100 MiB of weights, 10 MiB of activations a micro-batch (its 2 MiB input
 # among them: the first layer saves it) and 2 MiB sent to the next stage.
@@ -32,6 +38,35 @@ def test_torchs_stage_keeps_its_buffers_outputs_and_input_gradients_until_the_up
     assert torch[1] == {**STATIC, "activations": 3 * (10 - 2), "communication": (8 + 8 + 8 + 5) * 2}
     assert torch[3] == {**STATIC, "activations": 10 - 2, "communication": (8 + 7) * 2}
     assert peak_parts("-n", "3", "--pp-runtime", "torch") == torch  # freed at each update: no step adds to it
+
+
+def test_the_last_stage_keeps_every_micro_batchs_model_output_until_the_update():
+    """Its logits (`output_chunks`, 5 MiB each here): at the end of its last forward all 8, beside its 8 input
+    buffers and 7 input gradients; pipesim's runtime keeps none (the loss reads them within the forward)."""
+    schedule = build("1f1b", 4, 8, 2)
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10, output_mb=2)
+    costs = replace(costs, stages=(*costs.stages[:-1], replace(costs.stages[-1], model_output_bytes=5 * MIB)))
+    for runtime, kept in (("pipesim", 2), ("torch", (8 + 7) * 2 + 8 * 5)):
+        trace = simulate(schedule, replace(costs, pp_runtime=runtime), Cluster.uniform(4, 0.0))
+        assert trace.meta.peak_memory_parts[3]["communication"] == kept * MIB
+
+
+def test_the_estimate_sizes_the_logits_as_torchs_loss_reads_them(tmp_path):
+    """The count's last layer: the head's output before its loss (2 × 32 tokens × 1,000 in bf16); an estimate at
+    t = 2: split over t as loss_parallel's vocabulary shards, whole on every rank without it."""
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    counted = count_built("gpt", dict(layers=2, width=64, heads=4, seq_len=32, vocab=1000), 2, torch.bfloat16)
+    assert [layer.model_output_bytes for layer in counted.layers] == [0, 0, 0, 2 * 32 * 1000 * 2]
+    for flags, per_rank in (([], 128_000), (["--loss-parallel"], 64_000)):
+        code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64,
+                               "--heads", 4, "--seq-len", 32, "--vocab", 1000, "-b", 2, "--tensor-parallel", 2,
+                               "--sequence-parallel", "--tp-runtime", "torch", *flags, "-p", 2,
+                               "--out", tmp_path / "gpt.json")
+        assert code == 0, err
+        stages = json.loads((tmp_path / "gpt.json").read_text())["stages"]
+        assert [stage["model_output_bytes"] for stage in stages] == [0, per_rank]
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "dualpipev", "gpipe"])

@@ -604,6 +604,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     with dispatches() as routed, regions.tracing(layer), _counting(routed, True, regions) as fwd, \
             _saved(layer, routed) as saved:
         out = layer(*inputs)
+        model_output_bytes = _nbytes(out) if last else 0  # not held: the loss frees it as it goes
         out = model.loss(out, target) if last else out
     igrad, wgrad, full = _backward(out, [x for x in inputs if x.requires_grad], weights + list(shared_weights(layer)),
                                    routed)
@@ -623,6 +624,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
+        model_output_bytes=model_output_bytes,
         expert_param_bytes=routed.expert_weight_bytes, dispatched_bytes=routed.token_bytes,
         ops={"fwd": fwd.records(), "bwd": full.records(), "igrad": igrad.records(),
              "wgrad": _Tally(ops=full.ops - igrad.ops).records()},
