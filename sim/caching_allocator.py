@@ -23,7 +23,9 @@ expandable segments off (the default) and no garbage-collection threshold:
 
 from __future__ import annotations
 
-import bisect
+import functools
+from bisect import bisect_left, insort
+from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
@@ -40,27 +42,25 @@ LARGE_SEGMENT_BYTES = 20 * MIB  # kLargeBuffer: the segment of a large-pool requ
 MIN_LARGE_ALLOC_BYTES = 10 * MIB  # kMinLargeAlloc: from it up, a request gets a segment of its own size
 LARGE_ROUNDING_BYTES = 2 * MIB  # kRoundLarge: what such a segment is rounded up to
 
+# The allocator's addresses are its own: a pool (`pool_of`: a stream's small or large pool) has an address space of
+# its own above POOL_SHIFT, in which each segment starts SEGMENT_GAP_BYTES above the end of the one before, so that
+# a block's end is another block's start only within a segment (blocks of different segments never merge), and
+# equal-sized cached blocks of a pool order as first made first (best fit's ties: the lowest address)
+POOL_SHIFT = 48
+SEGMENT_GAP_BYTES = MIN_BLOCK_BYTES
+MAX_STREAMS = 1 << 15  # so that every address, its pool above POOL_SHIFT, is under 1 << KEY_SHIFT
+# How a pool orders its cached blocks (BlockComparatorSize): by size, then address, as one number,
+# size << KEY_SHIFT | address, which a list bisects faster than a tuple
+KEY_SHIFT = 64
+ADDRESS_MASK = (1 << KEY_SHIFT) - 1
+
+# What `CachingAllocator.run` replays: (slot, request bytes, pool) a block each, the request rounded (`round_request`)
+# and its pool decided (`pool_of`) once, its address put in the slot; a request of 0 bytes frees the slot's block
+Op = tuple[int, int, int]
+
 
 class AllocatorOutOfMemory(MemoryError):
     """A segment that does not fit beside what is reserved, even once every whole cached segment is released."""
-
-
-@dataclass(eq=False, slots=True)
-class Block:
-    """A range of one segment, allocated or cached; `before` and `after`: its neighbours within the segment."""
-
-    address: int
-    size_bytes: int
-    stream: int
-    small_pool: bool
-    allocated: bool = False
-    before: Block | None = None
-    after: Block | None = None
-
-
-# How a pool and stream order their cached blocks (BlockComparatorSize): by size, then address, as one number,
-# size << ADDRESS_BITS | address, which a list bisects faster than a tuple (the allocator's addresses: < 256 TiB)
-ADDRESS_BITS = 48
 
 
 def round_request(nbytes: int) -> int:
@@ -77,11 +77,18 @@ def segment_bytes(request_bytes: int) -> int:
     return -(-request_bytes // LARGE_ROUNDING_BYTES) * LARGE_ROUNDING_BYTES
 
 
+def pool_of(request_bytes: int, stream: int) -> int:
+    """The pool a rounded request on `stream` takes its block from: the stream's small one (odd) or large one."""
+    if not 0 <= stream < MAX_STREAMS:
+        raise ValueError(f"stream: from 0 to {MAX_STREAMS - 1} (got {stream})")
+    return stream << 1 | (request_bytes <= SMALL_REQUEST_BYTES)
+
+
 @dataclass
 class CachingAllocator:
     """One device's caching allocator. `capacity_bytes`: what cudaMalloc can hand out in all (None: unbounded);
-    `max_split_bytes`: max_split_size (None: unset, torch's default). Addresses are the allocator's own: each
-    segment starts above every earlier one, which orders equal-sized cached blocks as first made first."""
+    `max_split_bytes`: max_split_size (None: unset, torch's default). No block objects: a block is its address
+    and bytes, its neighbours within the segment what ends where it starts and what starts where it ends."""
 
     capacity_bytes: int | None = None
     max_split_bytes: int | None = None
@@ -89,125 +96,144 @@ class CachingAllocator:
     allocated_bytes: int = 0  # the blocks handed out, rounded as the allocator's own statistics count them
     peak_reserved_bytes: int = 0
     peak_allocated_bytes: int = 0
-    _next_address: int = 0
-    _allocated: dict[int, Block] = field(default_factory=dict)  # by address
-    # per pool (small or not) and stream, the cached blocks' pool keys, sorted; the blocks by pool and key
-    _cached: dict[tuple[bool, int], list[int]] = field(default_factory=dict)
-    _cached_blocks: dict[tuple[bool, int], dict[int, Block]] = field(default_factory=dict)
+    _allocated: dict[int, int] = field(default_factory=dict)  # the blocks handed out: bytes by address
+    _cached_at: dict[int, int] = field(default_factory=dict)  # the cached blocks: bytes by address
+    _cached_ending: dict[int, int] = field(default_factory=dict)  # the cached blocks: address by where they end
+    _cached: defaultdict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # per pool, keys sorted
+    _segments: dict[int, int] = field(default_factory=dict)  # every segment's bytes by address
+    _next_address: dict[int, int] = field(default_factory=dict)  # per pool, where its next segment starts
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """Hand out a block for `nbytes` on `stream` as torch would; returns its address (for `free`)."""
-        request_bytes = max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)  # `round_request`
-        small_pool = request_bytes <= SMALL_REQUEST_BYTES
-        block = self._take_cached(request_bytes, stream, small_pool) or self._new_segment(
-            request_bytes, stream, small_pool)
-        remaining = block.size_bytes - request_bytes
-        if (remaining >= MIN_BLOCK_BYTES if small_pool else  # `should_split`
-                remaining > SMALL_REQUEST_BYTES and (self.max_split_bytes is None
-                                                     or request_bytes < self.max_split_bytes)):
-            rest = Block(block.address + request_bytes, remaining, stream, small_pool, before=block,
-                         after=block.after)
-            if block.after is not None:
-                block.after.before = rest
-            block.after = rest
-            block.size_bytes = request_bytes
-            self._cache(rest)
-        block.allocated = True
-        self._allocated[block.address] = block
-        self.allocated_bytes += block.size_bytes
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
-        return block.address
+        request_bytes, slots = round_request(nbytes), [0]
+        self.run(((0, request_bytes, pool_of(request_bytes, stream)),), slots)
+        return slots[0]
 
     def free(self, address: int) -> None:
         """Give back the block at `address`: cached for its stream, merged with its free neighbours."""
-        block = self._allocated.pop(address)
-        block.allocated = False
-        self.allocated_bytes -= block.size_bytes
-        before, after = block.before, block.after
-        if before is not None and not before.allocated:
-            self._uncache(before)
-            block.size_bytes += before.size_bytes
-            block.address, block.before = before.address, before.before
-            if block.before is not None:
-                block.before.after = block
-        if after is not None and not after.allocated:
-            self._uncache(after)
-            block.size_bytes += after.size_bytes
-            block.after = after.after
-            if block.after is not None:
-                block.after.before = block
-        self._cache(block)
+        self.run(((0, 0, 0),), [address])
 
-    def replay(self, allocations: Iterable[tuple[int, int]], stream: int = 0, held: Set[int] = frozenset(),
-               only: Set[int] | None = None) -> dict[int, int]:
-        """Allocate and free on `stream` as a pass did (its storages' numbers and bytes, negative where freed, as
-        `LayerCount.allocations` without the shapes), but never free those `held`, and with `only`, make those
-        alone; the addresses of the storages it left live, by number. An empty storage takes nothing (torch's
-        allocator hands out no block for 0 bytes), and its free reads as 0 bytes too: both are passed over."""
-        live: dict[int, int] = {}
-        malloc, free = self.malloc, self.free
-        for number, nbytes in allocations:
-            if nbytes == 0 or only is not None and number not in only:
-                continue
-            if nbytes > 0:
-                live[number] = malloc(nbytes, stream)
-            elif number not in held:
-                free(live.pop(number))
-        return live
+    def run(self, ops: Iterable[Op], slots: list[int]) -> None:
+        """Replay `ops` (`Program`), each block's address in `slots` at its op's slot. A request takes the
+        smallest cached block of its pool that holds it (`get_free_block`), else a new segment, and its front
+        when the block is split (`should_split`); a freed block merges with its cached neighbours (`free_block`,
+        `try_merge_blocks`) and is cached. The rules as one loop, `malloc` and `free` included (one op each):
+        a device's step is millions of them."""
+        allocated, cached_at, cached_ending = self._allocated, self._cached_at, self._cached_ending
+        cached = self._cached
+        max_split = self.max_split_bytes
+        allocated_bytes, peak_allocated_bytes = self.allocated_bytes, self.peak_allocated_bytes
+        try:
+            for slot, request, pool in ops:
+                if request:
+                    keys = cached[pool]
+                    at = bisect_left(keys, request << KEY_SHIFT)
+                    if at < len(keys) and (max_split is None or _may_take(request, keys[at] >> KEY_SHIFT, max_split)):
+                        key = keys.pop(at)
+                        size, address = key >> KEY_SHIFT, key & ADDRESS_MASK
+                        del cached_at[address], cached_ending[address + size]
+                    else:
+                        address, size = self._new_segment(request, pool)
+                    remaining = size - request
+                    if (remaining >= MIN_BLOCK_BYTES if pool & 1 else  # `should_split`
+                            remaining > SMALL_REQUEST_BYTES and (max_split is None or request < max_split)):
+                        rest = address + request
+                        insort(keys, remaining << KEY_SHIFT | rest)
+                        cached_at[rest], cached_ending[rest + remaining] = remaining, rest
+                        size = request
+                    allocated[address] = size
+                    allocated_bytes += size
+                    if allocated_bytes > peak_allocated_bytes:
+                        peak_allocated_bytes = allocated_bytes
+                    slots[slot] = address
+                    continue
+                address = slots[slot]
+                size = allocated.pop(address)
+                allocated_bytes -= size
+                keys = cached[address >> POOL_SHIFT]
+                before = cached_ending.pop(address, None)
+                if before is not None:
+                    del cached_at[before], keys[bisect_left(keys, (address - before) << KEY_SHIFT | before)]
+                    address, size = before, size + address - before
+                end = address + size
+                after = cached_at.pop(end, None)
+                if after is not None:
+                    del cached_ending[end + after], keys[bisect_left(keys, after << KEY_SHIFT | end)]
+                    size += after
+                insort(keys, size << KEY_SHIFT | address)
+                cached_at[address], cached_ending[address + size] = size, address
+        finally:
+            self.allocated_bytes, self.peak_allocated_bytes = allocated_bytes, peak_allocated_bytes
 
-    def _take_cached(self, request_bytes: int, stream: int, small_pool: bool) -> Block | None:
-        """The smallest cached block of the pool and stream that holds the request, taken out of the cache."""
-        keys = self._cached.get((small_pool, stream))
-        if not keys:
-            return None
-        at = bisect.bisect_left(keys, request_bytes << ADDRESS_BITS)
-        if at == len(keys):
-            return None
-        blocks = self._cached_blocks[small_pool, stream]
-        block = blocks[keys[at]]
-        if self.max_split_bytes is not None:
-            if request_bytes < self.max_split_bytes <= block.size_bytes:
-                return None
-            if request_bytes >= self.max_split_bytes and block.size_bytes >= request_bytes + LARGE_SEGMENT_BYTES:
-                return None
-        del blocks[keys[at]], keys[at]
-        return block
-
-    def _new_segment(self, request_bytes: int, stream: int, small_pool: bool) -> Block:
+    def _new_segment(self, request_bytes: int, pool: int) -> tuple[int, int]:
+        """A new segment for the request (`alloc_block`): its address and bytes."""
         size_bytes = segment_bytes(request_bytes)
         if self.capacity_bytes is not None and self.reserved_bytes + size_bytes > self.capacity_bytes:
             self._release_whole_segments()
             if self.reserved_bytes + size_bytes > self.capacity_bytes:
                 raise AllocatorOutOfMemory(
                     f"{size_bytes} bytes beside {self.reserved_bytes} reserved exceed {self.capacity_bytes}")
-        block = Block(self._next_address, size_bytes, stream, small_pool)
-        self._next_address += size_bytes
+        address = self._next_address.get(pool, pool << POOL_SHIFT)
+        self._next_address[pool] = address + size_bytes + SEGMENT_GAP_BYTES
+        self._segments[address] = size_bytes
         self.reserved_bytes += size_bytes
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
-        return block
+        return address, size_bytes
 
     def _release_whole_segments(self) -> None:
         """What a failed cudaMalloc makes torch do (`release_cached_blocks`): free every cached whole segment."""
-        for block in [b for blocks in self._cached_blocks.values() for b in blocks.values()
-                      if b.before is None and b.after is None]:
-            self._uncache(block)
-            self.reserved_bytes -= block.size_bytes
-
-    def _cache(self, block: Block) -> None:
-        pool, key = (block.small_pool, block.stream), block.size_bytes << ADDRESS_BITS | block.address
-        if pool not in self._cached:
-            self._cached[pool], self._cached_blocks[pool] = [], {}
-        bisect.insort(self._cached[pool], key)
-        self._cached_blocks[pool][key] = block
-
-    def _uncache(self, block: Block) -> None:
-        pool, key = (block.small_pool, block.stream), block.size_bytes << ADDRESS_BITS | block.address
-        keys = self._cached[pool]
-        del keys[bisect.bisect_left(keys, key)], self._cached_blocks[pool][key]
+        for address, size in [(address, size) for address, size in self._cached_at.items()
+                              if self._segments.get(address) == size]:
+            keys = self._cached[address >> POOL_SHIFT]
+            del self._cached_at[address], self._cached_ending[address + size], self._segments[address]
+            del keys[bisect_left(keys, size << KEY_SHIFT | address)]
+            self.reserved_bytes -= size
 
 
-# A layer's pass on one rank: its storages' numbers and bytes in order, negative where freed (`CachingAllocator.replay`)
+def _may_take(request_bytes: int, block_bytes: int, max_split_bytes: int) -> bool:
+    """Whether a request may take the smallest cached block that holds it, with max_split_size set: a request under
+    it never an oversize block, one at or above it a block at most 20 MiB larger."""
+    if request_bytes < max_split_bytes:
+        return block_bytes < max_split_bytes
+    return block_bytes < request_bytes + LARGE_SEGMENT_BYTES
+
+
+@dataclass
+class Program:
+    """Allocations and frees written down for `CachingAllocator.run` rather than made: each request a new slot,
+    its bytes rounded and its pool decided once, so that a pass replayed a thousand times is read once."""
+
+    stream: int = 0
+    ops: list[Op] = field(default_factory=list)
+    slots: int = 0
+
+    def malloc(self, nbytes: int) -> int:
+        slot, request_bytes = self.slots, round_request(nbytes)
+        self.ops.append((slot, request_bytes, pool_of(request_bytes, self.stream)))
+        self.slots += 1
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.ops.append((slot, 0, 0))
+
+    def replay(self, allocations: Iterable[tuple[int, int]], held: Set[int] = frozenset(),
+               only: Set[int] | None = None) -> dict[int, int]:
+        """Allocate and free as a pass did (its storages' numbers and bytes, negative where freed, as
+        `LayerCount.allocations` without the shapes), but never free those `held`, and with `only`, make those
+        alone; the slots of the storages it left live, by number. An empty storage takes nothing (torch's
+        allocator hands out no block for 0 bytes), and its free reads as 0 bytes too: both are passed over."""
+        live: dict[int, int] = {}
+        for number, nbytes in allocations:
+            if nbytes == 0 or only is not None and number not in only:
+                continue
+            if nbytes > 0:
+                live[number] = self.malloc(nbytes)
+            elif number not in held:
+                self.free(live.pop(number))
+        return live
+
+
+# A layer's pass on one rank: its storages' numbers and bytes in order, negative where freed (`Program.replay`)
 PassAllocations = Sequence[tuple[int, int]]
 
 
@@ -260,13 +286,20 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     fit takes the lowest address among equal sizes), and a later repetition can then split a block the first
     did not and take a segment more (docs/benchmarks.md: the zero-bubble 1.5B's 1F1B middle stages reserve 322
     MiB where every row replayed reserves 610)."""
-    replay = _Replay(CachingAllocator(capacity_bytes=capacity_bytes), rows)
+    return _replayed(static_bytes, rows, {stage: stage_program(layers[stage]) for stage in {s for _, s, _ in rows}},
+                     capacity_bytes)
+
+
+def _replayed(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Hashable]],
+              programs: Mapping[int, StageProgram], capacity_bytes: int | None) -> CachingAllocator:
+    """`replay_device` with each stage's layers written down (`stage_program`)."""
+    replay = _Replay(CachingAllocator(capacity_bytes=capacity_bytes), rows, programs)
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
     seen: dict[tuple, list[int]] = {}  # a state after a row: the rows after which it was, the last first
     at = 0
     while at < len(rows):
-        replay.run(rows[at], layers)
+        replay.run(at)
         earlier = seen.setdefault(replay.state(at), [])
         for before in earlier:  # a state can come back within a repetition (after an input and a weight pass)
             skipped = replay.skip(before, at)
@@ -278,52 +311,101 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     return replay.allocator
 
 
+@dataclass(frozen=True, eq=False)
+class StageProgram:
+    """A stage's rows written down once (`stage_program`): per pass of `PASSES`, what its layers allocate and free
+    in the order they run, as `CachingAllocator.run` replays it, on one list of `slots` addresses a micro-batch
+    (a frame) that its forward begins and its full or weight backward ends; `layers`: how many the stage has.
+    Equal as the same object: `stage_program` gives the same one for layers of the same content while it keeps
+    it, which is what `device_reserves` reads."""
+
+    layers: int
+    slots: int
+    passes: Mapping[str, tuple[Op, ...]]
+
+
+def stage_program(layers: Sequence[LayerAllocations]) -> StageProgram:
+    """`layers`' rows written down (`StageProgram`), once a process for layers of the same content
+    (`_written_stage`): a pipeline's stages repeat their layers, and a search replays the same stages again."""
+    return _written_stage(tuple((tuple((name, tuple(events)) for name, events in layer.passes.items()), layer.saved,
+                                 layer.rerun, layer.kept) for layer in layers))
+
+
+@functools.lru_cache(maxsize=64)
+def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
+    """`stage_program`'s layers, each as its content (passes' items, saved, rerun, kept), written down: a forward
+    runs them in order, each holding what it leaves live but what its backward reruns until its full or weight
+    backward; a backward runs them reversed, each rerunning first what its forward did not keep (the input pass
+    holds it for the weight pass, which runs after it), then freeing what its own pass leaves live and, but for
+    the input pass, what the layer held."""
+    stage = [LayerAllocations(dict(passes), saved, rerun, kept) for passes, saved, rerun, kept in layers]
+    program = Program()
+
+    def written(name: str, held: dict[int, list[int]]) -> tuple[Op, ...]:
+        begins = len(program.ops)
+        for index in range(len(stage)) if name == "fwd" else reversed(range(len(stage))):
+            layer = stage[index]
+            if name == "fwd":
+                held[index] = _forward(program, layer)
+                continue
+            if name != "wgrad" and layer.rerun is not None:
+                held[index] = held[index] + _recomputed(program, layer)
+            done = program.replay(layer.passes.get(name, ()))
+            for slot in [*done.values(), *(held.pop(index) if name != "igrad" else ())]:
+                program.free(slot)
+        return tuple(program.ops[begins:])
+
+    held: dict[int, list[int]] = {}
+    passes = {"fwd": written("fwd", held), "bwd": written("bwd", dict(held))}
+    passes["igrad"] = written("igrad", held)
+    passes["wgrad"] = written("wgrad", held)
+    return StageProgram(len(stage), program.slots, passes)
+
+
 @dataclass
 class _Replay:
-    """`replay_device`'s step in progress: the allocator, and what each layer's backward frees by (stage, layer,
-    micro-batch); micro-batches numbered in the order the rows begin them (`begun[row]`: how many by then)."""
+    """`replay_device`'s step in progress: the allocator, each stage's program, and each micro-batch's frame of
+    addresses by (stage, micro-batch), held from its forward to its full or weight backward; micro-batches
+    numbered in the order the rows begin them (`begun[row]`: how many by then)."""
 
     allocator: CachingAllocator
     rows: Sequence[tuple[str, int, Hashable]]
-    held: dict[tuple[int, int, Hashable], list[int]] = field(default_factory=dict)
+    programs: Mapping[int, StageProgram]
+    frames: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.number: dict[Hashable, int] = {}
+        number: dict[Hashable, int] = {}
         self.begun: list[int] = []
         for _, _, microbatch in self.rows:
-            self.number.setdefault(microbatch, len(self.number))
-            self.begun.append(len(self.number))
-        self.microbatches = list(self.number)
+            number.setdefault(microbatch, len(number))
+            self.begun.append(len(number))
+        self.numbered = [(name, stage, number[microbatch]) for name, stage, microbatch in self.rows]
         # what a row does, its micro-batch named by its place among those begun before it
-        self.shapes = [(name, stage, self.number[microbatch] - (self.begun[at - 1] if at else 0))
-                       for at, (name, stage, microbatch) in enumerate(self.rows)]
+        self.shapes = [(name, stage, microbatch - (self.begun[at - 1] if at else 0))
+                       for at, (name, stage, microbatch) in enumerate(self.numbered)]
 
-    def run(self, row: tuple[str, int, Hashable], layers: Mapping[int, Sequence[LayerAllocations]]) -> None:
-        name, stage, microbatch = row
-        allocator = self.allocator
-        order = range(len(layers[stage])) if name == "fwd" else reversed(range(len(layers[stage])))
-        for index in order:
-            layer, key = layers[stage][index], (stage, index, microbatch)
-            if name == "fwd":
-                self.held[key] = _forward(allocator, layer)
-                continue
-            if name != "wgrad" and layer.rerun is not None:
-                self.held[key] += _recomputed(allocator, layer)
-            done = allocator.replay(layer.passes.get(name, ()))
-            for address in [*done.values(), *(self.held.pop(key) if name != "igrad" else ())]:
-                allocator.free(address)
+    def run(self, at: int) -> None:
+        name, stage, microbatch = self.numbered[at]
+        program = self.programs[stage]
+        if not program.layers:
+            return
+        if name == "fwd":
+            frame = self.frames[stage, microbatch] = [0] * program.slots
+        else:
+            frame = self.frames[stage, microbatch] if name == "igrad" else self.frames.pop((stage, microbatch))
+        self.allocator.run(program.passes[name], frame)
 
     def state(self, at: int) -> tuple:
         """After row `at`, what `replay_device` compares to see the rows repeat: the allocated, reserved and peak
-        bytes, and the layers held, each under its micro-batch counted back from the last begun."""
+        bytes, and the stages' micro-batches held, each counted back from the last begun."""
         allocator, begun = self.allocator, self.begun[at]
-        held = sorted((stage, index, self.number[microbatch] - begun) for stage, index, microbatch in self.held)
+        held = sorted((stage, microbatch - begun) for stage, microbatch in self.frames)
         return (allocator.allocated_bytes, allocator.reserved_bytes, allocator.peak_allocated_bytes,
                 allocator.peak_reserved_bytes, tuple(held))
 
     def skip(self, before: int, at: int) -> int:
         """After row `at`, the state as after row `before`: skip each further whole repetition of the rows
-        between while the rows repeat them, renaming the held blocks' micro-batches; the last row skipped."""
+        between while the rows repeat them, renaming the held frames' micro-batches; the last row skipped."""
         period = at - before
         repeated = 0
         while at + repeated + 1 < len(self.rows) and (
@@ -333,8 +415,7 @@ class _Replay:
         if cycles == 0:
             return at
         shift = cycles * (self.begun[at] - self.begun[before])
-        self.held = {(stage, index, self.microbatches[self.number[microbatch] + shift]): addresses
-                     for (stage, index, microbatch), addresses in self.held.items()}
+        self.frames = {(stage, microbatch + shift): frame for (stage, microbatch), frame in self.frames.items()}
         return at + cycles * period
 
 
@@ -349,16 +430,34 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     would read nothing. `capacity_bytes`: each device's memory (None: unbounded), whose cached segments torch
     releases when a cudaMalloc fails; where the step does not fit even then (torch's out of memory), its reserve
     is what it would take without that bound, which puts the device's peak over its memory."""
+    programs: dict[int, StageProgram] = {}
     reserves = []
     for device, held in enumerate(trace.meta.peak_memory_parts or ()):
-        static = [held[part] for part in ("parameters", "gradients", "optimizer_state")]
+        static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
         rows = device_rows(trace, device)
-        try:
-            replayed = replay_device(static, rows, layers, capacity_bytes[device])
-        except AllocatorOutOfMemory:
-            replayed = replay_device(static, rows, layers)
-        reserves.append(replayed.peak_reserved_bytes - replayed.peak_allocated_bytes)
+        for stage in {stage for _, stage, _ in rows} - programs.keys():
+            programs[stage] = stage_program(layers[stage])
+        # the rows with their stages and micro-batches numbered as they come: the same wherever the content is
+        stages: dict[int, int] = {}
+        place: dict[Hashable, int] = {}
+        numbered = tuple((name, stages.setdefault(stage, len(stages)), place.setdefault(microbatch, len(place)))
+                         for name, stage, microbatch in rows)
+        reserves.append(_reserve(static, numbered, tuple(programs[stage] for stage in stages), capacity_bytes[device]))
     return reserves
+
+
+@functools.lru_cache(maxsize=64)
+def _reserve(static_bytes: tuple[int, ...], rows: tuple[tuple[str, int, int], ...],
+             programs: tuple[StageProgram, ...], capacity_bytes: int | None) -> int:
+    """`device_reserves`' reading of one device, once a process for the same content (`rows`' stages numbered
+    into `programs`): a search simulates configurations whose devices replay the same step (the same stages and
+    rows, another data-parallel degree)."""
+    stages = dict(enumerate(programs))
+    try:
+        replayed = _replayed(static_bytes, rows, stages, capacity_bytes)
+    except AllocatorOutOfMemory:
+        replayed = _replayed(static_bytes, rows, stages, None)
+    return replayed.peak_reserved_bytes - replayed.peak_allocated_bytes
 
 
 def add_reserve(trace: Trace, reserve_bytes: Sequence[int]) -> None:
@@ -375,18 +474,18 @@ def add_reserve(trace: Trace, reserve_bytes: Sequence[int]) -> None:
             drawn[device] = Counter(curve.times_us, curve.values + reserve_bytes[device])
 
 
-def _forward(allocator: CachingAllocator, layer: LayerAllocations) -> list[int]:
-    """A layer's forward replayed: the addresses it holds for its backward."""
-    live = allocator.replay(layer.passes.get("fwd", ()), held=layer.kept)
+def _forward(program: Program, layer: LayerAllocations) -> list[int]:
+    """A layer's forward written down: the slots it holds for its backward."""
+    live = program.replay(layer.passes.get("fwd", ()), held=layer.kept)
     for number in (layer.saved & (layer.rerun or frozenset())) & live.keys():  # the backward makes them again
-        allocator.free(live.pop(number))
+        program.free(live.pop(number))
     return list(live.values())
 
 
-def _recomputed(allocator: CachingAllocator, layer: LayerAllocations) -> list[int]:
+def _recomputed(program: Program, layer: LayerAllocations) -> list[int]:
     """A recomputation before a layer's backward: the forward's `rerun` storages made again, what autograd saves
     of them held for the backward, the rest freed (the output made again: the next layer has its own)."""
-    live = allocator.replay(layer.passes.get("fwd", ()), only=layer.rerun)
+    live = program.replay(layer.passes.get("fwd", ()), only=layer.rerun)
     for number in live.keys() - layer.saved:
-        allocator.free(live.pop(number))
+        program.free(live.pop(number))
     return list(live.values())

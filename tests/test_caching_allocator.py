@@ -1,11 +1,17 @@
-"""The caching allocator's rules, each case written out by hand from c10/cuda/CUDACachingAllocator.cpp."""
+"""The caching allocator's rules, each case written out by hand from c10/cuda/CUDACachingAllocator.cpp, and held
+against a plain allocator written here (every cached block searched, segments as lists of blocks)."""
+
+import random
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from pipesim.sim.caching_allocator import (
     AllocatorOutOfMemory,
     CachingAllocator,
     LayerAllocations,
+    Program,
     replay_device,
     round_request,
     segment_bytes,
@@ -158,10 +164,12 @@ def test_the_losss_16_bit_logits_stay_reserved_beside_its_backwards_float32_tens
     counted = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 1024, "vocab": 8192}, 2,
                           torch.bfloat16)
     loss = counted.layers[-1]
-    allocator = CachingAllocator()
-    kept = allocator.replay((number, nbytes) for number, _, nbytes, _ in loss.allocations["fwd"])
+    allocator, forward, backward = CachingAllocator(), Program(), Program()
+    kept = forward.replay((number, nbytes) for number, _, nbytes, _ in loss.allocations["fwd"])
+    allocator.run(forward.ops, [0] * forward.slots)
     assert allocator.reserved_bytes == (2 + 32 + 2 * 64) * MIB and len(kept) == 6  # the log-softmax among them
-    allocator.replay((number, nbytes) for number, _, nbytes, _ in loss.allocations["bwd"])
+    backward.replay((number, nbytes) for number, _, nbytes, _ in loss.allocations["bwd"])
+    allocator.run(backward.ops, [0] * backward.slots)
     assert allocator.peak_reserved_bytes == (2 + 32 + 3 * 64) * MIB
     assert allocator.peak_reserved_bytes - allocator.peak_allocated_bytes > 32 * MIB
 
@@ -344,9 +352,11 @@ def test_a_devices_rows_are_its_passes_in_the_order_they_start():
 
 def test_an_empty_storage_takes_no_block():
     """torch hands out nothing for 0 bytes; the count records its free as 0 bytes too, which must not allocate."""
-    allocator = CachingAllocator()
-    assert allocator.replay([(0, 0), (1, 3 * MIB), (0, 0), (0, 0)]) == {1: 0}
-    assert (allocator.allocated_bytes, allocator.reserved_bytes) == (3 * MIB, 20 * MIB)
+    allocator, program = CachingAllocator(), Program()
+    assert program.replay([(0, 0), (1, 3 * MIB), (0, 0), (0, 0)]) == {1: 0}
+    allocator.run(program.ops, [0] * program.slots)
+    assert (allocator.allocated_bytes, allocator.reserved_bytes, len(program.ops)) == (3 * MIB, 20 * MIB, 1)
+
 
 def _one_f_one_b(warm_up: int, microbatches: int) -> list[tuple[str, int, tuple[int, int]]]:
     """One device's 1F1B rows over two mini-batches: `warm_up` forwards, a forward and a backward each, the drain."""
@@ -369,9 +379,9 @@ def test_a_steady_state_is_replayed_once_with_the_full_replays_peaks(monkeypatch
                   LayerAllocations(RECOMPUTED)]}
     rows = _one_f_one_b(4, 32)
     run = caching_allocator._Replay.run
-    whole = caching_allocator._Replay(CachingAllocator(), rows)
-    for row in rows:
-        run(whole, row, layers)
+    whole = caching_allocator._Replay(CachingAllocator(), rows, {0: caching_allocator.stage_program(layers[0])})
+    for at in range(len(rows)):
+        run(whole, at)
     ran = []
     monkeypatch.setattr(caching_allocator._Replay, "run", lambda *args: ran.append(run(*args)))
     skipped = replay_device([], rows, layers)
@@ -462,3 +472,204 @@ def test_a_sweep_reads_each_configurations_peak_as_simulate_does(tmp_path):
     (simulated,) = simulate_json(*SMALL_GPT)
     assert peaks["caching"] == pytest.approx(max(d["peak_memory_mb"] for d in simulated["devices"]), rel=1e-9)
     assert peaks["caching"] > peaks["none"]
+
+
+class _PlainAllocator:
+    """torch's rules as the module's docstring states them, the plain way: each segment a list of [bytes,
+    allocated] blocks in address order, segments in the order made (their addresses' order), every cached block
+    of the pool searched for the best fit. A block is named by its segment's number and its offset in it."""
+
+    def __init__(self, capacity_bytes: int | None, max_split_bytes: int | None):
+        self.capacity_bytes, self.max_split_bytes = capacity_bytes, max_split_bytes
+        self.segments: dict[int, tuple[tuple[int, bool], list[list]]] = {}  # number: (pool, blocks)
+        self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
+
+    def malloc(self, nbytes: int, stream: int) -> tuple[int, int]:
+        request = max(512, -(-nbytes // 512) * 512)
+        pool = (stream, request <= MIB)
+        fits = [(size, number, offset) for number, (of, blocks) in self.segments.items() if of == pool
+                for offset, (size, allocated) in _offsets(blocks) if not allocated and size >= request]
+        best = min(fits, default=None)
+        if best is not None and self.max_split_bytes is not None and (
+                request < self.max_split_bytes <= best[0] or
+                request >= self.max_split_bytes and best[0] >= request + 20 * MIB):
+            best = None
+        if best is None:
+            size = 2 * MIB if request <= MIB else 20 * MIB if request < 10 * MIB else -(-request // (2 * MIB)) * 2 * MIB
+            if self.capacity_bytes is not None and self.reserved + size > self.capacity_bytes:
+                for number, (_, blocks) in list(self.segments.items()):
+                    if len(blocks) == 1 and not blocks[0][1]:
+                        self.reserved -= blocks[0][0]
+                        del self.segments[number]
+                if self.reserved + size > self.capacity_bytes:
+                    raise AllocatorOutOfMemory
+            number = max(self.segments, default=-1) + 1
+            self.segments[number] = (pool, [[size, False]])
+            self.reserved += size
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            best = (size, number, 0)
+        size, number, offset = best
+        blocks = self.segments[number][1]
+        index = [at for at, _ in _offsets(blocks)].index(offset)
+        remaining = size - request
+        if remaining >= 512 if pool[1] else remaining > MIB and (self.max_split_bytes is None or
+                                                                 request < self.max_split_bytes):
+            blocks[index:index + 1] = [[request, False], [remaining, False]]
+        blocks[index][1] = True
+        self.allocated += blocks[index][0]
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return number, offset
+
+    def free(self, block: tuple[int, int]) -> None:
+        number, offset = block
+        blocks = self.segments[number][1]
+        index = [at for at, _ in _offsets(blocks)].index(offset)
+        blocks[index][1] = False
+        self.allocated -= blocks[index][0]
+        for at in (index, index - 1):  # with the block after it, then the one before with both
+            if 0 <= at < len(blocks) - 1 and not blocks[at][1] and not blocks[at + 1][1]:
+                blocks[at:at + 2] = [[blocks[at][0] + blocks[at + 1][0], False]]
+
+
+def _offsets(blocks: list[list]) -> list[tuple[int, list]]:
+    at, placed = 0, []
+    for block in blocks:
+        placed.append((at, block))
+        at += block[0]
+    return placed
+
+
+# requests around each rule's bounds half of the time: 1 MiB (the pools), 1 MiB left (a large block split), 10 MiB
+# (a segment of the request's own size), 20 MiB (a large-pool segment), and any bytes up to 60 MiB
+BOUNDS = [512, 1024, MIB - 512, MIB, MIB + 1, 2 * MIB, 9 * MIB, 10 * MIB - 512, 10 * MIB, 19 * MIB, 20 * MIB, 21 * MIB]
+REQUEST_BYTES = st.one_of(st.sampled_from(BOUNDS), st.sampled_from(BOUNDS), st.sampled_from(BOUNDS),
+                          st.integers(0, 2 * MIB), st.integers(MIB, 12 * MIB), st.integers(10 * MIB, 60 * MIB))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), REQUEST_BYTES, st.integers(0, 1), st.integers(0, 1000)), max_size=60),
+       capacity_mib=st.one_of(st.none(), st.integers(20, 200)),
+       max_split_mib=st.one_of(st.none(), st.sampled_from([4, 16, 40])))
+@example(ops=[(False, 3 * MIB, 0, 0), (False, 3 * MIB, 0, 0), (True, 0, 0, 0), (False, 45 * MIB, 0, 0)],
+         capacity_mib=64, max_split_mib=None)  # a cached block at a segment's start is not the whole segment
+@example(ops=[(False, 40 * MIB, 0, 0), (True, 0, 0, 0), (False, 20 * MIB, 0, 0)], capacity_mib=None,
+         max_split_mib=16)  # a cached block exactly 20 MiB larger than a request over max_split_size is not taken
+def test_any_mallocs_and_frees_read_as_a_plain_allocator_reads_them(ops, capacity_mib, max_split_mib):
+    """Random requests on two streams, some freed as they go (`free`: the live block at `pick` mod their count),
+    with and without a capacity and max_split_size: after every call the same bytes allocated and reserved and
+    the same peaks, and out of memory at the same call."""
+    capacity, max_split = (None if mib is None else mib * MIB for mib in (capacity_mib, max_split_mib))
+    fast, plain = CachingAllocator(capacity, max_split), _PlainAllocator(capacity, max_split)
+    live: list[tuple[int, tuple[int, int]]] = []
+    for free, nbytes, stream, pick in ops:
+        if free and live:
+            address, block = live.pop(pick % len(live))
+            fast.free(address)
+            plain.free(block)
+        else:
+            try:
+                address = fast.malloc(nbytes, stream)
+            except AllocatorOutOfMemory:
+                with pytest.raises(AllocatorOutOfMemory):
+                    plain.malloc(nbytes, stream)
+                return
+            live.append((address, plain.malloc(nbytes, stream)))
+        assert (fast.allocated_bytes, fast.reserved_bytes, fast.peak_allocated_bytes, fast.peak_reserved_bytes) == (
+            plain.allocated, plain.reserved, plain.peak_allocated, plain.peak_reserved)
+
+
+def _synthetic_layer(seed: int, recompute: str) -> LayerAllocations:
+    """A layer whose passes make storages of the small pool, of the 20 MiB segments' range and of their own
+    segments (and empty ones), each pass freeing some as it goes, the forward leaving the rest live, half of them
+    saved; `recompute`: none, full, or a policy that keeps a third and reruns the rest."""
+    rng = random.Random(seed)
+
+    def events(first: int) -> tuple[tuple[int, int], ...]:
+        made, live = [], {}
+        for number in range(first, first + rng.randrange(6, 14)):
+            if live and rng.random() < 0.35:
+                freed = rng.choice(sorted(live))
+                made.append((freed, -live.pop(freed)))
+            nbytes = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 10 * MIB),
+                                 rng.randrange(10 * MIB, 48 * MIB), 0])
+            made.append((number, nbytes))
+            live[number] = nbytes
+        return tuple(made)
+
+    passes = {name: events(first) for name, first in (("fwd", 0), ("bwd", 100), ("igrad", 200), ("wgrad", 300))}
+    made = sorted({number for number, nbytes in passes["fwd"] if nbytes > 0})
+    saved = frozenset(rng.sample(made, len(made) // 2))
+    if recompute == "none":
+        return LayerAllocations(passes, saved)
+    kept = frozenset(rng.sample(made, len(made) // 3)) if recompute == "policy" else frozenset()
+    return LayerAllocations(passes, saved, frozenset(made) - kept, kept)
+
+
+def _pipeline(method: str, p: int, m: int, chunks: int | None, recompute: str):
+    """`method`'s rows per device over 2 mini-batches (v = `chunks`) and two synthetic layers a stage: the first and
+    last stages' their own, the middle ones' alike."""
+    from pipesim.sim.caching_allocator import device_rows
+    from tests.conftest import build, simulated
+
+    schedule = build(method, p, m, 2, **({"chunks": chunks} if chunks else {}))
+    trace = simulated(schedule).trace
+    last = schedule.num_stages - 1
+    layers = {stage: [_synthetic_layer(min(stage, 1) + 2 * (stage == last) + 10 * k, recompute) for k in range(2)]
+              for stage in range(last + 1)}
+    return trace, [device_rows(trace, device) for device in range(schedule.num_devices)], layers
+
+
+STATIC_BYTES = [30 * MIB, 5 * MIB, 700_000]
+
+
+@pytest.mark.parametrize("case,recorded", [
+    (("1f1b", 4, 8, None, "none"), [((505413632, 400545792), None), ((184549376, 155476480), None),
+                                    ((180355072, 142728704), None), ((358612992, 229173760), (281018368, 229193216))]),
+    (("interleaved-1f1b", 2, 4, 2, "full"), [((578813952, 452464128), (536870912, 453389824)),
+                                             ((448790528, 252186624), (398458880, 252287488))]),
+    (("zb-h1", 3, 6, None, "policy"), [((515899392, 428424192), (473956352, 428424192)),
+                                       ((354418688, 220729856), (306184192, 220729856)),
+                                       ((520093696, 450801664), None)]),
+    (("zb-h1", 3, 6, None, "none"), [((459276288, 384649728), (417333248, 385280000)),
+                                     ((354418688, 219280896), (306184192, 219280896)),
+                                     ((513802240, 448696832), None)]),
+])
+def test_a_pipelines_devices_replay_to_the_peaks_recorded_before_the_replay_was_compiled(case, recorded):
+    """Each device's peak reserved and allocated bytes, unbounded and within its unbounded peak less 40 MiB (its
+    cached whole segments released when a segment does not fit; None: out of memory even then), as the replay
+    read them at 6b5b0b7, block by block with Block objects, before its passes were written down once
+    (`stage_program`) and replayed on addresses alone."""
+    _, rows, layers = _pipeline(*case)
+    read = []
+    for device_rows in rows:
+        unbounded = replay_device(STATIC_BYTES, device_rows, layers)
+        try:
+            bounded = replay_device(STATIC_BYTES, device_rows, layers, unbounded.peak_reserved_bytes - 40 * MIB)
+            within = (bounded.peak_reserved_bytes, bounded.peak_allocated_bytes)
+        except AllocatorOutOfMemory:
+            within = None
+        read.append(((unbounded.peak_reserved_bytes, unbounded.peak_allocated_bytes), within))
+    assert read == recorded
+
+
+def test_a_stages_program_and_a_devices_reserve_are_read_once_for_the_same_content(monkeypatch):
+    """Layers of the same content (other objects) give the same program; device_reserves replays a device whose
+    static bytes, rows and stages' content it has read before not again, and reads the same reserves."""
+    from pipesim.sim import caching_allocator
+
+    trace, rows, layers = _pipeline("1f1b", 4, 8, None, "full")
+    twin = {stage: [LayerAllocations(dict(layer.passes), layer.saved, layer.rerun, layer.kept) for layer in each]
+            for stage, each in layers.items()}
+    assert caching_allocator.stage_program(twin[1]) is caching_allocator.stage_program(layers[1])
+    assert caching_allocator.stage_program(layers[1]) is caching_allocator.stage_program(layers[2])
+    static = [[held[part] for part in ("parameters", "gradients", "optimizer_state")]
+              for held in trace.meta.peak_memory_parts]
+    each = [replay_device(bytes_held, device_rows, layers) for bytes_held, device_rows in zip(static, rows)]
+    caching_allocator._reserve.cache_clear()
+    replayed = []
+    run = caching_allocator._replayed
+    monkeypatch.setattr(caching_allocator, "_replayed", lambda *args: replayed.append(args) or run(*args))
+    first = caching_allocator.device_reserves(trace, layers, [None] * 4)
+    assert first == [device.peak_reserved_bytes - device.peak_allocated_bytes for device in each]
+    assert len(replayed) == 4
+    assert caching_allocator.device_reserves(trace, twin, [None] * 4) == first and len(replayed) == 4
