@@ -15,7 +15,7 @@ import numpy as np
 
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
 from .passes import add_context_parallel, add_data_parallel, add_expert_parallel, overlap_expert_communication
-from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView, stacked
+from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView
 
 MAX_ROWS = 30_000_000  # ops and transfers (a send and a receive row each): about 430 bytes per row while simulating
 MAX_STAGES = 4_096  # model stages (p·v) of one pipeline: per-device and per-stage work grows faster than rows
@@ -267,25 +267,26 @@ def pipedream_order(method: str, params: ScheduleParams, policy: WeightPolicy) -
     bellwether reads, only before micro-batch 0's, whose weights the mini-batch reuses)."""
     require_plain(method, params)
     p, m, n = params.stages, params.microbatches, params.minibatches
-    parts = []
-    for k in range(p):
-        backward, position = interleave_1f1b(n * m, p - k - 1)
-        microbatch, minibatch = np.divmod(position, m)[::-1]
-        kind = np.where(backward, _B, _F)
-        predicted = np.zeros(len(kind), bool)
-        for side, read, prediction in ((~backward, policy.forward, policy.predict_forward),
-                                       (backward, policy.backward, policy.predict_backward)):
-            if prediction is not None:
-                predicted |= side & ((microbatch == 0) if read is Read.BELLWETHER else True)
-        updates = np.flatnonzero(backward & (microbatch == m - 1)) + 1
-        before = np.concatenate([updates, np.flatnonzero(predicted)])  # an update before a PRED at one spot
-        inserted = np.concatenate([np.full(len(updates), _OPT), np.full(len(before) - len(updates), _PRED)])
-        mb_inserted = np.concatenate([np.full(len(updates), -1), microbatch[predicted]])
-        b_inserted = np.concatenate([minibatch[updates - 1], minibatch[predicted]])
-        kind, microbatch = np.insert(kind, before, inserted), np.insert(microbatch, before, mb_inserted)
-        minibatch = np.insert(minibatch, before, b_inserted)
-        parts.append((k, kind, np.full(len(kind), k), microbatch, minibatch, np.zeros(len(kind))))
-    return make_schedule(method, params, stacked(parts), policy)
+    backward, position = interleave_1f1b_rows(n * m, p - np.arange(p) - 1)  # row k: stage k, on device k
+    minibatch, microbatch = np.divmod(position, m)
+    predicted = np.zeros(backward.shape, bool)
+    for side, read, prediction in ((~backward, policy.forward, policy.predict_forward),
+                                   (backward, policy.backward, policy.predict_backward)):
+        if prediction is not None:
+            predicted |= side & ((microbatch == 0) if read is Read.BELLWETHER else True)
+    # every stage's row one after another: an update right after its mini-batch's last backward, a PRED right
+    # before each op it predicts for (an update before a PRED at one spot), of the stage and mini-batch of `of`
+    after, spots = np.flatnonzero(backward & (microbatch == m - 1)) + 1, np.flatnonzero(predicted)
+    before, of = np.concatenate([after, spots]), np.concatenate([after - 1, spots])
+    kind = np.insert(np.where(backward, _B, _F).ravel(), before, np.repeat([_OPT, _PRED], [len(after), len(spots)]))
+    microbatch = microbatch.ravel()
+    microbatch = np.insert(microbatch, before, np.concatenate([np.full(len(after), -1), microbatch[spots]]))
+    stage, minibatch = (np.insert(column, before, column[of]) for column in
+                        (np.repeat(np.arange(p), backward.shape[1]), minibatch.ravel()))
+    rows = len(kind)
+    return make_schedule(method, params, ActionTable(
+        stage.astype(FIELD_DTYPE), kind.astype(KIND_DTYPE), stage.astype(FIELD_DTYPE), microbatch.astype(FIELD_DTYPE),
+        minibatch.astype(FIELD_DTYPE), np.zeros(rows, dtype=FIELD_DTYPE), np.full(rows, -1, dtype=FIELD_DTYPE)), policy)
 
 
 PIPEDREAM_POLICY = WeightPolicy(forward=Read.LATEST, backward=Read.STASHED)
