@@ -359,9 +359,11 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     least 0 (max reserved >= max allocated): a lower bound of its peak. Its speed alone says whether it beats
     `above` and whether its group would rank above the last group kept; `keep` compares the peak with the cap
     (at most or over it), so if it refuses both that bound and an unbounded peak it refuses the peak between.
-    Only a result that passes all three is replayed (`_Built.result`), for its peak: whether `keep` takes it,
-    its twins and its rank among equally fast ones. So the groups kept are the ones every result replayed
-    gives."""
+    Only a result that passes all three is replayed (`_Built.replay`), for its peak: whether `keep` takes it,
+    its twins and its rank among equally fast ones. The replay is handed out as a search is, and the result
+    taken again, replayed, after what is out before it: the groups kept meanwhile are fewer, so a later
+    result is cut no sooner than it would be, and the groups kept in the end are the ones every result
+    replayed gives."""
     heap = []
     for shape in shapes:
         item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
@@ -369,7 +371,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             heap.append((-item.max_samples_per_s, shape.index, item))
     heapq.heapify(heap)
     kept: list[list[Result]] = []
-    out: deque[Shape | Candidate] = deque()  # popped and handed to a worker (searched or simulated), in order
+    out: deque[Shape | Candidate | Result] = deque()  # handed to a worker (searched, simulated or replayed), in order
 
     def take() -> None:
         nonlocal kept
@@ -379,13 +381,18 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             if candidate is not None and eligible(candidate):
                 heapq.heappush(heap, (-candidate.max_samples_per_s, item.index, candidate))
             return
-        result = built.floor(item)  # its peak without the caching allocator's reserve, a lower bound
-        speed = speed_key(result.samples_per_s)
-        if speed <= above or (len(kept) >= groups and speed < speed_key(kept[-1][0].samples_per_s)):
-            return  # its group would rank below the last kept: cut, whatever its peak
-        if not (keep(result) or keep(replace(result, peak_memory_bytes=_UNBOUNDED_BYTES))):
-            return  # refused at its least peak and at any larger one: at its own too (`keep` compares it to a cap)
-        result = built.result(item)
+        if isinstance(item, Candidate):
+            result = built.floor(item)  # its peak without the caching allocator's reserve, a lower bound
+            speed = speed_key(result.samples_per_s)
+            if speed <= above or (len(kept) >= groups and speed < speed_key(kept[-1][0].samples_per_s)):
+                return  # its group would rank below the last kept: cut, whatever its peak
+            if not (keep(result) or keep(replace(result, peak_memory_bytes=_UNBOUNDED_BYTES))):
+                return  # refused at its least peak and at any larger one, so at its own (`keep` holds it to a cap)
+            if item.index not in built.results:  # replayed meanwhile, and taken again after what is out
+                built.replay(item)
+                out.append(result)
+                return
+        result = built.result(item.candidate if isinstance(item, Result) else item)
         if not keep(result):
             return
         group = next((g for g in kept if twins(g[0], result)), None)
@@ -463,6 +470,7 @@ class _Built:
                       if workers > 1 else None)
         self._simulating: dict[int, Future] = {}
         self._searching: dict[int, Future] = {}
+        self._replaying: dict[int, Future] = {}
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
         self.floors: dict[int, Result] = {}  # simulated, the peak without the caching allocator's reserve
@@ -622,14 +630,20 @@ class _Built:
             self._progress()
         return self.floors[index]
 
+    def replay(self, candidate: Candidate) -> None:
+        """Start replaying the candidate's caching allocator (`result`) in a worker, if there are workers and it
+        is not replayed yet."""
+        index = candidate.index
+        if self._pool is not None and index not in self.results and index not in self._replaying:
+            self._replaying[index] = self._pool.submit(_reserved_peak_bytes, candidate)
+
     def result(self, candidate: Candidate) -> Result:
-        """The candidate simulated with the caching allocator's reserve: the peak simulate and sweep give (its
-        replay in a worker, if there are workers)."""
+        """The candidate simulated with the caching allocator's reserve: the peak simulate and sweep give."""
         index = candidate.index
         if index not in self.results:
             floor = self.floor(candidate)
-            peak_bytes = (self._pool.submit(_reserved_peak_bytes, candidate).result() if self._pool is not None
-                          else _reserved_peak_bytes(candidate))
+            replaying = self._replaying.pop(index, None)
+            peak_bytes = replaying.result() if replaying is not None else _reserved_peak_bytes(candidate)
             self.results[index] = replace(floor, peak_memory_bytes=peak_bytes)
         return self.results[index]
 
