@@ -115,7 +115,8 @@ def test_tune_estimates_with_the_cycle_collector_held_off_and_restores_it(monkey
     monkeypatch.setattr(tune, "_estimated_settings", spy)
     assert gc.isenabled()
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
-                             "--seq-len", 32, "--vocab", 1000, "-D", 2, "-b", 1, "--json")
+                             "--seq-len", 32, "--vocab", 1000, "-D", 2, "-b", 1, "--tensor-parallel", 1,
+                             "--recompute", "none", "-s", "1f1b", "--json")
     assert code == 0, err
     assert json.loads(out)["choice"] and seen == [False] and gc.isenabled()
 
