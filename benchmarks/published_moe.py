@@ -24,8 +24,11 @@ folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`
 where the row has virtual stages, the layers cut into equal blocks where they divide into p·v stages (Megatron's
 cut), else balanced, and the tokens dispatched as the layout's recipe did (`DISPATCHERS`), with Megatron-core's
 expert-parallel overlap where the recipe sets moe_a2a_overlap (`--overlap-expert-comm`, `A2A_OVERLAP`). Routing is
-balanced, as the summary's footnote says its MoE runs force it. The predicted tokens/s per GPU is the global batch's
-tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why; a row whose
+random where the run forces balance, which the summary's footnote says its MoE runs do (`--routing random`:
+Megatron-core draws each token's router logits from a normal distribution, moe_utils.py RandomSTE, so the shares are
+even on average and the busiest rank is waited for), and balanced where the row drops tokens at capacity 1 (25.09's
+"(tokendrop)", `TOKEN_DROP`: each expert padded to its even share). The predicted tokens/s per GPU is the global
+batch's tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why; a row whose
 release's recipe ran another layout than the row prints runs that layout (`RELEASE_LAYOUTS`, each with its
 source), listed too. Each command's
 fullest device's peak memory is printed with it: the summaries publish no memory figure, but every row ran, so none
@@ -94,6 +97,13 @@ RELEASE_LAYOUTS = {
                                    "t1 p1 E16 over HybridEP, no expert overlap (qwen3_workload_base_configs.py at "
                                    "v0.3.1; the row prints r0.3.0's p2 v12 E8)"),
 }
+# The runs that force balance (--routing random) and those that do not: the dropless Qwen3 runs set
+# moe_router_force_load_balancing (scripts/performance/configs/qwen3/qwen3_llm_pretrain.py at v0.2.1,
+# set_qwen3_common_configs: "required for token dropless"; perf_recipes/qwen/h100/qwen3_moe.py at 067f987df0);
+# 25.09's "(tokendrop)" runs route by the model's
+# router and drop at capacity 1 (scripts/performance/run_script.py at v0.1.0rc4: apply_moe_token_drop, no forced
+# balance), each expert padded to its even share
+TOKEN_DROP = "(tokendrop)"  # the row's model label of the runs that do not
 NOT_EXPRESSIBLE = {
     "DeepSeekV3": "its recipe (scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml at 7623546) has a "
                   "multi-token-prediction layer (mtp_num_layers 1), which no config in examples/ builds, and a layout "
@@ -121,6 +131,7 @@ class MoeRun:
     expert_tensor: int  # --expert-tensor-parallel: each routed expert's tensor split
     a2a_overlap: bool  # --overlap-expert-comm: the recipe sets moe_a2a_overlap (`A2A_OVERLAP`)
     fp8_recipe: str  # --fp8-recipe: the row's float8 scaling (`FP8_RECIPES`)
+    routing: str  # --routing: random where the run forces balance, balanced where it drops (`TOKEN_DROP`)
 
     @property
     def data(self) -> int:
@@ -140,7 +151,7 @@ class MoeRun:
                 "--precision", "megatron-16bit-grads", "--grad-accumulation", "fused", "--recompute", "none",
                 *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
-                "--cross-entropy", "megatron", "--norm-kernel", "fused",
+                "--cross-entropy", "megatron", "--norm-kernel", "fused", "--routing", self.routing,
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else [])]
 
@@ -163,7 +174,8 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
         expressible.append((MoeRun(f"{row['container']} {row['model']} t{t} p{p} v{chunks} E{e}", PRESETS[model],
                                    gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get(layout),
                                    EXPERT_TENSOR[model], row["container"].startswith(A2A_OVERLAP.get(layout, ())),
-                                   FP8_RECIPES[row["precision"]]),
+                                   FP8_RECIPES[row["precision"]],
+                                   "balanced" if TOKEN_DROP in row["model"] else "random"),
                             row))
     return expressible, left_out
 

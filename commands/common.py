@@ -267,6 +267,12 @@ HotExpertShare = Annotated[float | None, typer.Option(
     "--hot-expert-share", metavar="S", help="With --expert-parallel: the busiest expert's share of a micro-batch's "
                                             "routed tokens (balanced: 1/experts); its rank computes and receives "
                                             "that much more, and the others wait for it. Default: balanced.")]
+Routing = Annotated[str | None, typer.Option(
+    "--routing", metavar="HOW", help="With --expert-parallel: how the router spreads a micro-batch's token copies, "
+                                     "balanced (each expert its even share; the default) or random (each token's "
+                                     "experts drawn alike, as Megatron-core's moe_router_force_load_balancing "
+                                     "draws them: even on average, the busiest expert-parallel rank, which every "
+                                     "rank waits for, holding more).")]
 TokenDispatcher = Annotated[str | None, typer.Option(
     "--token-dispatcher", metavar="HOW", help="With --expert-parallel: how tokens reach their experts, alltoall "
                                               "(NCCL's all-to-all: every routed copy sent; the default) or deepep "
@@ -387,7 +393,8 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", Cu
                 ("norm_kernel", NormKernel, "eager"),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
-                ("token_dispatcher", TokenDispatcher, None), ("dispatcher_sms", DispatcherSms, None),
+                ("routing", Routing, None), ("token_dispatcher", TokenDispatcher, None),
+                ("dispatcher_sms", DispatcherSms, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
                 ("ema", Ema, None), ("grad_accumulation", GradAccumulation, None))

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
-                 "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "recompute", "curve_from",
+                 "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "routing", "recompute",
+                 "curve_from",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "recompute_modules",
@@ -64,6 +65,7 @@ ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "p
 KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager"}
 # Settings named in an estimate's parallelism text only when they are not these (a bool not listed: when set).
 SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
+                    "routing": "balanced",
                     **KERNEL_DEFAULTS}
 RECOMPUTE = ("none", "selective", "full", "op")
 FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
@@ -71,7 +73,8 @@ SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torcht
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
-                  "hot_expert_share": "--hot-expert-share", "token_dispatcher": "--token-dispatcher",
+                  "hot_expert_share": "--hot-expert-share", "routing": "--routing",
+                  "token_dispatcher": "--token-dispatcher",
                   "dispatcher_sms": "--dispatcher-sms",
                   "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
                   "attention_kernel": "--attention-kernel",
@@ -122,6 +125,7 @@ class WhatIf:
     grad_accumulation: str | None = None  # --grad-accumulation (None: --precision's, planning/estimate.py)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
     attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
+    routing: str = "balanced"  # --routing, of planning/experts.py's ROUTINGS
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -174,7 +178,7 @@ class WhatIf:
                            sequence_parallel=self.sequence_parallel,
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
-                           hot_expert_share=self.hot_expert_share, tp_overlap=self.tp_overlap,
+                           hot_expert_share=self.hot_expert_share, routing=self.routing, tp_overlap=self.tp_overlap,
                            token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
                            expert_tensor=self.expert_tensor,
                            rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
@@ -209,7 +213,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         EstimateError,
         kernel_curve,
     )
-    from ..planning.experts import DISPATCHERS
+    from ..planning.experts import DISPATCHERS, ROUTINGS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
     from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS
@@ -295,6 +299,12 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     dispatcher = params.get("token_dispatcher")
     if dispatcher is not None and dispatcher not in DISPATCHERS:
         raise InputError(f"--token-dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
+    routing = params.get("routing") or "balanced"
+    if routing not in ROUTINGS:
+        raise InputError(f"--routing: choose from {', '.join(ROUTINGS)} (got {routing!r})")
+    if routing == "random" and params.get("capacity_factor") is not None:
+        raise InputError("--routing random: a model that drops tokens (--capacity-factor) computes each expert's "
+                         "capacity however they are routed; give balanced")
     if params.get("dispatcher_sms") is not None and dispatcher != "deepep":
         raise InputError("--dispatcher-sms: the multiprocessors DeepEP's kernels hold; give --token-dispatcher deepep")
     rank_order = params.get("rank_order") or "pipesim"
@@ -321,7 +331,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   norm_kernel=params.get("norm_kernel", "eager"),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
-                  attention_kernel=attention_kernel, grad_accumulation=accumulation)
+                  attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing)
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

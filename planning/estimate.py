@@ -144,6 +144,7 @@ class Parallelism:
     expert_tensor: int | None = None  # ETP: the ranks each routed expert is split over (None: t; planning/ranks.py)
     rank_order: str = "pipesim"  # how the ranks are numbered, of `RANK_ORDERS` (planning/ranks.py)
     hot_expert_share: float | None = None  # the busiest expert's share of the routed tokens (None: balanced)
+    routing: str = "balanced"  # how the router spreads the tokens, of planning/experts.py's `ROUTINGS`
     token_dispatcher: str | None = None  # how tokens reach the experts (planning/experts.py; None: alltoall)
     dispatcher_sms: int | None = None  # multiprocessors DeepEP's kernels hold (None: `DEEPEP_MULTIPROCESSORS`)
     sequence_parallel: bool = False
@@ -973,12 +974,12 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,
 
 def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Parallelism) -> tuple[float, float]:
     """The network time of `layer`'s routed experts' all-to-alls (`planning.experts`) after its forward and after
-    its backward: each of the t·C ranks sends its share of the layer's token copies, the busiest receiving `load`
-    times as many, each token in as many copies as the dispatched bytes hold its output's; a full recomputation
-    reruns the forward's in the backward."""
+    its backward: each of the t·C ranks sends its share of the layer's token copies, the busiest receiving
+    `layer_load` times as many, each token in as many copies as the dispatched bytes hold its output's; a full
+    recomputation reruns the forward's in the backward."""
     copies = round(layer.dispatched_bytes / layer.output_bytes) if layer.output_bytes else 1
-    each = experts.all_to_all_ms(layer.dispatched_bytes * experts.load / (parallel.tensor * parallel.context),
-                                 max(copies, 1))
+    busiest = layer.dispatched_bytes * experts.layer_load(layer) / (parallel.tensor * parallel.context)
+    each = experts.all_to_all_ms(busiest, max(copies, 1))
     rerun = ALL_TO_ALLS["fwd"] * each if parallel.recompute == "full" else 0.0
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
@@ -1129,7 +1130,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         experts = expert_group(placement, parallel.expert, counted.options.get("experts"), parallel.tensor,
                                parallel.context, parallel.pipeline, parallel.data, parallel.hot_expert_share,
                                parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor,
-                               _routing_groups(counted.options))
+                               _routing_groups(counted.options), parallel.routing)
     except ExpertParallelError as exc:
         raise EstimateError(str(exc)) from None
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,

@@ -38,6 +38,10 @@ micro-batch's routed token copies (`hot_share`; balanced: 1/n of n experts), the
 others at the rest's even share, (1 - S)/(n - 1) each, computes E·(S + (n/E - 1)(1 - S)/(n - 1)) times the
 balanced work (`ExpertGroup.load`) and receives as many token copies, and every rank of the group waits for it at
 the combine. On one rank (E = 1) the work is the same whatever the routing (dropless: every copy computed once).
+Under random routing (`routing` "random") each token's k experts are k of the n drawn alike, token by token, as
+Megatron-core's forced balance draws them (`moe_router_force_load_balancing`: moe_utils.py `RandomSTE` replaces
+the router's logits by normal draws, a seed per rank): the shares are even only on average, and the busiest rank
+of the E, which the combine waits for, holds `random_routing_load` times the mean.
 Pure arithmetic: no torch, no simulator."""
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from functools import cache
+from statistics import NormalDist
 
 from ..profiles.schema import EstimateLink, EstimatePlacement
 from ..profiles.workload import LayerCount, OpCount
@@ -54,6 +60,7 @@ from .ranks import RankOrderError, expert_grid
 # back after its backward (an A2A_B after B, or after I: the weight-gradient pass routes nothing)
 ALL_TO_ALLS = {"fwd": 2, "bwd": 2}
 DISPATCHERS = ("alltoall", "deepep")  # NCCL's all-to-all of every copy (the default); DeepEP's deduplicated one
+ROUTINGS = ("balanced", "random")  # each expert its even share (the count's); each token's experts drawn alike
 
 
 class ExpertParallelError(ValueError):
@@ -77,6 +84,7 @@ class ExpertGroup:
     dense_tensor: int = 1  # t: the ranks each dense layer's weights are split over
     groups: tuple[int, int] | None = None  # (G, M): a token's experts lie in M of G expert groups (None: any)
     context: int = 1  # C: the context-parallel ranks a stage's tokens are split over beside the t
+    routing: str = "balanced"  # of `ROUTINGS`
 
     @property
     def weight_shards(self) -> int | Fraction:
@@ -93,10 +101,20 @@ class ExpertGroup:
         n, share = self.experts, self.hot_share
         return self.ranks * (share + (n // self.ranks - 1) * (1 - share) / (n - 1))
 
+    def layer_load(self, layer: LayerCount) -> float:
+        """The busiest rank's routed work over a balanced rank's in `layer`: `load` with a hot expert or balanced
+        routing; under random routing the expected busiest of the E ranks, each receiving the copies of the
+        E·ETP/(t·C) shares of the micro-batch's tokens its group dispatches (`random_routing_load`)."""
+        if self.routing == "balanced" or self.hot_share is not None or not layer.dispatched_bytes:
+            return self.load
+        tokens = math.prod(layer.output_shape[:-1]) * self.ranks * self.tensor / (self.dense_tensor * self.context)
+        return random_routing_load(self.experts, round(layer.dispatched_bytes / layer.output_bytes), self.ranks,
+                                   tokens)
+
     def local(self, layer: LayerCount) -> LayerCount:
         """`layer` as the group's busiest rank runs it: its routed experts' grouped products at the shapes
         Megatron-core's grouped GEMM runs them on the rank (`local_product`), its other routed ops (`OpCount.routed`)
-        `load` times larger. The rest is the count's, which the estimate splits over the t·C ranks.
+        `layer_load` times larger. The rest is the count's, which the estimate splits over the t·C ranks.
 
         Each product's roles follow from the forward's, whose m is the tokens and whose k × n is an expert's weight
         (the first fc1, split on its output n by ETP; the second fc2, split on its contraction k): a backward
@@ -104,6 +122,7 @@ class ExpertGroup:
         (m the tokens, n × k the weight transposed)."""
         forward = [op.shape[:0:-1][:2] for op in layer.ops.get("fwd", ()) if _grouped(op)]  # (k, n) each
         split = {weight: 1 if i == 0 else 0 for i, weight in reversed(list(enumerate(forward)))}  # of (k, n)
+        load = self.layer_load(layer)
 
         def roles(op: OpCount, in_forward: bool) -> tuple[int, tuple[int, int]]:
             """The token dimension of (m, n, k) and those of the weight's (k, n)."""
@@ -115,17 +134,17 @@ class ExpertGroup:
             if _grouped(op):
                 tokens, weight = roles(op, in_forward)
                 rows_cols = tuple(op.shape[1:][i] for i in weight)
-                return self.local_product(op, tokens, weight[split.get(rows_cols, 1)])
-            if op.routed and self.load != 1.0:
-                return replace(op, flops=round(op.flops * self.load), moved_bytes=round(op.moved_bytes * self.load))
+                return self.local_product(op, tokens, weight[split.get(rows_cols, 1)], load)
+            if op.routed and load != 1.0:
+                return replace(op, flops=round(op.flops * load), moved_bytes=round(op.moved_bytes * load))
             return op
 
-        sorts = self.chunk_sorts(layer)
+        sorts = self.chunk_sorts(layer, load)
         return replace(layer, ops={name: (*(mine(op, name == "fwd") for op in ops), *sorts.get(name, ()))
                                    for name, ops in layer.ops.items()},
                        region_ops={name: tuple(mine(op, True) for op in ops) for name, ops in layer.region_ops.items()})
 
-    def chunk_sorts(self, layer: LayerCount) -> dict[str, tuple[OpCount, ...]]:
+    def chunk_sorts(self, layer: LayerCount, load: float) -> dict[str, tuple[OpCount, ...]]:
         """Per pass, the copies Megatron-core's all-to-all dispatcher makes on a rank holding more than one of the
         routed experts, beyond the count's gather and scatter (its permutation 1 and unpermutation 1). What the
         all-to-all delivers is ordered by source rank, then expert, so MoEAlltoAllTokenDispatcher sorts it by
@@ -134,7 +153,8 @@ class ExpertGroup:
         cat, or TransformerEngine's fused `moe_sort_chunks_by_index` under `moe_permute_fusion`), whose backward
         is the inverse sort of the gradient (megatron/core/transformer/moe/token_dispatcher.py at Megatron-LM
         d98e8a64dd; since the dispatcher came in, 9208adbdc7). Each reads and writes every copy the rank received:
-        the layer's dispatched bytes times ETP (gathered over the expert-tensor group first) and `load`, which
+        the layer's dispatched bytes times ETP (gathered over the expert-tensor group first) and `load` (the
+        busiest rank's, `layer_load`), which
         the estimate splits over the t·C ranks. The router's weights sorted beside (4 bytes a copy against
         2·hidden) are left out. DeepEP's flex dispatcher receives each token once a rank and permutes it to its
         experts there, as the count's gather and scatter do, so it adds none; nor does one local expert."""
@@ -142,25 +162,26 @@ class ExpertGroup:
                 or self.experts // self.ranks == 1 or not layer.dispatched_bytes):
             return {}
         width = layer.output_shape[-1]
-        copies = round(layer.dispatched_bytes * self.tensor * self.load / (width * layer.output_bytes)
+        copies = round(layer.dispatched_bytes * self.tensor * load / (width * layer.output_bytes)
                        * math.prod(layer.output_shape))
-        moved = round(2 * layer.dispatched_bytes * self.tensor * self.load)
+        moved = round(2 * layer.dispatched_bytes * self.tensor * load)
         sort = OpCount("moe_sort_chunks_by_index", "memory", (copies, width), 0, moved, 2, routed=True)
         backward = replace(sort, op="moe_sort_chunks_by_index_backward")
         return {"fwd": (sort,), "bwd": (backward,), "igrad": (backward,)}
 
-    def local_product(self, op: OpCount, tokens: int, hidden: int) -> OpCount:
+    def local_product(self, op: OpCount, tokens: int, hidden: int, load: float) -> OpCount:
         """One of the count's grouped products (`op.shape` (n, m, n', k): each of the n routed experts' m × k by
         k × n' product, at its share of the whole micro-batch's tokens) as one rank of the group runs it:
         Megatron-core's TEGroupedMLP / GroupedMLP (megatron/core/transformer/moe/experts.py) runs the rank's n/E
         local experts (batch n/E), each on the tokens dispatched to it from the E·ETP ranks of its expert- and
         expert-tensor-parallel groups, each rank holding 1/(t·C) of the micro-batch's tokens: the token dimension
-        (`tokens`: 0, 1, 2 for m, n', k) times E·ETP/(t·C), and `load` on the busiest rank; the expert's hidden
+        (`tokens`: 0, 1, 2 for m, n', k) times E·ETP/(t·C), and `load` on the busiest rank (`layer_load`); the
+        expert's hidden
         dimension (`hidden`) its 1/ETP. The same FLOPs a rank as the count's split over t·C, but only the local
         experts' weights read, where the count's product read all n experts' on every rank."""
         batch, *dims = op.shape
         local = list(dims)
-        local[tokens] = max(round(dims[tokens] * self.ranks * self.tensor * self.load
+        local[tokens] = max(round(dims[tokens] * self.ranks * self.tensor * load
                                   / (self.dense_tensor * self.context)), 1)
         local[hidden] = dims[hidden] // self.tensor
         shape = (batch // self.ranks, *local)
@@ -202,6 +223,30 @@ class ExpertGroup:
         whole = held // size
         return 1 - sum(math.comb(whole, i) * math.comb(groups - whole, chosen - i) / math.comb(groups, chosen)
                        * math.comb((chosen - i) * size, copies) / reach for i in range(min(whole, chosen) + 1))
+
+
+def random_routing_load(experts: int, top_k: int, ranks: int, tokens: float) -> float:
+    """The expected busiest of `ranks` ranks' routed copies over their mean, `tokens` tokens each sending `top_k`
+    copies to experts drawn alike from `experts` (n/E on each rank). A token sends a rank a hypergeometric number of
+    copies (mean k/E, variance k·(1/E)(1 - 1/E)(n - k)/(n - 1)), independently of the other tokens, so a rank's
+    count is about normal with N times those; the E counts sum to N·k, exchangeable with correlation -1/(E - 1),
+    so their maximum is the mean plus sigma/sqrt(1 - 1/E) times the expected maximum of E standard normal draws."""
+    if ranks == 1:
+        return 1.0
+    share = 1 / ranks
+    mean = tokens * top_k * share
+    variance = tokens * top_k * share * (1 - share) * (experts - top_k) / (experts - 1)
+    return 1 + expected_normal_maximum(ranks) * math.sqrt(variance / (1 - share)) / mean
+
+
+@cache
+def expected_normal_maximum(draws: int) -> float:
+    """The expected largest of `draws` standard normal draws, the integral of x·d(Phi(x)^draws) by the midpoint
+    rule over 8 standard deviations each side (1/sqrt(pi) for two)."""
+    normal, steps = NormalDist(), 4000
+    width = 16 / steps
+    points = (-8 + (i + 0.5) * width for i in range(steps))
+    return sum(x * draws * normal.pdf(x) * normal.cdf(x) ** (draws - 1) for x in points) * width
 
 
 @dataclass(frozen=True)
@@ -257,13 +302,13 @@ def held_share(layer: LayerCount, shards: int | Fraction) -> float | Fraction:
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
                  pipeline: int, data: int, hot_share: float | None = None, dispatcher: str | None = None,
                  order: str = "pipesim", expert_tensor: int | None = None,
-                 groups: tuple[int, int] | None = None) -> ExpertGroup:
+                 groups: tuple[int, int] | None = None, routing: str = "balanced") -> ExpertGroup:
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
     model), placed as the rank `order` says (planning/ranks.py) with each expert split over `expert_tensor` ranks
     (None: t), its busiest expert taking `hot_share` of the routed token copies (None: balanced), its tokens
     dispatched by `dispatcher` (None: alltoall), each routed within M of G expert `groups` (None: any; kept only
-    where each rank's and each node's experts lie in one group or hold whole ones); an impossible degree, share or
-    dispatcher is `ExpertParallelError`."""
+    where each rank's and each node's experts lie in one group or hold whole ones), by `routing` (of `ROUTINGS`);
+    an impossible degree, share, dispatcher or routing is `ExpertParallelError`."""
     if ranks > 1 and not experts:
         raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
                                   "experts: gpt --experts, or a Hugging Face MoE config)")
@@ -287,12 +332,20 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
         if ranks == 1:
             raise ExpertParallelError("token_dispatcher: dispatches tokens between expert-parallel ranks; give "
                                       "--expert-parallel above 1")
+    if routing not in ROUTINGS:
+        raise ExpertParallelError(f"routing: choose from {', '.join(ROUTINGS)} (got {routing!r})")
+    if routing == "random" and ranks == 1:
+        raise ExpertParallelError("routing: random changes nothing on one expert-parallel rank (it waits for no "
+                                  "busier one); give --expert-parallel above 1")
+    if routing == "random" and hot_share is not None:
+        raise ExpertParallelError("routing: random draws each token's experts alike, where --hot-expert-share names "
+                                  "one busiest expert's share: give one of them")
     per_node = grid.per_node(("ep",), placement.gpus_per_node)
     if groups is not None and not (experts and experts % groups[0] == 0 and all(
             _aligned(experts // ranks * count, experts // groups[0]) for count in (1, per_node))):
         groups = None
     return ExpertGroup(ranks, per_node, placement.node_link, placement.network_link, experts, hot_share, dispatcher,
-                       grid.size("tp"), tensor, groups, context)
+                       grid.size("tp"), tensor, groups, context, routing)
 
 
 def _aligned(held: int, size: int) -> bool:

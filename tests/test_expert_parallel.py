@@ -5,9 +5,11 @@ placement's links (the node's inside it, each GPU's NIC across), and bad degrees
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from functools import cache
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +22,12 @@ from pipesim.planning.estimate import (
     node_placement,
     placement_links,
 )
-from pipesim.planning.experts import ExpertParallelError, expert_group
+from pipesim.planning.experts import (
+    ExpertParallelError,
+    expected_normal_maximum,
+    expert_group,
+    random_routing_load,
+)
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import pipesim
 
@@ -195,6 +202,43 @@ def test_megatron_cores_all_to_all_sorts_what_a_rank_receives_by_local_expert_an
     assert [layer.fwd for layer in one_each.layers] == [layer.fwd for layer in deepep_each.layers]
 
 
+def test_random_routing_waits_for_the_busiest_rank_of_draws_that_are_even_only_on_average():
+    """Megatron-core's forced balance draws each token's router logits from a normal distribution (moe_utils.py
+    RandomSTE) and takes the top k: 1,024 tokens routed to 2 of 16 experts, 4 on each of 4 ranks, drawn so 2,000
+    times. The busiest rank's copies over the mean (512) are `random_routing_load`'s within 5 % of the excess;
+    the expected largest of 2 and of 3 normal draws are 1/sqrt(pi) and 3/(2 sqrt(pi))."""
+    assert expected_normal_maximum(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)
+    assert expected_normal_maximum(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-9)
+    experts, top_k, ranks, tokens, trials = 16, 2, 4, 1024, 2000
+    rng = np.random.default_rng(0)
+    busiest = []
+    for _ in range(trials // 500):
+        logits = rng.standard_normal((500, tokens, experts))
+        chosen = np.argpartition(-logits, top_k, axis=-1)[..., :top_k]  # each token's top k
+        per_rank = np.stack([(chosen // (experts // ranks) == r).sum(axis=(1, 2)) for r in range(ranks)], axis=1)
+        busiest.extend(per_rank.max(axis=1))
+    drawn = np.mean(busiest) / (tokens * top_k / ranks)
+    predicted = random_routing_load(experts, top_k, ranks, tokens)
+    assert predicted > 1.02
+    assert drawn - 1 == pytest.approx(predicted - 1, rel=0.05)
+    assert random_routing_load(experts, top_k, 1, tokens) == 1.0
+
+
+def test_under_random_routing_each_moe_layer_waits_for_its_busiest_rank():
+    """E = 4 over a 512-token micro-batch at top 2 of 8 experts: each rank of the group receives the copies of
+    4 x 512 tokens; the busiest's load times the balanced work and all-to-all bytes, the other layers unchanged."""
+    group = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, routing="random")
+    load = random_routing_load(EXPERTS, TOP_K, 4, 4 * S)
+    balanced, drawn = profile(expert=4), profile(expert=4, routing="random")
+    for one, busy, layer in zip(balanced.layers, drawn.layers, counted().layers):
+        if layer.dispatched_bytes:
+            assert group.layer_load(layer) == pytest.approx(load)
+            assert busy.fwd.median_ms > one.fwd.median_ms
+            assert busy.all_to_all_fwd_ms == pytest.approx(2 * group.all_to_all_ms(load * S * TOP_K * H * 2))
+        else:
+            assert busy.fwd == one.fwd
+
+
 def test_every_rank_waits_for_the_busiest_ones_work_and_all_to_alls():
     group = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8)
     balanced, hot = profile(expert=4), profile(expert=4, hot_expert_share=0.3)
@@ -235,6 +279,13 @@ def test_a_hot_share_must_be_a_share_and_needs_expert_parallelism(ranks, share, 
     (("--expert-parallel", 2, "--data-parallel", 2), "--expert-parallel 2, but the model has no routed experts"),
     (("--experts", 8, "--expert-parallel", 2, "--data-parallel", 2, "--hot-expert-share", 0.05),
      "--hot-expert-share 0.05 is not a share of 8 experts' tokens"),
+    (("--experts", 8, "--expert-parallel", 2, "--data-parallel", 2, "--routing", "even"),
+     "--routing: choose from balanced, random (got 'even')"),
+    (("--experts", 8, "--routing", "random"), "--routing random changes nothing on one expert-parallel rank"),
+    (("--experts", 8, "--expert-parallel", 2, "--data-parallel", 2, "--routing", "random", "--hot-expert-share",
+      0.2), "--routing random draws each token's experts alike, where --hot-expert-share names one"),
+    (("--experts", 8, "--expert-parallel", 2, "--data-parallel", 2, "--routing", "random", "--capacity-factor",
+      1.25), "--routing random: a model that drops tokens (--capacity-factor) computes each expert's capacity"),
 ])
 def test_a_bad_expert_parallel_degree_is_one_line_and_nothing_is_written(tmp_path, args, fragment):
     out = tmp_path / "profile.json"
