@@ -172,6 +172,7 @@ class Candidate:
     schedule: Schedule  # the long run: enough mini-batches to reach the steady state
     short_minibatches: int
     costs: Costs
+    links: Cluster  # between its devices (`Scenario.links`)
     staleness: int
     busy_ms: np.ndarray  # compute per step, per device
     memory_floor_bytes: int
@@ -505,7 +506,8 @@ class _Built:
             if searched:
                 costs = scenario.costs(order.schedule, bounds)
                 step_ms = _searched_bound_ms(costs, config.microbatches,
-                                             _hops_ms(scenario.links(order.schedule), costs, config.stages))
+                                             _hops_ms(self._frame_links(shape.setting, config)[0], costs,
+                                                      config.stages))
             elif order.schedule.graph == StageGraph.chain(order.schedule.num_stages):
                 self._plans[shape.index] = plan
                 stage_ms = split.stage_ms(bounds, config.pipelines) * scenario.cost_scale
@@ -535,11 +537,11 @@ class _Built:
                          for nbytes in held[bounds[1:]] - held[bounds[:-1]]])
 
     def _frame_links(self, setting: Setting, config: Config) -> tuple[Cluster, CollectiveLink]:
-        """The links between a chain's devices and its replicas' all-reduce link, which depend on p and d alone
-        (`Scenario.links`, `Scenario.data_parallel_link`): looked up once per setting, p and d."""
+        """The links between a pipeline's devices and its replicas' all-reduce link, which depend on p and d
+        alone (`Scenario.links`, `Scenario.data_parallel_link`): looked up once per setting, p and d."""
         key = (id(setting), config.stages, config.replicas)
         if key not in self._links:
-            frame = schedule_frame(ScheduleParams(config.stages, 1, data_parallel=config.replicas))
+            frame = _frame(config)
             self._links[key] = setting.scenario.links(frame), setting.scenario.data_parallel_link(frame)
         return self._links[key]
 
@@ -583,6 +585,7 @@ class _Built:
                 try:
                     self.candidates[shape.index] = _candidate(shape.setting, self.problem, shape.config,
                                                               shape.index, self._split(shape.setting), self.orders,
+                                                              self._frame_links(shape.setting, shape.config)[0],
                                                               self._plans.pop(shape.index, None))
                 except ScheduleError:
                     self.candidates[shape.index] = None
@@ -664,9 +667,16 @@ def _searched_candidate(setting: Setting, problem: Problem, config: Config, inde
     """`_candidate` in a worker, with a partitioner and orders of its own (None: refused)."""
     try:
         return _candidate(setting, problem, config, index, _splitter(setting.scenario.measured,
-                                                                     setting.scenario.optimizer), _Orders())
+                                                                     setting.scenario.optimizer), _Orders(),
+                          setting.scenario.links(_frame(config)))
     except ScheduleError:
         return None
+
+
+def _frame(config: Config) -> Schedule:
+    """A pipeline of the configuration's p devices and d replicas, with no order: what its links and all-reduce
+    link are looked up for."""
+    return schedule_frame(ScheduleParams(config.stages, 1, data_parallel=config.replicas))
 
 
 def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate], int, int]:
@@ -959,8 +969,7 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True) -> t
     """`evaluate`'s figures without the candidate (a worker sends back only these): samples/s, the step in ms,
     the bubble fraction and the peak memory in bytes, with the caching allocator's reserve if `reserve` (as
     simulate's and sweep's peaks), else without it (the tensors alone: no more than that peak)."""
-    config, scenario = candidate.config, candidate.setting.scenario
-    links = scenario.links(candidate.schedule)
+    config, scenario, links = candidate.config, candidate.setting.scenario, candidate.links
     short = candidate.short_schedule or build(scenario, problem, config.schedule, replace(
         candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
     long_trace = simulate(candidate.schedule, candidate.costs, links)
@@ -979,7 +988,7 @@ def _reserved_peak_bytes(candidate: Candidate) -> int:
     """The long run's peak with the caching allocator's reserve: `_measured`'s, for a result first simulated
     without it (the simulation again, a small part of the replay's time, rather than its trace sent back)."""
     scenario = candidate.setting.scenario
-    trace = simulate(candidate.schedule, candidate.costs, scenario.links(candidate.schedule))
+    trace = simulate(candidate.schedule, candidate.costs, candidate.links)
     scenario.add_reserve(candidate.schedule, trace)
     return _peak_bytes(summarize(trace))
 
@@ -1167,8 +1176,9 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
 
 
 def _candidate(setting: Setting, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
-               orders: _Orders, plan: tuple | None = None) -> Candidate:
-    """The configuration built: partitioned (`plan`, if `_plan` has already run), ordered, costed and bounded."""
+               orders: _Orders, links: Cluster, plan: tuple | None = None) -> Candidate:
+    """The configuration built: partitioned (`plan`, if `_plan` has already run), ordered, costed and bounded;
+    `links`: between its devices (`_frame`'s)."""
     scenario = setting.scenario
     name, p, pipelines, m = config.schedule, config.stages, config.pipelines, config.microbatches
     method = METHODS[name]
@@ -1192,10 +1202,10 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
     least_step_ms = max(float((busy_ms + _exposed_reduce_ms(schedule, per_op_ms, short)).max()),  # shaded: sums of
-                        _flush_bound_ms(schedule, per_op_ms, _hops_ms(scenario.links(schedule), costs, p))
+                        _flush_bound_ms(schedule, per_op_ms, _hops_ms(links, costs, p))
                         ) * (1 - 1e-9)  # the same times in another order
     searched = method.needs_costs
-    return Candidate(config, setting, index, params, bounds, schedule, short, costs, staleness, busy_ms, floor,
+    return Candidate(config, setting, index, params, bounds, schedule, short, costs, links, staleness, busy_ms, floor,
                      allreduce_ms, problem.batch_size / least_step_ms * 1e3,
                      activation_ratio(schedule, costs) if searched else None,
                      build(scenario, problem, name, replace(params, minibatches=short), bounds) if searched else None)
@@ -1208,7 +1218,7 @@ def _with_critical_path(problem: Problem, candidate: Candidate) -> Candidate:
     schedule, costs = candidate.schedule, candidate.costs
     steps = 1 if flushes(schedule) else CRITICAL_STEPS
     step_ms = _critical_path_ms(schedule, costs.op_ms_table(candidate.config.pipelines), costs,
-                                candidate.setting.scenario.links(schedule), schedule.minibatches - 1 - steps,
+                                candidate.links, schedule.minibatches - 1 - steps,
                                 steps) * (1 - 1e-9)
     bound = problem.batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
     return replace(candidate, max_samples_per_s=min(candidate.max_samples_per_s, bound), critical=True)

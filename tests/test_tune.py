@@ -184,6 +184,7 @@ def test_bounds_hold_for_every_candidate(which, devices, cap_gib):
         lowered += lower
         unflushed += lower and not flushes(candidate.schedule)
         assert candidate.memory_floor_bytes <= result.peak_memory_bytes, label
+        assert candidate.links == candidate.setting.scenario.links(candidate.schedule), label  # looked up by p, d
         assert result.samples_per_s <= candidate.max_samples_per_s, label
         assert candidate.staleness == summary.max_staleness, label  # read off the order = simulated
         assert result.step_ms >= candidate.busiest_ms and 0 <= result.bubble_fraction < 1, label

@@ -142,3 +142,15 @@ def test_the_json_is_the_one_replaying_every_candidate_gives():
     lazy, eager = json.loads(out), json.loads(eager)
     del lazy["search"]["seconds"], eager["search"]["seconds"]
     assert lazy == eager
+
+
+def test_a_candidate_is_simulated_on_the_links_its_schedule_has(small_gpt_settings):
+    """The search looks an estimate's links up once per p and d: they are the ones each schedule's placement
+    gives (`Scenario.links`), for every method."""
+    from pipesim.planning import tune as tuning
+    from pipesim.schedules import METHODS
+
+    candidates, _, _ = tuning.prepare(small_gpt_settings, tuning.Problem(4, int(0.4 * tuning.GIB), 32, tuple(METHODS)))
+    assert {c.config.stages for c in candidates} == {1, 2, 4}
+    for candidate in candidates:
+        assert candidate.links == candidate.setting.scenario.links(candidate.schedule), candidate.config.label()
