@@ -180,6 +180,12 @@ Fp8Recipe = Annotated[str | None, typer.Option(
                                            "again in the backward) or deepseek (DeepSeek-V3's, its report's 3.3: "
                                            "te's, with the attention's output kept once in E5M6 and the experts' "
                                            "SwiGLU inputs in float8).")]
+FsdpFloat8AllGather = Annotated[bool, typer.Option(
+    "--fsdp-float8-all-gather", help="With --dtype fp8 --fp8-recipe torchao and --zero 3 --precision fsdp2: "
+                                     "torchtitan's enable_fsdp_float8_all_gather with its scales precomputed after "
+                                     "the step (off by default, as in torchtitan): FSDP2 casts each float8 "
+                                     "linear's weight shard to float8 and all-gathers that, 1 byte a weight, held "
+                                     "whole so; no pass casts a weight.")]
 Attention = Annotated[str, typer.Option(
     "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's fused "
                         "kernel: no scores saved).")]
@@ -384,7 +390,8 @@ expert_overlap_options = shared_options(("overlap_expert_comm", OverlapExpertCom
 
 model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
-WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("curve_from", CurveFrom, None),
+WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all_gather", FsdpFloat8AllGather, False),
+                ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
                 ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("attention_kernel", AttentionKernel, None),

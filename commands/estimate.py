@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "routing", "recompute",
-                 "curve_from",
+                 "curve_from", "fsdp_float8_all_gather",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "recompute_modules",
@@ -116,6 +116,7 @@ class WhatIf:
     loss_parallel: bool = False  # --loss-parallel (workload/loss.py)
     tp_runtime: str = "megatron"  # --tp-runtime, of planning/estimate.py's TP_RUNTIMES
     cp_rotate: str = "alltoall"  # --cp-rotate, of planning/estimate.py's CP_ROTATES
+    fsdp_float8_all_gather: bool = False  # --fsdp-float8-all-gather (planning/fp8.py)
     swiglu_fusion: bool = True  # --swiglu-fusion (workload/moe.py)
     cross_entropy: str = "torch"  # --cross-entropy, of workload/sizes.py's CROSS_ENTROPY
     norm_kernel: str = "eager"  # --norm-kernel, of workload/sizes.py's NORM_KERNELS
@@ -178,6 +179,7 @@ class WhatIf:
                            sequence_parallel=self.sequence_parallel,
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
+                           fsdp_float8_all_gather=self.fsdp_float8_all_gather,
                            hot_expert_share=self.hot_expert_share, routing=self.routing, tp_overlap=self.tp_overlap,
                            token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
                            expert_tensor=self.expert_tensor,
@@ -329,6 +331,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
                   swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=params.get("cross_entropy", "torch"),
                   norm_kernel=params.get("norm_kernel", "eager"),
+                  fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing)
@@ -354,12 +357,13 @@ def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, .
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
     """--dtype fp8's recipe (--fp8-recipe, default te), on a part with a float8 peak; None for another --dtype,
     with which --fp8-recipe is refused."""
-    from ..planning.fp8 import FP8_RECIPES
+    from ..planning.fp8 import FP8_RECIPES, casts_weights_per_use
 
     recipe = params.get("fp8_recipe")
     if params["dtype"] != FP8:
-        if recipe is not None:
-            raise InputError("--fp8-recipe says how --dtype fp8 runs the linear products: give --dtype fp8")
+        if recipe is not None or params.get("fsdp_float8_all_gather"):
+            flag = "--fp8-recipe" if recipe is not None else "--fsdp-float8-all-gather"
+            raise InputError(f"{flag} says how --dtype fp8 runs the linear products: give --dtype fp8")
         return None
     if gpus[name].dense_tflops.fp8 is None:
         having = [part for part, gpu in gpus.items() if gpu.dense_tflops.fp8 is not None]
@@ -368,6 +372,11 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
     recipe = recipe or "te"
     if recipe not in FP8_RECIPES:
         raise InputError(f"--fp8-recipe: choose from {', '.join(FP8_RECIPES)} (got {recipe!r})")
+    if params.get("fsdp_float8_all_gather") and not (casts_weights_per_use(FP8_RECIPES[recipe])
+                                                      and params.get("precision") == "fsdp2"):
+        raise InputError(f"--fsdp-float8-all-gather: FSDP2 casting torchao's float8 weights before it all-gathers "
+                         f"them; give --fp8-recipe torchao and --zero 3 --precision fsdp2 (got --fp8-recipe {recipe}"
+                         f", --precision {params.get('precision') or 'not given'})")
     return recipe
 
 

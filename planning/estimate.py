@@ -73,7 +73,21 @@ from .experts import (
     held_share,
     paired_exposed_ms,
 )
-from .fp8 import FP8_BYTES, FP8_RECIPES, attends, float8_weight_bytes, in_float8, step_cast_ops
+from .fp8 import (
+    FP8_BYTES,
+    FP8_RECIPES,
+    FP8_SCALE_BYTES,
+    SCALE_PRECOMPUTE_KERNELS,
+    SHARD_CAST_KERNELS,
+    Fp8Recipe,
+    attends,
+    casts_weights_per_use,
+    float8_weight_bytes,
+    float8_weights,
+    gathered_in_float8,
+    in_float8,
+    step_cast_ops,
+)
 from .ranks import RANK_ORDERS, dense_grid
 
 if TYPE_CHECKING:
@@ -155,6 +169,7 @@ class Parallelism:
     sharded_optimizer: bool = False
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
+    fsdp_float8_all_gather: bool = False  # FSDP2 all-gathers the float8 linears' weights cast (planning/fp8.py)
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
     tp_runtime: str = "megatron"  # whose tensor-parallel layers, of `TP_RUNTIMES` (`input_gather_ms`)
     tp_overlap_no_margin: bool = False  # the forward's pipelined products on every SM (`userbuffers_forward_ms`)
@@ -191,6 +206,10 @@ class Parallelism:
             raise EstimateError(f"precision: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise EstimateError(f"fp8: choose a recipe from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
+        if self.fsdp_float8_all_gather and (self.precision != "fsdp2" or self.fp8 is None
+                                            or not casts_weights_per_use(FP8_RECIPES[self.fp8])):
+            raise EstimateError("fsdp_float8_all_gather: FSDP2 casting torchao's float8 weights before its "
+                                "all-gather; give precision fsdp2 and fp8 torchao")
         if self.tp_runtime not in TP_RUNTIMES:
             raise EstimateError(f"tp_runtime: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
         if self.tp_overlap_no_margin and not (self.tp_overlap and self.tp_runtime == "megatron"):
@@ -204,6 +223,14 @@ class Parallelism:
         if self.tp_overlap and not self.sequence_parallel:
             raise EstimateError("tp_overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with "
                                 "the products (Megatron's and torch's): give sequence parallelism too")
+
+    @property
+    def float8_recipe(self) -> Fp8Recipe | None:
+        """The float8 recipe the passes run (None: none), with no weight cast under FSDP2's float8 all-gather."""
+        if self.fp8 is None:
+            return None
+        recipe = FP8_RECIPES[self.fp8]
+        return gathered_in_float8(recipe) if self.fsdp_float8_all_gather else recipe
 
     @property
     def accumulation(self) -> str:
@@ -739,6 +766,39 @@ def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink, 
     return bulk_exposed_ms(all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms), product_ms, device)
 
 
+def _float8_shards(layers: Sequence[LayerCount], parallel: Parallelism) -> tuple[float, int]:
+    """Of `layers`' float8 linears' weights, the elements of this rank's shard under FSDP2 (1/t of each weight, of
+    which 1/(d·C)) and how many tensors."""
+    counted = [float8_weights(layer, parallel.float8_recipe) for layer in layers]
+    elements, tensors = sum(found[0] for found in counted), sum(found[1] for found in counted)
+    return elements / (parallel.tensor * parallel.data * parallel.context), tensors
+
+
+def shard_cast_ms(layers: Sequence[LayerCount], parallel: Parallelism, device: Device) -> float:
+    """FSDP2's float8 all-gather's casts before each all-gather of `layers`' weights: each float8 linear's
+    float32 shard on this rank cast with its precomputed scale by `SHARD_CAST_KERNELS` (planning/fp8.py)."""
+    shard, tensors = _float8_shards(layers, parallel)
+    return sum(tensors * device.curve.kernel_overhead_ms + shard * (read + written) / device.memory_bytes_per_ms
+               for read, written in SHARD_CAST_KERNELS)
+
+
+def scale_precompute_ms(layers: Sequence[LayerCount], parallel: Parallelism, device: Device,
+                        link: EstimateLink) -> float:
+    """torchao's `precompute_float8_dynamic_scale_for_fsdp` after a stage's optimizer step under FSDP2's float8
+    all-gather (torchtitan runs it per model part): one `_foreach_norm` over the float8 linears' float32 shards,
+    `SCALE_PRECOMPUTE_KERNELS` small kernels, and one all-reduce of their float32 amaxes over the d·C ranks
+    sharing the shards (DTensor's, on the compute stream); 0 without it or float8 linears."""
+    if not parallel.fsdp_float8_all_gather:
+        return 0.0
+    shard, tensors = _float8_shards(layers, parallel)
+    if not tensors:
+        return 0.0
+    return ((1 + SCALE_PRECOMPUTE_KERNELS) * device.curve.kernel_overhead_ms
+            + shard * PRECISIONS["fsdp2"].stored_bytes / device.memory_bytes_per_ms
+            + all_reduce_ms(tensors * FP8_SCALE_BYTES, parallel.data * parallel.context, link.latency_ms,
+                            link.bytes_per_ms))
+
+
 def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
     """The float8 transposes TransformerEngine 1.x makes after a sequence-parallel gather, for a backward's
     column-parallel input gradient of `elements` (its whole, gathered tokens x width): its weight gradient's input
@@ -796,7 +856,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     """`layer` priced on one of the t·C ranks of its stage (see the module docstring); `context_link`: the
     context-parallel ring's, where C > 1."""
     if parallel.fp8 is not None:
-        layer = in_float8(layer, FP8_RECIPES[parallel.fp8], element_bytes)
+        layer = in_float8(layer, parallel.float8_recipe, element_bytes)
     split = _Split.of(layer, parallel)
     t, c = parallel.tensor, parallel.context
     if c > 1 and context_link is None:
@@ -1170,6 +1230,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
+        float8_elements, float8_tensors = (float8_weights(layer, parallel.float8_recipe)
+                                           if parallel.fsdp_float8_all_gather else (0, 0))
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
@@ -1179,6 +1241,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
             param_bytes=params,
+            all_gather_bytes=(params - float8_elements // t * (element - FP8_BYTES) + float8_tensors * FP8_SCALE_BYTES
+                              if parallel.fsdp_float8_all_gather else None),
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(  # dispatch and combine alike
@@ -1213,6 +1277,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         casts_ms = (sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in counted.layers[start:stop]
                         for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, weight_shards))
                     if parallel.fp8 else 0.0)
+        casts_ms += scale_precompute_ms(counted.layers[start:stop], parallel, device, links.data)
         passes_weights = _timing(memory_ms(3 * params))  # a prediction's and the averaging's pass (frozen: shared)
         steps = {name: StepTimes(step=_timing(casts_ms + memory_ms(sum(step_bytes[name][start:stop]) / shards)),
                                  predict=passes_weights) for name in OPTIMIZERS}
@@ -1220,6 +1285,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         stage_steps.append((steps, passes_weights, _timing(accumulate_ms), _timing(memory_ms(2 * params))))
     stages = aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), stage_steps,
                               costs=costs)
+    if parallel.fsdp_float8_all_gather:
+        stages = [stage.model_copy(update={"gather_cast_ms": shard_cast_ms(counted.layers[start:stop], parallel,
+                                                                            device)})
+                  for stage, start, stop in zip(stages, bounds, bounds[1:])]
     link = LinkProfile(segments=[LinkSegmentModel(min_bytes=0, latency_ms=links.stage.latency_ms,
                                                   bytes_per_ms=links.stage.bytes_per_ms)],
                        points=[], meta={"estimated": f"{links.stage.kind} by the placement"})

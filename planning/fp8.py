@@ -29,7 +29,8 @@ torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (floa
   (reads it, writes float8). The forward casts the input and the weight; the backward casts the output's
   gradient and the weight for the input gradient, then the output's gradient and the input again for the weight
   gradient, since the forward saves the 16-bit input and weight (`ctx.save_for_backward(input_hp,
-  weight_hp_t)`): activation memory is the 16-bit run's. (Its FSDP float8 all-gather is not modelled.)
+  weight_hp_t)`): activation memory is the 16-bit run's. Under FSDP2 with its float8 all-gather
+  (`gathered_in_float8`) no pass casts a weight.
 
 The routed experts' grouped products (a mixture of experts', `OpCount.routed`): te runs them in float8 too, as
 Megatron-core's TEGroupedMLP does (TransformerEngine's GroupedLinear under the same fp8_autocast, each expert's
@@ -46,6 +47,16 @@ deepseek: DeepSeek-V3's own (its report, arXiv 2412.19437, section 3.3): te's ca
   kernel's own 16-bit copy dropped); the routed experts' SwiGLU inputs kept in float8 (1 byte); what else it keeps
   stays 16-bit. Each cached copy is one cast in the forward (reads 16 bits, writes the format) and one read back
   in the backward (`cache_ops`).
+
+FSDP2's float8 all-gather (torchtitan's `enable_fsdp_float8_all_gather` with
+`precompute_float8_dynamic_scale_for_fsdp`, as its Llama 3.1 405B config sets them at 9dec370; torchao
+float8/fsdp_utils.py at eab345c, the commit its December 2024 benchmarks name): a Float8Linear's weight is a
+`WeightWithDynamicFloat8CastTensor`, whose `fsdp_pre_all_gather` casts the rank's shard to float8 with the scale
+`precompute_float8_dynamic_scale_for_fsdp` computed after the optimizer step (one `_foreach_norm` over the shards
+and one all-reduce of the amaxes for all of them), FSDP2 all-gathers the float8 bytes, and `fsdp_post_all_gather`
+wraps the gathered bytes as the Float8Tensor the products read: the whole weight held at 1 byte an element (and its
+float32 scale), and no pass casts it again (`cast_weight_to_float8_t`, and the backward's `tensor_already_casted_
+to_fp8`, return it as it is). Only the recipes whose weights are cast per use can (`casts_weights_per_use`).
 
 Accumulation (`split_accumulation`): Hopper's float8 tensor cores accumulate in reduced precision, so a product
 may add its partial sums into float32 every few steps instead (cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM off),
@@ -112,6 +123,40 @@ FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("amax", 1, 0), 
                                                                   ("cast_transpose", 1, 2)))
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
                                   split_accumulation=())
+
+
+FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
+
+
+# FSDP2's float8 all-gather's cast of a rank's float32 shard with its precomputed scale, eager in the pre-all-gather
+# hook (torchao's hp_tensor_and_scale_to_float8: `tensor.to(torch.float32) * scale`, then to_fp8_saturated's clamp
+# and `.to(float8_dtype)`): per kernel, the bytes it reads and writes an element
+SHARD_CAST_KERNELS = ((4, 4), (4, 4), (4, FP8_BYTES))
+# precompute_float8_dynamic_scale_for_fsdp's kernels beside its one pass over the shards (`_foreach_norm`): the
+# amaxes stacked, clamped, widened to float64 and divided into the format's largest value
+SCALE_PRECOMPUTE_KERNELS = 4
+
+
+def casts_weights_per_use(recipe: Fp8Recipe) -> bool:
+    """The recipe casts a weight in the passes that read it (torchao's), which FSDP2's float8 all-gather moves to
+    the rank's shard before the gather."""
+    return any("weight" in roles for roles in recipe.casts.values())
+
+
+def gathered_in_float8(recipe: Fp8Recipe) -> Fp8Recipe:
+    """The recipe under FSDP2's float8 all-gather: the weights arrive as float8, so no pass casts one."""
+    return replace(recipe, casts={name: tuple(role for role in roles if role != "weight")
+                                  for name, roles in recipe.casts.items()})
+
+
+def float8_weights(layer: LayerCount, recipe: Fp8Recipe) -> tuple[int, int]:
+    """The weights of a transformer layer's products the recipe runs in float8 (its float8 linears): their elements
+    and how many tensors (none in another layer). A routed product's are its experts' all."""
+    if not attends(layer):
+        return 0, 0
+    products = [op for op in layer.ops.get("fwd", ()) if _converted(op, recipe)]
+    return (sum(op.count * op.shape[0] * op.shape[2] * op.shape[3] for op in products),
+            sum(op.count * op.shape[0] for op in products))
 
 
 def attends(layer: LayerCount) -> bool:

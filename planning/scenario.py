@@ -447,7 +447,8 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
 
     return replace(costs, stages=tuple(replace(
         c, reduce_ms=over_groups(reduce, c.gradient_bytes if sched.zero >= 2 else c.param_bytes, c),
-        gather_ms=over_groups(link.reduce_scatter_ms, c.param_bytes, c) if sharded else 0.0)
+        gather_ms=over_groups(link.reduce_scatter_ms, c.gathered_weight_bytes, c) + c.gather_cast_ms if sharded
+        else 0.0)
         for c in costs.stages))
 
 
@@ -536,6 +537,7 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
         grad_bytes=s.grad_bytes, activation_parts=s.activation_parts, gathered_bytes=gathered_bytes(layers),
         stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
         float8_weight_bytes=s.float8_weight_bytes, model_output_bytes=s.model_output_bytes,
+        all_gather_bytes=s.all_gather_bytes, gather_cast_ms=s.gather_cast_ms,
         transient_bytes=s.transient_bytes,
         all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms,
         all_to_all_paired_ms=s.all_to_all_paired_ms,

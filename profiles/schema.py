@@ -103,6 +103,10 @@ class LayerProfile(_Strict):
     # Float8 casts of the weights a float8 recipe keeps between optimizer steps (an estimate's under
     # TransformerEngine: the cast and its transpose), beside `param_bytes`, whole on every data-parallel rank
     float8_weight_bytes: int = Field(0, ge=0)
+    # The weights as ZeRO-3's all-gather moves them and holds them whole, per rank (an estimate's under FSDP2's float8
+    # all-gather: the float8 linears' at 1 byte an element and a float32 scale each, the rest as `param_bytes`);
+    # None: `param_bytes`
+    all_gather_bytes: int | None = Field(None, ge=0)
     # The last layer's: the model's output its loss reads (the logits), per rank (an estimate's; 0: none or not
     # known), which torch's pipelining keeps from the forward until the step ends (`Costs.pp_runtime`)
     model_output_bytes: int = Field(0, ge=0)
@@ -149,6 +153,11 @@ class LayerProfile(_Strict):
     def wgrad_fraction(self) -> float:
         total = self.igrad.median_ms + self.wgrad.median_ms
         return self.wgrad.median_ms / total if total > 0 else 0.0
+
+    @property
+    def gathered_weight_bytes(self) -> int:
+        """The weights as ZeRO-3 all-gathers them (`all_gather_bytes`, else `param_bytes`)."""
+        return self.param_bytes if self.all_gather_bytes is None else self.all_gather_bytes
 
 
 def _check_parts(parts: dict[str, int] | None, total: int) -> None:
@@ -209,6 +218,8 @@ class StageProfile(_Strict):
     held_bytes: int | None = Field(None, ge=0)  # boundary tensors autograd does not save (`boundary_held_bytes`)
     activation_parts: dict[str, int] | None = None  # as its layers' (`LayerProfile.activation_parts`)
     float8_weight_bytes: int = Field(0, ge=0)  # as its layers' (`LayerProfile.float8_weight_bytes`)
+    all_gather_bytes: int | None = Field(None, ge=0)  # as its layers' (`LayerProfile.all_gather_bytes`)
+    gather_cast_ms: float = Field(0.0, ge=0)  # before each all-gather of its weights (FSDP2's float8 casts)
     model_output_bytes: int = Field(0, ge=0)  # as its layers' (`LayerProfile.model_output_bytes`)
     transient_bytes: dict[str, int] = Field(default_factory=dict)  # its passes' (`stage_transient_bytes`)
     all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
@@ -626,6 +637,8 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             optimizer_state_bytes={name: sum(layer.optimizer_state_bytes[name] for layer in mine)
                                    for name in OPTIMIZERS},
             float8_weight_bytes=sum(layer.float8_weight_bytes for layer in mine),
+            all_gather_bytes=(None if all(layer.all_gather_bytes is None for layer in mine) else
+                              sum(layer.gathered_weight_bytes for layer in mine)),
             model_output_bytes=sum(layer.model_output_bytes for layer in mine),
             transient_bytes=stage_transient_bytes(layers, start, stop),
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),

@@ -103,7 +103,10 @@ class StageCosts:
     ZeRO-3 shards them, if not as the passes read them (FSDP2's float32 shards of 16-bit compute copies; None:
     `param_bytes`). `gathered_bytes`: under ZeRO-3 with one stage and no pipeline, the whole weights one pass
     holds at a time (FSDP2 gathers each wrapped module before its pass and the next one's during it; None: the
-    stage's whole weights). `float8_weight_bytes`: float8 casts of the weights a float8 recipe holds between
+    stage's whole weights). `all_gather_bytes`: the stage's weights as ZeRO-3's all-gather moves them and holds them
+    whole (FSDP2's float8 all-gather: its float8 linears' at 1 byte an element; None: `param_bytes`), and
+    `gather_cast_ms` the work before each all-gather on the rank's shard (that all-gather's casts to float8), both
+    in its GATHER. `float8_weight_bytes`: float8 casts of the weights a float8 recipe holds between
     updates beside them (TransformerEngine's), whole on every data-parallel rank. `all_to_all_fwd_ms` and
     `all_to_all_bwd_ms`: the network time of the all-to-alls of the stage's routed experts over their
     expert-parallel group after a forward (an A2A_F) and after a backward (an A2A_B), on the network stream;
@@ -150,6 +153,8 @@ class StageCosts:
     stored_bytes: int | None = None
     gathered_bytes: int | None = None
     float8_weight_bytes: int = 0
+    all_gather_bytes: int | None = None
+    gather_cast_ms: float = 0.0
     transient_bytes: dict[str, int] = field(default_factory=dict)
     all_to_all_fwd_ms: float = 0.0
     all_to_all_bwd_ms: float = 0.0
@@ -169,6 +174,10 @@ class StageCosts:
         return self.param_bytes if self.grad_bytes is None else self.grad_bytes
 
     @property
+    def gathered_weight_bytes(self) -> int:
+        return self.param_bytes if self.all_gather_bytes is None else self.all_gather_bytes
+
+    @property
     def stored_param_bytes(self) -> int:
         return self.param_bytes if self.stored_bytes is None else self.stored_bytes
 
@@ -176,8 +185,9 @@ class StageCosts:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
                  "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms",
                  "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms",
-                 "all_to_all_paired_ms")
-        optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes")
+                 "all_to_all_paired_ms", "gather_cast_ms")
+        optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
+                    "all_gather_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
                      "expert_param_bytes", "float8_weight_bytes", "model_output_bytes", *optional[2:]):
             value = getattr(self, name)

@@ -500,7 +500,8 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
     (`Schedule.gradient_ranks`), held until the update ends (torchtitan zeroes the gradients to None before each
     step); with torchtitan's `reshard_after_forward=False` under PP (`apply_fsdp`) its whole weights from the
     all-gather ahead of its first forward (the GATHER row, whose output FSDP2 allocates when it issues it) until
-    that last backward.
+    that last backward. The whole weights are as all-gathered (`StageCosts.gathered_weight_bytes`: under FSDP2's
+    float8 all-gather its float8 linears' at 1 byte), the gradients in the 16-bit dtype.
     One stage and no pipeline (FSDP2 alone): each pass gathers the weights it computes with and frees them after,
     reduce-scattering its gradients into the shard as it goes, so every F, B, I and W holds
     `StageCosts.gathered_bytes` of whole weights (ZeRO-3) and B and W as many of whole gradients, in the weights'
@@ -515,9 +516,13 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
     updates = _per_replica_minibatch(t, schedule, (Kind.OPT,))
     events: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {"gradients": [], "parameters": []}
     if schedule.graph.num_stages == 1 and schedule.pipelines == 1:
-        gathered = per_stage([c.param_bytes if c.gathered_bytes is None else c.gathered_bytes for c in stages])
-        passes = {"gradients": (Kind.B, Kind.W), "parameters": (Kind.F, Kind.B, Kind.I, Kind.W)}
-        for part, kinds in passes.items():
+        pairs = [c.param_bytes if c.gathered_bytes is None else c.gathered_bytes for c in stages]
+        gradients = per_stage(pairs)
+        # the weights as all-gathered: a float8 all-gather's share of the stage's (its blocks alike)
+        weights = per_stage([pair * c.gathered_weight_bytes // max(c.param_bytes, 1) for pair, c in zip(pairs, stages)])
+        passes = {"gradients": ((Kind.B, Kind.W), gradients),
+                  "parameters": ((Kind.F, Kind.B, Kind.I, Kind.W), weights)}
+        for part, (kinds, gathered) in passes.items():
             if part == "parameters" and schedule.zero < 3:
                 continue
             for kind in kinds:
@@ -533,7 +538,7 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
         if schedule.zero >= 3:  # from the GATHER issued ahead of the first forward (`passes.gathered_passes`)
             forwards = _per_replica_minibatch(t, schedule, (Kind.GATHER, Kind.F)).first
             closing = _per_replica_minibatch(t, schedule, (Kind.B, Kind.I, Kind.W)).last
-            weights = per_stage([c.param_bytes for c in stages])
+            weights = per_stage([c.gathered_weight_bytes for c in stages])
             events["parameters"] += [_events(forwards, start=weights[t.stage[forwards]]),
                                      _events(closing, end=-weights[t.stage[closing]])]
     events["gradients"].append(_events(updates.last, end=-shard[t.stage[updates.last]]))
