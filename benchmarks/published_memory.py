@@ -97,6 +97,12 @@ def measured_runs() -> list[dict]:
 TORCHTITAN_SEQ = 8192  # train_configs/llama3_{8b,70b,405b}.toml at 9dec370, where the page gives no length
 TORCHTITAN_MODELS = {"Llama 3.1 8B": "hf:examples/llama3.1-8b", "Llama 3.1 70B": "hf:examples/llama3.1-70b",
                      "Llama 3.1 405B": "hf:examples/llama3.1-405b"}
+# The configs whose Float8 runs all-gather the float8 linears' weights in float8 (`--fsdp-float8-all-gather`):
+# train_configs/llama3_405b.toml at 9dec370 sets enable_fsdp_float8_all_gather and
+# precompute_float8_dynamic_scale_for_fsdp; llama3_8b.toml and llama3_70b.toml set enable_float8_linear = false and
+# neither, the page's Float8 runs turning float8 on by flag, and the page does not say they passed the all-gather's:
+# torchtitan's default (config_manager.py: store_true, off)
+TORCHTITAN_FLOAT8_ALL_GATHER = {"Llama 3.1 405B"}
 HF_MAX_POSITIONS = 131072  # the Llama 3.1 configs' max_position_embeddings, which `--model hf:` holds a run to
 # The page's GPUs: 96 GB HBM2e H100s at 500 W (docs/performance.md), not the catalogue's 80 GB SXM5; each figure
 # and its source in the file.
@@ -120,8 +126,9 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     """A torchtitan row as pipesim's command line, built from its columns, nothing fitted; None where pipesim
     cannot express it (a sequence beyond the Hugging Face config's positions). As torchtitan ran them at 9dec370:
     FSDP2 over the C·d ranks (`--zero 3 --precision fsdp2`, its dp_shard_cp mesh), bf16 or Float8 as torchao's
-    recipe (`--dtype fp8 --fp8-recipe torchao`), TP with its plan's sequence-parallel norms as DTensor runs them
-    (`--tp-runtime torch`) and its loss computed by torch's loss_parallel (`--loss-parallel`:
+    recipe (`--dtype fp8 --fp8-recipe torchao`; the 405B's config all-gathers its float8 linears' weights in
+    float8, `--fsdp-float8-all-gather`, `TORCHTITAN_FLOAT8_ALL_GATHER`), TP with its plan's sequence-parallel norms
+    as DTensor runs them (`--tp-runtime torch`) and its loss computed by torch's loss_parallel (`--loss-parallel`:
     ParallelDims.loss_parallel_enabled, TP > 1), the page's local
     batch as micro-batches of the pipeline's default count (pipelining_utils.py `build_pipeline_schedule`: as
     many as the stages; interleaved 1F1B with its 2 stages a rank, `generate_split_points`) or, with no pipeline,
@@ -144,6 +151,7 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     float8 = "Float8" in row["techniques"]
     args = ["simulate", "--model", TORCHTITAN_MODELS[row["model"]], "--seq-len", str(seq),
             "--dtype", "fp8" if float8 else "bf16", *(["--fp8-recipe", "torchao"] if float8 else []),
+            *(["--fsdp-float8-all-gather"] if float8 and row["model"] in TORCHTITAN_FLOAT8_ALL_GATHER else []),
             "--attention", "flash", "-b", str(local_batch // microbatches), *TORCHTITAN_GPU,
             *(["--tensor-parallel", str(t), "--sequence-parallel", "--tp-runtime", "torch", "--loss-parallel"]
               if t > 1 else []),
