@@ -181,7 +181,7 @@ Fp8Recipe = Annotated[str | None, typer.Option(
                                            "te's, with the attention's output kept once in E5M6 and the experts' "
                                            "SwiGLU inputs in float8).")]
 FsdpFloat8AllGather = Annotated[bool, typer.Option(
-    "--fsdp-float8-all-gather", help="With --dtype fp8 --fp8-recipe torchao and --zero 3 --precision fsdp2: "
+    "--fsdp-float8-all-gather", help="With --dtype fp8, torchao's recipe and FSDP2's mixed precision (ZeRO-3): "
                                      "torchtitan's enable_fsdp_float8_all_gather with its scales precomputed after "
                                      "the step (off by default, as in torchtitan): FSDP2 casts each float8 "
                                      "linear's weight shard to float8 and all-gathers that, 1 byte a weight, held "
