@@ -456,11 +456,11 @@ def _accounts(shapes: list[Shape], built: _Built, problem: Problem) -> tuple[int
 
 
 class _Built:
-    """The candidates one search has built (None: refused once built, as a searched order short of memory is)
-    and simulated, each at most once, by shape index; with `workers` > 1, simulated, and searched orders
-    searched, in that many spawned processes (a fresh interpreter imports the simulator only; forking a parent
-    whose progress bar runs a thread is unsafe), up to `window` at once. A context manager: leaving it stops
-    the workers."""
+    """The candidates one search has built (None: refused once built, as a searched order short of memory is),
+    simulated and replayed (`floor`, `result`), each at most once, by shape index; with `workers` > 1,
+    simulated, replayed, and searched orders searched, in that many spawned processes (a fresh interpreter
+    imports the simulator only; forking a parent whose progress bar runs a thread is unsafe), up to `window` at
+    once. A context manager: leaving it stops the workers."""
 
     def __init__(self, problem: Problem, orders: _Orders, report: Callable[[str], None] | None = None,
                  shapes: int = 0, workers: int = 1) -> None:
