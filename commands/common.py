@@ -290,6 +290,12 @@ DispatcherSms = Annotated[int | None, typer.Option(
                                                  "and combine kernels hold, which the compute overlapped with them "
                                                  "(an overlapped pair's other part) goes without. "
                                                  "Default: 20, DeepEP's and Megatron-core's moe_deepep_num_sms.")]
+HostKernelUs = Annotated[float | None, typer.Option(
+    "--host-kernel-us", metavar="US", min=0, help="With --gpu: the host's microseconds to issue one kernel (eager "
+                                                  "PyTorch's Python, dispatcher, autograd and CUDA launch), which a "
+                                                  "MoE layer's forward waits for after its dropless dispatcher "
+                                                  "synchronises with the host; 0: never. Default: 12 "
+                                                  "(docs/hardware.md, \"Host-bound execution\").")]
 ExpertTensorParallel = Annotated[int | None, typer.Option(
     "--expert-tensor-parallel", metavar="ETP", min=1, help="With --expert-parallel and --rank-order megatron: the "
                                                            "ranks each routed expert is split over (Megatron-core's "
@@ -401,7 +407,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("routing", Routing, None), ("token_dispatcher", TokenDispatcher, None),
-                ("dispatcher_sms", DispatcherSms, None),
+                ("dispatcher_sms", DispatcherSms, None), ("host_kernel_us", HostKernelUs, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
                 ("ema", Ema, None), ("grad_accumulation", GradAccumulation, None))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..planning.host import HOST_KERNEL_US
 from .common import (
     DTYPES,
     MODEL_SIZES,
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "routing", "recompute",
                  "curve_from", "fsdp_float8_all_gather",
-                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "expert_tensor_parallel", "rank_order",
+                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "expert_tensor_parallel",
+                 "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "recompute_modules",
                  "ema", "tp_overlap_no_margin", "attention_kernel", "grad_accumulation")
@@ -65,7 +67,7 @@ ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "p
 KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager"}
 # Settings named in an estimate's parallelism text only when they are not these (a bool not listed: when set).
 SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
-                    "routing": "balanced",
+                    "routing": "balanced", "host_kernel_us": HOST_KERNEL_US,
                     **KERNEL_DEFAULTS}
 RECOMPUTE = ("none", "selective", "full", "op")
 FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
@@ -76,6 +78,7 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "hot_expert_share": "--hot-expert-share", "routing": "--routing",
                   "token_dispatcher": "--token-dispatcher",
                   "dispatcher_sms": "--dispatcher-sms",
+                  "host_kernel_us": "--host-kernel-us",
                   "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
                   "attention_kernel": "--attention-kernel",
                   "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
@@ -127,6 +130,7 @@ class WhatIf:
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
     attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
     routing: str = "balanced"  # --routing, of planning/experts.py's ROUTINGS
+    host_kernel_us: float | None = None  # --host-kernel-us (None: planning/host.py's HOST_KERNEL_US)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -187,7 +191,8 @@ class WhatIf:
                            tp_overlap_no_margin=self.tp_overlap_no_margin, attention_kernel=self.attention_kernel,
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
-                           ema=self.ema, grad_accumulation=self.grad_accumulation)
+                           ema=self.ema, grad_accumulation=self.grad_accumulation,
+                           host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -334,7 +339,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
-                  attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing)
+                  attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing,
+                  host_kernel_us=params.get("host_kernel_us"))
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

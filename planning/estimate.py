@@ -88,6 +88,7 @@ from .fp8 import (
     in_float8,
     step_cast_ops,
 )
+from .host import HOST_KERNEL_US, forward_issue_ms, host_bound_ms, synchronises
 from .ranks import RANK_ORDERS, dense_grid
 
 if TYPE_CHECKING:
@@ -176,11 +177,14 @@ class Parallelism:
     loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
     cp_rotate: str = "alltoall"  # how the context ring passes keys and values, of `CP_ROTATES` (`ContextRing`)
     attention_kernel: str = "flash2"  # the fused attention kernel, of `ATTENTION_KERNELS` (`kernel_curve`)
+    host_kernel_us: float = HOST_KERNEL_US  # the host's issue of a kernel, exposed after a sync (planning/host.py)
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
+        if not self.host_kernel_us >= 0:
+            raise EstimateError(f"host_kernel_us: {self.host_kernel_us}; the host's microseconds a kernel, at least 0")
         if self.dispatcher_sms is not None and (self.token_dispatcher != "deepep" or self.dispatcher_sms < 1):
             raise EstimateError(f"dispatcher_sms: {self.dispatcher_sms}; the multiprocessors DeepEP's kernels hold, "
                                 "at least 1, with token_dispatcher deepep")
@@ -1230,10 +1234,13 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
+        issue_ms = (forward_issue_ms(busiest, parallel.fp8, element, parallel.host_kernel_us)
+                    if synchronises(busiest, counted.options) else 0.0)
+        fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issue_ms)
         float8_elements, float8_tensors = (float8_weights(layer, parallel.float8_recipe)
                                            if parallel.fsdp_float8_all_gather else (0, 0))
         layers.append(LayerProfile(
-            name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
+            name=layer.name, inputs=list(layer.inputs), fwd=_timing(fwd_ms), bwd=_timing(priced.bwd_ms),
             igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
             activation_parts=priced.activation_parts, transient_bytes=priced.transient_bytes,
             float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.weight_shards) // t
@@ -1246,9 +1253,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(  # dispatch and combine alike
-                MoePass(priced.fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2),
+                MoePass(fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2),
                 MoePass(priced.bwd_ms - routed.bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2)),
-            fwd_sharing_ms=shared.fwd_ms if shared else 0.0, bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
+            fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issue_ms) if shared else 0.0,
+            bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)

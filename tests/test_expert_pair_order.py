@@ -62,7 +62,7 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
     """E = 8 from d = 8 replicas of p = 4 stages (2 of the group a node, 3/4 of each all-to-all on the NIC): a
     block's field is `paired_exposed_ms` of its passes split at the routed experts' ops, half of each pass's
     all-to-alls its dispatch; the embedding and the head route nothing, and with E = 1 there is nothing to expose."""
-    parallel = Parallelism(pipeline=4, data=8, expert=8)
+    parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0)  # the GPU's pricing (planning/host.py)
     profile = estimate_profile(counted(), H100, parallel)
     links = links_of(node_placement(H100), 1, 4, 8)
     group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8)
@@ -84,7 +84,7 @@ def test_nccls_all_to_all_holds_sixteen_multiprocessors_beside_the_pair():
     """NCCL's all-to-all (the default dispatcher) runs a CTA a channel on multiprocessors no compute kernel shares,
     16 on a DGX H100 (NCCL issue 689): a layer's passes beside it are priced on the other 116 of 132, which an
     overlapped pair's part runs at while the other part's all-to-alls run; without expert parallelism none."""
-    parallel = Parallelism(pipeline=4, data=8, expert=8)
+    parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=0)  # the GPU's pricing (planning/host.py)
     links = links_of(node_placement(H100), 1, 4, 8)
     beside = on_multiprocessors(DEVICE, 116)
     group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8)

@@ -1,0 +1,66 @@
+"""Host-bound execution (planning/host.py): after a dropless MoE dispatcher's device-to-host synchronisation a MoE
+layer's forward takes the longer of the GPU's time and the host's issue of its kernels, less the layer's
+all-to-alls; the backward, a dense layer and experts padded to their capacity wait for nothing; bad values are one
+line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import pipesim
+
+MOE = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000, "--gated",
+       "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "--data-parallel", 4,
+       "--expert-parallel", 4)
+
+
+def layers(tmp_path, *args) -> list[dict]:
+    out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+    code, _, err = pipesim("estimate", *args, "-o", out)
+    assert code == 0, err
+    return json.loads(out.read_text())["layers"]
+
+
+def test_a_moe_layers_forward_waits_for_the_host_to_issue_its_kernels(tmp_path):
+    """At 1 ms and 2 ms a kernel the host outlasts the GPU: a MoE block's forward is its kernels times the host's
+    cost less its all-to-alls, so the two differ by the kernel count; its backward and the dense layers are the
+    GPU's at any host cost."""
+    free, slow, slower = (layers(tmp_path, *MOE, "--host-kernel-us", us) for us in (0, 1000, 2000))
+    moe = [i for i, layer in enumerate(free) if layer["all_to_all_fwd_ms"] > 0]
+    assert moe == [1, 2]
+    for i, (gpu, host, host2) in enumerate(zip(free, slow, slower)):
+        if i in moe:
+            kernels = host2["fwd"]["median_ms"] - host["fwd"]["median_ms"]
+            assert kernels == pytest.approx(round(kernels)) and kernels > 10
+            assert host["fwd"]["median_ms"] == pytest.approx(kernels * 1.0 - host["all_to_all_fwd_ms"])
+            assert host["fwd"]["median_ms"] > gpu["fwd"]["median_ms"]
+        else:
+            assert host["fwd"] == gpu["fwd"]
+        assert (host["bwd"], host["igrad"], host["wgrad"]) == (gpu["bwd"], gpu["igrad"], gpu["wgrad"])
+
+
+def test_a_host_faster_than_the_gpu_and_layers_that_never_wait_are_the_gpus(tmp_path):
+    """At 0.1 us a kernel the host keeps ahead; a dense model and experts padded to their capacity (the sizes
+    known on the host: no synchronisation) are the GPU's at 1 ms a kernel."""
+    assert layers(tmp_path, *MOE, "--host-kernel-us", 0.1) == layers(tmp_path, *MOE, "--host-kernel-us", 0)
+    dense = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--gpu", "h100-sxm")
+    assert layers(tmp_path, *dense, "--host-kernel-us", 1000) == layers(tmp_path, *dense, "--host-kernel-us", 0)
+    padded = (*MOE, "--capacity-factor", 1.5)
+    assert layers(tmp_path, *padded, "--host-kernel-us", 1000) == layers(tmp_path, *padded, "--host-kernel-us", 0)
+
+
+def test_the_default_host_cost_binds_a_small_moe_layer_and_is_named_only_when_changed(tmp_path):
+    """12 us a kernel (eager PyTorch's, planning/host.py) outlasts this small block's GPU forward."""
+    default, free = layers(tmp_path, *MOE), layers(tmp_path, *MOE, "--host-kernel-us", 0)
+    assert default[1]["fwd"]["median_ms"] > free[1]["fwd"]["median_ms"]
+    code, out, err = pipesim("simulate", *MOE, "-p", 1, "-m", 2, "-s", "1f1b", "--host-kernel-us", 30)
+    assert code == 0, err
+    assert "host kernel us 30.0" in " ".join(out.split())
+
+
+def test_a_negative_host_cost_is_one_line(tmp_path):
+    code, out, err = pipesim("estimate", *MOE, "--host-kernel-us", -1, "-o", tmp_path / "x.json")
+    assert code == 2 and not out and err.count("\n") == 1 and "--host-kernel-us" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
