@@ -176,8 +176,10 @@ Fp8Recipe = Annotated[str | None, typer.Option(
                                            "a step; the default), te-current (TransformerEngine's current "
                                            "scaling, Megatron-core's tensorwise: te's, each cast after its "
                                            "tensor's amax) or torchao (torchao.float8's tensorwise dynamic "
-                                           "scaling as torchtitan runs it: 16-bit inputs saved, every tensor cast "
-                                           "again in the backward) or deepseek (DeepSeek-V3's, its report's 3.3: "
+                                           "scaling as torchtitan runs it since 2025: 16-bit inputs saved, each cast "
+                                           "again in the backward), torchao-2024 (torchao as at eab345c, December "
+                                           "2024: float8 inputs and weight copies saved, only the gradient cast in "
+                                           "the backward) or deepseek (DeepSeek-V3's, its report's 3.3: "
                                            "te's, with the attention's output kept once in E5M6 and the experts' "
                                            "SwiGLU inputs in float8).")]
 FsdpFloat8AllGather = Annotated[bool, typer.Option(

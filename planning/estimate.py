@@ -86,6 +86,7 @@ from .fp8 import (
     float8_weights,
     gathered_in_float8,
     in_float8,
+    saved_weight_bytes,
     step_cast_ops,
 )
 from .host import HOST_KERNEL_US, forward_issue_ms, host_bound_ms, synchronises
@@ -866,12 +867,12 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     if c > 1 and context_link is None:
         raise EstimateError(f"context: {c} ranks need the ring's link")
     ring = ContextRing(c, context_link, parallel.cp_rotate) if c > 1 else None
-    # TransformerEngine's recipes (those that save float8 inputs) cast before they gather: a column-parallel
+    # TransformerEngine's recipes (`gathers_float8`) cast before they gather: a column-parallel
     # product's input is cast (LayerNormLinear's fused norm writes float8 into the userbuffer, `fp8_buf` for every
     # all-gather overlap in initialize_ub; gather_along_first_dim of the float8 `ln_out` without one) and that copy
     # saved and gathered again in the backward, and the backward's output gradient is cast before its gather
     # (`grad_output_preprocess`): every sequence-parallel all-gather of a float8 layer moves 1 byte an element
-    gathered_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].saves_float8_inputs \
+    gathered_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].gathers_float8 \
         and attends(layer) else element_bytes
 
     def reduced_ms(op: OpCount, product_ms: float, forward: bool) -> float:
@@ -936,13 +937,18 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         rerun += pass_ms(regions.ops, True)
         rerun_ops = (*rerun_ops, *regions.ops)
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
+    # a recipe's saved float8 weight copies (planning/fp8.py), not the tokens': made again where the forward reruns
+    weight_copies = saved_weight_bytes(layer, parallel.float8_recipe, t) if parallel.fp8 is not None else 0.0
+    parts["other"] += 0.0 if parallel.recompute in ("op", "full") else weight_copies
     kept = sum(parts.values())
-    total = round(min(kept, saved / c) if parallel.recompute in ("selective", "full") else kept)  # op's: its own
+    total = round(min(kept, saved / c + weight_copies) if parallel.recompute in ("selective", "full")
+                  else kept)  # op's: its own
     rings = (None, None) if ring is None else (
         _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes),
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
-                         whole_parts(parts, total), _transient_bytes(layer, split, saved_unless_rerun / c - total),
+                         whole_parts(parts, total),
+                         _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total),
                          *rings)
 
 

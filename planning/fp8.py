@@ -30,7 +30,20 @@ torchao: torchao.float8's tensorwise dynamic scaling as torchtitan runs it (floa
   gradient and the weight for the input gradient, then the output's gradient and the input again for the weight
   gradient, since the forward saves the 16-bit input and weight (`ctx.save_for_backward(input_hp,
   weight_hp_t)`): activation memory is the 16-bit run's. Under FSDP2 with its float8 all-gather
-  (`gathered_in_float8`) no pass casts a weight.
+  (`gathered_in_float8`) no pass casts a weight. torchao has run so since pytorch/ao#1480 (January 2025: the
+  input's cast moved into the autograd function, its 16-bit input saved) and #2594 (July 2025, c6de9b42a: the
+  weight's too).
+torchao-2024: torchao.float8's tensorwise dynamic scaling as it was at eab345c (December 2024), the commit
+  torchtitan's December 2024 benchmarks name (docs/performance.md; benchmarks/published/). `Float8Linear.forward`
+  casts the input and the weight once each (`cast_input_to_float8`, `cast_weight_to_float8_t`: amax and scaled
+  cast, as torchao's), `manual_float8_matmul_with_args_in_float8` saves both float8 copies
+  (`ctx.save_for_backward(input_fp8, weight_fp8_t)`) and reuses them for the input and weight gradients, and
+  `NoopFwToFloat8BwDynamic` casts the output's gradient once for both backward products. So the backward casts
+  the gradient only, the forward keeps each product's input as its float8 copy (1 byte an element, as te) and,
+  per micro-batch until its backward, a float8 copy of each weight and its float32 scale (1/t of the weight on
+  each of t tensor-parallel ranks, not split by tokens): a copy the activation recomputation torchtitan runs
+  (full, or its op policy, whose save list keeps no cast) makes again in the backward instead. Under FSDP2's
+  float8 all-gather the saved weight is the gathered parameter itself (FSDP2 frees and gathers it again): no copy.
 
 The routed experts' grouped products (a mixture of experts', `OpCount.routed`): te runs them in float8 too, as
 Megatron-core's TEGroupedMLP does (TransformerEngine's GroupedLinear under the same fp8_autocast, each expert's
@@ -97,7 +110,10 @@ class Fp8Recipe:
     for the attention's backward and the next product's, at that many bytes an element; `activation_input_bytes`:
     the routed experts' activation inputs (the "moe_act" region's, saved) at that many (None: as counted);
     `split_accumulation`: the passes whose float8 products add their partial sums into float32 every few steps
-    (`OpCount.split_accumulation`) rather than accumulate fast in the tensor cores."""
+    (`OpCount.split_accumulation`) rather than accumulate fast in the tensor cores; `saves_float8_weights`: the
+    forward saves each product's float8 weight copy and its scale for the backward (`saved_weight_bytes`);
+    `gathers_float8`: a sequence-parallel all-gather moves the float8 copy, cast before it gathers
+    (TransformerEngine's, planning/estimate.py)."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -108,12 +124,15 @@ class Fp8Recipe:
     attention_output_bytes: float | None = None  # the attention's output kept once at this many bytes an element
     activation_input_bytes: float | None = None  # the routed experts' activation (SwiGLU) inputs kept so
     split_accumulation: tuple[str, ...] = ()  # the passes (of PASSES) whose float8 products accumulate split
+    saves_float8_weights: bool = False  # the forward saves each product's float8 weight copy for the backward
+    gathers_float8: bool = False  # sequence-parallel all-gathers move the float8 copies
 
 
 FP8_RECIPES = {
     "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
                     kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
-                    weight_copy_bytes=2 * FP8_BYTES, routed=True, split_accumulation=BACKWARD_PASSES),
+                    weight_copy_bytes=2 * FP8_BYTES, routed=True, split_accumulation=BACKWARD_PASSES,
+                    gathers_float8=True),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
@@ -123,6 +142,9 @@ FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("amax", 1, 0), 
                                                                   ("cast_transpose", 1, 2)))
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
                                   split_accumulation=())
+FP8_RECIPES["torchao-2024"] = replace(FP8_RECIPES["torchao"], casts={"fwd": ("input", "weight"), "bwd": ("grad",),
+                                                                      "igrad": ("grad",), "wgrad": ()},
+                                      saves_float8_inputs=True, saves_float8_weights=True)
 
 
 FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
@@ -144,9 +166,20 @@ def casts_weights_per_use(recipe: Fp8Recipe) -> bool:
 
 
 def gathered_in_float8(recipe: Fp8Recipe) -> Fp8Recipe:
-    """The recipe under FSDP2's float8 all-gather: the weights arrive as float8, so no pass casts one."""
+    """The recipe under FSDP2's float8 all-gather: the weights arrive as float8, so no pass casts one, and a
+    forward that saves its float8 weight saves the gathered parameter, which FSDP2 frees and gathers again."""
     return replace(recipe, casts={name: tuple(role for role in roles if role != "weight")
-                                  for name, roles in recipe.casts.items()})
+                                  for name, roles in recipe.casts.items()}, saves_float8_weights=False)
+
+
+def saved_weight_bytes(layer: LayerCount, recipe: Fp8Recipe, tensor_ranks: int) -> float:
+    """The float8 weight copies and their float32 scales the recipe's forward saves for the backward (torchao at
+    eab345c), per micro-batch on one of `tensor_ranks` tensor-parallel ranks: 1/t of each weight, whatever the
+    tokens; 0 for a recipe that saves none."""
+    if not recipe.saves_float8_weights:
+        return 0.0
+    elements, tensors = float8_weights(layer, recipe)
+    return elements * FP8_BYTES / tensor_ranks + tensors * FP8_SCALE_BYTES
 
 
 def float8_weights(layer: LayerCount, recipe: Fp8Recipe) -> tuple[int, int]:

@@ -35,7 +35,7 @@ def test_a_float8_layers_forward_gathers_its_products_inputs_in_float8(block, mo
     recipe gathering 16-bit copies, each saves (t-1)/t of a tokens x width tensor's second byte on the link."""
     parallel = Parallelism(tensor=T, sequence_parallel=True, tp_overlap=tp_overlap, fp8="te")
     float8 = estimate_layer(block, DEVICE, parallel, SLOW, 2)
-    monkeypatch.setitem(FP8_RECIPES, "te", replace(FP8_RECIPES["te"], saves_float8_inputs=False))
+    monkeypatch.setitem(FP8_RECIPES, "te", replace(FP8_RECIPES["te"], gathers_float8=False))
     sixteen_bit = estimate_layer(block, DEVICE, parallel, SLOW, 2)
     saved_byte_ms = (T - 1) / T * SEQ * WIDTH / SLOW.bytes_per_ms
     assert sixteen_bit.fwd_ms - float8.fwd_ms == pytest.approx(2 * saved_byte_ms)
