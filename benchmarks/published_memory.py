@@ -125,8 +125,9 @@ def torchtitan_layout(parallelism: str) -> dict[str, int | str]:
 def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     """A torchtitan row as pipesim's command line, built from its columns, nothing fitted; None where pipesim
     cannot express it (a sequence beyond the Hugging Face config's positions). As torchtitan ran them at 9dec370:
-    FSDP2 over the C·d ranks (`--zero 3 --precision fsdp2`, its dp_shard_cp mesh), bf16 or Float8 as torchao's
-    recipe (`--dtype fp8 --fp8-recipe torchao`; the 405B's config all-gathers its float8 linears' weights in
+    FSDP2 over the C·d ranks (`--zero 3 --precision fsdp2`, its dp_shard_cp mesh), bf16 or Float8 as torchao ran
+    it at eab345c, the commit the page names (`--dtype fp8 --fp8-recipe torchao-2024`: float8 copies saved, the
+    gradient cast once; the 405B's config all-gathers its float8 linears' weights in
     float8, `--fsdp-float8-all-gather`, `TORCHTITAN_FLOAT8_ALL_GATHER`), TP with its plan's sequence-parallel norms
     as DTensor runs them (`--tp-runtime torch`) and its loss computed by torch's loss_parallel (`--loss-parallel`:
     ParallelDims.loss_parallel_enabled, TP > 1), the page's local
@@ -150,7 +151,7 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     local_batch = int(row["local_batch_size"])
     float8 = "Float8" in row["techniques"]
     args = ["simulate", "--model", TORCHTITAN_MODELS[row["model"]], "--seq-len", str(seq),
-            "--dtype", "fp8" if float8 else "bf16", *(["--fp8-recipe", "torchao"] if float8 else []),
+            "--dtype", "fp8" if float8 else "bf16", *(["--fp8-recipe", "torchao-2024"] if float8 else []),
             *(["--fsdp-float8-all-gather"] if float8 and row["model"] in TORCHTITAN_FLOAT8_ALL_GATHER else []),
             "--attention", "flash", "-b", str(local_batch // microbatches), *TORCHTITAN_GPU,
             *(["--tensor-parallel", str(t), "--sequence-parallel", "--tp-runtime", "torch", "--loss-parallel"]

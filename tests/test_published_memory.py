@@ -76,6 +76,8 @@ def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(mon
                 "--gpu h100-hbm2e-96gb"} <= pairs  # the page's 96 GB HBM2e parts
         assert not r["out_of_memory"]  # every row ran
         assert ("--dtype fp8" in pairs) == ("Float8" in r["run"])
+        # as torchao ran at eab345c, the page's commit (benchmarks/published/README.md)
+        assert ("--fp8-recipe torchao-2024" in pairs) == ("Float8" in r["run"])
         # the 405B's config all-gathers in float8 (train_configs/llama3_405b.toml); the 8B's and 70B's do not
         assert ("--fsdp-float8-all-gather" in r["command"]) == ("405B" in r["run"])
         assert ("--loss-parallel" in r["command"]) == ("TP 8" in r["run"])  # torchtitan's loss under TP
