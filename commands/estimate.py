@@ -380,8 +380,9 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
         raise InputError(f"--fp8-recipe: choose from {', '.join(FP8_RECIPES)} (got {recipe!r})")
     if params.get("fsdp_float8_all_gather") and not (casts_weights_per_use(FP8_RECIPES[recipe])
                                                       and params.get("precision") == "fsdp2"):
+        per_use = " or ".join(name for name, known in FP8_RECIPES.items() if casts_weights_per_use(known))
         raise InputError(f"--fsdp-float8-all-gather: FSDP2 casting torchao's float8 weights before it all-gathers "
-                         f"them; give --fp8-recipe torchao and --zero 3 --precision fsdp2 (got --fp8-recipe {recipe}"
+                         f"them; give --fp8-recipe {per_use} and --zero 3 --precision fsdp2 (got --fp8-recipe {recipe}"
                          f", --precision {params.get('precision') or 'not given'})")
     return recipe
 

@@ -85,3 +85,15 @@ def test_the_cli_takes_it_and_lists_it_among_the_recipes(tmp_path, monkeypatch):
     assert code == 2 and err.strip() == ("error: --fp8-recipe: choose from te, torchao, te-current, deepseek, "
                                          "torchao-2024 (got 'torchao-2023')")
     assert not list(tmp_path.iterdir())
+
+
+def test_fsdp2s_float8_all_gather_takes_it_and_names_both_torchao_recipes_when_refused(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    fsdp = ("--data-parallel", "2", "--zero", "3", "--precision", "fsdp2", "-p", "1", "-m", "2", "-s", "1f1b")
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", *SMALL, *fsdp, "--dtype", "fp8", "--fp8-recipe",
+                             "torchao-2024", "--fsdp-float8-all-gather")
+    assert code == 0 and "fp8 torchao-2024, fsdp float8 all" in " ".join(out.split()), err
+    code, _, err = pipesim("simulate", "--gpu", "h100-sxm", *SMALL, *fsdp, "--dtype", "fp8", "--fsdp-float8-all-gather")
+    assert code == 2 and err.count("\n") == 1 and "give --fp8-recipe torchao or torchao-2024 and" in err, err
+    assert not list(tmp_path.iterdir())
