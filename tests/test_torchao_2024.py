@@ -63,8 +63,8 @@ def test_under_fsdp2s_float8_all_gather_no_pass_casts_a_weight_and_no_copy_is_sa
 
 
 def test_its_sequence_parallel_gathers_stay_16_bit(monkeypatch):
-    """torchao's backward gathers the output's gradient before it casts it: unlike TransformerEngine, saving
-    float8 inputs does not make a sequence-parallel all-gather float8."""
+    """Its all-gathers are priced as torchao's, in bf16 (`gathers_float8` is TransformerEngine's cast before the
+    gather): saving float8 inputs does not make them float8."""
     parallel = {"tensor": 2, "sequence_parallel": True}
     float8_gathers = _estimate("torchao-2024", **parallel).fwd_ms
     monkeypatch.setitem(FP8_RECIPES, "torchao-2024", replace(FP8_RECIPES["torchao-2024"], gathers_float8=True))
