@@ -363,7 +363,7 @@ def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, .
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
     """--dtype fp8's recipe (--fp8-recipe, default te), on a part with a float8 peak; None for another --dtype,
     with which --fp8-recipe is refused."""
-    from ..planning.fp8 import FP8_RECIPES, casts_weights_per_use
+    from ..planning.fp8 import FP8_RECIPES, casts_weights_per_use, per_use_recipes
 
     recipe = params.get("fp8_recipe")
     if params["dtype"] != FP8:
@@ -380,7 +380,7 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
         raise InputError(f"--fp8-recipe: choose from {', '.join(FP8_RECIPES)} (got {recipe!r})")
     if params.get("fsdp_float8_all_gather") and not (casts_weights_per_use(FP8_RECIPES[recipe])
                                                       and params.get("precision") == "fsdp2"):
-        per_use = " or ".join(name for name, known in FP8_RECIPES.items() if casts_weights_per_use(known))
+        per_use = " or ".join(per_use_recipes())
         raise InputError(f"--fsdp-float8-all-gather: FSDP2 casting torchao's float8 weights before it all-gathers "
                          f"them; give --fp8-recipe {per_use} and --zero 3 --precision fsdp2 (got --fp8-recipe {recipe}"
                          f", --precision {params.get('precision') or 'not given'})")

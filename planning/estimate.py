@@ -86,6 +86,7 @@ from .fp8 import (
     float8_weights,
     gathered_in_float8,
     in_float8,
+    per_use_recipes,
     saved_weight_bytes,
     step_cast_ops,
 )
@@ -214,7 +215,7 @@ class Parallelism:
         if self.fsdp_float8_all_gather and (self.precision != "fsdp2" or self.fp8 is None
                                             or not casts_weights_per_use(FP8_RECIPES[self.fp8])):
             raise EstimateError("fsdp_float8_all_gather: FSDP2 casting torchao's float8 weights before its "
-                                "all-gather; give precision fsdp2 and fp8 torchao")
+                                f"all-gather; give precision fsdp2 and fp8 {' or '.join(per_use_recipes())}")
         if self.tp_runtime not in TP_RUNTIMES:
             raise EstimateError(f"tp_runtime: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
         if self.tp_overlap_no_margin and not (self.tp_overlap and self.tp_runtime == "megatron"):

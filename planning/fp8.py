@@ -165,6 +165,12 @@ def casts_weights_per_use(recipe: Fp8Recipe) -> bool:
     return any("weight" in roles for roles in recipe.casts.values())
 
 
+def per_use_recipes() -> tuple[str, ...]:
+    """The names of the recipes that cast weights per use (`casts_weights_per_use`): those FSDP2's float8
+    all-gather takes, which its refusals name."""
+    return tuple(name for name, recipe in FP8_RECIPES.items() if casts_weights_per_use(recipe))
+
+
 def gathered_in_float8(recipe: Fp8Recipe) -> Fp8Recipe:
     """The recipe under FSDP2's float8 all-gather: the weights arrive as float8, so no pass casts one, and a
     forward that saves its float8 weight saves the gathered parameter, which FSDP2 frees and gathers again."""

@@ -114,3 +114,13 @@ def test_without_torchaos_float8_under_fsdp2_the_flag_is_one_line_and_exit_2(fla
                              "--data-parallel", 2, *flags, "--fsdp-float8-all-gather")
     assert code == 2 and not out
     assert err.count("\n") == 1 and "--fsdp-float8-all-gather" in err and named in err
+
+
+def test_the_parallelism_refuses_a_recipe_that_casts_no_weight_per_use_naming_each_that_does():
+    """Outside the CLI too (tune and the benchmarks build a Parallelism): te casts its weights once a step, so
+    FSDP2 has no per-use cast to move before its all-gather; the message names every recipe that has one."""
+    from pipesim.planning.estimate import EstimateError, Parallelism
+
+    with pytest.raises(EstimateError, match="give precision fsdp2 and fp8 torchao or torchao-2024$"):
+        Parallelism(data=D, sharded_optimizer=True, precision="fsdp2", fp8="te", fsdp_float8_all_gather=True)
+    Parallelism(data=D, sharded_optimizer=True, precision="fsdp2", fp8="torchao-2024", fsdp_float8_all_gather=True)
