@@ -201,15 +201,15 @@ def _may_take(request_bytes: int, block_bytes: int, max_split_bytes: int) -> boo
 @dataclass
 class Program:
     """Allocations and frees written down for `CachingAllocator.run` rather than made: each request a new slot,
-    its bytes rounded and its pool decided once, so that a pass replayed a thousand times is read once."""
+    its bytes rounded and its pool decided once, so that a pass replayed a thousand times is read once. Every
+    request on the compute stream (0), where a pass's tensors are made."""
 
-    stream: int = 0
     ops: list[Op] = field(default_factory=list)
     slots: int = 0
 
     def malloc(self, nbytes: int) -> int:
         slot, request_bytes = self.slots, round_request(nbytes)
-        self.ops.append((slot, request_bytes, pool_of(request_bytes, self.stream)))
+        self.ops.append((slot, request_bytes, pool_of(request_bytes, 0)))
         self.slots += 1
         return slot
 
