@@ -20,6 +20,7 @@ from .common import (
     InputError,
     MicrobatchSize,
     NetworkGbS,
+    PpRuntime,
     Recompute,
     ReduceAfterFlush,
     SearchSeconds,
@@ -119,6 +120,7 @@ def sweep(
     network_gb_s: NetworkGbS = None,
     recompute: Recompute = "none",
     allocator: Allocator = "caching",
+    pp_runtime: PpRuntime = "pipesim",
     stage_cut: StageCut = "balanced",
     workers: Annotated[int | None, typer.Option(
         "--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,

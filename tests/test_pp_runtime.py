@@ -87,3 +87,25 @@ def test_parts_sum_to_the_peak_under_torchs_stage(name):
 def test_a_runtime_that_cannot_run_it_is_one_line(flags, message):
     code, out, err = pipesim("simulate", *flags)
     assert (code, out, err) == (2, "", message)
+
+
+def test_a_sweep_reads_each_configurations_peak_under_torchs_stage_as_simulate_does(tmp_path):
+    """sweep --pp-runtime torch: each row's peak is simulate's under the same flag (sweep's sizes are the whole
+    model's, split over the 4 stages), above pipesim's runtime's, and a method torch's stage cannot run is a
+    skipped row with simulate's reason."""
+    import csv
+
+    peaks = {}
+    for runtime in ("pipesim", "torch"):
+        out = tmp_path / f"{runtime}.csv"
+        code, _, err = pipesim("sweep", "-p", "4", "-m", "8", "--param-mb", "400", "--activation-mb", "40",
+                               "--output-mb", "2", "-s", "1f1b,pipedream", "-n", "2", "--pp-runtime", runtime,
+                               "--workers", "1", "--out", out)
+        assert code == 0, err
+        peaks[runtime] = {row["schedule"]: row for row in csv.DictReader(out.open())}
+    (simulated,) = simulate_json(*ONE_F_ONE_B, "-n", "2", "--pp-runtime", "torch")
+    assert float(peaks["torch"]["1f1b"]["peak_memory_mb"]) == max(d["peak_memory_mb"] for d in simulated["devices"])
+    assert float(peaks["torch"]["1f1b"]["peak_memory_mb"]) > float(peaks["pipesim"]["1f1b"]["peak_memory_mb"])
+    refused = peaks["torch"]["pipedream"]
+    assert refused["status"] == "skipped"
+    assert "--pp-runtime torch is torch.distributed.pipelining's stage" in refused["reason"]
