@@ -31,7 +31,17 @@ import simpy
 
 from .. import __version__
 from ..memory_parts import MEMORY_PARTS, SAVERS
-from ..schedules import KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind, Read, Schedule, ScheduleError, kind_mask, validate
+from ..schedules import (
+    KIND_CODE,
+    KINDS,
+    NUM_COMPUTE_KINDS,
+    SYNCHRONOUS,
+    Kind,
+    Schedule,
+    ScheduleError,
+    kind_mask,
+    validate,
+)
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
@@ -469,8 +479,7 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
                                np.concatenate([np.zeros_like(opening), closing])[order])
     if torch_buffers:  # freed as the update ends: the next step's `clear_runtime_states` comes after it
         updates = _per_replica_minibatch(t, schedule, (Kind.OPT,)).last
-        policy = schedule.policy
-        if (schedule.pipelines != 1 or policy.forward is not Read.LATEST or policy.backward is not Read.LATEST
+        if (schedule.pipelines != 1 or schedule.policy != SYNCHRONOUS  # no stash, prediction or extra copy
                 or len(updates) != len(stages) * schedule.minibatches):
             raise ScheduleError(f"{schedule.method}: --pp-runtime torch is torch.distributed.pipelining's stage, "
                                 "which runs one synchronous pipeline whose stages each update once a mini-batch")

@@ -83,6 +83,9 @@ def test_parts_sum_to_the_peak_under_torchs_stage(name):
     (["--pp-runtime", "torch", "--schedule", "pipedream"],
      "error: pipedream: --pp-runtime torch is torch.distributed.pipelining's stage, which runs one synchronous "
      "pipeline whose stages each update once a mini-batch\n"),
+    (["--pp-runtime", "torch", "--schedule", "spectrain"],  # reads the latest weights, but predicted ones
+     "error: spectrain: --pp-runtime torch is torch.distributed.pipelining's stage, which runs one synchronous "
+     "pipeline whose stages each update once a mini-batch\n"),
 ])
 def test_a_runtime_that_cannot_run_it_is_one_line(flags, message):
     code, out, err = pipesim("simulate", *flags)
