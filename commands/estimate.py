@@ -5,6 +5,7 @@ once --gpu is given, so the commands start fast without it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -312,6 +313,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if routing == "random" and params.get("capacity_factor") is not None:
         raise InputError("--routing random: a model that drops tokens (--capacity-factor) computes each expert's "
                          "capacity however they are routed; give balanced")
+    host_kernel_us = params.get("host_kernel_us")
+    if host_kernel_us is not None and not math.isfinite(host_kernel_us):
+        raise InputError(f"--host-kernel-us: the host's microseconds to issue a kernel, a finite number from 0 (got "
+                         f"{host_kernel_us})")
     if params.get("dispatcher_sms") is not None and dispatcher != "deepep":
         raise InputError("--dispatcher-sms: the multiprocessors DeepEP's kernels hold; give --token-dispatcher deepep")
     rank_order = params.get("rank_order") or "pipesim"
@@ -340,7 +345,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing,
-                  host_kernel_us=params.get("host_kernel_us"))
+                  host_kernel_us=host_kernel_us)
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

@@ -185,8 +185,9 @@ class Parallelism:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
-        if not self.host_kernel_us >= 0:
-            raise EstimateError(f"host_kernel_us: {self.host_kernel_us}; the host's microseconds a kernel, at least 0")
+        if not 0 <= self.host_kernel_us < math.inf:
+            raise EstimateError(f"host_kernel_us: {self.host_kernel_us}; the host's microseconds a kernel, a finite "
+                                "number, at least 0")
         if self.dispatcher_sms is not None and (self.token_dispatcher != "deepep" or self.dispatcher_sms < 1):
             raise EstimateError(f"dispatcher_sms: {self.dispatcher_sms}; the multiprocessors DeepEP's kernels hold, "
                                 "at least 1, with token_dispatcher deepep")

@@ -64,3 +64,15 @@ def test_a_negative_host_cost_is_one_line(tmp_path):
     code, out, err = pipesim("estimate", *MOE, "--host-kernel-us", -1, "-o", tmp_path / "x.json")
     assert code == 2 and not out and err.count("\n") == 1 and "--host-kernel-us" in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["estimate", "simulate"])
+def test_an_infinite_host_cost_is_one_line(tmp_path, command):
+    """typer's bound takes inf (not nan): refused before any layer is priced (an infinite forward was a
+    traceback), nothing written."""
+    where = ("-o", tmp_path / "x.json") if command == "estimate" else ("-p", 1, "-m", 2, "-s", "1f1b")
+    code, out, err = pipesim(command, *MOE, "--host-kernel-us", "inf", *where)
+    assert (code, out) == (2, "") and "Traceback" not in err
+    assert err == ("error: --host-kernel-us: the host's microseconds to issue a kernel, a finite number from 0 "
+                   "(got inf)\n")
+    assert not list(tmp_path.iterdir())
