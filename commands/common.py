@@ -414,10 +414,13 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
                 ("ema", Ema, None), ("grad_accumulation", GradAccumulation, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
-# simulate, sweep, tune: the same, with --gpu and --model optional (estimate requires both)
-optional_what_if_options = shared_options(*WHAT_IF_ONLY, ("gpu", with_help(GpuName, "Instead of --profile or the cost "
-                                                                                   "flags."), None),
-                                          ("model", ModelName, None))
+# simulate, sweep: the same, with --gpu and --model optional (estimate requires both)
+OPTIONAL_MODEL = (("gpu", with_help(GpuName, "Instead of --profile or the cost flags."), None),
+                  ("model", ModelName, None))
+optional_what_if_options = shared_options(*WHAT_IF_ONLY, *OPTIONAL_MODEL)
+# tune: the same but FSDP2's float8 all-gather, which needs --zero 3 --precision fsdp2, flags tune does not take
+tune_what_if_options = shared_options(*(option for option in WHAT_IF_ONLY if option[0] != "fsdp_float8_all_gather"),
+                                      *OPTIONAL_MODEL)
 
 
 # The searched method's knobs (auto), as numbers by `search_options`: text, so that a bad value gets our one line.

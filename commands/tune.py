@@ -32,11 +32,11 @@ from .common import (
     check_memory_gb,
     fail,
     load_profile_flag,
-    optional_what_if_options,
     replayed_allocations,
     search_options,
     stderr,
     stdout,
+    tune_what_if_options,
     with_help,
 )
 from .estimate import SEARCHED_RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
@@ -49,7 +49,7 @@ SearchedDataParallel = with_help(DataParallel, SEARCHED)
 SearchedRecompute = with_help(Recompute, SEARCHED)
 
 
-@optional_what_if_options
+@tune_what_if_options
 def tune(
     ctx: typer.Context,
     devices: Annotated[int, typer.Option(

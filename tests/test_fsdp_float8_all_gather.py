@@ -124,3 +124,14 @@ def test_the_parallelism_refuses_a_recipe_that_casts_no_weight_per_use_naming_ea
     with pytest.raises(EstimateError, match="give precision fsdp2 and fp8 torchao or torchao-2024$"):
         Parallelism(data=D, sharded_optimizer=True, precision="fsdp2", fp8="te", fsdp_float8_all_gather=True)
     Parallelism(data=D, sharded_optimizer=True, precision="fsdp2", fp8="torchao-2024", fsdp_float8_all_gather=True)
+
+
+def test_tune_does_not_offer_it_since_it_takes_no_zero_or_precision():
+    """tune runs no FSDP2 (it has no --zero or --precision), so the flag could only be refused there: it is not one
+    of tune's, and estimate, simulate and sweep keep it."""
+    for command in ("estimate", "simulate", "sweep", "tune"):
+        code, out, _ = pipesim(command, "--help")
+        assert code == 0 and ("--fsdp-float8-all-gather" in out) == (command != "tune"), command
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "-D", 8, "--dtype", "fp8",
+                             "--fp8-recipe", "torchao", "--fsdp-float8-all-gather")
+    assert (code, out, err) == (2, "", "error: No such option: --fsdp-float8-all-gather\n")
