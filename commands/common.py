@@ -343,9 +343,9 @@ CrossEntropy = Annotated[str, typer.Option(
 NormKernel = Annotated[str, typer.Option(
     "--norm-kernel", metavar="KERNEL", help="With --gpu: how a Hugging Face model's RMSNorms run: eager "
                                             "(transformers' module, keeping a float32 copy of its input and the "
-                                            "normalised 16-bit tensor; the default) or fused (TransformerEngine's "
-                                            "kernel, Megatron-core's: keeping its 16-bit input and one float32 a "
-                                            "token).")]
+                                            "normalised 16-bit tensor, each op its own kernel; the default) or "
+                                            "fused (TransformerEngine's kernel, Megatron-core's: one kernel each "
+                                            "way, keeping its 16-bit input and one float32 a token).")]
 ALLOCATORS = ("caching", "none")  # --allocator
 Allocator = Annotated[str, typer.Option(
     "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
