@@ -321,7 +321,8 @@ def simulate(
         _print_memory_table(summaries, built, memory, skipped)
     else:
         _print_table(summaries, built, steady, example, skipped, memory,
-                     _cost_basis(scenario, built) + _overlap_text(built, pairs, fb_hidden_fraction),
+                     _cost_basis(scenario, built) + _overlap_text(built, pairs, fb_hidden_fraction)
+                     + _runtime_text(scenario),
                      [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
@@ -452,6 +453,15 @@ def _cost_basis(scenario, schedules: list) -> str:
     if stage_flags:
         basis += f"; {', '.join(stage_flags)} per model stage (p·v values)"
     return basis
+
+
+def _runtime_text(scenario) -> str:
+    """For the caption: whose pipeline runtime holds the tensors passed between stages, where not pipesim's (the
+    peaks differ by it)."""
+    if scenario.pp_runtime == "pipesim":
+        return ""
+    return (f"; tensors between stages held as {scenario.pp_runtime}'s pipeline runtime holds them (--pp-runtime "
+            f"{scenario.pp_runtime})")
 
 
 def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> str:

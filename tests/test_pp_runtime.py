@@ -112,3 +112,14 @@ def test_a_sweep_reads_each_configurations_peak_under_torchs_stage_as_simulate_d
     refused = peaks["torch"]["pipedream"]
     assert refused["status"] == "skipped"
     assert "--pp-runtime torch is torch.distributed.pipelining's stage" in refused["reason"]
+
+
+def test_the_caption_says_whose_runtime_held_the_tensors_between_stages():
+    """The peaks differ by the runtime, so the table says which one held the boundary tensors, where not pipesim's."""
+    said = {}
+    for runtime in ("pipesim", "torch"):
+        code, out, err = pipesim("simulate", *ONE_F_ONE_B, "--pp-runtime", runtime)
+        assert code == 0, err
+        said[runtime] = " ".join(out.split())
+    assert "tensors between stages held as torch's pipeline runtime holds them (--pp-runtime torch)" in said["torch"]
+    assert "--pp-runtime" not in said["pipesim"]
