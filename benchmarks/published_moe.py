@@ -105,9 +105,9 @@ RELEASE_LAYOUTS = {
 # balance), each expert padded to its even share
 TOKEN_DROP = "(tokendrop)"  # the row's model label of the runs that do not
 NOT_EXPRESSIBLE = {
-    "DeepSeekV3": "its recipe (scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml at 7623546) has a "
-                  "multi-token-prediction layer (mtp_num_layers 1), which no config in examples/ builds, and a layout "
-                  "of its own (\"Et|(tt|)*30mL\"); the row states no precision",
+    "DeepSeekV3": "the row states no precision; its recipe (scripts/performance/configs/deepseek/"
+                  "deepseek_v3_llm_pretrain.yaml at 7623546) runs a multi-token-prediction layer (mtp_num_layers 1: "
+                  "--mtp-layers 1) in a layout of its own (\"Et|(tt|)*30mL\")",
     "GPT OSS 120B": "no config of it in examples/",
     "Nemotron_3_Nano": "a hybrid of Mamba-2 and attention layers: pipesim counts no Mamba layer",
 }
