@@ -70,6 +70,8 @@ KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel
 SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
                     "routing": "balanced", "host_kernel_us": HOST_KERNEL_US,
                     **KERNEL_DEFAULTS}
+# Settings whose name ends in their unit, said as "name value unit" in an estimate's parallelism text.
+SETTING_UNITS = {"host_kernel_us": ("host kernel", "us")}
 RECOMPUTE = ("none", "selective", "full", "op")
 FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
 SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
@@ -668,6 +670,7 @@ def parallelism_text(parallelism: dict[str, Any], shape: bool = True) -> str:
     ring's rotation only where there is a ring."""
     context, expert = int(parallelism.get("context", 1)), int(parallelism.get("expert", 1))
     flags = [(key.replace("_", " ") if value else f"no {key.replace('_', ' ')}") if isinstance(value, bool)
+             else f"{SETTING_UNITS[key][0]} {value:g} {SETTING_UNITS[key][1]}" if key in SETTING_UNITS
              else f"{key.replace('_', ' ')} {','.join(value) if isinstance(value, (list, tuple)) else value}"
              for key, value in parallelism.items() if key not in ("tensor", "pipeline", "data", "context", "expert")
              and value not in ("none", None, (), []) and value != SETTING_DEFAULTS.get(key, False)
