@@ -1242,7 +1242,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
-        issue_ms = (forward_issue_ms(busiest, parallel.fp8, element, parallel.host_kernel_us)
+        issue_ms = (forward_issue_ms(busiest, parallel.float8_recipe, element, parallel.host_kernel_us)
                     if synchronises(busiest, counted.options) else 0.0)
         fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issue_ms)
         float8_elements, float8_tensors = (float8_weights(layer, parallel.float8_recipe)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..profiles.workload import LayerCount
-from .fp8 import FP8_RECIPES, in_float8
+from .fp8 import Fp8Recipe, in_float8
 
 HOST_KERNEL_US = 12.0  # the host's issue of one kernel in eager PyTorch (sources above)
 
@@ -40,9 +40,10 @@ def synchronises(layer: LayerCount, options: dict[str, Any]) -> bool:
     return options.get("capacity_factor") is None and any(op.routed for op in layer.ops.get("fwd", ()))
 
 
-def forward_issue_ms(layer: LayerCount, fp8: str | None, element_bytes: int, host_kernel_us: float) -> float:
-    """The host's time to issue the layer's forward kernels as the GPU runs them (a float8 recipe's casts too)."""
-    run = layer if fp8 is None else in_float8(layer, FP8_RECIPES[fp8], element_bytes)
+def forward_issue_ms(layer: LayerCount, recipe: Fp8Recipe | None, element_bytes: int, host_kernel_us: float) -> float:
+    """The host's time to issue the layer's forward kernels as the GPU runs them: the float8 recipe's casts too,
+    as the passes run them (`Parallelism.float8_recipe`: no weight cast under FSDP2's float8 all-gather)."""
+    run = layer if recipe is None else in_float8(layer, recipe, element_bytes)
     return sum(op.count for op in run.ops.get("fwd", ())) * host_kernel_us / 1e3
 
 

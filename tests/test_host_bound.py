@@ -76,3 +76,15 @@ def test_an_infinite_host_cost_is_one_line(tmp_path, command):
     assert err == ("error: --host-kernel-us: the host's microseconds to issue a kernel, a finite number from 0 "
                    "(got inf)\n")
     assert not list(tmp_path.iterdir())
+
+
+def test_under_fsdp_float8_all_gather_the_host_issues_no_weight_casts(tmp_path):
+    """torchao's float8 casts each weight in every pass, which the host issues; under FSDP2's float8 all-gather the
+    shard is cast before the all-gather instead, so a MoE forward issues fewer kernels (its experts' and
+    projections' weight casts)."""
+    float8 = (*MOE, "--dtype", "fp8", "--fp8-recipe", "torchao", "--zero", 3, "--precision", "fsdp2")
+    kernels = []
+    for gather in ((), ("--fsdp-float8-all-gather",)):
+        slow, slower = (layers(tmp_path, *float8, *gather, "--host-kernel-us", us) for us in (1000, 2000))
+        kernels.append(round(slower[1]["fwd"]["median_ms"] - slow[1]["fwd"]["median_ms"]))
+    assert kernels[1] < kernels[0]
