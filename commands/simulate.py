@@ -307,6 +307,7 @@ def simulate(
             result["steady_state"] = is_steady  # false: time_per_minibatch_ms includes the warm-up
             result["overlapped_pairs"] = pairs[sched.method]  # F&B pairs over every device and mini-batch
             result["fb_hidden_fraction"] = fb_hidden_fraction if pairs[sched.method] else None
+            result["pp_runtime"] = scenario.pp_runtime  # whose runtime held the boundary tensors (the peaks differ)
             if work:  # the what-if's totals: every GPU of the t x p x d
                 result.update(gpus=used, **rate)
         for result, checks in zip(results, memory):

@@ -123,3 +123,10 @@ def test_the_caption_says_whose_runtime_held_the_tensors_between_stages():
         said[runtime] = " ".join(out.split())
     assert "tensors between stages held as torch's pipeline runtime holds them (--pp-runtime torch)" in said["torch"]
     assert "--pp-runtime" not in said["pipesim"]
+
+
+def test_the_json_records_whose_runtime_held_the_tensors_between_stages():
+    """--json's results say the runtime their peaks were held under, as the table's caption does."""
+    for runtime in ("pipesim", "torch"):
+        (result,) = simulate_json(*ONE_F_ONE_B, "--pp-runtime", runtime)
+        assert result["pp_runtime"] == runtime
