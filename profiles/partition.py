@@ -36,11 +36,6 @@ class LayerCost:
     shared_with_previous_bytes: int = 0
 
 
-def stage_ms(layers: Sequence[LayerCost], start: int, stop: int) -> float:
-    """Forward + backward ms of layers [start, stop), summed exactly so any two callers agree to the bit."""
-    return math.fsum(layer.ms for layer in layers[start:stop])
-
-
 def stage_activation_bytes(layers: Sequence[LayerCost], start: int, stop: int) -> int:
     return sum(layer.activation_bytes for layer in layers[start:stop]) - sum(
         layer.shared_with_previous_bytes for layer in layers[start + 1:stop])
@@ -166,8 +161,8 @@ def _check(layers: Sequence, stages: int) -> int:
 
 
 def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageCosts:
-    """Every range's `stage_ms`, to the bit (so that equal ranges tie exactly), for every stage
-    (`_range_ms`)."""
+    """Every range's forward + backward ms, its layers' times summed exactly (math.fsum's correctly rounded sum)
+    so that equal ranges tie to the bit, for every stage (`_range_ms`)."""
     table = _range_ms(tuple(float(layer.ms) for layer in layers))
     return lambda k: table
 

@@ -266,17 +266,16 @@ def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, in
 
 
 def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Hashable]],
-                  layers: Mapping[int, Sequence[LayerAllocations]],
-                  capacity_bytes: int | None = None) -> CachingAllocator:
+                  programs: Mapping[int, StageProgram], capacity_bytes: int | None = None) -> CachingAllocator:
     """One device's step through the caching allocator: its state (`static_bytes`, a block each: weights,
     gradients, optimizer state) allocated first and held, then its `rows` in the order they run, each (pass of
-    `PASSES`, stage, micro-batch) with `layers[stage]` the stage's layers. A forward runs its layers in order,
-    each keeping what it leaves live but what its backward reruns (`LayerAllocations`) until its full or weight
-    backward; a backward runs them reversed, each rerunning first what its forward did not keep, and
-    freeing what its own pass leaves live (the gradients, which the runtime accumulates into the state's or
-    hands to the layer before) once the layer is done. The allocator as it ends: its peak reserved and
-    allocated bytes (an AllocatorOutOfMemory where the step does not fit in `capacity_bytes` even with the
-    cache released).
+    `PASSES`, stage, micro-batch) with `programs[stage]` the stage's layers written down (`stage_program`). A
+    forward runs its layers in order, each keeping what it leaves live but what its backward reruns
+    (`LayerAllocations`) until its full or weight backward; a backward runs them reversed, each rerunning first
+    what its forward did not keep, and freeing what its own pass leaves live (the gradients, which the runtime
+    accumulates into the state's or hands to the layer before) once the layer is done. The allocator as it ends:
+    its peak reserved and allocated bytes (an AllocatorOutOfMemory where the step does not fit in
+    `capacity_bytes` even with the cache released).
 
     A pipeline's steady state repeats its rows, thousands of them at p = 64 and m = 512, more than a simulation
     may spend replaying: once a run of rows has brought back what the step had after an earlier row (the same
@@ -286,13 +285,6 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     fit takes the lowest address among equal sizes), and a later repetition can then split a block the first
     did not and take a segment more (docs/benchmarks.md: the zero-bubble 1.5B's 1F1B middle stages reserve 322
     MiB where every row replayed reserves 610)."""
-    return _replayed(static_bytes, rows, {stage: stage_program(layers[stage]) for stage in {s for _, s, _ in rows}},
-                     capacity_bytes)
-
-
-def _replayed(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Hashable]],
-              programs: Mapping[int, StageProgram], capacity_bytes: int | None) -> CachingAllocator:
-    """`replay_device` with each stage's layers written down (`stage_program`)."""
     replay = _Replay(CachingAllocator(capacity_bytes=capacity_bytes), rows, programs)
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
@@ -454,9 +446,9 @@ def _reserve(static_bytes: tuple[int, ...], rows: tuple[tuple[str, int, int], ..
     rows, another data-parallel degree)."""
     stages = dict(enumerate(programs))
     try:
-        replayed = _replayed(static_bytes, rows, stages, capacity_bytes)
+        replayed = replay_device(static_bytes, rows, stages, capacity_bytes)
     except AllocatorOutOfMemory:
-        replayed = _replayed(static_bytes, rows, stages, None)
+        replayed = replay_device(static_bytes, rows, stages, None)
     return replayed.peak_reserved_bytes - replayed.peak_allocated_bytes
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from typing import Any, NamedTuple
 
 import pytest
 
+from pipesim.profiles.partition import LayerCost
 from pipesim.schedules import METHODS, Schedule, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces import Summary, Trace, summarize
@@ -123,3 +125,9 @@ def run(name: str, p: int, m: int, n: int = 1, *, chunks: int | None = None, fwd
         comm: float = 0.0, **costs: Any) -> Run:
     """`build` then `simulated`: method `name` with p devices and, with `chunks` v, p·v model stages."""
     return simulated(build(name, p, m, n, chunks=chunks), fwd=fwd, bwd=bwd, comm=comm, **costs)
+
+
+def stage_ms(layers: list[LayerCost], start: int, stop: int) -> float:
+    """The partitioner's oracle: forward + backward ms of layers [start, stop), math.fsum's correctly rounded sum
+    (profiles/partition.py's table is held to it bit for bit)."""
+    return math.fsum(layer.ms for layer in layers[start:stop])

@@ -15,8 +15,15 @@ from pipesim.sim.caching_allocator import (
     replay_device,
     round_request,
     segment_bytes,
+    stage_program,
 )
 from pipesim.units import KIB, MIB
+
+
+def replay(static_bytes, rows, layers, capacity_bytes=None) -> CachingAllocator:
+    """`replay_device` on each stage's layers (`layers[stage]`) written down as the simulator writes them."""
+    return replay_device(static_bytes, rows, {stage: stage_program(mine) for stage, mine in layers.items()},
+                         capacity_bytes)
 
 
 def test_requests_round_to_512_bytes():
@@ -176,7 +183,7 @@ def test_the_losss_16_bit_logits_stay_reserved_beside_its_backwards_float32_tens
 
 def test_a_devices_state_is_allocated_first_and_held():
     """3 MiB: a 20 MiB segment; 100 and 300 KiB: one 2 MiB small segment between them."""
-    allocator = replay_device([3 * MIB, 100 * KIB, 300 * KIB], [], {})
+    allocator = replay([3 * MIB, 100 * KIB, 300 * KIB], [], {})
     assert (allocator.reserved_bytes, allocator.allocated_bytes) == (22 * MIB, 3 * MIB + 400 * KIB)
 
 
@@ -188,7 +195,7 @@ def test_a_devices_rows_keep_each_forwards_tensors_until_its_backward():
     layers = {0: [LayerAllocations({"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB)],
                                     "bwd": [(0, 20 * MIB), (0, -20 * MIB), (1, 4 * MIB)]})]}
     rows = [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)]
-    allocator = replay_device([], rows, layers)
+    allocator = replay([], rows, layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes) == (92 * MIB, 80 * MIB)
     assert allocator.allocated_bytes == 0
 
@@ -197,7 +204,7 @@ def test_a_split_backward_frees_the_forwards_tensors_after_the_weight_pass():
     """The input pass's 10 MiB gradient goes as it ends; the forward's 30 MiB stay through the weight pass, whose
     20 MiB then need a segment of their own: 30 + 10 + 20 reserved (40, were the 30 freed after the input pass)."""
     layers = {0: [LayerAllocations({"fwd": [(0, 30 * MIB)], "igrad": [(0, 10 * MIB)], "wgrad": [(0, 20 * MIB)]})]}
-    allocator = replay_device([], [("fwd", 0, 0), ("igrad", 0, 0), ("wgrad", 0, 0)], layers)
+    allocator = replay([], [("fwd", 0, 0), ("igrad", 0, 0), ("wgrad", 0, 0)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         60 * MIB, 50 * MIB, 0)
 
@@ -210,7 +217,7 @@ def test_a_device_runs_its_stages_layers_in_order_and_reversed():
     first = LayerAllocations({"fwd": [(0, 30 * MIB)], "bwd": [(0, 12 * MIB), (0, -12 * MIB)]})
     second = LayerAllocations({"fwd": [(0, 16 * MIB)], "bwd": [(0, 14 * MIB), (0, -14 * MIB)]})
     layers = {0: [first, second], 1: [second, first]}
-    allocator = replay_device([], [("fwd", 0, 0), ("fwd", 1, 0), ("bwd", 1, 0), ("bwd", 0, 0)], layers)
+    allocator = replay([], [("fwd", 0, 0), ("fwd", 1, 0), ("bwd", 1, 0), ("bwd", 0, 0)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         104 * MIB, 104 * MIB, 0)
 
@@ -226,7 +233,7 @@ def test_a_full_recomputation_drops_what_the_forward_saves_and_remakes_it_in_the
     16, freed at once), then its 20 MiB need a segment of their own: 30 + 12 + 3 x 16 + 20 reserved, at most
     16 + 16 + 30 + 20 allocated."""
     layers = {0: [LayerAllocations(RECOMPUTED, saved=frozenset({0}), rerun=frozenset({0, 1, 2}))]}
-    allocator = replay_device([], [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)], layers)
+    allocator = replay([], [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         110 * MIB, 82 * MIB, 0)
 
@@ -236,7 +243,7 @@ def test_a_policy_keeps_what_it_saves_even_where_the_forward_freed_it():
     its output, its 30 MiB go; the backward's rerun makes only the 30 and the output again (a new 16, freed), then
     its 20: reserved 30 + 12 + 16 + 16 + 20, at most 12 + 16 + 30 + 20 allocated."""
     layers = {0: [LayerAllocations(RECOMPUTED, saved=frozenset({0}), rerun=frozenset({0, 2}), kept=frozenset({1}))]}
-    allocator = replay_device([], [("fwd", 0, 0), ("bwd", 0, 0)], layers)
+    allocator = replay([], [("fwd", 0, 0), ("bwd", 0, 0)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         94 * MIB, 78 * MIB, 0)
 
@@ -247,14 +254,14 @@ def test_a_selective_recomputation_reruns_only_its_part_of_the_forward():
     beside its 20: 2 x (30 + 16) + 12 + 20 at most, where keeping the 12 would hold 2 x 58 + 20."""
     passes = {"fwd": [(0, 30 * MIB), (1, 12 * MIB), (2, 16 * MIB)], "bwd": [(0, 20 * MIB), (0, -20 * MIB)]}
     layers = {0: [LayerAllocations(passes, saved=frozenset({0, 1}), rerun=frozenset({1}))]}
-    allocator = replay_device([], [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)], layers)
+    allocator = replay([], [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)], layers)
     assert (allocator.peak_reserved_bytes, allocator.peak_allocated_bytes, allocator.allocated_bytes) == (
         124 * MIB, 124 * MIB, 0)
 
 
 def test_a_device_that_does_not_fit_even_with_its_cache_released():
     with pytest.raises(AllocatorOutOfMemory):
-        replay_device([50 * MIB], [("fwd", 0, 0)], {0: [LayerAllocations({"fwd": [(0, 20 * MIB)]})]},
+        replay([50 * MIB], [("fwd", 0, 0)], {0: [LayerAllocations({"fwd": [(0, 20 * MIB)]})]},
                       capacity_bytes=60 * MIB)
 
 
@@ -326,7 +333,7 @@ def test_what_each_recomputation_has_a_blocks_backward_make_again(attention):
     assert policy["selective"].rerun == {number for number, shape, _ in made if shape[-2:] == (128, 128)}
     assert bool(policy["selective"].rerun) == (attention == "math") and bool(fused) == (attention == "flash")
     rows = [("fwd", 0, 0), ("fwd", 0, 1), ("bwd", 0, 0), ("bwd", 0, 1)]
-    peaks = {name: replay_device([], rows, {0: [layer] * 2}).peak_allocated_bytes for name, layer in policy.items()}
+    peaks = {name: replay([], rows, {0: [layer] * 2}).peak_allocated_bytes for name, layer in policy.items()}
     assert all(peaks[name] < peaks["none"] for name in ("full", "op")) and peaks["full"] < peaks["op"]
     assert peaks["selective"] < peaks["none"] if attention == "math" else peaks["selective"] == peaks["none"]
     assert layer_allocations(counted, Parallelism(recompute="full"))[-1].rerun is None
@@ -384,7 +391,7 @@ def test_a_steady_state_is_replayed_once_with_the_full_replays_peaks(monkeypatch
         run(whole, at)
     ran = []
     monkeypatch.setattr(caching_allocator._Replay, "run", lambda *args: ran.append(run(*args)))
-    skipped = replay_device([], rows, layers)
+    skipped = replay([], rows, layers)
     assert (skipped.peak_reserved_bytes, skipped.peak_allocated_bytes, skipped.allocated_bytes) == (
         whole.allocator.peak_reserved_bytes, whole.allocator.peak_allocated_bytes, 0)
     assert len(ran) < len(rows) / 3
@@ -642,9 +649,9 @@ def test_a_pipelines_devices_replay_to_the_peaks_recorded_before_the_replay_was_
     _, rows, layers = _pipeline(*case)
     read = []
     for device_rows in rows:
-        unbounded = replay_device(STATIC_BYTES, device_rows, layers)
+        unbounded = replay(STATIC_BYTES, device_rows, layers)
         try:
-            bounded = replay_device(STATIC_BYTES, device_rows, layers, unbounded.peak_reserved_bytes - 40 * MIB)
+            bounded = replay(STATIC_BYTES, device_rows, layers, unbounded.peak_reserved_bytes - 40 * MIB)
             within = (bounded.peak_reserved_bytes, bounded.peak_allocated_bytes)
         except AllocatorOutOfMemory:
             within = None
@@ -664,11 +671,11 @@ def test_a_stages_program_and_a_devices_reserve_are_read_once_for_the_same_conte
     assert caching_allocator.stage_program(layers[1]) is caching_allocator.stage_program(layers[2])
     static = [[held[part] for part in ("parameters", "gradients", "optimizer_state")]
               for held in trace.meta.peak_memory_parts]
-    each = [replay_device(bytes_held, device_rows, layers) for bytes_held, device_rows in zip(static, rows)]
+    each = [replay(bytes_held, device_rows, layers) for bytes_held, device_rows in zip(static, rows)]
     caching_allocator._reserve.cache_clear()
     replayed = []
-    run = caching_allocator._replayed
-    monkeypatch.setattr(caching_allocator, "_replayed", lambda *args: replayed.append(args) or run(*args))
+    run = caching_allocator.replay_device
+    monkeypatch.setattr(caching_allocator, "replay_device", lambda *args: replayed.append(args) or run(*args))
     first = caching_allocator.device_reserves(trace, layers, [None] * 4)
     assert first == [device.peak_reserved_bytes - device.peak_allocated_bytes for device in each]
     assert len(replayed) == 4

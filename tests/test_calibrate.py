@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.profiles.linkfit import LinkFit, LinkSegment
-from pipesim.profiles.partition import LayerCost, PartitionError, partition, stage_memory_bytes, stage_ms
+from pipesim.profiles.partition import LayerCost, PartitionError, partition, stage_memory_bytes
 from pipesim.profiles.schema import boundary_held_bytes, load_profile, profile_json, stage_edges, stages_for
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Link
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import pipesim, simulate_json, stage_ms
 
 WIDTH, BATCH = 64, 4  # a 3-block MLP of width 64 on micro-batches of 4: layer sizes are known in closed form
 MLP = ["--model", "mlp", "--layers", "3", "--width", str(WIDTH), "--microbatch-size", str(BATCH), "--device", "cpu",

@@ -6,7 +6,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.profiles.partition import LayerCost, _forward_backward_ms, stage_ms
+from pipesim.profiles.partition import LayerCost, _forward_backward_ms
+from tests.conftest import stage_ms
 
 # times of every magnitude, including those a float prefix sum would cancel away (1e16 + 1 - 1e16)
 times = st.floats(-1e16, 1e16, allow_nan=False, allow_infinity=False) | st.floats(0, 1e-300) | st.sampled_from(
