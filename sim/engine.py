@@ -39,6 +39,7 @@ from ..schedules import (
     Kind,
     Schedule,
     ScheduleError,
+    StageGraph,
     kind_mask,
     validate,
 )
@@ -478,6 +479,9 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         sparse["gradients"] = (both[order], np.concatenate([opening, np.zeros_like(closing)])[order],
                                np.concatenate([np.zeros_like(opening), closing])[order])
     if torch_buffers:  # freed as the update ends: the next step's `clear_runtime_states` comes after it
+        refusal = _torch_stage_refusal(schedule)
+        if refusal is not None:
+            raise ScheduleError(refusal)
         updates = _per_replica_minibatch(t, schedule, (Kind.OPT,)).last
         if (schedule.pipelines != 1 or schedule.policy != SYNCHRONOUS  # no stash, prediction or extra copy
                 or len(updates) != len(stages) * schedule.minibatches):
@@ -493,6 +497,21 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     ravel = lambda table: {part: values.ravel() for part, values in table.items()}  # noqa: E731
     return _MemoryTables(ravel(at_start), ravel(at_end), ravel(transfer_start), ravel(transfer_end), sparse,
                          stage_kind, rows, side)
+
+
+def _torch_stage_refusal(schedule: Schedule) -> str | None:
+    """Why torch.distributed.pipelining cannot run the schedule's stages (None: it can), by the stage graph: its
+    `PipelineStage` receives its input from stage_index - 1 and sends its output to stage_index + 1
+    (torch/distributed/pipelining/stage.py at torch 2.13), so one model's stages form one chain; its schedules
+    (schedules.py: ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) each run one such chain, DualPipeV's
+    and ZB-V's two stages a rank as one V-shaped chain, none two model copies fed from both ends (DualPipe)."""
+    graph, lead = schedule.graph, f"{schedule.method}: --pp-runtime torch is torch.distributed.pipelining's stage"
+    if graph.copies > 1:
+        return f"{lead}, which runs one model's stages, not {graph.copies} copies of them"
+    if sorted(graph.edges) != sorted(StageGraph.chain(graph.num_stages).edges):
+        return f"{lead}, whose stages form one chain (each receives from the one before), not a branching graph"
+    return None
 
 
 def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], at_end: dict[str, np.ndarray]

@@ -130,3 +130,18 @@ def test_the_json_records_whose_runtime_held_the_tensors_between_stages():
     for runtime in ("pipesim", "torch"):
         (result,) = simulate_json(*ONE_F_ONE_B, "--pp-runtime", runtime)
         assert result["pp_runtime"] == runtime
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("dualpipe", "which runs one model's stages, not 2 copies of them"),
+    ("graphpipe", "whose stages form one chain (each receives from the one before), not a branching graph"),
+])
+def test_torchs_stage_refuses_a_stage_graph_it_cannot_run(name, why):
+    """torch's PipelineStage receives from the stage before and sends to the next: DualPipe's two model copies and
+    GraphPipe's branching stages are one line, exit 2; DualPipeV's and ZB-V's V-shaped chain runs."""
+    code, out, err = pipesim("simulate", *ONE_F_ONE_B[2:], "--schedule", name, "--pp-runtime", "torch")
+    assert (code, out, err) == (2, "", f"error: {name}: --pp-runtime torch is torch.distributed.pipelining's "
+                                       f"stage, {why}\n")
+    for runs in ("dualpipev", "zb-v"):
+        code, _, err = pipesim("simulate", *ONE_F_ONE_B[2:], "--schedule", runs, "--pp-runtime", "torch")
+        assert code == 0, err
