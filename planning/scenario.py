@@ -26,7 +26,7 @@ from ..schedules import COLLECTIVE_KINDS, KINDS, NUM_COMPUTE_KINDS, Kind, Schedu
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
-from ..sim.costs import PRECISIONS, RowOverhead
+from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime
 from ..sim.engine import keep_fullest_parts
 from ..traces.trace import Trace
 
@@ -136,7 +136,7 @@ class Scenario:
         if self.overlap_hidden_fraction:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
         if self.pp_runtime != "pipesim":
-            costs = replace(costs, pp_runtime=self.pp_runtime)
+            costs = held_as_runtime(replace(costs, pp_runtime=self.pp_runtime), sched)
         costs = self._amax_reductions(costs, sched)
         if sched.gradient_ranks == 1:
             return costs

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..schedules import COLLECTIVE_KINDS, KIND_CODE, KINDS, NUM_COMPUTE_KINDS, Kind
+from ..schedules import (
+    COLLECTIVE_KINDS,
+    KIND_CODE,
+    KINDS,
+    NUM_COMPUTE_KINDS,
+    SYNCHRONOUS,
+    Kind,
+    Schedule,
+    ScheduleError,
+    StageGraph,
+)
 from ..units import MIB
 
 MAX_MS = 1e9  # about 11.6 days per op: anything larger is a typo, and would overflow the picosecond clock
@@ -127,6 +137,11 @@ class StageCosts:
     (`TRANSIENT_KINDS`' names), the ring's send and receive buffers it holds while it runs, as communication.
     `model_output_bytes`: the last stage's, the model's output its loss reads (the logits) per micro-batch, which
     torch's pipelining keeps until the step ends (`Costs.pp_runtime`; 0: none known).
+    Where the runtime keeps the tensors passed between stages (`held_as_runtime`; all 0 otherwise), per
+    micro-batch: `receive_buffer_bytes`, the receive buffers the stage keeps the whole step (held from the start,
+    as communication); `buffered_input_bytes`, of those, the inputs its forward computes on in place (no longer
+    among its activations); `forward_kept_bytes` and `backward_kept_bytes`, what each forward (its sent outputs,
+    the model's output) and each B or I (its inputs' gradients) leaves until the stage's update.
     `transient_bytes`: per pass (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's
     activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
     """
@@ -168,6 +183,10 @@ class StageCosts:
     ring_bwd_hidden_ms: float = 0.0
     ring_buffer_bytes: dict[str, int] = field(default_factory=dict)
     model_output_bytes: int = 0
+    receive_buffer_bytes: int = 0
+    buffered_input_bytes: int = 0
+    forward_kept_bytes: int = 0
+    backward_kept_bytes: int = 0
 
     @property
     def gradient_bytes(self) -> int:
@@ -189,7 +208,8 @@ class StageCosts:
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
                     "all_gather_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
-                     "expert_param_bytes", "float8_weight_bytes", "model_output_bytes", *optional[2:]):
+                     "expert_param_bytes", "float8_weight_bytes", "model_output_bytes", "receive_buffer_bytes",
+                     "buffered_input_bytes", "forward_kept_bytes", "backward_kept_bytes", *optional[2:]):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
@@ -281,7 +301,8 @@ class Costs:
     them, computes a forward on the buffer itself, keeps every forward's output (`output_chunks`, which its sends
     read; the last stage's, its `StageCosts.model_output_bytes`, are what the schedule merges and returns) and
     leaves every input's gradient on its buffer (`stage_backward` reads `.grad`) until the next step's
-    `clear_runtime_states`: sim/engine.py's `_memory_tables` and `static_parts`.
+    `clear_runtime_states`: `held_as_runtime` writes that down as each stage's fields, which sim/engine.py reads;
+    `kept_until_update` says the sent and received tensors are those kept buffers, not buffers of their own.
     """
 
     stages: tuple[StageCosts, ...]
@@ -294,6 +315,7 @@ class Costs:
     overlap_hidden_fraction: float = 0.0
     collective_links: dict[str, str] = field(default_factory=dict)
     pp_runtime: str = "pipesim"
+    kept_until_update: bool = False
 
     def __post_init__(self) -> None:
         if self.pp_runtime not in PP_RUNTIMES:
@@ -437,3 +459,59 @@ def _expand(name: str, value: float | Sequence[float], num_stages: int) -> list[
 def _bytes(mib: float) -> int:
     """MiB (validated by `_expand`) to whole bytes."""
     return round(mib * MIB)
+
+
+def held_as_runtime(costs: Costs, schedule: Schedule) -> Costs:
+    """`costs` with the tensors passed between `schedule`'s stages held as `costs.pp_runtime`'s runtime holds them,
+    as each stage's fields (`StageCosts.receive_buffer_bytes` and after): none for pipesim's, whose buffers live
+    only while in flight; torch's stage's (`Costs.pp_runtime`) a buffer per micro-batch for every input from another
+    device and every gradient of an output to one, a forward on its input's buffer, every sent output (and the
+    model's) and every input's gradient kept until the update. Raises ScheduleError for a stage graph torch's
+    pipelining cannot run (`_torch_graph_refusal`). The same costs again where they hold them already."""
+    if costs.pp_runtime == "pipesim":
+        return costs
+    refusal = _torch_graph_refusal(schedule)
+    if refusal is not None:
+        raise ScheduleError(refusal)
+    stages = costs.stages
+    inputs, outputs = [0] * len(stages), [0] * len(stages)
+    for src, dst in schedule.graph.edges:
+        if schedule.placement[src] != schedule.placement[dst]:
+            inputs[dst] += stages[src].output_bytes
+            outputs[src] += stages[src].output_bytes
+    held = tuple(replace(c, receive_buffer_bytes=inputs[k] + outputs[k], buffered_input_bytes=inputs[k],
+                       forward_kept_bytes=c.model_output_bytes + outputs[k], backward_kept_bytes=inputs[k])
+                 for k, c in enumerate(stages))
+    return replace(costs, stages=held, kept_until_update=True)
+
+
+def _torch_graph_refusal(schedule: Schedule) -> str | None:
+    """Why torch.distributed.pipelining cannot run `schedule`'s stage graph (None: it can). Its `PipelineStage`
+    receives its input from stage_index - 1 and sends its output to stage_index + 1
+    (torch/distributed/pipelining/stage.py at torch 2.13), so one model's stages form one chain; its schedules
+    (schedules.py: ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) each run one such chain, DualPipeV's
+    and ZB-V's two stages a rank as one V-shaped chain, none two model copies fed from both ends (DualPipe)."""
+    graph = schedule.graph
+    if graph.copies > 1:
+        return (f"{_TORCH_STAGE.format(schedule.method)}, which runs one model's stages, not {graph.copies} "
+                "copies of them")
+    if sorted(graph.edges) != sorted(StageGraph.chain(graph.num_stages).edges):
+        return (f"{_TORCH_STAGE.format(schedule.method)}, whose stages form one chain (each receives from the one "
+                "before), not a branching graph")
+    return None
+
+
+def kept_until_update_refusal(schedule: Schedule, updates: int) -> str | None:
+    """Why costs that keep the tensors passed between stages until each stage's update (`Costs.kept_until_update`,
+    torch's stage) cannot describe `schedule`, whose stages update `updates` times over the step (None: they can):
+    torch's stage frees them as each update ends, so it runs one pipeline whose stages each update once a
+    mini-batch with the weights their passes read (no stash, prediction or extra copy)."""
+    if (schedule.pipelines != 1 or schedule.policy != SYNCHRONOUS
+            or updates != schedule.graph.num_stages * schedule.minibatches):
+        return (f"{_TORCH_STAGE.format(schedule.method)}, which runs one synchronous pipeline whose stages each "
+                "update once a mini-batch")
+    return None
+
+
+_TORCH_STAGE = "{}: --pp-runtime torch is torch.distributed.pipelining's stage"

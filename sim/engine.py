@@ -35,18 +35,16 @@ from ..schedules import (
     KIND_CODE,
     KINDS,
     NUM_COMPUTE_KINDS,
-    SYNCHRONOUS,
     Kind,
     Schedule,
     ScheduleError,
-    StageGraph,
     kind_mask,
     validate,
 )
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
-from .costs import TRANSIENT_KINDS, Costs, RowOverhead
+from .costs import TRANSIENT_KINDS, Costs, RowOverhead, held_as_runtime, kept_until_update_refusal
 
 _PS_PER_MS = 1e9
 # `_Model._lockstep`: the steps per sweep, over a window of sweeps, above which sweeping pays (a sweep costs about
@@ -403,14 +401,9 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
             local_in[dst] += stages[src].output_bytes
     roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
     kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
-    # torch's stage computes a forward on its receive buffer itself, a buffer `static_parts` counts whole: of what
-    # the stage holds from F, the inputs it receives (saved by its first layer, or held as roots) are that buffer.
-    torch_buffers = costs.pp_runtime == "torch"
-    received = np.zeros(len(stages), dtype=np.int64)
-    for channel, size in zip(lowered.channels, channel_bytes):
-        if torch_buffers and not channel.backward:
-            received[channel.receiver] += size
-    received = np.minimum(received, activation - kept + roots)
+    # A forward on its receive buffer (`StageCosts.buffered_input_bytes`), a buffer `static_parts` counts whole:
+    # of what the stage holds from F, the inputs it receives (saved by its first layer, or held as roots) are it.
+    received = np.minimum(per_stage([c.buffered_input_bytes for c in stages]), activation - kept + roots)
     own = activation + roots - received
     # Per stage and kind, the bytes a row takes at its start and gives back at its end.
     at_start, at_end = tables((len(stages), len(KINDS))), tables((len(stages), len(KINDS)))
@@ -448,24 +441,24 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     # the compute rows are entries of the same tables. Per channel, a SEND's and a RECV's own deltas.
     transfer_start, transfer_end = tables((len(lowered.channels), 2)), tables((len(lowered.channels), 2))
     buffers, sent, arrived = at_start["communication"], at_end["communication"], transfer_start["communication"]
-    kept_to_update = np.zeros(len(stages), dtype=np.int64)  # torch's: per stage, what each micro-batch leaves
-    if torch_buffers:  # the last stage's outputs too (`output_chunks`), which it sends to no stage
-        kept_to_update += per_stage([c.model_output_bytes for c in stages])
-        sent[:, KIND_CODE[Kind.F]] += kept_to_update
-    for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
-        owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
-        if torch_buffers:  # a forward's output (`output_chunks`), an input's gradient (its buffer's `.grad`),
-            sent[channel.sender, owners] += size  # from the row that makes it until the stage's update; received
-            kept_to_update[channel.sender] += size  # into a buffer of `static_parts`'
-            continue
-        if channel.backward or not own_boundary[channel.sender]:  # the sent tensor, a buffer of its own: made
-            sent[channel.sender, owners] += size  # by the row before the SEND, held until the transfer ends
-            transfer_end["communication"][c, 0] = -size
-        arrived[c, 1] = size  # the received one, from its arrival until its consumer (the row after the RECV)
-        if channel.backward or not own_boundary[channel.receiver]:  # ends; the consumer's own from its start
-            sent[channel.receiver, owners] -= size  # where the stage holds its input (`held_bytes` or
-        else:  # `activation_bytes` count it, as activations, from there on)
-            buffers[channel.receiver, owners] -= size
+    # What each forward and each B or I leaves until the stage's update (`StageCosts.forward_kept_bytes`,
+    # `backward_kept_bytes`), from the row that makes it; what it receives is a buffer of `static_parts`'.
+    forward_kept, backward_kept = (per_stage([c.forward_kept_bytes for c in stages]),
+                                   per_stage([c.backward_kept_bytes for c in stages]))
+    sent[:, KIND_CODE[Kind.F]] += forward_kept
+    for kind in (Kind.B, Kind.I):
+        sent[:, KIND_CODE[kind]] += backward_kept
+    if not costs.kept_until_update:  # else the tensors sent and received are those kept buffers
+        for c, (channel, size) in enumerate(zip(lowered.channels, channel_bytes)):
+            owners = [KIND_CODE[k] for k in ((Kind.B, Kind.I) if channel.backward else (Kind.F,))]
+            if channel.backward or not own_boundary[channel.sender]:  # the sent tensor, a buffer of its own: made
+                sent[channel.sender, owners] += size  # by the row before the SEND, held until the transfer ends
+                transfer_end["communication"][c, 0] = -size
+            arrived[c, 1] = size  # the received one, from its arrival until its consumer (the row after the RECV)
+            if channel.backward or not own_boundary[channel.receiver]:  # ends; the consumer's own from its start
+                sent[channel.receiver, owners] -= size  # where the stage holds its input (`held_bytes` or
+            else:  # `activation_bytes` count it, as activations, from there on)
+                buffers[channel.receiver, owners] -= size
     none = (np.zeros(0, dtype=np.int64),) * 3
     sparse = {part: none for part in (*MEMORY_PARTS, *SAVERS)}
     copies = np.flatnonzero(lowered.copies_delta != 0)  # weight copies an update leaves to later readers
@@ -478,17 +471,14 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         order = np.argsort(both, kind="stable")
         sparse["gradients"] = (both[order], np.concatenate([opening, np.zeros_like(closing)])[order],
                                np.concatenate([np.zeros_like(opening), closing])[order])
-    if torch_buffers:  # freed as the update ends: the next step's `clear_runtime_states` comes after it
-        refusal = _torch_stage_refusal(schedule)
+    if costs.kept_until_update:  # freed as the update ends (torch's: the next step's `clear_runtime_states`)
+        updates = _per_replica_minibatch(t, schedule, (Kind.OPT,)).last
+        refusal = kept_until_update_refusal(schedule, len(updates))
         if refusal is not None:
             raise ScheduleError(refusal)
-        updates = _per_replica_minibatch(t, schedule, (Kind.OPT,)).last
-        if (schedule.pipelines != 1 or schedule.policy != SYNCHRONOUS  # no stash, prediction or extra copy
-                or len(updates) != len(stages) * schedule.minibatches):
-            raise ScheduleError(f"{schedule.method}: --pp-runtime torch is torch.distributed.pipelining's stage, "
-                                "which runs one synchronous pipeline whose stages each update once a mini-batch")
         forwards = np.bincount(t.stage[t.kind == KIND_CODE[Kind.F]], minlength=len(stages)) // schedule.minibatches
-        sparse["communication"] = _merged(_events(updates, end=-(forwards * kept_to_update)[stage[updates]]))
+        kept_to_update = forwards * (forward_kept + backward_kept)  # per stage, what a mini-batch leaves
+        sparse["communication"] = _merged(_events(updates, end=-kept_to_update[stage[updates]]))
     if schedule.zero >= 2:
         for part, (rows_of, start_of, end_of) in _unsharded(lowered, costs, at_start, at_end).items():
             sparse[part] = _merged(sparse[part], (rows_of, start_of, end_of))
@@ -497,21 +487,6 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
     ravel = lambda table: {part: values.ravel() for part, values in table.items()}  # noqa: E731
     return _MemoryTables(ravel(at_start), ravel(at_end), ravel(transfer_start), ravel(transfer_end), sparse,
                          stage_kind, rows, side)
-
-
-def _torch_stage_refusal(schedule: Schedule) -> str | None:
-    """Why torch.distributed.pipelining cannot run the schedule's stages (None: it can), by the stage graph: its
-    `PipelineStage` receives its input from stage_index - 1 and sends its output to stage_index + 1
-    (torch/distributed/pipelining/stage.py at torch 2.13), so one model's stages form one chain; its schedules
-    (schedules.py: ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) each run one such chain, DualPipeV's
-    and ZB-V's two stages a rank as one V-shaped chain, none two model copies fed from both ends (DualPipe)."""
-    graph, lead = schedule.graph, f"{schedule.method}: --pp-runtime torch is torch.distributed.pipelining's stage"
-    if graph.copies > 1:
-        return f"{lead}, which runs one model's stages, not {graph.copies} copies of them"
-    if sorted(graph.edges) != sorted(StageGraph.chain(graph.num_stages).edges):
-        return f"{lead}, whose stages form one chain (each receives from the one before), not a branching graph"
-    return None
 
 
 def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], at_end: dict[str, np.ndarray]
@@ -657,16 +632,10 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/(d·C) of
     itself where ZeRO's stage shards it over the d replicas and C context ranks (ZeRO-2's and 3's gradients, held
     only from a backward until the update, and ZeRO-3's whole weights while computed with, are `_unsharded`'s), and
-    the policy's extra weight copies and a float8 recipe's weight casts, whole (parameters), and under torch's
-    pipelining (`Costs.pp_runtime`) its stages' receive buffers, one a micro-batch for every input from another
-    device and every gradient of an output to one (communication). Its memory never drops below their sum."""
+    the policy's extra weight copies and a float8 recipe's weight casts, whole (parameters), and the receive
+    buffers its stages keep, each `StageCosts.receive_buffer_bytes` a micro-batch (communication). Its memory
+    never drops below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
-    receive_buffers = [0] * schedule.num_devices
-    if costs.pp_runtime == "torch":
-        for src, dst in schedule.graph.edges:
-            if schedule.placement[src] != schedule.placement[dst]:
-                for device in (schedule.placement[src], schedule.placement[dst]):
-                    receive_buffers[device] += schedule.microbatches * costs.stages[src].output_bytes
 
     def shard(nbytes: int) -> int:
         return -(-nbytes // schedule.gradient_ranks)
@@ -686,7 +655,7 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
         held = {"parameters": (stored + float8) * schedule.pipelines + schedule.policy.extra_copies * weights,
                 "gradients": grads * schedule.pipelines,
                 "optimizer_state": state * schedule.pipelines,
-                "communication": receive_buffers[device]}
+                "communication": schedule.microbatches * sum(c.receive_buffer_bytes for c in mine)}
         for part, values in parts.items():
             values.append(held.get(part, 0))
     return parts
@@ -977,6 +946,7 @@ def simulate(
         )
     if jitter < 0:
         raise ScheduleError(f"jitter must be >= 0 (got {jitter})")
+    costs = held_as_runtime(costs, schedule)
     program = _price(lower(schedule), costs, cluster, jitter, seed)
     model = _Model(program, cluster.overlap_comm)
     model.run()
