@@ -694,6 +694,15 @@ def zero_stage(flags: dict) -> int:
     return stage
 
 
+def check_pp_runtime(pp_runtime: str) -> str:
+    """--pp-runtime's value, one of `PP_RUNTIMES` (simulate, sweep and tune take it)."""
+    from ..sim.costs import PP_RUNTIMES
+
+    if pp_runtime not in PP_RUNTIMES:
+        raise InputError(f"--pp-runtime: choose from {', '.join(PP_RUNTIMES)} (got {pp_runtime!r})")
+    return pp_runtime
+
+
 def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None, estimated: Profile | None = None,
                         **overrides) -> Scenario:
     """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
@@ -701,7 +710,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     --profile's."""
     from ..planning.scenario import Scenario, first_last
     from ..sim import OPTIMIZER_STATE_FACTOR, CostError, load_cluster
-    from ..sim.costs import PP_RUNTIMES, PRECISIONS
+    from ..sim.costs import PRECISIONS
 
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
@@ -725,9 +734,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
-    pp_runtime = flags.get("pp_runtime", "pipesim")
-    if pp_runtime not in PP_RUNTIMES:
-        raise InputError(f"--pp-runtime: choose from {', '.join(PP_RUNTIMES)} (got {pp_runtime!r})")
+    pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"))
     stage_cut = flags.get("stage_cut", "balanced")
     try:
         first_last(stage_cut)

@@ -25,11 +25,13 @@ from .common import (
     Allocator,
     DataParallel,
     InputError,
+    PpRuntime,
     Recompute,
     SearchSeconds,
     TensorParallel,
     check_allocator,
     check_memory_gb,
+    check_pp_runtime,
     fail,
     load_profile_flag,
     replayed_allocations,
@@ -83,6 +85,7 @@ def tune(
     data_parallel: SearchedDataParallel = None,
     recompute: SearchedRecompute = None,
     allocator: Allocator = "caching",
+    pp_runtime: PpRuntime = "pipesim",
     microbatch_size: Annotated[int | None, typer.Option(
         "--microbatch-size", "-b", metavar="B", min=1, help="With --gpu: samples per micro-batch b (default: "
                                                             f"searched over {', '.join(map(str, MICROBATCH_SIZES))})."
@@ -127,6 +130,7 @@ def tune(
         if optimizer not in OPTIMIZER_STATE_FACTOR:
             raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
         check_memory_gb(memory_gb)
+        check_pp_runtime(pp_runtime)
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)
@@ -148,7 +152,7 @@ def tune(
             if devices % tensor:
                 raise InputError(f"--devices {devices}: the profile was estimated for t={tensor} GPUs per stage; give "
                                  f"a multiple of {tensor}")
-            settings = [Setting(profile_scenario(measured, optimizer), tensor)]
+            settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor)]
         else:
             if what.cluster_gpus is not None and devices > what.cluster_gpus:
                 raise InputError(f"--devices {devices}: the cluster --gpu {ctx.params['gpu']} has "
@@ -162,7 +166,7 @@ def tune(
             with _working("estimating the model's profile for each t, b, recomputation and p") as report, \
                     _collector_paused():
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
-                                               optimizer, allocator, report)
+                                               optimizer, allocator, pp_runtime, report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -214,13 +218,13 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
 
 
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
-                        sizes: tuple[int, ...], optimizer: str, allocator: str,
+                        sizes: tuple[int, ...], optimizer: str, allocator: str, pp_runtime: str,
                         report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
     that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
     the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
-    (`replayed_allocations`), so tune's peaks and memory check are simulate's; `report` is told how many are
-    done."""
+    (`replayed_allocations`), so tune's peaks and memory check are simulate's, the boundary tensors held as
+    `pp_runtime`'s runtime holds them; `report` is told how many are done."""
     from ..planning.estimate import LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
@@ -242,7 +246,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             try:
                 for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
                     parallel = what.parallelism(p, t, devices // (t * p), kind)
-                    scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo), optimizer)
+                    scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo), optimizer,
+                                                pp_runtime)
                     settings.append(Setting(replace(scenario, allocations=replayed_allocations(
                         allocator, counted, parallel)), t, kind, (p,)))
             except InputError:

@@ -473,12 +473,12 @@ def allowed_lengths(flag: str, per: str, devices: int, stages: int) -> str:
     return f"give one number, or one per model stage ({stages})"
 
 
-def profile_scenario(measured: Profile, optimizer: str) -> Scenario:
+def profile_scenario(measured: Profile, optimizer: str, pp_runtime: str = "pipesim") -> Scenario:
     """The Scenario of a profile alone: its layers give every cost and size, its link (if measured) the
-    transfers; the what-if fields are unused."""
+    transfers, `pp_runtime` whose pipeline runtime holds the boundary tensors; the what-if fields are unused."""
     return Scenario(per_stage={}, wgrad_fraction=0.5, opt_ms=0.0, pred_ms=None, avg_ms=None, optimizer=optimizer,
                     microbatch_size=measured.environment.microbatch_size, comm_ms=0.0, overlap_comm=True,
-                    measured=measured)
+                    measured=measured, pp_runtime=pp_runtime)
 
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced") -> list[int]:

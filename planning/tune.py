@@ -93,7 +93,7 @@ from ..schedules import (
     weight_versions,
 )
 from ..sim.cluster import Cluster
-from ..sim.costs import Costs
+from ..sim.costs import Costs, runtime_refusal
 from ..sim.engine import simulate, static_bytes
 from ..traces import Summary, summarize
 from ..units import GIB
@@ -913,7 +913,8 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
     """Every shape (schedule, p, v, P with a whole m) on each setting, with what its order's sketch
     (`orders.sketch`) tells before costs; how many shapes there were, and how many the methods refused from the
     sketch. The floor: the devices together hold every pipeline's weights, gradients and optimizer state and the
-    policy's extra weight copies throughout, and the fullest at least the mean of that."""
+    policy's extra weight copies throughout, and the fullest at least the mean of that (a pipeline runtime's
+    buffers, `Scenario.pp_runtime`, only add to what they hold)."""
     shapes: list[Shape] = []
     count = refused = 0
     for setting in settings:
@@ -1125,8 +1126,13 @@ class _Orders:
         return found
 
     def _read(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Sketch | ScheduleError:
+        """The sketch of `name`'s order, or why it is refused: by the method, or by the scenario's pipeline runtime
+        (`runtime_refusal`: one search's settings share their runtime, so the sketches they share hold for all)."""
         try:
-            return _Sketch.of(self(scenario, name, params))
+            order = self(scenario, name, params)
+            sketch = _Sketch.of(order)
+            refusal = runtime_refusal(order.schedule, scenario.pp_runtime)
+            return sketch if refusal is None else ScheduleError(refusal)
         except _CopiesRefused as exc:
             self._refused_methods[name] = exc
             return exc
@@ -1197,7 +1203,10 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     op_ms = per_step * per_op_ms
     stage_ms, network_ms = (op_ms * COMPUTE).sum(axis=1), (op_ms * ~COMPUTE).sum(axis=1)
     busy_ms = np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
-    held = [max(in_flight[s] * c.activation_bytes, lingering[s] * c.param_bytes) for s, c in enumerate(costs.stages)]
+    # A forward on a receive buffer the runtime keeps (torch's, `StageCosts.buffered_input_bytes`, which
+    # `static_bytes` counts) holds that much less of its own; what else the runtime keeps only adds to the peak.
+    held = [max(in_flight[s] * max(c.activation_bytes - c.buffered_input_bytes, 0), lingering[s] * c.param_bytes)
+            for s, c in enumerate(costs.stages)]
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))

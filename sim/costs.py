@@ -502,13 +502,26 @@ def _torch_graph_refusal(schedule: Schedule) -> str | None:
     return None
 
 
-def kept_until_update_refusal(schedule: Schedule, updates: int) -> str | None:
+def runtime_refusal(schedule: Schedule, pp_runtime: str) -> str | None:
+    """Why `pp_runtime`'s pipeline runtime cannot run `schedule` (None: it can): torch's, a stage graph that is
+    not one chain or stages that do not each update once a mini-batch, synchronously, in one pipeline. What
+    `held_as_runtime` and the simulator refuse, asked of the order alone (`pipesim tune` refuses shapes by it)."""
+    if pp_runtime == "pipesim":
+        return None
+    return _torch_graph_refusal(schedule) or kept_until_update_refusal(schedule)
+
+
+def kept_until_update_refusal(schedule: Schedule) -> str | None:
     """Why costs that keep the tensors passed between stages until each stage's update (`Costs.kept_until_update`,
-    torch's stage) cannot describe `schedule`, whose stages update `updates` times over the step (None: they can):
-    torch's stage frees them as each update ends, so it runs one pipeline whose stages each update once a
-    mini-batch with the weights their passes read (no stash, prediction or extra copy)."""
+    torch's stage) cannot describe `schedule` (None: they can): torch's stage frees them as each update ends, so
+    it runs one pipeline whose stages each update once a mini-batch with the weights their passes read (no
+    stash, prediction or extra copy)."""
+    t = schedule.table
+    opt = t.kind == KIND_CODE[Kind.OPT]
+    updated = np.unique((t.minibatch[opt].astype(np.int64) * schedule.graph.num_stages + t.stage[opt])
+                        * schedule.pipelines + t.pipeline[opt])  # each (mini-batch, stage, pipeline) updated
     if (schedule.pipelines != 1 or schedule.policy != SYNCHRONOUS
-            or updates != schedule.graph.num_stages * schedule.minibatches):
+            or len(updated) != schedule.graph.num_stages * schedule.minibatches):
         return (f"{_TORCH_STAGE.format(schedule.method)}, which runs one synchronous pipeline whose stages each "
                 "update once a mini-batch")
     return None

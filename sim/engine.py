@@ -473,7 +473,7 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
                                np.concatenate([np.zeros_like(opening), closing])[order])
     if costs.kept_until_update:  # freed as the update ends (torch's: the next step's `clear_runtime_states`)
         updates = _per_replica_minibatch(t, schedule, (Kind.OPT,)).last
-        refusal = kept_until_update_refusal(schedule, len(updates))
+        refusal = kept_until_update_refusal(schedule)
         if refusal is not None:
             raise ScheduleError(refusal)
         forwards = np.bincount(t.stage[t.kind == KIND_CODE[Kind.F]], minlength=len(stages)) // schedule.minibatches

@@ -145,3 +145,68 @@ def test_torchs_stage_refuses_a_stage_graph_it_cannot_run(name, why):
     for runs in ("dualpipev", "zb-v"):
         code, _, err = pipesim("simulate", *ONE_F_ONE_B[2:], "--schedule", runs, "--pp-runtime", "torch")
         assert code == 0, err
+
+
+def test_tune_prices_the_chosen_configuration_as_simulate_does_under_torchs_runtime():
+    """tune --pp-runtime torch holds the tensors between stages as simulate --pp-runtime torch does: its choice's
+    peak is simulate's, above the one pipesim's runtime holds (torch's stage keeps its buffers to the update)."""
+    from tests.test_tune_reserve import simulated_peak_mib, tuned_peak_mib
+
+    torch = tuned_peak_mib("--pp-runtime", "torch")
+    assert torch == pytest.approx(simulated_peak_mib("--pp-runtime", "torch"))
+    assert torch > tuned_peak_mib()
+
+
+def tuned(*flags) -> dict:
+    from tests.test_tune_reserve import MODEL
+
+    code, out, err = pipesim("tune", *MODEL, "-D", 2, "-B", 8, "-b", 1, "--tensor-parallel", 1, "--recompute",
+                             "none", *flags, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_tune_refuses_per_shape_the_methods_torchs_stage_cannot_run():
+    """Under --pp-runtime torch, PipeDream's asynchronous updates and AvgPipe's P > 1 pipelines are shapes refused
+    by their method (the search goes on); AvgPipe's one pipeline, synchronous, still runs."""
+    flags = ("-s", "1f1b,pipedream,avgpipe", "--max-staleness", 1)
+    runtimes = {runtime: tuned(*flags, "--pp-runtime", runtime) for runtime in ("pipesim", "torch")}
+
+    def configurations(document):
+        rows = [document["choice"], *document["runners_up"], *document["excluded"], document["staler_winner"]]
+        return {(row["schedule"], row["pipelines"]) for row in rows if row}
+
+    assert ("pipedream", 1) in configurations(runtimes["pipesim"])
+    assert {name for name, _ in configurations(runtimes["torch"])} <= {"1f1b", "avgpipe"}
+    assert all(pipelines == 1 for _, pipelines in configurations(runtimes["torch"]))
+    pipesim_search, torch_search = runtimes["pipesim"]["search"], runtimes["torch"]["search"]
+    assert torch_search["shapes"] == pipesim_search["shapes"]
+    assert torch_search["refused"] > pipesim_search["refused"]
+
+
+def test_tune_with_only_methods_torchs_stage_cannot_run_is_one_line():
+    from tests.test_tune_reserve import MODEL
+
+    flags = (*MODEL, "-D", 2, "-B", 8, "-b", 1, "-s", "pipedream", "--max-staleness", 1)
+    assert pipesim("tune", *flags)[0] == 0
+    code, out, err = pipesim("tune", *flags, "--pp-runtime", "torch")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert "pipedream: --pp-runtime torch is torch.distributed.pipelining's stage" in err
+    code, out, err = pipesim("tune", *flags, "--pp-runtime", "jax")
+    assert (code, out, err) == (2, "", "error: --pp-runtime: choose from pipesim, torch (got 'jax')\n")
+
+
+def test_tunes_memory_floor_stays_below_the_peak_under_torchs_runtime():
+    """A candidate's memory floor prunes it unsimulated, so it must not exceed what simulating it holds: under
+    torch's stage the input a forward computes on is its receive buffer, counted once."""
+    from pipesim.planning import tune as tuning
+    from pipesim.schedules import METHODS
+    from tests.test_tune_reserve import searched_settings
+
+    settings = searched_settings("-D", 2, "-B", 8, "-b", 1, "--tensor-parallel", 1, "--recompute", "none",
+                                 "--pp-runtime", "torch")
+    problem = tuning.Problem(2, 80 * tuning.GIB, 8, tuple(METHODS), 0)
+    candidates, _, _ = tuning.prepare(settings, problem)
+    assert any(c.costs.kept_until_update for c in candidates)
+    for candidate in candidates:
+        assert candidate.memory_floor_bytes <= tuning._measured(problem, candidate, reserve=False)[3]

@@ -55,10 +55,8 @@ class _Captured(Exception):
     """Raised in place of the search: the command line's settings are all the fixture wanted."""
 
 
-@pytest.fixture(scope="module")
-def small_gpt_settings():
-    """The profiles `tune --gpu` searches for MODEL on 4 GPUs at b = 2, t = 1, no recomputation (one per p), their
-    caching allocator's allocations replayed as simulate's."""
+def searched_settings(*flags) -> list:
+    """The profiles `tune --gpu` searches for MODEL under `flags` (the search itself not run)."""
     from pipesim.planning import tune as tuning
 
     captured = []
@@ -70,7 +68,15 @@ def small_gpt_settings():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tuning, "tune", capture)
         with pytest.raises(_Captured):
-            pipesim("tune", *MODEL, "-D", 4, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--recompute", "none")
+            pipesim("tune", *MODEL, *flags)
+    return captured
+
+
+@pytest.fixture(scope="module")
+def small_gpt_settings():
+    """The profiles `tune --gpu` searches for MODEL on 4 GPUs at b = 2, t = 1, no recomputation (one per p), their
+    caching allocator's allocations replayed as simulate's."""
+    captured = searched_settings("-D", 4, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--recompute", "none")
     assert captured and all(setting.scenario.allocations is not None for setting in captured)
     return captured
 
