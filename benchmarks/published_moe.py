@@ -17,7 +17,11 @@ SwiGLU fused
 (`--cross-entropy megatron`: the GPT provider's cross_entropy_loss_fusion True; Megatron-core's function turns the
 kept softmax into the gradient in place), every RMSNorm TransformerEngine's
 (`--norm-kernel fused`: Megatron-core's TENorm and LayerNormLinear keep the 16-bit input and one float32 a token,
-where transformers' eager module keeps a float32 copy too, and run one kernel each way), the ranks in Megatron-core's
+where transformers' eager module keeps a float32 copy too, and run one kernel each way), RoPE as TransformerEngine's
+fused kernel (`--rope-kernel fused`: every release's performance script sets apply_rope_fusion True,
+scripts/performance/run_script.py:178 at v0.1.0rc4 for 25.09, utils/helpers.py:107 at v0.2.1 for 25.11,
+utils/overrides.py:64 at v0.3.1 and :82 at 067f987df0 with perf_recipes/_common.py's _benchmark_common for 26.x,
+so Megatron-core rotates q and k with one kernel each way), the ranks in Megatron-core's
 order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which Megatron-Bridge
 keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts over E ranks
 folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B
@@ -151,7 +155,8 @@ class MoeRun:
                 "--precision", "megatron-16bit-grads", "--grad-accumulation", "fused", "--recompute", "none",
                 *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
-                "--cross-entropy", "megatron", "--norm-kernel", "fused", "--routing", self.routing,
+                "--cross-entropy", "megatron", "--norm-kernel", "fused", "--rope-kernel", "fused",
+                "--routing", self.routing,
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else [])]
 

@@ -346,6 +346,12 @@ NormKernel = Annotated[str, typer.Option(
                                             "normalised 16-bit tensor, each op its own kernel; the default) or "
                                             "fused (TransformerEngine's kernel, Megatron-core's: one kernel each "
                                             "way, keeping its 16-bit input and one float32 a token).")]
+RopeKernel = Annotated[str, typer.Option(
+    "--rope-kernel", metavar="KERNEL", help="With --gpu: how a Hugging Face model's rotary position embedding runs: "
+                                            "eager (transformers' slices, negation, concatenation, products and "
+                                            "sum, each its own kernel; the default) or fused (TransformerEngine's "
+                                            "kernel, Megatron-core's apply_rope_fusion: one kernel for q and one "
+                                            "for k each way). Both keep only the angles.")]
 ALLOCATORS = ("caching", "none")  # --allocator
 Allocator = Annotated[str, typer.Option(
     "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
@@ -405,7 +411,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("attention_kernel", AttentionKernel, None),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("swiglu_fusion", SwigluFusion, True), ("cross_entropy", CrossEntropy, "torch"),
-                ("norm_kernel", NormKernel, "eager"),
+                ("norm_kernel", NormKernel, "eager"), ("rope_kernel", RopeKernel, "eager"),
                 ("context_parallel", ContextParallel, 1), ("cp_rotate", CpRotate, None),
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("routing", Routing, None), ("token_dispatcher", TokenDispatcher, None),

@@ -58,14 +58,14 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "expert_tensor_parallel",
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
-                 "recompute_modules",
+                 "rope_kernel", "recompute_modules",
                  "ema", "tp_overlap_no_margin", "attention_kernel", "grad_accumulation")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
 # The count's kernels (workload/count.py) and their defaults: recorded beside an estimate's parallelism, so that a
 # profile says what it priced and the costs line names what is not the default.
-KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager"}
+KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager", "rope_kernel": "eager"}
 # Settings named in an estimate's parallelism text only when they are not these (a bool not listed: when set).
 SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
                     "routing": "balanced", "host_kernel_us": HOST_KERNEL_US,
@@ -126,6 +126,7 @@ class WhatIf:
     swiglu_fusion: bool = True  # --swiglu-fusion (workload/moe.py)
     cross_entropy: str = "torch"  # --cross-entropy, of workload/sizes.py's CROSS_ENTROPY
     norm_kernel: str = "eager"  # --norm-kernel, of workload/sizes.py's NORM_KERNELS
+    rope_kernel: str = "eager"  # --rope-kernel, of workload/sizes.py's ROPE_KERNELS
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
@@ -226,7 +227,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     from ..planning.experts import DISPATCHERS, ROUTINGS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
-    from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS
+    from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
@@ -250,6 +251,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError("--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron")
     if params.get("norm_kernel", "eager") not in NORM_KERNELS:
         raise InputError(f"--norm-kernel: choose from {', '.join(NORM_KERNELS)} (got {params['norm_kernel']!r})")
+    if params.get("rope_kernel", "eager") not in ROPE_KERNELS:
+        raise InputError(f"--rope-kernel: choose from {', '.join(ROPE_KERNELS)} (got {params['rope_kernel']!r})")
     tp_runtime = params.get("tp_runtime") or "megatron"
     if tp_runtime not in TP_RUNTIMES:
         raise InputError(f"--tp-runtime: choose from {', '.join(TP_RUNTIMES)} (got {tp_runtime!r})")
@@ -342,7 +345,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
                   params.get("loss_parallel", False), tp_runtime, cp_rotate,
                   swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=params.get("cross_entropy", "torch"),
-                  norm_kernel=params.get("norm_kernel", "eager"),
+                  norm_kernel=params.get("norm_kernel", "eager"), rope_kernel=params.get("rope_kernel", "eager"),
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
@@ -458,19 +461,20 @@ def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import)."""
     return count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                           "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
-                          what.swiglu_fusion, what.cross_entropy, what.norm_kernel)
+                          what.swiglu_fusion, what.cross_entropy, what.norm_kernel, what.rope_kernel)
 
 
 def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
                    needer: str, loss_parallel: bool = False, swiglu_fusion: bool = True,
-                   cross_entropy: str = "torch", norm_kernel: str = "eager") -> WorkloadCount:
+                   cross_entropy: str = "torch", norm_kernel: str = "eager",
+                   rope_kernel: str = "eager") -> WorkloadCount:
     """`model` counted on the meta device, from the host cache where a built-in model's or a Hugging Face config's
     count is kept. `swiglu_fusion`: gated MLPs' SwiGLU as one fused kernel; a calibrated model ran its own torch
     ops, unfused."""
     from dataclasses import replace
 
     cache = _count_cache(model, options, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion,
-                         cross_entropy, norm_kernel)
+                         cross_entropy, norm_kernel, rope_kernel)
     if cache is not None:
         counted = _read_count(cache)
         if counted is not None:
@@ -486,7 +490,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
         raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
     try:
         counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention, loss_parallel,
-                              swiglu_fusion, cross_entropy, norm_kernel)
+                              swiglu_fusion, cross_entropy, norm_kernel, rope_kernel)
     except ModelError as exc:
         raise InputError(str(exc)) from None
     if cache is not None:
@@ -495,7 +499,8 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
 
 
 def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtype: str, attention: str,
-                 loss_parallel: bool, swiglu_fusion: bool, cross_entropy: str, norm_kernel: str) -> Path | None:
+                 loss_parallel: bool, swiglu_fusion: bool, cross_entropy: str, norm_kernel: str,
+                 rope_kernel: str) -> Path | None:
     """Where a built-in model's count is kept: a file named by the digest of the model, its options, b, dtype,
     attention and loss, the installed torch's version and the source of the code that builds and counts it (so that a
     change to either counts again); a Hugging Face config's by its content (`HfConfig.digest`) and transformers'
@@ -508,7 +513,8 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
     from ..workload.cachedir import cache_dir
     from ..workload.hfconfig import HfConfigError, is_hf, read_hf_config
 
-    sources = ["workload/models.py", "workload/moe.py", "workload/loss.py", "workload/norms.py", "workload/count.py",
+    sources = ["workload/models.py", "workload/moe.py", "workload/loss.py", "workload/norms.py", "workload/rope.py",
+               "workload/count.py",
                "profiles/workload.py", "workload/hf.py"]
     described: list[str] = [model]
     if is_hf(model):
@@ -525,7 +531,7 @@ def _count_cache(model: str, options: dict[str, Any], microbatch_size: int, dtyp
         return None
     package = Path(__file__).resolve().parent.parent
     key = hashlib.sha256(json.dumps([*described, options, microbatch_size, dtype, attention, loss_parallel,
-                                     swiglu_fusion, cross_entropy, norm_kernel, *versions],
+                                     swiglu_fusion, cross_entropy, norm_kernel, rope_kernel, *versions],
                                     sort_keys=True).encode())
     for source in sources:
         key.update((package / source).read_bytes())

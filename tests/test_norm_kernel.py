@@ -80,12 +80,13 @@ def test_each_norm_is_counted_as_one_kernel_each_way(tmp_path):
     assert fused.fwd_flops == eager.fwd_flops
 
 
-def test_a_bad_kernel_is_refused_in_one_line():
+@pytest.mark.parametrize("flag", ["--norm-kernel", "--rope-kernel"])
+def test_a_bad_kernel_is_refused_in_one_line(flag):
     code, out, err = pipesim("simulate", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "2",
                              "--seq-len", "32", "--vocab", "512", "--gpu", "a100-sxm-80gb", "-p", "1", "-m", "1",
-                             "-s", "gpipe", "--norm-kernel", "te")
+                             "-s", "gpipe", flag, "te")
     assert code == 2 and out == ""
-    assert "--norm-kernel: choose from eager, fused (got 'te')" in err and len(err.strip().splitlines()) == 1
+    assert f"{flag}: choose from eager, fused (got 'te')" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("kernel", ["eager", "fused"])

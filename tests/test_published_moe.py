@@ -103,3 +103,10 @@ def test_every_layout_fits_as_megatron_core_holds_it():
         assert _flag(args, "--precision") == "megatron-16bit-grads"
         assert (_flag(args, "--norm-kernel"), _flag(args, "--cross-entropy")) == ("fused", "megatron")
         assert not row["memory"]["out_of_memory"], row["run"]
+
+
+def test_every_row_rotates_q_and_k_with_transformer_engines_fused_rope():
+    """Every release's Megatron-Bridge performance script sets apply_rope_fusion (published_moe.py's docstring):
+    each row's command prices RoPE as TransformerEngine's kernel (`--rope-kernel fused`, workload/rope.py)."""
+    for row in RECORDED:
+        assert _flag(shlex.split(row["command"]), "--rope-kernel") == "fused", row["run"]

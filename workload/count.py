@@ -51,7 +51,8 @@ from .models import BATCH, Model, ModelError, _classify
 from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now, in_fused_kernel, kernel_listeners
 from .norms import fused_norms
 from .optim import OPTIMIZERS, make_optimizer
-from .sizes import CROSS_ENTROPY, NORM_KERNELS
+from .rope import fused_rope
+from .sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
 
 __all__ = ["ATTENTION", "CROSS_ENTROPY", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
 
@@ -523,16 +524,19 @@ def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype]
 
 def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attention: str = "math",
                 loss_parallel: bool = False, swiglu_fusion: bool = True,
-                cross_entropy: str = "torch", norm_kernel: str = "eager") -> WorkloadCount:
+                cross_entropy: str = "torch", norm_kernel: str = "eager", rope_kernel: str = "eager") -> WorkloadCount:
     """Count `model` for a micro-batch of `microbatch_size` samples in `dtype`. Its layers are moved to the meta
     device (their values are lost): build it there (`with torch.device("meta")`, as `count_built` does). Layers
     alike (`_signature`) are counted once: a 175B GPT's 96 blocks cost one. `loss_parallel`: its cross entropy
     computed as torch's loss_parallel computes it (workload/loss.py). `swiglu_fusion`: a gated MLP's activation (a
     routed expert's scaled by the router's weights) counted as one fused kernel (`workload.moe.fused_swiglu`).
     `cross_entropy`: whose cross entropy, of `CROSS_ENTROPY` (megatron: workload/loss.py `megatron_cross_entropy`).
-    `norm_kernel`: how its RMSNorms run, of `NORM_KERNELS` (fused: workload/norms.py's TransformerEngine kernel)."""
+    `norm_kernel`: how its RMSNorms run, of `NORM_KERNELS` (fused: workload/norms.py's TransformerEngine kernel).
+    `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel)."""
     if norm_kernel not in NORM_KERNELS:
         raise ModelError(f"--norm-kernel: choose from {', '.join(NORM_KERNELS)} (got {norm_kernel!r})")
+    if rope_kernel not in ROPE_KERNELS:
+        raise ModelError(f"--rope-kernel: choose from {', '.join(ROPE_KERNELS)} (got {rope_kernel!r})")
     if cross_entropy not in CROSS_ENTROPY:
         raise ModelError(f"--cross-entropy: choose from {', '.join(CROSS_ENTROPY)} (got {cross_entropy!r})")
     if loss_parallel and cross_entropy != "torch":
@@ -564,7 +568,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
                       for s in model.inputs[i]]
             key = _signature(layer, inputs, i == last)
             if key not in alike:
-                with fused_norms(layer, norm_kernel == "fused"):
+                with fused_norms(layer, norm_kernel == "fused"), fused_rope(layer, rope_kernel == "fused"):
                     alike[key] = _count_layer(model, layer, inputs, target, i == last, steps)
             count, outputs[i] = alike[key]
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
@@ -676,11 +680,11 @@ def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch
 
 def count_built(name: str, options: dict[str, Any], microbatch_size: int, dtype: torch.dtype,
                 attention: str = "math", loss_parallel: bool = False, swiglu_fusion: bool = True,
-                cross_entropy: str = "torch", norm_kernel: str = "eager") -> WorkloadCount:
+                cross_entropy: str = "torch", norm_kernel: str = "eager", rope_kernel: str = "eager") -> WorkloadCount:
     """Build model `name` (built-in or package.module:attribute, with `options`) on the meta device and count it."""
     from .models import build_model
 
     with META:
         model = build_model(name, **options)
     return count_model(model, microbatch_size, dtype, attention, loss_parallel, swiglu_fusion, cross_entropy,
-                       norm_kernel)
+                       norm_kernel, rope_kernel)

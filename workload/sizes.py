@@ -11,3 +11,4 @@ DEFAULT_SIZES: dict[str, dict[str, int]] = {
 
 CROSS_ENTROPY = ("torch", "megatron")  # whose cross entropy a model's loss runs (workload/count.py `count_model`)
 NORM_KERNELS = ("eager", "fused")  # how a Hugging Face model's RMSNorms run (workload/norms.py)
+ROPE_KERNELS = ("eager", "fused")  # how a Hugging Face model's rotary position embedding runs (workload/rope.py)
