@@ -51,7 +51,7 @@ from .models import BATCH, Model, ModelError, _classify
 from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now, in_fused_kernel, kernel_listeners
 from .norms import fused_norms
 from .optim import OPTIMIZERS, make_optimizer
-from .rope import fused_rope
+from .rope import NO_ROPE_TO_FUSE, fused_rope
 from .sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
 
 __all__ = ["ATTENTION", "CROSS_ENTROPY", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
@@ -532,7 +532,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     routed expert's scaled by the router's weights) counted as one fused kernel (`workload.moe.fused_swiglu`).
     `cross_entropy`: whose cross entropy, of `CROSS_ENTROPY` (megatron: workload/loss.py `megatron_cross_entropy`).
     `norm_kernel`: how its RMSNorms run, of `NORM_KERNELS` (fused: workload/norms.py's TransformerEngine kernel).
-    `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel)."""
+    `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel; a model
+    with no RoPE it replaces is refused, so that the flag never silently changes nothing)."""
     if norm_kernel not in NORM_KERNELS:
         raise ModelError(f"--norm-kernel: choose from {', '.join(NORM_KERNELS)} (got {norm_kernel!r})")
     if rope_kernel not in ROPE_KERNELS:
@@ -572,6 +573,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
                     alike[key] = _count_layer(model, layer, inputs, target, i == last, steps)
             count, outputs[i] = alike[key]
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
+    if rope_kernel == "fused" and not any(op.op == "fused_rope" for count in counted for op in count.ops["fwd"]):
+        raise ModelError(NO_ROPE_TO_FUSE)
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
 

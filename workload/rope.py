@@ -11,7 +11,15 @@ and, backward, `tex.fused_rope_backward`, which rotates the gradient back by the
 each way, reading the tensor and the angles and writing the result, and it saves only the angles
 (`ctx.save_for_backward(freqs, ...)`), nothing of q or k. Here the angles are transformers' cos and sin, which the
 eager products keep too: the kept bytes do not change, the kernels and their bytes do. The rotation covers cos's
-last dimension, the rest passes through (TransformerEngine's partial rotary, freqs narrower than the head)."""
+last dimension, the rest passes through (TransformerEngine's partial rotary, freqs narrower than the head).
+
+DeepSeek-V3's `apply_rotary_pos_emb_interleave` (its `rope_interleave`) rotates pairs (x0, x1), (x2, x3), ... and
+writes them de-interleaved; TransformerEngine's kernel takes `interleaved=True` (`FusedRoPEFunc.forward`'s
+`interleaved`, the CUDA kernel pairing each even feature with the next) and is the same one kernel a tensor, so it
+is priced alike; the stand-in computes transformers' layout (TransformerEngine keeps the pairs in place, a
+permutation of the features that q and k share, so their products are the same). A model whose count calls neither
+function (the built-in gpt learns its positions) is refused `--rope-kernel fused` (`NO_ROPE_TO_FUSE`): the flag would
+change nothing."""
 
 from __future__ import annotations
 
@@ -34,25 +42,43 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat((out, x[..., rotary:]), dim=-1) if rotary < x.shape[-1] else out
 
 
+def _deinterleaved(x: torch.Tensor, rotary: int) -> torch.Tensor:
+    """`x`'s first `rotary` features, pairs (x0, x1), (x2, x3), ..., laid out as rotate_half pairs them (evens, then
+    odds), the rest as they are: `apply_rotary_pos_emb_interleave`'s input in `apply_rotary_pos_emb`'s layout."""
+    turned = x[..., :rotary]
+    return torch.cat((turned[..., 0::2], turned[..., 1::2], x[..., rotary:]), dim=-1)
+
+
+def _interleaved(x: torch.Tensor, rotary: int) -> torch.Tensor:
+    """`_deinterleaved`'s inverse: the first `rotary` features' halves put back in pairs."""
+    half = rotary // 2
+    pairs = torch.stack((x[..., :half], x[..., half:rotary]), dim=-1).flatten(-2)
+    return torch.cat((pairs, x[..., rotary:]), dim=-1)
+
+
 class _FusedRope(torch.autograd.Function):
     """`x` rotated by the angles whose cosines and sines are `cos` and `sin`, keeping only those, each way one kernel
-    (module docstring): the backward rotates the gradient back, by the angles negated."""
+    (module docstring): the backward rotates the gradient back, by the angles negated. `interleaved`: `x`'s pairs
+    are adjacent features and the result is written de-interleaved, as transformers' interleaved variant does."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
         with _one_kernel("fused_rope", (x, cos, sin)):
-            out = _rotated(x, cos, sin)
+            out = _rotated(_deinterleaved(x, cos.shape[-1]) if interleaved else x, cos, sin)
             _kernel_writes(out)
         ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         cos, sin = ctx.saved_tensors
         with _one_kernel("fused_rope_backward", (grad, cos, sin)):
             grad_x = _rotated(grad, cos, -sin)
+            if ctx.interleaved:
+                grad_x = _interleaved(grad_x, cos.shape[-1])
             _kernel_writes(grad_x)
-        return grad_x, None, None
+        return grad_x, None, None, None
 
 
 def _apply_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -60,20 +86,40 @@ def _apply_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     """transformers' `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)` as Megatron-core's fused path runs it:
     one `_FusedRope` for q and one for k."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return _FusedRope.apply(q, cos, sin), _FusedRope.apply(k, cos, sin)
+    return _FusedRope.apply(q, cos, sin, False), _FusedRope.apply(k, cos, sin, False)
+
+
+def _apply_fused_interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             position_ids: torch.Tensor | None = None,
+                             unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `apply_rotary_pos_emb_interleave` (its `position_ids` unused there too) as TransformerEngine's
+    fused kernel with `interleaved=True` runs it: one `_FusedRope` for q and one for k."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _FusedRope.apply(q, cos, sin, True), _FusedRope.apply(k, cos, sin, True)
+
+
+# The functions of transformers' modeling modules that attention calls by name, and their fused stand-ins.
+_STAND_INS = {"apply_rotary_pos_emb": _apply_fused, "apply_rotary_pos_emb_interleave": _apply_fused_interleaved}
+
+
+# Why `--rope-kernel fused` cannot apply to a model whose count ran no `_FusedRope` (workload/count.py `count_model`).
+NO_ROPE_TO_FUSE = ("--rope-kernel fused: this model calls no RoPE pipesim can run as TransformerEngine's fused kernel "
+                   "(transformers' apply_rotary_pos_emb or apply_rotary_pos_emb_interleave; the built-in gpt learns "
+                   "its positions): leave it out or pass eager")
 
 
 @contextmanager
 def fused_rope(layer: torch.nn.Module, on: bool) -> Iterator[None]:
-    """Run `layer`'s RoPE as `_apply_fused` inside (`on`), else as it is: the modeling modules of its submodules
-    that define transformers' `apply_rotary_pos_emb` and `rotate_half` (the form their attention calls by name)."""
+    """Run `layer`'s RoPE as `_STAND_INS` inside (`on`), else as it is: the functions of `_STAND_INS` that the
+    modeling modules of its submodules define beside transformers' `rotate_half` (the form their attention calls by
+    name)."""
     modelings = {sys.modules[type(module).__module__] for module in layer.modules()} if on else set()
-    eager = {modeling: modeling.apply_rotary_pos_emb for modeling in modelings
-             if callable(getattr(modeling, "apply_rotary_pos_emb", None)) and hasattr(modeling, "rotate_half")}
-    for modeling in eager:
-        modeling.apply_rotary_pos_emb = _apply_fused
+    eager = {(modeling, name): getattr(modeling, name) for modeling in modelings if hasattr(modeling, "rotate_half")
+             for name in _STAND_INS if callable(getattr(modeling, name, None))}
+    for (modeling, name) in eager:
+        setattr(modeling, name, _STAND_INS[name])
     try:
         yield
     finally:
-        for modeling, function in eager.items():
-            modeling.apply_rotary_pos_emb = function
+        for (modeling, name), function in eager.items():
+            setattr(modeling, name, function)
