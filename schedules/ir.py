@@ -503,9 +503,6 @@ class Schedule:
     def stages_on(self, device: int) -> list[int]:
         return [s for s, d in enumerate(self.placement) if d == device]
 
-    def num_actions(self) -> int:
-        return len(self.table.kind)
-
     def to_text(self) -> str:
         """One line per device: `device: action action ...`; `from_text` reads it back."""
         return "\n".join(f"{d}: " + " ".join(order_tokens(order)) for d, order in enumerate(self.orders))

@@ -109,7 +109,7 @@ def longest_path(schedule, fwd, bwd, comm):
     end = {}
     pointer = [0] * schedule.num_devices
     p = schedule.num_stages
-    remaining = schedule.num_actions()
+    remaining = len(schedule.table.kind)
     while remaining:
         progressed = False
         for d, order in enumerate(schedule.orders):
