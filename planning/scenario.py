@@ -81,7 +81,7 @@ class Scenario:
     precision: str = "fp32"  # typed costs: how --param-mb's weights, their gradients and state are held (PRECISIONS)
     overlap_hidden_fraction: float = 0.0  # `simulate --fb-hidden-fraction`: Costs.overlap_hidden_fraction
     overlap_expert_comm: bool = False  # `--overlap-expert-comm`: ScheduleParams.overlap_expert_comm of every build
-    pp_runtime: str = "pipesim"  # `simulate --pp-runtime`: Costs.pp_runtime
+    pp_runtime: str = "pipesim"  # `--pp-runtime`: whose runtime holds the boundary tensors (`held_as_runtime`)
     # `--allocator caching` with --gpu: every layer's allocations on a rank in the model's order
     # (`layer_allocations`), which `add_reserve` replays; None: the tensors alone
     allocations: tuple[LayerAllocations, ...] | None = None
@@ -123,10 +123,11 @@ class Scenario:
         - "model" (`sweep`, where the stage count varies too): the whole model's, split over all stages.
 
         Compute times are then scaled by `cost_scale`; an overlapped pair hides `overlap_hidden_fraction` of its
-        shorter part; `pp_runtime` says whose pipeline runtime holds the boundary tensors. An estimate's context
-        ring runs on its own link where the data-parallel group's is another (`Costs.collective_links`). With
-        d > 1 data-parallel replicas (`sched.data_parallel`) or C > 1 context-parallel ranks, each stage's REDUCE
-        (and GATHER) is priced over their `gradient_ranks` on `data_parallel_link` (`collective_costs`).
+        shorter part; the boundary tensors are held as `pp_runtime`'s runtime holds them (`held_as_runtime`, here
+        alone: the simulator reads the fields it writes). An estimate's context ring runs on its own link where the
+        data-parallel group's is another (`Costs.collective_links`). With d > 1 data-parallel replicas
+        (`sched.data_parallel`) or C > 1 context-parallel ranks, each stage's REDUCE (and GATHER) is priced over
+        their `gradient_ranks` on `data_parallel_link` (`collective_costs`).
         """
         costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
         estimate = self.measured.estimate if self.measured is not None else None
@@ -135,8 +136,7 @@ class Scenario:
             costs = replace(costs, collective_links=dict.fromkeys(("RING_F", "RING_B"), ring.kind))
         if self.overlap_hidden_fraction:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
-        if self.pp_runtime != "pipesim":
-            costs = held_as_runtime(replace(costs, pp_runtime=self.pp_runtime), sched)
+        costs = held_as_runtime(costs, sched, self.pp_runtime)
         costs = self._amax_reductions(costs, sched)
         if sched.gradient_ranks == 1:
             return costs

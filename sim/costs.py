@@ -77,7 +77,7 @@ PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
               "nemo-bf16-adam": Precision(2, 2, 0, 2), "megatron-bf16-moments": Precision(2, 4, 4, 2)}
 
 
-# Whose pipeline runtime holds the boundary tensors (`Costs.pp_runtime`, `--pp-runtime`).
+# Whose pipeline runtime holds the boundary tensors (`--pp-runtime`, `held_as_runtime`).
 PP_RUNTIMES = ("pipesim", "torch")
 
 
@@ -136,7 +136,7 @@ class StageCosts:
     (`hidden_ms_table`). `ring_buffer_bytes`: per pass
     (`TRANSIENT_KINDS`' names), the ring's send and receive buffers it holds while it runs, as communication.
     `model_output_bytes`: the last stage's, the model's output its loss reads (the logits) per micro-batch, which
-    torch's pipelining keeps until the step ends (`Costs.pp_runtime`; 0: none known).
+    torch's pipelining keeps until the step ends (`held_as_runtime`; 0: none known).
     Where the runtime keeps the tensors passed between stages (`held_as_runtime`; all 0 otherwise), per
     micro-batch: `receive_buffer_bytes`, the receive buffers the stage keeps the whole step (held from the start,
     as communication); `buffered_input_bytes`, of those, the inputs its forward computes on in place (no longer
@@ -293,16 +293,10 @@ class Costs:
     one link run one after another, on different links side by side (a context ring on NVLink beside the
     data-parallel reduce-scatter across nodes, as Megatron runs them on their own communicators).
 
-    `pp_runtime`: whose pipeline runtime holds the boundary tensors (`PP_RUNTIMES`). pipesim: a received tensor
-    is a buffer from its arrival until its consumer ends, a sent one until its transfer ends. torch:
-    torch.distributed.pipelining's stage (torch/distributed/pipelining/stage.py as torchtitan ran it in December
-    2024, torch 1963fc8; docs/benchmarks.md) makes one receive buffer per micro-batch for every input
-    (`_prepare_forward_infra`) and every output's gradient (`_prepare_backward_infra`) at its first step and keeps
-    them, computes a forward on the buffer itself, keeps every forward's output (`output_chunks`, which its sends
-    read; the last stage's, its `StageCosts.model_output_bytes`, are what the schedule merges and returns) and
-    leaves every input's gradient on its buffer (`stage_backward` reads `.grad`) until the next step's
-    `clear_runtime_states`: `held_as_runtime` writes that down as each stage's fields, which sim/engine.py reads;
-    `kept_until_update` says the sent and received tensors are those kept buffers, not buffers of their own.
+    `kept_until_update`: the tensors sent and received are the receive buffers and kept outputs a runtime holds
+    until each stage's update (`held_as_runtime`, torch's stage), not buffers of their own; False: pipesim's
+    runtime, a received tensor a buffer from its arrival until its consumer ends, a sent one until its transfer
+    ends.
     """
 
     stages: tuple[StageCosts, ...]
@@ -314,12 +308,9 @@ class Costs:
     calibration: dict | None = None
     overlap_hidden_fraction: float = 0.0
     collective_links: dict[str, str] = field(default_factory=dict)
-    pp_runtime: str = "pipesim"
     kept_until_update: bool = False
 
     def __post_init__(self) -> None:
-        if self.pp_runtime not in PP_RUNTIMES:
-            raise CostError(f"pp_runtime: choose from {', '.join(PP_RUNTIMES)} (got {self.pp_runtime!r})")
         if not isinstance(self.recv_window, int) or self.recv_window < 0:
             raise CostError(f"recv_window must be a whole number >= 0 (got {self.recv_window!r})")
         if any(kind not in COLLECTIVE_KIND_NAMES or not isinstance(link, str) or not link
@@ -461,14 +452,20 @@ def _bytes(mib: float) -> int:
     return round(mib * MIB)
 
 
-def held_as_runtime(costs: Costs, schedule: Schedule) -> Costs:
-    """`costs` with the tensors passed between `schedule`'s stages held as `costs.pp_runtime`'s runtime holds them,
-    as each stage's fields (`StageCosts.receive_buffer_bytes` and after): none for pipesim's, whose buffers live
-    only while in flight; torch's stage's (`Costs.pp_runtime`) a buffer per micro-batch for every input from another
-    device and every gradient of an output to one, a forward on its input's buffer, every sent output (and the
-    model's) and every input's gradient kept until the update. Raises ScheduleError for a stage graph torch's
-    pipelining cannot run (`_torch_graph_refusal`). The same costs again where they hold them already."""
-    if costs.pp_runtime == "pipesim":
+def held_as_runtime(costs: Costs, schedule: Schedule, pp_runtime: str) -> Costs:
+    """`costs` with the tensors passed between `schedule`'s stages held as `pp_runtime`'s runtime (`PP_RUNTIMES`)
+    holds them, as each stage's fields (`StageCosts.receive_buffer_bytes` and after), which sim/engine.py reads
+    as it reads any cost. pipesim's: none, its buffers live only while in flight. torch's:
+    torch.distributed.pipelining's stage (torch/distributed/pipelining/stage.py as torchtitan ran it in December
+    2024, torch 1963fc8; docs/benchmarks.md) makes one receive buffer per micro-batch for every input from another
+    device (`_prepare_forward_infra`) and every gradient of an output to one (`_prepare_backward_infra`) at its
+    first step and keeps them, computes a forward on its input's buffer, keeps every forward's sent output
+    (`output_chunks`; the last stage's, its `StageCosts.model_output_bytes`, are what the schedule merges and
+    returns) and leaves every input's gradient on its buffer (`stage_backward` reads `.grad`) until the next
+    step's `clear_runtime_states` (`Costs.kept_until_update`). Run once, where the scenario builds the costs
+    (planning/scenario.py `Scenario.costs`). Raises ScheduleError for a stage graph torch's pipelining cannot
+    run (`_torch_graph_refusal`)."""
+    if pp_runtime == "pipesim":
         return costs
     refusal = _torch_graph_refusal(schedule)
     if refusal is not None:

@@ -44,7 +44,7 @@ from ..schedules import (
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
-from .costs import TRANSIENT_KINDS, Costs, RowOverhead, held_as_runtime, kept_until_update_refusal
+from .costs import TRANSIENT_KINDS, Costs, RowOverhead, kept_until_update_refusal
 
 _PS_PER_MS = 1e9
 # `_Model._lockstep`: the steps per sweep, over a window of sweeps, above which sweeping pays (a sweep costs about
@@ -946,7 +946,6 @@ def simulate(
         )
     if jitter < 0:
         raise ScheduleError(f"jitter must be >= 0 (got {jitter})")
-    costs = held_as_runtime(costs, schedule)
     program = _price(lower(schedule), costs, cluster, jitter, seed)
     model = _Model(program, cluster.overlap_comm)
     model.run()

@@ -9,6 +9,7 @@ import pytest
 
 from pipesim.sim import Costs, simulate
 from pipesim.sim.cluster import Cluster
+from pipesim.sim.costs import held_as_runtime
 from pipesim.units import MIB
 from tests.conftest import build, pipesim, simulate_json
 
@@ -47,7 +48,7 @@ def test_the_last_stage_keeps_every_micro_batchs_model_output_until_the_update()
     costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10, output_mb=2)
     costs = replace(costs, stages=(*costs.stages[:-1], replace(costs.stages[-1], model_output_bytes=5 * MIB)))
     for runtime, kept in (("pipesim", 2), ("torch", (8 + 7) * 2 + 8 * 5)):
-        trace = simulate(schedule, replace(costs, pp_runtime=runtime), Cluster.uniform(4, 0.0))
+        trace = simulate(schedule, held_as_runtime(costs, schedule, runtime), Cluster.uniform(4, 0.0))
         assert trace.meta.peak_memory_parts[3]["communication"] == kept * MIB
 
 
