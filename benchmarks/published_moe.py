@@ -21,7 +21,11 @@ where transformers' eager module keeps a float32 copy too, and run one kernel ea
 fused kernel (`--rope-kernel fused`: every release's performance script sets apply_rope_fusion True,
 scripts/performance/run_script.py:178 at v0.1.0rc4 for 25.09, utils/helpers.py:107 at v0.2.1 for 25.11,
 utils/overrides.py:64 at v0.3.1 and :82 at 067f987df0 with perf_recipes/_common.py's _benchmark_common for 26.x,
-so Megatron-core rotates q and k with one kernel each way), the ranks in Megatron-core's
+so Megatron-core rotates q and k with one kernel each way), each rank's routed experts' products one GEMM per
+local expert with each expert's float8 casts on their own under current scaling (`--expert-gemm per-expert`:
+every recipe sets moe_grouped_gemm, so Megatron-core runs TEGroupedMLP, TransformerEngine's GroupedLinear, which
+issues a cuBLAS GEMM per expert and quantises each expert's split separately unless the scaling is delayed;
+planning/experts.py `per_expert_products`), the ranks in Megatron-core's
 order (`--rank-order megatron`: tp-cp-ep-dp-pp, megatron/core/parallel_state.py's default, which Megatron-Bridge
 keeps unless `use_tp_pp_dp_mapping`, default False in its DistributedInitConfig), the routed experts over E ranks
 folded over the t·d of a stage with the recipe's expert-tensor-parallel size (`EXPERT_TENSOR`), interleaved 1F1B
@@ -156,7 +160,7 @@ class MoeRun:
                 *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
                 "--cross-entropy", "megatron", "--norm-kernel", "fused", "--rope-kernel", "fused",
-                "--routing", self.routing,
+                "--expert-gemm", "per-expert", "--routing", self.routing,
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else [])]
 

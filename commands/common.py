@@ -292,6 +292,12 @@ DispatcherSms = Annotated[int | None, typer.Option(
                                                  "and combine kernels hold, which the compute overlapped with them "
                                                  "(an overlapped pair's other part) goes without. "
                                                  "Default: 20, DeepEP's and Megatron-core's moe_deepep_num_sms.")]
+ExpertGemm = Annotated[str | None, typer.Option(
+    "--expert-gemm", metavar="HOW", help="With a mixture of experts: how a rank runs its local routed experts' "
+                                         "products, grouped (one kernel over them all; the default) or per-expert "
+                                         "(one GEMM per local expert, each expert's float8 casts on their own under "
+                                         "te-current, as TransformerEngine's GroupedLinear runs them in "
+                                         "Megatron-core's TEGroupedMLP).")]
 HostKernelUs = Annotated[float | None, typer.Option(
     "--host-kernel-us", metavar="US", min=0, help="With --gpu: the host's microseconds to issue one kernel (eager "
                                                   "PyTorch's Python, dispatcher, autograd and CUDA launch), which a "
@@ -416,6 +422,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("routing", Routing, None), ("token_dispatcher", TokenDispatcher, None),
                 ("dispatcher_sms", DispatcherSms, None), ("host_kernel_us", HostKernelUs, None),
+                ("expert_gemm", ExpertGemm, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
                 ("ema", Ema, None), ("grad_accumulation", GradAccumulation, None))

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "routing", "recompute",
                  "curve_from", "fsdp_float8_all_gather",
-                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "expert_tensor_parallel",
+                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "expert_gemm",
+                 "expert_tensor_parallel",
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "rope_kernel", "recompute_modules",
@@ -68,7 +69,7 @@ ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "p
 KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager", "rope_kernel": "eager"}
 # Settings named in an estimate's parallelism text only when they are not these (a bool not listed: when set).
 SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
-                    "routing": "balanced", "host_kernel_us": HOST_KERNEL_US,
+                    "routing": "balanced", "host_kernel_us": HOST_KERNEL_US, "expert_gemm": "grouped",
                     **KERNEL_DEFAULTS}
 # Settings whose name ends in their unit, said as "name value unit" in an estimate's parallelism text.
 SETTING_UNITS = {"host_kernel_us": ("host kernel", "us")}
@@ -81,7 +82,7 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "hot_expert_share": "--hot-expert-share", "routing": "--routing",
                   "token_dispatcher": "--token-dispatcher",
                   "dispatcher_sms": "--dispatcher-sms",
-                  "host_kernel_us": "--host-kernel-us",
+                  "host_kernel_us": "--host-kernel-us", "expert_gemm": "--expert-gemm",
                   "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
                   "attention_kernel": "--attention-kernel",
                   "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
@@ -135,6 +136,7 @@ class WhatIf:
     attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
     routing: str = "balanced"  # --routing, of planning/experts.py's ROUTINGS
     host_kernel_us: float | None = None  # --host-kernel-us (None: planning/host.py's HOST_KERNEL_US)
+    expert_gemm: str = "grouped"  # --expert-gemm, of planning/experts.py's EXPERT_GEMMS
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -196,7 +198,8 @@ class WhatIf:
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
                            ema=self.ema, grad_accumulation=self.grad_accumulation,
-                           host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us)
+                           host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us,
+                           expert_gemm=self.expert_gemm)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -224,7 +227,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         EstimateError,
         kernel_curve,
     )
-    from ..planning.experts import DISPATCHERS, ROUTINGS
+    from ..planning.experts import DISPATCHERS, EXPERT_GEMMS, ROUTINGS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
     from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
@@ -318,6 +321,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if routing == "random" and params.get("capacity_factor") is not None:
         raise InputError("--routing random: a model that drops tokens (--capacity-factor) computes each expert's "
                          "capacity however they are routed; give balanced")
+    expert_gemm = params.get("expert_gemm") or "grouped"
+    if expert_gemm not in EXPERT_GEMMS:
+        raise InputError(f"--expert-gemm: choose from {', '.join(EXPERT_GEMMS)} (got {expert_gemm!r})")
     host_kernel_us = params.get("host_kernel_us")
     if host_kernel_us is not None and not math.isfinite(host_kernel_us):
         raise InputError(f"--host-kernel-us: the host's microseconds to issue a kernel, a finite number from 0 (got "
@@ -350,7 +356,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing,
-                  host_kernel_us=host_kernel_us)
+                  host_kernel_us=host_kernel_us, expert_gemm=expert_gemm)
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

@@ -66,12 +66,14 @@ from ..sim.caching_allocator import LayerAllocations
 from ..sim.costs import PRECISIONS, Precision
 from .experts import (
     ALL_TO_ALLS,
+    EXPERT_GEMMS,
     ExpertGroup,
     ExpertParallelError,
     MoePass,
     expert_group,
     held_share,
     paired_exposed_ms,
+    per_expert_products,
 )
 from .fp8 import (
     FP8_BYTES,
@@ -180,6 +182,7 @@ class Parallelism:
     cp_rotate: str = "alltoall"  # how the context ring passes keys and values, of `CP_ROTATES` (`ContextRing`)
     attention_kernel: str = "flash2"  # the fused attention kernel, of `ATTENTION_KERNELS` (`kernel_curve`)
     host_kernel_us: float = HOST_KERNEL_US  # the host's issue of a kernel, exposed after a sync (planning/host.py)
+    expert_gemm: str = "grouped"  # how a rank runs its local experts' products, of planning/experts.py's EXPERT_GEMMS
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
@@ -188,6 +191,8 @@ class Parallelism:
         if not 0 <= self.host_kernel_us < math.inf:
             raise EstimateError(f"host_kernel_us: {self.host_kernel_us}; the host's microseconds a kernel, a finite "
                                 "number, at least 0")
+        if self.expert_gemm not in EXPERT_GEMMS:
+            raise EstimateError(f"expert_gemm: choose from {', '.join(EXPERT_GEMMS)} (got {self.expert_gemm!r})")
         if self.dispatcher_sms is not None and (self.token_dispatcher != "deepep" or self.dispatcher_sms < 1):
             raise EstimateError(f"dispatcher_sms: {self.dispatcher_sms}; the multiprocessors DeepEP's kernels hold, "
                                 "at least 1, with token_dispatcher deepep")
@@ -282,14 +287,16 @@ def matmul_ms(op: OpCount, device: Device) -> float:
     """One call of a matrix product: its FLOPs at the large-product efficiency times its tile fill (of the float8
     peak for a float8 product, at the split-accumulation efficiency for one that accumulates so:
     `Curve.product_efficiency`), or its bytes at the memory bandwidth, whichever is slower, plus the kernel
-    overhead."""
+    overhead. A product running beside `op.streams - 1` others like it on streams of their own takes its share of
+    the wave they fill together, overhead included."""
     curve = device.curve
-    fill = tile_fill(op.shape, curve.multiprocessors, curve.tiles)
+    streams = op.streams
+    fill = tile_fill((op.shape[0] * streams, *op.shape[1:]), curve.multiprocessors, curve.tiles)
     peak = device.fp8_peak_flops_per_ms if op.float8 else device.peak_flops_per_ms
     if peak is None:
         raise EstimateError("fp8: the part has no float8 peak")
-    compute = op.flops / (peak * curve.product_efficiency(op.split_accumulation) * fill)
-    return curve.kernel_overhead_ms + max(compute, op.moved_bytes / device.memory_bytes_per_ms)
+    compute = streams * op.flops / (peak * curve.product_efficiency(op.split_accumulation) * fill)
+    return (curve.kernel_overhead_ms + max(compute, streams * op.moved_bytes / device.memory_bytes_per_ms)) / streams
 
 
 def kernel_flops(op: OpCount) -> float:
@@ -999,8 +1006,9 @@ def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split) -> float:
 
 def _transformer(layer: LayerCount) -> bool:
     """Whether a layer is a transformer layer, as Megatron-LM and torchtitan say (what their recomputation
-    applies to): it computes attention or a batched product."""
-    return any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1) for op in layer.ops.get("fwd", ()))
+    applies to): it computes attention, a batched product or a routed experts' product."""
+    return any(op.kind == "attention" or (op.kind == "matmul" and (op.shape[0] > 1 or op.routed))
+               for op in layer.ops.get("fwd", ()))
 
 
 def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[LayerAllocations]:
@@ -1233,6 +1241,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
             continue  # the block before it renamed: every figure is its layer's, which equals the one before
         busiest = experts.local(layer)
+        if parallel.expert_gemm == "per-expert":
+            busiest = per_expert_products(busiest)
         priced = estimate_layer(busiest, device, parallel, links.tensor, element, links.context)
         shared = None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor, element,
                                                               links.context)

@@ -61,6 +61,10 @@ from .ranks import RankOrderError, expert_grid
 ALL_TO_ALLS = {"fwd": 2, "bwd": 2}
 DISPATCHERS = ("alltoall", "deepep")  # NCCL's all-to-all of every copy (the default); DeepEP's deduplicated one
 ROUTINGS = ("balanced", "random")  # each expert its even share (the count's); each token's experts drawn alike
+# how a rank runs its local experts' products: one grouped kernel over them all (the count's), or one product
+# per local expert, as TransformerEngine's GroupedLinear runs them (`per_expert_products`)
+EXPERT_GEMMS = ("grouped", "per-expert")
+GEMM_STREAMS = 4  # TransformerEngine's compute streams (common/util/multi_stream.cpp `get_num_compute_streams`)
 
 
 class ExpertParallelError(ValueError):
@@ -351,3 +355,26 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
 def _aligned(held: int, size: int) -> bool:
     """Whether `held` experts placed in order lie in one group of `size` or hold whole groups."""
     return size % held == 0 if held <= size else held % size == 0
+
+
+def per_expert_products(layer: LayerCount) -> LayerCount:
+    """`layer` as one rank runs it (`ExpertGroup.local`) with each of its routed experts' grouped products run as
+    one product per local expert: Megatron-core's TEGroupedMLP (its experts under `moe_grouped_gemm` with
+    TransformerEngine's layer spec, unless `moe_use_legacy_grouped_gemm`) calls TransformerEngine's
+    GroupedLinear, whose `general_grouped_gemm` issues one cuBLAS GEMM per expert (common/gemm/cublaslt_gemm.cu
+    `nvte_multi_stream_cublas_gemm`: a loop over the GEMMs, the i-th on compute stream i mod 4) and quantises each
+    expert's split of its input and output gradient on its own (pytorch/csrc/extensions/cast.cpp
+    `split_quantize`, `multi_tensor_quantize_impl` at 006b336: one fused kernel for all splits under delayed
+    scaling only, planning/fp8.py `Fp8Recipe.fuses_split_casts`). Each product is then one expert's, a kernel the
+    host issues (planning/host.py), running beside the GEMMs on the other streams (`GEMM_STREAMS`, or as many as
+    there are experts): each a share of the waves they fill together and of one kernel overhead
+    (planning/estimate.py `matmul_ms`), as the streams overlap one GEMM's tail with the next's start."""
+    def split(op: OpCount) -> OpCount:
+        if not _grouped(op) or op.shape[0] == 1:
+            return op
+        batch, *dims = op.shape
+        return replace(op, shape=(1, *dims), count=op.count * batch, flops=op.flops // batch,
+                       moved_bytes=op.moved_bytes // batch, streams=min(batch, GEMM_STREAMS))
+
+    return replace(layer, ops={name: tuple(split(op) for op in ops) for name, ops in layer.ops.items()},
+                   region_ops={name: tuple(split(op) for op in ops) for name, ops in layer.region_ops.items()})

@@ -113,7 +113,11 @@ class Fp8Recipe:
     (`OpCount.split_accumulation`) rather than accumulate fast in the tensor cores; `saves_float8_weights`: the
     forward saves each product's float8 weight copy and its scale for the backward (`saved_weight_bytes`);
     `gathers_float8`: a sequence-parallel all-gather moves the float8 copy, cast before it gathers
-    (TransformerEngine's, planning/estimate.py)."""
+    (TransformerEngine's, planning/estimate.py); `fuses_split_casts`: a routed product run per local expert
+    (planning/experts.py `per_expert_products`) has its experts' splits cast by one kernel, where otherwise each
+    split is cast on its own (TransformerEngine's `split_quantize`, pytorch/csrc/extensions/cast.cpp
+    `multi_tensor_quantize_impl` at 006b336: `nvte_multi_cast_transpose` for delayed scaling's quantizers only,
+    "Quantize kernels individually" for the rest)."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -126,20 +130,21 @@ class Fp8Recipe:
     split_accumulation: tuple[str, ...] = ()  # the passes (of PASSES) whose float8 products accumulate split
     saves_float8_weights: bool = False  # the forward saves each product's float8 weight copy for the backward
     gathers_float8: bool = False  # sequence-parallel all-gathers move the float8 copies
+    fuses_split_casts: bool = False  # a per-expert product's splits cast by one kernel (`per_expert_products`)
 
 
 FP8_RECIPES = {
     "te": Fp8Recipe(casts={"fwd": ("input",), "bwd": ("grad",), "igrad": ("grad",), "wgrad": ()},
                     kernels=(("cast_transpose", 1, 2),), weights_per_step=True, saves_float8_inputs=True,
                     weight_copy_bytes=2 * FP8_BYTES, routed=True, split_accumulation=BACKWARD_PASSES,
-                    gathers_float8=True),
+                    gathers_float8=True, fuses_split_casts=True),
     "torchao": Fp8Recipe(casts={"fwd": ("input", "weight"), "bwd": ("grad", "weight", "grad", "input"),
                                 "igrad": ("grad", "weight"), "wgrad": ("grad", "input")},
                          kernels=(("amax", 1, 0), ("cast", 1, 1)), weights_per_step=False, saves_float8_inputs=False,
                          split_accumulation=BACKWARD_PASSES),
 }
 FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("amax", 1, 0), ("scale", 0, 0),
-                                                                  ("cast_transpose", 1, 2)))
+                                                                  ("cast_transpose", 1, 2)), fuses_split_casts=False)
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
                                   split_accumulation=())
 FP8_RECIPES["torchao-2024"] = replace(FP8_RECIPES["torchao"], casts={"fwd": ("input", "weight"), "bwd": ("grad",),
@@ -199,13 +204,15 @@ def float8_weights(layer: LayerCount, recipe: Fp8Recipe) -> tuple[int, int]:
 
 
 def attends(layer: LayerCount) -> bool:
-    """A transformer layer (it attends: a fused attention kernel or batched products in its forward), whose
-    linear products a float8 recipe converts; the embedding and the head do not attend."""
-    return any(op.kind == "attention" or (op.kind == "matmul" and op.shape[0] > 1) for op in layer.ops.get("fwd", ()))
+    """A transformer layer (it attends: a fused attention kernel, batched products or routed experts' products,
+    one a local expert under `per_expert_products`, in its forward), whose linear products a float8 recipe
+    converts; the embedding and the head do not attend."""
+    return any(op.kind == "attention" or (op.kind == "matmul" and (op.shape[0] > 1 or op.routed))
+               for op in layer.ops.get("fwd", ()))
 
 
 def _linear(op: OpCount) -> bool:
-    return op.kind == "matmul" and op.shape[0] == 1
+    return op.kind == "matmul" and op.shape[0] == 1 and not op.routed
 
 
 def _converted(op: OpCount, recipe: Fp8Recipe) -> bool:
@@ -234,9 +241,11 @@ def cast_ops(products: tuple[OpCount, ...], roles: tuple[str, ...], recipe: Fp8R
         shapes = {"input": (m, k), "weight": (n, k), "grad": (m, n)}
         for role in roles:
             held = batch // expert_ranks if role == "weight" and product.routed else batch
-            elements = held * shapes[role][0] * shapes[role][1]
+            elements, calls = held * shapes[role][0] * shapes[role][1], product.count
+            if product.routed and recipe.fuses_split_casts:  # every local expert's split in one kernel
+                elements, calls = elements * calls, 1
             ops += [OpCount(f"fp8_{kernel}_{role}", "memory", shapes[role], 0,
-                            elements * (reads * element_bytes + writes * FP8_BYTES), product.count)
+                            elements * (reads * element_bytes + writes * FP8_BYTES), calls)
                     for kernel, reads, writes in recipe.kernels]
     return tuple(ops)
 

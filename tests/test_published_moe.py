@@ -47,6 +47,7 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == int(published["global_batch"])
         assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == "fp8"
         assert (_flag(args, "--rank-order"), _flag(args, "--expert-tensor-parallel")) == ("megatron", "1")
+        assert _flag(args, "--expert-gemm") == "per-expert"  # TEGroupedMLP: a GEMM per local expert
         # forced balance draws each token's experts (random), but the token-drop runs pad each expert to its share
         assert _flag(args, "--routing") == ("balanced" if "(tokendrop)" in published["model"] else "random")
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
