@@ -131,8 +131,9 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     float8, `--fsdp-float8-all-gather`, `TORCHTITAN_FLOAT8_ALL_GATHER`), TP with its plan's sequence-parallel norms
     as DTensor runs them (`--tp-runtime torch`) and its loss computed by torch's loss_parallel (`--loss-parallel`:
     ParallelDims.loss_parallel_enabled, TP > 1), the page's local
-    batch as micro-batches of the pipeline's default count (pipelining_utils.py `build_pipeline_schedule`: as
-    many as the stages; interleaved 1F1B with its 2 stages a rank, `generate_split_points`) or, with no pipeline,
+    batch as micro-batches of the pipeline's default count (pipelining_utils.py `build_pipeline_schedule`:
+    `pipeline_parallel_microbatches`, unset, falls back to `pipeline_parallel_degree`, so 8 of 4 samples on 1F1B
+    and on interleaved 1F1B alike, whose 2 stages a rank come from `generate_split_points`) or, with no pipeline,
     one micro-batch; selective activation checkpointing is its "op" policy (`--recompute op`), else full; context
     parallelism rotates the keys and values by torch's all-gather (`--cp-rotate allgather`: the page sets no
     rotation, and torchtitan's option, config_manager.py's --experimental.context_parallel_rotate_method, later
@@ -147,7 +148,7 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
         return None
     t, p, c, d = (int(layout[name]) for name in ("TP", "PP", "CP", "FSDP"))
     chunks = 2 if layout["schedule"] == "interleaved 1F1B" else 1
-    microbatches = p * chunks
+    microbatches = p
     local_batch = int(row["local_batch_size"])
     float8 = "Float8" in row["techniques"]
     args = ["simulate", "--model", TORCHTITAN_MODELS[row["model"]], "--seq-len", str(seq),
