@@ -23,7 +23,11 @@ MoE decoder layer and a 2h -> h projection reading the main model's embedding an
 rank holding both; 4.2: "The multi-token prediction depth D is set to 1"),
 4,096-token sequences and 15,360 of them a step (the batch after its ramp over the first 469B of 14.8T tokens).
 The report states no micro-batch size: one sequence (`MICROBATCH_SIZE`), so a pipeline runs 120 micro-batches a
-step. What no flag expresses is in `NOT_MODELLED`.
+step. Nor does it give the layers each stage holds: the run ran within the H800's 80 GB, so the row is cut as a
+planner would cut it, the slowest stage as fast as it can be with every device holding its two stages (DualPipe's
+stage i of one copy and 15 - i of the other) within its memory (`--stage-cut fit`; the time-balanced cut alone
+gives stage 0 five layers held 16 micro-batches deep, 96,922 MiB on device 0). What no flag expresses is in
+`NOT_MODELLED`.
 
 Published: 180K H800 GPU hours per trillion tokens, so 10^12 tokens / (180,000 GPU h x 3,600 s/h) = 1,543 tokens/s
 per GPU (the report's own "3.7 days on our cluster with 2048 H800 GPUs" gives 1,527). It is the whole pre-training's
@@ -54,9 +58,10 @@ MICROBATCH_SIZE = 1  # not in the report
 RECOMPUTED = "layernorm,mla_up_proj,moe_act"  # sections 3.2.3 and 3.3.3 (the module docstring)
 MTP_DEPTH = 1  # section 4.2: "The multi-token prediction depth D is set to 1"
 NOT_MODELLED = {
-    "stage cut": "the layers each of the 16 stages holds are not published: --stage-cut balanced is pipesim's "
-                 "planner's (docs/hardware.md: with the 4 MoE layers a chunk of DeepSeek's profile-data the ends "
-                 "hold 5 layers between them, and device 0 fits when the first stage holds 3 or fewer)",
+    "stage cut": "the layers each of the 16 stages holds are not published: --stage-cut fit is pipesim's "
+                 "planner's, the time-balanced cut within each device's 80 GB (docs/hardware.md: the embedding and "
+                 "3 dense layers first, 4 MoE layers a stage as DeepSeek's profile-data gives a chunk, and 2 with "
+                 "the module and the head last)",
     "communication SMs": "20 of the H800's 132 SMs run the all-to-all kernels (section 3.2.2); the overlapped "
                          "pairs' compute is priced on all 132",
     "fine-grained FP8": "1x128 activation tiles and 128x128 weight blocks with FP32 promotion every 128 products "
@@ -97,7 +102,7 @@ class DeepSeekRun:
                 "--expert-parallel", str(self.expert), "--zero", "1", "--precision", "megatron-bf16-moments",
                 "--grad-accumulation", "separate", "--recompute", "none", "--recompute-modules", RECOMPUTED,
                 "--ema", "cpu", "--mtp-layers", str(MTP_DEPTH), "-s", self.schedule,
-                "--stage-cut", "balanced", "--rank-order", "megatron", "--expert-tensor-parallel", "1",
+                "--stage-cut", "fit", "--rank-order", "megatron", "--expert-tensor-parallel", "1",
                 "--token-dispatcher", "deepep"]
 
 

@@ -99,6 +99,9 @@ PpRuntime = Annotated[str, typer.Option(
 StageCut = Annotated[str, typer.Option(
     "--stage-cut", metavar="HOW", help="How --gpu's or --profile's layers are cut into the p·v model stages: "
                                        "balanced (the slowest stage as fast as can be, PipeDream's planner) or "
+                                       "fit (balanced where every device holds its stages in its memory, else "
+                                       "the fastest cut that does, by each stage's weights, gradients, optimizer "
+                                       "state and the micro-batches the schedule holds there) or "
                                        "equal-blocks (as many of the model's blocks in each, the layers before "
                                        "them in the first, after them in the last: Megatron-LM's cut) or "
                                        "padded-blocks (as many padded to a multiple of the stages, one fewer in "

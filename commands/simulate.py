@@ -259,14 +259,16 @@ def simulate(
         if fb_hidden_fraction and not any(pairs.values()):
             raise InputError(f"--fb-hidden-fraction prices overlapped F&B pairs, and none of {', '.join(schedules)} "
                              "runs one (dualpipev does): leave it out")
-        summaries, traces, memory = [], [], []
+        summaries, traces, memory, cuts = [], [], [], {}
         for name, sched in progress(list(schedules.items()), as_json):
             try:
-                result = run_simulation(sched, scenario.costs(sched), scenario.links(sched), jitter=jitter, seed=seed)
+                cuts[name] = scenario.cut(sched) if scenario.measured is not None else None
+                result = run_simulation(sched, scenario.costs(sched, cuts[name]), scenario.links(sched),
+                                        jitter=jitter, seed=seed)
             except (ScheduleError, CostError, ClusterError, SimulationError) as exc:
                 skipped[name] = str(exc)
                 continue
-            scenario.add_reserve(sched, result)
+            scenario.add_reserve(sched, result, cuts[name])
             traces.append(result)
             summaries.append(summarize(result))
             memory.append(scenario.links(sched).memory_checks(
@@ -308,6 +310,7 @@ def simulate(
             result["overlapped_pairs"] = pairs[sched.method]  # F&B pairs over every device and mini-batch
             result["fb_hidden_fraction"] = fb_hidden_fraction if pairs[sched.method] else None
             result["pp_runtime"] = scenario.pp_runtime  # whose runtime held the boundary tensors (the peaks differ)
+            result["stage_bounds"] = cuts[sched.method]  # one copy's model stages' first layers, then the count
             if work:  # the what-if's totals: every GPU of the t x p x d
                 result.update(gpus=used, **rate)
         for result, checks in zip(results, memory):

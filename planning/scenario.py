@@ -21,24 +21,49 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..profiles.linkfit import piecewise_ms
-from ..profiles.partition import PartitionError, equal_blocks, first_last_blocks, padded_blocks, partition
-from ..schedules import COLLECTIVE_KINDS, KINDS, NUM_COMPUTE_KINDS, Kind, Schedule, ScheduleParams, StageGraph
+from ..profiles.partition import (
+    LayerCost,
+    PairBytes,
+    PartitionError,
+    activation_ranges,
+    equal_blocks,
+    first_last_blocks,
+    mirrored_partition,
+    padded_blocks,
+    partition,
+    ranges,
+)
+from ..schedules import (
+    COLLECTIVE_KINDS,
+    KIND_CODE,
+    KINDS,
+    NUM_COMPUTE_KINDS,
+    Kind,
+    Schedule,
+    ScheduleParams,
+    StageGraph,
+    kind_mask,
+    peak_per_stage,
+    weight_versions,
+)
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
 from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime
-from ..sim.engine import keep_fullest_parts
+from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile
     from .estimate import PlacementLinks
 
-# How a profile's layers are cut into model stages: balanced for time (PipeDream's planner, `partition`), the
-# same number of the model's blocks per stage (Megatron-LM's cut, `equal_blocks`), or as many padded, one fewer
-# at the ends (the zero-bubble paper's fork, `padded_blocks`)
+# How a profile's layers are cut into model stages: balanced for time (PipeDream's planner, `partition`), balanced
+# for time within each device's memory (`Scenario.cut`), the same number of the model's blocks per stage
+# (Megatron-LM's cut, `equal_blocks`), or as many padded, one fewer at the ends (the zero-bubble paper's fork,
+# `padded_blocks`)
 BLOCK_CUTS = {"equal-blocks": equal_blocks, "padded-blocks": padded_blocks}
-STAGE_CUTS = ("balanced", *BLOCK_CUTS)
+FIT = "fit"
+STAGE_CUTS = ("balanced", FIT, *BLOCK_CUTS)
 FIRST_LAST = "first-last:"  # first-last:F,L: F blocks on the first stage, L on the last (`first_last_blocks`)
 
 
@@ -94,6 +119,10 @@ class Scenario:
         estimate's context-parallel ranks C are the schedule's: its devices stand for them; its expert-parallel
         ranks E put the all-to-all rows in it."""
         method = method_named(name)
+        if self.stage_cut == FIT and bounds is None and self.measured is not None and (
+                method.needs_costs or method.on_graph is not None):
+            raise CostError(f"--stage-cut {FIT} cuts for the memory a schedule holds, and {name} builds its schedule "
+                            "for the cut: use --stage-cut balanced")
         if self.overlap_expert_comm:
             params = replace(params, overlap_expert_comm=True)
         estimate = self.measured.estimate if self.measured is not None else None
@@ -159,8 +188,7 @@ class Scenario:
         if (measured is None or measured.estimate is None or sched.zero != 1 or sched.reduce_after_flush
                 or sched.graph.copies != 1 or first.expert_param_bytes or not first.param_bytes):
             return costs
-        start, stop = (list(bounds) if bounds is not None else profile_bounds(measured, sched.num_stages,
-                                                                              self.stage_cut))[:2]
+        start, stop = (list(bounds) if bounds is not None else self.cut(sched))[:2]
         layers = measured.layers[start:stop]
         element = 4 if measured.environment.dtype == "float32" else 2
         bucketed = buckets([layer.param_bytes // element for layer in layers], bucket_params(sched.data_parallel))
@@ -293,8 +321,7 @@ class Scenario:
     def _costs(self, sched: Schedule, bounds: Sequence[int] | None) -> Costs:
         n, copies = sched.num_stages, sched.graph.copies  # several model copies: each copy's stage s is stage s
         if self.measured is not None:
-            per_copy = sched.graph.stages_per_copy
-            cut = list(bounds) if bounds is not None else profile_bounds(self.measured, per_copy, self.stage_cut)
+            cut = list(bounds) if bounds is not None else self.cut(sched)
             costs = profile_costs(self.measured, self.optimizer, cut,
                                   dag=sched.graph.edges != StageGraph.chain(n, copies).edges)
             if sched.expert_parallel > 1 and self.measured.estimate is None:
@@ -340,17 +367,70 @@ class Scenario:
         n, p = sched.num_stages, sched.num_devices
         return [flag for flag, given in self.per_stage.items() if flag != "--output-mb" and len(given) == n != p]
 
-    def add_reserve(self, sched: Schedule, trace: Trace) -> None:
+    def add_reserve(self, sched: Schedule, trace: Trace, bounds: Sequence[int] | None = None) -> None:
         """With `allocations`, each device's caching-allocator reserve in the trace's memory (sim/caching_allocator.py
-        `device_reserves`, `add_reserve`): each model stage's layers cut as its costs are, each device bounded by
-        its memory. Then the parts' curves of the device whose peak that makes highest only (`keep_fullest_parts`)."""
+        `device_reserves`, `add_reserve`): each model stage's layers cut as its costs are (at `bounds`, default
+        `cut`), each device bounded by its memory. Then the parts' curves of the device whose peak that makes highest
+        only (`keep_fullest_parts`)."""
         if self.allocations is not None:
             per_copy = sched.graph.stages_per_copy
-            cut = profile_bounds(self.measured, per_copy, self.stage_cut)
+            cut = list(bounds) if bounds is not None else self.cut(sched)
             layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
                       for stage in range(sched.num_stages)}
             add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched)))
         keep_fullest_parts(trace)
+
+    def cut(self, sched: Schedule) -> list[int]:
+        """The profile's layers cut into one copy's model stages of `sched` as `stage_cut` says (`profile_bounds`).
+        fit: the balanced cut where every device holds it within its memory by `stage_bytes`, else the cut whose
+        slowest stage is the fastest of those every device holds within its memory (`fitted_cut`)."""
+        balanced = profile_bounds(self.measured, sched.graph.stages_per_copy, self.stage_cut)
+        if self.stage_cut != FIT:
+            return balanced
+        if self.pp_runtime != "pipesim":
+            raise CostError(f"--stage-cut {FIT} counts the transfers pipesim's runtime holds; the receive buffers "
+                            f"--pp-runtime {self.pp_runtime} keeps are not counted: use --stage-cut balanced")
+        limits = self.memory_limits(sched)
+        if None in limits:
+            raise CostError(f"--stage-cut {FIT} cuts for each device's memory, which is not known here: give --gpu, "
+                            "a profile of a device with its memory, or a --cluster with memory_gib")
+        from ..profiles.schema import layer_costs
+
+        try:
+            return fitted_cut(sched, self.stage_bytes(sched), limits, balanced,
+                              layer_costs(self.measured.layers, self.optimizer))
+        except PartitionError as exc:
+            raise CostError(f"--stage-cut {FIT}: {sched.method}: {exc} (--stage-cut balanced with --memory shows "
+                            "each device's peak)") from None
+
+    def stage_bytes(self, sched: Schedule) -> list[np.ndarray]:
+        """Per model stage of `sched`, what it holds on its device at most, for every range [i, j) of the profile's
+        layers (entry [i, j]): their weights, gradients and optimizer state as the simulator holds them
+        (`held_static_parts`, the weight versions its order keeps besides), the activations of the most
+        micro-batches it holds at once (each from its forward until the backward or weight pass that ends its
+        backward), the most any of its layers' passes creates and frees within itself, and an activation and a
+        gradient in transfer at each end. Summed over a device's stages, an upper bound of its peak: the stages'
+        peaks need not coincide; the caching allocator's reserve is not counted."""
+        from ..profiles.schema import layer_costs
+
+        layers, t = self.measured.layers, sched.table
+        n = len(layers)
+        each = self._sharded_for(profile_costs(self.measured, self.optimizer, range(n + 1)), sched).stages
+        static = ranges(np.cumsum([0, *(sum(held_static_parts(sched, [c]).values()) for c in each)]))
+        weights = ranges(np.cumsum([0, *(c.param_bytes for c in each)]))
+        activations = activation_ranges(layer_costs(layers, self.optimizer))
+        largest = [max(layer.transient_bytes.values(), default=0) for layer in layers]
+        transient = np.zeros((n + 1, n + 1))
+        for i in range(n):
+            transient[i, i + 1:] = np.maximum.accumulate(largest[i:])
+        received = 2 * np.array([0, *(layer.output_bytes for layer in layers[:-1]), 0])  # into layer i, and back
+        transfers = received[:, None] + received[None, :]
+        in_flight = peak_per_stage(t, (t.kind == KIND_CODE[Kind.F]).astype(np.int64),
+                                   -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int64), sched.num_stages)
+        versions = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), weight_versions(sched).copies_delta,
+                                  sched.num_stages)
+        return [static + transient + transfers + held * activations + kept * weights
+                for held, kept in zip(in_flight, versions)]
 
     def memory_limits(self, sched: Schedule) -> tuple[int | None, ...]:
         """Each device's memory in bytes (None: not known): `memory_bytes`, the cluster file's `memory_gib`, or the
@@ -479,6 +559,41 @@ def profile_scenario(measured: Profile, optimizer: str, pp_runtime: str = "pipes
     return Scenario(per_stage={}, wgrad_fraction=0.5, opt_ms=0.0, pred_ms=None, avg_ms=None, optimizer=optimizer,
                     microbatch_size=measured.environment.microbatch_size, comm_ms=0.0, overlap_comm=True,
                     measured=measured, pp_runtime=pp_runtime)
+
+
+def fitted_cut(sched: Schedule, stage_bytes: Sequence[np.ndarray], limits: Sequence[int], balanced: list[int],
+               layers: Sequence[LayerCost]) -> list[int]:
+    """`balanced` where every device holds its stages' `stage_bytes` within its limit; else the cut whose slowest
+    stage is fastest among those where every device does: exactly where each device holds one stage of a copy or
+    a mirrored pair (k and p-1-k: DualPipe, the V-shapes; `mirrored_partition`), and where a device holds more
+    (interleaved chunks) within an equal share of its memory for each (as `tune` cuts v chunks). PartitionError
+    where none fits."""
+    per_copy = sched.graph.stages_per_copy
+    on = [sched.stages_on(device) for device in range(sched.num_devices)]
+
+    def holds(device: int, k: int) -> np.ndarray:  # the device's bytes from one copy's stage k, for every range
+        return sum((stage_bytes[s] for s in on[device] if s % per_copy == k), np.zeros_like(stage_bytes[0]))
+
+    if all(sum(stage_bytes[s][balanced[s % per_copy], balanced[s % per_copy + 1]] for s in stages) <= limit
+           for stages, limit in zip(on, limits)):
+        return balanced
+    held = [{s % per_copy for s in stages} for stages in on]
+    if all(ks <= {min(ks), per_copy - 1 - min(ks)} for ks in held):
+        def pair_bytes(k: int) -> list[PairBytes]:
+            back = per_copy - 1 - k
+            return [(holds(d, k), holds(d, back) if back != k else np.zeros_like(stage_bytes[0]), limits[d])
+                    for d, ks in enumerate(held) if k in ks or back in ks]
+
+        return mirrored_partition(layers, per_copy, pair_bytes)
+
+    def share(k: int) -> np.ndarray:  # the fullest of stage k's devices, in shares of its memory per stage held
+        return np.max([holds(d, k) * len(ks) / limits[d] for d, ks in enumerate(held) if k in ks], axis=0)
+
+    try:
+        return partition(layers, per_copy, 1, share)
+    except PartitionError:
+        raise PartitionError(f"no cut of {len(layers)} layers into {per_copy} stages fits every device's memory, "
+                             "each stage of a device within an equal share of it") from None
 
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced") -> list[int]:

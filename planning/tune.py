@@ -89,6 +89,7 @@ from ..schedules import (
     StageGraph,
     flushes,
     kind_mask,
+    peak_per_stage,
     warmup_minibatches,
     weight_versions,
 )
@@ -1573,23 +1574,10 @@ def _held(schedule: Schedule) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     reads = kind_mask(t.kind, Kind.F, Kind.B, Kind.I, Kind.W) & (versions.read >= 0)
     staleness = int(np.max(t.minibatch[reads] - versions.read[reads], initial=0))
     n = schedule.num_stages
-    in_flight = _peak_per_stage(t, (t.kind == KIND_CODE[Kind.F]).astype(np.int64),
-                                -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64), n)
-    lingering = _peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), versions.copies_delta, n)
+    in_flight = peak_per_stage(t, (t.kind == KIND_CODE[Kind.F]).astype(np.int64),
+                               -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64), n)
+    lingering = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), versions.copies_delta, n)
     return staleness, tuple(in_flight.tolist()), tuple(lingering.tolist())
-
-
-def _peak_per_stage(t, at_start: np.ndarray, at_end: np.ndarray, num_stages: int) -> np.ndarray:
-    """Per stage, the peak of a running count changed at its actions' starts and ends, in program order (a
-    stage lives on one device, so a stable sort by stage keeps that order)."""
-    order = np.argsort(t.stage, kind="stable")
-    stage = np.repeat(t.stage[order], 2)
-    running = np.cumsum(np.stack([at_start[order], at_end[order]], axis=1).ravel())
-    first = np.searchsorted(stage, np.arange(num_stages))
-    before = np.concatenate([[0], running])[first]
-    peak = np.zeros(num_stages, dtype=np.int64)
-    np.maximum.at(peak, stage, running - before[stage])
-    return peak
 
 
 def _depths(devices: int, layers: int, data_parallel: bool) -> list[int]:

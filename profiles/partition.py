@@ -76,6 +76,54 @@ def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | 
     return bounds
 
 
+# A device's memory in a mirrored pair's cut (`mirrored_partition`): its bytes for every range [i, i') of the pair's
+# front stage, for every range [j', j) of its back stage (zeros where it holds none), and its capacity
+PairBytes = tuple[np.ndarray, np.ndarray, float]
+
+
+def mirrored_partition(layers: Sequence[LayerCost], stages: int, pair_bytes: Callable[[int], list[PairBytes]],
+                       stage_time: StageCosts | None = None) -> list[int]:
+    """Stage bounds minimising the slowest stage (`stage_time`, default and meaning as `partition`'s) where each
+    device's memory depends on the ranges of stages k and stages-1-k together (`pair_bytes(k)`: the devices holding
+    either, each with its capacity; the middle stage of an odd count, k = stages-1-k: its bytes in front), as a
+    bidirectional or V-shaped placement puts both on one device (DualPipe's device k holds stage k of one copy and
+    stages-1-k of the other; DualPipeV's and ZB-V's chunks) and a device holding one stage is a pair with nothing.
+    Solved exactly from the outside in: best[a, b] is the least slowest stage of the pairs still to cut over
+    layers [a, b), each pair a choice of its front's end a' and its back's start b'; ties keep the earliest cut
+    (a', then b'). PartitionError where no cut fits."""
+    n = _check(layers, stages)
+    stage_time = stage_time or _forward_backward_ms(layers)
+    inf, middle = math.inf, stages // 2
+    best = np.full((n + 1, n + 1), inf)
+    if stages % 2:  # the middle stage, a pair of its own
+        fits = np.logical_and.reduce([front <= cap for front, _, cap in pair_bytes(middle)])
+        best = np.where(fits, stage_time(middle), inf)
+    else:
+        np.fill_diagonal(best, 0.0)  # every layer cut
+    choices = []
+    for k in range(middle - 1, -1, -1):
+        front_ms, back_ms, devices = stage_time(k), stage_time(stages - 1 - k), pair_bytes(k)
+        inner = np.maximum(back_ms[None, :, :], best[:, :, None])  # [a', b', b]
+        level, chosen = np.full((n + 1, n + 1), inf), np.zeros((n + 1, n + 1), dtype=np.int64)
+        for a in range(n):  # the front stage ends at a' > a: [a + 1, n]
+            slowest = np.maximum(front_ms[a, a + 1:, None, None], inner[a + 1:])
+            for front, back, cap in devices:
+                slowest[front[a, a + 1:, None, None] + back[None, :, :] > cap] = inf
+            flat = slowest.reshape(-1, n + 1)
+            first = np.argmin(flat, axis=0)
+            chosen[a], level[a] = first + (a + 1) * (n + 1), flat[first, np.arange(n + 1)]
+        best = level
+        choices.append(chosen)
+    if best[0, n] == inf:
+        raise PartitionError(f"no cut of {n} layers into {stages} stages fits every device's memory")
+    front_cuts, back_cuts, a, b = [0], [n], 0, n
+    for chosen in reversed(choices):
+        a, b = divmod(int(chosen[a, b]), n + 1)
+        front_cuts.append(a)
+        back_cuts.append(b)
+    return front_cuts + back_cuts[::-1][stages % 2 == 0:]
+
+
 def ranges(prefix: Sequence[float] | np.ndarray) -> np.ndarray:
     """Entry [i, j]: prefix[j] - prefix[i], what items i .. j-1 add up to given the prefix sums (0 first)."""
     values = np.asarray(prefix)

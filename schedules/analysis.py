@@ -441,3 +441,16 @@ def weight_versions(schedule: Schedule) -> Versions:
         levels = [np.cumsum(np.where(mine == q, copies_delta[lo:hi], 0)) for q in np.unique(mine)]
         held_after[lo:hi] += np.max(levels, axis=0)
     return Versions(read, prediction, copies_delta, held_after)
+
+
+def peak_per_stage(t: ActionTable, at_start: np.ndarray, at_end: np.ndarray, num_stages: int) -> np.ndarray:
+    """Per stage, the peak of a running count changed at its actions' starts and ends, in program order (a
+    stage lives on one device, so a stable sort by stage keeps that order)."""
+    order = np.argsort(t.stage, kind="stable")
+    stage = np.repeat(t.stage[order], 2)
+    running = np.cumsum(np.stack([at_start[order], at_end[order]], axis=1).ravel())
+    first = np.searchsorted(stage, np.arange(num_stages))
+    before = np.concatenate([[0], running])[first]
+    peak = np.zeros(num_stages, dtype=np.int64)
+    np.maximum.at(peak, stage, running - before[stage])
+    return peak

@@ -44,7 +44,7 @@ from ..schedules import (
 from ..schedules.lowering import Lowered, lower, preflight
 from ..traces.trace import Counter, Ops, Stream, Trace, TraceMeta
 from .cluster import Cluster
-from .costs import TRANSIENT_KINDS, Costs, RowOverhead, kept_until_update_refusal
+from .costs import TRANSIENT_KINDS, Costs, RowOverhead, StageCosts, kept_until_update_refusal
 
 _PS_PER_MS = 1e9
 # `_Model._lockstep`: the steps per sweep, over a window of sweeps, above which sweeping pays (a sweep costs about
@@ -636,29 +636,33 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     buffers its stages keep, each `StageCosts.receive_buffer_bytes` a micro-batch (communication). Its memory
     never drops below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
-
-    def shard(nbytes: int) -> int:
-        return -(-nbytes // schedule.gradient_ranks)
-
     for device in range(schedule.num_devices):
-        mine = [costs.stages[s] for s in schedule.stages_on(device)]
-        weights = sum(c.param_bytes for c in mine)
-        stored, grads = weights, sum(c.gradient_bytes for c in mine)
-        state = sum(c.optimizer_state_bytes for c in mine)
-        if schedule.zero >= 3:  # ZeRO-3 (FSDP): the weights as stored, sharded
-            stored = shard(sum(c.stored_param_bytes for c in mine))
-        if schedule.zero >= 2:  # ZeRO-2: the gradients only while computed and until the update (`_unsharded`)
-            grads = 0
-        if schedule.zero >= 1:  # ZeRO-1: each of the d replicas keeps its shard of the state
-            state = shard(state)
-        float8 = sum(c.float8_weight_bytes for c in mine)  # a float8 recipe's weight casts: never sharded
-        held = {"parameters": (stored + float8) * schedule.pipelines + schedule.policy.extra_copies * weights,
-                "gradients": grads * schedule.pipelines,
-                "optimizer_state": state * schedule.pipelines,
-                "communication": schedule.microbatches * sum(c.receive_buffer_bytes for c in mine)}
+        held = held_static_parts(schedule, [costs.stages[s] for s in schedule.stages_on(device)])
         for part, values in parts.items():
             values.append(held.get(part, 0))
     return parts
+
+
+def held_static_parts(schedule: Schedule, mine: Sequence[StageCosts]) -> dict[str, int]:
+    """`static_parts` of a device holding the stages `mine` (by part; those it holds none of left out), also what
+    the memory-fitting partitioner counts a layer to hold (planning/scenario.py `Scenario.cut`)."""
+    def shard(nbytes: int) -> int:
+        return -(-nbytes // schedule.gradient_ranks)
+
+    weights = sum(c.param_bytes for c in mine)
+    stored, grads = weights, sum(c.gradient_bytes for c in mine)
+    state = sum(c.optimizer_state_bytes for c in mine)
+    if schedule.zero >= 3:  # ZeRO-3 (FSDP): the weights as stored, sharded
+        stored = shard(sum(c.stored_param_bytes for c in mine))
+    if schedule.zero >= 2:  # ZeRO-2: the gradients only while computed and until the update (`_unsharded`)
+        grads = 0
+    if schedule.zero >= 1:  # ZeRO-1: each of the d replicas keeps its shard of the state
+        state = shard(state)
+    float8 = sum(c.float8_weight_bytes for c in mine)  # a float8 recipe's weight casts: never sharded
+    return {"parameters": (stored + float8) * schedule.pipelines + schedule.policy.extra_copies * weights,
+            "gradients": grads * schedule.pipelines,
+            "optimizer_state": state * schedule.pipelines,
+            "communication": schedule.microbatches * sum(c.receive_buffer_bytes for c in mine)}
 
 
 def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:

@@ -1,0 +1,104 @@
+"""`--stage-cut fit`: the cut balanced for time within each device's memory (planning/scenario.py `Scenario.cut`,
+profiles/partition.py `mirrored_partition`), held against every cut of small problems and against the simulator's
+peaks where the time-balanced cut does not fit."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from pipesim.profiles.partition import PartitionError, mirrored_partition, ranges
+from tests.conftest import pipesim, simulate_json
+
+# A 40 GB A100 and a GPT whose stages' activations, held as the schedule holds them, outgrow it where the cut is
+# balanced for time alone (the head's stage is slow, so the first stages take more layers)
+GPT = ("--model", "gpt", "--layers", 8, "--width", 4096, "--heads", 32, "--seq-len", 2048, "--vocab", 50304,
+       "--gpu", "a100-sxm-40gb", "-p", 4, "-m", 8)
+
+
+def _fullest_pair(cut: list[tuple[int, int]], stage_bytes: list[np.ndarray]) -> float:
+    """The most any device holds where stage k and stages-1-k share one (the middle of an odd count alone)."""
+    stages = len(cut)
+    return max(stage_bytes[k][cut[k]] + (stage_bytes[stages - 1 - k][cut[stages - 1 - k]] if 2 * k + 1 != stages
+                                         else 0) for k in range((stages + 1) // 2))
+
+
+def _fastest_fitting(n: int, stages: int, ms: np.ndarray, stage_bytes: list[np.ndarray], cap: float) -> float:
+    """Every cut tried: the least slowest stage of those that fit."""
+    cuts = [list(zip((0, *inner), (*inner, n))) for inner in itertools.combinations(range(1, n), stages - 1)]
+    return min((max(ms[i, j] for i, j in cut) for cut in cuts if _fullest_pair(cut, stage_bytes) <= cap),
+               default=math.inf)
+
+
+def test_the_mirrored_cut_is_the_fastest_of_every_cut_that_fits():
+    """Random layers on 1 to 5 stages, stage k and stages-1-k on one device (DualPipe's placement, one stage alone
+    in the middle): the cut found is as fast as the fastest of all that fit, and fits; none fits, refused."""
+    rng = np.random.default_rng(7)
+    for _ in range(120):
+        n = int(rng.integers(2, 8))
+        stages = int(rng.integers(1, min(n, 5) + 1))
+        ms = ranges(np.concatenate([[0.0], np.cumsum(rng.integers(1, 5, n))]))
+        ms[np.tri(n + 1, dtype=bool)] = math.inf  # no empty or reversed range
+        stage_bytes = [ranges(np.concatenate([[0], np.cumsum(rng.integers(1, 5, n))])) * int(rng.integers(1, 4))
+                       for _ in range(stages)]
+        cap = float(rng.integers(5, 30))
+        none = np.zeros_like(stage_bytes[0])
+
+        def pair_bytes(k: int) -> list:
+            back = stages - 1 - k
+            return [(stage_bytes[k], stage_bytes[back] if back != k else none, cap)]
+
+        want = _fastest_fitting(n, stages, ms, stage_bytes, cap)
+        if want == math.inf:
+            with pytest.raises(PartitionError, match=f"no cut of {n} layers into {stages} stages fits"):
+                mirrored_partition([None] * n, stages, pair_bytes, lambda k: ms)
+            continue
+        cut = mirrored_partition([None] * n, stages, pair_bytes, lambda k: ms)
+        assert cut[0] == 0 and cut[-1] == n and len(cut) == stages + 1 and all(np.diff(cut) > 0)
+        assert max(ms[i, j] for i, j in itertools.pairwise(cut)) == want
+        assert _fullest_pair(list(itertools.pairwise(cut)), stage_bytes) <= cap
+
+
+def _peaks(result: dict) -> tuple[list[float], list[float]]:
+    return ([device["peak_memory_mb"] for device in result["devices"]],
+            [device["memory_limit_mb"] for device in result["devices"]])
+
+
+@pytest.mark.parametrize(("schedule", "batch"), [("1f1b", 8), ("dualpipe", 4)])
+def test_fit_cuts_within_every_devices_memory_where_the_balanced_cut_does_not(schedule, batch):
+    """1F1B (a stage a device) and DualPipe (stage k of one copy beside p-1-k of the other on device k): the
+    time-balanced cut runs a device out of its 40 GB, the fitted one keeps every device within it."""
+    args = (*GPT, "-b", batch, "-s", schedule)
+    (balanced,) = simulate_json(*args)
+    (fitted,) = simulate_json(*args, "--stage-cut", "fit")
+    peaks, limits = _peaks(balanced)
+    assert any(peak > limit for peak, limit in zip(peaks, limits))
+    peaks, limits = _peaks(fitted)
+    assert all(peak <= limit for peak, limit in zip(peaks, limits))
+    assert fitted["stage_bounds"] != balanced["stage_bounds"]
+    assert balanced["stage_bounds"][0] == 0 and balanced["stage_bounds"][-1] == fitted["stage_bounds"][-1] == 10
+
+
+def test_fit_keeps_the_balanced_cut_where_it_fits():
+    (balanced,) = simulate_json(*GPT, "-b", 2, "-s", "dualpipe")
+    (fitted,) = simulate_json(*GPT, "-b", 2, "-s", "dualpipe", "--stage-cut", "fit")
+    assert fitted["stage_bounds"] == balanced["stage_bounds"]
+    assert fitted["time_per_minibatch_ms"] == balanced["time_per_minibatch_ms"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("-b", 8, "-s", "dualpipe"), "--stage-cut fit: dualpipe: no cut of 10 layers into 4 stages fits every "
+                                  "device's memory"),
+    (("-b", 8, "-s", "interleaved-1f1b", "--chunks", 2), "--stage-cut fit: interleaved-1f1b: no cut of 10 layers "
+                                                         "into 8 stages fits every device's memory, each stage of a "
+                                                         "device within an equal share of it"),
+    (("-b", 4, "-s", "1f1b", "--pp-runtime", "torch"), "the receive buffers --pp-runtime torch keeps are not "
+                                                       "counted: use --stage-cut balanced"),
+    (("-b", 4, "-s", "graphpipe"), "graphpipe builds its schedule for the cut: use --stage-cut balanced"),
+])
+def test_fit_refuses_in_one_line(args, message):
+    code, out, err = pipesim("simulate", *GPT, *args, "--stage-cut", "fit")
+    assert code == 2 and not out and err.count("\n") == 1 and message in err, err
