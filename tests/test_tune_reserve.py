@@ -55,8 +55,8 @@ class _Captured(Exception):
     """Raised in place of the search: the command line's settings are all the fixture wanted."""
 
 
-def searched_settings(*flags) -> list:
-    """The profiles `tune --gpu` searches for MODEL under `flags` (the search itself not run)."""
+def searched_settings(*flags, model: tuple = MODEL) -> list:
+    """The profiles `tune --gpu` searches for `model` under `flags` (the search itself not run)."""
     from pipesim.planning import tune as tuning
 
     captured = []
@@ -68,7 +68,7 @@ def searched_settings(*flags) -> list:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tuning, "tune", capture)
         with pytest.raises(_Captured):
-            pipesim("tune", *MODEL, *flags)
+            pipesim("tune", *model, *flags)
     return captured
 
 
