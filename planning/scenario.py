@@ -171,17 +171,25 @@ class Scenario:
         if sched.gradient_ranks == 1:
             return costs
         link = self.data_parallel_link(sched)
-        return self._bucketed_first_stage(collective_costs(costs, sched, link, self._expert_replicas(sched)),
-                                          sched, link, bounds)
+        return self._distributed_optimizer_collectives(
+            collective_costs(costs, sched, link, self._expert_replicas(sched)), sched, link, bounds)
 
-    def _bucketed_first_stage(self, costs: Costs, sched: Schedule, link: CollectiveLink,
-                              bounds: Sequence[int] | None) -> Costs:
+    def _distributed_optimizer_collectives(self, costs: Costs, sched: Schedule, link: CollectiveLink,
+                                           bounds: Sequence[int] | None) -> Costs:
         """An estimate's run under Megatron-core's distributed optimizer (ZeRO-1, each stage reduced after its last
         backward) reduce-scatters and all-gathers its first model stage in buckets (planning/buckets.py): its
         REDUCE is what of the buckets' reduce-scatters runs past its last backward, its GATHER what its first
         forward waits for its buckets' all-gathers (on a part with persistent products, Hopper, every bucket's
-        whole time: what runs beside a product delays it); every other stage is one bucket, as its rows are. A stage
-        holding routed experts (their own bucket groups) or a schedule of several model copies: as it is."""
+        whole time: what runs beside a product delays it); every other stage is one bucket, as its rows are. On a
+        part with persistent products the one bucket of a stage that is not its device's first (an interleaved
+        chunk after the first, a V-shape's second stage) runs beside its device's other stages' products: its
+        reduce-scatter after its last backward beside the backwards of the stages before it, its all-gather at
+        the step's start beside the forwards of the stages before it (Megatron-core's `overlap_grad_reduce` and
+        `overlap_param_gather`), and NCCL's kernels hold multiprocessors the products' persistent CTAs wait for,
+        so each delays them by its whole time (`StageCosts.collective_delay_ms`). A device's first stage's
+        collectives run when nothing else does (after its last backward, before its first forward): the simulator
+        exposes them as they are. A stage holding routed experts (their own bucket groups) or a schedule of
+        several model copies: as it is."""
         from .buckets import bucket_params, buckets, exposed_gather_ms, exposed_reduce_ms
 
         measured = self.measured
@@ -204,11 +212,17 @@ class Scenario:
             return [stage_ms * ms / total if total else stage_ms / len(times) for ms in times]
 
         persistent = bool(measured.estimate.curve.get("persistent_products"))
-        return replace(costs, stages=(replace(
+        first = replace(
             first, reduce_ms=exposed_reduce_ms(shares([layer.bwd.median_ms for layer in layers], first.bwd_ms),
                                                bucketed, bucket_ms, persistent),
             gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms),
-                                        bucketed, bucket_ms, persistent)), *costs.stages[1:]))
+                                        bucketed, bucket_ms, persistent))
+        rest = costs.stages[1:]
+        if persistent:
+            devices_first = {min(sched.stages_on(device)) for device in range(sched.num_devices)}
+            rest = tuple(c if stage in devices_first else replace(c, collective_delay_ms=c.reduce_ms + c.gather_ms)
+                         for stage, c in enumerate(rest, 1))
+        return replace(costs, stages=(first, *rest))
 
     def amax_reduction_ms(self, sched: Schedule) -> float:
         """TransformerEngine's delayed scaling (an estimate's te recipe) all-reduces the amaxes of a chunk's float8

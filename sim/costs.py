@@ -126,6 +126,9 @@ class StageCosts:
     `fwd_sharing_ms` and `bwd_sharing_ms`: the forward and backward on the multiprocessors the dispatcher's kernels
     leave them (0: none held), which an overlapped pair's part runs at while the other part's all-to-alls run
     (`Costs.sharing_dispatcher_ms`);
+    `collective_delay_ms`: how long the stage's REDUCE and GATHER hold back the products of its device's other
+    stages they run beside (their whole time where products run persistent CTAs: planning/scenario.py's
+    `_distributed_optimizer_collectives`), paid in its OPT row, which runs that much longer;
     `expert_param_bytes`, of `param_bytes`, the routed experts' weights, whose gradients under E-way expert
     parallelism only the d/E replicas that hold the same experts reduce.
     `ring_fwd_ms` and `ring_bwd_ms`: the link time of the key/value exchanges of the stage's attention around its
@@ -176,6 +179,7 @@ class StageCosts:
     all_to_all_paired_ms: float = 0.0
     fwd_sharing_ms: float = 0.0
     bwd_sharing_ms: float = 0.0
+    collective_delay_ms: float = 0.0
     expert_param_bytes: int = 0
     ring_fwd_ms: float = 0.0
     ring_bwd_ms: float = 0.0
@@ -204,7 +208,7 @@ class StageCosts:
         times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
                  "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms",
                  "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms",
-                 "all_to_all_paired_ms", "gather_cast_ms")
+                 "all_to_all_paired_ms", "gather_cast_ms", "collective_delay_ms")
         optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
                     "all_gather_bytes")
         for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
@@ -419,7 +423,7 @@ def _op_ms(c: StageCosts, pipelines: int) -> list[float]:
         Kind.B: c.bwd_ms,
         Kind.I: c.igrad_ms if c.igrad_ms is not None else c.bwd_ms * (1.0 - c.wgrad_fraction),
         Kind.W: c.wgrad_ms if c.wgrad_ms is not None else c.bwd_ms * c.wgrad_fraction,
-        Kind.OPT: c.opt_ms,
+        Kind.OPT: c.opt_ms + c.collective_delay_ms,
         Kind.PRED: c.pred_ms,
         Kind.AVG: c.avg_ms * pipelines,
         Kind.REDUCE: c.reduce_ms,

@@ -2,6 +2,8 @@
 bucket by bucket, max(40M, 1M x d) parameters each (distributed_data_parallel.py), so only the buckets the
 backward's end and the forward's start wait for are exposed."""
 
+from dataclasses import replace
+
 import pytest
 
 from pipesim.planning import buckets
@@ -90,3 +92,47 @@ def test_beside_persistent_products_every_buckets_collective_costs_its_whole_tim
     assert stage.reduce_ms == pytest.approx(whole_ms, rel=1e-9)
     assert stage.gather_ms == pytest.approx(whole_ms, rel=1e-9)
     assert whole_ms > collective_ms(*profile.layers)  # three latencies, not one
+
+
+
+def _interleaved(gpu: str):
+    """A gpt of an embedding, six blocks and a head estimated on `gpu` and cut into four model stages, run as
+    interleaved 1F1B (p = 2, v = 2, m = 4) under ZeRO-1 over 8 replicas: its schedule, its costs, and the step of
+    costs on its links in ms."""
+    torch = pytest.importorskip("torch")
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Parallelism, estimate_profile
+    from pipesim.planning.scenario import profile_scenario
+    from pipesim.schedules import ScheduleParams
+    from pipesim.sim.engine import simulate
+    from pipesim.traces.metrics import summarize
+    from pipesim.workload.count import count_built
+
+    count = count_built("gpt", dict(layers=6, width=2048, ffn=8192, heads=16, seq_len=2048, vocab=32768), 1,
+                        torch.bfloat16)
+    profile = estimate_profile(count, load_catalogue().find(gpu), Parallelism(data=8, sharded_optimizer=True))
+    scenario = profile_scenario(profile, "adam")
+    sched = scenario.build("interleaved-1f1b", ScheduleParams(2, 4, chunks=2, data_parallel=8, zero=1))
+    return sched, scenario.costs(sched), lambda costs: summarize(
+        simulate(sched, costs, scenario.links(sched))).makespan_ms
+
+
+def test_beside_persistent_products_a_stage_after_its_devices_first_pays_its_collectives_whole():
+    """On an H100 the second chunk of each device (model stages 2 and 3) reduce-scatters its gradients beside
+    the backward of its device's first chunk and all-gathers its weights beside that chunk's forwards, and the
+    persistent products wait out both whole, paid in its update; the devices' first chunks' collectives run
+    alone and are not charged again. On an A100 (products in waves) nothing is."""
+    from pipesim.schedules import KINDS, Kind
+
+    sched, costs, step_ms = _interleaved("h100-sxm")
+    assert sched.placement == (0, 1, 0, 1)
+    delays = [c.collective_delay_ms for c in costs.stages]
+    assert delays[:2] == [0.0, 0.0]
+    assert delays[2:] == [pytest.approx(c.reduce_ms + c.gather_ms) for c in costs.stages[2:]]
+    assert min(delays[2:]) > 0
+    opt_ms = costs.op_ms_table(1)[:, KINDS.index(Kind.OPT)]
+    assert list(opt_ms) == [pytest.approx(c.opt_ms + c.collective_delay_ms) for c in costs.stages]
+    undelayed = replace(costs, stages=tuple(replace(c, collective_delay_ms=0.0) for c in costs.stages))
+    assert step_ms(costs) > step_ms(undelayed)
+    _, a100, _ = _interleaved("a100-sxm-80gb")
+    assert [c.collective_delay_ms for c in a100.stages] == [0.0] * 4
