@@ -21,9 +21,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import accumulate
+from operator import itemgetter
 
 import numpy as np
 
@@ -227,6 +229,7 @@ def forget_searches() -> None:
     """Search again rather than remember, the fixed orders built anew too (benchmarks, tests of determinism)."""
     _SEARCHED.clear()
     _fixed_patterns.cache_clear()
+    _step_table.cache_clear()
 
 
 def _search(times: StageTimes, budget_seconds: float, progress: Callable[[float], None] | None) -> Pattern:
@@ -481,12 +484,8 @@ def peak_bytes(pattern: Pattern, times: StageTimes) -> list[float]:
     peaks = []
     for k, ops in enumerate(pattern):
         held, kept = times.held_bytes[k], times.kept_bytes[k]
-        delta = (held, kept - held, -kept, -held)
-        level = peak = 0.0
-        for code, _ in ops:
-            level += delta[code]
-            peak = max(peak, level)
-        peaks.append(peak)
+        delta = (held, kept - held, -kept, -held)  # by op code: F, I, W, B
+        peaks.append(max(accumulate(map(delta.__getitem__, map(itemgetter(0), ops)), initial=0.0)))
     return peaks
 
 
@@ -495,10 +494,9 @@ def finish_ms(pattern: Pattern, times: StageTimes, minibatches: int) -> list[flo
     pattern and then its update per mini-batch; None if the pattern deadlocks. The simulator's model without
     contention: a device's ops run in order, each as soon as the device is free and its inputs have arrived."""
     p, m = times.stages, times.microbatches
-    units = m * minibatches
-    ends = [-1.0] * (2 * p * units)  # at k·units + u: F of stage k; at (p + k)·units + u: I or B of stage k
-    waiting: dict[int, int] = {}  # the index in `ends` a device waits for -> that device
-    steps = [_steps(pattern[k], k, times, units) for k in range(p)]
+    ends = [-1.0] * (2 * p * m * minibatches)  # at k·units + u: F of stage k; at (p + k)·units + u: I or B of stage k
+    waiting = [-1] * p  # the index in `ends` each device waits for (-1: none)
+    steps = [list(map(table.__getitem__, ops)) for table, ops in zip(_step_table(times, minibatches), pattern)]
     position, clock = [0] * p, [0.0] * p
     done = [0.0] * minibatches
     ready = deque(range(p))
@@ -507,28 +505,27 @@ def finish_ms(pattern: Pattern, times: StageTimes, minibatches: int) -> list[flo
         ops, opt_ms = steps[k], times.opt_ms[k]
         length = len(ops)
         b, r = divmod(position[k], length + 1)
-        now = clock[k]
+        now, offset = clock[k], b * m  # offset: the mini-batch's first unit
         while b < minibatches:
             if r == length:
                 now += opt_ms
                 done[b] = max(done[b], now)
-                b, r = b + 1, 0
+                b, r, offset = b + 1, 0, offset + m
                 continue
-            duration, source, delay, output, j = ops[r]
-            u = b * m + j
+            duration, source, delay, output, reader = ops[r]
             if source >= 0:
-                arrived = ends[source + u]
+                arrived = ends[source + offset]
                 if arrived < 0:
-                    waiting[source + u] = k
+                    waiting[k] = source + offset
                     break
                 if arrived + delay > now:
                     now = arrived + delay
             now += duration
             if output >= 0:
-                ends[output + u] = now
-                woken = waiting.pop(output + u, None)
-                if woken is not None:
-                    ready.append(woken)
+                ends[output + offset] = now
+                if waiting[reader] == output + offset:
+                    waiting[reader] = -1
+                    ready.append(reader)
             r += 1
         position[k], clock[k] = b * (length + 1) + r, now
     if any(i < (len(ops) + 1) * minibatches for i, ops in zip(position, pattern)):
@@ -536,25 +533,34 @@ def finish_ms(pattern: Pattern, times: StageTimes, minibatches: int) -> list[flo
     return done
 
 
-def _steps(ops: Sequence[tuple[int, int]], k: int, times: StageTimes, units: int) -> list[tuple]:
-    """Stage k's pattern as `finish_ms` walks it: per op its ms, where in `ends` the output it waits for starts
-    (-1: its own device's order suffices) and the transfer after it, where the end times it writes start (-1:
-    nothing waits for them), and its micro-batch."""
-    p = times.stages
-    durations = times.op_ms[k]
-    steps = []
-    for code, j in ops:
-        source, delay, output = -1, 0.0, -1
-        if code == _F:
-            output = k * units if k < p - 1 else -1
-            if k:
-                source, delay = (k - 1) * units, times.send_ms[k - 1]
-        elif code != _W:
-            output = (p + k) * units if k else -1
-            if k < p - 1:
-                source, delay = (p + k + 1) * units, times.grad_ms[k]
-        steps.append((durations[code], source, delay, output, j))
-    return steps
+@lru_cache(maxsize=8)
+def _step_table(times: StageTimes, minibatches: int) -> tuple[dict[tuple[int, int], tuple], ...]:
+    """Per stage k, each op (code, micro-batch j) as `finish_ms` walks it: its ms, where in `ends` the output it
+    waits for is in the first mini-batch (-1: its own device's order suffices) and the transfer after it, where
+    the end time it writes is (-1: nothing waits for it) and which device reads it. Built once per search (a
+    search times hundreds of patterns on the same stages), so that a pattern's steps are a lookup per op."""
+    p, m = times.stages, times.microbatches
+    units = m * minibatches
+    tables = []
+    for k in range(p):
+        table = {}
+        for code, duration in enumerate(times.op_ms[k]):
+            source, delay, output, reader = -1, 0.0, -1, -1
+            if code == _F:
+                if k < p - 1:
+                    output, reader = k * units, k + 1
+                if k:
+                    source, delay = (k - 1) * units, times.send_ms[k - 1]
+            elif code != _W:
+                if k:
+                    output, reader = (p + k) * units, k - 1
+                if k < p - 1:
+                    source, delay = (p + k + 1) * units, times.grad_ms[k]
+            for j in range(m):
+                table[code, j] = (duration, source + j if source >= 0 else -1, delay,
+                                  output + j if output >= 0 else -1, reader)
+        tables.append(table)
+    return tuple(tables)
 
 
 @dataclass(frozen=True)
@@ -588,110 +594,144 @@ class Knobs:
 def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
     """The list scheduler's pattern: `_STEADY` mini-batches scheduled one after another, each device deciding
     whenever it is free (devices in time order, through a heap); the last mini-batch's order (the steady one)
-    is the pattern. None where the knobs leave a device nothing it can ever run."""
+    is the pattern. None where the knobs leave a device nothing it can ever run.
+
+    Each device runs as a generator that keeps its own counters, memory and costs in local variables and yields
+    whenever another device is due before it: the search's dearest loop reads locals, not per-device lists. A
+    device waits for at most one F and one I at a time, so who waits for an end time is a slot per device."""
     p, m, n = times.stages, times.microbatches, _STEADY
-    cap, reserve, guard = knobs.in_flight, knobs.reserve, knobs.guard
-    held, kept, limit = times.held_bytes, times.kept_bytes, [x + 1e-9 for x in times.limit_bytes]
-    send = [*times.send_ms, 0.0]  # send[k]: stage k to k + 1
-    grad = [*times.grad_ms, 0.0]  # grad[k]: stage k + 1 back to k
-    durations = times.op_ms
     units = m * n
-    forward_end = [[-1.0] * units for _ in range(p + 1)]  # [k + 1][u]: F of stage k; [0]: the input, at once
-    forward_end[0] = [0.0] * units
-    backward_end = [[-1.0] * units for _ in range(p + 1)]  # [k][u]: I of stage k; [p]: the loss, at once
-    backward_end[p] = [0.0] * units
-    waiting: dict[tuple[int, int, int], list[int]] = {}  # (0: F / 1: I, stage, unit) -> devices waiting on it
-    minibatch, forwards, backwards = [0] * p, [0] * p, [0] * p
-    pending: list[deque[int]] = [deque() for _ in range(p)]
-    memory, clock = [0.0] * p, [0.0] * p
-    token, due, asleep = [0] * p, [0.0] * p, [False] * p  # a device's live heap entry and when it is due
+    forward_end = [0.0] * units + [-1.0] * (p * units)  # at (k + 1)·units + u: F of stage k; at u: the input, at once
+    backward_end = [-1.0] * (p * units) + [0.0] * units  # at k·units + u: I of stage k; at p·units + u: the loss
+    waits_f, waits_i = [-1] * p, [-1] * p  # [k]: the unit whose F (I) device k waits for from its neighbour
+    # per device: when it last stopped (read only while it is stopped), its live heap entry, when it is due
+    clock, token, due, asleep = [0.0] * p, [0] * p, [0.0] * p, [False] * p
     recorded: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     heap = [(0.0, k, 0) for k in range(p)]
-    finished = 0
+    push = heapq.heappush
 
-    def wake(key: tuple[int, int, int], at: float) -> None:
-        for d in waiting.pop(key, ()):
-            at_d = max(clock[d], at)
-            if asleep[d] or at_d < due[d]:
-                asleep[d] = False
-                token[d] += 1
-                due[d] = at_d
-                heapq.heappush(heap, (at_d, d, token[d]))
-
-    while heap:
-        now, k, live = heapq.heappop(heap)
-        if live != token[k]:
-            continue
-        while True:  # device k decides at `now`, and again at once while no other device is due before it
-            b, f, i = minibatch[k], forwards[k], backwards[k]
-            if i == m and not pending[k]:
-                now += times.opt_ms[k]
-                minibatch[k] += 1
-                forwards[k] = backwards[k] = 0
-                if minibatch[k] == n:
-                    finished += 1
-                    break
-            else:
-                base = b * m
+    def device(k: int) -> Generator[tuple[float, int, int] | None, float, bool]:
+        """Device k's decisions, resumed with the time it is due at. It yields its heap entry where it is due
+        again at once but another device is due first (the loop pushes it as it pops the next), else nothing;
+        returns whether it finished (False: the knobs leave it nothing it can ever run)."""
+        cap, reserve, guard = knobs.in_flight[k], knobs.reserve[k], knobs.guard[k]
+        held, kept, limit = times.held_bytes[k], times.kept_bytes[k], times.limit_bytes[k] + 1e-9
+        freed = held - kept
+        f_ms, i_ms, w_ms = times.op_ms[k][_F], times.op_ms[k][_I], times.op_ms[k][_W]
+        forward_in, backward_in = k * units, (k + 1) * units  # where the inputs it waits for are
+        send_in = times.send_ms[k - 1] if k else 0.0  # its F's input's transfer
+        grad_in = times.grad_ms[k] if k < p - 1 else 0.0  # its I's
+        below = k + 1 if k < p - 1 else -1
+        send_out = times.send_ms[k] if below >= 0 else 0.0
+        grad_out = times.grad_ms[k - 1] if k else 0.0
+        record = recorded[k].append
+        pending: deque[int] = deque()
+        memory, inf = 0.0, math.inf
+        now = yield
+        for b in range(n):
+            base, keep = b * m, b == n - 1
+            f = i = 0
+            while i < m or pending:
                 i_at = f_at = None
                 if i < f:
-                    arrived = backward_end[k + 1][base + i]
+                    arrived = backward_end[backward_in + base + i]
                     if arrived >= 0:
-                        i_at = arrived + grad[k]
-                room = memory[k] + held[k] <= limit[k]
-                if f < m and f - i < cap[k]:
-                    arrived = forward_end[k][base + f]
+                        i_at = arrived + grad_in
+                if f < m and f - i < cap:
+                    arrived = forward_end[forward_in + base + f]
                     if arrived >= 0:
-                        f_at = arrived + (send[k - 1] if k else 0.0)
-                # an F that would end after the mini-batch's first I arrives delays the whole backward chain, which a
-                # guarded stage avoids
-                free_until = i_at if guard[k] and i == 0 and i_at is not None else math.inf
+                        f_at = arrived + send_in
+                # an F that would end after the mini-batch's first I arrives delays the whole backward chain, which
+                # a guarded stage avoids
+                free_until = i_at if guard and i == 0 and i_at is not None else inf
                 if i_at is not None and i_at <= now:
-                    code, j = _I, i
-                elif f_at is not None and f_at <= now and room and now + durations[k][_F] <= free_until:
-                    code, j = _F, f
-                elif pending[k] and now + durations[k][_W] <= free_until and (
-                        len(pending[k]) > reserve[k] or i == f == m or (f_at is not None and f_at <= now)):
-                    code, j = _W, pending[k].popleft()
+                    now += i_ms
+                    if keep:
+                        record((_I, i))
+                    memory -= freed
+                    pending.append(i)
+                    ends, out, slots, reader, delay = backward_end, k * units, waits_i, k - 1, grad_out
+                    u = base + i
+                    i += 1
+                elif f_at is not None and f_at <= now and memory + held <= limit and now + f_ms <= free_until:
+                    now += f_ms
+                    if keep:
+                        record((_F, f))
+                    memory += held
+                    ends, out, slots, reader, delay = forward_end, (k + 1) * units, waits_f, below, send_out
+                    u = base + f
+                    f += 1
+                elif pending and now + w_ms <= free_until and (
+                        len(pending) > reserve or i == f == m or (f_at is not None and f_at <= now)):
+                    now += w_ms
+                    j = pending.popleft()
+                    if keep:
+                        record((_W, j))
+                    memory -= kept
+                    reader = -1
                 else:  # wait: for an input whose arrival is known, or for one not yet sent
-                    known = [t for t in (i_at, f_at) if t is not None and t > now]  # no room: W, to free it
-                    if i < f and i_at is None:
-                        waiting.setdefault((1, k + 1, base + i), []).append(k)
-                    if f < m and f - i < cap[k] and f_at is None:
-                        waiting.setdefault((0, k, base + f), []).append(k)
-                    elif not known and not (i < f and i_at is None):
-                        return None
+                    sleeps = i < f and i_at is None
+                    if sleeps:
+                        waits_i[k] = base + i
+                    wake_at = i_at  # None or later than now (else it would run): the earliest known arrival
+                    if f_at is not None and f_at > now and (wake_at is None or f_at < wake_at):
+                        wake_at = f_at  # an F that arrived but has no room does not wake it: a W frees the room
+                    if f < m and f - i < cap and f_at is None:
+                        waits_f[k] = base + f
+                    elif wake_at is None and not sleeps:
+                        return False
                     clock[k] = now
                     token[k] += 1
-                    if known:
-                        due[k] = min(known)
-                        heapq.heappush(heap, (due[k], k, token[k]))
+                    if wake_at is not None:
+                        due[k] = wake_at
+                        push(heap, (wake_at, k, token[k]))
                     else:
                         asleep[k] = True
-                    break
-                now += durations[k][code]
-                if b == n - 1:
-                    recorded[k].append((code, j))
-                u = base + j
-                if code == _F:
-                    memory[k] += held[k]
-                    forwards[k] += 1
-                    forward_end[k + 1][u] = now
-                    wake((0, k + 1, u), now + send[k])
-                elif code == _I:
-                    memory[k] -= held[k] - kept[k]
-                    backwards[k] += 1
-                    pending[k].append(j)
-                    backward_end[k][u] = now
-                    wake((1, k, u), now + grad[k - 1] if k else now)
-                else:
-                    memory[k] -= kept[k]
-            clock[k] = now
-            if heap and heap[0][0] <= now:
+                    now = yield
+                    continue
+                if reader >= 0:  # an F or I someone reads (no one reads stage 0's I or the last stage's F)
+                    ends[out + u] = now
+                    if slots[reader] == u:  # wake the neighbour waiting for it
+                        slots[reader] = -1
+                        ready_at = now + delay
+                        if clock[reader] > ready_at:
+                            ready_at = clock[reader]
+                        if asleep[reader] or ready_at < due[reader]:
+                            asleep[reader] = False
+                            token[reader] += 1
+                            due[reader] = ready_at
+                            push(heap, (ready_at, reader, token[reader]))
+                if heap and heap[0][0] <= now:  # another device decides first
+                    clock[k] = now
+                    token[k] += 1
+                    due[k] = now
+                    now = yield now, k, token[k]
+            now += times.opt_ms[k]
+            if not keep and heap and heap[0][0] <= now:
+                clock[k] = now
                 token[k] += 1
                 due[k] = now
-                heapq.heappush(heap, (now, k, token[k]))
-                break
+                now = yield now, k, token[k]
+        return True
+
+    resume = [runner.send for runner in map(device, range(p))]
+    for start in resume:
+        start(None)
+    finished, pop, push_pop = 0, heapq.heappop, heapq.heappushpop
+    entry = pop(heap) if heap else None
+    while entry is not None:
+        now, k, live = entry
+        if live != token[k]:
+            entry = pop(heap) if heap else None
+            continue
+        try:
+            again = resume[k](now)
+        except StopIteration as stop:
+            if not stop.value:
+                return None
+            finished += 1
+            again = None
+        entry = push_pop(heap, again) if again is not None else pop(heap) if heap else None
     if finished < p:
         return None
     return tuple(tuple(ops) for ops in recorded)
