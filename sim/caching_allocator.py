@@ -48,11 +48,6 @@ LARGE_ROUNDING_BYTES = 2 * MIB  # kRoundLarge: what such a segment is rounded up
 # equal-sized cached blocks of a pool order as first made first (best fit's ties: the lowest address)
 POOL_SHIFT = 48
 SEGMENT_GAP_BYTES = MIN_BLOCK_BYTES
-MAX_STREAMS = 1 << 15  # so that every address, its pool above POOL_SHIFT, is under 1 << KEY_SHIFT
-# How a pool orders its cached blocks (BlockComparatorSize): by size, then address, as one number,
-# size << KEY_SHIFT | address, which a list bisects faster than a tuple
-KEY_SHIFT = 64
-ADDRESS_MASK = (1 << KEY_SHIFT) - 1
 
 # What `CachingAllocator.run` replays: (slot, request bytes, pool) a block each, the request rounded (`round_request`)
 # and its pool decided (`pool_of`) once, its address put in the slot; a request of 0 bytes frees the slot's block
@@ -79,8 +74,8 @@ def segment_bytes(request_bytes: int) -> int:
 
 def pool_of(request_bytes: int, stream: int) -> int:
     """The pool a rounded request on `stream` takes its block from: the stream's small one (odd) or large one."""
-    if not 0 <= stream < MAX_STREAMS:
-        raise ValueError(f"stream: from 0 to {MAX_STREAMS - 1} (got {stream})")
+    if stream < 0:
+        raise ValueError(f"stream: 0 or more (got {stream})")
     return stream << 1 | (request_bytes <= SMALL_REQUEST_BYTES)
 
 
@@ -99,7 +94,11 @@ class CachingAllocator:
     _allocated: dict[int, int] = field(default_factory=dict)  # the blocks handed out: bytes by address
     _cached_at: dict[int, int] = field(default_factory=dict)  # the cached blocks: bytes by address
     _cached_ending: dict[int, int] = field(default_factory=dict)  # the cached blocks: address by where they end
-    _cached: defaultdict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # per pool, keys sorted
+    # per pool, how it orders its cached blocks (BlockComparatorSize: by size, then address): their sizes, sorted
+    # and each once, and by size their addresses, negated and sorted, so that best fit is a bisection over the few
+    # sizes a step makes and its tie the last of that size's list (`_cache`, `_uncache`)
+    _pools: defaultdict[int, tuple[list[int], dict[int, list[int]]]] = field(
+        default_factory=lambda: defaultdict(lambda: ([], {})))
     _segments: dict[int, int] = field(default_factory=dict)  # every segment's bytes by address
     _next_address: dict[int, int] = field(default_factory=dict)  # per pool, where its next segment starts
 
@@ -119,27 +118,28 @@ class CachingAllocator:
         when the block is split (`should_split`); a freed block merges with its cached neighbours (`free_block`,
         `try_merge_blocks`) and is cached. The rules as one loop, `malloc` and `free` included (one op each):
         a device's step is millions of them."""
-        allocated, cached_at, cached_ending = self._allocated, self._cached_at, self._cached_ending
-        cached = self._cached
+        allocated, cached_at, cached_ending, pools = self._allocated, self._cached_at, self._cached_ending, self._pools
         max_split = self.max_split_bytes
         allocated_bytes, peak_allocated_bytes = self.allocated_bytes, self.peak_allocated_bytes
         try:
             for slot, request, pool in ops:
                 if request:
-                    keys = cached[pool]
-                    at = bisect_left(keys, request << KEY_SHIFT)
-                    if at < len(keys) and (max_split is None or _may_take(request, keys[at] >> KEY_SHIFT, max_split)):
-                        key = keys.pop(at)
-                        size, address = key >> KEY_SHIFT, key & ADDRESS_MASK
+                    sizes, buckets = pools[pool]
+                    at = bisect_left(sizes, request)
+                    if at < len(sizes) and (max_split is None or _may_take(request, sizes[at], max_split)):
+                        size = sizes[at]
+                        bucket = buckets[size]
+                        address = -bucket.pop()
+                        if not bucket:
+                            del buckets[size], sizes[at]
                         del cached_at[address], cached_ending[address + size]
                     else:
                         address, size = self._new_segment(request, pool)
                     remaining = size - request
                     if (remaining >= MIN_BLOCK_BYTES if pool & 1 else  # `should_split`
                             remaining > SMALL_REQUEST_BYTES and (max_split is None or request < max_split)):
-                        rest = address + request
-                        insort(keys, remaining << KEY_SHIFT | rest)
-                        cached_at[rest], cached_ending[rest + remaining] = remaining, rest
+                        _cache(sizes, buckets, address + request, remaining)
+                        cached_at[address + request], cached_ending[address + size] = remaining, address + request
                         size = request
                     allocated[address] = size
                     allocated_bytes += size
@@ -150,17 +150,19 @@ class CachingAllocator:
                 address = slots[slot]
                 size = allocated.pop(address)
                 allocated_bytes -= size
-                keys = cached[address >> POOL_SHIFT]
+                sizes, buckets = pools[address >> POOL_SHIFT]
                 before = cached_ending.pop(address, None)
                 if before is not None:
-                    del cached_at[before], keys[bisect_left(keys, (address - before) << KEY_SHIFT | before)]
-                    address, size = before, size + address - before
+                    merged = cached_at.pop(before)
+                    _uncache(sizes, buckets, before, merged)
+                    address, size = before, size + merged
                 end = address + size
                 after = cached_at.pop(end, None)
                 if after is not None:
-                    del cached_ending[end + after], keys[bisect_left(keys, after << KEY_SHIFT | end)]
+                    del cached_ending[end + after]
+                    _uncache(sizes, buckets, end, after)
                     size += after
-                insort(keys, size << KEY_SHIFT | address)
+                _cache(sizes, buckets, address, size)
                 cached_at[address], cached_ending[address + size] = size, address
         finally:
             self.allocated_bytes, self.peak_allocated_bytes = allocated_bytes, peak_allocated_bytes
@@ -184,10 +186,28 @@ class CachingAllocator:
         """What a failed cudaMalloc makes torch do (`release_cached_blocks`): free every cached whole segment."""
         for address, size in [(address, size) for address, size in self._cached_at.items()
                               if self._segments.get(address) == size]:
-            keys = self._cached[address >> POOL_SHIFT]
+            _uncache(*self._pools[address >> POOL_SHIFT], address, size)
             del self._cached_at[address], self._cached_ending[address + size], self._segments[address]
-            del keys[bisect_left(keys, size << KEY_SHIFT | address)]
             self.reserved_bytes -= size
+
+
+def _cache(sizes: list[int], buckets: dict[int, list[int]], address: int, size_bytes: int) -> None:
+    """Put a block among its pool's cached ones (`CachingAllocator._pools`)."""
+    bucket = buckets.get(size_bytes)
+    if bucket is None:
+        buckets[size_bytes] = [-address]
+        insort(sizes, size_bytes)
+    else:
+        insort(bucket, -address)
+
+
+def _uncache(sizes: list[int], buckets: dict[int, list[int]], address: int, size_bytes: int) -> None:
+    """Take a block out of its pool's cached ones (`CachingAllocator._pools`)."""
+    bucket = buckets[size_bytes]
+    if len(bucket) == 1:
+        del buckets[size_bytes], sizes[bisect_left(sizes, size_bytes)]
+    else:
+        del bucket[bisect_left(bucket, -address)]
 
 
 def _may_take(request_bytes: int, block_bytes: int, max_split_bytes: int) -> bool:

@@ -81,6 +81,20 @@ def test_best_fit_among_cached_blocks():
     assert allocator.reserved_bytes == 80 * MIB
 
 
+def test_equal_cached_blocks_serve_lowest_address_first_whatever_order_they_were_freed_in():
+    """The cached blocks kept by size, each size's addresses in a list of its own: best fit's tie is the lowest
+    address, a size whose blocks are all taken is no longer offered, and a size cached again is."""
+    allocator = CachingAllocator()
+    first, second, third, small = (allocator.malloc(size * MIB) for size in (16, 16, 16, 14))
+    for address in (third, small, first, second):
+        allocator.free(address)
+    assert [allocator.malloc(15 * MIB) for _ in range(3)] == [first, second, third]
+    assert allocator.malloc(13 * MIB) == small
+    allocator.free(second)
+    assert allocator.malloc(11 * MIB) == second  # no 14 MiB block left: the 16 MiB one, not a new segment
+    assert allocator.reserved_bytes == 62 * MIB
+
+
 def test_blocks_of_different_segments_never_merge():
     allocator = CachingAllocator()
     _cached(allocator, 20, 20)
