@@ -326,7 +326,7 @@ def simulate(
     else:
         _print_table(summaries, built, steady, example, skipped, memory,
                      _cost_basis(scenario, built) + _overlap_text(built, pairs, fb_hidden_fraction)
-                     + _runtime_text(scenario),
+                     + _runtime_text(scenario) + _cut_text(scenario, {name: cuts[name] for name in names}),
                      [rate.get("mfu") for rate in rates], work.per_device_text() if work else "")
         for path in [*trace_paths, *([html] if html else [])]:
             stdout.print(f"wrote {path}", highlight=False)
@@ -466,6 +466,18 @@ def _runtime_text(scenario) -> str:
         return ""
     return (f"; tensors between stages held as {scenario.pp_runtime}'s pipeline runtime holds them (--pp-runtime "
             f"{scenario.pp_runtime})")
+
+
+def _cut_text(scenario, cuts: dict[str, list[int]]) -> str:
+    """For the caption: the layers each model stage holds where `--stage-cut fit` chose them (the cut is the
+    planner's, and a user asks which it chose)."""
+    from ..planning.scenario import FIT
+
+    if scenario.stage_cut != FIT:
+        return ""
+    held = ", ".join(f"{name} {'/'.join(str(stop - start) for start, stop in zip(cut, cut[1:]))}"
+                     for name, cut in cuts.items())
+    return f"; layers a model stage, cut for time within each device's memory (--stage-cut {FIT}): {held}"
 
 
 def _overlap_text(schedules: list, pairs: dict[str, int], fraction: float) -> str:

@@ -82,6 +82,16 @@ def test_fit_cuts_within_every_devices_memory_where_the_balanced_cut_does_not(sc
     assert balanced["stage_bounds"][0] == 0 and balanced["stage_bounds"][-1] == fitted["stage_bounds"][-1] == 10
 
 
+def test_the_table_says_which_cut_fit_chose():
+    args = (*GPT, "-b", 4, "-s", "dualpipe", "--stage-cut", "fit")
+    (fitted,) = simulate_json(*args)
+    code, out, err = pipesim("simulate", *args)
+    held = "/".join(str(stop - start) for start, stop in itertools.pairwise(fitted["stage_bounds"]))
+    assert code == 0, err
+    assert f"layers a model stage, cut for time within each device's memory (--stage-cut fit): dualpipe {held};" in (
+        " ".join(out.split()))
+
+
 def test_fit_keeps_the_balanced_cut_where_it_fits():
     (balanced,) = simulate_json(*GPT, "-b", 2, "-s", "dualpipe")
     (fitted,) = simulate_json(*GPT, "-b", 2, "-s", "dualpipe", "--stage-cut", "fit")
