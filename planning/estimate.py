@@ -92,7 +92,7 @@ from .fp8 import (
     saved_weight_bytes,
     step_cast_ops,
 )
-from .host import HOST_KERNEL_US, forward_issue_ms, host_bound_ms, synchronises
+from .host import HOST_KERNEL_US, host_bound_ms, issue_ms, synchronises
 from .ranks import RANK_ORDERS, dense_grid
 
 if TYPE_CHECKING:
@@ -1252,14 +1252,17 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
-        issue_ms = (forward_issue_ms(busiest, parallel.float8_recipe, element, parallel.host_kernel_us)
-                    if synchronises(busiest, counted.options) else 0.0)
-        fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issue_ms)
+        synced = synchronises(busiest, counted.options)
+        issued = {name: issue_ms(busiest, parallel.float8_recipe, element, parallel.host_kernel_us, name)
+                  if synced else 0.0 for name in ("fwd", "bwd", "igrad", "wgrad")}
+        fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issued["fwd"])
+        bwd_ms, igrad_ms, wgrad_ms = (host_bound_ms(getattr(priced, f"{name}_ms"), 0.0, issued[name])
+                                      for name in ("bwd", "igrad", "wgrad"))
         float8_elements, float8_tensors = (float8_weights(layer, parallel.float8_recipe)
                                            if parallel.fsdp_float8_all_gather else (0, 0))
         layers.append(LayerProfile(
-            name=layer.name, inputs=list(layer.inputs), fwd=_timing(fwd_ms), bwd=_timing(priced.bwd_ms),
-            igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
+            name=layer.name, inputs=list(layer.inputs), fwd=_timing(fwd_ms), bwd=_timing(bwd_ms),
+            igrad=_timing(igrad_ms), wgrad=_timing(wgrad_ms), activation_bytes=priced.activation_bytes,
             activation_parts=priced.activation_parts, transient_bytes=priced.transient_bytes,
             float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.weight_shards) // t
                                  if parallel.fp8 else 0),
@@ -1272,9 +1275,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(  # dispatch and combine alike
                 MoePass(fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2),
-                MoePass(priced.bwd_ms - routed.bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2)),
-            fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issue_ms) if shared else 0.0,
-            bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
+                MoePass(bwd_ms - routed.bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2)),
+            fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issued["fwd"]) if shared else 0.0,
+            bwd_sharing_ms=host_bound_ms(shared.bwd_ms, 0.0, issued["bwd"]) if shared else 0.0,
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)

@@ -1,7 +1,8 @@
 """Host-bound execution (planning/host.py): after a dropless MoE dispatcher's device-to-host synchronisation a MoE
 layer's forward takes the longer of the GPU's time and the host's issue of its kernels, less the layer's
-all-to-alls; the backward, a dense layer and experts padded to their capacity wait for nothing; bad values are one
-line."""
+all-to-alls, and each of its backward passes, starting from the queue the synchronisation emptied, the longer of
+the GPU's time and the host's issue of its own kernels; a dense layer and experts padded to their capacity wait for
+nothing; bad values are one line."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def layers(tmp_path, *args) -> list[dict]:
     return json.loads(out.read_text())["layers"]
 
 
-def test_a_moe_layers_forward_waits_for_the_host_to_issue_its_kernels(tmp_path):
+def test_a_moe_layers_passes_wait_for_the_host_to_issue_their_kernels(tmp_path):
     """At 1 ms and 2 ms a kernel the host outlasts the GPU: a MoE block's forward is its kernels times the host's
-    cost less its all-to-alls, so the two differ by the kernel count; its backward and the dense layers are the
-    GPU's at any host cost."""
+    cost less its all-to-alls, so the two differ by the kernel count; each of its backward passes is its own
+    kernels times the host's cost (the queue the forward's synchronisation emptied: nothing issued ahead). The
+    dense layers (embedding, head) are the GPU's at any host cost."""
     free, slow, slower = (layers(tmp_path, *MOE, "--host-kernel-us", us) for us in (0, 1000, 2000))
     moe = [i for i, layer in enumerate(free) if layer["all_to_all_fwd_ms"] > 0]
     assert moe == [1, 2]
@@ -36,9 +38,14 @@ def test_a_moe_layers_forward_waits_for_the_host_to_issue_its_kernels(tmp_path):
             assert kernels == pytest.approx(round(kernels)) and kernels > 10
             assert host["fwd"]["median_ms"] == pytest.approx(kernels * 1.0 - host["all_to_all_fwd_ms"])
             assert host["fwd"]["median_ms"] > gpu["fwd"]["median_ms"]
+            for name in ("bwd", "igrad", "wgrad"):
+                issued = host2[name]["median_ms"] - host[name]["median_ms"]
+                assert issued == pytest.approx(round(issued)) and issued >= 1
+                assert host[name]["median_ms"] == pytest.approx(issued * 1.0)
+                assert host[name]["median_ms"] > gpu[name]["median_ms"]
         else:
             assert host["fwd"] == gpu["fwd"]
-        assert (host["bwd"], host["igrad"], host["wgrad"]) == (gpu["bwd"], gpu["igrad"], gpu["wgrad"])
+            assert (host["bwd"], host["igrad"], host["wgrad"]) == (gpu["bwd"], gpu["igrad"], gpu["wgrad"])
 
 
 def test_a_host_faster_than_the_gpu_and_layers_that_never_wait_are_the_gpus(tmp_path):
