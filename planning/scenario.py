@@ -660,7 +660,7 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
                                                                                                 cut, dag))]
     priced = _priced_stages(measured)
     if any(key not in priced for key in keys):
-        for key, stage in zip(keys, stages_for(measured, cut, dag=dag)):
+        for key, stage in zip(keys, stages_for(measured, cut, dag=dag, optimizers=(optimizer,))):
             if key not in priced:
                 priced[key] = _stage_costs(measured, optimizer, stage)
     return Costs(tuple(priced[key] for key in keys),

@@ -562,7 +562,7 @@ class _Built:
         order at m, no partition, no costs); None for any other fixed order."""
         config, setting = shape.config, shape.setting
         sketch = self.orders.of_shape(setting.scenario, config.schedule, config.stages, config.microbatches,
-                                      config.chunks, config.pipelines)
+                                      config.chunks, config.pipelines)  # a shape's: not refused (`_shapes`)
         chain = self._chain_work(setting)
         if sketch.chain is None or chain is None:
             return None
@@ -936,12 +936,11 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                         if m < 1 or rest:
                             continue
                         count += 1
-                        config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
-                        try:
-                            sketch = orders.of_shape(scenario, name, p, m, v, pipelines)
-                        except ScheduleError:
+                        sketch = orders.of_shape(scenario, name, p, m, v, pipelines)
+                        if isinstance(sketch, ScheduleError):
                             refused += 1
                             continue
+                        config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
                         floor = (pipelines * work.static_bytes + sketch.extra_copies * work.param_bytes) // p
                         bound = _shape_bound(problem, config, work, sketch, scenario.cost_scale, reduce_ms[p])
                         shapes.append(Shape(config, setting, count - 1, sketch.staleness, bound, floor))
@@ -1083,10 +1082,11 @@ class _Orders:
         return found
 
     def of_shape(self, scenario: Scenario, name: str, stages: int, microbatches: int, chunks: int,
-                 pipelines: int) -> _Sketch:
-        """The sketch of a shape (a searched order's, `_searched_sketch`, once `check_shape` takes it), remembered
-        by its numbers: it does not depend on the replicas d, so the settings share it, and most of the search's
-        shapes (tens of thousands on a large problem, most refused) are looked up without building anything."""
+                 pipelines: int) -> _Sketch | ScheduleError:
+        """The sketch of a shape (a searched order's, `_searched_sketch`, once `check_shape` takes it), or why the
+        method refuses it, returned rather than raised: most of the search's shapes (tens of thousands on a large
+        problem) are refused, each looked up by its numbers, without building anything. It does not depend on
+        the replicas d, so the settings share it."""
         key = (name, stages, microbatches, chunks, pipelines, self._model_key(scenario, name))
         if key not in self._shapes:
             try:
@@ -1101,10 +1101,7 @@ class _Orders:
                 defaults = METHODS[name].defaults
                 usual = (chunks, pipelines) == (defaults.get("chunks", 1), defaults.get("pipelines", 1))
                 self._refusals[usual].setdefault(name, str(exc))
-        found = self._shapes[key]
-        if isinstance(found, ScheduleError):
-            raise found
-        return found
+        return self._shapes[key]
 
     def sketch(self, scenario: Scenario, name: str, params: ScheduleParams) -> _Sketch:
         """`name`'s sketch for `params`, read off a probe of at most 2p micro-batches (each multiple of p from

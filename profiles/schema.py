@@ -689,20 +689,22 @@ def _stage_parts(layers: list[LayerProfile], activation_bytes: int) -> dict[str,
     return parts if sum(parts.values()) == activation_bytes else None
 
 
-def stages_for(profile: Profile, bounds: list[int], dag: bool = False) -> list[StageProfile]:
+def stages_for(profile: Profile, bounds: list[int], dag: bool = False,
+               optimizers: Sequence[str] = OPTIMIZERS) -> list[StageProfile]:
     """The profile's layers as the stages `bounds` cuts, linked as a chain or (`dag`) by `stage_edges`.
 
     The optimizer, prediction, averaging, accumulation and copy steps were timed on the calibrated partition's
     stages only; for another partition they are those stages' total times shared out by parameter bytes (the
-    steps are elementwise passes over the weights, so their time follows the bytes). So were the stages' rows
-    as one pass (`StagePasses`): another cut's stage takes its layers' times, each scaled by the ratio of the
-    pass to the layers' sum in the calibrated stage holding the layer."""
+    steps are elementwise passes over the weights, so their time follows the bytes), `optimizers`' steps alone
+    (a caller pricing one optimizer's steps needs no other's: sharing them out is most of a stage's cost). So
+    were the stages' rows as one pass (`StagePasses`): another cut's stage takes its layers' times, each scaled
+    by the ratio of the pass to the layers' sum in the calibrated stage holding the layer."""
     if bounds == profile.partition.bounds:
         steps = [(stage.steps, stage.average, stage.accumulate, stage.weight_copy) for stage in profile.stages]
     else:
         total_bytes = sum(stage.param_bytes for stage in profile.stages) or 1
         steps = _shared_steps(profile, [sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes
-                                        for start, stop in zip(bounds, bounds[1:])])
+                                        for start, stop in zip(bounds, bounds[1:])], optimizers)
     return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
                             boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds),
                             boundary_held_bytes(profile.layers, bounds, dag))
@@ -736,10 +738,10 @@ def _ratio(measured_ms: float, summed_ms: float) -> float:
     return measured_ms / summed_ms if summed_ms > 0 else 1.0
 
 
-def _shared_steps(profile: Profile, shares: Sequence[float]) -> list[StageSteps]:
-    """Each of `shares` of the calibrated stages' summed step times. The sums are taken once and the shares'
-    timings built without validating again (each is a valid timing scaled by a share >= 0): a what-if search
-    costs thousands of cuts."""
+def _shared_steps(profile: Profile, shares: Sequence[float], optimizers: Sequence[str]) -> list[StageSteps]:
+    """Each of `shares` of the calibrated stages' summed step times (`optimizers`' steps). The sums are taken once
+    and the shares' timings built without validating again (each is a valid timing scaled by a share >= 0): a
+    what-if search costs thousands of cuts."""
     def total(pick: Callable[[StageProfile], Timing]) -> tuple[float, float, int]:
         timings = [pick(stage) for stage in profile.stages]
         return math.fsum(t.median_ms for t in timings), math.fsum(t.spread_ms for t in timings), timings[0].repeats
@@ -748,7 +750,7 @@ def _shared_steps(profile: Profile, shares: Sequence[float]) -> list[StageSteps]
         return total(pick) if all(pick(stage) is not None for stage in profile.stages) else None
 
     steps = {name: (total(lambda s, n=name: s.steps[n].step), total(lambda s, n=name: s.steps[n].predict))
-             for name in OPTIMIZERS}
+             for name in optimizers}
     average, accumulate, copy = (total(lambda s: s.average), measured(lambda s: s.accumulate),
                                  measured(lambda s: s.weight_copy))
 

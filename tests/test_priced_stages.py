@@ -9,7 +9,7 @@ import pytest
 
 from pipesim.planning import scenario
 from pipesim.planning.scenario import profile_costs
-from pipesim.profiles.schema import load_profile
+from pipesim.profiles.schema import load_profile, stages_for
 from tests.test_fidelity_terms import ROOT, with_passes
 
 
@@ -57,3 +57,13 @@ def test_the_priced_stages_go_with_their_profile():
     del profile
     gc.collect()
     assert key not in scenario._PRICED
+
+
+def test_a_cut_shares_out_only_the_optimizers_asked_for():
+    """Pricing one optimizer's steps shares out its steps alone, the same as when every optimizer's are."""
+    every = stages_for(PLAIN, _cuts(PLAIN, 0)[1])
+    adam = stages_for(PLAIN, _cuts(PLAIN, 0)[1], optimizers=("adam",))
+    assert [set(stage.steps) for stage in adam] == [{"adam"}] * len(every)
+    assert [stage.steps["adam"] for stage in adam] == [stage.steps["adam"] for stage in every]
+    assert [stage.model_copy(update={"steps": {}}) for stage in adam] == [
+        stage.model_copy(update={"steps": {}}) for stage in every]
