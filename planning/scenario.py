@@ -397,7 +397,7 @@ class Scenario:
 
     def cut(self, sched: Schedule) -> list[int]:
         """The profile's layers cut into one copy's model stages of `sched` as `stage_cut` says (`profile_bounds`).
-        fit: the balanced cut where every device holds it within its memory by `stage_bytes`, else the cut whose
+        fit: the balanced cut where every device holds it within its memory (`stage_memory`), else the cut whose
         slowest stage is the fastest of those every device holds within its memory (`fitted_cut`)."""
         balanced = profile_bounds(self.measured, sched.graph.stages_per_copy, self.stage_cut)
         if self.stage_cut != FIT:
@@ -412,20 +412,19 @@ class Scenario:
         from ..profiles.schema import layer_costs
 
         try:
-            return fitted_cut(sched, self.stage_bytes(sched), limits, balanced,
+            return fitted_cut(sched, self.stage_memory(sched), limits, balanced,
                               layer_costs(self.measured.layers, self.optimizer))
         except PartitionError as exc:
             raise CostError(f"--stage-cut {FIT}: {sched.method}: {exc} (--stage-cut balanced with --memory shows "
                             "each device's peak)") from None
 
-    def stage_bytes(self, sched: Schedule) -> list[np.ndarray]:
-        """Per model stage of `sched`, what it holds on its device at most, for every range [i, j) of the profile's
-        layers (entry [i, j]): their weights, gradients and optimizer state as the simulator holds them
-        (`held_static_parts`, the weight versions its order keeps besides), the activations of the most
-        micro-batches it holds at once (each from its forward until the backward or weight pass that ends its
-        backward), the most any of its layers' passes creates and frees within itself, and an activation and a
-        gradient in transfer at each end. Summed over a device's stages, an upper bound of its peak: the stages'
-        peaks need not coincide; the caching allocator's reserve is not counted."""
+    def stage_memory(self, sched: Schedule) -> StageMemory:
+        """What each model stage of `sched` holds on its device for every range of the profile's layers
+        (`StageMemory`): their weights, gradients and optimizer state as the simulator holds them
+        (`held_static_parts`, the weight versions its order keeps besides), an activation and a gradient in transfer
+        at each end, the most any of its layers' passes creates and frees within itself, and its micro-batches'
+        activations, each held from its forward until the backward or weight pass that ends its backward. The
+        caching allocator's reserve is not counted."""
         from ..profiles.schema import layer_costs
 
         layers, t = self.measured.layers, sched.table
@@ -433,19 +432,16 @@ class Scenario:
         each = self._sharded_for(profile_costs(self.measured, self.optimizer, range(n + 1)), sched).stages
         static = ranges(np.cumsum([0, *(sum(held_static_parts(sched, [c]).values()) for c in each)]))
         weights = ranges(np.cumsum([0, *(c.param_bytes for c in each)]))
-        activations = activation_ranges(layer_costs(layers, self.optimizer))
         largest = [max(layer.transient_bytes.values(), default=0) for layer in layers]
         transient = np.zeros((n + 1, n + 1))
         for i in range(n):
             transient[i, i + 1:] = np.maximum.accumulate(largest[i:])
         received = 2 * np.array([0, *(layer.output_bytes for layer in layers[:-1]), 0])  # into layer i, and back
-        transfers = received[:, None] + received[None, :]
-        in_flight = peak_per_stage(t, (t.kind == KIND_CODE[Kind.F]).astype(np.int64),
-                                   -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int64), sched.num_stages)
         versions = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), weight_versions(sched).copies_delta,
                                   sched.num_stages)
-        return [static + transient + transfers + held * activations + kept * weights
-                for held, kept in zip(in_flight, versions)]
+        return StageMemory([static + received[:, None] + received[None, :] + kept * weights for kept in versions],
+                           transient, activations=activation_ranges(layer_costs(layers, self.optimizer)),
+                           together=_held_together(sched))
 
     def memory_limits(self, sched: Schedule) -> tuple[int | None, ...]:
         """Each device's memory in bytes (None: not known): `memory_bytes`, the cluster file's `memory_gib`, or the
@@ -576,22 +572,70 @@ def profile_scenario(measured: Profile, optimizer: str, pp_runtime: str = "pipes
                     measured=measured, pp_runtime=pp_runtime)
 
 
-def fitted_cut(sched: Schedule, stage_bytes: Sequence[np.ndarray], limits: Sequence[int], balanced: list[int],
+@dataclass(frozen=True)
+class StageMemory:
+    """What a schedule's model stages hold on their devices, each for every range [i, j) of a profile's layers
+    (entry [i, j]): `held[s]`, model stage s's bytes held whatever runs (weights, gradients, optimizer state,
+    transfers); `transient`, the most a pass of one of the layers creates and frees within itself; `activations`,
+    what one micro-batch saves; `together[d]`, every distinct count of micro-batches device d's stages hold at once
+    (a row each, a column for each of its stages in their order)."""
+
+    held: list[np.ndarray]
+    transient: np.ndarray
+    activations: np.ndarray
+    together: list[np.ndarray]
+
+    def stage(self, sched: Schedule, s: int) -> np.ndarray:
+        """Model stage s alone at its most: its device's peak is at most its stages' sum (their peaks need not
+        coincide, and one pass's transient runs at a time where pairs do not overlap), what the cut is found by."""
+        device = sched.placement[s]
+        most = self.together[device][:, sched.stages_on(device).index(s)].max(initial=0)
+        return self.held[s] + self.transient + most * self.activations
+
+    def device(self, sched: Schedule, device: int, bounds: Sequence[int]) -> float:
+        """Device `device`'s peak with its stages cut at one copy's `bounds`: their held bytes, the largest transient
+        and the activations of the micro-batches its stages hold together at the most."""
+        per_copy = sched.graph.stages_per_copy
+        cut = [(bounds[s % per_copy], bounds[s % per_copy + 1]) for s in sched.stages_on(device)]
+        saved = np.array([self.activations[r] for r in cut])
+        return (sum(held[r] for held, r in zip((self.held[s] for s in sched.stages_on(device)), cut))
+                + max(self.transient[r] for r in cut) + float(np.max(self.together[device] @ saved)))
+
+
+def _held_together(sched: Schedule) -> list[np.ndarray]:
+    """Per device, every distinct count of micro-batches each of its stages holds at once (`StageMemory.together`),
+    in its order: a forward adds one at its start, a backward or weight pass (which ends a split backward) takes one
+    at its end."""
+    t = sched.table
+    adds, takes = (t.kind == KIND_CODE[Kind.F]).astype(np.int64), -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int64)
+    together = []
+    for device in range(sched.num_devices):
+        stages, rows = sched.stages_on(device), np.flatnonzero(t.device == device)
+        column = np.minimum(np.searchsorted(stages, t.stage[rows]), len(stages) - 1)  # other rows add nothing
+        steps = np.zeros((2 * len(rows), len(stages)), dtype=np.int64)
+        steps[2 * np.arange(len(rows)), column] = adds[rows]
+        steps[2 * np.arange(len(rows)) + 1, column] = takes[rows]
+        together.append(np.unique(np.cumsum(steps, axis=0), axis=0))
+    return together
+
+
+def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], balanced: list[int],
                layers: Sequence[LayerCost]) -> list[int]:
-    """`balanced` where every device holds its stages' `stage_bytes` within its limit; else the cut whose slowest
-    stage is fastest among those where every device does: exactly where each device holds one stage of a copy or
-    a mirrored pair (k and p-1-k: DualPipe, the V-shapes; `mirrored_partition`), and where a device holds more
-    (interleaved chunks) within an equal share of its memory for each (as `tune` cuts v chunks). PartitionError
-    where none fits."""
+    """`balanced` where every device holds its stages within its limit (`StageMemory.device`); else the cut whose
+    slowest stage is fastest among those where every device holds its stages' sum (`StageMemory.stage`) within it:
+    exactly where each device holds one stage of a copy or a mirrored pair (k and p-1-k: DualPipe, the V-shapes;
+    `mirrored_partition`); where a device holds more (interleaved chunks), each of its stages within a share of its
+    memory, the faster of two splits: as the stages hold it at `balanced`, and equal (as `tune` cuts v chunks).
+    PartitionError where none fits."""
     per_copy = sched.graph.stages_per_copy
     on = [sched.stages_on(device) for device in range(sched.num_devices)]
+    if all(memory.device(sched, device, balanced) <= limit for device, limit in enumerate(limits)):
+        return balanced
+    stage_bytes = [memory.stage(sched, s) for s in range(sched.num_stages)]
 
     def holds(device: int, k: int) -> np.ndarray:  # the device's bytes from one copy's stage k, for every range
         return sum((stage_bytes[s] for s in on[device] if s % per_copy == k), np.zeros_like(stage_bytes[0]))
 
-    if all(sum(stage_bytes[s][balanced[s % per_copy], balanced[s % per_copy + 1]] for s in stages) <= limit
-           for stages, limit in zip(on, limits)):
-        return balanced
     held = [{s % per_copy for s in stages} for stages in on]
     if all(ks <= {min(ks), per_copy - 1 - min(ks)} for ks in held):
         def pair_bytes(k: int) -> list[PairBytes]:
@@ -601,14 +645,31 @@ def fitted_cut(sched: Schedule, stage_bytes: Sequence[np.ndarray], limits: Seque
 
         return mirrored_partition(layers, per_copy, pair_bytes)
 
-    def share(k: int) -> np.ndarray:  # the fullest of stage k's devices, in shares of its memory per stage held
-        return np.max([holds(d, k) * len(ks) / limits[d] for d, ks in enumerate(held) if k in ks], axis=0)
+    at_balanced = [stage_bytes[s][balanced[s % per_copy], balanced[s % per_copy + 1]] for s in range(len(stage_bytes))]
+    cuts = [cut for cut in (_within_shares(sched, stage_bytes, limits, layers, weights)
+                            for weights in (at_balanced, [1] * len(stage_bytes))) if cut is not None]
+    if not cuts:
+        raise PartitionError(f"no cut of {len(layers)} layers into {per_copy} stages fits every device's memory, "
+                             "each stage of a device within its share of it")
+    return min(cuts, key=lambda cut: max(math.fsum(layer.ms for layer in layers[start:stop])
+                                         for start, stop in itertools.pairwise(cut)))
+
+
+def _within_shares(sched: Schedule, stage_bytes: Sequence[np.ndarray], limits: Sequence[int],
+                   layers: Sequence[LayerCost], weights: Sequence[float]) -> list[int] | None:
+    """The cut whose slowest stage is fastest where each model stage s holds at most its device's memory times
+    weights[s] over its stages' weights (so the device holds at most its memory), None where none does."""
+    per_copy = sched.graph.stages_per_copy
+    budget = {s: limits[d] * weights[s] / sum(weights[t] for t in sched.stages_on(d))
+              for d in range(sched.num_devices) for s in sched.stages_on(d)}
+
+    def share(k: int) -> np.ndarray:  # the fullest of one copy's stage k's model stages, in shares of its budget
+        return np.max([stage_bytes[s] / budget[s] for s in budget if s % per_copy == k], axis=0)
 
     try:
         return partition(layers, per_copy, 1, share)
     except PartitionError:
-        raise PartitionError(f"no cut of {len(layers)} layers into {per_copy} stages fits every device's memory, "
-                             "each stage of a device within an equal share of it") from None
+        return None
 
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced") -> list[int]:

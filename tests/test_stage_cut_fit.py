@@ -10,8 +10,9 @@ import math
 import numpy as np
 import pytest
 
+from pipesim.planning.scenario import _held_together
 from pipesim.profiles.partition import PartitionError, mirrored_partition, ranges
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import build, pipesim, simulate_json, simulated
 
 # A 40 GB A100 and a GPT whose stages' activations, held as the schedule holds them, outgrow it where the cut is
 # balanced for time alone (the head's stage is slow, so the first stages take more layers)
@@ -62,6 +63,21 @@ def test_the_mirrored_cut_is_the_fastest_of_every_cut_that_fits():
         assert _fullest_pair(list(itertools.pairwise(cut)), stage_bytes) <= cap
 
 
+@pytest.mark.parametrize(("name", "chunks"), [("interleaved-1f1b", 2), ("dualpipe", None), ("zb-v", None)])
+def test_the_micro_batches_a_device_holds_together_are_the_simulators(name, chunks):
+    """Each stage's activations a different size: a device's peak is the most its stages' counts held at once
+    weigh (`_held_together`), below the sum of each stage's own most where they do not coincide."""
+    sched = build(name, 4, 8, **({"chunks": chunks} if chunks else {}))
+    activation_mb = [1.0 + 0.37 * s for s in range(sched.num_stages)]
+    summary = simulated(sched, activation_mb=activation_mb).summary
+    for device, together in enumerate(_held_together(sched)):
+        saved = np.array([activation_mb[s] for s in sched.stages_on(device)])
+        assert summary.devices[device].peak_memory_mb == pytest.approx(np.max(together @ saved), rel=1e-6)
+        assert np.max(together @ saved) <= together.max(axis=0) @ saved
+    together = _held_together(build("interleaved-1f1b", 4, 8, chunks=2))[0]
+    assert np.max(together.sum(axis=1)) < together.max(axis=0).sum()  # the chunks' peaks do not coincide
+
+
 def _peaks(result: dict) -> tuple[list[float], list[float]]:
     return ([device["peak_memory_mb"] for device in result["devices"]],
             [device["memory_limit_mb"] for device in result["devices"]])
@@ -92,9 +108,16 @@ def test_the_table_says_which_cut_fit_chose():
         " ".join(out.split()))
 
 
-def test_fit_keeps_the_balanced_cut_where_it_fits():
-    (balanced,) = simulate_json(*GPT, "-b", 2, "-s", "dualpipe")
-    (fitted,) = simulate_json(*GPT, "-b", 2, "-s", "dualpipe", "--stage-cut", "fit")
+@pytest.mark.parametrize("args", [
+    ("-b", 2, "-s", "dualpipe"),
+    # device 0's two chunks hold their most micro-batches at different times: 38,376 MiB in 40 GB, which each
+    # chunk's own most summed (42,838 MiB) would not fit
+    ("-b", 4, "-s", "interleaved-1f1b", "--chunks", 2, "--seq-len", 2176),
+])
+def test_fit_keeps_the_balanced_cut_where_it_fits(args):
+    (balanced,) = simulate_json(*GPT, *args)
+    (fitted,) = simulate_json(*GPT, *args, "--stage-cut", "fit")
+    assert all(peak <= limit for peak, limit in zip(*_peaks(balanced)))
     assert fitted["stage_bounds"] == balanced["stage_bounds"]
     assert fitted["time_per_minibatch_ms"] == balanced["time_per_minibatch_ms"]
 
@@ -104,7 +127,7 @@ def test_fit_keeps_the_balanced_cut_where_it_fits():
                                   "device's memory"),
     (("-b", 8, "-s", "interleaved-1f1b", "--chunks", 2), "--stage-cut fit: interleaved-1f1b: no cut of 10 layers "
                                                          "into 8 stages fits every device's memory, each stage of a "
-                                                         "device within an equal share of it"),
+                                                         "device within its share of it"),
     (("-b", 4, "-s", "1f1b", "--pp-runtime", "torch"), "the receive buffers --pp-runtime torch keeps are not "
                                                        "counted: use --stage-cut balanced"),
     (("-b", 4, "-s", "graphpipe"), "graphpipe builds its schedule for the cut: use --stage-cut balanced"),
