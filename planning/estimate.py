@@ -521,8 +521,8 @@ class ContextRing:
     in float32 (torch's `convert_to_f32`): C transfers, the last after the last step. A step's transfer runs under
     its block; the exchanges are the pass's RING_F or RING_B row (`schedules.passes.add_context_parallel`), priced
     here as their link time and how much of it the blocks cover (`exchange_ms`); the simulator runs what the blocks
-    leave on the device's network stream, after the collectives issued before it. The blocks' merge (a few float32
-    elementwise passes over the output) is not counted. `rotate` (of `CP_ROTATES`) is torch's rotate_method:
+    leave on the device's network stream, after the collectives issued before it. The elementwise passes that merge
+    the blocks are priced with them (`merge_ms`). `rotate` (of `CP_ROTATES`) is torch's rotate_method:
     alltoall the ring above (`_AllToAllRotater`), allgather torch's default (`_AllGatherRotater`): the keys and
     values of all C ranks gathered once, at the first step, under its block, the other steps sending none; the
     backward gathers them so too, and its key and value gradients still go round the ring (its gradient rotater
@@ -586,6 +586,27 @@ class ContextRing:
         share = self.ranks / sum(sum(self.step_pairs(rank)) for rank in range(self.ranks))  # of the rank's op
         return [op_ms(replace(op, flops=round(kernel_flops(op) * pairs * share), causal=False,
                               moved_bytes=round(op.moved_bytes * pairs * share)), device) for pairs in busiest]
+
+    def merge_ms(self, op: OpCount, device: Device, element_bytes: int) -> float:
+        """The elementwise passes that join one call's C blocks, as TransformerEngine 1.x's
+        `AttnFuncWithCP` runs them (transformer_engine/pytorch/attention.py, the p2p ring Megatron-core's
+        cp_comm_type p2p runs): the forward copies the keys and values into the first send buffer (`torch.cat`),
+        zeroes the output and adds each step's block output into it scaled by its softmax statistics
+        (`flash_attn_fwd_out_correction`: the block's output read, the sum read and written); the backward copies
+        the keys and values into its send buffer and, after each step, joins the block's key and value gradients
+        (`torch.cat`) and adds them into the travelling sum, and adds the block's query gradient into the rank's
+        (`dq.add_`, `dkv.add_`). Each pass counted over the whole tensor: the halves of the masked steps (half the
+        queries or the keys) and the first step's copies where later steps add are taken as the others, the
+        softmax statistics' corrections (one float per row) and the masked steps' half-tensor copies left out.
+        torch's ring (`_SDPAMerger`) merges in float32: at least these bytes. Each pass a kernel at the memory's
+        rate."""
+        queries = op.shape[0] * op.shape[1] * op.shape[3] * element_bytes
+        keys_values = self.keys_values(op) * element_bytes
+        if op.op.endswith("_backward"):
+            moved, kernels = 2 * keys_values + self.ranks * (5 * keys_values + 3 * queries), 1 + 3 * self.ranks
+        else:
+            moved, kernels = 2 * keys_values + queries + self.ranks * 3 * queries, 2 + self.ranks
+        return kernels * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
 
     def attention_ms(self, op: OpCount, device: Device) -> float:
         """One call of the rank's attention `op` as its C blocks, the exchanges aside (`exchange_ms`)."""
@@ -829,8 +850,8 @@ def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
              forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2) -> float:
     """A pass's time on one of the t·C ranks: its ops, split, a product split on its contraction with its
-    collective (`reduced_ms` of it and its own time), an attention kernel as the context ring's blocks (its
-    exchanges are the ring's row: `_ring_of`)."""
+    collective (`reduced_ms` of it and its own time), an attention kernel as the context ring's blocks and their
+    merges (its exchanges are the ring's row: `_ring_of`)."""
     total = 0.0
     for op in ops:
         if op.kind in ("matmul", "attention"):
@@ -844,7 +865,8 @@ def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms
                 mine = split.context_share(product)
             else:
                 mine, reduced = split.attention(op), False
-            spent = (ring.attention_ms(mine, device) if ring is not None and op.kind == "attention"
+            spent = (ring.attention_ms(mine, device) + ring.merge_ms(mine, device, element_bytes)
+                     if ring is not None and op.kind == "attention"
                      else op_ms(mine, device))
             total += op.count * (reduced_ms(mine, spent) if reduced else spent)
         elif not only_core or split.core(op.shape):
