@@ -1312,44 +1312,53 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     waits_for[weighing] = passing_at[unit[weighing]]
     waits_for[first] = anchor
     duration = op_ms[stage, kind] + accumulates[rows] * np.array([c.accumulate_ms for c in costs.stages])[stage]
-    programs = np.split(position, np.searchsorted(t.device[rows], np.arange(1, schedule.num_devices)))
-    end = _earliest_ends_ms(programs, reducing.tolist(), waits_for.tolist(), lag.tolist(), duration.tolist())
+    waits_for[reducing] = _ON_NETWORK
+    splits = np.searchsorted(t.device[rows], np.arange(1, schedule.num_devices))
+    programs = [list(zip(*columns)) for columns in zip(*(
+        (part.tolist() for part in np.split(column, splits)) for column in (position, waits_for, lag, duration)))]
+    end = _earliest_ends_ms(programs, len(rows))
     return max(0.0, (end[target] - float(duration[target])) / steps)
 
 
-def _earliest_ends_ms(programs: list[np.ndarray], network: list[bool], waits_for: list[int], lag: list[float],
-                      duration: list[float]) -> list[float]:
-    """When each row ends at the earliest (-inf: nothing it waits on has a time), each starting as soon as the
-    row before it on its device (a network row: as soon as it is reached, after the network rows before it)
-    and the row it waits for (`waits_for`, -1: none; plus `lag`) have ended; `waits_for` may name one row past
-    the last, which ends at 0 (`_critical_path_ms`). Rows that wait on one another end at nan."""
-    end = [math.nan] * len(duration) + [0.0]
+_ON_NETWORK = -2  # `_earliest_ends_ms`: a network row's wait (none: it runs on its device's network stream)
+
+
+def _earliest_ends_ms(programs: list[list[tuple[int, int, float, float]]], rows: int) -> list[float]:
+    """When each of `rows` rows ends at the earliest (-inf: nothing it waits on has a time), given each device's
+    program of (row, the row it waits for, lag, duration): a row starts as soon as the row before it on its
+    device (a network row, waiting for `_ON_NETWORK`: as soon as it is reached, after the network rows before it)
+    and the row it waits for (-1: none) plus the lag have ended; a wait may name the row past the last, which
+    ends at 0 (`_critical_path_ms`). Rows that wait on one another end at nan. The maxima are taken by comparison
+    (as `max` takes them), not by calls: this loop is most of a critical path's time."""
+    end = [math.nan] * rows + [0.0]
     clock = [-math.inf] * len(programs)
     lane = [-math.inf] * len(programs)
     next_row = [0] * len(programs)
-    pending = [program.tolist() for program in programs]
     progressed = True
     while progressed:
         progressed = False
-        for d, program in enumerate(pending):
+        for d, program in enumerate(programs):
             i, now, free = next_row[d], clock[d], lane[d]
-            while i < len(program):
-                row = program[i]
-                if network[row]:
-                    free = max(now, free) + duration[row]
+            count = len(program)
+            while i < count:
+                row, wait, lag_ms, duration_ms = program[i]
+                if wait == _ON_NETWORK:
+                    free = (free if free > now else now) + duration_ms
                     end[row] = free
                 else:
-                    wait = waits_for[row]
                     if wait >= 0:
                         ready = end[wait]
                         if ready != ready:  # nan: not ended yet
                             break
-                        now = max(now, ready + lag[row])
-                    now += duration[row]
+                        ready += lag_ms
+                        if ready > now:
+                            now = ready
+                    now += duration_ms
                     end[row] = now
                 i += 1
-            progressed |= i > next_row[d]
-            next_row[d], clock[d], lane[d] = i, now, free
+            if i > next_row[d]:
+                progressed = True
+                next_row[d], clock[d], lane[d] = i, now, free
     return end
 
 
