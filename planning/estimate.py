@@ -1033,17 +1033,52 @@ def _transformer(layer: LayerCount) -> bool:
                for op in layer.ops.get("fwd", ()))
 
 
+def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parallelism, element_bytes: int) -> int:
+    """A layer's weights on a rank (`weight_bytes`) as FSDP2 gathers them whole: with FSDP2's float8 all-gather
+    its float8 linears' at 1 byte an element and a float32 scale each (torchao's fsdp_post_all_gather makes each a
+    Float8Tensor over the gathered bytes), the rest as the passes read them."""
+    if not parallel.fsdp_float8_all_gather:
+        return weight_bytes
+    elements, tensors = float8_weights(layer, parallel.float8_recipe)
+    return weight_bytes - elements // parallel.tensor * (element_bytes - FP8_BYTES) + tensors * FP8_SCALE_BYTES
+
+
 def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[LayerAllocations]:
     """Every counted layer's allocations on one of its stage's t·C ranks under `parallel`'s recomputation
-    (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step. A run of
-    layers alike but for their names and inputs (a model's repeated blocks) shares the first one's, made once."""
+    (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step, with
+    FSDP2's whole weights and gradients per parameter (`_unsharded`). A run of layers alike but for their names
+    and inputs (a model's repeated blocks) shares the first one's, made once."""
     allocations: list[LayerAllocations] = []
     for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
         if not repeated:
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
                                      parallel.recompute_modules)
+            made = replace(made, unsharded=_unsharded(layer, made, parallel, _element_bytes(counted.dtype)))
         allocations.append(made)
     return allocations
+
+
+def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
+               element_bytes: int) -> tuple[tuple[int, int], ...]:
+    """Under FSDP2 (`--precision fsdp2`), per parameter of `layer` on a rank, its whole weights as gathered
+    (`gathered_weight_bytes`) and its whole gradient as accumulated (float32): each parameter one storage the
+    count's weight-gradient pass leaves live (autograd's .grad), the layer's bytes shared among them as those
+    storages' are (LayerAllocations.unsharded); () under any other precision."""
+    if parallel.precision != "fsdp2":
+        return ()
+    live: dict[int, int] = {}
+    for number, nbytes in made.passes.get("wgrad", ()):
+        if nbytes > 0:
+            live[number] = nbytes
+        else:
+            live.pop(number, None)
+    grads = [live[number] for number in sorted(live)]
+    if not sum(grads):
+        return ()
+    weights = layer.param_bytes // parallel.tensor
+    gathered = gathered_weight_bytes(layer, weights, parallel, element_bytes)
+    accumulated = PRECISIONS["fsdp2"].gradient_bytes(layer.grad_bytes) // parallel.tensor
+    return tuple((round(grad * gathered / sum(grads)), round(grad * accumulated / sum(grads))) for grad in grads)
 
 
 def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,
@@ -1280,8 +1315,6 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issued["fwd"])
         bwd_ms, igrad_ms, wgrad_ms = (host_bound_ms(getattr(priced, f"{name}_ms"), 0.0, issued[name])
                                       for name in ("bwd", "igrad", "wgrad"))
-        float8_elements, float8_tensors = (float8_weights(layer, parallel.float8_recipe)
-                                           if parallel.fsdp_float8_all_gather else (0, 0))
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(fwd_ms), bwd=_timing(bwd_ms),
             igrad=_timing(igrad_ms), wgrad=_timing(wgrad_ms), activation_bytes=priced.activation_bytes,
@@ -1291,7 +1324,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
             param_bytes=params,
-            all_gather_bytes=(params - float8_elements // t * (element - FP8_BYTES) + float8_tensors * FP8_SCALE_BYTES
+            all_gather_bytes=(gathered_weight_bytes(layer, params, parallel, element)
                               if parallel.fsdp_float8_all_gather else None),
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,

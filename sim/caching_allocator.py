@@ -49,6 +49,11 @@ LARGE_ROUNDING_BYTES = 2 * MIB  # kRoundLarge: what such a segment is rounded up
 POOL_SHIFT = 48
 SEGMENT_GAP_BYTES = MIN_BLOCK_BYTES
 
+# A pass as a step's first of the stage runs it, and what its last runs after it (`StageProgram`)
+FIRST = ":first"
+LAST = ":last"
+RELEASE = "release"
+
 # What `CachingAllocator.run` replays: (slot, request bytes, pool) a block each, the request rounded (`round_request`)
 # and its pool decided (`pool_of`) once, its address put in the slot; a request of 0 bytes frees the slot's block
 Op = tuple[int, int, int]
@@ -264,12 +269,18 @@ class LayerAllocations:
     again first (torch's checkpoint: all but what its policy keeps; Megatron-LM's selective: the attention
     core's), holding what of them autograd saves until the layer's backward is done; the forward drops those as
     it ends. `kept`: what a policy holds for the backward even where the forward freed it (torchtitan's op
-    policy keeps every second product's output). None: no recomputation."""
+    policy keeps every second product's output). None: no recomputation. `unsharded`: per parameter, its whole
+    weights as FSDP2 gathers them and its whole gradient as FSDP2 accumulates it, which FSDP2 under a pipeline
+    makes as the layer's first forward of a step begins and its first backward ends, and frees after its last
+    backward (torch's pipelining, stage.py `backward_maybe_with_nosync`: no resharding nor reduce-scatter before
+    the last; FSDP2's `to_accumulated_grad_if_needed`, `foreach_reduce`: a reduce-scatter input of the layer's
+    gradients beside them); (): held as the state's blocks from the step's start."""
 
     passes: Mapping[str, PassAllocations]
     saved: frozenset[int] = frozenset()
     rerun: frozenset[int] | None = None
     kept: frozenset[int] = frozenset()
+    unsharded: tuple[tuple[int, int], ...] = ()
 
 
 def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, int, int]]]:
@@ -329,49 +340,91 @@ class StageProgram:
     in the order they run, as `CachingAllocator.run` replays it, on one list of `slots` addresses a micro-batch
     (a frame) that its forward begins and its full or weight backward ends; `layers`: how many the stage has.
     Equal as the same object: `stage_program` gives the same one for layers of the same content while it keeps
-    it, which is what `device_reserves` reads."""
+    it, which is what `device_reserves` reads. With FSDP2's whole tensors (`LayerAllocations.unsharded`), the
+    passes a step's first forward and first full or weight backward run make them (FIRST), RELEASE frees them
+    after its last, and `carried`, the slots that hold them, pass from row to row of the stage."""
 
     layers: int
     slots: int
     passes: Mapping[str, tuple[Op, ...]]
+    carried: tuple[int, ...] = ()
 
 
 def stage_program(layers: Sequence[LayerAllocations]) -> StageProgram:
     """`layers`' rows written down (`StageProgram`), once a process for layers of the same content
     (`_written_stage`): a pipeline's stages repeat their layers, and a search replays the same stages again."""
     return _written_stage(tuple((tuple((name, tuple(events)) for name, events in layer.passes.items()), layer.saved,
-                                 layer.rerun, layer.kept) for layer in layers))
+                                 layer.rerun, layer.kept, layer.unsharded) for layer in layers))
 
 
 @functools.lru_cache(maxsize=64)
 def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
-    """`stage_program`'s layers, each as its content (passes' items, saved, rerun, kept), written down: a forward
-    runs them in order, each holding what it leaves live but what its backward reruns until its full or weight
-    backward; a backward runs them reversed, each rerunning first what its forward did not keep (the input pass
-    holds it for the weight pass, which runs after it), then freeing what its own pass leaves live and, but for
-    the input pass, what the layer held."""
-    stage = [LayerAllocations(dict(passes), saved, rerun, kept) for passes, saved, rerun, kept in layers]
+    """`stage_program`'s layers, each as its content (passes' items, saved, rerun, kept, unsharded), written down: a
+    forward runs them in order, each holding what it leaves live but what its backward reruns until its full or
+    weight backward; a backward runs them reversed, each rerunning first what its forward did not keep (the input
+    pass holds it for the weight pass, which runs after it), then freeing what its own pass leaves live and, but
+    for the input pass, what the layer held. FSDP2's whole tensors (`StageProgram`): a step's first forward
+    gathers each layer's weights as the layer begins, its first full or weight backward makes each layer's
+    gradients once the layer's pass has made its own; RELEASE, in the model's order, each layer's reduce-scatter
+    input (its gradients' bytes, freed at the next layer's) beside its gradients, then frees them and its weights
+    (FSDP2's `foreach_reduce`, `reshard`)."""
+    stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded)
+             for passes, saved, rerun, kept, unsharded in layers]
     program = Program()
+    gathered, accumulated = [], []  # each layer's whole weights' and gradients' slots
+    gathers, accumulates = [], []  # and the ops that make them
+    for layer in stage:
+        for slots, ops, made in ((gathered, gathers, [weights for weights, _ in layer.unsharded]),
+                                 (accumulated, accumulates, [gradient for _, gradient in layer.unsharded])):
+            begins = len(program.ops)
+            slots.append([program.malloc(nbytes) for nbytes in made])
+            ops.append(tuple(program.ops[begins:]))
+    del program.ops[:]
 
-    def written(name: str, held: dict[int, list[int]]) -> tuple[Op, ...]:
-        begins = len(program.ops)
+    def written(name: str, held: dict[int, list[int]]) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+        """The pass, and the pass as a step's first runs it (FSDP2's whole tensors made at each layer)."""
+        ops: list[Op] = []
+        first: list[Op] = []
         for index in range(len(stage)) if name == "fwd" else reversed(range(len(stage))):
             layer = stage[index]
+            begins = len(program.ops)
             if name == "fwd":
                 held[index] = _forward(program, layer)
+                ops += program.ops[begins:]
+                first += [*gathers[index], *program.ops[begins:]]
                 continue
             if name != "wgrad" and layer.rerun is not None:
                 held[index] = held[index] + _recomputed(program, layer)
             done = program.replay(layer.passes.get(name, ()))
+            computed = program.ops[begins:]
+            freed = len(program.ops)
             for slot in [*done.values(), *(held.pop(index) if name != "igrad" else ())]:
                 program.free(slot)
-        return tuple(program.ops[begins:])
+            ops += program.ops[begins:]
+            first += [*computed, *(accumulates[index] if name != "igrad" else ()), *program.ops[freed:]]
+        return tuple(ops), tuple(first)
 
     held: dict[int, list[int]] = {}
-    passes = {"fwd": written("fwd", held), "bwd": written("bwd", dict(held))}
-    passes["igrad"] = written("igrad", held)
-    passes["wgrad"] = written("wgrad", held)
-    return StageProgram(len(stage), program.slots, passes)
+    passes = {}
+    for name in ("fwd", "bwd", "igrad", "wgrad"):  # the full backward on a copy: the split one frees them too
+        passes[name], first = written(name, dict(held) if name == "bwd" else held)
+        if name != "igrad":  # an input pass makes no weight gradients
+            passes[name + FIRST] = first
+    reduced, releases = None, len(program.ops)
+    for index, layer in enumerate(stage):
+        if not layer.unsharded:
+            continue
+        scattered = program.malloc(sum(gradient for _, gradient in layer.unsharded))
+        if reduced is not None:
+            program.free(reduced)
+        for slot in [*accumulated[index], *gathered[index]]:
+            program.free(slot)
+        reduced = scattered
+    if reduced is not None:
+        program.free(reduced)
+    passes[RELEASE] = tuple(program.ops[releases:])
+    carried = tuple(slot for slots in (*gathered, *accumulated) for slot in slots)
+    return StageProgram(len(stage), program.slots, passes, carried)
 
 
 @dataclass
@@ -384,6 +437,7 @@ class _Replay:
     rows: Sequence[tuple[str, int, Hashable]]
     programs: Mapping[int, StageProgram]
     frames: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    carried: dict[int, dict[int, int]] = field(default_factory=dict)  # per stage, FSDP2's whole tensors by slot
 
     def __post_init__(self) -> None:
         number: dict[Hashable, int] = {}
@@ -397,15 +451,25 @@ class _Replay:
                        for at, (name, stage, microbatch) in enumerate(self.numbered)]
 
     def run(self, at: int) -> None:
+        """Row `at`: its pass (with FIRST, as a step's first runs it; with LAST, RELEASE after it), FSDP2's whole
+        tensors' addresses carried from the stage's earlier rows and kept for its later ones."""
         name, stage, microbatch = self.numbered[at]
         program = self.programs[stage]
         if not program.layers:
             return
-        if name == "fwd":
+        base = name.split(":")[0]
+        if base == "fwd":
             frame = self.frames[stage, microbatch] = [0] * program.slots
         else:
-            frame = self.frames[stage, microbatch] if name == "igrad" else self.frames.pop((stage, microbatch))
-        self.allocator.run(program.passes[name], frame)
+            frame = self.frames[stage, microbatch] if base == "igrad" else self.frames.pop((stage, microbatch))
+        carried = self.carried.setdefault(stage, {})
+        for slot in program.carried:
+            frame[slot] = carried.get(slot, 0)
+        self.allocator.run(program.passes[base + FIRST if FIRST in name else base], frame)
+        if name.endswith(LAST):
+            self.allocator.run(program.passes[RELEASE], frame)
+        for slot in program.carried:
+            carried[slot] = frame[slot]
 
     def state(self, at: int) -> tuple:
         """After row `at`, what `replay_device` compares to see the rows repeat: the allocated, reserved and peak
@@ -441,14 +505,22 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     pass's transient peak for whole rows, so it can allocate less than the prediction holds and that difference
     would read nothing. `capacity_bytes`: each device's memory (None: unbounded), whose cached segments torch
     releases when a cudaMalloc fails; where the step does not fit even then (torch's out of memory), its reserve
-    is what it would take without that bound, which puts the device's peak over its memory."""
+    is what it would take without that bound, which puts the device's peak over its memory. Under a pipeline,
+    FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
+    (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block."""
     programs: dict[int, StageProgram] = {}
     reserves = []
     for device, held in enumerate(trace.meta.peak_memory_parts or ()):
-        static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
         rows = device_rows(trace, device)
-        for stage in {stage for _, stage, _ in rows} - programs.keys():
+        mine = {stage for _, stage, _ in rows}
+        for stage in mine - programs.keys():
             programs[stage] = stage_program(layers[stage])
+        gathered = sum(weights for stage in mine for layer in layers[stage] for weights, _ in layer.unsharded)
+        if len(layers) > 1 and gathered:
+            rows = step_events(rows)
+            static = (max(held["parameters"] - gathered, 0), held["optimizer_state"])
+        else:
+            static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
         # the rows with their stages and micro-batches numbered as they come: the same wherever the content is
         stages: dict[int, int] = {}
         place: dict[Hashable, int] = {}
@@ -456,6 +528,22 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
                          for name, stage, microbatch in rows)
         reserves.append(_reserve(static, numbered, tuple(programs[stage] for stage in stages), capacity_bytes[device]))
     return reserves
+
+
+def step_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]) -> list[tuple[str, int, tuple[int, int, int]]]:
+    """`device_rows`' rows, each pass named with what FSDP2 does around it in its stage's mini-batch: FIRST, the
+    first forward (gathering the weights) and the first full or weight backward (making the gradients); LAST,
+    the last full or weight backward (reduce-scattering and resharding after it)."""
+    first: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    for at, (name, stage, (pipeline, minibatch, _)) in enumerate(rows):
+        if name != "igrad":
+            first.setdefault((name == "fwd", stage, pipeline, minibatch), at)
+        if name in ("bwd", "wgrad"):
+            last[stage, pipeline, minibatch] = at
+    return [(name + (FIRST if first.get((name == "fwd", stage, pipeline, minibatch)) == at else "")
+             + (LAST if last.get((stage, pipeline, minibatch)) == at else ""), stage, (pipeline, minibatch, micro))
+            for at, (name, stage, (pipeline, minibatch, micro)) in enumerate(rows)]
 
 
 @functools.lru_cache(maxsize=64)
