@@ -205,19 +205,11 @@ class StageCosts:
         return self.param_bytes if self.stored_bytes is None else self.stored_bytes
 
     def __post_init__(self) -> None:
-        times = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms",
-                 "copy_ms", "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms",
-                 "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms",
-                 "all_to_all_paired_ms", "gather_cast_ms", "collective_delay_ms")
-        optional = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
-                    "all_gather_bytes")
-        for name in (*times, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes",
-                     "expert_param_bytes", "float8_weight_bytes", "model_output_bytes", "receive_buffer_bytes",
-                     "buffered_input_bytes", "forward_kept_bytes", "backward_kept_bytes", *optional[2:]):
-            value = getattr(self, name)
-            if value is None and name in optional:
+        given = self.__dict__
+        for name, limit, optional in _STAGE_NUMBERS:
+            value = given[name]
+            if value is None and optional:
                 continue
-            limit = MAX_MS if name in times else math.inf
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= limit:
                 raise CostError(f"{name} must be a finite number from 0 to {limit:g} (got {value!r})")
         if not 0.0 <= self.wgrad_fraction <= 1.0:
@@ -229,6 +221,20 @@ class StageCosts:
                                 f"(got {getattr(self, name)!r})")
         if self.activation_parts is not None and sum(self.activation_parts.values()) != self.activation_bytes:
             raise CostError(f"activation_parts must sum to activation_bytes ({self.activation_bytes})")
+
+
+_STAGE_TIMES = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms", "copy_ms",
+                "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms", "ring_bwd_ms",
+                "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms", "all_to_all_paired_ms",
+                "gather_cast_ms", "collective_delay_ms")
+_STAGE_OPTIONAL = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
+                   "all_gather_bytes")
+# What `StageCosts.__post_init__` checks, in its order: each number field, the most it may be (a time's MAX_MS), and
+# whether it may be None; worked out once, since a search builds tens of thousands of stages' costs
+_STAGE_NUMBERS = tuple((name, MAX_MS if name in _STAGE_TIMES else math.inf, name in _STAGE_OPTIONAL) for name in (
+    *_STAGE_TIMES, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "expert_param_bytes",
+    "float8_weight_bytes", "model_output_bytes", "receive_buffer_bytes", "buffered_input_bytes", "forward_kept_bytes",
+    "backward_kept_bytes", *_STAGE_OPTIONAL[2:]))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,36 @@
+"""A stage's costs refuse a number out of range in one line naming the field (sim/costs.py `StageCosts`): a time
+(`*_ms`) from 0 to MAX_MS, a size from 0 up, finite either way; the optional ones may be None. The checks are
+worked out once for the class (`_STAGE_NUMBERS`), so every number field must be among them."""
+
+import dataclasses
+import math
+
+import pytest
+
+from pipesim.sim.costs import MAX_MS, CostError, StageCosts
+
+NUMBERS = [field for field in dataclasses.fields(StageCosts)
+           if field.type in ("float", "int", "float | None", "int | None") and field.name != "wgrad_fraction"]
+
+
+@pytest.mark.parametrize("name", [field.name for field in NUMBERS])
+def test_every_number_is_checked_and_named(name):
+    limit = MAX_MS if name.endswith("_ms") else math.inf
+    for bad in (-1, math.nan, math.inf, "1", limit * 2 if limit < math.inf else -0.5):
+        with pytest.raises(CostError) as refused:
+            StageCosts(**{"fwd_ms": 1.0, "bwd_ms": 1.0, name: bad})
+        assert str(refused.value) == f"{name} must be a finite number from 0 to {limit:g} (got {bad!r})"
+    StageCosts(**{"fwd_ms": 1.0, "bwd_ms": 1.0, name: MAX_MS if limit < math.inf else 1 << 40})
+    optional = next(field for field in NUMBERS if field.name == name).type.endswith("| None")
+    if optional:
+        StageCosts(**{"fwd_ms": 1.0, "bwd_ms": 1.0, name: None})
+    else:
+        with pytest.raises(CostError, match=f"^{name} must be a finite number"):
+            StageCosts(**{"fwd_ms": 1.0, "bwd_ms": 1.0, name: None})
+
+
+def test_the_first_field_out_of_range_is_named():
+    with pytest.raises(CostError, match="^fwd_ms must"):
+        StageCosts(fwd_ms=-1.0, bwd_ms=-1.0, param_bytes=-1)
+    with pytest.raises(CostError, match="^param_bytes must"):
+        StageCosts(fwd_ms=1.0, bwd_ms=1.0, param_bytes=-1, held_bytes=-1)
