@@ -307,6 +307,14 @@ HostKernelUs = Annotated[float | None, typer.Option(
                                                   "MoE layer's forward waits for after its dropless dispatcher "
                                                   "synchronises with the host; 0: never. Default: 12 "
                                                   "(docs/hardware.md, \"Host-bound execution\").")]
+HostModuleUs = Annotated[float | None, typer.Option(
+    "--host-module-us", metavar="US", min=0, help="With --gpu: the host's microseconds a TransformerEngine module "
+                                                  "call (a linear, grouped linear or attention module) spends beyond "
+                                                  "issuing its kernels, forward and backward, twice for a module in "
+                                                  "float8, which a synchronising MoE layer waits for like its "
+                                                  "kernels; 0: none. Default: 103 under --fp8-recipe te or "
+                                                  "te-current, 0 otherwise (docs/hardware.md, \"Host-bound "
+                                                  "execution\").")]
 ExpertTensorParallel = Annotated[int | None, typer.Option(
     "--expert-tensor-parallel", metavar="ETP", min=1, help="With --expert-parallel and --rank-order megatron: the "
                                                            "ranks each routed expert is split over (Megatron-core's "
@@ -425,6 +433,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("routing", Routing, None), ("token_dispatcher", TokenDispatcher, None),
                 ("dispatcher_sms", DispatcherSms, None), ("host_kernel_us", HostKernelUs, None),
+                ("host_module_us", HostModuleUs, None),
                 ("expert_gemm", ExpertGemm, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),

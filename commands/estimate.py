@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "routing", "recompute",
                  "curve_from", "fsdp_float8_all_gather",
-                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "expert_gemm",
-                 "expert_tensor_parallel",
+                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "host_module_us",
+                 "expert_gemm", "expert_tensor_parallel",
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "rope_kernel", "recompute_modules",
@@ -69,10 +69,11 @@ ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "p
 KERNEL_DEFAULTS = {"swiglu_fusion": True, "cross_entropy": "torch", "norm_kernel": "eager", "rope_kernel": "eager"}
 # Settings named in an estimate's parallelism text only when they are not these (a bool not listed: when set).
 SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_accumulation": "separate",
-                    "routing": "balanced", "host_kernel_us": HOST_KERNEL_US, "expert_gemm": "grouped",
+                    "routing": "balanced", "host_kernel_us": HOST_KERNEL_US, "host_module_us": None,
+                    "expert_gemm": "grouped",
                     **KERNEL_DEFAULTS}
 # Settings whose name ends in their unit, said as "name value unit" in an estimate's parallelism text.
-SETTING_UNITS = {"host_kernel_us": ("host kernel", "us")}
+SETTING_UNITS = {"host_kernel_us": ("host kernel", "us"), "host_module_us": ("host module", "us")}
 RECOMPUTE = ("none", "selective", "full", "op")
 FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
 SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
@@ -82,7 +83,8 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "hot_expert_share": "--hot-expert-share", "routing": "--routing",
                   "token_dispatcher": "--token-dispatcher",
                   "dispatcher_sms": "--dispatcher-sms",
-                  "host_kernel_us": "--host-kernel-us", "expert_gemm": "--expert-gemm",
+                  "host_kernel_us": "--host-kernel-us", "host_module_us": "--host-module-us",
+                  "expert_gemm": "--expert-gemm",
                   "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
                   "attention_kernel": "--attention-kernel",
                   "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
@@ -136,6 +138,7 @@ class WhatIf:
     attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
     routing: str = "balanced"  # --routing, of planning/experts.py's ROUTINGS
     host_kernel_us: float | None = None  # --host-kernel-us (None: planning/host.py's HOST_KERNEL_US)
+    host_module_us: float | None = None  # --host-module-us (None: by the runtime, planning/host.py's module_us)
     expert_gemm: str = "grouped"  # --expert-gemm, of planning/experts.py's EXPERT_GEMMS
 
     @cached_property
@@ -199,7 +202,7 @@ class WhatIf:
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
                            ema=self.ema, grad_accumulation=self.grad_accumulation,
                            host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us,
-                           expert_gemm=self.expert_gemm)
+                           host_module_us=self.host_module_us, expert_gemm=self.expert_gemm)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -324,10 +327,13 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     expert_gemm = params.get("expert_gemm") or "grouped"
     if expert_gemm not in EXPERT_GEMMS:
         raise InputError(f"--expert-gemm: choose from {', '.join(EXPERT_GEMMS)} (got {expert_gemm!r})")
-    host_kernel_us = params.get("host_kernel_us")
+    host_kernel_us, host_module_us = params.get("host_kernel_us"), params.get("host_module_us")
     if host_kernel_us is not None and not math.isfinite(host_kernel_us):
         raise InputError(f"--host-kernel-us: the host's microseconds to issue a kernel, a finite number from 0 (got "
                          f"{host_kernel_us})")
+    if host_module_us is not None and not math.isfinite(host_module_us):
+        raise InputError(f"--host-module-us: the host's microseconds a module call adds, a finite number from 0 (got "
+                         f"{host_module_us})")
     if params.get("dispatcher_sms") is not None and dispatcher != "deepep":
         raise InputError("--dispatcher-sms: the multiprocessors DeepEP's kernels hold; give --token-dispatcher deepep")
     rank_order = params.get("rank_order") or "pipesim"
@@ -356,7 +362,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing,
-                  host_kernel_us=host_kernel_us, expert_gemm=expert_gemm)
+                  host_kernel_us=host_kernel_us, host_module_us=host_module_us, expert_gemm=expert_gemm)
 
 
 def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:

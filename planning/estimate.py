@@ -92,7 +92,7 @@ from .fp8 import (
     saved_weight_bytes,
     step_cast_ops,
 )
-from .host import HOST_KERNEL_US, host_bound_ms, issue_ms, synchronises
+from .host import HOST_KERNEL_US, host_bound_ms, issue_ms, module_us, synchronises
 from .ranks import RANK_ORDERS, dense_grid
 
 if TYPE_CHECKING:
@@ -182,6 +182,7 @@ class Parallelism:
     cp_rotate: str = "alltoall"  # how the context ring passes keys and values, of `CP_ROTATES` (`ContextRing`)
     attention_kernel: str = "flash2"  # the fused attention kernel, of `ATTENTION_KERNELS` (`kernel_curve`)
     host_kernel_us: float = HOST_KERNEL_US  # the host's issue of a kernel, exposed after a sync (planning/host.py)
+    host_module_us: float | None = None  # a TransformerEngine module call's Python (None: by the runtime, host.py)
     expert_gemm: str = "grouped"  # how a rank runs its local experts' products, of planning/experts.py's EXPERT_GEMMS
 
     def __post_init__(self) -> None:
@@ -191,6 +192,9 @@ class Parallelism:
         if not 0 <= self.host_kernel_us < math.inf:
             raise EstimateError(f"host_kernel_us: {self.host_kernel_us}; the host's microseconds a kernel, a finite "
                                 "number, at least 0")
+        if self.host_module_us is not None and not 0 <= self.host_module_us < math.inf:
+            raise EstimateError(f"host_module_us: {self.host_module_us}; the host's microseconds a module call, a "
+                                "finite number, at least 0")
         if self.expert_gemm not in EXPERT_GEMMS:
             raise EstimateError(f"expert_gemm: choose from {', '.join(EXPERT_GEMMS)} (got {self.expert_gemm!r})")
         if self.dispatcher_sms is not None and (self.token_dispatcher != "deepep" or self.dispatcher_sms < 1):
@@ -1310,7 +1314,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
-        issued = {name: issue_ms(busiest, parallel.float8_recipe, element, parallel.host_kernel_us, name)
+        modules_us = module_us(parallel.fp8, parallel.host_module_us)
+        issued = {name: issue_ms(busiest, parallel.float8_recipe, element, parallel.host_kernel_us, name, modules_us)
                   if synced else 0.0 for name in ("fwd", "bwd", "igrad", "wgrad")}
         fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issued["fwd"])
         bwd_ms, igrad_ms, wgrad_ms = (host_bound_ms(getattr(priced, f"{name}_ms"), 0.0, issued[name])

@@ -95,3 +95,54 @@ def test_under_fsdp_float8_all_gather_the_host_issues_no_weight_casts(tmp_path):
         slow, slower = (layers(tmp_path, *float8, *gather, "--host-kernel-us", us) for us in (1000, 2000))
         kernels.append(round(slower[1]["fwd"]["median_ms"] - slow[1]["fwd"]["median_ms"]))
     assert kernels[1] < kernels[0]
+
+
+def _issued_per_ms(tmp_path, *args) -> dict[str, float]:
+    """A MoE block's pass times at 1 ms and 2 ms a module call (kernels free, the host outlasting the GPU): their
+    difference, per pass, is the module calls the host pays, weighted as `issue_ms` weights them."""
+    slow, slower = (layers(tmp_path, *args, "--host-kernel-us", 0, "--host-module-us", us) for us in (1000, 2000))
+    return {name: round(slower[1][name]["median_ms"] - slow[1][name]["median_ms"], 6)
+            for name in ("fwd", "bwd", "igrad", "wgrad")}
+
+
+def test_each_transformer_engine_module_call_costs_the_host_twice_in_float8(tmp_path):
+    """The gpt MoE block under Megatron-core's TransformerEngine spec calls linear_qkv, linear_proj, its router's
+    linear (the gpt's router is a linear product the float8 recipes convert), the two GroupedLinear products of its
+    experts (one call each over the rank's four local experts) and DotProductAttention: in BF16 six calls, in
+    float8 the five linear modules twice (TransformerEngine issue 761) and the attention once, 11; forward,
+    backward and input-gradient passes alike, none in the weight-gradient pass (its GEMMs alone). The attention's
+    batched products under math attention are no module's."""
+    flash = (*MOE, "--attention", "flash")
+    assert _issued_per_ms(tmp_path, *flash) == {"fwd": 6.0, "bwd": 6.0, "igrad": 6.0, "wgrad": 0.0}
+    float8 = _issued_per_ms(tmp_path, *flash, "--dtype", "fp8", "--fp8-recipe", "te-current")
+    assert float8 == {"fwd": 11.0, "bwd": 11.0, "igrad": 11.0, "wgrad": 0.0}
+    grouped = _issued_per_ms(tmp_path, *flash, "--dtype", "fp8", "--fp8-recipe", "te-current",
+                             "--expert-gemm", "per-expert")
+    assert grouped == float8  # a GroupedLinear is one call, whatever GEMMs it issues per local expert
+    assert _issued_per_ms(tmp_path, *MOE)["fwd"] == 5.0  # qkv, proj, router, fc1, fc2: no attention module
+
+
+def test_the_module_cost_defaults_by_the_runtime(tmp_path):
+    """TransformerEngine's recipes default to 103 us a call (PR 1191's 115 us less its GEMM's issue), named only
+    when given; eager PyTorch (no recipe, torchao's) to none. A dense model never waits, at any module cost."""
+    te = (*MOE, "--attention", "flash", "--dtype", "fp8", "--fp8-recipe", "te-current", "--host-kernel-us", 0)
+    assert layers(tmp_path, *te) == layers(tmp_path, *te, "--host-module-us", 103)
+    assert layers(tmp_path, *te) != layers(tmp_path, *te, "--host-module-us", 0)
+    eager = (*MOE, "--host-kernel-us", 0)
+    assert layers(tmp_path, *eager) == layers(tmp_path, *eager, "--host-module-us", 0)
+    dense = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--gpu", "h100-sxm",
+             "--dtype", "fp8", "--fp8-recipe", "te")
+    assert layers(tmp_path, *dense, "--host-module-us", 10000) == layers(tmp_path, *dense, "--host-module-us", 0)
+    code, out, err = pipesim("simulate", *te, "-p", 1, "-m", 2, "-s", "1f1b", "--host-module-us", 50)
+    assert code == 0, err
+    assert "host module 50 us" in " ".join(out.split())
+    code, out, err = pipesim("simulate", *te, "-p", 1, "-m", 2, "-s", "1f1b")
+    assert code == 0, err
+    assert "host module" not in " ".join(out.split())
+
+
+@pytest.mark.parametrize("value", ["inf", "-1"])
+def test_a_bad_module_cost_is_one_line(tmp_path, value):
+    code, out, err = pipesim("estimate", *MOE, "--host-module-us", value, "-o", tmp_path / "x.json")
+    assert code == 2 and not out and err.count("\n") == 1 and "--host-module-us" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
