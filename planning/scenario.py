@@ -33,6 +33,7 @@ from ..profiles.partition import (
     padded_blocks,
     partition,
     ranges,
+    searched_partition,
 )
 from ..schedules import (
     COLLECTIVE_KINDS,
@@ -594,12 +595,16 @@ class StageMemory:
 
     def device(self, sched: Schedule, device: int, bounds: Sequence[int]) -> float:
         """Device `device`'s peak with its stages cut at one copy's `bounds`: their held bytes, the largest transient
-        and the activations of the micro-batches its stages hold together at the most."""
-        per_copy = sched.graph.stages_per_copy
-        cut = [(bounds[s % per_copy], bounds[s % per_copy + 1]) for s in sched.stages_on(device)]
-        saved = np.array([self.activations[r] for r in cut])
-        return (sum(held[r] for held, r in zip((self.held[s] for s in sched.stages_on(device)), cut))
-                + max(self.transient[r] for r in cut) + float(np.max(self.together[device] @ saved)))
+        and the activations of the micro-batches its stages hold together at the most. Given the bounds of a copy's
+        first stages only, what its stages among them hold: no more than once the rest are cut too."""
+        per_copy, stages = sched.graph.stages_per_copy, sched.stages_on(device)
+        cut = [(bounds[s % per_copy], bounds[s % per_copy + 1]) if s % per_copy + 1 < len(bounds) else None
+               for s in stages]
+        if not any(cut):
+            return 0.0
+        saved = np.array([self.activations[r] if r else 0.0 for r in cut])
+        return (sum(self.held[s][r] for s, r in zip(stages, cut) if r) + max(self.transient[r] for r in cut if r)
+                + float(np.max(self.together[device] @ saved)))
 
 
 def _held_together(sched: Schedule) -> list[np.ndarray]:
@@ -624,8 +629,9 @@ def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], bala
     """`balanced` where every device holds its stages within its limit (`StageMemory.device`); else the cut whose
     slowest stage is fastest among those where every device holds its stages' sum (`StageMemory.stage`) within it:
     exactly where each device holds one stage of a copy or a mirrored pair (k and p-1-k: DualPipe, the V-shapes;
-    `mirrored_partition`); where a device holds more (interleaved chunks), each of its stages within a share of its
-    memory, the faster of two splits: as the stages hold it at `balanced`, and equal (as `tune` cuts v chunks).
+    `mirrored_partition`); where a device holds more (interleaved chunks), searched by what each device holds
+    (`searched_partition`), and where that search is too long, each of its stages within a share of its memory,
+    the faster of two splits: as the stages hold it at `balanced`, and equal (as `tune` cuts v chunks).
     PartitionError where none fits."""
     per_copy = sched.graph.stages_per_copy
     on = [sched.stages_on(device) for device in range(sched.num_devices)]
@@ -645,12 +651,18 @@ def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], bala
 
         return mirrored_partition(layers, per_copy, pair_bytes)
 
+    def fits(prefix: list[int]) -> bool:  # the devices holding the stage just cut, by what their stages cut hold
+        return all(memory.device(sched, d, prefix) <= limits[d] for d, ks in enumerate(held) if len(prefix) - 2 in ks)
+
+    searched = searched_partition(layers, per_copy, fits)
+    if searched is not None:
+        return searched
     at_balanced = [stage_bytes[s][balanced[s % per_copy], balanced[s % per_copy + 1]] for s in range(len(stage_bytes))]
     cuts = [cut for cut in (_within_shares(sched, stage_bytes, limits, layers, weights)
                             for weights in (at_balanced, [1] * len(stage_bytes))) if cut is not None]
     if not cuts:
-        raise PartitionError(f"no cut of {len(layers)} layers into {per_copy} stages fits every device's memory, "
-                             "each stage of a device within its share of it")
+        raise PartitionError(f"no cut of {len(layers)} layers into {per_copy} stages found that fits every device's "
+                             "memory")
     return min(cuts, key=lambda cut: max(math.fsum(layer.ms for layer in layers[start:stop])
                                          for start, stop in itertools.pairwise(cut)))
 

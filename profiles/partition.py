@@ -24,6 +24,10 @@ class PartitionError(ValueError):
     """No split satisfies the request; the message says why and what would."""
 
 
+class _TooManyPrefixes(Exception):
+    """`searched_partition`'s search at one time passed its limit of prefixes."""
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """What the partitioner needs of one layer. `shared_with_previous_bytes`: part of its saved activations
@@ -122,6 +126,63 @@ def mirrored_partition(layers: Sequence[LayerCost], stages: int, pair_bytes: Cal
         front_cuts.append(a)
         back_cuts.append(b)
     return front_cuts + back_cuts[::-1][stages % 2 == 0:]
+
+
+def searched_partition(layers: Sequence[LayerCost], stages: int, fits: Callable[[list[int]], bool],
+                       max_prefixes: int = 100_000) -> list[int] | None:
+    """Stage bounds minimising the slowest stage (its layers' forward + backward, as `partition`'s default) among
+    the cuts `fits` accepts, where a device's memory may depend on any of its stages (interleaved chunks): `fits`
+    is given each prefix [0, b1, ..., b(k+1)] as stage k is cut, and refuses one that no completion can make fit
+    (what the stages cut so far hold alone bounds it from below). The slowest stage is bisected over the ranges'
+    times, from the time-balanced cut's up; at each, the earliest cut within it is searched depth first, stages
+    that cannot cover the layers left within it pruned. None where none fits, or where a search passes
+    `max_prefixes` prefixes (then nothing is claimed of that time)."""
+    n = _check(layers, stages)
+    ms = _forward_backward_ms(layers)(0)
+    least = max(ms[i, j] for i, j in itertools.pairwise(partition(layers, stages)))
+    limits = np.unique(ms[np.isfinite(ms) & (ms >= least)])
+
+    def cut_within(limit: float) -> list[int] | None:
+        fewest = np.full(n + 1, math.inf)  # [j]: the fewest stages within `limit` that cover layers j .. n-1
+        fewest[n] = 0
+        for j in range(n - 1, -1, -1):
+            reach = np.flatnonzero(ms[j, j + 1:] <= limit)
+            fewest[j] = 1 + fewest[j + 1 + reach[-1]] if len(reach) else math.inf
+        bounds, tried = [0], 0
+
+        def extend(k: int) -> bool:
+            nonlocal tried
+            if k == stages:
+                return True
+            start, left = bounds[-1], stages - k - 1
+            for stop in range(start + 1, n - left + 1):
+                if ms[start, stop] > limit:
+                    break
+                if fewest[stop] > left:
+                    continue
+                tried += 1
+                if tried > max_prefixes:
+                    raise _TooManyPrefixes
+                bounds.append(stop)
+                if fits(bounds) and extend(k + 1):
+                    return True
+                bounds.pop()
+            return False
+
+        try:
+            return bounds if extend(0) else None
+        except _TooManyPrefixes:
+            return None
+
+    found, low, high = None, 0, len(limits) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        cut = cut_within(limits[middle])
+        if cut is None:
+            low = middle + 1
+        else:
+            found, high = cut, middle - 1
+    return found
 
 
 def ranges(prefix: Sequence[float] | np.ndarray) -> np.ndarray:

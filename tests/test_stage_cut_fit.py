@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pipesim.planning.scenario import _held_together
-from pipesim.profiles.partition import PartitionError, mirrored_partition, ranges
+from pipesim.profiles.partition import LayerCost, PartitionError, mirrored_partition, ranges, searched_partition
 from tests.conftest import build, pipesim, simulate_json, simulated
 
 # A 40 GB A100 and a GPT whose stages' activations, held as the schedule holds them, outgrow it where the cut is
@@ -63,6 +63,33 @@ def test_the_mirrored_cut_is_the_fastest_of_every_cut_that_fits():
         assert _fullest_pair(list(itertools.pairwise(cut)), stage_bytes) <= cap
 
 
+def test_the_searched_cut_is_the_fastest_of_every_cut_that_fits():
+    """Random layers on 2 to 6 stages, device d holding stages d, d + 2, d + 4, ... (interleaved chunks on 2
+    devices): the cut found is as fast as the fastest of all that fit, and fits; none fits, None."""
+    rng = np.random.default_rng(11)
+    for _ in range(120):
+        n = int(rng.integers(2, 9))
+        stages = int(rng.integers(2, min(n, 6) + 1))
+        layers = [LayerCost(float(ms), 0, 0) for ms in rng.integers(1, 5, n)]
+        weight = ranges(np.concatenate([[0], np.cumsum(rng.integers(1, 5, n))]))
+        held = [weight * int(rng.integers(1, 4)) for _ in range(stages)]
+        cap = float(rng.integers(8, 40))
+
+        def fullest(bounds: list[int]) -> float:  # the fuller device, with the stages cut so far
+            cut = list(itertools.pairwise(bounds))
+            return max(sum(held[k][cut[k]] for k in range(device, len(cut), 2)) for device in (0, 1))
+
+        ms = ranges(np.concatenate([[0.0], np.cumsum([layer.ms for layer in layers])]))
+        cuts = [[0, *inner, n] for inner in itertools.combinations(range(1, n), stages - 1)]
+        fitting = [max(ms[i, j] for i, j in itertools.pairwise(cut)) for cut in cuts if fullest(cut) <= cap]
+        found = searched_partition(layers, stages, lambda bounds: fullest(bounds) <= cap)
+        if not fitting:
+            assert found is None
+            continue
+        assert found is not None and fullest(found) <= cap and len(found) == stages + 1
+        assert max(ms[i, j] for i, j in itertools.pairwise(found)) == min(fitting)
+
+
 @pytest.mark.parametrize(("name", "chunks"), [("interleaved-1f1b", 2), ("dualpipe", None), ("zb-v", None)])
 def test_the_micro_batches_a_device_holds_together_are_the_simulators(name, chunks):
     """Each stage's activations a different size: a device's peak is the most its stages' counts held at once
@@ -83,11 +110,13 @@ def _peaks(result: dict) -> tuple[list[float], list[float]]:
             [device["memory_limit_mb"] for device in result["devices"]])
 
 
-@pytest.mark.parametrize(("schedule", "batch"), [("1f1b", 8), ("dualpipe", 4)])
-def test_fit_cuts_within_every_devices_memory_where_the_balanced_cut_does_not(schedule, batch):
-    """1F1B (a stage a device) and DualPipe (stage k of one copy beside p-1-k of the other on device k): the
-    time-balanced cut runs a device out of its 40 GB, the fitted one keeps every device within it."""
-    args = (*GPT, "-b", batch, "-s", schedule)
+@pytest.mark.parametrize("args", [("-b", 8, "-s", "1f1b"), ("-b", 4, "-s", "dualpipe"),
+                                  ("-b", 5, "-s", "interleaved-1f1b", "--chunks", 2)])
+def test_fit_cuts_within_every_devices_memory_where_the_balanced_cut_does_not(args):
+    """1F1B (a stage a device), DualPipe (stage k of one copy beside p-1-k of the other on device k) and
+    interleaved 1F1B (device d's chunks d and d + 4): the time-balanced cut runs a device out of its 40 GB, the
+    fitted one keeps every device within it."""
+    args = (*GPT, *args)
     (balanced,) = simulate_json(*args)
     (fitted,) = simulate_json(*args, "--stage-cut", "fit")
     peaks, limits = _peaks(balanced)
@@ -126,8 +155,7 @@ def test_fit_keeps_the_balanced_cut_where_it_fits(args):
     (("-b", 8, "-s", "dualpipe"), "--stage-cut fit: dualpipe: no cut of 10 layers into 4 stages fits every "
                                   "device's memory"),
     (("-b", 8, "-s", "interleaved-1f1b", "--chunks", 2), "--stage-cut fit: interleaved-1f1b: no cut of 10 layers "
-                                                         "into 8 stages fits every device's memory, each stage of a "
-                                                         "device within its share of it"),
+                                                         "into 8 stages found that fits every device's memory"),
     (("-b", 4, "-s", "1f1b", "--pp-runtime", "torch"), "the receive buffers --pp-runtime torch keeps are not "
                                                        "counted: use --stage-cut balanced"),
     (("-b", 4, "-s", "graphpipe"), "graphpipe builds its schedule for the cut: use --stage-cut balanced"),
