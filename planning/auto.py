@@ -598,7 +598,8 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
 
     Each device runs as a generator that keeps its own counters, memory and costs in local variables and yields
     whenever another device is due before it: the search's dearest loop reads locals, not per-device lists. A
-    device waits for at most one F and one I at a time, so who waits for an end time is a slot per device."""
+    device waits for at most one F and one I at a time, so who waits for an end time is a slot per device; one
+    that waits for an arrival due before every other device decides again at once, as the heap would have it."""
     p, m, n = times.stages, times.microbatches, _STEADY
     units = m * n
     forward_end = [0.0] * units + [-1.0] * (p * units)  # at (k + 1)·units + u: F of stage k; at u: the input, at once
@@ -610,6 +611,16 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
     heap = [(0.0, k, 0) for k in range(p)]
     push = heapq.heappush
 
+    def wake(d: int, ready_at: float) -> None:
+        """Device d, stopped waiting for an input that arrives at `ready_at`, decides then (or when it stopped)."""
+        if clock[d] > ready_at:
+            ready_at = clock[d]
+        if asleep[d] or ready_at < due[d]:
+            asleep[d] = False
+            token[d] += 1
+            due[d] = ready_at
+            push(heap, (ready_at, d, token[d]))
+
     def device(k: int) -> Generator[tuple[float, int, int] | None, float, bool]:
         """Device k's decisions, resumed with the time it is due at. It yields its heap entry where it is due
         again at once but another device is due first (the loop pushes it as it pops the next), else nothing;
@@ -619,6 +630,8 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
         freed = held - kept
         f_ms, i_ms, w_ms = times.op_ms[k][_F], times.op_ms[k][_I], times.op_ms[k][_W]
         forward_in, backward_in = k * units, (k + 1) * units  # where the inputs it waits for are
+        forward_out, backward_out = (k + 1) * units, k * units  # where the end times it writes are
+        above = k - 1
         send_in = times.send_ms[k - 1] if k else 0.0  # its F's input's transfer
         grad_in = times.grad_ms[k] if k < p - 1 else 0.0  # its I's
         below = k + 1 if k < p - 1 else -1
@@ -650,16 +663,22 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                         record((_I, i))
                     memory -= freed
                     pending.append(i)
-                    ends, out, slots, reader, delay = backward_end, k * units, waits_i, k - 1, grad_out
                     u = base + i
+                    backward_end[backward_out + u] = now
+                    if above >= 0 and waits_i[above] == u:
+                        waits_i[above] = -1
+                        wake(above, now + grad_out)
                     i += 1
                 elif f_at is not None and f_at <= now and memory + held <= limit and now + f_ms <= free_until:
                     now += f_ms
                     if keep:
                         record((_F, f))
                     memory += held
-                    ends, out, slots, reader, delay = forward_end, (k + 1) * units, waits_f, below, send_out
                     u = base + f
+                    forward_end[forward_out + u] = now
+                    if below >= 0 and waits_f[below] == u:
+                        waits_f[below] = -1
+                        wake(below, now + send_out)
                     f += 1
                 elif pending and now + w_ms <= free_until and (
                         len(pending) > reserve or i == f == m or (f_at is not None and f_at <= now)):
@@ -668,7 +687,6 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                     if keep:
                         record((_W, j))
                     memory -= kept
-                    reader = -1
                 else:  # wait: for an input whose arrival is known, or for one not yet sent
                     sleeps = i < f and i_at is None
                     if sleeps:
@@ -680,6 +698,9 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                         waits_f[k] = base + f
                     elif wake_at is None and not sleeps:
                         return False
+                    if wake_at is not None and (not heap or wake_at < heap[0][0]):  # it would be popped next
+                        now = wake_at
+                        continue
                     clock[k] = now
                     token[k] += 1
                     if wake_at is not None:
@@ -689,18 +710,6 @@ def _greedy(times: StageTimes, knobs: Knobs) -> Pattern | None:
                         asleep[k] = True
                     now = yield
                     continue
-                if reader >= 0:  # an F or I someone reads (no one reads stage 0's I or the last stage's F)
-                    ends[out + u] = now
-                    if slots[reader] == u:  # wake the neighbour waiting for it
-                        slots[reader] = -1
-                        ready_at = now + delay
-                        if clock[reader] > ready_at:
-                            ready_at = clock[reader]
-                        if asleep[reader] or ready_at < due[reader]:
-                            asleep[reader] = False
-                            token[reader] += 1
-                            due[reader] = ready_at
-                            push(heap, (ready_at, reader, token[reader]))
                 if heap and heap[0][0] <= now:  # another device decides first
                     clock[k] = now
                     token[k] += 1
