@@ -1063,11 +1063,12 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[Lay
 
 
 def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
-               element_bytes: int) -> tuple[tuple[int, int], ...]:
+               element_bytes: int) -> tuple[tuple[int, int, int], ...]:
     """Under FSDP2 (`--precision fsdp2`), per parameter of `layer` on a rank, its whole weights as gathered
-    (`gathered_weight_bytes`) and its whole gradient as accumulated (float32): each parameter one storage the
-    count's weight-gradient pass leaves live (autograd's .grad), the layer's bytes shared among them as those
-    storages' are (LayerAllocations.unsharded); () under any other precision."""
+    (`gathered_weight_bytes`), its whole gradient as accumulated (float32) and that gradient's shard over the d·C
+    ranks FSDP2 shards over: each parameter one storage the count's weight-gradient pass leaves live (autograd's
+    .grad), the layer's bytes shared among them as those storages' are (LayerAllocations.unsharded); () under any
+    other precision."""
     if parallel.precision != "fsdp2":
         return ()
     live: dict[int, int] = {}
@@ -1082,7 +1083,9 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
     weights = layer.param_bytes // parallel.tensor
     gathered = gathered_weight_bytes(layer, weights, parallel, element_bytes)
     accumulated = PRECISIONS["fsdp2"].gradient_bytes(layer.grad_bytes) // parallel.tensor
-    return tuple((round(grad * gathered / sum(grads)), round(grad * accumulated / sum(grads))) for grad in grads)
+    shards = parallel.data * parallel.context
+    return tuple((round(grad * gathered / sum(grads)), round(grad * accumulated / sum(grads)),
+                  round(grad * accumulated / sum(grads) / shards)) for grad in grads)
 
 
 def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,

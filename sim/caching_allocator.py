@@ -53,6 +53,14 @@ SEGMENT_GAP_BYTES = MIN_BLOCK_BYTES
 FIRST = ":first"
 LAST = ":last"
 RELEASE = "release"
+# A device's first row of a mini-batch, before which the optimizer's zero_grad frees the gradient shards
+# (ZERO_GRAD), which the step before left (SHARDS: the replay's start)
+ZERO = ":zero"
+ZERO_GRAD = "zero_grad"
+SHARDS = "shards"
+# FSDP2 makes a reduce-scatter's output on its reduce-scatter stream (`FSDPCommContext.reduce_scatter_stream`),
+# whose cached blocks serve no other stream
+REDUCE_SCATTER_STREAM = 1
 
 # What `CachingAllocator.run` replays: (slot, request bytes, pool) a block each, the request rounded (`round_request`)
 # and its pool decided (`pool_of`) once, its address put in the slot; a request of 0 bytes frees the slot's block
@@ -226,15 +234,16 @@ def _may_take(request_bytes: int, block_bytes: int, max_split_bytes: int) -> boo
 @dataclass
 class Program:
     """Allocations and frees written down for `CachingAllocator.run` rather than made: each request a new slot,
-    its bytes rounded and its pool decided once, so that a pass replayed a thousand times is read once. Every
-    request on the compute stream (0), where a pass's tensors are made."""
+    its bytes rounded and its pool decided once, so that a pass replayed a thousand times is read once. A request
+    is on the compute stream (0), where a pass's tensors are made, unless it names another (FSDP2's
+    reduce-scatter outputs: `REDUCE_SCATTER_STREAM`)."""
 
     ops: list[Op] = field(default_factory=list)
     slots: int = 0
 
-    def malloc(self, nbytes: int) -> int:
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
         slot, request_bytes = self.slots, round_request(nbytes)
-        self.ops.append((slot, request_bytes, pool_of(request_bytes, 0)))
+        self.ops.append((slot, request_bytes, pool_of(request_bytes, stream)))
         self.slots += 1
         return slot
 
@@ -270,17 +279,18 @@ class LayerAllocations:
     core's), holding what of them autograd saves until the layer's backward is done; the forward drops those as
     it ends. `kept`: what a policy holds for the backward even where the forward freed it (torchtitan's op
     policy keeps every second product's output). None: no recomputation. `unsharded`: per parameter, its whole
-    weights as FSDP2 gathers them and its whole gradient as FSDP2 accumulates it, which FSDP2 under a pipeline
-    makes as the layer's first forward of a step begins and its first backward ends, and frees after its last
-    backward (torch's pipelining, stage.py `backward_maybe_with_nosync`: no resharding nor reduce-scatter before
-    the last; FSDP2's `to_accumulated_grad_if_needed`, `foreach_reduce`: a reduce-scatter input of the layer's
-    gradients beside them); (): held as the state's blocks from the step's start."""
+    weights as FSDP2 gathers them, its whole gradient as FSDP2 accumulates it and that gradient's shard, which
+    FSDP2 under a pipeline makes as the layer's first forward of a step begins, as its first backward ends and
+    after its last, freeing the first two there (torch's pipelining, stage.py `backward_maybe_with_nosync`: no
+    resharding nor reduce-scatter before the last; FSDP2's `to_accumulated_grad_if_needed`, `foreach_reduce`: a
+    reduce-scatter input of the layer's gradients beside them, its output one tensor on the reduce-scatter
+    stream, held until the next step's zero_grad); (): held as the state's blocks from the step's start."""
 
     passes: Mapping[str, PassAllocations]
     saved: frozenset[int] = frozenset()
     rerun: frozenset[int] | None = None
     kept: frozenset[int] = frozenset()
-    unsharded: tuple[tuple[int, int], ...] = ()
+    unsharded: tuple[tuple[int, int, int], ...] = ()
 
 
 def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, int, int]]]:
@@ -319,6 +329,9 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     replay = _Replay(CachingAllocator(capacity_bytes=capacity_bytes), rows, programs)
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
+    if any(ZERO in name for name, _, _ in rows):  # FSDP2's gradient shards as the step before left them
+        for stage in programs:
+            replay.step_pass(stage, SHARDS)
     seen: dict[tuple, list[int]] = {}  # a state after a row: the rows after which it was, the last first
     at = 0
     while at < len(rows):
@@ -365,19 +378,22 @@ def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
     pass holds it for the weight pass, which runs after it), then freeing what its own pass leaves live and, but
     for the input pass, what the layer held. FSDP2's whole tensors (`StageProgram`): a step's first forward
     gathers each layer's weights as the layer begins, its first full or weight backward makes each layer's
-    gradients once the layer's pass has made its own; RELEASE, in the model's order, each layer's reduce-scatter
-    input (its gradients' bytes, freed at the next layer's) beside its gradients, then frees them and its weights
-    (FSDP2's `foreach_reduce`, `reshard`)."""
+    gradients once the layer's pass has made its own; RELEASE, in the model's order as FSDP2's post_backward runs
+    each layer (`reshard`, `foreach_reduce`): its weights freed, the previous layer's reduce-scatter input freed,
+    its own made (its gradients' bytes), its gradients freed, its shard made on the reduce-scatter stream;
+    ZERO_GRAD frees the shards, which SHARDS makes as the step before left them."""
     stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded)
              for passes, saved, rerun, kept, unsharded in layers]
     program = Program()
-    gathered, accumulated = [], []  # each layer's whole weights' and gradients' slots
-    gathers, accumulates = [], []  # and the ops that make them
+    gathered, accumulated, sharded = [], [], []  # each layer's whole weights', gradients' and shard's slots
+    gathers, accumulates, shards = [], [], []  # and the ops that make them
     for layer in stage:
-        for slots, ops, made in ((gathered, gathers, [weights for weights, _ in layer.unsharded]),
-                                 (accumulated, accumulates, [gradient for _, gradient in layer.unsharded])):
+        parts = list(zip(*layer.unsharded, strict=True)) or [(), (), ()]
+        for slots, ops, made, stream in (
+                (gathered, gathers, parts[0], 0), (accumulated, accumulates, parts[1], 0),
+                (sharded, shards, [sum(parts[2])] if layer.unsharded else [], REDUCE_SCATTER_STREAM)):
             begins = len(program.ops)
-            slots.append([program.malloc(nbytes) for nbytes in made])
+            slots.append([program.malloc(nbytes, stream) for nbytes in made])
             ops.append(tuple(program.ops[begins:]))
     del program.ops[:]
 
@@ -414,16 +430,22 @@ def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
     for index, layer in enumerate(stage):
         if not layer.unsharded:
             continue
-        scattered = program.malloc(sum(gradient for _, gradient in layer.unsharded))
-        if reduced is not None:
-            program.free(reduced)
-        for slot in [*accumulated[index], *gathered[index]]:
+        for slot in [*gathered[index], *([reduced] if reduced is not None else ())]:
             program.free(slot)
-        reduced = scattered
+        reduced = program.malloc(sum(gradient for _, gradient, _ in layer.unsharded))
+        for slot in accumulated[index]:
+            program.free(slot)
+        program.ops += shards[index]
     if reduced is not None:
         program.free(reduced)
     passes[RELEASE] = tuple(program.ops[releases:])
-    carried = tuple(slot for slots in (*gathered, *accumulated) for slot in slots)
+    passes[SHARDS] = tuple(op for ops in shards for op in ops)
+    zeroed = len(program.ops)
+    for slots in sharded:
+        for slot in slots:
+            program.free(slot)
+    passes[ZERO_GRAD] = tuple(program.ops[zeroed:])
+    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded) for slot in slots)
     return StageProgram(len(stage), program.slots, passes, carried)
 
 
@@ -451,10 +473,14 @@ class _Replay:
                        for at, (name, stage, microbatch) in enumerate(self.numbered)]
 
     def run(self, at: int) -> None:
-        """Row `at`: its pass (with FIRST, as a step's first runs it; with LAST, RELEASE after it), FSDP2's whole
-        tensors' addresses carried from the stage's earlier rows and kept for its later ones."""
+        """Row `at`: its pass (with ZERO, every stage's ZERO_GRAD before it; with FIRST, as a step's first runs it;
+        with LAST, RELEASE after it), FSDP2's whole tensors' addresses carried from the stage's earlier rows and
+        kept for its later ones."""
         name, stage, microbatch = self.numbered[at]
         program = self.programs[stage]
+        if ZERO in name:
+            for each in self.programs:
+                self.step_pass(each, ZERO_GRAD)
         if not program.layers:
             return
         base = name.split(":")[0]
@@ -462,13 +488,22 @@ class _Replay:
             frame = self.frames[stage, microbatch] = [0] * program.slots
         else:
             frame = self.frames[stage, microbatch] if base == "igrad" else self.frames.pop((stage, microbatch))
-        carried = self.carried.setdefault(stage, {})
-        for slot in program.carried:
+        self._carrying(stage, frame, program.passes[base + FIRST if FIRST in name else base],
+                       *([program.passes[RELEASE]] if name.endswith(LAST) else []))
+
+    def step_pass(self, stage: int, name: str) -> None:
+        """A stage's pass of no micro-batch (SHARDS, ZERO_GRAD) on the addresses its rows carry."""
+        program = self.programs[stage]
+        self._carrying(stage, [0] * program.slots, program.passes.get(name, ()))
+
+    def _carrying(self, stage: int, frame: list[int], *passes: tuple[Op, ...]) -> None:
+        """`passes` run on `frame` with the stage's carried slots as its earlier rows left them, kept after."""
+        slots, carried = self.programs[stage].carried, self.carried.setdefault(stage, {})
+        for slot in slots:
             frame[slot] = carried.get(slot, 0)
-        self.allocator.run(program.passes[base + FIRST if FIRST in name else base], frame)
-        if name.endswith(LAST):
-            self.allocator.run(program.passes[RELEASE], frame)
-        for slot in program.carried:
+        for ops in passes:
+            self.allocator.run(ops, frame)
+        for slot in slots:
             carried[slot] = frame[slot]
 
     def state(self, at: int) -> tuple:
@@ -515,7 +550,7 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
         mine = {stage for _, stage, _ in rows}
         for stage in mine - programs.keys():
             programs[stage] = stage_program(layers[stage])
-        gathered = sum(weights for stage in mine for layer in layers[stage] for weights, _ in layer.unsharded)
+        gathered = sum(weights for stage in mine for layer in layers[stage] for weights, _, _ in layer.unsharded)
         if len(layers) > 1 and gathered:
             rows = step_events(rows)
             static = (max(held["parameters"] - gathered, 0), held["optimizer_state"])
@@ -531,17 +566,20 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
 
 
 def step_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]) -> list[tuple[str, int, tuple[int, int, int]]]:
-    """`device_rows`' rows, each pass named with what FSDP2 does around it in its stage's mini-batch: FIRST, the
-    first forward (gathering the weights) and the first full or weight backward (making the gradients); LAST,
-    the last full or weight backward (reduce-scattering and resharding after it)."""
+    """`device_rows`' rows, each pass named with what FSDP2 does around it in its mini-batch: ZERO, the device's
+    first row (the optimizer's zero_grad before it, torchtitan's train loop); FIRST, a stage's first forward
+    (gathering the weights) and first full or weight backward (making the gradients); LAST, its last full or
+    weight backward (resharding and reduce-scattering after it)."""
     first: dict[tuple, int] = {}
     last: dict[tuple, int] = {}
     for at, (name, stage, (pipeline, minibatch, _)) in enumerate(rows):
+        first.setdefault((pipeline, minibatch), at)
         if name != "igrad":
             first.setdefault((name == "fwd", stage, pipeline, minibatch), at)
         if name in ("bwd", "wgrad"):
             last[stage, pipeline, minibatch] = at
-    return [(name + (FIRST if first.get((name == "fwd", stage, pipeline, minibatch)) == at else "")
+    return [(name + (ZERO if first[pipeline, minibatch] == at else "")
+             + (FIRST if first.get((name == "fwd", stage, pipeline, minibatch)) == at else "")
              + (LAST if last.get((stage, pipeline, minibatch)) == at else ""), stage, (pipeline, minibatch, micro))
             for at, (name, stage, (pipeline, minibatch, micro)) in enumerate(rows)]
 

@@ -1,7 +1,8 @@
 """FSDP2's whole weights and gradients under a pipeline, replayed through the caching allocator as FSDP2 makes and
 frees them (sim/caching_allocator.py `LayerAllocations.unsharded`, `step_events`): gathered as a layer's first
-forward of a step begins, accumulated in float32 as its first backward ends, reduce-scattered and resharded after
-its last (torch's pipelining, stage.py `backward_maybe_with_nosync`), not held as blocks from the step's start."""
+forward of a step begins, accumulated in float32 as its first backward ends, resharded and reduce-scattered after
+its last (torch's pipelining, stage.py `backward_maybe_with_nosync`), the shards on the reduce-scatter stream until
+the next step's zero_grad; not held as blocks from the step's start."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ def _rows(passes: list[str], steps: int = 2) -> list[tuple[str, int, tuple[int, 
 
 
 def test_each_stages_first_forward_and_backward_and_last_backward_of_a_mini_batch_are_named():
-    """The first forward gathers, the first full or weight backward accumulates, the last one releases; an input
-    pass does neither, and each mini-batch begins again."""
+    """The device's first row follows zero_grad, a stage's first forward gathers, its first full or weight
+    backward accumulates, its last one releases; an input pass does neither, and each mini-batch begins again."""
     named = [name for name, _, _ in step_events(_rows(["fwd0", "fwd1", "bwd0", "bwd1"]))]
-    assert named == ["fwd:first", "fwd", "bwd:first", "bwd:last"] * 2
+    assert named == ["fwd:zero:first", "fwd", "bwd:first", "bwd:last"] * 2
     split = [name for name, _, _ in step_events(_rows(["fwd0", "igrad0", "fwd1", "wgrad0", "igrad1", "wgrad1"], 1))]
-    assert split == ["fwd:first", "igrad", "fwd", "wgrad:first", "igrad", "wgrad:last"]
-    assert [name for name, _, _ in step_events(_rows(["fwd0", "bwd0"], 1))] == ["fwd:first", "bwd:first:last"]
+    assert split == ["fwd:zero:first", "igrad", "fwd", "wgrad:first", "igrad", "wgrad:last"]
+    assert [name for name, _, _ in step_events(_rows(["fwd0", "bwd0"], 1))] == ["fwd:zero:first", "bwd:first:last"]
+    two = step_events([("fwd", 0, (0, 0, 0)), ("fwd", 1, (0, 0, 0)), ("bwd", 1, (0, 0, 0)), ("bwd", 0, (0, 0, 0))])
+    assert [name for name, _, _ in two] == ["fwd:zero:first", "fwd:first", "bwd:first:last", "bwd:first:last"]
 
 
 LAYER = LayerAllocations({"fwd": [(0, 40 * MIB)], "bwd": [(0, 20 * MIB)]})  # saves 40 MiB, makes a 20 MiB gradient
@@ -44,12 +47,15 @@ def test_whole_weights_and_gradients_are_made_when_fsdp2_makes_them_and_freed_af
     """Each layer's 10 MiB of whole weights before its forward, its 30 MiB of float32 gradients once its
     backward made its own 20: the most allocated is the second layer's backward, 2 x (10 + 40) + 20 + 30 = 150
     MiB (its gradient then made and the first layer's not yet), where the same bytes held as blocks from the start
-    read 2 x (10 + 30) + 2 x 40 + 20 = 180. After the last backward nothing is left: the reduce-scatter input (30)
-    took the cached block of a freed activation and the weights and gradients were freed."""
-    timed = _replayed(replace(LAYER, unsharded=((10 * MIB, 30 * MIB),)), [])
+    read 2 x (10 + 30) + 2 x 40 + 20 = 180. The 10 MiB shards the step before left are freed at zero_grad, but
+    their segments stay cached on the reduce-scatter stream, which no other stream's requests take: 20 MiB
+    reserved beside the 150, and after the last backward the shards alone are left (the reduce-scatter input took
+    a freed activation's cached block)."""
+    timed = _replayed(replace(LAYER, unsharded=((10 * MIB, 30 * MIB, 10 * MIB),)), [])
     held = _replayed(LAYER, [20 * MIB, 60 * MIB])
     assert timed.peak_allocated_bytes == 150 * MIB and held.peak_allocated_bytes == 180 * MIB
-    assert timed.allocated_bytes == 0 and timed.peak_reserved_bytes == 150 * MIB
+    assert timed.peak_reserved_bytes == 170 * MIB and held.peak_reserved_bytes == 180 * MIB
+    assert timed.allocated_bytes == 20 * MIB
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +68,9 @@ def counted():
 
 def test_a_layers_whole_tensors_are_its_gathered_weights_and_float32_gradients_one_a_parameter(counted):
     """Per parameter (a storage the weight-gradient pass leaves live), the layer's weights as FSDP2 gathers them
-    (a block's float8 linears at 1 byte under the float8 all-gather, as the estimate's all_gather_bytes) and its
-    float32 gradients (the estimate's grad_bytes), on one of t = 2 ranks; nothing under another precision."""
+    (a block's float8 linears at 1 byte under the float8 all-gather, as the estimate's all_gather_bytes), its
+    float32 gradients (the estimate's grad_bytes) and their shard over d = 4, on one of t = 2 ranks; nothing under
+    another precision."""
     from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile, layer_allocations
 
@@ -77,9 +84,10 @@ def test_a_layers_whole_tensors_are_its_gathered_weights_and_float32_gradients_o
             grads[number] = nbytes
         grads = {number: nbytes for number, nbytes in grads.items() if nbytes > 0}  # what the pass leaves live
         assert len(made.unsharded) == len(grads) > 0
-        gathered, accumulated = (sum(part) for part in zip(*made.unsharded, strict=True))
+        gathered, accumulated, shard = (sum(part) for part in zip(*made.unsharded, strict=True))
         assert gathered == pytest.approx(layer.all_gather_bytes, abs=len(grads))
         assert accumulated == pytest.approx(layer.grad_bytes, abs=len(grads))
+        assert shard == pytest.approx(layer.grad_bytes / 4, abs=len(grads))
     assert any(layer.all_gather_bytes < layer.param_bytes for layer in profile.layers)  # a block's float8 linears
     bf16 = replace(parallel, precision=None, sharded_optimizer=False, fp8=None, fsdp_float8_all_gather=False)
     assert all(made.unsharded == () for made in layer_allocations(counted, bf16))
