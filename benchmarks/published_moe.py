@@ -35,7 +35,8 @@ expert-parallel overlap where the recipe sets moe_a2a_overlap (`--overlap-expert
 random where the run forces balance, which the summary's footnote says its MoE runs do (`--routing random`:
 Megatron-core draws each token's router logits from a normal distribution, moe_utils.py RandomSTE, so the shares are
 even on average and the busiest rank is waited for), and balanced where the row drops tokens at capacity 1 (25.09's
-"(tokendrop)", `TOKEN_DROP`: each expert padded to its even share). The predicted tokens/s per GPU is the global
+"(tokendrop)", `TOKEN_DROP`: each expert padded to its even share, `--capacity-factor 1`, so its dispatcher never
+synchronises with the host: planning/host.py, workload/hf.py). The predicted tokens/s per GPU is the global
 batch's tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why; a row whose
 release's recipe ran another layout than the row prints runs that layout (`RELEASE_LAYOUTS`, each with its
 source), listed too. Each command's
@@ -112,6 +113,10 @@ RELEASE_LAYOUTS = {
 # router and drop at capacity 1 (scripts/performance/run_script.py at v0.1.0rc4: apply_moe_token_drop, no forced
 # balance), each expert padded to its even share
 TOKEN_DROP = "(tokendrop)"  # the row's model label of the runs that do not
+# their --capacity-factor: apply_moe_token_drop's defaults, which run_script.py (lines 109 and 116 at v0.1.0rc4) keeps
+# for both Qwen3 models: moe_expert_capacity_factor 1.0 with moe_pad_expert_input_to_capacity True
+# (src/megatron/bridge/training/utils/moe_token_drop.py there)
+TOKEN_DROP_CAPACITY = 1.0
 NOT_EXPRESSIBLE = {
     "DeepSeekV3": "the row states no precision; its recipe (scripts/performance/configs/deepseek/"
                   "deepseek_v3_llm_pretrain.yaml at 7623546) runs a multi-token-prediction layer (mtp_num_layers 1: "
@@ -140,6 +145,7 @@ class MoeRun:
     a2a_overlap: bool  # --overlap-expert-comm: the recipe sets moe_a2a_overlap (`A2A_OVERLAP`)
     fp8_recipe: str  # --fp8-recipe: the row's float8 scaling (`FP8_RECIPES`)
     routing: str  # --routing: random where the run forces balance, balanced where it drops (`TOKEN_DROP`)
+    capacity_factor: float | None  # --capacity-factor where it drops (`TOKEN_DROP_CAPACITY`; None: dropless)
 
     @property
     def data(self) -> int:
@@ -161,6 +167,7 @@ class MoeRun:
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
                 "--cross-entropy", "megatron", "--norm-kernel", "fused", "--rope-kernel", "fused",
                 "--expert-gemm", "per-expert", "--routing", self.routing,
+                *(["--capacity-factor", f"{self.capacity_factor:g}"] if self.capacity_factor is not None else []),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else [])]
 
@@ -180,11 +187,12 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
         if (row["container"], model) in RELEASE_LAYOUTS:
             t, p, chunks, e = RELEASE_LAYOUTS[row["container"], model][0]
         layout = (model, t, p, chunks, e)
+        drops = TOKEN_DROP in row["model"]
         expressible.append((MoeRun(f"{row['container']} {row['model']} t{t} p{p} v{chunks} E{e}", PRESETS[model],
                                    gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get(layout),
                                    EXPERT_TENSOR[model], row["container"].startswith(A2A_OVERLAP.get(layout, ())),
                                    FP8_RECIPES[row["precision"]],
-                                   "balanced" if TOKEN_DROP in row["model"] else "random"),
+                                   "balanced" if drops else "random", TOKEN_DROP_CAPACITY if drops else None),
                             row))
     return expressible, left_out
 

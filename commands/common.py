@@ -155,9 +155,11 @@ SharedExperts = Annotated[int | None, typer.Option(
 ExpertFfn = Annotated[int | None, typer.Option(
     "--expert-ffn", metavar="N", help="gpt with --experts: each expert's MLP hidden size (default --ffn).")]
 CapacityFactor = Annotated[float | None, typer.Option(
-    "--capacity-factor", metavar="C", help="gpt with --experts: an expert drops the tokens past C·k·T/E of a "
-                                           "micro-batch's T and computes that many (GShard's, Switch's); default: "
-                                           "drops none.")]
+    "--capacity-factor", metavar="C", help="A mixture of experts (gpt with --experts, or an hf: MoE config): an "
+                                           "expert drops the tokens past C·k·T/E of a micro-batch's T and is padded "
+                                           "to that many, which it computes and the dispatch sends (GShard's, "
+                                           "Switch's; Megatron-core's moe_expert_capacity_factor with "
+                                           "moe_pad_expert_input_to_capacity); default: drops none.")]
 MtpLayers = Annotated[int | None, typer.Option(
     "--mtp-layers", metavar="D", help="hf:PATH: DeepSeek-V3's multi-token prediction at depth D (its report's 2.2; "
                                       "Megatron-core's `--mtp-num-layers`): D more modules after the final norm, each "

@@ -5,6 +5,7 @@ parameter counts, the real routing the executor would run, and bad input refused
 from __future__ import annotations
 
 import importlib.util
+import json
 from functools import cache
 from pathlib import Path
 
@@ -193,7 +194,8 @@ def test_a_moe_gpt_trains_off_the_meta_device():
     (("--top-k", 2), "--top-k applies to a mixture of experts: give --experts too"),
     (("--experts", 4, "--top-k", 5), "--top-k (5) must be at most --experts (4)"),
     (("--experts", 0), "--experts must be >= 1 (got 0)"),
-    (("--experts", 4, "--capacity-factor", 0), "--capacity-factor must be above 0 (got 0.0)"),
+    (("--experts", 4, "--capacity-factor", 0), "--capacity-factor must be a finite number above 0 (got 0.0)"),
+    (("--experts", 4, "--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
     (("--experts", 4, "--shared-experts", -1), "--shared-experts must be >= 0 (got -1)"),
 ])
 def test_a_bad_mixture_of_experts_is_one_line(args, fragment):
@@ -270,3 +272,75 @@ def test_mla_under_flash_pads_the_values_to_the_queries_head_size(tmp_path):
     attention = [op for op in counted.layers[2].ops["fwd"] if op.kind == "attention"]
     assert [(op.shape, op.flops) for op in attention] == [((B * 2, S, S, 24), 4 * B * 2 * S * S * 24)]
     assert counted.layers[1].expert_param_bytes == 0 and counted.layers[2].expert_param_bytes > 0
+
+
+def capacity_counts(tmp_path, fields: dict, *factors: float | None, **options) -> list[WorkloadCount]:
+    """The config `fields` counted dropless (None) and at each capacity factor."""
+    spec = f"hf:{write_config(tmp_path / fields['model_type'], fields)}"
+    given = {"seq_len": S, **options}
+    return [count_built(spec, given if c is None else {**given, "capacity_factor": c}, B, torch.bfloat16)
+            for c in factors]
+
+
+@needs_transformers
+def test_a_hugging_face_moe_at_a_capacity_factor_pads_every_expert_and_its_dispatch_to_its_capacity(tmp_path):
+    """Megatron-core's moe_pad_expert_input_to_capacity (workload/hf.py): each expert computes ⌈C·k·T/E⌉ tokens
+    (C = 1: its balanced share, as the dropless count; C = 2 and 3: twice and three times), the dispatch sends
+    and the combine returns E of those buffers, and what the layer keeps grows with them: every figure of the MoE
+    layer steps by the same amount from C = 1 to 2 as from 2 to 3, the routed products' FLOPs by k·T per step."""
+    dropless, one, two, three = capacity_counts(tmp_path, MIXTRAL, None, 1.0, 2.0, 3.0)
+    assert one.layers == dropless.layers
+    assert one.options["capacity_factor"] == 1.0 and "capacity_factor" not in dropless.options
+    moe = [counted.layers[1] for counted in (one, two, three)]
+    assert [layer.dispatched_bytes for layer in moe] == [c * TOKENS * TOP_K * H * 2 for c in (1, 2, 3)]
+    assert moe[1].fwd_flops - moe[0].fwd_flops == TOKENS * TOP_K * MLP_FLOPS
+    for name in ("fwd_flops", "igrad_flops", "wgrad_flops", "fwd_moved_bytes", "saved_bytes"):
+        step = getattr(moe[1], name) - getattr(moe[0], name)
+        assert step > 0 and getattr(moe[2], name) - getattr(moe[1], name) == step, name
+    assert moe[1].param_bytes == moe[0].param_bytes  # every expert's weights, however many tokens each computes
+
+
+@needs_transformers
+def test_a_capacity_factor_pads_the_multi_token_prediction_modules_experts_too(tmp_path):
+    """DeepSeek-V3's multi-token-prediction module runs one more MoE layer: its experts drop as the model's do."""
+    dropless, padded = capacity_counts(tmp_path, TINY_DEEPSEEK, None, 2.0, mtp_layers=1)
+    routed = [layer.dispatched_bytes for layer in dropless.layers]
+    assert routed[2] > 0 and routed[-2] > 0  # the one MoE decoder layer and the prediction module
+    assert [layer.dispatched_bytes for layer in padded.layers] == [2 * n for n in routed]
+
+
+HF_ESTIMATE = ("estimate", "--seq-len", S, "--gpu", "h100-sxm")
+
+
+@needs_transformers
+def test_a_hugging_face_moe_padded_to_its_capacity_never_waits_for_the_host(tmp_path):
+    """planning/host.py: a dropless MoE layer synchronises with the host, so at 1 ms a kernel its passes are the
+    host's; padded to its capacity the sizes are known on the host and the layer is the GPU's at any host cost."""
+    spec = f"hf:{write_config(tmp_path / 'mixtral', MIXTRAL)}"
+
+    def layers(*args) -> list[dict]:
+        out = tmp_path / f"{len(list(tmp_path.glob('*.json')))}.json"
+        code, _, err = pipesim(*HF_ESTIMATE, "--model", spec, *args, "-o", out)
+        assert code == 0, err
+        return json.loads(out.read_text())["layers"]
+    free, slow = layers("--host-kernel-us", 0), layers("--host-kernel-us", 1000)
+    assert slow[1]["fwd"]["median_ms"] > 100 * free[1]["fwd"]["median_ms"]
+    padded = ("--capacity-factor", 1)
+    assert layers(*padded, "--host-kernel-us", 1000) == layers(*padded, "--host-kernel-us", 0) == free
+
+
+@needs_transformers
+@pytest.mark.parametrize("fields, args, fragment", [
+    (LLAMA, ("--capacity-factor", 1), "--capacity-factor applies to a mixture of experts: hf:"),
+    (MIXTRAL, ("--capacity-factor", 0), "--capacity-factor must be a finite number above 0 (got 0.0)"),
+    (MIXTRAL, ("--capacity-factor", "-1"), "--capacity-factor must be a finite number above 0 (got -1.0)"),
+    (MIXTRAL, ("--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
+    (MIXTRAL, ("--capacity-factor", "nan"), "--capacity-factor must be a finite number above 0 (got nan)"),
+    (MIXTRAL, ("--capacity-factor", 1, "--data-parallel", 2, "--expert-parallel", 2, "--token-dispatcher", "deepep"),
+     "--token-dispatcher deepep: Megatron-core's flex dispatcher does not pad experts to their capacity"),
+])
+def test_a_capacity_factor_the_model_cannot_take_is_one_line_and_writes_nothing(tmp_path, fields, args, fragment):
+    spec = f"hf:{write_config(tmp_path / 'config', fields)}"
+    code, out, err = pipesim(*HF_ESTIMATE, "--model", spec, *args, "-o", tmp_path / "out.json")
+    assert code == 2 and out == "" and fragment in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out.json").exists()

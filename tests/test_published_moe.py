@@ -50,6 +50,9 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert _flag(args, "--expert-gemm") == "per-expert"  # TEGroupedMLP: a GEMM per local expert
         # forced balance draws each token's experts (random), but the token-drop runs pad each expert to its share
         assert _flag(args, "--routing") == ("balanced" if "(tokendrop)" in published["model"] else "random")
+        # and drop past capacity 1, padded to it (apply_moe_token_drop's defaults); the others drop nothing
+        assert (_flag(args, "--capacity-factor") if "--capacity-factor" in args else None) == (
+            "1" if "(tokendrop)" in published["model"] else None)
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
         flex = (p, chunks, e) in ((1, "1", 16), (2, "12", 8))  # the layouts whose recipes ran DeepEP or HybridEP
         assert (_flag(args, "--token-dispatcher") if "--token-dispatcher" in args else None) == (
@@ -60,7 +63,8 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
 
 
 @pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02 Qwen3_30B_a3B t1 p2 v12 E8",
-                                 "25.11 Qwen3_235B_a22B t2 p8 v4 E32"])
+                                 "25.11 Qwen3_235B_a22B t2 p8 v4 E32",
+                                 "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v24 E8"])
 def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
     """The 235B row runs Megatron-core's overlapped pairs, each leaving its layers' all-to-alls exposed as their
     nodes' order does (planning/experts.py `paired_exposed_ms`)."""

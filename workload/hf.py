@@ -14,6 +14,17 @@ sequential modules, each a projection of [RMSNorm(h); RMSNorm(Emb(t_{i+k}))] fro
 block, and the shared output head predicting token i+k+1; section 4.2: D = 1; Megatron-core's --mtp-num-layers)
 is one more layer after the final norm, `MultiTokenPrediction`, which the head then reads.
 
+With `capacity_factor` C (`--capacity-factor`) a mixture of experts drops each expert's tokens past its capacity
+and pads it to it, as Megatron-core's `moe_expert_capacity_factor` with `moe_pad_expert_input_to_capacity` runs it
+(Megatron-Bridge's `apply_moe_token_drop`: C = 1, padded; NVIDIA's 25.09 "(tokendrop)" runs). At Megatron-core
+0.14.0 (megatron/core/transformer/moe/moe_utils.py `get_capacity`, `apply_router_token_dropping`) each expert takes
+⌈C·k·T/E⌉ of a rank's T tokens, the top ones by router probability, padded with zero-weighted tokens where fewer
+were routed to it; the all-to-all dispatcher (token_dispatcher.py, `preprocess` under `drop_and_pad`) then sends
+each rank's E·capacity tokens in equal splits, each local expert computes capacity × its tp·ep sources, and the
+combine returns as many, with the sizes known on the host (no device-to-host synchronisation: planning/host.py).
+So every expert of the count computes its capacity (`workload.moe.expected_tokens`) and the dispatch records the
+padded buffers, as the built-in gpt's `capacity_factor` does.
+
 transformers is an optional extra (`pipesim[hf]`), imported only here."""
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from torch import nn
 
 from . import data
 from .hfconfig import HfConfig, HfConfigError, read_hf_config
-from .models import BATCH, Model, ModelError, _classify
+from .models import BATCH, Model, ModelError, _classify, check_capacity_factor
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
 
 # The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
@@ -46,19 +57,24 @@ EXPERT_FFN_FIELD = "moe_intermediate_size"  # an expert's MLP width where it is 
 # experts among them (transformers' DeepseekV3 router; the report's node-limited routing, a group a node)
 GROUP_FIELDS = ("n_group", "topk_group")
 EXPERTS_IMPLEMENTATION = "pipesim_balanced"  # the name `balanced_experts` is registered by with transformers
+# the capacity factor `balanced_experts` pads an experts module to, set on it by `_drop_past_capacity` (absent: it
+# drops nothing)
+CAPACITY_ATTRIBUTE = "pipesim_capacity_factor"
 
 
 def balanced_experts(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """A transformers experts module (`@use_experts_implementation`: every expert's gate/up and down products as
     3-D weights) run by `workload.moe.routed_experts`: on the meta device each expert at its expected share of
-    the tokens, counted as one matrix product per expert."""
+    the tokens (its capacity where the model drops, `CAPACITY_ATTRIBUTE`), counted as one matrix product per
+    expert."""
     up = experts.gate_up_proj if experts.has_gate else experts.up_proj
     down = experts.down_proj
     if not experts.is_transposed:  # stored (E, out, in), as nn.Linear's weights
         up, down = up.transpose(1, 2), down.transpose(1, 2)
     activation = experts._apply_gate if experts.has_gate else experts.act_fn
-    return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation, gated=experts.has_gate)
+    return routed_experts(hidden, top_k_index, top_k_weights, up, down, activation,
+                          getattr(experts, CAPACITY_ATTRIBUTE, None), gated=experts.has_gate)
 
 
 class DecoderLayer(nn.Module):
@@ -78,11 +94,12 @@ class DecoderLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0) -> Model:
+def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_factor: float | None = None) -> Model:
     """The model config `spec` (`hf:PATH`) describes, built by transformers in the current default device (meta
     to count it), cut into its embedding, decoder layers, final norm, `mtp_layers` multi-token-prediction modules
-    (one `MultiTokenPrediction` layer; none by default) and head; trained, as the gpt is, on the token task of
-    `workload.data` at `seq_len` tokens a sample."""
+    (one `MultiTokenPrediction` layer; none by default) and head, its experts dropping past `capacity_factor`
+    and padded to it (None: dropless); trained, as the gpt is, on the token task of `workload.data` at `seq_len`
+    tokens a sample."""
     try:
         config = read_hf_config(spec)
     except HfConfigError as exc:
@@ -109,6 +126,12 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0) -> Model:
         groups, per_token = (getattr(settings, name, None) for name in GROUP_FIELDS)
         if groups and per_token and per_token < groups:
             options.update(expert_groups=groups, groups_per_token=per_token)
+    if capacity_factor is not None:
+        if not experts:
+            raise ModelError(f"--capacity-factor applies to a mixture of experts: {spec}'s config gives no routed "
+                             f"experts (none of {', '.join(EXPERT_FIELDS)})")
+        check_capacity_factor(capacity_factor)
+        options["capacity_factor"] = capacity_factor
     longest = getattr(settings, "max_position_embeddings", None)
     if seq_len is None:
         raise ModelError(f"--seq-len: give the tokens a sample of {spec} holds"
@@ -140,6 +163,8 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0) -> Model:
         last = len(layers) - 1
         inputs = [(i - 1,) for i in range(last - 1)] + [(last - 2, BATCH), (last - 1,)]
         options["mtp_layers"] = mtp_layers
+    if capacity_factor is not None:
+        _drop_past_capacity(layers, capacity_factor)
     options["seq_len"] = seq_len
     vocab = options["vocab"]
 
@@ -209,6 +234,15 @@ def _experts_implementation(experts: int | None) -> dict[str, str]:
 
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, balanced_experts)
     return {"experts_implementation": EXPERTS_IMPLEMENTATION}
+
+
+def _drop_past_capacity(layers: list[nn.Module], capacity_factor: float) -> None:
+    """Pad every experts module of `layers` (the multi-token-prediction modules' too) to its capacity at
+    `capacity_factor`, dropping past it (`balanced_experts` reads `CAPACITY_ATTRIBUTE`)."""
+    for layer in layers:
+        for module in layer.modules():
+            if hasattr(module, "is_concatenated"):  # what @use_experts_implementation sets (`_check_experts`)
+                setattr(module, CAPACITY_ATTRIBUTE, capacity_factor)
 
 
 def _check_experts(model: nn.Module, where: str, experts: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -35,7 +36,8 @@ from pipesim.workload.sizes import DEFAULT_SIZES
 
 MAX_CNN_CHANNELS = 512
 BATCH = -1  # in `Model.inputs`: the sample batch rather than a layer's output
-HF_OPTIONS = ("seq_len", "mtp_layers")  # the options a Hugging Face config takes (workload/hf.py `hf_model`)
+# the options a Hugging Face config takes (workload/hf.py `hf_model`)
+HF_OPTIONS = ("seq_len", "mtp_layers", "capacity_factor")
 
 
 class ModelError(ValueError):
@@ -334,9 +336,15 @@ def _expert_shape(ffn: int, experts: int | None, top_k: int | None, shared: int 
         raise ModelError(f"--top-k ({shape.top_k}) must be at most --experts ({experts})")
     if shape.shared < 0:
         raise ModelError(f"--shared-experts must be >= 0 (got {shape.shared})")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ModelError(f"--capacity-factor must be above 0 (got {capacity_factor})")
+    check_capacity_factor(capacity_factor)
     return shape
+
+
+def check_capacity_factor(capacity_factor: float | None) -> None:
+    """Refuse a capacity factor C that gives an expert no capacity of ⌈C·k·T/E⌉ tokens (workload/moe.py
+    `expected_tokens`): C is a finite number above 0 (None: the experts drop nothing)."""
+    if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ModelError(f"--capacity-factor must be a finite number above 0 (got {capacity_factor})")
 
 
 class _Merge(nn.Module):
@@ -387,10 +395,10 @@ def build_model(name: str, **options: int) -> Model:
         wrong = [key for key in given if key not in HF_OPTIONS]
         if wrong:
             raise ModelError(f"--{wrong[0].replace('_', '-')} does not apply to {name}: its config gives its sizes "
-                             "(--seq-len and --mtp-layers are the ones it takes)")
+                             "(--seq-len, --mtp-layers and --capacity-factor are the ones it takes)")
         from .hf import hf_model
 
-        return hf_model(name, given.get("seq_len"), given.get("mtp_layers", 0))
+        return hf_model(name, given.get("seq_len"), given.get("mtp_layers", 0), given.get("capacity_factor"))
     if ":" in name:
         if given:
             raise ModelError(f"--{next(iter(given)).replace('_', '-')} applies to the built-in models only; "
