@@ -327,6 +327,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if dispatcher == "deepep" and params.get("capacity_factor") is not None:  # MoEFlexTokenDispatcher asserts it
         raise InputError("--token-dispatcher deepep: Megatron-core's flex dispatcher does not pad experts to their "
                          "capacity (--capacity-factor); give alltoall")  # (token_dispatcher.py, core_v0.14.0)
+    if params.get("hot_expert_share") is not None and params.get("capacity_factor") is not None:
+        raise InputError("--hot-expert-share: a model that drops tokens (--capacity-factor) pads every expert to its "
+                         "capacity however they are routed; give one of them")
     expert_gemm = params.get("expert_gemm") or "grouped"
     if expert_gemm not in EXPERT_GEMMS:
         raise InputError(f"--expert-gemm: choose from {', '.join(EXPERT_GEMMS)} (got {expert_gemm!r})")

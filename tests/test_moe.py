@@ -338,6 +338,8 @@ def test_a_hugging_face_moe_padded_to_its_capacity_never_waits_for_the_host(tmp_
     (MIXTRAL, ("--capacity-factor", "nan"), "--capacity-factor must be a finite number above 0 (got nan)"),
     (MIXTRAL, ("--capacity-factor", 1, "--data-parallel", 2, "--expert-parallel", 2, "--token-dispatcher", "deepep"),
      "--token-dispatcher deepep: Megatron-core's flex dispatcher does not pad experts to their capacity"),
+    (MIXTRAL, ("--capacity-factor", 1, "--data-parallel", 2, "--expert-parallel", 2, "--hot-expert-share", 0.5),
+     "--hot-expert-share: a model that drops tokens (--capacity-factor) pads every expert to its capacity"),
 ])
 def test_a_capacity_factor_the_model_cannot_take_is_one_line_and_writes_nothing(tmp_path, fields, args, fragment):
     spec = f"hf:{write_config(tmp_path / 'config', fields)}"
