@@ -54,13 +54,14 @@ FIRST = ":first"
 LAST = ":last"
 RELEASE = "release"
 # A device's first row of a mini-batch, before which the optimizer's zero_grad frees the gradient shards
-# (ZERO_GRAD), which the step before left (SHARDS: the replay's start)
+# (ZERO_GRAD); what the step before left, made as the replay starts (LEFT: the shards, the last all-gather's output)
 ZERO = ":zero"
 ZERO_GRAD = "zero_grad"
-SHARDS = "shards"
-# FSDP2 makes a reduce-scatter's output on its reduce-scatter stream (`FSDPCommContext.reduce_scatter_stream`),
-# whose cached blocks serve no other stream
+LEFT = "left"
+# FSDP2 makes a reduce-scatter's output on its reduce-scatter stream and an all-gather's flat output on its
+# all-gather stream (`FSDPCommContext`), whose cached blocks serve no other stream
 REDUCE_SCATTER_STREAM = 1
+ALL_GATHER_STREAM = 2
 
 # What `CachingAllocator.run` replays: (slot, request bytes, pool) a block each, the request rounded (`round_request`)
 # and its pool decided (`pool_of`) once, its address put in the slot; a request of 0 bytes frees the slot's block
@@ -236,7 +237,7 @@ class Program:
     """Allocations and frees written down for `CachingAllocator.run` rather than made: each request a new slot,
     its bytes rounded and its pool decided once, so that a pass replayed a thousand times is read once. A request
     is on the compute stream (0), where a pass's tensors are made, unless it names another (FSDP2's
-    reduce-scatter outputs: `REDUCE_SCATTER_STREAM`)."""
+    reduce-scatter and all-gather outputs: `REDUCE_SCATTER_STREAM`, `ALL_GATHER_STREAM`)."""
 
     ops: list[Op] = field(default_factory=list)
     slots: int = 0
@@ -329,9 +330,9 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     replay = _Replay(CachingAllocator(capacity_bytes=capacity_bytes), rows, programs)
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
-    if any(ZERO in name for name, _, _ in rows):  # FSDP2's gradient shards as the step before left them
+    if any(ZERO in name for name, _, _ in rows):  # FSDP2's tensors as the step before left them
         for stage in programs:
-            replay.step_pass(stage, SHARDS)
+            replay.step_pass(stage, LEFT)
     seen: dict[tuple, list[int]] = {}  # a state after a row: the rows after which it was, the last first
     at = 0
     while at < len(rows):
@@ -377,25 +378,31 @@ def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
     weight backward; a backward runs them reversed, each rerunning first what its forward did not keep (the input
     pass holds it for the weight pass, which runs after it), then freeing what its own pass leaves live and, but
     for the input pass, what the layer held. FSDP2's whole tensors (`StageProgram`): a step's first forward
-    gathers each layer's weights as the layer begins, its first full or weight backward makes each layer's
-    gradients once the layer's pass has made its own; RELEASE, in the model's order as FSDP2's post_backward runs
-    each layer (`reshard`, `foreach_reduce`): its weights freed, the previous layer's reduce-scatter input freed,
-    its own made (its gradients' bytes), its gradients freed, its shard made on the reduce-scatter stream;
-    ZERO_GRAD frees the shards, which SHARDS makes as the step before left them."""
+    gathers each layer's weights as the layer begins (`unshard`, `wait_for_unshard`: the all-gather's flat output
+    made on its stream, the previous layer's freed, the weights copied out of it), its first full or weight
+    backward makes each layer's gradients once the layer's pass has made its own; RELEASE, in the model's order as
+    FSDP2's post_backward runs each layer (`reshard`, `foreach_reduce`): its weights freed, the previous layer's
+    reduce-scatter input freed, its own made (its gradients' bytes), its gradients freed, its shard made on the
+    reduce-scatter stream; ZERO_GRAD frees the shards; LEFT makes the shards and the last layer's all-gather
+    output, as the step before left them."""
     stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded)
              for passes, saved, rerun, kept, unsharded in layers]
     program = Program()
-    gathered, accumulated, sharded = [], [], []  # each layer's whole weights', gradients' and shard's slots
-    gathers, accumulates, shards = [], [], []  # and the ops that make them
+    # each layer's whole weights', gradients', shard's and all-gather output's slots, and the ops that make them
+    gathered, accumulated, sharded, flat = [], [], [], []
+    gathers, accumulates, shards, flats = [], [], [], []
     for layer in stage:
         parts = list(zip(*layer.unsharded, strict=True)) or [(), (), ()]
         for slots, ops, made, stream in (
                 (gathered, gathers, parts[0], 0), (accumulated, accumulates, parts[1], 0),
-                (sharded, shards, [sum(parts[2])] if layer.unsharded else [], REDUCE_SCATTER_STREAM)):
+                (sharded, shards, [sum(parts[2])] if layer.unsharded else [], REDUCE_SCATTER_STREAM),
+                (flat, flats, [sum(parts[0])] if layer.unsharded else [], ALL_GATHER_STREAM)):
             begins = len(program.ops)
             slots.append([program.malloc(nbytes, stream) for nbytes in made])
             ops.append(tuple(program.ops[begins:]))
     del program.ops[:]
+    unsharded = [index for index, layer in enumerate(stage) if layer.unsharded]
+    before = {index: flat[unsharded[at - 1]][0] for at, index in enumerate(unsharded)}  # the last's: the step's
 
     def written(name: str, held: dict[int, list[int]]) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
         """The pass, and the pass as a step's first runs it (FSDP2's whole tensors made at each layer)."""
@@ -407,7 +414,13 @@ def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
             if name == "fwd":
                 held[index] = _forward(program, layer)
                 ops += program.ops[begins:]
-                first += [*gathers[index], *program.ops[begins:]]
+                forward = program.ops[begins:]
+                if index in before:  # the previous output freed once this one is made (one slot: before it)
+                    program.free(before[index])
+                    freed = program.ops.pop()
+                    made = [*flats[index], freed] if before[index] != flat[index][0] else [freed, *flats[index]]
+                    first += [*made, *gathers[index]]
+                first += forward
                 continue
             if name != "wgrad" and layer.rerun is not None:
                 held[index] = held[index] + _recomputed(program, layer)
@@ -439,13 +452,13 @@ def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
     if reduced is not None:
         program.free(reduced)
     passes[RELEASE] = tuple(program.ops[releases:])
-    passes[SHARDS] = tuple(op for ops in shards for op in ops)
+    passes[LEFT] = (*(op for ops in shards for op in ops), *(flats[unsharded[-1]] if unsharded else ()))
     zeroed = len(program.ops)
     for slots in sharded:
         for slot in slots:
             program.free(slot)
     passes[ZERO_GRAD] = tuple(program.ops[zeroed:])
-    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded) for slot in slots)
+    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded, *flat) for slot in slots)
     return StageProgram(len(stage), program.slots, passes, carried)
 
 
@@ -492,7 +505,7 @@ class _Replay:
                        *([program.passes[RELEASE]] if name.endswith(LAST) else []))
 
     def step_pass(self, stage: int, name: str) -> None:
-        """A stage's pass of no micro-batch (SHARDS, ZERO_GRAD) on the addresses its rows carry."""
+        """A stage's pass of no micro-batch (LEFT, ZERO_GRAD) on the addresses its rows carry."""
         program = self.programs[stage]
         self._carrying(stage, [0] * program.slots, program.passes.get(name, ()))
 
