@@ -59,7 +59,8 @@ ZERO = ":zero"
 ZERO_GRAD = "zero_grad"
 LEFT = "left"
 # FSDP2 makes a reduce-scatter's output on its reduce-scatter stream and an all-gather's flat output on its
-# all-gather stream (`FSDPCommContext`), whose cached blocks serve no other stream
+# all-gather stream (`FSDPCommContext`), whose cached blocks serve no other stream; a device's second model part
+# the next two, and so on (`stage_program`'s part)
 REDUCE_SCATTER_STREAM = 1
 ALL_GATHER_STREAM = 2
 
@@ -364,15 +365,17 @@ class StageProgram:
     carried: tuple[int, ...] = ()
 
 
-def stage_program(layers: Sequence[LayerAllocations]) -> StageProgram:
+def stage_program(layers: Sequence[LayerAllocations], part: int = 0) -> StageProgram:
     """`layers`' rows written down (`StageProgram`), once a process for layers of the same content
-    (`_written_stage`): a pipeline's stages repeat their layers, and a search replays the same stages again."""
+    (`_written_stage`): a pipeline's stages repeat their layers, and a search replays the same stages again.
+    `part`: the stage's place among its device's, each a model part FSDP2 shards as a root of its own, with its
+    own all-gather and reduce-scatter streams (`FSDPCommContext.lazy_init`)."""
     return _written_stage(tuple((tuple((name, tuple(events)) for name, events in layer.passes.items()), layer.saved,
-                                 layer.rerun, layer.kept, layer.unsharded) for layer in layers))
+                                 layer.rerun, layer.kept, layer.unsharded) for layer in layers), part)
 
 
 @functools.lru_cache(maxsize=64)
-def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
+def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
     """`stage_program`'s layers, each as its content (passes' items, saved, rerun, kept, unsharded), written down: a
     forward runs them in order, each holding what it leaves live but what its backward reruns until its full or
     weight backward; a backward runs them reversed, each rerunning first what its forward did not keep (the input
@@ -395,8 +398,8 @@ def _written_stage(layers: tuple[tuple, ...]) -> StageProgram:
         parts = list(zip(*layer.unsharded, strict=True)) or [(), (), ()]
         for slots, ops, made, stream in (
                 (gathered, gathers, parts[0], 0), (accumulated, accumulates, parts[1], 0),
-                (sharded, shards, [sum(parts[2])] if layer.unsharded else [], REDUCE_SCATTER_STREAM),
-                (flat, flats, [sum(parts[0])] if layer.unsharded else [], ALL_GATHER_STREAM)):
+                (sharded, shards, [sum(parts[2])] if layer.unsharded else [], REDUCE_SCATTER_STREAM + 2 * part),
+                (flat, flats, [sum(parts[0])] if layer.unsharded else [], ALL_GATHER_STREAM + 2 * part)):
             begins = len(program.ops)
             slots.append([program.malloc(nbytes, stream) for nbytes in made])
             ops.append(tuple(program.ops[begins:]))
@@ -556,25 +559,28 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     is what it would take without that bound, which puts the device's peak over its memory. Under a pipeline,
     FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
     (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block."""
-    programs: dict[int, StageProgram] = {}
+    programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
     for device, held in enumerate(trace.meta.peak_memory_parts or ()):
         rows = device_rows(trace, device)
-        mine = {stage for _, stage, _ in rows}
-        for stage in mine - programs.keys():
-            programs[stage] = stage_program(layers[stage])
-        gathered = sum(weights for stage in mine for layer in layers[stage] for weights, _, _ in layer.unsharded)
+        # the rows with their stages and micro-batches numbered as they come: the same wherever the content is
+        stages: dict[int, int] = {}
+        for _, stage, _ in rows:
+            stages.setdefault(stage, len(stages))
+        mine = set(stages.items())
+        for stage, part in mine - programs.keys():
+            programs[stage, part] = stage_program(layers[stage], part)
+        gathered = sum(weights for stage in stages for layer in layers[stage] for weights, _, _ in layer.unsharded)
         if len(layers) > 1 and gathered:
             rows = step_events(rows)
             static = (max(held["parameters"] - gathered, 0), held["optimizer_state"])
         else:
             static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
-        # the rows with their stages and micro-batches numbered as they come: the same wherever the content is
-        stages: dict[int, int] = {}
         place: dict[Hashable, int] = {}
-        numbered = tuple((name, stages.setdefault(stage, len(stages)), place.setdefault(microbatch, len(place)))
+        numbered = tuple((name, stages[stage], place.setdefault(microbatch, len(place)))
                          for name, stage, microbatch in rows)
-        reserves.append(_reserve(static, numbered, tuple(programs[stage] for stage in stages), capacity_bytes[device]))
+        reserves.append(_reserve(static, numbered, tuple(programs[stage, part] for stage, part in stages.items()),
+                                 capacity_bytes[device]))
     return reserves
 
 

@@ -93,3 +93,16 @@ def test_a_layers_whole_tensors_are_its_gathered_weights_and_float32_gradients_o
     assert any(layer.all_gather_bytes < layer.param_bytes for layer in profile.layers)  # a block's float8 linears
     bf16 = replace(parallel, precision=None, sharded_optimizer=False, fp8=None, fsdp_float8_all_gather=False)
     assert all(made.unsharded == () for made in layer_allocations(counted, bf16))
+
+
+def test_each_model_part_of_a_device_has_its_own_all_gather_and_reduce_scatter_streams():
+    """torchtitan shards each model part as an FSDP2 root of its own, whose communication context makes its own
+    streams: a device's second stage leaves its shard and all-gather output in pools the first's never serve."""
+    from pipesim.sim.caching_allocator import ALL_GATHER_STREAM, LEFT, REDUCE_SCATTER_STREAM, pool_of, round_request
+
+    layer = replace(LAYER, unsharded=((10 * MIB, 30 * MIB, 10 * MIB),))
+    for part in (0, 1):
+        left = stage_program([layer], part).passes[LEFT]
+        request = round_request(10 * MIB)
+        assert [pool for _, _, pool in left] == [pool_of(request, REDUCE_SCATTER_STREAM + 2 * part),
+                                                 pool_of(request, ALL_GATHER_STREAM + 2 * part)]
