@@ -93,6 +93,16 @@ def test_a_bad_value_is_one_line_and_nothing_written(tmp_path):
     assert err.strip() == "error: --expert-gemm: choose from grouped, per-expert (got 'cutlass')"
 
 
+def test_per_expert_on_a_dense_model_is_one_line_and_nothing_written(tmp_path):
+    """A model without routed experts has no products to run per expert: refused as the other MoE flags are."""
+    path = tmp_path / "out.json"
+    dense = (*MOE[:MOE.index("--experts")], "--gpu", "h100-sxm")
+    code, out, err = pipesim("estimate", *dense, "--expert-gemm", "per-expert", "-o", path)
+    assert code == 2 and not out and not path.exists()
+    assert err.strip() == ("error: --expert-gemm per-expert runs a mixture of experts' routed products, and the "
+                           "model has none (gpt --experts, or a Hugging Face MoE config); give grouped")
+
+
 def test_four_local_experts_share_the_waves_on_transformer_engines_four_streams():
     """TransformerEngine issues the GEMMs round-robin on its 4 compute streams: 4 local experts' products fill the
     multiprocessors together as the one grouped kernel does; 8 run as two such waves, each a kernel overhead."""
