@@ -1316,20 +1316,20 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     splits = np.searchsorted(t.device[rows], np.arange(1, schedule.num_devices))
     programs = [list(zip(*columns)) for columns in zip(*(
         (part.tolist() for part in np.split(column, splits)) for column in (position, waits_for, lag, duration)))]
-    end = _earliest_ends_ms(programs, len(rows))
-    return max(0.0, (end[target] - float(duration[target])) / steps)
+    return max(0.0, (_earliest_end_ms(programs, len(rows), target) - float(duration[target])) / steps)
 
 
-_ON_NETWORK = -2  # `_earliest_ends_ms`: a network row's wait (none: it runs on its device's network stream)
+_ON_NETWORK = -2  # `_earliest_end_ms`: a network row's wait (none: it runs on its device's network stream)
 
 
-def _earliest_ends_ms(programs: list[list[tuple[int, int, float, float]]], rows: int) -> list[float]:
-    """When each of `rows` rows ends at the earliest (-inf: nothing it waits on has a time), given each device's
-    program of (row, the row it waits for, lag, duration): a row starts as soon as the row before it on its
-    device (a network row, waiting for `_ON_NETWORK`: as soon as it is reached, after the network rows before it)
-    and the row it waits for (-1: none) plus the lag have ended; a wait may name the row past the last, which
-    ends at 0 (`_critical_path_ms`). Rows that wait on one another end at nan. The maxima are taken by comparison
-    (as `max` takes them), not by calls: this loop is most of a critical path's time."""
+def _earliest_end_ms(programs: list[list[tuple[int, int, float, float]]], rows: int, target: int) -> float:
+    """When row `target` of `rows` rows ends at the earliest (-inf: nothing it waits on has a time), given each
+    device's program of (row, the row it waits for, lag, duration): a row starts as soon as the row before it on
+    its device (a network row, waiting for `_ON_NETWORK`: as soon as it is reached, after the network rows before
+    it) and the row it waits for (-1: none) plus the lag have ended; a wait may name the row past the last, which
+    ends at 0 (`_critical_path_ms`). Rows that wait on one another end at nan. Each row's end depends on the rows
+    before it alone, so the devices' programs are run only until the target's is known; the maxima are taken by
+    comparison (as `max` takes them), not by calls: this loop is most of a critical path's time."""
     end = [math.nan] * rows + [0.0]
     clock = [-math.inf] * len(programs)
     lane = [-math.inf] * len(programs)
@@ -1359,7 +1359,9 @@ def _earliest_ends_ms(programs: list[list[tuple[int, int, float, float]]], rows:
             if i > next_row[d]:
                 progressed = True
                 next_row[d], clock[d], lane[d] = i, now, free
-    return end
+                if end[target] == end[target]:  # known (not nan)
+                    return end[target]
+    return end[target]
 
 
 def _hops_ms(links: Cluster, costs: Costs, devices: int) -> np.ndarray:
