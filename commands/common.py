@@ -735,7 +735,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
     share; `overrides` replace their values), checked before any work; `estimated` (--gpu's) stands for
     --profile's."""
-    from ..planning.scenario import Scenario, first_last
+    from ..planning.scenario import Scenario, check_stage_cut, first_last
     from ..sim import OPTIMIZER_STATE_FACTOR, CostError, load_cluster
     from ..sim.costs import PRECISIONS
 
@@ -765,6 +765,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     stage_cut = flags.get("stage_cut", "balanced")
     try:
         first_last(stage_cut)
+        check_stage_cut(stage_cut, pp_runtime)
     except CostError as exc:
         raise InputError(str(exc)) from None
     measured = estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None)

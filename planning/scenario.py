@@ -167,6 +167,8 @@ class Scenario:
             costs = replace(costs, collective_links=dict.fromkeys(("RING_F", "RING_B"), ring.kind))
         if self.overlap_hidden_fraction:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
+        if estimate is not None and estimate.curve.get("persistent_products"):  # NCCL's transfers beside Hopper's
+            costs = replace(costs, transfers_hold_products=True)  # products (`Costs.transfers_hold_products`)
         costs = held_as_runtime(costs, sched, self.pp_runtime)
         costs = self._amax_reductions(costs, sched)
         if sched.gradient_ranks == 1:
@@ -403,9 +405,7 @@ class Scenario:
         balanced = profile_bounds(self.measured, sched.graph.stages_per_copy, self.stage_cut)
         if self.stage_cut != FIT:
             return balanced
-        if self.pp_runtime != "pipesim":
-            raise CostError(f"--stage-cut {FIT} counts the transfers pipesim's runtime holds; the receive buffers "
-                            f"--pp-runtime {self.pp_runtime} keeps are not counted: use --stage-cut balanced")
+        check_stage_cut(self.stage_cut, self.pp_runtime)
         limits = self.memory_limits(sched)
         if None in limits:
             raise CostError(f"--stage-cut {FIT} cuts for each device's memory, which is not known here: give --gpu, "
@@ -682,6 +682,14 @@ def _within_shares(sched: Schedule, stage_bytes: Sequence[np.ndarray], limits: S
         return partition(layers, per_copy, 1, share)
     except PartitionError:
         return None
+
+
+def check_stage_cut(stage_cut: str, pp_runtime: str) -> None:
+    """Refuse fit beside a runtime whose boundary tensors `StageMemory` does not count (CostError): refused once
+    for the flags, not skipped by every configuration of a sweep."""
+    if stage_cut == FIT and pp_runtime != "pipesim":
+        raise CostError(f"--stage-cut {FIT} counts the transfers pipesim's runtime holds; the receive buffers "
+                        f"--pp-runtime {pp_runtime} keeps are not counted: use --stage-cut balanced")
 
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced") -> list[int]:

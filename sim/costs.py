@@ -307,6 +307,15 @@ class Costs:
     until each stage's update (`held_as_runtime`, torch's stage), not buffers of their own; False: pipesim's
     runtime, a received tensor a buffer from its arrival until its consumer ends, a sent one until its transfer
     ends.
+
+    `transfers_hold_products`: the devices' products run persistent CTAs (Hopper: `Curve.persistent_products`),
+    so a point-to-point transfer's NCCL kernel, which holds its multiprocessors from its launch until its data
+    has moved and shares none with compute kernels (NVIDIA/nccl issues 689 and 1025), holds back the compute
+    beside it on either device for as long as they overlap (sim/engine.py `_Model.process`), as the
+    collectives beside products are charged (`StageCosts.collective_delay_ms`): a send's from its issue until
+    its data has arrived, a receive's while its data moves. What a receive posted ahead holds before its data
+    moves (Megatron-core's `overlap_p2p_comm` posts each with the send before it) is not counted: the simulator
+    knows when data moves, not when a runtime posts a receive.
     """
 
     stages: tuple[StageCosts, ...]
@@ -319,6 +328,7 @@ class Costs:
     overlap_hidden_fraction: float = 0.0
     collective_links: dict[str, str] = field(default_factory=dict)
     kept_until_update: bool = False
+    transfers_hold_products: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.recv_window, int) or self.recv_window < 0:

@@ -13,7 +13,11 @@ row) reserve it the same way for each compute row: a row starts when its device 
 before it have ended. That wait is not busy time: the trace shows it as a gap in the device's compute stream,
 idle like any other, so the bubble counts it. Devices on one host's cores (CPU ranks) share them by processor
 sharing: a compute row runs as soon as its device is ready, at the speed the number of the host's devices
-computing at that moment allows, so it lasts longer while others compute too.
+computing at that moment allows, so it lasts longer while others compute too. Where transfers hold the compute
+beside them (`Costs.transfers_hold_products`: NCCL's kernels beside persistent products), a device's compute makes
+no progress while a kernel of one of its transfers runs (a send's from its issue until its data has arrived, a
+receive's while its data moves), and the devices run in simulated time order, so that each knows the transfers
+beside its compute.
 This module only prices the rows and runs them: nothing here knows a method by name.
 """
 
@@ -194,7 +198,9 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                  for d, peers in enumerate(cluster.host_peers(schedule.num_devices))]
     channel_ps = _picoseconds(np.asarray(channel_ms, dtype=np.float64))
     transfer_ps = np.repeat(channel_ps, lowered.units)
-    timed = bool(resources) or any(h is not None for h in host_unit)
+    # Transfers that hold the compute beside them (`Costs.transfers_hold_products`) make a device's clock depend on
+    # when its transfers run: every one a step, run in simulated time order.
+    timed = bool(resources) or any(h is not None for h in host_unit) or costs.transfers_hold_products
     bounds = lowered.bounds
     device = t.device
     num_devices = len(bounds) - 1
@@ -733,7 +739,7 @@ class _Model:
     time run first (`_lockstep`).
     """
 
-    def __init__(self, program: _Program, overlap_comm: bool) -> None:
+    def __init__(self, program: _Program, overlap_comm: bool, transfers_hold: bool = False) -> None:
         self.program = program
         self.overlap_comm = overlap_comm
         self.env = simpy.Environment() if program.timed else None
@@ -756,6 +762,16 @@ class _Model:
         # the host time before it (how much longer: its stretch).
         self.duration_ps = program.duration_ps.copy() if self.cores else program.duration_ps
         self.host_stretch_ps = np.zeros(len(program.duration_ps), dtype=np.int64) if self.cores else None
+        # Where transfers hold the compute beside them (`Costs.transfers_hold_products`; devices that queue their
+        # compute on a shared resource aside): per device, the spans its transfers' kernels run (a send's from its
+        # issue, a receive's while its data moves: begin and end, ps), and every hold of a device's compute as (the
+        # clock index before it, how far into the compute since that clock it began, its length), which
+        # `_held_back` lays on the rows.
+        devices = len(program.step_bounds) - 1
+        self.kernels: list[list[tuple[int, int]]] | None = (
+            [[] for _ in range(devices)] if transfers_hold and program.timed else None)
+        self.held: list[tuple[int, int, int]] = []
+        self.receiver = [channel.dst_device for channel in program.lowered.channels]
         self.finished = 0
 
     def _succeed(self, events: list[simpy.Event]) -> None:
@@ -804,12 +820,24 @@ class _Model:
         overlap = self.overlap_comm
         send, recv, compute = int(Stream.SEND), int(Stream.RECV), int(Stream.COMPUTE)  # plain ints: this loop runs
         queued = cores is not None or unit is not None  # once per step
+        kernels = self.kernels[d] if self.kernels is not None and d < len(self.kernels) and not queued else None
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
         for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
                 itertools.count(start + 1), *map(memoryview, program.steps[d]),
                 rows.tolist() if cores else itertools.repeat(-1)):
-            clock += busy_ps
+            if kernels is not None and busy_ps:  # the compute since the last step, held by the transfer kernels
+                computing_from = clock  # beside it: once simulated time reaches its end, every kernel that began
+                while True:  # under it is known (a sender announces its transfer when it issues it)
+                    end, holds = _held_compute(kernels, computing_from, busy_ps)
+                    if end <= env.now:
+                        break
+                    yield env.timeout(end - env.now)
+                self.held.extend((mine - 1, at, held) for at, held in holds)
+                kernels[:] = [kernel for kernel in kernels if kernel[1] > end]
+                clock = end
+            else:
+                clock += busy_ps
             if cores is not None and busy_ps > computed_ps:  # the runtime's host time between rows shares them too
                 host_ps = busy_ps - computed_ps
                 if clock - host_ps > env.now:
@@ -841,6 +869,9 @@ class _Model:
                 else:
                     end = clock + transfer_ps
                 arrival[xid] = end
+                if kernels is not None:  # NCCL's send kernel runs from its launch until its data has moved, the
+                    kernels.append((clock, end))  # receive's while the data moves
+                    self.kernels[self.receiver[xid // units]].append((end - transfer_ps, end))
                 if not overlap:
                     clock = end
                 clocks[mine] = clock
@@ -951,7 +982,7 @@ def simulate(
     if jitter < 0:
         raise ScheduleError(f"jitter must be >= 0 (got {jitter})")
     program = _price(lower(schedule), costs, cluster, jitter, seed)
-    model = _Model(program, cluster.overlap_comm)
+    model = _Model(program, cluster.overlap_comm, costs.transfers_hold_products)
     model.run()
     if model.finished < len(program.start_clock):  # a device or lane whose steps never ended
         validate(schedule)
@@ -1054,7 +1085,12 @@ def _issue_and_end_times(program: _Program, model: _Model, transfers: np.ndarray
     makes its columns.)"""
     clocks = np.frombuffer(model.clocks, dtype=np.int64)
     issued_ps = _issue_times(program, model, clocks)
-    end_ps = issued_ps + model.duration_ps
+    duration_ps = model.duration_ps
+    if model.held:
+        later_ps, longer_ps = _held_back(program, model)
+        issued_ps += later_ps
+        duration_ps = duration_ps + longer_ps
+    end_ps = issued_ps + duration_ps
     if len(transfers):
         if program.timed:  # every SEND was a step and found its arrival
             arrival = np.frombuffer(model.arrival, dtype=np.int64)
@@ -1101,6 +1137,43 @@ def _posting_rows(bounds: Sequence[int], stream: np.ndarray, window: int) -> tup
         posted.append(np.concatenate([np.full(min(window, len(mine)), lo), mine[:-window] + 1]) if len(mine)
                       else mine)
     return np.concatenate(receives), np.concatenate(posted)
+
+
+def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int) -> tuple[int, list[tuple[int, int]]]:
+    """When `work_ps` of compute begun at `start_ps` ends where it makes no progress while any of `kernels` (begin,
+    end) runs, and its holds: how far into the work each began, and its length."""
+    clock, done, holds = start_ps, 0, []
+    for begin, end in sorted(kernels):
+        if end <= clock:
+            continue
+        if begin >= clock + work_ps - done:
+            break
+        if begin > clock:
+            done += begin - clock
+            clock = begin
+        holds.append((done, end - clock))
+        clock = end
+    return clock + work_ps - done, holds
+
+
+def _held_back(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, how much later it starts and how much longer it runs for the transfer kernels that held its
+    device's compute (`_Model.held`): the compute row running where a hold began (ps of the device's compute since
+    the clock before it) lasts the hold longer, every row after it up to the device's next step starts that much
+    later."""
+    clock_before, since, duration = program.clock_before, program.since_ps, program.duration_ps
+    later, longer = np.zeros(len(since) + 1, dtype=np.int64), np.zeros(len(since), dtype=np.int64)
+    clock, at, held = np.array(model.held, dtype=np.int64).T
+    lo, hi = np.searchsorted(clock_before, clock, "left"), np.searchsorted(clock_before, clock, "right")
+    first_after = np.array([a + np.searchsorted(since[a:b], p, "right")
+                            for a, b, p in zip(lo.tolist(), hi.tolist(), at.tolist())], dtype=np.int64)
+    np.add.at(later, first_after, held)
+    np.add.at(later, hi, -held)
+    running = first_after - 1  # the row the hold began in, if it computes there
+    inside = (running >= lo) & (program.stream[running] == Stream.COMPUTE)
+    inside &= since[running] + duration[running] > at
+    np.add.at(longer, running[inside], held[inside])
+    return np.cumsum(later[:-1]), longer
 
 
 def _issue_times(program: _Program, model: _Model, clocks: np.ndarray) -> np.ndarray:

@@ -153,11 +153,12 @@ def _device():
 
 def _makespans(counted: WorkloadCount, parallel: Parallelism, rings: bool = True) -> tuple[float, float]:
     """The 1F1B makespan with the ring as rows, and with the closed form priced into the passes instead (and no
-    ring rows' time)."""
+    ring rows' time); the pipeline's transfers holding no compute (`Costs.transfers_hold_products`: a hold costs
+    nothing while a device waits for its ring's rows, which the closed form does not)."""
     estimated = estimate_profile(counted, H100, parallel)
     scenario = profile_scenario(estimated, "adam")
     schedule = scenario.build("1f1b", ScheduleParams(2, 4))
-    costs, cluster = scenario.costs(schedule), scenario.links(schedule)
+    costs, cluster = replace(scenario.costs(schedule), transfers_hold_products=False), scenario.links(schedule)
     if not rings:
         return summarize(simulate(schedule, costs, cluster)).makespan_ms, 0.0
     bounds = [stage.layers[0] for stage in estimated.stages] + [estimated.stages[-1].layers[1]]

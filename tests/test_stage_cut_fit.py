@@ -163,3 +163,12 @@ def test_fit_keeps_the_balanced_cut_where_it_fits(args):
 def test_fit_refuses_in_one_line(args, message):
     code, out, err = pipesim("simulate", *GPT, *args, "--stage-cut", "fit")
     assert code == 2 and not out and err.count("\n") == 1 and message in err, err
+
+
+def test_a_sweep_refuses_fit_beside_torchs_runtime_once_and_writes_nothing(tmp_path):
+    """Every configuration's cut would refuse it: the flags are refused in one line, not each row skipped."""
+    path = tmp_path / "sweep.csv"
+    code, out, err = pipesim("sweep", *GPT, "-b", 4, "--stage-cut", "fit", "--pp-runtime", "torch", "-o", path)
+    assert code == 2 and not out and not path.exists()
+    assert err.strip() == ("error: --stage-cut fit counts the transfers pipesim's runtime holds; the receive buffers "
+                           "--pp-runtime torch keeps are not counted: use --stage-cut balanced")

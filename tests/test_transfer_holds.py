@@ -1,0 +1,54 @@
+"""A pipeline transfer's NCCL kernel beside Hopper's persistent products (`Costs.transfers_hold_products`): it holds
+its multiprocessors from its launch until its data has moved and shares none with compute kernels (NVIDIA/nccl
+issues 689 and 1025), so the compute beside it on either device makes no progress while they overlap."""
+
+from dataclasses import replace
+
+from pipesim.schedules import ScheduleParams, build_schedule
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces import summarize
+
+
+def _rows(method: str, p: int, m: int, hold: bool) -> tuple[float, dict[str, tuple[float, float]]]:
+    """The makespan (ms) and each op's start and duration (ms) by name (kind, stage, micro-batch) of `method` on p
+    devices and m micro-batches, forwards 1 ms, backwards 2 ms, every transfer 0.5 ms."""
+    costs = replace(Costs.per_stage(p, fwd_ms=1, bwd_ms=2), transfers_hold_products=hold)
+    trace = simulate(build_schedule(method, ScheduleParams(p, m)), costs, Cluster.uniform(p, 0.5))
+    ops = trace.ops
+    return summarize(trace).makespan_ms, {
+        f"{trace.kinds[ops.kind[i]]}{ops.stage[i]}.{ops.microbatch[i]}": (ops.start_us[i] / 1e3, ops.dur_us[i] / 1e3)
+        for i in range(len(ops))}
+
+
+def test_a_send_holds_the_compute_after_it_until_its_data_has_moved():
+    """GPipe on two devices: device 0's second forward starts as its first's output is sent (1 to 1.5 ms) and is
+    held that long; device 1's second backward likewise beside the first's gradient. Without the hold, neither."""
+    free_ms, free = _rows("gpipe", 2, 2, hold=False)
+    held_ms, held = _rows("gpipe", 2, 2, hold=True)
+    assert (free_ms, free["F0.1"], free["B1.1"]) == (10.0, (1.0, 1.0), (5.5, 2.0))
+    assert (held_ms, held["F0.1"], held["B1.1"]) == (11.0, (1.0, 1.5), (6.0, 2.5))
+    assert held["SEND_F0.1"][0] == 2.5  # sent once the held forward ends
+
+
+def test_a_receive_holds_the_compute_its_data_moves_beside():
+    """1F1B on two devices: the second forward's output reaches device 1 (2.5 to 3 ms) while it runs its first
+    backward, which its receive's kernel holds 0.5 ms, though device 1 waits for that receive only after it."""
+    _, free = _rows("1f1b", 2, 3, hold=False)
+    held_ms, held = _rows("1f1b", 2, 3, hold=True)
+    assert free["B1.0"] == (2.5, 2.0)
+    assert held["B1.0"] == (2.5, 2.5)
+    assert held["RECV_F1.1"] == (2.5, 0.5)
+    assert held_ms == 14.5
+
+
+def test_only_hoppers_estimates_hold_their_compute_beside_transfers():
+    """An interleaved gpt estimated on an H100 (persistent products) is slower for the hold; on an A100 (products
+    in waves) its costs leave it off."""
+    from tests.test_ddp_buckets import _interleaved
+
+    _, costs, step_ms = _interleaved("h100-sxm")
+    assert costs.transfers_hold_products
+    assert step_ms(costs) > step_ms(replace(costs, transfers_hold_products=False))
+    _, a100, _ = _interleaved("a100-sxm-80gb")
+    assert not a100.transfers_hold_products
+
