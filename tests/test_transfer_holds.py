@@ -51,4 +51,3 @@ def test_only_hoppers_estimates_hold_their_compute_beside_transfers():
     assert step_ms(costs) > step_ms(replace(costs, transfers_hold_products=False))
     _, a100, _ = _interleaved("a100-sxm-80gb")
     assert not a100.transfers_hold_products
-
