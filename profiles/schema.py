@@ -108,7 +108,7 @@ class LayerProfile(_Strict):
     # None: `param_bytes`
     all_gather_bytes: int | None = Field(None, ge=0)
     # The last layer's: the model's output its loss reads (the logits), per rank (an estimate's; 0: none or not
-    # known), which torch's pipelining keeps from the forward until the step ends (`Costs.pp_runtime`)
+    # known), which torch's pipelining keeps from the forward until the step ends (sim/costs.py `held_as_runtime`)
     model_output_bytes: int = Field(0, ge=0)
     # Per pass (`PASSES`), the bytes of the tensors it creates and frees within itself at its peak, above its
     # inputs and what outlives it (an estimate's, from the count; {}: none known, a calibration's)

@@ -106,7 +106,7 @@ class LayerCount:
     region_ops: dict[str, tuple[OpCount, ...]] = field(default_factory=dict)
     region_allocations: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # the last layer's: the model's output its loss reads (the logits), which a runtime that computes the loss in
-    # its schedule keeps (torch's pipelining: sim/costs.py `Costs.pp_runtime`); 0 for every other layer
+    # its schedule keeps (torch's pipelining: sim/costs.py `held_as_runtime`); 0 for every other layer
     model_output_bytes: int = 0
 
 
