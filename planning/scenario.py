@@ -416,8 +416,8 @@ class Scenario:
             return fitted_cut(sched, self.stage_memory(sched), limits, balanced,
                               layer_costs(self.measured.layers, self.optimizer))
         except PartitionError as exc:
-            raise CostError(f"--stage-cut {FIT}: {sched.method}: {exc} (--stage-cut balanced with --memory shows "
-                            "each device's peak)") from None
+            raise CostError(f"{sched.method}: --stage-cut {FIT}: {exc} (--stage-cut balanced with --memory shows "
+                            "each device's peak)") from None  # the method first: a skip names it once
 
     def stage_memory(self, sched: Schedule) -> StageMemory:
         """What each model stage of `sched` holds on its device for every range of the profile's layers

@@ -152,9 +152,9 @@ def test_fit_keeps_the_balanced_cut_where_it_fits(args):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("-b", 8, "-s", "dualpipe"), "--stage-cut fit: dualpipe: no cut of 10 layers into 4 stages fits every "
+    (("-b", 8, "-s", "dualpipe"), "dualpipe: --stage-cut fit: no cut of 10 layers into 4 stages fits every "
                                   "device's memory"),
-    (("-b", 8, "-s", "interleaved-1f1b", "--chunks", 2), "--stage-cut fit: interleaved-1f1b: no cut of 10 layers "
+    (("-b", 8, "-s", "interleaved-1f1b", "--chunks", 2), "interleaved-1f1b: --stage-cut fit: no cut of 10 layers "
                                                          "into 8 stages found that fits every device's memory"),
     (("-b", 4, "-s", "1f1b", "--pp-runtime", "torch"), "the receive buffers --pp-runtime torch keeps are not "
                                                        "counted: use --stage-cut balanced"),
@@ -172,3 +172,9 @@ def test_a_sweep_refuses_fit_beside_torchs_runtime_once_and_writes_nothing(tmp_p
     assert code == 2 and not out and not path.exists()
     assert err.strip() == ("error: --stage-cut fit counts the transfers pipesim's runtime holds; the receive buffers "
                            "--pp-runtime torch keeps are not counted: use --stage-cut balanced")
+
+
+def test_a_method_skipped_for_no_fitting_cut_is_named_once():
+    code, out, err = pipesim("simulate", *GPT, "-b", 8, "-s", "dualpipe", "-s", "1f1b", "--stage-cut", "fit")
+    assert code == 0, err
+    assert "skipped: dualpipe: --stage-cut fit: no cut of 10 layers into 4 stages fits" in " ".join(err.split())
