@@ -51,7 +51,25 @@ SearchedDataParallel = with_help(DataParallel, SEARCHED)
 SearchedRecompute = with_help(Recompute, SEARCHED)
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while tune runs, as it was after: the estimates make a few million
+    objects that all stay alive (the counts and the profiles the search reads), and the search's shapes,
+    candidates and results live until it answers, so every full collection walks all made so far and frees
+    nothing: 40 % of the 70B problem's estimation, and 2.5 of its search's 14 CPU s (8 full collections, 2.1 s;
+    a collection after its answer finds nothing unreachable, the 70B's and the 1.3B's alike, at the same peak
+    memory). Objects are still freed as their references go; cycles wait for the next collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @tune_what_if_options
+@_collector_paused()
 def tune(
     ctx: typer.Context,
     devices: Annotated[int, typer.Option(
@@ -163,8 +181,7 @@ def tune(
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
-            with _working("estimating the model's profile for each t, b, recomputation and p") as report, \
-                    _collector_paused():
+            with _working("estimating the model's profile for each t, b, recomputation and p") as report:
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
                                                optimizer, allocator, pp_runtime, report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
@@ -261,22 +278,6 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
         raise InputError(f"--devices {devices}: no tensor-parallel degree t of {', '.join(map(str, tensors))} suits "
                          f"the model (t must divide its heads and MLP width{replicas}); give --tensor-parallel")
     return settings
-
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off while tune estimates its profiles, as it was after: the
-    estimates make a few million objects that all stay alive (the counts and the profiles the search reads), so
-    every full collection their allocations set off walks all made so far and frees nothing, 40 % of the 70B
-    problem's estimation. Objects are still freed as their references go; cycles wait for the next collection."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _experts_fit(what: WhatIf, t: int, d: int) -> bool:

@@ -1,7 +1,7 @@
 """tune --gpu estimates hundreds of profiles before it searches (commands/tune.py `_estimated_settings`); what makes
 that fast gives the figures it gave before: each stage's optimizer step against the sum it was taken as, stage by
 stage, the partitioner's range table against its own sums, a stage's transient peak against its sum over later
-layers, and the cyclic garbage collector held off while the estimates are made and restored after."""
+layers, and the cyclic garbage collector held off while the estimates are made and searched and restored after."""
 
 import gc
 import itertools
@@ -102,23 +102,26 @@ def test_costs_given_to_the_stages_are_the_layers_own():
     assert given_costs == profile.stages
 
 
-def test_tune_estimates_with_the_cycle_collector_held_off_and_restores_it(monkeypatch):
+def test_tune_estimates_and_searches_with_the_cycle_collector_held_off_and_restores_it(monkeypatch):
     from pipesim.commands import tune
+    from pipesim.planning import tune as planning
 
     seen = []
-    estimated = tune._estimated_settings
 
-    def spy(*args, **kwargs):
-        seen.append(gc.isenabled())
-        return estimated(*args, **kwargs)
+    def spied(function):
+        def spy(*args, **kwargs):
+            seen.append(gc.isenabled())
+            return function(*args, **kwargs)
+        return spy
 
-    monkeypatch.setattr(tune, "_estimated_settings", spy)
+    monkeypatch.setattr(tune, "_estimated_settings", spied(tune._estimated_settings))
+    monkeypatch.setattr(planning, "tune", spied(planning.tune))
     assert gc.isenabled()
     code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
                              "--seq-len", 32, "--vocab", 1000, "-D", 2, "-b", 1, "--tensor-parallel", 1,
                              "--recompute", "none", "-s", "1f1b", "--json")
     assert code == 0, err
-    assert json.loads(out)["choice"] and seen == [False] and gc.isenabled()
+    assert json.loads(out)["choice"] and seen == [False, False] and gc.isenabled()
 
 
 def _reference_split(n: int, p: int, table) -> tuple[float, list[int]]:
