@@ -1050,14 +1050,16 @@ def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parall
 def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[LayerAllocations]:
     """Every counted layer's allocations on one of its stage's t·C ranks under `parallel`'s recomputation
     (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step, with
-    FSDP2's whole weights and gradients per parameter (`_unsharded`). A run of layers alike but for their names
+    FSDP2's whole weights and gradients per parameter (`_unsharded`), those of a layer other than a transformer
+    layer its root's (`LayerAllocations.fsdp_root`). A run of layers alike but for their names
     and inputs (a model's repeated blocks) shares the first one's, made once."""
     allocations: list[LayerAllocations] = []
     for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
         if not repeated:
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
                                      parallel.recompute_modules)
-            made = replace(made, unsharded=_unsharded(layer, made, parallel, _element_bytes(counted.dtype)))
+            unsharded = _unsharded(layer, made, parallel, _element_bytes(counted.dtype))
+            made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer))
         allocations.append(made)
     return allocations
 

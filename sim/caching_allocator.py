@@ -58,6 +58,9 @@ RELEASE = "release"
 ZERO = ":zero"
 ZERO_GRAD = "zero_grad"
 LEFT = "left"
+# FSDP2 without a pipeline: each pass gathers (and a forward reshards, a backward reduce-scatters) block by block
+# (`_unpipelined`); a pass so named runs its EACH program
+EACH = ":each"
 # FSDP2 makes a reduce-scatter's output on its reduce-scatter stream and an all-gather's flat output on its
 # all-gather stream (`FSDPCommContext`), whose cached blocks serve no other stream; a device's second model part
 # the next two, and so on (`stage_program`'s part)
@@ -286,13 +289,18 @@ class LayerAllocations:
     after its last, freeing the first two there (torch's pipelining, stage.py `backward_maybe_with_nosync`: no
     resharding nor reduce-scatter before the last; FSDP2's `to_accumulated_grad_if_needed`, `foreach_reduce`: a
     reduce-scatter input of the layer's gradients beside them, its output one tensor on the reduce-scatter
-    stream, held until the next step's zero_grad); (): held as the state's blocks from the step's start."""
+    stream, held until the next step's zero_grad); (): held as the state's blocks from the step's start. Without a
+    pipeline FSDP2 gathers, reshards and reduce-scatters block by block in each pass (`stage_program`); `fsdp_root`:
+    the layer's parameters are the model's root's (torchtitan's parallelize_llama at 9dec370 runs `fully_shard` on
+    each transformer block, then on the model: its embedding, final norm and head), one group gathered before the
+    forward and reduce-scattered after the backward, the rest a block each."""
 
     passes: Mapping[str, PassAllocations]
     saved: frozenset[int] = frozenset()
     rerun: frozenset[int] | None = None
     kept: frozenset[int] = frozenset()
     unsharded: tuple[tuple[int, int, int], ...] = ()
+    fsdp_root: bool = False
 
 
 def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, int, int]]]:
@@ -332,8 +340,9 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
     if any(ZERO in name for name, _, _ in rows):  # FSDP2's tensors as the step before left them
+        each = EACH if any(EACH in name for name, _, _ in rows) else ""
         for stage in programs:
-            replay.step_pass(stage, LEFT)
+            replay.step_pass(stage, LEFT + each)
     seen: dict[tuple, list[int]] = {}  # a state after a row: the rows after which it was, the last first
     at = 0
     while at < len(rows):
@@ -371,7 +380,7 @@ def stage_program(layers: Sequence[LayerAllocations], part: int = 0) -> StagePro
     `part`: the stage's place among its device's, each a model part FSDP2 shards as a root of its own, with its
     own all-gather and reduce-scatter streams (`FSDPCommContext.lazy_init`)."""
     return _written_stage(tuple((tuple((name, tuple(events)) for name, events in layer.passes.items()), layer.saved,
-                                 layer.rerun, layer.kept, layer.unsharded) for layer in layers), part)
+                                 layer.rerun, layer.kept, layer.unsharded, layer.fsdp_root) for layer in layers), part)
 
 
 @functools.lru_cache(maxsize=64)
@@ -388,8 +397,8 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
     reduce-scatter input freed, its own made (its gradients' bytes), its gradients freed, its shard made on the
     reduce-scatter stream; ZERO_GRAD frees the shards; LEFT makes the shards and the last layer's all-gather
     output, as the step before left them."""
-    stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded)
-             for passes, saved, rerun, kept, unsharded in layers]
+    stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded, root)
+             for passes, saved, rerun, kept, unsharded, root in layers]
     program = Program()
     # each layer's whole weights', gradients', shard's and all-gather output's slots, and the ops that make them
     gathered, accumulated, sharded, flat = [], [], [], []
@@ -461,8 +470,171 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
         for slot in slots:
             program.free(slot)
     passes[ZERO_GRAD] = tuple(program.ops[zeroed:])
-    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded, *flat) for slot in slots)
+    root = _unpipelined(program, stage, passes, part, (gathered, gathers), (flat, flats), (sharded, shards))
+    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded, *flat, root) for slot in slots)
     return StageProgram(len(stage), program.slots, passes, carried)
+
+
+@dataclass
+class _Group:
+    """An FSDP2 parameter group as `_unpipelined` writes it: its layers, its all-gather output's slot and the op
+    making it, its reduce-scatter output's (the gradients' shard) slot, op and bytes, and its reduce-scatter
+    input's bytes."""
+
+    layers: list[int]
+    flat: int
+    gather: tuple[Op, ...]
+    shard: int
+    reduce: tuple[Op, ...]
+    shard_bytes: int
+    reduced_bytes: int
+
+
+def _unpipelined(program: Program, stage: Sequence[LayerAllocations], passes: dict[str, tuple[Op, ...]], part: int,
+                 gathered: tuple[list[list[int]], list[tuple[Op, ...]]], flat: tuple[list[list[int]], list[tuple]],
+                 sharded: tuple[list[list[int]], list[tuple]]) -> list[int]:
+    """FSDP2's passes without a pipeline written into `passes` (EACH; torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py and _fsdp_collectives.py as of torch 2.5-2.6, the page's): the root group (the
+    `fsdp_root` layers) is gathered before the forward and not resharded after it (`FSDPState._lazy_init`), each
+    block as its forward begins (`pre_forward`: `unshard` makes the all-gather output on the all-gather stream,
+    `wait_for_unshard` frees the previous forward's, kept as `all_gather_state`, then copies the weights out)
+    and resharded after it (`post_forward`) but the last (torchtitan: `reshard_after_forward=False` for it). A
+    backward gathers each resharded block again as its backward begins (`pre_backward`: the output freed once
+    copied out, the block before's then gathered ahead, `_backward_prefetch`) and after it (`post_backward`)
+    frees its weights, the previous reduce-scatter input, makes its own (float32, `foreach_reduce`), frees the
+    gradients and makes their shard on the reduce-scatter stream, held to zero_grad, or, on a later backward of
+    the mini-batch, added to the held one and freed; the root's gradients wait for the backward's end
+    (`_root_post_backward_final_callback`), which frees the last reduce-scatter input. LEFT + EACH makes the
+    shards and the last block's all-gather output as the step before left them; ZERO_GRAD + EACH frees the
+    shards. The root group's two slots, which the stage's rows carry."""
+    blocks = [index for index, layer in enumerate(stage) if layer.unsharded and not layer.fsdp_root]
+    roots = [index for index, layer in enumerate(stage) if layer.unsharded and layer.fsdp_root]
+    def summed(indices: list[int], which: int) -> int:
+        return sum(each[which] for index in indices for each in stage[index].unsharded)
+
+    groups = [_Group([index], flat[0][index][0], flat[1][index], sharded[0][index][0], sharded[1][index],
+                     summed([index], 2), summed([index], 1)) for index in blocks]
+    if roots:
+        begins = len(program.ops)
+        made = [program.malloc(summed(roots, 0), ALL_GATHER_STREAM + 2 * part),
+                program.malloc(summed(roots, 2), REDUCE_SCATTER_STREAM + 2 * part)]
+        gather, reduce = program.ops[begins:begins + 1], program.ops[begins + 1:]
+        del program.ops[begins:]
+        groups.insert(0, _Group(roots, made[0], tuple(gather), made[1], tuple(reduce), summed(roots, 2),
+                                summed(roots, 1)))
+    if not groups:
+        return []
+    of = {index: group for group in groups for index in group.layers}
+    kept = groups[-1]  # the forward's last all-gather output, freed at the next forward's first gather
+    previous = [kept]  # the group whose forward all-gather output FSDP2 keeps (`all_gather_state`)
+
+    def gather(group: _Group) -> list[Op]:
+        """`unshard` then `wait_for_unshard` in a forward: the output made, the previous one freed, the weights."""
+        program.free(previous[0].flat)
+        freed = [program.ops.pop()]
+        same = previous[0] is group  # one slot: freed before it is made again
+        previous[0] = group
+        return [*(freed if same else ()), *group.gather, *(() if same else freed),
+                *(op for index in group.layers for op in gathered[1][index])]
+
+    begins = len(program.ops)
+    held: dict[int, list[int]] = {}
+    ops = gather(groups[0]) if roots else []
+    for index, layer in enumerate(stage):
+        if index in of and not layer.fsdp_root:
+            ops += gather(of[index])
+        start = len(program.ops)
+        held[index] = _forward(program, layer)
+        if index in of and not layer.fsdp_root and of[index] is not kept:
+            for slot in gathered[0][index]:
+                program.free(slot)
+        ops += program.ops[start:]
+    passes["fwd" + EACH] = tuple(ops)
+    for first in (True, False):
+        passes["bwd" + EACH + (FIRST if first else "")] = _unpipelined_backward(
+            program, stage, dict(held), groups, gathered, kept, first, REDUCE_SCATTER_STREAM + 2 * part)
+    del program.ops[begins:]
+    passes[LEFT + EACH] = (*(op for group in groups for op in group.reduce), *kept.gather)
+    zeroed = len(program.ops)
+    for group in groups:
+        program.free(group.shard)
+    passes[ZERO_GRAD + EACH] = tuple(program.ops[zeroed:])
+    return [groups[0].flat, groups[0].shard] if roots else []
+
+
+def _unpipelined_backward(program: Program, stage: Sequence[LayerAllocations], held: dict[int, list[int]],
+                          groups: list[_Group], gathered: tuple[list[list[int]], list[tuple[Op, ...]]],
+                          kept: _Group, first: bool, stream: int) -> tuple[Op, ...]:
+    """`_unpipelined`'s backward: `first`, the mini-batch's first, whose shards are held to zero_grad; `stream`:
+    the reduce-scatter stream."""
+    begins = len(program.ops)
+    blocks = [group for group in groups if not stage[group.layers[0]].fsdp_root]
+    at = {group.layers[0]: place for place, group in enumerate(blocks)}
+    reduced: list[int] = []  # the reduce-scatter input FSDP2 keeps until the next group's (`reduce_scatter_state`)
+    root_gradients: list[int] = []
+
+    def post_backward(group: _Group, gradients: Iterable[int]) -> None:
+        for slot in [*(slot for index in group.layers for slot in gathered[0][index]), *reduced]:
+            program.free(slot)
+        reduced[:] = [program.malloc(group.reduced_bytes)]
+        for slot in gradients:
+            program.free(slot)
+        if first:
+            program.ops += group.reduce
+        else:  # added to the shard held since the mini-batch's first backward, then freed
+            program.free(program.malloc(group.shard_bytes, stream))
+
+    for index in reversed(range(len(stage))):
+        layer = stage[index]
+        place = at.get(index)
+        if place is not None:  # pre_backward: the prefetched output copied out and freed, the block before's made
+            if blocks[place] is not kept:
+                program.ops += gathered[1][index]
+                program.free(blocks[place].flat)
+            if place:
+                program.ops += blocks[place - 1].gather
+        if layer.rerun is not None:
+            held[index] = held[index] + _recomputed(program, layer)
+        done = program.replay(layer.passes.get("bwd", ()))
+        for slot in held.pop(index):
+            program.free(slot)
+        if place is not None:
+            post_backward(blocks[place], done.values())
+            continue
+        gradients = _gradient_numbers(layer) if layer.fsdp_root and layer.unsharded else frozenset()
+        root_gradients += [slot for number, slot in done.items() if number in gradients]
+        for number, slot in done.items():
+            if number not in gradients:
+                program.free(slot)
+    if len(blocks) < len(groups):
+        post_backward(groups[0], root_gradients)
+    for slot in reduced:  # the final callback's: the last reduce-scatter input
+        program.free(slot)
+    return tuple(program.ops[begins:])
+
+
+def _gradient_numbers(layer: LayerAllocations) -> frozenset[int]:
+    """The storages a layer's backward leaves live that are its parameters' gradients: matched by bytes to those
+    its weight-gradient pass leaves live (each pass numbers its storages apart); all of them where it has none."""
+    backward = _left_live(layer.passes.get("bwd", ()))
+    if "wgrad" not in layer.passes:
+        return frozenset(backward)
+    by_bytes: defaultdict[int, list[int]] = defaultdict(list)
+    for number, nbytes in backward.items():
+        by_bytes[nbytes].append(number)
+    return frozenset(by_bytes[nbytes].pop(0) for nbytes in _left_live(layer.passes["wgrad"]).values()
+                     if by_bytes[nbytes])
+
+
+def _left_live(allocations: PassAllocations) -> dict[int, int]:
+    """The bytes of the storages a pass leaves live, by number."""
+    live: dict[int, int] = {}
+    for number, nbytes in allocations:
+        if nbytes > 0:
+            live[number] = nbytes
+        elif nbytes < 0:
+            live.pop(number, None)
+    return live
 
 
 @dataclass
@@ -490,13 +662,14 @@ class _Replay:
 
     def run(self, at: int) -> None:
         """Row `at`: its pass (with ZERO, every stage's ZERO_GRAD before it; with FIRST, as a step's first runs it;
-        with LAST, RELEASE after it), FSDP2's whole tensors' addresses carried from the stage's earlier rows and
-        kept for its later ones."""
+        with LAST, RELEASE after it; with EACH, as FSDP2 runs it without a pipeline), FSDP2's whole tensors'
+        addresses carried from the stage's earlier rows and kept for its later ones."""
         name, stage, microbatch = self.numbered[at]
         program = self.programs[stage]
+        each = EACH if EACH in name else ""
         if ZERO in name:
-            for each in self.programs:
-                self.step_pass(each, ZERO_GRAD)
+            for other in self.programs:
+                self.step_pass(other, ZERO_GRAD + each)
         if not program.layers:
             return
         base = name.split(":")[0]
@@ -504,7 +677,7 @@ class _Replay:
             frame = self.frames[stage, microbatch] = [0] * program.slots
         else:
             frame = self.frames[stage, microbatch] if base == "igrad" else self.frames.pop((stage, microbatch))
-        self._carrying(stage, frame, program.passes[base + FIRST if FIRST in name else base],
+        self._carrying(stage, frame, program.passes[base + each + (FIRST if FIRST in name else "")],
                        *([program.passes[RELEASE]] if name.endswith(LAST) else []))
 
     def step_pass(self, stage: int, name: str) -> None:
@@ -558,7 +731,8 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     releases when a cudaMalloc fails; where the step does not fit even then (torch's out of memory), its reserve
     is what it would take without that bound, which puts the device's peak over its memory. Under a pipeline,
     FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
-    (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block."""
+    (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block;
+    without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`)."""
     programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
     for device, held in enumerate(trace.meta.peak_memory_parts or ()):
@@ -574,6 +748,11 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
         if len(layers) > 1 and gathered:
             rows = step_events(rows)
             static = (max(held["parameters"] - gathered, 0), held["optimizer_state"])
+        elif gathered and all(name in ("fwd", "bwd") for name, _, _ in rows):
+            rows = unpipelined_events(rows)
+            # FSDP2's float32 weight shards, as many bytes as its float32 gradients' shards
+            static = (sum(shard for stage in stages for layer in layers[stage] for _, _, shard in layer.unsharded),
+                      held["optimizer_state"])
         else:
             static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
         place: dict[Hashable, int] = {}
@@ -601,6 +780,15 @@ def step_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]) -> list[t
              + (FIRST if first.get((name == "fwd", stage, pipeline, minibatch)) == at else "")
              + (LAST if last.get((stage, pipeline, minibatch)) == at else ""), stage, (pipeline, minibatch, micro))
             for at, (name, stage, (pipeline, minibatch, micro)) in enumerate(rows)]
+
+
+def unpipelined_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
+                       ) -> list[tuple[str, int, tuple[int, int, int]]]:
+    """`device_rows`' rows of a device without a pipeline named as FSDP2 runs each (EACH: `_unpipelined`), ZERO on
+    its mini-batch's first row, FIRST on its first backward (whose shards are held to the next zero_grad)."""
+    return [(name.split(":")[0] + (ZERO if ZERO in name else "") + EACH
+             + (FIRST if FIRST in name and not name.startswith("fwd") else ""), stage, microbatch)
+            for name, stage, microbatch in step_events(rows)]
 
 
 @functools.lru_cache(maxsize=64)

@@ -106,3 +106,74 @@ def test_each_model_part_of_a_device_has_its_own_all_gather_and_reduce_scatter_s
         request = round_request(10 * MIB)
         assert [pool for _, _, pool in left] == [pool_of(request, REDUCE_SCATTER_STREAM + 2 * part),
                                                  pool_of(request, ALL_GATHER_STREAM + 2 * part)]
+
+
+def _pools_allocated(allocator) -> dict[int, int]:
+    """The bytes handed out, in MiB, by stream."""
+    from pipesim.sim.caching_allocator import POOL_SHIFT
+
+    held: dict[int, int] = {}
+    for address, nbytes in allocator._allocated.items():
+        held[address >> POOL_SHIFT >> 1] = held.get(address >> POOL_SHIFT >> 1, 0) + nbytes // MIB
+    return held
+
+
+def _pools_reserved(allocator) -> dict[int, int]:
+    """The segments' bytes, in MiB, by stream."""
+    from pipesim.sim.caching_allocator import POOL_SHIFT
+
+    reserved: dict[int, int] = {}
+    for address, nbytes in allocator._segments.items():
+        reserved[address >> POOL_SHIFT >> 1] = reserved.get(address >> POOL_SHIFT >> 1, 0) + nbytes // MIB
+    return reserved
+
+
+def test_without_a_pipeline_fsdp2_gathers_reshards_and_reduce_scatters_block_by_block():
+    """A model of an embedding and a head (the root's, gathered as one group before the forward and kept whole)
+    around two blocks, each 10 MiB of weights, 30 MiB of float32 gradients and a 10 MiB shard, one micro-batch a
+    step: the first block resharded after its forward, the last kept whole (torchtitan), each block gathered
+    again for its backward and reduce-scattered after it. The most allocated is the head's backward: the root's
+    20 MiB of weights, the last block's 10, four layers' 40 MiB saved, the head's 20 MiB gradient and the last
+    block's all-gather output, 220 MiB, where FIRST's pipeline timing holds every layer's weights whole and
+    gradients to the end. After the step, the shards on the reduce-scatter stream (10 + 10 + the root's 20) and
+    the last block's all-gather output alone are left; their streams hold what no compute request takes: the
+    shards' 40 MiB (freed at zero_grad, before the peak) and the all-gather outputs' 50 (the root's 20 MiB made
+    again where the last block's output splits the first one's segment)."""
+    from pipesim.sim.caching_allocator import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, unpipelined_events
+
+    block = replace(LAYER, unsharded=((10 * MIB, 30 * MIB, 10 * MIB),))
+    root = replace(block, fsdp_root=True)
+    rows = [(name, stage, mb[1:]) for name, stage, mb in unpipelined_events(_rows(["fwd0", "bwd0"]))]
+    assert [name for name, _, _ in rows] == ["fwd:zero:each", "bwd:each:first"] * 2
+    replayed = replay_device([], rows, {0: stage_program([root, block, block, root])})
+    assert replayed.peak_allocated_bytes == 220 * MIB
+    assert _pools_allocated(replayed) == {REDUCE_SCATTER_STREAM: 40, ALL_GATHER_STREAM: 10}
+    assert {stream: _pools_reserved(replayed)[stream] for stream in (REDUCE_SCATTER_STREAM, ALL_GATHER_STREAM)} == {
+        REDUCE_SCATTER_STREAM: 40, ALL_GATHER_STREAM: 50}
+    pipelined = replay_device([], [(name, stage, mb[1:]) for name, stage, mb in step_events(_rows(["fwd0", "bwd0"]))],
+                              {0: stage_program([root, block, block, root])})
+    assert pipelined.peak_allocated_bytes > replayed.peak_allocated_bytes
+
+
+def test_a_later_backward_of_the_mini_batch_adds_its_shards_to_those_held():
+    """Two micro-batches a step without a pipeline: the second backward's reduce-scatter outputs are added to
+    the first's shards and freed, so the step ends holding one set of shards."""
+    from pipesim.sim.caching_allocator import REDUCE_SCATTER_STREAM, unpipelined_events
+
+    block = replace(LAYER, unsharded=((10 * MIB, 30 * MIB, 10 * MIB),))
+    rows = unpipelined_events(_rows(["fwd0", "bwd0", "fwd1", "bwd1"]))
+    assert [name for name, _, _ in rows] == ["fwd:zero:each", "bwd:each:first", "fwd:each", "bwd:each"] * 2
+    replayed = replay_device([], [(name, stage, mb[1:]) for name, stage, mb in rows],
+                             {0: stage_program([block, block])})
+    assert _pools_allocated(replayed)[REDUCE_SCATTER_STREAM] == 20
+
+
+def test_the_layers_other_than_transformer_layers_are_the_fsdp2_roots(counted):
+    """torchtitan shards each transformer block as a group of its own and the rest (embedding, final norm, head)
+    with the model's root: the estimate marks the latter, under FSDP2 alone."""
+    from pipesim.planning.estimate import Parallelism, layer_allocations
+
+    parallel = Parallelism(data=4, sharded_optimizer=True, precision="fsdp2")
+    made = layer_allocations(counted, parallel)
+    assert [layer.fsdp_root for layer in made] == [True] + [False] * (len(made) - 2) + [True]
+    assert not any(layer.fsdp_root for layer in layer_allocations(counted, replace(parallel, precision=None)))
