@@ -1279,9 +1279,6 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                _routing_groups(counted.options), parallel.routing)
     except ExpertParallelError as exc:
         raise EstimateError(str(exc)) from None
-    if parallel.expert_gemm != "grouped" and not counted.options.get("experts"):
-        raise EstimateError(f"expert_gemm: {parallel.expert_gemm} runs a mixture of experts' routed products, and the "
-                            "model has none (gpt --experts, or a Hugging Face MoE config); give grouped")
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,
                      parallel.rank_order)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])

@@ -93,11 +93,12 @@ def test_a_bad_value_is_one_line_and_nothing_written(tmp_path):
     assert err.strip() == "error: --expert-gemm: choose from grouped, per-expert (got 'cutlass')"
 
 
-def test_per_expert_on_a_dense_model_is_one_line_and_nothing_written(tmp_path):
+@pytest.mark.parametrize("command", [("estimate", "-o"), ("simulate", "--html")])
+def test_per_expert_on_a_dense_model_is_one_line_and_nothing_written(tmp_path, command):
     """A model without routed experts has no products to run per expert: refused as the other MoE flags are."""
-    path = tmp_path / "out.json"
+    path = tmp_path / "out"
     dense = (*MOE[:MOE.index("--experts")], "--gpu", "h100-sxm")
-    code, out, err = pipesim("estimate", *dense, "--expert-gemm", "per-expert", "-o", path)
+    code, out, err = pipesim(*command, path, *dense, "--expert-gemm", "per-expert")
     assert code == 2 and not out and not path.exists()
     assert err.strip() == ("error: --expert-gemm per-expert runs a mixture of experts' routed products, and the "
                            "model has none (gpt --experts, or a Hugging Face MoE config); give grouped")
@@ -122,3 +123,12 @@ def test_four_local_experts_share_the_waves_on_transformer_engines_four_streams(
         assert each.count * matmul_ms(each, device) == pytest.approx(experts // 4 * matmul_ms(waves, device))
         one_at_a_time = replace(each, streams=1)
         assert matmul_ms(each, device) < matmul_ms(one_at_a_time, device)  # alone, a few tiles leave most SMs idle
+
+
+def test_tune_refuses_per_expert_on_a_dense_model_as_such():
+    """tune takes each of its estimates' refusals as a tensor-parallel degree that does not suit the model: this one
+    is the flag's, whatever the degree, and said so."""
+    dense = (*MOE[:MOE.index("--experts")], "--gpu", "h100-sxm")
+    code, out, err = pipesim("tune", *dense, "-D", 8, "-B", 16, "--expert-gemm", "per-expert")
+    assert code == 2 and not out
+    assert err.strip().splitlines()[-1].startswith("error: --expert-gemm per-expert runs a mixture of experts'")
