@@ -1391,7 +1391,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         memory_cap_bytes=None, dtype=counted.dtype, microbatch_size=counted.microbatch_size, threads=1,
         torch_version="", cuda_version=None, driver_version=None, python_version=platform.python_version(),
         pipesim_version=_version(), host="estimate", date=datetime.now(UTC).isoformat(timespec="seconds"))
-    flops = sum(counted.total(name) for name in ("fwd_flops", "igrad_flops", "wgrad_flops"))
+    flops = counted.total("model_flops")
     estimate = Estimate(gpu=gpu.name, parallelism={**asdict(parallel), "grad_accumulation": parallel.accumulation},
                         attention=counted.attention,
                         curve=curve.model_dump(), tensor_link=links.tensor, stage_link=links.stage,

@@ -83,6 +83,10 @@ class LayerCount:
     # as many), which its all-to-alls carry
     expert_param_bytes: int = 0
     dispatched_bytes: int = 0
+    # of the routed experts' products, the share that is model work: the k·T token copies routing sends over the
+    # E·(expected share or capacity) the experts compute; below 1 where a capacity factor pads the experts (the
+    # padding's FLOPs are work, not the model's: `model_flops`) and by ⌈k·T/E⌉'s rounding
+    routed_model_share: float = 1.0
     # Per pass of `PASSES`, the tensors it creates and frees within itself that were live at once at their most
     # bytes, (shape, bytes) each: its transient peak above its inputs and what outlives it (workload/count.py's
     # `_LiveBytes`); {}: a count from before they were recorded
@@ -109,6 +113,14 @@ class LayerCount:
     # its schedule keeps (torch's pipelining: sim/costs.py `held_as_runtime`); 0 for every other layer
     model_output_bytes: int = 0
 
+    @property
+    def model_flops(self) -> int:
+        """The forward's and backward's FLOPs without recomputation, the routed experts' products at their model
+        share (`routed_model_share`): MFU's numerator, which counts each token's k experts whatever the capacity,
+        as Megatron-LM's `num_floating_point_operations` (training.py: `moe_router_topk`, no capacity factor)."""
+        routed = sum(op.flops * op.count for name in ("fwd", "bwd") for op in self.ops.get(name, ()) if op.routed)
+        return round(self.fwd_flops + self.igrad_flops + self.wgrad_flops - (1 - self.routed_model_share) * routed)
+
 
 @dataclass(frozen=True)
 class WorkloadCount:
@@ -123,7 +135,7 @@ class WorkloadCount:
     layers: list[LayerCount] = field(default_factory=list)
 
     def total(self, name: str) -> int:
-        """The sum over layers of LayerCount field `name` (a number field)."""
+        """The sum over layers of LayerCount's number `name` (a field or `model_flops`)."""
         return sum(getattr(layer, name) for layer in self.layers)
 
     @cached_property

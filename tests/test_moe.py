@@ -163,6 +163,28 @@ def test_a_capacity_factor_pads_every_expert_to_its_capacity():
     assert padded.fwd_flops - dropless.fwd_flops == TOKENS * TOP_K * MLP_FLOPS
 
 
+def test_the_padding_to_capacity_is_work_not_model_flops():
+    """The model's FLOPs count each token's k experts whatever the capacity (Megatron-LM's
+    num_floating_point_operations): the padded count computes twice the routed products, the model the same."""
+    dropless = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN))
+    padded = block(gpt_count(experts=EXPERTS, top_k=TOP_K, expert_ffn=FFN, capacity_factor=2.0))
+    assert padded.routed_model_share == 0.5 and dropless.routed_model_share == 1.0
+    assert padded.model_flops == dropless.model_flops == dropless.fwd_flops + dropless.igrad_flops \
+        + dropless.wgrad_flops < padded.fwd_flops + padded.igrad_flops + padded.wgrad_flops
+
+
+def test_mfu_counts_the_same_model_flops_at_every_capacity_factor():
+    """MFU × step time is the model's FLOPs per step (over the peak): the same at C = 1, 2 and 4, where the step
+    (which computes the padding) grows."""
+    results = [simulate_json("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 1, "--width", H, "--heads", 4,
+                             "--seq-len", S, "--vocab", 100, "--experts", EXPERTS, "--capacity-factor", c, "-p", 1,
+                             "-m", 2, "-s", "1f1b")[0] for c in (1, 2, 4)]
+    steps = [result["time_per_minibatch_ms"] for result in results]
+    assert steps[0] < steps[1] < steps[2]
+    model_flops = [result["mfu"] * step for result, step in zip(results, steps)]
+    assert model_flops[1] == pytest.approx(model_flops[0]) and model_flops[2] == pytest.approx(model_flops[0])
+
+
 def test_off_the_meta_device_the_router_routes_each_token_to_its_own_experts():
     """The executor's path: each token's output is the weighted sum of its k experts' MLPs, computed one by one."""
     gen = torch.Generator().manual_seed(0)

@@ -65,12 +65,15 @@ class ExpertShape:
 @dataclass
 class Dispatched:
     """What the routed experts run while `dispatches` records: the bytes of the token copies each dispatch sends
-    to the experts (the combine returns as many) and of the experts' weights, each summed over the calls; and the
+    to the experts (the combine returns as many) and of the experts' weights, each summed over the calls; the token
+    copies routed and computed (their ratio: the share of the experts' products that is model work); and the
     storages of the experts' weights and of what their products read and write (by identity, held so that none is
     reused), by which workload/count.py tells the experts' own ops, forward and backward, from the rest."""
 
     token_bytes: int = 0
     expert_weight_bytes: int = 0
+    routed_copies: int = 0  # the k·T token copies routing sends, summed over the calls
+    computed_copies: int = 0  # the token copies the experts compute (E·`expected_tokens`: padded to a capacity)
     expert_storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)
 
     def reads_experts(self, tensors: list[torch.Tensor]) -> bool:
@@ -291,6 +294,8 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         sent = experts * expected_tokens(tokens, top_k, experts, capacity_factor) * width * hidden.element_size()
         record.token_bytes += sent
         record.expert_weight_bytes += sum(w.untyped_storage().nbytes() for w in (up, down))
+        record.routed_copies += top_k * tokens
+        record.computed_copies += experts * expected_tokens(tokens, top_k, experts, capacity_factor)
     if hidden.device.type == "meta":
         each = expected_tokens(tokens, top_k, experts, capacity_factor)
         token = torch.empty(experts * each, dtype=torch.long, device=hidden.device)  # each expert's tokens, in turn
