@@ -36,11 +36,11 @@ def block(counted: WorkloadCount):
     return counted.layers[1]
 
 
-def test_expected_tokens_are_k_over_e_of_them_or_the_capacity_at_most_all():
+def test_expected_tokens_are_k_over_e_of_them_or_the_capacity():
     assert expected_tokens(64, 2, 8) == 16
     assert expected_tokens(64, 2, 8, capacity_factor=1.25) == 20
     assert expected_tokens(10, 2, 8) == 3  # ⌈2.5⌉
-    assert expected_tokens(64, 8, 8, capacity_factor=2.0) == 64  # an expert takes a token once
+    assert expected_tokens(64, 2, 8, capacity_factor=4.0) == 64  # C = E/k: every token, the most a C may give
 
 
 def test_top_k_of_e_experts_do_the_products_of_a_dense_mlp_k_times_as_wide_plus_the_router():
@@ -218,6 +218,9 @@ def test_a_moe_gpt_trains_off_the_meta_device():
     (("--experts", 0), "--experts must be >= 1 (got 0)"),
     (("--experts", 4, "--capacity-factor", 0), "--capacity-factor must be a finite number above 0 (got 0.0)"),
     (("--experts", 4, "--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
+    (("--experts", 8, "--top-k", 2, "--capacity-factor", 4.5),
+     "--capacity-factor 4.5 pads each expert past the micro-batch's tokens (C·k/E = 4.5·2/8 > 1), which "
+     "Megatron-core cannot run: give at most E/k = 4"),
     (("--experts", 4, "--shared-experts", -1), "--shared-experts must be >= 0 (got -1)"),
 ])
 def test_a_bad_mixture_of_experts_is_one_line(args, fragment):
@@ -358,6 +361,8 @@ def test_a_hugging_face_moe_padded_to_its_capacity_never_waits_for_the_host(tmp_
     (MIXTRAL, ("--capacity-factor", "-1"), "--capacity-factor must be a finite number above 0 (got -1.0)"),
     (MIXTRAL, ("--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
     (MIXTRAL, ("--capacity-factor", "nan"), "--capacity-factor must be a finite number above 0 (got nan)"),
+    (MIXTRAL, ("--capacity-factor", 1e300), "--capacity-factor 1e+300 pads each expert past the micro-batch's "
+     "tokens (C·k/E = 1e+300·2/8 > 1), which Megatron-core cannot run: give at most E/k = 4"),
     (MIXTRAL, ("--capacity-factor", 1, "--data-parallel", 2, "--expert-parallel", 2, "--token-dispatcher", "deepep"),
      "--token-dispatcher deepep: Megatron-core's flex dispatcher does not pad experts to their capacity"),
     (MIXTRAL, ("--capacity-factor", 1, "--data-parallel", 2, "--expert-parallel", 2, "--hot-expert-share", 0.5),

@@ -130,7 +130,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         if not experts:
             raise ModelError(f"--capacity-factor applies to a mixture of experts: {spec}'s config gives no routed "
                              f"experts (none of {', '.join(EXPERT_FIELDS)})")
-        check_capacity_factor(capacity_factor)
+        check_capacity_factor(capacity_factor, experts, options["top_k"])
         options["capacity_factor"] = capacity_factor
     longest = getattr(settings, "max_position_embeddings", None)
     if seq_len is None:

@@ -336,15 +336,23 @@ def _expert_shape(ffn: int, experts: int | None, top_k: int | None, shared: int 
         raise ModelError(f"--top-k ({shape.top_k}) must be at most --experts ({experts})")
     if shape.shared < 0:
         raise ModelError(f"--shared-experts must be >= 0 (got {shape.shared})")
-    check_capacity_factor(capacity_factor)
+    check_capacity_factor(capacity_factor, experts, shape.top_k)
     return shape
 
 
-def check_capacity_factor(capacity_factor: float | None) -> None:
+def check_capacity_factor(capacity_factor: float | None, experts: int, top_k: int | None) -> None:
     """Refuse a capacity factor C that gives an expert no capacity of ⌈C·k·T/E⌉ tokens (workload/moe.py
-    `expected_tokens`): C is a finite number above 0 (None: the experts drop nothing)."""
+    `expected_tokens`): C is a finite number above 0 (None: the experts drop nothing), and at most E/k, since an
+    expert padded past the T tokens of a micro-batch cannot run in Megatron-core (moe_utils.py
+    `apply_router_token_dropping` then routes every token to every expert, T each, while the alltoall
+    dispatcher's `preprocess` sizes each expert's buffer and its grouped products at `get_capacity`'s ⌈C·k·T/E⌉,
+    uncapped: the buffers do not match the tokens). `top_k` None: a config without one, checked for C only."""
     if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ModelError(f"--capacity-factor must be a finite number above 0 (got {capacity_factor})")
+    if capacity_factor is not None and top_k and capacity_factor * top_k > experts:
+        raise ModelError(f"--capacity-factor {capacity_factor:g} pads each expert past the micro-batch's tokens "
+                         f"(C·k/E = {capacity_factor:g}·{top_k}/{experts} > 1), which Megatron-core cannot run: give "
+                         f"at most E/k = {experts / top_k:g}")
 
 
 class _Merge(nn.Module):

@@ -270,9 +270,9 @@ def _experts_own(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def expected_tokens(tokens: int, top_k: int, experts: int, capacity_factor: float | None = None) -> int:
     """The tokens each of `experts` experts computes for `tokens` tokens routed to `top_k` each, routing balanced:
-    ⌈k·T/E⌉, or its capacity ⌈c·k·T/E⌉ (at most T: an expert takes a token once) with a capacity factor c."""
-    share = top_k * tokens / experts * (capacity_factor or 1.0)
-    return min(tokens, math.ceil(share))
+    ⌈k·T/E⌉, or its capacity ⌈c·k·T/E⌉ with a capacity factor c, as Megatron-core's `get_capacity` (moe_utils.py),
+    uncapped: workload/models.py `check_capacity_factor` refuses a c above E/k, whose capacity passes T."""
+    return math.ceil(top_k * tokens / experts * (capacity_factor or 1.0))
 
 
 def capacity(tokens: int, top_k: int, experts: int, capacity_factor: float | None) -> int | None:
