@@ -241,7 +241,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
     the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
     (`replayed_allocations`), so tune's peaks and memory check are simulate's, the boundary tensors held as
-    `pp_runtime`'s runtime holds them; `report` is told how many are done."""
+    `pp_runtime`'s runtime holds them; `report` is told how many are done. Where no t suits, the estimates'
+    refusal if every t tried got the same one (it is not about t), else which t's were tried."""
     from ..planning.estimate import LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
@@ -250,7 +251,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 what.gpu.intra_node.gpus_per_node)
     tensors = [tensor] if tensor else [1 << k for k in range(per_node.bit_length())
                                        if devices % ((1 << k) * (data or 1)) == 0]
-    settings = []
+    settings, refusals = [], set()
     for b in sizes:
         counted = count_what_if(what, b)
         memo = LayerMemo(counted, what.gpu, what.curve)  # each t and recomputation's layers made for one p
@@ -267,9 +268,12 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                                                 pp_runtime)
                     settings.append(Setting(replace(scenario, allocations=replayed_allocations(
                         allocator, counted, parallel)), t, kind, (p,)))
-            except InputError:
+            except InputError as exc:
                 if tensor:  # the user's t: say why it cannot be
                     raise
+                refusals.add(str(exc))
+    if not settings and len(refusals) == 1:  # the same refusal for every t tried: not about t, so say it
+        raise InputError(refusals.pop())
     if not settings:
         replicas = ("" if what.expert == 1 else
                     f"; the replicas d = D/(t·p) must be a multiple of --expert-parallel {what.expert}"

@@ -175,3 +175,15 @@ def test_estimates_at_other_depths_take_the_layers_made_and_equal_estimates_made
     assert 0 < len(memo.layers) < len(settings) and len(priced) < priced_alone
     with pytest.raises(ValueError, match="memo"):
         estimate_profile(replace(counted), H100, settings[0], memo=memo)
+
+
+def test_a_refusal_every_t_gets_is_the_estimates_own_not_a_t_problem():
+    """DeepEP holding every multiprocessor is refused by each t's estimate alike: tune says that refusal, not that
+    no tensor-parallel degree suits the model (which would send the user after --tensor-parallel)."""
+    sms = H100.curve.multiprocessors
+    code, out, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", *itertools.chain(*(
+        (f"--{name.replace('_', '-')}", value) for name, value in GPT.items())), "--experts", 8, "--expert-parallel", 2,
+        "--token-dispatcher", "deepep", "--dispatcher-sms", sms, "--devices", 8, "--batch-size", 4)
+    assert code == 2 and out == "", err
+    assert err.strip().splitlines()[-1] == (f"error: --dispatcher-sms {sms} of the part's {sms} multiprocessors leaves "
+                                            "none to compute on; give fewer")
