@@ -135,11 +135,12 @@ def tune(
     GPU's memory (or --memory-gb).
     """
     from ..planning.scenario import profile_scenario
-    from ..planning.tune import Problem, Setting, TuneError
+    from ..planning.tune import Problem, Setting, TuneError, start_workers
     from ..planning.tune import tune as search
     from ..schedules import METHODS, ScheduleError
     from ..sim import OPTIMIZER_STATE_FACTOR, CostError, SimulationError
 
+    workers, pool = os.cpu_count() or 1, None
     try:
         schedule = [name.strip() for given in schedule or () for name in given.split(",")]  # as sweep takes them
         unknown = [name for name in schedule if name not in METHODS]
@@ -181,6 +182,7 @@ def tune(
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
+            pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             with _working("estimating the model's profile for each t, b, recomputation and p") as report:
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
                                                optimizer, allocator, pp_runtime, report)
@@ -194,9 +196,12 @@ def tune(
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget)
         with _working(f"searching the configurations of {len(settings):,} profiles, best bound first") as report:
-            tuning = search(settings, problem, report, os.cpu_count() or 1)
+            tuning = search(settings, problem, report, workers, pool)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     if as_json:
         document = tuning.to_dict()
         for row in (document["choice"], *document["runners_up"], *document["excluded"],

@@ -54,6 +54,7 @@ best bound first among those whose floor fits, and named in a note.
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import math
 import multiprocessing
@@ -292,18 +293,39 @@ def twins(a: Result, b: Result) -> bool:
         speed_key(b.samples_per_s), b.peak_memory_bytes, b.staleness)
 
 
+def start_workers(workers: int) -> ProcessPoolExecutor | None:
+    """The search's `workers` processes (None for 1: it runs here), started now: spawned (a fresh interpreter
+    imports the simulator only; forking a parent whose progress bar runs a thread is unsafe), each importing
+    this module as it starts (`_started`), so that a caller with work of its own before the search (tune --gpu's
+    estimates) has them ready on the cores that work leaves idle. The caller shuts them down."""
+    if workers <= 1:
+        return None
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_started)
+    for _ in range(workers):  # a process is spawned per task submitted while none is idle
+        pool.submit(_started)
+    return pool
+
+
+def _started() -> None:
+    """Each worker's initializer, and the tasks that spawn them: unpickling it imports this module, all that a
+    worker needs before its first task. The worker's cycle collector is held off, as tune's own is (commands/
+    tune.py `_collector_paused`): on the 70B that takes its two workers' CPU from 22.1 to 19.6 s, and a
+    collection as a worker ends (it lives one search) finds some 650 objects unreachable."""
+    gc.disable()
+
+
 def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None] | None = None,
-         workers: int = 1) -> Tuning:
+         workers: int = 1, pool: ProcessPoolExecutor | None = None) -> Tuning:
     """The best configuration, its runners-up and what the limits cost (see the module docstring), over every
     profile of `settings`. A candidate is built (partitioned, costed) only when its shape's bound comes up in
-    the search, and simulated only when its own does, in `workers` processes (1: here); `report`, if given, is
-    told how far the search is."""
+    the search, and simulated only when its own does, in `workers` processes (1: here; `pool`: those
+    `start_workers` started, else started now); `report`, if given, is told how far the search is."""
     started = time.perf_counter()
     orders = _Orders()
     shapes, count, refused = _shapes(settings, problem, orders)
     if not shapes:
         raise TuneError(_nothing_to_search(settings, problem, count, orders.refusals()))
-    with _Built(problem, orders, report, len(shapes), workers) as built:
+    with _Built(problem, orders, report, len(shapes), workers, pool) as built:
         return _search(settings, problem, shapes, built, count, refused, started)
 
 
@@ -459,17 +481,15 @@ def _accounts(shapes: list[Shape], built: _Built, problem: Problem) -> tuple[int
 class _Built:
     """The candidates one search has built (None: refused once built, as a searched order short of memory is),
     simulated and replayed (`floor`, `result`), each at most once, by shape index; with `workers` > 1,
-    simulated, replayed, and searched orders searched, in that many spawned processes (a fresh interpreter
-    imports the simulator only; forking a parent whose progress bar runs a thread is unsafe), up to `window` at
-    once. A context manager: leaving it stops the workers."""
+    simulated, replayed, and searched orders searched, in that many processes (`pool`, else `start_workers`'),
+    up to `window` at once. A context manager: leaving it stops the workers."""
 
     def __init__(self, problem: Problem, orders: _Orders, report: Callable[[str], None] | None = None,
-                 shapes: int = 0, workers: int = 1) -> None:
+                 shapes: int = 0, workers: int = 1, pool: ProcessPoolExecutor | None = None) -> None:
         self.problem = problem
         self._report, self._shapes = report, shapes
         self.window = workers
-        self._pool = (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-                      if workers > 1 else None)
+        self._pool = pool if pool is not None else start_workers(workers)
         self._simulating: dict[int, Future] = {}
         self._searching: dict[int, Future] = {}
         self._replaying: dict[int, Future] = {}
