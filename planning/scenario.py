@@ -401,10 +401,20 @@ class Scenario:
     def cut(self, sched: Schedule) -> list[int]:
         """The profile's layers cut into one copy's model stages of `sched` as `stage_cut` says (`profile_bounds`).
         fit: the balanced cut where every device holds it within its memory (`stage_memory`), else the cut whose
-        slowest stage is the fastest of those every device holds within its memory (`fitted_cut`)."""
+        slowest stage is the fastest of those every device holds within its memory (`fitted_cut`), searched once
+        a scenario and schedule (`_FITTED`): their costs, buckets, reserve and simulate's JSON all ask for it."""
         balanced = profile_bounds(self.measured, sched.graph.stages_per_copy, self.stage_cut)
         if self.stage_cut != FIT:
             return balanced
+        key = (id(self), id(sched))
+        if key not in _FITTED:
+            _FITTED[key] = self._fitted(sched, balanced)
+            for owner in (self, sched):
+                weakref.finalize(owner, _FITTED.pop, key, None)
+        return list(_FITTED[key])
+
+    def _fitted(self, sched: Schedule, balanced: list[int]) -> list[int]:
+        """`cut` under --stage-cut fit, searched."""
         check_stage_cut(self.stage_cut, self.pp_runtime)
         limits = self.memory_limits(sched)
         if None in limits:
@@ -753,6 +763,9 @@ def profile_costs(measured: Profile, optimizer: str, bounds: Sequence[int], dag:
 
 
 _PRICED: dict[int, dict[tuple, StageCosts]] = {}  # `_priced_stages`, by the profile's identity
+# `Scenario.cut`'s fitted cuts, by the scenario's and the schedule's identity (both immutable), each kept while both
+# live: a module's, not the scenario's, so that a scenario pickles for sweep's workers as it is
+_FITTED: dict[tuple[int, int], list[int]] = {}
 
 
 def _priced_stages(measured: Profile) -> dict[tuple, StageCosts]:

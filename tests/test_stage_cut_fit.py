@@ -178,3 +178,24 @@ def test_a_method_skipped_for_no_fitting_cut_is_named_once():
     code, out, err = pipesim("simulate", *GPT, "-b", 8, "-s", "dualpipe", "-s", "1f1b", "--stage-cut", "fit")
     assert code == 0, err
     assert "skipped: dualpipe: --stage-cut fit: no cut of 10 layers into 4 stages fits" in " ".join(err.split())
+
+
+def test_fit_searches_its_cut_once_per_simulated_method(monkeypatch):
+    """The costs, the reserve and simulate's JSON each take the cut (sweep's costs and reserve without it handed
+    over): the search runs once a schedule all the same."""
+    from pipesim.planning import scenario
+
+    searched = []
+
+    def counted(sched, *args):
+        searched.append(sched.method)
+        return fitted_cut(sched, *args)
+
+    fitted_cut = scenario.fitted_cut
+    monkeypatch.setattr(scenario, "fitted_cut", counted)
+    simulate_json(*GPT, "-b", 8, "-s", "1f1b", "-s", "zb-h1", "--stage-cut", "fit")
+    assert searched == ["1f1b", "zb-h1"]
+    searched.clear()
+    code, _, err = pipesim("sweep", *GPT[:-4], "-b", 8, "--stages", 4, "--microbatches", 8, "--schedule", "1f1b",
+                           "--stage-cut", "fit", "--workers", 1)
+    assert code == 0 and searched == ["1f1b"], err
