@@ -1228,7 +1228,8 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
-    least_step_ms = max(float((busy_ms + _exposed_reduce_ms(schedule, per_op_ms, short)).max()),  # shaded: sums of
+    waited_ms = np.maximum(_exposed_reduce_ms(schedule, per_op_ms, short), _send_holds_ms(schedule, costs, links))
+    least_step_ms = max(float((busy_ms + waited_ms).max()),  # shaded: sums of
                         _flush_bound_ms(schedule, per_op_ms, _hops_ms(links, costs, p))
                         ) * (1 - 1e-9)  # the same times in another order
     searched = method.needs_costs
@@ -1271,7 +1272,9 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     So along any chain of such waits from row a to row b, b starts at least the chain's rows' times and
     transfers after a starts. A row's time is at least its cost (`op_ms`, and a B's or W's accumulation into
     the gradient buffer where the engine adds it, `sim.engine._gradient_spans`): overheads, copies and shared
-    resources only add. Rows from one mini-batch before `minibatch` to `steps` after are counted (the chains
+    resources only add. Where sends hold the compute (`_sends_hold`), a device's compute row after one that sends
+    its output also waits for that row's end plus the transfer (`_with_send_holds`). Rows from one mini-batch
+    before `minibatch` to `steps` after are counted (the chains
     that leave them count for nothing: what is left out only lowers the path), each starting as soon as its
     waits allow, device 0's first of `minibatch` at 0 and nothing that does not wait on it before it. As in
     `_flush_bound_ms`, the steps repeat from the steady one on, so `steps` of them take the difference of
@@ -1333,10 +1336,39 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     waits_for[first] = anchor
     duration = op_ms[stage, kind] + accumulates[rows] * np.array([c.accumulate_ms for c in costs.stages])[stage]
     waits_for[reducing] = _ON_NETWORK
-    splits = np.searchsorted(t.device[rows], np.arange(1, schedule.num_devices))
-    programs = [list(zip(*columns)) for columns in zip(*(
-        (part.tolist() for part in np.split(column, splits)) for column in (position, waits_for, lag, duration)))]
-    return max(0.0, (_earliest_end_ms(programs, len(rows), target) - float(duration[target])) / steps)
+    device = t.device[rows]
+    columns = (position, waits_for, lag, duration)
+    if _sends_hold(schedule, costs, links):
+        device, columns, anchor = _with_send_holds(device, columns, forward_hop[stage] * (forward & (stage < n - 1))
+                                                   + backward_hop[stage - 1] * (passing & (stage > 0)), ~reducing)
+    splits = np.searchsorted(device, np.arange(1, schedule.num_devices))
+    programs = [list(zip(*parts)) for parts in zip(*(
+        (part.tolist() for part in np.split(column, splits)) for column in columns))]
+    return max(0.0, (_earliest_end_ms(programs, anchor, target) - float(duration[target])) / steps)
+
+
+def _with_send_holds(device: np.ndarray, columns: tuple[np.ndarray, ...], sent_ms: np.ndarray, computes: np.ndarray
+                     ) -> tuple[np.ndarray, tuple[np.ndarray, ...], int]:
+    """`_critical_path_ms`'s rows (per row: its device, and the columns position, wait, lag and duration) with a
+    row of no time before each device's compute row that follows a row sending its output (`sent_ms`: its
+    transfer's time, 0 where it sends none), waiting for that row plus the transfer: where sends hold the compute
+    (`_sends_hold`), the compute after a send makes no progress until the data has moved (`_send_holds_ms`), so it
+    ends no earlier than the sender's end plus the transfer plus its own time. Returns the rows' devices and
+    columns with those rows among them, and the row that ends at 0 (the one past the rows, which the path's first
+    waits for), renumbered past the added ones."""
+    count = len(device)
+    computing = np.flatnonzero(computes)
+    producers = np.flatnonzero(sent_ms > 0)
+    after = np.searchsorted(computing, producers, "right")
+    producers, following = producers[after < len(computing)], computing[after[after < len(computing)]]
+    mine = device[following] == device[producers]
+    producers, following = producers[mine], following[mine]
+    added = len(producers)
+    order = np.argsort(np.r_[np.arange(count) * 2 + 1, following * 2], kind="stable")  # each just before its row
+    extra = (count + np.arange(added), producers, sent_ms[producers], np.zeros(added))
+    columns = tuple(np.r_[column, more][order] for column, more in zip(columns, extra))
+    columns[1][columns[1] == count] = count + added
+    return np.r_[device, device[following]][order], columns, count + added
 
 
 _ON_NETWORK = -2  # `_earliest_end_ms`: a network row's wait (none: it runs on its device's network stream)
@@ -1502,6 +1534,51 @@ def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) ->
         waited_ms = through_ms - done_ms[update_of[t.stage[mine]]] + since_ms
         exposed[device] = max(0.0, float(waited_ms.max()))
     return exposed
+
+
+def _sends_hold(schedule: Schedule, costs: Costs, links: Cluster) -> bool:
+    """Whether the bounds count the sends' holds (`_send_holds_ms`): transfers hold the compute beside them, on a
+    one-pipeline chain without overlapped pairs whose devices queue on nothing (the engine holds those alone)."""
+    p = schedule.num_devices
+    return (costs.transfers_hold_products and schedule.pipelines == 1
+            and schedule.graph == StageGraph.chain(schedule.num_stages) and not bool(np.any(schedule.table.peer >= 0))
+            and all(len(peers) == 1 for peers in links.compute_peers(p))
+            and all(len(peers) == 1 for peers in links.host_peers(p)))
+
+
+def _send_holds_ms(schedule: Schedule, costs: Costs, links: Cluster) -> np.ndarray:
+    """Per device, time each step its compute is held by its own sends' NCCL kernels where they hold it
+    (`_sends_hold`: `Costs.transfers_hold_products`, on a chain; else 0).
+
+    Why it is a lower bound beside the compute: lowering puts a row's SEND right after it (`add_communication`);
+    on a chain each F and each B or I sends at most one output, so the sends between two compute rows of a device
+    are the one of the row before. The engine runs that send's kernel from its issue c (no earlier than the row's
+    end) until its data arrives, at least c plus the link's transfer time T, and the device's next compute row,
+    whenever it starts (after RECVs or an awaited REDUCE), makes no progress before c + T: it ends no earlier than
+    c + T plus its own time. So from a device's first compute row of a step to the next step's, its rows' times
+    and each sent output's T add up, as the steps repeat. Against `_exposed_reduce_ms` (time the REDUCEs hold
+    the compute off) this is another bound on the same wait, so a step takes the larger of the two: the sum
+    could count a send held while the network works."""
+    p, n = schedule.num_devices, schedule.num_stages
+    t = schedule.table
+    if not _sends_hold(schedule, costs, links):
+        return np.zeros(p)
+    placement = schedule.placement
+    sizes = [c.output_bytes for c in costs.stages]
+
+    def send_ms(src: int, dst: int, producer: int) -> float:
+        a, b = placement[src], placement[dst]
+        return 0.0 if a == b else links.link(a, b).transfer_ms(sizes[producer])
+
+    forward = np.array([send_ms(k, k + 1, k) for k in range(n - 1)] + [0.0])  # [k]: stage k's F to k + 1
+    backward = np.array([0.0] + [send_ms(k, k - 1, k - 1) for k in range(1, n)])  # [k]: stage k's B or I to k - 1
+    sending = np.zeros(n * NUM_COMPUTE_KINDS)
+    sending[np.arange(n) * NUM_COMPUTE_KINDS + KIND_CODE[Kind.F]] = forward
+    sending[np.arange(n) * NUM_COMPUTE_KINDS + KIND_CODE[Kind.B]] = backward
+    sending[np.arange(n) * NUM_COMPUTE_KINDS + KIND_CODE[Kind.I]] = backward
+    computing = t.kind < NUM_COMPUTE_KINDS
+    held = np.bincount(t.device[computing], sending[(t.stage * NUM_COMPUTE_KINDS + t.kind)[computing]], minlength=p)
+    return held / schedule.minibatches
 
 
 def _is_flushing_chain(schedule: Schedule) -> bool:

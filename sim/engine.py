@@ -1165,8 +1165,7 @@ def _held_back(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray
     later, longer = np.zeros(len(since) + 1, dtype=np.int64), np.zeros(len(since), dtype=np.int64)
     clock, at, held = np.array(model.held, dtype=np.int64).T
     lo, hi = np.searchsorted(clock_before, clock, "left"), np.searchsorted(clock_before, clock, "right")
-    first_after = np.array([a + np.searchsorted(since[a:b], p, "right")
-                            for a, b, p in zip(lo.tolist(), hi.tolist(), at.tolist())], dtype=np.int64)
+    first_after = _search_right(since, lo, hi, at)
     np.add.at(later, first_after, held)
     np.add.at(later, hi, -held)
     running = first_after - 1  # the row the hold began in, if it computes there
@@ -1174,6 +1173,20 @@ def _held_back(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray
     inside &= since[running] + duration[running] > at
     np.add.at(longer, running[inside], held[inside])
     return np.cumsum(later[:-1]), longer
+
+
+def _search_right(values: np.ndarray, lo: np.ndarray, hi: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Per target, `np.searchsorted(values[lo:hi], target, "right") + lo`, each slice ascending: one bisection of
+    all of them at once (a step per halving of the longest slice), not a numpy call per target."""
+    lo, hi = lo.astype(np.int64), hi.astype(np.int64)
+    while True:
+        open_ = np.flatnonzero(lo < hi)
+        if not len(open_):
+            return lo
+        mid = (lo[open_] + hi[open_]) // 2
+        right = values[mid] <= targets[open_]
+        lo[open_[right]] = mid[right] + 1
+        hi[open_[~right]] = mid[~right]
 
 
 def _issue_times(program: _Program, model: _Model, clocks: np.ndarray) -> np.ndarray:

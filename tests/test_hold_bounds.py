@@ -1,0 +1,69 @@
+"""Transfers that hold the compute beside them (`Costs.transfers_hold_products`): tune's bound counts the time a
+device's own sends hold its compute (`planning.tune._send_holds_ms`), which must stay at or above the simulation
+and leave the pruned search's answer the exhaustive one's; the engine lays the holds on the rows
+(`sim.engine._held_back`) with one bisection for all of them."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim.planning import tune as tuning
+from pipesim.planning.scenario import Scenario
+from pipesim.profiles.schema import load_profile
+from pipesim.sim.engine import _search_right
+from tests.test_tune import GPT, differences, exhaustive, problem, scenario
+
+
+@pytest.fixture
+def holding(monkeypatch):
+    """Every scenario's costs with the hold on, as an H100's estimate sets it."""
+    costs = Scenario.costs
+    monkeypatch.setattr(Scenario, "costs", lambda self, *a, **kw: replace(costs(self, *a, **kw),
+                                                                           transfers_hold_products=True))
+
+
+def test_the_send_holds_bound_stays_above_the_simulation_and_lowers_some(holding):
+    """Every candidate's bound, and its critical path's, at or above its simulated samples/s with the holds on;
+    the holds' term the larger of the two waits on some device, and some critical paths longer for the holds."""
+    profile = load_profile(GPT)
+    source, prob = scenario(profile), problem(profile, 4, 1.0, schedules=("gpipe", "1f1b", "zb-h1", "zb-h2"))
+    candidates, _, _ = tuning.prepare(source, prob)
+    lowered = tighter = 0
+    for candidate in candidates:
+        result, label = tuning.evaluate(prob, candidate), candidate.config.label()
+        assert candidate.costs.transfers_hold_products
+        critical = tuning._with_critical_path(prob, candidate)
+        assert result.samples_per_s <= critical.max_samples_per_s <= candidate.max_samples_per_s, label
+        unheld = replace(candidate, costs=replace(candidate.costs, transfers_hold_products=False))
+        tighter += critical.max_samples_per_s < tuning._with_critical_path(prob, unheld).max_samples_per_s
+        schedule, costs = candidate.schedule, candidate.costs
+        holds = tuning._send_holds_ms(schedule, costs, candidate.links)
+        without = tuning._send_holds_ms(schedule, replace(costs, transfers_hold_products=False), candidate.links)
+        assert not without.any()
+        exposed = tuning._exposed_reduce_ms(schedule, costs.op_ms_table(1), candidate.short_minibatches)
+        lowered += bool((holds > exposed).any())
+    assert lowered > 0 and tighter > 0
+
+
+def test_the_search_with_holds_gives_the_exhaustive_answer(holding):
+    profile = load_profile(GPT)
+    source, prob = scenario(profile), problem(profile, 4, 1.0, schedules=("gpipe", "1f1b", "zb-h1", "zb-h2"))
+    found = tuning.tune(source, prob)
+    assert differences(found, *exhaustive(source, prob)[:3]) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 50), max_size=8), min_size=1, max_size=6),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(-5, 55)), max_size=20))
+def test_one_bisection_finds_what_searchsorted_finds_in_each_slice(slices, targets):
+    values = np.concatenate([np.sort(np.array(s, dtype=np.int64)) for s in slices])
+    bounds = np.cumsum([0] + [len(s) for s in slices])
+    chosen = [(i % len(slices), at) for i, at in targets]
+    lo = np.array([bounds[i] for i, _ in chosen], dtype=np.int64)
+    hi = np.array([bounds[i + 1] for i, _ in chosen], dtype=np.int64)
+    at = np.array([a for _, a in chosen], dtype=np.int64)
+    expected = [a + np.searchsorted(values[a:b], p, "right") for a, b, p in zip(lo, hi, at)]
+    assert _search_right(values, lo, hi, at).tolist() == expected
