@@ -174,8 +174,8 @@ class Scenario:
         if sched.gradient_ranks == 1:
             return costs
         link = self.data_parallel_link(sched)
-        return self._distributed_optimizer_collectives(
-            collective_costs(costs, sched, link, self._expert_replicas(sched)), sched, link, bounds)
+        return self._collectives_beside_products(self._distributed_optimizer_collectives(
+            collective_costs(costs, sched, link, self._expert_replicas(sched)), sched, link, bounds), sched)
 
     def _distributed_optimizer_collectives(self, costs: Costs, sched: Schedule, link: CollectiveLink,
                                            bounds: Sequence[int] | None) -> Costs:
@@ -183,16 +183,9 @@ class Scenario:
         backward) reduce-scatters and all-gathers its first model stage in buckets (planning/buckets.py): its
         REDUCE is what of the buckets' reduce-scatters runs past its last backward, its GATHER what its first
         forward waits for its buckets' all-gathers (on a part with persistent products, Hopper, every bucket's
-        whole time: what runs beside a product delays it); every other stage is one bucket, as its rows are. On a
-        part with persistent products the one bucket of a stage that is not its device's first (an interleaved
-        chunk after the first, a V-shape's second stage) runs beside its device's other stages' products: its
-        reduce-scatter after its last backward beside the backwards of the stages before it, its all-gather at
-        the step's start beside the forwards of the stages before it (Megatron-core's `overlap_grad_reduce` and
-        `overlap_param_gather`), and NCCL's kernels hold multiprocessors the products' persistent CTAs wait for,
-        so each delays them by its whole time (`StageCosts.collective_delay_ms`). A device's first stage's
-        collectives run when nothing else does (after its last backward, before its first forward): the simulator
-        exposes them as they are. A stage holding routed experts (their own bucket groups) or a schedule of
-        several model copies: as it is."""
+        whole time: what runs beside a product delays it); every other stage is one bucket, as its rows are (what
+        those delay beside the products: `_collectives_beside_products`). A first stage holding routed experts
+        (their own bucket groups) or a schedule of several model copies: as it is."""
         from .buckets import bucket_params, buckets, exposed_gather_ms, exposed_reduce_ms
 
         measured = self.measured
@@ -215,17 +208,50 @@ class Scenario:
             return [stage_ms * ms / total if total else stage_ms / len(times) for ms in times]
 
         persistent = bool(measured.estimate.curve.get("persistent_products"))
-        first = replace(
+        return replace(costs, stages=(replace(
             first, reduce_ms=exposed_reduce_ms(shares([layer.bwd.median_ms for layer in layers], first.bwd_ms),
                                                bucketed, bucket_ms, persistent),
             gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms),
-                                        bucketed, bucket_ms, persistent))
-        rest = costs.stages[1:]
-        if persistent:
-            devices_first = {min(sched.stages_on(device)) for device in range(sched.num_devices)}
-            rest = tuple(c if stage in devices_first else replace(c, collective_delay_ms=c.reduce_ms + c.gather_ms)
-                         for stage, c in enumerate(rest, 1))
-        return replace(costs, stages=(first, *rest))
+                                        bucketed, bucket_ms, persistent)), *costs.stages[1:]))
+
+    def _collectives_beside_products(self, costs: Costs, sched: Schedule) -> Costs:
+        """On a part with persistent products (an estimate's `persistent_products`, Hopper) a stage's once-a-step
+        REDUCE and GATHER that run while its device computes its other stages delay their products by their whole
+        time: NCCL's kernels hold multiprocessors the products' persistent CTAs wait for (the rule the bulk
+        overlaps and stage 0's buckets follow; docs/hardware.md, "Every chunk's collectives beside the products").
+        Paid in the stage's OPT row (`StageCosts.collective_delay_ms`). Where they run is the schedule's: the
+        REDUCE, issued after the stage's last backward (Megatron-core's `overlap_grad_reduce`; DDP's all-reduce
+        and ZeRO's reduce-scatter alike), runs beside products where the device computes after it (an interleaved
+        chunk after its device's first, beside the backwards of the chunks before it; none after the flush under
+        `reduce_after_flush`); the GATHER, issued at the step's start (`overlap_param_gather`, which Megatron-LM
+        allows only with `overlap_grad_reduce`, arguments.py), where the device runs another stage's forward
+        before the stage's first. Within a mini-batch: the next one waits for its updates. What a stage holds
+        (routed experts or not) and stage 0's own bucket conditions do not enter. ZeRO-3's gathers before every
+        pass (FSDP's, not once a step): as they are; so is a schedule not yet ordered (a search's, priced before
+        its rows exist)."""
+        estimate = self.measured.estimate if self.measured is not None else None
+        if (estimate is None or not estimate.curve.get("persistent_products") or sched.zero >= 3
+                or not len(sched.table.kind)):
+            return costs
+        t, stages, devices = sched.table, len(costs.stages), sched.num_devices
+        row, steps = np.arange(len(t.kind)), int(t.minibatch.max()) + 1
+        on_device = t.device.astype(np.int64) * steps + t.minibatch  # a device's rows of one mini-batch
+        of_stage = t.stage.astype(np.int64) * steps + t.minibatch  # a stage's
+        compute = kind_mask(t.kind, Kind.F, Kind.B, Kind.I, Kind.W)
+        forward = t.kind == KIND_CODE[Kind.F]
+        last_compute = _grouped(np.maximum, on_device[compute], row[compute], devices * steps, -1)
+        reduces = np.flatnonzero(t.kind == KIND_CODE[Kind.REDUCE])
+        reduce_beside = np.isin(np.arange(stages), t.stage[reduces[reduces < last_compute[on_device[reduces]]]])
+        device_first = _grouped(np.minimum, on_device[forward], row[forward], devices * steps, len(row))
+        stage_first = _grouped(np.minimum, of_stage[forward], row[forward], stages * steps, len(row))
+        stage_step = np.arange(stages * steps)
+        its_device = np.asarray(sched.placement)[stage_step // steps] * steps + stage_step % steps
+        gather_beside = ((stage_first > device_first[its_device]) & (stage_first < len(row))).reshape(
+            stages, steps).any(axis=1) & (not sched.reduce_after_flush)
+        delay_ms = (np.array([c.reduce_ms for c in costs.stages]) * reduce_beside
+                    + np.array([c.gather_ms for c in costs.stages]) * gather_beside)
+        return replace(costs, stages=tuple(replace(c, collective_delay_ms=float(ms))
+                                           for c, ms in zip(costs.stages, delay_ms, strict=True)))
 
     def amax_reduction_ms(self, sched: Schedule) -> float:
         """TransformerEngine's delayed scaling (an estimate's te recipe) all-reduces the amaxes of a chunk's float8
@@ -529,6 +555,13 @@ def fitted_link(ranks: int, points: Sequence[tuple[int, float]]) -> CollectiveLi
     steps = 2 * (ranks - 1)
     return CollectiveLink(max(intercept, 0.0) / steps, steps / ranks / max(slope, 1e-300),
                           f"the profile's all-reduce over {ranks} ranks, fitted")
+
+
+def _grouped(ufunc: np.ufunc, groups: np.ndarray, values: np.ndarray, size: int, empty: int) -> np.ndarray:
+    """`ufunc` (np.minimum, np.maximum) over the `values` of each of `size` groups; `empty` where a group has none."""
+    out = np.full(size, empty)
+    ufunc.at(out, groups, values)
+    return out
 
 
 def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert_replicas: int | None = None) -> Costs:

@@ -128,7 +128,7 @@ class StageCosts:
     (`Costs.sharing_dispatcher_ms`);
     `collective_delay_ms`: how long the stage's REDUCE and GATHER hold back the products of its device's other
     stages they run beside (their whole time where products run persistent CTAs: planning/scenario.py's
-    `_distributed_optimizer_collectives`), paid in its OPT row, which runs that much longer;
+    `_collectives_beside_products`), paid in its OPT row, which runs that much longer;
     `expert_param_bytes`, of `param_bytes`, the routed experts' weights, whose gradients under E-way expert
     parallelism only the d/E replicas that hold the same experts reduce.
     `ring_fwd_ms` and `ring_bwd_ms`: the link time of the key/value exchanges of the stage's attention around its

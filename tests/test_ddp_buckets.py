@@ -95,10 +95,11 @@ def test_beside_persistent_products_every_buckets_collective_costs_its_whole_tim
 
 
 
-def _interleaved(gpu: str):
-    """A gpt of an embedding, six blocks and a head estimated on `gpu` and cut into four model stages, run as
-    interleaved 1F1B (p = 2, v = 2, m = 4) under ZeRO-1 over 8 replicas: its schedule, its costs, and the step of
-    costs on its links in ms."""
+def _interleaved(gpu: str, method: str = "interleaved-1f1b", chunks: int = 2, zero: int = 1,
+                 reduce_after_flush: bool = False, **model: int):
+    """A gpt of an embedding, six blocks (`model`: more of the gpt's options, experts) and a head estimated on
+    `gpu` and cut into 2·`chunks` model stages, run as `method` (p = 2, m = 4, two mini-batches as `simulate` runs
+    them) under `zero` over 8 replicas: its schedule, its costs, and the step of costs on its links in ms."""
     torch = pytest.importorskip("torch")
     from pipesim.hardware.catalogue import load_catalogue
     from pipesim.planning.estimate import Parallelism, estimate_profile
@@ -108,11 +109,12 @@ def _interleaved(gpu: str):
     from pipesim.traces.metrics import summarize
     from pipesim.workload.count import count_built
 
-    count = count_built("gpt", dict(layers=6, width=2048, ffn=8192, heads=16, seq_len=2048, vocab=32768), 1,
-                        torch.bfloat16)
-    profile = estimate_profile(count, load_catalogue().find(gpu), Parallelism(data=8, sharded_optimizer=True))
+    count = count_built("gpt", dict(layers=6, width=2048, ffn=8192, heads=16, seq_len=2048, vocab=32768, **model),
+                        1, torch.bfloat16)
+    profile = estimate_profile(count, load_catalogue().find(gpu), Parallelism(data=8, sharded_optimizer=zero > 0))
     scenario = profile_scenario(profile, "adam")
-    sched = scenario.build("interleaved-1f1b", ScheduleParams(2, 4, chunks=2, data_parallel=8, zero=1))
+    sched = scenario.build(method, ScheduleParams(2, 4, minibatches=2, chunks=chunks, data_parallel=8, zero=zero,
+                                                  reduce_after_flush=reduce_after_flush))
     return sched, scenario.costs(sched), lambda costs: summarize(
         simulate(sched, costs, scenario.links(sched))).makespan_ms
 
@@ -136,3 +138,40 @@ def test_beside_persistent_products_a_stage_after_its_devices_first_pays_its_col
     assert step_ms(costs) > step_ms(undelayed)
     _, a100, _ = _interleaved("a100-sxm-80gb")
     assert [c.collective_delay_ms for c in a100.stages] == [0.0] * 4
+
+
+def test_beside_persistent_products_the_delay_does_not_wait_on_the_first_stages_bucket_conditions():
+    """The later chunks' collectives run beside their devices' products whatever stage 0 holds: a first stage of
+    routed experts (left as it is, no buckets) or plain DDP (an all-reduce, nothing gathered) still charges them;
+    under --reduce-after-flush every REDUCE runs after the device's last backward and the all-gathers are not
+    overlapped (Megatron-LM allows `overlap_param_gather` only with `overlap_grad_reduce`): nothing. Nor with one
+    stage a device: the first mini-batch's collectives are followed by the second's compute, which waits for them."""
+    _, moe, _ = _interleaved("h100-sxm", gated=True, experts=8, top_k=2, expert_ffn=1024)
+    assert moe.stages[0].expert_param_bytes > 0
+    assert [c.collective_delay_ms for c in moe.stages[:2]] == [0.0, 0.0]
+    assert [c.collective_delay_ms for c in moe.stages[2:]] == [pytest.approx(c.reduce_ms + c.gather_ms)
+                                                                for c in moe.stages[2:]]
+    assert min(c.collective_delay_ms for c in moe.stages[2:]) > 0
+    _, ddp, _ = _interleaved("h100-sxm", zero=0)
+    assert [c.gather_ms for c in ddp.stages] == [0.0] * 4
+    assert [c.collective_delay_ms for c in ddp.stages] == [0.0, 0.0, *(pytest.approx(c.reduce_ms) for c in
+                                                                        ddp.stages[2:])]
+    assert min(c.reduce_ms for c in ddp.stages[2:]) > 0
+    _, flushed, _ = _interleaved("h100-sxm", reduce_after_flush=True)
+    assert [c.collective_delay_ms for c in flushed.stages] == [0.0] * 4
+    sched, plain, _ = _interleaved("h100-sxm", method="1f1b", chunks=1)
+    assert sched.minibatches == 2
+    assert [c.collective_delay_ms for c in plain.stages] == [0.0] * 2
+
+
+def test_beside_persistent_products_the_schedules_order_says_which_collectives_run_beside_them():
+    """DualPipe (two model copies, device 0 holding stages 0 and 3, device 1 stages 1 and 2) feeds copy 1 from
+    device 1: stage 2's forward is that device's first, so stage 1's all-gather runs beside it, and stage 1's
+    reduce-scatter is issued while stage 2's backwards still run; device 0's stage 3 likewise. The stage whose
+    collectives the device issues last and whose forward it runs first pays nothing."""
+    sched, costs, _ = _interleaved("h100-sxm", method="dualpipe")
+    assert sched.placement == (0, 1, 1, 0)
+    assert [c.collective_delay_ms for c in costs.stages] == [
+        0.0, pytest.approx(costs.stages[1].reduce_ms + costs.stages[1].gather_ms),
+        0.0, pytest.approx(costs.stages[3].reduce_ms + costs.stages[3].gather_ms)]
+    assert min(costs.stages[1].reduce_ms, costs.stages[3].gather_ms) > 0
