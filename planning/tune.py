@@ -526,9 +526,9 @@ class _Built:
             _, short, order, bounds = plan
             if searched:
                 costs = scenario.costs(order.schedule, bounds)
-                step_ms = _searched_bound_ms(costs, config.microbatches,
-                                             _hops_ms(self._frame_links(shape.setting, config)[0], costs,
-                                                      config.stages))
+                links = self._frame_links(shape.setting, config)[0]
+                step_ms = _searched_bound_ms(costs, config.microbatches, _hops_ms(links, costs, config.stages),
+                                             _send_holds_ms(order.schedule, costs, links))
             elif order.schedule.graph == StageGraph.chain(order.schedule.num_stages):
                 self._plans[shape.index] = plan
                 stage_ms = split.stage_ms(bounds, config.pipelines) * scenario.cost_scale
@@ -1440,17 +1440,19 @@ def _planned_bound_ms(order: _Order, short: int, stage_ms: np.ndarray, reduces_m
                _flush_bound_ms(schedule, table, hops_ms))
 
 
-def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray) -> float:
+def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray, sends_ms: np.ndarray) -> float:
     """A lower bound of the step of any flushing order on a chain of these stages, one per device (a searched
     order's, before it is searched), with m micro-batches: `_flush_bound_ms`'s chains with only what every such
     order runs (each stage's m forwards and m input-gradient passes, B or I, before its last), and each device's
     compute plus its REDUCE, which waits for the stage's last backward and holds up its update, with no
-    backward after it (every I's W follows it)."""
+    backward after it (every I's W follows it), or plus the time its sends hold its compute where they do
+    (`sends_ms`: `_send_holds_ms` of any such order, each sending the same m outputs each way), another bound
+    of that wait (as in `_candidate`)."""
     op_ms = costs.op_ms_table(1)
     f, b, i, w, opt, reduce = (op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
                                                                        Kind.REDUCE))
     passes_ms = f + np.minimum(b, i)
-    busy_ms = microbatches * (f + np.minimum(b, i + w)) + opt + reduce
+    busy_ms = microbatches * (f + np.minimum(b, i + w)) + opt + np.maximum(reduce, sends_ms)
     before_ms = np.concatenate([[0.0], np.cumsum(passes_ms[:-1] + hops_ms)])  # [d]: stages 0..d-1 and their links
     chains_ms = before_ms + microbatches * passes_ms + reduce[0] + opt[0]
     return float(max(busy_ms.max(), chains_ms.max()))

@@ -13,7 +13,11 @@ from hypothesis import strategies as st
 from pipesim.planning import tune as tuning
 from pipesim.planning.scenario import Scenario
 from pipesim.profiles.schema import load_profile
+from pipesim.schedules import ScheduleParams, build_schedule
+from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.engine import _search_right
+from pipesim.traces import summarize
+from tests import test_tune
 from tests.test_tune import GPT, differences, exhaustive, problem, scenario
 
 
@@ -67,3 +71,24 @@ def test_one_bisection_finds_what_searchsorted_finds_in_each_slice(slices, targe
     at = np.array([a for _, a in chosen], dtype=np.int64)
     expected = [a + np.searchsorted(values[a:b], p, "right") for a, b, p in zip(lo, hi, at)]
     assert _search_right(values, lo, hi, at).tolist() == expected
+
+
+def test_every_bound_stays_above_the_simulation_with_the_holds(holding):
+    """Shape, partitioned (a searched order's too: `_searched_bound_ms` with its sends' holds), candidate and
+    critical-path bounds all at or above the simulation of random costs with the holds on."""
+    test_tune.test_bounds_hold_over_random_costs(GPT, 4, 0.2, 2)
+
+
+def test_each_device_is_held_for_the_outputs_it_sends():
+    """1F1B on 4 devices, 8 micro-batches, forwards 1 ms, backwards 2 ms, every transfer 0.5 ms: the ends send
+    8 outputs a step, the middle 16, so a searched order's bound rises from 25 ms (stage 3's chain of passes) to
+    32 (a middle device's 24 ms of compute and 8 of sends), still below the simulated step."""
+    costs = replace(Costs.per_stage(4, fwd_ms=1, bwd_ms=2), transfers_hold_products=True)
+    schedule, links = build_schedule("1f1b", ScheduleParams(4, 8)), Cluster.uniform(4, 0.5)
+    sends_ms = tuning._send_holds_ms(schedule, costs, links)
+    assert sends_ms.tolist() == [4.0, 8.0, 8.0, 4.0]
+    hops_ms = tuning._hops_ms(links, costs, 4)
+    assert tuning._searched_bound_ms(costs, 8, hops_ms, np.zeros(4)) == 25.0
+    assert tuning._searched_bound_ms(costs, 8, hops_ms, sends_ms) == 32.0 < summarize(
+        simulate(schedule, costs, links)).makespan_ms
+    assert not tuning._send_holds_ms(schedule, replace(costs, transfers_hold_products=False), links).any()
