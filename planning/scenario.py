@@ -143,6 +143,13 @@ class Scenario:
             return method.on_graph(replace(params, stages=self.dag[0].num_stages), *self.dag)
         return method.on_graph(params, profile_graph(self.measured, params.stages, bounds, self.stage_cut))
 
+    @property
+    def transfers_hold_products(self) -> bool:
+        """Whether NCCL's pipeline transfers hold the compute beside them (`Costs.transfers_hold_products`): beside
+        an estimate's persistent products (Hopper's)."""
+        estimate = self.measured.estimate if self.measured is not None else None
+        return estimate is not None and bool(estimate.curve.get("persistent_products"))
+
     def costs(self, sched: Schedule, bounds: Sequence[int] | None = None) -> Costs:
         """Per-model-stage costs from the flags' values (--output-mb, per transfer, is always one number or one
         per model stage; --opt, --pred and --avg are always one number), read as `per` says:
@@ -167,8 +174,8 @@ class Scenario:
             costs = replace(costs, collective_links=dict.fromkeys(("RING_F", "RING_B"), ring.kind))
         if self.overlap_hidden_fraction:
             costs = replace(costs, overlap_hidden_fraction=self.overlap_hidden_fraction)
-        if estimate is not None and estimate.curve.get("persistent_products"):  # NCCL's transfers beside Hopper's
-            costs = replace(costs, transfers_hold_products=True)  # products (`Costs.transfers_hold_products`)
+        if self.transfers_hold_products:
+            costs = replace(costs, transfers_hold_products=True)
         costs = held_as_runtime(costs, sched, self.pp_runtime)
         costs = self._amax_reductions(costs, sched)
         if sched.gradient_ranks == 1:

@@ -528,13 +528,16 @@ class _Built:
                 costs = scenario.costs(order.schedule, bounds)
                 links = self._frame_links(shape.setting, config)[0]
                 step_ms = _searched_bound_ms(costs, config.microbatches, _hops_ms(links, costs, config.stages),
-                                             _send_holds_ms(order.schedule, costs, links))
+                                             _send_holds_ms(order.schedule, order.per_step,
+                                                            costs.transfers_hold_products, links,
+                                                            [c.output_bytes for c in costs.stages]))
             elif order.schedule.graph == StageGraph.chain(order.schedule.num_stages):
                 self._plans[shape.index] = plan
                 stage_ms = split.stage_ms(bounds, config.pipelines) * scenario.cost_scale
                 step_ms = _planned_bound_ms(order, short, stage_ms,
                                             self._layer_reduces_ms(shape.setting, config, bounds),
-                                            self._layer_hops_ms(shape.setting, config, bounds))
+                                            self._layer_hops_ms(shape.setting, config, bounds),
+                                            self._layer_sends_ms(shape.setting, config, order, bounds))
             else:  # cut into the model's own DAG, which only its build knows
                 return self.candidate(shape)
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3  # shaded as `_candidate`'s
@@ -576,6 +579,16 @@ class _Built:
         sent = [profile.layers[bounds[k + 1] - 1].output_bytes for k in range(p - 1)]
         return np.array([links.link(k, k + 1).transfer_ms(sent[k]) + links.link(k + 1, k).transfer_ms(sent[k])
                          for k in range(p - 1)])
+
+    def _layer_sends_ms(self, setting: Setting, config: Config, order: _Order, bounds: list[int]) -> np.ndarray:
+        """`_send_holds_ms` for these stages, each sending its last layer's output (a chain of layers; 0 where the
+        layers branch, as `_layer_hops_ms`)."""
+        scenario = setting.scenario
+        if not _chain_of_layers(scenario.measured):
+            return np.zeros(config.stages)
+        return _send_holds_ms(order.schedule, order.per_step, scenario.transfers_hold_products,
+                              self._frame_links(setting, config)[0],
+                              [scenario.measured.layers[end - 1].output_bytes for end in bounds[1:]])
 
     def _cut_bounded(self, shape: Shape) -> Shape | None:
         """A fixed flushing chain's shape bounded over the best cut of its layers (cheap next to building it: no
@@ -1228,7 +1241,9 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
-    waited_ms = np.maximum(_exposed_reduce_ms(schedule, per_op_ms, short), _send_holds_ms(schedule, costs, links))
+    waited_ms = np.maximum(_exposed_reduce_ms(schedule, per_op_ms, short),
+                           _send_holds_ms(schedule, per_step, costs.transfers_hold_products, links,
+                                          [c.output_bytes for c in costs.stages]))
     least_step_ms = max(float((busy_ms + waited_ms).max()),  # shaded: sums of
                         _flush_bound_ms(schedule, per_op_ms, _hops_ms(links, costs, p))
                         ) * (1 - 1e-9)  # the same times in another order
@@ -1338,7 +1353,7 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     waits_for[reducing] = _ON_NETWORK
     device = t.device[rows]
     columns = (position, waits_for, lag, duration)
-    if _sends_hold(schedule, costs, links):
+    if _sends_hold(schedule, costs.transfers_hold_products, links):
         device, columns, anchor = _with_send_holds(device, columns, forward_hop[stage] * (forward & (stage < n - 1))
                                                    + backward_hop[stage - 1] * (passing & (stage > 0)), ~reducing)
     splits = np.searchsorted(device, np.arange(1, schedule.num_devices))
@@ -1425,18 +1440,19 @@ def _hops_ms(links: Cluster, costs: Costs, devices: int) -> np.ndarray:
 
 
 def _planned_bound_ms(order: _Order, short: int, stage_ms: np.ndarray, reduces_ms: np.ndarray,
-                      hops_ms: np.ndarray) -> float:
+                      hops_ms: np.ndarray, sends_ms: np.ndarray) -> float:
     """A lower bound of a partitioned fixed order's step before it is costed: `_candidate`'s bound (each device's
     compute plus the REDUCEs it waits out, `_exposed_reduce_ms`; a flushing chain's fill and drain,
     `_flush_bound_ms`) on costs no more than its own: `stage_ms`, its layers' costs summed, `reduces_ms`, the
-    least REDUCE of its stages, and `hops_ms`, its transfers. Both bounds only grow with the costs (a device's
+    least REDUCE of its stages, `hops_ms`, its transfers, and `sends_ms`, the time its sends hold each device's
+    compute (`_send_holds_ms`, the other bound of that wait). Both bounds only grow with the costs (a device's
     compute plus what it waits out is its compute outside the span waited plus the span's REDUCEs)."""
     schedule = order.schedule
     table = stage_ms.copy()
     table[:, KIND_CODE[Kind.REDUCE]] = reduces_ms
     stage_busy_ms = ((order.per_step * table) * COMPUTE).sum(axis=1)
     busy_ms = np.array([stage_busy_ms[schedule.stages_on(d)].sum() for d in range(schedule.num_devices)])
-    return max(float((busy_ms + _exposed_reduce_ms(schedule, table, short)).max()),
+    return max(float((busy_ms + np.maximum(_exposed_reduce_ms(schedule, table, short), sends_ms)).max()),
                _flush_bound_ms(schedule, table, hops_ms))
 
 
@@ -1538,19 +1554,21 @@ def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) ->
     return exposed
 
 
-def _sends_hold(schedule: Schedule, costs: Costs, links: Cluster) -> bool:
+def _sends_hold(schedule: Schedule, holds: bool, links: Cluster) -> bool:
     """Whether the bounds count the sends' holds (`_send_holds_ms`): transfers hold the compute beside them, on a
     one-pipeline chain without overlapped pairs whose devices queue on nothing (the engine holds those alone)."""
     p = schedule.num_devices
-    return (costs.transfers_hold_products and schedule.pipelines == 1
+    return (holds and schedule.pipelines == 1
             and schedule.graph == StageGraph.chain(schedule.num_stages) and not bool(np.any(schedule.table.peer >= 0))
             and all(len(peers) == 1 for peers in links.compute_peers(p))
             and all(len(peers) == 1 for peers in links.host_peers(p)))
 
 
-def _send_holds_ms(schedule: Schedule, costs: Costs, links: Cluster) -> np.ndarray:
+def _send_holds_ms(schedule: Schedule, per_step: np.ndarray, holds: bool, links: Cluster,
+                   output_bytes: list[int]) -> np.ndarray:
     """Per device, time each step its compute is held by its own sends' NCCL kernels where they hold it
-    (`_sends_hold`: `Costs.transfers_hold_products`, on a chain; else 0).
+    (`_sends_hold`: `holds`, `Costs.transfers_hold_products`, on a chain; else 0), from its stages' rows per step
+    (`_ops_per_step`) and each stage's output's size.
 
     Why it is a lower bound beside the compute: lowering puts a row's SEND right after it (`add_communication`);
     on a chain each F and each B or I sends at most one output, so the sends between two compute rows of a device
@@ -1562,25 +1580,19 @@ def _send_holds_ms(schedule: Schedule, costs: Costs, links: Cluster) -> np.ndarr
     the compute off) this is another bound on the same wait, so a step takes the larger of the two: the sum
     could count a send held while the network works."""
     p, n = schedule.num_devices, schedule.num_stages
-    t = schedule.table
-    if not _sends_hold(schedule, costs, links):
+    if not _sends_hold(schedule, holds, links):
         return np.zeros(p)
     placement = schedule.placement
-    sizes = [c.output_bytes for c in costs.stages]
 
     def send_ms(src: int, dst: int, producer: int) -> float:
         a, b = placement[src], placement[dst]
-        return 0.0 if a == b else links.link(a, b).transfer_ms(sizes[producer])
+        return 0.0 if a == b else links.link(a, b).transfer_ms(output_bytes[producer])
 
     forward = np.array([send_ms(k, k + 1, k) for k in range(n - 1)] + [0.0])  # [k]: stage k's F to k + 1
     backward = np.array([0.0] + [send_ms(k, k - 1, k - 1) for k in range(1, n)])  # [k]: stage k's B or I to k - 1
-    sending = np.zeros(n * NUM_COMPUTE_KINDS)
-    sending[np.arange(n) * NUM_COMPUTE_KINDS + KIND_CODE[Kind.F]] = forward
-    sending[np.arange(n) * NUM_COMPUTE_KINDS + KIND_CODE[Kind.B]] = backward
-    sending[np.arange(n) * NUM_COMPUTE_KINDS + KIND_CODE[Kind.I]] = backward
-    computing = t.kind < NUM_COMPUTE_KINDS
-    held = np.bincount(t.device[computing], sending[(t.stage * NUM_COMPUTE_KINDS + t.kind)[computing]], minlength=p)
-    return held / schedule.minibatches
+    f, b, i = (per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I))
+    stage_ms = f * forward + (b + i) * backward
+    return np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
 
 
 def _is_flushing_chain(schedule: Schedule) -> bool:

@@ -23,10 +23,13 @@ from tests.test_tune import GPT, differences, exhaustive, problem, scenario
 
 @pytest.fixture
 def holding(monkeypatch):
-    """Every scenario's costs with the hold on, as an H100's estimate sets it."""
-    costs = Scenario.costs
-    monkeypatch.setattr(Scenario, "costs", lambda self, *a, **kw: replace(costs(self, *a, **kw),
-                                                                           transfers_hold_products=True))
+    """Every scenario's transfers holding the compute beside them, as an H100's estimate has them."""
+    monkeypatch.setattr(Scenario, "transfers_hold_products", property(lambda self: True))
+
+
+def _sends_ms(schedule, costs, links):
+    return tuning._send_holds_ms(schedule, tuning._ops_per_step(schedule), costs.transfers_hold_products, links,
+                                 [c.output_bytes for c in costs.stages])
 
 
 def test_the_send_holds_bound_stays_above_the_simulation_and_lowers_some(holding):
@@ -44,9 +47,8 @@ def test_the_send_holds_bound_stays_above_the_simulation_and_lowers_some(holding
         unheld = replace(candidate, costs=replace(candidate.costs, transfers_hold_products=False))
         tighter += critical.max_samples_per_s < tuning._with_critical_path(prob, unheld).max_samples_per_s
         schedule, costs = candidate.schedule, candidate.costs
-        holds = tuning._send_holds_ms(schedule, costs, candidate.links)
-        without = tuning._send_holds_ms(schedule, replace(costs, transfers_hold_products=False), candidate.links)
-        assert not without.any()
+        holds = _sends_ms(schedule, costs, candidate.links)
+        assert not _sends_ms(schedule, replace(costs, transfers_hold_products=False), candidate.links).any()
         exposed = tuning._exposed_reduce_ms(schedule, costs.op_ms_table(1), candidate.short_minibatches)
         lowered += bool((holds > exposed).any())
     assert lowered > 0 and tighter > 0
@@ -82,13 +84,17 @@ def test_every_bound_stays_above_the_simulation_with_the_holds(holding):
 def test_each_device_is_held_for_the_outputs_it_sends():
     """1F1B on 4 devices, 8 micro-batches, forwards 1 ms, backwards 2 ms, every transfer 0.5 ms: the ends send
     8 outputs a step, the middle 16, so a searched order's bound rises from 25 ms (stage 3's chain of passes) to
-    32 (a middle device's 24 ms of compute and 8 of sends), still below the simulated step."""
+    32 (a middle device's 24 ms of compute and 8 of sends), still below the simulated step, and so does a fixed
+    order's on its partition, from 24."""
     costs = replace(Costs.per_stage(4, fwd_ms=1, bwd_ms=2), transfers_hold_products=True)
     schedule, links = build_schedule("1f1b", ScheduleParams(4, 8)), Cluster.uniform(4, 0.5)
-    sends_ms = tuning._send_holds_ms(schedule, costs, links)
+    sends_ms = _sends_ms(schedule, costs, links)
     assert sends_ms.tolist() == [4.0, 8.0, 8.0, 4.0]
     hops_ms = tuning._hops_ms(links, costs, 4)
     assert tuning._searched_bound_ms(costs, 8, hops_ms, np.zeros(4)) == 25.0
     assert tuning._searched_bound_ms(costs, 8, hops_ms, sends_ms) == 32.0 < summarize(
         simulate(schedule, costs, links)).makespan_ms
-    assert not tuning._send_holds_ms(schedule, replace(costs, transfers_hold_products=False), links).any()
+    assert not _sends_ms(schedule, replace(costs, transfers_hold_products=False), links).any()
+    order, table = tuning._Order.of(schedule), costs.op_ms_table(1)
+    assert tuning._planned_bound_ms(order, 1, table, np.zeros(4), hops_ms, np.zeros(4)) == 24.0
+    assert tuning._planned_bound_ms(order, 1, table, np.zeros(4), hops_ms, sends_ms) == 32.0
