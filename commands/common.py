@@ -371,12 +371,16 @@ RopeKernel = Annotated[str, typer.Option(
                                             "sum, each its own kernel; the default) or fused (TransformerEngine's "
                                             "kernel, Megatron-core's apply_rope_fusion: one kernel for q and one "
                                             "for k each way). Both keep only the angles.")]
-ALLOCATORS = ("caching", "none")  # --allocator
+ALLOCATORS = ("caching", "expandable", "none")  # --allocator
 Allocator = Annotated[str, typer.Option(
     "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
                                          "segments torch's CUDA caching allocator keeps cached beside them, its "
                                          "step replayed by the allocator's rules: max reserved, as torchtitan "
-                                         "logs it; the default) or none (its tensors alone: max allocated).")]
+                                         "logs it; the default), expandable (the same with "
+                                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's "
+                                         "launcher sets it: one segment a stream, grown in 2 MiB pages for small "
+                                         "requests and 20 MiB for large) or none (its tensors alone: max "
+                                         "allocated).")]
 SwigluFusion = Annotated[bool, typer.Option(
     "--swiglu-fusion/--no-swiglu-fusion",
     help="With --gpu: a gated MLP's SwiGLU (a routed expert's, with the router's weights; the dense and "
@@ -549,10 +553,11 @@ def check_allocator(ctx: typer.Context, what) -> None:
 
 
 def replayed_allocations(allocator: str, counted, parallel) -> tuple | None:
-    """What `Scenario.allocations` replays under --allocator (`layer_allocations`): none without --gpu (`counted`
-    None), with --allocator none, or for a mixture of experts, whose count is a whole layer's, every expert's,
-    which the estimate divides by t·C but not by the E ranks sharing them."""
-    if counted is None or allocator != "caching" or any(layer.dispatched_bytes for layer in counted.layers):
+    """What `Scenario.allocations` replays under --allocator caching or expandable (`layer_allocations`; which of the
+    two: `Scenario.expandable_segments`): none without --gpu (`counted` None), with --allocator none, or for a
+    mixture of experts, whose count is a whole layer's, every expert's, which the estimate divides by t·C but not
+    by the E ranks sharing them."""
+    if counted is None or allocator == "none" or any(layer.dispatched_bytes for layer in counted.layers):
         return None
     from ..planning.estimate import layer_allocations
 

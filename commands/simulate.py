@@ -216,7 +216,8 @@ def simulate(
         estimated = None if what is None else estimated_profile(what, counted, parallel, optimizer)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
-                           allocations=replayed_allocations(allocator, counted, parallel))
+                           allocations=replayed_allocations(allocator, counted, parallel),
+                           expandable_segments=allocator == "expandable")
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages

@@ -199,7 +199,8 @@ def sweep(
             parallel = {p: what.parallelism(p, tensor_parallel, data_parallel, recompute) for p in depths}
             jobs = [(replace(scenario_from_flags(ctx, "model", estimated=estimated_profile(
                 what, counted, parallel[p], optimizer)), allocations=replayed_allocations(allocator, counted,
-                                                                                            parallel[p])),
+                                                                                            parallel[p]),
+                       expandable_segments=allocator == "expandable"),
                      [i for i, config in enumerate(configs) if config.stages == p]) for p in depths]
         results = [None] * len(configs)
         finished = ((indices[i], result) for shared, indices in jobs

@@ -272,7 +272,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                     scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo), optimizer,
                                                 pp_runtime)
                     settings.append(Setting(replace(scenario, allocations=replayed_allocations(
-                        allocator, counted, parallel)), t, kind, (p,)))
+                        allocator, counted, parallel), expandable_segments=allocator == "expandable"), t, kind, (p,)))
             except InputError as exc:
                 if tensor:  # the user's t: say why it cannot be
                     raise

@@ -112,6 +112,7 @@ class Scenario:
     # `--allocator caching` with --gpu: every layer's allocations on a rank in the model's order
     # (`layer_allocations`), which `add_reserve` replays; None: the tensors alone
     allocations: tuple[LayerAllocations, ...] | None = None
+    expandable_segments: bool = False  # `--allocator expandable`: `allocations` replayed with expandable segments
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
@@ -428,7 +429,7 @@ class Scenario:
             cut = list(bounds) if bounds is not None else self.cut(sched)
             layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
                       for stage in range(sched.num_stages)}
-            add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched)))
+            add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments))
         keep_fullest_parts(trace)
 
     def cut(self, sched: Schedule) -> list[int]:

@@ -19,6 +19,9 @@ expandable segments off (the default) and no garbage-collection threshold:
   and a block freed on one stream never serves another;
 - nothing cached is given back, short of a cudaMalloc that fails: then every cached block that is a whole
   segment is released (all pools and streams) and the segment is tried once more.
+
+With expandable segments on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, `--allocator expandable`), a pool's
+one segment grows page by page instead: `ExpandableSegments`.
 """
 
 from __future__ import annotations
@@ -236,6 +239,229 @@ def _may_take(request_bytes: int, block_bytes: int, max_split_bytes: int) -> boo
     return block_bytes < request_bytes + LARGE_SEGMENT_BYTES
 
 
+# Expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), `ExpandableSegments`: a pool's segment is
+# an address range of 9/8 of the GPU's memory (unbounded where the memory is not known) mapped page by page, its
+# pages its pool's segment size (ExpandableSegment's segment_size: kSmallBuffer, kLargeBuffer)
+EXPANDABLE_ADDRESS_SPACE_UNBOUNDED = 1 << 44
+
+
+def page_bytes(pool: int) -> int:
+    """What an expandable segment of `pool` maps at a time (`find_expandable_block`'s segment_size): 2 MiB pages
+    for a small pool, 20 MiB for a large one."""
+    return SMALL_SEGMENT_BYTES if pool & 1 else LARGE_SEGMENT_BYTES
+
+
+@dataclass
+class ExpandableSegments(CachingAllocator):
+    """One device's caching allocator with expandable segments on, as torchtitan's launcher runs it
+    (run_llama_train.sh: PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"): `CachingAllocator`'s interface and
+    blocks, its segments address spaces here, its max_split_size kept as `get_free_block` keeps it. The rules, from
+    c10/cuda/CUDACachingAllocator.cpp as read at pytorch 001074d (its "Note [Expandable Segments]";
+    `get_free_block`, `should_split`, `alloc_block`, `try_allocate_expandable_block`, `find_expandable_block`,
+    `map_block`, `ExpandableSegment::map` and `unmap`, `release_blocks`, `unmap_block`; the torchtitan rows ran
+    torch 1963fc8, which is not among the stored sources):
+
+    - requests round and take their pool as without (`round_size`, `get_pool`); each pool and stream has one
+      segment, an address range that grows: reserved bytes are its mapped pages, 2 MiB in a small pool, 20 MiB
+      in a large one (`ExpandableSegment::map` rounds the range it maps up to whole pages);
+    - a request takes the smallest free mapped block that holds it, but a block whose end meets the segment's
+      unmapped pages counts as the size it could grow to (`get_free_block`'s `expandable_size`), so a block at the
+      mapped end serves a request only where no other block holds it; the block is split whenever 512 bytes or
+      more remain, in either pool (`should_split`), the request taking its front;
+    - no block holding it: the lowest-addressed unmapped pages, with the free block just before them, that hold
+      it (`find_expandable_block`; a new segment where none does) are mapped, only as many pages as the request
+      lacks (`try_allocate_expandable_block`), and merged with the free block before them: the segment grows at
+      its end rather than a new one being taken, so a freed tensor's pages serve a larger one after it;
+    - a freed block merges with its free mapped neighbours; nothing is unmapped short of a mapping that fails
+      (the GPU's memory full): then every free block's whole pages are unmapped, in every pool (`release_blocks`,
+      `unmap_block`), and the request is tried once more."""
+
+    # beside the blocks handed out and the free mapped ones (`CachingAllocator`'s cached blocks, which merge only
+    # with each other), the unmapped pages: bytes by address, address by where they end, and per pool sorted
+    _unmapped_at: dict[int, int] = field(default_factory=dict)
+    _unmapped_ending: dict[int, int] = field(default_factory=dict)
+    _unmapped: defaultdict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+
+    def run(self, ops: Iterable[Op], slots: list[int]) -> None:
+        """Replay `ops` (`Program`), each block's address in `slots` at its op's slot."""
+        for slot, request, pool in ops:
+            if not request:
+                address = slots[slot]
+                size = self._allocated.pop(address)
+                self.allocated_bytes -= size
+                self._put_free(address, size)
+                continue
+            address, size = self._best_fit(request, pool) or self._grown(request, pool)
+            if size - request >= MIN_BLOCK_BYTES:  # `should_split` under expandable segments
+                self._cache_free(address + request, size - request)
+                size = request
+            self._allocated[address] = size
+            self.allocated_bytes += size
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+            slots[slot] = address
+
+    def _best_fit(self, request_bytes: int, pool: int) -> tuple[int, int] | None:
+        """The free mapped block `get_free_block` takes for the request, taken out of the free ones; None where none
+        holds it. From the smallest that holds it (the lowest address among equals), the next in that order is
+        taken while the size it could grow to is smaller: only a block at the mapped end can grow, past any
+        other's size, so the walk leaves it for the next block that is not one."""
+        sizes, buckets = self._pools[pool]
+        at = bisect_left(sizes, request_bytes)
+        if at == len(sizes):
+            return None
+        size, order = sizes[at], 1
+        address = -buckets[size][-1]
+        while address + size in self._unmapped_at:  # grows to size + the pages after it: is the next smaller?
+            bucket = buckets[size]
+            if order < len(bucket):
+                following, order = (size, -bucket[-1 - order]), order + 1
+            elif at + 1 < len(sizes):
+                at += 1
+                following, order = (sizes[at], -buckets[sizes[at]][-1]), 1
+            else:
+                break
+            if following[0] + self._unmapped_at.get(following[0] + following[1], 0) >= (
+                    size + self._unmapped_at[address + size]):
+                break
+            size, address = following
+        if self.max_split_bytes is not None and not _may_take(request_bytes, size, self.max_split_bytes):
+            return None
+        self._take_free(address, size)
+        return address, size
+
+    def _grown(self, request_bytes: int, pool: int) -> tuple[int, int]:
+        """A block for the request from newly mapped pages (`alloc_block`), taken out of the free ones; where the
+        GPU's memory cannot map them, every free block's whole pages unmapped and tried once more
+        (`release_cached_blocks`), else AllocatorOutOfMemory."""
+        grown = self._mapped_for(request_bytes, pool)
+        if grown is None:
+            self._unmap_free()
+            grown = self._mapped_for(request_bytes, pool)
+            if grown is None:
+                raise AllocatorOutOfMemory(f"{request_bytes} bytes beside {self.reserved_bytes} reserved exceed "
+                                           f"{self.capacity_bytes}")
+        self._take_free(*grown)
+        return grown
+
+    def _mapped_for(self, request_bytes: int, pool: int) -> tuple[int, int] | None:
+        """`try_allocate_expandable_block`: from the candidate `find_expandable_block` gives, its pages mapped
+        (those the request lacks, each range rounded up to pages) until one free block holds the request; that
+        block (free, mapped), or None where a mapping fails."""
+        address = self._candidate(request_bytes, pool)
+        if address in self._unmapped_at:
+            mapped = self._map(address, min(self._unmapped_at[address], request_bytes), pool)
+            if mapped is None:
+                return None
+            address, size = mapped
+        else:
+            size = self._cached_at[address]
+        while size < request_bytes:  # a free block, then unmapped pages
+            after = address + size
+            mapped = self._map(after, min(request_bytes - size, self._unmapped_at[after]), pool)
+            if mapped is None:
+                return None
+            address, size = mapped
+        return address, size
+
+    def _candidate(self, request_bytes: int, pool: int) -> int:
+        """`find_expandable_block`: the lowest-addressed unmapped range of the pool (with the free block just before
+        it, if any) whose run of free and unmapped blocks holds the request; else a new segment's start."""
+        for unmapped in self._unmapped[pool]:
+            start = self._cached_ending.get(unmapped, unmapped)
+            room, at = 0, start
+            while room < request_bytes:
+                size = self._cached_at.get(at) or self._unmapped_at.get(at)
+                if size is None:
+                    break
+                room, at = room + size, at + size
+            if room >= request_bytes:
+                return start
+        page = page_bytes(pool)
+        space = (EXPANDABLE_ADDRESS_SPACE_UNBOUNDED if self.capacity_bytes is None else
+                 -(-(self.capacity_bytes + self.capacity_bytes // 8) // page) * page)
+        start = -(-self._next_address.get(pool, pool << POOL_SHIFT) // page) * page
+        self._next_address[pool] = start + space + SEGMENT_GAP_BYTES
+        self._segments[start] = space
+        self._put_unmapped(pool, start, space)
+        return start
+
+    def _map(self, address: int, nbytes: int, pool: int) -> tuple[int, int] | None:
+        """`map_block`: the whole pages holding `nbytes` from the unmapped range at `address` mapped, merged with
+        the free mapped blocks on either side; the merged free block, or None where the GPU's memory cannot hold
+        the pages (`ExpandableSegment::map`: cuMemCreate out of memory maps none of them)."""
+        page = page_bytes(pool)
+        size = -(-nbytes // page) * page
+        if self.capacity_bytes is not None and self.reserved_bytes + size > self.capacity_bytes:
+            return None
+        unmapped = self._unmapped_at[address]
+        self._take_unmapped(pool, address, unmapped)
+        if size < unmapped:
+            self._put_unmapped(pool, address + size, unmapped - size)
+        self.reserved_bytes += size
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        return self._put_free(address, size)
+
+    def _unmap_free(self) -> None:
+        """`release_blocks` over every pool: each free block's whole pages unmapped (`unmap_block`), what is left
+        of it on either side kept free, the unmapped range merged with its unmapped neighbours, and a segment left
+        wholly unmapped released."""
+        for address, size in list(self._cached_at.items()):
+            pool = address >> POOL_SHIFT
+            page = page_bytes(pool)
+            begin, end = -(-address // page) * page, (address + size) // page * page
+            if begin >= end:
+                continue
+            self._take_free(address, size)
+            for start, stop in ((address, begin), (end, address + size)):
+                if stop > start:
+                    self._cache_free(start, stop - start)
+            self.reserved_bytes -= end - begin
+            before = self._unmapped_ending.get(begin)
+            if before is not None:
+                self._take_unmapped(pool, before, begin - before)
+                begin = before
+            after = self._unmapped_at.get(end)
+            if after is not None:
+                self._take_unmapped(pool, end, after)
+                end += after
+            if self._segments.get(begin) == end - begin:  # `release_expandable_segment`
+                del self._segments[begin]
+            else:
+                self._put_unmapped(pool, begin, end - begin)
+
+    def _put_free(self, address: int, size: int) -> tuple[int, int]:
+        """A mapped block made free, merged with the free mapped blocks either side (`try_merge_blocks`); the
+        merged block."""
+        before = self._cached_ending.get(address)
+        if before is not None:
+            merged = self._cached_at[before]
+            self._take_free(before, merged)
+            address, size = before, size + merged
+        after = self._cached_at.get(address + size)
+        if after is not None:
+            self._take_free(address + size, after)
+            size += after
+        self._cache_free(address, size)
+        return address, size
+
+    def _cache_free(self, address: int, size: int) -> None:
+        _cache(*self._pools[address >> POOL_SHIFT], address, size)
+        self._cached_at[address], self._cached_ending[address + size] = size, address
+
+    def _take_free(self, address: int, size: int) -> None:
+        _uncache(*self._pools[address >> POOL_SHIFT], address, size)
+        del self._cached_at[address], self._cached_ending[address + size]
+
+    def _put_unmapped(self, pool: int, address: int, size: int) -> None:
+        insort(self._unmapped[pool], address)
+        self._unmapped_at[address], self._unmapped_ending[address + size] = size, address
+
+    def _take_unmapped(self, pool: int, address: int, size: int) -> None:
+        unmapped = self._unmapped[pool]
+        del unmapped[bisect_left(unmapped, address)]
+        del self._unmapped_at[address], self._unmapped_ending[address + size]
+
+
 @dataclass
 class Program:
     """Allocations and frees written down for `CachingAllocator.run` rather than made: each request a new slot,
@@ -317,7 +543,8 @@ def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, in
 
 
 def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Hashable]],
-                  programs: Mapping[int, StageProgram], capacity_bytes: int | None = None) -> CachingAllocator:
+                  programs: Mapping[int, StageProgram], capacity_bytes: int | None = None,
+                  expandable: bool = False) -> CachingAllocator | ExpandableSegments:
     """One device's step through the caching allocator: its state (`static_bytes`, a block each: weights,
     gradients, optimizer state) allocated first and held, then its `rows` in the order they run, each (pass of
     `PASSES`, stage, micro-batch) with `programs[stage]` the stage's layers written down (`stage_program`). A
@@ -335,8 +562,9 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     (`_Replay.skip`). The one reading not from torch's rules: the blocks may have traded places meanwhile (best
     fit takes the lowest address among equal sizes), and a later repetition can then split a block the first
     did not and take a segment more (docs/benchmarks.md: the zero-bubble 1.5B's 1F1B middle stages reserve 322
-    MiB where every row replayed reserves 610)."""
-    replay = _Replay(CachingAllocator(capacity_bytes=capacity_bytes), rows, programs)
+    MiB where every row replayed reserves 610). `expandable`: with expandable segments (`ExpandableSegments`)."""
+    replay = _Replay((ExpandableSegments if expandable else CachingAllocator)(capacity_bytes=capacity_bytes), rows,
+                     programs)
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
     if any(ZERO in name for name, _, _ in rows):  # FSDP2's tensors as the step before left them
@@ -643,7 +871,7 @@ class _Replay:
     addresses by (stage, micro-batch), held from its forward to its full or weight backward; micro-batches
     numbered in the order the rows begin them (`begun[row]`: how many by then)."""
 
-    allocator: CachingAllocator
+    allocator: CachingAllocator | ExpandableSegments
     rows: Sequence[tuple[str, int, Hashable]]
     programs: Mapping[int, StageProgram]
     frames: dict[tuple[int, int], list[int]] = field(default_factory=dict)
@@ -720,7 +948,7 @@ class _Replay:
 
 
 def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations]],
-                    capacity_bytes: Sequence[int | None]) -> list[int]:
+                    capacity_bytes: Sequence[int | None], expandable: bool = False) -> list[int]:
     """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed
     (`replay_device`: its parameters, gradients and optimizer state at the prediction's peak as a block each, then
     its rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it
@@ -732,7 +960,8 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     is what it would take without that bound, which puts the device's peak over its memory. Under a pipeline,
     FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
     (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block;
-    without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`)."""
+    without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`).
+    `expandable`: the allocator with expandable segments (`ExpandableSegments`)."""
     programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
     for device, held in enumerate(trace.meta.peak_memory_parts or ()):
@@ -759,7 +988,7 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
         numbered = tuple((name, stages[stage], place.setdefault(microbatch, len(place)))
                          for name, stage, microbatch in rows)
         reserves.append(_reserve(static, numbered, tuple(programs[stage, part] for stage, part in stages.items()),
-                                 capacity_bytes[device]))
+                                 capacity_bytes[device], expandable))
     return reserves
 
 
@@ -793,15 +1022,15 @@ def unpipelined_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
 
 @functools.lru_cache(maxsize=64)
 def _reserve(static_bytes: tuple[int, ...], rows: tuple[tuple[str, int, int], ...],
-             programs: tuple[StageProgram, ...], capacity_bytes: int | None) -> int:
+             programs: tuple[StageProgram, ...], capacity_bytes: int | None, expandable: bool = False) -> int:
     """`device_reserves`' reading of one device, once a process for the same content (`rows`' stages numbered
     into `programs`): a search simulates configurations whose devices replay the same step (the same stages and
     rows, another data-parallel degree)."""
     stages = dict(enumerate(programs))
     try:
-        replayed = replay_device(static_bytes, rows, stages, capacity_bytes)
+        replayed = replay_device(static_bytes, rows, stages, capacity_bytes, expandable)
     except AllocatorOutOfMemory:
-        replayed = replay_device(static_bytes, rows, stages, None)
+        replayed = replay_device(static_bytes, rows, stages, None, expandable)
     return replayed.peak_reserved_bytes - replayed.peak_allocated_bytes
 
 

@@ -464,7 +464,7 @@ def test_a_mixture_of_experts_is_not_replayed():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--allocator", "slab", *SMALL_GPT], "error: --allocator: choose from caching, none (got 'slab')"),
+    (["--allocator", "slab", *SMALL_GPT], "error: --allocator: choose from caching, expandable, none (got 'slab')"),
     (["--allocator", "none", "-s", "1f1b"], "error: --allocator: only --gpu's estimate counts"),
 ])
 def test_a_bad_allocator_is_one_line(flags, message):
