@@ -92,7 +92,7 @@ from .fp8 import (
     saved_weight_bytes,
     step_cast_ops,
 )
-from .host import HOST_KERNEL_US, host_bound_ms, issue_ms, module_us, synchronises
+from .host import HOST_KERNEL_US, TE_RECIPES, host_bound_ms, issue_ms, module_us, synchronises
 from .ranks import RANK_ORDERS, dense_grid
 
 if TYPE_CHECKING:
@@ -1307,6 +1307,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
             continue  # the block before it renamed: every figure is its layer's, which equals the one before
         busiest = experts.local(layer)
+        if parallel.fp8 in TE_RECIPES:
+            busiest = experts.float8_padded(busiest, dropless=counted.options.get("capacity_factor") is None)
         if parallel.expert_gemm == "per-expert":
             busiest = per_expert_products(busiest)
         priced = estimate_layer(busiest, device, parallel, links.tensor, element, links.context)

@@ -65,6 +65,9 @@ ROUTINGS = ("balanced", "random")  # each expert its even share (the count's); e
 # per local expert, as TransformerEngine's GroupedLinear runs them (`per_expert_products`)
 EXPERT_GEMMS = ("grouped", "per-expert")
 GEMM_STREAMS = 4  # TransformerEngine's compute streams (common/util/multi_stream.cpp `get_num_compute_streams`)
+# the rows TransformerEngine's Fp8Padding pads each local expert's split of the tokens to before the float8 products
+# (transformer_engine/pytorch/module/fp8_padding.py at v2.9 to v2.14: 32 under MXFP8, 16 for every other recipe)
+FLOAT8_PADDING_ROWS = 16
 
 
 class ExpertParallelError(ValueError):
@@ -165,13 +168,48 @@ class ExpertGroup:
         if (self.dispatcher not in (None, "alltoall") or self.ranks == 1 or not self.experts
                 or self.experts // self.ranks == 1 or not layer.dispatched_bytes):
             return {}
+        sort = self.received_copies_pass(layer, load, "moe_sort_chunks_by_index", 2)
+        backward = replace(sort, op="moe_sort_chunks_by_index_backward")
+        return {"fwd": (sort,), "bwd": (backward,), "igrad": (backward,)}
+
+    def received_copies_pass(self, layer: LayerCount, load: float, name: str, kernels: int) -> OpCount:
+        """`kernels` memory-bound kernels named `name`, each reading and writing every token copy the rank
+        received: the layer's dispatched bytes times ETP (gathered over the expert-tensor group first) and `load`
+        (the busiest rank's, `layer_load`), which the estimate splits over the t·C ranks."""
         width = layer.output_shape[-1]
         copies = round(layer.dispatched_bytes * self.tensor * load / (width * layer.output_bytes)
                        * math.prod(layer.output_shape))
-        moved = round(2 * layer.dispatched_bytes * self.tensor * load)
-        sort = OpCount("moe_sort_chunks_by_index", "memory", (copies, width), 0, moved, 2, routed=True)
-        backward = replace(sort, op="moe_sort_chunks_by_index_backward")
-        return {"fwd": (sort,), "bwd": (backward,), "igrad": (backward,)}
+        return OpCount(name, "memory", (copies, width), 0, round(2 * layer.dispatched_bytes * self.tensor * load),
+                       kernels, routed=True)
+
+    def float8_padded(self, layer: LayerCount, dropless: bool) -> LayerCount:
+        """`layer` as one rank runs it (`local`) under TransformerEngine's float8 recipes, with the copies
+        Megatron-core's TEGroupedMLP makes to pad each local expert's split of the tokens to `FLOAT8_PADDING_ROWS`
+        rows, the float8 GEMMs' alignment: under `fp8` its forward pads the permuted tokens and the router's
+        weights (`quantization_padding`, TransformerEngine's Fp8Padding: `fused_multi_row_padding` into a new
+        buffer) and unpads the second product's output (Fp8Unpadding: `fused_multi_row_unpadding`), and the
+        backward runs each the other way on the gradients (megatron/core/transformer/moe/experts.py at every
+        Megatron-LM pin from core_v0.14.0 (NeMo 25.09) and 0d8e0714cd (Megatron-Bridge v0.2.1, NeMo 25.11) to
+        2a75ac12c5 (Megatron-Bridge 067f987df0); fp8_padding.py at TransformerEngine v2.9 to v2.14). Fp8Padding
+        returns its input untouched where every split is aligned already, so a capacity-padded layer pays
+        nothing where its capacity rows a local expert are a multiple of the alignment, and a dropless one pays
+        always, its splits data-dependent (all n/E aligned by chance one time in 16^(n/E)). The permutations of
+        Megatron-core's all-to-all dispatcher never pad. HybridEP pads inside its fused dispatch
+        (`hybrid_ep_dispatch` with `pad_multiple` at 55ac708, Megatron-Bridge v0.3.1; later pins skip the
+        experts' padding for it, `skip_routed_expert_padding`), so the flex dispatcher's path (`deepep`, which
+        stands for HybridEP too) is left without it, though DeepEP at b0cc2706 (r0.3.0) pads in the experts as
+        the all-to-all's path does. The router's weights (a [copies, 1] tensor) are one kernel each way, their
+        bytes left out beside the copies' 2·hidden a copy."""
+        forward = next((op for op in layer.ops.get("fwd", ()) if _grouped(op)), None)
+        if forward is None or self.dispatcher not in (None, "alltoall") or not layer.dispatched_bytes:
+            return layer
+        if not dropless and forward.shape[1] % FLOAT8_PADDING_ROWS == 0:  # each local expert's capacity rows
+            return layer
+        tokens = self.received_copies_pass(layer, self.layer_load(layer), "fp8_padding", 2)
+        pads = (tokens, OpCount("fp8_padding_router_weights", "memory", (tokens.shape[0], 1), 0, 0, 1, routed=True))
+        backward = tuple(replace(op, op=f"{op.op}_backward") for op in pads)
+        added = {"fwd": pads, "bwd": backward, "igrad": backward}
+        return replace(layer, ops={name: (*ops, *added.get(name, ())) for name, ops in layer.ops.items()})
 
     def local_product(self, op: OpCount, tokens: int, hidden: int, load: float) -> OpCount:
         """One of the count's grouped products (`op.shape` (n, m, n', k): each of the n routed experts' m × k by
