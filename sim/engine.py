@@ -17,7 +17,8 @@ computing at that moment allows, so it lasts longer while others compute too. Wh
 beside them (`Costs.transfers_hold_products`: NCCL's kernels beside persistent products), a device's compute makes
 no progress while a kernel of one of its transfers runs (a send's from its issue until its data has arrived, a
 receive's while its data moves), and the devices run in simulated time order, so that each knows the transfers
-beside its compute.
+beside its compute: without SimPy where they share nothing but links each taken by one device's sends
+(`_Model._run_held`), a device waiting for that order only where a transfer to it may yet begin beside its compute.
 This module only prices the rows and runs them: nothing here knows a method by name.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import array
 import collections
+import heapq
 import itertools
 import math
 from collections.abc import Sequence
@@ -55,6 +57,10 @@ _PS_PER_MS = 1e9
 # as much as 25 steps one at a time).
 _SWEEP_PAYS = 32
 _SWEEP_WINDOW = 256
+# `_Model.frontier` of a device with no steps left: it sends nothing more.
+_NEVER = 2**63 - 1
+# `_Model.awaited` of a device waiting for nothing.
+_AWAITS_NONE = (-1, -1)
 # A byte per row: the stream column is compared over millions of rows, and the trace widens it once.
 _STREAM_OF_KIND = Stream.of_kinds(tuple(k.value for k in KINDS)).astype(np.int8)
 
@@ -723,6 +729,19 @@ class _SharedCores:
         self._plan()
 
 
+def _unshared(program: _Program) -> bool:
+    """Whether the devices share nothing but links each of which one device's sends alone take: no compute resource,
+    no host's cores, no link two devices send on."""
+    if any(u is not None for u in program.compute_unit) or any(h is not None for h in program.host_unit):
+        return False
+    sender: dict[int, int] = {}
+    for channel, route in zip(program.lowered.channels, program.routes):
+        for resource in route:
+            if sender.setdefault(resource, channel.src_device) != channel.src_device:
+                return False
+    return True
+
+
 class _Model:
     """The device processes; times in integer picoseconds.
 
@@ -736,13 +755,20 @@ class _Model:
     clock depends on the data it receives alone, never on when other devices reach theirs: SimPy's time order is
     then not needed, and the processes run as plain coroutines, each until it waits for data (the same integers,
     without an event per wait); where many devices run side by side, sweeps that advance all of them a step at a
-    time run first (`_lockstep`).
+    time run first (`_lockstep`). Where transfers hold the compute beside them and the devices share nothing but
+    links each taken by one device's sends (taken in that device's order, whenever it runs), the coroutines keep a
+    simulated time of their own, a heap of the compute ends devices wait at (`_run_held`): exact as SimPy's, at a
+    fraction of its cost a step.
     """
 
     def __init__(self, program: _Program, overlap_comm: bool, transfers_hold: bool = False) -> None:
         self.program = program
         self.overlap_comm = overlap_comm
-        self.env = simpy.Environment() if program.timed else None
+        devices = len(program.step_bounds) - 1
+        # Holds where devices share nothing but links each taken by one device's sends run without SimPy
+        # (`_run_held`); anything else timed, on SimPy.
+        held_alone = transfers_hold and program.timed and _unshared(program)
+        self.env = simpy.Environment() if program.timed and not held_alone else None
         # Every device's clock at its start and after each of its steps (SEND issued, RECV arrived, the start of
         # a compute row that is a step), in one list (see `_Program.start_clock`; -1: not reached yet); per
         # transfer id, its arrival once its SEND step has run (-1 before). Arrays of machine integers: they keep
@@ -767,11 +793,26 @@ class _Model:
         # issue, a receive's while its data moves: begin and end, ps), and every hold of a device's compute as (the
         # clock index before it, how far into the compute since that clock it began, its length), which
         # `_held_back` lays on the rows.
-        devices = len(program.step_bounds) - 1
         self.kernels: list[list[tuple[int, int]]] | None = (
             [[] for _ in range(devices)] if transfers_hold and program.timed else None)
         self.held: list[tuple[int, int, int]] = []
-        self.receiver = [channel.dst_device for channel in program.lowered.channels]
+        # Per channel: the links its transfers take, their time and their receiver.
+        self.channels = list(zip(program.routes, program.channel_ps,
+                                 (channel.dst_device for channel in program.lowered.channels)))
+        self.units = program.lowered.units
+        # Without SimPy (`_run_held`): the simulated time the run has reached, the devices waiting for it to reach
+        # the end of their compute (end, device, coroutine), per device a time before which it issues no more
+        # sends, and the devices that send to each.
+        self.now = 0
+        self.due: list[tuple[int, int, object]] = []
+        self.frontier = [0] * devices
+        self.senders: list[set[int]] = [set() for _ in range(devices)]
+        for channel in program.lowered.channels:
+            self.senders[channel.dst_device].add(channel.src_device)
+        # Per device waiting for a clock not reached: that clock and the device that sends it the transfer it waits
+        # for (-1: a collective); per channel, its sender.
+        self.awaited = [_AWAITS_NONE] * devices
+        self.sender_of = [channel.src_device for channel in program.lowered.channels]
         self.finished = 0
 
     def _succeed(self, events: list[simpy.Event]) -> None:
@@ -816,7 +857,7 @@ class _Model:
         rows = program.step_rows[program.step_bounds[d]:program.step_bounds[d + 1]] if cores else None
         duration = self.duration_ps
         arrival, free_at, clocks, waiters = self.arrival, self.free_at, self.clocks, self.waiters
-        routes, channel_ps, units = program.routes, program.channel_ps, program.lowered.units
+        routes, units = program.routes, program.lowered.units
         overlap = self.overlap_comm
         send, recv, compute = int(Stream.SEND), int(Stream.RECV), int(Stream.COMPUTE)  # plain ints: this loop runs
         queued = cores is not None or unit is not None  # once per step
@@ -833,8 +874,7 @@ class _Model:
                     if end <= env.now:
                         break
                     yield env.timeout(end - env.now)
-                self.held.extend((mine - 1, at, held) for at, held in holds)
-                kernels[:] = [kernel for kernel in kernels if kernel[1] > end]
+                self._hold(kernels, mine - 1, end, holds)
                 clock = end
             else:
                 clock += busy_ps
@@ -858,20 +898,9 @@ class _Model:
                 if ready > clock:
                     clock = ready
             if stream == send:
-                route, transfer_ps = routes[xid // units], channel_ps[xid // units]
-                if route:  # a shared link: wait until simulated time reaches the send, then queue on it
-                    if clock > env.now:
-                        yield env.timeout(clock - env.now)
-                    begin = max(clock, *(free_at[r] for r in route))
-                    end = begin + transfer_ps
-                    for r in route:
-                        free_at[r] = end
-                else:
-                    end = clock + transfer_ps
-                arrival[xid] = end
-                if kernels is not None:  # NCCL's send kernel runs from its launch until its data has moved, the
-                    kernels.append((clock, end))  # receive's while the data moves
-                    self.kernels[self.receiver[xid // units]].append((end - transfer_ps, end))
+                if routes[xid // units] and clock > env.now:  # a shared link: wait until simulated time reaches
+                    yield env.timeout(clock - env.now)  # the send, then queue on it
+                end = self._issue(xid, clock, kernels)
                 if not overlap:
                     clock = end
                 clocks[mine] = clock
@@ -895,6 +924,126 @@ class _Model:
                 self._succeed(woken)
         self.finished += 1
 
+    def held_coroutine(self, d: int):
+        """Device d's steps where its transfers hold its compute and nothing is shared but links each taken by one
+        device's sends (`_run_held`), as `process` runs them. A compute span's end is known once every kernel that
+        begins before it is: its own sends', and those of the transfers it receives, which begin no earlier than
+        their sender's issue. So it ends at once where each device sending to it will issue no more sends before
+        that end (`frontier`), else it waits for the run's simulated time to reach the end (every device then has
+        issued what it sends before then, as under SimPy) and works it out again with the kernels announced meanwhile.
+        A link of one sender's serves its sends in the order the sender issues them, whenever that runs, as SimPy's
+        time order does."""
+        program = self.program
+        clocks, waiters, resume, arrival = self.clocks, self.waiters, self.ready.extend, self.arrival
+        due, frontier, kernels, senders = self.due, self.frontier, self.kernels[d], tuple(self.senders[d])
+        awaited, sender_of, units = self.awaited, self.sender_of, program.lowered.units
+        overlap = self.overlap_comm
+        me = self.running
+        start = int(program.start_clock[d])
+        send, recv = int(Stream.SEND), int(Stream.RECV)
+        clock = 0
+        for mine, busy_ps, stream, xid, other, after_ps in zip(  # memoryviews: Python ints, one at a time
+                itertools.count(start + 1), *map(memoryview, program.steps[d])):
+            if busy_ps:
+                end, holds = _held_compute(kernels, clock, busy_ps) if kernels else (clock + busy_ps, ())
+                while True:
+                    for s in senders:
+                        if frontier[s] < end and not self._sends_after(s, d, end):
+                            break
+                    else:
+                        break
+                    # Wait for simulated time to reach the end, which kernels announced meanwhile may put later.
+                    frontier[d], known = end, len(kernels)
+                    heapq.heappush(due, (end, d, me))
+                    yield
+                    if len(kernels) == known:
+                        break
+                    end, holds = _held_compute(kernels, clock, busy_ps)
+                    if end <= self.now:
+                        break
+                if holds or kernels:
+                    self._hold(kernels, mine - 1, end, holds)
+                clock = end
+            if stream == recv or other != start:  # as `process`
+                if clocks[other] < 0:
+                    frontier[d] = clock
+                    awaited[d] = (other, sender_of[xid // units] if stream == recv else -1)
+                    waiters.setdefault(other, []).append(me)
+                    yield
+                    awaited[d] = _AWAITS_NONE
+                ready = clocks[other] + after_ps if after_ps >= 0 else arrival[xid]
+                if ready > clock:
+                    clock = ready
+            if stream == send:
+                end = self._issue(xid, clock, kernels)
+                if not overlap:
+                    clock = end
+            clocks[mine] = clock
+            woken = waiters.pop(mine, None)
+            if woken:
+                resume(woken)
+        frontier[d] = _NEVER
+        self.finished += 1
+
+    def _sends_after(self, s: int, d: int, end: int) -> bool:
+        """Whether device s, sending to device d, which computes until at least `end`, sends nothing more before
+        `end`: its `frontier` says so, or it waits for a transfer not sent yet from a device that sends nothing more
+        before then (its sends come after that transfer's arrival), or from d (d sends nothing before its compute
+        ends)."""
+        frontier, awaited, clocks = self.frontier, self.awaited, self.clocks
+        for _ in range(len(frontier)):  # a chain of devices, each waiting for the next (a cycle: deadlocked)
+            if frontier[s] >= end:
+                return True
+            other, s = awaited[s]
+            if s < 0 or clocks[other] >= 0:  # waits for a collective, or for nothing now
+                return False
+            if s == d:
+                return True
+        return False
+
+    def _hold(self, kernels: list[tuple[int, int]], clock_index: int, end: int, holds: list[tuple[int, int]]
+              ) -> None:
+        """Records the holds of a device's compute since the clock `clock_index` (`_held_compute`'s), which ended
+        at `end`, and forgets the kernels that ended by then."""
+        if holds:
+            self.held.extend((clock_index, at, held) for at, held in holds)
+        if kernels:
+            kernels[:] = [kernel for kernel in kernels if kernel[1] > end]
+
+    def _issue(self, xid: int, clock: int, kernels: list[tuple[int, int]] | None) -> int:
+        """The transfer `xid` sent at `clock`, queued on its route's links: records and returns its arrival and,
+        where transfers hold the compute (`kernels`: the sender's), its kernels: NCCL's send kernel runs from its
+        launch until its data has moved, the receive's while the data moves."""
+        route, transfer_ps, receiver = self.channels[xid // self.units]
+        begin, free_at = clock, self.free_at
+        for r in route:
+            if free_at[r] > begin:
+                begin = free_at[r]
+        end = begin + transfer_ps
+        for r in route:
+            free_at[r] = end
+        self.arrival[xid] = end
+        if kernels is not None:
+            kernels.append((clock, end))
+            self.kernels[receiver].append((begin, end))
+        return end
+
+    def _run_held(self) -> None:
+        """The devices' `held_coroutine`s and the lanes' `coroutine`s, each run until it waits for a clock not
+        reached or for simulated time to reach the end of its compute; once none can go on, simulated time moves to
+        the earliest such end."""
+        devices, ready, due = len(self.kernels), self.ready, self.due
+        for d in range(len(self.program.steps)):
+            self.running = self.held_coroutine(d) if d < devices else self.coroutine(d, 0, 0)
+            next(self.running, None)
+        while True:
+            while ready:
+                next(ready.pop(), None)
+            if not due:
+                return
+            self.now, _, waiting = heapq.heappop(due)
+            next(waiting, None)
+
     def run(self) -> None:
         """Run every device's steps, which the run consumes: it empties `_Program.steps` (and their columns) at the
         end, so that their memory (five numbers per step: 40 MiB for a million) is free for the trace, which does
@@ -904,6 +1053,8 @@ class _Model:
             for d in devices:
                 self.env.process(self.process(d))
             self.env.run()
+        elif self.kernels is not None:
+            self._run_held()
         else:
             reached = self._lockstep()
             ready = self.ready
