@@ -60,11 +60,26 @@ class Network(_Strict):
     note: str = ""
 
 
+class AttentionPasses(_Strict):
+    """A fused attention kernel's fractions of the peak by pass and mask, where its benchmarks publish them apart:
+    a causal kernel skips the blocks past the diagonal and runs its diagonal blocks masked, so it runs below the
+    unmasked one, its backward the most (cuDNN at 4k tokens, head dim 128: causal 0.86 of unmasked backward,
+    NVIDIA/cudnn-frontend benchmark/benchmark_results.csv). Each is the kernel's FLOPs as its benchmark counts
+    them (a causal kernel half the square: `kernel_flops`) over its time."""
+
+    forward: float = Field(gt=0, le=1)
+    causal_forward: float = Field(gt=0, le=1)
+    backward: float = Field(gt=0, le=1)
+    causal_backward: float = Field(gt=0, le=1)
+
+
 class Curve(_Strict):
     """How far below its datasheet a part runs, from published measurements (`source`), for the time model of
     planning/estimate.py: the large matrix products' fraction of peak (`matmul_efficiency`: at shapes that fill
     every multiprocessor with whole tiles), a fused attention kernel's (`attention_efficiency`: FlashAttention-2's;
-    `attention_kernels`: another of `ATTENTION_KERNELS`' where its rate on the part is published), the memory
+    `attention_kernels`: another of `ATTENTION_KERNELS`' where its rate on the part is published;
+    `attention_passes` and `attention_kernel_passes`: theirs by pass and mask where published so, which then price
+    the kernel in place of the one figure), the memory
     bandwidth's (`memory_efficiency`), the intra-node link's (`link_efficiency`: a GPU-to-GPU copy over the
     datasheet's bandwidth per direction; the network is taken at its datasheet rate), what each kernel costs
     beyond its work (`kernel_overhead_ms`: launch, ramp and tail), and the shape of the machine the products'
@@ -80,6 +95,8 @@ class Curve(_Strict):
     attention_efficiency: float = Field(gt=0, le=1)
     attention_kernels: dict[Literal["cudnn", "flash3"], Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=dict)
+    attention_passes: AttentionPasses | None = None
+    attention_kernel_passes: dict[Literal["cudnn", "flash3"], AttentionPasses] = Field(default_factory=dict)
     memory_efficiency: float = Field(gt=0, le=1)
     link_efficiency: float = Field(1.0, gt=0, le=1)
     kernel_overhead_ms: float = Field(ge=0)
@@ -93,6 +110,21 @@ class Curve(_Strict):
         """`kernel`'s fraction of the peak on this part (of `ATTENTION_KERNELS`): FlashAttention-2's is
         `attention_efficiency`; None where no figure is published for it here."""
         return self.attention_efficiency if kernel == "flash2" else self.attention_kernels.get(kernel)
+
+    def attention_passes_of(self, kernel: str) -> AttentionPasses | None:
+        """`kernel`'s fractions by pass and mask on this part: FlashAttention-2's are `attention_passes`; None
+        where only its one figure is published."""
+        return self.attention_passes if kernel == "flash2" else self.attention_kernel_passes.get(kernel)
+
+    def attention_fraction(self, backward: bool, causal: bool) -> float:
+        """The fused attention kernel's fraction of the peak for a pass (`backward` or the forward) under its mask
+        (`causal` or none): from `attention_passes` where published so, else `attention_efficiency`."""
+        passes = self.attention_passes
+        if passes is None:
+            return self.attention_efficiency
+        if backward:
+            return passes.causal_backward if causal else passes.backward
+        return passes.causal_forward if causal else passes.forward
 
     def product_efficiency(self, split_accumulation: bool) -> float:
         """A matrix product's fraction of its dtype's peak at whole tiles: a float8 one accumulating split at

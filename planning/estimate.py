@@ -320,9 +320,19 @@ def op_ms(op: OpCount, device: Device) -> float:
         return matmul_ms(op, device)
     if op.kind == "memory":
         return curve.kernel_overhead_ms + op.moved_bytes / device.memory_bytes_per_ms
-    efficiency = curve.attention_efficiency if op.kind == "attention" else curve.matmul_efficiency
-    return curve.kernel_overhead_ms + max(kernel_flops(op) / (device.peak_flops_per_ms * efficiency),
+    if op.kind == "attention":
+        return attention_kernel_ms(kernel_flops(op), op.moved_bytes, op.op.endswith("_backward"), op.causal, device)
+    return curve.kernel_overhead_ms + max(op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency),
                                           op.moved_bytes / device.memory_bytes_per_ms)
+
+
+def attention_kernel_ms(flops: float, moved_bytes: float, backward: bool, causal: bool, device: Device) -> float:
+    """One fused attention kernel computing `flops` (as its benchmarks count them: `kernel_flops`), a `backward`
+    one or a forward, `causal` (its diagonal blocks masked) or unmasked, at the kernel's published fraction of the
+    peak for that pass and mask (`Curve.attention_fraction`), or its bytes at the memory's rate where slower."""
+    fraction = device.curve.attention_fraction(backward, causal)
+    return device.curve.kernel_overhead_ms + max(flops / (device.peak_flops_per_ms * fraction),
+                                                 moved_bytes / device.memory_bytes_per_ms)
 
 
 @dataclass(frozen=True)
@@ -585,11 +595,16 @@ class ContextRing:
     def blocks_ms(self, op: OpCount, device: Device) -> list[float]:
         """One call of the rank's attention `op` (its 1/C share, `_Split.context_share`) run as the ring's C
         blocks, each step at the pace of its busiest rank. The pairs are the work a causal kernel computes
-        (`kernel_flops`): a block is priced as that share of it, unmasked."""
+        (`kernel_flops`): a block is priced as that share of it, at the causal kernel's rate for the first step's
+        (every rank's own chunks, the diagonal masked: TransformerEngine's `AttnFuncWithCPAndKVP2P` passes
+        attn_mask_type causal at i == 0, torch's ring is_causal at its first step) and the unmasked kernel's for
+        the others (half the queries or half the keys, "no_mask"), where the part publishes them apart
+        (`Curve.attention_fraction`)."""
         busiest = [max(pairs) for pairs in zip(*(self.step_pairs(rank) for rank in range(self.ranks)))]
         share = self.ranks / sum(sum(self.step_pairs(rank)) for rank in range(self.ranks))  # of the rank's op
-        return [op_ms(replace(op, flops=round(kernel_flops(op) * pairs * share), causal=False,
-                              moved_bytes=round(op.moved_bytes * pairs * share)), device) for pairs in busiest]
+        backward = op.op.endswith("_backward")
+        return [attention_kernel_ms(kernel_flops(op) * pairs * share, op.moved_bytes * pairs * share, backward,
+                                    op.causal and step == 0, device) for step, pairs in enumerate(busiest)]
 
     def merge_ms(self, op: OpCount, device: Device, element_bytes: int) -> float:
         """The elementwise passes that join one call's C blocks, as TransformerEngine 1.x's
@@ -1215,7 +1230,8 @@ def kernel_curve(curve: Curve, kernel: str, gpu: str) -> Curve:
         published = ", ".join(name for name in ATTENTION_KERNELS if curve.attention_kernel_efficiency(name))
         raise EstimateError(f"attention_kernel: no published {kernel} rate for {gpu} in its curve (published: "
                             f"{published}; a --gpus file can add attention_kernels)")
-    return curve.model_copy(update={"attention_efficiency": efficiency})
+    return curve.model_copy(update={"attention_efficiency": efficiency,
+                                    "attention_passes": curve.attention_passes_of(kernel)})
 
 
 def _routing_groups(options: dict) -> tuple[int, int] | None:
@@ -1505,7 +1521,8 @@ def curve_for(fitted: FittedCurve, peak_flops_per_ms: float, memory_bytes_per_ms
     if bad:
         raise EstimateError(f"{bad[0]}: the fit gives {efficiencies[bad[0]]:.3g}, above 1: the datasheet figures "
                             "given are below what the calibration measured")
-    return base.model_copy(update={**efficiencies, "kernel_overhead_ms": fitted.kernel_overhead_ms,
+    measured = {"attention_passes": None} if fitted.attention_flops_per_ms else {}  # its one rate prices every pass
+    return base.model_copy(update={**efficiencies, **measured, "kernel_overhead_ms": fitted.kernel_overhead_ms,
                                    "multiprocessors": fitted.multiprocessors, "tiles": list(fitted.tiles),
                                    "source": source})
 
