@@ -38,7 +38,7 @@ even on average and the busiest rank is waited for), and balanced where the row 
 "(tokendrop)", `TOKEN_DROP`: each expert padded to its even share, `--capacity-factor 1`, so its dispatcher never
 synchronises with the host: planning/host.py, workload/hf.py). The predicted tokens/s per GPU is the global
 batch's tokens over the predicted step and the row's GPUs. A row pipesim cannot express is listed with why; a row whose
-release's recipe ran another layout than the row prints runs that layout (`RELEASE_LAYOUTS`, each with its
+release's recipe ran another layout or micro-batch than the row prints runs that (`RELEASE_LAYOUTS`, each with its
 source), listed too. Each command's
 fullest device's peak memory is printed with it: the summaries publish no memory figure, but every row ran, so none
 should be marked out of memory.
@@ -74,16 +74,17 @@ EXPERT_TENSOR = {"Qwen3_30B_a3B": 1, "Qwen3_235B_a22B": 1}
 # qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config; benchmarks/published/README.md); 25.09 states none: delayed
 # scaling, TransformerEngine's default recipe
 FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te"}
-# (model, t, p, v, E) -> --token-dispatcher: the layout's H100 recipe in Megatron-Bridge's history (README.md there);
-# the rest ran the model provider's default, NCCL's all-to-all (qwen_provider.py: moe_token_dispatcher_type)
-DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): "deepep",  # HybridEP, the layout's only recipe (4a64507, 2026-02-23)
+# (model, t, p, v, E) -> (--token-dispatcher, the containers whose H100 recipe for that layout ran it) in
+# Megatron-Bridge's history (README.md there); the rest ran the model provider's default, NCCL's all-to-all
+# (qwen_provider.py: moe_token_dispatcher_type), as 25.11's p2 v12 recipe did (its base config names no flex backend)
+DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): ("deepep", ("26.",)),  # HybridEP, the layout's only recipe (4a64507)
                # DeepEP with GBS 1024 (90bdd9f, c4cc63b): in r0.3.0 (26.02) qwen3_llm_pretrain.py hands the base
                # config's deepep to the library recipe, whose apply_flex_dispatcher_backend picks flex on Hopper
-               ("Qwen3_30B_a3B", 1, 2, 12, 8): "deepep"}
+               ("Qwen3_30B_a3B", 1, 2, 12, 8): ("deepep", ("26.02",))}
 # (model, t, p, v, E) -> the containers whose recipe for that layout sets moe_a2a_overlap (Megatron-core's
 # overlap_moe_expert_parallel_comm: `--overlap-expert-comm`), each with its line in Megatron-Bridge. 25.09 ran
-# v0.1.0's recipe, which sets no overlap (scripts/performance/configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml at
-# v0.1.0rc4); the 30B at v24 is no recipe's layout there.
+# v0.1.0's recipe, which sets no overlap (scripts/performance/configs/qwen3/qwen3_235b_a22b_llm_pretrain.yaml and
+# qwen3_30b_a3b_llm_pretrain.yaml at v0.1.0rc4).
 A2A_OVERLAP = {
     # 25.11 (Megatron-Bridge v0.2.0, whose docs/performance-summary.md has the 25.11 rows from v0.2.1):
     # scripts/performance/configs/qwen3/workload_base_configs.py line 143, QWEN3_235B_A22B_H100_FP8_CS_BASE_CONFIG
@@ -91,20 +92,34 @@ A2A_OVERLAP = {
     # qwen3_235b_a22b_pretrain_256gpu_h100_fp8cs_config, lines 213-219: cfg.model.moe_a2a_overlap = True,
     # overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True
     ("Qwen3_235B_a22B", 2, 8, 4, 32): ("25.11", "26."),
-    # scripts/performance/configs/qwen/qwen3_workload_base_configs.py at c4cc63b, line 429,
-    # QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 (p 2, v 12, DeepEP, GBS 1024): moe_a2a_overlap=True
-    ("Qwen3_30B_a3B", 1, 2, 12, 8): ("26.",),
+    # 25.11: scripts/performance/configs/qwen3/workload_base_configs.py at v0.2.0 and v0.2.1, line 233,
+    # QWEN3_30B_A3B_H100_FP8_CS_BASE_CONFIG (p 2, v 12, GBS 512): moe_a2a_overlap=True. 26.02: scripts/performance/
+    # configs/qwen/qwen3_workload_base_configs.py at c4cc63b, line 429, QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1
+    # (p 2, v 12, DeepEP, GBS 1024): moe_a2a_overlap=True
+    ("Qwen3_30B_a3B", 1, 2, 12, 8): ("25.11", "26."),
 }
-# (container, model) -> the layout (t, p, v, E) its release's recipe ran where the row prints another, with why.
+# (container, model) -> the layout (t, p, v, E, micro-batch) its release's recipe ran where the row prints another,
+# with why. 25.09's and 25.11's Qwen3-30B-A3B rows print the same layout (MBS 2, VP 24, GA 32), which neither
+# release's H100 recipe runs: 25.09's (scripts/performance/configs/qwen3/qwen3_30b_a3b_llm_pretrain.yaml at
+# v0.1.0rc4, perf_matrix h100 num_gpus_16: vp 12, mbs 2 under fp8_cs and the recipe's default 2) runs 2 layers a
+# chunk, and 25.11's (workload_base_configs.py at v0.2.0 and v0.2.1, QWEN3_30B_A3B_H100_FP8_CS_BASE_CONFIG: p 2,
+# v 12, EP 8, GBS 512, WorkloadBaseConfig's micro_batch_size 1, moe_a2a_overlap) is the overlapped MBS-1 recipe that
+# 26.02 ran over DeepEP, whose row measures within 3 % of it per GPU (5,113 against 5,275); 25.11's summary prints
+# 25.09's H100 columns (and MBS 4 on GB300, whose v0.2.1 config runs 8).
 # 26.02.01 is Megatron-Bridge r0.3.1 (its docs/releases/known-issues.md at v0.4.0: "Fixed in 26.02.01 (r0.3.1)"),
 # whose only H100 FP8-CS Qwen3-30B-A3B recipe is t1 p1 E16 over HybridEP without moe_a2a_overlap
 # (scripts/performance/configs/qwen/qwen3_workload_base_configs.py at v0.3.1, QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_
 # FP8_CS_V1: f29a269f8, the cherry-pick of 4a6450755, "Update Qwen3 30B H100 Base Configs with HybridEP"); the row
 # prints 26.02's p2 v12 E8 (r0.3.0's recipe) and measures within 1-3 % of the E16 recipe's 26.04 to 26.06 rows.
 RELEASE_LAYOUTS = {
-    ("26.02.01", "Qwen3_30B_a3B"): ((1, 1, 1, 16), "Megatron-Bridge r0.3.1's only H100 FP8-CS recipe for it is "
+    ("26.02.01", "Qwen3_30B_a3B"): ((1, 1, 1, 16, 1), "Megatron-Bridge r0.3.1's only H100 FP8-CS recipe for it is "
                                    "t1 p1 E16 over HybridEP, no expert overlap (qwen3_workload_base_configs.py at "
                                    "v0.3.1; the row prints r0.3.0's p2 v12 E8)"),
+    ("25.11", "Qwen3_30B_a3B"): ((1, 2, 12, 8, 1), "Megatron-Bridge v0.2.x's H100 FP8-CS recipe for it is t1 p2 v12 "
+                                "E8 at MBS 1 with moe_a2a_overlap over NCCL's all-to-all (workload_base_configs.py "
+                                "at v0.2.1, QWEN3_30B_A3B_H100_FP8_CS_BASE_CONFIG; the row prints 25.09's MBS 2 v24)"),
+    ("25.09", "Qwen3_30B_a3B"): ((1, 2, 12, 8, 2), "Megatron-Bridge v0.1.0rc4's H100 recipe for it runs VP 12 "
+                                "(qwen3_30b_a3b_llm_pretrain.yaml's perf_matrix; the row prints VP 24)"),
 }
 # The runs that force balance (--routing random) and those that do not: the dropless Qwen3 runs set
 # moe_router_force_load_balancing (scripts/performance/configs/qwen3/qwen3_llm_pretrain.py at v0.2.1,
@@ -185,11 +200,13 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
                                                                "expert_parallel"))
         chunks = 1 if row["virtual_pipeline"] == "n/a" else int(row["virtual_pipeline"])
         if (row["container"], model) in RELEASE_LAYOUTS:
-            t, p, chunks, e = RELEASE_LAYOUTS[row["container"], model][0]
+            t, p, chunks, e, b = RELEASE_LAYOUTS[row["container"], model][0]
         layout = (model, t, p, chunks, e)
         drops = TOKEN_DROP in row["model"]
+        dispatcher, flex_containers = DISPATCHERS.get(layout, (None, ()))
         expressible.append((MoeRun(f"{row['container']} {row['model']} t{t} p{p} v{chunks} E{e}", PRESETS[model],
-                                   gpus, batch, b, seq, t, p, chunks, e, DISPATCHERS.get(layout),
+                                   gpus, batch, b, seq, t, p, chunks, e,
+                                   dispatcher if row["container"].startswith(flex_containers) else None,
                                    EXPERT_TENSOR[model], row["container"].startswith(A2A_OVERLAP.get(layout, ())),
                                    FP8_RECIPES[row["precision"]],
                                    "balanced" if drops else "random", TOKEN_DROP_CAPACITY if drops else None),

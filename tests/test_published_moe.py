@@ -24,9 +24,11 @@ def _flag(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-# (container, model) -> (t, p, v, E): the rows run as their release's recipe ran them (published_moe.py
-# `RELEASE_LAYOUTS`): 26.02.01 is Megatron-Bridge r0.3.1, whose H100 FP8-CS recipe for the 30B is t1 p1 E16
-RELEASE_LAYOUTS = {("26.02.01", "Qwen3_30B_a3B"): (1, 1, 1, 16)}
+# (container, model) -> (t, p, v, E, micro-batch): the rows run as their release's recipe ran them (published_moe.py
+# `RELEASE_LAYOUTS`): 26.02.01 is Megatron-Bridge r0.3.1, whose H100 FP8-CS recipe for the 30B is t1 p1 E16; 25.11's
+# (v0.2.x) is p2 v12 at MBS 1, 25.09's (v0.1.0rc4) p2 v12 at MBS 2, where both rows print MBS 2 and VP 24
+RELEASE_LAYOUTS = {("26.02.01", "Qwen3_30B_a3B"): (1, 1, 1, 16, 1), ("25.11", "Qwen3_30B_a3B"): (1, 2, 12, 8, 1),
+                   ("25.09", "Qwen3_30B_a3B (tokendrop)"): (1, 2, 12, 8, 2)}
 
 
 def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
@@ -37,14 +39,15 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         t, p, e, gpus = (int(published[k]) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
                                                      "gpus"))
         chunks = "1" if published["virtual_pipeline"] == "n/a" else published["virtual_pipeline"]
+        b = int(published["microbatch_size"])
         if (published["container"], published["model"]) in RELEASE_LAYOUTS:
-            t, p, v, e = RELEASE_LAYOUTS[published["container"], published["model"]]
+            t, p, v, e, b = RELEASE_LAYOUTS[published["container"], published["model"]]
             chunks = str(v)
         d = gpus // (t * p)
         assert row["published_tokens_per_s_per_gpu"] == float(published["tokens_per_s_per_gpu"])
         assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "--data-parallel"),
                 _flag(args, "--expert-parallel")) == (str(t), str(p), str(d), str(e))
-        assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == int(published["global_batch"])
+        assert _flag(args, "-b") == str(b) and int(_flag(args, "-m")) * d * b == int(published["global_batch"])
         assert _flag(args, "--seq-len") == published["sequence_length"] and _flag(args, "--dtype") == "fp8"
         assert (_flag(args, "--rank-order"), _flag(args, "--expert-tensor-parallel")) == ("megatron", "1")
         assert _flag(args, "--expert-gemm") == "per-expert"  # TEGroupedMLP: a GEMM per local expert
@@ -54,7 +57,8 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
         assert (_flag(args, "--capacity-factor") if "--capacity-factor" in args else None) == (
             "1" if "(tokendrop)" in published["model"] else None)
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
-        flex = (p, chunks, e) in ((1, "1", 16), (2, "12", 8))  # the layouts whose recipes ran DeepEP or HybridEP
+        # the recipes that ran HybridEP (t1 p1 E16) or DeepEP (26.02's p2 v12; 25.11's ran NCCL's all-to-all)
+        flex = (p, chunks, e) == (1, "1", 16) or (published["container"], p, chunks, e) == ("26.02", 2, "12", 8)
         assert (_flag(args, "--token-dispatcher") if "--token-dispatcher" in args else None) == (
             "deepep" if flex else None)
         predicted = int(published["global_batch"]) * int(published["sequence_length"]) / (
@@ -63,8 +67,8 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
 
 
 @pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02 Qwen3_30B_a3B t1 p2 v12 E8",
-                                 "25.11 Qwen3_235B_a22B t2 p8 v4 E32",
-                                 "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v24 E8"])
+                                 "25.11 Qwen3_235B_a22B t2 p8 v4 E32", "25.11 Qwen3_30B_a3B t1 p2 v12 E8",
+                                 "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v12 E8"])
 def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
     """The 235B row runs Megatron-core's overlapped pairs, each leaving its layers' all-to-alls exposed as their
     nodes' order does (planning/experts.py `paired_exposed_ms`)."""
@@ -87,22 +91,23 @@ def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
 
 def test_the_rows_whose_recipe_sets_moe_a2a_overlap_run_megatron_cores_expert_overlap():
     """Qwen3-235B-A22B from 25.11 on (25.09's recipe sets none) and the 30B's p2 v12 layout (benchmarks/
-    published_moe.py `A2A_OVERLAP`, each with its recipe line), which only 26.02 ran: 26.02.01 runs r0.3.1's E16
-    recipe, which sets none."""
+    published_moe.py `A2A_OVERLAP`, each with its recipe line) as 25.11 and 26.02 ran it: 25.09's p2 v12 recipe
+    sets none, and 26.02.01 runs r0.3.1's E16 recipe, which sets none."""
     overlapped = {row["run"] for row in RECORDED if "--overlap-expert-comm" in shlex.split(row["command"])}
     assert overlapped == {f"{container} {model}" for container, model in (
         ("26.04.01", "Qwen3_235B_a22B t2 p8 v4 E32"), ("26.04", "Qwen3_235B_a22B t2 p8 v4 E32"),
         ("26.02.01", "Qwen3_235B_a22B t2 p8 v4 E32"), ("26.02", "Qwen3_235B_a22B t2 p8 v4 E32"),
-        ("25.11", "Qwen3_235B_a22B t2 p8 v4 E32"), ("26.02", "Qwen3_30B_a3B t1 p2 v12 E8"))}
+        ("25.11", "Qwen3_235B_a22B t2 p8 v4 E32"), ("26.02", "Qwen3_30B_a3B t1 p2 v12 E8"),
+        ("25.11", "Qwen3_30B_a3B t1 p2 v12 E8"))}
 
 
 def test_every_layout_fits_as_megatron_core_holds_it():
     """Every Qwen3 recipe keeps 16-bit gradients (grad_reduce_in_fp32 False), and the routed experts keep what
     Megatron-core's TEGroupedMLP keeps with its fused SwiGLU (tests/test_moe.py): Qwen3-30B-A3B's t1 p1 E16 and
     t1 p2 v12 E8 layouts and Qwen3-235B-A22B's fit in 80 GB as they ran (before: 96,141, 89,140 and 118,730 MiB;
-    unfused SwiGLU, 235B: 83,276 and 85,020 with the recipe's expert overlap). The 30B at MBS 2 over 24 chunks fits
+    unfused SwiGLU, 235B: 83,276 and 85,020 with the recipe's expert overlap). The 30B at MBS 2 (25.09's) fits
     with TransformerEngine's norms and Megatron-core's cross entropy (`--norm-kernel fused`, `--cross-entropy
-    megatron`; 97,952 MiB with transformers' eager RMSNorm and aten's cross entropy)."""
+    megatron`; 97,952 MiB over 24 chunks with transformers' eager RMSNorm and aten's cross entropy)."""
     for row in RECORDED:
         args = shlex.split(row["command"])
         assert _flag(args, "--precision") == "megatron-16bit-grads"
