@@ -12,7 +12,7 @@ import pytest
 
 from pipesim.planning.estimate import Parallelism, estimate_profile
 from pipesim.planning.experts import FLOAT8_PADDING_ROWS, ExpertGroup, expert_group
-from tests.test_expert_parallel import DEVICE, EXPERTS, H, H100, PLACEMENT, TOP_K, S, counted
+from tests.test_expert_parallel import DEVICE, EXPERTS, H100, PLACEMENT, TOP_K, H, S, counted
 
 
 def _added(group: ExpertGroup, dropless: bool = True, rows: int | None = None) -> dict[str, list]:
