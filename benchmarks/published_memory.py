@@ -107,10 +107,8 @@ HF_MAX_POSITIONS = 131072  # the Llama 3.1 configs' max_position_embeddings, whi
 # The page's GPUs: 96 GB HBM2e H100s at 500 W (docs/performance.md), not the catalogue's 80 GB SXM5; each figure
 # and its source in the file.
 TORCHTITAN_GPU = ["--gpus", "examples/h100-hbm2e-96gb.toml", "--gpu", "h100-hbm2e-96gb"]
-# torchtitan's launcher at 9dec370 (run_llama_train.sh) exports PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"
-# for every run it starts, so its allocator grows one segment a stream (sim/caching_allocator.py
-# `ExpandableSegments`); its multinode_trainer.slurm sets nothing, and the page does not say which launched a row
-TORCHTITAN_ALLOCATOR = "expandable"
+# The page's hosts: 8 H100s each (docs/performance.md), the GPUs one launch of run_llama_train.sh can start
+TORCHTITAN_GPUS_PER_HOST = 8
 
 
 def torchtitan_layout(parallelism: str) -> dict[str, int | str]:
@@ -145,8 +143,7 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     ops (`--no-swiglu-fusion`: models/llama3/model.py FeedForward, `w2(F.silu(w1(x)) * w3(x))`, keeps silu's output
     beside the products' outputs; torch.compile's fusion is not modelled); with a pipeline, torch's pipelining
     holds the tensors passed between stages (`--pp-runtime torch`: its stages' receive buffers, outputs and
-    input gradients); the caching allocator with expandable segments (`--allocator expandable`:
-    `TORCHTITAN_ALLOCATOR`)."""
+    input gradients); the caching allocator as the row's launcher set it (`torchtitan_allocator`)."""
     layout = torchtitan_layout(row["parallelism"])
     seq = int(row["sequence_length"] or TORCHTITAN_SEQ)
     if seq > HF_MAX_POSITIONS:
@@ -169,8 +166,18 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
             *(["--context-parallel", str(c), "--cp-rotate", "allgather"] if c > 1 else []),
             "--zero", "3", "--precision", "fsdp2", "--no-swiglu-fusion",
             "--recompute", "op" if row["activation_checkpointing"] == "selective" else "full",
-            "--allocator", TORCHTITAN_ALLOCATOR]
+            "--allocator", torchtitan_allocator(int(row["gpus"]))]
     return args
+
+
+def torchtitan_allocator(gpus: int) -> str:
+    """The caching allocator a row of `gpus` ran, as torchtitan's launchers at 9dec370 set it: run_llama_train.sh
+    exports PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" (one segment a stream, grown page by page:
+    sim/caching_allocator.py `ExpandableSegments`) and starts torchrun on one host, its rendezvous at localhost, so
+    only a row of one host's GPUs can have run from it; the multi-host launcher, multinode_trainer.slurm, sets no
+    allocator configuration, so a row over several hosts ran the default's rules, as far as the repository says
+    (the page does not say how its runs were launched)."""
+    return "expandable" if gpus <= TORCHTITAN_GPUS_PER_HOST else "caching"
 
 
 def torchtitan() -> tuple[list[dict], list[dict]]:
