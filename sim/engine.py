@@ -17,8 +17,8 @@ computing at that moment allows, so it lasts longer while others compute too. Wh
 beside them (`Costs.transfers_hold_products`: NCCL's kernels beside persistent products), a device's compute makes
 no progress while a kernel of one of its transfers runs (a send's from its issue until its data has arrived, a
 receive's while its data moves), and the devices run in simulated time order, so that each knows the transfers
-beside its compute: without SimPy where they share nothing but links each taken by one device's sends
-(`_Model._run_held`), a device waiting for that order only where a transfer to it may yet begin beside its compute.
+beside its compute. Where devices share nothing but links each taken by one device's sends (a queue per link
+direction, as estimates and calibrations price them), none of this needs SimPy (`_Model._run_timed`).
 This module only prices the rows and runs them: nothing here knows a method by name.
 """
 
@@ -755,20 +755,18 @@ class _Model:
     clock depends on the data it receives alone, never on when other devices reach theirs: SimPy's time order is
     then not needed, and the processes run as plain coroutines, each until it waits for data (the same integers,
     without an event per wait); where many devices run side by side, sweeps that advance all of them a step at a
-    time run first (`_lockstep`). Where transfers hold the compute beside them and the devices share nothing but
-    links each taken by one device's sends (taken in that device's order, whenever it runs), the coroutines keep a
-    simulated time of their own, a heap of the compute ends devices wait at (`_run_held`): exact as SimPy's, at a
-    fraction of its cost a step.
+    time run first (`_lockstep`). Where the devices share nothing but links each taken by one device's sends (which
+    serve them in that device's order, whenever it runs), they run as coroutines too, and where transfers hold the
+    compute, with a simulated time of their own, a heap of the compute ends devices wait at (`_run_timed`): exact as
+    SimPy's, at a fraction of its cost a step.
     """
 
     def __init__(self, program: _Program, overlap_comm: bool, transfers_hold: bool = False) -> None:
         self.program = program
         self.overlap_comm = overlap_comm
         devices = len(program.step_bounds) - 1
-        # Holds where devices share nothing but links each taken by one device's sends run without SimPy
-        # (`_run_held`); anything else timed, on SimPy.
-        held_alone = transfers_hold and program.timed and _unshared(program)
-        self.env = simpy.Environment() if program.timed and not held_alone else None
+        # Timed where devices share nothing but links each taken by one device's sends: without SimPy (`_run_timed`).
+        self.env = simpy.Environment() if program.timed and not _unshared(program) else None
         # Every device's clock at its start and after each of its steps (SEND issued, RECV arrived, the start of
         # a compute row that is a step), in one list (see `_Program.start_clock`; -1: not reached yet); per
         # transfer id, its arrival once its SEND step has run (-1 before). Arrays of machine integers: they keep
@@ -800,8 +798,8 @@ class _Model:
         self.channels = list(zip(program.routes, program.channel_ps,
                                  (channel.dst_device for channel in program.lowered.channels)))
         self.units = program.lowered.units
-        # Without SimPy (`_run_held`): the simulated time the run has reached, the devices waiting for it to reach
-        # the end of their compute (end, device, coroutine), per device a time before which it issues no more
+        # Timed without SimPy (`_run_timed`): the simulated time the run has reached, the devices waiting for it to
+        # reach the end of their compute (end, device, coroutine), per device a time before which it issues no more
         # sends, and the devices that send to each.
         self.now = 0
         self.due: list[tuple[int, int, object]] = []
@@ -924,18 +922,19 @@ class _Model:
                 self._succeed(woken)
         self.finished += 1
 
-    def held_coroutine(self, d: int):
-        """Device d's steps where its transfers hold its compute and nothing is shared but links each taken by one
-        device's sends (`_run_held`), as `process` runs them. A compute span's end is known once every kernel that
-        begins before it is: its own sends', and those of the transfers it receives, which begin no earlier than
-        their sender's issue. So it ends at once where each device sending to it will issue no more sends before
-        that end (`frontier`), else it waits for the run's simulated time to reach the end (every device then has
-        issued what it sends before then, as under SimPy) and works it out again with the kernels announced meanwhile.
-        A link of one sender's serves its sends in the order the sender issues them, whenever that runs, as SimPy's
-        time order does."""
+    def timed_coroutine(self, d: int):
+        """Device d's steps where the program is timed and nothing is shared but links each taken by one device's
+        sends (`_run_timed`), as `process` runs them: such a link serves its sends in the order its device issues
+        them, whenever that runs, as SimPy's time order does. Where transfers hold the compute (`kernels`), a
+        compute span's end is known once every kernel that begins before it is: its own sends', and those of the
+        transfers it receives, which begin no earlier than their sender's issue. So it ends at once where each
+        device sending to it will issue no more sends before that end (`frontier`), else it waits for the run's
+        simulated time to reach the end (every device then has issued what it sends before then, as under SimPy)
+        and works it out again with the kernels announced meanwhile."""
         program = self.program
         clocks, waiters, resume, arrival = self.clocks, self.waiters, self.ready.extend, self.arrival
-        due, frontier, kernels, senders = self.due, self.frontier, self.kernels[d], tuple(self.senders[d])
+        due, frontier, senders = self.due, self.frontier, tuple(self.senders[d])
+        kernels = None if self.kernels is None else self.kernels[d]
         awaited, sender_of, units = self.awaited, self.sender_of, program.lowered.units
         overlap = self.overlap_comm
         me = self.running
@@ -944,7 +943,9 @@ class _Model:
         clock = 0
         for mine, busy_ps, stream, xid, other, after_ps in zip(  # memoryviews: Python ints, one at a time
                 itertools.count(start + 1), *map(memoryview, program.steps[d])):
-            if busy_ps:
+            if kernels is None:
+                clock += busy_ps
+            elif busy_ps:
                 end, holds = _held_compute(kernels, clock, busy_ps) if kernels else (clock + busy_ps, ())
                 while True:
                     for s in senders:
@@ -1028,13 +1029,13 @@ class _Model:
             self.kernels[receiver].append((begin, end))
         return end
 
-    def _run_held(self) -> None:
-        """The devices' `held_coroutine`s and the lanes' `coroutine`s, each run until it waits for a clock not
+    def _run_timed(self) -> None:
+        """The devices' `timed_coroutine`s and the lanes' `coroutine`s, each run until it waits for a clock not
         reached or for simulated time to reach the end of its compute; once none can go on, simulated time moves to
         the earliest such end."""
-        devices, ready, due = len(self.kernels), self.ready, self.due
+        devices, ready, due = len(self.frontier), self.ready, self.due
         for d in range(len(self.program.steps)):
-            self.running = self.held_coroutine(d) if d < devices else self.coroutine(d, 0, 0)
+            self.running = self.timed_coroutine(d) if d < devices else self.coroutine(d, 0, 0)
             next(self.running, None)
         while True:
             while ready:
@@ -1053,8 +1054,8 @@ class _Model:
             for d in devices:
                 self.env.process(self.process(d))
             self.env.run()
-        elif self.kernels is not None:
-            self._run_held()
+        elif self.program.timed:
+            self._run_timed()
         else:
             reached = self._lockstep()
             ready = self.ready

@@ -295,8 +295,11 @@ def test_sweeping_every_device_at_once_gives_the_coroutines_trace(name, overlap,
 @pytest.mark.parametrize("overlap", [True, False])
 def test_devices_run_without_simpy_where_nothing_is_shared_and_give_simpys_trace(name, overlap):
     """Where no resource is shared the device processes run as plain coroutines, sends on private links as no
-    steps; SimPy's time-ordered run, here forced by giving every link a resource of its own that no transfer ever
-    queues on (they are sent farther apart than they take), must give the same trace, bit for bit."""
+    steps; with every link a resource of its own that no transfer ever queues on (they are sent farther apart than
+    they take), each send is a step of the timed coroutines (`_Model._run_timed`), and SimPy's time-ordered run of
+    that program must give the same trace too, bit for bit."""
+    import simpy
+
     from pipesim.schedules.lowering import lower
     from pipesim.sim import engine
 
@@ -312,4 +315,10 @@ def test_devices_run_without_simpy_where_nothing_is_shared_and_give_simpys_trace
     for jitter in (0.0, 0.2):
         coroutines = simulate(schedule, costs, plain, jitter=jitter, seed=3)
         timed = simulate(schedule, costs, own_links, jitter=jitter, seed=3)
-        assert coroutines.ops == timed.ops and coroutines.counters == timed.counters
+        program = engine._price(lower(schedule), costs, own_links, jitter, 3)
+        model = engine._Model(program, overlap)
+        model.env = simpy.Environment()
+        model.run()
+        on_simpy = engine._trace(costs, own_links, program, model, jitter, 3)
+        assert coroutines.ops == timed.ops == on_simpy.ops
+        assert coroutines.counters == timed.counters == on_simpy.counters
