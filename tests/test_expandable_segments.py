@@ -97,6 +97,21 @@ def test_unmapped_pages_inside_the_segment_are_mapped_again_first():
     assert allocator.reserved_bytes == 200 * MIB
 
 
+def test_a_segment_left_wholly_unmapped_is_released_and_a_new_one_taken():
+    """100 MiB of memory, so a large pool's segment spans 9/8 of it in 20 MiB pages (six): A (100 MiB, five pages)
+    freed, 101 MiB needs a sixth page (120 > 100); A's five unmapped leave the whole segment unmapped, which is
+    released (`release_expandable_segment`), and the retry takes a new segment, whose six pages do not fit
+    either: out of memory, nothing reserved. 100 MiB then maps five pages of that new segment."""
+    allocator = ExpandableSegments(capacity_bytes=100 * MIB)
+    first = allocator.malloc(100 * MIB)
+    allocator.free(first)
+    with pytest.raises(AllocatorOutOfMemory):
+        allocator.malloc(101 * MIB)
+    assert allocator.reserved_bytes == 0 and list(allocator._segments.values()) == [120 * MIB]
+    assert allocator.malloc(100 * MIB) != first
+    assert allocator.reserved_bytes == 100 * MIB
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_every_mapped_byte_is_a_block_handed_out_or_free(seed):
     """Any mallocs and frees on two streams, bounded or not: the mapped pages are exactly the blocks handed out
