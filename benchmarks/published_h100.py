@@ -6,8 +6,9 @@ Each row's `pipesim simulate` command is built from the row's own columns as NeM
 benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (flash attention, sequence
 parallelism and the tensor-parallel collectives overlapped with the products, `--tp-overlap`, where t > 1, the
 forward's pipelined reduce-scatters without TransformerEngine's SM margin, `--tp-overlap-no-margin`, where the
-run's config left it at TransformerEngine 1.x's default; context parallelism where the row has it; the fused
-attention kernel its environment picks, `--attention-kernel`), the
+run's config left it at TransformerEngine 1.x's default; context parallelism where the row has it, its ring
+TransformerEngine's, `--cp-rotate p2p`: Megatron-core's default cp_comm_type; the fused attention kernel its
+environment picks, `--attention-kernel`), the
 recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B), the distributed optimizer
 (`--zero 1`;
 `--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
@@ -64,7 +65,8 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             *(["--dropout", row["dropout"]] if float(row["dropout"]) else []),
             "--dtype", row["precision"], "--attention", "flash", "--attention-kernel", row["attention_kernel"],
             "-b", str(b), "--gpu", GPU, *tensor,
-            *(["--context-parallel", str(c)] if c > 1 else []), "-p", str(p), "-m", str(batch // (d * b)),
+            *(["--context-parallel", str(c), "--cp-rotate", "p2p"] if c > 1 else []), "-p", str(p),
+            "-m", str(batch // (d * b)),
             *schedule, "--data-parallel", str(d), "--zero", "1", "--grad-accumulation", "fused",
             *(["--precision", "nemo-bf16-adam"] if row["optimizer_state"] == "bf16" else []),
             *(["--recompute", row["recompute"]] if row["recompute"] != "none" else []),

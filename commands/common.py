@@ -266,11 +266,13 @@ ContextParallel = Annotated[int, typer.Option(
                                                    "and values round a ring (torch's and Megatron's context "
                                                    "parallel); gradients reduced over C x d.")]
 CpRotate = Annotated[str | None, typer.Option(
-    "--cp-rotate", metavar="HOW", help="With --context-parallel: how the ring passes keys and values, by torch's "
-                                       "rotate_method: alltoall (a point-to-point ring, C - 1 transfers each under a "
-                                       "block: TransformerEngine's p2p, Megatron's and NeMo's; the default) or "
-                                       "allgather (torch's and torchtitan's default: one all-gather of every rank's "
-                                       "keys and values under the first block, held whole).")]
+    "--cp-rotate", metavar="HOW", help="With --context-parallel: how the ring passes keys and values: alltoall "
+                                       "(torch's point-to-point ring, C - 1 transfers each under a block, the "
+                                       "backward's key/value gradients in float32, the last after the last block; "
+                                       "the default), p2p (TransformerEngine's, Megatron's and NeMo's cp_comm_type "
+                                       "p2p: the same ring, its gradients in the keys' dtype, the last under the "
+                                       "last block) or allgather (torch's and torchtitan's default: one all-gather "
+                                       "of every rank's keys and values under the first block, held whole).")]
 ExpertParallel = Annotated[int, typer.Option(
     "--expert-parallel", metavar="E", min=1, help="With --gpu and a mixture of experts: its routed experts placed over "
                                                   "E of the d data-parallel replicas (E divides d and the experts), "

@@ -121,7 +121,7 @@ TP_RUNTIMES = ("megatron", "torch")
 # How the context ring passes keys and values, by torch's rotate_method names (`set_rotate_method`): alltoall, a
 # point-to-point ring (torch's `_AllToAllRotater`, and the transfers TransformerEngine's p2p ring makes, Megatron's
 # and NeMo's default) or allgather (torch's `_AllGatherRotater`, torch's and torchtitan's default): `ContextRing`.
-CP_ROTATES = ("alltoall", "allgather")
+CP_ROTATES = ("alltoall", "allgather", "p2p")
 # How a backward's weight gradients are added into those accumulated over the mini-batch's micro-batches: fused,
 # inside the weight-gradient product (TransformerEngine's and APEX's fuse_wgrad_accumulation: the GEMM writes
 # main_grad with beta = 1, no pass of its own), or separate (torch's autograd AccumulateGrad, FSDP2's and DDP's: a
@@ -525,22 +525,26 @@ class RingExchange:
 
 @dataclass(frozen=True)
 class ContextRing:
-    """Ring attention over the C ranks of a context-parallel group, as torch's context parallel runs it
-    (pytorch/pytorch torch/distributed/tensor/experimental/_context_parallel/_attention.py,
-    `_templated_ring_attention` and `_templated_ring_attention_backward`, its ring rotater) and Megatron-core's
-    through TransformerEngine (cp_comm_type p2p). Each rank holds 2 of the sequence's 2C chunks, i and 2C-1-i, so
-    that under a causal mask every rank's queries meet the same share of the keys: the forward runs C steps, each
-    a block of 1/C of the rank's attention, while the keys and values it holds go on to the next rank (C - 1
-    transfers); the backward passes them round again and, after each step, the key and value gradients so far,
-    in float32 (torch's `convert_to_f32`): C transfers, the last after the last step. A step's transfer runs under
-    its block; the exchanges are the pass's RING_F or RING_B row (`schedules.passes.add_context_parallel`), priced
-    here as their link time and how much of it the blocks cover (`exchange_ms`); the simulator runs what the blocks
-    leave on the device's network stream, after the collectives issued before it. The elementwise passes that merge
-    the blocks are priced with them (`merge_ms`). `rotate` (of `CP_ROTATES`) is torch's rotate_method:
-    alltoall the ring above (`_AllToAllRotater`), allgather torch's default (`_AllGatherRotater`): the keys and
-    values of all C ranks gathered once, at the first step, under its block, the other steps sending none; the
-    backward gathers them so too, and its key and value gradients still go round the ring (its gradient rotater
-    is `_AllToAllRotater` whatever the option)."""
+    """Ring attention over the C ranks of a context-parallel group, as torch's context parallel runs it (pytorch/pytorch
+    torch/distributed/tensor/experimental/_context_parallel/_attention.py, `_templated_ring_attention` and
+    `_templated_ring_attention_backward`, its ring rotater) and Megatron-core's through TransformerEngine
+    (cp_comm_type p2p: `rotate` p2p, below). Each rank holds 2 of the sequence's 2C chunks, i and 2C-1-i, so that
+    under a causal mask every rank's queries meet the same share of the keys: the forward runs C steps, each a block
+    of 1/C of the rank's attention, while the keys and values it holds go on to the next rank (C - 1 transfers); the
+    backward passes them round again and, after each step, the key and value gradients so far, in float32 (torch's
+    `convert_to_f32`): C transfers, the last after the last step. A step's transfer runs under its block; the
+    exchanges are the pass's RING_F or RING_B row (`schedules.passes.add_context_parallel`), priced here as their
+    link time and how much of it the blocks cover (`exchange_ms`); the simulator runs what the blocks leave on the
+    device's network stream, after the collectives issued before it. The elementwise passes that merge the blocks
+    are priced with them (`merge_ms`). `rotate` (of `CP_ROTATES`) is torch's rotate_method: alltoall the ring above
+    (`_AllToAllRotater`), allgather torch's default (`_AllGatherRotater`): the keys and values of all C ranks
+    gathered once, at the first step, under its block, the other steps sending none; the backward gathers them so
+    too, and its key and value gradients still go round the ring (its gradient rotater is `_AllToAllRotater`
+    whatever the option). p2p is the alltoall ring as TransformerEngine 1.x's `AttnFuncWithCPAndKVP2P` runs it
+    (Megatron-core's cp_comm_type p2p, NeMo's; transformer_engine/pytorch/attention.py at v1.10): its backward's
+    two buffers hold the keys and values with their gradients, all in the keys' dtype; step 0 sends the keys and
+    values, each later step both, the last step the gradients alone, whose receive it waits for before it returns: C
+    transfers, each under its step's block, none after the last."""
 
     ranks: int
     link: EstimateLink
@@ -565,6 +569,9 @@ class ContextRing:
             return [(self.ranks - 1) * keys_values * element_bytes] + [gradients] * (self.ranks - 1), gradients
         if not op.op.endswith("_backward"):
             return [keys_values * element_bytes] * (self.ranks - 1) + [0], 0
+        if self.rotate == "p2p":
+            sent = keys_values * element_bytes
+            return [sent] + [2 * sent] * (self.ranks - 2) + [sent], 0
         gradients = keys_values * 4
         return [keys_values * element_bytes + (gradients if i else 0) for i in range(self.ranks - 1)] + [gradients], \
             gradients
@@ -649,9 +656,14 @@ class ContextRing:
         gradients in float32: the sum it adds to, the copy it sends and the one it receives. Under allgather
         (`_AllGatherRotater`) the keys and values are the gathered C copies and the one concatenated to send, and in
         the backward with C > 2 also the next step's concatenation beside it (`_templated_ring_attention_backward`
-        concatenates one at every step but the last while the last one sent is still held)."""
+        concatenates one at every step but the last while the last one sent is still held). Under p2p
+        (TransformerEngine's) the forward keeps every step's key/value buffer until it returns (its
+        `p2p_comm_buffers`, C of them) and the backward its two buffers of the keys and values with their
+        gradients, in their dtype."""
         keys_values = self.keys_values(op)
         backward = op.op.endswith("_backward")
+        if self.rotate == "p2p":
+            return (4 if backward else self.ranks) * keys_values * element_bytes
         if self.rotate == "allgather":
             kept = (self.ranks + (2 if backward and self.ranks > 2 else 1)) * keys_values * element_bytes
         else:

@@ -1,5 +1,5 @@
-"""--cp-rotate: how the context ring passes keys and values, by torch's rotate_method (planning/estimate.py
-`ContextRing.rotate`). The figures are written out by hand from torch's code
+"""--cp-rotate: how the context ring passes keys and values, by torch's rotate_method or TransformerEngine's ring
+(p2p, last below; planning/estimate.py `ContextRing.rotate`). The figures are written out by hand from torch's code
 (torch/distributed/tensor/experimental/_context_parallel/_attention.py): `_AllGatherRotater` all-gathers every
 rank's concatenated keys and values once, at the first step, into a C x buffer it keeps; the backward's key and
 value gradients go round the ring in float32 whatever the option (its dkv rotater is `_AllToAllRotater`)."""
@@ -118,7 +118,8 @@ def test_estimate_sweep_and_tune_take_the_rotation(tmp_path):
 
 
 @pytest.mark.parametrize("args, line", [
-    (("--context-parallel", 2, "--cp-rotate", "ring"), "--cp-rotate: choose from alltoall, allgather (got 'ring')"),
+    (("--context-parallel", 2, "--cp-rotate", "ring"),
+     "--cp-rotate: choose from alltoall, allgather, p2p (got 'ring')"),
     (("--cp-rotate", "allgather"), "--cp-rotate sets how the context ring passes keys and values: give "
                                    "--context-parallel 2 or more"),
 ])
@@ -133,3 +134,40 @@ def test_the_costs_line_names_the_rotation_only_where_there_is_a_ring():
     assert code == 0 and "cp rotate allgather" in " ".join(out.split()), err
     code, out, err = pipesim("simulate", *args)
     assert code == 0 and "cp rotate" not in " ".join(out.split()), err
+
+
+# p2p: the ring as TransformerEngine 1.x's `AttnFuncWithCPAndKVP2P` runs it under Megatron-core
+# (transformer_engine/pytorch/attention.py at v1.10): its forward sends as torch's ring does; its backward's buffers
+# are [K/V, dK/dV] in the keys' dtype, step 0 sends K/V, each later step both, the last dK/dV alone, received within
+# that step: no transfer after the last block, the gradients 16-bit.
+@pytest.mark.parametrize("c, backward", [(4, [KEYS_VALUES * 2, 4 * KEYS_VALUES, 4 * KEYS_VALUES, KEYS_VALUES * 2]),
+                                         (2, [KEYS_VALUES * 2, KEYS_VALUES * 2])])
+def test_p2p_sends_as_torchs_ring_forward_and_its_gradients_16_bit_within_the_steps(c, backward):
+    p2p, torch = ContextRing(c, SLOW, "p2p"), ContextRing(c, SLOW)
+    assert p2p.step_bytes(FORWARD, 2) == torch.step_bytes(FORWARD, 2) == ([KEYS_VALUES * 2] * (c - 1) + [0], 0)
+    assert p2p.step_bytes(BACKWARD, 2) == (backward, 0)
+
+
+def test_p2p_runs_each_transfer_under_its_steps_block_and_none_after_the_last():
+    ring = ContextRing(2, SLOW, "p2p")
+    transfer_ms = 0.01 + KEYS_VALUES * 2 / 1e6
+    assert ring.exchange_ms(BACKWARD, DEVICE, 2) == pytest.approx((2 * transfer_ms,
+                                                                    sum(ring.blocks_ms(BACKWARD, DEVICE))))
+    torch_link_ms, _ = ContextRing(2, SLOW).exchange_ms(BACKWARD, DEVICE, 2)
+    assert torch_link_ms == pytest.approx(transfer_ms + 2 * (0.01 + GRADIENTS / 1e6))
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_p2p_keeps_every_forward_steps_buffer_and_two_of_keys_values_and_gradients_backward(c):
+    ring = ContextRing(c, SLOW, "p2p")
+    assert ring.buffer_bytes(FORWARD, 2) == c * KEYS_VALUES * 2
+    assert ring.buffer_bytes(BACKWARD, 2) == 4 * KEYS_VALUES * 2
+
+
+def test_an_estimate_and_a_what_if_run_transformer_engines_ring(flash_gpt):
+    torch, p2p = (estimate_profile(flash_gpt, H100, Parallelism(context=4, cp_rotate=rotate)).layers[1]
+                  for rotate in ("alltoall", "p2p"))
+    assert p2p.ring_bwd_ms < torch.ring_bwd_ms and p2p.ring_fwd_ms == torch.ring_fwd_ms
+    args = (*WHAT_IF, "-p", 2, "-m", 4, "-s", "1f1b", "--context-parallel", 4)
+    (alltoall,), (ring,) = simulate_json(*args), simulate_json(*args, "--cp-rotate", "p2p")
+    assert ring["time_per_minibatch_ms"] < alltoall["time_per_minibatch_ms"]
