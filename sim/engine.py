@@ -868,11 +868,11 @@ class _Model:
             if kernels is not None and busy_ps:  # the compute since the last step, held by the transfer kernels
                 computing_from = clock  # beside it: once simulated time reaches its end, every kernel that began
                 while True:  # under it is known (a sender announces its transfer when it issues it)
-                    end, holds = _held_compute(kernels, computing_from, busy_ps)
+                    end, holds = _held_compute(kernels, computing_from, busy_ps, mine - 1)
                     if end <= env.now:
                         break
                     yield env.timeout(end - env.now)
-                self._hold(kernels, mine - 1, end, holds)
+                self._hold(kernels, end, holds)
                 clock = end
             else:
                 clock += busy_ps
@@ -946,7 +946,7 @@ class _Model:
             if kernels is None:
                 clock += busy_ps
             elif busy_ps:
-                end, holds = _held_compute(kernels, clock, busy_ps) if kernels else (clock + busy_ps, ())
+                end, holds = _held_compute(kernels, clock, busy_ps, mine - 1) if kernels else (clock + busy_ps, ())
                 while True:
                     for s in senders:
                         if frontier[s] < end and not self._sends_after(s, d, end):
@@ -959,11 +959,11 @@ class _Model:
                     yield
                     if len(kernels) == known:
                         break
-                    end, holds = _held_compute(kernels, clock, busy_ps)
+                    end, holds = _held_compute(kernels, clock, busy_ps, mine - 1)
                     if end <= self.now:
                         break
                 if holds or kernels:
-                    self._hold(kernels, mine - 1, end, holds)
+                    self._hold(kernels, end, holds)
                 clock = end
             if stream == recv or other != start:  # as `process`
                 if clocks[other] < 0:
@@ -1002,12 +1002,11 @@ class _Model:
                 return True
         return False
 
-    def _hold(self, kernels: list[tuple[int, int]], clock_index: int, end: int, holds: list[tuple[int, int]]
-              ) -> None:
-        """Records the holds of a device's compute since the clock `clock_index` (`_held_compute`'s), which ended
-        at `end`, and forgets the kernels that ended by then."""
+    def _hold(self, kernels: list[tuple[int, int]], end: int, holds: list[tuple[int, int, int]]) -> None:
+        """Records the holds of a device's compute (`_held_compute`'s), which ended at `end`, and forgets the
+        kernels that ended by then."""
         if holds:
-            self.held.extend((clock_index, at, held) for at, held in holds)
+            self.held += holds
         if kernels:
             kernels[:] = [kernel for kernel in kernels if kernel[1] > end]
 
@@ -1291,9 +1290,11 @@ def _posting_rows(bounds: Sequence[int], stream: np.ndarray, window: int) -> tup
     return np.concatenate(receives), np.concatenate(posted)
 
 
-def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int) -> tuple[int, list[tuple[int, int]]]:
+def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, clock_index: int
+                  ) -> tuple[int, list[tuple[int, int, int]]]:
     """When `work_ps` of compute begun at `start_ps` ends where it makes no progress while any of `kernels` (begin,
-    end) runs, and its holds: how far into the work each began, and its length."""
+    end) runs, and its holds as `_Model.held` keeps them: `clock_index`, how far into the work each began, and its
+    length."""
     clock, done, holds = start_ps, 0, []
     for begin, end in sorted(kernels):
         if end <= clock:
@@ -1303,7 +1304,7 @@ def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int) -
         if begin > clock:
             done += begin - clock
             clock = begin
-        holds.append((done, end - clock))
+        holds.append((clock_index, done, end - clock))
         clock = end
     return clock + work_ps - done, holds
 
