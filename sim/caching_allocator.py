@@ -61,6 +61,12 @@ RELEASE = "release"
 ZERO = ":zero"
 ZERO_GRAD = "zero_grad"
 LEFT = "left"
+# torch's AdamW as torchtitan steps it (foreach): each parameter's two moments made at the optimizer's first step
+# (ADAM_STATE: `_init_group`, exp_avg and exp_avg_sq, zeros_like the parameter's float32 shard), and each step the
+# square roots of the second moments, a list of them made and freed (ADAM_STEP: `_multi_tensor_adamw`'s
+# `_foreach_sqrt`; the other foreach ops are in place)
+ADAM_STATE = "adam_state"
+ADAM_STEP = "adam_step"
 # FSDP2 without a pipeline: each pass gathers (and a forward reshards, a backward reduce-scatters) block by block
 # (`_unpipelined`); a pass so named runs its EACH program
 EACH = ":each"
@@ -544,7 +550,7 @@ def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, in
 
 def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Hashable]],
                   programs: Mapping[int, StageProgram], capacity_bytes: int | None = None,
-                  expandable: bool = False) -> CachingAllocator | ExpandableSegments:
+                  expandable: bool = False, adam_at_first_step: bool = False) -> CachingAllocator | ExpandableSegments:
     """One device's step through the caching allocator: its state (`static_bytes`, a block each: weights,
     gradients, optimizer state) allocated first and held, then its `rows` in the order they run, each (pass of
     `PASSES`, stage, micro-batch) with `programs[stage]` the stage's layers written down (`stage_program`). A
@@ -562,9 +568,13 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     (`_Replay.skip`). The one reading not from torch's rules: the blocks may have traded places meanwhile (best
     fit takes the lowest address among equal sizes), and a later repetition can then split a block the first
     did not and take a segment more (docs/benchmarks.md: the zero-bubble 1.5B's 1F1B middle stages reserve 322
-    MiB where every row replayed reserves 610). `expandable`: with expandable segments (`ExpandableSegments`)."""
+    MiB where every row replayed reserves 610). `expandable`: with expandable segments (`ExpandableSegments`).
+    `adam_at_first_step`: FSDP2's rows (ZERO) over two mini-batches or more, the optimizer state not among
+    `static_bytes`: the first mini-batch's rows run before the optimizer made its moments (its FSDP2 shards and
+    last all-gather output as any step before leaves them, LEFT), and each later one after the optimizer's step
+    (ADAM_STATE the first time, ADAM_STEP each time)."""
     replay = _Replay((ExpandableSegments if expandable else CachingAllocator)(capacity_bytes=capacity_bytes), rows,
-                     programs)
+                     programs, adam_at_first_step=adam_at_first_step)
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
     if any(ZERO in name for name, _, _ in rows):  # FSDP2's tensors as the step before left them
@@ -698,8 +708,16 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
         for slot in slots:
             program.free(slot)
     passes[ZERO_GRAD] = tuple(program.ops[zeroed:])
+    shard_bytes = [shard for layer in stage for _, _, shard in layer.unsharded]
+    made = len(program.ops)
+    moments = [program.malloc(nbytes) for nbytes in shard_bytes for _ in ("exp_avg", "exp_avg_sq")]
+    passes[ADAM_STATE] = tuple(program.ops[made:])
+    stepped = len(program.ops)
+    for slot in [program.malloc(nbytes) for nbytes in shard_bytes]:
+        program.free(slot)
+    passes[ADAM_STEP] = tuple(program.ops[stepped:])
     root = _unpipelined(program, stage, passes, part, (gathered, gathers), (flat, flats), (sharded, shards))
-    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded, *flat, root) for slot in slots)
+    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded, *flat, root, moments) for slot in slots)
     return StageProgram(len(stage), program.slots, passes, carried)
 
 
@@ -876,6 +894,8 @@ class _Replay:
     programs: Mapping[int, StageProgram]
     frames: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     carried: dict[int, dict[int, int]] = field(default_factory=dict)  # per stage, FSDP2's whole tensors by slot
+    adam_at_first_step: bool = False  # `replay_device`'s
+    zeros: int = 0  # the mini-batches begun (ZERO rows run)
 
     def __post_init__(self) -> None:
         number: dict[Hashable, int] = {}
@@ -889,15 +909,21 @@ class _Replay:
                        for at, (name, stage, microbatch) in enumerate(self.numbered)]
 
     def run(self, at: int) -> None:
-        """Row `at`: its pass (with ZERO, every stage's ZERO_GRAD before it; with FIRST, as a step's first runs it;
+        """Row `at`: its pass (with ZERO, every stage's ZERO_GRAD before it, after the optimizer's step where
+        `adam_at_first_step` and a mini-batch ran before; with FIRST, as a step's first runs it;
         with LAST, RELEASE after it; with EACH, as FSDP2 runs it without a pipeline), FSDP2's whole tensors'
         addresses carried from the stage's earlier rows and kept for its later ones."""
         name, stage, microbatch = self.numbered[at]
         program = self.programs[stage]
         each = EACH if EACH in name else ""
         if ZERO in name:
+            if self.adam_at_first_step and self.zeros:  # the optimizer's step ended the mini-batch before
+                for other in self.programs:  # torchtitan's optimizers, a model part's each, in turn
+                    for step in (ADAM_STATE, ADAM_STEP) if self.zeros == 1 else (ADAM_STEP,):
+                        self.step_pass(other, step)
             for other in self.programs:
                 self.step_pass(other, ZERO_GRAD + each)
+            self.zeros += 1
         if not program.layers:
             return
         base = name.split(":")[0]
@@ -929,7 +955,7 @@ class _Replay:
         allocator, begun = self.allocator, self.begun[at]
         held = sorted((stage, microbatch - begun) for stage, microbatch in self.frames)
         return (allocator.allocated_bytes, allocator.reserved_bytes, allocator.peak_allocated_bytes,
-                allocator.peak_reserved_bytes, tuple(held))
+                allocator.peak_reserved_bytes, tuple(held), self.adam_at_first_step and self.zeros)
 
     def skip(self, before: int, at: int) -> int:
         """After row `at`, the state as after row `before`: skip each further whole repetition of the rows
@@ -961,6 +987,8 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
     (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block;
     without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`).
+    Under FSDP2 over two mini-batches or more, Adam's moments are made at the first step's end (torch's AdamW
+    makes them at its first `step()`), not held as a block from the start (`replay_device`'s adam_at_first_step).
     `expandable`: the allocator with expandable segments (`ExpandableSegments`)."""
     programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
@@ -984,11 +1012,15 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
                       held["optimizer_state"])
         else:
             static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
+        # FSDP2 over two mini-batches or more: Adam's moments made at the first step's end, not held from the start
+        adam_at_first_step = sum(ZERO in name for name, _, _ in rows) > 1
+        if adam_at_first_step:
+            static = static[:-1]
         place: dict[Hashable, int] = {}
         numbered = tuple((name, stages[stage], place.setdefault(microbatch, len(place)))
                          for name, stage, microbatch in rows)
         reserves.append(_reserve(static, numbered, tuple(programs[stage, part] for stage, part in stages.items()),
-                                 capacity_bytes[device], expandable))
+                                 capacity_bytes[device], expandable, adam_at_first_step))
     return reserves
 
 
@@ -1022,15 +1054,16 @@ def unpipelined_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
 
 @functools.lru_cache(maxsize=64)
 def _reserve(static_bytes: tuple[int, ...], rows: tuple[tuple[str, int, int], ...],
-             programs: tuple[StageProgram, ...], capacity_bytes: int | None, expandable: bool = False) -> int:
+             programs: tuple[StageProgram, ...], capacity_bytes: int | None, expandable: bool = False,
+             adam_at_first_step: bool = False) -> int:
     """`device_reserves`' reading of one device, once a process for the same content (`rows`' stages numbered
     into `programs`): a search simulates configurations whose devices replay the same step (the same stages and
     rows, another data-parallel degree)."""
     stages = dict(enumerate(programs))
     try:
-        replayed = replay_device(static_bytes, rows, stages, capacity_bytes, expandable)
+        replayed = replay_device(static_bytes, rows, stages, capacity_bytes, expandable, adam_at_first_step)
     except AllocatorOutOfMemory:
-        replayed = replay_device(static_bytes, rows, stages, None, expandable)
+        replayed = replay_device(static_bytes, rows, stages, None, expandable, adam_at_first_step)
     return replayed.peak_reserved_bytes - replayed.peak_allocated_bytes
 
 
