@@ -248,7 +248,7 @@ def _may_take(request_bytes: int, block_bytes: int, max_split_bytes: int) -> boo
 # Expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), `ExpandableSegments`: a pool's segment is
 # an address range of 9/8 of the GPU's memory (unbounded where the memory is not known) mapped page by page, its
 # pages its pool's segment size (ExpandableSegment's segment_size: kSmallBuffer, kLargeBuffer)
-EXPANDABLE_ADDRESS_SPACE_UNBOUNDED = 1 << 44
+UNBOUNDED_ADDRESS_SPACE_BYTES = 1 << 44
 
 
 def page_bytes(pool: int) -> int:
@@ -259,7 +259,7 @@ def page_bytes(pool: int) -> int:
 
 @dataclass
 class ExpandableSegments(CachingAllocator):
-    """One device's caching allocator with expandable segments on, as torchtitan's launcher runs it
+    """One device's caching allocator with expandable segments on, as torchtitan's one-host launcher runs it
     (run_llama_train.sh: PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"): `CachingAllocator`'s interface and
     blocks, its segments address spaces here, its max_split_size kept as `get_free_block` keeps it. The rules, from
     c10/cuda/CUDACachingAllocator.cpp as read at pytorch 001074d (its "Note [Expandable Segments]";
@@ -383,7 +383,7 @@ class ExpandableSegments(CachingAllocator):
             if room >= request_bytes:
                 return start
         page = page_bytes(pool)
-        space = (EXPANDABLE_ADDRESS_SPACE_UNBOUNDED if self.capacity_bytes is None else
+        space = (UNBOUNDED_ADDRESS_SPACE_BYTES if self.capacity_bytes is None else
                  -(-(self.capacity_bytes + self.capacity_bytes // 8) // page) * page)
         start = -(-self._next_address.get(pool, pool << POOL_SHIFT) // page) * page
         self._next_address[pool] = start + space + SEGMENT_GAP_BYTES
