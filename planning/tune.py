@@ -58,6 +58,7 @@ import gc
 import heapq
 import math
 import multiprocessing
+import pickle
 import time
 from collections import deque
 from collections.abc import Callable
@@ -108,6 +109,7 @@ COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds 
 _UNBOUNDED_BYTES = 1 << 62  # a peak no cap admits
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
 CRITICAL_STEPS = 4  # steps of those a critical path follows (`_with_critical_path`), fewer than STEADY_STEPS
+AHEAD_READ = 15  # the heap's first four levels, which idle workers read for work ahead (`_Built.ahead`)
 
 
 class TuneError(ValueError):
@@ -397,6 +399,10 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     kept: list[list[Result]] = []
     out: deque[Shape | Candidate | Result] = deque()  # handed to a worker (searched, simulated or replayed), in order
 
+    def could_win(speed: float) -> bool:
+        """Whether a result this fast beats `above` and its group would rank no lower than the last kept."""
+        return speed > above and not (len(kept) >= groups and speed < speed_key(kept[-1][0].samples_per_s))
+
     def take() -> None:
         nonlocal kept
         item = out.popleft()
@@ -407,8 +413,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             return
         if isinstance(item, Candidate):
             result = built.floor(item)  # its peak without the caching allocator's reserve, a lower bound
-            speed = speed_key(result.samples_per_s)
-            if speed <= above or (len(kept) >= groups and speed < speed_key(kept[-1][0].samples_per_s)):
+            if not could_win(speed_key(result.samples_per_s)):
                 return  # its group would rank below the last kept: cut, whatever its peak
             if not (keep(result) or keep(replace(result, peak_memory_bytes=_UNBOUNDED_BYTES))):
                 return  # refused at its least peak and at any larger one, so at its own (`keep` holds it to a cap)
@@ -426,8 +431,8 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
 
     while heap or out:
-        bound = speed_key(-heap[0][0]) if heap else above
-        if bound <= above or (len(kept) >= groups and bound < speed_key(kept[-1][0].samples_per_s)):
+        built.ahead(heap, could_win)
+        if not could_win(speed_key(-heap[0][0]) if heap else above):
             if not any(isinstance(item, Shape) for item in out):
                 while out:  # what is out can only raise the bar: nothing left on the heap can beat it
                     take()
@@ -493,6 +498,10 @@ class _Built:
         self._simulating: dict[int, Future] = {}
         self._searching: dict[int, Future] = {}
         self._replaying: dict[int, Future] = {}
+        self._tightening: dict[int, Future] = {}  # critical paths found ahead (`ahead`)
+        self._costing: dict[int, Future] = {}  # fixed chains' partitions costed ahead (`ahead`)
+        self._running: set[Future] = set()  # handed to the workers and not finished
+        self._shipped: dict[int, tuple[object, _Shipped]] = {}  # by id of what is shipped, which it keeps alive
         self.orders = orders  # the shapes' own: a fixed order is built once
         self.candidates: dict[int, Candidate | None] = {}
         self.floors: dict[int, Result] = {}  # simulated, the peak without the caching allocator's reserve
@@ -616,11 +625,13 @@ class _Built:
                 found = searching.result()  # a copy of the setting came back with it: this one prices the rest
                 self.candidates[shape.index] = found and replace(found, setting=shape.setting)
             else:
+                costing = self._costing.pop(shape.index, None)
                 try:
-                    self.candidates[shape.index] = _candidate(shape.setting, self.problem, shape.config,
-                                                              shape.index, self._split(shape.setting), self.orders,
-                                                              self._frame_links(shape.setting, shape.config)[0],
-                                                              self._plans.pop(shape.index, None))
+                    self.candidates[shape.index] = _candidate(
+                        shape.setting, self.problem, shape.config, shape.index, self._split(shape.setting),
+                        self.orders, self._frame_links(shape.setting, shape.config)[0],
+                        self._plans.pop(shape.index, None),
+                        costing.result() if costing is not None and not costing.cancel() else None)
                 except ScheduleError:
                     self.candidates[shape.index] = None
             self._progress()
@@ -630,11 +641,55 @@ class _Built:
     def parallel(self) -> bool:
         return self._pool is not None
 
+    def _submit(self, task: Callable, *args) -> Future:
+        """`task(*args)` handed to a worker, any `_Shipped` argument as the object shipped."""
+        running = self._pool.submit(_run, task, *args)
+        self._running.add(running)
+        running.add_done_callback(self._running.discard)
+        return running
+
+    def _ship(self, value: object) -> _Shipped:
+        """`value` pickled once for the workers, which unpickle it once each (`_received`): a setting's scenario
+        and a pipeline's links are sent with many tasks (pickling a scenario takes about 1 ms)."""
+        if id(value) not in self._shipped:
+            self._shipped[id(value)] = value, _Shipped(id(value), pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+        return self._shipped[id(value)][1]
+
+    def ahead(self, heap: list[tuple[float, int, Shape | Candidate]], could_win: Callable[[float], bool]) -> None:
+        """Idle workers take, ahead of the search, the next steps of the best items near the top of `heap` that
+        a worker can take: a candidate's critical path (`tighten`), a tightened candidate's simulation
+        (`floor`), a partitioned searched order's search and a fixed chain's costs on its partition
+        (`candidate`), for items whose bound `could_win`. Each
+        is a function of the item alone, taken by the search when (and only if) it comes to that step as it
+        would without workers ahead, so what is built, simulated and kept does not depend on it: only when the
+        work is done, on a core that would otherwise wait. Only the heap's first levels are read (its best
+        items, nearly in order): reading all of it at every step would cost more than it saves."""
+        if self._pool is None or len(self._running) >= self.window:
+            return
+        for key, index, item in sorted(heap[:AHEAD_READ]):
+            if not could_win(speed_key(-key)):
+                return
+            if isinstance(item, Candidate) and not item.critical:
+                if index not in self._tightening:
+                    self._tightening[index] = self._submit(_path_bound, self.problem.batch_size, item.schedule,
+                                                           item.costs, self._ship(item.links), item.config.pipelines)
+            elif isinstance(item, Candidate):
+                self.submit(item)
+            elif item.partitioned and METHODS[item.config.schedule].needs_costs:
+                self.submit_search(item)
+            elif index in self._plans and index not in self._costing:
+                _, short, order, bounds = self._plans[index]
+                self._costing[index] = self._submit(_costed, self._ship(item.setting.scenario), self.problem,
+                                                    item.config, order, bounds, short,
+                                                    self._ship(self._frame_links(item.setting, item.config)[0]))
+            if len(self._running) >= self.window:
+                return
+
     def submit_search(self, shape: Shape) -> None:
         """Start building a searched order's candidate (its search, the dear part) in a worker."""
         if shape.index not in self.candidates and shape.index not in self._searching:
-            self._searching[shape.index] = self._pool.submit(_searched_candidate, shape.setting, self.problem,
-                                                             shape.config, shape.index)
+            self._searching[shape.index] = self._submit(_searched_candidate, self._ship(shape.setting), self.problem,
+                                                        shape.config, shape.index)
 
     def _split(self, setting: Setting) -> Callable[..., list[int]]:
         if id(setting) not in self._splitters:
@@ -642,8 +697,11 @@ class _Built:
         return self._splitters[id(setting)]
 
     def tighten(self, candidate: Candidate) -> Candidate:
-        """The candidate bounded by its critical path too (`_with_critical_path`), from now on."""
-        tightened = _with_critical_path(self.problem, candidate)
+        """The candidate bounded by its critical path too (`_with_critical_path`), from now on: the bound a worker
+        found ahead (`ahead`), or found here if none has begun to."""
+        ahead = self._tightening.pop(candidate.index, None)
+        bound = ahead.result() if ahead is not None and not ahead.cancel() else None
+        tightened = _with_critical_path(self.problem, candidate, bound)
         self.candidates[candidate.index] = tightened
         return tightened
 
@@ -651,7 +709,7 @@ class _Built:
         """Start simulating the candidate in a worker, if there are workers and it is not simulated yet."""
         index = candidate.index
         if self._pool is not None and index not in self.floors and index not in self._simulating:
-            self._simulating[index] = self._pool.submit(_measured, self.problem, candidate, False)
+            self._simulating[index] = self._submit(_measured, self.problem, candidate, False)
 
     def floor(self, candidate: Candidate) -> Result:
         """The candidate simulated, its peak without the caching allocator's reserve (the replay, the dear part
@@ -672,7 +730,7 @@ class _Built:
         is not replayed yet."""
         index = candidate.index
         if self._pool is not None and index not in self.results and index not in self._replaying:
-            self._replaying[index] = self._pool.submit(_reserved_peak_bytes, candidate)
+            self._replaying[index] = self._submit(_reserved_peak_bytes, candidate)
 
     def result(self, candidate: Candidate) -> Result:
         """The candidate simulated with the caching allocator's reserve: the peak simulate and sweep give."""
@@ -695,6 +753,25 @@ class _Built:
         if self._report is not None:
             self._report(f"searching {self._shapes:,} configurations, best bound first: {len(self.candidates):,} "
                          f"built, {len(self.floors):,} simulated")
+
+
+@dataclass(frozen=True)
+class _Shipped:
+    """An object pickled once for the workers (`_Built._ship`), by its id in the search's process."""
+
+    key: int
+    blob: bytes
+
+
+_RECEIVED: dict[int, object] = {}  # in a worker: what the search shipped, by key
+
+
+def _run(task: Callable, *args):
+    """In a worker: `task(*args)`, each `_Shipped` argument unpickled the first time it comes and kept."""
+    for shipped in args:
+        if isinstance(shipped, _Shipped) and shipped.key not in _RECEIVED:
+            _RECEIVED[shipped.key] = pickle.loads(shipped.blob)
+    return task(*(_RECEIVED[a.key] if isinstance(a, _Shipped) else a for a in args))
 
 
 def _searched_candidate(setting: Setting, problem: Problem, config: Config, index: int) -> Candidate | None:
@@ -1213,11 +1290,11 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
 
 
 def _candidate(setting: Setting, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],
-               orders: _Orders, links: Cluster, plan: tuple | None = None) -> Candidate:
-    """The configuration built: partitioned (`plan`, if `_plan` has already run), ordered, costed and bounded;
-    `links`: between its devices (`_frame`'s)."""
+               orders: _Orders, links: Cluster, plan: tuple | None = None, costed: tuple | None = None) -> Candidate:
+    """The configuration built: partitioned (`plan`, if `_plan` has already run), ordered, costed (`costed`, if a
+    worker has run `_costed` on a fixed chain's plan) and bounded; `links`: between its devices (`_frame`'s)."""
     scenario = setting.scenario
-    name, p, pipelines, m = config.schedule, config.stages, config.pipelines, config.microbatches
+    name, p, m = config.schedule, config.stages, config.microbatches
     method = METHODS[name]
     params, short, order, bounds = plan or _plan(setting, problem, config, split, orders)
     n = order.schedule.num_stages
@@ -1227,6 +1304,20 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
         if method.needs_costs:
             params = replace(params, activation_limit=float(p * m), search_seconds=problem.search_seconds)
         order = _Order.of(build(scenario, problem, name, params, bounds))
+    costs, *bounded = costed or _costed(scenario, problem, config, order, bounds, short, links)
+    searched = method.needs_costs
+    return Candidate(config, setting, index, params, bounds, order.schedule, short, costs, links, *bounded,
+                     activation_ratio(order.schedule, costs) if searched else None,
+                     build(scenario, problem, name, replace(params, minibatches=short), bounds) if searched else None)
+
+
+def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order, bounds: list[int], short: int,
+            links: Cluster) -> tuple[Costs, int, np.ndarray, int, float, float]:
+    """A candidate's costs on its partition and what they bound: (costs, staleness, compute per step per device,
+    memory floor, all-reduce per step, samples/s bound), the `Candidate` fields from its costs to its bound but
+    its links. A worker finds them ahead of the search for a fixed order's partition (`_Built.ahead`): they are
+    far fewer bytes to send back than the candidate."""
+    p, pipelines = config.stages, config.pipelines
     schedule, staleness, in_flight, lingering, per_step = (order.schedule, order.staleness, order.in_flight,
                                                            order.lingering, order.per_step)
     costs = scenario.costs(schedule, bounds)
@@ -1247,24 +1338,31 @@ def _candidate(setting: Setting, problem: Problem, config: Config, index: int, s
     least_step_ms = max(float((busy_ms + waited_ms).max()),  # shaded: sums of
                         _flush_bound_ms(schedule, per_op_ms, _hops_ms(links, costs, p))
                         ) * (1 - 1e-9)  # the same times in another order
-    searched = method.needs_costs
-    return Candidate(config, setting, index, params, bounds, schedule, short, costs, links, staleness, busy_ms, floor,
-                     allreduce_ms, problem.batch_size / least_step_ms * 1e3,
-                     activation_ratio(schedule, costs) if searched else None,
-                     build(scenario, problem, name, replace(params, minibatches=short), bounds) if searched else None)
+    return costs, staleness, busy_ms, floor, allreduce_ms, problem.batch_size / least_step_ms * 1e3
 
 
-def _with_critical_path(problem: Problem, candidate: Candidate) -> Candidate:
-    """The candidate with its bound lowered to what its critical path allows (`_critical_path_ms` over the long
-    run's last step if it flushes, else its last `CRITICAL_STEPS`, all steady; shaded as `_candidate`'s
-    bound), and marked as such."""
-    schedule, costs = candidate.schedule, candidate.costs
-    steps = 1 if flushes(schedule) else CRITICAL_STEPS
-    step_ms = _critical_path_ms(schedule, costs.op_ms_table(candidate.config.pipelines), costs,
-                                candidate.links, schedule.minibatches - 1 - steps,
-                                steps) * (1 - 1e-9)
-    bound = problem.batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
+def _with_critical_path(problem: Problem, candidate: Candidate, bound: float | None = None) -> Candidate:
+    """The candidate with its bound lowered to what its critical path allows (`_critical_bound`, or `bound` if
+    a worker has found it), and marked as such."""
+    bound = _critical_bound(problem, candidate) if bound is None else bound
     return replace(candidate, max_samples_per_s=min(candidate.max_samples_per_s, bound), critical=True)
+
+
+def _critical_bound(problem: Problem, candidate: Candidate) -> float:
+    """The samples/s the candidate's critical path allows (`_path_bound`)."""
+    return _path_bound(problem.batch_size, candidate.schedule, candidate.costs, candidate.links,
+                       candidate.config.pipelines)
+
+
+def _path_bound(batch_size: int, schedule: Schedule, costs: Costs, links: Cluster, pipelines: int) -> float:
+    """The samples/s a candidate's critical path allows (`_critical_path_ms` over the long run's last step if it
+    flushes, else its last `CRITICAL_STEPS`, all steady; shaded as `_candidate`'s bound). Takes only what the
+    path reads, so that a worker is sent a quarter of the bytes of the candidate (its setting is most of the
+    rest)."""
+    steps = 1 if flushes(schedule) else CRITICAL_STEPS
+    step_ms = _critical_path_ms(schedule, costs.op_ms_table(pipelines), costs, links,
+                                schedule.minibatches - 1 - steps, steps) * (1 - 1e-9)
+    return batch_size / step_ms * 1e3 if step_ms > 0 else math.inf
 
 
 _CRITICAL_PATH_KINDS = kind_mask(np.arange(len(KINDS)), Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.PRED, Kind.AVG,

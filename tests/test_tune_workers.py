@@ -5,10 +5,17 @@ its answer are those of workers started by the search, and the answer that of a 
 import gc
 import json
 import os
+from pathlib import Path
 
 from pipesim.commands import tune as command
 from pipesim.planning import tune as planning
+from pipesim.planning.scenario import profile_scenario
+from pipesim.profiles.schema import load_profile
+from pipesim.schedules import METHODS
+from pipesim.units import GIB
 from tests.conftest import pipesim
+
+PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 
 SMALL = ("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 64, "--heads", 4, "--seq-len", 32,
          "--vocab", 1000, "-D", 8, "-b", 1, "--json")
@@ -64,3 +71,59 @@ def test_the_search_workers_hold_their_cycle_collector_off():
     finally:
         pool.shutdown()
     assert planning.start_workers(1) is None
+
+
+def test_workers_ahead_of_the_search_find_what_the_search_would_find_itself(monkeypatch):
+    """Idle workers cost a fixed chain's partition and find a candidate's critical path ahead of the search
+    (`_Built.ahead`, the scenario and links shipped once, `_run`); the search takes their results as the ones it
+    would find itself, to the bit. Here the parent's own costing and critical path are broken once the work is
+    out: only the workers can have found what the search takes."""
+    profile = load_profile(PROFILES / "gpt-cpu.json")
+    prob = planning.Problem(8, int(0.3 * GIB), 4 * 8 * profile.environment.microbatch_size, tuple(METHODS))
+    settings = [planning.Setting(profile_scenario(profile, "adam"))]
+    alone_orders, ahead_orders = planning._Orders(), planning._Orders()
+    shapes = planning._shapes(settings, prob, alone_orders)[0]
+    alone, costed, tightened = planning._Built(prob, alone_orders), 0, 0
+    costing, path_bound = planning._costed, planning._path_bound
+    with planning._Built(prob, ahead_orders, workers=2) as ahead:
+        for shape in planning._shapes(settings, prob, ahead_orders)[0]:
+            here, there = alone.advance(shape), ahead.advance(shape)
+            if shape.index not in ahead._plans:  # not a fixed chain's partition
+                continue
+            own = alone.candidate(here)
+            ahead.ahead([(-there.max_samples_per_s, shape.index, there)], lambda bound: True)
+            ahead._costing[shape.index].result()
+            monkeypatch.setattr(planning, "_costed", _broken)
+            found = ahead.candidate(there)
+            monkeypatch.setattr(planning, "_costed", costing)
+            assert found.costs == own.costs and found.busy_ms.tolist() == own.busy_ms.tolist()
+            assert (found.staleness, found.memory_floor_bytes, found.allreduce_ms, found.max_samples_per_s) == (
+                own.staleness, own.memory_floor_bytes, own.allreduce_ms, own.max_samples_per_s)
+            tight = alone.tighten(own).max_samples_per_s
+            ahead.ahead([(-found.max_samples_per_s, shape.index, found)], lambda bound: True)
+            ahead._tightening[shape.index].result()
+            monkeypatch.setattr(planning, "_path_bound", _broken)
+            assert ahead.tighten(found).max_samples_per_s == tight
+            monkeypatch.setattr(planning, "_path_bound", path_bound)
+            costed, tightened = costed + 1, tightened + 1
+            if costed == 6:
+                break
+    assert costed == tightened == 6
+    assert len(shapes) > costed
+
+
+def _broken(*args):
+    raise AssertionError("found in the parent, not taken from the worker")
+
+
+def test_the_search_answers_and_counts_alike_with_workers_ahead_of_it_or_not(monkeypatch):
+    """What idle workers take ahead (`_Built.ahead`) changes when work is done, never what the search builds,
+    simulates or keeps: the same JSON, the search's counts included, as workers that only take what the search
+    hands them."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    code, ahead, err = pipesim(*SMALL)
+    assert code == 0, err
+    monkeypatch.setattr(planning._Built, "ahead", lambda self, heap, could_win: None)
+    code, handed, err = pipesim(*SMALL)
+    assert code == 0, err
+    assert _document(ahead) == _document(handed)
