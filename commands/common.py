@@ -379,7 +379,7 @@ Allocator = Annotated[str, typer.Option(
                                          "segments torch's CUDA caching allocator keeps cached beside them, its "
                                          "step replayed by the allocator's rules: max reserved, as torchtitan "
                                          "logs it; the default), expandable (the same with "
-                                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's "
+                                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's one-host "
                                          "launcher sets it: one segment a stream, grown in 2 MiB pages for small "
                                          "requests and 20 MiB for large) or none (its tensors alone: max "
                                          "allocated).")]
