@@ -429,7 +429,8 @@ class Scenario:
             cut = list(bounds) if bounds is not None else self.cut(sched)
             layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
                       for stage in range(sched.num_stages)}
-            add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments))
+            add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments,
+                                               adam=self.optimizer in ("adam", "adamw")))
         keep_fullest_parts(trace)
 
     def cut(self, sched: Schedule) -> list[int]:

@@ -974,7 +974,8 @@ class _Replay:
 
 
 def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations]],
-                    capacity_bytes: Sequence[int | None], expandable: bool = False) -> list[int]:
+                    capacity_bytes: Sequence[int | None], expandable: bool = False,
+                    adam: bool = False) -> list[int]:
     """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed
     (`replay_device`: its parameters, gradients and optimizer state at the prediction's peak as a block each, then
     its rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it
@@ -987,8 +988,9 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
     (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block;
     without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`).
-    Under FSDP2 over two mini-batches or more, Adam's moments are made at the first step's end (torch's AdamW
-    makes them at its first `step()`), not held as a block from the start (`replay_device`'s adam_at_first_step).
+    Under FSDP2 over two mini-batches or more with `adam` (the optimizer torch's Adam or AdamW), its moments are made
+    at the first step's end (AdamW makes them at its first `step()`), not held as a block from the start
+    (`replay_device`'s adam_at_first_step); another optimizer's state stays the block it is.
     `expandable`: the allocator with expandable segments (`ExpandableSegments`)."""
     programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
@@ -1013,7 +1015,7 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
         else:
             static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
         # FSDP2 over two mini-batches or more: Adam's moments made at the first step's end, not held from the start
-        adam_at_first_step = sum(ZERO in name for name, _, _ in rows) > 1
+        adam_at_first_step = adam and sum(ZERO in name for name, _, _ in rows) > 1
         if adam_at_first_step:
             static = static[:-1]
         place: dict[Hashable, int] = {}

@@ -33,10 +33,13 @@ def test_the_moments_made_at_the_first_step_take_a_gradients_block_and_the_next_
     assert (made.peak_reserved_bytes, made.peak_allocated_bytes) == (150 * MIB, 130 * MIB)
 
 
-@pytest.mark.parametrize("minibatches,made", [(1, False), (2, True)])
-def test_simulate_makes_the_moments_at_the_first_step_where_it_runs_two_mini_batches(monkeypatch, minibatches, made):
+@pytest.mark.parametrize("optimizer,minibatches,made", [("adamw", 1, False), ("adamw", 2, True), ("adam", 2, True),
+                                                        ("momentum", 2, False), ("sgd", 2, False)])
+def test_simulate_makes_the_moments_at_the_first_step_where_it_runs_two_mini_batches(monkeypatch, optimizer,
+                                                                                     minibatches, made):
     """With one mini-batch there is no step before the one replayed: the moments are held from its start as
-    before; with two, the first runs as a first step and the optimizer state is not among the blocks held."""
+    before; with two, the first runs as a first step and the optimizer state is not among the blocks held. Only
+    Adam's and AdamW's: another optimizer's state (SGD's none, momentum's one buffer) is no two moments."""
     from tests.conftest import simulate_json
 
     seen = []
@@ -49,5 +52,5 @@ def test_simulate_makes_the_moments_at_the_first_step_where_it_runs_two_mini_bat
     monkeypatch.setattr(caching_allocator, "_reserve", reserve)
     simulate_json("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "2", "--width", "128", "--heads", "4",
                   "--seq-len", "256", "--vocab", "8192", "-p", "2", "-m", "4", "-s", "1f1b", "--data-parallel", "2",
-                  "--zero", "3", "--precision", "fsdp2", "-n", str(minibatches))
+                  "--zero", "3", "--precision", "fsdp2", "-n", str(minibatches), "--optimizer", optimizer)
     assert seen == [(1 if made else 2, made)] * 2  # each device: the weights' shards, and the moments unless made
