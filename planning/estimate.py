@@ -604,9 +604,11 @@ class ContextRing:
         blocks, each step at the pace of its busiest rank. The pairs are the work a causal kernel computes
         (`kernel_flops`): a block is priced as that share of it, at the causal kernel's rate for the first step's
         (every rank's own chunks, the diagonal masked: TransformerEngine's `AttnFuncWithCPAndKVP2P` passes
-        attn_mask_type causal at i == 0, torch's ring is_causal at its first step) and the unmasked kernel's for
-        the others (half the queries or half the keys, "no_mask"), where the part publishes them apart
-        (`Curve.attention_fraction`)."""
+        attn_mask_type causal at its forward's i == 0, torch's ring is_causal at its first step of either pass) and
+        the unmasked kernel's for the others (half the queries or half the keys, "no_mask"), where the part
+        publishes them apart (`Curve.attention_fraction`). TransformerEngine's backward runs the forward's steps in
+        reverse, its causal block at i == cp_size - 1; under p2p that step's transfer (the gradients alone) is the
+        first's size (the keys and values alone), so pricing the causal block first covers the same link time."""
         busiest = [max(pairs) for pairs in zip(*(self.step_pairs(rank) for rank in range(self.ranks)))]
         share = self.ranks / sum(sum(self.step_pairs(rank)) for rank in range(self.ranks))  # of the rank's op
         backward = op.op.endswith("_backward")

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import ContextRing, Device, EstimateError, Parallelism, estimate_profile
+from pipesim.planning.estimate import (
+    ContextRing,
+    Device,
+    EstimateError,
+    Parallelism,
+    estimate_profile,
+    kernel_curve,
+)
 from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
 from tests.conftest import pipesim, simulate_json
@@ -171,3 +179,23 @@ def test_an_estimate_and_a_what_if_run_transformer_engines_ring(flash_gpt):
     args = (*WHAT_IF, "-p", 2, "-m", 4, "-s", "1f1b", "--context-parallel", 4)
     (alltoall,), (ring,) = simulate_json(*args), simulate_json(*args, "--cp-rotate", "p2p")
     assert ring["time_per_minibatch_ms"] < alltoall["time_per_minibatch_ms"]
+
+
+def test_p2p_backward_covers_the_same_link_time_with_its_causal_block_last_as_transformer_engine_runs_it():
+    """TransformerEngine's backward runs its forward's steps in reverse, the causal block at i == cp_size - 1, where
+    the ring prices it first (torch's order): under p2p the first and last steps send the same bytes, so the blocks
+    cover the same link time either way; torch's alltoall, whose last step sends float32 gradients, would not."""
+    cudnn = kernel_curve(H100.curve, "cudnn", "h100-sxm")
+    device = Device(DEVICE.peak_flops_per_ms, DEVICE.memory_bytes_per_ms, cudnn)
+    causal = replace(BACKWARD, flops=10**12, causal=True)
+    blocks = ContextRing(2, SLOW, "p2p").blocks_ms(causal, device)
+    link = EstimateLink(kind="infiniband", latency_ms=0.0, bytes_per_ms=KEYS_VALUES * 2 / (sum(blocks) / 2))
+    covered = {}
+    for rotate in ("p2p", "alltoall"):
+        ring = ContextRing(2, link, rotate)
+        assert ring.blocks_ms(causal, device) == blocks
+        transfers = [ring.step_link_ms(step, nbytes) for step, nbytes in enumerate(ring.step_bytes(causal, 2)[0])]
+        assert blocks[0] > transfers[0] > blocks[1]  # the causal block the slower, each transfer between them
+        _, covered[rotate] = ring.exchange_ms(causal, device, 2)
+        reversed_order = sum(map(min, zip(transfers, reversed(blocks))))
+        assert (covered[rotate] == pytest.approx(reversed_order)) == (rotate == "p2p")
