@@ -311,7 +311,7 @@ class Costs:
     `transfers_hold_products`: the devices' products run persistent CTAs (Hopper: `Curve.persistent_products`),
     so a point-to-point transfer's NCCL kernel, which holds its multiprocessors from its launch until its data
     has moved and shares none with compute kernels (NVIDIA/nccl issues 689 and 1025), holds back the compute
-    beside it on either device for as long as they overlap (sim/engine.py `_Model.process`), as the
+    beside it on either device for as long as they overlap (sim/engine.py `_Model.timed_coroutine`), as the
     collectives beside products are charged (`StageCosts.collective_delay_ms`): a send's from its issue until
     its data has arrived, a receive's while its data moves. What a receive posted ahead holds before its data
     moves (Megatron-core's `overlap_p2p_comm` posts each with the send before it) is not counted: the simulator
