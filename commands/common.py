@@ -554,16 +554,17 @@ def check_allocator(ctx: typer.Context, what) -> None:
                          "replays; give --gpu NAME and --model")
 
 
-def replayed_allocations(allocator: str, counted, parallel) -> tuple | None:
-    """What `Scenario.allocations` replays under --allocator caching or expandable (`layer_allocations`; which of the
-    two: `Scenario.expandable_segments`): none without --gpu (`counted` None), with --allocator none, or for a
-    mixture of experts, whose count is a whole layer's, every expert's, which the estimate divides by t·C but not
-    by the E ranks sharing them."""
-    if counted is None or allocator == "none" or any(layer.dispatched_bytes for layer in counted.layers):
-        return None
-    from ..planning.estimate import layer_allocations
+def allocator_fields(allocator: str, counted, parallel) -> dict:
+    """`Scenario`'s fields under --allocator, for simulate, sweep and tune alike: `expandable_segments` (expandable)
+    and `allocations`, what caching or expandable replays (`layer_allocations`): none without --gpu (`counted`
+    None), with --allocator none, or for a mixture of experts, whose count is a whole layer's, every expert's,
+    which the estimate divides by t·C but not by the E ranks sharing them."""
+    fields = {"expandable_segments": allocator == "expandable", "allocations": None}
+    if counted is not None and allocator != "none" and not any(layer.dispatched_bytes for layer in counted.layers):
+        from ..planning.estimate import layer_allocations
 
-    return tuple(layer_allocations(counted, parallel))
+        fields["allocations"] = tuple(layer_allocations(counted, parallel))
+    return fields
 
 
 def check_prediction(source: str | None) -> None:

@@ -45,6 +45,7 @@ from .common import (
     TensorParallel,
     WgradFraction,
     Zero,
+    allocator_fields,
     check_allocator,
     check_method_options,
     check_prediction,
@@ -55,7 +56,6 @@ from .common import (
     load_profile_flag,
     optional_what_if_options,
     progress,
-    replayed_allocations,
     scenario_from_flags,
     search_options,
     search_progress,
@@ -216,8 +216,7 @@ def simulate(
         estimated = None if what is None else estimated_profile(what, counted, parallel, optimizer)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
-                           allocations=replayed_allocations(allocator, counted, parallel),
-                           expandable_segments=allocator == "expandable")
+                           **allocator_fields(allocator, counted, parallel))
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages

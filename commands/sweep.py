@@ -29,13 +29,13 @@ from .common import (
     TensorParallel,
     WgradFraction,
     Zero,
+    allocator_fields,
     check_allocator,
     check_writable,
     expert_overlap_options,
     fail,
     optional_what_if_options,
     progress,
-    replayed_allocations,
     require,
     scenario_from_flags,
     search_options,
@@ -198,9 +198,7 @@ def sweep(
             depths = sorted({config.stages for config in configs})
             parallel = {p: what.parallelism(p, tensor_parallel, data_parallel, recompute) for p in depths}
             jobs = [(replace(scenario_from_flags(ctx, "model", estimated=estimated_profile(
-                what, counted, parallel[p], optimizer)), allocations=replayed_allocations(allocator, counted,
-                                                                                            parallel[p]),
-                       expandable_segments=allocator == "expandable"),
+                what, counted, parallel[p], optimizer)), **allocator_fields(allocator, counted, parallel[p])),
                      [i for i, config in enumerate(configs) if config.stages == p]) for p in depths]
         results = [None] * len(configs)
         finished = ((indices[i], result) for shared, indices in jobs

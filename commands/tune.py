@@ -29,12 +29,12 @@ from .common import (
     Recompute,
     SearchSeconds,
     TensorParallel,
+    allocator_fields,
     check_allocator,
     check_memory_gb,
     check_pp_runtime,
     fail,
     load_profile_flag,
-    replayed_allocations,
     search_options,
     stderr,
     stdout,
@@ -245,7 +245,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
     that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
     the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
-    (`replayed_allocations`), so tune's peaks and memory check are simulate's, the boundary tensors held as
+    (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
     `pp_runtime`'s runtime holds them; `report` is told how many are done. Where no t suits, the estimates'
     refusal if every t tried got the same one (it is not about t), else which t's were tried."""
     from ..planning.estimate import LayerMemo
@@ -271,8 +271,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                     parallel = what.parallelism(p, t, devices // (t * p), kind)
                     scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo), optimizer,
                                                 pp_runtime)
-                    settings.append(Setting(replace(scenario, allocations=replayed_allocations(
-                        allocator, counted, parallel), expandable_segments=allocator == "expandable"), t, kind, (p,)))
+                    settings.append(Setting(replace(scenario, **allocator_fields(allocator, counted, parallel)), t,
+                                            kind, (p,)))
             except InputError as exc:
                 if tensor:  # the user's t: say why it cannot be
                     raise
