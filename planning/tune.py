@@ -536,10 +536,12 @@ class _Built:
             if searched:
                 costs = scenario.costs(order.schedule, bounds)
                 links = self._frame_links(shape.setting, config)[0]
-                step_ms = _searched_bound_ms(costs, config.microbatches, _hops_ms(links, costs, config.stages),
-                                             _send_holds_ms(order.schedule, order.per_step,
-                                                            costs.transfers_hold_products, links,
-                                                            [c.output_bytes for c in costs.stages]))
+                step_ms = max(_searched_bound_ms(costs, config.microbatches, _hops_ms(links, costs, config.stages),
+                                                 _send_holds_ms(order.schedule, order.per_step,
+                                                                costs.transfers_hold_products, links,
+                                                                [c.output_bytes for c in costs.stages])),
+                              _searched_device_bound_ms(costs, config.microbatches, links, _sends_hold(
+                                  order.schedule, costs.transfers_hold_products, links)))
             elif order.schedule.graph == StageGraph.chain(order.schedule.num_stages):
                 self._plans[shape.index] = plan
                 stage_ms = split.stage_ms(bounds, config.pipelines) * scenario.cost_scale
@@ -1570,6 +1572,60 @@ def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray, sen
     before_ms = np.concatenate([[0.0], np.cumsum(passes_ms[:-1] + hops_ms)])  # [d]: stages 0..d-1 and their links
     chains_ms = before_ms + microbatches * passes_ms + reduce[0] + opt[0]
     return float(max(busy_ms.max(), chains_ms.max()))
+
+
+def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, holds: bool) -> float:
+    """A lower bound of the step of any flushing order on a chain of these stages, one per device, with m
+    micro-batches each mini-batch and then its update (a searched order's, before it is searched), tighter than
+    `_searched_bound_ms`'s where a device waits at both ends of its step: the most over devices d of
+
+        max(Y_d, m·(F_d + S_d)) + m·I_d + (m - 1)·G_d + max(D_d, m·W_d + (m - 1)·A_d + R_d + O_d)
+
+    with I_k = min(B_k, I_k) a stage's input-gradient pass, W_k = min(B_k, I_k + W_k) - I_k what its backward
+    has left after it, A_k adding a micro-batch's weight gradients into the buffer (every B or W of a step but
+    its first: the engine's `_gradient_spans`), R_k its REDUCE, O_k its update, H_k the link's transfers between
+    stages k and k+1 there and back, and S_d, G_d the time d's forward and backward sends hold its compute where
+    `holds` (`_sends_hold`; else 0). Y_d = F_d + ... + F_{p-1} + I_{d+1} + ... + I_{p-1} + H_d + ... + H_{p-2}
+    is a micro-batch's way from d's forward to its gradient back at d; D_d = the sum of F_k + I_k + H_k over
+    k < d, plus, for d > 0, W_0 + A_0 (for m > 1) + R_0 + O_0 (R_0 + O_0 for d = 0) is the way from d's last
+    input-gradient pass to its next step's first forward through device 0's update.
+
+    Why, with S the start of d's first F (micro-batch 0's: each kind runs in micro-batch order) in a steady step
+    and S' the next step's: (1) d runs no W before its first I or B (a step's W's follow their own I's, the
+    update before S needs the last step's), so until its first input-gradient pass ends it runs some a <= m
+    forwards, each sending its output (holding d's next compute row until the transfer ends, as
+    `_send_holds_ms` argues), and that pass waits for micro-batch 0's gradient, at least S + Y_d: it ends at
+    least S + max(Y_d, a·(F_d + S_d)) + I_d. (2) Up to its last input-gradient pass d runs the other m - 1, the
+    m - a forwards left and any W's, each compute row after a send held for it: another (m - 1)·(I_d + G_d) +
+    (m - a)·(F_d + S_d) at least. (3) From that pass's end to S', d runs its W's left, the accumulations, its
+    REDUCE (after its stage's last B or W, on the network stream; the update waits for it) and its update; and
+    S' also waits for the gradient of micro-batch m - 1 to pass back through stages d-1..0 and device 0 to
+    finish that micro-batch's backward, reduce and update, then the next step's micro-batch 0 to pass forward
+    through stages 0..d-1: D_d. Summed, a·(F_d + S_d) moved between (1) and (2) and the W's and accumulations
+    between (2) and (3) count least where all forwards come first and all W's last, which gives the bound.
+    Waits, contention, receives' holds and overheads only add; steps repeat from the second on, so S' - S is
+    the step. A hypothesis test holds it to the simulated step of auto's own order on random chains."""
+    p, m = len(costs.stages), microbatches
+    op_ms = costs.op_ms_table(1)
+    f, b, i, w, opt, reduce = (op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
+                                                                       Kind.REDUCE))
+    accumulate_ms = np.array([c.accumulate_ms for c in costs.stages])
+    input_ms = np.minimum(b, i)
+    rest_ms = np.minimum(b, i + w) - input_ms
+    out = [c.output_bytes for c in costs.stages]
+    forward_ms = np.array([links.link(k, k + 1).transfer_ms(out[k]) for k in range(p - 1)])
+    backward_ms = np.array([links.link(k + 1, k).transfer_ms(out[k]) for k in range(p - 1)])
+    hops_ms = forward_ms + backward_ms
+    held_forward = np.append(forward_ms, 0.0) if holds else np.zeros(p)  # [k]: stage k's F's send
+    held_backward = np.insert(backward_ms, 0, 0.0) if holds else np.zeros(p)  # [k]: stage k's I's or B's send
+    round_trip_ms = (np.cumsum(f[::-1])[::-1] + np.append(np.cumsum(input_ms[::-1])[::-1][1:], 0.0)
+                     + np.append(np.cumsum(hops_ms[::-1])[::-1], 0.0))
+    through_first_ms = np.concatenate([[0.0], np.cumsum(f[:-1] + input_ms[:-1] + hops_ms)])
+    through_first_ms[1:] += rest_ms[0] + (m > 1) * accumulate_ms[0]
+    through_first_ms += reduce[0] + opt[0]
+    step_ms = (np.maximum(round_trip_ms, m * (f + held_forward)) + m * input_ms + (m - 1) * held_backward
+               + np.maximum(through_first_ms, m * rest_ms + (m - 1) * accumulate_ms + reduce + opt))
+    return float(step_ms.max())
 
 
 def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) -> float:

@@ -1,0 +1,92 @@
+"""A searched order's (auto's) bound on its partition, before its search: each device's own step, from its first
+forward to the next step's (`planning.tune._searched_device_bound_ms`), must stay at or below the step of the order
+auto finds, and prunes searches `_searched_bound_ms` alone leaves to run."""
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim.planning import tune as tuning
+from pipesim.planning.auto import search_schedule
+from pipesim.schedules import ScheduleParams
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.sim.cluster import Link
+from pipesim.traces import summarize
+from tests.test_tune_digests import MODEL
+from tests.test_tune_reserve import searched_settings
+
+times = st.floats(0.0, 5.0, allow_nan=False)
+
+
+@st.composite
+def chains(draw):
+    """Random costs of a chain of 1-4 stages, with 1-6 micro-batches, each stage's F, I, W (B no more than both, as
+    it saves the second walk), update, REDUCE over two replicas, accumulation and output size; a link's latency and
+    bandwidth; and whether transfers hold the compute beside them."""
+    p, m = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    stages = []
+    for _ in range(p):
+        f, i, w = draw(times), draw(times), draw(times)
+        stages.append(dict(fwd_ms=f, bwd_ms=i + w - draw(st.floats(0.0, 1.0)) * min(i, w), igrad_ms=i, wgrad_ms=w,
+                           opt_ms=draw(times), reduce_ms=draw(times), accumulate_ms=draw(st.floats(0.0, 1.0)),
+                           output_bytes=draw(st.integers(0, 4000))))
+    costs = Costs.per_stage(p, fwd_ms=1.0, bwd_ms=2.0)
+    costs = replace(costs, stages=tuple(replace(stage, **given) for stage, given in zip(costs.stages, stages)),
+                    transfers_hold_products=draw(st.booleans()))
+    links = Cluster(p, Link(latency_ms=draw(st.floats(0.0, 2.0)), bandwidth_bytes_per_ms=draw(st.floats(500, 1e4))))
+    return costs, links, m
+
+
+@settings(max_examples=120, deadline=None)
+@given(chains())
+def test_the_device_bound_stays_at_or_below_the_step_of_the_order_auto_finds(chain):
+    """The step as tune measures it (the makespan's growth from two mini-batches to three, `_measured`) of auto's
+    own order, REDUCEs, accumulations and holds in, is never shorter than the bound."""
+    costs, links, m = chain
+    p = len(costs.stages)
+    params = ScheduleParams(p, m, 3, data_parallel=2, search_seconds=0.01)
+    long_run, short_run = (summarize(simulate(search_schedule(replace(params, minibatches=n), costs, links), costs,
+                                              links)) for n in (3, 2))
+    step_ms = long_run.makespan_ms - short_run.makespan_ms
+    holds = tuning._sends_hold(search_schedule(params, costs, links), costs.transfers_hold_products, links)
+    assert holds == costs.transfers_hold_products
+    assert tuning._searched_device_bound_ms(costs, m, links, holds) <= step_ms * (1 + 1e-9) + 1e-9
+
+
+def test_the_device_bound_counts_both_waits_of_a_device_and_its_accumulations():
+    """1F1B's costs on 4 devices, 8 micro-batches (F 1 ms, I 1, W 1, transfers 0.5 ms each way): the last device
+    waits for 3 stages' fill and drain besides its own 8 F's and I's, device 0 for the 3 others' round trip; each
+    accumulation (0.25 ms, 7 a step) adds on every device, which the bound before leaves out."""
+    costs, links = Costs.per_stage(4, fwd_ms=1, bwd_ms=2), Cluster.uniform(4, 0.5)
+    assert tuning._searched_device_bound_ms(costs, 8, links, False) == 26.0  # 8 + 8 + 3 x 3 + the last W
+    assert tuning._searched_bound_ms(costs, 8, tuning._hops_ms(links, costs, 4), [0.0] * 4) == 25.0
+    accumulating = replace(costs, stages=tuple(replace(stage, accumulate_ms=0.25) for stage in costs.stages))
+    assert tuning._searched_device_bound_ms(accumulating, 8, links, False) == 26.0 + 8 * 0.25 - 0.25
+    assert tuning._searched_bound_ms(accumulating, 8, tuning._hops_ms(links, costs, 4), [0.0] * 4) == 25.0
+
+
+def test_the_device_bound_prunes_searches_and_keeps_the_answer(monkeypatch):
+    """A 12-layer GPT on 8 A100s (t = 1, b = 1), auto among the methods and chosen: the search with the device
+    bound runs fewer of auto's searches than with `_searched_bound_ms` alone, and gives the same rows, figures and
+    notes."""
+    flags = ("-D", 8, "-B", 32, "-s", "auto,1f1b,zb-h1", "-b", 1, "--tensor-parallel", 1)
+    prob = tuning.Problem(8, 80 * tuning.GIB, 32, ("auto", "1f1b", "zb-h1"), 0, search_seconds=0.02)
+    searched = []
+    build = tuning._candidate
+
+    def counted(setting, problem, config, *args):
+        searched.append(config.schedule == "auto")
+        return build(setting, problem, config, *args)
+
+    def answer() -> tuple[dict, int]:
+        searched.clear()
+        found = tuning.tune(searched_settings(*flags, model=MODEL), prob).to_dict()
+        return {key: value for key, value in found.items() if key != "search"}, sum(searched)
+
+    monkeypatch.setattr(tuning, "_candidate", counted)
+    bounded, bounded_searches = answer()
+    monkeypatch.setattr(tuning, "_searched_device_bound_ms", lambda *args: 0.0)
+    unbounded, searches = answer()
+    assert bounded == unbounded and bounded["choice"]["schedule"] == "auto"
+    assert bounded_searches < searches
