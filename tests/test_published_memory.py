@@ -108,6 +108,17 @@ def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(mon
         assert code == 0, err
         devices = json.loads(out)["results"][0]["devices"]
         assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["predicted_gib"])
+    # max allocated, the tensors alone: the row's command with --allocator none in place of its launcher's
+    for r in compared:
+        assert r["allocated_gib"] < r["predicted_gib"]
+        assert r["allocated_error"] == pytest.approx(r["allocated_gib"] / r["published_gib"] - 1)
+    row = next(r for r in compared if r["run"].startswith("Table 5") and "(1F1B)" in r["run"])
+    words = shlex.split(row["command"])[1:]
+    at = words.index("--allocator")
+    code, out, err = pipesim(*words[:at], *words[at + 2:], "--allocator", "none", "--json")
+    assert code == 0, err
+    devices = json.loads(out)["results"][0]["devices"]
+    assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["allocated_gib"])
 
 
 def test_the_zero_bubble_papers_table4_is_compared_per_model_and_schedule(monkeypatch, tmp_path):
