@@ -152,22 +152,30 @@ class CachingAllocator:
             for slot, request, pool in ops:
                 if request:
                     sizes, buckets = pools[pool]
-                    at = bisect_left(sizes, request)
-                    if at < len(sizes) and (max_split is None or _may_take(request, sizes[at], max_split)):
-                        size = sizes[at]
-                        bucket = buckets[size]
+                    bucket = buckets.get(request)
+                    if bucket is not None:  # a cached block of the request's own size: best fit, nothing to split
                         address = -bucket.pop()
                         if not bucket:
-                            del buckets[size], sizes[at]
-                        del cached_at[address], cached_ending[address + size]
-                    else:
-                        address, size = self._new_segment(request, pool)
-                    remaining = size - request
-                    if (remaining >= MIN_BLOCK_BYTES if pool & 1 else  # `should_split`
-                            remaining > SMALL_REQUEST_BYTES and (max_split is None or request < max_split)):
-                        _cache(sizes, buckets, address + request, remaining)
-                        cached_at[address + request], cached_ending[address + size] = remaining, address + request
+                            del buckets[request], sizes[bisect_left(sizes, request)]
+                        del cached_at[address], cached_ending[address + request]
                         size = request
+                    else:
+                        at = bisect_left(sizes, request)
+                        if at < len(sizes) and (max_split is None or _may_take(request, sizes[at], max_split)):
+                            size = sizes[at]
+                            bucket = buckets[size]
+                            address = -bucket.pop()
+                            if not bucket:
+                                del buckets[size], sizes[at]
+                            del cached_at[address], cached_ending[address + size]
+                        else:
+                            address, size = self._new_segment(request, pool)
+                        remaining = size - request
+                        if (remaining >= MIN_BLOCK_BYTES if pool & 1 else  # `should_split`
+                                remaining > SMALL_REQUEST_BYTES and (max_split is None or request < max_split)):
+                            _cache(sizes, buckets, address + request, remaining)
+                            cached_at[address + request], cached_ending[address + size] = remaining, address + request
+                            size = request
                     allocated[address] = size
                     allocated_bytes += size
                     if allocated_bytes > peak_allocated_bytes:
@@ -178,19 +186,28 @@ class CachingAllocator:
                 size = allocated.pop(address)
                 allocated_bytes -= size
                 sizes, buckets = pools[address >> POOL_SHIFT]
-                before = cached_ending.pop(address, None)
-                if before is not None:
+                if address in cached_ending:  # merged with the cached block ending where it starts (`_uncache`)
+                    before = cached_ending.pop(address)
                     merged = cached_at.pop(before)
-                    _uncache(sizes, buckets, before, merged)
+                    bucket = buckets[merged]
+                    if len(bucket) == 1:
+                        del buckets[merged], sizes[bisect_left(sizes, merged)]
+                    else:
+                        del bucket[bisect_left(bucket, -before)]
                     address, size = before, size + merged
                 end = address + size
-                after = cached_at.pop(end, None)
-                if after is not None:
+                if end in cached_at:  # and with the one starting where it ends
+                    after = cached_at.pop(end)
                     del cached_ending[end + after]
-                    _uncache(sizes, buckets, end, after)
+                    bucket = buckets[after]
+                    if len(bucket) == 1:
+                        del buckets[after], sizes[bisect_left(sizes, after)]
+                    else:
+                        del bucket[bisect_left(bucket, -end)]
                     size += after
+                    end += after
                 _cache(sizes, buckets, address, size)
-                cached_at[address], cached_ending[address + size] = size, address
+                cached_at[address], cached_ending[end] = size, address
         finally:
             self.allocated_bytes, self.peak_allocated_bytes = allocated_bytes, peak_allocated_bytes
 

@@ -8,6 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipesim.sim.caching_allocator import (
+    POOL_SHIFT,
     AllocatorOutOfMemory,
     CachingAllocator,
     LayerAllocations,
@@ -498,11 +499,14 @@ def test_a_sweep_reads_each_configurations_peak_as_simulate_does(tmp_path):
 class _PlainAllocator:
     """torch's rules as the module's docstring states them, the plain way: each segment a list of [bytes,
     allocated] blocks in address order, segments in the order made (their addresses' order), every cached block
-    of the pool searched for the best fit. A block is named by its segment's number and its offset in it."""
+    of the pool searched for the best fit. A block is named by its segment's number and its offset in it; its
+    `address` as the module lays segments out (a pool's each 512 bytes past the end of the one made before)."""
 
     def __init__(self, capacity_bytes: int | None, max_split_bytes: int | None):
         self.capacity_bytes, self.max_split_bytes = capacity_bytes, max_split_bytes
         self.segments: dict[int, tuple[tuple[int, bool], list[list]]] = {}  # number: (pool, blocks)
+        self.starts: dict[int, int] = {}  # number: the segment's address
+        self.next_start: dict[tuple[int, bool], int] = {}  # pool: where its next segment starts
         self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
 
     def malloc(self, nbytes: int, stream: int) -> tuple[int, int]:
@@ -526,6 +530,8 @@ class _PlainAllocator:
                     raise AllocatorOutOfMemory
             number = max(self.segments, default=-1) + 1
             self.segments[number] = (pool, [[size, False]])
+            self.starts[number] = self.next_start.get(pool, (pool[0] << 1 | pool[1]) << POOL_SHIFT)
+            self.next_start[pool] = self.starts[number] + size + 512
             self.reserved += size
             self.peak_reserved = max(self.peak_reserved, self.reserved)
             best = (size, number, 0)
@@ -540,6 +546,10 @@ class _PlainAllocator:
         self.allocated += blocks[index][0]
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return number, offset
+
+    def address(self, block: tuple[int, int]) -> int:
+        number, offset = block
+        return self.starts[number] + offset
 
     def free(self, block: tuple[int, int]) -> None:
         number, offset = block
@@ -578,7 +588,7 @@ REQUEST_BYTES = st.one_of(st.sampled_from(BOUNDS), st.sampled_from(BOUNDS), st.s
 def test_any_mallocs_and_frees_read_as_a_plain_allocator_reads_them(ops, capacity_mib, max_split_mib):
     """Random requests on two streams, some freed as they go (`free`: the live block at `pick` mod their count),
     with and without a capacity and max_split_size: after every call the same bytes allocated and reserved and
-    the same peaks, and out of memory at the same call."""
+    the same peaks, each request given the same block (its address), and out of memory at the same call."""
     capacity, max_split = (None if mib is None else mib * MIB for mib in (capacity_mib, max_split_mib))
     fast, plain = CachingAllocator(capacity, max_split), _PlainAllocator(capacity, max_split)
     live: list[tuple[int, tuple[int, int]]] = []
@@ -595,6 +605,7 @@ def test_any_mallocs_and_frees_read_as_a_plain_allocator_reads_them(ops, capacit
                     plain.malloc(nbytes, stream)
                 return
             live.append((address, plain.malloc(nbytes, stream)))
+            assert address == plain.address(live[-1][1])
         assert (fast.allocated_bytes, fast.reserved_bytes, fast.peak_allocated_bytes, fast.peak_reserved_bytes) == (
             plain.allocated, plain.reserved, plain.peak_allocated, plain.peak_reserved)
 
