@@ -585,6 +585,8 @@ REQUEST_BYTES = st.one_of(st.sampled_from(BOUNDS), st.sampled_from(BOUNDS), st.s
          capacity_mib=64, max_split_mib=None)  # a cached block at a segment's start is not the whole segment
 @example(ops=[(False, 40 * MIB, 0, 0), (True, 0, 0, 0), (False, 20 * MIB, 0, 0)], capacity_mib=None,
          max_split_mib=16)  # a cached block exactly 20 MiB larger than a request over max_split_size is not taken
+@example(ops=[(False, 20 * MIB, 0, 0), (False, 20 * MIB, 0, 0), (True, 0, 0, 0), (True, 0, 0, 0),
+              (False, 20 * MIB, 0, 0)], capacity_mib=None, max_split_mib=None)  # of two blocks of its size, the first
 def test_any_mallocs_and_frees_read_as_a_plain_allocator_reads_them(ops, capacity_mib, max_split_mib):
     """Random requests on two streams, some freed as they go (`free`: the live block at `pick` mod their count),
     with and without a capacity and max_split_size: after every call the same bytes allocated and reserved and
