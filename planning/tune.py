@@ -59,6 +59,8 @@ import heapq
 import math
 import multiprocessing
 import pickle
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -296,14 +298,21 @@ def twins(a: Result, b: Result) -> bool:
 
 
 def start_workers(workers: int) -> ProcessPoolExecutor | None:
-    """The search's `workers` processes (None for 1: it runs here), started now: spawned (a fresh interpreter
-    imports the simulator only; forking a parent whose progress bar runs a thread is unsafe), each importing
-    this module as it starts (`_started`), so that a caller with work of its own before the search (tune --gpu's
-    estimates) has them ready on the cores that work leaves idle. The caller shuts them down."""
+    """The search's `workers` processes (None for 1: it runs here), started now, so that a caller with work of
+    its own before the search (tune --gpu's estimates) has them ready on the cores that work leaves idle. The
+    caller shuts them down. Forked where this process runs no other thread (tune --gpu starts them before its
+    progress line): a copy of it has the simulator imported already, where a spawned interpreter imports it
+    again (`_started`), about a CPU second a worker on cores the estimates want. Spawned otherwise: a fork
+    copies the locks other threads hold (a progress bar's), and a worker could wait on one forever."""
     if workers <= 1:
         return None
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_started)
-    for _ in range(workers):  # a process is spawned per task submitted while none is idle
+    alone = threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
+    if alone:
+        sys.stdout.flush()  # a forked worker writes out its copy of what is buffered as it ends
+        sys.stderr.flush()
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork" if alone else "spawn"),
+                               initializer=_started)
+    for _ in range(workers):  # now: a fork starts all at the first task, a spawn one per task while none is idle
         pool.submit(_started)
     return pool
 

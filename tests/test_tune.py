@@ -137,9 +137,10 @@ def test_simulations_and_searches_run_in_worker_processes_and_give_the_same_answ
     def broken(*args, **kw):
         raise AssertionError("run in the parent")
 
+    pool = tuning.start_workers(2)  # before they are broken: a forked worker would copy them broken
     monkeypatch.setattr(tuning, "simulate", broken)
     monkeypatch.setattr(auto, "search_schedule", broken)
-    found = tuning.tune(source, prob, workers=2)
+    found = tuning.tune(source, prob, workers=2, pool=pool)
     assert differences(found, best, faster, staler) == []
     rows = [found.choice, *found.runners_up, *found.excluded]
     assert any(row.result.candidate.activation_limit is not None for row in rows)  # auto's were searched

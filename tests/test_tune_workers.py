@@ -4,7 +4,9 @@ its answer are those of workers started by the search, and the answer that of a 
 
 import gc
 import json
+import multiprocessing
 import os
+import threading
 from pathlib import Path
 
 from pipesim.commands import tune as command
@@ -127,3 +129,28 @@ def test_the_search_answers_and_counts_alike_with_workers_ahead_of_it_or_not(mon
     code, handed, err = pipesim(*SMALL)
     assert code == 0, err
     assert _document(ahead) == _document(handed)
+
+
+def test_workers_are_forked_where_no_other_thread_runs_and_spawned_where_one_does(monkeypatch):
+    """A fork starts a worker with the simulator already imported (tune --gpu starts them before any thread of
+    its own); where another thread runs (a progress bar), whose locks a fork would copy held, they are spawned.
+    Either way they work, with their cycle collector held off."""
+    methods, get_context = [], multiprocessing.get_context
+
+    def context(method):
+        methods.append(method)
+        return get_context(method)
+
+    monkeypatch.setattr(multiprocessing, "get_context", context)
+    alone = threading.active_count() == 1  # as under a plain pytest
+    running, stop = [], threading.Event()
+    for _ in range(2):
+        pool = planning.start_workers(2)
+        try:
+            assert [pool.submit(gc.isenabled).result() for _ in range(4)] == [False] * 4
+        finally:
+            pool.shutdown()
+        running.append(threading.Thread(target=stop.wait))
+        running[-1].start()
+    stop.set()
+    assert methods == ["fork" if alone else "spawn", "spawn"]
