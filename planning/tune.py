@@ -645,6 +645,11 @@ class _Built:
                         costing.result() if costing is not None and not costing.cancel() else None)
                 except ScheduleError:
                     self.candidates[shape.index] = None
+            made = self.candidates[shape.index]
+            # both bound it from above: a searched order's own bound can sit over its shape's on its partition
+            # (`_searched_device_bound_ms`), and `top_groups` pops bounds that never rise
+            if made is not None and made.max_samples_per_s > shape.max_samples_per_s:
+                self.candidates[shape.index] = replace(made, max_samples_per_s=shape.max_samples_per_s)
             self._progress()
         return self.candidates[shape.index]
 
@@ -1336,6 +1341,9 @@ def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order,
     op_ms = per_step * per_op_ms
     stage_ms, network_ms = (op_ms * COMPUTE).sum(axis=1), (op_ms * ~COMPUTE).sum(axis=1)
     busy_ms = np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
+    accumulated_ms = _accumulated_ms(schedule, costs)
+    steady = schedule.table.minibatch == short
+    accumulating_ms = np.bincount(schedule.table.device[steady], accumulated_ms[steady], minlength=p)
     # A forward on a receive buffer the runtime keeps (torch's, `StageCosts.buffered_input_bytes`, which
     # `static_bytes` counts) holds that much less of its own; what else the runtime keeps only adds to the peak.
     held = [max(in_flight[s] * max(c.activation_bytes - c.buffered_input_bytes, 0), lingering[s] * c.param_bytes)
@@ -1343,11 +1351,11 @@ def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order,
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
-    waited_ms = np.maximum(_exposed_reduce_ms(schedule, per_op_ms, short),
+    waited_ms = np.maximum(_exposed_reduce_ms(schedule, per_op_ms, short, accumulated_ms),
                            _send_holds_ms(schedule, per_step, costs.transfers_hold_products, links,
                                           [c.output_bytes for c in costs.stages]))
-    least_step_ms = max(float((busy_ms + waited_ms).max()),  # shaded: sums of
-                        _flush_bound_ms(schedule, per_op_ms, _hops_ms(links, costs, p))
+    least_step_ms = max(float((busy_ms + accumulating_ms + waited_ms).max()),  # shaded: sums of
+                        _flush_bound_ms(schedule, per_op_ms, _hops_ms(links, costs, p), accumulated_ms)
                         ) * (1 - 1e-9)  # the same times in another order
     return costs, staleness, busy_ms, floor, allreduce_ms, problem.batch_size / least_step_ms * 1e3
 
@@ -1414,14 +1422,6 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
             or (costs.overlap_hidden_fraction > 0 and bool(np.any(t.peer[rows] >= 0)))):
         return 0.0
     code = {k: KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.REDUCE)}
-    # A B or W adds its gradients into the buffer unless it opens its stage replica's span (its replica's row
-    # before it among B, W and OPT, in program order, is no B or W): `sim.engine._gradient_spans`.
-    spanned = np.flatnonzero(kind_mask(t.kind, Kind.B, Kind.W, Kind.OPT))
-    spanned = spanned[np.argsort(t.stage[spanned] * pipelines + t.pipeline[spanned], kind="stable")]
-    owner = t.stage[spanned] * pipelines + t.pipeline[spanned]
-    is_gradient = t.kind[spanned] != code[Kind.OPT]
-    accumulates = np.zeros(len(t.kind), dtype=bool)
-    accumulates[spanned[1:]] = is_gradient[1:] & is_gradient[:-1] & (owner[1:] == owner[:-1])
     kind, stage, microbatch = t.kind[rows], t.stage[rows], t.microbatch[rows]
     replica = (t.minibatch[rows] - (minibatch - 1)) * pipelines + t.pipeline[rows]  # of a pipeline in a step
     forward, passing = kind == code[Kind.F], (kind == code[Kind.B]) | (kind == code[Kind.I])
@@ -1458,7 +1458,7 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     weighing = kind == code[Kind.W]  # after its I, which its device runs before it
     waits_for[weighing] = passing_at[unit[weighing]]
     waits_for[first] = anchor
-    duration = op_ms[stage, kind] + accumulates[rows] * np.array([c.accumulate_ms for c in costs.stages])[stage]
+    duration = op_ms[stage, kind] + _accumulated_ms(schedule, costs)[rows]
     waits_for[reducing] = _ON_NETWORK
     device = t.device[rows]
     columns = (position, waits_for, lag, duration)
@@ -1569,15 +1569,18 @@ def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray, sen
     """A lower bound of the step of any flushing order on a chain of these stages, one per device (a searched
     order's, before it is searched), with m micro-batches: `_flush_bound_ms`'s chains with only what every such
     order runs (each stage's m forwards and m input-gradient passes, B or I, before its last), and each device's
-    compute plus its REDUCE, which waits for the stage's last backward and holds up its update, with no
-    backward after it (every I's W follows it), or plus the time its sends hold its compute where they do
-    (`sends_ms`: `_send_holds_ms` of any such order, each sending the same m outputs each way), another bound
-    of that wait (as in `_candidate`)."""
+    compute, with the m - 1 accumulations of its m B's or W's into the gradient buffer (one update a step: all
+    but the first of the step's span add, `_accumulated_ms`), plus its REDUCE, which waits for the stage's last
+    backward and holds up its update, with no backward after it (every I's W follows it), or plus the time its
+    sends hold its compute where they do (`sends_ms`: `_send_holds_ms` of any such order, each sending the same
+    m outputs each way), another bound of that wait (as in `_candidate`)."""
     op_ms = costs.op_ms_table(1)
     f, b, i, w, opt, reduce = (op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
                                                                        Kind.REDUCE))
     passes_ms = f + np.minimum(b, i)
-    busy_ms = microbatches * (f + np.minimum(b, i + w)) + opt + np.maximum(reduce, sends_ms)
+    accumulate_ms = np.array([c.accumulate_ms for c in costs.stages])
+    busy_ms = (microbatches * (f + np.minimum(b, i + w)) + (microbatches - 1) * accumulate_ms + opt
+               + np.maximum(reduce, sends_ms))
     before_ms = np.concatenate([[0.0], np.cumsum(passes_ms[:-1] + hops_ms)])  # [d]: stages 0..d-1 and their links
     chains_ms = before_ms + microbatches * passes_ms + reduce[0] + opt[0]
     return float(max(busy_ms.max(), chains_ms.max()))
@@ -1637,7 +1640,8 @@ def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, h
     return float(step_ms.max())
 
 
-def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) -> float:
+def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray,
+                    accumulated_ms: np.ndarray | float = 0.0) -> float:
     """A lower bound of the steady step of a flushing schedule down a chain of stages whose first p are on
     devices 0..p-1 in turn (1F1B's placement, the interleaved and V schedules', and AvgPipe's P pipelines, each
     so placed; 0 for any other): for every device d, the forwards of stages 0..d-1, then d's own work in program
@@ -1649,7 +1653,8 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) 
     through F on stages 0..d-1 after E0(s) (stage d is d's lowest: its first op is an F of stage d), crossing
     each link on the way (`hops_ms`: there and back); so d starts
     step s+1 no earlier than E0(s) + sum F_k and the hops' forward halves. Its last B or I of the step ends no
-    earlier than that plus the work d runs before it, one op at a time (it is stage d's: any later stage's
+    earlier than that plus the work d runs before it, one op at a time, each its kind's time plus its
+    accumulation (`accumulated_ms`, per row: `_accumulated_ms`, or none) at least (it is stage d's: any later stage's
     input gradient still has stage d on d to pass). That micro-batch's input gradient then
     passes B or I on each of stages d-1..0, crossing the links back, before device 0 ends step s+1, at E0(s+1),
     after it has reduced stage 0's gradients and updated.
@@ -1671,7 +1676,7 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) 
     tail_ms = (op_ms[0, KIND_CODE[Kind.REDUCE]] if reduces.any() else 0.0) + op_ms[0, KIND_CODE[Kind.OPT]]
     rows = np.flatnonzero(steady)  # grouped by device, each in program order
     device = t.device[rows]
-    done_ms = np.concatenate([[0.0], np.cumsum(_compute_ms(t, op_ms)[rows])])
+    done_ms = np.concatenate([[0.0], np.cumsum(_compute_ms(t, op_ms, accumulated_ms)[rows])])
     first = np.full(p, len(rows))
     np.minimum.at(first, device, np.arange(len(rows)))
     last = np.full(p, -1)  # each device's last B or I of the step
@@ -1683,20 +1688,38 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray) 
     return float((before_ms[ran] + work_ms + tail_ms).max(initial=0.0))
 
 
-def _compute_ms(t, op_ms: np.ndarray) -> np.ndarray:
-    """Per row of the table, the ms it keeps its device's compute busy (0 for a row on the network lane)."""
+def _compute_ms(t, op_ms: np.ndarray, accumulated_ms: np.ndarray | float = 0.0) -> np.ndarray:
+    """Per row of the table, the ms it keeps its device's compute busy (0 for a row on the network lane), with
+    `accumulated_ms` (per row: `_accumulated_ms`, or none) added to its own kind's."""
     own = np.minimum(t.kind, NUM_COMPUTE_KINDS - 1)  # transfers come after a stage's own kinds: none computes
-    return np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own], 0.0)
+    return np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own] + accumulated_ms, 0.0)
 
 
-def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) -> np.ndarray:
+def _accumulated_ms(schedule: Schedule, costs: Costs) -> np.ndarray:
+    """Per row of the table, the ms it spends adding its weight gradients into the buffer, as the engine prices
+    it (`sim.engine._gradient_spans`): a B's or W's stage's `accumulate_ms` unless it opens its stage replica's
+    span (its replica's row before it among B, W and OPT, in program order, is no B or W); 0 for any other row.
+    An order with one update a step per stage replica so pays m·P - 1 of them per stage and step."""
+    t, pipelines = schedule.table, schedule.pipelines
+    spanned = np.flatnonzero(kind_mask(t.kind, Kind.B, Kind.W, Kind.OPT))
+    spanned = spanned[np.argsort(t.stage[spanned] * pipelines + t.pipeline[spanned], kind="stable")]
+    owner = t.stage[spanned] * pipelines + t.pipeline[spanned]
+    is_gradient = t.kind[spanned] != KIND_CODE[Kind.OPT]
+    accumulates = np.zeros(len(t.kind), dtype=bool)
+    accumulates[spanned[1:]] = is_gradient[1:] & is_gradient[:-1] & (owner[1:] == owner[:-1])
+    return accumulates * np.array([c.accumulate_ms for c in costs.stages])[t.stage]
+
+
+def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int,
+                       accumulated_ms: np.ndarray | float = 0.0) -> np.ndarray:
     """Per device, compute-free time each steady step must have, read off mini-batch `minibatch` (past the
     warm-up; 0 for a schedule of P > 1 pipelines, which share a device's compute as they go). A stage's REDUCE
     starts where the device's program reaches it, after the stage's last backward, and runs on the device's
     network stream after the REDUCEs before it; its OPT waits for it. So from REDUCE i's start to REDUCE l's
     OPT (i <= l, in program order) the network works at least REDUCEs i..l while the device computes only the
-    rows between the two: each step holds at least the most any such span waits beyond its rows, on top of
-    the device's compute."""
+    rows between the two: each step holds at least the most any such span waits beyond its rows (each its
+    kind's time plus its accumulation, `accumulated_ms`: no more than it takes), on top of the device's compute
+    with those accumulations."""
     exposed = np.zeros(schedule.num_devices)
     if schedule.pipelines > 1:
         return exposed
@@ -1706,7 +1729,7 @@ def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int) ->
     updates = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.OPT]))
     update_of = np.zeros(schedule.num_stages, dtype=np.int64)
     update_of[t.stage[updates]] = updates  # one pipeline: one OPT per stage and mini-batch, after its REDUCE
-    done_ms = np.concatenate([[0.0], np.cumsum(_compute_ms(t, op_ms))])  # rows: by device, in program order
+    done_ms = np.concatenate([[0.0], np.cumsum(_compute_ms(t, op_ms, accumulated_ms))])  # by device, in order
     for device in np.unique(t.device[reduces]):
         mine = reduces[t.device[reduces] == device]
         reduce_ms = op_ms[t.stage[mine], KIND_CODE[Kind.REDUCE]]

@@ -1,0 +1,114 @@
+"""Every order pays its gradient accumulations (each B or W but its span's first adds into the buffer, the engine's
+`_gradient_spans`): a fixed order's bound on its costs (`planning.tune._costed`) and a searched order's on its
+partition (`_searched_bound_ms`) count them, and must stay at or below the simulated step; a searched candidate's
+own bound never sits above its shape's."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import assume, given, reject, settings
+from hypothesis import strategies as st
+
+from pipesim.planning import tune as tuning
+from pipesim.planning.auto import search_schedule
+from pipesim.schedules import ScheduleError, ScheduleParams, build_schedule, flushes
+from pipesim.schedules.analysis import warmup_minibatches
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.traces import summarize
+from tests.test_searched_bound import chains
+from tests.test_tune_digests import MODEL
+from tests.test_tune_reserve import searched_settings
+
+FIXED = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipedream", "pipedream-2bw")
+
+
+def _runs(schedule_of) -> tuple[int, int]:
+    """The mini-batches of tune's short and long runs of an order (`_plan`'s)."""
+    probe = schedule_of(2)
+    flushing = flushes(probe)
+    short = warmup_minibatches(flushing, probe.num_stages, probe.microbatches)
+    return short, short + (1 if flushing else tuning.STEADY_STEPS)
+
+
+def _step_ms(schedule_of, costs, links) -> float:
+    """The step as tune measures it (`_measured`), short of the busiest device's compute: the makespan's growth
+    from its warm-up's mini-batches to the long run's, per mini-batch."""
+    short, long = _runs(schedule_of)
+    long_run, short_run = (summarize(simulate(schedule_of(n), costs, links)) for n in (long, short))
+    return (long_run.makespan_ms - short_run.makespan_ms) / (long - short)
+
+
+def _costed_step_ms(schedule_of, costs, links) -> float:
+    """`_costed`'s least step (from its samples/s bound) for the long run of `schedule_of`, as `_plan` sets it."""
+    short, long = _runs(schedule_of)
+    schedule = schedule_of(long)
+    scenario = SimpleNamespace(costs=lambda built, bounds: costs)
+    config = SimpleNamespace(stages=schedule.num_devices, pipelines=schedule.pipelines)
+    problem = tuning.Problem(schedule.num_devices, 0, 1000, (), 8)
+    bound = tuning._costed(scenario, problem, config, tuning._Order.of(schedule), None, short, links)[-1]
+    return problem.batch_size / bound * 1e3
+
+
+@settings(max_examples=150, deadline=None)
+@given(chains(), st.sampled_from(FIXED), st.booleans())
+def test_a_fixed_orders_bound_with_its_accumulations_stays_at_or_below_its_step(chain, name, after_flush):
+    """Random chains, accumulations up to 1 ms, two replicas' REDUCEs (after the flush or each after its stage's
+    last backward), holds or not: the candidate's bound's step is never longer than the simulated one (shapes the
+    method refuses left out; some forward takes time, as every profile's does, so that the bound is finite)."""
+    costs, links, m = chain
+    p = len(costs.stages)
+    assume(any(stage.fwd_ms > 0 for stage in costs.stages))
+
+    def schedule_of(minibatches: int):
+        return build_schedule(name, ScheduleParams(p, m, minibatches, data_parallel=2,
+                                                   reduce_after_flush=after_flush))
+
+    try:
+        schedule_of(2)
+    except ScheduleError:
+        reject()
+    assert _costed_step_ms(schedule_of, costs, links) <= _step_ms(schedule_of, costs, links) * (1 + 1e-9) + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(chains())
+def test_the_partition_bound_with_its_accumulations_stays_at_or_below_the_step_auto_finds(chain):
+    costs, links, m = chain
+    p = len(costs.stages)
+    params = ScheduleParams(p, m, 3, data_parallel=2, search_seconds=0.01)
+    step_ms = _step_ms(lambda n: search_schedule(replace(params, minibatches=n), costs, links), costs, links)
+    sends_ms = tuning._send_holds_ms(search_schedule(params, costs, links), tuning._ops_per_step(
+        search_schedule(params, costs, links)), costs.transfers_hold_products, links,
+        [c.output_bytes for c in costs.stages])
+    assert tuning._searched_bound_ms(costs, m, tuning._hops_ms(links, costs, p), sends_ms) <= step_ms * (
+        1 + 1e-9) + 1e-9
+
+
+def test_the_fixed_orders_bound_counts_each_devices_accumulations():
+    """1F1B on 4 devices, 8 micro-batches (F 1 ms, B 2), transfers 0.5 ms: each device's 7 accumulations a step
+    (0.5 ms each) lengthen the bound's step by 3.5 ms, and the simulated step stays above it."""
+    costs, links = Costs.per_stage(4, fwd_ms=1, bwd_ms=2), Cluster.uniform(4, 0.5)
+    accumulating = replace(costs, stages=tuple(replace(stage, accumulate_ms=0.5) for stage in costs.stages))
+
+    def schedule_of(minibatches: int):
+        return build_schedule("1f1b", ScheduleParams(4, 8, minibatches))
+
+    plain, counted = (_costed_step_ms(schedule_of, c, links) for c in (costs, accumulating))
+    assert counted == pytest.approx(plain + 7 * 0.5)
+    assert counted <= _step_ms(schedule_of, accumulating, links)
+
+
+def test_a_searched_candidates_bound_is_capped_at_its_shapes(monkeypatch):
+    """A 12-layer GPT on 8 A100s, auto's first shape on its partition: a candidate built with a bound over the
+    shape's comes out with the shape's."""
+    prob = tuning.Problem(8, 80 * tuning.GIB, 32, ("auto",), 0, search_seconds=0.02)
+    settings_ = searched_settings("-D", 8, "-B", 32, "-s", "auto", "-b", 2, "--tensor-parallel", 1, model=MODEL)
+    orders = tuning._Orders()
+    shapes, _, _ = tuning._shapes(settings_, prob, orders)
+    built = tuning._Built(prob, orders)
+    shape = next(item for item in map(built.advance, shapes) if isinstance(item, tuning.Shape))
+    build = tuning._candidate
+    monkeypatch.setattr(tuning, "_candidate", lambda *args: replace(build(*args), max_samples_per_s=1e12))
+    candidate = built.candidate(shape)
+    assert candidate.max_samples_per_s == shape.max_samples_per_s < 1e12
