@@ -412,6 +412,12 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
         """Whether a result this fast beats `above` and its group would rank no lower than the last kept."""
         return speed > above and not (len(kept) >= groups and speed < speed_key(kept[-1][0].samples_per_s))
 
+    def worth_replaying(result: Result) -> bool:
+        """Whether a result known by its peak less the reserve could be kept at some peak: its speed could win
+        and `keep` takes it at that peak or at an unbounded one (it holds the peak to a cap, at most or over)."""
+        return could_win(speed_key(result.samples_per_s)) and (
+            keep(result) or keep(replace(result, peak_memory_bytes=_UNBOUNDED_BYTES)))
+
     def take() -> None:
         nonlocal kept
         item = out.popleft()
@@ -422,10 +428,8 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             return
         if isinstance(item, Candidate):
             result = built.floor(item)  # its peak without the caching allocator's reserve, a lower bound
-            if not could_win(speed_key(result.samples_per_s)):
-                return  # its group would rank below the last kept: cut, whatever its peak
-            if not (keep(result) or keep(replace(result, peak_memory_bytes=_UNBOUNDED_BYTES))):
-                return  # refused at its least peak and at any larger one, so at its own (`keep` holds it to a cap)
+            if not worth_replaying(result):
+                return  # cut by its speed whatever its peak, or refused at its least peak and at any larger one
             if item.index not in built.results:  # replayed meanwhile, and taken again after what is out
                 built.replay(item)
                 out.append(result)
@@ -440,7 +444,7 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
             kept = sorted([*kept, [result]], key=lambda g: rank_key(g[0]))[:groups]
 
     while heap or out:
-        built.ahead(heap, could_win)
+        built.ahead(heap, out, could_win, worth_replaying)
         if not could_win(speed_key(-heap[0][0]) if heap else above):
             if not any(isinstance(item, Shape) for item in out):
                 while out:  # what is out can only raise the bar: nothing left on the heap can beat it
@@ -636,13 +640,12 @@ class _Built:
                 found = searching.result()  # a copy of the setting came back with it: this one prices the rest
                 self.candidates[shape.index] = found and replace(found, setting=shape.setting)
             else:
-                costing = self._costing.pop(shape.index, None)
+                costed = _if_done(self._costing.pop(shape.index, None))
                 try:
                     self.candidates[shape.index] = _candidate(
                         shape.setting, self.problem, shape.config, shape.index, self._split(shape.setting),
                         self.orders, self._frame_links(shape.setting, shape.config)[0],
-                        self._plans.pop(shape.index, None),
-                        costing.result() if costing is not None and not costing.cancel() else None)
+                        self._plans.pop(shape.index, None), costed)
                 except ScheduleError:
                     self.candidates[shape.index] = None
             made = self.candidates[shape.index]
@@ -671,17 +674,22 @@ class _Built:
             self._shipped[id(value)] = value, _Shipped(id(value), pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
         return self._shipped[id(value)][1]
 
-    def ahead(self, heap: list[tuple[float, int, Shape | Candidate]], could_win: Callable[[float], bool]) -> None:
-        """Idle workers take, ahead of the search, the next steps of the best items near the top of `heap` that
-        a worker can take: a candidate's critical path (`tighten`), a tightened candidate's simulation
-        (`floor`), a partitioned searched order's search and a fixed chain's costs on its partition
-        (`candidate`), for items whose bound `could_win`. Each
-        is a function of the item alone, taken by the search when (and only if) it comes to that step as it
-        would without workers ahead, so what is built, simulated and kept does not depend on it: only when the
-        work is done, on a core that would otherwise wait. Only the heap's first levels are read (its best
-        items, nearly in order): reading all of it at every step would cost more than it saves."""
+    def ahead(self, heap: list[tuple[float, int, Shape | Candidate]], out: deque[Shape | Candidate | Result],
+              could_win: Callable[[float], bool], worth_replaying: Callable[[Result], bool]) -> None:
+        """Idle workers take, ahead of the search, the next steps it will want: the caching allocator's replay
+        (`result`) of a candidate whose simulation has come back (out, or on `heap`) and is `worth_replaying`
+        as things stand, and, for the best items near the top of `heap` whose bound `could_win`, a candidate's
+        critical path (`tighten`), a tightened candidate's simulation (`floor`), a partitioned searched order's
+        search and a fixed chain's costs on its partition (`candidate`). Each is a function of the item alone,
+        taken by the search when (and only if) it comes to that step as it would without workers ahead, so what
+        is built, simulated and kept does not depend on it: only when the work is done, on a core that would
+        otherwise wait. Only the heap's first levels are read (its best items, nearly in order): reading all of
+        it at every step would cost more than it saves."""
         if self._pool is None or len(self._running) >= self.window:
             return
+        for item in out:
+            if isinstance(item, Candidate):
+                self._replay_ahead(item, worth_replaying)
         for key, index, item in sorted(heap[:AHEAD_READ]):
             if not could_win(speed_key(-key)):
                 return
@@ -691,6 +699,7 @@ class _Built:
                                                            item.costs, self._ship(item.links), item.config.pipelines)
             elif isinstance(item, Candidate):
                 self.submit(item)
+                self._replay_ahead(item, worth_replaying)
             elif item.partitioned and METHODS[item.config.schedule].needs_costs:
                 self.submit_search(item)
             elif index in self._plans and index not in self._costing:
@@ -700,6 +709,14 @@ class _Built:
                                                     self._ship(self._frame_links(item.setting, item.config)[0]))
             if len(self._running) >= self.window:
                 return
+
+    def _replay_ahead(self, candidate: Candidate, worth_replaying: Callable[[Result], bool]) -> None:
+        """Its replay handed out now if its simulation has come back, unread (`floor` reads it), and is worth
+        replaying (`ahead`)."""
+        running = self._simulating.get(candidate.index)
+        if (running is not None and running.done() and running.exception() is None
+                and worth_replaying(Result(candidate, *running.result()))):
+            self.replay(candidate)
 
     def submit_search(self, shape: Shape) -> None:
         """Start building a searched order's candidate (its search, the dear part) in a worker."""
@@ -714,10 +731,8 @@ class _Built:
 
     def tighten(self, candidate: Candidate) -> Candidate:
         """The candidate bounded by its critical path too (`_with_critical_path`), from now on: the bound a worker
-        found ahead (`ahead`), or found here if none has begun to."""
-        ahead = self._tightening.pop(candidate.index, None)
-        bound = ahead.result() if ahead is not None and not ahead.cancel() else None
-        tightened = _with_critical_path(self.problem, candidate, bound)
+        found ahead (`ahead`), or found here if none has yet."""
+        tightened = _with_critical_path(self.problem, candidate, _if_done(self._tightening.pop(candidate.index, None)))
         self.candidates[candidate.index] = tightened
         return tightened
 
@@ -769,6 +784,17 @@ class _Built:
         if self._report is not None:
             self._report(f"searching {self._shapes:,} configurations, best bound first: {len(self.candidates):,} "
                          f"built, {len(self.floors):,} simulated")
+
+
+def _if_done(ahead: Future | None):
+    """The result of work a worker took ahead (`_Built.ahead`) if it is done, else None, the work cancelled if it
+    has not begun: the search does the little work it hands out ahead itself rather than wait for it (behind a
+    replay of a second or more, at worst)."""
+    if ahead is not None and ahead.done():
+        return ahead.result()
+    if ahead is not None:
+        ahead.cancel()
+    return None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import threading
+from collections import deque
 from pathlib import Path
 
 from pipesim.commands import tune as command
@@ -93,7 +94,7 @@ def test_workers_ahead_of_the_search_find_what_the_search_would_find_itself(monk
             if shape.index not in ahead._plans:  # not a fixed chain's partition
                 continue
             own = alone.candidate(here)
-            ahead.ahead([(-there.max_samples_per_s, shape.index, there)], lambda bound: True)
+            ahead.ahead([(-there.max_samples_per_s, shape.index, there)], deque(), *_EVERYTHING)
             ahead._costing[shape.index].result()
             monkeypatch.setattr(planning, "_costed", _broken)
             found = ahead.candidate(there)
@@ -102,7 +103,7 @@ def test_workers_ahead_of_the_search_find_what_the_search_would_find_itself(monk
             assert (found.staleness, found.memory_floor_bytes, found.allreduce_ms, found.max_samples_per_s) == (
                 own.staleness, own.memory_floor_bytes, own.allreduce_ms, own.max_samples_per_s)
             tight = alone.tighten(own).max_samples_per_s
-            ahead.ahead([(-found.max_samples_per_s, shape.index, found)], lambda bound: True)
+            ahead.ahead([(-found.max_samples_per_s, shape.index, found)], deque(), *_EVERYTHING)
             ahead._tightening[shape.index].result()
             monkeypatch.setattr(planning, "_path_bound", _broken)
             assert ahead.tighten(found).max_samples_per_s == tight
@@ -112,6 +113,9 @@ def test_workers_ahead_of_the_search_find_what_the_search_would_find_itself(monk
                 break
     assert costed == tightened == 6
     assert len(shapes) > costed
+
+
+_EVERYTHING = (lambda bound: True, lambda result: True)  # `ahead`'s could_win and worth_replaying
 
 
 def _broken(*args):
@@ -125,7 +129,7 @@ def test_the_search_answers_and_counts_alike_with_workers_ahead_of_it_or_not(mon
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     code, ahead, err = pipesim(*SMALL)
     assert code == 0, err
-    monkeypatch.setattr(planning._Built, "ahead", lambda self, heap, could_win: None)
+    monkeypatch.setattr(planning._Built, "ahead", lambda self, *args: None)
     code, handed, err = pipesim(*SMALL)
     assert code == 0, err
     assert _document(ahead) == _document(handed)
@@ -154,3 +158,33 @@ def test_workers_are_forked_where_no_other_thread_runs_and_spawned_where_one_doe
         running[-1].start()
     stop.set()
     assert methods == ["fork" if alone else "spawn", "spawn"]
+
+
+def test_a_simulation_back_and_worth_replaying_is_replayed_ahead_as_the_search_would_replay_it(monkeypatch):
+    """Once a candidate's simulation has come back, an idle worker replays its caching allocator (`_Built.ahead`)
+    if the result is worth replaying as things stand, and the search takes that peak as its own replay's; one not
+    worth replaying is left to the search."""
+    from tests.test_tune_reserve import searched_settings
+
+    settings = searched_settings("-D", 4, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--recompute", "none")
+    prob = planning.Problem(4, int(80 * GIB), 32, ("1f1b", "gpipe"))
+    alone_orders, ahead_orders = planning._Orders(), planning._Orders()
+    alone = planning._Built(prob, alone_orders)
+    own = [c for c in map(alone.candidate, planning._shapes(settings, prob, alone_orders)[0]) if c is not None]
+    reserved = planning._reserved_peak_bytes
+    with planning._Built(prob, ahead_orders, workers=2) as ahead:
+        found = [c for c in map(ahead.candidate, planning._shapes(settings, prob, ahead_orders)[0]) if c is not None]
+        assert len(found) == len(own) >= 2
+        for candidate in found:
+            ahead.submit(candidate)
+            ahead._simulating[candidate.index].result()
+        ahead._replay_ahead(found[0], lambda result: False)
+        assert found[0].index not in ahead._replaying
+        for candidate in found[1:]:
+            ahead._replay_ahead(candidate, lambda result: True)
+            ahead._replaying[candidate.index].result()
+        monkeypatch.setattr(planning, "_reserved_peak_bytes", _broken)
+        replayed = [ahead.result(candidate).peak_memory_bytes for candidate in found[1:]]
+        monkeypatch.setattr(planning, "_reserved_peak_bytes", reserved)
+        assert replayed == [alone.result(candidate).peak_memory_bytes for candidate in own[1:]]
+        assert ahead.result(found[0]).peak_memory_bytes == alone.result(own[0]).peak_memory_bytes
