@@ -31,6 +31,7 @@ from bisect import bisect_left, insort
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -51,6 +52,11 @@ LARGE_ROUNDING_BYTES = 2 * MIB  # kRoundLarge: what such a segment is rounded up
 # equal-sized cached blocks of a pool order as first made first (best fit's ties: the lowest address)
 POOL_SHIFT = 48
 SEGMENT_GAP_BYTES = MIN_BLOCK_BYTES
+# `CachingAllocator` keeps its addresses and sizes in units of MIN_BLOCK_BYTES (every request, block and segment is
+# a multiple of it): a large pool's addresses pass 2^30 bytes, past which CPython's ints take two digits and each sum,
+# hash and comparison of them costs more; in units they stay one digit to 512 GiB. `malloc` hands its addresses out
+# in bytes, the same ones an allocator in bytes gives.
+UNIT_SHIFT = 9
 
 # A pass as a step's first of the stage runs it, and what its last runs after it (`StageProgram`)
 FIRST = ":first"
@@ -110,7 +116,8 @@ def pool_of(request_bytes: int, stream: int) -> int:
 class CachingAllocator:
     """One device's caching allocator. `capacity_bytes`: what cudaMalloc can hand out in all (None: unbounded);
     `max_split_bytes`: max_split_size (None: unset, torch's default). No block objects: a block is its address
-    and bytes, its neighbours within the segment what ends where it starts and what starts where it ends."""
+    and size, its neighbours within the segment what ends where it starts and what starts where it ends; both in
+    units of `1 << unit_shift` bytes (UNIT_SHIFT), in which `run`'s slots hold the addresses."""
 
     capacity_bytes: int | None = None
     max_split_bytes: int | None = None
@@ -118,39 +125,43 @@ class CachingAllocator:
     allocated_bytes: int = 0  # the blocks handed out, rounded as the allocator's own statistics count them
     peak_reserved_bytes: int = 0
     peak_allocated_bytes: int = 0
-    _allocated: dict[int, int] = field(default_factory=dict)  # the blocks handed out: bytes by address
-    _cached_at: dict[int, int] = field(default_factory=dict)  # the cached blocks: bytes by address
+    _allocated: dict[int, int] = field(default_factory=dict)  # the blocks handed out: size by address
+    _cached_at: dict[int, int] = field(default_factory=dict)  # the cached blocks: size by address
     _cached_ending: dict[int, int] = field(default_factory=dict)  # the cached blocks: address by where they end
     # per pool, how it orders its cached blocks (BlockComparatorSize: by size, then address): their sizes, sorted
     # and each once, and by size their addresses, negated and sorted, so that best fit is a bisection over the few
     # sizes a step makes and its tie the last of that size's list (`_cache`, `_uncache`)
     _pools: defaultdict[int, tuple[list[int], dict[int, list[int]]]] = field(
         default_factory=lambda: defaultdict(lambda: ([], {})))
-    _segments: dict[int, int] = field(default_factory=dict)  # every segment's bytes by address
+    _segments: dict[int, int] = field(default_factory=dict)  # every segment's size by address
     _next_address: dict[int, int] = field(default_factory=dict)  # per pool, where its next segment starts
+    unit_shift: ClassVar[int] = UNIT_SHIFT  # its units' bytes, as a shift
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
-        """Hand out a block for `nbytes` on `stream` as torch would; returns its address (for `free`)."""
+        """Hand out a block for `nbytes` on `stream` as torch would; returns its address in bytes (for `free`)."""
         request_bytes, slots = round_request(nbytes), [0]
         self.run(((0, request_bytes, pool_of(request_bytes, stream)),), slots)
-        return slots[0]
+        return slots[0] << self.unit_shift
 
     def free(self, address: int) -> None:
-        """Give back the block at `address`: cached for its stream, merged with its free neighbours."""
-        self.run(((0, 0, 0),), [address])
+        """Give back the block at `address` (bytes): cached for its stream, merged with its free neighbours."""
+        self.run(((0, 0, 0),), [address >> self.unit_shift])
 
     def run(self, ops: Iterable[Op], slots: list[int]) -> None:
         """Replay `ops` (`Program`), each block's address in `slots` at its op's slot. A request takes the
         smallest cached block of its pool that holds it (`get_free_block`), else a new segment, and its front
         when the block is split (`should_split`); a freed block merges with its cached neighbours (`free_block`,
         `try_merge_blocks`) and is cached. The rules as one loop, `malloc` and `free` included (one op each):
-        a device's step is millions of them."""
+        a device's step is millions of them. Requests in bytes, the rest in units (UNIT_SHIFT)."""
         allocated, cached_at, cached_ending, pools = self._allocated, self._cached_at, self._cached_ending, self._pools
         max_split = self.max_split_bytes
-        allocated_bytes, peak_allocated_bytes = self.allocated_bytes, self.peak_allocated_bytes
+        allocated_units = self.allocated_bytes >> UNIT_SHIFT
+        peak_allocated_units = self.peak_allocated_bytes >> UNIT_SHIFT
+        pool_shift, small_request = POOL_SHIFT - UNIT_SHIFT, SMALL_REQUEST_BYTES >> UNIT_SHIFT
         try:
             for slot, request, pool in ops:
                 if request:
+                    request >>= UNIT_SHIFT
                     sizes, buckets = pools[pool]
                     bucket = buckets.get(request)
                     if bucket is not None:  # a cached block of the request's own size: best fit, nothing to split
@@ -161,7 +172,8 @@ class CachingAllocator:
                         size = request
                     else:
                         at = bisect_left(sizes, request)
-                        if at < len(sizes) and (max_split is None or _may_take(request, sizes[at], max_split)):
+                        if at < len(sizes) and (max_split is None or _may_take(
+                                request << UNIT_SHIFT, sizes[at] << UNIT_SHIFT, max_split)):
                             size = sizes[at]
                             bucket = buckets[size]
                             address = -bucket.pop()
@@ -171,21 +183,21 @@ class CachingAllocator:
                         else:
                             address, size = self._new_segment(request, pool)
                         remaining = size - request
-                        if (remaining >= MIN_BLOCK_BYTES if pool & 1 else  # `should_split`
-                                remaining > SMALL_REQUEST_BYTES and (max_split is None or request < max_split)):
+                        if (remaining >= 1 if pool & 1 else  # `should_split`: 512 bytes, over 1 MiB
+                                remaining > small_request and (max_split is None or request << UNIT_SHIFT < max_split)):
                             _cache(sizes, buckets, address + request, remaining)
                             cached_at[address + request], cached_ending[address + size] = remaining, address + request
                             size = request
                     allocated[address] = size
-                    allocated_bytes += size
-                    if allocated_bytes > peak_allocated_bytes:
-                        peak_allocated_bytes = allocated_bytes
+                    allocated_units += size
+                    if allocated_units > peak_allocated_units:
+                        peak_allocated_units = allocated_units
                     slots[slot] = address
                     continue
                 address = slots[slot]
                 size = allocated.pop(address)
-                allocated_bytes -= size
-                sizes, buckets = pools[address >> POOL_SHIFT]
+                allocated_units -= size
+                sizes, buckets = pools[address >> pool_shift]
                 if address in cached_ending:  # merged with the cached block ending where it starts (`_uncache`)
                     before = cached_ending.pop(address)
                     merged = cached_at.pop(before)
@@ -209,30 +221,32 @@ class CachingAllocator:
                 _cache(sizes, buckets, address, size)
                 cached_at[address], cached_ending[end] = size, address
         finally:
-            self.allocated_bytes, self.peak_allocated_bytes = allocated_bytes, peak_allocated_bytes
+            self.allocated_bytes = allocated_units << UNIT_SHIFT
+            self.peak_allocated_bytes = peak_allocated_units << UNIT_SHIFT
 
-    def _new_segment(self, request_bytes: int, pool: int) -> tuple[int, int]:
-        """A new segment for the request (`alloc_block`): its address and bytes."""
-        size_bytes = segment_bytes(request_bytes)
+    def _new_segment(self, request: int, pool: int) -> tuple[int, int]:
+        """A new segment for the request (`alloc_block`), both in units: its address and size."""
+        size_bytes = segment_bytes(request << UNIT_SHIFT)
         if self.capacity_bytes is not None and self.reserved_bytes + size_bytes > self.capacity_bytes:
             self._release_whole_segments()
             if self.reserved_bytes + size_bytes > self.capacity_bytes:
                 raise AllocatorOutOfMemory(
                     f"{size_bytes} bytes beside {self.reserved_bytes} reserved exceed {self.capacity_bytes}")
-        address = self._next_address.get(pool, pool << POOL_SHIFT)
-        self._next_address[pool] = address + size_bytes + SEGMENT_GAP_BYTES
-        self._segments[address] = size_bytes
+        size = size_bytes >> UNIT_SHIFT
+        address = self._next_address.get(pool, pool << (POOL_SHIFT - UNIT_SHIFT))
+        self._next_address[pool] = address + size + (SEGMENT_GAP_BYTES >> UNIT_SHIFT)
+        self._segments[address] = size
         self.reserved_bytes += size_bytes
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
-        return address, size_bytes
+        return address, size
 
     def _release_whole_segments(self) -> None:
         """What a failed cudaMalloc makes torch do (`release_cached_blocks`): free every cached whole segment."""
         for address, size in [(address, size) for address, size in self._cached_at.items()
                               if self._segments.get(address) == size]:
-            _uncache(*self._pools[address >> POOL_SHIFT], address, size)
+            _uncache(*self._pools[address >> (POOL_SHIFT - UNIT_SHIFT)], address, size)
             del self._cached_at[address], self._cached_ending[address + size], self._segments[address]
-            self.reserved_bytes -= size
+            self.reserved_bytes -= size << UNIT_SHIFT
 
 
 def _cache(sizes: list[int], buckets: dict[int, list[int]], address: int, size_bytes: int) -> None:
@@ -304,6 +318,7 @@ class ExpandableSegments(CachingAllocator):
     _unmapped_at: dict[int, int] = field(default_factory=dict)
     _unmapped_ending: dict[int, int] = field(default_factory=dict)
     _unmapped: defaultdict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    unit_shift: ClassVar[int] = 0  # its addresses and sizes in bytes
 
     def run(self, ops: Iterable[Op], slots: list[int]) -> None:
         """Replay `ops` (`Program`), each block's address in `slots` at its op's slot."""

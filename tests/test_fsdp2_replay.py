@@ -113,8 +113,9 @@ def _pools_allocated(allocator) -> dict[int, int]:
     from pipesim.sim.caching_allocator import POOL_SHIFT
 
     held: dict[int, int] = {}
-    for address, nbytes in allocator._allocated.items():
-        held[address >> POOL_SHIFT >> 1] = held.get(address >> POOL_SHIFT >> 1, 0) + nbytes // MIB
+    for address, size in allocator._allocated.items():  # in the allocator's units
+        stream = address << allocator.unit_shift >> POOL_SHIFT >> 1
+        held[stream] = held.get(stream, 0) + (size << allocator.unit_shift) // MIB
     return held
 
 
@@ -123,8 +124,9 @@ def _pools_reserved(allocator) -> dict[int, int]:
     from pipesim.sim.caching_allocator import POOL_SHIFT
 
     reserved: dict[int, int] = {}
-    for address, nbytes in allocator._segments.items():
-        reserved[address >> POOL_SHIFT >> 1] = reserved.get(address >> POOL_SHIFT >> 1, 0) + nbytes // MIB
+    for address, size in allocator._segments.items():  # in the allocator's units
+        stream = address << allocator.unit_shift >> POOL_SHIFT >> 1
+        reserved[stream] = reserved.get(stream, 0) + (size << allocator.unit_shift) // MIB
     return reserved
 
 
