@@ -561,7 +561,8 @@ class _Built:
                 step_ms = _planned_bound_ms(order, short, stage_ms,
                                             self._layer_reduces_ms(shape.setting, config, bounds),
                                             self._layer_hops_ms(shape.setting, config, bounds),
-                                            self._layer_sends_ms(shape.setting, config, order, bounds))
+                                            self._layer_sends_ms(shape.setting, config, order, bounds),
+                                            _cut_accumulates_ms(scenario.measured, bounds) * scenario.cost_scale)
             else:  # cut into the model's own DAG, which only its build knows
                 return self.candidate(shape)
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3  # shaded as `_candidate`'s
@@ -1367,9 +1368,6 @@ def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order,
     op_ms = per_step * per_op_ms
     stage_ms, network_ms = (op_ms * COMPUTE).sum(axis=1), (op_ms * ~COMPUTE).sum(axis=1)
     busy_ms = np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
-    accumulated_ms = _accumulated_ms(schedule, costs)
-    steady = schedule.table.minibatch == short
-    accumulating_ms = np.bincount(schedule.table.device[steady], accumulated_ms[steady], minlength=p)
     # A forward on a receive buffer the runtime keeps (torch's, `StageCosts.buffered_input_bytes`, which
     # `static_bytes` counts) holds that much less of its own; what else the runtime keeps only adds to the peak.
     held = [max(in_flight[s] * max(c.activation_bytes - c.buffered_input_bytes, 0), lingering[s] * c.param_bytes)
@@ -1377,12 +1375,11 @@ def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order,
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
     allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
-    waited_ms = np.maximum(_exposed_reduce_ms(schedule, per_op_ms, short, accumulated_ms),
-                           _send_holds_ms(schedule, per_step, costs.transfers_hold_products, links,
-                                          [c.output_bytes for c in costs.stages]))
-    least_step_ms = max(float((busy_ms + accumulating_ms + waited_ms).max()),  # shaded: sums of
-                        _flush_bound_ms(schedule, per_op_ms, _hops_ms(links, costs, p), accumulated_ms)
-                        ) * (1 - 1e-9)  # the same times in another order
+    least_step_ms = _planned_bound_ms(order, short, per_op_ms, per_op_ms[:, KIND_CODE[Kind.REDUCE]],
+                                      _hops_ms(links, costs, p), _send_holds_ms(
+                                          schedule, per_step, costs.transfers_hold_products, links,
+                                          [c.output_bytes for c in costs.stages]),
+                                      _accumulates_ms(costs)) * (1 - 1e-9)  # shaded: sums in another order
     return costs, staleness, busy_ms, floor, allreduce_ms, problem.batch_size / least_step_ms * 1e3
 
 
@@ -1484,7 +1481,7 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     weighing = kind == code[Kind.W]  # after its I, which its device runs before it
     waits_for[weighing] = passing_at[unit[weighing]]
     waits_for[first] = anchor
-    duration = op_ms[stage, kind] + _accumulated_ms(schedule, costs)[rows]
+    duration = op_ms[stage, kind] + _accumulated_ms(schedule, _accumulates_ms(costs))[rows]
     waits_for[reducing] = _ON_NETWORK
     device = t.device[rows]
     columns = (position, waits_for, lag, duration)
@@ -1575,20 +1572,28 @@ def _hops_ms(links: Cluster, costs: Costs, devices: int) -> np.ndarray:
 
 
 def _planned_bound_ms(order: _Order, short: int, stage_ms: np.ndarray, reduces_ms: np.ndarray,
-                      hops_ms: np.ndarray, sends_ms: np.ndarray) -> float:
+                      hops_ms: np.ndarray, sends_ms: np.ndarray, accumulate_ms: np.ndarray) -> float:
     """A lower bound of a partitioned fixed order's step before it is costed: `_candidate`'s bound (each device's
     compute plus the REDUCEs it waits out, `_exposed_reduce_ms`; a flushing chain's fill and drain,
     `_flush_bound_ms`) on costs no more than its own: `stage_ms`, its layers' costs summed, `reduces_ms`, the
     least REDUCE of its stages, `hops_ms`, its transfers, and `sends_ms`, the time its sends hold each device's
-    compute (`_send_holds_ms`, the other bound of that wait). Both bounds only grow with the costs (a device's
-    compute plus what it waits out is its compute outside the span waited plus the span's REDUCEs)."""
+    compute (`_send_holds_ms`, the other bound of that wait), and `accumulate_ms`, its stages' gradient
+    accumulations (`_accumulated_ms`: each device's in its steady step, mini-batch `short`, on top of its compute;
+    the rows waited and those up to a flushing chain's last input-gradient pass each take its own as well). Both
+    bounds only grow with the costs (a device's compute plus what it waits out is its compute outside the span
+    waited plus the span's REDUCEs). With a candidate's own costs it is `_costed`'s bound."""
     schedule = order.schedule
+    p, t = schedule.num_devices, schedule.table
     table = stage_ms.copy()
     table[:, KIND_CODE[Kind.REDUCE]] = reduces_ms
     stage_busy_ms = ((order.per_step * table) * COMPUTE).sum(axis=1)
-    busy_ms = np.array([stage_busy_ms[schedule.stages_on(d)].sum() for d in range(schedule.num_devices)])
-    return max(float((busy_ms + np.maximum(_exposed_reduce_ms(schedule, table, short), sends_ms)).max()),
-               _flush_bound_ms(schedule, table, hops_ms))
+    busy_ms = np.array([stage_busy_ms[schedule.stages_on(d)].sum() for d in range(p)])
+    accumulated_ms = _accumulated_ms(schedule, accumulate_ms)
+    steady = t.minibatch == short
+    busy_ms += np.bincount(t.device[steady], accumulated_ms[steady], minlength=p)
+    return max(float((busy_ms + np.maximum(_exposed_reduce_ms(schedule, table, short, accumulated_ms),
+                                           sends_ms)).max()),
+               _flush_bound_ms(schedule, table, hops_ms, accumulated_ms))
 
 
 def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray, sends_ms: np.ndarray) -> float:
@@ -1604,7 +1609,7 @@ def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray, sen
     f, b, i, w, opt, reduce = (op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
                                                                        Kind.REDUCE))
     passes_ms = f + np.minimum(b, i)
-    accumulate_ms = np.array([c.accumulate_ms for c in costs.stages])
+    accumulate_ms = _accumulates_ms(costs)
     busy_ms = (microbatches * (f + np.minimum(b, i + w)) + (microbatches - 1) * accumulate_ms + opt
                + np.maximum(reduce, sends_ms))
     before_ms = np.concatenate([[0.0], np.cumsum(passes_ms[:-1] + hops_ms)])  # [d]: stages 0..d-1 and their links
@@ -1647,7 +1652,7 @@ def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, h
     op_ms = costs.op_ms_table(1)
     f, b, i, w, opt, reduce = (op_ms[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
                                                                        Kind.REDUCE))
-    accumulate_ms = np.array([c.accumulate_ms for c in costs.stages])
+    accumulate_ms = _accumulates_ms(costs)
     input_ms = np.minimum(b, i)
     rest_ms = np.minimum(b, i + w) - input_ms
     out = [c.output_bytes for c in costs.stages]
@@ -1721,10 +1726,10 @@ def _compute_ms(t, op_ms: np.ndarray, accumulated_ms: np.ndarray | float = 0.0) 
     return np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own] + accumulated_ms, 0.0)
 
 
-def _accumulated_ms(schedule: Schedule, costs: Costs) -> np.ndarray:
+def _accumulated_ms(schedule: Schedule, accumulate_ms: np.ndarray) -> np.ndarray:
     """Per row of the table, the ms it spends adding its weight gradients into the buffer, as the engine prices
-    it (`sim.engine._gradient_spans`): a B's or W's stage's `accumulate_ms` unless it opens its stage replica's
-    span (its replica's row before it among B, W and OPT, in program order, is no B or W); 0 for any other row.
+    it (`sim.engine._gradient_spans`): its stage's `accumulate_ms` ([k]) for a B or W unless it opens its stage
+    replica's span (its replica's row before it among B, W and OPT, in program order, is no B or W); else 0.
     An order with one update a step per stage replica so pays m·P - 1 of them per stage and step."""
     t, pipelines = schedule.table, schedule.pipelines
     spanned = np.flatnonzero(kind_mask(t.kind, Kind.B, Kind.W, Kind.OPT))
@@ -1733,7 +1738,30 @@ def _accumulated_ms(schedule: Schedule, costs: Costs) -> np.ndarray:
     is_gradient = t.kind[spanned] != KIND_CODE[Kind.OPT]
     accumulates = np.zeros(len(t.kind), dtype=bool)
     accumulates[spanned[1:]] = is_gradient[1:] & is_gradient[:-1] & (owner[1:] == owner[:-1])
-    return accumulates * np.array([c.accumulate_ms for c in costs.stages])[t.stage]
+    return accumulates * accumulate_ms[t.stage]
+
+
+def _accumulates_ms(costs: Costs) -> np.ndarray:
+    """[k]: stage k's accumulation of one micro-batch's weight gradients into the buffer."""
+    return np.array([c.accumulate_ms for c in costs.stages])
+
+
+def _cut_accumulates_ms(profile: Profile, bounds: list[int]) -> np.ndarray:
+    """`_accumulates_ms` of the chain of stages `bounds` cuts, before they are costed, as `stages_for` and
+    `_stage_costs` price them (before `cost_scale`): the accumulation was timed on the calibrated stages only, so
+    on their cut each has its own, and on another each stage has their total shared out by its weights' bytes
+    (an elementwise pass over the weights); none where a calibrated stage's is not timed (off their cut: any)
+    or its passes were measured (off their cut: all)."""
+    stages = profile.stages
+    if list(bounds) == profile.partition.bounds:
+        return np.array([s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0
+                         for s in stages])
+    if any(s.accumulate is None for s in stages) or all(s.passes is not None for s in stages):
+        return np.zeros(len(bounds) - 1)
+    total_ms = math.fsum(s.accumulate.median_ms for s in stages)
+    total_bytes = sum(s.param_bytes for s in stages) or 1
+    return np.array([total_ms * (sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes)
+                     for start, stop in zip(bounds, bounds[1:])])
 
 
 def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int,

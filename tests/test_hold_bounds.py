@@ -97,5 +97,5 @@ def test_each_device_is_held_for_the_outputs_it_sends():
         simulate(schedule, costs, links)).makespan_ms
     assert not _sends_ms(schedule, replace(costs, transfers_hold_products=False), links).any()
     order, table = tuning._Order.of(schedule), costs.op_ms_table(1)
-    assert tuning._planned_bound_ms(order, 1, table, np.zeros(4), hops_ms, np.zeros(4)) == 24.0
-    assert tuning._planned_bound_ms(order, 1, table, np.zeros(4), hops_ms, sends_ms) == 32.0
+    assert tuning._planned_bound_ms(order, 1, table, np.zeros(4), hops_ms, np.zeros(4), np.zeros(4)) == 24.0
+    assert tuning._planned_bound_ms(order, 1, table, np.zeros(4), hops_ms, sends_ms, np.zeros(4)) == 32.0
