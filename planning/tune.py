@@ -873,6 +873,7 @@ class _Work:
     param_bytes: int
     slowest_ms: np.ndarray  # [k]: the least a busiest of k stages runs per micro-batch (F + least backward)
     step_ms: tuple[float, float, float]  # an update, a weight prediction and an averaging of every stage, summed
+    accumulate_ms: float  # one accumulation of every stage, summed: the least over every cut (`_least_accumulate_ms`)
 
 
 def _work(profile: Profile, optimizer: str) -> _Work:
@@ -884,7 +885,7 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     I and W are measured, which no layer sum bounds: they count for nothing; the same goes for `slowest_ms`, the
     best split of the layers' F + min(B, I + W) into k stages (`least_slowest`), which no stage's passes undercut.
     Bytes are additive over a cut, and so are a stage's update, prediction and averaging, shared out by its
-    weights' bytes (`stages_for`)."""
+    weights' bytes (`stages_for`), and its gradient accumulation (`_least_accumulate_ms`)."""
     held = (sum(c.static_bytes for c in layer_costs(profile.layers, optimizer)),
             sum(layer.param_bytes for layer in profile.layers))
     steps = tuple(math.fsum(pick(stage).median_ms for stage in profile.stages) for pick in (
@@ -893,12 +894,21 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     if all(stage.passes is not None for stage in profile.stages):
         table = profile_costs(profile, optimizer, range(len(layers) + 1)).op_ms_table(1)
         return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0, *held,
-                     np.zeros(len(layers) + 1), steps)
+                     np.zeros(len(layers) + 1), steps, _least_accumulate_ms(profile))
     tail = profile.contention.tail if profile.contention is not None else 1.0
     least_bwd = [min(layer.bwd.median_ms, layer.igrad.median_ms + layer.wgrad.median_ms) for layer in layers]
     return _Work(tail * math.fsum(layer.fwd.median_ms for layer in layers),
                  tail * math.fsum(layer.bwd.median_ms for layer in layers), tail * math.fsum(least_bwd), *held,
-                 tail * _least_slowest(tuple(layer.fwd.median_ms + b for layer, b in zip(layers, least_bwd))), steps)
+                 tail * _least_slowest(tuple(layer.fwd.median_ms + b for layer, b in zip(layers, least_bwd))), steps,
+                 _least_accumulate_ms(profile))
+
+
+def _least_accumulate_ms(profile: Profile) -> float:
+    """The least sum of every stage's accumulation over any cut of the layers (`_cut_accumulates_ms`, before
+    `cost_scale`): the calibrated cut's own stages', or off it their total shared out by weight bytes, whichever
+    is less."""
+    return min(math.fsum(_cut_accumulates_ms(profile, bounds)) for bounds in (
+        profile.partition.bounds, [0, len(profile.layers)]))
 
 
 _least_slowest = cache(least_slowest)  # settings of one model at other depths share their layers' costs
@@ -910,7 +920,12 @@ class _Sketch:
     probe of the same shape): every method runs each micro-batch's forward and backward once on every stage, so
     its counts scale with m; whether it is a flushing chain, splits backwards or keeps extra weight copies does
     not depend on m, nor does a flushing order's staleness (nothing is in flight across its steps). Its updates,
-    predictions and averagings per step do not fall as m grows, so the probe's (at m or fewer) are a floor."""
+    predictions and averagings per step do not fall as m grows, so the probe's (at m or fewer) are a floor.
+
+    Its gradient accumulations per step (`_accumulated_ms`: each B or W but its span's first adds into the buffer)
+    are a stage's B and W rows less the spans they open, each after an update of the stage's, so at least its B
+    and W less its updates per step. Updates can grow with m (an order that never flushes may update per
+    micro-batch), so the count is the probe's m's only."""
 
     forwards: float  # the fewest forwards a model stage runs, per micro-batch
     backwards: float  # the fewest B + min(I, W)
@@ -921,6 +936,8 @@ class _Sketch:
     steps: tuple[float, float, float]  # the fewest OPT, PRED, AVG a stage runs per step
     flushing: bool
     stages: int  # model stages
+    microbatches: int  # the probe's m, at which alone `accumulations` holds
+    accumulations: float  # the fewest gradient accumulations a stage runs per step at the probe's m
 
     @classmethod
     def of(cls, order: _Order) -> _Sketch:
@@ -932,9 +949,10 @@ class _Sketch:
         chain = (order.chain[0] / m, order.chain[1]) if order.chain is not None else None
         steps = tuple(float(order.per_step[:, KIND_CODE[kind]].min()) for kind in (Kind.OPT, Kind.PRED, Kind.AVG))
         flushing = flushes(order.schedule)
+        accumulations = max(float((b + w - order.per_step[:, KIND_CODE[Kind.OPT]]).min()), 0.0)
         return cls(float(f.min()) / m, float((b + np.minimum(i, w)).min()) / m, float(b.min()) / m, chain,
                    order.staleness if flushing else None, order.schedule.policy.extra_copies, steps, flushing,
-                   order.schedule.num_stages)
+                   order.schedule.num_stages, m, accumulations)
 
 
 class _CopiesRefused(ScheduleError):
@@ -1017,11 +1035,12 @@ def _best_cut_ms(work: _ChainWork, passes: float, splits: bool, cost_scale: floa
     return low
 
 
-def _searched_sketch(stages: int) -> _Sketch:
+def _searched_sketch(stages: int, microbatches: int) -> _Sketch:
     """A searched order's (auto's): it flushes every mini-batch on a chain (`check_shape`: one stage per device,
-    one pipeline), running each micro-batch's F and backward once per stage and one update per stage and step;
-    whether it splits a backward is searched: say it may."""
-    return _Sketch(1.0, 1.0, 0.0, (1.0, True), None, 0, (1.0, 0.0, 0.0), True, stages)
+    one pipeline), running each micro-batch's F and backward once per stage and one update per stage and step,
+    so m - 1 accumulations; whether it splits a backward is searched: say it may."""
+    return _Sketch(1.0, 1.0, 0.0, (1.0, True), None, 0, (1.0, 0.0, 0.0), True, stages, microbatches,
+                   microbatches - 1.0)
 
 
 def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch, cost_scale: float,
@@ -1030,7 +1049,9 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch,
     mean of the p devices, and together they compute at least every stage's forwards (the fewest any stage runs
     per step, times the layers' forward sum: F is additive over a cut) and backwards (each micro-batch's B, or
     I and W, costs at least min(B, I + W) >= the layers' least backward; B alone, its layers' B) and updates,
-    predictions and averagings (`sketch` gives the counts), the rest counted as 0; and the busiest device computes at
+    predictions and averagings (`sketch` gives the counts) and gradient accumulations (at the probe's m: each stage
+    at least the sketch's count, so together at least that count times every stage's accumulation, which sums to
+    at least `work.accumulate_ms` whatever the cut), the rest counted as 0; and the busiest device computes at
     least its busiest stage, which runs at least the fewest passes on the best split of the layers into stages.
 
     A flushing chain's step is also at least, for every device d, X_0 + ... + X_{d-1} + c·X_d, where X_k is
@@ -1049,8 +1070,9 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch,
     them to it. Shaded against rounding (the sums run in another order)."""
     m = config.microbatches
     forwards, backwards, whole = m * sketch.forwards, m * sketch.backwards, m * sketch.whole
+    accumulations = sketch.accumulations if m == sketch.microbatches else 0.0
     total_ms = cost_scale * (forwards * work.fwd_ms + max(backwards * work.least_bwd_ms, whole * work.bwd_ms)
-                             + float(np.dot(sketch.steps, work.step_ms)))
+                             + float(np.dot(sketch.steps, work.step_ms)) + accumulations * work.accumulate_ms)
     mean_ms = total_ms / config.stages
     stages = config.stages * config.chunks
     step_ms = max(mean_ms, cost_scale * m * min(sketch.forwards, sketch.backwards) * float(work.slowest_ms[stages])
@@ -1246,7 +1268,7 @@ class _Orders:
                 params = ScheduleParams(stages, microbatches, 2, chunks, pipelines)
                 if METHODS[name].needs_costs:
                     check_shape(params)
-                    self._shapes[key] = _searched_sketch(stages)
+                    self._shapes[key] = _searched_sketch(stages, microbatches)
                 else:
                     self._shapes[key] = self.sketch(scenario, name, params)
             except ScheduleError as exc:

@@ -3,6 +3,7 @@
 partition (`_searched_bound_ms`) count them, and must stay at or below the simulated step; a searched candidate's
 own bound never sits above its shape's."""
 
+from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from pipesim.planning import tune as tuning
 from pipesim.planning.auto import search_schedule
-from pipesim.schedules import ScheduleError, ScheduleParams, build_schedule, flushes
+from pipesim.schedules import Schedule, ScheduleError, ScheduleParams, build_schedule, flushes
 from pipesim.schedules.analysis import warmup_minibatches
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.traces import summarize
@@ -52,6 +53,20 @@ def _costed_step_ms(schedule_of, costs, links) -> tuple[float, float]:
     return problem.batch_size / costed[-1] * 1e3, float(costed[2].max())
 
 
+def fixed_order(name: str, stages: int, microbatches: int, after_flush: bool) -> Callable[[int], Schedule]:
+    """`name`'s order of a random chain by its mini-batches (two replicas, REDUCEs after the flush or not); the
+    example is rejected where the method refuses the shape."""
+    def schedule_of(minibatches: int) -> Schedule:
+        return build_schedule(name, ScheduleParams(stages, microbatches, minibatches, data_parallel=2,
+                                                   reduce_after_flush=after_flush))
+
+    try:
+        schedule_of(2)
+    except ScheduleError:
+        reject()
+    return schedule_of
+
+
 @settings(max_examples=150, deadline=None)
 @given(chains(), st.sampled_from(FIXED), st.booleans())
 def test_a_fixed_orders_bound_with_its_accumulations_stays_at_or_below_its_step(chain, name, after_flush):
@@ -60,17 +75,8 @@ def test_a_fixed_orders_bound_with_its_accumulations_stays_at_or_below_its_step(
     simulated growth, or the busiest device's compute where that is longer; shapes the
     method refuses left out; some forward takes time, as every profile's does, so that the bound is finite)."""
     costs, links, m = chain
-    p = len(costs.stages)
     assume(any(stage.fwd_ms > 0 for stage in costs.stages))
-
-    def schedule_of(minibatches: int):
-        return build_schedule(name, ScheduleParams(p, m, minibatches, data_parallel=2,
-                                                   reduce_after_flush=after_flush))
-
-    try:
-        schedule_of(2)
-    except ScheduleError:
-        reject()
+    schedule_of = fixed_order(name, len(costs.stages), m, after_flush)
     bound_ms, busiest_ms = _costed_step_ms(schedule_of, costs, links)
     assert bound_ms <= max(_step_ms(schedule_of, costs, links), busiest_ms) * (1 + 1e-9) + 1e-9
 
