@@ -14,7 +14,7 @@ from pipesim.planning import tune as tuning
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Costs
 from pipesim.sim.costs import KIND_CODE, Kind
-from tests.test_accumulation_bounds import FIXED, _costed_step_ms, _step_ms, fixed_order
+from tests.test_accumulation_bounds import FIXED, ROUNDING_MS, _costed_step_ms, _step_ms, fixed_order
 from tests.test_searched_bound import chains
 from tests.test_tune_digests import MODEL
 from tests.test_tune_reserve import searched_settings
@@ -49,7 +49,7 @@ def test_a_shapes_bound_with_its_accumulations_stays_at_or_below_its_step(chain,
     schedule_of = fixed_order(name, len(costs.stages), m, after_flush)
     busiest_ms = _costed_step_ms(schedule_of, costs, links)[1]
     assert _shape_step_ms(name, costs, schedule_of) <= max(_step_ms(schedule_of, costs, links), busiest_ms) * (
-        1 + 1e-9) + 1e-9
+        1 + 1e-9) + ROUNDING_MS
 
 
 def test_a_shapes_bound_counts_every_stages_accumulations_at_the_sketchs_m_only():
