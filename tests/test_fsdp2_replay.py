@@ -108,26 +108,25 @@ def test_each_model_part_of_a_device_has_its_own_all_gather_and_reduce_scatter_s
                                                  pool_of(request, ALL_GATHER_STREAM + 2 * part)]
 
 
-def _pools_allocated(allocator) -> dict[int, int]:
-    """The bytes handed out, in MiB, by stream."""
+def _by_stream_mib(allocator, blocks: dict[int, int]) -> dict[int, int]:
+    """`blocks` (address -> size, in the allocator's units) summed in MiB by the stream its pool belongs to."""
     from pipesim.sim.caching_allocator import POOL_SHIFT
 
     held: dict[int, int] = {}
-    for address, size in allocator._allocated.items():  # in the allocator's units
+    for address, size in blocks.items():
         stream = address << allocator.unit_shift >> POOL_SHIFT >> 1
         held[stream] = held.get(stream, 0) + (size << allocator.unit_shift) // MIB
     return held
 
 
+def _pools_allocated(allocator) -> dict[int, int]:
+    """The bytes handed out, in MiB, by stream."""
+    return _by_stream_mib(allocator, allocator._allocated)
+
+
 def _pools_reserved(allocator) -> dict[int, int]:
     """The segments' bytes, in MiB, by stream."""
-    from pipesim.sim.caching_allocator import POOL_SHIFT
-
-    reserved: dict[int, int] = {}
-    for address, size in allocator._segments.items():  # in the allocator's units
-        stream = address << allocator.unit_shift >> POOL_SHIFT >> 1
-        reserved[stream] = reserved.get(stream, 0) + (size << allocator.unit_shift) // MIB
-    return reserved
+    return _by_stream_mib(allocator, allocator._segments)
 
 
 def test_without_a_pipeline_fsdp2_gathers_reshards_and_reduce_scatters_block_by_block():
