@@ -147,6 +147,10 @@ class StageCosts:
     the model's output) and each B or I (its inputs' gradients) leaves until the stage's update.
     `transient_bytes`: per pass (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's
     activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
+    `product_ms`: how long one of its passes' persistent products runs, the mean of their times weighted by their
+    times (the product a kernel launched at a random moment meets; an estimate's `LayerProfile.product_ms`), by
+    which a transfer's kernel beside it delays it at most (`Costs.transfers_hold_products`); 0: not known, the
+    kernel's whole time.
     """
 
     fwd_ms: float
@@ -191,6 +195,7 @@ class StageCosts:
     buffered_input_bytes: int = 0
     forward_kept_bytes: int = 0
     backward_kept_bytes: int = 0
+    product_ms: float = 0.0
 
     @property
     def gradient_bytes(self) -> int:
@@ -226,7 +231,7 @@ class StageCosts:
 _STAGE_TIMES = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "wgrad_ms", "accumulate_ms", "copy_ms",
                 "reduce_ms", "gather_ms", "all_to_all_fwd_ms", "all_to_all_bwd_ms", "ring_fwd_ms", "ring_bwd_ms",
                 "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms", "all_to_all_paired_ms",
-                "gather_cast_ms", "collective_delay_ms")
+                "gather_cast_ms", "collective_delay_ms", "product_ms")
 _STAGE_OPTIONAL = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
                    "all_gather_bytes")
 # What `StageCosts.__post_init__` checks, in its order: each number field, the most it may be (a time's MAX_MS), and
@@ -311,9 +316,12 @@ class Costs:
     `transfers_hold_products`: the devices' products run persistent CTAs (Hopper: `Curve.persistent_products`),
     so a point-to-point transfer's NCCL kernel, which holds its multiprocessors from its launch until its data
     has moved and shares none with compute kernels (NVIDIA/nccl issues 689 and 1025), holds back the compute
-    beside it on either device for as long as they overlap (sim/engine.py `_Model.timed_coroutine`), as the
-    collectives beside products are charged (`StageCosts.collective_delay_ms`): a send's from its issue until
-    its data has arrived, a receive's while its data moves. What a receive posted ahead holds before its data
+    beside it on either device (sim/engine.py `_held_compute`): a send's from its issue until its data has
+    arrived, a receive's while its data moves. A product's CTAs that find their multiprocessors held start when
+    the kernel ends or when its other CTAs free theirs, whichever comes first, so each product it meets ends later
+    by the kernel's time left or its own time, the less (the stages' `product_ms`; not known: the kernel's whole
+    time, as the collectives beside products are charged, `StageCosts.collective_delay_ms`). What a receive
+    posted ahead holds before its data
     moves (Megatron-core's `overlap_p2p_comm` posts each with the send before it) is not counted: the simulator
     knows when data moves, not when a runtime posts a receive.
     """

@@ -14,10 +14,11 @@ before it have ended. That wait is not busy time: the trace shows it as a gap in
 idle like any other, so the bubble counts it. Devices on one host's cores (CPU ranks) share them by processor
 sharing: a compute row runs as soon as its device is ready, at the speed the number of the host's devices
 computing at that moment allows, so it lasts longer while others compute too. Where transfers hold the compute
-beside them (`Costs.transfers_hold_products`: NCCL's kernels beside persistent products), a device's compute makes
-no progress while a kernel of one of its transfers runs (a send's from its issue until its data has arrived, a
-receive's while its data moves), and the devices run in simulated time order, so that each knows the transfers
-beside its compute. Where devices share nothing but links each taken by one device's sends (a queue per link
+beside them (`Costs.transfers_hold_products`: NCCL's kernels beside persistent products), a device's compute is
+held back while a kernel of one of its transfers runs (a send's from its issue until its data has arrived, a
+receive's while its data moves), each product it meets by the kernel's time left or its own, the less
+(`_held_compute`), and the devices run in simulated time order, so that each knows the transfers beside its
+compute. Where devices share nothing but links each taken by one device's sends (a queue per link
 direction, as estimates and calibrations price them), none of this needs SimPy (`_Model._run_timed`).
 This module only prices the rows and runs them: nothing here knows a method by name.
 """
@@ -131,6 +132,21 @@ class _Program:
     spans: _GradientSpans
     channel_bytes: list[int]  # per channel: the size of each of its transfers
     static_parts: dict[str, list[int]]  # `static_parts`
+    product_ps: list[int]  # per device: how long one of its products runs (`device_product_ps`; 0: not known)
+
+
+def device_product_ps(schedule: Schedule, costs: Costs) -> list[int]:
+    """Per device, how long one of its products runs, as transfers' kernels meet them (`_held_compute`): its
+    stages' `product_ms` weighted by their forward and backward time (the share of its compute each runs); 0 where
+    a stage's is not known."""
+    product_ps = []
+    for d in range(schedule.num_devices):
+        mine = [costs.stages[k] for k in schedule.stages_on(d)]
+        weights = [c.fwd_ms + c.bwd_ms for c in mine]
+        known = all(c.product_ms for c in mine) and sum(weights) > 0
+        product_ps.append(round(sum(c.product_ms * w for c, w in zip(mine, weights)) / sum(weights) * _PS_PER_MS)
+                          if known else 0)
+    return product_ps
 
 
 def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed: int) -> _Program:
@@ -326,7 +342,8 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     collective_rows, collective_clock, collective_ps, first_clock + len(lane) + len(lane_keys),
                     timed, send_clock, send_to_arrival, compute_unit + no_unit, host_unit + no_unit,
                     cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(), routes,
-                    len(resources), spans, channel_bytes, static_parts(schedule, costs))
+                    len(resources), spans, channel_bytes, static_parts(schedule, costs),
+                    device_product_ps(schedule, costs) if costs.transfers_hold_products else [])
 
 
 @dataclass
@@ -860,6 +877,7 @@ class _Model:
         send, recv, compute = int(Stream.SEND), int(Stream.RECV), int(Stream.COMPUTE)  # plain ints: this loop runs
         queued = cores is not None or unit is not None  # once per step
         kernels = self.kernels[d] if self.kernels is not None and d < len(self.kernels) and not queued else None
+        product_ps = program.product_ps[d] if kernels is not None else 0
         start = int(program.start_clock[d])
         clock = computed_ps = 0  # computed_ps: the last compute row's own time, at the head of the next busy_ps
         for mine, busy_ps, stream, xid, other, after_ps, row in zip(  # memoryviews: Python ints, one at a time
@@ -868,7 +886,7 @@ class _Model:
             if kernels is not None and busy_ps:  # the compute since the last step, held by the transfer kernels
                 computing_from = clock  # beside it: once simulated time reaches its end, every kernel that began
                 while True:  # under it is known (a sender announces its transfer when it issues it)
-                    end, holds = _held_compute(kernels, computing_from, busy_ps, mine - 1)
+                    end, holds = _held_compute(kernels, computing_from, busy_ps, mine - 1, product_ps)
                     if end <= env.now:
                         break
                     yield env.timeout(end - env.now)
@@ -935,6 +953,7 @@ class _Model:
         clocks, waiters, resume, arrival = self.clocks, self.waiters, self.ready.extend, self.arrival
         due, frontier, senders = self.due, self.frontier, tuple(self.senders[d])
         kernels = None if self.kernels is None else self.kernels[d]
+        product_ps = program.product_ps[d] if kernels is not None else 0
         awaited, sender_of, units = self.awaited, self.sender_of, program.lowered.units
         overlap = self.overlap_comm
         me = self.running
@@ -946,7 +965,8 @@ class _Model:
             if kernels is None:
                 clock += busy_ps
             elif busy_ps:
-                end, holds = _held_compute(kernels, clock, busy_ps, mine - 1) if kernels else (clock + busy_ps, ())
+                end, holds = (_held_compute(kernels, clock, busy_ps, mine - 1, product_ps) if kernels
+                              else (clock + busy_ps, ()))
                 while True:
                     for s in senders:
                         if frontier[s] < end and not self._sends_after(s, d, end):
@@ -959,7 +979,7 @@ class _Model:
                     yield
                     if len(kernels) == known:
                         break
-                    end, holds = _held_compute(kernels, clock, busy_ps, mine - 1)
+                    end, holds = _held_compute(kernels, clock, busy_ps, mine - 1, product_ps)
                     if end <= self.now:
                         break
                 if holds or kernels:
@@ -1290,13 +1310,15 @@ def _posting_rows(bounds: Sequence[int], stream: np.ndarray, window: int) -> tup
     return np.concatenate(receives), np.concatenate(posted)
 
 
-def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, clock_index: int
-                  ) -> tuple[int, list[tuple[int, int, int]]]:
-    """When `work_ps` of compute begun at `start_ps` ends where it makes no progress while any of `kernels` (begin,
-    end) runs, and its holds as `_Model.held` keeps them: `clock_index`, how far into the work each began, and its
-    length."""
+def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, clock_index: int,
+                  product_ps: int = 0) -> tuple[int, list[tuple[int, int, int]]]:
+    """When `work_ps` of compute begun at `start_ps` ends beside `kernels` (begin, end), and its holds as
+    `_Model.held` keeps them: `clock_index`, how far into the work each began, and its length. Where its products
+    run `product_ps` each, the kernels running together from where they meet the compute delay it as
+    `product_delay_ps` says, at most the work left (a product is held at most its own time); 0: it makes no
+    progress while any of them runs."""
     clock, done, holds = start_ps, 0, []
-    for begin, end in sorted(kernels):
+    for begin, end in _spans(sorted(kernels)):
         if end <= clock:
             continue
         if begin >= clock + work_ps - done:
@@ -1304,9 +1326,33 @@ def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, c
         if begin > clock:
             done += begin - clock
             clock = begin
-        holds.append((clock_index, done, end - clock))
-        clock = end
+        held = min(product_delay_ps(end - clock, product_ps), work_ps - done) if product_ps else end - clock
+        holds.append((clock_index, done, held))
+        clock += held
     return clock + work_ps - done, holds
+
+
+def _spans(kernels: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted (begin, end) spans joined where they overlap or touch: the times some kernel runs."""
+    joined: list[tuple[int, int]] = []
+    for begin, end in kernels:
+        if joined and begin <= joined[-1][1]:
+            if end > joined[-1][1]:
+                joined[-1] = (joined[-1][0], end)
+        else:
+            joined.append((begin, end))
+    return joined
+
+
+def product_delay_ps(kernel_ps: int, product_ps: int) -> int:
+    """How much later products of `product_ps` each, run back to back from a kernel's launch, end for the
+    `kernel_ps` it holds some multiprocessors: a persistent product's CTAs that find theirs held start when the
+    kernel ends or when its other CTAs free theirs, whichever comes first, so while the kernel runs each product
+    takes twice its time, and the one it ends in that less what of it was left (CUTLASS's sm90
+    `StaticPersistentTileScheduler`: a fixed share of the tiles per CTA; "nearly doubles" beside an all-gather on
+    an H100, NVIDIA developer forums topic 337991)."""
+    doubled, left = divmod(kernel_ps, 2 * product_ps)
+    return doubled * product_ps + min(left, product_ps)
 
 
 def _held_back(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray]:

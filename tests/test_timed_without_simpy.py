@@ -53,7 +53,7 @@ def _differences(fast, oracle) -> list[str]:
 def timed_problems(draw):
     """A small schedule of a random method, with or without data parallelism, random stage and transfer times
     (links with a queue of their own direction or none), blocking or overlapped sends, transfers holding the
-    compute (mostly) or not."""
+    compute (mostly) or not, for their whole time or each product at most its own."""
     method = draw(st.sampled_from(METHODS))
     p = draw(st.integers(2, 4))
     if method == "interleaved-1f1b":
@@ -72,8 +72,10 @@ def timed_problems(draw):
     reduce_ms = draw(st.lists(st.sampled_from((0.0, *TIMES_MS)), min_size=stages, max_size=stages)) if d > 1 \
         else [0.0] * stages
     holding = draw(st.sampled_from((True, True, True, False)))
+    product_ms = draw(st.sampled_from((0.0, 0.1, 0.25, 1.0)))  # a product held at most its own time (0: whole)
     costs = replace(costs, transfers_hold_products=holding,
-                    stages=tuple(replace(c, reduce_ms=r) for c, r in zip(costs.stages, reduce_ms)))
+                    stages=tuple(replace(c, reduce_ms=r, product_ms=product_ms)
+                                 for c, r in zip(costs.stages, reduce_ms)))
     links = {}
     for src in range(p):
         for dst in range(p):

@@ -1,18 +1,24 @@
 """A pipeline transfer's NCCL kernel beside Hopper's persistent products (`Costs.transfers_hold_products`): it holds
 its multiprocessors from its launch until its data has moved and shares none with compute kernels (NVIDIA/nccl
-issues 689 and 1025), so the compute beside it on either device makes no progress while they overlap."""
+issues 689 and 1025), so the compute beside it on either device is held back while they overlap: each product it
+meets by the kernel's time left or the product's own time, the less."""
 
 from dataclasses import replace
 
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
+from pipesim.sim.engine import product_delay_ps
 from pipesim.traces import summarize
 
 
-def _rows(method: str, p: int, m: int, hold: bool) -> tuple[float, dict[str, tuple[float, float]]]:
+def _rows(method: str, p: int, m: int, hold: bool, product_ms: float = 0.0
+          ) -> tuple[float, dict[str, tuple[float, float]]]:
     """The makespan (ms) and each op's start and duration (ms) by name (kind, stage, micro-batch) of `method` on p
-    devices and m micro-batches, forwards 1 ms, backwards 2 ms, every transfer 0.5 ms."""
-    costs = replace(Costs.per_stage(p, fwd_ms=1, bwd_ms=2), transfers_hold_products=hold)
+    devices and m micro-batches, forwards 1 ms, backwards 2 ms, every transfer 0.5 ms, products `product_ms` each
+    (0: not known)."""
+    costs = Costs.per_stage(p, fwd_ms=1, bwd_ms=2)
+    costs = replace(costs, transfers_hold_products=hold,
+                    stages=tuple(replace(c, product_ms=product_ms) for c in costs.stages))
     trace = simulate(build_schedule(method, ScheduleParams(p, m)), costs, Cluster.uniform(p, 0.5))
     ops = trace.ops
     return summarize(trace).makespan_ms, {
@@ -39,6 +45,22 @@ def test_a_receive_holds_the_compute_its_data_moves_beside():
     assert held["B1.0"] == (2.5, 2.5)
     assert held["RECV_F1.1"] == (2.5, 0.5)
     assert held_ms == 14.5
+
+
+def test_a_kernel_delays_each_product_it_meets_by_at_most_the_products_own_time():
+    """GPipe's held forward of the first test, its products 0.1 ms each: the 0.5 ms send kernel doubles the two
+    products it runs beside and delays the third by the 0.1 ms it has left, 0.3 ms in all (before: 0.5 ms); products
+    longer than the kernel are delayed by its whole time, as without a product time."""
+    _, short = _rows("gpipe", 2, 2, hold=True, product_ms=0.1)
+    _, long = _rows("gpipe", 2, 2, hold=True, product_ms=1.0)
+    assert short["F0.1"] == (1.0, 1.3)
+    assert long["F0.1"] == (1.0, 1.5)
+
+
+def test_product_delay_doubles_each_product_while_the_kernel_runs():
+    """Products of 2 ps back to back beside a kernel: one of 1 ps delays the first by 1; of 3, the first by 2 (its
+    own time; the second starts after the kernel); of 5, 2 + 1; of 8, 2 + 2."""
+    assert [product_delay_ps(kernel, 2) for kernel in (1, 3, 5, 8)] == [1, 2, 3, 4]
 
 
 def test_only_hoppers_estimates_hold_their_compute_beside_transfers():
