@@ -33,6 +33,7 @@ from published_runs import KORTHIKANTI_SETTINGS, SEQ, Run, _rows, command_text, 
 from rich.table import Table
 
 from pipesim.commands.tables import print_table
+from pipesim.schedules.zb_heuristic import ForkCosts, fork_csv
 
 LAYER_PROFILE = "layer.json"  # where a Table 2 row's `estimate` writes its profile
 REPO = Path(__file__).resolve().parents[1]  # where the printed commands run (they name examples/ files)
@@ -207,7 +208,7 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
         with contextlib.chdir(REPO):
             found = fullest(args)
         predicted, allocated = found["peak_mib"] / 1024, found["allocated_mib"] / 1024
-        unmodelled = [what for what, used in (("torch.compile", "compile" in row["techniques"]),
+        unmodelled = [what for what, used in (("Inductor's fusion", "compile" in row["techniques"]),
                                               ("async TP", "AsyncTP" in row["techniques"])) if used]
         compared.append({"run": run, "predicted_gib": predicted, "allocated_gib": allocated,
                          "published_gib": published, "error": predicted / published - 1,
@@ -223,23 +224,48 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
 # --use-flash-attn) and dropout (0.1), no tensor or data parallelism, the blocks cut by --allow-padding-num-layers,
 # the loss Megatron-LM's vocabulary-parallel cross entropy (`--cross-entropy megatron`).
 # Its SentencePiece tokenizer is not in the repository: Llama's 32,000 pieces are taken, which size only the
-# first stage's embedding and the last's head. ZB-1p and ZB-2p are schedules searched under an activation limit of
-# p and 2p micro-batches (the paper's section 5.1): pipesim's handcrafted ZB-H1 and ZB-H2 keep the same limits.
+# first stage's embedding and the last's head. ZB-1p and ZB-2p run the order the fork's own scheduler builds
+# (schedules/zb_heuristic.py: its auto_schedule.py's heuristic under --zero-bubble-max-pending-backward p and 2p),
+# from the costs the paper fed it (Table 9, zero_bubble_paper.json), written as torch schedule CSVs to ORDERS and run
+# with --schedule-file: pipesim's handcrafted ZB-H2 holds 2(p - k) - 1 forwards and 2k deferred W's on stage k,
+# where the fork's order holds as many of both as its limit of 2p micro-batches leaves room for.
 ZERO_BUBBLE_VOCAB = 32000
-ZERO_BUBBLE_SCHEDULES = {"1F1B": "1f1b", "1F1B-I": "interleaved-1f1b", "ZB-1p": "zb-h1", "ZB-2p": "zb-h2"}
+ZERO_BUBBLE_SCHEDULES = {"1F1B": "1f1b", "1F1B-I": "interleaved-1f1b"}
+ZERO_BUBBLE_LIMITS = {"ZB-1p": 1, "ZB-2p": 2}  # --zero-bubble-max-pending-backward, in multiples of p
+ZERO_BUBBLE_COSTS = Path(__file__).resolve().parent / "zero_bubble_paper.json"  # Table 9: the scheduler's inputs
+ORDERS = Path("benchmarks") / "published" / "zero-bubble-2024-orders"  # from REPO, where the commands run
+
+
+def zero_bubble_order(row: dict[str, str]) -> Path:
+    """Where a ZB-1p or ZB-2p row's order is (from REPO), written there as the fork's scheduler builds it from the
+    row's Table 9 costs (the medians it profiled: F, B, W and the transfer) under the row's memory limit."""
+    stages, microbatches = int(row["gpus"]), int(row["microbatches"])
+    (costs,) = [c for c in json.loads(ZERO_BUBBLE_COSTS.read_text())["rows"]
+                if (c["model"], c["p"], c["m"]) == (row["model"], stages, microbatches)]
+    text = fork_csv(stages, microbatches, ForkCosts.from_ms(costs["fwd_ms"], costs["igrad_ms"], costs["wgrad_ms"],
+                                                           costs["comm_ms"]),
+                    ZERO_BUBBLE_LIMITS[row["schedule"]] * stages)
+    path = ORDERS / f"{row['model']}-{row['schedule']}-m{microbatches}.csv"
+    (REPO / path).parent.mkdir(parents=True, exist_ok=True)
+    (REPO / path).write_text(text)
+    return path
 
 
 def zero_bubble_command(row: dict[str, str]) -> list[str]:
     """A row of the zero-bubble paper's Table 4 as pipesim's command line; 1F1B-I with one block per chunk, as the
-    paper ran it, the blocks padded to chunks of the p stages (the fork's `get_offset`)."""
+    paper ran it, the blocks padded to chunks of the p stages (the fork's `get_offset`); ZB-1p and ZB-2p as the
+    fork's scheduler ordered them (`zero_bubble_order`), one mini-batch."""
     layers, stages = int(row["layers"]), int(row["gpus"])
-    schedule = ZERO_BUBBLE_SCHEDULES[row["schedule"]]
-    chunks = ["--chunks", str(-(-layers // stages))] if schedule == "interleaved-1f1b" else []
+    if row["schedule"] in ZERO_BUBBLE_LIMITS:
+        order = ["--schedule-file", str(zero_bubble_order(row))]
+    else:
+        schedule = ZERO_BUBBLE_SCHEDULES[row["schedule"]]
+        chunks = ["--chunks", str(-(-layers // stages))] if schedule == "interleaved-1f1b" else []
+        order = ["-p", str(stages), "-m", row["microbatches"], "-s", schedule, *chunks]
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden_size"], "--heads",
             row["attention_heads"], "--seq-len", row["sequence_length"], "--vocab", str(ZERO_BUBBLE_VOCAB),
             "--dropout", "0.1", "--dtype", "fp16", "--attention", "math", "-b", row["microbatch_size"],
-            "--gpu", "a100-sxm-80gb", "-p", str(stages), "-m", row["microbatches"], "-s", schedule, *chunks,
-            "--stage-cut", "padded-blocks", "--cross-entropy", "megatron"]
+            "--gpu", "a100-sxm-80gb", *order, "--stage-cut", "padded-blocks", "--cross-entropy", "megatron"]
 
 
 def zero_bubble() -> list[dict]:

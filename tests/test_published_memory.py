@@ -4,6 +4,7 @@ figure, and the runs published as run are not marked out of memory."""
 
 from __future__ import annotations
 
+import csv
 import json
 import shlex
 import statistics
@@ -135,6 +136,38 @@ def test_the_zero_bubble_papers_table4_is_compared_per_model_and_schedule(monkey
     row = next(r for r in rows if r["run"] == "1.5B 1F1B-I")
     assert {"-s interleaved-1f1b", "--chunks 3", "-p 8", "-b 6"} <= flag_pairs(row["command"])
     monkeypatch.chdir(tmp_path)
+    code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
+    assert code == 0, err
+    devices = json.loads(out)["results"][0]["devices"]
+    assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["predicted_gib"])
+
+
+def test_zero_bubble_rows_run_the_order_the_forks_scheduler_built_from_table9(monkeypatch):
+    """ZB-1p and ZB-2p run the committed order of the fork's scheduler (schedules/zb_heuristic.py) for the row's
+    Table 9 costs and its limit of p or 2p micro-batches, as the benchmark builds it now; the ZB-2p row's command
+    prints its figure."""
+    from pipesim.schedules.zb_heuristic import ForkCosts, fork_csv
+
+    costs = {(c["model"], c["p"], c["m"]): c for c in json.loads(
+        (REPO / "benchmarks" / "zero_bubble_paper.json").read_text())["rows"]}
+    table4: dict[str, dict[str, str]] = {}  # each model and schedule at its fewest micro-batches, its first row
+    with (REPO / "benchmarks" / "published" / "zero-bubble-2024-table4.csv").open() as f:
+        for r in csv.DictReader(f):
+            table4.setdefault(f"{r['model']} {r['schedule']}", r)
+    ordered = [r for r in RECORDED["zero_bubble"] if " ZB-" in r["run"]]
+    assert len(ordered) == 8
+    for r in ordered:
+        row = table4[r["run"]]
+        p, m = int(row["gpus"]), int(row["microbatches"])
+        words = shlex.split(r["command"])
+        path = words[words.index("--schedule-file") + 1]
+        assert not {"-s", "-p", "-m"} & set(words)
+        c = costs[row["model"], p, m]
+        limit = p if row["schedule"] == "ZB-1p" else 2 * p
+        assert (REPO / path).read_text() == fork_csv(p, m, ForkCosts.from_ms(c["fwd_ms"], c["igrad_ms"], c["wgrad_ms"],
+                                                                          c["comm_ms"]), limit)
+    row = next(r for r in ordered if r["run"] == "1.5B ZB-2p")
+    monkeypatch.chdir(REPO)
     code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
     assert code == 0, err
     devices = json.loads(out)["results"][0]["devices"]
