@@ -77,7 +77,7 @@ FP8_RECIPES = {"FP8-CS": "te-current", "FP8": "te-current", "": "te"}
 # (model, t, p, v, E) -> (--token-dispatcher, the containers whose H100 recipe for that layout ran it) in
 # Megatron-Bridge's history (README.md there); the rest ran the model provider's default, NCCL's all-to-all
 # (qwen_provider.py: moe_token_dispatcher_type), as 25.11's p2 v12 recipe did (its base config names no flex backend)
-DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): ("deepep", ("26.",)),  # HybridEP, the layout's only recipe (4a64507)
+DISPATCHERS = {("Qwen3_30B_a3B", 1, 1, 1, 16): ("hybridep", ("26.",)),  # the layout's only recipe (4a64507)
                # DeepEP with GBS 1024 (90bdd9f, c4cc63b): in r0.3.0 (26.02) qwen3_llm_pretrain.py hands the base
                # config's deepep to the library recipe, whose apply_flex_dispatcher_backend picks flex on Hopper
                ("Qwen3_30B_a3B", 1, 2, 12, 8): ("deepep", ("26.02",))}

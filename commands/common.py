@@ -290,15 +290,18 @@ Routing = Annotated[str | None, typer.Option(
                                      "rank waits for, holding more).")]
 TokenDispatcher = Annotated[str | None, typer.Option(
     "--token-dispatcher", metavar="HOW", help="With --expert-parallel: how tokens reach their experts, alltoall "
-                                              "(NCCL's all-to-all: every routed copy sent; the default) or deepep "
-                                              "(DeepEP's and HybridEP's: a token sent once to each rank, and across "
-                                              "nodes once to each node, holding any of its experts, forwarded "
-                                              "there over the node's link).")]
+                                              "(NCCL's all-to-all: every routed copy sent; the default), deepep or "
+                                              "hybridep (DeepEP's or HybridEP's: a token sent once to each rank, and "
+                                              "across nodes once to each node, holding any of its experts, forwarded "
+                                              "there over the node's link; under TransformerEngine's float8 the "
+                                              "experts pad their tokens after DeepEP's, HybridEP pads in its "
+                                              "dispatch).")]
 DispatcherSms = Annotated[int | None, typer.Option(
-    "--dispatcher-sms", metavar="N", min=1, help="With --token-dispatcher deepep: the multiprocessors its dispatch "
-                                                 "and combine kernels hold, which the compute overlapped with them "
-                                                 "(an overlapped pair's other part) goes without. "
-                                                 "Default: 20, DeepEP's and Megatron-core's moe_deepep_num_sms.")]
+    "--dispatcher-sms", metavar="N", min=1, help="With --token-dispatcher deepep or hybridep: the multiprocessors "
+                                                 "its dispatch and combine kernels hold, which the compute "
+                                                 "overlapped with them (an overlapped pair's other part) goes "
+                                                 "without. Default: Megatron-core's, 20 for DeepEP "
+                                                 "(moe_deepep_num_sms), 16 for HybridEP (moe_hybridep_num_sms).")]
 ExpertGemm = Annotated[str | None, typer.Option(
     "--expert-gemm", metavar="HOW", help="With a mixture of experts: how a rank runs its local routed experts' "
                                          "products, grouped (one kernel over them all; the default) or per-expert "

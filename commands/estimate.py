@@ -230,7 +230,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         EstimateError,
         kernel_curve,
     )
-    from ..planning.experts import DISPATCHERS, EXPERT_GEMMS, ROUTINGS
+    from ..planning.experts import DISPATCHERS, EXPERT_GEMMS, FLEX_DISPATCHERS, ROUTINGS
     from ..planning.ranks import RANK_ORDERS
     from ..sim.costs import PRECISIONS
     from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
@@ -324,9 +324,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if routing == "random" and params.get("capacity_factor") is not None:
         raise InputError("--routing random: a model that drops tokens (--capacity-factor) computes each expert's "
                          "capacity however they are routed; give balanced")
-    if dispatcher == "deepep" and params.get("capacity_factor") is not None:  # MoEFlexTokenDispatcher asserts it
-        raise InputError("--token-dispatcher deepep: Megatron-core's flex dispatcher does not pad experts to their "
-                         "capacity (--capacity-factor); give alltoall")  # (token_dispatcher.py, core_v0.14.0)
+    if dispatcher in FLEX_DISPATCHERS and params.get("capacity_factor") is not None:  # MoEFlexTokenDispatcher
+        raise InputError(f"--token-dispatcher {dispatcher}: Megatron-core's flex dispatcher does not pad experts to "
+                         "their capacity (--capacity-factor); give alltoall")  # (token_dispatcher.py, core_v0.14.0)
     if params.get("hot_expert_share") is not None and params.get("capacity_factor") is not None:
         raise InputError("--hot-expert-share: a model that drops tokens (--capacity-factor) pads every expert to its "
                          "capacity however they are routed; give one of them")
@@ -340,8 +340,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if host_module_us is not None and not math.isfinite(host_module_us):
         raise InputError(f"--host-module-us: the host's microseconds a module call adds, a finite number from 0 (got "
                          f"{host_module_us})")
-    if params.get("dispatcher_sms") is not None and dispatcher != "deepep":
-        raise InputError("--dispatcher-sms: the multiprocessors DeepEP's kernels hold; give --token-dispatcher deepep")
+    if params.get("dispatcher_sms") is not None and dispatcher not in FLEX_DISPATCHERS:
+        raise InputError("--dispatcher-sms: the multiprocessors DeepEP's or HybridEP's kernels hold; give "
+                         "--token-dispatcher deepep or hybridep")
     rank_order = params.get("rank_order") or "pipesim"
     if rank_order not in RANK_ORDERS:
         raise InputError(f"--rank-order: choose from {', '.join(RANK_ORDERS)} (got {rank_order!r})")
@@ -722,7 +723,7 @@ def tensor_span_text(estimate: Estimate) -> str:
 def _expert_group_text(profile: Profile, expert: int) -> str:
     """Where an expert-parallel group's all-to-alls go (planning/experts.py): its ranks on each node, the shares of
     a rank's token copies that cross the node's link and its NIC."""
-    from ..planning.experts import expert_group
+    from ..planning.experts import FLEX_DISPATCHERS, expert_group
 
     estimate = profile.estimate
     t, p, d = estimate.degrees
@@ -733,8 +734,9 @@ def _expert_group_text(profile: Profile, expert: int) -> str:
                          expert_tensor=estimate.parallelism.get("expert_tensor"))
     node, network = group.node_link, group.network_link
     nic = f"its NIC ({network.kind} {network.bytes_per_ms / 1e6:.3g} GB/s)"
-    if group.dispatcher == "deepep":
-        return (f"expert-parallel group: {expert} ranks, {group.per_node} on each node; DeepEP's dispatch sends a "
+    if group.dispatcher in FLEX_DISPATCHERS:
+        backend = "DeepEP" if group.dispatcher == "deepep" else "HybridEP"
+        return (f"expert-parallel group: {expert} ranks, {group.per_node} on each node; {backend}'s dispatch sends a "
                 f"token once to each other rank holding any of its experts over {node.kind}, once to each other "
                 f"node over {nic}")
     return (f"expert-parallel group: {expert} ranks, {group.per_node} on each node; an all-to-all sends "

@@ -67,6 +67,7 @@ from ..sim.costs import PRECISIONS, Precision
 from .experts import (
     ALL_TO_ALLS,
     EXPERT_GEMMS,
+    FLEX_DISPATCHERS,
     ExpertGroup,
     ExpertParallelError,
     MoePass,
@@ -197,9 +198,10 @@ class Parallelism:
                                 "finite number, at least 0")
         if self.expert_gemm not in EXPERT_GEMMS:
             raise EstimateError(f"expert_gemm: choose from {', '.join(EXPERT_GEMMS)} (got {self.expert_gemm!r})")
-        if self.dispatcher_sms is not None and (self.token_dispatcher != "deepep" or self.dispatcher_sms < 1):
-            raise EstimateError(f"dispatcher_sms: {self.dispatcher_sms}; the multiprocessors DeepEP's kernels hold, "
-                                "at least 1, with token_dispatcher deepep")
+        if self.dispatcher_sms is not None and (self.token_dispatcher not in FLEX_DISPATCHERS
+                                                or self.dispatcher_sms < 1):
+            raise EstimateError(f"dispatcher_sms: {self.dispatcher_sms}; the multiprocessors DeepEP's or HybridEP's "
+                                f"kernels hold, at least 1, with token_dispatcher {' or '.join(FLEX_DISPATCHERS)}")
         if self.rank_order not in RANK_ORDERS:
             raise EstimateError(f"rank_order: choose from {', '.join(RANK_ORDERS)} (got {self.rank_order!r})")
         if self.recompute not in RECOMPUTE:
@@ -686,6 +688,10 @@ TE_PIPELINE_MULTIPROCESSORS = 16
 # gives its communication (arXiv 2412.19437, section 3.2.2). Whatever computes beside them gets the rest
 # (`sharing_dispatcher`).
 DEEPEP_MULTIPROCESSORS = 20
+# HybridEP's: Megatron-core's `moe_hybridep_num_sms` default 16 (transformer_config.py at b0cc2706: "In pure NVL
+# scenarios, 16 SMs can generally achieve good bandwidth"); Megatron-Bridge's performance scripts set 32
+# (scripts/performance/utils/overrides.py at v0.3.0), which `--dispatcher-sms` gives
+HYBRIDEP_MULTIPROCESSORS = 16
 # The multiprocessors NCCL's all-to-all holds while it runs (`--token-dispatcher alltoall`): one CTA a channel, on an
 # SM of its own that no compute kernel shares, 16 on a DGX with 8 NICs (NCCL's maintainer, github.com/NVIDIA/nccl
 # issue 689); all_to_all_single's ncclDevKernel_SendRecv launched 16 CTAs (issue 1598).
@@ -694,13 +700,15 @@ NCCL_ALL_TO_ALL_MULTIPROCESSORS = 16
 
 def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
     """`device` as a pass computing beside the dispatcher's kernels sees it: on the multiprocessors they leave
-    (`on_multiprocessors`), DeepEP's (`--dispatcher-sms`) or NCCL's all-to-all's; None without expert parallelism.
+    (`on_multiprocessors`), DeepEP's or HybridEP's (`--dispatcher-sms`) or NCCL's all-to-all's; None without expert
+    parallelism.
     Only an overlapped pair computes beside them (sim/costs.py `Costs.sharing_dispatcher_ms`): without the expert
     overlap the dispatch is a row the next pass waits for."""
     if parallel.expert == 1:
         return None
-    held = (NCCL_ALL_TO_ALL_MULTIPROCESSORS if parallel.token_dispatcher != "deepep" else
-            DEEPEP_MULTIPROCESSORS if parallel.dispatcher_sms is None else parallel.dispatcher_sms)
+    held = (NCCL_ALL_TO_ALL_MULTIPROCESSORS if parallel.token_dispatcher not in FLEX_DISPATCHERS else
+            parallel.dispatcher_sms if parallel.dispatcher_sms is not None else
+            HYBRIDEP_MULTIPROCESSORS if parallel.token_dispatcher == "hybridep" else DEEPEP_MULTIPROCESSORS)
     if held >= device.curve.multiprocessors:
         raise EstimateError(f"dispatcher_sms: {held} of the part's {device.curve.multiprocessors} multiprocessors "
                             "leaves none to compute on; give fewer")

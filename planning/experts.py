@@ -18,20 +18,20 @@ forward runs two (dispatch, combine), its input-gradient pass two more (the grad
 gradient none. They are rows of the schedule (`schedules.passes.add_expert_parallel`), on the device's network
 stream, which the pass's next row waits for.
 
-DeepEP's dispatch (`dispatcher` "deepep": DeepEP's normal kernels, and NVIDIA's HybridEP, Megatron-core's flex
-dispatcher) sends a token once to each rank holding any of its k experts, and across nodes once to each node
-holding any: over the NIC to the rank of the same local index there, which forwards it over the node's link to
-that node's ranks (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.2.2; github.com/deepseek-ai/DeepEP,
-its normal kernels' NVLink-to-RDMA forwarding). With balanced routing a token's k experts are k of the n drawn
-alike, so a group of g of them misses all k with chance C(n - g, k) / C(n, k): a rank (g = n/E) or a node (g its
-ranks' experts) receives the token with one minus that. The NIC carries one copy per other node receiving it, the
-node's link one per other rank receiving it on each node (`ExpertGroup.all_to_all_ms`). Where the router limits a
-token to M of G expert groups of s = n/G (DeepSeek-V3's node-limited routing, M = 4 of 8, a group a node: its
-report, section 2.1.2; transformers' DeepseekV3 router, n_group and topk_group), its M groups are M of the G drawn
-alike and its k experts k of their M·s: a rank whose experts lie in one group receives it with chance
-M/G·(1 - C(Ms - g, k)/C(Ms, k)), a node holding j whole groups with one minus the sum over the i of its groups
-chosen (hypergeometric: C(j, i)·C(G - j, M - i)/C(G, M)) of C((M - i)s, k)/C(Ms, k). A placement whose ranks or
-nodes split groups otherwise is priced without the limit.
+DeepEP's dispatch (`dispatcher` "deepep": DeepEP's normal kernels; "hybridep": NVIDIA's HybridEP; the two backends
+of Megatron-core's flex dispatcher, `FLEX_DISPATCHERS`) sends a token once to each rank holding any of its k
+experts, and across nodes once to each node holding any: over the NIC to the rank of the same local index there,
+which forwards it over the node's link to that node's ranks (DeepSeek-V3 technical report, arXiv 2412.19437, section
+3.2.2; github.com/deepseek-ai/DeepEP, its normal kernels' NVLink-to-RDMA forwarding). With balanced routing a
+token's k experts are k of the n drawn alike, so a group of g of them misses all k with chance C(n - g, k) / C(n,
+k): a rank (g = n/E) or a node (g its ranks' experts) receives the token with one minus that. The NIC carries one
+copy per other node receiving it, the node's link one per other rank receiving it on each node
+(`ExpertGroup.all_to_all_ms`). Where the router limits a token to M of G expert groups of s = n/G (DeepSeek-V3's
+node-limited routing, M = 4 of 8, a group a node: its report, section 2.1.2; transformers' DeepseekV3 router,
+n_group and topk_group), its M groups are M of the G drawn alike and its k experts k of their M·s: a rank whose
+experts lie in one group receives it with chance M/G·(1 - C(Ms - g, k)/C(Ms, k)), a node holding j whole groups with
+one minus the sum over the i of its groups chosen (hypergeometric: C(j, i)·C(G - j, M - i)/C(G, M)) of C((M - i)s,
+k)/C(Ms, k). A placement whose ranks or nodes split groups otherwise is priced without the limit.
 
 Routing is data-dependent; balanced, every rank computes the same. With the busiest expert taking a share S of a
 micro-batch's routed token copies (`hot_share`; balanced: 1/n of n experts), the rank holding it and n/E - 1
@@ -59,7 +59,10 @@ from .ranks import RankOrderError, expert_grid
 # Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
 # back after its backward (an A2A_B after B, or after I: the weight-gradient pass routes nothing)
 ALL_TO_ALLS = {"fwd": 2, "bwd": 2}
-DISPATCHERS = ("alltoall", "deepep")  # NCCL's all-to-all of every copy (the default); DeepEP's deduplicated one
+# NCCL's all-to-all of every copy (the default); DeepEP's and HybridEP's deduplicated one, which differ in where a
+# float8 run pads each local expert's tokens (`ExpertGroup.float8_padded`) and in the multiprocessors they hold
+DISPATCHERS = ("alltoall", "deepep", "hybridep")
+FLEX_DISPATCHERS = ("deepep", "hybridep")  # Megatron-core's flex dispatcher's backends (moe_flex_dispatcher_backend)
 ROUTINGS = ("balanced", "random")  # each expert its even share (the count's); each token's experts drawn alike
 # how a rank runs its local experts' products: one grouped kernel over them all (the count's), or one product
 # per local expert, as TransformerEngine's GroupedLinear runs them (`per_expert_products`)
@@ -194,14 +197,16 @@ class ExpertGroup:
         returns its input untouched where every split is aligned already, so a capacity-padded layer pays
         nothing where its capacity rows a local expert are a multiple of the alignment, and a dropless one pays
         always, its splits data-dependent (all n/E aligned by chance one time in 16^(n/E)). The permutations of
-        Megatron-core's all-to-all dispatcher never pad. HybridEP pads inside its fused dispatch
-        (`hybrid_ep_dispatch` with `pad_multiple` at 55ac708, Megatron-Bridge v0.3.1; later pins skip the
-        experts' padding for it, `skip_routed_expert_padding`), so the flex dispatcher's path (`deepep`, which
-        stands for HybridEP too) is left without it, though DeepEP at b0cc2706 (r0.3.0) pads in the experts as
-        the all-to-all's path does. The router's weights (a [copies, 1] tensor) are one kernel each way, their
-        bytes left out beside the copies' 2·hidden a copy."""
+        Megatron-core's all-to-all dispatcher never pad. HybridEP (`hybridep`) pads inside its fused dispatch
+        (`_HybridEPManager.dispatch` passes `hybrid_ep_dispatch` the float8 `pad_multiple` at b0cc2706, r0.3.0,
+        and 55ac708, r0.3.1), so each split reaches Fp8Padding aligned and is not copied (later pins skip the
+        experts' padding for it outright, moe_utils.py `skip_routed_expert_padding` at d98e8a64dd). DeepEP
+        (`deepep`) pads nothing in its dispatch (`_DeepepManager` pads the routing map only under
+        `moe_router_padding_for_quantization`, which no Qwen3 recipe sets), so its experts pad as the all-to-all's
+        do (experts.py at b0cc2706 pads under `fp8` whatever the dispatcher). The router's weights (a [copies, 1]
+        tensor) are one kernel each way, their bytes left out beside the copies' 2·hidden a copy."""
         forward = next((op for op in layer.ops.get("fwd", ()) if _grouped(op)), None)
-        if forward is None or self.dispatcher not in (None, "alltoall") or not layer.dispatched_bytes:
+        if forward is None or self.dispatcher == "hybridep" or not layer.dispatched_bytes:
             return layer
         if not dropless and forward.shape[1] % FLOAT8_PADDING_ROWS == 0:  # each local expert's capacity rows
             return layer
@@ -241,7 +246,7 @@ class ExpertGroup:
         DeepEP's sends each token once to each other rank and node receiving it (module docstring)."""
         if self.ranks == 1 or nbytes == 0:
             return 0.0
-        if self.dispatcher == "deepep" and self.experts:
+        if self.dispatcher in FLEX_DISPATCHERS and self.experts:
             nodes, token = self.ranks / self.per_node, nbytes / copies
             inside = token * nodes * (self.per_node - 1) * self._receives(self.experts // self.ranks, copies)
             outside = token * (nodes - 1) * self._receives(self.experts // self.ranks * self.per_node, copies)

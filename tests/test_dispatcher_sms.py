@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipesim.planning.estimate import Parallelism, sharing_dispatcher
 from pipesim.sim.costs import Costs, StageCosts
 from tests.conftest import pipesim, simulate_json
+from tests.test_expert_parallel import DEVICE
 
 GPT = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000,
        "--gated", "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "-p", 1, "-m", 4,
@@ -36,9 +38,20 @@ def test_the_multiprocessors_held_lengthen_only_an_overlapped_step():
     assert alone_many["time_per_minibatch_ms"] == alone_few["time_per_minibatch_ms"]
 
 
+def test_hybridep_holds_megatron_cores_16_multiprocessors_where_deepep_holds_20():
+    """HybridEP's kernels hold `moe_hybridep_num_sms`, 16 by default, DeepEP's `moe_deepep_num_sms`, 20, each unless
+    --dispatcher-sms says otherwise; NCCL's all-to-all its 16 channels'."""
+    def left(**given) -> int:
+        return sharing_dispatcher(DEVICE, Parallelism(data=8, expert=8, **given)).curve.multiprocessors
+
+    assert [left(token_dispatcher=d) for d in ("hybridep", "deepep", "alltoall")] == [132 - 16, 132 - 20, 132 - 16]
+    assert left(token_dispatcher="hybridep", dispatcher_sms=32) == 132 - 32
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--token-dispatcher", "alltoall", "--dispatcher-sms", 20),
-     "--dispatcher-sms: the multiprocessors DeepEP's kernels hold; give --token-dispatcher deepep"),
+     "--dispatcher-sms: the multiprocessors DeepEP's or HybridEP's kernels hold; give --token-dispatcher deepep or "
+     "hybridep"),
     (("--dispatcher-sms", 132), "--dispatcher-sms 132 of the part's 132 multiprocessors leaves none to compute on"),
 ])
 def test_bad_dispatcher_sms_is_one_line(args, message):

@@ -1,8 +1,8 @@
 """TransformerEngine's float8 padding of a rank's routed tokens (planning/experts.py `ExpertGroup.float8_padded`):
 under its float8 recipes Megatron-core's TEGroupedMLP pads each local expert's split to 16 rows before the grouped
 products and unpads their output (Fp8Padding, Fp8Unpadding), and the backward runs both the other way; a split
-already aligned is left as it is (a capacity of whole 16-row blocks), and the flex dispatcher's path pads in its
-dispatch, not here."""
+already aligned is left as it is (a capacity of whole 16-row blocks), and HybridEP pads in its dispatch, not here,
+where DeepEP's experts pad as the all-to-all's do."""
 
 from __future__ import annotations
 
@@ -47,16 +47,20 @@ def test_a_dropless_rank_copies_what_it_received_into_the_padded_buffer_and_back
         assert added["bwd"] == added["igrad"] == backward and added["wgrad"] == []
 
 
-def test_aligned_capacity_rows_and_the_flex_dispatchers_path_pad_nothing():
+def test_aligned_capacity_rows_and_hybrideps_path_pad_nothing():
     """A capacity-padded layer pads only where a local expert's capacity rows are not whole 16-row blocks
-    (Fp8Padding returns an aligned input untouched); DeepEP's and HybridEP's path is left without it."""
+    (Fp8Padding returns an aligned input untouched); HybridEP's splits arrive aligned from its dispatch
+    (`pad_multiple`), DeepEP's do not (its dispatch pads nothing), so DeepEP's experts copy what the all-to-all's
+    do."""
     group = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8)
     rows = group.local(counted().layers[1]).ops["fwd"]
     assert next(op.shape[1] for op in rows if op.routed and op.kind == "matmul") % FLOAT8_PADDING_ROWS == 0
     assert all(not ops for ops in _added(group, dropless=False).values())
     assert _added(group, dropless=False, rows=564)["fwd"][0].op == "fp8_padding"  # 141 capacity rows x 4 sources
+    hybridep = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, dispatcher="hybridep")
+    assert all(not ops for ops in _added(hybridep).values())
     deepep = expert_group(PLACEMENT, 4, EXPERTS, 1, 1, 2, 8, dispatcher="deepep")
-    assert all(not ops for ops in _added(deepep).values())
+    assert _added(deepep) == _added(group)
 
 
 def test_transformer_engines_float8_recipes_price_the_padding_on_every_moe_layer(monkeypatch):

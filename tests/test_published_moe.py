@@ -58,9 +58,10 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
             "1" if "(tokendrop)" in published["model"] else None)
         assert (_flag(args, "--chunks") if "--chunks" in args else "1") == chunks
         # the recipes that ran HybridEP (t1 p1 E16) or DeepEP (26.02's p2 v12; 25.11's ran NCCL's all-to-all)
-        flex = (p, chunks, e) == (1, "1", 16) or (published["container"], p, chunks, e) == ("26.02", 2, "12", 8)
+        hybridep = (p, chunks, e) == (1, "1", 16)
+        deepep = (published["container"], p, chunks, e) == ("26.02", 2, "12", 8)
         assert (_flag(args, "--token-dispatcher") if "--token-dispatcher" in args else None) == (
-            "deepep" if flex else None)
+            "hybridep" if hybridep else "deepep" if deepep else None)
         predicted = int(published["global_batch"]) * int(published["sequence_length"]) / (
             row["command_ms"] / 1e3 * gpus)
         assert row["predicted_tokens_per_s_per_gpu"] == pytest.approx(predicted, rel=1e-12)

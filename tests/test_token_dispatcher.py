@@ -47,7 +47,7 @@ def test_simulate_with_deepep_spends_less_on_an_all_to_all_across_nodes():
 
 @pytest.mark.parametrize(("args", "message"), [
     (("--data-parallel", 16, "--expert-parallel", 16, "--token-dispatcher", "nccl"),
-     "--token-dispatcher: choose from alltoall, deepep (got 'nccl')"),
+     "--token-dispatcher: choose from alltoall, deepep, hybridep (got 'nccl')"),
     (("--data-parallel", 16, "--token-dispatcher", "deepep"),
      "--token-dispatcher dispatches tokens between expert-parallel ranks; give --expert-parallel above 1"),
 ])
