@@ -638,6 +638,27 @@ class ContextRing:
             moved, kernels = 2 * keys_values + queries + self.ranks * 3 * queries, 2 + self.ranks
         return kernels * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
 
+    def copies_ms(self, op: OpCount, device: Device, element_bytes: int) -> float:
+        """The copies TransformerEngine's ring (p2p; torch's rings hand their kernels views) makes of what it hands
+        cuDNN, which `merge_ms` does not count (transformer_engine/pytorch/attention.py at v1.10): FusedAttention's
+        context-parallel branch makes q, k and v contiguous (`x.contiguous()`), and v, a view of Megatron-core's
+        fused QKV product (`SplitAlongDim`; q and k come whole out of its reshape and the RoPE), is copied; each
+        unmasked step of `AttnFuncWithCPAndKVP2P` copies the half it takes: in the forward the queries' second half
+        (`q[1].contiguous()`, where the step is past the rank) or the keys' and values' first
+        (`kv_inputs[i % 2][0].contiguous()`, elsewhere), in the backward the second halves of the queries, the
+        output and its gradient (`q[1]`, `out[1]`, `dout[1]`) or the keys' and values' first (`kv[0]`). A step
+        goes at its busiest rank's pace: the larger copy. Each copy reads and writes its bytes, a kernel at the
+        memory's rate."""
+        if self.rotate != "p2p":
+            return 0.0
+        queries = op.shape[0] * op.shape[1] * op.shape[3] * element_bytes
+        keys_values = self.keys_values(op) * element_bytes
+        overhead_ms, rate = device.curve.kernel_overhead_ms, device.memory_bytes_per_ms
+        if op.op.endswith("_backward"):
+            halves = (3, 3 * queries) if 3 * queries >= keys_values else (1, keys_values)
+            return (self.ranks - 1) * (halves[0] * overhead_ms + halves[1] / rate)
+        return overhead_ms + keys_values / rate + (self.ranks - 1) * (overhead_ms + max(queries, keys_values) / rate)
+
     def attention_ms(self, op: OpCount, device: Device) -> float:
         """One call of the rank's attention `op` as its C blocks, the exchanges aside (`exchange_ms`)."""
         return sum(self.blocks_ms(op, device))
@@ -891,8 +912,8 @@ def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
              forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2) -> float:
     """A pass's time on one of the t·C ranks: its ops, split, a product split on its contraction with its
-    collective (`reduced_ms` of it and its own time), an attention kernel as the context ring's blocks and their
-    merges (its exchanges are the ring's row: `_ring_of`)."""
+    collective (`reduced_ms` of it and its own time), an attention kernel as the context ring's blocks, their
+    merges and copies (its exchanges are the ring's row: `_ring_of`)."""
     total = 0.0
     for op in ops:
         if op.kind in ("matmul", "attention"):
@@ -907,6 +928,7 @@ def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms
             else:
                 mine, reduced = split.attention(op), False
             spent = (ring.attention_ms(mine, device) + ring.merge_ms(mine, device, element_bytes)
+                     + ring.copies_ms(mine, device, element_bytes)
                      if ring is not None and op.kind == "attention"
                      else op_ms(mine, device))
             total += op.count * (reduced_ms(mine, spent) if reduced else spent)
