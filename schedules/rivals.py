@@ -7,12 +7,11 @@ Each function names the source whose order it follows; the order rules are writt
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .ir import Action, Kind, Schedule, ScheduleError, StageGraph
+from .ir import Kind, Schedule, ScheduleError, StageGraph
 from .methods import Method, ScheduleParams, interleave_1f1b_rows, make_schedule, require_plain
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable
 
@@ -47,9 +46,14 @@ def _every_device(kind: np.ndarray, stage: np.ndarray, microbatch: np.ndarray) -
                        np.zeros(size, dtype=FIELD_DTYPE), np.full(size, -1, dtype=FIELD_DTYPE))
 
 
-def _each_device(method: str, devices: int, device_order: Callable[[int], list[Action]]) -> ActionTable:
+def _each_device(devices: int, device_order: Callable[[int], _VOrder]) -> ActionTable:
     """A pattern (`_flushed`) from each device's actions for mini-batch 0, `device_order(device)`."""
-    return ActionTable.from_orders([device_order(device) for device in range(devices)], method)
+    orders = [device_order(device).columns() for device in range(devices)]
+    kind, stage, microbatch, peer = (np.concatenate(column) for column in zip(*orders))
+    rows = len(kind)
+    return ActionTable(np.repeat(np.arange(devices, dtype=FIELD_DTYPE), [len(order[0]) for order in orders]),
+                       kind, stage.astype(FIELD_DTYPE), microbatch.astype(FIELD_DTYPE),
+                       np.zeros(rows, dtype=FIELD_DTYPE), np.zeros(rows, dtype=FIELD_DTYPE), peer.astype(FIELD_DTYPE))
 
 
 def _require_single_pipeline(method: str, params: ScheduleParams) -> None:
@@ -146,59 +150,70 @@ def _require_v(method: str, params: ScheduleParams,
         )
 
 
+# A V order's passes (`_VOrder`), each its parts' (kind, chunk): F, B, I or W of chunk 0 or 1; W of the oldest I of
+# either chunk (-1; DualPipe's one WeightGradStore queue); an overlapped pair (F&B) of one chunk's forward and the
+# other's full backward, its forward first.
+_PASSES = (((Kind.F, 0),), ((Kind.F, 1),), ((Kind.B, 0),), ((Kind.B, 1),), ((Kind.I, 0),), ((Kind.I, 1),),
+           ((Kind.W, 0),), ((Kind.W, 1),), ((Kind.W, -1),), ((Kind.F, 0), (Kind.B, 1)), ((Kind.F, 1), (Kind.B, 0)))
+F0, F1, B0, B1, I0, I1, W0, W1, W, F0B1, F1B0 = range(len(_PASSES))
+# [pass, part]: the part's kind code and chunk (a pass of one part: that part twice)
+_PART_KIND = np.array([[KIND_CODE[parts[k % len(parts)][0]] for k in (0, 1)] for parts in _PASSES], dtype=KIND_DTYPE)
+_PART_CHUNK = np.array([[parts[k % len(parts)][1] for k in (0, 1)] for parts in _PASSES])
+
+
 class _VOrder:
-    """One device's actions for mini-batch 0 of a schedule of two chunks per device, built pass by pass as the
-    sources do: each (pass, chunk) takes its next micro-batch in order (chunk c's count from `first[c]`), every I
-    queues its W (oldest first), and each chunk's micro-batches beyond its `microbatches` are dropped (ZB-V is
-    built for at least 2p−1 and trimmed, as torch does)."""
+    """One device's actions for mini-batch 0 of a schedule of two chunks per device, written as the sources write
+    it, in runs of a pattern of passes (`repeat`): each (pass, chunk) takes its next micro-batch in order (chunk
+    c's count from `first[c]`; B and I share the backward count), each W the oldest I still without its W, of its
+    chunk or of either (an order uses one or the other), and each chunk's micro-batches beyond its `microbatches`
+    are dropped (ZB-V is built for at least 2p−1 and trimmed, as torch does); an overlapped pair whose other part is
+    dropped runs alone. Numbered as columns, not pass by pass: tune builds hundreds of these orders."""
 
     def __init__(self, stages: tuple[int, int], microbatches: int, first: tuple[int, int] = (0, 0)) -> None:
         self.stages = stages  # V schedules: chunk 0 on the way down, chunk 1 on the way back
         self.microbatches = microbatches
         self.first = first
-        self.issued = {True: [0, 0], False: [0, 0]}  # is forward -> per chunk, micro-batches issued
-        # per chunk, (I's queued before it, micro-batch) of each I whose W is still to run, oldest first
-        self.pending: tuple[deque[tuple[int, int]], deque[tuple[int, int]]] = (deque(), deque())
-        self.queued = 0
-        self.actions: list[Action] = []
+        self.runs: list[np.ndarray] = []
+        self.written = [0] * len(_PASSES)  # per pass
 
-    def forwards(self, chunk: int) -> int:
-        return self.issued[True][chunk]
-
-    def add(self, kind: Kind, chunk: int) -> None:
-        """F, B or I of `chunk`'s next micro-batch (B and I share the backward count)."""
-        j = self._issue(kind, chunk)
-        if kind is Kind.I:
-            self.pending[chunk].append((self.queued, j))
-            self.queued += 1
-        self._emit(kind, chunk, j)
-
-    def overlap(self, forward_chunk: int, backward_chunk: int) -> None:
-        """F of `forward_chunk`'s next micro-batch and B of `backward_chunk`'s next, as one overlapped pair (each
-        part naming the other's stage, `ir.overlapped`); a part whose other part is dropped runs alone."""
-        forward, backward = self._issue(Kind.F, forward_chunk), self._issue(Kind.B, backward_chunk)
-        paired = forward < self.microbatches and backward < self.microbatches
-        self._emit(Kind.F, forward_chunk, forward, self.stages[backward_chunk] if paired else -1)
-        self._emit(Kind.B, backward_chunk, backward, self.stages[forward_chunk] if paired else -1)
-
-    def _issue(self, kind: Kind, chunk: int) -> int:
-        counts = self.issued[kind is Kind.F]
-        counts[chunk] += 1
-        return counts[chunk] - 1
-
-    def weight(self, chunk: int | None = None) -> None:
-        """W of the oldest pending I, of `chunk` if given."""
-        if chunk is None:
-            chunk = min((c for c in (0, 1) if self.pending[c]), key=lambda c: self.pending[c][0])
-        _, j = self.pending[chunk].popleft()
-        self._emit(Kind.W, chunk, j)
+    def repeat(self, times: int, *passes: int) -> None:
+        """`passes` in turn, `times` over (none where `times` <= 0)."""
+        if times > 0:
+            self.runs.append(np.tile(np.array(passes, dtype=np.intp), times))
+            for code in passes:
+                self.written[code] += times
 
     def pending_of(self, chunk: int) -> int:
-        return len(self.pending[chunk])
+        """The I's of `chunk` still without their W (W's of that chunk's own)."""
+        return self.written[(I0, I1)[chunk]] - self.written[(W0, W1)[chunk]]
 
-    def _emit(self, kind: Kind, chunk: int, j: int, peer: int = -1) -> None:
-        if j < self.microbatches:
-            self.actions.append(Action(kind, self.stages[chunk], self.first[chunk] + j, 0, 0, peer))
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The actions in order: (kind codes, stages, micro-batches, peers)."""
+        codes = np.concatenate(self.runs) if self.runs else np.zeros(0, dtype=np.intp)
+        parts = 1 + (codes >= F0B1)
+        code = np.repeat(codes, parts)
+        part = np.zeros(len(code), dtype=np.intp)
+        part[np.cumsum(parts)[parts == 2] - 1] = 1
+        kind, chunk = _PART_KIND[code, part], _PART_CHUNK[code, part]
+        inputs, weights = kind == _I, kind == _W
+        j = np.zeros(len(code), dtype=np.int64)  # the micro-batch's number in its chunk
+        for c in (0, 1):
+            for counted in (kind == _F, (kind == _B) | inputs):
+                mine = np.flatnonzero(counted & (chunk == c))
+                j[mine] = np.arange(len(mine))
+        # the n-th W of a queue (a chunk's I's, or all of them) is the n-th I of that queue's
+        queues = [(np.flatnonzero(weights & (chunk == c)), inputs & (chunk == c) if c >= 0 else inputs)
+                  for c in (-1, 0, 1)]
+        for taking, queued in queues:
+            its_input = np.flatnonzero(queued)[:len(taking)]
+            j[taking], chunk[taking] = j[its_input], chunk[its_input]
+        kept = j < self.microbatches
+        forward = np.flatnonzero(part == 1) - 1  # each pair's forward part, its backward next
+        paired = forward[kept[forward] & kept[forward + 1]]
+        stages = np.asarray(self.stages)
+        peer = np.full(len(code), -1, dtype=np.int64)
+        peer[paired], peer[paired + 1] = stages[chunk[paired + 1]], stages[chunk[paired]]
+        return kind[kept], stages[chunk[kept]], np.asarray(self.first)[chunk[kept]] + j[kept], peer[kept]
 
 
 def zb_v(params: ScheduleParams) -> Schedule:
@@ -212,40 +227,23 @@ def zb_v(params: ScheduleParams) -> Schedule:
     p, m = params.stages, params.microbatches
     planned = max(m, 2 * p - 1)
 
-    def device_order(i: int) -> list[Action]:
+    def device_order(i: int) -> _VOrder:
         o = _VOrder((i, 2 * p - 1 - i), m)
-        for _ in range(2 * (p - i) - 1):
-            o.add(Kind.F, 0)
-        for _ in range(i):
-            o.add(Kind.F, 1)
-            o.add(Kind.F, 0)
-        for _ in range(p - i):
-            o.add(Kind.F, 1)
-            o.add(Kind.I, 1)
-            o.weight(1)
-        while o.forwards(1) < o.forwards(0) or o.forwards(0) < planned:
-            if o.forwards(0) < planned:
-                o.add(Kind.F, 0)
-            o.add(Kind.I, 0)
-            o.weight(0)
-            o.add(Kind.F, 1)
-            o.add(Kind.I, 1)
-            o.weight(1)
-        for _ in range(i):
-            o.add(Kind.I, 0)
-            o.add(Kind.I, 1)
-        for _ in range(p - i):
-            o.add(Kind.I, 0)
-            o.weight(0)
-        for chunk in (1, 0):
-            for _ in range(o.pending_of(chunk)):
-                o.weight(chunk)
-        return o.actions
+        o.repeat(2 * (p - i) - 1, F0)
+        o.repeat(i, F1, F0)
+        o.repeat(p - i, F1, I1, W1)
+        o.repeat(planned - (2 * p - i - 1), F0, I0, W0, F1, I1, W1)  # until every chunk-0 forward has run
+        o.repeat(p - i - 1, I0, W0, F1, I1, W1)  # until every chunk-1 forward has
+        o.repeat(i, I0, I1)
+        o.repeat(p - i, I0, W0)
+        o.repeat(o.pending_of(1), W1)
+        o.repeat(o.pending_of(0), W0)
+        return o
 
-    return _flushed(method, params, _v_placement(p), _each_device(method, p, device_order))
+    return _flushed(method, params, _v_placement(p), _each_device(p, device_order))
 
 
-def _dualpipe_phases(o: _VOrder, ranks: int, rank: int, microbatches: int) -> list[Action]:
+def _dualpipe_phases(o: _VOrder, ranks: int, rank: int, microbatches: int) -> _VOrder:
     """The eight phases of DualPipe's step() (deepseek-ai/DualPipe, dualpipe.py and dualpipev.py alike) for rank
     `rank` of `ranks`, chunk 0 the one its first forwards feed, each chunk running `microbatches`:
     2(p−r−1) F0; r+1 × (F0 F1); p−r−1 × (I1 W F1); m−2p+r+1 × (F0 B1 F1 B0); p−r−1 × (B1 F1 B0); r+1 × (B1 B0)
@@ -253,33 +251,17 @@ def _dualpipe_phases(o: _VOrder, ranks: int, rank: int, microbatches: int) -> li
     (its WeightGradStore is one queue). The F and B that its `_forward_backward_chunk` overlaps are one overlapped
     pair (F&B), all but the last rank's first, which it runs apart "to further reduce bubble size"."""
     p, r = ranks, rank
-    for _ in range(2 * (p - r - 1)):
-        o.add(Kind.F, 0)
-    for _ in range(r + 1):
-        o.add(Kind.F, 0)
-        o.add(Kind.F, 1)
-    for _ in range(p - r - 1):
-        o.add(Kind.I, 1)
-        o.weight()
-        o.add(Kind.F, 1)
-    for i in range(microbatches - 2 * p + r + 1):
-        if i == 0 and r == p - 1:
-            o.add(Kind.F, 0)
-            o.add(Kind.B, 1)
-        else:
-            o.overlap(0, 1)
-        o.overlap(1, 0)
-    for _ in range(p - r - 1):
-        o.add(Kind.B, 1)
-        o.overlap(1, 0)
-    for n in range(2 * (r + 1)):
-        o.add(Kind.I if n >= r + 1 else Kind.B, 1 - n % 2)
-    for _ in range(p - r - 1):
-        o.weight()
-        o.add(Kind.I, 0)
-    for _ in range(r + 1):
-        o.weight()
-    return o.actions
+    o.repeat(2 * (p - r - 1), F0)
+    o.repeat(r + 1, F0, F1)
+    o.repeat(p - r - 1, I1, W, F1)
+    apart = int(r == p - 1)  # m >= 2p: at least one step in the steady state
+    o.repeat(apart, F0, B1, F1B0)
+    o.repeat(microbatches - 2 * p + r + 1 - apart, F0B1, F1B0)
+    o.repeat(p - r - 1, B1, F1B0)
+    o.repeat(1, *[((I1, I0) if n >= r + 1 else (B1, B0))[n % 2] for n in range(2 * (r + 1))])
+    o.repeat(p - r - 1, W, I0)
+    o.repeat(r + 1, W)
+    return o
 
 
 def dualpipev(params: ScheduleParams) -> Schedule:
@@ -296,10 +278,10 @@ def dualpipev(params: ScheduleParams) -> Schedule:
             f"num_chunks >= 2 * num_ranks): got m={m}, p={p}"
         )
 
-    def device_order(r: int) -> list[Action]:
+    def device_order(r: int) -> _VOrder:
         return _dualpipe_phases(_VOrder((r, 2 * p - 1 - r), m), p, r, m)
 
-    return _flushed(method, params, _v_placement(p), _each_device(method, p, device_order))
+    return _flushed(method, params, _v_placement(p), _each_device(p, device_order))
 
 
 def dualpipe(params: ScheduleParams) -> Schedule:
@@ -321,13 +303,13 @@ def dualpipe(params: ScheduleParams) -> Schedule:
         )
     half = m // 2
 
-    def device_order(r: int) -> list[Action]:
+    def device_order(r: int) -> _VOrder:
         own, other = (r, 0), (2 * p - 1 - r, half)  # (stage, first micro-batch) of copy 0's and copy 1's stage
         near, far = (own, other) if r < p // 2 else (other, own)
         order = _VOrder((near[0], far[0]), half, first=(near[1], far[1]))
         return _dualpipe_phases(order, p // 2, min(r, p - 1 - r), half)
 
-    return _flushed(method, params, _v_placement(p), _each_device(method, p, device_order),
+    return _flushed(method, params, _v_placement(p), _each_device(p, device_order),
                     StageGraph.chain(2 * p, copies=2))
 
 
