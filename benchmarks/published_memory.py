@@ -152,9 +152,10 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     rotation, and torchtitan's option, config_manager.py's --experimental.context_parallel_rotate_method, later
     job_config.py's parallelism.context_parallel_rotate_method, defaults to allgather); its MLP's SwiGLU as eager
     ops (`--no-swiglu-fusion`: models/llama3/model.py FeedForward, `w2(F.silu(w1(x)) * w3(x))`, keeps silu's output
-    beside the products' outputs; torch.compile's fusion is not modelled); with a pipeline, torch's pipelining
-    holds the tensors passed between stages (`--pp-runtime torch`: its stages' receive buffers, outputs and
-    input gradients); the caching allocator as the row's launcher set it (`torchtitan_allocator`)."""
+    beside the products' outputs; Inductor's fusion is not modelled); a row with torch.compile, its blocks compiled
+    inside their checkpoints (`--torch-compile`: what AOTAutograd's partitioner saves); with a pipeline, torch's
+    pipelining holds the tensors passed between stages (`--pp-runtime torch`: its stages' receive buffers, outputs
+    and input gradients); the caching allocator as the row's launcher set it (`torchtitan_allocator`)."""
     layout = torchtitan_layout(row["parallelism"])
     seq = int(row["sequence_length"] or TORCHTITAN_SEQ)
     if seq > HF_MAX_POSITIONS:
@@ -177,6 +178,7 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
             *(["--context-parallel", str(c), "--cp-rotate", "allgather"] if c > 1 else []),
             "--zero", "3", "--precision", "fsdp2", "--no-swiglu-fusion",
             "--recompute", "op" if row["activation_checkpointing"] == "selective" else "full",
+            *(["--torch-compile"] if "torch.compile" in row["techniques"] else []),
             "--allocator", torchtitan_allocator(int(row["gpus"]))]
     return args
 
@@ -192,9 +194,10 @@ def torchtitan_allocator(gpus: int) -> str:
 
 
 def torchtitan() -> tuple[list[dict], list[dict]]:
-    """torchtitan's rows: every one pipesim expresses, simulated (GiB) with what it does not model (torch.compile,
-    async TP), and the others with why not; each as max reserved, the page's figure, and as max allocated (without
-    the allocator's reserve), to show how much of the gap the reserve closes."""
+    """torchtitan's rows: every one pipesim expresses, simulated (GiB) with what it does not model (of
+    torch.compile, Inductor's fusion of the passes' buffers; async TP), and the others with why not; each as max
+    reserved, the page's figure, and as max allocated (without the allocator's reserve), to show how much of the
+    gap the reserve closes."""
     compared, listed = [], []
     for row in _rows("torchtitan-2024-llama3.csv"):
         run = f"Table {row['table']} {row['model']}, {row['parallelism']}: {row['techniques']}"

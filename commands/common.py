@@ -397,6 +397,12 @@ Recompute = Annotated[str | None, typer.Option(
                                         "full (each layer's forward again in its backward) or op (torchtitan's "
                                         "selective op policy: keeps every other matrix product's output and the "
                                         "attention's, reruns the rest; t = 1).")]
+TorchCompile = Annotated[bool, typer.Option(
+    "--torch-compile", help="With --gpu and --recompute op or full: each transformer layer compiled by "
+                            "torch.compile inside its checkpoint, as torchtitan compiles its blocks: AOTAutograd's "
+                            "min-cut partitioner saves only what the backward reads, so op no longer keeps a product "
+                            "output only the residual add reads (a Llama block's last); full keeps its input, as "
+                            "eager.")]
 RecomputeModules = Annotated[str | None, typer.Option(
     "--recompute-modules", metavar="PARTS", help="With --gpu and --recompute none or selective: parts of every layer "
                                                  "whose saved outputs are dropped after the forward and made again "
@@ -448,14 +454,17 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("expert_gemm", ExpertGemm, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
-                ("ema", Ema, None), ("grad_accumulation", GradAccumulation, None))
+                ("torch_compile", TorchCompile, False), ("ema", Ema, None),
+                ("grad_accumulation", GradAccumulation, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep: the same, with --gpu and --model optional (estimate requires both)
 OPTIONAL_MODEL = (("gpu", with_help(GpuName, "Instead of --profile or the cost flags."), None),
                   ("model", ModelName, None))
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, *OPTIONAL_MODEL)
-# tune: the same but FSDP2's float8 all-gather, which needs --zero 3 --precision fsdp2, flags tune does not take
-tune_what_if_options = shared_options(*(option for option in WHAT_IF_ONLY if option[0] != "fsdp_float8_all_gather"),
+# tune: the same but FSDP2's float8 all-gather, which needs --zero 3 --precision fsdp2, flags tune does not take,
+# and --torch-compile, which needs the recomputation tune searches
+tune_what_if_options = shared_options(*(option for option in WHAT_IF_ONLY
+                                        if option[0] not in ("fsdp_float8_all_gather", "torch_compile")),
                                       *OPTIONAL_MODEL)
 
 

@@ -59,7 +59,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "expert_gemm", "expert_tensor_parallel",
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
-                 "rope_kernel", "recompute_modules",
+                 "rope_kernel", "recompute_modules", "torch_compile",
                  "ema", "tp_overlap_no_margin", "attention_kernel", "grad_accumulation")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
@@ -89,7 +89,8 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "attention_kernel": "--attention-kernel",
                   "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
                   "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
-                  "recompute": "--recompute", "recompute_modules": "--recompute-modules", "ema": "--ema",
+                  "recompute": "--recompute", "recompute_modules": "--recompute-modules",
+                  "torch_compile": "--torch-compile", "ema": "--ema",
                   "grad_accumulation": "--grad-accumulation",
                   "optimizer": "--optimizer", "gpu": "--gpu",
                   "precision": "--precision"}
@@ -132,6 +133,7 @@ class WhatIf:
     rope_kernel: str = "eager"  # --rope-kernel, of workload/sizes.py's ROPE_KERNELS
     dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
+    torch_compile: bool = False  # --torch-compile (planning/estimate.py `_unread_kept`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
     grad_accumulation: str | None = None  # --grad-accumulation (None: --precision's, planning/estimate.py)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
@@ -200,6 +202,7 @@ class WhatIf:
                            tp_overlap_no_margin=self.tp_overlap_no_margin, attention_kernel=self.attention_kernel,
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
+                           torch_compile=self.torch_compile,
                            ema=self.ema, grad_accumulation=self.grad_accumulation,
                            host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us,
                            host_module_us=self.host_module_us, expert_gemm=self.expert_gemm)
@@ -223,6 +226,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         return None
     from ..hardware.catalogue import ATTENTION_KERNELS, CatalogueError, load_catalogue  # pydantic: only for --gpu
     from ..planning.estimate import (
+        COMPILED_RECOMPUTE,
         CP_ROTATES,
         EMA_PLACES,
         GRAD_ACCUMULATIONS,
@@ -290,6 +294,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if recompute is not None and recompute not in RECOMPUTE:
         raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
     modules = _recompute_modules(params.get("recompute_modules"), recompute)
+    if params.get("torch_compile") and recompute not in COMPILED_RECOMPUTE:
+        raise InputError(f"--torch-compile models what AOTAutograd's partitioner saves of a block compiled inside "
+                         f"torch's checkpoint, as torchtitan runs it: give --recompute "
+                         f"{' or '.join(COMPILED_RECOMPUTE)} (got {recompute or 'none'})")
     if params.get("ema") is not None and params["ema"] not in EMA_PLACES:
         raise InputError(f"--ema: choose from {', '.join(EMA_PLACES)} (got {params['ema']!r})")
     accumulation = params.get("grad_accumulation")
@@ -367,6 +375,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   norm_kernel=params.get("norm_kernel", "eager"), rope_kernel=params.get("rope_kernel", "eager"),
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
+                  torch_compile=params.get("torch_compile", False),
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing,
                   host_kernel_us=host_kernel_us, host_module_us=host_module_us, expert_gemm=expert_gemm)

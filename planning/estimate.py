@@ -100,6 +100,9 @@ if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
 
 RECOMPUTE = ("none", "selective", "full", "op")
+# The recomputations under which a compiled block's saves are modelled (`_unread_kept`): torch's checkpoint around it,
+# as torchtitan wraps each block before compiling it
+COMPILED_RECOMPUTE = ("op", "full")
 # Where an exponential moving average of the weights is kept (`Parallelism.ema`): "gpu", a float32 copy beside the
 # master weights, sharded as they are and updated after each step (reads the new weights, reads and writes the
 # average); "cpu", as DeepSeek-V3 kept it (its report, arXiv 2412.19437, 3.2.3: "stored in CPU memory and updated
@@ -170,6 +173,7 @@ class Parallelism:
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ()  # of `RECOMPUTE_REGIONS`, their outputs dropped and rerun (`Regions`)
+    torch_compile: bool = False  # each transformer layer compiled: saved as AOTAutograd saves it (`_unread_kept`)
     ema: str | None = None  # where the weights' moving average is kept, of `EMA_PLACES` (None: none is kept)
     grad_accumulation: str | None = None  # of `GRAD_ACCUMULATIONS` (None: the precision's, `accumulation`)
     sharded_optimizer: bool = False
@@ -217,6 +221,10 @@ class Parallelism:
         if self.grad_accumulation is not None and self.grad_accumulation not in GRAD_ACCUMULATIONS:
             raise EstimateError(f"grad_accumulation: choose from {', '.join(GRAD_ACCUMULATIONS)} "
                                 f"(got {self.grad_accumulation!r})")
+        if self.torch_compile and self.recompute not in COMPILED_RECOMPUTE:
+            raise EstimateError(f"torch_compile: what AOTAutograd's partitioner saves of a checkpointed block "
+                                f"(recompute {' or '.join(COMPILED_RECOMPUTE)}); its own choice without a "
+                                f"checkpoint is not modelled (got recompute {self.recompute})")
         if self.recompute == "op" and self.tensor > 1:
             raise EstimateError("recompute: op (torchtitan's selective op policy) is modelled for tensor 1 only "
                                 f"(got tensor {self.tensor})")
@@ -1017,6 +1025,10 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     if parallel.recompute == "op" and transformer:
         kept_parts, rerun_ops = _op_policy(layer.ops.get("fwd", ()), element_bytes)
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), **kept_parts}
+        if parallel.torch_compile:  # what AOTAutograd's partitioner saves of it (`_unread_kept`; t = 1 here)
+            unread = _unread_kept(layer)
+            parts["other"] -= sum(nbytes for number, _, nbytes, _ in layer.allocations.get("fwd", ())
+                                  if number in unread and nbytes > 0)
         parts["other"] += split.tokens * split.width * element_bytes  # the layer's input
         rerun = pass_ms(rerun_ops, True)
     elif parallel.recompute == "selective":
@@ -1116,7 +1128,7 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[Lay
     for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
         if not repeated:
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
-                                     parallel.recompute_modules)
+                                     parallel.recompute_modules, parallel.torch_compile)
             unsharded = _unsharded(layer, made, parallel, _element_bytes(counted.dtype))
             made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer))
         allocations.append(made)
@@ -1150,26 +1162,26 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
 
 
 def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,
-                      modules: Sequence[str] = ()) -> LayerAllocations:
+                      modules: Sequence[str] = (), torch_compile: bool = False) -> LayerAllocations:
     """The count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them (`_on_rank`), with
     what `recompute` has the backward make again: a transformer layer's whole forward under full recomputation,
     and under torchtitan's op policy all but what it keeps, every second product's output and the fused
     attention's (`_op_policy`); the attention core (s x s tensors) under Megatron-LM's selective; and what the
-    recomputed `modules` make, keeping what they read (`Regions`). What the caching allocator replays
+    recomputed `modules` make, keeping what they read (`Regions`); `torch_compile`: of what op keeps, only what the
+    backward reads (`_unread_kept`), the rest neither kept nor rerun. What the caching allocator replays
     (sim/caching_allocator.py)."""
     passes = {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events)
               for name, events in layer.allocations.items()}
-    made = [(number, shape, op) for number, shape, nbytes, op in layer.allocations.get("fwd", ()) if nbytes >= 0]
-    kinds = {op.op: op.kind for op in layer.ops.get("fwd", ())}
+    made = [(number, shape) for number, shape, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes >= 0]
     kept: frozenset[int] = frozenset()
     rerun: frozenset[int] | None = None
     if recompute == "selective":
-        rerun = frozenset(number for number, shape, _ in made if split.core(shape))
+        rerun = frozenset(number for number, shape in made if split.core(shape))
     elif recompute in ("full", "op") and _transformer(layer):
-        if recompute == "op":
-            products = [number for number, _, op in made if kinds.get(op) == "matmul"]
-            kept = frozenset(products[::2]) | {number for number, _, op in made if kinds.get(op) == "attention"}
-        rerun = frozenset(number for number, _, _ in made) - kept
+        kept = _op_kept(layer) if recompute == "op" else frozenset()
+        unread = _unread_kept(layer, kept) if torch_compile else frozenset()
+        kept -= unread
+        rerun = frozenset(number for number, _ in made) - kept - unread
     regions = Regions.of(layer, modules)
     if regions.made:
         rerun = (rerun or frozenset()) | regions.made
@@ -1193,6 +1205,46 @@ def _routed_part(layer: LayerCount) -> LayerCount:
     """`layer`'s routed experts' ops alone (`OpCount.routed`): what Megatron-core's `mlp` node of an overlapped
     pair runs between the dispatch and the combine (`planning.experts.paired_exposed_ms`)."""
     return replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()})
+
+
+def _op_kept(layer: LayerCount) -> frozenset[int]:
+    """The numbers in `layer`'s allocations["fwd"] of what torchtitan's op policy keeps (`_op_policy`): every second
+    product's output (the 1st, 3rd, ...) and the attention kernel's."""
+    kinds = {op.op: op.kind for op in layer.ops.get("fwd", ())}
+    made = [(number, op) for number, _, nbytes, op in layer.allocations.get("fwd", ()) if nbytes >= 0]
+    products = [number for number, op in made if kinds.get(op) == "matmul"]
+    return frozenset(products[::2]) | {number for number, op in made if kinds.get(op) == "attention"}
+
+
+def _unread_kept(layer: LayerCount, kept: frozenset[int] | None = None) -> frozenset[int]:
+    """Of what a recomputation policy keeps of `layer`'s forward (`kept`, by number in allocations["fwd"]; None:
+    torchtitan's op policy's, `_op_kept`), what its backward never reads once the block is compiled, so that
+    AOTAutograd saves none of it. torch.compile traces the checkpoint's policy into tags, and the min-cut
+    partitioner (torch/_functorch/partitioners.py, late 2024 as at torch 1963fc8, the rows' commit, and since)
+    never saves a PREFER_RECOMPUTE node (`must_recompute`: tied to the sink) and bans recomputing a MUST_SAVE one
+    (`should_ban_recomputation`); then `_extract_fwd_bwd_modules` drops every saved value the backward's graph,
+    its recomputed nodes included, does not read ("filter out saved values that don't actually end up being used
+    by the backwards pass"). So a tensor kept is saved where autograd saves it or something made from it through
+    tensors not kept (the count's data flow, `forward_reads`), while eager checkpointing keeps it whatever reads it
+    (torch/utils/checkpoint.py's `_CachingTorchDispatchMode` stores every MUST_SAVE op's output). In a Llama
+    block: the last product's output, which only the residual add reads. A count without its data flow: nothing."""
+    kept = _op_kept(layer) if kept is None else kept
+    if not layer.forward_reads:
+        return frozenset()
+    made_from = dict(layer.forward_reads)
+    read: set[int] = set()
+    seen: set[int] = set()
+    stack = list(layer.saved_allocations)
+    while stack:
+        number = stack.pop()
+        if number in seen:
+            continue
+        seen.add(number)
+        if number in kept:
+            read.add(number)
+        else:
+            stack.extend(made_from.get(number, ()))
+    return kept - read
 
 
 def _op_policy(ops: Sequence[OpCount], element_bytes: int) -> tuple[dict[str, float], list[OpCount]]:

@@ -98,6 +98,9 @@ class LayerCount:
     # the numbers, in `allocations["fwd"]`, of the forward's storages that autograd saves for the backward (the
     # rest it leaves live is its output), which a recomputation drops and the backward makes again
     saved_allocations: tuple[int, ...] = ()
+    # per storage of allocations["fwd"], (its number, the numbers of those the ops making or writing it read): the
+    # forward's data flow (workload/count.py `_LiveBytes.reads`); (): a count from before it was recorded
+    forward_reads: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # Per region of `TRACED_REGIONS` that the layer runs (workload/count.py `_Regions`), what recomputing it
     # changes: `region_saves`, the indices in `saved_tensors` of those its ops created (dropped);
     # `region_inputs`, the storages its ops read and did not create, each (its number in allocations["fwd"], or

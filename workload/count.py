@@ -182,17 +182,25 @@ class _LiveBytes(TorchDispatchMode):
         self.outside: dict[int, torch.UntypedStorage] = {}  # those an op read that were not: held, ids kept
         self.regions = regions
         self.region_kinds: dict[int, tuple[str, ...]] = {}  # by number: the regions that created it (`_Regions`)
+        self.made_from: dict[int, set[int]] = {}  # by number: those created inside that its ops read (`reads`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        read: set[int] = set()
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.known:
                 self.outside.setdefault(id(t.untyped_storage()), t.untyped_storage())
+            elif isinstance(t, torch.Tensor):
+                read.add(self.known[id(t.untyped_storage())])
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
             storage = t.untyped_storage()
-            if id(storage) in self.known or id(storage) in self.outside:  # a view, or written in place
+            if id(storage) in self.known:  # a view, or written in place: what it was made from, and what wrote it
+                number = self.known[id(storage)]
+                self.made_from[number] |= read - {number}
+                continue
+            if id(storage) in self.outside:
                 continue
             number = len(self.events)
             self.known[id(storage)] = number
@@ -200,6 +208,7 @@ class _LiveBytes(TorchDispatchMode):
                 self.region_kinds[number] = tuple(self.regions.kinds.get(id(storage), ()))
             self.created[number] = (weakref.ref(storage, lambda _, n=number, key=id(storage): self._freed(n, key)),
                                     tuple(t.shape), storage.nbytes(), func.overloadpacket.__name__)
+            self.made_from[number] = set(read)
             self.events.append((number, True))
         return out
 
@@ -234,6 +243,12 @@ class _LiveBytes(TorchDispatchMode):
         holds; the op tells what a recomputation policy keeps (torchtitan's op policy saves by op)."""
         return tuple((number, shape, nbytes * (1 if created else -1), op)
                      for number, created in self.events for _, shape, nbytes, op in (self.created[number],))
+
+    def reads(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Per storage created inside, in order, (its number, the numbers of those created inside that the ops
+        making or writing it read): the pass's data flow, which tells what a compiled backward needs of what a
+        recomputation policy keeps (planning/estimate.py `_unread_kept`)."""
+        return tuple((number, tuple(sorted(self.made_from[number]))) for number in self.created)
 
     def alive(self, storages: dict[int, Any]) -> tuple[int, ...]:
         """The numbers of the storages created inside that are among `storages` (by identity) and still live."""
@@ -640,7 +655,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                            "wgrad": wgrad.transient},
         allocations={"fwd": fwd.allocations, "bwd": full.allocations, "igrad": igrad.allocations,
                      "wgrad": wgrad.allocations},
-        saved_allocations=fwd.live.alive(saved), **_region_fields(regions, fwd.live, saved))
+        saved_allocations=fwd.live.alive(saved), forward_reads=fwd.live.reads(),
+        **_region_fields(regions, fwd.live, saved))
     return count, out.detach()
 
 
