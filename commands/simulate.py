@@ -94,7 +94,8 @@ def simulate(
     microbatches: Microbatches = 8,
     minibatches: Annotated[int | None, typer.Option(
         "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N. Default: enough for "
-                                                        "every method compared to reach its steady state.")] = None,
+                                                        "every method compared to reach its steady state; a "
+                                                        "--schedule-file's step once.")] = None,
     pipelines: Pipelines = None,
     advance: Advance = None,
     average_every: AverageEvery = 1,
@@ -352,17 +353,16 @@ def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
 
 
 def _schedule_file(ctx: typer.Context, path: Path):
-    """The schedule a torch CSV describes. It fixes p, v and m (and is one mini-batch), so flags that set
-    them would be silently ignored: refuse them instead."""
+    """The schedule a torch CSV describes, run --minibatches times (once by default), as torch's runtime runs it
+    every step. It fixes p, v and m, so flags that set them would be silently ignored: refuse them instead."""
     from ..schedules.torch_csv import from_torch_csv
 
     if is_given(ctx, "schedule"):
         raise InputError("--schedule and --schedule-file both say what to simulate: give one")
-    fixed = [f"--{name}" for name in ("stages", "chunks", "microbatches", "minibatches", "pipelines")
-             if is_given(ctx, name)]
+    fixed = [f"--{name}" for name in ("stages", "chunks", "microbatches", "pipelines") if is_given(ctx, name)]
     if fixed:
-        raise InputError(f"{', '.join(fixed)}: the schedule file fixes stages, chunks and micro-batches "
-                         "(one mini-batch); drop these flags")
+        raise InputError(f"{', '.join(fixed)}: the schedule file fixes stages, chunks and micro-batches (one "
+                         "step, which --minibatches repeats); drop these flags")
     if ctx.params.get("overlap_expert_comm"):
         raise InputError("--overlap-expert-comm pairs a method's order as it is built; the schedule file runs its "
                          "order as written (a pair is written (F;B)OVERLAP_F_B): drop the flag")
@@ -375,7 +375,7 @@ def _schedule_file(ctx: typer.Context, path: Path):
         raise InputError(f"--schedule-file: cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise InputError(f"--schedule-file: {path} is not a text (UTF-8) CSV file") from None
-    return from_torch_csv(text, path.stem)
+    return from_torch_csv(text, path.stem, ctx.params.get("minibatches") or 1)
 
 
 def _check_cost_lists(scenario, schedules: dict) -> None:
@@ -518,8 +518,10 @@ def _steady_text(schedules: list, steady: list[bool]) -> str:
     n = short[0].minibatches
     why = "one mini-batch (N=1) is all warm-up" if n == 1 else f"N={n} is short of it (" + ", ".join(
         f"{sched.method} needs N>={steady_minibatches(sched)}" for sched in short) + ")"
+    enough = ("give --minibatches 2 or more, which repeat the file's step" if short[0].params.get("format")
+              == "torch-csv" else "leave out --minibatches for enough")
     return (f"step: one mini-batch in steady state; * marks no steady state: {why}, so step and samples/s "
-            "include the warm-up and staleness can be below a longer run's; leave out --minibatches for enough; "
+            f"include the warm-up and staleness can be below a longer run's; {enough}; "
             "bubble: idle share of the whole run")
 
 

@@ -99,8 +99,9 @@ def parse_torch_action(text: str) -> tuple[Kind, int, int] | None:
     return Kind(match[2]), int(match[1]), int(match[3])
 
 
-def from_torch_csv(text: str, name: str) -> Schedule:
-    """Read torch's schedule CSV (compute-only or lowered) into a validated one-step synchronous Schedule.
+def from_torch_csv(text: str, name: str, minibatches: int = 1) -> Schedule:
+    """Read torch's schedule CSV (compute-only or lowered) into a validated synchronous Schedule of one step,
+    repeated `minibatches` times as torch's runtime runs it every `step()` (each repeat after the last's OPT).
 
     Rows are ranks. The stages, micro-batches and placement are inferred from the cells (a stage runs on
     the one rank whose row names it); the stage graph is a chain, as in torch; each rank's list gets one OPT
@@ -195,13 +196,15 @@ def from_torch_csv(text: str, name: str) -> Schedule:
     if idle:
         raise ScheduleError(f"{name}: rank {idle[0]} (row {idle[0] + 1}) runs no stage; every row is a rank, "
                             "and each must hold at least one stage's actions")
-    orders = tuple(
+    steps = tuple(
         (*actions, *(Action(Kind.OPT, stage) for stage in range(num_stages) if placement[stage] == rank))
         for rank, actions in enumerate(compute)
     )
+    orders = tuple(tuple(action._replace(minibatch=n) for n in range(minibatches) for action in step)
+                   for step in steps)
     schedule = Schedule(
         method=name, graph=StageGraph.chain(num_stages), placement=placement, orders=orders,
-        policy=SYNCHRONOUS, microbatches=microbatches,
+        policy=SYNCHRONOUS, microbatches=microbatches, minibatches=minibatches,
         params={"format": "torch-csv", "ranks": len(rows), "stages": num_stages, "microbatches": microbatches},
     )
     validate(schedule)

@@ -259,6 +259,25 @@ def test_cli_export_then_simulate_file_matches_schedule(tmp_path, name, args):
     assert [d["peak_activations"] for d in got["devices"]] == [d["peak_activations"] for d in expected["devices"]]
 
 
+def test_cli_simulates_a_schedule_file_for_the_mini_batches_given_as_torch_repeats_its_step(tmp_path):
+    """torch's runtime runs the CSV every step(): --minibatches N repeats the file's step N times, each after the
+    last's OPT, so a file reaches the steady state its method does (and the caching allocator's reserve from the
+    second step on)."""
+    out = tmp_path / "zb-h1.csv"
+    code, _, err = pipesim("export", "--schedule", "zb-h1", "-p", 4, "-m", 8, "--format", "torch-csv", "--out", out)
+    assert code == 0, err
+    costs = ["--fwd", "1", "--bwd", "2", "--comm", "0.1"]
+    (expected,) = simulate_json("--schedule", "zb-h1", "-p", 4, "-m", 8, "-n", 3, *costs)
+    (got,) = simulate_json("--schedule-file", out, "-n", 3, *costs)
+    assert got["minibatches"] == 3 and got["steady_state"] is True
+    assert got["makespan_ms"] == pytest.approx(expected["makespan_ms"])
+    assert got["time_per_minibatch_ms"] == pytest.approx(expected["time_per_minibatch_ms"])
+    schedule = from_torch_csv(out.read_text(), "zb-h1", 3)
+    assert [a.minibatch for a in schedule.orders[0] if a.kind is Kind.OPT] == [0, 1, 2]
+    code, text, err = pipesim("simulate", "--schedule-file", out, *costs)  # one step: its note says how to repeat
+    assert code == 0 and "give --minibatches 2 or more, which repeat the file's step" in " ".join(text.split()), err
+
+
 def test_cli_exports_auto_searched_for_uneven_costs_as_torch_accepts_it(tmp_path):
     """`export -s auto` searches the order for the costs given (a slow last stage, twice 1F1B's activations) and
     writes what torch's loader validates; read back, it simulates as the searched schedule does."""
