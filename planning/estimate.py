@@ -1201,6 +1201,14 @@ def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Paralleli
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
 
+def delayed_weight_gradients_ms(bwd_ms: float, wgrad_ms: float, routed: LayerEstimate) -> tuple[float, float]:
+    """Of a MoE layer's backward (`bwd_ms`; its weight-gradient pass `wgrad_ms`), the weight gradients its attention
+    and its routed experts (`routed`) run after their input gradients in Megatron-core's overlapped pair under
+    `delay_wgrad_compute` (`planning.experts.MoePass`), each within its part's backward."""
+    experts = min(routed.wgrad_ms, routed.bwd_ms)
+    return min(max(wgrad_ms - routed.wgrad_ms, 0.0), bwd_ms - routed.bwd_ms), experts
+
+
 def _routed_part(layer: LayerCount) -> LayerCount:
     """`layer`'s routed experts' ops alone (`OpCount.routed`): what Megatron-core's `mlp` node of an overlapped
     pair runs between the dispatch and the combine (`planning.experts.paired_exposed_ms`)."""
@@ -1453,8 +1461,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(  # dispatch and combine alike
-                MoePass(fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2),
-                MoePass(bwd_ms - routed.bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2)),
+                MoePass(fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2,
+                        issue_ms=issued["fwd"]),
+                MoePass(bwd_ms - routed.bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2,
+                        *delayed_weight_gradients_ms(bwd_ms, wgrad_ms, routed), issue_ms=issued["bwd"])),
             fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issued["fwd"]) if shared else 0.0,
             bwd_sharing_ms=host_bound_ms(shared.bwd_ms, 0.0, issued["bwd"]) if shared else 0.0,
             **_ring_fields(priced),

@@ -296,41 +296,73 @@ def expected_normal_maximum(draws: int) -> float:
     return sum(x * draws * normal.pdf(x) * normal.cdf(x) ** (draws - 1) for x in points) * width
 
 
+# Layers of one pair run back to back in `paired_exposed_ms`, enough for its two streams to settle into their
+# steady state, and the last of them it averages over
+PAIRED_LAYERS, PAIRED_STEADY_LAYERS = 8, 4
+
+
 @dataclass(frozen=True)
 class MoePass:
     """One pass (a forward or a backward) of a mixture-of-experts layer as Megatron-core's overlap splits it
     (megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan): the compute outside
     the routed experts (`attention_ms`: attention, norms, router; its weight gradients in a backward), the routed
-    experts' compute (`experts_ms`, with theirs), and its dispatch and combine all-to-alls' network time."""
+    experts' compute (`experts_ms`, with theirs), and its dispatch and combine all-to-alls' network time. Of a
+    backward's, the weight gradients each part runs after its input gradients (`attention_wgrad_ms`,
+    `experts_wgrad_ms`: TransformerEngine's modules hold them back under `delay_wgrad_compute`, and the pair runs
+    them as `backward_dw`, outside its nodes). `issue_ms`: the host's issue of the pass's kernels where its layer
+    synchronises the host (planning/host.py; 0: it never waits)."""
 
     attention_ms: float
     experts_ms: float
     dispatch_ms: float
     combine_ms: float
+    attention_wgrad_ms: float = 0.0
+    experts_wgrad_ms: float = 0.0
+    issue_ms: float = 0.0
 
 
 def paired_exposed_ms(forward: MoePass, backward: MoePass) -> float:
     """What a layer's forward paired with a backward of the same layer (Megatron-core's combined 1F1B,
-    `overlap_moe_expert_parallel_comm`) takes beyond its compute: the all-to-all time its order leaves exposed.
-    `TransformerLayerSchedulePlan.run` issues, on a communication and a compute stream,
+    `overlap_moe_expert_parallel_comm`) takes beyond its compute: the all-to-all time its order leaves exposed, and
+    the host's issue where it outlasts the pair. `TransformerLayerSchedulePlan.run` (Megatron-LM 0d8e0714cd and
+    b0cc2706 alike) issues, on a communication and a compute stream,
 
-        comm: combine_bwd | dispatch_fwd -> dispatch_bwd | combine_fwd
-        comp: attn_fwd    | mlp_bwd      -> mlp_fwd      | attn_bwd
+        comm: combine_bwd | dispatch_fwd -> dispatch_bwd          | combine_fwd
+        comp: attn_fwd    | mlp_bwd -> mlp_bwd_dw -> mlp_fwd      | attn_bwd -> attn_bwd_dw
 
-    each node waiting for what it reads: the backward's experts for its combine's gradients, the forward's dispatch
-    for its attention, its experts for its dispatch, its combine for its experts, the backward's dispatch for its
-    experts and its attention for its dispatch. So each all-to-all hides only under the one node beside it, not under
-    the other pass's whole compute (a 4-node Qwen3-235B layer: 8.1 ms of all-to-alls, 1.7 ms of it exposed)."""
-    combine_bwd = backward.combine_ms  # each name: when that node ends, the pair starting at 0
-    attention_fwd = forward.attention_ms
-    experts_bwd = max(attention_fwd, combine_bwd) + backward.experts_ms
-    dispatch_fwd = max(combine_bwd, attention_fwd) + forward.dispatch_ms
-    dispatch_bwd = max(dispatch_fwd, experts_bwd) + backward.dispatch_ms
-    experts_fwd = max(experts_bwd, dispatch_fwd) + forward.experts_ms
-    combine_fwd = max(dispatch_bwd, experts_fwd) + forward.combine_ms
-    attention_bwd = max(experts_fwd, dispatch_bwd) + backward.attention_ms
+    each node waiting on its pass's event (pipeline_parallel/utils.py `stream_acquire_context`: a node waits for
+    the event its pass's last node recorded, then records it), so a pass's nodes run in order, and the streams run
+    theirs in issue order. The weight gradients (`backward_dw`, under `delay_wgrad_compute`, which every
+    Megatron-Bridge recipe setting `moe_a2a_overlap` sets with it: `set_moe_a2a_overlap_overrides`) run on the
+    compute stream outside any node and record no event: the backward's dispatch waits for its experts' input
+    gradients only, and the next layer's combine_bwd for this layer's attention's input gradients only, beside its
+    attention's weight gradients. So each all-to-all hides only under what runs beside it, not under the other
+    pass's whole compute (a 4-node Qwen3-235B layer: 8.1 ms of all-to-alls, 1.7 ms of it exposed). Layers run back
+    to back (`PAIRED_LAYERS`), each carrying the streams and events the one before left; the steady state's time
+    a layer (`PAIRED_STEADY_LAYERS`) less its compute is what it leaves exposed.
+
+    Where the layer synchronises (a dropless dispatcher: planning/host.py), the host waits once a pair, in the
+    forward's dispatch (token_dispatcher.py `_maybe_dtoh_and_synchronize` at "before_ep_alltoall", DeepEP's
+    `Buffer.dispatch` waiting for its receive counts): from one layer's wait to the next it issues the rest of one
+    pair and the start of the next, every kernel of both passes, so a pair takes at least both passes' issue
+    (`issue_ms`), however its all-to-alls hide."""
+    comp = comm = forward_done = backward_done = 0.0  # each stream free, each pass's event
+    ends = []
+    for _ in range(PAIRED_LAYERS):
+        comm = backward_done = max(comm, backward_done) + backward.combine_ms
+        comp = forward_done = max(comp, forward_done) + forward.attention_ms
+        comp = backward_done = max(comp, backward_done) + backward.experts_ms - backward.experts_wgrad_ms
+        comm = forward_done = max(comm, forward_done) + forward.dispatch_ms
+        comp += backward.experts_wgrad_ms
+        comm = backward_done = max(comm, backward_done) + backward.dispatch_ms
+        comp = forward_done = max(comp, forward_done) + forward.experts_ms
+        comm = forward_done = max(comm, forward_done) + forward.combine_ms
+        comp = backward_done = max(comp, backward_done) + backward.attention_ms - backward.attention_wgrad_ms
+        comp += backward.attention_wgrad_ms
+        ends.append(max(comp, comm))
+    layer_ms = (ends[-1] - ends[-1 - PAIRED_STEADY_LAYERS]) / PAIRED_STEADY_LAYERS
     compute = forward.attention_ms + forward.experts_ms + backward.attention_ms + backward.experts_ms
-    return max(max(combine_fwd, attention_bwd) - compute, 0.0)  # never below its compute, rounding aside
+    return max(max(layer_ms, forward.issue_ms + backward.issue_ms) - compute, 0.0)  # never below its compute
 
 
 def _grouped(op: OpCount) -> bool:

@@ -51,6 +51,29 @@ def test_all_to_alls_no_longer_than_their_nodes_are_hidden_and_longer_ones_show_
     assert paired_exposed_ms(MoePass(2.0, 2.0, 0.0, 0.0), MoePass(4.0, 4.0, 0.0, 3.0)) == pytest.approx(1.0)
 
 
+def test_the_next_layers_combine_runs_beside_the_attentions_delayed_weight_gradients():
+    """Under `delay_wgrad_compute` the attention's weight gradients (1 of its 4 ms) run after its node, so the next
+    layer's backward combine (3 ms), which waits for that node's event, runs beside them and the forward's attention
+    (2): hidden whole, where running them inside the node left 1 ms a layer exposed. The experts' weight gradients
+    likewise leave the backward's dispatch to start after their input gradients."""
+    forward = MoePass(2.0, 2.0, 0.0, 0.0)
+    assert paired_exposed_ms(forward, MoePass(4.0, 4.0, 0.0, 3.0)) == pytest.approx(1.0)
+    assert paired_exposed_ms(forward, MoePass(4.0, 4.0, 0.0, 3.0, attention_wgrad_ms=1.0)) == 0.0
+    # the backward's dispatch (2) beside the experts' 1 ms of weight gradients and the forward's experts (2)
+    assert paired_exposed_ms(forward, MoePass(4.0, 4.0, 3.0, 0.0)) == pytest.approx(1.0)
+    assert paired_exposed_ms(forward, MoePass(4.0, 4.0, 3.0, 0.0, experts_wgrad_ms=1.0)) == 0.0
+
+
+def test_a_synchronising_pair_takes_at_least_the_hosts_issue_of_both_passes():
+    """The host waits once a pair (the forward's dispatch) and between two waits issues both passes' kernels: 5 + 9
+    ms of issue beside 12 of compute leave 2 ms a layer, however the all-to-alls hide; a host issuing faster than
+    the GPU runs leaves nothing."""
+    assert paired_exposed_ms(MoePass(2.0, 2.0, 1.0, 1.0, issue_ms=5.0),
+                             MoePass(4.0, 4.0, 1.0, 1.0, issue_ms=9.0)) == pytest.approx(2.0)
+    assert paired_exposed_ms(MoePass(2.0, 2.0, 1.0, 1.0, issue_ms=3.0),
+                             MoePass(4.0, 4.0, 1.0, 1.0, issue_ms=4.0)) == 0.0
+
+
 @cache
 def counted() -> WorkloadCount:
     """A small MoE whose experts compute little beside what they exchange (f = 128, 2,048 tokens)."""
@@ -73,11 +96,23 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
         routed = replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()})
         experts = estimate_layer(routed, DEVICE, parallel, links.tensor, 2)
         forward = MoePass(priced.fwd.median_ms - experts.fwd_ms, experts.fwd_ms, *(priced.all_to_all_fwd_ms / 2,) * 2)
-        backward = MoePass(priced.bwd.median_ms - experts.bwd_ms, experts.bwd_ms, *(priced.all_to_all_bwd_ms / 2,) * 2)
+        backward = MoePass(priced.bwd.median_ms - experts.bwd_ms, experts.bwd_ms, *(priced.all_to_all_bwd_ms / 2,) * 2,
+                           priced.wgrad.median_ms - experts.wgrad_ms, experts.wgrad_ms)
         assert priced.all_to_all_paired_ms == pytest.approx(paired_exposed_ms(forward, backward), rel=1e-12)
         assert priced.all_to_all_paired_ms > 0
     single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
     assert all(layer.all_to_all_paired_ms == 0.0 for layer in single.layers)
+
+
+def test_a_host_bound_pair_exposes_the_forwards_all_to_alls_it_issued_under_alone():
+    """A host at 1 ms a kernel: alone, a MoE layer's forward takes its kernels' issue less its all-to-alls (the host
+    issues while the GPU moves tokens), its backward its issue; paired, the host issues both passes between two
+    waits whatever hides beside what, so the pair takes both issues whole: its forward's all-to-alls show."""
+    parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=1000)
+    profile = estimate_profile(counted(), H100, parallel)
+    moe = [layer for layer in profile.layers if layer.all_to_all_fwd_ms]
+    assert moe and all(layer.all_to_all_paired_ms == pytest.approx(layer.all_to_all_fwd_ms, rel=1e-9)
+                       for layer in moe)
 
 
 def test_nccls_all_to_all_holds_sixteen_multiprocessors_beside_the_pair():
