@@ -361,13 +361,20 @@ def weight_versions(schedule: Schedule) -> Versions:
     is_f = t.kind == KIND_CODE[Kind.F]
     backward = kind_mask(t.kind, *BACKWARD_KINDS)
 
-    # current[i]: updates of row i's replica earlier in its device's order (a stage lives on one device).
-    by_replica = np.argsort(replica, kind="stable")
-    opt_sorted = is_opt[by_replica]
-    before = np.concatenate([[0], np.cumsum(opt_sorted)])[:-1]
-    group_start = np.flatnonzero(np.diff(replica[by_replica], prepend=-1) != 0)  # each replica's first (replicas >= 0)
-    current = np.empty(n, dtype=np.int64)
-    current[by_replica] = before - np.repeat(before[group_start], np.diff(np.r_[group_start, n]))
+    # current[i]: updates of row i's replica earlier in its device's order (a stage lives on one device): the
+    # updates before it, less those before its replica's first row, counted in rows sorted by replica (a
+    # stable sort; none where every device runs one replica, as most orders do).
+    by_replica = np.argsort(replica, kind="stable") if np.any(replica[1:] < replica[:-1]) else None
+    opt_sorted = is_opt if by_replica is None else is_opt[by_replica]
+    before = np.cumsum(opt_sorted) - opt_sorted
+    sorted_replica = replica if by_replica is None else replica[by_replica]
+    group_start = np.flatnonzero(np.r_[True, sorted_replica[1:] != sorted_replica[:-1]]) if n else rows
+    counted = before - np.repeat(before[group_start], np.diff(np.r_[group_start, n]))
+    if by_replica is None:
+        current = counted
+    else:
+        current = np.empty(n, dtype=np.int64)
+        current[by_replica] = counted
     steps = p * schedule.minibatches * r
     consuming = np.full(steps, -1, dtype=np.int64)  # ordinal of the update that consumes a step's gradient
     step = t.step_index(schedule)
@@ -406,7 +413,10 @@ def weight_versions(schedule: Schedule) -> Versions:
     if looked_up and policy.forward is not Read.LATEST:  # what each forward read, where not what was just stored
         forward_read[unit[is_f]] = forward_version[is_f]
     backward_version = read_rule(policy.backward, backward, backward_read)
-    read = np.where(is_f, forward_version, np.where(backward, backward_version, current))
+    read = current  # what every op reads that reads the latest; F's and the backward's by their rules
+    for side, version in ((is_f, forward_version), (backward, backward_version)):
+        if version is not current:
+            read = np.where(side, version, read)
     read = np.where(is_opt | kind_mask(t.kind, *COLLECTIVE_KINDS) | (t.kind >= NUM_COMPUTE_KINDS), -1, read)
 
     prediction = np.full(n, -1, dtype=np.int64)
@@ -417,11 +427,15 @@ def weight_versions(schedule: Schedule) -> Versions:
                 prediction[mask] = consuming[step[mask]] - read[mask]  # counted
             else:
                 per_stage = np.array([evaluate_formula(formula, p, k, m) for k in range(p)], dtype=np.int64)
-                prediction[mask] = per_stage[t.stage[mask]]
+                prediction = np.where(mask, per_stage.take(t.stage), prediction)
 
     # Version v of a replica is held beside the current one from the update that supersedes it (the
     # update with ordinal v) until its last read. Ops on predicted weights read the prediction buffer
-    # (one of the policy's extra copies), not v itself.
+    # (one of the policy's extra copies), not v itself. An op that reads the latest version reads it before
+    # the update that supersedes it, so where every op does, none is held beside the current one.
+    held_after = np.full(n, 1 + policy.extra_copies, dtype=np.int64)
+    if policy.forward is Read.LATEST and policy.backward is Read.LATEST:
+        return Versions(read, prediction, np.zeros(n, dtype=np.int64), held_after)
     versions = int(current.max()) + 2 if n else 1
     reads = (read >= 0) & (prediction < 0)
     last_read = np.full(p * r * versions, -1, dtype=np.int64)
@@ -433,24 +447,34 @@ def weight_versions(schedule: Schedule) -> Versions:
     np.add.at(copies_delta, superseded[lingers], 1)
     np.add.at(copies_delta, last_read[lingers], -1)
 
-    held_after = np.full(n, 1 + policy.extra_copies, dtype=np.int64)
     lingering = copies_delta != 0
     for d in np.unique(t.device[lingering]) if lingering.any() else ():  # (np.unique imports numpy.ma: 10 ms)
         lo, hi = np.searchsorted(t.device, [d, d + 1])
-        mine = replica[lo:hi]
-        levels = [np.cumsum(np.where(mine == q, copies_delta[lo:hi], 0)) for q in np.unique(mine)]
-        held_after[lo:hi] += np.max(levels, axis=0)
+        mine, delta = replica[lo:hi], copies_delta[lo:hi]
+        if np.all(mine == mine[0]):  # the device's one replica (PipeDream's orders)
+            held_after[lo:hi] += np.cumsum(delta)
+        else:
+            held_after[lo:hi] += np.max([np.cumsum(np.where(mine == q, delta, 0)) for q in np.unique(mine)], axis=0)
     return Versions(read, prediction, copies_delta, held_after)
 
 
 def peak_per_stage(t: ActionTable, at_start: np.ndarray, at_end: np.ndarray, num_stages: int) -> np.ndarray:
     """Per stage, the peak of a running count changed at its actions' starts and ends, in program order (a
-    stage lives on one device, so a stable sort by stage keeps that order)."""
-    order = np.argsort(t.stage, kind="stable")
-    stage = np.repeat(t.stage[order], 2)
-    running = np.cumsum(np.stack([at_start[order], at_end[order]], axis=1).ravel())
-    first = np.searchsorted(stage, np.arange(num_stages))
-    before = np.concatenate([[0], running])[first]
+    stage lives on one device, so a stable sort by stage keeps that order), and 0 where it never rises. Each
+    stage's highest point is after some action's start or end: one running sum, a maximum over each stage's
+    run of rows (tune reads it off hundreds of orders of up to a million rows each)."""
     peak = np.zeros(num_stages, dtype=np.int64)
-    np.maximum.at(peak, stage, running - before[stage])
+    if not (at_start.any() or at_end.any()):
+        return peak
+    stage = t.stage
+    if np.any(stage[1:] < stage[:-1]):  # else already by stage: one stage a device, or its stages in turn
+        order = np.argsort(stage, kind="stable")
+        stage, at_start, at_end = stage[order], at_start[order], at_end[order]
+    after_end = np.cumsum(at_start + at_end)
+    highest = np.maximum(after_end - at_end, after_end)
+    first = np.searchsorted(stage, np.arange(num_stages + 1))
+    held = first[:-1] < first[1:]  # the stages with rows
+    starts = first[:-1][held]
+    before = np.concatenate([[0], after_end])[starts]
+    peak[held] = np.maximum(np.maximum.reduceat(highest, starts) - before, 0)
     return peak
