@@ -13,8 +13,8 @@ from dataclasses import replace
 import numpy as np
 
 from .ir import SYNCHRONOUS, Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
-from .methods import Method, ScheduleParams, interleave_1f1b, make_schedule, pipedream_order
-from .table import KIND_CODE, stacked
+from .methods import Method, ScheduleParams, interleave_1f1b_rows, make_schedule, pipedream_order
+from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable
 
 _F, _B, _OPT, _AVG = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.OPT, Kind.AVG))
 
@@ -93,20 +93,28 @@ def avgpipe(params: ScheduleParams) -> Schedule:
     p, m, n, copies = params.stages, params.microbatches, params.minibatches, params.pipelines
     # One pipeline has nothing to average with: no AVG and no reference model, plain 1F1B with advance forwards.
     averaged = [b for b in range(n) if (b + 1) % params.average_every == 0 or b == n - 1] if copies > 1 else []
-    parts = []
-    for k in range(p):
-        advance = p - k - 1 if params.advance is None else params.advance
-        backward, position = interleave_1f1b(m, min(m - 1, p - k - 1 + advance))
-        one = np.append(np.where(backward, _B, _F), _OPT)  # one pipeline's mini-batch
-        kind = np.tile(np.repeat(one, copies), n)  # the pipelines' actions alternate
-        microbatch = np.tile(np.repeat(np.append(position, -1), copies), n)
-        pipeline = np.tile(np.arange(copies), n * len(one))
-        minibatch = np.repeat(np.arange(n), copies * len(one))
-        after = [(b + 1) * copies * len(one) for b in averaged]  # AVG once every pipeline updated
-        kind, microbatch = np.insert(kind, after, _AVG), np.insert(microbatch, after, -1)
-        minibatch, pipeline = np.insert(minibatch, after, averaged), np.insert(pipeline, after, 0)
-        parts.append((k, kind, np.full(len(kind), k), microbatch, minibatch, pipeline))
-    return make_schedule("avgpipe", params, stacked(parts), AVGPIPE_POLICY if copies > 1 else SYNCHRONOUS)
+    k = np.arange(p)  # row k: stage k's actions, on device k (every stage's at once)
+    advance = p - k - 1 if params.advance is None else params.advance
+    backward, position = interleave_1f1b_rows(m, np.minimum(m - 1, p - k - 1 + advance))
+    step = 2 * m + 1  # one pipeline's mini-batch: its pattern, then its update
+
+    def each_step(pattern: np.ndarray, update: int) -> np.ndarray:
+        """Per stage, `pattern` then `update`, each action once per pipeline in turn (the pipelines' actions
+        alternate), for every mini-batch."""
+        return np.tile(np.repeat(np.concatenate([pattern, np.full((p, 1), update)], axis=1), copies, axis=1), n)
+
+    kind, microbatch = each_step(np.where(backward, _B, _F), _OPT), each_step(position, -1)
+    pipeline = np.broadcast_to(np.tile(np.arange(copies), n * step), kind.shape)
+    minibatch = np.broadcast_to(np.repeat(np.arange(n), copies * step), kind.shape)
+    after = [(b + 1) * copies * step for b in averaged]  # AVG once every pipeline updated
+    kind, microbatch = np.insert(kind, after, _AVG, axis=1), np.insert(microbatch, after, -1, axis=1)
+    minibatch, pipeline = np.insert(minibatch, after, averaged, axis=1), np.insert(pipeline, after, 0, axis=1)
+    stage = np.repeat(k, kind.shape[1]).astype(FIELD_DTYPE)
+    return make_schedule("avgpipe", params, ActionTable(
+        stage, kind.ravel().astype(KIND_DTYPE), stage, microbatch.ravel().astype(FIELD_DTYPE),
+        minibatch.ravel().astype(FIELD_DTYPE), pipeline.ravel().astype(FIELD_DTYPE),
+        np.full(kind.size, -1, dtype=FIELD_DTYPE)),
+        AVGPIPE_POLICY if copies > 1 else SYNCHRONOUS)
 
 
 PREDICTS = frozenset({"prediction"})  # the option that chooses the source of s
