@@ -36,6 +36,17 @@ def test_deepep_sends_a_token_once_to_each_other_node_and_rank_that_holds_any_of
     assert group.all_to_all_ms(2 * token_bytes, copies=2) < every_copy.all_to_all_ms(2 * token_bytes, copies=2)
 
 
+def test_hybridep_sends_what_deepep_sends():
+    """HybridEP forwards a token to the ranks and nodes holding its experts as DeepEP does: the same bytes on each
+    link (the two differ in where a float8 run pads, tests/test_float8_padding.py, and in the multiprocessors they
+    hold, tests/test_dispatcher_sms.py)."""
+    deepep, hybridep = (expert_group(PLACEMENT, 4, 16, tensor=1, context=1, pipeline=4, data=4, dispatcher=d)
+                        for d in ("deepep", "hybridep"))
+    every_copy = expert_group(PLACEMENT, 4, 16, tensor=1, context=1, pipeline=4, data=4)
+    assert hybridep.all_to_all_ms(8e6, copies=2) == deepep.all_to_all_ms(8e6, copies=2) < every_copy.all_to_all_ms(
+        8e6, copies=2)
+
+
 def test_simulate_with_deepep_spends_less_on_an_all_to_all_across_nodes():
     """E = 16 over two nodes: the step is shorter by what the deduplicated NIC bytes save."""
     args = (*GPT, "-p", 1, "-m", 4, "-s", "1f1b", "--data-parallel", 16, "--expert-parallel", 16)
