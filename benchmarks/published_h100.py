@@ -8,7 +8,8 @@ parallelism and the tensor-parallel collectives overlapped with the products, `-
 forward's pipelined reduce-scatters without TransformerEngine's SM margin, `--tp-overlap-no-margin`, where the
 run's config left it at TransformerEngine 1.x's default; context parallelism where the row has it, its ring
 TransformerEngine's, `--cp-rotate p2p`: Megatron-core's default cp_comm_type; the fused attention kernel its
-environment picks, `--attention-kernel`), the
+environment picks, `--attention-kernel`; the rotary position embedding of the rows that have it, `--rotary-percent`,
+run as TransformerEngine's fused kernel, `--rope-kernel fused`: every such yaml sets `apply_rope_fusion: true`), the
 recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B), the distributed optimizer
 (`--zero 1`;
 `--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
@@ -60,7 +61,9 @@ def simulate_command(row: dict[str, str]) -> list[str]:
               *(["--tp-overlap-no-margin"] if row["tp_overlap_sm_margin"] == "false" else [])] if t > 1 else []
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden"], "--ffn",
             row["ffn_hidden"], "--heads", row["heads"], "--kv-heads", row["kv_heads"],
-            *(["--gated"] if row["gated"] == "true" else []), "--seq-len", row["seq_len"],
+            *(["--gated"] if row["gated"] == "true" else []),
+            *(["--rotary-percent", row["rotary_percent"], "--rope-kernel", "fused"] if row["rotary_percent"] else []),
+            "--seq-len", row["seq_len"],
             "--vocab", str(padded_vocab(int(row["vocab"]), t)),
             *(["--dropout", row["dropout"]] if float(row["dropout"]) else []),
             "--dtype", row["precision"], "--attention", "flash", "--attention-kernel", row["attention_kernel"],

@@ -145,6 +145,10 @@ Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: Swi
 Dropout = Annotated[float | None, typer.Option(
     "--dropout", help="gpt: dropout on the attention probabilities and each residual branch (Megatron-LM's default is "
                       "0.1; none by default), counted as the one fused kernel a GPU runs.")]
+RotaryPercent = Annotated[float | None, typer.Option(
+    "--rotary-percent", metavar="SHARE", help="gpt: rotary position embedding (RoPE: Llama's 1.0, Nemotron-4's 0.5) "
+                                              "on this share of each head's features instead of learned positions "
+                                              "(Megatron-LM's --rotary-percent).")]
 Experts = Annotated[int | None, typer.Option(
     "--experts", metavar="E", help="gpt: a mixture of experts, E routed experts in each block's MLP (counted at "
                                    "balanced routing: each expert computes k/E of the tokens).")]
@@ -203,7 +207,8 @@ AttentionKernel = Annotated[str | None, typer.Option(
                                                  "with NVTE_FUSED_ATTN=1) or flash3 (FlashAttention-3).")]
 MODEL_SHAPE = (("layers", Layers, None), ("width", Width, None), ("heads", Heads, None), ("seq_len", SeqLen, None),
                ("vocab", Vocab, None), ("ffn", Ffn, None), ("kv_heads", KvHeads, None), ("gated", Gated, None),
-               ("dropout", Dropout, None), ("experts", Experts, None), ("top_k", TopK, None),
+               ("dropout", Dropout, None), ("rotary_percent", RotaryPercent, None), ("experts", Experts, None),
+               ("top_k", TopK, None),
                ("shared_experts", SharedExperts, None), ("expert_ffn", ExpertFfn, None),
                ("capacity_factor", CapacityFactor, None), ("mtp_layers", MtpLayers, None),
                ("dtype", ModelDtype, "bf16"), ("attention", Attention, "math"))

@@ -40,6 +40,10 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert ("--tp-overlap-no-margin" in args) == (published["tp_overlap_sm_margin"] == "false")
         assert (published["tp_overlap_sm_margin"] == "") == (t == 1)
         assert _flag(args, "--attention-kernel") == published["attention_kernel"]
+        rotary = _flag(args, "--rotary-percent") if "--rotary-percent" in args else ""
+        assert rotary == published["rotary_percent"] and ("--rope-kernel" in args) == bool(rotary)
+        assert rotary == ("" if published["model"] == "GPT-3 175B" else "0.5" if "Nemotron" in published["model"]
+                          else "1.0")
         assert published["attention_kernel"] == ("flash2" if published["model"] in ("GPT-3 175B", "Nemotron-4 340B")
                                                  else "cudnn")
         assert int(_flag(args, "--vocab")) % (128 * t) == 0 <= int(_flag(args, "--vocab")) - int(published["vocab"])

@@ -113,3 +113,88 @@ def test_the_cli_refuses_fused_rope_for_the_gpt_in_one_line(tmp_path):
                              "-s", "gpipe", "--rope-kernel", "fused", "--html", page)
     assert code == 2 and out == "" and not page.exists()
     assert NO_ROPE_TO_FUSE in err and len(err.strip().splitlines()) == 1
+
+
+# The gpt with RoPE: 8 heads of 24 features, 2 key/value heads, 256 tokens, one block, in bf16.
+ROTARY_GPT = dict(layers=1, width=192, heads=8, kv_heads=2, seq_len=256, vocab=512)
+
+
+def _rotary_gpt(share: float | None, kernel: str = "eager"):
+    return count_built("gpt", {**ROTARY_GPT, "rotary_percent": share}, 1, torch.bfloat16, "flash",
+                       rope_kernel=kernel)
+
+
+def test_the_gpts_rope_replaces_its_learned_positions_and_rotates_q_and_k_in_eager_ops():
+    """--rotary-percent: no position table (256 x 192 bf16 weights fewer), and each block's q and k rotated by
+    transformers' eager ops (products, a negation, a concatenation, a sum) before the attention, none of them
+    without it."""
+    learned, rotary = _rotary_gpt(None), _rotary_gpt(1.0)
+    assert learned.layers[0].param_bytes - rotary.layers[0].param_bytes == 256 * 192 * E
+    eager_ops = {op.op for op in rotary.layers[1].ops["fwd"]} - {op.op for op in learned.layers[1].ops["fwd"]}
+    assert {"mul", "neg", "cat"} <= eager_ops and not any(op.op.startswith("fused_rope")
+                                                           for op in rotary.layers[1].ops["fwd"])
+
+
+@pytest.mark.parametrize("share, angles", [(1.0, 2 * 256 * 24 * E), (0.5, 2 * 256 * 12 * E)])
+def test_the_gpts_fused_rope_is_one_kernel_a_tensor_each_way(share, angles):
+    """--rope-kernel fused: TransformerEngine's kernel once for q (256 x 8 x 24 bf16, 98,304 B) and once for k
+    (24,576 B), each reading its tensor and the cosines and sines (of the rotated features: 24, or 12 at 0.5) and
+    writing the whole tensor (the rest of a head passes through), forward and backward."""
+    layer = _rotary_gpt(share, "fused").layers[1]
+    for name, kernel in (("fwd", "fused_rope"), ("bwd", "fused_rope_backward")):
+        assert sorted(op.moved_bytes for op in layer.ops[name] if op.op == kernel) == [
+            2 * 24_576 + angles, 2 * 98_304 + angles]
+
+
+def test_an_estimated_gpt_layer_pays_its_two_fused_rope_kernels_each_way():
+    """The block's priced forward and backward are each two memory-bound kernels longer than without RoPE: a
+    kernel's overhead each and 221,184 + 73,728 bytes at the memory's rate (q's and k's read and written, the
+    angles read)."""
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
+
+    h100 = load_catalogue().find("h100-sxm")
+    device = Device(h100.dense_tflops.bf16 * 1e9, h100.memory_bandwidth_gb_s * 1e6 * h100.curve.memory_efficiency,
+                    h100.curve)
+    links = placement_links(h100, Parallelism())
+    learned, fused = (estimate_layer(count.layers[1], device, Parallelism(), links.tensor, E)
+                      for count in (_rotary_gpt(None), _rotary_gpt(1.0, "fused")))
+    kernels_ms = 2 * h100.curve.kernel_overhead_ms + (221_184 + 73_728) / device.memory_bytes_per_ms
+    assert fused.fwd_ms - learned.fwd_ms == pytest.approx(kernels_ms)
+    assert fused.bwd_ms - learned.bwd_ms == pytest.approx(kernels_ms)
+
+
+def test_the_gpts_angles_leave_the_first_position_and_every_norm_as_they_are():
+    """Real numbers: position 0's angles are 0 (q and k unchanged there); a rotation keeps each pair's length."""
+    from pipesim.workload.models import apply_rotary_pos_emb, rotary_angles
+
+    cos, sin = rotary_angles(16, 8)
+    q, k = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 1, 8)
+    q_turned, k_turned = apply_rotary_pos_emb(q, k, cos[None], sin[None], unsqueeze_dim=2)
+    assert torch.equal(q_turned[:, 0], q[:, 0]) and torch.equal(k_turned[:, 0], k[:, 0])
+    assert torch.allclose(q_turned.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+
+
+@pytest.mark.parametrize("share, words", [("0", "above 0 and at most 1"), ("1.5", "above 0 and at most 1"),
+                                          ("0.3", "rotates 19 of a head's 64 features")])
+def test_the_cli_refuses_a_rotary_share_that_turns_no_pairs_in_one_line(tmp_path, share, words):
+    page = tmp_path / "timeline.html"
+    code, out, err = pipesim("simulate", "--model", "gpt", "--layers", "2", "--width", "128", "--heads", "2",
+                             "--seq-len", "32", "--vocab", "512", "--gpu", "a100-sxm-80gb", "-p", "1", "-m", "1",
+                             "-s", "gpipe", "--rotary-percent", share, "--html", page)
+    assert code == 2 and out == "" and not page.exists()
+    assert "--rotary-percent" in err and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_gpt_with_rope_runs_forward_and_backward_on_real_tensors():
+    """The executor's path: real weights on the CPU, the angles a buffer of each block, gradients reaching q's and
+    k's weights through the rotation."""
+    from pipesim.workload.models import build_model
+
+    model = build_model("gpt", layers=1, width=32, heads=2, seq_len=16, vocab=64, rotary_percent=0.5)
+    ids, target = model.make_batch(2, torch.Generator().manual_seed(0))
+    out = ids
+    for layer in model.layers:
+        out = layer(out)
+    model.loss(out, target).backward()
+    assert model.layers[0].positions is None and model.layers[1].qkv.weight.grad.abs().sum() > 0

@@ -32,6 +32,7 @@ from pipesim.workload.moe import (
     gated_mlp,
     routed_experts,
 )
+from pipesim.workload.rope import rotated
 from pipesim.workload.sizes import DEFAULT_SIZES
 
 MAX_CNN_CHANNELS = 512
@@ -154,13 +155,40 @@ def cnn(layers: int = DEFAULT_SIZES["cnn"]["layers"], width: int = DEFAULT_SIZES
 
 
 class _Embed(nn.Module):
-    def __init__(self, vocab: int, width: int, seq_len: int) -> None:
+    """The tokens' embedding, plus a learned one of their positions unless the blocks rotate q and k (`rotary`)."""
+
+    def __init__(self, vocab: int, width: int, seq_len: int, rotary: bool = False) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
-        self.positions = nn.Embedding(seq_len, width)
+        self.positions = None if rotary else nn.Embedding(seq_len, width)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        embedded = self.tokens(ids)
+        if self.positions is None:
+            return embedded
+        return embedded + self.positions(torch.arange(ids.shape[1], device=ids.device))
+
+
+ROPE_BASE = 10_000.0  # RoFormer's angle base (Su et al. 2021, arXiv 2104.09864): the angles' values cost nothing
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated over cos's last dimension, the rest of each head passed through, in transformers' form and
+    ops (Llama's `q * cos + rotate_half(q) * sin`, Megatron-core's unfused `apply_rotary_pos_emb_bshd` with its
+    partial rotary); `--rope-kernel fused` runs it as TransformerEngine's kernel (workload/rope.py `fused_rope`)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return rotated(q, cos, sin), rotated(k, cos, sin)
+
+
+def rotary_angles(seq_len: int, rotary: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosines and sines, (seq_len, rotary), of each position's angles over `rotary` features of a head:
+    frequency base^(-2i/rotary) for pair i, each repeated over both halves as transformers' and Megatron-core's
+    RotaryEmbedding lay them out (`torch.cat((freqs, freqs), dim=-1)`)."""
+    frequencies = ROPE_BASE ** -(torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), frequencies)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
 
 
 class _GatedMLP(nn.Module):
@@ -257,12 +285,17 @@ class _Block(nn.Module):
     (grouped-query attention, as Llama 2 70B), handed to the attention as they are (`enable_gqa`): a flash kernel
     reads each key and value head for its whole group, as Megatron-core's TransformerEngine attention and
     flash-attn do (`num_gqa_groups`), so only the fewer heads are saved; the math path repeats them. With
-    `experts`, the MLP is a mixture of experts (`_ExpertsMLP`)."""
+    `experts`, the MLP is a mixture of experts (`_ExpertsMLP`). With `rotary` features of each head (of `seq_len`
+    positions), q and k are rotated by their positions' angles before the attention (`apply_rotary_pos_emb`)."""
 
     def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool, dropout: float = 0.0,
-                 experts: ExpertShape | None = None) -> None:
+                 experts: ExpertShape | None = None, rotary: int = 0, seq_len: int = 0) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.dropout = heads, kv_heads, dropout
+        self.heads, self.kv_heads, self.dropout, self.rotary = heads, kv_heads, dropout, rotary
+        if rotary:
+            cos, sin = rotary_angles(seq_len, rotary)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, width + 2 * kv_heads * (width // heads))
@@ -273,8 +306,11 @@ class _Block(nn.Module):
         b, t, d = x.shape
         head = d // self.heads
         q, k, v = self.qkv(self.ln1(x)).split([d, self.kv_heads * head, self.kv_heads * head], dim=-1)
-        q = q.view(b, t, self.heads, head).transpose(1, 2)
-        k, v = (part.view(b, t, self.kv_heads, head).transpose(1, 2) for part in (k, v))
+        q = q.view(b, t, self.heads, head)
+        k, v = (part.view(b, t, self.kv_heads, head) for part in (k, v))
+        if self.rotary:  # token-major, as Megatron-core rotates its [s, b, heads, head] q and k
+            q, k = apply_rotary_pos_emb(q, k, self.cos[None, :t], self.sin[None, :t], unsqueeze_dim=2)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads < self.heads,
                                                   dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(b, t, d)))
@@ -289,7 +325,7 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
         ffn: int | None = None, kv_heads: int | None = None, gated: bool = False,
         dropout: float | None = None, experts: int | None = None, top_k: int | None = None,
         shared_experts: int | None = None, expert_ffn: int | None = None,
-        capacity_factor: float | None = None) -> Model:
+        capacity_factor: float | None = None, rotary_percent: float | None = None) -> Model:
     """GPT-style decoder: token+position embedding, `layers` blocks, LayerNorm and a vocabulary head;
     next-token cross entropy on the token task of `workload.data` (a fixed successor rule with 10 % noise;
     its loss floor is `data.token_loss_floor(vocab)`). `ffn` is the MLP's hidden size (default 4 x width, as
@@ -300,7 +336,9 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     make every block's MLP a mixture of experts (`_ExpertsMLP`): each token goes to `top_k` of them (default
     `DEFAULT_TOP_K`), each an MLP of `expert_ffn` (default `ffn`), besides `shared_experts` that every token passes
     (default none); `capacity_factor` drops an expert's tokens past its capacity and pads it to it (default: drops
-    none)."""
+    none). `rotary_percent` (None: positions learned, as GPT-3's) rotates q and k over that share of each head's
+    features instead (RoPE, Su et al. 2021: Llama's 1.0, Nemotron-4's 0.5; Megatron-LM's
+    `--position-embedding-type rope --rotary-percent`, its rotary dimensions int(head x share), an even number)."""
     ffn = 4 * width if ffn is None else ffn
     moe = _expert_shape(ffn, experts, top_k, shared_experts, expert_ffn, capacity_factor)
     kv_heads = heads if kv_heads is None else kv_heads
@@ -311,13 +349,27 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
         raise ModelError(f"--width ({width}) must be a multiple of --heads ({heads})")
     if heads % kv_heads:
         raise ModelError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
-    blocks: list[nn.Module] = [_Embed(vocab, width, seq_len)]
-    blocks += [_Block(width, heads, ffn, kv_heads, gated, dropout or 0.0, moe) for _ in range(layers)]
+    rotary = 0 if rotary_percent is None else _rotary_features(width // heads, rotary_percent)
+    blocks: list[nn.Module] = [_Embed(vocab, width, seq_len, bool(rotary))]
+    blocks += [_Block(width, heads, ffn, kv_heads, gated, dropout or 0.0, moe, rotary, seq_len)
+               for _ in range(layers)]
     blocks.append(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab)))
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return data.token_batch(b, seq_len, vocab, gen)
     return Model("gpt", blocks, make, _classify, heldout=data.token_heldout(seq_len, vocab), classifier=True)
+
+
+def _rotary_features(head: int, share: float) -> int:
+    """The features of a `head`-wide head that RoPE rotates at `share` (Megatron-core's int(kv_channels x
+    rotary_percent)), refused unless a positive even number."""
+    if not 0 < share <= 1:
+        raise ModelError(f"--rotary-percent must be above 0 and at most 1 (got {share})")
+    rotary = int(head * share)
+    if rotary < 2 or rotary % 2:
+        raise ModelError(f"--rotary-percent {share} rotates {rotary} of a head's {head} features: RoPE turns pairs, "
+                         "so it must be a positive even number")
+    return rotary
 
 
 def _expert_shape(ffn: int, experts: int | None, top_k: int | None, shared: int | None, expert_ffn: int | None,

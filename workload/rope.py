@@ -17,12 +17,14 @@ DeepSeek-V3's `apply_rotary_pos_emb_interleave` (its `rope_interleave`) rotates 
 writes them de-interleaved; TransformerEngine's kernel takes `interleaved=True` (`FusedRoPEFunc.forward`'s
 `interleaved`, the CUDA kernel pairing each even feature with the next) and is the same one kernel a tensor, so it
 is priced alike; the stand-in computes transformers' layout (TransformerEngine keeps the pairs in place, a
-permutation of the features that q and k share, so their products are the same). A model whose count calls neither
-function (the built-in gpt learns its positions) is refused `--rope-kernel fused` (`NO_ROPE_TO_FUSE`): the flag would
-change nothing."""
+permutation of the features that q and k share, so their products are the same). The built-in gpt with
+`--rotary-percent` calls its own `apply_rotary_pos_emb` of transformers' form (workload/models.py), replaced alike. A
+model whose count calls none (the gpt without it learns its positions) is refused `--rope-kernel fused`
+(`NO_ROPE_TO_FUSE`): the flag would change nothing."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +35,7 @@ import torch
 from .moe import _kernel_writes, _one_kernel
 
 
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`x`'s first cos.shape[-1] features rotated as transformers' rotate_half pairs them, the rest as they are."""
     rotary = cos.shape[-1]
     half = rotary // 2
@@ -64,7 +66,7 @@ class _FusedRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
         with _one_kernel("fused_rope", (x, cos, sin)):
-            out = _rotated(_deinterleaved(x, cos.shape[-1]) if interleaved else x, cos, sin)
+            out = rotated(_deinterleaved(x, cos.shape[-1]) if interleaved else x, cos, sin)
             _kernel_writes(out)
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
@@ -74,7 +76,7 @@ class _FusedRope(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         cos, sin = ctx.saved_tensors
         with _one_kernel("fused_rope_backward", (grad, cos, sin)):
-            grad_x = _rotated(grad, cos, -sin)
+            grad_x = rotated(grad, cos, -sin)
             if ctx.interleaved:
                 grad_x = _interleaved(grad_x, cos.shape[-1])
             _kernel_writes(grad_x)
@@ -105,17 +107,18 @@ _STAND_INS = {"apply_rotary_pos_emb": _apply_fused, "apply_rotary_pos_emb_interl
 # Why `--rope-kernel fused` cannot apply to a model whose count ran no `_FusedRope` (workload/count.py `count_model`).
 NO_ROPE_TO_FUSE = ("--rope-kernel fused: this model calls no RoPE pipesim can run as TransformerEngine's fused kernel "
                    "(transformers' apply_rotary_pos_emb or apply_rotary_pos_emb_interleave; the built-in gpt learns "
-                   "its positions): leave it out or pass eager")
+                   "its positions unless given --rotary-percent): leave it out or pass eager")
 
 
 @contextmanager
 def fused_rope(layer: torch.nn.Module, on: bool) -> Iterator[None]:
     """Run `layer`'s RoPE as `_STAND_INS` inside (`on`), else as it is: the functions of `_STAND_INS` that the
-    modeling modules of its submodules define beside transformers' `rotate_half` (the form their attention calls by
-    name)."""
+    modules of its submodules define in transformers' form, taking (q, k, cos, sin) first (the form their attention
+    calls by name)."""
     modelings = {sys.modules[type(module).__module__] for module in layer.modules()} if on else set()
-    eager = {(modeling, name): getattr(modeling, name) for modeling in modelings if hasattr(modeling, "rotate_half")
-             for name in _STAND_INS if callable(getattr(modeling, name, None))}
+    eager = {(modeling, name): getattr(modeling, name) for modeling in modelings for name in _STAND_INS
+             if callable(getattr(modeling, name, None))
+             and list(inspect.signature(getattr(modeling, name)).parameters)[:4] == ["q", "k", "cos", "sin"]}
     for (modeling, name) in eager:
         setattr(modeling, name, _STAND_INS[name])
     try:
