@@ -216,7 +216,7 @@ def interleave_1f1b_rows(count: int, warmups: np.ndarray) -> tuple[np.ndarray, n
     forward (even j − w) or a backward (odd j − w) of the pair (j − w) // 2."""
     w = np.minimum(warmups, count)[:, None]
     j = np.arange(2 * count)[None, :]
-    pair, second = np.divmod(j - w, 2)
+    pair, second = (j - w) >> 1, (j - w) & 1  # divmod by 2 (floored, as an arithmetic shift is), without dividing
     backward = (j >= 2 * count - w) | ((j >= w) & (second == 1))
     position = np.where(j < w, j, np.where(j >= 2 * count - w, j - count, pair + w * (1 - second)))
     return backward, position
@@ -268,7 +268,7 @@ def pipedream_order(method: str, params: ScheduleParams, policy: WeightPolicy) -
     require_plain(method, params)
     p, m, n = params.stages, params.microbatches, params.minibatches
     backward, position = interleave_1f1b_rows(n * m, p - np.arange(p) - 1)  # row k: stage k, on device k
-    minibatch, microbatch = np.divmod(position, m)
+    minibatch, microbatch = np.repeat(np.arange(n), m)[position], np.tile(np.arange(m), n)[position]  # divmod by m
     predicted = np.zeros(backward.shape, bool)
     for side, read, prediction in ((~backward, policy.forward, policy.predict_forward),
                                    (backward, policy.backward, policy.predict_backward)):
@@ -278,15 +278,14 @@ def pipedream_order(method: str, params: ScheduleParams, policy: WeightPolicy) -
     # before each op it predicts for (an update before a PRED at one spot), of the stage and mini-batch of `of`
     after, spots = np.flatnonzero(backward & (microbatch == m - 1)) + 1, np.flatnonzero(predicted)
     before, of = np.concatenate([after, spots]), np.concatenate([after - 1, spots])
-    kind = np.insert(np.where(backward, _B, _F).ravel(), before, np.repeat([_OPT, _PRED], [len(after), len(spots)]))
-    microbatch = microbatch.ravel()
-    microbatch = np.insert(microbatch, before, np.concatenate([np.full(len(after), -1), microbatch[spots]]))
-    stage, minibatch = (np.insert(column, before, column[of]) for column in
-                        (np.repeat(np.arange(p), backward.shape[1]), minibatch.ravel()))
-    rows = len(kind)
-    return make_schedule(method, params, ActionTable(
-        stage.astype(FIELD_DTYPE), kind.astype(KIND_DTYPE), stage.astype(FIELD_DTYPE), microbatch.astype(FIELD_DTYPE),
-        minibatch.astype(FIELD_DTYPE), np.zeros(rows, dtype=FIELD_DTYPE), np.full(rows, -1, dtype=FIELD_DTYPE)), policy)
+    rows = backward.size
+    stage = np.repeat(np.arange(p, dtype=FIELD_DTYPE), backward.shape[1])
+    passes = ActionTable(stage, np.where(backward, _B, _F).ravel().astype(KIND_DTYPE), stage,
+                         microbatch.ravel().astype(FIELD_DTYPE), minibatch.ravel().astype(FIELD_DTYPE),
+                         np.zeros(rows, dtype=FIELD_DTYPE), np.full(rows, -1, dtype=FIELD_DTYPE))
+    return make_schedule(method, params, passes.with_rows(
+        before, of, kind=np.repeat([_OPT, _PRED], [len(after), len(spots)]),
+        microbatch=np.concatenate([np.full(len(after), -1), passes.microbatch[spots]])), policy)
 
 
 PIPEDREAM_POLICY = WeightPolicy(forward=Read.LATEST, backward=Read.STASHED)

@@ -209,10 +209,7 @@ def _after_passes(schedule: Schedule, kinds: frozenset[Kind], after_forward: Kin
     after = np.append(next_other, n)[past]
     codes = np.where(forward[rows], KIND_CODE[after_forward], KIND_CODE[after_backward]).astype(t.kind.dtype)
     placed = np.lexsort((codes, after))  # at one place, the forward's first
-    rows, after, codes = rows[placed], after[placed], codes[placed]
-    inserted = {"device": t.device[rows], "kind": codes, "stage": t.stage[rows], "microbatch": t.microbatch[rows],
-                "minibatch": t.minibatch[rows], "pipeline": t.pipeline[rows], "peer": -1}
-    table = ActionTable(**{name: np.insert(getattr(t, name), after, value) for name, value in inserted.items()})
+    table = t.with_rows(after[placed], rows[placed], kind=codes[placed], peer=-1)
     return schedule.with_orders(OrderView(table, schedule.num_devices))
 
 
@@ -295,11 +292,8 @@ def _insert_collectives(schedule: Schedule, opts: np.ndarray, reducing: np.ndarr
     if len(before) > 1:
         kinds.append(np.full(len(owner[1]), KIND_CODE[Kind.GATHER]))
     before, kinds, owner = np.concatenate(before), np.concatenate(kinds), np.concatenate(owner)
-    placed = np.lexsort((owner, kinds, before))  # np.insert keeps the given order among rows inserted at one place
-    before, kinds, owner = before[placed], kinds[placed], owner[placed]
-    inserted = {"device": t.device[owner], "kind": kinds, "stage": t.stage[owner], "microbatch": t.microbatch[owner],
-                "minibatch": t.minibatch[owner], "pipeline": t.pipeline[owner], "peer": -1}
-    table = ActionTable(**{name: np.insert(getattr(t, name), before, value) for name, value in inserted.items()})
+    placed = np.lexsort((owner, kinds, before))  # rows inserted at one place keep the order given
+    table = t.with_rows(before[placed], owner[placed], kind=kinds[placed], peer=-1)
     return schedule.with_orders(OrderView(table, schedule.num_devices))
 
 

@@ -115,6 +115,24 @@ class ActionTable:
         """The rows `rows` (indices, in the order given)."""
         return ActionTable(*(getattr(self, f)[rows] for f in _FIELDS))
 
+    def with_rows(self, before: np.ndarray, copied: np.ndarray, **values) -> ActionTable:
+        """This table with a row inserted before each row index in `before` (rows inserted at one index in the
+        order given, as np.insert places them), each a copy of the row `copied` names but for the columns `values`
+        names (one value, or one per inserted row). The rows' places are found once for every column, where
+        np.insert finds them again per column (the passes insert into tables of up to millions of rows)."""
+        rows, added = len(self.kind), len(before)
+        by_place = np.argsort(before, kind="stable")
+        at = np.empty(added, dtype=np.intp)
+        at[by_place] = before[by_place] + np.arange(added)
+        source = np.empty(rows + added, dtype=np.intp)  # each row's row in this table
+        kept = np.ones(rows + added, dtype=bool)
+        kept[at] = False
+        source[kept], source[at] = np.arange(rows), copied
+        columns = {name: getattr(self, name).take(source) for name in _FIELDS}
+        for name, value in values.items():
+            columns[name][at] = value
+        return ActionTable(**columns)
+
     def to_orders(self, num_devices: int) -> tuple[tuple[Action, ...], ...]:
         """The per-device action lists (rows must be grouped by device, in order)."""
         kinds = [KINDS[k] for k in self.kind.tolist()]

@@ -1,15 +1,19 @@
 """The vectorised machinery that builds orders, held against small reference oracles written action by action
 (as the order code was before it was vectorised for tune): the 1F1B pattern of many rows at once, the zero-bubble
-deferral of W, one mini-batch's rows repeated per mini-batch, and the caches the builds share."""
+deferral of W, one mini-batch's rows repeated per mini-batch, rows inserted into a table, and the caches the builds
+share."""
 
 from collections import deque
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim.schedules import KIND_CODE, Action, ActionTable, Kind, StageGraph, evaluate_formula
 from pipesim.schedules.methods import interleave_1f1b, interleave_1f1b_rows
 from pipesim.schedules.rivals import _defer_weight_gradients
+from pipesim.schedules.table import _FIELDS, FIELD_DTYPE, KIND_DTYPE
 
 
 def one_forward_one_backward(count: int, warmup: int) -> list[tuple[Kind, int]]:
@@ -65,6 +69,23 @@ def test_per_minibatch_repeats_each_devices_rows_with_its_minibatch():
     for column in ("device", "kind", "stage", "microbatch", "minibatch", "pipeline", "peer"):
         got, wanted = getattr(repeated, column), getattr(expected, column)
         assert got.dtype == wanted.dtype and got.tolist() == wanted.tolist(), column
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.data())
+def test_with_rows_inserts_each_column_as_np_insert_does(data):
+    rows = data.draw(st.integers(1, 30))
+    numbers = st.lists(st.integers(-5, 50), min_size=rows, max_size=rows)
+    table = ActionTable(**{name: np.array(data.draw(numbers), dtype=KIND_DTYPE if name == "kind" else FIELD_DTYPE)
+                           for name in _FIELDS})
+    added = data.draw(st.integers(0, 12))
+    before, copied, kinds = (np.array(data.draw(st.lists(st.integers(0, top), min_size=added, max_size=added)),
+                                      dtype=np.int64) for top in (rows, rows - 1, 12))
+    got = table.with_rows(before, copied, kind=kinds, peer=-1)
+    for name in _FIELDS:
+        column = getattr(table, name)
+        wanted = np.insert(column, before, kinds if name == "kind" else -1 if name == "peer" else column[copied])
+        assert getattr(got, name).dtype == wanted.dtype and getattr(got, name).tolist() == wanted.tolist(), name
 
 
 def test_the_builds_share_chains_and_compiled_formulas():
