@@ -5,6 +5,7 @@ Llama block compiled on the CPU under torchtitan's op policy saves the products'
 from __future__ import annotations
 
 import json
+import operator
 from collections import defaultdict
 
 import pytest
@@ -48,34 +49,55 @@ def llama(tmp_path):
     return f"hf:{tmp_path}"
 
 
+def _rng_state(node) -> bool:
+    """Whether a saved node is the generator's state the compiled forward keeps to replay a kernel it takes as random
+    (the CPU's flash attention, run by `run_and_save_rng_state`): the CPU generator's 5,056 bytes whatever the
+    shapes, a CUDA kernel's seed and offset on a GPU."""
+    return node.target is operator.getitem and getattr(node.args[0], "target", None) is \
+        torch.ops.higher_order.run_and_save_rng_state
+
+
+def _compiled_saves(llama: str, context_fn=None) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each tensor the compiled forward of `llama`'s first decoder layer, checkpointed (with
+    `context_fn`'s policy, else plain), saves for its backward but its weights and buffers (the rotary module's
+    frequencies), as AOTAutograd's default training partitioner chooses them."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import checkpoint
+
+    from pipesim.workload.hf import hf_model
+
+    block = hf_model(llama, SEQ).layers[1].float()
+    weights = {tuple(t.shape) for t in (*block.parameters(), *block.buffers())}  # none a (B, S, h) activation
+    saved: list[tuple[str, tuple[int, ...]]] = []
+
+    def forward_graph(graph, _):
+        outputs = next(node for node in graph.graph.nodes if node.op == "output").args[0]
+        saved.extend((node.name, tuple(node.meta["val"].shape)) for node in outputs[1:]
+                     if isinstance(node.meta.get("val"), torch.Tensor) and not _rng_state(node)
+                     and not (node.op == "placeholder" and tuple(node.meta["val"].shape) in weights))
+        return graph.forward
+
+    backend = aot_autograd(fw_compiler=forward_graph, bw_compiler=lambda graph, _: graph.forward,
+                           partition_fn=min_cut_rematerialization_partition)
+    options = {"context_fn": context_fn} if context_fn else {}
+    compiled = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False, preserve_rng_state=False,
+                                                  **options),  # as torchtitan's ptd_checkpoint_wrapper runs it
+                             backend=backend, fullgraph=True, dynamic=False)
+    compiled(torch.randn(BATCH, SEQ, 64, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    return saved
+
+
 def test_a_compiled_llama_block_saves_the_products_pipesim_keeps_under_torch_compile(llama):
     """AOTAutograd's default training partitioner, as Inductor runs it, on one decoder layer checkpointed under the
     op policy: of the four products the policy keeps (q, v, the gate and the down projection), the compiled forward
     saves three, not the down projection's output, which only the residual add reads; pipesim's count drops
     exactly that one under --torch-compile, and keeps all four without it, as eager checkpointing does."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch.utils.checkpoint import checkpoint
-
     from pipesim.planning.estimate import _op_kept, _unread_kept
     from pipesim.workload.count import count_built
-    from pipesim.workload.hf import hf_model
 
-    block = hf_model(llama, SEQ).layers[1].float()
-    saved: list[tuple[int, ...]] = []
-
-    def forward_graph(graph, _):
-        outputs = next(node for node in graph.graph.nodes if node.op == "output").args[0]
-        saved.extend(tuple(node.meta["val"].shape) for node in outputs[1:]
-                     if node.op != "placeholder" and node.target == torch.ops.aten.mm.default)
-        return graph.forward
-
-    backend = aot_autograd(fw_compiler=forward_graph, bw_compiler=lambda graph, _: graph.forward,
-                           partition_fn=min_cut_rematerialization_partition)
-    compiled = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False, context_fn=_op_policy_context),
-                             backend=backend, fullgraph=True, dynamic=False)
-    compiled(torch.randn(BATCH, SEQ, 64, requires_grad=True)).sum().backward()
-
+    saved = [shape for name, shape in _compiled_saves(llama, _op_policy_context) if name.startswith("mm")]
     layer = count_built(llama, {"seq_len": SEQ}, BATCH, torch.bfloat16, "flash", swiglu_fusion=False).layers[1]
     made = {number: (shape, op) for number, shape, nbytes, op in layer.allocations["fwd"] if nbytes >= 0}
     products = {number for number, (_, op) in made.items() if op == "mm"}
@@ -83,6 +105,12 @@ def test_a_compiled_llama_block_saves_the_products_pipesim_keeps_under_torch_com
     assert sorted(made[n][0] for n in kept) == [(64, 64), (64, 64), (64, 128), (64, 160)]  # v, down, q, gate
     assert sorted(made[n][0] for n in kept - _unread_kept(layer)) == sorted(saved) == [(64, 64), (64, 128),
                                                                                         (64, 160)]
+
+
+def test_a_compiled_llama_block_under_full_checkpointing_saves_its_input_alone(llama):
+    """A plain checkpoint around the compiled layer (torchtitan's full recomputation): the forward saves the layer's
+    input and nothing it made, as pipesim keeps it with or without --torch-compile."""
+    assert [shape for _, shape in _compiled_saves(llama)] == [(BATCH, SEQ, 64)]
 
 
 def _activations_mib(llama: str, *flags: str) -> float:
