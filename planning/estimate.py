@@ -1201,12 +1201,30 @@ def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Paralleli
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
 
-def delayed_weight_gradients_ms(bwd_ms: float, wgrad_ms: float, routed: LayerEstimate) -> tuple[float, float]:
-    """Of a MoE layer's backward (`bwd_ms`; its weight-gradient pass `wgrad_ms`), the weight gradients its attention
-    and its routed experts (`routed`) run after their input gradients in Megatron-core's overlapped pair under
-    `delay_wgrad_compute` (`planning.experts.MoePass`), each within its part's backward."""
-    experts = min(routed.wgrad_ms, routed.bwd_ms)
-    return min(max(wgrad_ms - routed.wgrad_ms, 0.0), bwd_ms - routed.bwd_ms), experts
+def paired_passes(layer: LayerCount, priced: LayerEstimate, routed: LayerEstimate, all_to_all_fwd_ms: float,
+                  all_to_all_bwd_ms: float, issue: Callable[[LayerCount, str], float] | None
+                  ) -> tuple[MoePass, MoePass]:
+    """A MoE layer's forward and backward (`priced` on the GPU, its routed experts' part `routed`) as Megatron-core's
+    overlapped pair runs them node by node (`planning.experts.MoePass`): dispatch and combine alike; of the
+    backward, the weight gradients `delay_wgrad_compute` runs after each part's input gradients; and where the
+    layer makes the host wait (`issue`: the host's issue of a layer's pass; None where it never waits), each part's
+    issue, its weight gradients' of it (the weight-gradient pass's, within the backward's)."""
+    def issued(name: str) -> tuple[float, float]:  # (outside the routed experts, theirs)
+        if issue is None:
+            return 0.0, 0.0
+        experts = issue(_routed_part(layer), name)
+        return issue(layer, name) - experts, experts
+
+    (attention_fwd, experts_fwd), (attention_bwd, experts_bwd), (attention_wgrad, experts_wgrad) = (
+        issued(name) for name in ("fwd", "bwd", "wgrad"))
+    forward = MoePass(priced.fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2,
+                      attention_issue_ms=attention_fwd, experts_issue_ms=experts_fwd)
+    attention_bwd_ms = priced.bwd_ms - routed.bwd_ms
+    backward = MoePass(attention_bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2,
+                       min(max(priced.wgrad_ms - routed.wgrad_ms, 0.0), attention_bwd_ms),
+                       min(routed.wgrad_ms, routed.bwd_ms), attention_bwd, experts_bwd,
+                       min(attention_wgrad, attention_bwd), min(experts_wgrad, experts_bwd))
+    return forward, backward
 
 
 def _routed_part(layer: LayerCount) -> LayerCount:
@@ -1460,11 +1478,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                               if parallel.fsdp_float8_all_gather else None),
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
-            all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(  # dispatch and combine alike
-                MoePass(fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2,
-                        issue_ms=issued["fwd"]),
-                MoePass(bwd_ms - routed.bwd_ms, routed.bwd_ms, all_to_all_bwd_ms / 2, all_to_all_bwd_ms / 2,
-                        *delayed_weight_gradients_ms(bwd_ms, wgrad_ms, routed), issue_ms=issued["bwd"])),
+            all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(
+                *paired_passes(busiest, priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms,
+                               (lambda run, name: issue_ms(run, parallel.float8_recipe, element,
+                                                           parallel.host_kernel_us, name, modules_us))
+                               if synced else None),
+                charged_ms=fwd_ms + bwd_ms, experts_wait=synced and parallel.token_dispatcher == "deepep"),
             fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issued["fwd"]) if shared else 0.0,
             bwd_sharing_ms=host_bound_ms(shared.bwd_ms, 0.0, issued["bwd"]) if shared else 0.0,
             **_ring_fields(priced),

@@ -304,13 +304,14 @@ PAIRED_LAYERS, PAIRED_STEADY_LAYERS = 8, 4
 @dataclass(frozen=True)
 class MoePass:
     """One pass (a forward or a backward) of a mixture-of-experts layer as Megatron-core's overlap splits it
-    (megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan): the compute outside
-    the routed experts (`attention_ms`: attention, norms, router; its weight gradients in a backward), the routed
-    experts' compute (`experts_ms`, with theirs), and its dispatch and combine all-to-alls' network time. Of a
-    backward's, the weight gradients each part runs after its input gradients (`attention_wgrad_ms`,
-    `experts_wgrad_ms`: TransformerEngine's modules hold them back under `delay_wgrad_compute`, and the pair runs
-    them as `backward_dw`, outside its nodes). `issue_ms`: the host's issue of the pass's kernels where its layer
-    synchronises the host (planning/host.py; 0: it never waits)."""
+    (megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan), each node's GPU time:
+    the compute outside the routed experts (`attention_ms`: attention, norms, router; its weight gradients in a
+    backward), the routed experts' compute (`experts_ms`, with theirs), and its dispatch and combine all-to-alls'
+    network time. Of a backward's, the weight gradients each part runs after its input gradients
+    (`attention_wgrad_ms`, `experts_wgrad_ms`: TransformerEngine's modules hold them back under
+    `delay_wgrad_compute`, and the pair runs them as `backward_dw`, outside its nodes). The `*_issue_ms`: the
+    host's issue of each part's kernels (planning/host.py `issue_ms`; 0 where the layer never makes the host wait,
+    so that it stays ahead), its weight gradients' of it."""
 
     attention_ms: float
     experts_ms: float
@@ -318,14 +319,19 @@ class MoePass:
     combine_ms: float
     attention_wgrad_ms: float = 0.0
     experts_wgrad_ms: float = 0.0
-    issue_ms: float = 0.0
+    attention_issue_ms: float = 0.0
+    experts_issue_ms: float = 0.0
+    attention_wgrad_issue_ms: float = 0.0
+    experts_wgrad_issue_ms: float = 0.0
 
 
-def paired_exposed_ms(forward: MoePass, backward: MoePass) -> float:
+def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | None = None,
+                      experts_wait: bool = False) -> float:
     """What a layer's forward paired with a backward of the same layer (Megatron-core's combined 1F1B,
-    `overlap_moe_expert_parallel_comm`) takes beyond its compute: the all-to-all time its order leaves exposed, and
-    the host's issue where it outlasts the pair. `TransformerLayerSchedulePlan.run` (Megatron-LM 0d8e0714cd and
-    b0cc2706 alike) issues, on a communication and a compute stream,
+    `overlap_moe_expert_parallel_comm`) takes beyond what its two parts are charged (`charged_ms`; None: their
+    compute): the all-to-all time its order leaves exposed, and the host's issue and waits where they outlast it.
+    `TransformerLayerSchedulePlan.run` (Megatron-LM 0d8e0714cd and b0cc2706 alike) issues, on a communication and a
+    compute stream,
 
         comm: combine_bwd | dispatch_fwd -> dispatch_bwd          | combine_fwd
         comp: attn_fwd    | mlp_bwd -> mlp_bwd_dw -> mlp_fwd      | attn_bwd -> attn_bwd_dw
@@ -337,32 +343,53 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass) -> float:
     compute stream outside any node and record no event: the backward's dispatch waits for its experts' input
     gradients only, and the next layer's combine_bwd for this layer's attention's input gradients only, beside its
     attention's weight gradients. So each all-to-all hides only under what runs beside it, not under the other
-    pass's whole compute (a 4-node Qwen3-235B layer: 8.1 ms of all-to-alls, 1.7 ms of it exposed). Layers run back
-    to back (`PAIRED_LAYERS`), each carrying the streams and events the one before left; the steady state's time
-    a layer (`PAIRED_STEADY_LAYERS`) less its compute is what it leaves exposed.
+    pass's whole compute (a 4-node Qwen3-235B layer: 8.1 ms of all-to-alls, 1.7 ms of it exposed).
 
-    Where the layer synchronises (a dropless dispatcher: planning/host.py), the host waits once a pair, in the
-    forward's dispatch (token_dispatcher.py `_maybe_dtoh_and_synchronize` at "before_ep_alltoall", DeepEP's
-    `Buffer.dispatch` waiting for its receive counts): from one layer's wait to the next it issues the rest of one
-    pair and the start of the next, every kernel of both passes, so a pair takes at least both passes' issue
-    (`issue_ms`), however its all-to-alls hide."""
-    comp = comm = forward_done = backward_done = 0.0  # each stream free, each pass's event
+    One host issues all of it, in that order: a node's kernels run no sooner than it issues them. It runs ahead
+    until it waits for the GPU: once a pair in the forward's dispatch, for the split sizes the attention node's
+    router made (token_dispatcher.py `_maybe_dtoh_and_synchronize` at "before_ep_alltoall"; DeepEP's
+    `Buffer.dispatch`, whose CPU waits for the receive counts: fused_a2a.py), and under `experts_wait` again
+    before issuing the forward's experts, for the dispatched tokens (the flex dispatcher's DeepEP path at b0cc2706
+    turns their indices into a routing map with boolean-mask indexing and `repeat_interleave`, each a
+    synchronisation, `_DeepepManager._indices_to_multihot`, unless Megatron-core's experimental flag, which no
+    Qwen3 recipe sets, picks the fused kernel). Where the host issues slower than the GPU runs, a pair takes at
+    least both passes' issue, however its all-to-alls hide.
+
+    Layers run back to back (`PAIRED_LAYERS`), each carrying the streams, events and host the one before left; the
+    steady state's time a layer (`PAIRED_STEADY_LAYERS`) less what its parts are charged is what it leaves
+    exposed."""
+    comp = comm = forward_done = backward_done = host = 0.0  # each stream free, each pass's event, the host's time
     ends = []
+
+    def node(stream: float, done: float, run_ms: float, issue_ms: float) -> float:
+        """When a compute node ends: started once its stream, its event and its issue allow, ended no sooner than
+        its last kernel is issued."""
+        nonlocal host
+        start = max(stream, done, host)
+        host += issue_ms
+        return max(start + run_ms, host)
+
     for _ in range(PAIRED_LAYERS):
-        comm = backward_done = max(comm, backward_done) + backward.combine_ms
-        comp = forward_done = max(comp, forward_done) + forward.attention_ms
-        comp = backward_done = max(comp, backward_done) + backward.experts_ms - backward.experts_wgrad_ms
-        comm = forward_done = max(comm, forward_done) + forward.dispatch_ms
-        comp += backward.experts_wgrad_ms
-        comm = backward_done = max(comm, backward_done) + backward.dispatch_ms
-        comp = forward_done = max(comp, forward_done) + forward.experts_ms
-        comm = forward_done = max(comm, forward_done) + forward.combine_ms
-        comp = backward_done = max(comp, backward_done) + backward.attention_ms - backward.attention_wgrad_ms
-        comp += backward.attention_wgrad_ms
+        comm = backward_done = max(comm, backward_done, host) + backward.combine_ms
+        comp = forward_done = node(comp, forward_done, forward.attention_ms, forward.attention_issue_ms)
+        comp = backward_done = node(comp, backward_done, backward.experts_ms - backward.experts_wgrad_ms,
+                                    backward.experts_issue_ms - backward.experts_wgrad_issue_ms)
+        host = max(host, forward_done)  # the dispatch's wait for the router's split sizes
+        comm = forward_done = max(comm, forward_done, host) + forward.dispatch_ms
+        comp = node(comp, 0.0, backward.experts_wgrad_ms, backward.experts_wgrad_issue_ms)
+        comm = backward_done = max(comm, backward_done, host) + backward.dispatch_ms
+        if experts_wait:  # for the dispatched tokens, once the stream reaches the experts
+            host = max(host, comp, forward_done)
+        comp = forward_done = node(comp, forward_done, forward.experts_ms, forward.experts_issue_ms)
+        comm = forward_done = max(comm, forward_done, host) + forward.combine_ms
+        comp = backward_done = node(comp, backward_done, backward.attention_ms - backward.attention_wgrad_ms,
+                                    backward.attention_issue_ms - backward.attention_wgrad_issue_ms)
+        comp = node(comp, 0.0, backward.attention_wgrad_ms, backward.attention_wgrad_issue_ms)
         ends.append(max(comp, comm))
     layer_ms = (ends[-1] - ends[-1 - PAIRED_STEADY_LAYERS]) / PAIRED_STEADY_LAYERS
-    compute = forward.attention_ms + forward.experts_ms + backward.attention_ms + backward.experts_ms
-    return max(max(layer_ms, forward.issue_ms + backward.issue_ms) - compute, 0.0)  # never below its compute
+    if charged_ms is None:
+        charged_ms = forward.attention_ms + forward.experts_ms + backward.attention_ms + backward.experts_ms
+    return max(layer_ms - charged_ms, 0.0)  # never below what its rows charge
 
 
 def _grouped(op: OpCount) -> bool:

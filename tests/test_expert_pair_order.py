@@ -64,14 +64,20 @@ def test_the_next_layers_combine_runs_beside_the_attentions_delayed_weight_gradi
     assert paired_exposed_ms(forward, MoePass(4.0, 4.0, 3.0, 0.0, experts_wgrad_ms=1.0)) == 0.0
 
 
-def test_a_synchronising_pair_takes_at_least_the_hosts_issue_of_both_passes():
-    """The host waits once a pair (the forward's dispatch) and between two waits issues both passes' kernels: 5 + 9
-    ms of issue beside 12 of compute leave 2 ms a layer, however the all-to-alls hide; a host issuing faster than
-    the GPU runs leaves nothing."""
-    assert paired_exposed_ms(MoePass(2.0, 2.0, 1.0, 1.0, issue_ms=5.0),
-                             MoePass(4.0, 4.0, 1.0, 1.0, issue_ms=9.0)) == pytest.approx(2.0)
-    assert paired_exposed_ms(MoePass(2.0, 2.0, 1.0, 1.0, issue_ms=3.0),
-                             MoePass(4.0, 4.0, 1.0, 1.0, issue_ms=4.0)) == 0.0
+def test_a_pair_takes_at_least_its_hosts_issue_and_waits_out_the_dispatch_where_its_experts_wait():
+    """One host issues both passes, node by node: 2 + 3 ms of the forward's and 4 + 5 of the backward's beside 3 ms
+    of GPU work make the pair 14 ms, 11 beyond its compute, 1 beyond its rows where they already charge 13. Where the
+    host also waits for the forward's dispatched tokens before issuing its experts (DeepEP's path in Megatron-core),
+    it waits out the 2 ms dispatch it would have issued beside: 1 + 1 ms of the forward's issue and 2 + 1 of the
+    backward's (4 ms on the GPU) take 5 ms a pair without that wait, 7 with it."""
+    forward, backward = (MoePass(0.5, 0.5, 0.0, 0.0, attention_issue_ms=2.0, experts_issue_ms=3.0),
+                         MoePass(1.0, 1.0, 0.0, 0.0, attention_issue_ms=4.0, experts_issue_ms=5.0))
+    assert paired_exposed_ms(forward, backward) == pytest.approx(11.0)
+    assert paired_exposed_ms(forward, backward, charged_ms=13.0) == pytest.approx(1.0)
+    forward, backward = (MoePass(1.0, 1.0, 2.0, 0.0, attention_issue_ms=1.0, experts_issue_ms=1.0),
+                         MoePass(1.0, 1.0, 0.0, 0.0, attention_issue_ms=2.0, experts_issue_ms=1.0))
+    assert paired_exposed_ms(forward, backward) == pytest.approx(1.0)
+    assert paired_exposed_ms(forward, backward, experts_wait=True) == pytest.approx(3.0)
 
 
 @cache
@@ -97,7 +103,7 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
         experts = estimate_layer(routed, DEVICE, parallel, links.tensor, 2)
         forward = MoePass(priced.fwd.median_ms - experts.fwd_ms, experts.fwd_ms, *(priced.all_to_all_fwd_ms / 2,) * 2)
         backward = MoePass(priced.bwd.median_ms - experts.bwd_ms, experts.bwd_ms, *(priced.all_to_all_bwd_ms / 2,) * 2,
-                           priced.wgrad.median_ms - experts.wgrad_ms, experts.wgrad_ms)
+                           priced.wgrad.median_ms - experts.wgrad_ms, experts.wgrad_ms)  # the GPU's: no host wait
         assert priced.all_to_all_paired_ms == pytest.approx(paired_exposed_ms(forward, backward), rel=1e-12)
         assert priced.all_to_all_paired_ms > 0
     single = estimate_profile(counted(), H100, Parallelism(pipeline=4, data=8))
