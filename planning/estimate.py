@@ -817,6 +817,28 @@ def bulk_exposed_ms(collective_ms: float, product_ms: float, device: Device) -> 
     return max(collective_ms - product_ms, 0.0)
 
 
+def persistent_product_ms(layer: LayerCount, device: Device, parallel: Parallelism, element_bytes: int) -> float:
+    """How long one of the layer's forward and backward products runs on one of its t·C ranks where products run
+    persistent CTAs (`Curve.persistent_products`; else 0): their times' mean weighted by their times, the product a
+    pipeline transfer's kernel launched at a random moment of the passes meets, which it delays by at most that
+    (sim/costs.py `Costs.transfers_hold_products`). Each product alone, without the collectives priced with it."""
+    if not device.curve.persistent_products:
+        return 0.0
+    if parallel.fp8 is not None:
+        layer = in_float8(layer, parallel.float8_recipe, element_bytes)
+    split = _Split.of(layer, parallel)
+    total_ms = squared_ms = 0.0
+    for name in ("fwd", "bwd"):
+        for op in layer.ops.get(name, ()):
+            if op.kind != "matmul":
+                continue
+            mine = op if op.routed else split.context_share(split.matmul(op, name == "fwd")[0])
+            ms = op_ms(mine, device)
+            total_ms += op.count * ms
+            squared_ms += op.count * ms * ms
+    return squared_ms / total_ms if total_ms else 0.0
+
+
 def ring_exchange_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
     """What an all-gather of an `nbytes` tensor over t ranks adds to the product that reads it, run as
     TransformerEngine's `ring_exchange` (copy engines, no multiprocessors held; `CommOverlapP2PBase`): the product
@@ -1486,6 +1508,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                 charged_ms=fwd_ms + bwd_ms, experts_wait=synced and parallel.token_dispatcher == "deepep"),
             fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issued["fwd"]) if shared else 0.0,
             bwd_sharing_ms=host_bound_ms(shared.bwd_ms, 0.0, issued["bwd"]) if shared else 0.0,
+            product_ms=persistent_product_ms(busiest, device, parallel, element),
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)

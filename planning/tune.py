@@ -99,7 +99,7 @@ from ..schedules import (
 )
 from ..sim.cluster import Cluster
 from ..sim.costs import Costs, runtime_refusal
-from ..sim.engine import simulate, static_bytes
+from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes
 from ..traces import Summary, summarize
 from ..units import GIB
 from .auto import activation_ratio, check_shape, schedule_frame
@@ -553,7 +553,7 @@ class _Built:
                 step_ms = max(_searched_bound_ms(costs, config.microbatches, _hops_ms(links, costs, config.stages),
                                                  _send_holds_ms(order.schedule, order.per_step,
                                                                 costs.transfers_hold_products, links,
-                                                                [c.output_bytes for c in costs.stages])),
+                                                                [c.output_bytes for c in costs.stages], costs)),
                               _searched_device_bound_ms(costs, config.microbatches, links, _sends_hold(
                                   order.schedule, costs.transfers_hold_products, links)))
             elif order.schedule.graph == StageGraph.chain(order.schedule.num_stages):
@@ -625,8 +625,8 @@ class _Built:
         """`_send_holds_ms` for these stages, each sending its last layer's output (a chain of layers; 0 where the
         layers branch, as `_layer_hops_ms`)."""
         scenario = setting.scenario
-        if not _chain_of_layers(scenario.measured):
-            return np.zeros(config.stages)
+        if not _chain_of_layers(scenario.measured) or any(layer.product_ms for layer in scenario.measured.layers):
+            return np.zeros(config.stages)  # products held at most their own time: the rows' times not known here
         return _send_holds_ms(order.schedule, order.per_step, scenario.transfers_hold_products,
                               self._frame_links(setting, config)[0],
                               [scenario.measured.layers[end - 1].output_bytes for end in bounds[1:]])
@@ -1463,7 +1463,7 @@ def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order,
     least_step_ms = _planned_bound_ms(order, short, per_op_ms, per_op_ms[:, KIND_CODE[Kind.REDUCE]],
                                       _hops_ms(links, costs, p), _send_holds_ms(
                                           schedule, per_step, costs.transfers_hold_products, links,
-                                          [c.output_bytes for c in costs.stages]),
+                                          [c.output_bytes for c in costs.stages], costs),
                                       _accumulates_ms(costs)) * (1 - 1e-9)  # shaded: sums in another order
     return costs, staleness, busy_ms, floor, allreduce_ms, problem.batch_size / least_step_ms * 1e3
 
@@ -1571,8 +1571,12 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     device = t.device[rows]
     columns = (position, waits_for, lag, duration)
     if _sends_hold(schedule, costs.transfers_hold_products, links):
-        device, columns, anchor = _with_send_holds(device, columns, forward_hop[stage] * (forward & (stage < n - 1))
-                                                   + backward_hop[stage - 1] * (passing & (stage > 0)), ~reducing)
+        least_ms = _least_hold(costs, [schedule.stages_on(d) for d in range(schedule.num_devices)])
+        held_forward = np.array([least_ms(int(placement[k]), ms) for k, ms in enumerate(forward_hop)])
+        held_backward = np.array([least_ms(int(placement[k + 1]), ms) for k, ms in enumerate(backward_hop[:-1])]
+                                 + [0.0])
+        device, columns, anchor = _with_send_holds(device, columns, held_forward[stage] * (forward & (stage < n - 1))
+                                                   + held_backward[stage - 1] * (passing & (stage > 0)), ~reducing)
     splits = np.searchsorted(device, np.arange(1, schedule.num_devices))
     programs = [list(zip(*parts)) for parts in zip(*(
         (part.tolist() for part in np.split(column, splits)) for column in columns))]
@@ -1744,8 +1748,11 @@ def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, h
     forward_ms = np.array([links.link(k, k + 1).transfer_ms(out[k]) for k in range(p - 1)])
     backward_ms = np.array([links.link(k + 1, k).transfer_ms(out[k]) for k in range(p - 1)])
     hops_ms = forward_ms + backward_ms
-    held_forward = np.append(forward_ms, 0.0) if holds else np.zeros(p)  # [k]: stage k's F's send
-    held_backward = np.insert(backward_ms, 0, 0.0) if holds else np.zeros(p)  # [k]: stage k's I's or B's send
+    least_ms = _least_hold(costs, [[k] for k in range(p)])
+    held_forward = np.array([least_ms(k, ms) for k, ms in enumerate(np.append(forward_ms, 0.0))]) if holds \
+        else np.zeros(p)  # [k]: stage k's F's send
+    held_backward = np.array([least_ms(k, ms) for k, ms in enumerate(np.insert(backward_ms, 0, 0.0))]) if holds \
+        else np.zeros(p)  # [k]: stage k's I's or B's send
     round_trip_ms = (np.cumsum(f[::-1])[::-1] + np.append(np.cumsum(input_ms[::-1])[::-1][1:], 0.0)
                      + np.append(np.cumsum(hops_ms[::-1])[::-1], 0.0))
     through_first_ms = np.concatenate([[0.0], np.cumsum(f[:-1] + input_ms[:-1] + hops_ms)])
@@ -1889,11 +1896,35 @@ def _sends_hold(schedule: Schedule, holds: bool, links: Cluster) -> bool:
             and all(len(peers) == 1 for peers in links.host_peers(p)))
 
 
+def _least_hold(costs: Costs | None, stages_on: list[list[int]]) -> Callable[[int, float], float]:
+    """Per device d and a send's transfer time T (ms), the least the send's kernel holds d's next compute row:
+    where d's products' time P is known (`costs`' `product_ms`, as the engine weighs them: `device_product_ms`),
+    the engine holds a row of W ms beginning x after the kernel's issue (x < T) min(W', product_delay(T - x, P)),
+    W' >= W the compute before its next step, so it ends at least x + W + min(W, product_delay(T - x, P)) after
+    the issue, which grows with x (the delay falls by at most what x grows): at least W + min(W, product_delay(T,
+    P)), and W + T where x >= T. Rows of no time between change nothing, so min(product_delay(T, P), the shortest
+    row of d's with any time) holds for the first such row after the send; with P not known (or no costs), T, the
+    whole transfer, as `_send_holds_ms` argues."""
+    if costs is None or not any(c.product_ms for c in costs.stages):
+        return lambda d, transfer_ms: transfer_ms
+    product_ms = device_product_ms(stages_on, costs)
+    op_ms = costs.op_ms_table(1)[:, [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
+                                                                   Kind.PRED, Kind.AVG)]]
+    shortest_ms = [float(mine[mine > 0].min()) if (mine := op_ms[stages]).any() else 0.0 for stages in stages_on]
+
+    def least_ms(d: int, transfer_ms: float) -> float:
+        if not product_ms[d]:
+            return transfer_ms
+        return min(product_delay(transfer_ms, product_ms[d]), shortest_ms[d])
+    return least_ms
+
+
 def _send_holds_ms(schedule: Schedule, per_step: np.ndarray, holds: bool, links: Cluster,
-                   output_bytes: list[int]) -> np.ndarray:
+                   output_bytes: list[int], costs: Costs | None = None) -> np.ndarray:
     """Per device, time each step its compute is held by its own sends' NCCL kernels where they hold it
     (`_sends_hold`: `holds`, `Costs.transfers_hold_products`, on a chain; else 0), from its stages' rows per step
-    (`_ops_per_step`) and each stage's output's size.
+    (`_ops_per_step`) and each stage's output's size; each send's hold the least `_least_hold` allows (`costs`:
+    where known, each product held at most its own time; None: the whole transfer).
 
     Why it is a lower bound beside the compute: lowering puts a row's SEND right after it (`add_communication`);
     on a chain each F and each B or I sends at most one output, so the sends between two compute rows of a device
@@ -1908,10 +1939,11 @@ def _send_holds_ms(schedule: Schedule, per_step: np.ndarray, holds: bool, links:
     if not _sends_hold(schedule, holds, links):
         return np.zeros(p)
     placement = schedule.placement
+    least_ms = _least_hold(costs, [schedule.stages_on(d) for d in range(p)])
 
     def send_ms(src: int, dst: int, producer: int) -> float:
         a, b = placement[src], placement[dst]
-        return 0.0 if a == b else links.link(a, b).transfer_ms(output_bytes[producer])
+        return 0.0 if a == b else least_ms(a, links.link(a, b).transfer_ms(output_bytes[producer]))
 
     forward = np.array([send_ms(k, k + 1, k) for k in range(n - 1)] + [0.0])  # [k]: stage k's F to k + 1
     backward = np.array([0.0] + [send_ms(k, k - 1, k - 1) for k in range(1, n)])  # [k]: stage k's B or I to k - 1

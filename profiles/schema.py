@@ -132,6 +132,9 @@ class LayerProfile(_Strict):
     # all-to-alls run beside them (planning/estimate.py `sharing_dispatcher`); 0: none holds any
     fwd_sharing_ms: float = Field(0.0, ge=0)
     bwd_sharing_ms: float = Field(0.0, ge=0)
+    # How long one of its forward and backward products runs where they run persistent CTAs, their times' mean
+    # weighted by their times (an estimate's, planning/estimate.py `persistent_product_ms`); 0: none or not known
+    product_ms: float = Field(0.0, ge=0)
     # Of `param_bytes`, the routed experts' weights: under expert parallelism only the replicas that hold the same
     # experts reduce their gradients
     expert_param_bytes: int = Field(0, ge=0)
@@ -233,6 +236,7 @@ class StageProfile(_Strict):
     ring_fwd_hidden_ms: float = Field(0.0, ge=0)
     ring_bwd_hidden_ms: float = Field(0.0, ge=0)
     ring_buffer_bytes: dict[str, int] = Field(default_factory=dict)  # per pass, its layers' largest (one at a time)
+    product_ms: float = Field(0.0, ge=0)  # its layers' (`LayerProfile.product_ms`), as `stage_product_ms` weighs them
 
     @model_validator(mode="after")
     def _parts(self) -> StageProfile:
@@ -649,6 +653,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in RING_TIMES},
             ring_buffer_bytes={name: max(layer.ring_buffer_bytes.get(name, 0) for layer in mine)
                                for name in PASSES if any(name in layer.ring_buffer_bytes for layer in mine)},
+            product_ms=stage_product_ms(mine),
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
@@ -659,6 +664,14 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             passes=passes[k] if passes is not None else None,
         ))
     return out
+
+
+def stage_product_ms(layers: Sequence[LayerProfile]) -> float:
+    """A stage's `product_ms`: its layers' with products, weighted by their forward and backward time (the share of
+    the stage's passes each runs); 0 where none has one."""
+    known = [(layer.product_ms, layer.fwd.median_ms + layer.bwd.median_ms) for layer in layers if layer.product_ms]
+    weight_ms = math.fsum(weight for _, weight in known)
+    return math.fsum(ms * weight for ms, weight in known) / weight_ms if weight_ms else 0.0
 
 
 def stage_transient_bytes(layers: list[LayerProfile], start: int, stop: int) -> dict[str, int]:

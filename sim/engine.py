@@ -132,21 +132,20 @@ class _Program:
     spans: _GradientSpans
     channel_bytes: list[int]  # per channel: the size of each of its transfers
     static_parts: dict[str, list[int]]  # `static_parts`
-    product_ps: list[int]  # per device: how long one of its products runs (`device_product_ps`; 0: not known)
+    product_ps: list[int]  # per device: how long one of its products runs (`device_product_ms`; 0: not known)
 
 
-def device_product_ps(schedule: Schedule, costs: Costs) -> list[int]:
-    """Per device, how long one of its products runs, as transfers' kernels meet them (`_held_compute`): its
-    stages' `product_ms` weighted by their forward and backward time (the share of its compute each runs); 0 where
-    a stage's is not known."""
-    product_ps = []
-    for d in range(schedule.num_devices):
-        mine = [costs.stages[k] for k in schedule.stages_on(d)]
+def device_product_ms(stages_on: Sequence[Sequence[int]], costs: Costs) -> list[float]:
+    """Per device (its stages, `stages_on`), how long one of its products runs, as transfers' kernels meet them
+    (`_held_compute`): its stages' `product_ms` weighted by their forward and backward time (the share of its
+    compute each runs); 0 where a stage's is not known."""
+    product_ms = []
+    for stages in stages_on:
+        mine = [costs.stages[k] for k in stages]
         weights = [c.fwd_ms + c.bwd_ms for c in mine]
         known = all(c.product_ms for c in mine) and sum(weights) > 0
-        product_ps.append(round(sum(c.product_ms * w for c, w in zip(mine, weights)) / sum(weights) * _PS_PER_MS)
-                          if known else 0)
-    return product_ps
+        product_ms.append(sum(c.product_ms * w for c, w in zip(mine, weights)) / sum(weights) if known else 0.0)
+    return product_ms
 
 
 def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed: int) -> _Program:
@@ -343,7 +342,9 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     timed, send_clock, send_to_arrival, compute_unit + no_unit, host_unit + no_unit,
                     cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(), routes,
                     len(resources), spans, channel_bytes, static_parts(schedule, costs),
-                    device_product_ps(schedule, costs) if costs.transfers_hold_products else [])
+                    [round(ms * _PS_PER_MS) for ms in device_product_ms(
+                        [schedule.stages_on(d) for d in range(schedule.num_devices)], costs)]
+                    if costs.transfers_hold_products else [])
 
 
 @dataclass
@@ -1315,7 +1316,7 @@ def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, c
     """When `work_ps` of compute begun at `start_ps` ends beside `kernels` (begin, end), and its holds as
     `_Model.held` keeps them: `clock_index`, how far into the work each began, and its length. Where its products
     run `product_ps` each, the kernels running together from where they meet the compute delay it as
-    `product_delay_ps` says, at most the work left (a product is held at most its own time); 0: it makes no
+    `product_delay` says, at most the work left (a product is held at most its own time); 0: it makes no
     progress while any of them runs."""
     clock, done, holds = start_ps, 0, []
     for begin, end in _spans(sorted(kernels)):
@@ -1326,7 +1327,7 @@ def _held_compute(kernels: list[tuple[int, int]], start_ps: int, work_ps: int, c
         if begin > clock:
             done += begin - clock
             clock = begin
-        held = min(product_delay_ps(end - clock, product_ps), work_ps - done) if product_ps else end - clock
+        held = min(product_delay(end - clock, product_ps), work_ps - done) if product_ps else end - clock
         holds.append((clock_index, done, held))
         clock += held
     return clock + work_ps - done, holds
@@ -1344,15 +1345,16 @@ def _spans(kernels: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return joined
 
 
-def product_delay_ps(kernel_ps: int, product_ps: int) -> int:
-    """How much later products of `product_ps` each, run back to back from a kernel's launch, end for the
-    `kernel_ps` it holds some multiprocessors: a persistent product's CTAs that find theirs held start when the
-    kernel ends or when its other CTAs free theirs, whichever comes first, so while the kernel runs each product
-    takes twice its time, and the one it ends in that less what of it was left (CUTLASS's sm90
+def product_delay(kernel: float, product: float) -> float:
+    """How much later products of `product` each, run back to back from a kernel's launch, end for the `kernel`
+    it holds some multiprocessors (any one unit: the engine's picoseconds, tune's ms): a persistent product's CTAs
+    that find theirs held start when the kernel ends or when its other CTAs free theirs, whichever comes first, so
+    while the kernel runs each product takes twice its time, and the one it ends in that less what of it was left
+    (CUTLASS's sm90
     `StaticPersistentTileScheduler`: a fixed share of the tiles per CTA; "nearly doubles" beside an all-gather on
     an H100, NVIDIA developer forums topic 337991)."""
-    doubled, left = divmod(kernel_ps, 2 * product_ps)
-    return doubled * product_ps + min(left, product_ps)
+    doubled, left = divmod(kernel, 2 * product)
+    return doubled * product + min(left, product)
 
 
 def _held_back(program: _Program, model: _Model) -> tuple[np.ndarray, np.ndarray]:

@@ -94,7 +94,7 @@ def test_the_partition_bound_with_its_accumulations_stays_at_or_below_the_step_a
     step_ms = _step_ms(lambda n: search_schedule(replace(params, minibatches=n), costs, links), costs, links)
     sends_ms = tuning._send_holds_ms(search_schedule(params, costs, links), tuning._ops_per_step(
         search_schedule(params, costs, links)), costs.transfers_hold_products, links,
-        [c.output_bytes for c in costs.stages])
+        [c.output_bytes for c in costs.stages], costs)
     assert tuning._searched_bound_ms(costs, m, tuning._hops_ms(links, costs, p), sends_ms) <= step_ms * (
         1 + 1e-9) + ROUNDING_MS
 

@@ -28,7 +28,7 @@ def holding(monkeypatch):
 
 def _sends_ms(schedule, costs, links):
     return tuning._send_holds_ms(schedule, tuning._ops_per_step(schedule), costs.transfers_hold_products, links,
-                                 [c.output_bytes for c in costs.stages])
+                                 [c.output_bytes for c in costs.stages], costs)
 
 
 def test_the_send_holds_bound_stays_above_the_simulation_and_lowers_some(holding):
@@ -80,6 +80,34 @@ def test_every_bound_stays_above_the_simulation_with_the_holds(holding):
     counts = bounds_over_random_costs(GPT, 4, 0.2, 2)
     assert counts["held"] == counts["checked"] > 0
     assert counts["bubbles"] and counts["cut"] and counts["planned"]
+
+
+def test_every_bound_stays_above_the_simulation_with_products_held_at_most_their_own_time(holding, monkeypatch):
+    """As above, each layer's products an eighth of its forward (`LayerProfile.product_ms`), which a transfer's
+    kernel delays at most: the bounds count the least such a hold can be (`tuning._least_hold`)."""
+    import tests.test_tune as with_profiles
+
+    loaded = with_profiles.load_profile
+    monkeypatch.setattr(with_profiles, "load_profile", lambda path: _with_products(loaded(path)))
+    counts = bounds_over_random_costs(GPT, 4, 0.2, 2)
+    assert counts["held"] == counts["checked"] > 0
+
+
+def _with_products(profile):
+    return profile.model_copy(update={"layers": [layer.model_copy(update={"product_ms": layer.fwd.median_ms / 8})
+                                                 for layer in profile.layers]})
+
+
+def test_a_send_holds_the_bound_by_at_most_the_products_it_meets():
+    """1F1B as below, products 0.1 ms: each 0.5 ms send holds the next row 0.3 ms (two products doubled, the third
+    by what is left), so the middle devices' sends add 16 x 0.3 ms a step, not 16 x 0.5."""
+    costs = replace(Costs.per_stage(4, fwd_ms=1, bwd_ms=2), transfers_hold_products=True)
+    costs = replace(costs, stages=tuple(replace(c, product_ms=0.1) for c in costs.stages))
+    schedule, links = build_schedule("1f1b", ScheduleParams(4, 8)), Cluster.uniform(4, 0.5)
+    held = _sends_ms(schedule, costs, links)
+    assert np.allclose(held, [2.4, 4.8, 4.8, 2.4])
+    assert tuning._searched_bound_ms(costs, 8, tuning._hops_ms(links, costs, 4), held) <= summarize(
+        simulate(schedule, costs, links)).makespan_ms
 
 
 def test_each_device_is_held_for_the_outputs_it_sends():

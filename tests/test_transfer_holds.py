@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
-from pipesim.sim.engine import product_delay_ps
+from pipesim.sim.engine import product_delay
 from pipesim.traces import summarize
 
 
@@ -60,7 +60,7 @@ def test_a_kernel_delays_each_product_it_meets_by_at_most_the_products_own_time(
 def test_product_delay_doubles_each_product_while_the_kernel_runs():
     """Products of 2 ps back to back beside a kernel: one of 1 ps delays the first by 1; of 3, the first by 2 (its
     own time; the second starts after the kernel); of 5, 2 + 1; of 8, 2 + 2."""
-    assert [product_delay_ps(kernel, 2) for kernel in (1, 3, 5, 8)] == [1, 2, 3, 4]
+    assert [product_delay(kernel, 2) for kernel in (1, 3, 5, 8)] == [1, 2, 3, 4]
 
 
 def test_only_hoppers_estimates_hold_their_compute_beside_transfers():
@@ -73,3 +73,16 @@ def test_only_hoppers_estimates_hold_their_compute_beside_transfers():
     assert step_ms(costs) > step_ms(replace(costs, transfers_hold_products=False))
     _, a100, _ = _interleaved("a100-sxm-80gb")
     assert not a100.transfers_hold_products
+
+
+def test_an_estimate_knows_its_products_time_where_they_run_persistent_ctas():
+    """The interleaved gpt above: on an H100 every stage's products run a known time, shorter than its forward,
+    and its step is no longer for them than with every hold whole; on an A100 (products in waves) none is given."""
+    from tests.test_ddp_buckets import _interleaved
+
+    _, costs, step_ms = _interleaved("h100-sxm")
+    assert all(0 < c.product_ms < c.fwd_ms for c in costs.stages)
+    whole = replace(costs, stages=tuple(replace(c, product_ms=0.0) for c in costs.stages))
+    assert step_ms(costs) <= step_ms(whole)
+    _, a100, _ = _interleaved("a100-sxm-80gb")
+    assert not any(c.product_ms for c in a100.stages)
