@@ -332,9 +332,12 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if routing == "random" and params.get("capacity_factor") is not None:
         raise InputError("--routing random: a model that drops tokens (--capacity-factor) computes each expert's "
                          "capacity however they are routed; give balanced")
-    if dispatcher in FLEX_DISPATCHERS and params.get("capacity_factor") is not None:  # MoEFlexTokenDispatcher
-        raise InputError(f"--token-dispatcher {dispatcher}: Megatron-core's flex dispatcher does not pad experts to "
-                         "their capacity (--capacity-factor); give alltoall")  # (token_dispatcher.py, core_v0.14.0)
+    if dispatcher == "deepep" and params.get("capacity_factor") is not None:  # transformer_config.py asserts it
+        raise InputError("--token-dispatcher deepep: Megatron-core's flex dispatcher does not pad experts to their "
+                         "capacity (--capacity-factor); give alltoall")  # (core_v0.14.0; DeepEP's alone at 55ac708)
+    if dispatcher == "hybridep" and params.get("capacity_factor") is not None:
+        raise InputError("--token-dispatcher hybridep: its padding to capacity (--capacity-factor), inside HybridEP's "
+                         "dispatch, is not modelled; give alltoall")
     if params.get("hot_expert_share") is not None and params.get("capacity_factor") is not None:
         raise InputError("--hot-expert-share: a model that drops tokens (--capacity-factor) pads every expert to its "
                          "capacity however they are routed; give one of them")

@@ -366,7 +366,8 @@ def test_a_hugging_face_moe_padded_to_its_capacity_never_waits_for_the_host(tmp_
     (MIXTRAL, ("--capacity-factor", 1, "--data-parallel", 2, "--expert-parallel", 2, "--token-dispatcher", "deepep"),
      "--token-dispatcher deepep: Megatron-core's flex dispatcher does not pad experts to their capacity"),
     (MIXTRAL, ("--capacity-factor", 1, "--data-parallel", 2, "--expert-parallel", 2, "--token-dispatcher", "hybridep"),
-     "--token-dispatcher hybridep: Megatron-core's flex dispatcher does not pad experts to their capacity"),
+     "--token-dispatcher hybridep: its padding to capacity (--capacity-factor), inside HybridEP's dispatch, is not "
+     "modelled; give alltoall"),
     (MIXTRAL, ("--capacity-factor", 1, "--data-parallel", 2, "--expert-parallel", 2, "--hot-expert-share", 0.5),
      "--hot-expert-share: a model that drops tokens (--capacity-factor) pads every expert to its capacity"),
 ])
