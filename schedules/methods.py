@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -198,7 +198,7 @@ def make_schedule(
         microbatches=params.microbatches,
         minibatches=params.minibatches,
         pipelines=params.pipelines,
-        params=asdict(params),
+        params={f.name: getattr(params, f.name) for f in fields(params)},  # its scalars: asdict would deep-copy
     )))))
 
 

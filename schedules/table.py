@@ -104,12 +104,14 @@ class ActionTable:
         device by device, each repeat's mini-batch numbers raised by its index: a flushing method's whole order
         from one mini-batch's, with no action made per repeat."""
         lengths = np.bincount(self.device)  # rows per device
-        per_device = lengths * minibatches
-        device = np.repeat(np.arange(len(lengths)), per_device)
-        repeat, row = np.divmod(np.arange(len(device)) - np.repeat(np.cumsum(per_device) - per_device, per_device),
-                                lengths[device])
-        table = self.select(np.repeat(np.cumsum(lengths) - lengths, per_device) + row)
-        return replace(table, minibatch=table.minibatch + repeat.astype(FIELD_DTYPE))
+        # every device's rows once per mini-batch, device by device: a run per (device, mini-batch)
+        run_length = np.repeat(lengths, minibatches)
+        run_first = np.repeat(np.cumsum(lengths) - lengths, minibatches)  # the run's first row in this table
+        ends = np.cumsum(run_length)
+        table = self.select(np.arange(ends[-1] if len(ends) else 0) + np.repeat(run_first - (ends - run_length),
+                                                                                 run_length))
+        raised = np.repeat(np.tile(np.arange(minibatches, dtype=FIELD_DTYPE), len(lengths)), run_length)
+        return replace(table, minibatch=table.minibatch + raised)
 
     def select(self, rows: np.ndarray) -> ActionTable:
         """The rows `rows` (indices, in the order given)."""
