@@ -501,7 +501,15 @@ class Schedule:
         return bool(self.params.get("reduce_after_flush", False))
 
     def stages_on(self, device: int) -> list[int]:
-        return [s for s, d in enumerate(self.placement) if d == device]
+        return list(self._stages_by_device[device])
+
+    @cached_property
+    def _stages_by_device(self) -> tuple[tuple[int, ...], ...]:
+        """Per device, the stages placed on it, found once: tune asks for every device of hundreds of orders."""
+        stages: list[list[int]] = [[] for _ in range(self.num_devices)]
+        for stage, device in enumerate(self.placement):
+            stages[device].append(stage)
+        return tuple(map(tuple, stages))
 
     def to_text(self) -> str:
         """One line per device: `device: action action ...`; `from_text` reads it back."""

@@ -12,6 +12,7 @@ from pipesim.schedules import (
     ScheduleError,
     ScheduleParams,
     StageGraph,
+    WeightPolicy,
     add_communication,
     build_schedule,
     find_deadlock,
@@ -148,3 +149,12 @@ def test_impossible_configurations_name_the_method():
         build_schedule("zb", ScheduleParams(4, 8))
     with pytest.raises(ScheduleError, match="microbatches must be a whole number >= 1"):
         ScheduleParams(4, 0)
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12))
+def test_stages_on_lists_each_devices_stages_in_order(placement):
+    devices = max(placement) + 1
+    schedule = Schedule("test", StageGraph.chain(len(placement)), tuple(placement), ((),) * devices,
+                        WeightPolicy(), microbatches=1)
+    for device in range(devices):
+        assert schedule.stages_on(device) == [s for s, d in enumerate(placement) if d == device]
