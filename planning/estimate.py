@@ -126,6 +126,17 @@ TP_RUNTIMES = ("megatron", "torch")
 # point-to-point ring (torch's `_AllToAllRotater`, and the transfers TransformerEngine's p2p ring makes, Megatron's
 # and NeMo's default) or allgather (torch's `_AllGatherRotater`, torch's and torchtitan's default): `ContextRing`.
 CP_ROTATES = ("alltoall", "allgather", "p2p")
+# What torch's rings (alltoall, allgather) hold in float32 beside the kernel's own tensors, in tensors of the rank's
+# queries' size: torch/distributed/tensor/experimental/_attention.py (read at pytorch 0123248a; the rows' torch
+# 1963fc8 is not stored), whose `_cp_options.convert_to_f32` defaults True. The forward's merge of a step's block
+# (`_SDPAMerger.step`: the block's output copied to float32; `_merge_one`: `out - F.sigmoid(block_lse - lse) *
+# (out - block_out)`) holds the merged output, the block's float32 copy, `out - block_out` and its product with
+# the sigmoid (then the product and the new merged output): 4. The backward (`_templated_ring_attention_backward`)
+# holds its float32 query gradient (`torch.zeros_like(query, dtype=accum_dtype)`) and, at a load-balanced step past
+# the rank (rank 0's every step after its first), `_partial_update`'s `torch.cat` of its chunks beside it: 2.
+TORCH_RING_FORWARD_QUERY_COPIES = 4
+TORCH_RING_BACKWARD_QUERY_COPIES = 2
+FLOAT32_BYTES = 4
 # How a backward's weight gradients are added into those accumulated over the mini-batch's micro-batches: fused,
 # inside the weight-gradient product (TransformerEngine's and APEX's fuse_wgrad_accumulation: the GEMM writes
 # main_grad with beta = 1, no pass of its own), or separate (torch's autograd AccumulateGrad, FSDP2's and DDP's: a
@@ -692,7 +703,9 @@ class ContextRing:
         concatenates one at every step but the last while the last one sent is still held). Under p2p
         (TransformerEngine's) the forward keeps every step's key/value buffer until it returns (its
         `p2p_comm_buffers`, C of them) and the backward its two buffers of the keys and values with their
-        gradients, in their dtype."""
+        gradients, in their dtype. torch's rings also merge the blocks in float32, tensors of the queries' size
+        (TORCH_RING_FORWARD_QUERY_COPIES, TORCH_RING_BACKWARD_QUERY_COPIES; the log-sum-exp's, one float a
+        query row, left out)."""
         keys_values = self.keys_values(op)
         backward = op.op.endswith("_backward")
         if self.rotate == "p2p":
@@ -701,7 +714,9 @@ class ContextRing:
             kept = (self.ranks + (2 if backward and self.ranks > 2 else 1)) * keys_values * element_bytes
         else:
             kept = min(self.ranks, 3) * keys_values * element_bytes
-        return kept + (3 * keys_values * 4 if backward else 0)
+        queries = op.shape[0] * op.shape[1] * op.shape[3]
+        merged = (TORCH_RING_BACKWARD_QUERY_COPIES if backward else TORCH_RING_FORWARD_QUERY_COPIES) * queries
+        return kept + ((3 * keys_values if backward else 0) + merged) * FLOAT32_BYTES
 
 
 # TransformerEngine's userbuffers defaults for the `pipeline` method, which runs the row-parallel forward products'

@@ -651,8 +651,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in SHARING_TIMES},
             expert_param_bytes=sum(layer.expert_param_bytes for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in RING_TIMES},
-            ring_buffer_bytes={name: max(layer.ring_buffer_bytes.get(name, 0) for layer in mine)
-                               for name in PASSES if any(name in layer.ring_buffer_bytes for layer in mine)},
+            ring_buffer_bytes=stage_ring_buffer_bytes(layers, start, stop),
             product_ms=stage_product_ms(mine),
             steps=steps[k][0],
             average=steps[k][1],
@@ -681,16 +680,29 @@ def stage_transient_bytes(layers: list[LayerProfile], start: int, stop: int) -> 
     in the backward, which runs them first); the split backward keeps its graph for the weight pass and frees
     nothing as it goes. A stage fed by the batch alone runs its whole backward as the weight pass (`_summed`)."""
     mine = layers[start:stop]
-    after = list(itertools.accumulate((layer.activation_bytes for layer in reversed(mine[1:])), initial=0))[::-1]
-
-    def peak(name: str, freeing: bool) -> int:
-        return max([0, *(layer.transient_bytes.get(name, 0) - (later if freeing else 0)
-                         for layer, later in zip(mine, after))])
-
     sends_input_grad = any(0 <= source < start for layer in mine for source in layer.inputs)
-    return {"fwd": peak("fwd", True), "bwd": peak("bwd", True),
-            "igrad": peak("igrad", False) if sends_input_grad else 0,
-            "wgrad": peak("wgrad", False) if sends_input_grad else peak("bwd", True)}
+    return {"fwd": _running_peak(mine, "fwd", True), "bwd": _running_peak(mine, "bwd", True),
+            "igrad": _running_peak(mine, "igrad", False) if sends_input_grad else 0,
+            "wgrad": _running_peak(mine, "wgrad", False) if sends_input_grad else _running_peak(mine, "bwd", True)}
+
+
+def stage_ring_buffer_bytes(layers: list[LayerProfile], start: int, stop: int) -> dict[str, int]:
+    """Per pass with a context ring, what its buffers add to the most the stage's layers hold above its activations
+    (`stage_transient_bytes`' peak), which a prediction holds beside that peak while the pass runs: a layer's ring
+    buffers exist while its attention runs, so they are held beside that layer's own transient (less what the
+    layers after it save, as there), not beside another layer's peak, the loss's say, where no ring runs."""
+    mine = layers[start:stop]
+    return {name: _running_peak(mine, name, name != "igrad", ring=True) - _running_peak(mine, name, name != "igrad")
+            for name in PASSES if any(name in layer.ring_buffer_bytes for layer in mine)}
+
+
+def _running_peak(mine: list[LayerProfile], name: str, freeing: bool, ring: bool = False) -> int:
+    """The most a stage's pass `name` holds above its activations while one of its layers `mine` runs: the layer's
+    transient, with `ring` its ring's buffers too, less what the layers after it save where the pass is `freeing`
+    (not yet saved in the forward, freed already in the full backward)."""
+    after = list(itertools.accumulate((layer.activation_bytes for layer in reversed(mine[1:])), initial=0))[::-1]
+    return max([0, *(layer.transient_bytes.get(name, 0) + (layer.ring_buffer_bytes.get(name, 0) if ring else 0)
+                     - (later if freeing else 0) for layer, later in zip(mine, after))])
 
 
 def _stage_parts(layers: list[LayerProfile], activation_bytes: int) -> dict[str, int] | None:

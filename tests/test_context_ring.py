@@ -188,8 +188,9 @@ def test_the_passes_hold_the_rings_buffers_as_communication(flash_gpt):
     block = estimated.layers[1]
     heads, queries, head_size = 2 * 8, 256 // 4, 192 // 8  # batch x heads (no grouped-query), the rank's queries
     keys_values = 2 * heads * queries * head_size
-    assert block.ring_buffer_bytes == {"fwd": 3 * keys_values * 2, "bwd": 3 * keys_values * 2 + 3 * keys_values * 4,
-                                       "igrad": 3 * keys_values * 2 + 3 * keys_values * 4}
+    merged = {"fwd": 4 * heads * queries * head_size * 4, "bwd": 2 * heads * queries * head_size * 4}  # float32
+    backward = 3 * keys_values * 2 + 3 * keys_values * 4 + merged["bwd"]
+    assert block.ring_buffer_bytes == {"fwd": 3 * keys_values * 2 + merged["fwd"], "bwd": backward, "igrad": backward}
     costs = Costs((StageCosts(fwd_ms=1.0, bwd_ms=2.0, ring_buffer_bytes={"fwd": 1000, "bwd": 5000}),))
     trace = simulate(cp("gpipe", stages=1, microbatches=1), costs, Cluster(1))
     assert trace.meta.peak_memory_parts[0]["communication"] == 5000
@@ -206,7 +207,9 @@ def test_a_grouped_query_kernel_sends_and_buffers_its_fewer_key_value_heads():
     ring = ContextRing(4, placement_links(H100, Parallelism(context=4)).context)
     op = OpCount("_flash_attention_forward", "attention", (16, 64, 256, 32), 1, 1, 1)
     grouped = replace(op, kv_group=4)
-    assert ring.buffer_bytes(grouped, 2) * 4 == ring.buffer_bytes(op, 2) == 3 * (2 * 16 * 64 * 32) * 2
+    merged = 4 * 16 * 64 * 32 * 4  # the queries' float32 merge: as many queries either way
+    keys_values = 3 * (2 * 16 * 64 * 32) * 2
+    assert (ring.buffer_bytes(grouped, 2) - merged) * 4 == ring.buffer_bytes(op, 2) - merged == keys_values
     assert ring.step_bytes(grouped, 2)[0][0] * 4 == ring.step_bytes(op, 2)[0][0]
 
 
@@ -292,3 +295,24 @@ def test_an_estimated_passs_attention_is_its_blocks_their_merges_and_copies(flas
     without = estimate_layer(layer, _device(), parallel, links.tensor, 2, links.context)
     assert whole.fwd_ms - without.fwd_ms == pytest.approx(added["fwd"])
     assert whole.bwd_ms - without.bwd_ms == pytest.approx(added["bwd"])
+
+
+def test_a_layers_ring_buffers_are_held_beside_its_own_transient_not_another_layers_peak():
+    """A stage of an attention layer (transient 30, its ring's buffers 20 in each pass) and a loss (transient
+    100, no ring), nothing saved: the ring runs while the attention does, 50 then, under the loss's 100, so it adds
+    nothing to the stage's peak (it added its 20 beside the loss's); with the loss's transient 40 it adds 10."""
+    from pipesim.profiles.schema import LayerProfile, Timing, stage_ring_buffer_bytes
+
+    timing = Timing(median_ms=1.0, spread_ms=0.0, repeats=1)
+
+    def layer(transient: int, ring: dict[str, int]) -> LayerProfile:
+        return LayerProfile(name="l", inputs=[-1], fwd=timing, bwd=timing, igrad=timing, wgrad=timing,
+                            activation_bytes=0, shared_with_previous_bytes=0, output_bytes=0, param_bytes=0,
+                            grad_bytes=0, optimizer_state_bytes={"adam": 0},
+                            transient_bytes=dict.fromkeys(("fwd", "bwd", "igrad", "wgrad"), transient),
+                            ring_buffer_bytes=ring)
+
+    attention = layer(30, {"fwd": 20, "bwd": 20, "igrad": 20})
+    for loss, added in ((100, 0), (40, 10)):
+        layers = [attention, layer(loss, {})]
+        assert stage_ring_buffer_bytes(layers, 0, 2) == dict.fromkeys(("fwd", "bwd", "igrad"), added)

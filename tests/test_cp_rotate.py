@@ -33,6 +33,9 @@ FORWARD = OpCount("_flash_attention_forward", "attention", (16, 64, 256, 32), 1,
 BACKWARD = OpCount("_flash_attention_backward", "attention", (16, 64, 256, 32), 1, 1, 1)
 KEYS_VALUES = 2 * 16 * 64 * 32  # K and V: batch x heads 16, the rank's 64 tokens, head size 32
 GRADIENTS = KEYS_VALUES * 4  # dK and dV in float32 (convert_to_f32)
+QUERIES = 16 * 64 * 32  # Q, the output and its gradient: batch x heads 16, the rank's 64 tokens, head size 32
+MERGED_FORWARD = 4 * QUERIES * 4  # the merge's float32 output, block copy and two temporaries
+MERGED_BACKWARD = 2 * QUERIES * 4  # the float32 query gradient and its load-balanced concatenation
 
 
 def test_allgather_gathers_the_other_ranks_keys_and_values_at_the_first_step_and_rings_the_gradients():
@@ -57,8 +60,8 @@ def test_allgather_prices_the_all_gather_as_nccls_ring_under_the_first_block_onl
 ])
 def test_allgather_holds_the_gathered_keys_and_values_and_its_concatenations(c, forward_copies, backward_copies):
     ring = ContextRing(c, SLOW, "allgather")
-    assert ring.buffer_bytes(FORWARD, 2) == forward_copies * KEYS_VALUES * 2
-    assert ring.buffer_bytes(BACKWARD, 2) == backward_copies * KEYS_VALUES * 2 + 3 * GRADIENTS
+    assert ring.buffer_bytes(FORWARD, 2) == forward_copies * KEYS_VALUES * 2 + MERGED_FORWARD
+    assert ring.buffer_bytes(BACKWARD, 2) == backward_copies * KEYS_VALUES * 2 + 3 * GRADIENTS + MERGED_BACKWARD
 
 
 def test_alltoall_is_the_default_and_its_ring_is_unchanged():
@@ -67,10 +70,24 @@ def test_alltoall_is_the_default_and_its_ring_is_unchanged():
     assert ring.step_bytes(FORWARD, 2) == ([KEYS_VALUES * 2] * 3 + [0], 0)
     assert ring.step_bytes(BACKWARD, 2) == ([KEYS_VALUES * 2, KEYS_VALUES * 2 + GRADIENTS, KEYS_VALUES * 2 + GRADIENTS,
                                              GRADIENTS], GRADIENTS)
-    assert ring.buffer_bytes(BACKWARD, 2) == 3 * KEYS_VALUES * 2 + 3 * GRADIENTS
+    assert ring.buffer_bytes(BACKWARD, 2) == 3 * KEYS_VALUES * 2 + 3 * GRADIENTS + MERGED_BACKWARD
     assert Parallelism(context=4).cp_rotate == "alltoall"
     with pytest.raises(EstimateError, match="cp_rotate: choose from alltoall, allgather"):
         Parallelism(context=4, cp_rotate="ring")
+
+
+def test_torchs_rings_merge_the_blocks_and_the_query_gradient_in_float32():
+    """torch's ring (_attention.py, convert_to_f32) on 16 x 64 queries of head size 32 (32,768 elements) and as
+    many keys and values (65,536 elements with V): at a merge the forward holds the merged output in float32, the
+    block's output copied to float32, `out - block_out` and its product with the sigmoid, 4 x 32,768 x 4 =
+    524,288 bytes, beside alltoall's 3 key/value buffers at C = 4 (393,216 in bf16); the backward its float32
+    query gradient and, at rank 0's load-balanced steps, `_partial_update`'s concatenation of it, 2 x 32,768 x 4
+    = 262,144, beside the 3 key/value buffers and the 3 float32 key/value gradients (786,432).
+    TransformerEngine's ring (p2p) merges in the keys' dtype: its 4 forward buffers alone (524,288)."""
+    assert ContextRing(4, SLOW).buffer_bytes(FORWARD, 2) == 393_216 + 524_288
+    assert ContextRing(4, SLOW).buffer_bytes(BACKWARD, 2) == 393_216 + 786_432 + 262_144
+    assert ContextRing(4, SLOW, "allgather").buffer_bytes(FORWARD, 2) == 5 * 131_072 + 524_288
+    assert ContextRing(4, SLOW, "p2p").buffer_bytes(FORWARD, 2) == 524_288
 
 
 def test_the_estimate_prices_and_holds_the_named_rotation(flash_gpt):
