@@ -70,6 +70,23 @@ def test_a_block_at_the_mapped_end_serves_only_what_no_other_block_holds():
     assert allocator.reserved_bytes == 120 * MIB
 
 
+def test_the_loss_backwards_second_float32_gradient_maps_new_pages_beside_the_logits_hole():
+    """torchtitan's loss at Table 2's 32,768 tokens (docs/benchmarks.md): the bf16 logits A (8,016 MiB: 401 pages,
+    8,020), their float32 copy B (16,032: the 4 MiB free end and 802 pages) and the log-softmax C (16,032: the
+    12 MiB free end and 801 pages) mapped end to end, 40,080 MiB; B freed, then A: one free block of 24,048 at
+    the segment's front. nll_loss_backward's gradient D (16,032) takes its front by best fit, leaving 8,016
+    free; _log_softmax_backward_data's E (16,032) fits no free block and maps 802 more pages: 56,120 MiB reserved
+    for 48,096 allocated, the 8,016 hole among them, as CUDACachingAllocator.cpp's rules put it."""
+    allocator = ExpandableSegments()
+    logits, copied = allocator.malloc(8016 * MIB), allocator.malloc(16032 * MIB)
+    allocator.malloc(16032 * MIB)
+    allocator.free(copied)
+    allocator.free(logits)
+    assert allocator.malloc(16032 * MIB) == logits
+    assert allocator.malloc(16032 * MIB) == 40080 * MIB
+    assert (allocator.reserved_bytes, allocator.peak_allocated_bytes) == (56120 * MIB, 48096 * MIB)
+
+
 def test_a_mapping_that_fails_unmaps_every_free_page_then_maps_again():
     """100 MiB of memory: A (60 MiB) and B (20) mapped, A freed; C (70 MiB) needs four more pages (160 > 100), so
     A's three pages are unmapped (20 reserved), which still do not hold C beside B; C maps four pages after B:
