@@ -571,10 +571,11 @@ class _Built:
                                                     partitioned=True)
         return self.partitioned[shape.index]
 
-    def _fixed_orders(self, shapes: Sequence[Shape]) -> Iterator[tuple[str, ScheduleParams]]:
-        """The fixed orders the search's partitions read (`_plan`; `_Orders.unbuilt`'s keys), by the best bound of
-        the shapes within the cap whose partitions read them: the order the search comes to them in, near enough
-        (the 70B: the 237 it builds are among the first 262 of 812), so that workers build them ahead of it."""
+    def _fixed_orders(self, shapes: Sequence[Shape]) -> Iterator[tuple[float, tuple[str, ScheduleParams]]]:
+        """The fixed orders the search's partitions read (`_plan`; `_Orders.unbuilt`'s keys), each with the best
+        bound of the shapes within the cap whose partitions read it, best first: the order the search comes to
+        them in, near enough (the 70B: the 237 it builds are among the first 262 of 812), so that workers build
+        them ahead of it."""
         cap = self.problem.memory_cap_bytes
         for shape in sorted(shapes, key=lambda shape: (-shape.max_samples_per_s, shape.index)):
             if shape.memory_floor_bytes <= cap:
@@ -584,7 +585,7 @@ class _Built:
                     continue
                 key = self.orders.unbuilt(name, params)
                 if key is not None:
-                    yield key
+                    yield shape.max_samples_per_s, key
 
     def _chain_work(self, setting: Setting) -> _ChainWork | None:
         if id(setting) not in self._chains:
@@ -698,7 +699,8 @@ class _Built:
         as things stand, and, for the best items near the top of `heap` whose bound `could_win`, a candidate's
         critical path (`tighten`), a tightened candidate's simulation (`floor`), a partitioned searched order's
         search and a fixed chain's costs on its partition (`candidate`); then, while a worker is still idle, the
-        next fixed order the search's partitions will read (`_fixed_orders`). Each is a function of the item alone,
+        next fixed order the search's partitions will read (`_fixed_orders`) while its shapes' bound `could_win`
+        (the search stops at a bar that only rises). Each is a function of the item alone,
         taken by the search when (and only if) it comes to that step as it would without workers ahead, so what
         is built, simulated and kept does not depend on it: only when the work is done, on a core that would
         otherwise wait. Only the heap's first levels are read (its best items, nearly in order): reading all of
@@ -728,8 +730,9 @@ class _Built:
             if len(self._running) >= self.window:
                 return
         while len(self._running) < self.window:
-            wanted = next(self._orders_ahead, None)
-            if wanted is None:
+            bound, wanted = next(self._orders_ahead, (None, None))
+            if wanted is None or not could_win(speed_key(bound)):  # nor can any after it: bounds fall, the bar rises
+                self._orders_ahead = iter(())
                 return
             self.orders.ahead[wanted] = self._submit(_fixed_order, *wanted)
 
