@@ -680,10 +680,15 @@ def stage_transient_bytes(layers: list[LayerProfile], start: int, stop: int) -> 
     in the backward, which runs them first); the split backward keeps its graph for the weight pass and frees
     nothing as it goes. A stage fed by the batch alone runs its whole backward as the weight pass (`_summed`)."""
     mine = layers[start:stop]
+    after = _saved_after(mine)
+
+    def peak(name: str, freeing: bool) -> int:
+        return _running_peak(mine, after, name, freeing)
+
     sends_input_grad = any(0 <= source < start for layer in mine for source in layer.inputs)
-    return {"fwd": _running_peak(mine, "fwd", True), "bwd": _running_peak(mine, "bwd", True),
-            "igrad": _running_peak(mine, "igrad", False) if sends_input_grad else 0,
-            "wgrad": _running_peak(mine, "wgrad", False) if sends_input_grad else _running_peak(mine, "bwd", True)}
+    return {"fwd": peak("fwd", True), "bwd": peak("bwd", True),
+            "igrad": peak("igrad", False) if sends_input_grad else 0,
+            "wgrad": peak("wgrad", False) if sends_input_grad else peak("bwd", True)}
 
 
 def stage_ring_buffer_bytes(layers: list[LayerProfile], start: int, stop: int) -> dict[str, int]:
@@ -692,15 +697,23 @@ def stage_ring_buffer_bytes(layers: list[LayerProfile], start: int, stop: int) -
     buffers exist while its attention runs, so they are held beside that layer's own transient (less what the
     layers after it save, as there), not beside another layer's peak, the loss's say, where no ring runs."""
     mine = layers[start:stop]
-    return {name: _running_peak(mine, name, name != "igrad", ring=True) - _running_peak(mine, name, name != "igrad")
+    if not any(layer.ring_buffer_bytes for layer in mine):
+        return {}
+    after = _saved_after(mine)
+    return {name: _running_peak(mine, after, name, name != "igrad", ring=True)
+            - _running_peak(mine, after, name, name != "igrad")
             for name in PASSES if any(name in layer.ring_buffer_bytes for layer in mine)}
 
 
-def _running_peak(mine: list[LayerProfile], name: str, freeing: bool, ring: bool = False) -> int:
+def _saved_after(mine: list[LayerProfile]) -> list[int]:
+    """Per layer of a stage's `mine`, what the layers after it save."""
+    return list(itertools.accumulate((layer.activation_bytes for layer in reversed(mine[1:])), initial=0))[::-1]
+
+
+def _running_peak(mine: list[LayerProfile], after: list[int], name: str, freeing: bool, ring: bool = False) -> int:
     """The most a stage's pass `name` holds above its activations while one of its layers `mine` runs: the layer's
-    transient, with `ring` its ring's buffers too, less what the layers after it save where the pass is `freeing`
-    (not yet saved in the forward, freed already in the full backward)."""
-    after = list(itertools.accumulate((layer.activation_bytes for layer in reversed(mine[1:])), initial=0))[::-1]
+    transient, with `ring` its ring's buffers too, less what the layers after it save (`after`) where the pass is
+    `freeing` (not yet saved in the forward, freed already in the full backward)."""
     return max([0, *(layer.transient_bytes.get(name, 0) + (layer.ring_buffer_bytes.get(name, 0) if ring else 0)
                      - (later if freeing else 0) for layer, later in zip(mine, after))])
 
