@@ -1,14 +1,17 @@
-"""The zero-bubble paper's own ZB-1p and ZB-2p orders: the heuristic scheduler its fork ran.
+"""The zero-bubble paper's own ZB-1p and ZB-2p orders: the greedy placement its fork's scheduler runs.
 
 Qi et al., ICLR 2024, ran their Table 4 and 5 rows with sail-sg/zero-bubble-pipeline-parallelism at 425b42e5,
-whose megatron/core/pipeline_parallel/auto_schedule.py builds the order: `Graph.manual_order` under its eight
-variants (`initial_solution`), the one whose longest stage is shortest kept, the first tried on a tie (the ILP
-after it is disabled there: `auto_schedule` runs it only when `graph.nnodes < 0`). Its memory is counted in units:
-an F takes 2, its B (the input gradient, pipesim's I) gives 1 back and its W the other (`GraphConfig`: mem_f 2,
-mem_b and mem_w -1), under a limit of 2 × --zero-bubble-max-pending-backward (zb_schedules.py
-`update_schedule`), which the fork's examples/pretrain_zero_bubble.sh sets to 2p for ZB-2p (p for ZB-1p, its
-ZeroBubble.md). So a stage holds up to 2p micro-batches in flight between F and B where pipesim's handcrafted
-ZB-H2 holds 2(p - k) - 1, and defers as many W's as the units leave room for, where ZB-H2 defers 2k.
+whose megatron/core/pipeline_parallel/auto_schedule.py builds the order (`Graph.manual_order`, tried under eight
+variants by `initial_solution`, the one whose longest stage is shortest kept, the first on a tie; the ILP after it
+runs only when `graph.nnodes < 0`, never). This module places ops by the same rules, written here in our own
+terms: a stage puts its ops one after another on its own clock, an op ending its cost after both the stage is
+free and its input has arrived (a transfer after the op that sends it).
+
+Memory is counted in units: an F takes 2, its B (the input gradient, pipesim's I) gives 1 back and its W the
+other (`GraphConfig`: mem_f 2, mem_b and mem_w -1), under a limit of 2 × --zero-bubble-max-pending-backward
+(zb_schedules.py `update_schedule`), which the fork's examples/pretrain_zero_bubble.sh sets to 2p for ZB-2p (p for
+ZB-1p, its ZeroBubble.md). So a stage holds up to 2p micro-batches in flight between F and B where pipesim's
+handcrafted ZB-H2 holds 2(p - k) - 1, and defers as many W's as the units leave room for, where ZB-H2 defers 2k.
 
 Its costs are integers: the medians over ranks of the profiled F, B and W times and the transfer time, in ms ×
 1000, each at least 1 (`update_schedule`); before its profiling window ends the fork runs the order for
@@ -19,18 +22,14 @@ from __future__ import annotations
 
 import csv
 import io
-from collections import defaultdict
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 from .ir import ScheduleError
 
-_F, _B, _W = range(3)  # the fork's node types; its B is pipesim's I
-_CELL_KIND = "FIW"  # as torch's schedule CSV names them
-_MEMORY = (2, -1, -1)  # units an F takes and its B and W give back (GraphConfig's mem_f, mem_b, mem_w)
-# manual_order's variants as initial_solution tries them: (allow_bubble_before_first_b, prioritize_b,
-# no_bubble_greedy)
-_VARIANTS = tuple((allow, prioritize, greedy) for allow in (True, False) for prioritize in (True, False)
-                  for greedy in (True, False))
+FORWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "I", "W"  # torch's schedule CSV's letters; the fork calls the input gradient B
+# memory units an F takes and its I and W give back (the fork's mem_f, mem_b, mem_w)
+UNITS = {FORWARD: 2, INPUT_GRAD: -1, WEIGHT_GRAD: -1}
 
 
 @dataclass(frozen=True)
@@ -47,145 +46,180 @@ class ForkCosts:
     def from_ms(cls, f_ms: float, b_ms: float, w_ms: float, comm_ms: float) -> ForkCosts:
         return cls(*(max(int(ms * 1000), 1) for ms in (f_ms, b_ms, w_ms, comm_ms)))
 
+    def of(self, kind: str) -> int:
+        return {FORWARD: self.f, INPUT_GRAD: self.b, WEIGHT_GRAD: self.w}[kind]
+
 
 BOOTSTRAP_COSTS = ForkCosts(1000, 1000, 1000, 1)  # the order the fork runs until its profiling window ends
 
 
-class _Order:
-    """One run of `Graph.manual_order`: each stage's ops in the order they are put, with the fork's clocks."""
+@dataclass(frozen=True)
+class _Variant:
+    """The three choices `initial_solution` tries every combination of (`manual_order`'s keyword arguments)."""
 
-    def __init__(self, stages: int, microbatches: int, costs: ForkCosts, max_mem: int) -> None:
-        self.p, self.m, self.max_mem = stages, microbatches, max_mem
-        self.cost = (costs.f, costs.b, costs.w)
-        self.comm = costs.comm
-        self.done = [[0] * stages for _ in range(3)]  # per type, per stage: how many are put
-        self.end_of = [0] * stages  # e: when each stage's last op ends
-        self.memory = [0] * stages  # m: units held
-        self.bubble = [0] * stages  # stage_bubble: idle time after the stage's first F
-        # (type, stage, micro-batch) -> completion time; 0 for one not put yet, as the fork's list starts
-        self.ends: defaultdict[tuple[int, int, int], int] = defaultdict(int)
-        self.ops: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+    early_forwards_may_wait: bool  # allow_bubble_before_first_b: warm-up F's may end after micro-batch 0's B arrives
+    hold_back_forwards: bool  # prioritize_b: a stage 2 or more F's ahead of the next may skip its F this round
+    fill_short_waits: bool  # no_bubble_greedy: a wait no longer than the worst stage's extra idle time gets a W too
 
-    def put(self, stage: int, kind: int) -> None:
-        i = self.done[kind][stage]
-        if self.memory[stage] + _MEMORY[kind] > self.max_mem:
-            raise ScheduleError(f"the zero-bubble fork's scheduler overran its memory limit on stage {stage}")
-        cost = self.cost[kind]
-        end = no_bubble = self.end_of[stage] + cost
-        if stage > 0 and kind == _F:
-            end = max(end, self.ends[_F, stage - 1, i] + self.comm + cost)
-        if stage < self.p - 1 and kind == _B:
-            end = max(end, self.ends[_B, stage + 1, i] + self.comm + cost)
-        if self.done[_F][stage] > 0:
-            self.bubble[stage] += end - no_bubble
-        self.end_of[stage] = self.ends[kind, stage, i] = end
-        self.memory[stage] += _MEMORY[kind]
-        self.done[kind][stage] += 1
-        self.ops[stage].append((kind, i))
 
-    def fill_with_w(self, stage: int, until: int, greedy: bool) -> None:
-        """The W's the fork puts on `stage` while it waits for an input that arrives at `until`: those that end
-        by then, and one more where the wait is no longer than the worst stage's bubble less this one's (if
-        `greedy`) or longer than that."""
-        while self.done[_W][stage] < self.done[_B][stage] and self.end_of[stage] + self.cost[_W] <= until:
-            self.put(stage, _W)
-        if self.done[_W][stage] < self.done[_B][stage] and self.end_of[stage] < until:
-            if until - self.end_of[stage] > max(self.bubble) - self.bubble[stage] or greedy:
-                self.put(stage, _W)
+VARIANTS = tuple(_Variant(*choice) for choice in itertools.product((True, False), repeat=3))
 
-    def first_microbatch(self, allow_bubble_before_first_b: bool) -> None:
-        """manual_order's i = 0: every stage's first F, then the F's each stage fits before micro-batch 0's B
-        reaches it, no more than the stage before puts, then the B's from the last stage back."""
-        p, m = self.p, self.m
-        cost_f, cost_b = self.cost[_F], self.cost[_B]
-        for stage in range(p):
-            self.put(stage, _F)
-        required = [0] * p
-        last = 0
-        for stage in range(p - 1, -1, -1):
-            if stage == p - 1:
-                last = self.ends[_F, stage, 0] + cost_b
-                continue
-            memory, clock = self.memory[stage], self.end_of[stage]
-            while self.done[_F][stage] + required[stage] < m and memory + _MEMORY[_F] <= self.max_mem:
-                if (clock + cost_f > last + self.comm if allow_bubble_before_first_b
-                        else clock >= last + self.comm):
+
+@dataclass
+class _Stage:
+    """One stage's side of the placement: the ops it has put, in order, and what they leave it with."""
+
+    free_at: int = 0  # when its last op ends
+    units: int = 0  # memory units held
+    idle: int = 0  # time it waited for inputs since its first F
+    put: dict[str, int] = field(default_factory=lambda: dict.fromkeys((FORWARD, INPUT_GRAD, WEIGHT_GRAD), 0))
+    ops: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def deferred(self) -> int:
+        """W's whose I has run."""
+        return self.put[INPUT_GRAD] - self.put[WEIGHT_GRAD]
+
+
+class _Placement:
+    """The fork's greedy placement for one variant: stages put ops, each ending at max(stage free, input arrived)
+    plus its cost; an input not put yet counts as arrived at the transfer's time alone (the fork's end times start
+    at 0)."""
+
+    def __init__(self, stages: int, microbatches: int, costs: ForkCosts, unit_limit: int, variant: _Variant):
+        self.microbatches, self.costs, self.unit_limit, self.variant = microbatches, costs, unit_limit, variant
+        self.stages = [_Stage() for _ in range(stages)]
+        self.ends: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end time
+
+    def arrival(self, kind: str, sender: int, microbatch: int) -> int:
+        """When `sender`'s op of `kind` for `microbatch` reaches its neighbour."""
+        return self.ends.get((kind, sender, microbatch), 0) + self.costs.comm
+
+    def place(self, k: int, kind: str) -> None:
+        stage = self.stages[k]
+        microbatch = stage.put[kind]
+        if stage.units + UNITS[kind] > self.unit_limit:
+            raise ScheduleError(f"the zero-bubble fork's scheduler overran its memory limit on stage {k}")
+        start = stage.free_at
+        if kind == FORWARD and k > 0:
+            start = max(start, self.arrival(FORWARD, k - 1, microbatch))
+        elif kind == INPUT_GRAD and k < len(self.stages) - 1:
+            start = max(start, self.arrival(INPUT_GRAD, k + 1, microbatch))
+        if stage.put[FORWARD]:
+            stage.idle += start - stage.free_at
+        stage.free_at = self.ends[kind, k, microbatch] = start + self.costs.of(kind)
+        stage.units += UNITS[kind]
+        stage.put[kind] += 1
+        stage.ops.append((kind, microbatch))
+
+    def spare_idle(self, k: int) -> int:
+        """How much more the most idle stage has waited than stage k."""
+        return max(s.idle for s in self.stages) - self.stages[k].idle
+
+    def fill_wait(self, k: int, until: int) -> None:
+        """Deferred W's on stage k while it waits for an input arriving at `until`: all that end by then, and one
+        that overruns it unless the wait left is short (within `spare_idle`) and the variant fills no short waits."""
+        stage = self.stages[k]
+        while stage.deferred and stage.free_at + self.costs.w <= until:
+            self.place(k, WEIGHT_GRAD)
+        wait = until - stage.free_at
+        if stage.deferred and wait > 0 and (self.variant.fill_short_waits or wait > self.spare_idle(k)):
+            self.place(k, WEIGHT_GRAD)
+
+    def warm_up(self) -> None:
+        """Micro-batch 0: each stage's first F, the extra F's each stage before the last fits while micro-batch 0's
+        I travels back to it (fewer than the stage before it puts, while micro-batches remain), then the I's from
+        the last stage back."""
+        last = len(self.stages) - 1
+        for k in range(last + 1):
+            self.place(k, FORWARD)
+        extra = [0] * (last + 1)
+        input_ready = self.ends[FORWARD, last, 0] + self.costs.b  # micro-batch 0's I on the last stage ends
+        for k in range(last - 1, -1, -1):
+            stage = self.stages[k]
+            clock, units = stage.free_at, stage.units
+            while stage.put[FORWARD] + extra[k] < self.microbatches and units + UNITS[FORWARD] <= self.unit_limit:
+                overruns = (clock + self.costs.f > input_ready + self.costs.comm if self.variant.early_forwards_may_wait
+                            else clock >= input_ready + self.costs.comm)
+                if overruns:
                     break
-                memory += _MEMORY[_F]
-                clock += cost_f
-                required[stage] += 1
-            last = max(clock, last + self.comm) + cost_b
-        for stage in range(1, p):
-            while (0 < required[stage] and required[stage] >= required[stage - 1]
-                   and self.done[_F][stage] + required[stage] < m):
-                required[stage] -= 1
-        for stage in range(p - 1, -1, -1):
-            for _ in range(required[stage]):
-                self.put(stage, _F)
-            self.put(stage, _B)
+                clock += self.costs.f
+                units += UNITS[FORWARD]
+                extra[k] += 1
+            input_ready = max(clock, input_ready + self.costs.comm) + self.costs.b
+        for k in range(1, last + 1):
+            room = self.microbatches - self.stages[k].put[FORWARD]
+            while 0 < extra[k] >= extra[k - 1] and extra[k] < room:
+                extra[k] -= 1
+        for k in range(last + 1):
+            for _ in range(extra[k]):
+                self.place(k, FORWARD)
+        for k in range(last, -1, -1):
+            self.place(k, INPUT_GRAD)
 
-    def next_microbatch(self, i: int, prioritize_b: bool, greedy: bool) -> None:
-        """manual_order's i > 0: which stages put their next F (none past a stage that does not), the W's that
-        make room for it or fill the wait for its input, then micro-batch i's B from the last stage back."""
-        p, m = self.p, self.m
-        cost_f, cost_b, cost_w = self.cost
-        f, b, w = self.done
-        required = [0] * p
-        for stage in range(p):
-            if f[stage] >= m:
+    def skips_forward(self, k: int) -> bool:
+        """Whether stage k, 2 or more F's ahead of stage k + 1, leaves its F out this round (`hold_back_forwards`):
+        stage k + 1's next F and I (and the transfer back) end by the time stage k is free, or its F (after the W's
+        that make room for it) would end after them and the wait is short (within `spare_idle`)."""
+        stage, after = self.stages[k], self.stages[k + 1]
+        costs = self.costs
+        next_input_ms = after.free_at + costs.f + costs.b + costs.comm
+        if stage.free_at >= next_input_ms:
+            return True
+        room_w = min(max(stage.units + UNITS[FORWARD] - self.unit_limit, 0), stage.deferred)
+        if stage.free_at + costs.f + room_w * costs.w <= next_input_ms:
+            return False
+        return next_input_ms - stage.free_at <= self.spare_idle(k)
+
+    def steady(self, microbatch: int) -> None:
+        """Micro-batch i > 0: which stages put their next F (none past a stage that does not), each after the W's
+        that make room for it and fill its wait for its input, then micro-batch i's I from the last stage back, each
+        after the W's that fill its wait (stage 0 puts all its deferred W's once its F's are done)."""
+        last = len(self.stages) - 1
+        forwards = []
+        for k, stage in enumerate(self.stages):
+            wants = stage.put[FORWARD] < self.microbatches
+            if wants and k < last and self.variant.hold_back_forwards and \
+                    stage.put[FORWARD] >= self.stages[k + 1].put[FORWARD] + 2:
+                wants = not self.skips_forward(k)
+            forwards.append(wants)
+        for k in range(last - 1, -1, -1):
+            forwards[k] = forwards[k] and forwards[k + 1]
+        for k, stage in enumerate(self.stages):
+            if not forwards[k]:
                 continue
-            if stage + 1 < p and f[stage] >= f[stage + 1] + 2 and prioritize_b:
-                next_plus_fw = self.end_of[stage + 1] + cost_f + cost_b + self.comm
-                if self.end_of[stage] >= next_plus_fw:
-                    continue
-                w_cost, w_count, memory = 0, 0, self.memory[stage] + _MEMORY[_F]
-                while memory > self.max_mem and w[stage] + w_count < b[stage]:
-                    w_cost += cost_w
-                    memory += _MEMORY[_W]
-                    w_count += 1
-                if self.end_of[stage] + cost_f + w_cost <= next_plus_fw:
-                    required[stage] = 1
-                    continue
-                if next_plus_fw - self.end_of[stage] <= max(self.bubble) - self.bubble[stage]:
-                    continue
-            required[stage] = 1
-        for stage in range(p - 2, -1, -1):
-            required[stage] = min(required[stage], required[stage + 1])
-        for stage in range(p):
-            if not required[stage]:
-                continue
-            while self.memory[stage] + _MEMORY[_F] > self.max_mem:
-                if w[stage] >= b[stage]:
-                    raise ScheduleError(f"the zero-bubble fork's scheduler cannot fit stage {stage}'s next forward "
-                                        f"in its memory limit")
-                self.put(stage, _W)
-            if stage > 0:
-                self.fill_with_w(stage, self.ends[_F, stage - 1, f[stage]] + self.comm, greedy)
-            self.put(stage, _F)
-        for stage in range(p - 1, -1, -1):
-            if stage + 1 < p:  # a B gives memory back, so none waits for room
-                self.fill_with_w(stage, self.ends[_B, stage + 1, i] + self.comm, greedy)
-            if stage == 0 and f[stage] == m:
-                while w[stage] < b[stage]:
-                    self.put(stage, _W)
-            self.put(stage, _B)
+            while stage.units + UNITS[FORWARD] > self.unit_limit:
+                if not stage.deferred:
+                    raise ScheduleError(f"the zero-bubble fork's scheduler cannot fit stage {k}'s next forward in "
+                                        f"its memory limit")
+                self.place(k, WEIGHT_GRAD)
+            if k > 0:
+                self.fill_wait(k, self.arrival(FORWARD, k - 1, stage.put[FORWARD]))
+            self.place(k, FORWARD)
+        for k in range(last, -1, -1):
+            stage = self.stages[k]
+            if k < last:  # an I gives units back, so none waits for room
+                self.fill_wait(k, self.arrival(INPUT_GRAD, k + 1, microbatch))
+            if k == 0 and stage.put[FORWARD] == self.microbatches:
+                while stage.deferred:
+                    self.place(k, WEIGHT_GRAD)
+            self.place(k, INPUT_GRAD)
+
+    def run(self) -> _Placement:
+        self.warm_up()
+        for microbatch in range(1, self.microbatches):
+            self.steady(microbatch)
+        for k, stage in enumerate(self.stages):
+            while stage.put[WEIGHT_GRAD] < self.microbatches:
+                self.place(k, WEIGHT_GRAD)
+        return self
 
     def longest_stage(self) -> int:
-        """The time from a stage's first F's start to its last W's end, at the slowest stage (best_time)."""
-        return max(self.ends[_W, k, self.m - 1] - self.ends[_F, k, 0] + self.cost[_F] for k in range(self.p))
-
-
-def _manual_order(stages: int, microbatches: int, costs: ForkCosts, max_mem: int,
-                  variant: tuple[bool, bool, bool]) -> _Order:
-    allow_bubble_before_first_b, prioritize_b, greedy = variant
-    order = _Order(stages, microbatches, costs, max_mem)
-    order.first_microbatch(allow_bubble_before_first_b)
-    for i in range(1, microbatches):
-        order.next_microbatch(i, prioritize_b, greedy)
-    for stage in range(stages):
-        while order.done[_W][stage] < microbatches:
-            order.put(stage, _W)
-    return order
+        """The time from a stage's first F's start to its last W's end, at the slowest stage (the fork's
+        best_time)."""
+        last = self.microbatches - 1
+        return max(self.ends[WEIGHT_GRAD, k, last] - self.ends[FORWARD, k, 0] + self.costs.f
+                   for k in range(len(self.stages)))
 
 
 def fork_orders(stages: int, microbatches: int, costs: ForkCosts, max_pending: int) -> list[list[tuple[str, int]]]:
@@ -194,12 +228,9 @@ def fork_orders(stages: int, microbatches: int, costs: ForkCosts, max_pending: i
     if stages < 2 or microbatches < 1 or max_pending < 1:
         raise ScheduleError(f"the zero-bubble fork's scheduler needs at least 2 stages, 1 micro-batch and a memory "
                             f"limit of at least 1 (got p={stages}, m={microbatches}, limit {max_pending})")
-    best: _Order | None = None
-    for variant in _VARIANTS:
-        order = _manual_order(stages, microbatches, costs, 2 * max_pending, variant)
-        if best is None or order.longest_stage() < best.longest_stage():
-            best = order
-    return [[(_CELL_KIND[kind], i) for kind, i in ops] for ops in best.ops]
+    placements = (_Placement(stages, microbatches, costs, 2 * max_pending, variant).run() for variant in VARIANTS)
+    best = min(placements, key=_Placement.longest_stage)  # the first of the shortest, as initial_solution keeps
+    return [stage.ops for stage in best.stages]
 
 
 def fork_csv(stages: int, microbatches: int, costs: ForkCosts, max_pending: int) -> str:
@@ -207,6 +238,6 @@ def fork_csv(stages: int, microbatches: int, costs: ForkCosts, max_pending: int)
     --schedule-file` runs."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    for stage, ops in enumerate(fork_orders(stages, microbatches, costs, max_pending)):
-        writer.writerow(f"{stage}{kind}{i}" for kind, i in ops)
+    for k, ops in enumerate(fork_orders(stages, microbatches, costs, max_pending)):
+        writer.writerow(f"{k}{kind}{i}" for kind, i in ops)
     return buffer.getvalue()
