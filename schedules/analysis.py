@@ -327,8 +327,8 @@ class Versions:
 def flushes(schedule: Schedule) -> bool:
     """Whether every device finishes each mini-batch before it starts the next (needs N >= 2 to tell)."""
     t = schedule.table
-    same = t.device[1:] == t.device[:-1]
-    return bool(np.all(t.minibatch[1:][same] >= t.minibatch[:-1][same]))
+    back = np.flatnonzero(t.minibatch[1:] < t.minibatch[:-1])  # rows whose next row is of an earlier mini-batch
+    return bool(np.all(t.device[back + 1] != t.device[back]))  # each the last of its device's
 
 
 def steady_minibatches(schedule: Schedule) -> int:

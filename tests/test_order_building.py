@@ -1,7 +1,7 @@
 """The vectorised machinery that builds orders, held against small reference oracles written action by action
 (as the order code was before it was vectorised for tune): the 1F1B pattern of many rows at once, the zero-bubble
-deferral of W, one mini-batch's rows repeated per mini-batch, rows inserted into a table, and the caches the builds
-share."""
+deferral of W, one mini-batch's rows repeated per mini-batch, rows inserted into a table, whether an order flushes,
+and the caches the builds share."""
 
 from collections import deque
 
@@ -10,10 +10,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.schedules import KIND_CODE, Action, ActionTable, Kind, StageGraph, evaluate_formula
+from pipesim.schedules import (
+    KIND_CODE,
+    Action,
+    ActionTable,
+    Kind,
+    Schedule,
+    StageGraph,
+    WeightPolicy,
+    evaluate_formula,
+    flushes,
+)
 from pipesim.schedules.methods import interleave_1f1b, interleave_1f1b_rows
 from pipesim.schedules.rivals import _defer_weight_gradients
-from pipesim.schedules.table import _FIELDS, FIELD_DTYPE, KIND_DTYPE
+from pipesim.schedules.table import _FIELDS, FIELD_DTYPE, KIND_DTYPE, OrderView
 
 
 def one_forward_one_backward(count: int, warmup: int) -> list[tuple[Kind, int]]:
@@ -86,6 +96,17 @@ def test_with_rows_inserts_each_column_as_np_insert_does(data):
         column = getattr(table, name)
         wanted = np.insert(column, before, kinds if name == "kind" else -1 if name == "peer" else column[copied])
         assert getattr(got, name).dtype == wanted.dtype and getattr(got, name).tolist() == wanted.tolist(), name
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=8), min_size=1, max_size=4))
+def test_an_order_flushes_where_no_device_goes_back_to_an_earlier_minibatch(minibatches):
+    rows = sum(map(len, minibatches))
+    table = ActionTable(np.repeat(np.arange(len(minibatches)), list(map(len, minibatches))).astype(FIELD_DTYPE),
+                        np.zeros(rows, dtype=KIND_DTYPE), *np.zeros((2, rows), dtype=FIELD_DTYPE),
+                        np.array(sum(minibatches, []), dtype=FIELD_DTYPE), *np.zeros((2, rows), dtype=FIELD_DTYPE))
+    schedule = Schedule("test", StageGraph.chain(1), (0,), OrderView(table, len(minibatches)), WeightPolicy(), 1)
+    assert flushes(schedule) == all(order == sorted(order) for order in minibatches)
 
 
 def test_the_builds_share_chains_and_compiled_formulas():
