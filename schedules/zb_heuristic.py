@@ -46,9 +46,6 @@ class ForkCosts:
     def from_ms(cls, f_ms: float, b_ms: float, w_ms: float, comm_ms: float) -> ForkCosts:
         return cls(*(max(int(ms * 1000), 1) for ms in (f_ms, b_ms, w_ms, comm_ms)))
 
-    def of(self, kind: str) -> int:
-        return {FORWARD: self.f, INPUT_GRAD: self.b, WEIGHT_GRAD: self.w}[kind]
-
 
 BOOTSTRAP_COSTS = ForkCosts(1000, 1000, 1000, 1)  # the order the fork runs until its profiling window ends
 
@@ -88,6 +85,7 @@ class _Placement:
 
     def __init__(self, stages: int, microbatches: int, costs: ForkCosts, unit_limit: int, variant: _Variant):
         self.microbatches, self.costs, self.unit_limit, self.variant = microbatches, costs, unit_limit, variant
+        self.cost = {FORWARD: costs.f, INPUT_GRAD: costs.b, WEIGHT_GRAD: costs.w}
         self.stages = [_Stage() for _ in range(stages)]
         self.ends: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end time
 
@@ -107,7 +105,7 @@ class _Placement:
             start = max(start, self.arrival(INPUT_GRAD, k + 1, microbatch))
         if stage.put[FORWARD]:
             stage.idle += start - stage.free_at
-        stage.free_at = self.ends[kind, k, microbatch] = start + self.costs.of(kind)
+        stage.free_at = self.ends[kind, k, microbatch] = start + self.cost[kind]
         stage.units += UNITS[kind]
         stage.put[kind] += 1
         stage.ops.append((kind, microbatch))
