@@ -34,8 +34,8 @@ UNITS = {FORWARD: 2, INPUT_GRAD: -1, WEIGHT_GRAD: -1}
 
 @dataclass(frozen=True)
 class ForkCosts:
-    """The scheduler's integer costs of one F, B (input gradient) and W and of one transfer: ms × 1000, at least 1,
-    as the fork's `update_schedule` passes them."""
+    """The scheduler's integer costs of one F, B (input gradient) and W and of one transfer: ms × 1000 (µs), at
+    least 1, as the fork's `update_schedule` passes them; every time below is in this unit."""
 
     f: int
     b: int
@@ -66,9 +66,9 @@ VARIANTS = tuple(_Variant(*choice) for choice in itertools.product((True, False)
 class _Stage:
     """One stage's side of the placement: the ops it has put, in order, and what they leave it with."""
 
-    free_at: int = 0  # when its last op ends
+    free_us: int = 0  # when its last op ends
     units: int = 0  # memory units held
-    idle: int = 0  # time it waited for inputs since its first F
+    idle_us: int = 0  # time it waited for inputs since its first F
     put: dict[str, int] = field(default_factory=lambda: dict.fromkeys((FORWARD, INPUT_GRAD, WEIGHT_GRAD), 0))
     ops: list[tuple[str, int]] = field(default_factory=list)
 
@@ -87,41 +87,41 @@ class _Placement:
         self.microbatches, self.costs, self.unit_limit, self.variant = microbatches, costs, unit_limit, variant
         self.cost = {FORWARD: costs.f, INPUT_GRAD: costs.b, WEIGHT_GRAD: costs.w}
         self.stages = [_Stage() for _ in range(stages)]
-        self.ends: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end time
+        self.end_us: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end time
 
-    def arrival(self, kind: str, sender: int, microbatch: int) -> int:
+    def arrival_us(self, kind: str, sender: int, microbatch: int) -> int:
         """When `sender`'s op of `kind` for `microbatch` reaches its neighbour."""
-        return self.ends.get((kind, sender, microbatch), 0) + self.costs.comm
+        return self.end_us.get((kind, sender, microbatch), 0) + self.costs.comm
 
     def place(self, k: int, kind: str) -> None:
         stage = self.stages[k]
         microbatch = stage.put[kind]
         if stage.units + UNITS[kind] > self.unit_limit:
             raise ScheduleError(f"the zero-bubble fork's scheduler overran its memory limit on stage {k}")
-        start = stage.free_at
+        start_us = stage.free_us
         if kind == FORWARD and k > 0:
-            start = max(start, self.arrival(FORWARD, k - 1, microbatch))
+            start_us = max(start_us, self.arrival_us(FORWARD, k - 1, microbatch))
         elif kind == INPUT_GRAD and k < len(self.stages) - 1:
-            start = max(start, self.arrival(INPUT_GRAD, k + 1, microbatch))
+            start_us = max(start_us, self.arrival_us(INPUT_GRAD, k + 1, microbatch))
         if stage.put[FORWARD]:
-            stage.idle += start - stage.free_at
-        stage.free_at = self.ends[kind, k, microbatch] = start + self.cost[kind]
+            stage.idle_us += start_us - stage.free_us
+        stage.free_us = self.end_us[kind, k, microbatch] = start_us + self.cost[kind]
         stage.units += UNITS[kind]
         stage.put[kind] += 1
         stage.ops.append((kind, microbatch))
 
-    def spare_idle(self, k: int) -> int:
+    def spare_idle_us(self, k: int) -> int:
         """How much more the most idle stage has waited than stage k."""
-        return max(s.idle for s in self.stages) - self.stages[k].idle
+        return max(s.idle_us for s in self.stages) - self.stages[k].idle_us
 
-    def fill_wait(self, k: int, until: int) -> None:
+    def fill_wait(self, k: int, until_us: int) -> None:
         """Deferred W's on stage k while it waits for an input arriving at `until`: all that end by then, and one
-        that overruns it unless the wait left is short (within `spare_idle`) and the variant fills no short waits."""
+        that overruns it unless the wait left is short (within `spare_idle_us`) and the variant fills no short waits."""
         stage = self.stages[k]
-        while stage.deferred and stage.free_at + self.costs.w <= until:
+        while stage.deferred and stage.free_us + self.costs.w <= until_us:
             self.place(k, WEIGHT_GRAD)
-        wait = until - stage.free_at
-        if stage.deferred and wait > 0 and (self.variant.fill_short_waits or wait > self.spare_idle(k)):
+        wait_us = until_us - stage.free_us
+        if stage.deferred and wait_us > 0 and (self.variant.fill_short_waits or wait_us > self.spare_idle_us(k)):
             self.place(k, WEIGHT_GRAD)
 
     def warm_up(self) -> None:
@@ -132,19 +132,20 @@ class _Placement:
         for k in range(last + 1):
             self.place(k, FORWARD)
         extra = [0] * (last + 1)
-        input_ready = self.ends[FORWARD, last, 0] + self.costs.b  # micro-batch 0's I on the last stage ends
+        input_ready_us = self.end_us[FORWARD, last, 0] + self.costs.b  # micro-batch 0's I on the last stage ends
         for k in range(last - 1, -1, -1):
             stage = self.stages[k]
-            clock, units = stage.free_at, stage.units
+            clock_us, units = stage.free_us, stage.units
             while stage.put[FORWARD] + extra[k] < self.microbatches and units + UNITS[FORWARD] <= self.unit_limit:
-                overruns = (clock + self.costs.f > input_ready + self.costs.comm if self.variant.early_forwards_may_wait
-                            else clock >= input_ready + self.costs.comm)
+                arrives_us = input_ready_us + self.costs.comm
+                overruns = (clock_us + self.costs.f > arrives_us if self.variant.early_forwards_may_wait
+                            else clock_us >= arrives_us)
                 if overruns:
                     break
-                clock += self.costs.f
+                clock_us += self.costs.f
                 units += UNITS[FORWARD]
                 extra[k] += 1
-            input_ready = max(clock, input_ready + self.costs.comm) + self.costs.b
+            input_ready_us = max(clock_us, input_ready_us + self.costs.comm) + self.costs.b
         for k in range(1, last + 1):
             room = self.microbatches - self.stages[k].put[FORWARD]
             while 0 < extra[k] >= extra[k - 1] and extra[k] < room:
@@ -158,16 +159,16 @@ class _Placement:
     def skips_forward(self, k: int) -> bool:
         """Whether stage k, 2 or more F's ahead of stage k + 1, leaves its F out this round (`hold_back_forwards`):
         stage k + 1's next F and I (and the transfer back) end by the time stage k is free, or its F (after the W's
-        that make room for it) would end after them and the wait is short (within `spare_idle`)."""
+        that make room for it) would end after them and the wait is short (within `spare_idle_us`)."""
         stage, after = self.stages[k], self.stages[k + 1]
         costs = self.costs
-        next_input_ms = after.free_at + costs.f + costs.b + costs.comm
-        if stage.free_at >= next_input_ms:
+        next_input_us = after.free_us + costs.f + costs.b + costs.comm
+        if stage.free_us >= next_input_us:
             return True
         room_w = min(max(stage.units + UNITS[FORWARD] - self.unit_limit, 0), stage.deferred)
-        if stage.free_at + costs.f + room_w * costs.w <= next_input_ms:
+        if stage.free_us + costs.f + room_w * costs.w <= next_input_us:
             return False
-        return next_input_ms - stage.free_at <= self.spare_idle(k)
+        return next_input_us - stage.free_us <= self.spare_idle_us(k)
 
     def steady(self, microbatch: int) -> None:
         """Micro-batch i > 0: which stages put their next F (none past a stage that does not), each after the W's
@@ -192,12 +193,12 @@ class _Placement:
                                         f"its memory limit")
                 self.place(k, WEIGHT_GRAD)
             if k > 0:
-                self.fill_wait(k, self.arrival(FORWARD, k - 1, stage.put[FORWARD]))
+                self.fill_wait(k, self.arrival_us(FORWARD, k - 1, stage.put[FORWARD]))
             self.place(k, FORWARD)
         for k in range(last, -1, -1):
             stage = self.stages[k]
             if k < last:  # an I gives units back, so none waits for room
-                self.fill_wait(k, self.arrival(INPUT_GRAD, k + 1, microbatch))
+                self.fill_wait(k, self.arrival_us(INPUT_GRAD, k + 1, microbatch))
             if k == 0 and stage.put[FORWARD] == self.microbatches:
                 while stage.deferred:
                     self.place(k, WEIGHT_GRAD)
@@ -212,11 +213,11 @@ class _Placement:
                 self.place(k, WEIGHT_GRAD)
         return self
 
-    def longest_stage(self) -> int:
+    def longest_stage_us(self) -> int:
         """The time from a stage's first F's start to its last W's end, at the slowest stage (the fork's
         best_time)."""
         last = self.microbatches - 1
-        return max(self.ends[WEIGHT_GRAD, k, last] - self.ends[FORWARD, k, 0] + self.costs.f
+        return max(self.end_us[WEIGHT_GRAD, k, last] - self.end_us[FORWARD, k, 0] + self.costs.f
                    for k in range(len(self.stages)))
 
 
@@ -227,7 +228,7 @@ def fork_orders(stages: int, microbatches: int, costs: ForkCosts, max_pending: i
         raise ScheduleError(f"the zero-bubble fork's scheduler needs at least 2 stages, 1 micro-batch and a memory "
                             f"limit of at least 1 (got p={stages}, m={microbatches}, limit {max_pending})")
     placements = (_Placement(stages, microbatches, costs, 2 * max_pending, variant).run() for variant in VARIANTS)
-    best = min(placements, key=_Placement.longest_stage)  # the first of the shortest, as initial_solution keeps
+    best = min(placements, key=_Placement.longest_stage_us)  # the first of the shortest, as initial_solution keeps
     return [stage.ops for stage in best.stages]
 
 
