@@ -16,10 +16,12 @@ recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B
 backward (each stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the
 vocabulary padded as Megatron pads it and its loss Megatron-core's cross entropy (`--cross-entropy megatron`: NeMo's
 GPTConfig sets cross_entropy_loss_fusion; fused or not, its backward turns the kept softmax into the gradient in
-place), FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te`
-recipe), each backward's weight gradients accumulated inside TransformerEngine's weight-gradient products
-(`--grad-accumulation fused`: every row's yaml sets `gradient_accumulation_fusion: true`, benchmarks/published/
-README.md). The command is printed and run as written (in-process, with --json added to read its ms/step).
+place), FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te` recipe) with the weights kept as
+TransformerEngine's float8 tensors and all-gathered so by NeMo's distributed Adam (`--fp8-param-gather`: every FP8
+run sets `fp8_params`, benchmarks/published/README.md), each backward's weight gradients accumulated inside
+TransformerEngine's weight-gradient products (`--grad-accumulation fused`: every row's yaml sets
+`gradient_accumulation_fusion: true`, benchmarks/published/README.md). The command is printed and run as written
+(in-process, with --json added to read its ms/step).
 
     python benchmarks/published_h100.py                 # the table, then each row's command
     python benchmarks/published_h100.py --json out.json # and the rows as JSON
@@ -66,7 +68,8 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             "--seq-len", row["seq_len"],
             "--vocab", str(padded_vocab(int(row["vocab"]), t)),
             *(["--dropout", row["dropout"]] if float(row["dropout"]) else []),
-            "--dtype", row["precision"], "--attention", "flash", "--attention-kernel", row["attention_kernel"],
+            "--dtype", row["precision"], *(["--fp8-param-gather"] if row["precision"] == "fp8" else []),
+            "--attention", "flash", "--attention-kernel", row["attention_kernel"],
             "-b", str(b), "--gpu", GPU, *tensor,
             *(["--context-parallel", str(c), "--cp-rotate", "p2p"] if c > 1 else []), "-p", str(p),
             "-m", str(batch // (d * b)),

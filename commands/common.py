@@ -197,6 +197,11 @@ FsdpFloat8AllGather = Annotated[bool, typer.Option(
                                      "the step (off by default, as in torchtitan): FSDP2 casts each float8 "
                                      "linear's weight shard to float8 and all-gathers that, 1 byte a weight, held "
                                      "whole so; no pass casts a weight.")]
+Fp8ParamGather = Annotated[bool, typer.Option(
+    "--fp8-param-gather", help="With --dtype fp8, a TransformerEngine recipe and --zero 1 or 2: the weights kept as "
+                               "TransformerEngine's float8 tensors (NeMo's fp8_params, Megatron-core's "
+                               "--fp8-param-gather), so the distributed optimizer all-gathers the float8 linears' "
+                               "weights at 1 byte each (off by default).")]
 Attention = Annotated[str, typer.Option(
     "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's fused "
                         "kernel: no scores saved).")]
@@ -444,7 +449,7 @@ expert_overlap_options = shared_options(("overlap_expert_comm", OverlapExpertCom
 model_shape_options = shared_options(*MODEL_SHAPE)  # count: the model's shape
 # estimate: the shape and what only the estimate reads (the commands read them from ctx.params, in `what_if`)
 WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all_gather", FsdpFloat8AllGather, False),
-                ("curve_from", CurveFrom, None),
+                ("fp8_param_gather", Fp8ParamGather, False), ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
                 ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("attention_kernel", AttentionKernel, None),
@@ -466,10 +471,11 @@ what_if_options = shared_options(*WHAT_IF_ONLY)
 OPTIONAL_MODEL = (("gpu", with_help(GpuName, "Instead of --profile or the cost flags."), None),
                   ("model", ModelName, None))
 optional_what_if_options = shared_options(*WHAT_IF_ONLY, *OPTIONAL_MODEL)
-# tune: the same but FSDP2's float8 all-gather, which needs --zero 3 --precision fsdp2, flags tune does not take,
-# and --torch-compile, which needs the recomputation tune searches
-tune_what_if_options = shared_options(*(option for option in WHAT_IF_ONLY
-                                        if option[0] not in ("fsdp_float8_all_gather", "torch_compile")),
+# tune: the same but FSDP2's float8 all-gather, which needs --zero 3 --precision fsdp2, and the float8 weights'
+# gather, which needs --zero 1 or 2, flags tune does not take, and --torch-compile, which needs the recomputation
+# tune searches
+tune_what_if_options = shared_options(*(option for option in WHAT_IF_ONLY if option[0] not in (
+    "fsdp_float8_all_gather", "fp8_param_gather", "torch_compile")),
                                       *OPTIONAL_MODEL)
 
 

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 # What only the estimate reads (by parameter name), so without --gpu it would be silently ignored.
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "routing", "recompute",
-                 "curve_from", "fsdp_float8_all_gather",
+                 "curve_from", "fsdp_float8_all_gather", "fp8_param_gather",
                  "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "host_module_us",
                  "expert_gemm", "expert_tensor_parallel",
                  "rank_order",
@@ -127,6 +127,7 @@ class WhatIf:
     tp_runtime: str = "megatron"  # --tp-runtime, of planning/estimate.py's TP_RUNTIMES
     cp_rotate: str = "alltoall"  # --cp-rotate, of planning/estimate.py's CP_ROTATES
     fsdp_float8_all_gather: bool = False  # --fsdp-float8-all-gather (planning/fp8.py)
+    fp8_param_gather: bool = False  # --fp8-param-gather (planning/estimate.py `gathered_weight_bytes`)
     swiglu_fusion: bool = True  # --swiglu-fusion (workload/moe.py)
     cross_entropy: str = "torch"  # --cross-entropy, of workload/sizes.py's CROSS_ENTROPY
     norm_kernel: str = "eager"  # --norm-kernel, of workload/sizes.py's NORM_KERNELS
@@ -195,6 +196,7 @@ class WhatIf:
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
                            precision=self.precision, fp8=self.fp8, expert=self.expert,
                            fsdp_float8_all_gather=self.fsdp_float8_all_gather,
+                           fp8_param_gather=self.fp8_param_gather,
                            hot_expert_share=self.hot_expert_share, routing=self.routing, tp_overlap=self.tp_overlap,
                            token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
                            expert_tensor=self.expert_tensor,
@@ -377,6 +379,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=params.get("cross_entropy", "torch"),
                   norm_kernel=params.get("norm_kernel", "eager"), rope_kernel=params.get("rope_kernel", "eager"),
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
+                  fp8_param_gather=params.get("fp8_param_gather", False),
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   torch_compile=params.get("torch_compile", False),
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
@@ -405,12 +408,15 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
     """--dtype fp8's recipe (--fp8-recipe, default te), on a part with a float8 peak; None for another --dtype,
     with which --fp8-recipe is refused."""
     from ..planning.fp8 import FP8_RECIPES, casts_weights_per_use, per_use_recipes
+    from ..planning.host import TE_RECIPES
 
     recipe = params.get("fp8_recipe")
     if params["dtype"] != FP8:
-        if recipe is not None or params.get("fsdp_float8_all_gather"):
-            flag = "--fp8-recipe" if recipe is not None else "--fsdp-float8-all-gather"
-            raise InputError(f"{flag} says how --dtype fp8 runs the linear products: give --dtype fp8")
+        given = [flag for flag, value in (("--fp8-recipe", recipe is not None),
+                                          ("--fsdp-float8-all-gather", params.get("fsdp_float8_all_gather")),
+                                          ("--fp8-param-gather", params.get("fp8_param_gather"))) if value]
+        if given:
+            raise InputError(f"{given[0]} says how --dtype fp8 runs the linear products: give --dtype fp8")
         return None
     if gpus[name].dense_tflops.fp8 is None:
         having = [part for part, gpu in gpus.items() if gpu.dense_tflops.fp8 is not None]
@@ -425,6 +431,11 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
         raise InputError(f"--fsdp-float8-all-gather: FSDP2 casting torchao's float8 weights before it all-gathers "
                          f"them; give --fp8-recipe {per_use} and --zero 3 --precision fsdp2 (got --fp8-recipe {recipe}"
                          f", --precision {params.get('precision') or 'not given'})")
+    if params.get("fp8_param_gather") and (recipe not in TE_RECIPES or zero_stage(params) not in (1, 2)
+                                           or params.get("expert_parallel", 1) > 1):
+        raise InputError(f"--fp8-param-gather: TransformerEngine's float8 weights all-gathered by the distributed "
+                         f"optimizer; give --fp8-recipe {' or '.join(TE_RECIPES)}, --zero 1 or 2 and no "
+                         f"--expert-parallel (got --fp8-recipe {recipe}, --zero {zero_stage(params)})")
     return recipe
 
 

@@ -191,6 +191,7 @@ class Parallelism:
     precision: str | None = None
     fp8: str | None = None  # a float8 recipe of `FP8_RECIPES` (planning/fp8.py) for the linear products; None: none
     fsdp_float8_all_gather: bool = False  # FSDP2 all-gathers the float8 linears' weights cast (planning/fp8.py)
+    fp8_param_gather: bool = False  # TransformerEngine's float8 weights, gathered so by ZeRO (`gathered_weight_bytes`)
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
     tp_runtime: str = "megatron"  # whose tensor-parallel layers, of `TP_RUNTIMES` (`input_gather_ms`)
     tp_overlap_no_margin: bool = False  # the forward's pipelined products on every SM (`userbuffers_forward_ms`)
@@ -247,6 +248,10 @@ class Parallelism:
                                             or not casts_weights_per_use(FP8_RECIPES[self.fp8])):
             raise EstimateError("fsdp_float8_all_gather: FSDP2 casting torchao's float8 weights before its "
                                 f"all-gather; give precision fsdp2 and fp8 {' or '.join(per_use_recipes())}")
+        if self.fp8_param_gather and (self.fp8 not in TE_RECIPES or self.precision == "fsdp2" or self.expert > 1):
+            raise EstimateError("fp8_param_gather: TransformerEngine's float8 weights all-gathered by the distributed "
+                                f"optimizer; give fp8 {' or '.join(TE_RECIPES)}, a precision other than fsdp2 and "
+                                "expert 1 (a routed expert's float8 gather is not modelled)")
         if self.tp_runtime not in TP_RUNTIMES:
             raise EstimateError(f"tp_runtime: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
         if self.tp_overlap_no_margin and not (self.tp_overlap and self.tp_runtime == "megatron"):
@@ -1146,13 +1151,19 @@ def _transformer(layer: LayerCount) -> bool:
 
 
 def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parallelism, element_bytes: int) -> int:
-    """A layer's weights on a rank (`weight_bytes`) as FSDP2 gathers them whole: with FSDP2's float8 all-gather
-    its float8 linears' at 1 byte an element and a float32 scale each (torchao's fsdp_post_all_gather makes each a
-    Float8Tensor over the gathered bytes), the rest as the passes read them."""
-    if not parallel.fsdp_float8_all_gather:
+    """A layer's weights on a rank (`weight_bytes`) as they are all-gathered: with FSDP2's float8 all-gather its
+    float8 linears' at 1 byte an element and a float32 scale each (torchao's fsdp_post_all_gather makes each a
+    Float8Tensor over the gathered bytes); with TransformerEngine's float8 weights (`fp8_param_gather`: NeMo's
+    `fp8_params`, TE's `fp8_model_init`; Megatron-core's `--fp8-param-gather`) at 1 byte an element and no scale,
+    as NeMo's distributed Adam syncs them (nemo/core/optim/distributed_adam.py, `init_params_bucket`: a bucket of
+    Float8Tensor weights takes `param_sync_dtype = torch.uint8`, and each rank casts its float32 shard to float8
+    before the gather, `_check_params_shard_dtypes`; the scale-inverses come from the all-reduced amaxes, not the
+    gather); the rest as the passes read them."""
+    if not (parallel.fsdp_float8_all_gather or parallel.fp8_param_gather):
         return weight_bytes
     elements, tensors = float8_weights(layer, parallel.float8_recipe)
-    return weight_bytes - elements // parallel.tensor * (element_bytes - FP8_BYTES) + tensors * FP8_SCALE_BYTES
+    scales = tensors * FP8_SCALE_BYTES if parallel.fsdp_float8_all_gather else 0
+    return weight_bytes - elements // parallel.tensor * (element_bytes - FP8_BYTES) + scales
 
 
 def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[LayerAllocations]:
@@ -1512,7 +1523,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
             param_bytes=params,
             all_gather_bytes=(gathered_weight_bytes(layer, params, parallel, element)
-                              if parallel.fsdp_float8_all_gather else None),
+                              if parallel.fsdp_float8_all_gather or parallel.fp8_param_gather else None),
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(
@@ -1548,9 +1559,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         # the weights this rank holds (its 1/t, and of the routed experts its 1/(E·ETP)), which its accumulation,
         # averaging, prediction and copy pass over: each layer's held `param_bytes` above
         params = sum(layer.param_bytes for layer in layers[start:stop])
-        # a float8 recipe's weight casts once per step (TransformerEngine's), each weight 1/t of itself
+        # a float8 recipe's weight casts once per step (TransformerEngine's), each weight 1/t of itself; of float8
+        # weights gathered over the d·C ranks, each rank's shard cast and the whole transposed (`step_cast_ops`)
+        float8_shards = parallel.data * parallel.context if parallel.fp8_param_gather else None
         casts_ms = (sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in counted.layers[start:stop]
-                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, weight_shards))
+                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, weight_shards,
+                                                float8_shards))
                     if parallel.fp8 else 0.0)
         casts_ms += scale_precompute_ms(counted.layers[start:stop], parallel, device, links.data)
         passes_weights = _timing(memory_ms(3 * params))  # a prediction's and the averaging's pass (frozen: shared)

@@ -159,6 +159,9 @@ FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
 # hook (torchao's hp_tensor_and_scale_to_float8: `tensor.to(torch.float32) * scale`, then to_fp8_saturated's clamp
 # and `.to(float8_dtype)`): per kernel, the bytes it reads and writes an element
 SHARD_CAST_KERNELS = ((4, 4), (4, 4), (4, FP8_BYTES))
+# NeMo's distributed Adam casting a rank's float32 shard of a TransformerEngine float8 weight: one kernel reading
+# 4 bytes and writing 1 an element (`step_cast_ops`)
+SHARD_FLOAT8_CAST_BYTES = 4 + FP8_BYTES
 # precompute_float8_dynamic_scale_for_fsdp's kernels beside its one pass over the shards (`_foreach_norm`): the
 # amaxes stacked, clamped, widened to float64 and divided into the format's largest value
 SCALE_PRECOMPUTE_KERNELS = 4
@@ -320,11 +323,25 @@ def _weighed_products(layer: LayerCount, recipe: Fp8Recipe) -> tuple[OpCount, ..
     return tuple(op for op in layer.ops.get("fwd", ()) if _converted(op, recipe))
 
 
-def step_cast_ops(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int,
-                  expert_ranks: int = 1) -> tuple[OpCount, ...]:
+def step_cast_ops(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int, expert_ranks: int = 1,
+                  float8_shards: int | None = None) -> tuple[OpCount, ...]:
     """The weight casts a recipe runs once per optimizer step (TransformerEngine's), for a transformer layer on
-    one of `expert_ranks` expert-parallel ranks."""
-    return cast_ops(_weighed_products(layer, recipe), ("weight",), recipe, element_bytes, expert_ranks)
+    one of `expert_ranks` expert-parallel ranks. With the weights kept as TransformerEngine's float8 tensors and
+    all-gathered so over `float8_shards` ranks (`fp8_param_gather`) no pass casts a 16-bit weight: NeMo's
+    distributed Adam casts each rank's float32 shard to float8 (`_check_params_shard_dtypes`, `cast_to_fp8`) and,
+    once gathered, fills each weight's transpose cache from its float8 data (`_param_copy_fragments`,
+    `transpose(update_cache=True)`; nemo/core/optim/distributed_adam.py)."""
+    products = _weighed_products(layer, recipe)
+    if float8_shards is None:
+        return cast_ops(products, ("weight",), recipe, element_bytes, expert_ranks)
+    ops = []
+    for product in products:
+        batch, _, n, k = product.shape
+        elements = (batch // expert_ranks if product.routed else batch) * n * k
+        ops += [OpCount("fp8_shard_cast_weight", "memory", (n, k), 0,
+                        elements * SHARD_FLOAT8_CAST_BYTES // float8_shards, product.count),
+                OpCount("fp8_transpose_weight", "memory", (n, k), 0, elements * 2 * FP8_BYTES, product.count)]
+    return tuple(ops)
 
 
 def float8_weight_bytes(layer: LayerCount, recipe: Fp8Recipe, expert_ranks: int = 1) -> int:

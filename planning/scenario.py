@@ -16,6 +16,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -205,11 +206,12 @@ class Scenario:
         layers = measured.layers[start:stop]
         element = 4 if measured.environment.dtype == "float32" else 2
         bucketed = buckets([layer.param_bytes // element for layer in layers], bucket_params(sched.data_parallel))
-        held = sum(layer.param_bytes for layer in layers)
 
-        def bucket_ms(bucket: list[int]) -> float:  # a reduce-scatter, or an all-gather: the same traffic
-            return link.reduce_scatter_ms(first.param_bytes * sum(layers[i].param_bytes for i in bucket) / held,
-                                          sched.gradient_ranks)
+        def traffic_ms(bucket: list[int], nbytes: Callable[[object], int]) -> float:
+            """A bucket's reduce-scatter of its gradients (`param_bytes`) or all-gather of its weights as they are
+            gathered (`gathered_weight_bytes`: TransformerEngine's float8 weights at 1 byte), the same traffic."""
+            share = sum(nbytes(layers[i]) for i in bucket) / sum(nbytes(layer) for layer in layers)
+            return link.reduce_scatter_ms(nbytes(first) * share, sched.gradient_ranks)
 
         def shares(times: list[float], stage_ms: float) -> list[float]:  # the stage's pass, split as its layers'
             total = sum(times)
@@ -218,9 +220,11 @@ class Scenario:
         persistent = bool(measured.estimate.curve.get("persistent_products"))
         return replace(costs, stages=(replace(
             first, reduce_ms=exposed_reduce_ms(shares([layer.bwd.median_ms for layer in layers], first.bwd_ms),
-                                               bucketed, bucket_ms, persistent),
-            gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms),
-                                        bucketed, bucket_ms, persistent)), *costs.stages[1:]))
+                                               bucketed, lambda bucket: traffic_ms(bucket, attrgetter("param_bytes")),
+                                               persistent),
+            gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms), bucketed,
+                                        lambda bucket: traffic_ms(bucket, attrgetter("gathered_weight_bytes")),
+                                        persistent)), *costs.stages[1:]))
 
     def _collectives_beside_products(self, costs: Costs, sched: Schedule) -> Costs:
         """On a part with persistent products (an estimate's `persistent_products`, Hopper) a stage's once-a-step

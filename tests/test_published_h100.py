@@ -35,6 +35,7 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert _flag(args, "--context-parallel") == str(c) if c > 1 else "--context-parallel" not in args
         assert int(_flag(args, "-m")) * d * int(_flag(args, "-b")) == int(published["global_batch"])
         assert _flag(args, "--dtype") == published["precision"]
+        assert ("--fp8-param-gather" in args) == (published["precision"] == "fp8")  # every FP8 run's fp8_params
         assert ("nemo-bf16-adam" in args) == (published["optimizer_state"] == "bf16")
         assert (_flag(args, "--recompute") if "--recompute" in args else "none") == published["recompute"]
         assert ("--tp-overlap-no-margin" in args) == (published["tp_overlap_sm_margin"] == "false")

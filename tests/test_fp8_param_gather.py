@@ -1,0 +1,112 @@
+"""`--fp8-param-gather`: the weights kept as TransformerEngine's float8 tensors (NeMo's `fp8_params`, Megatron-core's
+`--fp8-param-gather`), so the distributed optimizer all-gathers the float8 linears' weights at 1 byte an element
+and casts only its float32 shard before the gather, then transposes the gathered weights (NeMo's distributed
+Adam, nemo/core/optim/distributed_adam.py; planning/estimate.py `gathered_weight_bytes`, planning/fp8.py
+`step_cast_ops`)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import EstimateError, Parallelism
+from tests.conftest import pipesim
+
+H100 = load_catalogue().find("h100-sxm")
+WIDTH, D = 256, 4
+SMALL = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "512", "--heads", "4", "--seq-len", "128",
+         "--vocab", "128", "--attention", "flash", "-p", "1", "-m", "2", "-s", "1f1b", "--data-parallel", "2")
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    """A small gpt's estimates over d = 4 under ZeRO-1 with TransformerEngine's delayed scaling, its weights
+    gathered in 16 bits and in float8."""
+    torch = pytest.importorskip("torch")
+    from pipesim.planning.estimate import estimate_profile
+    from pipesim.workload.count import count_built
+
+    counted = count_built("gpt", dict(layers=2, width=WIDTH, heads=4, seq_len=128, vocab=1000), 2, torch.bfloat16,
+                          "flash")
+    parallel = Parallelism(data=D, sharded_optimizer=True, fp8="te")
+    return counted, [estimate_profile(counted, H100, replace(parallel, fp8_param_gather=on), bounds=[0, 4])
+                     for on in (False, True)]
+
+
+def _linear_weights(layer) -> list[int]:
+    return [op.count * op.shape[2] * op.shape[3] for op in layer.ops["fwd"] if op.kind == "matmul"
+            and op.shape[0] == 1]
+
+
+def _block(layer) -> bool:
+    return any(op.kind in ("attention", "matmul") and op.shape[0] > 1 for op in layer.ops["fwd"])
+
+
+def test_a_blocks_linear_weights_are_gathered_at_one_byte_with_no_scale(estimates):
+    """Each block's float8 linears' n x k weights at 1 byte where bf16 has 2 (the scale-inverses come from the
+    reduced amaxes, not the gather); the embedding and head as they are; no pass changes."""
+    counted, (plain, gathered) = estimates
+    for layer, before, after in zip(counted.layers, plain.layers, gathered.layers):
+        assert before.all_gather_bytes is None
+        float8 = sum(_linear_weights(layer)) if _block(layer) else 0
+        assert after.all_gather_bytes == after.param_bytes - float8
+        assert (after.fwd, after.bwd, after.param_bytes) == (before.fwd, before.bwd, before.param_bytes)
+    assert any(_block(layer) for layer in counted.layers)
+
+
+def test_the_step_casts_the_float32_shard_and_transposes_the_gathered_weights(estimates):
+    """In place of the cast-transpose of every 16-bit weight (2 bytes read, 2 written an element) the step casts
+    its 1/d shard from float32 (4 read, 1 written) and transposes the whole float8 weight (1 read, 1 written)."""
+    counted, (plain, gathered) = estimates
+    bandwidth = H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency
+    weights = [w for layer in counted.layers if _block(layer) for w in _linear_weights(layer)]
+    overhead = H100.curve.kernel_overhead_ms
+
+    def casts_ms(per_weight) -> float:
+        return sum(kernels * overhead + w * nbytes / bandwidth for w in weights for kernels, nbytes in per_weight)
+
+    def step_ms(profile) -> float:
+        return sum(stage.steps["adam"].step.median_ms for stage in profile.stages)
+
+    expected = casts_ms([(1, 5 / D), (1, 2)]) - casts_ms([(1, 4)])
+    assert step_ms(gathered) - step_ms(plain) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_zero_gather_of_a_float8_run_moves_fewer_bytes_and_the_step_is_shorter():
+    """Under ZeRO-1 with p = 1 the stage's buckets' all-gathers before the forward are exposed (planning/buckets.py):
+    gathering the float8 weights (2,048 wide, d = 8) exposes less and shortens the step."""
+    pytest.importorskip("torch")
+    wide = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "2048", "--heads", "16", "--seq-len",
+            "128", "--vocab", "128", "--attention", "flash", "-p", "1", "-m", "2", "-s", "1f1b", "--data-parallel", "8")
+
+    def step(*args) -> tuple[float, float]:
+        code, out, err = pipesim("simulate", *wide, "--zero", "1", "--dtype", "fp8", *args, "--json")
+        assert code == 0, err
+        result = json.loads(out)["results"][0]
+        return result["exposed_comm_ms"], result["makespan_ms"]
+
+    gathered, plain = step("--fp8-param-gather"), step()
+    assert gathered[0] < plain[0] and gathered[1] < plain[1]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--zero", "1", "--fp8-param-gather"), "--fp8-param-gather says how --dtype fp8 runs the linear products"),
+    (("--zero", "1", "--dtype", "fp8", "--fp8-recipe", "torchao", "--fp8-param-gather"),
+     "--fp8-param-gather: TransformerEngine's float8 weights all-gathered by the distributed optimizer; give "
+     "--fp8-recipe te or te-current, --zero 1 or 2"),
+    (("--dtype", "fp8", "--fp8-param-gather"), "(got --fp8-recipe te, --zero 0)"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, args, fragment):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = pipesim("simulate", *SMALL, *args, "--html", "s.html")
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("given", [dict(fp8="torchao"), dict(fp8="te", precision="fsdp2"), dict(fp8=None),
+                                   dict(fp8="te", expert=2)])
+def test_parallelism_refuses_it_where_no_transformer_engine_weight_is_gathered_by_zero(given):
+    with pytest.raises(EstimateError, match="fp8_param_gather: TransformerEngine's float8 weights"):
+        Parallelism(fp8_param_gather=True, **given)
