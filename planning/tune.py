@@ -28,8 +28,9 @@ G/v, by models read off the candidate's own schedule (`_splitter`): a stage's co
 schedule runs it, and its memory. If no split fits, the split whose fullest stage is leanest is simulated.
 
 Score. The steady-state step time: how much the makespan grows per extra mini-batch (schedules that flush
-repeat exactly from the second step on; the others are averaged over STEADY_STEPS steps past their warm-up),
-never below the busiest device's compute per step, which no steady state can beat.
+repeat exactly from the second step on; the others are averaged over STEADY_STEPS steps past their warm-up, or
+where the rows show that window is not yet their periodic regime, that regime's step, in longer runs if need be:
+`_periodic_step_ms`), never below the busiest device's compute per step, which no steady state can beat.
 
 Search. Best bound first, in two tiers, so that only what can still win is built and only what can still
 win once built is simulated. A shape (schedule, p, v, P, m) is bounded from a sketch of its order read off a
@@ -100,7 +101,7 @@ from ..schedules import (
 from ..sim.cluster import Cluster
 from ..sim.costs import Costs, runtime_refusal
 from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes
-from ..traces import Summary, summarize
+from ..traces import Summary, Trace, summarize
 from ..units import GIB
 from .auto import activation_ratio, check_shape, schedule_frame
 from .scenario import CollectiveLink, Scenario, profile_costs
@@ -110,6 +111,8 @@ COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds 
                     for kind in KINDS[:NUM_COMPUTE_KINDS]])
 _UNBOUNDED_BYTES = 1 << 62  # a peak no cap admits
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
+LONGEST_STEADY_STEPS = 8 * STEADY_STEPS  # the longest run `_periodic_step_ms` looks for a periodic regime in
+_PERIOD_TOLERANCE_PS = 2  # rows' ends read back from the trace's microseconds: within 2 ps of the engine's
 CRITICAL_STEPS = 4  # steps of those a critical path follows (`_with_critical_path`), fewer than STEADY_STEPS
 AHEAD_READ = 15  # the heap's first four levels, which idle workers read for work ahead (`_Built.ahead`)
 
@@ -1189,10 +1192,71 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True) -> t
     short_run = summarize(simulate(short, candidate.costs, links))
     growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
         candidate.schedule.minibatches - candidate.short_minibatches)
+    if not flushes(candidate.schedule):
+        growth_ms = _periodic_step_ms(lambda n: build(scenario, problem, config.schedule, replace(
+            candidate.params, minibatches=n), candidate.bounds), candidate.short_minibatches, candidate.schedule,
+            long_trace, candidate.costs, links, growth_ms)
     step_ms = max(growth_ms, _steady_busiest_ms(candidate.schedule, candidate.costs, candidate.busy_ms,
                                                 candidate.short_minibatches))
     return (problem.batch_size / step_ms * 1e3, step_ms, 1.0 - float(candidate.busy_ms.mean()) / step_ms,
             _peak_bytes(long_run))
+
+
+def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedule: Schedule, trace: Trace,
+                      costs: Costs, links: Cluster, growth_ms: float) -> float:
+    """The steady step of an order that never flushes (`schedule_of`: built for N mini-batches), from its long
+    run (`schedule`, simulated: `trace`) past its `short` warm-up's mini-batches: `growth_ms` (the makespan's
+    growth from the short run) where that is it, else the step of the periodic regime the run reaches, run
+    longer (STEADY_STEPS doubled, up to LONGEST_STEADY_STEPS) until one shows, else the largest mean step of any
+    row over the longest window, which no steady step exceeds. The growth alone can read a transient: a REDUCE
+    chain's backlog on its lane can build up for tens of steps (PipeDream, 2 stages, m = 1: 6.96 ms where every
+    step from the eighth on takes 7), and a sound bound then sits above the step tune measures.
+
+    Why the regime seen is the steady state. Index a row by its place g in the order's pattern and its
+    mini-batch k (`_row_ends_ps`: E[g, k], its end; every mini-batch runs the same rows). With h = ceil(stages /
+    m) mini-batches in flight, rows of mini-batch k < N - h of an N-mini-batch run end as in any longer run (only
+    the drain's rows come after the last forward), and a row's end depends only on rows of its device's order
+    and of its data no more than W = 2h + 2 (`short`, the warm-up's) mini-batches back. The engine is
+    deterministic and its rules the same for every mini-batch past the warm-up. So if E[:, k + c] = E[:, k] + c·s
+    for W consecutive k (the last before N - h - c), the first row after them that differed from that shift (in
+    event order) would have every input equal to its shifted one, which is a contradiction: the run repeats with
+    period c and step s forever. Where no period shows in the longest run, the largest (E[g, k + c] - E[g, k]) / c
+    over its first W mini-batches k, c the window's length, bounds the steady step from above wherever the rows'
+    ends are monotone and shift-invariant in their inputs (a max-plus order's are: if every row of a window of W
+    ends at most c·s later c mini-batches on, so does every row after it, by the same induction), so tune does not
+    measure a step below the steady state's, which the bounds stay at or below."""
+    steps, reach = schedule.minibatches - short, short
+    in_flight = -(-schedule.num_stages // schedule.microbatches)
+    while True:
+        ends_ps = _row_ends_ps(trace)
+        clean = schedule.minibatches - in_flight
+        for period in range(1, clean - reach + 1):
+            shift_ps = ends_ps[:, clean - reach:clean] - ends_ps[:, clean - reach - period:clean - period]
+            if shift_ps.max() - shift_ps.min() <= _PERIOD_TOLERANCE_PS:
+                step_ms = float(shift_ps.max()) / period / 1e9
+                return growth_ms if math.isclose(growth_ms, step_ms, rel_tol=1e-9) else step_ms
+        if steps >= LONGEST_STEADY_STEPS and clean > reach:
+            period = clean - reach
+            return float((ends_ps[:, clean - reach:clean] - ends_ps[:, :reach]).max()) / period / 1e9
+        steps *= 2
+        schedule = schedule_of(short + steps)
+        trace = simulate(schedule, costs, links)
+
+
+def _row_ends_ps(trace: Trace) -> np.ndarray:
+    """Each row's end in integer picoseconds (the engine's clock) as E[g, k]: row g of the order's pattern (its
+    device, stream, kind, stage, micro-batch, pipeline, peer, and its place among rows alike) in mini-batch k."""
+    ops = trace.ops
+    ends_ps = np.rint(ops.start_us * 1e6).astype(np.int64) + np.rint(ops.dur_us * 1e6).astype(np.int64)
+    keys = (ops.device, ops.stream, ops.kind, ops.stage, ops.microbatch, ops.pipeline, ops.peer)
+    alike = np.lexsort((np.arange(len(ends_ps)), ops.minibatch, *keys[::-1]))
+    rows = np.arange(len(alike))
+    repeats = rows > 0  # the same row as the one before it in `alike`, in the same mini-batch
+    for column in (ops.minibatch, *keys):
+        repeats[1:] &= column[alike][1:] == column[alike][:-1]
+    place = np.empty(len(alike), dtype=np.int64)
+    place[alike] = rows - np.maximum.accumulate(np.where(repeats, 0, rows))
+    return ends_ps[np.lexsort((ops.minibatch, place, *keys[::-1]))].reshape(-1, int(ops.minibatch.max()) + 1)
 
 
 def _steady_busiest_ms(schedule: Schedule, costs: Costs, busy_ms: np.ndarray, short: int) -> float:

@@ -18,7 +18,7 @@ from pipesim.schedules import Schedule, ScheduleError, ScheduleParams, build_sch
 from pipesim.schedules.analysis import warmup_minibatches
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.cluster import Link
-from pipesim.traces import summarize
+from pipesim.traces import Trace, summarize
 from tests.test_searched_bound import ROUNDING_MS, chains
 from tests.test_tune_digests import MODEL
 from tests.test_tune_reserve import searched_settings
@@ -36,10 +36,21 @@ def _runs(schedule_of) -> tuple[int, int]:
 
 def _step_ms(schedule_of, costs, links) -> float:
     """The step as tune measures it (`_measured`), short of the busiest device's compute: the makespan's growth
-    from its warm-up's mini-batches to the long run's, per mini-batch."""
+    from its warm-up's mini-batches to the long run's, per mini-batch, or for an order that never flushes the
+    step of the periodic regime its rows reach (`_periodic_step_ms`)."""
     short, long = _runs(schedule_of)
-    long_run, short_run = (summarize(simulate(schedule_of(n), costs, links)) for n in (long, short))
-    return (long_run.makespan_ms - short_run.makespan_ms) / (long - short)
+    growth_ms, long_trace = _growth_ms(schedule_of, costs, links)
+    if flushes(schedule_of(long)):
+        return growth_ms
+    return tuning._periodic_step_ms(schedule_of, short, schedule_of(long), long_trace, costs, links, growth_ms)
+
+
+def _growth_ms(schedule_of, costs, links) -> tuple[float, Trace]:
+    """The makespan's growth from tune's short run to its long one, per mini-batch, and the long run's trace."""
+    short, long = _runs(schedule_of)
+    long_trace = simulate(schedule_of(long), costs, links)
+    short_run = summarize(simulate(schedule_of(short), costs, links))
+    return (summarize(long_trace).makespan_ms - short_run.makespan_ms) / (long - short), long_trace
 
 
 def _costed_step_ms(schedule_of, costs, links) -> tuple[float, float]:
@@ -68,10 +79,7 @@ def fixed_order(name: str, stages: int, microbatches: int, after_flush: bool) ->
     return schedule_of
 
 
-# Drawn from a fixed seed: tune's window of STEADY_STEPS mini-batches can end before a non-flushing order's REDUCEs
-# settle (PipeDream, 4 stages, one micro-batch, a 5 ms REDUCE on stage 2: the growth reads 5.42 ms where the steady
-# step is 5.5), so the measured step sits below a sound bound; a known defect of the measurement, not the bound.
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=150, deadline=None)
 @given(chains(), st.sampled_from(FIXED), st.booleans())
 def test_a_fixed_orders_bound_with_its_accumulations_stays_at_or_below_its_step(chain, name, after_flush):
     """Random chains, accumulations up to 1 ms, two replicas' REDUCEs (after the flush or each after its stage's
@@ -168,8 +176,8 @@ def test_a_partitions_accumulations_before_costing_are_its_costs_own():
 def test_a_chain_whose_accumulations_settle_after_the_window_is_measured_at_its_steady_compute():
     """PipeDream-2BW on three stages, two replicas (a reviewer's case): tune's window reads the makespan's growth
     at 18.83 ms, before device 0's steady step (18 ms of compute and 1 ms adding its second micro-batch's
-    gradients) sets in; the step `_measured` takes is that 19 ms, so the bound, which counts the accumulation,
-    stays at or below it."""
+    gradients) sets in; the step `_measured` takes is that 19 ms (the periodic regime's, and the busiest device's
+    steady compute), so the bound, which counts the accumulation, stays at or below it."""
     base = Costs.per_stage(3, fwd_ms=1.0, bwd_ms=2.0)
     none = dict(opt_ms=0.0, reduce_ms=0.0, output_bytes=0)
     given_costs = [dict(fwd_ms=3.5, bwd_ms=5.5, igrad_ms=1.0, wgrad_ms=4.5, accumulate_ms=1.0, **none),
@@ -182,6 +190,57 @@ def test_a_chain_whose_accumulations_settle_after_the_window_is_measured_at_its_
         return build_schedule("pipedream-2bw", ScheduleParams(3, 2, minibatches, data_parallel=2))
 
     bound_ms, steady_ms = _costed_step_ms(schedule_of, costs, links)
-    assert _step_ms(schedule_of, costs, links) == pytest.approx(18.0 + 5 / 6)
-    assert steady_ms == pytest.approx(19.0)
+    assert _growth_ms(schedule_of, costs, links)[0] == pytest.approx(18.0 + 5 / 6)
+    assert _step_ms(schedule_of, costs, links) == steady_ms == pytest.approx(19.0)
     assert bound_ms <= steady_ms
+
+
+def test_an_order_whose_reduces_settle_after_the_window_is_measured_at_its_periodic_step():
+    """PipeDream on two stages, one micro-batch a mini-batch, two replicas (hypothesis's shrunk example: stage 0
+    F 3.5 ms, W 1.5, a 2 ms REDUCE; stage 1 no compute but a 2 ms update after a 4.5 ms REDUCE): its steps take
+    6.5 ms for its first seven mini-batches, then 7 (stage 1's REDUCE chain and update) for good; the window
+    from its warm-up's 6 mini-batches to 18 reads 6.96, under the bound; the step tune measures is the periodic
+    regime's 7 ms, and the bound stays at or below it."""
+    base = Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0)
+    given_costs = [dict(fwd_ms=3.5, bwd_ms=1.5, igrad_ms=0.0, wgrad_ms=1.5, opt_ms=0.0, reduce_ms=2.0),
+                   dict(fwd_ms=0.0, bwd_ms=0.0, igrad_ms=0.0, wgrad_ms=0.0, opt_ms=2.0, reduce_ms=4.5)]
+    costs = replace(base, stages=tuple(replace(stage, output_bytes=0, **g) for stage, g in zip(base.stages,
+                                                                                              given_costs)))
+    links = Cluster(2, Link(latency_ms=0.0, bandwidth_bytes_per_ms=500.0))
+
+    def schedule_of(minibatches: int) -> Schedule:
+        return build_schedule("pipedream", ScheduleParams(2, 1, minibatches, data_parallel=2))
+
+    assert _runs(schedule_of) == (6, 18)
+    assert _growth_ms(schedule_of, costs, links)[0] == pytest.approx(6.5 + 11 / 24)
+    bound_ms, _ = _costed_step_ms(schedule_of, costs, links)
+    assert bound_ms == pytest.approx(7.0)
+    assert _step_ms(schedule_of, costs, links) == pytest.approx(7.0)
+    assert bound_ms <= _step_ms(schedule_of, costs, links)
+
+
+def test_a_window_not_yet_periodic_is_run_longer():
+    """PipeDream on four stages, one micro-batch, REDUCEs after the flush: the steps alternate 9 and 9.5 ms for
+    twenty mini-batches while device 0's REDUCE chain falls behind, then take 9.5 for good; tune's window reads
+    9.29, the rows of its long run show no periodic regime yet, and the runs it makes longer find the 9.5."""
+    given_costs = [dict(fwd_ms=2.0, igrad_ms=1.0, wgrad_ms=1.0, bwd_ms=2.0, opt_ms=0.5, reduce_ms=5.0, output_bytes=0),
+                   dict(fwd_ms=0.0, igrad_ms=0.0, wgrad_ms=1.0, bwd_ms=1.0, opt_ms=1.0, reduce_ms=1.0,
+                        output_bytes=1000),
+                   dict(fwd_ms=3.0, igrad_ms=0.5, wgrad_ms=2.0, bwd_ms=2.5, opt_ms=0.0, reduce_ms=0.0,
+                        output_bytes=4000),
+                   dict(fwd_ms=0.0, igrad_ms=1.0, wgrad_ms=3.0, bwd_ms=4.0, opt_ms=0.0, reduce_ms=5.0,
+                        output_bytes=1000)]
+    base = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0)
+    costs = replace(base, stages=tuple(replace(stage, **g) for stage, g in zip(base.stages, given_costs)))
+    links = Cluster(4, Link(latency_ms=0.5, bandwidth_bytes_per_ms=1000.0))
+    built = []
+
+    def schedule_of(minibatches: int) -> Schedule:
+        built.append(minibatches)
+        return build_schedule("pipedream", ScheduleParams(4, 1, minibatches, data_parallel=2,
+                                                          reduce_after_flush=True))
+
+    assert _growth_ms(schedule_of, costs, links)[0] == pytest.approx(9.0 + 7 / 24)
+    del built[:]
+    assert _step_ms(schedule_of, costs, links) == pytest.approx(9.5)
+    assert max(built) > _runs(schedule_of)[1]
