@@ -253,14 +253,15 @@ def measure_bytes(model: Model, settings: Settings) -> tuple[Recording, list[Lay
     are dispatched (workload/moe.py `dispatches`; timings left at zero: `measure_times` fills them, so a
     memory cap nothing fits fails before the slow part).
 
-    Saved activations are what autograd keeps for backward (saved_tensors_hooks), weights excluded, each
-    storage counted once per layer."""
+    Saved activations are what autograd keeps for backward (saved_tensors_hooks), weights and buffers excluded
+    (the module holds them whatever autograd saves), each storage counted once per layer."""
     place(model, settings.device, settings.dtype)
     batch, target = model.make_batch(settings.microbatch_size, torch.Generator().manual_seed(0))
     batch = batch.to(settings.device, settings.dtype if batch.is_floating_point() else batch.dtype)
     target = target.to(settings.device) if torch.is_tensor(target) else target
 
-    params = {p.untyped_storage().data_ptr() for layer in model.layers for p in layer.parameters()}
+    params = {p.untyped_storage().data_ptr() for layer in model.layers
+              for p in (*layer.parameters(), *layer.buffers())}
     outputs: dict[int, torch.Tensor] = {BATCH: batch}
     names, last = model.layer_names(), len(model.layers) - 1
     zero = _zero(settings)

@@ -683,6 +683,19 @@ class ContextRing:
             return (self.ranks - 1) * (halves[0] * overhead_ms + halves[1] / rate)
         return overhead_ms + keys_values / rate + (self.ranks - 1) * (overhead_ms + max(queries, keys_values) / rate)
 
+    def kept(self, layer: LayerCount) -> LayerCount:
+        """`layer` keeping for the backward what the ring's forward keeps: under p2p the attention's inputs made
+        contiguous before TransformerEngine's ring takes them (FusedAttention's context-parallel branch,
+        `x.contiguous()`, transformer_engine/pytorch/attention.py at v1.10) and its own `torch.cat` of the keys and
+        values saved (`AttnFuncWithCPAndKVP2P.forward`: `q, kv, out, softmax_lse`), so a fused QKV product that the
+        kernel's v viewed is freed, not kept beside the rotated q and k (`LayerCount.attention_copied_bytes`); torch's
+        rings save their kernels' views as given."""
+        if self.rotate != "p2p" or not layer.attention_copied_bytes:
+            return layer
+        saved = tuple((shape, copied) for (shape, _), copied in zip(layer.saved_tensors, layer.attention_copied_bytes))
+        freed = sum(nbytes for _, nbytes in layer.saved_tensors) - sum(nbytes for _, nbytes in saved)
+        return replace(layer, saved_tensors=saved, saved_bytes=layer.saved_bytes - freed)
+
     def attention_ms(self, op: OpCount, device: Device) -> float:
         """One call of the rank's attention `op` as its C blocks, the exchanges aside (`exchange_ms`)."""
         return sum(self.blocks_ms(op, device))
@@ -1004,13 +1017,14 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                    element_bytes: int, context_link: EstimateLink | None = None) -> LayerEstimate:
     """`layer` priced on one of the t·C ranks of its stage (see the module docstring); `context_link`: the
     context-parallel ring's, where C > 1."""
-    if parallel.fp8 is not None:
-        layer = in_float8(layer, parallel.float8_recipe, element_bytes)
-    split = _Split.of(layer, parallel)
     t, c = parallel.tensor, parallel.context
     if c > 1 and context_link is None:
         raise EstimateError(f"context: {c} ranks need the ring's link")
     ring = ContextRing(c, context_link, parallel.cp_rotate) if c > 1 else None
+    layer = layer if ring is None else ring.kept(layer)  # before the float8 copies: the count's own storages
+    if parallel.fp8 is not None:
+        layer = in_float8(layer, parallel.float8_recipe, element_bytes)
+    split = _Split.of(layer, parallel)
     # TransformerEngine's recipes (`gathers_float8`) cast before they gather: a column-parallel
     # product's input is cast (LayerNormLinear's fused norm writes float8 into the userbuffer, `fp8_buf` for every
     # all-gather overlap in initialize_ub; gather_along_first_dim of the float8 `ln_out` without one) and that copy

@@ -78,6 +78,9 @@ class LayerCount:
     ops: dict[str, tuple[OpCount, ...]] = field(default_factory=dict)
     saved_parts: tuple[str, ...] = ()  # per saved tensor, what saved it (memory_parts.SAVED_PARTS); (): not attributed
     linear_input_saves: tuple[str, ...] = ()  # per saved tensor, `LINEAR_INPUT_SAVES`; (): not recorded
+    # per saved tensor, its bytes were the attention kernel's inputs made contiguous before it saved them, as
+    # TransformerEngine's context-parallel ring does (workload/count.py `_attention_copied`); (): not recorded
+    attention_copied_bytes: tuple[int, ...] = ()
     # a mixture of experts' routed experts (workload/moe.py): their weights' bytes, of param_bytes, which expert
     # parallelism shards; and the bytes of the token copies a micro-batch's dispatches send (the combines return
     # as many), which its all-to-alls carry

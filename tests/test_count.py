@@ -61,6 +61,30 @@ def test_memory_bound_ops_move_what_they_read_and_write_and_views_nothing():
     assert first.fwd_moved_bytes == 0  # the product (FLOPs) and the views of its weight move nothing here
     assert first.wgrad_moved_bytes == activation + 4 * o  # the bias gradient: a sum over the batch
 
+
+class _Rows(nn.Module):
+    """Rows of its input by index: `repeats` copies of each of its first `rows`."""
+
+    def __init__(self, rows: int, repeats: int) -> None:
+        super().__init__()
+        self.rows, self.repeats = rows, repeats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[torch.arange(self.rows, device=x.device).repeat_interleave(self.repeats)]
+
+
+@pytest.mark.parametrize(("rows", "repeats", "read_rows"), [(1, 1, 1), (8, 2, 8)])
+def test_a_gather_by_index_reads_the_rows_it_indexes_at_most_its_whole_tensor(rows, repeats, read_rows):
+    """aten `index` of 8 rows of 16 float32s: one row read where it takes one; the whole tensor once where it takes
+    each row twice (the second read taken as cached); its int64 indices read and its output written either way."""
+    with torch.device("meta"):
+        layers = [nn.Linear(16, 16), _Rows(rows, repeats)]
+    model = Model("rows", layers, lambda n, gen: (torch.randn(n, 16, generator=gen), None),
+                  lambda out, target: out.float().square().mean())
+    gather = [op for op in count_model(model, 8, torch.float32).layers[1].ops["fwd"] if op.op == "index"]
+    taken = rows * repeats
+    assert [op.moved_bytes for op in gather] == [8 * taken + 4 * 16 * (read_rows + taken)]
+
 @pytest.mark.parametrize("attention", ["math", "flash"])
 def test_gpt_block_forward_flops_are_narayanans_24bsh2_plus_4bs2h(attention):
     block = gpt_block(attention)

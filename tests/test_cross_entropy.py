@@ -45,6 +45,20 @@ def test_the_last_devices_transient_falls_from_two_float32_tensors_to_one_16_bit
     assert held[1] == pytest.approx(4, rel=0.05)
 
 
+
+def test_the_targets_gather_and_scatter_move_one_element_a_token_not_the_logits():
+    """Megatron-core's `logits_2d[arange, target]` (aten `index`) and the backward's `grad_2d[arange, target] -=`
+    (`index`, then `index_put_`) read their two int64 index tensors and one float32 logit a token, and write one
+    float32 a token: the kernels touch the indexed elements, not the tokens x V logits they index."""
+    from pipesim.workload.count import count_built
+
+    tokens = B * S
+    head = count_built("gpt", TINY_GPT, B, torch.bfloat16, "math", cross_entropy="megatron").layers[-1]
+    indexed = [(op.op, op.moved_bytes, op.count) for op in (*head.ops["fwd"], *head.ops["bwd"])
+               if op.op in ("index", "index_put_")]
+    one_a_token = 2 * tokens * 8 + 2 * tokens * 4  # the indices, then the elements read and written
+    assert sorted(indexed) == [("index", one_a_token, 1), ("index", one_a_token, 1), ("index_put_", one_a_token, 1)]
+
 @pytest.mark.parametrize(("flags", "message"), [
     (("--cross-entropy", "fused"), "--cross-entropy: choose from torch, megatron (got 'fused')"),
     (("--cross-entropy", "megatron", "--loss-parallel", "--tensor-parallel", "2"),

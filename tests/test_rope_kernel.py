@@ -11,7 +11,7 @@ import torch
 from pipesim.workload.count import count_built
 from pipesim.workload.models import ModelError
 from pipesim.workload.rope import NO_ROPE_TO_FUSE
-from tests.conftest import pipesim
+from tests.conftest import pipesim, simulate_json
 from tests.test_hf import GPT, HEAD, KV, LLAMA, A, B, S, needs_transformers, write_config
 from tests.test_moe import TINY_DEEPSEEK
 
@@ -198,3 +198,64 @@ def test_the_gpt_with_rope_runs_forward_and_backward_on_real_tensors():
         out = layer(out)
     model.loss(out, target).backward()
     assert model.layers[0].positions is None and model.layers[1].qkv.weight.grad.abs().sum() > 0
+
+
+GATED_ROTARY_GPT = {"layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "seq_len": 32, "vocab": 128,
+                    "gated": True, "rotary_percent": 1.0}
+
+
+def test_the_gpts_angles_are_its_own_buffers_not_saved_activations():
+    """The fused RoPE saves the block's cos and sin (TransformerEngine's saves its freqs), but they are the
+    block's buffers, held whatever autograd saves, as its weights are: no saved storage of the angles' shape
+    (1 x s x 1 x rotary, as the block rotates its token-major q and k)."""
+    block = count_built("gpt", GATED_ROTARY_GPT, 2, torch.bfloat16, "flash", rope_kernel="fused").layers[1]
+    assert (1, 32, 1, 16) not in [shape for shape, _ in block.saved_tensors]
+
+
+def test_the_fused_qkv_product_the_kernel_views_v_of_is_kept_as_v_alone_under_transformer_engines_ring():
+    """The rotated q and k are tensors of their own and v a view of the fused QKV product, which the attention
+    kernel keeps whole by saving v: so it does without context parallelism (TransformerEngine's FusedAttention
+    saves the strided v) and under torch's rings (their kernels' views as given); under p2p TransformerEngine makes
+    v contiguous and saves its own `torch.cat` of k and v, and the product is freed: q + k bytes a layer fewer."""
+    from pipesim.planning.estimate import ContextRing
+    from pipesim.profiles.schema import EstimateLink
+
+    b, s, width, kv_width = 2, 32, 64, 2 * 16
+    block = count_built("gpt", GATED_ROTARY_GPT, b, torch.bfloat16, "flash", rope_kernel="fused").layers[1]
+    qkv = b * s * (width + 2 * kv_width) * E
+    v = b * s * kv_width * E
+    assert [(nbytes, copied) for (_, nbytes), copied in zip(block.saved_tensors, block.attention_copied_bytes)
+            if nbytes != copied] == [(qkv, v)]
+    link = EstimateLink(kind="nvlink", latency_ms=0.01, bytes_per_ms=1e8)
+    assert ContextRing(2, link, "alltoall").kept(block) == block
+    assert ContextRing(2, link, "p2p").kept(block).saved_bytes == block.saved_bytes - b * s * (width + kv_width) * E
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_the_last_devices_activations_fall_by_q_and_k_a_layer_under_the_p2p_ring(dtype):
+    """Two blocks, C = 2 under p2p against alltoall: the same saved bytes but the QKV products, q + k a layer
+    (1/C of them a rank); the rings' own buffers are communication, not activations. Under float8 too, whose
+    recipe keeps float8 copies of the linears' inputs, which the ring's rule leaves as they are."""
+    gpt = ["--model", "gpt", "--layers", "2", "--width", "256", "--heads", "4", "--kv-heads", "2", "--gated",
+           "--rotary-percent", "1.0", "--rope-kernel", "fused", "--seq-len", "256", "--vocab", "512",
+           "--dtype", dtype, "--attention", "flash", "-b", "2", "--gpu", "h100-sxm", "--context-parallel", "2",
+           "-p", "1", "-m", "1", "-s", "1f1b"]
+    activations = [simulate_json(*gpt, "--cp-rotate", rotate)[0]["devices"][0]["peak_memory_parts_mb"]["activations"]
+                   for rotate in ("alltoall", "p2p")]
+    q_and_k = 2 * 256 * (256 + 128) * E / 2  # a rank's 128 of the 256 tokens
+    assert (activations[0] - activations[1]) * 2 ** 20 == pytest.approx(2 * q_and_k)
+
+
+
+def test_calibration_leaves_the_angle_buffers_out_of_a_blocks_measured_saved_bytes():
+    """A real run on the CPU (`calibrate`'s measure_bytes, eager RoPE, float32): a rotary block saves its rotated q
+    and k beyond what a block with learned positions saves, and not the cos and sin its products keep, which are
+    the block's buffers, as the count leaves them out."""
+    from pipesim.calibrate.measure import Settings, measure_bytes
+    from pipesim.workload.models import build_model
+
+    settings = Settings(torch.device("cpu"), torch.float32, 2, warmup=0, repeats=1)
+    rotary, learned = (measure_bytes(build_model("gpt", **{**GATED_ROTARY_GPT, "rotary_percent": share}),
+                                     settings)[1][1] for share in (1.0, None))
+    q_and_k = 2 * 32 * (64 + 32) * 4
+    assert rotary.activation_bytes - learned.activation_bytes == q_and_k

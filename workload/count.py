@@ -8,9 +8,10 @@ Per layer and per micro-batch of b samples:
   the weight gradient is what the full backward adds to it, as a zero-bubble W pass computes;
 - bytes moved by the ops torch counts no FLOPs for (norms, activations, softmax, copies, the optimizer step):
   every tensor such an op reads plus every tensor it writes, the memory-bound part of the time; views move
-  nothing and are left out;
-- bytes autograd saves for the backward (saved-tensor hooks), each storage once per layer, weights left out
-  (the rule calibration measures by);
+  nothing and are left out; a gather or scatter by index (`INDEXED`) moves the elements it indexes, not the
+  whole tensor it indexes;
+- bytes autograd saves for the backward (saved-tensor hooks), each storage once per layer, weights and buffers
+  left out (the rule calibration measures by);
 - parameter, gradient and optimizer-state bytes (each optimizer of `OPTIMIZERS`, after one real step) and the
   bytes that step moves;
 - the tensor the layer outputs: what a stage ending there sends (the last layer's output is its loss);
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -107,6 +109,36 @@ def _kind(name: str) -> str:
     return "matmul" if name in MATMULS else "attention" if name in ATTENTION_KERNELS else "compute"
 
 
+# Ops that gather or scatter elements by index: their kernels touch the indexed elements of the tensor indexed, not
+# all of it (`_indexed_moved`).
+INDEXED = {"index", "index_put_"}
+
+
+def _indexed_moved(name: str, args: tuple) -> int:
+    """The bytes an `INDEXED` op moves, as its CUDA kernel moves them (aten/src/ATen/native/cuda/IndexKernel.cu,
+    `index_kernel` and `index_put_kernel`: one thread an indexed element, reading its index and that element or the
+    value it writes): the index tensors read, and the indexed elements of `self` read (`index`, `self[indices]`)
+    or written (`index_put_`, `self[indices] = values`), at most all of `self` (an element indexed again taken as
+    cached, as the count priced every gather before), with the output written or the values read. A boolean mask
+    counts as many positions as it has elements (all may be set) and is read whole."""
+    source, indices = args[0], args[1]
+    element_bytes = source.element_size()
+    positions, covered = [], 1
+    dim = 0
+    for index in indices:
+        if index is None:
+            dim += 1
+            continue
+        span = index.dim() if index.dtype == torch.bool else 1
+        covered *= math.prod(source.shape[dim:dim + span])
+        positions.append((index.numel(),) if index.dtype == torch.bool else tuple(index.shape))
+        dim += span
+    indexed = math.prod(torch.broadcast_shapes(*positions)) * (source.numel() // covered)
+    index_bytes = sum(_nbytes(index) for index in indices if index is not None)
+    other = indexed * element_bytes if name == "index" else _nbytes(args[2])
+    return index_bytes + min(indexed, source.numel()) * element_bytes + other
+
+
 class _MovedBytes(TorchDispatchMode):
     """Records every op with its FLOPs (torch's formula) and the bytes it reads and writes, and sums the bytes of
     those torch has no FLOP formula for, except views (ops whose outputs alias an input without writing it).
@@ -161,7 +193,7 @@ class _MovedBytes(TorchDispatchMode):
         read_storages = {id(t.untyped_storage()) for t in reads}
         if not func._schema.is_mutable and all(id(t.untyped_storage()) in read_storages for t in writes):
             return out  # a view
-        moved = sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
+        moved = _indexed_moved(name, args) if name in INDEXED else sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
         self._record((name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
@@ -481,12 +513,15 @@ class _SaverParts(TorchFunctionMode):
 
 @contextmanager
 def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
-           ) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]]]:
+           ) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str, dict | None]]]:
     """The storages autograd saves inside, by identity (meta storages have no address), each with the shape of
-    the first tensor saved on it, what saved it (one of `SAVED_PARTS`) and whether it is the input of a product
-    with weights (`LINEAR_INPUT_SAVES`; `routed`: the routed experts running inside), `layer`'s weights left out.
-    Every storage compared is held meanwhile, so no identity is reused."""
-    weights = [p.untyped_storage() for p in (*layer.parameters(), *shared_weights(layer))]
+    the first tensor saved on it, what saved it (one of `SAVED_PARTS`), whether it is the input of a product
+    with weights (`LINEAR_INPUT_SAVES`; `routed`: the routed experts running inside) and, where the attention
+    kernel alone saved it, the distinct tensors it saved on it (their bytes by offset, shape and strides; None
+    where anything else saved it too: `_attention_copied`). `layer`'s weights and buffers left out: the module
+    holds them whatever autograd saves (the gpt's RoPE angles, which its fused RoPE saves). Every storage compared
+    is held meanwhile, so no identity is reused."""
+    weights = [p.untyped_storage() for p in (*layer.parameters(), *shared_weights(layer), *layer.buffers())]
     params = {id(storage) for storage in weights}
     saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]] = {}
     modules: list[str | None] = []  # the submodules under way, outermost first: the part each name says
@@ -505,13 +540,16 @@ def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         linear = "only" if functions.linear else ""
+        attention = functions.running[-1:] == ["attention"]
+        view = {(t.storage_offset(), tuple(t.shape), t.stride()): _nbytes(t)} if attention else None
         if id(storage) in saved:
             first = saved[id(storage)]
-            saved[id(storage)] = (*first[:3], first[3] if first[3] == linear else "also")
+            views = None if first[4] is None or view is None else {**first[4], **view}
+            saved[id(storage)] = (*first[:3], first[3] if first[3] == linear else "also", views)
         elif id(storage) not in params:
             named = [part for part in reversed(modules) if part is not None]
             part = functions.running[-1] if functions.running else named[0] if named else "other"
-            saved[id(storage)] = (storage, tuple(t.shape), part, linear)
+            saved[id(storage)] = (storage, tuple(t.shape), part, linear, view)
         return t
 
     try:
@@ -520,6 +558,14 @@ def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def _attention_copied(storage: torch.UntypedStorage, views: dict | None) -> int:
+    """The bytes a saved storage holds where the attention kernel's inputs are made contiguous before it saves
+    them (TransformerEngine's context-parallel branch, `x.contiguous()`: a view of a wider product, as the v of a
+    fused QKV product, becomes a copy of its own, and the product is freed): the distinct tensors the attention
+    alone saved on it, at most the storage; the storage's own bytes where anything else saved it (`views` None)."""
+    return storage.nbytes() if views is None else min(sum(views.values()), storage.nbytes())
 
 
 def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[int, int]:
@@ -640,8 +686,9 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         wgrad_moved_bytes=full.moved_bytes - igrad.moved_bytes,
         saved_bytes=sum(s.nbytes() for s, *_ in saved.values()),
         saved_tensors=tuple((shape, s.nbytes()) for s, shape, *_ in saved.values()),
-        saved_parts=tuple(part for _, _, part, _ in saved.values()),
-        linear_input_saves=tuple(linear for *_, linear in saved.values()),
+        saved_parts=tuple(part for _, _, part, *_ in saved.values()),
+        linear_input_saves=tuple(linear for _, _, _, linear, _ in saved.values()),
+        attention_copied_bytes=tuple(_attention_copied(storage, views) for storage, *_, views in saved.values()),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
