@@ -1204,40 +1204,42 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True) -> t
 
 def _periodic_step_ms(schedule_of: Callable[[int], Schedule], short: int, schedule: Schedule, trace: Trace,
                       costs: Costs, links: Cluster, growth_ms: float) -> float:
-    """The steady step of an order that never flushes (`schedule_of`: built for N mini-batches), from its long
-    run (`schedule`, simulated: `trace`) past its `short` warm-up's mini-batches: `growth_ms` (the makespan's
-    growth from the short run) where that is it, else the step of the periodic regime the run reaches, run
-    longer (STEADY_STEPS doubled, up to LONGEST_STEADY_STEPS) until one shows, else the largest mean step of any
-    row over the longest window, which no steady step exceeds. The growth alone can read a transient: a REDUCE
-    chain's backlog on its lane can build up for tens of steps (PipeDream, 2 stages, m = 1: 6.96 ms where every
-    step from the eighth on takes 7), and a sound bound then sits above the step tune measures.
+    """The steady step of an order that never flushes (`schedule_of`: built for N mini-batches), from its long run
+    (`schedule`, simulated: `trace`) past its `short` warm-up's mini-batches: `growth_ms` (the makespan's growth
+    from the short run) where that is it, else the step of the periodic regime the run reaches, run longer
+    (STEADY_STEPS doubled, up to LONGEST_STEADY_STEPS) until one shows, else the least, over the periods tried, of
+    the largest mean step of any row over the window, each of which no steady step exceeds. The growth alone can
+    read a transient: a REDUCE chain's backlog on its lane can build up for tens of steps (PipeDream, 2 stages, m =
+    1: 6.96 ms where every step from the eighth on takes 7), and a sound bound then sits above the step tune
+    measures.
 
-    Why the regime seen is the steady state. Index a row by its place g in the order's pattern and its
-    mini-batch k (`_row_ends_ps`: E[g, k], its end; every mini-batch runs the same rows). With h = ceil(stages /
-    m) mini-batches in flight, rows of mini-batch k < N - h of an N-mini-batch run end as in any longer run (only
-    the drain's rows come after the last forward), and a row's end depends only on rows of its device's order
-    and of its data no more than W = 2h + 2 (`short`, the warm-up's) mini-batches back. The engine is
-    deterministic and its rules the same for every mini-batch past the warm-up. So if E[:, k + c] = E[:, k] + c·s
-    for W consecutive k (the last before N - h - c), the first row after them that differed from that shift (in
-    event order) would have every input equal to its shifted one, which is a contradiction: the run repeats with
-    period c and step s forever. Where no period shows in the longest run, the largest (E[g, k + c] - E[g, k]) / c
-    over its first W mini-batches k, c the window's length, bounds the steady step from above wherever the rows'
-    ends are monotone and shift-invariant in their inputs (a max-plus order's are: if every row of a window of W
-    ends at most c·s later c mini-batches on, so does every row after it, by the same induction), so tune does not
-    measure a step below the steady state's, which the bounds stay at or below."""
+    Why the regime seen is the steady state. Index a row by its place g in the order's pattern and its mini-batch k
+    (`_row_ends_ps`: E[g, k], its end; every mini-batch runs the same rows). With h = ceil(stages / m) mini-batches
+    in flight, rows of mini-batch k < N - h of an N-mini-batch run end as in any longer run (only the drain's rows
+    come after the last forward), and a row's end depends only on rows of its device's order and of its data no more
+    than W = 2h + 2 (`short`, the warm-up's) mini-batches back. The engine is deterministic and its rules the same
+    for every mini-batch past the warm-up. So if E[:, k + c] = E[:, k] + c·s for W consecutive k (the last before N
+    - h - c), the first row after them that differed from that shift (in event order) would have every input equal
+    to its shifted one, which is a contradiction: the run repeats with period c and step s forever. Where no period
+    shows in the longest run, the largest (E[g, k + c] - E[g, k]) / c over those W mini-batches k, for each c,
+    bounds the steady step from above wherever the rows' ends are monotone and shift-invariant in their inputs (a
+    max-plus order's are: if every row of a window of W ends at most c·s later c mini-batches on, so does every row
+    after it, by the same induction), so tune does not measure a step below the steady state's, which the bounds
+    stay at or below."""
     steps, reach = schedule.minibatches - short, short
     in_flight = -(-schedule.num_stages // schedule.microbatches)
     while True:
         ends_ps = _row_ends_ps(trace)
         clean = schedule.minibatches - in_flight
+        least_ms = math.inf  # the least upper bound of the steady step the periods give
         for period in range(1, clean - reach + 1):
             shift_ps = ends_ps[:, clean - reach:clean] - ends_ps[:, clean - reach - period:clean - period]
+            step_ms = float(shift_ps.max()) / period / 1e9
             if shift_ps.max() - shift_ps.min() <= _PERIOD_TOLERANCE_PS:
-                step_ms = float(shift_ps.max()) / period / 1e9
                 return growth_ms if math.isclose(growth_ms, step_ms, rel_tol=1e-9) else step_ms
+            least_ms = min(least_ms, step_ms)
         if steps >= LONGEST_STEADY_STEPS and clean > reach:
-            period = clean - reach
-            return float((ends_ps[:, clean - reach:clean] - ends_ps[:, :reach]).max()) / period / 1e9
+            return least_ms
         steps *= 2
         schedule = schedule_of(short + steps)
         trace = simulate(schedule, costs, links)
