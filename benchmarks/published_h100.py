@@ -6,7 +6,8 @@ Each row's `pipesim simulate` command is built from the row's own columns as NeM
 benchmarks/published/README.md): Megatron-core's GPT with TransformerEngine (flash attention, sequence
 parallelism and the tensor-parallel collectives overlapped with the products, `--tp-overlap`, where t > 1, the
 forward's pipelined reduce-scatters without TransformerEngine's SM margin, `--tp-overlap-no-margin`, where the
-run's config left it at TransformerEngine 1.x's default; context parallelism where the row has it, its ring
+run's config left it at TransformerEngine 1.x's default, and with float8 outputs, `--tp-overlap-fp8-buf`, where the
+run's config sets `fp8_buf` for them; context parallelism where the row has it, its ring
 TransformerEngine's, `--cp-rotate p2p`: Megatron-core's default cp_comm_type; the fused attention kernel its
 environment picks, `--attention-kernel`; the rotary position embedding of the rows that have it, `--rotary-percent`,
 run as TransformerEngine's fused kernel, `--rope-kernel fused`: every such yaml sets `apply_rope_fusion: true`), the
@@ -60,7 +61,8 @@ def simulate_command(row: dict[str, str]) -> list[str]:
     d = gpus // (t * p * c)
     schedule = ["-s", "interleaved-1f1b", "--chunks", str(v)] if v > 1 else ["-s", "1f1b"]
     tensor = ["--tensor-parallel", str(t), "--sequence-parallel", "--tp-overlap",
-              *(["--tp-overlap-no-margin"] if row["tp_overlap_sm_margin"] == "false" else [])] if t > 1 else []
+              *(["--tp-overlap-no-margin"] if row["tp_overlap_sm_margin"] == "false" else []),
+              *(["--tp-overlap-fp8-buf"] if row["tp_overlap_fp8_buf"] == "true" else [])] if t > 1 else []
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden"], "--ffn",
             row["ffn_hidden"], "--heads", row["heads"], "--kv-heads", row["kv_heads"],
             *(["--gated"] if row["gated"] == "true" else []),

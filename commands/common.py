@@ -358,6 +358,11 @@ TpOverlapNoMargin = Annotated[bool, typer.Option(
                                    "which a run without a userbuffers config gets; NeMo's configs set it): each "
                                    "split's product on every SM, which on Hopper waits out the reduce-scatter "
                                    "beside it.")]
+TpOverlapFp8Buf = Annotated[bool, typer.Option(
+    "--tp-overlap-fp8-buf", help="With --tp-overlap under --tp-runtime megatron and --dtype fp8 (a TransformerEngine "
+                                 "recipe): the forward's pipelined reduce-scatters with fp8_buf, as a userbuffers "
+                                 "config may set for proj_fprop and fc2_fprop: each row-parallel product writes "
+                                 "float8 and its reduce-scatter moves 1 byte an element.")]
 TpRuntime = Annotated[str | None, typer.Option(
     "--tp-runtime", metavar="RUNTIME", help="With --sequence-parallel: whose tensor-parallel layers run: megatron "
                                             "(Megatron-core and TransformerEngine, NeMo's; the default: each "
@@ -452,7 +457,8 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("fp8_param_gather", Fp8ParamGather, False), ("curve_from", CurveFrom, None),
                 ("gpus", GpusFile, None),
                 ("sequence_parallel", SequenceParallel, False), ("tp_overlap", TpOverlap, False),
-                ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("attention_kernel", AttentionKernel, None),
+                ("tp_overlap_no_margin", TpOverlapNoMargin, False), ("tp_overlap_fp8_buf", TpOverlapFp8Buf, False),
+                ("attention_kernel", AttentionKernel, None),
                 ("tp_runtime", TpRuntime, None), ("loss_parallel", LossParallel, False),
                 ("swiglu_fusion", SwigluFusion, True), ("cross_entropy", CrossEntropy, "torch"),
                 ("norm_kernel", NormKernel, "eager"), ("rope_kernel", RopeKernel, "eager"),

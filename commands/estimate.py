@@ -60,7 +60,7 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "rope_kernel", "recompute_modules", "torch_compile",
-                 "ema", "tp_overlap_no_margin", "attention_kernel", "grad_accumulation")
+                 "ema", "tp_overlap_no_margin", "tp_overlap_fp8_buf", "attention_kernel", "grad_accumulation")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -138,6 +138,7 @@ class WhatIf:
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
     grad_accumulation: str | None = None  # --grad-accumulation (None: --precision's, planning/estimate.py)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
+    tp_overlap_fp8_buf: bool = False  # --tp-overlap-fp8-buf
     attention_kernel: str = "flash2"  # --attention-kernel, of hardware/catalogue.py's ATTENTION_KERNELS
     routing: str = "balanced"  # --routing, of planning/experts.py's ROUTINGS
     host_kernel_us: float | None = None  # --host-kernel-us (None: planning/host.py's HOST_KERNEL_US)
@@ -201,7 +202,8 @@ class WhatIf:
                            token_dispatcher=self.token_dispatcher, dispatcher_sms=self.dispatcher_sms,
                            expert_tensor=self.expert_tensor,
                            rank_order=self.rank_order, loss_parallel=self.loss_parallel, tp_runtime=self.tp_runtime,
-                           tp_overlap_no_margin=self.tp_overlap_no_margin, attention_kernel=self.attention_kernel,
+                           tp_overlap_no_margin=self.tp_overlap_no_margin, tp_overlap_fp8_buf=self.tp_overlap_fp8_buf,
+                           attention_kernel=self.attention_kernel,
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
                            torch_compile=self.torch_compile,
@@ -273,6 +275,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                          "too")
     if params.get("tp_overlap_no_margin") and not (params.get("tp_overlap") and tp_runtime == "megatron"):
         raise InputError("--tp-overlap-no-margin sets the SMs of TransformerEngine's pipelined reduce-scatters: give "
+                         "--tp-overlap under --tp-runtime megatron")
+    if params.get("tp_overlap_fp8_buf") and not (params.get("tp_overlap") and tp_runtime == "megatron"):
+        raise InputError("--tp-overlap-fp8-buf sets the buffer of TransformerEngine's pipelined reduce-scatters: give "
                          "--tp-overlap under --tp-runtime megatron")
     cp_rotate = params.get("cp_rotate") or "alltoall"
     if cp_rotate not in CP_ROTATES:
@@ -383,6 +388,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
                   torch_compile=params.get("torch_compile", False),
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
+                  tp_overlap_fp8_buf=params.get("tp_overlap_fp8_buf", False),
                   attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing,
                   host_kernel_us=host_kernel_us, host_module_us=host_module_us, expert_gemm=expert_gemm)
 
@@ -414,7 +420,8 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
     if params["dtype"] != FP8:
         given = [flag for flag, value in (("--fp8-recipe", recipe is not None),
                                           ("--fsdp-float8-all-gather", params.get("fsdp_float8_all_gather")),
-                                          ("--fp8-param-gather", params.get("fp8_param_gather"))) if value]
+                                          ("--fp8-param-gather", params.get("fp8_param_gather")),
+                                          ("--tp-overlap-fp8-buf", params.get("tp_overlap_fp8_buf"))) if value]
         if given:
             raise InputError(f"{given[0]} says how --dtype fp8 runs the linear products: give --dtype fp8")
         return None
@@ -436,6 +443,9 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
         raise InputError(f"--fp8-param-gather: TransformerEngine's float8 weights all-gathered by the distributed "
                          f"optimizer; give --fp8-recipe {' or '.join(TE_RECIPES)}, --zero 1 or 2 and no "
                          f"--expert-parallel (got --fp8-recipe {recipe}, --zero {zero_stage(params)})")
+    if params.get("tp_overlap_fp8_buf") and recipe not in TE_RECIPES:
+        raise InputError(f"--tp-overlap-fp8-buf: TransformerEngine's float8 userbuffers; give --fp8-recipe "
+                         f"{' or '.join(TE_RECIPES)} (got {recipe})")
     return recipe
 
 

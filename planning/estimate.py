@@ -195,6 +195,7 @@ class Parallelism:
     tp_overlap: bool = False  # sequence parallelism's collectives overlapped with the products (`overlapped_ms`)
     tp_runtime: str = "megatron"  # whose tensor-parallel layers, of `TP_RUNTIMES` (`input_gather_ms`)
     tp_overlap_no_margin: bool = False  # the forward's pipelined products on every SM (`userbuffers_forward_ms`)
+    tp_overlap_fp8_buf: bool = False  # the forward's pipelined reduce-scatters of float8 outputs (`estimate_layer`)
     loss_parallel: bool = False  # the loss counted as torch's loss_parallel computes it (workload/loss.py)
     cp_rotate: str = "alltoall"  # how the context ring passes keys and values, of `CP_ROTATES` (`ContextRing`)
     attention_kernel: str = "flash2"  # the fused attention kernel, of `ATTENTION_KERNELS` (`kernel_curve`)
@@ -257,6 +258,11 @@ class Parallelism:
         if self.tp_overlap_no_margin and not (self.tp_overlap and self.tp_runtime == "megatron"):
             raise EstimateError("tp_overlap_no_margin: the SMs of TransformerEngine's pipelined reduce-scatters; "
                                 "give tp_overlap with tp_runtime megatron")
+        if self.tp_overlap_fp8_buf and not (self.tp_overlap and self.tp_runtime == "megatron"
+                                            and self.fp8 in TE_RECIPES):
+            raise EstimateError("tp_overlap_fp8_buf: TransformerEngine's float8 userbuffers for the pipelined "
+                                f"reduce-scatters; give tp_overlap with tp_runtime megatron and fp8 "
+                                f"{' or '.join(TE_RECIPES)}")
         if self.cp_rotate not in CP_ROTATES:
             raise EstimateError(f"cp_rotate: choose from {', '.join(CP_ROTATES)} (got {self.cp_rotate!r})")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -1043,7 +1049,11 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         if parallel.tp_overlap and parallel.tp_runtime == "torch":
             return async_tp_ms(op, device, t, nbytes, tensor_link) + gather_ms
         if parallel.tp_overlap and forward:
-            return userbuffers_forward_ms(op, device, t, nbytes, tensor_link,
+            # with `fp8_buf` (a userbuffers config's, proj_fprop and fc2_fprop) the product writes its float8 output
+            # into the userbuffer and the reduce-scatter sums float8 into 16 bits (TransformerEngine 1.10's
+            # _Linear forward, `is_fp8_ubuf`; comm_gemm_overlap.h, `reducescatter2_userbuff_stridedoutput_fp8`)
+            scattered = gathered if parallel.tp_overlap_fp8_buf else nbytes
+            return userbuffers_forward_ms(op, device, t, scattered, tensor_link,
                                           sm_margin=not parallel.tp_overlap_no_margin,
                                           gathered_nbytes=gathered) + gather_ms
         if parallel.tp_overlap:

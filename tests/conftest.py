@@ -17,6 +17,7 @@ import contextlib
 import io
 import json
 import math
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -85,6 +86,15 @@ def pipesim(*args: Any) -> Cli:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
         main([str(a) for a in args])
     return Cli(exc.value.code, out.getvalue(), err.getvalue())
+
+
+def refused(*args: Any) -> str:
+    """The command line run in the current folder (a test's empty tmp_path), which must refuse in one line with exit
+    2 and write nothing: its message."""
+    code, _, err = pipesim(*args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert not list(Path.cwd().iterdir())
+    return err
 
 
 def simulate_json(*args: Any) -> list[dict]:

@@ -39,7 +39,9 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert ("nemo-bf16-adam" in args) == (published["optimizer_state"] == "bf16")
         assert (_flag(args, "--recompute") if "--recompute" in args else "none") == published["recompute"]
         assert ("--tp-overlap-no-margin" in args) == (published["tp_overlap_sm_margin"] == "false")
-        assert (published["tp_overlap_sm_margin"] == "") == (t == 1)
+        assert (published["tp_overlap_sm_margin"] == "") == (t == 1) == (published["tp_overlap_fp8_buf"] == "")
+        assert ("--tp-overlap-fp8-buf" in args) == (published["tp_overlap_fp8_buf"] == "true")
+        assert published["tp_overlap_fp8_buf"] != "true" or published["precision"] == "fp8"
         assert _flag(args, "--attention-kernel") == published["attention_kernel"]
         rotary = _flag(args, "--rotary-percent") if "--rotary-percent" in args else ""
         assert rotary == published["rotary_percent"] and ("--rope-kernel" in args) == bool(rotary)
