@@ -63,14 +63,8 @@ def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | 
     gives stage k's bytes or ms for every range of layers at once, entry [i, j] for layers i .. j-1."""
     n = _check(layers, stages)
     memory = stage_bytes or _one_f_one_b_bytes(layers, stages)
-    time_ms = stage_time or _forward_backward_ms(layers)
-
-    def time_within_cap(k: int) -> np.ndarray:
-        if memory_cap_bytes is None:
-            return time_ms(k)
-        return np.where(memory(k) > memory_cap_bytes, math.inf, time_ms(k))
-
-    slowest_ms, bounds = _min_max_split(n, stages, time_within_cap)
+    over_cap = None if memory_cap_bytes is None else _stage_blocks(n, stages, memory, memory_cap_bytes)
+    slowest_ms, bounds = _min_max_split(n, stages, stage_time or _forward_backward_ms(layers), over_cap)
     if slowest_ms == math.inf:
         least_bytes, _ = leanest_partition(layers, stages, memory)
         raise PartitionError(
@@ -314,24 +308,46 @@ def activation_ranges(layers: Sequence[LayerCost]) -> np.ndarray:
     return ranges(saved) - (shared[None, :] - after_first[:, None])
 
 
-def _min_max_split(n: int, p: int, cost: StageCosts) -> tuple[float, list[int]]:
-    """Minimise max_k cost(k)[start_k, stop_k] over splits of n items into p non-empty contiguous parts.
+def _stage_blocks(n: int, p: int, cost: StageCosts, above: float | None = None) -> np.ndarray:
+    """[k, r, c]: stage k's cost over layers [k + r, k + 1 + c), the only ranges stage k of a split of n layers into p
+    non-empty stages can hold (it starts at k .. n-p+k and ends at k+1 .. n-p+k+1), r > c no range; or, given
+    `above`, whether that cost is over it (a cap: one byte an entry, read off each stage's costs as they come)."""
+    m = n - p + 1
+    first = cost(0)
+    blocks = np.empty((p, m, m), dtype=first.dtype if above is None else bool)
+    for k in range(p):
+        block = (first if k == 0 else cost(k))[k:k + m, k + 1:k + 1 + m]
+        if above is None:
+            blocks[k] = block
+        else:
+            np.greater(block, above, out=blocks[k])
+    return blocks
 
-    best[k][j]: the least max over the first j items in k+1 parts, each stage's row of candidates at once
-    (numpy over the ranges that can end stage k, p times); ties keep the earliest cut (argmin's first)."""
-    best = np.full((p, n + 1), math.inf)
-    cut = np.zeros((p, n + 1), dtype=np.int64)
-    best[0, 1:n - p + 2] = cost(0)[0, 1:n - p + 2]
-    later = np.tri(n + 1, k=-1, dtype=bool).T  # [i, j]: i < j
+
+def _min_max_split(n: int, p: int, cost: StageCosts, refused: np.ndarray | None = None) -> tuple[float, list[int]]:
+    """Minimise max_k cost(k)[start_k, stop_k] over splits of n items into p non-empty contiguous parts (no cost
+    NaN); `refused` (as `_stage_blocks` lays ranges out) marks ranges no stage may hold.
+
+    best[c]: the least max over the first k+1+c items in k+1 parts, a stage's candidates at once (numpy over the
+    m x m ranges that can end stage k, p times); ties keep the earliest cut (argmin's first). Where no split is
+    finite the bounds are p zeros and n, as the full (n+1)-wide table's argmins over columns of inf gave them."""
+    m = n - p + 1
+    no_range = np.tri(m, k=-1, dtype=bool)
+    costs = np.where(no_range if refused is None else refused | no_range, math.inf, _stage_blocks(n, p, cost))
+    best, columns, candidates = costs[0, 0], np.arange(m), np.empty((m, m))
+    cuts = np.empty((p, m), dtype=np.int64)  # [k, c]: row r of stage k's best start for its stop k + 1 + c
     for k in range(1, p):
-        stops = slice(k + 1, n - p + k + 2)
-        candidates = np.where(later[:, stops], np.maximum(best[k - 1][:, None], cost(k)[:, stops]), math.inf)
-        cut[k, stops] = np.argmin(candidates, axis=0)
-        best[k, stops] = candidates[cut[k, stops], np.arange(candidates.shape[1])]
-    bounds = [n]
+        np.maximum(best[:, None], costs[k], out=candidates)
+        candidates.argmin(axis=0, out=cuts[k])
+        best = candidates[cuts[k], columns]
+    slowest = float(best[-1])
+    if slowest == math.inf:
+        return slowest, [0] * p + [n]
+    bounds, at = [n], m - 1
     for k in range(p - 1, 0, -1):
-        bounds.append(int(cut[k, bounds[-1]]))
-    return float(best[p - 1, n]), [0, *reversed(bounds)]
+        at = int(cuts[k, at])
+        bounds.append(k + at)  # the start of stage k is the stop of stage k-1, column `at` of its blocks
+    return slowest, [0, *reversed(bounds)]
 
 
 def least_slowest(weights: Sequence[float]) -> np.ndarray:
