@@ -2033,18 +2033,18 @@ def _flush_chain(schedule: Schedule) -> tuple[int, bool] | None:
     any stage runs I (then the first stage's input-gradient pass is empty, as its I is)."""
     if not _is_flushing_chain(schedule):
         return None
-    t = schedule.table
-    steady = t.minibatch == 1
-    fewest = None
-    for d in range(schedule.num_devices):
-        kinds = t.kind[steady & (t.device == d)]
-        backward = np.flatnonzero(kind_mask(kinds, Kind.B, Kind.I))
-        if not len(backward):
-            return None
-        upto = kinds[:backward[-1] + 1]
-        counted = min(int(np.count_nonzero(upto == KIND_CODE[Kind.F])), len(backward))
-        fewest = counted if fewest is None else min(fewest, counted)
-    return fewest, bool(np.any(t.kind == KIND_CODE[Kind.I]))
+    t, p = schedule.table, schedule.num_devices
+    rows = np.flatnonzero(t.minibatch == 1)  # each device's in program order: one pass for all of them
+    device, kinds = t.device[rows], t.kind[rows]
+    backward = kind_mask(kinds, Kind.B, Kind.I)
+    last = np.full(p, -1)
+    np.maximum.at(last, device[backward], np.flatnonzero(backward))
+    if (last < 0).any():
+        return None
+    upto = np.arange(len(rows)) <= last[device]
+    forwards = np.bincount(device[(kinds == KIND_CODE[Kind.F]) & upto], minlength=p)
+    return int(np.minimum(forwards, np.bincount(device[backward], minlength=p)).min()), bool(
+        np.any(t.kind == KIND_CODE[Kind.I]))
 
 
 def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:

@@ -528,3 +528,37 @@ def test_best_cut_bound_is_the_least_over_every_cut_by_brute_force(layers, stage
         x = [scale * math.fsum((first if d == 0 else rest)[a:b]) for d, (a, b) in enumerate(itertools.pairwise(edges))]
         least = min(least, max(math.fsum(x[:d]) + reach[d] + passes * x[d] + tail for d in range(stages)))
     assert least * (1 - 1e-6) - 1e-9 <= bound <= least * (1 + 1e-9) + 1e-9, (bound, least)
+
+
+def _flush_chain_per_device(schedule) -> tuple[int, bool] | None:
+    """`_flush_chain` as it was written, one device at a time: the oracle of its one pass over the rows."""
+    if not tuning._is_flushing_chain(schedule):
+        return None
+    t, fewest = schedule.table, None
+    for d in range(schedule.num_devices):
+        kinds = t.kind[(t.minibatch == 1) & (t.device == d)]
+        backward = np.flatnonzero(np.isin(kinds, [tuning.KIND_CODE[tuning.Kind.B], tuning.KIND_CODE[tuning.Kind.I]]))
+        if not len(backward):
+            return None
+        counted = min(int(np.count_nonzero(kinds[:backward[-1] + 1] == tuning.KIND_CODE[tuning.Kind.F])),
+                      len(backward))
+        fewest = counted if fewest is None else min(fewest, counted)
+    return fewest, bool(np.any(t.kind == tuning.KIND_CODE[tuning.Kind.I]))
+
+
+def test_a_flushing_chain_is_read_in_one_pass_as_device_by_device():
+    """`_flush_chain` reads every device's fewest forwards and input-gradient passes up to its last one in one
+    pass over the step's rows: the same as device by device, for every fixed method's orders of small shapes."""
+    found = set()
+    for name, p, m, v in itertools.product(METHODS, range(1, 6), range(1, 9), (1, 2)):
+        method = METHODS[name]
+        if method.needs_costs or method.on_graph is not None:
+            continue
+        try:
+            schedule = method.build(tuning.ScheduleParams(p, m, 2, v, data_parallel=2))
+        except tuning.ScheduleError:
+            continue
+        chain = tuning._flush_chain(schedule)
+        assert chain == _flush_chain_per_device(schedule), (name, p, m, v)
+        found.add(chain is None)
+    assert found == {True, False}
