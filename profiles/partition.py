@@ -313,10 +313,9 @@ def _stage_blocks(n: int, p: int, cost: StageCosts, above: float | None = None) 
     non-empty stages can hold (it starts at k .. n-p+k and ends at k+1 .. n-p+k+1), r > c no range; or, given
     `above`, whether that cost is over it (a cap: one byte an entry, read off each stage's costs as they come)."""
     m = n - p + 1
-    first = cost(0)
-    blocks = np.empty((p, m, m), dtype=first.dtype if above is None else bool)
+    blocks = np.empty((p, m, m), dtype=float if above is None else bool)  # floats as the split compares them
     for k in range(p):
-        block = (first if k == 0 else cost(k))[k:k + m, k + 1:k + 1 + m]
+        block = cost(k)[k:k + m, k + 1:k + 1 + m]
         if above is None:
             blocks[k] = block
         else:

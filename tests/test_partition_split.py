@@ -94,3 +94,12 @@ def test_the_default_split_of_layer_times_is_the_references(ms, data):
     stages = data.draw(st.integers(1, len(ms)))
     layers = [LayerCost(value, 0, 0) for value in ms]
     assert partition(layers, stages) == _reference(len(ms), stages, lambda k, i, j: math.fsum(ms[i:j]))[1]
+
+
+def test_stages_whose_costs_differ_in_type_are_compared_as_numbers():
+    """One stage's bytes counted in integers, another's in fractions (a share of a buffer): neither is cast to the
+    other's type (cast to stage 0's integers, stage 1's 3.75 would read 3)."""
+    held = [np.array([[0, 3, 5, 9], [0, 0, 2, 6], [0, 0, 0, 4], [0, 0, 0, 0]]), np.full((4, 4), 2.5)]
+    held[1][1, 3] = 3.75
+    assert leanest_partition([LayerCost(1.0, 0, 0)] * 3, 2, held.__getitem__) == (3.75, [0, 1, 3]) == \
+        _reference(3, 2, lambda k, i, j: float(held[k][i, j]))
