@@ -293,6 +293,10 @@ class Parallelism:
         if held.weight_bytes != _element_bytes(dtype):
             raise EstimateError(f"precision: {name} holds {8 * held.weight_bytes}-bit weights; the model is "
                                 f"counted in {dtype}")
+        if self.fp8_param_gather and not held.master_bytes:
+            # float8 weights cannot stand in for the master copy: NeMo's setup_optimization (megatron_base_model.py)
+            # sets `store_params = True` under `fp8_params`, a master shard in the optimizer's dtype
+            return replace(held, master_bytes=held.state_bytes)
         return held
 
     @property
@@ -1182,7 +1186,8 @@ def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parall
     as NeMo's distributed Adam syncs them (nemo/core/optim/distributed_adam.py, `init_params_bucket`: a bucket of
     Float8Tensor weights takes `param_sync_dtype = torch.uint8`, and each rank casts its float32 shard to float8
     before the gather, `_check_params_shard_dtypes`; the scale-inverses come from the all-reduced amaxes, not the
-    gather); the rest as the passes read them."""
+    gather), and held so between steps (`init_param_buffer` makes each Float8Tensor's data a view into the
+    optimizer's uint8 param buffer); the rest as the passes read them."""
     if not (parallel.fsdp_float8_all_gather or parallel.fp8_param_gather):
         return weight_bytes
     elements, tensors = float8_weights(layer, parallel.float8_recipe)
@@ -1541,8 +1546,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(fwd_ms), bwd=_timing(bwd_ms),
             igrad=_timing(igrad_ms), wgrad=_timing(wgrad_ms), activation_bytes=priced.activation_bytes,
             activation_parts=priced.activation_parts, transient_bytes=priced.transient_bytes,
-            float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.weight_shards) // t
-                                 if parallel.fp8 else 0),
+            float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.weight_shards,
+                                                     parallel.fp8_param_gather) // t if parallel.fp8 else 0),
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
             param_bytes=params,

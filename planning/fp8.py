@@ -344,8 +344,15 @@ def step_cast_ops(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int, expe
     return tuple(ops)
 
 
-def float8_weight_bytes(layer: LayerCount, recipe: Fp8Recipe, expert_ranks: int = 1) -> int:
-    """The float8 weight casts the recipe holds between steps for `layer` on one of `expert_ranks` expert-parallel
-    ranks (each product's n × k weight, a routed product's for the rank's share of its experts)."""
+def float8_weight_bytes(layer: LayerCount, recipe: Fp8Recipe, expert_ranks: int = 1,
+                        float8_params: bool = False) -> int:
+    """The float8 weight casts the recipe holds between steps beside the weights for `layer` on one of
+    `expert_ranks` expert-parallel ranks (each product's n × k weight, a routed product's for the rank's share of
+    its experts). With the weights kept as TransformerEngine's float8 tensors (`float8_params`: NeMo's
+    `fp8_params`, TE's `fp8_model_init`) the float8 data is the weight itself, held as gathered (planning/estimate.py
+    `gathered_weight_bytes`), and only its transpose is held beside it, 1 byte an element: TransformerEngine 1.x's
+    modules fill a Float8Tensor weight's transpose cache on the first micro-batch (`transpose_2d(fill_cache=True)`)
+    and cast to their `weight_fp8`/`weight_t_fp8` workspaces only weights that are not Float8Tensors."""
+    copy_bytes = FP8_BYTES if float8_params else recipe.weight_copy_bytes
     return sum(op.count * (op.shape[0] // expert_ranks if op.routed else 1) * op.shape[2] * op.shape[3]
-               for op in _weighed_products(layer, recipe)) * recipe.weight_copy_bytes
+               for op in _weighed_products(layer, recipe)) * copy_bytes

@@ -114,7 +114,9 @@ class StageCosts:
     `param_bytes`). `gathered_bytes`: under ZeRO-3 with one stage and no pipeline, the whole weights one pass
     holds at a time (FSDP2 gathers each wrapped module before its pass and the next one's during it; None: the
     stage's whole weights). `all_gather_bytes`: the stage's weights as ZeRO-3's all-gather moves them and holds them
-    whole (FSDP2's float8 all-gather: its float8 linears' at 1 byte an element; None: `param_bytes`), and
+    whole (FSDP2's float8 all-gather: its float8 linears' at 1 byte an element; None: `param_bytes`), or below
+    ZeRO-3 as the distributed optimizer gathers them and holds them between steps (TransformerEngine's float8
+    weights, planning/estimate.py `gathered_weight_bytes`), and
     `gather_cast_ms` the work before each all-gather on the rank's shard (that all-gather's casts to float8), both
     in its GATHER. `float8_weight_bytes`: float8 casts of the weights a float8 recipe holds between
     updates beside them (TransformerEngine's), whole on every data-parallel rank. `all_to_all_fwd_ms` and

@@ -680,7 +680,9 @@ def held_static_parts(schedule: Schedule, mine: Sequence[StageCosts]) -> dict[st
         return -(-nbytes // schedule.gradient_ranks)
 
     weights = sum(c.param_bytes for c in mine)
-    stored, grads = weights, sum(c.gradient_bytes for c in mine)
+    # below ZeRO-3 the weights as all-gathered are what is held (TransformerEngine's float8 weights: their data
+    # at 1 byte, `StageCosts.all_gather_bytes`), else `param_bytes`
+    stored, grads = sum(c.gathered_weight_bytes for c in mine), sum(c.gradient_bytes for c in mine)
     state = sum(c.optimizer_state_bytes for c in mine)
     if schedule.zero >= 3:  # ZeRO-3 (FSDP): the weights as stored, sharded
         stored = shard(sum(c.stored_param_bytes for c in mine))

@@ -108,3 +108,37 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, 
 def test_parallelism_refuses_it_where_no_transformer_engine_weight_is_gathered_by_zero(given):
     with pytest.raises(EstimateError, match="fp8_param_gather: TransformerEngine's float8 weights"):
         Parallelism(fp8_param_gather=True, **given)
+
+
+def _memory_parts(*args) -> dict[str, float]:
+    """The small gpt's device's memory parts at its peak (MiB) under ZeRO-1 over d = 2, as simulate reports them."""
+    code, out, err = pipesim("simulate", *SMALL, "--zero", "1", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)["results"][0]["devices"][0]["peak_memory_parts_mb"]
+
+
+def test_the_float8_weights_are_held_as_their_data_and_transpose_in_place_of_the_16_bit_weight_and_two_casts():
+    """A gpt block's linears hold 12·h² weights (qkv 3h², projection h², the MLP's 8h²). TransformerEngine's
+    delayed scaling holds each as its 16-bit weight and two float8 casts (the workspace's `weight_fp8` and
+    `weight_t_fp8`): 2 bytes an element more than bf16. With the weights kept as float8 tensors the 16-bit weight
+    is gone: the float8 data (1 byte, a view into the optimizer's uint8 buffer) and its transpose cache (1 byte),
+    as many bytes as bf16's weight. Gradients and optimizer state (the float32 shard) do not move."""
+    pytest.importorskip("torch")
+    layers, width = 2, 512
+    float8_mib = layers * 12 * width ** 2 * 2 / 2**20
+    bf16, cast = _memory_parts(), _memory_parts("--dtype", "fp8")
+    kept = _memory_parts("--dtype", "fp8", "--fp8-param-gather")
+    assert cast["parameters"] - bf16["parameters"] == pytest.approx(float8_mib, abs=1e-6)
+    assert kept["parameters"] == pytest.approx(bf16["parameters"], abs=1e-6)
+    assert (kept["gradients"], kept["optimizer_state"]) == (cast["gradients"], cast["optimizer_state"])
+
+
+def test_a_16_bit_optimizer_keeps_a_master_copy_of_float8_weights():
+    """NeMo's distributed Adam with `optim.dtype: bf16` keeps no master copy of 16-bit weights (`store_params`
+    False: 2 + 2 bytes of moments a parameter) but does of float8 ones (`store_params` True under `fp8_params`,
+    in the optimizer's dtype): 2 + 2 + 2, half as much state again; the gradients' part as without."""
+    pytest.importorskip("torch")
+    sixteen_bit_adam = ("--dtype", "fp8", "--precision", "nemo-bf16-adam")
+    cast, kept = _memory_parts(*sixteen_bit_adam), _memory_parts(*sixteen_bit_adam, "--fp8-param-gather")
+    assert kept["optimizer_state"] == pytest.approx(1.5 * cast["optimizer_state"], rel=1e-4)
+    assert kept["gradients"] == cast["gradients"]
