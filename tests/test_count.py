@@ -85,6 +85,38 @@ def test_a_gather_by_index_reads_the_rows_it_indexes_at_most_its_whole_tensor(ro
     taken = rows * repeats
     assert [op.moved_bytes for op in gather] == [8 * taken + 4 * 16 * (read_rows + taken)]
 
+
+class _ByIndex(nn.Module):
+    """Of an 8 x 16 float32 input: one element a row gathered, two rows selected, one element a row scattered into
+    zeros in place and one a row scatter-added out of place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        column = torch.zeros(8, 1, dtype=torch.long, device=x.device)
+        gathered = torch.gather(x, 1, column)
+        rows = torch.index_select(x, 0, torch.arange(2, device=x.device))
+        ones = torch.zeros_like(x).scatter_(1, column, 1.0)
+        return x.scatter_add(1, column, gathered) + ones + rows.sum()
+
+
+def test_gathers_and_scatters_move_the_elements_they_index_not_the_whole_tensor():
+    """By hand, for the 8 x 16 float32 input x (512 bytes) and an 8 x 1 int64 index (64 bytes): gather reads the
+    index and one element a row and writes them (64 + 32 + 32); index_select of 2 rows reads 2 int64s and the
+    rows and writes them (16 + 128 + 128); scatter_ of a value writes one element a row in place (64 + 32);
+    out-of-place scatter_add copies x (512 read, 512 written), reads the index and one source element a row and
+    reads and writes one element a row (64 + 32 + 2 x 32). The old figures read every input whole."""
+    with torch.device("meta"):
+        layers = [nn.Linear(16, 16), _ByIndex()]
+    model = Model("by-index", layers, lambda n, gen: (torch.randn(n, 16, generator=gen), None),
+                  lambda out, target: out.float().square().mean())
+    ops = {op.op: op.moved_bytes for op in count_model(model, 8, torch.float32).layers[1].ops["fwd"]}
+    by_hand = {"gather": 64 + 32 + 32, "index_select": 16 + 128 + 128, "scatter_": 64 + 32,
+               "scatter_add": 2 * 512 + 64 + 32 + 2 * 32}
+    whole = {"gather": 512 + 64 + 32, "index_select": 512 + 16 + 128, "scatter_": 512 + 64 + 512,
+             "scatter_add": 512 + 64 + 32 + 512}
+    assert {name: ops[name] for name in by_hand} == by_hand
+    assert all(ops[name] != whole[name] for name in whole)
+
+
 @pytest.mark.parametrize("attention", ["math", "flash"])
 def test_gpt_block_forward_flops_are_narayanans_24bsh2_plus_4bs2h(attention):
     block = gpt_block(attention)

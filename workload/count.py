@@ -110,19 +110,15 @@ def _kind(name: str) -> str:
 
 
 # Ops that gather or scatter elements by index: their kernels touch the indexed elements of the tensor indexed, not
-# all of it (`_indexed_moved`).
-INDEXED = {"index", "index_put_"}
+# all of it (`_indexed_moved`). Out of place, a scatter first copies the tensor it scatters into.
+GATHERS = {"index", "gather", "index_select"}
+SCATTERS = {"index_put_", "scatter_", "scatter_add_", "scatter", "scatter_add"}
+INDEXED = GATHERS | SCATTERS
 
 
-def _indexed_moved(name: str, args: tuple) -> int:
-    """The bytes an `INDEXED` op moves, as its CUDA kernel moves them (aten/src/ATen/native/cuda/IndexKernel.cu,
-    `index_kernel` and `index_put_kernel`: one thread an indexed element, reading its index and that element or the
-    value it writes): the index tensors read, and the indexed elements of `self` read (`index`, `self[indices]`)
-    or written (`index_put_`, `self[indices] = values`), at most all of `self` (an element indexed again taken as
-    cached, as the count priced every gather before), with the output written or the values read. A boolean mask
-    counts as many positions as it has elements (all may be set) and is read whole."""
-    source, indices = args[0], args[1]
-    element_bytes = source.element_size()
+def _index_positions(source: torch.Tensor, indices: list) -> int:
+    """The elements of `source` that aten `index`'s `indices` (None for a dimension taken whole) pick, each as
+    often as picked. A boolean mask counts as many positions as it has elements (all may be set)."""
     positions, covered = [], 1
     dim = 0
     for index in indices:
@@ -133,10 +129,35 @@ def _indexed_moved(name: str, args: tuple) -> int:
         covered *= math.prod(source.shape[dim:dim + span])
         positions.append((index.numel(),) if index.dtype == torch.bool else tuple(index.shape))
         dim += span
-    indexed = math.prod(torch.broadcast_shapes(*positions)) * (source.numel() // covered)
-    index_bytes = sum(_nbytes(index) for index in indices if index is not None)
-    other = indexed * element_bytes if name == "index" else _nbytes(args[2])
-    return index_bytes + min(indexed, source.numel()) * element_bytes + other
+    return math.prod(torch.broadcast_shapes(*positions)) * (source.numel() // covered)
+
+
+def _indexed_moved(name: str, args: tuple, writes: list[torch.Tensor]) -> int:
+    """The bytes an `INDEXED` op moves, as its CUDA kernel moves them (PyTorch 2.x aten/src/ATen/native/cuda/:
+    IndexKernel.cu `index_kernel`, `index_put_kernel`; ScatterGatherKernel.cu `gather`, `scatter_`,
+    `scatter_add_`; Indexing.cu `index_select`: one thread an indexed element). Its index tensors read; the indexed
+    elements of the tensor indexed read (a gather) or written (a scatter; scatter_add's read too, as its atomic add
+    reads them), at most all of that tensor (an element indexed again taken as cached); a gather's output written, a
+    scatter's values read, one a written element; plus, out of place, a scatter's copy of its input into its output
+    (read and written), which its kernel touches whole."""
+    source, whole = args[0], 0
+    if name in {"index", "index_put_"}:
+        indices = [index for index in args[1] if index is not None]
+        indexed = _index_positions(source, args[1])
+    elif name == "index_select":
+        indices, indexed = [args[2]], args[2].numel() * (source.numel() // max(source.shape[args[1]], 1))
+    else:  # gather and the scatters: (self, dim, index, ...)
+        indices, indexed = [args[2]], args[2].numel()
+    if name in GATHERS:
+        other = sum(map(_nbytes, writes))
+    elif name == "index_put_":
+        other = _nbytes(args[2])
+    else:
+        values = args[3] if len(args) > 3 and isinstance(args[3], torch.Tensor) else None
+        other = indexed * values.element_size() if values is not None else 0
+        whole = 0 if name.endswith("_") else 2 * _nbytes(source)
+    touched = min(indexed, source.numel()) * source.element_size() * (2 if name.startswith("scatter_add") else 1)
+    return sum(map(_nbytes, indices)) + touched + other + whole
 
 
 class _MovedBytes(TorchDispatchMode):
@@ -193,7 +214,8 @@ class _MovedBytes(TorchDispatchMode):
         read_storages = {id(t.untyped_storage()) for t in reads}
         if not func._schema.is_mutable and all(id(t.untyped_storage()) in read_storages for t in writes):
             return out  # a view
-        moved = _indexed_moved(name, args) if name in INDEXED else sum(map(_nbytes, reads)) + sum(map(_nbytes, writes))
+        moved = (_indexed_moved(name, args, writes) if name in INDEXED
+                 else sum(map(_nbytes, reads)) + sum(map(_nbytes, writes)))
         self.tally.moved_bytes += moved
         largest = max(writes, key=_nbytes, default=None)
         self._record((name, "memory", tuple(largest.shape) if largest is not None else (), 0, moved, experts,
