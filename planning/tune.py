@@ -64,7 +64,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from functools import cache
@@ -339,7 +339,7 @@ def tune(settings: list[Setting], problem: Problem, report: Callable[[str], None
     shapes, count, refused = _shapes(settings, problem, orders)
     if not shapes:
         raise TuneError(_nothing_to_search(settings, problem, count, orders.refusals()))
-    with _Built(problem, orders, report, shapes, workers, pool) as built:
+    with _Built(problem, orders, report, len(shapes), workers, pool) as built:
         return _search(settings, problem, shapes, built, count, refused, started)
 
 
@@ -506,12 +506,11 @@ class _Built:
     up to `window` at once. A context manager: leaving it stops the workers."""
 
     def __init__(self, problem: Problem, orders: _Orders, report: Callable[[str], None] | None = None,
-                 shapes: Sequence[Shape] = (), workers: int = 1, pool: ProcessPoolExecutor | None = None) -> None:
+                 shapes: int = 0, workers: int = 1, pool: ProcessPoolExecutor | None = None) -> None:
         self.problem = problem
-        self._report, self._shapes = report, len(shapes)
+        self._report, self._shapes = report, shapes
         self.window = workers
         self._pool = pool if pool is not None else start_workers(workers)
-        self._orders_ahead = self._fixed_orders(shapes) if self._pool is not None else iter(())
         self._simulating: dict[int, Future] = {}
         self._searching: dict[int, Future] = {}
         self._replaying: dict[int, Future] = {}
@@ -573,22 +572,6 @@ class _Built:
             self.partitioned[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                                     partitioned=True)
         return self.partitioned[shape.index]
-
-    def _fixed_orders(self, shapes: Sequence[Shape]) -> Iterator[tuple[float, tuple[str, ScheduleParams]]]:
-        """The fixed orders the search's partitions read (`_plan`; `_Orders.unbuilt`'s keys), each with the best
-        bound of the shapes within the cap whose partitions read it, best first: the order the search comes to
-        them in, near enough (the 70B: the 237 it builds are among the first 262 of 812), so that workers build
-        them ahead of it."""
-        cap = self.problem.memory_cap_bytes
-        for shape in sorted(shapes, key=lambda shape: (-shape.max_samples_per_s, shape.index)):
-            if shape.memory_floor_bytes <= cap:
-                try:
-                    name, params, _ = _planned(shape.setting, shape.config, self.orders)
-                except ScheduleError:
-                    continue
-                key = self.orders.unbuilt(name, params)
-                if key is not None:
-                    yield shape.max_samples_per_s, key
 
     def _chain_work(self, setting: Setting) -> _ChainWork | None:
         if id(setting) not in self._chains:
@@ -701,9 +684,7 @@ class _Built:
         (`result`) of a candidate whose simulation has come back (out, or on `heap`) and is `worth_replaying`
         as things stand, and, for the best items near the top of `heap` whose bound `could_win`, a candidate's
         critical path (`tighten`), a tightened candidate's simulation (`floor`), a partitioned searched order's
-        search and a fixed chain's costs on its partition (`candidate`); then, while a worker is still idle, the
-        next fixed order the search's partitions will read (`_fixed_orders`) while its shapes' bound `could_win`
-        (the search stops at a bar that only rises). Each is a function of the item alone,
+        search and a fixed chain's costs on its partition (`candidate`). Each is a function of the item alone,
         taken by the search when (and only if) it comes to that step as it would without workers ahead, so what
         is built, simulated and kept does not depend on it: only when the work is done, on a core that would
         otherwise wait. Only the heap's first levels are read (its best items, nearly in order): reading all of
@@ -715,7 +696,7 @@ class _Built:
                 self._replay_ahead(item, worth_replaying)
         for key, index, item in sorted(heap[:AHEAD_READ]):
             if not could_win(speed_key(-key)):
-                break
+                return
             if isinstance(item, Candidate) and not item.critical:
                 if index not in self._tightening:
                     self._tightening[index] = self._submit(_path_bound, self.problem.batch_size, item.schedule,
@@ -732,12 +713,6 @@ class _Built:
                                                     self._ship(self._frame_links(item.setting, item.config)[0]))
             if len(self._running) >= self.window:
                 return
-        while len(self._running) < self.window:
-            bound, wanted = next(self._orders_ahead, (None, None))
-            if wanted is None or not could_win(speed_key(bound)):  # nor can any after it: bounds fall, the bar rises
-                self._orders_ahead = iter(())
-                return
-            self.orders.ahead[wanted] = self._submit(_fixed_order, *wanted)
 
     def _replay_ahead(self, candidate: Candidate, worth_replaying: Callable[[Result], bool]) -> None:
         """Its replay handed out now if its simulation has come back, unread (`floor` reads it), and is worth
@@ -843,15 +818,6 @@ def _run(task: Callable, *args):
         if isinstance(shipped, _Shipped) and shipped.key not in _RECEIVED:
             _RECEIVED[shipped.key] = pickle.loads(shipped.blob)
     return task(*(_RECEIVED[a.key] if isinstance(a, _Shipped) else a for a in args))
-
-
-def _fixed_order(name: str, params: ScheduleParams) -> _Order | None:
-    """In a worker: `name`'s fixed order for `params`, as `_Orders` builds it (None: refused; the search finds the
-    refusal again itself, so that its orders record it)."""
-    try:
-        return _Order.of(METHODS[name].build(params))
-    except ScheduleError:
-        return None
 
 
 def _searched_candidate(setting: Setting, problem: Problem, config: Config, index: int) -> Candidate | None:
@@ -1341,7 +1307,6 @@ class _Orders:
 
     def __init__(self) -> None:
         self._fixed: dict[tuple[str, ScheduleParams], _Order | ScheduleError] = {}
-        self.ahead: dict[tuple[str, ScheduleParams], Future] = {}  # fixed orders workers build ahead (`_Built.ahead`)
         self._sketches: dict[tuple[str, ScheduleParams, int | None], _Sketch | ScheduleError] = {}
         self._shapes: dict[tuple, _Sketch | ScheduleError] = {}
         self._refused_methods: dict[str, _CopiesRefused] = {}
@@ -1361,25 +1326,14 @@ class _Orders:
         if (name, params) not in self._fixed:
             shared = replace(params, data_parallel=min(params.data_parallel, 2))
             try:
-                if shared != params:
-                    self._fixed[name, params] = _with_replicas(self(scenario, name, shared), params.data_parallel)
-                else:  # a worker's if it has built it (`_fixed_order`; None: refused there, and refused here again)
-                    found = _if_done(self.ahead.pop((name, params), None))
-                    self._fixed[name, params] = found if found is not None else _Order.of(method.build(params))
+                self._fixed[name, params] = (_Order.of(method.build(params)) if shared == params else
+                                             _with_replicas(self(scenario, name, shared), params.data_parallel))
             except ScheduleError as exc:
                 self._fixed[name, params] = exc
         found = self._fixed[name, params]
         if isinstance(found, ScheduleError):
             raise found
         return found
-
-    def unbuilt(self, name: str, params: ScheduleParams) -> tuple[str, ScheduleParams] | None:
-        """The key of the fixed order `self(..., name, params)` builds (for d > 1, d = 2's, which it prices for d),
-        if it is neither built nor handed to a worker yet: a worker may build it (`_Built.ahead`)."""
-        method = METHODS[name]
-        key = (name, replace(params, data_parallel=min(params.data_parallel, 2)))
-        wanted = not (method.needs_costs or method.on_graph is not None or (name, params) in self._fixed)
-        return key if wanted and key not in self._fixed and key not in self.ahead else None
 
     def of_shape(self, scenario: Scenario, name: str, stages: int, microbatches: int, chunks: int,
                  pipelines: int) -> _Sketch | ScheduleError:
@@ -1467,23 +1421,16 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
     """The long run's parameters, its warm-up mini-batches, the order the partition reads and the partition.
     A searched order is partitioned as 1F1B's order is (R = 1: 1F1B's activations, which its search always
     admits), then searched for that partition (`_candidate`)."""
-    planned, params, short = _planned(setting, config, orders)
-    order = orders(setting.scenario, planned, params)
-    bounds = split(order.schedule.num_stages, config.pipelines, tuple(map(tuple, order.per_step.tolist())),
-                   order.schedule.policy.extra_copies, order.in_flight, order.lingering,
-                   problem.memory_cap_bytes // config.chunks)
-    return params, short, order, bounds
-
-
-def _planned(setting: Setting, config: Config, orders: _Orders) -> tuple[str, ScheduleParams, int]:
-    """The method whose order `_plan` partitions (1F1B's for a searched order), its long run's parameters and its
-    warm-up mini-batches."""
-    name, m = config.schedule, config.microbatches
+    name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     planned = "1f1b" if METHODS[name].needs_costs else name
-    params = ScheduleParams(config.stages, m, 2, config.chunks, config.pipelines, data_parallel=config.replicas)
+    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas)
     sketch = orders.sketch(setting.scenario, planned, params)
     short = warmup_minibatches(sketch.flushing, sketch.stages, m)
-    return planned, replace(params, minibatches=short + (1 if sketch.flushing else STEADY_STEPS)), short
+    params = replace(params, minibatches=short + (1 if sketch.flushing else STEADY_STEPS))
+    order = orders(setting.scenario, planned, params)
+    bounds = split(order.schedule.num_stages, pipelines, tuple(map(tuple, order.per_step.tolist())),
+                   order.schedule.policy.extra_copies, order.in_flight, order.lingering, problem.memory_cap_bytes // v)
+    return params, short, order, bounds
 
 
 def _candidate(setting: Setting, problem: Problem, config: Config, index: int, split: Callable[..., list[int]],

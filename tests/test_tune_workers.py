@@ -7,9 +7,7 @@ import json
 import multiprocessing
 import os
 import threading
-import time
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 
 from pipesim.commands import tune as command
@@ -190,56 +188,3 @@ def test_a_simulation_back_and_worth_replaying_is_replayed_ahead_as_the_search_w
         monkeypatch.setattr(planning, "_reserved_peak_bytes", reserved)
         assert replayed == [alone.result(candidate).peak_memory_bytes for candidate in own[1:]]
         assert ahead.result(found[0]).peak_memory_bytes == alone.result(own[0]).peak_memory_bytes
-
-
-def _order_fields(order) -> tuple:
-    """What the search reads off a fixed order (`_Order`), its schedule's rows as text."""
-    schedule = order.schedule
-    return (schedule.method, dict(schedule.params), schedule.to_text(), order.per_step.tolist(), order.staleness,
-            order.in_flight, order.lingering, order.chain)
-
-
-def _small_search() -> tuple:
-    """The 8-device search of the CPU-calibrated GPT at a 0.3 GiB cap: (problem, scenario, orders, shapes)."""
-    profile = load_profile(PROFILES / "gpt-cpu.json")
-    prob = planning.Problem(8, int(0.3 * GIB), 4 * 8 * profile.environment.microbatch_size, tuple(METHODS))
-    scenario, orders = profile_scenario(profile, "adam"), planning._Orders()
-    return prob, scenario, orders, planning._shapes([planning.Setting(scenario)], prob, orders)[0]
-
-
-def test_idle_workers_build_the_fixed_orders_the_search_will_partition_and_the_search_takes_theirs():
-    """While a worker is idle it builds the next fixed order the search's partitions will read (`_Built.ahead`,
-    `_fixed_orders`: best shape bound first), and the search's orders take the worker's (`_Orders.__call__`) rather
-    than build it again: the very object that came back, the order built alone to the row."""
-    prob, scenario, ahead_orders, shapes = _small_search()
-    alone_orders = planning._Orders()
-    best = min((shape for shape in shapes if shape.memory_floor_bytes <= prob.memory_cap_bytes),
-               key=lambda shape: (-shape.max_samples_per_s, shape.index))
-    with planning._Built(prob, ahead_orders, shapes=shapes, workers=2) as ahead:
-        handed: dict = {}
-        while not handed or len(ahead_orders.ahead) > len(handed):
-            handed = dict(ahead_orders.ahead)
-            for future in handed.values():
-                future.result()
-            while ahead._running:  # its done callback may run just after its result is set
-                time.sleep(0.001)
-            ahead.ahead([], deque(), *_EVERYTHING)
-        name, params, _ = planning._planned(best.setting, best.config, ahead_orders)
-        assert next(iter(handed)) == (name, replace(params, data_parallel=min(params.data_parallel, 2)))
-        assert len(handed) > 6
-        for (name, params), future in handed.items():
-            built = future.result()
-            assert built is not None  # none of these is refused
-            taken = ahead_orders(scenario, name, params)
-            assert taken is built and (name, params) not in ahead_orders.ahead
-            assert _order_fields(taken) == _order_fields(alone_orders(scenario, name, params))
-
-
-def test_idle_workers_build_no_fixed_order_once_its_shapes_cannot_win():
-    """Workers build the fixed orders ahead while the best shape left that reads one could win: once its bound
-    cannot (the search's bar only rises and the shapes left only fall), none is built ahead from then on."""
-    prob, _, orders, shapes = _small_search()
-    with planning._Built(prob, orders, shapes=shapes, workers=2) as ahead:
-        ahead.ahead([], deque(), lambda bound: False, lambda result: True)
-        ahead.ahead([], deque(), *_EVERYTHING)
-        assert not orders.ahead
