@@ -59,24 +59,6 @@ def test_the_targets_gather_and_scatter_move_one_element_a_token_not_the_logits(
     one_a_token = 2 * tokens * 8 + 2 * tokens * 4  # the indices, then the elements read and written
     assert sorted(indexed) == [("index", one_a_token, 1), ("index", one_a_token, 1), ("index_put_", one_a_token, 1)]
 
-def test_atens_nll_loss_reads_one_log_probability_a_token_and_its_backward_zeroes_then_writes_one():
-    """aten's cross entropy (Loss.cu): nll_loss_forward reads the int64 target and one float32 log-probability a
-    token and writes the loss and the total weight (two float32s), not the tokens x V log-probabilities;
-    nll_loss_backward reads the loss's gradient, the total weight and the target, zeroes its tokens x V float32
-    gradient (`grad_input.zero_()`) and writes one element a token, not reading the log-probabilities."""
-    from pipesim.workload.count import count_built
-
-    tokens = B * S
-    head = count_built("gpt", TINY_GPT, B, torch.bfloat16, "math").layers[-1]
-    moved = {op.op: op.moved_bytes for op in (*head.ops["fwd"], *head.ops["bwd"])
-             if op.op in ("nll_loss_forward", "nll_loss_backward")}
-    assert moved == {"nll_loss_forward": tokens * 8 + tokens * 4 + 2 * 4,
-                     "nll_loss_backward": 2 * 4 + tokens * 8 + tokens * VOCAB * 4 + tokens * 4}
-    whole_read = tokens * VOCAB * 4
-    assert moved["nll_loss_forward"] != whole_read + tokens * 8 + 2 * 4
-    assert moved["nll_loss_backward"] != 2 * 4 + tokens * 8 + 2 * whole_read
-
-
 @pytest.mark.parametrize(("flags", "message"), [
     (("--cross-entropy", "fused"), "--cross-entropy: choose from torch, megatron (got 'fused')"),
     (("--cross-entropy", "megatron", "--loss-parallel", "--tensor-parallel", "2"),

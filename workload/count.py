@@ -111,8 +111,8 @@ def _kind(name: str) -> str:
 
 # Ops that gather or scatter elements by index: their kernels touch the indexed elements of the tensor indexed, not
 # all of it (`_indexed_moved`). Out of place, a scatter first copies the tensor it scatters into.
-GATHERS = {"index", "gather", "index_select", "embedding", "nll_loss_forward"}
-SCATTERS = {"index_put_", "scatter_", "scatter_add_", "scatter", "scatter_add", "nll_loss_backward"}
+GATHERS = {"index", "gather", "index_select"}
+SCATTERS = {"index_put_", "scatter_", "scatter_add_", "scatter", "scatter_add"}
 INDEXED = GATHERS | SCATTERS
 
 
@@ -135,35 +135,21 @@ def _index_positions(source: torch.Tensor, indices: list) -> int:
 def _indexed_moved(name: str, args: tuple, writes: list[torch.Tensor]) -> int:
     """The bytes an `INDEXED` op moves, as its CUDA kernel moves them (PyTorch 2.x aten/src/ATen/native/cuda/:
     IndexKernel.cu `index_kernel`, `index_put_kernel`; ScatterGatherKernel.cu `gather`, `scatter_`,
-    `scatter_add_`; Indexing.cu `index_select` (Embedding.cpp runs embedding's forward as `weight.index_select`);
-    Loss.cu `nll_loss_forward_reduce_cuda_kernel_2d`, `nll_loss_backward_reduce_cuda_kernel_2d`: one thread an
-    indexed element). Its index tensors read; the indexed elements of the tensor indexed read (a gather) or written
-    (a scatter; scatter_add's read too, as its atomic add reads them), at most all of that tensor (an element indexed
-    again taken as cached); a gather's output written, a scatter's values read, one a written element; plus what
-    the kernel touches whole: out of place, a scatter's copy of its input into its output (read and written), and
-    nll_loss_backward's `grad_input.zero_()` before it writes one element a row. nll_loss_forward reads its target
-    and one log-probability a row (and a class weight a row, where given), and writes its loss and total weight."""
+    `scatter_add_`; Indexing.cu `index_select`: one thread an indexed element). Its index tensors read; the indexed
+    elements of the tensor indexed read (a gather) or written (a scatter; scatter_add's read too, as its atomic add
+    reads them), at most all of that tensor (an element indexed again taken as cached); a gather's output written, a
+    scatter's values read, one a written element; plus, out of place, a scatter's copy of its input into its output
+    (read and written), which its kernel touches whole."""
     source, whole = args[0], 0
     if name in {"index", "index_put_"}:
         indices = [index for index in args[1] if index is not None]
         indexed = _index_positions(source, args[1])
-    elif name == "embedding":
-        indices, indexed = [args[1]], args[1].numel() * source.shape[-1]
-    elif name in {"nll_loss_forward", "nll_loss_backward"}:
-        target, weight = (args[1], args[2]) if name == "nll_loss_forward" else (args[2], args[3])
-        indices, indexed = [target], target.numel()
-        whole = target.numel() * weight.element_size() if weight is not None else 0
-        if name == "nll_loss_backward":
-            source = writes[0]
-            whole += _nbytes(source)  # the zero fill
     elif name == "index_select":
         indices, indexed = [args[2]], args[2].numel() * (source.numel() // max(source.shape[args[1]], 1))
     else:  # gather and the scatters: (self, dim, index, ...)
         indices, indexed = [args[2]], args[2].numel()
     if name in GATHERS:
         other = sum(map(_nbytes, writes))
-    elif name == "nll_loss_backward":
-        other = _nbytes(args[0]) + _nbytes(args[6])  # the loss's gradient and the total weight
     elif name == "index_put_":
         other = _nbytes(args[2])
     else:
