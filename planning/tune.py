@@ -64,7 +64,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from functools import cache
@@ -1587,7 +1587,7 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     device = t.device[rows]
     columns = (position, waits_for, lag, duration)
     if _sends_hold(schedule, costs.transfers_hold_products, links):
-        least_ms = _least_hold(costs, [schedule.stages_on(d) for d in range(schedule.num_devices)])
+        least_ms = _least_hold(costs, schedule.stages_by_device)
         held_forward = np.array([least_ms(int(placement[k]), ms) for k, ms in enumerate(forward_hop)])
         held_backward = np.array([least_ms(int(placement[k + 1]), ms) for k, ms in enumerate(backward_hop[:-1])]
                                  + [0.0])
@@ -1912,7 +1912,7 @@ def _sends_hold(schedule: Schedule, holds: bool, links: Cluster) -> bool:
             and all(len(peers) == 1 for peers in links.host_peers(p)))
 
 
-def _least_hold(costs: Costs | None, stages_on: list[list[int]]) -> Callable[[int, float], float]:
+def _least_hold(costs: Costs | None, stages_on: Sequence[Sequence[int]]) -> Callable[[int, float], float]:
     """Per device d and a send's transfer time T (ms), the least the send's kernel holds d's next compute row:
     where d's products' time P is known (`costs`' `product_ms`, as the engine weighs them: `device_product_ms`),
     the engine holds a row of W ms beginning x after the kernel's issue (x < T) min(W', product_delay(T - x, P)),
@@ -1926,7 +1926,7 @@ def _least_hold(costs: Costs | None, stages_on: list[list[int]]) -> Callable[[in
     product_ms = device_product_ms(stages_on, costs)
     op_ms = costs.op_ms_table(1)[:, [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT,
                                                                    Kind.PRED, Kind.AVG)]]
-    shortest_ms = [float(mine[mine > 0].min()) if (mine := op_ms[stages]).any() else 0.0 for stages in stages_on]
+    shortest_ms = [float(mine[mine > 0].min()) if (mine := op_ms[list(stages)]).any() else 0.0 for stages in stages_on]
 
     def least_ms(d: int, transfer_ms: float) -> float:
         if not product_ms[d]:
@@ -1955,7 +1955,7 @@ def _send_holds_ms(schedule: Schedule, per_step: np.ndarray, holds: bool, links:
     if not _sends_hold(schedule, holds, links):
         return np.zeros(p)
     placement = schedule.placement
-    least_ms = _least_hold(costs, [schedule.stages_on(d) for d in range(p)])
+    least_ms = _least_hold(costs, schedule.stages_by_device)
 
     def send_ms(src: int, dst: int, producer: int) -> float:
         a, b = placement[src], placement[dst]

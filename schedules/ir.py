@@ -501,10 +501,10 @@ class Schedule:
         return bool(self.params.get("reduce_after_flush", False))
 
     def stages_on(self, device: int) -> list[int]:
-        return list(self._stages_by_device[device])
+        return list(self.stages_by_device[device])
 
     @cached_property
-    def _stages_by_device(self) -> tuple[tuple[int, ...], ...]:
+    def stages_by_device(self) -> tuple[tuple[int, ...], ...]:
         """Per device, the stages placed on it, found once: tune asks for every device of hundreds of orders."""
         stages: list[list[int]] = [[] for _ in range(self.num_devices)]
         for stage, device in enumerate(self.placement):

@@ -342,8 +342,7 @@ def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed
                     timed, send_clock, send_to_arrival, compute_unit + no_unit, host_unit + no_unit,
                     cluster.contention, clock_before, since_ps, duration, channel_ps.tolist(), routes,
                     len(resources), spans, channel_bytes, static_parts(schedule, costs),
-                    [round(ms * _PS_PER_MS) for ms in device_product_ms(
-                        [schedule.stages_on(d) for d in range(schedule.num_devices)], costs)]
+                    [round(ms * _PS_PER_MS) for ms in device_product_ms(schedule.stages_by_device, costs)]
                     if costs.transfers_hold_products else [])
 
 
