@@ -4,14 +4,13 @@ and casts only its float32 shard before the gather, then transposes the gathered
 Adam, nemo/core/optim/distributed_adam.py; planning/estimate.py `gathered_weight_bytes`, planning/fp8.py
 `step_cast_ops`)."""
 
-import json
 from dataclasses import replace
 
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import EstimateError, Parallelism
-from tests.conftest import pipesim, refused
+from tests.conftest import refused, simulate_json
 
 H100 = load_catalogue().find("h100-sxm")
 WIDTH, D = 256, 4
@@ -81,9 +80,7 @@ def test_the_zero_gather_of_a_float8_run_moves_fewer_bytes_and_the_step_is_short
             "128", "--vocab", "128", "--attention", "flash", "-p", "1", "-m", "2", "-s", "1f1b", "--data-parallel", "8")
 
     def step(*args) -> tuple[float, float]:
-        code, out, err = pipesim("simulate", *wide, "--zero", "1", "--dtype", "fp8", *args, "--json")
-        assert code == 0, err
-        result = json.loads(out)["results"][0]
+        result = simulate_json(*wide, "--zero", "1", "--dtype", "fp8", *args)[0]
         return result["exposed_comm_ms"], result["makespan_ms"]
 
     gathered, plain = step("--fp8-param-gather"), step()
@@ -112,9 +109,7 @@ def test_parallelism_refuses_it_where_no_transformer_engine_weight_is_gathered_b
 
 def _memory_parts(*args) -> dict[str, float]:
     """The small gpt's device's memory parts at its peak (MiB) under ZeRO-1 over d = 2, as simulate reports them."""
-    code, out, err = pipesim("simulate", *SMALL, "--zero", "1", *args, "--json")
-    assert code == 0, err
-    return json.loads(out)["results"][0]["devices"][0]["peak_memory_parts_mb"]
+    return simulate_json(*SMALL, "--zero", "1", *args)[0]["devices"][0]["peak_memory_parts_mb"]
 
 
 def test_the_float8_weights_are_held_as_their_data_and_transpose_in_place_of_the_16_bit_weight_and_two_casts():

@@ -12,10 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import pipesim
+from tests.conftest import pipesim, simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((REPO / "benchmarks" / "published_memory.json").read_text())
+
+
+def _peak_gib(*args: str) -> float:
+    """The fullest device's peak (GiB) of `pipesim simulate ARGS`, as the benchmark reads it (`fullest`)."""
+    return max(d["peak_memory_mb"] for d in simulate_json(*args)[0]["devices"]) / 1024
 
 
 def test_table2_rows_hold_korthikanti_within_the_target_and_every_row_is_listed():
@@ -47,9 +52,7 @@ def test_the_runs_published_as_run_fit_and_a_rows_command_prints_its_peak(name):
     for r in runs:
         assert sum(r["parts_mib"].values()) == pytest.approx(r["peak_mib"])
     row = next(r for r in runs if r["run"] == name)
-    code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
-    assert code == 0, err
-    devices = json.loads(out)["results"][0]["devices"]
+    devices = simulate_json(*shlex.split(row["command"])[2:])[0]["devices"]
     assert max(d["peak_memory_mb"] for d in devices) == pytest.approx(row["peak_mib"])
     assert not any(d["out_of_memory"] for d in devices)
 
@@ -107,21 +110,15 @@ def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(mon
         row["command"])
     monkeypatch.chdir(REPO)
     for row in (plain[1], compared[-1]):
-        code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
-        assert code == 0, err
-        devices = json.loads(out)["results"][0]["devices"]
-        assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["predicted_gib"])
+        assert _peak_gib(*shlex.split(row["command"])[2:]) == pytest.approx(row["predicted_gib"])
     # max allocated, the tensors alone: the row's command with --allocator none in place of its launcher's
     for r in compared:
         assert r["allocated_gib"] < r["predicted_gib"]
         assert r["allocated_error"] == pytest.approx(r["allocated_gib"] / r["published_gib"] - 1)
     row = next(r for r in compared if r["run"].startswith("Table 5") and "(1F1B)" in r["run"])
-    words = shlex.split(row["command"])[1:]
+    words = shlex.split(row["command"])[2:]
     at = words.index("--allocator")
-    code, out, err = pipesim(*words[:at], *words[at + 2:], "--allocator", "none", "--json")
-    assert code == 0, err
-    devices = json.loads(out)["results"][0]["devices"]
-    assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["allocated_gib"])
+    assert _peak_gib(*words[:at], *words[at + 2:], "--allocator", "none") == pytest.approx(row["allocated_gib"])
 
 
 def test_the_zero_bubble_papers_table4_is_compared_per_model_and_schedule(monkeypatch, tmp_path):
@@ -138,10 +135,7 @@ def test_the_zero_bubble_papers_table4_is_compared_per_model_and_schedule(monkey
     row = next(r for r in rows if r["run"] == "1.5B 1F1B-I")
     assert {"-s interleaved-1f1b", "--chunks 3", "-p 8", "-b 6"} <= flag_pairs(row["command"])
     monkeypatch.chdir(tmp_path)
-    code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
-    assert code == 0, err
-    devices = json.loads(out)["results"][0]["devices"]
-    assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["predicted_gib"])
+    assert _peak_gib(*shlex.split(row["command"])[2:]) == pytest.approx(row["predicted_gib"])
 
 
 def test_zero_bubble_rows_run_the_order_the_forks_scheduler_built_from_table9(monkeypatch):
@@ -170,7 +164,4 @@ def test_zero_bubble_rows_run_the_order_the_forks_scheduler_built_from_table9(mo
                                                                           c["comm_ms"]), limit)
     row = next(r for r in ordered if r["run"] == "1.5B ZB-2p")
     monkeypatch.chdir(REPO)
-    code, out, err = pipesim(*shlex.split(row["command"])[1:], "--json")
-    assert code == 0, err
-    devices = json.loads(out)["results"][0]["devices"]
-    assert max(d["peak_memory_mb"] for d in devices) / 1024 == pytest.approx(row["predicted_gib"])
+    assert _peak_gib(*shlex.split(row["command"])[2:]) == pytest.approx(row["predicted_gib"])

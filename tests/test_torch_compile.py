@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.conftest import pipesim
+from tests.conftest import pipesim, simulate_json
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -114,11 +114,10 @@ def test_a_compiled_llama_block_under_full_checkpointing_saves_its_input_alone(l
 
 
 def _activations_mib(llama: str, *flags: str) -> float:
-    code, out, err = pipesim("simulate", "--model", llama, "--seq-len", str(SEQ), "-b", str(BATCH), "--dtype",
-                             "bf16", "--attention", "flash", "--gpu", "h100-sxm", "-p", "1", "-m", "1", "-s",
-                             "gpipe", "--no-swiglu-fusion", "--allocator", "none", *flags, "--json")
-    assert code == 0, err
-    return json.loads(out)["results"][0]["devices"][0]["peak_memory_parts_mb"]["activations"]
+    result = simulate_json("--model", llama, "--seq-len", str(SEQ), "-b", str(BATCH), "--dtype", "bf16",
+                           "--attention", "flash", "--gpu", "h100-sxm", "-p", "1", "-m", "1", "-s", "gpipe",
+                           "--no-swiglu-fusion", "--allocator", "none", *flags)[0]
+    return result["devices"][0]["peak_memory_parts_mb"]["activations"]
 
 
 def test_torch_compile_drops_each_blocks_last_product_under_op_and_nothing_under_full(llama):
