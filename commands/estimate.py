@@ -132,7 +132,7 @@ class WhatIf:
     cross_entropy: str = "torch"  # --cross-entropy, of workload/sizes.py's CROSS_ENTROPY
     norm_kernel: str = "eager"  # --norm-kernel, of workload/sizes.py's NORM_KERNELS
     rope_kernel: str = "eager"  # --rope-kernel, of workload/sizes.py's ROPE_KERNELS
-    dispatcher_sms: int | None = None  # --dispatcher-sms (None: DeepEP's default)
+    dispatcher_sms: int | None = None  # --dispatcher-sms (None: the flex dispatcher backend's default)
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     torch_compile: bool = False  # --torch-compile (planning/estimate.py `_unread_kept`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)

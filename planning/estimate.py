@@ -180,7 +180,7 @@ class Parallelism:
     hot_expert_share: float | None = None  # the busiest expert's share of the routed tokens (None: balanced)
     routing: str = "balanced"  # how the router spreads the tokens, of planning/experts.py's `ROUTINGS`
     token_dispatcher: str | None = None  # how tokens reach the experts (planning/experts.py; None: alltoall)
-    dispatcher_sms: int | None = None  # multiprocessors DeepEP's kernels hold (None: `DEEPEP_MULTIPROCESSORS`)
+    dispatcher_sms: int | None = None  # the flex dispatcher's (None: `FLEX_DISPATCHER_MULTIPROCESSORS`)
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ()  # of `RECOMPUTE_REGIONS`, their outputs dropped and rerun (`Regions`)
@@ -758,12 +758,10 @@ TE_PIPELINE_MULTIPROCESSORS = 16
 # The multiprocessors DeepEP's dispatch and combine kernels hold while they run: its `Buffer.num_sms` default 20,
 # Megatron-core's `moe_deepep_num_sms` default 20 (transformer_config.py), the "only 20 SMs" DeepSeek-V3's report
 # gives its communication (arXiv 2412.19437, section 3.2.2). Whatever computes beside them gets the rest
-# (`sharing_dispatcher`).
-DEEPEP_MULTIPROCESSORS = 20
-# HybridEP's: Megatron-core's `moe_hybridep_num_sms` default 16 (transformer_config.py at b0cc2706: "In pure NVL
-# scenarios, 16 SMs can generally achieve good bandwidth"); Megatron-Bridge's performance scripts set 32
-# (scripts/performance/utils/overrides.py at v0.3.0), which `--dispatcher-sms` gives
-HYBRIDEP_MULTIPROCESSORS = 16
+# (`sharing_dispatcher`). HybridEP's: Megatron-core's `moe_hybridep_num_sms` default 16 (transformer_config.py at
+# b0cc2706: "In pure NVL scenarios, 16 SMs can generally achieve good bandwidth"); Megatron-Bridge's performance
+# scripts set 32 (scripts/performance/utils/overrides.py at v0.3.0), which `--dispatcher-sms` gives.
+FLEX_DISPATCHER_MULTIPROCESSORS = {"deepep": 20, "hybridep": 16}
 # The multiprocessors NCCL's all-to-all holds while it runs (`--token-dispatcher alltoall`): one CTA a channel, on an
 # SM of its own that no compute kernel shares, 16 on a DGX with 8 NICs (NCCL's maintainer, github.com/NVIDIA/nccl
 # issue 689); all_to_all_single's ncclDevKernel_SendRecv launched 16 CTAs (issue 1598).
@@ -778,9 +776,10 @@ def sharing_dispatcher(device: Device, parallel: Parallelism) -> Device | None:
     overlap the dispatch is a row the next pass waits for."""
     if parallel.expert == 1:
         return None
-    held = (NCCL_ALL_TO_ALL_MULTIPROCESSORS if parallel.token_dispatcher not in FLEX_DISPATCHERS else
-            parallel.dispatcher_sms if parallel.dispatcher_sms is not None else
-            HYBRIDEP_MULTIPROCESSORS if parallel.token_dispatcher == "hybridep" else DEEPEP_MULTIPROCESSORS)
+    held = NCCL_ALL_TO_ALL_MULTIPROCESSORS
+    if parallel.token_dispatcher in FLEX_DISPATCHERS:
+        held = (FLEX_DISPATCHER_MULTIPROCESSORS[parallel.token_dispatcher] if parallel.dispatcher_sms is None
+                else parallel.dispatcher_sms)
     if held >= device.curve.multiprocessors:
         raise EstimateError(f"dispatcher_sms: {held} of the part's {device.curve.multiprocessors} multiprocessors "
                             "leaves none to compute on; give fewer")
@@ -1279,21 +1278,24 @@ def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Paralleli
 
 
 def paired_passes(layer: LayerCount, priced: LayerEstimate, routed: LayerEstimate, all_to_all_fwd_ms: float,
-                  all_to_all_bwd_ms: float, issue: Callable[[LayerCount, str], float] | None
-                  ) -> tuple[MoePass, MoePass]:
+                  all_to_all_bwd_ms: float, issued: dict[str, float],
+                  issue: Callable[[LayerCount, str], float] | None) -> tuple[MoePass, MoePass]:
     """A MoE layer's forward and backward (`priced` on the GPU, its routed experts' part `routed`) as Megatron-core's
     overlapped pair runs them node by node (`planning.experts.MoePass`): dispatch and combine alike; of the
     backward, the weight gradients `delay_wgrad_compute` runs after each part's input gradients; and where the
-    layer makes the host wait (`issue`: the host's issue of a layer's pass; None where it never waits), each part's
-    issue, its weight gradients' of it (the weight-gradient pass's, within the backward's)."""
-    def issued(name: str) -> tuple[float, float]:  # (outside the routed experts, theirs)
+    layer makes the host wait (`issue`: the host's issue of a layer's pass, `issued` the whole layer's by pass;
+    None where it never waits), each part's issue, its weight gradients' of it (the weight-gradient pass's, within
+    the backward's)."""
+    experts_layer = None if issue is None else _routed_part(layer)
+
+    def split_issue(name: str) -> tuple[float, float]:  # (outside the routed experts, theirs)
         if issue is None:
             return 0.0, 0.0
-        experts = issue(_routed_part(layer), name)
-        return issue(layer, name) - experts, experts
+        experts = issue(experts_layer, name)
+        return issued[name] - experts, experts
 
     (attention_fwd, experts_fwd), (attention_bwd, experts_bwd), (attention_wgrad, experts_wgrad) = (
-        issued(name) for name in ("fwd", "bwd", "wgrad"))
+        split_issue(name) for name in ("fwd", "bwd", "wgrad"))
     forward = MoePass(priced.fwd_ms - routed.fwd_ms, routed.fwd_ms, all_to_all_fwd_ms / 2, all_to_all_fwd_ms / 2,
                       attention_issue_ms=attention_fwd, experts_issue_ms=experts_fwd)
     attention_bwd_ms = priced.bwd_ms - routed.bwd_ms
@@ -1556,7 +1558,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(
-                *paired_passes(busiest, priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms,
+                *paired_passes(busiest, priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms, issued,
                                (lambda run, name: issue_ms(run, parallel.float8_recipe, element,
                                                            parallel.host_kernel_us, name, modules_us))
                                if synced else None),
