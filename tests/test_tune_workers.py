@@ -67,12 +67,17 @@ def test_tune_starts_its_workers_before_its_estimates_and_answers_as_without_the
     assert {**_document(early), "search": None} == {**_document(alone), "search": None}
 
 
-def test_the_search_workers_hold_their_cycle_collector_off():
+def _collecting_in_two_workers() -> list[bool]:
+    """Whether the cycle collector is on in the workers of a fresh pool of two, asked four times."""
     pool = planning.start_workers(2)
     try:
-        assert [pool.submit(gc.isenabled).result() for _ in range(4)] == [False] * 4
+        return [pool.submit(gc.isenabled).result() for _ in range(4)]
     finally:
         pool.shutdown()
+
+
+def test_the_search_workers_hold_their_cycle_collector_off():
+    assert _collecting_in_two_workers() == [False] * 4
     assert planning.start_workers(1) is None
 
 
@@ -149,11 +154,7 @@ def test_workers_are_forked_where_no_other_thread_runs_and_spawned_where_one_doe
     alone = threading.active_count() == 1  # as under a plain pytest
     running, stop = [], threading.Event()
     for _ in range(2):
-        pool = planning.start_workers(2)
-        try:
-            assert [pool.submit(gc.isenabled).result() for _ in range(4)] == [False] * 4
-        finally:
-            pool.shutdown()
+        assert _collecting_in_two_workers() == [False] * 4
         running.append(threading.Thread(target=stop.wait))
         running[-1].start()
     stop.set()
