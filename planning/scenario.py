@@ -207,11 +207,12 @@ class Scenario:
         element = 4 if measured.environment.dtype == "float32" else 2
         bucketed = buckets([layer.param_bytes // element for layer in layers], bucket_params(sched.data_parallel))
 
-        def traffic_ms(bucket: list[int], nbytes: Callable[[object], int]) -> float:
-            """A bucket's reduce-scatter of its gradients (`param_bytes`) or all-gather of its weights as they are
+        def traffic(nbytes: Callable[[object], int]) -> Callable[[list[int]], float]:
+            """A bucket's time to reduce-scatter its gradients (`param_bytes`) or all-gather its weights as they are
             gathered (`gathered_weight_bytes`: TransformerEngine's float8 weights at 1 byte), the same traffic."""
-            share = sum(nbytes(layers[i]) for i in bucket) / sum(nbytes(layer) for layer in layers)
-            return link.reduce_scatter_ms(nbytes(first) * share, sched.gradient_ranks)
+            total = sum(nbytes(layer) for layer in layers)
+            return lambda bucket: link.reduce_scatter_ms(
+                nbytes(first) * (sum(nbytes(layers[i]) for i in bucket) / total), sched.gradient_ranks)
 
         def shares(times: list[float], stage_ms: float) -> list[float]:  # the stage's pass, split as its layers'
             total = sum(times)
@@ -220,11 +221,10 @@ class Scenario:
         persistent = bool(measured.estimate.curve.get("persistent_products"))
         return replace(costs, stages=(replace(
             first, reduce_ms=exposed_reduce_ms(shares([layer.bwd.median_ms for layer in layers], first.bwd_ms),
-                                               bucketed, lambda bucket: traffic_ms(bucket, attrgetter("param_bytes")),
-                                               persistent),
+                                               bucketed, traffic(attrgetter("param_bytes")), persistent),
             gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms), bucketed,
-                                        lambda bucket: traffic_ms(bucket, attrgetter("gathered_weight_bytes")),
-                                        persistent)), *costs.stages[1:]))
+                                        traffic(attrgetter("gathered_weight_bytes")), persistent)),
+            *costs.stages[1:]))
 
     def _collectives_beside_products(self, costs: Costs, sched: Schedule) -> Costs:
         """On a part with persistent products (an estimate's `persistent_products`, Hopper) a stage's once-a-step

@@ -545,7 +545,7 @@ def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
     is held meanwhile, so no identity is reused."""
     weights = [p.untyped_storage() for p in (*layer.parameters(), *shared_weights(layer), *layer.buffers())]
     params = {id(storage) for storage in weights}
-    saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str]] = {}
+    saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str, dict | None]] = {}
     modules: list[str | None] = []  # the submodules under way, outermost first: the part each name says
     hooks = []
     def enter(part: str | None) -> Callable[..., None]:
