@@ -14,7 +14,7 @@ import numpy as np
 
 from .ir import SYNCHRONOUS, Kind, Prediction, Read, Schedule, ScheduleError, WeightPolicy
 from .methods import Method, ScheduleParams, interleave_1f1b_rows, make_schedule, pipedream_order
-from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable
+from .table import KIND_CODE, ActionTable
 
 _F, _B, _OPT, _AVG = (KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.OPT, Kind.AVG))
 
@@ -109,12 +109,9 @@ def avgpipe(params: ScheduleParams) -> Schedule:
     after = [(b + 1) * copies * step for b in averaged]  # AVG once every pipeline updated
     kind, microbatch = np.insert(kind, after, _AVG, axis=1), np.insert(microbatch, after, -1, axis=1)
     minibatch, pipeline = np.insert(minibatch, after, averaged, axis=1), np.insert(pipeline, after, 0, axis=1)
-    stage = np.repeat(k, kind.shape[1]).astype(FIELD_DTYPE)
-    return make_schedule("avgpipe", params, ActionTable(
-        stage, kind.ravel().astype(KIND_DTYPE), stage, microbatch.ravel().astype(FIELD_DTYPE),
-        minibatch.ravel().astype(FIELD_DTYPE), pipeline.ravel().astype(FIELD_DTYPE),
-        np.full(kind.size, -1, dtype=FIELD_DTYPE)),
-        AVGPIPE_POLICY if copies > 1 else SYNCHRONOUS)
+    return make_schedule("avgpipe", params, ActionTable.from_device_rows(kind, k[:, None], microbatch, minibatch,
+                                                                      pipeline),
+                         AVGPIPE_POLICY if copies > 1 else SYNCHRONOUS)
 
 
 PREDICTS = frozenset({"prediction"})  # the option that chooses the source of s

@@ -278,11 +278,7 @@ def pipedream_order(method: str, params: ScheduleParams, policy: WeightPolicy) -
     # before each op it predicts for (an update before a PRED at one spot), of the stage and mini-batch of `of`
     after, spots = np.flatnonzero(backward & (microbatch == m - 1)) + 1, np.flatnonzero(predicted)
     before, of = np.concatenate([after, spots]), np.concatenate([after - 1, spots])
-    rows = backward.size
-    stage = np.repeat(np.arange(p, dtype=FIELD_DTYPE), backward.shape[1])
-    passes = ActionTable(stage, np.where(backward, _B, _F).ravel().astype(KIND_DTYPE), stage,
-                         microbatch.ravel().astype(FIELD_DTYPE), minibatch.ravel().astype(FIELD_DTYPE),
-                         np.zeros(rows, dtype=FIELD_DTYPE), np.full(rows, -1, dtype=FIELD_DTYPE))
+    passes = ActionTable.from_device_rows(np.where(backward, _B, _F), np.arange(p)[:, None], microbatch, minibatch)
     return make_schedule(method, params, passes.with_rows(
         before, of, kind=np.repeat([_OPT, _PRED], [len(after), len(spots)]),
         microbatch=np.concatenate([np.full(len(after), -1), passes.microbatch[spots]])), policy)

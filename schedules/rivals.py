@@ -35,17 +35,6 @@ def _flushed(method: str, params: ScheduleParams, placement: Sequence[int], patt
                          graph=graph)
 
 
-def _every_device(kind: np.ndarray, stage: np.ndarray, microbatch: np.ndarray) -> ActionTable:
-    """A pattern (`_flushed`) from (devices, actions per device) arrays of kind codes, stages (broadcast) and
-    micro-batches."""
-    devices, length = kind.shape
-    size = devices * length
-    return ActionTable(np.repeat(np.arange(devices, dtype=FIELD_DTYPE), length), kind.astype(KIND_DTYPE).ravel(),
-                       np.broadcast_to(stage, kind.shape).astype(FIELD_DTYPE).ravel(),
-                       microbatch.astype(FIELD_DTYPE).ravel(), np.zeros(size, dtype=FIELD_DTYPE),
-                       np.zeros(size, dtype=FIELD_DTYPE), np.full(size, -1, dtype=FIELD_DTYPE))
-
-
 def _each_device(devices: int, device_order: Callable[[int], _VOrder]) -> ActionTable:
     """A pattern (`_flushed`) from each device's actions for mini-batch 0, `device_order(device)`."""
     orders = [device_order(device).columns() for device in range(devices)]
@@ -83,7 +72,7 @@ def interleaved_1f1b(params: ScheduleParams) -> Schedule:
     backward, i = interleave_1f1b_rows(m * v, warmup)  # per device, the virtual micro-batch i of each step
     group, offset = np.divmod(i, p * v)
     chunk = np.where(backward, v - 1 - offset // p, offset // p)
-    pattern = _every_device(np.where(backward, _B, _F), chunk * p + k[:, None], group * p + offset % p)
+    pattern = ActionTable.from_device_rows(np.where(backward, _B, _F), chunk * p + k[:, None], group * p + offset % p)
     return _flushed(method, params, [s % p for s in range(p * v)], pattern)
 
 
@@ -111,7 +100,7 @@ def _zero_bubble_handcrafted(method: str, params: ScheduleParams, c: int) -> Sch
     p, m = params.stages, params.microbatches
     k = np.arange(p)  # the stage, on device k
     kind, microbatch = _defer_weight_gradients(*interleave_1f1b_rows(m, c * (p - k - 1)), c * k)
-    return _flushed(method, params, range(p), _every_device(kind, k[:, None], microbatch))
+    return _flushed(method, params, range(p), ActionTable.from_device_rows(kind, k[:, None], microbatch))
 
 
 def zb_h1(params: ScheduleParams) -> Schedule:

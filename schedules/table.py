@@ -60,6 +60,16 @@ class ActionTable:
         return cls.from_orders(schedule.orders, schedule.method)
 
     @classmethod
+    def from_device_rows(cls, kind: np.ndarray, stage, microbatch, minibatch=0, pipeline=0) -> ActionTable:
+        """A table from (devices, actions per device) arrays, row d device d's actions in order: their kind codes
+        and their stages, micro-batches, mini-batches and pipelines (each broadcast to the kinds'); no peers."""
+        devices, length = kind.shape
+        return cls(np.repeat(np.arange(devices, dtype=FIELD_DTYPE), length), kind.astype(KIND_DTYPE).ravel(),
+                   *(np.broadcast_to(column, kind.shape).astype(FIELD_DTYPE).ravel()
+                     for column in (stage, microbatch, minibatch, pipeline)),
+                   np.full(kind.size, -1, dtype=FIELD_DTYPE))
+
+    @classmethod
     def from_orders(cls, orders: Sequence[Sequence[Action]], method: str) -> ActionTable:
         """The table of per-device action lists (device 0's first); a field beyond 32 bits raises ScheduleError
         naming `method`."""
