@@ -310,7 +310,7 @@ class _Block(nn.Module):
         k, v = (part.view(b, t, self.kv_heads, head) for part in (k, v))
         if self.rotary:  # token-major, as Megatron-core rotates its [s, b, heads, head] q and k
             q, k = apply_rotary_pos_emb(q, k, self.cos[None, :t], self.sin[None, :t], unsqueeze_dim=2)
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        q, k, v = (part.transpose(1, 2) for part in (q, k, v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads < self.heads,
                                                   dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(b, t, d)))
