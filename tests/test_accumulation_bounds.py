@@ -141,13 +141,9 @@ def test_a_partitions_accumulations_before_costing_are_its_costs_own():
     each chain's partition, the accumulations `_cut_accumulates_ms` reads off the profile before costing are the
     ones its costs price, on the calibrated cut and off it; so the partitioned bound, which counts them, stays at
     or above the candidate's, and lowers some below what it gives without them."""
-    from pipesim.schedules import METHODS
-    from tests.test_tune_digests import FLAGS
+    from tests.test_tune_digests import searched_shapes
 
-    settings_ = searched_settings(*FLAGS, model=MODEL)
-    problem = tuning.Problem(8, 80 * tuning.GIB, 32, tuple(name for name in METHODS if name != "auto"), 8)
-    orders = tuning._Orders()
-    shapes, _, _ = tuning._shapes(settings_, problem, orders)
+    problem, orders, shapes = searched_shapes()
     built = tuning._Built(problem, orders)
     cuts, lowered = set(), 0
     for shape in shapes:

@@ -34,18 +34,26 @@ def _given(costs) -> tuple:
     return given(dataclasses.replace(costs, stages=(), calibration=None)), tuple(given(stage) for stage in costs.stages)
 
 
+def searched_shapes() -> tuple:
+    """The 48 settings' search as `digests` runs it: its problem (every method but auto), the orders it builds
+    and its shapes (`_shapes`)."""
+    from pipesim.planning import tune as tuning
+    from pipesim.schedules import METHODS
+
+    problem = tuning.Problem(8, 80 * tuning.GIB, 32, tuple(name for name in METHODS if name != "auto"), 8)
+    orders = tuning._Orders()
+    shapes, _, _ = tuning._shapes(searched_settings(*FLAGS, model=MODEL), problem, orders)
+    return problem, orders, shapes
+
+
 def digests() -> dict[str, str]:
     """Per shape (its configuration's label and enumeration index): the hash of what the search knows of it
     unbuilt (`_shapes`: staleness, bound, memory floor) and, where built (`_candidate` on `_plan`'s partition:
     every method but auto, whose search has a time budget), its partition, costs (every field, every stage),
     compute per device, floor, bound and the bound its critical path gives (`_with_critical_path`)."""
     from pipesim.planning import tune as tuning
-    from pipesim.schedules import METHODS
 
-    settings = searched_settings(*FLAGS, model=MODEL)
-    problem = tuning.Problem(8, 80 * tuning.GIB, 32, tuple(name for name in METHODS if name != "auto"), 8)
-    orders = tuning._Orders()
-    shapes, _, _ = tuning._shapes(settings, problem, orders)
+    problem, orders, shapes = searched_shapes()
     built = tuning._Built(problem, orders)
     found: dict[str, str] = {}
     for shape in shapes:
