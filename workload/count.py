@@ -241,10 +241,13 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         read: set[int] = set()
         for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.known:
-                self.outside.setdefault(id(t.untyped_storage()), t.untyped_storage())
-            elif isinstance(t, torch.Tensor):
-                read.add(self.known[id(t.untyped_storage())])
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            if id(storage) in self.known:
+                read.add(self.known[id(storage)])
+            else:
+                self.outside.setdefault(id(storage), storage)
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
