@@ -239,18 +239,23 @@ ZERO_BUBBLE_COSTS = Path(__file__).resolve().parent / "zero_bubble_paper.json"  
 ORDERS = Path("benchmarks") / "published" / "zero-bubble-2024-orders"  # from REPO, where the commands run
 
 
-def zero_bubble_order(row: dict[str, str]) -> Path:
-    """Where a ZB-1p or ZB-2p row's order is (from REPO), written there as the fork's scheduler builds it from the
-    row's Table 9 costs (the medians it profiled: F, B, W and the transfer) under the row's memory limit."""
+def zero_bubble_csv(row: dict[str, str]) -> str:
+    """A ZB-1p or ZB-2p row's order as a torch schedule CSV, as the fork's scheduler builds it from the row's Table 9
+    costs (the medians it profiled: F, B, W and the transfer) under the row's memory limit: the one build that the
+    benchmark writes and tests/test_published_memory.py holds the committed orders to."""
     stages, microbatches = int(row["gpus"]), int(row["microbatches"])
     (costs,) = [c for c in json.loads(ZERO_BUBBLE_COSTS.read_text())["rows"]
                 if (c["model"], c["p"], c["m"]) == (row["model"], stages, microbatches)]
-    text = fork_csv(stages, microbatches, ForkCosts.from_ms(costs["fwd_ms"], costs["igrad_ms"], costs["wgrad_ms"],
+    return fork_csv(stages, microbatches, ForkCosts.from_ms(costs["fwd_ms"], costs["igrad_ms"], costs["wgrad_ms"],
                                                            costs["comm_ms"]),
                     ZERO_BUBBLE_LIMITS[row["schedule"]] * stages)
-    path = ORDERS / f"{row['model']}-{row['schedule']}-m{microbatches}.csv"
+
+
+def zero_bubble_order(row: dict[str, str]) -> Path:
+    """Where a ZB-1p or ZB-2p row's order is (from REPO), written there (`zero_bubble_csv`)."""
+    path = ORDERS / f"{row['model']}-{row['schedule']}-m{row['microbatches']}.csv"
     (REPO / path).parent.mkdir(parents=True, exist_ok=True)
-    (REPO / path).write_text(text)
+    (REPO / path).write_text(zero_bubble_csv(row))
     return path
 
 
