@@ -43,6 +43,21 @@ source), listed too. Each command's
 fullest device's peak memory is printed with it: the summaries publish no memory figure, but every row ran, so none
 should be marked out of memory.
 
+The Megatron MoE Model Zoo's H100 table (benchmarks/published/megatron-moe-modelzoo-h100.csv: Qwen3-235B-A22B in
+BF16 on 256 H100s, each row's step time with its whole layout) runs through the same command, as Megatron-LM's
+pretrain_gpt.py ran it with the zoo's model config (model_configs/benchmarking/Qwen3-235B-A22B.yaml at b0b92ff):
+bf16 with Megatron-LM's float32 gradients (`--precision megatron`: arguments.py sets
+accumulate_allreduce_grads_in_fp32 under --bf16) added inside the weight-gradient products (Megatron-LM's default
+gradient_accumulation_fusion, with the APEX kernel NGC's PyTorch containers ship), the row's recomputed modules
+(`--recompute-modules`; "norm, act" is the H100 command's `--recompute-modules moe_act layernorm`), its dispatcher
+(DeepEP's, or NCCL's all-to-all for "A2A"), Megatron-core's expert overlap on the "+1f1b overlap" row
+(A2A_OVERLAP=1), and the layers cut with the embedding and the loss counted as a layer each (the yaml's
+--account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: Megatron-core's
+get_transformer_layer_offset, megatron/core/transformer/transformer_layer.py, splits the 94 layers and those two
+evenly over the p·v chunks; `MoeRun.embedding_loss_split`). Routing is forced balance (`--routing random`), as the
+table's H100 command runs it (best_practice/Qwen3/run_235b.sh at b0b92ff); the other rows give no command of their
+own and are run so too. A row's published tokens/s per GPU is its global batch's tokens over its step time and GPUs.
+
     python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
     python benchmarks/published_moe.py --json out.json # and the rows as JSON
 """
@@ -62,6 +77,7 @@ from rich.table import Table
 from pipesim.commands.tables import print_table
 
 SOURCE = "nemo-megatron-bridge-moe-h100.csv"  # benchmarks/published/README.md: its source and how to read it
+MODELZOO = "megatron-moe-modelzoo-h100.csv"  # the Megatron MoE Model Zoo's H100 table, README.md there too
 GPU = "h100-sxm"
 EXAMPLES = "examples"  # the Hugging Face configs, relative to the repository root the commands run in
 PRESETS = {"Qwen3_30B_a3B": "qwen3-30b-a3b", "Qwen3_235B_a22B": "qwen3-235b-a22b"}  # the table's model: its examples/
@@ -132,6 +148,20 @@ TOKEN_DROP = "(tokendrop)"  # the row's model label of the runs that do not
 # for both Qwen3 models: moe_expert_capacity_factor 1.0 with moe_pad_expert_input_to_capacity True
 # (src/megatron/bridge/training/utils/moe_token_drop.py there)
 TOKEN_DROP_CAPACITY = 1.0
+# the Model Zoo table's model -> its examples/ config
+MODELZOO_PRESETS = {"235B": "qwen3-235b-a22b"}
+# the table's dispatcher -> --token-dispatcher (sbatch_benchmarking.sh at b0b92ff: DISPATCHER deepep runs the flex
+# dispatcher over DeepEP, alltoall Megatron-core's all-to-all one)
+MODELZOO_DISPATCHERS = {"DeepEP": "deepep", "A2A": None}
+# the table's recompute column's parts -> --recompute-modules (the H100 command's `--recompute-modules moe_act
+# layernorm` for "norm, act")
+MODELZOO_RECOMPUTE = {"norm": "layernorm", "act": "moe_act"}
+MODELZOO_NOT_EXPRESSIBLE = {
+    "Next-80B-A3B": "Qwen3-Next's Gated DeltaNet layers: pipesim counts no linear-attention layer, and examples/ "
+                    "holds no config of it",
+    "FSDP On": "Megatron-FSDP, whose sharding (--data-parallel-sharding-strategy) the table does not give, and no "
+               "command of the row's (its code column names only Megatron-LM's main at 1e057005)",
+}
 NOT_EXPRESSIBLE = {
     "DeepSeekV3": "the row states no precision; its recipe (scripts/performance/configs/deepseek/"
                   "deepseek_v3_llm_pretrain.yaml at 7623546) runs a multi-token-prediction layer (mtp_num_layers 1: "
@@ -158,9 +188,13 @@ class MoeRun:
     dispatcher: str | None  # --token-dispatcher (None: NCCL's all-to-all)
     expert_tensor: int  # --expert-tensor-parallel: each routed expert's tensor split
     a2a_overlap: bool  # --overlap-expert-comm: the recipe sets moe_a2a_overlap (`A2A_OVERLAP`)
-    fp8_recipe: str  # --fp8-recipe: the row's float8 scaling (`FP8_RECIPES`)
+    fp8_recipe: str | None  # --fp8-recipe: the row's float8 scaling (`FP8_RECIPES`); None: BF16
     routing: str  # --routing: random where the run forces balance, balanced where it drops (`TOKEN_DROP`)
     capacity_factor: float | None  # --capacity-factor where it drops (`TOKEN_DROP_CAPACITY`; None: dropless)
+    source: str = SOURCE  # the CSV under benchmarks/published/ the row is from
+    precision: str = "megatron-16bit-grads"  # --precision: how the run holds its gradients
+    recompute_modules: tuple[str, ...] = ()  # --recompute-modules: the parts recomputed in the backward
+    embedding_loss_split: bool = False  # the embedding and the loss each counted as a layer in the pipeline's cut
 
     @property
     def data(self) -> int:
@@ -171,13 +205,22 @@ class MoeRun:
         schedule = ["-s", "interleaved-1f1b", "--chunks", str(self.chunks)] if self.chunks > 1 else ["-s", "1f1b"]
         blocks = json.loads((root / EXAMPLES / self.preset / "config.json").read_text())["num_hidden_layers"]
         cut = "equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced"
+        if self.embedding_loss_split:  # Megatron-core gives every chunk (blocks + 2) / (p·v) layers, the first
+            # chunk's one of them the embedding, the last's one the loss (get_transformer_layer_offset)
+            per_chunk, rest = divmod(blocks + 2, self.pipeline * self.chunks)
+            if rest:
+                raise ValueError(f"{self.name}: {blocks} layers, the embedding and the loss do not divide into "
+                                 f"{self.pipeline * self.chunks} chunks")
+            cut = f"first-last:{per_chunk - 1},{per_chunk - 1}"
+        dtype = ["fp8", "--fp8-recipe", self.fp8_recipe] if self.fp8_recipe else ["bf16"]
         return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
-                "fp8", "--fp8-recipe", self.fp8_recipe, "--attention", "flash", "-b", str(self.microbatch_size),
+                *dtype, "--attention", "flash", "-b", str(self.microbatch_size),
                 "--gpu", GPU,
                 "--tensor-parallel", str(self.tensor), *(["--sequence-parallel"] if self.tensor > 1 else []),
                 "-p", str(self.pipeline), "-m", str(self.global_batch // (self.data * self.microbatch_size)),
                 "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
-                "--precision", "megatron-16bit-grads", "--grad-accumulation", "fused", "--recompute", "none",
+                "--precision", self.precision, "--grad-accumulation", "fused", "--recompute", "none",
+                *(["--recompute-modules", ",".join(self.recompute_modules)] if self.recompute_modules else []),
                 *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
                 "--cross-entropy", "megatron", "--norm-kernel", "fused", "--rope-kernel", "fused",
@@ -187,13 +230,14 @@ class MoeRun:
                 *(["--overlap-expert-comm"] if self.a2a_overlap else [])]
 
 
-def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, str], str]]]:
-    """The table's rows as runs, each with its row, and the rows pipesim cannot express, each with why."""
+def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
+    """Megatron-Bridge's rows as runs, each with its published tokens/s per GPU, and the rows pipesim cannot
+    express, each named with why."""
     expressible, left_out = [], []
     for row in _rows(SOURCE):
         model = row["model"].split(" (")[0]  # "(dropless)", "(tokendrop)": forced balance drops no token either way
         if model in NOT_EXPRESSIBLE:
-            left_out.append((row, NOT_EXPRESSIBLE[model]))
+            left_out.append((f"{row['container']} {row['model']}", NOT_EXPRESSIBLE[model]))
             continue
         t, p, gpus, batch, b, seq, e = (int(row[k]) for k in ("tensor_parallel", "pipeline_parallel", "gpus",
                                                                "global_batch", "microbatch_size", "sequence_length",
@@ -210,8 +254,37 @@ def runs() -> tuple[list[tuple[MoeRun, dict[str, str]]], list[tuple[dict[str, st
                                    EXPERT_TENSOR[model], row["container"].startswith(A2A_OVERLAP.get(layout, ())),
                                    FP8_RECIPES[row["precision"]],
                                    "balanced" if drops else "random", TOKEN_DROP_CAPACITY if drops else None),
-                            row))
+                            float(row["tokens_per_s_per_gpu"])))
     return expressible, left_out
+
+
+def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
+    """The Model Zoo's H100 rows as runs (the module docstring), each with its published tokens/s per GPU (the
+    global batch's tokens over its step time and GPUs), and the rows pipesim cannot express, each named with why."""
+    expressible, left_out = [], []
+    for row in _rows(MODELZOO):
+        t, p, chunks, e, etp, gpus, batch, b, seq = (int(row[k]) for k in (
+            "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "expert_parallel", "expert_tensor_parallel",
+            "gpus", "global_batch", "microbatch_size", "seq_len"))
+        overlap = row["notes"] == "+1f1b overlap"
+        name = f"Model Zoo {row['model']} {row['dispatcher']} t{t} p{p} v{chunks} E{e}{' overlap' if overlap else ''}"
+        why = MODELZOO_NOT_EXPRESSIBLE.get(row["model"]) or MODELZOO_NOT_EXPRESSIBLE.get(f"FSDP {row['fsdp']}")
+        if why:
+            left_out.append((name, why))
+            continue
+        modules = tuple(MODELZOO_RECOMPUTE[part.strip()] for part in row["recompute"].split(",") if part.strip())
+        run = MoeRun(name, MODELZOO_PRESETS[row["model"]], gpus, batch, b, seq, t, p, chunks, e,
+                     MODELZOO_DISPATCHERS[row["dispatcher"]], etp, overlap, None, "random", None, source=MODELZOO,
+                     precision="megatron", recompute_modules=modules, embedding_loss_split=True)
+        expressible.append((run, batch * seq / (float(row["step_time_s"]) * gpus)))
+    return expressible, left_out
+
+
+def runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
+    """Every source's rows as runs, each with its published tokens/s per GPU, and the rows pipesim cannot express,
+    each named with why."""
+    (bridge, bridge_left), (zoo, zoo_left) = bridge_runs(), modelzoo_runs()
+    return bridge + zoo, bridge_left + zoo_left
 
 
 def step_parts(result: dict) -> dict[str, float | int]:
@@ -229,7 +302,7 @@ def rows(root: Path) -> list[dict]:
     """Every expressible row: its command, the predicted and published tokens/s per GPU, the error, its step's
     parts (`step_parts`) and its fullest device's memory (`fullest`), each once per command."""
     out, simulated, memory = [], {}, {}
-    for run, row in runs()[0]:
+    for run, published in runs()[0]:
         args = run.simulate_command(root)
         command = command_text(args)
         if command not in simulated:
@@ -237,8 +310,7 @@ def rows(root: Path) -> list[dict]:
             memory[command] = fullest(args)
         ms = simulated[command]["time_per_minibatch_ms"]
         predicted = run.global_batch * run.seq_len / (ms / 1e3 * run.gpus)
-        published = float(row["tokens_per_s_per_gpu"])
-        out.append({"run": run.name, "predicted_tokens_per_s_per_gpu": predicted,
+        out.append({"run": run.name, "source": run.source, "predicted_tokens_per_s_per_gpu": predicted,
                     "published_tokens_per_s_per_gpu": published, "error": predicted / published - 1,
                     "command": command, "command_ms": ms, "parts": step_parts(simulated[command]),
                     "memory": memory[command]})
@@ -260,9 +332,11 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
     print(f"|error|: {summary(compared)}")
+    for source in (SOURCE, MODELZOO):
+        print(f"  {source}: {summary([r for r in compared if r['source'] == source])}")
     print("\nNot expressible:")
-    for row, why in runs()[1]:
-        print(f"{row['container']} {row['model']}: {why}")
+    for name, why in runs()[1]:
+        print(f"{name}: {why}")
     print("\nRun as their release's recipe ran them, not as printed:")
     for (container, model), (_, why) in RELEASE_LAYOUTS.items():
         print(f"{container} {model}: {why}")

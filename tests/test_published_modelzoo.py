@@ -1,0 +1,92 @@
+"""The Megatron MoE Model Zoo's H100 table (benchmarks/published/megatron-moe-modelzoo-h100.csv, run by
+benchmarks/published_moe.py and recorded in benchmarks/published_moe.json): the CSV holds the table as printed, every
+expressible row is recorded with its step time and its whole layout, the others are listed with why, and each
+recorded command runs and reproduces its prediction."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import simulate_json
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = "megatron-moe-modelzoo-h100.csv"
+PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
+RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
+            if row["source"] == SOURCE]
+EXPRESSIBLE = [row for row in PUBLISHED if row["model"] == "235B" and row["fsdp"] != "On"]
+QWEN3_235B_LAYERS = 94
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_the_csv_holds_the_tables_rows_and_each_layout_covers_its_gpus():
+    """best_practice/Qwen3/readme.md at b0b92ff: six rows, their step times and TFLOP/s as printed; each row's
+    t·C·d·p is its GPUs and its experts' E·ETP·EDP the t·C·d of a stage (Megatron-core's folding)."""
+    assert [(row["model"], row["step_time_s"], row["per_gpu_tflops"]) for row in PUBLISHED] == [
+        ("235B", "19.7", "245"), ("235B", "17.6", "276"), ("235B", "17.6", "276"), ("235B", "24.2", "200"),
+        ("235B", "29.0", "167"), ("Next-80B-A3B", "2.2", "89")]
+    for row in PUBLISHED:
+        t, c, d, p, e, etp, edp, gpus = (int(row[k]) for k in (
+            "tensor_parallel", "context_parallel", "data_parallel", "pipeline_parallel", "expert_parallel",
+            "expert_tensor_parallel", "expert_data_parallel", "gpus"))
+        assert t * c * d * p == gpus and e * etp * edp == t * c * d
+        assert int(row["global_batch"]) == d * int(row["microbatch_size"]) * int(row["gradient_accumulation"])
+
+
+def test_every_expressible_row_is_recorded_with_its_step_and_layout():
+    """Each command runs the row's columns: its t, p, v, E, d and micro-batches (GA), BF16 with Megatron-LM's float32
+    gradients, its dispatcher, its recomputed modules, the expert overlap on the "+1f1b overlap" row, forced balance,
+    and the embedding and the loss counted as a layer each in the cut ((94 + 2) / (p·v) a chunk)."""
+    assert len(RECORDED) == len(EXPRESSIBLE) == 4
+    for row, published in zip(RECORDED, EXPRESSIBLE):
+        args = shlex.split(row["command"])
+        t, p, v, e, d, b, m, gpus, batch, seq = (int(published[k]) for k in (
+            "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "expert_parallel", "data_parallel",
+            "microbatch_size", "gradient_accumulation", "gpus", "global_batch", "seq_len"))
+        assert (_flag(args, "--model"), _flag(args, "--dtype"), _flag(args, "--precision")) == (
+            "hf:examples/qwen3-235b-a22b", "bf16", "megatron")
+        assert (_flag(args, "--tensor-parallel"), _flag(args, "-p"), _flag(args, "--chunks"),
+                _flag(args, "--expert-parallel"), _flag(args, "--data-parallel")) == tuple(map(str, (t, p, v, e, d)))
+        assert (_flag(args, "-b"), _flag(args, "-m"), _flag(args, "--seq-len")) == (str(b), str(m), str(seq))
+        per_chunk = (QWEN3_235B_LAYERS + 2) // (p * v)
+        assert _flag(args, "--stage-cut") == f"first-last:{per_chunk - 1},{per_chunk - 1}"
+        assert (_flag(args, "--token-dispatcher") if "--token-dispatcher" in args else "A2A") == (
+            "deepep" if published["dispatcher"] == "DeepEP" else "A2A")
+        assert ("--overlap-expert-comm" in args) == (published["notes"] == "+1f1b overlap")
+        assert (_flag(args, "--recompute-modules") if "--recompute-modules" in args else "") == (
+            "layernorm,moe_act" if published["recompute"] == "norm, act" else "")
+        assert _flag(args, "--routing") == "random"
+        assert row["published_tokens_per_s_per_gpu"] == pytest.approx(
+            batch * seq / (float(published["step_time_s"]) * gpus), rel=1e-12)
+        assert row["predicted_tokens_per_s_per_gpu"] == pytest.approx(
+            batch * seq / (row["command_ms"] / 1e3 * gpus), rel=1e-12)
+        assert not row["memory"]["out_of_memory"], row["run"]
+
+
+def test_the_rows_pipesim_cannot_express_are_listed_with_why(monkeypatch):
+    """Qwen3-Next (Gated DeltaNet layers) and the Megatron-FSDP row, whose sharding the table does not give."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from published_moe import modelzoo_runs
+
+    expressible, left_out = modelzoo_runs()
+    assert [run.name for run, _ in expressible] == [row["run"] for row in RECORDED]
+    assert [(name, "Gated DeltaNet" in why or "Megatron-FSDP" in why) for name, why in left_out] == [
+        ("Model Zoo 235B DeepEP t2 p1 v1 E8", True), ("Model Zoo Next-80B-A3B DeepEP t1 p4 v3 E32", True)]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_a_modelzoo_row_is_reproduced_by_its_printed_command(index, monkeypatch):
+    monkeypatch.chdir(REPO)  # the command names its config as examples/, from the repository root
+    row = RECORDED[index]
+    (result,) = simulate_json(*shlex.split(row["command"])[2:])
+    assert result["time_per_minibatch_ms"] == pytest.approx(row["command_ms"], rel=1e-9)
+    fullest = max(result["devices"], key=lambda device: device["peak_memory_mb"])
+    assert fullest["peak_memory_mb"] == pytest.approx(row["memory"]["peak_mib"], rel=1e-9)
