@@ -151,8 +151,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
         model = AutoModelForCausalLM.from_config(settings, attn_implementation=attention,
                                                  **_experts_implementation(experts))
     except Exception as exc:  # transformers' own code on the config's values: whatever it raised, in one line
-        raise ModelError(f"{where}: transformers cannot build it: {type(exc).__name__}: "
-                         f"{(str(exc).splitlines() or [''])[0]}") from None
+        raise ModelError(f"{where}: transformers cannot build it: {_in_one_line(exc)}") from None
     if experts:
         _check_experts(model, where, experts)
     layers = decoder_layers(model, where)
@@ -258,6 +257,12 @@ def _check_experts(model: nn.Module, where: str, experts: int) -> None:
                          "interleaved gate/up weights; pipesim counts experts of gate/up and down products only")
 
 
+def _in_one_line(exc: Exception) -> str:
+    """`exc` named and its message's lines joined: transformers' validators put the reason on the second line
+    ("Class validation error for validator 'validate_architecture':" then "ValueError: The hidden size ...")."""
+    return " ".join([f"{type(exc).__name__}:", *(line.strip() for line in str(exc).splitlines() if line.strip())])
+
+
 def _settings(config: HfConfig, config_class: type) -> Any:
     """The transformers config of `config`'s fields, each of `FIGURES` given (under its name or the class's alias
     for it), with the key/value cache off (training keeps none)."""
@@ -270,8 +275,7 @@ def _settings(config: HfConfig, config_class: type) -> Any:
     try:
         settings = config_class.from_dict(config.fields)
     except Exception as exc:  # its checks of the fields' values (rope settings, ...): whatever they raised, in one line
-        raise ModelError(f"--model {config.spec}: transformers refuses {config.path}: {type(exc).__name__}: "
-                         f"{(str(exc).splitlines() or [''])[0]}") from None
+        raise ModelError(f"--model {config.spec}: transformers refuses {config.path}: {_in_one_line(exc)}") from None
     settings.use_cache = False
     return settings
 
