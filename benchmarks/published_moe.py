@@ -54,9 +54,21 @@ gradient_accumulation_fusion, with the APEX kernel NGC's PyTorch containers ship
 (A2A_OVERLAP=1), and the layers cut with the embedding and the loss counted as a layer each (the yaml's
 --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: Megatron-core's
 get_transformer_layer_offset, megatron/core/transformer/transformer_layer.py, splits the 94 layers and those two
-evenly over the p·v chunks; `MoeRun.embedding_loss_split`). Routing is forced balance (`--routing random`), as the
+evenly over the p·v chunks: `MODELZOO_SPLIT_LAYERS`). Routing is forced balance (`--routing random`), as the
 table's H100 command runs it (best_practice/Qwen3/run_235b.sh at b0b92ff); the other rows give no command of their
 own and are run so too. A row's published tokens/s per GPU is its global batch's tokens over its step time and GPUs.
+
+NVIDIA's DGX Cloud recipe for DeepSeek-V3 (benchmarks/published/nvidia-dgxc-deepseek-v3-h100.csv: BF16 on 512 and
+1,024 H100s, dgxc-benchmarking's deepseek_v3/pretraining at 1f6d9f4) runs as NeMo's
+scripts/performance/llm/pretrain_deepseek_v3.py ran it at the NeMo commit its setup.sh checks out (7a8f1cc7bc):
+the recipe's multi-token-prediction layer (`--mtp-layers 1`: deepseek_v3.py's pretrain_recipe, use_mtp True),
+64 // p - 1 layers in the first stage and 64 // p - 2 in the last (`dgxc_first_last`), the launch's recomputed
+`mla_up_proj` under selective recomputation, Megatron-core's all-to-all dispatcher with MegatronTokenDropCallback's
+capacity 1 padded to capacity (`--capacity-factor 1`, balanced: USE_TOKEN_DROP), float32 gradient reduction
+(bf16_mixed's and the recipe's DDP config's grad_reduce_in_fp32: `--precision megatron`), gradients accumulated
+inside the products (DeepSeekConfig's gradient_accumulation_fusion), TransformerEngine's cross entropy and norms, and
+RoPE unfused (DeepSeekConfig's apply_rope_fusion False: `--rope-kernel eager`). Its shared expert's overlap with the
+dispatch (moe_shared_expert_overlap) is not modelled.
 
     python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
     python benchmarks/published_moe.py --json out.json # and the rows as JSON
@@ -150,6 +162,21 @@ TOKEN_DROP = "(tokendrop)"  # the row's model label of the runs that do not
 TOKEN_DROP_CAPACITY = 1.0
 # the Model Zoo table's model -> its examples/ config
 MODELZOO_PRESETS = {"235B": "qwen3-235b-a22b"}
+DGXC_DEEPSEEK = "nvidia-dgxc-deepseek-v3-h100.csv"  # DGX Cloud's DeepSeek-V3 recipe on H100, README.md there too
+
+
+def dgxc_first_last(pipeline: int) -> str:
+    """--stage-cut as NeMo's pretrain_deepseek_v3.py at 7a8f1cc7bc cuts DeepSeek-V3's 61 layers: 64 / p a middle
+    stage, one fewer in the first (the embedding's place) and two fewer in the last (the MTP layer's and the loss's)."""
+    if 64 % pipeline:
+        raise ValueError(f"{DGXC_DEEPSEEK}: pretrain_deepseek_v3.py takes p dividing 64, not {pipeline}")
+    return f"first-last:{64 // pipeline - 1},{64 // pipeline - 2}"
+
+
+# the table's model -> the layers Megatron-core splits over the p·v chunks: runtime_configs/benchmarking/runtime.conf at
+# b0b92ff gives Qwen3-235B-A22B 96 ("Account loss and embedding for number of layers": its 94, the embedding and the
+# loss, as the yaml's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split count them)
+MODELZOO_SPLIT_LAYERS = {"235B": 96}
 # the table's dispatcher -> --token-dispatcher (sbatch_benchmarking.sh at b0b92ff: DISPATCHER deepep runs the flex
 # dispatcher over DeepEP, alltoall Megatron-core's all-to-all one)
 MODELZOO_DISPATCHERS = {"DeepEP": "deepep", "A2A": None}
@@ -194,7 +221,9 @@ class MoeRun:
     source: str = SOURCE  # the CSV under benchmarks/published/ the row is from
     precision: str = "megatron-16bit-grads"  # --precision: how the run holds its gradients
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules: the parts recomputed in the backward
-    embedding_loss_split: bool = False  # the embedding and the loss each counted as a layer in the pipeline's cut
+    stage_cut: str | None = None  # --stage-cut where the run set its own (None: Megatron's cut of the blocks)
+    rope_kernel: str = "fused"  # --rope-kernel: fused where the run sets apply_rope_fusion
+    mtp_layers: int = 0  # --mtp-layers: the run's multi-token-prediction depth
 
     @property
     def data(self) -> int:
@@ -204,14 +233,7 @@ class MoeRun:
         """One step as the module docstring says; `root`: the repository root, where the config is read."""
         schedule = ["-s", "interleaved-1f1b", "--chunks", str(self.chunks)] if self.chunks > 1 else ["-s", "1f1b"]
         blocks = json.loads((root / EXAMPLES / self.preset / "config.json").read_text())["num_hidden_layers"]
-        cut = "equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced"
-        if self.embedding_loss_split:  # Megatron-core gives every chunk (blocks + 2) / (p·v) layers, the first
-            # chunk's one of them the embedding, the last's one the loss (get_transformer_layer_offset)
-            per_chunk, rest = divmod(blocks + 2, self.pipeline * self.chunks)
-            if rest:
-                raise ValueError(f"{self.name}: {blocks} layers, the embedding and the loss do not divide into "
-                                 f"{self.pipeline * self.chunks} chunks")
-            cut = f"first-last:{per_chunk - 1},{per_chunk - 1}"
+        cut = self.stage_cut or ("equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced")
         dtype = ["fp8", "--fp8-recipe", self.fp8_recipe] if self.fp8_recipe else ["bf16"]
         return ["simulate", "--model", f"hf:{EXAMPLES}/{self.preset}", "--seq-len", str(self.seq_len), "--dtype",
                 *dtype, "--attention", "flash", "-b", str(self.microbatch_size),
@@ -221,9 +243,10 @@ class MoeRun:
                 "--data-parallel", str(self.data), "--expert-parallel", str(self.expert), "--zero", "1",
                 "--precision", self.precision, "--grad-accumulation", "fused", "--recompute", "none",
                 *(["--recompute-modules", ",".join(self.recompute_modules)] if self.recompute_modules else []),
+                *(["--mtp-layers", str(self.mtp_layers)] if self.mtp_layers else []),
                 *schedule, "--stage-cut", cut,
                 "--rank-order", "megatron", "--expert-tensor-parallel", str(self.expert_tensor),
-                "--cross-entropy", "megatron", "--norm-kernel", "fused", "--rope-kernel", "fused",
+                "--cross-entropy", "megatron", "--norm-kernel", "fused", "--rope-kernel", self.rope_kernel,
                 "--expert-gemm", "per-expert", "--routing", self.routing,
                 *(["--capacity-factor", f"{self.capacity_factor:g}"] if self.capacity_factor is not None else []),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
@@ -273,18 +296,40 @@ def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
             left_out.append((name, why))
             continue
         modules = tuple(MODELZOO_RECOMPUTE[part.strip()] for part in row["recompute"].split(",") if part.strip())
+        # every chunk holds as many of the split's layers, the first chunk's one the embedding, the last's one the
+        # loss (Megatron-core's get_transformer_layer_offset, megatron/core/transformer/transformer_layer.py)
+        per_chunk, rest = divmod(MODELZOO_SPLIT_LAYERS[row["model"]], p * chunks)
+        if rest:
+            raise ValueError(f"{MODELZOO}: {name}'s layers do not divide into its {p * chunks} chunks")
         run = MoeRun(name, MODELZOO_PRESETS[row["model"]], gpus, batch, b, seq, t, p, chunks, e,
                      MODELZOO_DISPATCHERS[row["dispatcher"]], etp, overlap, None, "random", None, source=MODELZOO,
-                     precision="megatron", recompute_modules=modules, embedding_loss_split=True)
+                     precision="megatron", recompute_modules=modules,
+                     stage_cut=f"first-last:{per_chunk - 1},{per_chunk - 1}")
         expressible.append((run, batch * seq / (float(row["step_time_s"]) * gpus)))
     return expressible, left_out
+
+
+def dgxc_deepseek_runs() -> list[tuple[MoeRun, float]]:
+    """DGX Cloud's DeepSeek-V3 rows as runs (the module docstring), each with its published tokens/s per GPU."""
+    out = []
+    for row in _rows(DGXC_DEEPSEEK):
+        t, p, chunks, e, etp, gpus, batch, b, seq = (int(row[k]) for k in (
+            "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "expert_parallel", "expert_tensor_parallel",
+            "gpus", "global_batch", "microbatch_size", "seq_len"))
+        run = MoeRun(f"DGXC DeepSeek-V3 {row['precision']} t{t} p{p} v{chunks} E{e}", "deepseek-v3", gpus, batch, b,
+                     seq, t, p, chunks, e, None, etp, False, None, "balanced", TOKEN_DROP_CAPACITY,
+                     source=DGXC_DEEPSEEK, precision="megatron",
+                     recompute_modules=tuple(row["recompute_modules"].split(",")), stage_cut=dgxc_first_last(p),
+                     rope_kernel="eager", mtp_layers=1)
+        out.append((run, batch * seq / (float(row["step_time_s"]) * gpus)))
+    return out
 
 
 def runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     """Every source's rows as runs, each with its published tokens/s per GPU, and the rows pipesim cannot express,
     each named with why."""
     (bridge, bridge_left), (zoo, zoo_left) = bridge_runs(), modelzoo_runs()
-    return bridge + zoo, bridge_left + zoo_left
+    return bridge + zoo + dgxc_deepseek_runs(), bridge_left + zoo_left
 
 
 def step_parts(result: dict) -> dict[str, float | int]:
@@ -332,7 +377,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
     print(f"|error|: {summary(compared)}")
-    for source in (SOURCE, MODELZOO):
+    for source in (SOURCE, MODELZOO, DGXC_DEEPSEEK):
         print(f"  {source}: {summary([r for r in compared if r['source'] == source])}")
     print("\nNot expressible:")
     for name, why in runs()[1]:

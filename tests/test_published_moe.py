@@ -16,8 +16,9 @@ from tests.conftest import simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "nemo-megatron-bridge-moe-h100.csv"
-RECORDED = [row for row in json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
-            if row["source"] == SOURCE]  # the Model Zoo's rows: tests/test_published_modelzoo.py
+EVERY_RECORDED = json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
+# Megatron-Bridge's rows; the other sources': tests/test_published_modelzoo.py, tests/test_published_dgxc_deepseek.py
+RECORDED = [row for row in EVERY_RECORDED if row["source"] == SOURCE]
 PUBLISHED = list(csv.DictReader((REPO / "benchmarks" / "published" / SOURCE).open()))
 EXPRESSIBLE = [row for row in PUBLISHED if row["model"].startswith(("Qwen3_30B_a3B", "Qwen3_235B_a22B"))]
 
@@ -71,12 +72,14 @@ def test_every_expressible_row_is_recorded_with_its_figure_and_layout():
 
 @pytest.mark.parametrize("run", ["26.04.01 Qwen3_30B_a3B t1 p1 v1 E16", "26.02 Qwen3_30B_a3B t1 p2 v12 E8",
                                  "25.11 Qwen3_235B_a22B t2 p8 v4 E32", "25.11 Qwen3_30B_a3B t1 p2 v12 E8",
-                                 "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v12 E8"])
+                                 "25.09 Qwen3_30B_a3B (tokendrop) t1 p2 v12 E8",
+                                 *(row["run"] for row in EVERY_RECORDED if row["source"] != SOURCE)])
 def test_a_moe_row_is_reproduced_by_its_printed_command(run, monkeypatch):
-    """The 235B row runs Megatron-core's overlapped pairs, each leaving its layers' all-to-alls exposed as their
-    nodes' order does (planning/experts.py `paired_exposed_ms`)."""
+    """Five of Megatron-Bridge's rows and every row of the other sources. The 235B row runs Megatron-core's
+    overlapped pairs, each leaving its layers' all-to-alls exposed as their nodes' order does (planning/experts.py
+    `paired_exposed_ms`)."""
     monkeypatch.chdir(REPO)  # the command names its config as examples/, from the repository root
-    (row,) = [r for r in RECORDED if r["run"] == run]
+    (row,) = [r for r in EVERY_RECORDED if r["run"] == run]
     args = shlex.split(row["command"])
     assert args[:2] == ["pipesim", "simulate"]
     (result,) = simulate_json(*args[2:])
