@@ -1,12 +1,14 @@
 """Tables that never cut a number. rich shrinks a table wider than the terminal by cutting its cells to "…";
-here a table is fitted instead: text wraps between words, a short cell (a number with its unit) never wraps,
-and a table that cannot fit even so is printed in parts of whole columns, the first column repeated in each,
-with a line that says so. Piped output without $COLUMNS takes the width the table needs."""
+here a table is fitted instead: text wraps between words, a short cell (a number with its unit) or a number with
+its spread ("0.357 ± 0.244") never wraps, a table that would wrap gives its padding to the wrapped cells first, and
+a table that cannot fit even so is printed in parts of whole columns, the first column repeated in each, with a
+line that says so. Piped output without $COLUMNS takes the width the table needs."""
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -14,11 +16,13 @@ from dataclasses import replace
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from .common import stdout
 
 SHORT_CELL = 12  # characters: a cell this short is a value ("2,875.9 ms", "8.6%"), never wrapped
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
+WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
 
 
 def available_width(console: Console) -> int | None:
@@ -33,23 +37,34 @@ def available_width(console: Console) -> int | None:
     return columns if columns > 0 else None
 
 
+def _is_value(cell: object, measured: Measurement) -> bool:
+    """Whether `cell` is one value, kept on one line: short, or a number with its spread."""
+    text = cell.plain if isinstance(cell, Text) else cell
+    return measured.maximum <= SHORT_CELL or (isinstance(text, str) and WITH_SPREAD.fullmatch(text) is not None)
+
+
 def _content_ranges(console: Console, table: Table) -> list[tuple[int, int]]:
     """Each column's (narrowest, widest) content width: the narrowest keeps the header's longest word and every
-    short cell whole, and wraps longer cells between words."""
+    value whole, and wraps longer cells between words."""
     options = console.options.update_width(UNLIMITED)
     ranges = []
     for column in table.columns:
         header = Measurement.get(console, options, column.header)
-        cells = [Measurement.get(console, options, cell) for cell in column.cells]
-        narrowest = max([header.minimum, *(c.maximum if c.maximum <= SHORT_CELL else c.minimum for c in cells)])
-        widest = max([header.maximum, *(c.maximum for c in cells)])
+        cells = [(cell, Measurement.get(console, options, cell)) for cell in column.cells]
+        narrowest = max([header.minimum, *(c.maximum if _is_value(cell, c) else c.minimum for cell, c in cells)])
+        widest = max([header.maximum, *(c.maximum for _, c in cells)])
         ranges.append((narrowest, widest))
     return ranges
 
 
+def _whole_width(part: Table, content_widths: list[int]) -> int:
+    """The part's whole width with its columns' contents this wide: contents, padding and borders."""
+    return sum(width + part._get_padding_width(k) for k, width in enumerate(content_widths)) + part._extra_width
+
+
 def _narrowest_width(part: Table, ranges: list[tuple[int, int]]) -> int:
-    """The part's whole width at its narrowest: contents, padding and borders."""
-    return sum(narrowest + part._get_padding_width(k) for k, (narrowest, _) in enumerate(ranges)) + part._extra_width
+    """The part's whole width at its narrowest."""
+    return _whole_width(part, [narrowest for narrowest, _ in ranges])
 
 
 def _fitted_widths(ranges: list[tuple[int, int]], width: int) -> list[int]:
@@ -106,12 +121,13 @@ def _compact(table: Table) -> Table:
 
 
 def print_table(table: Table, console: Console = stdout) -> None:
-    """Print `table` so that no cell is cut: whole where it fits, else with one space between columns, else
-    in parts of whole columns; its title and caption wrap at the width available, not at the table's."""
+    """Print `table` so that no cell is cut: whole where it fits, else with one space between columns (the
+    padding saved goes to the cells that wrap: tune's "why not" at 100 columns), else in parts of whole columns;
+    its title and caption wrap at the width available, not at the table's."""
     width = available_width(console)
     ranges = _content_ranges(console, table)
     parts = [list(range(len(ranges)))]
-    if width is not None and _narrowest_width(table, ranges) > width:
+    if width is not None and _whole_width(table, [widest for _, widest in ranges]) > width:
         table = _compact(table)
         if _narrowest_width(table, ranges) > width and len(ranges) > 2:
             parts = _split(table, ranges, width)

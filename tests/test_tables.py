@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -81,6 +82,29 @@ def test_a_table_too_wide_is_split_with_its_first_column_repeated_and_says_so():
     assert sum("key" in line for line in lines) >= 2
     assert any("printed in" in line and "parts" in line for line in lines)
     assert all(len(line) <= 80 for line in lines)
+
+
+def test_a_number_with_its_spread_is_one_value_never_wrapped():
+    table = Table()
+    for header in ("arm", "acc %", "loss", "samples/s", "predicted", "staleness", "s (F)", "s (B)", "div."):
+        table.add_column(header, justify="right")
+    table.add_row("pipeoptim (code)", "53.9 ± 37.8", "0.904 ± 0.198", "1,659", "3,451", "1,1,1,0", "4,3,2,1",
+                  "3,2,1,0", "1/3")
+    lines = rendered(table, 80)
+    assert any("0.904 ± 0.198" in line for line in lines), "\n".join(lines)
+
+
+def test_a_table_that_wraps_gives_its_padding_to_the_wrapped_cell():
+    """tune's table at 100 columns: with a space between columns instead of padding, its "why not" reason takes
+    twice the width, and half the lines."""
+    table = Table(box=box.SIMPLE_HEAD)
+    for header in ("", "schedule", "p", "v", "m", "R", "samples/s", "bubble", "peak", "stale", "why not"):
+        table.add_column(header, justify="left" if header in ("", "schedule", "why not") else "right")
+    reason = "9% slower: bubble 26% vs 19%; same as interleaved-1f1b p=8, auto p=8, graphpipe p=8"
+    table.add_row("5", "1f1b", "8", "1", "32", "-", "8.8", "26%", "0.246 GiB", "0", reason)
+    lines = rendered(table, 100)
+    row = [line for line in lines if line.strip() and "─" not in line][1:]  # less the header
+    assert len(row) == 2 and all(len(line) <= 100 for line in lines), "\n".join(lines)
 
 
 # Every command that prints a table, as a new user would type it (small sizes: seconds each).
