@@ -58,8 +58,8 @@ evenly over the p·v chunks: `MODELZOO_SPLIT_LAYERS`). Routing is forced balance
 table's H100 command runs it (best_practice/Qwen3/run_235b.sh at b0b92ff); the other rows give no command of their
 own and are run so too. A row's published tokens/s per GPU is its global batch's tokens over its step time and GPUs.
 
-NVIDIA's DGX Cloud recipe for DeepSeek-V3 (benchmarks/published/nvidia-dgxc-deepseek-v3-h100.csv: BF16 on 512 and
-1,024 H100s, dgxc-benchmarking's deepseek_v3/pretraining at 1f6d9f4) runs as NeMo's
+NVIDIA's DGX Cloud recipes' MoE rows on H100 (benchmarks/published/nvidia-dgxc-moe-h100.csv, dgxc-benchmarking at
+1f6d9f4): DeepSeek-V3 in BF16 on 512 and 1,024 H100s runs as NeMo's
 scripts/performance/llm/pretrain_deepseek_v3.py ran it at the NeMo commit its setup.sh checks out (7a8f1cc7bc):
 the recipe's multi-token-prediction layer (`--mtp-layers 1`: deepseek_v3.py's pretrain_recipe, use_mtp True),
 64 // p - 1 layers in the first stage and 64 // p - 2 in the last (`dgxc_first_last`), the launch's recomputed
@@ -68,7 +68,8 @@ capacity 1 padded to capacity (`--capacity-factor 1`, balanced: USE_TOKEN_DROP),
 (bf16_mixed's and the recipe's DDP config's grad_reduce_in_fp32: `--precision megatron`), gradients accumulated
 inside the products (DeepSeekConfig's gradient_accumulation_fusion), TransformerEngine's cross entropy and norms, and
 RoPE unfused (DeepSeekConfig's apply_rope_fusion False: `--rope-kernel eager`). Its shared expert's overlap with the
-dispatch (moe_shared_expert_overlap) is not modelled.
+dispatch (moe_shared_expert_overlap) is not modelled. Llama 4 Maverick's rows are listed with why they are not run
+(`DGXC_NOT_EXPRESSIBLE`).
 
     python benchmarks/published_moe.py                 # the table, the rows left out, then each row's command
     python benchmarks/published_moe.py --json out.json # and the rows as JSON
@@ -162,14 +163,21 @@ TOKEN_DROP = "(tokendrop)"  # the row's model label of the runs that do not
 TOKEN_DROP_CAPACITY = 1.0
 # the Model Zoo table's model -> its examples/ config
 MODELZOO_PRESETS = {"235B": "qwen3-235b-a22b"}
-DGXC_DEEPSEEK = "nvidia-dgxc-deepseek-v3-h100.csv"  # DGX Cloud's DeepSeek-V3 recipe on H100, README.md there too
+DGXC = "nvidia-dgxc-moe-h100.csv"  # DGX Cloud's MoE recipes on H100, README.md there too
+# the recipe (dgxc-benchmarking's folder) -> the model's name and its examples/ config; DeepSeek-V3's the only one run
+DGXC_MODELS = {"deepseek_v3": ("DeepSeek-V3", "deepseek-v3"), "llama4": ("Llama 4 Maverick", None)}
+DGXC_NOT_EXPRESSIBLE = {
+    "llama4": "no config of Llama 4 Maverick in examples/, and transformers' Llama4TextMoe repeats every token for "
+              "every expert (modeling_llama4.py), where Megatron-core computes each token's top-1 only: a count of it "
+              "would need pipesim to route it as the run did",
+}
 
 
 def dgxc_first_last(pipeline: int) -> str:
     """--stage-cut as NeMo's pretrain_deepseek_v3.py at 7a8f1cc7bc cuts DeepSeek-V3's 61 layers: 64 / p a middle
     stage, one fewer in the first (the embedding's place) and two fewer in the last (the MTP layer's and the loss's)."""
     if 64 % pipeline:
-        raise ValueError(f"{DGXC_DEEPSEEK}: pretrain_deepseek_v3.py takes p dividing 64, not {pipeline}")
+        raise ValueError(f"{DGXC}: pretrain_deepseek_v3.py takes p dividing 64, not {pipeline}")
     return f"first-last:{64 // pipeline - 1},{64 // pipeline - 2}"
 
 
@@ -309,27 +317,32 @@ def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     return expressible, left_out
 
 
-def dgxc_deepseek_runs() -> list[tuple[MoeRun, float]]:
-    """DGX Cloud's DeepSeek-V3 rows as runs (the module docstring), each with its published tokens/s per GPU."""
-    out = []
-    for row in _rows(DGXC_DEEPSEEK):
+def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
+    """DGX Cloud's rows as runs (the module docstring: DeepSeek-V3's as NeMo's pretrain_deepseek_v3.py ran them), each
+    with its published tokens/s per GPU, and the rows pipesim cannot express, each named with why."""
+    expressible, left_out = [], []
+    for row in _rows(DGXC):
         t, p, chunks, e, etp, gpus, batch, b, seq = (int(row[k]) for k in (
             "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "expert_parallel", "expert_tensor_parallel",
             "gpus", "global_batch", "microbatch_size", "seq_len"))
-        run = MoeRun(f"DGXC DeepSeek-V3 {row['precision']} t{t} p{p} v{chunks} E{e}", "deepseek-v3", gpus, batch, b,
-                     seq, t, p, chunks, e, None, etp, False, None, "balanced", TOKEN_DROP_CAPACITY,
-                     source=DGXC_DEEPSEEK, precision="megatron",
+        model, preset = DGXC_MODELS[row["workload"]]
+        name = f"DGXC {model} {row['precision']} t{t} p{p} v{chunks} E{e}"
+        if row["workload"] in DGXC_NOT_EXPRESSIBLE:
+            left_out.append((name, DGXC_NOT_EXPRESSIBLE[row["workload"]]))
+            continue
+        run = MoeRun(name, preset, gpus, batch, b, seq, t, p, chunks, e, None, etp, False, None, "balanced",
+                     TOKEN_DROP_CAPACITY, source=DGXC, precision="megatron",
                      recompute_modules=tuple(row["recompute_modules"].split(",")), stage_cut=dgxc_first_last(p),
                      rope_kernel="eager", mtp_layers=1)
-        out.append((run, batch * seq / (float(row["step_time_s"]) * gpus)))
-    return out
+        expressible.append((run, batch * seq / (float(row["step_time_s"]) * gpus)))
+    return expressible, left_out
 
 
 def runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     """Every source's rows as runs, each with its published tokens/s per GPU, and the rows pipesim cannot express,
     each named with why."""
-    (bridge, bridge_left), (zoo, zoo_left) = bridge_runs(), modelzoo_runs()
-    return bridge + zoo + dgxc_deepseek_runs(), bridge_left + zoo_left
+    (bridge, bridge_left), (zoo, zoo_left), (dgxc, dgxc_left) = bridge_runs(), modelzoo_runs(), dgxc_runs()
+    return bridge + zoo + dgxc, bridge_left + zoo_left + dgxc_left
 
 
 def step_parts(result: dict) -> dict[str, float | int]:
@@ -377,7 +390,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"gpu": GPU, "rows": compared}, indent=1) + "\n")
     print(f"|error|: {summary(compared)}")
-    for source in (SOURCE, MODELZOO, DGXC_DEEPSEEK):
+    for source in (SOURCE, MODELZOO, DGXC):
         print(f"  {source}: {summary([r for r in compared if r['source'] == source])}")
     print("\nNot expressible:")
     for name, why in runs()[1]:
