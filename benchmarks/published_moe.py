@@ -1,6 +1,8 @@
-"""NVIDIA's published MoE pre-training throughput on DGX-H100 (benchmarks/published/nemo-megatron-bridge-moe-h100.csv:
-Megatron-Bridge's performance summaries, Qwen3-30B-A3B and DeepSeek-V3 among them) predicted by a pipesim command
+"""NVIDIA's published MoE pre-training throughput on H100 (benchmarks/published/: Megatron-Bridge's performance
+summaries, the Megatron MoE Model Zoo's Qwen3-235B-A22B table, DGX Cloud's recipes) predicted by a pipesim command
 line each, nothing fitted.
+
+Megatron-Bridge's rows (nemo-megatron-bridge-moe-h100.csv; Qwen3-30B-A3B and DeepSeek-V3 among them) first.
 
 Each expressible row's `pipesim simulate` command is built from the row's own columns and the model's Hugging Face
 config in examples/, as Megatron-Bridge's H100 recipes run it: TransformerEngine's float8 products (`--dtype fp8`)
