@@ -37,6 +37,9 @@ def test_the_csv_holds_the_readmes_rows_and_their_own_arithmetic():
                                                            "gpus", "global_batch", "seq_len"))
         assert t * p * d == gpus and batch == d * int(row["microbatch_size"]) * int(row["gradient_accumulation"])
         assert float(row["tokens_per_s"]) == pytest.approx(batch * seq / float(row["step_time_s"]), rel=3e-4)
+    # DeepSeek-V3's two rows do the same work a GPU (GBS 8 a GPU): step x TFLOPS_per_GPU 8,518 and 8,519 TFLOP
+    first, second = (float(row["step_time_s"]) * float(row["tflops_per_gpu"]) for row in PUBLISHED)
+    assert first == pytest.approx(second, rel=2e-4)
 
 
 def test_each_row_is_recorded_as_nemos_deepseek_v3_script_ran_it():

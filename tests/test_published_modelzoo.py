@@ -37,6 +37,10 @@ def test_the_csv_holds_the_tables_rows_and_each_layout_covers_its_gpus():
             "expert_tensor_parallel", "expert_data_parallel", "gpus"))
         assert t * c * d * p == gpus and e * etp * edp == t * c * d
         assert int(row["global_batch"]) == d * int(row["microbatch_size"]) * int(row["gradient_accumulation"])
+    # the 235B rows run the same step's FLOPs (GBS 2048 of 4,096 tokens on 256 GPUs): step x TFLOP/s a GPU agrees to
+    # the rounding of the printed figures, 4,827-4,858 TFLOP a GPU
+    work = [float(row["step_time_s"]) * float(row["per_gpu_tflops"]) for row in PUBLISHED if row["model"] == "235B"]
+    assert max(work) / min(work) < 1.007
 
 
 def test_every_expressible_row_is_recorded_with_its_step_and_layout():
