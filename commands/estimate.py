@@ -5,10 +5,9 @@ once --gpu is given, so the commands start fast without it."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -47,7 +46,7 @@ from .tables import print_table
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
-    from ..planning.estimate import LayerMemo, Parallelism
+    from ..planning.estimate import EstimateError, LayerMemo, Parallelism
     from ..profiles.schema import Estimate, FittedCurve, Profile
     from ..profiles.workload import WorkloadCount
 
@@ -74,9 +73,7 @@ SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_acc
                     **KERNEL_DEFAULTS}
 # Settings whose name ends in their unit, said as "name value unit" in an estimate's parallelism text.
 SETTING_UNITS = {"host_kernel_us": ("host kernel", "us"), "host_module_us": ("host module", "us")}
-RECOMPUTE = ("none", "selective", "full", "op")
 FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
-SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
 # The estimate's names for what it was given -> the flags that give them.
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
@@ -93,11 +90,19 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "torch_compile": "--torch-compile", "ema": "--ema",
                   "grad_accumulation": "--grad-accumulation",
                   "optimizer": "--optimizer", "gpu": "--gpu",
-                  "precision": "--precision"}
+                  "precision": "--precision", "fp8": "--fp8-recipe"}
 
 
 def _flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
+
+
+def flag_line(exc: EstimateError) -> str:
+    """The estimate's refusal as the user's one line: each setting it names as the flag that sets it (one it leads
+    with as "setting: ", as the flag and the rest)."""
+    text = exc.said(lambda name: ESTIMATE_FLAGS.get(name, _flag(name)))
+    field, _, rest = text.partition(": ")
+    return f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else text
 
 
 @dataclass(frozen=True)
@@ -228,19 +233,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
             raise InputError(f"{', '.join(given)}: only --gpu's estimate reads {'it' if len(given) == 1 else 'them'}; "
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
-    from ..hardware.catalogue import ATTENTION_KERNELS, CatalogueError, load_catalogue  # pydantic: only for --gpu
-    from ..planning.estimate import (
-        COMPILED_RECOMPUTE,
-        CP_ROTATES,
-        EMA_PLACES,
-        GRAD_ACCUMULATIONS,
-        TP_RUNTIMES,
-        EstimateError,
-        kernel_curve,
-    )
-    from ..planning.experts import DISPATCHERS, EXPERT_GEMMS, FLEX_DISPATCHERS, ROUTINGS
-    from ..planning.ranks import RANK_ORDERS
-    from ..sim.costs import PRECISIONS
+    from ..hardware.catalogue import CatalogueError, load_catalogue  # pydantic: only for --gpu
+    from ..planning.estimate import EstimateError, check_ring_attention, kernel_curve
+    from ..planning.experts import DISPATCHERS, ROUTINGS
     from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
@@ -256,9 +251,6 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
-    if params.get("tp_overlap") and not params.get("sequence_parallel"):
-        raise InputError("--tp-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
-                         "products (Megatron's and torch's): give --sequence-parallel too")
     if params.get("cross_entropy", "torch") not in CROSS_ENTROPY:
         raise InputError(f"--cross-entropy: choose from {', '.join(CROSS_ENTROPY)} (got {params['cross_entropy']!r})")
     if params.get("cross_entropy", "torch") != "torch" and params.get("loss_parallel"):
@@ -267,52 +259,6 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError(f"--norm-kernel: choose from {', '.join(NORM_KERNELS)} (got {params['norm_kernel']!r})")
     if params.get("rope_kernel", "eager") not in ROPE_KERNELS:
         raise InputError(f"--rope-kernel: choose from {', '.join(ROPE_KERNELS)} (got {params['rope_kernel']!r})")
-    tp_runtime = params.get("tp_runtime") or "megatron"
-    if tp_runtime not in TP_RUNTIMES:
-        raise InputError(f"--tp-runtime: choose from {', '.join(TP_RUNTIMES)} (got {tp_runtime!r})")
-    if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
-        raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
-                         "too")
-    if params.get("tp_overlap_no_margin") and not (params.get("tp_overlap") and tp_runtime == "megatron"):
-        raise InputError("--tp-overlap-no-margin sets the SMs of TransformerEngine's pipelined reduce-scatters: give "
-                         "--tp-overlap under --tp-runtime megatron")
-    if params.get("tp_overlap_fp8_buf") and not (params.get("tp_overlap") and tp_runtime == "megatron"):
-        raise InputError("--tp-overlap-fp8-buf sets the buffer of TransformerEngine's pipelined reduce-scatters: give "
-                         "--tp-overlap under --tp-runtime megatron")
-    cp_rotate = params.get("cp_rotate") or "alltoall"
-    if cp_rotate not in CP_ROTATES:
-        raise InputError(f"--cp-rotate: choose from {', '.join(CP_ROTATES)} (got {cp_rotate!r})")
-    if params.get("cp_rotate") is not None and params.get("context_parallel", 1) == 1:
-        raise InputError("--cp-rotate sets how the context ring passes keys and values: give --context-parallel 2 "
-                         "or more")
-    if params.get("context_parallel", 1) > 1 and params["attention"] != "flash":
-        raise InputError("--context-parallel: ring attention runs on a fused attention kernel (torch's and "
-                         "TransformerEngine's context parallel): give --attention flash")
-    attention_kernel = params.get("attention_kernel") or "flash2"
-    if attention_kernel not in ATTENTION_KERNELS:
-        raise InputError(f"--attention-kernel: choose from {', '.join(ATTENTION_KERNELS)} (got {attention_kernel!r})")
-    if params.get("attention_kernel") is not None and params["attention"] != "flash":
-        raise InputError("--attention-kernel names the fused kernel that runs --attention flash: give --attention "
-                         "flash")
-    if params.get("attention_kernel") is not None and params.get("curve_from") is not None:
-        raise InputError("--attention-kernel prices attention at a kernel's published rate; --curve-from's "
-                         "calibration measured its own: give one of them")
-    recompute = params.get("recompute")
-    if recompute is not None and recompute not in RECOMPUTE:
-        raise InputError(f"--recompute: choose from {', '.join(RECOMPUTE)} (got {recompute!r})")
-    modules = _recompute_modules(params.get("recompute_modules"), recompute)
-    if params.get("torch_compile") and recompute not in COMPILED_RECOMPUTE:
-        raise InputError(f"--torch-compile models what AOTAutograd's partitioner saves of a block compiled inside "
-                         f"torch's checkpoint, as torchtitan runs it: give --recompute "
-                         f"{' or '.join(COMPILED_RECOMPUTE)} (got {recompute or 'none'})")
-    if params.get("ema") is not None and params["ema"] not in EMA_PLACES:
-        raise InputError(f"--ema: choose from {', '.join(EMA_PLACES)} (got {params['ema']!r})")
-    accumulation = params.get("grad_accumulation")
-    if accumulation is not None and accumulation not in GRAD_ACCUMULATIONS:
-        raise InputError(f"--grad-accumulation: choose from {', '.join(GRAD_ACCUMULATIONS)} (got {accumulation!r})")
-    precision = params.get("precision")
-    if precision is not None and precision not in PRECISIONS:  # before the model is counted, which takes seconds
-        raise InputError(f"--precision: choose from {', '.join(PRECISIONS)} (got {precision!r})")
     try:
         catalogue = load_catalogue(params.get("gpus"))
     except CatalogueError as exc:
@@ -325,11 +271,6 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
     fp8 = _fp8_recipe(params, name, catalogue.gpu)
-    if catalogue.gpu[name].curve is not None:  # before the model is counted
-        try:
-            kernel_curve(catalogue.gpu[name].curve, attention_kernel, name)
-        except EstimateError as exc:
-            raise InputError(f"--attention-kernel: {str(exc).partition(': ')[2]}") from None
     dispatcher = params.get("token_dispatcher")
     if dispatcher is not None and dispatcher not in DISPATCHERS:
         raise InputError(f"--token-dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
@@ -348,25 +289,6 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("hot_expert_share") is not None and params.get("capacity_factor") is not None:
         raise InputError("--hot-expert-share: a model that drops tokens (--capacity-factor) pads every expert to its "
                          "capacity however they are routed; give one of them")
-    expert_gemm = params.get("expert_gemm") or "grouped"
-    if expert_gemm not in EXPERT_GEMMS:
-        raise InputError(f"--expert-gemm: choose from {', '.join(EXPERT_GEMMS)} (got {expert_gemm!r})")
-    host_kernel_us, host_module_us = params.get("host_kernel_us"), params.get("host_module_us")
-    if host_kernel_us is not None and not math.isfinite(host_kernel_us):
-        raise InputError(f"--host-kernel-us: the host's microseconds to issue a kernel, a finite number from 0 (got "
-                         f"{host_kernel_us})")
-    if host_module_us is not None and not math.isfinite(host_module_us):
-        raise InputError(f"--host-module-us: the host's microseconds a module call adds, a finite number from 0 (got "
-                         f"{host_module_us})")
-    if params.get("dispatcher_sms") is not None and dispatcher not in FLEX_DISPATCHERS:
-        raise InputError("--dispatcher-sms: the multiprocessors DeepEP's or HybridEP's kernels hold; give "
-                         "--token-dispatcher deepep or hybridep")
-    rank_order = params.get("rank_order") or "pipesim"
-    if rank_order not in RANK_ORDERS:
-        raise InputError(f"--rank-order: choose from {', '.join(RANK_ORDERS)} (got {rank_order!r})")
-    if params.get("expert_tensor_parallel") is not None and rank_order != "megatron":
-        raise InputError("--expert-tensor-parallel folds the experts over the tensor-, context- and data-parallel "
-                         "ranks as Megatron-core numbers them: give --rank-order megatron")
     calibrated = None
     if params.get("curve_from") is not None:
         from ..profiles.schema import ProfileError, load_profile
@@ -375,47 +297,61 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
             calibrated = load_profile(params["curve_from"])
         except ProfileError as exc:
             raise InputError(f"--curve-from: {exc}") from None
-    return WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
+    modules = params.get("recompute_modules")
+    what = WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
                   params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
-                  params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"), rank_order,
-                  params.get("loss_parallel", False), tp_runtime, cp_rotate,
+                  params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"),
+                  params.get("rank_order") or "pipesim", params.get("loss_parallel", False),
+                  params.get("tp_runtime") or "megatron", params.get("cp_rotate") or "alltoall",
                   swiglu_fusion=params.get("swiglu_fusion", True), cross_entropy=params.get("cross_entropy", "torch"),
                   norm_kernel=params.get("norm_kernel", "eager"), rope_kernel=params.get("rope_kernel", "eager"),
                   fsdp_float8_all_gather=params.get("fsdp_float8_all_gather", False),
                   fp8_param_gather=params.get("fp8_param_gather", False),
-                  dispatcher_sms=params.get("dispatcher_sms"), recompute_modules=modules,
+                  dispatcher_sms=params.get("dispatcher_sms"),
+                  recompute_modules=() if modules is None else tuple(part.strip() for part in modules.split(",")),
                   torch_compile=params.get("torch_compile", False),
                   ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   tp_overlap_fp8_buf=params.get("tp_overlap_fp8_buf", False),
-                  attention_kernel=attention_kernel, grad_accumulation=accumulation, routing=routing,
-                  host_kernel_us=host_kernel_us, host_module_us=host_module_us, expert_gemm=expert_gemm)
-
-
-def _recompute_modules(given: str | None, recompute: str | None) -> tuple[str, ...]:
-    """--recompute-modules' comma list, each of `RECOMPUTE_REGIONS` once, beside --recompute none or selective."""
-    from ..profiles.workload import RECOMPUTE_REGIONS
-
-    if given is None:
-        return ()
-    modules = tuple(name.strip() for name in given.split(","))
-    wrong = next((name for name in modules if name not in RECOMPUTE_REGIONS), None)
-    if wrong is not None or len(set(modules)) < len(modules):
-        raise InputError(f"--recompute-modules: a comma list of {', '.join(RECOMPUTE_REGIONS)}, each once "
-                         f"(got {given!r})")
-    if recompute not in (None, "none", "selective"):
-        raise InputError(f"--recompute-modules reruns parts of a layer beside --recompute none or selective; "
-                         f"--recompute {recompute} already decides what every layer keeps")
-    return modules
+                  attention_kernel=params.get("attention_kernel") or "flash2",
+                  grad_accumulation=params.get("grad_accumulation"), routing=routing,
+                  host_kernel_us=params.get("host_kernel_us"), host_module_us=params.get("host_module_us"),
+                  expert_gemm=params.get("expert_gemm") or "grouped")
+    try:  # the layout's rules, before the model is counted (which takes seconds)
+        check_ring_attention(what.context, what.attention)
+        recompute = params.get("recompute") or "none"
+        replace(what.parallelism(1, recompute=recompute), recompute=recompute,
+                recompute_modules=what.recompute_modules)
+    except EstimateError as exc:
+        raise InputError(flag_line(exc)) from None
+    if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
+        raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
+                         "too")
+    if params.get("cp_rotate") is not None and params.get("context_parallel", 1) == 1:
+        raise InputError("--cp-rotate sets how the context ring passes keys and values: give --context-parallel 2 "
+                         "or more")
+    if params.get("attention_kernel") is not None and params["attention"] != "flash":
+        raise InputError("--attention-kernel names the fused kernel that runs --attention flash: give --attention "
+                         "flash")
+    if params.get("attention_kernel") is not None and params.get("curve_from") is not None:
+        raise InputError("--attention-kernel prices attention at a kernel's published rate; --curve-from's "
+                         "calibration measured its own: give one of them")
+    if what.gpu.curve is not None:
+        try:
+            kernel_curve(what.gpu.curve, what.attention_kernel, name)
+        except EstimateError as exc:
+            raise InputError(flag_line(exc)) from None
+    _check_fp8_param_gather(params)
+    if what.expert_tensor is not None and what.rank_order != "megatron":
+        raise InputError("--expert-tensor-parallel folds the experts over the tensor-, context- and data-parallel "
+                         "ranks as Megatron-core numbers them: give --rank-order megatron")
+    return what
 
 
 def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str | None:
     """--dtype fp8's recipe (--fp8-recipe, default te), on a part with a float8 peak; None for another --dtype,
     with which --fp8-recipe is refused."""
-    from ..planning.fp8 import FP8_RECIPES, casts_weights_per_use, per_use_recipes
-    from ..planning.host import TE_RECIPES
-
     recipe = params.get("fp8_recipe")
     if params["dtype"] != FP8:
         given = [flag for flag, value in (("--fp8-recipe", recipe is not None),
@@ -425,28 +361,24 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
         if given:
             raise InputError(f"{given[0]} says how --dtype fp8 runs the linear products: give --dtype fp8")
         return None
-    if gpus[name].dense_tflops.fp8 is None:
+    from ..planning.estimate import EstimateError, fp8_peak_tflops
+
+    try:
+        fp8_peak_tflops(gpus[name], name)
+    except EstimateError as exc:
         having = [part for part, gpu in gpus.items() if gpu.dense_tflops.fp8 is not None]
-        raise InputError(f"--dtype fp8: {name} has no FP8 peak in the catalogue (no float8 tensor cores); parts "
-                         f"with one: {', '.join(having)}")
-    recipe = recipe or "te"
-    if recipe not in FP8_RECIPES:
-        raise InputError(f"--fp8-recipe: choose from {', '.join(FP8_RECIPES)} (got {recipe!r})")
-    if params.get("fsdp_float8_all_gather") and not (casts_weights_per_use(FP8_RECIPES[recipe])
-                                                      and params.get("precision") == "fsdp2"):
-        per_use = " or ".join(per_use_recipes())
-        raise InputError(f"--fsdp-float8-all-gather: FSDP2 casting torchao's float8 weights before it all-gathers "
-                         f"them; give --fp8-recipe {per_use} and --zero 3 --precision fsdp2 (got --fp8-recipe {recipe}"
-                         f", --precision {params.get('precision') or 'not given'})")
-    if params.get("fp8_param_gather") and (recipe not in TE_RECIPES or zero_stage(params) not in (1, 2)
-                                           or params.get("expert_parallel", 1) > 1):
-        raise InputError(f"--fp8-param-gather: TransformerEngine's float8 weights all-gathered by the distributed "
-                         f"optimizer; give --fp8-recipe {' or '.join(TE_RECIPES)}, --zero 1 or 2 and no "
-                         f"--expert-parallel (got --fp8-recipe {recipe}, --zero {zero_stage(params)})")
-    if params.get("tp_overlap_fp8_buf") and recipe not in TE_RECIPES:
-        raise InputError(f"--tp-overlap-fp8-buf: TransformerEngine's float8 userbuffers; give --fp8-recipe "
-                         f"{' or '.join(TE_RECIPES)} (got {recipe})")
-    return recipe
+        raise InputError(f"{flag_line(exc)}; parts with one: {', '.join(having)}") from None
+    return recipe or "te"
+
+
+def _check_fp8_param_gather(params: dict[str, Any]) -> None:
+    """--fp8-param-gather beside --zero 1 or 2, whose distributed optimizer all-gathers the float8 weights: ZeRO's
+    stage is the command's to check (simulate applies it to the estimate's profile; `Parallelism` holds whether the
+    optimizer is sharded, and checks the recipe, the precision and the expert parallelism)."""
+    zero = zero_stage(params)
+    if params.get("fp8_param_gather") and zero not in (1, 2):
+        raise InputError("--fp8-param-gather: TransformerEngine's float8 weights all-gathered by the distributed "
+                         f"optimizer; give --zero 1 or 2 (got --zero {zero})")
 
 
 def fit_errors(fitted: FittedCurve) -> str:
@@ -640,8 +572,7 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
         profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
                                    curve=what.curve, memo=memo)
     except EstimateError as exc:
-        field, _, rest = str(exc).partition(": ")
-        raise InputError(f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else str(exc)) from None
+        raise InputError(flag_line(exc)) from None
     kernels = {name: getattr(what, name) for name in KERNEL_DEFAULTS}
     estimate = profile.estimate.model_copy(update={"parallelism": {**profile.estimate.parallelism, **kernels}})
     return profile.model_copy(update={"estimate": estimate})

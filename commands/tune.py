@@ -41,7 +41,7 @@ from .common import (
     tune_what_if_options,
     with_help,
 )
-from .estimate import SEARCHED_RECOMPUTE, ModelWork, WhatIf, count_what_if, estimated_profile, what_if
+from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, what_if
 from .tables import print_table
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
@@ -248,7 +248,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
     `pp_runtime`'s runtime holds them; `report` is told how many are done. Where no t suits, the estimates'
     refusal if every t tried got the same one (it is not about t), else which t's were tried."""
-    from ..planning.estimate import LayerMemo
+    from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import platform
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -100,6 +101,7 @@ if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
 
 RECOMPUTE = ("none", "selective", "full", "op")
+SEARCHED_RECOMPUTE = RECOMPUTE[:3]  # what tune tries: Megatron-LM's; op (torchtitan's policy) only when asked for
 # The recomputations under which a compiled block's saves are modelled (`_unread_kept`): torch's checkpoint around it,
 # as torchtitan wraps each block before compiling it
 COMPILED_RECOMPUTE = ("op", "full")
@@ -158,7 +160,16 @@ PRECISION_ACCUMULATION = {"fp32": "separate", "megatron": "fused", "megatron-16b
 
 
 class EstimateError(ValueError):
-    """A parallelism or part the estimate cannot price; the message is one line naming what is wrong."""
+    """A parallelism or part the estimate cannot price: one line naming what is wrong, each setting in it written
+    {setting} (a `Parallelism` field, or the count's `attention` or `dtype`), so that the one rule reads in its
+    reader's terms: `said` names each as the commands' flag for it, str() as the setting itself."""
+
+    def __str__(self) -> str:
+        return self.said(str)
+
+    def said(self, name: Callable[[str], str]) -> str:
+        """The line with each {setting} in it as `name(setting)`."""
+        return re.sub(r"\{([a-z_0-9]+)\}", lambda setting: name(setting[1]), str(self.args[0]) if self.args else "")
 
 
 @dataclass(frozen=True)
@@ -204,73 +215,72 @@ class Parallelism:
     expert_gemm: str = "grouped"  # how a rank runs its local experts' products, of planning/experts.py's EXPERT_GEMMS
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor"):
+        for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor", "dispatcher_sms"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise EstimateError(f"{name}: {getattr(self, name)}; at least 1")
-        if not 0 <= self.host_kernel_us < math.inf:
-            raise EstimateError(f"host_kernel_us: {self.host_kernel_us}; the host's microseconds a kernel, a finite "
-                                "number, at least 0")
-        if self.host_module_us is not None and not 0 <= self.host_module_us < math.inf:
-            raise EstimateError(f"host_module_us: {self.host_module_us}; the host's microseconds a module call, a "
-                                "finite number, at least 0")
+        for name, what in (("host_kernel_us", "to issue a kernel"), ("host_module_us", "a module call adds")):
+            us = getattr(self, name)
+            if us is not None and not 0 <= us < math.inf:
+                raise EstimateError(f"{{{name}}}: the host's microseconds {what}, a finite number from 0 (got {us})")
         if self.expert_gemm not in EXPERT_GEMMS:
-            raise EstimateError(f"expert_gemm: choose from {', '.join(EXPERT_GEMMS)} (got {self.expert_gemm!r})")
-        if self.dispatcher_sms is not None and (self.token_dispatcher not in FLEX_DISPATCHERS
-                                                or self.dispatcher_sms < 1):
-            raise EstimateError(f"dispatcher_sms: {self.dispatcher_sms}; the multiprocessors DeepEP's or HybridEP's "
-                                f"kernels hold, at least 1, with token_dispatcher {' or '.join(FLEX_DISPATCHERS)}")
+            raise EstimateError(f"{{expert_gemm}}: choose from {', '.join(EXPERT_GEMMS)} (got {self.expert_gemm!r})")
+        if self.dispatcher_sms is not None and self.token_dispatcher not in FLEX_DISPATCHERS:
+            raise EstimateError("{dispatcher_sms}: the multiprocessors DeepEP's or HybridEP's kernels hold; give "
+                                f"{{token_dispatcher}} {' or '.join(FLEX_DISPATCHERS)}")
         if self.rank_order not in RANK_ORDERS:
-            raise EstimateError(f"rank_order: choose from {', '.join(RANK_ORDERS)} (got {self.rank_order!r})")
+            raise EstimateError(f"{{rank_order}}: choose from {', '.join(RANK_ORDERS)} (got {self.rank_order!r})")
         if self.recompute not in RECOMPUTE:
-            raise EstimateError(f"recompute: choose from {', '.join(RECOMPUTE)} (got {self.recompute!r})")
-        unknown = [name for name in self.recompute_modules if name not in RECOMPUTE_REGIONS]
-        if unknown:
-            raise EstimateError(f"recompute_modules: choose from {', '.join(RECOMPUTE_REGIONS)} (got {unknown[0]!r})")
+            raise EstimateError(f"{{recompute}}: choose from {', '.join(RECOMPUTE)} (got {self.recompute!r})")
+        if (any(name not in RECOMPUTE_REGIONS for name in self.recompute_modules)
+                or len(set(self.recompute_modules)) < len(self.recompute_modules)):
+            raise EstimateError(f"{{recompute_modules}}: a comma list of {', '.join(RECOMPUTE_REGIONS)}, each once "
+                                f"(got {','.join(self.recompute_modules)!r})")
         if self.recompute_modules and self.recompute not in ("none", "selective"):
-            raise EstimateError(f"recompute_modules: reruns parts of a layer beside none or selective recomputation; "
-                                f"{self.recompute} already decides what every layer keeps")
+            raise EstimateError("{recompute_modules} reruns parts of a layer beside {recompute} none or "
+                                f"selective; {{recompute}} {self.recompute} already decides what every layer keeps")
         if self.ema is not None and self.ema not in EMA_PLACES:
-            raise EstimateError(f"ema: choose from {', '.join(EMA_PLACES)} (got {self.ema!r})")
+            raise EstimateError(f"{{ema}}: choose from {', '.join(EMA_PLACES)} (got {self.ema!r})")
         if self.grad_accumulation is not None and self.grad_accumulation not in GRAD_ACCUMULATIONS:
-            raise EstimateError(f"grad_accumulation: choose from {', '.join(GRAD_ACCUMULATIONS)} "
+            raise EstimateError(f"{{grad_accumulation}}: choose from {', '.join(GRAD_ACCUMULATIONS)} "
                                 f"(got {self.grad_accumulation!r})")
         if self.torch_compile and self.recompute not in COMPILED_RECOMPUTE:
-            raise EstimateError(f"torch_compile: what AOTAutograd's partitioner saves of a checkpointed block "
-                                f"(recompute {' or '.join(COMPILED_RECOMPUTE)}); its own choice without a "
-                                f"checkpoint is not modelled (got recompute {self.recompute})")
+            raise EstimateError("{torch_compile} models what AOTAutograd's partitioner saves of a block compiled "
+                                "inside torch's checkpoint, as torchtitan runs it: give {recompute} "
+                                f"{' or '.join(COMPILED_RECOMPUTE)} (got {self.recompute})")
         if self.recompute == "op" and self.tensor > 1:
             raise EstimateError("recompute: op (torchtitan's selective op policy) is modelled for tensor 1 only "
                                 f"(got tensor {self.tensor})")
         if self.precision is not None and self.precision not in PRECISIONS:
-            raise EstimateError(f"precision: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
+            raise EstimateError(f"{{precision}}: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise EstimateError(f"fp8: choose a recipe from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
+            raise EstimateError(f"{{fp8}}: choose from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
         if self.fsdp_float8_all_gather and (self.precision != "fsdp2" or self.fp8 is None
                                             or not casts_weights_per_use(FP8_RECIPES[self.fp8])):
-            raise EstimateError("fsdp_float8_all_gather: FSDP2 casting torchao's float8 weights before its "
-                                f"all-gather; give precision fsdp2 and fp8 {' or '.join(per_use_recipes())}")
+            raise EstimateError("{fsdp_float8_all_gather}: FSDP2 casting torchao's float8 weights before it "
+                                f"all-gathers them; give {{fp8}} {' or '.join(per_use_recipes())} and {{precision}} "
+                                f"fsdp2 (got {{fp8}} {self.fp8 or 'none'}, {{precision}} "
+                                f"{self.precision or 'not given'})")
         if self.fp8_param_gather and (self.fp8 not in TE_RECIPES or self.precision == "fsdp2" or self.expert > 1):
-            raise EstimateError("fp8_param_gather: TransformerEngine's float8 weights all-gathered by the distributed "
-                                f"optimizer; give fp8 {' or '.join(TE_RECIPES)}, a precision other than fsdp2 and "
-                                "expert 1 (a routed expert's float8 gather is not modelled)")
+            raise EstimateError("{fp8_param_gather}: TransformerEngine's float8 weights all-gathered by the "
+                                f"distributed optimizer; give {{fp8}} {' or '.join(TE_RECIPES)}, a {{precision}} other "
+                                "than fsdp2 and {expert} 1 (a routed expert's float8 gather is not modelled)")
         if self.tp_runtime not in TP_RUNTIMES:
-            raise EstimateError(f"tp_runtime: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
-        if self.tp_overlap_no_margin and not (self.tp_overlap and self.tp_runtime == "megatron"):
-            raise EstimateError("tp_overlap_no_margin: the SMs of TransformerEngine's pipelined reduce-scatters; "
-                                "give tp_overlap with tp_runtime megatron")
-        if self.tp_overlap_fp8_buf and not (self.tp_overlap and self.tp_runtime == "megatron"
-                                            and self.fp8 in TE_RECIPES):
-            raise EstimateError("tp_overlap_fp8_buf: TransformerEngine's float8 userbuffers for the pipelined "
-                                f"reduce-scatters; give tp_overlap with tp_runtime megatron and fp8 "
-                                f"{' or '.join(TE_RECIPES)}")
-        if self.cp_rotate not in CP_ROTATES:
-            raise EstimateError(f"cp_rotate: choose from {', '.join(CP_ROTATES)} (got {self.cp_rotate!r})")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise EstimateError(f"attention_kernel: choose from {', '.join(ATTENTION_KERNELS)} "
-                                f"(got {self.attention_kernel!r})")
+            raise EstimateError(f"{{tp_runtime}}: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
         if self.tp_overlap and not self.sequence_parallel:
-            raise EstimateError("tp_overlap: overlaps sequence parallelism's all-gathers and reduce-scatters with "
-                                "the products (Megatron's and torch's): give sequence parallelism too")
+            raise EstimateError("{tp_overlap} overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+                                "products (Megatron's and torch's): give {sequence_parallel} too")
+        for name, what in (("tp_overlap_no_margin", "the SMs"), ("tp_overlap_fp8_buf", "the buffer")):
+            if getattr(self, name) and not (self.tp_overlap and self.tp_runtime == "megatron"):
+                raise EstimateError(f"{{{name}}} sets {what} of TransformerEngine's pipelined reduce-scatters: give "
+                                    "{tp_overlap} under {tp_runtime} megatron")
+        if self.tp_overlap_fp8_buf and self.fp8 not in TE_RECIPES:
+            raise EstimateError(f"{{tp_overlap_fp8_buf}}: TransformerEngine's float8 userbuffers; give {{fp8}} "
+                                f"{' or '.join(TE_RECIPES)} (got {self.fp8 or 'none'})")
+        if self.cp_rotate not in CP_ROTATES:
+            raise EstimateError(f"{{cp_rotate}}: choose from {', '.join(CP_ROTATES)} (got {self.cp_rotate!r})")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise EstimateError(f"{{attention_kernel}}: choose from {', '.join(ATTENTION_KERNELS)} "
+                                f"(got {self.attention_kernel!r})")
 
     @property
     def float8_recipe(self) -> Fp8Recipe | None:
@@ -1386,20 +1396,24 @@ def whole_parts(parts: dict[str, float], total: int) -> dict[str, int]:
     return whole
 
 
+def check_ring_attention(c: int, attention: str | None) -> None:
+    """C > 1 context-parallel ranks run their ring on a fused attention kernel (torch's context parallel dispatches
+    its SDPA kernels only, Megatron's TransformerEngine's): the model counted with `attention` flash."""
+    if c > 1 and attention != "flash":
+        raise EstimateError("{context}: ring attention runs on a fused attention kernel (torch's and "
+                            "TransformerEngine's context parallel): give {attention} flash")
+
+
 def _check_context(counted: WorkloadCount, c: int) -> None:
     """C context-parallel ranks need a sequence of 2C equal chunks (the causal load balance) and a fused attention
-    kernel for the ring to run (torch's context parallel dispatches its SDPA kernels only, Megatron's
-    TransformerEngine's)."""
+    kernel for the ring to run (`check_ring_attention`)."""
     seq = counted.options.get("seq_len")
     if not seq:
         raise EstimateError(f"context: {c} splits the sequence, and {counted.model} has none")
     if seq % (2 * c):
         raise EstimateError(f"context: {c} does not split the sequence of {seq} tokens into 2 x {c} equal chunks "
                             "(the causal load balance); give a C that divides seq_len / 2")
-    if counted.attention != "flash":
-        raise EstimateError(f"context: ring attention runs on a fused attention kernel (torch's context parallel, "
-                            f"TransformerEngine's); the model is counted with {counted.attention or 'no'} "
-                            "attention: give --attention flash")
+    check_ring_attention(c, counted.attention)
 
 
 def _ring_fields(priced: LayerEstimate) -> dict[str, Any]:
@@ -1421,6 +1435,14 @@ def _element_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 
 
+def fp8_peak_tflops(gpu: Gpu, named: str) -> float:
+    """The part's dense float8 peak, at which a float8 recipe's products run; a part without float8 tensor cores has
+    none in the catalogue, and runs no recipe (`named`: the part as its reader names it)."""
+    if gpu.dense_tflops.fp8 is None:
+        raise EstimateError(f"{{dtype}} fp8: {named} has no FP8 peak in the catalogue (no float8 tensor cores)")
+    return gpu.dense_tflops.fp8
+
+
 def kernel_curve(curve: Curve, kernel: str, gpu: str) -> Curve:
     """`curve` pricing fused attention at `kernel`'s published rate on the part: which kernel a run's attention
     takes is the framework's choice (TransformerEngine: FlashAttention-2 with NVTE_FUSED_ATTN=0, cuDNN's fused
@@ -1429,7 +1451,7 @@ def kernel_curve(curve: Curve, kernel: str, gpu: str) -> Curve:
     efficiency = curve.attention_kernel_efficiency(kernel)
     if efficiency is None:
         published = ", ".join(name for name in ATTENTION_KERNELS if curve.attention_kernel_efficiency(name))
-        raise EstimateError(f"attention_kernel: no published {kernel} rate for {gpu} in its curve (published: "
+        raise EstimateError(f"{{attention_kernel}}: no published {kernel} rate for {gpu} in its curve (published: "
                             f"{published}; a --gpus file can add attention_kernels)")
     return curve.model_copy(update={"attention_efficiency": efficiency,
                                     "attention_passes": curve.attention_passes_of(kernel)})
@@ -1501,11 +1523,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
-    fp8_peak = gpu.dense_tflops.fp8
-    if parallel.fp8 is not None and fp8_peak is None:
-        raise EstimateError(f"fp8: gpu {gpu.name!r} has no fp8 peak in the catalogue")
     device = Device(peak * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve,
-                    fp8_peak * 1e9 if parallel.fp8 is not None else None)
+                    fp8_peak_tflops(gpu, repr(gpu.name)) * 1e9 if parallel.fp8 is not None else None)
     element = _element_bytes(counted.dtype)
     held = parallel.held(counted.dtype)
     t = parallel.tensor

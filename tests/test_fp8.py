@@ -104,7 +104,7 @@ def test_a_layer_that_does_not_attend_stays_in_16_bits():
 
 
 def test_a_recipe_is_one_of_the_known_and_a_part_without_fp8_cannot_price_a_float8_product():
-    with pytest.raises(EstimateError, match="fp8: choose a recipe from te, torchao"):
+    with pytest.raises(EstimateError, match="fp8: choose from te, torchao"):
         Parallelism(fp8="mxfp8")
     a100 = load_catalogue().find("a100-sxm-80gb")
     no_fp8 = Device(a100.dense_tflops.bf16 * 1e9, 1e9, a100.curve)

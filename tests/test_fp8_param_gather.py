@@ -91,8 +91,8 @@ def test_the_zero_gather_of_a_float8_run_moves_fewer_bytes_and_the_step_is_short
     (("--zero", "1", "--fp8-param-gather"), "--fp8-param-gather says how --dtype fp8 runs the linear products"),
     (("--zero", "1", "--dtype", "fp8", "--fp8-recipe", "torchao", "--fp8-param-gather"),
      "--fp8-param-gather: TransformerEngine's float8 weights all-gathered by the distributed optimizer; give "
-     "--fp8-recipe te or te-current, --zero 1 or 2"),
-    (("--dtype", "fp8", "--fp8-param-gather"), "(got --fp8-recipe te, --zero 0)"),
+     "--fp8-recipe te or te-current, a --precision other than fsdp2 and --expert-parallel 1"),
+    (("--dtype", "fp8", "--fp8-param-gather"), "give --zero 1 or 2 (got --zero 0)"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, args, fragment):
     pytest.importorskip("torch")

@@ -121,7 +121,7 @@ def test_the_parallelism_refuses_a_recipe_that_casts_no_weight_per_use_naming_ea
     FSDP2 has no per-use cast to move before its all-gather; the message names every recipe that has one."""
     from pipesim.planning.estimate import EstimateError, Parallelism
 
-    with pytest.raises(EstimateError, match="give precision fsdp2 and fp8 torchao or torchao-2024$"):
+    with pytest.raises(EstimateError, match=r"give fp8 torchao or torchao-2024 and precision fsdp2 \(got fp8 te, "):
         Parallelism(data=D, sharded_optimizer=True, precision="fsdp2", fp8="te", fsdp_float8_all_gather=True)
     Parallelism(data=D, sharded_optimizer=True, precision="fsdp2", fp8="torchao-2024", fsdp_float8_all_gather=True)
 

@@ -50,5 +50,6 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("given", [dict(fp8="te"), dict(fp8="torchao", tp_overlap=True),
                                    dict(fp8="te", tp_overlap=True, tp_runtime="torch")])
 def test_parallelism_refuses_it_without_transformer_engine_userbuffers(given):
-    with pytest.raises(EstimateError, match="tp_overlap_fp8_buf: TransformerEngine's float8 userbuffers"):
+    with pytest.raises(EstimateError, match="tp_overlap_fp8_buf(: TransformerEngine's float8 userbuffers| sets the "
+                                            "buffer of TransformerEngine's)"):
         Parallelism(tensor=2, sequence_parallel=True, tp_overlap_fp8_buf=True, **given)

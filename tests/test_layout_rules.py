@@ -1,0 +1,57 @@
+"""Each rule of the parallel layout lives once, in planning/estimate.py's `Parallelism` (and `check_ring_attention`,
+`fp8_peak_tflops`): the library says its settings by name, the commands say the same refusal with their flags
+(commands/estimate.py `flag_line`), one line and exit 2, before the model is counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipesim.commands.estimate import flag_line
+from pipesim.planning.estimate import EstimateError, Parallelism, check_ring_attention
+from tests.conftest import pipesim
+
+GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "32")
+
+
+def test_a_refusal_names_each_setting_as_its_reader_does():
+    with pytest.raises(EstimateError) as refused:
+        Parallelism(tensor=2, tp_overlap=True)
+    assert str(refused.value).endswith(": give sequence_parallel too")
+    assert str(refused.value).startswith("tp_overlap overlaps sequence parallelism's all-gathers")
+    assert flag_line(refused.value).endswith(": give --sequence-parallel too")
+    assert flag_line(refused.value).startswith("--tp-overlap overlaps sequence parallelism's all-gathers")
+    with pytest.raises(EstimateError) as refused:
+        Parallelism(fp8="te", tp_overlap_fp8_buf=True, tensor=2, sequence_parallel=True, tp_overlap=True,
+                    tp_runtime="torch")
+    assert flag_line(refused.value) == ("--tp-overlap-fp8-buf sets the buffer of TransformerEngine's pipelined "
+                                        "reduce-scatters: give --tp-overlap under --tp-runtime megatron")
+
+
+@pytest.mark.parametrize("flags, layout", [
+    (("--ema", "disk"), dict(ema="disk")),
+    (("--tensor-parallel", "2", "--tp-overlap"), dict(tensor=2, tp_overlap=True)),
+    (("--recompute", "full", "--recompute-modules", "layernorm"),
+     dict(recompute="full", recompute_modules=("layernorm",))),
+    (("--torch-compile",), dict(torch_compile=True)),
+    (("--cp-rotate", "ring", "--context-parallel", "2", "--attention", "flash"), dict(context=2, cp_rotate="ring")),
+    (("--dispatcher-sms", "20"), dict(dispatcher_sms=20)),
+    (("--dtype", "fp8", "--fp8-recipe", "mxfp8"), dict(fp8="mxfp8")),
+    (("--dtype", "fp8", "--fp8-recipe", "te", "--zero", "3", "--precision", "fsdp2", "--data-parallel", "2",
+      "--fsdp-float8-all-gather"), dict(fp8="te", precision="fsdp2", fsdp_float8_all_gather=True)),
+])
+def test_the_commands_refuse_a_layout_with_the_parallelisms_own_rule(flags, layout, tmp_path):
+    with pytest.raises(EstimateError) as rule:
+        Parallelism(**layout)
+    code, out, err = pipesim("estimate", *GPT, *flags, "--out", tmp_path / "p.json")
+    assert (code, out, err) == (2, "", f"error: {flag_line(rule.value)}\n")
+    assert "_" not in flag_line(rule.value).split()[0] and not (tmp_path / "p.json").exists()
+
+
+def test_ring_attention_is_refused_without_a_fused_kernel_in_the_flags_terms(tmp_path):
+    with pytest.raises(EstimateError) as rule:
+        check_ring_attention(2, "math")
+    assert str(rule.value).endswith("give attention flash")
+    code, _, err = pipesim("estimate", *GPT, "--attention", "math", "--context-parallel", "2",
+                           "--out", tmp_path / "p.json")
+    assert code == 2 and err == f"error: {flag_line(rule.value)}\n"
+    assert flag_line(rule.value).startswith("--context-parallel: ring attention") and "give --attention flash" in err
