@@ -14,7 +14,9 @@ run as TransformerEngine's fused kernel, `--rope-kernel fused`: every such yaml 
 recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B), the distributed optimizer
 (`--zero 1`;
 `--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
-backward (each stage's right after its last backward), interleaved 1F1B where the row has virtual stages, the
+backward (each stage's right after its last backward) and its collectives grouped as the row's optimizer groups
+them (`--optimizer-buckets`, the CSV's `optimizer_buckets`: nemo for NeMo's distributed Adam, megatron for
+Megatron-core's), interleaved 1F1B where the row has virtual stages, the
 vocabulary padded as Megatron pads it and its loss Megatron-core's cross entropy (`--cross-entropy megatron`: NeMo's
 GPTConfig sets cross_entropy_loss_fusion; fused or not, its backward turns the kept softmax into the gradient in
 place), FP8 as TransformerEngine's delayed scaling (`--dtype fp8`, the `te` recipe) with the weights kept as
@@ -75,7 +77,8 @@ def simulate_command(row: dict[str, str]) -> list[str]:
             "-b", str(b), "--gpu", GPU, *tensor,
             *(["--context-parallel", str(c), "--cp-rotate", "p2p"] if c > 1 else []), "-p", str(p),
             "-m", str(batch // (d * b)),
-            *schedule, "--data-parallel", str(d), "--zero", "1", "--grad-accumulation", "fused",
+            *schedule, "--data-parallel", str(d), "--zero", "1", "--optimizer-buckets", row["optimizer_buckets"],
+            "--grad-accumulation", "fused",
             *(["--precision", "nemo-bf16-adam"] if row["optimizer_state"] == "bf16" else []),
             *(["--recompute", row["recompute"]] if row["recompute"] != "none" else []),
             "--stage-cut", "equal-blocks", "--cross-entropy", "megatron"]

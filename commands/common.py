@@ -89,6 +89,12 @@ ReduceAfterFlush = Annotated[bool, typer.Option(
     "--reduce-after-flush", help="With --data-parallel: a device all-reduces its stages' gradients once its last "
                                  "backward of the mini-batch is done (Megatron-LM's DDP), instead of each stage's "
                                  "right after that stage's last backward, overlapping the rest (torch DDP).")]
+OptimizerBuckets = Annotated[str, typer.Option(
+    "--optimizer-buckets", metavar="WHOSE", help="With --gpu or --profile and --zero 1: how the distributed "
+                                                 "optimizer groups its reduce-scatters and all-gathers: megatron "
+                                                 "(Megatron-core's buckets of max(40M, 1M x d) parameters on the "
+                                                 "first chunk; the default) or nemo (NeMo's distributed Adam: a "
+                                                 "group a chunk, a layer without --chunks, one collective each).")]
 PpRuntime = Annotated[str, typer.Option(
     "--pp-runtime", metavar="RUNTIME", help="Whose pipeline runtime holds the tensors passed between stages: "
                                             "pipesim (a received one from its arrival until its forward or "
@@ -772,6 +778,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
     share; `overrides` replace their values), checked before any work; `estimated` (--gpu's) stands for
     --profile's."""
+    from ..planning.buckets import OPTIMIZER_BUCKETS
     from ..planning.scenario import Scenario, check_stage_cut, first_last
     from ..sim import OPTIMIZER_STATE_FACTOR, CostError, load_cluster
     from ..sim.costs import PRECISIONS
@@ -799,6 +806,12 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
     pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"))
+    optimizer_buckets = flags.get("optimizer_buckets", "megatron")
+    if optimizer_buckets not in OPTIMIZER_BUCKETS:
+        raise InputError(f"--optimizer-buckets: choose from {', '.join(OPTIMIZER_BUCKETS)} (got {optimizer_buckets!r})")
+    if optimizer_buckets != "megatron" and (flags["profile"] is None and flags.get("gpu") is None or zero != 1):
+        raise InputError(f"--optimizer-buckets {optimizer_buckets} groups the distributed optimizer's collectives of "
+                         "--gpu's or --profile's layers: give --zero 1")
     stage_cut = flags.get("stage_cut", "balanced")
     try:
         first_last(stage_cut)
@@ -829,7 +842,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         flags["microbatch_size"], comm_ms[0], not flags["blocking_comm"], topology, measured,
         _load_graph(graph) if graph is not None else None, per, source, network_gb_s=network, stage_cut=stage_cut,
         precision=precision or "fp32", overlap_expert_comm=bool(flags.get("overlap_expert_comm")),
-        pp_runtime=pp_runtime)
+        pp_runtime=pp_runtime, optimizer_buckets=optimizer_buckets)
 
 
 def searched_scenario(ctx: typer.Context, method, measured: Profile | None = None) -> Scenario | None:

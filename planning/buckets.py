@@ -1,4 +1,5 @@
-"""Megatron-core's gradient buckets: what of the first model chunk's reduce-scatter and all-gather is exposed.
+"""The distributed optimizer's gradient buckets: what of the first model chunk's reduce-scatter and all-gather is
+exposed, as Megatron-core's DDP and NeMo's distributed Adam cut them.
 
 Megatron-core's DistributedDataParallel (megatron/core/distributed/distributed_data_parallel.py, the same rule in
 mid-2024's cf1d4d1 and 2026's d98e8a6) cuts a model chunk's parameters into buckets of
@@ -12,12 +13,27 @@ in reverse order and closes a bucket once it holds at least the bucket size (par
 ready in the backward, and with `overlap_param_gather` the next step's buckets are all-gathered one after another
 (each dispatched when its predecessor is waited on, `finish_param_sync`), the forward of a layer waiting for its
 own bucket. Pure arithmetic over the chunk's layers, a layer's parameters taken as one tensor.
+
+NeMo's `distributed_fused_adam` (nemo/core/optim/distributed_adam.py over Apex's DistributedFusedAdam,
+apex/contrib/optimizers/distributed_fused_adam.py at f9f19d5c, July 2024), the optimizer of every NVIDIA dgxc H100
+recipe but Nemotron-4 15B's, groups instead (`nemo_groups`): NeMo's `MegatronGPTModel.configure_optimizers` gives it
+one parameter group per virtual-pipeline chunk, or per transformer layer without one, the parameters left over
+(the embedding, the output layer, norms whose gradients are reduced apart) in the model's first group; each
+`init_params_bucket` call opens buckets of its own (`bucket_cap_mb` each, "Mark existings bucket as fully filled")
+that all wait for the whole group's gradients and are reduce-scattered together, one `reduce_scatter_tensor` a
+bucket under one `_coalescing_manager` (`_start_bucket_grad_sync`; the all-gathers alike, `_start_bucket_param_sync`),
+which is one NCCL group launch. NCCL spreads a launch's collectives over its channels in proportion to their bytes
+and runs them side by side (src/enqueue.cc `scheduleCollTasksToPlan`: `collInfo->nChannels = DIVUP(collInfo->workBytes
+* tasks->usableChannels, totalCBDBytes)` at v2.21.5-1, `trafficPerChannel` at v2.22.3-1), so a group's buckets cost
+one collective of the group's bytes, one ring latency, while its buckets are no more than the channels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+# whose distributed optimizer cuts the collectives: Megatron-core's DDP buckets or NeMo's distributed Adam's groups
+OPTIMIZER_BUCKETS = ("megatron", "nemo")
 MIN_BUCKET_PARAMS = 40_000_000  # Megatron-core's default bucket_size floor (parameters)
 BUCKET_PARAMS_PER_RANK = 1_000_000  # and its growth per data-parallel rank
 
@@ -25,6 +41,14 @@ BUCKET_PARAMS_PER_RANK = 1_000_000  # and its growth per data-parallel rank
 def bucket_params(data_parallel: int) -> int:
     """Megatron-core's default bucket size in parameters for `data_parallel` (d) replicas."""
     return max(MIN_BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * data_parallel)
+
+
+def nemo_groups(layers: int, chunked: bool) -> list[list[int]]:
+    """NeMo's distributed Adam's parameter groups of a model stage's `layers`, in the backward's order (as `buckets`
+    gives them): the whole chunk one group under a virtual pipeline (`chunked`), else a group a layer (the
+    embedding's and the output layer's too, which NeMo adds to the first block's: a latency more each)."""
+    order = list(reversed(range(layers)))
+    return [order] if chunked else [[index] for index in order]
 
 
 def buckets(layer_params: Sequence[int], size: int) -> list[list[int]]:

@@ -110,6 +110,7 @@ class Scenario:
     overlap_hidden_fraction: float = 0.0  # `simulate --fb-hidden-fraction`: Costs.overlap_hidden_fraction
     overlap_expert_comm: bool = False  # `--overlap-expert-comm`: ScheduleParams.overlap_expert_comm of every build
     pp_runtime: str = "pipesim"  # `--pp-runtime`: whose runtime holds the boundary tensors (`held_as_runtime`)
+    optimizer_buckets: str = "megatron"  # `--optimizer-buckets`: of OPTIMIZER_BUCKETS (planning/buckets.py)
     # `--allocator caching` with --gpu: every layer's allocations on a rank in the model's order
     # (`layer_allocations`), which `add_reserve` replays; None: the tensors alone
     allocations: tuple[LayerAllocations, ...] | None = None
@@ -188,43 +189,63 @@ class Scenario:
 
     def _distributed_optimizer_collectives(self, costs: Costs, sched: Schedule, link: CollectiveLink,
                                            bounds: Sequence[int] | None) -> Costs:
-        """An estimate's run under Megatron-core's distributed optimizer (ZeRO-1, each stage reduced after its last
-        backward) reduce-scatters and all-gathers its first model stage in buckets (planning/buckets.py): its
-        REDUCE is what of the buckets' reduce-scatters runs past its last backward, its GATHER what its first
-        forward waits for its buckets' all-gathers (on a part with persistent products, Hopper, every bucket's
-        whole time: what runs beside a product delays it); every other stage is one bucket, as its rows are (what
-        those delay beside the products: `_collectives_beside_products`). A first stage holding routed experts
-        (their own bucket groups) or a schedule of several model copies: as it is."""
-        from .buckets import bucket_params, buckets, exposed_gather_ms, exposed_reduce_ms
+        """An estimate's run under a distributed optimizer (ZeRO-1, each stage reduced after its last backward)
+        reduce-scatters and all-gathers its first model stage in groups (planning/buckets.py): Megatron-core's
+        buckets, or under `optimizer_buckets` nemo NeMo's distributed Adam's groups (a chunk's, or a layer's each
+        without a virtual pipeline), one collective each. Its REDUCE is what of the groups' reduce-scatters runs
+        past its last backward, its GATHER what its first forward waits for their all-gathers (on a part with
+        persistent products, Hopper, every group's whole time: what runs beside a product delays it). Every other
+        stage is one collective, as its rows are (what those delay beside the products:
+        `_collectives_beside_products`), but NeMo's a layer each without a virtual pipeline: their sum. A first stage
+        holding routed experts (their own bucket groups) or a schedule of several model copies: as it is."""
+        from .buckets import bucket_params, buckets, exposed_gather_ms, exposed_reduce_ms, nemo_groups
 
         measured = self.measured
         first = costs.stages[0]
         if (measured is None or measured.estimate is None or sched.zero != 1 or sched.reduce_after_flush
                 or sched.graph.copies != 1 or first.expert_param_bytes or not first.param_bytes):
             return costs
-        start, stop = (list(bounds) if bounds is not None else self.cut(sched))[:2]
-        layers = measured.layers[start:stop]
+        cut = list(bounds) if bounds is not None else self.cut(sched)
         element = 4 if measured.environment.dtype == "float32" else 2
-        bucketed = buckets([layer.param_bytes // element for layer in layers], bucket_params(sched.data_parallel))
+        nemo, chunked = self.optimizer_buckets == "nemo", len(costs.stages) > sched.num_devices
 
-        def traffic(nbytes: Callable[[object], int]) -> Callable[[list[int]], float]:
-            """A bucket's time to reduce-scatter its gradients (`param_bytes`) or all-gather its weights as they are
-            gathered (`gathered_weight_bytes`: TransformerEngine's float8 weights at 1 byte), the same traffic."""
+        def groups(layers: list) -> list[list[int]]:
+            if nemo:
+                return nemo_groups(len(layers), chunked)
+            return buckets([layer.param_bytes // element for layer in layers], bucket_params(sched.data_parallel))
+
+        def traffic(layers: list, stage: StageCosts, nbytes: Callable[[object], int]) -> Callable[[list[int]], float]:
+            """A group's time to reduce-scatter its gradients (`param_bytes`) or all-gather its weights as they are
+            gathered (`gathered_weight_bytes`: TransformerEngine's float8 weights at 1 byte), the same traffic: its
+            layers' share of the stage's."""
             total = sum(nbytes(layer) for layer in layers)
-            return lambda bucket: link.reduce_scatter_ms(
-                nbytes(first) * (sum(nbytes(layers[i]) for i in bucket) / total), sched.gradient_ranks)
+            return lambda group: link.reduce_scatter_ms(
+                nbytes(stage) * (sum(nbytes(layers[i]) for i in group) / total), sched.gradient_ranks)
 
         def shares(times: list[float], stage_ms: float) -> list[float]:  # the stage's pass, split as its layers'
             total = sum(times)
             return [stage_ms * ms / total if total else stage_ms / len(times) for ms in times]
 
         persistent = bool(measured.estimate.curve.get("persistent_products"))
-        return replace(costs, stages=(replace(
+        layers = measured.layers[cut[0]:cut[1]]
+        planned = groups(layers)
+        stages = [replace(
             first, reduce_ms=exposed_reduce_ms(shares([layer.bwd.median_ms for layer in layers], first.bwd_ms),
-                                               bucketed, traffic(attrgetter("param_bytes")), persistent),
-            gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms), bucketed,
-                                        traffic(attrgetter("gathered_weight_bytes")), persistent)),
-            *costs.stages[1:]))
+                                               planned, traffic(layers, first, attrgetter("param_bytes")),
+                                               persistent),
+            gather_ms=exposed_gather_ms(shares([layer.fwd.median_ms for layer in layers], first.fwd_ms), planned,
+                                        traffic(layers, first, attrgetter("gathered_weight_bytes")), persistent))]
+        for index, c in enumerate(costs.stages[1:], start=1):
+            layers = measured.layers[cut[index]:cut[index + 1]]
+            if not nemo or chunked or not layers or not c.param_bytes or c.expert_param_bytes:
+                stages.append(c)
+                continue
+            planned = groups(layers)
+            reduce_ms, gather_ms = (traffic(layers, c, attrgetter(nbytes))
+                                    for nbytes in ("param_bytes", "gathered_weight_bytes"))
+            stages.append(replace(c, reduce_ms=sum(map(reduce_ms, planned)),
+                                  gather_ms=sum(map(gather_ms, planned)) + c.gather_cast_ms))
+        return replace(costs, stages=tuple(stages))
 
     def _collectives_beside_products(self, costs: Costs, sched: Schedule) -> Costs:
         """On a part with persistent products (an estimate's `persistent_products`, Hopper) a stage's once-a-step

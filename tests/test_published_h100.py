@@ -37,6 +37,7 @@ def test_every_published_row_is_recorded_with_its_figure_and_layout():
         assert _flag(args, "--dtype") == published["precision"]
         assert ("--fp8-param-gather" in args) == (published["precision"] == "fp8")  # every FP8 run's fp8_params
         assert ("nemo-bf16-adam" in args) == (published["optimizer_state"] == "bf16")
+        assert _flag(args, "--optimizer-buckets") == published["optimizer_buckets"]
         assert (_flag(args, "--recompute") if "--recompute" in args else "none") == published["recompute"]
         assert ("--tp-overlap-no-margin" in args) == (published["tp_overlap_sm_margin"] == "false")
         assert (published["tp_overlap_sm_margin"] == "") == (t == 1) == (published["tp_overlap_fp8_buf"] == "")
