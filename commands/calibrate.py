@@ -174,7 +174,7 @@ def calibrate(
             if stages > len(net.layers):
                 raise InputError(too_few_layers(f"--stages {stages}", net.name, net.options, len(net.layers)))
             if is_given(ctx, "expert_parallel"):
-                check_expert_parallel(expert_parallel, model, net)
+                check_expert_parallel(expert_parallel, net)
             sizes = default_sizes(int(link_max_mb * MIB)) if links else []
             if ranks is not None and settings.device.type != "cpu":
                 raise InputError(f"--ranks sizes the CPU contention probe; a {settings.device.type} profile has "

@@ -530,17 +530,18 @@ class InputError(Exception):
     """Bad input found by the CLI itself; reported as one line with exit code 2."""
 
 
-def check_expert_parallel(expert_parallel: int, model: str, net) -> None:
-    """--expert-parallel E needs a mixture of experts (`net`, built from `model`) whose routed experts E divides."""
+def check_expert_parallel(expert_parallel: int, net) -> None:
+    """--expert-parallel E needs a mixture of experts (`net`) whose routed experts E divides
+    (planning/experts.py `check_expert_ranks`)."""
+    from ..planning.experts import ExpertParallelError, check_expert_ranks
     from ..workload.models import routed_experts_of
+    from .estimate import flag_line
 
-    routed = next((n for layer in net.layers if (n := routed_experts_of(layer)) is not None), None)
-    if routed is None:
-        raise InputError(f"--expert-parallel {expert_parallel}: model {model!r} has no routed experts to place "
-                         "(a mixture of experts: --model gpt --experts N)")
-    if routed % expert_parallel:
-        raise InputError(f"--expert-parallel {expert_parallel} does not divide the model's {routed} routed experts "
-                         "(--experts): each rank holds an equal share")
+    try:
+        check_expert_ranks(expert_parallel, next((n for layer in net.layers
+                                                  if (n := routed_experts_of(layer)) is not None), None))
+    except ExpertParallelError as exc:
+        raise InputError(flag_line(exc)) from None
 
 
 def fail(message: str) -> NoReturn:

@@ -46,7 +46,7 @@ from .tables import print_table
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
-    from ..planning.estimate import EstimateError, LayerMemo, Parallelism
+    from ..planning.estimate import LayerMemo, Parallelism
     from ..profiles.schema import Estimate, FittedCurve, Profile
     from ..profiles.workload import WorkloadCount
 
@@ -97,10 +97,12 @@ def _flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
-def flag_line(exc: EstimateError) -> str:
-    """The estimate's refusal as the user's one line: each setting it names as the flag that sets it (one it leads
-    with as "setting: ", as the flag and the rest)."""
-    text = exc.said(lambda name: ESTIMATE_FLAGS.get(name, _flag(name)))
+def flag_line(refusal: ValueError) -> str:
+    """A planning refusal as the user's one line: each setting it names as the flag that sets it (`EstimateError`'s
+    {setting}; one it leads with as "setting: ", as the flag and the rest: `ExpertParallelError`'s and
+    `RankOrderError`'s too)."""
+    said = getattr(refusal, "said", None)
+    text = str(refusal) if said is None else said(lambda name: ESTIMATE_FLAGS.get(name, _flag(name)))
     field, _, rest = text.partition(": ")
     return f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else text
 
@@ -235,7 +237,6 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # pydantic: only for --gpu
     from ..planning.estimate import EstimateError, check_ring_attention, kernel_curve
-    from ..planning.experts import DISPATCHERS, ROUTINGS
     from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
@@ -271,12 +272,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         clusters = f"; clusters: {', '.join(catalogue.cluster)}" if catalogue.cluster else ""
         raise InputError(f"--gpu: unknown {name!r}; known GPUs: {', '.join(catalogue.gpu)}{clusters}")
     fp8 = _fp8_recipe(params, name, catalogue.gpu)
-    dispatcher = params.get("token_dispatcher")
-    if dispatcher is not None and dispatcher not in DISPATCHERS:
-        raise InputError(f"--token-dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
-    routing = params.get("routing") or "balanced"
-    if routing not in ROUTINGS:
-        raise InputError(f"--routing: choose from {', '.join(ROUTINGS)} (got {routing!r})")
+    dispatcher, routing = params.get("token_dispatcher"), params.get("routing") or "balanced"
     if routing == "random" and params.get("capacity_factor") is not None:
         raise InputError("--routing random: a model that drops tokens (--capacity-factor) computes each expert's "
                          "capacity however they are routed; give balanced")

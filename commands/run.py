@@ -230,7 +230,7 @@ def run(
         except ModelError as exc:
             raise InputError(str(exc)) from None
         if expert_parallel > 1:
-            check_expert_parallel(expert_parallel, model, net)
+            check_expert_parallel(expert_parallel, net)
         spec = RunSpec(built, model, options, microbatch_size=microbatch_size, optimizer=optimizer, lr=lr,
                        seed=seed, bounds=bounds, threads_per_rank=threads_per_rank, timeout_s=timeout)
         if len(net.layers) < built.num_stages:
@@ -305,11 +305,15 @@ def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: in
     if device != "cpu":
         raise InputError(f"--expert-parallel {expert_parallel}: runs on CPU ranks (gloo) only; drop --device "
                          f"{device}")
+    from ..planning.ranks import RankOrderError, check_expert_replicas
+    from .estimate import flag_line
+
     if not is_given(ctx, "data_parallel"):
         return expert_parallel
-    if data_parallel % expert_parallel:
-        raise InputError(f"--expert-parallel {expert_parallel}: its ranks are drawn from the data-parallel replicas, "
-                         f"so it must divide --data-parallel {data_parallel}")
+    try:
+        check_expert_replicas(expert_parallel, data_parallel)
+    except RankOrderError as exc:
+        raise InputError(flag_line(exc)) from None
     return data_parallel
 
 

@@ -67,8 +67,10 @@ from ..sim.caching_allocator import LayerAllocations
 from ..sim.costs import PRECISIONS, Precision
 from .experts import (
     ALL_TO_ALLS,
+    DISPATCHERS,
     EXPERT_GEMMS,
     FLEX_DISPATCHERS,
+    ROUTINGS,
     ExpertGroup,
     ExpertParallelError,
     MoePass,
@@ -224,6 +226,11 @@ class Parallelism:
                 raise EstimateError(f"{{{name}}}: the host's microseconds {what}, a finite number from 0 (got {us})")
         if self.expert_gemm not in EXPERT_GEMMS:
             raise EstimateError(f"{{expert_gemm}}: choose from {', '.join(EXPERT_GEMMS)} (got {self.expert_gemm!r})")
+        if self.token_dispatcher is not None and self.token_dispatcher not in DISPATCHERS:
+            raise EstimateError(f"{{token_dispatcher}}: choose from {', '.join(DISPATCHERS)} "
+                                f"(got {self.token_dispatcher!r})")
+        if self.routing not in ROUTINGS:
+            raise EstimateError(f"{{routing}}: choose from {', '.join(ROUTINGS)} (got {self.routing!r})")
         if self.dispatcher_sms is not None and self.token_dispatcher not in FLEX_DISPATCHERS:
             raise EstimateError("{dispatcher_sms}: the multiprocessors DeepEP's or HybridEP's kernels hold; give "
                                 f"{{token_dispatcher}} {' or '.join(FLEX_DISPATCHERS)}")

@@ -405,6 +405,16 @@ def held_share(layer: LayerCount, shards: int | Fraction) -> float | Fraction:
     return 1 - layer.expert_param_bytes * (1 - 1 / shards) / layer.param_bytes
 
 
+def check_expert_ranks(ranks: int, experts: int | None) -> None:
+    """`ranks` expert-parallel ranks each hold an equal share of the model's `experts` routed experts (None: a dense
+    model, which has none to place)."""
+    if ranks > 1 and not experts:
+        raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
+                                  "experts: gpt --experts, or a Hugging Face MoE config)")
+    if experts and experts % ranks:
+        raise ExpertParallelError(f"expert: {ranks} does not divide the model's {experts} routed experts")
+
+
 def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, tensor: int, context: int,
                  pipeline: int, data: int, hot_share: float | None = None, dispatcher: str | None = None,
                  order: str = "pipesim", expert_tensor: int | None = None,
@@ -412,14 +422,11 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
     """The group of `ranks` experts-parallel ranks of a model with `experts` routed experts (None: a dense
     model), placed as the rank `order` says (planning/ranks.py) with each expert split over `expert_tensor` ranks
     (None: t), its busiest expert taking `hot_share` of the routed token copies (None: balanced), its tokens
-    dispatched by `dispatcher` (None: alltoall), each routed within M of G expert `groups` (None: any; kept only
-    where each rank's and each node's experts lie in one group or hold whole ones), by `routing` (of `ROUTINGS`);
-    an impossible degree, share, dispatcher or routing is `ExpertParallelError`."""
-    if ranks > 1 and not experts:
-        raise ExpertParallelError(f"expert: {ranks}, but the model has no routed experts to place (a mixture of "
-                                  "experts: gpt --experts, or a Hugging Face MoE config)")
-    if experts and experts % ranks:
-        raise ExpertParallelError(f"expert: {ranks} does not divide the model's {experts} routed experts")
+    dispatched by `dispatcher` (of `DISPATCHERS`; None: alltoall), each routed within M of G expert `groups` (None:
+    any; kept only where each rank's and each node's experts lie in one group or hold whole ones), by `routing` (of
+    `ROUTINGS`; `Parallelism` refuses another dispatcher or routing); an impossible degree or share, or a dispatcher
+    or routing that needs more ranks, is `ExpertParallelError`."""
+    check_expert_ranks(ranks, experts)
     try:
         grid = expert_grid(order, tensor, context, pipeline, data, ranks, expert_tensor)
     except RankOrderError as exc:
@@ -432,14 +439,9 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
         if not 1 / experts <= hot_share <= 1:
             raise ExpertParallelError(f"hot_expert_share: {hot_share} is not a share of {experts} experts' tokens: "
                                       f"from 1/{experts} (balanced) to 1")
-    if dispatcher is not None:
-        if dispatcher not in DISPATCHERS:
-            raise ExpertParallelError(f"token_dispatcher: choose from {', '.join(DISPATCHERS)} (got {dispatcher!r})")
-        if ranks == 1:
-            raise ExpertParallelError("token_dispatcher: dispatches tokens between expert-parallel ranks; give "
-                                      "--expert-parallel above 1")
-    if routing not in ROUTINGS:
-        raise ExpertParallelError(f"routing: choose from {', '.join(ROUTINGS)} (got {routing!r})")
+    if dispatcher is not None and ranks == 1:
+        raise ExpertParallelError("token_dispatcher: dispatches tokens between expert-parallel ranks; give "
+                                  "--expert-parallel above 1")
     if routing == "random" and ranks == 1:
         raise ExpertParallelError("routing: random changes nothing on one expert-parallel rank (it waits for no "
                                   "busier one); give --expert-parallel above 1")

@@ -86,14 +86,21 @@ def expert_grid(order: str, t: int, c: int, p: int, d: int, e: int, etp: int | N
         if etp != t:
             raise RankOrderError(f"expert_tensor: {etp} folds the experts over the tensor-parallel ranks, which "
                                  "pipesim's rank order keeps for the dense layers: give rank order megatron")
-        if d % e:
-            raise RankOrderError(f"expert: {e} must divide the data-parallel degree, {d} (pipesim's rank order draws "
-                                 "its ranks from the data-parallel replicas; Megatron's folds them over t·C·d)")
+        check_expert_replicas(e, d)
         return RankGrid(_EXPERT[order], (t, c, p, e, d // e))
     if (t * c * d) % (etp * e):
         raise RankOrderError(f"expert: {e} x expert_tensor {etp} = {e * etp} must divide the t·C·d = {t * c * d} "
                              "ranks of a stage, which Megatron-core folds the experts over")
     return RankGrid(_EXPERT[order], (etp, e, t * c * d // (etp * e), p))
+
+
+def check_expert_replicas(e: int, d: int) -> None:
+    """E expert-parallel ranks drawn from the d data-parallel replicas, as pipesim's rank order numbers them and
+    `pipesim run` runs them (executor/experts.py): E divides d."""
+    if d % e:
+        raise RankOrderError(f"expert: {e} must divide the data-parallel degree, {d} (pipesim's rank order and "
+                             "`pipesim run` draw its ranks from the data-parallel replicas; Megatron-core's "
+                             "order folds them over t·C·d)")
 
 
 def _check(order: str) -> None:

@@ -1,6 +1,7 @@
 """Each rule of the parallel layout lives once, in planning/estimate.py's `Parallelism` (and `check_ring_attention`,
-`fp8_peak_tflops`): the library says its settings by name, the commands say the same refusal with their flags
-(commands/estimate.py `flag_line`), one line and exit 2, before the model is counted."""
+`fp8_peak_tflops`; the experts' in planning/experts.py `check_expert_ranks` and planning/ranks.py
+`check_expert_replicas`): the library says its settings by name, the commands say the same refusal with their flags
+(commands/estimate.py `flag_line`), one line and exit 2, before the model is counted or a rank starts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 
 from pipesim.commands.estimate import flag_line
 from pipesim.planning.estimate import EstimateError, Parallelism, check_ring_attention
+from pipesim.planning.experts import ExpertParallelError, check_expert_ranks
+from pipesim.planning.ranks import RankOrderError, check_expert_replicas
 from tests.conftest import pipesim
 
 GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "32")
@@ -35,6 +38,8 @@ def test_a_refusal_names_each_setting_as_its_reader_does():
     (("--torch-compile",), dict(torch_compile=True)),
     (("--cp-rotate", "ring", "--context-parallel", "2", "--attention", "flash"), dict(context=2, cp_rotate="ring")),
     (("--dispatcher-sms", "20"), dict(dispatcher_sms=20)),
+    (("--token-dispatcher", "nccl"), dict(token_dispatcher="nccl")),
+    (("--routing", "even"), dict(routing="even")),
     (("--dtype", "fp8", "--fp8-recipe", "mxfp8"), dict(fp8="mxfp8")),
     (("--dtype", "fp8", "--fp8-recipe", "te", "--zero", "3", "--precision", "fsdp2", "--data-parallel", "2",
       "--fsdp-float8-all-gather"), dict(fp8="te", precision="fsdp2", fsdp_float8_all_gather=True)),
@@ -55,3 +60,18 @@ def test_ring_attention_is_refused_without_a_fused_kernel_in_the_flags_terms(tmp
                            "--out", tmp_path / "p.json")
     assert code == 2 and err == f"error: {flag_line(rule.value)}\n"
     assert flag_line(rule.value).startswith("--context-parallel: ring attention") and "give --attention flash" in err
+
+
+@pytest.mark.parametrize("flags, rule, refusal", [
+    (("--model", "mlp"), lambda: check_expert_ranks(2, None), ExpertParallelError),
+    (("--model", "gpt", "--experts", "3"), lambda: check_expert_ranks(2, 3), ExpertParallelError),
+    (("--model", "gpt", "--experts", "4", "--data-parallel", "3"), lambda: check_expert_replicas(2, 3),
+     RankOrderError),
+])
+def test_run_refuses_experts_with_the_planners_own_rule(flags, rule, refusal, tmp_path):
+    pytest.importorskip("torch")
+    with pytest.raises(refusal) as said:
+        rule()
+    code, out, err = pipesim("run", "-s", "1f1b", "--expert-parallel", "2", *flags, "--trace", tmp_path / "t.json")
+    assert (code, out, err) == (2, "", f"error: {flag_line(said.value)}\n")
+    assert err.startswith("error: --expert-parallel 2") and not (tmp_path / "t.json").exists()

@@ -134,7 +134,7 @@ def test_an_all_to_all_starts_when_its_pass_ends_and_holds_the_next_pass_behind_
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--model", "mlp", "--expert-parallel", 2), "--expert-parallel 2: model 'mlp' has no routed experts to place"),
+    (("--model", "mlp", "--expert-parallel", 2), "--expert-parallel 2, but the model has no routed experts to place"),
     (("--model", "gpt", *(f"--{k.replace('_', '-')}={v}" for k, v in MOE.items()), "--expert-parallel", 3),
      "--expert-parallel 3 does not divide the model's 4 routed experts"),
     (("--model", "gpt", "--experts", 4, "--no-links", "--expert-parallel", 2),
