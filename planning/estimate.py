@@ -85,13 +85,13 @@ from .fp8 import (
     FP8_SCALE_BYTES,
     SCALE_PRECOMPUTE_KERNELS,
     SHARD_CAST_KERNELS,
+    Float8Forms,
     Fp8Recipe,
     attends,
     casts_weights_per_use,
     float8_weight_bytes,
     float8_weights,
     gathered_in_float8,
-    in_float8,
     per_use_recipes,
     saved_weight_bytes,
     step_cast_ops,
@@ -716,10 +716,12 @@ class ContextRing:
         `x.contiguous()`, transformer_engine/pytorch/attention.py at v1.10) and its own `torch.cat` of the keys and
         values saved (`AttnFuncWithCPAndKVP2P.forward`: `q, kv, out, softmax_lse`), so a fused QKV product that the
         kernel's v viewed is freed, not kept beside the rotated q and k (`LayerCount.attention_copied_bytes`); torch's
-        rings save their kernels' views as given."""
+        rings save their kernels' views as given. A layer whose saves the ring leaves as they are is itself."""
         if self.rotate != "p2p" or not layer.attention_copied_bytes:
             return layer
         saved = tuple((shape, copied) for (shape, _), copied in zip(layer.saved_tensors, layer.attention_copied_bytes))
+        if saved == layer.saved_tensors:
+            return layer
         freed = sum(nbytes for _, nbytes in layer.saved_tensors) - sum(nbytes for _, nbytes in saved)
         return replace(layer, saved_tensors=saved, saved_bytes=layer.saved_bytes - freed)
 
@@ -876,15 +878,16 @@ def bulk_exposed_ms(collective_ms: float, product_ms: float, device: Device) -> 
     return max(collective_ms - product_ms, 0.0)
 
 
-def persistent_product_ms(layer: LayerCount, device: Device, parallel: Parallelism, element_bytes: int) -> float:
+def persistent_product_ms(layer: LayerCount, device: Device, parallel: Parallelism, element_bytes: int,
+                          float8: Float8Forms | None = None) -> float:
     """How long one of the layer's forward and backward products runs on one of its t·C ranks where products run
     persistent CTAs (`Curve.persistent_products`; else 0): their times' mean weighted by their times, the product a
     pipeline transfer's kernel launched at a random moment of the passes meets, which it delays by at most that
-    (sim/costs.py `Costs.transfers_hold_products`). Each product alone, without the collectives priced with it."""
+    (sim/costs.py `Costs.transfers_hold_products`). Each product alone, without the collectives priced with it.
+    `float8`: the estimate's layers as its recipe runs them (`Float8Forms`), else built here."""
     if not device.curve.persistent_products:
         return 0.0
-    if parallel.fp8 is not None:
-        layer = in_float8(layer, parallel.float8_recipe, element_bytes)
+    layer = (float8 or Float8Forms(parallel.float8_recipe, element_bytes)).of(layer)
     split = _Split.of(layer, parallel)
     total_ms = squared_ms = 0.0
     for name in ("fwd", "bwd"):
@@ -1040,16 +1043,16 @@ def _ring_of(ops: Sequence[OpCount], split: _Split, ring: ContextRing, device: D
 
 
 def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, tensor_link: EstimateLink,
-                   element_bytes: int, context_link: EstimateLink | None = None) -> LayerEstimate:
+                   element_bytes: int, context_link: EstimateLink | None = None,
+                   float8: Float8Forms | None = None) -> LayerEstimate:
     """`layer` priced on one of the t·C ranks of its stage (see the module docstring); `context_link`: the
-    context-parallel ring's, where C > 1."""
+    context-parallel ring's, where C > 1; `float8`: the estimate's layers as its recipe runs them (`Float8Forms`),
+    else built here."""
     t, c = parallel.tensor, parallel.context
     if c > 1 and context_link is None:
         raise EstimateError(f"context: {c} ranks need the ring's link")
     ring = ContextRing(c, context_link, parallel.cp_rotate) if c > 1 else None
-    layer = layer if ring is None else ring.kept(layer)  # before the float8 copies: the count's own storages
-    if parallel.fp8 is not None:
-        layer = in_float8(layer, parallel.float8_recipe, element_bytes)
+    layer = (float8 or Float8Forms(parallel.float8_recipe, element_bytes)).of(layer, ring)
     split = _Split.of(layer, parallel)
     # TransformerEngine's recipes (`gathers_float8`) cast before they gather: a column-parallel
     # product's input is cast (LayerNormLinear's fused norm writes float8 into the userbuffer, `fp8_buf` for every
@@ -1294,16 +1297,15 @@ def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Paralleli
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
 
-def paired_passes(layer: LayerCount, priced: LayerEstimate, routed: LayerEstimate, all_to_all_fwd_ms: float,
+def paired_passes(experts_layer: LayerCount, priced: LayerEstimate, routed: LayerEstimate, all_to_all_fwd_ms: float,
                   all_to_all_bwd_ms: float, issued: dict[str, float],
                   issue: Callable[[LayerCount, str], float] | None) -> tuple[MoePass, MoePass]:
-    """A MoE layer's forward and backward (`priced` on the GPU, its routed experts' part `routed`) as Megatron-core's
-    overlapped pair runs them node by node (`planning.experts.MoePass`): dispatch and combine alike; of the
-    backward, the weight gradients `delay_wgrad_compute` runs after each part's input gradients; and where the
-    layer makes the host wait (`issue`: the host's issue of a layer's pass, `issued` the whole layer's by pass;
-    None where it never waits), each part's issue, its weight gradients' of it (the weight-gradient pass's, within
-    the backward's)."""
-    experts_layer = None if issue is None else _routed_part(layer)
+    """A MoE layer's forward and backward (`priced` on the GPU, its routed experts' part `experts_layer`,
+    `_routed_part`, priced `routed`) as Megatron-core's overlapped pair runs them node by node
+    (`planning.experts.MoePass`): dispatch and combine alike; of the backward, the weight gradients
+    `delay_wgrad_compute` runs after each part's input gradients; and where the layer makes the host wait (`issue`:
+    the host's issue of a layer's pass, `issued` the whole layer's by pass; None where it never waits), each part's
+    issue, its weight gradients' of it (the weight-gradient pass's, within the backward's)."""
 
     def split_issue(name: str) -> tuple[float, float]:  # (outside the routed experts, theirs)
         if issue is None:
@@ -1483,6 +1485,23 @@ class LayerMemo:
     layers: dict[tuple, list[LayerProfile]] = field(default_factory=dict)
 
 
+def _step_casts_ms(counted: WorkloadCount, parallel: Parallelism, device: Device, element_bytes: int,
+                   weight_shards: int) -> list[tuple[float, ...]]:
+    """Per layer of `counted`, the time of each of its float8 recipe's weight casts once per step (TransformerEngine's;
+    none without a recipe), each weight 1/t of itself; of float8 weights gathered over the d·C ranks, each rank's
+    shard cast and the whole transposed (`step_cast_ops`). Found once a layer, a repeated block taking the one
+    before's, so that each stage sums its layers' in their order without building them again."""
+    if parallel.fp8 is None:
+        return [()] * len(counted.layers)
+    float8_shards = parallel.data * parallel.context if parallel.fp8_param_gather else None
+    casts: list[tuple[float, ...]] = []
+    for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
+        casts.append(casts[-1] if repeated else tuple(
+            op.count * op_ms(_scaled(op, op.shape, parallel.tensor), device)
+            for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element_bytes, weight_shards, float8_shards)))
+    return casts
+
+
 def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *, optimizer: str = "adam",
                      cluster: Cluster | None = None, curve: Curve | None = None,
                      bounds: list[int] | None = None, memo: LayerMemo | None = None) -> Profile:
@@ -1545,6 +1564,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     made = None if memo is None else memo.layers.get(key)  # by an estimate at another p or d
     layers = [] if made is None else made
     sharing = sharing_dispatcher(device, parallel)
+    float8 = Float8Forms(parallel.float8_recipe, element)  # each layer's form built once for all that price it
     for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
         if repeated:
             layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
@@ -1554,18 +1574,19 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             busiest = experts.float8_padded(busiest, dropless=counted.options.get("capacity_factor") is None)
         if parallel.expert_gemm == "per-expert":
             busiest = per_expert_products(busiest)
-        priced = estimate_layer(busiest, device, parallel, links.tensor, element, links.context)
+        priced = estimate_layer(busiest, device, parallel, links.tensor, element, links.context, float8)
         shared = None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor, element,
-                                                              links.context)
-        routed = (estimate_layer(_routed_part(busiest), device, parallel, links.tensor, element, links.context)
-                  if parallel.expert > 1 and layer.dispatched_bytes else None)
+                                                              links.context, float8)
+        experts_part = _routed_part(busiest) if parallel.expert > 1 and layer.dispatched_bytes else None
+        routed = (None if experts_part is None else
+                  estimate_layer(experts_part, device, parallel, links.tensor, element, links.context, float8))
         share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
         modules_us = module_us(parallel.fp8, parallel.host_module_us)
-        issued = {name: issue_ms(busiest, parallel.float8_recipe, element, parallel.host_kernel_us, name, modules_us)
+        issued = {name: issue_ms(busiest, float8, parallel.host_kernel_us, name, modules_us)
                   if synced else 0.0 for name in ("fwd", "bwd", "igrad", "wgrad")}
         fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issued["fwd"])
         bwd_ms, igrad_ms, wgrad_ms = (host_bound_ms(getattr(priced, f"{name}_ms"), 0.0, issued[name])
@@ -1584,14 +1605,13 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(
-                *paired_passes(busiest, priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms, issued,
-                               (lambda run, name: issue_ms(run, parallel.float8_recipe, element,
-                                                           parallel.host_kernel_us, name, modules_us))
+                *paired_passes(experts_part, priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms, issued,
+                               (lambda run, name: issue_ms(run, float8, parallel.host_kernel_us, name, modules_us))
                                if synced else None),
                 charged_ms=fwd_ms + bwd_ms, experts_wait=synced and parallel.token_dispatcher == "deepep"),
             fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issued["fwd"]) if shared else 0.0,
             bwd_sharing_ms=host_bound_ms(shared.bwd_ms, 0.0, issued["bwd"]) if shared else 0.0,
-            product_ms=persistent_product_ms(busiest, device, parallel, element),
+            product_ms=persistent_product_ms(busiest, device, parallel, element, float8),
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
@@ -1611,18 +1631,13 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     def memory_ms(nbytes: float) -> float:
         return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms
 
+    step_casts_ms = _step_casts_ms(counted, parallel, device, element, weight_shards)
     stage_steps = []
     for start, stop in zip(bounds, bounds[1:]):
         # the weights this rank holds (its 1/t, and of the routed experts its 1/(E·ETP)), which its accumulation,
         # averaging, prediction and copy pass over: each layer's held `param_bytes` above
         params = sum(layer.param_bytes for layer in layers[start:stop])
-        # a float8 recipe's weight casts once per step (TransformerEngine's), each weight 1/t of itself; of float8
-        # weights gathered over the d·C ranks, each rank's shard cast and the whole transposed (`step_cast_ops`)
-        float8_shards = parallel.data * parallel.context if parallel.fp8_param_gather else None
-        casts_ms = (sum(op.count * op_ms(_scaled(op, op.shape, t), device) for layer in counted.layers[start:stop]
-                        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element, weight_shards,
-                                                float8_shards))
-                    if parallel.fp8 else 0.0)
+        casts_ms = sum(ms for layer_casts in step_casts_ms[start:stop] for ms in layer_casts)
         casts_ms += scale_precompute_ms(counted.layers[start:stop], parallel, device, links.data)
         passes_weights = _timing(memory_ms(3 * params))  # a prediction's and the averaging's pass (frozen: shared)
         steps = {name: StepTimes(step=_timing(casts_ms + memory_ms(sum(step_bytes[name][start:stop]) / shards)),

@@ -91,9 +91,14 @@ counts: no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ..profiles.workload import LayerCount, OpCount
+
+if TYPE_CHECKING:
+    from .estimate import ContextRing
 
 FP8_BYTES = 1
 BACKWARD_PASSES = ("bwd", "igrad", "wgrad")
@@ -281,6 +286,31 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
                          if _converted(op, recipe) else op for op in region)
              for name, region in layer.region_ops.items()}  # a recomputed forward product reads its float8 input
     return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta, region_ops=rerun)
+
+
+@dataclass
+class Float8Forms:
+    """The layers one estimate prices as its recipe runs them (`in_float8`; `recipe` None: as counted), each built
+    once: a layer's passes on each device and its routed part (planning/estimate.py `estimate_layer`), its products'
+    times (`persistent_product_ms`) and its kernels' issue (planning/host.py `issue_ms`) read the same form. `of` a
+    layer with a context ring converts the layer as the ring keeps it (`ContextRing.kept`, the count's own storages
+    before the float8 copies), kept once too. Each is found by its layer's identity (and the ring), the layer held
+    beside it so that no identity is reused while the estimate lasts (a count's layers are frozen)."""
+
+    recipe: Fp8Recipe | None
+    element_bytes: int
+    built: dict[tuple, tuple[LayerCount, LayerCount]] = field(default_factory=dict)
+
+    def of(self, layer: LayerCount, ring: ContextRing | None = None) -> LayerCount:
+        if ring is not None:
+            layer = self._once(("kept", id(layer), ring), layer, ring.kept)
+        return self._once(("run", id(layer)), layer, lambda counted: counted if self.recipe is None else
+                          in_float8(counted, self.recipe, self.element_bytes))
+
+    def _once(self, key: tuple, layer: LayerCount, make: Callable[[LayerCount], LayerCount]) -> LayerCount:
+        if key not in self.built:
+            self.built[key] = (layer, make(layer))
+        return self.built[key][1]
 
 
 def cached_saves(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> dict[int, int]:

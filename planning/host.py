@@ -45,7 +45,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..profiles.workload import LayerCount
-from .fp8 import Fp8Recipe, in_float8
+from .fp8 import Float8Forms
 
 HOST_KERNEL_US = 12.0  # the host's issue of one kernel in eager PyTorch (sources above)
 # a TransformerEngine module call's Python beyond its kernels' issue, in BF16 (sources above): PR 1191's 115 us a
@@ -93,15 +93,15 @@ def te_module_calls(layer: LayerCount) -> tuple[int, int]:
     return products + pending, attention
 
 
-def issue_ms(layer: LayerCount, recipe: Fp8Recipe | None, element_bytes: int, host_kernel_us: float,
-             name: str = "fwd", host_module_us: float = 0.0) -> float:
+def issue_ms(layer: LayerCount, float8: Float8Forms, host_kernel_us: float, name: str = "fwd",
+             host_module_us: float = 0.0) -> float:
     """The host's time to issue the layer's kernels of pass `name` as the GPU runs them: the float8 recipe's casts
-    too, as the passes run them (`Parallelism.float8_recipe`: no weight cast under FSDP2's float8 all-gather), and
-    with `host_module_us` each TransformerEngine module call's Python (`te_module_calls`; twice in float8)."""
-    run = layer if recipe is None else in_float8(layer, recipe, element_bytes)
-    kernels_us = sum(op.count for op in run.ops.get(name, ())) * host_kernel_us
+    too, as the passes run them (`float8`, the estimate's forms of its recipe, `Parallelism.float8_recipe`: no
+    weight cast under FSDP2's float8 all-gather), and with `host_module_us` each TransformerEngine module call's
+    Python (`te_module_calls`; twice in float8)."""
+    kernels_us = sum(op.count for op in float8.of(layer).ops.get(name, ())) * host_kernel_us
     products, attention = te_module_calls(layer) if name in MODULE_PASSES else (0, 0)
-    modules_us = (products * (1.0 if recipe is None else TE_FLOAT8_MODULE_FACTOR) + attention) * host_module_us
+    modules_us = (products * (1.0 if float8.recipe is None else TE_FLOAT8_MODULE_FACTOR) + attention) * host_module_us
     return (kernels_us + modules_us) / 1e3
 
 
