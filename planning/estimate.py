@@ -558,6 +558,10 @@ class LayerEstimate:
     transient_bytes: dict[str, int]  # per pass of `PASSES`, what it creates and frees within itself at its peak
     ring_fwd: RingExchange | None = None  # the context ring's exchanges during a forward (None: C = 1)
     ring_bwd: RingExchange | None = None  # during a backward (B or I), a recomputed forward's with them
+    # what a weight pass deferred after the input pass keeps (`wgrad_kept`): its products' saved inputs (None: the
+    # count does not say which they are) and their output gradients
+    wgrad_kept_bytes: int | None = None
+    wgrad_gradient_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -1144,7 +1148,31 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
                          whole_parts(parts, total),
                          _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total),
-                         *rings)
+                         *rings, *wgrad_kept(layer, split, rest_share))
+
+
+def wgrad_kept(layer: LayerCount, split: _Split, rest_share: float) -> tuple[int | None, int]:
+    """What Megatron-LM's deferred weight pass keeps of `layer` on one of its stage's t·C ranks, from the end of the
+    input pass (B) until it runs (W): each product's saved input and its output gradient, which the zero-bubble
+    fork's B puts in `WeightGradStore` and its W reads (megatron/core/tensor_parallel/layers.py,
+    `LinearWithGradAccumulationAndAsyncCommunication.backward`, sail-sg/zero-bubble-pipeline-parallelism at
+    425b42e5; `LayerCount.wgrad_kept_bytes`): (the inputs, None where the count does not mark them; the output
+    gradients). An input on the rank as its activations are (a core tensor 1/t, any other its share); an output
+    gradient as the product runs on the rank: a column-parallel product's 1/t, a row-parallel one's whole (its
+    output reduced after it; under sequence parallelism its gradient all-gathered into it), products that read
+    one input column-parallel (Megatron-core fuses them: q, k and v its linear_qkv, a gated MLP's gate and up its
+    linear_fc1), any other as `_Split.matmul` splits it; both 1/C. Whatever the recomputation: a recomputed
+    layer's products save their inputs again in B, which puts them in the store as the forward's would have
+    been."""
+    if not layer.linear_input_saves:
+        return None, 0
+    inputs = sum(nbytes / split.t if split.core(shape) else nbytes * rest_share
+                 for (shape, nbytes), how in zip(layer.saved_tensors, layer.linear_input_saves) if how)
+    gradients = 0.0
+    for shape, nbytes, shares_input in layer.weight_grad_outputs:
+        batch, m, n, _ = split.matmul(OpCount("mm", "matmul", shape, 0, 0, 1), forward=True)[0].shape
+        gradients += nbytes / split.t if shares_input else nbytes * (batch * m * n) / (shape[0] * shape[1] * shape[2])
+    return round(inputs / split.context), round(gradients / split.context)
 
 
 @dataclass(frozen=True)
@@ -1594,6 +1622,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(fwd_ms), bwd=_timing(bwd_ms),
             igrad=_timing(igrad_ms), wgrad=_timing(wgrad_ms), activation_bytes=priced.activation_bytes,
+            wgrad_kept_bytes=priced.wgrad_kept_bytes, wgrad_gradient_bytes=priced.wgrad_gradient_bytes,
             activation_parts=priced.activation_parts, transient_bytes=priced.transient_bytes,
             float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.weight_shards,
                                                      parallel.fp8_param_gather) // t if parallel.fp8 else 0),

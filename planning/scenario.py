@@ -857,6 +857,7 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
         wgrad_fraction=s.wgrad_fraction,
         opt_ms=s.steps[optimizer].step.median_ms, pred_ms=s.steps[optimizer].predict.median_ms,
         avg_ms=s.average.median_ms, param_bytes=s.param_bytes, activation_bytes=s.activation_bytes,
+        wgrad_kept_bytes=s.wgrad_kept_bytes, wgrad_gradient_bytes=s.wgrad_gradient_bytes,
         output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer],
         accumulate_ms=s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0,
         copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,

@@ -27,6 +27,13 @@ SUPPORTED_VERSIONS = (1, 2)
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")  # the simulator's --optimizer names; momentum is SGD-momentum
 
 
+def optimizer_refusal(name: str, flag: str = "optimizer") -> str | None:
+    """The one line refusing an optimizer that is not one of `OPTIMIZERS`, naming it as its reader does (`flag`: the
+    commands' --optimizer); None for one that is. Every reader of an optimizer's name, from the commands to the
+    estimate and the executor's optimizers, refuses with it."""
+    return None if name in OPTIMIZERS else f"{flag}: choose from {', '.join(OPTIMIZERS)} (got {name!r})"
+
+
 class ProfileError(ValueError):
     """A profile file that cannot be used; the message is one line naming the file and the field."""
 
@@ -88,6 +95,10 @@ class LayerProfile(_Strict):
     igrad: Timing
     wgrad: Timing
     activation_bytes: int = Field(ge=0)  # saved for backward (saved_tensors_hooks), weights excluded
+    # What a weight pass deferred after the input pass keeps (an estimate's, planning/estimate.py `wgrad_kept`):
+    # of `activation_bytes`, its products' saved inputs (None: not known), and their output gradients beside them
+    wgrad_kept_bytes: int | None = Field(None, ge=0)
+    wgrad_gradient_bytes: int = Field(0, ge=0)
     shared_with_previous_bytes: int = Field(ge=0)  # of those, saved by the previous layer as well
     output_bytes: int = Field(ge=0)
     param_bytes: int = Field(ge=0)
@@ -208,6 +219,8 @@ class StageProfile(_Strict):
     igrad_ms: float = Field(ge=0)
     wgrad_ms: float = Field(ge=0)
     activation_bytes: int = Field(ge=0)
+    wgrad_kept_bytes: int | None = Field(None, ge=0)  # its layers' summed (`LayerProfile.wgrad_kept_bytes`; None
+    wgrad_gradient_bytes: int = Field(0, ge=0)  # where one is not known), as the next
     output_bytes: int = Field(ge=0)  # sent to the next stage(s) per micro-batch
     param_bytes: int = Field(ge=0)
     grad_bytes: int = Field(ge=0)
@@ -635,6 +648,9 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             layers=(start, stop),
             **times,
             activation_bytes=stage_activation_bytes(costs, start, stop),
+            wgrad_kept_bytes=(None if any(layer.wgrad_kept_bytes is None for layer in mine) else
+                              sum(layer.wgrad_kept_bytes for layer in mine)),
+            wgrad_gradient_bytes=sum(layer.wgrad_gradient_bytes for layer in mine),
             output_bytes=output_bytes[k],
             param_bytes=sum(layer.param_bytes for layer in mine),
             grad_bytes=sum(layer.grad_bytes for layer in mine),

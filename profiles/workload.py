@@ -78,6 +78,11 @@ class LayerCount:
     ops: dict[str, tuple[OpCount, ...]] = field(default_factory=dict)
     saved_parts: tuple[str, ...] = ()  # per saved tensor, what saved it (memory_parts.SAVED_PARTS); (): not attributed
     linear_input_saves: tuple[str, ...] = ()  # per saved tensor, `LINEAR_INPUT_SAVES`; (): not recorded
+    # per product with weights that take a gradient (`LINEAR_INPUT_SAVES`' products), its shape as an OpCount's
+    # (batch, m, n, k), its output's bytes (the output gradient a weight-gradient pass reads beside the saved
+    # input: `wgrad_kept_bytes`) and whether another product reads the same input (q, k and v; a gated MLP's gate
+    # and up); (): none, or not recorded
+    weight_grad_outputs: tuple[tuple[tuple[int, int, int, int], int, bool], ...] = ()
     # per saved tensor, its bytes were the attention kernel's inputs made contiguous before it saved them, as
     # TransformerEngine's context-parallel ring does (workload/count.py `_attention_copied`); (): not recorded
     attention_copied_bytes: tuple[int, ...] = ()
@@ -118,6 +123,15 @@ class LayerCount:
     # the last layer's: the model's output its loss reads (the logits), which a runtime that computes the loss in
     # its schedule keeps (torch's pipelining: sim/costs.py `held_as_runtime`); 0 for every other layer
     model_output_bytes: int = 0
+
+    @property
+    def wgrad_kept_bytes(self) -> int:
+        """What a weight-gradient pass deferred after the input-gradient pass reads of this layer, as the
+        zero-bubble fork keeps it (`WeightGradStore.put(total_input, grad_output, ...)`, megatron/core/
+        tensor_parallel/layers.py at sail-sg/zero-bubble-pipeline-parallelism 425b42e5): each product's saved
+        input and its output gradient. A GPT block's: 32·sbh bytes in 16 bits."""
+        inputs = sum(nbytes for (_, nbytes), how in zip(self.saved_tensors, self.linear_input_saves) if how)
+        return inputs + sum(nbytes for _, nbytes, _ in self.weight_grad_outputs)
 
     @property
     def model_flops(self) -> int:

@@ -77,6 +77,12 @@ PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
               "nemo-bf16-adam": Precision(2, 2, 0, 2), "megatron-bf16-moments": Precision(2, 4, 4, 2)}
 
 
+def precision_refusal(name: str, flag: str = "precision") -> str | None:
+    """The one line refusing a precision that is not one of `PRECISIONS`, naming it as its reader does (`flag`: the
+    commands' --precision); None for one that is. The typed costs and the estimate's parallelism refuse with it."""
+    return None if name in PRECISIONS else f"{flag}: choose from {', '.join(PRECISIONS)} (got {name!r})"
+
+
 # Whose pipeline runtime holds the boundary tensors (`--pp-runtime`, `held_as_runtime`).
 PP_RUNTIMES = ("pipesim", "torch")
 
@@ -149,6 +155,11 @@ class StageCosts:
     the model's output) and each B or I (its inputs' gradients) leaves until the stage's update.
     `transient_bytes`: per pass (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's
     activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
+    `wgrad_kept_bytes`: what a split backward keeps of `activation_bytes` from the end of its input-gradient part
+    (I) until its weight-gradient part (W) ends: Megatron-LM's deferred W its products' saved inputs
+    (planning/estimate.py `wgrad_kept`), torch's pipelining all of them (`held_as_runtime`); None: not known,
+    `Costs.wgrad_activation_fraction` of them. `wgrad_gradient_bytes`: the products' output gradients the I makes
+    and leaves for the W beside them (0 where `wgrad_kept_bytes` is None).
     `product_ms`: how long one of its passes' persistent products runs, the mean of their times weighted by their
     times (the product a kernel launched at a random moment meets; an estimate's `LayerProfile.product_ms`), by
     which a transfer's kernel beside it delays it at most (`Costs.transfers_hold_products`); 0: not known, the
@@ -198,6 +209,8 @@ class StageCosts:
     forward_kept_bytes: int = 0
     backward_kept_bytes: int = 0
     product_ms: float = 0.0
+    wgrad_kept_bytes: int | None = None
+    wgrad_gradient_bytes: int = 0
 
     @property
     def gradient_bytes(self) -> int:
@@ -235,13 +248,13 @@ _STAGE_TIMES = ("fwd_ms", "bwd_ms", "opt_ms", "pred_ms", "avg_ms", "igrad_ms", "
                 "ring_fwd_hidden_ms", "ring_bwd_hidden_ms", "fwd_sharing_ms", "bwd_sharing_ms", "all_to_all_paired_ms",
                 "gather_cast_ms", "collective_delay_ms", "product_ms")
 _STAGE_OPTIONAL = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_bytes", "gathered_bytes",
-                   "all_gather_bytes")
+                   "all_gather_bytes", "wgrad_kept_bytes")
 # What `StageCosts.__post_init__` checks, in its order: each number field, the most it may be (a time's MAX_MS), and
 # whether it may be None; worked out once, since a search builds tens of thousands of stages' costs
 _STAGE_NUMBERS = tuple((name, MAX_MS if name in _STAGE_TIMES else math.inf, name in _STAGE_OPTIONAL) for name in (
     *_STAGE_TIMES, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "expert_param_bytes",
     "float8_weight_bytes", "model_output_bytes", "receive_buffer_bytes", "buffered_input_bytes", "forward_kept_bytes",
-    "backward_kept_bytes", *_STAGE_OPTIONAL[2:]))
+    "backward_kept_bytes", "wgrad_gradient_bytes", *_STAGE_OPTIONAL[2:]))
 
 
 @dataclass(frozen=True)
@@ -291,7 +304,8 @@ class Costs:
     """Per-stage costs of a whole model.
 
     `wgrad_activation_fraction`: share of a micro-batch's activations a split backward keeps from its
-    input-gradient part (I) until its weight-gradient part (W). `overhead`: the runtime's own cost per row.
+    input-gradient part (I) until its weight-gradient part (W) where a stage does not say what it keeps
+    (`StageCosts.wgrad_kept_bytes`). `overhead`: the runtime's own cost per row.
     `kept_gradients`: copies of a stage's weight gradient its update leaves held (pipesim's executor keeps the
     last one on the weights, which SGD's prediction extrapolates), so from the first backward after an update
     until the next update a second gradient buffer is held as well. `recv_window`: receives the runtime keeps
@@ -492,7 +506,12 @@ def held_as_runtime(costs: Costs, schedule: Schedule, pp_runtime: str) -> Costs:
     first step and keeps them, computes a forward on its input's buffer, keeps every forward's sent output
     (`output_chunks`; the last stage's, its `StageCosts.model_output_bytes`, are what the schedule merges and
     returns) and leaves every input's gradient on its buffer (`stage_backward` reads `.grad`) until the next
-    step's `clear_runtime_states` (`Costs.kept_until_update`). Run once, where the scenario builds the costs
+    step's `clear_runtime_states` (`Costs.kept_until_update`). Its split backward keeps every saved tensor from I
+    until W (`StageCosts.wgrad_kept_bytes`, where known; the received inputs it computes on are its receive
+    buffers, held the whole step): `stage_backward_input` runs autograd.grad with retain_graph=True and keeps the
+    nodes where the weights' gradients branch off with the gradients arriving at them, which hold the graph up to
+    the stage's input, until `stage_backward_weight` walks it (torch/distributed/pipelining/_backward.py at torch
+    2.13). Run once, where the scenario builds the costs
     (planning/scenario.py `Scenario.costs`). Raises ScheduleError for a stage graph torch's pipelining cannot
     run (`_torch_graph_refusal`)."""
     if pp_runtime == "pipesim":
@@ -507,7 +526,9 @@ def held_as_runtime(costs: Costs, schedule: Schedule, pp_runtime: str) -> Costs:
             inputs[dst] += stages[src].output_bytes
             outputs[src] += stages[src].output_bytes
     held = tuple(replace(c, receive_buffer_bytes=inputs[k] + outputs[k], buffered_input_bytes=inputs[k],
-                       forward_kept_bytes=c.model_output_bytes + outputs[k], backward_kept_bytes=inputs[k])
+                       forward_kept_bytes=c.model_output_bytes + outputs[k], backward_kept_bytes=inputs[k],
+                       wgrad_kept_bytes=(None if c.wgrad_kept_bytes is None else
+                                         max(c.activation_bytes - inputs[k], 0)))
                  for k, c in enumerate(stages))
     return replace(costs, stages=held, kept_until_update=True)
 

@@ -429,17 +429,21 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
             local_in[dst] += stages[src].output_bytes
     roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
-    kept = np.round(activation * costs.wgrad_activation_fraction).astype(np.int64)  # held from I until W
+    # Of the activations, what a split backward keeps from I until W (`StageCosts.wgrad_kept_bytes`), and the output
+    # gradients its I makes for its W beside them
+    kept = per_stage([round(a * costs.wgrad_activation_fraction) if c.wgrad_kept_bytes is None else c.wgrad_kept_bytes
+                      for a, c in zip(activation.tolist(), stages)])
+    kept_gradients = per_stage([c.wgrad_gradient_bytes if c.wgrad_kept_bytes is not None else 0 for c in stages])
     # A forward on its receive buffer (`StageCosts.buffered_input_bytes`), a buffer `static_parts` counts whole:
     # of what the stage holds from F, the inputs it receives (saved by its first layer, or held as roots) are it.
-    received = np.minimum(per_stage([c.buffered_input_bytes for c in stages]), activation - kept + roots)
+    received = np.minimum(per_stage([c.buffered_input_bytes for c in stages]), np.maximum(activation - kept, 0) + roots)
     own = activation + roots - received
     # Per stage and kind, the bytes a row takes at its start and gives back at its end.
     at_start, at_end = tables((len(stages), len(KINDS))), tables((len(stages), len(KINDS)))
     at_start["activations"][:, KIND_CODE[Kind.F]] = own
     at_end["activations"][:, KIND_CODE[Kind.B]] = -own
-    at_end["activations"][:, KIND_CODE[Kind.I]] = -(own - kept)
-    at_end["activations"][:, KIND_CODE[Kind.W]] = -kept
+    at_end["activations"][:, KIND_CODE[Kind.I]] = -(own - kept - kept_gradients)
+    at_end["activations"][:, KIND_CODE[Kind.W]] = -(kept + kept_gradients)
     # The activations by what saves them, where a stage says (else all other), each kept from I until W and each
     # short of a received input in proportion; other takes the boundary tensors and what rounding leaves, so that
     # they sum to the activations.
@@ -447,7 +451,7 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         for saver, held in (c.activation_parts or {}).items():
             if saver == "other" or not held:
                 continue
-            kept_here = int(kept[k]) * held // int(activation[k])
+            kept_here = min(int(kept[k]), int(activation[k])) * held // int(activation[k])
             held -= int(received[k]) * held // int(activation[k])
             key = f"activations.{saver}"
             at_start[key][k, KIND_CODE[Kind.F]] = held

@@ -510,17 +510,29 @@ class _SaverParts(TorchFunctionMode):
     """Which part is saving now: the torch functions of `_FUNCTION_PART` under way, innermost last; and whether
     a product with weights is: a linear layer's (F.linear) or the routed experts' grouped one (a batched product
     of `routed`'s expert weights, TransformerEngine's GroupedLinear under Megatron-core): what it saves is its
-    input, kept for its weight gradient."""
+    input, kept for its weight gradient. `products`: each such product whose weights take a gradient, as
+    `LayerCount.weight_grad_outputs` records it, with its input's storage (held, so that no identity is reused)."""
 
     def __init__(self, routed: Dispatched | None = None) -> None:
         super().__init__()
         self.running: list[str] = []
         self.linear = 0
         self.routed = routed
+        self.products: list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage]] = []
 
     def _weighted(self, func: Callable[..., Any], args: tuple) -> bool:
         grouped = func is torch.bmm and self.routed is not None and self.routed.reads_experts([args[1]])
         return func is F.linear or grouped
+
+    def _record_product(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """A product with weights as (batch, m, n, k) and its output's bytes, where its weights take a gradient:
+        F.linear's input rows by the weight's (n, k), or the grouped product's (experts, rows, n, k)."""
+        x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        if not weight.requires_grad:
+            return
+        shape = ((1, math.prod(x.shape[:-1]), *weight.shape) if weight.dim() == 2
+                 else (*out.shape, x.shape[-1]))
+        self.products.append((shape, _nbytes(out), x.untyped_storage()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         part = _FUNCTION_PART.get(func)
@@ -529,7 +541,10 @@ class _SaverParts(TorchFunctionMode):
         weighted = self._weighted(func, args)
         self.linear += weighted
         try:
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if weighted and self.linear == 1:
+                self._record_product(args, kwargs or {}, out)
+            return out
         finally:
             self.linear -= weighted
             if part is not None:
@@ -538,14 +553,16 @@ class _SaverParts(TorchFunctionMode):
 
 @contextmanager
 def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
-           ) -> Iterator[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str, dict | None]]]:
+           ) -> Iterator[tuple[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str, dict | None]],
+                               list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage]]]]:
     """The storages autograd saves inside, by identity (meta storages have no address), each with the shape of
     the first tensor saved on it, what saved it (one of `SAVED_PARTS`), whether it is the input of a product
     with weights (`LINEAR_INPUT_SAVES`; `routed`: the routed experts running inside) and, where the attention
     kernel alone saved it, the distinct tensors it saved on it (their bytes by offset, shape and strides; None
     where anything else saved it too: `_attention_copied`). `layer`'s weights and buffers left out: the module
     holds them whatever autograd saves (the gpt's RoPE angles, which its fused RoPE saves). Every storage compared
-    is held meanwhile, so no identity is reused."""
+    is held meanwhile, so no identity is reused. Yields them with the products whose weights take a gradient
+    (`_SaverParts.products`)."""
     weights = [p.untyped_storage() for p in (*layer.parameters(), *shared_weights(layer), *layer.buffers())]
     params = {id(storage) for storage in weights}
     saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str, dict | None]] = {}
@@ -579,7 +596,7 @@ def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), functions:
-            yield saved
+            yield saved, functions.products
     finally:
         for hook in hooks:
             hook.remove()
@@ -695,7 +712,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     weights = [p for p in layer.parameters() if p.requires_grad]
     regions = _Regions(layer)
     with dispatches() as routed, regions.tracing(layer), _counting(routed, True, regions) as fwd, \
-            _saved(layer, routed) as saved:
+            _saved(layer, routed) as (saved, products):
         out = layer(*inputs)
         model_output_bytes = _nbytes(out) if last else 0  # not held: the loss frees it as it goes
         out = model.loss(out, target) if last else out
@@ -713,6 +730,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         saved_tensors=tuple((shape, s.nbytes()) for s, shape, *_ in saved.values()),
         saved_parts=tuple(part for _, _, part, *_ in saved.values()),
         linear_input_saves=tuple(linear for _, _, _, linear, _ in saved.values()),
+        weight_grad_outputs=_weight_grad_outputs(products),
         attention_copied_bytes=tuple(_attention_copied(storage, views) for storage, *_, views in saved.values()),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
@@ -730,6 +748,14 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         saved_allocations=fwd.live.alive(saved), forward_reads=fwd.live.reads(),
         **_region_fields(regions, fwd.live, saved))
     return count, out.detach()
+
+
+def _weight_grad_outputs(products: list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage]]
+                         ) -> tuple[tuple[tuple[int, int, int, int], int, bool], ...]:
+    """`LayerCount.weight_grad_outputs` of a forward's `_SaverParts.products`: each one's shape, output bytes and
+    whether another product reads its input too."""
+    readers = Counter(id(storage) for *_, storage in products)
+    return tuple((shape, nbytes, readers[id(storage)] > 1) for shape, nbytes, storage in products)
 
 
 def _region_fields(regions: _Regions, live: _LiveBytes, saved: dict[int, Any]) -> dict[str, dict]:

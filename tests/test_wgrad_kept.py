@@ -1,0 +1,130 @@
+"""What a split backward keeps from its input-gradient part (I) until its weight-gradient part (W), from the count:
+the zero-bubble fork's `WeightGradStore` holds each product's input and output gradient (Megatron-LM's runtime),
+torch's pipelining the whole graph; the simulator holds them from I until W where a stage knows them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipesim.hardware.catalogue import load_catalogue  # noqa: E402
+from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links  # noqa: E402
+from pipesim.profiles.workload import LayerCount  # noqa: E402
+from pipesim.sim import Cluster, Costs, simulate  # noqa: E402
+from pipesim.sim.costs import held_as_runtime  # noqa: E402
+from pipesim.traces import summarize  # noqa: E402
+from pipesim.units import MIB  # noqa: E402
+from pipesim.workload.count import count_built, count_model  # noqa: E402
+from pipesim.workload.models import Model  # noqa: E402
+from tests.conftest import build  # noqa: E402
+
+B, S, H, A = 2, 32, 64, 4  # micro-batch, sequence, hidden, heads of the small gpt
+SBH = B * S * H
+A100 = load_catalogue().find("a100-sxm-80gb")
+DEVICE = Device(A100.dense_tflops.fp16 * 1e9, A100.memory_bandwidth_gb_s * 1e6 * A100.curve.memory_efficiency,
+                A100.curve)
+
+
+@cache
+def gpt_block(attention: str) -> LayerCount:
+    return count_built("gpt", dict(layers=2, width=H, heads=A, seq_len=S, vocab=128), B, torch.float16,
+                       attention).layers[1]
+
+
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_a_gpt_block_keeps_for_its_deferred_weight_pass_the_forks_32_sbh(attention):
+    """The fork's W reads the four products' inputs (2, 2, 2 and 8·sbh bytes in fp16) and output gradients (6, 2, 8
+    and 2·sbh): 32·sbh, whatever else the block saves (34·sbh + 5·as²b under math)."""
+    block = gpt_block(attention)
+    assert sum(nbytes for _, nbytes, _ in block.weight_grad_outputs) == 18 * SBH
+    assert block.wgrad_kept_bytes == 32 * SBH
+    assert block.saved_bytes > block.wgrad_kept_bytes
+
+
+def _on_rank(t: int, **parallel):
+    links = placement_links(A100, Parallelism(tensor=t)).tensor
+    return estimate_layer(gpt_block("math"), DEVICE, Parallelism(tensor=t, **parallel), links, 2)
+
+
+def test_an_estimate_keeps_each_products_input_as_saved_and_its_output_gradient_as_the_product_runs_on_a_rank():
+    """t = 1: the inputs 14·sbh and the gradients 18·sbh. t = 2 with sequence parallelism: the inputs split as the
+    activations are (1/t), a column-parallel product's output gradient 1/t (QKV's 6 → 3, fc1's 8 → 4), a
+    row-parallel one's whole (the projection's and fc2's 2 each, reduced after the product). Full recomputation
+    keeps the layer's input alone from F, but its B recomputes the products and stores them for W all the same."""
+    whole = _on_rank(1)
+    assert (whole.wgrad_kept_bytes, whole.wgrad_gradient_bytes) == (14 * SBH, 18 * SBH)
+    split = _on_rank(2, sequence_parallel=True)
+    assert (split.wgrad_kept_bytes, split.wgrad_gradient_bytes) == (7 * SBH, 11 * SBH)
+    full = _on_rank(1, recompute="full")
+    assert full.activation_bytes == 2 * SBH
+    assert (full.wgrad_kept_bytes, full.wgrad_gradient_bytes) == (14 * SBH, 18 * SBH)
+
+
+class _SeparateProjections(torch.nn.Module):
+    """q, k and v as three width × width products of one normed input (Hugging Face Llama's q_proj, k_proj and
+    v_proj), then an output projection of the same shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(H)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(H, H) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return x + self.o(self.q(y) * self.k(y) + self.v(y))
+
+
+def test_products_that_read_one_input_are_column_parallel_whatever_their_shape():
+    """Four width × width products: q, k and v read one input, so a rank of t = 2 keeps half of each one's output
+    gradient, as of Megatron-core's fused linear_qkv; the output projection's whole, as of a row-parallel product
+    (`_Split.matmul`'s rule for a width × width weight)."""
+    with torch.device("meta"):
+        layers = [_SeparateProjections(), torch.nn.Linear(H, H)]
+    model = Model("projections", layers, lambda b, gen: (torch.randn(b, S, H, generator=gen), None),
+                  lambda out, target: out.float().square().mean())
+    layer = count_model(model, B, torch.float16).layers[0]
+    assert [shares for _, _, shares in layer.weight_grad_outputs] == [True, True, True, False]
+    each = 2 * SBH  # one product's output in fp16
+    links = placement_links(A100, Parallelism(tensor=2)).tensor
+    on_rank = estimate_layer(layer, DEVICE, Parallelism(tensor=2, sequence_parallel=True), links, 2)
+    assert on_rank.wgrad_gradient_bytes == 3 * each // 2 + each
+
+
+def _peaks_mib(costs: Costs, p: int = 4, m: int = 8) -> list[float]:
+    schedule = build("zb-h1", p, m)
+    return [d.peak_memory_mb for d in summarize(simulate(schedule, costs, Cluster.uniform(p, 0.0))).devices]
+
+
+def _with_kept(costs: Costs, kept_mb: float, gradient_mb: float) -> Costs:
+    return replace(costs, stages=tuple(replace(c, wgrad_kept_bytes=round(kept_mb * MIB),
+                                               wgrad_gradient_bytes=round(gradient_mb * MIB))
+                                       for c in costs.stages))
+
+
+def test_the_simulators_split_backward_holds_what_each_stage_keeps_from_i_until_w():
+    """ZB-H1 with 64 MiB of activations a micro-batch (stage k: p − k forwards in flight at most, k W's deferred): a
+    stage that keeps 12 MiB of them and 16 MiB of gradients peaks as the fraction 28/64 of its activations does, not
+    as the default half, on every stage that defers a W (stage 0 defers none); where it keeps more than its
+    activations (full recomputation's products rerun in B), the I raises what the stage holds."""
+    typed = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=64.0)
+    default, kept = _peaks_mib(typed), _peaks_mib(_with_kept(typed, 12.0, 16.0))
+    assert kept == pytest.approx(_peaks_mib(replace(typed, wgrad_activation_fraction=28 / 64)))
+    assert kept[0] == default[0] and all(mine < half for mine, half in zip(kept[1:], default[1:]))
+    assert _peaks_mib(_with_kept(typed, 48.0, 32.0)) == pytest.approx(
+        _peaks_mib(replace(typed, wgrad_activation_fraction=80 / 64)))
+
+
+def test_torchs_pipelining_keeps_every_saved_tensor_until_w_and_unknown_stays_unknown():
+    """torch's stage_backward_input keeps the graph for stage_backward_weight: all of a stage's activations but the
+    received input it computes on (its receive buffer, held the whole step), beside the output gradients."""
+    costs = _with_kept(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0, activation_mb=64.0, output_mb=1.0), 12.0, 16.0)
+    schedule = build("zb-h1", 2, 4)
+    torch_held = held_as_runtime(costs, schedule, "torch")
+    assert [c.wgrad_kept_bytes for c in torch_held.stages] == [64 * MIB, 63 * MIB]  # 1: on its input's buffer
+    assert [c.wgrad_gradient_bytes for c in torch_held.stages] == [16 * MIB] * 2
+    unknown = held_as_runtime(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0, activation_mb=64.0), schedule, "torch")
+    assert [c.wgrad_kept_bytes for c in unknown.stages] == [None, None]
