@@ -66,7 +66,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 
 import numpy as np
@@ -1293,10 +1293,22 @@ class _Order:
     lingering: tuple[int, ...]
     per_step: np.ndarray
     chain: tuple[int, bool] | None  # `_flush_chain`
+    steps: dict[int, _StepRows] = field(default_factory=dict, compare=False, repr=False)  # by steady mini-batch,
+    # shared with its copies for other replicas (`_with_replicas`: the same rows)
 
     @classmethod
     def of(cls, schedule: Schedule) -> _Order:
         return cls(schedule, *_held(schedule), _ops_per_step(schedule), _flush_chain(schedule))
+
+    def __getstate__(self) -> dict:
+        """Sent to a worker without `steps`: it reads its own rows there, cheaper than pickling them here."""
+        return {**self.__dict__, "steps": {}}
+
+    def step_rows(self, minibatch: int) -> _StepRows:
+        """`_StepRows` of its order in steady mini-batch `minibatch`, found once."""
+        if minibatch not in self.steps:
+            self.steps[minibatch] = _StepRows.of(self.schedule, minibatch)
+        return self.steps[minibatch]
 
 
 class _Orders:
@@ -1686,19 +1698,17 @@ def _planned_bound_ms(order: _Order, short: int, stage_ms: np.ndarray, reduces_m
     accumulations (`_accumulated_ms`: each device's in its steady step, mini-batch `short`, on top of its compute;
     the rows waited and those up to a flushing chain's last input-gradient pass each take its own as well). Both
     bounds only grow with the costs (a device's compute plus what it waits out is its compute outside the span
-    waited plus the span's REDUCEs). With a candidate's own costs it is `_costed`'s bound."""
-    schedule = order.schedule
-    p, t = schedule.num_devices, schedule.table
+    waited plus the span's REDUCEs). With a candidate's own costs it is `_costed`'s bound. What it reads of the
+    order's rows is read once per order (`_Order.step_rows`): the search prices each on many partitions."""
+    schedule, rows = order.schedule, order.step_rows(short)
     table = stage_ms.copy()
     table[:, KIND_CODE[Kind.REDUCE]] = reduces_ms
     stage_busy_ms = ((order.per_step * table) * COMPUTE).sum(axis=1)
-    busy_ms = np.array([stage_busy_ms[schedule.stages_on(d)].sum() for d in range(p)])
-    accumulated_ms = _accumulated_ms(schedule, accumulate_ms)
-    steady = t.minibatch == short
-    busy_ms += np.bincount(t.device[steady], accumulated_ms[steady], minlength=p)
-    return max(float((busy_ms + np.maximum(_exposed_reduce_ms(schedule, table, short, accumulated_ms),
-                                           sends_ms)).max()),
-               _flush_bound_ms(schedule, table, hops_ms, accumulated_ms))
+    busy_ms = np.array([stage_busy_ms[schedule.stages_on(d)].sum() for d in range(schedule.num_devices)])
+    busy_ms += rows.accumulations_ms(accumulate_ms)
+    costs_ms = _row_costs_ms(table, accumulate_ms)
+    return max(float((busy_ms + np.maximum(rows.exposed_ms(table, costs_ms), sends_ms)).max()),
+               _flush_bound_ms(rows.flush, table, hops_ms, costs_ms))
 
 
 def _searched_bound_ms(costs: Costs, microbatches: int, hops_ms: np.ndarray, sends_ms: np.ndarray) -> float:
@@ -1779,13 +1789,115 @@ def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, h
     return float(step_ms.max())
 
 
-def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray,
-                    accumulated_ms: np.ndarray | float = 0.0) -> float:
+@dataclass(frozen=True)
+class _FlushRows:
+    """What `_flush_bound_ms` reads of a flushing chain's rows in mini-batch 1: their codes
+    (`_row_codes`), grouped by device, each device's first row and last B or I among them, which stages run B
+    and I, and whether stage 0 reduces."""
+
+    codes: np.ndarray
+    first: np.ndarray  # [d]
+    last: np.ndarray  # [d]: -1 where d runs no B or I
+    runs: tuple[np.ndarray, np.ndarray]  # [k]: whether stage k runs B; whether it runs I
+    reduces_first: bool
+
+    @classmethod
+    def of(cls, schedule: Schedule, codes: np.ndarray) -> _FlushRows | None:
+        """None where the bound does not hold: any order but a flushing chain whose first p stages are on devices
+        0..p-1 in turn."""
+        p = schedule.num_devices
+        if not (schedule.placement[:p] == tuple(range(p)) and flushes(schedule)
+                and schedule.graph == StageGraph.chain(schedule.num_stages)):
+            return None
+        t = schedule.table
+        runs = tuple(np.bincount(t.stage[t.kind == KIND_CODE[kind]], minlength=schedule.num_stages) > 0
+                     for kind in (Kind.B, Kind.I))
+        steady = t.minibatch == 1
+        rows = np.flatnonzero(steady)  # grouped by device, each in program order
+        device = t.device[rows]
+        first = np.full(p, len(rows))
+        np.minimum.at(first, device, np.arange(len(rows)))
+        last = np.full(p, -1)
+        backward = np.flatnonzero(kind_mask(t.kind[rows], Kind.B, Kind.I))
+        np.maximum.at(last, device[backward], backward)
+        return cls(codes[rows], first, last, runs,
+                   bool((steady & (t.kind == KIND_CODE[Kind.REDUCE]) & (t.stage == 0)).any()))
+
+
+@dataclass(frozen=True)
+class _StepRows:
+    """What the bounds read off an order's rows in a steady mini-batch, found once per order (`_Order.step_rows`):
+    the search prices one order on many partitions and settings (the 70B: 970 bounds on 265 orders of up to 788k
+    rows), and which rows accumulate, where each device's REDUCEs and updates are and a flushing chain's rows
+    are the order's alone. A row's compute is looked up by its code (`_row_codes`) in a table of its stage's kind's
+    time plus its accumulation (`_row_costs_ms`), so every sum adds the same floats in the same order as the rows
+    priced one by one."""
+
+    devices: int
+    codes: np.ndarray  # per row of the table (`_row_codes`)
+    accumulating: tuple[np.ndarray, np.ndarray]  # the steady rows that accumulate: their devices and stages
+    reducing: np.ndarray  # [i]: the devices that reduce in the steady mini-batch (one pipeline; else none)
+    reduces: np.ndarray  # [i, j]: device reducing[i]'s j-th steady REDUCE row, in program order (where `valid`)
+    stages: np.ndarray  # [i, j]: its stage
+    updates: np.ndarray  # [i, j]: the steady update row of that stage (0 where none)
+    valid: np.ndarray  # [i, j]
+    flush: _FlushRows | None
+
+    @classmethod
+    def of(cls, schedule: Schedule, minibatch: int) -> _StepRows:
+        t = schedule.table
+        accumulates = _accumulates(schedule)
+        codes = _row_codes(t, schedule.num_stages, accumulates)
+        steady = t.minibatch == minibatch
+        accumulating = np.flatnonzero(steady & accumulates)
+        rows = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE]) if schedule.pipelines == 1 else [])
+        updates = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.OPT]))
+        update_of = np.zeros(schedule.num_stages, dtype=np.int64)
+        update_of[t.stage[updates]] = updates  # one pipeline: one OPT per stage and mini-batch, after its REDUCE
+        reducing, starts, counts = np.unique(t.device[rows], return_index=True, return_counts=True)  # grouped by
+        owner = np.repeat(np.arange(len(reducing)), counts)  # device, each in program order
+        place = np.arange(len(rows)) - np.repeat(starts, counts)
+        reduces = np.zeros((len(reducing), int(counts.max(initial=0))), dtype=np.int64)
+        valid = np.zeros(reduces.shape, dtype=bool)
+        reduces[owner, place], valid[owner, place] = rows, True
+        stages = t.stage[reduces]
+        return cls(schedule.num_devices, codes, (t.device[accumulating], t.stage[accumulating]), reducing, reduces,
+                   stages, update_of[stages], valid, _FlushRows.of(schedule, codes))
+
+    def accumulations_ms(self, accumulate_ms: np.ndarray) -> np.ndarray:
+        """Per device, its gradient accumulations in the steady mini-batch (`_accumulated_ms`; [k]: stage k's)."""
+        device, stage = self.accumulating
+        return np.bincount(device, accumulate_ms[stage], minlength=self.devices)
+
+    def exposed_ms(self, op_ms: np.ndarray, costs_ms: np.ndarray) -> np.ndarray:
+        """Per device, compute-free time each steady step must have (0 for a schedule of P > 1 pipelines, which
+        share a device's compute as they go), on costs `op_ms` ([k, kind]) and `costs_ms` (`_row_costs_ms`). A
+        stage's REDUCE starts where the device's program reaches it, after the stage's last backward, and runs on
+        the device's network stream after the REDUCEs before it; its OPT waits for it. So from REDUCE i's start
+        to REDUCE l's OPT (i <= l, in program order) the network works at least REDUCEs i..l while the device
+        computes only the rows between the two: each step holds at least the most any such span waits beyond its
+        rows (each its kind's time plus its accumulation: no more than it takes), on top of the device's compute
+        with those accumulations. Every reducing device at once, each a row of `reduces`."""
+        exposed = np.zeros(self.devices)
+        if not len(self.reducing):
+            return exposed
+        upto = int(max(self.reduces.max(), self.updates.max())) + 1
+        done_ms = np.concatenate([[0.0], np.cumsum(costs_ms[self.codes[:upto]])])  # by device, in program order
+        reduce_ms = np.where(self.valid, op_ms[self.stages, KIND_CODE[Kind.REDUCE]], 0.0)
+        through_ms = np.cumsum(reduce_ms, axis=1)  # REDUCEs up to l
+        since_ms = np.maximum.accumulate(done_ms[self.reduces + 1] - (through_ms - reduce_ms), axis=1)  # best i <= l
+        waited_ms = np.where(self.valid, through_ms - done_ms[self.updates] + since_ms, -np.inf)
+        exposed[self.reducing] = np.maximum(waited_ms.max(axis=1), 0.0)
+        return exposed
+
+
+def _flush_bound_ms(flush: _FlushRows | None, op_ms: np.ndarray, hops_ms: np.ndarray, costs_ms: np.ndarray) -> float:
     """A lower bound of the steady step of a flushing schedule down a chain of stages whose first p are on
     devices 0..p-1 in turn (1F1B's placement, the interleaved and V schedules', and AvgPipe's P pipelines, each
-    so placed; 0 for any other): for every device d, the forwards of stages 0..d-1, then d's own work in program
-    order (every pipeline's) up to its last B or I of the step, then the input-gradient passes (B or I) of
-    stages d-1..0 (of that pass's pipeline).
+    so placed; `flush`, its rows, `_FlushRows`; 0 for any other, None): for every device d, the forwards of
+    stages 0..d-1, then d's own work in program order (every pipeline's) up to its last B or I of the step, then
+    the input-gradient passes (B or I) of stages d-1..0 (of that pass's pipeline), on costs `op_ms` [k, kind] and
+    `costs_ms` (`_row_costs_ms`).
 
     Why: device 0 starts step s+1 only after its last op of step s (it flushes), at E0(s). Device d's first op
     of step s+1 is an F (any other op needs an F of its own step before it on d), whose micro-batch went
@@ -1793,52 +1905,49 @@ def _flush_bound_ms(schedule: Schedule, op_ms: np.ndarray, hops_ms: np.ndarray,
     each link on the way (`hops_ms`: there and back); so d starts
     step s+1 no earlier than E0(s) + sum F_k and the hops' forward halves. Its last B or I of the step ends no
     earlier than that plus the work d runs before it, one op at a time, each its kind's time plus its
-    accumulation (`accumulated_ms`, per row: `_accumulated_ms`, or none) at least (it is stage d's: any later stage's
-    input gradient still has stage d on d to pass). That micro-batch's input gradient then
-    passes B or I on each of stages d-1..0, crossing the links back, before device 0 ends step s+1, at E0(s+1),
-    after it has reduced stage 0's gradients and updated.
+    accumulation (where `_accumulates` says it adds one) at least (it is stage d's: any later stage's input
+    gradient still has stage d on d to pass). That micro-batch's input gradient then passes B or I on each of
+    stages d-1..0, crossing the links back, before device 0 ends step s+1, at E0(s+1), after it has reduced stage
+    0's gradients and updated.
     Waits, contention and overheads only add, and steps repeat from the second on, so E0(s+1) - E0(s) is the
     step. A test holds the bound to the simulated step over every candidate."""
-    p = schedule.num_devices
-    if not (schedule.placement[:p] == tuple(range(p)) and flushes(schedule)
-            and schedule.graph == StageGraph.chain(schedule.num_stages)):
+    if flush is None:
         return 0.0
-    t = schedule.table
-    forward_ms = op_ms[:, KIND_CODE[Kind.F]]
-    runs = {kind: np.bincount(t.stage[t.kind == KIND_CODE[kind]], minlength=schedule.num_stages) > 0
-            for kind in (Kind.B, Kind.I)}
-    input_grad_ms = np.minimum(*(np.where(runs[kind], op_ms[:, KIND_CODE[kind]], np.inf) for kind in runs))
+    p = len(flush.first)
+    input_grad_ms = np.minimum(*(np.where(runs, op_ms[:, KIND_CODE[kind]], np.inf)
+                                 for runs, kind in zip(flush.runs, (Kind.B, Kind.I))))
     input_grad_ms[np.isinf(input_grad_ms)] = 0.0  # a stage with no backward (none here: every stage has one)
-    steady = t.minibatch == 1
-    reduces = steady & (t.kind == KIND_CODE[Kind.REDUCE]) & (t.stage == 0)
     # device 0 then reduces stage 0's gradients (after its last backward, so after that pass) and updates it
-    tail_ms = (op_ms[0, KIND_CODE[Kind.REDUCE]] if reduces.any() else 0.0) + op_ms[0, KIND_CODE[Kind.OPT]]
-    rows = np.flatnonzero(steady)  # grouped by device, each in program order
-    device = t.device[rows]
-    done_ms = np.concatenate([[0.0], np.cumsum(_compute_ms(t, op_ms, accumulated_ms)[rows])])
-    first = np.full(p, len(rows))
-    np.minimum.at(first, device, np.arange(len(rows)))
-    last = np.full(p, -1)  # each device's last B or I of the step
-    backward = np.flatnonzero(kind_mask(t.kind[rows], Kind.B, Kind.I))
-    np.maximum.at(last, device[backward], backward)
-    before_ms = np.concatenate([[0.0], np.cumsum(forward_ms[:p - 1] + input_grad_ms[:p - 1] + hops_ms)])
-    ran = last >= 0
-    work_ms = done_ms[last[ran] + 1] - done_ms[first[ran]]
+    tail_ms = (op_ms[0, KIND_CODE[Kind.REDUCE]] if flush.reduces_first else 0.0) + op_ms[0, KIND_CODE[Kind.OPT]]
+    ran = flush.last >= 0
+    done_ms = np.concatenate([[0.0], np.cumsum(costs_ms[flush.codes[:int(flush.last.max(initial=-1)) + 1]])])
+    before_ms = np.concatenate([[0.0], np.cumsum(op_ms[:p - 1, KIND_CODE[Kind.F]] + input_grad_ms[:p - 1] + hops_ms)])
+    work_ms = done_ms[flush.last[ran] + 1] - done_ms[flush.first[ran]]
     return float((before_ms[ran] + work_ms + tail_ms).max(initial=0.0))
 
 
-def _compute_ms(t, op_ms: np.ndarray, accumulated_ms: np.ndarray | float = 0.0) -> np.ndarray:
-    """Per row of the table, the ms it keeps its device's compute busy (0 for a row on the network lane), with
-    `accumulated_ms` (per row: `_accumulated_ms`, or none) added to its own kind's."""
+def _row_codes(t, stages: int, accumulates: np.ndarray) -> np.ndarray:
+    """Per row of the table, where `_row_costs_ms` keeps its compute: its stage's kind's time (stage·K + kind, K
+    the compute kinds), that plus the stage's accumulation where the row `accumulates` (n·K more, of n stages),
+    or none, a row on the network lane (2·n·K)."""
     own = np.minimum(t.kind, NUM_COMPUTE_KINDS - 1)  # transfers come after a stage's own kinds: none computes
-    return np.where((t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own], op_ms[t.stage, own] + accumulated_ms, 0.0)
+    computes = (t.kind < NUM_COMPUTE_KINDS) & COMPUTE[own]
+    return np.where(computes, (accumulates * stages + t.stage) * NUM_COMPUTE_KINDS + own,
+                    2 * stages * NUM_COMPUTE_KINDS)
 
 
-def _accumulated_ms(schedule: Schedule, accumulate_ms: np.ndarray) -> np.ndarray:
-    """Per row of the table, the ms it spends adding its weight gradients into the buffer, as the engine prices
-    it (`sim.engine._gradient_spans`): its stage's `accumulate_ms` ([k]) for a B or W unless it opens its stage
-    replica's span (its replica's row before it among B, W and OPT, in program order, is no B or W); else 0.
-    An order with one update a step per stage replica so pays m·P - 1 of them per stage and step."""
+def _row_costs_ms(op_ms: np.ndarray, accumulate_ms: np.ndarray | None = None) -> np.ndarray:
+    """[code] (`_row_codes`): the ms a row keeps its device's compute busy: its kind's time `op_ms` [k, kind], plus
+    its stage's accumulation `accumulate_ms` [k] (None: none) where it accumulates; 0 on the network lane."""
+    accumulate_ms = np.zeros(len(op_ms)) if accumulate_ms is None else accumulate_ms
+    return np.concatenate([(op_ms + 0.0).ravel(), (op_ms + accumulate_ms[:, None]).ravel(), [0.0]])
+
+
+def _accumulates(schedule: Schedule) -> np.ndarray:
+    """Per row of the table, whether it adds its weight gradients into the buffer, as the engine prices it
+    (`sim.engine._gradient_spans`): a B or W that does not open its stage replica's span (its replica's row before
+    it among B, W and OPT, in program order, is a B or W). An order with one update a step per stage replica so
+    pays m·P - 1 of them per stage and step."""
     t, pipelines = schedule.table, schedule.pipelines
     spanned = np.flatnonzero(kind_mask(t.kind, Kind.B, Kind.W, Kind.OPT))
     spanned = spanned[np.argsort(t.stage[spanned] * pipelines + t.pipeline[spanned], kind="stable")]
@@ -1846,7 +1955,13 @@ def _accumulated_ms(schedule: Schedule, accumulate_ms: np.ndarray) -> np.ndarray
     is_gradient = t.kind[spanned] != KIND_CODE[Kind.OPT]
     accumulates = np.zeros(len(t.kind), dtype=bool)
     accumulates[spanned[1:]] = is_gradient[1:] & is_gradient[:-1] & (owner[1:] == owner[:-1])
-    return accumulates * accumulate_ms[t.stage]
+    return accumulates
+
+
+def _accumulated_ms(schedule: Schedule, accumulate_ms: np.ndarray) -> np.ndarray:
+    """Per row of the table, the ms it spends adding its weight gradients into the buffer (`_accumulates`): its
+    stage's `accumulate_ms` ([k]), or 0."""
+    return _accumulates(schedule) * accumulate_ms[schedule.table.stage]
 
 
 def _accumulates_ms(costs: Costs) -> np.ndarray:
@@ -1873,33 +1988,10 @@ def _cut_accumulates_ms(profile: Profile, bounds: list[int]) -> np.ndarray:
 
 
 def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int,
-                       accumulated_ms: np.ndarray | float = 0.0) -> np.ndarray:
+                       accumulate_ms: np.ndarray | None = None) -> np.ndarray:
     """Per device, compute-free time each steady step must have, read off mini-batch `minibatch` (past the
-    warm-up; 0 for a schedule of P > 1 pipelines, which share a device's compute as they go). A stage's REDUCE
-    starts where the device's program reaches it, after the stage's last backward, and runs on the device's
-    network stream after the REDUCEs before it; its OPT waits for it. So from REDUCE i's start to REDUCE l's
-    OPT (i <= l, in program order) the network works at least REDUCEs i..l while the device computes only the
-    rows between the two: each step holds at least the most any such span waits beyond its rows (each its
-    kind's time plus its accumulation, `accumulated_ms`: no more than it takes), on top of the device's compute
-    with those accumulations."""
-    exposed = np.zeros(schedule.num_devices)
-    if schedule.pipelines > 1:
-        return exposed
-    t = schedule.table
-    steady = t.minibatch == minibatch
-    reduces = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE]))  # grouped by device, in program order
-    updates = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.OPT]))
-    update_of = np.zeros(schedule.num_stages, dtype=np.int64)
-    update_of[t.stage[updates]] = updates  # one pipeline: one OPT per stage and mini-batch, after its REDUCE
-    done_ms = np.concatenate([[0.0], np.cumsum(_compute_ms(t, op_ms, accumulated_ms))])  # by device, in order
-    for device in np.unique(t.device[reduces]):
-        mine = reduces[t.device[reduces] == device]
-        reduce_ms = op_ms[t.stage[mine], KIND_CODE[Kind.REDUCE]]
-        through_ms = np.cumsum(reduce_ms)  # REDUCEs up to l
-        since_ms = np.maximum.accumulate(done_ms[mine + 1] - (through_ms - reduce_ms))  # best start i <= l
-        waited_ms = through_ms - done_ms[update_of[t.stage[mine]]] + since_ms
-        exposed[device] = max(0.0, float(waited_ms.max()))
-    return exposed
+    warm-up), on costs `op_ms` [k, kind] and accumulations `accumulate_ms` [k] (None: none): `_StepRows.exposed_ms`."""
+    return _StepRows.of(schedule, minibatch).exposed_ms(op_ms, _row_costs_ms(op_ms, accumulate_ms))
 
 
 def _sends_hold(schedule: Schedule, holds: bool, links: Cluster) -> bool:

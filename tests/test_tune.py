@@ -484,7 +484,8 @@ def test_all_to_alls_are_not_counted_as_compute():
     t = schedule.table
     all_to_all = np.isin(t.kind, [KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]])
     assert all_to_all.any()
-    computed = tuning._compute_ms(t, np.ones((schedule.num_stages, len(tuning.COMPUTE))))
+    codes = tuning._row_codes(t, schedule.num_stages, tuning._accumulates(schedule))
+    computed = tuning._row_costs_ms(np.ones((schedule.num_stages, len(tuning.COMPUTE))))[codes]
     assert not computed[all_to_all].any() and computed[t.kind == KIND_CODE[Kind.F]].all()
 
 
