@@ -488,3 +488,22 @@ def test_the_memory_panel_stacks_the_fullest_devices_parts(tmp_path):
     assert weights.mean() > 0.05 and optimizer.mean() > 0.1, (weights.mean(), optimizer.mean())
     rows = lambda mask: np.flatnonzero(mask.mean(axis=1) > 0.5)  # noqa: E731
     assert rows(optimizer).max() < rows(weights).min()  # higher on screen: stacked above
+
+
+@needs_chromium
+def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
+    """DualPipeV with expert parallelism draws 13 kinds of op: at 1000 px their legend wraps into two rows, which
+    plotly grows upwards from the lanes; the top margin makes room, so the legend never covers the title."""
+    from tests.conftest import pipesim
+
+    page = tmp_path / "ep.html"
+    code, _, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256,
+                           "--heads", 4, "--seq-len", 128, "--experts", 4, "--expert-parallel", 2, "--data-parallel", 2,
+                           "--zero", 1, "-p", 2, "-m", 4, "-s", "dualpipev", "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test", width=1000, height=900)
+    assert_healthy(v)
+    (_, title_top, _, title_height), (_, legend_top, _, legend_height) = v.geometry["title"], v.geometry["legend"]
+    assert legend_height > 40, "the legend is one row: this page no longer checks a wrapped one"
+    assert legend_top >= title_top + title_height, (v.geometry["title"], v.geometry["legend"])
+    assert legend_top + legend_height <= v.geometry["plot"][1] + 1

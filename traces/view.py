@@ -475,6 +475,7 @@ _TIMELINE_JS = r"""
   const MAX_MEMORY_LINES = 16;  // a trace with more devices than this: its memory as a heatmap, a row per device
   const MAX_TIMELINE_PX = 1100, MIN_LANE_PX = 5, MAX_LANE_PX = 24, MEMORY_PX = 220, GAP_PX = 56;
   const PANEL_PX = 170, PANEL_GAP_PX = 36;  // a view of several traces: one memory panel each, on its own axis
+  const LEGEND_GAP_PX = 8;  // at least this between the title and the kinds' legend under it
   const STREAM_NAMES = ["", " send", " recv", " network"], NS = STREAM_NAMES.length;
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
@@ -954,6 +955,7 @@ _TIMELINE_JS = r"""
     const {data, layout} = figure(b, columns);
     shownView = null;
     await Plotly.react(gd, data, layout, CONFIG);
+    await legendUnderTitle(layout);
     shownView = b;
     await fitBars(b);
     record(b);
@@ -976,16 +978,34 @@ _TIMELINE_JS = r"""
     }
   }
 
-  // Where the lanes are on the page (the browser test checks a screenshot's bars against them), and the
-  // range and place of each memory panel's axis.
+  // plotly wraps the kinds' legend at the plot's width, which only it knows (the memory legend widens the right
+  // margin as it needs), and grows the rows upwards from the lanes: where they reach the title, the top margin
+  // grows by as much (DualPipeV with expert parallelism: 13 kinds, two rows at 1400 px).
+  async function legendUnderTitle(layout) {
+    const title = gd.querySelector(".gtitle"), legend = gd.querySelector("g.legend");
+    if (!title || !legend) return;
+    const below = title.getBoundingClientRect().bottom + LEGEND_GAP_PX;
+    const overlap = Math.ceil(below - legend.getBoundingClientRect().top);
+    if (overlap > 0) {
+      await Plotly.relayout(gd, {"margin.t": layout.margin.t + overlap, height: layout.height + overlap});
+    }
+  }
+
+  // Where the lanes are on the page (the browser test checks a screenshot's bars against them), the title and
+  // the kinds' legend, and the range and place of each memory panel's axis.
   function record(b) {
     const fl = gd._fullLayout, ya = fl.yaxis, xa = fl.xaxis, box = gd.getBoundingClientRect();
     const top = box.top + window.scrollY + ya._offset, left = box.left + window.scrollX + xa._offset;
+    const onPage = element => {
+      const r = element.getBoundingClientRect();
+      return [r.left + window.scrollX, r.top + window.scrollY, r.width, r.height];
+    };
     const toPx = y => top + (y - ya.range[1]) / (ya.range[0] - ya.range[1]) * ya._length;
     gd.dataset.geometry = JSON.stringify({
       plot: [left, top, xa._length, ya._length], bar_px: b.barPx,
       points: gd.data.reduce((total, d) => total + (d.x ? d.x.length : 0), 0),
       lanes: b.lanes.map(l => toPx(l.y)),
+      title: onPage(gd.querySelector(".gtitle")), legend: onPage(gd.querySelector("g.legend")),
       memory: b.panels.map((panel, j) => {
         const axis = fl["yaxis" + (j + 2)];
         return {trace: b.members[panel.member].label, range: axis.range,
