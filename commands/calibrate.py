@@ -125,7 +125,7 @@ def calibrate(
     (`--fresh` measures it again); a line per phase on stderr says what each took.
     """
     from ..profiles.partition import PartitionError
-    from ..profiles.schema import OPTIMIZERS, profile_json
+    from ..profiles.schema import optimizer_refusal, profile_json
     from ..traces import write_atomic
     from ..traces.hostload import HostLoad, mark
     from ..workload.processes import prepare, ready
@@ -144,8 +144,8 @@ def calibrate(
         check_writable("--out", out)
         if dtype not in ("float32", "bfloat16", "float16"):
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
-        if optimizer not in OPTIMIZERS:
-            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+        if (refused := optimizer_refusal(optimizer, "--optimizer")) is not None:
+            raise InputError(refused)
         check_memory_gb(memory_gb)
         for flag in ("link_max_mb", "expert_parallel"):
             if not links and is_given(ctx, flag):

@@ -781,17 +781,18 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     --profile's."""
     from ..planning.buckets import OPTIMIZER_BUCKETS
     from ..planning.scenario import Scenario, check_stage_cut, first_last
-    from ..sim import OPTIMIZER_STATE_FACTOR, CostError, load_cluster
-    from ..sim.costs import PRECISIONS
+    from ..profiles.schema import optimizer_refusal
+    from ..sim import CostError, load_cluster
+    from ..sim.costs import precision_refusal
 
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
                  for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
-    if flags["optimizer"] not in OPTIMIZER_STATE_FACTOR:
-        raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {flags['optimizer']!r})")
+    if (refused := optimizer_refusal(flags["optimizer"], "--optimizer")) is not None:
+        raise InputError(refused)
     precision = flags.get("precision")
-    if precision is not None and precision not in PRECISIONS:
-        raise InputError(f"--precision: choose from {', '.join(PRECISIONS)} (got {precision!r})")
+    if precision is not None and (refused := precision_refusal(precision, "--precision")) is not None:
+        raise InputError(refused)
     if precision is not None and flags["profile"] is not None:
         raise InputError("--precision: a profile holds its weights, gradients and optimizer state as it was "
                          "calibrated or estimated with; drop --precision (`pipesim estimate --precision` sets an "

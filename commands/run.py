@@ -162,9 +162,8 @@ def run(
         from ..executor import ExecutorError, RunSpec, carried_bounds
         from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
         from ..planning.scenario import all_to_all_refusal
-        from ..profiles.schema import layer_costs, threads_mismatch
+        from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
         from ..workload.models import ModelError, build_model
-        from ..workload.optim import OPTIMIZERS
 
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
@@ -175,8 +174,8 @@ def run(
             raise InputError(f"--device: choose cpu or cuda (got {device!r})")
         if backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend: choose auto, gloo or nccl (got {backend!r})")
-        if optimizer not in OPTIMIZERS:
-            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+        if (refused := optimizer_refusal(optimizer, "--optimizer")) is not None:
+            raise InputError(refused)
         for flag, value in (("--lr", lr), ("--timeout", timeout), ("--stall-timeout", stall_timeout)):
             if not 0 < value < math.inf:
                 raise InputError(f"{flag}: give a finite number > 0 (got {value})")

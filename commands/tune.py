@@ -137,8 +137,9 @@ def tune(
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Problem, Setting, TuneError, start_workers
     from ..planning.tune import tune as search
+    from ..profiles.schema import optimizer_refusal
     from ..schedules import METHODS, ScheduleError
-    from ..sim import OPTIMIZER_STATE_FACTOR, CostError, SimulationError
+    from ..sim import CostError, SimulationError
 
     workers, pool = os.cpu_count() or 1, None
     try:
@@ -146,8 +147,8 @@ def tune(
         unknown = [name for name in schedule if name not in METHODS]
         if unknown:
             raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
-        if optimizer not in OPTIMIZER_STATE_FACTOR:
-            raise InputError(f"--optimizer: choose from {', '.join(OPTIMIZER_STATE_FACTOR)} (got {optimizer!r})")
+        if (refused := optimizer_refusal(optimizer, "--optimizer")) is not None:
+            raise InputError(refused)
         check_memory_gb(memory_gb)
         check_pp_runtime(pp_runtime)
         budget = search_options(None, search_seconds)["search_seconds"]

@@ -61,10 +61,11 @@ from ..profiles.schema import (
     aggregate_stages,
     boundary_bytes,
     layer_costs,
+    optimizer_refusal,
 )
 from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount
 from ..sim.caching_allocator import LayerAllocations
-from ..sim.costs import PRECISIONS, Precision
+from ..sim.costs import PRECISIONS, Precision, precision_refusal
 from .experts import (
     ALL_TO_ALLS,
     DISPATCHERS,
@@ -257,8 +258,8 @@ class Parallelism:
         if self.recompute == "op" and self.tensor > 1:
             raise EstimateError("recompute: op (torchtitan's selective op policy) is modelled for tensor 1 only "
                                 f"(got tensor {self.tensor})")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise EstimateError(f"{{precision}}: choose from {', '.join(PRECISIONS)} (got {self.precision!r})")
+        if self.precision is not None and (refused := precision_refusal(self.precision, "{precision}")) is not None:
+            raise EstimateError(refused)
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise EstimateError(f"{{fp8}}: choose from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
         if self.fsdp_float8_all_gather and (self.precision != "fsdp2" or self.fp8 is None
@@ -1545,8 +1546,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if curve is None:
         raise EstimateError(f"gpu {gpu.name!r} has no efficiency curve (curve = {{...}} in its catalogue entry)")
     curve = kernel_curve(curve, parallel.attention_kernel, gpu.name)
-    if optimizer not in OPTIMIZERS:
-        raise EstimateError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {optimizer!r})")
+    if (refused := optimizer_refusal(optimizer, "{optimizer}")) is not None:
+        raise EstimateError(refused)
     expert_split = ("tensor", parallel.tensor) if parallel.expert_tensor is None else (
         "expert_tensor", parallel.expert_tensor)
     for name, what, (flag, ranks) in (("heads", "heads", ("tensor", parallel.tensor)),

@@ -1,7 +1,9 @@
 """Each rule of the parallel layout lives once, in planning/estimate.py's `Parallelism` (and `check_ring_attention`,
 `fp8_peak_tflops`; the experts' in planning/experts.py `check_expert_ranks` and planning/ranks.py
 `check_expert_replicas`): the library says its settings by name, the commands say the same refusal with their flags
-(commands/estimate.py `flag_line`), one line and exit 2, before the model is counted or a rank starts."""
+(commands/estimate.py `flag_line`), one line and exit 2, before the model is counted or a rank starts. So are the
+optimizer's and the precision's names, once in profiles/schema.py `optimizer_refusal` and sim/costs.py
+`precision_refusal`."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pipesim.commands.estimate import flag_line
 from pipesim.planning.estimate import EstimateError, Parallelism, check_ring_attention
 from pipesim.planning.experts import ExpertParallelError, check_expert_ranks
 from pipesim.planning.ranks import RankOrderError, check_expert_replicas
+from pipesim.profiles.schema import optimizer_refusal
+from pipesim.sim.costs import precision_refusal
 from tests.conftest import pipesim
 
 GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "32")
@@ -75,3 +79,25 @@ def test_run_refuses_experts_with_the_planners_own_rule(flags, rule, refusal, tm
     code, out, err = pipesim("run", "-s", "1f1b", "--expert-parallel", "2", *flags, "--trace", tmp_path / "t.json")
     assert (code, out, err) == (2, "", f"error: {flag_line(said.value)}\n")
     assert err.startswith("error: --expert-parallel 2") and not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("command", [("simulate",), ("tune", "-D", "2"),
+                                     ("calibrate", "--model", "mlp", "--no-runtime", "--no-contention",
+                                      "--no-links", "--out", "p.json"), ("run", "-s", "1f1b", "--model", "mlp")])
+def test_every_command_refuses_an_unknown_optimizer_with_the_one_line(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    if command[0] in ("calibrate", "run"):
+        pytest.importorskip("torch")
+    code, out, err = pipesim(*command, "--optimizer", "lamb")
+    assert (code, out, err) == (2, "", f"error: {optimizer_refusal('lamb', '--optimizer')}\n")
+    assert err == "error: --optimizer: choose from sgd, momentum, adam, adamw (got 'lamb')\n"
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("costs", [(), GPT])
+def test_typed_and_estimated_costs_refuse_an_unknown_precision_with_the_one_line(costs):
+    with pytest.raises(EstimateError) as rule:
+        Parallelism(precision="bf16")
+    code, out, err = pipesim("simulate", *costs, "--precision", "bf16")
+    assert (code, out, err) == (2, "", f"error: {precision_refusal('bf16', '--precision')}\n")
+    assert err == f"error: {flag_line(rule.value)}\n" and err.startswith("error: --precision: choose from fp32, ")

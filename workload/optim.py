@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..profiles.schema import OPTIMIZERS  # the names profiles and the simulator know; "momentum" is SGD-momentum
+# the names profiles and the simulator know; "momentum" is SGD-momentum
+from ..profiles.schema import OPTIMIZERS, optimizer_refusal
 
 __all__ = ["OPTIMIZERS", "Optimizer", "elastic_average", "make_optimizer", "predict_weights"]
 
@@ -33,8 +34,8 @@ class Optimizer:
 
     def __init__(self, name: str, params: Iterable[torch.Tensor], lr: float, *, momentum: float = 0.0,
                  weight_decay: float = 0.0) -> None:
-        if name not in OPTIMIZERS:
-            raise ValueError(f"optimizer: choose from {', '.join(OPTIMIZERS)} (got {name!r})")
+        if (refused := optimizer_refusal(name)) is not None:
+            raise ValueError(refused)
         self.name = name
         group: dict[str, Any] = {"params": list(params), "lr": lr}
         if name in ("sgd", "momentum"):
