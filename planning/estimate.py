@@ -1047,17 +1047,55 @@ def _ring_of(ops: Sequence[OpCount], split: _Split, ring: ContextRing, device: D
     return total
 
 
+def accumulated_in_products(layer: LayerCount, grad_bytes: int, element_bytes: int) -> LayerCount:
+    """`layer` with its weight gradients accumulated inside their products (`--grad-accumulation fused`): each
+    weight-gradient product (the matmuls of its wgrad pass, and as many calls of the same in its full backward) reads
+    and writes the accumulated gradient, `grad_bytes` an element, where the count's writes its output at
+    `element_bytes`. TransformerEngine hands `main_grad` to the GEMM as its output with accumulate on (linear.py,
+    layernorm_linear.py and grouped_linear.py `fuse_wgrad_accumulation`: `general_gemm`/`general_grouped_gemm`
+    with `accumulate=True`, out=main_grad; cuBLASLt's D = A·B + C with C = D, cublaslt_gemm.cu at v2.2 to v2.9),
+    so the product's epilogue moves 2·`grad_bytes` an element of the gradient (float32 main_grad under
+    Megatron-core's default, the parameters' dtype under `grad_reduce_in_fp32` False), priced as every product:
+    the slower of its FLOPs and its bytes (`matmul_ms`). It binds where the tokens a product contracts over are few
+    beside its weight: a rank's routed experts each see tokens·k/E of them (FLOPs per gradient element 2·K, bytes
+    2·grad_bytes plus the inputs')."""
+    extra = 2 * grad_bytes - element_bytes
+
+    def accumulating(op: OpCount) -> OpCount:
+        batch, m, n, _ = op.shape
+        return replace(op, moved_bytes=op.moved_bytes + batch * m * n * extra)
+
+    products = [op for op in layer.ops.get("wgrad", ()) if op.kind == "matmul"]
+    if not products or extra <= 0:
+        return layer
+    backward: list[OpCount] = []
+    for op in layer.ops.get("bwd", ()):
+        match = next((p for p in products if replace(p, count=op.count) == op), None)
+        if match is None:
+            backward.append(op)
+            continue
+        products.remove(match)
+        backward.append(accumulating(replace(op, count=match.count)))
+        if op.count > match.count:  # an input-gradient product of the same shape
+            backward.append(replace(op, count=op.count - match.count))
+    wgrad = tuple(accumulating(op) if op.kind == "matmul" else op for op in layer.ops.get("wgrad", ()))
+    return replace(layer, ops={**layer.ops, "bwd": tuple(backward), "wgrad": wgrad})
+
+
 def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, tensor_link: EstimateLink,
                    element_bytes: int, context_link: EstimateLink | None = None,
-                   float8: Float8Forms | None = None) -> LayerEstimate:
+                   float8: Float8Forms | None = None, grad_bytes: int | None = None) -> LayerEstimate:
     """`layer` priced on one of the t·C ranks of its stage (see the module docstring); `context_link`: the
     context-parallel ring's, where C > 1; `float8`: the estimate's layers as its recipe runs them (`Float8Forms`),
-    else built here."""
+    else built here; `grad_bytes`: an element of the gradients its weight-gradient products accumulate into
+    (`accumulated_in_products`; None: accumulated by a pass of their own, not in the products)."""
     t, c = parallel.tensor, parallel.context
     if c > 1 and context_link is None:
         raise EstimateError(f"context: {c} ranks need the ring's link")
     ring = ContextRing(c, context_link, parallel.cp_rotate) if c > 1 else None
     layer = (float8 or Float8Forms(parallel.float8_recipe, element_bytes)).of(layer, ring)
+    if grad_bytes is not None:
+        layer = accumulated_in_products(layer, grad_bytes, element_bytes)
     split = _Split.of(layer, parallel)
     # TransformerEngine's recipes (`gathers_float8`) cast before they gather: a column-parallel
     # product's input is cast (LayerNormLinear's fused norm writes float8 into the userbuffer, `fp8_buf` for every
@@ -1594,6 +1632,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     layers = [] if made is None else made
     sharing = sharing_dispatcher(device, parallel)
     float8 = Float8Forms(parallel.float8_recipe, element)  # each layer's form built once for all that price it
+    accumulated = held.grad_bytes if parallel.accumulation == "fused" else None  # in the weight-gradient products
     for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
         if repeated:
             layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
@@ -1603,12 +1642,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             busiest = experts.float8_padded(busiest, dropless=counted.options.get("capacity_factor") is None)
         if parallel.expert_gemm == "per-expert":
             busiest = per_expert_products(busiest)
-        priced = estimate_layer(busiest, device, parallel, links.tensor, element, links.context, float8)
+        priced = estimate_layer(busiest, device, parallel, links.tensor, element, links.context, float8, accumulated)
         shared = None if sharing is None else estimate_layer(busiest, sharing, parallel, links.tensor, element,
-                                                              links.context, float8)
+                                                              links.context, float8, accumulated)
         experts_part = _routed_part(busiest) if parallel.expert > 1 and layer.dispatched_bytes else None
-        routed = (None if experts_part is None else
-                  estimate_layer(experts_part, device, parallel, links.tensor, element, links.context, float8))
+        routed = (None if experts_part is None else estimate_layer(experts_part, device, parallel, links.tensor,
+                                                                   element, links.context, float8, accumulated))
         share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         params = round(layer.param_bytes * share) // t
