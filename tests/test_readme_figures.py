@@ -1,0 +1,57 @@
+"""The tables the README shows are the ones their commands print now, figure for figure.
+
+test_readme.py runs every command the README shows; test_published_runs.py holds its published run's figure.
+Here the deterministic tables beside a command (what-if costs, auto's order, tune's pick from a committed
+profile) are printed again and compared row by row, word by word: a README row that ends in "..." is the
+printed row cut short, compared up to there. Timings (ms/step of a run, seconds taken) are not compared."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import pipesim
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    """The README's `## title` section."""
+    return README.split(f"\n## {title}\n")[1].split("\n## ")[0]
+
+
+def shown_after(text: str, command_start: str) -> tuple[str, list[str]]:
+    """The command in `text` that starts with `command_start` and the lines of the first output block after it."""
+    command = next(line.split("  #")[0].strip() for line in text.splitlines()
+                   if line.startswith(command_start))
+    after = text.split(command, 1)[1].split("```", 1)[1]  # past the end of the command's block
+    return command, re.search(r"```\n(.*?)```", after, flags=re.S).group(1).splitlines()
+
+
+def words_agree(shown: list[str], printed: str, first_words: tuple[str, ...]) -> None:
+    """Every shown line starting with one of `first_words` starts a printed line, word for word."""
+    printed_rows = [line.split() for line in printed.splitlines()]
+    rows = [line.split() for line in shown if line.split()[:1] and line.split()[0] in first_words]
+    assert rows, f"no row of {first_words} in the README's block"
+    for row in rows:
+        words = row[:row.index("...")] if "..." in row else row
+        assert any(p[:len(words)] == words for p in printed_rows), \
+            f"README row {' '.join(row)!r} is not printed:\n{printed}"
+
+
+@pytest.mark.parametrize("title, command_start, first_words", [
+    ("Simulate: what-if, side by side", "pipesim simulate -s 1f1b", ("1f1b", "zb-h1", "pipedream", "xpipe")),
+    ("auto: the schedule searched for your costs", "pipesim simulate -s auto", ("auto", "zb-h1", "zb-h2", "1f1b")),
+    ("Sweep and tune: many configurations at once", "pipesim tune", ("best", "over", "note:")),
+])
+def test_a_readme_table_is_what_its_command_prints(title, command_start, first_words, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    command, shown = shown_after(section(title), command_start)
+    args = [str(tmp_path / a) if a.endswith(".html") else a for a in shlex.split(command)[1:]]
+    code, out, err = pipesim(*args)
+    assert code == 0, err
+    words_agree(shown, out, first_words)
