@@ -493,7 +493,8 @@ def test_the_memory_panel_stacks_the_fullest_devices_parts(tmp_path):
 @needs_chromium
 def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
     """DualPipeV with expert parallelism draws 13 kinds of op: at 1000 px their legend wraps into two rows, which
-    plotly grows upwards from the lanes; the top margin makes room, so the legend never covers the title."""
+    plotly grows upwards from the lanes; the top margin makes room, so the legend never covers the title. And the
+    title, too long for one line there, puts its shape on a second line, clear of the mode bar."""
     from tests.conftest import pipesim
 
     page = tmp_path / "ep.html"
@@ -507,3 +508,5 @@ def test_a_legend_wrapped_into_rows_stays_under_the_title(tmp_path):
     assert legend_height > 40, "the legend is one row: this page no longer checks a wrapped one"
     assert legend_top >= title_top + title_height, (v.geometry["title"], v.geometry["legend"])
     assert legend_top + legend_height <= v.geometry["plot"][1] + 1
+    title_left, _, title_width, _ = v.geometry["title"]
+    assert title_left + title_width <= v.geometry["modebar"][0], (v.geometry["title"], v.geometry["modebar"])

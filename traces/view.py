@@ -476,6 +476,8 @@ _TIMELINE_JS = r"""
   const MAX_TIMELINE_PX = 1100, MIN_LANE_PX = 5, MAX_LANE_PX = 24, MEMORY_PX = 220, GAP_PX = 56;
   const PANEL_PX = 170, PANEL_GAP_PX = 36;  // a view of several traces: one memory panel each, on its own axis
   const LEGEND_GAP_PX = 8;  // at least this between the title and the kinds' legend under it
+  // The title's fonts (plotly's default family), and the width of the mode bar at the figure's top right.
+  const FONT_FAMILY = "'Open Sans', verdana, arial, sans-serif", TITLE_PX = 14, SHAPE_PX = 12, MODEBAR_PX = 260;
   const STREAM_NAMES = ["", " send", " recv", " network"], NS = STREAM_NAMES.length;
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
@@ -688,13 +690,20 @@ _TIMELINE_JS = r"""
   function fmt(v, digits) {
     return Number(v).toLocaleString("en-US", {minimumFractionDigits: digits, maximumFractionDigits: digits});
   }
-  function viewTitle(built) {
+  // Each trace's line of the title: its figures, then in grey its shape, on a line of its own where the two do
+  // not fit in `width` px beside the mode bar (a long shape at 1000 px ran under it and off the page).
+  function viewTitle(built, width) {
+    const context = document.createElement("canvas").getContext("2d");
+    const textPx = (text, px) => { context.font = px + "px " + FONT_FAMILY; return context.measureText(text).width; };
     return built.members.map(T => {
       const s = T.summary, m = T.meta;
-      return "<b>" + esc(T.label) + "</b>: makespan " + fmt(s.makespan_ms, 2) + " ms, bubble " +
+      const head = T.label + ": makespan " + fmt(s.makespan_ms, 2) + " ms, bubble " +
         fmt(100 * s.bubble_fraction, 1) + "%, " + fmt(s.time_per_minibatch_ms, 3) + " ms/step, peak " +
-        mib(s.peak_memory_mb) + " <span style='font-size:12px;color:#666'>(" + esc(m.shape) + ", " +
-        T.n.toLocaleString("en-US") + " ops, " + m.source + ")</span>";
+        mib(s.peak_memory_mb);
+      const shape = "(" + m.shape + ", " + T.n.toLocaleString("en-US") + " ops, " + m.source + ")";
+      const apart = textPx(head + " ", TITLE_PX) + textPx(shape, SHAPE_PX) > width - MODEBAR_PX;
+      return "<b>" + esc(T.label) + "</b>" + esc(head.slice(T.label.length)) + (apart ? "<br>" : " ") +
+        "<span style='font-size:" + SHAPE_PX + "px;color:#666'>" + esc(shape) + "</span>";
     }).join("<br>");
   }
   function mib(v) { return v === null ? "n/a (not recorded)" : fmt(v, 0) + " MiB"; }  // unknown is not 0
@@ -706,8 +715,7 @@ _TIMELINE_JS = r"""
     const span = (lanes.length ? lanes[lanes.length - 1].y : 0) + 1.6;
     const lanePx = Math.max(MIN_LANE_PX, Math.min(MAX_LANE_PX, MAX_TIMELINE_PX / span));
     const timelinePx = Math.max(lanePx * span, 110);
-    const titleLines = members.length;
-    const margin = {t: 46 + 20 * titleLines, b: 50, l: 0, r: 20};
+    const margin = {t: 0, b: 50, l: 0, r: 20};
     // Tick labels no closer than 11 px: label every k-th device where lanes are thin.
     const devices = lanes.length ? lanes[lanes.length - 1].device + 1 : 1;
     const devicePx = lanePx * (lanes.length / devices + GAP);  // from one device's first lane to the next's
@@ -716,6 +724,8 @@ _TIMELINE_JS = r"""
     margin.l = 24 + 6.5 * Math.max(8, ...shown.map(l => l.label.length));
     const memoryLegend = built.panels.some(panel => !panel.heatmap);
     if (hasMemory) margin.r = memoryLegend ? 100 : 80;  // the memory legend, or the heatmaps' colour bars
+    const title = viewTitle(built, columns - margin.l);
+    margin.t = 46 + 20 * title.split("<br>").length;
     const panelPx = built.panels.length > 1 ? PANEL_PX : MEMORY_PX;
     const memoryPx = built.panels.length * (panelPx + PANEL_GAP_PX) - PANEL_GAP_PX;
     const plotPx = timelinePx + (hasMemory ? GAP_PX + memoryPx : 0);
@@ -797,7 +807,7 @@ _TIMELINE_JS = r"""
     const layout = {
       height, margin, hovermode: "closest", dragmode: "zoom", uirevision: built.view.name,
       paper_bgcolor: "#fff", plot_bgcolor: "#fff", font: {size: 12},
-      title: {text: viewTitle(built), x: 0, xref: "paper", xanchor: "left", y: 1, yref: "container",
+      title: {text: title, x: 0, xref: "paper", xanchor: "left", y: 1, yref: "container",
               yanchor: "top", pad: {t: 10}, font: {size: 14}},
       legend: {orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", tracegroupgap: 4},
       xaxis: {anchor: hasMemory ? "y" + (built.panels.length + 1) : "y", title: {text: "time (ms)"}, range: [0, xEnd],
@@ -1006,6 +1016,7 @@ _TIMELINE_JS = r"""
       points: gd.data.reduce((total, d) => total + (d.x ? d.x.length : 0), 0),
       lanes: b.lanes.map(l => toPx(l.y)),
       title: onPage(gd.querySelector(".gtitle")), legend: onPage(gd.querySelector("g.legend")),
+      modebar: onPage(gd.querySelector(".modebar")),
       memory: b.panels.map((panel, j) => {
         const axis = fl["yaxis" + (j + 2)];
         return {trace: b.members[panel.member].label, range: axis.range,
