@@ -526,8 +526,12 @@ class _Built:
         self._cut: dict[int, Shape] = {}  # fixed chains' shapes bounded over their best cut
         self._plans: dict[int, tuple] = {}  # fixed orders' partitions (`_plan`), which their candidates reuse
         self._chains: dict[int, _ChainWork | None] = {}  # by id of the setting
-        self._links: dict[tuple[int, int, int], tuple[Cluster, CollectiveLink]] = {}  # by setting, p and d
+        self._links: dict[tuple[int, int, int], Cluster] = {}  # by setting, p and d
+        self._data_links: dict[tuple[int, int, int], CollectiveLink | None] = {}  # by setting, p and d
         self._splitters: dict[int, Callable[..., list[int]]] = {}  # by id of the setting: partitions are shared
+        self._reduces: dict[tuple[int, int, int], dict[int, float]] = {}  # by setting, p and d: a stage's REDUCE by
+        # its bytes (`_layer_reduces_ms`)
+        self._layers: dict[int, tuple[np.ndarray, bool]] = {}  # by id of the setting (`_layer_bytes`)
 
     def advance(self, shape: Shape) -> Shape | Candidate | None:
         """What a shape becomes once its bound comes up: its candidate; first, for a searched order, whose search
@@ -551,7 +555,7 @@ class _Built:
             _, short, order, bounds = plan
             if searched:
                 costs = scenario.costs(order.schedule, bounds)
-                links = self._frame_links(shape.setting, config)[0]
+                links = self._frame_links(shape.setting, config)
                 step_ms = max(_searched_bound_ms(costs, config.microbatches, _hops_ms(links, costs, config.stages),
                                                  _send_holds_ms(order.schedule, order.per_step,
                                                                 costs.transfers_hold_products, links,
@@ -583,27 +587,45 @@ class _Built:
         tree at its full rate (`_mean_reduce_ms`); none for one replica."""
         if config.replicas == 1:
             return np.zeros(len(bounds) - 1)
-        link = self._frame_links(setting, config)[1]
-        held = np.concatenate([[0], np.cumsum([layer.param_bytes for layer in setting.scenario.measured.layers])])
-        return np.array([link.all_reduce_ms(float(nbytes), config.replicas, tree_correction=False)
-                         for nbytes in held[bounds[1:]] - held[bounds[:-1]]])
+        link, held = self._data_link(setting, config), self._layer_bytes(setting)[0]
+        priced = self._reduces.setdefault((id(setting), config.stages, config.replicas), {})
+        for nbytes in (stages := (held[bounds[1:]] - held[bounds[:-1]]).tolist()):
+            if nbytes not in priced:  # partitions of a model of like layers cut stages of like bytes
+                priced[nbytes] = link.all_reduce_ms(float(nbytes), config.replicas, tree_correction=False)
+        return np.array([priced[nbytes] for nbytes in stages])
 
-    def _frame_links(self, setting: Setting, config: Config) -> tuple[Cluster, CollectiveLink]:
-        """The links between a pipeline's devices and its replicas' all-reduce link, which depend on p and d
-        alone (`Scenario.links`, `Scenario.data_parallel_link`): looked up once per setting, p and d."""
+    def _layer_bytes(self, setting: Setting) -> tuple[np.ndarray, bool]:
+        """The setting's layers' weights' bytes as prefix sums, and whether they form a chain (`_chain_of_layers`),
+        read once: the layer bounds ask for them on every partition."""
+        if id(setting) not in self._layers:
+            layers = setting.scenario.measured.layers
+            self._layers[id(setting)] = (np.concatenate([[0], np.cumsum([layer.param_bytes for layer in layers])]),
+                                         _chain_of_layers(setting.scenario.measured))
+        return self._layers[id(setting)]
+
+    def _frame_links(self, setting: Setting, config: Config) -> Cluster:
+        """The links between a pipeline's devices, which depend on p and d alone (`Scenario.links`): looked up once
+        per setting, p and d."""
         key = (id(setting), config.stages, config.replicas)
         if key not in self._links:
-            frame = _frame(config)
-            self._links[key] = setting.scenario.links(frame), setting.scenario.data_parallel_link(frame)
+            self._links[key] = setting.scenario.links(_frame(config.stages, config.replicas))
         return self._links[key]
+
+    def _data_link(self, setting: Setting, config: Config) -> CollectiveLink | None:
+        """The replicas' all-reduce link (`_data_link`; None for one replica), looked up once per setting, p and d:
+        the bounds of shapes whose devices' links are never looked up want it too."""
+        key = (id(setting), config.stages, config.replicas)
+        if key not in self._data_links:
+            self._data_links[key] = _data_link(setting.scenario, config.stages, config.replicas)
+        return self._data_links[key]
 
     def _layer_hops_ms(self, setting: Setting, config: Config, bounds: list[int]) -> np.ndarray:
         """`_hops_ms` for these stages, each sending its last layer's output (a chain of layers; 0 where the
         layers branch, whose boundaries carry what their costs say)."""
         p, profile = config.stages, setting.scenario.measured
-        if not _chain_of_layers(profile):
+        if not self._layer_bytes(setting)[1]:
             return np.zeros(p - 1)
-        links = self._frame_links(setting, config)[0]
+        links = self._frame_links(setting, config)
         sent = [profile.layers[bounds[k + 1] - 1].output_bytes for k in range(p - 1)]
         return np.array([links.link(k, k + 1).transfer_ms(sent[k]) + links.link(k + 1, k).transfer_ms(sent[k])
                          for k in range(p - 1)])
@@ -612,10 +634,10 @@ class _Built:
         """`_send_holds_ms` for these stages, each sending its last layer's output (a chain of layers; 0 where the
         layers branch, as `_layer_hops_ms`)."""
         scenario = setting.scenario
-        if not _chain_of_layers(scenario.measured) or any(layer.product_ms for layer in scenario.measured.layers):
+        if not self._layer_bytes(setting)[1] or any(layer.product_ms for layer in scenario.measured.layers):
             return np.zeros(config.stages)  # products held at most their own time: the rows' times not known here
         return _send_holds_ms(order.schedule, order.per_step, scenario.transfers_hold_products,
-                              self._frame_links(setting, config)[0],
+                              self._frame_links(setting, config),
                               [scenario.measured.layers[end - 1].output_bytes for end in bounds[1:]])
 
     def _cut_bounded(self, shape: Shape) -> Shape | None:
@@ -630,8 +652,9 @@ class _Built:
         if shape.index not in self._cut:
             scenario, p = setting.scenario, config.stages
             step_ms = _best_cut_ms(chain, config.microbatches * sketch.chain[0], sketch.chain[1], scenario.cost_scale,
-                                   chain.hops_ms(self._frame_links(setting, config)[0], p),
-                                   _mean_reduce_ms(scenario, 1, config.replicas, chain.first_param_bytes, p))
+                                   chain.hops_ms(self._frame_links(setting, config), p),
+                                   _mean_reduce_ms(self._data_link(setting, config), 1, config.replicas,
+                                                   chain.first_param_bytes))
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3 if step_ms > 0 else math.inf
             self._cut[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                              cut_bounded=True)
@@ -648,7 +671,7 @@ class _Built:
                 try:
                     self.candidates[shape.index] = _candidate(
                         shape.setting, self.problem, shape.config, shape.index, self._split(shape.setting),
-                        self.orders, self._frame_links(shape.setting, shape.config)[0],
+                        self.orders, self._frame_links(shape.setting, shape.config),
                         self._plans.pop(shape.index, None), costed)
                 except ScheduleError:
                     self.candidates[shape.index] = None
@@ -710,7 +733,7 @@ class _Built:
                 _, short, order, bounds = self._plans[index]
                 self._costing[index] = self._submit(_costed, self._ship(item.setting.scenario), self.problem,
                                                     item.config, order, bounds, short,
-                                                    self._ship(self._frame_links(item.setting, item.config)[0]))
+                                                    self._ship(self._frame_links(item.setting, item.config)))
             if len(self._running) >= self.window:
                 return
 
@@ -825,15 +848,15 @@ def _searched_candidate(setting: Setting, problem: Problem, config: Config, inde
     try:
         return _candidate(setting, problem, config, index, _splitter(setting.scenario.measured,
                                                                      setting.scenario.optimizer), _Orders(),
-                          setting.scenario.links(_frame(config)))
+                          setting.scenario.links(_frame(config.stages, config.replicas)))
     except ScheduleError:
         return None
 
 
-def _frame(config: Config) -> Schedule:
-    """A pipeline of the configuration's p devices and d replicas, with no order: what its links and all-reduce
-    link are looked up for."""
-    return schedule_frame(ScheduleParams(config.stages, 1, data_parallel=config.replicas))
+def _frame(stages: int, replicas: int) -> Schedule:
+    """A pipeline of p devices and d replicas, with no order: what its links and all-reduce link are looked up
+    for."""
+    return schedule_frame(ScheduleParams(stages, 1, data_parallel=replicas))
 
 
 def prepare(settings: list[Setting], problem: Problem) -> tuple[list[Candidate], int, int]:
@@ -1103,7 +1126,8 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
         work = _work(profile, scenario.optimizer)
         depths = [p for p in _depths(problem.devices // t, layers, _prices_data_parallel(profile))
                   if setting.depths is None or p in setting.depths] if problem.devices % t == 0 else []
-        reduce_ms = {p: _mean_reduce_ms(scenario, p, problem.devices // (p * t), work.param_bytes) for p in depths}
+        reduce_ms = {p: _mean_reduce_ms(_data_link(scenario, p, problem.devices // (p * t)), p,
+                                        problem.devices // (p * t), work.param_bytes) for p in depths}
         for name in problem.schedules:
             for p in depths:
                 replicas = problem.devices // (p * t)
@@ -1125,18 +1149,21 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
     return shapes, count, refused
 
 
-def _mean_reduce_ms(scenario: Scenario, stages: int, replicas: int, gradient_bytes: int,
-                    depth: int | None = None) -> float:
+def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, gradient_bytes: int) -> float:
     """What p stages' REDUCEs over r replicas take at least on average, however the model's gradients are cut
     among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the bytes (the tree at
     its full rate, at most what its size correction leaves), is concave in them, so the mean over any cut is at
-    least the chord from no bytes to all of them, 1/p of the way. `depth`: the pipeline's, where it is not
-    the number of parts the bytes are cut into (one part: a REDUCE of at least those bytes)."""
+    least the chord from no bytes to all of them, 1/p of the way (one part: a REDUCE of at least those bytes).
+    `link`: the replicas' (`_data_link`; None for one replica, which reduces nothing)."""
     if replicas == 1:
         return 0.0
-    link = scenario.data_parallel_link(schedule_frame(ScheduleParams(depth or stages, 1, data_parallel=replicas)))
     empty, whole = (link.all_reduce_ms(nbytes, replicas, tree_correction=False) for nbytes in (0, gradient_bytes))
     return empty + (whole - empty) / stages
+
+
+def _data_link(scenario: Scenario, stages: int, replicas: int) -> CollectiveLink | None:
+    """The link a p-deep pipeline's r replicas all-reduce over (`Scenario.data_parallel_link`); None for one."""
+    return None if replicas == 1 else scenario.data_parallel_link(_frame(stages, replicas))
 
 
 def evaluate(problem: Problem, candidate: Candidate) -> Result:

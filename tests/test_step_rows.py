@@ -124,3 +124,30 @@ def test_an_orders_rows_are_read_once_shared_with_its_replicas_and_not_pickled()
     assert repr(tuning._planned_bound_ms(sent, 1, np.ones((4, NUM_COMPUTE_KINDS)), np.ones(4), np.ones(3),
                                          np.zeros(4), np.ones(4))) == repr(tuning._planned_bound_ms(
         order, 1, np.ones((4, NUM_COMPUTE_KINDS)), np.ones(4), np.ones(3), np.zeros(4), np.ones(4)))
+
+
+def test_a_stages_least_reduce_is_priced_once_per_size_and_frame(monkeypatch):
+    """The bound on a fixed order's partition prices each stage's least REDUCE by its weights' bytes: stages of like
+    bytes (a model of like layers cut many ways) are priced once per setting, p and d, each as priced alone."""
+    from pipesim.planning.scenario import CollectiveLink
+    from tests.test_tune_reserve import searched_settings
+
+    setting = next(s for s in searched_settings("-D", 8, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--recompute",
+                                                "none", model=("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers",
+                                                               12, "--width", 512, "--heads", 8))
+                   if s.depths == (2,))
+    config = tuning.Config("1f1b", 2, 1, 1, 4, 4, 1, 2, "none")
+    built = tuning._Built(tuning.Problem(8, 80 * tuning.GIB, 32, ("1f1b",)), tuning._Orders())
+    link = tuning._data_link(setting.scenario, 2, 4)
+    held = np.cumsum([0, *(layer.param_bytes for layer in setting.scenario.measured.layers)])
+    priced, alone = [], CollectiveLink.all_reduce_ms
+    monkeypatch.setattr(CollectiveLink, "all_reduce_ms", lambda self, nbytes, ranks, tree_correction=True: (
+        priced.append(nbytes) or alone(self, nbytes, ranks, tree_correction)))
+    cuts = [[0, 7, 14], [0, 6, 14], [0, 7, 14], [0, 8, 14]]
+    found = [built._layer_reduces_ms(setting, config, bounds) for bounds in cuts]
+    sizes = {int(held[b] - held[a]) for bounds in cuts for a, b in zip(bounds, bounds[1:])}
+    assert sorted(priced) == sorted(float(n) for n in sizes)  # each size once
+    monkeypatch.undo()
+    for bounds, reduces in zip(cuts, found):
+        assert reduces.tolist() == [link.all_reduce_ms(float(held[b] - held[a]), 4, tree_correction=False)
+                                    for a, b in zip(bounds, bounds[1:])]

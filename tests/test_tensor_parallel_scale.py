@@ -201,14 +201,14 @@ def test_tunes_reduce_bound_stays_below_what_the_simulation_prices(gpt16):
     on NCCL's ring, whose steps inside a node cost 3.4 us, not the 14 us of a plain ring's network steps."""
     from pipesim.planning.estimate import estimate_profile
     from pipesim.planning.scenario import profile_scenario
-    from pipesim.planning.tune import _mean_reduce_ms
+    from pipesim.planning.tune import _data_link, _mean_reduce_ms
     from pipesim.schedules import ScheduleParams
 
     scenario = profile_scenario(estimate_profile(gpt16, A100, Parallelism(data=16)), "adam")
     link = scenario.data_parallel_link(scenario.build("gpipe", ScheduleParams(1, 1, data_parallel=16)))
     assert link.per_node == 8
     nbytes = 10 ** 9
-    assert 0 < _mean_reduce_ms(scenario, 1, 16, nbytes) <= link.all_reduce_ms(nbytes, 16)
+    assert 0 < _mean_reduce_ms(_data_link(scenario, 1, 16), 1, 16, nbytes) <= link.all_reduce_ms(nbytes, 16)
 
 
 @pytest.mark.parametrize("tp_overlap", [False, True])
