@@ -619,7 +619,7 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
                 style="red" if check.out_of_memory else None, end_section=d == len(s.devices) - 1)
     for name in skipped:
         table.add_row(name, "skipped", style="dim")
-    print_table(table)
+    print_table(table, keys=2)  # a row is a schedule's device: both lead each part
 
 
 def _summing_whole(values: list[float]) -> list[int]:

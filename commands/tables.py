@@ -1,8 +1,9 @@
 """Tables that never cut a number. rich shrinks a table wider than the terminal by cutting its cells to "…";
 here a table is fitted instead: text wraps between words, a short cell (a number with its unit) or a number with
 its spread ("0.357 ± 0.244") never wraps, a table that would wrap gives its padding to the wrapped cells first, and
-a table that cannot fit even so is printed in parts of whole columns, the first column repeated in each, with a
-line that says so. Piped output without $COLUMNS takes the width the table needs."""
+a table that cannot fit even so is printed in parts of whole columns, the first column (or the first few, which
+name a row) repeated in each, with a line that says so. Piped output without $COLUMNS takes the width the table
+needs."""
 
 from __future__ import annotations
 
@@ -86,14 +87,14 @@ def _part(table: Table, indices: list[int]) -> Table:
     return part
 
 
-def _split(table: Table, ranges: list[tuple[int, int]], width: int) -> list[list[int]]:
-    """Column groups, in order, each fitting `width` at its narrowest with the first column repeated in front
-    (a column too wide even beside the first alone gets a part with it all the same)."""
-    groups: list[list[int]] = [[0]]
-    for index in range(1, len(ranges)):
+def _split(table: Table, ranges: list[tuple[int, int]], width: int, keys: int) -> list[list[int]]:
+    """Column groups, in order, each fitting `width` at its narrowest with the first `keys` columns repeated in
+    front (a column too wide even beside them alone gets a part with them all the same)."""
+    groups: list[list[int]] = [list(range(keys))]
+    for index in range(keys, len(ranges)):
         grown = [*groups[-1], index]
-        if len(grown) > 2 and _narrowest_width(_part(table, grown), [ranges[i] for i in grown]) > width:
-            groups.append([0, index])
+        if len(grown) > keys + 1 and _narrowest_width(_part(table, grown), [ranges[i] for i in grown]) > width:
+            groups.append([*range(keys), index])
         else:
             groups[-1] = grown
     return groups
@@ -120,17 +121,18 @@ def _compact(table: Table) -> Table:
     return compact
 
 
-def print_table(table: Table, console: Console = stdout) -> None:
+def print_table(table: Table, console: Console = stdout, keys: int = 1) -> None:
     """Print `table` so that no cell is cut: whole where it fits, else with one space between columns (the
-    padding saved goes to the cells that wrap: tune's "why not" at 100 columns), else in parts of whole columns;
-    its title and caption wrap at the width available, not at the table's."""
+    padding saved goes to the cells that wrap: tune's "why not" at 100 columns), else in parts of whole columns,
+    each led by the first `keys` columns, which name a row (simulate --memory's schedule and device); its title and
+    caption wrap at the width available, not at the table's."""
     width = available_width(console)
     ranges = _content_ranges(console, table)
     parts = [list(range(len(ranges)))]
     if width is not None and _whole_width(table, [widest for _, widest in ranges]) > width:
         table = _compact(table)
-        if _narrowest_width(table, ranges) > width and len(ranges) > 2:
-            parts = _split(table, ranges, width)
+        if _narrowest_width(table, ranges) > width and len(ranges) > keys + 1:
+            parts = _split(table, ranges, width, keys)
     tables = [_part(table, group) for group in parts]
     if width is None:
         width = max(console.width, sum(w for _, w in ranges) + sum(
@@ -149,6 +151,6 @@ def print_table(table: Table, console: Console = stdout) -> None:
         if table.caption:
             console.print(table.caption, style=table.caption_style or "table.caption", width=width, highlight=False)
         if len(tables) > 1:
-            console.print(f"(wider than {width} columns: printed in {len(tables)} parts, the first column repeated "
-                          "in each; a wider terminal, or COLUMNS, shows it whole)", style="dim", width=width,
-                          highlight=False)
+            first = "the first column" if keys == 1 else f"the first {keys} columns"
+            console.print(f"(wider than {width} columns: printed in {len(tables)} parts, {first} repeated in each; "
+                          "a wider terminal, or COLUMNS, shows it whole)", style="dim", width=width, highlight=False)

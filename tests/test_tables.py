@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"\d[\d,.]*%?")
 
 
-def rendered(table: Table, width: int | None) -> list[str]:
+def rendered(table: Table, width: int | None, keys: int = 1) -> list[str]:
     """The lines `print_table` writes for `table` with $COLUMNS at `width` (None: piped, no limit)."""
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as patch:
@@ -29,7 +29,7 @@ def rendered(table: Table, width: int | None) -> list[str]:
             patch.delenv("COLUMNS", raising=False)
         else:
             patch.setenv("COLUMNS", str(width))
-        print_table(table, Console(file=out, width=120, color_system=None))
+        print_table(table, Console(file=out, width=120, color_system=None), keys=keys)
     return out.getvalue().splitlines()
 
 
@@ -105,6 +105,23 @@ def test_a_table_that_wraps_gives_its_padding_to_the_wrapped_cell():
     lines = rendered(table, 100)
     row = [line for line in lines if line.strip() and "─" not in line][1:]  # less the header
     assert len(row) == 2 and all(len(line) <= 100 for line in lines), "\n".join(lines)
+
+
+def test_a_split_table_repeats_the_columns_that_name_a_row():
+    """simulate --memory's rows are a schedule's devices: split at 80 columns, each part leads with both, so a row
+    of the second part still says which device it is."""
+    table = Table(box=box.SIMPLE_HEAD)
+    for header in ("schedule", "device", *(f"part {k}" for k in range(9))):
+        table.add_column(header, justify="right")
+    for device in range(3):
+        table.add_row("1f1b" if device == 0 else "", str(device),
+                      *(f"{(device + 1) * 10 ** 5 + k:,}" for k in range(9)))
+    lines = rendered(table, 80, keys=2)
+    assert any("the first 2 columns repeated" in line for line in lines)
+    for device in range(3):
+        for k in range(9):
+            (line,) = [line for line in lines if f"{(device + 1) * 10 ** 5 + k:,}" in line]
+            assert str(device) in line.split()[:2], "\n".join(lines)
 
 
 # Every command that prints a table, as a new user would type it (small sizes: seconds each).
