@@ -1331,13 +1331,14 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,
     and under torchtitan's op policy all but what it keeps, every second product's output and the fused
     attention's (`_op_policy`); the attention core (s x s tensors) under Megatron-LM's selective; and what the
     recomputed `modules` make, keeping what they read (`Regions`); `torch_compile`: of what op keeps, only what the
-    backward reads (`_unread_kept`), the rest neither kept nor rerun. What the caching allocator replays
-    (sim/caching_allocator.py)."""
+    backward reads (`_unread_kept`), the rest neither kept nor rerun, and its first forward freeing what it reruns
+    (`_compiled_checkpoint_forward`). What the caching allocator replays (sim/caching_allocator.py)."""
     passes = {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events)
               for name, events in layer.allocations.items()}
     made = [(number, shape) for number, shape, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes >= 0]
     kept: frozenset[int] = frozenset()
     rerun: frozenset[int] | None = None
+    first_forward: tuple[tuple[int, int], ...] | None = None
     if recompute == "selective":
         rerun = frozenset(number for number, shape in made if split.core(shape))
     elif recompute in ("full", "op") and _transformer(layer):
@@ -1345,11 +1346,42 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,
         unread = _unread_kept(layer, kept) if torch_compile else frozenset()
         kept -= unread
         rerun = frozenset(number for number, _ in made) - kept - unread
+        if torch_compile:
+            first_forward = _compiled_checkpoint_forward(passes.get("fwd", ()), layer.forward_reads,
+                                                         frozenset(layer.saved_allocations) & rerun)
     regions = Regions.of(layer, modules)
     if regions.made:
         rerun = (rerun or frozenset()) | regions.made
         kept |= {number for number, _, _ in regions.inputs if number >= 0}
-    return LayerAllocations(passes, frozenset(layer.saved_allocations), rerun, kept)
+    return LayerAllocations(passes, frozenset(layer.saved_allocations), rerun, kept, first_forward=first_forward)
+
+
+def _compiled_checkpoint_forward(events: Sequence[tuple[int, int]], reads: Sequence[tuple[int, Sequence[int]]],
+                                 rerun_saved: frozenset[int]) -> tuple[tuple[int, int], ...]:
+    """A compiled block's first forward under its checkpoint (`LayerAllocations.first_forward`), from the count's
+    eager one (`events`, a rank's passes["fwd"]): each storage of `rerun_saved` (what autograd saves and the
+    checkpoint reruns) freed once the last storage made from it (the count's data flow, `reads`:
+    `LayerCount.forward_reads`) is made, or as soon as it is made where none is. The checkpoint holds none of
+    them (torch/utils/checkpoint.py `_checkpoint_hook`: its pack hook keeps a `_Holder`, not the tensor),
+    compiled the partitioner saves none (they are recomputed), and Inductor frees each buffer after its last use
+    (torch/_inductor/scheduler.py `compute_last_usage`, `free_buffers`), where the count, autograd saving them,
+    held them to the block's end. A later in-place write's reads count at its storage's making. A count without
+    its data flow: as counted."""
+    if not reads:
+        return tuple(events)
+    last = {number: number for number in rerun_saved}
+    for number, read in reads:
+        for source in rerun_saved.intersection(read):
+            last[source] = max(last[source], number)
+    frees: dict[int, list[tuple[int, int]]] = {}
+    made = {number: nbytes for number, nbytes in events if nbytes > 0}
+    for number in sorted(rerun_saved & made.keys()):
+        frees.setdefault(last[number], []).append((number, -made[number]))
+    out: list[tuple[int, int]] = []
+    for number, nbytes in events:  # a storage's first event is its making (an empty one's, 0 bytes, too)
+        out.append((number, nbytes))
+        out += frees.pop(number, ())
+    return tuple(out)
 
 
 def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Parallelism) -> tuple[float, float]:

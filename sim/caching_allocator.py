@@ -557,7 +557,10 @@ class LayerAllocations:
     pipeline FSDP2 gathers, reshards and reduce-scatters block by block in each pass (`stage_program`); `fsdp_root`:
     the layer's parameters are the model's root's (torchtitan's parallelize_llama at 9dec370 runs `fully_shard` on
     each transformer block, then on the model: its embedding, final norm and head), one group gathered before the
-    forward and reduce-scattered after the backward, the rest a block each."""
+    forward and reduce-scattered after the backward, the rest a block each. `first_forward`: the forward as a
+    compiled block runs it inside its checkpoint, freeing what its backward reruns once nothing later reads it
+    (planning/estimate.py `_compiled_checkpoint_forward`), where the rerun makes and holds them as passes["fwd"]
+    does; None: passes["fwd"]."""
 
     passes: Mapping[str, PassAllocations]
     saved: frozenset[int] = frozenset()
@@ -565,6 +568,7 @@ class LayerAllocations:
     kept: frozenset[int] = frozenset()
     unsharded: tuple[tuple[int, int, int], ...] = ()
     fsdp_root: bool = False
+    first_forward: PassAllocations | None = None
 
 
 def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, int, int]]]:
@@ -650,25 +654,27 @@ def stage_program(layers: Sequence[LayerAllocations], part: int = 0) -> StagePro
     `part`: the stage's place among its device's, each a model part FSDP2 shards as a root of its own, with its
     own all-gather and reduce-scatter streams (`FSDPCommContext.lazy_init`)."""
     return _written_stage(tuple((tuple((name, tuple(events)) for name, events in layer.passes.items()), layer.saved,
-                                 layer.rerun, layer.kept, layer.unsharded, layer.fsdp_root) for layer in layers), part)
+                                 layer.rerun, layer.kept, layer.unsharded, layer.fsdp_root,
+                                 None if layer.first_forward is None else tuple(layer.first_forward))
+                                for layer in layers), part)
 
 
 @functools.lru_cache(maxsize=64)
 def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
-    """`stage_program`'s layers, each as its content (passes' items, saved, rerun, kept, unsharded), written down: a
-    forward runs them in order, each holding what it leaves live but what its backward reruns until its full or
-    weight backward; a backward runs them reversed, each rerunning first what its forward did not keep (the input
-    pass holds it for the weight pass, which runs after it), then freeing what its own pass leaves live and, but
-    for the input pass, what the layer held. FSDP2's whole tensors (`StageProgram`): a step's first forward
-    gathers each layer's weights as the layer begins (`unshard`, `wait_for_unshard`: the all-gather's flat output
-    made on its stream, the previous layer's freed, the weights copied out of it), its first full or weight
-    backward makes each layer's gradients once the layer's pass has made its own; RELEASE, in the model's order as
-    FSDP2's post_backward runs each layer (`reshard`, `foreach_reduce`): its weights freed, the previous layer's
-    reduce-scatter input freed, its own made (its gradients' bytes), its gradients freed, its shard made on the
-    reduce-scatter stream; ZERO_GRAD frees the shards; LEFT makes the shards and the last layer's all-gather
-    output, as the step before left them."""
-    stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded, root)
-             for passes, saved, rerun, kept, unsharded, root in layers]
+    """`stage_program`'s layers, each as its content (passes' items, saved, rerun, kept, unsharded, fsdp_root,
+    first_forward), written down: a forward runs them in order, each holding what it leaves live but what its
+    backward reruns until its full or weight backward; a backward runs them reversed, each rerunning first what its
+    forward did not keep (the input pass holds it for the weight pass, which runs after it), then freeing what its
+    own pass leaves live and, but for the input pass, what the layer held. FSDP2's whole tensors (`StageProgram`): a
+    step's first forward gathers each layer's weights as the layer begins (`unshard`, `wait_for_unshard`: the
+    all-gather's flat output made on its stream, the previous layer's freed, the weights copied out of it), its
+    first full or weight backward makes each layer's gradients once the layer's pass has made its own; RELEASE, in
+    the model's order as FSDP2's post_backward runs each layer (`reshard`, `foreach_reduce`): its weights freed, the
+    previous layer's reduce-scatter input freed, its own made (its gradients' bytes), its gradients freed, its shard
+    made on the reduce-scatter stream; ZERO_GRAD frees the shards; LEFT makes the shards and the last layer's
+    all-gather output, as the step before left them."""
+    stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded, root, first)
+             for passes, saved, rerun, kept, unsharded, root, first in layers]
     program = Program()
     # each layer's whole weights', gradients', shard's and all-gather output's slots, and the ops that make them
     gathered, accumulated, sharded, flat = [], [], [], []
@@ -1116,8 +1122,10 @@ def add_reserve(trace: Trace, reserve_bytes: Sequence[int]) -> None:
 
 
 def _forward(program: Program, layer: LayerAllocations) -> list[int]:
-    """A layer's forward written down: the slots it holds for its backward."""
-    live = program.replay(layer.passes.get("fwd", ()), held=layer.kept)
+    """A layer's forward written down (its `first_forward` where it has one): the slots it holds for its
+    backward."""
+    forward = layer.passes.get("fwd", ()) if layer.first_forward is None else layer.first_forward
+    live = program.replay(forward, held=layer.kept)
     for number in (layer.saved & (layer.rerun or frozenset())) & live.keys():  # the backward makes them again
         program.free(live.pop(number))
     return list(live.values())
