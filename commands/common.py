@@ -811,9 +811,11 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     optimizer_buckets = flags.get("optimizer_buckets", "megatron")
     if optimizer_buckets not in OPTIMIZER_BUCKETS:
         raise InputError(f"--optimizer-buckets: choose from {', '.join(OPTIMIZER_BUCKETS)} (got {optimizer_buckets!r})")
-    if optimizer_buckets != "megatron" and (flags["profile"] is None and flags.get("gpu") is None or zero != 1):
+    missing = [flag for flag, given in (("--gpu NAME or --profile PATH", flags["profile"] is not None
+                                         or flags.get("gpu") is not None), ("--zero 1", zero == 1)) if not given]
+    if optimizer_buckets != "megatron" and missing:
         raise InputError(f"--optimizer-buckets {optimizer_buckets} groups the distributed optimizer's collectives of "
-                         "--gpu's or --profile's layers: give --zero 1")
+                         f"--gpu's or --profile's layers: give {' and '.join(missing)}")
     stage_cut = flags.get("stage_cut", "balanced")
     try:
         first_last(stage_cut)
