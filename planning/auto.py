@@ -141,11 +141,7 @@ def stage_times(params: ScheduleParams, costs: Costs, links: Cluster, memory_byt
     send_ms = tuple(links.link(k, k + 1).transfer_ms(out[k]) for k in range(p - 1))
     grad_ms = tuple(links.link(k + 1, k).transfer_ms(out[k]) for k in range(p - 1))
     held = np.array([c.activation_bytes + (c.held_bytes or 0) for c in costs.stages], dtype=float)
-    # What a split backward keeps from I until W, as the simulator counts it (sim/engine.py `_memory_tables`: a
-    # stage's `wgrad_kept_bytes` and output gradients where known, else the fraction of its activations rounded to
-    # whole bytes), so a limit the search holds the simulation holds too.
-    kept = np.array([round(costs.wgrad_activation_fraction * c.activation_bytes) if c.wgrad_kept_bytes is None
-                     else c.wgrad_kept_bytes + c.wgrad_gradient_bytes for c in costs.stages], dtype=float)
+    kept = np.add(*costs.wgrad_held_bytes(), dtype=float)  # from I until W, as the simulator holds it
     unit = "bytes"
     if not held.any():  # no sizes given: count micro-batches
         held, kept, unit = np.ones(p), np.full(p, costs.wgrad_activation_fraction), "micro-batches"

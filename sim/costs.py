@@ -392,6 +392,16 @@ class Costs:
         network time, on a stream of its own."""
         return np.array([_op_ms(c, pipelines) for c in self.stages], dtype=float).reshape(-1, NUM_COMPUTE_KINDS)
 
+    def wgrad_held_bytes(self) -> tuple[list[int], list[int]]:
+        """Per stage, what a split backward holds from the end of its I until the end of its W: of its activations
+        (`StageCosts.wgrad_kept_bytes`; not known: `wgrad_activation_fraction` of them, rounded to whole bytes), and
+        the output gradients its I makes for the W beside them (none where the first is not known). The
+        simulator's memory and auto's activation limit both read it, so that a limit the search holds the
+        simulation holds too."""
+        kept = [round(self.wgrad_activation_fraction * c.activation_bytes) if c.wgrad_kept_bytes is None
+                else c.wgrad_kept_bytes for c in self.stages]
+        return kept, [0 if c.wgrad_kept_bytes is None else c.wgrad_gradient_bytes for c in self.stages]
+
     def hidden_ms_table(self) -> np.ndarray:
         """Ms per (model stage, compute kind), as `op_ms_table`: of a collective row's network time, the part its
         pass's compute covers (a ring's exchanges under the attention blocks they run beside: a RING_F's under its

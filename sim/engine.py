@@ -429,11 +429,7 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         if schedule.placement[src] == schedule.placement[dst] and stages[dst].held_bytes is not None:
             local_in[dst] += stages[src].output_bytes
     roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
-    # Of the activations, what a split backward keeps from I until W (`StageCosts.wgrad_kept_bytes`), and the output
-    # gradients its I makes for its W beside them
-    kept = per_stage([round(a * costs.wgrad_activation_fraction) if c.wgrad_kept_bytes is None else c.wgrad_kept_bytes
-                      for a, c in zip(activation.tolist(), stages)])
-    kept_gradients = per_stage([c.wgrad_gradient_bytes if c.wgrad_kept_bytes is not None else 0 for c in stages])
+    kept, kept_gradients = map(per_stage, costs.wgrad_held_bytes())  # from I until W
     # A forward on its receive buffer (`StageCosts.buffered_input_bytes`), a buffer `static_parts` counts whole:
     # of what the stage holds from F, the inputs it receives (saved by its first layer, or held as roots) are it.
     received = np.minimum(per_stage([c.buffered_input_bytes for c in stages]), np.maximum(activation - kept, 0) + roots)
