@@ -1192,17 +1192,19 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
 
 def wgrad_kept(layer: LayerCount, split: _Split, rest_share: float) -> tuple[int | None, int]:
     """What Megatron-LM's deferred weight pass keeps of `layer` on one of its stage's t·C ranks, from the end of the
-    input pass (B) until it runs (W): each product's saved input and its output gradient, which the zero-bubble
-    fork's B puts in `WeightGradStore` and its W reads (megatron/core/tensor_parallel/layers.py,
-    `LinearWithGradAccumulationAndAsyncCommunication.backward`, sail-sg/zero-bubble-pipeline-parallelism at
-    425b42e5; `LayerCount.wgrad_kept_bytes`): (the inputs, None where the count does not mark them; the output
-    gradients). An input on the rank as its activations are (a core tensor 1/t, any other its share); an output
-    gradient as the product runs on the rank: a column-parallel product's 1/t, a row-parallel one's whole (its
-    output reduced after it; under sequence parallelism its gradient all-gathered into it), products that read
-    one input column-parallel (Megatron-core fuses them: q, k and v its linear_qkv, a gated MLP's gate and up its
-    linear_fc1), any other as `_Split.matmul` splits it; both 1/C. Whatever the recomputation: a recomputed
-    layer's products save their inputs again in B, which puts them in the store as the forward's would have
-    been."""
+    input pass (B) until it runs (W): each product's saved input and its output gradient, which the zero-bubble fork's B
+    puts in `WeightGradStore` and its W reads (megatron/core/tensor_parallel/layers.py,
+    `LinearWithGradAccumulationAndAsyncCommunication.backward`, sail-sg/zero-bubble-pipeline-parallelism at 425b42e5;
+    under sequence parallelism as the fork rebased in August 2024 has it (47d9a8ed, read at 3664da69), keeping the input
+    as saved and gathering it again in W: 425b42e5 kept the gathered `total_input`, the shared "mpu" buffer that the
+    next product's gather overwrites):
+    (the inputs, None where the count does not mark them; the output gradients). An input on the rank as its activations
+    are (a core tensor 1/t, any other its share); an output gradient as the product runs on the rank: a column-parallel
+    product's 1/t, a row-parallel one's whole (its output reduced after it; under sequence parallelism its gradient
+    all-gathered into it), products that read one input column-parallel (Megatron-core fuses them: q, k and v its
+    linear_qkv, a gated MLP's gate and up its linear_fc1), any other as `_Split.matmul` splits it; both 1/C. Whatever
+    the recomputation: a recomputed layer's products save their inputs again in B, which puts them in the store as the
+    forward's would have been."""
     if not layer.linear_input_saves:
         return None, 0
     inputs = sum(nbytes / split.t if split.core(shape) else nbytes * rest_share

@@ -125,15 +125,6 @@ class LayerCount:
     model_output_bytes: int = 0
 
     @property
-    def wgrad_kept_bytes(self) -> int:
-        """What a weight-gradient pass deferred after the input-gradient pass reads of this layer, as the
-        zero-bubble fork keeps it (`WeightGradStore.put(total_input, grad_output, ...)`, megatron/core/
-        tensor_parallel/layers.py at sail-sg/zero-bubble-pipeline-parallelism 425b42e5): each product's saved
-        input and its output gradient. A GPT block's: 32·sbh bytes in 16 bits."""
-        inputs = sum(nbytes for (_, nbytes), how in zip(self.saved_tensors, self.linear_input_saves) if how)
-        return inputs + sum(nbytes for _, nbytes, _ in self.weight_grad_outputs)
-
-    @property
     def model_flops(self) -> int:
         """The forward's and backward's FLOPs without recomputation, the routed experts' products at their model
         share (`routed_model_share`): MFU's numerator, which counts each token's k experts whatever the capacity,

@@ -40,9 +40,10 @@ def test_a_gpt_block_keeps_for_its_deferred_weight_pass_the_forks_32_sbh(attenti
     """The fork's W reads the four products' inputs (2, 2, 2 and 8·sbh bytes in fp16) and output gradients (6, 2, 8
     and 2·sbh): 32·sbh, whatever else the block saves (34·sbh + 5·as²b under math)."""
     block = gpt_block(attention)
-    assert sum(nbytes for _, nbytes, _ in block.weight_grad_outputs) == 18 * SBH
-    assert block.wgrad_kept_bytes == 32 * SBH
-    assert block.saved_bytes > block.wgrad_kept_bytes
+    gradients = sum(nbytes for _, nbytes, _ in block.weight_grad_outputs)
+    inputs = sum(nbytes for (_, nbytes), how in zip(block.saved_tensors, block.linear_input_saves) if how)
+    assert (inputs, gradients) == (14 * SBH, 18 * SBH)
+    assert block.saved_bytes > inputs + gradients
 
 
 def _on_rank(t: int, **parallel):
