@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import platform
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -98,7 +97,7 @@ from .fp8 import (
     step_cast_ops,
 )
 from .host import HOST_KERNEL_US, TE_RECIPES, host_bound_ms, issue_ms, module_us, synchronises
-from .ranks import RANK_ORDERS, dense_grid
+from .ranks import RANK_ORDERS, SettingsError, dense_grid
 
 if TYPE_CHECKING:
     from ..hardware.catalogue import Cluster, Curve, Gpu
@@ -162,17 +161,8 @@ PRECISION_ACCUMULATION = {"fp32": "separate", "megatron": "fused", "megatron-16b
                           "fsdp2": "separate", "nemo-bf16-adam": "fused", "megatron-bf16-moments": "fused"}
 
 
-class EstimateError(ValueError):
-    """A parallelism or part the estimate cannot price: one line naming what is wrong, each setting in it written
-    {setting} (a `Parallelism` field, or the count's `attention` or `dtype`), so that the one rule reads in its
-    reader's terms: `said` names each as the commands' flag for it, str() as the setting itself."""
-
-    def __str__(self) -> str:
-        return self.said(str)
-
-    def said(self, name: Callable[[str], str]) -> str:
-        """The line with each {setting} in it as `name(setting)`."""
-        return re.sub(r"\{([a-z_0-9]+)\}", lambda setting: name(setting[1]), str(self.args[0]) if self.args else "")
+class EstimateError(SettingsError):
+    """A parallelism or part the estimate cannot price (`SettingsError`: its settings written {setting})."""
 
 
 @dataclass(frozen=True)
@@ -1644,7 +1634,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                parallel.token_dispatcher, parallel.rank_order, parallel.expert_tensor,
                                _routing_groups(counted.options), parallel.routing)
     except ExpertParallelError as exc:
-        raise EstimateError(str(exc)) from None
+        raise EstimateError(*exc.args) from None  # its {settings} as they are
     links = links_of(placement, parallel.tensor, parallel.pipeline, parallel.data, parallel.context,
                      parallel.rank_order)
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])

@@ -54,7 +54,7 @@ from statistics import NormalDist
 
 from ..profiles.schema import EstimateLink, EstimatePlacement
 from ..profiles.workload import LayerCount, OpCount
-from .ranks import RankOrderError, expert_grid
+from .ranks import RankOrderError, SettingsError, expert_grid
 
 # Per MoE layer and micro-batch: the dispatch and combine after its forward (an A2A_F row), and the gradients' way
 # back after its backward (an A2A_B after B, or after I: the weight-gradient pass routes nothing)
@@ -73,8 +73,8 @@ GEMM_STREAMS = 4  # TransformerEngine's compute streams (common/util/multi_strea
 FLOAT8_PADDING_ROWS = 16
 
 
-class ExpertParallelError(ValueError):
-    """An expert-parallel degree the model or the placement cannot take; one line naming what is wrong."""
+class ExpertParallelError(SettingsError):
+    """An expert-parallel degree the model or the placement cannot take."""
 
 
 @dataclass(frozen=True)
@@ -430,7 +430,7 @@ def expert_group(placement: EstimatePlacement, ranks: int, experts: int | None, 
     try:
         grid = expert_grid(order, tensor, context, pipeline, data, ranks, expert_tensor)
     except RankOrderError as exc:
-        raise ExpertParallelError(str(exc)) from None
+        raise ExpertParallelError(*exc.args) from None  # its {settings} as they are
     if hot_share is not None:
         if ranks == 1:
             raise ExpertParallelError("hot_expert_share: changes nothing on one expert-parallel rank (the experts' "

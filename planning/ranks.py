@@ -23,7 +23,8 @@ Pure arithmetic: no torch."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 RANK_ORDERS = ("pipesim", "megatron")
@@ -32,8 +33,21 @@ _DENSE = {"pipesim": ("tp", "cp", "pp", "dp"), "megatron": ("tp", "cp", "dp", "p
 _EXPERT = {"pipesim": ("tp", "cp", "pp", "ep", "dp"), "megatron": ("tp", "ep", "dp", "pp")}
 
 
-class RankOrderError(ValueError):
-    """A rank order, or an expert grid, the order cannot number; one line naming what is wrong."""
+class SettingsError(ValueError):
+    """A layout the planner refuses: one line naming what is wrong, each setting in it written {setting} (a
+    `Parallelism` field, or the count's `attention` or `dtype`), so that the one rule reads in its reader's terms:
+    `said` names each as the commands' flag for it, str() as the setting itself."""
+
+    def __str__(self) -> str:
+        return self.said(str)
+
+    def said(self, name: Callable[[str], str]) -> str:
+        """The line with each {setting} in it as `name(setting)`."""
+        return re.sub(r"\{([a-z_0-9]+)\}", lambda setting: name(setting[1]), str(self.args[0]) if self.args else "")
+
+
+class RankOrderError(SettingsError):
+    """A rank order, or an expert grid, the order cannot number."""
 
 
 @dataclass(frozen=True)
@@ -98,9 +112,9 @@ def check_expert_replicas(e: int, d: int) -> None:
     """E expert-parallel ranks drawn from the d data-parallel replicas, as pipesim's rank order numbers them and
     `pipesim run` runs them (executor/experts.py): E divides d."""
     if d % e:
-        raise RankOrderError(f"expert: {e} must divide the data-parallel degree, {d} (pipesim's rank order and "
-                             "`pipesim run` draw its ranks from the data-parallel replicas; Megatron-core's "
-                             "order folds them over t·C·d)")
+        raise RankOrderError(f"expert: {e} must divide the data-parallel degree, {d}: give {{data}} a multiple of {e} "
+                             "(pipesim's rank order and `pipesim run` draw its ranks from the data-parallel replicas; "
+                             "Megatron-core's order folds them over t·C·d)")
 
 
 def _check(order: str) -> None:

@@ -138,7 +138,7 @@ def test_the_expert_parallel_degree_must_divide_the_data_parallel_one():
     (("--model", "gpt", "--experts", 3), "--expert-parallel 2 does not divide the model's 3 routed experts"),
     (("--model", "mlp"), "--expert-parallel 2, but the model has no routed experts"),
     (("--model", "gpt", "--experts", 4, "--data-parallel", 3), "--expert-parallel 2 must divide the data-parallel "
-                                                               "degree, 3"),
+                                                               "degree, 3: give --data-parallel a multiple of 2"),
     (("--model", "gpt", "--experts", 4, "--device", "cuda"), "runs on CPU ranks (gloo) only"),
 ])
 def test_run_refuses_experts_it_cannot_place_in_one_line(tmp_path, flags, says):

@@ -88,7 +88,8 @@ def test_a_profile_with_an_all_to_all_term_prices_each_row_for_the_bytes_its_lay
 @pytest.mark.parametrize("args, fragment", [
     (("--expert-parallel", 2, "--data-parallel", 2), "the profile's, and it measured no all-to-all: calibrate the "
                                                      "mixture of experts again with --expert-parallel 2"),
-    (("--expert-parallel", 2), "--expert-parallel 2 must divide the data-parallel degree, 1"),
+    (("--expert-parallel", 2), "--expert-parallel 2 must divide the data-parallel degree, 1: give --data-parallel a "
+                               "multiple of 2"),
 ])
 def test_simulate_refuses_a_profile_that_cannot_price_the_all_to_alls_in_one_line(moe_profile, args, fragment):
     without, _, _ = moe_profile
