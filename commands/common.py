@@ -568,6 +568,7 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
     """Refuse each of `flags` (METHOD_OPTIONS keys) given on the command line that none of the methods `names`
     reads, naming the methods that do; and an elastic coefficient outside (0, 1]."""
     from ..schedules import METHODS
+    from ..schedules.methods import elastic_alpha_refusal
 
     names = list(names)
     for flag in flags:
@@ -575,9 +576,8 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
         readers = [m.name for m in METHODS.values() if m.reads(option)]
         if is_given(ctx, option) and not set(readers) & set(names):
             raise InputError(f"{flag} applies to {', '.join(readers)} only, not {', '.join(names)}")
-    alpha = ctx.params.get("elastic_alpha")
-    if alpha is not None and not 0 < alpha <= 1:
-        raise InputError(f"--elastic-alpha: must be in (0, 1] (got {alpha})")
+    if (refused := elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha")) is not None:
+        raise InputError(refused)
 
 
 def check_allocator(ctx: typer.Context, what) -> None:
@@ -606,15 +606,17 @@ def allocator_fields(allocator: str, counted, parallel) -> dict:
 def check_prediction(source: str | None) -> None:
     """--prediction's value: one of the sources of s (a method that records no form from it is refused when
     its schedule is built, naming the sources it does record)."""
-    from ..schedules.ir import PREDICTION_SOURCES
+    from ..schedules.methods import prediction_refusal
 
-    if source is not None and source not in PREDICTION_SOURCES:
-        raise InputError(f"--prediction: choose from {', '.join(PREDICTION_SOURCES)} (got {source!r})")
+    if (refused := prediction_refusal(source, "--prediction")) is not None:
+        raise InputError(refused)
 
 
 def search_options(activation_limit: str | None, search_seconds: str | None) -> dict[str, float | None]:
     """--activation-limit and --search-seconds as `ScheduleParams` fields: each, where given, one finite number
     above 0. (A limit below one micro-batch's activations is refused when the costs are known.)"""
+    from ..schedules.methods import above_zero_refusal
+
     values: dict[str, float | None] = {}
     for flag, text in (("--activation-limit", activation_limit), ("--search-seconds", search_seconds)):
         value = None
@@ -623,8 +625,8 @@ def search_options(activation_limit: str | None, search_seconds: str | None) -> 
                 value = float(text)
             except ValueError:
                 value = math.nan
-            if not 0 < value < math.inf:
-                raise InputError(f"{flag}: give one finite number above 0 (got {text!r})")
+            if (refused := above_zero_refusal(value, flag, text)) is not None:
+                raise InputError(refused)
         values[flag[2:].replace("-", "_")] = value
     return values
 
@@ -747,11 +749,11 @@ def search_progress(search_seconds: float | None, quiet: bool) -> Iterator[Calla
 def zero_stage(flags: dict) -> int:
     """ZeRO's stage from --zero and --sharded-optimizer (the same as --zero 1), checked against --data-parallel
     and --precision."""
-    from ..schedules.methods import ZERO_STAGES
+    from ..schedules.methods import zero_refusal
 
     zero, sharded = flags.get("zero"), flags.get("sharded_optimizer", False)
-    if zero is not None and zero not in ZERO_STAGES:
-        raise InputError(f"--zero: choose from {', '.join(map(str, ZERO_STAGES))} (got {zero})")
+    if zero is not None and (refused := zero_refusal(zero, "--zero")) is not None:
+        raise InputError(refused)
     if sharded and zero not in (None, 1):
         raise InputError(f"--sharded-optimizer is --zero 1, but --zero {zero} was given: give one of them")
     stage = 1 if sharded else zero or 0

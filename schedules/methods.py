@@ -23,6 +23,35 @@ MAX_STAGES = 4_096  # model stages (p·v) of one pipeline: per-device and per-st
 # nothing, 1 the optimizer state (its master weights included), 2 the weight gradients as well, 3 the weights too
 # (FSDP); what each holds when is sim/engine.py's `static_parts` and `_unsharded_spans`.
 ZERO_STAGES = (0, 1, 2, 3)
+
+
+# What `ScheduleParams` allows of a value the commands read before building one, as one line naming the value as
+# its reader does (`flag`: the commands' flag), None where it is allowed: the rule stated once for both.
+def prediction_refusal(source: str | None, flag: str = "prediction") -> str | None:
+    """A source of the prediction distance s: one of `PREDICTION_SOURCES` (None: the method's primary one)."""
+    if source is None or source in PREDICTION_SOURCES:
+        return None
+    return f"{flag}: choose from {', '.join(PREDICTION_SOURCES)} (got {source!r})"
+
+
+def zero_refusal(zero: int, flag: str = "zero") -> str | None:
+    """ZeRO's stage: one of `ZERO_STAGES`."""
+    if zero in ZERO_STAGES and not isinstance(zero, bool):
+        return None
+    return f"{flag}: choose from {', '.join(map(str, ZERO_STAGES))} (got {zero!r})"
+
+
+def elastic_alpha_refusal(alpha: float | None, flag: str = "elastic_alpha") -> str | None:
+    """AvgPipe's elastic averaging coefficient: in (0, 1] (None: its default, 0.9 / P)."""
+    return None if alpha is None or 0 < alpha <= 1 else f"{flag}: must be in (0, 1] (got {alpha!r})"
+
+
+def above_zero_refusal(value: float | None, flag: str, given: str | None = None) -> str | None:
+    """A searched schedule's knob (`activation_limit`, `search_seconds`): a finite number above 0 (None: its
+    default); `given`, the value as the reader wrote it."""
+    if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf):
+        return None
+    return f"{flag}: give one finite number above 0 (got {value if given is None else given!r})"
 _FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--chunks", "P": "--pipelines"}
 
 
@@ -68,20 +97,16 @@ class ScheduleParams:
                 raise ScheduleError(f"{name} must be a whole number >= 1 (got {value!r})")
         if self.advance is not None and (not isinstance(self.advance, int) or self.advance < 0):
             raise ScheduleError(f"advance must be a whole number >= 0 (got {self.advance!r})")
-        if self.elastic_alpha is not None and not 0 < self.elastic_alpha <= 1:
-            raise ScheduleError(f"elastic_alpha must be in (0, 1] (got {self.elastic_alpha!r})")
-        if self.prediction is not None and self.prediction not in PREDICTION_SOURCES:
-            raise ScheduleError(f"prediction must be one of {', '.join(PREDICTION_SOURCES)} (got {self.prediction!r})")
-        for name in ("activation_limit", "search_seconds"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0 < value < math.inf):
-                raise ScheduleError(f"{name} must be a finite number > 0 (got {value!r})")
+        refused = (elastic_alpha_refusal(self.elastic_alpha) or prediction_refusal(self.prediction)
+                   or above_zero_refusal(self.activation_limit, "activation_limit")
+                   or above_zero_refusal(self.search_seconds, "search_seconds"))
+        if refused:
+            raise ScheduleError(refused)
         for name in ("reduce_after_flush", "overlap_expert_comm"):
             if not isinstance(getattr(self, name), bool):
                 raise ScheduleError(f"{name} must be true or false (got {getattr(self, name)!r})")
-        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ScheduleError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))} (got {self.zero!r})")
+        if (refused := zero_refusal(self.zero)) is not None:
+            raise ScheduleError(refused)
         self._check_size()
 
     @classmethod

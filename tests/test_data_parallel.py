@@ -91,7 +91,7 @@ def test_d_must_be_a_whole_number():
     with pytest.raises(ScheduleError, match="data_parallel must be a whole number >= 1"):
         ScheduleParams(2, 2, data_parallel=0)
     for zero in (True, 4, "1"):
-        with pytest.raises(ScheduleError, match="zero must be one of 0, 1, 2, 3"):
+        with pytest.raises(ScheduleError, match="zero: choose from 0, 1, 2, 3"):
             ScheduleParams(2, 2, data_parallel=2, zero=zero)
 
 

@@ -3,7 +3,7 @@
 `check_expert_replicas`): the library says its settings by name, the commands say the same refusal with their flags
 (commands/estimate.py `flag_line`), one line and exit 2, before the model is counted or a rank starts. So are the
 optimizer's and the precision's names, once in profiles/schema.py `optimizer_refusal` and sim/costs.py
-`precision_refusal`."""
+`precision_refusal`; and a schedule parameter's bounds, once in schedules/methods.py (`ScheduleParams`'s)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ from pipesim.planning.estimate import EstimateError, Parallelism, check_ring_att
 from pipesim.planning.experts import ExpertParallelError, check_expert_ranks
 from pipesim.planning.ranks import RankOrderError, check_expert_replicas
 from pipesim.profiles.schema import optimizer_refusal
+from pipesim.schedules import ScheduleError
+from pipesim.schedules.methods import (
+    ScheduleParams,
+    above_zero_refusal,
+    elastic_alpha_refusal,
+    prediction_refusal,
+    zero_refusal,
+)
 from pipesim.sim.costs import precision_refusal
 from tests.conftest import pipesim
 
@@ -101,3 +109,21 @@ def test_typed_and_estimated_costs_refuse_an_unknown_precision_with_the_one_line
     code, out, err = pipesim("simulate", *costs, "--precision", "bf16")
     assert (code, out, err) == (2, "", f"error: {precision_refusal('bf16', '--precision')}\n")
     assert err == f"error: {flag_line(rule.value)}\n" and err.startswith("error: --precision: choose from fp32, ")
+
+
+@pytest.mark.parametrize("flags, line, params", [
+    (("-s", "xpipe", "--prediction", "bogus"), lambda name: prediction_refusal("bogus", name),
+     dict(prediction="bogus")),
+    (("--data-parallel", "2", "--zero", "4"), lambda name: zero_refusal(4, name), dict(zero=4)),
+    (("-s", "avgpipe", "--elastic-alpha", "2"), lambda name: elastic_alpha_refusal(2.0, name),
+     dict(elastic_alpha=2.0)),
+    (("-s", "auto", "--fwd", "1", "--bwd", "2", "--search-seconds", "0"),
+     lambda name: above_zero_refusal(0.0, name, None if name == "search_seconds" else "0"), dict(search_seconds=0.0)),
+])
+def test_simulate_refuses_schedule_parameters_with_the_schedules_own_rule(flags, line, params):
+    with pytest.raises(ScheduleError) as rule:
+        ScheduleParams(stages=2, microbatches=2, **params)
+    field = next(iter(params))
+    assert str(rule.value) == line(field)
+    code, out, err = pipesim("simulate", *flags)
+    assert (code, out, err) == (2, "", f"error: {line('--' + field.replace('_', '-'))}\n")

@@ -82,7 +82,7 @@ def test_methods_without_prediction_take_no_source():
 
 
 def test_bad_sources_are_refused_naming_what_is_allowed():
-    with pytest.raises(ScheduleError, match=r"prediction must be one of paper, code, counted \(got 'papers'\)"):
+    with pytest.raises(ScheduleError, match=r"prediction: choose from paper, code, counted \(got 'papers'\)"):
         ScheduleParams(4, 2, prediction="papers")
     with pytest.raises(ScheduleError, match="xpipe: prediction 'code' is not a source of s it records; choose from "
                                             "paper, counted"):
