@@ -237,7 +237,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # pydantic: only for --gpu
     from ..planning.estimate import EstimateError, check_ring_attention, kernel_curve
-    from ..workload.sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
+    from ..workload.sizes import kernels_refusal
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
@@ -252,14 +252,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
-    if params.get("cross_entropy", "torch") not in CROSS_ENTROPY:
-        raise InputError(f"--cross-entropy: choose from {', '.join(CROSS_ENTROPY)} (got {params['cross_entropy']!r})")
-    if params.get("cross_entropy", "torch") != "torch" and params.get("loss_parallel"):
-        raise InputError("--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron")
-    if params.get("norm_kernel", "eager") not in NORM_KERNELS:
-        raise InputError(f"--norm-kernel: choose from {', '.join(NORM_KERNELS)} (got {params['norm_kernel']!r})")
-    if params.get("rope_kernel", "eager") not in ROPE_KERNELS:
-        raise InputError(f"--rope-kernel: choose from {', '.join(ROPE_KERNELS)} (got {params['rope_kernel']!r})")
+    if (refused := kernels_refusal(params.get("cross_entropy", "torch"), params.get("norm_kernel", "eager"),
+                                   params.get("rope_kernel", "eager"), params.get("loss_parallel", False))) is not None:
+        raise InputError(refused)  # before the model is counted, which imports torch
     try:
         catalogue = load_catalogue(params.get("gpus"))
     except CatalogueError as exc:

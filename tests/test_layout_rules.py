@@ -3,7 +3,8 @@
 `check_expert_replicas`): the library says its settings by name, the commands say the same refusal with their flags
 (commands/estimate.py `flag_line`), one line and exit 2, before the model is counted or a rank starts. So are the
 optimizer's and the precision's names, once in profiles/schema.py `optimizer_refusal` and sim/costs.py
-`precision_refusal`; and a schedule parameter's bounds, once in schedules/methods.py (`ScheduleParams`'s)."""
+`precision_refusal`; a schedule parameter's bounds, once in schedules/methods.py (`ScheduleParams`'s); and the
+count's kernels, once in workload/sizes.py `kernels_refusal`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pipesim.schedules.methods import (
     zero_refusal,
 )
 from pipesim.sim.costs import precision_refusal
+from pipesim.workload.sizes import kernels_refusal
 from tests.conftest import pipesim
 
 GPT = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "32")
@@ -127,3 +129,25 @@ def test_simulate_refuses_schedule_parameters_with_the_schedules_own_rule(flags,
     assert str(rule.value) == line(field)
     code, out, err = pipesim("simulate", *flags)
     assert (code, out, err) == (2, "", f"error: {line('--' + field.replace('_', '-'))}\n")
+
+
+@pytest.mark.parametrize("flags, kernels", [
+    (("--norm-kernel", "apex"), ("torch", "apex", "eager", False)),
+    (("--rope-kernel", "apex"), ("torch", "eager", "apex", False)),
+    (("--cross-entropy", "apex"), ("apex", "eager", "eager", False)),
+    (("--cross-entropy", "megatron", "--loss-parallel"), ("megatron", "eager", "eager", True)),
+])
+def test_the_commands_refuse_the_counts_kernels_with_its_own_line_before_counting(flags, kernels, tmp_path):
+    code, out, err = pipesim("estimate", *GPT, *flags, "--out", tmp_path / "p.json")
+    assert (code, out, err) == (2, "", f"error: {kernels_refusal(*kernels)}\n")
+    assert err.startswith(f"error: {flags[0]}") or "--loss-parallel" in err
+
+
+def test_the_count_refuses_its_kernels_with_the_same_line():
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+    from pipesim.workload.models import ModelError
+
+    with pytest.raises(ModelError) as refused:
+        count_built("mlp", {"layers": 2, "width": 8}, 1, torch.float32, norm_kernel="apex")
+    assert str(refused.value) == kernels_refusal("torch", "apex", "eager", False)

@@ -54,7 +54,7 @@ from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now,
 from .norms import fused_norms
 from .optim import OPTIMIZERS, make_optimizer
 from .rope import NO_ROPE_TO_FUSE, fused_rope
-from .sizes import CROSS_ENTROPY, NORM_KERNELS, ROPE_KERNELS
+from .sizes import CROSS_ENTROPY, kernels_refusal
 
 __all__ = ["ATTENTION", "CROSS_ENTROPY", "LayerCount", "OpCount", "WorkloadCount", "count_built", "count_model"]
 
@@ -637,14 +637,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     `norm_kernel`: how its RMSNorms run, of `NORM_KERNELS` (fused: workload/norms.py's TransformerEngine kernel).
     `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel; a model
     with no RoPE it replaces is refused, so that the flag never silently changes nothing)."""
-    if norm_kernel not in NORM_KERNELS:
-        raise ModelError(f"--norm-kernel: choose from {', '.join(NORM_KERNELS)} (got {norm_kernel!r})")
-    if rope_kernel not in ROPE_KERNELS:
-        raise ModelError(f"--rope-kernel: choose from {', '.join(ROPE_KERNELS)} (got {rope_kernel!r})")
-    if cross_entropy not in CROSS_ENTROPY:
-        raise ModelError(f"--cross-entropy: choose from {', '.join(CROSS_ENTROPY)} (got {cross_entropy!r})")
-    if loss_parallel and cross_entropy != "torch":
-        raise ModelError("--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron")
+    if (refused := kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel)) is not None:
+        raise ModelError(refused)
     flag = "--loss-parallel" if loss_parallel else "--cross-entropy megatron"
     if (loss_parallel or cross_entropy != "torch") and model.loss is not _classify:
         raise ModelError(f"{flag}: model {model.name!r} has a loss of its own, not a cross entropy pipesim can "

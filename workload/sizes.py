@@ -12,3 +12,17 @@ DEFAULT_SIZES: dict[str, dict[str, int]] = {
 CROSS_ENTROPY = ("torch", "megatron")  # whose cross entropy a model's loss runs (workload/count.py `count_model`)
 NORM_KERNELS = ("eager", "fused")  # how a Hugging Face model's RMSNorms run (workload/norms.py)
 ROPE_KERNELS = ("eager", "fused")  # how a Hugging Face model's rotary position embedding runs (workload/rope.py)
+
+
+def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss_parallel: bool) -> str | None:
+    """The one line refusing kernels the count does not take (None: it takes them), which the command line says
+    before torch is imported and the count says again for its other callers: each of its choices, and torch's
+    loss_parallel only with torch's cross entropy."""
+    for flag, kernel, choices in (("--norm-kernel", norm_kernel, NORM_KERNELS),
+                                  ("--rope-kernel", rope_kernel, ROPE_KERNELS),
+                                  ("--cross-entropy", cross_entropy, CROSS_ENTROPY)):
+        if kernel not in choices:
+            return f"{flag}: choose from {', '.join(choices)} (got {kernel!r})"
+    if loss_parallel and cross_entropy != "torch":
+        return "--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron"
+    return None
