@@ -165,6 +165,14 @@ class EstimateError(SettingsError):
     """A parallelism or part the estimate cannot price (`SettingsError`: its settings written {setting})."""
 
 
+# The settings of a `Parallelism` that name one of a few choices, and those that may be None (none of it).
+_CHOICES = {"expert_gemm": EXPERT_GEMMS, "token_dispatcher": DISPATCHERS, "routing": ROUTINGS,
+            "rank_order": RANK_ORDERS, "recompute": RECOMPUTE, "ema": EMA_PLACES,
+            "grad_accumulation": GRAD_ACCUMULATIONS, "fp8": tuple(FP8_RECIPES), "tp_runtime": TP_RUNTIMES,
+            "cp_rotate": CP_ROTATES, "attention_kernel": ATTENTION_KERNELS}
+_OPTIONAL = ("token_dispatcher", "ema", "grad_accumulation", "fp8")
+
+
 @dataclass(frozen=True)
 class Parallelism:
     """Tensor (t), pipeline (p) and data (d) parallel degrees, context parallelism (C: the sequence split over C
@@ -215,20 +223,13 @@ class Parallelism:
             us = getattr(self, name)
             if us is not None and not 0 <= us < math.inf:
                 raise EstimateError(f"{{{name}}}: the host's microseconds {what}, a finite number from 0 (got {us})")
-        if self.expert_gemm not in EXPERT_GEMMS:
-            raise EstimateError(f"{{expert_gemm}}: choose from {', '.join(EXPERT_GEMMS)} (got {self.expert_gemm!r})")
-        if self.token_dispatcher is not None and self.token_dispatcher not in DISPATCHERS:
-            raise EstimateError(f"{{token_dispatcher}}: choose from {', '.join(DISPATCHERS)} "
-                                f"(got {self.token_dispatcher!r})")
-        if self.routing not in ROUTINGS:
-            raise EstimateError(f"{{routing}}: choose from {', '.join(ROUTINGS)} (got {self.routing!r})")
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices and (value is not None or name not in _OPTIONAL):
+                raise EstimateError(f"{{{name}}}: choose from {', '.join(choices)} (got {value!r})")
         if self.dispatcher_sms is not None and self.token_dispatcher not in FLEX_DISPATCHERS:
             raise EstimateError("{dispatcher_sms}: the multiprocessors DeepEP's or HybridEP's kernels hold; give "
                                 f"{{token_dispatcher}} {' or '.join(FLEX_DISPATCHERS)}")
-        if self.rank_order not in RANK_ORDERS:
-            raise EstimateError(f"{{rank_order}}: choose from {', '.join(RANK_ORDERS)} (got {self.rank_order!r})")
-        if self.recompute not in RECOMPUTE:
-            raise EstimateError(f"{{recompute}}: choose from {', '.join(RECOMPUTE)} (got {self.recompute!r})")
         if (any(name not in RECOMPUTE_REGIONS for name in self.recompute_modules)
                 or len(set(self.recompute_modules)) < len(self.recompute_modules)):
             raise EstimateError(f"{{recompute_modules}}: a comma list of {', '.join(RECOMPUTE_REGIONS)}, each once "
@@ -236,11 +237,6 @@ class Parallelism:
         if self.recompute_modules and self.recompute not in ("none", "selective"):
             raise EstimateError("{recompute_modules} reruns parts of a layer beside {recompute} none or "
                                 f"selective; {{recompute}} {self.recompute} already decides what every layer keeps")
-        if self.ema is not None and self.ema not in EMA_PLACES:
-            raise EstimateError(f"{{ema}}: choose from {', '.join(EMA_PLACES)} (got {self.ema!r})")
-        if self.grad_accumulation is not None and self.grad_accumulation not in GRAD_ACCUMULATIONS:
-            raise EstimateError(f"{{grad_accumulation}}: choose from {', '.join(GRAD_ACCUMULATIONS)} "
-                                f"(got {self.grad_accumulation!r})")
         if self.torch_compile and self.recompute not in COMPILED_RECOMPUTE:
             raise EstimateError("{torch_compile} models what AOTAutograd's partitioner saves of a block compiled "
                                 "inside torch's checkpoint, as torchtitan runs it: give {recompute} "
@@ -250,8 +246,6 @@ class Parallelism:
                                 f"(got tensor {self.tensor})")
         if self.precision is not None and (refused := precision_refusal(self.precision, "{precision}")) is not None:
             raise EstimateError(refused)
-        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise EstimateError(f"{{fp8}}: choose from {', '.join(FP8_RECIPES)} (got {self.fp8!r})")
         if self.fsdp_float8_all_gather and (self.precision != "fsdp2" or self.fp8 is None
                                             or not casts_weights_per_use(FP8_RECIPES[self.fp8])):
             raise EstimateError("{fsdp_float8_all_gather}: FSDP2 casting torchao's float8 weights before it "
@@ -262,8 +256,6 @@ class Parallelism:
             raise EstimateError("{fp8_param_gather}: TransformerEngine's float8 weights all-gathered by the "
                                 f"distributed optimizer; give {{fp8}} {' or '.join(TE_RECIPES)}, a {{precision}} other "
                                 "than fsdp2 and {expert} 1 (a routed expert's float8 gather is not modelled)")
-        if self.tp_runtime not in TP_RUNTIMES:
-            raise EstimateError(f"{{tp_runtime}}: choose from {', '.join(TP_RUNTIMES)} (got {self.tp_runtime!r})")
         if self.tp_overlap and not self.sequence_parallel:
             raise EstimateError("{tp_overlap} overlaps sequence parallelism's all-gathers and reduce-scatters with the "
                                 "products (Megatron's and torch's): give {sequence_parallel} too")
@@ -274,11 +266,6 @@ class Parallelism:
         if self.tp_overlap_fp8_buf and self.fp8 not in TE_RECIPES:
             raise EstimateError(f"{{tp_overlap_fp8_buf}}: TransformerEngine's float8 userbuffers; give {{fp8}} "
                                 f"{' or '.join(TE_RECIPES)} (got {self.fp8 or 'none'})")
-        if self.cp_rotate not in CP_ROTATES:
-            raise EstimateError(f"{{cp_rotate}}: choose from {', '.join(CP_ROTATES)} (got {self.cp_rotate!r})")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise EstimateError(f"{{attention_kernel}}: choose from {', '.join(ATTENTION_KERNELS)} "
-                                f"(got {self.attention_kernel!r})")
 
     @property
     def float8_recipe(self) -> Fp8Recipe | None:
