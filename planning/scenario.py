@@ -52,7 +52,7 @@ from ..schedules import (
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
-from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime
+from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
 
@@ -494,13 +494,15 @@ class Scenario:
         (`StageMemory`): their weights, gradients and optimizer state as the simulator holds them
         (`held_static_parts`, the weight versions its order keeps besides), an activation and a gradient in transfer
         at each end, the most any of its layers' passes creates and frees within itself, and its micro-batches'
-        activations, each held from its forward until the backward or weight pass that ends its backward. The
+        activations, each held from its forward until its backward or input-gradient pass, and after the latter
+        what its weight pass reads until that ends, as the simulator holds them (sim/costs.py `wgrad_held`). The
         caching allocator's reserve is not counted."""
         from ..profiles.schema import layer_costs
 
         layers, t = self.measured.layers, sched.table
         n = len(layers)
-        each = self._sharded_for(profile_costs(self.measured, self.optimizer, range(n + 1)), sched).stages
+        costs = self._sharded_for(profile_costs(self.measured, self.optimizer, range(n + 1)), sched)
+        each = costs.stages
         static = ranges(np.cumsum([0, *(sum(held_static_parts(sched, [c]).values()) for c in each)]))
         weights = ranges(np.cumsum([0, *(c.param_bytes for c in each)]))
         largest = [max(layer.transient_bytes.values(), default=0) for layer in layers]
@@ -510,8 +512,14 @@ class Scenario:
         received = 2 * np.array([0, *(layer.output_bytes for layer in layers[:-1]), 0])  # into layer i, and back
         versions = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), weight_versions(sched).copies_delta,
                                   sched.num_stages)
+        activations = activation_ranges(layer_costs(layers, self.optimizer))
+        layer_kept = [layer.wgrad_kept_bytes for layer in layers]  # summed over a range as a stage's are
+        held_until_w = wgrad_held(activations, ranges(np.cumsum([0, *(kept or 0 for kept in layer_kept)])),
+                                  ranges(np.cumsum([0, *(layer.wgrad_gradient_bytes for layer in layers)])),
+                                  ranges(np.cumsum([0, *(kept is None for kept in layer_kept)])) == 0,
+                                  costs.wgrad_activation_fraction)
         return StageMemory([static + received[:, None] + received[None, :] + kept * weights for kept in versions],
-                           transient, activations=activation_ranges(layer_costs(layers, self.optimizer)),
+                           transient, activations=activations, held_until_w=np.add(*held_until_w),
                            together=_held_together(sched))
 
     def memory_limits(self, sched: Schedule) -> tuple[int | None, ...]:
@@ -655,20 +663,28 @@ class StageMemory:
     """What a schedule's model stages hold on their devices, each for every range [i, j) of a profile's layers
     (entry [i, j]): `held[s]`, model stage s's bytes held whatever runs (weights, gradients, optimizer state,
     transfers); `transient`, the most a pass of one of the layers creates and frees within itself; `activations`,
-    what one micro-batch saves; `together[d]`, every distinct count of micro-batches device d's stages hold at once
-    (a row each, a column for each of its stages in their order)."""
+    what one micro-batch saves, held from its forward until its backward or input-gradient pass; `held_until_w`,
+    what a split backward holds after its input-gradient pass until its weight pass ends (`wgrad_held`: under
+    recomputation more than the activations); `together[d]`, every distinct count of micro-batches device d's
+    stages hold at once (a row each: a column for each of its stages in their order, of the micro-batches from
+    their forward, then a column for each of the micro-batches from their input-gradient pass)."""
 
     held: list[np.ndarray]
     transient: np.ndarray
     activations: np.ndarray
+    held_until_w: np.ndarray
     together: list[np.ndarray]
 
     def stage(self, sched: Schedule, s: int) -> np.ndarray:
         """Model stage s alone at its most: its device's peak is at most its stages' sum (their peaks need not
         coincide, and one pass's transient runs at a time where pairs do not overlap), what the cut is found by."""
         device = sched.placement[s]
-        most = self.together[device][:, sched.stages_on(device).index(s)].max(initial=0)
-        return self.held[s] + self.transient + most * self.activations
+        stages = sched.stages_on(device)
+        column = stages.index(s)
+        counts = np.unique(self.together[device][:, [column, column + len(stages)]], axis=0)
+        most = np.max([forward * self.activations + until_w * self.held_until_w for forward, until_w in counts],
+                      axis=0, initial=0)
+        return self.held[s] + self.transient + most
 
     def device(self, sched: Schedule, device: int, bounds: Sequence[int]) -> float:
         """Device `device`'s peak with its stages cut at one copy's `bounds`: their held bytes, the largest transient
@@ -679,24 +695,29 @@ class StageMemory:
                for s in stages]
         if not any(cut):
             return 0.0
-        saved = np.array([self.activations[r] if r else 0.0 for r in cut])
+        saved = np.array([table[r] if r else 0.0 for table in (self.activations, self.held_until_w) for r in cut])
         return (sum(self.held[s][r] for s, r in zip(stages, cut) if r) + max(self.transient[r] for r in cut if r)
                 + float(np.max(self.together[device] @ saved)))
 
 
 def _held_together(sched: Schedule) -> list[np.ndarray]:
     """Per device, every distinct count of micro-batches each of its stages holds at once (`StageMemory.together`),
-    in its order: a forward adds one at its start, a backward or weight pass (which ends a split backward) takes one
-    at its end."""
+    in its order: a forward adds one at its start, a backward or input-gradient pass takes one at its end, which
+    the latter adds to what its stage holds until its weight pass, whose end takes one (sim/engine.py
+    `_memory_tables`)."""
     t = sched.table
-    adds, takes = (t.kind == KIND_CODE[Kind.F]).astype(np.int64), -kind_mask(t.kind, Kind.B, Kind.W).astype(np.int64)
+    adds = (t.kind == KIND_CODE[Kind.F]).astype(np.int64)
+    takes = -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64)
+    until_w = kind_mask(t.kind, Kind.I).astype(np.int64) - kind_mask(t.kind, Kind.W)
     together = []
     for device in range(sched.num_devices):
         stages, rows = sched.stages_on(device), np.flatnonzero(t.device == device)
         column = np.minimum(np.searchsorted(stages, t.stage[rows]), len(stages) - 1)  # other rows add nothing
-        steps = np.zeros((2 * len(rows), len(stages)), dtype=np.int64)
-        steps[2 * np.arange(len(rows)), column] = adds[rows]
-        steps[2 * np.arange(len(rows)) + 1, column] = takes[rows]
+        steps = np.zeros((2 * len(rows), 2 * len(stages)), dtype=np.int64)
+        starts, ends = 2 * np.arange(len(rows)), 2 * np.arange(len(rows)) + 1
+        steps[starts, column] = adds[rows]
+        steps[ends, column] = takes[rows]
+        steps[ends, column + len(stages)] = until_w[rows]
         together.append(np.unique(np.cumsum(steps, axis=0), axis=0))
     return together
 

@@ -299,6 +299,21 @@ class RowOverhead:
         return np.array([gap + extra.get(kind, 0.0) for kind, gap in zip(KINDS, self.gap_ms)])
 
 
+def wgrad_held(activation_bytes: Sequence[int] | np.ndarray, kept_bytes: Sequence[int] | np.ndarray,
+               gradient_bytes: Sequence[int] | np.ndarray, known: Sequence[bool] | np.ndarray,
+               fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Elementwise, of stages (or of ranges of layers) with these activations: what a split backward holds from the
+    end of its I until the end of its W: of its activations (`kept_bytes` where `known`, as
+    `StageCosts.wgrad_kept_bytes`; else `fraction` of the activations, rounded to whole bytes), and the output
+    gradients its I makes for the W beside them (none where not known). The simulator's memory and auto's
+    activation limit read it through `Costs.wgrad_held_bytes`, --stage-cut fit for every range of a profile's
+    layers (planning/scenario.py `StageMemory`): what the search and the cut hold within memory the simulation
+    holds too."""
+    known = np.asarray(known, dtype=bool)
+    kept = np.where(known, kept_bytes, np.round(fraction * np.asarray(activation_bytes, dtype=float)))
+    return kept.astype(np.int64), np.where(known, gradient_bytes, 0).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class Costs:
     """Per-stage costs of a whole model.
@@ -392,15 +407,12 @@ class Costs:
         network time, on a stream of its own."""
         return np.array([_op_ms(c, pipelines) for c in self.stages], dtype=float).reshape(-1, NUM_COMPUTE_KINDS)
 
-    def wgrad_held_bytes(self) -> tuple[list[int], list[int]]:
-        """Per stage, what a split backward holds from the end of its I until the end of its W: of its activations
-        (`StageCosts.wgrad_kept_bytes`; not known: `wgrad_activation_fraction` of them, rounded to whole bytes), and
-        the output gradients its I makes for the W beside them (none where the first is not known). The
-        simulator's memory and auto's activation limit both read it, so that a limit the search holds the
-        simulation holds too."""
-        kept = [round(self.wgrad_activation_fraction * c.activation_bytes) if c.wgrad_kept_bytes is None
-                else c.wgrad_kept_bytes for c in self.stages]
-        return kept, [0 if c.wgrad_kept_bytes is None else c.wgrad_gradient_bytes for c in self.stages]
+    def wgrad_held_bytes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per stage, what a split backward holds from the end of its I until the end of its W (`wgrad_held`)."""
+        stages = self.stages
+        return wgrad_held([c.activation_bytes for c in stages], [c.wgrad_kept_bytes or 0 for c in stages],
+                          [c.wgrad_gradient_bytes for c in stages], [c.wgrad_kept_bytes is not None for c in stages],
+                          self.wgrad_activation_fraction)
 
     def hidden_ms_table(self) -> np.ndarray:
         """Ms per (model stage, compute kind), as `op_ms_table`: of a collective row's network time, the part its

@@ -12,6 +12,7 @@ import pytest
 
 from pipesim.planning.scenario import _held_together
 from pipesim.profiles.partition import LayerCost, PartitionError, mirrored_partition, ranges, searched_partition
+from pipesim.sim import Costs
 from tests.conftest import build, pipesim, simulate_json, simulated
 
 # A 40 GB A100 and a GPT whose stages' activations, held as the schedule holds them, outgrow it where the cut is
@@ -93,12 +94,15 @@ def test_the_searched_cut_is_the_fastest_of_every_cut_that_fits():
 @pytest.mark.parametrize(("name", "chunks"), [("interleaved-1f1b", 2), ("dualpipe", None), ("zb-v", None)])
 def test_the_micro_batches_a_device_holds_together_are_the_simulators(name, chunks):
     """Each stage's activations a different size: a device's peak is the most its stages' counts held at once
-    weigh (`_held_together`), below the sum of each stage's own most where they do not coincide."""
+    weigh (`_held_together`: a split backward's from I until W apart), below the sum of each stage's own most where
+    they do not coincide."""
     sched = build(name, 4, 8, **({"chunks": chunks} if chunks else {}))
     activation_mb = [1.0 + 0.37 * s for s in range(sched.num_stages)]
     summary = simulated(sched, activation_mb=activation_mb).summary
     for device, together in enumerate(_held_together(sched)):
-        saved = np.array([activation_mb[s] for s in sched.stages_on(device)])
+        stages = sched.stages_on(device)  # from F, then from I until W: half of them (kept not known)
+        saved = np.array([activation_mb[s] * share for share in (1.0, Costs.wgrad_activation_fraction)
+                          for s in stages])
         assert summary.devices[device].peak_memory_mb == pytest.approx(np.max(together @ saved), rel=1e-6)
         assert np.max(together @ saved) <= together.max(axis=0) @ saved
     together = _held_together(build("interleaved-1f1b", 4, 8, chunks=2))[0]
@@ -125,6 +129,21 @@ def test_fit_cuts_within_every_devices_memory_where_the_balanced_cut_does_not(ar
     assert all(peak <= limit for peak, limit in zip(peaks, limits))
     assert fitted["stage_bounds"] != balanced["stage_bounds"]
     assert balanced["stage_bounds"][0] == 0 and balanced["stage_bounds"][-1] == fitted["stage_bounds"][-1] == 10
+
+
+def test_fit_holds_what_a_split_backward_keeps_from_i_until_w():
+    """Under full recomputation a micro-batch's activations are its layers' inputs, while ZB-H1's W reads its
+    products' saved inputs and output gradients, held from I until W (sim/costs.py `wgrad_held`). Counted as the
+    activations, fit cut [0, 3, 5, 7, 10], whose last device holds 43,195 MiB in 40 GB; counted as the simulator
+    holds them, the cut takes a block off the last stage and every device fits."""
+    args = (*GPT, "-b", 8, "-s", "zb-h1", "--recompute", "full")
+    (counted_as_activations,) = simulate_json(*args, "--stage-cut", "first-last:2,2")
+    assert counted_as_activations["stage_bounds"] == [0, 3, 5, 7, 10]
+    peaks, limits = _peaks(counted_as_activations)
+    assert peaks[3] > limits[3]
+    (fitted,) = simulate_json(*args, "--stage-cut", "fit")
+    assert fitted["stage_bounds"] == [0, 2, 5, 8, 10]
+    assert all(peak <= limit for peak, limit in zip(*_peaks(fitted)))
 
 
 def test_the_table_says_which_cut_fit_chose():
