@@ -533,15 +533,13 @@ class InputError(Exception):
 def check_expert_parallel(expert_parallel: int, net) -> None:
     """--expert-parallel E needs a mixture of experts (`net`) whose routed experts E divides
     (planning/experts.py `check_expert_ranks`)."""
-    from ..planning.experts import ExpertParallelError, check_expert_ranks
+    from ..planning.experts import check_expert_ranks
     from ..workload.models import routed_experts_of
-    from .estimate import flag_line
+    from .estimate import refused_with_flags
 
-    try:
+    with refused_with_flags():
         check_expert_ranks(expert_parallel, next((n for layer in net.layers
                                                   if (n := routed_experts_of(layer)) is not None), None))
-    except ExpertParallelError as exc:
-        raise InputError(flag_line(exc)) from None
 
 
 def fail(message: str) -> NoReturn:

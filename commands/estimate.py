@@ -5,8 +5,8 @@ once --gpu is given, so the commands start fast without it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -105,6 +105,17 @@ def flag_line(refusal: ValueError) -> str:
     text = str(refusal) if said is None else said(lambda name: ESTIMATE_FLAGS.get(name, _flag(name)))
     field, _, rest = text.partition(": ")
     return f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else text
+
+
+@contextmanager
+def refused_with_flags() -> Iterator[None]:
+    """Runs planning's rules: a refusal raised inside (`SettingsError`) is the user's one line (`flag_line`)."""
+    from ..planning.ranks import SettingsError
+
+    try:
+        yield
+    except SettingsError as exc:
+        raise InputError(flag_line(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -236,7 +247,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                              "give --gpu NAME (`pipesim gpus` lists the GPUs) and --model")
         return None
     from ..hardware.catalogue import CatalogueError, load_catalogue  # pydantic: only for --gpu
-    from ..planning.estimate import EstimateError, check_ring_attention, kernel_curve
+    from ..planning.estimate import check_ring_attention, kernel_curve
     from ..workload.sizes import kernels_refusal
 
     clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
@@ -309,13 +320,11 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   grad_accumulation=params.get("grad_accumulation"), routing=routing,
                   host_kernel_us=params.get("host_kernel_us"), host_module_us=params.get("host_module_us"),
                   expert_gemm=params.get("expert_gemm") or "grouped")
-    try:  # the layout's rules, before the model is counted (which takes seconds)
+    with refused_with_flags():  # the layout's rules, before the model is counted (which takes seconds)
         check_ring_attention(what.context, what.attention)
         recompute = params.get("recompute") or "none"
         replace(what.parallelism(1, recompute=recompute), recompute=recompute,
                 recompute_modules=what.recompute_modules)
-    except EstimateError as exc:
-        raise InputError(flag_line(exc)) from None
     if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
         raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
                          "too")
@@ -329,10 +338,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
         raise InputError("--attention-kernel prices attention at a kernel's published rate; --curve-from's "
                          "calibration measured its own: give one of them")
     if what.gpu.curve is not None:
-        try:
+        with refused_with_flags():
             kernel_curve(what.gpu.curve, what.attention_kernel, name)
-        except EstimateError as exc:
-            raise InputError(flag_line(exc)) from None
     _check_fp8_param_gather(params)
     if what.expert_tensor is not None and what.rank_order != "megatron":
         raise InputError("--expert-tensor-parallel folds the experts over the tensor-, context- and data-parallel "
@@ -554,16 +561,14 @@ def estimated_profile(what: WhatIf, counted: WorkloadCount, parallel: Parallelis
     counted with (`KERNEL_DEFAULTS`) in its parallelism; a parallelism the model cannot take (t not dividing its
     heads) is one line naming the flag. `memo` (`LayerMemo`, of `counted` on the what-if part and curve) keeps
     its layers for the next."""
-    from ..planning.estimate import EstimateError, estimate_profile
+    from ..planning.estimate import estimate_profile
 
     if parallel.pipeline > len(counted.layers):
         raise InputError(too_few_layers(f"--stages {parallel.pipeline}", counted.model, counted.options,
                                         len(counted.layers)))
-    try:
+    with refused_with_flags():
         profile = estimate_profile(counted, what.gpu, parallel, optimizer=optimizer, cluster=what.cluster,
                                    curve=what.curve, memo=memo)
-    except EstimateError as exc:
-        raise InputError(flag_line(exc)) from None
     kernels = {name: getattr(what, name) for name in KERNEL_DEFAULTS}
     estimate = profile.estimate.model_copy(update={"parallelism": {**profile.estimate.parallelism, **kernels}})
     return profile.model_copy(update={"estimate": estimate})

@@ -304,15 +304,13 @@ def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: in
     if device != "cpu":
         raise InputError(f"--expert-parallel {expert_parallel}: runs on CPU ranks (gloo) only; drop --device "
                          f"{device}")
-    from ..planning.ranks import RankOrderError, check_expert_replicas
-    from .estimate import flag_line
+    from ..planning.ranks import check_expert_replicas
+    from .estimate import refused_with_flags
 
     if not is_given(ctx, "data_parallel"):
         return expert_parallel
-    try:
+    with refused_with_flags():
         check_expert_replicas(expert_parallel, data_parallel)
-    except RankOrderError as exc:
-        raise InputError(flag_line(exc)) from None
     return data_parallel
 
 

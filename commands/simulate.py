@@ -339,18 +339,16 @@ def simulate(
 def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
     """--expert-parallel E beside a calibrated --profile: its ranks drawn from the d replicas, as `pipesim run`
     draws them, and its all-to-alls priced on the profile's (planning/scenario.py `measured_all_to_alls`)."""
-    from ..planning.ranks import RankOrderError, check_expert_replicas
+    from ..planning.ranks import check_expert_replicas
     from ..planning.scenario import all_to_all_refusal
-    from .estimate import flag_line
+    from .estimate import refused_with_flags
 
     if measured.estimate is not None:
         raise InputError(f"--expert-parallel {experts}: the profile is an estimate, made for the expert parallelism "
                          f"it was estimated with (E={measured.estimate.parallelism.get('expert', 1)}); drop "
                          "--expert-parallel, or estimate again with it")
-    try:
+    with refused_with_flags():
         check_expert_replicas(experts, data_parallel)
-    except RankOrderError as exc:
-        raise InputError(flag_line(exc)) from None
     refusal = all_to_all_refusal(measured, experts)
     if refusal is not None:
         raise InputError(refusal)
