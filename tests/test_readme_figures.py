@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import pipesim
+from tests.conftest import pipesim, simulate_json
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -55,3 +55,27 @@ def test_a_readme_table_is_what_its_command_prints(title, command_start, first_w
     code, out, err = pipesim(*args)
     assert code == 0, err
     words_agree(shown, out, first_words)
+
+
+
+@pytest.mark.slow
+def test_the_deepseek_what_if_prose_is_what_its_command_prints(monkeypatch):
+    """The figures the README quotes after its DeepSeek-V3 what-if, in order: DualPipeV's step (s) and peak (GiB),
+    1F1B's step, ZB-V's step and peak, as the command prints them; then DualPipeV's peak in BF16 (the command
+    without its FP8 flags), beyond the H100's 80 GiB as the sentence says."""
+    monkeypatch.chdir(REPO)
+    text = section("Models and parallelism of now")
+    command = next(line for line in text.splitlines() if line.startswith("pipesim") and "deepseek-v3" in line)
+    sentence = text.split("above, in FP8 as DeepSeek-V3 trained,", 1)[1].split("does not fit either")[0]
+    quoted = [float(number) for number in re.findall(r"\d+\.\d+", sentence)]
+    args = shlex.split(command)[2:]
+    fp8 = {result["schedule"].split()[0]: result for result in simulate_json(*args)}
+    schedules = {i for i, arg in enumerate(args) if arg == "-s"}
+    bf16_args = [arg for i, arg in enumerate(args) if i not in schedules and i - 1 not in schedules
+                 and arg not in ("--dtype", "fp8", "--fp8-recipe", "deepseek")]
+    (bf16,) = simulate_json(*bf16_args, "-s", "dualpipev")
+    seconds = {name: round(result["time_per_minibatch_ms"] / 1e3, 1) for name, result in fp8.items()}
+    gib = {name: round(result["peak_memory_mb"] / 1024, 1) for name, result in fp8.items()}
+    assert quoted == [seconds["dualpipev"], gib["dualpipev"], seconds["1f1b"], seconds["zb-v"], gib["zb-v"],
+                      round(bf16["peak_memory_mb"] / 1024, 1)]
+    assert gib["dualpipev"] < 80 < gib["zb-v"] and bf16["peak_memory_mb"] / 1024 > 80
