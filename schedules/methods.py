@@ -52,6 +52,8 @@ def above_zero_refusal(value: float | None, flag: str, given: str | None = None)
     if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf):
         return None
     return f"{flag}: give one finite number above 0 (got {value if given is None else given!r})"
+
+
 _FLAGS = {"m": "--microbatches", "N": "--minibatches", "p": "--stages", "v": "--chunks", "P": "--pipelines"}
 
 
