@@ -351,7 +351,7 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
         return item.memory_floor_bytes <= cap
 
     best = top_groups(shapes, built, lambda item: (item.staleness is None or item.staleness <= limit)
-                      and fits_floor(item), lambda result: allowed(result, problem), float("-inf"))
+                      and fits_floor(item), lambda result: allowed(result, problem), float("-inf"), staler_ahead=True)
     if not best:
         raise TuneError(_nothing_fits(settings, problem))
     choice = best[0][0]
@@ -373,7 +373,8 @@ def _search(settings: list[Setting], problem: Problem, shapes: list[Shape], buil
 
 
 def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | Candidate], bool],
-               keep: Callable[[Result], bool], above: float, groups: int = RUNNERS_UP + 1) -> list[list[Result]]:
+               keep: Callable[[Result], bool], above: float, groups: int = RUNNERS_UP + 1,
+               staler_ahead: bool = False) -> list[list[Result]]:
     """The best `groups` groups of twins among the results `keep` accepts whose speed key beats `above`, in
     rank order (each group best first), of the candidates `eligible` accepts. Best bound first: a shape not yet
     built is built when its bound (`Shape.max_samples_per_s`, which no partition beats) comes up, and goes back
@@ -401,7 +402,8 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
     its twins and its rank among equally fast ones. The replay is handed out as a search is, and the result
     taken again, replayed, after what is out before it: the groups kept meanwhile are fewer, so a later
     result is cut no sooner than it would be, and the groups kept in the end are the ones every result
-    replayed gives."""
+    replayed gives. With `staler_ahead` (the first pass, within the limits), idle workers also take the steps the
+    later passes will want of the stale candidates built meanwhile (`_Built.ahead_of_staler`)."""
     heap = []
     for shape in shapes:
         item = built.candidates.get(shape.index, built.partitioned.get(shape.index, shape))
@@ -448,6 +450,8 @@ def top_groups(shapes: list[Shape], built: _Built, eligible: Callable[[Shape | C
 
     while heap or out:
         built.ahead(heap, out, could_win, worth_replaying)
+        if staler_ahead and kept:
+            built.ahead_of_staler(speed_key(kept[0][0].samples_per_s))
         if not could_win(speed_key(-heap[0][0]) if heap else above):
             if not any(isinstance(item, Shape) for item in out):
                 while out:  # what is out can only raise the bar: nothing left on the heap can beat it
@@ -529,6 +533,7 @@ class _Built:
         self._links: dict[tuple[int, int, int], Cluster] = {}  # by setting, p and d
         self._data_links: dict[tuple[int, int, int], CollectiveLink | None] = {}  # by setting, p and d
         self._splitters: dict[int, Callable[..., list[int]]] = {}  # by id of the setting: partitions are shared
+        self._staler: list[int] = []  # built, within the cap by their floor, over the staleness limit
         self._reduces: dict[tuple[int, int, int], dict[int, float]] = {}  # by setting, p and d: a stage's REDUCE by
         # its bytes (`_layer_reduces_ms`)
         self._layers: dict[int, tuple[np.ndarray, bool]] = {}  # by id of the setting (`_layer_bytes`)
@@ -676,6 +681,9 @@ class _Built:
                 except ScheduleError:
                     self.candidates[shape.index] = None
             made = self.candidates[shape.index]
+            if (made is not None and made.staleness > self.problem.max_staleness
+                    and made.memory_floor_bytes <= self.problem.memory_cap_bytes):
+                self._staler.append(shape.index)  # searched only once the choice is known (`ahead_of_staler`)
             # both bound it from above: a searched order's own bound can sit over its shape's on its partition
             # (`_searched_device_bound_ms`), and `top_groups` pops bounds that never rise
             if made is not None and made.max_samples_per_s > shape.max_samples_per_s:
@@ -736,6 +744,34 @@ class _Built:
                                                     self._ship(self._frame_links(item.setting, item.config)))
             if len(self._running) >= self.window:
                 return
+
+    def ahead_of_staler(self, beaten: float) -> None:
+        """Idle workers take, ahead of the search's later passes (what beats the choice over a limit, the staler
+        note: `_search`), what those will want of the candidates built so far that fit the cap by their memory floor
+        and are over the staleness limit, which only they search: each one's critical path (`tighten`), then, where
+        its bound still beats `beaten` (the fastest result within the limits so far: the choice is no slower), its
+        simulation (`floor`), and where that beats it too, its replay (`result`). Taken, as `ahead`'s, only where the
+        search comes to that step; on the 70B, the six simulations and replays it made after the choice, in three
+        rounds of two while it waited."""
+        for index in self._staler:
+            if self._pool is None or len(self._running) >= self.window:
+                return
+            candidate = self.candidates[index]
+            if speed_key(candidate.max_samples_per_s) <= beaten:
+                continue
+            if not candidate.critical and index not in self._tightening:
+                self._tightening[index] = self._submit(_path_bound, self.problem.batch_size, candidate.schedule,
+                                                       candidate.costs, self._ship(candidate.links),
+                                                       candidate.config.pipelines)
+                continue
+            tightening = self._tightening.get(index)
+            if not candidate.critical and not (tightening.done() and speed_key(tightening.result()) > beaten):
+                continue
+            self.submit(candidate)
+            running = self._simulating.get(index)
+            if (running is not None and running.done() and running.exception() is None
+                    and speed_key(running.result()[0]) > beaten):
+                self.replay(candidate)
 
     def _replay_ahead(self, candidate: Candidate, worth_replaying: Callable[[Result], bool]) -> None:
         """Its replay handed out now if its simulation has come back, unread (`floor` reads it), and is worth

@@ -1,0 +1,48 @@
+"""tune's later passes (what beats the choice over a limit, and the staler note) search the stale candidates only once
+the choice is known; idle workers in the first pass take their critical paths, simulations and replays ahead
+(planning/tune.py `_Built.ahead_of_staler`), which the later passes read when they come to them: the same answer and
+counts as without them."""
+
+import json
+import os
+from pathlib import Path
+
+from pipesim.planning import tune as planning
+from tests.conftest import pipesim
+
+GPT = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+NOTED = ("tune", "--profile", str(GPT), "--devices", 8, "--memory-gb", 0.3, "--json")  # PipeDream p = 2 is noted
+
+
+def _document(out: str) -> dict:
+    """The JSON document less the search's seconds, which no two runs share."""
+    document = json.loads(out)
+    del document["search"]["seconds"]
+    return document
+
+
+def test_the_later_passes_read_the_stale_candidates_simulated_ahead_and_answer_as_without(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    floor, ahead_of_staler = planning._Built.floor, planning._Built.ahead_of_staler
+    taken = []
+
+    def reading(self, candidate):
+        if candidate.staleness > self.problem.max_staleness:
+            running = self._simulating.get(candidate.index)
+            taken.append(running is not None and running.done())
+        return floor(self, candidate)
+
+    def waiting_for_workers(self, beaten):
+        ahead_of_staler(self, beaten)
+        for running in list(self._running):  # each step done before the search goes on: the later passes find them
+            running.result()
+
+    monkeypatch.setattr(planning._Built, "floor", reading)
+    monkeypatch.setattr(planning._Built, "ahead_of_staler", waiting_for_workers)
+    code, ahead, err = pipesim(*NOTED)
+    assert code == 0, err
+    assert any(taken), taken
+    monkeypatch.setattr(planning._Built, "ahead_of_staler", lambda self, beaten: None)
+    code, alone, err = pipesim(*NOTED)
+    assert code == 0, err
+    assert _document(ahead) == _document(alone) and _document(alone)["staler_winner"] is not None
