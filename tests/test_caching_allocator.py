@@ -2,6 +2,7 @@
 against a plain allocator written here (every cached block searched, segments as lists of blocks)."""
 
 import random
+from dataclasses import fields, replace
 
 import pytest
 from hypothesis import example, given, settings
@@ -707,3 +708,16 @@ def test_a_stages_program_and_a_devices_reserve_are_read_once_for_the_same_conte
     assert first == [device.peak_reserved_bytes - device.peak_allocated_bytes for device in each]
     assert len(replayed) == 4
     assert caching_allocator.device_reserves(trace, twin, [None] * 4) == first and len(replayed) == 4
+
+
+def test_layers_differing_in_any_field_get_programs_of_their_own():
+    """`stage_program` caches a program by its layers' content: each of `LayerAllocations`' fields is in the key
+    (0d33a30's first_forward had to be added by hand), so a field added later without a case here fails."""
+    base = LayerAllocations({"fwd": ((0, 4 * MIB), (1, 2 * MIB)), "bwd": ((2, MIB), (2, -MIB))}, saved=frozenset({0}))
+    changed = {"passes": {"fwd": ((0, 4 * MIB),), "bwd": ()}, "saved": frozenset({0, 1}), "rerun": frozenset({0}),
+               "kept": frozenset({1}), "unsharded": ((MIB, MIB, MIB // 2),), "fsdp_root": True,
+               "first_forward": ((0, 4 * MIB), (1, 2 * MIB), (0, -4 * MIB))}
+    assert [field.name for field in fields(LayerAllocations)] == list(changed)
+    programs = [stage_program([base]), *(stage_program([replace(base, **{name: value})])
+                                         for name, value in changed.items())]
+    assert len({id(program) for program in programs}) == len(programs)
