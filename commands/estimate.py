@@ -440,15 +440,20 @@ def print_fitted_curve(profile: Profile) -> None:
 def count_what_if(what: WhatIf, microbatch_size: int) -> WorkloadCount:
     """The model counted on the meta device at `microbatch_size` samples. A built-in model's count is kept in the
     host cache, keyed by everything it depends on (see `_count_cache`), so that only the first what-if of a shape
-    pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import). A model
-    without routed experts refuses --expert-gemm per-expert here, once for every command (tune would take a refusal
-    from each estimate for its t's)."""
+    pays for importing torch (about 4 s, most of it torch's own compiler, which its meta kernels import). The rules
+    that need the count are refused here, once for every command (tune would take a refusal from each estimate for
+    its t's, after its progress note): --expert-gemm per-expert and --expert-parallel on a model without routed
+    experts, and E not dividing them."""
+    from ..planning.experts import check_expert_ranks
+
     counted = count_model_of(what.model, what.options, microbatch_size, what.dtype, what.attention,
                              "--gpu (the model is counted by torch on the meta device)", what.loss_parallel,
                              what.swiglu_fusion, what.cross_entropy, what.norm_kernel, what.rope_kernel)
     if what.expert_gemm != "grouped" and not counted.options.get("experts"):
         raise InputError(f"--expert-gemm {what.expert_gemm} runs a mixture of experts' routed products, and the "
                          "model has none (gpt --experts, or a Hugging Face MoE config); give grouped")
+    with refused_with_flags():
+        check_expert_ranks(what.expert, counted.options.get("experts"))
     return counted
 
 

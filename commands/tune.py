@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -43,6 +43,9 @@ from .common import (
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, what_if
 from .tables import print_table
+
+if TYPE_CHECKING:
+    from ..profiles.workload import WorkloadCount
 
 MICROBATCH_SIZES = (1, 2, 4, 8)  # b searched with --gpu
 SEARCHED = "Default: searched."  # what tune does with these where simulate and sweep take one value
@@ -183,10 +186,11 @@ def tune(
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
+            counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             with _working("estimating the model's profile for each t, b, recomputation and p") as report:
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
-                                               optimizer, allocator, pp_runtime, report)
+                                               optimizer, allocator, pp_runtime, counts, report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -242,12 +246,13 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
 
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
                         sizes: tuple[int, ...], optimizer: str, allocator: str, pp_runtime: str,
-                        report: Callable[[str], None] | None = None):
+                        counts: dict[int, WorkloadCount], report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
     that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
     the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
     (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
-    `pp_runtime`'s runtime holds them; `report` is told how many are done. Where no t suits, the estimates'
+    `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's counted already (the rest are
+    counted here); `report` is told how many are done. Where no t suits, the estimates'
     refusal if every t tried got the same one (it is not about t), else which t's were tried."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
     from ..planning.scenario import profile_scenario
@@ -259,7 +264,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                                        if devices % ((1 << k) * (data or 1)) == 0]
     settings, refusals = [], set()
     for b in sizes:
-        counted = count_what_if(what, b)
+        counted = counts.get(b) or count_what_if(what, b)
         memo = LayerMemo(counted, what.gpu, what.curve)  # each t and recomputation's layers made for one p
         for t in tensors:
             if report is not None:

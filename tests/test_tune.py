@@ -460,6 +460,24 @@ def test_a_step_over_a_second_says_what_it_does_on_stderr_when_piped():
     assert err.getvalue() == "tune: estimating ...\n"
 
 
+@pytest.mark.parametrize(("flags", "refusal"), [
+    (("--expert-parallel", 2), "--expert-parallel 2, but the model has no routed experts to place"),
+    (("--experts", 4, "--expert-parallel", 8), "--expert-parallel 8 does not divide the model's 4 routed experts"),
+    (("--expert-gemm", "per-expert"), "--expert-gemm per-expert runs a mixture of experts' routed products")])
+def test_a_refusal_that_needs_the_counted_model_comes_before_the_progress_note(monkeypatch, flags, refusal):
+    """Bad input is one line: a rule that needs the model counted refuses before tune's note starts (it would print
+    'tune: estimating ...' first when counting passes a second, as it does on a host that has not kept the count)."""
+    from pipesim.commands import tune
+
+    def working(what):
+        raise AssertionError(f"the note {what!r} started before the refusal")
+
+    monkeypatch.setattr(tune, "_working", working)
+    code, _, err = pipesim("tune", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
+                           "--seq-len", 32, "--vocab", 100, "-D", 8, *flags)
+    assert code == 2 and refusal in err and len(err.strip().splitlines()) == 1, err
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.just(0.0), st.just(1.0), st.floats(0, 1e3)), min_size=1, max_size=8))
 @example([0.1] * 7)  # equal layers: sums in another order differ in their last bit
