@@ -127,7 +127,7 @@ def test_the_estimates_peak_is_named_allocated_where_simulate_gpu_adds_the_alloc
     assert reserved["devices"][0]["peak_memory_parts_mb"]["reserve"] > 0
 
 
-KERNELS = ("--cross-entropy", "megatron", "--norm-kernel", "fused", "--no-swiglu-fusion")
+KERNELS = ("--cross-entropy", "megatron", "--rotary-percent", "1", "--rope-kernel", "fused", "--no-swiglu-fusion")
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +142,14 @@ def kernels_estimate(tmp_path_factory) -> Path:
 def test_an_estimate_records_the_kernels_it_counted_and_the_costs_line_names_those_not_the_default(
         kernels_estimate, tmp_path):
     parallelism = json.loads(kernels_estimate.read_text())["estimate"]["parallelism"]
-    assert (parallelism["cross_entropy"], parallelism["norm_kernel"], parallelism["swiglu_fusion"]) == (
+    assert (parallelism["cross_entropy"], parallelism["rope_kernel"], parallelism["swiglu_fusion"]) == (
         "megatron", "fused", False)
     code, out, err = pipesim("simulate", "--profile", kernels_estimate, "-s", "1f1b", "-m", 4)
     assert code == 0, err
-    assert "no swiglu fusion, cross entropy megatron, norm kernel fused" in " ".join(out.split())
+    assert "no swiglu fusion, cross entropy megatron, rope kernel fused" in " ".join(out.split())
     code, out, err = pipesim("estimate", *GPU, *SMALL, "-p", 2, "--out", tmp_path / "defaults.json")
     assert code == 0, err
-    assert not any(name in " ".join(out.split()) for name in ("swiglu", "cross entropy", "norm kernel"))
+    assert not any(name in " ".join(out.split()) for name in ("swiglu", "cross entropy", "rope kernel"))
 
 
 @pytest.mark.parametrize("args", [

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from pipesim.workload.count import count_built
-from tests.conftest import pipesim
+from pipesim.workload.models import ModelError
+from pipesim.workload.norms import NO_RMSNORM_TO_FUSE
+from tests.conftest import pipesim, refused
 from tests.test_hf import GPT, LLAMA, B, H, S, needs_transformers, write_config
 
 E = 2  # bytes per bf16 element
@@ -89,8 +91,15 @@ def test_a_bad_kernel_is_refused_in_one_line(flag):
     assert f"{flag}: choose from eager, fused (got 'te')" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("kernel", ["eager", "fused"])
-def test_the_gpts_layernorm_is_what_it_is_either_way(kernel):
-    """pipesim's gpt runs torch's LayerNorm, whose kernel keeps what TransformerEngine's does: no RMSNorm to fuse."""
-    assert count_built("gpt", GPT, B, torch.bfloat16, "flash", norm_kernel=kernel).layers[1].saved_bytes \
-        == count_built("gpt", GPT, B, torch.bfloat16, "flash").layers[1].saved_bytes
+def test_the_gpts_layernorm_has_nothing_to_fuse_so_fused_norms_are_refused(tmp_path, monkeypatch):
+    """pipesim's gpt runs torch's LayerNorm, whose kernel keeps what TransformerEngine's does: `--norm-kernel fused`
+    would change nothing, so it is refused (as `--rope-kernel fused` is without RoPE), and eager counts as before;
+    the user meets one line, exit 2, nothing written."""
+    with pytest.raises(ModelError, match="the built-in gpt's torch LayerNorm"):
+        count_built("gpt", GPT, B, torch.bfloat16, "flash", norm_kernel="fused")
+    assert count_built("gpt", GPT, B, torch.bfloat16, "flash", norm_kernel="eager").layers[1] \
+        == count_built("gpt", GPT, B, torch.bfloat16, "flash").layers[1]
+    monkeypatch.chdir(tmp_path)
+    assert NO_RMSNORM_TO_FUSE in refused("estimate", "--model", "gpt", "--layers", "2", "--width", "64", "--heads", "2",
+                                         "--seq-len", "32", "--vocab", "512", "--gpu", "a100-sxm-80gb", "-p", "1",
+                                         "--norm-kernel", "fused", "--out", "profile.json")

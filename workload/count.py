@@ -51,7 +51,7 @@ from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, _classify
 from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now, in_fused_kernel, kernel_listeners
-from .norms import fused_norms
+from .norms import NO_RMSNORM_TO_FUSE, fused_norms
 from .optim import OPTIMIZERS, make_optimizer
 from .rope import NO_ROPE_TO_FUSE, fused_rope
 from .sizes import CROSS_ENTROPY, kernels_refusal
@@ -635,8 +635,8 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     routed expert's scaled by the router's weights) counted as one fused kernel (`workload.moe.fused_swiglu`).
     `cross_entropy`: whose cross entropy, of `CROSS_ENTROPY` (megatron: workload/loss.py `megatron_cross_entropy`).
     `norm_kernel`: how its RMSNorms run, of `NORM_KERNELS` (fused: workload/norms.py's TransformerEngine kernel).
-    `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel; a model
-    with no RoPE it replaces is refused, so that the flag never silently changes nothing)."""
+    `rope_kernel`: how its RoPE runs, of `ROPE_KERNELS` (fused: workload/rope.py's TransformerEngine kernel). A model
+    with no RMSNorm or RoPE a fused kernel replaces is refused it, so that the flag never silently changes nothing."""
     if (refused := kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel)) is not None:
         raise ModelError(refused)
     flag = "--loss-parallel" if loss_parallel else "--cross-entropy megatron"
@@ -670,8 +670,11 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
                     alike[key] = _count_layer(model, layer, inputs, target, i == last, steps)
             count, outputs[i] = alike[key]
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
-    if rope_kernel == "fused" and not any(op.op == "fused_rope" for count in counted for op in count.ops["fwd"]):
-        raise ModelError(NO_ROPE_TO_FUSE)
+    fused = {op.op for count in counted for op in count.ops["fwd"]}
+    for kernel, op, refusal in ((norm_kernel, "fused_rmsnorm", NO_RMSNORM_TO_FUSE),
+                                (rope_kernel, "fused_rope", NO_ROPE_TO_FUSE)):
+        if kernel == "fused" and op not in fused:
+            raise ModelError(refusal)
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
 

@@ -12,7 +12,10 @@ runs torch's own modules (its default, eager). Its work is that kernel's too, on
 rmsnorm_fwd and rmsnorm_bwd, transformer_engine/common/normalization/rmsnorm): the forward reads the input and
 the weight and writes the output and the reciprocal RMS, the backward reads the output's gradient beside them and
 writes the gradients asked for, where the eager module's upcast, square, mean, rsqrt, products and downcast each
-read and write their own (as workload/moe.py `Fused` counts the fused SwiGLU)."""
+read and write their own (as workload/moe.py `Fused` counts the fused SwiGLU). A model whose count runs no such
+RMSNorm is refused `--norm-kernel fused` (`NO_RMSNORM_TO_FUSE`), as workload/rope.py refuses `--rope-kernel fused`:
+the flag would change nothing. pipesim's gpt builds torch's LayerNorm, whose kernel keeps its input, a mean and a
+reciprocal standard deviation, what TransformerEngine's LayerNorm keeps: nothing to fuse."""
 
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ from typing import Any
 import torch
 
 from .moe import _kernel_writes, _one_kernel, _wanted
+
+NO_RMSNORM_TO_FUSE = ("--norm-kernel fused: this model runs no RMSNorm pipesim can run as TransformerEngine's kernel "
+                      "(a Hugging Face model's transformers *RMSNorm modules; the built-in gpt's torch LayerNorm keeps "
+                      "what TransformerEngine's keeps already): leave it out or pass eager")
 
 
 class _FusedRmsNorm(torch.autograd.Function):
