@@ -467,7 +467,7 @@ def test_compare_page_aligns_predicted_and_measured_and_shows_the_error_panel(tm
 
 @needs_chromium
 def test_the_memory_panel_stacks_the_fullest_devices_parts(tmp_path):
-    """Under the devices' lines, the fullest device's memory fills the panel by part: the optimizer state's band
+    """Under its line, the fullest device's memory fills the panel by part: the optimizer state's band
     (Adam: twice the weights) lies above the weights' and gradients', each in its colour, blended as drawn."""
     from tests.conftest import pipesim
 
@@ -488,6 +488,27 @@ def test_the_memory_panel_stacks_the_fullest_devices_parts(tmp_path):
     assert weights.mean() > 0.05 and optimizer.mean() > 0.1, (weights.mean(), optimizer.mean())
     rows = lambda mask: np.flatnonzero(mask.mean(axis=1) > 0.5)  # noqa: E731
     assert rows(optimizer).max() < rows(weights).min()  # higher on screen: stacked above
+
+
+@needs_chromium
+def test_over_the_stack_only_the_stacked_devices_line_is_drawn_and_the_parts_sum_to_its_peak(tmp_path):
+    """Eight devices' lines over the fullest device's parts read as clutter: only that device's line is drawn, the
+    others are listed in the legend to be drawn on a click, and the stack still reaches the device's peak."""
+    from pipesim.traces.trace import read_trace
+    from pipesim.units import MIB
+    from tests.conftest import pipesim
+
+    page, trace = tmp_path / "m8.html", tmp_path / "m8.json"
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 8, "-m", 16, "--html", page, "--trace", trace)
+    assert code == 0, err
+    v = visit(page, "#test", height=1300)
+    assert_healthy(v)
+    peaks = [curve.values.max() / MIB for curve in read_trace(trace).counters["memory_bytes"]]
+    fullest = int(np.argmax(peaks))
+    (panel,) = v.geometry["memory"]
+    assert panel["lines_listed"] == [f"device {d}" for d in range(8)]
+    assert panel["lines_drawn"] == [f"device {fullest}"]
+    assert panel["stacked_peak_mib"] == pytest.approx(peaks[fullest], rel=1e-9)
 
 
 @needs_chromium

@@ -771,7 +771,7 @@ _TIMELINE_JS = r"""
                                    autorange: "reversed", showgrid: false, ticks: "", tickfont: {size: 10}};
       } else {
         const parts = T.memoryParts;
-        if (parts) {  // its fullest device stacked by part, under every device's line
+        if (parts) {  // its fullest device stacked by part, under that device's line
           const who = T.device_names[parts.device] + (many ? " \u00b7 " + esc(T.label) : "");
           parts.stack.forEach((top, i) => {
             const own = Array.from(top, (v, k) => (i ? v - parts.stack[i - 1][k] : v));
@@ -784,12 +784,15 @@ _TIMELINE_JS = r"""
             inLegend.add("part " + i);
           });
         }
+        // Over the stack, 8-16 devices' lines read as clutter: only the stacked device's (the parts' sum) is drawn,
+        // the others are listed in the legend and drawn when clicked there.
         panel.rows.forEach(({member, device, label}) => {
           const mem = T.memory[device];
           const pts = decimate(mem.t, mem.v, 0, xEnd, plotColumns);
-          built.memoryTraces.push({member, device, index: data.length});
+          built.memoryTraces.push({member, device, index: data.length, panel: j});
           data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, xaxis: "x", yaxis: axis, name: label,
                      legend: "legend2", legendgroup: "memory " + device, showlegend: !inLegend.has(device),
+                     visible: parts && device !== parts.device ? "legendonly" : true,
                      line: {color: palette[device], width: 1.5, shape: "hv"},
                      hovertemplate: label + (many ? " \u00b7 " + esc(T.label) : "") +
                                     ": %{y:,.1f} MiB at %{x:.3f} ms<extra></extra>"});
@@ -824,7 +827,8 @@ _TIMELINE_JS = r"""
       const of = stacked.length === 1 ? T => esc(T.device_names[T.memoryParts.device]) + "'s" : () => "fullest";
       layout.legend2 = {x: 1.01, xanchor: "left", y: memoryPx / plotPx, yanchor: "top",
                         title: {text: "memory" + (stacked.length ? "<br><span style='font-size:10px'>filled: " +
-                                                  of(stacked[0]) + " parts</span>" : "")}};
+                                                  of(stacked[0]) + " parts;<br>click a device for its line</span>"
+                                                  : "")}};
     }
     built.span = span;
     built.barPx = barPx;
@@ -1019,8 +1023,13 @@ _TIMELINE_JS = r"""
       modebar: onPage(gd.querySelector(".modebar")),
       memory: b.panels.map((panel, j) => {
         const axis = fl["yaxis" + (j + 2)];
-        return {trace: b.members[panel.member].label, range: axis.range,
-                plot: [left, box.top + window.scrollY + axis._offset, xa._length, axis._length]};
+        const T = b.members[panel.member], parts = T.memoryParts;
+        const lines = b.memoryTraces.filter(line => line.panel === j), name = line => T.device_names[line.device];
+        return {trace: T.label, range: axis.range,
+                plot: [left, box.top + window.scrollY + axis._offset, xa._length, axis._length],
+                stacked_peak_mib: parts ? Math.max(...parts.stack[parts.stack.length - 1]) : null,
+                lines_drawn: lines.filter(line => gd.data[line.index].visible === true).map(name),
+                lines_listed: lines.map(name)};
       }),
     });
   }
