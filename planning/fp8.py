@@ -59,7 +59,15 @@ deepseek: DeepSeek-V3's own (its report, arXiv 2412.19437, section 3.3): te's ca
   output projection's weight gradient both read, kept once in its E5M6 format (12 bits: 1.5 bytes an element; the
   kernel's own 16-bit copy dropped); the routed experts' SwiGLU inputs kept in float8 (1 byte); what else it keeps
   stays 16-bit. Each cached copy is one cast in the forward (reads 16 bits, writes the format) and one read back
-  in the backward (`cache_ops`).
+  in the backward (`cache_ops`). Of the output gradients a split backward keeps from I until W (DualPipe's
+  `WeightGradStore`, planning/estimate.py `wgrad_kept`), the routed down-projection's at 1 byte an element and a
+  float32 scale a 1x128 tile (`routed_output_gradient_bytes`): 3.3.3, "A similar strategy is applied to the
+  activation gradient before MoE down-projections" (quantized into FP8 with power-of-2 scales, as the dispatched
+  activation, so that the backward converts its 1x128 tiles to the 128x1 the Wgrad GEMM reads without another
+  16-bit copy, as it does the attention output's); 3.3.2, "the Wgrad operation is performed in FP8". Every other
+  output gradient stays 16-bit until W: the report quantizes them for the products but says not which copy a
+  deferred W keeps, and DualPipe's example linear (deepseek-ai/DualPipe, examples/example_dualpipe.py
+  `LinearFunc.backward`) puts the 16-bit `grad_output` in the store.
 
 FSDP2's float8 all-gather (torchtitan's `enable_fsdp_float8_all_gather` with
 `precompute_float8_dynamic_scale_for_fsdp`, as its Llama 3.1 405B config sets them at 9dec370; torchao
@@ -122,7 +130,9 @@ class Fp8Recipe:
     (planning/experts.py `per_expert_products`) has its experts' splits cast by one kernel, where otherwise each
     split is cast on its own (TransformerEngine's `split_quantize`, pytorch/csrc/extensions/cast.cpp
     `multi_tensor_quantize_impl` at 006b336: `nvte_multi_cast_transpose` for delayed scaling's quantizers only,
-    "Quantize kernels individually" for the rest)."""
+    "Quantize kernels individually" for the rest); `routed_output_gradient_bytes`: the routed experts'
+    down-projection's output gradient kept for a deferred weight pass at that many bytes an element (None: as
+    counted)."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -136,6 +146,7 @@ class Fp8Recipe:
     saves_float8_weights: bool = False  # the forward saves each product's float8 weight copy for the backward
     gathers_float8: bool = False  # sequence-parallel all-gathers move the float8 copies
     fuses_split_casts: bool = False  # a per-expert product's splits cast by one kernel (`per_expert_products`)
+    routed_output_gradient_bytes: float | None = None  # the routed down-projection's output gradient kept so until W
 
 
 FP8_RECIPES = {
@@ -150,14 +161,16 @@ FP8_RECIPES = {
 }
 FP8_RECIPES["te-current"] = replace(FP8_RECIPES["te"], kernels=(("amax", 1, 0), ("scale", 0, 0),
                                                                   ("cast_transpose", 1, 2)), fuses_split_casts=False)
+FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
+# DeepSeek-V3's activation tile (its report, 3.3.2): 1x128 elements a float32 scale, as deepseek-ai/DeepGEMM's
+# `gemm_fp8_fp8_bf16_nt` takes them (its LHS scales: float32, (m, ceil(k / 128)))
+TILE_ELEMENTS = 128
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
-                                  split_accumulation=())
+                                  split_accumulation=(),
+                                  routed_output_gradient_bytes=FP8_BYTES + FP8_SCALE_BYTES / TILE_ELEMENTS)
 FP8_RECIPES["torchao-2024"] = replace(FP8_RECIPES["torchao"], casts={"fwd": ("input", "weight"), "bwd": ("grad",),
                                                                       "igrad": ("grad",), "wgrad": ()},
                                       saves_float8_inputs=True, saves_float8_weights=True)
-
-
-FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
 
 
 # FSDP2's float8 all-gather's cast of a rank's float32 shard with its precomputed scale, eager in the pre-all-gather
@@ -285,7 +298,24 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
     rerun = {name: tuple(_in_float8(op, element_bytes, "fwd" in recipe.split_accumulation)
                          if _converted(op, recipe) else op for op in region)
              for name, region in layer.region_ops.items()}  # a recomputed forward product reads its float8 input
-    return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta, region_ops=rerun)
+    return replace(layer, ops=ops, saved_tensors=saved, saved_bytes=layer.saved_bytes + delta, region_ops=rerun,
+                   weight_grad_outputs=kept_output_gradients(layer, recipe, element_bytes))
+
+
+def kept_output_gradients(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int
+                          ) -> tuple[tuple[tuple[int, int, int, int], int, bool], ...]:
+    """`layer.weight_grad_outputs` as the recipe keeps them until a deferred weight pass: the routed experts'
+    down-projection's at `routed_output_gradient_bytes` an element, the rest as counted. The count records a grouped
+    product as (experts, rows, n, k), a linear one with batch 1 (workload/count.py `_record_product`), and the
+    routed experts run their up-projection, then their down-projection (workload/moe.py `routed_experts`): the
+    down-projection is the last grouped one."""
+    outputs = layer.weight_grad_outputs
+    routed = [i for i, (shape, _, _) in enumerate(outputs) if shape[0] > 1]
+    if recipe.routed_output_gradient_bytes is None or not (recipe.routed and routed):
+        return outputs
+    shape, nbytes, shares_input = outputs[routed[-1]]
+    kept = math.ceil(nbytes // element_bytes * recipe.routed_output_gradient_bytes)
+    return (*outputs[:routed[-1]], (shape, kept, shares_input), *outputs[routed[-1] + 1:])
 
 
 @dataclass
