@@ -61,10 +61,12 @@ deepseek: DeepSeek-V3's own (its report, arXiv 2412.19437, section 3.3): te's ca
   stays 16-bit. Each cached copy is one cast in the forward (reads 16 bits, writes the format) and one read back
   in the backward (`cache_ops`). Of the output gradients a split backward keeps from I until W (DualPipe's
   `WeightGradStore`, planning/estimate.py `wgrad_kept`), the routed down-projection's at 1 byte an element and a
-  float32 scale a 1x128 tile (`routed_output_gradient_bytes`): 3.3.3, "A similar strategy is applied to the
-  activation gradient before MoE down-projections" (quantized into FP8 with power-of-2 scales, as the dispatched
-  activation, so that the backward converts its 1x128 tiles to the 128x1 the Wgrad GEMM reads without another
-  16-bit copy, as it does the attention output's); 3.3.2, "the Wgrad operation is performed in FP8". Every other
+  float32 scale a 1x128 tile of each row, a row's partial tile too (`routed_output_gradient_tile`): 3.3.3, "A
+  similar strategy is applied to the activation gradient before MoE down-projections" (quantized into FP8 with
+  power-of-2 scales, as the dispatched activation, so that the backward converts its 1x128 tiles to the 128x1 the
+  Wgrad GEMM reads without another 16-bit copy, as it does the attention output's; the sentence is the
+  communication paragraph's: the gradient arrives in FP8, and that a deferred W keeps that copy is our reading,
+  no text says which copy W keeps); 3.3.2, "the Wgrad operation is performed in FP8". Every other
   output gradient stays 16-bit until W: the report quantizes them for the products but says not which copy a
   deferred W keeps, and DualPipe's example linear (deepseek-ai/DualPipe, examples/example_dualpipe.py
   `LinearFunc.backward`) puts the 16-bit `grad_output` in the store.
@@ -130,9 +132,9 @@ class Fp8Recipe:
     (planning/experts.py `per_expert_products`) has its experts' splits cast by one kernel, where otherwise each
     split is cast on its own (TransformerEngine's `split_quantize`, pytorch/csrc/extensions/cast.cpp
     `multi_tensor_quantize_impl` at 006b336: `nvte_multi_cast_transpose` for delayed scaling's quantizers only,
-    "Quantize kernels individually" for the rest); `routed_output_gradient_bytes`: the routed experts'
-    down-projection's output gradient kept for a deferred weight pass at that many bytes an element (None: as
-    counted)."""
+    "Quantize kernels individually" for the rest); `routed_output_gradient_tile`: the routed experts'
+    down-projection's output gradient kept for a deferred weight pass in float8, a float32 scale a tile of that many
+    elements of a row (None: as counted)."""
 
     casts: dict[str, tuple[str, ...]]
     kernels: tuple[tuple[str, int, int], ...]
@@ -146,7 +148,7 @@ class Fp8Recipe:
     saves_float8_weights: bool = False  # the forward saves each product's float8 weight copy for the backward
     gathers_float8: bool = False  # sequence-parallel all-gathers move the float8 copies
     fuses_split_casts: bool = False  # a per-expert product's splits cast by one kernel (`per_expert_products`)
-    routed_output_gradient_bytes: float | None = None  # the routed down-projection's output gradient kept so until W
+    routed_output_gradient_tile: int | None = None  # the routed down-projection's output gradient kept so until W
 
 
 FP8_RECIPES = {
@@ -167,7 +169,7 @@ FP8_SCALE_BYTES = 4  # a tensorwise scale: one float32 a tensor
 TILE_ELEMENTS = 128
 FP8_RECIPES["deepseek"] = replace(FP8_RECIPES["te"], attention_output_bytes=1.5, activation_input_bytes=FP8_BYTES,
                                   split_accumulation=(),
-                                  routed_output_gradient_bytes=FP8_BYTES + FP8_SCALE_BYTES / TILE_ELEMENTS)
+                                  routed_output_gradient_tile=TILE_ELEMENTS)
 FP8_RECIPES["torchao-2024"] = replace(FP8_RECIPES["torchao"], casts={"fwd": ("input", "weight"), "bwd": ("grad",),
                                                                       "igrad": ("grad",), "wgrad": ()},
                                       saves_float8_inputs=True, saves_float8_weights=True)
@@ -305,16 +307,20 @@ def in_float8(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int) -> Layer
 def kept_output_gradients(layer: LayerCount, recipe: Fp8Recipe, element_bytes: int
                           ) -> tuple[tuple[tuple[int, int, int, int], int, bool], ...]:
     """`layer.weight_grad_outputs` as the recipe keeps them until a deferred weight pass: the routed experts'
-    down-projection's at `routed_output_gradient_bytes` an element, the rest as counted. The count records a grouped
-    product as (experts, rows, n, k), a linear one with batch 1 (workload/count.py `_record_product`), and the
-    routed experts run their up-projection, then their down-projection (workload/moe.py `routed_experts`): the
-    down-projection is the last grouped one."""
+    down-projection's in float8 with a float32 scale a `routed_output_gradient_tile` of each of its rows of n (a
+    partial tile scaled too, as DeepGEMM's ceil(k / 128) scales), the rest as counted. The count records a grouped
+    product as (experts, rows, n, k), a linear one with batch 1 (workload/count.py `_record_product`); only the
+    routed experts' products are grouped (shared experts run linear ones: `_SaverParts._weighted`), and they run
+    their up-projection, gated or not, then their down-projection (workload/moe.py `routed_experts`): the
+    down-projection is the last grouped one, whatever --expert-gemm or the expert ranks (which split it later)."""
     outputs = layer.weight_grad_outputs
     routed = [i for i, (shape, _, _) in enumerate(outputs) if shape[0] > 1]
-    if recipe.routed_output_gradient_bytes is None or not (recipe.routed and routed):
+    if recipe.routed_output_gradient_tile is None or not (recipe.routed and routed):
         return outputs
     shape, nbytes, shares_input = outputs[routed[-1]]
-    kept = math.ceil(nbytes // element_bytes * recipe.routed_output_gradient_bytes)
+    width = shape[2]
+    rows = nbytes // element_bytes // width
+    kept = rows * (width * FP8_BYTES + math.ceil(width / recipe.routed_output_gradient_tile) * FP8_SCALE_BYTES)
     return (*outputs[:routed[-1]], (shape, kept, shares_input), *outputs[routed[-1] + 1:])
 
 

@@ -52,20 +52,20 @@ def test_a_recomputed_up_projection_reruns_in_float8_as_its_forward_ran():
 def test_a_deferred_weight_pass_keeps_the_routed_down_projections_output_gradient_in_float8():
     """3.3.3: "A similar strategy is applied to the activation gradient before MoE down-projections". The tiny
     DeepSeek's MoE layer: of its products' output gradients only the 8 experts' down-projection's (16 tokens x 64
-    each, 16-bit as counted) is kept at 1 byte an element and 4 a 128-element tile, under te all stay 16-bit; the
+    each, 16-bit as counted) is kept at 1 byte an element and 4 a row's 1x128 tile (a row of 64 is one tile: 4 bytes
+    a row, not 64 elements' share of a whole tile), under te all stay 16-bit; the
     dense layer keeps its own as counted; the estimate's W holds that much less from I until W."""
     moe, dense = deepseek().layers[2], deepseek().layers[1]
     te, ours = (in_float8(moe, FP8_RECIPES[name], 2) for name in ("te", "deepseek"))
     assert te.weight_grad_outputs == moe.weight_grad_outputs
     changed = [(before, after) for before, after in zip(te.weight_grad_outputs, ours.weight_grad_outputs)
                if before != after]
-    elements = 8 * 16 * 64
-    assert changed == [(((8, 16, 64, 32), elements * 2, False), ((8, 16, 64, 32), elements + elements // 128 * 4,
-                                                                  False))]
+    elements, rows = 8 * 16 * 64, 8 * 16
+    assert changed == [(((8, 16, 64, 32), elements * 2, False), ((8, 16, 64, 32), elements + rows * 4, False))]
     assert in_float8(dense, FP8_RECIPES["deepseek"], 2).weight_grad_outputs == dense.weight_grad_outputs
     h800 = load_catalogue().find("h800")
     device = Device(h800.dense_tflops.fp16 * 1e9, h800.memory_bandwidth_gb_s * 1e6, h800.curve,
                     h800.dense_tflops.fp8 * 1e9)
     kept = {name: estimate_layer(moe, device, Parallelism(fp8=name), placement_links(h800, Parallelism()).tensor, 2)
             for name in ("te", "deepseek")}
-    assert kept["te"].wgrad_gradient_bytes - kept["deepseek"].wgrad_gradient_bytes == elements - elements // 32
+    assert kept["te"].wgrad_gradient_bytes - kept["deepseek"].wgrad_gradient_bytes == elements - rows * 4
