@@ -518,7 +518,7 @@ class _Built:
         self._simulating: dict[int, Future] = {}
         self._searching: dict[int, Future] = {}
         self._replaying: dict[int, Future] = {}
-        self._tightening: dict[int, Future] = {}  # critical paths found ahead (`ahead`)
+        self._tightening: dict[int, Future] = {}  # critical paths found ahead (`ahead`, `ahead_of_staler`)
         self._costing: dict[int, Future] = {}  # fixed chains' partitions costed ahead (`ahead`)
         self._running: set[Future] = set()  # handed to the workers and not finished
         self._shipped: dict[int, tuple[object, _Shipped]] = {}  # by id of what is shipped, which it keeps alive
@@ -729,9 +729,7 @@ class _Built:
             if not could_win(speed_key(-key)):
                 return
             if isinstance(item, Candidate) and not item.critical:
-                if index not in self._tightening:
-                    self._tightening[index] = self._submit(_path_bound, self.problem.batch_size, item.schedule,
-                                                           item.costs, self._ship(item.links), item.config.pipelines)
+                self._path_ahead(item)
             elif isinstance(item, Candidate):
                 self.submit(item)
                 self._replay_ahead(item, worth_replaying)
@@ -759,23 +757,24 @@ class _Built:
             candidate = self.candidates[index]
             if speed_key(candidate.max_samples_per_s) <= beaten:
                 continue
-            if not candidate.critical and index not in self._tightening:
-                self._tightening[index] = self._submit(_path_bound, self.problem.batch_size, candidate.schedule,
-                                                       candidate.costs, self._ship(candidate.links),
-                                                       candidate.config.pipelines)
-                continue
-            tightening = self._tightening.get(index)
-            if not candidate.critical and not (tightening.done() and speed_key(tightening.result()) > beaten):
-                continue
+            if not candidate.critical:
+                tightening = self._path_ahead(candidate)
+                if not (tightening.done() and speed_key(tightening.result()) > beaten):
+                    continue
             self.submit(candidate)
-            running = self._simulating.get(index)
-            if (running is not None and running.done() and running.exception() is None
-                    and speed_key(running.result()[0]) > beaten):
-                self.replay(candidate)
+            self._replay_ahead(candidate, lambda result: speed_key(result.samples_per_s) > beaten)
+
+    def _path_ahead(self, candidate: Candidate) -> Future:
+        """Its critical path (`tighten`) handed out to a worker, once; that work."""
+        if candidate.index not in self._tightening:
+            self._tightening[candidate.index] = self._submit(_path_bound, self.problem.batch_size, candidate.schedule,
+                                                             candidate.costs, self._ship(candidate.links),
+                                                             candidate.config.pipelines)
+        return self._tightening[candidate.index]
 
     def _replay_ahead(self, candidate: Candidate, worth_replaying: Callable[[Result], bool]) -> None:
         """Its replay handed out now if its simulation has come back, unread (`floor` reads it), and is worth
-        replaying (`ahead`)."""
+        replaying (`ahead`, `ahead_of_staler`)."""
         running = self._simulating.get(candidate.index)
         if (running is not None and running.done() and running.exception() is None
                 and worth_replaying(Result(candidate, *running.result()))):
