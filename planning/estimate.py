@@ -309,6 +309,14 @@ class Device:
     curve: Curve
     fp8_peak_flops_per_ms: float | None = None
 
+    @classmethod
+    def of(cls, gpu: Gpu, dtype: str, curve: Curve | None = None, fp8: bool = False) -> Device:
+        """The catalogue's part pricing ops in `dtype` (its name there: bf16, fp16, ...) on `curve` (default: the
+        part's own; a kernel's curve keeps its memory efficiency), with its float8 peak where `fp8`."""
+        curve = curve or gpu.curve
+        return cls(getattr(gpu.dense_tflops, dtype) * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency,
+                   curve, fp8_peak_tflops(gpu, repr(gpu.name)) * 1e9 if fp8 else None)
+
 
 def tile_fill(shape: tuple[int, ...], multiprocessors: int, tiles: list[tuple[int, int]]) -> float:
     """How well a product (batch, m, n, k) fills the multiprocessors: useful output over waves × multiprocessors
@@ -1627,8 +1635,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     peak = getattr(gpu.dense_tflops, PEAK_DTYPE[counted.dtype])
     if peak is None:
         raise EstimateError(f"gpu {gpu.name!r} has no {counted.dtype} peak in the catalogue")
-    device = Device(peak * 1e9, gpu.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve,
-                    fp8_peak_tflops(gpu, repr(gpu.name)) * 1e9 if parallel.fp8 is not None else None)
+    device = Device.of(gpu, PEAK_DTYPE[counted.dtype], curve, fp8=parallel.fp8 is not None)
     element = _element_bytes(counted.dtype)
     held = parallel.held(counted.dtype)
     t = parallel.tensor

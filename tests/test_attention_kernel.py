@@ -21,7 +21,7 @@ RUN = [*MODEL, "-b", 1, "-p", 1, "-m", 2, "-s", "1f1b"]
 
 def _on(kernel: str) -> Device:
     curve = kernel_curve(H100.curve, kernel, "h100-sxm")
-    return Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve)
+    return Device.of(H100, "bf16", curve)
 
 
 def test_each_kernel_prices_attention_at_its_published_fraction_of_the_peak():

@@ -24,7 +24,7 @@ BACKWARD = replace(FORWARD, op="_scaled_dot_product_flash_attention_backward", f
 
 def _on(kernel: str) -> Device:
     curve = kernel_curve(H100.curve, kernel, "h100-sxm")
-    return Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * curve.memory_efficiency, curve)
+    return Device.of(H100, "bf16", curve)
 
 
 def _tflop_s(op: OpCount, device: Device, flops: float) -> float:

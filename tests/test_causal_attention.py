@@ -23,8 +23,7 @@ from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
 
 H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                H100.curve)
+DEVICE = Device.of(H100, "bf16")
 HEADS, SEQ, HEAD = 32, 8192, 128
 FLOPS = 4 * HEADS * SEQ * SEQ * HEAD  # torch's count of the forward: the whole square
 

@@ -30,8 +30,7 @@ from pipesim.schedules import Kind, ScheduleParams
 from tests.conftest import pipesim
 
 H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                H100.curve)
+DEVICE = Device.of(H100, "bf16")
 S, B, H, HEADS = 256, 2, 192, 8  # tokens (b·s) differ from the width, as the split tells them apart
 
 

@@ -147,8 +147,7 @@ def _closed_form_ms(counted: WorkloadCount, parallel: Parallelism, pass_name: st
 def _device():
     from pipesim.planning.estimate import Device
 
-    return Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                  H100.curve)
+    return Device.of(H100, "bf16")
 
 
 def _makespans(counted: WorkloadCount, parallel: Parallelism, rings: bool = True) -> tuple[float, float]:

@@ -26,8 +26,7 @@ from pipesim.profiles.workload import OpCount
 from tests.conftest import pipesim, simulate_json
 
 H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                H100.curve)
+DEVICE = Device.of(H100, "bf16")
 SLOW = EstimateLink(kind="infiniband", latency_ms=0.01, bytes_per_ms=1e6)  # every transfer outlasts its block
 FORWARD = OpCount("_flash_attention_forward", "attention", (16, 64, 256, 32), 1, 1, 1)
 BACKWARD = OpCount("_flash_attention_backward", "attention", (16, 64, 256, 32), 1, 1, 1)

@@ -54,8 +54,7 @@ from pipesim.planning.estimate import (  # noqa: E402
 from pipesim.profiles.workload import LayerCount, OpCount, WorkloadCount  # noqa: E402
 
 A100 = load_catalogue().find("a100-sxm-80gb")
-DEVICE = Device(A100.dense_tflops.fp16 * 1e9, A100.memory_bandwidth_gb_s * 1e6 * A100.curve.memory_efficiency,
-                A100.curve)
+DEVICE = Device.of(A100, "fp16")
 
 
 def test_a_big_gemm_that_fills_every_multiprocessor_runs_at_the_large_product_efficiency():

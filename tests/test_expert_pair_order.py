@@ -30,8 +30,7 @@ from pipesim.traces.metrics import summarize
 from pipesim.workload.count import WorkloadCount, count_built
 
 H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                H100.curve)
+DEVICE = Device.of(H100, "bf16")
 
 
 def test_an_all_to_all_hides_only_under_the_node_beside_it():

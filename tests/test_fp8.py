@@ -22,8 +22,7 @@ from pipesim.profiles.workload import LayerCount, OpCount
 from tests.conftest import pipesim
 
 H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                H100.curve, H100.dense_tflops.fp8 * 1e9)
+DEVICE = Device.of(H100, "bf16", fp8=True)
 LINK = placement_links(H100, Parallelism()).tensor
 HEADS, SEQ = 8, 256
 

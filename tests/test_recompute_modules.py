@@ -20,8 +20,7 @@ from tests.test_hf import write_config
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="transformers is not installed (pip install 'pipesim[hf]')")
 H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                H100.curve)
+DEVICE = Device.of(H100, "bf16")
 B, S, H = 2, 32, 64
 TOKENS = B * S
 

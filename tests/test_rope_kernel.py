@@ -154,8 +154,7 @@ def test_an_estimated_gpt_layer_pays_its_two_fused_rope_kernels_each_way():
     from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
 
     h100 = load_catalogue().find("h100-sxm")
-    device = Device(h100.dense_tflops.bf16 * 1e9, h100.memory_bandwidth_gb_s * 1e6 * h100.curve.memory_efficiency,
-                    h100.curve)
+    device = Device.of(h100, "bf16")
     links = placement_links(h100, Parallelism())
     learned, fused = (estimate_layer(count.layers[1], device, Parallelism(), links.tensor, E)
                       for count in (_rotary_gpt(None), _rotary_gpt(1.0, "fused")))

@@ -11,8 +11,7 @@ from pipesim.profiles.workload import WorkloadCount
 from tests.conftest import pipesim
 
 A100 = load_catalogue().find("a100-sxm-80gb")
-DEVICE = Device(A100.dense_tflops.fp16 * 1e9, A100.memory_bandwidth_gb_s * 1e6 * A100.curve.memory_efficiency,
-                A100.curve)
+DEVICE = Device.of(A100, "fp16")
 NIC_BYTES_PER_MS = A100.network.gbit_s / 8 * 1e6
 NVLINK_BYTES_PER_MS = A100.intra_node.gb_s_per_direction * A100.curve.link_efficiency * 1e6
 S, B, H, HEADS = 128, 2, 256, 16  # 16 heads: t = 16 divides them

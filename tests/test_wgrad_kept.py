@@ -25,8 +25,7 @@ from tests.conftest import build  # noqa: E402
 B, S, H, A = 2, 32, 64, 4  # micro-batch, sequence, hidden, heads of the small gpt
 SBH = B * S * H
 A100 = load_catalogue().find("a100-sxm-80gb")
-DEVICE = Device(A100.dense_tflops.fp16 * 1e9, A100.memory_bandwidth_gb_s * 1e6 * A100.curve.memory_efficiency,
-                A100.curve)
+DEVICE = Device.of(A100, "fp16")
 
 
 @cache
