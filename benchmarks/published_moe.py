@@ -291,14 +291,27 @@ def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     return expressible, left_out
 
 
+# the layout columns of the tables published as a step time (the Model Zoo's and DGX Cloud's), in `_step_layout`'s order
+STEP_LAYOUT = ("tensor_parallel", "pipeline_parallel", "virtual_pipeline", "expert_parallel", "expert_tensor_parallel",
+               "gpus", "global_batch", "microbatch_size", "seq_len")
+
+
+def _step_layout(row: dict[str, str]) -> tuple[int, ...]:
+    """A step-time row's t, p, v, E, expert t, GPUs, global batch, micro-batch size and sequence length."""
+    return tuple(int(row[column]) for column in STEP_LAYOUT)
+
+
+def _tokens_per_s_per_gpu(row: dict[str, str]) -> float:
+    """A step-time row's published throughput: its global batch's tokens over its step time and GPUs."""
+    return int(row["global_batch"]) * int(row["seq_len"]) / (float(row["step_time_s"]) * int(row["gpus"]))
+
+
 def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     """The Model Zoo's H100 rows as runs (the module docstring), each with its published tokens/s per GPU (the
     global batch's tokens over its step time and GPUs), and the rows pipesim cannot express, each named with why."""
     expressible, left_out = [], []
     for row in _rows(MODELZOO):
-        t, p, chunks, e, etp, gpus, batch, b, seq = (int(row[k]) for k in (
-            "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "expert_parallel", "expert_tensor_parallel",
-            "gpus", "global_batch", "microbatch_size", "seq_len"))
+        t, p, chunks, e, etp, gpus, batch, b, seq = _step_layout(row)
         overlap = row["notes"] == "+1f1b overlap"
         name = f"Model Zoo {row['model']} {row['dispatcher']} t{t} p{p} v{chunks} E{e}{' overlap' if overlap else ''}"
         why = MODELZOO_NOT_EXPRESSIBLE.get(row["model"]) or MODELZOO_NOT_EXPRESSIBLE.get(f"FSDP {row['fsdp']}")
@@ -315,7 +328,7 @@ def modelzoo_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                      MODELZOO_DISPATCHERS[row["dispatcher"]], etp, overlap, None, "random", None, source=MODELZOO,
                      precision="megatron", recompute_modules=modules,
                      stage_cut=f"first-last:{per_chunk - 1},{per_chunk - 1}")
-        expressible.append((run, batch * seq / (float(row["step_time_s"]) * gpus)))
+        expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 
 
@@ -324,9 +337,7 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
     with its published tokens/s per GPU, and the rows pipesim cannot express, each named with why."""
     expressible, left_out = [], []
     for row in _rows(DGXC):
-        t, p, chunks, e, etp, gpus, batch, b, seq = (int(row[k]) for k in (
-            "tensor_parallel", "pipeline_parallel", "virtual_pipeline", "expert_parallel", "expert_tensor_parallel",
-            "gpus", "global_batch", "microbatch_size", "seq_len"))
+        t, p, chunks, e, etp, gpus, batch, b, seq = _step_layout(row)
         model, preset = DGXC_MODELS[row["workload"]]
         name = f"DGXC {model} {row['precision']} t{t} p{p} v{chunks} E{e}"
         if row["workload"] in DGXC_NOT_EXPRESSIBLE:
@@ -336,7 +347,7 @@ def dgxc_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:
                      TOKEN_DROP_CAPACITY, source=DGXC, precision="megatron",
                      recompute_modules=tuple(row["recompute_modules"].split(",")), stage_cut=dgxc_first_last(p),
                      rope_kernel="eager", mtp_layers=1)
-        expressible.append((run, batch * seq / (float(row["step_time_s"]) * gpus)))
+        expressible.append((run, _tokens_per_s_per_gpu(row)))
     return expressible, left_out
 
 
