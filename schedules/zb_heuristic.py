@@ -69,7 +69,7 @@ class _Stage:
     free_us: int = 0  # when its last op ends
     units: int = 0  # memory units held
     idle_us: int = 0  # time it waited for inputs since its first F
-    put: dict[str, int] = field(default_factory=lambda: dict.fromkeys((FORWARD, INPUT_GRAD, WEIGHT_GRAD), 0))
+    put: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UNITS, 0))
     ops: list[tuple[str, int]] = field(default_factory=list)
 
     @property
