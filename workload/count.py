@@ -551,21 +551,31 @@ class _SaverParts(TorchFunctionMode):
                 self.running.pop()
 
 
+@dataclass
+class _Save:
+    """A storage autograd saves, as `_saved` records it: the shape of the first tensor saved on it, what saved it
+    (one of `SAVED_PARTS`), whether it is the input of a product with weights (`LINEAR_INPUT_SAVES`) and, where
+    the attention kernel alone saved it, the distinct tensors it saved on it (their bytes by offset, shape and
+    strides; None where anything else saved it too: `_attention_copied`)."""
+
+    storage: torch.UntypedStorage
+    shape: tuple[int, ...]
+    part: str
+    linear: str
+    views: dict[tuple[int, tuple[int, ...], tuple[int, ...]], int] | None
+
+
 @contextmanager
 def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
-           ) -> Iterator[tuple[dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str, dict | None]],
-                               list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage]]]]:
-    """The storages autograd saves inside, by identity (meta storages have no address), each with the shape of
-    the first tensor saved on it, what saved it (one of `SAVED_PARTS`), whether it is the input of a product
-    with weights (`LINEAR_INPUT_SAVES`; `routed`: the routed experts running inside) and, where the attention
-    kernel alone saved it, the distinct tensors it saved on it (their bytes by offset, shape and strides; None
-    where anything else saved it too: `_attention_copied`). `layer`'s weights and buffers left out: the module
+           ) -> Iterator[tuple[dict[int, _Save], list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage]]]]:
+    """The storages autograd saves inside, by identity (meta storages have no address), each as a `_Save`
+    (`routed`: the routed experts running inside). `layer`'s weights and buffers left out: the module
     holds them whatever autograd saves (the gpt's RoPE angles, which its fused RoPE saves). Every storage compared
     is held meanwhile, so no identity is reused. Yields them with the products whose weights take a gradient
     (`_SaverParts.products`)."""
     weights = [p.untyped_storage() for p in (*layer.parameters(), *shared_weights(layer), *layer.buffers())]
     params = {id(storage) for storage in weights}
-    saved: dict[int, tuple[torch.UntypedStorage, tuple[int, ...], str, str, dict | None]] = {}
+    saved: dict[int, _Save] = {}
     modules: list[str | None] = []  # the submodules under way, outermost first: the part each name says
     hooks = []
     def enter(part: str | None) -> Callable[..., None]:
@@ -586,12 +596,12 @@ def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
         view = {(t.storage_offset(), tuple(t.shape), t.stride()): _nbytes(t)} if attention else None
         if id(storage) in saved:
             first = saved[id(storage)]
-            views = None if first[4] is None or view is None else {**first[4], **view}
-            saved[id(storage)] = (*first[:3], first[3] if first[3] == linear else "also", views)
+            first.linear = first.linear if first.linear == linear else "also"
+            first.views = None if first.views is None or view is None else {**first.views, **view}
         elif id(storage) not in params:
             named = [part for part in reversed(modules) if part is not None]
             part = functions.running[-1] if functions.running else named[0] if named else "other"
-            saved[id(storage)] = (storage, tuple(t.shape), part, linear, view)
+            saved[id(storage)] = _Save(storage, tuple(t.shape), part, linear, view)
         return t
 
     try:
@@ -602,12 +612,13 @@ def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
             hook.remove()
 
 
-def _attention_copied(storage: torch.UntypedStorage, views: dict | None) -> int:
+def _attention_copied(save: _Save) -> int:
     """The bytes a saved storage holds where the attention kernel's inputs are made contiguous before it saves
     them (TransformerEngine's context-parallel branch, `x.contiguous()`: a view of a wider product, as the v of a
     fused QKV product, becomes a copy of its own, and the product is freed): the distinct tensors the attention
     alone saved on it, at most the storage; the storage's own bytes where anything else saved it (`views` None)."""
-    return storage.nbytes() if views is None else min(sum(views.values()), storage.nbytes())
+    nbytes = save.storage.nbytes()
+    return nbytes if save.views is None else min(sum(save.views.values()), nbytes)
 
 
 def _optimizer_step(name: str, shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[int, int]:
@@ -723,12 +734,12 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         name="", fwd_flops=fwd.flops, igrad_flops=igrad.flops, wgrad_flops=full.flops - igrad.flops,
         fwd_moved_bytes=fwd.moved_bytes, igrad_moved_bytes=igrad.moved_bytes,
         wgrad_moved_bytes=full.moved_bytes - igrad.moved_bytes,
-        saved_bytes=sum(s.nbytes() for s, *_ in saved.values()),
-        saved_tensors=tuple((shape, s.nbytes()) for s, shape, *_ in saved.values()),
-        saved_parts=tuple(part for _, _, part, *_ in saved.values()),
-        linear_input_saves=tuple(linear for _, _, _, linear, _ in saved.values()),
+        saved_bytes=sum(s.storage.nbytes() for s in saved.values()),
+        saved_tensors=tuple((s.shape, s.storage.nbytes()) for s in saved.values()),
+        saved_parts=tuple(s.part for s in saved.values()),
+        linear_input_saves=tuple(s.linear for s in saved.values()),
         weight_grad_outputs=_weight_grad_outputs(products),
-        attention_copied_bytes=tuple(_attention_copied(storage, views) for storage, *_, views in saved.values()),
+        attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
