@@ -33,6 +33,7 @@ from .common import (
     check_writable,
     fail,
     is_given,
+    refuse,
     require,
     require_model_data,
     stderr,
@@ -144,8 +145,7 @@ def calibrate(
         check_writable("--out", out)
         if dtype not in ("float32", "bfloat16", "float16"):
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
-        if (refused := optimizer_refusal(optimizer, "--optimizer")) is not None:
-            raise InputError(refused)
+        refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
         for flag in ("link_max_mb", "expert_parallel"):
             if not links and is_given(ctx, flag):

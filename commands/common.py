@@ -530,6 +530,13 @@ class InputError(Exception):
     """Bad input found by the CLI itself; reported as one line with exit code 2."""
 
 
+def refuse(refusal: str | None) -> None:
+    """A rule's refusal (its one line, or None where it allows the value: the `*_refusal` functions) as an
+    `InputError`."""
+    if refusal is not None:
+        raise InputError(refusal)
+
+
 def check_expert_parallel(expert_parallel: int, net) -> None:
     """--expert-parallel E needs a mixture of experts (`net`) whose routed experts E divides
     (planning/experts.py `check_expert_ranks`)."""
@@ -574,8 +581,7 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
         readers = [m.name for m in METHODS.values() if m.reads(option)]
         if is_given(ctx, option) and not set(readers) & set(names):
             raise InputError(f"{flag} applies to {', '.join(readers)} only, not {', '.join(names)}")
-    if (refused := elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha")) is not None:
-        raise InputError(refused)
+    refuse(elastic_alpha_refusal(ctx.params.get("elastic_alpha"), "--elastic-alpha"))
 
 
 def check_allocator(ctx: typer.Context, what) -> None:
@@ -606,8 +612,7 @@ def check_prediction(source: str | None) -> None:
     its schedule is built, naming the sources it does record)."""
     from ..schedules.methods import prediction_refusal
 
-    if (refused := prediction_refusal(source, "--prediction")) is not None:
-        raise InputError(refused)
+    refuse(prediction_refusal(source, "--prediction"))
 
 
 def search_options(activation_limit: str | None, search_seconds: str | None) -> dict[str, float | None]:
@@ -623,8 +628,7 @@ def search_options(activation_limit: str | None, search_seconds: str | None) -> 
                 value = float(text)
             except ValueError:
                 value = math.nan
-            if (refused := above_zero_refusal(value, flag, text)) is not None:
-                raise InputError(refused)
+            refuse(above_zero_refusal(value, flag, text))
         values[flag[2:].replace("-", "_")] = value
     return values
 
@@ -750,8 +754,8 @@ def zero_stage(flags: dict) -> int:
     from ..schedules.methods import zero_refusal
 
     zero, sharded = flags.get("zero"), flags.get("sharded_optimizer", False)
-    if zero is not None and (refused := zero_refusal(zero, "--zero")) is not None:
-        raise InputError(refused)
+    if zero is not None:
+        refuse(zero_refusal(zero, "--zero"))
     if sharded and zero not in (None, 1):
         raise InputError(f"--sharded-optimizer is --zero 1, but --zero {zero} was given: give one of them")
     stage = 1 if sharded else zero or 0
@@ -788,11 +792,10 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
                  for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
-    if (refused := optimizer_refusal(flags["optimizer"], "--optimizer")) is not None:
-        raise InputError(refused)
+    refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
     precision = flags.get("precision")
-    if precision is not None and (refused := precision_refusal(precision, "--precision")) is not None:
-        raise InputError(refused)
+    if precision is not None:
+        refuse(precision_refusal(precision, "--precision"))
     if precision is not None and flags["profile"] is not None:
         raise InputError("--precision: a profile holds its weights, gradients and optimizer state as it was "
                          "calibrated or estimated with; drop --precision (`pipesim estimate --precision` sets an "

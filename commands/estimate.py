@@ -33,6 +33,7 @@ from .common import (
     check_writable,
     fail,
     is_given,
+    refuse,
     require,
     require_model_data,
     stderr,
@@ -263,9 +264,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
-    if (refused := kernels_refusal(params.get("cross_entropy", "torch"), params.get("norm_kernel", "eager"),
-                                   params.get("rope_kernel", "eager"), params.get("loss_parallel", False))) is not None:
-        raise InputError(refused)  # before the model is counted, which imports torch
+    refuse(kernels_refusal(params.get("cross_entropy", "torch"), params.get("norm_kernel", "eager"),  # before the
+                           params.get("rope_kernel", "eager"), params.get("loss_parallel", False)))  # count's torch
     try:
         catalogue = load_catalogue(params.get("gpus"))
     except CatalogueError as exc:

@@ -51,6 +51,7 @@ from .common import (
     check_writable,
     fail,
     is_given,
+    refuse,
     require,
     require_model_data,
     search_options,
@@ -174,8 +175,7 @@ def run(
             raise InputError(f"--device: choose cpu or cuda (got {device!r})")
         if backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend: choose auto, gloo or nccl (got {backend!r})")
-        if (refused := optimizer_refusal(optimizer, "--optimizer")) is not None:
-            raise InputError(refused)
+        refuse(optimizer_refusal(optimizer, "--optimizer"))
         for flag, value in (("--lr", lr), ("--timeout", timeout), ("--stall-timeout", stall_timeout)):
             if not 0 < value < math.inf:
                 raise InputError(f"{flag}: give a finite number > 0 (got {value})")

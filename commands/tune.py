@@ -35,6 +35,7 @@ from .common import (
     check_pp_runtime,
     fail,
     load_profile_flag,
+    refuse,
     search_options,
     stderr,
     stdout,
@@ -150,8 +151,7 @@ def tune(
         unknown = [name for name in schedule if name not in METHODS]
         if unknown:
             raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
-        if (refused := optimizer_refusal(optimizer, "--optimizer")) is not None:
-            raise InputError(refused)
+        refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
         check_pp_runtime(pp_runtime)
         budget = search_options(None, search_seconds)["search_seconds"]
