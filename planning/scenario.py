@@ -33,7 +33,7 @@ from ..profiles.partition import (
     mirrored_partition,
     padded_blocks,
     partition,
-    ranges,
+    range_sums,
     searched_partition,
 )
 from ..schedules import (
@@ -503,8 +503,8 @@ class Scenario:
         n = len(layers)
         costs = self._sharded_for(profile_costs(self.measured, self.optimizer, range(n + 1)), sched)
         each = costs.stages
-        static = ranges(np.cumsum([0, *(sum(held_static_parts(sched, [c]).values()) for c in each)]))
-        weights = ranges(np.cumsum([0, *(c.param_bytes for c in each)]))
+        static = range_sums(sum(held_static_parts(sched, [c]).values()) for c in each)
+        weights = range_sums(c.param_bytes for c in each)
         largest = [max(layer.transient_bytes.values(), default=0) for layer in layers]
         transient = np.zeros((n + 1, n + 1))
         for i in range(n):
@@ -514,9 +514,9 @@ class Scenario:
                                   sched.num_stages)
         activations = activation_ranges(layer_costs(layers, self.optimizer))
         layer_kept = [layer.wgrad_kept_bytes for layer in layers]  # summed over a range as a stage's are
-        held_until_w = wgrad_held(activations, ranges(np.cumsum([0, *(kept or 0 for kept in layer_kept)])),
-                                  ranges(np.cumsum([0, *(layer.wgrad_gradient_bytes for layer in layers)])),
-                                  ranges(np.cumsum([0, *(kept is None for kept in layer_kept)])) == 0,
+        held_until_w = wgrad_held(activations, range_sums(kept or 0 for kept in layer_kept),
+                                  range_sums(layer.wgrad_gradient_bytes for layer in layers),
+                                  range_sums(kept is None for kept in layer_kept) == 0,
                                   costs.wgrad_activation_fraction)
         return StageMemory([static + received[:, None] + received[None, :] + kept * weights for kept in versions],
                            transient, activations=activations, held_until_w=np.add(*held_until_w),

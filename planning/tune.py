@@ -77,7 +77,7 @@ from ..profiles.partition import (
     leanest_partition,
     least_slowest,
     partition,
-    ranges,
+    range_sums,
 )
 from ..profiles.schema import Profile, layer_costs
 from ..schedules import (
@@ -2157,8 +2157,8 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
       of activations its order holds at most, and an activation and a gradient in transfer at each boundary.
     """
     layers = layer_costs(profile.layers, optimizer)
-    static = ranges(np.cumsum([0, *(c.static_bytes for c in layers)]))
-    params = ranges(np.cumsum([0, *(layer.param_bytes for layer in profile.layers)]))
+    static = range_sums(c.static_bytes for c in layers)
+    params = range_sums(layer.param_bytes for layer in profile.layers)
     activations = activation_ranges(layers)
     sent = np.array([layer.output_bytes for layer in profile.layers[:-1]] + [0])
     # an activation and a gradient in transfer at each boundary: into the stage's first layer, out of its last

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -185,6 +185,11 @@ def ranges(prefix: Sequence[float] | np.ndarray) -> np.ndarray:
     return values[None, :] - values[:, None]
 
 
+def range_sums(values: Iterable[float]) -> np.ndarray:
+    """Entry [i, j]: what items i .. j-1 of `values` add up to (`ranges` of their prefix sums)."""
+    return ranges(np.cumsum([0, *values]))
+
+
 def leanest_partition(layers: Sequence[LayerCost], stages: int,
                       stage_bytes: StageCosts | None = None) -> tuple[float, list[int]]:
     """The split whose fullest stage holds the least memory (by `stage_bytes`, default 1F1B's), and those
@@ -294,7 +299,7 @@ def _range_ms(times: tuple[float, ...]) -> np.ndarray:
 
 
 def _one_f_one_b_bytes(layers: Sequence[LayerCost], stages: int) -> StageCosts:
-    static = ranges(np.cumsum([0, *(layer.static_bytes for layer in layers)]))
+    static = range_sums(layer.static_bytes for layer in layers)
     activations = activation_ranges(layers)
     return lambda k: static + (stages - k) * activations
 
