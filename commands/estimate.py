@@ -299,10 +299,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
             calibrated = load_profile(params["curve_from"])
         except ProfileError as exc:
             raise InputError(f"--curve-from: {exc}") from None
-    modules = params.get("recompute_modules")
+    modules, zero = params.get("recompute_modules"), zero_stage(params)
     what = WhatIf(catalogue.gpu[name], cluster, params["model"], {key: params.get(key) for key in MODEL_SIZES},
                   DTYPES.get(params["dtype"], "bfloat16"), params["attention"], params.get("sequence_parallel", False),
-                  params.get("context_parallel", 1), zero_stage(params) >= 1, params.get("precision"), calibrated,
+                  params.get("context_parallel", 1), zero >= 1, params.get("precision"), calibrated,
                   params.get("curve_from"), fp8, params.get("expert_parallel", 1), params.get("hot_expert_share"),
                   params.get("tp_overlap", False), dispatcher, params.get("expert_tensor_parallel"),
                   params.get("rank_order") or "pipesim", params.get("loss_parallel", False),
@@ -340,7 +340,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if what.gpu.curve is not None:
         with refused_with_flags():
             kernel_curve(what.gpu.curve, what.attention_kernel, name)
-    _check_fp8_param_gather(params)
+    _check_fp8_param_gather(params, zero)
     if what.expert_tensor is not None and what.rank_order != "megatron":
         raise InputError("--expert-tensor-parallel folds the experts over the tensor-, context- and data-parallel "
                          "ranks as Megatron-core numbers them: give --rank-order megatron")
@@ -369,11 +369,10 @@ def _fp8_recipe(params: dict[str, Any], name: str, gpus: dict[str, Gpu]) -> str 
     return recipe or "te"
 
 
-def _check_fp8_param_gather(params: dict[str, Any]) -> None:
-    """--fp8-param-gather beside --zero 1 or 2, whose distributed optimizer all-gathers the float8 weights: ZeRO's
-    stage is the command's to check (simulate applies it to the estimate's profile; `Parallelism` holds whether the
-    optimizer is sharded, and checks the recipe, the precision and the expert parallelism)."""
-    zero = zero_stage(params)
+def _check_fp8_param_gather(params: dict[str, Any], zero: int) -> None:
+    """--fp8-param-gather beside --zero 1 or 2 (`zero`), whose distributed optimizer all-gathers the float8 weights:
+    ZeRO's stage is the command's to check (simulate applies it to the estimate's profile; `Parallelism` holds whether
+    the optimizer is sharded, and checks the recipe, the precision and the expert parallelism)."""
     if params.get("fp8_param_gather") and zero not in (1, 2):
         raise InputError("--fp8-param-gather: TransformerEngine's float8 weights all-gathered by the distributed "
                          f"optimizer; give --zero 1 or 2 (got --zero {zero})")
