@@ -33,8 +33,7 @@ from tests.conftest import pipesim
 
 H100 = load_catalogue().find("h100-sxm")
 PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
-DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                H100.curve)
+DEVICE = Device.of(H100, "bf16")
 EXPERTS, TOP_K, S, H, FFN = 8, 2, 512, 256, 512
 GPT = dict(layers=4, width=H, heads=4, seq_len=S, vocab=1000, gated=True, experts=EXPERTS, top_k=TOP_K,
            expert_ffn=FFN)

@@ -13,8 +13,7 @@ from pipesim.planning.estimate import Device, Parallelism, estimate_layer, gathe
 from pipesim.planning.fp8 import FP8_RECIPES
 
 H100 = load_catalogue().find("h100-sxm")
-DEVICE = Device(H100.dense_tflops.bf16 * 1e9, H100.memory_bandwidth_gb_s * 1e6 * H100.curve.memory_efficiency,
-                H100.curve, H100.dense_tflops.fp8 * 1e9)
+DEVICE = Device.of(H100, "bf16", fp8=True)
 T, WIDTH, SEQ = 4, 4096, 2048
 # a link so slow that every transfer outlasts the chunk beside it: each gathered byte is exposed
 SLOW = placement_links(H100, Parallelism(tensor=T)).tensor.model_copy(update={"latency_ms": 0.0, "bytes_per_ms": 1e5})
