@@ -1125,7 +1125,7 @@ def _shape_bound(problem: Problem, config: Config, work: _Work, sketch: _Sketch,
     compute alone gives none.
 
     A flushing chain's device waits out its stage's REDUCE between its last backward and its update
-    (`_exposed_reduce_ms`), so the step is at least the mean compute plus the mean REDUCE, `reduce_ms`.
+    (`_StepRows.exposed_ms`), so the step is at least the mean compute plus the mean REDUCE, `reduce_ms`.
 
     The candidate's bound (`Candidate.max_samples_per_s`, from its own stages) can only be lower: a test holds
     them to it. Shaded against rounding (the sums run in another order)."""
@@ -1753,7 +1753,7 @@ def _hops_ms(links: Cluster, costs: Costs, devices: int) -> np.ndarray:
 def _planned_bound_ms(order: _Order, short: int, stage_ms: np.ndarray, reduces_ms: np.ndarray,
                       hops_ms: np.ndarray, sends_ms: np.ndarray, accumulate_ms: np.ndarray) -> float:
     """A lower bound of a partitioned fixed order's step before it is costed: `_candidate`'s bound (each device's
-    compute plus the REDUCEs it waits out, `_exposed_reduce_ms`; a flushing chain's fill and drain,
+    compute plus the REDUCEs it waits out, `_StepRows.exposed_ms`; a flushing chain's fill and drain,
     `_flush_bound_ms`) on costs no more than its own: `stage_ms`, its layers' costs summed, `reduces_ms`, the
     least REDUCE of its stages, `hops_ms`, its transfers, and `sends_ms`, the time its sends hold each device's
     compute (`_send_holds_ms`, the other bound of that wait), and `accumulate_ms`, its stages' gradient
@@ -2049,13 +2049,6 @@ def _cut_accumulates_ms(profile: Profile, bounds: list[int]) -> np.ndarray:
                      for start, stop in zip(bounds, bounds[1:])])
 
 
-def _exposed_reduce_ms(schedule: Schedule, op_ms: np.ndarray, minibatch: int,
-                       accumulate_ms: np.ndarray | None = None) -> np.ndarray:
-    """Per device, compute-free time each steady step must have, read off mini-batch `minibatch` (past the
-    warm-up), on costs `op_ms` [k, kind] and accumulations `accumulate_ms` [k] (None: none): `_StepRows.exposed_ms`."""
-    return _StepRows.of(schedule, minibatch).exposed_ms(op_ms, _row_costs_ms(op_ms, accumulate_ms))
-
-
 def _sends_hold(schedule: Schedule, holds: bool, links: Cluster) -> bool:
     """Whether the bounds count the sends' holds (`_send_holds_ms`): transfers hold the compute beside them, on a
     one-pipeline chain without overlapped pairs whose devices queue on nothing (the engine holds those alone)."""
@@ -2102,7 +2095,7 @@ def _send_holds_ms(schedule: Schedule, per_step: np.ndarray, holds: bool, links:
     end) until its data arrives, at least c plus the link's transfer time T, and the device's next compute row,
     whenever it starts (after RECVs or an awaited REDUCE), makes no progress before c + T: it ends no earlier than
     c + T plus its own time. So from a device's first compute row of a step to the next step's, its rows' times
-    and each sent output's T add up, as the steps repeat. Against `_exposed_reduce_ms` (time the REDUCEs hold
+    and each sent output's T add up, as the steps repeat. Against `_StepRows.exposed_ms` (time the REDUCEs hold
     the compute off) this is another bound on the same wait, so a step takes the larger of the two: the sum
     could count a send held while the network works."""
     p, n = schedule.num_devices, schedule.num_stages

@@ -48,7 +48,9 @@ def test_the_send_holds_bound_stays_above_the_simulation_and_lowers_some(holding
         schedule, costs = candidate.schedule, candidate.costs
         holds = _sends_ms(schedule, costs, candidate.links)
         assert not _sends_ms(schedule, replace(costs, transfers_hold_products=False), candidate.links).any()
-        exposed = tuning._exposed_reduce_ms(schedule, costs.op_ms_table(1), candidate.short_minibatches)
+        table = costs.op_ms_table(1)
+        exposed = tuning._StepRows.of(schedule, candidate.short_minibatches).exposed_ms(table,
+                                                                                       tuning._row_costs_ms(table))
         lowered += bool((holds > exposed).any())
     assert lowered > 0 and tighter > 0
 
