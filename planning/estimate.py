@@ -1651,6 +1651,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     sharing = sharing_dispatcher(device, parallel)
     float8 = Float8Forms(parallel.float8_recipe, element)  # each layer's form built once for all that price it
     accumulated = held.grad_bytes if parallel.accumulation == "fused" else None  # in the weight-gradient products
+    modules_us = module_us(parallel.fp8, parallel.host_module_us)
+
+    def issue(run: LayerCount, name: str) -> float:
+        """The host's issue of `run`'s pass `name` (`issue_ms`), the layer's and its routed part's alike."""
+        return issue_ms(run, float8, parallel.host_kernel_us, name, modules_us)
+
     for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
         if repeated:
             layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
@@ -1671,9 +1677,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
-        modules_us = module_us(parallel.fp8, parallel.host_module_us)
-        issued = {name: issue_ms(busiest, float8, parallel.host_kernel_us, name, modules_us)
-                  if synced else 0.0 for name in ("fwd", "bwd", "igrad", "wgrad")}
+        issued = {name: issue(busiest, name) if synced else 0.0 for name in ("fwd", "bwd", "igrad", "wgrad")}
         fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issued["fwd"])
         bwd_ms, igrad_ms, wgrad_ms = (host_bound_ms(getattr(priced, f"{name}_ms"), 0.0, issued[name])
                                       for name in ("bwd", "igrad", "wgrad"))
@@ -1693,8 +1697,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(
                 *paired_passes(experts_part, priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms, issued,
-                               (lambda run, name: issue_ms(run, float8, parallel.host_kernel_us, name, modules_us))
-                               if synced else None),
+                               issue if synced else None),
                 charged_ms=fwd_ms + bwd_ms, experts_wait=synced and parallel.token_dispatcher == "deepep"),
             fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issued["fwd"]) if shared else 0.0,
             bwd_sharing_ms=host_bound_ms(shared.bwd_ms, 0.0, issued["bwd"]) if shared else 0.0,
