@@ -57,7 +57,6 @@ def test_a_readme_table_is_what_its_command_prints(title, command_start, first_w
     words_agree(shown, out, first_words)
 
 
-
 @pytest.mark.slow
 def test_the_deepseek_what_if_prose_is_what_its_command_prints(monkeypatch):
     """The figures the README quotes after its DeepSeek-V3 what-if, in order: DualPipeV's step (s) and peak (GiB),
