@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ..choices import choose_from
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -588,7 +589,7 @@ def check_allocator(ctx: typer.Context, what) -> None:
     """--allocator: one of ALLOCATORS, and with --gpu only (what `what_if` returned: None without it)."""
     allocator = ctx.params["allocator"]
     if allocator not in ALLOCATORS:
-        raise InputError(f"--allocator: choose from {', '.join(ALLOCATORS)} (got {allocator!r})")
+        raise InputError(choose_from("--allocator", ALLOCATORS, allocator))
     if what is None and is_given(ctx, "allocator"):
         raise InputError("--allocator: only --gpu's estimate counts each pass's allocations, which the allocator "
                          "replays; give --gpu NAME and --model")
@@ -774,7 +775,7 @@ def check_pp_runtime(pp_runtime: str) -> str:
     from ..sim.costs import PP_RUNTIMES
 
     if pp_runtime not in PP_RUNTIMES:
-        raise InputError(f"--pp-runtime: choose from {', '.join(PP_RUNTIMES)} (got {pp_runtime!r})")
+        raise InputError(choose_from("--pp-runtime", PP_RUNTIMES, pp_runtime))
     return pp_runtime
 
 
@@ -813,7 +814,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"))
     optimizer_buckets = flags.get("optimizer_buckets", "megatron")
     if optimizer_buckets not in OPTIMIZER_BUCKETS:
-        raise InputError(f"--optimizer-buckets: choose from {', '.join(OPTIMIZER_BUCKETS)} (got {optimizer_buckets!r})")
+        raise InputError(choose_from("--optimizer-buckets", OPTIMIZER_BUCKETS, optimizer_buckets))
     missing = [flag for flag, given in (("--gpu NAME or --profile PATH", flags["profile"] is not None
                                          or flags.get("gpu") is not None), ("--zero 1", zero == 1)) if not given]
     if optimizer_buckets != "megatron" and missing:

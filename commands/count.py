@@ -12,6 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..choices import choose_from
 from .common import (
     DTYPES,
     MODEL_SIZES,
@@ -45,14 +46,14 @@ def count(
         require("pipesim count", "torch")
         require_model_data("pipesim count", model)
         if dtype not in DTYPES:
-            raise InputError(f"--dtype: choose from {', '.join(DTYPES)} (got {dtype!r})")
+            raise InputError(choose_from("--dtype", DTYPES, dtype))
         import torch
 
         from ..workload.count import ATTENTION, count_built
         from ..workload.models import ModelError
 
         if attention not in ATTENTION:
-            raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
+            raise InputError(choose_from("--attention", ATTENTION, attention))
         options = {name: ctx.params[name] for name in MODEL_SIZES}
         started = time.perf_counter()
         try:

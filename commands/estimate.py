@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..choices import choose_from
 from ..planning.host import HOST_KERNEL_US
 from .common import (
     DTYPES,
@@ -260,7 +261,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                          "--heads, --seq-len, ...), --model hf:PATH (a Hugging Face config.json) with --seq-len, or "
                          "--model package.module:attribute")
     if params["dtype"] not in (*DTYPES, FP8):
-        raise InputError(f"--dtype: choose from {', '.join((*DTYPES, FP8))} (got {params['dtype']!r})")
+        raise InputError(choose_from("--dtype", (*DTYPES, FP8), params["dtype"]))
     if params.get("sequence_parallel") and params.get("tensor_parallel") == 1:
         raise InputError("--sequence-parallel splits a tensor-parallel group's norms and dropouts: give "
                          "--tensor-parallel 2 or more")
@@ -479,7 +480,7 @@ def count_model_of(model: str, options: dict[str, Any], microbatch_size: int, dt
     from ..workload.models import ModelError
 
     if attention not in ATTENTION:
-        raise InputError(f"--attention: choose from {', '.join(ATTENTION)} (got {attention!r})")
+        raise InputError(choose_from("--attention", ATTENTION, attention))
     try:
         counted = count_built(model, options, microbatch_size, getattr(torch, dtype), attention, loss_parallel,
                               swiglu_fusion, cross_entropy, norm_kernel, rope_kernel)

@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from ..choices import choose_from
 from ..hardware.catalogue import ATTENTION_KERNELS
 from ..hardware.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from ..memory_parts import SAVED_PARTS
@@ -226,7 +227,7 @@ class Parallelism:
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices and (value is not None or name not in _OPTIONAL):
-                raise EstimateError(f"{{{name}}}: choose from {', '.join(choices)} (got {value!r})")
+                raise EstimateError(choose_from(f"{{{name}}}", choices, value))
         if self.dispatcher_sms is not None and self.token_dispatcher not in FLEX_DISPATCHERS:
             raise EstimateError("{dispatcher_sms}: the multiprocessors DeepEP's or HybridEP's kernels hold; give "
                                 f"{{token_dispatcher}} {' or '.join(FLEX_DISPATCHERS)}")

@@ -27,6 +27,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..choices import choose_from
+
 RANK_ORDERS = ("pipesim", "megatron")
 # per order, the dense layers' grid and the expert layers' (innermost first)
 _DENSE = {"pipesim": ("tp", "cp", "pp", "dp"), "megatron": ("tp", "cp", "dp", "pp")}
@@ -119,4 +121,4 @@ def check_expert_replicas(e: int, d: int) -> None:
 
 def _check(order: str) -> None:
     if order not in RANK_ORDERS:
-        raise RankOrderError(f"rank_order: choose from {', '.join(RANK_ORDERS)} (got {order!r})")
+        raise RankOrderError(choose_from("rank_order", RANK_ORDERS, order))

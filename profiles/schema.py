@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..choices import choose_from
 from ..files import first_error
 from ..memory_parts import SAVED_PARTS
 from .partition import LayerCost, stage_activation_bytes, stage_memory_bytes
@@ -31,7 +32,7 @@ def optimizer_refusal(name: str, flag: str = "optimizer") -> str | None:
     """The one line refusing an optimizer that is not one of `OPTIMIZERS`, naming it as its reader does (`flag`: the
     commands' --optimizer); None for one that is. Every reader of an optimizer's name, from the commands to the
     estimate and the executor's optimizers, refuses with it."""
-    return None if name in OPTIMIZERS else f"{flag}: choose from {', '.join(OPTIMIZERS)} (got {name!r})"
+    return None if name in OPTIMIZERS else choose_from(flag, OPTIMIZERS, name)
 
 
 class ProfileError(ValueError):

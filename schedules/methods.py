@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from ..choices import choose_from
 from .ir import PREDICTION_SOURCES, SYNCHRONOUS, Action, Kind, Read, Schedule, ScheduleError, StageGraph, WeightPolicy
 from .passes import add_context_parallel, add_data_parallel, add_expert_parallel, overlap_expert_communication
 from .table import FIELD_DTYPE, KIND_CODE, KIND_DTYPE, ActionTable, OrderView
@@ -31,14 +32,14 @@ def prediction_refusal(source: str | None, flag: str = "prediction") -> str | No
     """A source of the prediction distance s: one of `PREDICTION_SOURCES` (None: the method's primary one)."""
     if source is None or source in PREDICTION_SOURCES:
         return None
-    return f"{flag}: choose from {', '.join(PREDICTION_SOURCES)} (got {source!r})"
+    return choose_from(flag, PREDICTION_SOURCES, source)
 
 
 def zero_refusal(zero: int, flag: str = "zero") -> str | None:
     """ZeRO's stage: one of `ZERO_STAGES`."""
     if zero in ZERO_STAGES and not isinstance(zero, bool):
         return None
-    return f"{flag}: choose from {', '.join(map(str, ZERO_STAGES))} (got {zero!r})"
+    return choose_from(flag, ZERO_STAGES, zero)
 
 
 def elastic_alpha_refusal(alpha: float | None, flag: str = "elastic_alpha") -> str | None:

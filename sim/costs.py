@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..choices import choose_from
 from ..schedules import (
     COLLECTIVE_KINDS,
     KIND_CODE,
@@ -80,7 +81,7 @@ PRECISIONS = {"fp32": Precision(4, 4, 0, 4), "megatron": Precision(2, 4, 4, 4),
 def precision_refusal(name: str, flag: str = "precision") -> str | None:
     """The one line refusing a precision that is not one of `PRECISIONS`, naming it as its reader does (`flag`: the
     commands' --precision); None for one that is. The typed costs and the estimate's parallelism refuse with it."""
-    return None if name in PRECISIONS else f"{flag}: choose from {', '.join(PRECISIONS)} (got {name!r})"
+    return None if name in PRECISIONS else choose_from(flag, PRECISIONS, name)
 
 
 # Whose pipeline runtime holds the boundary tensors (`--pp-runtime`, `held_as_runtime`).

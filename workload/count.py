@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from ..choices import choose_from
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, _classify
@@ -474,7 +475,7 @@ class _GpuKernels(TorchFunctionMode):
 @contextmanager
 def _attention(kind: str) -> Iterator[_GpuKernels]:
     if kind not in ATTENTION:
-        raise ValueError(f"attention: choose from {', '.join(ATTENTION)} (got {kind!r})")
+        raise ValueError(choose_from("attention", ATTENTION, kind))
     allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     try:

@@ -2,6 +2,8 @@
 (workload/models.py builds with them, workload/count.py counts with them), so that the command line can show and
 check them without importing torch."""
 
+from ..choices import choose_from
+
 DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "mlp": {"layers": 8, "width": 512},
     "cnn": {"layers": 6, "width": 32},
@@ -22,7 +24,7 @@ def kernels_refusal(cross_entropy: str, norm_kernel: str, rope_kernel: str, loss
                                   ("--rope-kernel", rope_kernel, ROPE_KERNELS),
                                   ("--cross-entropy", cross_entropy, CROSS_ENTROPY)):
         if kernel not in choices:
-            return f"{flag}: choose from {', '.join(choices)} (got {kernel!r})"
+            return choose_from(flag, choices, kernel)
     if loss_parallel and cross_entropy != "torch":
         return "--loss-parallel is torch's cross entropy: leave out --cross-entropy megatron"
     return None

@@ -1,0 +1,26 @@
+"""The refusal of a value outside a fixed few is written once (choices.py `choose_from`): every reader says it alike,
+and no module writes the sentence again by hand."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pipesim.choices import choose_from
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_refusal_names_the_flag_each_choice_and_the_value_as_given():
+    assert choose_from("--zero", (0, 1, 2, 3), 4) == "--zero: choose from 0, 1, 2, 3 (got 4)"
+    assert choose_from("{ema}", ("gpu", "cpu"), "") == "{ema}: choose from gpu, cpu (got '')"
+
+
+def test_no_module_writes_the_choose_from_sentence_by_hand():
+    folders = [folder for folder in ROOT.iterdir() if folder.is_dir() and folder.name != "tests"
+               and not folder.name.startswith(".")]  # the package's own, not the virtual environment's
+    modules = [*ROOT.glob("*.py"), *(path for folder in folders for path in folder.rglob("*.py"))]
+    written = [f"{path.relative_to(ROOT)}:{number}" for path in modules if path.name != "choices.py"
+               for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+               if re.search(r"choose from \{.*\(got ", line)]
+    assert written == []
