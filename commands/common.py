@@ -538,12 +538,56 @@ def refuse(refusal: str | None) -> None:
         raise InputError(refusal)
 
 
+# The estimate's names for what it was given -> the flags that give them.
+ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
+                  "context": "--context-parallel", "expert": "--expert-parallel",
+                  "hot_expert_share": "--hot-expert-share", "routing": "--routing",
+                  "token_dispatcher": "--token-dispatcher",
+                  "dispatcher_sms": "--dispatcher-sms",
+                  "host_kernel_us": "--host-kernel-us", "host_module_us": "--host-module-us",
+                  "expert_gemm": "--expert-gemm",
+                  "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
+                  "attention_kernel": "--attention-kernel",
+                  "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
+                  "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
+                  "recompute": "--recompute", "recompute_modules": "--recompute-modules",
+                  "torch_compile": "--torch-compile", "ema": "--ema",
+                  "grad_accumulation": "--grad-accumulation",
+                  "optimizer": "--optimizer", "gpu": "--gpu",
+                  "precision": "--precision", "fp8": "--fp8-recipe"}
+
+
+def flag_of(name: str) -> str:
+    """The flag that sets parameter `name` (typer's spelling of it)."""
+    return f"--{name.replace('_', '-')}"
+
+
+def flag_line(refusal: ValueError) -> str:
+    """A planning refusal as the user's one line: each setting it names as the flag that sets it (`EstimateError`'s
+    {setting}; one it leads with as "setting: ", as the flag and the rest: `ExpertParallelError`'s and
+    `RankOrderError`'s too)."""
+    said = getattr(refusal, "said", None)
+    text = str(refusal) if said is None else said(lambda name: ESTIMATE_FLAGS.get(name, flag_of(name)))
+    field, _, rest = text.partition(": ")
+    return f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else text
+
+
+@contextmanager
+def refused_with_flags() -> Iterator[None]:
+    """Runs planning's rules: a refusal raised inside (`SettingsError`) is the user's one line (`flag_line`)."""
+    from ..planning.ranks import SettingsError
+
+    try:
+        yield
+    except SettingsError as exc:
+        raise InputError(flag_line(exc)) from None
+
+
 def check_expert_parallel(expert_parallel: int, net) -> None:
     """--expert-parallel E needs a mixture of experts (`net`) whose routed experts E divides
     (planning/experts.py `check_expert_ranks`)."""
     from ..planning.experts import check_expert_ranks
     from ..workload.models import routed_experts_of
-    from .estimate import refused_with_flags
 
     with refused_with_flags():
         check_expert_ranks(expert_parallel, next((n for layer in net.layers

@@ -5,8 +5,8 @@ once --gpu is given, so the commands start fast without it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -33,8 +33,11 @@ from .common import (
     Zero,
     check_writable,
     fail,
+    flag_line,
+    flag_of,
     is_given,
     refuse,
+    refused_with_flags,
     require,
     require_model_data,
     stderr,
@@ -76,50 +79,6 @@ SETTING_DEFAULTS = {"rank_order": "pipesim", "tp_runtime": "megatron", "grad_acc
 # Settings whose name ends in their unit, said as "name value unit" in an estimate's parallelism text.
 SETTING_UNITS = {"host_kernel_us": ("host kernel", "us"), "host_module_us": ("host module", "us")}
 FP8 = "fp8"  # --dtype's float8: counted in bfloat16, its linear products run in float8 (planning/fp8.py)
-# The estimate's names for what it was given -> the flags that give them.
-ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
-                  "context": "--context-parallel", "expert": "--expert-parallel",
-                  "hot_expert_share": "--hot-expert-share", "routing": "--routing",
-                  "token_dispatcher": "--token-dispatcher",
-                  "dispatcher_sms": "--dispatcher-sms",
-                  "host_kernel_us": "--host-kernel-us", "host_module_us": "--host-module-us",
-                  "expert_gemm": "--expert-gemm",
-                  "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
-                  "attention_kernel": "--attention-kernel",
-                  "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
-                  "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
-                  "recompute": "--recompute", "recompute_modules": "--recompute-modules",
-                  "torch_compile": "--torch-compile", "ema": "--ema",
-                  "grad_accumulation": "--grad-accumulation",
-                  "optimizer": "--optimizer", "gpu": "--gpu",
-                  "precision": "--precision", "fp8": "--fp8-recipe"}
-
-
-def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
-
-
-def flag_line(refusal: ValueError) -> str:
-    """A planning refusal as the user's one line: each setting it names as the flag that sets it (`EstimateError`'s
-    {setting}; one it leads with as "setting: ", as the flag and the rest: `ExpertParallelError`'s and
-    `RankOrderError`'s too)."""
-    said = getattr(refusal, "said", None)
-    text = str(refusal) if said is None else said(lambda name: ESTIMATE_FLAGS.get(name, _flag(name)))
-    field, _, rest = text.partition(": ")
-    return f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else text
-
-
-@contextmanager
-def refused_with_flags() -> Iterator[None]:
-    """Runs planning's rules: a refusal raised inside (`SettingsError`) is the user's one line (`flag_line`)."""
-    from ..planning.ranks import SettingsError
-
-    try:
-        yield
-    except SettingsError as exc:
-        raise InputError(flag_line(exc)) from None
-
-
 @dataclass(frozen=True)
 class WhatIf:
     """The what-if flags' values, checked: a catalogue part (or cluster), the model to count and how."""
@@ -239,7 +198,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     params = ctx.params
     if params.get("gpu") is None:
         read = profile_reads if params.get("profile") is not None else ()
-        given = [_flag(name) for name in ESTIMATE_ONLY if name in params and is_given(ctx, name) and name not in read]
+        given = [flag_of(name) for name in ESTIMATE_ONLY if name in params and is_given(ctx, name) and name not in read]
         if given and params.get("profile") is not None:
             raise InputError(f"{', '.join(given)}: --profile's costs are priced already (an estimate records its "
                              "settings, which the costs line names); write another with `pipesim estimate ... "
@@ -252,7 +211,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     from ..planning.estimate import check_ring_attention, kernel_curve
     from ..workload.sizes import kernels_refusal
 
-    clash = [_flag(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
+    clash = [flag_of(name) for name in ESTIMATED if name in params and is_given(ctx, name)]
     if clash:
         raise InputError(f"{', '.join(clash)}: --gpu estimates the costs, sizes and links from the model; drop "
                          f"{'these flags' if len(clash) > 1 else 'it'}")

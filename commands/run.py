@@ -52,6 +52,7 @@ from .common import (
     fail,
     is_given,
     refuse,
+    refused_with_flags,
     require,
     require_model_data,
     search_options,
@@ -305,7 +306,6 @@ def _expert_replicas(ctx: typer.Context, expert_parallel: int, data_parallel: in
         raise InputError(f"--expert-parallel {expert_parallel}: runs on CPU ranks (gloo) only; drop --device "
                          f"{device}")
     from ..planning.ranks import check_expert_replicas
-    from .estimate import refused_with_flags
 
     if not is_given(ctx, "data_parallel"):
         return expert_parallel

@@ -57,6 +57,7 @@ from .common import (
     load_profile_flag,
     optional_what_if_options,
     progress,
+    refused_with_flags,
     scenario_from_flags,
     search_options,
     search_progress,
@@ -341,7 +342,6 @@ def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
     draws them, and its all-to-alls priced on the profile's (planning/scenario.py `measured_all_to_alls`)."""
     from ..planning.ranks import check_expert_replicas
     from ..planning.scenario import all_to_all_refusal
-    from .estimate import refused_with_flags
 
     if measured.estimate is not None:
         raise InputError(f"--expert-parallel {experts}: the profile is an estimate, made for the expert parallelism "

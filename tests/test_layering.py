@@ -2,7 +2,8 @@
 
 The two shared vocabularies (schedules/, traces/) import nothing of ours; profiles are pure data; nothing
 on the simulator's side imports torch; the torch side (workload/, calibrate/, executor/) never imports
-the simulator or the planners. `units` (constants) and `files` (reading user files) are leaves anyone may import.
+the simulator or the planners. `units` (constants), `files` (reading user files) and `choices` (the refusal of a
+value outside a fixed few) are leaves anyone may import.
 """
 
 import ast
@@ -15,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("schedules", "traces", "profiles", "hardware", "sim", "planning", "workload", "calibrate", "executor",
             "study", "commands")
-LEAVES = {"units", "files", "launch", "memory_parts"}
+LEAVES = {"units", "files", "launch", "memory_parts", "choices"}
 OURS = {*PACKAGES, "cli", *LEAVES}
 
 # package -> import prefixes (ours as "pipesim.x", third-party by name) it must never import, and why.

@@ -1,7 +1,7 @@
 """Each rule of the parallel layout lives once, in planning/estimate.py's `Parallelism` (and `check_ring_attention`,
 `fp8_peak_tflops`; the experts' in planning/experts.py `check_expert_ranks` and planning/ranks.py
 `check_expert_replicas`): the library says its settings by name, the commands say the same refusal with their flags
-(commands/estimate.py `flag_line`), one line and exit 2, before the model is counted or a rank starts. So are the
+(commands/common.py `flag_line`), one line and exit 2, before the model is counted or a rank starts. So are the
 optimizer's and the precision's names, once in profiles/schema.py `optimizer_refusal` and sim/costs.py
 `precision_refusal`; a schedule parameter's bounds, once in schedules/methods.py (`ScheduleParams`'s); and the
 count's kernels, once in workload/sizes.py `kernels_refusal`."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipesim.commands.estimate import flag_line
+from pipesim.commands.common import flag_line
 from pipesim.planning.estimate import EstimateError, Parallelism, check_ring_attention
 from pipesim.planning.experts import ExpertParallelError, check_expert_ranks
 from pipesim.planning.ranks import RankOrderError, check_expert_replicas
