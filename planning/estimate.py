@@ -1353,14 +1353,17 @@ def _compiled_checkpoint_forward(events: Sequence[tuple[int, int]], reads: Seque
     them (torch/utils/checkpoint.py `_checkpoint_hook`: its pack hook keeps a `_Holder`, not the tensor),
     compiled the partitioner saves none (they are recomputed), and Inductor frees each buffer after its last use
     (torch/_inductor/scheduler.py `compute_last_usage`, `free_buffers`), where the count, autograd saving them,
-    held them to the block's end. A later in-place write's reads count at its storage's making. A count without
-    its data flow: as counted."""
+    held them to the block's end. The count records a later in-place write's reads as its storage's (`reads`), not
+    when the write ran; it ran once the last storage it reads was made, so a storage's ops count at that making
+    where it is later than its own: the written storage is held until then (freed at its own making, it went before
+    the write), and so is each storage the write reads. A count without its data flow: as counted."""
     if not reads:
         return tuple(events)
-    last = {number: number for number in rerun_saved}
+    written = {number: max((number, *read)) for number, read in reads}  # its last op's making or later
+    last = {number: written.get(number, number) for number in rerun_saved}
     for number, read in reads:
         for source in rerun_saved.intersection(read):
-            last[source] = max(last[source], number)
+            last[source] = max(last[source], written[number])
     frees: dict[int, list[tuple[int, int]]] = {}
     made = {number: nbytes for number, nbytes in events if nbytes > 0}
     for number in sorted(rerun_saved & made.keys()):

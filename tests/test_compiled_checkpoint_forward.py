@@ -81,3 +81,13 @@ def test_an_estimate_frees_a_compiled_blocks_saved_storages_within_its_forward()
             made_before[number] = last_made
     assert made_before == {number: max((reader for reader, read in block.forward_reads if number in read),
                                        default=number) for number in saved}
+
+
+def test_an_in_place_write_holds_what_it_writes_and_reads_until_what_it_reads_is_made():
+    """0 (8 MiB, saved: the in-place op saves its result, as relu_ does) is written in place reading 1 (30 MiB,
+    saved) and 2 (4 MiB), both made after it; nothing later reads them. The write runs once 2 is made, so 0 and 1
+    are held until then (8 + 30 + 4 MiB at once), not freed as each is made (at most 30 + 4)."""
+    eager = ((0, 8 * MIB), (1, 30 * MIB), (2, 4 * MIB), (3, 16 * MIB))
+    reads = ((0, (1, 2)), (1, ()), (2, ()), (3, ()))
+    assert _compiled_checkpoint_forward(eager, reads, frozenset({0, 1})) == (
+        (0, 8 * MIB), (1, 30 * MIB), (2, 4 * MIB), (0, -8 * MIB), (1, -30 * MIB), (3, 16 * MIB))
