@@ -1,0 +1,821 @@
+"""The GPU probe: one script, torch alone, for the three questions docs/hardware.md leaves to hardware.
+
+(a) *Host-bound MoE* ("Host-bound execution", "TransformerEngine's module calls"): a dropless MoE layer in eager
+    torch shaped like Qwen3-30B-A3B (hidden 2,048, expert FFN 768, SwiGLU, top-8 of 128, 4,096 tokens a
+    micro-batch) at 4, 8 and 16 local experts: router, permute, the host's synchronisation for the tokens per
+    expert (`.tolist()`, as Megatron-core's all-to-all dispatcher waits at "before_ep_alltoall"), one GEMM a local
+    expert (fc1, SwiGLU, fc2), weighted unpermute; forward and backward. It times the host from the
+    synchronisation to the layer's last launch against the device in the same span, and counts the ops and the
+    kernels (torch.profiler), so a kernel's host cost and an expert's cost can be read off.
+(b) *Context parallelism's attention as TransformerEngine runs it*: Llama 3.1 8B's attention (32 heads of 128,
+    8 KV heads, causal, 8,192 tokens) through torch's SDPA, whole at C = 1 and as TransformerEngine 1.10's p2p
+    ring runs it at C = 2 on one rank (`AttnFuncWithCPAndKVP2P`, sbhd): step 0 causal over the rank's two chunks
+    of 2,048, step 1 unmasked (rank 0: its second half of the queries against all the keys; rank 1: all its
+    queries against the first half of the keys), and the passes that join them (the forward's softmax-statistics
+    and output corrections, the backward's buffer copy, joins and adds), eager and compiled as TE compiles them.
+(c) *The experts' GEMMs*: each of an expert's six products (fc1 and fc2; forward, input and weight gradients) as
+    a loop of one GEMM a local expert at 4 and 16 local experts, against the same FLOPs as one GEMM; BF16 with
+    torch.mm, FP8 with torch._scaled_mm where the GPU has FP8.
+
+Device times are CUDA events; host times time.perf_counter; every figure is the median of `--repeats` after
+`--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
+tiny, device times are the host's, and the GPU-only parts (kernel counts, FP8, compiled passes) say why they skip.
+
+    python benchmarks/gpu_probe.py --out probe.json                          # on one H100/H200, under 4 minutes
+    python benchmarks/gpu_probe.py --device cpu --quick --out /tmp/probe.json  # the same code, tiny, on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# --- timing ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point in a run: the host's clock, and on a GPU an event the device reaches in its stream's order."""
+
+    host_s: float
+    event: torch.cuda.Event | None
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Marks and their differences; on a CPU the device's time is the host's (its ops run as they are called)."""
+
+    cuda: bool
+
+    def mark(self) -> Mark:
+        host_s = time.perf_counter()
+        if not self.cuda:
+            return Mark(host_s, None)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return Mark(host_s, event)
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    @staticmethod
+    def host_ms(start: Mark, end: Mark) -> float:
+        return (end.host_s - start.host_s) * 1e3
+
+    def device_ms(self, start: Mark, end: Mark) -> float:
+        return start.event.elapsed_time(end.event) if self.cuda else self.host_ms(start, end)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One quantity over the repeats: its median, its spread and every sample, in milliseconds."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    samples_ms: list[float]
+
+    @classmethod
+    def of(cls, samples_ms: list[float]) -> Timing:
+        return cls(statistics.median(samples_ms), min(samples_ms), max(samples_ms), [round(s, 5) for s in samples_ms])
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How often each measurement runs: untimed warm-up runs, then timed repeats."""
+
+    warmup: int
+    repeats: int
+
+
+def repeat(step: Callable[[], dict[str, float]], budget: Budget) -> dict[str, Timing]:
+    """Run `step` (which returns its named milliseconds, its device drained) warm-up times, then the repeats."""
+    for _ in range(budget.warmup):
+        step()
+    samples = [step() for _ in range(budget.repeats)]
+    return {name: Timing.of([sample[name] for sample in samples]) for name in samples[0]}
+
+
+def skipped(error: Exception) -> dict[str, str]:
+    """A part that cannot run here, with the first line of why."""
+    lines = str(error).strip().splitlines()
+    return {"skipped": f"{type(error).__name__}: {lines[0] if lines else ''}"}
+
+
+# --- (a) the MoE layer -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A MoE layer's shape: Qwen3-30B-A3B's config.json (hidden_size 2048, moe_intermediate_size 768, num_experts
+    128, num_experts_per_tok 8) at a micro-batch of 4,096 tokens (sequence 4,096, MBS 1, as NVIDIA's recipe)."""
+
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    tokens: int
+
+    def rows_per_expert(self, local_experts: int) -> int:
+        """A local expert's rows when the rank's experts receive, balanced, as many rows as its own tokens choose."""
+        return self.tokens * self.top_k // local_experts
+
+
+QWEN3_30B_A3B = MoeShape(hidden=2048, ffn=768, experts=128, top_k=8, tokens=4096)
+QUICK_MOE = MoeShape(hidden=64, ffn=32, experts=16, top_k=4, tokens=64)
+LOCAL_EXPERTS = (4, 8, 16)
+
+
+@dataclass
+class Routed:
+    """The permuted rows of a micro-batch, each a token's copy for one of its experts, sorted by local expert."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    token_of_row: torch.Tensor
+    tokens_per_expert: list[int]
+    tokens: int
+
+
+class MoeLayer:
+    """A dropless MoE layer in eager torch, as Megatron-core's all-to-all dispatcher and SequentialMLP run one on a
+    rank (megatron/core/transformer/moe/token_dispatcher.py, experts.py): a softmax router with its top-k
+    renormalised (Qwen3's norm_topk_prob), the rows permuted by expert, the host waiting for the tokens per expert,
+    one fc1 GEMM, SwiGLU and one fc2 GEMM a local expert, the rows scattered back weighted by their probabilities.
+    One GPU has no all-to-all: the rank's own tokens stand for the ones a balanced expert-parallel group of
+    experts / local_experts ranks would send it, each choice folded onto local expert (expert mod local_experts),
+    so every local expert gets about tokens · top_k / local_experts rows, as it would."""
+
+    def __init__(self, shape: MoeShape, local_experts: int, device: torch.device, dtype: torch.dtype) -> None:
+        def weight(rows: int, columns: int) -> torch.Tensor:
+            return (torch.randn(rows, columns, device=device) * columns**-0.5).to(dtype).requires_grad_()
+
+        self.shape = shape
+        self.local_experts = local_experts
+        self.router = weight(shape.experts, shape.hidden)
+        self.fc1 = [weight(2 * shape.ffn, shape.hidden) for _ in range(local_experts)]
+        self.fc2 = [weight(shape.hidden, shape.ffn) for _ in range(local_experts)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.router, *self.fc1, *self.fc2]
+
+    def route(self, x: torch.Tensor) -> Routed:
+        """Router and permute, then the host's wait for the tokens per expert; returns as the wait ends."""
+        scores = (x @ self.router.t()).float().softmax(dim=-1)
+        probabilities, chosen = scores.topk(self.shape.top_k, dim=-1)
+        probabilities = probabilities / probabilities.sum(dim=-1, keepdim=True)
+        local = (chosen % self.local_experts).flatten()
+        order = local.argsort(stable=True)
+        token_of_row = order // self.shape.top_k
+        rows = x.index_select(0, token_of_row)
+        weights = probabilities.flatten().index_select(0, order).to(x.dtype)
+        tokens_per_expert = torch.bincount(local, minlength=self.local_experts).tolist()
+        return Routed(rows, weights, token_of_row, tokens_per_expert, x.shape[0])
+
+    def combine(self, routed: Routed) -> torch.Tensor:
+        """Each local expert's SwiGLU MLP on its rows, then the rows summed back into their tokens."""
+        outputs = []
+        for rows, fc1, fc2 in zip(routed.rows.split(routed.tokens_per_expert), self.fc1, self.fc2):
+            gate, up = (rows @ fc1.t()).chunk(2, dim=-1)
+            outputs.append((F.silu(gate) * up) @ fc2.t())
+        weighted = torch.cat(outputs) * routed.weights[:, None]
+        return weighted.new_zeros(routed.tokens, self.shape.hidden).index_add(0, routed.token_of_row, weighted)
+
+
+def _has_aten_ancestor(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by the union of (start, end) intervals in microseconds, in milliseconds."""
+    busy_us, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            busy_us += end - max(start, reached)
+            reached = end
+    return busy_us / 1e3
+
+
+def activity(run: Callable[[], object], cuda: bool) -> tuple[object, dict]:
+    """Run `run` once under torch.profiler: the aten ops it dispatched from the top (Python's or autograd's, each
+    one the host pays for), and on a GPU the kernels, copies and sets the device ran and the time they kept it
+    busy. Returns run's result and the counts."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        result = run()
+        if cuda:
+            torch.cuda.synchronize()
+    events = profile.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::") and not _has_aten_ancestor(e))
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    counts = {"ops": ops, "kernels": len(on_device) if cuda else None,
+              "device_busy_ms": _busy_ms([(e.time_range.start, e.time_range.end) for e in on_device]) if cuda
+              else None}
+    return result, counts
+
+
+def probe_moe(shape: MoeShape, device: torch.device, dtype: torch.dtype, budget: Budget) -> dict:
+    """(a): per local-expert count, the forward's and backward's device and host times and their op counts."""
+    clock = Clock(device.type == "cuda")
+    layers = []
+    for local_experts in LOCAL_EXPERTS:
+        layer = MoeLayer(shape, local_experts, device, dtype)
+        x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype, requires_grad=True)
+        grad_out = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
+
+        def forget_grads() -> None:
+            for tensor in (x, *layer.parameters()):
+                tensor.grad = None
+
+        def step() -> dict[str, float]:
+            forget_grads()
+            clock.synchronize()
+            start = clock.mark()
+            routed = layer.route(x)
+            synchronised = clock.mark()
+            out = layer.combine(routed)
+            launched = clock.mark()
+            clock.synchronize()
+            backward_start = clock.mark()
+            out.backward(grad_out)
+            backward_launched = clock.mark()
+            clock.synchronize()
+            return {"forward_device_ms": clock.device_ms(start, launched),
+                    "before_sync_host_ms": clock.host_ms(start, synchronised),
+                    "after_sync_host_ms": clock.host_ms(synchronised, launched),
+                    "after_sync_device_ms": clock.device_ms(synchronised, launched),
+                    "backward_host_ms": clock.host_ms(backward_start, backward_launched),
+                    "backward_device_ms": clock.device_ms(backward_start, backward_launched)}
+
+        timings = repeat(step, budget)
+        routed, before_sync = activity(lambda: layer.route(x), clock.cuda)
+        out, after_sync = activity(lambda: layer.combine(routed), clock.cuda)
+        forget_grads()
+        _, backward = activity(lambda: out.backward(grad_out), clock.cuda)
+        layers.append({"local_experts": local_experts, "rows_per_expert": shape.rows_per_expert(local_experts),
+                       "tokens_per_expert_seen": routed.tokens_per_expert, "timings": timings,
+                       "counts": {"before_sync": before_sync, "after_sync": after_sync, "backward": backward}})
+    return {"shape": asdict(shape), "dtype": str(dtype), "layers": layers, "derived": moe_derived(layers)}
+
+
+def moe_derived(layers: list[dict]) -> dict:
+    """What the questions read off: the host's microseconds a kernel (and an op) from the synchronisation to the
+    last launch and over the backward, per local-expert count, and each median's growth a local expert between
+    the fewest and the most local experts (the per-expert cost, whatever the tokens)."""
+    per_layer = []
+    for layer in layers:
+        t, c = layer["timings"], layer["counts"]
+        entry = {"local_experts": layer["local_experts"]}
+        for span, host in (("after_sync", "after_sync_host_ms"), ("backward", "backward_host_ms")):
+            for unit in ("ops", "kernels"):
+                count = c[span][unit]
+                entry[f"{span}_host_us_per_{unit[:-1]}"] = t[host].median_ms * 1e3 / count if count else None
+        per_layer.append(entry)
+    fewest, most = layers[0], layers[-1]
+    added = most["local_experts"] - fewest["local_experts"]
+    growth = {name: (most["timings"][name].median_ms - timing.median_ms) / added
+              for name, timing in fewest["timings"].items()}
+    return {"per_layer": per_layer, "ms_per_added_local_expert": growth}
+
+
+# --- (b) context parallelism's attention -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Llama 3.1 8B's attention (config.json: 32 attention heads, 8 key-value heads, hidden 4,096) over a sequence
+    of 8,192 tokens, one sequence a micro-batch."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+
+
+LLAMA31_8B = AttentionShape(heads=32, kv_heads=8, head_dim=128, tokens=8192)
+QUICK_ATTENTION = AttentionShape(heads=4, kv_heads=2, head_dim=16, tokens=256)
+CONTEXT_PARALLEL = 2
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """SDPA on sbhd tensors ([tokens, batch, heads, dim], Megatron's layout), grouped-query; out in sbhd."""
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=causal,
+                                         enable_gqa=True)
+    return out.permute(2, 0, 1, 3)
+
+
+def lse_correction(lse: torch.Tensor, lse_step: torch.Tensor) -> None:
+    """TransformerEngine 1.10's flash_attn_fwd_softmax_lse_correction: lse = log(exp(lse) + exp(lse_step))."""
+    larger = torch.max(lse, lse_step)
+    smaller = torch.min(lse, lse_step)
+    lse.copy_(larger + torch.log(1 + torch.exp(smaller - larger)))
+
+
+def out_correction(out: torch.Tensor, out_step: torch.Tensor, lse: torch.Tensor, lse_step: torch.Tensor) -> None:
+    """TransformerEngine 1.10's flash_attn_fwd_out_correction for sbhd (seq_dim 0): a step's block added into the
+    output scaled by exp(its statistics less the joined ones)."""
+    scale = torch.exp(lse_step - lse).movedim(2, 0).unsqueeze(-1)
+    out.add_(out_step * scale)
+
+
+@dataclass
+class RankInputs:
+    """One C = 2 rank's tensors in TransformerEngine's sbhd layout: its two chunks of queries ([2, chunk, b, h, d])
+    and the key-value buffer the ring sends ([2, chunk, b, 2, kv_heads, d]: chunks, then k and v)."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+
+
+def rank_blocks(rank: int, inputs: RankInputs, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The (q, k, v, causal) of step `step` on `rank` at C = 2, as AttnFuncWithCPAndKVP2P.forward picks them: step
+    0 the rank's own chunks, causal; step 1 unmasked, rank 0 its second half of queries against all the keys it
+    received, rank 1 all its queries against their first half. Views, as sbhd's halves need no copy."""
+    q, kv = inputs.q, inputs.kv
+    whole_q = q.flatten(0, 1)
+    if step == 0:
+        return whole_q, kv[..., 0, :, :].flatten(0, 1), kv[..., 1, :, :].flatten(0, 1), True
+    if rank == 0:
+        return q[1], kv[..., 0, :, :].flatten(0, 1), kv[..., 1, :, :].flatten(0, 1), False
+    return whole_q, kv[0][..., 0, :, :], kv[0][..., 1, :, :], False
+
+
+def forward_passes(rank: int, q: torch.Tensor, outs: list[torch.Tensor], lses: list[torch.Tensor],
+                   lse_correct: Callable, out_correct: Callable) -> torch.Tensor:
+    """What AttnFuncWithCPAndKVP2P.forward (TE 1.10) does after its C = 2 steps: a zeroed output, the first step's
+    statistics cloned to float64 and joined with the second's (whole on rank 1, the second half on rank 0), then
+    each step's block added in (rank 0's second step into the output's second half)."""
+    out = torch.zeros_like(q)
+    lse = lses[0].clone().to(torch.double)
+    lse_halves = lse.view(*lse.shape[:-1], 2, lse.shape[-1] // 2)
+    lse_correct(lse if rank >= 1 else lse_halves[..., 1, :], lses[1])
+    joined = lse.to(torch.float)
+    for step in range(CONTEXT_PARALLEL):
+        if step <= rank:
+            out_correct(out.view(*outs[step].shape), outs[step], joined, lses[step])
+        else:
+            out_correct(out[1], outs[step], lse_halves[..., 1, :], lses[step])
+    return out
+
+
+def backward_passes(rank: int, inputs: RankInputs, grads: list[tuple[torch.Tensor, ...]]) -> None:
+    """What AttnFuncWithCPAndKVP2P.backward (TE 1.10, BF16, sbhd) does around its C = 2 steps' kernels: the
+    key-value buffer copied into the first send buffer, and after each step (the off-diagonal one first, the
+    causal one last) its key and value gradients joined (`torch.cat`) and copied or added into the travelling
+    sum, its query gradient copied or added into the rank's, halves where the step covered half."""
+    q, kv = inputs.q, inputs.kv
+    send = torch.empty((2, *kv.shape), dtype=kv.dtype, device=kv.device)
+    send[0].copy_(kv)
+    dq = torch.empty_like(q)
+    dkv = torch.empty((2, *kv.shape[:-3], *kv.shape[-2:]), dtype=kv.dtype, device=kv.device)
+    for i, (dq_step, dk_step, dv_step) in enumerate(grads):
+        joined = torch.cat((dk_step.unsqueeze(0), dv_step.unsqueeze(0)), dim=0)
+        if i == 0 and rank == 0:
+            dq[1].copy_(dq_step)
+            dkv.copy_(joined.view(dkv.shape))
+        elif i == 0:
+            dq.copy_(dq_step.view(q.shape))
+            dkv[:, 0].copy_(joined)
+        elif rank == 0:
+            halves = dq_step.view(q.shape)
+            dq[0].copy_(halves[0])
+            dq[1].add_(halves[1])
+            joined = joined.view(dkv.shape)
+            dkv[:, 0].add_(joined[:, 0])
+            dkv[:, 1].copy_(joined[:, 1])
+        else:
+            dq.add_(dq_step.view(q.shape))
+            dkv.add_(joined.view(dkv.shape))
+
+
+def _leaf(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+
+
+def time_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, clock: Clock,
+               budget: Budget) -> dict[str, Timing]:
+    """One attention kernel's forward and backward (q, k, v as leaves of these shapes)."""
+    leaves = [_leaf(t.shape, t.device, t.dtype) for t in (q, k, v)]
+    dout = torch.randn(q.shape, device=q.device, dtype=q.dtype)
+
+    def step() -> dict[str, float]:
+        for leaf in leaves:
+            leaf.grad = None
+        clock.synchronize()
+        start = clock.mark()
+        out = attend(*leaves, causal)
+        forward_done = clock.mark()
+        out.backward(dout)
+        backward_done = clock.mark()
+        clock.synchronize()
+        return {"forward_ms": clock.device_ms(start, forward_done),
+                "backward_ms": clock.device_ms(forward_done, backward_done)}
+
+    return repeat(step, budget)
+
+
+def rank_inputs(shape: AttentionShape, device: torch.device, dtype: torch.dtype) -> RankInputs:
+    """Random queries and key-value buffer of one C = 2 rank."""
+    chunk = shape.tokens // (2 * CONTEXT_PARALLEL)
+    return RankInputs(q=torch.randn(2, chunk, 1, shape.heads, shape.head_dim, device=device, dtype=dtype),
+                      kv=torch.randn(2, chunk, 1, 2, shape.kv_heads, shape.head_dim, device=device, dtype=dtype))
+
+
+def time_rank(rank: int, shape: AttentionShape, device: torch.device, dtype: torch.dtype, clock: Clock,
+              budget: Budget, compiled: tuple[Callable, Callable] | str) -> dict:
+    """A C = 2 rank's forward (the buffer's join, both steps, the passes) and backward (the passes around both
+    steps' kernels), whole and the passes alone, the passes also as TE compiles them (`compiled`, or why not);
+    the statistics are random, as their values cost nothing."""
+    inputs = rank_inputs(shape, device, dtype)
+    k, v = (torch.randn(inputs.kv[..., 0, :, :].shape, device=device, dtype=dtype) for _ in range(2))
+    blocks = [rank_blocks(rank, inputs, step) for step in range(CONTEXT_PARALLEL)]
+    lses = [torch.randn(1, shape.heads, q.shape[0], device=device) for q, *_ in blocks]
+    outs = [attend(*block) for block in blocks]
+
+    def forward() -> dict[str, float]:
+        clock.synchronize()
+        start = clock.mark()
+        kv = torch.cat((k.unsqueeze(-3), v.unsqueeze(-3)), dim=-3)
+        step_outs = [attend(*rank_blocks(rank, RankInputs(inputs.q, kv), step)) for step in range(CONTEXT_PARALLEL)]
+        forward_passes(rank, inputs.q, step_outs, lses, lse_correction, out_correction)
+        end = clock.mark()
+        clock.synchronize()
+        return {"forward_ms": clock.device_ms(start, end)}
+
+    def passes(lse_correct: Callable, out_correct: Callable) -> Callable[[], dict[str, float]]:
+        def step() -> dict[str, float]:
+            clock.synchronize()
+            start = clock.mark()
+            forward_passes(rank, inputs.q, outs, lses, lse_correct, out_correct)
+            end = clock.mark()
+            clock.synchronize()
+            return {"forward_passes_ms": clock.device_ms(start, end)}
+        return step
+
+    # The backward runs the off-diagonal step first and the causal one last, as TE's backward loop does.
+    leaves = [[_leaf(t.shape, device, dtype) for t in block[:3]] for block in reversed(blocks)]
+    causal = [block[3] for block in reversed(blocks)]
+    douts = [torch.randn(q.shape, device=device, dtype=dtype) for q, *_ in leaves]
+    step_grads = [tuple(torch.randn(t.shape, device=device, dtype=dtype) for t in block) for block in leaves]
+
+    def backward() -> dict[str, float]:
+        graphs = [attend(*block, flag) for block, flag in zip(leaves, causal)]
+        clock.synchronize()
+        start = clock.mark()
+        grads = [torch.autograd.grad(out, block, dout) for out, block, dout in zip(graphs, leaves, douts)]
+        backward_passes(rank, inputs, grads)
+        end = clock.mark()
+        clock.synchronize()
+        return {"backward_ms": clock.device_ms(start, end)}
+
+    def backward_alone() -> dict[str, float]:
+        clock.synchronize()
+        start = clock.mark()
+        backward_passes(rank, inputs, step_grads)
+        end = clock.mark()
+        clock.synchronize()
+        return {"backward_passes_ms": clock.device_ms(start, end)}
+
+    result = {}
+    for step in (forward, backward, passes(lse_correction, out_correction), backward_alone):
+        result.update(repeat(step, budget))
+    if isinstance(compiled, str):
+        result["forward_passes_compiled"] = {"skipped": compiled}
+        return result
+    try:
+        result["forward_passes_compiled"] = repeat(passes(*compiled), budget)["forward_passes_ms"]
+    except Exception as error:  # whatever Inductor or Triton raise, the eager figures stand
+        result["forward_passes_compiled"] = skipped(error)
+    return result
+
+
+def sdpa_backends(cuda: bool) -> dict[str, object]:
+    """The SDPA kernels to time: FlashAttention-2 and cuDNN's fused attention (TransformerEngine's kernel on
+    Hopper) on a GPU, torch's flash kernel on a CPU."""
+    from torch.nn.attention import SDPBackend
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION}
+    if cuda:
+        backends["cudnn"] = SDPBackend.CUDNN_ATTENTION
+    return backends
+
+
+def probe_attention(shape: AttentionShape, device: torch.device, dtype: torch.dtype, budget: Budget,
+                    no_compile: bool) -> dict:
+    """(b): per SDPA kernel, C = 1's whole causal attention, C = 2's steps, and each C = 2 rank whole."""
+    from torch.nn.attention import sdpa_kernel
+
+    clock = Clock(device.type == "cuda")
+    compiled = ("torch.compile's passes run on a CUDA GPU only" if not clock.cuda else "--no-compile" if no_compile
+                else (torch.compile(lse_correction), torch.compile(out_correction)))
+    whole = [torch.randn(shape.tokens, 1, heads, shape.head_dim, device=device, dtype=dtype)
+             for heads in (shape.heads, shape.kv_heads, shape.kv_heads)]
+    results = {}
+    for name, backend in sdpa_backends(clock.cuda).items():
+        with sdpa_kernel(backend):
+            result = {"c1": attempt(partial(time_block, *whole, True, clock, budget))}
+            for rank in range(CONTEXT_PARALLEL):
+                inputs = rank_inputs(shape, device, dtype)
+                for step in range(CONTEXT_PARALLEL):
+                    if step or not rank:  # step 0's causal block is the same shape on both ranks
+                        key = f"c2_step{step}" + (f"_rank{rank}" if step else "")
+                        result[key] = attempt(partial(time_block, *rank_blocks(rank, inputs, step), clock, budget))
+                result[f"c2_rank{rank}"] = attempt(partial(time_rank, rank, shape, device, dtype, clock, budget,
+                                                           compiled))
+        results[name] = result
+    return {"shape": asdict(shape), "context_parallel": CONTEXT_PARALLEL, "dtype": str(dtype), "kernels": results,
+            "c2_rank_over_half_c1": {name: ring_over_half_c1(result) for name, result in results.items()}}
+
+
+def attempt(measure: Callable[[], dict]) -> dict:
+    """A measurement, or why this GPU or torch cannot take it (an SDPA kernel refusing a shape or a layout)."""
+    try:
+        return measure()
+    except RuntimeError as error:
+        return skipped(error)
+
+
+def ring_over_half_c1(result: dict) -> dict[str, float]:
+    """Each C = 2 rank's forward and backward over half of C = 1's: 1 where splitting the sequence in two costs
+    each rank exactly half the whole kernel's time (none where either was skipped)."""
+    return {f"rank{rank}_{pass_}": result[f"c2_rank{rank}"][f"{pass_}_ms"].median_ms
+            / (result["c1"][f"{pass_}_ms"].median_ms / CONTEXT_PARALLEL)
+            for rank in range(CONTEXT_PARALLEL) for pass_ in ("forward", "backward")
+            if "skipped" not in result["c1"] and "skipped" not in result[f"c2_rank{rank}"]}
+
+
+# --- (c) the experts' GEMMs --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Product:
+    """One of an expert's six GEMMs, (m x k) @ (k x n) a local expert; `token_dim` names which of m and k the
+    tokens run along, the one a single GEMM over every local expert's rows grows."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    token_dim: str
+
+    def one_gemm(self, local_experts: int) -> tuple[int, int, int]:
+        """The (m, k, n) of one GEMM doing the loop's FLOPs, the local experts' rows stacked along the tokens."""
+        if self.token_dim == "m":
+            return self.m * local_experts, self.k, self.n
+        return self.m, self.k * local_experts, self.n
+
+
+def expert_products(shape: MoeShape, local_experts: int) -> list[Product]:
+    """fc1 (hidden -> 2 x ffn, gate and up) and fc2 (ffn -> hidden): forward, input gradient, weight gradient."""
+    rows = shape.rows_per_expert(local_experts)
+    products = []
+    for layer, (inputs, outputs) in (("fc1", (shape.hidden, 2 * shape.ffn)), ("fc2", (shape.ffn, shape.hidden))):
+        products += [Product(f"{layer} forward", rows, inputs, outputs, "m"),
+                     Product(f"{layer} input grad", rows, outputs, inputs, "m"),
+                     Product(f"{layer} weight grad", outputs, rows, inputs, "k")]
+    return products
+
+
+@dataclass(frozen=True)
+class GemmKind:
+    """How operands are made and multiplied: BF16 through torch.mm, or FP8 (e4m3, per-tensor scales, BF16 out)
+    through torch._scaled_mm, whose second operand is column-major (a weight stored n x k, transposed)."""
+
+    name: str
+    make: Callable[[int, int], torch.Tensor]
+    multiply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gemm_kinds(device: torch.device, dtype: torch.dtype) -> dict[str, GemmKind | Exception]:
+    """BF16 always; FP8 where torch has _scaled_mm and the GPU is Ada or Hopper or newer (compute capability 8.9)."""
+    kinds: dict[str, GemmKind | Exception] = {
+        "bf16": GemmKind("bf16", lambda rows, columns: torch.randn(rows, columns, device=device, dtype=dtype),
+                         torch.mm)}
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        kinds["fp8"] = RuntimeError("FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer")
+    elif not hasattr(torch, "_scaled_mm"):
+        kinds["fp8"] = RuntimeError(f"torch {torch.__version__} has no torch._scaled_mm")
+    else:
+        unit = torch.ones((), device=device)
+        kinds["fp8"] = GemmKind(
+            "fp8", lambda rows, columns: torch.randn(rows, columns, device=device).to(torch.float8_e4m3fn),
+            lambda a, b: torch._scaled_mm(a, b, unit, unit, out_dtype=torch.bfloat16))
+    return kinds
+
+
+def time_gemms(kind: GemmKind, sizes: list[tuple[int, int, int]], clock: Clock, budget: Budget) -> dict[str, Timing]:
+    """A loop of GEMMs of these (m, k, n), each on its own operands, issued back to back: device and host time."""
+    operands = [(kind.make(m, k), kind.make(n, k).t()) for m, k, n in sizes]
+
+    def step() -> dict[str, float]:
+        clock.synchronize()
+        start = clock.mark()
+        for a, b in operands:
+            kind.multiply(a, b)
+        launched = clock.mark()
+        clock.synchronize()
+        return {"device_ms": clock.device_ms(start, launched), "host_ms": clock.host_ms(start, launched)}
+
+    return repeat(step, budget)
+
+
+def probe_gemms(shape: MoeShape, device: torch.device, dtype: torch.dtype, budget: Budget,
+                local_counts: tuple[int, ...] = (4, 16)) -> dict:
+    """(c): each expert product as a loop of one GEMM a local expert, and as one GEMM of the same FLOPs."""
+    clock = Clock(device.type == "cuda")
+    results = {}
+    for name, kind in gemm_kinds(device, dtype).items():
+        if isinstance(kind, Exception):
+            results[name] = skipped(kind)
+            continue
+        rows = []
+        try:
+            for local_experts in local_counts:
+                for product in expert_products(shape, local_experts):
+                    loop = time_gemms(kind, [(product.m, product.k, product.n)] * local_experts, clock, budget)
+                    one = time_gemms(kind, [product.one_gemm(local_experts)], clock, budget)
+                    flop = 2 * product.m * product.k * product.n * local_experts
+                    rows.append({"local_experts": local_experts, **asdict(product), "flop": flop,
+                                 "loop": loop, "one_gemm": one,
+                                 "loop_tflops": flop / loop["device_ms"].median_ms / 1e9,
+                                 "one_gemm_tflops": flop / one["device_ms"].median_ms / 1e9,
+                                 "loop_us_per_gemm": loop["device_ms"].median_ms * 1e3 / local_experts})
+        except RuntimeError as error:
+            results[name] = skipped(error)
+            continue
+        results[name] = rows
+    return results
+
+
+# --- the report --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Table:
+    """A table to print: its title, headers, rows of text, the columns that name a row (repeated when it prints
+    in parts) and lines after it (what was skipped and why)."""
+
+    title: str
+    headers: list[str]
+    keys: int
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def tables(result: dict) -> list[Table]:
+    """The probe's medians as tables: MoE layers, attention kernels, expert GEMMs."""
+    moe = Table("(a) MoE layer, ms (host after sync: from the .tolist() to the last launch)",
+                ["local experts", "rows an expert", "forward", "host after sync", "device after sync",
+                 "busy after sync", "ops after sync", "kernels after sync", "backward", "backward host",
+                 "backward ops", "backward kernels"], keys=1)
+
+    def cell(value: float | int | None, style: str = "") -> str:
+        return "-" if value is None else format(value, style)
+
+    for layer in result["moe"]["layers"]:
+        t, c = layer["timings"], layer["counts"]
+        moe.rows.append([str(layer["local_experts"]), f"{layer['rows_per_expert']:,}",
+                         *(f"{t[key].median_ms:.3f}" for key in ("forward_device_ms", "after_sync_host_ms",
+                                                                 "after_sync_device_ms")),
+                         cell(c["after_sync"]["device_busy_ms"], ".3f"), cell(c["after_sync"]["ops"]),
+                         cell(c["after_sync"]["kernels"]), f"{t['backward_device_ms'].median_ms:.3f}",
+                         f"{t['backward_host_ms'].median_ms:.3f}", cell(c["backward"]["ops"]),
+                         cell(c["backward"]["kernels"])])
+    attention = Table("(b) attention, ms", ["kernel", "part", "forward", "backward", "passes fwd", "passes bwd",
+                                            "passes fwd compiled"], keys=2)
+    for kernel, parts in result["attention"]["kernels"].items():
+        for part, timings in parts.items():
+            if "skipped" in timings:
+                attention.notes.append(f"{kernel} {part}: skipped, {timings['skipped']}")
+                continue
+            cells = [f"{timings[key].median_ms:.3f}" if key in timings else "" for key in
+                     ("forward_ms", "backward_ms", "forward_passes_ms", "backward_passes_ms")]
+            compiled = timings.get("forward_passes_compiled")
+            if isinstance(compiled, dict):
+                attention.notes.append(f"{kernel} {part}'s compiled passes: skipped, {compiled['skipped']}")
+            cells.append(f"{compiled.median_ms:.3f}" if isinstance(compiled, Timing) else "")
+            attention.rows.append([kernel, part, *cells])
+    gemm = Table("(c) expert GEMMs: a loop of one a local expert against one of the same FLOPs",
+                 ["type", "local experts", "product", "m x k x n", "loop ms", "loop TFLOP/s", "us a GEMM",
+                  "one ms", "one TFLOP/s"], keys=3)
+    for name, rows in result["gemm"].items():
+        if isinstance(rows, dict):
+            gemm.notes.append(f"{name}: skipped, {rows['skipped']}")
+            continue
+        for row in rows:
+            gemm.rows.append([name, str(row["local_experts"]), row["name"], f"{row['m']}x{row['k']}x{row['n']}",
+                              f"{row['loop']['device_ms'].median_ms:.3f}", f"{row['loop_tflops']:.4g}",
+                              f"{row['loop_us_per_gemm']:.1f}", f"{row['one_gemm']['device_ms'].median_ms:.3f}",
+                              f"{row['one_gemm_tflops']:.4g}"])
+    return [moe, attention, gemm]
+
+
+def show(table: Table) -> None:
+    """Through pipesim's print_table (never cuts a number) where pipesim and rich import; plain lines otherwise."""
+    try:
+        from rich.table import Table as RichTable
+
+        from pipesim.commands.tables import print_table
+    except ImportError:
+        widths = [max(len(cell) for cell in column) for column in zip(table.headers, *table.rows)]
+        print(f"\n{table.title}")
+        for row in (table.headers, *table.rows):
+            print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+        print(*table.notes, sep="\n")
+        return
+    rich_table = RichTable(title=table.title)
+    for header in table.headers:
+        rich_table.add_column(header, justify="right")
+    for row in table.rows:
+        rich_table.add_row(*row)
+    print_table(rich_table, keys=table.keys)
+    print(*table.notes, sep="\n")
+
+
+def environment(device: torch.device) -> dict:
+    """What ran the probe: the device's name, torch's, CUDA's and cuDNN's versions."""
+    cuda = device.type == "cuda"
+    return {"device": device.type, "name": torch.cuda.get_device_name(device) if cuda else platform.processor()
+            or platform.machine(), "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()
+            if cuda else None, "python": platform.python_version()}
+
+
+def to_json(value: object) -> object:
+    """Dataclasses (Timing) as dicts, all the way down."""
+    if isinstance(value, Timing):
+        return asdict(value)
+    if isinstance(value, dict):
+        return {key: to_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [to_json(item) for item in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="The JSON to write (every median and its spread).")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="Tiny shapes (a CPU smoke run of the same code).")
+    parser.add_argument("--repeats", type=int, help="Timed repeats a measurement (default 20, quick 3).")
+    parser.add_argument("--warmup", type=int, help="Untimed runs before them (default 3, quick 1).")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="Skip the torch.compile'd context-parallel passes (they compile for a few seconds).")
+    args = parser.parse_args(argv)
+    for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup)):
+        if value is not None and value < (1 if flag == "--repeats" else 0):
+            print(f"{flag}: {value} is not allowed; give a whole number of at least "
+                  f"{1 if flag == '--repeats' else 0}", file=sys.stderr)
+            return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA GPU here; --device cpu --quick runs the same code tiny on a CPU",
+              file=sys.stderr)
+        return 2
+    if not args.out.parent.is_dir():
+        print(f"--out: the folder {args.out.parent} does not exist", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    budget = Budget(warmup=args.warmup if args.warmup is not None else 1 if args.quick else 3,
+                    repeats=args.repeats or (3 if args.quick else 20))
+    moe_shape, attention_shape = (QUICK_MOE, QUICK_ATTENTION) if args.quick else (QWEN3_30B_A3B, LLAMA31_8B)
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    result = {"probe": "benchmarks/gpu_probe.py", "environment": environment(device), "quick": args.quick,
+              "budget": asdict(budget)}
+    result["moe"] = probe_moe(moe_shape, device, dtype, budget)
+    result["attention"] = probe_attention(attention_shape, device, dtype, budget, args.no_compile)
+    result["gemm"] = probe_gemms(moe_shape, device, dtype, budget)
+    result["elapsed_s"] = time.perf_counter() - started
+    for table in tables(result):
+        show(table)
+    written = args.out.with_name(args.out.name + ".partial")
+    written.write_text(json.dumps(to_json(result), indent=1))
+    written.replace(args.out)
+    print(f"\n{result['elapsed_s']:.1f} s; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

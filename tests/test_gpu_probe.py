@@ -1,0 +1,128 @@
+"""benchmarks/gpu_probe.py, the probe for the questions only a GPU settles, run as a CPU smoke test: its JSON's
+fields, its refusals, and that what it times computes what it stands for (the MoE layer a dense sum over each
+token's experts, TransformerEngine's C = 2 ring one causal attention)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_probe.py"
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location("gpu_probe", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_probe"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["gpu_probe"]
+
+
+def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_parts_skip(probe, tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    assert probe.main(["--device", "cpu", "--quick", "--repeats", "2", "--warmup", "0", "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["environment"]["device"] == "cpu" and result["environment"]["torch"] == torch.__version__
+    assert result["budget"] == {"warmup": 0, "repeats": 2}
+
+    layers = result["moe"]["layers"]
+    assert [layer["local_experts"] for layer in layers] == [4, 8, 16]
+    for layer in layers:
+        for timing in layer["timings"].values():
+            assert len(timing["samples_ms"]) == 2
+            assert timing["min_ms"] <= timing["median_ms"] <= timing["max_ms"]
+        assert sum(layer["tokens_per_expert_seen"]) == 64 * 4  # every token's 4 choices, dropless
+        assert layer["counts"]["after_sync"]["kernels"] is None  # no CUDA kernels on a CPU
+    after_sync_ops = [layer["counts"]["after_sync"]["ops"] for layer in layers]
+    assert after_sync_ops[0] < after_sync_ops[1] < after_sync_ops[2]  # a GEMM pair and SwiGLU a local expert
+
+    kernels = result["attention"]["kernels"]
+    assert list(kernels) == ["flash"]  # cuDNN's attention is timed on a GPU only
+    assert set(kernels["flash"]) == {"c1", "c2_step0", "c2_step1_rank0", "c2_step1_rank1", "c2_rank0", "c2_rank1"}
+    assert kernels["flash"]["c1"]["forward_ms"]["median_ms"] > 0
+    for rank in ("c2_rank0", "c2_rank1"):
+        assert {"forward_ms", "backward_ms", "forward_passes_ms", "backward_passes_ms"} <= set(kernels["flash"][rank])
+        assert "CUDA" in kernels["flash"][rank]["forward_passes_compiled"]["skipped"]
+
+    bf16 = result["gemm"]["bf16"]
+    assert [(row["local_experts"], row["name"]) for row in bf16][:3] == [
+        (4, "fc1 forward"), (4, "fc1 input grad"), (4, "fc1 weight grad")]
+    assert len(bf16) == 12 and all(row["loop_tflops"] > 0 and row["one_gemm_tflops"] > 0 for row in bf16)
+    assert "compute capability 8.9" in result["gemm"]["fp8"]["skipped"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--repeats", "0"], "--repeats: 0 is not allowed"),
+    (["--device", "cpu", "--out", "/nonexistent-folder/probe.json"], "--out: the folder /nonexistent-folder"),
+    *([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU")]),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(probe, tmp_path, capsys, flags, message):
+    out = tmp_path / "probe.json"
+    assert probe.main([*(["--out", str(out)] if "--out" not in flags else []), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_moe_layer_is_each_tokens_experts_weighted_by_their_renormalised_probabilities(probe):
+    torch.manual_seed(1)
+    shape = probe.MoeShape(hidden=16, ffn=8, experts=8, top_k=2, tokens=12)
+    layer = probe.MoeLayer(shape, local_experts=4, device=torch.device("cpu"), dtype=torch.float32)
+    x = torch.randn(shape.tokens, shape.hidden)
+    out = layer.combine(layer.route(x))
+
+    probabilities, chosen = (x @ layer.router.t()).softmax(dim=-1).topk(shape.top_k, dim=-1)
+    probabilities = probabilities / probabilities.sum(dim=-1, keepdim=True)
+    expected = torch.zeros_like(x)
+    for token in range(shape.tokens):
+        for p, expert in zip(probabilities[token], chosen[token] % 4):
+            gate, up = (layer.fc1[expert] @ x[token]).chunk(2)
+            expected[token] += p * (layer.fc2[expert] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _attention(q, k, v, causal):
+    """Attention and its log-sum-exp by the definition, sbhd, grouped keys repeated to every head."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,kbhd->qbhd", scores.softmax(dim=-1), v), scores.logsumexp(dim=-1)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_c2_rings_steps_and_passes_rebuild_the_ranks_rows_of_causal_attention(probe, rank):
+    """Rank r holds chunks r and 3 - r of four; its two steps' blocks, joined by TE's corrections, are the whole
+    sequence's causal attention at its rows."""
+    torch.manual_seed(2)
+    chunk, heads, kv_heads, dim = 8, 4, 2, 16
+    q = torch.randn(4 * chunk, 1, heads, dim)
+    k, v = (torch.randn(4 * chunk, 1, kv_heads, dim) for _ in range(2))
+
+    def held(tensor, owner):
+        return torch.stack((tensor.view(4, chunk, *tensor.shape[1:])[owner],
+                            tensor.view(4, chunk, *tensor.shape[1:])[3 - owner]))
+
+    def kv_of(owner):
+        return torch.cat((held(k, owner).unsqueeze(-3), held(v, owner).unsqueeze(-3)), dim=-3)
+
+    blocks = [probe.rank_blocks(rank, probe.RankInputs(held(q, rank), kv_of(rank)), 0),
+              probe.rank_blocks(rank, probe.RankInputs(held(q, rank), kv_of(1 - rank)), 1)]
+    outs, lses = zip(*(_attention(*block) for block in blocks))
+    joined = probe.forward_passes(rank, held(q, rank), list(outs), list(lses), probe.lse_correction,
+                                  probe.out_correction)
+    whole, _ = _attention(q, k, v, causal=True)
+    torch.testing.assert_close(joined, held(whole, rank), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probe.attend(*blocks[0]), outs[0], rtol=1e-5, atol=1e-5)  # SDPA as the definition
+
+
+def test_device_busy_time_is_the_union_of_its_activities(probe):
+    assert probe._busy_ms([(20.0, 25.0), (0.0, 10.0), (5.0, 15.0), (12.0, 14.0)]) == pytest.approx(0.020)
