@@ -309,12 +309,14 @@ def kept_output_gradients(layer: LayerCount, recipe: Fp8Recipe, element_bytes: i
     """`layer.weight_grad_outputs` as the recipe keeps them until a deferred weight pass: the routed experts'
     down-projection's in float8 with a float32 scale a `routed_output_gradient_tile` of each of its rows of n (a
     partial tile scaled too, as DeepGEMM's ceil(k / 128) scales), the rest as counted. The count records a grouped
-    product as (experts, rows, n, k), a linear one with batch 1 (workload/count.py `_record_product`); only the
-    routed experts' products are grouped (shared experts run linear ones: `_SaverParts._weighted`), and they run
-    their up-projection, gated or not, then their down-projection (workload/moe.py `routed_experts`): the
-    down-projection is the last grouped one, whatever --expert-gemm or the expert ranks (which split it later)."""
+    product as (experts, rows, n, k), a linear one with batch 1 (workload/count.py `_record_product`), and marks
+    the grouped ones (`LayerCount.weight_grad_routed`: one routed expert's batch is 1 too); only the routed experts'
+    products are grouped (shared experts run linear ones: `_SaverParts._weighted`), and they run their
+    up-projection, gated or not, then their down-projection (workload/moe.py `routed_experts`): the down-projection
+    is the last grouped one, whatever the experts' number, --expert-gemm or the expert ranks (which split it
+    later)."""
     outputs = layer.weight_grad_outputs
-    routed = [i for i, (shape, _, _) in enumerate(outputs) if shape[0] > 1]
+    routed = [i for i, grouped in enumerate(layer.weight_grad_routed) if grouped]
     if recipe.routed_output_gradient_tile is None or not (recipe.routed and routed):
         return outputs
     shape, nbytes, shares_input = outputs[routed[-1]]

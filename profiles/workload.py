@@ -83,6 +83,9 @@ class LayerCount:
     # input: `wgrad_kept_bytes`) and whether another product reads the same input (q, k and v; a gated MLP's gate
     # and up); (): none, or not recorded
     weight_grad_outputs: tuple[tuple[tuple[int, int, int, int], int, bool], ...] = ()
+    # per product of weight_grad_outputs, whether it is the routed experts' grouped one (workload/moe.py): its batch
+    # is their number, 1 for one routed expert as for a linear product, so the batch alone cannot tell; (): none
+    weight_grad_routed: tuple[bool, ...] = ()
     # per saved tensor, its bytes were the attention kernel's inputs made contiguous before it saved them, as
     # TransformerEngine's context-parallel ring does (workload/count.py `_attention_copied`); (): not recorded
     attention_copied_bytes: tuple[int, ...] = ()

@@ -69,3 +69,21 @@ def test_a_deferred_weight_pass_keeps_the_routed_down_projections_output_gradien
     kept = {name: estimate_layer(moe, device, Parallelism(fp8=name), placement_links(h800, Parallelism()).tensor, 2)
             for name in ("te", "deepseek")}
     assert kept["te"].wgrad_gradient_bytes - kept["deepseek"].wgrad_gradient_bytes == elements - rows * 4
+
+
+def test_one_routed_expert_keeps_its_down_projections_output_gradient_in_float8_as_two_do():
+    """One routed expert's grouped products have a batch of 1, as a linear product's: the count marks them routed
+    (`LayerCount.weight_grad_routed`), so its down-projection's output gradient (64 tokens x 64, top-1) is kept at 1
+    byte an element and 4 a row's tile, as two experts' (2 x 32 tokens) are; the gate and the rest as counted."""
+    import torch
+
+    from pipesim.workload.count import count_built
+
+    for experts in (1, 2):
+        block = count_built("gpt", {"layers": 2, "width": 64, "heads": 2, "seq_len": 32, "vocab": 256,
+                                    "experts": experts, "top_k": 1}, 2, torch.bfloat16, "flash").layers[1]
+        ours = in_float8(block, FP8_RECIPES["deepseek"], 2)
+        changed = [(before, after) for before, after in zip(block.weight_grad_outputs, ours.weight_grad_outputs)
+                   if before != after]
+        down = (experts, 64 // experts, 64, 256)
+        assert changed == [((down, 64 * 64 * 2, False), (down, 64 * 64 + 64 * 4, False))], experts

@@ -512,14 +512,15 @@ class _SaverParts(TorchFunctionMode):
     a product with weights is: a linear layer's (F.linear) or the routed experts' grouped one (a batched product
     of `routed`'s expert weights, TransformerEngine's GroupedLinear under Megatron-core): what it saves is its
     input, kept for its weight gradient. `products`: each such product whose weights take a gradient, as
-    `LayerCount.weight_grad_outputs` records it, with its input's storage (held, so that no identity is reused)."""
+    `LayerCount.weight_grad_outputs` records it, with its input's storage (held, so that no identity is reused)
+    and whether it is the routed experts' (`LayerCount.weight_grad_routed`)."""
 
     def __init__(self, routed: Dispatched | None = None) -> None:
         super().__init__()
         self.running: list[str] = []
         self.linear = 0
         self.routed = routed
-        self.products: list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage]] = []
+        self.products: list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage, bool]] = []
 
     def _weighted(self, func: Callable[..., Any], args: tuple) -> bool:
         grouped = func is torch.bmm and self.routed is not None and self.routed.reads_experts([args[1]])
@@ -533,7 +534,7 @@ class _SaverParts(TorchFunctionMode):
             return
         shape = ((1, math.prod(x.shape[:-1]), *weight.shape) if weight.dim() == 2
                  else (*out.shape, x.shape[-1]))
-        self.products.append((shape, _nbytes(out), x.untyped_storage()))
+        self.products.append((shape, _nbytes(out), x.untyped_storage(), weight.dim() != 2))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         part = _FUNCTION_PART.get(func)
@@ -740,6 +741,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         saved_parts=tuple(s.part for s in saved.values()),
         linear_input_saves=tuple(s.linear for s in saved.values()),
         weight_grad_outputs=_weight_grad_outputs(products),
+        weight_grad_routed=tuple(routed for *_, routed in products),
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
@@ -759,12 +761,12 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     return count, out.detach()
 
 
-def _weight_grad_outputs(products: list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage]]
+def _weight_grad_outputs(products: list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage, bool]]
                          ) -> tuple[tuple[tuple[int, int, int, int], int, bool], ...]:
     """`LayerCount.weight_grad_outputs` of a forward's `_SaverParts.products`: each one's shape, output bytes and
     whether another product reads its input too."""
-    readers = Counter(id(storage) for *_, storage in products)
-    return tuple((shape, nbytes, readers[id(storage)] > 1) for shape, nbytes, storage in products)
+    readers = Counter(id(storage) for _, _, storage, _ in products)
+    return tuple((shape, nbytes, readers[id(storage)] > 1) for shape, nbytes, storage, _ in products)
 
 
 def _region_fields(regions: _Regions, live: _LiveBytes, saved: dict[int, Any]) -> dict[str, dict]:
