@@ -172,7 +172,14 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     (lambda folder: folder / "absent", "no {folder}/absent; give hf:PATH, a config.json or a folder holding one"),
     (lambda folder: folder, "no {folder}/config.json"),
     (lambda folder: (folder / "c.json").write_text("{not json") and folder / "c.json", "is not JSON"),
+    (lambda folder: (folder / "c.json").write_text('{"model_type": "lla') and folder / "c.json",
+     "is not JSON (Unterminated string starting at: line 1 column 16)"),
     (lambda folder: (folder / "c.json").write_text('{"hidden_size": 8}') and folder / "c.json", "has no model_type"),
+    (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 0}),
+     "{folder}/config.json gives num_hidden_layers 0; it must be a whole number, 1 or more"),
+    (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}), "gives vocab_size -1; it must be a whole"),
+    (lambda folder: write_config(folder, {**LLAMA, "hidden_size": 64.0}), "gives hidden_size 64.0; it must be a whole"),
+    (lambda folder: write_config(folder, {**LLAMA, "num_key_value_heads": True}), "gives num_key_value_heads true;"),
 ])
 def test_an_unreadable_config_is_one_line_before_torch_and_nothing_is_written(tmp_path, make, fragment):
     path, out = make(tmp_path), tmp_path / "profile.json"
@@ -205,6 +212,7 @@ SEQ = ("--seq-len", 16)
      "its experts (GptOssExperts) have biases, a norm after each expert or interleaved gate/up weights"),
     (LLAMA, (), "--seq-len: give the tokens a sample of"),
     (LLAMA, ("--seq-len", 512), "--seq-len 512: hf:"),
+    (LLAMA, ("--seq-len", 0), "--seq-len must be >= 1 (got 0)"),
     (LLAMA, (*SEQ, "--width", 8), "--width does not apply to hf:"),
 ])
 def test_a_config_transformers_cannot_build_as_a_decoder_is_one_line(tmp_path, fields, args, fragment):

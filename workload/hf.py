@@ -38,14 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import data
-from .hfconfig import HfConfig, HfConfigError, read_hf_config
-from .models import BATCH, Model, ModelError, _classify, check_capacity_factor
+from .hfconfig import FIGURES, HfConfig, HfConfigError, read_hf_config
+from .models import BATCH, Model, ModelError, _classify, _positive, check_capacity_factor
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
 
-# The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
-# model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
-FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_attention_heads",
-           "ffn": "intermediate_size", "vocab": "vocab_size"}
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
 # The fields by which transformers' configs give a mixture of experts its routed experts (Mixtral, Qwen-MoE,
 # DeepSeek, OLMoE) and how many of them each token goes to. transformers runs the experts as grouped products,
@@ -136,6 +132,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     if seq_len is None:
         raise ModelError(f"--seq-len: give the tokens a sample of {spec} holds"
                          + (f" (its config allows up to {longest})" if longest else ""))
+    _positive(seq_len=seq_len)
     if longest and seq_len > longest:
         raise ModelError(f"--seq-len {seq_len}: {spec} takes at most its max_position_embeddings, {longest}")
     if mtp_layers < 0:

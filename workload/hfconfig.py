@@ -12,6 +12,14 @@ from typing import Any
 
 HF_PREFIX = "hf:"
 CONFIG_NAME = "config.json"
+# The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
+# model's size), as pipesim names them: its options, which the estimate's tensor-parallel checks read.
+FIGURES = {"layers": "num_hidden_layers", "width": "hidden_size", "heads": "num_attention_heads",
+           "ffn": "intermediate_size", "vocab": "vocab_size"}
+# The sizes a config gives (the key/value heads where it is not the attention heads'), each a whole number of at
+# least 1 where given: transformers builds a model of no decoder layers at 0 or fewer, and torch fails deep in the
+# count at a width, head or vocabulary of 0
+SIZES = (*FIGURES.values(), "num_key_value_heads")
 
 
 class HfConfigError(ValueError):
@@ -42,7 +50,8 @@ class HfConfig:
 
 
 def read_hf_config(spec: str) -> HfConfig:
-    """The config `spec` names; a missing or unreadable file, or one without a model_type, is `HfConfigError`."""
+    """The config `spec` names; a missing or unreadable file, one without a model_type or one whose `SIZES` are
+    not whole numbers of 1 or more, is `HfConfigError`."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
@@ -59,9 +68,14 @@ def read_hf_config(spec: str) -> HfConfig:
     try:
         fields = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise HfConfigError(f"--model {spec}: {path} is not JSON ({exc.msg} at line {exc.lineno}); give a Hugging "
-                            f"Face {CONFIG_NAME}") from None
+        raise HfConfigError(f"--model {spec}: {path} is not JSON ({exc.msg}: line {exc.lineno} column {exc.colno}); "
+                            f"give a Hugging Face {CONFIG_NAME}") from None
     if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
         raise HfConfigError(f"--model {spec}: {path} has no model_type; give a Hugging Face {CONFIG_NAME} "
                             "(model_type says which transformers model it configures)")
+    for field in SIZES:
+        value = fields.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise HfConfigError(f"--model {spec}: {path} gives {field} {json.dumps(value)}; it must be a whole "
+                                "number, 1 or more")
     return HfConfig(spec, path, fields)
