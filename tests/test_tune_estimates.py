@@ -103,14 +103,17 @@ def test_costs_given_to_the_stages_are_the_layers_own():
 
 
 def test_tune_estimates_and_searches_with_the_cycle_collector_held_off_and_restores_it(monkeypatch):
+    """And what the command made joins the oldest generation as it ends (a collection of the youngest would scan it
+    all): an object made in its search is there once it returns."""
     from pipesim.commands import tune
     from pipesim.planning import tune as planning
 
-    seen = []
+    seen, made = [], []
 
     def spied(function):
         def spy(*args, **kwargs):
             seen.append(gc.isenabled())
+            made.append([])
             return function(*args, **kwargs)
         return spy
 
@@ -122,6 +125,7 @@ def test_tune_estimates_and_searches_with_the_cycle_collector_held_off_and_resto
                              "--recompute", "none", "-s", "1f1b", "--json")
     assert code == 0, err
     assert json.loads(out)["choice"] and seen == [False, False] and gc.isenabled()
+    assert any(held is made[-1] for held in gc.get_objects(generation=2))
 
 
 def _reference_split(n: int, p: int, table) -> tuple[float, list[int]]:
