@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -38,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -772,8 +772,16 @@ def to_json(value: object) -> object:
     return value
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's refusals in one line (the flag and what it allows), exit 2, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        print(message, file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="The JSON to write (every median and its spread).")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="Tiny shapes (a CPU smoke run of the same code).")
@@ -800,13 +808,17 @@ def main(argv: list[str] | None = None) -> int:
     moe_shape, attention_shape = (QUICK_MOE, QUICK_ATTENTION) if args.quick else (QWEN3_30B_A3B, LLAMA31_8B)
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    started = time.perf_counter()
     result = {"probe": "benchmarks/gpu_probe.py", "environment": environment(device), "quick": args.quick,
-              "budget": asdict(budget)}
-    result["moe"] = probe_moe(moe_shape, device, dtype, budget)
-    result["attention"] = probe_attention(attention_shape, device, dtype, budget, args.no_compile)
-    result["gemm"] = probe_gemms(moe_shape, device, dtype, budget)
-    result["elapsed_s"] = time.perf_counter() - started
+              "budget": asdict(budget), "seconds": {}}
+    parts = {"moe": partial(probe_moe, moe_shape, device, dtype, budget),
+             "attention": partial(probe_attention, attention_shape, device, dtype, budget, args.no_compile),
+             "gemm": partial(probe_gemms, moe_shape, device, dtype, budget)}
+    for name, probe in parts.items():
+        started = time.perf_counter()
+        result[name] = probe()
+        result["seconds"][name] = time.perf_counter() - started
+        print(f"{name}: {result['seconds'][name]:.1f} s", flush=True)  # where a run cut short by a timeout got
+    result["elapsed_s"] = sum(result["seconds"].values())
     for table in tables(result):
         show(table)
     written = args.out.with_name(args.out.name + ".partial")
@@ -817,5 +829,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

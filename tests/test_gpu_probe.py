@@ -60,12 +60,15 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
 
 @pytest.mark.parametrize("flags,message", [
     (["--repeats", "0"], "--repeats: 0 is not allowed"),
+    (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from "),  # quoted or not by version
     (["--device", "cpu", "--out", "/nonexistent-folder/probe.json"], "--out: the folder /nonexistent-folder"),
     *([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: torch sees no CUDA GPU")]),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(probe, tmp_path, capsys, flags, message):
     out = tmp_path / "probe.json"
-    assert probe.main([*(["--out", str(out)] if "--out" not in flags else []), *flags]) == 2
+    with pytest.raises(SystemExit) as exited:
+        raise SystemExit(probe.main([*(["--out", str(out)] if "--out" not in flags else []), *flags]))
+    assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
