@@ -51,6 +51,19 @@ def stage_memory_bytes(layers: Sequence[LayerCost], start: int, stop: int, stage
     return static + (stages - stage) * stage_activation_bytes(layers, start, stop)
 
 
+def product_mean_ms(parts: Iterable[tuple[float, float]]) -> float:
+    """How long the product a kernel launched at a random moment meets runs, of parts that share the compute (a
+    stage's layers, a device's stages) given as (their `product_ms`, their forward + backward ms, the share of the
+    compute each runs): the parts' times weighted by theirs. A part's 0 says it runs no product whose time is
+    known, an embedding's layer none, a measured profile's layers none timed: left out, since its share holds
+    back no product the mean could speak for; 0 where no part has one (not known, which the simulator charges
+    the kernel's whole time: sim/costs.py `Costs.transfers_hold_products`). The one rule by which a profile's
+    stage weighs its layers and the simulator a device its stages, so a device of one stage reads its own."""
+    known = [(ms, weight_ms) for ms, weight_ms in parts if ms]
+    total_ms = math.fsum(weight_ms for _, weight_ms in known)
+    return math.fsum(ms * weight_ms for ms, weight_ms in known) / total_ms if total_ms else 0.0
+
+
 StageCosts = Callable[[int], np.ndarray]  # stage k -> its cost for every [start, stop): an (n+1, n+1) array
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..choices import choose_from
 from ..files import first_error
 from ..memory_parts import SAVED_PARTS
-from .partition import LayerCost, stage_activation_bytes, stage_memory_bytes
+from .partition import LayerCost, product_mean_ms, stage_activation_bytes, stage_memory_bytes
 
 SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
 SUPPORTED_VERSIONS = (1, 2)
@@ -250,7 +250,7 @@ class StageProfile(_Strict):
     ring_fwd_hidden_ms: float = Field(0.0, ge=0)
     ring_bwd_hidden_ms: float = Field(0.0, ge=0)
     ring_buffer_bytes: dict[str, int] = Field(default_factory=dict)  # per pass, its layers' largest (one at a time)
-    product_ms: float = Field(0.0, ge=0)  # its layers' (`LayerProfile.product_ms`), as `stage_product_ms` weighs them
+    product_ms: float = Field(0.0, ge=0)  # its layers' (`LayerProfile.product_ms`), as `product_mean_ms` weighs them
 
     @model_validator(mode="after")
     def _parts(self) -> StageProfile:
@@ -669,7 +669,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             expert_param_bytes=sum(layer.expert_param_bytes for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in RING_TIMES},
             ring_buffer_bytes=stage_ring_buffer_bytes(layers, start, stop),
-            product_ms=stage_product_ms(mine),
+            product_ms=product_mean_ms((layer.product_ms, layer.fwd.median_ms + layer.bwd.median_ms) for layer in mine),
             steps=steps[k][0],
             average=steps[k][1],
             memory_bytes=stage_memory_bytes(costs, start, stop, k, p),
@@ -680,14 +680,6 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             passes=passes[k] if passes is not None else None,
         ))
     return out
-
-
-def stage_product_ms(layers: Sequence[LayerProfile]) -> float:
-    """A stage's `product_ms`: its layers' with products, weighted by their forward and backward time (the share of
-    the stage's passes each runs); 0 where none has one."""
-    known = [(layer.product_ms, layer.fwd.median_ms + layer.bwd.median_ms) for layer in layers if layer.product_ms]
-    weight_ms = math.fsum(weight for _, weight in known)
-    return math.fsum(ms * weight for ms, weight in known) / weight_ms if weight_ms else 0.0
 
 
 def stage_transient_bytes(layers: list[LayerProfile], start: int, stop: int) -> dict[str, int]:

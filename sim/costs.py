@@ -163,8 +163,8 @@ class StageCosts:
     and leaves for the W beside them (0 where `wgrad_kept_bytes` is None).
     `product_ms`: how long one of its passes' persistent products runs, the mean of their times weighted by their
     times (the product a kernel launched at a random moment meets; an estimate's `LayerProfile.product_ms`), by
-    which a transfer's kernel beside it delays it at most (`Costs.transfers_hold_products`); 0: not known, the
-    kernel's whole time.
+    which a transfer's kernel beside it delays it at most (`Costs.transfers_hold_products`); 0: none known, left out
+    of its device's mean (sim/engine.py `device_product_ms`), a device with none held the kernel's whole time.
     """
 
     fwd_ms: float

@@ -38,6 +38,7 @@ import simpy
 
 from .. import __version__
 from ..memory_parts import MEMORY_PARTS, SAVERS
+from ..profiles.partition import product_mean_ms
 from ..schedules import (
     KIND_CODE,
     KINDS,
@@ -137,15 +138,11 @@ class _Program:
 
 def device_product_ms(stages_on: Sequence[Sequence[int]], costs: Costs) -> list[float]:
     """Per device (its stages, `stages_on`), how long one of its products runs, as transfers' kernels meet them
-    (`_held_compute`): its stages' `product_ms` weighted by their forward and backward time (the share of its
-    compute each runs); 0 where a stage's is not known."""
-    product_ms = []
-    for stages in stages_on:
-        mine = [costs.stages[k] for k in stages]
-        weights = [c.fwd_ms + c.bwd_ms for c in mine]
-        known = all(c.product_ms for c in mine) and sum(weights) > 0
-        product_ms.append(sum(c.product_ms * w for c, w in zip(mine, weights)) / sum(weights) if known else 0.0)
-    return product_ms
+    (`_held_compute`): its stages' `product_ms` weighed as a profile's stage weighs its layers' (`product_mean_ms`);
+    0: not known."""
+    stages = costs.stages
+    return [product_mean_ms((stages[k].product_ms, stages[k].fwd_ms + stages[k].bwd_ms) for k in mine)
+            for mine in stages_on]
 
 
 def _price(lowered: Lowered, costs: Costs, cluster: Cluster, jitter: float, seed: int) -> _Program:

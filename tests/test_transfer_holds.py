@@ -5,6 +5,8 @@ meets by the kernel's time left or the product's own time, the less."""
 
 from dataclasses import replace
 
+import pytest
+
 from pipesim.schedules import ScheduleParams, build_schedule
 from pipesim.sim import Cluster, Costs, simulate
 from pipesim.sim.engine import product_delay
@@ -86,3 +88,32 @@ def test_an_estimate_knows_its_products_time_where_they_run_persistent_ctas():
     assert step_ms(costs) <= step_ms(whole)
     _, a100, _ = _interleaved("a100-sxm-80gb")
     assert not any(c.product_ms for c in a100.stages)
+
+
+def test_a_device_weighs_its_stages_products_as_a_stage_weighs_its_layers():
+    """One rule for a mean of product times (`product_mean_ms`): a device of two stages, one running products of
+    0.1 ms and one none known (0), meets the known one's, as a profile's stage of such layers does; weighted by
+    forward + backward, 0.1 and 0.4 ms over 3 and 1 ms give 0.175; a device with none known reads 0."""
+    from pipesim.profiles.schema import OPTIMIZERS, LayerProfile, Timing, aggregate_stages
+    from pipesim.sim.engine import device_product_ms
+
+    costs = Costs.per_stage(3, fwd_ms=1, bwd_ms=2)
+    costs = replace(costs, stages=(replace(costs.stages[0], product_ms=0.1), costs.stages[1],
+                                   replace(costs.stages[2], fwd_ms=0.5, bwd_ms=0.5, product_ms=0.4)))
+    assert device_product_ms([[0, 1], [1], [0, 2]], costs) == pytest.approx([0.1, 0.0, 0.175])
+
+    def timing(ms: float) -> Timing:
+        return Timing(median_ms=ms, spread_ms=0.0, repeats=1)
+
+    def layer(product_ms: float, fwd_ms: float, bwd_ms: float) -> LayerProfile:
+        return LayerProfile(name="l", inputs=[-1], fwd=timing(fwd_ms), bwd=timing(bwd_ms), igrad=timing(0),
+                            wgrad=timing(bwd_ms), activation_bytes=0, shared_with_previous_bytes=0, output_bytes=0,
+                            param_bytes=0, grad_bytes=0, optimizer_state_bytes=dict.fromkeys(OPTIMIZERS, 0),
+                            product_ms=product_ms)
+
+    layers = [layer(0.1, 1, 2), layer(0.0, 1, 2), layer(0.4, 0.5, 0.5)]
+    steps = [({}, timing(0), None, None)] * 3
+    stages = aggregate_stages(layers, [0, 2, 3], "adam", [0, 0], steps[:2])
+    assert [stage.product_ms for stage in stages] == pytest.approx([0.1, 0.4])
+    pair = aggregate_stages([layers[0], layers[2]], [0, 2], "adam", [0], steps[:1])
+    assert pair[0].product_ms == pytest.approx(0.175)
