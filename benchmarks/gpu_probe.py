@@ -445,19 +445,22 @@ def time_rank(rank: int, shape: AttentionShape, device: torch.device, dtype: tor
               budget: Budget, compiled: tuple[Callable, Callable] | str) -> dict:
     """A C = 2 rank's forward (the buffer's join, both steps, the passes) and backward (the passes around both
     steps' kernels), whole and the passes alone, the passes also as TE compiles them (`compiled`, or why not);
-    the statistics are random, as their values cost nothing."""
+    the statistics are random, as their values cost nothing. The forward's kernels run as in training, keeping
+    what their backward needs; its passes, as inside TE's autograd.Function, record nothing."""
     inputs = rank_inputs(shape, device, dtype)
-    k, v = (torch.randn(inputs.kv[..., 0, :, :].shape, device=device, dtype=dtype) for _ in range(2))
     blocks = [rank_blocks(rank, inputs, step) for step in range(CONTEXT_PARALLEL)]
     lses = [torch.randn(1, shape.heads, q.shape[0], device=device) for q, *_ in blocks]
     outs = [attend(*block) for block in blocks]
+    q = _leaf(inputs.q.shape, device, dtype)
+    k, v = (_leaf(inputs.kv[..., 0, :, :].shape, device, dtype) for _ in range(2))
 
     def forward() -> dict[str, float]:
         clock.synchronize()
         start = clock.mark()
         kv = torch.cat((k.unsqueeze(-3), v.unsqueeze(-3)), dim=-3)
-        step_outs = [attend(*rank_blocks(rank, RankInputs(inputs.q, kv), step)) for step in range(CONTEXT_PARALLEL)]
-        forward_passes(rank, inputs.q, step_outs, lses, lse_correction, out_correction)
+        step_outs = [attend(*rank_blocks(rank, RankInputs(q, kv), step)) for step in range(CONTEXT_PARALLEL)]
+        with torch.no_grad():
+            forward_passes(rank, q, step_outs, lses, lse_correction, out_correction)
         end = clock.mark()
         clock.synchronize()
         return {"forward_ms": clock.device_ms(start, end)}

@@ -30,7 +30,7 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     assert f"wrote {out}" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["environment"]["device"] == "cpu" and result["environment"]["torch"] == torch.__version__
-    assert result["budget"] == {"warmup": 0, "repeats": 2}
+    assert result["budget"] == {"warmup": 0, "repeats": 2} and set(result["seconds"]) == {"moe", "attention", "gemm"}
 
     layers = result["moe"]["layers"]
     assert [layer["local_experts"] for layer in layers] == [4, 8, 16]
@@ -42,6 +42,10 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
         assert layer["counts"]["after_sync"]["kernels"] is None  # no CUDA kernels on a CPU
     after_sync_ops = [layer["counts"]["after_sync"]["ops"] for layer in layers]
     assert after_sync_ops[0] < after_sync_ops[1] < after_sync_ops[2]  # a GEMM pair and SwiGLU a local expert
+    derived = result["moe"]["derived"]
+    assert [entry["after_sync_host_us_per_op"] > 0 for entry in derived["per_layer"]] == [True] * 3
+    assert derived["per_layer"][0]["after_sync_host_us_per_kernel"] is None
+    assert "after_sync_host_ms" in derived["ms_per_added_local_expert"]
 
     kernels = result["attention"]["kernels"]
     assert list(kernels) == ["flash"]  # cuDNN's attention is timed on a GPU only
@@ -50,6 +54,8 @@ def test_a_quick_cpu_run_writes_every_part_with_its_spread_and_says_why_gpu_part
     for rank in ("c2_rank0", "c2_rank1"):
         assert {"forward_ms", "backward_ms", "forward_passes_ms", "backward_passes_ms"} <= set(kernels["flash"][rank])
         assert "CUDA" in kernels["flash"][rank]["forward_passes_compiled"]["skipped"]
+    assert set(result["attention"]["c2_rank_over_half_c1"]["flash"]) == {
+        "rank0_forward", "rank0_backward", "rank1_forward", "rank1_backward"}
 
     bf16 = result["gemm"]["bf16"]
     assert [(row["local_experts"], row["name"]) for row in bf16][:3] == [
