@@ -14,6 +14,7 @@ from rich import box
 from rich.table import Table
 
 from ..allocator import keep_freed_memory, no_huge_pages
+from ..choices import unknown_names
 from .common import (
     ActivationLimit,
     Advance,
@@ -201,7 +202,7 @@ def simulate(
             names = [loaded.method]
         unknown = [n for n in schedule or () if n not in METHODS]
         if unknown:
-            raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+            raise InputError(unknown_names("--schedule", unknown, METHODS))
         if len(set(names)) != len(names):
             raise InputError("--schedule: each method may be given once")
         check_prediction(prediction)
@@ -709,7 +710,7 @@ def export(
 
     try:
         if fmt not in EXPORT_FORMATS:
-            raise InputError(f"--format: unknown {fmt!r}; choose from {', '.join(EXPORT_FORMATS)}")
+            raise InputError(unknown_names("--format", [fmt], EXPORT_FORMATS))
         check_writable("--out", out)
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--activation-limit", "--search-seconds"))

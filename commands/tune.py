@@ -20,6 +20,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..choices import unknown_names
 from ..units import GIB
 from .common import (
     Allocator,
@@ -154,7 +155,7 @@ def tune(
         schedule = [name.strip() for given in schedule or () for name in given.split(",")]  # as sweep takes them
         unknown = [name for name in schedule if name not in METHODS]
         if unknown:
-            raise InputError(f"--schedule: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(METHODS)}")
+            raise InputError(unknown_names("--schedule", unknown, METHODS))
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
         check_pp_runtime(pp_runtime)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..choices import unknown_names
 from ..files import read_toml
 from ..schedules import METHODS, ScheduleError, ScheduleParams
 from ..schedules.ir import PREDICTION_SOURCES
@@ -138,7 +139,7 @@ def axis_values(key: str, values: Sequence[object], label: str) -> tuple:
         known = METHODS if key == "schedule" else PREDICTION_SOURCES
         unknown = [v for v in values if not isinstance(v, str) or v not in known]
         if unknown:
-            raise GridError(f"{label}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+            raise GridError(unknown_names(label, unknown, known))
     elif key in POSITIVE_AXES:
         bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
         if bad:

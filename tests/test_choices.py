@@ -1,12 +1,12 @@
-"""The refusal of a value outside a fixed few is written once (choices.py `choose_from`): every reader says it alike,
-and no module writes the sentence again by hand."""
+"""The refusal of a value outside a fixed few, or of names not among them, is written once (choices.py `choose_from`,
+`unknown_names`): every reader says it alike, and no module writes either sentence again by hand."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from pipesim.choices import choose_from
+from pipesim.choices import choose_from, unknown_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,11 +16,16 @@ def test_the_refusal_names_the_flag_each_choice_and_the_value_as_given():
     assert choose_from("{ema}", ("gpu", "cpu"), "") == "{ema}: choose from gpu, cpu (got '')"
 
 
-def test_no_module_writes_the_choose_from_sentence_by_hand():
+def test_unknown_names_are_each_named_as_given_before_the_choices():
+    assert unknown_names("--schedule", ["nope", "x"], ("gpipe", "1f1b")) == (
+        "--schedule: unknown 'nope', 'x'; choose from gpipe, 1f1b")
+
+
+def test_no_module_writes_either_sentence_by_hand():
     folders = [folder for folder in ROOT.iterdir() if folder.is_dir() and folder.name != "tests"
                and not folder.name.startswith(".")]  # the package's own, not the virtual environment's
     modules = [*ROOT.glob("*.py"), *(path for folder in folders for path in folder.rglob("*.py"))]
     written = [f"{path.relative_to(ROOT)}:{number}" for path in modules if path.name != "choices.py"
                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-               if re.search(r"choose from \{.*\(got ", line)]
+               if re.search(r"choose from \{.*\(got |unknown \{.*; choose from", line)]
     assert written == []

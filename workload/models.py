@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from pipesim.choices import unknown_names
 from pipesim.workload import data
 from pipesim.workload.hfconfig import is_hf
 from pipesim.workload.moe import (
@@ -465,7 +466,7 @@ def build_model(name: str, **options: int) -> Model:
                              f"{name} is built by its own code")
         return load_model(name)
     if name not in MODELS:
-        raise ModelError(f"--model: unknown {name!r}; choose from {', '.join(MODELS)}, or give "
+        raise ModelError(f"{unknown_names('--model', [name], MODELS)}, or give "
                          "package.module:attribute or hf:PATH (a Hugging Face config.json)")
     takes = model_options(name)
     wrong = [key for key in given if key not in takes]
