@@ -300,7 +300,7 @@ def simulate(
             heading = ", ".join(names) if len(names) <= 4 else f"{len(names)} methods side by side"
             write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
                                 notes=[f"skipped: {reason if reason.startswith(name) else f'{name}: {reason}'}"
-                                       for name, reason in skipped.items()])
+                                       for name, reason in skipped.items()] + _out_of_memory_lines(summaries, memory))
     except (InputError, ScheduleError, CostError, ClusterError, SimulationError) as exc:
         fail(str(exc))
     except OSError as exc:
@@ -505,10 +505,15 @@ def _warn(skipped: dict[str, str], summaries: list, memory: list) -> None:
     """On stderr: the methods that could not run and why, and the devices that run out of memory."""
     for name, reason in skipped.items():
         stderr.print(f"skipped: {_skip_text(name, reason)}", highlight=False, soft_wrap=True)
-    for summary, checks in zip(summaries, memory):
-        oom = _out_of_memory(checks)
-        if oom is not None:
-            stderr.print(f"warning: {summary.schedule} runs out of memory: {oom[1]}", highlight=False, soft_wrap=True)
+    for line in _out_of_memory_lines(summaries, memory):
+        stderr.print(f"warning: {line}", highlight=False, soft_wrap=True)
+
+
+def _out_of_memory_lines(summaries: list, memory: list) -> list[str]:
+    """Each method whose devices run out of memory, in words: a warning on stderr, and a note on the page, whose
+    bars and curves do not show the devices' memory."""
+    return [f"{summary.schedule} runs out of memory: {oom[1]}" for summary, checks in zip(summaries, memory)
+            if (oom := _out_of_memory(checks)) is not None]
 
 
 def _steady_text(schedules: list, steady: list[bool]) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 from pipesim.schedules import METHODS
 from tests.conftest import pipesim, simulate_json
+from tests.test_view import _page_data
 
 
 def test_issue_example_json():
@@ -239,6 +240,15 @@ def test_memory_is_checked_against_the_clusters_devices(tmp_path):
     assert code == 0 and "fits" in out and "OOM" not in out and "warning" not in err
     (unknown,) = simulate_json("-s", "1f1b")  # no cluster: nothing to check against
     assert {(d["memory_limit_mb"], d["out_of_memory"]) for d in unknown["devices"]} == {(None, False)}
+
+
+def test_the_page_says_which_methods_run_out_of_memory(tmp_path):
+    """Its bars and memory curves show no device's memory: the warning is a note under the title."""
+    page, small = tmp_path / "t.html", cluster_file(tmp_path, [80, 0.5, 80, 80])
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-s", "gpipe", "--cluster", small, "--html", page)
+    warnings = [line.removeprefix("warning: ") for line in err.splitlines()]
+    assert code == 0 and len(warnings) == 2 and _page_data(page.read_text())["notes"] == warnings
+    assert warnings[0].startswith("1f1b runs out of memory: device 1 peaks at")
 
 
 def test_a_stage_graph_that_is_not_connected_is_refused(tmp_path):
