@@ -60,16 +60,15 @@ MTP_DEPTH = 1  # section 4.2: "The multi-token prediction depth D is set to 1"
 NOT_MODELLED = {
     "stage cut": "the layers each of the 16 stages holds are not published: --stage-cut fit is pipesim's "
                  "planner's, the time-balanced cut within each device's 80 GB as the simulator holds it, a split "
-                 "backward's weight-pass inputs and gradients from I until W included (docs/hardware.md: 1 to 4 "
-                 "layers on stages 0 to 8, 5 on stages 9 to 11, 6 on stages 12 to 15; 4 MoE layers a stage, as "
-                 "DeepSeek's profile-data gives a chunk, holds 80,208 MiB on devices 7 and 8, within 80 GB as "
-                 "simulated but not by fit's bound, which sums each stage's own peak)",
+                 "backward's weight-pass inputs and gradients from I until W included, a device's two stages by "
+                 "their coincident peak (docs/hardware.md: 4 layers on stages 0 to 14, 5 on stage 15, 4 MoE layers "
+                 "a middle stage as DeepSeek's profile-data gives a chunk; 80,208 MiB on devices 7 and 8)",
     "communication SMs": "20 of the H800's 132 SMs run the all-to-all kernels (section 3.2.2); the overlapped "
                          "pairs' compute is priced on all 132",
     "DeepEP's buffers": "its Buffer's NVLink and RDMA buffers, held for the run, are not counted: 681 MiB a rank "
                         "at 64 ranks, 20 SMs and 7,168 16-bit hidden values, by deepseek-ai/DeepEP's size hints "
                         "(csrc/legacy/config.hpp) at its 64-rank dispatch and combine configs "
-                        "(deep_ep/buffers/legacy.py); device 3 would hold 76,397 MiB",
+                        "(deep_ep/buffers/legacy.py); device 7 would hold 80,889 MiB",
     "fine-grained FP8": "1x128 activation tiles and 128x128 weight blocks with FP32 promotion every 128 products "
                         "(section 3.3.2), the dispatch sent in FP8 (3.3.3): their casts priced as TransformerEngine's "
                         "per-tensor recipe's, the dispatch in 16 bits (what it keeps is modelled: --fp8-recipe "

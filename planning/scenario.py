@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 # `padded_blocks`)
 BLOCK_CUTS = {"equal-blocks": equal_blocks, "padded-blocks": padded_blocks}
 FIT = "fit"
+FIT_ROUNDS = 4  # --stage-cut fit's searches at most, each with the reserves of the last cut found (`Scenario._fitted`)
 STAGE_CUTS = ("balanced", FIT, *BLOCK_CUTS)
 FIRST_LAST = "first-last:"  # first-last:F,L: F blocks on the first stage, L on the last (`first_last_blocks`)
 
@@ -450,13 +451,16 @@ class Scenario:
         `cut`), each device bounded by its memory. Then the parts' curves of the device whose peak that makes highest
         only (`keep_fullest_parts`)."""
         if self.allocations is not None:
-            per_copy = sched.graph.stages_per_copy
-            cut = list(bounds) if bounds is not None else self.cut(sched)
-            layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
-                      for stage in range(sched.num_stages)}
-            add_reserve(trace, device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments,
-                                               adam=self.optimizer in ("adam", "adamw")))
+            add_reserve(trace, self._reserves(sched, trace, list(bounds) if bounds is not None else self.cut(sched)))
         keep_fullest_parts(trace)
+
+    def _reserves(self, sched: Schedule, trace: Trace, cut: list[int]) -> list[int]:
+        """Each device's caching-allocator reserve in `trace`, run with `sched`'s stages cut at `cut`."""
+        per_copy = sched.graph.stages_per_copy
+        layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
+                  for stage in range(sched.num_stages)}
+        return device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments,
+                               adam=self.optimizer in ("adam", "adamw"))
 
     def cut(self, sched: Schedule) -> list[int]:
         """The profile's layers cut into one copy's model stages of `sched` as `stage_cut` says (`profile_bounds`).
@@ -474,17 +478,31 @@ class Scenario:
         return list(_FITTED[key])
 
     def _fitted(self, sched: Schedule, balanced: list[int]) -> list[int]:
-        """`cut` under --stage-cut fit, searched."""
+        """`cut` under --stage-cut fit, searched. With `allocations`, the caching allocator's reserve is known only
+        once a cut runs (`_reserves`), so the cut found is simulated: where a device's bound and its reserve there
+        pass its memory, its memory less that reserve bounds the next search, until the cut found fits as
+        simulated (`FIT_ROUNDS` searches at most: a device's bound falls each round, or the cut fits)."""
         check_stage_cut(self.stage_cut, self.pp_runtime)
         limits = self.memory_limits(sched)
         if None in limits:
             raise CostError(f"--stage-cut {FIT} cuts for each device's memory, which is not known here: give --gpu, "
                             "a profile of a device with its memory, or a --cluster with memory_gib")
         from ..profiles.schema import layer_costs
+        from ..sim import simulate
 
+        memory, layers, bounds = self.stage_memory(sched), layer_costs(self.measured.layers, self.optimizer), limits
         try:
-            return fitted_cut(sched, self.stage_memory(sched), limits, balanced,
-                              layer_costs(self.measured.layers, self.optimizer))
+            for _ in range(FIT_ROUNDS):
+                cut = fitted_cut(sched, memory, bounds, balanced, layers)
+                if self.allocations is None:
+                    return cut
+                reserves = self._reserves(sched, simulate(sched, self.costs(sched, cut), self.links(sched)), cut)
+                if all(memory.device(sched, d, cut) + reserve <= limit
+                       for d, (reserve, limit) in enumerate(zip(reserves, limits))):
+                    return cut
+                bounds = [min(bound, limit - reserve) for bound, limit, reserve in zip(bounds, limits, reserves)]
+            raise PartitionError(f"no cut of {len(layers)} layers found in {FIT_ROUNDS} searches that fits every "
+                                 "device's memory beside its caching allocator's reserve")
         except PartitionError as exc:
             raise CostError(f"{sched.method}: --stage-cut {FIT}: {exc} (--stage-cut balanced with --memory shows "
                             "each device's peak)") from None  # the method first: a skip names it once
@@ -667,7 +685,9 @@ class StageMemory:
     what a split backward holds after its input-gradient pass until its weight pass ends (`wgrad_held`: under
     recomputation more than the activations); `together[d]`, every distinct count of micro-batches device d's
     stages hold at once (a row each: a column for each of its stages in their order, of the micro-batches from
-    their forward, then a column for each of the micro-batches from their input-gradient pass)."""
+    their forward, then a column for each of the micro-batches from their input-gradient pass; only those that no
+    other row, nor a mix of two, holds as many of in every column, `_outermost`: the bytes each column weighs are
+    never negative, so the most any row weighs is theirs)."""
 
     held: list[np.ndarray]
     transient: np.ndarray
@@ -699,6 +719,27 @@ class StageMemory:
         return (sum(self.held[s][r] for s, r in zip(stages, cut) if r) + max(self.transient[r] for r in cut if r)
                 + float(np.max(self.together[device] @ saved)))
 
+    def pair(self, sched: Schedule, device: int, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Device `device`'s peak (`device`'s rule) where it holds one copy's stage k (the front) and stages-1-k (the
+        back), as bounds that each add a front range's bytes to a back range's, as `mirrored_partition` takes them:
+        one a row of `together` and the side whose transient is held, so the device holds its stages within its
+        memory exactly where every one is within it (their peaks held where they coincide, not each stage's own
+        summed)."""
+        per_copy, stages = sched.graph.stages_per_copy, sched.stages_on(device)
+        front = np.array([s % per_copy == k for s in stages])
+        none = np.zeros_like(self.transient)
+
+        def side(mine: np.ndarray, counts: np.ndarray) -> np.ndarray:  # one side's stages with their counts held
+            return sum((self.held[s] + forward * self.activations + until_w * self.held_until_w
+                        for s, forward, until_w, on in zip(stages, counts, counts[len(stages):], mine) if on), none)
+
+        bounds = []
+        for counts in self.together[device]:
+            in_front, in_back = side(front, counts), side(~front, counts)
+            bounds += [(in_front + self.transient, in_back)] * bool(front.any())
+            bounds += [(in_front, in_back + self.transient)] * bool(not front.all())
+        return bounds
+
 
 def _held_together(sched: Schedule) -> list[np.ndarray]:
     """Per device, every distinct count of micro-batches each of its stages holds at once (`StageMemory.together`),
@@ -718,34 +759,47 @@ def _held_together(sched: Schedule) -> list[np.ndarray]:
         steps[starts, column] = adds[rows]
         steps[ends, column] = takes[rows]
         steps[ends, column + len(stages)] = until_w[rows]
-        together.append(np.unique(np.cumsum(steps, axis=0), axis=0))
+        counts = np.unique(np.cumsum(steps, axis=0), axis=0)
+        covered = (counts[:, None, :] >= counts[None, :, :]).all(axis=2)  # [i, j]: row i holds row j's at least
+        together.append(_outermost(counts[covered.sum(axis=0) == 1]))  # held by no other row (each covers itself)
     return together
+
+
+def _outermost(counts: np.ndarray) -> np.ndarray:
+    """The rows of `counts` (distinct, none held by another at every column) less each, one at a time, that a mix of
+    two rows left holds at every column (t·one + (1 - t)·other, 0 <= t <= 1): weighed by bytes that are never
+    negative, such a row is never above both, so the most any row weighs is the rows left's."""
+    kept = np.ones(len(counts), dtype=bool)
+    for row in range(len(counts)):
+        others = counts[kept & (np.arange(len(counts)) != row)]
+        slope = others[:, None, :] - others[None, :, :]  # [i, j, column]: t·slope >= need, where t weighs row i
+        need = counts[row] - others[None, :, :]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = need / slope
+        low = np.max(np.where(slope > 0, ratio, 0.0), axis=2, initial=0.0)
+        high = np.min(np.where(slope < 0, ratio, 1.0), axis=2, initial=1.0)
+        held = np.all((slope != 0) | (need <= 0), axis=2) & (low <= high)
+        kept[row] = not held.any()
+    return counts[kept]
 
 
 def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], balanced: list[int],
                layers: Sequence[LayerCost]) -> list[int]:
     """`balanced` where every device holds its stages within its limit (`StageMemory.device`); else the cut whose
-    slowest stage is fastest among those where every device holds its stages' sum (`StageMemory.stage`) within it:
-    exactly where each device holds one stage of a copy or a mirrored pair (k and p-1-k: DualPipe, the V-shapes;
-    `mirrored_partition`); where a device holds more (interleaved chunks), searched by what each device holds
-    (`searched_partition`), and where that search is too long, each of its stages within a share of its memory,
-    the faster of two splits: as the stages hold it at `balanced`, and equal (as `tune` cuts v chunks).
-    PartitionError where none fits."""
+    slowest stage is fastest among those where every device holds its stages within it: exactly where each device
+    holds one stage of a copy or a mirrored pair (k and p-1-k: DualPipe, the V-shapes; `mirrored_partition`), by
+    the device's peak where its stages' counts coincide (`StageMemory.pair`); where a device holds more
+    (interleaved chunks), searched by what each device holds (`searched_partition`), and where that search is too
+    long, each of its stages within a share of its memory (`StageMemory.stage`), the faster of two splits: as the
+    stages hold it at `balanced`, and equal (as `tune` cuts v chunks). PartitionError where none fits."""
     per_copy = sched.graph.stages_per_copy
-    on = [sched.stages_on(device) for device in range(sched.num_devices)]
     if all(memory.device(sched, device, balanced) <= limit for device, limit in enumerate(limits)):
         return balanced
-    stage_bytes = [memory.stage(sched, s) for s in range(sched.num_stages)]
-
-    def holds(device: int, k: int) -> np.ndarray:  # the device's bytes from one copy's stage k, for every range
-        return sum((stage_bytes[s] for s in on[device] if s % per_copy == k), np.zeros_like(stage_bytes[0]))
-
-    held = [{s % per_copy for s in stages} for stages in on]
+    held = [{s % per_copy for s in sched.stages_on(device)} for device in range(sched.num_devices)]
     if all(ks <= {min(ks), per_copy - 1 - min(ks)} for ks in held):
         def pair_bytes(k: int) -> list[PairBytes]:
-            back = per_copy - 1 - k
-            return [(holds(d, k), holds(d, back) if back != k else np.zeros_like(stage_bytes[0]), limits[d])
-                    for d, ks in enumerate(held) if k in ks or back in ks]
+            return [(front, back, limits[d]) for d, ks in enumerate(held) if k in ks or per_copy - 1 - k in ks
+                    for front, back in memory.pair(sched, d, k)]
 
         return mirrored_partition(layers, per_copy, pair_bytes)
 
@@ -755,6 +809,7 @@ def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], bala
     searched = searched_partition(layers, per_copy, fits)
     if searched is not None:
         return searched
+    stage_bytes = [memory.stage(sched, s) for s in range(sched.num_stages)]
     at_balanced = [stage_bytes[s][balanced[s % per_copy], balanced[s % per_copy + 1]] for s in range(len(stage_bytes))]
     cuts = [cut for cut in (_within_shares(sched, stage_bytes, limits, layers, weights)
                             for weights in (at_balanced, [1] * len(stage_bytes))) if cut is not None]

@@ -113,16 +113,23 @@ def mirrored_partition(layers: Sequence[LayerCost], stages: int, pair_bytes: Cal
         np.fill_diagonal(best, 0.0)  # every layer cut
     choices = []
     for k in range(middle - 1, -1, -1):
-        front_ms, back_ms, devices = stage_time(k), stage_time(stages - 1 - k), pair_bytes(k)
+        front_ms, back_ms = stage_time(k), stage_time(stages - 1 - k)
+        over = [(front, back - cap) for front, back, cap in pair_bytes(k)]  # above its capacity by
         inner = np.maximum(back_ms[None, :, :], best[:, :, None])  # [a', b', b]
         level, chosen = np.full((n + 1, n + 1), inf), np.zeros((n + 1, n + 1), dtype=np.int64)
-        for a in range(n):  # the front stage ends at a' > a: [a + 1, n]
-            slowest = np.maximum(front_ms[a, a + 1:, None, None], inner[a + 1:])
-            for front, back, cap in devices:
-                slowest[front[a, a + 1:, None, None] + back[None, :, :] > cap] = inf
-            flat = slowest.reshape(-1, n + 1)
+        # the front stage starts at a (0 for the first; at least a layer for each stage before it and after its
+        # back), ends at a' > a; the back starts at b' >= a' and ends at b, a layer for each stage between on
+        for a in range(k, n - stages + k + 1) if k else (0,):
+            after, ends = slice(a + 1, None), slice(a + stages - 2 * k, n - k + 1)
+            slowest = np.maximum(front_ms[a, after, None, None], inner[after, after, ends])
+            most, sum_ = np.full(slowest.shape, -inf), np.empty(slowest.shape)
+            for front, back in over:  # the most any device holds above its capacity
+                np.maximum(most, np.add(front[a, after, None, None], back[None, after, ends], out=sum_), out=most)
+            slowest[most > 0] = inf
+            flat = slowest.reshape(-1, slowest.shape[2])
             first = np.argmin(flat, axis=0)
-            chosen[a], level[a] = first + (a + 1) * (n + 1), flat[first, np.arange(n + 1)]
+            chosen[a, ends] = (a + 1 + first // (n - a)) * (n + 1) + a + 1 + first % (n - a)
+            level[a, ends] = flat[first, np.arange(slowest.shape[2])]
         best = level
         choices.append(chosen)
     if best[0, n] == inf:

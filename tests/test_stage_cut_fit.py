@@ -5,12 +5,13 @@ peaks where the time-balanced cut does not fit."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
 import pytest
 
-from pipesim.planning.scenario import _held_together
+from pipesim.planning.scenario import _held_together, _outermost
 from pipesim.profiles.partition import LayerCost, PartitionError, mirrored_partition, ranges, searched_partition
 from pipesim.sim import Costs
 from tests.conftest import build, pipesim, simulate_json, simulated
@@ -218,3 +219,56 @@ def test_fit_searches_its_cut_once_per_simulated_method(monkeypatch):
     code, _, err = pipesim("sweep", *GPT[:-4], "-b", 8, "--stages", 4, "--microbatches", 8, "--schedule", "1f1b",
                            "--stage-cut", "fit", "--workers", 1)
     assert code == 0 and searched == ["1f1b"], err
+
+
+def test_fit_holds_a_mirrored_pair_where_its_stages_peaks_coincide(monkeypatch):
+    """DualPipe on 4 devices, no allocator reserve: device 0's stages 0 and 7 hold their most micro-batches at
+    different times, so the cut [0, 2, 4, 6, 10] that each stage's own peak summed puts over 40 GB (what fit cut
+    by until now, choosing [0, 1, 3, 5, 10] at 1,337 ms) fits as simulated (40,420 MiB), and fit takes it."""
+    from pipesim.planning import scenario
+
+    seen = []
+
+    def kept(sched, memory, limits, *args):
+        seen.append((sched, memory, limits))
+        return fitted_cut(sched, memory, limits, *args)
+
+    fitted_cut = scenario.fitted_cut
+    monkeypatch.setattr(scenario, "fitted_cut", kept)
+    (fitted,) = simulate_json(*GPT, "-b", 4, "-s", "dualpipe", "--allocator", "none", "--stage-cut", "fit")
+    assert fitted["stage_bounds"] == [0, 2, 4, 6, 10] and fitted["time_per_minibatch_ms"] < 1337
+    assert all(peak <= limit for peak, limit in zip(*_peaks(fitted)))
+    (sched, memory, limits), cut = seen[0], fitted["stage_bounds"]
+    summed = sum(memory.stage(sched, s)[cut[s % 4], cut[s % 4 + 1]] for s in sched.stages_on(0))
+    assert summed > limits[0] >= memory.device(sched, 0, cut)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cut_fit_picks_runs_within_every_devices_memory(seed):
+    """Drawn GPTs, micro-batch sizes and allocators, each on the schedules that hold a stage, a mirrored pair or
+    interleaved chunks a device: where fit picks a cut, every device's simulated peak (the allocator's reserve
+    included) is within its 40 GB; otherwise it says no cut fits."""
+    rng = np.random.default_rng(seed)
+    args = (*GPT[:8], "--seq-len", int(rng.choice([1024, 2048])), *GPT[10:], "-b", int(rng.integers(2, 7)),
+            "--allocator", str(rng.choice(["caching", "none"])), "--stage-cut", "fit")
+    schedules = ("1f1b", "dualpipe", "dualpipev", "zb-v", "interleaved-1f1b")
+    code, out, err = pipesim("simulate", *args, *(flag for name in schedules for flag in ("-s", name)), "--json")
+    assert code == 0, err
+    results = json.loads(out)["results"]
+    assert len(results) + " ".join(err.split()).count("--stage-cut fit: no cut") == len(schedules), err
+    for result in results:
+        assert all(peak <= limit for peak, limit in zip(*_peaks(result))), (args, result["schedule"])
+
+
+def test_the_counts_kept_weigh_the_most_any_count_does():
+    """`_outermost` drops a count a mix of two others holds at every column (DualPipe's device 7 of DeepSeek-V3:
+    4 from I until W each, then 2 and 2 of each kind, halfway to 9 and 8 from F), and for any bytes a column weighs
+    (never negative) the most a kept row weighs is the most any row does."""
+    assert _outermost(np.array([[0, 0, 4, 4], [2, 2, 2, 2], [9, 8, 0, 0]])).tolist() == [[0, 0, 4, 4], [9, 8, 0, 0]]
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        counts = np.unique(rng.integers(0, 6, (int(rng.integers(1, 12)), int(rng.integers(1, 5)))), axis=0)
+        kept = _outermost(counts)
+        assert {tuple(row) for row in kept} <= {tuple(row) for row in counts}
+        for weights in rng.random((20, counts.shape[1])) * rng.integers(0, 2, (20, counts.shape[1])):
+            assert np.max(kept @ weights) == pytest.approx(np.max(counts @ weights), rel=1e-12)
