@@ -21,7 +21,7 @@ Device times are CUDA events; host times time.perf_counter; every figure is the 
 `--warmup` runs, with its spread. One JSON lands at `--out`. On a CPU (`--device cpu --quick`) the same code runs
 tiny, device times are the host's, and the GPU-only parts (kernel counts, FP8, compiled passes) say why they skip.
 
-    python benchmarks/gpu_probe.py --out probe.json                          # on one H100/H200, under 4 minutes
+    python benchmarks/gpu_probe.py --out probe.json    # one H100/H200; sized for under 4 minutes, not yet run on one
     python benchmarks/gpu_probe.py --device cpu --quick --out /tmp/probe.json  # the same code, tiny, on a CPU
 """
 
@@ -378,34 +378,47 @@ def forward_passes(rank: int, q: torch.Tensor, outs: list[torch.Tensor], lses: l
     return out
 
 
+def backward_join(rank: int, step: int, dq: torch.Tensor, dkv: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> None:
+    """One step of AttnFuncWithCPAndKVP2P.backward's joins (TE 1.10, BF16, sbhd, C = 2) after the step's kernel:
+    its key and value gradients joined (`torch.cat`) and copied or added into `dkv` ([k or v, chunk half, ...]),
+    the sum that travels with the keys (at step 1 the one the other rank sent), its query gradient copied or
+    added into the rank's `dq`, halves where the step covered half. Step 0 is the off-diagonal block, 1 the
+    causal one, the backward's order."""
+    dq_step, dk_step, dv_step = grads
+    joined = torch.cat((dk_step.unsqueeze(0), dv_step.unsqueeze(0)), dim=0)
+    if step == 0 and rank == 0:
+        dq[1].copy_(dq_step)
+        dkv.copy_(joined.view(dkv.shape))
+    elif step == 0:
+        dq.copy_(dq_step.view(dq.shape))
+        dkv[:, 0].copy_(joined)
+    elif rank == 0:
+        halves = dq_step.view(dq.shape)
+        dq[0].copy_(halves[0])
+        dq[1].add_(halves[1])
+        joined = joined.view(dkv.shape)
+        dkv[:, 0].add_(joined[:, 0])
+        dkv[:, 1].copy_(joined[:, 1])
+    else:
+        dq.add_(dq_step.view(dq.shape))
+        dkv.add_(joined.view(dkv.shape))
+
+
+def gradient_sum(kv: torch.Tensor) -> torch.Tensor:
+    """An empty travelling sum of key and value gradients for a key-value buffer ([k or v, chunk half, ...])."""
+    return torch.empty((2, *kv.shape[:-3], *kv.shape[-2:]), dtype=kv.dtype, device=kv.device)
+
+
 def backward_passes(rank: int, inputs: RankInputs, grads: list[tuple[torch.Tensor, ...]]) -> None:
-    """What AttnFuncWithCPAndKVP2P.backward (TE 1.10, BF16, sbhd) does around its C = 2 steps' kernels: the
-    key-value buffer copied into the first send buffer, and after each step (the off-diagonal one first, the
-    causal one last) its key and value gradients joined (`torch.cat`) and copied or added into the travelling
-    sum, its query gradient copied or added into the rank's, halves where the step covered half."""
-    q, kv = inputs.q, inputs.kv
-    send = torch.empty((2, *kv.shape), dtype=kv.dtype, device=kv.device)
-    send[0].copy_(kv)
-    dq = torch.empty_like(q)
-    dkv = torch.empty((2, *kv.shape[:-3], *kv.shape[-2:]), dtype=kv.dtype, device=kv.device)
-    for i, (dq_step, dk_step, dv_step) in enumerate(grads):
-        joined = torch.cat((dk_step.unsqueeze(0), dv_step.unsqueeze(0)), dim=0)
-        if i == 0 and rank == 0:
-            dq[1].copy_(dq_step)
-            dkv.copy_(joined.view(dkv.shape))
-        elif i == 0:
-            dq.copy_(dq_step.view(q.shape))
-            dkv[:, 0].copy_(joined)
-        elif rank == 0:
-            halves = dq_step.view(q.shape)
-            dq[0].copy_(halves[0])
-            dq[1].add_(halves[1])
-            joined = joined.view(dkv.shape)
-            dkv[:, 0].add_(joined[:, 0])
-            dkv[:, 1].copy_(joined[:, 1])
-        else:
-            dq.add_(dq_step.view(q.shape))
-            dkv.add_(joined.view(dkv.shape))
+    """What AttnFuncWithCPAndKVP2P.backward (TE 1.10) does around a rank's C = 2 kernels: the key-value buffer
+    copied into the first send buffer, then each step's joins. One rank has no ring, so step 1 joins into the sum
+    step 0 wrote rather than the other rank's, the same passes over the same bytes."""
+    send = torch.empty((2, *inputs.kv.shape), dtype=inputs.kv.dtype, device=inputs.kv.device)
+    send[0].copy_(inputs.kv)
+    dq = torch.empty_like(inputs.q)
+    dkv = gradient_sum(inputs.kv)
+    for step, step_grads in enumerate(grads):
+        backward_join(rank, step, dq, dkv, step_grads)
 
 
 def _leaf(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """benchmarks/gpu_probe.py, the probe for the questions only a GPU settles, run as a CPU smoke test: its JSON's
 fields, its refusals, and that what it times computes what it stands for (the MoE layer a dense sum over each
-token's experts, TransformerEngine's C = 2 ring one causal attention)."""
+token's experts, TransformerEngine's C = 2 ring one causal attention, forward and backward)."""
 
 import importlib.util
 import json
@@ -107,30 +107,94 @@ def _attention(q, k, v, causal):
     return torch.einsum("bhqk,kbhd->qbhd", scores.softmax(dim=-1), v), scores.logsumexp(dim=-1)
 
 
+CHUNK = 8  # tokens: a sequence of four chunks, rank r holding chunks r and 3 - r
+
+
+def held(tensor, rank):
+    """A rank's two chunks of a whole sequence's sbhd tensor: [2, chunk, ...]."""
+    chunks = tensor.view(4, CHUNK, *tensor.shape[1:])
+    return torch.stack((chunks[rank], chunks[3 - rank]))
+
+
+def kv_of(k, v, rank):
+    """The key-value buffer a rank's ring sends: [2, chunk, b, k or v, kv heads, dim]."""
+    return torch.cat((held(k, rank).unsqueeze(-3), held(v, rank).unsqueeze(-3)), dim=-3)
+
+
+def held_lse(lse, rank):
+    """A rank's rows of a whole sequence's log-sum-exp ([b, h, tokens])."""
+    chunks = lse.view(*lse.shape[:-1], 4, CHUNK)
+    return torch.cat((chunks[..., rank, :], chunks[..., 3 - rank, :]), dim=-1)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_the_c2_rings_steps_and_passes_rebuild_the_ranks_rows_of_causal_attention(probe, rank):
     """Rank r holds chunks r and 3 - r of four; its two steps' blocks, joined by TE's corrections, are the whole
     sequence's causal attention at its rows."""
     torch.manual_seed(2)
-    chunk, heads, kv_heads, dim = 8, 4, 2, 16
-    q = torch.randn(4 * chunk, 1, heads, dim)
-    k, v = (torch.randn(4 * chunk, 1, kv_heads, dim) for _ in range(2))
-
-    def held(tensor, owner):
-        return torch.stack((tensor.view(4, chunk, *tensor.shape[1:])[owner],
-                            tensor.view(4, chunk, *tensor.shape[1:])[3 - owner]))
-
-    def kv_of(owner):
-        return torch.cat((held(k, owner).unsqueeze(-3), held(v, owner).unsqueeze(-3)), dim=-3)
-
-    blocks = [probe.rank_blocks(rank, probe.RankInputs(held(q, rank), kv_of(rank)), 0),
-              probe.rank_blocks(rank, probe.RankInputs(held(q, rank), kv_of(1 - rank)), 1)]
+    heads, kv_heads, dim = 4, 2, 16
+    q = torch.randn(4 * CHUNK, 1, heads, dim)
+    k, v = (torch.randn(4 * CHUNK, 1, kv_heads, dim) for _ in range(2))
+    blocks = [probe.rank_blocks(rank, probe.RankInputs(held(q, rank), kv_of(k, v, rank)), 0),
+              probe.rank_blocks(rank, probe.RankInputs(held(q, rank), kv_of(k, v, 1 - rank)), 1)]
     outs, lses = zip(*(_attention(*block) for block in blocks))
     joined = probe.forward_passes(rank, held(q, rank), list(outs), list(lses), probe.lse_correction,
                                   probe.out_correction)
     whole, _ = _attention(q, k, v, causal=True)
     torch.testing.assert_close(joined, held(whole, rank), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(probe.attend(*blocks[0]), outs[0], rtol=1e-5, atol=1e-5)  # SDPA as the definition
+
+
+def _block_grads(q, k, v, causal, out, dout, lse):
+    """A block's gradients as FlashAttention's backward computes them inside TE's ring: from the whole rows' output
+    and log-sum-exp, so that the steps' gradients sum to the whole attention's."""
+    group = q.shape[2] // k.shape[2]
+    k_all, v_all = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scale = q.shape[-1] ** -0.5
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k_all) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(scores - lse[..., None])
+    dp = torch.einsum("qbhd,kbhd->bhqk", dout, v_all)
+    ds = p * (dp - (dout * out).sum(dim=-1).permute(1, 2, 0)[..., None])
+
+    def per_kv_head(grad):
+        return grad.view(*grad.shape[:2], k.shape[2], group, grad.shape[-1]).sum(dim=3)
+
+    return (torch.einsum("bhqk,kbhd->qbhd", ds, k_all) * scale,
+            per_kv_head(torch.einsum("bhqk,qbhd->kbhd", ds, q) * scale),
+            per_kv_head(torch.einsum("bhqk,qbhd->kbhd", p, dout)))
+
+
+def test_the_c2_rings_backward_joins_give_each_rank_the_whole_attentions_gradients(probe):
+    """Both ranks' backward, the off-diagonal step first: each writes its step-0 key and value gradients into the
+    sum it sends, joins its causal step into the one it receives, and ends with its own keys' gradients; its
+    query gradients are its rows of the whole sequence's."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim = 4, 2, 16
+    q = torch.randn(4 * CHUNK, 1, heads, dim, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(4 * CHUNK, 1, kv_heads, dim, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    whole, lse = _attention(q, k, v, causal=True)
+    dout = torch.randn_like(whole)
+    whole.backward(dout)
+    steps, dqs, sums = {}, {}, {}
+    with torch.no_grad():
+        for rank in (0, 1):
+            own = probe.RankInputs(held(q, rank), kv_of(k, v, rank))
+            out, grad_out = held(whole, rank).flatten(0, 1), held(dout, rank).flatten(0, 1)
+            rows_lse = held_lse(lse, rank)
+            blocks = [probe.rank_blocks(rank, probe.RankInputs(own.q, kv_of(k, v, 1 - rank)), 1),
+                      probe.rank_blocks(rank, own, 0)]  # the backward's order: the forward's step 1, then 0
+            steps[rank] = [_block_grads(*block, out[-block[0].shape[0]:], grad_out[-block[0].shape[0]:],
+                                        rows_lse[..., -block[0].shape[0]:]) for block in blocks]
+            dqs[rank], sums[rank] = torch.empty_like(own.q), probe.gradient_sum(own.kv)
+            probe.backward_join(rank, 0, dqs[rank], sums[rank], steps[rank][0])
+        for rank in (0, 1):
+            probe.backward_join(rank, 1, dqs[rank], sums[1 - rank], steps[rank][1])
+    for rank in (0, 1):
+        torch.testing.assert_close(dqs[rank], held(q.grad, rank))
+        torch.testing.assert_close(sums[1 - rank][0], held(k.grad, rank))
+        torch.testing.assert_close(sums[1 - rank][1], held(v.grad, rank))
 
 
 def test_device_busy_time_is_the_union_of_its_activities(probe):
