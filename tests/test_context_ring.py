@@ -296,22 +296,45 @@ def test_an_estimated_passs_attention_is_its_blocks_their_merges_and_copies(flas
     assert whole.bwd_ms - without.bwd_ms == pytest.approx(added["bwd"])
 
 
+def _ring_layer(transient: int, ring: dict[str, int], inputs: tuple[int, ...] = (-1,), saved: int = 0):
+    """A layer profile of `transient` bytes in each pass, its ring's buffers `ring`, fed by `inputs`, saving
+    `saved` bytes."""
+    from pipesim.profiles.schema import LayerProfile, Timing
+
+    timing = Timing(median_ms=1.0, spread_ms=0.0, repeats=1)
+    return LayerProfile(name="l", inputs=list(inputs), fwd=timing, bwd=timing, igrad=timing, wgrad=timing,
+                        activation_bytes=saved, shared_with_previous_bytes=0, output_bytes=0, param_bytes=0,
+                        grad_bytes=0, optimizer_state_bytes={"adam": 0},
+                        transient_bytes=dict.fromkeys(("fwd", "bwd", "igrad", "wgrad"), transient),
+                        ring_buffer_bytes=ring)
+
+
 def test_a_layers_ring_buffers_are_held_beside_its_own_transient_not_another_layers_peak():
     """A stage of an attention layer (transient 30, its ring's buffers 20 in each pass) and a loss (transient
     100, no ring), nothing saved: the ring runs while the attention does, 50 then, under the loss's 100, so it adds
-    nothing to the stage's peak (it added its 20 beside the loss's); with the loss's transient 40 it adds 10."""
-    from pipesim.profiles.schema import LayerProfile, Timing, stage_ring_buffer_bytes
+    nothing to the stage's peak (it added its 20 beside the loss's); with the loss's transient 40 it adds 10. The
+    stage is fed by the batch alone: its weight pass runs the backward, ring and all, its input pass nothing."""
+    from pipesim.profiles.schema import stage_ring_buffer_bytes
 
-    timing = Timing(median_ms=1.0, spread_ms=0.0, repeats=1)
-
-    def layer(transient: int, ring: dict[str, int]) -> LayerProfile:
-        return LayerProfile(name="l", inputs=[-1], fwd=timing, bwd=timing, igrad=timing, wgrad=timing,
-                            activation_bytes=0, shared_with_previous_bytes=0, output_bytes=0, param_bytes=0,
-                            grad_bytes=0, optimizer_state_bytes={"adam": 0},
-                            transient_bytes=dict.fromkeys(("fwd", "bwd", "igrad", "wgrad"), transient),
-                            ring_buffer_bytes=ring)
-
-    attention = layer(30, {"fwd": 20, "bwd": 20, "igrad": 20})
+    attention = _ring_layer(30, {"fwd": 20, "bwd": 20, "igrad": 20})
     for loss, added in ((100, 0), (40, 10)):
-        layers = [attention, layer(loss, {})]
-        assert stage_ring_buffer_bytes(layers, 0, 2) == dict.fromkeys(("fwd", "bwd", "igrad"), added)
+        layers = [attention, _ring_layer(loss, {})]
+        assert stage_ring_buffer_bytes(layers, 0, 2) == dict.fromkeys(("fwd", "bwd", "wgrad"), added)
+
+
+def test_a_stages_ring_is_held_in_the_passes_its_transient_is_and_freed_as_they_free():
+    """One rule for a pass's transient and its ring (`_stage_passes`): an attention layer (transient 30, ring 20 in
+    every pass) before a loss saving 15 (transient 20). Its forward and full backward free as they go, the
+    attention's 50 less the loss's 15 over the loss's 20: 15 added; a split backward frees nothing, 50 over 30: 20
+    added, in the input pass and in the weight pass alike (before: the weight pass freed as the backward does, 15).
+    Fed by the batch alone (stage 0), its empty input pass holds no ring (before: 20) and its weight pass, the whole
+    backward, the backward's (before: none)."""
+    from pipesim.profiles.schema import stage_ring_buffer_bytes, stage_transient_bytes
+
+    ring = dict.fromkeys(("fwd", "bwd", "igrad", "wgrad"), 20)
+    later = [_ring_layer(0, {}), _ring_layer(30, ring, inputs=(0,)), _ring_layer(20, {}, inputs=(1,), saved=15)]
+    assert stage_ring_buffer_bytes(later, 1, 3) == {"fwd": 15, "bwd": 15, "igrad": 20, "wgrad": 20}
+    assert stage_transient_bytes(later, 1, 3) == {"fwd": 20, "bwd": 20, "igrad": 30, "wgrad": 30}
+    first = [_ring_layer(30, {"fwd": 20, "bwd": 20, "igrad": 20}), _ring_layer(20, {}, inputs=(0,), saved=15)]
+    assert stage_ring_buffer_bytes(first, 0, 2) == {"fwd": 15, "bwd": 15, "wgrad": 15}
+    assert stage_transient_bytes(first, 0, 2) == {"fwd": 20, "bwd": 20, "igrad": 0, "wgrad": 20}
