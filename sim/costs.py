@@ -304,12 +304,14 @@ def wgrad_held(activation_bytes: Sequence[int] | np.ndarray, kept_bytes: Sequenc
                gradient_bytes: Sequence[int] | np.ndarray, known: Sequence[bool] | np.ndarray,
                fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """Elementwise, of stages (or of ranges of layers) with these activations: what a split backward holds from the
-    end of its I until the end of its W: of its activations (`kept_bytes` where `known`, as
+    end of its I until the end of its W: what its W reads (`kept_bytes` where `known`, as
     `StageCosts.wgrad_kept_bytes`; else `fraction` of the activations, rounded to whole bytes), and the output
-    gradients its I makes for the W beside them (none where not known). The simulator's memory and auto's
-    activation limit read it through `Costs.wgrad_held_bytes`, --stage-cut fit for every range of a profile's
-    layers (planning/scenario.py `StageMemory`): what the search and the cut hold within memory the simulation
-    holds too."""
+    gradients its I makes for the W beside them (none where not known). Not bounded by the activations: under
+    recomputation the I saves its products' inputs again, more than the forward kept (planning/estimate.py
+    `wgrad_kept`), all held until W; only the simulator's split of it, the part the forward saved, is at most them
+    (sim/engine.py `_memory_tables`). The simulator's memory and auto's activation limit read it through
+    `Costs.wgrad_held_bytes`, --stage-cut fit for every range of a profile's layers (planning/scenario.py
+    `StageMemory`): what the search and the cut hold within memory the simulation holds too."""
     known = np.asarray(known, dtype=bool)
     kept = np.where(known, kept_bytes, np.round(fraction * np.asarray(activation_bytes, dtype=float)))
     return kept.astype(np.int64), np.where(known, gradient_bytes, 0).astype(np.int64)

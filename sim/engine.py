@@ -427,9 +427,12 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
             local_in[dst] += stages[src].output_bytes
     roots = per_stage([(c.held_bytes or 0) - local for c, local in zip(stages, local_in)])
     kept, kept_gradients = map(per_stage, costs.wgrad_held_bytes())  # from I until W
+    # Of what is kept, what the forward saved: at most the activations, the rest (under recomputation) made again by
+    # the I (`wgrad_held`). What a received input or a saver's share stays of is this part alone.
+    kept_saved = np.minimum(kept, activation)
     # A forward on its receive buffer (`StageCosts.buffered_input_bytes`), a buffer `static_parts` counts whole:
     # of what the stage holds from F, the inputs it receives (saved by its first layer, or held as roots) are it.
-    received = np.minimum(per_stage([c.buffered_input_bytes for c in stages]), np.maximum(activation - kept, 0) + roots)
+    received = np.minimum(per_stage([c.buffered_input_bytes for c in stages]), activation - kept_saved + roots)
     own = activation + roots - received
     # Per stage and kind, the bytes a row takes at its start and gives back at its end.
     at_start, at_end = tables((len(stages), len(KINDS))), tables((len(stages), len(KINDS)))
@@ -444,7 +447,7 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         for saver, held in (c.activation_parts or {}).items():
             if saver == "other" or not held:
                 continue
-            kept_here = min(int(kept[k]), int(activation[k])) * held // int(activation[k])
+            kept_here = int(kept_saved[k]) * held // int(activation[k])
             held -= int(received[k]) * held // int(activation[k])
             key = f"activations.{saver}"
             at_start[key][k, KIND_CODE[Kind.F]] = held

@@ -118,6 +118,17 @@ def test_the_simulators_split_backward_holds_what_each_stage_keeps_from_i_until_
         _peaks_mib(replace(typed, wgrad_activation_fraction=80 / 64)))
 
 
+def test_what_a_recomputing_split_backward_keeps_beyond_its_activations_is_held_whole():
+    """Full recomputation's I saves its products' inputs again: 96 MiB kept until W of a stage whose forward saved
+    64 MiB. The simulator holds all of it with the 16 MiB of gradients, as the fraction 112/64 does, and so do
+    auto's limit and --stage-cut fit (`wgrad_held`, unbounded by the activations): bounding it by them, as the
+    simulator's split of it into the forward's part is (sim/engine.py `_memory_tables`), would hold 32 MiB less."""
+    typed = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=64.0)
+    recomputing = _with_kept(typed, 96.0, 16.0)
+    assert _peaks_mib(recomputing) == pytest.approx(_peaks_mib(replace(typed, wgrad_activation_fraction=112 / 64)))
+    assert [int(sum(held)) for held in zip(*recomputing.wgrad_held_bytes())] == [112 * MIB] * 4
+
+
 def test_torchs_pipelining_keeps_every_saved_tensor_until_w_and_unknown_stays_unknown():
     """torch's stage_backward_input keeps the graph for stage_backward_weight: all of a stage's activations but the
     received input it computes on (its receive buffer, held the whole step), beside the output gradients."""
