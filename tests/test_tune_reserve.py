@@ -160,3 +160,26 @@ def test_a_candidate_is_simulated_on_the_links_its_schedule_has(small_gpt_settin
     assert {c.config.stages for c in candidates} == {1, 2, 4}
     for candidate in candidates:
         assert candidate.links == candidate.setting.scenario.links(candidate.schedule), candidate.config.label()
+
+
+def test_a_replay_reads_the_long_run_its_simulation_kept_and_gives_the_peak_simulating_with_the_reserve_gives(
+        small_gpt_settings, monkeypatch):
+    """A result's replay (`_Built.result`) adds the reserve to what its simulation kept of the long run (`_floor`),
+    simulating nothing again, and gives the peak of simulating with the reserve at once (`evaluate`)."""
+    from pipesim.planning import tune as tuning
+    from pipesim.schedules import METHODS
+
+    problem = tuning.Problem(4, int(0.4 * tuning.GIB), 32, tuple(METHODS))
+    candidates = tuning.prepare(small_gpt_settings, problem)[0][::7]
+    built = tuning._Built(problem, tuning._Orders())
+    for candidate in candidates:
+        built.floor(candidate)
+
+    def simulated_again(*_):
+        raise AssertionError("the replay simulated the long run again")
+
+    monkeypatch.setattr(tuning, "simulate", simulated_again)
+    peaks = [built.result(candidate).peak_memory_bytes for candidate in candidates]
+    monkeypatch.undo()
+    assert len({c.config.schedule for c in candidates}) > 3
+    assert peaks == [tuning.evaluate(problem, candidate).peak_memory_bytes for candidate in candidates]
