@@ -69,7 +69,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, tensor_span_text, what_if
-from .tables import print_table
+from .tables import print_table, rate_text
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)
@@ -563,7 +563,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
         table.add_row(
             s.schedule + (f" ({', '.join(shape)})" if shape else ""),
             f"{s.time_per_minibatch_ms:.3f}" + ("" if is_steady else "*"),
-            f"{s.samples_per_s:,.1f}" + ("" if is_steady else "*"),
+            rate_text(s.samples_per_s) + ("" if is_steady else "*"),
             *([f"{share:.1%}"] if share is not None else []),
             f"{s.bubble_fraction:.1%}",
             f"{s.peak_memory_mb:,.0f}",

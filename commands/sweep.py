@@ -44,7 +44,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, what_if
-from .tables import print_table
+from .tables import print_table, rate_text
 
 
 @optional_what_if_options
@@ -269,7 +269,7 @@ def _print_front(results: list, front: list[int]) -> None:
         table.add_row(c.schedule, str(c.stages), str(c.microbatches), str(c.chunks), str(c.pipelines),
                       f"{c.cost_scale:g}", c.prediction or "-",
                       "-" if c.activation_limit is None else f"{c.activation_limit:g}",
-                      f"{m.time_per_minibatch_ms:.3f}", f"{m.samples_per_s:,.1f}", f"{m.bubble_fraction:.1%}",
+                      f"{m.time_per_minibatch_ms:.3f}", rate_text(m.samples_per_s), f"{m.bubble_fraction:.1%}",
                       f"{m.peak_memory_mb:,.0f}", str(m.max_staleness),
                       *([", ".join(s.variant for s in results[i].same_as) or "-"] if folds else []))
     print_table(table)

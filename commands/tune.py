@@ -44,7 +44,7 @@ from .common import (
     with_help,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, what_if
-from .tables import print_table
+from .tables import print_table, rate_text
 
 if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount
@@ -350,7 +350,7 @@ def _print_tuning(tuning, measured, work: dict) -> None:
                       *([str(c.tensor), str(c.replicas), str(c.microbatch_size),
                          {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
                       str(c.microbatches), *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
-                      f"{result.samples_per_s:,.1f}",
+                      rate_text(result.samples_per_s),
                       *mfu, f"{result.bubble_fraction:.0%}", memory_text(result.peak_memory_bytes),
                       str(result.staleness), "; ".join(filter(None, (row.why, same))), style=style)
 

@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.tables import SHORT_CELL, print_table
+from pipesim.commands.tables import SHORT_CELL, print_table, rate_text
 from tests.conftest import pipesim
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,3 +191,17 @@ def test_every_commands_table_keeps_its_numbers_at_80_and_120_columns(name, tmp_
 def test_measuring_commands_fit_80_columns(args, tmp_path, monkeypatch):
     out = _output(args, 80, tmp_path, monkeypatch)
     assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
+
+
+@pytest.mark.parametrize("per_s, text", [(1783.04, "1,783.0"), (4.84, "4.8"), (0.176, "0.18"), (0.233, "0.23"),
+                                         (0.0123, "0.012"), (0.0, "0.0")])
+def test_a_rate_below_one_keeps_two_significant_digits(per_s, text):
+    assert rate_text(per_s) == text
+
+
+def test_simulate_tells_slow_methods_apart_by_their_samples_per_second():
+    """At one decimal zero bubble H1's 0.296 and PipeDream's 0.333 samples/s both read 0.3."""
+    code, out, _ = pipesim("simulate", "-s", "zb-h1", "-s", "pipedream", "-p", "4", "-m", "8", "--fwd", "1000",
+                           "--bwd", "2000")
+    rows = {cells[0]: cells[2] for cells in map(str.split, out.splitlines()) if cells[:1] in (["zb-h1"], ["pipedream"])}
+    assert code == 0 and rows == {"zb-h1": "0.30", "pipedream": "0.33"}, out
