@@ -158,6 +158,16 @@ TORCH_RUNS = Path(__file__).parent.parent / "traces" / "measured"
 MLP_PROFILE = TORCH_RUNS / "fidelity-cpu2-day3-runs" / "mlp-profile.json"
 
 
+def test_view_says_that_compare_reads_a_torch_profiler_trace(tmp_path):
+    """It said only "not a pipesim trace: the top-level 'pipesim' key is missing", naming no file."""
+    from tests.conftest import pipesim
+
+    page = tmp_path / "p.html"
+    code, out, err = pipesim("view", TORCH_RUNS / "torch-1f1b-2cpu" / "rank0.json", "--html", page)
+    assert code == 2 and out == "" and err.count("\n") == 1 and not page.exists(), err
+    assert "rank0.json is a torch.profiler trace, not pipesim's: `pipesim compare FOLDER PREDICTED` reads" in err
+
+
 @pytest.mark.parametrize("run_dir, schedule, recorded", [
     ("torch-1f1b-2cpu", "1f1b", {"F", "B", "OPT", "SEND_F", "RECV_F", "SEND_B", "RECV_B"}),  # PP:<action> ranges
     ("torch-gpipe-2cpu", "gpipe", {"F", "B", "OPT"}),  # ScheduleGPipe's Forward i / Backward i ranges

@@ -430,4 +430,10 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(f"trace {path} is not valid JSON: {exc}") from None
-    return from_chrome(doc)
+    if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's
+        raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: `pipesim compare FOLDER PREDICTED` reads "
+                         "a folder of them, one per rank, against a predicted trace (`pipesim simulate ... --trace`)")
+    try:
+        return from_chrome(doc)
+    except TraceError as exc:
+        raise TraceError(f"trace {path}: {exc}") from None
