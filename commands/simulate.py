@@ -299,8 +299,8 @@ def simulate(
 
             heading = ", ".join(names) if len(names) <= 4 else f"{len(names)} methods side by side"
             write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
-                                notes=[f"skipped: {reason if reason.startswith(name) else f'{name}: {reason}'}"
-                                       for name, reason in skipped.items()] + _out_of_memory_lines(summaries, memory))
+                                notes=[f"skipped: {_skip_text(name, reason)}" for name, reason in skipped.items()]
+                                + _out_of_memory_lines(summaries, memory))
     except (InputError, ScheduleError, CostError, ClusterError, SimulationError) as exc:
         fail(str(exc))
     except OSError as exc:

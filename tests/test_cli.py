@@ -251,6 +251,16 @@ def test_the_page_says_which_methods_run_out_of_memory(tmp_path):
     assert warnings[0].startswith("1f1b runs out of memory: device 1 peaks at")
 
 
+def test_the_page_says_which_methods_were_skipped_as_stderr_does(tmp_path):
+    """Each starting with its method's name, whether its reason did (zb-h2's) or not (1f1b's --fwd)."""
+    page = tmp_path / "t.html"
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-s", "zb-v", "-s", "zb-h2", "-p", "8", "--fwd",
+                           ",".join(["1"] * 16), "--html", page)
+    skipped = [line for line in err.splitlines() if line.startswith("skipped: ")]
+    assert code == 0 and [line.split()[1] for line in skipped] == ["1f1b:", "zb-h2"]
+    assert _page_data(page.read_text())["notes"] == skipped
+
+
 def test_a_stage_graph_that_is_not_connected_is_refused(tmp_path):
     path = tmp_path / "g.json"
     path.write_text(json.dumps({"stages": 3, "edges": []}))
