@@ -171,6 +171,13 @@ class Scenario:
         (`sched.data_parallel`) or C > 1 context-parallel ranks, each stage's REDUCE (and GATHER) is priced over
         their `gradient_ranks` on `data_parallel_link` (`collective_costs`).
         """
+        if self.allocations is not None and any(layer.unsharded for layer in self.allocations):
+            interleaved = interleaved_minibatches(sched)
+            if interleaved is not None:
+                raise CostError(f"{sched.method}: device {interleaved} starts a mini-batch before its last one's "
+                                "backwards are done, and FSDP2 (--precision fsdp2) gathers a stage's weights at a "
+                                "step's first forward and reshards them after its last backward: give a method that "
+                                "flushes each mini-batch (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, ...)")
         costs = scaled(self._sharded_for(self._costs(sched, bounds), sched), self.cost_scale)
         estimate = self.measured.estimate if self.measured is not None else None
         ring = estimate.context_link if estimate is not None else None
@@ -965,6 +972,29 @@ def all_to_all_refusal(measured: Profile, ranks: int) -> str | None:
     return (f"--profile: expert parallelism over {ranks} ranks prices its all-to-alls on the profile's, and it "
             f"{measured_over}: calibrate the mixture of experts again with --expert-parallel {ranks} (links "
             "measured)")
+
+
+def interleaved_minibatches(sched: Schedule) -> int | None:
+    """The first device whose order starts a mini-batch (of a pipeline) and then returns to one it left, else
+    None. FSDP2 beside a pipeline, as torchtitan runs it under torch.distributed.pipelining's schedules (each step
+    one mini-batch, flushed, then the optimizer's), gathers a stage's weights at its first forward of the step
+    and reshards and reduce-scatters them after its last backward; the allocator's replay runs it so
+    (sim/caching_allocator.py `step_events`). PipeDream's and its successors' orders never flush, and AvgPipe's
+    pipelines take turns on a device: neither runs so."""
+    for device, order in enumerate(sched.orders):
+        left: set[tuple[int, int]] = set()
+        current = None
+        for action in order:
+            if action.microbatch < 0:
+                continue
+            key = (action.pipeline, action.minibatch)
+            if key != current:
+                if key in left:
+                    return device
+                if current is not None:
+                    left.add(current)
+                current = key
+    return None
 
 
 def measured_all_to_alls(costs: Costs, measured: Profile, bounds: Sequence[int], ranks: int) -> Costs:

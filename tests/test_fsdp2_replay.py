@@ -12,6 +12,7 @@ import pytest
 
 from pipesim.sim.caching_allocator import LayerAllocations, replay_device, stage_program, step_events
 from pipesim.units import MIB
+from tests.conftest import pipesim
 
 
 def _rows(passes: list[str], steps: int = 2) -> list[tuple[str, int, tuple[int, int, int]]]:
@@ -178,3 +179,15 @@ def test_the_layers_other_than_transformer_layers_are_the_fsdp2_roots(counted):
     made = layer_allocations(counted, parallel)
     assert [layer.fsdp_root for layer in made] == [True] + [False] * (len(made) - 2) + [True]
     assert not any(layer.fsdp_root for layer in layer_allocations(counted, replace(parallel, precision=None)))
+
+
+def test_a_method_that_interleaves_mini_batches_is_skipped_under_fsdp2_in_one_line():
+    """The replay gathers and reshards a stage's weights once a mini-batch; PipeDream's next mini-batch (and
+    AvgPipe's other pipeline) began before, and the replay freed a tensor twice: a KeyError's traceback."""
+    code, out, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", "gpt", "-p", "2", "-m", "4",
+                             "--data-parallel", "2", "--zero", "3", "--precision", "fsdp2",
+                             "-s", "1f1b", "-s", "pipedream", "-s", "avgpipe")
+    why = ": device 0 starts a mini-batch before its last one's backwards are done, and FSDP2 (--precision fsdp2)"
+    lines = err.splitlines()
+    assert code == 0 and "fits" in out and len(lines) == 2, err
+    assert lines[0].startswith("skipped: pipedream" + why) and lines[1].startswith("skipped: avgpipe" + why), err
