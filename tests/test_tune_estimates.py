@@ -128,6 +128,18 @@ def test_tune_estimates_and_searches_with_the_cycle_collector_held_off_and_resto
     assert any(held is made[-1] for held in gc.get_objects(generation=2))
 
 
+
+def test_what_the_paused_collector_made_joins_the_oldest_generation():
+    """Made after a full collection, an object reaches generation 2 by the freeze alone: no young collection could
+    carry it there before the check (the command's run above may collect on the way)."""
+    from pipesim.commands.tune import _collector_paused
+
+    assert gc.isenabled()
+    gc.collect()
+    with _collector_paused():
+        made = []
+    assert any(held is made for held in gc.get_objects(generation=2)) and gc.isenabled()
+
 def _reference_split(n: int, p: int, table) -> tuple[float, list[int]]:
     """The least slowest stage over the first j items in k + 1 parts, by recursion over the last cut, ties to the
     earliest cut: the partitioner's rule in plain Python."""
