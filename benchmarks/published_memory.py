@@ -225,7 +225,8 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
 # (sail-sg/zero-bubble-pipeline-parallelism 425b42e5, examples/pretrain_zero_bubble.sh): --fp16 (16-bit gradients,
 # float32 master weights and moments, no distributed optimizer), Megatron-LM's default attention (unfused, no
 # --use-flash-attn) and dropout (0.1), no tensor or data parallelism, the blocks cut by --allow-padding-num-layers,
-# the loss Megatron-LM's vocabulary-parallel cross entropy (`--cross-entropy megatron`).
+# the loss Megatron-LM's vocabulary-parallel cross entropy (`--cross-entropy megatron`), its optimizer Megatron-LM's
+# 16-bit one over Apex's FusedAdam (`--optimizer-step megatron`: megatron/optimizer/__init__.py, optimizer.py).
 # Its SentencePiece tokenizer is not in the repository: Llama's 32,000 pieces are taken, which size only the
 # first stage's embedding and the last's head. ZB-1p and ZB-2p run the order the fork's own scheduler builds
 # (schedules/zb_heuristic.py: its auto_schedule.py's heuristic under --zero-bubble-max-pending-backward p and 2p),
@@ -275,7 +276,8 @@ def zero_bubble_command(row: dict[str, str]) -> list[str]:
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden_size"], "--heads",
             row["attention_heads"], "--seq-len", row["sequence_length"], "--vocab", str(ZERO_BUBBLE_VOCAB),
             "--dropout", "0.1", "--dtype", "fp16", "--attention", "math", "-b", row["microbatch_size"],
-            "--gpu", "a100-sxm-80gb", *order, "--stage-cut", "padded-blocks", "--cross-entropy", "megatron"]
+            "--gpu", "a100-sxm-80gb", *order, "--stage-cut", "padded-blocks", "--cross-entropy", "megatron",
+            "--optimizer-step", "megatron"]
 
 
 def zero_bubble() -> list[dict]:

@@ -408,6 +408,14 @@ Allocator = Annotated[str, typer.Option(
                                          "launcher sets it: one segment a stream, grown in 2 MiB pages for small "
                                          "requests and 20 MiB for large) or none (its tensors alone: max "
                                          "allocated).")]
+OPTIMIZER_STEPS = ("held", "megatron")  # --optimizer-step
+OptimizerStep = Annotated[str, typer.Option(
+    "--optimizer-step", metavar="MODE", help="With --gpu and --allocator caching or expandable: how the optimizer's "
+                                             "step allocates as the allocator replays it, held (its state one block "
+                                             "held from the step's start; the default) or megatron (Megatron-LM's "
+                                             "16-bit optimizer over Apex's FusedAdam, unsharded: each step makes "
+                                             "the float32 main gradients, the next step's zero_grad frees them, and "
+                                             "the first step makes Adam's moments).")]
 SwigluFusion = Annotated[bool, typer.Option(
     "--swiglu-fusion/--no-swiglu-fusion",
     help="With --gpu: a gated MLP's SwiGLU (a routed expert's, with the router's weights; the dense and "
@@ -630,25 +638,38 @@ def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterab
 
 
 def check_allocator(ctx: typer.Context, what) -> None:
-    """--allocator: one of ALLOCATORS, and with --gpu only (what `what_if` returned: None without it)."""
+    """--allocator: one of ALLOCATORS, and with --gpu only (what `what_if` returned: None without it);
+    --optimizer-step (where the command takes it): one of OPTIMIZER_STEPS, megatron with --gpu, a replay and Adam."""
     allocator = ctx.params["allocator"]
     if allocator not in ALLOCATORS:
         raise InputError(choose_from("--allocator", ALLOCATORS, allocator))
     if what is None and is_given(ctx, "allocator"):
         raise InputError("--allocator: only --gpu's estimate counts each pass's allocations, which the allocator "
                          "replays; give --gpu NAME and --model")
+    step = ctx.params.get("optimizer_step", "held")
+    if step not in OPTIMIZER_STEPS:
+        raise InputError(choose_from("--optimizer-step", OPTIMIZER_STEPS, step))
+    if step == "megatron" and (what is None or allocator == "none"):
+        raise InputError("--optimizer-step megatron: what the caching allocator replays of a step; give --gpu NAME, "
+                         "--model and --allocator caching or expandable")
+    if step == "megatron" and ctx.params.get("optimizer") not in ("adam", "adamw"):
+        raise InputError("--optimizer-step megatron steps Adam (Apex's FusedAdam): give --optimizer adam or adamw")
 
 
-def allocator_fields(allocator: str, counted, parallel) -> dict:
+def allocator_fields(allocator: str, counted, parallel, optimizer_step: str = "held") -> dict:
     """`Scenario`'s fields under --allocator, for simulate, sweep and tune alike: `expandable_segments` (expandable)
-    and `allocations`, what caching or expandable replays (`layer_allocations`): none without --gpu (`counted`
-    None), with --allocator none, or for a mixture of experts, whose count is a whole layer's, every expert's,
-    which the estimate divides by t·C but not by the E ranks sharing them."""
+    and `allocations`, what caching or expandable replays (`layer_allocations`, with Megatron-LM's optimizer step
+    under --optimizer-step megatron): none without --gpu (`counted` None), with --allocator none, or for a
+    mixture of experts, whose count is a whole layer's, every expert's, which the estimate divides by t·C but not
+    by the E ranks sharing them."""
     fields = {"expandable_segments": allocator == "expandable", "allocations": None}
     if counted is not None and allocator != "none" and not any(layer.dispatched_bytes for layer in counted.layers):
-        from ..planning.estimate import layer_allocations
+        from ..planning.estimate import EstimateError, layer_allocations
 
-        fields["allocations"] = tuple(layer_allocations(counted, parallel))
+        try:
+            fields["allocations"] = tuple(layer_allocations(counted, parallel, optimizer_step == "megatron"))
+        except EstimateError as exc:
+            raise InputError(f"--optimizer-step {flag_line(exc)}") from None
     return fields
 
 

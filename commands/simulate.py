@@ -31,6 +31,7 @@ from .common import (
     MicrobatchSize,
     NetworkGbS,
     OptimizerBuckets,
+    OptimizerStep,
     Pipelines,
     PpRuntime,
     PredictionSource,
@@ -158,6 +159,7 @@ def simulate(
     optimizer_buckets: OptimizerBuckets = "megatron",
     recompute: Recompute = "none",
     allocator: Allocator = "caching",
+    optimizer_step: OptimizerStep = "held",
     pp_runtime: PpRuntime = "pipesim",
     stage_cut: StageCut = "balanced",
     jitter: Annotated[float, typer.Option(
@@ -221,7 +223,7 @@ def simulate(
         estimated = None if what is None else estimated_profile(what, counted, parallel, optimizer)
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
-                           **allocator_fields(allocator, counted, parallel))
+                           **allocator_fields(allocator, counted, parallel, optimizer_step))
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages

@@ -20,6 +20,7 @@ from .common import (
     InputError,
     MicrobatchSize,
     NetworkGbS,
+    OptimizerStep,
     PpRuntime,
     Recompute,
     ReduceAfterFlush,
@@ -120,6 +121,7 @@ def sweep(
     network_gb_s: NetworkGbS = None,
     recompute: Recompute = "none",
     allocator: Allocator = "caching",
+    optimizer_step: OptimizerStep = "held",
     pp_runtime: PpRuntime = "pipesim",
     stage_cut: StageCut = "balanced",
     workers: Annotated[int | None, typer.Option(
@@ -198,7 +200,8 @@ def sweep(
             depths = sorted({config.stages for config in configs})
             parallel = {p: what.parallelism(p, tensor_parallel, data_parallel, recompute) for p in depths}
             jobs = [(replace(scenario_from_flags(ctx, "model", estimated=estimated_profile(
-                what, counted, parallel[p], optimizer)), **allocator_fields(allocator, counted, parallel[p])),
+                what, counted, parallel[p], optimizer)),
+                **allocator_fields(allocator, counted, parallel[p], optimizer_step)),
                      [i for i, config in enumerate(configs) if config.stages == p]) for p in depths]
         results = [None] * len(configs)
         finished = ((indices[i], result) for shared, indices in jobs

@@ -1269,21 +1269,55 @@ def gathered_weight_bytes(layer: LayerCount, weight_bytes: int, parallel: Parall
     return weight_bytes - elements // parallel.tensor * (element_bytes - FP8_BYTES) + scales
 
 
-def layer_allocations(counted: WorkloadCount, parallel: Parallelism) -> list[LayerAllocations]:
+def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
+                      megatron_step: bool = False) -> list[LayerAllocations]:
     """Every counted layer's allocations on one of its stage's t·C ranks under `parallel`'s recomputation
     (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step, with
     FSDP2's whole weights and gradients per parameter (`_unsharded`), those of a layer other than a transformer
-    layer its root's (`LayerAllocations.fsdp_root`). A run of layers alike but for their names
-    and inputs (a model's repeated blocks) shares the first one's, made once."""
+    layer its root's (`LayerAllocations.fsdp_root`), and with `megatron_step`, what Megatron-LM's 16-bit optimizer
+    makes of each parameter each step (`_stepped`), refused where the precision keeps no float32 master weights
+    or the optimizer is sharded (its distributed optimizer, not replayed so). A run of layers alike but for their
+    names and inputs (a model's repeated blocks) shares the first one's, made once."""
     allocations: list[LayerAllocations] = []
+    held = parallel.held(counted.dtype)
+    if megatron_step and not held.master_bytes:
+        raise EstimateError(f"megatron is Megatron-LM's 16-bit optimizer, whose float32 master weights {{precision}} "
+                            f"{parallel.precision or 'fp32'} does not keep; give 16-bit weights and {{precision}} "
+                            "megatron, megatron-16bit-grads or megatron-bf16-moments")
+    if megatron_step and parallel.sharded_optimizer:
+        raise EstimateError("megatron is Megatron-LM's 16-bit optimizer unsharded; its distributed optimizer "
+                            "({sharded_optimizer}) allocates otherwise and is not replayed so")
     for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
         if not repeated:
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
                                      parallel.recompute_modules, parallel.torch_compile)
             unsharded = _unsharded(layer, made, parallel, _element_bytes(counted.dtype))
-            made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer))
+            made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
+                           stepped=_stepped(_gradient_storages(made), held, _element_bytes(counted.dtype))
+                           if megatron_step else ())
         allocations.append(made)
     return allocations
+
+
+def _gradient_storages(made: LayerAllocations) -> list[int]:
+    """The bytes of each storage a layer's weight-gradient pass on a rank leaves live: its parameters' gradients
+    (autograd's .grad), one a parameter, in the order the pass makes them."""
+    live: dict[int, int] = {}
+    for number, nbytes in made.passes.get("wgrad", ()):
+        if nbytes > 0:
+            live[number] = nbytes
+        else:
+            live.pop(number, None)
+    return [live[number] for number in sorted(live)]
+
+
+def _stepped(grads: list[int], held: Precision, element_bytes: int) -> tuple[tuple[int, int], ...]:
+    """Under Megatron-LM's 16-bit optimizer (a precision keeping a float32 master copy of 16-bit weights), per
+    parameter of gradient bytes `grads` on a rank: the float32 main gradient each step makes where the gradients
+    are accumulated in 16 bits (`_copy_model_grads_to_main_grads`: `main_grad.float()`, which copies them; float32
+    ones it reads as they are) and one Adam moment's bytes (LayerAllocations.stepped)."""
+    main_bytes = 4 if held.grad_bytes < 4 else 0
+    return tuple((grad * main_bytes // element_bytes, grad * held.state_bytes // element_bytes) for grad in grads)
 
 
 def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
@@ -1295,13 +1329,7 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
     other precision."""
     if parallel.precision != "fsdp2":
         return ()
-    live: dict[int, int] = {}
-    for number, nbytes in made.passes.get("wgrad", ()):
-        if nbytes > 0:
-            live[number] = nbytes
-        else:
-            live.pop(number, None)
-    grads = [live[number] for number in sorted(live)]
+    grads = _gradient_storages(made)
     if not sum(grads):
         return ()
     weights = layer.param_bytes // parallel.tensor

@@ -73,6 +73,12 @@ LEFT = "left"
 # `_foreach_sqrt`; the other foreach ops are in place)
 ADAM_STATE = "adam_state"
 ADAM_STEP = "adam_step"
+# Megatron-LM's 16-bit optimizer (Float16OptimizerWithFloat16Params, megatron/optimizer/optimizer.py) each step:
+# `_copy_model_grads_to_main_grads` makes every parameter's float32 main gradient (`main_grad.float()`, a copy
+# where the gradient buffer is 16-bit) before Apex's FusedAdam runs (MAIN_GRADS), and the next step's `zero_grad`
+# frees them (set_to_none: ZERO_MAIN_GRADS)
+MAIN_GRADS = "main_grads"
+ZERO_MAIN_GRADS = "zero_main_grads"
 # FSDP2 without a pipeline: each pass gathers (and a forward reshards, a backward reduce-scatters) block by block
 # (`_unpipelined`); a pass so named runs its EACH program
 EACH = ":each"
@@ -560,7 +566,9 @@ class LayerAllocations:
     forward and reduce-scattered after the backward, the rest a block each. `first_forward`: the forward as a
     compiled block runs it inside its checkpoint, freeing what its backward reruns once nothing later reads it
     (planning/estimate.py `_compiled_checkpoint_forward`), where the rerun makes and holds them as passes["fwd"]
-    does; None: passes["fwd"]."""
+    does; None: passes["fwd"]. `stepped`: under Megatron-LM's 16-bit optimizer with its float32 master weights, per
+    parameter on a rank, the float32 main gradient each step makes (0: the gradients are float32 already) and one
+    Adam moment's bytes (MAIN_GRADS; the moments made at the first step, ADAM_STATE); () under any other."""
 
     passes: Mapping[str, PassAllocations]
     saved: frozenset[int] = frozenset()
@@ -569,6 +577,7 @@ class LayerAllocations:
     unsharded: tuple[tuple[int, int, int], ...] = ()
     fsdp_root: bool = False
     first_forward: PassAllocations | None = None
+    stepped: tuple[tuple[int, int], ...] = ()
 
 
 def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, int, int]]]:
@@ -655,14 +664,14 @@ def stage_program(layers: Sequence[LayerAllocations], part: int = 0) -> StagePro
     own all-gather and reduce-scatter streams (`FSDPCommContext.lazy_init`)."""
     return _written_stage(tuple((tuple((name, tuple(events)) for name, events in layer.passes.items()), layer.saved,
                                  layer.rerun, layer.kept, layer.unsharded, layer.fsdp_root,
-                                 None if layer.first_forward is None else tuple(layer.first_forward))
+                                 None if layer.first_forward is None else tuple(layer.first_forward), layer.stepped)
                                 for layer in layers), part)
 
 
 @functools.lru_cache(maxsize=64)
 def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
     """`stage_program`'s layers, each as its content (passes' items, saved, rerun, kept, unsharded, fsdp_root,
-    first_forward), written down: a forward runs them in order, each holding what it leaves live but what its
+    first_forward, stepped), written down: a forward runs them in order, each holding what it leaves live but what its
     backward reruns until its full or weight backward; a backward runs them reversed, each rerunning first what its
     forward did not keep (the input pass holds it for the weight pass, which runs after it), then freeing what its
     own pass leaves live and, but for the input pass, what the layer held. FSDP2's whole tensors (`StageProgram`): a
@@ -672,9 +681,11 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
     the model's order as FSDP2's post_backward runs each layer (`reshard`, `foreach_reduce`): its weights freed, the
     previous layer's reduce-scatter input freed, its own made (its gradients' bytes), its gradients freed, its shard
     made on the reduce-scatter stream; ZERO_GRAD frees the shards; LEFT makes the shards and the last layer's
-    all-gather output, as the step before left them."""
-    stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded, root, first)
-             for passes, saved, rerun, kept, unsharded, root, first in layers]
+    all-gather output, as the step before left them. Under Megatron-LM's 16-bit optimizer (`stepped`), MAIN_GRADS
+    makes the float32 main gradients, ZERO_MAIN_GRADS frees them, and ADAM_STATE makes the moments, two a parameter
+    in the model's order, as Apex's FusedAdam makes its state at its first step."""
+    stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded, root, first, stepped)
+             for passes, saved, rerun, kept, unsharded, root, first, stepped in layers]
     program = Program()
     # each layer's whole weights', gradients', shard's and all-gather output's slots, and the ops that make them
     gathered, accumulated, sharded, flat = [], [], [], []
@@ -746,16 +757,26 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
         for slot in slots:
             program.free(slot)
     passes[ZERO_GRAD] = tuple(program.ops[zeroed:])
+    stepped = [each for layer in stage for each in layer.stepped]
+    made = len(program.ops)
+    main_grads = [program.malloc(nbytes) for nbytes, _ in stepped if nbytes]
+    passes[MAIN_GRADS] = tuple(program.ops[made:])
+    zeroed = len(program.ops)
+    for slot in main_grads:
+        program.free(slot)
+    passes[ZERO_MAIN_GRADS] = tuple(program.ops[zeroed:])
     shard_bytes = [shard for layer in stage for _, _, shard in layer.unsharded]
     made = len(program.ops)
-    moments = [program.malloc(nbytes) for nbytes in shard_bytes for _ in ("exp_avg", "exp_avg_sq")]
+    moments = [program.malloc(nbytes) for nbytes in [*shard_bytes, *(moment for _, moment in stepped)]
+               for _ in ("exp_avg", "exp_avg_sq")]
     passes[ADAM_STATE] = tuple(program.ops[made:])
     stepped = len(program.ops)
     for slot in [program.malloc(nbytes) for nbytes in shard_bytes]:
         program.free(slot)
     passes[ADAM_STEP] = tuple(program.ops[stepped:])
     root = _unpipelined(program, stage, passes, part, (gathered, gathers), (flat, flats), (sharded, shards))
-    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded, *flat, root, moments) for slot in slots)
+    carried = tuple(slot for slots in (*gathered, *accumulated, *sharded, *flat, root, moments, main_grads)
+                    for slot in slots)
     return StageProgram(len(stage), program.slots, passes, carried)
 
 
@@ -955,12 +976,17 @@ class _Replay:
         program = self.programs[stage]
         each = EACH if EACH in name else ""
         if ZERO in name:
-            if self.adam_at_first_step and self.zeros:  # the optimizer's step ended the mini-batch before
+            stepped = self.adam_at_first_step and self.zeros  # the optimizer's step ended the mini-batch before
+            if stepped:
+                for other in self.programs:  # Megatron-LM's: every main gradient made before Adam steps
+                    self.step_pass(other, MAIN_GRADS)
                 for other in self.programs:  # torchtitan's optimizers, a model part's each, in turn
                     for step in (ADAM_STATE, ADAM_STEP) if self.zeros == 1 else (ADAM_STEP,):
                         self.step_pass(other, step)
             for other in self.programs:
                 self.step_pass(other, ZERO_GRAD + each)
+                if stepped:
+                    self.step_pass(other, ZERO_MAIN_GRADS)
             self.zeros += 1
         if not program.layers:
             return
@@ -1028,7 +1054,11 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`).
     Under FSDP2 over two mini-batches or more with `adam` (the optimizer torch's Adam or AdamW), its moments are made
     at the first step's end (AdamW makes them at its first `step()`), not held as a block from the start
-    (`replay_device`'s adam_at_first_step); another optimizer's state stays the block it is.
+    (`replay_device`'s adam_at_first_step); another optimizer's state stays the block it is. Likewise under
+    Megatron-LM's 16-bit optimizer (`LayerAllocations.stepped`): its float32 master weights a block from the start
+    (made as it is built), Apex's FusedAdam's moments made at the first step's end (its `step` makes a parameter's
+    state when it has none; megatron/optimizer/__init__.py at the zero-bubble fork's 425b42e5 builds it), after
+    each step's float32 main gradients, which the next step's zero_grad frees.
     `expandable`: the allocator with expandable segments (`ExpandableSegments`)."""
     programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
@@ -1052,10 +1082,14 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
                       held["optimizer_state"])
         else:
             static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
-        # FSDP2 over two mini-batches or more: Adam's moments made at the first step's end, not held from the start
+        # Megatron-LM's 16-bit optimizer: each parameter's two moments
+        moments = 2 * sum(moment for stage in stages for layer in layers[stage] for _, moment in layer.stepped)
+        if adam and moments:
+            rows = minibatch_events(rows)
+        # over two mini-batches or more: Adam's moments made at the first step's end, not held from the start
         adam_at_first_step = adam and sum(ZERO in name for name, _, _ in rows) > 1
         if adam_at_first_step:
-            static = static[:-1]
+            static = (*static[:-1], *([max(static[-1] - moments, 0)] if moments else ()))
         place: dict[Hashable, int] = {}
         numbered = tuple((name, stages[stage], place.setdefault(microbatch, len(place)))
                          for name, stage, microbatch in rows)
@@ -1081,6 +1115,17 @@ def step_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]) -> list[t
              + (FIRST if first.get((name == "fwd", stage, pipeline, minibatch)) == at else "")
              + (LAST if last.get((stage, pipeline, minibatch)) == at else ""), stage, (pipeline, minibatch, micro))
             for at, (name, stage, (pipeline, minibatch, micro)) in enumerate(rows)]
+
+
+def minibatch_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
+                     ) -> list[tuple[str, int, tuple[int, int, int]]]:
+    """`device_rows`' rows with ZERO on each mini-batch's first, before which Megatron-LM's train_step runs the
+    optimizer's zero_grad (one optimizer a device, whatever pipelines its stages are of)."""
+    first: dict[int, int] = {}
+    for at, (_, _, (_, minibatch, _)) in enumerate(rows):
+        first.setdefault(minibatch, at)
+    return [(name + (ZERO if first[microbatch[1]] == at else ""), stage, microbatch)
+            for at, (name, stage, microbatch) in enumerate(rows)]
 
 
 def unpipelined_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
