@@ -283,8 +283,10 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     with refused_with_flags():  # the layout's rules, before the model is counted (which takes seconds)
         check_ring_attention(what.context, what.attention)
         recompute = params.get("recompute") or "none"
-        # with the modules as given: `parallelism` drops them under full and op, which tune tries too
-        replace(what.parallelism(1, recompute=recompute), recompute_modules=what.recompute_modules)
+        # with the modules as given: `parallelism` drops them under full and op, which tune tries too; at the t
+        # given (tune's search, none given, tries 1 too)
+        replace(what.parallelism(1, params.get("tensor_parallel") or 1, recompute=recompute),
+                recompute_modules=what.recompute_modules)
     if params.get("tp_runtime") is not None and not params.get("sequence_parallel"):
         raise InputError("--tp-runtime sets how sequence-parallel layers keep their inputs: give --sequence-parallel "
                          "too")

@@ -243,8 +243,8 @@ class Parallelism:
                                 "inside torch's checkpoint, as torchtitan runs it: give {recompute} "
                                 f"{' or '.join(COMPILED_RECOMPUTE)} (got {self.recompute})")
         if self.recompute == "op" and self.tensor > 1:
-            raise EstimateError("recompute: op (torchtitan's selective op policy) is modelled for tensor 1 only "
-                                f"(got tensor {self.tensor})")
+            raise EstimateError("{recompute} op (torchtitan's selective op policy) is modelled for {tensor} 1 only "
+                                f"(got {{tensor}} {self.tensor})")
         if self.precision is not None and (refused := precision_refusal(self.precision, "{precision}")) is not None:
             raise EstimateError(refused)
         if self.fsdp_float8_all_gather and (self.precision != "fsdp2" or self.fp8 is None

@@ -65,6 +65,9 @@ def test_a_refusal_names_each_setting_as_its_reader_does():
     (("--token-dispatcher", "nccl"), dict(token_dispatcher="nccl"),
      "--token-dispatcher: choose from alltoall, deepep, hybridep (got 'nccl')"),
     (("--routing", "even"), dict(routing="even"), "--routing: choose from balanced, random (got 'even')"),
+    (("--recompute", "op", "--tensor-parallel", "2"), dict(recompute="op", tensor=2),
+     "--recompute op (torchtitan's selective op policy) is modelled for --tensor-parallel 1 only (got "
+     "--tensor-parallel 2)"),
     (("--dtype", "fp8", "--fp8-recipe", "mxfp8"), dict(fp8="mxfp8"),
      "--fp8-recipe: choose from te, torchao, te-current, deepseek, torchao-2024 (got 'mxfp8')"),
     (("--dtype", "fp8", "--fp8-recipe", "te", "--zero", "3", "--precision", "fsdp2", "--data-parallel", "2",
