@@ -97,7 +97,17 @@ from .fp8 import (
     saved_weight_bytes,
     step_cast_ops,
 )
-from .host import HOST_KERNEL_US, TE_RECIPES, host_bound_ms, issue_ms, module_us, synchronises
+from .host import (
+    HOST_KERNEL_US,
+    PASSES_ISSUED,
+    TE_RECIPES,
+    Kernels,
+    carried_waits_ms,
+    issue_ms,
+    module_us,
+    pass_kernels,
+    synchronises,
+)
 from .ranks import RANK_ORDERS, SettingsError, dense_grid
 
 if TYPE_CHECKING:
@@ -549,6 +559,9 @@ class LayerEstimate:
     # count does not say which they are) and their output gradients
     wgrad_kept_bytes: int | None = None
     wgrad_gradient_bytes: int = 0
+    # per pass, its ops in the order the host issues them, each with its time (`_pass_ms`): a backward's rerun of
+    # the forward first; what planning/host.py's `issued_ms` prices a pass after a synchronisation by
+    timed_ops: dict[str, tuple[tuple[OpCount, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -993,11 +1006,13 @@ def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
 
 
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
-             forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2) -> float:
-    """A pass's time on one of the t·C ranks: its ops, split, a product split on its contraction with its
-    collective (`reduced_ms` of it and its own time), an attention kernel as the context ring's blocks, their
-    merges and copies (its exchanges are the ring's row: `_ring_of`)."""
-    total = 0.0
+             forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2
+             ) -> tuple[tuple[OpCount, float], ...]:
+    """A pass's ops on one of the t·C ranks, each with its time (all its `count` calls): split, a product split on
+    its contraction with its collective (`reduced_ms` of it and its own time), an attention kernel as the context
+    ring's blocks, their merges and copies (its exchanges are the ring's row: `_ring_of`); in the pass's order, the
+    ops `only_core` leaves out left out."""
+    timed = []
     for op in ops:
         if op.kind in ("matmul", "attention"):
             core = op.kind == "attention" or (op.shape[0] > 1 and not op.routed)  # a routed product runs once
@@ -1014,11 +1029,11 @@ def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms
                      + ring.copies_ms(mine, device, element_bytes)
                      if ring is not None and op.kind == "attention"
                      else op_ms(mine, device))
-            total += op.count * (reduced_ms(mine, spent) if reduced else spent)
+            timed.append((op, op.count * (reduced_ms(mine, spent) if reduced else spent)))
         elif not only_core or split.core(op.shape):
             mine = split.memory(op) if op.kind == "memory" else _scaled(op, op.shape, split.t)
-            total += op.count * op_ms(split.context_share(mine), device)
-    return total
+            timed.append((op, op.count * op_ms(split.context_share(mine), device)))
+    return tuple(timed)
 
 
 def _ring_of(ops: Sequence[OpCount], split: _Split, ring: ContextRing, device: Device,
@@ -1115,11 +1130,11 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                 + all_gather_ms(gathered, t, tensor_link.latency_ms, tensor_link.bytes_per_ms) + gather_ms
         return product_ms + all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
 
-    def pass_ms(ops: Sequence[OpCount], forward: bool, only_core: bool = False) -> float:
+    def pass_ops(ops: Sequence[OpCount], forward: bool, only_core: bool = False) -> tuple[tuple[OpCount, float], ...]:
         return _pass_ms(tuple(ops), split, device, lambda op, product_ms: reduced_ms(op, product_ms, forward),
                         forward, only_core, ring, element_bytes)
 
-    times = {name: pass_ms(layer.ops.get(name, ()), name == "fwd") for name in ("fwd", "bwd", "igrad", "wgrad")}
+    timed = {name: pass_ops(layer.ops.get(name, ()), name == "fwd") for name in ("fwd", "bwd", "igrad", "wgrad")}
     saved = layer.saved_bytes
     rest_share = 1 / t if parallel.sequence_parallel else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t
     # Per part (what saved it; a count from before parts were recorded: all other), the bytes kept on one rank:
@@ -1137,7 +1152,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         (nbytes / t if split.core(shape) else nbytes * rest_share) for i, (shape, nbytes) in
         enumerate(layer.saved_tensors) if (split.core(shape) and parallel.recompute == "selective")
         or i in regions.dropped)
-    rerun = 0.0
+    rerun: tuple[tuple[OpCount, float], ...] = ()  # what the backward reruns of the forward, timed
     rerun_ops: Sequence[OpCount] = ()  # what the backward recomputes of the forward
     transformer = _transformer(layer)
     if parallel.recompute == "op" and transformer:
@@ -1148,17 +1163,17 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
             parts["other"] -= sum(nbytes for number, _, nbytes, _ in layer.allocations.get("fwd", ())
                                   if number in unread and nbytes > 0)
         parts["other"] += split.tokens * split.width * element_bytes  # the layer's input
-        rerun = pass_ms(rerun_ops, True)
+        rerun = pass_ops(rerun_ops, True)
     elif parallel.recompute == "selective":
         rerun_ops = [op for op in layer.ops.get("fwd", ()) if op.kind == "attention"]  # the core it reruns has them
-        rerun = pass_ms(layer.ops.get("fwd", ()), True, only_core=True)
+        rerun = pass_ops(layer.ops.get("fwd", ()), True, only_core=True)
     elif parallel.recompute == "full" and transformer:
         inputs = split.tokens * split.width * element_bytes
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
         rerun_ops = layer.ops.get("fwd", ())
-        rerun = times["fwd"]
+        rerun = timed["fwd"]
     if regions.ops:
-        rerun += pass_ms(regions.ops, True)
+        rerun += pass_ops(regions.ops, True)
         rerun_ops = (*rerun_ops, *regions.ops)
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     # a recipe's saved float8 weight copies (planning/fp8.py), not the tokens': made again where the forward reruns
@@ -1170,10 +1185,13 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     rings = (None, None) if ring is None else (
         _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes),
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
-    return LayerEstimate(times["fwd"], times["bwd"] + rerun, times["igrad"] + rerun, times["wgrad"], total,
+    timed = {"fwd": timed["fwd"], "bwd": rerun + timed["bwd"], "igrad": rerun + timed["igrad"],
+             "wgrad": timed["wgrad"]}
+    times = {name: sum(ms for _, ms in ops) for name, ops in timed.items()}
+    return LayerEstimate(times["fwd"], times["bwd"], times["igrad"], times["wgrad"], total,
                          whole_parts(parts, total),
                          _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total),
-                         *rings, *wgrad_kept(layer, split, rest_share))
+                         *rings, *wgrad_kept(layer, split, rest_share), timed)
 
 
 def wgrad_kept(layer: LayerCount, split: _Split, rest_share: float) -> tuple[int | None, int]:
@@ -1443,6 +1461,42 @@ def paired_passes(experts_layer: LayerCount, priced: LayerEstimate, routed: Laye
     return forward, backward
 
 
+@dataclass(frozen=True)
+class _HostIssue:
+    """A layer's passes as the host issues them (`pass_kernels`, by pass; none where no layer of the model makes the
+    host wait), beside the dispatcher's multiprocessors (`sharing`, where it holds some), and its overlapped pair's
+    passes (`paired_passes`, where its experts run on ranks of their own), which `_with_host_waits` prices."""
+
+    kernels: dict[str, list[Kernels]]
+    sharing: dict[str, list[Kernels]] | None
+    pair: tuple[MoePass, MoePass] | None
+    experts_wait: bool  # the pair's host waits again for the dispatched tokens (`paired_exposed_ms`)
+
+
+def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits: bool) -> list[LayerProfile]:
+    """The layers' passes, priced on the GPU, with the GPU's waits for the host where a layer makes it wait
+    (planning/host.py `carried_waits_ms`: over the model's layers in their order, so that a layer's price does not
+    depend on the stage cut, which the simulator may change), and each overlapped pair's exposure beyond them."""
+    def carried(passes: list[dict[str, list[Kernels]]], names: Sequence[str]) -> dict[str, list[float]]:
+        return {name: carried_waits_ms([kernels[name] for kernels in passes], name != "fwd") if waits
+                else [0.0] * len(layers) for name in names}
+
+    waited = carried([issue.kernels for issue in issues], PASSES_ISSUED)
+    shares = [issue.sharing for issue in issues if issue.sharing is not None]
+    sharing = carried(shares, ("fwd", "bwd")) if len(shares) == len(issues) else None
+    timed = []
+    for i, (layer, issue) in enumerate(zip(layers, issues, strict=True)):
+        times = {name: getattr(layer, name).median_ms + waited[name][i] for name in PASSES_ISSUED}
+        update: dict[str, Any] = {name: _timing(ms) for name, ms in times.items()}
+        if sharing is not None:
+            update |= {"fwd_sharing_ms": layer.fwd_sharing_ms + sharing["fwd"][i],
+                       "bwd_sharing_ms": layer.bwd_sharing_ms + sharing["bwd"][i]}
+        update["all_to_all_paired_ms"] = 0.0 if issue.pair is None else paired_exposed_ms(
+            *issue.pair, charged_ms=times["fwd"] + times["bwd"], experts_wait=issue.experts_wait)
+        timed.append(layer.model_copy(update=update))
+    return timed
+
+
 def _routed_part(layer: LayerCount) -> LayerCount:
     """`layer`'s routed experts' ops alone (`OpCount.routed`): what Megatron-core's `mlp` node of an overlapped
     pair runs between the dispatch and the combine (`planning.experts.paired_exposed_ms`)."""
@@ -1689,9 +1743,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         """The host's issue of `run`'s pass `name` (`issue_ms`), the layer's and its routed part's alike."""
         return issue_ms(run, float8, parallel.host_kernel_us, name, modules_us)
 
+    waits = any(synchronises(layer, counted.options) for layer in counted.layers)  # the host, in some layer
+    issues: list[_HostIssue] = []
     for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
         if repeated:
             layers.append(layers[-1].model_copy(update={"name": layer.name, "inputs": list(layer.inputs)}))
+            issues.append(issues[-1])
             continue  # the block before it renamed: every figure is its layer's, which equals the one before
         busiest = experts.local(layer)
         if parallel.fp8 in TE_RECIPES:
@@ -1709,13 +1766,25 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
-        issued = {name: issue(busiest, name) if synced else 0.0 for name in ("fwd", "bwd", "igrad", "wgrad")}
-        fwd_ms = host_bound_ms(priced.fwd_ms, all_to_all_fwd_ms, issued["fwd"])
-        bwd_ms, igrad_ms, wgrad_ms = (host_bound_ms(getattr(priced, f"{name}_ms"), 0.0, issued[name])
-                                      for name in ("bwd", "igrad", "wgrad"))
+        issued = {name: issue(busiest, name) if synced else 0.0 for name in PASSES_ISSUED}
+
+        def kernels(estimate: LayerEstimate, names: Sequence[str]) -> dict[str, list[Kernels]]:
+            """The passes `names` of the layer as the host issues them (`pass_kernels`), its all-to-alls (held
+            apart in its profile) among its kernels; none where no layer of the model makes the host wait."""
+            return {} if not waits else {name: pass_kernels(
+                estimate.timed_ops[name], [op for op, _ in estimate.timed_ops["fwd"]], float8.recipe is not None,
+                parallel.host_kernel_us, name, modules_us,
+                {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms), synced and name == "fwd")
+                for name in names}
+
+        issues.append(_HostIssue(
+            kernels(priced, PASSES_ISSUED), None if shared is None else kernels(shared, ("fwd", "bwd")),
+            None if routed is None else paired_passes(experts_part, priced, routed, all_to_all_fwd_ms,
+                                                      all_to_all_bwd_ms, issued, issue if synced else None),
+            synced and parallel.token_dispatcher == "deepep"))
         layers.append(LayerProfile(
-            name=layer.name, inputs=list(layer.inputs), fwd=_timing(fwd_ms), bwd=_timing(bwd_ms),
-            igrad=_timing(igrad_ms), wgrad=_timing(wgrad_ms), activation_bytes=priced.activation_bytes,
+            name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),
+            igrad=_timing(priced.igrad_ms), wgrad=_timing(priced.wgrad_ms), activation_bytes=priced.activation_bytes,
             wgrad_kept_bytes=priced.wgrad_kept_bytes, wgrad_gradient_bytes=priced.wgrad_gradient_bytes,
             activation_parts=priced.activation_parts, transient_bytes=priced.transient_bytes,
             float8_weight_bytes=(float8_weight_bytes(layer, FP8_RECIPES[parallel.fp8], experts.weight_shards,
@@ -1727,18 +1796,15 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                               if parallel.fsdp_float8_all_gather or parallel.fp8_param_gather else None),
             grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
-            all_to_all_paired_ms=0.0 if routed is None else paired_exposed_ms(
-                *paired_passes(experts_part, priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms, issued,
-                               issue if synced else None),
-                charged_ms=fwd_ms + bwd_ms, experts_wait=synced and parallel.token_dispatcher == "deepep"),
-            fwd_sharing_ms=host_bound_ms(shared.fwd_ms, all_to_all_fwd_ms, issued["fwd"]) if shared else 0.0,
-            bwd_sharing_ms=host_bound_ms(shared.bwd_ms, 0.0, issued["bwd"]) if shared else 0.0,
+            fwd_sharing_ms=shared.fwd_ms if shared else 0.0, bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
             product_ms=persistent_product_ms(busiest, device, parallel, element, float8),
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
                                                 * layer.param_bytes // element) * state_share) // shards
                                    for name in OPTIMIZERS}))
+    if made is None:
+        layers = _with_host_waits(layers, issues, waits)
     if memo is not None:
         memo.layers[key] = layers
     costs = layer_costs(layers, optimizer)

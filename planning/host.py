@@ -10,15 +10,26 @@ the split sizes to the host and waits on its event, at "before_ep_alltoall" with
 dispatcher's DeepEP path `tokens_per_expert.sum().item()`; HybridEP "sizes buffers dynamically (CPU sync in
 dispatch)" unless `moe_expert_rank_capacity_factor` gives it a budget). None waits when the experts' input is
 padded to its capacity (`moe_pad_expert_input_to_capacity`: the sizes are known on the host), pipesim's
-`--capacity-factor`. A dense layer waits for nothing.
+`--capacity-factor`. A dense model waits for nothing (a dense layer's kernels after a MoE layer's synchronisation
+are issued in its segment).
 
 After a synchronisation the GPU's queue is empty, so until the host is ahead again the GPU runs a kernel only once
-the host has issued it: the layer's forward takes the longer of the GPU's time and the host's issue of its kernels,
-less what the host issues while the GPU is busy with the layer's all-to-alls. The backward waits for nothing (the
-split sizes are on the host already), but it starts as the forward's last synchronisation left the queue, empty,
-so each of a synchronising layer's backward passes takes the longer of the GPU's time and the host's issue of its
-kernels too: where the host is slower it never gets ahead (the lead a pipeline stage's wait for its input would
-give the host is not counted). The host's cost per kernel (`HOST_KERNEL_US`) is eager PyTorch's per op: Python, the
+the host has issued it (CUDA C++ Programming Guide, "Asynchronous Concurrent Execution": a launch returns to the host
+before the kernel completes; a stream runs its kernels in issue order). So a pass is priced in its kernels' order
+(`waited_ms`, a max-plus recursion): the host issues kernel k at H_k, the cumulative host cost of kernels 1..k
+(module calls' Python where they are issued), the GPU starts it at the later of H_k and its end of kernel k-1 and
+ends it its GPU time later; the all-to-alls are GPU time the host issues under. Host-heavy kernels (a GroupedLinear's
+per-expert casts and GEMMs) before GPU-heavy ones (the next layer's attention) add their times where interleaved
+ones overlap: the longer of the two totals is only the recursion's floor. The count
+lists a pass's ops in their first call's order, an op's later calls on the same shapes with it (`pass_kernels`).
+Segments run from one synchronisation to the next (`carried_waits_ms`): a forward from the model's first
+synchronising layer on (before it the host runs ahead), each layer issued from the queue the one before left, the
+dispatch of layer L to that of L+1 one segment; a backward pass waits for nothing itself (the split sizes are on the
+host already) and runs whole from the queue the forward's last synchronisation emptied, the last layer first. Over
+the model's layers, not a stage's: the simulator cuts the layers into stages after they are priced, so a layer's
+price must not depend on the cut, and a stage's first layer takes the queue the layer before it left where the host
+would start its pass not ahead (the lead a pipeline stage's wait for its input gives the host is not counted
+either). The host's cost per kernel (`HOST_KERNEL_US`) is eager PyTorch's per op: Python, the
 dispatcher and autograd, 6.8 us per op measured on a one-element tensor with requires_grad (github.com/pytorch/
 pytorch issue 41383: 6.8 s for 10^6 `2*x`; "approx 2 us" without autograd, its maintainer there), plus the CUDA
 launch's own CPU side, "usually between 5-20 microseconds" in PyTorch's training traces (Holistic Trace Analysis,
@@ -34,17 +45,20 @@ the same GEMM without TransformerEngine, 74: that PR's description), and Transfo
 te.Linear's forward scheduling at more than twice its BF16 one on an H100 (TE cf6fc89). So each module call adds its
 Python beyond its kernels' issue (`TE_MODULE_US`: the 115 us less its GEMM's issue at `HOST_KERNEL_US`; twice that
 for a module whose products run in float8), forward and backward (the backward's Python is not published: assumed
-as the forward's), its kernels still issued at the per-kernel cost (`te_module_calls` says which calls a layer
-makes). Not modelled: the kernels a CUDA graph issues as one (each would issue fewer), the first kernels' order
-within the layer (a forward whose short kernels come first waits on the host sooner than the totals say: the bound
-is the lower one), TransformerEngine's norms, RoPE, router and permutation functions beyond their kernels' issue,
-and the synchronisation's own round trip."""
+as the forward's, spread over the backward's kernels, which the count does not tie to modules), its kernels still
+issued at the per-kernel cost (`_module_calls` says which calls a layer makes and where). Not modelled: the kernels a
+CUDA graph issues as one (each would issue fewer), a recomputed forward's own synchronisation, TransformerEngine's
+norms, RoPE, router and permutation functions beyond their kernels' issue, and the synchronisation's own round
+trip. Megatron-core's overlapped pair (`--overlap-expert-comm`, planning/experts.py `paired_exposed_ms`) keeps its
+own node-by-node max-plus of the two passes, each node's issue as one lump."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..profiles.workload import LayerCount
+from ..profiles.workload import LayerCount, OpCount
 from .fp8 import Float8Forms
 
 HOST_KERNEL_US = 12.0  # the host's issue of one kernel in eager PyTorch (sources above)
@@ -54,6 +68,7 @@ TE_MODULE_US = 115.0 - HOST_KERNEL_US
 TE_FLOAT8_MODULE_FACTOR = 2.0  # a module whose products run in float8: issue 761's "more than 2x" its BF16 call
 TE_RECIPES = ("te", "te-current")  # the float8 recipes that are TransformerEngine's modules (planning/fp8.py)
 MODULE_PASSES = ("fwd", "bwd", "igrad")  # the passes a module call's Python runs in (wgrad: its GEMMs alone)
+PASSES_ISSUED = ("fwd", "bwd", "igrad", "wgrad")  # a layer's passes, each issued by the host
 
 
 def synchronises(layer: LayerCount, options: dict[str, Any]) -> bool:
@@ -69,28 +84,74 @@ def module_us(fp8: str | None, given: float | None) -> float:
     return TE_MODULE_US if fp8 in TE_RECIPES else 0.0
 
 
-def te_module_calls(layer: LayerCount) -> tuple[int, int]:
-    """The TransformerEngine module calls a layer's forward makes under Megatron-core's layer spec, as (in float8
-    where the recipe runs its products so, in BF16): the products before the attention kernel are one call (they
-    read the attention's input: linear_qkv, a LayerNormLinear, fuses q, k and v), each later product a call
-    (linear_proj, a shared expert's or a dense MLP's), each routed product a GroupedLinear call over the rank's
-    local experts (one entry, whatever the GEMMs it issues), each attention kernel a DotProductAttention call (BF16:
-    no fp8_dpa); in a layer that does not attend each product is a call. A router's gating product is
-    Megatron-core's own (no module)."""
-    products = attention = pending = 0  # pending: the product calls seen before the attention kernel
-    for op in layer.ops.get("fwd", ()):
+def _module_calls(ops: Sequence[OpCount]) -> list[tuple[int, int]]:
+    """Per op of a layer's forward `ops`, the TransformerEngine module calls issued with it under Megatron-core's
+    layer spec, as (in float8 where the recipe runs its products so, in BF16): the products before the attention
+    kernel are one call, issued with the first of them (they read the attention's input: linear_qkv, a
+    LayerNormLinear, fuses q, k and v), each later product a call (linear_proj, a shared expert's or a dense MLP's),
+    each routed product a GroupedLinear call over the rank's local experts (one entry, whatever the GEMMs it
+    issues), each attention kernel a DotProductAttention call (BF16: no fp8_dpa); in a layer that does not attend
+    each product is a call. A router's gating product is Megatron-core's own (no module)."""
+    calls = [(0, 0)] * len(ops)
+    pending: list[int] = []  # the product ops seen before the attention kernel
+    attended = False
+    for i, op in enumerate(ops):
         if op.kind == "attention":
-            attention += op.count
-            products += min(pending, 1)
-            pending = 0
+            attended = True
+            if pending:
+                calls[pending[0]] = (1, 0)
+            pending = []
+            calls[i] = (0, op.count)
         elif op.kind == "matmul" and not op.gating and (op.routed or op.shape[0] == 1):  # a linear's, an expert's
             if op.routed:
-                products += 1
-            elif attention:
-                products += op.count
+                calls[i] = (1, 0)
+            elif attended:
+                calls[i] = (op.count, 0)
             else:
-                pending += op.count
-    return products + pending, attention
+                pending.append(i)
+    for i in pending:
+        calls[i] = (ops[i].count, 0)
+    return calls
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """`count` alike kernels of a pass, in its issue order: the host issues each in `host_ms`, after `call_ms` of
+    module calls' Python before the first, and the GPU runs each in `gpu_ms`; `waits`: the host first waits for the
+    GPU to drain its queue (a dropless dispatcher's device-to-host synchronisation)."""
+
+    count: int
+    host_ms: float
+    gpu_ms: float
+    call_ms: float = 0.0
+    waits: bool = False
+
+
+def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[OpCount], float8: bool,
+                 host_kernel_us: float, name: str = "fwd", host_module_us: float = 0.0, all_to_all_ms: float = 0.0,
+                 synchronised: bool = False) -> list[Kernels]:
+    """A layer's pass `name` as the host issues it: its ops in the count's order (`ops_ms`: each op as the pass
+    runs it, its `count` kernels' GPU time together; a count lists an op where it first runs, its later calls on
+    the same shapes with it), with the TransformerEngine module calls of the layer's forward (`forward_ops`,
+    `_module_calls`; twice for a product under a float8 recipe, `float8`): in the forward each where it is issued,
+    in a backward pass spread over its kernels (which backward kernels follow which module's Python the count does
+    not say). The routed experts' all-to-alls (`all_to_all_ms`: half a dispatch, half a combine) are GPU time the
+    host issues under, the first before the first routed op and the second after the last; with `synchronised` (a
+    dropless dispatcher's forward) the host waits for the GPU before the dispatch."""
+    calls = _module_calls(forward_ops) if name in MODULE_PASSES else []
+    product_us = host_module_us * (TE_FLOAT8_MODULE_FACTOR if float8 else 1.0)
+    calls_us = [products * product_us + attention * host_module_us for products, attention in calls]
+    spread_us = 0.0 if name == "fwd" else sum(calls_us) / max(sum(op.count for op, _ in ops_ms), 1)
+    routed = [i for i, (op, _) in enumerate(ops_ms) if op.routed]
+    kernels = []
+    for i, (op, gpu_ms) in enumerate(ops_ms):
+        if routed and i == routed[0] and (all_to_all_ms or synchronised):
+            kernels.append(Kernels(1, 0.0, all_to_all_ms / 2, waits=synchronised))
+        kernels.append(Kernels(op.count, (host_kernel_us + spread_us) / 1e3, gpu_ms / op.count,
+                               calls_us[i] / 1e3 if name == "fwd" and calls_us else 0.0))
+        if routed and i == routed[-1] and all_to_all_ms:
+            kernels.append(Kernels(1, 0.0, all_to_all_ms / 2))
+    return kernels
 
 
 def issue_ms(layer: LayerCount, float8: Float8Forms, host_kernel_us: float, name: str = "fwd",
@@ -98,14 +159,47 @@ def issue_ms(layer: LayerCount, float8: Float8Forms, host_kernel_us: float, name
     """The host's time to issue the layer's kernels of pass `name` as the GPU runs them: the float8 recipe's casts
     too, as the passes run them (`float8`, the estimate's forms of its recipe, `Parallelism.float8_recipe`: no
     weight cast under FSDP2's float8 all-gather), and with `host_module_us` each TransformerEngine module call's
-    Python (`te_module_calls`; twice in float8)."""
-    kernels_us = sum(op.count for op in float8.of(layer).ops.get(name, ())) * host_kernel_us
-    products, attention = te_module_calls(layer) if name in MODULE_PASSES else (0, 0)
-    modules_us = (products * (1.0 if float8.recipe is None else TE_FLOAT8_MODULE_FACTOR) + attention) * host_module_us
-    return (kernels_us + modules_us) / 1e3
+    Python (`_module_calls`; twice in float8)."""
+    run = float8.of(layer)
+    return sum(kernels.call_ms + kernels.count * kernels.host_ms for kernels in pass_kernels(
+        [(op, 0.0) for op in run.ops.get(name, ())], run.ops.get("fwd", ()), float8.recipe is not None,
+        host_kernel_us, name, host_module_us))
 
 
-def host_bound_ms(gpu_ms: float, all_to_all_ms: float, issued_ms: float) -> float:
-    """A pass after a synchronisation: the GPU's time unless the host issues its kernels slower, the host issuing
-    while the GPU runs the pass's `all_to_all_ms` (a forward's dispatch and combine; none in a backward pass)."""
-    return max(gpu_ms, issued_ms - all_to_all_ms)
+def waited_ms(kernels: Iterable[Kernels], lead_ms: float = 0.0) -> tuple[float, float]:
+    """The GPU's time idle waiting for the host through `kernels` issued asynchronously (CUDA C++ Programming Guide,
+    "Asynchronous Concurrent Execution": a launch returns to the host before its kernel completes, and a stream runs
+    its kernels in their issue order): the host issues kernel k at H_k, the cumulative host cost of kernels 1..k,
+    and the GPU starts it at the later of H_k and its end of kernel k-1, so a pass's host-heavy kernels before its
+    GPU-heavy ones add their times where interleaved ones overlap; a wait restarts the host at the GPU's end.
+    `lead_ms`: the GPU's queue ahead of the host at the start (0: the host not ahead). Returns the idle time (the
+    pass takes its kernels' GPU time plus it) and the GPU's queue ahead of the host at the end. A run of n alike
+    kernels in closed form: its last ends at the later of its first's start plus n GPU times and the host's issue
+    of all n plus one GPU time."""
+    host, gpu, idle = 0.0, lead_ms, 0.0
+    for run in kernels:
+        if run.waits:
+            host = max(host, gpu)
+        host += run.call_ms
+        if run.count:
+            first = max(gpu, host + run.host_ms)  # the idle time in two parts, each exactly 0 where none
+            end = max(first + run.count * run.gpu_ms, host + run.count * run.host_ms + run.gpu_ms)
+            idle += (first - gpu) + (end - (first + run.count * run.gpu_ms))
+            gpu, host = end, host + run.count * run.host_ms
+    return idle, max(gpu - host, 0.0)
+
+
+def carried_waits_ms(passes: Sequence[Sequence[Kernels]], backward: bool) -> list[float]:
+    """Per layer of a model whose layers make the host wait, in its order, the GPU's wait for the host in one pass
+    (`waited_ms`; `passes`, each layer's kernels of it), each layer's kernels issued from the queue the one before
+    it left: a forward from its first synchronising layer on (before it the host runs ahead), each synchronisation
+    emptying the queue again, so that a segment runs from one layer's dispatch to the next's (the rest of the one,
+    the next up to its dispatch); a backward pass (`backward`), which waits for nothing itself, whole from the queue
+    the forward's last synchronisation emptied, the last layer first."""
+    waits = [0.0] * len(passes)
+    lead: float | None = 0.0 if backward else None  # None: the host ahead, nothing waited for yet
+    for i in reversed(range(len(passes))) if backward else range(len(passes)):
+        if lead is None and not any(run.waits for run in passes[i]):
+            continue
+        waits[i], lead = waited_ms(passes[i], lead or 0.0)
+    return waits

@@ -70,7 +70,8 @@ MOE = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len
 
 def test_the_cli_prices_a_moe_layer_per_expert_and_leaves_the_rest(tmp_path):
     """A rank's 4 local experts: each product a kernel of its own and each cast three, so the MoE layers' passes
-    take longer and the host issues more of their forward kernels; the embedding and head are unchanged."""
+    take longer and the host issues more of their forward kernels; the embedding's forward (before the first
+    dispatch: the host runs ahead, planning/host.py) is unchanged."""
     out = {}
     for how in ("grouped", "per-expert"):
         path = tmp_path / f"{how}.json"
@@ -82,8 +83,7 @@ def test_the_cli_prices_a_moe_layer_per_expert_and_leaves_the_rest(tmp_path):
         if grouped["all_to_all_fwd_ms"] > 0:
             assert per_expert["fwd"]["median_ms"] > grouped["fwd"]["median_ms"]
             assert per_expert["bwd"]["median_ms"] > grouped["bwd"]["median_ms"]
-        else:
-            assert (per_expert["fwd"], per_expert["bwd"]) == (grouped["fwd"], grouped["bwd"])
+    assert out["per-expert"]["layers"][0]["fwd"] == out["grouped"]["layers"][0]["fwd"]
 
 
 def test_a_bad_value_is_one_line_and_nothing_written(tmp_path):

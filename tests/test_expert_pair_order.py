@@ -110,14 +110,15 @@ def test_each_moe_layer_carries_what_its_own_pair_leaves_exposed():
 
 
 def test_a_host_bound_pair_exposes_the_forwards_all_to_alls_it_issued_under_alone():
-    """A host at 1 ms a kernel: alone, a MoE layer's forward takes its kernels' issue less its all-to-alls (the host
-    issues while the GPU moves tokens), its backward its issue; paired, the host issues both passes between two
-    waits whatever hides beside what, so the pair takes both issues whole: its forward's all-to-alls show."""
+    """A host at 1 ms a kernel: alone, each pass of a MoE layer takes its kernels' issue and its last kernel's run
+    less its all-to-alls (the host issues while the GPU moves tokens); paired, the host issues both passes between
+    two waits whatever hides beside what, so the pair takes both issues whole: both passes' all-to-alls show, less
+    the last kernels the lone passes end on."""
     parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=1000)
     profile = estimate_profile(counted(), H100, parallel)
     moe = [layer for layer in profile.layers if layer.all_to_all_fwd_ms]
-    assert moe and all(layer.all_to_all_paired_ms == pytest.approx(layer.all_to_all_fwd_ms, rel=1e-9)
-                       for layer in moe)
+    assert moe and all(layer.all_to_all_fwd_ms < layer.all_to_all_paired_ms
+                       <= layer.all_to_all_fwd_ms + layer.all_to_all_bwd_ms for layer in moe)
 
 
 def test_nccls_all_to_all_holds_sixteen_multiprocessors_beside_the_pair():

@@ -1,0 +1,106 @@
+"""A pass after a synchronisation priced in its kernels' order (planning/host.py `waited_ms`): the host issues kernel
+k at its cumulative cost and the GPU starts it no sooner, nor before it ends kernel k-1, so host-heavy kernels before
+GPU-heavy ones add their times where interleaved ones overlap; a synchronising MoE layer's passes are at least the
+bound the totals give (the longer of the GPU's time and the host's issue less the all-to-alls) and the GPU's time
+where the host is free."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipesim.planning.estimate import Parallelism, estimate_layer, estimate_profile, links_of, node_placement
+from pipesim.planning.experts import expert_group
+from pipesim.planning.fp8 import Float8Forms
+from pipesim.planning.host import PASSES_ISSUED, Kernels, carried_waits_ms, issue_ms, pass_kernels, waited_ms
+from tests.test_expert_pair_order import DEVICE, H100, counted
+
+HOST_HEAVY = Kernels(10, 1.0, 0.1)  # ten kernels the host takes 1 ms each to issue and the GPU runs in 0.1 ms
+GPU_HEAVY = Kernels(10, 0.1, 1.0)
+
+
+def end_ms(kernels: list[Kernels], lead_ms: float = 0.0) -> float:
+    """When the GPU ends the last of `kernels` past its queue at the start: their GPU time and its wait."""
+    return sum(run.count * run.gpu_ms for run in kernels) + waited_ms(kernels, lead_ms)[0]
+
+
+def one_by_one(kernels: list[Kernels]) -> list[Kernels]:
+    return [Kernels(1, run.host_ms, run.gpu_ms, run.call_ms if i == 0 else 0.0, run.waits and i == 0)
+            for run in kernels for i in range(run.count)]
+
+
+def test_host_heavy_kernels_before_gpu_heavy_ones_add_their_times():
+    """The GPU idles while the host issues the first ten (10 ms, the last run 0.1 ms after), then runs the next ten
+    back to back: 20.1 ms where the totals give 11 each; the other way round the host issues under the GPU's work."""
+    assert end_ms([HOST_HEAVY, GPU_HEAVY]) == pytest.approx(20.1)
+    assert end_ms([GPU_HEAVY, HOST_HEAVY]) == pytest.approx(11.1)
+
+
+def test_interleaved_kernels_overlap_and_a_gpu_bound_pass_is_the_gpus():
+    """Alternating, each side hides the other's: the longer total plus one kernel. Where the GPU outlasts the host
+    every kernel the pass is the GPU's time plus the first kernel's issue, and none with that much queued."""
+    alternating = [Kernels(1, 1.0, 0.1), Kernels(1, 0.1, 1.0)] * 10
+    assert 11.0 < end_ms(alternating) <= 11.0 + 1.1
+    assert end_ms([GPU_HEAVY]) == pytest.approx(10.1)
+    assert end_ms([GPU_HEAVY], lead_ms=0.1) == pytest.approx(10.0)
+    assert waited_ms([GPU_HEAVY]) == pytest.approx((0.1, 10.1 - 1.0))  # the GPU's queue ahead of the host at its end
+
+
+def test_a_run_in_closed_form_is_its_kernels_one_by_one():
+    runs = [Kernels(3, 0.2, 0.5, call_ms=1.0), Kernels(4, 0.7, 0.1), Kernels(1, 0.0, 2.0, waits=True),
+            Kernels(5, 0.3, 0.3, call_ms=0.4), Kernels(2, 0.05, 0.9)]
+    for lead_ms in (0.0, 0.5, 20.0):
+        assert waited_ms(runs, lead_ms) == pytest.approx(waited_ms(one_by_one(runs), lead_ms))
+
+
+def test_a_wait_for_the_gpu_makes_what_follows_it_add():
+    """The synchronisation empties the queue: a host-heavy run after a GPU-heavy one waits for it whole."""
+    assert end_ms([GPU_HEAVY, Kernels(10, 1.0, 0.1, waits=True)]) == pytest.approx(10.1 + 10.1)
+    assert end_ms([GPU_HEAVY, Kernels(10, 1.0, 0.1)]) == pytest.approx(11.1)
+
+
+def test_a_models_passes_carry_the_queue_from_layer_to_layer():
+    """A dense layer, then two MoE layers of a host-heavy part before their dispatch and a GPU-heavy part after it.
+    The forward runs ahead until the first dispatch (the dense layer never waits), the first MoE layer waits for its
+    host-heavy part (9.1) and for its GPU-heavy part's first issue after the dispatch; each segment runs from one
+    dispatch to the next, so the second layer's host-heavy part is issued under the first's GPU-heavy tail (9.1 ms
+    queued) and waits for nothing. The backward starts from the queue the forward's last synchronisation emptied,
+    the last layer first, the dense layer issued under the queue the MoE layer before it left."""
+    dense = [HOST_HEAVY]
+    moe = [HOST_HEAVY, Kernels(1, 0.0, 0.0, waits=True), GPU_HEAVY]
+    assert carried_waits_ms([dense, moe, moe], backward=False) == pytest.approx([0.0, 9.2, 0.1])
+    assert carried_waits_ms([dense, moe, moe], backward=True) == pytest.approx([0.0, 0.1, 9.2])
+    assert carried_waits_ms([moe, dense], backward=False) == pytest.approx([9.2, 0.0])  # 9.1 queued
+    assert carried_waits_ms([moe, dense, dense], backward=False)[2] == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("host_kernel_us", [0.0, 12.0, 300.0])
+def test_a_synchronising_moe_layer_is_at_least_the_bound_its_totals_give(host_kernel_us):
+    """E = 8 from d = 8 replicas (test_expert_pair_order's small MoE): each pass of a MoE block issued from an empty
+    queue is at least the longer of its GPU time and the host's issue less its all-to-alls, and the GPU's time
+    exactly where the host is free; so is each whole pass of the model, its layers carrying the queue (the forward
+    from its first dispatch: the host runs ahead before it)."""
+    parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=host_kernel_us)
+    profile = estimate_profile(counted(), H100, parallel)
+    links = links_of(node_placement(H100), 1, 4, 8)
+    group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8)
+    gpu_ms, hidden_ms, issued_ms, alone_ms = ({name: 0.0 for name in PASSES_ISSUED} for _ in range(4))
+    for layer, priced in zip(map(group.local, counted().layers), profile.layers, strict=True):
+        gpu = estimate_layer(layer, DEVICE, parallel, links.tensor, 2)
+        forward_ops = [op for op, _ in gpu.timed_ops["fwd"]]
+        for name in PASSES_ISSUED:
+            all_to_all_ms = {"fwd": priced.all_to_all_fwd_ms, "wgrad": 0.0}.get(name, priced.all_to_all_bwd_ms)
+            kernels = pass_kernels(gpu.timed_ops[name], forward_ops, False, host_kernel_us, name, 0.0,
+                                   all_to_all_ms, name == "fwd" and bool(layer.dispatched_bytes))
+            alone_ms[name] = getattr(gpu, f"{name}_ms") + waited_ms(kernels)[0]
+            issued = issue_ms(layer, Float8Forms(None, 2), host_kernel_us, name)
+            if layer.dispatched_bytes:
+                assert alone_ms[name] >= max(getattr(gpu, f"{name}_ms"), issued - all_to_all_ms) - 1e-12
+            gpu_ms[name] += getattr(gpu, f"{name}_ms")
+            hidden_ms[name] += all_to_all_ms
+            issued_ms[name] += issued if name != "fwd" or layer.dispatched_bytes or issued_ms[name] else 0.0
+            if host_kernel_us == 0.0:
+                assert getattr(priced, name).median_ms == alone_ms[name] == getattr(gpu, f"{name}_ms")
+    for name in PASSES_ISSUED:
+        whole_ms = sum(getattr(priced, name).median_ms for priced in profile.layers)
+        assert whole_ms >= max(gpu_ms[name], issued_ms[name] - hidden_ms[name]) - 1e-9
+        assert (whole_ms > gpu_ms[name] + 1e-9) == (host_kernel_us > 0.0)
