@@ -859,7 +859,7 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     from ..profiles.schema import layer_costs
 
     if num_stages > len(measured.layers):
-        raise CostError(f"--profile: the schedule has {num_stages} model stages but the profile's model has "
+        raise CostError(f"the schedule has {num_stages} model stages but {measured.model.name} has "
                         f"{len(measured.layers)} layers; lower --stages or --chunks")
     ends = first_last(stage_cut)
     if stage_cut in BLOCK_CUTS or ends is not None:

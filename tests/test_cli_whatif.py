@@ -39,6 +39,8 @@ def simulate_json(*args) -> list[dict]:
     (("simulate", *GPU, *SMALL, "--ffn", "90", "--tensor-parallel", "4"),
      "--tensor-parallel 4 does not divide the model's 90 MLP width"),
     (("estimate", *GPU, *SMALL, "-p", "9", "--out", "est.json"), "--stages 9: gpt of 3 blocks (--layers) has 5 layers"),
+    (("simulate", *GPU, *SMALL, "-p", "4", "-s", "dualpipev"),
+     "error: the schedule has 8 model stages but gpt has 5 layers; lower --stages or --chunks"),
     (("tune", *GPU, *SMALL, "-D", "6", "--tensor-parallel", "4"), "--devices 6: p x d x t must give it"),
     (("tune", *GPU, *SMALL, "-D", "8", "--tensor-parallel", "2", "--data-parallel", "3"),
      "--tensor-parallel 2 x --data-parallel 3 = 6 does not divide it"),
