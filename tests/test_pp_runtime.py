@@ -210,4 +210,4 @@ def test_tunes_memory_floor_stays_below_the_peak_under_torchs_runtime():
     candidates, _, _ = tuning.prepare(settings, problem)
     assert any(c.costs.kept_until_update for c in candidates)
     for candidate in candidates:
-        assert candidate.memory_floor_bytes <= tuning._measured(problem, candidate, reserve=False)[3]
+        assert candidate.memory_floor_bytes <= tuning._measured(problem, candidate, reserve=False)[0][3]
