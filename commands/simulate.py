@@ -360,6 +360,7 @@ def _check_profile_experts(measured, experts: int, data_parallel: int) -> None:
 def _schedule_file(ctx: typer.Context, path: Path):
     """The schedule a torch CSV describes, run --minibatches times (once by default), as torch's runtime runs it
     every step. It fixes p, v and m, so flags that set them would be silently ignored: refuse them instead."""
+    from ..schedules import ScheduleError
     from ..schedules.torch_csv import from_torch_csv
 
     if is_given(ctx, "schedule"):
@@ -380,7 +381,10 @@ def _schedule_file(ctx: typer.Context, path: Path):
         raise InputError(f"--schedule-file: cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise InputError(f"--schedule-file: {path} is not a text (UTF-8) CSV file") from None
-    return from_torch_csv(text, path.stem, ctx.params.get("minibatches") or 1)
+    try:
+        return from_torch_csv(text, path.stem, ctx.params.get("minibatches") or 1)
+    except ScheduleError as exc:
+        raise InputError(f"--schedule-file: {exc}") from None
 
 
 def _check_cost_lists(scenario, schedules: dict) -> None:

@@ -330,6 +330,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, csv_file, make_args, fra
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
+def test_a_bad_schedule_file_is_refused_naming_the_flag(tmp_path):
+    """The refusal named the file's stem alone ("s: rank 0 ..."), not the flag that gave it."""
+    path, page = tmp_path / "s.csv", tmp_path / "s.html"
+    path.write_text("0F0,0Q0\n")
+    code, _, err = pipesim("simulate", "--schedule-file", path, "--html", page)
+    assert code == 2 and not page.exists()
+    assert err.startswith("error: --schedule-file: s: rank 0 (row 1), cell 2 '0Q0': not a torch pipelining action"), err
+
+
 @pytest.mark.parametrize("content,fragment", [
     ("0F0,0Q1\n", "cell 2 '0Q1': not a torch pipelining action; expected [stage][F|B|I|W][micro-batch]"),
     ('0F0,"0B0\n', "not CSV"),
