@@ -52,6 +52,18 @@ NEMOTRON = ["simulate", "--model", "gpt", "--layers", "96", "--width", "18432", 
             "--cross-entropy", "megatron"]
 
 
+# Megatron-LM's 16-bit optimizer, unsharded, over Apex's FusedAdam, replayed by the caching allocator (float32 main
+# gradients made each step and freed at the next zero_grad, Adam's moments made at the first step): the optimizer
+# every fp16 run of Megatron-LM without a distributed optimizer steps (megatron/optimizer/__init__.py
+# `get_megatron_optimizer`: `--fp16` wraps Apex's FusedAdam in FP16OptimizerWithFP16Params, Megatron-LM 0888a3e1,
+# later Float16OptimizerWithFloat16Params; its `_copy_model_grads_to_main_grads` makes `model_param.grad.float()`).
+# Narayanan et al. 2021's Table 1 runs set --fp16 and no distributed optimizer (examples/sc21/CONFIG.sh: Megatron-LM
+# had none in 2021); Korthikanti et al. 2022's ran Megatron-LM in fp16 too (benchmarks/published/README.md) without
+# data parallelism (gpus = t·p: nothing to shard the optimizer over); the zero-bubble fork's --fp16 (below) likewise.
+# Not NeMo's (Nemotron-4: its distributed Adam, no master copy) nor torchtitan's (FSDP2 and torch's AdamW).
+MEGATRON_OPTIMIZER_STEP = ["--optimizer-step", "megatron"]
+
+
 def table2() -> list[dict]:
     """Per Table 3 model and Table 2 row: the estimate's bytes per layer against the paper's formula (b = 1)."""
     out = []
@@ -97,10 +109,11 @@ def error_summary(rows: list[dict], key: str = "error") -> str:
 
 def measured_runs() -> list[dict]:
     """The configurations published as run: each must fit."""
-    runs = [(f"Korthikanti {run.name} {'SP + selective' if sp else 'full recompute'}", run.simulate_command(sp, how))
+    runs = [(f"Korthikanti {run.name} {'SP + selective' if sp else 'full recompute'}",
+             [*run.simulate_command(sp, how), *MEGATRON_OPTIMIZER_STEP])
             for run, _ in korthikanti_runs() for _, sp, how in KORTHIKANTI_SETTINGS]
     runs += [(f"Megatron {run.name} (t{run.tensor} p{run.pipeline} d{run.data} v{run.chunks})",
-              run.simulate_command(False, "full")) for run, _ in megatron_runs()]
+              [*run.simulate_command(False, "full"), *MEGATRON_OPTIMIZER_STEP]) for run, _ in megatron_runs()]
     runs.append(("Nemotron-4 340B (NVIDIA, NeMo 24.09)", NEMOTRON))
     return [{"run": name, **fullest(args), "command": command_text(args)} for name, args in runs]
 
@@ -226,7 +239,7 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
 # float32 master weights and moments, no distributed optimizer), Megatron-LM's default attention (unfused, no
 # --use-flash-attn) and dropout (0.1), no tensor or data parallelism, the blocks cut by --allow-padding-num-layers,
 # the loss Megatron-LM's vocabulary-parallel cross entropy (`--cross-entropy megatron`), its optimizer Megatron-LM's
-# 16-bit one over Apex's FusedAdam (`--optimizer-step megatron`: megatron/optimizer/__init__.py, optimizer.py).
+# 16-bit one over Apex's FusedAdam (`MEGATRON_OPTIMIZER_STEP`: megatron/optimizer/__init__.py, optimizer.py).
 # Its SentencePiece tokenizer is not in the repository: Llama's 32,000 pieces are taken, which size only the
 # first stage's embedding and the last's head. ZB-1p and ZB-2p run the order the fork's own scheduler builds
 # (schedules/zb_heuristic.py: its auto_schedule.py's heuristic under --zero-bubble-max-pending-backward p and 2p),
@@ -277,7 +290,7 @@ def zero_bubble_command(row: dict[str, str]) -> list[str]:
             row["attention_heads"], "--seq-len", row["sequence_length"], "--vocab", str(ZERO_BUBBLE_VOCAB),
             "--dropout", "0.1", "--dtype", "fp16", "--attention", "math", "-b", row["microbatch_size"],
             "--gpu", "a100-sxm-80gb", *order, "--stage-cut", "padded-blocks", "--cross-entropy", "megatron",
-            "--optimizer-step", "megatron"]
+            *MEGATRON_OPTIMIZER_STEP]
 
 
 def zero_bubble() -> list[dict]:
