@@ -26,6 +26,7 @@ from .common import (
     Allocator,
     DataParallel,
     InputError,
+    OptimizerStep,
     PpRuntime,
     Recompute,
     SearchSeconds,
@@ -112,6 +113,7 @@ def tune(
     data_parallel: SearchedDataParallel = None,
     recompute: SearchedRecompute = None,
     allocator: Allocator = "caching",
+    optimizer_step: OptimizerStep = "held",
     pp_runtime: PpRuntime = "pipesim",
     microbatch_size: Annotated[int | None, typer.Option(
         "--microbatch-size", "-b", metavar="B", min=1, help="With --gpu: samples per micro-batch b (default: "
@@ -195,7 +197,7 @@ def tune(
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             with _working("estimating the model's profile for each t, b, recomputation and p") as report:
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
-                                               optimizer, allocator, pp_runtime, counts, report)
+                                               optimizer, allocator, optimizer_step, pp_runtime, counts, report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -250,7 +252,8 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
 
 
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
-                        sizes: tuple[int, ...], optimizer: str, allocator: str, pp_runtime: str,
+                        sizes: tuple[int, ...], optimizer: str, allocator: str, optimizer_step: str,
+                        pp_runtime: str,
                         counts: dict[int, WorkloadCount], report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
     that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
@@ -282,7 +285,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                     parallel = what.parallelism(p, t, devices // (t * p), kind)
                     scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo), optimizer,
                                                 pp_runtime)
-                    settings.append(Setting(replace(scenario, **allocator_fields(allocator, counted, parallel)), t,
+                    fields = allocator_fields(allocator, counted, parallel, optimizer_step)
+                    settings.append(Setting(replace(scenario, **fields), t,
                                             kind, (p,)))
             except InputError as exc:
                 if tensor:  # the user's t: say why it cannot be

@@ -5,6 +5,8 @@ the main gradients, so their segments stay cached; the master weights are a bloc
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import pipesim.sim.caching_allocator as caching_allocator
@@ -103,3 +105,33 @@ def test_optimizer_step_megatron_is_refused_where_it_cannot_run_in_one_line(flag
 
     code, out, err = pipesim("simulate", *(GPT if "--dtype" in flags else SMALL_GPT), *flags)
     assert (code, out) == (2, "") and said in err and len(err.strip().splitlines()) == 1
+
+
+# tune's one configuration of SMALL_GPT: 1F1B, p = 2 over 2 GPUs, b = 1, m = 4, t = 1, no recomputation
+TUNE_ONE = ["tune", *GPT[:-6], "--dtype", "fp16", "-D", "2", "-B", "4", "-s", "1f1b", "--tensor-parallel", "1",
+            "--data-parallel", "1", "-b", "1", "--recompute", "none", "--json"]
+
+
+def test_tune_replays_megatrons_step_under_its_flag_as_simulate_does():
+    """tune's peak is simulate's under each --optimizer-step, and the flag moves it (the main gradients' segments
+    cached beside the activations)."""
+    from tests.conftest import pipesim, simulate_json
+
+    peaks = {}
+    for step in ("held", "megatron"):
+        code, out, err = pipesim(*TUNE_ONE, "--optimizer-step", step)
+        assert code == 0, err
+        choice = json.loads(out)["choice"]
+        assert (choice["schedule"], choice["stages"], choice["microbatches"]) == ("1f1b", 2, 4)
+        peaks[step] = choice["peak_memory_gib"] * 1024
+        (simulated,) = simulate_json(*SMALL_GPT, "-b", "1", "--optimizer-step", step)
+        assert peaks[step] == pytest.approx(max(d["peak_memory_mb"] for d in simulated["devices"]))
+    assert peaks["megatron"] != pytest.approx(peaks["held"])
+
+
+def test_tune_refuses_optimizer_step_megatron_where_it_cannot_run_in_one_line():
+    from tests.conftest import pipesim
+
+    code, out, err = pipesim(*TUNE_ONE, "--optimizer-step", "megatron", "--allocator", "none")
+    assert (code, out) == (2, "") and "give --gpu NAME, --model and --allocator caching" in err
+    assert len(err.strip().splitlines()) == 1
