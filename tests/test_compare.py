@@ -165,7 +165,11 @@ def test_view_says_that_compare_reads_a_torch_profiler_trace(tmp_path):
     page = tmp_path / "p.html"
     code, out, err = pipesim("view", TORCH_RUNS / "torch-1f1b-2cpu" / "rank0.json", "--html", page)
     assert code == 2 and out == "" and err.count("\n") == 1 and not page.exists(), err
-    assert "rank0.json is a torch.profiler trace, not pipesim's: `pipesim compare FOLDER PREDICTED` reads" in err
+    assert "rank0.json is a torch.profiler trace, not pipesim's: `pipesim compare FOLDER PREDICTED` reads " \
+           "torch.profiler traces, a folder of them one per rank" in err
+    code, out, err = pipesim("view", TORCH_RUNS / "torch-1f1b-2cpu", "--html", page)  # their folder
+    assert code == 2 and out == "" and err.count("\n") == 1 and not page.exists(), err
+    assert "torch-1f1b-2cpu is a folder; give a pipesim trace file (`pipesim compare FOLDER PREDICTED` reads" in err
 
 
 @pytest.mark.parametrize("run_dir, schedule, recorded", [

@@ -421,7 +421,14 @@ def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     write_atomic(path, json.dumps(to_chrome(trace), separators=(",", ":")))
 
 
+# where a torch.profiler trace (or a folder of them) is given as pipesim's: what reads it
+TORCH_PROFILER_READER = ("`pipesim compare FOLDER PREDICTED` reads torch.profiler traces, a folder of them one per "
+                         "rank, against a predicted trace (`pipesim simulate ... --trace`)")
+
+
 def read_trace(path: str | os.PathLike[str]) -> Trace:
+    if Path(path).is_dir():
+        raise TraceError(f"{path} is a folder; give a pipesim trace file ({TORCH_PROFILER_READER})")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -431,8 +438,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     except json.JSONDecodeError as exc:
         raise TraceError(f"trace {path} is not valid JSON: {exc}") from None
     if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's
-        raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: `pipesim compare FOLDER PREDICTED` reads "
-                         "a folder of them, one per rank, against a predicted trace (`pipesim simulate ... --trace`)")
+        raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: {TORCH_PROFILER_READER}")
     try:
         return from_chrome(doc)
     except TraceError as exc:
