@@ -54,13 +54,14 @@ NEMOTRON = ["simulate", "--model", "gpt", "--layers", "96", "--width", "18432", 
 
 # Megatron-LM's 16-bit optimizer, unsharded, over Apex's FusedAdam, replayed by the caching allocator (float32 main
 # gradients made each step and freed at the next zero_grad, Adam's moments made at the first step): the optimizer
-# every fp16 run of Megatron-LM without a distributed optimizer steps (megatron/optimizer/__init__.py
-# `get_megatron_optimizer`: `--fp16` wraps Apex's FusedAdam in FP16OptimizerWithFP16Params, Megatron-LM 0888a3e1,
-# later Float16OptimizerWithFloat16Params; its `_copy_model_grads_to_main_grads` makes `model_param.grad.float()`).
-# Narayanan et al. 2021's Table 1 runs set --fp16 and no distributed optimizer (examples/sc21/CONFIG.sh: Megatron-LM
-# had none in 2021); Korthikanti et al. 2022's ran Megatron-LM in fp16 too (benchmarks/published/README.md) without
-# data parallelism (gpus = t·p: nothing to shard the optimizer over); the zero-bubble fork's --fp16 (below) likewise.
-# Not NeMo's (Nemotron-4: its distributed Adam, no master copy) nor torchtitan's (FSDP2 and torch's AdamW).
+# every fp16 run of Megatron-LM without a distributed optimizer steps (at de7dc40f88, "scripts for sc21", 2021-08:
+# megatron/optimizer/__init__.py wraps Apex's FusedAdam in Float16OptimizerWithFloat16Params under --fp16, whose
+# `_copy_model_grads_to_main_grads` makes `grad.float()` and whose zero_grad frees them, optimizer.py).
+# Narayanan et al. 2021's Table 1 runs set --fp16 and no distributed optimizer (examples/sc21/CONFIG.sh there;
+# Megatron-LM had none in 2021); Korthikanti et al. 2022's ran Megatron-LM in fp16 too (benchmarks/published/
+# README.md) without data parallelism (gpus = t·p: nothing to shard the optimizer over); the zero-bubble fork's
+# --fp16 (below) likewise. Not NeMo's (Nemotron-4: its distributed Adam, no master copy) nor torchtitan's (FSDP2
+# and torch's AdamW).
 MEGATRON_OPTIMIZER_STEP = ["--optimizer-step", "megatron"]
 
 
