@@ -161,8 +161,10 @@ class WhatIf:
             return None
         return self.cluster.nodes * (self.cluster.gpus_per_node or self.gpu.intra_node.gpus_per_node)
 
-    def parallelism(self, stages: int, tensor: int = 1, data: int = 1, recompute: str = "none") -> Parallelism:
-        """t x C x p x d GPUs as the estimate takes them; more than a catalogue cluster has is refused."""
+    def parallelism(self, stages: int, tensor: int = 1, data: int = 1, recompute: str = "none",
+                    expert: int | None = None) -> Parallelism:
+        """t x C x p x d GPUs as the estimate takes them, the routed experts over `expert` of them (None:
+        --expert-parallel's; tune searches it); more than a catalogue cluster has is refused."""
         from ..planning.estimate import Parallelism
 
         size, used = self.cluster_gpus, tensor * self.context * stages * data
@@ -174,7 +176,7 @@ class WhatIf:
         return Parallelism(tensor=tensor, pipeline=stages, data=data, context=self.context,
                            sequence_parallel=self.sequence_parallel,
                            recompute=recompute, sharded_optimizer=self.sharded_optimizer and data * self.context > 1,
-                           precision=self.precision, fp8=self.fp8, expert=self.expert,
+                           precision=self.precision, fp8=self.fp8, expert=self.expert if expert is None else expert,
                            fsdp_float8_all_gather=self.fsdp_float8_all_gather,
                            fp8_param_gather=self.fp8_param_gather,
                            hot_expert_share=self.hot_expert_share, routing=self.routing, tp_overlap=self.tp_overlap,

@@ -36,6 +36,7 @@ from .common import (
     check_memory_gb,
     check_pp_runtime,
     fail,
+    is_given,
     load_profile_flag,
     refuse,
     search_options,
@@ -197,7 +198,8 @@ def tune(
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             with _working("estimating the model's profile for each t, b, recomputation and p") as report:
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
-                                               optimizer, allocator, optimizer_step, pp_runtime, counts, report)
+                                               optimizer, allocator, optimizer_step, pp_runtime, counts,
+                                               is_given(ctx, "expert_parallel"), report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -254,14 +256,17 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
                         sizes: tuple[int, ...], optimizer: str, allocator: str, optimizer_step: str,
                         pp_runtime: str,
-                        counts: dict[int, WorkloadCount], report: Callable[[str], None] | None = None):
+                        counts: dict[int, WorkloadCount], expert_given: bool,
+                        report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
-    that divides D and the model), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to
-    the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
-    (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
-    `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's counted already (the rest are
-    counted here); `report` is told how many are done. Where no t suits, the estimates'
-    refusal if every t tried got the same one (it is not about t), else which t's were tried."""
+    that divides D and the model), expert-parallel degree E (given, else, for a mixture of experts, each divisor
+    of its routed experts the rank order can place at that t and d, `_experts_fit`), pipeline depth p (D / (t·d)
+    for a given d, else each divisor of D/t up to the layers) and recomputation (given, or each), its allocations
+    replayed under `allocator` as simulate's (`allocator_fields`), so tune's peaks and memory check are simulate's,
+    the boundary tensors held as `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's
+    counted already (the rest are counted here); `report` is told how many are done. Where no t suits, the
+    estimates' refusal if every t tried got the same one (it is not about t), else which t's were tried. A searched
+    E the estimate refuses (a dispatcher or routing it cannot run) is left out; only E = 1's refusals count."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
@@ -274,21 +279,27 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     for b in sizes:
         counted = counts.get(b) or count_what_if(what, b)
         memo = LayerMemo(counted, what.gpu, what.curve)  # each t and recomputation's layers made for one p
-        for t in tensors:
+        experts = counted.options.get("experts")
+        degrees = [what.expert] if expert_given or not experts else [e for e in range(1, experts + 1)
+                                                                      if experts % e == 0]
+        for t, e in itertools.product(tensors, degrees):
             if report is not None:
                 report(f"estimating the model's profile for each t, b, recomputation and p: {len(settings)} done")
             depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
-                                                           if devices % (t * p) == 0
-                                                           and _experts_fit(what, t, devices // (t * p))]
+                                                           if devices % (t * p) == 0]
+            if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
+                depths = [p for p in depths if _experts_fit(what, t, devices // (t * p), e)]
             try:
                 for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
-                    parallel = what.parallelism(p, t, devices // (t * p), kind)
+                    parallel = what.parallelism(p, t, devices // (t * p), kind, e)
                     scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo), optimizer,
                                                 pp_runtime)
                     fields = allocator_fields(allocator, counted, parallel, optimizer_step)
                     settings.append(Setting(replace(scenario, **fields), t,
-                                            kind, (p,)))
+                                            kind, (p,), e))
             except InputError as exc:
+                if e != degrees[0]:  # a searched E > 1: the others may suit
+                    continue
                 if tensor:  # the user's t: say why it cannot be
                     raise
                 refusals.add(str(exc))
@@ -304,13 +315,13 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     return settings
 
 
-def _experts_fit(what: WhatIf, t: int, d: int) -> bool:
-    """Whether the E expert-parallel ranks can be placed, in the rank order asked for, over t x C x d ranks a
-    stage (planning/ranks.py: pipesim's draws them from the d replicas, Megatron's folds them over t·C·d)."""
+def _experts_fit(what: WhatIf, t: int, d: int, e: int) -> bool:
+    """Whether E expert-parallel ranks can be placed, in the rank order asked for, over t x C x d ranks a stage
+    (planning/ranks.py: pipesim's draws them from the d replicas, Megatron's folds them over t·C·d)."""
     from ..planning.ranks import RankOrderError, expert_grid
 
     try:
-        expert_grid(what.rank_order, t, what.context, 1, d, what.expert, what.expert_tensor)
+        expert_grid(what.rank_order, t, what.context, 1, d, e, what.expert_tensor)
     except RankOrderError:
         return False
     return True
@@ -325,7 +336,9 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     # Columns that would hold one value on every row are left out: R (no searched order), P (one pipeline).
     searched = any(row.result.candidate.activation_limit is not None for row in rows)
     shared = any(row.result.config.pipelines > 1 for row in rows)
-    estimated = (f"estimated, t, b and recomputation (recomp; sel: selective) searched where not given; MFU: model "
+    experts = bool(work) and bool(measured.model.options.get("experts"))  # E searched unless given
+    estimated = (f"estimated, t, {'E, ' * experts}b and recomputation (recomp; sel: selective) searched where not "
+                 f"given; {'E: ranks the routed experts are placed over; ' * experts}MFU: model "
                  f"FLOPs per second over the {problem.devices} GPUs' dense peak in {env.dtype}; ") if work else ""
     tensor = tuning.choice.result.config.tensor  # with --profile, an estimate's t
     replicas = ("d = D/(p·t) replicas, t GPUs per stage" if work else
@@ -339,7 +352,7 @@ def _print_tuning(tuning, measured, work: dict) -> None:
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
                           + "bubble: 1 - mean compute / step time; ms/step: the busiest device's compute per step")
-    estimate_columns = ("t", "d", "b", "recomp") if work else ()
+    estimate_columns = ("t", "d", *("E",) * experts, "b", "recomp") if work else ()
     for header in ("", "schedule", "p", "v", *("P",) * shared, *estimate_columns, "m", *("R",) * searched, "samples/s",
                    *("MFU",) * bool(work), "bubble", "peak", "stale", "why not"):
         table.add_column(header, justify="left" if header in ("schedule", "recomp", "why not") else "right",
@@ -351,7 +364,7 @@ def _print_tuning(tuning, measured, work: dict) -> None:
         ratio = result.candidate.activation_limit
         mfu = [f"{work[c.microbatch_size].metrics(result.samples_per_s, problem.devices)['mfu']:.1%}"] if work else []
         table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), *[str(c.pipelines)] * shared,
-                      *([str(c.tensor), str(c.replicas), str(c.microbatch_size),
+                      *([str(c.tensor), str(c.replicas), *[str(c.expert)] * experts, str(c.microbatch_size),
                          {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),
                       str(c.microbatches), *(["-" if ratio is None else f"{ratio:.2g}"] * searched),
                       rate_text(result.samples_per_s),

@@ -117,6 +117,18 @@ class Scenario:
     allocations: tuple[LayerAllocations, ...] | None = None
     expandable_segments: bool = False  # `--allocator expandable`: `allocations` replayed with expandable segments
 
+    def order_params(self, params: ScheduleParams) -> ScheduleParams:
+        """`params` as this scenario's orders are built with them (`build`): an estimate's context-parallel ranks C
+        and expert-parallel ranks E (whose all-to-all rows the order holds), and the expert overlap if asked for; so
+        that a search building a fixed order without `build` (planning/tune.py `_Orders`) builds the same one."""
+        if self.overlap_expert_comm:
+            params = replace(params, overlap_expert_comm=True)
+        estimate = self.measured.estimate if self.measured is not None else None
+        if estimate is not None:
+            params = replace(params, context_parallel=int(estimate.parallelism.get("context", 1)),
+                             expert_parallel=int(estimate.parallelism.get("expert", 1)))
+        return params
+
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
         """The named method's schedule; a method that runs any stage DAG (graphpipe) gets the --graph DAG, or
@@ -129,12 +141,7 @@ class Scenario:
                 method.needs_costs or method.on_graph is not None):
             raise CostError(f"--stage-cut {FIT} cuts for the memory a schedule holds, and {name} builds its schedule "
                             "for the cut: use --stage-cut balanced")
-        if self.overlap_expert_comm:
-            params = replace(params, overlap_expert_comm=True)
-        estimate = self.measured.estimate if self.measured is not None else None
-        if estimate is not None:
-            params = replace(params, context_parallel=int(estimate.parallelism.get("context", 1)),
-                             expert_parallel=int(estimate.parallelism.get("expert", 1)))
+        params = self.order_params(params)
         if method.needs_costs:
             from .auto import schedule_frame, search_schedule
 

@@ -87,6 +87,7 @@ from ..schedules import (
     KINDS,
     METHODS,
     NUM_COMPUTE_KINDS,
+    PASS_COLLECTIVE_KINDS,
     Kind,
     Schedule,
     ScheduleError,
@@ -109,6 +110,8 @@ from .scenario import CollectiveLink, Scenario, profile_costs
 RUNNERS_UP = 5
 COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
                     for kind in KINDS[:NUM_COMPUTE_KINDS]])
+# the replicas' collectives (REDUCE, GATHER): a candidate's all-reduce, not its passes' all-to-alls
+DATA_PARALLEL = np.array([kind in COLLECTIVE_KINDS - PASS_COLLECTIVE_KINDS for kind in KINDS[:NUM_COMPUTE_KINDS]])
 _UNBOUNDED_BYTES = 1 << 62  # a peak no cap admits
 STEADY_STEPS = 12  # steps averaged for schedules that never flush (their steady state can cycle over a few)
 LONGEST_STEADY_STEPS = 8 * STEADY_STEPS  # the longest run `_periodic_step_ms` looks for a periodic regime in
@@ -136,13 +139,14 @@ class Problem:
 @dataclass(frozen=True)
 class Setting:
     """A profile the search prices candidates on, and what it was made for: a calibrated one serves every depth
-    p; an estimate (--gpu) was made for one tensor-parallel degree t, recomputation and depth p (which links its
-    stage boundaries cross), at its micro-batch size."""
+    p; an estimate (--gpu) was made for one tensor-parallel degree t, recomputation, depth p (which links its
+    stage boundaries cross) and expert-parallel degree E, at its micro-batch size."""
 
     scenario: Scenario
     tensor: int = 1  # t: devices each layer is split over
     recompute: str | None = None  # None: as calibrated
     depths: tuple[int, ...] | None = None  # the p it prices (None: any)
+    expert: int = 1  # E: ranks a mixture of experts' routed experts are placed over
 
     @property
     def microbatch_size(self) -> int:
@@ -160,10 +164,12 @@ class Config:
     tensor: int = 1  # t
     microbatch_size: int = 1  # b
     recompute: str | None = None  # an estimate's; None: as calibrated
+    expert: int = 1  # E
 
     def label(self) -> str:
         extra = [f"v={self.chunks}"] * (self.chunks > 1) + [f"P={self.pipelines}"] * (self.pipelines > 1)
         extra += [f"t={self.tensor}"] * (self.tensor > 1) + [f"d={self.replicas}"] * (self.recompute is not None)
+        extra += [f"E={self.expert}"] * (self.expert > 1)
         extra += [f"b={self.microbatch_size}"] * (self.recompute is not None)
         extra += [f"recompute {self.recompute}"] * (self.recompute not in (None, "none"))
         return f"{self.schedule} p={self.stages}" + "".join(f" {e}" for e in extra)
@@ -185,7 +191,7 @@ class Candidate:
     staleness: int
     busy_ms: np.ndarray  # compute per step, per device
     memory_floor_bytes: int
-    allreduce_ms: float  # per step, on the device that spends most on it
+    allreduce_ms: float  # its replicas' REDUCEs and GATHERs per step, on the device that spends most on them
     max_samples_per_s: float
     activation_limit: float | None  # a searched order's (auto): the R it holds; None for a fixed order
     short_schedule: Schedule | None = None  # the short run, built with the long where building it later would
@@ -217,7 +223,7 @@ class Result:
         c = self.config
         return {"schedule": c.schedule, "stages": c.stages, "chunks": c.chunks, "pipelines": c.pipelines,
                 "microbatches": c.microbatches, "replicas": c.replicas, "tensor_parallel": c.tensor,
-                "microbatch_size": c.microbatch_size, "recompute": c.recompute,
+                "microbatch_size": c.microbatch_size, "recompute": c.recompute, "expert_parallel": c.expert,
                 "partition": list(self.candidate.bounds),
                 "samples_per_s": self.samples_per_s, "step_ms": self.step_ms, "bubble_fraction": self.bubble_fraction,
                 "peak_memory_gib": self.peak_memory_bytes / GIB, "staleness": self.staleness,
@@ -1184,7 +1190,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                         if isinstance(sketch, ScheduleError):
                             refused += 1
                             continue
-                        config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute)
+                        config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute, setting.expert)
                         floor = (pipelines * work.static_bytes + sketch.extra_copies * work.param_bytes) // p
                         bound = _shape_bound(problem, config, work, sketch, scenario.cost_scale, reduce_ms[p])
                         shapes.append(Shape(config, setting, count - 1, sketch.staleness, bound, floor))
@@ -1397,7 +1403,8 @@ class _Order:
 
 class _Orders:
     """The orders one search builds. A fixed order of a chain (any method but auto's and a stage DAG's) depends
-    on the method and its parameters alone, not on the profile, so every setting shares it: built once, refusal
+    on the method and its parameters alone (an estimate's expert-parallel E among them, `Scenario.order_params`:
+    the all-to-all rows), not on the profile, so every setting of one E shares it: built once, refusal
     included. Nor does it depend on how many data-parallel replicas d > 1 there are (`add_data_parallel` puts
     a stage's REDUCE where it does for any d > 1; d only prices it), so it is built once for all of them."""
 
@@ -1419,6 +1426,7 @@ class _Orders:
         method = METHODS[name]
         if method.needs_costs or method.on_graph is not None:
             return _Order.of(scenario.build(name, params))
+        params = scenario.order_params(params)  # an estimate's E: its all-to-all rows
         if (name, params) not in self._fixed:
             shared = replace(params, data_parallel=min(params.data_parallel, 2))
             try:
@@ -1563,7 +1571,7 @@ def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order,
     costs = scenario.costs(schedule, bounds)
     per_op_ms = costs.op_ms_table(pipelines)
     op_ms = per_step * per_op_ms
-    stage_ms, network_ms = (op_ms * COMPUTE).sum(axis=1), (op_ms * ~COMPUTE).sum(axis=1)
+    stage_ms, reduces_ms = (op_ms * COMPUTE).sum(axis=1), (op_ms * DATA_PARALLEL).sum(axis=1)
     busy_ms = np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
     # A forward on a receive buffer the runtime keeps (torch's, `StageCosts.buffered_input_bytes`, which
     # `static_bytes` counts) holds that much less of its own; what else the runtime keeps only adds to the peak.
@@ -1571,7 +1579,7 @@ def _costed(scenario: Scenario, problem: Problem, config: Config, order: _Order,
             for s, c in enumerate(costs.stages)]
     floor = max(static + max(held[s] for s in schedule.stages_on(d))
                 for d, static in enumerate(static_bytes(schedule, costs)))
-    allreduce_ms = max(float(network_ms[schedule.stages_on(d)].sum()) for d in range(p))
+    allreduce_ms = max(float(reduces_ms[schedule.stages_on(d)].sum()) for d in range(p))
     least_step_ms = _planned_bound_ms(order, short, per_op_ms, per_op_ms[:, KIND_CODE[Kind.REDUCE]],
                                       _hops_ms(links, costs, p), _send_holds_ms(
                                           schedule, per_step, costs.transfers_hold_products, links,
@@ -1605,7 +1613,7 @@ def _path_bound(batch_size: int, schedule: Schedule, costs: Costs, links: Cluste
 
 
 _CRITICAL_PATH_KINDS = kind_mask(np.arange(len(KINDS)), Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.PRED, Kind.AVG,
-                                 Kind.REDUCE)
+                                 Kind.REDUCE, *ALL_TO_ALL_KINDS)
 
 
 def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links: Cluster, minibatch: int,
@@ -1613,11 +1621,13 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     """A lower bound of the steady step of a schedule down a chain whose stage 0 is on device 0: the longest
     path from device 0's first row of mini-batch `minibatch` (steady) to its first row `steps` mini-batches
     later, over `steps` (0 for any other schedule, and for one whose rows the path does not model: transfers
-    of ZeRO-3 or all-to-alls, parts of a pair that overlap).
+    of ZeRO-3, parts of a pair that overlap, all-to-alls beside a pair's other part).
 
     Why: a row starts no earlier than each row it waits for ends: the row before it on its device (a REDUCE
     runs on the device's network stream, after the REDUCEs before it there, once the device's program has
-    reached it; the next row does not wait for it), its stage's last REDUCE of the step if it is an update
+    reached it; the next row does not wait for it; an all-to-all, A2A_F or A2A_B, is a row of its device that
+    starts after its pass and that the next row waits for, `passes.add_expert_parallel`, which the simulator
+    times at its whole cost where no pair's compute hides it), its stage's last REDUCE of the step if it is an update
     (`Lowered.awaits`), and its input: a forward its micro-batch's forward on the stage before, an
     input-gradient pass (B or I) that of the stage after (the last stage's its own forward), each plus its
     transfer over the link between their devices alone (`Channel`: a gradient has its activation's size).
@@ -1639,7 +1649,8 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
     rows = np.flatnonzero(window)  # grouped by device, each in program order
     if (steps < 1 or minibatch < 1 or schedule.graph != StageGraph.chain(n) or schedule.placement[0] != 0
             or not _CRITICAL_PATH_KINDS[t.kind[rows]].all()
-            or (costs.overlap_hidden_fraction > 0 and bool(np.any(t.peer[rows] >= 0)))):
+            or (bool(np.any(t.peer[rows] >= 0)) and (costs.overlap_hidden_fraction > 0
+                                                      or kind_mask(t.kind[rows], *ALL_TO_ALL_KINDS).any()))):
         return 0.0
     code = {k: KIND_CODE[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT, Kind.REDUCE)}
     kind, stage, microbatch = t.kind[rows], t.stage[rows], t.microbatch[rows]
@@ -1688,7 +1699,8 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
         held_backward = np.array([least_ms(int(placement[k + 1]), ms) for k, ms in enumerate(backward_hop[:-1])]
                                  + [0.0])
         device, columns, anchor = _with_send_holds(device, columns, held_forward[stage] * (forward & (stage < n - 1))
-                                                   + held_backward[stage - 1] * (passing & (stage > 0)), ~reducing)
+                                                   + held_backward[stage - 1] * (passing & (stage > 0)),
+                                                   ~reducing & ~kind_mask(kind, *ALL_TO_ALL_KINDS))
     splits = np.searchsorted(device, np.arange(1, schedule.num_devices))
     programs = [list(zip(*parts)) for parts in zip(*(
         (part.tolist() for part in np.split(column, splits)) for column in columns))]

@@ -1,0 +1,99 @@
+"""`pipesim tune --gpu` on a mixture of experts searches the expert-parallel degree E where --expert-parallel is not
+given: every E the rank order can place (planning/ranks.py) competes in the one search, whose bounds and memory
+floors each setting's own estimate prices, so the pruned search still gives what the exhaustive one gives."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipesim.planning import tune as tuning
+from pipesim.schedules import KIND_CODE, Kind
+from tests.conftest import pipesim
+from tests.test_tune import differences, exhaustive
+from tests.test_tune_reserve import searched_settings
+
+# A 4-block GPT whose MLPs are 8 routed experts (2 a token), on 8 A100s
+MOE = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256,
+       "--vocab", 1000, "--experts", 8, "--top-k", 2)
+FLAGS = ("-D", 8, "-B", 32, "-b", 2, "--recompute", "none")
+SCHEDULES = ("-s", "1f1b", "-s", "gpipe", "-s", "zb-h1")
+
+
+def layouts(settings) -> set[tuple[int, int, int]]:
+    """(t, p, E) of each setting."""
+    return {(setting.tensor, *setting.depths, setting.expert) for setting in settings}
+
+
+@pytest.fixture(scope="module", params=["a100-sxm-80gb", "h100-sxm"])
+def moe_settings(request):
+    """On an A100, and on an H100, whose pipeline transfers hold the compute beside them (`_send_holds_ms`)."""
+    return searched_settings(*FLAGS, "--tensor-parallel", 1, model=(MOE[0], request.param, *MOE[2:]))
+
+
+def test_e_is_searched_over_the_divisors_of_the_experts_each_layout_places(moe_settings):
+    """pipesim's rank order draws E from the d = 8/p replicas; Megatron's folds E·ETP over t·d (at t = 2 and ETP = 1,
+    twice as many E); a given --expert-parallel stays fixed; a dense model is searched at E = 1 alone."""
+    assert layouts(moe_settings) == {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 2, 1), (1, 2, 2), (1, 2, 4),
+                                     (1, 4, 1), (1, 4, 2)}
+    megatron = searched_settings(*FLAGS, "--tensor-parallel", 2, "--rank-order", "megatron",
+                                 "--expert-tensor-parallel", 1, model=MOE)
+    assert layouts(megatron) == {(2, 1, 1), (2, 1, 2), (2, 1, 4), (2, 1, 8), (2, 2, 1), (2, 2, 2), (2, 2, 4),
+                                 (2, 4, 1), (2, 4, 2)}
+    given = searched_settings(*FLAGS, "--tensor-parallel", 1, "--expert-parallel", 2, model=MOE)
+    assert layouts(given) == {(1, 1, 2), (1, 2, 2), (1, 4, 2)}
+    dense = searched_settings(*FLAGS, "--tensor-parallel", 1, model=MOE[:-4])
+    assert {setting.expert for setting in dense} == {1}
+
+
+def test_search_over_e_equals_exhaustive_search_and_its_bounds_hold(moe_settings):
+    """Under a cap that only the larger E's fit at p = 1, where the experts' weights are spread the most, and with
+    every fixed order holding its setting's all-to-alls (each E's own order, not one shared by every E)."""
+    prob = tuning.Problem(8, int(0.12 * tuning.GIB), 32, ("1f1b", "gpipe", "zb-h1"))
+    found = tuning.tune(moe_settings, prob)
+    best, faster, staler, results = exhaustive(moe_settings, prob)
+    assert differences(found, best, faster, staler) == []
+    assert found.stats.simulated < len(results)
+    assert len({result.config.expert for result in results if tuning.allowed(result, prob)}) > 1
+    assert any(not tuning.allowed(result, prob) and result.config.expert > 1 for result in results)
+    all_to_all = [KIND_CODE[Kind.A2A_F], KIND_CODE[Kind.A2A_B]]
+    reducing = [KIND_CODE[Kind.REDUCE], KIND_CODE[Kind.GATHER]]
+    lowered = 0  # E > 1 candidates whose critical path, all-to-alls in it, lowers their bound
+    for result in results:
+        candidate, label = result.candidate, result.config.label()
+        assert candidate.schedule.expert_parallel == candidate.setting.expert == result.config.expert, label
+        assert np.isin(candidate.schedule.table.kind, all_to_all).any() == (result.config.expert > 1), label
+        critical = tuning._with_critical_path(prob, candidate)
+        assert result.samples_per_s <= critical.max_samples_per_s <= candidate.max_samples_per_s, label
+        lowered += result.config.expert > 1 and critical.max_samples_per_s < candidate.max_samples_per_s
+        assert candidate.memory_floor_bytes <= result.peak_memory_bytes, label
+        schedule, table = candidate.schedule, candidate.schedule.table
+        rows = np.isin(table.kind, reducing)
+        stage_ms = np.bincount(table.stage[rows], candidate.costs.op_ms_table(1)[table.stage[rows], table.kind[rows]],
+                               minlength=schedule.num_stages) / schedule.minibatches
+        device_ms = [stage_ms[schedule.stages_on(d)].sum() for d in range(schedule.num_devices)]
+        assert candidate.allreduce_ms == pytest.approx(max(device_ms)), label  # not the all-to-alls
+    assert lowered > 0
+
+
+def test_table_and_json_show_e_and_the_table_fits_80_columns(monkeypatch):
+    from pipesim.commands import common
+
+    code, out, err = pipesim("tune", *MOE, *FLAGS, *SCHEDULES, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = [doc["choice"], *doc["runners_up"], *doc["excluded"]]
+    assert {row["expert_parallel"] for row in rows} > {8}  # several E among the rows
+    for width in (80, 100):
+        monkeypatch.setenv("COLUMNS", str(width))
+        monkeypatch.setattr(common.stdout, "width", width)
+        code, out, err = pipesim("tune", *MOE, *FLAGS, *SCHEDULES)
+        assert code == 0, err
+        lines = out.splitlines()
+        assert max(map(len, lines)) <= width
+        header = next(line for line in lines if "schedule" in line and "samples/s" in line).split()
+        assert header[header.index("d") + 1] == "E"
+        shown = [line.split() for line in lines if line.split()[:1] == ["best"]]
+        assert shown[0][6] == str(doc["choice"]["expert_parallel"])
