@@ -55,6 +55,7 @@ from ..profiles.schema import (
     LinkSegmentModel,
     ModelInfo,
     Partition,
+    PassIssue,
     Profile,
     StepTimes,
     Timing,
@@ -105,6 +106,7 @@ from .host import (
     carried_waits_ms,
     issue_ms,
     module_us,
+    pass_issue,
     pass_kernels,
     synchronises,
 )
@@ -1152,7 +1154,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         (nbytes / t if split.core(shape) else nbytes * rest_share) for i, (shape, nbytes) in
         enumerate(layer.saved_tensors) if (split.core(shape) and parallel.recompute == "selective")
         or i in regions.dropped)
-    rerun: tuple[tuple[OpCount, float], ...] = ()  # what the backward reruns of the forward, timed
+    rerun: list[tuple[tuple[OpCount, float], ...]] = []  # what the backward reruns of the forward, timed, by part
     rerun_ops: Sequence[OpCount] = ()  # what the backward recomputes of the forward
     transformer = _transformer(layer)
     if parallel.recompute == "op" and transformer:
@@ -1163,17 +1165,17 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
             parts["other"] -= sum(nbytes for number, _, nbytes, _ in layer.allocations.get("fwd", ())
                                   if number in unread and nbytes > 0)
         parts["other"] += split.tokens * split.width * element_bytes  # the layer's input
-        rerun = pass_ops(rerun_ops, True)
+        rerun = [pass_ops(rerun_ops, True)]
     elif parallel.recompute == "selective":
         rerun_ops = [op for op in layer.ops.get("fwd", ()) if op.kind == "attention"]  # the core it reruns has them
-        rerun = pass_ops(layer.ops.get("fwd", ()), True, only_core=True)
+        rerun = [pass_ops(layer.ops.get("fwd", ()), True, only_core=True)]
     elif parallel.recompute == "full" and transformer:
         inputs = split.tokens * split.width * element_bytes
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
         rerun_ops = layer.ops.get("fwd", ())
-        rerun = timed["fwd"]
+        rerun = [timed["fwd"]]
     if regions.ops:
-        rerun += pass_ops(regions.ops, True)
+        rerun.append(pass_ops(regions.ops, True))
         rerun_ops = (*rerun_ops, *regions.ops)
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     # a recipe's saved float8 weight copies (planning/fp8.py), not the tokens': made again where the forward reruns
@@ -1185,10 +1187,12 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     rings = (None, None) if ring is None else (
         _ring_of(layer.ops.get("fwd", ()), split, ring, device, element_bytes),
         _ring_of((*rerun_ops, *layer.ops.get("bwd", ())), split, ring, device, element_bytes))
-    timed = {"fwd": timed["fwd"], "bwd": rerun + timed["bwd"], "igrad": rerun + timed["igrad"],
-             "wgrad": timed["wgrad"]}
     times = {name: sum(ms for _, ms in ops) for name, ops in timed.items()}
-    return LayerEstimate(times["fwd"], times["bwd"], times["igrad"], times["wgrad"], total,
+    rerun_ms = sum(sum(ms for _, ms in part) for part in rerun)  # part by part, each its own sum
+    rerun_timed = tuple(timed_op for part in rerun for timed_op in part)
+    timed = {"fwd": timed["fwd"], "bwd": rerun_timed + timed["bwd"], "igrad": rerun_timed + timed["igrad"],
+             "wgrad": timed["wgrad"]}
+    return LayerEstimate(times["fwd"], times["bwd"] + rerun_ms, times["igrad"] + rerun_ms, times["wgrad"], total,
                          whole_parts(parts, total),
                          _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total),
                          *rings, *wgrad_kept(layer, split, rest_share), timed)
@@ -1476,7 +1480,8 @@ class _HostIssue:
 def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits: bool) -> list[LayerProfile]:
     """The layers' passes, priced on the GPU, with the GPU's waits for the host where a layer makes it wait
     (planning/host.py `carried_waits_ms`: over the model's layers in their order, so that a layer's price does not
-    depend on the stage cut, which the simulator may change), and each overlapped pair's exposure beyond them."""
+    depend on the stage cut, which the simulator may change; each pass's issue kept, `pass_issue`, for a stage to
+    compose its own, profiles/schema.py `stage_host_waits_ms`), and each overlapped pair's exposure beyond them."""
     def carried(passes: list[dict[str, list[Kernels]]], names: Sequence[str]) -> dict[str, list[float]]:
         return {name: carried_waits_ms([kernels[name] for kernels in passes], name != "fwd") if waits
                 else [0.0] * len(layers) for name in names}
@@ -1488,6 +1493,10 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
     for i, (layer, issue) in enumerate(zip(layers, issues, strict=True)):
         times = {name: getattr(layer, name).median_ms + waited[name][i] for name in PASSES_ISSUED}
         update: dict[str, Any] = {name: _timing(ms) for name, ms in times.items()}
+        if waits:
+            update["host_issue"] = {name: pass_issue(issue.kernels[name], waited[name][i]) for name in PASSES_ISSUED}
+            update["host_issue"] |= {f"{name}_sharing": PassIssue(idle_ms=0.0, slack_ms=0.0) if sharing is None
+                                     else pass_issue(issue.sharing[name], sharing[name][i]) for name in ("fwd", "bwd")}
         if sharing is not None:
             update |= {"fwd_sharing_ms": layer.fwd_sharing_ms + sharing["fwd"][i],
                        "bwd_sharing_ms": layer.bwd_sharing_ms + sharing["bwd"][i]}

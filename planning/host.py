@@ -22,19 +22,19 @@ ends it its GPU time later; the all-to-alls are GPU time the host issues under. 
 per-expert casts and GEMMs) before GPU-heavy ones (the next layer's attention) add their times where interleaved
 ones overlap: the longer of the two totals is only the recursion's floor. The count
 lists a pass's ops in their first call's order, an op's later calls on the same shapes with it (`pass_kernels`).
-Segments run from one synchronisation to the next (`carried_waits_ms`): a forward from the model's first
-synchronising layer on (before it the host runs ahead), each layer issued from the queue the one before left, the
-dispatch of layer L to that of L+1 one segment; a backward pass waits for nothing itself (the split sizes are on the
-host already) and runs whole from the queue the forward's last synchronisation emptied, the last layer first. Over
-the model's layers, not a stage's: the simulator cuts the layers into stages after they are priced, so a layer's
-price must not depend on the cut, and a stage's first layer takes the queue the layer before it left where the host
-would start its pass not ahead (the lead a pipeline stage's wait for its input gives the host is not counted
-either). The host's cost per kernel (`HOST_KERNEL_US`) is eager PyTorch's per op: Python, the
-dispatcher and autograd, 6.8 us per op measured on a one-element tensor with requires_grad (github.com/pytorch/
-pytorch issue 41383: 6.8 s for 10^6 `2*x`; "approx 2 us" without autograd, its maintainer there), plus the CUDA
-launch's own CPU side, "usually between 5-20 microseconds" in PyTorch's training traces (Holistic Trace Analysis,
-facebookresearch/HolisticTraceAnalysis docs/source/features/cuda_kernel_launch_stats.rst), taken at its low end:
-12 us.
+Segments run from one synchronisation to the next: a pass starts with the host not ahead, each layer issued from the
+queue the one before left, the dispatch of layer L to that of L+1 one segment of the forward; a backward pass waits
+for nothing itself (the split sizes are on the host already) and runs whole from the queue the forward's last
+synchronisation emptied, the last layer first. Each pipeline stage is a process whose host waits only where one of
+its own layers synchronises, and the simulator cuts the layers into stages after they are priced: a layer's times
+hold the model's layers' waits carried from the first (`carried_waits_ms`), and its passes' issue as a max-plus map
+of the lead each starts with (`pass_issue`), from which a stage composes its own from its start (profiles/schema.py
+`stage_host_waits_ms`; the lead a stage's wait for its input gives the host is not counted). The host's cost per
+kernel (`HOST_KERNEL_US`) is eager PyTorch's per op: Python, the dispatcher and autograd, 6.8 us per op measured on
+a one-element tensor with requires_grad (github.com/pytorch/pytorch issue 41383: 6.8 s for 10^6 `2*x`; "approx 2 us"
+without autograd, its maintainer there), plus the CUDA launch's own CPU side, "usually between 5-20 microseconds" in
+PyTorch's training traces (Holistic Trace Analysis, facebookresearch/HolisticTraceAnalysis
+docs/source/features/cuda_kernel_launch_stats.rst), taken at its low end: 12 us.
 
 Under TransformerEngine (the float8 recipes `te` and `te-current`: Megatron-core's TransformerEngine layer spec)
 a layer's products and attention are module calls whose Python costs the host more than their kernels' issue:
@@ -58,6 +58,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..profiles.schema import PassIssue
 from ..profiles.workload import LayerCount, OpCount
 from .fp8 import Float8Forms
 
@@ -191,15 +192,28 @@ def waited_ms(kernels: Iterable[Kernels], lead_ms: float = 0.0) -> tuple[float, 
 
 def carried_waits_ms(passes: Sequence[Sequence[Kernels]], backward: bool) -> list[float]:
     """Per layer of a model whose layers make the host wait, in its order, the GPU's wait for the host in one pass
-    (`waited_ms`; `passes`, each layer's kernels of it), each layer's kernels issued from the queue the one before
-    it left: a forward from its first synchronising layer on (before it the host runs ahead), each synchronisation
-    emptying the queue again, so that a segment runs from one layer's dispatch to the next's (the rest of the one,
-    the next up to its dispatch); a backward pass (`backward`), which waits for nothing itself, whole from the queue
-    the forward's last synchronisation emptied, the last layer first."""
+    (`waited_ms`; `passes`, each layer's kernels of it), the pass started with the host not ahead and each layer's
+    kernels issued from the queue the one before it left, each synchronisation emptying it again: a forward's
+    segment runs from one layer's dispatch to the next's (the rest of the one, the next up to its dispatch); a
+    backward pass (`backward`), which waits for nothing itself, runs whole from the queue the forward's last
+    synchronisation emptied, the last layer first."""
     waits = [0.0] * len(passes)
-    lead: float | None = 0.0 if backward else None  # None: the host ahead, nothing waited for yet
+    lead = 0.0
     for i in reversed(range(len(passes))) if backward else range(len(passes)):
-        if lead is None and not any(run.waits for run in passes[i]):
-            continue
-        waits[i], lead = waited_ms(passes[i], lead or 0.0)
+        waits[i], lead = waited_ms(passes[i], lead)
     return waits
+
+
+def pass_issue(kernels: Sequence[Kernels], carried_ms: float) -> PassIssue:
+    """A layer's pass `kernels` as a function of the lead it starts with (profiles/schema.py `PassIssue`, which a
+    stage composes): before its first wait the GPU's end is max(lead + their GPU time, their end from an empty
+    queue), a max-plus map, so it waits max(0, idle - lead) and ends max(lead, idle) + GPU time - host time ahead;
+    from a wait on, the same whatever the lead. `carried_ms`: the wait the layer's times hold."""
+    first = next((i for i, run in enumerate(kernels) if run.waits), len(kernels))
+    before, after = kernels[:first], kernels[first:]
+    slack_ms = sum(run.count * (run.gpu_ms - run.host_ms) - run.call_ms for run in before)
+    if not after:
+        return PassIssue(idle_ms=waited_ms(before)[0], slack_ms=slack_ms, carried_ms=carried_ms)
+    after_idle_ms, after_lead_ms = waited_ms(after)
+    return PassIssue(idle_ms=waited_ms(before)[0], slack_ms=slack_ms, synchronises=True, after_idle_ms=after_idle_ms,
+                     after_lead_ms=after_lead_ms, carried_ms=carried_ms)

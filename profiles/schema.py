@@ -83,6 +83,23 @@ class ModelInfo(_Strict):
 COUNT_BYTES = 8  # per routed expert, a mixture-of-experts layer's exchange of how many copies it gets: an int64
 
 
+class PassIssue(_Strict):
+    """A layer's pass as its host issues it where its model's dropless MoE layers make the host wait
+    (planning/host.py `pass_issue`), as a function of the lead it starts with (how many ms the GPU's queue is ahead
+    of the host): the GPU waits max(0, `idle_ms` - lead) for the host up to the pass's first synchronisation (or
+    its end) and is then max(lead, `idle_ms`) + `slack_ms` ahead; where the pass synchronises it waits
+    `after_idle_ms` more, from the queue the synchronisation emptied, and ends `after_lead_ms` ahead, whatever the
+    lead. `carried_ms`: the wait the layer's own times hold (the queue carried over the model's layers), which a
+    stage's times replace by its own pass's (`stage_host_waits_ms`)."""
+
+    idle_ms: float = Field(ge=0)
+    slack_ms: float
+    synchronises: bool = False
+    after_idle_ms: float = Field(0.0, ge=0)
+    after_lead_ms: float = Field(0.0, ge=0)
+    carried_ms: float = Field(0.0, ge=0)
+
+
 class LayerProfile(_Strict):
     """One layer for one micro-batch. `bwd` is the full backward; `igrad` then `wgrad` split it as a
     zero-bubble schedule does (autograd.grad on the input, then on the weights; their sum can exceed
@@ -144,6 +161,8 @@ class LayerProfile(_Strict):
     # all-to-alls run beside them (planning/estimate.py `sharing_dispatcher`); 0: none holds any
     fwd_sharing_ms: float = Field(0.0, ge=0)
     bwd_sharing_ms: float = Field(0.0, ge=0)
+    # By pass (HOST_ISSUED), its issue where its model's layers make the host wait (None: they never do, or measured)
+    host_issue: dict[str, PassIssue] | None = None
     # How long one of its forward and backward products runs where they run persistent CTAs, their times' mean
     # weighted by their times (an estimate's, planning/estimate.py `persistent_product_ms`); 0: none or not known
     product_ms: float = Field(0.0, ge=0)
@@ -452,6 +471,8 @@ class Estimate(_Strict):
 PASSES = ("fwd", "bwd", "igrad", "wgrad")  # a layer's timed passes (`LayerProfile`)
 RING_TIMES = ("ring_fwd_ms", "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms")  # a stage sums its layers'
 SHARING_TIMES = ("fwd_sharing_ms", "bwd_sharing_ms")  # a stage sums its layers'
+# the passes a layer's `host_issue` holds: its four, and its forward and backward beside a dispatcher's all-to-alls
+HOST_ISSUED = ("fwd", "bwd", "igrad", "wgrad", "fwd_sharing", "bwd_sharing")
 
 Pass = Literal["fwd", "bwd", "igrad", "wgrad"]
 
@@ -620,13 +641,34 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
     its split backward's input half is empty, and the weight half does the whole backward, since its first
     layers' weight gradients need the input gradients of the layers after them."""
     def total(kind: str, scale: Sequence[float]) -> float:
-        return math.fsum(getattr(layers[i], kind).median_ms * scale[i] for i in range(start, stop))
+        return math.fsum(getattr(layers[i], kind).median_ms * scale[i] for i in range(start, stop)) + \
+            stage_host_waits_ms(layers, start, stop, kind)
 
     bwd_ms = total("bwd", bwd_scale)
     sends_input_grad = any(0 <= source < start for layer in layers[start:stop] for source in layer.inputs)
     return {"fwd_ms": total("fwd", fwd_scale), "bwd_ms": bwd_ms,
             "igrad_ms": total("igrad", bwd_scale) if sends_input_grad else 0.0,
             "wgrad_ms": total("wgrad", bwd_scale) if sends_input_grad else bwd_ms}
+
+
+def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name: str) -> float:
+    """What a stage's pass `name` (of HOST_ISSUED) waits for its host beyond the waits its layers' times hold
+    (`PassIssue`): each stage is a process of its own, whose host waits only where one of its own layers
+    synchronises, so a stage none of whose layers does waits for nothing, and one that does starts each pass with
+    its host not ahead, each layer from the queue the one before it left (the backward's last layer first)."""
+    issues = [layer.host_issue for layer in layers[start:stop]]
+    if any(issue is None for issue in issues):
+        return 0.0
+    carried = math.fsum(issue[name].carried_ms for issue in issues)
+    if not any(issue["fwd"].synchronises for issue in issues):
+        return -carried
+    lead = 0.0
+    waited = []
+    for issue in issues if name.startswith("fwd") else reversed(issues):
+        passed = issue[name]
+        waited.append(max(0.0, passed.idle_ms - lead) + passed.after_idle_ms)
+        lead = passed.after_lead_ms if passed.synchronises else max(lead, passed.idle_ms) + passed.slack_ms
+    return math.fsum(waited) - carried
 
 
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
@@ -665,7 +707,8 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),
             all_to_all_paired_ms=math.fsum(layer.all_to_all_paired_ms for layer in mine),
-            **{name: math.fsum(getattr(layer, name) for layer in mine) for name in SHARING_TIMES},
+            **{name: math.fsum(getattr(layer, name) for layer in mine)
+               + stage_host_waits_ms(layers, start, stop, name.removesuffix("_ms")) for name in SHARING_TIMES},
             expert_param_bytes=sum(layer.expert_param_bytes for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in RING_TIMES},
             ring_buffer_bytes=stage_ring_buffer_bytes(layers, start, stop),

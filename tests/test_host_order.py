@@ -6,12 +6,23 @@ where the host is free."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipesim.planning.estimate import Parallelism, estimate_layer, estimate_profile, links_of, node_placement
 from pipesim.planning.experts import expert_group
 from pipesim.planning.fp8 import Float8Forms
-from pipesim.planning.host import PASSES_ISSUED, Kernels, carried_waits_ms, issue_ms, pass_kernels, waited_ms
+from pipesim.planning.host import (
+    PASSES_ISSUED,
+    Kernels,
+    carried_waits_ms,
+    issue_ms,
+    pass_issue,
+    pass_kernels,
+    waited_ms,
+)
+from pipesim.profiles.schema import LayerProfile, stage_host_waits_ms
 from tests.test_expert_pair_order import DEVICE, H100, counted
 
 HOST_HEAVY = Kernels(10, 1.0, 0.1)  # ten kernels the host takes 1 ms each to issue and the GPU runs in 0.1 ms
@@ -60,17 +71,39 @@ def test_a_wait_for_the_gpu_makes_what_follows_it_add():
 
 def test_a_models_passes_carry_the_queue_from_layer_to_layer():
     """A dense layer, then two MoE layers of a host-heavy part before their dispatch and a GPU-heavy part after it.
-    The forward runs ahead until the first dispatch (the dense layer never waits), the first MoE layer waits for its
-    host-heavy part (9.1) and for its GPU-heavy part's first issue after the dispatch; each segment runs from one
-    dispatch to the next, so the second layer's host-heavy part is issued under the first's GPU-heavy tail (9.1 ms
-    queued) and waits for nothing. The backward starts from the queue the forward's last synchronisation emptied,
-    the last layer first, the dense layer issued under the queue the MoE layer before it left."""
+    The forward starts with the host not ahead: the dense layer waits for its issue (9.1, 0.1 queued after it), the
+    first MoE layer for its host-heavy part (9.0 with that 0.1) and its GPU-heavy part's first issue after the
+    dispatch; each segment runs from one dispatch to the next, so the second layer's host-heavy part is issued under
+    the first's GPU-heavy tail (9.1 ms queued) and waits for nothing. The backward starts from the queue the
+    forward's last synchronisation emptied, the last layer first, the dense layer issued under the queue the MoE
+    layer before it left."""
     dense = [HOST_HEAVY]
     moe = [HOST_HEAVY, Kernels(1, 0.0, 0.0, waits=True), GPU_HEAVY]
-    assert carried_waits_ms([dense, moe, moe], backward=False) == pytest.approx([0.0, 9.2, 0.1])
+    assert carried_waits_ms([dense, moe, moe], backward=False) == pytest.approx([9.1, 9.1, 0.1])
     assert carried_waits_ms([dense, moe, moe], backward=True) == pytest.approx([0.0, 0.1, 9.2])
-    assert carried_waits_ms([moe, dense], backward=False) == pytest.approx([9.2, 0.0])  # 9.1 queued
-    assert carried_waits_ms([moe, dense, dense], backward=False)[2] == pytest.approx(9.0)
+    assert carried_waits_ms([moe, dense, dense], backward=False) == pytest.approx([9.2, 0.0, 9.0])  # 9.1 queued
+
+
+def test_a_stage_composes_its_layers_issue_from_its_own_start():
+    """profiles/schema.py `stage_host_waits_ms` from each layer's `pass_issue`: a stage of the model's layers is the
+    recursion over its own layers from the host not ahead (the layers' times hold the model's, from the first
+    layer), whatever the lead each starts with; a stage with no synchronising layer (a process of its own that
+    never waits) waits for nothing."""
+    dense = [Kernels(4, 0.3, 0.2), Kernels(2, 0.1, 1.5, call_ms=0.4)]
+    moe = [Kernels(3, 0.2, 0.6, call_ms=1.0), Kernels(1, 0.0, 0.8, waits=True), Kernels(6, 0.9, 0.2),
+           Kernels(1, 0.0, 0.8), Kernels(2, 0.1, 1.2)]
+    model = [dense, moe, dense, moe, moe, dense]
+    for backward in (False, True):
+        name = "bwd" if backward else "fwd"
+        carried = carried_waits_ms(model, backward)
+        layers = [LayerProfile.model_construct(host_issue={
+            "fwd": pass_issue(kernels, carried[i]) if not backward else pass_issue(model[i], 0.0),
+            "bwd": pass_issue(kernels, carried[i])}) for i, kernels in enumerate(model)]
+        for start, stop in ((0, 6), (0, 2), (2, 5), (3, 6), (5, 6), (2, 3)):
+            stage = carried_waits_ms(model[start:stop], backward)
+            synced = any(run.waits for kernels in model[start:stop] for run in kernels)
+            expected_ms = sum(stage) - sum(carried[start:stop]) if synced else -sum(carried[start:stop])
+            assert stage_host_waits_ms(layers, start, stop, name) == pytest.approx(expected_ms, abs=1e-12)
 
 
 @pytest.mark.parametrize("host_kernel_us", [0.0, 12.0, 300.0])
@@ -104,3 +137,22 @@ def test_a_synchronising_moe_layer_is_at_least_the_bound_its_totals_give(host_ke
         whole_ms = sum(getattr(priced, name).median_ms for priced in profile.layers)
         assert whole_ms >= max(gpu_ms[name], issued_ms[name] - hidden_ms[name]) - 1e-9
         assert (whole_ms > gpu_ms[name] + 1e-9) == (host_kernel_us > 0.0)
+
+
+def test_each_stage_starts_its_passes_with_its_host_not_ahead():
+    """Stages of the small MoE at 300 us a kernel: the embedding's stage, whose host never waits, takes the GPU's
+    time; a stage of two blocks starts each pass from an empty queue, where its layers' times hold the queue the
+    model's layers before them left, so it takes at least their sum; one stage of the whole model takes the sum."""
+    parallel = Parallelism(pipeline=3, data=8, expert=8, host_kernel_us=300.0)
+    free = estimate_profile(counted(), H100, replace(parallel, host_kernel_us=0.0), bounds=[0, 1, 3, 6])
+    profile = estimate_profile(counted(), H100, parallel, bounds=[0, 1, 3, 6])
+    whole = estimate_profile(counted(), H100, replace(parallel, pipeline=1), bounds=[0, 6])
+    for name in ("fwd", "bwd", "igrad", "wgrad"):
+        assert getattr(profile.stages[0], f"{name}_ms") == pytest.approx(getattr(free.stages[0], f"{name}_ms"))
+        assert getattr(profile.layers[0], name).median_ms > getattr(free.layers[0], name).median_ms or name == "igrad"
+        summed_ms = sum(getattr(layer, name).median_ms for layer in profile.layers[1:3])
+        assert getattr(profile.stages[1], f"{name}_ms") >= summed_ms - 1e-9
+        if name in ("fwd", "bwd"):  # a first stage runs no input-gradient pass (`_summed`)
+            total_ms = sum(getattr(layer, name).median_ms for layer in whole.layers)
+            assert getattr(whole.stages[0], f"{name}_ms") == pytest.approx(total_ms, rel=1e-12)
+    assert profile.stages[1].fwd_ms > sum(layer.fwd.median_ms for layer in profile.layers[1:3]) + 1e-6
