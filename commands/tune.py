@@ -266,7 +266,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     the boundary tensors held as `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's
     counted already (the rest are counted here); `report` is told how many are done. Where no t suits, the
     estimates' refusal if every t tried got the same one (it is not about t), else which t's were tried. A searched
-    E the estimate refuses (a dispatcher or routing it cannot run) is left out; only E = 1's refusals count."""
+    E the estimate refuses is left out where another suits the t (E = 1 beside --token-dispatcher or
+    --hot-expert-share, which need E > 1; a dispatcher or routing that needs more ranks)."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
@@ -282,27 +283,28 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
         experts = counted.options.get("experts")
         degrees = [what.expert] if expert_given or not experts else [e for e in range(1, experts + 1)
                                                                       if experts % e == 0]
-        for t, e in itertools.product(tensors, degrees):
-            if report is not None:
-                report(f"estimating the model's profile for each t, b, recomputation and p: {len(settings)} done")
-            depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
-                                                           if devices % (t * p) == 0]
-            if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
-                depths = [p for p in depths if _experts_fit(what, t, devices // (t * p), e)]
-            try:
-                for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
-                    parallel = what.parallelism(p, t, devices // (t * p), kind, e)
-                    scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo), optimizer,
-                                                pp_runtime)
-                    fields = allocator_fields(allocator, counted, parallel, optimizer_step)
-                    settings.append(Setting(replace(scenario, **fields), t,
-                                            kind, (p,), e))
-            except InputError as exc:
-                if e != degrees[0]:  # a searched E > 1: the others may suit
-                    continue
+        for t in tensors:
+            made, refused = len(settings), []
+            for e in degrees:
+                if report is not None:
+                    report(f"estimating the model's profile for each t, b, recomputation and p: {len(settings)} done")
+                depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
+                                                               if devices % (t * p) == 0]
+                if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
+                    depths = [p for p in depths if _experts_fit(what, t, devices // (t * p), e)]
+                try:
+                    for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
+                        parallel = what.parallelism(p, t, devices // (t * p), kind, e)
+                        scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo),
+                                                    optimizer, pp_runtime)
+                        fields = allocator_fields(allocator, counted, parallel, optimizer_step)
+                        settings.append(Setting(replace(scenario, **fields), t, kind, (p,), e))
+                except InputError as exc:
+                    refused.append(exc)
+            if refused and (len(degrees) == 1 or len(settings) == made):  # a searched E refused: another may suit
                 if tensor:  # the user's t: say why it cannot be
-                    raise
-                refusals.add(str(exc))
+                    raise refused[-1]
+                refusals.add(str(refused[-1]))
     if not settings and len(refusals) == 1:  # the same refusal for every t tried: not about t, so say it
         raise InputError(refusals.pop())
     if not settings:

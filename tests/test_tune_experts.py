@@ -48,6 +48,19 @@ def test_e_is_searched_over_the_divisors_of_the_experts_each_layout_places(moe_s
     assert {setting.expert for setting in dense} == {1}
 
 
+def test_a_flag_that_needs_e_above_1_leaves_e_1_out_and_a_refusal_every_e_gets_is_said():
+    """--token-dispatcher runs between expert-parallel ranks, which E = 1 has none of: E = 1 is refused and every
+    other E searched, at the user's t too; where every E is refused (DeepEP holding every multiprocessor), that
+    refusal is the one line."""
+    dispatched = searched_settings(*FLAGS, "--tensor-parallel", 1, "--token-dispatcher", "deepep", model=MOE)
+    assert layouts(dispatched) == {(1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 2, 2), (1, 2, 4), (1, 4, 2)}
+    code, out, err = pipesim("tune", *MOE, *FLAGS, "--tensor-parallel", 1, "--token-dispatcher", "deepep",
+                             "--dispatcher-sms", 108)
+    assert code == 2 and out == "", err
+    assert err.strip().splitlines()[-1] == ("error: --dispatcher-sms 108 of the part's 108 multiprocessors leaves "
+                                            "none to compute on; give fewer")
+
+
 def test_search_over_e_equals_exhaustive_search_and_its_bounds_hold(moe_settings):
     """Under a cap that only the larger E's fit at p = 1, where the experts' weights are spread the most, and with
     every fixed order holding its setting's all-to-alls (each E's own order, not one shared by every E)."""
