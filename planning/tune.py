@@ -1229,7 +1229,7 @@ def _measured(problem: Problem, candidate: Candidate, reserve: bool = True
         candidate.params, minibatches=candidate.short_minibatches), candidate.bounds)
     long_trace = simulate(candidate.schedule, candidate.costs, links)
     if reserve:
-        scenario.add_reserve(candidate.schedule, long_trace)
+        _add_reserve(candidate, long_trace)
     long_run = summarize(long_trace)
     short_run = summarize(simulate(short, candidate.costs, links))
     growth_ms = (long_run.makespan_ms - short_run.makespan_ms) / (
@@ -1334,8 +1334,15 @@ def _steady_busiest_ms(schedule: Schedule, costs: Costs, busy_ms: np.ndarray, sh
 def _reserved_peak_bytes(candidate: Candidate, long_run: Trace) -> int:
     """The long run's peak with the caching allocator's reserve: `_measured`'s, for a result first simulated
     without it, from what `_floor` kept of that run's trace (which it adds the reserve to)."""
-    candidate.setting.scenario.add_reserve(candidate.schedule, long_run)
+    _add_reserve(candidate, long_run)
     return _peak_bytes(summarize(long_run))
+
+
+def _add_reserve(candidate: Candidate, trace: Trace) -> None:
+    """The caching allocator's reserve in the candidate's run, its stages' layers cut where its costs and memory
+    are (`candidate.bounds`, the partition searched under the memory cap), not at the scenario's own cut (the
+    profile's time-balanced one, `Scenario.cut`), which can differ (ZB-H2 at p = 32 on the 70B)."""
+    candidate.setting.scenario.add_reserve(candidate.schedule, trace, candidate.bounds)
 
 
 def _peak_bytes(run: Summary) -> int:

@@ -100,9 +100,9 @@ def counting_replays(patch) -> list[int]:
     replays = []
     real = scenario.Scenario.add_reserve
 
-    def add_reserve(self, schedule, trace):
+    def add_reserve(self, schedule, trace, bounds=None):
         replays.append(self.allocations is not None)
-        real(self, schedule, trace)
+        real(self, schedule, trace, bounds)
 
     patch.setattr(scenario.Scenario, "add_reserve", add_reserve)
     return replays
@@ -183,3 +183,30 @@ def test_a_replay_reads_the_long_run_its_simulation_kept_and_gives_the_peak_simu
     monkeypatch.undo()
     assert len({c.config.schedule for c in candidates}) > 3
     assert peaks == [tuning.evaluate(problem, candidate).peak_memory_bytes for candidate in candidates]
+
+
+def test_the_replay_cuts_the_layers_where_the_candidate_cuts_them(small_gpt_settings):
+    """A candidate's partition (searched under the memory cap) can differ from its profile's time-balanced cut
+    (`Scenario.cut`): the reserve replayed is the one of the candidate's own cut, where its costs and memory are,
+    both simulated at once (`evaluate`) and replayed later (`_Built.result`)."""
+    from pipesim.planning import tune as tuning
+    from pipesim.schedules import METHODS
+    from pipesim.sim import simulate
+    from pipesim.traces import summarize
+
+    def peak_bytes(candidate, bounds) -> int:
+        trace = simulate(candidate.schedule, candidate.costs, candidate.links)
+        candidate.setting.scenario.add_reserve(candidate.schedule, trace, bounds)
+        return round(summarize(trace).peak_memory_mb * (1 << 20))
+
+    problem = tuning.Problem(4, int(0.4 * tuning.GIB), 32, tuple(METHODS))
+    cut_apart = [candidate for candidate in tuning.prepare(small_gpt_settings, problem)[0]
+                 if candidate.bounds != candidate.setting.scenario.cut(candidate.schedule)]
+    own = [peak_bytes(candidate, candidate.bounds) for candidate in cut_apart]
+    balanced = [peak_bytes(candidate, candidate.setting.scenario.cut(candidate.schedule)) for candidate in cut_apart]
+    assert own != balanced  # the two cuts' reserves differ here
+    built = tuning._Built(problem, tuning._Orders())
+    for candidate in cut_apart:
+        built.floor(candidate)
+    assert [tuning.evaluate(problem, candidate).peak_memory_bytes for candidate in cut_apart] == own
+    assert [built.result(candidate).peak_memory_bytes for candidate in cut_apart] == own
