@@ -39,6 +39,7 @@ from .common import (
     is_given,
     load_profile_flag,
     refuse,
+    refused_with_flags,
     search_options,
     stderr,
     stdout,
@@ -267,7 +268,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     counted already (the rest are counted here); `report` is told how many are done. Where no t suits, the
     estimates' refusal if every t tried got the same one (it is not about t), else which t's were tried. A searched
     E the estimate refuses is left out where another suits the t (E = 1 beside --token-dispatcher or
-    --hot-expert-share, which need E > 1; a dispatcher or routing that needs more ranks)."""
+    --hot-expert-share, which need E > 1; a dispatcher or routing that needs more ranks), as is a searched t the
+    estimate refuses (--recompute op, modelled at t = 1 only); a given t it refuses is its one line."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
@@ -293,12 +295,13 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
                     depths = [p for p in depths if _experts_fit(what, t, devices // (t * p), e)]
                 try:
-                    for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
-                        parallel = what.parallelism(p, t, devices // (t * p), kind, e)
-                        scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo),
-                                                    optimizer, pp_runtime)
-                        fields = allocator_fields(allocator, counted, parallel, optimizer_step)
-                        settings.append(Setting(replace(scenario, **fields), t, kind, (p,), e))
+                    with refused_with_flags():  # the estimate's refusal of a layout (recompute op at t > 1)
+                        for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
+                            parallel = what.parallelism(p, t, devices // (t * p), kind, e)
+                            scenario = profile_scenario(estimated_profile(what, counted, parallel, optimizer, memo),
+                                                        optimizer, pp_runtime)
+                            fields = allocator_fields(allocator, counted, parallel, optimizer_step)
+                            settings.append(Setting(replace(scenario, **fields), t, kind, (p,), e))
                 except InputError as exc:
                     refused.append(exc)
             if refused and (len(degrees) == 1 or len(settings) == made):  # a searched E refused: another may suit

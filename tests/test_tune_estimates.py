@@ -203,3 +203,20 @@ def test_a_refusal_every_t_gets_is_the_estimates_own_not_a_t_problem():
     assert code == 2 and out == "", err
     assert err.strip().splitlines()[-1] == (f"error: --dispatcher-sms {sms} of the part's {sms} multiprocessors leaves "
                                             "none to compute on; give fewer")
+
+
+def test_recompute_op_leaves_out_the_searched_t_it_refuses_and_refuses_a_given_one_naming_both_flags():
+    """torchtitan's op policy is modelled at t = 1 only (planning/estimate.py): tune's t search keeps t = 1 and leaves
+    the rest out, as it does beside selective recomputation, where it searches them; a given t = 2 is that refusal
+    in one line, in the flags' names."""
+    from tests.test_tune_reserve import searched_settings
+
+    model = ("--gpu", "h100-sxm", "--model", "gpt", *itertools.chain(*(
+        (f"--{name.replace('_', '-')}", value) for name, value in GPT.items())))
+    flags = ("--devices", 4, "--batch-size", 8, "-b", 1)
+    assert {s.tensor for s in searched_settings(*flags, "--recompute", "selective", model=model)} == {1, 2, 4}
+    assert {(s.tensor, s.recompute) for s in searched_settings(*flags, "--recompute", "op", model=model)} == {(1, "op")}
+    code, out, err = pipesim("tune", *model, *flags, "--recompute", "op", "--tensor-parallel", 2)
+    assert code == 2 and out == "", err
+    assert err.strip() == ("error: --recompute op (torchtitan's selective op policy) is modelled for "
+                           "--tensor-parallel 1 only (got --tensor-parallel 2)")
