@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..choices import unknown_names
 from .asynchronous import ASYNCHRONOUS
 from .graph import GRAPH
 from .ir import Schedule, ScheduleError
@@ -28,10 +29,11 @@ METHODS: dict[str, Method] = {name: _ALL[name] for name in sorted(_ALL, key=lamb
 
 
 def method_named(name: str) -> Method:
-    """The method called `name`; an unknown name raises ScheduleError listing the known ones."""
+    """The method called `name`; an unknown name raises ScheduleError listing the known ones, naming --schedule,
+    the flag every command takes a method by (as simulate's and sweep's own check of it says)."""
     method = METHODS.get(name)
     if method is None:
-        raise ScheduleError(f"unknown schedule {name!r}; choose from {', '.join(METHODS)}")
+        raise ScheduleError(unknown_names("--schedule", [name], METHODS))
     return method
 
 

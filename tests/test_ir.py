@@ -145,7 +145,7 @@ def test_communication_pass_pairs_every_send_with_a_receive():
 def test_impossible_configurations_name_the_method():
     with pytest.raises(ScheduleError, match="1f1b places one model stage per device"):
         build_schedule("1f1b", ScheduleParams(4, 8, chunks=2))
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
+    with pytest.raises(ScheduleError, match="--schedule: unknown 'zb'"):
         build_schedule("zb", ScheduleParams(4, 8))
     with pytest.raises(ScheduleError, match="microbatches must be a whole number >= 1"):
         ScheduleParams(4, 0)

@@ -90,7 +90,7 @@ def profile(tmp_path_factory):
 
 
 BAD = {
-    "unknown schedule": (["--schedule", "nope", *SMALL_MLP], "unknown schedule 'nope'"),
+    "unknown schedule": (["--schedule", "nope", *SMALL_MLP], "--schedule: unknown 'nope'; choose from gpipe"),
     "more stages than layers": (["--schedule", "1f1b", *SMALL_MLP, "--stages", 5],
                                 "--stages 5: mlp of 3 blocks (--layers) has 4 layers in all; give at most 4 stages"),
     "nccl without a GPU": (["--schedule", "1f1b", *SMALL_MLP, "--backend", "nccl"], "backend 'nccl'"),

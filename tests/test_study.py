@@ -127,7 +127,7 @@ def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_pa
     (("--optimizer", "rmsprop"), "--optimizer rmsprop: choose from"),
     (("--optimizer", "adam=-1"), "finite number > 0"),
     (("--optimizer", "adam", "--optimizer", "adam=0.01"), "given twice"),
-    (("-s", "nosuch"), "unknown schedule 'nosuch'"),
+    (("-s", "nosuch"), "--schedule: unknown 'nosuch'"),
     (("-s", "pipedream-2bw", "-p", 4, "-m", 2, "--layers", 8), "m >= p-1"),
     (("-p", 4, "--layers", 2), "--stages 4"),
     (("--prediction", "guess"), "--prediction: choose from"),

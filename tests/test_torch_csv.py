@@ -305,7 +305,7 @@ def csv_file(tmp_path):
 @pytest.mark.parametrize("make_args,fragment", [
     (lambda f, d: ["export", "-s", "1f1b", "--format", "json", "--out", f"{d}/x"], "--format: unknown 'json'"),
     (lambda f, d: ["export", "-s", "pipedream", "--format", "torch-csv", "--out", f"{d}/x"], "synchronous"),
-    (lambda f, d: ["export", "-s", "nope", "--format", "torch-csv", "--out", f"{d}/x"], "unknown schedule 'nope'"),
+    (lambda f, d: ["export", "-s", "nope", "--format", "torch-csv", "--out", f"{d}/x"], "--schedule: unknown 'nope'"),
     (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv", "--out", f"{d}/no/x"], "--out: cannot write"),
     (lambda f, d: ["export", "-s", "1f1b", "--format", "torch-csv"], "Missing option '--out'"),
     (lambda f, d: ["export", "-s", "auto", "--format", "torch-csv", "--out", f"{d}/x"],
