@@ -661,9 +661,13 @@ def allocator_fields(allocator: str, counted, parallel, optimizer_step: str = "h
     and `allocations`, what caching or expandable replays (`layer_allocations`, with Megatron-LM's optimizer step
     under --optimizer-step megatron): none without --gpu (`counted` None), with --allocator none, or for a
     mixture of experts, whose count is a whole layer's, every expert's, which the estimate divides by t·C but not
-    by the E ranks sharing them."""
+    by the E ranks sharing them (so --optimizer-step megatron, which only a replay runs, is refused there)."""
     fields = {"expandable_segments": allocator == "expandable", "allocations": None}
-    if counted is not None and allocator != "none" and not any(layer.dispatched_bytes for layer in counted.layers):
+    experts = counted is not None and any(layer.dispatched_bytes for layer in counted.layers)
+    if experts and optimizer_step == "megatron":  # no replay to put the step in: refused, not ignored
+        raise InputError("--optimizer-step megatron: the caching allocator replays no mixture of experts' steps (its "
+                         "count is every expert's, not a rank's); leave --optimizer-step held")
+    if counted is not None and allocator != "none" and not experts:
         from ..planning.estimate import EstimateError, layer_allocations
 
         try:

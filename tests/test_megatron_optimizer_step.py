@@ -135,3 +135,19 @@ def test_tune_refuses_optimizer_step_megatron_where_it_cannot_run_in_one_line():
     code, out, err = pipesim(*TUNE_ONE, "--optimizer-step", "megatron", "--allocator", "none")
     assert (code, out) == (2, "") and "give --gpu NAME, --model and --allocator caching" in err
     assert len(err.strip().splitlines()) == 1
+
+
+MOE = ["--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "2", "--width", "128", "--heads", "4", "--seq-len",
+       "256", "--vocab", "1000", "--gated", "--experts", "8", "--dtype", "fp16", "--optimizer-step", "megatron"]
+
+
+@pytest.mark.parametrize("command", [["simulate", *MOE, "-p", "2", "--data-parallel", "8", "-m", "4", "-s", "1f1b"],
+                                     ["tune", *MOE, *TUNE_ONE[TUNE_ONE.index("-D"):-1]]])
+def test_optimizer_step_megatron_is_refused_for_a_mixture_of_experts_which_no_replay_runs(command):
+    """A mixture of experts' allocations are not replayed (commands/common.py `allocator_fields`), so the flag
+    would change nothing: one line saying so, not the held step's figures."""
+    from tests.conftest import pipesim
+
+    code, out, err = pipesim(*command)
+    assert (code, out) == (2, "") and "replays no mixture of experts' steps" in err
+    assert len(err.strip().splitlines()) == 1
