@@ -6,6 +6,7 @@ where the host is free."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -156,3 +157,50 @@ def test_each_stage_starts_its_passes_with_its_host_not_ahead():
             total_ms = sum(getattr(layer, name).median_ms for layer in whole.layers)
             assert getattr(whole.stages[0], f"{name}_ms") == pytest.approx(total_ms, rel=1e-12)
     assert profile.stages[1].fwd_ms > sum(layer.fwd.median_ms for layer in profile.layers[1:3]) + 1e-6
+
+
+def _random_pass(rng, waits: bool) -> list[Kernels]:
+    """A pass of 1-6 runs of random sizes and costs, an all-to-all's GPU time the host issues under among them (one
+    that waits first where `waits`, as `pass_kernels` places a dropless dispatch)."""
+    runs = [Kernels(rng.randint(1, 5), rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0),
+                    rng.choice((0.0, rng.uniform(0.0, 2.0)))) for _ in range(rng.randint(1, 6))]
+    if waits or rng.random() < 0.5:
+        runs.insert(rng.randint(0, len(runs) - 1), Kernels(1, 0.0, rng.uniform(0.0, 3.0), waits=waits))
+    return runs
+
+
+def test_random_passes_keep_the_floor_the_ceiling_and_their_map_of_the_lead():
+    """Random passes (seeded): from an empty queue each ends no sooner than the longer of its GPU time and its
+    host's issue (the all-to-alls' GPU time among the GPU's, so issue - all-to-alls against the rest) and no later
+    than their sum; from any lead, `pass_issue`'s max-plus map gives `waited_ms`'s wait and the queue it leaves."""
+    rng = random.Random(20261130)
+    for _ in range(400):
+        kernels, lead_ms = _random_pass(rng, rng.random() < 0.5), rng.choice((0.0, rng.uniform(0.0, 10.0)))
+        gpu_ms = sum(run.count * run.gpu_ms for run in kernels)
+        host_ms = sum(run.call_ms + run.count * run.host_ms for run in kernels)
+        assert max(gpu_ms, host_ms) - 1e-9 <= end_ms(kernels) <= gpu_ms + host_ms + 1e-9
+        issue = pass_issue(kernels, 0.0)
+        waited = max(0.0, issue.idle_ms - lead_ms) + issue.after_idle_ms
+        left = issue.after_lead_ms if issue.synchronises else max(lead_ms, issue.idle_ms) + issue.slack_ms
+        assert (waited, left) == pytest.approx(waited_ms(kernels, lead_ms), abs=1e-9)
+
+
+def test_random_stages_compose_their_layers_issue_as_the_recursion_over_them_does():
+    """Random models of dense and synchronising layers cut at random (seeded): a stage's forward and backward as
+    `stage_host_waits_ms` composes them from each layer's `pass_issue` are `carried_waits_ms` over its own layers
+    from the host not ahead (none where no layer of its own waits), less what the layers' times hold."""
+    rng = random.Random(1454218)
+    for _ in range(60):
+        synced = [rng.random() < 0.5 for _ in range(rng.randint(1, 7))]
+        forward = [_random_pass(rng, waits) for waits in synced]
+        backward = [_random_pass(rng, False) for _ in synced]
+        carried = {"fwd": carried_waits_ms(forward, False), "bwd": carried_waits_ms(backward, True)}
+        layers = [LayerProfile.model_construct(host_issue={
+            "fwd": pass_issue(forward[i], carried["fwd"][i]), "bwd": pass_issue(backward[i], carried["bwd"][i])})
+            for i in range(len(synced))]
+        start = rng.randrange(len(synced))
+        stop = rng.randint(start + 1, len(synced))
+        for name, passes in (("fwd", forward), ("bwd", backward)):
+            own_ms = sum(carried_waits_ms(passes[start:stop], name == "bwd")) if any(synced[start:stop]) else 0.0
+            assert stage_host_waits_ms(layers, start, stop, name) == pytest.approx(
+                own_ms - sum(carried[name][start:stop]), abs=1e-9)
