@@ -424,6 +424,50 @@ def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
         assert kind_pixels(v.screenshot, rgb, tolerance=8).sum() > 40, f"no dot of colour {colour} on the page"
 
 
+@needs_chromium
+def test_sixteen_devices_lanes_stay_apart_and_the_memory_legend_shows_every_device(tmp_path):
+    """16 devices with send and receive lanes on a 1000 x 800 window: the memory legend (7 parts, 16 devices) lies
+    in rows under the memory panel, whole and unscrolled, and takes no height from the lanes, which stay at
+    least 16 px apart (beside the panel, it scrolled and squeezed them to 9 px)."""
+    from tests.conftest import pipesim
+
+    page = tmp_path / "p16.html"
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 16, "-m", 32, "--comm", 0.2, "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test", width=1000, height=800)
+    assert_healthy(v)
+    lanes = v.geometry["lanes"]
+    assert len(lanes) == 16 * 3  # compute, send, receive
+    assert min(b - a for a, b in zip(lanes, lanes[1:])) >= 15.9, lanes[:6]
+    (panel,) = v.geometry["memory"]
+    legend, figure = v.geometry["memory_legend"], v.geometry["figure"]
+    assert not legend["scrolls"]
+    _, legend_top, _, legend_height = legend["box"]
+    assert legend_top >= panel["plot"][1] + panel["plot"][3]  # under the panel
+    assert legend_top + legend_height <= figure[1] + figure[3] + 1  # within the figure
+    assert legend["box"][0] + legend["box"][2] <= figure[0] + figure[2] + 1
+    assert len(panel["lines_listed"]) == 16
+
+
+@needs_chromium
+def test_the_memory_panel_draws_each_devices_capacity_as_a_labelled_dashed_line(tmp_path):
+    """A cluster whose devices 0-2 hold 1.25 GiB and device 3 2 GiB: one line per capacity, naming its devices,
+    and the axis reaches the highest, so device 0's 1,288 MiB peak shows above its 1,280 MiB."""
+    from tests.conftest import pipesim
+
+    cluster, page = tmp_path / "c.json", tmp_path / "c.html"
+    cluster.write_text(json.dumps({"devices": [{"name": f"gpu{d}", "memory_gib": gib}
+                                               for d, gib in enumerate((1.25, 1.25, 1.25, 2))]}))
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 4, "-m", 8, "--cluster", cluster, "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test", height=1100)
+    assert_healthy(v)
+    assert v.geometry["capacity"] == [
+        {"axis": "y2", "mib": 1280, "label": "device 0, device 1, device 2: memory 1,280 MiB"},
+        {"axis": "y2", "mib": 2048, "label": "device 3: memory 2,048 MiB"}]
+    assert v.geometry["memory"][0]["range"][1] >= 2048
+
+
 if __name__ == "__main__":
     target, out = Path(sys.argv[1]), Path(sys.argv[2])
     size = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (1400, 1000)

@@ -315,3 +315,27 @@ def test_an_estimates_activations_are_stacked_by_what_saves_them(tmp_path):
     top = decode_column(parts["stack"][-1])
     assert top.max() == pytest.approx(trace.counters["memory_bytes"][parts["device"]].values.max() / MIB)
     assert trace_data(_trace("1f1b", 4, 8, 2))["memory"]["parts"]["names"][3] == "activations"
+
+
+def test_the_page_holds_each_devices_memory_capacity_for_its_dashed_line(trace):
+    """Capacities given per trace and device reach the page in MiB (None where unknown, and for all without
+    them); a list that does not match the traces' devices is refused."""
+    limits = [80 * 1024 * MIB, 80 * 1024 * MIB, None, 40 * 1024 * MIB]
+    data = _page_data(timeline_page([trace, trace], memory_limits_bytes=[limits, None]))
+    assert [t["memory"]["limits_mib"] for t in data["traces"]] == [[81920, 81920, None, 40960], [None] * 4]
+    with pytest.raises(ValueError, match="one limit per device"):
+        timeline_page([trace], memory_limits_bytes=[limits[:3]])
+    with pytest.raises(ValueError, match="one list per trace"):
+        timeline_page([trace, trace], memory_limits_bytes=[limits])
+
+
+def test_simulate_gpu_page_carries_the_gpus_memory_for_each_device(tmp_path):
+    """`simulate --gpu h100-sxm --html` hands the page each device's 80 GiB (81,920 MiB), the memory the table's
+    fits / OOM column checks against."""
+    from tests.conftest import pipesim
+
+    page = tmp_path / "page.html"
+    code, _, err = pipesim("simulate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 4, "--width", 256,
+                           "--heads", 4, "--seq-len", 128, "-p", 2, "-m", 4, "-s", "1f1b", "--html", page)
+    assert code == 0, err
+    assert _page_data(page.read_text())["traces"][0]["memory"]["limits_mib"] == [81920, 81920]

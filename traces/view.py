@@ -151,9 +151,11 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
             "stack": [encode_column(level.astype(np.float64)) for level in stack]}
 
 
-def trace_data(trace: Trace, label: str | None = None, summary: Summary | None = None) -> dict[str, Any]:
+def trace_data(trace: Trace, label: str | None = None, summary: Summary | None = None,
+               memory_limits_bytes: Sequence[int | None] | None = None) -> dict[str, Any]:
     """What the page needs of one trace: its op columns, memory per device (MiB, the last value held to the
-    end of the run), summary and shape."""
+    end of the run) with each device's capacity where known (`memory_limits_bytes`, one per device, None:
+    unknown; the page draws it as a dashed line over the device's curve), summary and shape."""
     ops = trace.ops
     summary = summary or summarize(trace)
     meta = trace.meta
@@ -171,7 +173,9 @@ def trace_data(trace: Trace, label: str | None = None, summary: Summary | None =
         memory = {"counts": counts, "t_us": encode_column(np.concatenate(times)),
                   "mib": encode_column(np.concatenate(values).astype(np.float64)),
                   "colors": sample_colorscale("Viridis", np.linspace(0, 0.85, max(len(counters), 2)).tolist()),
-                  "parts": stacked_memory(trace, end_us)}
+                  "parts": stacked_memory(trace, end_us),
+                  "limits_mib": [None if limit is None else limit / MIB
+                                 for limit in memory_limits_bytes or (None,) * len(counters)]}
     return {
         "label": label or meta.schedule,
         "kinds": list(trace.kinds),
@@ -282,7 +286,8 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
 def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: Sequence[str] | None = None,
                   summaries: Sequence[Summary] | None = None,
                   views: Sequence[tuple[str, Sequence[int]]] | None = None, notes: Sequence[str] = (),
-                  figures: Sequence[tuple[str, go.Figure]] = ()) -> str:
+                  figures: Sequence[tuple[str, go.Figure]] = (),
+                  memory_limits_bytes: Sequence[Sequence[int | None]] | None = None) -> str:
     """The HTML of the timeline page for `traces`.
 
     `labels` name the traces (default: their schedules); `summaries` are their `summarize` results (computed
@@ -291,7 +296,8 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     one view per trace. With two traces or more, a chart comparing them (`summary_figure`: samples/s, time per
     mini-batch, bubble, peak memory; the selected view's traces highlighted) heads the page. `notes` are lines
     shown under the title (methods that could not run, say); `figures` are small (SVG) figures with a heading
-    each, under the timeline (compare's error panel).
+    each, under the timeline (compare's error panel). `memory_limits_bytes` holds, per trace, each device's
+    memory (None: unknown), drawn as a dashed line at that height over its memory curve, so what does not fit shows.
     """
     traces = list(traces)
     if not traces:
@@ -300,6 +306,10 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     summaries = list(summaries) if summaries is not None else [summarize(t) for t in traces]
     if not len(labels) == len(summaries) == len(traces):
         raise ValueError("timeline_page: one label and one summary per trace")
+    limits = list(memory_limits_bytes) if memory_limits_bytes is not None else [None] * len(traces)
+    if len(limits) != len(traces) or any(device_limits is not None and len(device_limits) != trace.num_devices
+                                         for device_limits, trace in zip(limits, traces)):
+        raise ValueError("timeline_page: memory limits need one list per trace, one limit per device")
     if views is None:
         views = [(label, [i]) for i, label in enumerate(labels)]
     for name, members in views:
@@ -309,7 +319,7 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     data = {
         "title": title,
         "notes": list(notes),
-        "traces": [trace_data(t, label, s) for t, label, s in zip(traces, labels, summaries)],
+        "traces": [trace_data(t, label, s, limit) for t, label, s, limit in zip(traces, labels, summaries, limits)],
         "views": [{"name": name, "traces": list(members)} for name, members in views],
         "summary": summary_figure(traces, labels, summaries, views[0][1]) if len(traces) > 1 else None,
     }
@@ -474,11 +484,16 @@ _TIMELINE_JS = r"""
   const LOD_OPS = 20000;    // above this many ops in a view, ops under 2 px are pooled per pixel column
   const MAX_MEMORY_LINES = 16;  // a trace with more devices than this: its memory as a heatmap, a row per device
   const MAX_TIMELINE_PX = 1100, MIN_LANE_PX = 5, MAX_LANE_PX = 24, MEMORY_PX = 220, GAP_PX = 56;
+  // Lanes grow to LABEL_PX, every lane then labelled (11 px text), while the timeline stays under GROWN_PX:
+  // 16 devices with send, receive and network lanes (DeepSeek-V3 on 16 stages) read apart, not touching.
+  const LABEL_PX = 16, GROWN_TIMELINE_PX = 2400;
+  const MEMORY_LEGEND_GAP_PX = 48;  // from the memory panel's bottom to its legend, under the time axis' title
   const PANEL_PX = 170, PANEL_GAP_PX = 36;  // a view of several traces: one memory panel each, on its own axis
   const LEGEND_GAP_PX = 8;  // at least this between the title and the kinds' legend under it
   // The title's fonts (plotly's default family), and the width of the mode bar at the figure's top right.
   const FONT_FAMILY = "'Open Sans', verdana, arial, sans-serif", TITLE_PX = 14, SHAPE_PX = 12, MODEBAR_PX = 260;
   const STREAM_NAMES = ["", " send", " recv", " network"], NS = STREAM_NAMES.length;
+  const LIMIT_COLOR = "#c0392b";  // the dashed line at a device's memory capacity
   const gd = document.getElementById("timeline");
   const tip = document.getElementById("tip");
   const CONFIG = {displaylogo: false, scrollZoom: true, responsive: true};
@@ -533,7 +548,8 @@ _TIMELINE_JS = r"""
     let end = 0;
     for (let i = 0; i < t.n; i++) end = Math.max(end, start[i] + dur[i]);
     return Object.assign({}, t, {c, start, dur, end, memory, memoryParts,
-                                 memoryColors: t.memory ? t.memory.colors : []});
+                                 memoryColors: t.memory ? t.memory.colors : [],
+                                 memoryLimits: t.memory ? t.memory.limits_mib : []});
   }
 
   // ---- a view: lanes, bars per kind, hit index --------------------------------------------------------
@@ -550,8 +566,9 @@ _TIMELINE_JS = r"""
     for (let d = 0; d < devices; d++) for (let s = 0; s < NS; s++) members.forEach((T, m) => {
       if (d < T.num_devices && laneOf[m][d * NS + s] === 0) {
         laneOf[m][d * NS + s] = lanes.length;
+        const of = many ? " \u00b7 " + T.label : "";
         lanes.push({device: d, stream: s, member: m, y: lanes.length + GAP * d,
-                    label: T.device_names[d] + STREAM_NAMES[s] + (many ? " \u00b7 " + T.label : "")});
+                    label: T.device_names[d] + STREAM_NAMES[s] + of, short: STREAM_NAMES[s].trim() + of});
       }
     });
     const rows = lanes.map(() => []);
@@ -709,21 +726,48 @@ _TIMELINE_JS = r"""
   function mib(v) { return v === null ? "n/a (not recorded)" : fmt(v, 0) + " MiB"; }  // unknown is not 0
   function esc(s) { return String(s).replace(/[&<>"']/g, ch => "&#" + ch.charCodeAt(0) + ";"); }
 
+  // A dashed line across the panel at each device's memory capacity (one per distinct capacity, naming its
+  // devices unless all share it), labelled under it (above, plotly's clip cuts it off where the line tops
+  // the axis): the axis reaches it, so a curve above it is what does not fit.
+  function capacityLines(T, rows, axis, many) {
+    const limits = T.memoryLimits;
+    const byLimit = new Map();
+    rows.forEach(({device}) => {
+      const limit = limits[device];
+      if (limit === null || limit === undefined) return;
+      if (!byLimit.has(limit)) byLimit.set(limit, []);
+      byLimit.get(limit).push(T.device_names[device]);
+    });
+    return [...byLimit].map(([limit, names]) => {
+      const who = names.length === rows.length ? (rows.length > 1 ? "each device's" : esc(names[0]) + "'s")
+        : esc(names.slice(0, 3).join(", ") + (names.length > 3 ? " and " + (names.length - 3) + " more" : "")) + ":";
+      return {type: "line", xref: "x domain", x0: 0, x1: 1, yref: axis, y0: limit, y1: limit, layer: "above",
+              line: {color: LIMIT_COLOR, width: 1.5, dash: "dash"},
+              label: {text: who + " memory " + fmt(limit, 0) + " MiB" + (many ? " \u00b7 " + esc(T.label) : ""),
+                      textposition: "end", yanchor: "top", font: {size: 10, color: LIMIT_COLOR}}};
+    });
+  }
+
   function figure(built, columns) {
     const {lanes, members} = built;
     const hasMemory = built.panels.length > 0;
     const span = (lanes.length ? lanes[lanes.length - 1].y : 0) + 1.6;
-    const lanePx = Math.max(MIN_LANE_PX, Math.min(MAX_LANE_PX, MAX_TIMELINE_PX / span));
+    const lanePx = Math.min(MAX_LANE_PX, Math.max(MAX_TIMELINE_PX / span,
+                                                  Math.min(LABEL_PX, Math.max(MIN_LANE_PX, GROWN_TIMELINE_PX / span))));
     const timelinePx = Math.max(lanePx * span, 110);
     const margin = {t: 0, b: 50, l: 0, r: 20};
-    // Tick labels no closer than 11 px: label every k-th device where lanes are thin.
+    // Tick labels no closer than LABEL_PX: label every k-th device where lanes are thin.
     const devices = lanes.length ? lanes[lanes.length - 1].device + 1 : 1;
     const devicePx = lanePx * (lanes.length / devices + GAP);  // from one device's first lane to the next's
-    const every = Math.ceil(11 / devicePx);
-    const shown = lanes.filter(l => lanePx >= 11 || (l.stream === 0 && l.member === 0 && l.device % every === 0));
-    margin.l = 24 + 6.5 * Math.max(8, ...shown.map(l => l.label.length));
+    const every = Math.ceil(LABEL_PX / devicePx);
+    const all = lanePx >= LABEL_PX - 0.01;
+    const shown = lanes.filter(l => all || (l.stream === 0 && l.member === 0 && l.device % every === 0));
+    // A device's first lane names it; its send, receive and network lanes under it say only which they are.
+    const named = l => l.stream === 0 || !l.short;
+    const tickText = l => (named(l) ? l.label : "<span style='color:#777;font-size:10px'>" + l.short + "</span>");
+    margin.l = 24 + 6.5 * Math.max(8, ...shown.map(l => (named(l) ? l.label : l.short).length));
     const memoryLegend = built.panels.some(panel => !panel.heatmap);
-    if (hasMemory) margin.r = memoryLegend ? 100 : 80;  // the memory legend, or the heatmaps' colour bars
+    if (hasMemory && built.panels.some(panel => panel.heatmap)) margin.r = 80;  // the heatmaps' colour bars
     const title = viewTitle(built, columns - margin.l);
     margin.t = 46 + 20 * title.split("<br>").length;
     const panelPx = built.panels.length > 1 ? PANEL_PX : MEMORY_PX;
@@ -750,7 +794,7 @@ _TIMELINE_JS = r"""
     // Device colours from the trace with the most devices, so "device d" looks the same in every panel.
     const palette = members.reduce((most, T) => (T.memoryColors.length > most.length ? T.memoryColors : most), []);
     const inLegend = new Set();
-    const axes = {}, headings = [];
+    const axes = {}, headings = [], shapes = [];
     built.panels.forEach((panel, j) => {
       const T = members[panel.member], axis = "y" + (j + 2);
       const bottom = (built.panels.length - 1 - j) * (panelPx + PANEL_GAP_PX);
@@ -800,6 +844,7 @@ _TIMELINE_JS = r"""
         });
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "MiB" : "memory (MiB)"},
                                    gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
+        shapes.push(...capacityLines(T, panel.rows, axis, many));
       }
       if (many) {
         headings.push({text: "<b>memory of " + esc(T.label) + "</b> (its own scale)", x: 0, xref: "paper",
@@ -816,22 +861,26 @@ _TIMELINE_JS = r"""
       xaxis: {anchor: hasMemory ? "y" + (built.panels.length + 1) : "y", title: {text: "time (ms)"}, range: [0, xEnd],
               gridcolor: "#ececec", zeroline: false, showline: true, linecolor: "#999"},
       yaxis: {domain: [split, 1], anchor: "x", range: [span - 0.8, -0.8], tickvals: shown.map(l => l.y),
-              ticktext: shown.map(l => l.label), showgrid: false, zeroline: false, ticks: "", tickfont: {size: 11},
+              ticktext: shown.map(tickText), showgrid: false, zeroline: false, ticks: "", tickfont: {size: 11},
               ticklabelstandoff: 4},
     };
     Object.assign(layout, axes);
     layout.annotations = headings;
+    layout.shapes = shapes;
     if (memoryLegend) {
       // One trace's parts are its fullest device's, which the title names; several traces' hovers name theirs.
       const stacked = members.filter(T => T.memoryParts);
       const of = stacked.length === 1 ? T => esc(T.device_names[T.memoryParts.device]) + "'s" : () => "fullest";
-      layout.legend2 = {x: 1.01, xanchor: "left", y: memoryPx / plotPx, yanchor: "top",
-                        title: {text: "memory" + (stacked.length ? "<br><span style='font-size:10px'>filled: " +
-                                                  of(stacked[0]) + " parts;<br>click a device for its line</span>"
-                                                  : "")}};
+      // Across the page under the time axis, in rows: beside the panel, 7 parts and 16 devices ran past the
+      // figure's foot and scrolled, hiding the devices, and squeezed the plots (`fitPlotHeight` gives it room).
+      layout.legend2 = {orientation: "h", x: 0, xanchor: "left", y: -MEMORY_LEGEND_GAP_PX / plotPx, yanchor: "top",
+                        title: {side: "top",
+                                text: "memory" + (stacked.length ? " <span style='font-size:10px'>(filled: " +
+                                      of(stacked[0]) + " parts; click a device for its line)</span>" : "")}};
     }
     built.span = span;
     built.barPx = barPx;
+    built.plotPx = plotPx;
     return {data, layout};
   }
 
@@ -970,6 +1019,7 @@ _TIMELINE_JS = r"""
     shownView = null;
     await Plotly.react(gd, data, layout, CONFIG);
     await legendUnderTitle(layout);
+    await fitPlotHeight(b);
     shownView = b;
     await fitBars(b);
     record(b);
@@ -1005,8 +1055,16 @@ _TIMELINE_JS = r"""
     }
   }
 
-  // Where the lanes are on the page (the browser test checks a screenshot's bars against them), the title and
-  // the kinds' legend, and the range and place of each memory panel's axis.
+  // plotly makes room for a legend outside the plots by taking it from them (16 devices' lanes went from 15 px
+  // to 9 px apart): the figure grows by what they lost instead.
+  async function fitPlotHeight(b) {
+    const fl = gd._fullLayout, lost = fl ? b.plotPx - fl._size.h : 0;
+    if (lost > 0.5) await Plotly.relayout(gd, {height: fl.height + Math.ceil(lost)});
+  }
+
+  // Where the lanes are on the page (the browser test checks a screenshot's bars against them), the title, the
+  // kinds' legend, the memory legend (and whether it scrolls), the capacity lines, and the range and place of
+  // each memory panel's axis.
   function record(b) {
     const fl = gd._fullLayout, ya = fl.yaxis, xa = fl.xaxis, box = gd.getBoundingClientRect();
     const top = box.top + window.scrollY + ya._offset, left = box.left + window.scrollX + xa._offset;
@@ -1015,12 +1073,16 @@ _TIMELINE_JS = r"""
       return [r.left + window.scrollX, r.top + window.scrollY, r.width, r.height];
     };
     const toPx = y => top + (y - ya.range[1]) / (ya.range[0] - ya.range[1]) * ya._length;
+    const memoryLegend = gd.querySelector("g.legend2"), scrollbar = gd.querySelector("g.legend2 .scrollbar");
     gd.dataset.geometry = JSON.stringify({
       plot: [left, top, xa._length, ya._length], bar_px: b.barPx,
       points: gd.data.reduce((total, d) => total + (d.x ? d.x.length : 0), 0),
       lanes: b.lanes.map(l => toPx(l.y)),
       title: onPage(gd.querySelector(".gtitle")), legend: onPage(gd.querySelector("g.legend")),
-      modebar: onPage(gd.querySelector(".modebar")),
+      modebar: onPage(gd.querySelector(".modebar")), figure: onPage(gd),
+      memory_legend: memoryLegend && {box: onPage(memoryLegend),
+                                      scrolls: Boolean(scrollbar && scrollbar.getBoundingClientRect().height > 0)},
+      capacity: (fl.shapes || []).map(s => ({axis: s.yref, mib: s.y0, label: s.label.text})),
       memory: b.panels.map((panel, j) => {
         const axis = fl["yaxis" + (j + 2)];
         const T = b.members[panel.member], parts = T.memoryParts;
