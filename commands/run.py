@@ -17,6 +17,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from ..traces.metrics import rate_text
 from .common import (
     SEARCH_COSTS,
     ActivationLimit,
@@ -63,7 +64,7 @@ from .common import (
     too_few_layers,
     write_error,
 )
-from .tables import print_table, rate_text
+from .tables import print_table
 
 DEVICES = ("cpu", "cuda")
 DataParallel = Annotated[int, typer.Option(

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
+from ..traces.metrics import rate_text
 from .common import (
     ActivationLimit,
     Advance,
@@ -70,7 +71,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, tensor_span_text, what_if
-from .tables import print_table, rate_text
+from .tables import print_table
 
 EXAMPLE = {"stages": 4, "microbatches": 8, "comm": "0.1", "opt": 0.1, "html": Path("pipesim-example.html")}
 PROBE_MINIBATCHES = 2  # the fewest that show whether an order flushes (see steady_minibatches)

@@ -11,6 +11,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..traces.metrics import rate_text
 from .common import (
     Allocator,
     BlockingComm,
@@ -45,7 +46,7 @@ from .common import (
     zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, what_if
-from .tables import print_table, rate_text
+from .tables import print_table
 
 
 @optional_what_if_options

@@ -8,7 +8,6 @@ needs."""
 from __future__ import annotations
 
 import copy
-import math
 import os
 import re
 from collections.abc import Iterator
@@ -25,13 +24,6 @@ from .common import stdout
 SHORT_CELL = 12  # characters: a cell this short is a value ("2,875.9 ms", "8.6%"), never wrapped
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
 WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
-
-
-def rate_text(per_s: float) -> str:
-    """A rate (samples/s) to one decimal, and below 1 to two significant digits: a 405B model's 0.176 and 0.233
-    samples/s, one method a third faster than the other, would both read 0.2."""
-    decimals = 1 if not 0 < per_s < 1 else 1 - math.floor(math.log10(per_s))
-    return f"{per_s:,.{decimals}f}"
 
 
 def available_width(console: Console) -> int | None:

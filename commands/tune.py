@@ -21,6 +21,7 @@ from rich import box
 from rich.table import Table
 
 from ..choices import unknown_names
+from ..traces.metrics import rate_text
 from ..units import GIB
 from .common import (
     Allocator,
@@ -47,7 +48,7 @@ from .common import (
     with_help,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, what_if
-from .tables import print_table, rate_text
+from .tables import print_table
 
 if TYPE_CHECKING:
     from ..profiles.workload import WorkloadCount

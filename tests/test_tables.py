@@ -14,7 +14,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipesim.commands.tables import SHORT_CELL, print_table, rate_text
+from pipesim.commands.tables import SHORT_CELL, print_table
+from pipesim.traces.metrics import rate_text
 from tests.conftest import pipesim
 
 REPO = Path(__file__).resolve().parents[1]

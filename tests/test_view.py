@@ -208,6 +208,17 @@ def test_summary_chart_leads_with_samples_per_s_and_says_when_mini_batches_diffe
     assert _page_data(timeline_page([trace]))["summary"] is None  # one trace: nothing to compare
 
 
+def test_summary_bars_write_samples_per_s_as_the_tables_do(trace):
+    """A 405B model's rates below 1 samples/s keep two significant digits on the page's bars, as in the commands'
+    tables (`rate_text`): 0.176, 0.178 and 0.233 read 0.18, 0.18 and 0.23, not 0.2 alike."""
+    from pipesim.traces.view import summary_figure
+
+    rates = (0.176, 0.178, 0.233)
+    summaries = [dataclasses.replace(summarize(trace), samples_per_s=rate) for rate in rates]
+    bars = summary_figure([trace] * 3, ["zb-h1", "1f1b", "zb-v"], summaries, [0])["data"][0]
+    assert bars["text"] == bars["customdata"] == ["0.18", "0.18", "0.23"]
+
+
 def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readable():
     """Transfers predicted 16 times too long (+1,500 %) beside forwards within 5 % and exact backwards: a log axis
     from the decade under the smallest bar, every bar labelled, an exact kind named so (a log axis has no 0)."""

@@ -32,7 +32,7 @@ from plotly.colors import qualitative, sample_colorscale
 from ..memory_parts import MEMORY_PARTS, SAVERS
 from ..units import MIB
 from .compare import Comparison
-from .metrics import Summary, summarize
+from .metrics import Summary, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
@@ -237,11 +237,11 @@ def _labels(traces: Sequence[Trace]) -> list[str]:
 
 
 # The summary chart's panels: (title, Summary field, bar text); samples/s first, the one measure that a mini-batch
-# of another size (AvgPipe's P pipelines, d replicas) does not distort.
-_SUMMARY_PANELS = (("samples/s (more is better)", "samples_per_s", "{:,.1f}"),
-                   ("time per mini-batch (ms)", "time_per_minibatch_ms", "{:,.2f}"),
-                   ("bubble", "bubble_fraction", "{:.1%}"),
-                   ("peak memory per device (MiB)", "peak_memory_mb", "{:,.0f}"))
+# of another size (AvgPipe's P pipelines, d replicas) does not distort, written as the commands' tables write it.
+_SUMMARY_PANELS = (("samples/s (more is better)", "samples_per_s", rate_text),
+                   ("time per mini-batch (ms)", "time_per_minibatch_ms", "{:,.2f}".format),
+                   ("bubble", "bubble_fraction", "{:.1%}".format),
+                   ("peak memory per device (MiB)", "peak_memory_mb", "{:,.0f}".format))
 SUMMARY_SHOWN, SUMMARY_OTHER = "#4c78a8", "#bccbe0"  # the selected view's traces' bars, and the others'
 
 
@@ -253,9 +253,9 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
     mini-batch takes longer."""
     samples = [t.meta.samples_per_minibatch for t in traces]
     data = []
-    for j, (title, field, text_format) in enumerate(_SUMMARY_PANELS):
+    for j, (title, field, text_of) in enumerate(_SUMMARY_PANELS):
         values = [getattr(s, field) for s in summaries]
-        texts = ["n/a" if v is None else text_format.format(v) for v in values]
+        texts = ["n/a" if v is None else text_of(v) for v in values]
         hover = ([f"{text} ms per mini-batch of {n:,} samples" for text, n in zip(texts, samples)]
                  if field == "time_per_minibatch_ms" else texts)
         data.append({"type": "bar", "orientation": "h", "y": list(labels), "x": values, "text": texts,
