@@ -202,7 +202,9 @@ def test_summary_chart_leads_with_samples_per_s_and_says_when_mini_batches_diffe
     assert time["customdata"] == [f"{s.time_per_minibatch_ms:,.2f} ms per mini-batch of {n} samples"
                                   for s, n in zip(summaries, (8, 16))]
     titles = [a["text"] for a in chart["layout"]["annotations"]]
-    assert titles[:2] == ["<b>samples/s (more is better)</b>", "<b>time per mini-batch (ms; mini-batches differ)</b>"]
+    assert titles[:2] == ["<b>samples/s (more is better)</b>", "<b>time per mini-batch (ms)</b><br><span "
+                          "style='font-size:10px'>mini-batches differ in size</span>"]  # a line of its own
+    assert chart["layout"]["margin"]["t"] == 44
     same = _page_data(timeline_page([trace, _trace("gpipe", 4, 8, 2)]))["summary"]
     assert same["layout"]["annotations"][1]["text"] == "<b>time per mini-batch (ms)</b>"
     assert _page_data(timeline_page([trace]))["summary"] is None  # one trace: nothing to compare

@@ -263,16 +263,18 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
                      "xaxis": "x" + (str(j + 1) if j else ""), "yaxis": "y", "showlegend": False, "name": title,
                      "marker": {"color": [SUMMARY_SHOWN if k in shown else SUMMARY_OTHER for k in range(len(labels))]},
                      "hovertemplate": "%{y}: %{customdata}<extra>" + title + "</extra>"})
-    titles = [title for title, _, _ in _SUMMARY_PANELS]
-    if len(set(samples)) > 1:
-        titles[1] = "time per mini-batch (ms; mini-batches differ)"
+    titles = [f"<b>{html.escape(title)}</b>" for title, _, _ in _SUMMARY_PANELS]
+    note_px = 0
+    if len(set(samples)) > 1:  # on a line of its own: beside the title it ran over the next panel's at 1000 px
+        titles[1] += "<br><span style='font-size:10px'>mini-batches differ in size</span>"
+        note_px = 14
     width = 1 / len(_SUMMARY_PANELS)
     layout: dict[str, Any] = {
-        "height": 80 + 20 * len(labels),
-        "margin": {"t": 30, "b": 20, "l": 20 + 7 * max(len(label) for label in labels), "r": 20},
+        "height": 80 + note_px + 20 * len(labels),
+        "margin": {"t": 30 + note_px, "b": 20, "l": 20 + 7 * max(len(label) for label in labels), "r": 20},
         "paper_bgcolor": "#fff", "plot_bgcolor": "#fff", "font": {"size": 12}, "bargap": 0.25,
         "yaxis": {"autorange": "reversed", "type": "category", "ticks": "", "fixedrange": True},
-        "annotations": [{"text": f"<b>{html.escape(title)}</b>", "x": j * width, "xref": "paper", "xanchor": "left",
+        "annotations": [{"text": title, "align": "left", "x": j * width, "xref": "paper", "xanchor": "left",
                          "y": 1, "yref": "paper", "yanchor": "bottom", "showarrow": False}
                         for j, title in enumerate(titles)],
     }
