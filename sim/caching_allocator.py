@@ -921,17 +921,17 @@ def _unpipelined_backward(program: Program, stage: Sequence[LayerAllocations], h
 def _gradient_numbers(layer: LayerAllocations) -> frozenset[int]:
     """The storages a layer's backward leaves live that are its parameters' gradients: matched by bytes to those
     its weight-gradient pass leaves live (each pass numbers its storages apart); all of them where it has none."""
-    backward = _left_live(layer.passes.get("bwd", ()))
+    backward = left_live(layer.passes.get("bwd", ()))
     if "wgrad" not in layer.passes:
         return frozenset(backward)
     by_bytes: defaultdict[int, list[int]] = defaultdict(list)
     for number, nbytes in backward.items():
         by_bytes[nbytes].append(number)
-    return frozenset(by_bytes[nbytes].pop(0) for nbytes in _left_live(layer.passes["wgrad"]).values()
+    return frozenset(by_bytes[nbytes].pop(0) for nbytes in left_live(layer.passes["wgrad"]).values()
                      if by_bytes[nbytes])
 
 
-def _left_live(allocations: PassAllocations) -> dict[int, int]:
+def left_live(allocations: PassAllocations) -> dict[int, int]:
     """The bytes of the storages a pass leaves live, by number."""
     live: dict[int, int] = {}
     for number, nbytes in allocations:

@@ -58,7 +58,7 @@ def test_a_parameters_main_gradient_is_made_only_of_16_bit_gradients_and_its_mom
                 for each in layer.stepped]
 
     grads = [nbytes for layer in layer_allocations(counted, Parallelism()) for nbytes in
-             caching_allocator._left_live(layer.passes["wgrad"]).values()]
+             caching_allocator.left_live(layer.passes["wgrad"]).values()]
     assert len(grads) > 10 and sorted(stepped()) == sorted((2 * g, 2 * g) for g in grads)
     assert stepped(precision="megatron-16bit-grads") == stepped()  # float16's default
     assert sorted(stepped(precision="megatron")) == sorted((0, 2 * g) for g in grads)
