@@ -1481,6 +1481,15 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
         return {name: carried_waits_ms([kernels[name] for kernels in passes], name != "fwd") if waits
                 else [0.0] * len(layers) for name in names}
 
+    maps: dict[int, PassIssue] = {}
+
+    def mapped(kernels: list[Kernels], carried_ms: float) -> PassIssue:
+        """`pass_issue` found once per list of kernels: a repeated block's layers share the block before's lists
+        (`estimate_profile`), and only the wait each carries differs between them."""
+        if id(kernels) not in maps:
+            maps[id(kernels)] = pass_issue(kernels, 0.0)
+        return maps[id(kernels)].model_copy(update={"carried_ms": carried_ms})
+
     waited = carried([issue.kernels for issue in issues], PASSES_ISSUED)
     shares = [issue.sharing for issue in issues if issue.sharing is not None]
     sharing = carried(shares, ("fwd", "bwd")) if len(shares) == len(issues) else None
@@ -1489,9 +1498,9 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
         times = {name: getattr(layer, name).median_ms + waited[name][i] for name in PASSES_ISSUED}
         update: dict[str, Any] = {name: _timing(ms) for name, ms in times.items()}
         if waits:
-            update["host_issue"] = {name: pass_issue(issue.kernels[name], waited[name][i]) for name in PASSES_ISSUED}
+            update["host_issue"] = {name: mapped(issue.kernels[name], waited[name][i]) for name in PASSES_ISSUED}
             update["host_issue"] |= {f"{name}_sharing": PassIssue(idle_ms=0.0, slack_ms=0.0) if sharing is None
-                                     else pass_issue(issue.sharing[name], sharing[name][i]) for name in ("fwd", "bwd")}
+                                     else mapped(issue.sharing[name], sharing[name][i]) for name in ("fwd", "bwd")}
         if sharing is not None:
             update |= {"fwd_sharing_ms": layer.fwd_sharing_ms + sharing["fwd"][i],
                        "bwd_sharing_ms": layer.bwd_sharing_ms + sharing["bwd"][i]}

@@ -154,3 +154,23 @@ def test_a_bad_module_cost_is_one_line(tmp_path, value):
     code, out, err = pipesim("estimate", *MOE, "--host-module-us", value, "-o", tmp_path / "x.json")
     assert code == 2 and not out and err.count("\n") == 1 and "--host-module-us" in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_repeated_blocks_passes_are_mapped_once_and_each_keeps_its_carried_wait(tmp_path, monkeypatch):
+    """The blocks after the first repeat its kernels: `pass_issue` runs once per pass of each distinct layer (the
+    embedding, the first block, the head), where it ran once per layer (a third of tune's estimates on
+    Qwen3-30B-A3B), and each layer's map keeps the wait carried to it, which differs along the model."""
+    from pipesim.planning import estimate, host
+
+    mapped = []
+    monkeypatch.setattr(estimate, "pass_issue", lambda kernels, carried_ms: mapped.append(carried_ms)
+                        or host.pass_issue(kernels, carried_ms))
+    deep = (*MOE[:2], "--layers", 4, *MOE[4:])
+    free, slow = (layers(tmp_path, *deep, "--host-kernel-us", us) for us in (0, 1000))
+    # both runs: 3 distinct layers, each pass and the forward and backward beside the dispatcher's multiprocessors
+    assert len(slow) == 6 and len(mapped) == 2 * 3 * (len(estimate.PASSES_ISSUED) + 2)
+    for name in estimate.PASSES_ISSUED:
+        carried = [layer["host_issue"][name]["carried_ms"] for layer in slow]
+        assert carried == pytest.approx([host[name]["median_ms"] - gpu[name]["median_ms"]
+                                         for host, gpu in zip(slow, free)])
+        assert len({round(ms, 9) for ms in carried[1:5]}) > 1, carried  # the repeated blocks' waits differ
