@@ -468,6 +468,26 @@ def test_the_memory_panel_draws_each_devices_capacity_as_a_labelled_dashed_line(
     assert v.geometry["memory"][0]["range"][1] >= 2048
 
 
+@needs_chromium
+def test_a_memory_heatmap_turns_red_above_the_devices_shared_memory(tmp_path):
+    """20 devices' memory is a heatmap (no lines, so no dashed line): on 1.25 GiB each, its colours run up to
+    1,280 MiB and LIMIT_COLOR beyond, to device 0's 2,312 MiB peak, and the colour bar names the capacity."""
+    from tests.conftest import pipesim
+
+    cluster, page = tmp_path / "c.json", tmp_path / "h.html"
+    cluster.write_text(json.dumps({"devices": [{"name": f"gpu{d}", "memory_gib": 1.25} for d in range(20)]}))
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 20, "-m", 20, "--cluster", cluster, "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test", height=1300)
+    assert_healthy(v)
+    (heatmap,) = v.geometry["heatmaps"]
+    assert heatmap["capacity"] == 1280 and heatmap["zmax"] == 2312
+    top, stops = 1280 / 2312, heatmap["colorscale"]
+    assert stops[0] == [0, "#440154"] and stops[-3] == [pytest.approx(top), "#fde725"]  # Viridis up to 1,280 MiB
+    assert stops[-2:] == [[pytest.approx(top), "#c0392b"], [1, "#c0392b"]]  # then red
+    assert heatmap["ticks"] == ["0", "320", "640", "960", "memory 1,280"]
+
+
 if __name__ == "__main__":
     target, out = Path(sys.argv[1]), Path(sys.argv[2])
     size = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (1400, 1000)

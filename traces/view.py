@@ -750,6 +750,24 @@ _TIMELINE_JS = r"""
     });
   }
 
+  // A heatmap's colours: Viridis up to the devices' memory where they all share one, and LIMIT_COLOR above it, the
+  // colour bar marking it, so a cell over capacity stands out among 17 or more devices' rows (no lines to draw).
+  const VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58",
+                   "#b5de2b", "#fde725"];
+  function heatmapScale(T, rows, most) {
+    const limits = new Set(rows.map(({device}) => T.memoryLimits[device]));
+    const capacity = limits.size === 1 ? [...limits][0] : null;
+    if (capacity === null || capacity === undefined) {
+      return {colorscale: "Viridis", zmax: most, capacity: null, ticks: {}};
+    }
+    const zmax = Math.max(most, capacity), top = capacity / zmax;
+    const colorscale = VIRIDIS.map((colour, k) => [top * k / (VIRIDIS.length - 1), colour]);
+    if (top < 1) colorscale.push([top, LIMIT_COLOR], [1, LIMIT_COLOR]);
+    const tickvals = [0, 1, 2, 3, 4].map(k => capacity * k / 4);
+    const ticktext = tickvals.map((v, k) => (k === 4 ? "memory " : "") + fmt(v, 0));
+    return {colorscale, zmax, capacity, ticks: {tickvals, ticktext}};
+  }
+
   function figure(built, columns) {
     const {lanes, members} = built;
     const hasMemory = built.panels.length > 0;
@@ -806,11 +824,13 @@ _TIMELINE_JS = r"""
         // Too many curves to tell apart (and to draw): one row per device, coloured by the most memory it
         // holds in each pixel column, on this trace's own colour scale.
         const grid = memoryGrid(built, panel, 0, xEnd, plotColumns);
-        built.heatmaps.push({panel, index: data.length});
-        data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: axis, colorscale: "Viridis",
-                   zmin: 0, zmax: grid.zmax, name: "memory \u00b7 " + T.label, showscale: true, hoverongaps: false,
+        const scale = heatmapScale(T, panel.rows, grid.zmax);
+        built.heatmaps.push({panel, index: data.length, capacity: scale.capacity});
+        data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: axis,
+                   colorscale: scale.colorscale, zmin: 0, zmax: scale.zmax, name: "memory \u00b7 " + T.label,
+                   showscale: true, hoverongaps: false,
                    colorbar: {title: {text: "MiB"}, len: panelPx / plotPx, y: domain[0], yanchor: "bottom",
-                              thickness: 12},
+                              thickness: 12, ...scale.ticks},
                    hovertemplate: "%{y}" + (many ? " \u00b7 " + esc(T.label) : "") +
                                   ": up to %{z:,.0f} MiB around %{x:.3f} ms<extra></extra>"});
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "device" : "memory"}, type: "category",
@@ -1085,6 +1105,9 @@ _TIMELINE_JS = r"""
       memory_legend: memoryLegend && {box: onPage(memoryLegend),
                                       scrolls: Boolean(scrollbar && scrollbar.getBoundingClientRect().height > 0)},
       capacity: (fl.shapes || []).map(s => ({axis: s.yref, mib: s.y0, label: s.label.text})),
+      heatmaps: b.heatmaps.map(({index, capacity}) => ({capacity, zmax: gd.data[index].zmax,
+                                                         colorscale: gd.data[index].colorscale,
+                                                         ticks: gd.data[index].colorbar.ticktext || null})),
       memory: b.panels.map((panel, j) => {
         const axis = fl["yaxis" + (j + 2)];
         const T = b.members[panel.member], parts = T.memoryParts;
