@@ -267,7 +267,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     replayed under `allocator` as simulate's (`allocator_fields`), so tune's peaks and memory check are simulate's,
     the boundary tensors held as `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's
     counted already (the rest are counted here); `report` is told how many are done. Where no t suits, the
-    estimates' refusal if every t tried got the same one (it is not about t), else which t's were tried. A searched
+    estimates' refusal if every t tried got the same one (it is not about t), else which t's were tried and each
+    refused t's reason (one rule said for all of them would send the user after the wrong flag). A searched
     E the estimate refuses is left out where another suits the t (E = 1 beside --token-dispatcher or
     --hot-expert-share, which need E > 1; a dispatcher or routing that needs more ranks), as is a searched t the
     estimate refuses (--recompute op, modelled at t = 1 only); a given t it refuses is its one line."""
@@ -279,7 +280,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                 what.gpu.intra_node.gpus_per_node)
     tensors = [tensor] if tensor else [1 << k for k in range(per_node.bit_length())
                                        if devices % ((1 << k) * (data or 1)) == 0]
-    settings, refusals = [], set()
+    settings, refusals = [], {}  # each refusal: the t's that got it
     for b in sizes:
         counted = counts.get(b) or count_what_if(what, b)
         memo = LayerMemo(counted, what.gpu, what.curve)  # each t and recomputation's layers made for one p
@@ -308,16 +309,18 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             if refused and (len(degrees) == 1 or len(settings) == made):  # a searched E refused: another may suit
                 if tensor:  # the user's t: say why it cannot be
                     raise refused[-1]
-                refusals.add(str(refused[-1]))
+                refusals.setdefault(str(refused[-1]), set()).add(t)
     if not settings and len(refusals) == 1:  # the same refusal for every t tried: not about t, so say it
-        raise InputError(refusals.pop())
+        raise InputError(next(iter(refusals)))
     if not settings:
         replicas = ("" if what.expert == 1 else
                     f"; the replicas d = D/(t·p) must be a multiple of --expert-parallel {what.expert}"
                     if what.rank_order == "pipesim" else
                     f"; --expert-parallel {what.expert} times --expert-tensor-parallel (default t) must divide t·C·d")
+        reasons = "".join(f"; at t = {', '.join(map(str, sorted(ts)))}: {why}" for why, ts in refusals.items())
         raise InputError(f"--devices {devices}: no tensor-parallel degree t of {', '.join(map(str, tensors))} suits "
-                         f"the model (t must divide its heads and MLP width{replicas}); give --tensor-parallel")
+                         f"the model (t must divide its heads and MLP width{replicas}){reasons}; give "
+                         "--tensor-parallel")
     return settings
 
 

@@ -110,3 +110,15 @@ def test_table_and_json_show_e_and_the_table_fits_80_columns(monkeypatch):
         assert header[header.index("d") + 1] == "E"
         shown = [line.split() for line in lines if line.split()[:1] == ["best"]]
         assert shown[0][6] == str(doc["choice"]["expert_parallel"])
+
+
+def test_where_each_t_is_refused_for_its_own_reason_the_line_says_each():
+    """One replica (--data-parallel 1) places no E > 1 in pipesim's rank order, and --hot-expert-share needs one, so
+    t = 2 and 4 are refused for it, t = 1 for its 8 stages and t = 8 for the heads: the line said only that t must
+    divide the heads and MLP width, which sent the user after --tensor-parallel."""
+    code, out, err = pipesim("tune", *MOE, "-D", 8, "-B", 32, "-b", 2, "--data-parallel", 1, "-s", "1f1b",
+                             "--hot-expert-share", 0.5)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "; at t = 1: --stages 8: gpt of 4 blocks" in err, err
+    assert "; at t = 2, 4: --hot-expert-share changes nothing on one expert-parallel rank" in err, err
+    assert "; at t = 8: --tensor-parallel 8 does not divide the model's 4 heads; give --tensor-parallel\n" in err, err
