@@ -304,7 +304,7 @@ def simulate(
             write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
                                 notes=[f"skipped: {_skip_text(name, reason)}" for name, reason in skipped.items()]
                                 + _out_of_memory_lines(summaries, memory),
-                                memory_limits_bytes=[[check.limit_bytes for check in checks] for checks in memory])
+                                memory_checks=memory)
     except (InputError, ScheduleError, CostError, ClusterError, SimulationError) as exc:
         fail(str(exc))
     except OSError as exc:

@@ -56,6 +56,14 @@ class MemoryCheck:
     used_bytes: float  # its peak, or the sum of the peaks of the devices it shares its memory with
     sharers: tuple[int, ...]  # the devices drawing on this memory, itself included
     memory: str | None  # the shared compute resource whose memory it is; None: the device's own
+    peak_bytes: float  # its own peak
+
+    @property
+    def room_bytes(self) -> float | None:
+        """The most this device alone may hold (None: not known): its memory less the peaks of the devices
+        sharing it, so its own peak tops this exactly where the check is out of memory (a line drawn at it over
+        the device's own curve says what the check says)."""
+        return None if self.limit_bytes is None else self.limit_bytes - (self.used_bytes - self.peak_bytes)
 
     @property
     def out_of_memory(self) -> bool:
@@ -130,7 +138,8 @@ class Cluster:
         for d, peers in enumerate(self.compute_peers(len(peak_bytes))):
             shared = len(peers) > 1
             used = sum(peak_bytes[e] for e in peers) if shared else peak_bytes[d]
-            checks.append(MemoryCheck(d, limit_bytes[d], used, peers, self.compute[d] if shared else None))
+            checks.append(MemoryCheck(d, limit_bytes[d], used, peers, self.compute[d] if shared else None,
+                                      peak_bytes[d]))
         return checks
 
     def describe(self) -> dict[str, Any]:

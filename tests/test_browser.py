@@ -451,21 +451,27 @@ def test_sixteen_devices_lanes_stay_apart_and_the_memory_legend_shows_every_devi
 
 @needs_chromium
 def test_the_memory_panel_draws_each_devices_capacity_as_a_labelled_dashed_line(tmp_path):
-    """A cluster whose devices 0-2 hold 1.25 GiB and device 3 2 GiB: one line per capacity, naming its devices,
-    and the axis reaches the highest, so device 0's 1,288 MiB peak shows above its 1,280 MiB."""
+    """A cluster whose devices 0-1 hold 1.25 GiB and devices 2-3 are ranks sharing one 2.5 GiB GPU: one line per
+    capacity, naming its devices, so device 0's 1,288 MiB peak shows above its 1,280 MiB; each rank's line at
+    what the other's peak leaves it (2,560 - 1,104 and 2,560 - 1,168 MiB, both fitting, as the table says),
+    the two 64 MiB apart labelled once; and the axis reaches the highest."""
     from tests.conftest import pipesim
 
     cluster, page = tmp_path / "c.json", tmp_path / "c.html"
-    cluster.write_text(json.dumps({"devices": [{"name": f"gpu{d}", "memory_gib": gib}
-                                               for d, gib in enumerate((1.25, 1.25, 1.25, 2))]}))
-    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 4, "-m", 8, "--cluster", cluster, "--html", page)
+    cluster.write_text(json.dumps({"devices": [
+        {"name": "gpu0", "memory_gib": 1.25}, {"name": "gpu1", "memory_gib": 1.25},
+        {"name": "r2", "compute": "g", "memory_gib": 2.5}, {"name": "r3", "compute": "g"}]}))
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", 4, "-m", 8, "--cluster", cluster, "--html", page)
     assert code == 0, err
+    assert "OOM on device 0 " in out
     v = visit(page, "#test", height=1100)
     assert_healthy(v)
     assert v.geometry["capacity"] == [
-        {"axis": "y2", "mib": 1280, "label": "device 0, device 1, device 2: memory 1,280 MiB"},
-        {"axis": "y2", "mib": 2048, "label": "device 3: memory 2,048 MiB"}]
-    assert v.geometry["memory"][0]["range"][1] >= 2048
+        {"axis": "y2", "mib": 1280, "label": "device 0, device 1: memory 1,280 MiB"},
+        {"axis": "y2", "mib": 1392,
+         "label": "device 3, device 2: room beside its GPU's other ranks' peaks 1,392\u20131,456 MiB"},
+        {"axis": "y2", "mib": 1456, "label": ""}]
+    assert v.geometry["memory"][0]["range"][1] >= 1456
 
 
 @needs_chromium

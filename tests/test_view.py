@@ -331,15 +331,41 @@ def test_an_estimates_activations_are_stacked_by_what_saves_them(tmp_path):
 
 
 def test_the_page_holds_each_devices_memory_capacity_for_its_dashed_line(trace):
-    """Capacities given per trace and device reach the page in MiB (None where unknown, and for all without
-    them); a list that does not match the traces' devices is refused."""
-    limits = [80 * 1024 * MIB, 80 * 1024 * MIB, None, 40 * 1024 * MIB]
-    data = _page_data(timeline_page([trace, trace], memory_limits_bytes=[limits, None]))
+    """Each device's check reaches the page as the most it may hold, in MiB (None where its memory is unknown,
+    and for all without checks); a list that does not match the traces' devices is refused."""
+    from pipesim.sim.cluster import Cluster
+
+    peaks = [MIB * peak for peak in (100, 200, 300, 400)]
+    checks = Cluster.uniform(4, 0).memory_checks(peaks, [80 * 1024 * MIB, 80 * 1024 * MIB, None, 40 * 1024 * MIB])
+    data = _page_data(timeline_page([trace, trace], memory_checks=[checks, None]))
     assert [t["memory"]["limits_mib"] for t in data["traces"]] == [[81920, 81920, None, 40960], [None] * 4]
-    with pytest.raises(ValueError, match="one limit per device"):
-        timeline_page([trace], memory_limits_bytes=[limits[:3]])
+    assert data["traces"][0]["memory"]["limits_shared"] == [False] * 4
+    with pytest.raises(ValueError, match="one check per device"):
+        timeline_page([trace], memory_checks=[checks[:3]])
     with pytest.raises(ValueError, match="one list per trace"):
-        timeline_page([trace, trace], memory_limits_bytes=[limits])
+        timeline_page([trace, trace], memory_checks=[checks])
+
+
+def test_ranks_sharing_a_gpu_are_drawn_against_what_the_others_peaks_leave_them(tmp_path):
+    """Two ranks on one 1.5 GiB GPU, each peaking near 1 GiB: the table says OOM (their peaks add up), so the
+    page's line for each sits at 1,536 MiB less the other's peak, under its own curve; at the GPU's 1,536 MiB
+    it sat over both curves, the page saying they fit where the table said they did not."""
+    from tests.conftest import pipesim
+
+    cluster = tmp_path / "shared.json"
+    cluster.write_text(json.dumps({"devices": [{"name": "r0", "compute": "gpu0", "memory_gib": 1.5},
+                                               {"name": "r1", "compute": "gpu0"}]}))
+    page = tmp_path / "page.html"
+    code, out, err = pipesim("simulate", "-p", 2, "-m", 4, "-s", "1f1b", "--cluster", cluster,
+                             "--activation-mb", 3, "--html", page)
+    assert code == 0, err
+    assert "OOM on devices 0, 1" in out
+    memory = _page_data(page.read_text())["traces"][0]["memory"]
+    mib = decode_column(memory["mib"])
+    peaks = [mib[:memory["counts"][0]].max(), mib[memory["counts"][0]:].max()]
+    assert memory["limits_shared"] == [True, True]
+    assert memory["limits_mib"] == pytest.approx([1536 - peaks[1], 1536 - peaks[0]])
+    assert all(peak > limit for peak, limit in zip(peaks, memory["limits_mib"]))
 
 
 def test_simulate_gpu_page_carries_the_gpus_memory_for_each_device(tmp_path):

@@ -23,7 +23,7 @@ import math
 import os
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import plotly.graph_objects as go
@@ -34,6 +34,9 @@ from ..units import MIB
 from .compare import Comparison
 from .metrics import Summary, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
+
+if TYPE_CHECKING:
+    from ..sim.cluster import MemoryCheck
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
 KIND_COLORS = {
@@ -152,10 +155,11 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
 
 
 def trace_data(trace: Trace, label: str | None = None, summary: Summary | None = None,
-               memory_limits_bytes: Sequence[int | None] | None = None) -> dict[str, Any]:
+               memory_checks: Sequence[MemoryCheck] | None = None) -> dict[str, Any]:
     """What the page needs of one trace: its op columns, memory per device (MiB, the last value held to the
-    end of the run) with each device's capacity where known (`memory_limits_bytes`, one per device, None:
-    unknown; the page draws it as a dashed line over the device's curve), summary and shape."""
+    end of the run) with the most each device may hold where known (`memory_checks`, one per device: its
+    `room_bytes`, its memory less the peaks of ranks sharing its GPU; the page draws it as a dashed line over
+    the device's curve), summary and shape."""
     ops = trace.ops
     summary = summary or summarize(trace)
     meta = trace.meta
@@ -174,8 +178,9 @@ def trace_data(trace: Trace, label: str | None = None, summary: Summary | None =
                   "mib": encode_column(np.concatenate(values).astype(np.float64)),
                   "colors": sample_colorscale("Viridis", np.linspace(0, 0.85, max(len(counters), 2)).tolist()),
                   "parts": stacked_memory(trace, end_us),
-                  "limits_mib": [None if limit is None else limit / MIB
-                                 for limit in memory_limits_bytes or (None,) * len(counters)]}
+                  "limits_mib": [None if check.room_bytes is None else check.room_bytes / MIB
+                                 for check in memory_checks] if memory_checks else [None] * len(counters),
+                  "limits_shared": [check.memory is not None for check in memory_checks or ()]}
     return {
         "label": label or meta.schedule,
         "kinds": list(trace.kinds),
@@ -289,7 +294,7 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
                   summaries: Sequence[Summary] | None = None,
                   views: Sequence[tuple[str, Sequence[int]]] | None = None, notes: Sequence[str] = (),
                   figures: Sequence[tuple[str, go.Figure]] = (),
-                  memory_limits_bytes: Sequence[Sequence[int | None]] | None = None) -> str:
+                  memory_checks: Sequence[Sequence[MemoryCheck] | None] | None = None) -> str:
     """The HTML of the timeline page for `traces`.
 
     `labels` name the traces (default: their schedules); `summaries` are their `summarize` results (computed
@@ -298,8 +303,9 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     one view per trace. With two traces or more, a chart comparing them (`summary_figure`: samples/s, time per
     mini-batch, bubble, peak memory; the selected view's traces highlighted) heads the page. `notes` are lines
     shown under the title (methods that could not run, say); `figures` are small (SVG) figures with a heading
-    each, under the timeline (compare's error panel). `memory_limits_bytes` holds, per trace, each device's
-    memory (None: unknown), drawn as a dashed line at that height over its memory curve, so what does not fit shows.
+    each, under the timeline (compare's error panel). `memory_checks` holds, per trace, each device's check
+    against its memory (the table's fits / OOM), drawn as a dashed line over its memory curve at the most it
+    may hold, so what does not fit shows.
     """
     traces = list(traces)
     if not traces:
@@ -308,10 +314,10 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     summaries = list(summaries) if summaries is not None else [summarize(t) for t in traces]
     if not len(labels) == len(summaries) == len(traces):
         raise ValueError("timeline_page: one label and one summary per trace")
-    limits = list(memory_limits_bytes) if memory_limits_bytes is not None else [None] * len(traces)
-    if len(limits) != len(traces) or any(device_limits is not None and len(device_limits) != trace.num_devices
-                                         for device_limits, trace in zip(limits, traces)):
-        raise ValueError("timeline_page: memory limits need one list per trace, one limit per device")
+    checks = list(memory_checks) if memory_checks is not None else [None] * len(traces)
+    if len(checks) != len(traces) or any(device_checks is not None and len(device_checks) != trace.num_devices
+                                         for device_checks, trace in zip(checks, traces)):
+        raise ValueError("timeline_page: memory checks need one list per trace, one check per device")
     if views is None:
         views = [(label, [i]) for i, label in enumerate(labels)]
     for name, members in views:
@@ -321,7 +327,7 @@ def timeline_page(traces: Sequence[Trace], *, title: str | None = None, labels: 
     data = {
         "title": title,
         "notes": list(notes),
-        "traces": [trace_data(t, label, s, limit) for t, label, s, limit in zip(traces, labels, summaries, limits)],
+        "traces": [trace_data(t, label, s, check) for t, label, s, check in zip(traces, labels, summaries, checks)],
         "views": [{"name": name, "traces": list(members)} for name, members in views],
         "summary": summary_figure(traces, labels, summaries, views[0][1]) if len(traces) > 1 else None,
     }
@@ -551,7 +557,8 @@ _TIMELINE_JS = r"""
     for (let i = 0; i < t.n; i++) end = Math.max(end, start[i] + dur[i]);
     return Object.assign({}, t, {c, start, dur, end, memory, memoryParts,
                                  memoryColors: t.memory ? t.memory.colors : [],
-                                 memoryLimits: t.memory ? t.memory.limits_mib : []});
+                                 memoryLimits: t.memory ? t.memory.limits_mib : [],
+                                 memoryShared: t.memory ? t.memory.limits_shared : []});
   }
 
   // ---- a view: lanes, bars per kind, hit index --------------------------------------------------------
@@ -728,25 +735,35 @@ _TIMELINE_JS = r"""
   function mib(v) { return v === null ? "n/a (not recorded)" : fmt(v, 0) + " MiB"; }  // unknown is not 0
   function esc(s) { return String(s).replace(/[&<>"']/g, ch => "&#" + ch.charCodeAt(0) + ";"); }
 
-  // A dashed line across the panel at each device's memory capacity (one per distinct capacity, naming its
-  // devices unless all share it), labelled under it (above, plotly's clip cuts it off where the line tops
-  // the axis): the axis reaches it, so a curve above it is what does not fit.
+  // A dashed line across the panel at the most each device may hold, labelled under it (above, plotly's clip
+  // cuts it off where the line tops the axis): the axis reaches it, so a curve above it is what does not fit.
+  // Ranks sharing one GPU's memory may hold what the others' peaks leave (their peaks add up, as the table's
+  // fits / OOM column checks). Heights within a label's height (LIMIT_BAND of the highest) are labelled once,
+  // naming their devices unless all share it, and their range where it is one.
+  const LIMIT_BAND = 0.05;
   function capacityLines(T, rows, axis, many) {
-    const limits = T.memoryLimits;
-    const byLimit = new Map();
-    rows.forEach(({device}) => {
-      const limit = limits[device];
-      if (limit === null || limit === undefined) return;
-      if (!byLimit.has(limit)) byLimit.set(limit, []);
-      byLimit.get(limit).push(T.device_names[device]);
+    const known = rows.map(({device}) => ({limit: T.memoryLimits[device], shared: Boolean(T.memoryShared[device]),
+                                           name: T.device_names[device]}))
+      .filter(({limit}) => limit !== null && limit !== undefined).sort((a, b) => a.limit - b.limit);
+    const near = LIMIT_BAND * Math.max(0, ...known.map(({limit}) => limit));
+    const bands = [];
+    known.forEach(entry => {
+      const band = bands[bands.length - 1];
+      if (band && band.shared === entry.shared && entry.limit - band.low <= near) band.entries.push(entry);
+      else bands.push({low: entry.limit, shared: entry.shared, entries: [entry]});
     });
-    return [...byLimit].map(([limit, names]) => {
+    return bands.flatMap(({low, shared, entries}) => {
+      const names = entries.map(({name}) => name), high = entries[entries.length - 1].limit;
       const who = names.length === rows.length ? (rows.length > 1 ? "each device's" : esc(names[0]) + "'s")
         : esc(names.slice(0, 3).join(", ") + (names.length > 3 ? " and " + (names.length - 3) + " more" : "")) + ":";
-      return {type: "line", xref: "x domain", x0: 0, x1: 1, yref: axis, y0: limit, y1: limit, layer: "above",
-              line: {color: LIMIT_COLOR, width: 1.5, dash: "dash"},
-              label: {text: who + " memory " + fmt(limit, 0) + " MiB" + (many ? " \u00b7 " + esc(T.label) : ""),
-                      textposition: "end", yanchor: "top", font: {size: 10, color: LIMIT_COLOR}}};
+      const what = shared ? " room beside its GPU's other ranks' peaks " : " memory ";
+      const span = fmt(low, 0) === fmt(high, 0) ? fmt(low, 0) : fmt(low, 0) + "\u2013" + fmt(high, 0);
+      const heights = [...new Set(entries.map(({limit}) => limit))];
+      return heights.map((limit, k) => ({
+        type: "line", xref: "x domain", x0: 0, x1: 1, yref: axis, y0: limit, y1: limit, layer: "above",
+        line: {color: LIMIT_COLOR, width: 1.5, dash: "dash"},
+        label: {text: k ? "" : who + what + span + " MiB" + (many ? " \u00b7 " + esc(T.label) : ""),
+                textposition: "end", yanchor: "top", font: {size: 10, color: LIMIT_COLOR}}}));
     });
   }
 
@@ -756,7 +773,8 @@ _TIMELINE_JS = r"""
                    "#b5de2b", "#fde725"];
   function heatmapScale(T, rows, most) {
     const limits = new Set(rows.map(({device}) => T.memoryLimits[device]));
-    const capacity = limits.size === 1 ? [...limits][0] : null;
+    const own = !rows.some(({device}) => T.memoryShared[device]);  // ranks sharing a GPU: room, not its memory
+    const capacity = limits.size === 1 && own ? [...limits][0] : null;
     if (capacity === null || capacity === undefined) {
       return {colorscale: "Viridis", zmax: most, capacity: null, ticks: {}};
     }
