@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..schedules import ScheduleError, ScheduleParams
+from ..choices import unknown_names
+from ..schedules import METHODS, ScheduleError, ScheduleParams
 from ..sim import Cluster, CostError, Costs, simulate
 from ..traces.trace import Trace, TraceError, TraceMeta
 from .scenario import profile_scenario
@@ -37,6 +38,8 @@ def predict_measured(meta: TraceMeta, profile: Profile | None = None) -> Trace:
         threads = (meta.hardware or {}).get("threads_per_rank")
         if threads is not None and (why := threads_mismatch(profile, threads)) is not None:
             raise TraceError(why)
+    if meta.schedule not in METHODS:  # no flag named it: method_named's refusal would name --schedule
+        raise TraceError(f"cannot predict the recorded run: {unknown_names('its schedule', [meta.schedule], METHODS)}")
     scenario = profile_scenario(profile, str(meta.extra.get("optimizer", "sgd")))
     bounds = meta.extra.get("bounds")
     try:

@@ -261,3 +261,16 @@ def test_a_committed_run_reproduces_its_prediction_and_its_memory(run, profile, 
     assert found.iteration_time_error == pytest.approx(iteration_error, abs=1e-4)
     assert found.version_mismatches == 0 and found.measured_complete
     assert all(abs(d.peak_memory_error) < 0.005 for d in found.devices), found.devices
+
+
+def test_a_measured_trace_of_an_unknown_schedule_is_refused_naming_the_trace_not_a_flag():
+    """compare takes the schedule from the trace, not from --schedule (which it does not have): an unknown one
+    says it is the trace's, as method_named's refusal (naming --schedule for run and study) would not."""
+    from pipesim.planning.replay import predict_measured
+    from pipesim.profiles.schema import load_profile
+
+    measured, profile = read_trace(FIDELITY_RUNS / "1f1b.json"), load_profile(FIDELITY_RUNS / "mlp-profile.json")
+    with pytest.raises(TraceError, match=r"^cannot predict the recorded run: its schedule: unknown '1f1bx'; choose "
+                                         r"from gpipe, 1f1b,") as refused:
+        predict_measured(replace(measured.meta, schedule="1f1bx"), profile)
+    assert "--schedule" not in str(refused.value)
