@@ -104,7 +104,7 @@ from .host import (
     TE_RECIPES,
     Kernels,
     carried_waits_ms,
-    issue_ms,
+    issued_ms,
     module_us,
     pass_issue,
     pass_kernels,
@@ -1432,21 +1432,17 @@ def _all_to_alls_ms(layer: LayerCount, experts: ExpertGroup, parallel: Paralleli
     return ALL_TO_ALLS["fwd"] * each, ALL_TO_ALLS["bwd"] * each + rerun
 
 
-def paired_passes(experts_layer: LayerCount, priced: LayerEstimate, routed: LayerEstimate, all_to_all_fwd_ms: float,
-                  all_to_all_bwd_ms: float, issued: dict[str, float],
-                  issue: Callable[[LayerCount, str], float] | None) -> tuple[MoePass, MoePass]:
-    """A MoE layer's forward and backward (`priced` on the GPU, its routed experts' part `experts_layer`,
-    `_routed_part`, priced `routed`) as Megatron-core's overlapped pair runs them node by node
-    (`planning.experts.MoePass`): dispatch and combine alike; of the backward, the weight gradients
-    `delay_wgrad_compute` runs after each part's input gradients; and where the layer makes the host wait (`issue`:
-    the host's issue of a layer's pass, `issued` the whole layer's by pass; None where it never waits), each part's
-    issue, its weight gradients' of it (the weight-gradient pass's, within the backward's)."""
+def paired_passes(priced: LayerEstimate, routed: LayerEstimate, all_to_all_fwd_ms: float, all_to_all_bwd_ms: float,
+                  issued: dict[str, float], experts_issued: dict[str, float]) -> tuple[MoePass, MoePass]:
+    """A MoE layer's forward and backward (`priced` on the GPU, its routed experts' part, `_routed_part`, priced
+    `routed`) as Megatron-core's overlapped pair runs them node by node (`planning.experts.MoePass`): dispatch and
+    combine alike; of the backward, the weight gradients `delay_wgrad_compute` runs after each part's input
+    gradients; and where the layer makes the host wait, each part's issue (the host's issue of each pass, by name:
+    `issued` the whole layer's, `experts_issued` its routed part's; 0 where it never waits), its weight gradients'
+    of it (the weight-gradient pass's, within the backward's)."""
 
     def split_issue(name: str) -> tuple[float, float]:  # (outside the routed experts, theirs)
-        if issue is None:
-            return 0.0, 0.0
-        experts = issue(experts_layer, name)
-        return issued[name] - experts, experts
+        return issued[name] - experts_issued[name], experts_issued[name]
 
     (attention_fwd, experts_fwd), (attention_bwd, experts_bwd), (attention_wgrad, experts_wgrad) = (
         split_issue(name) for name in ("fwd", "bwd", "wgrad"))
@@ -1512,8 +1508,10 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
 
 def _routed_part(layer: LayerCount) -> LayerCount:
     """`layer`'s routed experts' ops alone (`OpCount.routed`): what Megatron-core's `mlp` node of an overlapped
-    pair runs between the dispatch and the combine (`planning.experts.paired_exposed_ms`)."""
-    return replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()})
+    pair runs between the dispatch and the combine (`planning.experts.paired_exposed_ms`), of its recomputed
+    regions' reruns too (`Regions`: moe_act's, not the norms' outside the experts)."""
+    return replace(layer, ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.ops.items()},
+                   region_ops={name: tuple(op for op in ops if op.routed) for name, ops in layer.region_ops.items()})
 
 
 def _op_kept(layer: LayerCount) -> frozenset[int]:
@@ -1752,10 +1750,6 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     accumulated = held.grad_bytes if parallel.accumulation == "fused" else None  # in the weight-gradient products
     modules_us = module_us(parallel.fp8, parallel.host_module_us)
 
-    def issue(run: LayerCount, name: str) -> float:
-        """The host's issue of `run`'s pass `name` (`issue_ms`), the layer's and its routed part's alike."""
-        return issue_ms(run, float8, parallel.host_kernel_us, name, modules_us)
-
     waits = any(synchronises(layer, counted.options) for layer in counted.layers)  # the host, in some layer
     issues: list[_HostIssue] = []
     for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
@@ -1779,21 +1773,27 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         params = round(layer.param_bytes * share) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
-        issued = {name: issue(busiest, name) if synced else 0.0 for name in PASSES_ISSUED}
 
         def kernels(estimate: LayerEstimate, names: Sequence[str]) -> dict[str, list[Kernels]]:
-            """The passes `names` of the layer as the host issues them (`pass_kernels`), its all-to-alls (held
-            apart in its profile) among its kernels; none where no layer of the model makes the host wait."""
-            return {} if not waits else {name: pass_kernels(
+            """The passes `names` of the layer as the host issues them (`pass_kernels`: a backward's rerun of the
+            forward first), its all-to-alls (held apart in its profile) among its kernels."""
+            return {name: pass_kernels(
                 estimate.timed_ops[name], [op for op, _ in estimate.timed_ops["fwd"]], float8.recipe is not None,
                 parallel.host_kernel_us, name, modules_us,
                 {"fwd": all_to_all_fwd_ms, "wgrad": 0.0}.get(name, all_to_all_bwd_ms), synced and name == "fwd")
                 for name in names}
 
+        def issued(passes: dict[str, list[Kernels]]) -> dict[str, float]:
+            """The host's issue of each of `passes` (`issued_ms`) where the layer makes it wait (so the model
+            does: `waits`), else 0."""
+            return {name: issued_ms(passes[name]) if synced else 0.0 for name in PASSES_ISSUED}
+
+        passes = kernels(priced, PASSES_ISSUED) if waits else {}
+        experts_passes = kernels(routed, PASSES_ISSUED) if routed is not None and synced else {}
         issues.append(_HostIssue(
-            kernels(priced, PASSES_ISSUED), None if shared is None else kernels(shared, ("fwd", "bwd")),
-            None if routed is None else paired_passes(experts_part, priced, routed, all_to_all_fwd_ms,
-                                                      all_to_all_bwd_ms, issued, issue if synced else None),
+            passes, None if shared is None or not waits else kernels(shared, ("fwd", "bwd")),
+            None if routed is None else paired_passes(priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms,
+                                                      issued(passes), issued(experts_passes)),
             synced and parallel.token_dispatcher == "deepep"))
         layers.append(LayerProfile(
             name=layer.name, inputs=list(layer.inputs), fwd=_timing(priced.fwd_ms), bwd=_timing(priced.bwd_ms),

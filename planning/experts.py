@@ -310,7 +310,7 @@ class MoePass:
     network time. Of a backward's, the weight gradients each part runs after its input gradients
     (`attention_wgrad_ms`, `experts_wgrad_ms`: TransformerEngine's modules hold them back under
     `delay_wgrad_compute`, and the pair runs them as `backward_dw`, outside its nodes). The `*_issue_ms`: the
-    host's issue of each part's kernels (planning/host.py `issue_ms`; 0 where the layer never makes the host wait,
+    host's issue of each part's kernels (planning/host.py `issued_ms`; 0 where the layer never makes the host wait,
     so that it stays ahead), its weight gradients' of it."""
 
     attention_ms: float

@@ -330,7 +330,7 @@ def kept_output_gradients(layer: LayerCount, recipe: Fp8Recipe, element_bytes: i
 class Float8Forms:
     """The layers one estimate prices as its recipe runs them (`in_float8`; `recipe` None: as counted), each built
     once: a layer's passes on each device and its routed part (planning/estimate.py `estimate_layer`), its products'
-    times (`persistent_product_ms`) and its kernels' issue (planning/host.py `issue_ms`) read the same form. `of` a
+    times (`persistent_product_ms`) and its kernels' issue (host.py `pass_kernels`) read the same form. `of` a
     layer with a context ring converts the layer as the ring keeps it (`ContextRing.kept`, the count's own storages
     before the float8 copies), kept once too. Each is found by its layer's identity (and the ring), the layer held
     beside it so that no identity is reused while the estimate lasts (a count's layers are frozen)."""

@@ -50,7 +50,8 @@ issued at the per-kernel cost (`_module_calls` says which calls a layer makes an
 CUDA graph issues as one (each would issue fewer), a recomputed forward's own synchronisation, TransformerEngine's
 norms, RoPE, router and permutation functions beyond their kernels' issue, and the synchronisation's own round
 trip. Megatron-core's overlapped pair (`--overlap-expert-comm`, planning/experts.py `paired_exposed_ms`) keeps its
-own node-by-node max-plus of the two passes, each node's issue as one lump."""
+own node-by-node max-plus of the two passes, each node's issue as one lump (`issued_ms`) of the kernels its layer's
+passes are priced by, the recomputation's rerun included."""
 
 from __future__ import annotations
 
@@ -60,7 +61,6 @@ from typing import Any
 
 from ..profiles.schema import PassIssue
 from ..profiles.workload import LayerCount, OpCount
-from .fp8 import Float8Forms
 
 HOST_KERNEL_US = 12.0  # the host's issue of one kernel in eager PyTorch (sources above)
 # a TransformerEngine module call's Python beyond its kernels' issue, in BF16 (sources above): PR 1191's 115 us a
@@ -155,16 +155,11 @@ def pass_kernels(ops_ms: Sequence[tuple[OpCount, float]], forward_ops: Sequence[
     return kernels
 
 
-def issue_ms(layer: LayerCount, float8: Float8Forms, host_kernel_us: float, name: str = "fwd",
-             host_module_us: float = 0.0) -> float:
-    """The host's time to issue the layer's kernels of pass `name` as the GPU runs them: the float8 recipe's casts
-    too, as the passes run them (`float8`, the estimate's forms of its recipe, `Parallelism.float8_recipe`: no
-    weight cast under FSDP2's float8 all-gather), and with `host_module_us` each TransformerEngine module call's
-    Python (`_module_calls`; twice in float8)."""
-    run = float8.of(layer)
-    return sum(kernels.call_ms + kernels.count * kernels.host_ms for kernels in pass_kernels(
-        [(op, 0.0) for op in run.ops.get(name, ())], run.ops.get("fwd", ()), float8.recipe is not None,
-        host_kernel_us, name, host_module_us))
+def issued_ms(kernels: Iterable[Kernels]) -> float:
+    """The host's time to issue `kernels` (`pass_kernels`: a pass's, a backward's rerun of the forward first):
+    module calls' Python and each kernel's issue, which Megatron-core's overlapped pair prices each node's issue by
+    (planning/experts.py `paired_exposed_ms`), from the list its layer's passes wait by."""
+    return sum(run.call_ms + run.count * run.host_ms for run in kernels)
 
 
 def waited_ms(kernels: Iterable[Kernels], lead_ms: float = 0.0) -> tuple[float, float]:

@@ -15,6 +15,7 @@ from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import (
     Device,
     Parallelism,
+    _routed_part,
     estimate_layer,
     estimate_profile,
     links_of,
@@ -119,6 +120,34 @@ def test_a_host_bound_pair_exposes_the_forwards_all_to_alls_it_issued_under_alon
     moe = [layer for layer in profile.layers if layer.all_to_all_fwd_ms]
     assert moe and all(layer.all_to_all_fwd_ms < layer.all_to_all_paired_ms
                        <= layer.all_to_all_fwd_ms + layer.all_to_all_bwd_ms for layer in moe)
+
+
+def test_a_host_bound_pair_issues_the_recomputed_regions_rerun_its_backward_waits_for():
+    """A host at 1 ms a kernel: with the norms and the experts' activation recomputed (`--recompute-modules`), each
+    MoE layer's backward waits for the host to issue the rerun's kernels first, and so does its overlapped pair,
+    which issues the same kernels (planning/host.py `issued_ms` of `pass_kernels`): what the pair exposes beyond the
+    layer's passes stays as without the rerun, where pricing the pair's issue without it hid the rerun's issue."""
+    parallel = Parallelism(pipeline=4, data=8, expert=8, host_kernel_us=1000)
+    kept, rerun = (estimate_profile(counted(), H100, replace(parallel, recompute_modules=modules))
+                   for modules in ((), ("layernorm", "moe_act")))
+    moe = [(one, other) for one, other in zip(kept.layers, rerun.layers) if one.all_to_all_fwd_ms]
+    assert moe
+    for one, other in moe:
+        assert other.bwd.median_ms - one.bwd.median_ms == pytest.approx(3.0, abs=0.05)  # two norms and a SwiGLU
+        assert other.all_to_all_paired_ms == pytest.approx(one.all_to_all_paired_ms, rel=1e-6)
+
+
+def test_the_experts_node_reruns_only_the_recomputed_regions_within_the_experts():
+    """Megatron-core's `mlp` node runs the routed experts between the dispatch and the combine: of the recomputed
+    regions it reruns the experts' activation (moe_act), not the norms outside them (layernorm), whose rerun is
+    the other node's."""
+    links = links_of(node_placement(H100), 1, 4, 8)
+    layer = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8).local(counted().layers[1])
+    experts = {modules: estimate_layer(_routed_part(layer), DEVICE, Parallelism(pipeline=4, data=8, expert=8,
+                                                                                 recompute_modules=modules),
+                                       links.tensor, 2).bwd_ms
+               for modules in ((), ("layernorm",), ("moe_act",))}
+    assert experts[("layernorm",)] == experts[()] < experts[("moe_act",)]
 
 
 def test_nccls_all_to_all_holds_sixteen_multiprocessors_beside_the_pair():

@@ -107,7 +107,7 @@ def test_under_fsdp_float8_all_gather_the_host_issues_no_weight_casts(tmp_path):
 
 def _issued_per_ms(tmp_path, *args) -> dict[str, float]:
     """A MoE block's pass times at 1 ms and 2 ms a module call (kernels free, the host outlasting the GPU): their
-    difference, per pass, is the module calls the host pays, weighted as `issue_ms` weights them."""
+    difference, per pass, is the module calls the host pays, weighted as `pass_kernels` weights them."""
     slow, slower = (layers(tmp_path, *args, "--host-kernel-us", 0, "--host-module-us", us) for us in (1000, 2000))
     return {name: round(slower[1][name]["median_ms"] - slow[1][name]["median_ms"], 6)
             for name in ("fwd", "bwd", "igrad", "wgrad")}
