@@ -31,6 +31,7 @@ from .common import (
     check_expert_parallel,
     check_memory_gb,
     check_writable,
+    counted,
     fail,
     is_given,
     refuse,
@@ -271,8 +272,10 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
     meta = {**runtime.meta, "host_times_from": "the probe", "host_share": round(share, 5)}
     if plan is not None:
         hosted = alongside if alongside is not None and alongside.count == stages else None
-        with phase(f"running the calibrated model ({stages} ranks, {plan.microbatches} micro-batches, "
-                   f"{plan.minibatches} mini-batches{'; contention measured in its ranks first' if hosted else ''})"):
+        shape = ", ".join([counted(stages, "rank"), counted(plan.microbatches, "micro-batch"),
+                           counted(plan.minibatches, "mini-batch")])
+        with phase(f"running the calibrated model ({shape}"
+                   f"{'; contention measured in its ranks first' if hosted else ''})"):
             trace = _probe_run(model, {k: v for k, v in options.items() if v is not None}, profile.partition.bounds,
                                settings, env, plan, f"the calibrated model's {stages} ranks", advance,
                                hosted.prelude(phase) if hosted else None)

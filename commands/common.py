@@ -608,6 +608,13 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def counted(number: int, noun: str) -> str:
+    """`number` and `noun`, the noun plural unless the number is one ("1 mini-batch", "4 mini-batches", "1,200
+    profiles"): the lines a user reads count single things too."""
+    plural = noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s")
+    return f"{number:,} {noun if number == 1 else plural}"
+
+
 def parse_numbers(flag: str, text: str) -> list[float]:
     """One number or a comma-separated list of them, each finite and >= 0."""
     values = []

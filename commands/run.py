@@ -50,6 +50,7 @@ from .common import (
     check_method_options,
     check_prediction,
     check_writable,
+    counted,
     fail,
     is_given,
     refuse,
@@ -424,7 +425,8 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     experts = int(meta.params.get("expert_parallel", 1))
     shares = f"{replicas} replicas x " if replicas > 1 else ""
     degrees = f"p={len(summary.devices) // replicas}, d={replicas}" + (f", E={experts}" if experts > 1 else "")
-    table = Table(title=f"{meta.schedule} measured: {meta.minibatches} mini-batches of {shares}{meta.microbatches} x "
+    table = Table(title=f"{meta.schedule} measured: {counted(meta.minibatches, 'mini-batch')} of "
+                        f"{shares}{meta.microbatches} x "
                         f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks"
                         f"{f' ({degrees})' if replicas > 1 else ''} over "
                         f"{hardware.get('transport')} ({hardware.get('device')})",

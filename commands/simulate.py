@@ -54,6 +54,7 @@ from .common import (
     check_method_options,
     check_prediction,
     check_writable,
+    counted,
     expert_overlap_options,
     fail,
     is_given,
@@ -545,8 +546,8 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                  memory: list, basis: str, mfu: list[float | None], per_device: str) -> None:
     """The results side by side; with an estimate, MFU instead of the makespan (in --json), which N sets."""
     first, estimated = schedules[0], any(share is not None for share in mfu)
-    title = (f"p={first.num_devices} devices per pipeline, m={first.microbatches} "
-             f"micro-batches, N={first.minibatches} mini-batches"
+    title = (f"p={counted(first.num_devices, 'device')} per pipeline, m={counted(first.microbatches, 'micro-batch')}, "
+             f"N={counted(first.minibatches, 'mini-batch')}"
              + (f", d={first.data_parallel} replicas" if first.data_parallel > 1 else "") + _zero_text(first)
              + (f", {per_device}" if per_device else ""))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,

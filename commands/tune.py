@@ -36,6 +36,7 @@ from .common import (
     check_allocator,
     check_memory_gb,
     check_pp_runtime,
+    counted,
     fail,
     is_given,
     load_profile_flag,
@@ -198,7 +199,8 @@ def tune(
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
-            with _working("estimating the model's profile for each t, b, recomputation and p") as report:
+            experts_searched = not is_given(ctx, "expert_parallel") and bool(counts[sizes[0]].options.get("experts"))
+            with _working(_estimating_text(experts_searched)) as report:
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
                                                optimizer, allocator, optimizer_step, pp_runtime, counts,
                                                is_given(ctx, "expert_parallel"), report)
@@ -211,7 +213,8 @@ def tune(
                           env.memory_cap_bytes or env.device_memory_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget)
-        with _working(f"searching the configurations of {len(settings):,} profiles, best bound first") as report:
+        searching = f"searching the configurations of {counted(len(settings), 'profile')}, best bound first"
+        with _working(searching) as report:
             tuning = search(settings, problem, report, workers, pool)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
         fail(str(exc))
@@ -234,8 +237,8 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None) -> None:
     given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data)) if value]
     product = math.prod(value for _, value in given)
     if devices % product:
-        named = " x ".join(f"{flag} {value}" for flag, value in given)
-        raise InputError(f"--devices {devices}: p x d x t must give it, and {named} = {product} does not divide it")
+        named = " x ".join(f"{flag} {value}" for flag, value in given) + (f" = {product}" if len(given) > 1 else "")
+        raise InputError(f"--devices {devices}: p x d x t must give it, and {named} does not divide it")
 
 
 @contextmanager
@@ -253,6 +256,12 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
         yield None
     finally:
         note.cancel()
+
+
+def _estimating_text(experts_searched: bool) -> str:
+    """What the estimates vary, for the progress line: E too where a mixture of experts' expert-parallel degree is
+    searched (`_estimated_settings`)."""
+    return f"estimating the model's profile for each t, b, recomputation{', E' if experts_searched else ''} and p"
 
 
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
@@ -291,7 +300,7 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
             made, refused = len(settings), []
             for e in degrees:
                 if report is not None:
-                    report(f"estimating the model's profile for each t, b, recomputation and p: {len(settings)} done")
+                    report(f"{_estimating_text(not expert_given and bool(experts))}: {len(settings)} done")
                 depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
                                                                if devices % (t * p) == 0]
                 if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
@@ -392,10 +401,10 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     stdout.print("partition (layers per model stage): " + " | ".join(
         f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; all-reduce "
         f"{ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
-    stdout.print(f"searched {stats.configurations} configurations ({stats.refused} more shapes refused by their "
-                 f"method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by their memory floor "
-                 f"({stats.simulated_over_limits} of them simulated to show what the limits cost), {stats.pruned} "
-                 f"pruned by the throughput bound, {stats.simulated} simulated; {stats.seconds:.2f} s",
+    stdout.print(f"searched {counted(stats.configurations, 'configuration')} ({stats.refused} more shapes refused by "
+                 f"their method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by their memory "
+                 f"floor ({stats.simulated_over_limits} of them simulated to show what the limits cost), "
+                 f"{stats.pruned} pruned by the throughput bound, {stats.simulated} simulated; {stats.seconds:.2f} s",
                  highlight=False)
     for note in tuning.notes:
         stdout.print(f"note: {note}", highlight=False)

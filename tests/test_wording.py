@@ -1,0 +1,49 @@
+"""Lines a new user reads: counts of one thing read in the singular, refusals read as sentences."""
+
+import pytest
+
+from pipesim.commands.common import InputError, counted
+from pipesim.commands.tune import _check_degrees
+from tests.conftest import pipesim
+
+
+def test_counted_is_singular_for_one():
+    assert counted(1, "mini-batch") == "1 mini-batch"
+    assert counted(4, "mini-batch") == "4 mini-batches"
+    assert counted(1, "profile") == "1 profile"
+    assert counted(1200, "profile") == "1,200 profiles"
+
+
+def test_simulate_header_counts_one_in_the_singular():
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-p", "1", "-m", "1", "-n", "1")
+    assert code == 0, err
+    assert out.splitlines()[0] == "p=1 device per pipeline, m=1 micro-batch, N=1 mini-batch"
+
+
+def test_one_given_degree_is_named_without_an_equation():
+    with pytest.raises(InputError) as one:
+        _check_degrees(8, 3, None)
+    assert str(one.value) == "--devices 8: p x d x t must give it, and --tensor-parallel 3 does not divide it"
+    with pytest.raises(InputError) as two:
+        _check_degrees(8, 3, 2)
+    assert str(two.value).endswith("and --tensor-parallel 3 x --data-parallel 2 = 6 does not divide it")
+
+
+@pytest.mark.parametrize(("experts", "searched"), [((), "t, b, recomputation and p"),
+                                                   (("--experts", 8, "--top-k", 2), "t, b, recomputation, E and p")])
+def test_tune_says_it_searches_e_for_a_mixture_of_experts(monkeypatch, experts, searched):
+    """tune's progress line names what the estimates vary: E too where a mixture of experts' E is searched."""
+    pytest.importorskip("torch")
+    from pipesim.commands import tune
+
+    said = []
+
+    def working(what):
+        said.append(what)
+        raise InputError("stopped after the first progress line")
+
+    monkeypatch.setattr(tune, "_working", working)
+    code, _, _ = pipesim("tune", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
+                         "--seq-len", 32, "--vocab", 100, "-D", 8, *experts)
+    assert code == 2 and said == [f"estimating the model's profile for each {searched}"]
+
