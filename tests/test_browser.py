@@ -475,6 +475,47 @@ def test_the_memory_panel_draws_each_devices_capacity_as_a_labelled_dashed_line(
 
 
 @needs_chromium
+def test_a_capacity_far_above_its_devices_peak_is_noted_not_drawn_so_the_axis_stays_the_runs(tmp_path):
+    """Device 0 peaks at 1,160 MiB of its 1,280 MiB: its line is drawn. Device 1 peaks near 1,100 MiB of 80 GiB:
+    a line there would stretch the axis to 81,920 MiB and flatten the run to a line at 0, so the panel's note
+    names that memory and the peak's share instead, and the axis ends near the run's own peak."""
+    from tests.conftest import pipesim
+
+    cluster, page = tmp_path / "c.json", tmp_path / "far.html"
+    cluster.write_text(json.dumps({"devices": [{"name": "gpu0", "memory_gib": 1.25},
+                                               {"name": "gpu1", "memory_gib": 80}]}))
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 8, "--cluster", cluster, "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test")
+    assert_healthy(v)
+    assert v.geometry["capacity"] == [{"axis": "y2", "mib": 1280, "label": "device 0: memory 1,280 MiB"}]
+    (note,) = v.geometry["capacity_notes"]
+    assert note["axis"] == "y2"
+    assert note["text"].startswith("device 1: memory 81,920 MiB (peak 1.") and note["text"].endswith(
+        " % of it), off this axis"), note
+    assert 1280 <= v.geometry["memory"][0]["range"][1] <= 1.1 * 1280
+
+
+@needs_chromium
+def test_compare_draws_each_devices_memory_alike_in_the_predicted_and_measured_panels(tmp_path):
+    """A device's legend entry toggles its line in both panels, so both draw it by default: the measured panel
+    (no parts stacked) draws device 1, and the predicted one draws it too over its stack of device 0's parts,
+    where before it was hidden there and its legend entry greyed out while the measured panel drew it."""
+    from tests.conftest import pipesim
+
+    predicted, page = tmp_path / "p.json", tmp_path / "c.html"
+    assert pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 4, "-n", 8, "--trace", predicted).code == 0
+    measured = Path(__file__).parent.parent / "traces" / "measured" / "fidelity-cpu2-day3-runs" / "1f1b.json"
+    code, _, err = pipesim("compare", measured, predicted, "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test", height=1400)
+    assert_healthy(v)
+    panels = v.geometry["memory"]
+    assert [panel["stacked_peak_mib"] is not None for panel in panels] == [True, False]
+    assert [panel["lines_drawn"] for panel in panels] == [["device 0", "device 1"]] * 2
+
+
+@needs_chromium
 def test_a_memory_heatmap_turns_red_above_the_devices_shared_memory(tmp_path):
     """20 devices' memory is a heatmap (no lines, so no dashed line): on 1.25 GiB each, its colours run up to
     1,280 MiB and LIMIT_COLOR beyond, to device 0's 2,312 MiB peak, and the colour bar names the capacity."""

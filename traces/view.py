@@ -542,7 +542,9 @@ _TIMELINE_JS = r"""
       const [times, mib] = await Promise.all([column(t.memory.t_us), column(t.memory.mib)]);
       let at = 0;
       t.memory.counts.forEach(k => {
-        memory.push({t: Float64Array.from(times.subarray(at, at + k), v => v / 1e3), v: mib.subarray(at, at + k)});
+        const v = mib.subarray(at, at + k);
+        memory.push({t: Float64Array.from(times.subarray(at, at + k), v => v / 1e3), v,
+                     peak: v.reduce((most, x) => Math.max(most, x), 0)});
         at += k;
       });
     }
@@ -739,32 +741,50 @@ _TIMELINE_JS = r"""
   // cuts it off where the line tops the axis): the axis reaches it, so a curve above it is what does not fit.
   // Ranks sharing one GPU's memory may hold what the others' peaks leave (their peaks add up, as the table's
   // fits / OOM column checks). Heights within a label's height (LIMIT_BAND of the highest) are labelled once,
-  // naming their devices unless all share it, and their range where it is one.
-  const LIMIT_BAND = 0.05;
+  // naming their devices unless all share it, and their range where it is one. A device whose peak stays under
+  // LIMIT_DRAWN_SHARE of its line gets no line: it would stretch the axis over it and flatten the run (53 MiB
+  // under an 81,920 MiB H100 is a line at 0); the panel's note above it names that memory and the peak's share.
+  const LIMIT_BAND = 0.05, LIMIT_DRAWN_SHARE = 0.5;
   function capacityLines(T, rows, axis, many) {
     const known = rows.map(({device}) => ({limit: T.memoryLimits[device], shared: Boolean(T.memoryShared[device]),
-                                           name: T.device_names[device]}))
+                                           name: T.device_names[device], peak: T.memory[device].peak}))
       .filter(({limit}) => limit !== null && limit !== undefined).sort((a, b) => a.limit - b.limit);
-    const near = LIMIT_BAND * Math.max(0, ...known.map(({limit}) => limit));
-    const bands = [];
-    known.forEach(entry => {
-      const band = bands[bands.length - 1];
-      if (band && band.shared === entry.shared && entry.limit - band.low <= near) band.entries.push(entry);
-      else bands.push({low: entry.limit, shared: entry.shared, entries: [entry]});
-    });
-    return bands.flatMap(({low, shared, entries}) => {
-      const names = entries.map(({name}) => name), high = entries[entries.length - 1].limit;
+    const near = ({peak, limit}) => peak >= LIMIT_DRAWN_SHARE * limit;
+    const label = (entries, low, high, shared) => {
+      const names = entries.map(({name}) => name);
       const who = names.length === rows.length ? (rows.length > 1 ? "each device's" : esc(names[0]) + "'s")
         : esc(names.slice(0, 3).join(", ") + (names.length > 3 ? " and " + (names.length - 3) + " more" : "")) + ":";
       const what = shared ? " room beside its GPU's other ranks' peaks " : " memory ";
       const span = fmt(low, 0) === fmt(high, 0) ? fmt(low, 0) : fmt(low, 0) + "\u2013" + fmt(high, 0);
+      return who + what + span + " MiB";
+    };
+    const drawn = bands(known.filter(near)).flatMap(({low, high, shared, entries}) => {
       const heights = [...new Set(entries.map(({limit}) => limit))];
       return heights.map((limit, k) => ({
         type: "line", xref: "x domain", x0: 0, x1: 1, yref: axis, y0: limit, y1: limit, layer: "above",
         line: {color: LIMIT_COLOR, width: 1.5, dash: "dash"},
-        label: {text: k ? "" : who + what + span + " MiB" + (many ? " \u00b7 " + esc(T.label) : ""),
+        label: {text: k ? "" : label(entries, low, high, shared) + (many ? " \u00b7 " + esc(T.label) : ""),
                 textposition: "end", yanchor: "top", font: {size: 10, color: LIMIT_COLOR}}}));
     });
+    const far = bands(known.filter(entry => !near(entry))).map(({low, high, shared, entries}) => {
+      const share = Math.max(...entries.map(({peak, limit}) => peak / limit));
+      return label(entries, low, high, shared) + " (peak " + (share < 0.001 ? "under 0.1" : fmt(100 * share, 1)) +
+        " % of it)";
+    });
+    const note = far.length && {text: far.join("; ") + ", off this axis", xref: "x domain", x: 1, xanchor: "right",
+                                yref: axis + " domain", y: 1, yanchor: "bottom", yshift: 4, showarrow: false,
+                                font: {size: 10, color: LIMIT_COLOR}};
+    return {shapes: drawn, note: note || null};
+  }
+  // Limits within LIMIT_BAND of the highest of them, and of one kind (a GPU's own memory, or a shared one's room).
+  function bands(known) {
+    const near = LIMIT_BAND * Math.max(0, ...known.map(({limit}) => limit)), out = [];
+    known.forEach(entry => {
+      const band = out[out.length - 1];
+      if (band && band.shared === entry.shared && entry.limit - band.low <= near) band.entries.push(entry);
+      else out.push({low: entry.limit, shared: entry.shared, entries: [entry]});
+    });
+    return out.map(band => Object.assign(band, {high: band.entries[band.entries.length - 1].limit}));
   }
 
   // A heatmap's colours: Viridis up to the devices' memory where they all share one, and LIMIT_COLOR above it, the
@@ -832,7 +852,14 @@ _TIMELINE_JS = r"""
     // Device colours from the trace with the most devices, so "device d" looks the same in every panel.
     const palette = members.reduce((most, T) => (T.memoryColors.length > most.length ? T.memoryColors : most), []);
     const inLegend = new Set();
-    const axes = {}, headings = [], shapes = [];
+    // A device's legend entry toggles its line in every panel, so each panel draws it by default alike: where a
+    // panel draws it alone (no stack there, or its stacked device), as a measured trace's panel draws them all.
+    const drawnDevices = new Set(built.panels.filter(panel => !panel.heatmap).flatMap(panel => {
+      const parts = members[panel.member].memoryParts;
+      return panel.rows.filter(({device}) => !parts || device === parts.device).map(({device}) => device);
+    }));
+    const axes = {}, headings = [], shapes = [], notes = [];
+    built.capacityNotes = [];
     built.panels.forEach((panel, j) => {
       const T = members[panel.member], axis = "y" + (j + 2);
       const bottom = (built.panels.length - 1 - j) * (panelPx + PANEL_GAP_PX);
@@ -869,14 +896,14 @@ _TIMELINE_JS = r"""
           });
         }
         // Over the stack, 8-16 devices' lines read as clutter: only the stacked device's (the parts' sum) is drawn,
-        // the others are listed in the legend and drawn when clicked there.
+        // the others are listed in the legend and drawn when clicked there (unless another panel draws them).
         panel.rows.forEach(({member, device, label}) => {
           const mem = T.memory[device];
           const pts = decimate(mem.t, mem.v, 0, xEnd, plotColumns);
           built.memoryTraces.push({member, device, index: data.length, panel: j});
           data.push({type: "scatter", mode: "lines", x: pts.x, y: pts.y, xaxis: "x", yaxis: axis, name: label,
                      legend: "legend2", legendgroup: "memory " + device, showlegend: !inLegend.has(device),
-                     visible: parts && device !== parts.device ? "legendonly" : true,
+                     visible: drawnDevices.has(device) ? true : "legendonly",
                      line: {color: palette[device], width: 1.5, shape: "hv"},
                      hovertemplate: label + (many ? " \u00b7 " + esc(T.label) : "") +
                                     ": %{y:,.1f} MiB at %{x:.3f} ms<extra></extra>"});
@@ -884,7 +911,12 @@ _TIMELINE_JS = r"""
         });
         axes["yaxis" + (j + 2)] = {domain, anchor: "x", title: {text: many ? "MiB" : "memory (MiB)"},
                                    gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
-        shapes.push(...capacityLines(T, panel.rows, axis, many));
+        const capacity = capacityLines(T, panel.rows, axis, many);
+        shapes.push(...capacity.shapes);
+        if (capacity.note) {
+          notes.push(capacity.note);
+          built.capacityNotes.push({axis, text: capacity.note.text});
+        }
       }
       if (many) {
         headings.push({text: "<b>memory of " + esc(T.label) + "</b> (its own scale)", x: 0, xref: "paper",
@@ -905,7 +937,7 @@ _TIMELINE_JS = r"""
               ticklabelstandoff: 4},
     };
     Object.assign(layout, axes);
-    layout.annotations = headings;
+    layout.annotations = [...headings, ...notes];
     layout.shapes = shapes;
     if (memoryLegend) {
       // One trace's parts are its fullest device's, which the title names; several traces' hovers name theirs.
@@ -1123,6 +1155,7 @@ _TIMELINE_JS = r"""
       memory_legend: memoryLegend && {box: onPage(memoryLegend),
                                       scrolls: Boolean(scrollbar && scrollbar.getBoundingClientRect().height > 0)},
       capacity: (fl.shapes || []).map(s => ({axis: s.yref, mib: s.y0, label: s.label.text})),
+      capacity_notes: b.capacityNotes,
       heatmaps: b.heatmaps.map(({index, capacity}) => ({capacity, zmax: gd.data[index].zmax,
                                                          colorscale: gd.data[index].colorscale,
                                                          ticks: gd.data[index].colorbar.ticktext || null})),
