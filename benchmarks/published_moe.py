@@ -236,6 +236,15 @@ class MoeRun:
     mtp_layers: int = 0  # --mtp-layers: the run's multi-token-prediction depth
 
     @property
+    def p2p_sync(self) -> bool:
+        """--p2p-sync: a pipeline without virtual stages exchanges through Megatron-core's batched point-to-point,
+        which synchronises the device after each exchange (batch_p2p_sync, True by default in ModelParallelConfig):
+        NeMo's MegatronCommOverlapCallback and Megatron-Bridge's CommOverlapConfig set batch_p2p_comm True where
+        p > 1 and v = 1 (overlap_p2p_comm, which needs it False, only with v > 1), and Megatron-LM's arguments.py
+        sets it to `not overlap_p2p_comm`, False without virtual stages (docs/hardware.md, "Host-bound execution")."""
+        return self.pipeline > 1 and self.chunks == 1
+
+    @property
     def data(self) -> int:
         return self.gpus // (self.tensor * self.pipeline)
 
@@ -260,7 +269,8 @@ class MoeRun:
                 "--expert-gemm", "per-expert", "--routing", self.routing,
                 *(["--capacity-factor", f"{self.capacity_factor:g}"] if self.capacity_factor is not None else []),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
-                *(["--overlap-expert-comm"] if self.a2a_overlap else [])]
+                *(["--overlap-expert-comm"] if self.a2a_overlap else []),
+                *(["--p2p-sync"] if self.p2p_sync else [])]
 
 
 def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:

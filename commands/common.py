@@ -325,6 +325,12 @@ ExpertGemm = Annotated[str | None, typer.Option(
                                          "(one GEMM per local expert, each expert's float8 casts on their own under "
                                          "te-current, as TransformerEngine's GroupedLinear runs them in "
                                          "Megatron-core's TEGroupedMLP).")]
+P2pSync = Annotated[bool, typer.Option(
+    "--p2p-sync", help="With --gpu: the pipeline runtime synchronises the device after each exchange between "
+                       "stages (Megatron-core's batched point-to-point: batch_p2p_comm and batch_p2p_sync, which "
+                       "Megatron-LM, NeMo and Megatron-Bridge set without virtual stages), so each pass a stage "
+                       "receives the input of starts with its host not ahead of the GPU (docs/hardware.md, "
+                       "\"Host-bound execution\").")]
 HostKernelUs = Annotated[float | None, typer.Option(
     "--host-kernel-us", metavar="US", min=0, help="With --gpu: the host's microseconds to issue one kernel (eager "
                                                   "PyTorch's Python, dispatcher, autograd and CUDA launch), which a "
@@ -481,7 +487,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("expert_parallel", ExpertParallel, 1), ("hot_expert_share", HotExpertShare, None),
                 ("routing", Routing, None), ("token_dispatcher", TokenDispatcher, None),
                 ("dispatcher_sms", DispatcherSms, None), ("host_kernel_us", HostKernelUs, None),
-                ("host_module_us", HostModuleUs, None),
+                ("host_module_us", HostModuleUs, None), ("p2p_sync", P2pSync, False),
                 ("expert_gemm", ExpertGemm, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
@@ -553,7 +559,7 @@ ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data":
                   "token_dispatcher": "--token-dispatcher",
                   "dispatcher_sms": "--dispatcher-sms",
                   "host_kernel_us": "--host-kernel-us", "host_module_us": "--host-module-us",
-                  "expert_gemm": "--expert-gemm",
+                  "expert_gemm": "--expert-gemm", "p2p_sync": "--p2p-sync",
                   "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
                   "attention_kernel": "--attention-kernel",
                   "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_parallel", "sequence_parallel",
                  "tp_overlap", "context_parallel", "expert_parallel", "hot_expert_share", "routing", "recompute",
                  "curve_from", "fsdp_float8_all_gather", "fp8_param_gather",
-                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "host_module_us",
+                 "fp8_recipe", "token_dispatcher", "dispatcher_sms", "host_kernel_us", "host_module_us", "p2p_sync",
                  "expert_gemm", "expert_tensor_parallel",
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
@@ -123,6 +123,7 @@ class WhatIf:
     host_kernel_us: float | None = None  # --host-kernel-us (None: planning/host.py's HOST_KERNEL_US)
     host_module_us: float | None = None  # --host-module-us (None: by the runtime, planning/host.py's module_us)
     expert_gemm: str = "grouped"  # --expert-gemm, of planning/experts.py's EXPERT_GEMMS
+    p2p_sync: bool = False  # --p2p-sync (profiles/schema.py `stage_host_waits_ms`)
 
     @cached_property
     def curve(self) -> Curve | None:
@@ -190,7 +191,8 @@ class WhatIf:
                            torch_compile=self.torch_compile,
                            ema=self.ema, grad_accumulation=self.grad_accumulation,
                            host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us,
-                           host_module_us=self.host_module_us, expert_gemm=self.expert_gemm)
+                           host_module_us=self.host_module_us, expert_gemm=self.expert_gemm,
+                           p2p_sync=self.p2p_sync)
 
 
 def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf | None:
@@ -281,7 +283,7 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   attention_kernel=params.get("attention_kernel") or "flash2",
                   grad_accumulation=params.get("grad_accumulation"), routing=routing,
                   host_kernel_us=params.get("host_kernel_us"), host_module_us=params.get("host_module_us"),
-                  expert_gemm=params.get("expert_gemm") or "grouped")
+                  expert_gemm=params.get("expert_gemm") or "grouped", p2p_sync=params.get("p2p_sync", False))
     with refused_with_flags():  # the layout's rules, before the model is counted (which takes seconds)
         check_ring_attention(what.context, what.attention)
         recompute = params.get("recompute") or "none"

@@ -227,6 +227,7 @@ class Parallelism:
     host_kernel_us: float = HOST_KERNEL_US  # the host's issue of a kernel, exposed after a sync (planning/host.py)
     host_module_us: float | None = None  # a TransformerEngine module call's Python (None: by the runtime, host.py)
     expert_gemm: str = "grouped"  # how a rank runs its local experts' products, of planning/experts.py's EXPERT_GEMMS
+    p2p_sync: bool = False  # the device synchronised after each exchange between stages (`stage_host_waits_ms`)
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "data", "context", "expert", "expert_tensor", "dispatcher_sms"):
@@ -1750,7 +1751,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     accumulated = held.grad_bytes if parallel.accumulation == "fused" else None  # in the weight-gradient products
     modules_us = module_us(parallel.fp8, parallel.host_module_us)
 
-    waits = any(synchronises(layer, counted.options) for layer in counted.layers)  # the host, in some layer
+    # the host, in some layer or at each exchange between stages
+    waits = parallel.p2p_sync or any(synchronises(layer, counted.options) for layer in counted.layers)
     issues: list[_HostIssue] = []
     for layer, repeated in () if made is not None else zip(counted.layers, counted.repeats, strict=True):
         if repeated:
@@ -1846,7 +1848,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         accumulate_ms = memory_ms(3 * params) if parallel.accumulation == "separate" else 0.0
         stage_steps.append((steps, passes_weights, _timing(accumulate_ms), _timing(memory_ms(2 * params))))
     stages = aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), stage_steps,
-                              costs=costs)
+                              costs=costs, p2p_sync=parallel.p2p_sync)
     if parallel.fsdp_float8_all_gather:
         stages = [stage.model_copy(update={"gather_cast_ms": shard_cast_ms(counted.layers[start:stop], parallel,
                                                                             device)})

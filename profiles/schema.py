@@ -635,14 +635,15 @@ StageSteps = tuple[dict[str, StepTimes], Timing, Timing | None, Timing | None]
 
 
 def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequence[float],
-            bwd_scale: Sequence[float]) -> dict[str, float]:
+            bwd_scale: Sequence[float], p2p_sync: bool = False) -> dict[str, float]:
     """A stage's times as the sums of its layers' (layer i's forward times fwd_scale[i], its backward halves
-    times bwd_scale[i]). A stage fed by the batch alone (the first of a chain) has no input gradient to send:
-    its split backward's input half is empty, and the weight half does the whole backward, since its first
-    layers' weight gradients need the input gradients of the layers after them."""
+    times bwd_scale[i]), its host's waits with them (`stage_host_waits_ms`, `p2p_sync` its). A stage fed by the
+    batch alone (the first of a chain) has no input gradient to send: its split backward's input half is empty,
+    and the weight half does the whole backward, since its first layers' weight gradients need the input
+    gradients of the layers after them."""
     def total(kind: str, scale: Sequence[float]) -> float:
         return math.fsum(getattr(layers[i], kind).median_ms * scale[i] for i in range(start, stop)) + \
-            stage_host_waits_ms(layers, start, stop, kind)
+            stage_host_waits_ms(layers, start, stop, kind, p2p_sync)
 
     bwd_ms = total("bwd", bwd_scale)
     sends_input_grad = any(0 <= source < start for layer in layers[start:stop] for source in layer.inputs)
@@ -651,16 +652,21 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
             "wgrad_ms": total("wgrad", bwd_scale) if sends_input_grad else bwd_ms}
 
 
-def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name: str) -> float:
+def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name: str, p2p_sync: bool = False) -> float:
     """What a stage's pass `name` (of HOST_ISSUED) waits for its host beyond the waits its layers' times hold
     (`PassIssue`): each stage is a process of its own, whose host waits only where one of its own layers
     synchronises, so a stage none of whose layers does waits for nothing, and one that does starts each pass with
-    its host not ahead, each layer from the queue the one before it left (the backward's last layer first)."""
+    its host not ahead, each layer from the queue the one before it left (the backward's last layer first).
+    `p2p_sync`: its runtime synchronises the device after each exchange with another stage (Megatron-core's
+    batched point-to-point, `_communicate` under batch_p2p_comm and batch_p2p_sync; docs/hardware.md,
+    "Host-bound execution"), so a pass whose input it receives (a forward but the first stage's, a backward but
+    the last's) starts so too, whether or not its layers synchronise."""
     issues = [layer.host_issue for layer in layers[start:stop]]
     if any(issue is None for issue in issues):
         return 0.0
     carried = math.fsum(issue[name].carried_ms for issue in issues)
-    if not any(issue["fwd"].synchronises for issue in issues):
+    received = p2p_sync and (start > 0 if name.startswith("fwd") else stop < len(layers))
+    if not received and not any(issue["fwd"].synchronises for issue in issues):
         return -carried
     lead = 0.0
     waited = []
@@ -674,18 +680,19 @@ def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name:
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
                      steps: list[StageSteps], passes: list[StagePasses] | None = None,
                      held_bytes: list[int | None] | None = None,
-                     costs: list[LayerCost] | None = None) -> list[StageProfile]:
+                     costs: list[LayerCost] | None = None, p2p_sync: bool = False) -> list[StageProfile]:
     """Per-stage sums of the layers' measurements; `steps` gives each stage's measured (optimizer steps,
     averaging, gradient accumulation, weight copy), `passes` (where measured) its rows timed as the executor
     runs them, which are then its times. `memory_bytes` is the partitioner's 1F1B estimate for `optimizer`, of
-    the layers' `layer_costs` (`costs`, where the caller has them already)."""
+    the layers' `layer_costs` (`costs`, where the caller has them already). `p2p_sync`: the runtime synchronises
+    after each exchange between stages (`stage_host_waits_ms`)."""
     costs = layer_costs(layers, optimizer) if costs is None else costs
     p = len(bounds) - 1
     ones = [1.0] * len(layers)
     out = []
     for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         mine = layers[start:stop]
-        times = (_summed(layers, start, stop, ones, ones) if passes is None else
+        times = (_summed(layers, start, stop, ones, ones, p2p_sync) if passes is None else
                  {f"{kind}_ms": getattr(passes[k], kind).median_ms for kind in ("fwd", "bwd", "igrad", "wgrad")})
         out.append(StageProfile(
             layers=(start, stop),
@@ -708,7 +715,8 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),
             all_to_all_paired_ms=math.fsum(layer.all_to_all_paired_ms for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine)
-               + stage_host_waits_ms(layers, start, stop, name.removesuffix("_ms")) for name in SHARING_TIMES},
+               + stage_host_waits_ms(layers, start, stop, name.removesuffix("_ms"), p2p_sync)
+               for name in SHARING_TIMES},
             expert_param_bytes=sum(layer.expert_param_bytes for layer in mine),
             **{name: math.fsum(getattr(layer, name) for layer in mine) for name in RING_TIMES},
             ring_buffer_bytes=stage_ring_buffer_bytes(layers, start, stop),
@@ -802,7 +810,8 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False,
                                         for start, stop in zip(bounds, bounds[1:])], optimizers)
     return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
                             boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds),
-                            boundary_held_bytes(profile.layers, bounds, dag))
+                            boundary_held_bytes(profile.layers, bounds, dag),
+                            p2p_sync=bool(profile.estimate and profile.estimate.parallelism.get("p2p_sync")))
 
 
 def _passes_for(profile: Profile, bounds: list[int]) -> list[StagePasses] | None:

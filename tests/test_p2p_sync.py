@@ -1,0 +1,81 @@
+"""`--p2p-sync`: Megatron-core's batched point-to-point synchronises the device after each exchange between stages
+(p2p_communication.py `_communicate` under batch_p2p_comm and batch_p2p_sync), so a pass whose input a stage
+receives starts with its host not ahead, whether or not its layers synchronise (profiles/schema.py
+`stage_host_waits_ms`, the same max-plus composition as a synchronising layer's stage)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pipesim.planning.host import carried_waits_ms, pass_issue
+from pipesim.profiles.schema import LayerProfile, stage_host_waits_ms
+from tests.conftest import pipesim
+from tests.test_host_order import _random_pass
+
+REPO = Path(__file__).resolve().parents[1]
+DENSE = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 512, "--gpu", "h100-sxm",
+         "--stages", 2, "--host-kernel-us", 1000)
+
+
+def test_a_received_pass_starts_from_an_empty_queue_without_a_synchronising_layer():
+    """Layers that never synchronise: under p2p_sync a stage's forward (but the first stage's) and backward (but the
+    last stage's) compose their layers from the host not ahead, `carried_waits_ms` over its own layers; a pass it
+    receives nothing for, or any pass without p2p_sync, waits for nothing beyond what its layers' times hold."""
+    rng = random.Random(41)
+    for _ in range(40):
+        count = rng.randint(2, 7)
+        forward, backward = ([_random_pass(rng, False) for _ in range(count)] for _ in range(2))
+        carried = {"fwd": carried_waits_ms(forward, False), "bwd": carried_waits_ms(backward, True)}
+        layers = [LayerProfile.model_construct(host_issue={
+            "fwd": pass_issue(forward[i], carried["fwd"][i]), "bwd": pass_issue(backward[i], carried["bwd"][i])})
+            for i in range(count)]
+        start = rng.randrange(count)
+        stop = rng.randint(start + 1, count)
+        for name, passes, received in (("fwd", forward, start > 0), ("bwd", backward, stop < count)):
+            held_ms = sum(carried[name][start:stop])
+            own_ms = sum(carried_waits_ms(passes[start:stop], name == "bwd"))
+            assert stage_host_waits_ms(layers, start, stop, name) == pytest.approx(-held_ms, abs=1e-9)
+            assert stage_host_waits_ms(layers, start, stop, name, p2p_sync=True) == pytest.approx(
+                (own_ms if received else 0.0) - held_ms, abs=1e-9)
+
+
+def _stages(tmp_path: Path, *args) -> list[dict]:
+    out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+    code, _, err = pipesim("estimate", *DENSE, *args, "-o", out)
+    assert code == 0, err
+    return json.loads(out.read_text())["stages"]
+
+
+def test_a_dense_pipeline_waits_for_its_host_where_a_stage_receives(tmp_path):
+    """A dense model at 1 ms a kernel: without --p2p-sync its kernels stay queued and no stage waits; with it the
+    second stage's forward (after receiving the activations) and the first's backward (after receiving the
+    gradient) wait for the host's issue, and the first's forward and the last's backward do not."""
+    queued, synced = _stages(tmp_path), _stages(tmp_path, "--p2p-sync")
+    assert synced[0]["fwd_ms"] == pytest.approx(queued[0]["fwd_ms"], abs=1e-12)
+    assert synced[1]["bwd_ms"] == pytest.approx(queued[1]["bwd_ms"], abs=1e-12)
+    assert synced[1]["fwd_ms"] > queued[1]["fwd_ms"] + 10 and synced[0]["bwd_ms"] > queued[0]["bwd_ms"] + 10
+    code, out, err = pipesim("simulate", *DENSE[:-4], "-p", 2, "-m", 4, "-s", "1f1b", "--host-kernel-us", 1000,
+                             "--p2p-sync")
+    assert code == 0, err
+    assert "p2p sync" in " ".join(out.split())
+
+
+def test_p2p_sync_without_an_estimate_is_one_line():
+    code, out, err = pipesim("simulate", "--fwd", "1,1", "--bwd", "2,2", "-m", 4, "--p2p-sync")
+    assert code == 2 and not out and err.count("\n") == 1 and "--p2p-sync" in err and "Traceback" not in err
+
+
+def test_the_moe_rows_synchronise_exactly_where_their_pipeline_has_no_virtual_stages():
+    """NeMo's and Megatron-Bridge's comm-overlap configs set batch_p2p_comm where p > 1 and v = 1 and overlap the
+    exchanges unbatched with virtual stages; Megatron-LM's arguments.py the same (`MoeRun.p2p_sync`)."""
+    rows = json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
+    for row in rows:
+        args = shlex.split(row["command"])
+        plain = args[args.index("-s") + 1] == "1f1b" and int(args[args.index("-p") + 1]) > 1
+        assert ("--p2p-sync" in args) == plain, row["run"]
+    assert sum("--p2p-sync" in row["command"] for row in rows) == 2
