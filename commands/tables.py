@@ -68,14 +68,15 @@ def _narrowest_width(part: Table, ranges: list[tuple[int, int]]) -> int:
     return _whole_width(part, [narrowest for narrowest, _ in ranges])
 
 
-def _fitted_widths(ranges: list[tuple[int, int]], width: int) -> list[int]:
-    """Content widths that sum to at most `width`, each at least its narrowest: the widest gives way first."""
+def _fitted_widths(ranges: list[tuple[int, int]], width: int, keys: int) -> list[int]:
+    """Content widths that sum to at most `width`, each at least its narrowest: the widest gives way first, the
+    first `keys` columns, which name a row ("xpipe (s: paper)"), last: a header wraps before a row's name does."""
     widths = [widest for _, widest in ranges]
     while sum(widths) > width:
         shrinkable = [i for i, (narrowest, _) in enumerate(ranges) if widths[i] > narrowest]
         if not shrinkable:
             break
-        widths[max(shrinkable, key=lambda i: widths[i])] -= 1
+        widths[max([i for i in shrinkable if i >= keys] or shrinkable, key=lambda i: widths[i])] -= 1
     return widths
 
 
@@ -124,8 +125,8 @@ def _compact(table: Table) -> Table:
 def print_table(table: Table, console: Console = stdout, keys: int = 1) -> None:
     """Print `table` so that no cell is cut: whole where it fits, else with one space between columns (the
     padding saved goes to the cells that wrap: tune's "why not" at 100 columns), else in parts of whole columns,
-    each led by the first `keys` columns, which name a row (simulate --memory's schedule and device); its title and
-    caption wrap at the width available, not at the table's."""
+    each led by the first `keys` columns, which name a row (simulate --memory's schedule and device) and wrap only
+    where the other columns cannot; its title and caption wrap at the width available, not at the table's."""
     width = available_width(console)
     ranges = _content_ranges(console, table)
     parts = [list(range(len(ranges)))]
@@ -139,7 +140,7 @@ def print_table(table: Table, console: Console = stdout, keys: int = 1) -> None:
             table._get_padding_width(k) for k in range(len(ranges))) + table._extra_width)
     for part, group in zip(tables, parts):
         padding = sum(part._get_padding_width(k) for k in range(len(group))) + part._extra_width
-        for column, fitted in zip(part.columns, _fitted_widths([ranges[i] for i in group], width - padding)):
+        for column, fitted in zip(part.columns, _fitted_widths([ranges[i] for i in group], width - padding, keys)):
             column.width = fitted
             column.no_wrap = False
             column.overflow = "fold"  # a word wider than the column (only where nothing else fits) keeps its letters

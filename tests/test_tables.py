@@ -108,6 +108,20 @@ def test_a_table_that_wraps_gives_its_padding_to_the_wrapped_cell():
     assert len(row) == 2 and all(len(line) <= 100 for line in lines), "\n".join(lines)
 
 
+def test_a_rows_name_stays_whole_where_headers_can_wrap_instead():
+    """simulate's table at 80 columns: "peak MiB" and "peak act" wrap between their words, so that the column
+    naming the rows keeps "xpipe (s: paper)" on one line."""
+    table = Table(box=box.SIMPLE_HEAD)
+    for header in ("schedule", "ms/step", "samples/s", "bubble", "peak MiB", "peak act", "weights", "staleness",
+                   "makespan"):
+        table.add_column(header, justify="left" if header == "schedule" else "right")
+    table.add_row("1f1b", "33.000", "242.4", "27.3%", "1,288", "4", "1", "0", "132.000")
+    table.add_row("xpipe (s: paper)", "24.000", "333.3", "8.6%", "1,800", "4", "3", "1", "105.000")
+    lines = rendered(table, 80)
+    assert any(line.startswith("xpipe (s: paper) ") for line in lines) and all(len(line) <= 80 for line in lines), (
+        "\n".join(lines))
+
+
 def test_a_split_table_repeats_the_columns_that_name_a_row():
     """simulate --memory's rows are a schedule's devices: split at 80 columns, each part leads with both, so a row
     of the second part still says which device it is."""
