@@ -597,6 +597,9 @@ def estimate(
     recompute: Recompute = "none",
     microbatch_size: MicrobatchSize = 1,
     optimizer: HeldOptimizer = "adam",
+    sources: Annotated[bool, typer.Option(
+        "--sources", help="Print the efficiency curve's sources in full: each figure's measurement and its address "
+                          "(the profile keeps them in estimate.curve.source).")] = False,
 ) -> None:
     """Estimate a model's profile on a catalogue GPU, without the GPU: the model counted by torch on the meta
     device, priced on the part's figures, parallelised as given, and partitioned into p stages. simulate, sweep,
@@ -617,7 +620,7 @@ def estimate(
         fail(str(exc))
     except OSError as exc:
         fail(write_error(exc))
-    _print_estimate(profile)
+    _print_estimate(profile, sources)
     if zero >= 2:
         stdout.print(f"ZeRO-{zero}: the profile holds each GPU's whole {'weights and ' if zero == 3 else ''}"
                      f"gradients, the peak above counts them whole; `pipesim simulate --profile {out} --zero {zero}` "
@@ -674,7 +677,21 @@ def _expert_group_text(profile: Profile, expert: int) -> str:
             f"{expert} over {nic}")
 
 
-def _print_estimate(profile: Profile) -> None:
+def _curve_text(curve: dict, attention_kernel: str, sources: bool) -> str:
+    """The efficiency curve the estimate priced with: its fractions of the datasheet, then its sources in full
+    (`sources`, --sources: about 25 lines at 80 columns) or where to find them."""
+    from ..hardware.catalogue import Curve
+
+    read = Curve.model_validate(curve)
+    attention = read.attention_kernel_efficiency(attention_kernel)
+    fractions = ", ".join([f"products {read.matmul_efficiency:.3g}",
+                           *([f"attention ({attention_kernel}) {attention:.3g}"] if attention else []),
+                           f"memory {read.memory_efficiency:.3g}", f"link {read.link_efficiency:.3g}"])
+    return (f"efficiency curve: {fractions} of the datasheet's, {read.kernel_overhead_ms * 1e3:.1f} us a kernel; "
+            + (f"its sources: {read.source}" if sources else "--sources says where each comes from"))
+
+
+def _print_estimate(profile: Profile, sources: bool) -> None:
     """Per stage: its layers, times and memory on one GPU (its peak named as allocated, so that it is not read as
     simulate --gpu's max reserved); then the placement's links."""
     from rich import box
@@ -689,7 +706,9 @@ def _print_estimate(profile: Profile) -> None:
                   caption="per micro-batch; I/W: the split backward's input- and weight-gradient passes; alloc: "
                           "the peak of the tensors alone (max allocated) in a 1F1B estimate; simulate --gpu's peak "
                           "adds the segments torch's caching allocator keeps cached beside them (max reserved, "
-                          f"--allocator caching); efficiency curve: {estimate.curve['source']}")
+                          "--allocator caching); "
+                          + _curve_text(estimate.curve, estimate.parallelism.get("attention_kernel", "flash2"),
+                                        sources))
     for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "act MiB", "params MiB", "alloc MiB"):
         table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
     for k, stage in enumerate(profile.stages):
