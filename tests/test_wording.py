@@ -47,3 +47,23 @@ def test_tune_says_it_searches_e_for_a_mixture_of_experts(monkeypatch, experts, 
                          "--seq-len", 32, "--vocab", 100, "-D", 8, *experts)
     assert code == 2 and said == [f"estimating the model's profile for each {searched}"]
 
+
+def test_estimate_names_its_curve_and_prints_the_sources_on_asking(tmp_path):
+    """estimate's caption gives the curve's fractions and points to --sources, which prints every source in full
+    (about 25 lines at 80 columns that a user who does not ask need not scroll past)."""
+    pytest.importorskip("torch")
+    from pipesim.profiles.schema import load_profile
+
+    args = ("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--layers", 2, "--width", 64, "--heads", 4,
+            "--seq-len", 32, "--vocab", 100, "-o", tmp_path / "p.json")
+    code, out, err = pipesim(*args)
+    assert code == 0, err
+    curve = load_profile(tmp_path / "p.json").estimate.curve
+    source = curve["source"]
+    said = " ".join(out.split())
+    assert (f"efficiency curve: products {curve['matmul_efficiency']:.3g}, attention (flash2) "
+            f"{curve['attention_efficiency']:.3g}, memory {curve['memory_efficiency']:.3g}, link "
+            f"{curve['link_efficiency']:.3g} of the datasheet's") in said
+    assert "--sources says where each comes from" in said and "https://" not in said
+    code, out, err = pipesim(*args, "--sources")
+    assert code == 0 and "".join(f"its sources: {source}".split()) in "".join(out.split()), err  # URLs wrap
