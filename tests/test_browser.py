@@ -492,7 +492,7 @@ def test_a_capacity_far_above_its_devices_peak_is_noted_not_drawn_so_the_axis_st
     (note,) = v.geometry["capacity_notes"]
     assert note["axis"] == "y2"
     assert note["text"].startswith("device 1: memory 81,920 MiB (peak 1.") and note["text"].endswith(
-        " % of it), off this axis"), note
+        " % of it), off this panel's scale"), note
     assert 1280 <= v.geometry["memory"][0]["range"][1] <= 1.1 * 1280
 
 
@@ -515,24 +515,40 @@ def test_compare_draws_each_devices_memory_alike_in_the_predicted_and_measured_p
     assert [panel["lines_drawn"] for panel in panels] == [["device 0", "device 1"]] * 2
 
 
-@needs_chromium
-def test_a_memory_heatmap_turns_red_above_the_devices_shared_memory(tmp_path):
-    """20 devices' memory is a heatmap (no lines, so no dashed line): on 1.25 GiB each, its colours run up to
-    1,280 MiB and LIMIT_COLOR beyond, to device 0's 2,312 MiB peak, and the colour bar names the capacity."""
+def twenty_devices_page(tmp_path: Path, memory_gib: float) -> Visit:
+    """1F1B on 20 devices of `memory_gib` each (a heatmap of memory, no lines): its peak is device 0's 2,312 MiB."""
     from tests.conftest import pipesim
 
     cluster, page = tmp_path / "c.json", tmp_path / "h.html"
-    cluster.write_text(json.dumps({"devices": [{"name": f"gpu{d}", "memory_gib": 1.25} for d in range(20)]}))
+    cluster.write_text(json.dumps({"devices": [{"name": f"gpu{d}", "memory_gib": memory_gib} for d in range(20)]}))
     code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 20, "-m", 20, "--cluster", cluster, "--html", page)
     assert code == 0, err
     v = visit(page, "#test", height=1300)
     assert_healthy(v)
-    (heatmap,) = v.geometry["heatmaps"]
+    return v
+
+
+@needs_chromium
+def test_a_memory_heatmap_turns_red_above_the_devices_shared_memory(tmp_path):
+    """20 devices' memory is a heatmap (no lines, so no dashed line): on 1.25 GiB each, its colours run up to
+    1,280 MiB and LIMIT_COLOR beyond, to device 0's 2,312 MiB peak, and the colour bar names the capacity."""
+    (heatmap,) = twenty_devices_page(tmp_path, 1.25).geometry["heatmaps"]
     assert heatmap["capacity"] == 1280 and heatmap["zmax"] == 2312
     top, stops = 1280 / 2312, heatmap["colorscale"]
     assert stops[0] == [0, "#440154"] and stops[-3] == [pytest.approx(top), "#fde725"]  # Viridis up to 1,280 MiB
     assert stops[-2:] == [[pytest.approx(top), "#c0392b"], [1, "#c0392b"]]  # then red
     assert heatmap["ticks"] == ["0", "320", "640", "960", "memory 1,280"]
+
+
+@needs_chromium
+def test_a_small_runs_heatmap_runs_its_colours_to_its_own_peak_and_notes_the_memory(tmp_path):
+    """20 devices peaking at 2,312 MiB on 80 GiB each: coloured up to 81,920 MiB the heatmap was one dark purple;
+    its colours run to the peak, and the note over it names the memory and the peak's share of it."""
+    v = twenty_devices_page(tmp_path, 80)
+    (heatmap,) = v.geometry["heatmaps"]
+    assert heatmap["capacity"] is None and heatmap["zmax"] == 2312 and heatmap["colorscale"] == "Viridis"
+    assert v.geometry["capacity_notes"] == [
+        {"axis": "y2", "text": "each device's memory 81,920 MiB (peak 2.8 % of it), off this panel's scale"}]
 
 
 if __name__ == "__main__":

@@ -766,15 +766,16 @@ _TIMELINE_JS = r"""
         label: {text: k ? "" : label(entries, low, high, shared) + (many ? " \u00b7 " + esc(T.label) : ""),
                 textposition: "end", yanchor: "top", font: {size: 10, color: LIMIT_COLOR}}}));
     });
-    const far = bands(known.filter(entry => !near(entry))).map(({low, high, shared, entries}) => {
-      const share = Math.max(...entries.map(({peak, limit}) => peak / limit));
-      return label(entries, low, high, shared) + " (peak " + (share < 0.001 ? "under 0.1" : fmt(100 * share, 1)) +
-        " % of it)";
-    });
-    const note = far.length && {text: far.join("; ") + ", off this axis", xref: "x domain", x: 1, xanchor: "right",
-                                yref: axis + " domain", y: 1, yanchor: "bottom", yshift: 4, showarrow: false,
-                                font: {size: 10, color: LIMIT_COLOR}};
-    return {shapes: drawn, note: note || null};
+    const far = bands(known.filter(entry => !near(entry))).map(({low, high, shared, entries}) =>
+      label(entries, low, high, shared) + peakShare(Math.max(...entries.map(({peak, limit}) => peak / limit))));
+    return {shapes: drawn, note: far.length ? capacityNote(far, axis) : null};
+  }
+  function peakShare(share) { return " (peak " + (share < 0.001 ? "under 0.1" : fmt(100 * share, 1)) + " % of it)"; }
+  // Over a panel's right end: the memory its axis leaves out, each with its peak's share of it.
+  function capacityNote(texts, axis) {
+    return {text: texts.join("; ") + ", off this panel's scale", xref: "x domain", x: 1, xanchor: "right",
+            yref: axis + " domain", y: 1, yanchor: "bottom", yshift: 4, showarrow: false,
+            font: {size: 10, color: LIMIT_COLOR}};
   }
   // Limits within LIMIT_BAND of the highest of them, and of one kind (a GPU's own memory, or a shared one's room).
   function bands(known) {
@@ -789,6 +790,8 @@ _TIMELINE_JS = r"""
 
   // A heatmap's colours: Viridis up to the devices' memory where they all share one, and LIMIT_COLOR above it, the
   // colour bar marking it, so a cell over capacity stands out among 17 or more devices' rows (no lines to draw).
+  // Where the peak stays under LIMIT_DRAWN_SHARE of that memory, Viridis runs to the peak (up to the memory, a
+  // small run is one dark colour) and a note names the memory, as the lines' panel does.
   const VIRIDIS = ["#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58",
                    "#b5de2b", "#fde725"];
   function heatmapScale(T, rows, most) {
@@ -796,14 +799,18 @@ _TIMELINE_JS = r"""
     const own = !rows.some(({device}) => T.memoryShared[device]);  // ranks sharing a GPU: room, not its memory
     const capacity = limits.size === 1 && own ? [...limits][0] : null;
     if (capacity === null || capacity === undefined) {
-      return {colorscale: "Viridis", zmax: most, capacity: null, ticks: {}};
+      return {colorscale: "Viridis", zmax: most, capacity: null, ticks: {}, far: null};
+    }
+    if (most < LIMIT_DRAWN_SHARE * capacity) {
+      return {colorscale: "Viridis", zmax: most, capacity: null, ticks: {},
+              far: "each device's memory " + fmt(capacity, 0) + " MiB" + peakShare(most / capacity)};
     }
     const zmax = Math.max(most, capacity), top = capacity / zmax;
     const colorscale = VIRIDIS.map((colour, k) => [top * k / (VIRIDIS.length - 1), colour]);
     if (top < 1) colorscale.push([top, LIMIT_COLOR], [1, LIMIT_COLOR]);
     const tickvals = [0, 1, 2, 3, 4].map(k => capacity * k / 4);
     const ticktext = tickvals.map((v, k) => (k === 4 ? "memory " : "") + fmt(v, 0));
-    return {colorscale, zmax, capacity, ticks: {tickvals, ticktext}};
+    return {colorscale, zmax, capacity, ticks: {tickvals, ticktext}, far: null};
   }
 
   function figure(built, columns) {
@@ -859,7 +866,6 @@ _TIMELINE_JS = r"""
       return panel.rows.filter(({device}) => !parts || device === parts.device).map(({device}) => device);
     }));
     const axes = {}, headings = [], shapes = [], notes = [];
-    built.capacityNotes = [];
     built.panels.forEach((panel, j) => {
       const T = members[panel.member], axis = "y" + (j + 2);
       const bottom = (built.panels.length - 1 - j) * (panelPx + PANEL_GAP_PX);
@@ -871,6 +877,7 @@ _TIMELINE_JS = r"""
         const grid = memoryGrid(built, panel, 0, xEnd, plotColumns);
         const scale = heatmapScale(T, panel.rows, grid.zmax);
         built.heatmaps.push({panel, index: data.length, capacity: scale.capacity});
+        if (scale.far) notes.push(capacityNote([scale.far], axis));
         data.push({type: "heatmap", x: grid.x, y: grid.y, z: grid.z, xaxis: "x", yaxis: axis,
                    colorscale: scale.colorscale, zmin: 0, zmax: scale.zmax, name: "memory \u00b7 " + T.label,
                    showscale: true, hoverongaps: false,
@@ -913,10 +920,7 @@ _TIMELINE_JS = r"""
                                    gridcolor: "#ececec", zeroline: false, rangemode: "tozero"};
         const capacity = capacityLines(T, panel.rows, axis, many);
         shapes.push(...capacity.shapes);
-        if (capacity.note) {
-          notes.push(capacity.note);
-          built.capacityNotes.push({axis, text: capacity.note.text});
-        }
+        if (capacity.note) notes.push(capacity.note);
       }
       if (many) {
         headings.push({text: "<b>memory of " + esc(T.label) + "</b> (its own scale)", x: 0, xref: "paper",
@@ -938,6 +942,7 @@ _TIMELINE_JS = r"""
     };
     Object.assign(layout, axes);
     layout.annotations = [...headings, ...notes];
+    built.capacityNotes = notes.map(({yref, text}) => ({axis: yref.split(" ")[0], text}));
     layout.shapes = shapes;
     if (memoryLegend) {
       // One trace's parts are its fullest device's, which the title names; several traces' hovers name theirs.
