@@ -1,4 +1,5 @@
-"""Byte units, in one place: MiB and GiB are powers of two everywhere in pipesim.
+"""Units, in one place: MiB and GiB are powers of two everywhere in pipesim; a count says its noun in the
+singular for one.
 
 A leaf module (it imports nothing), so both shared vocabularies may use it.
 """
@@ -6,3 +7,10 @@ A leaf module (it imports nothing), so both shared vocabularies may use it.
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
+
+
+def counted(number: int, noun: str) -> str:
+    """`number` and `noun`, the noun plural unless the number is one ("1 mini-batch", "4 mini-batches", "1,200
+    profiles"): the lines a user reads count single things too."""
+    plural = noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s")
+    return f"{number:,} {noun if number == 1 else plural}"

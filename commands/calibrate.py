@@ -12,7 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from ..units import GIB, KIB, MIB
+from ..units import GIB, KIB, MIB, counted
 from .common import (
     CapacityFactor,
     ExpertFfn,
@@ -31,7 +31,6 @@ from .common import (
     check_expert_parallel,
     check_memory_gb,
     check_writable,
-    counted,
     fail,
     is_given,
     refuse,
@@ -373,7 +372,7 @@ def _print_profile(profile) -> None:
 
     env = profile.environment
     table = Table(title=f"{profile.model.name} on {env.device_name} ({env.device}, {env.dtype}, micro-batch "
-                        f"{env.microbatch_size}, {env.threads} thread{'s' * (env.threads != 1)}), partitioned for "
+                        f"{env.microbatch_size}, {counted(env.threads, 'thread')}), partitioned for "
                         f"{profile.partition.optimizer}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="per micro-batch, each stage timed as one pass as the executor runs it; x layers: that "
@@ -417,7 +416,7 @@ def _print_profile(profile) -> None:
         at_once = ", ".join(f"{k} ranks computing at once {slowdown:.2f}x their time alone" if k == 2 else
                             f"{k}: {slowdown:.2f}x" for k, slowdown in enumerate(profile.contention.slowdown[1:], 2))
         threads = meta.get("threads_per_process")
-        stdout.print(f"contention: {at_once} ({threads} thread{'s' * (threads != 1)} per rank, "
+        stdout.print(f"contention: {at_once} ({counted(threads, 'thread')} per rank, "
                      f"{meta.get('cpus_usable')} cores); a rank alone: mean {profile.contention.tail:.3f}x its "
                      "median iteration (the passes are priced at their mean)"
                      + _cached(meta, "the factors"), highlight=False)

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..choices import choose_from
+from ..units import counted
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -614,13 +615,6 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def counted(number: int, noun: str) -> str:
-    """`number` and `noun`, the noun plural unless the number is one ("1 mini-batch", "4 mini-batches", "1,200
-    profiles"): the lines a user reads count single things too."""
-    plural = noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s")
-    return f"{number:,} {noun if number == 1 else plural}"
-
-
 def parse_numbers(flag: str, text: str) -> list[float]:
     """One number or a comma-separated list of them, each finite and >= 0."""
     values = []
@@ -791,7 +785,7 @@ def too_few_layers(stages: str, model: str, options: dict[str, Any], layers: int
     from ..workload.hfconfig import is_hf
 
     given = "" if is_hf(model) else " (--layers)"  # a Hugging Face config gives its own
-    blocks = f" of {options['layers']} block{'s' * (options['layers'] != 1)}{given}" if "layers" in options else ""
+    blocks = f" of {counted(options['layers'], 'block')}{given}" if "layers" in options else ""
     return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
             "one layer)")
 

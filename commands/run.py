@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..traces.metrics import rate_text
+from ..units import counted
 from .common import (
     SEARCH_COSTS,
     ActivationLimit,
@@ -50,7 +51,6 @@ from .common import (
     check_method_options,
     check_prediction,
     check_writable,
-    counted,
     fail,
     is_given,
     refuse,

@@ -16,6 +16,7 @@ from rich.table import Table
 from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
 from ..traces.metrics import rate_text
+from ..units import counted
 from .common import (
     ActivationLimit,
     Advance,
@@ -54,7 +55,6 @@ from .common import (
     check_method_options,
     check_prediction,
     check_writable,
-    counted,
     expert_overlap_options,
     fail,
     is_given,

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from ..choices import unknown_names
 from ..traces.metrics import rate_text
-from ..units import GIB
+from ..units import GIB, counted
 from .common import (
     Allocator,
     DataParallel,
@@ -36,7 +36,6 @@ from .common import (
     check_allocator,
     check_memory_gb,
     check_pp_runtime,
-    counted,
     fail,
     is_given,
     load_profile_flag,

@@ -2,8 +2,9 @@
 
 import pytest
 
-from pipesim.commands.common import InputError, counted
+from pipesim.commands.common import InputError
 from pipesim.commands.tune import _check_degrees
+from pipesim.units import counted
 from tests.conftest import pipesim
 
 
