@@ -276,7 +276,7 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
         with phase(f"running the calibrated model ({shape}"
                    f"{'; contention measured in its ranks first' if hosted else ''})"):
             trace = _probe_run(model, {k: v for k, v in options.items() if v is not None}, profile.partition.bounds,
-                               settings, env, plan, f"the calibrated model's {stages} ranks", advance,
+                               settings, env, plan, f"the calibrated model's {counted(stages, 'rank')}", advance,
                                hosted.prelude(phase) if hosted else None)
         runtime = host_times(runtime, [trace])
         meta.update(host_times_from="the calibrated model", host_microbatches=plan.microbatches,
@@ -398,8 +398,8 @@ def _print_profile(profile) -> None:
     print_fitted_curve(profile)
     load = HostLoad.from_dict(env.load)
     if load is not None:
-        stdout.print(f"host while calibrating: {load.describe()}; calibrated for {env.ranks} ranks computing at once",
-                     highlight=False)
+        stdout.print(f"host while calibrating: {load.describe()}; calibrated for {counted(env.ranks, 'rank')} "
+                     "computing at once", highlight=False)
     if profile.runtime is not None:
         rt = profile.runtime
         compute = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.compute_ms.items())

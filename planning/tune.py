@@ -103,7 +103,7 @@ from ..sim.cluster import Cluster
 from ..sim.costs import Costs, runtime_refusal
 from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes
 from ..traces import Summary, Trace, summarize
-from ..units import GIB
+from ..units import GIB, counted
 from .auto import activation_ratio, check_shape, schedule_frame
 from .scenario import CollectiveLink, Scenario, profile_costs
 
@@ -857,8 +857,8 @@ class _Built:
 
     def _progress(self) -> None:
         if self._report is not None:
-            self._report(f"searching {self._shapes:,} configurations, best bound first: {len(self.candidates):,} "
-                         f"built, {len(self.floors):,} simulated")
+            self._report(f"searching {counted(self._shapes, 'configuration')}, best bound first: "
+                         f"{len(self.candidates):,} built, {len(self.floors):,} simulated")
 
 
 def _if_done(ahead: Future | None):

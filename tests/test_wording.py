@@ -68,3 +68,10 @@ def test_estimate_names_its_curve_and_prints_the_sources_on_asking(tmp_path):
     assert "--sources says where each comes from" in said and "https://" not in said
     code, out, err = pipesim(*args, "--sources")
     assert code == 0 and "".join(f"its sources: {source}".split()) in "".join(out.split()), err  # URLs wrap
+
+
+def test_sweeps_group_of_one_micro_batch_reads_in_the_singular():
+    from pipesim.planning.sweep import _group_name
+
+    assert _group_name((4, 1.0, 1)) == "p=4, cost×1, mini-batch of 1 micro-batch"
+    assert _group_name((4, 2.0, 8)) == "p=4, cost×2, mini-batch of 8 micro-batches"
