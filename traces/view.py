@@ -23,7 +23,7 @@ import math
 import os
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import plotly.graph_objects as go
@@ -35,8 +35,17 @@ from .compare import Comparison
 from .metrics import Summary, rate_text, summarize
 from .trace import STREAMS, Trace, TraceMeta, write_atomic
 
-if TYPE_CHECKING:
-    from ..sim.cluster import MemoryCheck
+
+class MemoryCheck(Protocol):
+    """What the page reads of a device's memory check (sim/cluster.py's, which traces/ may not import): the most the
+    device alone may hold, and the shared GPU whose memory it draws on (None: its own)."""
+
+    @property
+    def room_bytes(self) -> float | None: ...
+
+    @property
+    def memory(self) -> str | None: ...
+
 
 # Fixed per kind, so the same kind looks the same in every figure and comparisons read at a glance.
 KIND_COLORS = {
