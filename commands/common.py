@@ -846,12 +846,17 @@ def zero_stage(flags: dict) -> int:
     return stage
 
 
-def check_pp_runtime(pp_runtime: str) -> str:
-    """--pp-runtime's value, one of `PP_RUNTIMES` (simulate, sweep and tune take it)."""
+def check_pp_runtime(pp_runtime: str, p2p_sync: bool = False) -> str:
+    """--pp-runtime's value, one of `PP_RUNTIMES` (simulate, sweep and tune take it); `p2p_sync` (--p2p-sync) is
+    refused with torch's, whose pipelining waits for its exchanges on the stream, never the host
+    (docs/hardware.md, "Host-bound execution")."""
     from ..sim.costs import PP_RUNTIMES
 
     if pp_runtime not in PP_RUNTIMES:
         raise InputError(choose_from("--pp-runtime", PP_RUNTIMES, pp_runtime))
+    if p2p_sync and pp_runtime == "torch":
+        raise InputError("--p2p-sync is Megatron-core's batched exchange, which synchronises the device; "
+                         "--pp-runtime torch's pipelining waits on the stream, not the host: drop one")
     return pp_runtime
 
 
@@ -887,7 +892,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
-    pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"))
+    pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"), bool(flags.get("p2p_sync")))
     optimizer_buckets = flags.get("optimizer_buckets", "megatron")
     if optimizer_buckets not in OPTIMIZER_BUCKETS:
         raise InputError(choose_from("--optimizer-buckets", OPTIMIZER_BUCKETS, optimizer_buckets))

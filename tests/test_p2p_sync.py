@@ -79,3 +79,11 @@ def test_the_moe_rows_synchronise_exactly_where_their_pipeline_has_no_virtual_st
         plain = args[args.index("-s") + 1] == "1f1b" and int(args[args.index("-p") + 1]) > 1
         assert ("--p2p-sync" in args) == plain, row["run"]
     assert sum("--p2p-sync" in row["command"] for row in rows) == 2
+
+
+@pytest.mark.parametrize("command", [("simulate", "-m", 4, "-p", 2), ("sweep", "-m", 4, "-p", 2), ("tune", "-D", 2)])
+def test_p2p_sync_with_torchs_pipelining_is_one_line(command):
+    """torch.distributed.pipelining waits for its exchanges on the stream, never the host (schedules.py
+    `_wait_batch_p2p`): --p2p-sync, Megatron-core's synchronising exchange, means nothing under --pp-runtime torch."""
+    code, out, err = pipesim(*command, *DENSE[:-4], "--pp-runtime", "torch", "--p2p-sync")
+    assert code == 2 and not out and err.count("\n") == 1 and "--p2p-sync" in err and "--pp-runtime torch" in err
