@@ -846,16 +846,16 @@ def zero_stage(flags: dict) -> int:
     return stage
 
 
-def check_pp_runtime(pp_runtime: str, p2p_sync: bool = False) -> str:
-    """--pp-runtime's value, one of `PP_RUNTIMES` (simulate, sweep and tune take it); `p2p_sync` (--p2p-sync) is
-    refused with torch's, whose pipelining waits for its exchanges on the stream, never the host
-    (docs/hardware.md, "Host-bound execution")."""
+def check_pp_runtime(pp_runtime: str, p2p_sync: str | None = None) -> str:
+    """--pp-runtime's value, one of `PP_RUNTIMES` (simulate, sweep and tune take it); costs priced under
+    `p2p_sync` (what says so: --p2p-sync, or a --profile estimated with it) are refused with torch's, whose
+    pipelining waits for its exchanges on the stream, never the host (docs/hardware.md, "Host-bound execution")."""
     from ..sim.costs import PP_RUNTIMES
 
     if pp_runtime not in PP_RUNTIMES:
         raise InputError(choose_from("--pp-runtime", PP_RUNTIMES, pp_runtime))
     if p2p_sync and pp_runtime == "torch":
-        raise InputError("--p2p-sync is Megatron-core's batched exchange, which synchronises the device; "
+        raise InputError(f"{p2p_sync}: Megatron-core's batched exchange, which synchronises the device; "
                          "--pp-runtime torch's pipelining waits on the stream, not the host: drop one")
     return pp_runtime
 
@@ -892,7 +892,8 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
-    pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"), bool(flags.get("p2p_sync")))
+    pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"),
+                                  "--p2p-sync" if flags.get("p2p_sync") else None)
     optimizer_buckets = flags.get("optimizer_buckets", "megatron")
     if optimizer_buckets not in OPTIMIZER_BUCKETS:
         raise InputError(choose_from("--optimizer-buckets", OPTIMIZER_BUCKETS, optimizer_buckets))
@@ -974,6 +975,8 @@ def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
     if clash:
         raise InputError(f"{', '.join(clash)}: the profile {path} gives the costs, sizes, stage graph"
                          f"{' and links' if measured.link else ''}; drop these flags")
+    if measured.estimate is not None and measured.estimate.parallelism.get("p2p_sync"):
+        check_pp_runtime(ctx.params.get("pp_runtime", "pipesim"), "--profile (estimated with --p2p-sync)")
     return measured
 
 

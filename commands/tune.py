@@ -163,7 +163,7 @@ def tune(
             raise InputError(unknown_names("--schedule", unknown, METHODS))
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
-        check_pp_runtime(pp_runtime, bool(ctx.params.get("p2p_sync")))
+        check_pp_runtime(pp_runtime, "--p2p-sync" if ctx.params.get("p2p_sync") else None)
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)

@@ -87,3 +87,15 @@ def test_p2p_sync_with_torchs_pipelining_is_one_line(command):
     `_wait_batch_p2p`): --p2p-sync, Megatron-core's synchronising exchange, means nothing under --pp-runtime torch."""
     code, out, err = pipesim(*command, *DENSE[:-4], "--pp-runtime", "torch", "--p2p-sync")
     assert code == 2 and not out and err.count("\n") == 1 and "--p2p-sync" in err and "--pp-runtime torch" in err
+
+
+def test_a_profile_estimated_with_p2p_sync_under_torchs_pipelining_is_one_line(tmp_path):
+    """An estimate records --p2p-sync in its costs (`stages_for` reads it back): simulating it under --pp-runtime
+    torch is the same contradiction, refused alike by each command that takes both."""
+    out = tmp_path / "synced.json"
+    code, _, err = pipesim("estimate", *DENSE, "--p2p-sync", "-o", out)
+    assert code == 0, err
+    for command in (("simulate", "-m", 4), ("sweep", "-m", 4), ("tune", "-D", 2)):
+        code, printed, err = pipesim(*command, "--profile", out, "--pp-runtime", "torch")
+        assert code == 2 and not printed and err.count("\n") == 1 and "--p2p-sync" in err, command
+    assert pipesim("simulate", "-m", 4, "-s", "1f1b", "--profile", out)[0] == 0
