@@ -9,8 +9,9 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
-def counted(number: int, noun: str) -> str:
+def count_text(number: int, noun: str) -> str:
     """`number` and `noun`, the noun plural unless the number is one ("1 mini-batch", "4 mini-batches", "1,200
-    profiles"): the lines a user reads count single things too."""
+    profiles"): the lines a user reads count single things too. Named as `rate_text` and `ms_text` are, not
+    `counted`: pipesim's functions name a model's count `counted`, which would shadow it there."""
     plural = noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s")
     return f"{number:,} {noun if number == 1 else plural}"

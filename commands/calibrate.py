@@ -12,7 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from ..units import GIB, KIB, MIB, counted
+from ..units import GIB, KIB, MIB, count_text
 from .common import (
     CapacityFactor,
     ExpertFfn,
@@ -271,12 +271,12 @@ def measure_runtime(profile, settings, advance, model: str, options: dict, cache
     meta = {**runtime.meta, "host_times_from": "the probe", "host_share": round(share, 5)}
     if plan is not None:
         hosted = alongside if alongside is not None and alongside.count == stages else None
-        shape = ", ".join([counted(stages, "rank"), counted(plan.microbatches, "micro-batch"),
-                           counted(plan.minibatches, "mini-batch")])
+        shape = ", ".join([count_text(stages, "rank"), count_text(plan.microbatches, "micro-batch"),
+                           count_text(plan.minibatches, "mini-batch")])
         with phase(f"running the calibrated model ({shape}"
                    f"{'; contention measured in its ranks first' if hosted else ''})"):
             trace = _probe_run(model, {k: v for k, v in options.items() if v is not None}, profile.partition.bounds,
-                               settings, env, plan, f"the calibrated model's {counted(stages, 'rank')}", advance,
+                               settings, env, plan, f"the calibrated model's {count_text(stages, 'rank')}", advance,
                                hosted.prelude(phase) if hosted else None)
         runtime = host_times(runtime, [trace])
         meta.update(host_times_from="the calibrated model", host_microbatches=plan.microbatches,
@@ -372,7 +372,7 @@ def _print_profile(profile) -> None:
 
     env = profile.environment
     table = Table(title=f"{profile.model.name} on {env.device_name} ({env.device}, {env.dtype}, micro-batch "
-                        f"{env.microbatch_size}, {counted(env.threads, 'thread')}), partitioned for "
+                        f"{env.microbatch_size}, {count_text(env.threads, 'thread')}), partitioned for "
                         f"{profile.partition.optimizer}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="per micro-batch, each stage timed as one pass as the executor runs it; x layers: that "
@@ -398,7 +398,7 @@ def _print_profile(profile) -> None:
     print_fitted_curve(profile)
     load = HostLoad.from_dict(env.load)
     if load is not None:
-        stdout.print(f"host while calibrating: {load.describe()}; calibrated for {counted(env.ranks, 'rank')} "
+        stdout.print(f"host while calibrating: {load.describe()}; calibrated for {count_text(env.ranks, 'rank')} "
                      "computing at once", highlight=False)
     if profile.runtime is not None:
         rt = profile.runtime
@@ -416,7 +416,7 @@ def _print_profile(profile) -> None:
         at_once = ", ".join(f"{k} ranks computing at once {slowdown:.2f}x their time alone" if k == 2 else
                             f"{k}: {slowdown:.2f}x" for k, slowdown in enumerate(profile.contention.slowdown[1:], 2))
         threads = meta.get("threads_per_process")
-        stdout.print(f"contention: {at_once} ({counted(threads, 'thread')} per rank, "
+        stdout.print(f"contention: {at_once} ({count_text(threads, 'thread')} per rank, "
                      f"{meta.get('cpus_usable')} cores); a rank alone: mean {profile.contention.tail:.3f}x its "
                      "median iteration (the passes are priced at their mean)"
                      + _cached(meta, "the factors"), highlight=False)

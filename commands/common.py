@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..choices import choose_from
-from ..units import counted
+from ..units import count_text
 from ..workload.sizes import DEFAULT_SIZES
 
 if TYPE_CHECKING:
@@ -785,7 +785,7 @@ def too_few_layers(stages: str, model: str, options: dict[str, Any], layers: int
     from ..workload.hfconfig import is_hf
 
     given = "" if is_hf(model) else " (--layers)"  # a Hugging Face config gives its own
-    blocks = f" of {counted(options['layers'], 'block')}{given}" if "layers" in options else ""
+    blocks = f" of {count_text(options['layers'], 'block')}{given}" if "layers" in options else ""
     return (f"{stages}: {model}{blocks} has {layers} layers in all; give at most {layers} stages (each needs at least "
             "one layer)")
 

@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..traces.metrics import rate_text
-from ..units import counted
+from ..units import count_text
 from .common import (
     SEARCH_COSTS,
     ActivationLimit,
@@ -425,7 +425,7 @@ def _print_table(result, summary, trace: Path | None, html: Path | None) -> None
     experts = int(meta.params.get("expert_parallel", 1))
     shares = f"{replicas} replicas x " if replicas > 1 else ""
     degrees = f"p={len(summary.devices) // replicas}, d={replicas}" + (f", E={experts}" if experts > 1 else "")
-    table = Table(title=f"{meta.schedule} measured: {counted(meta.minibatches, 'mini-batch')} of "
+    table = Table(title=f"{meta.schedule} measured: {count_text(meta.minibatches, 'mini-batch')} of "
                         f"{shares}{meta.microbatches} x "
                         f"{meta.microbatch_size} samples, {hardware.get('ranks')} ranks"
                         f"{f' ({degrees})' if replicas > 1 else ''} over "

@@ -16,7 +16,7 @@ from rich.table import Table
 from ..allocator import keep_freed_memory, no_huge_pages
 from ..choices import unknown_names
 from ..traces.metrics import rate_text
-from ..units import counted
+from ..units import count_text
 from .common import (
     ActivationLimit,
     Advance,
@@ -546,8 +546,8 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
                  memory: list, basis: str, mfu: list[float | None], per_device: str) -> None:
     """The results side by side; with an estimate, MFU instead of the makespan (in --json), which N sets."""
     first, estimated = schedules[0], any(share is not None for share in mfu)
-    title = (f"p={counted(first.num_devices, 'device')} per pipeline, m={counted(first.microbatches, 'micro-batch')}, "
-             f"N={counted(first.minibatches, 'mini-batch')}"
+    title = (f"p={count_text(first.num_devices, 'device')} per pipeline, "
+             f"m={count_text(first.microbatches, 'micro-batch')}, N={count_text(first.minibatches, 'mini-batch')}"
              + (f", d={first.data_parallel} replicas" if first.data_parallel > 1 else "") + _zero_text(first)
              + (f", {per_device}" if per_device else ""))
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,

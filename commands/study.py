@@ -15,7 +15,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from ..units import counted
+from ..units import count_text
 from .common import (
     InputError,
     Microbatches,
@@ -194,7 +194,7 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
             bar.advance(task)
         profile = Profile.model_validate(saved.profile) if timings else None
         for arm in timings:
-            bar.update(task, description=f"timing {arm.label} on {counted(setting.stages, 'rank')}")
+            bar.update(task, description=f"timing {arm.label} on {count_text(setting.stages, 'rank')}")
             run = saved.trained(arm, rates, seed_list)  # after training: a run known to reach the end
             if run is not None:
                 saved.timings.append(time_arm(setting, arm, run.optimizer, run.lr, run.seed, profile, repeats))

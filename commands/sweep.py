@@ -12,7 +12,7 @@ from rich import box
 from rich.table import Table
 
 from ..traces.metrics import rate_text
-from ..units import counted
+from ..units import count_text
 from .common import (
     Allocator,
     BlockingComm,
@@ -253,7 +253,8 @@ def _print_front(results: list, front: list[int]) -> None:
     skipped = sum(r.metrics is None for r in results)
     folded = sum(len(r.same_as) for r in results)
     table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
-                        f"mini-batch size: {len(front)} of {counted(len(results) - skipped, 'configuration')} that ran "
+                        f"mini-batch size: {len(front)} of {count_text(len(results) - skipped, 'configuration')} "
+                        "that ran "
                         f"({skipped} skipped" + (f", {folded} more the same schedule as one of them" if folded else "")
                         + ")", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"and {len(front) - FRONT_ROWS} more: --out or --html lists them all"

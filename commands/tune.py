@@ -22,7 +22,7 @@ from rich.table import Table
 
 from ..choices import unknown_names
 from ..traces.metrics import rate_text
-from ..units import GIB, counted
+from ..units import GIB, count_text
 from .common import (
     Allocator,
     DataParallel,
@@ -212,7 +212,7 @@ def tune(
                           env.memory_cap_bytes or env.device_memory_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget)
-        searching = f"searching the configurations of {counted(len(settings), 'profile')}, best bound first"
+        searching = f"searching the configurations of {count_text(len(settings), 'profile')}, best bound first"
         with _working(searching) as report:
             tuning = search(settings, problem, report, workers, pool)
     except (InputError, TuneError, ScheduleError, CostError, SimulationError) as exc:
@@ -400,9 +400,9 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     stdout.print("partition (layers per model stage): " + " | ".join(
         f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; all-reduce "
         f"{ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
-    stdout.print(f"searched {counted(stats.configurations, 'configuration')} ({stats.refused} more shapes refused by "
-                 f"their method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by their memory "
-                 f"floor ({stats.simulated_over_limits} of them simulated to show what the limits cost), "
+    stdout.print(f"searched {count_text(stats.configurations, 'configuration')} ({stats.refused} more shapes "
+                 f"refused by their method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by "
+                 f"their memory floor ({stats.simulated_over_limits} of them simulated to show what the limits cost), "
                  f"{stats.pruned} pruned by the throughput bound, {stats.simulated} simulated; {stats.seconds:.2f} s",
                  highlight=False)
     for note in tuning.notes:

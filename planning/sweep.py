@@ -32,7 +32,7 @@ from ..sim.cluster import ClusterError
 from ..sim.costs import CostError
 from ..sim.engine import SimulationError, simulate
 from ..traces import Trace, summarize, write_atomic
-from ..units import counted
+from ..units import count_text
 from .auto import ActivationLimitError
 from .scenario import Scenario
 
@@ -409,7 +409,7 @@ STALENESS_SYMBOLS = ("circle", "diamond", "square", "triangle-up", "star")  # st
 
 def _group_name(key: tuple[int, float, int]) -> str:
     p, scale, microbatches = key
-    return f"p={p}, cost×{scale:g}, mini-batch of {counted(microbatches, 'micro-batch')}"
+    return f"p={p}, cost×{scale:g}, mini-batch of {count_text(microbatches, 'micro-batch')}"
 
 
 def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
@@ -527,8 +527,8 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
                "format": [None, None, ".3f", ",.0f", "d", ",.1f", ".1%"]}))
     table.update_layout(height=80 + 26 * (len(best) + 1), margin={"t": 10, "b": 10})
     folded = sum(len(r.same_as) for r in results)
-    write_html([(f"Trade-off: time per mini-batch vs peak memory, {counted(ran, 'configuration')} "
+    write_html([(f"Trade-off: time per mini-batch vs peak memory, {count_text(ran, 'configuration')} "
                  f"({len(results) - ran} skipped"
                  + (f", {folded} more the same schedule as one of them" if folded else "")
                  + "), one Pareto front per p, cost scale and mini-batch size", tradeoff_figure(results, front)),
-                (f"Pareto fronts: {counted(len(best), 'configuration')}", table)], path, title="pipesim sweep")
+                (f"Pareto fronts: {count_text(len(best), 'configuration')}", table)], path, title="pipesim sweep")

@@ -103,7 +103,7 @@ from ..sim.cluster import Cluster
 from ..sim.costs import Costs, runtime_refusal
 from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes
 from ..traces import Summary, Trace, summarize
-from ..units import GIB, counted
+from ..units import GIB, count_text
 from .auto import activation_ratio, check_shape, schedule_frame
 from .scenario import CollectiveLink, Scenario, profile_costs
 
@@ -857,7 +857,7 @@ class _Built:
 
     def _progress(self) -> None:
         if self._report is not None:
-            self._report(f"searching {counted(self._shapes, 'configuration')}, best bound first: "
+            self._report(f"searching {count_text(self._shapes, 'configuration')}, best bound first: "
                          f"{len(self.candidates):,} built, {len(self.floors):,} simulated")
 
 

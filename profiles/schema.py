@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..choices import choose_from
 from ..files import first_error
 from ..memory_parts import SAVED_PARTS
-from ..units import counted
+from ..units import count_text
 from .partition import LayerCost, product_mean_ms, stage_activation_bytes, stage_memory_bytes
 
 SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
@@ -894,7 +894,7 @@ def threads_mismatch(profile: Profile, threads_per_rank: int) -> str | None:
     measured = profile.environment.threads
     if measured == threads_per_rank:
         return None
-    return (f"the profile was calibrated with {counted(measured, 'thread')} and the run uses "
+    return (f"the profile was calibrated with {count_text(measured, 'thread')} and the run uses "
             f"{threads_per_rank} per rank: its times do not hold for this run; calibrate with --threads "
             f"{threads_per_rank} or run with --threads-per-rank {measured}")
 

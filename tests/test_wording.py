@@ -4,15 +4,15 @@ import pytest
 
 from pipesim.commands.common import InputError
 from pipesim.commands.tune import _check_degrees
-from pipesim.units import counted
+from pipesim.units import count_text
 from tests.conftest import pipesim
 
 
-def test_counted_is_singular_for_one():
-    assert counted(1, "mini-batch") == "1 mini-batch"
-    assert counted(4, "mini-batch") == "4 mini-batches"
-    assert counted(1, "profile") == "1 profile"
-    assert counted(1200, "profile") == "1,200 profiles"
+def test_count_text_is_singular_for_one():
+    assert count_text(1, "mini-batch") == "1 mini-batch"
+    assert count_text(4, "mini-batch") == "4 mini-batches"
+    assert count_text(1, "profile") == "1 profile"
+    assert count_text(1200, "profile") == "1,200 profiles"
 
 
 def test_simulate_header_counts_one_in_the_singular():
@@ -75,3 +75,22 @@ def test_sweeps_group_of_one_micro_batch_reads_in_the_singular():
 
     assert _group_name((4, 1.0, 1)) == "p=4, cost×1, mini-batch of 1 micro-batch"
     assert _group_name((4, 2.0, 8)) == "p=4, cost×2, mini-batch of 8 micro-batches"
+
+
+def test_no_function_hides_a_units_helper_it_imports_under_a_local_of_its_name():
+    """A function that binds a name its module imports from units.py (as `counted`, the name pipesim gives a
+    model's count, once was) makes every call of that helper in it an UnboundLocalError, on that path only."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    hidden = []
+    for path in sorted(p for p in root.rglob("*.py") if ".venv" not in p.parts):
+        tree = ast.parse(path.read_text())
+        imported = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                    and (node.module or "").split(".")[-1] == "units" for alias in node.names}
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
+            bound = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            bound |= {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
+            hidden += [f"{path.relative_to(root)}:{function.lineno} {name}" for name in sorted(imported & bound)]
+    assert not hidden, hidden

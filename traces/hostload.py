@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..launch import under_torchrun
-from ..units import counted
+from ..units import count_text
 
 LOAD_TOLERANCE_PER_CORE = 0.25  # others' load per core that two measurements may differ by and still compare
 BUSY_CPU_PER_CORE = 0.5  # others' share of every usable core's time from which the host is busy (CPU time)
@@ -224,7 +224,7 @@ class HostLoad:
         """E.g. "0.05 on 2 cores (0.03 per core, from CPU time)", or that it is unknown."""
         if self.others is None:
             return "unknown (this platform keeps neither CPU time nor a load average)"
-        return (f"{self.others:.2f} on {counted(self.cpus, 'core')} ({self.per_core:.2f} per core, "
+        return (f"{self.others:.2f} on {count_text(self.cpus, 'core')} ({self.per_core:.2f} per core, "
                 f"from {self.measure})")
 
     def describe(self) -> str:
