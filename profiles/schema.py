@@ -162,7 +162,8 @@ class LayerProfile(_Strict):
     # all-to-alls run beside them (planning/estimate.py `sharing_dispatcher`); 0: none holds any
     fwd_sharing_ms: float = Field(0.0, ge=0)
     bwd_sharing_ms: float = Field(0.0, ge=0)
-    # By pass (HOST_ISSUED), its issue where its model's layers make the host wait (None: they never do, or measured)
+    # By pass (its four, and fwd_sharing and bwd_sharing: its forward and backward beside a dispatcher's
+    # all-to-alls), its issue where its model's layers make the host wait (None: they never do, or measured)
     host_issue: dict[str, PassIssue] | None = None
     # How long one of its forward and backward products runs where they run persistent CTAs, their times' mean
     # weighted by their times (an estimate's, planning/estimate.py `persistent_product_ms`); 0: none or not known
@@ -472,8 +473,6 @@ class Estimate(_Strict):
 PASSES = ("fwd", "bwd", "igrad", "wgrad")  # a layer's timed passes (`LayerProfile`)
 RING_TIMES = ("ring_fwd_ms", "ring_bwd_ms", "ring_fwd_hidden_ms", "ring_bwd_hidden_ms")  # a stage sums its layers'
 SHARING_TIMES = ("fwd_sharing_ms", "bwd_sharing_ms")  # a stage sums its layers'
-# the passes a layer's `host_issue` holds: its four, and its forward and backward beside a dispatcher's all-to-alls
-HOST_ISSUED = ("fwd", "bwd", "igrad", "wgrad", "fwd_sharing", "bwd_sharing")
 
 Pass = Literal["fwd", "bwd", "igrad", "wgrad"]
 
@@ -654,10 +653,10 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
 
 
 def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name: str, p2p_sync: bool = False) -> float:
-    """What a stage's pass `name` (of HOST_ISSUED) waits for its host beyond the waits its layers' times hold
-    (`PassIssue`): each stage is a process of its own, whose host waits only where one of its own layers
-    synchronises, so a stage none of whose layers does waits for nothing, and one that does starts each pass with
-    its host not ahead, each layer from the queue the one before it left (the backward's last layer first).
+    """What a stage's pass `name` (a key of `LayerProfile.host_issue`) waits for its host beyond the waits its
+    layers' times hold (`PassIssue`): each stage is a process of its own, whose host waits only where one of its
+    own layers synchronises, so a stage none of whose layers does waits for nothing, and one that does starts each
+    pass with its host not ahead, each layer from the queue the one before it left (the backward's last layer first).
     `p2p_sync`: its runtime synchronises the device after each exchange with another stage (Megatron-core's
     batched point-to-point, `_communicate` under batch_p2p_comm and batch_p2p_sync; docs/hardware.md,
     "Host-bound execution"), so a pass whose input it receives (a forward but the first stage's, a backward but

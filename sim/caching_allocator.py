@@ -757,9 +757,9 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
         for slot in slots:
             program.free(slot)
     passes[ZERO_GRAD] = tuple(program.ops[zeroed:])
-    stepped = [each for layer in stage for each in layer.stepped]
+    stepped_bytes = [each for layer in stage for each in layer.stepped]
     made = len(program.ops)
-    main_grads = [program.malloc(nbytes) for nbytes, _ in stepped if nbytes]
+    main_grads = [program.malloc(nbytes) for nbytes, _ in stepped_bytes if nbytes]
     passes[MAIN_GRADS] = tuple(program.ops[made:])
     zeroed = len(program.ops)
     for slot in main_grads:
@@ -767,7 +767,7 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
     passes[ZERO_MAIN_GRADS] = tuple(program.ops[zeroed:])
     shard_bytes = [shard for layer in stage for _, _, shard in layer.unsharded]
     made = len(program.ops)
-    moments = [program.malloc(nbytes) for nbytes in [*shard_bytes, *(moment for _, moment in stepped)]
+    moments = [program.malloc(nbytes) for nbytes in [*shard_bytes, *(moment for _, moment in stepped_bytes)]
                for _ in ("exp_avg", "exp_avg_sq")]
     passes[ADAM_STATE] = tuple(program.ops[made:])
     stepped = len(program.ops)

@@ -507,6 +507,11 @@ def _module_part(name: str) -> str | None:
     return None
 
 
+# A product whose weights take a gradient, as `_SaverParts` records it: its shape (batch, m, n, k), its output's
+# bytes, its input's storage and whether it is the routed experts' grouped one
+_Product = tuple[tuple[int, int, int, int], int, torch.UntypedStorage, bool]
+
+
 class _SaverParts(TorchFunctionMode):
     """Which part is saving now: the torch functions of `_FUNCTION_PART` under way, innermost last; and whether
     a product with weights is: a linear layer's (F.linear) or the routed experts' grouped one (a batched product
@@ -520,7 +525,7 @@ class _SaverParts(TorchFunctionMode):
         self.running: list[str] = []
         self.linear = 0
         self.routed = routed
-        self.products: list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage, bool]] = []
+        self.products: list[_Product] = []
 
     def _weighted(self, func: Callable[..., Any], args: tuple) -> bool:
         grouped = func is torch.bmm and self.routed is not None and self.routed.reads_experts([args[1]])
@@ -569,7 +574,7 @@ class _Save:
 
 @contextmanager
 def _saved(layer: torch.nn.Module, routed: Dispatched | None = None
-           ) -> Iterator[tuple[dict[int, _Save], list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage]]]]:
+           ) -> Iterator[tuple[dict[int, _Save], list[_Product]]]:
     """The storages autograd saves inside, by identity (meta storages have no address), each as a `_Save`
     (`routed`: the routed experts running inside). `layer`'s weights and buffers left out: the module
     holds them whatever autograd saves (the gpt's RoPE angles, which its fused RoPE saves). Every storage compared
@@ -761,7 +766,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
     return count, out.detach()
 
 
-def _weight_grad_outputs(products: list[tuple[tuple[int, int, int, int], int, torch.UntypedStorage, bool]]
+def _weight_grad_outputs(products: list[_Product]
                          ) -> tuple[tuple[tuple[int, int, int, int], int, bool], ...]:
     """`LayerCount.weight_grad_outputs` of a forward's `_SaverParts.products`: each one's shape, output bytes and
     whether another product reads its input too."""
