@@ -32,6 +32,7 @@ from .common import (
     check_memory_gb,
     check_writable,
     fail,
+    flag_of,
     is_given,
     refuse,
     require,
@@ -149,7 +150,7 @@ def calibrate(
         check_memory_gb(memory_gb)
         for flag in ("link_max_mb", "expert_parallel"):
             if not links and is_given(ctx, flag):
-                raise InputError(f"--{flag.replace('_', '-')} sizes the link measurement, which --no-links skips: "
+                raise InputError(f"{flag_of(flag)} sizes the link measurement, which --no-links skips: "
                                  "give one")
         if ranks is not None and not contention:
             raise InputError("--ranks sizes the contention probe, which --no-contention skips: give one")

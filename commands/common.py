@@ -941,7 +941,7 @@ def searched_scenario(ctx: typer.Context, method, measured: Profile | None = Non
     at least). None for a method with a fixed order, which reads no costs: the flags are refused for it."""
     from ..planning.scenario import profile_scenario
 
-    given = [f"--{name.replace('_', '-')}" for name in SEARCH_COSTS if is_given(ctx, name)]
+    given = [flag_of(name) for name in SEARCH_COSTS if is_given(ctx, name)]
     if not method.needs_costs:
         if given:
             raise InputError(f"{given[0]}: only a schedule searched from the costs (auto) reads it, not {method.name}")
@@ -971,7 +971,7 @@ def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
     except ProfileError as exc:
         raise InputError(f"--profile: {exc}") from None
     fixed = [*PROFILE_COSTS, *(("comm", "cluster") if measured.link else ())]
-    clash = [f"--{name.replace('_', '-')}" for name in fixed if is_given(ctx, name)]
+    clash = [flag_of(name) for name in fixed if is_given(ctx, name)]
     if clash:
         raise InputError(f"{', '.join(clash)}: the profile {path} gives the costs, sizes, stage graph"
                          f"{' and links' if measured.link else ''}; drop these flags")

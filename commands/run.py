@@ -52,6 +52,7 @@ from .common import (
     check_prediction,
     check_writable,
     fail,
+    flag_of,
     is_given,
     refuse,
     refused_with_flags,
@@ -270,7 +271,7 @@ def run(
         if measured is not None:  # what `pipesim compare` predicts the run from
             result.trace.meta.extra["profile"] = measured.model_dump(mode="json")
         elif scenario is not None:  # the what-if costs the order was searched for
-            result.trace.meta.extra["searched_for"] = {f"--{name.replace('_', '-')}": ctx.params[name]
+            result.trace.meta.extra["searched_for"] = {flag_of(name): ctx.params[name]
                                                        for name in SEARCH_COSTS if is_given(ctx, name)}
         if trace is not None:
             write_trace(result.trace, trace)
