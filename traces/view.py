@@ -941,7 +941,7 @@ _TIMELINE_JS = r"""
       height, margin, hovermode: "closest", dragmode: "zoom", uirevision: built.view.name,
       paper_bgcolor: "#fff", plot_bgcolor: "#fff", font: {size: 12},
       title: {text: title, x: 0, xref: "paper", xanchor: "left", y: 1, yref: "container",
-              yanchor: "top", pad: {t: 10}, font: {size: 14}},
+              yanchor: "top", pad: {t: 10}, font: {size: TITLE_PX}},
       legend: {orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", tracegroupgap: 4},
       xaxis: {anchor: hasMemory ? "y" + (built.panels.length + 1) : "y", title: {text: "time (ms)"}, range: [0, xEnd],
               gridcolor: "#ececec", zeroline: false, showline: true, linecolor: "#999"},
