@@ -207,8 +207,6 @@ def pass_issue(kernels: Sequence[Kernels], carried_ms: float) -> PassIssue:
     first = next((i for i, run in enumerate(kernels) if run.waits), len(kernels))
     before, after = kernels[:first], kernels[first:]
     slack_ms = sum(run.count * (run.gpu_ms - run.host_ms) - run.call_ms for run in before)
-    if not after:
-        return PassIssue(idle_ms=waited_ms(before)[0], slack_ms=slack_ms, carried_ms=carried_ms)
-    after_idle_ms, after_lead_ms = waited_ms(after)
-    return PassIssue(idle_ms=waited_ms(before)[0], slack_ms=slack_ms, synchronises=True, after_idle_ms=after_idle_ms,
-                     after_lead_ms=after_lead_ms, carried_ms=carried_ms)
+    after_idle_ms, after_lead_ms = waited_ms(after)  # both 0 where the pass never waits
+    return PassIssue(idle_ms=waited_ms(before)[0], slack_ms=slack_ms, synchronises=bool(after),
+                     after_idle_ms=after_idle_ms, after_lead_ms=after_lead_ms, carried_ms=carried_ms)
