@@ -100,7 +100,6 @@ from .fp8 import (
 )
 from .host import (
     HOST_KERNEL_US,
-    PASSES_ISSUED,
     TE_RECIPES,
     Kernels,
     carried_waits_ms,
@@ -1487,15 +1486,15 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
             maps[id(kernels)] = pass_issue(kernels, 0.0)
         return maps[id(kernels)].model_copy(update={"carried_ms": carried_ms})
 
-    waited = carried([issue.kernels for issue in issues], PASSES_ISSUED)
+    waited = carried([issue.kernels for issue in issues], PASSES)
     shares = [issue.sharing for issue in issues if issue.sharing is not None]
     sharing = carried(shares, ("fwd", "bwd")) if len(shares) == len(issues) else None
     timed = []
     for i, (layer, issue) in enumerate(zip(layers, issues, strict=True)):
-        times = {name: getattr(layer, name).median_ms + waited[name][i] for name in PASSES_ISSUED}
+        times = {name: getattr(layer, name).median_ms + waited[name][i] for name in PASSES}
         update: dict[str, Any] = {name: _timing(ms) for name, ms in times.items()}
         if waits:
-            update["host_issue"] = {name: mapped(issue.kernels[name], waited[name][i]) for name in PASSES_ISSUED}
+            update["host_issue"] = {name: mapped(issue.kernels[name], waited[name][i]) for name in PASSES}
             update["host_issue"] |= {f"{name}_sharing": PassIssue(idle_ms=0.0, slack_ms=0.0) if sharing is None
                                      else mapped(issue.sharing[name], sharing[name][i]) for name in ("fwd", "bwd")}
         if sharing is not None:
@@ -1788,10 +1787,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         def issued(passes: dict[str, list[Kernels]]) -> dict[str, float]:
             """The host's issue of each of `passes` (`issued_ms`) where the layer makes it wait (so the model
             does: `waits`), else 0."""
-            return {name: issued_ms(passes[name]) if synced else 0.0 for name in PASSES_ISSUED}
+            return {name: issued_ms(passes[name]) if synced else 0.0 for name in PASSES}
 
-        passes = kernels(priced, PASSES_ISSUED) if waits else {}
-        experts_passes = kernels(routed, PASSES_ISSUED) if routed is not None and synced else {}
+        passes = kernels(priced, PASSES) if waits else {}
+        experts_passes = kernels(routed, PASSES) if routed is not None and synced else {}
         issues.append(_HostIssue(
             passes, None if shared is None or not waits else kernels(shared, ("fwd", "bwd")),
             None if routed is None else paired_passes(priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms,

@@ -69,7 +69,6 @@ TE_MODULE_US = 115.0 - HOST_KERNEL_US
 TE_FLOAT8_MODULE_FACTOR = 2.0  # a module whose products run in float8: issue 761's "more than 2x" its BF16 call
 TE_RECIPES = ("te", "te-current")  # the float8 recipes that are TransformerEngine's modules (planning/fp8.py)
 MODULE_PASSES = ("fwd", "bwd", "igrad")  # the passes a module call's Python runs in (wgrad: its GEMMs alone)
-PASSES_ISSUED = ("fwd", "bwd", "igrad", "wgrad")  # a layer's passes, each issued by the host
 
 
 def synchronises(layer: LayerCount, options: dict[str, Any]) -> bool:

@@ -168,8 +168,8 @@ def test_a_repeated_blocks_passes_are_mapped_once_and_each_keeps_its_carried_wai
     deep = (*MOE[:2], "--layers", 4, *MOE[4:])
     free, slow = (layers(tmp_path, *deep, "--host-kernel-us", us) for us in (0, 1000))
     # both runs: 3 distinct layers, each pass and the forward and backward beside the dispatcher's multiprocessors
-    assert len(slow) == 6 and len(mapped) == 2 * 3 * (len(estimate.PASSES_ISSUED) + 2)
-    for name in estimate.PASSES_ISSUED:
+    assert len(slow) == 6 and len(mapped) == 2 * 3 * (len(estimate.PASSES) + 2)
+    for name in estimate.PASSES:
         carried = [layer["host_issue"][name]["carried_ms"] for layer in slow]
         assert carried == pytest.approx([host[name]["median_ms"] - gpu[name]["median_ms"]
                                          for host, gpu in zip(slow, free)])

@@ -14,7 +14,6 @@ import pytest
 from pipesim.planning.estimate import Parallelism, estimate_layer, estimate_profile, links_of, node_placement
 from pipesim.planning.experts import expert_group
 from pipesim.planning.host import (
-    PASSES_ISSUED,
     Kernels,
     carried_waits_ms,
     issued_ms,
@@ -22,7 +21,7 @@ from pipesim.planning.host import (
     pass_kernels,
     waited_ms,
 )
-from pipesim.profiles.schema import LayerProfile, stage_host_waits_ms
+from pipesim.profiles.schema import PASSES, LayerProfile, stage_host_waits_ms
 from tests.test_expert_pair_order import DEVICE, H100, counted
 
 HOST_HEAVY = Kernels(10, 1.0, 0.1)  # ten kernels the host takes 1 ms each to issue and the GPU runs in 0.1 ms
@@ -116,11 +115,11 @@ def test_a_synchronising_moe_layer_is_at_least_the_bound_its_totals_give(host_ke
     profile = estimate_profile(counted(), H100, parallel)
     links = links_of(node_placement(H100), 1, 4, 8)
     group = expert_group(node_placement(H100), 8, 8, 1, 1, 4, 8)
-    gpu_ms, hidden_ms, issued_total_ms, alone_ms = ({name: 0.0 for name in PASSES_ISSUED} for _ in range(4))
+    gpu_ms, hidden_ms, issued_total_ms, alone_ms = ({name: 0.0 for name in PASSES} for _ in range(4))
     for layer, priced in zip(map(group.local, counted().layers), profile.layers, strict=True):
         gpu = estimate_layer(layer, DEVICE, parallel, links.tensor, 2)
         forward_ops = [op for op, _ in gpu.timed_ops["fwd"]]
-        for name in PASSES_ISSUED:
+        for name in PASSES:
             all_to_all_ms = {"fwd": priced.all_to_all_fwd_ms, "wgrad": 0.0}.get(name, priced.all_to_all_bwd_ms)
             kernels = pass_kernels(gpu.timed_ops[name], forward_ops, False, host_kernel_us, name, 0.0,
                                    all_to_all_ms, name == "fwd" and bool(layer.dispatched_bytes))
@@ -133,7 +132,7 @@ def test_a_synchronising_moe_layer_is_at_least_the_bound_its_totals_give(host_ke
             issued_total_ms[name] += issued
             if host_kernel_us == 0.0:
                 assert getattr(priced, name).median_ms == alone_ms[name] == getattr(gpu, f"{name}_ms")
-    for name in PASSES_ISSUED:
+    for name in PASSES:
         whole_ms = sum(getattr(priced, name).median_ms for priced in profile.layers)
         assert whole_ms >= max(gpu_ms[name], issued_total_ms[name] - hidden_ms[name]) - 1e-9
         assert (whole_ms > gpu_ms[name] + 1e-9) == (host_kernel_us > 0.0)
