@@ -1530,10 +1530,10 @@ def _with_replicas(order: _Order, replicas: int) -> _Order:
 def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..., list[int]],
           orders: _Orders) -> tuple[ScheduleParams, int, _Order, list[int]]:
     """The long run's parameters, its warm-up mini-batches, the order the partition reads and the partition.
-    A searched order is partitioned as 1F1B's order is (R = 1: 1F1B's activations, which its search always
-    admits), then searched for that partition (`_candidate`)."""
+    A searched order is partitioned as its method's `partitioned_as` order is (auto's: 1F1B's, R = 1), then
+    searched for that partition (`_candidate`)."""
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
-    planned = "1f1b" if METHODS[name].needs_costs else name
+    planned = METHODS[name].partitioned_as or name
     params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas)
     sketch = orders.sketch(setting.scenario, planned, params)
     short = warmup_minibatches(sketch.flushing, sketch.stages, m)

@@ -157,8 +157,10 @@ class Method:
     reads (AvgPipe's averaging knobs); `on_graph`, for a method that runs any stage DAG, builds it on one
     (GraphPipe); `needs_costs`, for a method whose order is searched from the stage costs (`auto`): `build`
     refuses, and the planning side (`planning.scenario.Scenario.build`) builds it with the costs it knows. A
-    searched order flushes every mini-batch, so its weight policy is SYNCHRONOUS. Callers ask `reads` and
-    `shape` rather than these fields, so the rules live here."""
+    searched order flushes every mini-batch, so its weight policy is SYNCHRONOUS. `partitioned_as`: the method
+    whose order tune cuts a searched one's stages for, before the search has costs to order by (`auto`: 1F1B,
+    whose order and activations its search always admits). Callers ask `reads` and `shape` rather than these
+    fields, so the rules live here."""
 
     name: str
     summary: str
@@ -167,6 +169,7 @@ class Method:
     options: frozenset[str] = frozenset()
     on_graph: Callable[..., Schedule] | None = None
     needs_costs: bool = False
+    partitioned_as: str | None = None  # with needs_costs; None: its own order
 
     def reads(self, option: str) -> bool:
         """Whether this method reads `option`, an input only some methods read (chunks, pipelines, AvgPipe's
