@@ -1325,10 +1325,8 @@ def _steady_busiest_ms(schedule: Schedule, costs: Costs, busy_ms: np.ndarray, sh
     can read less where its window starts before an order's steady state (a PipeDream-2BW chain whose
     accumulations settle late), and a bound above the step `_measured` gives could prune what the exhaustive
     search keeps."""
-    table = schedule.table
-    accumulated_ms = _accumulated_ms(schedule, _accumulates_ms(costs))
-    steady = table.minibatch == short
-    return float((busy_ms + np.bincount(table.device[steady], accumulated_ms[steady], minlength=len(busy_ms))).max())
+    accumulations = _Accumulations.of(schedule, short, _accumulates(schedule))
+    return float((busy_ms + accumulations.ms(_accumulates_ms(costs))).max())
 
 
 def _reserved_peak_bytes(candidate: Candidate, long_run: Trace) -> int:
@@ -1808,7 +1806,7 @@ def _planned_bound_ms(order: _Order, short: int, stage_ms: np.ndarray, reduces_m
     table[:, KIND_CODE[Kind.REDUCE]] = reduces_ms
     stage_busy_ms = ((order.per_step * table) * COMPUTE).sum(axis=1)
     busy_ms = np.array([stage_busy_ms[schedule.stages_on(d)].sum() for d in range(schedule.num_devices)])
-    busy_ms += rows.accumulations_ms(accumulate_ms)
+    busy_ms += rows.accumulations.ms(accumulate_ms)
     costs_ms = _row_costs_ms(table, accumulate_ms)
     return max(float((busy_ms + np.maximum(rows.exposed_ms(table, costs_ms), sends_ms)).max()),
                _flush_bound_ms(rows.flush, table, hops_ms, costs_ms))
@@ -1928,6 +1926,26 @@ class _FlushRows:
 
 
 @dataclass(frozen=True)
+class _Accumulations:
+    """The rows of a steady mini-batch that add their weight gradients into the buffer (`_accumulates`): their
+    devices and stages, read off the order once (`_StepRows`) and priced on any costs (`ms`)."""
+
+    devices: int
+    device: np.ndarray
+    stage: np.ndarray
+
+    @classmethod
+    def of(cls, schedule: Schedule, minibatch: int, accumulates: np.ndarray) -> _Accumulations:
+        t = schedule.table
+        rows = np.flatnonzero((t.minibatch == minibatch) & accumulates)
+        return cls(schedule.num_devices, t.device[rows], t.stage[rows])
+
+    def ms(self, accumulate_ms: np.ndarray) -> np.ndarray:
+        """Per device, its gradient accumulations in the mini-batch (`_accumulated_ms`; [k]: stage k's)."""
+        return np.bincount(self.device, accumulate_ms[self.stage], minlength=self.devices)
+
+
+@dataclass(frozen=True)
 class _StepRows:
     """What the bounds read off an order's rows in a steady mini-batch, found once per order (`_Order.step_rows`):
     the search prices one order on many partitions and settings (the 70B: 970 bounds on 265 orders of up to 788k
@@ -1938,7 +1956,7 @@ class _StepRows:
 
     devices: int
     codes: np.ndarray  # per row of the table (`_row_codes`)
-    accumulating: tuple[np.ndarray, np.ndarray]  # the steady rows that accumulate: their devices and stages
+    accumulations: _Accumulations  # the steady rows that accumulate
     reducing: np.ndarray  # [i]: the devices that reduce in the steady mini-batch (one pipeline; else none)
     reduces: np.ndarray  # [i, j]: device reducing[i]'s j-th steady REDUCE row, in program order (where `valid`)
     stages: np.ndarray  # [i, j]: its stage
@@ -1952,7 +1970,6 @@ class _StepRows:
         accumulates = _accumulates(schedule)
         codes = _row_codes(t, schedule.num_stages, accumulates)
         steady = t.minibatch == minibatch
-        accumulating = np.flatnonzero(steady & accumulates)
         rows = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.REDUCE]) if schedule.pipelines == 1 else [])
         updates = np.flatnonzero(steady & (t.kind == KIND_CODE[Kind.OPT]))
         update_of = np.zeros(schedule.num_stages, dtype=np.int64)
@@ -1964,13 +1981,8 @@ class _StepRows:
         valid = np.zeros(reduces.shape, dtype=bool)
         reduces[owner, place], valid[owner, place] = rows, True
         stages = t.stage[reduces]
-        return cls(schedule.num_devices, codes, (t.device[accumulating], t.stage[accumulating]), reducing, reduces,
-                   stages, update_of[stages], valid, _FlushRows.of(schedule, codes))
-
-    def accumulations_ms(self, accumulate_ms: np.ndarray) -> np.ndarray:
-        """Per device, its gradient accumulations in the steady mini-batch (`_accumulated_ms`; [k]: stage k's)."""
-        device, stage = self.accumulating
-        return np.bincount(device, accumulate_ms[stage], minlength=self.devices)
+        return cls(schedule.num_devices, codes, _Accumulations.of(schedule, minibatch, accumulates), reducing,
+                   reduces, stages, update_of[stages], valid, _FlushRows.of(schedule, codes))
 
     def exposed_ms(self, op_ms: np.ndarray, costs_ms: np.ndarray) -> np.ndarray:
         """Per device, compute-free time each steady step must have (0 for a schedule of P > 1 pipelines, which
