@@ -553,23 +553,10 @@ def refuse(refusal: str | None) -> None:
         raise InputError(refusal)
 
 
-# The estimate's names for what it was given -> the flags that give them.
+# The estimate's settings whose flags are not their names spelled as flags (`flag_of` spells the rest).
 ESTIMATE_FLAGS = {"tensor": "--tensor-parallel", "pipeline": "--stages", "data": "--data-parallel",
                   "context": "--context-parallel", "expert": "--expert-parallel",
-                  "hot_expert_share": "--hot-expert-share", "routing": "--routing",
-                  "token_dispatcher": "--token-dispatcher",
-                  "dispatcher_sms": "--dispatcher-sms",
-                  "host_kernel_us": "--host-kernel-us", "host_module_us": "--host-module-us",
-                  "expert_gemm": "--expert-gemm", "p2p_sync": "--p2p-sync",
-                  "tp_overlap": "--tp-overlap", "tp_overlap_no_margin": "--tp-overlap-no-margin",
-                  "attention_kernel": "--attention-kernel",
-                  "tp_runtime": "--tp-runtime", "cp_rotate": "--cp-rotate",
-                  "expert_tensor": "--expert-tensor-parallel", "rank_order": "--rank-order",
-                  "recompute": "--recompute", "recompute_modules": "--recompute-modules",
-                  "torch_compile": "--torch-compile", "ema": "--ema",
-                  "grad_accumulation": "--grad-accumulation",
-                  "optimizer": "--optimizer", "gpu": "--gpu",
-                  "precision": "--precision", "fp8": "--fp8-recipe"}
+                  "expert_tensor": "--expert-tensor-parallel", "fp8": "--fp8-recipe"}
 
 
 def flag_of(name: str) -> str:
@@ -577,14 +564,21 @@ def flag_of(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
+def setting_flag(name: str) -> str:
+    """The flag that sets the estimate's setting `name` (a `Parallelism` field, --gpu, --optimizer)."""
+    return ESTIMATE_FLAGS.get(name, flag_of(name))
+
+
 def flag_line(refusal: ValueError) -> str:
     """A planning refusal as the user's one line: each setting it names as the flag that sets it (`EstimateError`'s
-    {setting}; one it leads with as "setting: ", as the flag and the rest: `ExpertParallelError`'s and
-    `RankOrderError`'s too)."""
+    {setting}; a `Parallelism` field it leads with as "setting: ", as the flag and the rest: `ExpertParallelError`'s
+    and `RankOrderError`'s too)."""
+    from ..planning.estimate import Parallelism
+
     said = getattr(refusal, "said", None)
-    text = str(refusal) if said is None else said(lambda name: ESTIMATE_FLAGS.get(name, flag_of(name)))
+    text = str(refusal) if said is None else said(setting_flag)
     field, _, rest = text.partition(": ")
-    return f"{ESTIMATE_FLAGS[field]} {rest}" if field in ESTIMATE_FLAGS and rest else text
+    return f"{setting_flag(field)} {rest}" if field in Parallelism.__dataclass_fields__ and rest else text
 
 
 @contextmanager
