@@ -339,7 +339,7 @@ def test_the_page_holds_each_devices_memory_capacity_for_its_dashed_line(trace):
     checks = Cluster.uniform(4, 0).memory_checks(peaks, [80 * 1024 * MIB, 80 * 1024 * MIB, None, 40 * 1024 * MIB])
     data = _page_data(timeline_page([trace, trace], memory_checks=[checks, None]))
     assert [t["memory"]["limits_mib"] for t in data["traces"]] == [[81920, 81920, None, 40960], [None] * 4]
-    assert data["traces"][0]["memory"]["limits_shared"] == [False] * 4
+    assert [t["memory"]["limits_shared"] for t in data["traces"]] == [[False] * 4] * 2
     with pytest.raises(ValueError, match="one check per device"):
         timeline_page([trace], memory_checks=[checks[:3]])
     with pytest.raises(ValueError, match="one list per trace"):

@@ -183,13 +183,14 @@ def trace_data(trace: Trace, label: str | None = None, summary: Summary | None =
                 times.append(np.append(counter.times_us, max(end_us, float(counter.times_us[-1]))))
                 values.append(np.append(counter.values, counter.values[-1]) / MIB)
             counts.append(k + 1 if k else 0)
+        checks = memory_checks or [None] * len(counters)
         memory = {"counts": counts, "t_us": encode_column(np.concatenate(times)),
                   "mib": encode_column(np.concatenate(values).astype(np.float64)),
                   "colors": sample_colorscale("Viridis", np.linspace(0, 0.85, max(len(counters), 2)).tolist()),
                   "parts": stacked_memory(trace, end_us),
-                  "limits_mib": [None if check.room_bytes is None else check.room_bytes / MIB
-                                 for check in memory_checks] if memory_checks else [None] * len(counters),
-                  "limits_shared": [check.memory is not None for check in memory_checks or ()]}
+                  "limits_mib": [None if check is None or check.room_bytes is None else check.room_bytes / MIB
+                                 for check in checks],
+                  "limits_shared": [check is not None and check.memory is not None for check in checks]}
     return {
         "label": label or meta.schedule,
         "kinds": list(trace.kinds),
