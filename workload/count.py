@@ -50,7 +50,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from ..choices import choose_from
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
-from .models import BATCH, Model, ModelError, _classify
+from .models import BATCH, Model, ModelError, classification_loss
 from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now, in_fused_kernel, kernel_listeners
 from .norms import NO_RMSNORM_TO_FUSE, fused_norms
 from .optim import OPTIMIZERS, make_optimizer
@@ -658,7 +658,7 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
     if (refused := kernels_refusal(cross_entropy, norm_kernel, rope_kernel, loss_parallel)) is not None:
         raise ModelError(refused)
     flag = "--loss-parallel" if loss_parallel else "--cross-entropy megatron"
-    if (loss_parallel or cross_entropy != "torch") and model.loss is not _classify:
+    if (loss_parallel or cross_entropy != "torch") and model.loss is not classification_loss:
         raise ModelError(f"{flag}: model {model.name!r} has a loss of its own, not a cross entropy pipesim can "
                          "compute as another runtime does")
     if loss_parallel:

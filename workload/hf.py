@@ -39,7 +39,7 @@ from torch import nn
 
 from . import data
 from .hfconfig import FIGURES, HfConfig, HfConfigError, read_hf_config
-from .models import BATCH, Model, ModelError, _classify, _positive, check_capacity_factor
+from .models import BATCH, Model, ModelError, check_capacity_factor, check_positive, classification_loss
 from .moe import gated_mlp, gating_linear, gating_router, routed_experts
 
 WELL_KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2")  # named where a model_type is unknown
@@ -132,7 +132,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
     if seq_len is None:
         raise ModelError(f"--seq-len: give the tokens a sample of {spec} holds"
                          + (f" (its config allows up to {longest})" if longest else ""))
-    _positive(seq_len=seq_len)
+    check_positive(seq_len=seq_len)
     if longest and seq_len > longest:
         raise ModelError(f"--seq-len {seq_len}: {spec} takes at most its max_position_embeddings, {longest}")
     if mtp_layers < 0:
@@ -166,7 +166,7 @@ def hf_model(spec: str, seq_len: int | None, mtp_layers: int = 0, capacity_facto
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return data.token_batch(b, seq_len, vocab, gen)
-    return Model(spec, layers, make, _classify, inputs=inputs, options=options,
+    return Model(spec, layers, make, classification_loss, inputs=inputs, options=options,
                  heldout=data.token_heldout(seq_len, vocab), classifier=True)
 
 
@@ -208,7 +208,7 @@ class MultiTokenPrediction(nn.Module):
                 "eh_proj": nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False),
                 "block": DecoderLayer(block, getattr(base, "rotary_emb", None)), "norm": copy.deepcopy(norm)}))
         self.shared_weights = (base.embed_tokens.weight, model.get_output_embeddings().weight)
-        self.criterion = _classify  # the model's loss (workload/count.py gives it the one it counts with)
+        self.criterion = classification_loss  # the model's loss (workload/count.py gives it the one it counts with)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         embedding, head = self.shared_weights

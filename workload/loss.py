@@ -46,7 +46,7 @@ class _VocabularyParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocabulary_parallel_cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross entropy in float32 over every leading position, as the models' own loss (`models._classify`) and
+    """Cross entropy in float32 over every leading position, as the models' own loss (`models.classification_loss`) and
     torchtitan's (`pred.flatten(0, 1).float()`) take it, computed as torch's loss_parallel computes it."""
     return _VocabularyParallelCrossEntropy.apply(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 

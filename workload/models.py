@@ -93,7 +93,7 @@ class Model:
         return scores
 
 
-def _classify(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def classification_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross entropy in float32 whatever the model's dtype, over every leading position."""
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), target.reshape(-1))
 
@@ -108,7 +108,8 @@ def _heldout_images() -> tuple[torch.Tensor, torch.Tensor]:
     return data.as_images(split.heldout_x), split.heldout_y
 
 
-def _positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
+    """Each size given as its flag's name = value is at least 1, else ModelError naming the flag."""
     for name, value in values.items():
         if value < 1:
             raise ModelError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
@@ -126,13 +127,13 @@ def _relu_linear(inputs: int, outputs: int) -> nn.Linear:
 def mlp(layers: int = DEFAULT_SIZES["mlp"]["layers"], width: int = DEFAULT_SIZES["mlp"]["width"]) -> Model:
     """`layers` Linear+ReLU blocks of `width` (the first reads the 64 digit pixels), then a 10-way
     classifier; trains on digits."""
-    _positive(layers=layers, width=width)
+    check_positive(layers=layers, width=width)
     features = data.DIGIT_SIDE ** 2
     blocks: list[nn.Module] = [nn.Sequential(_relu_linear(width if i else features, width), nn.ReLU())
                                for i in range(layers)]
     blocks.append(nn.Linear(width, data.DIGIT_CLASSES))
     split = data.digits()
-    return Model("mlp", blocks, data.digit_batch, _classify, heldout=(split.heldout_x, split.heldout_y),
+    return Model("mlp", blocks, data.digit_batch, classification_loss, heldout=(split.heldout_x, split.heldout_y),
                  classifier=True)
 
 
@@ -140,7 +141,7 @@ def cnn(layers: int = DEFAULT_SIZES["cnn"]["layers"], width: int = DEFAULT_SIZES
     """VGG-style for 32x32 images: 3x3 conv+ReLU layers, channels doubling (up to 512, as VGG's) and a
     2x2 max-pool after every second one (down to 1x1), then a 10-way linear classifier; trains on digits
     upsampled to 32x32 and repeated to 3 channels."""
-    _positive(layers=layers, width=width)
+    check_positive(layers=layers, width=width)
     blocks: list[nn.Module] = []
     channels, side = 3, 32
     for i in range(layers):
@@ -152,7 +153,7 @@ def cnn(layers: int = DEFAULT_SIZES["cnn"]["layers"], width: int = DEFAULT_SIZES
         blocks.append(nn.Sequential(*parts))
         channels = out
     blocks.append(nn.Sequential(nn.Flatten(), nn.Linear(channels * side * side, data.DIGIT_CLASSES)))
-    return Model("cnn", blocks, _digit_images, _classify, heldout=_heldout_images(), classifier=True)
+    return Model("cnn", blocks, _digit_images, classification_loss, heldout=_heldout_images(), classifier=True)
 
 
 class _Embed(nn.Module):
@@ -343,7 +344,7 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     ffn = 4 * width if ffn is None else ffn
     moe = _expert_shape(ffn, experts, top_k, shared_experts, expert_ffn, capacity_factor)
     kv_heads = heads if kv_heads is None else kv_heads
-    _positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn, kv_heads=kv_heads)
+    check_positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn, kv_heads=kv_heads)
     if dropout is not None and not 0 <= dropout < 1:
         raise ModelError(f"--dropout ({dropout}) must be at least 0 and below 1")
     if width % heads:
@@ -358,7 +359,7 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return data.token_batch(b, seq_len, vocab, gen)
-    return Model("gpt", blocks, make, _classify, heldout=data.token_heldout(seq_len, vocab), classifier=True)
+    return Model("gpt", blocks, make, classification_loss, heldout=data.token_heldout(seq_len, vocab), classifier=True)
 
 
 def _rotary_features(head: int, share: float) -> int:
@@ -384,7 +385,7 @@ def _expert_shape(ffn: int, experts: int | None, top_k: int | None, shared: int 
         return None
     shape = ExpertShape(experts, DEFAULT_TOP_K if top_k is None else top_k, ffn if expert_ffn is None else expert_ffn,
                         shared or 0, capacity_factor)
-    _positive(experts=experts, top_k=shape.top_k, expert_ffn=shape.ffn)
+    check_positive(experts=experts, top_k=shape.top_k, expert_ffn=shape.ffn)
     if shape.top_k > experts:
         raise ModelError(f"--top-k ({shape.top_k}) must be at most --experts ({experts})")
     if shape.shared < 0:
@@ -425,7 +426,7 @@ def two_branch(layers: int = DEFAULT_SIZES["two-branch"]["layers"],
     """A stem, two branches of `layers` conv layers each (3x3 convs of `width` channels; 5x5 convs of
     half as many), and a head that merges them: GraphPipe's case, branches that can run side by side.
     Layers are stem, branch a, branch b, head; `inputs` holds the DAG. Trains on digits as the cnn does."""
-    _positive(layers=layers, width=width)
+    check_positive(layers=layers, width=width)
     narrow = max(1, width // 2)
     stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
     first = [nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.ReLU()) for _ in range(layers)]
@@ -435,7 +436,7 @@ def two_branch(layers: int = DEFAULT_SIZES["two-branch"]["layers"],
     b = list(range(1 + layers, 1 + 2 * layers))
     inputs = [(BATCH,), *[(i - 1,) for i in a], (0,), *[(i - 1,) for i in b[1:]], (a[-1], b[-1])]
     return Model("two-branch", [stem, *first, *second, _Merge(width + narrow, data.DIGIT_CLASSES)], _digit_images,
-                 _classify, inputs, heldout=_heldout_images(), classifier=True)
+                 classification_loss, inputs, heldout=_heldout_images(), classifier=True)
 
 
 MODELS: dict[str, Callable[..., Model]] = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "two-branch": two_branch}
