@@ -862,7 +862,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     from ..planning.buckets import OPTIMIZER_BUCKETS
     from ..planning.scenario import Scenario, check_stage_cut, first_last
     from ..profiles.schema import optimizer_refusal
-    from ..sim import CostError, load_cluster
+    from ..sim import ClusterError, CostError, load_cluster
     from ..sim.costs import precision_refusal
 
     flags = {**ctx.params, **overrides}
@@ -917,7 +917,10 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if flags["cluster"] is not None:
         if is_given(ctx, "comm"):
             raise InputError("--comm and --cluster both describe links: give one")
-        topology = load_cluster(flags["cluster"])
+        try:
+            topology = load_cluster(flags["cluster"])
+        except ClusterError as exc:
+            raise InputError(f"--cluster: {exc}") from None
         if flags["blocking_comm"]:
             topology = replace(topology, overlap_comm=False)
     graph = flags.get("graph")

@@ -131,8 +131,10 @@ def study(
         from ..study.page import write_study_page
 
         write_study_page(summaries, list(rates), html, title=_title(setting))
-    except (InputError, ScheduleError, ResultsError) as exc:
+    except (InputError, ScheduleError) as exc:
         fail(str(exc))
+    except ResultsError as exc:
+        fail(f"--results: {exc}")
     except OSError as exc:
         fail(write_error(exc))
     if as_json:

@@ -94,7 +94,7 @@ def test_schedules_lists_methods():
     (["--optimizer", "lion"], "--optimizer: choose from"),
     (["--wgrad-fraction", "2"], "--wgrad-fraction"),
     (["--chunks", "2", "-s", "gpipe"], "gpipe places one model stage per device"),
-    (["--cluster", "/no/such/cluster.json"], "cannot read cluster file"),
+    (["--cluster", "/no/such/cluster.json"], "--cluster: cannot read cluster file"),
     (["--html", "/no/such/dir/x.html"], "--html: cannot write"),
     (["--trace", "/no/such/dir/x.json"], "--trace: cannot write"),
     (["--frobnicate"], "No such option"),
@@ -121,7 +121,7 @@ def test_malformed_cluster_file(tmp_path):
     assert code == 2 and "needs 4 devices, the cluster has 2" in err
     path.write_text("[1, 2")
     code, _, err = pipesim("simulate", "--cluster", str(path))
-    assert code == 2 and "not valid JSON" in err
+    assert code == 2 and "--cluster: cluster file" in err and "not valid JSON" in err
 
 
 def test_nothing_half_written_when_one_output_is_bad(tmp_path):
