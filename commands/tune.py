@@ -198,11 +198,11 @@ def tune(
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
-            experts_searched = not is_given(ctx, "expert_parallel") and bool(counts[sizes[0]].options.get("experts"))
-            with _working(_estimating_text(experts_searched)) as report:
+            expert_given = is_given(ctx, "expert_parallel")
+            with _working(_estimating_text(_expert_degrees(what, counts[sizes[0]], expert_given))) as report:
                 settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
                                                optimizer, allocator, optimizer_step, pp_runtime, counts,
-                                               is_given(ctx, "expert_parallel"), report)
+                                               expert_given, report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
@@ -257,10 +257,18 @@ def _working(what: str) -> Iterator[Callable[[str], None] | None]:
         note.cancel()
 
 
-def _estimating_text(experts_searched: bool) -> str:
-    """What the estimates vary, for the progress line: E too where a mixture of experts' expert-parallel degree is
-    searched (`_estimated_settings`)."""
-    return f"estimating the model's profile for each t, b, recomputation{', E' if experts_searched else ''} and p"
+def _estimating_text(expert_degrees: list[int]) -> str:
+    """What the estimates vary, for the progress line: E too where they try more than one expert-parallel degree
+    (`_expert_degrees`)."""
+    return f"estimating the model's profile for each t, b, recomputation{', E' * (len(expert_degrees) > 1)} and p"
+
+
+def _expert_degrees(what: WhatIf, counted: WorkloadCount, expert_given: bool) -> list[int]:
+    """The expert-parallel degrees E the estimates try: the one given (--expert-parallel; 1 by default), else, for a
+    mixture of experts, each divisor of its routed experts (`_estimated_settings` keeps those the rank order can
+    place at each t and d, `_experts_fit`)."""
+    experts = counted.options.get("experts")
+    return [what.expert] if expert_given or not experts else [e for e in range(1, experts + 1) if experts % e == 0]
 
 
 def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: int | None, recompute: str | None,
@@ -269,8 +277,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                         counts: dict[int, WorkloadCount], expert_given: bool,
                         report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
-    that divides D and the model), expert-parallel degree E (given, else, for a mixture of experts, each divisor
-    of its routed experts the rank order can place at that t and d, `_experts_fit`), pipeline depth p (D / (t·d)
+    that divides D and the model), expert-parallel degree E (of `_expert_degrees`, those the rank order can
+    place at that t and d, `_experts_fit`), pipeline depth p (D / (t·d)
     for a given d, else each divisor of D/t up to the layers) and recomputation (given, or each), its allocations
     replayed under `allocator` as simulate's (`allocator_fields`), so tune's peaks and memory check are simulate's,
     the boundary tensors held as `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's
@@ -292,14 +300,12 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     for b in sizes:
         counted = counts.get(b) or count_what_if(what, b)
         memo = LayerMemo(counted, what.gpu, what.curve)  # each t and recomputation's layers made for one p
-        experts = counted.options.get("experts")
-        degrees = [what.expert] if expert_given or not experts else [e for e in range(1, experts + 1)
-                                                                      if experts % e == 0]
+        degrees = _expert_degrees(what, counted, expert_given)
         for t in tensors:
             made, refused = len(settings), []
             for e in degrees:
                 if report is not None:
-                    report(f"{_estimating_text(not expert_given and bool(experts))}: {len(settings)} done")
+                    report(f"{_estimating_text(degrees)}: {len(settings)} done")
                 depths = [devices // (t * data)] if data else [p for p in range(1, len(counted.layers) + 1)
                                                                if devices % (t * p) == 0]
                 if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
