@@ -221,6 +221,18 @@ def test_summary_bars_write_samples_per_s_as_the_tables_do(trace):
     assert bars["text"] == bars["customdata"] == ["0.18", "0.18", "0.23"]
 
 
+def test_summary_bars_write_their_figures_level_and_of_one_size(trace):
+    """Sixteen methods' peaks of 45 MiB stood on end in plotly's default (textangle "auto": a figure that fits a
+    thin bar better turned), and a short bar's figure, written outside it, was larger than those inside: every
+    panel's figures are level, and one size at least SUMMARY_TEXT_PX across the chart."""
+    from pipesim.traces.view import SUMMARY_TEXT_PX, summary_figure
+
+    summaries = [summarize(trace)] * 16
+    chart = summary_figure([trace] * 16, [f"m{k}" for k in range(16)], summaries, [0])
+    assert [bars["textangle"] for bars in chart["data"]] == [0] * 4
+    assert chart["layout"]["uniformtext"] == {"mode": "show", "minsize": SUMMARY_TEXT_PX}
+
+
 def test_error_chart_is_log_scaled_so_a_large_error_leaves_the_small_ones_readable():
     """Transfers predicted 16 times too long (+1,500 %) beside forwards within 5 % and exact backwards: a log axis
     from the decade under the smallest bar, every bar labelled, an exact kind named so (a log axis has no 0)."""

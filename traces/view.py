@@ -119,12 +119,13 @@ PART_WORDS = {"parameters": "weights", "gradients": "gradients", "optimizer_stat
               "activations": "activations", "activations.attention": "activations: attention",
               "activations.mlp": "activations: MLP", "activations.norms": "activations: norms",
               "activations.dropout": "activations: dropout masks", "activations.other": "activations: other",
-              "communication": "transfer buffers", "transient": "a pass's transient tensors",
-              "reserve": "allocator's reserve"}
+              "communication": "transfer buffers", "runtime_buffers": "runtime's buffers",
+              "transient": "a pass's transient tensors", "reserve": "allocator's reserve"}
 PART_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer_state": "#54a24b",
                "activations": "#e45756", "activations.attention": "#e45756", "activations.mlp": "#ff9da6",
                "activations.norms": "#9d755d", "activations.dropout": "#bab0ac", "activations.other": "#eeca3b",
-               "communication": "#b279a2", "transient": "#17becf", "reserve": "#79706e"}
+               "communication": "#b279a2", "runtime_buffers": "#d67195", "transient": "#17becf",
+               "reserve": "#79706e"}
 
 
 def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
@@ -144,7 +145,8 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
     attributed = all(curve is not None for curve in savers) and any(
         curve[device].values.any() for curve in savers[:-1])
     parts = [*MEMORY_PARTS[:3], *(SAVERS if attributed else ("activations",)), "communication",
-             *(part for part in MEMORY_PARTS[5:] if f"memory_bytes.{part}" in trace.counters)]
+             *(part for part in MEMORY_PARTS[5:] if f"memory_bytes.{part}" in trace.counters and (
+                 part != "runtime_buffers" or trace.counters[f"memory_bytes.{part}"][device].values.any()))]
     curves = [trace.counters[f"memory_bytes.{part}"][device] for part in parts]
     times = np.unique(np.concatenate([curve.times_us for curve in curves]))
     held = np.array([curve.values[np.searchsorted(curve.times_us, times, side="right") - 1] for curve in curves])
@@ -258,6 +260,9 @@ _SUMMARY_PANELS = (("samples/s (more is better)", "samples_per_s", rate_text),
                    ("bubble", "bubble_fraction", "{:.1%}".format),
                    ("peak memory per device (MiB)", "peak_memory_mb", "{:,.0f}".format))
 SUMMARY_SHOWN, SUMMARY_OTHER = "#4c78a8", "#bccbe0"  # the selected view's traces' bars, and the others'
+# The bars' figures, level and of one size in every panel: plotly's defaults turned a figure that fits a bar
+# better on end ("45" MiB on 16 bars) and wrote one outside a short bar larger than those inside.
+SUMMARY_TEXT_PX = 10
 
 
 def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Sequence[Summary],
@@ -274,7 +279,7 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
         hover = ([f"{text} ms per mini-batch of {n:,} samples" for text, n in zip(texts, samples)]
                  if field == "time_per_minibatch_ms" else texts)
         data.append({"type": "bar", "orientation": "h", "y": list(labels), "x": values, "text": texts,
-                     "customdata": hover, "textposition": "auto", "cliponaxis": False,
+                     "customdata": hover, "textposition": "auto", "textangle": 0, "cliponaxis": False,
                      "xaxis": "x" + (str(j + 1) if j else ""), "yaxis": "y", "showlegend": False, "name": title,
                      "marker": {"color": [SUMMARY_SHOWN if k in shown else SUMMARY_OTHER for k in range(len(labels))]},
                      "hovertemplate": "%{y}: %{customdata}<extra>" + title + "</extra>"})
@@ -288,6 +293,7 @@ def summary_figure(traces: Sequence[Trace], labels: Sequence[str], summaries: Se
         "height": 80 + note_px + 20 * len(labels),
         "margin": {"t": 30 + note_px, "b": 20, "l": 20 + 7 * max(len(label) for label in labels), "r": 20},
         "paper_bgcolor": "#fff", "plot_bgcolor": "#fff", "font": {"size": 12}, "bargap": 0.25,
+        "uniformtext": {"mode": "show", "minsize": SUMMARY_TEXT_PX},
         "yaxis": {"autorange": "reversed", "type": "category", "ticks": "", "fixedrange": True},
         "annotations": [{"text": title, "align": "left", "x": j * width, "xref": "paper", "xanchor": "left",
                          "y": 1, "yref": "paper", "yanchor": "bottom", "showarrow": False}
