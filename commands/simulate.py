@@ -656,11 +656,22 @@ def list_schedules() -> None:
     table.add_column("name", no_wrap=True)
     table.add_column("what it does")
     table.add_column("weights read")
-    table.add_column("s by --prediction source")
+    # The prediction distances in a table of their own, each closed form on one line: as a fourth column beside
+    # the others, XPipe's (2*p + 3*m - k - 4)//(2*m) broke over two lines and its B form over three at 80 columns.
+    sources = Table(show_header=True, box=box.SIMPLE_HEAD, pad_edge=False,
+                    title="prediction distance s, by --prediction source", title_justify="left")
+    sources.add_column("name", no_wrap=True)
+    sources.add_column("--prediction", no_wrap=True)
+    sources.add_column("s (k: the stage, p stages, m micro-batches)")
     for method in METHODS.values():
         policy = SYNCHRONOUS if method.needs_costs else method.build(method.params(4, 8)).policy
-        table.add_row(method.name, method.summary, _policy_text(policy), _sources_text(policy))
+        table.add_row(method.name, method.summary, _policy_text(policy))
+        for k, source in enumerate(policy.sources):
+            sources.add_row("" if k else method.name, source + (" (primary)" if source == policy.primary_source
+                                                                 else ""), _forms_text(policy, source))
     print_table(table)
+    stdout.print()
+    print_table(sources)
     stdout.print("Sources and where they disagree: docs/methods.md", highlight=False)
 
 
@@ -671,20 +682,17 @@ def _policy_text(policy) -> str:
                                    ("B", policy.backward, policy.predict_backward)):
         lines.append(f"{side}: {read.value}" + (", predicted" if prediction is not None else ""))
     if policy.extra_copies:
-        lines.append(f"+{policy.extra_copies} weight copy")
+        lines.append(f"+{policy.extra_copies} weight cop{'y' if policy.extra_copies == 1 else 'ies'}")
     return "\n".join(lines)
 
 
-def _sources_text(policy) -> str:
-    """Each source of s the policy records, the primary (the default) marked, with its closed forms for F and B."""
-    lines = []
-    for source in policy.sources:
-        lines.append(source + (" (primary)" if source == policy.primary_source else "")
-                     + (": from the order" if source == "counted" else ""))
-        lines += [f"  {side}: {prediction.forms[source]}" for side, prediction in
-                  (("F", policy.predict_forward), ("B", policy.predict_backward))
-                  if prediction is not None and source in prediction.forms]
-    return "\n".join(lines)
+def _forms_text(policy, source: str) -> str:
+    """The policy's closed forms of s from `source`, one line per side that predicts (F, B); the counted source's
+    s is read from the order."""
+    forms = [f"{side}: {prediction.forms[source]}" for side, prediction in
+             (("F", policy.predict_forward), ("B", policy.predict_backward))
+             if prediction is not None and source in prediction.forms]
+    return "\n".join(forms) or "from the order"
 
 
 EXPORT_FORMATS = ("torch-csv",)

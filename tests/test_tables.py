@@ -197,6 +197,22 @@ def test_every_commands_table_keeps_its_numbers_at_80_and_120_columns(name, tmp_
         assert numbers <= _numbers(out), (columns, numbers - _numbers(out), out)
 
 
+def test_schedules_writes_each_closed_form_of_s_on_one_line_at_80_columns(tmp_path, monkeypatch):
+    """As a fourth column of the methods' table XPipe's forms broke mid-expression at 80 columns ("(3*m +",
+    "2*(k//2) -", "2)//(2*m)"); in a table of their own each "F: ..." and "B: ..." is one line."""
+    from pipesim.schedules import METHODS
+
+    out = _output(["schedules"], 80, tmp_path, monkeypatch)
+    forms = [f"{side}: {prediction.forms[source]}" for method in METHODS.values() if not method.needs_costs
+             for policy in [method.build(method.params(4, 8)).policy] for source in policy.sources
+             for side, prediction in (("F", policy.predict_forward), ("B", policy.predict_backward))
+             if prediction is not None and source in prediction.forms]
+    assert any("(3*m" in form for form in forms)  # XPipe's, the longest
+    lines = out.splitlines()
+    assert all(any(form in line for line in lines) for form in forms), out
+    assert max(map(len, lines)) <= 80, out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["calibrate", "--model", "mlp", "--layers", "2", "--width", "16", "--stages", "2", "--out", "{tmp}/p.json"],
