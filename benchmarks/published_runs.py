@@ -6,7 +6,9 @@ figure). Per row: the GPT counted by torch on the meta device at the run's micro
 materialised as Megatron-LM ran them, its 0.1 dropouts), estimated per GPU for its t, p, d and recomputation,
 cut into p (or p·v, interleaved) stages of equal blocks (`--stage-cut equal-blocks`: the embedding with the
 first, the head with the last, as Megatron-LM places them), then simulated (1F1B or interleaved 1F1B; sends
-blocking as Megatron-LM's p2p waits, `--blocking-comm`; the data-parallel all-reduce a REDUCE row on the
+blocking as Megatron-LM's p2p waits, `--blocking-comm`, and the device synchronised after each exchange as its
+`_communicate` did, `--p2p-sync`, where pipesim models it: 1F1B over two stages or more; the data-parallel
+all-reduce a REDUCE row on the
 network, every chunk's after the pipeline has flushed as Megatron-LM's DDP runs it, `--reduce-after-flush`)
 and compared:
 
@@ -67,11 +69,17 @@ class Run:
                 "--recompute", recompute]
 
     def simulate_command(self, sequence_parallel: bool, recompute: str) -> list[str]:
-        """One iteration of the run as Megatron-LM trains it (see the module docstring)."""
+        """One iteration of the run as Megatron-LM trains it (see the module docstring). Megatron-LM of 2021-2022
+        called torch.cuda.synchronize() after every exchange between stages, unconditionally ("to protect against
+        race condition when using batch_isend_irecv()": megatron/p2p_communication.py `_communicate` from
+        78cf869fc2, March 2021, on; at cbad126a84 and cfd2e21607, April 2022), interleaved too; pipesim models it
+        for 1F1B only (`Method.p2p_sync`: the interleaved schedule synchronises after each forward-backward pair)."""
         schedule = ["-s", "interleaved-1f1b", "--chunks", str(self.chunks)] if self.chunks > 1 else ["-s", "1f1b"]
         data = ["--data-parallel", str(self.data), "--reduce-after-flush"] if self.data > 1 else []
+        synced = ["--p2p-sync"] if self.pipeline > 1 and self.chunks == 1 else []
         return ["simulate", *self.estimate_flags(sequence_parallel, recompute), "-p", str(self.pipeline),
-                "-m", str(self.microbatches), *data, *schedule, "--blocking-comm", "--stage-cut", "equal-blocks"]
+                "-m", str(self.microbatches), *data, *schedule, "--blocking-comm", *synced, "--stage-cut",
+                "equal-blocks"]
 
 
 def command_text(args: list[str]) -> str:

@@ -330,8 +330,8 @@ P2pSync = Annotated[bool, typer.Option(
     "--p2p-sync", help="With --gpu: the pipeline runtime synchronises the device after each exchange between "
                        "stages (Megatron-core's batched point-to-point: batch_p2p_comm and batch_p2p_sync, which "
                        "Megatron-LM, NeMo and Megatron-Bridge set without virtual stages), so each pass a stage "
-                       "receives the input of starts with its host not ahead of the GPU (docs/hardware.md, "
-                       "\"Host-bound execution\").")]
+                       "receives the input of starts with its host not ahead of the GPU; --schedule 1f1b only "
+                       "(docs/hardware.md, \"Host-bound execution\").")]
 HostKernelUs = Annotated[float | None, typer.Option(
     "--host-kernel-us", metavar="US", min=0, help="With --gpu: the host's microseconds to issue one kernel (eager "
                                                   "PyTorch's Python, dispatcher, autograd and CUDA launch), which a "
@@ -854,6 +854,31 @@ def check_pp_runtime(pp_runtime: str, p2p_sync: str | None = None) -> str:
     return pp_runtime
 
 
+def p2p_synced(ctx: typer.Context, measured: Profile | None = None) -> str | None:
+    """What prices the costs with Megatron-core's synchronising exchange between stages: --p2p-sync, or `measured`
+    (a --profile) estimated with it; None: neither."""
+    if ctx.params.get("p2p_sync"):
+        return "--p2p-sync"
+    if measured is not None and measured.estimate is not None and measured.estimate.parallelism.get("p2p_sync"):
+        return "--profile (estimated with --p2p-sync)"
+    return None
+
+
+def check_p2p_sync(synced: str | None, methods: Iterable[str]) -> None:
+    """Refuse costs priced with Megatron-core's synchronising exchange (`synced`, what says so: `p2p_synced`) for
+    any of `methods` whose exchanges it does not model (`Method.p2p_sync`; a --schedule-file's order is torch's),
+    naming those it does: Megatron-core runs the rest not at all, or, interleaved, synchronises after each
+    forward-backward pair of its steady state, so that a backward runs after its stage's forward with no wait
+    and a forward after a wait whether or not it receives (docs/hardware.md, "Host-bound execution")."""
+    from ..schedules import METHODS
+
+    others = [name for name in methods if not (name in METHODS and METHODS[name].p2p_sync)]
+    if synced and others:
+        takers = [method.name for method in METHODS.values() if method.p2p_sync]
+        raise InputError(f"{synced}: Megatron-core's synchronising exchange is modelled for {', '.join(takers)} "
+                         f"only, not {', '.join(others)}: give --schedule {','.join(takers)}")
+
+
 def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None, estimated: Profile | None = None,
                         **overrides) -> Scenario:
     """The Scenario the command's cost flags describe (read by parameter name, which `simulate` and `sweep`
@@ -972,8 +997,7 @@ def load_profile_flag(ctx: typer.Context, path: Path) -> Profile:
     if clash:
         raise InputError(f"{', '.join(clash)}: the profile {path} gives the costs, sizes, stage graph"
                          f"{' and links' if measured.link else ''}; drop these flags")
-    if measured.estimate is not None and measured.estimate.parallelism.get("p2p_sync"):
-        check_pp_runtime(ctx.params.get("pp_runtime", "pipesim"), "--profile (estimated with --p2p-sync)")
+    check_pp_runtime(ctx.params.get("pp_runtime", "pipesim"), p2p_synced(ctx, measured))
     return measured
 
 

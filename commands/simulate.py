@@ -53,6 +53,7 @@ from .common import (
     allocator_fields,
     check_allocator,
     check_method_options,
+    check_p2p_sync,
     check_prediction,
     check_writable,
     expert_overlap_options,
@@ -60,6 +61,7 @@ from .common import (
     is_given,
     load_profile_flag,
     optional_what_if_options,
+    p2p_synced,
     progress,
     refused_with_flags,
     scenario_from_flags,
@@ -226,6 +228,7 @@ def simulate(
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))
+        check_p2p_sync(p2p_synced(ctx, scenario.measured), names)
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages

@@ -34,10 +34,12 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
+    check_p2p_sync,
     check_writable,
     expert_overlap_options,
     fail,
     optional_what_if_options,
+    p2p_synced,
     progress,
     require,
     scenario_from_flags,
@@ -185,6 +187,7 @@ def sweep(
         what = what_if(ctx)
         check_allocator(ctx, what)
         scenario = scenario_from_flags(ctx, "model")
+        check_p2p_sync(p2p_synced(ctx, scenario.measured), axes.get("schedule", METHODS))
         lists = [flag for flag, values in scenario.per_stage.items() if len(values) > 1]
         if lists:
             raise InputError(f"{lists[0]}: give one number, the whole model's; the stage count varies across a "

@@ -159,8 +159,11 @@ class Method:
     refuses, and the planning side (`planning.scenario.Scenario.build`) builds it with the costs it knows. A
     searched order flushes every mini-batch, so its weight policy is SYNCHRONOUS. `partitioned_as`: the method
     whose order tune cuts a searched one's stages for, before the search has costs to order by (`auto`: 1F1B,
-    whose order and activations its search always admits). Callers ask `reads` and `shape` rather than these
-    fields, so the rules live here."""
+    whose order and activations its search always admits). `p2p_sync`: Megatron-core runs the method with its
+    batched point-to-point, which synchronises the device after each exchange, so that a pass whose input its
+    stage receives starts with the host not ahead, what `--p2p-sync` prices (profiles/schema.py
+    `stage_host_waits_ms`; docs/hardware.md, "Host-bound execution"). Callers ask `reads` and `shape` rather than
+    these fields, so the rules live here."""
 
     name: str
     summary: str
@@ -170,6 +173,7 @@ class Method:
     on_graph: Callable[..., Schedule] | None = None
     needs_costs: bool = False
     partitioned_as: str | None = None  # with needs_costs; None: its own order
+    p2p_sync: bool = False
 
     def reads(self, option: str) -> bool:
         """Whether this method reads `option`, an input only some methods read (chunks, pipelines, AvgPipe's
@@ -325,7 +329,8 @@ def pipedream(params: ScheduleParams) -> Schedule:
 
 BASELINES = (
     Method("gpipe", "GPipe: all forwards, then all backwards; flush and update per mini-batch", gpipe),
-    Method("1f1b", "1F1B (PipeDream-Flush, DAPPLE): warm-up, one forward one backward, flush", one_f_one_b),
+    Method("1f1b", "1F1B (PipeDream-Flush, DAPPLE): warm-up, one forward one backward, flush", one_f_one_b,
+           p2p_sync=True),
     Method("pipedream", "PipeDream: asynchronous 1F1B without flush; weight stashing, staleness ⌈(p-1-k)/m⌉ "
                         "mini-batches", pipedream),
 )

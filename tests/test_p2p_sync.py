@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.published_runs import korthikanti_runs, megatron_runs
 from pipesim.planning.host import carried_waits_ms, pass_issue
 from pipesim.profiles.schema import LayerProfile, stage_host_waits_ms
-from tests.conftest import pipesim
+from pipesim.schedules import METHODS
+from tests.conftest import pipesim, simulate_json
+from tests.test_dispatcher_sms import GPT as MOE
 from tests.test_host_order import _random_pass
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,6 +82,63 @@ def test_the_moe_rows_synchronise_exactly_where_their_pipeline_has_no_virtual_st
         plain = args[args.index("-s") + 1] == "1f1b" and int(args[args.index("-p") + 1]) > 1
         assert ("--p2p-sync" in args) == plain, row["run"]
     assert sum("--p2p-sync" in row["command"] for row in rows) == 2
+
+
+SYNCED = [name for name, method in METHODS.items() if method.p2p_sync]
+UNMODELLED = [name for name in METHODS if name not in SYNCED]
+
+
+@pytest.mark.parametrize("command", [("simulate", "-m", 4, "-p", 2, *(arg for name in UNMODELLED
+                                                                     for arg in ("-s", name))),
+                                     ("sweep", "-m", 4, "-p", 2, "-s", ",".join(UNMODELLED)),
+                                     ("tune", "-D", 2, "-s", ",".join(UNMODELLED))])
+def test_p2p_sync_with_a_schedule_it_does_not_model_is_one_line(command):
+    """Megatron-core runs 1F1B with a synchronisation before each pass a stage receives the input of; it runs no
+    zero-bubble, V-shaped, DualPipe or asynchronous order, and synchronises its interleaved one after each
+    forward-backward pair: each such method given is refused, naming those the catalogue marks (`Method.p2p_sync`),
+    which run."""
+    assert SYNCED == ["1f1b"]
+    code, out, err = pipesim(*command, *DENSE[:-4], "--p2p-sync")
+    assert code == 2 and not out and err.count("\n") == 1 and "Traceback" not in err
+    assert (f"--p2p-sync: Megatron-core's synchronising exchange is modelled for 1f1b only, not "
+            f"{', '.join(UNMODELLED)}: give --schedule 1f1b") in err
+    (synced,) = simulate_json(*DENSE, "-m", 4, "-s", ",".join(SYNCED), "--p2p-sync")
+    assert synced["schedule"] == "1f1b"
+
+
+def test_a_profile_estimated_with_p2p_sync_is_refused_for_a_schedule_it_does_not_model(tmp_path):
+    out = tmp_path / "synced.json"
+    assert pipesim("estimate", *DENSE, "--p2p-sync", "-o", out)[0] == 0
+    for command in (("simulate", "-m", 4, "-s", "1f1b", "-s", "zb-h1"), ("sweep", "-m", 4, "-s", "zb-h1"),
+                    ("tune", "-D", 2, "-s", "zb-h1")):
+        code, printed, err = pipesim(*command, "--profile", out)
+        assert code == 2 and not printed and err.count("\n") == 1, command
+        assert ("--profile (estimated with --p2p-sync): Megatron-core's synchronising exchange is modelled for 1f1b "
+                "only, not zb-h1") in err, command
+
+
+def test_the_overlapped_pair_meets_p2p_sync_on_one_stage_only_which_exchanges_nothing():
+    """Megatron-core pairs a forward with a backward (--overlap-expert-comm) over a pipeline only with virtual
+    stages (transformer_config.py at 0d8e0714cd), whose synchronisations --p2p-sync does not model (refused above,
+    and pipesim refuses the pair in 1F1B over two stages or more): on one stage, host-bound, nothing changes."""
+    host_bound = (*MOE[:-1], 1000)
+    (paired,), (synced,) = (simulate_json(*host_bound, "--overlap-expert-comm", *flag)
+                            for flag in ((), ("--p2p-sync",)))
+    assert paired["time_per_minibatch_ms"] == synced["time_per_minibatch_ms"]
+    two_stages = [2 if i and host_bound[i - 1] == "-p" else arg for i, arg in enumerate(host_bound)]
+    code, _, err = pipesim("simulate", *two_stages, "--overlap-expert-comm", "--p2p-sync")
+    assert code == 2 and "only with virtual stages" in err
+
+
+def test_the_published_megatron_lm_runs_synchronise_where_pipesim_models_it():
+    """Megatron-LM of 2021-2022 synchronised the device after every exchange between stages (p2p_communication.py
+    `_communicate`): the published runs pass --p2p-sync in 1F1B over two stages or more, and not interleaved,
+    whose synchronisations pipesim does not model."""
+    runs = [run for run, _ in (*korthikanti_runs(), *megatron_runs())]
+    for run in runs:
+        args = run.simulate_command(False, "full")
+        assert ("--p2p-sync" in args) == (args[args.index("-s") + 1] == "1f1b" and run.pipeline > 1), run.name
+    assert sum("--p2p-sync" in run.simulate_command(False, "full") for run in runs) == 3
 
 
 @pytest.mark.parametrize("command", [("simulate", "-m", 4, "-p", 2), ("sweep", "-m", 4, "-p", 2), ("tune", "-D", 2)])
