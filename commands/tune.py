@@ -410,10 +410,11 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     stdout.print("partition (layers per model stage): " + " | ".join(
         f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; all-reduce "
         f"{ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
-    stdout.print(f"searched {count_text(stats.configurations, 'configuration')} ({stats.refused} more shapes "
-                 f"refused by their method): {stats.stale} too stale and {stats.over_memory_floor} over the cap by "
-                 f"their memory floor ({stats.simulated_over_limits} of them simulated to show what the limits cost), "
-                 f"{stats.pruned} pruned by the throughput bound, {stats.simulated} simulated; {stats.seconds:.2f} s",
+    stdout.print(f"searched {count_text(stats.configurations, 'configuration')} ({stats.refused:,} more shapes "
+                 f"refused by their method): {stats.stale:,} too stale and {stats.over_memory_floor:,} over the cap by "
+                 f"their memory floor ({stats.simulated_over_limits:,} of them simulated to show what the limits "
+                 f"cost), {stats.pruned:,} pruned by the throughput bound, {stats.simulated:,} simulated; "
+                 f"{stats.seconds:.2f} s",
                  highlight=False)
     for note in tuning.notes:
         stdout.print(f"note: {note}", highlight=False)
