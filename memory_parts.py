@@ -5,11 +5,14 @@ shared vocabularies and the profile data may use it."""
 # What holds a device's memory, the parts a prediction's peak is broken into (`TraceMeta.peak_memory_parts`):
 # weights (with the copies a method keeps), weight gradients as accumulated, optimizer state (a mixed-precision
 # master copy of the weights included), what the forward keeps for the backward (boundary tensors included),
-# point-to-point buffers in flight, and the tensors a pass creates and frees within itself while it runs
-# (`transient`: the loss's backward's float32 tokens x vocabulary gradients, an MLP's intermediate gradients), and
-# what the CUDA caching allocator holds beyond the tensors, cached segments that no request of the step could take
-# (`reserve`, sim/caching_allocator.py; 0 where not replayed): torch's max reserved less its max allocated.
-MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication", "transient", "reserve")
+# point-to-point buffers in flight, what a runtime keeps allocated for the whole run beside the model's state
+# (`runtime_buffers`: Megatron-LM's global memory buffer, `--scores-buffer`), the tensors a pass creates and frees
+# within itself while it runs (`transient`: the loss's backward's float32 tokens x vocabulary gradients, an MLP's
+# intermediate gradients), and what the CUDA caching allocator holds beyond the tensors, cached segments that no
+# request of the step could take (`reserve`, sim/caching_allocator.py; 0 where not replayed): torch's max reserved
+# less its max allocated.
+MEMORY_PARTS = ("parameters", "gradients", "optimizer_state", "activations", "communication", "runtime_buffers",
+                "transient", "reserve")
 
 # What saves an activation (`LayerCount.saved_parts`): the torch function running (a norm, a dropout's mask, the
 # attention kernel), else the innermost submodule named for attention or an MLP, else other.

@@ -240,7 +240,8 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
 # float32 master weights and moments, no distributed optimizer), Megatron-LM's default attention (unfused, no
 # --use-flash-attn) and dropout (0.1), no tensor or data parallelism, the blocks cut by --allow-padding-num-layers,
 # the loss Megatron-LM's vocabulary-parallel cross entropy (`--cross-entropy megatron`), its optimizer Megatron-LM's
-# 16-bit one over Apex's FusedAdam (`MEGATRON_OPTIMIZER_STEP`: megatron/optimizer/__init__.py, optimizer.py).
+# 16-bit one over Apex's FusedAdam (`MEGATRON_OPTIMIZER_STEP`: megatron/optimizer/__init__.py, optimizer.py), its
+# attention beside the global memory buffer its CoreAttention keeps (`--scores-buffer`: megatron/model/transformer.py).
 # Its SentencePiece tokenizer is not in the repository: Llama's 32,000 pieces are taken, which size only the
 # first stage's embedding and the last's head. ZB-1p and ZB-2p run the order the fork's own scheduler builds
 # (schedules/zb_heuristic.py: its auto_schedule.py's heuristic under --zero-bubble-max-pending-backward p and 2p),
@@ -290,8 +291,8 @@ def zero_bubble_command(row: dict[str, str]) -> list[str]:
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden_size"], "--heads",
             row["attention_heads"], "--seq-len", row["sequence_length"], "--vocab", str(ZERO_BUBBLE_VOCAB),
             "--dropout", "0.1", "--dtype", "fp16", "--attention", "math", "-b", row["microbatch_size"],
-            "--gpu", "a100-sxm-80gb", *order, "--stage-cut", "padded-blocks", "--cross-entropy", "megatron",
-            *MEGATRON_OPTIMIZER_STEP]
+            "--scores-buffer", "--gpu", "a100-sxm-80gb", *order, "--stage-cut", "padded-blocks", "--cross-entropy",
+            "megatron", *MEGATRON_OPTIMIZER_STEP]
 
 
 def zero_bubble() -> list[dict]:

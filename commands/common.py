@@ -453,6 +453,11 @@ Ema = Annotated[str | None, typer.Option(
                                    "float32 copy sharded as the master weights, updated after each step) or the "
                                    "cpu (DeepSeek-V3's, its report's 3.2.3: on the host, updated asynchronously, "
                                    "nothing on the GPUs). Default: none.")]
+ScoresBuffer = Annotated[bool, typer.Option(
+    "--scores-buffer", help="With --gpu and --attention math: the attention as Megatron-LM's CoreAttention runs it "
+                            "since 2022, beside a tensor of its scores' size (batch x heads/t x s x s) that its "
+                            "global memory buffer keeps for the whole run: the runtime_buffers part, one a process. "
+                            "Default: none (Megatron-LM 2021, torch).")]
 
 GradAccumulation = Annotated[str | None, typer.Option(
     "--grad-accumulation", metavar="HOW", help="With --gpu: how each backward after a stage's first adds its weight "
@@ -492,7 +497,7 @@ WHAT_IF_ONLY = (*MODEL_SHAPE, ("fp8_recipe", Fp8Recipe, None), ("fsdp_float8_all
                 ("expert_gemm", ExpertGemm, None),
                 ("expert_tensor_parallel", ExpertTensorParallel, None),
                 ("rank_order", RankOrder, None), ("recompute_modules", RecomputeModules, None),
-                ("torch_compile", TorchCompile, False), ("ema", Ema, None),
+                ("torch_compile", TorchCompile, False), ("ema", Ema, None), ("scores_buffer", ScoresBuffer, False),
                 ("grad_accumulation", GradAccumulation, None))
 what_if_options = shared_options(*WHAT_IF_ONLY)
 # simulate, sweep: the same, with --gpu and --model optional (estimate requires both)

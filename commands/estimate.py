@@ -64,7 +64,8 @@ ESTIMATE_ONLY = ("model", *MODEL_SIZES, "dtype", "attention", "gpus", "tensor_pa
                  "rank_order",
                  "loss_parallel", "tp_runtime", "cp_rotate", "swiglu_fusion", "cross_entropy", "norm_kernel",
                  "rope_kernel", "recompute_modules", "torch_compile",
-                 "ema", "tp_overlap_no_margin", "tp_overlap_fp8_buf", "attention_kernel", "grad_accumulation")
+                 "ema", "scores_buffer", "tp_overlap_no_margin", "tp_overlap_fp8_buf", "attention_kernel",
+                 "grad_accumulation")
 # What the estimate gives, so that beside --gpu it would be silently ignored (the commands declare some of them).
 ESTIMATED = ("profile", "fwd", "bwd", "wgrad_fraction", "opt", "pred", "avg", "param_mb", "activation_mb",
              "output_mb", "comm", "cluster", "graph", "network_gb_s")
@@ -115,6 +116,7 @@ class WhatIf:
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     torch_compile: bool = False  # --torch-compile (planning/estimate.py `_unread_kept`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
+    scores_buffer: bool = False  # --scores-buffer (planning/estimate.py `SCORES_BUFFER`)
     grad_accumulation: str | None = None  # --grad-accumulation (None: --precision's, planning/estimate.py)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
     tp_overlap_fp8_buf: bool = False  # --tp-overlap-fp8-buf
@@ -189,7 +191,7 @@ class WhatIf:
                            cp_rotate=self.cp_rotate,  # full and op keep what they keep: tune tries them too
                            recompute_modules=self.recompute_modules if recompute in ("none", "selective") else (),
                            torch_compile=self.torch_compile,
-                           ema=self.ema, grad_accumulation=self.grad_accumulation,
+                           ema=self.ema, scores_buffer=self.scores_buffer, grad_accumulation=self.grad_accumulation,
                            host_kernel_us=HOST_KERNEL_US if self.host_kernel_us is None else self.host_kernel_us,
                            host_module_us=self.host_module_us, expert_gemm=self.expert_gemm,
                            p2p_sync=self.p2p_sync)
@@ -278,7 +280,8 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
                   dispatcher_sms=params.get("dispatcher_sms"),
                   recompute_modules=() if modules is None else tuple(part.strip() for part in modules.split(",")),
                   torch_compile=params.get("torch_compile", False),
-                  ema=params.get("ema"), tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
+                  ema=params.get("ema"), scores_buffer=params.get("scores_buffer", False),
+                  tp_overlap_no_margin=params.get("tp_overlap_no_margin", False),
                   tp_overlap_fp8_buf=params.get("tp_overlap_fp8_buf", False),
                   attention_kernel=params.get("attention_kernel") or "flash2",
                   grad_accumulation=params.get("grad_accumulation"), routing=routing,
@@ -297,6 +300,9 @@ def what_if(ctx: typer.Context, profile_reads: tuple[str, ...] = ()) -> WhatIf |
     if params.get("cp_rotate") is not None and params.get("context_parallel", 1) == 1:
         raise InputError("--cp-rotate sets how the context ring passes keys and values: give --context-parallel 2 "
                          "or more")
+    if params.get("scores_buffer") and params["attention"] != "math":
+        raise InputError("--scores-buffer keeps the buffer Megatron-LM's unfused attention computes its scores "
+                         "beside: give --attention math")
     if params.get("attention_kernel") is not None and params["attention"] != "flash":
         raise InputError("--attention-kernel names the fused kernel that runs --attention flash: give --attention "
                          "flash")

@@ -597,7 +597,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
 
 
 MEMORY_COLUMNS = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "optimizer",
-                  "activations": "activations", "communication": "buffers",
+                  "activations": "activations", "communication": "buffers", "runtime_buffers": "runtime",
                   "transient": "transient", "reserve": "reserve"}  # MEMORY_PARTS -> the table's words
 
 
@@ -612,14 +612,15 @@ def _print_memory_table(summaries: list, schedules: list, memory: list, skipped:
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
                   caption="the parts sum to the peak: weights with the copies a method keeps, gradients as "
                           "accumulated, optimizer state with its master weights, activations saved for the "
-                          "backward, buffers of transfers in flight (--pp-runtime torch: its stages' kept ones), what "
-                          "the running pass creates and frees "
+                          "backward, buffers of transfers in flight (--pp-runtime torch: its stages' kept ones), the "
+                          "runtime's own buffers (--scores-buffer), what the running pass creates and frees "
                           "within itself, the segments torch's caching allocator keeps cached beside them (--gpu's "
                           "--allocator caching; not replayed for a mixture of experts); --json: peak_memory_parts_mb")
     table.add_column("schedule", no_wrap=True)
     table.add_column("device", justify="right", no_wrap=True)
-    replayed = any(device.peak_memory_parts_mb["reserve"] for s in summaries for device in s.devices)
-    parts = MEMORY_PARTS if replayed else tuple(part for part in MEMORY_PARTS if part != "reserve")  # else all 0
+    # the runtime's buffers and the reserve only where any device holds some (none kept, not replayed: all 0)
+    parts = tuple(part for part in MEMORY_PARTS if part not in ("runtime_buffers", "reserve")
+                  or any(device.peak_memory_parts_mb[part] for s in summaries for device in s.devices))
     for part in parts:
         table.add_column(MEMORY_COLUMNS[part], justify="right", no_wrap=True)
     table.add_column("peak", justify="right", no_wrap=True)

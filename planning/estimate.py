@@ -125,6 +125,14 @@ COMPILED_RECOMPUTE = ("op", "full")
 # asynchronously after each training step [...] without incurring additional memory or time overhead"): nothing
 # on the GPUs
 EMA_PLACES = ("gpu", "cpu")
+# `Parallelism.scores_buffer`: Megatron-LM's unfused attention as its CoreAttention runs it (megatron/model/
+# transformer.py, and megatron/core/transformer/dot_product_attention.py, at the zero-bubble fork's 425b42e5) asks
+# its global memory buffer (megatron/core/utils.py `GlobalMemoryBuffer.get_tensor`: one tensor per name and dtype,
+# the largest asked for, kept in parallel_state.py's `_GLOBAL_MEMORY_BUFFER` and never freed) for a tensor the size
+# of its scores, b x a/t x s x s in the queries' dtype, and hands it to torch.baddbmm with beta 0: an input only, so
+# the scores are still made each forward (the count's) and the buffer is held beside them for the whole run, one a
+# process (sim/costs.py `StageCosts.runtime_buffer_bytes`): the layer's `LayerCount.scores_bytes` on one of t ranks.
+# Megatron-LM at de7dc40f88 (2021) made that input with torch.empty each forward, a transient: not this.
 EMA_BYTES = 4
 PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
 GRADIENT_GROUP = ("cp", "dp")  # the ranks that hold the same weights and reduce their gradients (planning/ranks.py)
@@ -210,6 +218,7 @@ class Parallelism:
     recompute_modules: tuple[str, ...] = ()  # of `RECOMPUTE_REGIONS`, their outputs dropped and rerun (`Regions`)
     torch_compile: bool = False  # each transformer layer compiled: saved as AOTAutograd saves it (`_unread_kept`)
     ema: str | None = None  # where the weights' moving average is kept, of `EMA_PLACES` (None: none is kept)
+    scores_buffer: bool = False  # Megatron-LM's attention's global memory buffer, kept for the run (`SCORES_BUFFER`)
     grad_accumulation: str | None = None  # of `GRAD_ACCUMULATIONS` (None: the precision's, `accumulation`)
     sharded_optimizer: bool = False
     precision: str | None = None
@@ -1713,6 +1722,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             raise EstimateError(f"{flag}: {ranks} does not divide the model's {size} {what}")
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
+    if parallel.scores_buffer and counted.attention != "math":
+        raise EstimateError("{scores_buffer}: the buffer Megatron-LM's unfused attention keeps beside its scores, "
+                            + ("and the model has no attention" if counted.attention is None else
+                               f"and the model was counted with {counted.attention} attention: count it with math"))
     if parallel.context > 1:
         _check_context(counted, parallel.context)
     placement = node_placement(gpu, cluster, curve)
@@ -1805,6 +1818,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                                      parallel.fp8_param_gather) // t if parallel.fp8 else 0),
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
+            runtime_buffer_bytes=layer.scores_bytes // t if parallel.scores_buffer else 0,  # `SCORES_BUFFER`
             param_bytes=params,
             all_gather_bytes=(gathered_weight_bytes(layer, params, parallel, element)
                               if parallel.fsdp_float8_all_gather or parallel.fp8_param_gather else None),

@@ -955,6 +955,7 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
         gathered_bytes=gathered_bytes(measured.layers[s.layers[0]:s.layers[1]]),
         stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
         float8_weight_bytes=s.float8_weight_bytes, model_output_bytes=s.model_output_bytes,
+        runtime_buffer_bytes=s.runtime_buffer_bytes,
         all_gather_bytes=s.all_gather_bytes, gather_cast_ms=s.gather_cast_ms,
         transient_bytes=s.transient_bytes,
         all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms,

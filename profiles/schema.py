@@ -140,6 +140,10 @@ class LayerProfile(_Strict):
     # The last layer's: the model's output its loss reads (the logits), per rank (an estimate's; 0: none or not
     # known), which torch's pipelining keeps from the forward until the step ends (sim/costs.py `held_as_runtime`)
     model_output_bytes: int = Field(0, ge=0)
+    # What the runtime keeps allocated for the whole run for the layer, per rank (an estimate's under
+    # `--scores-buffer`: Megatron-LM's global memory buffer as its attention asks for it; 0: none), one buffer a
+    # process, the largest asked for (sim/costs.py `StageCosts.runtime_buffer_bytes`)
+    runtime_buffer_bytes: int = Field(0, ge=0)
     # Per pass (`PASSES`), the bytes of the tensors it creates and frees within itself at its peak, above its
     # inputs and what outlives it (an estimate's, from the count; {}: none known, a calibration's)
     transient_bytes: dict[str, int] = Field(default_factory=dict)
@@ -259,6 +263,7 @@ class StageProfile(_Strict):
     all_gather_bytes: int | None = Field(None, ge=0)  # as its layers' (`LayerProfile.all_gather_bytes`)
     gather_cast_ms: float = Field(0.0, ge=0)  # before each all-gather of its weights (FSDP2's float8 casts)
     model_output_bytes: int = Field(0, ge=0)  # as its layers' (`LayerProfile.model_output_bytes`)
+    runtime_buffer_bytes: int = Field(0, ge=0)  # its layers' largest (`LayerProfile.runtime_buffer_bytes`)
     transient_bytes: dict[str, int] = Field(default_factory=dict)  # its passes' (`stage_transient_bytes`)
     all_to_all_fwd_ms: float = Field(0.0, ge=0)  # its layers' summed (`LayerProfile.all_to_all_fwd_ms`)
     all_to_all_bwd_ms: float = Field(0.0, ge=0)
@@ -710,6 +715,7 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
             all_gather_bytes=(None if all(layer.all_gather_bytes is None for layer in mine) else
                               sum(layer.gathered_weight_bytes for layer in mine)),
             model_output_bytes=sum(layer.model_output_bytes for layer in mine),
+            runtime_buffer_bytes=max((layer.runtime_buffer_bytes for layer in mine), default=0),
             transient_bytes=stage_transient_bytes(layers, start, stop),
             all_to_all_fwd_ms=math.fsum(layer.all_to_all_fwd_ms for layer in mine),
             all_to_all_bwd_ms=math.fsum(layer.all_to_all_bwd_ms for layer in mine),

@@ -126,6 +126,10 @@ class LayerCount:
     # the last layer's: the model's output its loss reads (the logits), which a runtime that computes the loss in
     # its schedule keeps (torch's pipelining: sim/costs.py `held_as_runtime`); 0 for every other layer
     model_output_bytes: int = 0
+    # the s x s scores of the layer's unfused attention (`--attention math`), its largest call's, every head's: what
+    # Megatron-LM's CoreAttention asks of its global memory buffer (planning/estimate.py `--scores-buffer`); 0 with
+    # a fused kernel or no attention
+    scores_bytes: int = 0
 
     @property
     def model_flops(self) -> int:

@@ -1041,8 +1041,9 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
                     capacity_bytes: Sequence[int | None], expandable: bool = False,
                     adam: bool = False) -> list[int]:
     """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed
-    (`replay_device`: its parameters, gradients and optimizer state at the prediction's peak as a block each, then
-    its rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it
+    (`replay_device`: its parameters, gradients, optimizer state and runtime buffer at the prediction's peak as a
+    block each, then its rows in the order they start, `layers[stage]` each stage's), the most it reserves less the
+    most it
     allocates: what torch's max reserved adds to its max allocated. Its own difference, not its reserved less the
     prediction's peak: the replay frees layer by layer where the prediction holds a stage's activations and a
     pass's transient peak for whole rows, so it can allocate less than the prediction holds and that difference
@@ -1082,6 +1083,8 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
                       held["optimizer_state"])
         else:
             static = tuple(held[part] for part in ("parameters", "gradients", "optimizer_state"))
+        if held["runtime_buffers"]:  # the runtime's buffer, a block of its own held from the first pass on
+            static = (held["runtime_buffers"], *static)
         # Megatron-LM's 16-bit optimizer: each parameter's two moments
         moments = 2 * sum(moment for stage in stages for layer in layers[stage] for _, moment in layer.stepped)
         if adam and moments:

@@ -154,6 +154,9 @@ class StageCosts:
     as communication); `buffered_input_bytes`, of those, the inputs its forward computes on in place (no longer
     among its activations); `forward_kept_bytes` and `backward_kept_bytes`, what each forward (its sent outputs,
     the model's output) and each B or I (its inputs' gradients) leaves until the stage's update.
+    `runtime_buffer_bytes`: a buffer the runtime keeps allocated for the whole run for the stage's layers, one a
+    process however many of its stages ask, the largest kept (Megatron-LM's global memory buffer: the unfused
+    attention's baddbmm input, `--scores-buffer`, planning/estimate.py); held from the start as `runtime_buffers`.
     `transient_bytes`: per pass (fwd, bwd, igrad, wgrad: an F, B, I, W row), what it holds above the stage's
     activations while it runs, created and freed within it (`profiles.schema.stage_transient_bytes`; none: 0).
     `wgrad_kept_bytes`: what a split backward keeps of `activation_bytes` from the end of its input-gradient part
@@ -209,6 +212,7 @@ class StageCosts:
     buffered_input_bytes: int = 0
     forward_kept_bytes: int = 0
     backward_kept_bytes: int = 0
+    runtime_buffer_bytes: int = 0
     product_ms: float = 0.0
     wgrad_kept_bytes: int | None = None
     wgrad_gradient_bytes: int = 0
@@ -255,7 +259,7 @@ _STAGE_OPTIONAL = ("igrad_ms", "wgrad_ms", "held_bytes", "grad_bytes", "stored_b
 _STAGE_NUMBERS = tuple((name, MAX_MS if name in _STAGE_TIMES else math.inf, name in _STAGE_OPTIONAL) for name in (
     *_STAGE_TIMES, "param_bytes", "activation_bytes", "output_bytes", "optimizer_state_bytes", "expert_param_bytes",
     "float8_weight_bytes", "model_output_bytes", "receive_buffer_bytes", "buffered_input_bytes", "forward_kept_bytes",
-    "backward_kept_bytes", "wgrad_gradient_bytes", *_STAGE_OPTIONAL[2:]))
+    "backward_kept_bytes", "wgrad_gradient_bytes", "runtime_buffer_bytes", *_STAGE_OPTIONAL[2:]))
 
 
 @dataclass(frozen=True)

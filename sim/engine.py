@@ -661,9 +661,10 @@ def static_parts(schedule: Schedule, costs: Costs) -> dict[str, list[int]]:
     and optimizer state (master weights included) of every stage it holds, per pipeline replica, each 1/(d·C) of
     itself where ZeRO's stage shards it over the d replicas and C context ranks (ZeRO-2's and 3's gradients, held
     only from a backward until the update, and ZeRO-3's whole weights while computed with, are `_unsharded`'s), and
-    the policy's extra weight copies and a float8 recipe's weight casts, whole (parameters), and the receive
-    buffers its stages keep, each `StageCosts.receive_buffer_bytes` a micro-batch (communication). Its memory
-    never drops below their sum."""
+    the policy's extra weight copies and a float8 recipe's weight casts, whole (parameters), the receive
+    buffers its stages keep, each `StageCosts.receive_buffer_bytes` a micro-batch (communication), and the
+    runtime's own buffer, the largest `StageCosts.runtime_buffer_bytes` of its stages (one a process:
+    runtime_buffers). Its memory never drops below their sum."""
     parts: dict[str, list[int]] = {part: [] for part in MEMORY_PARTS}
     for device in range(schedule.num_devices):
         held = held_static_parts(schedule, [costs.stages[s] for s in schedule.stages_on(device)])
@@ -693,7 +694,8 @@ def held_static_parts(schedule: Schedule, mine: Sequence[StageCosts]) -> dict[st
     return {"parameters": (stored + float8) * schedule.pipelines + schedule.policy.extra_copies * weights,
             "gradients": grads * schedule.pipelines,
             "optimizer_state": state * schedule.pipelines,
-            "communication": schedule.microbatches * sum(c.receive_buffer_bytes for c in mine)}
+            "communication": schedule.microbatches * sum(c.receive_buffer_bytes for c in mine),
+            "runtime_buffers": max((c.runtime_buffer_bytes for c in mine), default=0)}
 
 
 def static_bytes(schedule: Schedule, costs: Costs) -> list[int]:

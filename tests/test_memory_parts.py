@@ -54,7 +54,7 @@ def test_1f1b_parts_are_what_each_part_holds():
     for k, (device, zero1) in enumerate(zip(plain["devices"], sharded["devices"])):
         parts = device["peak_memory_parts_mb"]
         assert parts == {"parameters": 100, "gradients": 100, "optimizer_state": 200,
-                         "activations": 10 * (4 - k), "communication": 0, "transient": 0,
+                         "activations": 10 * (4 - k), "communication": 0, "runtime_buffers": 0, "transient": 0,
                          "reserve": 0}
         assert zero1["peak_memory_parts_mb"] == {**parts, "optimizer_state": 100}
 
@@ -341,7 +341,7 @@ def test_zero_stages_shard_exactly_their_parts():
              for zero in (0, 1, 2, 3)}
     for k in range(4):
         whole = {"parameters": 100, "gradients": 100, "optimizer_state": 200, "activations": 10 * (4 - k),
-                 "communication": 0, "transient": 0, "reserve": 0}
+                 "communication": 0, "runtime_buffers": 0, "transient": 0, "reserve": 0}
         assert peaks[0][k] == whole
         assert peaks[1][k] == peaks[2][k] == {**whole, "optimizer_state": 100}
         assert peaks[3][k] == {**whole, "parameters": 150, "optimizer_state": 100}
@@ -387,7 +387,7 @@ def test_fsdp2_precision_keeps_float32_shards_and_gathers_16_bit_copies():
     megatron, = simulate_json(*args, "--precision", "megatron")
     for k, (device, other) in enumerate(zip(fsdp2["devices"], megatron["devices"])):
         held = {"parameters": 100 + 100, "gradients": 200, "optimizer_state": 200, "activations": 10 * (4 - k),
-                "communication": 0, "transient": 0, "reserve": 0}
+                "communication": 0, "runtime_buffers": 0, "transient": 0, "reserve": 0}
         assert device["peak_memory_parts_mb"] == held
         assert other["peak_memory_parts_mb"] == {**held, "parameters": 50 + 100, "optimizer_state": 300}
 

@@ -17,7 +17,8 @@ from tests.conftest import build, pipesim, simulate_json
 # among them: the first layer saves it) and 2 MiB sent to the next stage.
 ONE_F_ONE_B = ["--schedule", "1f1b", "-p", "4", "-m", "8", "--param-mb", "100", "--activation-mb", "10",
                "--output-mb", "2"]
-STATIC = {"parameters": 100, "gradients": 100, "optimizer_state": 200, "transient": 0, "reserve": 0}
+STATIC = {"parameters": 100, "gradients": 100, "optimizer_state": 200, "runtime_buffers": 0, "transient": 0,
+          "reserve": 0}
 
 
 def peak_parts(*args: str) -> list[dict[str, float]]:

@@ -331,7 +331,7 @@ def from_chrome(doc: Any) -> Trace:
         counters[name] = per_device
     meta = TraceMeta.from_dict(meta)
     parts = meta.peak_memory_parts
-    later = {"transient", "reserve"}  # the parts counted since breakdowns were first recorded: 0 before
+    later = {"runtime_buffers", "transient", "reserve"}  # the parts counted since breakdowns were first recorded
     if parts is not None and all(set(MEMORY_PARTS) - later <= set(held) <= set(MEMORY_PARTS) for held in parts):
         parts = meta.peak_memory_parts = [{part: held.get(part, 0) for part in MEMORY_PARTS} for held in parts]
     if parts is not None and (len(parts) != num_devices or any(set(held) != set(MEMORY_PARTS) for held in parts)):

@@ -435,6 +435,7 @@ class _GpuKernels(TorchFunctionMode):
         super().__init__()
         self.flash = flash
         self.attended = False  # whether the model computed attention (an MLP's count names no kernel for it)
+        self.scores_bytes = 0  # the largest s x s scores an unfused attention made (`LayerCount.scores_bytes`)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -449,6 +450,9 @@ class _GpuKernels(TorchFunctionMode):
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
         given = {**dict(zip(names, args)), **kwargs}
+        if not self.flash:  # its scores: batch x query heads x query length x key length, in the queries' dtype
+            scores = given["query"].shape[:-1].numel() * given["key"].shape[-2] * given["query"].element_size()
+            self.scores_bytes = max(self.scores_bytes, scores)
         if given.get("attn_mask") is not None:
             return func(*args, **kwargs)  # flash takes none: torch falls back too
         q, k, v, p, causal = (given["query"], given["key"], given["value"], given.get("dropout_p", 0.0),
@@ -684,8 +688,10 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
                       for s in model.inputs[i]]
             key = _signature(layer, inputs, i == last)
             if key not in alike:
+                kernels.scores_bytes = 0
                 with fused_norms(layer, norm_kernel == "fused"), fused_rope(layer, rope_kernel == "fused"):
-                    alike[key] = _count_layer(model, layer, inputs, target, i == last, steps)
+                    count, out = _count_layer(model, layer, inputs, target, i == last, steps)
+                alike[key] = replace(count, scores_bytes=kernels.scores_bytes), out
             count, outputs[i] = alike[key]
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
     fused = {op.op for count in counted for op in count.ops["fwd"]}
