@@ -49,21 +49,24 @@ from .tables import print_table
 def calibrate(
     ctx: typer.Context,
     model: Annotated[str, typer.Option(
-        "--model", help="mlp, cnn, gpt, two-branch, or package.module:attribute naming a torch.nn.Sequential, a list "
-                        "of modules, or a zero-argument callable returning one.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write (replaced atomically).")],
+        "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, or package.module:attribute naming a "
+                                        "torch.nn.Sequential, a list of modules, or a zero-argument callable returning "
+                                        "one.")],
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", metavar="JSON", help="Profile JSON to write (replaced atomically).")],
     stages: Annotated[int, typer.Option(
-        "--stages", "-p", min=1, help="Pipeline stages p to partition the layers into.")] = 2,
+        "--stages", "-p", metavar="P", min=1, help="Pipeline stages p to partition the layers into.")] = 2,
     microbatch_size: Annotated[int, typer.Option(
-        "--microbatch-size", "-b", min=1, help="Samples per micro-batch.")] = 8,
+        "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch.")] = 8,
     device: Annotated[str | None, typer.Option(
-        "--device", help="cpu or cuda (default: cuda when torch sees a GPU).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
+        "--device", metavar="DEVICE", help="cpu or cuda (default: cuda when torch sees a GPU).")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="float32, bfloat16 or float16.")] = "float32",
     memory_gb: Annotated[float | None, typer.Option(
-        "--memory-gb", help="Per-device memory cap in GiB for the partition (1F1B: weights, gradients, optimizer "
-                            "state, in-flight activations).")] = None,
+        "--memory-gb", metavar="GIB", help="Per-device memory cap in GiB for the partition (1F1B: weights, gradients, "
+                                           "optimizer state, in-flight activations).")] = None,
     optimizer: Annotated[str, typer.Option(
-        "--optimizer", help="Optimizer whose state the memory cap counts: sgd, momentum, adam, adamw.")] = "adam",
+        "--optimizer", metavar="NAME", help="Optimizer whose state the memory cap counts: sgd, momentum, "
+                                            "adam, adamw.")] = "adam",
     layers: Layers = None,
     width: Width = None,
     heads: Heads = None,
@@ -78,12 +81,13 @@ def calibrate(
     expert_ffn: ExpertFfn = None,
     capacity_factor: CapacityFactor = None,
     repeats: Annotated[int, typer.Option(
-        "--repeats", min=1, help="Timed runs per measurement at most (the median is kept; a measurement stops "
-                                 "after 5 once its median's 90 % interval is within 10 %, or 3 % of its stage's "
-                                 "F + B for a stage's passes, 1 % for a step), and rounds over the link sizes.")] = 10,
+        "--repeats", metavar="N", min=1, help="Timed runs per measurement at most (the median is kept; a measurement "
+                                              "stops after 5 once its median's 90 % interval is within 10 %, or 3 % of "
+                                              "its stage's F + B for a stage's passes, 1 % for a step), and rounds "
+                                              "over the link sizes.")] = 10,
     warmup: Annotated[int, typer.Option(
-        "--warmup", min=0, help="Untimed runs before them (one at most for the layers, passes and steps: what "
-                                "ran just before warmed them).")] = 2,
+        "--warmup", metavar="N", min=0, help="Untimed runs before them (one at most for the layers, passes and steps: "
+                                             "what ran just before warmed them).")] = 2,
     links: Annotated[bool, typer.Option(
         "--links/--no-links", help="Measure the point-to-point link and the all-reduce between two local "
                                    "ranks.")] = True,
@@ -92,7 +96,7 @@ def calibrate(
                                                       "measured over, at the sizes the layers exchange, for runs of "
                                                       "`pipesim run --expert-parallel E`.")] = 2,
     link_max_mb: Annotated[float, typer.Option(
-        "--link-max-mb", help="Largest link message in MiB (powers of two from 4 KiB).")] = 64.0,
+        "--link-max-mb", metavar="MIB", help="Largest link message in MiB (powers of two from 4 KiB).")] = 64.0,
     threads: Annotated[int, typer.Option(
         "--threads", min=1, metavar="T", help="Torch threads to measure with: as each rank of the run has them "
                                               "(`pipesim run --threads-per-rank`, default 1).")] = 1,
@@ -108,9 +112,10 @@ def calibrate(
                                              "host cache for a calibration of the same model again). Not run on "
                                              "cuda, whose profile has none.")] = True,
     ranks: Annotated[int | None, typer.Option(
-        "--ranks", min=2, help="The most ranks a run of this profile will have on this host, which the contention "
-                               "probe runs up to (default: one per stage; AvgPipe's P pipelines have P per "
-                               "stage). Beyond it the simulator holds the last measured slowdown.")] = None,
+        "--ranks", metavar="N", min=2, help="The most ranks a run of this profile will have on this host, which the "
+                                            "contention probe runs up to (default: one per stage; AvgPipe's P "
+                                            "pipelines have P per stage). Beyond it the simulator holds the last "
+                                            "measured slowdown.")] = None,
     fresh: Annotated[bool, typer.Option(
         "--fresh", help="Measure the per-host terms again (the link, all-reduce and the runtime probe, kept in "
                         "$PIPESIM_CACHE_DIR, else $XDG_CACHE_HOME/pipesim or ~/.cache/pipesim, per host, torch "

@@ -75,7 +75,7 @@ Zero = Annotated[int | None, typer.Option(
                                     "with one stage); the all-reduce becomes a reduce-scatter before the update and "
                                     "an all-gather after it. Default 0: none.")]
 HeldPrecision = Annotated[str | None, typer.Option(
-    "--precision", metavar="MODE", help="How weights, gradients and optimizer state are held: fp32 (all float32) "
+    "--precision", metavar="MODE", help="How weights, gradients and optimizer state are held: fp32 (all float32), "
                                         "megatron (Megatron-LM's mixed precision: 16-bit weights, float32 main "
                                         "gradients, master weights and moments), megatron-16bit-grads (its "
                                         "gradients kept in 16 bits), megatron-bf16-moments (its AdamW moments in "
@@ -151,8 +151,9 @@ KvHeads = Annotated[int | None, typer.Option(
     "--kv-heads", metavar="N", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
 Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: SwiGLU MLP (Llama's) instead of GELU.")]
 Dropout = Annotated[float | None, typer.Option(
-    "--dropout", help="gpt: dropout on the attention probabilities and each residual branch (Megatron-LM's default is "
-                      "0.1; none by default), counted as the one fused kernel a GPU runs.")]
+    "--dropout", metavar="P", help="gpt: dropout on the attention probabilities and each residual branch "
+                                   "(Megatron-LM's default is 0.1; none by default), counted as the one fused kernel a "
+                                   "GPU runs.")]
 RotaryPercent = Annotated[float | None, typer.Option(
     "--rotary-percent", metavar="SHARE", help="gpt: rotary position embedding (RoPE: Llama's 1.0, Nemotron-4's 0.5) "
                                               "on this share of each head's features instead of learned positions "
@@ -183,10 +184,10 @@ ModelName = Annotated[str | None, typer.Option(
                                     "with --seq-len).")]
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's names -> torch's
 DTYPES.update({name: name for name in list(DTYPES.values())})  # calibrate's names too
-ModelDtype = Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as "
-                                                         "calibrate names them); a what-if estimate also takes "
-                                                         "fp8: bf16 with the transformer layers' linear products in "
-                                                         "float8 at the part's FP8 peak.")]
+ModelDtype = Annotated[str, typer.Option(
+    "--dtype", metavar="DTYPE", help="fp32, bf16 or fp16 (or float32, bfloat16, float16, as calibrate names them); a "
+                                     "what-if estimate also takes fp8: bf16 with the transformer layers' linear "
+                                     "products in float8 at the part's FP8 peak.")]
 Fp8Recipe = Annotated[str | None, typer.Option(
     "--fp8-recipe", metavar="RECIPE", help="With --dtype fp8: te (TransformerEngine's delayed scaling as Megatron-LM "
                                            "runs it: float8 copies of the products' inputs saved, weights cast once "
@@ -211,8 +212,8 @@ Fp8ParamGather = Annotated[bool, typer.Option(
                                "--fp8-param-gather), so the distributed optimizer all-gathers the float8 linears' "
                                "weights at 1 byte each (off by default).")]
 Attention = Annotated[str, typer.Option(
-    "--attention", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash (torch's fused "
-                        "kernel: no scores saved).")]
+    "--attention", metavar="KIND", help="math (the s x s scores materialised, as Megatron-LM 2021 ran) or flash "
+                                        "(torch's fused kernel: no scores saved).")]
 AttentionKernel = Annotated[str | None, typer.Option(
     "--attention-kernel", metavar="KERNEL", help="With --attention flash: which fused kernel runs it, at its "
                                                  "published rate on the part (`pipesim gpus`' curves): flash2 "

@@ -117,7 +117,8 @@ def compare(
     predicted: Annotated[Path | None, typer.Argument(
         help="Predicted trace (`pipesim simulate --trace`). Default: predict MEASURED again from the profile it "
              "was run with.", metavar="PREDICTED")] = None,
-    html: Annotated[Path | None, typer.Option("--html", help="Write both timelines to this HTML page.")] = None,
+    html: Annotated[Path | None, typer.Option(
+        "--html", metavar="PATH", help="Write both timelines to this HTML page.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
 ) -> None:
     """Compare a measured run with its prediction op by op: iteration time, per-op duration and start errors by

@@ -35,7 +35,7 @@ def count(
     ctx: typer.Context,
     model: ModelName = "gpt",
     microbatch_size: Annotated[int, typer.Option(
-        "--microbatch-size", "-b", min=1, help="Samples per micro-batch.")] = 1,
+        "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
     """Count a model's work per layer and micro-batch, on torch's meta device (no memory, any size): forward,

@@ -593,7 +593,8 @@ def estimate(
     ctx: typer.Context,
     gpu: GpuName,
     model: ModelName,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write (replaced atomically).")],
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", metavar="JSON", help="Profile JSON to write (replaced atomically).")],
     stages: Stages = 1,
     tensor_parallel: TensorParallel = 1,
     data_parallel: DataParallel = 1,

@@ -122,12 +122,13 @@ def run(
     shared_experts: SharedExperts = None,
     expert_ffn: ExpertFfn = None,
     capacity_factor: CapacityFactor = None,
-    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu or cuda.")] = "cpu",
     backend: Annotated[str, typer.Option(
-        "--backend", help="auto (gloo on CPU; NCCL with a GPU per rank, else host-staged gloo), gloo or "
-                          "nccl.")] = "auto",
-    optimizer: Annotated[str, typer.Option("--optimizer", help="sgd, momentum, adam or adamw.")] = "sgd",
-    lr: Annotated[float, typer.Option("--lr", help="Learning rate.")] = 0.05,
+        "--backend", metavar="NAME", help="auto (gloo on CPU; NCCL with a GPU per rank, else host-staged gloo), gloo "
+                                          "or nccl.")] = "auto",
+    optimizer: Annotated[str, typer.Option(
+        "--optimizer", metavar="NAME", help="sgd, momentum, adam or adamw.")] = "sgd",
+    lr: Annotated[float, typer.Option("--lr", metavar="LR", help="Learning rate.")] = 0.05,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the model and the data.")] = 0,
     profile: Annotated[Path | None, typer.Option(
         "--profile", metavar="JSON", help="Profile from `pipesim calibrate`: its partition gives the stage layer "

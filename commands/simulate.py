@@ -704,17 +704,20 @@ EXPORT_FORMATS = ("torch-csv",)
 
 def export(
     ctx: typer.Context,
-    schedule: Annotated[str, typer.Option("--schedule", "-s", help="Method to export (see `pipesim schedules`).")],
-    fmt: Annotated[str, typer.Option("--format", help="Output format: torch-csv (torch.distributed.pipelining's "
-                                     "schedule CSV, one row per rank; synchronous one-pipeline methods).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="File to write (replaced atomically).")],
+    schedule: Annotated[str, typer.Option(
+        "--schedule", "-s", metavar="NAME", help="Method to export (see `pipesim schedules`).")],
+    fmt: Annotated[str, typer.Option(
+        "--format", metavar="FORMAT", help="Output format: torch-csv (torch.distributed.pipelining's schedule CSV, "
+                                           "one row per rank; synchronous one-pipeline methods).")],
+    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="File to write (replaced atomically).")],
     stages: Annotated[int, typer.Option(
-        "--stages", "-p", min=1, help="Pipeline depth p: devices in one pipeline (default 4, or the profile's).")] = 4,
+        "--stages", "-p", metavar="P", min=1, help="Pipeline depth p: devices in one pipeline (default 4, or the "
+                                                   "profile's).")] = 4,
     chunks: Annotated[int | None, typer.Option(
-        "--chunks", "-v", min=1, help="Model chunks per device (interleaved / V schedules). Default: the "
+        "--chunks", "-v", metavar="V", min=1, help="Model chunks per device (interleaved / V schedules). Default: the "
                                       "method's.")] = None,
     microbatches: Annotated[int, typer.Option(
-        "--microbatches", "-m", min=1, help="Micro-batches per mini-batch m.")] = 8,
+        "--microbatches", "-m", metavar="M", min=1, help="Micro-batches per mini-batch m.")] = 8,
     activation_limit: ActivationLimit = None,
     search_seconds: SearchSeconds = None,
     profile: Annotated[Path | None, typer.Option(

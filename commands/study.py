@@ -73,8 +73,8 @@ def study(
     pipelines: Pipelines = 2,
     prediction: PredictionSource = None,
     model: Annotated[str, typer.Option("--model", metavar="NAME", help="Built-in model (mlp, cnn).")] = "mlp",
-    layers: Annotated[int, typer.Option("--layers", min=1, help="Model layers (blocks).")] = 8,
-    width: Annotated[int, typer.Option("--width", min=1, help="Hidden width (channels for cnn).")] = 128,
+    layers: Annotated[int, typer.Option("--layers", metavar="N", min=1, help="Model layers (blocks).")] = 8,
+    width: Annotated[int, typer.Option("--width", metavar="N", min=1, help="Hidden width (channels for cnn).")] = 128,
     timing: Annotated[bool, typer.Option(
         "--timing/--no-timing", help="Time every arm on spawned ranks (one process per device) against the "
                                      "simulator's prediction from a calibration of the setting.")] = True,

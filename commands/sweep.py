@@ -57,21 +57,24 @@ from .tables import print_table
 def sweep(
     ctx: typer.Context,
     schedule: Annotated[str | None, typer.Option(
-        "--schedule", "-s", help="Methods, comma-separated (default: all).")] = None,
+        "--schedule", "-s", metavar="NAME[,NAME...]", help="Methods, comma-separated (default: all).")] = None,
     stages: Annotated[str | None, typer.Option(
-        "--stages", "-p", help="Pipeline depths p, comma-separated (default: 4, or the profile's).")] = None,
+        "--stages", "-p", metavar="P[,P...]", help="Pipeline depths p, comma-separated (default: 4, or the "
+                                                   "profile's).")] = None,
     microbatches: Annotated[str | None, typer.Option(
-        "--microbatches", "-m", help="Micro-batches per mini-batch m, comma-separated (default: 8).")] = None,
+        "--microbatches", "-m", metavar="M[,M...]", help="Micro-batches per mini-batch m, comma-separated "
+                                                         "(default: 8).")] = None,
     chunks: Annotated[str | None, typer.Option(
-        "--chunks", "-v", help="Chunks per device v, comma-separated; only interleaved and V schedules read them "
-                               "(default: each method's).")] = None,
+        "--chunks", "-v", metavar="V[,V...]", help="Chunks per device v, comma-separated; only interleaved and V "
+                                                   "schedules read them (default: each method's).")] = None,
     pipelines: Annotated[str | None, typer.Option(
-        "--pipelines", "-P", help="Parallel pipelines P, comma-separated; only avgpipe reads them (default: "
-                                  "2).")] = None,
+        "--pipelines", "-P", metavar="P[,P...]", help="Parallel pipelines P, comma-separated; only avgpipe reads them "
+                                                      "(default: 2).")] = None,
     prediction: Annotated[str | None, typer.Option(
-        "--prediction", help="Sources of the prediction distance s, comma-separated: paper, code, counted; only "
-                             "spectrain, pipeoptim and xpipe read them, and a method skips a source it records no "
-                             "form from (default: each method's primary source).")] = None,
+        "--prediction", metavar="SOURCE[,SOURCE...]", help="Sources of the prediction distance s, comma-separated: "
+                                                           "paper, code, counted; only spectrain, pipeoptim and xpipe "
+                                                           "read them, and a method skips a source it records no form "
+                                                           "from (default: each method's primary source).")] = None,
     activation_limit: Annotated[str | None, typer.Option(
         "--activation-limit", metavar="R[,R...]", help="auto's activation limits R, comma-separated: the peak "
                                                        "activation memory any device may hold, as a multiple of "
@@ -79,40 +82,45 @@ def sweep(
                                                        "reads them.")] = None,
     search_seconds: SearchSeconds = None,
     cost_scale: Annotated[str | None, typer.Option(
-        "--cost-scale", help="Factors on every compute time, comma-separated: a faster or slower accelerator on the "
-                             "same links (default: 1).")] = None,
+        "--cost-scale", metavar="X[,X...]", help="Factors on every compute time, comma-separated: a faster or slower "
+                                                 "accelerator on the same links (default: 1).")] = None,
     grid: Annotated[Path | None, typer.Option(
-        "--grid", help="TOML file giving axes by these flags' names, e.g. stages = [4, 8] and cost-scale = [0.5, "
-                       "1].")] = None,
+        "--grid", metavar="TOML", help="TOML file giving axes by these flags' names, e.g. stages = [4, 8] and "
+                                       "cost-scale = [0.5, 1].")] = None,
     minibatches: Annotated[int, typer.Option(
-        "--minibatches", "-n", min=1, help="Mini-batches N per run (several, so time per mini-batch is the steady "
-                                           "state).")] = 4,
+        "--minibatches", "-n", metavar="N", min=1, help="Mini-batches N per run (several, so time per mini-batch is "
+                                                        "the steady state).")] = 4,
     fwd: Annotated[str, typer.Option(
-        "--fwd", help="Forward ms per micro-batch of the whole model, split evenly over each configuration's p·v model "
-                      "stages (every configuration trains the same model).")] = "4",
+        "--fwd", metavar="MS", help="Forward ms per micro-batch of the whole model, split evenly over each "
+                                    "configuration's p·v model stages (every configuration trains the same "
+                                    "model).")] = "4",
     bwd: Annotated[str, typer.Option(
-        "--bwd", help="Full backward ms per micro-batch of the whole model (split likewise).")] = "8",
+        "--bwd", metavar="MS", help="Full backward ms per micro-batch of the whole model (split likewise).")] = "8",
     wgrad_fraction: WgradFraction = 0.5,
     opt: Annotated[float, typer.Option(
-        "--opt", min=0.0, help="Optimizer step ms of the whole model (split likewise).")] = 0.4,
+        "--opt", metavar="MS", min=0.0, help="Optimizer step ms of the whole model (split likewise).")] = 0.4,
     pred: Annotated[float | None, typer.Option(
-        "--pred", min=0.0, help="Weight prediction (PRED) ms of the whole model (split likewise; default: "
-                                "--opt).")] = None,
+        "--pred", metavar="MS", min=0.0, help="Weight prediction (PRED) ms of the whole model (split likewise; "
+                                              "default: --opt).")] = None,
     avg: Annotated[float | None, typer.Option(
-        "--avg", min=0.0, help="Elastic averaging (AVG) ms of the whole model per pipeline (split likewise; averaging "
-                               "P pipelines' replicas takes P times it; default: --opt).")] = None,
+        "--avg", metavar="MS", min=0.0, help="Elastic averaging (AVG) ms of the whole model per pipeline (split "
+                                             "likewise; averaging P pipelines' replicas takes P times it; default: "
+                                             "--opt).")] = None,
     comm: Annotated[str, typer.Option(
-        "--comm", help="Ms per activation or gradient transfer between devices (no contention).")] = "0.1",
+        "--comm", metavar="MS", help="Ms per activation or gradient transfer between devices (no "
+                                     "contention).")] = "0.1",
     cluster: Annotated[Path | None, typer.Option(
-        "--cluster", help="Cluster JSON (devices, links, shared resources); replaces --comm.")] = None,
+        "--cluster", metavar="JSON", help="Cluster JSON (devices, links, shared resources); replaces --comm.")] = None,
     profile: Annotated[Path | None, typer.Option(
-        "--profile", help="Profile from `pipesim calibrate` (or `pipesim estimate`): its layers cut into each "
-                          "configuration's stages give the costs, sizes and links.")] = None,
+        "--profile", metavar="JSON", help="Profile from `pipesim calibrate` (or `pipesim estimate`): its layers cut "
+                                          "into each configuration's stages give the costs, sizes and links.")] = None,
     param_mb: Annotated[str, typer.Option(
-        "--param-mb", help="Parameter MiB of the whole model (split likewise).")] = "1024",
+        "--param-mb", metavar="MIB", help="Parameter MiB of the whole model (split likewise).")] = "1024",
     activation_mb: Annotated[str, typer.Option(
-        "--activation-mb", help="Activation MiB a micro-batch saves in the whole model (split likewise).")] = "256",
-    output_mb: Annotated[str, typer.Option("--output-mb", help="MiB a stage sends to the next per micro-batch.")] = "8",
+        "--activation-mb", metavar="MIB", help="Activation MiB a micro-batch saves in the whole model (split "
+                                               "likewise).")] = "256",
+    output_mb: Annotated[str, typer.Option(
+        "--output-mb", metavar="MIB", help="MiB a stage sends to the next per micro-batch.")] = "8",
     optimizer: HeldOptimizer = "adam",
     precision: HeldPrecision = None,
     microbatch_size: MicrobatchSize = 1,
@@ -129,16 +137,17 @@ def sweep(
     pp_runtime: PpRuntime = "pipesim",
     stage_cut: StageCut = "balanced",
     workers: Annotated[int | None, typer.Option(
-        "--workers", "-j", min=1, help="Worker processes (default: one per CPU core).")] = None,
+        "--workers", "-j", metavar="N", min=1, help="Worker processes (default: one per CPU core).")] = None,
     ray: Annotated[str | None, typer.Option(
-        "--ray", help="Run the tasks on the Ray cluster at this address instead (auto, ray://host:10001, or local to "
-                      "start one); needs pipesim[ray].")] = None,
+        "--ray", metavar="ADDRESS", help="Run the tasks on the Ray cluster at this address instead (auto, "
+                                         "ray://host:10001, or local to start one); needs pipesim[ray].")] = None,
     out: Annotated[Path | None, typer.Option(
-        "--out", "-o", help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); replaced "
-                            "atomically.")] = None,
+        "--out", "-o", metavar="FILE", help="Results, one row per configuration: .csv, or .parquet (needs pyarrow); "
+                                            "replaced atomically.")] = None,
     html: Annotated[Path | None, typer.Option(
-        "--html", help="Write the trade-off view: time per mini-batch vs peak memory, a colour per schedule, a symbol "
-                       "per staleness, one Pareto front at a time (self-contained HTML).")] = None,
+        "--html", metavar="PATH", help="Write the trade-off view: time per mini-batch vs peak memory, a colour per "
+                                       "schedule, a symbol per staleness, one Pareto front at a time (self-contained "
+                                       "HTML).")] = None,
 ) -> None:
     """Simulate a grid of configurations in parallel; find the Pareto fronts of time, memory and staleness.
 

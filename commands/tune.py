@@ -88,31 +88,36 @@ def _collector_paused() -> Iterator[None]:
 def tune(
     ctx: typer.Context,
     devices: Annotated[int, typer.Option(
-        "--devices", "-D", min=1, help="Devices D: d = D/(p·t) data-parallel replicas of a p-deep pipeline of "
-                                       "t-way tensor-parallel stages (p·t divides D; t = 1 without --gpu).")],
+        "--devices", "-D", metavar="D", min=1, help="Devices D: d = D/(p·t) data-parallel replicas of a p-deep "
+                                                    "pipeline of t-way tensor-parallel stages (p·t divides D; t = 1 "
+                                                    "without --gpu).")],
     profile: Annotated[Path | None, typer.Option(
-        "--profile", help="Profile from `pipesim calibrate` (or `pipesim estimate`): the model's layers, link and "
-                          "all-reduce, measured at its micro-batch size b. Or --gpu.")] = None,
+        "--profile", metavar="JSON", help="Profile from `pipesim calibrate` (or `pipesim estimate`): the model's "
+                                          "layers, link and all-reduce, measured at its micro-batch size b. "
+                                          "Or --gpu.")] = None,
     memory_gb: Annotated[float | None, typer.Option(
-        "--memory-gb", help="Memory cap per device, GiB. Default: the profiled device's memory (or the calibration's "
-                            "cap).")] = None,
+        "--memory-gb", metavar="GIB", help="Memory cap per device, GiB. Default: the profiled device's memory (or the "
+                                           "calibration's cap).")] = None,
     batch_size: Annotated[int | None, typer.Option(
-        "--batch-size", "-B", min=1, help="Samples per optimizer step over all devices, a multiple of b. Default: "
-                                          "4·D·b, so a p-deep pipeline runs m = 4p micro-batches (GPipe's "
-                                          "rule for a small bubble).")] = None,
+        "--batch-size", "-B", metavar="B", min=1, help="Samples per optimizer step over all devices, a multiple of b. "
+                                                       "Default: 4·D·b, so a p-deep pipeline runs m = 4p micro-batches "
+                                                       "(GPipe's rule for a small bubble).")] = None,
     schedule: Annotated[list[str] | None, typer.Option(
-        "--schedule", "-s", help="Candidate method (repeat; see `pipesim schedules`). Default: all.")] = None,
+        "--schedule", "-s", metavar="NAME", help="Candidate method (repeat; see `pipesim schedules`). "
+                                                 "Default: all.")] = None,
     max_staleness: Annotated[int, typer.Option(
-        "--max-staleness", min=0, help="Largest staleness allowed, in optimizer steps. Default 0: synchronous "
-                                       "methods only, which train as one device would; a note names a staler "
-                                       "method that would be faster. 1 admits PipeDream-2BW's one-step delay.")] = 0,
+        "--max-staleness", metavar="S", min=0, help="Largest staleness allowed, in optimizer steps. Default 0: "
+                                                    "synchronous methods only, which train as one device would; a note "
+                                                    "names a staler method that would be faster. 1 admits "
+                                                    "PipeDream-2BW's one-step delay.")] = 0,
     max_chunks: Annotated[int, typer.Option(
-        "--max-chunks", min=1, help="Largest v tried: model chunks per device (interleaved and V schedules).")] = 4,
+        "--max-chunks", metavar="V", min=1, help="Largest v tried: model chunks per device (interleaved and V "
+                                                 "schedules).")] = 4,
     max_pipelines: Annotated[int, typer.Option(
-        "--max-pipelines", min=1, help="Largest P tried: pipelines sharing the devices (avgpipe).")] = 4,
+        "--max-pipelines", metavar="P", min=1, help="Largest P tried: pipelines sharing the devices (avgpipe).")] = 4,
     optimizer: Annotated[str, typer.Option(
-        "--optimizer", help="Optimizer whose state is held and whose step is timed: sgd, momentum, adam, "
-                            "adamw.")] = "adam",
+        "--optimizer", metavar="NAME", help="Optimizer whose state is held and whose step is timed: sgd, momentum, "
+                                            "adam, adamw.")] = "adam",
     search_seconds: SearchSeconds = None,
     tensor_parallel: SearchedTensorParallel = None,
     data_parallel: SearchedDataParallel = None,

@@ -39,8 +39,8 @@ def view(
     traces: Annotated[list[Path], typer.Argument(help="Trace files (from simulate --trace or run --trace).",
                                                  metavar="TRACE...")],
     html: Annotated[Path | None, typer.Option(
-        "--html", help="Page to write (replaced if it exists). Default: the first trace's name with .html, which "
-                       "replaces only a pipesim page.")] = None,
+        "--html", metavar="PATH", help="Page to write (replaced if it exists). Default: the first trace's name with "
+                                       ".html, which replaces only a pipesim page.")] = None,
 ) -> None:
     """Draw traces on one self-contained page (works offline): one view per trace and, for several traces, one
     with their lanes interleaved device by device, predicted beside measured; memory under the timelines."""
