@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from .common import InputError, check_writable, fail, stderr, stdout
 from .tables import print_table
@@ -47,20 +48,26 @@ def _conditions(found) -> list[str]:
     differs = " [bold yellow](differs)[/]"
     calibrated_for = (f"calibrated for {found.calibrated_ranks} computing at once" if found.calibrated_ranks
                       else "not recorded for the calibration")
-    lines = ["conditions:",
-             "  calibrated: " + (ago(found.calibrated_before_run_s) if found.calibrated_before_run_s is not None
-                                 else "when not recorded"),
-             f"  others' load on the host: {load(found.calibrated_load)} while calibrating; {load(found.run_load)} "
+    lines = ["calibrated: " + (ago(found.calibrated_before_run_s) if found.calibrated_before_run_s is not None
+                               else "when not recorded"),
+             f"others' load on the host: {load(found.calibrated_load)} while calibrating; {load(found.run_load)} "
              "while running" + (differs if found.load_differs else ""),
-             f"  ranks: {calibrated_for}; "
+             f"ranks: {calibrated_for}; "
              + (f"ran {found.run_ranks} on one host" if found.run_ranks else "not recorded for the run")
              + (differs if found.ranks_differ else "")]
     for term in found.host_terms:
         how = "from the host cache, measured" if term.reused else "measured by the calibration"
         when = f" {ago(term.before_run_s)}" if term.before_run_s is not None else ""
-        lines.append(f"  {term.name}: {how}{when} at {term.load.describe() if term.load else 'a load not recorded'}"
+        lines.append(f"{term.name}: {how}{when} at {term.load.describe() if term.load else 'a load not recorded'}"
                      + (differs if term.load_differs else ""))
     return lines
+
+
+def _print_item(markup: str, indent: int = 2) -> None:
+    """One item of a list: its first line `indent` spaces in, the lines it wraps onto twice that, so that each
+    reads as one item (at 80 columns the host's load ran on from column 0, under the heading)."""
+    for k, line in enumerate(Text.from_markup(markup).wrap(stdout, max(stdout.width - 2 * indent, 20))):
+        stdout.print(Text(" " * (indent if k == 0 else 2 * indent)) + line, highlight=False)
 
 
 def _render(c) -> None:
@@ -68,8 +75,9 @@ def _render(c) -> None:
                  f"{c.measured_ms:,.3f} ms: error [bold]{c.iteration_time_error:+.1%}[/] (predicted − measured) / "
                  f"measured; bubble {c.predicted_bubble:.1%} predicted, {c.measured_bubble:.1%} measured")
     if c.conditions is not None:
+        stdout.print("conditions:", highlight=False)
         for line in _conditions(c.conditions):
-            stdout.print(line, highlight=False)
+            _print_item(line)
     if c.compute_duration_median is not None:
         stdout.print(f"compute ops: median duration error {c.compute_duration_median:.1%} (bias "
                      f"{c.compute_duration_bias:+.1%})", highlight=False)

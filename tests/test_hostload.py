@@ -190,6 +190,24 @@ def _recorded(tmp_path: Path, name: str, run_load: float | None, calibrated_load
     return path
 
 
+def test_compare_indents_a_condition_wrapped_at_80_columns_under_its_first_line(tmp_path, monkeypatch):
+    """The host's load ran on from column 0 under "conditions:" at 80 columns, reading as lines of their own: each
+    condition starts 2 spaces in and the lines it wraps onto 4, up to the next section."""
+    from pipesim.commands import common
+
+    monkeypatch.setattr(common.stdout, "width", 80)
+    code, out, err = pipesim("compare", _recorded(tmp_path, "busy.json", run_load=1.4, calibrated_load=0.1,
+                                                  contention_load=1.3))
+    assert code == 0, err
+    lines = out.splitlines()
+    start = lines.index("conditions:") + 1
+    block = lines[start:next(k for k in range(start, len(lines)) if not lines[k].startswith(" "))]
+    firsts = [line for line in block if not line.startswith("    ")]
+    assert [line.split(":")[0].strip() for line in firsts] == ["calibrated", "others' load on the host", "ranks",
+                                                                "link and all-reduce"]
+    assert len(block) > len(firsts) and all(line.startswith("  ") and len(line) <= 80 for line in block), out
+
+
 def test_compare_names_the_conditions_that_differ_beside_the_error(tmp_path):
     code, out, err = pipesim("compare", _recorded(tmp_path, "busy.json", run_load=1.4, calibrated_load=0.1,
                                                   contention_load=1.3))
