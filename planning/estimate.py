@@ -1094,6 +1094,22 @@ def accumulated_in_products(layer: LayerCount, grad_bytes: int, element_bytes: i
     return replace(layer, ops={**layer.ops, "bwd": tuple(backward), "wgrad": wgrad})
 
 
+def unfused_weight_share(layer: LayerCount, element_bytes: int) -> float:
+    """Of `layer`'s weights (by bytes), the share whose gradients no weight-gradient product accumulates under
+    `--grad-accumulation fused` (`accumulated_in_products`): the weights no product reads (an embedding table, a
+    norm's scale, a bias), whose gradient autograd hands over whole, so the runtime adds it into the accumulated
+    one in a pass of its own every backward: Megatron-core's DDP hook (`param.main_grad.add_(param.grad.data)`
+    where `grad_added_to_main_grad` is unset, megatron/core/distributed/distributed_data_parallel.py
+    `_make_backward_post_hook` at core_v0.9.0) and NeMo's distributed Adam, Apex's DistributedFusedAdam
+    (`_grad_copy`: `grad_out.add_(grad_in)` into its gradient bucket, apex/contrib/optimizers/
+    distributed_fused_adam.py at f9f19d5c). A product's weights are its (n, k), each routed expert's (batch) too;
+    `element_bytes`: the count's. A layer without products (an embedding): all of it."""
+    if not layer.param_bytes:
+        return 0.0
+    in_products = sum(batch * n * k for (batch, _, n, k), _, _ in layer.weight_grad_outputs) * element_bytes
+    return max(0.0, 1.0 - in_products / layer.param_bytes)
+
+
 def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, tensor_link: EstimateLink,
                    element_bytes: int, context_link: EstimateLink | None = None,
                    float8: Float8Forms | None = None, grad_bytes: int | None = None) -> LayerEstimate:
@@ -1858,7 +1874,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         passes_weights = _timing(memory_ms(3 * params))  # a prediction's and the averaging's pass (frozen: shared)
         steps = {name: StepTimes(step=_timing(casts_ms + memory_ms(sum(step_bytes[name][start:stop]) / shards)),
                                  predict=passes_weights) for name in OPTIMIZERS}
-        accumulate_ms = memory_ms(3 * params) if parallel.accumulation == "separate" else 0.0
+        # a pass of its own over the weights it accumulates, read, read, write: all of them (separate), or those no
+        # product accumulates (fused: `unfused_weight_share`)
+        accumulated = params if parallel.accumulation == "separate" else sum(
+            layer.param_bytes * unfused_weight_share(count, element)
+            for layer, count in zip(layers[start:stop], counted.layers[start:stop], strict=True))
+        accumulate_ms = memory_ms(3 * accumulated) if accumulated else 0.0
         stage_steps.append((steps, passes_weights, _timing(accumulate_ms), _timing(memory_ms(2 * params))))
     stages = aggregate_stages(layers, bounds, optimizer, boundary_bytes(layers, bounds, dag=False), stage_steps,
                               costs=costs, p2p_sync=parallel.p2p_sync)

@@ -1,8 +1,9 @@
 """How a backward's weight gradients join the accumulated ones (`--grad-accumulation`, planning/estimate.py
 `GRAD_ACCUMULATIONS`): separate, torch's autograd, a pass over the held gradients per backward after a stage's
 first; fused, inside the weight-gradient product (TransformerEngine's under Megatron's gradient_accumulation_fusion),
-no pass at all. Unless given, as the runtime the --precision names runs it (`PRECISION_ACCUMULATION`), and every
-published benchmark's command says what its runs ran."""
+and a pass over the weights no product reads only (`unfused_weight_share`). Unless given, as the runtime the
+--precision names runs it (`PRECISION_ACCUMULATION`), and every published benchmark's command says what its runs
+ran."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import pytest
 import torch
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import PRECISION_ACCUMULATION, EstimateError, Parallelism, estimate_profile
+from pipesim.planning.estimate import (
+    PRECISION_ACCUMULATION,
+    EstimateError,
+    Parallelism,
+    estimate_profile,
+    unfused_weight_share,
+)
 from pipesim.sim.costs import PRECISIONS
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import pipesim, simulate_json
@@ -31,16 +38,36 @@ def counted() -> WorkloadCount:
                        "flash")
 
 
-def test_a_separate_accumulation_passes_over_the_held_gradients_and_a_fused_one_costs_nothing_of_its_own():
+def test_a_separate_accumulation_passes_over_the_held_gradients_and_a_fused_one_over_what_no_product_holds():
     separate = estimate_profile(counted(), H100, Parallelism(pipeline=2, grad_accumulation="separate"))
     fused = estimate_profile(counted(), H100, Parallelism(pipeline=2, grad_accumulation="fused"))
     curve = separate.estimate.curve
     bytes_per_ms = H100.memory_bandwidth_gb_s * 1e6 * curve["memory_efficiency"]
-    for apart, inside in zip(separate.stages, fused.stages):
+    bounds, unfused_bytes = fused.partition.bounds, []
+    for apart, inside, start, stop in zip(separate.stages, fused.stages, bounds, bounds[1:]):
         assert apart.accumulate.median_ms == pytest.approx(
             curve["kernel_overhead_ms"] + 3 * apart.param_bytes / bytes_per_ms, rel=1e-12)
-        assert inside.accumulate.median_ms == 0.0
+        unfused = sum(layer.param_bytes * unfused_weight_share(count, 2)
+                      for layer, count in zip(fused.layers[start:stop], counted().layers[start:stop], strict=True))
+        assert 0 < unfused < apart.param_bytes
+        unfused_bytes.append(unfused)
+        assert inside.accumulate.median_ms == pytest.approx(
+            curve["kernel_overhead_ms"] + 3 * unfused / bytes_per_ms, rel=1e-12)
         assert (inside.fwd_ms, inside.bwd_ms, inside.weight_copy) == (apart.fwd_ms, apart.bwd_ms, apart.weight_copy)
+    # the first stage's is mostly its embedding table's (1,000 tokens and 256 positions, 256 wide)
+    assert unfused_bytes[0] > 10 * unfused_bytes[1]
+
+
+def test_no_product_accumulates_an_embedding_nor_a_norms_scales_and_shifts_nor_a_bias():
+    """Under fused accumulation a product adds its weights' (n, k) gradient into the held one; the embedding's
+    table, the LayerNorms' two vectors and the linear layers' biases come out of autograd whole and are added by a
+    pass of their own (Megatron-core's DDP hook, Apex's DistributedFusedAdam `_grad_copy`)."""
+    embed, block, head = counted().layers[0], counted().layers[1], counted().layers[-1]
+    assert unfused_weight_share(embed, 2) == 1.0
+    # two LayerNorms (2 x 256 each), the biases of qkv (768), the projection (256) and the MLP (1,024 and 256)
+    assert block.param_bytes * unfused_weight_share(block, 2) == pytest.approx(2 * (4 * 256 + 768 + 256 + 1024 + 256))
+    # the final LayerNorm and the head's bias over the 1,000 tokens
+    assert head.param_bytes * unfused_weight_share(head, 2) == pytest.approx(2 * (2 * 256 + 1000))
 
 
 def test_the_default_is_the_named_precisions_runtimes_and_anything_else_is_refused():
