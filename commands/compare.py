@@ -96,8 +96,8 @@ def _render(c) -> None:
                           "-" if k.duration_median is None else f"{k.duration_median:.1%}",
                           "-" if k.duration_p90 is None else f"{k.duration_p90:.1%}", _percent(k.duration_bias), worst)
         start_worst = "-" if k.start_worst is None else \
-            f"{k.start_worst.op}@{k.start_worst.device} {k.start_worst.error:+.2f}"
-        starts.add_row(k.kind, f"{k.ops:,}", f"{k.start_median_ms:.2f}", f"{k.start_p90_ms:.2f}", start_worst)
+            f"{k.start_worst.op}@{k.start_worst.device} {k.start_worst.error:+,.2f}"
+        starts.add_row(k.kind, f"{k.ops:,}", f"{k.start_median_ms:,.2f}", f"{k.start_p90_ms:,.2f}", start_worst)
     print_table(durations)
     print_table(starts)
     devices = Table(box=box.SIMPLE_HEAD, title="per device (predicted / measured)", title_justify="left")

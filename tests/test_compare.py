@@ -203,6 +203,7 @@ def test_a_torch_pipelining_run_compares_with_its_prediction(tmp_path, run_dir, 
     code, out, err = pipesim("compare", TORCH_RUNS / run_dir, predicted)
     assert code == 0 and "weight versions: not compared (the measurement records none)" in out
     assert "agree" not in out and re.search(r"/ n/a +- *$", out, re.M)
+    assert not re.findall(r"(?<![\d,.])\d{4,}", out), out  # start errors of 1,536.34 ms wrote "1536.34"
     # From a calibration profile: no warning, and the profile is named.
     assert pipesim("simulate", "-s", schedule, "-p", "2", "-m", "8", "-n", "3", "--profile", MLP_PROFILE,
                    "--optimizer", "sgd", "--trace", predicted).code == 0
