@@ -112,8 +112,8 @@ def run(
     comm: SearchComm = None,
     activation_mb: SearchActivationMb = None,
     microbatch_size: Annotated[int, typer.Option(
-        "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch (default 8, or the "
-                                                               "profile's).")] = 8,
+        "--microbatch-size", "-b", metavar="B", min=1, show_default=False, help="Samples per micro-batch (default 8, "
+                                                                                "or the profile's).")] = 8,
     layers: Layers = None,
     width: Width = None,
     ffn: Ffn = None,

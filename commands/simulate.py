@@ -122,9 +122,10 @@ def simulate(
         "--bwd", metavar="MS[,MS...]", help="Full backward ms per micro-batch, as --fwd.")] = "2",
     wgrad_fraction: WgradFraction = 0.5,
     fb_hidden_fraction: Annotated[float, typer.Option(
-        "--fb-hidden-fraction", min=0.0, max=1.0, metavar="H", help="Of each overlapped F&B pair (dualpipev), the "
-        "share of its shorter part hidden under the longer: the pair takes F + B - H x min(F, B). Default 0: "
-        "without expert parallelism's all-to-all there is nothing to hide.")] = 0.0,
+        "--fb-hidden-fraction", min=0.0, max=1.0, metavar="H", show_default=False,
+        help="Of each overlapped F&B pair (dualpipev), the share of its shorter part hidden under the longer: the pair "
+             "takes F + B - H x min(F, B). Default 0: without expert parallelism's all-to-all there is nothing to "
+             "hide.")] = 0.0,
     opt: Annotated[float, typer.Option(
         "--opt", min=0.0, metavar="MS", help="Optimizer step ms per device (split over its chunks).")] = 0.0,
     pred: Annotated[float | None, typer.Option(
@@ -711,8 +712,8 @@ def export(
                                            "one row per rank; synchronous one-pipeline methods).")],
     out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="File to write (replaced atomically).")],
     stages: Annotated[int, typer.Option(
-        "--stages", "-p", metavar="P", min=1, help="Pipeline depth p: devices in one pipeline (default 4, or the "
-                                                   "profile's).")] = 4,
+        "--stages", "-p", metavar="P", min=1, show_default=False, help="Pipeline depth p: devices in one pipeline "
+                                                                       "(default 4, or the profile's).")] = 4,
     chunks: Annotated[int | None, typer.Option(
         "--chunks", "-v", metavar="V", min=1, help="Model chunks per device (interleaved / V schedules). Default: the "
                                       "method's.")] = None,

@@ -106,10 +106,11 @@ def tune(
         "--schedule", "-s", metavar="NAME", help="Candidate method (repeat; see `pipesim schedules`). "
                                                  "Default: all.")] = None,
     max_staleness: Annotated[int, typer.Option(
-        "--max-staleness", metavar="S", min=0, help="Largest staleness allowed, in optimizer steps. Default 0: "
-                                                    "synchronous methods only, which train as one device would; a note "
-                                                    "names a staler method that would be faster. 1 admits "
-                                                    "PipeDream-2BW's one-step delay.")] = 0,
+        "--max-staleness", metavar="S", min=0, show_default=False, help="Largest staleness allowed, in optimizer "
+                                                                        "steps. Default 0: synchronous methods only, "
+                                                                        "which train as one device would; a note names "
+                                                                        "a staler method that would be faster. 1 "
+                                                                        "admits PipeDream-2BW's one-step delay.")] = 0,
     max_chunks: Annotated[int, typer.Option(
         "--max-chunks", metavar="V", min=1, help="Largest v tried: model chunks per device (interleaved and V "
                                                  "schedules).")] = 4,

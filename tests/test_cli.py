@@ -434,3 +434,20 @@ def test_every_option_that_takes_a_value_names_it_as_its_help_explains():
                 if not re.fullmatch(r"[A-Z][A-Z0-9_/]*(\[,[A-Z0-9_/]+\.\.\.\]|\.\.\.)?", metavar):
                     unnamed.append(f"{name} {record[0]}")
     assert not unnamed, unnamed
+
+
+@pytest.mark.parametrize("command,name", [("simulate", "fb_hidden_fraction"), ("tune", "max_staleness"),
+                                          ("run", "microbatch_size"), ("export", "stages")])
+def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice(command, name):
+    """"(default 8, or the profile's).  [default: 8; x>=1]": typer's default beside the words, which say more (the
+    profile's b, when one is given); the range stays."""
+    import click
+    import typer
+
+    from pipesim.cli import make_app
+
+    group = typer.main.get_command(make_app())
+    context = click.Context(group.commands[command], info_name=command, parent=click.Context(group))
+    (param,) = [param for param in group.commands[command].params if param.name == name]
+    text = param.get_help_record(context)[1]
+    assert "efault " in text and "[default:" not in text and re.search(r"\[[\d.]*(<=)?x", text), text
