@@ -684,18 +684,15 @@ def _expert_group_text(profile: Profile, expert: int) -> str:
             f"{expert} over {nic}")
 
 
-def _curve_text(curve: dict, attention_kernel: str, sources: bool) -> str:
-    """The efficiency curve the estimate priced with: its fractions of the datasheet, then its sources in full
-    (`sources`, --sources: about 25 lines at 80 columns) or where to find them."""
-    from ..hardware.catalogue import Curve
-
-    read = Curve.model_validate(curve)
+def _curve_text(read, attention_kernel: str, sources: bool) -> str:
+    """The efficiency curve the estimate priced with (a `Curve`): its fractions of the datasheet, then where its
+    sources are: printed after the table (`sources`, --sources: about 25 lines at 80 columns), or how to ask."""
     attention = read.attention_kernel_efficiency(attention_kernel)
     fractions = ", ".join([f"products {read.matmul_efficiency:.3g}",
                            *([f"attention ({attention_kernel}) {attention:.3g}"] if attention else []),
                            f"memory {read.memory_efficiency:.3g}", f"link {read.link_efficiency:.3g}"])
     return (f"efficiency curve: {fractions} of the datasheet's, {read.kernel_overhead_ms * 1e3:.1f} us a kernel; "
-            + (f"its sources: {read.source}" if sources else "--sources says where each comes from"))
+            + ("its sources at the end" if sources else "--sources says where each comes from"))
 
 
 def _print_estimate(profile: Profile, sources: bool) -> None:
@@ -704,9 +701,11 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
     from rich import box
     from rich.table import Table
 
+    from ..hardware.catalogue import Curve
     from ..units import MIB
 
     env, estimate = profile.environment, profile.estimate
+    curve = Curve.model_validate(estimate.curve)
     table = Table(title=f"{profile.model.name} estimated on {env.device_name} ({env.dtype}, micro-batch "
                         f"{env.microbatch_size}, {parallelism_text(estimate.parallelism)}), per GPU",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
@@ -714,8 +713,7 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
                           "the peak of the tensors alone (max allocated) in a 1F1B estimate; simulate --gpu's peak "
                           "adds the segments torch's caching allocator keeps cached beside them (max reserved, "
                           "--allocator caching); "
-                          + _curve_text(estimate.curve, estimate.parallelism.get("attention_kernel", "flash2"),
-                                        sources))
+                          + _curve_text(curve, estimate.parallelism.get("attention_kernel", "flash2"), sources))
     for header in ("stage", "layers", "fwd ms", "bwd ms", "I/W ms", "act MiB", "params MiB", "alloc MiB"):
         table.add_column(header, justify="left" if header in ("stage", "layers") else "right", no_wrap=True)
     for k, stage in enumerate(profile.stages):
@@ -737,3 +735,5 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
     expert = int(estimate.parallelism.get("expert", 1))
     if expert > 1 and estimate.placement is not None:
         stdout.print(_expert_group_text(profile, expert), highlight=False)
+    if sources:  # one line, wrapped by the terminal: an address folded at the table's width opened nothing
+        stdout.print(f"efficiency curve's sources: {curve.source}", highlight=False, soft_wrap=True)
