@@ -534,13 +534,12 @@ class Scenario:
         layers, t = self.measured.layers, sched.table
         n = len(layers)
         costs = self._sharded_for(profile_costs(self.measured, self.optimizer, range(n + 1)), sched)
-        each = costs.stages
-        static = range_sums(sum(held_static_parts(sched, [c]).values()) for c in each)
-        weights = range_sums(c.param_bytes for c in each)
-        largest = [max(layer.transient_bytes.values(), default=0) for layer in layers]
-        transient = np.zeros((n + 1, n + 1))
-        for i in range(n):
-            transient[i, i + 1:] = np.maximum.accumulate(largest[i:])
+        held = [held_static_parts(sched, [c]) for c in costs.stages]
+        # the runtime's buffer is one a process, its layers' largest (`held_static_parts`): a range's most, not sum
+        static = (range_sums(sum(parts.values()) - parts["runtime_buffers"] for parts in held)
+                  + _range_maxima([parts["runtime_buffers"] for parts in held]))
+        weights = range_sums(c.param_bytes for c in costs.stages)
+        transient = _range_maxima([max(layer.transient_bytes.values(), default=0) for layer in layers])
         received = 2 * np.array([0, *(layer.output_bytes for layer in layers[:-1]), 0])  # into layer i, and back
         versions = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), weight_versions(sched).copies_delta,
                                   sched.num_stages)
@@ -753,6 +752,14 @@ class StageMemory:
             bounds += [(in_front + self.transient, in_back)] * bool(front.any())
             bounds += [(in_front, in_back + self.transient)] * bool(not front.all())
         return bounds
+
+
+def _range_maxima(values: Sequence[int]) -> np.ndarray:
+    """Entry [i, j] (i < j): the most of items i .. j-1 of `values`; 0 elsewhere (`range_sums`' for a maximum)."""
+    maxima = np.zeros((len(values) + 1, len(values) + 1))
+    for i in range(len(values)):
+        maxima[i, i + 1:] = np.maximum.accumulate(values[i:])
+    return maxima
 
 
 def _held_together(sched: Schedule) -> list[np.ndarray]:

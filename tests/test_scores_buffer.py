@@ -12,6 +12,7 @@ import torch
 
 from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import EstimateError, Parallelism, estimate_profile
+from pipesim.planning.scenario import Scenario
 from pipesim.sim import StageCosts
 from pipesim.sim.engine import held_static_parts
 from pipesim.units import MIB
@@ -68,3 +69,18 @@ def test_a_fused_attention_is_refused_in_one_line():
     code, _, err = pipesim("simulate", "--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "2", "-p", "2",
                            "--attention", "flash", "--scores-buffer")
     assert code == 2 and "--scores-buffer" in err and "give --attention math" in err and len(err.splitlines()) == 1
+
+
+def test_the_fit_cut_holds_a_stages_buffer_once_however_many_layers_ask():
+    """`--stage-cut fit` weighs each range of layers as the simulator holds it (planning/scenario.py
+    `Scenario.stage_memory`): the buffer of a range of attention layers is one, the largest, not one a layer."""
+    schedule = build("1f1b", 2, 4)
+    held = {}
+    for kept in (False, True):
+        measured = estimate_profile(gpt("math"), A100, Parallelism(pipeline=2, scores_buffer=kept))
+        scenario = Scenario(per_stage={}, wgrad_fraction=0.5, opt_ms=0.0, pred_ms=None, avg_ms=None, optimizer="adam",
+                            microbatch_size=B, comm_ms=0.0, overlap_comm=True, measured=measured)
+        held[kept] = scenario.stage_memory(schedule).held
+    for plain, kept in zip(held[False], held[True], strict=True):
+        assert kept[0, 6] - plain[0, 6] == kept[1, 5] - plain[1, 5] == kept[1, 2] - plain[1, 2] == SCORES
+        assert kept[0, 1] - plain[0, 1] == kept[5, 6] - plain[5, 6] == 0  # the embedding's and the head's: none
