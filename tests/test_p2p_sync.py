@@ -159,3 +159,15 @@ def test_a_profile_estimated_with_p2p_sync_under_torchs_pipelining_is_one_line(t
         code, printed, err = pipesim(*command, "--profile", out, "--pp-runtime", "torch")
         assert code == 2 and not printed and err.count("\n") == 1 and "--p2p-sync" in err, command
     assert pipesim("simulate", "-m", 4, "-s", "1f1b", "--profile", out)[0] == 0
+
+
+def test_a_schedule_file_is_refused_with_p2p_sync_whatever_it_is_named(tmp_path):
+    """A schedule file's order is torch's CSV as written, not the catalogue's 1F1B, even in a file named 1f1b.csv
+    (its method is the file's name): --p2p-sync is refused, naming the file."""
+    order = (REPO / "examples" / "order.csv").read_text()
+    for name in ("1f1b", "mine"):
+        path = tmp_path / f"{name}.csv"
+        path.write_text(order)
+        code, out, err = pipesim("simulate", *DENSE[:-4], "--schedule-file", path, "--p2p-sync")
+        assert code == 2 and not out and err.count("\n") == 1, err
+        assert f"modelled for 1f1b only, not --schedule-file {path}: give --schedule 1f1b" in err
