@@ -970,6 +970,21 @@ def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink, 
     return bulk_exposed_ms(all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms), product_ms, device)
 
 
+def gathered_saves(layer: LayerCount, parallel: Parallelism) -> tuple[tuple[int, int], ...]:
+    """The saved tensors of `layer` a rank holds whole, not 1/t (`LayerCount.sequence_inputs`: index in
+    saved_tensors, number in allocations["fwd"]): under torch's tensor parallelism with sequence parallelism, each
+    column-parallel product's input, which DTensor gathers from the tokens' shards (torch/distributed/tensor/
+    parallel/style.py at 2.6: ColwiseParallel and PrepareModuleInput redistribute the Shard(1) input to Replicate;
+    torchao float8_tensor_parallel.py at eab345c, `PrepareFloat8ModuleInput`, casts it to float8 first, as the
+    recipe's saved copy is, planning/fp8.py) and hands to the product, whose autograd saves it whole for the weight
+    gradient: the attention's and the MLP's inputs, and the head's (torchtitan 9dec370's plan: `output`
+    ColwiseParallel with input_layouts Shard(1)). None under Megatron's runtime, whose products save the rank's
+    1/t and gather it again in the backward (`input_gather_ms`; Korthikanti et al. 2022, section 4.2.2)."""
+    if not (parallel.sequence_parallel and parallel.tp_runtime == "torch" and parallel.tensor > 1):
+        return ()
+    return layer.sequence_inputs
+
+
 def _float8_shards(layers: Sequence[LayerCount], parallel: Parallelism) -> tuple[float, int]:
     """Of `layers`' float8 linears' weights, the elements of this rank's shard under FSDP2 (1/t of each weight, of
     which 1/(d·C)) and how many tensors."""
@@ -1165,20 +1180,23 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     saved = layer.saved_bytes
     rest_share = 1 / t if parallel.sequence_parallel else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t
     # Per part (what saved it; a count from before parts were recorded: all other), the bytes kept on one rank:
-    # a core tensor (split by t) 1/t of itself, unless selective recomputation drops it; the rest its share.
+    # a core tensor (split by t) 1/t of itself, unless selective recomputation drops it; a product's input DTensor
+    # gathered whole (`gathered_saves`) whole; the rest its share.
     parts = dict.fromkeys(SAVED_PARTS, 0.0)
     named = layer.saved_parts or ("other",) * len(layer.saved_tensors)
     regions = Regions.of(layer, parallel.recompute_modules)
+    whole = {i for i, _ in gathered_saves(layer, parallel)}
+    rerun_bytes = 0.0  # what the backward makes again of the saved tensors below
     for i, ((shape, nbytes), part) in enumerate(zip(layer.saved_tensors, named)):
         core = split.core(shape)
-        kept_bytes = nbytes / t if core else nbytes * rest_share
-        parts[part] += 0.0 if (core and parallel.recompute == "selective") or i in regions.dropped else kept_bytes
+        kept_bytes = nbytes / t if core else nbytes if i in whole else nbytes * rest_share
+        if (core and parallel.recompute == "selective") or i in regions.dropped:
+            rerun_bytes += kept_bytes
+        else:
+            parts[part] += kept_bytes
     parts["other"] += (saved - sum(nbytes for _, nbytes in layer.saved_tensors)) * rest_share  # a count lists all
     parts["other"] += sum(nbytes for _, _, nbytes in regions.inputs) * rest_share
-    saved_unless_rerun = sum(parts.values()) + sum(
-        (nbytes / t if split.core(shape) else nbytes * rest_share) for i, (shape, nbytes) in
-        enumerate(layer.saved_tensors) if (split.core(shape) and parallel.recompute == "selective")
-        or i in regions.dropped)
+    saved_unless_rerun = sum(parts.values()) + rerun_bytes
     rerun: list[tuple[tuple[OpCount, float], ...]] = []  # what the backward reruns of the forward, timed, by part
     rerun_ops: Sequence[OpCount] = ()  # what the backward recomputes of the forward
     transformer = _transformer(layer)
@@ -1334,10 +1352,14 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
     if megatron_step and parallel.sharded_optimizer:
         raise EstimateError("megatron is Megatron-LM's 16-bit optimizer unsharded; its distributed optimizer "
                             "({sharded_optimizer}) allocates otherwise and is not replayed so")
+    forms = Float8Forms(parallel.float8_recipe, _element_bytes(counted.dtype))
     for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
         if not repeated:
+            gathered = gathered_saves(layer, parallel)
+            saved = forms.of(layer).saved_tensors if gathered else ()  # a gathered input as the recipe saves it
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
-                                     parallel.recompute_modules, parallel.torch_compile)
+                                     parallel.recompute_modules, parallel.torch_compile,
+                                     tuple((number, saved[i][1]) for i, number in gathered))
             unsharded = _unsharded(layer, made, parallel, _element_bytes(counted.dtype))
             made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
                            stepped=_stepped(_gradient_storages(made), held, _element_bytes(counted.dtype))
@@ -1382,17 +1404,27 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
                   round(grad * accumulated / sum(grads) / shards)) for grad in grads)
 
 
-def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,
-                      modules: Sequence[str] = (), torch_compile: bool = False) -> LayerAllocations:
+def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules: Sequence[str] = (),
+                      torch_compile: bool = False, gathered: Sequence[tuple[int, int]] = ()) -> LayerAllocations:
     """The count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them (`_on_rank`), with
     what `recompute` has the backward make again: a transformer layer's whole forward under full recomputation,
     and under torchtitan's op policy all but what it keeps, every second product's output and the fused
     attention's (`_op_policy`); the attention core (s x s tensors) under Megatron-LM's selective; and what the
     recomputed `modules` make, keeping what they read (`Regions`); `torch_compile`: of what op keeps, only what the
     backward reads (`_unread_kept`), the rest neither kept nor rerun, and its first forward freeing what it reruns
-    (`_compiled_checkpoint_forward`). What the caching allocator replays (sim/caching_allocator.py)."""
-    passes = {name: tuple((number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events)
-              for name, events in layer.allocations.items()}
+    (`_compiled_checkpoint_forward`). `gathered`: the saved tensors a rank holds whole (`gathered_saves`), each as
+    (its number in allocations["fwd"], its bytes whole as saved): a product's input the layer makes (a norm's
+    output) made so, the layer's own input (number -1) gathered into a storage of its own as the forward begins,
+    saved. What the caching allocator replays (sim/caching_allocator.py)."""
+    whole = {number: nbytes for number, nbytes in gathered if number >= 0}
+    passes = {name: tuple((number, round(math.copysign(whole[number], nbytes) / split.context
+                                         if name == "fwd" and number in whole else _on_rank(shape, nbytes, split)))
+                          for number, shape, nbytes, _ in events) for name, events in layer.allocations.items()}
+    first = 1 + max((number for number, *_ in layer.allocations.get("fwd", ())), default=-1)
+    gathers = tuple((first + n, round(nbytes / split.context))
+                    for n, nbytes in enumerate(nbytes for number, nbytes in gathered if number < 0))
+    if gathers:
+        passes["fwd"] = gathers + passes.get("fwd", ())
     made = [(number, shape) for number, shape, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes >= 0]
     kept: frozenset[int] = frozenset()
     rerun: frozenset[int] | None = None
@@ -1411,7 +1443,8 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str,
     if regions.made:
         rerun = (rerun or frozenset()) | regions.made
         kept |= {number for number, _, _ in regions.inputs if number >= 0}
-    return LayerAllocations(passes, frozenset(layer.saved_allocations), rerun, kept, first_forward=first_forward)
+    return LayerAllocations(passes, frozenset(layer.saved_allocations) | {number for number, _ in gathers}, rerun,
+                            kept, first_forward=first_forward)
 
 
 def _compiled_checkpoint_forward(events: Sequence[tuple[int, int]], reads: Sequence[tuple[int, Sequence[int]]],

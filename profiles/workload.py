@@ -89,6 +89,11 @@ class LayerCount:
     # per saved tensor, its bytes were the attention kernel's inputs made contiguous before it saved them, as
     # TransformerEngine's context-parallel ring does (workload/count.py `_attention_copied`); (): not recorded
     attention_copied_bytes: tuple[int, ...] = ()
+    # per storage only a product with weights saves (its input) that is in the residual stream's layout, made by a
+    # norm or before the layer (the layer's input): (its index in saved_tensors, its number in allocations["fwd"],
+    # -1: made before the layer). Sequence parallelism holds such a tensor split by tokens, so a column-parallel
+    # product gathers it whole first (planning/estimate.py `gathered_saves`); (): none, or not recorded
+    sequence_inputs: tuple[tuple[int, int], ...] = ()
     # a mixture of experts' routed experts (workload/moe.py): their weights' bytes, of param_bytes, which expert
     # parallelism shards; and the bytes of the token copies a micro-batch's dispatches send (the combines return
     # as many), which its all-to-alls carry

@@ -1,5 +1,6 @@
 """Tensor parallelism beyond a node and overlapped, data-parallel collectives at scale (issue 42, item 4)."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -325,3 +326,113 @@ def test_the_costs_line_names_the_tp_runtime_only_where_it_is_not_megatrons(tmp_
     assert code == 0 and "tp runtime torch" in " ".join(out.split()), err
     code, out, err = pipesim(*args, "--out", tmp_path / "megatron.json")
     assert code == 0 and "tp runtime" not in " ".join(out.split()), err
+
+
+def test_the_count_marks_the_inputs_a_column_parallel_product_reads_from_a_norm_or_the_layers_input(gpt16):
+    """A block's q, k, v input and its first MLP product's (each a norm's output, saved by the products alone),
+    not the attention output projection's (same shape: the attention made it) nor the second MLP product's; the
+    head's product reads its final norm's output."""
+    block, head = gpt16.layers[1], gpt16.layers[3]
+    tokens = B * S
+    assert [(block.saved_parts[i], block.saved_tensors[i]) for i, _ in block.sequence_inputs] == [
+        ("attention", ((tokens, H), tokens * H * 2)), ("mlp", ((tokens, H), tokens * H * 2))]
+    attention_output = [i for i, (shape, _) in enumerate(block.saved_tensors)
+                        if shape == (tokens, H) and block.linear_input_saves[i]]
+    assert len(attention_output) == 3  # q, k, v's; the MLP's; the output projection's: not a sequence input
+    assert [(head.saved_tensors[i], number >= 0) for i, number in head.sequence_inputs] == [
+        (((tokens, H), tokens * H * 2), True)]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_torchs_runtime_keeps_a_column_parallel_products_gathered_input_whole(gpt16, recompute):
+    """Under DTensor's sequence parallelism (`--tp-runtime torch`) the head's input, 2 x 128 x 256 fp16 = 128 KiB,
+    is saved whole on each of t = 4 ranks, 96 KiB more than Megatron's runtime's 1/t; a block's two gathered
+    inputs too, or, recomputed, in its backward's rerun; Megatron's runtime keeps 1/t of each."""
+    t, whole = 4, B * S * H * 2
+    link = placement_links(A100, Parallelism(tensor=t)).tensor
+    block, head = gpt16.layers[1], gpt16.layers[3]
+    megatron = Parallelism(tensor=t, sequence_parallel=True, recompute=recompute)
+    on_rank = {runtime: [estimate_layer(layer, DEVICE, replace(megatron, tp_runtime=runtime), link, 2)
+                         for layer in (block, head)] for runtime in ("megatron", "torch")}
+    (block_megatron, head_megatron), (block_torch, head_torch) = on_rank["megatron"], on_rank["torch"]
+    assert head_torch.activation_parts["other"] - head_megatron.activation_parts["other"] == whole - whole // t
+    added = {part: block_torch.activation_parts[part] - block_megatron.activation_parts[part]
+             for part in ("attention", "mlp")}
+    rerun = block_torch.transient_bytes["bwd"] - block_megatron.transient_bytes["bwd"]
+    if recompute == "none":
+        assert (added, rerun) == ({"attention": whole - whole // t, "mlp": whole - whole // t}, 0)
+    else:  # only the block's input kept; the rerun holds both gathered inputs whole through the backward
+        assert (added, rerun) == ({"attention": 0, "mlp": 0}, 2 * (whole - whole // t))
+    megatron_head = sum(nbytes for shape, nbytes in head.saved_tensors) // t  # every saved tensor 1/t
+    assert head_megatron.activation_bytes == pytest.approx(megatron_head, abs=2)
+
+
+def test_a_recipe_that_saves_float8_inputs_keeps_the_gathered_float8_copy_whole(gpt16):
+    """torchao at eab345c (`--fp8-recipe torchao-2024`) casts a column-parallel product's input before DTensor
+    gathers it (`PrepareFloat8ModuleInput`) and saves that float8 copy: whole at 1 byte an element, 2 x 128 x 256 =
+    64 KiB on each of t = 4 ranks, where Megatron's runtime keeps a quarter."""
+    t, whole = 4, B * S * H
+    link = placement_links(A100, Parallelism(tensor=t)).tensor
+    device = replace(DEVICE, fp8_peak_flops_per_ms=2 * DEVICE.peak_flops_per_ms)
+    parts = {runtime: estimate_layer(gpt16.layers[1], device, Parallelism(
+        tensor=t, sequence_parallel=True, tp_runtime=runtime, fp8="torchao-2024"), link, 2).activation_parts
+        for runtime in ("megatron", "torch")}
+    assert {part: parts["torch"][part] - parts["megatron"][part] for part in ("attention", "mlp")} == {
+        "attention": whole - whole // t, "mlp": whole - whole // t}
+
+
+def test_the_allocator_replays_the_gathered_inputs_whole(gpt16):
+    """The caching allocator's replay (`layer_allocations`): under torch's runtime a norm's output that the products
+    save (a block's two, the head's final norm's) is allocated whole; Megatron's runtime allocates 1/t."""
+    from pipesim.planning.estimate import layer_allocations
+
+    t, whole = 4, B * S * H * 2
+    made = {runtime: layer_allocations(gpt16, Parallelism(tensor=t, sequence_parallel=True, tp_runtime=runtime))
+            for runtime in ("megatron", "torch")}
+    for runtime, each in (("megatron", whole // t), ("torch", whole)):
+        for index in (1, 3):
+            forward = dict(made[runtime][index].passes["fwd"])
+            gathered = [forward[number] for _, number in gpt16.layers[index].sequence_inputs]
+            assert gathered == [each] * (2 if index == 1 else 1)
+
+
+LLAMA = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                    "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 256,
+                    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False})
+
+
+def test_a_torchtitan_style_last_stage_saves_its_heads_gathered_input_whole(tmp_path):
+    """A Llama's head as torchtitan runs it under DTensor (t = 2, sequence parallel, loss_parallel, two stages): the
+    head's product reads the final norm, a layer of its own, so its forward gathers its input, 2 samples x 32
+    tokens x 64 in bf16 = 8,192 bytes, and saves it whole: 4,096 more on the last stage than Megatron's runtime's
+    half, and in the allocator's replay a whole storage of its own made as the head's forward begins."""
+    pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from pipesim.planning.estimate import layer_allocations
+    from pipesim.workload.count import count_built
+
+    (tmp_path / "config.json").write_text(LLAMA)
+    args = ("estimate", "--gpu", "h100-sxm", "--model", f"hf:{tmp_path}", "--seq-len", 32, "-b", 2, "--attention",
+            "flash", "--tensor-parallel", 2, "--sequence-parallel", "--loss-parallel", "-p", 2)
+    parts = {}
+    for runtime in ("megatron", "torch"):
+        code, _, err = pipesim(*args, "--tp-runtime", runtime, "--out", tmp_path / f"{runtime}.json")
+        assert code == 0, err
+        parts[runtime] = [stage["activation_parts"] for stage in
+                          json.loads((tmp_path / f"{runtime}.json").read_text())["stages"]]
+    whole = 2 * 32 * 64 * 2
+    block_inputs = 2 * (whole - whole // 2)  # each stage's block: its attention's and its MLP's gathered inputs
+    assert parts["torch"][0]["other"] == parts["megatron"][0]["other"]
+    assert parts["torch"][1]["other"] - parts["megatron"][1]["other"] == whole - whole // 2
+    for stage in (0, 1):
+        added = sum(parts["torch"][stage].values()) - sum(parts["megatron"][stage].values())
+        assert added == block_inputs + (whole - whole // 2 if stage else 0)
+    counted = count_built(f"hf:{tmp_path}", {"seq_len": 32}, 2, torch.bfloat16, "flash", loss_parallel=True)
+    head = counted.layers[-1]
+    assert [number for _, number in head.sequence_inputs] == [-1]  # the layer's input: the final norm's output
+    made = {runtime: layer_allocations(counted, Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime))[-1]
+            for runtime in ("megatron", "torch")}
+    (number, nbytes), *rest = made["torch"].passes["fwd"]
+    assert (nbytes, tuple(rest), made["torch"].saved - made["megatron"].saved) == (
+        whole, made["megatron"].passes["fwd"], {number})

@@ -754,6 +754,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         weight_grad_outputs=_weight_grad_outputs(products),
         weight_grad_routed=tuple(routed for *_, routed in products),
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
+        sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
@@ -778,6 +779,17 @@ def _weight_grad_outputs(products: list[_Product]
     whether another product reads its input too."""
     readers = Counter(id(storage) for _, _, storage, _ in products)
     return tuple((shape, nbytes, readers[id(storage)] > 1) for shape, nbytes, storage, _ in products)
+
+
+def _sequence_inputs(saved: dict[int, _Save], live: _LiveBytes) -> tuple[tuple[int, int], ...]:
+    """`LayerCount.sequence_inputs` of a forward's `saved` storages, `live` its allocations: those a product alone
+    saves that a norm made (its "layernorm" region, `_Regions`) or that the layer was given (not made inside)."""
+    inputs = []
+    for i, (key, save) in enumerate(saved.items()):
+        number = live.known.get(key, -1)
+        if save.linear == "only" and (number < 0 or "layernorm" in live.region_kinds.get(number, ())):
+            inputs.append((i, number))
+    return tuple(inputs)
 
 
 def _region_fields(regions: _Regions, live: _LiveBytes, saved: dict[int, Any]) -> dict[str, dict]:
