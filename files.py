@@ -1,11 +1,13 @@
 """Reading the files users give: one-line errors that name the file and the first field that is wrong.
 
-A leaf like `units`: the catalogue, the profile schema and the sweep's grid read their files through it, so every
-file a user hands pipesim fails the same way."""
+A leaf like `units`: the catalogue, the profile schema, the sweep's grid, cluster, graph, trace and study results
+files are read through it, so every file a user hands pipesim fails the same way."""
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +19,27 @@ def read_toml(path: Path, error: type[Exception], prefix: str = "") -> dict:
         import tomllib
     else:
         import tomli as tomllib
+    return _read(path, error, tomllib.loads, tomllib.TOMLDecodeError, "TOML", prefix, str(path))
+
+
+def read_json(path: str | Path, error: type[Exception], what: str) -> Any:
+    """The JSON document at `path`; an unreadable, non-UTF-8 or invalid file raises `error` naming it as `what`
+    (e.g. "cluster file")."""
+    return _read(path, error, json.loads, json.JSONDecodeError, "JSON", "", f"{what} {path}")
+
+
+def _read(path: str | Path, error: type[Exception], loads: Callable[[str], Any], invalid: type[Exception],
+          language: str, prefix: str, named: str) -> Any:
+    """The text at `path` parsed by `loads`; where it cannot be read, is not UTF-8 or `loads` raises `invalid`,
+    `error` led by `prefix` and naming the file as `named`."""
     try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise error(f"{prefix}cannot read {path}: {exc.strerror}") from None
+        raise error(f"{prefix}cannot read {named}: {exc.strerror}") from None
     except UnicodeDecodeError:
-        raise error(f"{prefix}{path} is not a text (UTF-8) file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise error(f"{prefix}{path} is not valid TOML: {exc}") from None
+        raise error(f"{prefix}{named} is not a text (UTF-8) file") from None
+    except invalid as exc:
+        raise error(f"{prefix}{named} is not valid {language}: {exc}") from None
 
 
 def first_error(exc: Any) -> str:

@@ -12,7 +12,6 @@ The profiler writes one file per rank (`tensorboard_trace_handler`), which names
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import read_json
 from ..schedules.ir import Kind
 from ..schedules.torch_csv import parse_torch_action
 from ..traces.trace import Ops, Stream, Trace, TraceError
@@ -30,12 +30,7 @@ _OPT = re.compile(r"PP:(\d+)OPT")
 
 def _actions(path: Path, fallback_rank: int) -> tuple[int, list[tuple[Kind, int, int, float, float]]]:
     """The rank a profiler file belongs to and its actions: (kind, stage, micro-batch, start µs, duration µs)."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise TraceError(f"cannot read torch profiler trace {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TraceError(f"torch profiler trace {path} is not valid JSON: {exc}") from None
+    doc = read_json(path, TraceError, "torch profiler trace")
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
     if not isinstance(events, list):
         raise TraceError(f"{path}: not a Chrome trace (no traceEvents list)")

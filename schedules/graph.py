@@ -7,10 +7,10 @@ small JSON file or from the built-in two-branch model.
 
 from __future__ import annotations
 
-import json
 from functools import cache
 from pathlib import Path
 
+from ..files import read_json
 from .ir import Schedule, ScheduleError, StageGraph
 from .methods import Method, ScheduleParams, flushed_1f1b, make_schedule
 
@@ -55,12 +55,7 @@ def graphpipe(params: ScheduleParams) -> Schedule:
 def load_graph(path: Path) -> tuple[StageGraph, tuple[int, ...]]:
     """A stage DAG and its placement from JSON: {"stages": n, "edges": [[from, to], ...], "placement":
     [device of stage 0, ...]} (placement optional: stage s on device s; one stage per device)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ScheduleError(f"graph file {path}: cannot read it ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ScheduleError(f"graph file {path}: not JSON ({exc})") from None
+    doc = read_json(path, ScheduleError, "graph file")
     if not isinstance(doc, dict) or "stages" not in doc or set(doc) - {"stages", "edges", "placement"}:
         raise ScheduleError(f'graph file {path}: expected an object with "stages", "edges" and optionally '
                             '"placement"')

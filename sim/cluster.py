@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..files import read_json
 from ..profiles.linkfit import piecewise_ms
 from ..units import GIB, MIB
 
@@ -274,12 +274,7 @@ def load_cluster(path: str | Path) -> Cluster:
                                      f"{device.memory_gib:g}; give the same, or give it on one of them")
             return self
 
-    try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ClusterError(f"cannot read cluster file {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ClusterError(f"cluster file {path} is not valid JSON: {exc}") from None
+    raw = read_json(path, ClusterError, "cluster file")
     try:
         spec = ClusterSpec.model_validate(raw)
     except ValidationError as exc:

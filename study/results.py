@@ -4,7 +4,6 @@ table and the page show. No torch."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..files import read_json
 from ..traces.trace import write_atomic
 from .plan import Arm, RunKey, Setting
 
@@ -136,12 +136,7 @@ def open_results(path: Path, setting: Setting) -> StudyFile:
 
 
 def load_results(path: Path) -> StudyFile:
-    try:
-        document = json.loads(path.read_text())
-    except OSError as exc:
-        raise ResultsError(f"cannot read {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ResultsError(f"{path} is not JSON ({exc}): is it a study's results file?") from None
+    document = read_json(path, ResultsError, "study results file")
     try:
         study = StudyFile.model_validate(document)
     except ValidationError as exc:

@@ -224,5 +224,5 @@ def test_graph_file_and_its_errors(tmp_path):
         with pytest.raises(ScheduleError, match=message):
             load_graph(path)
     path.write_text("{")
-    with pytest.raises(ScheduleError, match="not JSON"):
+    with pytest.raises(ScheduleError, match="not valid JSON"):
         load_graph(path)

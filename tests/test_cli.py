@@ -103,7 +103,7 @@ def test_schedules_lists_methods():
     (["-s", "1f1b", "--pipelines", "2"], "pipelines must be 1"),
     (["-s", "1f1b", "--advance", "2"], "--advance applies to avgpipe only"),
     (["-s", "avgpipe", "--elastic-alpha", "0"], "--elastic-alpha"),
-    (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: graph file /no/such/graph.json: cannot read"),
+    (["-s", "graphpipe", "--graph", "/no/such/graph.json"], "--graph: cannot read graph file /no/such/graph.json"),
     (["-s", "pipedream-2bw", "-p", "8", "-m", "4"], "m >= p-1"),
     (["-s", "1f1b", "-p", "64", "-m", "100000"], "lower m (--microbatches)"),
 ])
@@ -122,6 +122,9 @@ def test_malformed_cluster_file(tmp_path):
     path.write_text("[1, 2")
     code, _, err = pipesim("simulate", "--cluster", str(path))
     assert code == 2 and "--cluster: cluster file" in err and "not valid JSON" in err
+    path.write_bytes(b"\xab\xcd")  # a traceback (UnicodeDecodeError) before files.py's read_json read it
+    code, _, err = pipesim("simulate", "--cluster", str(path))
+    assert code == 2 and err == f"error: --cluster: cluster file {path} is not a text (UTF-8) file\n"
 
 
 def test_nothing_half_written_when_one_output_is_bad(tmp_path):

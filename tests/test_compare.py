@@ -104,6 +104,9 @@ def test_the_command_prints_the_signed_iteration_time_error_and_refuses_what_it_
     (tmp_path / "bad.json").write_text('{"traceEvents": [')
     code, _, err = pipesim("compare", tmp_path / "bad.json", predicted)
     assert code == 2 and "not valid JSON" in err
+    (tmp_path / "bad.json").write_bytes(b"\xab\xcd")
+    code, _, err = pipesim("compare", tmp_path / "bad.json", predicted)
+    assert code == 2 and "is not a text (UTF-8) file" in err and "Traceback" not in err
     other = tmp_path / "o.json"
     assert pipesim("simulate", "-s", "1f1b", "-p", "4", "-m", "8", "--trace", other).code == 0
     code, _, err = pipesim("compare", other, predicted)

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..files import read_json
 from ..memory_parts import MEMORY_PARTS
 
 SCHEMA_VERSION = 2
@@ -429,14 +430,7 @@ TORCH_PROFILER_READER = ("`pipesim compare FOLDER PREDICTED` reads torch.profile
 def read_trace(path: str | os.PathLike[str]) -> Trace:
     if Path(path).is_dir():
         raise TraceError(f"{path} is a folder; give a pipesim trace file ({TORCH_PROFILER_READER})")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"trace {path} is not valid JSON: {exc}") from None
+    doc = read_json(path, TraceError, "trace")
     if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's
         raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: {TORCH_PROFILER_READER}")
     try:
