@@ -593,10 +593,14 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
     print_table(table)
     if example:
         stdout.print("Built-in example: one model (per device: forward 1 ms, backward 2 ms, 256 MiB of weights; "
-                     "update, prediction and averaging 0.1 ms; transfers 0.1 ms), split over each method's chunks. "
-                     "Try: pipesim simulate --schedule 1f1b --schedule xpipe --stages 8 --microbatches 32 "
-                     "--html t.html", highlight=False)
+                     "update, prediction and averaging 0.1 ms; transfers 0.1 ms), split over each method's chunks.",
+                     highlight=False)
+        # on a line of its own, short enough not to wrap: run on after the sentence, it broke at 80 columns, and
+        # the half a user copied ran without --stages and --microbatches
+        stdout.print(f"Try: {EXAMPLE_TRY}", highlight=False)
 
+
+EXAMPLE_TRY = "pipesim simulate -s 1f1b -s xpipe -p 8 -m 32 --html t.html"  # the built-in example's next step
 
 MEMORY_COLUMNS = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "optimizer",
                   "activations": "activations", "communication": "buffers", "runtime_buffers": "runtime",

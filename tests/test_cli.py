@@ -47,6 +47,21 @@ def test_no_arguments_runs_the_built_in_example(tmp_path, monkeypatch):
     assert (tmp_path / "pipesim-example.html").exists()
 
 
+def test_the_built_in_examples_next_command_is_one_line_at_80_columns_and_runs(tmp_path, monkeypatch):
+    """"Try: pipesim simulate --schedule 1f1b ... --stages 8 --microbatches 32 --html t.html" ran on after a
+    sentence and broke at 80 columns: the line a user copied ran without --stages and --microbatches."""
+    from pipesim.commands import common
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common.stdout, "width", 80)
+    code, out, _ = pipesim("simulate")
+    (line,) = [line for line in out.splitlines() if line.startswith("Try: ")]
+    command = line.removeprefix("Try: ").split()
+    assert code == 0 and command[:2] == ["pipesim", "simulate"] and "-m" in command and command[-2] == "--html"
+    code, out, err = pipesim(*command[1:])
+    assert code == 0 and "xpipe" in out and (tmp_path / command[-1]).exists(), err
+
+
 def test_by_default_every_method_compared_reaches_its_steady_state():
     """The issue's comparison: one mini-batch showed PipeDream and XPipe as 1F1B (same step, no staleness)."""
     default = simulate_json("-s", "pipedream", "-s", "xpipe", "-s", "1f1b", "-p", "8", "-m", "4")
