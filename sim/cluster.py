@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..files import read_json
+from ..files import first_error, read_json
 from ..profiles.linkfit import piecewise_ms
 from ..units import GIB, MIB
 
@@ -278,9 +278,7 @@ def load_cluster(path: str | Path) -> Cluster:
     try:
         spec = ClusterSpec.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(part) for part in err["loc"]) or "(top level)"
-        raise ClusterError(f"cluster file {path}: {where}: {err['msg']}") from None
+        raise ClusterError(f"cluster file {path}: {first_error(exc)}") from None
 
     def to_link(s: LinkSpec, resource: str | None) -> Link:
         bandwidth = s.bandwidth_gb_per_s * 1e9 / 1e3 if s.bandwidth_gb_per_s else math.inf

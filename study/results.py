@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..files import read_json
+from ..files import first_error, read_json
 from ..traces.trace import write_atomic
 from .plan import Arm, RunKey, Setting
 
@@ -140,9 +140,7 @@ def load_results(path: Path) -> StudyFile:
     try:
         study = StudyFile.model_validate(document)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "top level"
-        raise ResultsError(f"{path} is not a pipesim study results file: {where}: {error['msg']}") from None
+        raise ResultsError(f"{path} is not a pipesim study results file: {first_error(exc)}") from None
     try:
         Setting(**study.setting)
     except TypeError as exc:

@@ -142,7 +142,7 @@ def test_memory_of_ranks_on_one_gpu_is_checked_with_the_sum_of_their_peaks(tmp_p
     ([{"name": "r0", "compute": 0}], "devices.0.compute: Input should be a valid string"),
     ([{"name": "r0", "compute": ""}], "devices.0.compute: String should have at least 1 character"),
     ([{"name": "r0", "compute": "gpu0", "memory_gib": 80}, {"name": "r1", "compute": "gpu0", "memory_gib": 40}],
-     "r0 and r1 share compute 'gpu0', so they share its memory, but give memory_gib 80 and 40"),
+     "json: devices: r0 and r1 share compute 'gpu0', so they share its memory, but give memory_gib 80 and 40"),
 ])
 def test_bad_shared_compute_exits_2_with_one_line(tmp_path, devices, fragment):
     path = write(tmp_path, {"devices": devices})
