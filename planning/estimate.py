@@ -1516,8 +1516,8 @@ def paired_passes(priced: LayerEstimate, routed: LayerEstimate, all_to_all_fwd_m
 
 @dataclass(frozen=True)
 class _HostIssue:
-    """A layer's passes as the host issues them (`pass_kernels`, by pass; none where no layer of the model makes the
-    host wait), beside the dispatcher's multiprocessors (`sharing`, where it holds some), and its overlapped pair's
+    """A layer's passes as the host issues them (`pass_kernels`, by pass), beside the dispatcher's multiprocessors
+    (`sharing`, where it holds some), and its overlapped pair's
     passes (`paired_passes`, where its experts run on ranks of their own), which `_with_host_waits` prices."""
 
     kernels: dict[str, list[Kernels]]
@@ -1528,9 +1528,10 @@ class _HostIssue:
 
 def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits: bool) -> list[LayerProfile]:
     """The layers' passes, priced on the GPU, with the GPU's waits for the host where a layer makes it wait
-    (planning/host.py `carried_waits_ms`: over the model's layers in their order, so that a layer's price does not
-    depend on the stage cut, which the simulator may change; each pass's issue kept, `pass_issue`, for a stage to
-    compose its own, profiles/schema.py `stage_host_waits_ms`), and each overlapped pair's exposure beyond them."""
+    (`waits`; planning/host.py `carried_waits_ms`: over the model's layers in their order, so that a layer's price
+    does not depend on the stage cut, which the simulator may change), each pass's issue kept (`pass_issue`) for a
+    stage to compose its own or floor its passes by (profiles/schema.py `stage_host_waits_ms`), and each overlapped
+    pair's exposure beyond them."""
     def carried(passes: list[dict[str, list[Kernels]]], names: Sequence[str]) -> dict[str, list[float]]:
         return {name: carried_waits_ms([kernels[name] for kernels in passes], name != "fwd") if waits
                 else [0.0] * len(layers) for name in names}
@@ -1551,10 +1552,9 @@ def _with_host_waits(layers: list[LayerProfile], issues: list[_HostIssue], waits
     for i, (layer, issue) in enumerate(zip(layers, issues, strict=True)):
         times = {name: getattr(layer, name).median_ms + waited[name][i] for name in PASSES}
         update: dict[str, Any] = {name: _timing(ms) for name, ms in times.items()}
-        if waits:
-            update["host_issue"] = {name: mapped(issue.kernels[name], waited[name][i]) for name in PASSES}
-            update["host_issue"] |= {f"{name}_sharing": PassIssue(idle_ms=0.0, slack_ms=0.0) if sharing is None
-                                     else mapped(issue.sharing[name], sharing[name][i]) for name in ("fwd", "bwd")}
+        update["host_issue"] = {name: mapped(issue.kernels[name], waited[name][i]) for name in PASSES}
+        update["host_issue"] |= {f"{name}_sharing": PassIssue(idle_ms=0.0, slack_ms=0.0) if sharing is None
+                                 else mapped(issue.sharing[name], sharing[name][i]) for name in ("fwd", "bwd")}
         if sharing is not None:
             update |= {"fwd_sharing_ms": layer.fwd_sharing_ms + sharing["fwd"][i],
                        "bwd_sharing_ms": layer.bwd_sharing_ms + sharing["bwd"][i]}
@@ -1851,10 +1851,10 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             does: `waits`), else 0."""
             return {name: issued_ms(passes[name]) if synced else 0.0 for name in PASSES}
 
-        passes = kernels(priced, PASSES) if waits else {}
+        passes = kernels(priced, PASSES)
         experts_passes = kernels(routed, PASSES) if routed is not None and synced else {}
         issues.append(_HostIssue(
-            passes, None if shared is None or not waits else kernels(shared, ("fwd", "bwd")),
+            passes, None if shared is None else kernels(shared, ("fwd", "bwd")),
             None if routed is None else paired_passes(priced, routed, all_to_all_fwd_ms, all_to_all_bwd_ms,
                                                       issued(passes), issued(experts_passes)),
             synced and parallel.token_dispatcher == "deepep"))

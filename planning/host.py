@@ -1,21 +1,29 @@
-"""Host-bound execution: the host's issue of a MoE layer's kernels after the device-to-host synchronisation a
-dropless mixture of experts' dispatcher makes once per MoE layer's forward.
+"""Host-bound execution: the host's issue of a pass's kernels, a floor on every pass, and after the device-to-host
+synchronisation a dropless mixture of experts' dispatcher makes once per MoE layer's forward, priced in their order.
 
-The GPU runs kernels in the order the host issues them, and the host issues them asynchronously, so it runs ahead
-of the GPU and its time stays hidden (a queue of issued kernels waits on the GPU) until something makes it wait for
-the GPU. Megatron-core's dropless token dispatchers do, once per MoE layer's forward: they need the tokens each
+The GPU runs kernels in the order the host issues them, and the host issues them asynchronously (CUDA C++
+Programming Guide, "Asynchronous Concurrent Execution": a launch returns to the host before the kernel completes; a
+stream runs its kernels in issue order), so it runs ahead of the GPU and its time stays hidden (a queue of issued
+kernels waits on the GPU) as long as it issues faster than the GPU runs. Where it does not, the queue drains and
+the GPU runs at the host's pace, synchronisation or none: so every pass of a stage takes at least its kernels'
+issue (`issued_ms`: their module calls' Python and each kernel's issue, as priced below). Where nothing makes its
+host wait for the GPU, a stage's pass takes the longer of its GPU time and its issue (profiles/schema.py
+`stage_host_waits_ms`), not the recursion below from an empty queue: nothing empties the queue at the pass's start
+then, and the host's lead there is not counted either way (it runs ahead through the step's bubbles and the passes
+the GPU outlasts it in), so only the two totals bind; ordering penalties (host-heavy kernels before GPU-heavy ones)
+need the empty queue a synchronisation leaves, which `--p2p-sync` makes at each received pass. Megatron-core's
+dropless token dispatchers make the host wait for the GPU once per MoE layer's forward: they need the tokens each
 expert receives on the host to size the all-to-all and the grouped products (megatron/core/transformer/moe/
 token_dispatcher.py at Megatron-LM d98e8a64dd: the all-to-all dispatcher's `_maybe_dtoh_and_synchronize` copies
 the split sizes to the host and waits on its event, at "before_ep_alltoall" with expert parallelism; the flex
 dispatcher's DeepEP path `tokens_per_expert.sum().item()`; HybridEP "sizes buffers dynamically (CPU sync in
 dispatch)" unless `moe_expert_rank_capacity_factor` gives it a budget). None waits when the experts' input is
 padded to its capacity (`moe_pad_expert_input_to_capacity`: the sizes are known on the host), pipesim's
-`--capacity-factor`. A dense model waits for nothing (a dense layer's kernels after a MoE layer's synchronisation
-are issued in its segment).
+`--capacity-factor`; nor does a dense model, whose passes only the floor above binds (a dense layer's kernels
+after a MoE layer's synchronisation are issued in its segment).
 
 After a synchronisation the GPU's queue is empty, so until the host is ahead again the GPU runs a kernel only once
-the host has issued it (CUDA C++ Programming Guide, "Asynchronous Concurrent Execution": a launch returns to the host
-before the kernel completes; a stream runs its kernels in issue order). So a pass is priced in its kernels' order
+the host has issued it (the same guide's asynchronous launch). So a pass is priced in its kernels' order
 (`waited_ms`, a max-plus recursion): the host issues kernel k at H_k, the cumulative host cost of kernels 1..k
 (module calls' Python where they are issued), the GPU starts it at the later of H_k and its end of kernel k-1 and
 ends it its GPU time later; the all-to-alls are GPU time the host issues under. Host-heavy kernels (a GroupedLinear's
@@ -50,8 +58,9 @@ issued at the per-kernel cost (`_module_calls` says which calls a layer makes an
 CUDA graph issues as one (each would issue fewer), a recomputed forward's own synchronisation, TransformerEngine's
 norms, RoPE, router and permutation functions beyond their kernels' issue, and the synchronisation's own round
 trip. Megatron-core's overlapped pair (`--overlap-expert-comm`, planning/experts.py `paired_exposed_ms`) keeps its
-own node-by-node max-plus of the two passes, each node's issue as one lump (`issued_ms`) of the kernels its layer's
-passes are priced by, the recomputation's rerun included."""
+own node-by-node max-plus of the two passes where its layer synchronises, each node's issue as one lump
+(`issued_ms`) of the kernels its layer's passes are priced by, the recomputation's rerun included; elsewhere it
+runs the stage's passes, floored by their issue as any."""
 
 from __future__ import annotations
 

@@ -63,6 +63,7 @@ import pickle
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -2210,7 +2211,7 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     # an activation and a gradient in transfer at each boundary: into the stage's first layer, out of its last
     boundary = 2 * np.concatenate([[0], sent])  # [i]: what layer i receives (and its gradient), as layer i-1 sends
     buffers = boundary[:, None] + boundary[None, :]
-    each = profile_costs(profile, optimizer, range(len(layers) + 1))  # every layer a stage of its own
+    each = profile_costs(_own_times(profile), optimizer, range(len(layers) + 1))  # every layer a stage of its own
 
     @cache
     def summed_ms(pipelines: int) -> np.ndarray:
@@ -2239,7 +2240,8 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     def stage_ms(bounds: list[int], pipelines: int) -> np.ndarray:
         """[k, kind]: each layer's own F, B, I and W summed over stage k's layers, with stage 0's I empty and its
         W its whole B, as a first stage's are: no more than the stage's own costs (`profile_costs`: those are
-        additive over a cut), which the search prices only if this bound comes up. The rest count for nothing
+        additive over a cut, its host's waits beyond them at least 0: `_own_times`), which the search prices only
+        if this bound comes up. The rest count for nothing
         (a stage's updates share out its measured ones by bytes: their total is the layers', not each stage's)."""
         table = np.zeros((len(bounds) - 1, NUM_COMPUTE_KINDS))
         passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
@@ -2249,6 +2251,26 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
 
     split.stage_ms = stage_ms
     return split
+
+
+_OWN_TIMES: dict[int, Profile] = {}  # `_own_times`, by the profile's identity, kept while it lives
+
+
+def _own_times(profile: Profile) -> Profile:
+    """The profile with each layer's passes at its own times, without the issue a stage composes its host's waits
+    from (profiles/schema.py `stage_host_waits_ms`): a layer as a stage of its own would wait for its host from its
+    own start, or run no faster than its own issue, and a stage of several waits no more than its layers so, so
+    their sum would bound it from above. Its own times hold no more than a stage waits: none where nothing
+    synchronises (a stage's waits then are at least 0), else the waits carried from the model's start, which a
+    stage starting from an emptier queue does not undercut (`PassIssue`'s map is monotone in the lead), though a
+    stage none of whose layers synchronises, in a model some of whose do, may. Made once per profile, which is
+    immutable."""
+    key = id(profile)
+    if key not in _OWN_TIMES:
+        _OWN_TIMES[key] = profile.model_copy(update={"layers": [layer.model_copy(update={"host_issue": None})
+                                                                for layer in profile.layers]})
+        weakref.finalize(profile, _OWN_TIMES.pop, key, None)
+    return _OWN_TIMES[key]
 
 
 def _ops_per_step(schedule: Schedule) -> np.ndarray:

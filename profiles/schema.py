@@ -85,13 +85,13 @@ COUNT_BYTES = 8  # per routed expert, a mixture-of-experts layer's exchange of h
 
 
 class PassIssue(_Strict):
-    """A layer's pass as its host issues it where its model's dropless MoE layers make the host wait
-    (planning/host.py `pass_issue`), as a function of the lead it starts with (how many ms the GPU's queue is ahead
-    of the host): the GPU waits max(0, `idle_ms` - lead) for the host up to the pass's first synchronisation (or
-    its end) and is then max(lead, `idle_ms`) + `slack_ms` ahead; where the pass synchronises it waits
-    `after_idle_ms` more, from the queue the synchronisation emptied, and ends `after_lead_ms` ahead, whatever the
-    lead. `carried_ms`: the wait the layer's own times hold (the queue carried over the model's layers), which a
-    stage's times replace by its own pass's (`stage_host_waits_ms`)."""
+    """A layer's pass as its host issues it (planning/host.py `pass_issue`), as a function of the lead it starts
+    with (how many ms the GPU's queue is ahead of the host): the GPU waits max(0, `idle_ms` - lead) for the host up
+    to the pass's first synchronisation (or its end) and is then max(lead, `idle_ms`) + `slack_ms` ahead (a pass
+    that never waits: its GPU time less its issue); where the pass synchronises it waits `after_idle_ms` more, from
+    the queue the synchronisation emptied, and ends `after_lead_ms` ahead, whatever the lead. `carried_ms`: the wait
+    the layer's own times hold (the queue carried over the model's layers), which a stage's times replace by its own
+    pass's (`stage_host_waits_ms`)."""
 
     idle_ms: float = Field(ge=0)
     slack_ms: float
@@ -167,7 +167,7 @@ class LayerProfile(_Strict):
     fwd_sharing_ms: float = Field(0.0, ge=0)
     bwd_sharing_ms: float = Field(0.0, ge=0)
     # By pass (its four, and fwd_sharing and bwd_sharing: its forward and backward beside a dispatcher's
-    # all-to-alls), its issue where its model's layers make the host wait (None: they never do, or measured)
+    # all-to-alls), its issue (None: measured, or estimated before it was recorded)
     host_issue: dict[str, PassIssue] | None = None
     # How long one of its forward and backward products runs where they run persistent CTAs, their times' mean
     # weighted by their times (an estimate's, planning/estimate.py `persistent_product_ms`); 0: none or not known
@@ -659,20 +659,21 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
 
 def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name: str, p2p_sync: bool = False) -> float:
     """What a stage's pass `name` (a key of `LayerProfile.host_issue`) waits for its host beyond the waits its
-    layers' times hold (`PassIssue`): each stage is a process of its own, whose host waits only where one of its
-    own layers synchronises, so a stage none of whose layers does waits for nothing, and one that does starts each
-    pass with its host not ahead, each layer from the queue the one before it left (the backward's last layer first).
-    `p2p_sync`: its runtime synchronises the device after each exchange with another stage (Megatron-core's
-    batched point-to-point, `_communicate` under batch_p2p_comm and batch_p2p_sync; docs/hardware.md,
-    "Host-bound execution"), so a pass whose input it receives (a forward but the first stage's, a backward but
-    the last's) starts so too, whether or not its layers synchronise."""
+    layers' times hold (`PassIssue`; planning/host.py says why): each stage is a process of its own, whose host
+    waits for the GPU only where one of its own layers synchronises, and then starts each pass with its host not
+    ahead, each layer from the queue the one before it left (the backward's last layer first). A pass that nothing
+    synchronises runs in no less than its layers' issue: it waits for the host as long as their issue outlasts their
+    GPU time. `p2p_sync`: its runtime synchronises the device after each exchange with another stage
+    (Megatron-core's batched point-to-point, `_communicate` under batch_p2p_comm and batch_p2p_sync;
+    docs/hardware.md, "Host-bound execution"), so a pass whose input it receives (a forward but the first stage's,
+    a backward but the last's) starts so too, whether or not its layers synchronise."""
     issues = [layer.host_issue for layer in layers[start:stop]]
     if any(issue is None for issue in issues):
         return 0.0
     carried = math.fsum(issue[name].carried_ms for issue in issues)
     received = p2p_sync and (start > 0 if name.startswith("fwd") else stop < len(layers))
     if not received and not any(issue["fwd"].synchronises for issue in issues):
-        return -carried
+        return max(0.0, -math.fsum(issue[name].slack_ms for issue in issues)) - carried
     lead = 0.0
     waited = []
     for issue in issues if name.startswith("fwd") else reversed(issues):

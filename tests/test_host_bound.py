@@ -1,7 +1,7 @@
 """Host-bound execution (planning/host.py): after a dropless MoE dispatcher's device-to-host synchronisation a MoE
 layer's passes run their kernels no sooner than the host issues them, from the queue the synchronisation emptied
 (`waited_ms`, its recursion tested in test_host_order.py); a dense layer and experts padded to their capacity wait
-for nothing; bad values are one line."""
+for nothing but their stage's issue (test_host_floor.py); bad values are one line."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def layers(tmp_path, *args) -> list[dict]:
     code, _, err = pipesim("estimate", *args, "-o", out)
     assert code == 0, err
     return json.loads(out.read_text())["layers"]
+
+
+def own_times(tmp_path, *args) -> list[dict]:
+    """The layers' times and the rest, without their issue (`host_issue`), which their stages are floored by."""
+    return [{key: value for key, value in layer.items() if key != "host_issue"} for layer in layers(tmp_path, *args)]
 
 
 def test_a_moe_layers_passes_wait_for_the_host_to_issue_their_kernels(tmp_path):
@@ -46,8 +51,8 @@ def test_a_moe_layers_passes_wait_for_the_host_to_issue_their_kernels(tmp_path):
 def test_a_host_faster_than_the_gpu_and_layers_that_never_wait_are_the_gpus(tmp_path):
     """At 0.1 us a kernel the model's passes wait for their first kernel's issue alone, the embedding's (the forward)
     and the head's (each backward pass, from the queue the forward emptied), the host ahead after them; a dense
-    model and experts padded to their capacity (the sizes known on the host: no synchronisation) are the GPU's at
-    1 ms a kernel."""
+    model's layers and experts padded to their capacity (the sizes known on the host: no synchronisation) are the
+    GPU's at 1 ms a kernel (their stages take their issue: test_host_floor.py)."""
     fast, free = layers(tmp_path, *MOE, "--host-kernel-us", 0.1), layers(tmp_path, *MOE, "--host-kernel-us", 0)
     first = {"fwd": 0, "bwd": 3, "igrad": 3, "wgrad": 3, "fwd_sharing_ms": 0, "bwd_sharing_ms": 3}
     for i, (quick, gpu) in enumerate(zip(fast, free, strict=True)):
@@ -61,9 +66,10 @@ def test_a_host_faster_than_the_gpu_and_layers_that_never_wait_are_the_gpus(tmp_
         assert quick.pop("host_issue")["fwd"]["idle_ms"] >= gpu.pop("host_issue")["fwd"]["idle_ms"]
     assert fast == free
     dense = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--gpu", "h100-sxm")
-    assert layers(tmp_path, *dense, "--host-kernel-us", 1000) == layers(tmp_path, *dense, "--host-kernel-us", 0)
+    assert own_times(tmp_path, *dense, "--host-kernel-us", 1000) == own_times(tmp_path, *dense, "--host-kernel-us", 0)
     padded = (*MOE, "--capacity-factor", 1.5)
-    assert layers(tmp_path, *padded, "--host-kernel-us", 1000) == layers(tmp_path, *padded, "--host-kernel-us", 0)
+    assert own_times(tmp_path, *padded, "--host-kernel-us", 1000) == own_times(tmp_path, *padded, "--host-kernel-us",
+                                                                                0)
 
 
 def test_the_default_host_cost_binds_a_small_moe_layer_and_is_named_only_when_changed(tmp_path):
@@ -132,7 +138,8 @@ def test_each_transformer_engine_module_call_costs_the_host_twice_in_float8(tmp_
 
 def test_the_module_cost_defaults_by_the_runtime(tmp_path):
     """TransformerEngine's recipes default to 103 us a call (PR 1191's 115 us less its GEMM's issue), named only
-    when given; eager PyTorch (no recipe, torchao's) to none. A dense model never waits, at any module cost."""
+    when given; eager PyTorch (no recipe, torchao's) to none. A dense model's layers never wait, at any module
+    cost."""
     te = (*MOE, "--attention", "flash", "--dtype", "fp8", "--fp8-recipe", "te-current", "--host-kernel-us", 0)
     assert layers(tmp_path, *te) == layers(tmp_path, *te, "--host-module-us", 103)
     assert layers(tmp_path, *te) != layers(tmp_path, *te, "--host-module-us", 0)
@@ -140,7 +147,7 @@ def test_the_module_cost_defaults_by_the_runtime(tmp_path):
     assert layers(tmp_path, *eager) == layers(tmp_path, *eager, "--host-module-us", 0)
     dense = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--gpu", "h100-sxm",
              "--dtype", "fp8", "--fp8-recipe", "te")
-    assert layers(tmp_path, *dense, "--host-module-us", 10000) == layers(tmp_path, *dense, "--host-module-us", 0)
+    assert own_times(tmp_path, *dense, "--host-module-us", 10000) == own_times(tmp_path, *dense, "--host-module-us", 0)
     code, out, err = pipesim("simulate", *te, "-p", 1, "-m", 2, "-s", "1f1b", "--host-module-us", 50)
     assert code == 0, err
     assert "host module 50 us" in " ".join(out.split())

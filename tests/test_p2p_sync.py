@@ -18,7 +18,7 @@ from pipesim.profiles.schema import LayerProfile, stage_host_waits_ms
 from pipesim.schedules import METHODS
 from tests.conftest import pipesim, simulate_json
 from tests.test_dispatcher_sms import GPT as MOE
-from tests.test_host_order import _random_pass
+from tests.test_host_order import _random_pass, floor_ms
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 512, "--gpu", "h100-sxm",
@@ -28,7 +28,8 @@ DENSE = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-l
 def test_a_received_pass_starts_from_an_empty_queue_without_a_synchronising_layer():
     """Layers that never synchronise: under p2p_sync a stage's forward (but the first stage's) and backward (but the
     last stage's) compose their layers from the host not ahead, `carried_waits_ms` over its own layers; a pass it
-    receives nothing for, or any pass without p2p_sync, waits for nothing beyond what its layers' times hold."""
+    receives nothing for, or any pass without p2p_sync, only for its issue beyond its GPU time (`floor_ms`), less
+    what its layers' times hold."""
     rng = random.Random(41)
     for _ in range(40):
         count = rng.randint(2, 7)
@@ -42,26 +43,33 @@ def test_a_received_pass_starts_from_an_empty_queue_without_a_synchronising_laye
         for name, passes, received in (("fwd", forward, start > 0), ("bwd", backward, stop < count)):
             held_ms = sum(carried[name][start:stop])
             own_ms = sum(carried_waits_ms(passes[start:stop], name == "bwd"))
-            assert stage_host_waits_ms(layers, start, stop, name) == pytest.approx(-held_ms, abs=1e-9)
+            assert stage_host_waits_ms(layers, start, stop, name) == pytest.approx(
+                floor_ms(passes[start:stop]) - held_ms, abs=1e-9)
             assert stage_host_waits_ms(layers, start, stop, name, p2p_sync=True) == pytest.approx(
-                (own_ms if received else 0.0) - held_ms, abs=1e-9)
+                (own_ms if received else floor_ms(passes[start:stop])) - held_ms, abs=1e-9)
 
 
-def _stages(tmp_path: Path, *args) -> list[dict]:
+def _stages(tmp_path: Path, *args, host_kernel_us: float = 1000) -> list[dict]:
     out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
-    code, _, err = pipesim("estimate", *DENSE, *args, "-o", out)
+    code, _, err = pipesim("estimate", *DENSE[:-2], "--host-kernel-us", host_kernel_us, *args, "-o", out)
     assert code == 0, err
     return json.loads(out.read_text())["stages"]
 
 
 def test_a_dense_pipeline_waits_for_its_host_where_a_stage_receives(tmp_path):
-    """A dense model at 1 ms a kernel: without --p2p-sync its kernels stay queued and no stage waits; with it the
-    second stage's forward (after receiving the activations) and the first's backward (after receiving the
-    gradient) wait for the host's issue, and the first's forward and the last's backward do not."""
-    queued, synced = _stages(tmp_path), _stages(tmp_path, "--p2p-sync")
+    """A dense model at 5 us a kernel, near the GPU's pace: without --p2p-sync each stage's pass takes the longer of
+    its GPU time and its issue; with it the second stage's forward (after receiving the activations) and the first's
+    backward (after receiving the gradient) start from an empty queue, their host-heavy kernels before GPU-heavy
+    ones adding their times, and the first's forward and the last's backward do not. At 1 ms a kernel every pass
+    is its issue either way, the synchronisation adding its last kernel's GPU time at most."""
+    queued, synced = (_stages(tmp_path, *args, host_kernel_us=5) for args in ((), ("--p2p-sync",)))
     assert synced[0]["fwd_ms"] == pytest.approx(queued[0]["fwd_ms"], abs=1e-12)
     assert synced[1]["bwd_ms"] == pytest.approx(queued[1]["bwd_ms"], abs=1e-12)
-    assert synced[1]["fwd_ms"] > queued[1]["fwd_ms"] + 10 and synced[0]["bwd_ms"] > queued[0]["bwd_ms"] + 10
+    assert synced[1]["fwd_ms"] > 1.03 * queued[1]["fwd_ms"] and synced[0]["bwd_ms"] > 1.01 * queued[0]["bwd_ms"]
+    queued, synced = _stages(tmp_path), _stages(tmp_path, "--p2p-sync")
+    for quiet, waited in zip(queued, synced, strict=True):
+        for name in ("fwd_ms", "bwd_ms"):
+            assert quiet[name] == pytest.approx(round(quiet[name])) and 0 <= waited[name] - quiet[name] < 0.01
     code, out, err = pipesim("simulate", *DENSE[:-4], "-p", 2, "-m", 4, "-s", "1f1b", "--host-kernel-us", 1000,
                              "--p2p-sync")
     assert code == 0, err

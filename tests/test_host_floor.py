@@ -1,0 +1,99 @@
+"""A host that issues slower than the GPU runs makes it wait, synchronisation or none (planning/host.py): where
+nothing makes a stage's host wait for the GPU, each of its passes takes the longer of its GPU time and its kernels'
+issue (profiles/schema.py `stage_host_waits_ms`), in estimate's profile and so in simulate's step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import pipesim
+
+SMALL = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 128, "-b", 1,
+         "--gpu", "h100-sxm")
+BIG = ("--model", "gpt", "--layers", 2, "--width", 8192, "--heads", 64, "--seq-len", 4096, "-b", 1,
+       "--gpu", "h100-sxm")
+PASS_NAMES = ("fwd", "bwd", "igrad", "wgrad")
+
+
+def profile(tmp_path, *args) -> dict:
+    out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+    code, _, err = pipesim("estimate", *args, "-p", 2, "-o", out)
+    assert code == 0, err
+    return json.loads(out.read_text())
+
+
+def step_ms(*args) -> float:
+    code, out, err = pipesim("simulate", *args, "-p", 2, "-m", 8, "-s", "1f1b", "--json")
+    assert code == 0, err
+    return json.loads(out)["results"][0]["time_per_minibatch_ms"]
+
+
+def test_a_small_dense_models_passes_take_their_kernels_issue(tmp_path):
+    """At 1 ms and 2 ms a kernel the host outlasts this small model's GPU by far: each stage's pass is its kernel
+    count times the host's cost (the same count at both: the GPU's time hidden under the issue), where at 0 it is
+    its layers' GPU time. Its backward issues more kernels than its forward."""
+    free, slow, slower = (profile(tmp_path, *SMALL, "--host-kernel-us", us) for us in (0, 1000, 2000))
+    layers, free, slow, slower = free["layers"], free["stages"], slow["stages"], slower["stages"]
+    for stage in free:
+        start, stop = stage["layers"]
+        for name in ("fwd", "bwd"):
+            assert stage[f"{name}_ms"] == pytest.approx(sum(layer[name]["median_ms"] for layer in layers[start:stop]))
+    for gpu, host, host2 in zip(free, slow, slower, strict=True):
+        for name in PASS_NAMES:
+            kernels = host2[f"{name}_ms"] - host[f"{name}_ms"]
+            if not gpu[f"{name}_ms"]:  # the first stage's empty input-gradient pass
+                assert host[f"{name}_ms"] == host2[f"{name}_ms"] == 0.0
+                continue
+            assert kernels == pytest.approx(round(kernels)) and kernels >= 10
+            assert host[f"{name}_ms"] == pytest.approx(kernels)
+            assert gpu[f"{name}_ms"] < 0.05 * kernels
+        assert host["bwd_ms"] > host["fwd_ms"]
+
+
+def test_a_slow_host_slows_a_small_dense_models_step_by_its_issue(tmp_path):
+    """1F1B over 2 stages and 8 micro-batches: at 1 ms a kernel the busier device runs 8 forwards and backwards, each
+    its issue, so the step is at least that and grows by about it; the GPU's own step is a small part."""
+    stages = profile(tmp_path, *SMALL, "--host-kernel-us", 1000)["stages"]
+    busiest_ms = 8 * max(stage["fwd_ms"] + stage["bwd_ms"] for stage in stages)
+    free_ms, slow_ms = step_ms(*SMALL, "--host-kernel-us", 0), step_ms(*SMALL, "--host-kernel-us", 1000)
+    assert busiest_ms <= slow_ms <= 1.25 * busiest_ms + free_ms
+    assert free_ms < 0.01 * slow_ms
+    assert step_ms(*SMALL) > free_ms  # eager PyTorch's 12 us binds this small model too
+
+
+def test_a_big_models_step_is_the_gpus_at_the_default_host_cost(tmp_path):
+    """Its passes outlast their kernels' issue at 12 us a kernel: the same profile times as with the host free,
+    and the same step."""
+    free, default = (profile(tmp_path, *BIG, "--host-kernel-us", us)["stages"] for us in (0, 12))
+    assert [{name: stage[f"{name}_ms"] for name in PASS_NAMES} for stage in default] == \
+        [{name: stage[f"{name}_ms"] for name in PASS_NAMES} for stage in free]
+    assert step_ms(*BIG, "--host-kernel-us", 12) == step_ms(*BIG, "--host-kernel-us", 0)
+
+
+def test_tunes_layer_sums_stay_below_every_stage_of_a_partly_host_bound_model(tmp_path):
+    """tune bounds a stage before costing it by its layers' passes summed (planning/tune.py `_splitter`'s
+    `stage_ms`), each layer at its own times (`_own_times`): as stages of their own, the small blocks would each be
+    floored by their issue, where beside the large head (GPU-bound) a stage's floor is the totals': the sums of
+    those floors exceed the stages, which the bound must not."""
+    from pipesim.planning.scenario import profile_costs
+    from pipesim.planning.tune import _splitter
+    from pipesim.profiles.schema import load_profile
+    from pipesim.schedules import KIND_CODE, Kind
+
+    out = tmp_path / "wide-head.json"
+    code, _, err = pipesim("estimate", *SMALL, "--vocab", 200000, "--host-kernel-us", 30, "-o", out)
+    assert code == 0, err
+    measured = load_profile(out)
+    layers = len(measured.layers)
+    split = _splitter(measured, "adam")
+    passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B)]
+    floored = False
+    for cut in range(1, layers):
+        bounds = [0, cut, layers]
+        costs = profile_costs(measured, "adam", bounds).op_ms_table(1)[:, passes]
+        assert (split.stage_ms(bounds, 1)[:, passes] <= costs + 1e-12).all()
+        alone = profile_costs(measured, "adam", range(layers + 1)).op_ms_table(1)[:, passes]
+        floored |= bool((alone[cut:].sum(axis=0) > costs[1] + 1e-6).any())
+    assert floored
