@@ -12,7 +12,6 @@ from rich import box
 from rich.table import Table
 
 from ..traces.metrics import rate_text
-from ..units import count_text
 from .common import (
     Allocator,
     BlockingComm,
@@ -260,15 +259,11 @@ FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html h
 
 def _print_front(results: list, front: list[int]) -> None:
     """The Pareto fronts, one section per p, cost scale and mini-batch size, fastest first."""
-    from ..planning.sweep import front_group
+    from ..planning.sweep import front_group, ran_text
 
-    skipped = sum(r.metrics is None for r in results)
-    folded = sum(len(r.same_as) for r in results)
     table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
-                        f"mini-batch size: {len(front)} of {count_text(len(results) - skipped, 'configuration')} "
-                        "that ran "
-                        f"({skipped} skipped" + (f", {folded} more the same schedule as one of them" if folded else "")
-                        + ")", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                        f"mini-batch size: {len(front):,} of the {ran_text(results)}", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
                   if len(front) > FRONT_ROWS else None, caption_justify="left")
     table.add_column("schedule", no_wrap=True)

@@ -503,6 +503,16 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
     return fig
 
 
+def ran_text(results: Sequence[Result]) -> str:
+    """How many configurations ran, and how many more did not: skipped (a method that cannot run the shape) and
+    folded into another's row (the same schedule). "40 configurations (8 skipped, ...)" read as if 8 of the 40
+    were skipped; the grid had 56."""
+    skipped = sum(r.metrics is None for r in results)
+    folded = sum(len(r.same_as) for r in results)
+    return (f"{count_text(len(results) - skipped, 'configuration')} that ran ({skipped:,} more skipped"
+            + (f", {folded:,} more the same schedule as one of them" if folded else "") + ")")
+
+
 def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path) -> None:
     """The trade-off figure and the Pareto fronts listed below it: one self-contained offline page (plotly.js
     embedded)."""
@@ -513,7 +523,6 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
     def axis(rows: Sequence[Result], name: str) -> list:
         return [getattr(r.metrics, name) for r in rows]
 
-    ran = sum(r.metrics is not None for r in results)
     best = [results[i] for i in front]
     columns = {"configuration": [r.config.label + _also(r, ": ") for r in best],
                "cost×, m·P": [f"{r.config.cost_scale:g}, {r.config.microbatches * r.config.pipelines}"
@@ -526,9 +535,6 @@ def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: P
         cells={"values": list(columns.values()), "align": "left", "height": 26,
                "format": [None, None, ".3f", ",.0f", "d", ",.1f", ".1%"]}))
     table.update_layout(height=80 + 26 * (len(best) + 1), margin={"t": 10, "b": 10})
-    folded = sum(len(r.same_as) for r in results)
-    write_html([(f"Trade-off: time per mini-batch vs peak memory, {count_text(ran, 'configuration')} "
-                 f"({len(results) - ran} skipped"
-                 + (f", {folded} more the same schedule as one of them" if folded else "")
-                 + "), one Pareto front per p, cost scale and mini-batch size", tradeoff_figure(results, front)),
+    write_html([(f"Trade-off: time per mini-batch vs peak memory, {ran_text(results)}, one Pareto front per p, cost "
+                 "scale and mini-batch size", tradeoff_figure(results, front)),
                 (f"Pareto fronts: {count_text(len(best), 'configuration')}", table)], path, title="pipesim sweep")
