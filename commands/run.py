@@ -86,8 +86,9 @@ def run(
     schedule: Annotated[str, typer.Option(
         "--schedule", "-s", metavar="NAME", help="Method to run (see `pipesim schedules`).")],
     model: Annotated[str, typer.Option(
-        "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch (graphpipe's), or package.module:attribute naming a "
-                        "torch.nn.Sequential, a list of modules, or a zero-argument callable returning one.")],
+        "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch (graphpipe's), package.module:attribute naming a "
+                                        "torch.nn.Sequential, a list of modules, or a zero-argument callable "
+                                        "returning one, or hf:PATH with a --profile calibrated from it.")],
     trace: Annotated[Path | None, typer.Option(
         "--trace", metavar="PATH", help="Measured trace to write (Chrome Trace Event JSON; written whole, also "
                                         "for a run that stopped part-way or was interrupted, then marked "
@@ -169,6 +170,7 @@ def run(
         from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
         from ..planning.scenario import all_to_all_refusal
         from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
+        from ..workload.hfconfig import HF_PREFIX
         from ..workload.models import ModelError, build_model
 
         method = method_named(schedule)
@@ -229,6 +231,9 @@ def run(
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
                              f"{stages} devices has {built.num_stages}; calibrate with --stages "
                              f"{built.num_stages} or drop --profile")
+        if model.startswith(HF_PREFIX) and "seq_len" not in options:  # run has no --seq-len: a profile carries it
+            raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
+                             "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
         try:
             net = build_model(model, **options)  # a wrong name or option, in one line, before any rank starts
         except ModelError as exc:

@@ -222,6 +222,15 @@ def test_a_config_transformers_cannot_build_as_a_decoder_is_one_line(tmp_path, f
     assert len(err.strip().splitlines()) == 1, err
 
 
+def test_run_takes_a_configs_sequence_length_from_its_profile_and_says_so(tmp_path):
+    """run has no --seq-len, yet without a profile it asked for one ("--seq-len: give the tokens a sample of ...")."""
+    folder = write_config(tmp_path / "model", LLAMA)
+    code, out, err = pipesim("run", "-s", "1f1b", "--model", f"hf:{folder}", "-m", 2, "-n", 1)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"--model hf:{folder}: run builds a Hugging Face model at the sequence length it was calibrated at: give " \
+           "--profile" in err and "--seq-len N" in err
+
+
 def test_without_transformers_a_config_says_how_to_install_it(llama, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "transformers", None)  # its import fails as an uninstalled module's does
     out = tmp_path / "profile.json"
