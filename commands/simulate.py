@@ -207,14 +207,17 @@ def simulate(
         if schedule_file is not None:
             loaded = _schedule_file(ctx, schedule_file)
             names = [loaded.method]
+        # what the methods' rules are checked for: a schedule file's order is not the catalogue method its file
+        # may be named after (its method is the file's name), so it reads no method's options nor --p2p-sync
+        compared = [f"--schedule-file {schedule_file}"] if loaded else names
         unknown = [n for n in schedule or () if n not in METHODS]
         if unknown:
             raise InputError(unknown_names("--schedule", unknown, METHODS))
         if len(set(names)) != len(names):
             raise InputError("--schedule: each method may be given once")
         check_prediction(prediction)
-        check_method_options(ctx, names, ("--advance", "--average-every", "--elastic-alpha", "--graph",
-                                           "--prediction", "--activation-limit", "--search-seconds"))
+        check_method_options(ctx, compared, ("--advance", "--average-every", "--elastic-alpha", "--graph",
+                                              "--prediction", "--activation-limit", "--search-seconds"))
         search = search_options(activation_limit, search_seconds)
         check_writable("--html", html)
         check_writable("--trace", trace)
@@ -229,8 +232,7 @@ def simulate(
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))
-        # a schedule file's order is not a catalogue method's, whatever its file is named (`Method.p2p_sync`)
-        check_p2p_sync(p2p_synced(ctx, scenario.measured), [f"--schedule-file {schedule_file}"] if loaded else names)
+        check_p2p_sync(p2p_synced(ctx, scenario.measured), compared)
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages

@@ -356,3 +356,14 @@ def test_cli_bad_schedule_file(tmp_path, content, fragment):
 def test_blank_lines_after_the_last_rank_are_not_ranks():
     schedule = from_torch_csv("0F0,0B0\n1F0,1B0\n\n\n", "two")
     assert schedule.num_devices == 2 and schedule.placement == (0, 1)
+
+
+@pytest.mark.parametrize("name", ["xpipe", "mine"])
+def test_a_schedule_file_reads_no_methods_option_whatever_it_is_named(tmp_path, name):
+    """A file runs its order as written, and its method is its file's name: xpipe.csv took --prediction as XPipe
+    reads it, then ignored it. Each method's option is refused naming the file, as for any other name."""
+    out = tmp_path / f"{name}.csv"
+    assert pipesim("export", "-s", "1f1b", "-p", 2, "-m", 4, "--format", "torch-csv", "--out", out).code == 0
+    code, text, err = pipesim("simulate", "--schedule-file", out, "--fwd", 1, "--bwd", 2, "--prediction", "code")
+    assert code == 2 and not text and err.count("\n") == 1, err
+    assert f"--prediction applies to spectrain, pipeoptim, xpipe only, not --schedule-file {out}" in err
