@@ -54,6 +54,7 @@ from .common import (
     check_allocator,
     check_method_options,
     check_p2p_sync,
+    check_pp_runtime,
     check_prediction,
     check_writable,
     expert_overlap_options,
@@ -218,6 +219,8 @@ def simulate(
         check_prediction(prediction)
         check_method_options(ctx, compared, ("--advance", "--average-every", "--elastic-alpha", "--graph",
                                               "--prediction", "--activation-limit", "--search-seconds"))
+        check_pp_runtime(pp_runtime, p2p_synced(ctx))  # the flag's refusals before the model is counted
+        check_p2p_sync(p2p_synced(ctx), compared)  # (a --profile's, once it is read)
         search = search_options(activation_limit, search_seconds)
         check_writable("--html", html)
         check_writable("--trace", trace)

@@ -179,3 +179,12 @@ def test_a_schedule_file_is_refused_with_p2p_sync_whatever_it_is_named(tmp_path)
         code, out, err = pipesim("simulate", *DENSE[:-4], "--schedule-file", path, "--p2p-sync")
         assert code == 2 and not out and err.count("\n") == 1, err
         assert f"modelled for 1f1b only, not --schedule-file {path}: give --schedule 1f1b" in err
+
+
+def test_simulate_refuses_p2p_sync_for_a_method_it_does_not_model_before_counting_the_model():
+    """The flag's refusal needs no estimate: it comes before the model is counted, whose own refusal (heads that do
+    not divide the width) would otherwise be the line printed, after the count's seconds."""
+    code, out, err = pipesim("simulate", "--model", "gpt", "--layers", 4, "--width", 256, "--heads", 3, "--gpu",
+                             "h100-sxm", "-p", 2, "-s", "gpipe", "--p2p-sync")
+    assert code == 2 and not out and err.count("\n") == 1
+    assert "--p2p-sync: Megatron-core's synchronising exchange is modelled for 1f1b only, not gpipe" in err
