@@ -110,6 +110,7 @@ def test_schedules_lists_methods():
     (["--wgrad-fraction", "2"], "--wgrad-fraction"),
     (["--chunks", "2", "-s", "gpipe"], "gpipe places one model stage per device"),
     (["--cluster", "/no/such/cluster.json"], "--cluster: cannot read cluster file"),
+    (["-s", "1f1b", "--jitter", "0.1", "--seed", "-3"], "--seed"),  # numpy's traceback: a seed is not negative
     (["--html", "/no/such/dir/x.html"], "--html: cannot write"),
     (["--trace", "/no/such/dir/x.json"], "--trace: cannot write"),
     (["--frobnicate"], "No such option"),
