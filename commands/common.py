@@ -11,7 +11,7 @@ import inspect
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -735,6 +735,23 @@ def check_writable(flag: str, path: Path | None) -> None:
         raise InputError(f"{flag}: cannot write {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise InputError(f"{flag}: cannot write {path}: folder {folder} is not writable")
+
+
+def check_apart(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tuple[str, Path | None]] = ()) -> None:
+    """Refuse an output that names the file of another output, or of a file the command reads: the later write
+    replaced the earlier (`simulate --trace t.json --html t.json` kept the page, not the trace) or the input
+    (`view t.json --html t.json` wrote the page over its trace). Outputs written in place (a FIFO, /dev/stdout)
+    may be shared. Each (flag, path) pair names its flag, or the argument, as the user gave it."""
+    from ..traces.trace import writes_in_place
+
+    seen: dict[str, str] = {}
+    for k, (flag, path) in enumerate([*reads, *outputs]):
+        if path is None:
+            continue
+        where, written = os.path.realpath(path), k >= len(reads)
+        if written and where in seen and not writes_in_place(path):
+            raise InputError(f"{flag}: {path} is also {seen[where]}; give {flag} a file of its own")
+        seen.setdefault(where, f"{flag}'s output" if written else f"{flag}, which it reads")
 
 
 def write_error(exc: OSError) -> str:

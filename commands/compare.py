@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from .common import InputError, check_writable, fail, stderr, stdout
+from .common import InputError, check_apart, check_writable, fail, stderr, stdout
 from .tables import print_table
 
 
@@ -137,6 +137,7 @@ def compare(
 
     try:
         check_writable("--html", html)
+        check_apart([("--html", html)], [("MEASURED", measured), ("PREDICTED", predicted)])
         if measured.is_dir():
             from ..planning.torch_profile import read_torch_profile
 

@@ -31,6 +31,7 @@ from .common import (
     Stages,
     TensorParallel,
     Zero,
+    check_apart,
     check_writable,
     fail,
     flag_line,
@@ -617,6 +618,7 @@ def estimate(
 
     try:
         check_writable("--out", out)
+        check_apart([("--out", out)], [(flag_of(name), ctx.params.get(name)) for name in ("curve_from", "gpus")])
         zero = zero_stage(ctx.params)
         what = what_if(ctx)
         counted = count_what_if(what, microbatch_size)

@@ -47,6 +47,7 @@ from .common import (
     TopK,
     WgradFraction,
     Width,
+    check_apart,
     check_expert_parallel,
     check_method_options,
     check_prediction,
@@ -189,6 +190,7 @@ def run(
         check_prediction(prediction)
         check_writable("--trace", trace)
         check_writable("--html", html)
+        check_apart([("--trace", trace), ("--html", html)], [("--profile", profile)])
         options = {key: value for key, value in (("layers", layers), ("width", width), ("ffn", ffn),
                                                  ("experts", experts), ("top_k", top_k),
                                                  ("shared_experts", shared_experts), ("expert_ffn", expert_ffn),

@@ -52,6 +52,7 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
+    check_apart,
     check_method_options,
     check_p2p_sync,
     check_pp_runtime,
@@ -224,6 +225,9 @@ def simulate(
         search = search_options(activation_limit, search_seconds)
         check_writable("--html", html)
         check_writable("--trace", trace)
+        check_apart([*(("--trace", path) for path in (_output_paths(trace, names) if trace else [])), ("--html", html)],
+                    [("--profile", profile), ("--cluster", cluster), ("--graph", graph),
+                     ("--schedule-file", schedule_file)])
         if memory_view and as_json:
             raise InputError("--memory is a table; --json gives each device's breakdown as peak_memory_parts_mb: "
                              "give one")
@@ -752,6 +756,7 @@ def export(
         if fmt not in EXPORT_FORMATS:
             raise InputError(unknown_names("--format", [fmt], EXPORT_FORMATS))
         check_writable("--out", out)
+        check_apart([("--out", out)], [("--profile", profile)])
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--activation-limit", "--search-seconds"))
         search = search_options(activation_limit, search_seconds)

@@ -23,6 +23,7 @@ from .common import (
     Pipelines,
     PredictionSource,
     Stages,
+    check_apart,
     check_prediction,
     check_writable,
     fail,
@@ -99,6 +100,8 @@ def study(
     try:
         check_writable("--results", None if plot_only else results)
         check_writable("--html", html)
+        check_apart([("--results", None if plot_only else results), ("--html", html)],
+                    [("--results", results if plot_only else None)])
         if plot_only:
             saved = load_results(results)
             setting = Setting(**saved.setting)

@@ -33,6 +33,7 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
+    check_apart,
     check_p2p_sync,
     check_writable,
     expert_overlap_options,
@@ -174,6 +175,8 @@ def sweep(
     try:
         check_writable("--out", out)
         check_writable("--html", html)
+        check_apart([("--out", out), ("--html", html)],
+                    [("--grid", grid), ("--profile", profile), ("--cluster", cluster)])
         if out is not None and out.suffix not in (".csv", ".parquet"):
             raise InputError(f"--out: give a .csv or .parquet file (got {out})")
         if out is not None and out.suffix == ".parquet":

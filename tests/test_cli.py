@@ -470,3 +470,25 @@ def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice(co
     (param,) = [param for param in group.commands[command].params if param.name == name]
     text = param.get_help_record(context)[1]
     assert "efault " in text and "[default:" not in text and re.search(r"\[[\d.]*(<=)?x", text), text
+
+
+@pytest.mark.parametrize("args,refusal", [
+    (["simulate", "-s", "1f1b", "--trace", "{t}", "--html", "{t}"], "--html: {t} is also --trace's output"),
+    (["simulate", "-s", "1f1b", "--profile", "{p}", "--trace", "{p}"],
+     "--trace: {p} is also --profile, which it reads"),
+    (["view", "{t}", "--html", "{t}"], "--html: {t} is also TRACE, which it reads"),
+    (["compare", "{t}", "--html", "{t}"], "--html: {t} is also MEASURED, which it reads"),
+    (["study", "--plot-only", "--results", "{t}", "--html", "{t}"], "--html: {t} is also --results, which it reads"),
+    (["sweep", "-s", "1f1b", "--out", "{o}", "--html", "{o}"], "--html: {o} is also --out's output"),
+])
+def test_an_output_never_replaces_another_output_or_a_file_the_command_reads(tmp_path, args, refusal):
+    """`simulate --trace t.json --html t.json` kept the page and lost the trace, and `view t.json --html t.json`
+    wrote the page over the trace it drew: one line naming both, exit 2, every file as it was."""
+    names = {"t": tmp_path / "t.json", "p": tmp_path / "p.json", "o": tmp_path / "o.csv"}
+    names["t"].write_text("{}")
+    names["p"].write_text("{}")
+    before = {path: path.read_bytes() for path in tmp_path.iterdir()}
+    code, out, err = pipesim(*[arg.format(**names) for arg in args])
+    flag = refusal.split(":")[0]
+    assert code == 2 and out == "" and err == f"error: {refusal.format(**names)}; give {flag} a file of its own\n"
+    assert {path: path.read_bytes() for path in tmp_path.iterdir()} == before
