@@ -44,7 +44,8 @@ Microbatches = Annotated[int, typer.Option(
 Minibatches = Annotated[int, typer.Option(
     "--minibatches", "-n", metavar="N", min=1, help="Mini-batches (optimizer steps) N.")]
 Pipelines = Annotated[int | None, typer.Option(
-    "--pipelines", "-P", min=1, metavar="P", help="Parallel pipelines P sharing the devices (avgpipe; default 2).")]
+    "--pipelines", "-P", min=1, metavar="P", show_default=False, help="Parallel pipelines P sharing the devices "
+                                                                      "(avgpipe; default 2).")]
 Advance = Annotated[int | None, typer.Option(
     "--advance", min=0, metavar="A", help="avgpipe: forwards beyond 1F1B's warm-up before the first backward (0: "
                                           "1F1B, >= m: all forwards first). Default: AvgPipe's 2(p-k)-1 forwards "

@@ -456,7 +456,7 @@ def test_every_option_that_takes_a_value_names_it_as_its_help_explains():
 
 
 @pytest.mark.parametrize("command,name", [("simulate", "fb_hidden_fraction"), ("tune", "max_staleness"),
-                                          ("run", "microbatch_size"), ("export", "stages")])
+                                          ("run", "microbatch_size"), ("export", "stages"), ("study", "pipelines")])
 def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice(command, name):
     """"(default 8, or the profile's).  [default: 8; x>=1]": typer's default beside the words, which say more (the
     profile's b, when one is given); the range stays."""
