@@ -61,7 +61,9 @@ def test_first_last_gives_the_ends_their_blocks_and_the_stages_between_an_equal_
 
 
 def test_stage_cut_equal_blocks_cuts_the_estimate_as_megatron_does():
-    args = (*GPT, "-p", 2, "-m", 4, "-s", "1f1b")
+    """The host free: at eager PyTorch's 12 us a kernel this small model's passes are their kernels' issue
+    (planning/host.py), which the balanced cut, of the layers' GPU times, does not balance."""
+    args = (*GPT, "--host-kernel-us", 0, "-p", 2, "-m", 4, "-s", "1f1b")
     (balanced,) = simulate_json(*args)
     (blocks,) = simulate_json(*args, "--stage-cut", "equal-blocks")
     (interleaved,) = simulate_json(*GPT, "-p", 2, "-m", 4, "-s", "interleaved-1f1b", "--chunks", 2, "--stage-cut",
