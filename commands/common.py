@@ -332,7 +332,7 @@ P2pSync = Annotated[bool, typer.Option(
     "--p2p-sync", help="With --gpu: the pipeline runtime synchronises the device after each exchange between "
                        "stages (Megatron-core's batched point-to-point: batch_p2p_comm and batch_p2p_sync, which "
                        "Megatron-LM, NeMo and Megatron-Bridge set without virtual stages), so each pass a stage "
-                       "receives the input of starts with its host not ahead of the GPU; --schedule 1f1b only "
+                       "receives the input of starts with its host not ahead of the GPU; for the 1f1b schedule only "
                        "(docs/hardware.md, \"Host-bound execution\").")]
 HostKernelUs = Annotated[float | None, typer.Option(
     "--host-kernel-us", metavar="US", min=0, help="With --gpu: the host's microseconds to issue one kernel (eager "
