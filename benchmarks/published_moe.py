@@ -86,7 +86,7 @@ from pathlib import Path
 
 from published_h100 import summary
 from published_memory import fullest
-from published_runs import _rows, command_text, run_cli
+from published_runs import _rows, command_text, megatron_schedule, p2p_sync, run_cli
 from rich.table import Table
 
 from pipesim.commands.tables import print_table
@@ -236,21 +236,16 @@ class MoeRun:
     mtp_layers: int = 0  # --mtp-layers: the run's multi-token-prediction depth
 
     @property
-    def p2p_sync(self) -> bool:
-        """--p2p-sync: a pipeline without virtual stages exchanges through Megatron-core's batched point-to-point,
-        which synchronises the device after each exchange (batch_p2p_sync, True by default in ModelParallelConfig):
-        NeMo's MegatronCommOverlapCallback and Megatron-Bridge's CommOverlapConfig set batch_p2p_comm True where
-        p > 1 and v = 1 (overlap_p2p_comm, which needs it False, only with v > 1), and Megatron-LM's arguments.py
-        sets it to `not overlap_p2p_comm`, False without virtual stages (docs/hardware.md, "Host-bound execution")."""
-        return self.pipeline > 1 and self.chunks == 1
-
-    @property
     def data(self) -> int:
         return self.gpus // (self.tensor * self.pipeline)
 
     def simulate_command(self, root: Path) -> list[str]:
-        """One step as the module docstring says; `root`: the repository root, where the config is read."""
-        schedule = ["-s", "interleaved-1f1b", "--chunks", str(self.chunks)] if self.chunks > 1 else ["-s", "1f1b"]
+        """One step as the module docstring says; `root`: the repository root, where the config is read. Its
+        exchanges synchronise the device (`p2p_sync`) without virtual stages only: NeMo's MegatronCommOverlapCallback
+        and Megatron-Bridge's CommOverlapConfig set batch_p2p_comm (whose batch_p2p_sync is True by default in
+        ModelParallelConfig) where v = 1, overlap_p2p_comm, which needs it False, where v > 1, and Megatron-LM's
+        arguments.py sets it to `not overlap_p2p_comm` (docs/hardware.md, "Host-bound execution")."""
+        schedule = megatron_schedule(self.chunks)
         blocks = json.loads((root / EXAMPLES / self.preset / "config.json").read_text())["num_hidden_layers"]
         cut = self.stage_cut or ("equal-blocks" if blocks % (self.pipeline * self.chunks) == 0 else "balanced")
         dtype = ["fp8", "--fp8-recipe", self.fp8_recipe] if self.fp8_recipe else ["bf16"]
@@ -270,7 +265,7 @@ class MoeRun:
                 *(["--capacity-factor", f"{self.capacity_factor:g}"] if self.capacity_factor is not None else []),
                 *(["--token-dispatcher", self.dispatcher] if self.dispatcher else []),
                 *(["--overlap-expert-comm"] if self.a2a_overlap else []),
-                *(["--p2p-sync"] if self.p2p_sync else [])]
+                *p2p_sync(schedule, self.pipeline)]
 
 
 def bridge_runs() -> tuple[list[tuple[MoeRun, float]], list[tuple[str, str]]]:

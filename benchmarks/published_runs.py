@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipesim.cli import main as pipesim
+from pipesim.schedules import METHODS
 
 PUBLISHED = Path(__file__).resolve().parent / "published"  # the papers' tables; README.md there says how to read them
 SEQ, VOCAB = 2048, 51200
@@ -74,12 +75,23 @@ class Run:
         race condition when using batch_isend_irecv()": megatron/p2p_communication.py `_communicate` from
         78cf869fc2, March 2021, on; at cbad126a84 and cfd2e21607, April 2022), interleaved too; pipesim models it
         for 1F1B only (`Method.p2p_sync`: the interleaved schedule synchronises after each forward-backward pair)."""
-        schedule = ["-s", "interleaved-1f1b", "--chunks", str(self.chunks)] if self.chunks > 1 else ["-s", "1f1b"]
+        schedule = megatron_schedule(self.chunks)
         data = ["--data-parallel", str(self.data), "--reduce-after-flush"] if self.data > 1 else []
-        synced = ["--p2p-sync"] if self.pipeline > 1 and self.chunks == 1 else []
         return ["simulate", *self.estimate_flags(sequence_parallel, recompute), "-p", str(self.pipeline),
-                "-m", str(self.microbatches), *data, *schedule, "--blocking-comm", *synced, "--stage-cut",
-                "equal-blocks"]
+                "-m", str(self.microbatches), *data, *schedule, "--blocking-comm",
+                *p2p_sync(schedule, self.pipeline), "--stage-cut", "equal-blocks"]
+
+
+def megatron_schedule(chunks: int) -> list[str]:
+    """Megatron's schedule for `chunks` model chunks per device: 1F1B, or its interleaved schedule past one."""
+    return ["-s", "interleaved-1f1b", "--chunks", str(chunks)] if chunks > 1 else ["-s", "1f1b"]
+
+
+def p2p_sync(schedule: list[str], pipeline: int) -> list[str]:
+    """`--p2p-sync` for a Megatron run of `schedule` (`megatron_schedule`) whose device synchronises after each
+    exchange, where pipesim models that for the schedule's method (`Method.p2p_sync`) and there are stages to
+    exchange between (`pipeline` > 1)."""
+    return ["--p2p-sync"] if pipeline > 1 and METHODS[schedule[1]].p2p_sync else []
 
 
 def command_text(args: list[str]) -> str:

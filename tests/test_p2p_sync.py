@@ -83,7 +83,8 @@ def test_p2p_sync_without_an_estimate_is_one_line():
 
 def test_the_moe_rows_synchronise_exactly_where_their_pipeline_has_no_virtual_stages():
     """NeMo's and Megatron-Bridge's comm-overlap configs set batch_p2p_comm where p > 1 and v = 1 and overlap the
-    exchanges unbatched with virtual stages; Megatron-LM's arguments.py the same (`MoeRun.p2p_sync`)."""
+    exchanges unbatched with virtual stages; Megatron-LM's arguments.py the same (published_moe.py
+    `MoeRun.simulate_command`)."""
     rows = json.loads((REPO / "benchmarks" / "published_moe.json").read_text())["rows"]
     for row in rows:
         args = shlex.split(row["command"])
