@@ -935,8 +935,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     if flags.get("reduce_after_flush") and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
         raise InputError("--reduce-after-flush times the gradient all-reduce of data-parallel replicas: give "
                          "--data-parallel 2 or more")
-    pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"),
-                                  "--p2p-sync" if flags.get("p2p_sync") else None)
+    pp_runtime = check_pp_runtime(flags.get("pp_runtime", "pipesim"), p2p_synced(ctx))
     optimizer_buckets = flags.get("optimizer_buckets", "megatron")
     if optimizer_buckets not in OPTIMIZER_BUCKETS:
         raise InputError(choose_from("--optimizer-buckets", OPTIMIZER_BUCKETS, optimizer_buckets))
