@@ -9,7 +9,6 @@ simulator reads profiles without importing it.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -19,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..choices import choose_from
-from ..files import first_error
+from ..files import first_error, read_json
 from ..memory_parts import SAVED_PARTS
 from ..units import count_text
 from .partition import LayerCost, product_mean_ms, stage_activation_bytes, stage_memory_bytes
@@ -876,12 +875,7 @@ def _shared_steps(profile: Profile, shares: Sequence[float], optimizers: Sequenc
 
 def load_profile(path: str | Path) -> Profile:
     """Read and check a profile; ProfileError names the file and the first field that is wrong."""
-    try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"profile {path} is not valid JSON: {exc}") from None
+    raw = read_json(path, ProfileError, "profile")
     if not isinstance(raw, dict) or "schema_version" not in raw:
         raise ProfileError(f"profile {path}: schema_version: missing (is this a pipesim calibrate profile?)")
     if raw["schema_version"] not in SUPPORTED_VERSIONS:

@@ -387,9 +387,18 @@ def test_simulate_refuses_flags_the_profile_fixes(mlp_profile, args, fragment):
     assert code == 2 and fragment in err and err.strip().count("\n") == 0
 
 
-def test_missing_profile_file(tmp_path):
-    code, _, err = pipesim("simulate", "--profile", tmp_path / "none.json")
-    assert code == 2 and "cannot read profile" in err
+def test_unreadable_profile_file(tmp_path):
+    """A missing, non-JSON or non-UTF-8 profile is one line naming --profile (files.py `read_json`)."""
+    path = tmp_path / "p.json"
+    code, _, err = pipesim("simulate", "--profile", path)
+    assert code == 2 and err.startswith(f"error: --profile: cannot read profile {path}: ") and err.count("\n") == 1
+    path.write_text("{")
+    code, _, err = pipesim("simulate", "--profile", path)
+    assert code == 2 and err.startswith(f"error: --profile: profile {path} is not valid JSON: ")
+    assert err.count("\n") == 1
+    path.write_bytes(b"\xab\xcd")
+    code, _, err = pipesim("simulate", "--profile", path)
+    assert code == 2 and err == f"error: --profile: profile {path} is not a text (UTF-8) file\n"
 
 
 @pytest.mark.slow
