@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..files import read_json
+from ..files import first_error, read_json
 from ..memory_parts import MEMORY_PARTS
 
 SCHEMA_VERSION = 2
@@ -181,10 +181,8 @@ class TraceMeta:
             raise TraceError(f"pipesim header: meta: unknown field {unknown[0]!r}")
         try:
             return TypeAdapter(cls).validate_json(json.dumps(doc), strict=True)  # JSON types, no coercion
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(map(str, err["loc"]))
-            raise TraceError(f"pipesim header: meta.{where}: {err['msg']}") from None
+        except ValidationError as exc:  # a field's error: its loc names it (`doc` is an object)
+            raise TraceError(f"pipesim header: meta.{first_error(exc)}") from None
 
 
 @dataclass(eq=False)
