@@ -1772,9 +1772,11 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if parallel.pipeline > len(counted.layers):
         raise EstimateError(f"pipeline: {parallel.pipeline} stages for a model of {len(counted.layers)} layers")
     if parallel.scores_buffer and counted.attention != "math":
-        raise EstimateError("{scores_buffer}: the buffer Megatron-LM's unfused attention keeps beside its scores, "
-                            + ("and the model has no attention" if counted.attention is None else
-                               f"and the model was counted with {counted.attention} attention: count it with math"))
+        raise EstimateError("{scores_buffer} keeps the buffer Megatron-LM's unfused attention ({attention} math) "
+                            "computes its scores beside; " + (
+                                "this model has no attention: drop {scores_buffer}" if counted.attention is None else
+                                f"the model was counted with {counted.attention} attention: count it with "
+                                "{attention} math"))
     if parallel.context > 1:
         _check_context(counted, parallel.context)
     placement = node_placement(gpu, cluster, curve)

@@ -71,6 +71,13 @@ def test_a_fused_attention_is_refused_in_one_line():
     assert code == 2 and "--scores-buffer" in err and "give --attention math" in err and len(err.splitlines()) == 1
 
 
+def test_a_model_without_attention_is_refused_in_one_line_naming_what_takes_the_flag():
+    code, out, err = pipesim("simulate", "--gpu", "a100-sxm-80gb", "--model", "mlp", "-p", "2", "--scores-buffer")
+    assert code == 2 and not out and err == (
+        "error: --scores-buffer keeps the buffer Megatron-LM's unfused attention (--attention math) computes its "
+        "scores beside; this model has no attention: drop --scores-buffer\n")
+
+
 def test_the_fit_cut_holds_a_stages_buffer_once_however_many_layers_ask():
     """`--stage-cut fit` weighs each range of layers as the simulator holds it (planning/scenario.py
     `Scenario.stage_memory`): the buffer of a range of attention layers is one, the largest, not one a layer."""
