@@ -10,7 +10,9 @@ run's config left it at TransformerEngine 1.x's default, and with float8 outputs
 run's config sets `fp8_buf` for them; context parallelism where the row has it, its ring
 TransformerEngine's, `--cp-rotate p2p`: Megatron-core's default cp_comm_type; the fused attention kernel its
 environment picks, `--attention-kernel`; the rotary position embedding of the rows that have it, `--rotary-percent`,
-run as TransformerEngine's fused kernel, `--rope-kernel fused`: every such yaml sets `apply_rope_fusion: true`), the
+run as TransformerEngine's fused kernel, `--rope-kernel fused`: every such yaml sets `apply_rope_fusion: true`; no
+linear biases where the config sets `bias: false`, `--no-linear-bias`, and RMSNorm where it sets `normalization:
+rmsnorm`, `--norm rmsnorm`: the CSV's `linear_bias` and `normalization`), the
 recomputation the row's config runs (`--recompute selective` for Nemotron-4 340B), the distributed optimizer
 (`--zero 1`;
 `--precision nemo-bf16-adam` where its state is bf16) with its gradient reduce-scatter overlapped with the
@@ -68,6 +70,8 @@ def simulate_command(row: dict[str, str]) -> list[str]:
     return ["simulate", "--model", "gpt", "--layers", row["layers"], "--width", row["hidden"], "--ffn",
             row["ffn_hidden"], "--heads", row["heads"], "--kv-heads", row["kv_heads"],
             *(["--gated"] if row["gated"] == "true" else []),
+            *(["--no-linear-bias"] if row["linear_bias"] == "false" else []),
+            *(["--norm", "rmsnorm"] if row["normalization"] == "rmsnorm" else []),
             *(["--rotary-percent", row["rotary_percent"], "--rope-kernel", "fused"] if row["rotary_percent"] else []),
             "--seq-len", row["seq_len"],
             "--vocab", str(padded_vocab(int(row["vocab"]), t)),

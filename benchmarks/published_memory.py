@@ -43,8 +43,10 @@ REPO = Path(__file__).resolve().parents[1]  # where the printed commands run (th
 # TransformerEngine's flash attention (NVTE_FUSED_ATTN=0) with 8 query groups, and NeMo's distributed Adam with
 # `optim.dtype: bf16` and `grad_sync_dtype: bf16` (`--precision nemo-bf16-adam`). Its squared-ReLU MLP saves what
 # the gpt's GELU does (the product's output, 8·sbh/t bytes, and the activation's, 8). Its loss is Megatron-core's
-# cross entropy (`--cross-entropy megatron`: NeMo's GPTConfig sets cross_entropy_loss_fusion).
+# cross entropy (`--cross-entropy megatron`: NeMo's GPTConfig sets cross_entropy_loss_fusion). Its linear layers have
+# no biases (the yaml's `bias: false`, `--no-linear-bias`); its layernorm1p is a LayerNorm (the gpt's default).
 NEMOTRON = ["simulate", "--model", "gpt", "--layers", "96", "--width", "18432", "--heads", "96", "--kv-heads", "8",
+            "--no-linear-bias",
             "--ffn", "73728", "--seq-len", "4096", "--vocab", "256000", "--dtype", "bf16", "--attention", "flash",
             "-b", "1", "--gpu", "h100-sxm", "--tensor-parallel", "8", "--sequence-parallel", "--recompute",
             "selective", "-p", "8", "-s", "interleaved-1f1b", "--chunks", "12", "-m", "16", "--data-parallel", "2",

@@ -151,6 +151,14 @@ Ffn = Annotated[int | None, typer.Option("--ffn", metavar="N", help="gpt: MLP hi
 KvHeads = Annotated[int | None, typer.Option(
     "--kv-heads", metavar="N", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
 Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: SwiGLU MLP (Llama's) instead of GELU.")]
+LinearBias = Annotated[bool | None, typer.Option(
+    "--linear-bias/--no-linear-bias", help="gpt: biases on its linear layers (GPT-3's, the default); "
+                                           "--no-linear-bias drops them (Llama's, Nemotron-4's: Megatron-LM's "
+                                           "`--disable-bias-linear`).")]
+Norm = Annotated[str | None, typer.Option(
+    "--norm", metavar="KIND", help="gpt: its norms, layernorm (GPT-3's, the default) or rmsnorm (Llama's; "
+                                   "Megatron-LM's `--normalization RMSNorm`), as torch runs them on a GPU (RMSNorm: "
+                                   "one kernel each way, keeping its input and one float32 a token).")]
 Dropout = Annotated[float | None, typer.Option(
     "--dropout", metavar="P", help="gpt: dropout on the attention probabilities and each residual branch "
                                    "(Megatron-LM's default is 0.1; none by default), counted as the one fused kernel a "
@@ -222,8 +230,8 @@ AttentionKernel = Annotated[str | None, typer.Option(
                                                  "with NVTE_FUSED_ATTN=1) or flash3 (FlashAttention-3).")]
 MODEL_SHAPE = (("layers", Layers, None), ("width", Width, None), ("heads", Heads, None), ("seq_len", SeqLen, None),
                ("vocab", Vocab, None), ("ffn", Ffn, None), ("kv_heads", KvHeads, None), ("gated", Gated, None),
-               ("dropout", Dropout, None), ("rotary_percent", RotaryPercent, None), ("experts", Experts, None),
-               ("top_k", TopK, None),
+               ("linear_bias", LinearBias, None), ("norm", Norm, None), ("dropout", Dropout, None),
+               ("rotary_percent", RotaryPercent, None), ("experts", Experts, None), ("top_k", TopK, None),
                ("shared_experts", SharedExperts, None), ("expert_ffn", ExpertFfn, None),
                ("capacity_factor", CapacityFactor, None), ("mtp_layers", MtpLayers, None),
                ("dtype", ModelDtype, "bf16"), ("attention", Attention, "math"))

@@ -77,7 +77,7 @@ class Environment(_Strict):
 
 class ModelInfo(_Strict):
     name: str
-    options: dict[str, int | float]  # the size options it was built with (layers, width, dropout, ...)
+    options: dict[str, int | float | str]  # the size options it was built with (layers, width, dropout, norm, ...)
 
 
 COUNT_BYTES = 8  # per routed expert, a mixture-of-experts layer's exchange of how many copies it gets: an int64

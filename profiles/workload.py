@@ -3,6 +3,9 @@ dataclasses, so that the planning side prices counts (planning/estimate.py) with
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
@@ -111,6 +114,10 @@ class LayerCount:
     # shape, its bytes, negative: freed, the op that created it) (`_LiveBytes.allocations`), what the caching
     # allocator replays; {}: a count from before they were recorded
     allocations: dict[str, tuple[tuple[int, tuple[int, ...], int, str], ...]] = field(default_factory=dict)
+    # Per pass of `PASSES`, the storages of `allocations` a matrix product made: (its number, the product's shape as
+    # an OpCount's, (batch, m, n, k)), which tell what tensor parallelism holds whole while a product runs
+    # (planning/estimate.py `_rank_pass`); {}: a count from before they were recorded
+    product_allocations: dict[str, tuple[tuple[int, tuple[int, ...]], ...]] = field(default_factory=dict)
     # the numbers, in `allocations["fwd"]`, of the forward's storages that autograd saves for the backward (the
     # rest it leaves live is its output), which a recomputation drops and the backward makes again
     saved_allocations: tuple[int, ...] = ()
@@ -145,13 +152,41 @@ class LayerCount:
         return round(self.fwd_flops + self.igrad_flops + self.wgrad_flops - (1 - self.routed_model_share) * routed)
 
 
+def transient_peak(events: Sequence[tuple[int, int]], beside_kept: bool = False) -> tuple[int, ...]:
+    """Of a pass's `events` in order ((number, bytes): a storage made, then, if it is, freed: `LayerCount.allocations`
+    without the shapes, the bytes' sign aside), the numbers of those made and freed within the pass that are live
+    at once at their most bytes: what the pass holds above its inputs and what outlives it. `beside_kept`: at the
+    last moment of the most bytes live counting those that outlive the pass too, for a pass whose kept tensors the
+    simulator holds from its start (a forward's saved tensors): a tensor kept is then counted once, not again beside
+    transients freed before it was made (torch's decomposed log-softmax frees its exponential before writing its
+    result)."""
+    seen = Counter(number for number, _ in events)
+    steps = [(number, abs(nbytes)) for number, nbytes in events if beside_kept or seen[number] > 1]
+    made: set[int] = set()
+    signed = []
+    for number, nbytes in steps:
+        signed.append(-nbytes if number in made else nbytes)
+        made.add(number)
+    running = list(itertools.accumulate(signed))
+    if not running or max(running) <= 0:
+        return ()
+    peak = len(running) - running[::-1].index(max(running)) if beside_kept else running.index(max(running)) + 1
+    live: dict[int, None] = {}  # in the order made
+    for number, _ in steps[:peak]:
+        if number in live:
+            del live[number]
+        else:
+            live[number] = None
+    return tuple(number for number in live if seen[number] > 1)
+
+
 @dataclass(frozen=True)
 class WorkloadCount:
     """A model counted at micro-batch size `microbatch_size` in `dtype`, its attention as the `attention` kernel
     (None: the model computes none); `layers` in the model's order."""
 
     model: str
-    options: dict[str, int | float]  # size options (ints, gated a bool) and the dropout probability
+    options: dict[str, int | float | str]  # size options (ints, gated a bool), the dropout probability, the norm
     microbatch_size: int
     dtype: str
     attention: str | None

@@ -117,6 +117,20 @@ def test_gathers_and_scatters_move_the_elements_they_index_not_the_whole_tensor(
     assert all(ops[name] != whole[name] for name in whole)
 
 
+def test_the_embedding_reads_the_rows_it_picks_and_its_backward_zeroes_the_whole_table():
+    """By hand, the gpt's token table of 512 x 16 bf16s (16 KiB) over 2 x 8 int64 ids (T = 16 tokens, 128 bytes):
+    the forward (Embedding.cpp `embedding`: `weight.index_select(0, ids)`) reads the ids and a row an id and writes
+    them, 128 + 2 x 16 x 32; the backward (Embedding.cu `embedding_dense_backward_cuda`) reads the ids and the
+    output's gradient, zeroes the table's gradient and adds each id's row into it (read and written), 128 + 512 +
+    16 KiB + 2 x 512. The forward once read the whole table, 128 + 16 KiB + 512."""
+    shape = dict(layers=1, width=16, heads=2, seq_len=8, vocab=512, rotary_percent=1.0)  # no position table
+    embed = count_built("gpt", shape, 2, torch.bfloat16, "flash").layers[0]
+    rows, table = 16 * 16 * 2, 512 * 16 * 2
+    assert [(op.op, op.moved_bytes) for op in embed.ops["fwd"]] == [("embedding", 128 + 2 * rows)]
+    assert [(op.op, op.moved_bytes) for op in embed.ops["bwd"]] == [("embedding_dense_backward",
+                                                                      128 + rows + table + 2 * rows)]
+
+
 @pytest.mark.parametrize("attention", ["math", "flash"])
 def test_gpt_block_forward_flops_are_narayanans_24bsh2_plus_4bs2h(attention):
     block = gpt_block(attention)

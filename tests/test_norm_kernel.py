@@ -16,27 +16,32 @@ from tests.test_hf import GPT, LLAMA, B, H, S, needs_transformers, write_config
 E = 2  # bytes per bf16 element
 
 
-@needs_transformers
-def test_it_computes_transformers_rmsnorm_and_its_gradients():
-    """Real numbers on the CPU, in float32 (both compute in it)."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
+@pytest.mark.parametrize("kind", [pytest.param("transformers", marks=needs_transformers), "torch"])
+def test_it_computes_the_rmsnorm_and_its_gradients(kind):
+    """Real numbers on the CPU, in float32 (both compute in it): transformers' module where `--norm-kernel fused`
+    asks, torch's (the gpt's `--norm rmsnorm`) whatever it asks, as torch runs it on a GPU."""
     from pipesim.workload.norms import fused_norms
 
+    if kind == "transformers":
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        eager = LlamaRMSNorm(8, eps=1e-5)
+    else:
+        eager = torch.nn.RMSNorm(8, eps=1e-5)
     gen = torch.Generator().manual_seed(0)
-    eager = LlamaRMSNorm(8, eps=1e-5)
     with torch.no_grad():
         eager.weight.copy_(torch.randn(8, generator=gen))
     x = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
     grad = torch.randn(3, 5, 8, generator=gen)
     expected = eager(x)
     expected_grads = torch.autograd.grad(expected, (x, eager.weight), grad)
-    with fused_norms(eager, True):
+    with fused_norms(eager, kind == "transformers"):
+        assert "forward" in vars(eager)  # run as the fused kernel inside
         out = eager(x)
     torch.testing.assert_close(out, expected)
     for mine, theirs in zip(torch.autograd.grad(out, (x, eager.weight), grad), expected_grads):
         torch.testing.assert_close(mine, theirs)
-    assert "forward" not in vars(eager)  # the module runs as transformers' again
+    assert "forward" not in vars(eager)  # the module runs as its own again
 
 
 @needs_transformers

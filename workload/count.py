@@ -31,7 +31,6 @@ count turns off), "flash" is torch's fused flash kernel (no scores saved: what t
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import weakref
 from collections import Counter
@@ -48,11 +47,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..choices import choose_from
-from ..profiles.workload import LayerCount, OpCount, WorkloadCount
+from ..profiles.workload import LayerCount, OpCount, WorkloadCount, transient_peak
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, classification_loss
 from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now, in_fused_kernel, kernel_listeners
-from .norms import NO_RMSNORM_TO_FUSE, fused_norms
+from .norms import NO_RMSNORM_TO_FUSE, fused_norms, is_transformers_rms_norm
 from .optim import OPTIMIZERS, make_optimizer
 from .rope import NO_ROPE_TO_FUSE, fused_rope
 from .sizes import CROSS_ENTROPY, kernels_refusal
@@ -73,6 +72,7 @@ class _Tally:
     ops: Counter = field(default_factory=Counter)
     transient: tuple[tuple[tuple[int, ...], int], ...] = ()  # `_LiveBytes.transient`
     allocations: tuple[tuple[int, tuple[int, ...], int, str], ...] = ()  # `_LiveBytes.allocations`
+    products: tuple[tuple[int, tuple[int, ...]], ...] = ()  # `_LiveBytes.products`
     live: _LiveBytes = field(default_factory=lambda: _LiveBytes())  # what recorded them (`_LiveBytes.alive`)
 
     def records(self) -> tuple[OpCount, ...]:
@@ -111,9 +111,10 @@ def _kind(name: str) -> str:
 
 
 # Ops that gather or scatter elements by index: their kernels touch the indexed elements of the tensor indexed, not
-# all of it (`_indexed_moved`). Out of place, a scatter first copies the tensor it scatters into.
-GATHERS = {"index", "gather", "index_select"}
-SCATTERS = {"index_put_", "scatter_", "scatter_add_", "scatter", "scatter_add"}
+# all of it (`_indexed_moved`). Out of place, a scatter first copies the tensor it scatters into; an embedding's
+# backward zeroes the table it scatters into.
+GATHERS = {"index", "gather", "index_select", "embedding"}
+SCATTERS = {"index_put_", "scatter_", "scatter_add_", "scatter", "scatter_add", "embedding_dense_backward"}
 INDEXED = GATHERS | SCATTERS
 
 
@@ -136,17 +137,25 @@ def _index_positions(source: torch.Tensor, indices: list) -> int:
 def _indexed_moved(name: str, args: tuple, writes: list[torch.Tensor]) -> int:
     """The bytes an `INDEXED` op moves, as its CUDA kernel moves them (PyTorch 2.x aten/src/ATen/native/cuda/:
     IndexKernel.cu `index_kernel`, `index_put_kernel`; ScatterGatherKernel.cu `gather`, `scatter_`,
-    `scatter_add_`; Indexing.cu `index_select`: one thread an indexed element). Its index tensors read; the indexed
-    elements of the tensor indexed read (a gather) or written (a scatter; scatter_add's read too, as its atomic add
-    reads them), at most all of that tensor (an element indexed again taken as cached); a gather's output written, a
-    scatter's values read, one a written element; plus, out of place, a scatter's copy of its input into its output
-    (read and written), which its kernel touches whole."""
+    `scatter_add_`; Indexing.cu `index_select`: one thread an indexed element; Embedding.cpp `embedding` is
+    `weight.index_select(0, indices)`, and Embedding.cu `embedding_dense_backward_cuda` zeroes the table's gradient
+    (`at::zeros`) and adds each index's gradient row into its row). Its index tensors read; the indexed
+    elements of the tensor indexed read (a gather) or written (a scatter; scatter_add's and the embedding's read
+    too, as their adds read them), at most all of that tensor (an element indexed again taken as cached); a gather's
+    output written, a scatter's values read, one a written element; plus, out of place, a scatter's copy of its
+    input into its output (read and written), which its kernel touches whole, or the embedding's zeroed table
+    (written)."""
+    if name == "embedding_dense_backward":  # (grad, indices, rows, ...): the table is its output
+        grad, table = args[0], writes[0]
+        rows = min(args[1].numel(), table.shape[0]) * _nbytes(table[0])
+        return _nbytes(args[1]) + _nbytes(grad) + 2 * rows + _nbytes(table)
     source, whole = args[0], 0
     if name in {"index", "index_put_"}:
         indices = [index for index in args[1] if index is not None]
         indexed = _index_positions(source, args[1])
-    elif name == "index_select":
-        indices, indexed = [args[2]], args[2].numel() * (source.numel() // max(source.shape[args[1]], 1))
+    elif name in {"index_select", "embedding"}:  # (self, dim, index); the embedding's (weight, indices): rows
+        dim, index = (args[1], args[2]) if name == "index_select" else (0, args[1])
+        indices, indexed = [index], index.numel() * (source.numel() // max(source.shape[dim], 1))
     else:  # gather and the scatters: (self, dim, index, ...)
         indices, indexed = [args[2]], args[2].numel()
     if name in GATHERS:
@@ -238,6 +247,7 @@ class _LiveBytes(TorchDispatchMode):
         self.regions = regions
         self.region_kinds: dict[int, tuple[str, ...]] = {}  # by number: the regions that created it (`_Regions`)
         self.made_from: dict[int, set[int]] = {}  # by number: those created inside that its ops read (`reads`)
+        self.products: dict[int, tuple[int, ...]] = {}  # by number: a matrix product's output, its (batch, m, n, k)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         read: set[int] = set()
@@ -267,6 +277,9 @@ class _LiveBytes(TorchDispatchMode):
             self.created[number] = (weakref.ref(storage, lambda _, n=number, key=id(storage): self._freed(n, key)),
                                     tuple(t.shape), storage.nbytes(), func.overloadpacket.__name__)
             self.made_from[number] = set(read)
+            if func.overloadpacket.__name__ in MATMULS:
+                self.products[number] = _shape(func.overloadpacket.__name__,
+                                               [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)])
             self.events.append((number, True))
         return out
 
@@ -275,24 +288,10 @@ class _LiveBytes(TorchDispatchMode):
         self.events.append((number, False))
 
     def transient(self, beside_kept: bool = False) -> tuple[tuple[tuple[int, ...], int], ...]:
-        """(shape, bytes) of the storages created and freed inside that were live at once at their most bytes:
-        what the pass holds above its inputs and what outlives it. `beside_kept`: at the last moment of the most
-        bytes live counting those that outlive the pass too, for a pass whose kept tensors the simulator holds from
-        its start (a forward's saved tensors): a tensor kept is then counted once, not again beside transients
-        freed before it was made (torch's decomposed log-softmax frees its exponential before writing its result)."""
-        freed = {number for number, created in self.events if not created}
-        steps = [(number, created) for number, created in self.events if beside_kept or number in freed]
-        running = list(itertools.accumulate(self.created[n][2] * (1 if created else -1) for n, created in steps))
-        if not running or max(running) <= 0:
-            return ()
-        peak = len(running) - running[::-1].index(max(running)) if beside_kept else running.index(max(running)) + 1
-        live: dict[int, int] = {}
-        for number, created in steps[:peak]:
-            if created:
-                live[number] = self.created[number][2]
-            else:
-                del live[number]
-        return tuple((self.created[number][1], nbytes) for number, nbytes in live.items() if number in freed)
+        """(shape, bytes) of the storages created and freed inside that were live at once at their most bytes
+        (`transient_peak`, with `beside_kept`): what the pass holds above its inputs and what outlives it."""
+        peak = transient_peak([(number, self.created[number][2]) for number, _ in self.events], beside_kept)
+        return tuple(self.created[number][1:3] for number in peak)
 
     def allocations(self) -> tuple[tuple[int, tuple[int, ...], int, str], ...]:
         """Every storage created inside and each one freed so far, in order, as (its number in the pass, its shape,
@@ -421,6 +420,7 @@ def _counting(routed: Dispatched | None = None, forward: bool = False,
     tally.flops = flops.get_total_flops()
     tally.transient = live.transient(beside_kept=forward)
     tally.allocations = live.allocations()
+    tally.products = tuple(live.products.items())
     tally.live = live
 
 
@@ -695,9 +695,10 @@ def count_model(model: Model, microbatch_size: int, dtype: torch.dtype, attentio
             count, outputs[i] = alike[key]
             counted.append(replace(count, name=names[i], inputs=tuple(model.inputs[i])))
     fused = {op.op for count in counted for op in count.ops["fwd"]}
-    for kernel, op, refusal in ((norm_kernel, "fused_rmsnorm", NO_RMSNORM_TO_FUSE),
-                                (rope_kernel, "fused_rope", NO_ROPE_TO_FUSE)):
-        if kernel == "fused" and op not in fused:
+    transformers_norms = any(map(is_transformers_rms_norm, (m for layer in model.layers for m in layer.modules())))
+    for kernel, replaced, refusal in ((norm_kernel, transformers_norms, NO_RMSNORM_TO_FUSE),  # torch's RMSNorm runs
+                                      (rope_kernel, "fused_rope" in fused, NO_ROPE_TO_FUSE)):  # fused either way
+        if kernel == "fused" and not replaced:
             raise ModelError(refusal)
     return WorkloadCount(model.name, dict(model.options), microbatch_size, str(dtype).removeprefix("torch."),
                          attention if kernels.attended else None, counted)
@@ -768,6 +769,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
                            "wgrad": wgrad.transient},
         allocations={"fwd": fwd.allocations, "bwd": full.allocations, "igrad": igrad.allocations,
                      "wgrad": wgrad.allocations},
+        product_allocations={"fwd": fwd.products, "bwd": full.products, "igrad": igrad.products,
+                             "wgrad": wgrad.products},
         saved_allocations=fwd.live.alive(saved), forward_reads=fwd.live.reads(),
         **_region_fields(regions, fwd.live, saved))
     return count, out.detach()
@@ -824,7 +827,8 @@ def _backward(out: torch.Tensor, inputs: list[torch.Tensor], weights: list[torch
         if weights:  # (the gradients held until the pass's transients are read: they outlive it)
             with _LiveBytes() as live:
                 kept = torch.autograd.grad(out, weights, grad, retain_graph=True, allow_unused=True)  # noqa: F841
-            wgrad = _Tally(transient=live.transient(), allocations=live.allocations())
+            wgrad = _Tally(transient=live.transient(), allocations=live.allocations(),
+                           products=tuple(live.products.items()))
     with _counting(routed) as full:
         kept = torch.autograd.grad(out, inputs + weights, grad, allow_unused=True)  # noqa: F841
     return igrad, full if wgrad is None else wgrad, full

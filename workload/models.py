@@ -13,6 +13,7 @@ import inspect
 import math
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from pipesim.choices import unknown_names
+from pipesim.choices import choose_from, unknown_names
 from pipesim.workload import data
 from pipesim.workload.hfconfig import is_hf
 from pipesim.workload.moe import (
@@ -197,18 +198,28 @@ class _GatedMLP(nn.Module):
     """SwiGLU (Shazeer 2020, as Llama's MLP): down(silu(gate(x)) * up(x)), gate and up as one matrix product
     (Megatron-core's fc1), run as `workload.moe.gated_mlp` (one fused kernel under --swiglu-fusion)."""
 
-    def __init__(self, width: int, ffn: int) -> None:
+    def __init__(self, width: int, ffn: int, bias: bool = True) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(width, 2 * ffn)
-        self.down = nn.Linear(ffn, width)
+        self.gate_up = nn.Linear(width, 2 * ffn, bias=bias)
+        self.down = nn.Linear(ffn, width, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_mlp(self.down, F.silu, *self.gate_up(x).chunk(2, dim=-1))
 
 
-def _mlp(width: int, ffn: int, gated: bool) -> nn.Module:
-    """The gpt's dense MLP: SwiGLU if `gated`, else GELU."""
-    return _GatedMLP(width, ffn) if gated else nn.Sequential(nn.Linear(width, ffn), nn.GELU(), nn.Linear(ffn, width))
+def _mlp(width: int, ffn: int, gated: bool, bias: bool = True) -> nn.Module:
+    """The gpt's dense MLP: SwiGLU if `gated`, else GELU; its linear layers with biases if `bias`."""
+    if gated:
+        return _GatedMLP(width, ffn, bias)
+    return nn.Sequential(nn.Linear(width, ffn, bias=bias), nn.GELU(), nn.Linear(ffn, width, bias=bias))
+
+
+NORMS = ("layernorm", "rmsnorm")  # the gpt's --norm: torch's LayerNorm (GPT-3's), torch's RMSNorm (Llama's)
+
+
+def _norm(kind: str, width: int) -> nn.Module:
+    """The gpt's norm of `kind` (of `NORMS`) over `width` features, with a learned scale (and LayerNorm's shift)."""
+    return nn.RMSNorm(width) if kind == "rmsnorm" else nn.LayerNorm(width)
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -222,7 +233,7 @@ class _ExpertsMLP(nn.Module):
     (`workload.moe.routed_experts`), each an MLP as the dense one without biases (as Mixtral's and DeepSeek's), and
     the shared experts, one MLP of shared·ffn that every token passes (DeepSeekMoE's)."""
 
-    def __init__(self, width: int, shape: ExpertShape, gated: bool) -> None:
+    def __init__(self, width: int, shape: ExpertShape, gated: bool, bias: bool = True) -> None:
         super().__init__()
         self.top_k, self.capacity_factor, self.gated = shape.top_k, shape.capacity_factor, gated
         self.router = nn.Linear(width, shape.routed, bias=False)
@@ -230,7 +241,7 @@ class _ExpertsMLP(nn.Module):
         self.up = nn.Parameter(torch.empty(shape.routed, width, inner).uniform_(-width ** -0.5, width ** -0.5))
         self.down = nn.Parameter(torch.empty(shape.routed, shape.ffn, width).uniform_(-shape.ffn ** -0.5,
                                                                                       shape.ffn ** -0.5))
-        self.shared = _mlp(width, shape.shared * shape.ffn, gated) if shape.shared else None
+        self.shared = _mlp(width, shape.shared * shape.ffn, gated, bias) if shape.shared else None
         self.exchange: ExpertExchange | None = None
 
     def place(self, exchange: ExpertExchange) -> None:
@@ -282,16 +293,18 @@ def place_experts(module: nn.Module, exchange: ExpertExchange) -> None:
 
 
 class _Block(nn.Module):
-    """Pre-LayerNorm decoder block: causal self-attention, then an MLP of `ffn` (GELU, or SwiGLU if `gated`),
-    each with a residual. With `kv_heads` < `heads`, groups of query heads share a key and value head
-    (grouped-query attention, as Llama 2 70B), handed to the attention as they are (`enable_gqa`): a flash kernel
-    reads each key and value head for its whole group, as Megatron-core's TransformerEngine attention and
-    flash-attn do (`num_gqa_groups`), so only the fewer heads are saved; the math path repeats them. With
+    """Pre-norm decoder block: causal self-attention, then an MLP of `ffn` (GELU, or SwiGLU if `gated`),
+    each after a norm of kind `norm` (`_norm`) and with a residual, its linear layers with biases if `bias`. With
+    `kv_heads` < `heads`, groups of query heads share a key and value head (grouped-query attention, as Llama 2
+    70B), handed to the attention as they are (`enable_gqa`): a flash kernel reads each key and value head for its
+    whole group, as Megatron-core's TransformerEngine attention and flash-attn do (`num_gqa_groups`), so only the
+    fewer heads are saved; the math path repeats them. With
     `experts`, the MLP is a mixture of experts (`_ExpertsMLP`). With `rotary` features of each head (of `seq_len`
     positions), q and k are rotated by their positions' angles before the attention (`apply_rotary_pos_emb`)."""
 
     def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool, dropout: float = 0.0,
-                 experts: ExpertShape | None = None, rotary: int = 0, seq_len: int = 0) -> None:
+                 experts: ExpertShape | None = None, rotary: int = 0, seq_len: int = 0, bias: bool = True,
+                 norm: str = "layernorm") -> None:
         super().__init__()
         self.heads, self.kv_heads, self.dropout, self.rotary = heads, kv_heads, dropout, rotary
         if rotary:
@@ -299,15 +312,15 @@ class _Block(nn.Module):
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, width + 2 * kv_heads * (width // heads))
-        self.proj = nn.Linear(width, width)
-        self.mlp = _mlp(width, ffn, gated) if experts is None else _ExpertsMLP(width, experts, gated)
+        self.norm1, self.norm2 = _norm(norm, width), _norm(norm, width)
+        self.qkv = nn.Linear(width, width + 2 * kv_heads * (width // heads), bias=bias)
+        self.proj = nn.Linear(width, width, bias=bias)
+        self.mlp = _mlp(width, ffn, gated, bias) if experts is None else _ExpertsMLP(width, experts, gated, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         head = d // self.heads
-        q, k, v = self.qkv(self.ln1(x)).split([d, self.kv_heads * head, self.kv_heads * head], dim=-1)
+        q, k, v = self.qkv(self.norm1(x)).split([d, self.kv_heads * head, self.kv_heads * head], dim=-1)
         q = q.view(b, t, self.heads, head)
         k, v = (part.view(b, t, self.kv_heads, head) for part in (k, v))
         if self.rotary:  # token-major, as Megatron-core rotates its [s, b, heads, head] q and k
@@ -316,7 +329,7 @@ class _Block(nn.Module):
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads < self.heads,
                                                   dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
 
 
 GPT_SIZES = DEFAULT_SIZES["gpt"]
@@ -327,8 +340,9 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
         ffn: int | None = None, kv_heads: int | None = None, gated: bool = False,
         dropout: float | None = None, experts: int | None = None, top_k: int | None = None,
         shared_experts: int | None = None, expert_ffn: int | None = None,
-        capacity_factor: float | None = None, rotary_percent: float | None = None) -> Model:
-    """GPT-style decoder: token+position embedding, `layers` blocks, LayerNorm and a vocabulary head;
+        capacity_factor: float | None = None, rotary_percent: float | None = None, linear_bias: bool | None = None,
+        norm: str | None = None) -> Model:
+    """GPT-style decoder: token+position embedding, `layers` blocks, a norm and a vocabulary head;
     next-token cross entropy on the token task of `workload.data` (a fixed successor rule with 10 % noise;
     its loss floor is `data.token_loss_floor(vocab)`). `ffn` is the MLP's hidden size (default 4 x width, as
     GPT-3), `kv_heads` the key/value heads (default `heads`; fewer is grouped-query attention), `gated` a
@@ -340,7 +354,11 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     (default none); `capacity_factor` drops an expert's tokens past its capacity and pads it to it (default: drops
     none). `rotary_percent` (None: positions learned, as GPT-3's) rotates q and k over that share of each head's
     features instead (RoPE, Su et al. 2021: Llama's 1.0, Nemotron-4's 0.5; Megatron-LM's
-    `--position-embedding-type rope --rotary-percent`, its rotary dimensions int(head x share), an even number)."""
+    `--position-embedding-type rope --rotary-percent`, its rotary dimensions int(head x share), an even number).
+    `linear_bias` False drops every linear layer's bias (None: kept, as GPT-3's; Llama's and Nemotron-4's have none:
+    Megatron-LM's `--disable-bias-linear`, NeMo's `bias: false`), `norm` is every norm's kind, of `NORMS` (None:
+    layernorm, GPT-3's; rmsnorm, Llama's: Megatron-LM's `--normalization RMSNorm`, NeMo's `normalization: rmsnorm`;
+    Nemotron-4's layernorm1p is a LayerNorm whose scale is stored less one, the same kernel)."""
     ffn = 4 * width if ffn is None else ffn
     moe = _expert_shape(ffn, experts, top_k, shared_experts, expert_ffn, capacity_factor)
     kv_heads = heads if kv_heads is None else kv_heads
@@ -351,11 +369,18 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
         raise ModelError(f"--width ({width}) must be a multiple of --heads ({heads})")
     if heads % kv_heads:
         raise ModelError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    norm = "layernorm" if norm is None else norm
+    if norm not in NORMS:
+        raise ModelError(choose_from("--norm", NORMS, norm))
+    if norm == "rmsnorm" and not hasattr(nn, "RMSNorm"):
+        raise ModelError("--norm rmsnorm builds torch.nn.RMSNorm: it needs torch 2.4 or later")
+    bias = linear_bias is not False
     rotary = 0 if rotary_percent is None else _rotary_features(width // heads, rotary_percent)
     blocks: list[nn.Module] = [_Embed(vocab, width, seq_len, bool(rotary))]
-    blocks += [_Block(width, heads, ffn, kv_heads, gated, dropout or 0.0, moe, rotary, seq_len)
+    blocks += [_Block(width, heads, ffn, kv_heads, gated, dropout or 0.0, moe, rotary, seq_len, bias, norm)
                for _ in range(layers)]
-    blocks.append(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab)))
+    # named, so that the count sees its norm as one (workload/count.py `_module_part`) whichever kind it is
+    blocks.append(nn.Sequential(OrderedDict(norm=_norm(norm, width), head=nn.Linear(width, vocab, bias=bias))))
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return data.token_batch(b, seq_len, vocab, gen)

@@ -15,7 +15,11 @@ writes the gradients asked for, where the eager module's upcast, square, mean, r
 read and write their own (as workload/moe.py `Fused` counts the fused SwiGLU). A model whose count runs no such
 RMSNorm is refused `--norm-kernel fused` (`NO_RMSNORM_TO_FUSE`), as workload/rope.py refuses `--rope-kernel fused`:
 the flag would change nothing. pipesim's gpt builds torch's LayerNorm, whose kernel keeps its input, a mean and a
-reciprocal standard deviation, what TransformerEngine's LayerNorm keeps: nothing to fuse."""
+reciprocal standard deviation, what TransformerEngine's LayerNorm keeps: nothing to fuse; or, with `--norm
+rmsnorm`, torch's RMSNorm, which torch runs on a GPU as this one kernel each way whatever the flag (since torch 2.9,
+pytorch/pytorch#153666: aten/src/ATen/native/layer_norm.cpp `rms_norm_symint` calls `_fused_rms_norm`, whose CUDA
+kernel returns the output and the float32 reciprocal RMS and whose backward, `_fused_rms_norm_backward`, reads the
+input, the weight and that RMS): counted so always."""
 
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ import torch
 from .moe import _kernel_writes, _one_kernel, _wanted
 
 NO_RMSNORM_TO_FUSE = ("--norm-kernel fused: this model runs no RMSNorm pipesim can run as TransformerEngine's kernel "
-                      "(a Hugging Face model's transformers *RMSNorm modules; the built-in gpt's torch LayerNorm keeps "
-                      "what TransformerEngine's keeps already): leave it out or pass eager")
+                      "(a Hugging Face model's transformers *RMSNorm modules; the built-in gpt's torch LayerNorm and "
+                      "RMSNorm keep what TransformerEngine's keep already): leave it out or pass eager")
 
 
 class _FusedRmsNorm(torch.autograd.Function):
@@ -64,20 +68,28 @@ class _FusedRmsNorm(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
-def _is_rms_norm(module: torch.nn.Module) -> bool:
+def is_transformers_rms_norm(module: torch.nn.Module) -> bool:
     """transformers' eager RMSNorm: its class named so, with the weight and the epsilon its forward reads."""
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") \
         and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
 
 
+def _fused_epsilon(module: torch.nn.Module, on: bool) -> float | None:
+    """The epsilon `module` runs `_FusedRmsNorm` with: torch's RMSNorm's always (its own None is the float32
+    epsilon, as aten's kernel takes it for 16- and 32-bit inputs), transformers' when `on`; None: it runs as it is."""
+    if isinstance(module, getattr(torch.nn, "RMSNorm", ())) and module.weight is not None:
+        return torch.finfo(torch.float32).eps if module.eps is None else module.eps
+    return module.variance_epsilon if on and is_transformers_rms_norm(module) else None
+
+
 @contextmanager
 def fused_norms(layer: torch.nn.Module, on: bool) -> Iterator[None]:
-    """Run `layer`'s RMSNorms as `_FusedRmsNorm` inside (`on`), else as they are."""
-    norms = [module for module in layer.modules() if on and _is_rms_norm(module)]
-    for norm in norms:
-        norm.forward = lambda x, norm=norm: _FusedRmsNorm.apply(x, norm.weight, norm.variance_epsilon)
+    """Run `layer`'s RMSNorms as `_FusedRmsNorm` inside: torch's always, transformers' if `on` (module docstring)."""
+    norms = [(module, eps) for module in layer.modules() if (eps := _fused_epsilon(module, on)) is not None]
+    for norm, eps in norms:
+        norm.forward = lambda x, norm=norm, eps=eps: _FusedRmsNorm.apply(x, norm.weight, eps)
     try:
         yield
     finally:
-        for norm in norms:
+        for norm, _ in norms:
             del norm.forward
