@@ -131,6 +131,7 @@ def test_a_results_file_of_another_setting_is_refused_naming_what_differs(tmp_pa
     (("-s", "pipedream-2bw", "-p", 4, "-m", 2, "--layers", 8), "m >= p-1"),
     (("-p", 4, "--layers", 2), "--stages 4"),
     (("--prediction", "guess"), "--prediction: choose from"),
+    (("--model", "gpt"), "--model: choose from mlp, cnn (got 'gpt')"),  # it trained for minutes instead
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, args, message):
     code, _, err = pipesim("study", "--no-timing", "--results", tmp_path / "r.json", "--html", tmp_path / "p.html",
