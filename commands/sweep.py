@@ -227,6 +227,9 @@ def sweep(
         refused = _limit_refused(results)
         if refused:
             raise InputError(refused)
+        if all(r.metrics is None for r in results):  # an empty front, exit 0 and no reason, before: as simulate
+            raise InputError(f"no configuration runs: {results[0].reason}" + (  # says when none of its methods can
+                f" (and {len(results) - 1:,} more skipped)" if len(results) > 1 else ""))
         results = one_row_per_schedule(results)
         front = pareto_front(results)
         if out is not None:

@@ -205,6 +205,17 @@ def test_trade_off_view_names_each_schedule_and_shows_one_front_at_a_time():
     assert not any("same point as" in text for t in fig.data for text in t.text)
 
 
+def test_a_sweep_none_of_whose_configurations_runs_says_why_in_one_line(tmp_path):
+    """zb-h2 and dualpipe at m = 2 printed an empty table of fronts, "0 of the 0 configurations that ran", no
+    reason and exit 0: now the first reason and the count of the rest, exit 2, as simulate when none can run, and
+    no --out written."""
+    out = tmp_path / "r.csv"
+    code, text, err = pipesim("sweep", "-s", "zb-h2,dualpipe", "-p", "2,4", "-m", "2", "-j", "1", "--out", out)
+    assert code == 2 and text == "" and not out.exists()
+    assert err.startswith("error: no configuration runs: zb-h2 runs 2p-1 forwards") and err.endswith(
+        " (and 3 more skipped)\n") and err.count("\n") == 1, err
+
+
 def test_one_run_under_several_names_is_one_row_naming_the_others(tmp_path):
     """Interleaved 1F1B at v = 1 simulates 1F1B's run, and SpecTrain's s from the paper equals its s from the code:
     each is folded into the first configuration of its run (per cost scale), in the results file, the terminal's
