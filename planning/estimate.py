@@ -64,7 +64,7 @@ from ..profiles.schema import (
     layer_costs,
     optimizer_refusal,
 )
-from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount
+from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak
 from ..sim.caching_allocator import LayerAllocations, left_live
 from ..sim.costs import PRECISIONS, Precision, precision_refusal
 from .experts import (
@@ -970,6 +970,17 @@ def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink, 
     return bulk_exposed_ms(all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms), product_ms, device)
 
 
+def gathered_gradient_bytes(layer: LayerCount, parallel: Parallelism, element_bytes: int) -> int:
+    """An element of a row-parallel product's output gradient as sequence parallelism gathers it (`_rank_pass`):
+    float8 where the runtime casts it before it gathers, TransformerEngine's recipes (`gathers_float8`:
+    `grad_output_preprocess`) and torchao's under DTensor (torchao/float8/float8_tensor_parallel.py at eab345c,
+    `Float8RowwiseParallel._prepare_output_fn`: `NoopFwToFloat8BwDynamic` after the redistribute, so the backward
+    casts the rank's 1/t first and the redistribute's backward gathers the float8 copy), in a float8 layer."""
+    casts_first = parallel.fp8 is not None and (FP8_RECIPES[parallel.fp8].gathers_float8
+                                                or parallel.tp_runtime == "torch")
+    return FP8_BYTES if casts_first and attends(layer) else element_bytes
+
+
 def gathered_saves(layer: LayerCount, parallel: Parallelism) -> tuple[tuple[int, int], ...]:
     """The saved tensors of `layer` a rank holds whole, not 1/t (`LayerCount.sequence_inputs`: index in
     saved_tensors, number in allocations["fwd"]): under torch's tensor parallelism with sequence parallelism, each
@@ -1237,7 +1248,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
              "wgrad": timed["wgrad"]}
     return LayerEstimate(times["fwd"], times["bwd"] + rerun_ms, times["igrad"] + rerun_ms, times["wgrad"], total,
                          whole_parts(parts, total),
-                         _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total),
+                         _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total,
+                                          gathered_gradient_bytes(layer, parallel, element_bytes)),
                          *rings, *wgrad_kept(layer, split, rest_share), timed)
 
 
@@ -1293,14 +1305,69 @@ class Regions:
                    frozenset(n for name in run for n in layer.region_allocations.get(name, ())))
 
 
-def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float) -> dict[str, int]:
+def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradient_bytes: int) -> dict[str, int]:
     """Per pass, the bytes of the count's transient tensors at the pass's peak on one of the t·C ranks (a
     residual-stream tensor whole without sequence parallelism, as Megatron-LM keeps it, any other 1/t: a head's, an
-    MLP's or the vocabulary's share; every one 1/C), and in the input-gradient and full backward the `recomputed`
+    MLP's or the vocabulary's share; every one 1/C; under sequence parallelism the pass's allocations as the rank
+    makes them, `_rank_pass`, and their peak), and in the input-gradient and full backward the `recomputed`
     bytes, which the backward recreates before it frees them (Korthikanti et al. 2022, section 4: full
     recomputation holds one layer's activations during its backward)."""
-    return {name: round(sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
-                        + (max(recomputed, 0.0) if name in ("bwd", "igrad") else 0.0)) for name in PASSES}
+    def peak(name: str) -> float:
+        if not (split.sequence_parallel and split.t > 1 and layer.product_allocations):
+            return sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
+        events = _rank_pass(layer, split, name, gradient_bytes)
+        made: dict[int, int] = {}
+        for number, nbytes in events:
+            made.setdefault(number, nbytes)
+        return sum(made[number] for number in transient_peak(events, beside_kept=name == "fwd"))
+
+    return {name: round(peak(name) + (max(recomputed, 0.0) if name in ("bwd", "igrad") else 0.0)) for name in PASSES}
+
+
+def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int) -> tuple[tuple[int, int], ...]:
+    """Pass `name`'s allocations (`LayerCount.allocations`, as (number, bytes)) as one of the t·C ranks makes them:
+    each `_on_rank`, and under sequence parallelism what a tensor-parallel product holds whole while it runs, 1/C
+    (Korthikanti et al. 2022, section 4.2.2, Figure 6's g and its conjugate):
+    - a product split on its contraction (`_Split.matmul`) writes its partial sums whole, tokens x width, before
+      their reduce-scatter: in the forward a row-parallel product's output (Megatron-core's RowParallelLinear, then
+      `reduce_scatter_to_sequence_parallel_region`; torch's RowwiseParallel, its Partial output redistributed to
+      Shard(1); async TP's `stacked_partials`, `_fused_matmul_reduce_scatter_impl` in torch/distributed/
+      _symmetric_memory/__init__.py at 2.6), in the backward a column-parallel product's input gradient (megatron/
+      core/tensor_parallel/layers.py at core_v0.9.0, `LinearWithGradAccumulationAndAsyncCommunication.backward`:
+      `grad_input = grad_output.matmul(weight)`, then `reduce_scatter_tensor` into `sub_grad_input`; DTensor's
+      gradient of the Replicate input it gathered, Partial, redistributed to Shard(1));
+    - a row-parallel product's output gradient arrives split by tokens and is gathered whole, `gradient_bytes` an
+      element, as its input-gradient product begins, and freed after its weight-gradient product, the next
+      (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its own,
+      megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
+    The count marks a product's output (`LayerCount.product_allocations`); without them, or without sequence
+    parallelism, `_on_rank`'s alone."""
+    events = layer.allocations.get(name, ())
+    rank = [(number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events]
+    products = dict(layer.product_allocations.get(name, ()))
+    if not (split.sequence_parallel and split.t > 1 and products):
+        return tuple(rank)
+    forward = name == "fwd"
+    whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in products
+             and split.residual(shape) and split.matmul(OpCount("", "matmul", products[number], 0, 0, 1), forward)[1]}
+    gather = round(split.tokens * split.width * gradient_bytes / split.context)
+    made = [number for number, _, nbytes, _ in events if nbytes > 0 and number in products]  # in order
+    unmade = 1 + max(number for number, *_ in events)  # a gathered gradient's number
+    out: list[tuple[int, int]] = []
+    frees: dict[int, int] = {}  # a product's number -> the gathered gradient freed after it
+    for (number, shape, nbytes, _), (_, on_rank) in zip(events, rank):
+        batch, m, _, k = products.get(number, (0, 0, 0, 0)) if nbytes > 0 else (0, 0, 0, 0)
+        reads_gathered = not forward and batch == 1 and m == split.tokens and k == split.width
+        if reads_gathered:
+            out.append((unmade, gather))
+            after = made[made.index(number) + 1] if made.index(number) + 1 < len(made) else None
+            weight_grad = after is not None and products[after][3] == split.tokens  # contracts over the tokens
+            frees[after if weight_grad else number] = unmade
+            unmade += 1
+        out.append((number, round(nbytes / split.context) if number in whole else on_rank))
+        if nbytes > 0 and number in frees:
+            out.append((frees[number], -gather))
+    return tuple(out)
 
 
 def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split) -> float:
@@ -1359,7 +1426,8 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
             saved = forms.of(layer).saved_tensors if gathered else ()  # a gathered input as the recipe saves it
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
                                      parallel.recompute_modules, parallel.torch_compile,
-                                     tuple((number, saved[i][1]) for i, number in gathered))
+                                     tuple((number, saved[i][1]) for i, number in gathered),
+                                     gathered_gradient_bytes(layer, parallel, _element_bytes(counted.dtype)))
             unsharded = _unsharded(layer, made, parallel, _element_bytes(counted.dtype))
             made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
                            stepped=_stepped(_gradient_storages(made), held, _element_bytes(counted.dtype))
@@ -1405,7 +1473,8 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
 
 
 def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules: Sequence[str] = (),
-                      torch_compile: bool = False, gathered: Sequence[tuple[int, int]] = ()) -> LayerAllocations:
+                      torch_compile: bool = False, gathered: Sequence[tuple[int, int]] = (),
+                      gradient_bytes: int = 2) -> LayerAllocations:
     """The count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them (`_on_rank`), with
     what `recompute` has the backward make again: a transformer layer's whole forward under full recomputation,
     and under torchtitan's op policy all but what it keeps, every second product's output and the fused
@@ -1415,11 +1484,13 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules:
     (`_compiled_checkpoint_forward`). `gathered`: the saved tensors a rank holds whole (`gathered_saves`), each as
     (its number in allocations["fwd"], its bytes whole as saved): a product's input the layer makes (a norm's
     output) made so, the layer's own input (number -1) gathered into a storage of its own as the forward begins,
-    saved. What the caching allocator replays (sim/caching_allocator.py)."""
+    saved; each pass as the rank makes it (`_rank_pass`, `gradient_bytes` an element of a gathered output
+    gradient). What the caching allocator replays (sim/caching_allocator.py)."""
     whole = {number: nbytes for number, nbytes in gathered if number >= 0}
-    passes = {name: tuple((number, round(math.copysign(whole[number], nbytes) / split.context
-                                         if name == "fwd" and number in whole else _on_rank(shape, nbytes, split)))
-                          for number, shape, nbytes, _ in events) for name, events in layer.allocations.items()}
+    passes = {name: _rank_pass(layer, split, name, gradient_bytes) for name in layer.allocations}
+    if whole:
+        passes["fwd"] = tuple((number, round(math.copysign(whole[number], nbytes) / split.context)
+                               if number in whole else nbytes) for number, nbytes in passes["fwd"])
     first = 1 + max((number for number, *_ in layer.allocations.get("fwd", ())), default=-1)
     gathers = tuple((first + n, round(nbytes / split.context))
                     for n, nbytes in enumerate(nbytes for number, nbytes in gathered if number < 0))

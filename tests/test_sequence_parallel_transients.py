@@ -1,0 +1,98 @@
+"""Sequence parallelism's whole transients: a tensor-parallel product's partial sums before their reduce-scatter and
+a row-parallel product's gathered output gradient (planning/estimate.py `_rank_pass`)."""
+
+import json
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning.estimate import Device, Parallelism, estimate_layer, gathered_gradient_bytes, placement_links
+from pipesim.profiles.workload import transient_peak
+from tests.conftest import pipesim
+
+H100 = load_catalogue().find("h100-sxm")
+B, S, W, HEADS, KV_HEADS, FFN = 2, 40, 64, 8, 2, 32
+T = B * S  # 80 tokens: no product dimension equals another's, so each product's split is told by its shape
+QKV = W + 2 * KV_HEADS * (W // HEADS)  # 96: q, k and v's fused output
+SHAPE = ("--layers", 2, "--width", W, "--heads", HEADS, "--kv-heads", KV_HEADS, "--ffn", FFN, "--seq-len", S,
+         "--vocab", 128, "-b", B, "--attention", "flash", "--dtype", "bf16")
+
+
+@pytest.fixture(scope="module")
+def block():
+    torch = pytest.importorskip("torch")
+    from pipesim.workload.count import count_built
+
+    counted = count_built("gpt", dict(layers=2, width=W, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN, seq_len=S,
+                                      vocab=128), B, torch.bfloat16, "flash")
+    return counted, counted.layers[1]
+
+
+def test_the_count_marks_each_products_output_with_its_shape(block):
+    _, layer = block
+    made = dict((number, shape) for number, shape, nbytes, _ in layer.allocations["fwd"] if nbytes > 0)
+    products = layer.product_allocations["fwd"]
+    assert [shape for _, shape in products] == [(1, T, QKV, W), (1, T, W, W), (1, T, FFN, W), (1, T, W, FFN)]
+    assert [made[number] for number, _ in products] == [(T, QKV), (T, W), (T, FFN), (T, W)]
+
+
+def test_transient_peak_reads_the_live_storages_at_the_most_bytes():
+    events = [(0, 4), (1, 8), (0, -4), (2, 2), (1, -8), (3, 16), (2, -2)]  # 3 outlives the pass
+    assert transient_peak(events) == (0, 1)  # 12 bytes
+    assert transient_peak(events, beside_kept=True) == (2,)  # 3 and 2 live: 18 bytes, 3 kept
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+def test_a_t2_sequence_parallel_blocks_backward_holds_its_partial_sums_and_gathered_gradient_whole(tmp_path, runtime):
+    """t = 2 with sequence parallelism, both runtimes, bf16 (2 bytes an element); whole, tokens x width is 10,240
+    bytes. The full backward's peak is at q, k and v's input-gradient product: the residual stream's gradient, 1/t
+    (5,120), the q, k, v gradients concatenated, 1/t (T x 96: 7,680), and the product's partial sums whole before
+    their reduce-scatter (10,240): 23,040, where every tensor 1/t was 20,480 (the count's 40,960 halved). The
+    weight-gradient pass's is at the attention output projection's weight gradient: the residual gradient (5,120),
+    that product's output gradient gathered whole (10,240) and its input gradient, the heads' half (5,120): 20,480,
+    against 15,360. The forward's: the MLP's second product's output whole before its reduce-scatter (10,240)."""
+    whole = T * W * 2
+    code, _, err = pipesim("estimate", "--model", "gpt", *SHAPE, "--gpu", "h100-sxm", "--tensor-parallel", 2,
+                           "--sequence-parallel", "--tp-runtime", runtime, "--out", tmp_path / "e.json")
+    assert code == 0, err
+    layer = json.loads((tmp_path / "e.json").read_text())["layers"][1]
+    assert layer["transient_bytes"] == {"fwd": whole, "bwd": whole // 2 + T * QKV + whole,
+                                        "igrad": whole // 2 + T * QKV + whole, "wgrad": 2 * whole}
+
+
+def test_without_sequence_parallelism_or_beside_it_the_count_peak_is_priced_as_before(block):
+    """t = 1 is the count's peak; t = 2 without sequence parallelism keeps the residual stream whole and the rest
+    1/t, as before: only sequence parallelism reads the rank's own allocations."""
+    _, layer = block
+    device = Device.of(H100, "bf16")
+    link = placement_links(H100, Parallelism(tensor=2)).tensor
+    one = estimate_layer(layer, device, Parallelism(), link, 2).transient_bytes
+    assert one["bwd"] == sum(nbytes for _, nbytes in layer.transient_tensors["bwd"])
+    two = estimate_layer(layer, device, Parallelism(tensor=2), link, 2).transient_bytes
+    assert two["bwd"] == sum(nbytes if shape[-1] == W and len(shape) == 3 and shape[:2] == (B, S) else nbytes // 2
+                             for shape, nbytes in layer.transient_tensors["bwd"])
+
+
+def test_the_allocator_replays_the_gathered_gradients_whole(block):
+    """The backward's replay (`layer_allocations`) gathers each row-parallel product's output gradient whole, the
+    MLP's second product's and the attention output projection's, made and freed around its two products."""
+    from pipesim.planning.estimate import layer_allocations
+
+    counted, layer = block
+    backward = layer_allocations(counted, Parallelism(tensor=2, sequence_parallel=True))[1].passes["bwd"]
+    numbered = {number for number, *_ in layer.allocations["bwd"]}
+    gathers = [(number, nbytes) for number, nbytes in backward if number not in numbered]
+    assert [nbytes for _, nbytes in gathers] == [T * W * 2, -T * W * 2] * 2
+
+
+@pytest.mark.parametrize("fp8, runtime, element", [(None, "torch", 2), ("te", "megatron", 1),
+                                                   ("torchao-2024", "torch", 1), ("torchao", "torch", 1),
+                                                   ("torchao", "megatron", 2)])
+def test_a_gathered_gradient_is_float8_where_the_runtime_casts_before_it_gathers(block, fp8, runtime, element):
+    """TransformerEngine casts the output gradient before its gather; torchao's Float8RowwiseParallel (eab345c)
+    casts it after the redistribute in the forward, so before the gather in the backward; plain bf16 otherwise.
+    The head, no float8 layer, gathers bf16."""
+    counted, layer = block
+    parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime, fp8=fp8)
+    assert gathered_gradient_bytes(layer, parallel, 2) == element
+    assert gathered_gradient_bytes(counted.layers[-1], parallel, 2) == 2
