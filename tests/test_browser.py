@@ -426,7 +426,7 @@ def test_sweep_page_draws_each_schedule_in_its_own_colour(tmp_path):
 
 @needs_chromium
 def test_sixteen_devices_lanes_stay_apart_and_the_memory_legend_shows_every_device(tmp_path):
-    """16 devices with send and receive lanes on a 1000 x 800 window: the memory legend (7 parts, 16 devices) lies
+    """16 devices with send and receive lanes on a 1000 x 800 window: the memory legend (5 parts, 16 devices) lies
     in rows under the memory panel, whole and unscrolled, and takes no height from the lanes, which stay at
     least 16 px apart (beside the panel, it scrolled and squeezed them to 9 px)."""
     from tests.conftest import pipesim

@@ -274,6 +274,15 @@ def test_the_fullest_devices_memory_is_stacked_by_part_up_to_its_curve():
             assert len(times) == len(changes) + 1  # and the last held to the run's end
 
 
+def test_the_memory_stack_and_its_legend_leave_out_the_parts_the_device_never_holds(trace):
+    """Typed costs hold no transient tensors and replay no allocator: "a pass's transient tensors" and
+    "allocator's reserve" were legend entries of layers drawn nowhere; each part named now adds to the stack."""
+    parts = trace_data(trace)["memory"]["parts"]
+    assert parts["names"] == ["weights", "gradients", "optimizer state", "activations", "transfer buffers"]
+    stack = [decode_column(level) for level in parts["stack"]]
+    assert all(np.any(above > below) for below, above in zip([np.zeros_like(stack[0]), *stack], stack))
+
+
 def test_the_stacked_device_is_the_one_the_reserve_makes_fullest():
     """The caching allocator's reserve, added after the step, can make another device the fullest: the page
     stacks that device, whose parts reach its peak with the reserve, and `keep_fullest_parts` keeps its curves

@@ -145,10 +145,15 @@ def stacked_memory(trace: Trace, end_us: float) -> dict[str, Any] | None:
     attributed = all(curve is not None for curve in savers) and any(
         curve[device].values.any() for curve in savers[:-1])
     parts = [*MEMORY_PARTS[:3], *(SAVERS if attributed else ("activations",)), "communication",
-             *(part for part in MEMORY_PARTS[5:] if f"memory_bytes.{part}" in trace.counters and (
-                 part != "runtime_buffers" or trace.counters[f"memory_bytes.{part}"][device].values.any()))]
+             *(part for part in MEMORY_PARTS[5:] if f"memory_bytes.{part}" in trace.counters)]
     curves = [trace.counters[f"memory_bytes.{part}"][device] for part in parts]
     times = np.unique(np.concatenate([curve.times_us for curve in curves]))
+    # a part the device never holds is no layer and no legend entry: "transfer buffers", "a pass's transient
+    # tensors" and "allocator's reserve" were listed under a run of typed costs without comm, drawn nowhere
+    kept = [(part, curve) for part, curve in zip(parts, curves) if curve.values.any()]
+    if not kept:
+        return None  # (a trace that holds no memory, as one simulated without sizes)
+    parts, curves = zip(*kept)
     held = np.array([curve.values[np.searchsorted(curve.times_us, times, side="right") - 1] for curve in curves])
     if len(times) > STACK_COLUMNS:
         column = np.minimum((times / max(end_us, float(times[-1]), 1e-9) * STACK_COLUMNS).astype(np.int64),
