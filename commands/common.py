@@ -763,6 +763,16 @@ def check_apart(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tupl
         seen.setdefault(where, f"{flag}'s output" if written else f"{flag}, which it reads")
 
 
+def model_reads(params: dict[str, Any]) -> list[tuple[str, Path | None]]:
+    """The files a model's flags name, for check_apart: --model hf:PATH's config.json, --curve-from and --gpus
+    (where the command takes them)."""
+    from ..workload.hfconfig import hf_config_path, is_hf
+
+    model = params.get("model")
+    return [("--model", hf_config_path(model) if model and is_hf(model) else None),
+            ("--curve-from", params.get("curve_from")), ("--gpus", params.get("gpus"))]
+
+
 def write_error(exc: OSError) -> str:
     """The one line for an output that could not be written: the path and why."""
     return f"cannot write {exc.filename}: {exc.strerror}" if exc.filename else f"cannot write output: {exc}"

@@ -37,6 +37,7 @@ from .common import (
     flag_line,
     flag_of,
     is_given,
+    model_reads,
     refuse,
     refused_with_flags,
     require,
@@ -618,7 +619,7 @@ def estimate(
 
     try:
         check_writable("--out", out)
-        check_apart([("--out", out)], [(flag_of(name), ctx.params.get(name)) for name in ("curve_from", "gpus")])
+        check_apart([("--out", out)], model_reads(ctx.params))
         zero = zero_stage(ctx.params)
         what = what_if(ctx)
         counted = count_what_if(what, microbatch_size)

@@ -55,6 +55,7 @@ from .common import (
     fail,
     flag_of,
     is_given,
+    model_reads,
     refuse,
     refused_with_flags,
     require,
@@ -190,7 +191,7 @@ def run(
         check_prediction(prediction)
         check_writable("--trace", trace)
         check_writable("--html", html)
-        check_apart([("--trace", trace), ("--html", html)], [("--profile", profile)])
+        check_apart([("--trace", trace), ("--html", html)], [("--profile", profile), *model_reads(ctx.params)])
         options = {key: value for key, value in (("layers", layers), ("width", width), ("ffn", ffn),
                                                  ("experts", experts), ("top_k", top_k),
                                                  ("shared_experts", shared_experts), ("expert_ffn", expert_ffn),

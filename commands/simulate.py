@@ -62,6 +62,7 @@ from .common import (
     fail,
     is_given,
     load_profile_flag,
+    model_reads,
     optional_what_if_options,
     p2p_synced,
     progress,
@@ -227,7 +228,7 @@ def simulate(
         check_writable("--trace", trace)
         check_apart([*(("--trace", path) for path in (_output_paths(trace, names) if trace else [])), ("--html", html)],
                     [("--profile", profile), ("--cluster", cluster), ("--graph", graph),
-                     ("--schedule-file", schedule_file)])
+                     ("--schedule-file", schedule_file), *model_reads(ctx.params)])
         if memory_view and as_json:
             raise InputError("--memory is a table; --json gives each device's breakdown as peak_memory_parts_mb: "
                              "give one")

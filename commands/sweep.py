@@ -38,6 +38,7 @@ from .common import (
     check_writable,
     expert_overlap_options,
     fail,
+    model_reads,
     optional_what_if_options,
     p2p_synced,
     progress,
@@ -176,7 +177,7 @@ def sweep(
         check_writable("--out", out)
         check_writable("--html", html)
         check_apart([("--out", out), ("--html", html)],
-                    [("--grid", grid), ("--profile", profile), ("--cluster", cluster)])
+                    [("--grid", grid), ("--profile", profile), ("--cluster", cluster), *model_reads(ctx.params)])
         if out is not None and out.suffix not in (".csv", ".parquet"):
             raise InputError(f"--out: give a .csv or .parquet file (got {out})")
         if out is not None and out.suffix == ".parquet":

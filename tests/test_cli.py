@@ -480,6 +480,12 @@ def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice(co
     (["compare", "{t}", "--html", "{t}"], "--html: {t} is also MEASURED, which it reads"),
     (["study", "--plot-only", "--results", "{t}", "--html", "{t}"], "--html: {t} is also --results, which it reads"),
     (["sweep", "-s", "1f1b", "--out", "{o}", "--html", "{o}"], "--html: {o} is also --out's output"),
+    (["simulate", "-s", "1f1b", "--gpu", "h100-sxm", "--model", "hf:{t}", "--trace", "{t}"],
+     "--trace: {t} is also --model, which it reads"),
+    (["sweep", "-s", "1f1b", "--gpu", "h100-sxm", "--model", "gpt", "--curve-from", "{p}", "--html", "{p}"],
+     "--html: {p} is also --curve-from, which it reads"),
+    (["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--gpus", "{p}", "--out", "{p}"],
+     "--out: {p} is also --gpus, which it reads"),
 ])
 def test_an_output_never_replaces_another_output_or_a_file_the_command_reads(tmp_path, args, refusal):
     """`simulate --trace t.json --html t.json` kept the page and lost the trace, and `view t.json --html t.json`

@@ -49,15 +49,19 @@ class HfConfig:
         return hashlib.sha256(json.dumps(self.fields, sort_keys=True).encode()).hexdigest()
 
 
+def hf_config_path(spec: str) -> Path:
+    """The config.json `spec` (`hf:PATH`) names: PATH, or PATH/config.json where PATH is a folder."""
+    path = Path(spec.removeprefix(HF_PREFIX))
+    return path / CONFIG_NAME if path.is_dir() else path
+
+
 def read_hf_config(spec: str) -> HfConfig:
     """The config `spec` names; a missing or unreadable file, one without a model_type or one whose `SIZES` are
     not whole numbers of 1 or more, is `HfConfigError`."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
-    path = Path(given)
-    if path.is_dir():
-        path = path / CONFIG_NAME
+    path = hf_config_path(spec)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
