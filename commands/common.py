@@ -97,14 +97,16 @@ OptimizerBuckets = Annotated[str, typer.Option(
                                                  "optimizer groups its reduce-scatters and all-gathers: megatron "
                                                  "(Megatron-core's buckets of max(40M, 1M x d) parameters on the "
                                                  "first chunk; the default) or nemo (NeMo's distributed Adam: a "
-                                                 "group a chunk, a layer without --chunks, one collective each).")]
+                                                 "group a chunk, a layer without --chunks, one collective each).",
+    show_default=False)]
 PpRuntime = Annotated[str, typer.Option(
     "--pp-runtime", metavar="RUNTIME", help="Whose pipeline runtime holds the tensors passed between stages: "
                                             "pipesim (a received one from its arrival until its forward or "
                                             "backward ends, a sent one until sent; the default) or torch "
                                             "(torch.distributed.pipelining's stage: a receive buffer per "
                                             "micro-batch for every input and output gradient, kept, and every "
-                                            "forward's output and input gradient kept until the update).")]
+                                            "forward's output and input gradient kept until the update).",
+    show_default=False)]
 StageCut = Annotated[str, typer.Option(
     "--stage-cut", metavar="HOW", help="How --gpu's or --profile's layers are cut into the p·v model stages: "
                                        "balanced (the slowest stage as fast as can be, PipeDream's planner) or "
@@ -402,19 +404,22 @@ CrossEntropy = Annotated[str, typer.Option(
                                                "log-softmax and NLL loss, whose backward holds two float32 tokens x "
                                                "vocabulary tensors; the default) or megatron (Megatron-core's "
                                                "vocabulary-parallel one, fused or not: its backward writes the "
-                                               "gradient into the saved float32 softmax in place).")]
+                                               "gradient into the saved float32 softmax in place).",
+    show_default=False)]
 NormKernel = Annotated[str, typer.Option(
     "--norm-kernel", metavar="KERNEL", help="With --gpu: how a Hugging Face model's RMSNorms run: eager "
                                             "(transformers' module, keeping a float32 copy of its input and the "
                                             "normalised 16-bit tensor, each op its own kernel; the default) or "
                                             "fused (TransformerEngine's kernel, Megatron-core's: one kernel each "
-                                            "way, keeping its 16-bit input and one float32 a token).")]
+                                            "way, keeping its 16-bit input and one float32 a token).",
+    show_default=False)]
 RopeKernel = Annotated[str, typer.Option(
     "--rope-kernel", metavar="KERNEL", help="With --gpu: how a Hugging Face model's rotary position embedding runs: "
                                             "eager (transformers' slices, negation, concatenation, products and "
                                             "sum, each its own kernel; the default) or fused (TransformerEngine's "
                                             "kernel, Megatron-core's apply_rope_fusion: one kernel for q and one "
-                                            "for k each way). Both keep only the angles.")]
+                                            "for k each way). Both keep only the angles.",
+    show_default=False)]
 ALLOCATORS = ("caching", "expandable", "none")  # --allocator
 Allocator = Annotated[str, typer.Option(
     "--allocator", metavar="MODEL", help="With --gpu: what a device's memory counts, caching (its tensors and the "
@@ -424,7 +429,8 @@ Allocator = Annotated[str, typer.Option(
                                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan's one-host "
                                          "launcher sets it: one segment a stream, grown in 2 MiB pages for small "
                                          "requests and 20 MiB for large) or none (its tensors alone: max "
-                                         "allocated).")]
+                                         "allocated).",
+    show_default=False)]
 OPTIMIZER_STEPS = ("held", "megatron")  # --optimizer-step
 OptimizerStep = Annotated[str, typer.Option(
     "--optimizer-step", metavar="MODE", help="With --gpu and --allocator caching or expandable: how the optimizer's "
@@ -432,7 +438,8 @@ OptimizerStep = Annotated[str, typer.Option(
                                              "held from the step's start; the default) or megatron (Megatron-LM's "
                                              "16-bit optimizer over Apex's FusedAdam, unsharded: each step makes "
                                              "the float32 main gradients, the next step's zero_grad frees them, and "
-                                             "the first step makes Adam's moments).")]
+                                             "the first step makes Adam's moments).",
+    show_default=False)]
 SwigluFusion = Annotated[bool, typer.Option(
     "--swiglu-fusion/--no-swiglu-fusion",
     help="With --gpu: a gated MLP's SwiGLU (a routed expert's, with the router's weights; the dense and "

@@ -455,21 +455,27 @@ def test_every_option_that_takes_a_value_names_it_as_its_help_explains():
     assert not unnamed, unnamed
 
 
-@pytest.mark.parametrize("command,name", [("simulate", "fb_hidden_fraction"), ("tune", "max_staleness"),
-                                          ("run", "microbatch_size"), ("export", "stages"), ("study", "pipelines")])
-def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice(command, name):
-    """"(default 8, or the profile's).  [default: 8; x>=1]": typer's default beside the words, which say more (the
-    profile's b, when one is given); the range stays."""
+def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice():
+    """"(default 8, or the profile's).  [default: 8; x>=1]" and "torch (...; the default) or megatron (...).
+    [default: torch]": typer's default beside the words, which say more (the profile's b, when one is given, and
+    what the default choice does), in every command; a range stays."""
     import click
     import typer
 
     from pipesim.cli import make_app
 
     group = typer.main.get_command(make_app())
-    context = click.Context(group.commands[command], info_name=command, parent=click.Context(group))
-    (param,) = [param for param in group.commands[command].params if param.name == name]
-    text = param.get_help_record(context)[1]
-    assert "efault " in text and "[default:" not in text and re.search(r"\[[\d.]*(<=)?x", text), text
+    said = []
+    for name, command in group.commands.items():
+        context = click.Context(command, info_name=name, parent=click.Context(group))
+        for param in command.params:
+            text = (param.get_help_record(context) or ("", ""))[1]
+            if re.search(r"the default[),]|(\(|; )default \d|Default \d", text):
+                said.append(f"{name} {param.name}")
+                assert "[default:" not in text, f"{name} {param.name}: {text}"
+                assert not getattr(param, "min", None) or re.search(r"\[[\d.]*(<=)?x", text), text
+    assert {"simulate fb_hidden_fraction", "tune max_staleness", "run microbatch_size", "export stages",
+            "study pipelines", "simulate cross_entropy", "sweep allocator"} <= set(said)
 
 
 @pytest.mark.parametrize("args,refusal", [
