@@ -49,9 +49,10 @@ from .tables import print_table
 def calibrate(
     ctx: typer.Context,
     model: Annotated[str, typer.Option(
-        "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, or package.module:attribute naming a "
+        "--model", metavar="NAME", help="mlp, cnn, gpt, two-branch, package.module:attribute naming a "
                                         "torch.nn.Sequential, a list of modules, or a zero-argument callable returning "
-                                        "one.")],
+                                        "one, or hf:PATH, a Hugging Face config.json or its folder (with --seq-len; "
+                                        "built with its weights on the device).")],
     out: Annotated[Path, typer.Option(
         "--out", "-o", metavar="JSON", help="Profile JSON to write (replaced atomically).")],
     stages: Annotated[int, typer.Option(

@@ -172,7 +172,7 @@ def run(
         from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
         from ..planning.scenario import all_to_all_refusal
         from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
-        from ..workload.hfconfig import HF_PREFIX
+        from ..workload.hfconfig import is_hf
         from ..workload.models import ModelError, build_model
 
         method = method_named(schedule)
@@ -234,7 +234,7 @@ def run(
             raise InputError(f"--profile {profile}: its partition has {len(bounds) - 1} stages, but {schedule} on "
                              f"{stages} devices has {built.num_stages}; calibrate with --stages "
                              f"{built.num_stages} or drop --profile")
-        if model.startswith(HF_PREFIX) and "seq_len" not in options:  # run has no --seq-len: a profile carries it
+        if is_hf(model) and "seq_len" not in options:  # run has no --seq-len: a profile carries it
             raise InputError(f"--model {model}: run builds a Hugging Face model at the sequence length it was "
                              "calibrated at: give --profile, from `pipesim calibrate --model hf:PATH --seq-len N`")
         try:
