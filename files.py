@@ -1,7 +1,7 @@
 """Reading the files users give: one-line errors that name the file and the first field that is wrong.
 
-A leaf like `units`: the catalogue, the profile schema, the sweep's grid, cluster, graph, trace and study results
-files are read through it, so every file a user hands pipesim fails the same way."""
+A leaf like `units`: the catalogue, the profile schema, the sweep's grid, cluster, graph, trace, study results and
+Hugging Face config files are read through it, so every file a user hands pipesim fails the same way."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ def read_toml(path: Path, error: type[Exception], prefix: str = "") -> dict:
     return _read(path, error, tomllib.loads, tomllib.TOMLDecodeError, "TOML", prefix, str(path))
 
 
-def read_json(path: str | Path, error: type[Exception], what: str) -> Any:
+def read_json(path: str | Path, error: type[Exception], what: str, prefix: str = "") -> Any:
     """The JSON document at `path`; an unreadable, non-UTF-8 or invalid file raises `error` naming it as `what`
-    (e.g. "cluster file")."""
-    return _read(path, error, json.loads, json.JSONDecodeError, "JSON", "", f"{what} {path}")
+    (e.g. "cluster file"), its message led by `prefix` (e.g. the flag that named the file)."""
+    return _read(path, error, json.loads, json.JSONDecodeError, "JSON", prefix, f"{what} {path}")
 
 
 def _read(path: str | Path, error: type[Exception], loads: Callable[[str], Any], invalid: type[Exception],

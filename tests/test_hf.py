@@ -171,9 +171,11 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
 @pytest.mark.parametrize("make, fragment", [
     (lambda folder: folder / "absent", "no {folder}/absent; give hf:PATH, a config.json or a folder holding one"),
     (lambda folder: folder, "no {folder}/config.json"),
-    (lambda folder: (folder / "c.json").write_text("{not json") and folder / "c.json", "is not JSON"),
+    (lambda folder: (folder / "c.json").write_text("{not json") and folder / "c.json", "is not valid JSON"),
     (lambda folder: (folder / "c.json").write_text('{"model_type": "lla') and folder / "c.json",
-     "is not JSON (Unterminated string starting at: line 1 column 16)"),
+     "is not valid JSON: Unterminated string starting at: line 1 column 16"),
+    (lambda folder: (folder / "c.json").write_bytes(b"\xab\xcd") and folder / "c.json",  # 'utf-8' codec's words
+     "--model hf:{folder}/c.json: Hugging Face config {folder}/c.json is not a text (UTF-8) file"),
     (lambda folder: (folder / "c.json").write_text('{"hidden_size": 8}') and folder / "c.json", "has no model_type"),
     (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 0}),
      "{folder}/config.json gives num_hidden_layers 0; it must be a whole number, 1 or more"),

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import read_json
+
 HF_PREFIX = "hf:"
 CONFIG_NAME = "config.json"
 # The figures a dense decoder's config must give (transformers would fill a missing one with its default, another
@@ -62,18 +64,9 @@ def read_hf_config(spec: str) -> HfConfig:
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
     path = hf_config_path(spec)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HfConfigError(f"--model {spec}: no {path}; give hf:PATH, a {CONFIG_NAME} or a folder holding "
-                            "one") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HfConfigError(f"--model {spec}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise HfConfigError(f"--model {spec}: {path} is not JSON ({exc.msg}: line {exc.lineno} column {exc.colno}); "
-                            f"give a Hugging Face {CONFIG_NAME}") from None
+    if not path.exists():
+        raise HfConfigError(f"--model {spec}: no {path}; give hf:PATH, a {CONFIG_NAME} or a folder holding one")
+    fields = read_json(path, HfConfigError, "Hugging Face config", f"--model {spec}: ")
     if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
         raise HfConfigError(f"--model {spec}: {path} has no model_type; give a Hugging Face {CONFIG_NAME} "
                             "(model_type says which transformers model it configures)")
