@@ -505,12 +505,13 @@ def tradeoff_figure(results: Sequence[Result], front: Sequence[int]):
 
 def ran_text(results: Sequence[Result]) -> str:
     """How many configurations ran, and how many more did not: skipped (a method that cannot run the shape) and
-    folded into another's row (the same schedule). "40 configurations (8 skipped, ...)" read as if 8 of the 40
-    were skipped; the grid had 56."""
+    folded into another's row (the same schedule), each where there are any. "40 configurations (8 skipped, ...)"
+    read as if 8 of the 40 were skipped; the grid had 56."""
     skipped = sum(r.metrics is None for r in results)
     folded = sum(len(r.same_as) for r in results)
-    return (f"{count_text(len(results) - skipped, 'configuration')} that ran ({skipped:,} more skipped"
-            + (f", {folded:,} more the same schedule as one of them" if folded else "") + ")")
+    more = [text for count, text in ((skipped, f"{skipped:,} more skipped"),
+                                     (folded, f"{folded:,} more the same schedule as one of them")) if count]
+    return f"{count_text(len(results) - skipped, 'configuration')} that ran" + (f" ({', '.join(more)})" if more else "")
 
 
 def write_tradeoff_html(results: Sequence[Result], front: Sequence[int], path: Path) -> None:

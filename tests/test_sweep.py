@@ -216,6 +216,13 @@ def test_a_sweep_none_of_whose_configurations_runs_says_why_in_one_line(tmp_path
         " (and 3 more skipped)\n") and err.count("\n") == 1, err
 
 
+def test_a_sweep_that_skipped_nothing_counts_only_what_ran():
+    """"2 of the 4 configurations that ran (0 more skipped)": a tally of nothing said beside the count."""
+    code, text, err = pipesim("sweep", "-s", "1f1b,zb-h1", "-p", "2,4", "-j", "1")
+    words = " ".join(text.split())
+    assert code == 0 and "of the 4 configurations that ran" in words and "skipped" not in words, err
+
+
 def test_one_run_under_several_names_is_one_row_naming_the_others(tmp_path):
     """Interleaved 1F1B at v = 1 simulates 1F1B's run, and SpecTrain's s from the paper equals its s from the code:
     each is folded into the first configuration of its run (per cost scale), in the results file, the terminal's
