@@ -28,12 +28,14 @@ from .common import (
     TopK,
     Vocab,
     Width,
+    check_apart,
     check_expert_parallel,
     check_memory_gb,
     check_writable,
     fail,
     flag_of,
     is_given,
+    model_reads,
     refuse,
     require,
     require_model_data,
@@ -150,6 +152,7 @@ def calibrate(
         if runtime:  # its probe times the executor on a small mlp, which draws the digits
             require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
         check_writable("--out", out)
+        check_apart([("--out", out)], model_reads(ctx.params))
         if dtype not in ("float32", "bfloat16", "float16"):
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
         refuse(optimizer_refusal(optimizer, "--optimizer"))

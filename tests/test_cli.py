@@ -1,5 +1,6 @@
 """The command line as users and scripts call it."""
 
+import importlib.util
 import json
 import os
 import re
@@ -492,6 +493,9 @@ def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice():
      "--html: {p} is also --curve-from, which it reads"),
     (["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--gpus", "{p}", "--out", "{p}"],
      "--out: {p} is also --gpus, which it reads"),
+    pytest.param(["calibrate", "--model", "hf:{t}", "--out", "{t}", "--no-runtime", "--no-contention", "--no-links"],
+                 "--out: {t} is also --model, which it reads",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="calibrate needs torch")),
 ])
 def test_an_output_never_replaces_another_output_or_a_file_the_command_reads(tmp_path, args, refusal):
     """`simulate --trace t.json --html t.json` kept the page and lost the trace, and `view t.json --html t.json`
