@@ -78,3 +78,14 @@ def test_the_deepseek_what_if_prose_is_what_its_command_prints(monkeypatch):
     assert quoted == [seconds["dualpipev"], gib["dualpipev"], seconds["1f1b"], seconds["zb-v"], gib["zb-v"],
                       round(bf16["peak_memory_mb"] / 1024, 1)]
     assert gib["dualpipev"] < 80 < gib["zb-v"] and bf16["peak_memory_mb"] / 1024 > 80
+
+
+@pytest.mark.slow
+def test_the_405b_what_if_step_is_what_its_command_prints(monkeypatch):
+    """The step the README quotes after its Llama 3.1 405B what-if (torchtitan's layout) is its command's, in s."""
+    monkeypatch.chdir(REPO)
+    text = section("Models and parallelism of now")
+    command = next(line for line in text.splitlines() if line.startswith("pipesim") and "llama3.1-405b" in line)
+    quoted = float(re.search(r"as torchtitan runs it:\s+(\d+\.\d) s a step", text).group(1))
+    (result,) = simulate_json(*shlex.split(command)[2:])
+    assert quoted == round(result["time_per_minibatch_ms"] / 1e3, 1)
