@@ -80,7 +80,7 @@ from ..profiles.partition import (
     partition,
     range_sums,
 )
-from ..profiles.schema import Profile, layer_costs
+from ..profiles.schema import LayerProfile, Profile, layer_costs
 from ..schedules import (
     ALL_TO_ALL_KINDS,
     COLLECTIVE_KINDS,
@@ -2211,13 +2211,19 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     # an activation and a gradient in transfer at each boundary: into the stage's first layer, out of its last
     boundary = 2 * np.concatenate([[0], sent])  # [i]: what layer i receives (and its gradient), as layer i-1 sends
     buffers = boundary[:, None] + boundary[None, :]
-    each = profile_costs(_own_times(profile), optimizer, range(len(layers) + 1))  # every layer a stage of its own
+    own, least = _own_times(profile), _own_times(profile, least=True)
+    each = profile_costs(own, optimizer, range(len(layers) + 1))  # every layer a stage of its own
+    each_least = each if least is own else profile_costs(least, optimizer, range(len(layers) + 1))
 
-    @cache
-    def summed_ms(pipelines: int) -> np.ndarray:
-        """Each op kind's ms over every range of layers: [i, j, kind]."""
-        prefix = np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(each.op_ms_table(pipelines), axis=0)])
-        return prefix[None, :, :] - prefix[:, None, :]
+    def ranges_ms(costs: Costs) -> Callable[[int], np.ndarray]:
+        @cache
+        def summed(pipelines: int) -> np.ndarray:
+            """Each op kind's ms over every range of layers: [i, j, kind]."""
+            prefix = np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(costs.op_ms_table(pipelines), axis=0)])
+            return prefix[None, :, :] - prefix[:, None, :]
+        return summed
+
+    summed_ms, least_ms = ranges_ms(each), ranges_ms(each_least)
 
     @cache
     def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
@@ -2238,14 +2244,14 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
             return leanest_partition(layers, stages, stage_bytes)[1]
 
     def stage_ms(bounds: list[int], pipelines: int) -> np.ndarray:
-        """[k, kind]: each layer's own F, B, I and W summed over stage k's layers, with stage 0's I empty and its
+        """[k, kind]: each layer's least F, B, I and W summed over stage k's layers, with stage 0's I empty and its
         W its whole B, as a first stage's are: no more than the stage's own costs (`profile_costs`: those are
-        additive over a cut, its host's waits beyond them at least 0: `_own_times`), which the search prices only
-        if this bound comes up. The rest count for nothing
+        additive over a cut, its host's waits beyond them at least the least's: `_own_times`), which the search
+        prices only if this bound comes up. The rest count for nothing
         (a stage's updates share out its measured ones by bytes: their total is the layers', not each stage's)."""
         table = np.zeros((len(bounds) - 1, NUM_COMPUTE_KINDS))
         passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
-        table[:, passes] = summed_ms(pipelines)[bounds[:-1], bounds[1:]][:, passes]
+        table[:, passes] = least_ms(pipelines)[bounds[:-1], bounds[1:]][:, passes]
         table[0, KIND_CODE[Kind.I]], table[0, KIND_CODE[Kind.W]] = 0.0, table[0, KIND_CODE[Kind.B]]
         return table
 
@@ -2253,22 +2259,37 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     return split
 
 
-_OWN_TIMES: dict[int, Profile] = {}  # `_own_times`, by the profile's identity, kept while it lives
+_OWN_TIMES: dict[tuple[int, bool], Profile] = {}  # `_own_times`, by the profile's identity, kept while it lives
 
 
-def _own_times(profile: Profile) -> Profile:
+def _own_times(profile: Profile, least: bool = False) -> Profile:
     """The profile with each layer's passes at its own times, without the issue a stage composes its host's waits
     from (profiles/schema.py `stage_host_waits_ms`): a layer as a stage of its own would wait for its host from its
     own start, or run no faster than its own issue, and a stage of several waits no more than its layers so, so
-    their sum would bound it from above. Its own times hold no more than a stage waits: none where nothing
-    synchronises (a stage's waits then are at least 0), else the waits carried from the model's start, which a
-    stage starting from an emptier queue does not undercut (`PassIssue`'s map is monotone in the lead), though a
-    stage none of whose layers synchronises, in a model some of whose do, may. Made once per profile, which is
-    immutable."""
-    key = id(profile)
+    their sum would bound it from above. Its own times hold the waits carried from the model's start (none where
+    nothing makes a host wait), which a stage starting from an emptier queue does not undercut (`PassIssue`'s map
+    is monotone in the lead); a stage none of whose layers synchronises may, floored by its issue alone (a dense
+    stage in a dropless MoE model; under `--p2p-sync`, the first stage's forward and the last's backward). `least`:
+    those layers' times without their carried waits too, their GPU's, which no stage undercuts: what tune's bound
+    sums. Made once per profile, which is immutable."""
+    key = (id(profile), least)
     if key not in _OWN_TIMES:
-        _OWN_TIMES[key] = profile.model_copy(update={"layers": [layer.model_copy(update={"host_issue": None})
-                                                                for layer in profile.layers]})
+        def own(layer: LayerProfile) -> LayerProfile:
+            issue = layer.host_issue
+            if not least or issue is None or issue["fwd"].synchronises:
+                return layer.model_copy(update={"host_issue": None})
+            return layer.model_copy(update={
+                "host_issue": None,
+                **{name: getattr(layer, name).model_copy(update={
+                    "median_ms": max(0.0, getattr(layer, name).median_ms - issue[name].carried_ms)})
+                   for name in ("fwd", "bwd", "igrad", "wgrad")},
+                **{f"{name}_ms": max(0.0, getattr(layer, f"{name}_ms") - issue[name].carried_ms)
+                   for name in ("fwd_sharing", "bwd_sharing")}})
+
+        carries = any(layer.host_issue is not None and any(passed.carried_ms for passed in layer.host_issue.values())
+                      for layer in profile.layers)
+        _OWN_TIMES[key] = (profile.model_copy(update={"layers": [own(layer) for layer in profile.layers]})
+                           if carries or not least else _own_times(profile))
         weakref.finalize(profile, _OWN_TIMES.pop, key, None)
     return _OWN_TIMES[key]
 
