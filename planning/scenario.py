@@ -949,15 +949,25 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
     tail = measured.contention.tail if measured.contention is not None else 1.0
     # An estimate's precision may store the weights otherwise than the passes read them (FSDP2's float32 shards)
     held = PRECISIONS.get(measured.estimate.parallelism.get("precision")) if measured.estimate is not None else None
+    accumulate_ms = s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0
+    # Under fused accumulation the pass is the runtime's hook adding the gradients no product accumulates into the
+    # buffer it zeroes at each step's start (planning/estimate.py `unfused_weight_share`): in every backward, the
+    # span's first too, so the backward's (B, W) own, sharing a dispatcher's multiprocessors as the rest of it does;
+    # a separate pass skips the first backward, which writes the gradient
+    fused = measured.estimate is not None and measured.estimate.parallelism.get("grad_accumulation") == "fused"
+    every_ms, accumulate_ms = (accumulate_ms, 0.0) if fused else (0.0, accumulate_ms)
+    bwd_ms = s.bwd_ms * tail
+    grown = (bwd_ms + every_ms) / bwd_ms if bwd_ms > 0 else 1.0
     return StageCosts(
-        fwd_ms=s.fwd_ms * tail, bwd_ms=s.bwd_ms * tail, igrad_ms=s.igrad_ms * tail, wgrad_ms=s.wgrad_ms * tail,
+        fwd_ms=s.fwd_ms * tail, bwd_ms=bwd_ms + every_ms, igrad_ms=s.igrad_ms * tail,
+        wgrad_ms=s.wgrad_ms * tail + every_ms,
         wgrad_fraction=s.wgrad_fraction,
         opt_ms=s.steps[optimizer].step.median_ms, pred_ms=s.steps[optimizer].predict.median_ms,
         avg_ms=s.average.median_ms, param_bytes=s.param_bytes, activation_bytes=s.activation_bytes,
         wgrad_kept_bytes=s.wgrad_kept_bytes, wgrad_gradient_bytes=s.wgrad_gradient_bytes,
         output_bytes=s.output_bytes, optimizer_state_bytes=s.optimizer_state_bytes[optimizer],
-        accumulate_ms=s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0,
-        copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0, held_bytes=s.held_bytes,
+        accumulate_ms=accumulate_ms, copy_ms=s.weight_copy.median_ms if s.weight_copy is not None else 0.0,
+        held_bytes=s.held_bytes,
         grad_bytes=s.grad_bytes, activation_parts=s.activation_parts,
         gathered_bytes=gathered_bytes(measured.layers[s.layers[0]:s.layers[1]]),
         stored_bytes=held.stored_weight_bytes(s.param_bytes) if held is not None else None,
@@ -967,7 +977,7 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
         transient_bytes=s.transient_bytes,
         all_to_all_fwd_ms=s.all_to_all_fwd_ms, all_to_all_bwd_ms=s.all_to_all_bwd_ms,
         all_to_all_paired_ms=s.all_to_all_paired_ms,
-        fwd_sharing_ms=s.fwd_sharing_ms * tail, bwd_sharing_ms=s.bwd_sharing_ms * tail,
+        fwd_sharing_ms=s.fwd_sharing_ms * tail, bwd_sharing_ms=s.bwd_sharing_ms * tail * grown,
         expert_param_bytes=s.expert_param_bytes, ring_fwd_ms=s.ring_fwd_ms, ring_bwd_ms=s.ring_bwd_ms,
         ring_fwd_hidden_ms=s.ring_fwd_hidden_ms, ring_bwd_hidden_ms=s.ring_bwd_hidden_ms,
         ring_buffer_bytes=s.ring_buffer_bytes, product_ms=s.product_ms * tail)

@@ -2090,7 +2090,8 @@ def _cut_accumulates_ms(profile: Profile, bounds: list[int]) -> np.ndarray:
     `_stage_costs` price them (before `cost_scale`): the accumulation was timed on the calibrated stages only, so
     on their cut each has its own, and on another each stage has their total shared out by its weights' bytes
     (an elementwise pass over the weights); none where a calibrated stage's is not timed (off their cut: any)
-    or its passes were measured (off their cut: all)."""
+    or its passes were measured (off their cut: all). A fused accumulation's pass `_stage_costs` prices in every
+    backward, the first too, beyond the layers' sums: counted here after the first only, a bound still."""
     stages = profile.stages
     if list(bounds) == profile.partition.bounds:
         return np.array([s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0

@@ -23,6 +23,7 @@ from pipesim.planning.estimate import (
     estimate_profile,
     unfused_weight_share,
 )
+from pipesim.planning.scenario import profile_costs
 from pipesim.sim.costs import PRECISIONS
 from pipesim.workload.count import WorkloadCount, count_built
 from tests.conftest import pipesim, simulate_json
@@ -58,6 +59,22 @@ def test_a_separate_accumulation_passes_over_the_held_gradients_and_a_fused_one_
     assert unfused_bytes[0] > 10 * unfused_bytes[1]
 
 
+def test_a_fused_runtime_adds_what_no_product_holds_in_every_backward_and_a_separate_one_after_the_first():
+    """Megatron-core's DDP hook adds the gradients no product accumulates into its buffer, which it zeroes at each
+    step's start, in every backward (planning/scenario.py `_stage_costs`): the fused pass is each backward's own, B
+    and W, the span's first too; torch's autograd writes the first backward's gradient and adds the later ones in
+    a pass of their own (the engine's accumulation after a span's first)."""
+    for how in ("fused", "separate"):
+        measured = estimate_profile(counted(), H100, Parallelism(pipeline=2, grad_accumulation=how))
+        priced = profile_costs(measured, "adam", measured.partition.bounds).stages
+        for stage, costs in zip(measured.stages, priced, strict=True):
+            pass_ms = stage.accumulate.median_ms
+            every_ms, after_first_ms = (pass_ms, 0.0) if how == "fused" else (0.0, pass_ms)
+            assert pass_ms > 0 and costs.accumulate_ms == after_first_ms
+            assert (costs.bwd_ms, costs.wgrad_ms) == (stage.bwd_ms + every_ms, stage.wgrad_ms + every_ms)
+            assert costs.igrad_ms == stage.igrad_ms
+
+
 def test_no_product_accumulates_an_embedding_nor_a_norms_scales_and_shifts_nor_a_bias():
     """Under fused accumulation a product adds its weights' (n, k) gradient into the held one; the embedding's
     table, the LayerNorms' two vectors and the linear layers' biases come out of autograd whole and are added by a
@@ -83,9 +100,9 @@ def test_the_default_is_the_named_precisions_runtimes_and_anything_else_is_refus
         Parallelism(grad_accumulation="both")
 
 
-def test_the_simulated_step_charges_each_backward_after_the_first_its_pass_only_when_separate():
-    """1F1B over 2 stages, m = 8: each stage's 7 backwards after its first add their gradients in a pass of their
-    own under separate (the default), none under fused."""
+def test_the_simulated_step_charges_each_backward_after_the_first_its_whole_pass_only_when_separate():
+    """1F1B over 2 stages, m = 8: each stage's 7 backwards after its first add all their gradients in a pass of
+    their own under separate (the default); under fused every backward adds only those no product accumulates."""
     separate, default = simulate_json(*GPT, "--grad-accumulation", "separate")[0], simulate_json(*GPT)[0]
     fused = simulate_json(*GPT, "--grad-accumulation", "fused")[0]
     assert fused["makespan_ms"] < separate["makespan_ms"] == default["makespan_ms"]
