@@ -63,6 +63,7 @@ from ..profiles.schema import (
     boundary_bytes,
     layer_costs,
     optimizer_refusal,
+    stage_time,
 )
 from ..profiles.workload import RECOMPUTE_REGIONS, LayerCount, OpCount, WorkloadCount, transient_peak
 from ..sim.caching_allocator import LayerAllocations, left_live
@@ -1959,7 +1960,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         memo.layers[key] = layers
     costs = layer_costs(layers, optimizer)
     if bounds is None:
-        bounds = partition(costs, parallel.pipeline)
+        bounds = partition(costs, parallel.pipeline, stage_time=stage_time(layers, parallel.p2p_sync))
     weight_shards = experts.weight_shards
     held_shares = [1.0 if parallel.sharded_optimizer else held_share(layer, weight_shards) for layer in counted.layers]
     # each layer's bytes an optimizer's step moves, found once: a stage's are its layers' summed in their order

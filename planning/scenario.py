@@ -36,6 +36,7 @@ from ..profiles.partition import (
     range_sums,
     searched_partition,
 )
+from ..profiles.partition import StageCosts as RangeCosts
 from ..schedules import (
     COLLECTIVE_KINDS,
     KIND_CODE,
@@ -501,13 +502,14 @@ class Scenario:
         if None in limits:
             raise CostError(f"--stage-cut {FIT} cuts for each device's memory, which is not known here: give --gpu, "
                             "a profile of a device with its memory, or a --cluster with memory_gib")
-        from ..profiles.schema import layer_costs
+        from ..profiles.schema import layer_costs, profile_stage_time
         from ..sim import simulate
 
         memory, layers, bounds = self.stage_memory(sched), layer_costs(self.measured.layers, self.optimizer), limits
+        stage_time = profile_stage_time(self.measured)
         try:
             for _ in range(FIT_ROUNDS):
-                cut = fitted_cut(sched, memory, bounds, balanced, layers)
+                cut = fitted_cut(sched, memory, bounds, balanced, layers, stage_time)
                 if self.allocations is None:
                     return cut
                 reserves = self._reserves(sched, simulate(sched, self.costs(sched, cut), self.links(sched)), cut)
@@ -805,14 +807,15 @@ def _outermost(counts: np.ndarray) -> np.ndarray:
 
 
 def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], balanced: list[int],
-               layers: Sequence[LayerCost]) -> list[int]:
+               layers: Sequence[LayerCost], stage_time: RangeCosts) -> list[int]:
     """`balanced` where every device holds its stages within its limit (`StageMemory.device`); else the cut whose
     slowest stage is fastest among those where every device holds its stages within it: exactly where each device
     holds one stage of a copy or a mirrored pair (k and p-1-k: DualPipe, the V-shapes; `mirrored_partition`), by
     the device's peak where its stages' counts coincide (`StageMemory.pair`); where a device holds more
     (interleaved chunks), searched by what each device holds (`searched_partition`), and where that search is too
     long, each of its stages within a share of its memory (`StageMemory.stage`), the faster of two splits: as the
-    stages hold it at `balanced`, and equal (as `tune` cuts v chunks). PartitionError where none fits."""
+    stages hold it at `balanced`, and equal (as `tune` cuts v chunks). A stage's time: `stage_time`'s
+    (profiles/schema.py `stage_time`). PartitionError where none fits."""
     per_copy = sched.graph.stages_per_copy
     if all(memory.device(sched, device, balanced) <= limit for device, limit in enumerate(limits)):
         return balanced
@@ -822,27 +825,28 @@ def fitted_cut(sched: Schedule, memory: StageMemory, limits: Sequence[int], bala
             return [(front, back, limits[d]) for d, ks in enumerate(held) if k in ks or per_copy - 1 - k in ks
                     for front, back in memory.pair(sched, d, k)]
 
-        return mirrored_partition(layers, per_copy, pair_bytes)
+        return mirrored_partition(layers, per_copy, pair_bytes, stage_time)
 
     def fits(prefix: list[int]) -> bool:  # the devices holding the stage just cut, by what their stages cut hold
         return all(memory.device(sched, d, prefix) <= limits[d] for d, ks in enumerate(held) if len(prefix) - 2 in ks)
 
-    searched = searched_partition(layers, per_copy, fits)
+    searched = searched_partition(layers, per_copy, fits, stage_time=stage_time)
     if searched is not None:
         return searched
     stage_bytes = [memory.stage(sched, s) for s in range(sched.num_stages)]
     at_balanced = [stage_bytes[s][balanced[s % per_copy], balanced[s % per_copy + 1]] for s in range(len(stage_bytes))]
-    cuts = [cut for cut in (_within_shares(sched, stage_bytes, limits, layers, weights)
+    cuts = [cut for cut in (_within_shares(sched, stage_bytes, limits, layers, weights, stage_time)
                             for weights in (at_balanced, [1] * len(stage_bytes))) if cut is not None]
     if not cuts:
         raise PartitionError(f"no cut of {len(layers)} layers into {per_copy} stages found that fits every device's "
                              "memory")
-    return min(cuts, key=lambda cut: max(math.fsum(layer.ms for layer in layers[start:stop])
-                                         for start, stop in itertools.pairwise(cut)))
+    ms = stage_time(0)
+    return min(cuts, key=lambda cut: max(ms[start, stop] for start, stop in itertools.pairwise(cut)))
 
 
 def _within_shares(sched: Schedule, stage_bytes: Sequence[np.ndarray], limits: Sequence[int],
-                   layers: Sequence[LayerCost], weights: Sequence[float]) -> list[int] | None:
+                   layers: Sequence[LayerCost], weights: Sequence[float],
+                   stage_time: RangeCosts) -> list[int] | None:
     """The cut whose slowest stage is fastest where each model stage s holds at most its device's memory times
     weights[s] over its stages' weights (so the device holds at most its memory), None where none does."""
     per_copy = sched.graph.stages_per_copy
@@ -853,7 +857,7 @@ def _within_shares(sched: Schedule, stage_bytes: Sequence[np.ndarray], limits: S
         return np.max([stage_bytes[s] / budget[s] for s in budget if s % per_copy == k], axis=0)
 
     try:
-        return partition(layers, per_copy, 1, share)
+        return partition(layers, per_copy, 1, share, stage_time)
     except PartitionError:
         return None
 
@@ -870,7 +874,7 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`). Balanced: the
     profile's own partition for its stage count; other counts re-partition its layers for time alone (the
     calibration's memory cap planned for its own stage count, so it is not applied here)."""
-    from ..profiles.schema import layer_costs
+    from ..profiles.schema import layer_costs, profile_stage_time
 
     if num_stages > len(measured.layers):
         raise CostError(f"the schedule has {num_stages} model stages but {measured.model.name} has "
@@ -886,7 +890,8 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
             raise CostError(f"--stage-cut {stage_cut}: {exc}; use --stage-cut balanced") from None
     if num_stages == measured.partition.stages:
         return measured.partition.bounds
-    return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages)
+    return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages,
+                     stage_time=profile_stage_time(measured))
 
 
 def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | None = None,

@@ -80,7 +80,7 @@ from ..profiles.partition import (
     partition,
     range_sums,
 )
-from ..profiles.schema import LayerProfile, Profile, layer_costs
+from ..profiles.schema import LayerProfile, Profile, layer_costs, p2p_synced, stage_waits_ms
 from ..schedules import (
     ALL_TO_ALL_KINDS,
     COLLECTIVE_KINDS,
@@ -2196,6 +2196,18 @@ def _flush_chain(schedule: Schedule) -> tuple[int, bool] | None:
         np.any(t.kind == KIND_CODE[Kind.I]))
 
 
+def _stage_waits_ms(profile: Profile) -> np.ndarray:
+    """[i, j, kind]: what a stage of layers i .. j-1 waits for its host beyond its layers' times in its F, B, I and W
+    (profiles/schema.py `stage_waits_ms`; a first stage's I empty and its W its whole B, as `_summed` has them), 0 in
+    the other kinds: a host-bound stage's passes take their kernels' issue, which `_splitter`'s cut balances."""
+    n = len(profile.layers)
+    waits = np.zeros((n + 1, n + 1, NUM_COMPUTE_KINDS))
+    for kind, name in ((Kind.F, "fwd"), (Kind.B, "bwd"), (Kind.I, "igrad"), (Kind.W, "wgrad")):
+        waits[:, :, KIND_CODE[kind]] = stage_waits_ms(profile.layers, name, p2p_synced(profile))
+    waits[0, :, KIND_CODE[Kind.I]], waits[0, :, KIND_CODE[Kind.W]] = 0.0, waits[0, :, KIND_CODE[Kind.B]]
+    return waits
+
+
 def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     """The memory-capped partitioner with the candidate's own models, cached (candidates share them):
     - time: a stage's compute per step as its schedule runs it, the counts of each op kind per step priced
@@ -2226,10 +2238,12 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
 
     summed_ms, least_ms = ranges_ms(each), ranges_ms(each_least)
 
+    waits = _stage_waits_ms(profile)
+
     @cache
     def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
               in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int) -> list[int]:
-        summed = summed_ms(pipelines)
+        summed = summed_ms(pipelines) + waits  # what each stage takes, its host's waits with its layers' times
         held = pipelines * static + buffers
         times = cache(lambda weights: summed @ np.array(weights))  # stages that run the same ops share theirs
 

@@ -143,8 +143,8 @@ def mirrored_partition(layers: Sequence[LayerCost], stages: int, pair_bytes: Cal
 
 
 def searched_partition(layers: Sequence[LayerCost], stages: int, fits: Callable[[list[int]], bool],
-                       max_prefixes: int = 100_000) -> list[int] | None:
-    """Stage bounds minimising the slowest stage (its layers' forward + backward, as `partition`'s default) among
+                       max_prefixes: int = 100_000, stage_time: StageCosts | None = None) -> list[int] | None:
+    """Stage bounds minimising the slowest stage (`stage_time`, default and meaning as `partition`'s) among
     the cuts `fits` accepts, where a device's memory may depend on any of its stages (interleaved chunks): `fits`
     is given each prefix [0, b1, ..., b(k+1)] as stage k is cut, and refuses one that no completion can make fit
     (what the stages cut so far hold alone bounds it from below). The slowest stage is bisected over the ranges'
@@ -152,8 +152,8 @@ def searched_partition(layers: Sequence[LayerCost], stages: int, fits: Callable[
     that cannot cover the layers left within it pruned. None where none fits, or where a search passes
     `max_prefixes` prefixes (then nothing is claimed of that time)."""
     n = _check(layers, stages)
-    ms = _forward_backward_ms(layers)(0)
-    least = max(ms[i, j] for i, j in itertools.pairwise(partition(layers, stages)))
+    ms = (stage_time or _forward_backward_ms(layers))(0)
+    least = max(ms[i, j] for i, j in itertools.pairwise(partition(layers, stages, stage_time=stage_time)))
     limits = np.unique(ms[np.isfinite(ms) & (ms >= least)])
 
     def cut_within(limit: float) -> list[int] | None:
@@ -295,13 +295,26 @@ def _forward_backward_ms(layers: Sequence[LayerCost]) -> StageCosts:
     return lambda k: table
 
 
-@lru_cache(maxsize=64)
+def exact_range_sums(values: Iterable[float]) -> np.ndarray:
+    """Entry [i, j] (j > i): what items i .. j-1 of `values` add up to, rounded once as math.fsum rounds it
+    (`_range_ms`, kept for the values; read-only); inf where j <= i."""
+    return _range_ms(tuple(float(value) for value in values))
+
+
+def with_range_ms(layers: Sequence[LayerCost], beyond_ms: np.ndarray) -> StageCosts:
+    """Every range's forward + backward ms (`_forward_backward_ms`) and, added, its entry of `beyond_ms` (what
+    the stage takes beyond its layers' times: profiles/schema.py `stage_time`), for every stage."""
+    table = _forward_backward_ms(layers)(0) + beyond_ms
+    return lambda k: table
+
+
+@lru_cache(maxsize=256)
 def _range_ms(times: tuple[float, ...]) -> np.ndarray:
     """Every range's sum of `times`, read-only: each range's exact sum rounded once, as math.fsum rounds it, taken
     off integer prefix sums of the times over their common power-of-two denominator (Python's int division rounds
     correctly, half to even as fsum): n^2 divisions instead of n^3 additions. A time that is not finite has no such
     integer: each range summed by fsum then. Kept for the times: tune partitions one estimate's layers for every
-    depth p it searches."""
+    depth p it searches, and its stages' waits for their host (profiles/schema.py `stage_waits_ms`) with them."""
     n = len(times)
     table = np.full((n + 1, n + 1), math.inf)
     if all(map(math.isfinite, times)):

@@ -11,17 +11,26 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..choices import choose_from
 from ..files import first_error, read_json
 from ..memory_parts import SAVED_PARTS
 from ..units import count_text
-from .partition import LayerCost, product_mean_ms, stage_activation_bytes, stage_memory_bytes
+from .partition import (
+    LayerCost,
+    StageCosts,
+    exact_range_sums,
+    product_mean_ms,
+    stage_activation_bytes,
+    stage_memory_bytes,
+    with_range_ms,
+)
 
 SCHEMA_VERSION = 2  # 2 added the executor's runtime costs and gradient accumulation; version 1 still reads
 SUPPORTED_VERSIONS = (1, 2)
@@ -666,20 +675,83 @@ def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name:
     (Megatron-core's batched point-to-point, `_communicate` under batch_p2p_comm and batch_p2p_sync;
     docs/hardware.md, "Host-bound execution"), so a pass whose input it receives (a forward but the first stage's,
     a backward but the last's) starts so too, whether or not its layers synchronise."""
-    issues = [layer.host_issue for layer in layers[start:stop]]
-    if any(issue is None for issue in issues):
-        return 0.0
-    carried = math.fsum(issue[name].carried_ms for issue in issues)
-    received = p2p_sync and (start > 0 if name.startswith("fwd") else stop < len(layers))
-    if not received and not any(issue["fwd"].synchronises for issue in issues):
-        return max(0.0, -math.fsum(issue[name].slack_ms for issue in issues)) - carried
-    lead = 0.0
-    waited = []
-    for issue in issues if name.startswith("fwd") else reversed(issues):
+    forward = name.startswith("fwd")
+    received = p2p_sync and (start > 0 if forward else stop < len(layers))
+    mine = layers[start:stop]
+    *_, waited = _host_waits_ms(mine if forward else mine[::-1], name, received)
+    return waited
+
+
+def _host_waits_ms(layers: Sequence[LayerProfile], name: str, received: bool) -> Iterator[float]:
+    """`stage_host_waits_ms` of the stages whose pass `name` runs the first 1, 2, ... of `layers` (given in the order
+    the pass runs them), one after another: the pass's queue is followed layer by layer, so one sweep gives every
+    stage that starts (a forward) or ends (a backward) at one layer. `received`: the pass starts with its host not
+    ahead, as one whose input a synchronising exchange brings does."""
+    carried, slack, waited = [], [], []
+    lead, synchronised, measured = 0.0, received, False
+    for layer in layers:
+        issue = layer.host_issue
+        measured = measured or issue is None
+        if measured:
+            yield 0.0
+            continue
         passed = issue[name]
+        carried.append(passed.carried_ms)
+        slack.append(passed.slack_ms)
         waited.append(max(0.0, passed.idle_ms - lead) + passed.after_idle_ms)
         lead = passed.after_lead_ms if passed.synchronises else max(lead, passed.idle_ms) + passed.slack_ms
-    return math.fsum(waited) - carried
+        synchronised = synchronised or issue["fwd"].synchronises
+        yield (math.fsum(waited) if synchronised else max(0.0, -math.fsum(slack))) - math.fsum(carried)
+
+
+def stage_waits_ms(layers: list[LayerProfile], name: str, p2p_sync: bool = False) -> np.ndarray:
+    """[i, j]: `stage_host_waits_ms` of a stage of layers i .. j-1 for every range at once (0 where j <= i), each
+    to the bit. A range whose pass nothing synchronises waits its issue's excess over its GPU time, less its
+    carried waits: their sums over every range at once, each rounded once as math.fsum rounds it
+    (`exact_range_sums`); the rest, a sweep of `_host_waits_ms` from each first layer (a forward) or last (a
+    backward) whose ranges synchronise."""
+    n = len(layers)
+    issues = [layer.host_issue for layer in layers]
+    table = np.zeros((n + 1, n + 1))
+    if all(issue is None for issue in issues):
+        return table
+    forward = name.startswith("fwd")
+    if all(issue is not None for issue in issues):
+        slack = exact_range_sums(issue[name].slack_ms for issue in issues)
+        carried = exact_range_sums(issue[name].carried_ms for issue in issues)
+        above = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        np.subtract(np.maximum(0.0, -slack, where=above, out=np.zeros_like(table)), carried, where=above, out=table)
+        synchronising = [i for i, issue in enumerate(issues) if issue["fwd"].synchronises]
+    else:  # a range holding a layer without its issue waits nothing beyond its times: swept
+        synchronising = list(range(n))
+    if forward:
+        last = max(synchronising, default=-1)
+        for start in range(n if p2p_sync else last + 1):
+            table[start, start + 1:] = list(_host_waits_ms(layers[start:], name, p2p_sync and start > 0))
+    else:
+        first = min(synchronising, default=n)
+        for stop in range(1 if p2p_sync else first + 1, n + 1):
+            table[stop - 1::-1, stop] = list(_host_waits_ms(layers[stop - 1::-1], name, p2p_sync and stop < n))
+    return table
+
+
+def stage_time(layers: list[LayerProfile], p2p_sync: bool = False) -> StageCosts:
+    """The partitioner's stage time (`partition`'s `stage_time`): every range's forward + backward as `layer_costs`
+    sums them, and what its stage's forward and backward wait for their host beyond (`stage_waits_ms`), so that a
+    cut balances what each stage takes where its kernels' issue, not its GPU time, sets its passes' pace (planning/
+    host.py), and where they never wait, the layers' times alone, to the bit."""
+    return with_range_ms(layer_costs(layers, "sgd"),
+                         stage_waits_ms(layers, "fwd", p2p_sync) + stage_waits_ms(layers, "bwd", p2p_sync))
+
+
+def profile_stage_time(profile: Profile) -> StageCosts:
+    """`stage_time` of the profile's layers, as its stages run them (`p2p_synced`)."""
+    return stage_time(profile.layers, p2p_synced(profile))
+
+
+def p2p_synced(profile: Profile) -> bool:
+    """Whether the profile's runtime synchronises after each exchange between stages (an estimate's --p2p-sync)."""
+    return bool(profile.estimate and profile.estimate.parallelism.get("p2p_sync"))
 
 
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
@@ -817,7 +889,7 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False,
     return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
                             boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds),
                             boundary_held_bytes(profile.layers, bounds, dag),
-                            p2p_sync=bool(profile.estimate and profile.estimate.parallelism.get("p2p_sync")))
+                            p2p_sync=p2p_synced(profile))
 
 
 def _passes_for(profile: Profile, bounds: list[int]) -> list[StagePasses] | None:
