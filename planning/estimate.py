@@ -1328,9 +1328,10 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradie
 def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int) -> tuple[tuple[int, int], ...]:
     """Pass `name`'s allocations (`LayerCount.allocations`, as (number, bytes)) as one of the t·C ranks makes them:
     each `_on_rank`, and under sequence parallelism what a tensor-parallel product holds whole while it runs, 1/C
-    (Korthikanti et al. 2022, section 4.2.2, Figure 6's g and its conjugate):
-    - a product split on its contraction (`_Split.matmul`) writes its partial sums whole, tokens x width, before
-      their reduce-scatter: in the forward a row-parallel product's output (Megatron-core's RowParallelLinear, then
+    (Korthikanti et al. 2022, section 4.2.2, Figure 6's g and its conjugate), each product told by its role
+    (`_weighted_products`), not its shape:
+    - a product split on its contraction writes its partial sums whole, tokens x width, before their
+      reduce-scatter: in the forward a row-parallel product's output (Megatron-core's RowParallelLinear, then
       `reduce_scatter_to_sequence_parallel_region`; torch's RowwiseParallel, its Partial output redistributed to
       Shard(1); async TP's `stacked_partials`, `_fused_matmul_reduce_scatter_impl` in torch/distributed/
       _symmetric_memory/__init__.py at 2.6), in the backward a column-parallel product's input gradient (megatron/
@@ -1338,37 +1339,97 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int)
       `grad_input = grad_output.matmul(weight)`, then `reduce_scatter_tensor` into `sub_grad_input`; DTensor's
       gradient of the Replicate input it gathered, Partial, redistributed to Shard(1));
     - a row-parallel product's output gradient arrives split by tokens and is gathered whole, `gradient_bytes` an
-      element, as its input-gradient product begins, and freed after its weight-gradient product, the next
+      element, before the first of its gradient products the pass runs and freed after the last
       (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its own,
       megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
-    The count marks a product's output (`LayerCount.product_allocations`); without them, or without sequence
-    parallelism, `_on_rank`'s alone."""
+    Without the count's products, or without sequence parallelism, `_on_rank`'s alone."""
     events = layer.allocations.get(name, ())
     rank = [(number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events]
-    products = dict(layer.product_allocations.get(name, ()))
-    if not (split.sequence_parallel and split.t > 1 and products):
+    if not (split.sequence_parallel and split.t > 1 and layer.product_allocations.get(name)):
         return tuple(rank)
-    forward = name == "fwd"
-    whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in products
-             and split.residual(shape) and split.matmul(OpCount("", "matmul", products[number], 0, 0, 1), forward)[1]}
+    roles = _weighted_products(layer, split, name)
+    whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
+             and split.residual(shape) and roles[number][1:] in (("row", "output"), ("column", "input"))}
     gather = round(split.tokens * split.width * gradient_bytes / split.context)
-    made = [number for number, _, nbytes, _ in events if nbytes > 0 and number in products]  # in order
+    runs: dict[int, list[int]] = {}  # a row-parallel product's gradient products in the pass, in order
+    for number, (j, parallel, role) in roles.items():
+        if parallel == "row" and role != "output":
+            runs.setdefault(j, []).append(number)
+    gathered = {numbers[0]: numbers[-1] for numbers in runs.values()}  # a row-parallel product's first -> last
     unmade = 1 + max(number for number, *_ in events)  # a gathered gradient's number
     out: list[tuple[int, int]] = []
     frees: dict[int, int] = {}  # a product's number -> the gathered gradient freed after it
-    for (number, shape, nbytes, _), (_, on_rank) in zip(events, rank):
-        batch, m, _, k = products.get(number, (0, 0, 0, 0)) if nbytes > 0 else (0, 0, 0, 0)
-        reads_gathered = not forward and batch == 1 and m == split.tokens and k == split.width
-        if reads_gathered:
+    for (number, _, nbytes, _), (_, on_rank) in zip(events, rank):
+        if nbytes > 0 and number in gathered:
             out.append((unmade, gather))
-            after = made[made.index(number) + 1] if made.index(number) + 1 < len(made) else None
-            weight_grad = after is not None and products[after][3] == split.tokens  # contracts over the tokens
-            frees[after if weight_grad else number] = unmade
+            frees[gathered[number]] = unmade
             unmade += 1
         out.append((number, round(nbytes / split.context) if number in whole else on_rank))
         if nbytes > 0 and number in frees:
             out.append((frees[number], -gather))
     return tuple(out)
+
+
+def _weighted_products(layer: LayerCount, split: _Split, name: str) -> dict[int, tuple[int, str, str]]:
+    """Pass `name`'s products that belong to a product with weights (`LayerCount.weight_grad_outputs`, the
+    routed experts' aside), by number in `product_allocations`: (its index there, how tensor parallelism splits
+    it, which product it is). Column-parallel: it shares its input (q, k and v, a gated MLP's gate and up) or
+    reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a norm's output, the layer's input);
+    row-parallel: any other whose output is the residual stream's and which `_Split.matmul` splits on its
+    contraction (wo, w2); otherwise "". Which product: "output" in the forward; in a backward its input gradient,
+    (batch, tokens, in, out), or its weight gradient, (batch, out, in, tokens) or (batch, in, out, tokens), matched
+    in order, each product's after the next one's (the backward runs them in reverse); where both shapes are one
+    (tokens == out) the weight gradient first, as torch's MmBackward0 computes the weight's (mat2's) before the
+    input's, and the input-gradient pass computes none. Telling them by shape alone misreads a Hugging Face
+    model's separate q, k, v and o projections, which are all width x width."""
+    outputs = layer.weight_grad_outputs
+    routed = layer.weight_grad_routed or (False,) * len(outputs)
+    fwd = _matched(layer.product_allocations.get("fwd", ()),
+                   [(j, (("output", shape),)) for j, (shape, _, _) in enumerate(outputs)])
+    reads = dict(layer.forward_reads)
+    sequence = {number for _, number in layer.sequence_inputs}
+    parallel: dict[int, str] = {}
+    for number, (j, _) in fwd.items():
+        shape, _, shares_input = outputs[j]
+        read = reads.get(number, ())
+        if routed[j]:
+            continue
+        if shares_input or sequence.intersection(read) or (-1 in sequence and not read):
+            parallel[j] = "column"
+        elif shape[1:3] == (split.tokens, split.width) and \
+                split.matmul(OpCount("", "matmul", shape, 0, 0, 1), forward=True)[1]:
+            parallel[j] = "row"
+    if name == "fwd":
+        matched = fwd
+    else:
+        def forms(shape: tuple[int, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+            batch, m, n, k = shape
+            weight = () if name == "igrad" else (("weight", (batch, n, k, m)), ("weight", (batch, k, n, m)))
+            return (*weight, ("input", (batch, m, k, n)))
+
+        matched = _matched(layer.product_allocations.get(name, ()),
+                           [(j, forms(shape)) for j, (shape, _, _) in reversed(list(enumerate(outputs)))])
+    return {number: (j, parallel.get(j, ""), role) for number, (j, role) in matched.items()}
+
+
+def _matched(products: Sequence[tuple[int, tuple[int, ...]]],
+             order: Sequence[tuple[int, tuple[tuple[str, tuple[int, ...]], ...]]]) -> dict[int, tuple[int, str]]:
+    """`products` (number, shape), in the pass's order, each matched to the first product of `order` at or after
+    the last one matched, (index, its products' (role, shape))), whose role of that shape is not yet taken:
+    number -> (index, role). A product that fits none (an attention's, one without weights) is left out."""
+    taken: set[tuple[int, str]] = set()
+    matched: dict[int, tuple[int, str]] = {}
+    at = 0
+    for number, shape in products:
+        for i in range(at, len(order)):
+            j, forms = order[i]
+            role = next((role for role, form in forms if form == tuple(shape) and (j, role) not in taken), None)
+            if role is not None:
+                taken.add((j, role))
+                matched[number] = (j, role)
+                at = i
+                break
+    return matched
 
 
 def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split) -> float:

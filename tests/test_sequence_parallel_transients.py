@@ -12,7 +12,7 @@ from tests.conftest import pipesim
 
 H100 = load_catalogue().find("h100-sxm")
 B, S, W, HEADS, KV_HEADS, FFN = 2, 40, 64, 8, 2, 32
-T = B * S  # 80 tokens: no product dimension equals another's, so each product's split is told by its shape
+T = B * S  # 80 tokens: no product dimension equals another's (`separate_projections`, below: they do)
 QKV = W + 2 * KV_HEADS * (W // HEADS)  # 96: q, k and v's fused output
 SHAPE = ("--layers", 2, "--width", W, "--heads", HEADS, "--kv-heads", KV_HEADS, "--ffn", FFN, "--seq-len", S,
          "--vocab", 128, "-b", B, "--attention", "flash", "--dtype", "bf16")
@@ -96,3 +96,40 @@ def test_a_gathered_gradient_is_float8_where_the_runtime_casts_before_it_gathers
     parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime, fp8=fp8)
     assert gathered_gradient_bytes(layer, parallel, 2) == element
     assert gathered_gradient_bytes(counted.layers[-1], parallel, 2) == 2
+
+
+@pytest.fixture(scope="module")
+def separate_projections(tmp_path_factory):
+    """A Hugging Face Llama block, q, k, v and o separate and all width x width (as many kv heads as heads), whose
+    tokens equal its width (2 x 24 = 48): every projection's input- and weight-gradient products are one shape."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from pipesim.workload.count import count_built
+
+    folder = tmp_path_factory.mktemp("llama")
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 48, "intermediate_size": 40, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "max_position_embeddings": 64,
+        "tie_word_embeddings": False, "rope_theta": 10000.0}))
+    return count_built(f"hf:{folder}", {"seq_len": 24}, 2, torch.bfloat16, "flash")
+
+
+@pytest.mark.parametrize("fp8, runtime, element", [(None, "megatron", 2), (None, "torch", 2), ("te", "megatron", 1),
+                                                   ("torchao", "torch", 1)])
+def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_projections, fp8, runtime, element):
+    """t = 2 with sequence parallelism, tokens = width = 48. Only o's and down's output gradients are gathered whole
+    (48 x 48 x `element` bytes each, made before their weight- and input-gradient products and freed after), not q's,
+    k's or v's, whose products have o's shape; and q's, k's and v's input gradients are partial sums whole before
+    their reduce-scatter, 48 x 48 x 2 = 4,608 bytes each, beside their weight gradients' halves (2,304)."""
+    from pipesim.planning.estimate import layer_allocations
+
+    counted = separate_projections
+    layer = counted.layers[1]
+    parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime, fp8=fp8)
+    backward = layer_allocations(counted, parallel)[1].passes["bwd"]
+    numbered = {number for number, *_ in layer.allocations["bwd"]}
+    assert [nbytes for number, nbytes in backward if number not in numbered] == [48 * 48 * element,
+                                                                                 -48 * 48 * element] * 2
+    made = dict(reversed(backward))  # each number's first bytes: as made
+    qkv = [number for number, _ in layer.product_allocations["bwd"][-6:]]  # v's, k's, q's weight and input gradients
+    assert [made[number] for number in qkv] == [48 * 48, 48 * 48 * 2] * 3
