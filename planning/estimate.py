@@ -409,13 +409,29 @@ class _Split:
     tokens: int
     seq: int | None
     context: int = 1
+    # per product with weights (its index in `LayerCount.weight_grad_outputs`), "column" or "row" (`_weight_splits`)
+    weights: dict[int, str] = field(default_factory=dict, compare=False)
+    # per pass, per product shape, each of the pass's products of that shape with a role (`_weighted_products`):
+    # (how its weight splits, which product it is, the weight's side tensor parallelism divides)
+    roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int], ...]]] = field(default_factory=dict,
+                                                                                        compare=False)
 
     @classmethod
     def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
         shape = layer.output_shape
         width = shape[-1] if shape else 0
-        return cls(parallel.tensor, parallel.sequence_parallel, width, math.prod(shape[:-1]) if shape else 0,
-                   shape[-2] if len(shape) >= 3 else None, parallel.context)
+        tokens = math.prod(shape[:-1]) if shape else 0
+        weights = _weight_splits(layer, tokens, width) if parallel.tensor > 1 else {}
+        roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int], ...]]] = {}
+        for name in PASSES if weights else ():
+            shapes = dict(layer.product_allocations.get(name, ()))
+            for number, (j, how, role) in _weighted_products(layer, weights, name).items():
+                if how:
+                    side = layer.weight_grad_outputs[j][0][2 if how == "column" else 3]
+                    of_shape = roles.setdefault(name, {}).setdefault(tuple(shapes[number]), ())
+                    roles[name][tuple(shapes[number])] = (*of_shape, (how, role, side))
+        return cls(parallel.tensor, parallel.sequence_parallel, width, tokens, shape[-2] if len(shape) >= 3 else None,
+                   parallel.context, weights, roles)
 
     def context_share(self, op: OpCount) -> OpCount:
         """The op on one of C context-parallel ranks: every op works per token, so 1/C of its FLOPs and bytes,
@@ -440,8 +456,43 @@ class _Split:
     def core(self, shape: tuple[int, ...]) -> bool:
         return self.seq is not None and len(shape) >= 2 and shape[-2:] == (self.seq, self.seq)
 
+    def products(self, op: OpCount, name: str) -> tuple[tuple[OpCount, bool, float], ...]:
+        """Pass `name`'s product `op` on one of the t·C ranks, as (its share, whether it was split on its
+        contraction, the share of its calls so split); a routed expert's as it comes, at its rank's shape
+        (`ExpertGroup.local`). Split by its weight's role where the count's products of its shape have roles
+        (`_weighted_products`), in their proportions, else as `matmul` splits it by its shape. A column-parallel
+        weight (q, k and v, a gated MLP's gate and up: ColumnParallelLinear in Megatron-core, ColwiseParallel in
+        torch's tensor parallelism) is split on its output features: the forward on its output, the input
+        gradient on its contraction (reduced); a row-parallel one (the attention's output projection, the MLP's
+        down: RowParallelLinear, RowwiseParallel) on its input features: the forward on its contraction (reduced),
+        the input gradient on its output; a weight gradient, (out, in, tokens) or (in, out, tokens), on the
+        side its weight's split divides. Telling them by shape alone takes a Hugging Face model's separate q
+        projection, width x width as the output projection is, for a row-parallel one."""
+        if op.routed:
+            return ((op, False, 1.0),)
+        roles = self.roles.get(name, {}).get(op.shape, ())
+        if self.t == 1 or not roles:
+            product, reduced = self.matmul(op, name == "fwd")
+            return ((self.context_share(product), reduced, 1.0),)
+        splits: dict[tuple[int, bool], int] = {}
+        _, m, _, _ = op.shape
+        for how, role, side in roles:
+            at = {"output": 2 if how == "row" else 1, "input": 2 if how == "column" else 1}.get(role,
+                                                                                               0 if m == side else 1)
+            key = (at, (how, role) in (("row", "output"), ("column", "input")))
+            splits[key] = splits.get(key, 0) + 1
+        return tuple((self.context_share(self._divided(op, at)), reduced, n / len(roles))
+                     for (at, reduced), n in splits.items())
+
+    def _divided(self, op: OpCount, at: int) -> OpCount:
+        """`op` with its dimension `at` of (m, n, k) divided by t."""
+        dims = list(op.shape[1:])
+        dims[at] = max(dims[at] // self.t, 1)
+        return _scaled(op, (op.shape[0], *dims), self.t)
+
     def matmul(self, op: OpCount, forward: bool) -> tuple[OpCount, bool]:
-        """The product on one of t ranks, and whether it was split on its contraction (ends in an all-reduce).
+        """The product on one of t ranks, and whether it was split on its contraction (ends in an all-reduce), by
+        its shape alone (`products` tells a product with weights by its role where the count records them).
         A width × width weight (the attention's output projection) is row-parallel: split on its contraction
         in the forward, on its output in the backward."""
         batch, m, n, k = op.shape
@@ -452,8 +503,7 @@ class _Split:
         dims = [m, n, k]
         free = [i for i in range(3) if dims[i] != self.tokens] or [2]
         split = next((i for i in free if dims[i] != self.width), free[-1] if forward else free[0])
-        dims[split] = max(dims[split] // self.t, 1)
-        return _scaled(op, (1, *dims), self.t), split == 2
+        return self._divided(op, split), split == 2
 
     def memory(self, op: OpCount) -> OpCount:
         whole = self.residual(op.shape) and not self.sequence_parallel
@@ -910,10 +960,10 @@ def persistent_product_ms(layer: LayerCount, device: Device, parallel: Paralleli
         for op in layer.ops.get(name, ()):
             if op.kind != "matmul":
                 continue
-            mine = op if op.routed else split.context_share(split.matmul(op, name == "fwd")[0])
-            ms = op_ms(mine, device)
-            total_ms += op.count * ms
-            squared_ms += op.count * ms * ms
+            for mine, _, share in split.products(op, name):
+                ms = op_ms(mine, device)
+                total_ms += op.count * share * ms
+                squared_ms += op.count * share * ms * ms
     return squared_ms / total_ms if total_ms else 0.0
 
 
@@ -1044,30 +1094,29 @@ def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
 
 
 def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
-             forward: bool, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2
+             name: str, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2
              ) -> tuple[tuple[OpCount, float], ...]:
-    """A pass's ops on one of the t·C ranks, each with its time (all its `count` calls): split, a product split on
-    its contraction with its collective (`reduced_ms` of it and its own time), an attention kernel as the context
-    ring's blocks, their merges and copies (its exchanges are the ring's row: `_ring_of`); in the pass's order, the
-    ops `only_core` leaves out left out."""
+    """Pass `name`'s ops on one of the t·C ranks, each with its time (all its `count` calls): split
+    (`_Split.products`), a product split on its contraction with its collective (`reduced_ms` of it and its own
+    time), an attention kernel as the context ring's blocks, their merges and copies (its exchanges are the ring's
+    row: `_ring_of`); in the pass's order, the ops `only_core` leaves out left out."""
     timed = []
     for op in ops:
         if op.kind in ("matmul", "attention"):
             core = op.kind == "attention" or (op.shape[0] > 1 and not op.routed)  # a routed product runs once
             if only_core and not core:
                 continue
-            if op.kind == "matmul" and op.routed:  # a grouped one comes at its rank's shape (ExpertGroup.local)
-                mine, reduced = op, False
-            elif op.kind == "matmul":
-                product, reduced = split.matmul(op, forward)
-                mine = split.context_share(product)
-            else:
-                mine, reduced = split.attention(op), False
-            spent = (ring.attention_ms(mine, device) + ring.merge_ms(mine, device, element_bytes)
-                     + ring.copies_ms(mine, device, element_bytes)
-                     if ring is not None and op.kind == "attention"
-                     else op_ms(mine, device))
-            timed.append((op, op.count * (reduced_ms(mine, spent) if reduced else spent)))
+            if op.kind == "attention":
+                mine = split.attention(op)
+                spent = op_ms(mine, device) if ring is None else (ring.attention_ms(mine, device) + ring.merge_ms(
+                    mine, device, element_bytes) + ring.copies_ms(mine, device, element_bytes))
+                timed.append((op, op.count * spent))
+                continue
+            spent = 0.0
+            for mine, reduced, share in split.products(op, name):
+                product_ms = op_ms(mine, device)
+                spent += share * (reduced_ms(mine, product_ms) if reduced else product_ms)
+            timed.append((op, op.count * spent))
         elif not only_core or split.core(op.shape):
             mine = split.memory(op) if op.kind == "memory" else _scaled(op, op.shape, split.t)
             timed.append((op, op.count * op_ms(split.context_share(mine), device)))
@@ -1184,11 +1233,11 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                 + all_gather_ms(gathered, t, tensor_link.latency_ms, tensor_link.bytes_per_ms) + gather_ms
         return product_ms + all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
 
-    def pass_ops(ops: Sequence[OpCount], forward: bool, only_core: bool = False) -> tuple[tuple[OpCount, float], ...]:
-        return _pass_ms(tuple(ops), split, device, lambda op, product_ms: reduced_ms(op, product_ms, forward),
-                        forward, only_core, ring, element_bytes)
+    def pass_ops(ops: Sequence[OpCount], name: str, only_core: bool = False) -> tuple[tuple[OpCount, float], ...]:
+        return _pass_ms(tuple(ops), split, device, lambda op, product_ms: reduced_ms(op, product_ms, name == "fwd"),
+                        name, only_core, ring, element_bytes)
 
-    timed = {name: pass_ops(layer.ops.get(name, ()), name == "fwd") for name in ("fwd", "bwd", "igrad", "wgrad")}
+    timed = {name: pass_ops(layer.ops.get(name, ()), name) for name in ("fwd", "bwd", "igrad", "wgrad")}
     saved = layer.saved_bytes
     rest_share = 1 / t if parallel.sequence_parallel else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t
     # Per part (what saved it; a count from before parts were recorded: all other), the bytes kept on one rank:
@@ -1220,17 +1269,17 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
             parts["other"] -= sum(nbytes for number, _, nbytes, _ in layer.allocations.get("fwd", ())
                                   if number in unread and nbytes > 0)
         parts["other"] += split.tokens * split.width * element_bytes  # the layer's input
-        rerun = [pass_ops(rerun_ops, True)]
+        rerun = [pass_ops(rerun_ops, "fwd")]
     elif parallel.recompute == "selective":
         rerun_ops = [op for op in layer.ops.get("fwd", ()) if op.kind == "attention"]  # the core it reruns has them
-        rerun = [pass_ops(layer.ops.get("fwd", ()), True, only_core=True)]
+        rerun = [pass_ops(layer.ops.get("fwd", ()), "fwd", only_core=True)]
     elif parallel.recompute == "full" and transformer:
         inputs = split.tokens * split.width * element_bytes
         parts = {**dict.fromkeys(SAVED_PARTS, 0.0), "other": inputs / t if parallel.sequence_parallel else inputs}
         rerun_ops = layer.ops.get("fwd", ())
         rerun = [timed["fwd"]]
     if regions.ops:
-        rerun.append(pass_ops(regions.ops, True))
+        rerun.append(pass_ops(regions.ops, "fwd"))
         rerun_ops = (*rerun_ops, *regions.ops)
     parts = {name: value / c for name, value in parts.items()}  # every saved tensor holds the rank's tokens only
     # a recipe's saved float8 weight copies (planning/fp8.py), not the tokens': made again where the forward reruns
@@ -1347,7 +1396,7 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int)
     rank = [(number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events]
     if not (split.sequence_parallel and split.t > 1 and layer.product_allocations.get(name)):
         return tuple(rank)
-    roles = _weighted_products(layer, split, name)
+    roles = _weighted_products(layer, split.weights, name)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
              and split.residual(shape) and roles[number][1:] in (("row", "output"), ("column", "input"))}
     gather = round(split.tokens * split.width * gradient_bytes / split.context)
@@ -1370,46 +1419,47 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int)
     return tuple(out)
 
 
-def _weighted_products(layer: LayerCount, split: _Split, name: str) -> dict[int, tuple[int, str, str]]:
-    """Pass `name`'s products that belong to a product with weights (`LayerCount.weight_grad_outputs`, the
-    routed experts' aside), by number in `product_allocations`: (its index there, how tensor parallelism splits
-    it, which product it is). Column-parallel: it shares its input (q, k and v, a gated MLP's gate and up) or
-    reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a norm's output, the layer's input);
-    row-parallel: any other whose output is the residual stream's and which `_Split.matmul` splits on its
-    contraction (wo, w2); otherwise "". Which product: "output" in the forward; in a backward its input gradient,
-    (batch, tokens, in, out), or its weight gradient, (batch, out, in, tokens) or (batch, in, out, tokens), matched
-    in order, each product's after the next one's (the backward runs them in reverse); where both shapes are one
-    (tokens == out) the weight gradient first, as torch's MmBackward0 computes the weight's (mat2's) before the
-    input's, and the input-gradient pass computes none. Telling them by shape alone misreads a Hugging Face
-    model's separate q, k, v and o projections, which are all width x width."""
+def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]:
+    """How tensor parallelism splits each product with weights (`LayerCount.weight_grad_outputs`, by index; the
+    routed experts' aside), told by its role in the count, not its shape: "column" where it shares its input (q, k
+    and v, a gated MLP's gate and up) or reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a
+    norm's output, the layer's input); "row" where it writes the residual stream's (tokens x width) otherwise (wo,
+    w2); the rest none. Telling them by shape alone misreads a Hugging Face model's separate q, k, v and o
+    projections, which are all width x width. None where the count does not record its products' storages."""
     outputs = layer.weight_grad_outputs
     routed = layer.weight_grad_routed or (False,) * len(outputs)
-    fwd = _matched(layer.product_allocations.get("fwd", ()),
-                   [(j, (("output", shape),)) for j, (shape, _, _) in enumerate(outputs)])
     reads = dict(layer.forward_reads)
     sequence = {number for _, number in layer.sequence_inputs}
-    parallel: dict[int, str] = {}
-    for number, (j, _) in fwd.items():
+    weights: dict[int, str] = {}
+    for number, (j, _, _) in _weighted_products(layer, {}, "fwd").items():
         shape, _, shares_input = outputs[j]
         read = reads.get(number, ())
         if routed[j]:
             continue
         if shares_input or sequence.intersection(read) or (-1 in sequence and not read):
-            parallel[j] = "column"
-        elif shape[1:3] == (split.tokens, split.width) and \
-                split.matmul(OpCount("", "matmul", shape, 0, 0, 1), forward=True)[1]:
-            parallel[j] = "row"
-    if name == "fwd":
-        matched = fwd
-    else:
-        def forms(shape: tuple[int, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-            batch, m, n, k = shape
-            weight = () if name == "igrad" else (("weight", (batch, n, k, m)), ("weight", (batch, k, n, m)))
-            return (*weight, ("input", (batch, m, k, n)))
+            weights[j] = "column"
+        elif shape[1:3] == (tokens, width):
+            weights[j] = "row"
+    return weights
 
-        matched = _matched(layer.product_allocations.get(name, ()),
-                           [(j, forms(shape)) for j, (shape, _, _) in reversed(list(enumerate(outputs)))])
-    return {number: (j, parallel.get(j, ""), role) for number, (j, role) in matched.items()}
+
+def _weighted_products(layer: LayerCount, weights: dict[int, str], name: str) -> dict[int, tuple[int, str, str]]:
+    """Pass `name`'s products that belong to a product with weights (`LayerCount.weight_grad_outputs`), by number
+    in `product_allocations`: (its index there, how tensor parallelism splits it, `weights`' (`_weight_splits`),
+    or "", which product it is). Which product: "output" in the forward; in a backward its input gradient,
+    (batch, tokens, in, out), or its weight gradient, (batch, out, in, tokens) or (batch, in, out, tokens), matched
+    in order, each product's after the next one's (the backward runs them in reverse); where both shapes are one
+    (tokens == out) the weight gradient first, as torch's MmBackward0 computes the weight's (mat2's) before the
+    input's; the input-gradient pass computes input gradients only, the weight-gradient pass weight gradients."""
+    def forms(shape: tuple[int, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        batch, m, n, k = shape
+        weight = (("weight", (batch, n, k, m)), ("weight", (batch, k, n, m)))
+        grad_input = (("input", (batch, m, k, n)),)
+        return {"fwd": (("output", shape),), "igrad": grad_input, "wgrad": weight}.get(name, (*weight, *grad_input))
+
+    order = [(j, forms(shape)) for j, (shape, _, _) in enumerate(layer.weight_grad_outputs)]
+    matched = _matched(layer.product_allocations.get(name, ()), order if name == "fwd" else order[::-1])
+    return {number: (j, weights.get(j, ""), role) for number, (j, role) in matched.items()}
 
 
 def _matched(products: Sequence[tuple[int, tuple[int, ...]]],

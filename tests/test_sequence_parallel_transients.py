@@ -133,3 +133,25 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     made = dict(reversed(backward))  # each number's first bytes: as made
     qkv = [number for number, _ in layer.product_allocations["bwd"][-6:]]  # v's, k's, q's weight and input gradients
     assert [made[number] for number in qkv] == [48 * 48, 48 * 48 * 2] * 3
+
+
+def test_separate_projections_split_by_their_roles_not_their_shapes(separate_projections):
+    """t = 2, tokens = width = 48, q, k, v and o one shape (48 x 48 x 48): q, k and v are column-parallel (split on
+    their outputs, their input gradients on their contraction), o and down row-parallel (their forwards split on
+    their contraction): two reductions in the forward, o's and down's, not five as the shape alone has it; five in
+    the input gradient, q's, k's, v's, gate's and up's; none in the weight gradient. Each pass's FLOPs halve."""
+    from pipesim.planning.estimate import _Split
+
+    layer = separate_projections.layers[1]
+    split = _Split.of(layer, Parallelism(tensor=2))
+    reduced = {}
+    for name in ("fwd", "bwd", "igrad", "wgrad"):
+        products = [op for op in layer.ops[name] if op.kind == "matmul" and op.shape[0] == 1]
+        mine = [(op, split.products(op, name)) for op in products]
+        assert sum(op.count * share * rank.flops for op, split_as in mine for rank, _, share in split_as) * 2 == \
+            sum(op.count * op.flops for op in products)
+        reduced[name] = sorted((rank.shape, op.count * share) for op, split_as in mine
+                               for rank, on_contraction, share in split_as if on_contraction)
+    assert reduced["fwd"] == [((1, 48, 48, 20), 1.0), ((1, 48, 48, 24), 1.0)]  # down's, o's
+    assert reduced["igrad"] == [((1, 48, 48, 20), 2.0), ((1, 48, 48, 24), 3.0)]  # gate's and up's; q's, k's, v's
+    assert reduced["bwd"] == reduced["igrad"] and reduced["wgrad"] == []
