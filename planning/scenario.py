@@ -951,6 +951,8 @@ def _priced_stages(measured: Profile) -> dict[tuple, StageCosts]:
 
 def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCosts:
     """One stage of the profile's (`stages_for`) priced for `optimizer` (`profile_costs`)."""
+    from ..profiles.schema import fused_accumulation
+
     tail = measured.contention.tail if measured.contention is not None else 1.0
     # An estimate's precision may store the weights otherwise than the passes read them (FSDP2's float32 shards)
     held = PRECISIONS.get(measured.estimate.parallelism.get("precision")) if measured.estimate is not None else None
@@ -959,8 +961,7 @@ def _stage_costs(measured: Profile, optimizer: str, s: StageProfile) -> StageCos
     # buffer it zeroes at each step's start (planning/estimate.py `unfused_weight_share`): in every backward, the
     # span's first too, so the backward's (B, W) own, sharing a dispatcher's multiprocessors as the rest of it does;
     # a separate pass skips the first backward, which writes the gradient
-    fused = measured.estimate is not None and measured.estimate.parallelism.get("grad_accumulation") == "fused"
-    every_ms, accumulate_ms = (accumulate_ms, 0.0) if fused else (0.0, accumulate_ms)
+    every_ms, accumulate_ms = (accumulate_ms, 0.0) if fused_accumulation(measured) else (0.0, accumulate_ms)
     bwd_ms = s.bwd_ms * tail
     grown = (bwd_ms + every_ms) / bwd_ms if bwd_ms > 0 else 1.0
     return StageCosts(

@@ -80,7 +80,7 @@ from ..profiles.partition import (
     partition,
     range_sums,
 )
-from ..profiles.schema import LayerProfile, Profile, layer_costs, p2p_synced, stage_waits_ms
+from ..profiles.schema import LayerProfile, Profile, fused_accumulation, layer_costs, p2p_synced, stage_waits_ms
 from ..schedules import (
     ALL_TO_ALL_KINDS,
     COLLECTIVE_KINDS,
@@ -2090,9 +2090,12 @@ def _cut_accumulates_ms(profile: Profile, bounds: list[int]) -> np.ndarray:
     `_stage_costs` price them (before `cost_scale`): the accumulation was timed on the calibrated stages only, so
     on their cut each has its own, and on another each stage has their total shared out by its weights' bytes
     (an elementwise pass over the weights); none where a calibrated stage's is not timed (off their cut: any)
-    or its passes were measured (off their cut: all). A fused accumulation's pass `_stage_costs` prices in every
-    backward, the first too, beyond the layers' sums: counted here after the first only, a bound still."""
+    or its passes were measured (off their cut: all), and none under fused accumulation (`fused_accumulation`),
+    whose pass `_stage_costs` prices in every backward's own time, which the layers' summed B and W carry already
+    (`_splitter`'s `stage_ms`): counted here too, a bound exceeded the stage's cost by m - 1 of them."""
     stages = profile.stages
+    if fused_accumulation(profile):
+        return np.zeros(len(bounds) - 1)
     if list(bounds) == profile.partition.bounds:
         return np.array([s.accumulate.median_ms if s.accumulate is not None and s.passes is None else 0.0
                          for s in stages])

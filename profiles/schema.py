@@ -754,6 +754,13 @@ def p2p_synced(profile: Profile) -> bool:
     return bool(profile.estimate and profile.estimate.parallelism.get("p2p_sync"))
 
 
+def fused_accumulation(profile: Profile) -> bool:
+    """Whether the profile's runtime accumulates its weight gradients fused (an estimate's --grad-accumulation
+    fused): the pass over the weights no product accumulates is in every backward, not after each but the first
+    (planning/scenario.py `_stage_costs`)."""
+    return bool(profile.estimate and profile.estimate.parallelism.get("grad_accumulation") == "fused")
+
+
 def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: str, output_bytes: list[int],
                      steps: list[StageSteps], passes: list[StagePasses] | None = None,
                      held_bytes: list[int | None] | None = None,

@@ -160,3 +160,31 @@ def test_each_benchmark_command_accumulates_as_its_runs_did(benchmark, ran):
     assert commands and {_accumulation(args) for args in commands} == {ran}
     if benchmark != "published_runs":  # the A100 rows by their default: the README quotes one as it is
         assert all(args[args.index("--grad-accumulation") + 1] == ran for args in commands)
+
+
+def test_tunes_bound_counts_a_fused_accumulations_pass_once_a_backward(tmp_path):
+    """Under fused accumulation `_stage_costs` prices the pass in every backward's own B (and W), so tune's bound
+    (planning/tune.py `_splitter`'s `stage_ms`, the layers' B summed) holds it already; `_cut_accumulates_ms` added
+    it again after each backward but the first, and the bound of a GPU-bound model exceeded the stage's cost by
+    m - 1 of them (0.29 ms at m = 8). Cuts off the calibrated one, where each stage's pass is the total shared out
+    by its weights' bytes, as the layers' are."""
+    import numpy as np
+
+    from pipesim.planning.tune import _cut_accumulates_ms, _splitter
+    from pipesim.profiles.schema import load_profile
+    from pipesim.schedules import KIND_CODE, Kind
+
+    out = tmp_path / "fused.json"
+    code, _, err = pipesim("estimate", "--model", "gpt", "--layers", 4, "--width", 4096, "--heads", 32, "--seq-len",
+                           2048, "--gpu", "h100-sxm", "--grad-accumulation", "fused", "-p", 2, "-o", out)
+    assert code == 0, err
+    measured = load_profile(out)
+    split, layers, microbatches = _splitter(measured, "adam"), len(measured.layers), 8
+    for cut in set(range(1, layers)) - {measured.partition.bounds[1]}:
+        bounds = [0, cut, layers]
+        costs = profile_costs(measured, "adam", bounds).stages
+        assert all(c.accumulate_ms == 0 for c in costs)
+        bound = (microbatches * split.stage_ms(bounds, 1)[:, KIND_CODE[Kind.B]]
+                 + (microbatches - 1) * _cut_accumulates_ms(measured, bounds))
+        real = np.array([microbatches * c.bwd_ms + (microbatches - 1) * c.accumulate_ms for c in costs])
+        assert (bound <= real * (1 + 1e-12)).all(), (cut, bound - real)
