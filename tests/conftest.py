@@ -7,6 +7,7 @@
 - `host_counters(others_cores, own_cores, load_1min)`: a host's CPU counters as traces/hostload.py reads them.
 - `simulated(schedule, ...)` and `run(name, p, m, ...)`: simulate with the same costs on every model stage and a
   uniform link: (schedule, trace, summary).
+- `help_records()`: each command's name, each of its parameters and the (names, text) its --help lists for it.
 
 Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
 """
@@ -17,6 +18,7 @@ import contextlib
 import io
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -102,6 +104,21 @@ def simulate_json(*args: Any) -> list[dict]:
     code, out, err = pipesim("simulate", *args, "--json")
     assert code == 0, err
     return json.loads(out)["results"]
+
+
+def help_records() -> Iterator[tuple[str, Any, tuple[str, str] | None]]:
+    """Each command's name, each of its parameters and the (names, text) its --help lists for it (click's
+    `get_help_record`, as the command's own context renders it; None for a parameter the help leaves out)."""
+    import click
+    import typer
+
+    from pipesim.cli import make_app
+
+    group = typer.main.get_command(make_app())
+    for name, command in group.commands.items():
+        context = click.Context(command, info_name=name, parent=click.Context(group))
+        for param in command.params:
+            yield name, param, param.get_help_record(context)
 
 
 def build(name: str, p: int, m: int, n: int = 1, **params: Any) -> Schedule:

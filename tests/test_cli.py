@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pipesim.schedules import METHODS
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import help_records, pipesim, simulate_json
 from tests.test_view import _page_data
 
 
@@ -439,20 +439,13 @@ def test_every_option_that_takes_a_value_names_it_as_its_help_explains():
     types for a name ("--layers <int range>", "--out <path>", "-s, --schedule <list[str]>") where simulate wrote
     "--stages P" and "--fwd MS[,MS...]": every option that takes a value has a metavar of capitals."""
     import click
-    import typer
 
-    from pipesim.cli import make_app
-
-    group = typer.main.get_command(make_app())
     unnamed = []
-    for name, command in group.commands.items():
-        context = click.Context(command, info_name=name, parent=click.Context(group))
-        for param in command.params:
-            record = param.get_help_record(context)
-            if isinstance(param, click.Option) and not param.is_flag and record is not None:
-                metavar = record[0].split(" ", 1 + record[0].count(", "))[-1]
-                if not re.fullmatch(r"[A-Z][A-Z0-9_/]*(\[,[A-Z0-9_/]+\.\.\.\]|\.\.\.)?", metavar):
-                    unnamed.append(f"{name} {record[0]}")
+    for name, param, record in help_records():
+        if isinstance(param, click.Option) and not param.is_flag and record is not None:
+            metavar = record[0].split(" ", 1 + record[0].count(", "))[-1]
+            if not re.fullmatch(r"[A-Z][A-Z0-9_/]*(\[,[A-Z0-9_/]+\.\.\.\]|\.\.\.)?", metavar):
+                unnamed.append(f"{name} {record[0]}")
     assert not unnamed, unnamed
 
 
@@ -460,21 +453,13 @@ def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice():
     """"(default 8, or the profile's).  [default: 8; x>=1]" and "torch (...; the default) or megatron (...).
     [default: torch]": typer's default beside the words, which say more (the profile's b, when one is given, and
     what the default choice does), in every command; a range stays."""
-    import click
-    import typer
-
-    from pipesim.cli import make_app
-
-    group = typer.main.get_command(make_app())
     said = []
-    for name, command in group.commands.items():
-        context = click.Context(command, info_name=name, parent=click.Context(group))
-        for param in command.params:
-            text = (param.get_help_record(context) or ("", ""))[1]
-            if re.search(r"the default[),]|(\(|; )default \d|Default \d", text):
-                said.append(f"{name} {param.name}")
-                assert "[default:" not in text, f"{name} {param.name}: {text}"
-                assert not getattr(param, "min", None) or re.search(r"\[[\d.]*(<=)?x", text), text
+    for name, param, record in help_records():
+        text = (record or ("", ""))[1]
+        if re.search(r"the default[),]|(\(|; )default \d|Default \d", text):
+            said.append(f"{name} {param.name}")
+            assert "[default:" not in text, f"{name} {param.name}: {text}"
+            assert not getattr(param, "min", None) or re.search(r"\[[\d.]*(<=)?x", text), text
     assert {"simulate fb_hidden_fraction", "tune max_staleness", "run microbatch_size", "export stages",
             "study pipelines", "simulate cross_entropy", "sweep allocator"} <= set(said)
 

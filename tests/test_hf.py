@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import help_records, pipesim, simulate_json
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -314,17 +314,9 @@ def test_a_bare_module_is_refused_naming_what_to_give(user_module):
     assert code == 2 and "(a torch.nn.Module, an example input)" in err
 
 
-
 def test_every_command_whose_model_may_be_a_config_says_so_in_its_help():
     """calibrate builds hf:PATH (docs/hardware.md), yet its --model help named only the built-in models and a
     module: every --model but study's (mlp or cnn) names hf:PATH."""
-    import click
-    import typer
-
-    from pipesim.cli import make_app
-
-    group = typer.main.get_command(make_app())
-    helps = {name: param.get_help_record(click.Context(command, info_name=name, parent=click.Context(group)))[1]
-             for name, command in group.commands.items() for param in command.params if param.name == "model"}
+    helps = {name: record[1] for name, param, record in help_records() if param.name == "model"}
     assert {"calibrate", "run", "simulate", "estimate", "count"} <= set(helps)
     assert [name for name, text in helps.items() if "hf:PATH" not in text] == ["study"]
