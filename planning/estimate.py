@@ -137,6 +137,10 @@ EMA_PLACES = ("gpu", "cpu")
 EMA_BYTES = 4
 PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
 GRADIENT_GROUP = ("cp", "dp")  # the ranks that hold the same weights and reduce their gradients (planning/ranks.py)
+# (how a weight splits, which of its products: `_weighted_products`) for the products tensor parallelism splits on
+# their contraction, whose partial sums a reduction ends: a row-parallel weight's forward, a column-parallel one's
+# input gradient (`_Split.products`)
+_CONTRACTED = (("row", "output"), ("column", "input"))
 REPLICATED_SHARE = 10 / 34  # Korthikanti et al.: 10·sbh of a block's 34·sbh (s×s terms aside) stay whole under t
 # NCCL's per-step latency of its Simple protocol by link (src/graph/tuning.cc, hwLat, ring): NVLink 3.4 us, PCIe
 # 5.7 us, the network 14 us; xGMI is taken as NVLink
@@ -479,7 +483,7 @@ class _Split:
         for how, role, side in roles:
             at = {"output": 2 if how == "row" else 1, "input": 2 if how == "column" else 1}.get(role,
                                                                                                0 if m == side else 1)
-            key = (at, (how, role) in (("row", "output"), ("column", "input")))
+            key = (at, (how, role) in _CONTRACTED)
             splits[key] = splits.get(key, 0) + 1
         return tuple((self.context_share(self._divided(op, at)), reduced, n / len(roles))
                      for (at, reduced), n in splits.items())
@@ -1398,7 +1402,7 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int)
         return tuple(rank)
     roles = _weighted_products(layer, split.weights, name)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
-             and split.residual(shape) and roles[number][1:] in (("row", "output"), ("column", "input"))}
+             and split.residual(shape) and roles[number][1:] in _CONTRACTED}
     gather = round(split.tokens * split.width * gradient_bytes / split.context)
     runs: dict[int, list[int]] = {}  # a row-parallel product's gradient products in the pass, in order
     for number, (j, parallel, role) in roles.items():
