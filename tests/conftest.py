@@ -7,6 +7,7 @@
 - `host_counters(others_cores, own_cores, load_1min)`: a host's CPU counters as traces/hostload.py reads them.
 - `simulated(schedule, ...)` and `run(name, p, m, ...)`: simulate with the same costs on every model stage and a
   uniform link: (schedule, trace, summary).
+- `estimate_json(tmp_path, *args)`: `pipesim estimate ARGS` into a file of its own in tmp_path: the profile's JSON.
 - `help_records()`: each command's name, each of its parameters and the (names, text) its --help lists for it.
 
 Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
@@ -104,6 +105,14 @@ def simulate_json(*args: Any) -> list[dict]:
     code, out, err = pipesim("simulate", *args, "--json")
     assert code == 0, err
     return json.loads(out)["results"]
+
+
+def estimate_json(tmp_path: Path, *args: Any) -> dict:
+    """`pipesim estimate ARGS -o FILE`, which must exit 0, FILE a new one in tmp_path each call: the profile's JSON."""
+    out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+    code, _, err = pipesim("estimate", *args, "-o", out)
+    assert code == 0, err
+    return json.loads(out.read_text())
 
 
 def help_records() -> Iterator[tuple[str, Any, tuple[str, str] | None]]:

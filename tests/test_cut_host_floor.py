@@ -5,13 +5,12 @@ range's time is its layers' forward + backward and what its stage's passes wait 
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 
 from pipesim.profiles.partition import partition, with_range_ms
 from pipesim.profiles.schema import Profile, layer_costs, stage_host_waits_ms, stage_time, stage_waits_ms
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import estimate_json, simulate_json
 from tests.test_host_bound import MOE
 from tests.test_published_runs import GPT
 
@@ -19,10 +18,7 @@ BIG = ("--model", "gpt", "--layers", 4, "--width", 4096, "--heads", 32, "--seq-l
 
 
 def estimated(tmp_path, *args) -> Profile:
-    out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
-    code, _, err = pipesim("estimate", *args, "-o", out)
-    assert code == 0, err
-    return Profile.model_validate(json.loads(out.read_text()))
+    return Profile.model_validate(estimate_json(tmp_path, *args))
 
 
 @pytest.mark.parametrize("args", [(*GPT, "-p", 2), (*MOE, "--layers", 3, "-p", 3), (*MOE, "-p", 2, "--p2p-sync")],

@@ -5,11 +5,9 @@ for nothing but their stage's issue (test_host_floor.py); bad values are one lin
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.conftest import pipesim
+from tests.conftest import estimate_json, pipesim
 
 MOE = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len", 512, "--vocab", 1000, "--gated",
        "--experts", 16, "--top-k", 2, "--expert-ffn", 512, "--gpu", "h100-sxm", "--data-parallel", 4,
@@ -17,10 +15,7 @@ MOE = ("--model", "gpt", "--layers", 2, "--width", 256, "--heads", 4, "--seq-len
 
 
 def layers(tmp_path, *args) -> list[dict]:
-    out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
-    code, _, err = pipesim("estimate", *args, "-o", out)
-    assert code == 0, err
-    return json.loads(out.read_text())["layers"]
+    return estimate_json(tmp_path, *args)["layers"]
 
 
 def own_times(tmp_path, *args) -> list[dict]:

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.conftest import pipesim
+from tests.conftest import estimate_json, pipesim
 
 SMALL = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 128, "-b", 1,
          "--gpu", "h100-sxm")
@@ -19,10 +19,7 @@ PASS_NAMES = ("fwd", "bwd", "igrad", "wgrad")
 
 
 def profile(tmp_path, *args) -> dict:
-    out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
-    code, _, err = pipesim("estimate", *args, "-p", 2, "-o", out)
-    assert code == 0, err
-    return json.loads(out.read_text())
+    return estimate_json(tmp_path, *args, "-p", 2)
 
 
 def step_ms(*args) -> float:

@@ -16,7 +16,7 @@ from benchmarks.published_runs import korthikanti_runs, megatron_runs
 from pipesim.planning.host import carried_waits_ms, pass_issue
 from pipesim.profiles.schema import LayerProfile, stage_host_waits_ms
 from pipesim.schedules import METHODS
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import estimate_json, pipesim, simulate_json
 from tests.test_dispatcher_sms import GPT as MOE
 from tests.test_host_order import _random_pass, floor_ms
 
@@ -50,10 +50,7 @@ def test_a_received_pass_starts_from_an_empty_queue_without_a_synchronising_laye
 
 
 def _stages(tmp_path: Path, *args, host_kernel_us: float = 1000) -> list[dict]:
-    out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
-    code, _, err = pipesim("estimate", *DENSE[:-2], "--host-kernel-us", host_kernel_us, *args, "-o", out)
-    assert code == 0, err
-    return json.loads(out.read_text())["stages"]
+    return estimate_json(tmp_path, *DENSE[:-2], "--host-kernel-us", host_kernel_us, *args)["stages"]
 
 
 def test_a_dense_pipeline_waits_for_its_host_where_a_stage_receives(tmp_path):
