@@ -118,7 +118,7 @@ class WhatIf:
     recompute_modules: tuple[str, ...] = ()  # --recompute-modules (planning/estimate.py `Regions`)
     torch_compile: bool = False  # --torch-compile (planning/estimate.py `_unread_kept`)
     ema: str | None = None  # --ema (planning/estimate.py `EMA_PLACES`; None: none)
-    scores_buffer: bool = False  # --scores-buffer (planning/estimate.py `SCORES_BUFFER`)
+    scores_buffer: bool = False  # --scores-buffer (planning/estimate.py `scores_buffer_bytes`)
     grad_accumulation: str | None = None  # --grad-accumulation (None: --precision's, planning/estimate.py)
     tp_overlap_no_margin: bool = False  # --tp-overlap-no-margin
     tp_overlap_fp8_buf: bool = False  # --tp-overlap-fp8-buf

@@ -126,14 +126,6 @@ COMPILED_RECOMPUTE = ("op", "full")
 # asynchronously after each training step [...] without incurring additional memory or time overhead"): nothing
 # on the GPUs
 EMA_PLACES = ("gpu", "cpu")
-# `Parallelism.scores_buffer`: Megatron-LM's unfused attention as its CoreAttention runs it (megatron/model/
-# transformer.py, and megatron/core/transformer/dot_product_attention.py, at the zero-bubble fork's 425b42e5) asks
-# its global memory buffer (megatron/core/utils.py `GlobalMemoryBuffer.get_tensor`: one tensor per name and dtype,
-# the largest asked for, kept in parallel_state.py's `_GLOBAL_MEMORY_BUFFER` and never freed) for a tensor the size
-# of its scores, b x a/t x s x s in the queries' dtype, and hands it to torch.baddbmm with beta 0: an input only, so
-# the scores are still made each forward (the count's) and the buffer is held beside them for the whole run, one a
-# process (sim/costs.py `StageCosts.runtime_buffer_bytes`): the layer's `LayerCount.scores_bytes` on one of t ranks.
-# Megatron-LM at de7dc40f88 (2021) made that input with torch.empty each forward, a transient: not this.
 EMA_BYTES = 4
 PEAK_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch's dtype names -> the catalogue's
 GRADIENT_GROUP = ("cp", "dp")  # the ranks that hold the same weights and reduce their gradients (planning/ranks.py)
@@ -223,7 +215,7 @@ class Parallelism:
     recompute_modules: tuple[str, ...] = ()  # of `RECOMPUTE_REGIONS`, their outputs dropped and rerun (`Regions`)
     torch_compile: bool = False  # each transformer layer compiled: saved as AOTAutograd saves it (`_unread_kept`)
     ema: str | None = None  # where the weights' moving average is kept, of `EMA_PLACES` (None: none is kept)
-    scores_buffer: bool = False  # Megatron-LM's attention's global memory buffer, kept for the run (`SCORES_BUFFER`)
+    scores_buffer: bool = False  # Megatron-LM's attention's global memory buffer kept (`scores_buffer_bytes`)
     grad_accumulation: str | None = None  # of `GRAD_ACCUMULATIONS` (None: the precision's, `accumulation`)
     sharded_optimizer: bool = False
     precision: str | None = None
@@ -1034,6 +1026,19 @@ def gathered_gradient_bytes(layer: LayerCount, parallel: Parallelism, element_by
     casts_first = parallel.fp8 is not None and (FP8_RECIPES[parallel.fp8].gathers_float8
                                                 or parallel.tp_runtime == "torch")
     return FP8_BYTES if casts_first and attends(layer) else element_bytes
+
+
+def scores_buffer_bytes(layer: LayerCount, parallel: Parallelism) -> int:
+    """What `layer` has one rank keep for the whole run under `Parallelism.scores_buffer` (0 without it):
+    Megatron-LM's unfused attention as its CoreAttention runs it (megatron/model/transformer.py, and
+    megatron/core/transformer/dot_product_attention.py, at the zero-bubble fork's 425b42e5) asks its global memory
+    buffer (megatron/core/utils.py `GlobalMemoryBuffer.get_tensor`: one tensor per name and dtype, the largest asked
+    for, kept in parallel_state.py's `_GLOBAL_MEMORY_BUFFER` and never freed) for a tensor the size of its scores,
+    b x a/t x s x s in the queries' dtype, and hands it to torch.baddbmm with beta 0: an input only, so the scores
+    are still made each forward (the count's) and the buffer is held beside them for the whole run, one a process
+    (sim/costs.py `StageCosts.runtime_buffer_bytes`): the layer's `LayerCount.scores_bytes` on one of t ranks.
+    Megatron-LM at de7dc40f88 (2021) made that input with torch.empty each forward, a transient: not this."""
+    return layer.scores_bytes // parallel.tensor if parallel.scores_buffer else 0
 
 
 def gathered_saves(layer: LayerCount, parallel: Parallelism) -> tuple[tuple[int, int], ...]:
@@ -2056,7 +2061,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                                      parallel.fp8_param_gather) // t if parallel.fp8 else 0),
             shared_with_previous_bytes=0, output_bytes=layer.output_bytes // (t * parallel.context),
             model_output_bytes=layer.model_output_bytes // (vocabulary_ranks * parallel.context),
-            runtime_buffer_bytes=layer.scores_bytes // t if parallel.scores_buffer else 0,  # `SCORES_BUFFER`
+            runtime_buffer_bytes=scores_buffer_bytes(layer, parallel),
             param_bytes=params,
             all_gather_bytes=(gathered_weight_bytes(layer, params, parallel, element)
                               if parallel.fsdp_float8_all_gather or parallel.fp8_param_gather else None),

@@ -1,4 +1,4 @@
-"""--scores-buffer (planning/estimate.py `SCORES_BUFFER`): Megatron-LM's unfused attention hands torch.baddbmm a
+"""--scores-buffer (planning/estimate.py `scores_buffer_bytes`): Megatron-LM's unfused attention hands torch.baddbmm a
 tensor of its scores' size from the global memory buffer, which keeps it for the whole run: b x a/t x s x s bytes
 of the queries' dtype held from the start as the runtime_buffers part, one a device however many stages it holds,
 beside the scores each forward still makes."""
