@@ -73,16 +73,22 @@ def test_without_sequence_parallelism_or_beside_it_the_count_peak_is_priced_as_b
                              for shape, nbytes in layer.transient_tensors["bwd"])
 
 
+def replayed_backward(counted, parallel: Parallelism) -> tuple[list[tuple[int, int]], list[int]]:
+    """The first block's backward as the allocator replays it on a rank (`layer_allocations`): its (storage, bytes)
+    events, and the bytes of those the count never made (the rank's own: its gathers)."""
+    from pipesim.planning.estimate import layer_allocations
+
+    backward = layer_allocations(counted, parallel)[1].passes["bwd"]
+    numbered = {number for number, *_ in counted.layers[1].allocations["bwd"]}
+    return backward, [nbytes for number, nbytes in backward if number not in numbered]
+
+
 def test_the_allocator_replays_the_gathered_gradients_whole(block):
     """The backward's replay (`layer_allocations`) gathers each row-parallel product's output gradient whole, the
     MLP's second product's and the attention output projection's, made and freed around its two products."""
-    from pipesim.planning.estimate import layer_allocations
-
-    counted, layer = block
-    backward = layer_allocations(counted, Parallelism(tensor=2, sequence_parallel=True))[1].passes["bwd"]
-    numbered = {number for number, *_ in layer.allocations["bwd"]}
-    gathers = [(number, nbytes) for number, nbytes in backward if number not in numbered]
-    assert [nbytes for _, nbytes in gathers] == [T * W * 2, -T * W * 2] * 2
+    counted, _ = block
+    _, gathers = replayed_backward(counted, Parallelism(tensor=2, sequence_parallel=True))
+    assert gathers == [T * W * 2, -T * W * 2] * 2
 
 
 @pytest.mark.parametrize("fp8, runtime, element", [(None, "torch", 2), ("te", "megatron", 1),
@@ -121,15 +127,11 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     (48 x 48 x `element` bytes each, made before their weight- and input-gradient products and freed after), not q's,
     k's or v's, whose products have o's shape; and q's, k's and v's input gradients are partial sums whole before
     their reduce-scatter, 48 x 48 x 2 = 4,608 bytes each, beside their weight gradients' halves (2,304)."""
-    from pipesim.planning.estimate import layer_allocations
-
     counted = separate_projections
     layer = counted.layers[1]
     parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime, fp8=fp8)
-    backward = layer_allocations(counted, parallel)[1].passes["bwd"]
-    numbered = {number for number, *_ in layer.allocations["bwd"]}
-    assert [nbytes for number, nbytes in backward if number not in numbered] == [48 * 48 * element,
-                                                                                 -48 * 48 * element] * 2
+    backward, gathers = replayed_backward(counted, parallel)
+    assert gathers == [48 * 48 * element, -48 * 48 * element] * 2
     made = dict(reversed(backward))  # each number's first bytes: as made
     qkv = [number for number, _ in layer.product_allocations["bwd"][-6:]]  # v's, k's, q's weight and input gradients
     assert [made[number] for number in qkv] == [48 * 48, 48 * 48 * 2] * 3
