@@ -286,18 +286,18 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                         pp_runtime: str,
                         counts: dict[int, WorkloadCount], expert_given: bool,
                         report: Callable[[str], None] | None = None):
-    """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node
-    that divides D and the model), expert-parallel degree E (of `_expert_degrees`, those the rank order can
-    place at that t and d, `_experts_fit`), pipeline depth p (D / (t·d)
-    for a given d, else each divisor of D/t up to the layers) and recomputation (given, or each), its allocations
-    replayed under `allocator` as simulate's (`allocator_fields`), so tune's peaks and memory check are simulate's,
-    the boundary tensors held as `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's
-    counted already (the rest are counted here); `report` is told how many are done. Where no t suits, the
-    estimates' refusal if every t tried got the same one (it is not about t), else which t's were tried and each
-    refused t's reason (one rule said for all of them would send the user after the wrong flag). A searched
-    E the estimate refuses is left out where another suits the t (E = 1 beside --token-dispatcher or
-    --hot-expert-share, which need E > 1; a dispatcher or routing that needs more ranks), as is a searched t the
-    estimate refuses (--recompute op, modelled at t = 1 only); a given t it refuses is its one line."""
+    """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node that
+    divides D and the model), expert-parallel degree E (of `_expert_degrees`, those the rank order can place at that
+    t and d, `_experts_fit`), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to the layers)
+    and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
+    (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
+    `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's counted already (the rest are
+    counted here); `report` is told how many are done. Where no t suits, the estimates' refusal if every t tried got
+    the same one (it is not about t), else which t's were tried and each refused t's reason (one rule said for all of
+    them would send the user after the wrong flag). A searched E the estimate refuses is left out where another suits
+    the t (E = 1 beside --token-dispatcher or --hot-expert-share, which need E > 1; a dispatcher or routing that
+    needs more ranks), as is a searched t the estimate refuses (--recompute op, modelled at t = 1 only); a given t it
+    refuses is its one line."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting

@@ -1040,11 +1040,10 @@ class _Replay:
 def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations]],
                     capacity_bytes: Sequence[int | None], expandable: bool = False,
                     adam: bool = False) -> list[int]:
-    """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed
-    (`replay_device`: its parameters, gradients, optimizer state and runtime buffer at the prediction's peak as a
-    block each, then its rows in the order they start, `layers[stage]` each stage's), the most it reserves less the
-    most it
-    allocates: what torch's max reserved adds to its max allocated. Its own difference, not its reserved less the
+    """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed (`replay_device`:
+    its parameters, gradients, optimizer state and runtime buffer at the prediction's peak as a block each, then its
+    rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it allocates:
+    what torch's max reserved adds to its max allocated. Its own difference, not its reserved less the
     prediction's peak: the replay frees layer by layer where the prediction holds a stage's activations and a
     pass's transient peak for whole rows, so it can allocate less than the prediction holds and that difference
     would read nothing. `capacity_bytes`: each device's memory (None: unbounded), whose cached segments torch

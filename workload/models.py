@@ -293,14 +293,14 @@ def place_experts(module: nn.Module, exchange: ExpertExchange) -> None:
 
 
 class _Block(nn.Module):
-    """Pre-norm decoder block: causal self-attention, then an MLP of `ffn` (GELU, or SwiGLU if `gated`),
-    each after a norm of kind `norm` (`_norm`) and with a residual, its linear layers with biases if `bias`. With
-    `kv_heads` < `heads`, groups of query heads share a key and value head (grouped-query attention, as Llama 2
-    70B), handed to the attention as they are (`enable_gqa`): a flash kernel reads each key and value head for its
-    whole group, as Megatron-core's TransformerEngine attention and flash-attn do (`num_gqa_groups`), so only the
-    fewer heads are saved; the math path repeats them. With
-    `experts`, the MLP is a mixture of experts (`_ExpertsMLP`). With `rotary` features of each head (of `seq_len`
-    positions), q and k are rotated by their positions' angles before the attention (`apply_rotary_pos_emb`)."""
+    """Pre-norm decoder block: causal self-attention, then an MLP of `ffn` (GELU, or SwiGLU if `gated`), each after a
+    norm of kind `norm` (`_norm`) and with a residual, its linear layers with biases if `bias`. With `kv_heads` <
+    `heads`, groups of query heads share a key and value head (grouped-query attention, as Llama 2 70B), handed to
+    the attention as they are (`enable_gqa`): a flash kernel reads each key and value head for its whole group, as
+    Megatron-core's TransformerEngine attention and flash-attn do (`num_gqa_groups`), so only the fewer heads are
+    saved; the math path repeats them. With `experts`, the MLP is a mixture of experts (`_ExpertsMLP`). With `rotary`
+    features of each head (of `seq_len` positions), q and k are rotated by their positions' angles before the
+    attention (`apply_rotary_pos_emb`)."""
 
     def __init__(self, width: int, heads: int, ffn: int, kv_heads: int, gated: bool, dropout: float = 0.0,
                  experts: ExpertShape | None = None, rotary: int = 0, seq_len: int = 0, bias: bool = True,
