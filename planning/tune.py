@@ -2201,14 +2201,20 @@ def _flush_chain(schedule: Schedule) -> tuple[int, bool] | None:
 
 def _stage_waits_ms(profile: Profile) -> np.ndarray:
     """[i, j, kind]: what a stage of layers i .. j-1 waits for its host beyond its layers' times in its F, B, I and W
-    (profiles/schema.py `stage_waits_ms`; a first stage's I empty and its W its whole B, as `_summed` has them), 0 in
-    the other kinds: a host-bound stage's passes take their kernels' issue, which `_splitter`'s cut balances."""
+    (profiles/schema.py `stage_waits_ms`; a first stage's as `_fed_by_the_batch`), 0 in the other kinds: a
+    host-bound stage's passes take their kernels' issue, which `_splitter`'s cut balances."""
     n = len(profile.layers)
     waits = np.zeros((n + 1, n + 1, NUM_COMPUTE_KINDS))
     for kind, name in ((Kind.F, "fwd"), (Kind.B, "bwd"), (Kind.I, "igrad"), (Kind.W, "wgrad")):
         waits[:, :, KIND_CODE[kind]] = stage_waits_ms(profile.layers, name, p2p_synced(profile))
-    waits[0, :, KIND_CODE[Kind.I]], waits[0, :, KIND_CODE[Kind.W]] = 0.0, waits[0, :, KIND_CODE[Kind.B]]
+    _fed_by_the_batch(waits[0])
     return waits
+
+
+def _fed_by_the_batch(first_ms: np.ndarray) -> None:
+    """A first stage's F, B, I and W in `first_ms` (kinds last) as profiles/schema.py `_summed` has a stage fed by
+    the batch alone, in place: its I empty, its W its whole B."""
+    first_ms[..., KIND_CODE[Kind.I]], first_ms[..., KIND_CODE[Kind.W]] = 0.0, first_ms[..., KIND_CODE[Kind.B]]
 
 
 def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
@@ -2262,15 +2268,15 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
             return leanest_partition(layers, stages, stage_bytes)[1]
 
     def stage_ms(bounds: list[int], pipelines: int) -> np.ndarray:
-        """[k, kind]: each layer's least F, B, I and W summed over stage k's layers, with stage 0's I empty and its
-        W its whole B, as a first stage's are: no more than the stage's own costs (`profile_costs`: those are
-        additive over a cut, its host's waits beyond them at least the least's: `_own_times`), which the search
-        prices only if this bound comes up. The rest count for nothing
-        (a stage's updates share out its measured ones by bytes: their total is the layers', not each stage's)."""
+        """[k, kind]: each layer's least F, B, I and W summed over stage k's layers, stage 0's as a first stage's
+        (`_fed_by_the_batch`): no more than the stage's own costs (`profile_costs`: those are additive over a cut,
+        its host's waits beyond them at least the least's: `_own_times`), which the search prices only if this bound
+        comes up. The rest count for nothing (a stage's updates share out its measured ones by bytes: their total is
+        the layers', not each stage's)."""
         table = np.zeros((len(bounds) - 1, NUM_COMPUTE_KINDS))
         passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
         table[:, passes] = least_ms(pipelines)[bounds[:-1], bounds[1:]][:, passes]
-        table[0, KIND_CODE[Kind.I]], table[0, KIND_CODE[Kind.W]] = 0.0, table[0, KIND_CODE[Kind.B]]
+        _fed_by_the_batch(table[0])
         return table
 
     split.stage_ms = stage_ms
