@@ -913,14 +913,17 @@ def p2p_synced(ctx: typer.Context, measured: Profile | None = None) -> str | Non
     return None
 
 
-def check_p2p_sync(synced: str | None, methods: Iterable[str]) -> None:
-    """Refuse costs priced with Megatron-core's synchronising exchange (`synced`, what says so: `p2p_synced`) for
-    any of `methods` whose exchanges it does not model (`Method.p2p_sync`; a --schedule-file's order is torch's),
-    naming those it does: Megatron-core runs the rest not at all, or, interleaved, synchronises after each
-    forward-backward pair of its steady state, so that a backward runs after its stage's forward with no wait
-    and a forward after a wait whether or not it receives (docs/hardware.md, "Host-bound execution")."""
+def check_p2p_sync(ctx: typer.Context, methods: Iterable[str], measured: Profile | None = None) -> None:
+    """Refuse costs priced with Megatron-core's synchronising exchange (`p2p_synced`: --p2p-sync, or `measured`, a
+    --profile estimated with it) under --pp-runtime torch (`check_pp_runtime`), or for any of `methods` whose
+    exchanges it does not model (`Method.p2p_sync`; a --schedule-file's order is torch's), naming those it does:
+    Megatron-core runs the rest not at all, or, interleaved, synchronises after each forward-backward pair of its
+    steady state, so that a backward runs after its stage's forward with no wait and a forward after a wait whether
+    or not it receives (docs/hardware.md, "Host-bound execution")."""
     from ..schedules import METHODS
 
+    synced = p2p_synced(ctx, measured)
+    check_pp_runtime(ctx.params.get("pp_runtime", "pipesim"), synced)
     others = [name for name in methods if not (name in METHODS and METHODS[name].p2p_sync)]
     if synced and others:
         takers = [method.name for method in METHODS.values() if method.p2p_sync]

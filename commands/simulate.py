@@ -55,7 +55,6 @@ from .common import (
     check_apart,
     check_method_options,
     check_p2p_sync,
-    check_pp_runtime,
     check_prediction,
     check_writable,
     expert_overlap_options,
@@ -64,7 +63,6 @@ from .common import (
     load_profile_flag,
     model_reads,
     optional_what_if_options,
-    p2p_synced,
     progress,
     refused_with_flags,
     scenario_from_flags,
@@ -221,8 +219,7 @@ def simulate(
         check_prediction(prediction)
         check_method_options(ctx, compared, ("--advance", "--average-every", "--elastic-alpha", "--graph",
                                               "--prediction", "--activation-limit", "--search-seconds"))
-        check_pp_runtime(pp_runtime, p2p_synced(ctx))  # the flag's refusals before the model is counted
-        check_p2p_sync(p2p_synced(ctx), compared)  # (a --profile's, once it is read)
+        check_p2p_sync(ctx, compared)  # the flag's refusals before the model is counted (a --profile's once read)
         search = search_options(activation_limit, search_seconds)
         check_writable("--html", html)
         check_writable("--trace", trace)
@@ -240,7 +237,7 @@ def simulate(
         scenario = replace(scenario_from_flags(ctx, "device", schedule_file if loaded else None, estimated, comm=comm,
                                                opt=opt), overlap_hidden_fraction=fb_hidden_fraction,
                            **allocator_fields(allocator, counted, parallel, optimizer_step))
-        check_p2p_sync(p2p_synced(ctx, scenario.measured), compared)
+        check_p2p_sync(ctx, compared, scenario.measured)
         work = ModelWork.of(scenario.measured)
         if scenario.measured is not None and not is_given(ctx, "stages"):
             stages = scenario.measured.partition.stages

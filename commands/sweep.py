@@ -40,7 +40,6 @@ from .common import (
     fail,
     model_reads,
     optional_what_if_options,
-    p2p_synced,
     progress,
     require,
     scenario_from_flags,
@@ -199,7 +198,7 @@ def sweep(
         what = what_if(ctx)
         check_allocator(ctx, what)
         scenario = scenario_from_flags(ctx, "model")
-        check_p2p_sync(p2p_synced(ctx, scenario.measured), axes.get("schedule", METHODS))
+        check_p2p_sync(ctx, axes.get("schedule", METHODS), scenario.measured)
         lists = [flag for flag, values in scenario.per_stage.items() if len(values) > 1]
         if lists:
             raise InputError(f"{lists[0]}: give one number, the whole model's; the stage count varies across a "

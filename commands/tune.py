@@ -36,11 +36,9 @@ from .common import (
     check_allocator,
     check_memory_gb,
     check_p2p_sync,
-    check_pp_runtime,
     fail,
     is_given,
     load_profile_flag,
-    p2p_synced,
     refuse,
     refused_with_flags,
     search_options,
@@ -171,8 +169,7 @@ def tune(
             raise InputError(unknown_names("--schedule", unknown, METHODS))
         refuse(optimizer_refusal(optimizer, "--optimizer"))
         check_memory_gb(memory_gb)
-        check_pp_runtime(pp_runtime, p2p_synced(ctx))
-        check_p2p_sync(p2p_synced(ctx), schedule or METHODS)
+        check_p2p_sync(ctx, schedule or METHODS)
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)
@@ -184,7 +181,7 @@ def tune(
             if profile is None:
                 raise InputError("--profile or --gpu: give the model's profile, or a GPU and --model to estimate it on")
             measured = load_profile_flag(ctx, profile)
-            check_p2p_sync(p2p_synced(ctx, measured), schedule or METHODS)
+            check_p2p_sync(ctx, schedule or METHODS, measured)
             env = measured.environment
             b = env.microbatch_size
             batch = batch_size if batch_size is not None else 4 * devices * b
