@@ -647,7 +647,8 @@ def parse_numbers(flag: str, text: str) -> list[float]:
 
 def check_method_options(ctx: typer.Context, names: Iterable[str], flags: Iterable[str]) -> None:
     """Refuse each of `flags` (METHOD_OPTIONS keys) given on the command line that none of the methods `names`
-    reads, naming the methods that do; and an elastic coefficient outside (0, 1]."""
+    reads (a name that is no method, as simulate's "--schedule-file PATH", reads none), naming the methods that do;
+    and an elastic coefficient outside (0, 1]."""
     from ..schedules import METHODS
     from ..schedules.methods import elastic_alpha_refusal
 
