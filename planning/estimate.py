@@ -1017,7 +1017,7 @@ def input_gather_ms(nbytes: int, product_ms: float, t: int, link: EstimateLink, 
     return bulk_exposed_ms(all_gather_ms(nbytes, t, link.latency_ms, link.bytes_per_ms), product_ms, device)
 
 
-def gathered_gradient_bytes(layer: LayerCount, parallel: Parallelism, element_bytes: int) -> int:
+def gathered_gradient_element_bytes(layer: LayerCount, parallel: Parallelism, element_bytes: int) -> int:
     """An element of a row-parallel product's output gradient as sequence parallelism gathers it (`_rank_pass`):
     float8 where the runtime casts it before it gathers, TransformerEngine's recipes (`gathers_float8`:
     `grad_output_preprocess`) and torchao's under DTensor (torchao/float8/float8_tensor_parallel.py at eab345c,
@@ -1308,7 +1308,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     return LayerEstimate(times["fwd"], times["bwd"] + rerun_ms, times["igrad"] + rerun_ms, times["wgrad"], total,
                          whole_parts(parts, total),
                          _transient_bytes(layer, split, saved_unless_rerun / c + weight_copies - total,
-                                          gathered_gradient_bytes(layer, parallel, element_bytes)),
+                                          gathered_gradient_element_bytes(layer, parallel, element_bytes)),
                          *rings, *wgrad_kept(layer, split, rest_share), timed)
 
 
@@ -1364,17 +1364,18 @@ class Regions:
                    frozenset(n for name in run for n in layer.region_allocations.get(name, ())))
 
 
-def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradient_bytes: int) -> dict[str, int]:
+def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float,
+                     gradient_element_bytes: int) -> dict[str, int]:
     """Per pass, the bytes of the count's transient tensors at the pass's peak on one of the t·C ranks (a
     residual-stream tensor whole without sequence parallelism, as Megatron-LM keeps it, any other 1/t: a head's, an
     MLP's or the vocabulary's share; every one 1/C; under sequence parallelism the pass's allocations as the rank
-    makes them, `_rank_pass`, and their peak), and in the input-gradient and full backward the `recomputed`
-    bytes, which the backward recreates before it frees them (Korthikanti et al. 2022, section 4: full
-    recomputation holds one layer's activations during its backward)."""
+    makes them, `_rank_pass` with `gradient_element_bytes`, and their peak), and in the input-gradient and full
+    backward the `recomputed` bytes, which the backward recreates before it frees them (Korthikanti et al. 2022,
+    section 4: full recomputation holds one layer's activations during its backward)."""
     def peak(name: str) -> float:
         if not (split.sequence_parallel and split.t > 1 and layer.product_allocations):
             return sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
-        events = _rank_pass(layer, split, name, gradient_bytes)
+        events = _rank_pass(layer, split, name, gradient_element_bytes)
         made: dict[int, int] = {}
         for number, nbytes in events:
             made.setdefault(number, nbytes)
@@ -1383,7 +1384,8 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float, gradie
     return {name: round(peak(name) + (max(recomputed, 0.0) if name in ("bwd", "igrad") else 0.0)) for name in PASSES}
 
 
-def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int) -> tuple[tuple[int, int], ...]:
+def _rank_pass(layer: LayerCount, split: _Split, name: str,
+               gradient_element_bytes: int) -> tuple[tuple[int, int], ...]:
     """Pass `name`'s allocations (`LayerCount.allocations`, as (number, bytes)) as one of the t·C ranks makes them:
     each `_on_rank`, and under sequence parallelism what a tensor-parallel product holds whole while it runs, 1/C
     (Korthikanti et al. 2022, section 4.2.2, Figure 6's g and its conjugate), each product told by its role
@@ -1396,10 +1398,10 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int)
       core/tensor_parallel/layers.py at core_v0.9.0, `LinearWithGradAccumulationAndAsyncCommunication.backward`:
       `grad_input = grad_output.matmul(weight)`, then `reduce_scatter_tensor` into `sub_grad_input`; DTensor's
       gradient of the Replicate input it gathered, Partial, redistributed to Shard(1));
-    - a row-parallel product's output gradient arrives split by tokens and is gathered whole, `gradient_bytes` an
-      element, before the first of its gradient products the pass runs and freed after the last
-      (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its own,
-      megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
+    - a row-parallel product's output gradient arrives split by tokens and is gathered whole,
+      `gradient_element_bytes` an element, before the first of its gradient products the pass runs and freed after
+      the last (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its
+      own, megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
     Without the count's products, or without sequence parallelism, `_on_rank`'s alone."""
     events = layer.allocations.get(name, ())
     rank = [(number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events]
@@ -1408,7 +1410,7 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str, gradient_bytes: int)
     roles = _weighted_products(layer, split.weights, name)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
              and split.residual(shape) and roles[number][1:] in _CONTRACTED}
-    gather = round(split.tokens * split.width * gradient_bytes / split.context)
+    gather = round(split.tokens * split.width * gradient_element_bytes / split.context)
     runs: dict[int, list[int]] = {}  # a row-parallel product's gradient products in the pass, in order
     for number, (j, parallel, role) in roles.items():
         if parallel == "row" and role != "output":
@@ -1548,7 +1550,7 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
                                      parallel.recompute_modules, parallel.torch_compile,
                                      tuple((number, saved[i][1]) for i, number in gathered),
-                                     gathered_gradient_bytes(layer, parallel, _element_bytes(counted.dtype)))
+                                     gathered_gradient_element_bytes(layer, parallel, _element_bytes(counted.dtype)))
             unsharded = _unsharded(layer, made, parallel, _element_bytes(counted.dtype))
             made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
                            stepped=_stepped(_gradient_storages(made), held, _element_bytes(counted.dtype))
@@ -1595,7 +1597,7 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
 
 def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules: Sequence[str] = (),
                       torch_compile: bool = False, gathered: Sequence[tuple[int, int]] = (),
-                      gradient_bytes: int = 2) -> LayerAllocations:
+                      gradient_element_bytes: int = 2) -> LayerAllocations:
     """The count's allocations (`LayerCount.allocations`) as one of the t·C ranks makes them (`_on_rank`), with
     what `recompute` has the backward make again: a transformer layer's whole forward under full recomputation,
     and under torchtitan's op policy all but what it keeps, every second product's output and the fused
@@ -1605,10 +1607,10 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules:
     (`_compiled_checkpoint_forward`). `gathered`: the saved tensors a rank holds whole (`gathered_saves`), each as
     (its number in allocations["fwd"], its bytes whole as saved): a product's input the layer makes (a norm's
     output) made so, the layer's own input (number -1) gathered into a storage of its own as the forward begins,
-    saved; each pass as the rank makes it (`_rank_pass`, `gradient_bytes` an element of a gathered output
-    gradient). What the caching allocator replays (sim/caching_allocator.py)."""
+    saved; each pass as the rank makes it (`_rank_pass`, `gradient_element_bytes` an element of a gathered
+    output gradient). What the caching allocator replays (sim/caching_allocator.py)."""
     whole = {number: nbytes for number, nbytes in gathered if number >= 0}
-    passes = {name: _rank_pass(layer, split, name, gradient_bytes) for name in layer.allocations}
+    passes = {name: _rank_pass(layer, split, name, gradient_element_bytes) for name in layer.allocations}
     if whole:
         passes["fwd"] = tuple((number, round(math.copysign(whole[number], nbytes) / split.context)
                                if number in whole else nbytes) for number, nbytes in passes["fwd"])

@@ -6,7 +6,13 @@ import json
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Device, Parallelism, estimate_layer, gathered_gradient_bytes, placement_links
+from pipesim.planning.estimate import (
+    Device,
+    Parallelism,
+    estimate_layer,
+    gathered_gradient_element_bytes,
+    placement_links,
+)
 from pipesim.profiles.workload import transient_peak
 from tests.conftest import pipesim
 
@@ -100,8 +106,8 @@ def test_a_gathered_gradient_is_float8_where_the_runtime_casts_before_it_gathers
     The head, no float8 layer, gathers bf16."""
     counted, layer = block
     parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime, fp8=fp8)
-    assert gathered_gradient_bytes(layer, parallel, 2) == element
-    assert gathered_gradient_bytes(counted.layers[-1], parallel, 2) == 2
+    assert gathered_gradient_element_bytes(layer, parallel, 2) == element
+    assert gathered_gradient_element_bytes(counted.layers[-1], parallel, 2) == 2
 
 
 @pytest.fixture(scope="module")
