@@ -28,10 +28,9 @@ from .common import (
     TopK,
     Vocab,
     Width,
-    check_apart,
     check_expert_parallel,
     check_memory_gb,
-    check_writable,
+    check_outputs,
     fail,
     flag_of,
     is_given,
@@ -151,8 +150,7 @@ def calibrate(
         require_model_data("pipesim calibrate", model)
         if runtime:  # its probe times the executor on a small mlp, which draws the digits
             require("pipesim calibrate's runtime probe (--no-runtime skips it)", "sklearn")
-        check_writable("--out", out)
-        check_apart([("--out", out)], model_reads(ctx.params))
+        check_outputs([("--out", out)], model_reads(ctx.params))
         if dtype not in ("float32", "bfloat16", "float16"):
             raise InputError(f"--dtype: choose float32, bfloat16 or float16 (got {dtype!r})")
         refuse(optimizer_refusal(optimizer, "--optimizer"))

@@ -754,13 +754,16 @@ def check_writable(flag: str, path: Path | None) -> None:
         raise InputError(f"{flag}: cannot write {path}: folder {folder} is not writable")
 
 
-def check_apart(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tuple[str, Path | None]] = ()) -> None:
-    """Refuse an output that names the file of another output, or of a file the command reads: the later write
-    replaced the earlier (`simulate --trace t.json --html t.json` kept the page, not the trace) or the input
-    (`view t.json --html t.json` wrote the page over its trace). Outputs written in place (a FIFO, /dev/stdout)
-    may be shared. Each (flag, path) pair names its flag, or the argument, as the user gave it."""
+def check_outputs(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tuple[str, Path | None]] = ()) -> None:
+    """Refuse, before any work is done, an output that cannot be written (`check_writable`, in the order given) or
+    that names the file of another output, or of a file the command reads: the later write replaced the earlier
+    (`simulate --trace t.json --html t.json` kept the page, not the trace) or the input (`view t.json --html t.json`
+    wrote the page over its trace). Outputs written in place (a FIFO, /dev/stdout) may be shared. Each (flag, path)
+    pair names its flag, or the argument, as the user gave it."""
     from ..traces.trace import writes_in_place
 
+    for flag, path in outputs:
+        check_writable(flag, path)
     seen: dict[str, str] = {}
     for k, (flag, path) in enumerate([*reads, *outputs]):
         if path is None:
@@ -772,7 +775,7 @@ def check_apart(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tupl
 
 
 def model_reads(params: dict[str, Any]) -> list[tuple[str, Path | None]]:
-    """The files a model's flags name, for check_apart: --model hf:PATH's config.json, --curve-from and --gpus
+    """The files a model's flags name, for check_outputs: --model hf:PATH's config.json, --curve-from and --gpus
     (where the command takes them)."""
     from ..workload.hfconfig import hf_config_path, is_hf
 

@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from .common import InputError, check_apart, check_writable, fail, stderr, stdout
+from .common import InputError, check_outputs, fail, stderr, stdout
 from .tables import print_table
 
 
@@ -136,8 +136,7 @@ def compare(
     from ..traces.trace import TraceError, read_trace
 
     try:
-        check_writable("--html", html)
-        check_apart([("--html", html)], [("MEASURED", measured), ("PREDICTED", predicted)])
+        check_outputs([("--html", html)], [("MEASURED", measured), ("PREDICTED", predicted)])
         if measured.is_dir():
             from ..planning.torch_profile import read_torch_profile
 

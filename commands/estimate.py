@@ -31,8 +31,7 @@ from .common import (
     Stages,
     TensorParallel,
     Zero,
-    check_apart,
-    check_writable,
+    check_outputs,
     fail,
     flag_line,
     flag_of,
@@ -618,8 +617,7 @@ def estimate(
     from ..traces import write_atomic
 
     try:
-        check_writable("--out", out)
-        check_apart([("--out", out)], model_reads(ctx.params))
+        check_outputs([("--out", out)], model_reads(ctx.params))
         zero = zero_stage(ctx.params)
         what = what_if(ctx)
         counted = count_what_if(what, microbatch_size)

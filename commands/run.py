@@ -47,11 +47,10 @@ from .common import (
     TopK,
     WgradFraction,
     Width,
-    check_apart,
     check_expert_parallel,
     check_method_options,
+    check_outputs,
     check_prediction,
-    check_writable,
     fail,
     flag_of,
     is_given,
@@ -189,9 +188,7 @@ def run(
             if not 0 < value < math.inf:
                 raise InputError(f"{flag}: give a finite number > 0 (got {value})")
         check_prediction(prediction)
-        check_writable("--trace", trace)
-        check_writable("--html", html)
-        check_apart([("--trace", trace), ("--html", html)], [("--profile", profile), *model_reads(ctx.params)])
+        check_outputs([("--trace", trace), ("--html", html)], [("--profile", profile), *model_reads(ctx.params)])
         options = {key: value for key, value in (("layers", layers), ("width", width), ("ffn", ffn),
                                                  ("experts", experts), ("top_k", top_k),
                                                  ("shared_experts", shared_experts), ("expert_ffn", expert_ffn),

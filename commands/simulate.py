@@ -52,11 +52,10 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
-    check_apart,
     check_method_options,
+    check_outputs,
     check_p2p_sync,
     check_prediction,
-    check_writable,
     expert_overlap_options,
     fail,
     is_given,
@@ -221,11 +220,10 @@ def simulate(
                                               "--prediction", "--activation-limit", "--search-seconds"))
         check_p2p_sync(ctx, compared)  # the flag's refusals before the model is counted (a --profile's once read)
         search = search_options(activation_limit, search_seconds)
-        check_writable("--html", html)
-        check_writable("--trace", trace)
-        check_apart([*(("--trace", path) for path in (_output_paths(trace, names) if trace else [])), ("--html", html)],
-                    [("--profile", profile), ("--cluster", cluster), ("--graph", graph),
-                     ("--schedule-file", schedule_file), *model_reads(ctx.params)])
+        check_outputs([*(("--trace", path) for path in (_output_paths(trace, names) if trace else [])),
+                       ("--html", html)],
+                      [("--profile", profile), ("--cluster", cluster), ("--graph", graph),
+                       ("--schedule-file", schedule_file), *model_reads(ctx.params)])
         if memory_view and as_json:
             raise InputError("--memory is a table; --json gives each device's breakdown as peak_memory_parts_mb: "
                              "give one")
@@ -753,8 +751,7 @@ def export(
     try:
         if fmt not in EXPORT_FORMATS:
             raise InputError(unknown_names("--format", [fmt], EXPORT_FORMATS))
-        check_writable("--out", out)
-        check_apart([("--out", out)], [("--profile", profile)])
+        check_outputs([("--out", out)], [("--profile", profile)])
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--activation-limit", "--search-seconds"))
         search = search_options(activation_limit, search_seconds)

@@ -24,9 +24,8 @@ from .common import (
     Pipelines,
     PredictionSource,
     Stages,
-    check_apart,
+    check_outputs,
     check_prediction,
-    check_writable,
     fail,
     require,
     require_model_data,
@@ -105,10 +104,8 @@ def study(
     from ..study.results import ResultsError, load_results, open_results, recorded_arms, summarize
 
     try:
-        check_writable("--results", None if plot_only else results)
-        check_writable("--html", html)
-        check_apart([("--results", None if plot_only else results), ("--html", html)],
-                    [("--results", results if plot_only else None)])
+        check_outputs([("--results", None if plot_only else results), ("--html", html)],
+                      [("--results", results if plot_only else None)])
         if plot_only:
             saved = load_results(results)
             setting = Setting(**saved.setting)

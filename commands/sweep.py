@@ -33,9 +33,8 @@ from .common import (
     Zero,
     allocator_fields,
     check_allocator,
-    check_apart,
+    check_outputs,
     check_p2p_sync,
-    check_writable,
     expert_overlap_options,
     fail,
     model_reads,
@@ -173,10 +172,8 @@ def sweep(
     from ..sim import ClusterError
 
     try:
-        check_writable("--out", out)
-        check_writable("--html", html)
-        check_apart([("--out", out), ("--html", html)],
-                    [("--grid", grid), ("--profile", profile), ("--cluster", cluster), *model_reads(ctx.params)])
+        check_outputs([("--out", out), ("--html", html)],
+                      [("--grid", grid), ("--profile", profile), ("--cluster", cluster), *model_reads(ctx.params)])
         if out is not None and out.suffix not in (".csv", ".parquet"):
             raise InputError(f"--out: give a .csv or .parquet file (got {out})")
         if out is not None and out.suffix == ".parquet":

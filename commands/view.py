@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .common import InputError, check_apart, check_writable, fail, stdout
+from .common import InputError, check_outputs, fail, stdout
 
 
 def _replaces(out: Path, named: bool) -> bool:
@@ -49,8 +49,7 @@ def view(
 
     out = html if html is not None else traces[0].with_suffix(".html")
     try:
-        check_writable("--html", out)
-        check_apart([("--html", out)], [("TRACE", path) for path in traces])
+        check_outputs([("--html", out)], [("TRACE", path) for path in traces])
         replaced = _replaces(out, named=html is not None)
         loaded = [read_trace(path) for path in traces]
     except (InputError, TraceError) as exc:
