@@ -960,12 +960,14 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     I and W are measured, which no layer sum bounds: they count for nothing; the same goes for `slowest_ms`, the
     best split of the layers' F + min(B, I + W) into k stages (`least_slowest`), which no stage's passes undercut.
     Bytes are additive over a cut, and so are a stage's update, prediction and averaging, shared out by its
-    weights' bytes (`stages_for`), and its gradient accumulation (`_least_accumulate_ms`)."""
+    weights' bytes (`stages_for`), and its gradient accumulation (`_least_accumulate_ms`). A layer's times are its
+    least (`_own_times`): a stage's host waits beyond its layers' times are at least minus the waits carried in
+    those of its layers that never synchronise, so their times without them sum to no more than any cut's stages."""
     held = (sum(c.static_bytes for c in layer_costs(profile.layers, optimizer)),
             sum(layer.param_bytes for layer in profile.layers))
     steps = tuple(math.fsum(pick(stage).median_ms for stage in profile.stages) for pick in (
         lambda s: s.steps[optimizer].step, lambda s: s.steps[optimizer].predict, lambda s: s.average))
-    layers = profile.layers
+    layers = _own_times(profile, least=True).layers
     if all(stage.passes is not None for stage in profile.stages):
         table = profile_costs(profile, optimizer, range(len(layers) + 1)).op_ms_table(1)
         return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0, *held,
