@@ -1436,7 +1436,7 @@ def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]
     and v, a gated MLP's gate and up) or reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a
     norm's output, the layer's input); "row" where it writes the residual stream's (tokens x width) otherwise (wo,
     w2); the rest none. Telling them by shape alone misreads a Hugging Face model's separate q, k, v and o
-    projections, which are all width x width. None where the count does not record its products' storages."""
+    projections, which are all width x width. Empty where the count does not record its products' storages."""
     outputs = layer.weight_grad_outputs
     routed = layer.weight_grad_routed or (False,) * len(outputs)
     reads = dict(layer.forward_reads)
