@@ -1542,7 +1542,8 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
     if megatron_step and parallel.sharded_optimizer:
         raise EstimateError("megatron is Megatron-LM's 16-bit optimizer unsharded; its distributed optimizer "
                             "({sharded_optimizer}) allocates otherwise and is not replayed so")
-    forms = Float8Forms(parallel.float8_recipe, _element_bytes(counted.dtype))
+    element = _element_bytes(counted.dtype)
+    forms = Float8Forms(parallel.float8_recipe, element)
     for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
         if not repeated:
             gathered = gathered_saves(layer, parallel)
@@ -1550,11 +1551,10 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
             made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
                                      parallel.recompute_modules, parallel.torch_compile,
                                      tuple((number, saved[i][1]) for i, number in gathered),
-                                     gathered_gradient_element_bytes(layer, parallel, _element_bytes(counted.dtype)))
-            unsharded = _unsharded(layer, made, parallel, _element_bytes(counted.dtype))
+                                     gathered_gradient_element_bytes(layer, parallel, element))
+            unsharded = _unsharded(layer, made, parallel, element)
             made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
-                           stepped=_stepped(_gradient_storages(made), held, _element_bytes(counted.dtype))
-                           if megatron_step else ())
+                           stepped=_stepped(_gradient_storages(made), held, element) if megatron_step else ())
         allocations.append(made)
     return allocations
 
