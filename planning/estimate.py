@@ -424,8 +424,8 @@ class _Split:
             for number, (j, how, role) in _weighted_products(layer, weights, name).items():
                 if how:
                     side = layer.weight_grad_outputs[j][0][2 if how == "column" else 3]
-                    of_shape = roles.setdefault(name, {}).setdefault(tuple(shapes[number]), ())
-                    roles[name][tuple(shapes[number])] = (*of_shape, (how, role, side))
+                    of_pass, key = roles.setdefault(name, {}), tuple(shapes[number])
+                    of_pass[key] = (*of_pass.get(key, ()), (how, role, side))
         return cls(parallel.tensor, parallel.sequence_parallel, width, tokens, shape[-2] if len(shape) >= 3 else None,
                    parallel.context, weights, roles)
 
