@@ -2239,22 +2239,21 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     each = profile_costs(own, optimizer, range(len(layers) + 1))  # every layer a stage of its own
     each_least = each if least is own else profile_costs(least, optimizer, range(len(layers) + 1))
 
-    def ranges_ms(costs: Costs) -> Callable[[int], np.ndarray]:
+    def ranges_ms(costs: Costs, waits: np.ndarray | float = 0.0) -> Callable[[int], np.ndarray]:
         @cache
         def summed(pipelines: int) -> np.ndarray:
-            """Each op kind's ms over every range of layers: [i, j, kind]."""
+            """Each op kind's ms over every range of layers, with `waits`: [i, j, kind]."""
             prefix = np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(costs.op_ms_table(pipelines), axis=0)])
-            return prefix[None, :, :] - prefix[:, None, :]
+            return prefix[None, :, :] - prefix[:, None, :] + waits
         return summed
 
-    summed_ms, least_ms = ranges_ms(each), ranges_ms(each_least)
-
-    waits = _stage_waits_ms(profile)
+    # what each stage takes, its host's waits with its layers' times; the bound's, its layers' least times alone
+    summed_ms, least_ms = ranges_ms(each, _stage_waits_ms(profile)), ranges_ms(each_least)
 
     @cache
     def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
               in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int) -> list[int]:
-        summed = summed_ms(pipelines) + waits  # what each stage takes, its host's waits with its layers' times
+        summed = summed_ms(pipelines)
         held = pipelines * static + buffers
         times = cache(lambda weights: summed @ np.array(weights))  # stages that run the same ops share theirs
 
