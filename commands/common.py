@@ -909,10 +909,12 @@ def check_pp_runtime(pp_runtime: str, p2p_sync: str | None = None) -> str:
 
 def p2p_synced(ctx: typer.Context, measured: Profile | None = None) -> str | None:
     """What prices the costs with Megatron-core's synchronising exchange between stages: --p2p-sync, or `measured`
-    (a --profile) estimated with it; None: neither."""
+    (a --profile) estimated with it (profiles/schema.py `p2p_synced`); None: neither."""
+    from ..profiles.schema import p2p_synced as estimated_synced
+
     if ctx.params.get("p2p_sync"):
         return "--p2p-sync"
-    if measured is not None and measured.estimate is not None and measured.estimate.parallelism.get("p2p_sync"):
+    if measured is not None and estimated_synced(measured):
         return "--profile (estimated with --p2p-sync)"
     return None
 
