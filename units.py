@@ -11,7 +11,8 @@ GIB = 1 << 30
 
 def count_text(number: int, noun: str) -> str:
     """`number` and `noun`, the noun plural unless the number is one ("1 mini-batch", "4 mini-batches", "1,200
-    profiles"): the lines a user reads count single things too. Named as `rate_text` and `ms_text` are, not
-    `counted`: pipesim's functions name a model's count `counted`, which would shadow it there."""
-    plural = noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s")
+    profiles", "2 weight copies"): the lines a user reads count single things too. Named as `rate_text` and
+    `ms_text` are, not `counted`: pipesim's functions name a model's count `counted`, which would shadow it there."""
+    plural = (noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else
+              noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s"))
     return f"{number:,} {noun if number == 1 else plural}"

@@ -697,7 +697,7 @@ def _policy_text(policy) -> str:
                                    ("B", policy.backward, policy.predict_backward)):
         lines.append(f"{side}: {read.value}" + (", predicted" if prediction is not None else ""))
     if policy.extra_copies:
-        lines.append(f"+{policy.extra_copies} weight cop{'y' if policy.extra_copies == 1 else 'ies'}")
+        lines.append(f"+{count_text(policy.extra_copies, 'weight copy')}")
     return "\n".join(lines)
 
 

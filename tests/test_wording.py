@@ -13,6 +13,9 @@ def test_count_text_is_singular_for_one():
     assert count_text(4, "mini-batch") == "4 mini-batches"
     assert count_text(1, "profile") == "1 profile"
     assert count_text(1200, "profile") == "1,200 profiles"
+    assert count_text(1, "weight copy") == "1 weight copy"
+    assert count_text(2, "weight copy") == "2 weight copies"
+    assert count_text(2, "day") == "2 days"
 
 
 def test_simulate_header_counts_one_in_the_singular():
