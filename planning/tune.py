@@ -892,11 +892,18 @@ def _run(task: Callable, *args):
     return task(*(_RECEIVED[a.key] if isinstance(a, _Shipped) else a for a in args))
 
 
+_SPLITTERS: dict[int, Callable[..., list[int]]] = {}  # in a worker: each setting's `_splitter`, by its identity
+
+
 def _searched_candidate(setting: Setting, problem: Problem, config: Config, index: int) -> Candidate | None:
-    """`_candidate` in a worker, with a partitioner and orders of its own (None: refused)."""
+    """`_candidate` in a worker, with orders of its own and the setting's partitioner, made once a worker while
+    the setting lives (`_SPLITTERS`): made for each search, it priced every layer twice and summed every range's
+    host waits again, and kept none of its partitions (None: refused)."""
+    if id(setting) not in _SPLITTERS:
+        _SPLITTERS[id(setting)] = _splitter(setting.scenario.measured, setting.scenario.optimizer)
+        weakref.finalize(setting, _SPLITTERS.pop, id(setting), None)
     try:
-        return _candidate(setting, problem, config, index, _splitter(setting.scenario.measured,
-                                                                     setting.scenario.optimizer), _Orders(),
+        return _candidate(setting, problem, config, index, _SPLITTERS[id(setting)], _Orders(),
                           setting.scenario.links(_frame(config.stages, config.replicas)))
     except ScheduleError:
         return None
