@@ -540,7 +540,6 @@ class _Built:
         self._chains: dict[int, _ChainWork | None] = {}  # by id of the setting
         self._links: dict[tuple[int, int, int], Cluster] = {}  # by setting, p and d
         self._data_links: dict[tuple[int, int, int], CollectiveLink | None] = {}  # by setting, p and d
-        self._splitters: dict[int, Callable[..., list[int]]] = {}  # by id of the setting: partitions are shared
         self._staler: list[int] = []  # built, within the cap by their floor, over the staleness limit
         self._reduces: dict[tuple[int, int, int], dict[int, float]] = {}  # by setting, p and d: a stage's REDUCE by
         # its bytes (`_layer_reduces_ms`)
@@ -559,7 +558,7 @@ class _Built:
                 return cut
         if shape.index not in self.partitioned:
             scenario, config = shape.setting.scenario, shape.config
-            split = self._split(shape.setting)
+            split = _split_for(shape.setting)
             try:
                 plan = _plan(shape.setting, self.problem, config, split, self.orders)
             except ScheduleError:
@@ -683,7 +682,7 @@ class _Built:
                 costed = _if_done(self._costing.pop(shape.index, None))
                 try:
                     self.candidates[shape.index] = _candidate(
-                        shape.setting, self.problem, shape.config, shape.index, self._split(shape.setting),
+                        shape.setting, self.problem, shape.config, shape.index, _split_for(shape.setting),
                         self.orders, self._frame_links(shape.setting, shape.config),
                         self._plans.pop(shape.index, None), costed)
                 except ScheduleError:
@@ -794,11 +793,6 @@ class _Built:
             self._searching[shape.index] = self._submit(_searched_candidate, self._ship(shape.setting), self.problem,
                                                         shape.config, shape.index)
 
-    def _split(self, setting: Setting) -> Callable[..., list[int]]:
-        if id(setting) not in self._splitters:
-            self._splitters[id(setting)] = _splitter(setting.scenario.measured, setting.scenario.optimizer)
-        return self._splitters[id(setting)]
-
     def tighten(self, candidate: Candidate) -> Candidate:
         """The candidate bounded by its critical path too (`_with_critical_path`), from now on: the bound a worker
         found ahead (`ahead`), or found here if none has yet."""
@@ -892,18 +886,24 @@ def _run(task: Callable, *args):
     return task(*(_RECEIVED[a.key] if isinstance(a, _Shipped) else a for a in args))
 
 
-_SPLITTERS: dict[int, Callable[..., list[int]]] = {}  # in a worker: each setting's `_splitter`, by its identity
+_SPLITTERS: dict[int, Callable[..., list[int]]] = {}  # `_split_for`, by the setting's identity, kept while it lives
 
 
-def _searched_candidate(setting: Setting, problem: Problem, config: Config, index: int) -> Candidate | None:
-    """`_candidate` in a worker, with orders of its own and the setting's partitioner, made once a worker while
-    the setting lives (`_SPLITTERS`): made for each search, it priced every layer twice and summed every range's
-    host waits again, and kept none of its partitions (None: refused)."""
+def _split_for(setting: Setting) -> Callable[..., list[int]]:
+    """The setting's partitioner (`_splitter`), made once a process while the setting lives: the search's
+    candidates share its partitions, and so do a worker's searched ones (made for each search, it priced every
+    layer twice and summed every range's host waits again)."""
     if id(setting) not in _SPLITTERS:
         _SPLITTERS[id(setting)] = _splitter(setting.scenario.measured, setting.scenario.optimizer)
         weakref.finalize(setting, _SPLITTERS.pop, id(setting), None)
+    return _SPLITTERS[id(setting)]
+
+
+def _searched_candidate(setting: Setting, problem: Problem, config: Config, index: int) -> Candidate | None:
+    """`_candidate` in a worker, with orders of its own and the setting's partitioner (`_split_for`; None:
+    refused)."""
     try:
-        return _candidate(setting, problem, config, index, _SPLITTERS[id(setting)], _Orders(),
+        return _candidate(setting, problem, config, index, _split_for(setting), _Orders(),
                           setting.scenario.links(_frame(config.stages, config.replicas)))
     except ScheduleError:
         return None
