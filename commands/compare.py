@@ -140,11 +140,15 @@ def compare(
         if measured.is_dir():
             from ..planning.torch_profile import read_torch_profile
 
+            ranks = sorted(measured.glob("*.json"))
+            if not ranks:  # said "holds torch profiler traces" of an empty folder, or "no traces given" naming none
+                raise InputError(f"MEASURED: {measured} is a folder with no .json files; give a trace from "
+                                 "`pipesim run --trace`, or a folder of torch.profiler traces, one per rank")
             if predicted is None:
                 raise InputError(f"{measured} holds torch profiler traces, which say nothing about the run's "
                                  "schedule or costs: give the predicted trace too")
             predicted_trace = read_trace(predicted)
-            measured_trace = read_torch_profile(sorted(measured.glob("*.json")), like=predicted_trace)
+            measured_trace = read_torch_profile(ranks, like=predicted_trace)
         else:
             measured_trace = read_trace(measured)
             if predicted is None:

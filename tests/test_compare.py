@@ -278,3 +278,18 @@ def test_a_measured_trace_of_an_unknown_schedule_is_refused_naming_the_trace_not
                                          r"from gpipe, 1f1b,") as refused:
         predict_measured(replace(measured.meta, schedule="1f1bx"), profile)
     assert "--schedule" not in str(refused.value)
+
+
+@pytest.mark.parametrize("predicted", [False, True])
+def test_compare_names_a_folder_without_traces(tmp_path, predicted):
+    """An empty folder was said to "hold torch profiler traces" (without PREDICTED), or to be "no torch profiler
+    traces given" (with it), naming no folder."""
+    from tests.conftest import pipesim
+
+    folder, page = tmp_path / "ranks", tmp_path / "c.html"
+    folder.mkdir()
+    trace = tmp_path / "p.json"
+    assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--trace", trace).code == 0
+    code, out, err = pipesim("compare", folder, *([trace] if predicted else []), "--html", page)
+    assert code == 2 and out == "" and err.count("\n") == 1 and not page.exists(), err
+    assert f"MEASURED: {folder} is a folder with no .json files" in err
