@@ -89,3 +89,14 @@ def test_the_405b_what_if_step_is_what_its_command_prints(monkeypatch):
     quoted = float(re.search(r"as torchtitan runs it:\s+(\d+\.\d) s a step", text).group(1))
     (result,) = simulate_json(*shlex.split(command)[2:])
     assert quoted == round(result["time_per_minibatch_ms"] / 1e3, 1)
+
+
+def test_the_simulate_tour_gpipe_figures_are_what_its_command_prints():
+    """docs/simulate.md's tour: its gpipe command prints makespan_ms 33 = (m+p-1)(F+B) and bubble 3/11 (without
+    --minibatches 1 it simulated N = 2 and printed 66)."""
+    tour = (REPO / "docs" / "simulate.md").read_text().split("\n## Tour\n")[1]
+    command = next(line for line in tour.splitlines() if line.startswith("pipesim simulate --schedule gpipe"))
+    args = shlex.split(command)[2:]
+    assert args[-1] == "--json"
+    (result,) = simulate_json(*args[:-1])
+    assert result["makespan_ms"] == pytest.approx(33) and result["bubble_fraction"] == pytest.approx(3 / 11)
