@@ -258,6 +258,9 @@ def _limit_refused(results: list) -> str | None:
 
 
 FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html have them all
+# the fronts' short headers in words: without them s and R, dashes in most rows, said nothing
+FRONT_HEADERS = ("v: chunks per device; P: pipelines; cost×: the costs' scale; s: the source of prediction "
+                 "distances (--prediction); R: auto's activation limit, in 1F1B's peak; -: not the method's")
 
 
 def _print_front(results: list, front: list[int]) -> None:
@@ -266,9 +269,9 @@ def _print_front(results: list, front: list[int]) -> None:
 
     table = Table(title=f"Pareto fronts over time per mini-batch, peak memory and staleness, one per p, cost scale and "
                         f"mini-batch size: {len(front):,} of the {ran_text(results)}", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption=f"and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
-                  if len(front) > FRONT_ROWS else None, caption_justify="left")
+                  box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
+                  caption=FRONT_HEADERS + (f"; and {len(front) - FRONT_ROWS} more: --out or --html lists them all"
+                                           if len(front) > FRONT_ROWS else ""))
     table.add_column("schedule", no_wrap=True)
     for header in ("p", "m", "v", "P", "cost×", "s", "R", "ms/step", "samples/s", "bubble", "peak MiB", "staleness"):
         table.add_column(header, justify="right", no_wrap=True)

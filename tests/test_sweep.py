@@ -329,3 +329,12 @@ def test_ray_tasks_give_the_same_rows():
     on_ray = sorted(run(MODEL, configs, ray_address="local"))  # starts a local cluster and shuts it down
     assert not ray.is_initialized()
     assert on_ray == sorted(run(MODEL, configs))
+
+
+def test_the_fronts_say_what_their_short_headers_are():
+    """The fronts' s and R columns, dashes for most methods, were headers no line explained."""
+    code, text, err = pipesim("sweep", "-s", "1f1b,auto,xpipe", "-p", "2", "-j", "1")
+    words = " ".join(text.split())
+    assert code == 0, err
+    assert all(f"{header}:" in words for header in ("v", "P", "cost×", "s", "R")), text
+    assert "s: the source of prediction distances (--prediction); R: auto's activation limit" in words
