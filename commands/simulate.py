@@ -563,6 +563,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption=f"{basis}; {_steady_text(schedules, steady)}; peak act: micro-batches of activations "
                           "held; weights: copies of one stage's weights held"
+                          + ("" if estimated else "; makespan: ms from the first op to the last")
                           + ("; s: the source of prediction distances" if any(_source(s) for s in schedules) else "")
                           + ("; skipped: why on stderr" if skipped else ""),
                   caption_justify="left")

@@ -493,3 +493,10 @@ def test_an_output_never_replaces_another_output_or_a_file_the_command_reads(tmp
     flag = refusal.split(":")[0]
     assert code == 2 and out == "" and err == f"error: {refusal.format(**names)}; give {flag} a file of its own\n"
     assert {path: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+def test_the_table_says_the_makespans_unit():
+    """The makespan column, unlike ms/step and peak MiB, said no unit anywhere."""
+    code, out, err = pipesim("simulate", "-s", "gpipe", "-p", "4", "-m", "8", "-n", "1")
+    assert code == 0, err
+    assert "makespan" in out.splitlines()[2] and "makespan: ms from the first op to the last" in " ".join(out.split())
