@@ -1,8 +1,11 @@
 """An estimate builds a layer's float8 form once (planning/fp8.py `Float8Forms`): its passes on the GPU and beside the
 dispatcher's kernels, its routed experts' part, its persistent products and the host's issue of its kernels all read
 the one form of each layer (with a context ring, of the layer as the ring keeps it), and a stage's weight casts once
-a step are found once a layer, not once per stage and repeated block (`_step_casts_ms`). Answers are unchanged:
-the published benchmarks' JSON was compared before and after (docs/hardware.md)."""
+a step are found once a layer, not once per stage and repeated block (`_step_casts_ms`; docs/hardware.md, "The time
+model"). The tests record the calls of `in_float8` and of `step_cast_ops` in one estimate, under four settings
+(dropless experts with the host's waits and paired passes; current scaling with sequence parallelism and a p2p context
+ring; torchao under full recomputation; float8 weight gathers), and fail if a (layer, recipe) is converted twice or
+the casts are found for other layers than the count's unrepeated ones."""
 
 import pytest
 
