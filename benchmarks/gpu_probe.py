@@ -7,12 +7,13 @@
     expert (fc1, SwiGLU, fc2), weighted unpermute; forward and backward. It times the host from the
     synchronisation to the layer's last launch against the device in the same span, and counts the ops and the
     kernels (torch.profiler), so a kernel's host cost and an expert's cost can be read off.
-(b) *Context parallelism's attention as TransformerEngine runs it*: Llama 3.1 8B's attention (32 heads of 128,
-    8 KV heads, causal, 8,192 tokens) through torch's SDPA, whole at C = 1 and as TransformerEngine 1.10's p2p
-    ring runs it at C = 2 on one rank (`AttnFuncWithCPAndKVP2P`, sbhd): step 0 causal over the rank's two chunks
-    of 2,048, step 1 unmasked (rank 0: its second half of the queries against all the keys; rank 1: all its
-    queries against the first half of the keys), and the passes that join them (the forward's softmax-statistics
-    and output corrections, the backward's buffer copy, joins and adds), eager and compiled as TE compiles them.
+(b) *Context parallelism's attention as TransformerEngine runs it* ("Llama 3.1 8B's C = 2 step, read from its
+    code"): Llama 3.1 8B's attention (32 heads of 128, 8 KV heads, causal, 8,192 tokens) through torch's SDPA,
+    whole at C = 1 and as TransformerEngine 1.10's p2p ring runs it at C = 2 on one rank
+    (`AttnFuncWithCPAndKVP2P`, sbhd): step 0 causal over the rank's two chunks of 2,048, step 1 unmasked (rank 0:
+    its second half of the queries against all the keys; rank 1: all its queries against the first half of the
+    keys), and the passes that join them (the forward's softmax-statistics and output corrections, the backward's
+    buffer copy, joins and adds), eager and compiled as TE compiles them.
 (c) *The experts' GEMMs*: each of an expert's six products (fc1 and fc2; forward, input and weight gradients) as
     a loop of one GEMM a local expert at 4 and 16 local experts, against the same FLOPs as one GEMM; BF16 with
     torch.mm, FP8 with torch._scaled_mm where the GPU has FP8.
