@@ -394,6 +394,30 @@ def attention_kernel_ms(flops: float, moved_bytes: float, backward: bool, causal
 
 
 @dataclass(frozen=True)
+class _Reduction:
+    """The collective that ends a product split on its contraction, on one rank: `op`, the product whose output it
+    reduces, and `part`, the share of it one product carries. Column-parallel products that read one input (a
+    Hugging Face model's separate q, k and v, gate and up) reduce its gradient once, summed: `op` is then their
+    fused product and `part` a product's share of its contraction. Megatron-core fuses them, q, k and v into
+    linear_qkv and a gated MLP's gate and up into linear_fc1 (megatron/core/transformer/attention.py and mlp.py),
+    one ColumnParallelLinear each, whose backward all-reduces or reduce-scatters its `grad_input` once
+    (megatron/core/tensor_parallel/layers.py `LinearWithGradAccumulationAndAsyncCommunication.backward`, read at
+    NVIDIA/Megatron-LM d98e8a64); torchtitan keeps wq, wk and wv (w1 and w3) separate, ColwiseParallel on the one
+    DTensor that `PrepareModuleInput` on `attention` (`feed_forward`) redistributed from Shard(1) to Replicate
+    (torchtitan/parallelisms/parallelize_llama.py `apply_tp`, read at pytorch/torchtitan 004b3148): autograd sums
+    their Partial gradients into that tensor's before the redistribute's backward reduces it, once."""
+
+    op: OpCount
+    part: float = 1.0
+
+    def ms(self, product_ms: float, device: Device, reduced_ms: Callable[[OpCount, float], float]) -> float:
+        """A product of `product_ms` with its part of the reduction: `reduced_ms` of the reduced product (the
+        product and its collective, overlapped as the runtime overlaps them), less that product's own time."""
+        fused_ms = op_ms(self.op, device) if self.part < 1 else product_ms
+        return product_ms - self.part * fused_ms + self.part * reduced_ms(self.op, fused_ms)
+
+
+@dataclass(frozen=True)
 class _Split:
     """How one layer divides over t tensor-parallel and C context-parallel ranks: its width (the output's last
     dimension), tokens (the output's other dimensions) and sequence length, which tell residual-stream tensors,
@@ -408,9 +432,14 @@ class _Split:
     # per product with weights (its index in `LayerCount.weight_grad_outputs`), "column" or "row" (`_weight_splits`)
     weights: dict[int, str] = field(default_factory=dict, compare=False)
     # per pass, per product shape, each of the pass's products of that shape with a role (`_weighted_products`):
-    # (how its weight splits, which product it is, the weight's side tensor parallelism divides)
-    roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int], ...]]] = field(default_factory=dict,
-                                                                                        compare=False)
+    # (how its weight splits, which product it is, the weight's side tensor parallelism divides, that side summed
+    # over the column-parallel products that read its input: `_input_groups`)
+    roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = field(default_factory=dict,
+                                                                                             compare=False)
+    # per product with weights that shares its input with others, the products reading it (`_input_groups`)
+    groups: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
+    # whose layers run (`TP_RUNTIMES`): Megatron-core fuses the products that share an input into one
+    runtime: str = "megatron"
 
     @classmethod
     def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
@@ -418,16 +447,19 @@ class _Split:
         width = shape[-1] if shape else 0
         tokens = math.prod(shape[:-1]) if shape else 0
         weights = _weight_splits(layer, tokens, width) if parallel.tensor > 1 else {}
-        roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int], ...]]] = {}
+        groups = _input_groups(layer) if weights else {}
+        roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = {}
         for name in PASSES if weights else ():
             shapes = dict(layer.product_allocations.get(name, ()))
             for number, (j, how, role) in _weighted_products(layer, weights, name).items():
                 if how:
                     side = layer.weight_grad_outputs[j][0][2 if how == "column" else 3]
+                    together = sum(layer.weight_grad_outputs[i][0][2] for i in groups.get(j, ())
+                                   if weights.get(i) == "column") if how == "column" else side
                     of_pass, key = roles.setdefault(name, {}), tuple(shapes[number])
-                    of_pass[key] = (*of_pass.get(key, ()), (how, role, side))
+                    of_pass[key] = (*of_pass.get(key, ()), (how, role, side, together or side))
         return cls(parallel.tensor, parallel.sequence_parallel, width, tokens, shape[-2] if len(shape) >= 3 else None,
-                   parallel.context, weights, roles)
+                   parallel.context, weights, roles, groups, parallel.tp_runtime)
 
     def context_share(self, op: OpCount) -> OpCount:
         """The op on one of C context-parallel ranks: every op works per token, so 1/C of its FLOPs and bytes,
@@ -452,33 +484,49 @@ class _Split:
     def core(self, shape: tuple[int, ...]) -> bool:
         return self.seq is not None and len(shape) >= 2 and shape[-2:] == (self.seq, self.seq)
 
-    def products(self, op: OpCount, name: str) -> tuple[tuple[OpCount, bool, float], ...]:
-        """Pass `name`'s product `op` on one of the t·C ranks, as (its share, whether it was split on its
-        contraction, the share of its calls so split); a routed expert's as it comes, at its rank's shape
-        (`ExpertGroup.local`). Split by its weight's role where the count's products of its shape have roles
-        (`_weighted_products`), in their proportions, else as `matmul` splits it by its shape. A column-parallel
-        weight (q, k and v, a gated MLP's gate and up: ColumnParallelLinear in Megatron-core, ColwiseParallel in
-        torch's tensor parallelism) is split on its output features: the forward on its output, the input
-        gradient on its contraction (reduced); a row-parallel one (the attention's output projection, the MLP's
-        down: RowParallelLinear, RowwiseParallel) on its input features: the forward on its contraction (reduced),
-        the input gradient on its output; a weight gradient, (out, in, tokens) or (in, out, tokens), on the
-        side its weight's split divides. Telling them by shape alone takes a Hugging Face model's separate q
-        projection, width x width as the output projection is, for a row-parallel one."""
+    def products(self, op: OpCount, name: str) -> tuple[tuple[OpCount, _Reduction | None, float], ...]:
+        """Pass `name`'s product `op` on one of the t·C ranks, as (its share, the reduction it takes part in where
+        it was split on its contraction, else None, the share of its calls so split); a routed expert's as it
+        comes, at its rank's shape (`ExpertGroup.local`). Split by its weight's role where the count's products of
+        its shape have roles (`_weighted_products`), in their proportions, else as `matmul` splits it by its shape.
+        A column-parallel weight (q, k and v, a gated MLP's gate and up: ColumnParallelLinear in Megatron-core,
+        ColwiseParallel in torch's tensor parallelism) is split on its output features: the forward on its output,
+        the input gradient on its contraction (reduced); a row-parallel one (the attention's output projection,
+        the MLP's down: RowParallelLinear, RowwiseParallel) on its input features: the forward on its contraction
+        (reduced), the input gradient on its output; a weight gradient, (out, in, tokens) or (in, out, tokens), on
+        the side its weight's split divides. Telling them by shape alone takes a Hugging Face model's separate q
+        projection, width x width as the output projection is, for a row-parallel one. Column-parallel products
+        that read one input (a Hugging Face model's separate q, k and v, gate and up) reduce their summed input
+        gradient once (`_Reduction`)."""
         if op.routed:
-            return ((op, False, 1.0),)
+            return ((op, None, 1.0),)
         roles = self.roles.get(name, {}).get(op.shape, ())
         if self.t == 1 or not roles:
             product, reduced = self.matmul(op, name == "fwd")
-            return ((self.context_share(product), reduced, 1.0),)
-        splits: dict[tuple[int, bool], int] = {}
+            mine = self.context_share(product)
+            return ((mine, _Reduction(mine) if reduced else None, 1.0),)
+        splits: dict[tuple[int, bool, int], int] = {}
         _, m, _, _ = op.shape
-        for how, role, side in roles:
+        for how, role, side, together in roles:
             at = {"output": 2 if how == "row" else 1, "input": 2 if how == "column" else 1}.get(role,
                                                                                                0 if m == side else 1)
-            key = (at, (how, role) in _CONTRACTED)
+            key = (at, (how, role) in _CONTRACTED, together if role == "input" else side)
             splits[key] = splits.get(key, 0) + 1
-        return tuple((self.context_share(self._divided(op, at)), reduced, n / len(roles))
-                     for (at, reduced), n in splits.items())
+        return tuple((self.context_share(self._divided(op, at)), self._reduction(op, at, together) if reduced else None,
+                      n / len(roles)) for (at, reduced, together), n in splits.items())
+
+    def _reduction(self, op: OpCount, at: int, together: int) -> _Reduction:
+        """The reduction a product split on its dimension `at` takes part in: its own, or where column-parallel
+        products that share its input contract over `together` features in all, theirs summed, as the fused
+        product of them all writes it, of which `op` carries its share of the features."""
+        mine = self.context_share(self._divided(op, at))
+        batch, m, n, k = op.shape
+        if together == k:
+            return _Reduction(mine)
+        elements = m * n + (m + n) * together, m * n + (m + n) * k  # its output and inputs, fused and its own
+        fused = replace(op, shape=(batch, m, n, together), flops=op.flops * together // k,
+                        moved_bytes=op.moved_bytes * elements[0] // elements[1])
+        return _Reduction(self.context_share(self._divided(fused, at)), k / together)
 
     def _divided(self, op: OpCount, at: int) -> OpCount:
         """`op` with its dimension `at` of (m, n, k) divided by t."""
@@ -1122,9 +1170,9 @@ def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms
                 timed.append((op, op.count * spent))
                 continue
             spent = 0.0
-            for mine, reduced, share in split.products(op, name):
+            for mine, reduction, share in split.products(op, name):
                 product_ms = op_ms(mine, device)
-                spent += share * (reduced_ms(mine, product_ms) if reduced else product_ms)
+                spent += share * (product_ms if reduction is None else reduction.ms(product_ms, device, reduced_ms))
             timed.append((op, op.count * spent))
         elif not only_core or split.core(op.shape):
             mine = split.memory(op) if op.kind == "memory" else _scaled(op, op.shape, split.t)
@@ -1397,7 +1445,9 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
       _symmetric_memory/__init__.py at 2.6), in the backward a column-parallel product's input gradient (megatron/
       core/tensor_parallel/layers.py at core_v0.9.0, `LinearWithGradAccumulationAndAsyncCommunication.backward`:
       `grad_input = grad_output.matmul(weight)`, then `reduce_scatter_tensor` into `sub_grad_input`; DTensor's
-      gradient of the Replicate input it gathered, Partial, redistributed to Shard(1));
+      gradient of the Replicate input it gathered, Partial, redistributed to Shard(1)); of the column-parallel
+      products that share an input, under Megatron-core the first the pass runs only, their fused product's
+      (`_Reduction`), under torch's each (DTensor's Partial gradients, summed before their one reduce-scatter);
     - a row-parallel product's output gradient arrives split by tokens and is gathered whole,
       `gradient_element_bytes` an element, before the first of its gradient products the pass runs and freed after
       the last (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its
@@ -1410,6 +1460,12 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
     roles = _weighted_products(layer, split.weights, name)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
              and split.residual(shape) and roles[number][1:] in _CONTRACTED}
+    if split.runtime == "megatron":  # products that share an input: one fused product's partial sums (`_Reduction`)
+        shared: dict[tuple[int, ...], list[int]] = {}
+        for number, (j, _, role) in roles.items():
+            if number in whole and role == "input":
+                shared.setdefault(split.groups.get(j, (j,)), []).append(number)
+        whole -= {number for numbers in shared.values() for number in numbers[1:]}
     gather = round(split.tokens * split.width * gradient_element_bytes / split.context)
     runs: dict[int, list[int]] = {}  # a row-parallel product's gradient products in the pass, in order
     for number, (j, parallel, role) in roles.items():
@@ -1452,6 +1508,19 @@ def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]
         elif shape[1:3] == (tokens, width):
             weights[j] = "row"
     return weights
+
+
+def _input_groups(layer: LayerCount) -> dict[int, tuple[int, ...]]:
+    """Per product with weights (`LayerCount.weight_grad_outputs`, by index) that shares its input with others, the
+    products that read that input, in the forward's order: told by what each forward product read
+    (`LayerCount.forward_reads`; nothing made inside: the layer's input). Empty for a count without its reads."""
+    outputs = layer.weight_grad_outputs
+    reads = dict(layer.forward_reads)
+    by_input: dict[tuple[int, ...], list[int]] = {}
+    for number, (j, _, _) in _weighted_products(layer, {}, "fwd").items() if reads else ():
+        if outputs[j][2]:
+            by_input.setdefault(reads.get(number, ()), []).append(j)
+    return {j: tuple(group) for group in by_input.values() for j in group}
 
 
 def _weighted_products(layer: LayerCount, weights: dict[int, str], name: str) -> dict[int, tuple[int, str, str]]:

@@ -105,7 +105,7 @@ def small_gpt() -> WorkloadCount:
 
 
 def test_tensor_parallelism_divides_the_products_and_adds_two_all_reduces_each_way(small_gpt):
-    from pipesim.planning.estimate import _Split
+    from pipesim.planning.estimate import _Reduction, _Split
 
     block = small_gpt.layers[1]
     split = _Split.of(block, Parallelism(tensor=4))
@@ -117,8 +117,9 @@ def test_tensor_parallelism_divides_the_products_and_adds_two_all_reduces_each_w
         assert len(reduced) == reductions, name
         assert all(op.shape[0] * op.shape[1] * op.shape[2] == B * S * H for op in reduced)  # b·s·h each
         # its fused qkv column-parallel and its proj row-parallel: the roles split each product as its shape does
-        assert [split.products(op, name) for op in products] == [((*split.matmul(op, name == "fwd"), 1.0),)
-                                                                 for op in products]
+        assert [split.products(op, name) for op in products] == [
+            ((mine, _Reduction(mine) if reduced else None, 1.0),)
+            for mine, reduced in (split.matmul(op, name == "fwd") for op in products)]
 
 
 def test_an_estimated_profile_is_a_profile_with_its_links_from_the_placement(small_gpt):

@@ -110,6 +110,34 @@ def test_its_activations_are_the_gpts_plus_eager_rmsnorm_and_rope(llama, attenti
 
 
 @needs_transformers
+@pytest.mark.parametrize("tensor", [2, 8])
+@pytest.mark.parametrize("sequence_parallel, runtime", [(False, "megatron"), (True, "megatron"), (True, "torch")])
+def test_its_separate_projections_reduce_their_input_gradient_once_per_shared_input(llama, tensor, sequence_parallel,
+                                                                                   runtime):
+    """Under tensor parallelism q, k and v (gate and up) are column-parallel on one input, whose gradient is reduced
+    once, summed (planning/estimate.py `_Reduction`): the backward's tensor-parallel communication (the layer's
+    backward at the link's rate less at 1,000 times it, no latency) is two reductions' worth, the attention's input
+    and the MLP's, as the gpt's with its fused qkv and gate_up, not five. The forward's, o's and down's, alike."""
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
+
+    (hf, gpt), gpu = counts(str(llama), "flash"), load_catalogue().find("h100-sxm")
+    parallel = Parallelism(tensor=tensor, sequence_parallel=sequence_parallel, tp_runtime=runtime)
+    link = placement_links(gpu, parallel).tensor.model_copy(update={"latency_ms": 0.0})
+    fast = link.model_copy(update={"bytes_per_ms": link.bytes_per_ms * 1000})
+
+    def communication_ms(layer) -> tuple[float, float]:
+        slow_estimate, fast_estimate = (estimate_layer(layer, Device.of(gpu, "bf16"), parallel, each, E)
+                                        for each in (link, fast))
+        return (slow_estimate.fwd_ms - fast_estimate.fwd_ms, slow_estimate.bwd_ms - fast_estimate.bwd_ms)
+
+    hf_fwd_ms, hf_bwd_ms = communication_ms(hf.layers[1])
+    gpt_fwd_ms, gpt_bwd_ms = communication_ms(gpt.layers[1])
+    assert gpt_bwd_ms > 0 and hf_bwd_ms == pytest.approx(gpt_bwd_ms, rel=1e-9)
+    assert hf_fwd_ms == pytest.approx(gpt_fwd_ms, rel=1e-9)
+
+
+@needs_transformers
 def test_alike_decoder_layers_are_counted_once_though_transformers_numbers_them(tmp_path, monkeypatch):
     from pipesim.workload import count as counting
 

@@ -132,7 +132,9 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     """t = 2 with sequence parallelism, tokens = width = 48. Only o's and down's output gradients are gathered whole
     (48 x 48 x `element` bytes each, made before their weight- and input-gradient products and freed after), not q's,
     k's or v's, whose products have o's shape; and q's, k's and v's input gradients are partial sums whole before
-    their reduce-scatter, 48 x 48 x 2 = 4,608 bytes each, beside their weight gradients' halves (2,304)."""
+    their one reduce-scatter, 48 x 48 x 2 = 4,608 bytes, beside their weight gradients' halves (2,304): under torch
+    each (DTensor's Partial gradients, summed before it), under Megatron-core the first only (v's, the backward's
+    first), the fused product's, the others halves."""
     counted = separate_projections
     layer = counted.layers[1]
     parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime, fp8=fp8)
@@ -140,19 +142,22 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     assert gathers == [48 * 48 * element, -48 * 48 * element] * 2
     made = dict(reversed(backward))  # each number's first bytes: as made
     qkv = [number for number, _ in layer.product_allocations["bwd"][-6:]]  # v's, k's, q's weight and input gradients
-    assert [made[number] for number in qkv] == [48 * 48, 48 * 48 * 2] * 3
+    later = 48 * 48 * 2 if runtime == "torch" else 48 * 48
+    assert [made[number] for number in qkv] == [48 * 48, 48 * 48 * 2, *[48 * 48, later] * 2]
 
 
 def test_separate_projections_split_by_their_roles_not_their_shapes(separate_projections):
     """t = 2, tokens = width = 48, q, k, v and o one shape (48 x 48 x 48): q, k and v are column-parallel (split on
     their outputs, their input gradients on their contraction), o and down row-parallel (their forwards split on
-    their contraction): two reductions in the forward, o's and down's, not five as the shape alone has it; five in
-    the input gradient, q's, k's, v's, gate's and up's; none in the weight gradient. Each pass's FLOPs halve."""
+    their contraction): two reductions in the forward, o's and down's, not five as the shape alone has it; five
+    products split on their contraction in the input gradient, q's, k's, v's, gate's and up's, which reduce their
+    summed gradients twice, once per shared input (`_Reduction`: the attention's 48 x 48 over q, k and v's 3 x 24
+    outputs, the MLP's over gate's and up's 2 x 20); none in the weight gradient. Each pass's FLOPs halve."""
     from pipesim.planning.estimate import _Split
 
     layer = separate_projections.layers[1]
     split = _Split.of(layer, Parallelism(tensor=2))
-    reduced = {}
+    reduced, reductions = {}, {}
     for name in ("fwd", "bwd", "igrad", "wgrad"):
         products = [op for op in layer.ops[name] if op.kind == "matmul" and op.shape[0] == 1]
         mine = [(op, split.products(op, name)) for op in products]
@@ -160,6 +165,15 @@ def test_separate_projections_split_by_their_roles_not_their_shapes(separate_pro
             sum(op.count * op.flops for op in products)
         reduced[name] = sorted((rank.shape, op.count * share) for op, split_as in mine
                                for rank, on_contraction, share in split_as if on_contraction)
+        reductions[name] = {}
+        for op, split_as in mine:
+            for _, reduction, share in split_as:
+                if reduction is not None:
+                    shape = reduction.op.shape
+                    reductions[name][shape] = reductions[name].get(shape, 0.0) + op.count * share * reduction.part
     assert reduced["fwd"] == [((1, 48, 48, 20), 1.0), ((1, 48, 48, 24), 1.0)]  # down's, o's
     assert reduced["igrad"] == [((1, 48, 48, 20), 2.0), ((1, 48, 48, 24), 3.0)]  # gate's and up's; q's, k's, v's
     assert reduced["bwd"] == reduced["igrad"] and reduced["wgrad"] == []
+    assert reductions["fwd"] == {(1, 48, 48, 20): 1.0, (1, 48, 48, 24): 1.0}
+    assert reductions["igrad"] == {(1, 48, 48, 40): 1.0, (1, 48, 48, 72): 1.0}  # gate and up's; q, k and v's
+    assert reductions["bwd"] == reductions["igrad"] and reductions["wgrad"] == {}
