@@ -13,6 +13,22 @@ import typer
 
 from .commands.common import fail, stderr, stdout
 
+# The click whose HelpFormatter lays out every help (typer 0.29 carries its own copy, older ones use click's): its
+# wrap_text takes the wrapper from this module at each call.
+_textwrap = importlib.import_module(
+    sys.modules[typer.core.TyperCommand.context_class.formatter_class.__module__].__package__ + "._textwrap")
+
+
+class _WholeWords(_textwrap.TextWrapper):
+    """Help wraps between words only, never after a hyphen: click's wrapper broke `--fp8-param-gather` after
+    `param-` at 80 columns, and the half a user copied is no flag."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, break_on_hyphens=False, **kwargs)
+
+
+_textwrap.TextWrapper = _WholeWords
+
 # Each command's module under commands/ and its function, in the order `pipesim --help` lists them. A run
 # imports its own command's module only: typer builds every registered command's parameters (and the modules
 # import what they need): all thirteen cost `pipesim simulate` about 40 ms more to start.

@@ -500,3 +500,18 @@ def test_the_table_says_the_makespans_unit():
     code, out, err = pipesim("simulate", "-s", "gpipe", "-p", "4", "-m", "8", "-n", "1")
     assert code == 0, err
     assert "makespan" in out.splitlines()[2] and "makespan: ms from the first op to the last" in " ".join(out.split())
+
+
+def test_help_never_breaks_a_flag_at_its_hyphens(monkeypatch):
+    """At 80 columns click's wrapper broke lines after a hyphen: calibrate's help printed "`pipesim run --threads-"
+    and "per-rank`" on the next line, and simulate's "--fp8-param-" / "gather": the half a user copies is no flag."""
+    from pipesim.cli import COMMANDS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    broken = []
+    for name in COMMANDS:
+        code, out, err = pipesim(name, "--help")
+        assert code == 0, err
+        broken += [f"{name}: {line.strip()}" for line in out.splitlines()
+                   if re.search(r"--[a-z0-9-]*-$", line.rstrip())]
+    assert not broken, broken
