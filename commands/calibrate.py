@@ -100,8 +100,8 @@ def calibrate(
     link_max_mb: Annotated[float, typer.Option(
         "--link-max-mb", metavar="MIB", help="Largest link message in MiB (powers of two from 4 KiB).")] = 64.0,
     threads: Annotated[int, typer.Option(
-        "--threads", min=1, metavar="T", help="Torch threads to measure with: as each rank of the run has them "
-                                              "(`pipesim run --threads-per-rank`, default 1).")] = 1,
+        "--threads", min=1, metavar="T", help="Torch threads to measure with: as many as each rank of the "
+                                              "run has (`pipesim run --threads-per-rank`).")] = 1,
     runtime: Annotated[bool, typer.Option(
         "--runtime/--no-runtime", help="Measure the executor's own cost per row: two ranks running a tiny model "
                                        "(kept in the host cache), then the calibrated model where the host "

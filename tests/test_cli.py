@@ -452,11 +452,12 @@ def test_every_option_that_takes_a_value_names_it_as_its_help_explains():
 def test_an_option_whose_help_says_its_default_in_words_does_not_say_it_twice():
     """"(default 8, or the profile's).  [default: 8; x>=1]" and "torch (...; the default) or megatron (...).
     [default: torch]": typer's default beside the words, which say more (the profile's b, when one is given, and
-    what the default choice does), in every command; a range stays."""
+    what the default choice does), in every command; a range stays. Calibrate's --threads said "(`pipesim run
+    --threads-per-rank`, default 1).  [default: 1; x>=1]": the words now leave the default to the bracket."""
     said = []
     for name, param, record in help_records():
         text = (record or ("", ""))[1]
-        if re.search(r"the default[),]|(\(|; )default \d|Default \d", text):
+        if re.search(r"the default[),]|(\(|; |, )default \d|Default \d", text):
             said.append(f"{name} {param.name}")
             assert "[default:" not in text, f"{name} {param.name}: {text}"
             assert not getattr(param, "min", None) or re.search(r"\[[\d.]*(<=)?x", text), text
