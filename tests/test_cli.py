@@ -516,3 +516,16 @@ def test_help_never_breaks_a_flag_at_its_hyphens(monkeypatch):
         broken += [f"{name}: {line.strip()}" for line in out.splitlines()
                    if re.search(r"--[a-z0-9-]*-$", line.rstrip())]
     assert not broken, broken
+
+
+def test_the_command_list_says_each_command_whole_at_80_columns(monkeypatch):
+    """`pipesim --help`, a new user's first command, cut every command's first sentence at 80 columns: "Predict
+    timelines, bubbles, memory and staleness of...", "Compare a measured run with its prediction op by op:..."."""
+    from pipesim.cli import COMMANDS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = pipesim("--help")
+    assert code == 0, err
+    listed = out.split("Commands:\n")[1].splitlines()
+    assert [line.split()[0] for line in listed] == list(COMMANDS)
+    assert not [line for line in listed if line.rstrip().endswith("...") or len(line) > 80], listed
