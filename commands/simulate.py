@@ -134,7 +134,8 @@ def simulate(
         "--avg", min=0.0, metavar="MS", help="Elastic averaging (AVG) ms per device and pipeline: averaging P "
                                              "pipelines' replicas takes P times it (default: --opt).")] = None,
     comm: Annotated[str, typer.Option(
-        "--comm", metavar="MS", help="Ms per activation or gradient transfer between devices (no contention).")] = "0",
+        "--comm", metavar="MS", help="Milliseconds per activation or gradient transfer between devices (no "
+                                     "contention).")] = "0",
     cluster: Annotated[Path | None, typer.Option(
         "--cluster", metavar="JSON", help="Cluster JSON (devices and their memory, links with latency and bandwidth, "
                                           "shared resources); replaces --comm. A peak over a device's memory is "

@@ -106,8 +106,8 @@ def sweep(
                                              "likewise; averaging P pipelines' replicas takes P times it; default: "
                                              "--opt).")] = None,
     comm: Annotated[str, typer.Option(
-        "--comm", metavar="MS", help="Ms per activation or gradient transfer between devices (no "
-                                     "contention).")] = "0.1",
+        "--comm", metavar="MS", help="Milliseconds per activation or gradient transfer between devices "
+                                     "(no contention).")] = "0.1",
     cluster: Annotated[Path | None, typer.Option(
         "--cluster", metavar="JSON", help="Cluster JSON (devices, links, shared resources); replaces --comm.")] = None,
     profile: Annotated[Path | None, typer.Option(

@@ -529,3 +529,11 @@ def test_the_command_list_says_each_command_whole_at_80_columns(monkeypatch):
     listed = out.split("Commands:\n")[1].splitlines()
     assert [line.split()[0] for line in listed] == list(COMMANDS)
     assert not [line for line in listed if line.rstrip().endswith("...") or len(line) > 80], listed
+
+
+def test_help_never_abbreviates_milliseconds_as_ms_capitalised():
+    """--comm's help opened "Ms per activation or gradient transfer": Ms is megaseconds; ms is written out where it
+    opens a sentence."""
+    said = [f"{name} {param.name}: {record[1]}" for name, param, record in help_records()
+            if record is not None and re.search(r"(^|\. )Ms\b", record[1])]
+    assert not said, said
