@@ -53,7 +53,7 @@ from ..schedules import (
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
-from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, wgrad_held
+from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, merges_outputs, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
 
@@ -470,12 +470,17 @@ class Scenario:
         keep_fullest_parts(trace)
 
     def _reserves(self, sched: Schedule, trace: Trace, cut: list[int]) -> list[int]:
-        """Each device's caching-allocator reserve in `trace`, run with `sched`'s stages cut at `cut`."""
+        """Each device's caching-allocator reserve in `trace`, run with `sched`'s stages cut at `cut`, the model
+        outputs a stage keeps concatenated after its device's last backward of a mini-batch where `pp_runtime`'s
+        runtime does (`merges_outputs`)."""
         per_copy = sched.graph.stages_per_copy
-        layers = {stage: self.allocations[cut[stage % per_copy]:cut[stage % per_copy + 1]]
-                  for stage in range(sched.num_stages)}
+        bounds = {stage: (cut[stage % per_copy], cut[stage % per_copy + 1]) for stage in range(sched.num_stages)}
+        layers = {stage: self.allocations[start:stop] for stage, (start, stop) in bounds.items()}
+        merged = ({stage: sum(layer.model_output_bytes for layer in self.measured.layers[start:stop])
+                   for stage, (start, stop) in bounds.items()}
+                  if self.measured is not None and merges_outputs(self.pp_runtime) else None)
         return device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments,
-                               adam=self.optimizer in ("adam", "adamw"))
+                               adam=self.optimizer in ("adam", "adamw"), merged_bytes=merged)
 
     def cut(self, sched: Schedule) -> list[int]:
         """The profile's layers cut into one copy's model stages of `sched` as `stage_cut` says (`profile_bounds`).

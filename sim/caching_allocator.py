@@ -62,6 +62,9 @@ UNIT_SHIFT = 9
 FIRST = ":first"
 LAST = ":last"
 RELEASE = "release"
+# A stage's last full or weight backward of a mini-batch, after which its pipeline runtime concatenates the model
+# outputs the stage kept into one tensor and frees it (sim/costs.py `merges_outputs`: torch's `_merge_outputs`)
+MERGE = ":merge"
 # A device's first row of a mini-batch, before which the optimizer's zero_grad frees the gradient shards
 # (ZERO_GRAD); what the step before left, made as the replay starts (LEFT: the shards, the last all-gather's output)
 ZERO = ":zero"
@@ -595,7 +598,8 @@ def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, in
 
 def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Hashable]],
                   programs: Mapping[int, StageProgram], capacity_bytes: int | None = None,
-                  expandable: bool = False, adam_at_first_step: bool = False) -> CachingAllocator | ExpandableSegments:
+                  expandable: bool = False, adam_at_first_step: bool = False,
+                  merged_bytes: int = 0) -> CachingAllocator | ExpandableSegments:
     """One device's step through the caching allocator: its state (`static_bytes`, a block each: weights,
     gradients, optimizer state) allocated first and held, then its `rows` in the order they run, each (pass of
     `PASSES`, stage, micro-batch) with `programs[stage]` the stage's layers written down (`stage_program`). A
@@ -617,9 +621,10 @@ def replay_device(static_bytes: Sequence[int], rows: Sequence[tuple[str, int, Ha
     `adam_at_first_step`: FSDP2's rows (ZERO) over two mini-batches or more, the optimizer state not among
     `static_bytes`: the first mini-batch's rows run before the optimizer made its moments (its FSDP2 shards and
     last all-gather output as any step before leaves them, LEFT), and each later one after the optimizer's step
-    (ADAM_STATE the first time, ADAM_STEP each time)."""
+    (ADAM_STATE the first time, ADAM_STEP each time). `merged_bytes`: what the runtime concatenates after each row
+    named MERGE (`device_reserves`)."""
     replay = _Replay((ExpandableSegments if expandable else CachingAllocator)(capacity_bytes=capacity_bytes), rows,
-                     programs, adam_at_first_step=adam_at_first_step)
+                     programs, adam_at_first_step=adam_at_first_step, merged_bytes=merged_bytes)
     for nbytes in static_bytes:
         replay.allocator.malloc(nbytes)
     if any(ZERO in name for name, _, _ in rows):  # FSDP2's tensors as the step before left them
@@ -954,6 +959,7 @@ class _Replay:
     frames: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     carried: dict[int, dict[int, int]] = field(default_factory=dict)  # per stage, FSDP2's whole tensors by slot
     adam_at_first_step: bool = False  # `replay_device`'s
+    merged_bytes: int = 0  # `replay_device`'s
     zeros: int = 0  # the mini-batches begun (ZERO rows run)
 
     def __post_init__(self) -> None:
@@ -970,8 +976,9 @@ class _Replay:
     def run(self, at: int) -> None:
         """Row `at`: its pass (with ZERO, every stage's ZERO_GRAD before it, after the optimizer's step where
         `adam_at_first_step` and a mini-batch ran before; with FIRST, as a step's first runs it;
-        with LAST, RELEASE after it; with EACH, as FSDP2 runs it without a pipeline), FSDP2's whole tensors'
-        addresses carried from the stage's earlier rows and kept for its later ones."""
+        with LAST, RELEASE after it; with EACH, as FSDP2 runs it without a pipeline; with MERGE, the merged outputs
+        made and freed last), FSDP2's whole tensors' addresses carried from the stage's earlier rows and kept for
+        its later ones."""
         name, stage, microbatch = self.numbered[at]
         program = self.programs[stage]
         each = EACH if EACH in name else ""
@@ -996,7 +1003,9 @@ class _Replay:
         else:
             frame = self.frames[stage, microbatch] if base == "igrad" else self.frames.pop((stage, microbatch))
         self._carrying(stage, frame, program.passes[base + each + (FIRST if FIRST in name else "")],
-                       *([program.passes[RELEASE]] if name.endswith(LAST) else []))
+                       *([program.passes[RELEASE]] if LAST in name else []))
+        if MERGE in name:
+            self.allocator.free(self.allocator.malloc(self.merged_bytes))
 
     def step_pass(self, stage: int, name: str) -> None:
         """A stage's pass of no micro-batch (LEFT, ZERO_GRAD) on the addresses its rows carry."""
@@ -1039,7 +1048,7 @@ class _Replay:
 
 def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations]],
                     capacity_bytes: Sequence[int | None], expandable: bool = False,
-                    adam: bool = False) -> list[int]:
+                    adam: bool = False, merged_bytes: Mapping[int, int] | None = None) -> list[int]:
     """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed (`replay_device`:
     its parameters, gradients, optimizer state and runtime buffer at the prediction's peak as a block each, then its
     rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it allocates:
@@ -1059,7 +1068,10 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     (made as it is built), Apex's FusedAdam's moments made at the first step's end (its `step` makes a parameter's
     state when it has none; megatron/optimizer/__init__.py at the zero-bubble fork's 425b42e5 builds it), after
     each step's float32 main gradients, which the next step's zero_grad frees.
-    `expandable`: the allocator with expandable segments (`ExpandableSegments`)."""
+    `expandable`: the allocator with expandable segments (`ExpandableSegments`). `merged_bytes`: per stage, the
+    model output a micro-batch that its runtime keeps and concatenates once the device's last full or weight
+    backward of a mini-batch ends (sim/costs.py `merges_outputs`): a tensor of all its forwards' outputs of the
+    mini-batch made and freed there (MERGE); none: {}."""
     programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
     for device, held in enumerate(trace.meta.peak_memory_parts or ()):
@@ -1092,11 +1104,17 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
         adam_at_first_step = adam and sum(ZERO in name for name, _, _ in rows) > 1
         if adam_at_first_step:
             static = (*static[:-1], *([max(static[-1] - moments, 0)] if moments else ()))
+        merging = {stage: nbytes for stage, nbytes in (merged_bytes or {}).items() if nbytes and stage in stages}
+        merged = 0
+        if merging:  # each mini-batch's merge: the outputs of its forwards (as many each mini-batch)
+            rows = merge_events(rows)
+            merged = (sum(merging.get(stage, 0) for name, stage, _ in rows if name.startswith("fwd"))
+                      // sum(MERGE in name for name, _, _ in rows))
         place: dict[Hashable, int] = {}
         numbered = tuple((name, stages[stage], place.setdefault(microbatch, len(place)))
                          for name, stage, microbatch in rows)
         reserves.append(_reserve(static, numbered, tuple(programs[stage, part] for stage, part in stages.items()),
-                                 capacity_bytes[device], expandable, adam_at_first_step))
+                                 capacity_bytes[device], expandable, adam_at_first_step, merged))
     return reserves
 
 
@@ -1117,6 +1135,16 @@ def step_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]) -> list[t
              + (FIRST if first.get((name == "fwd", stage, pipeline, minibatch)) == at else "")
              + (LAST if last.get((stage, pipeline, minibatch)) == at else ""), stage, (pipeline, minibatch, micro))
             for at, (name, stage, (pipeline, minibatch, micro)) in enumerate(rows)]
+
+
+def merge_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]) -> list[tuple[str, int, tuple[int, int, int]]]:
+    """`device_rows`' rows (perhaps named with events already), MERGE on the device's last full or weight backward
+    of each mini-batch, once its schedule's step has run every row of its stages (torch's `step` merges then)."""
+    last = {(pipeline, minibatch): at for at, (name, _, (pipeline, minibatch, _)) in enumerate(rows)
+            if name.split(":")[0] in ("bwd", "wgrad")}
+    ends = set(last.values())
+    return [(name + (MERGE if at in ends else ""), stage, microbatch)
+            for at, (name, stage, microbatch) in enumerate(rows)]
 
 
 def minibatch_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
@@ -1142,15 +1170,16 @@ def unpipelined_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
 @functools.lru_cache(maxsize=64)
 def _reserve(static_bytes: tuple[int, ...], rows: tuple[tuple[str, int, int], ...],
              programs: tuple[StageProgram, ...], capacity_bytes: int | None, expandable: bool = False,
-             adam_at_first_step: bool = False) -> int:
+             adam_at_first_step: bool = False, merged_bytes: int = 0) -> int:
     """`device_reserves`' reading of one device, once a process for the same content (`rows`' stages numbered
     into `programs`): a search simulates configurations whose devices replay the same step (the same stages and
     rows, another data-parallel degree)."""
     stages = dict(enumerate(programs))
     try:
-        replayed = replay_device(static_bytes, rows, stages, capacity_bytes, expandable, adam_at_first_step)
+        replayed = replay_device(static_bytes, rows, stages, capacity_bytes, expandable, adam_at_first_step,
+                                 merged_bytes)
     except AllocatorOutOfMemory:
-        replayed = replay_device(static_bytes, rows, stages, None, expandable, adam_at_first_step)
+        replayed = replay_device(static_bytes, rows, stages, None, expandable, adam_at_first_step, merged_bytes)
     return replayed.peak_reserved_bytes - replayed.peak_allocated_bytes
 
 

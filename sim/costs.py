@@ -349,7 +349,8 @@ class Costs:
     `kept_until_update`: the tensors sent and received are the receive buffers and kept outputs a runtime holds
     until each stage's update (`held_as_runtime`, torch's stage), not buffers of their own; False: pipesim's
     runtime, a received tensor a buffer from its arrival until its consumer ends, a sent one until its transfer
-    ends.
+    ends. `merges_outputs`: the runtime concatenates the model outputs a stage kept into a new tensor after the
+    stage's last full or weight backward of a mini-batch, held until its update begins (`merges_outputs`).
 
     `transfers_hold_products`: the devices' products run persistent CTAs (Hopper: `Curve.persistent_products`),
     so a point-to-point transfer's NCCL kernel, which holds its multiprocessors from its launch until its data
@@ -374,6 +375,7 @@ class Costs:
     overlap_hidden_fraction: float = 0.0
     collective_links: dict[str, str] = field(default_factory=dict)
     kept_until_update: bool = False
+    merges_outputs: bool = False
     transfers_hold_products: bool = False
 
     def __post_init__(self) -> None:
@@ -540,9 +542,9 @@ def held_as_runtime(costs: Costs, schedule: Schedule, pp_runtime: str) -> Costs:
     buffers, held the whole step): `stage_backward_input` runs autograd.grad with retain_graph=True and keeps the
     nodes where the weights' gradients branch off with the gradients arriving at them, which hold the graph up to
     the stage's input, until `stage_backward_weight` walks it (torch/distributed/pipelining/_backward.py at torch
-    2.13). Run once, where the scenario builds the costs
-    (planning/scenario.py `Scenario.costs`). Raises ScheduleError for a stage graph torch's pipelining cannot
-    run (`_torch_graph_refusal`)."""
+    2.13); its schedules then merge the last stage's outputs (`merges_outputs`). Run once, where the scenario
+    builds the costs (planning/scenario.py `Scenario.costs`). Raises ScheduleError for a stage graph torch's
+    pipelining cannot run (`_torch_graph_refusal`)."""
     if pp_runtime == "pipesim":
         return costs
     refusal = _torch_graph_refusal(schedule)
@@ -559,7 +561,19 @@ def held_as_runtime(costs: Costs, schedule: Schedule, pp_runtime: str) -> Costs:
                        wgrad_kept_bytes=(None if c.wgrad_kept_bytes is None else
                                          max(c.activation_bytes - inputs[k], 0)))
                  for k, c in enumerate(stages))
-    return replace(costs, stages=held, kept_until_update=True)
+    return replace(costs, stages=held, kept_until_update=True, merges_outputs=merges_outputs(pp_runtime))
+
+
+def merges_outputs(pp_runtime: str) -> bool:
+    """Whether `pp_runtime`'s runtime concatenates the model outputs its last stage kept (`StageCosts.
+    model_output_bytes`, one a micro-batch) into a new tensor once that stage's last backward of a mini-batch ends
+    (`Costs.merges_outputs`; the caching allocator's replay: sim/caching_allocator.py `MERGE`), freed before the
+    update. torch's: each schedule's `step` returns
+    `_merge_outputs(output_chunks)` on the last stage (schedules.py, PipelineScheduleSingle and
+    PipelineScheduleMulti alike), merge_chunks' `torch.cat` of every micro-batch's output (microbatch.py), which
+    torchtitan's train loop drops as `step` returns (train.py at 9dec370); unconditionally until `step`'s
+    `return_outputs` (pytorch#159251, after torchtitan's December 2024 pin, torch 1963fc8)."""
+    return pp_runtime == "torch"
 
 
 def _torch_graph_refusal(schedule: Schedule) -> str | None:

@@ -508,6 +508,13 @@ def _memory_tables(program: _Program, costs: Costs, rows: np.ndarray, transfer_i
         forwards = np.bincount(t.stage[t.kind == KIND_CODE[Kind.F]], minlength=len(stages)) // schedule.minibatches
         kept_to_update = forwards * (forward_kept + backward_kept)  # per stage, what a mini-batch leaves
         sparse["communication"] = _merged(_events(updates, end=-kept_to_update[stage[updates]]))
+        if costs.merges_outputs:  # the kept model outputs concatenated once a device's step has run its backwards
+            merged = np.bincount(schedule.placement, forwards * per_stage([c.model_output_bytes for c in stages]),
+                                 minlength=schedule.num_devices).astype(np.int64)  # per device
+            made = _per_device_minibatch(t, schedule, (Kind.B, Kind.W)).last
+            freed = _per_device_minibatch(t, schedule, (Kind.OPT,)).first
+            sparse["communication"] = _merged(sparse["communication"], _events(made, end=merged[t.device[made]]),
+                                              _events(freed, start=-merged[t.device[freed]]))
     if schedule.zero >= 2:
         for part, (rows_of, start_of, end_of) in _unsharded(lowered, costs, at_start, at_end).items():
             sparse[part] = _merged(sparse[part], (rows_of, start_of, end_of))
@@ -579,7 +586,7 @@ def _unsharded(lowered: Lowered, costs: Costs, at_start: dict[str, np.ndarray], 
 
 @dataclass
 class _Ends:
-    """Per stage replica and mini-batch (in the same order), the first and the last of some kinds' rows."""
+    """Per stage replica (or device) and mini-batch, in the same order, the first and the last of some kinds' rows."""
 
     first: np.ndarray
     last: np.ndarray
@@ -590,6 +597,17 @@ def _per_replica_minibatch(t, schedule: Schedule, kinds: tuple[Kind, ...]) -> _E
     rows = np.flatnonzero(kind_mask(t.kind, *kinds))
     key = (t.minibatch[rows].astype(np.int64) * schedule.graph.num_stages + t.stage[rows]) * schedule.pipelines
     key += t.pipeline[rows]
+    return _ends_by(rows, key)
+
+
+def _per_device_minibatch(t, schedule: Schedule, kinds: tuple[Kind, ...]) -> _Ends:
+    """`_Ends` of the `kinds` rows per device and mini-batch (a device's rows are in program order)."""
+    rows = np.flatnonzero(kind_mask(t.kind, *kinds))
+    return _ends_by(rows, t.minibatch[rows].astype(np.int64) * schedule.num_devices + t.device[rows])
+
+
+def _ends_by(rows: np.ndarray, key: np.ndarray) -> _Ends:
+    """The first and the last of `rows` of each value of `key` (one a row), in the keys' order."""
     _, first = np.unique(key, return_index=True)
     _, last = np.unique(key[::-1], return_index=True)
     return _Ends(rows[first], rows[::-1][last])

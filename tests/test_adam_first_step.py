@@ -45,9 +45,10 @@ def test_simulate_makes_the_moments_at_the_first_step_where_it_runs_two_mini_bat
     seen = []
     replayed = caching_allocator._reserve.__wrapped__
 
-    def reserve(static_bytes, rows, programs, capacity_bytes, expandable=False, adam_at_first_step=False):
+    def reserve(static_bytes, rows, programs, capacity_bytes, expandable=False, adam_at_first_step=False,
+                merged_bytes=0):
         seen.append((len(static_bytes), adam_at_first_step))
-        return replayed(static_bytes, rows, programs, capacity_bytes, expandable, adam_at_first_step)
+        return replayed(static_bytes, rows, programs, capacity_bytes, expandable, adam_at_first_step, merged_bytes)
 
     monkeypatch.setattr(caching_allocator, "_reserve", reserve)
     simulate_json("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "2", "--width", "128", "--heads", "4",

@@ -43,12 +43,13 @@ def test_torchs_stage_keeps_its_buffers_outputs_and_input_gradients_until_the_up
 
 
 def test_the_last_stage_keeps_every_micro_batchs_model_output_until_the_update():
-    """Its logits (`output_chunks`, 5 MiB each here): at the end of its last forward all 8, beside its 8 input
-    buffers and 7 input gradients; pipesim's runtime keeps none (the loss reads them within the forward)."""
+    """Its logits (`output_chunks`, 5 MiB each here): after its last backward all 8 and their concatenation
+    (`_merge_outputs`), beside its 8 input buffers and 8 input gradients; pipesim's runtime keeps none (the loss
+    reads them within the forward)."""
     schedule = build("1f1b", 4, 8, 2)
     costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, param_mb=100, activation_mb=10, output_mb=2)
     costs = replace(costs, stages=(*costs.stages[:-1], replace(costs.stages[-1], model_output_bytes=5 * MIB)))
-    for runtime, kept in (("pipesim", 2), ("torch", (8 + 7) * 2 + 8 * 5)):
+    for runtime, kept in (("pipesim", 2), ("torch", (8 + 8) * 2 + 2 * 8 * 5)):
         trace = simulate(schedule, held_as_runtime(costs, schedule, runtime), Cluster.uniform(4, 0.0))
         assert trace.meta.peak_memory_parts[3]["communication"] == kept * MIB
 
@@ -212,3 +213,38 @@ def test_tunes_memory_floor_stays_below_the_peak_under_torchs_runtime():
     assert any(c.costs.kept_until_update for c in candidates)
     for candidate in candidates:
         assert candidate.memory_floor_bytes <= tuning._measured(problem, candidate, reserve=False)[0][3]
+
+
+def test_the_last_stages_merged_outputs_take_a_segment_after_its_last_backward():
+    """torch's schedules return the last stage's kept outputs concatenated (`_merge_outputs`) once its last
+    backward ends: a 48 MiB tensor (4 micro-batches' 12 MiB) no cached block holds, so its segment adds to what
+    the device reserves; the other stage merges nothing."""
+    from pipesim.sim.caching_allocator import LayerAllocations, device_reserves
+
+    trace = simulate(build("1f1b", 2, 4, 1), Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0), Cluster.uniform(2, 0.0))
+    layer = LayerAllocations({"fwd": [(0, 30 * MIB), (1, 12 * MIB), (1, -12 * MIB)],
+                              "bwd": [(0, 20 * MIB), (0, -20 * MIB), (1, 4 * MIB)]})
+    layers = {0: [layer], 1: [layer]}
+    kept = device_reserves(trace, layers, [None, None])
+    merged = device_reserves(trace, layers, [None, None], merged_bytes={1: 12 * MIB})
+    assert merged == [kept[0], kept[1] + 4 * 12 * MIB]
+
+
+
+def test_the_merge_waits_for_the_devices_last_backward():
+    """Interleaved on 2 devices, the last stage's device runs its first chunk's backwards after the last stage's
+    own: torch's step merges once it has run them all (PipelineScheduleMulti.step), so the merged logits (4 of
+    5 MiB) join, at that backward's end, the 24 MiB of receive buffers and 44 kept (stage 1's 4 outputs and input
+    gradients, stage 3's 4 logits and input gradients), until the update."""
+    from pipesim.schedules import Kind
+
+    schedule = build("interleaved-1f1b", 2, 4, 1, chunks=2)
+    costs = Costs.per_stage(4, fwd_ms=1.0, bwd_ms=2.0, activation_mb=10, output_mb=2)
+    costs = replace(costs, stages=(*costs.stages[:-1], replace(costs.stages[-1], model_output_bytes=5 * MIB)))
+    trace = simulate(schedule, held_as_runtime(costs, schedule, "torch"), Cluster.uniform(2, 0.0))
+    ops = trace.ops
+    last_backward_ends_us = ops.end_us[(ops.device == 1) & (ops.kind == trace.kinds.index(Kind.B.value))].max()
+    curve = trace.counters["memory_bytes.communication"][1]
+    assert curve.values.max() == (24 + 44 + 4 * 5) * MIB
+    assert curve.times_us[curve.values.argmax()] == last_backward_ends_us
+    assert last_backward_ends_us > ops.end_us[(ops.stage == 3) & (ops.kind == trace.kinds.index(Kind.B.value))].max()
