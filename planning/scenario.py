@@ -201,7 +201,7 @@ class Scenario:
             return costs
         link = self.data_parallel_link(sched)
         return self._collectives_beside_products(self._distributed_optimizer_collectives(
-            collective_costs(costs, sched, link, self._expert_replicas(sched)), sched, link, bounds), sched)
+            collective_costs(costs, sched, link, self.expert_replicas(sched)), sched, link, bounds), sched)
 
     def _distributed_optimizer_collectives(self, costs: Costs, sched: Schedule, link: CollectiveLink,
                                            bounds: Sequence[int] | None) -> Costs:
@@ -331,14 +331,14 @@ class Scenario:
             igrad_ms=None if c.igrad_ms is None else c.igrad_ms + amax_ms) if c.float8_weight_bytes else c
             for c in costs.stages))
 
-    def _expert_replicas(self, sched: Schedule) -> int | None:
-        """The ranks that hold the same routed experts where an estimate folds them over t·C·d with an
-        expert-tensor-parallel size ETP (planning/ranks.py): the d·C gradient ranks times t/(E·ETP); None
-        otherwise."""
+    def expert_replicas(self, sched: Schedule) -> int:
+        """The ranks that hold the same routed experts, over which their gradients reduce (`collective_costs`): the
+        d·C gradient ranks over E, or where an estimate folds them over t·C·d with an expert-tensor-parallel size
+        ETP (planning/ranks.py), times t/(E·ETP)."""
         estimate = self.measured.estimate if self.measured is not None else None
         etp = estimate.parallelism.get("expert_tensor") if estimate is not None else None
         if etp is None:
-            return None
+            return sched.gradient_ranks // sched.expert_parallel
         return sched.gradient_ranks * estimate.degrees[0] // (sched.expert_parallel * etp)
 
     def _sharded_for(self, costs: Costs, sched: Schedule) -> Costs:

@@ -541,9 +541,10 @@ class _Built:
         self._links: dict[tuple[int, int, int], Cluster] = {}  # by setting, p and d
         self._data_links: dict[tuple[int, int, int], CollectiveLink | None] = {}  # by setting, p and d
         self._staler: list[int] = []  # built, within the cap by their floor, over the staleness limit
-        self._reduces: dict[tuple[int, int, int], dict[int, float]] = {}  # by setting, p and d: a stage's REDUCE by
-        # its bytes (`_layer_reduces_ms`)
-        self._layers: dict[int, tuple[np.ndarray, bool]] = {}  # by id of the setting (`_layer_bytes`)
+        self._reduces: dict[tuple[int, int, int], dict[tuple[int, int], float]] = {}  # by setting, p and d: a stage's
+        # REDUCE by its bytes and its routed experts' (`_layer_reduces_ms`)
+        self._layers: dict[int, tuple[np.ndarray, bool, np.ndarray]] = {}  # by id of the setting (`_layer_bytes`)
+        self._expert_ranks: dict[tuple[int, int, int], int | None] = {}  # by setting, p and d (`_expert_ranks`)
 
     def advance(self, shape: Shape) -> Shape | Candidate | None:
         """What a shape becomes once its bound comes up: its candidate; first, for a searched order, whose search
@@ -595,24 +596,35 @@ class _Built:
         return self._chains[id(setting)]
 
     def _layer_reduces_ms(self, setting: Setting, config: Config, bounds: list[int]) -> np.ndarray:
-        """[k]: the least REDUCE of stage k's gradients (its layers' weights' bytes) over the replicas, NCCL's
-        tree at its full rate (`_mean_reduce_ms`); none for one replica."""
+        """[k]: the least REDUCE of stage k's gradients (its layers' weights' bytes, their routed experts' apart)
+        over the replicas (`_least_reduce_ms`); none for one replica."""
         if config.replicas == 1:
             return np.zeros(len(bounds) - 1)
-        link, held = self._data_link(setting, config), self._layer_bytes(setting)[0]
+        link, (held, _, experts) = self._data_link(setting, config), self._layer_bytes(setting)
+        ranks = self._expert_group(setting, config)
         priced = self._reduces.setdefault((id(setting), config.stages, config.replicas), {})
-        for nbytes in (stages := (held[bounds[1:]] - held[bounds[:-1]]).tolist()):
-            if nbytes not in priced:  # partitions of a model of like layers cut stages of like bytes
-                priced[nbytes] = link.all_reduce_ms(float(nbytes), config.replicas, tree_correction=False)
-        return np.array([priced[nbytes] for nbytes in stages])
+        stages = list(zip((held[bounds[1:]] - held[bounds[:-1]]).tolist(),
+                          (experts[bounds[1:]] - experts[bounds[:-1]]).tolist()))
+        for nbytes, expert_bytes in stages:
+            if (nbytes, expert_bytes) not in priced:  # partitions of a model of like layers cut stages of like bytes
+                priced[nbytes, expert_bytes] = _least_reduce_ms(link, config.replicas, ranks, nbytes, expert_bytes)
+        return np.array([priced[stage] for stage in stages])
 
-    def _layer_bytes(self, setting: Setting) -> tuple[np.ndarray, bool]:
-        """The setting's layers' weights' bytes as prefix sums, and whether they form a chain (`_chain_of_layers`),
-        read once: the layer bounds ask for them on every partition."""
+    def _expert_group(self, setting: Setting, config: Config) -> int | None:
+        """`_expert_ranks` for the setting's p and d, found once."""
+        key = (id(setting), config.stages, config.replicas)
+        if key not in self._expert_ranks:
+            self._expert_ranks[key] = _expert_ranks(setting.scenario, config.stages, config.replicas)
+        return self._expert_ranks[key]
+
+    def _layer_bytes(self, setting: Setting) -> tuple[np.ndarray, bool, np.ndarray]:
+        """The setting's layers' weights' bytes as prefix sums, whether they form a chain (`_chain_of_layers`), and
+        their routed experts' bytes as prefix sums, read once: the layer bounds ask for them on every partition."""
         if id(setting) not in self._layers:
             layers = setting.scenario.measured.layers
-            self._layers[id(setting)] = (np.concatenate([[0], np.cumsum([layer.param_bytes for layer in layers])]),
-                                         _chain_of_layers(setting.scenario.measured))
+            held, experts = (np.concatenate([[0], np.cumsum([getattr(layer, name) for layer in layers])])
+                             for name in ("param_bytes", "expert_param_bytes"))
+            self._layers[id(setting)] = held, _chain_of_layers(setting.scenario.measured), experts
         return self._layers[id(setting)]
 
     def _frame_links(self, setting: Setting, config: Config) -> Cluster:
@@ -665,8 +677,9 @@ class _Built:
             scenario, p = setting.scenario, config.stages
             step_ms = _best_cut_ms(chain, config.microbatches * sketch.chain[0], sketch.chain[1], scenario.cost_scale,
                                    chain.hops_ms(self._frame_links(setting, config), p),
-                                   _mean_reduce_ms(self._data_link(setting, config), 1, config.replicas,
-                                                   chain.first_param_bytes))
+                                   _least_reduce_ms(self._data_link(setting, config), config.replicas,
+                                                    self._expert_group(setting, config), chain.first_param_bytes,
+                                                    chain.first_expert_bytes))
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3 if step_ms > 0 else math.inf
             self._cut[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                              cut_bounded=True)
@@ -956,6 +969,7 @@ class _Work:
     slowest_ms: np.ndarray  # [k]: the least a busiest of k stages runs per micro-batch (F + least backward)
     step_ms: tuple[float, float, float]  # an update, a weight prediction and an averaging of every stage, summed
     accumulate_ms: float  # one accumulation of every stage, summed: the least over every cut (`_least_accumulate_ms`)
+    expert_param_bytes: int = 0  # the routed experts' share of `param_bytes`
 
 
 def _work(profile: Profile, optimizer: str) -> _Work:
@@ -972,19 +986,20 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     those of its layers that never synchronise, so their times without them sum to no more than any cut's stages."""
     held = (sum(c.static_bytes for c in layer_costs(profile.layers, optimizer)),
             sum(layer.param_bytes for layer in profile.layers))
+    experts = sum(layer.expert_param_bytes for layer in profile.layers)
     steps = tuple(math.fsum(pick(stage).median_ms for stage in profile.stages) for pick in (
         lambda s: s.steps[optimizer].step, lambda s: s.steps[optimizer].predict, lambda s: s.average))
     layers = _own_times(profile, least=True).layers
     if all(stage.passes is not None for stage in profile.stages):
         table = profile_costs(profile, optimizer, range(len(layers) + 1)).op_ms_table(1)
         return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0, *held,
-                     np.zeros(len(layers) + 1), steps, _least_accumulate_ms(profile))
+                     np.zeros(len(layers) + 1), steps, _least_accumulate_ms(profile), experts)
     tail = profile.contention.tail if profile.contention is not None else 1.0
     least_bwd = [min(layer.bwd.median_ms, layer.igrad.median_ms + layer.wgrad.median_ms) for layer in layers]
     return _Work(tail * math.fsum(layer.fwd.median_ms for layer in layers),
                  tail * math.fsum(layer.bwd.median_ms for layer in layers), tail * math.fsum(least_bwd), *held,
                  tail * _least_slowest(tuple(layer.fwd.median_ms + b for layer, b in zip(layers, least_bwd))), steps,
-                 _least_accumulate_ms(profile))
+                 _least_accumulate_ms(profile), experts)
 
 
 def _least_accumulate_ms(profile: Profile) -> float:
@@ -1048,21 +1063,26 @@ class _CopiesRefused(ScheduleError):
 class _ChainWork:
     """What bounds a flushing chain over every cut of a profile's layers (`_best_cut_ms`): per layer, the forward
     and the input-gradient pass (B, or the least of B and I where the chain splits backwards) as prefix sums, the
-    first layer's weights (stage 0 holds them) and, for a chain of layers, the fewest bytes a stage can send."""
+    first layer's weights and its routed experts' share of them (stage 0 holds them) and, for a chain of layers, the
+    fewest bytes a stage can send."""
 
     forward: list[float]  # prefix sums over the layers, ms, with the profile's contention tail
     whole: list[float]  # F + B
     least: list[float]  # F + min(B, I)
     first_param_bytes: int
     sent_bytes: tuple[int, ...]  # what a stage may send: a layer's output (none where the layers branch)
+    first_expert_bytes: int = 0
 
     @classmethod
     def of(cls, profile: Profile) -> _ChainWork | None:
-        """None where passes were measured per stage: no sum of layers bounds them (`_work`)."""
+        """None where passes were measured per stage: no sum of layers bounds them (`_work`). A layer's times are its
+        least (`_own_times`), as `_work`'s: its own carry the host waits from the model's start, which a stage that
+        never synchronises undercuts (under --p2p-sync, a host-bound first stage's forward: 0.0096 ms below its
+        layers' own on a 4-layer GPT at 400 us a kernel)."""
         if all(stage.passes is not None for stage in profile.stages):
             return None
         tail = profile.contention.tail if profile.contention is not None else 1.0
-        layers = profile.layers
+        layers = _own_times(profile, least=True).layers
 
         def prefix(values) -> list[float]:
             return np.concatenate([[0.0], np.cumsum([tail * v for v in values])]).tolist()
@@ -1071,7 +1091,8 @@ class _ChainWork:
                    prefix(layer.fwd.median_ms + layer.bwd.median_ms for layer in layers),
                    prefix(layer.fwd.median_ms + min(layer.bwd.median_ms, layer.igrad.median_ms) for layer in layers),
                    layers[0].param_bytes,
-                   tuple(sorted({layer.output_bytes for layer in layers[:-1]})) if _chain_of_layers(profile) else ())
+                   tuple(sorted({layer.output_bytes for layer in layers[:-1]})) if _chain_of_layers(profile) else (),
+                   layers[0].expert_param_bytes)
 
     def hops_ms(self, links: Cluster, devices: int) -> list[float]:
         """[d]: the least time a micro-batch's activation and gradient spend crossing the links between devices
@@ -1184,8 +1205,9 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
         work = _work(profile, scenario.optimizer)
         depths = [p for p in _depths(problem.devices // t, layers, _prices_data_parallel(profile))
                   if setting.depths is None or p in setting.depths] if problem.devices % t == 0 else []
-        reduce_ms = {p: _mean_reduce_ms(_data_link(scenario, p, problem.devices // (p * t)), p,
-                                        problem.devices // (p * t), work.param_bytes) for p in depths}
+        reduce_ms = {p: _mean_reduce_ms(_data_link(scenario, p, d), p, d, work.param_bytes,
+                                        _expert_ranks(scenario, p, d), work.expert_param_bytes)
+                     for p in depths for d in [problem.devices // (p * t)]}
         for name in problem.schedules:
             for p in depths:
                 replicas = problem.devices // (p * t)
@@ -1207,16 +1229,41 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
     return shapes, count, refused
 
 
-def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, gradient_bytes: int) -> float:
-    """What p stages' REDUCEs over r replicas take at least on average, however the model's gradients are cut
-    among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the bytes (the tree at
-    its full rate, at most what its size correction leaves), is concave in them, so the mean over any cut is at
-    least the chord from no bytes to all of them, 1/p of the way (one part: a REDUCE of at least those bytes).
-    `link`: the replicas' (`_data_link`; None for one replica, which reduces nothing)."""
+def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, gradient_bytes: int,
+                    expert_ranks: int | None = None, expert_bytes: int = 0) -> float:
+    """What p stages' REDUCEs (`_least_reduce_ms`) over r replicas take at least on average, however the model's
+    gradients are cut among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the
+    bytes (the tree at its full rate, at most what its size correction leaves), is concave in them, so the mean
+    over any cut is at least the chord from no bytes to all of them, 1/p of the way; the routed experts' part,
+    none where a stage holds no experts, at least the chord from nothing to all of theirs. `link`: the replicas'
+    (`_data_link`; None for one replica, which reduces nothing)."""
     if replicas == 1:
         return 0.0
-    empty, whole = (link.all_reduce_ms(nbytes, replicas, tree_correction=False) for nbytes in (0, gradient_bytes))
+    empty = _least_reduce_ms(link, replicas, None, 0)
+    whole = _least_reduce_ms(link, replicas, expert_ranks, gradient_bytes, expert_bytes)
     return empty + (whole - empty) / stages
+
+
+def _least_reduce_ms(link: CollectiveLink | None, replicas: int, expert_ranks: int | None, nbytes: int,
+                     expert_bytes: int = 0) -> float:
+    """The least REDUCE of a stage's gradients, `nbytes` of weights, `expert_bytes` of them routed experts', as
+    `collective_costs` prices it: NCCL's all-reduce, its tree at its full rate (`CollectiveLink.all_reduce_ms`),
+    of the rest over the r replicas and of the experts' over the `expert_ranks` that hold the same ones (None:
+    E = 1, all of them over r). Over r alone, the experts' share at E > 1 went over 2x the ranks it reduces over
+    (the 4-expert GPT's E = 2 stages: 0.074 ms where their REDUCE took 0.063). None for one replica."""
+    if replicas == 1:
+        return 0.0
+    if expert_ranks is None:
+        return link.all_reduce_ms(float(nbytes), replicas, tree_correction=False)
+    return link.all_reduce_ms(float(nbytes - expert_bytes), replicas, tree_correction=False) + (
+        link.all_reduce_ms(float(expert_bytes), expert_ranks, tree_correction=False) if expert_bytes else 0.0)
+
+
+def _expert_ranks(scenario: Scenario, stages: int, replicas: int) -> int | None:
+    """The ranks a p-deep pipeline's routed experts' gradients reduce over (`Scenario.expert_replicas`, at the
+    scenario's E and C: `Scenario.order_params`); None at E = 1, where they reduce with the rest."""
+    frame = schedule_frame(scenario.order_params(ScheduleParams(stages, 1, data_parallel=replicas)))
+    return scenario.expert_replicas(frame) if frame.expert_parallel > 1 else None
 
 
 def _data_link(scenario: Scenario, stages: int, replicas: int) -> CollectiveLink | None:
@@ -2279,12 +2326,20 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         """[k, kind]: each layer's least F, B, I and W summed over stage k's layers, stage 0's as a first stage's
         (`_fed_by_the_batch`): no more than the stage's own costs (`profile_costs`: those are additive over a cut,
         its host's waits beyond them at least the least's: `_own_times`), which the search prices only if this bound
-        comes up. The rest count for nothing (a stage's updates share out its measured ones by bytes: their total is
-        the layers', not each stage's)."""
+        comes up. On the calibrated cut a stage's costs are its own, not its layers' sums: its passes where measured
+        (its I and W, which no layer sum bounds: 0.56 ms over stage 0's W on the 2-stage MLP's) and its accumulation
+        (fused into B and W: the stage's own pass, which the layers' shares by weight bytes overshoot where the
+        unfused weights are elsewhere: 0.017 ms a backward on the 4096-wide 4-layer GPT's stage 1), so there it is
+        those costs at the layers' least times. The rest count for
+        nothing (a stage's updates share out its measured ones by bytes: their total is the layers', not each
+        stage's)."""
         table = np.zeros((len(bounds) - 1, NUM_COMPUTE_KINDS))
         passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
         table[:, passes] = least_ms(pipelines)[bounds[:-1], bounds[1:]][:, passes]
         _fed_by_the_batch(table[0])
+        if list(bounds) == profile.partition.bounds:
+            table[:, passes] = profile_costs(least, optimizer, bounds).op_ms_table(pipelines)[:, passes]
+            return table
         return table
 
     split.stage_ms = stage_ms

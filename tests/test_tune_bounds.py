@@ -1,0 +1,180 @@
+"""Every bound tune prunes by is a lower bound of the step of each candidate it then simulates, on every kind of
+profile it takes: what makes the pruned search return what the exhaustive one does (issue 40). A shape's bound
+(`_shape_bound`), a flushing chain's over its best cut (`_best_cut_ms`), a partitioned order's before it is costed
+or searched (`_planned_bound_ms`, `_searched_bound_ms`, `_searched_device_bound_ms`), the candidate's own
+(`_costed`) and its critical path's (`_with_critical_path`), each against the simulated step; and what those read
+of a stage before it is costed (`_splitter`'s `stage_ms`, `_cut_accumulates_ms`, `_ChainWork`'s layer sums, the
+least REDUCE and transfers) against the stage's own costs, where a slack hidden by the step's other terms shows."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipesim.planning import tune as tuning
+from pipesim.planning.scenario import profile_costs
+from pipesim.profiles.schema import load_profile
+from pipesim.schedules import KIND_CODE, METHODS, Kind
+from tests.test_tune import CNN, GPT, accumulating, differences, exhaustive, scenario
+from tests.test_tune_reserve import searched_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ROOT / "traces" / "measured" / "fidelity-cpu2-day3-runs"
+DEVICES, MICROBATCH = 4, 1
+GPU = ("--gpu", "h100-sxm")
+SMALL_GPT = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256, "--vocab", 32000)
+ESTIMATED = ("-D", DEVICES, "-B", 16, "-b", MICROBATCH, "--recompute", "none")
+TINY_LLAMA = {**json.loads((ROOT / "examples" / "llama3.1-8b" / "config.json").read_text()),
+              "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 3, "vocab_size": 1000}
+KINDS = {  # name: the flags of `tune --gpu` after the model's (a large vocabulary: the embedding's stage holds most
+    # weights), or a calibrated profile
+    "estimate": (),
+    "estimate, tensor-parallel": ("--tensor-parallel", 2),
+    "estimate, fused accumulation": ("--grad-accumulation", "fused"),
+    "estimate, separate accumulation": ("--grad-accumulation", "separate"),
+    "estimate, host-bound": ("--host-kernel-us", 400),
+    "estimate, host-bound under --p2p-sync": ("--host-kernel-us", 400, "--p2p-sync", "-s", "1f1b"),
+    "estimate, experts": ("--experts", 4, "--top-k", 2),
+    "hf config": "hf",
+    "calibrated, accumulation timed": lambda: accumulating(load_profile(GPT)),
+    "calibrated, convolutions": lambda: load_profile(CNN),
+    "calibrated, passes measured": lambda: load_profile(MEASURED / "mlp-profile.json"),
+    "calibrated, branching layers": lambda: load_profile(MEASURED / "two-branch-profile.json"),
+}
+
+
+@cache
+def settings_of(kind: str, folder: Path) -> tuple[tuple[tuple[int, ...], ...], tuple[tuning.Setting, ...]]:
+    """The kind's settings (the hf config's written in `folder`), and the profiles' own cuts (where a calibrated
+    profile's stages' own times, and an estimate's own accumulation, replace its layers' sums), which each is
+    checked on beyond the candidates' cuts."""
+    flags = KINDS[kind]
+    if callable(flags):
+        found = scenario(flags())
+    elif flags == "hf":
+        (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+        found = searched_settings(*ESTIMATED, "--tensor-parallel", 1, model=(*GPU, "--model", f"hf:{folder}",
+                                                                             "--seq-len", 128))
+    else:
+        tensor = () if "--tensor-parallel" in flags else ("--tensor-parallel", 1)
+        found = searched_settings(*ESTIMATED, *tensor, *flags, model=(*GPU, *SMALL_GPT))
+    return tuple({tuple(s.scenario.measured.partition.bounds) for s in found}), tuple(found)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-llama")
+
+
+def _ms(problem: tuning.Problem, samples_per_s: float) -> float:
+    return problem.batch_size / samples_per_s * 1e3
+
+
+def bound_excesses(settings_: list[tuning.Setting], problem: tuning.Problem) -> list[str]:
+    """Every bound the search computes for each candidate it builds (each shape walked as `top_groups` walks it:
+    `_Built.advance` until it is a candidate, then `_Built.tighten`) against the candidate's simulated step, with
+    the stage sums the bounds read against the candidate's own costs: what exceeds them, in words."""
+    orders = tuning._Orders()
+    shapes, _, _ = tuning._shapes(settings_, problem, orders)
+    built = tuning._Built(problem, orders)
+    wrong = []
+    for shape in shapes:
+        bounds, item = [("shape", shape.max_samples_per_s)], shape
+        while isinstance(item, tuning.Shape):
+            item = built.advance(item)
+            if isinstance(item, tuning.Shape):
+                bounds.append(("partitioned" if item.partitioned else "best cut", item.max_samples_per_s))
+        if item is None:
+            continue
+        bounds += [("candidate", item.max_samples_per_s), ("critical path", built.tighten(item).max_samples_per_s)]
+        result = built.result(item)
+        label = f"{item.config.label()} m={item.config.microbatches} {item.bounds}"
+        wrong += [f"{label}: {what} bound {_ms(problem, bound):.6f} ms > step {result.step_ms:.6f} ms"
+                  for what, bound in bounds if result.samples_per_s > bound * (1 + 1e-9)]
+        wrong += stage_excesses(item.setting, item.bounds, item.config.pipelines, item.costs, label)
+        wrong += link_excesses(built, item, label)
+    return wrong
+
+
+def link_excesses(built: tuning._Built, candidate: tuning.Candidate, label: str) -> list[str]:
+    """What the pre-costing bound reads of a candidate's cut beside its layers' times: each stage's least REDUCE
+    (`_layer_reduces_ms`) against its costed one, and, one stage a device, its transfers there and back
+    (`_layer_hops_ms`) against the costed stages' (`_hops_ms`)."""
+    setting, config, bounds = candidate.setting, candidate.config, list(candidate.bounds)
+    pairs = [("REDUCE", built._layer_reduces_ms(setting, config, bounds),
+              candidate.costs.op_ms_table(config.pipelines)[:, KIND_CODE[Kind.REDUCE]])]
+    if config.chunks == 1:
+        pairs.append(("hops", built._layer_hops_ms(setting, config, bounds),
+                      tuning._hops_ms(candidate.links, candidate.costs, config.stages)))
+    return [f"{label}: stage {k} least {what} {least[k]:.6f} ms > its cost {own[k]:.6f} ms"
+            for what, least, own in pairs for k in np.flatnonzero(least > own * (1 + 1e-9) + 1e-12)]
+
+
+def stage_excesses(setting: tuning.Setting, bounds: list[int], pipelines: int, costs, label: str) -> list[str]:
+    """`_splitter`'s `stage_ms` (each stage's F, B, I, W from its layers' least times) and `_cut_accumulates_ms`
+    (its accumulation), scaled as `_Built.advance` scales them, against the stage's own costs at that cut."""
+    scenario_ = setting.scenario
+    passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
+    summed = tuning._split_for(setting).stage_ms(list(bounds), pipelines)[:, passes] * scenario_.cost_scale
+    own = costs.op_ms_table(pipelines)[:, passes]
+    accumulated = tuning._cut_accumulates_ms(scenario_.measured, list(bounds)) * scenario_.cost_scale
+    wrong = [f"{label}: stage {k} {'FBIW'[j]} sum {summed[k, j]:.6f} ms > its cost {own[k, j]:.6f} ms"
+             for k, j in zip(*np.nonzero(summed > own * (1 + 1e-9) + 1e-12))]
+    chain = tuning._ChainWork.of(scenario_.measured)
+    if chain is not None:  # `_best_cut_ms`'s X: F, F + B and F + min(B, I) of each stage, its layers' sums
+        f, b, i = own[:, 0], own[:, 1], own[:, 2]
+        for name, prefix, cost in (("F", chain.forward, f), ("F + B", chain.whole, f + b),
+                                   ("F + min(B, I)", chain.least, f + np.minimum(b, i))):
+            layers_ms = scenario_.cost_scale * np.diff(np.array(prefix)[list(bounds)])
+            over = np.flatnonzero(layers_ms > cost * (1 + 1e-9) + 1e-12)
+            wrong += [f"{label}: stage {k} {name} of its layers {layers_ms[k]:.6f} ms > its cost {cost[k]:.6f} ms"
+                      for k in over if k > 0 or name != "F + min(B, I)"]  # stage 0's input pass: none when split
+    return wrong + [f"{label}: stage {k} accumulation {accumulated[k]:.6f} ms > its cost {c.accumulate_ms:.6f} ms"
+                    for k, c in enumerate(costs.stages) if accumulated[k] > c.accumulate_ms * (1 + 1e-9) + 1e-12]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from([name for name in METHODS if name != "auto"]), min_size=1, max_size=3, unique=True),
+       st.booleans(), st.sampled_from([1, 2, 4]), st.integers(0, 1), st.integers(1, 2))
+def test_every_bound_is_at_most_the_simulated_step(folder, kind, schedules, searched, per_device, staleness,
+                                                   pipelines):
+    """On small problems of each kind of profile tune takes, with fixed orders (interleaved and zero-bubble among
+    them) and auto's searched one: every bound at or below the step simulated, every stage sum at or below the
+    stage's cost, on each candidate's cut and the profile's own."""
+    cuts, found = settings_of(kind, folder)
+    if kind.endswith("--p2p-sync"):  # modelled for 1F1B alone
+        schedules, searched = ["1f1b"], False
+    microbatch = found[0].microbatch_size
+    problem = tuning.Problem(DEVICES, 64 * tuning.GIB, per_device * DEVICES * microbatch,
+                             (*schedules, *(["auto"] * searched)), staleness, max_chunks=2, max_pipelines=pipelines,
+                             search_seconds=0.02)
+    wrong = bound_excesses(list(found), problem)
+    for setting in found:
+        layers = len(setting.scenario.measured.layers)
+        for cut in cuts:
+            if cut[-1] == layers:
+                costs = profile_costs(setting.scenario.measured, setting.scenario.optimizer, list(cut))
+                wrong += stage_excesses(setting, list(cut), 1, costs, f"{kind}'s own cut {list(cut)}")
+    assert wrong == []
+
+
+@pytest.mark.parametrize("kind", sorted(set(KINDS) - {"estimate, experts"}))  # E searched: test_tune_experts
+def test_search_equals_exhaustive_search_on_every_kind(folder, kind):
+    """What the bounds are for: the pruned search's choice, runners-up, rows over the staleness limit and staler
+    winner are the exhaustive search's, on every kind of profile, every method (auto's searched order too)."""
+    _, found = settings_of(kind, folder)
+    schedules = ("1f1b",) if kind.endswith("--p2p-sync") else tuple(METHODS)
+    problem = tuning.Problem(DEVICES, 64 * tuning.GIB, 4 * DEVICES * found[0].microbatch_size, schedules,
+                             max_chunks=2, max_pipelines=2, search_seconds=0.02)
+    answer = tuning.tune(list(found), problem)
+    best, faster, staler, results = exhaustive(list(found), problem)
+    assert differences(answer, best, faster, staler) == []
+    assert answer.stats.simulated < len(results) or kind.endswith("--p2p-sync")  # it pruned
