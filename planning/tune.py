@@ -2335,11 +2335,11 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         stage's)."""
         table = np.zeros((len(bounds) - 1, NUM_COMPUTE_KINDS))
         passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
-        table[:, passes] = least_ms(pipelines)[bounds[:-1], bounds[1:]][:, passes]
-        _fed_by_the_batch(table[0])
         if list(bounds) == profile.partition.bounds:
             table[:, passes] = profile_costs(least, optimizer, bounds).op_ms_table(pipelines)[:, passes]
             return table
+        table[:, passes] = least_ms(pipelines)[bounds[:-1], bounds[1:]][:, passes]
+        _fed_by_the_batch(table[0])
         return table
 
     split.stage_ms = stage_ms
