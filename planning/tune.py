@@ -2330,9 +2330,8 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         (its I and W, which no layer sum bounds: 0.56 ms over stage 0's W on the 2-stage MLP's) and its accumulation
         (fused into B and W: the stage's own pass, which the layers' shares by weight bytes overshoot where the
         unfused weights are elsewhere: 0.017 ms a backward on the 4096-wide 4-layer GPT's stage 1), so there it is
-        those costs at the layers' least times. The rest count for
-        nothing (a stage's updates share out its measured ones by bytes: their total is the layers', not each
-        stage's)."""
+        those costs at the layers' least times. The rest count for nothing (a stage's updates share out its measured
+        ones by bytes: their total is the layers', not each stage's)."""
         table = np.zeros((len(bounds) - 1, NUM_COMPUTE_KINDS))
         passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
         if list(bounds) == profile.partition.bounds:
