@@ -487,7 +487,8 @@ class Scenario:
         fit: the balanced cut where every device holds it within its memory (`stage_memory`), else the cut whose
         slowest stage is the fastest of those every device holds within its memory (`fitted_cut`), searched once
         a scenario and schedule (`_FITTED`): their costs, buckets, reserve and simulate's JSON all ask for it."""
-        balanced = profile_bounds(self.measured, sched.graph.stages_per_copy, self.stage_cut)
+        per_copy = sched.graph.stages_per_copy
+        balanced = profile_bounds(self.measured, per_copy, self.stage_cut, device_stages(sched, per_copy))
         if self.stage_cut != FIT:
             return balanced
         key = (id(self), id(sched))
@@ -875,10 +876,18 @@ def check_stage_cut(stage_cut: str, pp_runtime: str) -> None:
                         f"--pp-runtime {pp_runtime} keeps are not counted: use --stage-cut balanced")
 
 
-def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced") -> list[int]:
+def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
+    """Per device of `sched`, the stages of a cut into `stages` (one copy's) it runs: its model stages, each copy's
+    stage k as k (`partition`'s `devices`)."""
+    return tuple(tuple(s % stages for s in held) for held in sched.stages_by_device)
+
+
+def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",
+                   devices: Sequence[Sequence[int]] | None = None) -> list[int]:
     """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`). Balanced: the
     profile's own partition for its stage count; other counts re-partition its layers for time alone (the
-    calibration's memory cap planned for its own stage count, so it is not applied here)."""
+    calibration's memory cap planned for its own stage count, so it is not applied here), the busiest device least
+    busy among the cuts of the least slowest stage where `devices` run several stages each (`partition`)."""
     from ..profiles.schema import layer_costs, profile_stage_time
 
     if num_stages > len(measured.layers):
@@ -896,7 +905,7 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     if num_stages == measured.partition.stages:
         return measured.partition.bounds
     return partition(layer_costs(measured.layers, measured.partition.optimizer), num_stages,
-                     stage_time=profile_stage_time(measured))
+                     stage_time=profile_stage_time(measured), devices=devices)
 
 
 def profile_graph(measured: Profile, num_stages: int, bounds: Sequence[int] | None = None,

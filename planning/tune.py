@@ -106,7 +106,7 @@ from ..sim.engine import device_product_ms, product_delay, simulate, static_byte
 from ..traces import Summary, Trace, summarize
 from ..units import GIB, count_text
 from .auto import activation_ratio, check_shape, schedule_frame
-from .scenario import CollectiveLink, Scenario, profile_costs
+from .scenario import CollectiveLink, Scenario, device_stages, profile_costs
 
 RUNNERS_UP = 5
 COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
@@ -1595,7 +1595,8 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
     params = replace(params, minibatches=short + (1 if sketch.flushing else STEADY_STEPS))
     order = orders(setting.scenario, planned, params)
     bounds = split(order.schedule.num_stages, pipelines, tuple(map(tuple, order.per_step.tolist())),
-                   order.schedule.policy.extra_copies, order.in_flight, order.lingering, problem.memory_cap_bytes // v)
+                   order.schedule.policy.extra_copies, order.in_flight, order.lingering, problem.memory_cap_bytes // v,
+                   device_stages(order.schedule, order.schedule.num_stages))
     return params, short, order, bounds
 
 
@@ -2306,7 +2307,8 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
 
     @cache
     def split(stages: int, pipelines: int, per_step: tuple[tuple[float, ...], ...], extra_copies: int,
-              in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int) -> list[int]:
+              in_flight: tuple[int, ...], lingering: tuple[int, ...], budget_bytes: int,
+              devices: tuple[tuple[int, ...], ...]) -> list[int]:
         summed = summed_ms(pipelines)
         held = pipelines * static + buffers
         times = cache(lambda weights: summed @ np.array(weights))  # stages that run the same ops share theirs
@@ -2318,7 +2320,7 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
             return held + (extra_copies + lingering[k]) * params + in_flight[k] * activations
 
         try:
-            return partition(layers, stages, budget_bytes, stage_bytes, stage_time)
+            return partition(layers, stages, budget_bytes, stage_bytes, stage_time, devices)
         except PartitionError:
             return leanest_partition(layers, stages, stage_bytes)[1]
 

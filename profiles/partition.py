@@ -18,6 +18,9 @@ from functools import lru_cache
 import numpy as np
 
 GIB = 1 << 30
+# `_least_busy_devices`: the share by which a cut's busiest device is less busy than the best's where it beats it:
+# more than rounding's (the same times summed in another order)
+BEATS = 1e-9
 
 
 class PartitionError(ValueError):
@@ -25,7 +28,7 @@ class PartitionError(ValueError):
 
 
 class _TooManyPrefixes(Exception):
-    """`searched_partition`'s search at one time passed its limit of prefixes."""
+    """A search (`searched_partition`'s at one time, `_least_busy_devices`) passed its limit of prefixes."""
 
 
 @dataclass(frozen=True)
@@ -68,16 +71,21 @@ StageCosts = Callable[[int], np.ndarray]  # stage k -> its cost for every [start
 
 
 def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | None = None,
-              stage_bytes: StageCosts | None = None, stage_time: StageCosts | None = None) -> list[int]:
+              stage_bytes: StageCosts | None = None, stage_time: StageCosts | None = None,
+              devices: Sequence[Sequence[int]] | None = None) -> list[int]:
     """Stage bounds [0, b1, ..., n]: stage k holds layers bounds[k] .. bounds[k+1]-1. Minimises the slowest
-    stage; ties keep the earliest cut, so the result is deterministic. `stage_bytes` replaces the 1F1B
-    memory model of the module docstring (a schedule that holds other activations or weight versions),
-    `stage_time` the layers' forward + backward (a schedule that splits backwards, or counts its updates); each
-    gives stage k's bytes or ms for every range of layers at once, entry [i, j] for layers i .. j-1."""
+    stage; ties keep the earliest cut, so the result is deterministic, or, given `devices` (per device, the stages
+    it runs), the cut among them whose busiest device is least busy (`_least_busy_devices`). `stage_bytes`
+    replaces the 1F1B memory model of the module docstring (a schedule that holds other activations or weight
+    versions), `stage_time` the layers' forward + backward (a schedule that splits backwards, or counts its
+    updates); each gives stage k's bytes or ms for every range of layers at once, entry [i, j] for layers i .. j-1."""
     n = _check(layers, stages)
     memory = stage_bytes or _one_f_one_b_bytes(layers, stages)
     over_cap = None if memory_cap_bytes is None else _stage_blocks(n, stages, memory, memory_cap_bytes)
-    slowest_ms, bounds = _min_max_split(n, stages, stage_time or _forward_backward_ms(layers), over_cap)
+    time = stage_time or _forward_backward_ms(layers)
+    slowest_ms, bounds = _min_max_split(n, stages, time, over_cap)
+    if devices is not None and slowest_ms < math.inf and any(len(held) > 1 for held in devices):
+        bounds = _least_busy_devices(n, time, devices, slowest_ms, over_cap, bounds)
     if slowest_ms == math.inf:
         least_bytes, _ = leanest_partition(layers, stages, memory)
         raise PartitionError(
@@ -385,6 +393,79 @@ def _min_max_split(n: int, p: int, cost: StageCosts, refused: np.ndarray | None 
         at = int(cuts[k, at])
         bounds.append(k + at)  # the start of stage k is the stop of stage k-1, column `at` of its blocks
     return slowest, [0, *reversed(bounds)]
+
+
+def _least_busy_devices(n: int, cost: StageCosts, devices: Sequence[Sequence[int]], slowest_ms: float,
+                        refused: np.ndarray | None, bounds: list[int], max_prefixes: int = 1_000) -> list[int]:
+    """Of the cuts whose every stage is within `slowest_ms` (the least slowest stage) and not `refused`, the one
+    whose busiest device is least busy, a device's busy time the sum of the times of the stages it runs
+    (`devices`; a stage twice where it runs it twice as often): a device runs each of its stages for every
+    micro-batch, Megatron-LM's interleaved schedule stage s of p·v on device s mod p, a V-shape stages k and
+    2p-1-k on device k. The slowest stage alone leaves ties (whole blocks of equal time, or stages bound by their
+    kernels' issue) whose earliest cut can put more of the slow stages on one device. Searched depth first,
+    earliest cut first, bounded by the best so far: a branch ends where a device, its stages left each at their
+    shortest (`shortest`), is already as busy, or where the devices' mean busy time, with the least the stages left
+    can add (`least`), is. `bounds` (the slowest-stage cut) is kept unless a cut beats it by more than `BEATS` of
+    its busiest device's time; after `max_prefixes` prefixes, the best found so far."""
+    stages, count = len(bounds) - 1, len(devices)
+    m = n - stages + 1
+    times = _stage_blocks(n, stages, cost)  # [k, r, c]: stage k over layers [k + r, k + 1 + c), then k + 1 from c
+    allowed = (times <= slowest_ms) & ~np.tri(m, k=-1, dtype=bool)
+    if refused is not None:
+        allowed &= ~refused
+    runs = np.zeros((stages, count))  # [k, d]: how often device d runs stage k
+    for device, held in enumerate(devices):
+        np.add.at(runs[:, device], list(held), 1)
+    per_stage = runs.sum(axis=1).tolist()
+    least = np.full((stages + 1, m), math.inf)  # [k, r]: the least busy time stages k.. add from row r
+    least[stages, m - 1] = 0.0
+    for k in range(stages - 1, -1, -1):
+        with np.errstate(invalid="ignore"):
+            least[k] = np.where(allowed[k], per_stage[k] * times[k] + least[k + 1], math.inf).min(axis=1)
+    open_ = allowed & np.isfinite(least[1:, None, :])  # [k, r, c]: stage k may end at c, the stages after cover c..
+    # the least each device's stages add, each the shortest range it may hold anywhere
+    shortest = [float(times[k][open_[k]].min()) for k in range(stages)]
+    owners = [[(d, float(runs[k, d])) for d in np.flatnonzero(runs[k])] for k in range(stages)]
+
+    def busy_of(columns: Sequence[int]) -> np.ndarray:  # each stage's end column: the next stage's start row
+        return sum((runs[k] * times[k, r, c] for k, (r, c) in enumerate(itertools.pairwise([0, *columns]))),
+                   np.zeros(count))
+
+    given = [stop - k - 1 for k, stop in enumerate(bounds[1:])]
+    below_ms, best, columns, tried = float(busy_of(given).max()) * (1 - BEATS), given, [], 0
+
+    def extend(k: int, least_busy: list[float], total_ms: float) -> None:
+        """Stage k cut at each end it may take; `least_busy`: each device's busy time so far and the least its
+        stages left add, `total_ms` the devices' busy times so far summed."""
+        nonlocal below_ms, best, tried
+        if k == stages:
+            busiest = float(busy_of(columns).max())
+            if busiest < below_ms:
+                below_ms, best = busiest * (1 - BEATS), list(columns)
+            return
+        start = columns[-1] if columns else 0
+        for stop in np.flatnonzero(open_[k, start]).tolist():
+            ms = float(times[k, start, stop])
+            summed = total_ms + per_stage[k] * ms
+            if (summed + least[k + 1, stop]) / count >= below_ms:
+                continue
+            grown = least_busy.copy()
+            for device, runs_k in owners[k]:
+                grown[device] += runs_k * (ms - shortest[k])
+            if max(grown) >= below_ms:
+                continue
+            tried += 1
+            if tried > max_prefixes:
+                raise _TooManyPrefixes
+            columns.append(stop)
+            extend(k + 1, grown, summed)
+            columns.pop()
+
+    try:
+        extend(0, (runs * np.array(shortest)[:, None]).sum(axis=0).tolist(), 0.0)
+    except _TooManyPrefixes:
+        pass
+    return [0, *(k + 1 + c for k, c in enumerate(best))]
 
 
 def least_slowest(weights: Sequence[float]) -> np.ndarray:

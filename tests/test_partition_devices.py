@@ -1,0 +1,101 @@
+"""Given the stages each device runs (`partition`'s `devices`), the cut is, among those of the least slowest stage, one
+whose busiest device is least busy: a device runs each of its stages for every micro-batch, so its busy time is
+their sum (Megatron-LM's interleaved schedule puts stage s of p·v on device s mod p). Checked against every cut of
+small layer lists."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim.profiles.partition import LayerCost, PartitionError, partition
+
+
+def _interleaved(p: int, v: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(range(d, p * v, p)) for d in range(p))
+
+
+def _v_shaped(p: int) -> tuple[tuple[int, ...], ...]:
+    return tuple((d, 2 * p - 1 - d) for d in range(p))
+
+
+def _times(layers: list[LayerCost], cut, stage_time) -> list[float]:
+    return [float(stage_time(k)[i, j]) for k, (i, j) in enumerate(itertools.pairwise(cut))]
+
+
+def _busiest(layers, cut, stage_time, devices) -> float:
+    times = _times(layers, cut, stage_time)
+    return max(sum(times[k] for k in held) for held in devices)
+
+
+def _every_cut(n: int, stages: int):
+    return ([0, *inner, n] for inner in itertools.combinations(range(1, n), stages - 1))
+
+
+def _plain(layers: list[LayerCost]):
+    table = np.full((len(layers) + 1, len(layers) + 1), np.inf)
+    for i, j in itertools.combinations(range(len(layers) + 1), 2):
+        table[i, j] = sum(layer.ms for layer in layers[i:j])
+    return lambda k: table
+
+
+def test_of_the_cuts_tied_at_the_slowest_stage_the_busiest_device_is_least_busy():
+    """Six layers in 2 x 2 interleaved stages: the slowest stage is 3 at best, and the earliest cut of it, [1], [2],
+    [1, 1], [1, 2], gives device 1 stages 1 and 3 (5) and device 0 the rest (3); [1, 2], [1], [1], [1, 2] (4 and 4)
+    is as slow at its slowest stage and no device is busier than 4, the least any cut of that slowest stage gives."""
+    layers = [LayerCost(ms, 0, 0) for ms in (1, 2, 1, 1, 1, 2)]
+    devices, time = _interleaved(2, 2), _plain(layers)
+    earliest, cut = partition(layers, 4), partition(layers, 4, devices=devices)
+    slowest = max(_times(layers, earliest, time))
+    assert _busiest(layers, earliest, time, devices) == 5  # what the slowest stage's earliest cut gives
+    least = min(_busiest(layers, c, time, devices) for c in _every_cut(6, 4) if max(_times(layers, c, time)) <= slowest)
+    assert max(_times(layers, cut, time)) == slowest
+    assert _busiest(layers, cut, time, devices) == least == 4
+
+
+def test_a_device_of_one_stage_keeps_the_earliest_cut():
+    layers = [LayerCost(ms, 0, 0) for ms in (1, 2, 1, 1, 1, 2)]
+    assert partition(layers, 4, devices=((0,), (1,), (2,), (3,))) == partition(layers, 4)
+
+
+@st.composite
+def _problems(draw):
+    placement = draw(st.sampled_from(["interleaved", "v-shaped"]))
+    p = draw(st.integers(1, 3))
+    v = 2 if placement == "v-shaped" else draw(st.integers(1, 3))
+    stages = p * v
+    n = draw(st.integers(stages, min(9, stages + 4)))
+    ms = draw(st.lists(st.sampled_from([0.5, 1.0, 1.0, 1.5, 2.0, 3.0]), min_size=n, max_size=n))
+    static = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    scale = draw(st.lists(st.sampled_from([1.0, 1.0, 1.5, 2.0]), min_size=stages, max_size=stages))
+    cap = draw(st.one_of(st.none(), st.integers(2, 9)))
+    devices = _interleaved(p, v) if placement == "interleaved" else _v_shaped(p)
+    return [LayerCost(t, b, 0) for t, b in zip(ms, static)], stages, devices, scale, cap
+
+
+@settings(max_examples=300, deadline=None)
+@given(problem=_problems())
+def test_the_busiest_device_is_the_least_of_every_cut_of_the_least_slowest_stage(problem):
+    """Stage k's times scaled as a schedule's steps weigh them (`scale`), each stage within a memory cap where there
+    is one: the cut's slowest stage is the least any cut within the cap gives, and its busiest device the least of
+    the cuts of that slowest stage within the cap."""
+    layers, stages, devices, scale, cap = problem
+    table = _plain(layers)(0)
+    time = lambda k: scale[k] * table  # noqa: E731
+
+    def fits(cut) -> bool:
+        return cap is None or all(sum(layer.static_bytes for layer in layers[i:j]) <= cap
+                                  for i, j in itertools.pairwise(cut))
+
+    fitting = [cut for cut in _every_cut(len(layers), stages) if fits(cut)]
+    if not fitting:
+        with pytest.raises(PartitionError):
+            partition(layers, stages, cap, stage_time=time, devices=devices)
+        return
+    cut = partition(layers, stages, cap, stage_time=time, devices=devices)
+    slowest = min(max(_times(layers, c, time)) for c in fitting)
+    assert fits(cut) and max(_times(layers, cut, time)) == slowest
+    least = min(_busiest(layers, c, time, devices) for c in fitting if max(_times(layers, c, time)) <= slowest)
+    assert _busiest(layers, cut, time, devices) == pytest.approx(least, rel=1e-9)
