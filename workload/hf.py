@@ -266,6 +266,10 @@ def _settings(config: HfConfig, config_class: type) -> Any:
     aliases = getattr(config_class, "attribute_map", {})
     missing = [field for field in FIGURES.values() if field not in config.fields and
                aliases.get(field) not in config.fields]
+    unknown = [field for field in missing if not hasattr(config_class, field)]  # GPT-2's: n_inner, not this layout
+    if unknown:
+        raise _not_laid_out(f"--model {config.spec}", f"model_type {config.model_type!r} ({config_class.__name__} "
+                                                      f"has no {', '.join(unknown)})")
     if missing:
         raise ModelError(f"--model {config.spec}: {config.path} gives no {', '.join(missing)}; a dense decoder's "
                          f"config needs {', '.join(FIGURES.values())}")
@@ -277,6 +281,12 @@ def _settings(config: HfConfig, config_class: type) -> Any:
     return settings
 
 
+def _not_laid_out(where: str, what: str) -> ModelError:
+    """The refusal of `what`, a model or a model_type, whose decoder is not cut as pipesim cuts one."""
+    return ModelError(f"{where}: {what} is not laid out as pipesim cuts a decoder (a base model holding embed_tokens, "
+                      "layers and norm, and a head: as Llama, Mistral, Qwen, Gemma and Phi-3 are)")
+
+
 def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     """A transformers causal language model cut as a pipeline cuts it: its base model's token embedding, each
     decoder layer, its final norm, then the head. Models laid out otherwise are refused, naming the layout."""
@@ -284,9 +294,7 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     parts = [getattr(base, name, None) for name in ("embed_tokens", "layers", "norm")]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if any(part is None for part in parts) or not isinstance(parts[1], nn.ModuleList) or head is None:
-        raise ModelError(f"{where}: {type(model).__name__} is not laid out as pipesim cuts a decoder (a base model "
-                         "holding embed_tokens, layers and norm, and a head: as Llama, Mistral, Qwen, Gemma and "
-                         "Phi-3 are)")
+        raise _not_laid_out(where, type(model).__name__)
     embed, blocks, norm = parts
     rotary = getattr(base, "rotary_emb", None)
     for block in blocks:
