@@ -274,7 +274,8 @@ class Tuning:
     def to_dict(self) -> dict:
         problem = self.problem
         return {
-            "problem": {"devices": problem.devices, "memory_cap_gib": problem.memory_cap_bytes / GIB,
+            # the cap in GiB to a byte's precision (9.3e-10 GiB): --memory-gb 0.1, held as whole bytes, is 0.1 again
+            "problem": {"devices": problem.devices, "memory_cap_gib": round(problem.memory_cap_bytes / GIB, 9),
                         "batch_size": problem.batch_size, "schedules": list(problem.schedules),
                         "max_staleness": problem.max_staleness, "max_chunks": problem.max_chunks,
                         "max_pipelines": problem.max_pipelines, "search_seconds": problem.search_seconds},

@@ -314,7 +314,7 @@ def test_cli_json_is_the_search_result():
     expected = tuning.tune(scenario(profile), problem(profile, 4, 0.05))
     assert doc["choice"]["schedule"] == expected.choice.result.config.schedule
     assert doc["choice"]["samples_per_s"] == pytest.approx(expected.choice.result.samples_per_s)
-    assert doc["problem"] == {"devices": 4, "memory_cap_gib": pytest.approx(0.05), "batch_size": 4 * 4 * 8,
+    assert doc["problem"] == {"devices": 4, "memory_cap_gib": 0.05, "batch_size": 4 * 4 * 8,  # as given, not 0.04999...
                               "schedules": list(METHODS), "max_staleness": 0, "max_chunks": 4, "max_pipelines": 4,
                               "search_seconds": None}
     assert len(doc["runners_up"]) == tuning.RUNNERS_UP and all(row["why"] for row in doc["runners_up"])
