@@ -1447,7 +1447,9 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
       `grad_input = grad_output.matmul(weight)`, then `reduce_scatter_tensor` into `sub_grad_input`; DTensor's
       gradient of the Replicate input it gathered, Partial, redistributed to Shard(1)); of the column-parallel
       products that share an input, under Megatron-core the first the pass runs only, their fused product's
-      (`_Reduction`), under torch's each (DTensor's Partial gradients, summed before their one reduce-scatter);
+      (`_Reduction`), under torch's each, and autograd's running sums of them, Partial too, full size on each rank
+      (DTensor's Partial gradients, summed out of place, a tensor subclass's: torch/csrc/autograd/input_buffer.cpp
+      `accumulate`, before their one reduce-scatter);
     - a row-parallel product's output gradient arrives split by tokens and is gathered whole,
       `gradient_element_bytes` an element, before the first of its gradient products the pass runs and freed after
       the last (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its
@@ -1466,6 +1468,15 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
             if number in whole and role == "input":
                 shared.setdefault(split.groups.get(j, (j,)), []).append(number)
         whole -= {number for numbers in shared.values() for number in numbers[1:]}
+    else:  # autograd's sums of Partial gradients, made while one is live: Partial, whole too
+        partial = {number for number in whole
+                   if roles[number][2] == "input" and len(split.groups.get(roles[number][0], ())) > 1}
+        live: set[int] = set()
+        for number, shape, nbytes, _ in events:
+            if number in partial:
+                (live.add if nbytes > 0 else live.discard)(number)
+            elif live and nbytes > 0 and number not in roles and split.residual(shape):
+                whole.add(number)
     gather = round(split.tokens * split.width * gradient_element_bytes / split.context)
     runs: dict[int, list[int]] = {}  # a row-parallel product's gradient products in the pass, in order
     for number, (j, parallel, role) in roles.items():

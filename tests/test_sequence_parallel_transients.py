@@ -146,6 +146,22 @@ def test_separate_projections_are_told_by_their_roles_not_their_shapes(separate_
     assert [made[number] for number in qkv] == [48 * 48, 48 * 48 * 2, *[48 * 48, later] * 2]
 
 
+@pytest.mark.parametrize("runtime, summed", [("megatron", 48 * 48), ("torch", 48 * 48 * 2)])
+def test_autograds_sums_of_partial_gradients_are_whole_under_torch(separate_projections, runtime, summed):
+    """t = 2 with sequence parallelism, tokens = width = 48: autograd sums the attention input's gradients, v's and
+    k's, then q's, each sum a tensor of 48 x 48 x 2 = 4,608 bytes made right after k's (q's) input gradient: under
+    torch a sum of DTensor's Partial gradients, whole on each rank until their one reduce-scatter; under
+    Megatron-core, whose fused product writes no sum, the rank's half of the reduced gradient (2,304)."""
+    layer = separate_projections.layers[1]
+    parallel = Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime)
+    backward, _ = replayed_backward(separate_projections, parallel)
+    made = dict(reversed(backward))
+    inputs = [number for number, _ in layer.product_allocations["bwd"][-6:]][1::2]  # v's, k's, q's input gradients
+    order = [number for number, _, nbytes, _ in layer.allocations["bwd"] if nbytes > 0]
+    sums = [order[order.index(number) + 1] for number in inputs[1:]]
+    assert [made[number] for number in sums] == [summed] * 2
+
+
 def test_separate_projections_split_by_their_roles_not_their_shapes(separate_projections):
     """t = 2, tokens = width = 48, q, k, v and o one shape (48 x 48 x 48): q, k and v are column-parallel (split on
     their outputs, their input gradients on their contraction), o and down row-parallel (their forwards split on
