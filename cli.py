@@ -13,21 +13,27 @@ import typer
 
 from .commands.common import fail, stderr, stdout
 
-# The click whose HelpFormatter lays out every help (typer 0.29 carries its own copy, older ones use click's): its
-# wrap_text takes the wrapper from this module at each call.
-_textwrap = importlib.import_module(
-    sys.modules[typer.core.TyperCommand.context_class.formatter_class.__module__].__package__ + "._textwrap")
 
-
-class _WholeWords(_textwrap.TextWrapper):
+def _wrap_between_words() -> None:
     """Help wraps between words only, never after a hyphen: click's wrapper broke `--fp8-param-gather` after
-    `param-` at 80 columns, and the half a user copied is no flag."""
+    `param-` at 80 columns, and the half a user copied is no flag. Click has no setting for it: its wrap_text takes
+    the TextWrapper of its `_textwrap` module at each call, in the click whose HelpFormatter lays out every help
+    (typer 0.29 carries its own copy, older ones use click's). A click laid out otherwise keeps its own wrapping."""
+    try:
+        formatting = sys.modules[typer.core.TyperCommand.context_class.formatter_class.__module__]
+        module = importlib.import_module(f"{formatting.__package__}._textwrap")
+        wrapper = module.TextWrapper
+    except (AttributeError, KeyError, ImportError):
+        return
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, break_on_hyphens=False, **kwargs)
+    class WholeWords(wrapper):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, break_on_hyphens=False, **kwargs)
+
+    module.TextWrapper = WholeWords
 
 
-_textwrap.TextWrapper = _WholeWords
+_wrap_between_words()
 
 # Each command's module under commands/, its function and its line in `pipesim --help`, in the order that lists
 # them. A run imports its own command's module only: typer builds every registered command's parameters (and the
