@@ -35,24 +35,24 @@ def _wrap_between_words() -> None:
 
 _wrap_between_words()
 
-# Each command's module under commands/, its function and its line in `pipesim --help`, in the order that lists
-# them. A run imports its own command's module only: typer builds every registered command's parameters (and the
-# modules import what they need): all thirteen cost `pipesim simulate` about 40 ms more to start. The lines fit
-# 80 columns: click cut each docstring's first sentence to "Predict timelines, bubbles, memory and staleness of...".
+# Each command's module under commands/ and its function, in the order `pipesim --help` lists them. A run
+# imports its own command's module only: typer builds every registered command's parameters (and the modules
+# import what they need): all thirteen cost `pipesim simulate` about 40 ms more to start. Each function's
+# docstring opens with its line in that list, a sentence that fits it at 80 columns (click cuts a longer one).
 COMMANDS = {
-    "simulate": ("simulate", "simulate", "Predict schedules' timelines, bubbles, memory, staleness."),
-    "calibrate": ("calibrate", "calibrate", "Measure a model on this machine into a profile."),
-    "run": ("run", "run", "Run a schedule for real with torch, and trace it."),
-    "export": ("simulate", "export", "Write a method's training step for torch's runtime."),
-    "sweep": ("sweep", "sweep", "Simulate a grid of configurations; find Pareto fronts."),
-    "schedules": ("simulate", "list_schedules", "List the methods and the weights their ops read."),
-    "tune": ("tune", "tune", "Pick the fastest schedule and shape under a memory cap."),
-    "compare": ("compare", "compare", "Compare a measured run with its prediction op by op."),
-    "view": ("view", "view", "Draw traces on one self-contained page."),
-    "study": ("study", "study", "Train every method alike: what staleness does."),
-    "count": ("count", "count", "Count a model's work per layer on torch's meta device."),
-    "gpus": ("gpus", "gpus", "List the GPUs pipesim knows, each figure's source."),
-    "estimate": ("estimate", "estimate", "Estimate a model's profile on a catalogue GPU."),
+    "simulate": ("simulate", "simulate"),
+    "calibrate": ("calibrate", "calibrate"),
+    "run": ("run", "run"),
+    "export": ("simulate", "export"),
+    "sweep": ("sweep", "sweep"),
+    "schedules": ("simulate", "list_schedules"),
+    "tune": ("tune", "tune"),
+    "compare": ("compare", "compare"),
+    "view": ("view", "view"),
+    "study": ("study", "study"),
+    "count": ("count", "count"),
+    "gpus": ("gpus", "gpus"),
+    "estimate": ("estimate", "estimate"),
 }
 
 
@@ -111,9 +111,8 @@ def make_app(names: tuple[str, ...] = tuple(COMMANDS)) -> typer.Typer:
     )
     app.callback()(_options)
     for name in names:
-        module, function, summary = COMMANDS[name]
-        app.command(name, cls=_Command, short_help=summary)(
-            getattr(importlib.import_module(f".commands.{module}", __package__), function))
+        module, function = COMMANDS[name]
+        app.command(name, cls=_Command)(getattr(importlib.import_module(f".commands.{module}", __package__), function))
     return app
 
 

@@ -124,7 +124,7 @@ def calibrate(
                         "version, threads, dtype and sizes; and contention, per model, options, cut and micro-batch "
                         "too) instead of reusing them.")] = False,
 ) -> None:
-    """Measure a model on this machine into a profile for `pipesim simulate --profile`.
+    """Measure a model on this machine into a profile. `pipesim simulate --profile` reads it.
 
     Per layer: forward, backward and its input/weight-gradient split, saved activations, output, weight,
     gradient and optimizer-state bytes. Per stage of the partition: optimizer, weight-prediction and

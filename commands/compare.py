@@ -129,7 +129,7 @@ def compare(
         "--html", metavar="PATH", help="Write both timelines to this HTML page.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
 ) -> None:
-    """Compare a measured run with its prediction op by op: iteration time, per-op duration and start errors by
+    """Compare a measured run with its prediction op by op. Iteration time, per-op duration and start errors by
     kind, bubble, exposed communication, peak memory per device, and the weight versions (which must agree).
     Errors are (predicted − measured) / measured."""
     from ..traces.compare import compare as compare_traces

@@ -38,9 +38,9 @@ def count(
         "--microbatch-size", "-b", metavar="B", min=1, help="Samples per micro-batch.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
-    """Count a model's work per layer and micro-batch, on torch's meta device (no memory, any size): forward,
-    input-gradient and weight-gradient FLOPs, bytes moved by memory-bound ops, bytes saved for the backward,
-    weight and Adam-state bytes, and the tensor each layer outputs (what a stage ending there sends)."""
+    """Count a model's work per layer on torch's meta device. Per micro-batch, with no memory and at any size:
+    forward, input-gradient and weight-gradient FLOPs, bytes moved by memory-bound ops, bytes saved for the
+    backward, weight and Adam-state bytes, and the tensor each layer outputs (what a stage ending there sends)."""
     dtype, attention = ctx.params["dtype"], ctx.params["attention"]
     try:
         require("pipesim count", "torch")

@@ -609,7 +609,7 @@ def estimate(
         "--sources", help="Print the efficiency curve's sources in full: each figure's measurement and its address "
                           "(the profile keeps them in estimate.curve.source).")] = False,
 ) -> None:
-    """Estimate a model's profile on a catalogue GPU, without the GPU: the model counted by torch on the meta
+    """Estimate a model's profile on a catalogue GPU, without the GPU. The model counted by torch on the meta
     device, priced on the part's figures, parallelised as given, and partitioned into p stages. simulate, sweep,
     tune and export read it with --profile as they read a calibrated one; it and every trace made from it say
     it is an estimate and from what."""

@@ -17,8 +17,9 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON document inst
 
 
 def gpus(extra: GpusFile = None, as_json: Json = False) -> None:
-    """List the GPUs pipesim knows: dense peak TFLOP/s per dtype, memory and its bandwidth, the link inside a
-    node and the network between nodes per GPU; each figure's source is in --json and in the catalogue file."""
+    """List the GPUs pipesim knows and their figures. Dense peak TFLOP/s per dtype, memory and its bandwidth, the
+    link inside a node and the network between nodes per GPU; each figure's source is in --json and in the
+    catalogue file."""
     from ..hardware.catalogue import CatalogueError, load_catalogue
 
     try:

@@ -146,9 +146,9 @@ def run(
         "--html", metavar="PATH", help="Write the timeline page (self-contained HTML).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
-    """Run a schedule for real with torch: train the model with the method's weight semantics and write the
-    measured trace (same schema as `simulate --trace`). auto runs the order searched for --profile's costs, or
-    for --fwd and --bwd.
+    """Run a schedule for real with torch, and trace it. It trains the model with the method's weight semantics and
+    writes the measured trace (same schema as `simulate --trace`). auto runs the order searched for --profile's
+    costs, or for --fwd and --bwd.
 
     Spawns one process per device (per device and replica with --data-parallel), or, started by torchrun, runs
     this rank and rank 0 writes the trace.

@@ -182,7 +182,7 @@ def simulate(
         "--trace", metavar="PATH", help="Write Chrome Trace Event JSON (Perfetto); -<schedule> is added for "
                                         "several.")] = None,
 ) -> None:
-    """Predict timelines, bubbles, memory and staleness of schedules side by side.
+    """Predict schedules' timelines, bubbles, memory and staleness.
 
     With no options: a built-in example comparing every method on a 4-stage pipeline. With --gpu, the costs are
     the model's (--model and its size flags), counted on torch's meta device and estimated on a catalogue GPU.
@@ -666,7 +666,7 @@ def _source(sched) -> str | None:
 
 
 def list_schedules() -> None:
-    """List the methods pipesim knows: what each does and which weights its ops read."""
+    """List the methods, what each does and the weights its ops read."""
     from ..schedules import METHODS, SYNCHRONOUS
 
     table = Table(show_header=True, box=box.SIMPLE_HEAD, pad_edge=False)
@@ -742,8 +742,8 @@ def export(
     comm: SearchComm = None,
     activation_mb: SearchActivationMb = None,
 ) -> None:
-    """Write one training step of a method's schedule for another runtime (e.g. torch's `_load_csv`). auto's order
-    is searched for the costs given (--fwd and --bwd, or --profile)."""
+    """Write a method's training step for another runtime. One step of its schedule, for a runtime such as
+    torch's (`_load_csv`); auto's order is searched for the costs given (--fwd and --bwd, or --profile)."""
     from ..schedules import ScheduleError
     from ..schedules.catalogue import method_named
     from ..schedules.torch_csv import to_torch_csv

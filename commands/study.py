@@ -95,10 +95,10 @@ def study(
         "--plot-only", help="Train nothing: show the table and write the page from --results.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
-    """Train every method on the same model, data, initialisation and sample budget, per optimizer and seed:
-    held-out accuracy and loss (mean ± std over seeds), measured and predicted throughput, and the staleness
-    and prediction distance of every stage. A predicting method also runs with each other source of s that
-    changes its distances (unless --prediction picks one)."""
+    """Train every method alike: accuracy, throughput and staleness. Each on the same model, data, initialisation
+    and sample budget, per optimizer and seed: held-out accuracy and loss (mean ± std over seeds), measured and
+    predicted throughput, and the staleness and prediction distance of every stage. A predicting method also runs
+    with each other source of s that changes its distances (unless --prediction picks one)."""
     from ..schedules import ScheduleError
     from ..study.plan import DEFAULT_METHODS, DEFAULT_OPTIMIZERS, Setting, arms
     from ..study.results import ResultsError, load_results, open_results, recorded_arms, summarize

@@ -148,7 +148,8 @@ def sweep(
                                        "schedule, a symbol per staleness, one Pareto front at a time (self-contained "
                                        "HTML).")] = None,
 ) -> None:
-    """Simulate a grid of configurations in parallel; find the Pareto fronts of time, memory and staleness.
+    """Simulate a grid of configurations; find their Pareto fronts. The configurations run in parallel; the
+    fronts are of time, memory and staleness.
 
     Axes are comma lists, or a TOML file (--grid).
     A configuration a method cannot run is a row with status "skipped" and the reason.

@@ -130,8 +130,8 @@ def tune(
                                                             )] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of a table.")] = False,
 ) -> None:
-    """Pick the fastest schedule, depth p, micro-batches m, chunks v, pipelines P and layer partition for a
-    profiled model on D devices under a per-device memory cap.
+    """Pick the fastest schedule and shape under a memory cap. The shape: depth p, micro-batches m, chunks v,
+    pipelines P and layer partition, for a profiled model on D devices under a per-device cap.
 
     The problem: B samples per optimizer step (--batch-size) on D devices of G GiB (--memory-gb); the
     profile's micro-batch size b stays fixed (its times hold at b). The devices run r = D/p data-parallel

@@ -42,7 +42,7 @@ def view(
         "--html", metavar="PATH", help="Page to write (replaced if it exists). Default: the first trace's name with "
                                        ".html, which replaces only a pipesim page.")] = None,
 ) -> None:
-    """Draw traces on one self-contained page (works offline): one view per trace and, for several traces, one
+    """Draw traces on one self-contained page (works offline). One view per trace and, for several traces, one
     with their lanes interleaved device by device, predicted beside measured; memory under the timelines."""
     from ..traces.trace import TraceError, read_trace
     from ..traces.view import shape_text, write_timeline_page
