@@ -230,7 +230,6 @@ def test_the_last_stages_merged_outputs_take_a_segment_after_its_last_backward()
     assert merged == [kept[0], kept[1] + 4 * 12 * MIB]
 
 
-
 def test_the_merge_waits_for_the_devices_last_backward():
     """Interleaved on 2 devices, the last stage's device runs its first chunk's backwards after the last stage's
     own: torch's step merges once it has run them all (PipelineScheduleMulti.step), so the merged logits (4 of
