@@ -436,7 +436,8 @@ class _Split:
     # over the column-parallel products that read its input: `_input_groups`)
     roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = field(default_factory=dict,
                                                                                              compare=False)
-    # per product with weights that shares its input with others, the products reading it (`_input_groups`)
+    # per product with weights that shares its input with others, the products whose input gradients one
+    # reduction sums with its (`_input_groups`)
     groups: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
     # whose layers run (`TP_RUNTIMES`): Megatron-core fuses the products that share an input into one
     runtime: str = "megatron"
@@ -447,7 +448,7 @@ class _Split:
         width = shape[-1] if shape else 0
         tokens = math.prod(shape[:-1]) if shape else 0
         weights = _weight_splits(layer, tokens, width) if parallel.tensor > 1 else {}
-        groups = _input_groups(layer) if weights else {}
+        groups = _input_groups(layer, weights, parallel.tp_runtime) if weights else {}
         roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = {}
         for name in PASSES if weights else ():
             shapes = dict(layer.product_allocations.get(name, ()))
@@ -1521,17 +1522,45 @@ def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]
     return weights
 
 
-def _input_groups(layer: LayerCount) -> dict[int, tuple[int, ...]]:
+def _input_groups(layer: LayerCount, weights: dict[int, str], runtime: str) -> dict[int, tuple[int, ...]]:
     """Per product with weights (`LayerCount.weight_grad_outputs`, by index) that shares its input with others, the
-    products that read that input, in the forward's order: told by what each forward product read
-    (`LayerCount.forward_reads`; nothing made inside: the layer's input). Empty for a count without its reads."""
+    products whose input gradients one reduction sums, in the forward's order, told by what each forward product
+    read (`LayerCount.forward_reads`; nothing made inside: the layer's input): under torch's (`runtime`) all that
+    read it, one DTensor whose Partial gradients autograd sums; under Megatron-core's those it fuses into one
+    ColumnParallelLinear (q, k and v, gate and up), not one whose output reaches a column-parallel product's input
+    (`weights`) through ops other than products: MLA's down-projections, whose outputs the norms and the
+    up-projections read, are a TEColumnParallelLinear each, linear_q_down_proj and linear_kv_down_proj, each
+    reducing its own input gradient (megatron/core/models/gpt/gpt_layer_specs.py and
+    megatron/core/transformer/multi_latent_attention.py at 7094270c6f, core_r0.12.0, NeMo 25.04's). Empty for a
+    count without its reads."""
     outputs = layer.weight_grad_outputs
     reads = dict(layer.forward_reads)
+    products = _weighted_products(layer, {}, "fwd") if reads else {}
+    made_from: dict[int, list[int]] = {}  # a storage -> those made from it, a product's output made by no other
+    for number, read in reads.items():
+        for source in read if number not in products else ():
+            made_from.setdefault(source, []).append(number)
+    column_inputs = {source for number, (j, _, _) in products.items() if weights.get(j) == "column"
+                     for source in reads.get(number, ())}
+
+    def feeds_a_column_product(number: int) -> bool:
+        seen, todo = {number}, [number]
+        while todo:
+            storage = todo.pop()
+            if storage in column_inputs:
+                return True
+            todo.extend(made for made in made_from.get(storage, ()) if made not in seen)
+            seen.update(made_from.get(storage, ()))
+        return False
+
     by_input: dict[tuple[int, ...], list[int]] = {}
-    for number, (j, _, _) in _weighted_products(layer, {}, "fwd").items() if reads else ():
-        if outputs[j][2]:
+    alone: list[int] = []
+    for number, (j, _, _) in products.items():
+        if outputs[j][2] and runtime == "megatron" and feeds_a_column_product(number):
+            alone.append(j)
+        elif outputs[j][2]:
             by_input.setdefault(reads.get(number, ()), []).append(j)
-    return {j: tuple(group) for group in by_input.values() for j in group}
+    return {j: (j,) for j in alone} | {j: tuple(group) for group in by_input.values() for j in group}
 
 
 def _weighted_products(layer: LayerCount, weights: dict[int, str], name: str) -> dict[int, tuple[int, str, str]]:

@@ -300,6 +300,31 @@ def test_mla_under_flash_pads_the_values_to_the_queries_head_size(tmp_path):
     assert counted.layers[1].expert_param_bytes == 0 and counted.layers[2].expert_param_bytes > 0
 
 
+@needs_transformers
+@pytest.mark.parametrize("runtime, down", [("megatron", {(1, TOKENS, H, 12): 2.0}),
+                                           ("torch", {(1, TOKENS, H, 24): 1.0})])
+def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_splits_them(tmp_path, runtime, down):
+    """t = 2: MLA's q and kv down-projections (24 outputs each, both column-parallel on the attention's input) reduce
+    their input gradients each under Megatron-core, a TEColumnParallelLinear each whose output the norm and the
+    up-projection read (planning/estimate.py `_input_groups`), two reductions over their 12 features a rank; under
+    torch's once, summed over their 48 (12 + 12 a rank); the shared expert's gate and up (32 each) once under both,
+    as Megatron-core's fused linear_fc1 and DTensor's summed Partial gradients reduce them."""
+    from pipesim.planning.estimate import Parallelism, _Split
+
+    counted = count_built(f"hf:{write_config(tmp_path / 'deepseek', TINY_DEEPSEEK)}", {"seq_len": S}, B,
+                          torch.bfloat16, "flash")
+    layer = counted.layers[2]
+    split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime))
+    reductions: dict[tuple[int, ...], float] = {}
+    for op in layer.ops["igrad"]:
+        for _, reduction, share in split.products(op, "igrad") if op.kind == "matmul" else ():
+            if reduction is not None and reduction.op.shape[2] == H:  # the attention's or the MLP's input, 64 wide
+                shape = reduction.op.shape
+                reductions[shape] = reductions.get(shape, 0.0) + op.count * share * reduction.part
+    reductions.pop((1, TOKENS, H, EXPERTS // 2), None)  # the router's, split by its shape alone (it reads a cast)
+    assert reductions == {**down, (1, TOKENS, H, 32): 1.0}
+
+
 def capacity_counts(tmp_path, fields: dict, *factors: float | None, **options) -> list[WorkloadCount]:
     """The config `fields` counted dropless (None) and at each capacity factor."""
     spec = f"hf:{write_config(tmp_path / fields['model_type'], fields)}"
