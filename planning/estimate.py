@@ -405,16 +405,23 @@ class _Reduction:
     NVIDIA/Megatron-LM d98e8a64); torchtitan keeps wq, wk and wv (w1 and w3) separate, ColwiseParallel on the one
     DTensor that `PrepareModuleInput` on `attention` (`feed_forward`) redistributed from Shard(1) to Replicate
     (torchtitan/parallelisms/parallelize_llama.py `apply_tp`, read at pytorch/torchtitan 004b3148): autograd sums
-    their Partial gradients into that tensor's before the redistribute's backward reduces it, once."""
+    their Partial gradients into that tensor's before the redistribute's backward reduces it, once, a reduce-scatter
+    torch's async TP does not overlap (`async_tp_ms`)."""
 
     op: OpCount
     part: float = 1.0
 
-    def ms(self, product_ms: float, device: Device, reduced_ms: Callable[[OpCount, float], float]) -> float:
-        """A product of `product_ms` with its part of the reduction: `reduced_ms` of the reduced product (the
-        product and its collective, overlapped as the runtime overlaps them), less that product's own time."""
-        fused_ms = op_ms(self.op, device) if self.part < 1 else product_ms
-        return product_ms - self.part * fused_ms + self.part * reduced_ms(self.op, fused_ms)
+    @property
+    def summed(self) -> bool:
+        """Whether it reduces a sum of products' gradients (an add's output), not one product's output."""
+        return self.part < 1
+
+    def ms(self, product_ms: float, device: Device, reduced_ms: Callable[[_Reduction, float], float]) -> float:
+        """A product of `product_ms` with its part of the reduction: `reduced_ms` of the reduction and the reduced
+        product's time (the product and its collective, overlapped as the runtime overlaps them), less that
+        product's own time."""
+        fused_ms = op_ms(self.op, device) if self.summed else product_ms
+        return product_ms - self.part * fused_ms + self.part * reduced_ms(self, fused_ms)
 
 
 @dataclass(frozen=True)
@@ -1040,11 +1047,21 @@ def overlapped_ms(op: OpCount, device: Device, t: int, nbytes: int, link: Estima
     return t * chunk_ms + 2 * (t - 1) * max(step_ms - chunk_ms, 0.0)
 
 
-def async_tp_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink) -> float:
+def async_tp_ms(op: OpCount, device: Device, t: int, nbytes: int, link: EstimateLink, summed: bool = False) -> float:
     """`overlapped_ms` as torch's async TP ends it (`--tp-runtime torch`): `_fused_matmul_reduce_scatter_impl`
     (torch/distributed/_symmetric_memory/__init__.py) has each rank's t chunks written into the owners' stacked
     partials (the whole `nbytes` output, t pieces of 1/t) and only then sums them in one reduction kernel, reading
-    all of it and writing the rank's 1/t, after the last chunk: exposed, at the memory bandwidth."""
+    all of it and writing the rank's 1/t, after the last chunk: exposed, at the memory bandwidth.
+    Inductor's micro-pipeline TP pass makes that fused product only of a reduce-scatter whose input a matmul writes
+    (torch 2.13, torch/_inductor/fx_passes/micro_pipeline_tp.py: `fuse_matmul_reduce_scatter` gives up where
+    `_find_producer_matmul` finds none): a `summed` gradient, the add of separate products' (a Hugging Face q, k
+    and v, which autograd sums into their one input's, `_Reduction`), is reduce-scattered by NCCL after `op`'s
+    products run whole, exposed. The all-gather still hides under the matmuls that read it
+    (`fuse_all_gather_matmul` takes every one `_find_consumer_matmuls` finds, all of them in each chunk):
+    `ring_exchange_ms`."""
+    if summed:
+        return (op_ms(op, device) + reduce_scatter_ms(nbytes, t, link.latency_ms, link.bytes_per_ms)
+                + ring_exchange_ms(op, device, t, nbytes, link))
     batch, m, n, _ = op.shape
     reduction = OpCount("sum", "memory", (batch, max(m // t, 1), n), 0, nbytes + nbytes // t, 1)
     return overlapped_ms(op, device, t, nbytes, link) + op_ms(reduction, device)
@@ -1151,13 +1168,13 @@ def gathered_transposes_ms(elements: int, t: int, device: Device) -> float:
     return 2 * device.curve.kernel_overhead_ms + moved / device.memory_bytes_per_ms
 
 
-def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device, reduced_ms: Callable[[OpCount, float], float],
-             name: str, only_core: bool = False, ring: ContextRing | None = None, element_bytes: int = 2
-             ) -> tuple[tuple[OpCount, float], ...]:
+def _pass_ms(ops: tuple[OpCount, ...], split: _Split, device: Device,
+             reduced_ms: Callable[[_Reduction, float], float], name: str, only_core: bool = False,
+             ring: ContextRing | None = None, element_bytes: int = 2) -> tuple[tuple[OpCount, float], ...]:
     """Pass `name`'s ops on one of the t·C ranks, each with its time (all its `count` calls): split
-    (`_Split.products`), a product split on its contraction with its collective (`reduced_ms` of it and its own
-    time), an attention kernel as the context ring's blocks, their merges and copies (its exchanges are the ring's
-    row: `_ring_of`); in the pass's order, the ops `only_core` leaves out left out."""
+    (`_Split.products`), a product split on its contraction with its collective (`reduced_ms` of its reduction
+    and the reduced product's time), an attention kernel as the context ring's blocks, their merges and copies
+    (its exchanges are the ring's row: `_ring_of`); in the pass's order, the ops `only_core` leaves out left out."""
     timed = []
     for op in ops:
         if op.kind in ("matmul", "attention"):
@@ -1267,7 +1284,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
     gathered_bytes = FP8_BYTES if parallel.fp8 is not None and FP8_RECIPES[parallel.fp8].gathers_float8 \
         and attends(layer) else element_bytes
 
-    def reduced_ms(op: OpCount, product_ms: float, forward: bool) -> float:
+    def reduced_ms(reduction: _Reduction, product_ms: float, forward: bool) -> float:
+        op = reduction.op
         batch, m, n, _ = op.shape
         nbytes, gathered = batch * m * n * element_bytes, batch * m * n * gathered_bytes
         regathers = parallel.sequence_parallel and parallel.tp_runtime == "megatron" and not forward
@@ -1275,7 +1293,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         if regathers and gathered_bytes == FP8_BYTES:
             gather_ms += gathered_transposes_ms(batch * m * n, t, device)
         if parallel.tp_overlap and parallel.tp_runtime == "torch":
-            return async_tp_ms(op, device, t, nbytes, tensor_link) + gather_ms
+            return async_tp_ms(op, device, t, nbytes, tensor_link, reduction.summed) + gather_ms
         if parallel.tp_overlap and forward:
             # with `fp8_buf` (a userbuffers config's, proj_fprop and fc2_fprop) the product writes its float8 output
             # into the userbuffer and the reduce-scatter sums float8 into 16 bits (TransformerEngine 1.10's
@@ -1292,7 +1310,8 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
         return product_ms + all_reduce_ms(nbytes, t, tensor_link.latency_ms, tensor_link.bytes_per_ms)
 
     def pass_ops(ops: Sequence[OpCount], name: str, only_core: bool = False) -> tuple[tuple[OpCount, float], ...]:
-        return _pass_ms(tuple(ops), split, device, lambda op, product_ms: reduced_ms(op, product_ms, name == "fwd"),
+        forward = name == "fwd"
+        return _pass_ms(tuple(ops), split, device, lambda reduction, fused_ms: reduced_ms(reduction, fused_ms, forward),
                         name, only_core, ring, element_bytes)
 
     timed = {name: pass_ops(layer.ops.get(name, ()), name) for name in ("fwd", "bwd", "igrad", "wgrad")}

@@ -109,6 +109,26 @@ def test_its_activations_are_the_gpts_plus_eager_rmsnorm_and_rope(llama, attenti
     assert norms == 2 * (6 * B * S * H + 4 * B * S)  # post_attention_layernorm is a norm, not attention
 
 
+def tensor_links(parallel):
+    """An H100's tensor-parallel link under `parallel`, without latency, and the same at 1,000 times its rate."""
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import placement_links
+
+    link = placement_links(load_catalogue().find("h100-sxm"), parallel).tensor.model_copy(update={"latency_ms": 0.0})
+    return link, link.model_copy(update={"bytes_per_ms": link.bytes_per_ms * 1000})
+
+
+def communication_ms(layer, parallel) -> tuple[float, float]:
+    """The layer's tensor-parallel communication under `parallel` on an H100, forward and backward: its time at the
+    link's rate less at 1,000 times it (`tensor_links`)."""
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Device, estimate_layer
+
+    device = Device.of(load_catalogue().find("h100-sxm"), "bf16")
+    slow, fast = (estimate_layer(layer, device, parallel, link, E) for link in tensor_links(parallel))
+    return slow.fwd_ms - fast.fwd_ms, slow.bwd_ms - fast.bwd_ms
+
+
 @needs_transformers
 @pytest.mark.parametrize("tensor", [2, 8])
 @pytest.mark.parametrize("sequence_parallel, runtime", [(False, "megatron"), (True, "megatron"), (True, "torch")])
@@ -118,23 +138,33 @@ def test_its_separate_projections_reduce_their_input_gradient_once_per_shared_in
     once, summed (planning/estimate.py `_Reduction`): the backward's tensor-parallel communication (the layer's
     backward at the link's rate less at 1,000 times it, no latency) is two reductions' worth, the attention's input
     and the MLP's, as the gpt's with its fused qkv and gate_up, not five. The forward's, o's and down's, alike."""
-    from pipesim.hardware.catalogue import load_catalogue
-    from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
+    from pipesim.planning.estimate import Parallelism
 
-    (hf, gpt), gpu = counts(str(llama), "flash"), load_catalogue().find("h100-sxm")
+    hf, gpt = counts(str(llama), "flash")
     parallel = Parallelism(tensor=tensor, sequence_parallel=sequence_parallel, tp_runtime=runtime)
-    link = placement_links(gpu, parallel).tensor.model_copy(update={"latency_ms": 0.0})
-    fast = link.model_copy(update={"bytes_per_ms": link.bytes_per_ms * 1000})
-
-    def communication_ms(layer) -> tuple[float, float]:
-        slow_estimate, fast_estimate = (estimate_layer(layer, Device.of(gpu, "bf16"), parallel, each, E)
-                                        for each in (link, fast))
-        return (slow_estimate.fwd_ms - fast_estimate.fwd_ms, slow_estimate.bwd_ms - fast_estimate.bwd_ms)
-
-    hf_fwd_ms, hf_bwd_ms = communication_ms(hf.layers[1])
-    gpt_fwd_ms, gpt_bwd_ms = communication_ms(gpt.layers[1])
+    hf_fwd_ms, hf_bwd_ms = communication_ms(hf.layers[1], parallel)
+    gpt_fwd_ms, gpt_bwd_ms = communication_ms(gpt.layers[1], parallel)
     assert gpt_bwd_ms > 0 and hf_bwd_ms == pytest.approx(gpt_bwd_ms, rel=1e-9)
     assert hf_fwd_ms == pytest.approx(gpt_fwd_ms, rel=1e-9)
+
+
+@needs_transformers
+@pytest.mark.parametrize("tensor", [2, 8])
+def test_torchs_async_tp_leaves_the_reduce_scatter_of_a_summed_input_gradient_exposed(llama, tensor):
+    """Inductor's micro-pipeline TP fuses a reduce-scatter with the matmul that writes its input (torch 2.13,
+    micro_pipeline_tp.py `fuse_matmul_reduce_scatter`, `_find_producer_matmul`); separate q, k and v (gate and up)
+    write three (two) gradients whose sum, an add's, it reduce-scatters: not fused, exposed after them. The gpt's
+    fused qkv and gate_up write theirs, so theirs hide under the chunks of the tiny block's products (no time at
+    the link's rate beyond at 1,000 times it, no latency), as every all-gather does, fused with the matmuls that
+    read it (`fuse_all_gather_matmul`); the Llama's backward pays its two reduce-scatters whole."""
+    from pipesim.planning.estimate import Parallelism, reduce_scatter_ms
+
+    hf, gpt = counts(str(llama), "flash")
+    parallel = Parallelism(tensor=tensor, sequence_parallel=True, tp_runtime="torch", tp_overlap=True)
+    scattered_ms = [reduce_scatter_ms(B * S * H * E, tensor, 0.0, link.bytes_per_ms) for link in tensor_links(parallel)]
+    assert communication_ms(gpt.layers[1], parallel) == (0.0, 0.0)
+    assert communication_ms(hf.layers[1], parallel) == pytest.approx((0.0, 2 * (scattered_ms[0] - scattered_ms[1])),
+                                                                     rel=1e-9, abs=1e-12)
 
 
 @needs_transformers
