@@ -436,7 +436,8 @@ class _Split:
     tokens: int
     seq: int | None
     context: int = 1
-    # per product with weights (its index in `LayerCount.weight_grad_outputs`), "column" or "row" (`_weight_splits`)
+    # per product with weights (its index in `LayerCount.weight_grad_outputs`), "column", "row" or "replicated"
+    # (`_weight_splits`)
     weights: dict[int, str] = field(default_factory=dict, compare=False)
     # per pass, per product shape, each of the pass's products of that shape with a role (`_weighted_products`):
     # (how its weight splits, which product it is, the weight's side tensor parallelism divides, that side summed
@@ -505,7 +506,8 @@ class _Split:
         the side its weight's split divides. Telling them by shape alone takes a Hugging Face model's separate q
         projection, width x width as the output projection is, for a row-parallel one. Column-parallel products
         that read one input (a Hugging Face model's separate q, k and v, gate and up) reduce their summed input
-        gradient once (`_Reduction`)."""
+        gradient once (`_Reduction`). A replicated weight (a router's) is whole on every rank: its products run on
+        the tokens the rank holds, reducing nothing (`_replicated_at`)."""
         if op.routed:
             return ((op, None, 1.0),)
         roles = self.roles.get(name, {}).get(op.shape, ())
@@ -516,14 +518,14 @@ class _Split:
         splits: dict[tuple[int, bool, int], int] = {}
         _, m, _, _ = op.shape
         for how, role, side, together in roles:
-            at = {"output": 2 if how == "row" else 1, "input": 2 if how == "column" else 1}.get(role,
-                                                                                               0 if m == side else 1)
+            split_at = {"output": 2 if how == "row" else 1, "input": 2 if how == "column" else 1}
+            at = self._replicated_at(role) if how == "replicated" else split_at.get(role, 0 if m == side else 1)
             key = (at, (how, role) in _CONTRACTED, together if role == "input" else side)
             splits[key] = splits.get(key, 0) + 1
         return tuple((self.context_share(self._divided(op, at)), self._reduction(op, at, together) if reduced else None,
                       n / len(roles)) for (at, reduced, together), n in splits.items())
 
-    def _reduction(self, op: OpCount, at: int, together: int) -> _Reduction:
+    def _reduction(self, op: OpCount, at: int | None, together: int) -> _Reduction:
         """The reduction a product split on its dimension `at` takes part in: its own, or where column-parallel
         products that share its input contract over `together` features in all, theirs summed, as the fused
         product of them all writes it, of which `op` carries its share of the features."""
@@ -536,8 +538,22 @@ class _Split:
                         moved_bytes=op.moved_bytes * elements[0] // elements[1])
         return _Reduction(self.context_share(self._divided(fused, at)), k / together)
 
-    def _divided(self, op: OpCount, at: int) -> OpCount:
-        """`op` with its dimension `at` of (m, n, k) divided by t."""
+    def _replicated_at(self, role: str) -> int | None:
+        """Where a replicated weight's product (`role`, `_weighted_products`) divides over t: on its tokens, m of
+        its output and input gradient, k of its weight gradient, where the rank holds 1/t of them (Megatron-core
+        under sequence parallelism, whose router reads the rank's tokens before the dispatcher gathers them:
+        megatron/core/transformer/moe/moe_layer.py `MoELayer.forward` and router.py at 7094270c6f, core_r0.12.0);
+        None, whole, where every rank holds all of them (Megatron-core without sequence parallelism; torch's, whose
+        MoE gathers its input to Replicate before the router, `NoParallel` on `moe.router.gate`: torchtitan/
+        models/llama4/infra/parallelize.py `apply_moe_ep_tp`)."""
+        if not (self.sequence_parallel and self.runtime == "megatron"):
+            return None
+        return 2 if role == "weight" else 0
+
+    def _divided(self, op: OpCount, at: int | None) -> OpCount:
+        """`op` with its dimension `at` of (m, n, k) divided by t (None: whole)."""
+        if at is None:
+            return op
         dims = list(op.shape[1:])
         dims[at] = max(dims[at] // self.t, 1)
         return _scaled(op, (op.shape[0], *dims), self.t)
@@ -1261,6 +1277,35 @@ def unfused_weight_share(layer: LayerCount, element_bytes: int) -> float:
     return max(0.0, 1.0 - in_products / layer.param_bytes)
 
 
+def replicated_share(layer: LayerCount, element_bytes: int) -> float:
+    """Of `layer`'s weights (by bytes), the share tensor parallelism keeps whole on every rank, not 1/t: its router's
+    (`_weight_splits`' "replicated"), its gradient and optimizer state too (Megatron-core's distributed optimizer
+    shards them over the data-parallel ranks only); `element_bytes`: the count's."""
+    if not (layer.param_bytes and layer.weight_grad_router):
+        return 0.0
+    whole = sum(n * k for ((_, _, n, k), _, _), router in zip(layer.weight_grad_outputs, layer.weight_grad_router)
+                if router)
+    return whole * element_bytes / layer.param_bytes
+
+
+def replicated_reduce_ms(layers: Sequence[LayerCount], parallel: Parallelism, held: Precision, element_bytes: int,
+                         link: EstimateLink) -> float:
+    """The all-reduce over the t ranks of `layers`' replicated weights' gradients (`replicated_share`) once a step,
+    before the optimizer's, under Megatron-core with sequence parallelism: each rank's router saw only its own
+    tokens, so its gradient is a partial sum. The router's weight carries `sequence_parallel` (router.py
+    `Router.__init__`), and finalize_model_grads all-reduces every such parameter's main_grad over the
+    tensor-parallel group, coalesced (megatron/core/distributed/finalize_model_grads.py at 7094270c6f,
+    core_r0.12.0: `_allreduce_layernorm_grads`; at core_v0.14.0 `_allreduce_non_tensor_model_parallel_grads`).
+    `held`: the precision whose gradient bytes it moves. 0 otherwise: without sequence parallelism each rank's
+    router saw every token, and torch's `NoParallel` router reads the gathered input."""
+    t = parallel.tensor
+    if not (t > 1 and parallel.sequence_parallel and parallel.tp_runtime == "megatron"):
+        return 0.0
+    nbytes = held.gradient_bytes(round(sum(layer.grad_bytes * replicated_share(layer, element_bytes)
+                                           for layer in layers)))
+    return all_reduce_ms(nbytes, t, link.latency_ms, link.bytes_per_ms) if nbytes else 0.0
+
+
 def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, tensor_link: EstimateLink,
                    element_bytes: int, context_link: EstimateLink | None = None,
                    float8: Float8Forms | None = None, grad_bytes: int | None = None) -> LayerEstimate:
@@ -1519,13 +1564,20 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
 
 def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]:
     """How tensor parallelism splits each product with weights (`LayerCount.weight_grad_outputs`, by index; the
-    routed experts' aside), told by its role in the count, not its shape: "column" where it shares its input (q, k
-    and v, a gated MLP's gate and up) or reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a
-    norm's output, the layer's input); "row" where it writes the residual stream's (tokens x width) otherwise (wo,
-    w2); the rest none. Telling them by shape alone misreads a Hugging Face model's separate q, k, v and o
-    projections, which are all width x width. Empty where the count does not record its products' storages."""
+    routed experts' aside), told by its role in the count, not its shape: "replicated", not split, a mixture of
+    experts' router (`LayerCount.weight_grad_router`): Megatron-core's Router holds its weight, experts x hidden,
+    whole on every rank, a plain Parameter, not a tensor-parallel linear, and its gating product reads the rank's
+    own tokens and reduces no gradient (megatron/core/transformer/moe/router.py at 7094270c6f, core_r0.12.0, the
+    DGX Cloud rows' pin, and at core_v0.14.0: `Router.__init__`, `gating`), as torchtitan's `NoParallel` router
+    (`_Split._replicated_at`); "column" where it shares its input (q, k and v, a gated MLP's gate and up) or reads
+    one sequence parallelism gathers (`LayerCount.sequence_inputs`: a norm's output, the layer's input); "row" where
+    it writes the residual stream's (tokens x width) otherwise (wo, w2); the rest none. Telling them by shape alone
+    misreads a Hugging Face model's separate q, k, v and o projections, which are all width x width, and its
+    router, which reads a float32 copy of the norm's output. Empty where the count does not record its products'
+    storages."""
     outputs = layer.weight_grad_outputs
     routed = layer.weight_grad_routed or (False,) * len(outputs)
+    router = layer.weight_grad_router or (False,) * len(outputs)
     reads = dict(layer.forward_reads)
     sequence = {number for _, number in layer.sequence_inputs}
     weights: dict[int, str] = {}
@@ -1534,7 +1586,9 @@ def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]
         read = reads.get(number, ())
         if routed[j]:
             continue
-        if shares_input or sequence.intersection(read) or (-1 in sequence and not read):
+        if router[j]:
+            weights[j] = "replicated"
+        elif shares_input or sequence.intersection(read) or (-1 in sequence and not read):
             weights[j] = "column"
         elif shape[1:3] == (tokens, width):
             weights[j] = "row"
@@ -2157,7 +2211,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                                                    element, links.context, float8, accumulated))
         share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
         state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
-        params = round(layer.param_bytes * share) // t
+        whole = (t - 1) * replicated_share(layer, element)  # its router's, whole on each of the t ranks: t - 1 more
+        params = round(layer.param_bytes * (share + whole)) // t
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
 
@@ -2195,14 +2250,14 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             param_bytes=params,
             all_gather_bytes=(gathered_weight_bytes(layer, params, parallel, element)
                               if parallel.fsdp_float8_all_gather or parallel.fp8_param_gather else None),
-            grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
+            grad_bytes=held.gradient_bytes(round(layer.grad_bytes * (share + whole))) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             fwd_sharing_ms=shared.fwd_ms if shared else 0.0, bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
             product_ms=persistent_product_ms(busiest, device, parallel, element, float8),
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
-                                                * layer.param_bytes // element) * state_share) // shards
+                                                * layer.param_bytes // element) * (state_share + whole)) // shards
                                    for name in OPTIMIZERS}))
     if made is None:
         layers = _with_host_waits(layers, issues, waits)
@@ -2212,7 +2267,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if bounds is None:
         bounds = partition(costs, parallel.pipeline, stage_time=stage_time(layers, parallel.p2p_sync))
     weight_shards = experts.weight_shards
-    held_shares = [1.0 if parallel.sharded_optimizer else held_share(layer, weight_shards) for layer in counted.layers]
+    held_shares = [(1.0 if parallel.sharded_optimizer else held_share(layer, weight_shards))
+                   + (t - 1) * replicated_share(layer, element) for layer in counted.layers]
     # each layer's bytes an optimizer's step moves, found once: a stage's are its layers' summed in their order
     step_bytes = {name: [(layer.optimizer_step_moved_bytes[name] * widen + 3 * ema * layer.param_bytes // element)
                          * held for layer, held in zip(counted.layers, held_shares)] for name in OPTIMIZERS}
@@ -2227,6 +2283,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         # averaging, prediction and copy pass over: each layer's held `param_bytes` above
         params = sum(layer.param_bytes for layer in layers[start:stop])
         casts_ms = sum(ms for layer_casts in step_casts_ms[start:stop] for ms in layer_casts)
+        casts_ms += replicated_reduce_ms(counted.layers[start:stop], parallel, held, element, links.tensor)
         casts_ms += scale_precompute_ms(counted.layers[start:stop], parallel, device, links.data)
         passes_weights = _timing(memory_ms(3 * params))  # a prediction's and the averaging's pass (frozen: shared)
         steps = {name: StepTimes(step=_timing(casts_ms + memory_ms(sum(step_bytes[name][start:stop]) / shards)),

@@ -89,6 +89,9 @@ class LayerCount:
     # per product of weight_grad_outputs, whether it is the routed experts' grouped one (workload/moe.py): its batch
     # is their number, 1 for one routed expert as for a linear product, so the batch alone cannot tell; (): none
     weight_grad_routed: tuple[bool, ...] = ()
+    # per product of weight_grad_outputs, whether it is a mixture of experts' router's gating product (one score per
+    # routed expert: workload/moe.py `routing`), whose weight tensor parallelism keeps whole; (): none
+    weight_grad_router: tuple[bool, ...] = ()
     # per saved tensor, its bytes were the attention kernel's inputs made contiguous before it saved them, as
     # TransformerEngine's context-parallel ring does (workload/count.py `_attention_copied`); (): not recorded
     attention_copied_bytes: tuple[int, ...] = ()

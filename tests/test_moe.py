@@ -308,7 +308,8 @@ def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_split
     their input gradients each under Megatron-core, a TEColumnParallelLinear each whose output the norm and the
     up-projection read (planning/estimate.py `_input_groups`), two reductions over their 12 features a rank; under
     torch's once, summed over their 48 (12 + 12 a rank); the shared expert's gate and up (32 each) once under both,
-    as Megatron-core's fused linear_fc1 and DTensor's summed Partial gradients reduce them."""
+    as Megatron-core's fused linear_fc1 and DTensor's summed Partial gradients reduce them; the router, replicated,
+    none (tests/test_router_tensor_parallel.py)."""
     from pipesim.planning.estimate import Parallelism, _Split
 
     counted = count_built(f"hf:{write_config(tmp_path / 'deepseek', TINY_DEEPSEEK)}", {"seq_len": S}, B,
@@ -321,7 +322,6 @@ def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_split
             if reduction is not None and reduction.op.shape[2] == H:  # the attention's or the MLP's input, 64 wide
                 shape = reduction.op.shape
                 reductions[shape] = reductions.get(shape, 0.0) + op.count * share * reduction.part
-    reductions.pop((1, TOKENS, H, EXPERTS // 2), None)  # the router's, split by its shape alone (it reads a cast)
     assert reductions == {**down, (1, TOKENS, H, 32): 1.0}
 
 

@@ -50,7 +50,16 @@ from ..choices import choose_from
 from ..profiles.workload import LayerCount, OpCount, WorkloadCount, transient_peak
 from .loss import megatron_cross_entropy, vocabulary_parallel_cross_entropy
 from .models import BATCH, Model, ModelError, classification_loss
-from .moe import OPEN_REGIONS, Dispatched, dispatches, fused_swiglu, gating_now, in_fused_kernel, kernel_listeners
+from .moe import (
+    OPEN_REGIONS,
+    Dispatched,
+    dispatches,
+    fused_swiglu,
+    gating_now,
+    in_fused_kernel,
+    kernel_listeners,
+    router_now,
+)
 from .norms import NO_RMSNORM_TO_FUSE, fused_norms, is_transformers_rms_norm
 from .optim import OPTIMIZERS, make_optimizer
 from .rope import NO_ROPE_TO_FUSE, fused_rope
@@ -512,8 +521,8 @@ def _module_part(name: str) -> str | None:
 
 
 # A product whose weights take a gradient, as `_SaverParts` records it: its shape (batch, m, n, k), its output's
-# bytes, its input's storage and whether it is the routed experts' grouped one
-_Product = tuple[tuple[int, int, int, int], int, torch.UntypedStorage, bool]
+# bytes, its input's storage, whether it is the routed experts' grouped one and whether a router's
+_Product = tuple[tuple[int, int, int, int], int, torch.UntypedStorage, bool, bool]
 
 
 class _SaverParts(TorchFunctionMode):
@@ -522,7 +531,8 @@ class _SaverParts(TorchFunctionMode):
     of `routed`'s expert weights, TransformerEngine's GroupedLinear under Megatron-core): what it saves is its
     input, kept for its weight gradient. `products`: each such product whose weights take a gradient, as
     `LayerCount.weight_grad_outputs` records it, with its input's storage (held, so that no identity is reused)
-    and whether it is the routed experts' (`LayerCount.weight_grad_routed`)."""
+    and whether it is the routed experts' (`LayerCount.weight_grad_routed`) or a router's
+    (`LayerCount.weight_grad_router`)."""
 
     def __init__(self, routed: Dispatched | None = None) -> None:
         super().__init__()
@@ -543,7 +553,7 @@ class _SaverParts(TorchFunctionMode):
             return
         shape = ((1, math.prod(x.shape[:-1]), *weight.shape) if weight.dim() == 2
                  else (*out.shape, x.shape[-1]))
-        self.products.append((shape, _nbytes(out), x.untyped_storage(), weight.dim() != 2))
+        self.products.append((shape, _nbytes(out), x.untyped_storage(), weight.dim() != 2, router_now()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         part = _FUNCTION_PART.get(func)
@@ -753,7 +763,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         saved_parts=tuple(s.part for s in saved.values()),
         linear_input_saves=tuple(s.linear for s in saved.values()),
         weight_grad_outputs=_weight_grad_outputs(products),
-        weight_grad_routed=tuple(routed for *_, routed in products),
+        weight_grad_routed=tuple(routed for *_, routed, _ in products),
+        weight_grad_router=tuple(router for *_, router in products),
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
@@ -780,8 +791,8 @@ def _weight_grad_outputs(products: list[_Product]
                          ) -> tuple[tuple[tuple[int, int, int, int], int, bool], ...]:
     """`LayerCount.weight_grad_outputs` of a forward's `_SaverParts.products`: each one's shape, output bytes and
     whether another product reads its input too."""
-    readers = Counter(id(storage) for _, _, storage, _ in products)
-    return tuple((shape, nbytes, readers[id(storage)] > 1) for shape, nbytes, storage, _ in products)
+    readers = Counter(id(storage) for _, _, storage, *_ in products)
+    return tuple((shape, nbytes, readers[id(storage)] > 1) for shape, nbytes, storage, *_ in products)
 
 
 def _sequence_inputs(saved: dict[int, _Save], live: _LiveBytes) -> tuple[tuple[int, int], ...]:

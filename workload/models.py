@@ -33,6 +33,7 @@ from pipesim.workload.moe import (
     exchanged_experts,
     gated_mlp,
     routed_experts,
+    routing,
 )
 from pipesim.workload.rope import rotated
 from pipesim.workload.sizes import DEFAULT_SIZES
@@ -257,7 +258,9 @@ class _ExpertsMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, index = self.router(flat).float().softmax(-1).topk(self.top_k, dim=-1)
+        with routing():
+            scores = self.router(flat)
+        weights, index = scores.float().softmax(-1).topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         activation = _swiglu if self.gated else F.gelu
         if self.exchange is None:

@@ -84,6 +84,7 @@ class Dispatched:
 _recording: list[Dispatched] = []  # the records open, innermost last
 _fusing: list[bool] = []  # `fused_swiglu`'s settings open, innermost last
 _gating: list[bool] = []  # a router's gating product under way (`gating_now`)
+_routing: list[bool] = []  # a mixture of experts' router under way (`router_now`)
 # The recomputation regions under way that no module marks (workload/count.py's `_Regions` reads it): the routed
 # experts' activation, Megatron-core's "moe_act" (`--recompute-modules`)
 OPEN_REGIONS: list[str] = []
@@ -128,6 +129,23 @@ def _in_gating() -> Iterator[None]:
         yield
     finally:
         _gating.pop()
+
+
+def router_now() -> bool:
+    """Whether the product running is a mixture of experts' router's, its gating linear to one score per routed
+    expert (`routing`): tensor parallelism keeps its weight whole (planning/estimate.py `_weight_splits`)."""
+    return bool(_routing)
+
+
+@contextmanager
+def routing() -> Iterator[None]:
+    """Mark the products run inside as a router's (`router_now`): the gpt's `router`, a Hugging Face model's
+    `gate` (`gating_router`)."""
+    _routing.append(True)
+    try:
+        yield
+    finally:
+        _routing.pop()
 
 
 class Fused(torch.autograd.Function):
@@ -238,13 +256,13 @@ _CASTS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.float)
 
 def gating_router(router: torch.nn.Module) -> None:
     """Run `router` (a mixture of experts' router: its `weight` and the product it computes from it) with its
-    product as `gating_linear` on the meta device."""
+    product as `gating_linear` on the meta device, marked as a router's (`routing`)."""
     forward = router.forward
 
     def run(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if hidden.device.type != "meta":
             return forward(hidden, *args, **kwargs)
-        with _GatingCasts((hidden, router.weight)):
+        with _GatingCasts((hidden, router.weight)), routing():
             return forward(hidden, *args, **kwargs)
     router.forward = run
 

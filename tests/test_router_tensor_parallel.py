@@ -1,0 +1,128 @@
+"""A mixture of experts' router under tensor parallelism, as Megatron-core runs it: its weight whole on every rank,
+its gating product on the rank's tokens (1/t under sequence parallelism, all of them without), no reduction of its
+input gradient; its gradient all-reduced over the t ranks once a step under sequence parallelism
+(planning/estimate.py `_weight_splits`, `_Split._replicated_at`, `replicated_share`, `replicated_reduce_ms`). The
+count marks the router (workload/moe.py `routing`): the gpt's `--experts` one, which reads the norm's output, and a
+Hugging Face model's `gate`, which reads a float32 cast of it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+
+import pytest
+
+from pipesim.hardware.catalogue import load_catalogue
+from pipesim.planning import estimate
+from pipesim.planning.estimate import Device, Parallelism, _Split, estimate_layer, estimate_profile, placement_links
+
+torch = pytest.importorskip("torch")
+
+H100 = load_catalogue().find("h100-sxm")
+DEVICE = Device.of(H100, "bf16")
+B, S, H, EXPERTS, TOP_K, E = 2, 32, 64, 6, 2, 2  # micro-batch, sequence, width, routed experts, top k, bf16 bytes
+TOKENS, T = B * S, 2
+ROUTER = (1, TOKENS, EXPERTS, H)  # its forward product: the tokens' scores, one per routed expert
+QWEN3 = {"model_type": "qwen3_moe", "hidden_size": H, "intermediate_size": 128, "moe_intermediate_size": 32,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "decoder_sparse_step": 1, "mlp_only_layers": [],
+         "vocab_size": 100, "max_position_embeddings": 256, "tie_word_embeddings": False}
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install 'pipesim[hf]')")
+
+
+@pytest.fixture(scope="module")
+def gpt_moe():
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=1, width=H, heads=4, seq_len=S, vocab=100, experts=EXPERTS, top_k=TOP_K),
+                       B, torch.bfloat16, "flash")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    from pipesim.workload.count import count_built
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    (folder / "config.json").write_text(json.dumps(QWEN3))
+    return count_built(f"hf:{folder}", {"seq_len": S}, B, torch.bfloat16, "flash")
+
+
+@pytest.fixture(params=["gpt", pytest.param("qwen3", marks=needs_transformers)])
+def layer(request):
+    return request.getfixturevalue({"gpt": "gpt_moe", "qwen3": "qwen3_moe"}[request.param]).layers[1]
+
+
+def test_the_count_marks_the_router_alone(layer):
+    marked = [shape for (shape, _, _), router in zip(layer.weight_grad_outputs, layer.weight_grad_router) if router]
+    assert marked == [ROUTER]
+
+
+@pytest.mark.parametrize("sequence_parallel, runtime, tokens", [
+    (True, "megatron", TOKENS // T), (False, "megatron", TOKENS), (True, "torch", TOKENS), (False, "torch", TOKENS)])
+def test_the_routers_products_run_on_the_ranks_tokens_whole_and_reduce_nothing(layer, sequence_parallel, runtime,
+                                                                               tokens):
+    """Forward (tokens, experts, width), input gradient (tokens, width, experts), weight gradient (experts, width,
+    tokens): the experts and the width whole, the tokens the rank's (under torch the gathered input's, all)."""
+    split = _Split.of(layer, Parallelism(tensor=T, sequence_parallel=sequence_parallel, tp_runtime=runtime))
+    shapes = {"fwd": (1, tokens, EXPERTS, H), "igrad": (1, tokens, H, EXPERTS), "wgrad": (1, EXPERTS, H, tokens)}
+    whole = {"fwd": ROUTER, "igrad": (1, TOKENS, H, EXPERTS), "wgrad": (1, EXPERTS, H, TOKENS)}
+    for name, shape in whole.items():
+        [op] = [op for op in layer.ops[name] if op.kind == "matmul" and op.shape == shape]
+        [(mine, reduction, share)] = split.products(op, name)
+        assert (mine.shape, reduction, share) == (shapes[name], None, 1.0)
+        assert mine.flops == op.flops * tokens // TOKENS
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_routers_input_gradient_adds_no_reduction(layer, monkeypatch, sequence_parallel):
+    """Each backward (the full one, the input-gradient pass) reduces once less than the router split as a linear
+    layer (column-parallel by its input, or by its shape) would: the count without its router marked."""
+    reduced: list[int] = []
+
+    def recorded(nbytes: int, *_: object) -> float:
+        reduced.append(nbytes)
+        return 0.0
+
+    monkeypatch.setattr(estimate, "all_reduce_ms", recorded)
+    monkeypatch.setattr(estimate, "reduce_scatter_ms", recorded)
+    parallel = Parallelism(tensor=T, sequence_parallel=sequence_parallel)
+    counts = []
+    for priced in (layer, replace(layer, weight_grad_router=())):
+        reduced.clear()
+        estimate_layer(priced, DEVICE, parallel, placement_links(H100, parallel).tensor, E)
+        counts.append(len(reduced))
+    assert counts[0] == counts[1] - 2
+
+
+@pytest.mark.parametrize("kind", ["gpt", pytest.param("qwen3", marks=needs_transformers)])
+def test_a_rank_holds_the_routers_weight_whole(request, kind):
+    """The MoE layer's weights, gradients and optimizer state on one of t = 2 ranks: 1/t of the rest, all of the
+    router's (experts x width)."""
+    counted = request.getfixturevalue({"gpt": "gpt_moe", "qwen3": "qwen3_moe"}[kind])
+    router = EXPERTS * H * E
+    whole, split = (estimate_profile(counted, H100, Parallelism(tensor=t, sequence_parallel=True)).layers[1]
+                    for t in (1, T))
+    assert split.param_bytes == (whole.param_bytes - router) // T + router
+    assert split.grad_bytes == (whole.grad_bytes - 2 * router) // T + 2 * router  # float32 main gradients
+    assert split.optimizer_state_bytes["adam"] == (whole.optimizer_state_bytes["adam"] - 6 * router) // T + 6 * router
+
+
+@pytest.mark.parametrize("sequence_parallel, runtime, reduced", [
+    (True, "megatron", True), (False, "megatron", False), (True, "torch", False)])
+def test_the_routers_gradient_is_all_reduced_over_the_ranks_once_a_step_under_sequence_parallelism(
+        gpt_moe, monkeypatch, sequence_parallel, runtime, reduced):
+    """Megatron-core's finalize_model_grads all-reduces a `sequence_parallel` parameter's main gradient (float32,
+    experts x width) over the tensor-parallel group; without sequence parallelism every rank saw every token."""
+    calls: list[tuple[int, int]] = []
+
+    def recorded(nbytes: int, ranks: int, *_: object) -> float:
+        calls.append((nbytes, ranks))
+        return 0.0
+
+    monkeypatch.setattr(estimate, "all_reduce_ms", recorded)
+    estimate.replicated_reduce_ms(gpt_moe.layers, Parallelism(tensor=T, sequence_parallel=sequence_parallel,
+                                                              tp_runtime=runtime),
+                                  Parallelism().held(gpt_moe.dtype), E, placement_links(H100, Parallelism()).tensor)
+    assert calls == ([(EXPERTS * H * 4, T)] if reduced else [])
