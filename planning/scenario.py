@@ -658,14 +658,21 @@ def collective_costs(costs: Costs, sched: Schedule, link: CollectiveLink, expert
 
     def over_groups(collective: Callable[[float, int], float], nbytes: float, c: StageCosts) -> float:
         experts = c.expert_param_bytes / c.param_bytes if sched.expert_parallel > 1 and c.param_bytes else 0.0
-        return collective(nbytes * (1 - experts), d) + (
-            collective(nbytes * experts, expert_replicas) if experts else 0.0)
+        return over_expert_groups(collective, nbytes, experts, d, expert_replicas)
 
     return replace(costs, stages=tuple(replace(
         c, reduce_ms=over_groups(reduce, c.gradient_bytes if sched.zero >= 2 else c.param_bytes, c),
         gather_ms=over_groups(link.reduce_scatter_ms, c.gathered_weight_bytes, c) + c.gather_cast_ms if sharded
         else 0.0)
         for c in costs.stages))
+
+
+def over_expert_groups(collective: Callable[[float, int], float], nbytes: float, expert_share: float, ranks: int,
+                       expert_ranks: int) -> float:
+    """A stage's `collective` of `nbytes` over `ranks`, the routed experts' `expert_share` of them over the
+    `expert_ranks` that hold the same experts, after the rest (`collective_costs`; tune's least REDUCE)."""
+    return collective(nbytes * (1 - expert_share), ranks) + (
+        collective(nbytes * expert_share, expert_ranks) if expert_share else 0.0)
 
 
 def scaled(costs: Costs, factor: float) -> Costs:

@@ -967,10 +967,10 @@ class _Work:
     least_bwd_ms: float
     static_bytes: int
     param_bytes: int
+    expert_param_bytes: int  # the routed experts' share of `param_bytes`
     slowest_ms: np.ndarray  # [k]: the least a busiest of k stages runs per micro-batch (F + least backward)
     step_ms: tuple[float, float, float]  # an update, a weight prediction and an averaging of every stage, summed
     accumulate_ms: float  # one accumulation of every stage, summed: the least over every cut (`_least_accumulate_ms`)
-    expert_param_bytes: int = 0  # the routed experts' share of `param_bytes`
 
 
 def _work(profile: Profile, optimizer: str) -> _Work:
@@ -986,21 +986,21 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     least (`_own_times`): a stage's host waits beyond its layers' times are at least minus the waits carried in
     those of its layers that never synchronise, so their times without them sum to no more than any cut's stages."""
     held = (sum(c.static_bytes for c in layer_costs(profile.layers, optimizer)),
-            sum(layer.param_bytes for layer in profile.layers))
-    experts = sum(layer.expert_param_bytes for layer in profile.layers)
+            sum(layer.param_bytes for layer in profile.layers),
+            sum(layer.expert_param_bytes for layer in profile.layers))
     steps = tuple(math.fsum(pick(stage).median_ms for stage in profile.stages) for pick in (
         lambda s: s.steps[optimizer].step, lambda s: s.steps[optimizer].predict, lambda s: s.average))
     layers = _own_times(profile, least=True).layers
     if all(stage.passes is not None for stage in profile.stages):
         table = profile_costs(profile, optimizer, range(len(layers) + 1)).op_ms_table(1)
         return _Work(math.fsum(table[:, KIND_CODE[Kind.F]]), math.fsum(table[:, KIND_CODE[Kind.B]]), 0.0, *held,
-                     np.zeros(len(layers) + 1), steps, _least_accumulate_ms(profile), experts)
+                     np.zeros(len(layers) + 1), steps, _least_accumulate_ms(profile))
     tail = profile.contention.tail if profile.contention is not None else 1.0
     least_bwd = [min(layer.bwd.median_ms, layer.igrad.median_ms + layer.wgrad.median_ms) for layer in layers]
     return _Work(tail * math.fsum(layer.fwd.median_ms for layer in layers),
                  tail * math.fsum(layer.bwd.median_ms for layer in layers), tail * math.fsum(least_bwd), *held,
                  tail * _least_slowest(tuple(layer.fwd.median_ms + b for layer, b in zip(layers, least_bwd))), steps,
-                 _least_accumulate_ms(profile), experts)
+                 _least_accumulate_ms(profile))
 
 
 def _least_accumulate_ms(profile: Profile) -> float:
@@ -1071,8 +1071,8 @@ class _ChainWork:
     whole: list[float]  # F + B
     least: list[float]  # F + min(B, I)
     first_param_bytes: int
+    first_expert_bytes: int  # the routed experts' share of `first_param_bytes`
     sent_bytes: tuple[int, ...]  # what a stage may send: a layer's output (none where the layers branch)
-    first_expert_bytes: int = 0
 
     @classmethod
     def of(cls, profile: Profile) -> _ChainWork | None:
@@ -1091,9 +1091,8 @@ class _ChainWork:
         return cls(prefix(layer.fwd.median_ms for layer in layers),
                    prefix(layer.fwd.median_ms + layer.bwd.median_ms for layer in layers),
                    prefix(layer.fwd.median_ms + min(layer.bwd.median_ms, layer.igrad.median_ms) for layer in layers),
-                   layers[0].param_bytes,
-                   tuple(sorted({layer.output_bytes for layer in layers[:-1]})) if _chain_of_layers(profile) else (),
-                   layers[0].expert_param_bytes)
+                   layers[0].param_bytes, layers[0].expert_param_bytes,
+                   tuple(sorted({layer.output_bytes for layer in layers[:-1]})) if _chain_of_layers(profile) else ())
 
     def hops_ms(self, links: Cluster, devices: int) -> list[float]:
         """[d]: the least time a micro-batch's activation and gradient spend crossing the links between devices
@@ -1231,7 +1230,7 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
 
 
 def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, gradient_bytes: int,
-                    expert_ranks: int | None = None, expert_bytes: int = 0) -> float:
+                    expert_ranks: int | None, expert_bytes: int) -> float:
     """What p stages' REDUCEs (`_least_reduce_ms`) over r replicas take at least on average, however the model's
     gradients are cut among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the
     bytes (the tree at its full rate, at most what its size correction leaves), is concave in them, so the mean
@@ -1240,13 +1239,13 @@ def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, gra
     (`_data_link`; None for one replica, which reduces nothing)."""
     if replicas == 1:
         return 0.0
-    empty = _least_reduce_ms(link, replicas, None, 0)
+    empty = _least_reduce_ms(link, replicas, None, 0, 0)
     whole = _least_reduce_ms(link, replicas, expert_ranks, gradient_bytes, expert_bytes)
     return empty + (whole - empty) / stages
 
 
 def _least_reduce_ms(link: CollectiveLink | None, replicas: int, expert_ranks: int | None, nbytes: int,
-                     expert_bytes: int = 0) -> float:
+                     expert_bytes: int) -> float:
     """The least REDUCE of a stage's gradients, `nbytes` of weights, `expert_bytes` of them routed experts', as
     `collective_costs` prices it: NCCL's all-reduce, its tree at its full rate (`CollectiveLink.all_reduce_ms`),
     of the rest over the r replicas and of the experts' over the `expert_ranks` that hold the same ones (None:

@@ -25,7 +25,7 @@ def _work_of(costs: Costs) -> tuning._Work:
     accumulation totals; no slowest-stage term."""
     table = costs.op_ms_table(1)
     f, b, i, w, opt = (table[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT))
-    return tuning._Work(math.fsum(f), math.fsum(b), math.fsum(np.minimum(b, i + w)), 0, 0, np.zeros(len(f) + 2),
+    return tuning._Work(math.fsum(f), math.fsum(b), math.fsum(np.minimum(b, i + w)), 0, 0, 0, np.zeros(len(f) + 2),
                         (math.fsum(opt), 0.0, 0.0), math.fsum(stage.accumulate_ms for stage in costs.stages))
 
 
