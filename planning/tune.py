@@ -68,7 +68,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from functools import cache
+from functools import cache, partial
 
 import numpy as np
 
@@ -106,7 +106,7 @@ from ..sim.engine import device_product_ms, product_delay, simulate, static_byte
 from ..traces import Summary, Trace, summarize
 from ..units import GIB, count_text
 from .auto import activation_ratio, check_shape, schedule_frame
-from .scenario import CollectiveLink, Scenario, device_stages, profile_costs
+from .scenario import CollectiveLink, Scenario, device_stages, over_expert_groups, profile_costs
 
 RUNNERS_UP = 5
 COMPUTE = np.array([kind not in COLLECTIVE_KINDS | ALL_TO_ALL_KINDS  # op kinds on compute, not the network lane
@@ -1253,10 +1253,9 @@ def _least_reduce_ms(link: CollectiveLink | None, replicas: int, expert_ranks: i
     (the 4-expert GPT's E = 2 stages: 0.074 ms where their REDUCE took 0.063). None for one replica."""
     if replicas == 1:
         return 0.0
-    if expert_ranks is None:
-        return link.all_reduce_ms(float(nbytes), replicas, tree_correction=False)
-    return link.all_reduce_ms(float(nbytes - expert_bytes), replicas, tree_correction=False) + (
-        link.all_reduce_ms(float(expert_bytes), expert_ranks, tree_correction=False) if expert_bytes else 0.0)
+    return over_expert_groups(partial(link.all_reduce_ms, tree_correction=False), float(nbytes),
+                              expert_bytes / nbytes if expert_ranks is not None and nbytes else 0.0, replicas,
+                              expert_ranks or replicas)
 
 
 def _expert_ranks(scenario: Scenario, stages: int, replicas: int) -> int | None:
