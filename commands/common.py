@@ -154,7 +154,8 @@ KvHeads = Annotated[int | None, typer.Option(
     "--kv-heads", metavar="N", help="gpt: key/value heads (default --heads; fewer is grouped-query attention).")]
 Gated = Annotated[bool | None, typer.Option("--gated/--no-gated", help="gpt: SwiGLU MLP (Llama's) instead of GELU.")]
 LinearBias = Annotated[bool | None, typer.Option(
-    "--linear-bias/--no-linear-bias", help="gpt: biases on its linear layers (GPT-3's, the default); "
+    "--linear-bias/--no-linear-bias", help="gpt: biases on its blocks' linear layers (GPT-3's, the "
+                                           "default; the head has none, as Megatron-LM's); "
                                            "--no-linear-bias drops them (Llama's, Nemotron-4's: Megatron-LM's "
                                            "`--disable-bias-linear`).")]
 Norm = Annotated[str | None, typer.Option(

@@ -428,7 +428,8 @@ class _Reduction:
 class _Split:
     """How one layer divides over t tensor-parallel and C context-parallel ranks: its width (the output's last
     dimension), tokens (the output's other dimensions) and sequence length, which tell residual-stream tensors,
-    token dimensions and the s×s core."""
+    token dimensions and the s×s core; the head's, whose output is the loss, from the stream it reads
+    (`_read_stream`)."""
 
     t: int
     sequence_parallel: bool
@@ -452,7 +453,7 @@ class _Split:
 
     @classmethod
     def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
-        shape = layer.output_shape
+        shape = layer.output_shape or _read_stream(layer)
         width = shape[-1] if shape else 0
         tokens = math.prod(shape[:-1]) if shape else 0
         weights = _weight_splits(layer, tokens, width) if parallel.tensor > 1 else {}
@@ -576,6 +577,15 @@ class _Split:
     def memory(self, op: OpCount) -> OpCount:
         whole = self.residual(op.shape) and not self.sequence_parallel
         return op if whole or self.t == 1 else _scaled(op, op.shape, self.t)
+
+
+def _read_stream(layer: LayerCount) -> tuple[int, ...]:
+    """The residual stream's shape at a layer whose output is the loss (the head): that of the tensor in the
+    stream's layout its column-parallel product reads (`LayerCount.sequence_inputs`: its final norm's output),
+    which its input gradient is too, whole on each rank before its reduction (`_Split.residual`); () where the
+    count marks none."""
+    made = {number: shape for number, shape, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes > 0}
+    return next((made.get(number, layer.saved_tensors[i][0]) for i, number in layer.sequence_inputs), ())
 
 
 def _scaled(op: OpCount, shape: tuple[int, ...], t: int) -> OpCount:
@@ -1479,14 +1489,17 @@ class Regions:
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float,
                      gradient_element_bytes: int) -> dict[str, int]:
-    """Per pass, the bytes of the count's transient tensors at the pass's peak on one of the t·C ranks (a
-    residual-stream tensor whole without sequence parallelism, as Megatron-LM keeps it, any other 1/t: a head's, an
-    MLP's or the vocabulary's share; every one 1/C; under sequence parallelism the pass's allocations as the rank
-    makes them, `_rank_pass` with `gradient_element_bytes`, and their peak), and in the input-gradient and full
-    backward the `recomputed` bytes, which the backward recreates before it frees them (Korthikanti et al. 2022,
-    section 4: full recomputation holds one layer's activations during its backward)."""
+    """Per pass, the bytes of the transient tensors at the pass's peak on one of the t·C ranks: under tensor
+    parallelism the peak of the pass's allocations as the rank makes them (`_rank_pass` with
+    `gradient_element_bytes`: a residual-stream tensor whole without sequence parallelism, as Megatron-LM keeps it,
+    any other 1/t, a head's, an MLP's or the vocabulary's share; under sequence parallelism what a product holds
+    whole), which need not be the tensors live at the count's peak (the head's input gradient, whole before its
+    reduction, outweighs its vocabulary-split logits' gradients at t ranks), else the count's (`_on_rank`: 1/C);
+    and in the input-gradient and full backward the `recomputed` bytes, which the backward recreates before it
+    frees them (Korthikanti et al. 2022, section 4: full recomputation holds one layer's activations during its
+    backward)."""
     def peak(name: str) -> float:
-        if not (split.sequence_parallel and split.t > 1 and layer.product_allocations):
+        if split.t == 1 or not layer.allocations.get(name):
             return sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
         events = _rank_pass(layer, split, name, gradient_element_bytes)
         made: dict[int, int] = {}

@@ -177,11 +177,13 @@ def test_simulate_counts_t_x_c_gpus_per_device_and_shards_zero_over_the_context_
 
 def test_sweep_and_estimate_take_the_context_ranks(tmp_path, monkeypatch):
     """Half the tokens per GPU at C = 2: faster and less held, the host free (at eager PyTorch's 12 us a kernel this
-    small model's passes are their kernels' issue, which C does not halve: planning/host.py)."""
+    small model's passes are their kernels' issue, which C does not halve: planning/host.py), at a sequence long
+    enough that the attention outweighs the ring's exchanges and the small products half the tokens make (at 2,048
+    this narrow model's head, 1,024 tokens a rank, runs its products at a lower efficiency)."""
     pytest.importorskip("torch")
     monkeypatch.chdir(tmp_path)
     model = ("--gpu", "h100-sxm", "--model", "gpt", "--layers", "2", "--width", "256", "--heads", "4", "--seq-len",
-             "2048", "--attention", "flash", "--host-kernel-us", "0")
+             "8192", "--attention", "flash", "--host-kernel-us", "0")
     rows = {}
     for c in (1, 2):
         code, _, err = pipesim("sweep", *model, "--context-parallel", str(c), "-s", "1f1b", "--stages", "2", "-m", "4",

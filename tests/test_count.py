@@ -208,12 +208,12 @@ def test_a_gated_gpt_blocks_fused_swiglu_keeps_fc1s_output_only():
 
 def test_a_large_model_is_counted_on_the_meta_device_with_its_closed_form_parameters():
     """70B parameters: 140 GB in bf16 that this machine does not have, counted in a second."""
-    layers, h, s, v, ffn, kv = 80, 8192, 4096, 32000, 28672, 8  # Llama-2-70B's shape (with biases)
+    layers, h, s, v, ffn, kv = 80, 8192, 4096, 32000, 28672, 8  # Llama-2-70B's shape (the blocks with biases)
     count = count_built("gpt", dict(layers=layers, width=h, heads=64, seq_len=s, vocab=v, ffn=ffn, kv_heads=kv,
                                     gated=True), 1, torch.bfloat16)
     kv_width = kv * h // 64
     block = (h * (h + 2 * kv_width) + h + 2 * kv_width) + (h * h + h) + (h * 2 * ffn + 2 * ffn) + (ffn * h + h) + 4 * h
-    elements = v * h + s * h + layers * block + 2 * h + h * v + v
+    elements = v * h + s * h + layers * block + 2 * h + h * v  # the head without a bias
     assert count.total("param_bytes") == 2 * elements and len(count.layers) == layers + 2
     adam = count.layers[1].optimizer_state_bytes
     assert adam["sgd"] == 0 and adam["momentum"] == count.layers[1].param_bytes

@@ -30,10 +30,10 @@ def _norm_saves(layer) -> int:
 
 def test_no_linear_bias_drops_each_bias_and_its_gradients_reduction():
     """By hand: a bias of n outputs is n weights, and its gradient a reduction over the tokens, reading the output's
-    gradient (tokens·n elements) and writing n: qkv 3H, proj H, fc1 4H, fc2 H in a block, the head's V. Nothing
-    else moves: the forward's bias add is the product's epilogue, and a bias saves nothing."""
+    gradient (tokens·n elements) and writing n: qkv 3H, proj H, fc1 4H, fc2 H in a block; the head has none either
+    way. Nothing else moves: the forward's bias add is the product's epilogue, and a bias saves nothing."""
     biased, bare = _count(), _count(linear_bias=False)
-    block_outputs, head_outputs = (3 * H, H, 4 * H, H), (V,)
+    block_outputs, head_outputs = (3 * H, H, 4 * H, H), ()
     for i, outputs in ((1, block_outputs), (2, head_outputs)):
         assert biased.layers[i].param_bytes - bare.layers[i].param_bytes == sum(outputs) * E
         reductions = sum((TOKENS * n + n) * E for n in outputs)
@@ -44,6 +44,16 @@ def test_no_linear_bias_drops_each_bias_and_its_gradients_reduction():
         assert biased.layers[i].fwd_flops == bare.layers[i].fwd_flops
     assert not any(op.op == "sum" for op in bare.layers[1].ops["wgrad"])
     assert bare.options["linear_bias"] is False and "linear_bias" not in biased.options
+
+
+def test_the_head_has_no_bias_as_megatron_lms_output_layer():
+    """Megatron-LM's output layer is ColumnParallelLinear(..., bias=False) (megatron/core/models/gpt/gpt_model.py at
+    d98e8a64; the legacy model's parallel_lm_logits a product with the embedding's weight): the head holds its norm's
+    scale and shift and its V x H weight, and its backward reduces no bias gradient over the tokens."""
+    head = _count().layers[2]
+    assert head.param_bytes == (2 * H + V * H) * E
+    assert not any(op.op == "sum" for name in ("bwd", "wgrad") for op in head.ops[name])
+    assert [op.op for op in head.ops["fwd"] if op.kind == "matmul"] == ["mm"]  # no bias added in its epilogue
 
 
 def test_rmsnorm_is_one_kernel_each_way_keeping_its_input_and_a_float32_a_token():

@@ -83,8 +83,8 @@ def test_no_product_accumulates_an_embedding_nor_a_norms_scales_and_shifts_nor_a
     assert unfused_weight_share(embed, 2) == 1.0
     # two LayerNorms (2 x 256 each), the biases of qkv (768), the projection (256) and the MLP (1,024 and 256)
     assert block.param_bytes * unfused_weight_share(block, 2) == pytest.approx(2 * (4 * 256 + 768 + 256 + 1024 + 256))
-    # the final LayerNorm and the head's bias over the 1,000 tokens
-    assert head.param_bytes * unfused_weight_share(head, 2) == pytest.approx(2 * (2 * 256 + 1000))
+    # the final LayerNorm (the head has no bias, as Megatron-LM's output layer)
+    assert head.param_bytes * unfused_weight_share(head, 2) == pytest.approx(2 * 2 * 256)
 
 
 def test_the_default_is_the_named_precisions_runtimes_and_anything_else_is_refused():

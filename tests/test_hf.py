@@ -81,12 +81,13 @@ def test_its_fused_swiglu_keeps_its_input_only(llama):
 
 
 @needs_transformers
-def test_its_parameters_are_the_gpts_less_learned_positions_layernorm_biases_and_the_heads_bias(llama):
-    """Llama has RoPE (no s x h position table), RMSNorm (a weight, no bias: 2 per block and the final one) and a
-    head without a bias; every product's weights and biases are the gpt's."""
+def test_its_parameters_are_the_gpts_less_learned_positions_and_layernorm_biases(llama):
+    """Llama has RoPE (no s x h position table) and RMSNorm (a weight, no bias: 2 per block and the final one); its
+    head has no bias, as the gpt's has none (Megatron-LM's output layer); every product's weights and biases are the
+    gpt's."""
     hf, gpt = counts(str(llama), "math")
-    positions, norm_biases, head_bias = S * H, (2 * L + 1) * H, V
-    assert hf.total("param_bytes") == gpt.total("param_bytes") - E * (positions + norm_biases + head_bias)
+    positions, norm_biases = S * H, (2 * L + 1) * H
+    assert hf.total("param_bytes") == gpt.total("param_bytes") - E * (positions + norm_biases)
     assert hf.layers[1].param_bytes == gpt.layers[1].param_bytes - E * 2 * H
 
 

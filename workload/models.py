@@ -358,8 +358,11 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     none). `rotary_percent` (None: positions learned, as GPT-3's) rotates q and k over that share of each head's
     features instead (RoPE, Su et al. 2021: Llama's 1.0, Nemotron-4's 0.5; Megatron-LM's
     `--position-embedding-type rope --rotary-percent`, its rotary dimensions int(head x share), an even number).
-    `linear_bias` False drops every linear layer's bias (None: kept, as GPT-3's; Llama's and Nemotron-4's have none:
-    Megatron-LM's `--disable-bias-linear`, NeMo's `bias: false`), `norm` is every norm's kind, of `NORMS` (None:
+    `linear_bias` False drops the blocks' linear layers' biases (None: kept, as GPT-3's; Llama's and Nemotron-4's
+    have none: Megatron-LM's `--disable-bias-linear`, NeMo's `bias: false`); the head has none either way, as
+    Megatron-LM's output layer (megatron/core/models/gpt/gpt_model.py at d98e8a64: ColumnParallelLinear(...,
+    bias=False); the legacy model's `parallel_lm_logits` a product with the embedding's weight, no bias), `norm`
+    is every norm's kind, of `NORMS` (None:
     layernorm, GPT-3's; rmsnorm, Llama's: Megatron-LM's `--normalization RMSNorm`, NeMo's `normalization: rmsnorm`;
     Nemotron-4's layernorm1p is a LayerNorm whose scale is stored less one, the same kernel)."""
     ffn = 4 * width if ffn is None else ffn
@@ -383,7 +386,7 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     blocks += [_Block(width, heads, ffn, kv_heads, gated, dropout or 0.0, moe, rotary, seq_len, bias, norm)
                for _ in range(layers)]
     # named, so that the count sees its norm as one (workload/count.py `_module_part`) whichever kind it is
-    blocks.append(nn.Sequential(OrderedDict(norm=_norm(norm, width), head=nn.Linear(width, vocab, bias=bias))))
+    blocks.append(nn.Sequential(OrderedDict(norm=_norm(norm, width), head=nn.Linear(width, vocab, bias=False))))
 
     def make(b: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return data.token_batch(b, seq_len, vocab, gen)
