@@ -406,7 +406,10 @@ def _least_busy_devices(n: int, cost: StageCosts, devices: Sequence[Sequence[int
     earliest cut first, bounded by the best so far: a branch ends where a device, its stages left each at their
     shortest (`shortest`), is already as busy, or where the devices' mean busy time, with the least the stages left
     can add (`least`), is. `bounds` (the slowest-stage cut) is kept unless a cut beats it by more than `BEATS` of
-    its busiest device's time; after `max_prefixes` prefixes, the best found so far."""
+    its busiest device's time. Exact where the search ends within `max_prefixes` prefixes (small problems: every
+    search of tests/tune_digests.json); past them (the 70B's p16 and p32 interleaved and V cuts of 82 layers into
+    24 to 64 stages, where an exact cut is as hard as PARTITION), the best found so far made a local optimum by
+    `_levelled_devices` (the search's earliest-first order often leaves it the slowest-stage cut there)."""
     stages, count = len(bounds) - 1, len(devices)
     m = n - stages + 1
     times = _stage_blocks(n, stages, cost)  # [k, r, c]: stage k over layers [k + r, k + 1 + c), then k + 1 from c
@@ -464,8 +467,62 @@ def _least_busy_devices(n: int, cost: StageCosts, devices: Sequence[Sequence[int
     try:
         extend(0, (runs * np.array(shortest)[:, None]).sum(axis=0).tolist(), 0.0)
     except _TooManyPrefixes:
-        pass
+        best = _levelled_devices(times, runs, allowed, best)
     return [0, *(k + 1 + c for k, c in enumerate(best))]
+
+
+def _levelled_devices(times: np.ndarray, runs: np.ndarray, allowed: np.ndarray, columns: Sequence[int]) -> list[int]:
+    """`columns` (stage k over rows columns[k-1] .. columns[k] of `times`, as `_least_busy_devices` lays cuts out;
+    `runs` [k, d] how often device d runs stage k) moved to a local optimum. A move takes one layer from a stage to
+    another, the stages between shifting by one layer each: boundaries a .. b all one layer earlier or later, every
+    stage kept `allowed` (within the slowest stage and the memory cap). The best move is taken while it lowers the
+    busiest device, or keeps it and lowers the devices' sum of squared busy times (a more even spread, from which
+    the busiest can drop next), or keeps both (within `BEATS`) and moves boundaries later: where blocks tie, many
+    cuts are as good, and the memory cap forbids some shifts, so the way down can lie across such a plateau, and
+    one direction on it keeps the walk from returning. At most stages·rows moves, each O(stages²·devices)."""
+    stages, m, _ = times.shape
+    at, cut = np.arange(stages), np.array(columns)
+    ordered = np.triu(np.ones((stages - 1, stages - 1), dtype=bool))  # [a, b]: boundaries a .. b, a <= b
+    for _ in range(stages * m):
+        rows = np.concatenate([[0], cut[:-1]])
+        now_ms = times[at, rows, cut]
+        busy = now_ms @ runs
+        top, spread = busy.max(), busy @ busy
+
+        def moved(r: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Each stage's devices' change where it holds rows r .. c, and whether it may."""
+            inside, r, c = (r >= 0) & (c < m), np.clip(r, 0, m - 1), np.clip(c, 0, m - 1)
+            ok = inside & allowed[at, r, c]
+            return np.where(ok, times[at, r, c] - now_ms, 0.0)[:, None] * runs, ok
+
+        # move (step, a, b), boundaries a .. b (stage a's end .. stage b + 1's start) each moved by step, leaves
+        # the devices busy heads[step, a] + tails[step, b]: stage a's end moved, stages a + 1 .. b shifted (prefix
+        # sums `shifted`), stage b + 1's start moved
+        heads, tails, valid = [], [], []
+        for step in (-1, 1):
+            end, end_ok = moved(rows, cut + step)
+            both, both_ok = moved(rows + step, cut + step)
+            start, start_ok = moved(rows + step, cut)
+            shifted = np.concatenate([np.zeros((1, runs.shape[1])), np.cumsum(both, axis=0)])
+            barred = np.concatenate([[0], np.cumsum(~both_ok)])
+            heads.append(busy + end[:-1] - shifted[1:-1])
+            tails.append(shifted[1:-1] + start[1:])
+            valid.append(ordered & end_ok[:-1, None] & start_ok[None, 1:] & (barred[1:-1, None] == barred[None, 1:-1]))
+        heads, tails = np.array(heads), np.array(tails)  # [step, a, device], [step, b, device]
+        busiest = (heads[:, :, None, :] + tails[:, None, :, :]).max(axis=-1)
+        squares = (np.einsum("sad,sad->sa", heads, heads)[:, :, None] + 2 * heads @ tails.transpose(0, 2, 1)
+                   + np.einsum("sbd,sbd->sb", tails, tails)[:, None, :])
+        rank = np.where(busiest < top * (1 - BEATS), 0, np.where(squares < spread * (1 - BEATS), 1, 2))
+        plateau = (squares <= spread * (1 + BEATS)) & (np.arange(2) == 1)[:, None, None]  # step +1: later
+        taken = np.array(valid) & (busiest <= top * (1 + BEATS)) & ((rank < 2) | plateau)
+        if not taken.any():
+            break
+        options = np.flatnonzero(taken)
+        keys = (options, np.where(rank <= 1, squares, 0.0).flat[options],
+                np.where(rank == 0, busiest, 0.0).flat[options], rank.flat[options])
+        step, a, b = np.unravel_index(options[np.lexsort(keys)[0]], taken.shape)
+        cut[a:b + 1] += 2 * step - 1
+    return cut.tolist()
 
 
 def least_slowest(weights: Sequence[float]) -> np.ndarray:

@@ -1,16 +1,19 @@
 """Given the stages each device runs (`partition`'s `devices`), the cut is, among those of the least slowest stage, one
 whose busiest device is least busy: a device runs each of its stages for every micro-batch, so its busy time is
 their sum (Megatron-LM's interleaved schedule puts stage s of p·v on device s mod p). Checked against every cut of
-small layer lists."""
+small layer lists; past the search's prefixes, a local optimum of moving layers (the 70B tune's recorded cuts)."""
 
+import functools
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.profiles.partition import LayerCost, PartitionError, partition
+from pipesim.profiles.partition import LayerCost, PartitionError, _least_busy_devices, partition
 
 
 def _interleaved(p: int, v: int) -> tuple[tuple[int, ...], ...]:
@@ -28,6 +31,11 @@ def _times(layers: list[LayerCost], cut, stage_time) -> list[float]:
 def _busiest(layers, cut, stage_time, devices) -> float:
     times = _times(layers, cut, stage_time)
     return max(sum(times[k] for k in held) for held in devices)
+
+
+def _fits(layers: list[LayerCost], cap: int | None, cut) -> bool:
+    return cap is None or all(sum(layer.static_bytes for layer in layers[i:j]) <= cap
+                              for i, j in itertools.pairwise(cut))
 
 
 def _every_cut(n: int, stages: int):
@@ -84,11 +92,7 @@ def test_the_busiest_device_is_the_least_of_every_cut_of_the_least_slowest_stage
     layers, stages, devices, scale, cap = problem
     table = _plain(layers)(0)
     time = lambda k: scale[k] * table  # noqa: E731
-
-    def fits(cut) -> bool:
-        return cap is None or all(sum(layer.static_bytes for layer in layers[i:j]) <= cap
-                                  for i, j in itertools.pairwise(cut))
-
+    fits = functools.partial(_fits, layers, cap)
     fitting = [cut for cut in _every_cut(len(layers), stages) if fits(cut)]
     if not fitting:
         with pytest.raises(PartitionError):
@@ -99,3 +103,70 @@ def test_the_busiest_device_is_the_least_of_every_cut_of_the_least_slowest_stage
     assert fits(cut) and max(_times(layers, cut, time)) == slowest
     least = min(_busiest(layers, c, time, devices) for c in fitting if max(_times(layers, c, time)) <= slowest)
     assert _busiest(layers, cut, time, devices) == pytest.approx(least, rel=1e-9)
+
+
+# the 70B tune's cuts where the search stopped at its prefixes: stage k's ms over every range it may hold (within the
+# least slowest stage and the memory cap), "ranges"[k][s - 1][r] a digit of "values_ms" for layers k + r ..
+# k + r + s - 1, "." where refused; "first_ms" the slowest-stage cut's busiest device, "searched_ms" the search's
+# with 100,000 prefixes
+SEVENTY_B = Path(__file__).parent / "data" / "partition_devices_70b.json"
+DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _recorded(case: dict):
+    n, stages = case["layers"], case["stages"]
+    tables = []
+    for k, sizes in enumerate(case["ranges"]):
+        table = np.full((n + 1, n + 1), np.inf)
+        for size, digits in enumerate(sizes, start=1):
+            for r, digit in enumerate(digits):
+                if digit != ".":
+                    table[k + r, k + r + size] = case["values_ms"][DIGITS.index(digit)]
+        tables.append(table)
+    p = case["devices"]
+    devices = _interleaved(p, stages // p) if case["placement"] == "interleaved" else _v_shaped(p)
+    return [LayerCost(0.0, 0, 0)] * n, stages, tables.__getitem__, devices
+
+
+@pytest.mark.parametrize("case", json.loads(SEVENTY_B.read_text())["cases"], ids=lambda case: str(case["search"]))
+def test_past_its_prefixes_the_cut_is_levelled_to_what_a_longer_search_finds(case):
+    """The 70B's p16 and p32 cuts of 82 layers into 32 and 64 stages: the search's first 1,000 prefixes find nothing
+    below the slowest-stage cut (`first_ms`); from there, moving layers between stages levels the busiest device to
+    what the search finds with 100,000 prefixes (`searched_ms`), the slowest stage unchanged."""
+    layers, stages, time, devices = _recorded(case)
+    earliest, cut = partition(layers, stages, stage_time=time), partition(layers, stages, stage_time=time,
+                                                                         devices=devices)
+    assert _busiest(layers, earliest, time, devices) == pytest.approx(case["first_ms"], abs=0.05)
+    assert max(_times(layers, cut, time)) == max(_times(layers, earliest, time))
+    assert _busiest(layers, cut, time, devices) <= case["searched_ms"] + 0.05 < case["first_ms"]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(problem=_problems())
+def test_levelled_cuts_keep_the_slowest_stage_and_no_move_of_a_layer_improves_them(problem):
+    """With no prefixes to search, the slowest-stage cut levelled by moving layers: every stage within the least
+    slowest stage and the cap, the busiest device no busier, and no single move (one layer from a stage to another,
+    the stages between shifted) lowers the busiest device."""
+    layers, stages, devices, scale, cap = problem
+    table = _plain(layers)(0)
+    time = lambda k: scale[k] * table  # noqa: E731
+    fits = functools.partial(_fits, layers, cap)
+    try:
+        earliest = partition(layers, stages, cap, stage_time=time)
+    except PartitionError:
+        return
+    slowest = max(_times(layers, earliest, time))
+    rows = range(len(layers) - stages + 1)  # `_least_busy_devices`' [k, r, c]: stage k over layers k + r .. k + c
+    over = None if cap is None else np.array([[[sum(layer.static_bytes for layer in layers[k + r:k + 1 + c]) > cap
+                                                for c in rows] for r in rows] for k in range(stages)])
+    cut = _least_busy_devices(len(layers), time, devices, slowest, over, earliest, max_prefixes=0)
+    assert fits(cut) and max(_times(layers, cut, time)) <= slowest
+    busiest = _busiest(layers, cut, time, devices)
+    assert busiest <= _busiest(layers, earliest, time, devices) * (1 + 1e-9)
+    for first, last in itertools.combinations(range(1, stages + 1), 2):
+        for step in (-1, 1):
+            moved = list(cut)
+            moved[first:last] = [bound + step for bound in cut[first:last]]
+            if all(i < j for i, j in itertools.pairwise(moved)) and fits(moved) and max(
+                    _times(layers, moved, time)) <= slowest:
+                assert _busiest(layers, moved, time, devices) >= busiest * (1 - 1e-9)
