@@ -141,7 +141,7 @@ def compare(
             from ..planning.torch_profile import read_torch_profile
 
             ranks = sorted(measured.glob("*.json"))
-            if not ranks:  # said "holds torch profiler traces" of an empty folder, or "no traces given" naming none
+            if not ranks:  # before PREDICTED is asked for: the folder itself is what is wrong
                 raise InputError(f"MEASURED: {measured} is a folder with no .json files; give a trace from "
                                  "`pipesim run --trace`, or a folder of torch.profiler traces, one per rank")
             if predicted is None:

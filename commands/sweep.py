@@ -259,7 +259,7 @@ def _limit_refused(results: list) -> str | None:
 
 
 FRONT_ROWS = 20  # the terminal's share of the Pareto fronts; --out and --html have them all
-# the fronts' short headers in words: without them s and R, dashes in most rows, said nothing
+# the fronts' short headers in words, under the table: a header must stay narrow for the table to fit 80 columns
 FRONT_HEADERS = ("v: chunks per device; P: pipelines; cost×: the costs' scale; s: the source of prediction "
                  "distances (--prediction); R: auto's activation limit, in 1F1B's peak; -: not the method's")
 
