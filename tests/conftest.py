@@ -9,6 +9,8 @@
   uniform link: (schedule, trace, summary).
 - `estimate_json(tmp_path, *args)`: `pipesim estimate ARGS` into a file of its own in tmp_path: the profile's JSON.
 - `help_records()`: each command's name, each of its parameters and the (names, text) its --help lists for it.
+- `tensor_reductions` (a fixture): each all-reduce and reduce-scatter planning/estimate.py prices, as (bytes,
+  ranks), each priced at 0 ms.
 
 Tests marked `slow` (real transports, Ray, calibration that measures links) are left out by `-m "not slow"`.
 """
@@ -113,6 +115,23 @@ def estimate_json(tmp_path: Path, *args: Any) -> dict:
     code, _, err = pipesim("estimate", *args, "-o", out)
     assert code == 0, err
     return json.loads(out.read_text())
+
+
+@pytest.fixture
+def tensor_reductions(monkeypatch) -> list[tuple[int, int]]:
+    """Each all-reduce and reduce-scatter planning/estimate.py prices while the test runs, as (bytes, ranks), in
+    its order; each priced at 0 ms."""
+    from pipesim.planning import estimate
+
+    reduced: list[tuple[int, int]] = []
+
+    def recorded(nbytes: int, ranks: int, *_: object) -> float:
+        reduced.append((nbytes, ranks))
+        return 0.0
+
+    monkeypatch.setattr(estimate, "all_reduce_ms", recorded)
+    monkeypatch.setattr(estimate, "reduce_scatter_ms", recorded)
+    return reduced
 
 
 def help_records() -> Iterator[tuple[str, Any, tuple[str, str] | None]]:

@@ -6,7 +6,6 @@ reduce-scatter under sequence parallelism), so it is held and reduced whole, ove
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning import estimate
 from pipesim.planning.estimate import Device, Parallelism, estimate_layer, placement_links
 
 H100 = load_catalogue().find("h100-sxm")
@@ -39,19 +38,12 @@ def test_the_heads_backward_holds_its_input_gradient_whole(head, sequence_parall
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("context", [1, 2])
-def test_the_heads_input_gradient_is_reduced_whole_over_the_ranks_tokens(head, monkeypatch, sequence_parallel,
+def test_the_heads_input_gradient_is_reduced_whole_over_the_ranks_tokens(head, tensor_reductions, sequence_parallel,
                                                                          context):
-    """The full backward's and the input-gradient pass's one reduction each: the input gradient whole, tokens x
-    width, of the rank's 1/C of the tokens; the forward (its output split by the vocabulary) reduces nothing."""
-    reduced: list[int] = []
-
-    def recorded(nbytes: int, *_: object) -> float:
-        reduced.append(nbytes)
-        return 0.0
-
-    monkeypatch.setattr(estimate, "all_reduce_ms", recorded)
-    monkeypatch.setattr(estimate, "reduce_scatter_ms", recorded)
+    """The full backward's and the input-gradient pass's one reduction each, over the t ranks: the input gradient
+    whole, tokens x width, of the rank's 1/C of the tokens; the forward (its output split by the vocabulary)
+    reduces nothing."""
     parallel = Parallelism(tensor=T, sequence_parallel=sequence_parallel, context=context)
     links = placement_links(H100, parallel)
     estimate_layer(head, DEVICE, parallel, links.tensor, E, context_link=links.context)
-    assert reduced == [TOKENS * W * E // context] * 2
+    assert tensor_reductions == [(TOKENS * W * E // context, T)] * 2

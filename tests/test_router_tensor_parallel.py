@@ -76,23 +76,15 @@ def test_the_routers_products_run_on_the_ranks_tokens_whole_and_reduce_nothing(l
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_the_routers_input_gradient_adds_no_reduction(layer, monkeypatch, sequence_parallel):
+def test_the_routers_input_gradient_adds_no_reduction(layer, tensor_reductions, sequence_parallel):
     """Each backward (the full one, the input-gradient pass) reduces once less than the router split as a linear
     layer (column-parallel by its input, or by its shape) would: the count without its router marked."""
-    reduced: list[int] = []
-
-    def recorded(nbytes: int, *_: object) -> float:
-        reduced.append(nbytes)
-        return 0.0
-
-    monkeypatch.setattr(estimate, "all_reduce_ms", recorded)
-    monkeypatch.setattr(estimate, "reduce_scatter_ms", recorded)
     parallel = Parallelism(tensor=T, sequence_parallel=sequence_parallel)
     counts = []
     for priced in (layer, replace(layer, weight_grad_router=())):
-        reduced.clear()
+        tensor_reductions.clear()
         estimate_layer(priced, DEVICE, parallel, placement_links(H100, parallel).tensor, E)
-        counts.append(len(reduced))
+        counts.append(len(tensor_reductions))
     assert counts[0] == counts[1] - 2
 
 
@@ -112,17 +104,10 @@ def test_a_rank_holds_the_routers_weight_whole(request, kind):
 @pytest.mark.parametrize("sequence_parallel, runtime, reduced", [
     (True, "megatron", True), (False, "megatron", False), (True, "torch", False)])
 def test_the_routers_gradient_is_all_reduced_over_the_ranks_once_a_step_under_sequence_parallelism(
-        gpt_moe, monkeypatch, sequence_parallel, runtime, reduced):
+        gpt_moe, tensor_reductions, sequence_parallel, runtime, reduced):
     """Megatron-core's finalize_model_grads all-reduces a `sequence_parallel` parameter's main gradient (float32,
     experts x width) over the tensor-parallel group; without sequence parallelism every rank saw every token."""
-    calls: list[tuple[int, int]] = []
-
-    def recorded(nbytes: int, ranks: int, *_: object) -> float:
-        calls.append((nbytes, ranks))
-        return 0.0
-
-    monkeypatch.setattr(estimate, "all_reduce_ms", recorded)
     estimate.replicated_reduce_ms(gpt_moe.layers, Parallelism(tensor=T, sequence_parallel=sequence_parallel,
                                                               tp_runtime=runtime),
                                   Parallelism().held(gpt_moe.dtype), E, placement_links(H100, Parallelism()).tensor)
-    assert calls == ([(EXPERTS * H * 4, T)] if reduced else [])
+    assert tensor_reductions == ([(EXPERTS * H * 4, T)] if reduced else [])
