@@ -24,12 +24,12 @@ def _v_shaped(p: int) -> tuple[tuple[int, ...], ...]:
     return tuple((d, 2 * p - 1 - d) for d in range(p))
 
 
-def _times(layers: list[LayerCost], cut, stage_time) -> list[float]:
+def _times(cut, stage_time) -> list[float]:
     return [float(stage_time(k)[i, j]) for k, (i, j) in enumerate(itertools.pairwise(cut))]
 
 
-def _busiest(layers, cut, stage_time, devices) -> float:
-    times = _times(layers, cut, stage_time)
+def _busiest(cut, stage_time, devices) -> float:
+    times = _times(cut, stage_time)
     return max(sum(times[k] for k in held) for held in devices)
 
 
@@ -56,11 +56,11 @@ def test_of_the_cuts_tied_at_the_slowest_stage_the_busiest_device_is_least_busy(
     layers = [LayerCost(ms, 0, 0) for ms in (1, 2, 1, 1, 1, 2)]
     devices, time = _interleaved(2, 2), _plain(layers)
     earliest, cut = partition(layers, 4), partition(layers, 4, devices=devices)
-    slowest = max(_times(layers, earliest, time))
-    assert _busiest(layers, earliest, time, devices) == 5  # what the slowest stage's earliest cut gives
-    least = min(_busiest(layers, c, time, devices) for c in _every_cut(6, 4) if max(_times(layers, c, time)) <= slowest)
-    assert max(_times(layers, cut, time)) == slowest
-    assert _busiest(layers, cut, time, devices) == least == 4
+    slowest = max(_times(earliest, time))
+    assert _busiest(earliest, time, devices) == 5  # what the slowest stage's earliest cut gives
+    least = min(_busiest(c, time, devices) for c in _every_cut(6, 4) if max(_times(c, time)) <= slowest)
+    assert max(_times(cut, time)) == slowest
+    assert _busiest(cut, time, devices) == least == 4
 
 
 def test_a_device_of_one_stage_keeps_the_earliest_cut():
@@ -99,10 +99,10 @@ def test_the_busiest_device_is_the_least_of_every_cut_of_the_least_slowest_stage
             partition(layers, stages, cap, stage_time=time, devices=devices)
         return
     cut = partition(layers, stages, cap, stage_time=time, devices=devices)
-    slowest = min(max(_times(layers, c, time)) for c in fitting)
-    assert fits(cut) and max(_times(layers, cut, time)) == slowest
-    least = min(_busiest(layers, c, time, devices) for c in fitting if max(_times(layers, c, time)) <= slowest)
-    assert _busiest(layers, cut, time, devices) == pytest.approx(least, rel=1e-9)
+    slowest = min(max(_times(c, time)) for c in fitting)
+    assert fits(cut) and max(_times(cut, time)) == slowest
+    least = min(_busiest(c, time, devices) for c in fitting if max(_times(c, time)) <= slowest)
+    assert _busiest(cut, time, devices) == pytest.approx(least, rel=1e-9)
 
 
 # the 70B tune's cuts where the search stopped at its prefixes: stage k's ms over every range it may hold (within the
@@ -136,9 +136,9 @@ def test_past_its_prefixes_the_cut_is_levelled_to_what_a_longer_search_finds(cas
     layers, stages, time, devices = _recorded(case)
     earliest, cut = partition(layers, stages, stage_time=time), partition(layers, stages, stage_time=time,
                                                                          devices=devices)
-    assert _busiest(layers, earliest, time, devices) == pytest.approx(case["first_ms"], abs=0.05)
-    assert max(_times(layers, cut, time)) == max(_times(layers, earliest, time))
-    assert _busiest(layers, cut, time, devices) <= case["searched_ms"] + 0.05 < case["first_ms"]
+    assert _busiest(earliest, time, devices) == pytest.approx(case["first_ms"], abs=0.05)
+    assert max(_times(cut, time)) == max(_times(earliest, time))
+    assert _busiest(cut, time, devices) <= case["searched_ms"] + 0.05 < case["first_ms"]
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -155,18 +155,17 @@ def test_levelled_cuts_keep_the_slowest_stage_and_no_move_of_a_layer_improves_th
         earliest = partition(layers, stages, cap, stage_time=time)
     except PartitionError:
         return
-    slowest = max(_times(layers, earliest, time))
+    slowest = max(_times(earliest, time))
     rows = range(len(layers) - stages + 1)  # `_least_busy_devices`' [k, r, c]: stage k over layers k + r .. k + c
     over = None if cap is None else np.array([[[sum(layer.static_bytes for layer in layers[k + r:k + 1 + c]) > cap
                                                 for c in rows] for r in rows] for k in range(stages)])
     cut = _least_busy_devices(len(layers), time, devices, slowest, over, earliest, max_prefixes=0)
-    assert fits(cut) and max(_times(layers, cut, time)) <= slowest
-    busiest = _busiest(layers, cut, time, devices)
-    assert busiest <= _busiest(layers, earliest, time, devices) * (1 + 1e-9)
+    assert fits(cut) and max(_times(cut, time)) <= slowest
+    busiest = _busiest(cut, time, devices)
+    assert busiest <= _busiest(earliest, time, devices) * (1 + 1e-9)
     for first, last in itertools.combinations(range(1, stages + 1), 2):
         for step in (-1, 1):
             moved = list(cut)
             moved[first:last] = [bound + step for bound in cut[first:last]]
-            if all(i < j for i, j in itertools.pairwise(moved)) and fits(moved) and max(
-                    _times(layers, moved, time)) <= slowest:
-                assert _busiest(layers, moved, time, devices) >= busiest * (1 - 1e-9)
+            if all(i < j for i, j in itertools.pairwise(moved)) and fits(moved) and max(_times(moved, time)) <= slowest:
+                assert _busiest(moved, time, devices) >= busiest * (1 - 1e-9)
