@@ -75,10 +75,11 @@ def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | 
               devices: Sequence[Sequence[int]] | None = None) -> list[int]:
     """Stage bounds [0, b1, ..., n]: stage k holds layers bounds[k] .. bounds[k+1]-1. Minimises the slowest
     stage; ties keep the earliest cut, so the result is deterministic, or, given `devices` (per device, the stages
-    it runs), the cut among them whose busiest device is least busy (`_least_busy_devices`). `stage_bytes`
-    replaces the 1F1B memory model of the module docstring (a schedule that holds other activations or weight
-    versions), `stage_time` the layers' forward + backward (a schedule that splits backwards, or counts its
-    updates); each gives stage k's bytes or ms for every range of layers at once, entry [i, j] for layers i .. j-1."""
+    it runs), the cut among them whose busiest device is least busy, on large problems a local optimum of that
+    (`_least_busy_devices`). `stage_bytes` replaces the 1F1B memory model of the module docstring (a schedule that
+    holds other activations or weight versions), `stage_time` the layers' forward + backward (a schedule that
+    splits backwards, or counts its updates); each gives stage k's bytes or ms for every range of layers at once,
+    entry [i, j] for layers i .. j-1."""
     n = _check(layers, stages)
     memory = stage_bytes or _one_f_one_b_bytes(layers, stages)
     over_cap = None if memory_cap_bytes is None else _stage_blocks(n, stages, memory, memory_cap_bytes)
