@@ -349,8 +349,8 @@ class Costs:
     `kept_until_update`: the tensors sent and received are the receive buffers and kept outputs a runtime holds
     until each stage's update (`held_as_runtime`, torch's stage), not buffers of their own; False: pipesim's
     runtime, a received tensor a buffer from its arrival until its consumer ends, a sent one until its transfer
-    ends. `merges_outputs`: the runtime concatenates the model outputs a stage kept into a new tensor after the
-    stage's last full or weight backward of a mini-batch, held until its update begins (`merges_outputs`).
+    ends. `merges_outputs`: the runtime concatenates the model outputs a stage kept into a new tensor after its
+    device's last full or weight backward of a mini-batch, held until its update begins (`merges_outputs`).
 
     `transfers_hold_products`: the devices' products run persistent CTAs (Hopper: `Curve.persistent_products`),
     so a point-to-point transfer's NCCL kernel, which holds its multiprocessors from its launch until its data
@@ -565,14 +565,14 @@ def held_as_runtime(costs: Costs, schedule: Schedule, pp_runtime: str) -> Costs:
 
 
 def merges_outputs(pp_runtime: str) -> bool:
-    """Whether `pp_runtime`'s runtime concatenates the model outputs its last stage kept (`StageCosts.
-    model_output_bytes`, one a micro-batch) into a new tensor once that stage's last backward of a mini-batch ends
-    (`Costs.merges_outputs`; the caching allocator's replay: sim/caching_allocator.py `MERGE`), freed before the
-    update. torch's: each schedule's `step` returns
-    `_merge_outputs(output_chunks)` on the last stage (schedules.py, PipelineScheduleSingle and
-    PipelineScheduleMulti alike), merge_chunks' `torch.cat` of every micro-batch's output (microbatch.py), which
-    torchtitan's train loop drops as `step` returns (train.py at 9dec370); unconditionally until `step`'s
-    `return_outputs` (pytorch#159251, after torchtitan's December 2024 pin, torch 1963fc8)."""
+    """Whether `pp_runtime`'s runtime concatenates the model outputs its last stage kept
+    (`StageCosts.model_output_bytes`, one a micro-batch) into a new tensor once the stage's device has run its last
+    backward of a mini-batch (`Costs.merges_outputs`; the caching allocator's replay: sim/caching_allocator.py
+    `MERGE`), freed before the update. torch's: each schedule's `step` returns `_merge_outputs(output_chunks)` on
+    the last stage after running all its actions (schedules.py, PipelineScheduleSingle and PipelineScheduleMulti
+    alike), merge_chunks' `torch.cat` of every micro-batch's output (microbatch.py), which torchtitan's train loop
+    drops as `step` returns (train.py at 9dec370); unconditionally until `step`'s `return_outputs`
+    (pytorch#159251, after torchtitan's December 2024 pin, torch 1963fc8)."""
     return pp_runtime == "torch"
 
 
