@@ -1298,6 +1298,14 @@ def replicated_share(layer: LayerCount, element_bytes: int) -> float:
     return whole * element_bytes / layer.param_bytes
 
 
+def state_share(layer: LayerCount, parallel: Parallelism, weight_shards: int, element_bytes: int) -> float:
+    """Of `layer`'s weights (by bytes), t times the share whose optimizer state and step one of the t ranks holds:
+    all of them where the optimizer is sharded (over the d replicas either way), else the share one of the E·ETP
+    ranks holds (`held_share`); and its router's whole on each rank, t - 1 more (`replicated_share`)."""
+    held = 1.0 if parallel.sharded_optimizer else held_share(layer, weight_shards)
+    return held + (parallel.tensor - 1) * replicated_share(layer, element_bytes)
+
+
 def replicated_reduce_ms(layers: Sequence[LayerCount], parallel: Parallelism, held: Precision, element_bytes: int,
                          link: EstimateLink) -> float:
     """The all-reduce over the t ranks of `layers`' replicated weights' gradients (`replicated_share`) once a step,
@@ -2223,9 +2231,9 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         routed = (None if experts_part is None else estimate_layer(experts_part, device, parallel, links.tensor,
                                                                    element, links.context, float8, accumulated))
         share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
-        state_share = 1.0 if parallel.sharded_optimizer else share  # sharded: over the d replicas either way
         whole = (t - 1) * replicated_share(layer, element)  # its router's, whole on each of the t ranks: t - 1 more
         params = round(layer.param_bytes * (share + whole)) // t
+        held_state = state_share(layer, parallel, experts.weight_shards, element)  # of them t x its optimizer's
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
 
@@ -2270,7 +2278,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             **_ring_fields(priced),
             expert_param_bytes=layer.expert_param_bytes // experts.weight_shards // t,
             optimizer_state_bytes={name: round((layer.optimizer_state_bytes[name] * widen + (held.master_bytes + ema)
-                                                * layer.param_bytes // element) * (state_share + whole)) // shards
+                                                * layer.param_bytes // element) * held_state) // shards
                                    for name in OPTIMIZERS}))
     if made is None:
         layers = _with_host_waits(layers, issues, waits)
@@ -2280,8 +2288,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
     if bounds is None:
         bounds = partition(costs, parallel.pipeline, stage_time=stage_time(layers, parallel.p2p_sync))
     weight_shards = experts.weight_shards
-    held_shares = [(1.0 if parallel.sharded_optimizer else held_share(layer, weight_shards))
-                   + (t - 1) * replicated_share(layer, element) for layer in counted.layers]
+    held_shares = [state_share(layer, parallel, weight_shards, element) for layer in counted.layers]
     # each layer's bytes an optimizer's step moves, found once: a stage's are its layers' summed in their order
     step_bytes = {name: [(layer.optimizer_step_moved_bytes[name] * widen + 3 * ema * layer.param_bytes // element)
                          * held for layer, held in zip(counted.layers, held_shares)] for name in OPTIMIZERS}
