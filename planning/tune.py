@@ -545,7 +545,7 @@ class _Built:
         self._reduces: dict[tuple[int, int, int], dict[tuple[int, int], float]] = {}  # by setting, p and d: a stage's
         # REDUCE by its bytes and its routed experts' (`_layer_reduces_ms`)
         self._layers: dict[int, tuple[np.ndarray, bool, np.ndarray]] = {}  # by id of the setting (`_layer_bytes`)
-        self._expert_ranks: dict[tuple[int, int, int], int | None] = {}  # by setting, p and d (`_expert_ranks`)
+        self._expert_groups: dict[tuple[int, int, int], int | None] = {}  # by setting, p and d (`_expert_ranks`)
 
     def advance(self, shape: Shape) -> Shape | Candidate | None:
         """What a shape becomes once its bound comes up: its candidate; first, for a searched order, whose search
@@ -614,9 +614,9 @@ class _Built:
     def _expert_group(self, setting: Setting, config: Config) -> int | None:
         """`_expert_ranks` for the setting's p and d, found once."""
         key = (id(setting), config.stages, config.replicas)
-        if key not in self._expert_ranks:
-            self._expert_ranks[key] = _expert_ranks(setting.scenario, config.stages, config.replicas)
-        return self._expert_ranks[key]
+        if key not in self._expert_groups:
+            self._expert_groups[key] = _expert_ranks(setting.scenario, config.stages, config.replicas)
+        return self._expert_groups[key]
 
     def _layer_bytes(self, setting: Setting) -> tuple[np.ndarray, bool, np.ndarray]:
         """The setting's layers' weights' bytes as prefix sums, whether they form a chain (`_chain_of_layers`), and
@@ -1249,8 +1249,9 @@ def _least_reduce_ms(link: CollectiveLink | None, replicas: int, expert_ranks: i
     """The least REDUCE of a stage's gradients, `nbytes` of weights, `expert_bytes` of them routed experts', as
     `collective_costs` prices it: NCCL's all-reduce, its tree at its full rate (`CollectiveLink.all_reduce_ms`),
     of the rest over the r replicas and of the experts' over the `expert_ranks` that hold the same ones (None:
-    E = 1, all of them over r). Over r alone, the experts' share at E > 1 went over 2x the ranks it reduces over
-    (the 4-expert GPT's E = 2 stages: 0.074 ms where their REDUCE took 0.063). None for one replica."""
+    E = 1, all of them over r): priced over r, the experts' share at E > 1 would go over E times the ranks it
+    reduces over, and the bound pass the REDUCE it bounds (the 4-expert GPT's E = 2 stages: 0.074 ms against
+    0.063). `link`: None for one replica, which reduces nothing."""
     if replicas == 1:
         return 0.0
     return over_expert_groups(partial(link.all_reduce_ms, tree_correction=False), float(nbytes),
