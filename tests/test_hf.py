@@ -262,6 +262,8 @@ SEQ = ("--seq-len", 16)
      SEQ, "GPT2LMHeadModel is not laid out as pipesim cuts a decoder"),
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_inner": None}, SEQ,
      "model_type 'gpt2' (GPT2Config has no intermediate_size) is not laid out as pipesim cuts a decoder"),
+    ({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_inner": None}, SEQ,  # n_embd omitted
+     "model_type 'gpt2' (GPT2Config has no intermediate_size) is not laid out as pipesim cuts a decoder"),
     ({"model_type": "t5", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
       "intermediate_size": 128}, SEQ, "model_type 't5' is not a causal language model transformers builds"),
     ({**LLAMA, "rope_scaling": {"rope_type": "nosuch", "factor": 2.0}}, SEQ, "transformers cannot build it: "

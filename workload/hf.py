@@ -266,7 +266,8 @@ def _settings(config: HfConfig, config_class: type) -> Any:
     aliases = getattr(config_class, "attribute_map", {})
     missing = [field for field in FIGURES.values() if field not in config.fields and
                aliases.get(field) not in config.fields]
-    unknown = [field for field in missing if not hasattr(config_class, field)]  # GPT-2's: n_inner, not this layout
+    # a figure the class has no field for, by its name or an alias (GPT-2's n_inner, not intermediate_size): its layout
+    unknown = [field for field in missing if not hasattr(config_class, aliases.get(field, field))]
     if unknown:
         raise _not_laid_out(f"--model {config.spec}", f"model_type {config.model_type!r} ({config_class.__name__} "
                                                       f"has no {', '.join(unknown)})")
