@@ -362,9 +362,9 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     have none: Megatron-LM's `--disable-bias-linear`, NeMo's `bias: false`); the head has none either way, as
     Megatron-LM's output layer (megatron/core/models/gpt/gpt_model.py at d98e8a64: ColumnParallelLinear(...,
     bias=False); the legacy model's `parallel_lm_logits` a product with the embedding's weight, no bias), `norm`
-    is every norm's kind, of `NORMS` (None:
-    layernorm, GPT-3's; rmsnorm, Llama's: Megatron-LM's `--normalization RMSNorm`, NeMo's `normalization: rmsnorm`;
-    Nemotron-4's layernorm1p is a LayerNorm whose scale is stored less one, the same kernel)."""
+    is every norm's kind, of `NORMS` (None: layernorm, GPT-3's; rmsnorm, Llama's: Megatron-LM's
+    `--normalization RMSNorm`, NeMo's `normalization: rmsnorm`; Nemotron-4's layernorm1p is a LayerNorm whose scale
+    is stored less one, the same kernel)."""
     ffn = 4 * width if ffn is None else ffn
     moe = _expert_shape(ffn, experts, top_k, shared_experts, expert_ffn, capacity_factor)
     kv_heads = heads if kv_heads is None else kv_heads
