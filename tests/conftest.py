@@ -9,6 +9,7 @@
   uniform link: (schedule, trace, summary).
 - `estimate_json(tmp_path, *args)`: `pipesim estimate ARGS` into a file of its own in tmp_path: the profile's JSON.
 - `help_records()`: each command's name, each of its parameters and the (names, text) its --help lists for it.
+- `reductions(split, ops, name)`: pass `name`'s reductions of the products `ops` on one rank, per reduced shape.
 - `tensor_reductions` (a fixture): each all-reduce and reduce-scatter planning/estimate.py prices, as (bytes,
   ranks), each priced at 0 ms.
 
@@ -21,7 +22,7 @@ import contextlib
 import io
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -115,6 +116,19 @@ def estimate_json(tmp_path: Path, *args: Any) -> dict:
     code, _, err = pipesim("estimate", *args, "-o", out)
     assert code == 0, err
     return json.loads(out.read_text())
+
+
+def reductions(split: Any, ops: Iterable[Any], name: str) -> dict[tuple[int, ...], float]:
+    """Pass `name`'s reductions of the products `ops` on one rank (planning/estimate.py `_Split.products` of
+    `split`), per reduced product's shape: how many, each op's calls times its share of them times its part of the
+    reduction (`_Reduction.part`: 1/3 where q, k and v reduce one sum)."""
+    counted: dict[tuple[int, ...], float] = {}
+    for op in ops:
+        for _, reduction, share in split.products(op, name):
+            if reduction is not None:
+                shape = reduction.op.shape
+                counted[shape] = counted.get(shape, 0.0) + op.count * share * reduction.part
+    return counted
 
 
 @pytest.fixture

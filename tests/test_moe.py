@@ -14,7 +14,7 @@ import torch
 
 from pipesim.workload.count import WorkloadCount, count_built
 from pipesim.workload.moe import expected_tokens, routed_experts
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import pipesim, reductions, simulate_json
 from tests.test_hf import write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -316,13 +316,9 @@ def test_mlas_down_projections_reduce_their_input_gradients_as_the_runtime_split
                           torch.bfloat16, "flash")
     layer = counted.layers[2]
     split = _Split.of(layer, Parallelism(tensor=2, tp_runtime=runtime))
-    reductions: dict[tuple[int, ...], float] = {}
-    for op in layer.ops["igrad"]:
-        for _, reduction, share in split.products(op, "igrad") if op.kind == "matmul" else ():
-            if reduction is not None and reduction.op.shape[2] == H:  # the attention's or the MLP's input, 64 wide
-                shape = reduction.op.shape
-                reductions[shape] = reductions.get(shape, 0.0) + op.count * share * reduction.part
-    assert reductions == {**down, (1, TOKENS, H, 32): 1.0}
+    reduced = reductions(split, [op for op in layer.ops["igrad"] if op.kind == "matmul"], "igrad")
+    # the attention's or the MLP's input, 64 wide
+    assert {shape: n for shape, n in reduced.items() if shape[2] == H} == {**down, (1, TOKENS, H, 32): 1.0}
 
 
 def capacity_counts(tmp_path, fields: dict, *factors: float | None, **options) -> list[WorkloadCount]:

@@ -15,7 +15,7 @@ from pipesim.planning.estimate import (
     placement_links,
 )
 from pipesim.profiles.workload import transient_peak
-from tests.conftest import pipesim
+from tests.conftest import pipesim, reductions
 
 H100 = load_catalogue().find("h100-sxm")
 B, S, W, HEADS, KV_HEADS, FFN = 2, 40, 64, 8, 2, 32
@@ -180,23 +180,18 @@ def test_separate_projections_split_by_their_roles_not_their_shapes(separate_pro
 
     layer = separate_projections.layers[1]
     split = _Split.of(layer, Parallelism(tensor=2))
-    reduced, reductions = {}, {}
+    reduced, reduction_counts = {}, {}
     for name in ("fwd", "bwd", "igrad", "wgrad"):
         products = [op for op in layer.ops[name] if op.kind == "matmul" and op.shape[0] == 1]
         mine = [(op, split.products(op, name)) for op in products]
         assert sum(op.count * share * rank.flops for op, split_as in mine for rank, _, share in split_as) * 2 == \
             sum(op.count * op.flops for op in products)
         reduced[name] = sorted((rank.shape, op.count * share) for op, split_as in mine
-                               for rank, on_contraction, share in split_as if on_contraction)
-        reductions[name] = {}
-        for op, split_as in mine:
-            for _, reduction, share in split_as:
-                if reduction is not None:
-                    shape = reduction.op.shape
-                    reductions[name][shape] = reductions[name].get(shape, 0.0) + op.count * share * reduction.part
+                               for rank, reduction, share in split_as if reduction is not None)
+        reduction_counts[name] = reductions(split, products, name)
     assert reduced["fwd"] == [((1, 48, 48, 20), 1.0), ((1, 48, 48, 24), 1.0)]  # down's, o's
     assert reduced["igrad"] == [((1, 48, 48, 20), 2.0), ((1, 48, 48, 24), 3.0)]  # gate's and up's; q's, k's, v's
     assert reduced["bwd"] == reduced["igrad"] and reduced["wgrad"] == []
-    assert reductions["fwd"] == {(1, 48, 48, 20): 1.0, (1, 48, 48, 24): 1.0}
-    assert reductions["igrad"] == {(1, 48, 48, 40): 1.0, (1, 48, 48, 72): 1.0}  # gate and up's; q, k and v's
-    assert reductions["bwd"] == reductions["igrad"] and reductions["wgrad"] == {}
+    assert reduction_counts["fwd"] == {(1, 48, 48, 20): 1.0, (1, 48, 48, 24): 1.0}
+    assert reduction_counts["igrad"] == {(1, 48, 48, 40): 1.0, (1, 48, 48, 72): 1.0}  # gate and up's; q, k and v's
+    assert reduction_counts["bwd"] == reduction_counts["igrad"] and reduction_counts["wgrad"] == {}
