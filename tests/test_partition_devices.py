@@ -83,7 +83,7 @@ def _problems(draw):
     return [LayerCost(t, b, 0) for t, b in zip(ms, static)], stages, devices, scale, cap
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None)
 @given(problem=_problems())
 def test_the_busiest_device_is_the_least_of_every_cut_of_the_least_slowest_stage(problem):
     """Stage k's times scaled as a schedule's steps weigh them (`scale`), each stage within a memory cap where there
@@ -141,7 +141,7 @@ def test_past_its_prefixes_the_cut_is_levelled_to_what_a_longer_search_finds(cas
     assert _busiest(cut, time, devices) <= case["searched_ms"] + 0.05 < case["first_ms"]
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None)
 @given(problem=_problems())
 def test_levelled_cuts_keep_the_slowest_stage_and_no_move_of_a_layer_improves_them(problem):
     """With no prefixes to search, the slowest-stage cut levelled by moving layers: every stage within the least
@@ -169,3 +169,22 @@ def test_levelled_cuts_keep_the_slowest_stage_and_no_move_of_a_layer_improves_th
             moved[first:last] = [bound + step for bound in cut[first:last]]
             if all(i < j for i, j in itertools.pairwise(moved)) and fits(moved) and max(_times(moved, time)) <= slowest:
                 assert _busiest(moved, time, devices) >= busiest * (1 - 1e-9)
+
+
+def test_the_scenarios_cut_of_an_interleaved_schedule_levels_its_devices():
+    """`Scenario.cut` hands `partition` the stages each device runs (`device_stages`): the CNN profile's 9 layers
+    in 4 x 2 interleaved stages tie at the slowest stage, and the earliest tied cut leaves a device busier than the
+    cut the scenario takes."""
+    from pipesim.planning.scenario import device_stages, profile_scenario
+    from pipesim.profiles.schema import layer_costs, load_profile, profile_stage_time
+    from pipesim.schedules import ScheduleParams
+    from tests.test_tune import CNN
+
+    measured = load_profile(CNN)
+    scenario = profile_scenario(measured, "adam")
+    schedule = scenario.build("interleaved-1f1b", ScheduleParams(stages=4, microbatches=8, chunks=2))
+    devices, time = device_stages(schedule, 8), profile_stage_time(measured)
+    assert devices == ((0, 4), (1, 5), (2, 6), (3, 7))
+    cut, earliest = scenario.cut(schedule), partition(layer_costs(measured.layers, "adam"), 8, stage_time=time)
+    assert max(_times(cut, time)) == max(_times(earliest, time))
+    assert _busiest(cut, time, devices) < _busiest(earliest, time, devices)
