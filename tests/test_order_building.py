@@ -81,7 +81,7 @@ def test_per_minibatch_repeats_each_devices_rows_with_its_minibatch():
         assert got.dtype == wanted.dtype and got.tolist() == wanted.tolist(), column
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_with_rows_inserts_each_column_as_np_insert_does(data):
     rows = data.draw(st.integers(1, 30))
@@ -98,7 +98,7 @@ def test_with_rows_inserts_each_column_as_np_insert_does(data):
         assert getattr(got, name).dtype == wanted.dtype and getattr(got, name).tolist() == wanted.tolist(), name
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), max_size=8), min_size=1, max_size=4))
 def test_an_order_flushes_where_no_device_goes_back_to_an_earlier_minibatch(minibatches):
     rows = sum(map(len, minibatches))

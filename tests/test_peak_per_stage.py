@@ -34,7 +34,7 @@ def counted_rows(draw):
     return num_stages, stage, at_start, draw(changes)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None)
 @given(counted_rows())
 def test_peaks_are_the_walked_running_counts(drawn):
     num_stages, stage, at_start, at_end = drawn

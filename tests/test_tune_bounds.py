@@ -141,7 +141,7 @@ def stage_excesses(setting: tuning.Setting, bounds: list[int], pipelines: int, c
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from([name for name in METHODS if name != "auto"]), min_size=1, max_size=3, unique=True),
        st.booleans(), st.sampled_from([1, 2, 4]), st.integers(0, 1), st.integers(1, 2))
 def test_every_bound_is_at_most_the_simulated_step(folder, kind, schedules, searched, per_device, staleness,
