@@ -520,19 +520,23 @@ def _module_part(name: str) -> str | None:
     return None
 
 
-# A product whose weights take a gradient, as `_SaverParts` records it: its shape (batch, m, n, k), its output's
-# bytes, its input's storage, whether it is the routed experts' grouped one and whether a router's
-_Product = tuple[tuple[int, int, int, int], int, torch.UntypedStorage, bool, bool]
+@dataclass(frozen=True)
+class _Product:
+    """A product whose weights take a gradient, as `_SaverParts` records it."""
+
+    shape: tuple[int, int, int, int]  # (batch, m, n, k)
+    output_bytes: int
+    input_storage: torch.UntypedStorage  # held, so that no identity is reused
+    routed: bool  # the routed experts' grouped one (`LayerCount.weight_grad_routed`)
+    router: bool  # a mixture of experts' router's (`LayerCount.weight_grad_router`)
 
 
 class _SaverParts(TorchFunctionMode):
     """Which part is saving now: the torch functions of `_FUNCTION_PART` under way, innermost last; and whether
     a product with weights is: a linear layer's (F.linear) or the routed experts' grouped one (a batched product
     of `routed`'s expert weights, TransformerEngine's GroupedLinear under Megatron-core): what it saves is its
-    input, kept for its weight gradient. `products`: each such product whose weights take a gradient, as
-    `LayerCount.weight_grad_outputs` records it, with its input's storage (held, so that no identity is reused)
-    and whether it is the routed experts' (`LayerCount.weight_grad_routed`) or a router's
-    (`LayerCount.weight_grad_router`)."""
+    input, kept for its weight gradient. `products`: each such product whose weights take a gradient (`_Product`),
+    in the forward's order."""
 
     def __init__(self, routed: Dispatched | None = None) -> None:
         super().__init__()
@@ -553,7 +557,7 @@ class _SaverParts(TorchFunctionMode):
             return
         shape = ((1, math.prod(x.shape[:-1]), *weight.shape) if weight.dim() == 2
                  else (*out.shape, x.shape[-1]))
-        self.products.append((shape, _nbytes(out), x.untyped_storage(), weight.dim() != 2, router_now()))
+        self.products.append(_Product(shape, _nbytes(out), x.untyped_storage(), weight.dim() != 2, router_now()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         part = _FUNCTION_PART.get(func)
@@ -763,8 +767,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         saved_parts=tuple(s.part for s in saved.values()),
         linear_input_saves=tuple(s.linear for s in saved.values()),
         weight_grad_outputs=_weight_grad_outputs(products),
-        weight_grad_routed=tuple(routed for *_, routed, _ in products),
-        weight_grad_router=tuple(router for *_, router in products),
+        weight_grad_routed=tuple(product.routed for product in products),
+        weight_grad_router=tuple(product.router for product in products),
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
@@ -791,8 +795,8 @@ def _weight_grad_outputs(products: list[_Product]
                          ) -> tuple[tuple[tuple[int, int, int, int], int, bool], ...]:
     """`LayerCount.weight_grad_outputs` of a forward's `_SaverParts.products`: each one's shape, output bytes and
     whether another product reads its input too."""
-    readers = Counter(id(storage) for _, _, storage, *_ in products)
-    return tuple((shape, nbytes, readers[id(storage)] > 1) for shape, nbytes, storage, *_ in products)
+    readers = Counter(id(product.input_storage) for product in products)
+    return tuple((product.shape, product.output_bytes, readers[id(product.input_storage)] > 1) for product in products)
 
 
 def _sequence_inputs(saved: dict[int, _Save], live: _LiveBytes) -> tuple[tuple[int, int], ...]:
