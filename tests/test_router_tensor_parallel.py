@@ -50,8 +50,13 @@ def qwen3_moe(tmp_path_factory):
 
 
 @pytest.fixture(params=["gpt", pytest.param("qwen3", marks=needs_transformers)])
-def layer(request):
-    return request.getfixturevalue({"gpt": "gpt_moe", "qwen3": "qwen3_moe"}[request.param]).layers[1]
+def counted(request):
+    return request.getfixturevalue({"gpt": "gpt_moe", "qwen3": "qwen3_moe"}[request.param])
+
+
+@pytest.fixture
+def layer(counted):
+    return counted.layers[1]
 
 
 def test_the_count_marks_the_router_alone(layer):
@@ -88,11 +93,9 @@ def test_the_routers_input_gradient_adds_no_reduction(layer, tensor_reductions, 
     assert counts[0] == counts[1] - 2
 
 
-@pytest.mark.parametrize("kind", ["gpt", pytest.param("qwen3", marks=needs_transformers)])
-def test_a_rank_holds_the_routers_weight_whole(request, kind):
+def test_a_rank_holds_the_routers_weight_whole(counted):
     """The MoE layer's weights, gradients and optimizer state on one of t = 2 ranks: 1/t of the rest, all of the
     router's (experts x width)."""
-    counted = request.getfixturevalue({"gpt": "gpt_moe", "qwen3": "qwen3_moe"}[kind])
     router = EXPERTS * H * E
     whole, split = (estimate_profile(counted, H100, Parallelism(tensor=t, sequence_parallel=True)).layers[1]
                     for t in (1, T))
