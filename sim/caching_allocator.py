@@ -1057,8 +1057,12 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     pass's transient peak for whole rows, so it can allocate less than the prediction holds and that difference
     would read nothing. `capacity_bytes`: each device's memory (None: unbounded), whose cached segments torch
     releases when a cudaMalloc fails; where the step does not fit even then (torch's out of memory), its reserve
-    is what it would take without that bound, which puts the device's peak over its memory. Under a pipeline,
-    FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
+    is what it would take without that bound. That puts the device's peak over its memory where the replay
+    allocates no more than the simulation holds; under a split backward it holds each micro-batch's forward whole
+    from the input pass to the weight pass, where Megatron-LM's deferred weight pass keeps its products' inputs and
+    output gradients (the simulation's `wgrad_kept_bytes`), so it can run out under a peak within the memory (the
+    4-GPU GPT's ZB-H1 at p = 2, d = 2, b = 2 in tests/test_tune_reserve.py at 0.24 GiB: 0.23998 GiB). Under a
+    pipeline, FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
     (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block;
     without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`).
     Under FSDP2 over two mini-batches or more with `adam` (the optimizer torch's Adam or AdamW), its moments are made

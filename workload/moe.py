@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 DEFAULT_TOP_K = 2  # GShard's and Mixtral's
 
@@ -153,9 +154,11 @@ class Fused(torch.autograd.Function):
     SwiGLUFunction and WeightedSwiGLUFunction keep the activation's input, and the weights), and its work, forward
     and backward, is one memory-bound kernel reading its inputs (and the output's gradient) and writing its output
     (the inputs' gradients), as the fused kernel runs (fusions/fused_bias_swiglu.py), not the ops that compute it:
-    those run with their graph kept aside, their saved tensors out of the count's (meta tensors hold no memory),
-    and `kernels` hears the one kernel instead (workload/count.py records it). `gating`: a router's product, whose
-    ops are its products and casts, counted as they run (`gating_now`)."""
+    those run out of the count's sight, their graph kept for the backward, and the count sees the kernel make its
+    output from its inputs (a storage of the output's shape, each input read into it), nothing else (the ops seen
+    made silu's output, which their graph held unsaved until the backward: sim/caching_allocator.py's replay held
+    it for every micro-batch in flight), and `kernels` hears the one kernel instead (workload/count.py records
+    it). `gating`: a router's product, whose ops are its products and casts, counted as they run (`gating_now`)."""
 
     @staticmethod
     def forward(ctx: Any, compute: Callable[..., torch.Tensor], gating: bool, *inputs: torch.Tensor) -> torch.Tensor:
@@ -164,10 +167,16 @@ class Fused(torch.autograd.Function):
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
                 _in_gating() if gating else _one_kernel("fused_swiglu", inputs):
             ctx.leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-            ctx.out = compute(*ctx.leaves)
-            if not gating:
-                _kernel_writes(ctx.out)
-        return ctx.out.detach()
+            if gating:
+                ctx.out = compute(*ctx.leaves)
+                return ctx.out.detach()
+            with _disable_current_modes():  # its ops and their graph, for the backward, out of the count's sight
+                ctx.out = compute(*ctx.leaves)
+            out = inputs[0].new_empty(ctx.out.shape, dtype=ctx.out.dtype)  # its one write, seen made from its reads
+            for read in inputs[1:]:
+                out.add_(read)
+            _kernel_writes(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
