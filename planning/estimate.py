@@ -2302,11 +2302,12 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         # the weights this rank holds (its 1/t, and of the routed experts its 1/(E·ETP)), which its accumulation,
         # averaging, prediction and copy pass over: each layer's held `param_bytes` above
         params = sum(layer.param_bytes for layer in layers[start:stop])
-        casts_ms = sum(ms for layer_casts in step_casts_ms[start:stop] for ms in layer_casts)
-        casts_ms += replicated_reduce_ms(counted.layers[start:stop], parallel, held, element, links.tensor)
-        casts_ms += scale_precompute_ms(counted.layers[start:stop], parallel, device, links.data)
+        # the step's work besides its optimizer's pass: float8 casts, the routers' all-reduce, scales' precompute
+        besides_ms = sum(ms for layer_casts in step_casts_ms[start:stop] for ms in layer_casts)
+        besides_ms += replicated_reduce_ms(counted.layers[start:stop], parallel, held, element, links.tensor)
+        besides_ms += scale_precompute_ms(counted.layers[start:stop], parallel, device, links.data)
         passes_weights = _timing(memory_ms(3 * params))  # a prediction's and the averaging's pass (frozen: shared)
-        steps = {name: StepTimes(step=_timing(casts_ms + memory_ms(sum(step_bytes[name][start:stop]) / shards)),
+        steps = {name: StepTimes(step=_timing(besides_ms + memory_ms(sum(step_bytes[name][start:stop]) / shards)),
                                  predict=passes_weights) for name in OPTIMIZERS}
         # a pass of its own over the weights it accumulates, read, read, write: all of them (separate), or those no
         # product accumulates (fused: `unfused_weight_share`)
