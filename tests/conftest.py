@@ -206,3 +206,25 @@ def stage_ms(layers: list[LayerCost], start: int, stop: int) -> float:
     """The partitioner's oracle: forward + backward ms of layers [start, stop), math.fsum's correctly rounded sum
     (profiles/partition.py's table is held to it bit for bit)."""
     return math.fsum(layer.ms for layer in layers[start:stop])
+
+
+def spy_reserves(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Each call of the allocator's per-device replay (`caching_allocator._reserve`) as its arguments by name,
+    defaults filled in, the replay itself run as before: a test reads what a command handed the replay without
+    restating its signature."""
+    import inspect
+
+    from pipesim.sim import caching_allocator
+
+    replayed = caching_allocator._reserve.__wrapped__
+    signature = inspect.signature(replayed)
+    seen: list[dict[str, Any]] = []
+
+    def reserve(*args: Any, **kwargs: Any) -> int:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append(dict(bound.arguments))
+        return replayed(*args, **kwargs)
+
+    monkeypatch.setattr(caching_allocator, "_reserve", reserve)
+    return seen

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-import pipesim.sim.caching_allocator as caching_allocator
 from pipesim.sim.caching_allocator import LayerAllocations, replay_device, stage_program, step_events
 from pipesim.units import MIB
 
@@ -40,18 +39,11 @@ def test_simulate_makes_the_moments_at_the_first_step_where_it_runs_two_mini_bat
     """With one mini-batch there is no step before the one replayed: the moments are held from its start as
     before; with two, the first runs as a first step and the optimizer state is not among the blocks held. Only
     Adam's and AdamW's: another optimizer's state (SGD's none, momentum's one buffer) is no two moments."""
-    from tests.conftest import simulate_json
+    from tests.conftest import simulate_json, spy_reserves
 
-    seen = []
-    replayed = caching_allocator._reserve.__wrapped__
-
-    def reserve(static_bytes, rows, programs, capacity_bytes, expandable=False, adam_at_first_step=False,
-                merged_bytes=0):
-        seen.append((len(static_bytes), adam_at_first_step))
-        return replayed(static_bytes, rows, programs, capacity_bytes, expandable, adam_at_first_step, merged_bytes)
-
-    monkeypatch.setattr(caching_allocator, "_reserve", reserve)
+    seen = spy_reserves(monkeypatch)
     simulate_json("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "2", "--width", "128", "--heads", "4",
                   "--seq-len", "256", "--vocab", "8192", "-p", "2", "-m", "4", "-s", "1f1b", "--data-parallel", "2",
                   "--zero", "3", "--precision", "fsdp2", "-n", str(minibatches), "--optimizer", optimizer)
-    assert seen == [(1 if made else 2, made)] * 2  # each device: the weights' shards, and the moments unless made
+    # each device: the weights' shards, and the moments unless made
+    assert [(len(call["static_bytes"]), call["adam_at_first_step"]) for call in seen] == [(1 if made else 2, made)] * 2

@@ -76,20 +76,13 @@ SMALL_GPT = [*GPT, "--dtype", "fp16"]
 def test_simulate_replays_megatrons_step_under_its_flag(monkeypatch, flags, made):
     """--optimizer-step megatron over two mini-batches: the optimizer state's block is the master weights alone,
     the moments made at the first step; by default, or over one mini-batch, the state one block as before."""
-    from tests.conftest import simulate_json
+    from tests.conftest import simulate_json, spy_reserves
 
-    seen = []
-    replayed = caching_allocator._reserve.__wrapped__
-
-    def reserve(static_bytes, rows, programs, capacity_bytes, expandable=False, adam_at_first_step=False):
-        seen.append((static_bytes, adam_at_first_step))
-        return replayed(static_bytes, rows, programs, capacity_bytes, expandable, adam_at_first_step)
-
-    monkeypatch.setattr(caching_allocator, "_reserve", reserve)
+    seen = spy_reserves(monkeypatch)
     (out,) = simulate_json(*SMALL_GPT, *flags)
     state = [device["peak_memory_parts_mb"]["optimizer_state"] * MIB for device in out["devices"]]
-    assert [made for _, made in seen] == [made] * 2
-    for (static, _), held in zip(seen, state, strict=True):
+    assert [call["adam_at_first_step"] for call in seen] == [made] * 2
+    for static, held in zip((call["static_bytes"] for call in seen), state, strict=True):
         assert len(static) == 3 and (static[-1] < held / 2 if made else static[-1] == pytest.approx(held, abs=1))
 
 
