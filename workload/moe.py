@@ -39,7 +39,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,14 +104,19 @@ def dispatches() -> Iterator[Dispatched]:
 
 
 @contextmanager
-def fused_swiglu(on: bool) -> Iterator[None]:
-    """Count a gated MLP's activation (a routed expert's scaled by the router's weights) as one fused kernel (`on`)
-    or as the ops that compute it, on the meta device inside."""
-    _fusing.append(on)
+def _open(settings: list[bool], setting: bool) -> Iterator[None]:
+    """`setting` the innermost of `settings` inside."""
+    settings.append(setting)
     try:
         yield
     finally:
-        _fusing.pop()
+        settings.pop()
+
+
+def fused_swiglu(on: bool) -> AbstractContextManager[None]:
+    """Count a gated MLP's activation (a routed expert's scaled by the router's weights) as one fused kernel (`on`)
+    or as the ops that compute it, on the meta device inside."""
+    return _open(_fusing, on)
 
 
 def _fusing_now(t: torch.Tensor) -> bool:
@@ -123,13 +128,8 @@ def gating_now() -> bool:
     return bool(_gating)
 
 
-@contextmanager
-def _in_gating() -> Iterator[None]:
-    _gating.append(True)
-    try:
-        yield
-    finally:
-        _gating.pop()
+def _in_gating() -> AbstractContextManager[None]:
+    return _open(_gating, True)
 
 
 def router_now() -> bool:
@@ -138,15 +138,10 @@ def router_now() -> bool:
     return bool(_routing)
 
 
-@contextmanager
-def routing() -> Iterator[None]:
+def routing() -> AbstractContextManager[None]:
     """Mark the products run inside as a router's (`router_now`): the gpt's `router`, a Hugging Face model's
     `gate` (`gating_router`)."""
-    _routing.append(True)
-    try:
-        yield
-    finally:
-        _routing.pop()
+    return _open(_routing, True)
 
 
 class Fused(torch.autograd.Function):
