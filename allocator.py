@@ -4,9 +4,9 @@ of transparent huge pages (docs/benchmarks.md); benchmarks/pass_faults.py times 
 By default glibc hands a freed block above its mmap threshold back to the OS, and that threshold moves with the
 process's history. The next allocation of the same size is then faulted in and zeroed again by the kernel, or
 not: a stage's backward whose weight gradients (4 MiB for a Linear(1024)) are faulted in afresh takes up to 40 %
-longer (docs/fidelity.md, report 18). Calibration and the ranks keep glibc's defaults for now: with freed memory
+longer (docs/fidelity.md, What limits it). Calibration and the ranks keep glibc's defaults for now: with freed memory
 kept in both, their predictions came out 10-25 % short, the faults having offset what calibration does not yet
-price, a pass's cold caches after a wait (report 19). Elsewhere than glibc on Linux, nothing changes.
+price, a pass's cold caches after a wait (the same section). Elsewhere than glibc on Linux, nothing changes.
 """
 
 from __future__ import annotations

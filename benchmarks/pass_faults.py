@@ -6,7 +6,7 @@ glibc's mmap threshold (a Linear(1024)'s 4 MiB) may go back to the OS when freed
 its pages in again, or may stay in the heap, depending on the allocator's history in that process. Per size
 (those of `fidelity_sizes.py`), each in `--processes` fresh processes (each its own allocator history), with
 glibc's defaults and with freed memory kept (`pipesim.allocator.keep_freed_memory`, as `pipesim simulate` keeps it;
-calibration and the ranks do not yet: docs/fidelity.md, report 19): per pass, its
+calibration and the ranks do not yet: docs/fidelity.md, What limits it): per pass, its
 median time with and without faults (the thread's minor faults) and the share of passes that faulted. Then,
 with freed memory kept, the same passes' thread CPU time while the other core idles, spins in a Python loop
 (no memory traffic: what any other process does to a core's sibling), or multiplies matrices (a peer rank
