@@ -428,8 +428,15 @@ def _least_busy_devices(n: int, cost: StageCosts, devices: Sequence[Sequence[int
             least[k] = np.where(allowed[k], per_stage[k] * times[k] + least[k + 1], math.inf).min(axis=1)
     open_ = allowed & np.isfinite(least[1:, None, :])  # [k, r, c]: stage k may end at c, the stages after cover c..
     # the least each device's stages add, each the shortest range it may hold anywhere
-    shortest = [float(times[k][open_[k]].min()) for k in range(stages)]
+    shortest = np.where(open_, times, math.inf).min(axis=(1, 2)).tolist()
     owners = [[(d, float(runs[k, d])) for d in np.flatnonzero(runs[k])] for k in range(stages)]
+    least_ms, ends = least.tolist(), {}  # the search's Python numbers; ends: (k, r) -> stage k's ends from r, their ms
+
+    def ends_from(k: int, start: int) -> tuple[list[int], list[float]]:
+        if (k, start) not in ends:
+            stops = np.flatnonzero(open_[k, start])
+            ends[k, start] = stops.tolist(), times[k, start, stops].tolist()
+        return ends[k, start]
 
     def busy_of(columns: Sequence[int]) -> np.ndarray:  # each stage's end column: the next stage's start row
         return sum((runs[k] * times[k, r, c] for k, (r, c) in enumerate(itertools.pairwise([0, *columns]))),
@@ -448,10 +455,9 @@ def _least_busy_devices(n: int, cost: StageCosts, devices: Sequence[Sequence[int
                 below_ms, best = busiest * (1 - BEATS), list(columns)
             return
         start = columns[-1] if columns else 0
-        for stop in np.flatnonzero(open_[k, start]).tolist():
-            ms = float(times[k, start, stop])
+        for stop, ms in zip(*ends_from(k, start)):
             summed = total_ms + per_stage[k] * ms
-            if (summed + least[k + 1, stop]) / count >= below_ms:
+            if (summed + least_ms[k + 1][stop]) / count >= below_ms:
                 continue
             grown = least_busy.copy()
             for device, runs_k in owners[k]:
@@ -509,13 +515,15 @@ def _levelled_devices(times: np.ndarray, runs: np.ndarray, allowed: np.ndarray, 
             heads.append(busy + end[:-1] - shifted[1:-1])
             tails.append(shifted[1:-1] + start[1:])
             valid.append(ordered & end_ok[:-1, None] & start_ok[None, 1:] & (barred[1:-1, None] == barred[None, 1:-1]))
-        heads, tails = np.array(heads), np.array(tails)  # [step, a, device], [step, b, device]
-        busiest = (heads[:, :, None, :] + tails[:, None, :, :]).max(axis=-1)
+        heads, tails, valid = np.array(heads), np.array(tails), np.array(valid)  # [step, a, device], [step, b, device]
+        busiest = np.full(valid.shape, math.inf)  # [step, a, b]: the busiest device after the move, the valid only
+        step, a, b = np.nonzero(valid)
+        busiest[step, a, b] = (heads[step, a] + tails[step, b]).max(axis=-1)
         squares = (np.einsum("sad,sad->sa", heads, heads)[:, :, None] + 2 * heads @ tails.transpose(0, 2, 1)
                    + np.einsum("sbd,sbd->sb", tails, tails)[:, None, :])
         rank = np.where(busiest < top * (1 - BEATS), 0, np.where(squares < spread * (1 - BEATS), 1, 2))
         plateau = (squares <= spread * (1 + BEATS)) & (np.arange(2) == 1)[:, None, None]  # step +1: later
-        taken = np.array(valid) & (busiest <= top * (1 + BEATS)) & ((rank < 2) | plateau)
+        taken = valid & (busiest <= top * (1 + BEATS)) & ((rank < 2) | plateau)
         if not taken.any():
             break
         options = np.flatnonzero(taken)
