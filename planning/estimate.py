@@ -1288,34 +1288,49 @@ def unfused_weight_share(layer: LayerCount, element_bytes: int) -> float:
 
 
 def replicated_share(layer: LayerCount, element_bytes: int) -> float:
-    """Of `layer`'s weights (by bytes), the share tensor parallelism keeps whole on every rank, not 1/t: its router's
-    (`_weight_splits`' "replicated"), its gradient and optimizer state too (Megatron-core's distributed optimizer
-    shards them over the data-parallel ranks only); `element_bytes`: the count's."""
-    if not (layer.param_bytes and layer.weight_grad_router):
+    """Of `layer`'s weights (by bytes), the share tensor parallelism keeps whole on every rank, not 1/t, its gradient
+    and optimizer state too (Megatron-core's distributed optimizer shards them over the data-parallel ranks only);
+    `element_bytes`: the count's. Its router's (`_weight_splits`' "replicated") and its norms' (`LayerCount.
+    norm_param_bytes`): Megatron-core's norms are no tensor-parallel layers, each rank holds the whole scale (and
+    shift), as TransformerEngine's LayerNormLinear holds its `layer_norm_weight` (megatron/core/fusions/
+    fused_layer_norm.py `FusedLayerNorm`, megatron/core/extensions/transformer_engine.py `TENorm` at core_v0.14.0;
+    transformer_engine/pytorch/module/layernorm_linear.py at d0067d0d), as torchtitan's plan, whose norms are
+    `SequenceParallel()`, keeps their weights Replicate ("unsharded@TP": torchtitan/models/common/
+    decoder_sharding.py `norm_config` at b5bcd76c66)."""
+    if not layer.param_bytes:
         return 0.0
-    whole = sum(n * k for ((_, _, n, k), _, _), router in zip(layer.weight_grad_outputs, layer.weight_grad_router)
-                if router)
-    return whole * element_bytes / layer.param_bytes
+    router = sum(n * k for ((_, _, n, k), _, _), router in zip(layer.weight_grad_outputs, layer.weight_grad_router)
+                 if router)
+    return (router * element_bytes + layer.norm_param_bytes) / layer.param_bytes
+
+
+def rank_share(layer: LayerCount, share: float, t: int, element_bytes: int) -> float:
+    """t times the share of `layer`'s weights one of the t ranks holds where it holds `share` of their t-th (of the
+    routed experts' its 1/(E·ETP), `held_share`; of every weight under a sharded optimizer, whose shards are taken
+    apart): its replicated weights whole, t - 1 more of them (`replicated_share`)."""
+    return share + (t - 1) * replicated_share(layer, element_bytes)
 
 
 def state_share(layer: LayerCount, parallel: Parallelism, weight_shards: int, element_bytes: int) -> float:
-    """Of `layer`'s weights (by bytes), t times the share whose optimizer state and step one of the t ranks holds:
-    all of them where the optimizer is sharded (over the d replicas either way), else the share one of the E·ETP
-    ranks holds (`held_share`); and its router's whole on each rank, t - 1 more (`replicated_share`)."""
+    """Of `layer`'s weights (by bytes), t times the share whose optimizer state and step one of the t ranks holds
+    (`rank_share`): all of them where the optimizer is sharded (over the d replicas either way), else the share one
+    of the E·ETP ranks holds (`held_share`)."""
     held = 1.0 if parallel.sharded_optimizer else held_share(layer, weight_shards)
-    return held + (parallel.tensor - 1) * replicated_share(layer, element_bytes)
+    return rank_share(layer, held, parallel.tensor, element_bytes)
 
 
 def replicated_reduce_ms(layers: Sequence[LayerCount], parallel: Parallelism, held: Precision, element_bytes: int,
                          link: EstimateLink) -> float:
     """The all-reduce over the t ranks of `layers`' replicated weights' gradients (`replicated_share`) once a step,
-    before the optimizer's, under Megatron-core with sequence parallelism: each rank's router saw only its own
-    tokens, so its gradient is a partial sum. The router's weight carries `sequence_parallel` (router.py
-    `Router.__init__`), and finalize_model_grads all-reduces every such parameter's main_grad over the
-    tensor-parallel group, coalesced (megatron/core/distributed/finalize_model_grads.py at 7094270c6f,
+    before the optimizer's, under Megatron-core with sequence parallelism: each rank's router and norms saw only its
+    own tokens, so their gradients are partial sums. The router's weight carries `sequence_parallel` (router.py
+    `Router.__init__`), as the norms' do (fused_layer_norm.py; TransformerEngine's LayerNorm, RMSNorm and
+    LayerNormLinear's `layer_norm_weight`), and finalize_model_grads all-reduces every such parameter's main_grad
+    over the tensor-parallel group, coalesced (megatron/core/distributed/finalize_model_grads.py at 7094270c6f,
     core_r0.12.0: `_allreduce_layernorm_grads`; at core_v0.14.0 `_allreduce_non_tensor_model_parallel_grads`).
     `held`: the precision whose gradient bytes it moves. 0 otherwise: without sequence parallelism each rank's
-    router saw every token, and torch's `NoParallel` router reads the gathered input."""
+    router and norms saw every token; torch's `NoParallel` router reads the gathered input, and its sequence-parallel
+    norms' partial gradients are left to FSDP's reduction (torchtitan's `norm_config`, `replicated_share`)."""
     t = parallel.tensor
     if not (t > 1 and parallel.sequence_parallel and parallel.tp_runtime == "megatron"):
         return 0.0
@@ -2230,9 +2245,8 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         experts_part = _routed_part(busiest) if parallel.expert > 1 and layer.dispatched_bytes else None
         routed = (None if experts_part is None else estimate_layer(experts_part, device, parallel, links.tensor,
                                                                    element, links.context, float8, accumulated))
-        share = held_share(layer, experts.weight_shards)  # of its weights, one of the E·ETP ranks holds
-        whole = (t - 1) * replicated_share(layer, element)  # its router's, whole on each of the t ranks: t - 1 more
-        params = round(layer.param_bytes * (share + whole)) // t
+        share = rank_share(layer, held_share(layer, experts.weight_shards), t, element)  # t x the rank's
+        params = round(layer.param_bytes * share) // t
         held_state = state_share(layer, parallel, experts.weight_shards, element)  # of them t x its optimizer's
         all_to_all_fwd_ms, all_to_all_bwd_ms = _all_to_alls_ms(layer, experts, parallel)
         synced = synchronises(busiest, counted.options)
@@ -2271,7 +2285,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
             param_bytes=params,
             all_gather_bytes=(gathered_weight_bytes(layer, params, parallel, element)
                               if parallel.fsdp_float8_all_gather or parallel.fp8_param_gather else None),
-            grad_bytes=held.gradient_bytes(round(layer.grad_bytes * (share + whole))) // t,
+            grad_bytes=held.gradient_bytes(round(layer.grad_bytes * share)) // t,
             all_to_all_fwd_ms=all_to_all_fwd_ms, all_to_all_bwd_ms=all_to_all_bwd_ms,
             fwd_sharing_ms=shared.fwd_ms if shared else 0.0, bwd_sharing_ms=shared.bwd_ms if shared else 0.0,
             product_ms=persistent_product_ms(busiest, device, parallel, element, float8),

@@ -92,6 +92,9 @@ class LayerCount:
     # per product of weight_grad_outputs, whether it is a mixture of experts' router's gating product (one score per
     # routed expert: workload/moe.py `routing`), whose weight tensor parallelism keeps whole; (): none
     weight_grad_router: tuple[bool, ...] = ()
+    # of param_bytes, its norms' weights (their scales and shifts): no product reads them, and tensor parallelism
+    # keeps them whole on every rank (planning/estimate.py `replicated_share`)
+    norm_param_bytes: int = 0
     # per saved tensor, its bytes were the attention kernel's inputs made contiguous before it saved them, as
     # TransformerEngine's context-parallel ring does (workload/count.py `_attention_copied`); (): not recorded
     attention_copied_bytes: tuple[int, ...] = ()

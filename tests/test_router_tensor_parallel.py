@@ -1,9 +1,10 @@
-"""A mixture of experts' router under tensor parallelism, as Megatron-core runs it: its weight whole on every rank,
-its gating product on the rank's tokens (1/t under sequence parallelism, all of them without), no reduction of its
-input gradient; its gradient all-reduced over the t ranks once a step under sequence parallelism
-(planning/estimate.py `_weight_splits`, `_Split._replicated_at`, `replicated_share`, `replicated_reduce_ms`). The
-count marks the router (workload/moe.py `routing`): the gpt's `--experts` one, which reads the norm's output, and a
-Hugging Face model's `gate`, which reads a float32 cast of it."""
+"""A mixture of experts' router and a model's norms under tensor parallelism, as Megatron-core runs them: their
+weights whole on every rank; the router's gating product on the rank's tokens (1/t under sequence parallelism, all
+of them without), no reduction of its input gradient; their gradients all-reduced over the t ranks once a step
+under sequence parallelism (planning/estimate.py `_weight_splits`, `_Split._replicated_at`, `replicated_share`,
+`replicated_reduce_ms`). The count marks the router (workload/moe.py `routing`): the gpt's `--experts` one, which
+reads the norm's output, and a Hugging Face model's `gate`, which reads a float32 cast of it; and the norms' bytes
+(`LayerCount.norm_param_bytes`)."""
 
 from __future__ import annotations
 
@@ -95,8 +96,8 @@ def test_the_routers_input_gradient_adds_no_reduction(layer, tensor_reductions, 
 
 def test_a_rank_holds_the_routers_weight_whole(counted):
     """The MoE layer's weights, gradients and optimizer state on one of t = 2 ranks: 1/t of the rest, all of the
-    router's (experts x width)."""
-    router = EXPERTS * H * E
+    router's (experts x width) and of its norms' (`test_a_rank_holds_the_norms_weights_whole`)."""
+    router = EXPERTS * H * E + counted.layers[1].norm_param_bytes
     whole, split = (estimate_profile(counted, H100, Parallelism(tensor=t, sequence_parallel=True)).layers[1]
                     for t in (1, T))
     assert split.param_bytes == (whole.param_bytes - router) // T + router
@@ -108,9 +109,38 @@ def test_a_rank_holds_the_routers_weight_whole(counted):
     (True, "megatron", True), (False, "megatron", False), (True, "torch", False)])
 def test_the_routers_gradient_is_all_reduced_over_the_ranks_once_a_step_under_sequence_parallelism(
         gpt_moe, tensor_reductions, sequence_parallel, runtime, reduced):
-    """Megatron-core's finalize_model_grads all-reduces a `sequence_parallel` parameter's main gradient (float32,
-    experts x width) over the tensor-parallel group; without sequence parallelism every rank saw every token."""
+    """Megatron-core's finalize_model_grads all-reduces a `sequence_parallel` parameter's main gradient (float32:
+    the router's, experts x width, and every norm's) over the tensor-parallel group; without sequence parallelism
+    every rank saw every token."""
     estimate.replicated_reduce_ms(gpt_moe.layers, Parallelism(tensor=T, sequence_parallel=sequence_parallel,
                                                               tp_runtime=runtime),
                                   Parallelism().held(gpt_moe.dtype), E, placement_links(H100, Parallelism()).tensor)
-    assert tensor_reductions == ([(EXPERTS * H * 4, T)] if reduced else [])
+    norms = 3 * 2 * H  # a LayerNorm's scale and shift: the block's two, the head's final one
+    assert tensor_reductions == ([((EXPERTS * H + norms) * 4, T)] if reduced else [])
+
+
+@pytest.fixture(scope="module")
+def gpt_dense():
+    from pipesim.workload.count import count_built
+
+    return count_built("gpt", dict(layers=1, width=H, heads=4, seq_len=S, vocab=100), B, torch.bfloat16, "flash")
+
+
+def test_the_count_marks_the_norms_weights(gpt_dense, qwen3_moe):
+    """A LayerNorm's scale and shift (the gpt's), an RMSNorm's scale (Qwen3's, its q and k norms' of a head's
+    width among them): the embedding none, each block two of the width, the head its final one."""
+    assert [layer.norm_param_bytes for layer in gpt_dense.layers] == [0, 2 * 2 * H * E, 2 * H * E]
+    assert [layer.norm_param_bytes for layer in qwen3_moe.layers] == [0, (2 * H + 2 * 16) * E, H * E, 0]
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "torch"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_rank_holds_the_norms_weights_whole(gpt_dense, runtime, sequence_parallel):
+    """Megatron-core's norms (TransformerEngine's LayerNormLinear's too) and torchtitan's are whole on each of the
+    t ranks: a dense block's weights, gradients and optimizer state 1/t of the rest, all of its two norms'."""
+    norms = gpt_dense.layers[1].norm_param_bytes
+    whole, split = (estimate_profile(gpt_dense, H100, Parallelism(tensor=t, sequence_parallel=sequence_parallel,
+                                                                  tp_runtime=runtime)).layers[1] for t in (1, T))
+    assert split.param_bytes == (whole.param_bytes - norms) // T + norms
+    assert split.grad_bytes == (whole.grad_bytes - 2 * norms) // T + 2 * norms
+    assert split.optimizer_state_bytes["adam"] == (whole.optimizer_state_bytes["adam"] - 6 * norms) // T + 6 * norms

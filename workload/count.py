@@ -772,6 +772,8 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
+        norm_param_bytes=sum(_nbytes(p) for name, module in layer.named_modules()
+                             if _region_kind(name, module) == "layernorm" for p in module.parameters(recurse=False)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
