@@ -386,25 +386,32 @@ class _Search:
 def _in_order(m: int, held: float, kept: float, limit: float, most: int) -> list[tuple[tuple[int, int], ...]] | None:
     """Every order of one device's F, I and W of m micro-batches, each kind in micro-batch order, I after its F and
     W after its I, whose activations stay within `limit` (F, then I, then W first where there is a choice); None
-    where there are more than `most`."""
+    where there are more than `most`. Depth first on a stack of its own: an order is 3m ops deep, past Python's
+    recursion limit from m = 333 (`simulate -s auto -p 2 -m 340` raised RecursionError)."""
     found: list[tuple[tuple[int, int], ...]] = []
     ops: list[tuple[int, int]] = []
-
-    def extend(f: int, i: int, w: int, level: float) -> bool:
+    stack = [(0, 0, 0, 0.0)]  # per op placed, and the start: F's, I's and W's placed and the activations held
+    tried = [0]  # per entry of `stack`: how many of its three next ops have been tried
+    while stack:
+        f, i, w, level = stack[-1]
         if w == m:
             found.append(tuple(ops))
-            return len(found) <= most
-        for code, j, after, go in ((_F, f, level + held, f < m), (_I, i, level - held + kept, i < f),
-                                   (_W, w, level - kept, w < i)):
-            if go and (code != _F or after <= limit + 1e-9):
-                ops.append((code, j))
-                more = extend(f + (code == _F), i + (code == _I), w + (code == _W), after)
+            if len(found) > most:
+                return None
+        if w == m or tried[-1] == 3:  # done with this op: back to the one before it
+            stack.pop()
+            tried.pop()
+            if ops:
                 ops.pop()
-                if not more:
-                    return False
-        return True
-
-    return found if extend(0, 0, 0, 0.0) else None
+            continue
+        code, j, after, go = ((_F, f, level + held, f < m), (_I, i, level - held + kept, i < f),
+                              (_W, w, level - kept, w < i))[tried[-1]]
+        tried[-1] += 1
+        if go and (code != _F or after <= limit + 1e-9):
+            ops.append((code, j))
+            stack.append((f + (code == _F), i + (code == _I), w + (code == _W), after))
+            tried.append(0)
+    return found
 
 
 def _live_pair(upstream: Sequence[tuple[int, int]], downstream: Sequence[tuple[int, int]]) -> bool:

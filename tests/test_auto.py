@@ -258,6 +258,13 @@ def test_auto_finds_the_issues_in_order_pattern():
     assert simulate_json("-s", "auto", *args)[0]["time_per_minibatch_ms"] <= 39.0
 
 
+def test_auto_lists_a_long_devices_in_order_patterns_past_pythons_recursion_limit():
+    """An in-order pattern is 3m ops deep: listing them recursively raised RecursionError from m = 333
+    (`simulate -s auto -p 2 -m 340`, and `tune` wherever it tried auto at such an m)."""
+    rows = simulate_json("-s", "auto", "-p", "2", "-m", "340", "-n", "2")
+    assert rows[0]["time_per_minibatch_ms"] > 0
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_auto_is_no_slower_than_any_in_order_pattern_on_small_pipelines(seed):
     rng = random.Random(seed)
