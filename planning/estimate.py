@@ -1605,12 +1605,14 @@ def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]
     whole on every rank, a plain Parameter, not a tensor-parallel linear, and its gating product reads the rank's
     own tokens and reduces no gradient (megatron/core/transformer/moe/router.py at 7094270c6f, core_r0.12.0, the
     DGX Cloud rows' pin, and at core_v0.14.0: `Router.__init__`, `gating`), as torchtitan's `NoParallel` router
-    (`_Split._replicated_at`); "column" where it shares its input (q, k and v, a gated MLP's gate and up) or reads
-    one sequence parallelism gathers (`LayerCount.sequence_inputs`: a norm's output, the layer's input); "row" where
-    it writes the residual stream's (tokens x width) otherwise (wo, w2); the rest none. Telling them by shape alone
-    misreads a Hugging Face model's separate q, k, v and o projections, which are all width x width, and its
-    router, which reads a float32 copy of the norm's output. Empty where the count does not record its products'
-    storages."""
+    (`_Split._replicated_at`), and as its SharedExpertMLP holds its `gate_weight`, 1 x hidden, on the rank's tokens
+    too (shared_experts.py at core_v0.14.0; Qwen2-MoE's `shared_expert_gate`, which transformers' TP plan leaves
+    unsplit), which the count marks with it; "column" where it shares its input (q, k and v, a gated MLP's gate and
+    up) or reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a norm's output, the layer's
+    input); "row" where it writes the residual stream's (tokens x width) otherwise (wo, w2); the rest none. Telling
+    them by shape alone misreads a Hugging Face model's separate q, k, v and o projections, which are all width x
+    width, and its router, which reads a float32 copy of the norm's output. Empty where the count does not record
+    its products' storages."""
     outputs = layer.weight_grad_outputs
     routed = layer.weight_grad_routed or (False,) * len(outputs)
     router = layer.weight_grad_router or (False,) * len(outputs)

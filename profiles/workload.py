@@ -89,8 +89,9 @@ class LayerCount:
     # per product of weight_grad_outputs, whether it is the routed experts' grouped one (workload/moe.py): its batch
     # is their number, 1 for one routed expert as for a linear product, so the batch alone cannot tell; (): none
     weight_grad_routed: tuple[bool, ...] = ()
-    # per product of weight_grad_outputs, whether it is a mixture of experts' router's gating product (one score per
-    # routed expert: workload/moe.py `routing`), whose weight tensor parallelism keeps whole; (): none
+    # per product of weight_grad_outputs, whether it is a mixture of experts' gating product (its router's, one score
+    # per routed expert; its shared expert's gate's, one a token: workload/moe.py `routing`), whose weight tensor
+    # parallelism keeps whole; (): none
     weight_grad_router: tuple[bool, ...] = ()
     # of param_bytes, its norms' weights (their scales and shifts): no product reads them, and tensor parallelism
     # keeps them whole on every rank (planning/estimate.py `replicated_share`)

@@ -144,3 +144,23 @@ def test_a_rank_holds_the_norms_weights_whole(gpt_dense, runtime, sequence_paral
     assert split.param_bytes == (whole.param_bytes - norms) // T + norms
     assert split.grad_bytes == (whole.grad_bytes - 2 * norms) // T + 2 * norms
     assert split.optimizer_state_bytes["adam"] == (whole.optimizer_state_bytes["adam"] - 6 * norms) // T + 6 * norms
+
+
+QWEN2 = {**{k: v for k, v in QWEN3.items() if k != "head_dim"}, "model_type": "qwen2_moe",
+         "shared_expert_intermediate_size": 64}
+
+
+@needs_transformers
+def test_a_shared_experts_gate_is_held_as_the_router(tmp_path):
+    """Qwen2-MoE's shared_expert_gate, a Linear(width, 1) that reads the norm's output with the shared expert's gate
+    and up, is replicated as Megatron-core's SharedExpertMLP `gate_weight` is, not column-parallel: its weight
+    whole on each rank, its products on the rank's tokens."""
+    from pipesim.workload.count import count_built
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2))
+    layer = count_built(f"hf:{tmp_path}", {"seq_len": S}, B, torch.bfloat16, "flash").layers[1]
+    marked = [shape for (shape, _, _), router in zip(layer.weight_grad_outputs, layer.weight_grad_router) if router]
+    assert marked == [ROUTER, (1, TOKENS, 1, H)]
+    split = _Split.of(layer, Parallelism(tensor=T, sequence_parallel=True))
+    assert [split.weights[j] for j, router in enumerate(layer.weight_grad_router) if router] == ["replicated"] * 2
+    assert estimate.replicated_share(layer, E) * layer.param_bytes == (EXPERTS + 1) * H * E + layer.norm_param_bytes

@@ -305,8 +305,11 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
 
 def _as_megatron_runs(block: nn.Module) -> None:
     """Run `block`'s gated MLPs (dense, shared experts) as `workload.moe.gated_mlp` (their activation fused under
-    --swiglu-fusion) and its router (a mixture of experts' `gate` beside its `experts`, with a `weight`) as
-    `workload.moe.gating_router` (its product in its own precision, keeping its input as it is)."""
+    --swiglu-fusion) and its router (a mixture of experts' `gate` beside its `experts`, with a `weight`) and its
+    shared expert's gate (Qwen2-MoE's `shared_expert_gate`, a Linear to one score a token, as Megatron-core's
+    SharedExpertMLP `gate_weight`, a plain Parameter it multiplies by the rank's tokens: megatron/core/transformer/
+    moe/shared_experts.py at core_v0.14.0) as `workload.moe.gating_router` (its product in its own precision,
+    keeping its input as it is; tensor parallelism keeps both whole on every rank)."""
     for module in block.modules():
         if all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             module.forward = functools.partial(_gated_mlp, module)
@@ -314,6 +317,8 @@ def _as_megatron_runs(block: nn.Module) -> None:
         if hasattr(module, "experts") and isinstance(router, nn.Module) and isinstance(getattr(router, "weight", None),
                                                                                        torch.Tensor):
             gating_router(router)
+        if isinstance(getattr(module, "shared_expert_gate", None), nn.Linear):
+            gating_router(module.shared_expert_gate)
 
 
 def _gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -134,13 +134,14 @@ def _in_gating() -> AbstractContextManager[None]:
 
 def router_now() -> bool:
     """Whether the product running is a mixture of experts' router's, its gating linear to one score per routed
-    expert (`routing`): tensor parallelism keeps its weight whole (planning/estimate.py `_weight_splits`)."""
+    expert, or its shared expert's gate's, to one score a token (`routing`): tensor parallelism keeps its weight
+    whole (planning/estimate.py `_weight_splits`)."""
     return bool(_routing)
 
 
 def routing() -> AbstractContextManager[None]:
     """Mark the products run inside as a router's (`router_now`): the gpt's `router`, a Hugging Face model's
-    `gate` (`gating_router`)."""
+    `gate` and `shared_expert_gate` (`gating_router`)."""
     return _open(_routing, True)
 
 
