@@ -551,6 +551,13 @@ class _Split:
             return None
         return 2 if role == "weight" else 0
 
+    def replicated_whole(self, product: tuple[int, str, str] | None) -> bool:
+        """Whether a product (`_weighted_products`' (index, how its weight splits, which product it is)) of a
+        replicated weight writes its output whole on the rank, as it runs (`_replicated_at`): its weight gradient
+        always, its output and input gradient where the rank holds all the tokens (Megatron-core's router without
+        sequence parallelism, torch's after its gather), not 1/t as a tensor of its shape otherwise is."""
+        return product is not None and product[1] == "replicated" and self._replicated_at(product[2]) not in (0, 1)
+
     def _divided(self, op: OpCount, at: int | None) -> OpCount:
         """`op` with its dimension `at` of (m, n, k) divided by t (None: whole)."""
         if at is None:
@@ -1555,12 +1562,14 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
       `gradient_element_bytes` an element, before the first of its gradient products the pass runs and freed after
       the last (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its
       own, megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
-    Without the count's products, or without sequence parallelism, `_on_rank`'s alone."""
+    Without the count's products, or without sequence parallelism, `_on_rank`'s alone, but for what a replicated
+    weight's product writes (`_Split.replicated_whole`)."""
     events = layer.allocations.get(name, ())
-    rank = [(number, round(_on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events]
+    roles = _weighted_products(layer, split.weights, name) if split.weights else {}
+    rank = [(number, round(nbytes / split.context if split.replicated_whole(roles.get(number)) else
+                           _on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events]
     if not (split.sequence_parallel and split.t > 1 and layer.product_allocations.get(name)):
         return tuple(rank)
-    roles = _weighted_products(layer, split.weights, name)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
              and split.residual(shape) and roles[number][1:] in _CONTRACTED}
     if split.runtime == "megatron":  # products that share an input: one fused product's partial sums (`_Reduction`)

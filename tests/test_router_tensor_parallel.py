@@ -164,3 +164,19 @@ def test_a_shared_experts_gate_is_held_as_the_router(tmp_path):
     split = _Split.of(layer, Parallelism(tensor=T, sequence_parallel=True))
     assert [split.weights[j] for j, router in enumerate(layer.weight_grad_router) if router] == ["replicated"] * 2
     assert estimate.replicated_share(layer, E) * layer.param_bytes == (EXPERTS + 1) * H * E + layer.norm_param_bytes
+
+
+@pytest.mark.parametrize("sequence_parallel, runtime, tokens", [
+    (True, "megatron", TOKENS // T), (False, "megatron", TOKENS), (True, "torch", TOKENS), (False, "torch", TOKENS)])
+def test_a_rank_holds_the_routers_outputs_as_its_products_write_them(layer, sequence_parallel, runtime, tokens):
+    """What a rank's pass makes of the router's products (`_rank_pass`): its scores (tokens x experts) and its
+    input's gradient (tokens x width) of the rank's tokens, all of them without sequence parallelism and under
+    torch, not 1/t as a tensor of the scores' shape otherwise is; its weight's gradient (experts x width) whole."""
+    split = _Split.of(layer, Parallelism(tensor=T, sequence_parallel=sequence_parallel, tp_runtime=runtime))
+    for name, role, share in (("fwd", "output", tokens / TOKENS), ("bwd", "input", tokens / TOKENS),
+                              ("bwd", "weight", 1.0)):
+        [number] = [number for number, (j, how, of) in estimate._weighted_products(layer, split.weights, name).items()
+                    if how == "replicated" and of == role]
+        made = {n: nbytes for n, _, nbytes, _ in layer.allocations[name] if nbytes > 0}
+        on_rank = {n: nbytes for n, nbytes in estimate._rank_pass(layer, split, name, E) if nbytes > 0}
+        assert on_rank[number] == made[number] * share
