@@ -456,8 +456,9 @@ class _Split:
         shape = layer.output_shape or _read_stream(layer)
         width = shape[-1] if shape else 0
         tokens = math.prod(shape[:-1]) if shape else 0
-        weights = _weight_splits(layer, tokens, width) if parallel.tensor > 1 else {}
-        groups = _input_groups(layer, weights, parallel.tp_runtime) if weights else {}
+        forward = _weighted_products(layer, {}, "fwd") if parallel.tensor > 1 else {}  # its products, found once
+        weights = _weight_splits(layer, forward, tokens, width)
+        groups = _input_groups(layer, forward, weights, parallel.tp_runtime) if weights else {}
         roles: dict[str, dict[tuple[int, ...], tuple[tuple[str, str, int, int], ...]]] = {}
         for name in PASSES if weights else ():
             shapes = dict(layer.product_allocations.get(name, ()))
@@ -1607,28 +1608,29 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
     return tuple(out)
 
 
-def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]:
-    """How tensor parallelism splits each product with weights (`LayerCount.weight_grad_outputs`, by index; the
-    routed experts' aside), told by its role in the count, not its shape: "replicated", not split, a mixture of
-    experts' router (`LayerCount.weight_grad_router`): Megatron-core's Router holds its weight, experts x hidden,
-    whole on every rank, a plain Parameter, not a tensor-parallel linear, and its gating product reads the rank's
-    own tokens and reduces no gradient (megatron/core/transformer/moe/router.py at 7094270c6f, core_r0.12.0, the
-    DGX Cloud rows' pin, and at core_v0.14.0: `Router.__init__`, `gating`), as torchtitan's `NoParallel` router
-    (`_Split._replicated_at`), and as its SharedExpertMLP holds its `gate_weight`, 1 x hidden, on the rank's tokens
-    too (shared_experts.py at core_v0.14.0; Qwen2-MoE's `shared_expert_gate`, which transformers' TP plan leaves
-    unsplit), which the count marks with it; "column" where it shares its input (q, k and v, a gated MLP's gate and
-    up) or reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a norm's output, the layer's
-    input); "row" where it writes the residual stream's (tokens x width) otherwise (wo, w2); the rest none. Telling
-    them by shape alone misreads a Hugging Face model's separate q, k, v and o projections, which are all width x
-    width, and its router, which reads a float32 copy of the norm's output. Empty where the count does not record
-    its products' storages."""
+def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], tokens: int,
+                   width: int) -> dict[int, str]:
+    """How tensor parallelism splits each product with weights (`LayerCount.weight_grad_outputs`, by index; the routed
+    experts' aside; `forward`: the forward's, `_weighted_products` with no splits), told by its role in the count, not
+    its shape: "replicated", not split, a mixture of experts' router (`LayerCount.weight_grad_router`): Megatron-core's
+    Router holds its weight, experts x hidden, whole on every rank, a plain Parameter, not a tensor-parallel linear, and
+    its gating product reads the rank's own tokens and reduces no gradient (megatron/core/transformer/moe/router.py at
+    7094270c6f, core_r0.12.0, the DGX Cloud rows' pin, and at core_v0.14.0: `Router.__init__`, `gating`), as
+    torchtitan's `NoParallel` router (`_Split._replicated_at`), and as its SharedExpertMLP holds its `gate_weight`, 1 x
+    hidden, on the rank's tokens too (shared_experts.py at core_v0.14.0; Qwen2-MoE's `shared_expert_gate`, which
+    transformers' TP plan leaves unsplit), which the count marks with it; "column" where it shares its input (q, k and
+    v, a gated MLP's gate and up) or reads one sequence parallelism gathers (`LayerCount.sequence_inputs`: a norm's
+    output, the layer's input); "row" where it writes the residual stream's (tokens x width) otherwise (wo, w2); the
+    rest none. Telling them by shape alone misreads a Hugging Face model's separate q, k, v and o projections, which are
+    all width x width, and its router, which reads a float32 copy of the norm's output. Empty where the count does not
+    record its products' storages."""
     outputs = layer.weight_grad_outputs
     routed = layer.weight_grad_routed or (False,) * len(outputs)
     router = layer.weight_grad_router or (False,) * len(outputs)
     reads = dict(layer.forward_reads)
     sequence = {number for _, number in layer.sequence_inputs}
     weights: dict[int, str] = {}
-    for number, (j, _, _) in _weighted_products(layer, {}, "fwd").items():
+    for number, (j, _, _) in forward.items():
         shape, _, shares_input = outputs[j]
         read = reads.get(number, ())
         if routed[j]:
@@ -1642,20 +1644,21 @@ def _weight_splits(layer: LayerCount, tokens: int, width: int) -> dict[int, str]
     return weights
 
 
-def _input_groups(layer: LayerCount, weights: dict[int, str], runtime: str) -> dict[int, tuple[int, ...]]:
-    """Per product with weights (`LayerCount.weight_grad_outputs`, by index) that shares its input with others, the
-    products whose input gradients one reduction sums, in the forward's order, told by what each forward product
-    read (`LayerCount.forward_reads`; nothing made inside: the layer's input): under torch's (`runtime`) all that
-    read it, one DTensor whose Partial gradients autograd sums; under Megatron-core's those it fuses into one
-    ColumnParallelLinear (q, k and v, gate and up), not one whose output reaches a column-parallel product's input
-    (`weights`) through ops other than products: MLA's down-projections, whose outputs the norms and the
-    up-projections read, are a TEColumnParallelLinear each, linear_q_down_proj and linear_kv_down_proj, each
-    reducing its own input gradient (megatron/core/models/gpt/gpt_layer_specs.py and
-    megatron/core/transformer/multi_latent_attention.py at 7094270c6f, core_r0.12.0, NeMo 25.04's). Empty for a
-    count without its reads."""
+def _input_groups(layer: LayerCount, forward: dict[int, tuple[int, str, str]], weights: dict[int, str],
+                  runtime: str) -> dict[int, tuple[int, ...]]:
+    """Per product with weights (`LayerCount.weight_grad_outputs`, by index; `forward`: the forward's, as
+    `_weight_splits` takes them) that shares its input with others, the products whose input gradients one reduction
+    sums, in the forward's order, told by what each forward product read (`LayerCount.forward_reads`; nothing made
+    inside: the layer's input): under torch's (`runtime`) all that read it, one DTensor whose Partial gradients autograd
+    sums; under Megatron-core's those it fuses into one ColumnParallelLinear (q, k and v, gate and up), not one whose
+    output reaches a column-parallel product's input (`weights`) through ops other than products: MLA's
+    down-projections, whose outputs the norms and the up-projections read, are a TEColumnParallelLinear each,
+    linear_q_down_proj and linear_kv_down_proj, each reducing its own input gradient
+    (megatron/core/models/gpt/gpt_layer_specs.py and megatron/core/transformer/multi_latent_attention.py at 7094270c6f,
+    core_r0.12.0, NeMo 25.04's). Empty for a count without its reads."""
     outputs = layer.weight_grad_outputs
     reads = dict(layer.forward_reads)
-    products = _weighted_products(layer, {}, "fwd") if reads else {}
+    products = forward if reads else {}
     made_from: dict[int, list[int]] = {}  # a storage -> those made from it, a product's output made by no other
     for number, read in reads.items():
         for source in read if number not in products else ():

@@ -476,9 +476,8 @@ class Scenario:
         per_copy = sched.graph.stages_per_copy
         bounds = {stage: (cut[stage % per_copy], cut[stage % per_copy + 1]) for stage in range(sched.num_stages)}
         layers = {stage: self.allocations[start:stop] for stage, (start, stop) in bounds.items()}
-        merged = ({stage: sum(layer.model_output_bytes for layer in self.measured.layers[start:stop])
-                   for stage, (start, stop) in bounds.items()}
-                  if self.measured is not None and merges_outputs(self.pp_runtime) else None)
+        merged = ({stage: costs["model_output_bytes"] for stage, costs in enumerate(trace.meta.costs)}
+                  if trace.meta.costs and merges_outputs(self.pp_runtime) else None)  # as the trace's costs held them
         return device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments,
                                adam=self.optimizer in ("adam", "adamw"), merged_bytes=merged)
 
