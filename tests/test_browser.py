@@ -497,6 +497,24 @@ def test_a_capacity_far_above_its_devices_peak_is_noted_not_drawn_so_the_axis_st
 
 
 @needs_chromium
+def test_a_capacity_the_axis_reaches_for_another_device_is_drawn_not_noted_off_the_scale(tmp_path):
+    """Device 1 peaks at 136 MiB of its 2,048, under half, but device 0's 1,160 MiB of the same 2,048 takes the axis
+    there: one line for both, not a note calling device 1's memory off the panel's scale (the note stood over the
+    very line it said was off it)."""
+    from tests.conftest import pipesim
+
+    cluster, page = tmp_path / "c.json", tmp_path / "reached.html"
+    cluster.write_text(json.dumps({"devices": [{"name": "gpu0", "memory_gib": 2}, {"name": "gpu1", "memory_gib": 2}]}))
+    code, _, err = pipesim("simulate", "-s", "1f1b", "-p", 2, "-m", 8, "--cluster", cluster, "--param-mb", "256,16",
+                           "--html", page)
+    assert code == 0, err
+    v = visit(page, "#test")
+    assert_healthy(v)
+    assert v.geometry["capacity"] == [{"axis": "y2", "mib": 2048, "label": "each device's memory 2,048 MiB"}]
+    assert v.geometry["capacity_notes"] == []
+
+
+@needs_chromium
 def test_compare_draws_each_devices_memory_alike_in_the_predicted_and_measured_panels(tmp_path):
     """A device's legend entry toggles its line in both panels, so both draw it by default: the measured panel
     (no parts stacked) draws device 1, and the predicted one draws it too over its stack of device 0's parts,

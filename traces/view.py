@@ -765,12 +765,16 @@ _TIMELINE_JS = r"""
   // naming their devices unless all share it, and their range where it is one. A device whose peak stays under
   // LIMIT_DRAWN_SHARE of its line gets no line: it would stretch the axis over it and flatten the run (53 MiB
   // under an 81,920 MiB H100 is a line at 0); the panel's note above it names that memory and the peak's share.
+  // Unless another device's line takes the axis that high anyway: then its line is drawn too, not noted as off
+  // the scale (Mixtral's 1F1B on four H100s: device 0 near its 81,920 MiB, devices 1-3 under half of theirs).
   const LIMIT_BAND = 0.05, LIMIT_DRAWN_SHARE = 0.5;
   function capacityLines(T, rows, axis, many) {
     const known = rows.map(({device}) => ({limit: T.memoryLimits[device], shared: Boolean(T.memoryShared[device]),
                                            name: T.device_names[device], peak: T.memory[device].peak}))
       .filter(({limit}) => limit !== null && limit !== undefined).sort((a, b) => a.limit - b.limit);
-    const near = ({peak, limit}) => peak >= LIMIT_DRAWN_SHARE * limit;
+    const close = ({peak, limit}) => peak >= LIMIT_DRAWN_SHARE * limit;
+    const reached = Math.max(0, ...known.filter(close).map(({limit}) => limit));  // the highest line drawn
+    const near = entry => close(entry) || entry.limit <= reached;
     const label = (entries, low, high, shared) => {
       const names = entries.map(({name}) => name);
       const who = names.length === rows.length ? (rows.length > 1 ? "each device's" : esc(names[0]) + "'s")
