@@ -1402,7 +1402,7 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
 
     timed = {name: pass_ops(layer.ops.get(name, ()), name) for name in ("fwd", "bwd", "igrad", "wgrad")}
     saved = layer.saved_bytes
-    rest_share = 1 / t if parallel.sequence_parallel else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t
+    rest_share = _rest_share(parallel)
     # Per part (what saved it; a count from before parts were recorded: all other), the bytes kept on one rank:
     # a core tensor (split by t) 1/t of itself, unless selective recomputation drops it; a product's input DTensor
     # gathered whole (`gathered_saves`) whole; the rest its share.
@@ -1466,6 +1466,12 @@ def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, ten
                          *rings, *wgrad_kept(layer, split, rest_share), timed)
 
 
+def _rest_share(parallel: Parallelism) -> float:
+    """Of a tensor neither the attention core's nor gathered whole, the share one of the t ranks holds."""
+    t = parallel.tensor
+    return 1 / t if parallel.sequence_parallel else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / t
+
+
 def wgrad_kept(layer: LayerCount, split: _Split, rest_share: float) -> tuple[int | None, int]:
     """What Megatron-LM's deferred weight pass keeps of `layer` on one of its stage's t·C ranks, from the end of the
     input pass (B) until it runs (W): each product's saved input and its output gradient, which the zero-bubble fork's B
@@ -1481,15 +1487,24 @@ def wgrad_kept(layer: LayerCount, split: _Split, rest_share: float) -> tuple[int
     linear_qkv, a gated MLP's gate and up its linear_fc1), any other as `_Split.matmul` splits it; both 1/C. Whatever
     the recomputation: a recomputed layer's products save their inputs again in B, which puts them in the store as the
     forward's would have been."""
+    inputs, gradients = wgrad_kept_tensors(layer, split, rest_share)
+    return (None if inputs is None else round(sum(inputs) / split.context)), round(sum(gradients) / split.context)
+
+
+def wgrad_kept_tensors(layer: LayerCount, split: _Split, rest_share: float
+                       ) -> tuple[tuple[float, ...] | None, tuple[float, ...]]:
+    """`wgrad_kept`'s tensors one by one, their bytes on one of the t ranks (1/C of each on one of the t·C): the
+    products' saved inputs (None where the count does not mark them), then their output gradients."""
     if not layer.linear_input_saves:
-        return None, 0
-    inputs = sum(nbytes / split.t if split.core(shape) else nbytes * rest_share
-                 for (shape, nbytes), how in zip(layer.saved_tensors, layer.linear_input_saves) if how)
-    gradients = 0.0
+        return None, ()
+    inputs = tuple(nbytes / split.t if split.core(shape) else nbytes * rest_share
+                   for (shape, nbytes), how in zip(layer.saved_tensors, layer.linear_input_saves) if how)
+    gradients = []
     for shape, nbytes, shares_input in layer.weight_grad_outputs:
         batch, m, n, _ = split.matmul(OpCount("mm", "matmul", shape, 0, 0, 1), forward=True)[0].shape
-        gradients += nbytes / split.t if shares_input else nbytes * (batch * m * n) / (shape[0] * shape[1] * shape[2])
-    return round(inputs / split.context), round(gradients / split.context)
+        gradients.append(nbytes / split.t if shares_input
+                         else nbytes * (batch * m * n) / (shape[0] * shape[1] * shape[2]))
+    return inputs, tuple(gradients)
 
 
 @dataclass(frozen=True)
@@ -1761,10 +1776,11 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
     """Every counted layer's allocations on one of its stage's t·C ranks under `parallel`'s recomputation
     (`_rank_allocations`), in the model's order: what the caching allocator replays of a device's step, with
     FSDP2's whole weights and gradients per parameter (`_unsharded`), those of a layer other than a transformer
-    layer its root's (`LayerAllocations.fsdp_root`), and with `megatron_step`, what Megatron-LM's 16-bit optimizer
-    makes of each parameter each step (`_stepped`), refused where the precision keeps no float32 master weights
-    or the optimizer is sharded (its distributed optimizer, not replayed so). A run of layers alike but for their
-    names and inputs (a model's repeated blocks) shares the first one's, made once."""
+    layer its root's (`LayerAllocations.fsdp_root`), what a deferred weight pass keeps (`_wgrad_kept_storages`), and
+    with `megatron_step`, what Megatron-LM's 16-bit optimizer makes of each parameter each step (`_stepped`),
+    refused where the precision keeps no float32 master weights or the optimizer is sharded (its distributed
+    optimizer, not replayed so). A run of layers alike but for their names and inputs (a model's repeated blocks)
+    shares the first one's, made once."""
     allocations: list[LayerAllocations] = []
     held = parallel.held(counted.dtype)
     if megatron_step and not held.master_bytes:
@@ -1780,15 +1796,48 @@ def layer_allocations(counted: WorkloadCount, parallel: Parallelism,
         if not repeated:
             gathered = gathered_saves(layer, parallel)
             saved = forms.of(layer).saved_tensors if gathered else ()  # a gathered input as the recipe saves it
-            made = _rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
+            split = _Split.of(layer, parallel)
+            made = _rank_allocations(layer, split, parallel.recompute,
                                      parallel.recompute_modules, parallel.torch_compile,
                                      tuple((number, saved[i][1]) for i, number in gathered),
                                      gathered_gradient_element_bytes(layer, parallel, element))
             unsharded = _unsharded(layer, made, parallel, element)
+            wgrad_kept, wgrad_inputs, wgrad_gradients = _wgrad_kept_storages(forms.of(layer), split, parallel)
             made = replace(made, unsharded=unsharded, fsdp_root=bool(unsharded) and not _transformer(layer),
-                           stepped=_stepped(_gradient_storages(made), held, element) if megatron_step else ())
+                           stepped=_stepped(_gradient_storages(made), held, element) if megatron_step else (),
+                           wgrad_kept=wgrad_kept, wgrad_inputs=wgrad_inputs, wgrad_gradients=wgrad_gradients)
         allocations.append(made)
     return allocations
+
+
+def _wgrad_kept_storages(layer: LayerCount, split: _Split, parallel: Parallelism
+                         ) -> tuple[frozenset[int] | None, tuple[int, ...], tuple[int, ...]]:
+    """What a deferred weight pass keeps of `layer` on a rank (`wgrad_kept_tensors`), as the caching allocator's
+    replay holds it (`LayerAllocations.wgrad_kept`, `wgrad_inputs`, `wgrad_gradients`): each product's saved input
+    the forward made, matched by bytes to the storages autograd saves in the order the forward made them (the count
+    records which saved tensor a product reads, not which storage), held where it is; the bytes on the rank of the
+    inputs matched to none (the layer's own input, a float8 copy) and of the output gradients. (None, (), ()) where
+    the count does not mark the inputs."""
+    inputs, gradients = wgrad_kept_tensors(layer, split, _rest_share(parallel))
+    if inputs is None:
+        return None, (), ()
+    made = {number: nbytes for number, _, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes > 0}
+    unmatched = list(layer.saved_allocations)
+    held: set[int] = set()
+    elsewhere = []
+    saves = [nbytes for (_, nbytes), how in zip(layer.saved_tensors, layer.linear_input_saves) if how]
+    for nbytes, on_rank in zip(saves, inputs, strict=True):
+        number = next((number for number in unmatched if made.get(number) == nbytes), None)
+        if number is None:
+            elsewhere.append(on_rank)
+        else:
+            unmatched.remove(number)
+            held.add(number)
+
+    def ranked(tensors: Sequence[float]) -> tuple[int, ...]:
+        return tuple(nbytes for nbytes in (round(each / split.context) for each in tensors) if nbytes)
+
+    return frozenset(held), ranked(elsewhere), ranked(gradients)
 
 
 def _gradient_storages(made: LayerAllocations) -> list[int]:

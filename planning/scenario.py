@@ -472,14 +472,23 @@ class Scenario:
     def _reserves(self, sched: Schedule, trace: Trace, cut: list[int]) -> list[int]:
         """Each device's caching-allocator reserve in `trace`, run with `sched`'s stages cut at `cut`, the model
         outputs a stage keeps concatenated after its device's last backward of a mini-batch where `pp_runtime`'s
-        runtime does (`merges_outputs`)."""
+        runtime does (`merges_outputs`), and what a split backward keeps from I until W as the runtime keeps it, as
+        the costs do (`held_as_runtime`): torch's every saved tensor (`LayerAllocations.wgrad_kept` None); each
+        stage's backward passes running its layers' as its costs do (`stage_passes`)."""
+        from ..profiles.schema import stage_passes
+
         per_copy = sched.graph.stages_per_copy
         bounds = {stage: (cut[stage % per_copy], cut[stage % per_copy + 1]) for stage in range(sched.num_stages)}
-        layers = {stage: self.allocations[start:stop] for stage, (start, stop) in bounds.items()}
+        made = (self.allocations if self.pp_runtime == "pipesim" else
+                tuple(replace(layer, wgrad_kept=None) for layer in self.allocations))
+        layers = {stage: made[start:stop] for stage, (start, stop) in bounds.items()}
         merged = ({stage: costs["model_output_bytes"] for stage, costs in enumerate(trace.meta.costs)}
                   if trace.meta.costs and merges_outputs(self.pp_runtime) else None)  # as the trace's costs held them
+        runs = ({stage: {name: run and run[0] for name, run in
+                         stage_passes(self.measured.layers[start:stop], start).items()}
+                 for stage, (start, stop) in bounds.items()} if self.measured is not None else None)
         return device_reserves(trace, layers, self.memory_limits(sched), self.expandable_segments,
-                               adam=self.optimizer in ("adam", "adamw"), merged_bytes=merged)
+                               adam=self.optimizer in ("adam", "adamw"), merged_bytes=merged, runs=runs)
 
     def cut(self, sched: Schedule) -> list[int]:
         """The profile's layers cut into one copy's model stages of `sched` as `stage_cut` says (`profile_bounds`).

@@ -821,10 +821,10 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
 def stage_transient_bytes(layers: list[LayerProfile], start: int, stop: int) -> dict[str, int]:
     """Per pass, the most a stage's pass holds above its activations (which a prediction counts whole from the
     forward's start until the backward frees them) while one of its layers runs: layer i's transient in the pass
-    its layers run there, less what the layers after it save where the pass frees as it goes (`_stage_passes`)."""
+    its layers run there, less what the layers after it save where the pass frees as it goes (`stage_passes`)."""
     mine = layers[start:stop]
     after = _saved_after(mine)
-    return {name: _running_peak(mine, after, *runs) if runs else 0 for name, runs in _stage_passes(mine, start).items()}
+    return {name: _running_peak(mine, after, *runs) if runs else 0 for name, runs in stage_passes(mine, start).items()}
 
 
 def stage_ring_buffer_bytes(layers: list[LayerProfile], start: int, stop: int) -> dict[str, int]:
@@ -832,24 +832,25 @@ def stage_ring_buffer_bytes(layers: list[LayerProfile], start: int, stop: int) -
     (`stage_transient_bytes`' peak), which a prediction holds beside that peak while the pass runs: a layer's ring
     buffers exist while its attention runs, so they are held beside that layer's own transient (less what the
     layers after it save, as there), not beside another layer's peak, the loss's say, where no ring runs. A pass
-    holds the ring of the layers' pass it runs, freeing as that peak does (`_stage_passes`): a stage fed by the
+    holds the ring of the layers' pass it runs, freeing as that peak does (`stage_passes`): a stage fed by the
     batch alone its backward's in its weight pass, none in its empty input-gradient pass."""
     mine = layers[start:stop]
     if not any(layer.ring_buffer_bytes for layer in mine):
         return {}
     after = _saved_after(mine)
     return {name: _running_peak(mine, after, *runs, ring=True) - _running_peak(mine, after, *runs)
-            for name, runs in _stage_passes(mine, start).items()
+            for name, runs in stage_passes(mine, start).items()
             if runs and any(runs[0] in layer.ring_buffer_bytes for layer in mine)}
 
 
-def _stage_passes(mine: list[LayerProfile], start: int) -> dict[str, tuple[str, bool] | None]:
+def stage_passes(mine: list[LayerProfile], start: int) -> dict[str, tuple[str, bool] | None]:
     """Per pass of a stage of the layers `mine` from layer `start`, the layers' pass it runs and whether it frees as
     it goes (None: it runs none). The forward and the full backward do (in the forward the layers after one have
     not saved yet, in the backward, which runs them first, they have freed already); a split backward keeps its
     graph for the weight pass, so neither half frees anything as it goes. A stage fed by the batch alone runs an
     empty input-gradient pass and its whole backward as the weight pass (`_summed`). The one rule a stage's
-    transient and its ring's buffers are held by."""
+    transient and its ring's buffers are held by, and its layers' passes replayed (planning/scenario.py
+    `Scenario._reserves`)."""
     if any(0 <= source < start for layer in mine for source in layer.inputs):
         return {"fwd": ("fwd", True), "bwd": ("bwd", True), "igrad": ("igrad", False), "wgrad": ("wgrad", False)}
     return {"fwd": ("fwd", True), "bwd": ("bwd", True), "igrad": None, "wgrad": ("bwd", True)}

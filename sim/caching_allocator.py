@@ -571,7 +571,20 @@ class LayerAllocations:
     (planning/estimate.py `_compiled_checkpoint_forward`), where the rerun makes and holds them as passes["fwd"]
     does; None: passes["fwd"]. `stepped`: under Megatron-LM's 16-bit optimizer with its float32 master weights, per
     parameter on a rank, the float32 main gradient each step makes (0: the gradients are float32 already) and one
-    Adam moment's bytes (MAIN_GRADS; the moments made at the first step, ADAM_STATE); () under any other."""
+    Adam moment's bytes (MAIN_GRADS; the moments made at the first step, ADAM_STATE); () under any other.
+    Under a split backward, what the input pass keeps for the weight pass as Megatron-LM's zero-bubble fork keeps
+    it (planning/estimate.py `wgrad_kept`): each weighted product's saved input and its output gradient, which its
+    B puts in `WeightGradStore` (megatron/core/tensor_parallel/layers.py,
+    `LinearWithGradAccumulationAndAsyncCommunication.backward`, sail-sg/zero-bubble-pipeline-parallelism at
+    425b42e5) while autograd frees the rest of the layer's saved tensors as the backward walks past them:
+    `wgrad_kept`, the storages of passes["fwd"] it holds where the forward made them (the inputs), the rest of the
+    layer's freed as the input pass ends, then made, the bytes of each: `wgrad_inputs`, the inputs the layer's
+    forward did not make, and `wgrad_gradients`, the output gradients; all freed as the weight pass ends. None:
+    the input pass keeps the layer's whole forward until the weight pass, as torch's pipelining does
+    (`stage_backward_input` runs autograd.grad with retain_graph=True, and the graph holds every saved tensor
+    until `stage_backward_weight` walks it: torch/distributed/pipelining/_backward.py at torch 2.13), with the
+    gradients arriving where the weights' gradients branch off, `wgrad_gradients`; or where the count does not say
+    which inputs the products save (then no `wgrad_gradients` either)."""
 
     passes: Mapping[str, PassAllocations]
     saved: frozenset[int] = frozenset()
@@ -581,6 +594,9 @@ class LayerAllocations:
     fsdp_root: bool = False
     first_forward: PassAllocations | None = None
     stepped: tuple[tuple[int, int], ...] = ()
+    wgrad_kept: frozenset[int] | None = None
+    wgrad_inputs: tuple[int, ...] = ()
+    wgrad_gradients: tuple[int, ...] = ()
 
 
 def device_rows(trace: Trace, device: int) -> list[tuple[str, int, tuple[int, int, int]]]:
@@ -662,24 +678,31 @@ class StageProgram:
     carried: tuple[int, ...] = ()
 
 
-def stage_program(layers: Sequence[LayerAllocations], part: int = 0) -> StageProgram:
+def stage_program(layers: Sequence[LayerAllocations], part: int = 0,
+                  runs: Mapping[str, str | None] | None = None) -> StageProgram:
     """`layers`' rows written down (`StageProgram`), once a process for layers of the same content
     (`_written_stage`): a pipeline's stages repeat their layers, and a search replays the same stages again.
     `part`: the stage's place among its device's, each a model part FSDP2 shards as a root of its own, with its
-    own all-gather and reduce-scatter streams (`FSDPCommContext.lazy_init`)."""
+    own all-gather and reduce-scatter streams (`FSDPCommContext.lazy_init`). `runs`: per backward pass of the
+    stage, the layers' pass it runs where another (None: none; profiles/schema.py `stage_passes`: a stage fed by
+    the batch alone runs no input gradient in its I and the whole backward in its W); none: its own."""
     return _written_stage(tuple((tuple((name, tuple(events)) for name, events in layer.passes.items()), layer.saved,
                                  layer.rerun, layer.kept, layer.unsharded, layer.fsdp_root,
-                                 None if layer.first_forward is None else tuple(layer.first_forward), layer.stepped)
-                                for layer in layers), part)
+                                 None if layer.first_forward is None else tuple(layer.first_forward), layer.stepped,
+                                 layer.wgrad_kept, layer.wgrad_inputs, layer.wgrad_gradients) for layer in layers),
+                          part, tuple(sorted((runs or {}).items())))
 
 
 @functools.lru_cache(maxsize=64)
-def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
+def _written_stage(layers: tuple[tuple, ...], part: int = 0, runs: tuple[tuple[str, str | None], ...] = ()
+                   ) -> StageProgram:
     """`stage_program`'s layers, each as its content (passes' items, saved, rerun, kept, unsharded, fsdp_root,
-    first_forward, stepped), written down: a forward runs them in order, each holding what it leaves live but what its
-    backward reruns until its full or weight backward; a backward runs them reversed, each rerunning first what its
-    forward did not keep (the input pass holds it for the weight pass, which runs after it), then freeing what its
-    own pass leaves live and, but for the input pass, what the layer held. FSDP2's whole tensors (`StageProgram`): a
+    first_forward, stepped, wgrad_kept, wgrad_inputs, wgrad_gradients), written down: a forward runs them in order,
+    each holding what it leaves live but what its backward reruns until its full or weight backward; a backward runs
+    them reversed, each rerunning first what its forward did not keep, then freeing what its own pass leaves live
+    and what the layer held, but for the input pass, which holds what the layer held for the weight pass after it,
+    or, with `wgrad_kept`, those of it and makes `wgrad_inputs`, and makes `wgrad_gradients`; a pass of `runs` runs
+    the layers' pass it names there (a full backward its rerun first). FSDP2's whole tensors (`StageProgram`): a
     step's first forward gathers each layer's weights as the layer begins (`unshard`, `wait_for_unshard`: the
     all-gather's flat output made on its stream, the previous layer's freed, the weights copied out of it), its
     first full or weight backward makes each layer's gradients once the layer's pass has made its own; RELEASE, in
@@ -689,8 +712,7 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
     all-gather output, as the step before left them. Under Megatron-LM's 16-bit optimizer (`stepped`), MAIN_GRADS
     makes the float32 main gradients, ZERO_MAIN_GRADS frees them, and ADAM_STATE makes the moments, two a parameter
     in the model's order, as Apex's FusedAdam makes its state at its first step."""
-    stage = [LayerAllocations(dict(passes), saved, rerun, kept, unsharded, root, first, stepped)
-             for passes, saved, rerun, kept, unsharded, root, first, stepped in layers]
+    stage = [LayerAllocations(dict(passes), *content) for passes, *content in layers]
     program = Program()
     # each layer's whole weights', gradients', shard's and all-gather output's slots, and the ops that make them
     gathered, accumulated, sharded, flat = [], [], [], []
@@ -707,8 +729,9 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
     del program.ops[:]
     unsharded = [index for index, layer in enumerate(stage) if layer.unsharded]
     before = {index: flat[unsharded[at - 1]][0] for at, index in enumerate(unsharded)}  # the last's: the step's
+    layers_pass = dict(runs)
 
-    def written(name: str, held: dict[int, list[int]]) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+    def written(name: str, held: dict[int, dict[int, int]]) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
         """The pass, and the pass as a step's first runs it (FSDP2's whole tensors made at each layer)."""
         ops: list[Op] = []
         first: list[Op] = []
@@ -726,18 +749,25 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0) -> StageProgram:
                     first += [*made, *gathers[index]]
                 first += forward
                 continue
-            if name != "wgrad" and layer.rerun is not None:
-                held[index] = held[index] + _recomputed(program, layer)
-            done = program.replay(layer.passes.get(name, ()))
+            run = layers_pass.get(name, name)
+            if run in ("bwd", "igrad") and layer.rerun is not None:
+                held[index] = held[index] | _recomputed(program, layer)
+            done = program.replay(layer.passes.get(run, ()))
             computed = program.ops[begins:]
             freed = len(program.ops)
-            for slot in [*done.values(), *(held.pop(index) if name != "igrad" else ())]:
+            frame = held.pop(index)
+            kept = {} if name != "igrad" else frame if layer.wgrad_kept is None else {
+                number: slot for number, slot in frame.items() if number in layer.wgrad_kept}
+            for slot in [*done.values(), *(slot for number, slot in frame.items() if number not in kept)]:
                 program.free(slot)
+            if name == "igrad":  # what the weight pass reads
+                made = [*(layer.wgrad_inputs if layer.wgrad_kept is not None else ()), *layer.wgrad_gradients]
+                held[index] = kept | {-1 - at: program.malloc(nbytes) for at, nbytes in enumerate(made)}
             ops += program.ops[begins:]
             first += [*computed, *(accumulates[index] if name != "igrad" else ()), *program.ops[freed:]]
         return tuple(ops), tuple(first)
 
-    held: dict[int, list[int]] = {}
+    held: dict[int, dict[int, int]] = {}
     passes = {}
     for name in ("fwd", "bwd", "igrad", "wgrad"):  # the full backward on a copy: the split one frees them too
         passes[name], first = written(name, dict(held) if name == "bwd" else held)
@@ -848,7 +878,7 @@ def _unpipelined(program: Program, stage: Sequence[LayerAllocations], passes: di
                 *(op for index in group.layers for op in gathered[1][index])]
 
     begins = len(program.ops)
-    held: dict[int, list[int]] = {}
+    held: dict[int, dict[int, int]] = {}
     ops = gather(groups[0]) if roots else []
     for index, layer in enumerate(stage):
         if index in of and not layer.fsdp_root:
@@ -872,7 +902,7 @@ def _unpipelined(program: Program, stage: Sequence[LayerAllocations], passes: di
     return [groups[0].flat, groups[0].shard] if roots else []
 
 
-def _unpipelined_backward(program: Program, stage: Sequence[LayerAllocations], held: dict[int, list[int]],
+def _unpipelined_backward(program: Program, stage: Sequence[LayerAllocations], held: dict[int, dict[int, int]],
                           groups: list[_Group], gathered: tuple[list[list[int]], list[tuple[Op, ...]]],
                           kept: _Group, first: bool, stream: int) -> tuple[Op, ...]:
     """`_unpipelined`'s backward: `first`, the mini-batch's first, whose shards are held to zero_grad; `stream`:
@@ -904,9 +934,9 @@ def _unpipelined_backward(program: Program, stage: Sequence[LayerAllocations], h
             if place:
                 program.ops += blocks[place - 1].gather
         if layer.rerun is not None:
-            held[index] = held[index] + _recomputed(program, layer)
+            held[index] = held[index] | _recomputed(program, layer)
         done = program.replay(layer.passes.get("bwd", ()))
-        for slot in held.pop(index):
+        for slot in held.pop(index).values():
             program.free(slot)
         if place is not None:
             post_backward(blocks[place], done.values())
@@ -1048,7 +1078,8 @@ class _Replay:
 
 def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations]],
                     capacity_bytes: Sequence[int | None], expandable: bool = False,
-                    adam: bool = False, merged_bytes: Mapping[int, int] | None = None) -> list[int]:
+                    adam: bool = False, merged_bytes: Mapping[int, int] | None = None,
+                    runs: Mapping[int, Mapping[str, str | None]] | None = None) -> list[int]:
     """Per device, the bytes the caching allocator reserves beyond its tensors: its step replayed (`replay_device`:
     its parameters, gradients, optimizer state and runtime buffer at the prediction's peak as a block each, then its
     rows in the order they start, `layers[stage]` each stage's), the most it reserves less the most it allocates:
@@ -1058,10 +1089,8 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     would read nothing. `capacity_bytes`: each device's memory (None: unbounded), whose cached segments torch
     releases when a cudaMalloc fails; where the step does not fit even then (torch's out of memory), its reserve
     is what it would take without that bound. That puts the device's peak over its memory where the replay
-    allocates no more than the simulation holds; under a split backward it holds each micro-batch's forward whole
-    from the input pass to the weight pass, where Megatron-LM's deferred weight pass keeps its products' inputs and
-    output gradients (the simulation's `wgrad_kept_bytes`), so it can run out under a peak within the memory (the
-    4-GPU GPT's ZB-H1 at p = 2, d = 2, b = 2 in tests/test_tune_reserve.py at 0.24 GiB: 0.23998 GiB). Under a
+    allocates no more than the simulation holds; under a split backward each layer holds from its input pass to its
+    weight pass what the simulation holds (`LayerAllocations.wgrad_kept`, its `wgrad_kept_bytes`). Under a
     pipeline, FSDP2's whole weights and gradients (`LayerAllocations.unsharded`) are made and freed as its rows run
     (`step_events`), not held as blocks: the parameters' block is their shards alone, and no gradients' block;
     without one, gathered, resharded and reduce-scattered block by block in each pass (`unpipelined_events`).
@@ -1075,7 +1104,8 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
     `expandable`: the allocator with expandable segments (`ExpandableSegments`). `merged_bytes`: per stage, the
     model output a micro-batch that its runtime keeps and concatenates once the device's last full or weight
     backward of a mini-batch ends (sim/costs.py `merges_outputs`): a tensor of all its forwards' outputs of the
-    mini-batch made and freed there (MERGE); none: {}."""
+    mini-batch made and freed there (MERGE); none: {}. `runs`: per stage, the layers' pass each of its backward
+    passes runs where another (`stage_program`); none: {}."""
     programs: dict[tuple[int, int], StageProgram] = {}  # by stage and its place among its device's
     reserves = []
     for device, held in enumerate(trace.meta.peak_memory_parts or ()):
@@ -1086,7 +1116,7 @@ def device_reserves(trace: Trace, layers: Mapping[int, Sequence[LayerAllocations
             stages.setdefault(stage, len(stages))
         mine = set(stages.items())
         for stage, part in mine - programs.keys():
-            programs[stage, part] = stage_program(layers[stage], part)
+            programs[stage, part] = stage_program(layers[stage], part, (runs or {}).get(stage))
         gathered = sum(weights for stage in stages for layer in layers[stage] for weights, _, _ in layer.unsharded)
         if len(layers) > 1 and gathered:
             rows = step_events(rows)
@@ -1201,20 +1231,20 @@ def add_reserve(trace: Trace, reserve_bytes: Sequence[int]) -> None:
             drawn[device] = Counter(curve.times_us, curve.values + reserve_bytes[device])
 
 
-def _forward(program: Program, layer: LayerAllocations) -> list[int]:
+def _forward(program: Program, layer: LayerAllocations) -> dict[int, int]:
     """A layer's forward written down (its `first_forward` where it has one): the slots it holds for its
-    backward."""
+    backward, by storage number."""
     forward = layer.passes.get("fwd", ()) if layer.first_forward is None else layer.first_forward
     live = program.replay(forward, held=layer.kept)
     for number in (layer.saved & (layer.rerun or frozenset())) & live.keys():  # the backward makes them again
         program.free(live.pop(number))
-    return list(live.values())
+    return live
 
 
-def _recomputed(program: Program, layer: LayerAllocations) -> list[int]:
+def _recomputed(program: Program, layer: LayerAllocations) -> dict[int, int]:
     """A recomputation before a layer's backward: the forward's `rerun` storages made again, what autograd saves
     of them held for the backward, the rest freed (the output made again: the next layer has its own)."""
     live = program.replay(layer.passes.get("fwd", ()), only=layer.rerun)
     for number in live.keys() - layer.saved:
         program.free(live.pop(number))
-    return list(live.values())
+    return live

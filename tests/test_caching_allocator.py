@@ -716,7 +716,8 @@ def test_layers_differing_in_any_field_get_programs_of_their_own():
     base = LayerAllocations({"fwd": ((0, 4 * MIB), (1, 2 * MIB)), "bwd": ((2, MIB), (2, -MIB))}, saved=frozenset({0}))
     changed = {"passes": {"fwd": ((0, 4 * MIB),), "bwd": ()}, "saved": frozenset({0, 1}), "rerun": frozenset({0}),
                "kept": frozenset({1}), "unsharded": ((MIB, MIB, MIB // 2),), "fsdp_root": True,
-               "first_forward": ((0, 4 * MIB), (1, 2 * MIB), (0, -4 * MIB)), "stepped": ((2 * MIB, 2 * MIB),)}
+               "first_forward": ((0, 4 * MIB), (1, 2 * MIB), (0, -4 * MIB)), "stepped": ((2 * MIB, 2 * MIB),),
+               "wgrad_kept": frozenset({0}), "wgrad_inputs": (MIB,), "wgrad_gradients": (2 * MIB,)}
     assert [field.name for field in fields(LayerAllocations)] == list(changed)
     programs = [stage_program([base]), *(stage_program([replace(base, **{name: value})])
                                          for name, value in changed.items())]

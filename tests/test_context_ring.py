@@ -323,7 +323,7 @@ def test_a_layers_ring_buffers_are_held_beside_its_own_transient_not_another_lay
 
 
 def test_a_stages_ring_is_held_in_the_passes_its_transient_is_and_freed_as_they_free():
-    """One rule for a pass's transient and its ring (`_stage_passes`): an attention layer (transient 30, ring 20 in
+    """One rule for a pass's transient and its ring (`stage_passes`): an attention layer (transient 30, ring 20 in
     every pass) before a loss saving 15 (transient 20). Its forward and full backward free as they go, the
     attention's 50 less the loss's 15 over the loss's 20: 15 added; a split backward frees nothing, 50 over 30: 20
     added, in the input pass and in the weight pass alike (before: the weight pass freed as the backward does, 15).

@@ -1,0 +1,102 @@
+"""Under a split backward the caching allocator's replay holds from a layer's input pass (I) to its weight pass (W)
+what the simulation holds (sim/engine.py `_memory_tables`, `Costs.wgrad_held_bytes`): Megatron-LM's deferred W
+the products' saved inputs and output gradients (`LayerAllocations.wgrad_kept`, `wgrad_made`), torch's pipelining
+the whole forward (None), so the replay's allocated peak is the simulation's and its reserve is read against it."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pipesim.sim import Cluster, Costs, simulate
+from pipesim.sim import caching_allocator as allocator
+from pipesim.sim.caching_allocator import LayerAllocations, device_rows, replay_device, stage_program
+from pipesim.sim.costs import held_as_runtime
+from pipesim.units import MIB
+from tests.conftest import build, pipesim
+
+# A stage of one layer: its forward leaves 10 storages live (the frame); its I keeps two of them (the products'
+# inputs) and makes two output gradients for its W. Each 10 MiB or more and a multiple of 2 MiB: a segment of its
+# own, and a cached block it takes is split wherever larger (by 2 MiB or more), so no block is rounded up
+FRAME = [(number, (10 + 2 * number) * MIB) for number in range(10)]
+INPUTS = frozenset({2, 7})
+GRADIENTS = (12 * MIB, 16 * MIB)
+LAYER = LayerAllocations({"fwd": FRAME}, wgrad_kept=INPUTS, wgrad_gradients=GRADIENTS)
+
+
+def peaks(layer: LayerAllocations, pp_runtime: str, method: str) -> list[tuple[int, int]]:
+    """Per device of `method` at p = 4, m = 8: (the replay's allocated peak, the simulation's peak) with the
+    stages' activations the frame, what W reads the kept inputs and gradients, held as `pp_runtime` holds them."""
+    schedule = build(method, 4, 8)
+    kept = sum(nbytes for number, nbytes in FRAME if number in INPUTS)
+    costs = Costs.per_stage(schedule.num_stages, fwd_ms=1.0, bwd_ms=2.0)
+    costs = replace(costs, stages=tuple(replace(c, activation_bytes=sum(nbytes for _, nbytes in FRAME),
+                                                wgrad_kept_bytes=kept, wgrad_gradient_bytes=sum(GRADIENTS))
+                                        for c in costs.stages))
+    trace = simulate(schedule, held_as_runtime(costs, schedule, pp_runtime), Cluster.uniform(4, 0.0))
+    result = []
+    for device in range(schedule.num_devices):
+        rows = device_rows(trace, device)
+        programs = {stage: stage_program([layer]) for _, stage, _ in rows}
+        replayed = replay_device((), rows, programs)
+        result.append((replayed.peak_allocated_bytes, int(np.max(trace.counters["memory_bytes"][device].values))))
+    return result
+
+
+@pytest.mark.parametrize("method", ["zb-h1", "zb-h2"])
+def test_the_replays_allocated_peak_is_the_simulations_under_a_deferred_weight_pass(method):
+    """Megatron-LM's store (`--pp-runtime pipesim`): the I frees the frame but the inputs and makes the output
+    gradients, the W frees them; torch's retained graph (`--pp-runtime torch`) holds the whole frame to W. Either
+    way each device's allocated peak is the simulation's, to the byte."""
+    stored = peaks(LAYER, "pipesim", method)
+    assert all(replayed == simulated for replayed, simulated in stored), stored
+    retained = peaks(replace(LAYER, wgrad_kept=None), "torch", method)
+    assert all(replayed == simulated for replayed, simulated in retained), retained
+    assert any(whole > kept for (whole, _), (kept, _) in zip(retained, stored, strict=True))  # ZB's Ws wait
+
+
+def test_a_stage_fed_by_the_batch_runs_no_input_gradient_and_its_whole_backward_in_w():
+    """`runs` (profiles/schema.py `stage_passes`): the first stage's I runs none of its layers' input-gradient
+    passes (their transient is never made) and its W runs their full backward, as the simulation prices them."""
+    layer = replace(LAYER, passes={"fwd": FRAME, "igrad": [(0, 40 * MIB), (0, -40 * MIB)],
+                                   "bwd": [(0, 30 * MIB), (0, -30 * MIB)], "wgrad": [(0, 1 * MIB), (0, -1 * MIB)]})
+    rows = [("fwd", 0, 0), ("igrad", 0, 0), ("wgrad", 0, 0)]
+    frame = sum(nbytes for _, nbytes in FRAME)
+    own = replay_device((), rows, {0: stage_program([layer])}).peak_allocated_bytes
+    fed = replay_device((), rows, {0: stage_program([layer], runs={"igrad": None, "wgrad": "bwd"})})
+    assert own == frame + 40 * MIB
+    kept = sum(nbytes for number, nbytes in FRAME if number in INPUTS) + sum(GRADIENTS)
+    assert fed.peak_allocated_bytes == max(frame, kept + 30 * MIB)
+
+
+GPT = ("--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", 4, "--width", 512, "--heads", 8, "--seq-len", 512,
+       "--vocab", 1000, "-D", 4, "-B", 32, "-b", 2, "--tensor-parallel", 1, "--data-parallel", 2, "--recompute", "none",
+       "-s", "zb-h1")
+
+
+def test_the_4_gpu_gpts_zb_h1_replays_within_its_memory(monkeypatch):
+    """The 4-GPU GPT's ZB-H1 at p = 2, d = 2, b = 2 (tests/test_tune_reserve.py's model) on 0.24 GiB a GPU: the
+    replay held each micro-batch's forward whole from I to W, reserving 266 and 264 MiB (243.2 MiB allocated on the
+    last device, where the simulation holds 224.9), more than the memory; holding what W reads, each device's
+    replayed step reserves less than the memory, and tune's peak is within it."""
+    reserved = []
+    real = allocator.replay_device
+
+    def replay(*args, **kwargs):
+        replayed = real(*args, **kwargs)
+        reserved.append(replayed.peak_reserved_bytes)
+        return replayed
+
+    monkeypatch.setattr(allocator, "replay_device", replay)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # the search in this process, where the spy is
+    allocator._reserve.cache_clear()
+    code, out, err = pipesim("tune", *GPT, "--memory-gb", 0.24, "--json")
+    assert code == 0, err
+    choice = json.loads(out)["choice"]
+    assert (choice["schedule"], choice["stages"], choice["replicas"]) == ("zb-h1", 2, 2)
+    assert choice["peak_memory_gib"] < 0.24
+    assert len(reserved) == 2 and max(reserved) < 0.24 * (1 << 30)
