@@ -9,6 +9,7 @@ least REDUCE and transfers) against the stage's own costs, where a slack hidden 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from pipesim.planning import tune as tuning
 from pipesim.planning.scenario import profile_costs
 from pipesim.profiles.schema import load_profile
 from pipesim.schedules import KIND_CODE, METHODS, Kind
+from tests.conftest import pipesim
 from tests.test_tune import CNN, GPT, accumulating, differences, exhaustive, scenario
 from tests.test_tune_reserve import searched_settings
 
@@ -30,38 +32,79 @@ DEVICES, MICROBATCH = 4, 1
 GPU = ("--gpu", "h100-sxm")
 SMALL_GPT = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256, "--vocab", 32000)
 ESTIMATED = ("-D", DEVICES, "-B", 16, "-b", MICROBATCH, "--recompute", "none")
-TINY_LLAMA = {**json.loads((ROOT / "examples" / "llama3.1-8b" / "config.json").read_text()),
+EXAMPLES = ROOT / "examples"
+
+
+@dataclass(frozen=True)
+class Estimated:
+    """The flags of `pipesim estimate` after the small GPT's on the GPU: a profile laid out as `tune --gpu` lays
+    none out (C > 1, ZeRO), which tune takes as it takes a calibrated one."""
+
+    flags: tuple
+
+
+TINY_LLAMA = {**json.loads((EXAMPLES / "llama3.1-8b" / "config.json").read_text()),
               "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
               "num_hidden_layers": 3, "vocab_size": 1000}
+TINY_QWEN3_MOE = {**json.loads((EXAMPLES / "qwen3-30b-a3b" / "config.json").read_text()),
+                  "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "head_dim": 64,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 1000,
+                  "num_experts": 4, "num_experts_per_tok": 2}
+EXPERTS = ("--experts", 4, "--top-k", 2)
 KINDS = {  # name: the flags of `tune --gpu` after the model's (a large vocabulary: the embedding's stage holds most
-    # weights), or a calibrated profile
+    # weights), a Hugging Face config and the flags after it, a calibrated profile, or `pipesim estimate`'s flags for
+    # a profile tune takes as calibrated (one laid out as `tune --gpu` does not search: C > 1, ZeRO)
     "estimate": (),
     "estimate, tensor-parallel": ("--tensor-parallel", 2),
     "estimate, fused accumulation": ("--grad-accumulation", "fused"),
     "estimate, separate accumulation": ("--grad-accumulation", "separate"),
     "estimate, host-bound": ("--host-kernel-us", 400),
     "estimate, host-bound under --p2p-sync": ("--host-kernel-us", 400, "--p2p-sync", "-s", "1f1b"),
-    "estimate, experts": ("--experts", 4, "--top-k", 2),
-    "hf config": "hf",
+    "estimate, experts": EXPERTS,
+    "estimate, experts over 2 ranks in float8": (*EXPERTS, "--expert-parallel", 2, "--dtype", "fp8"),
+    "estimate, tensor-parallel overlapped": ("--tensor-parallel", 2, "--sequence-parallel", "--tp-overlap"),
+    "estimate, torch's tensor-parallel overlapped": ("--tensor-parallel", 2, "--sequence-parallel", "--tp-runtime",
+                                                     "torch", "--tp-overlap"),
+    "hf config": (TINY_LLAMA,),
+    "hf config, experts over 2 ranks": (TINY_QWEN3_MOE, "--expert-parallel", 2),
+    "estimated, context-parallel experts": Estimated(("-p", 2, "--data-parallel", 2, "--context-parallel", 2,
+                                                      *EXPERTS, "--expert-parallel", 2, "--attention", "flash")),
+    "estimated, ZeRO-3 pipelined": Estimated(("-p", 2, "--data-parallel", 2, "--zero", 3, "--precision", "fsdp2")),
     "calibrated, accumulation timed": lambda: accumulating(load_profile(GPT)),
     "calibrated, convolutions": lambda: load_profile(CNN),
     "calibrated, passes measured": lambda: load_profile(MEASURED / "mlp-profile.json"),
     "calibrated, branching layers": lambda: load_profile(MEASURED / "two-branch-profile.json"),
 }
 
+LAYOUTS = {  # what a kind's name says its estimates hold (their parallelism's fields), beyond a dense model's
+    "estimate, experts over 2 ranks in float8": {"expert": 2, "fp8": "te"},
+    "estimate, tensor-parallel overlapped": {"tensor": 2, "tp_overlap": True, "tp_runtime": "megatron"},
+    "estimate, torch's tensor-parallel overlapped": {"tensor": 2, "tp_overlap": True, "tp_runtime": "torch"},
+    "hf config, experts over 2 ranks": {"expert": 2},
+    "estimated, context-parallel experts": {"context": 2, "expert": 2},
+    "estimated, ZeRO-3 pipelined": {"pipeline": 2, "sharded_optimizer": True, "precision": "fsdp2"},
+}
+
 
 @cache
 def settings_of(kind: str, folder: Path) -> tuple[tuple[tuple[int, ...], ...], tuple[tuning.Setting, ...]]:
-    """The kind's settings (the hf config's written in `folder`), and the profiles' own cuts (where a calibrated
-    profile's stages' own times, and an estimate's own accumulation, replace its layers' sums), which each is
-    checked on beyond the candidates' cuts."""
-    flags = KINDS[kind]
+    """The kind's settings (a Hugging Face config or an estimated profile written in `folder`), and the profiles'
+    own cuts (where a calibrated profile's stages' own times, and an estimate's own accumulation, replace its layers'
+    sums), which each is checked on beyond the candidates' cuts."""
+    flags, place = KINDS[kind], folder / kind
     if callable(flags):
         found = scenario(flags())
-    elif flags == "hf":
-        (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-        found = searched_settings(*ESTIMATED, "--tensor-parallel", 1, model=(*GPU, "--model", f"hf:{folder}",
-                                                                             "--seq-len", 128))
+    elif isinstance(flags, Estimated):
+        place.mkdir()
+        code, _, err = pipesim("estimate", *GPU, *SMALL_GPT, "--recompute", "none", "-b", MICROBATCH, *flags.flags,
+                               "-o", place / "profile.json")
+        assert code == 0, err
+        found = scenario(load_profile(place / "profile.json"))
+    elif flags and isinstance(flags[0], dict):
+        place.mkdir()
+        (place / "config.json").write_text(json.dumps(flags[0]))
+        found = searched_settings(*ESTIMATED, "--tensor-parallel", 1, *flags[1:],
+                                  model=(*GPU, "--model", f"hf:{place}", "--seq-len", 128))
     else:
         tensor = () if "--tensor-parallel" in flags else ("--tensor-parallel", 1)
         found = searched_settings(*ESTIMATED, *tensor, *flags, model=(*GPU, *SMALL_GPT))
@@ -70,7 +113,7 @@ def settings_of(kind: str, folder: Path) -> tuple[tuple[tuple[int, ...], ...], t
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tiny-llama")
+    return tmp_path_factory.mktemp("kinds")
 
 
 def _ms(problem: tuning.Problem, samples_per_s: float) -> float:
@@ -138,6 +181,14 @@ def stage_excesses(setting: tuning.Setting, bounds: list[int], pipelines: int, c
                       for k in over if k > 0 or name != "F + min(B, I)"]  # stage 0's input pass: none when split
     return wrong + [f"{label}: stage {k} accumulation {accumulated[k]:.6f} ms > its cost {c.accumulate_ms:.6f} ms"
                     for k, c in enumerate(costs.stages) if accumulated[k] > c.accumulate_ms * (1 + 1e-9) + 1e-12]
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_each_kind_is_estimated_as_named(folder, kind):
+    """A flag its estimates dropped would leave the bounds unchecked where the kind points them."""
+    for setting in settings_of(kind, folder)[1]:
+        parallelism = setting.scenario.measured.estimate.parallelism
+        assert {name: parallelism[name] for name in LAYOUTS[kind]} == LAYOUTS[kind]
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
