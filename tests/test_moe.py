@@ -217,6 +217,8 @@ def test_a_moe_gpt_trains_off_the_meta_device():
     (("--top-k", 2), "--top-k applies to a mixture of experts: give --experts too"),
     (("--experts", 4, "--top-k", 5), "--top-k (5) must be at most --experts (4)"),
     (("--experts", 0), "--experts must be >= 1 (got 0)"),
+    (("--experts", 4, "--width", 0), "--width must be >= 1 (got 0)"),  # not the --expert-ffn it defaults from
+    (("--experts", 4, "--ffn", 0), "--ffn must be >= 1 (got 0)"),
     (("--experts", 4, "--capacity-factor", 0), "--capacity-factor must be a finite number above 0 (got 0.0)"),
     (("--experts", 4, "--capacity-factor", "inf"), "--capacity-factor must be a finite number above 0 (got inf)"),
     (("--experts", 8, "--top-k", 2, "--capacity-factor", 4.5),

@@ -366,9 +366,9 @@ def gpt(layers: int = GPT_SIZES["layers"], width: int = GPT_SIZES["width"], head
     `--normalization RMSNorm`, NeMo's `normalization: rmsnorm`; Nemotron-4's layernorm1p is a LayerNorm whose scale
     is stored less one, the same kernel)."""
     ffn = 4 * width if ffn is None else ffn
-    moe = _expert_shape(ffn, experts, top_k, shared_experts, expert_ffn, capacity_factor)
     kv_heads = heads if kv_heads is None else kv_heads
     check_positive(layers=layers, width=width, heads=heads, seq_len=seq_len, vocab=vocab, ffn=ffn, kv_heads=kv_heads)
+    moe = _expert_shape(ffn, experts, top_k, shared_experts, expert_ffn, capacity_factor)  # its ffn checked first
     if dropout is not None and not 0 <= dropout < 1:
         raise ModelError(f"--dropout ({dropout}) must be at least 0 and below 1")
     if width % heads:
