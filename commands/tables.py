@@ -22,6 +22,7 @@ from rich.text import Text
 from .common import stdout
 
 SHORT_CELL = 12  # characters: a cell this short is a value ("2,875.9 ms", "8.6%"), never wrapped
+READABLE_TEXT = 20  # characters: a text cell wraps no narrower where splitting the table into parts can keep it so
 UNLIMITED = 10_000  # characters: what a cell is measured against when nothing limits it
 WITH_SPREAD = re.compile(r"\S+ ± \S+")  # a mean and its spread (study's "0.357 ± 0.244"): one value, never wrapped
 
@@ -44,17 +45,21 @@ def _is_value(cell: object, measured: Measurement) -> bool:
     return measured.maximum <= SHORT_CELL or (isinstance(text, str) and WITH_SPREAD.fullmatch(text) is not None)
 
 
-def _content_ranges(console: Console, table: Table) -> list[tuple[int, int]]:
-    """Each column's (narrowest, widest) content width: the narrowest keeps the header's longest word and every
-    value whole, and wraps longer cells between words."""
+def _content_ranges(console: Console, table: Table, keys: int) -> list[tuple[int, int, int]]:
+    """Each column's (narrowest, readable, widest) content width: the narrowest keeps the header's longest word
+    and every value whole, and wraps longer cells between words; the readable also keeps a text cell of a column
+    after the first `keys` at least `READABLE_TEXT` wide (at its longest word, tune's "why not" at 80 columns was
+    7 characters wide, a reason on 7 lines)."""
     options = console.options.update_width(UNLIMITED)
     ranges = []
-    for column in table.columns:
+    for index, column in enumerate(table.columns):
         header = Measurement.get(console, options, column.header)
         cells = [(cell, Measurement.get(console, options, cell)) for cell in column.cells]
         narrowest = max([header.minimum, *(c.maximum if _is_value(cell, c) else c.minimum for cell, c in cells)])
+        readable = narrowest if index < keys else max([narrowest, *(
+            min(c.maximum, READABLE_TEXT) for cell, c in cells if not _is_value(cell, c))])
         widest = max([header.maximum, *(c.maximum for _, c in cells)])
-        ranges.append((narrowest, widest))
+        ranges.append((narrowest, readable, widest))
     return ranges
 
 
@@ -63,20 +68,22 @@ def _whole_width(part: Table, content_widths: list[int]) -> int:
     return sum(width + part._get_padding_width(k) for k, width in enumerate(content_widths)) + part._extra_width
 
 
-def _narrowest_width(part: Table, ranges: list[tuple[int, int]]) -> int:
-    """The part's whole width at its narrowest."""
-    return _whole_width(part, [narrowest for narrowest, _ in ranges])
+def _readable_width(part: Table, ranges: list[tuple[int, int, int]]) -> int:
+    """The part's whole width at its narrowest readable."""
+    return _whole_width(part, [readable for _, readable, _ in ranges])
 
 
-def _fitted_widths(ranges: list[tuple[int, int]], width: int, keys: int) -> list[int]:
-    """Content widths that sum to at most `width`, each at least its narrowest: the widest gives way first, the
-    first `keys` columns, which name a row ("xpipe (s: paper)"), last: a header wraps before a row's name does."""
-    widths = [widest for _, widest in ranges]
-    while sum(widths) > width:
-        shrinkable = [i for i, (narrowest, _) in enumerate(ranges) if widths[i] > narrowest]
-        if not shrinkable:
-            break
-        widths[max([i for i in shrinkable if i >= keys] or shrinkable, key=lambda i: widths[i])] -= 1
+def _fitted_widths(ranges: list[tuple[int, int, int]], width: int, keys: int) -> list[int]:
+    """Content widths that sum to at most `width`, each at least its readable width, else at least its narrowest:
+    the widest gives way first, the first `keys` columns, which name a row ("xpipe (s: paper)"), last: a header
+    wraps before a row's name does."""
+    widths = [widest for *_, widest in ranges]
+    for floor in (1, 0):  # the readable widths, then the narrowest
+        while sum(widths) > width:
+            shrinkable = [i for i, bounds in enumerate(ranges) if widths[i] > bounds[floor]]
+            if not shrinkable:
+                break
+            widths[max([i for i in shrinkable if i >= keys] or shrinkable, key=lambda i: widths[i])] -= 1
     return widths
 
 
@@ -88,13 +95,13 @@ def _part(table: Table, indices: list[int]) -> Table:
     return part
 
 
-def _split(table: Table, ranges: list[tuple[int, int]], width: int, keys: int) -> list[list[int]]:
-    """Column groups, in order, each fitting `width` at its narrowest with the first `keys` columns repeated in
-    front (a column too wide even beside them alone gets a part with them all the same)."""
+def _split(table: Table, ranges: list[tuple[int, int, int]], width: int, keys: int) -> list[list[int]]:
+    """Column groups, in order, each fitting `width` at its readable widths with the first `keys` columns repeated
+    in front (a column too wide even beside them alone gets a part with them all the same)."""
     groups: list[list[int]] = [list(range(keys))]
     for index in range(keys, len(ranges)):
         grown = [*groups[-1], index]
-        if len(grown) > keys + 1 and _narrowest_width(_part(table, grown), [ranges[i] for i in grown]) > width:
+        if len(grown) > keys + 1 and _readable_width(_part(table, grown), [ranges[i] for i in grown]) > width:
             groups.append([*range(keys), index])
         else:
             groups[-1] = grown
@@ -128,15 +135,15 @@ def print_table(table: Table, console: Console = stdout, keys: int = 1) -> None:
     each led by the first `keys` columns, which name a row (simulate --memory's schedule and device) and wrap only
     where the other columns cannot; its title and caption wrap at the width available, not at the table's."""
     width = available_width(console)
-    ranges = _content_ranges(console, table)
+    ranges = _content_ranges(console, table, keys)
     parts = [list(range(len(ranges)))]
-    if width is not None and _whole_width(table, [widest for _, widest in ranges]) > width:
+    if width is not None and _whole_width(table, [widest for *_, widest in ranges]) > width:
         table = _compact(table)
-        if _narrowest_width(table, ranges) > width and len(ranges) > keys + 1:
+        if _readable_width(table, ranges) > width and len(ranges) > keys + 1:
             parts = _split(table, ranges, width, keys)
     tables = [_part(table, group) for group in parts]
     if width is None:
-        width = max(console.width, sum(w for _, w in ranges) + sum(
+        width = max(console.width, sum(w for *_, w in ranges) + sum(
             table._get_padding_width(k) for k in range(len(ranges))) + table._extra_width)
     for part, group in zip(tables, parts):
         padding = sum(part._get_padding_width(k) for k in range(len(group))) + part._extra_width

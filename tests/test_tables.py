@@ -108,6 +108,22 @@ def test_a_table_that_wraps_gives_its_padding_to_the_wrapped_cell():
     assert len(row) == 2 and all(len(line) <= 100 for line in lines), "\n".join(lines)
 
 
+def test_a_reason_squeezed_to_its_longest_word_is_printed_in_a_part_of_its_own_instead():
+    """tune --gpu's table at 80 columns: beside t, d, b, recomp and MFU its "why not" fitted only at its longest
+    word, 7 characters, each reason on 7 lines; now it is at least READABLE_TEXT wide, in a second part."""
+    table = Table(box=box.SIMPLE_HEAD)
+    for header in ("", "schedule", "p", "v", "t", "d", "b", "recomp", "m", "samples/s", "MFU", "bubble", "peak",
+                   "stale", "why not"):
+        table.add_column(header, justify="left" if header in ("", "schedule", "recomp", "why not") else "right")
+    reason = "0.42% slower: busiest device 4,021 vs 3,634 ms/step"
+    table.add_row("2", "dualpipev", "8", "2", "1", "2", "1", "none", "32", "14.5", "45.0%", "22%", "74.1 GiB", "0",
+                  reason)
+    lines = rendered(table, 80)
+    assert any("printed in 2 parts" in line for line in lines), "\n".join(lines)
+    assert sum(any(word in line for word in reason.split()) for line in lines) <= 2, "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines)
+
+
 def test_a_rows_name_stays_whole_where_headers_can_wrap_instead():
     """simulate's table at 80 columns: "peak MiB" and "peak act" wrap between their words, so that the column
     naming the rows keeps "xpipe (s: paper)" on one line."""
