@@ -952,6 +952,9 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
                  for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
+    if not any(per_stage["--fwd"] + per_stage["--bwd"]):  # a step of no compute: 0.0 samples/s, a 0 ms step
+        raise InputError("--fwd, --bwd: every forward and backward takes 0 ms, so a step has no compute to time; "
+                         "give one of them above 0")
     refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
     precision = flags.get("precision")
     if precision is not None:

@@ -106,6 +106,7 @@ def test_schedules_lists_methods():
     (["--bwd", "fast"], "--bwd: expected a number"),
     (["--fwd", "-1"], "--fwd: values must be finite and >= 0"),
     (["--comm", "nan"], "--comm: values must be finite"),
+    (["--fwd", "0", "--bwd", "0,0,0,0"], "--fwd, --bwd: every forward and backward takes 0 ms"),  # read 0.0 samples/s
     (["--param-mb", "1,2"], "--param-mb"),
     (["--optimizer", "lion"], "--optimizer: choose from"),
     (["--wgrad-fraction", "2"], "--wgrad-fraction"),
