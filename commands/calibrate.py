@@ -41,7 +41,7 @@ from .common import (
     stderr,
     stdout,
     too_few_layers,
-    write_error,
+    writing,
 )
 from .estimate import fit_device_curve, print_fitted_curve
 from .tables import print_table
@@ -224,10 +224,8 @@ def calibrate(
                              f"{first_line}; make it smaller (--width, --layers, --microbatch-size)") from None
         except OSError as exc:
             raise InputError(f"calibration failed: {exc}") from None
-        try:
+        with writing("--out"):
             write_atomic(out, profile_json(profile))
-        except OSError as exc:
-            raise InputError(write_error(exc)) from None
     except InputError as exc:
         fail(str(exc))
     _print_profile(profile)

@@ -790,6 +790,16 @@ def write_error(exc: OSError) -> str:
     return f"cannot write {exc.filename}: {exc.strerror}" if exc.filename else f"cannot write output: {exc}"
 
 
+@contextmanager
+def writing(flag: str) -> Iterator[None]:
+    """Writes `flag`'s output: one that fails once the work is done (a full disk, a folder that takes no files,
+    which `check_writable` cannot foresee) is the one line of `write_error`, naming the flag."""
+    try:
+        yield
+    except OSError as exc:
+        raise InputError(f"{flag}: {write_error(exc)}") from None
+
+
 # What the optional modules are and how to install them: import name -> (pip package, pipesim's extra with it).
 EXTRAS = {"torch": ("torch", "torch"), "sklearn": ("scikit-learn", "torch"), "pyarrow": ("pyarrow", "parquet"),
           "ray": ("ray", "ray"), "transformers": ("transformers", "hf")}

@@ -46,6 +46,7 @@ from .common import (
     too_few_layers,
     what_if_options,
     write_error,
+    writing,
     zero_stage,
 )
 from .tables import print_table
@@ -623,7 +624,8 @@ def estimate(
         counted = count_what_if(what, microbatch_size)
         profile = estimated_profile(what, counted, what.parallelism(stages, tensor_parallel, data_parallel,
                                                                     recompute), optimizer)
-        write_atomic(out, profile_json(profile))
+        with writing("--out"):
+            write_atomic(out, profile_json(profile))
     except InputError as exc:
         fail(str(exc))
     except OSError as exc:

@@ -66,6 +66,7 @@ from .common import (
     stdout,
     too_few_layers,
     write_error,
+    writing,
 )
 from .tables import print_table
 
@@ -280,7 +281,8 @@ def run(
             result.trace.meta.extra["searched_for"] = {flag_of(name): ctx.params[name]
                                                        for name in SEARCH_COSTS if is_given(ctx, name)}
         if trace is not None:
-            write_trace(result.trace, trace)
+            with writing("--trace"):
+                write_trace(result.trace, trace)
         if failure is not None:
             if trace is not None:
                 stdout.print(f"wrote {trace} (incomplete)", highlight=False)
@@ -294,8 +296,9 @@ def run(
         if html is not None:
             from ..traces.view import write_timeline_page
 
-            write_timeline_page([result.trace], html, title=f"pipesim run: {schedule} (measured)",
-                                labels=[f"{schedule} measured"], summaries=[summary])
+            with writing("--html"):
+                write_timeline_page([result.trace], html, title=f"pipesim run: {schedule} (measured)",
+                                    labels=[f"{schedule} measured"], summaries=[summary])
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc))
     except ExecutorError as exc:

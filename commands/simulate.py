@@ -71,6 +71,7 @@ from .common import (
     stderr,
     stdout,
     write_error,
+    writing,
     zero_stage,
 )
 from .estimate import ModelWork, count_what_if, estimated_profile, parallelism_text, tensor_span_text, what_if
@@ -308,15 +309,17 @@ def simulate(
             named = dict(zip(requested, _output_paths(trace, requested)))  # as asked for, whatever was skipped
             trace_paths = [named[name] for name in names]
             for path, result in zip(trace_paths, traces):
-                write_trace(result, path)
+                with writing("--trace"):
+                    write_trace(result, path)
         if html is not None:
             from ..traces.view import write_timeline_page
 
             heading = ", ".join(names) if len(names) <= 4 else f"{len(names)} methods side by side"
-            write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
-                                notes=[f"skipped: {_skip_text(name, reason)}" for name, reason in skipped.items()]
-                                + _out_of_memory_lines(summaries, memory),
-                                memory_checks=memory)
+            with writing("--html"):
+                write_timeline_page(traces, html, title=f"pipesim: {heading}", labels=names, summaries=summaries,
+                                    notes=[f"skipped: {_skip_text(name, reason)}" for name, reason in skipped.items()]
+                                    + _out_of_memory_lines(summaries, memory),
+                                    memory_checks=memory)
     except (InputError, ScheduleError, CostError, ClusterError, SimulationError) as exc:
         fail(str(exc))
     except OSError as exc:
@@ -772,7 +775,8 @@ def export(
             with search_progress(params.search_seconds, False) as report:
                 built = scenario.build(method.name, params, progress=report)
         text = to_torch_csv(built)
-        write_atomic(out, text)
+        with writing("--out"):
+            write_atomic(out, text)
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc))
     except OSError as exc:

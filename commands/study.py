@@ -32,6 +32,7 @@ from .common import (
     stderr,
     stdout,
     write_error,
+    writing,
 )
 from .tables import print_table
 
@@ -139,7 +140,8 @@ def study(
         summaries = summarize(saved, chosen, rates, seed_list)
         from ..study.page import write_study_page
 
-        write_study_page(summaries, list(rates), html, title=_title(setting))
+        with writing("--html"):
+            write_study_page(summaries, list(rates), html, title=_title(setting))
     except (InputError, ScheduleError) as exc:
         fail(str(exc))
     except ResultsError as exc:

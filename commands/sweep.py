@@ -45,6 +45,7 @@ from .common import (
     search_options,
     stdout,
     write_error,
+    writing,
     zero_stage,
 )
 from .estimate import count_what_if, estimated_profile, what_if
@@ -231,11 +232,13 @@ def sweep(
         results = one_row_per_schedule(results)
         front = pareto_front(results)
         if out is not None:
-            write_results(results, out)
+            with writing("--out"):
+                write_results(results, out)
         if html is not None:
             from ..planning.sweep import write_tradeoff_html
 
-            write_tradeoff_html(results, front, html)
+            with writing("--html"):
+                write_tradeoff_html(results, front, html)
     except (InputError, GridError, ClusterError) as exc:
         fail(str(exc))
     except ConnectionError as exc:  # Ray could not reach the cluster

@@ -132,6 +132,19 @@ def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert "Traceback" not in err and err.strip().count("\n") == 0
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("args, flag", [
+    (["simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--trace", "/dev/full"], "--trace"),
+    (["simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--html", "/dev/full"], "--html"),
+    (["sweep", "-s", "1f1b", "-p", "2", "-m", "4", "--html", "/dev/full"], "--html"),
+])
+def test_an_output_that_fails_once_written_names_its_flag(args, flag):
+    """A full disk is known only when the output is written, after the checks: the line said 'cannot write
+    /dev/full: No space left on device' without the flag whose file it was."""
+    code, _, err = pipesim(*args)
+    assert code == 2 and err == f"error: {flag}: cannot write /dev/full: No space left on device\n", err
+
+
 def test_malformed_cluster_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"devices": 2}')
