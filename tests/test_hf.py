@@ -236,6 +236,8 @@ def test_a_what_if_of_a_config_is_kept_by_its_content_and_read_back_without_coun
     (lambda folder: (folder / "c.json").write_bytes(b"\xab\xcd") and folder / "c.json",  # 'utf-8' codec's words
      "--model hf:{folder}/c.json: Hugging Face config {folder}/c.json is not a text (UTF-8) file"),
     (lambda folder: (folder / "c.json").write_text('{"hidden_size": 8}') and folder / "c.json", "has no model_type"),
+    *((lambda folder, text=text: (folder / "c.json").write_text(text) and folder / "c.json",
+       "{folder}/c.json is not a JSON object; give a Hugging Face config.json") for text in ("[]", "[1]", "7", '"x"')),
     (lambda folder: write_config(folder, {**LLAMA, "num_hidden_layers": 0}),
      "{folder}/config.json gives num_hidden_layers 0; it must be a whole number, 1 or more"),
     (lambda folder: write_config(folder, {**LLAMA, "vocab_size": -1}), "gives vocab_size -1; it must be a whole"),

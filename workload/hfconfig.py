@@ -58,8 +58,8 @@ def hf_config_path(spec: str) -> Path:
 
 
 def read_hf_config(spec: str) -> HfConfig:
-    """The config `spec` names; a missing or unreadable file, one without a model_type or one whose `SIZES` are
-    not whole numbers of 1 or more, is `HfConfigError`."""
+    """The config `spec` names; a missing or unreadable file, one not a JSON object, one without a model_type or
+    one whose `SIZES` are not whole numbers of 1 or more, is `HfConfigError`."""
     given = spec.removeprefix(HF_PREFIX)
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
@@ -67,7 +67,10 @@ def read_hf_config(spec: str) -> HfConfig:
     if not path.exists():
         raise HfConfigError(f"--model {spec}: no {path}; give hf:PATH, a {CONFIG_NAME} or a folder holding one")
     fields = read_json(path, HfConfigError, "Hugging Face config", f"--model {spec}: ")
-    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+    if not isinstance(fields, dict):  # an array, number or string: no fields to read
+        raise HfConfigError(f"--model {spec}: {path} is not a JSON object; give a Hugging Face {CONFIG_NAME} "
+                            "(an object of fields, model_type among them)")
+    if not isinstance(fields.get("model_type"), str):
         raise HfConfigError(f"--model {spec}: {path} has no model_type; give a Hugging Face {CONFIG_NAME} "
                             "(model_type says which transformers model it configures)")
     for field in SIZES:
