@@ -154,6 +154,7 @@ def tune(
     size b and recomputation the flags leave open, and every p those allow: all compete in one search, under the
     GPU's memory (or --memory-gb).
     """
+    from ..planning.estimate import check_context
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Problem, Setting, TuneError, start_workers
     from ..planning.tune import tune as search
@@ -173,9 +174,6 @@ def tune(
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)
-        if what is not None and what.context > 1:
-            raise InputError("--context-parallel: tune searches t, p and d over --devices, not C; simulate or sweep "
-                             "a context-parallel layout")
         work: dict[int, ModelWork] = {}  # by b, with --gpu
         if what is None:
             if profile is None:
@@ -183,39 +181,44 @@ def tune(
             measured = load_profile_flag(ctx, profile)
             check_p2p_sync(ctx, schedule or METHODS, measured)
             env = measured.environment
+            tensor, context, expert = _estimated_degrees(measured)
+            if devices % (tensor * context):
+                each = f"t={tensor} GPUs per stage" + f" and C={context} context-parallel ranks" * (context > 1)
+                raise InputError(f"--devices {devices}: the profile was estimated for {each}; give a multiple of "
+                                 f"{tensor * context}")
             b = env.microbatch_size
-            batch = batch_size if batch_size is not None else 4 * devices * b
+            batch = batch_size if batch_size is not None else 4 * devices // context * b
             if batch % b:
                 raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
                                  "(its times were measured at that size)")
-            tensor = measured.estimate.degrees[0] if measured.estimate else 1  # an estimate's t GPUs per stage
-            if devices % tensor:
-                raise InputError(f"--devices {devices}: the profile was estimated for t={tensor} GPUs per stage; give "
-                                 f"a multiple of {tensor}")
-            settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor)]
+            settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor, expert=expert)]
         else:
             if what.cluster_gpus is not None and devices > what.cluster_gpus:
                 raise InputError(f"--devices {devices}: the cluster --gpu {ctx.params['gpu']} has "
                                  f"{what.cluster_gpus} GPUs")
-            _check_degrees(devices, tensor_parallel, data_parallel)
+            context = what.context
+            _check_degrees(devices, tensor_parallel, data_parallel, context)
             sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES
-            batch = batch_size if batch_size is not None else 4 * devices * sizes[0]
+            batch = batch_size if batch_size is not None else 4 * devices // context * sizes[0]
             sizes = tuple(b for b in sizes if batch % b == 0)
             if not sizes:
                 raise InputError(f"--batch-size {batch}: must be a multiple of --microbatch-size {microbatch_size}")
             counts = {sizes[0]: count_what_if(what, sizes[0])}  # its refusals before the note, as the only line
+            if context > 1:
+                with refused_with_flags():  # C must split the sequence: said before the note too
+                    check_context(counts[sizes[0]], context)
             pool = start_workers(workers)  # the search's, started on the cores the estimates leave idle
             expert_given = is_given(ctx, "expert_parallel")
             with _working(_estimating_text(_expert_degrees(what, counts[sizes[0]], expert_given))) as report:
-                settings = _estimated_settings(what, devices, tensor_parallel, data_parallel, recompute, sizes,
-                                               optimizer, allocator, optimizer_step, pp_runtime, counts,
+                settings = _estimated_settings(what, devices // context, tensor_parallel, data_parallel, recompute,
+                                               sizes, optimizer, allocator, optimizer_step, pp_runtime, counts,
                                                expert_given, report)
             work = {setting.microbatch_size: ModelWork.of(setting.scenario.measured) for setting in settings}
             measured = settings[0].scenario.measured
             env = measured.environment
         if memory_gb is None and not (env.memory_cap_bytes or env.device_memory_bytes):
             raise InputError(f"--memory-gb: the profile {profile} does not record its device's memory; give the cap")
-        problem = Problem(devices, int(memory_gb * GIB) if memory_gb is not None else
+        problem = Problem(devices // context, int(memory_gb * GIB) if memory_gb is not None else
                           env.memory_cap_bytes or env.device_memory_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
                           max_pipelines, budget)
@@ -229,8 +232,10 @@ def tune(
             pool.shutdown(cancel_futures=True)
     if as_json:
         document = tuning.to_dict()
+        document["problem"]["devices"] = devices  # the search's devices are C-rank groups
         for row in (document["choice"], *document["runners_up"], *document["excluded"],
                     *filter(None, [document["staler_winner"]])):
+            row["context_parallel"] = context
             if work:
                 row.update(work[row["microbatch_size"]].metrics(row["samples_per_s"], devices))
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
@@ -238,13 +243,25 @@ def tune(
     _print_tuning(tuning, measured, work)
 
 
-def _check_degrees(devices: int, tensor: int | None, data: int | None) -> None:
-    """D must be p x d x t for some p: the degrees given must divide it."""
-    given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data)) if value]
+def _estimated_degrees(measured) -> tuple[int, int, int]:
+    """A --profile's t (GPUs per stage), C (context-parallel ranks a device of its schedules stands for) and E (ranks
+    its routed experts are placed over): an estimate's, whose schedules run with them (`Scenario.order_params`);
+    1, 1 and 1 for a calibration."""
+    estimate = measured.estimate
+    if estimate is None:
+        return 1, 1, 1
+    return estimate.degrees[0], *(int(estimate.parallelism.get(name, 1)) for name in ("context", "expert"))
+
+
+def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int) -> None:
+    """D must be p x d x t x C for some p: the degrees given must divide it."""
+    given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data),
+                                               ("--context-parallel", context if context > 1 else None)) if value]
     product = math.prod(value for _, value in given)
     if devices % product:
         named = " x ".join(f"{flag} {value}" for flag, value in given) + (f" = {product}" if len(given) > 1 else "")
-        raise InputError(f"--devices {devices}: p x d x t must give it, and {named} does not divide it")
+        raise InputError(f"--devices {devices}: p x d x t{' x C' * (context > 1)} must give it, and {named} does not "
+                         "divide it")
 
 
 @contextmanager
@@ -284,9 +301,9 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                         counts: dict[int, WorkloadCount], expert_given: bool,
                         report: Callable[[str], None] | None = None):
     """One setting per micro-batch size b, tensor-parallel degree t (given, or each power of two within a node that
-    divides D and the model), expert-parallel degree E (of `_expert_degrees`, those the rank order can place at that
-    t and d, `_experts_fit`), pipeline depth p (D / (t·d) for a given d, else each divisor of D/t up to the layers)
-    and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
+    divides `devices`, D/C, and the model), expert-parallel degree E (of `_expert_degrees`, those the rank order can
+    place at that t and d, `_experts_fit`), pipeline depth p (D/(t·C·d) for a given d, else each divisor of D/(t·C) up
+    to the layers) and recomputation (given, or each), its allocations replayed under `allocator` as simulate's
     (`allocator_fields`), so tune's peaks and memory check are simulate's, the boundary tensors held as
     `pp_runtime`'s runtime holds them; `counts` holds the model counted at the b's counted already (the rest are
     counted here); `report` is told how many are done. Where no t suits, the estimates' refusal if every t tried got
@@ -335,13 +352,13 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
         raise InputError(next(iter(refusals)))
     if not settings:
         replicas = ("" if what.expert == 1 else
-                    f"; the replicas d = D/(t·p) must be a multiple of --expert-parallel {what.expert}"
+                    f"; the replicas d = D/(t·C·p) must be a multiple of --expert-parallel {what.expert}"
                     if what.rank_order == "pipesim" else
                     f"; --expert-parallel {what.expert} times --expert-tensor-parallel (default t) must divide t·C·d")
         reasons = "".join(f"; at t = {', '.join(map(str, sorted(ts)))}: {why}" for why, ts in refusals.items())
-        raise InputError(f"--devices {devices}: no tensor-parallel degree t of {', '.join(map(str, tensors))} suits "
-                         f"the model (t must divide its heads and MLP width{replicas}){reasons}; give "
-                         "--tensor-parallel")
+        raise InputError(f"--devices {devices * what.context}: no tensor-parallel degree t of "
+                         f"{', '.join(map(str, tensors))} suits the model (t must divide its heads and MLP "
+                         f"width{replicas}){reasons}; give --tensor-parallel")
     return settings
 
 
@@ -362,6 +379,8 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     from ..planning.tune import memory_text, ms_text
 
     problem, env, stats = tuning.problem, measured.environment, tuning.stats
+    tensor, context, expert = _estimated_degrees(measured)  # with --gpu, t and E are each row's
+    gpus = problem.devices * context  # a device of the search stands for C context-parallel ranks
     rows = [tuning.choice, *tuning.runners_up, *tuning.excluded]
     # Columns that would hold one value on every row are left out: R (no searched order), P (one pipeline).
     searched = any(row.result.candidate.activation_limit is not None for row in rows)
@@ -369,11 +388,13 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     experts = bool(work) and bool(measured.model.options.get("experts"))  # E searched unless given
     estimated = (f"estimated, t, {'E, ' * experts}b and recomputation (recomp; sel: selective) searched where not "
                  f"given; {'E: ranks the routed experts are placed over; ' * experts}MFU: model "
-                 f"FLOPs per second over the {problem.devices} GPUs' dense peak in {env.dtype}; ") if work else ""
-    tensor = tuning.choice.result.config.tensor  # with --profile, an estimate's t
-    replicas = ("d = D/(p·t) replicas, t GPUs per stage" if work else
-                f"D/(p·{tensor}) replicas, {tensor} GPUs per stage" if tensor > 1 else "D/p replicas")
-    table = Table(title=f"{measured.model.name} on {problem.devices} x {env.device_name} ({env.device}), "
+                 f"FLOPs per second over the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
+    per_stage = f"·{context}" * (context > 1)
+    replicas = (f"d = D/(p·t{per_stage}) replicas, t{per_stage} GPUs per stage" if work else
+                f"D/(p·{tensor * context}) replicas, {tensor * context} GPUs per stage" if tensor * context > 1 else
+                "D/p replicas") + f", C = {context} context-parallel ranks" * (context > 1) + (
+                f", routed experts over E = {expert} ranks" if expert > 1 and not work else "")
+    table = Table(title=f"{measured.model.name} on {gpus} x {env.device_name} ({env.device}), "
                         f"{memory_text(problem.memory_cap_bytes)} each; batch {problem.batch_size} samples"
                         + ("" if work else f" (micro-batch {env.microbatch_size})")
                         + f", staleness <= {problem.max_staleness}",
@@ -392,7 +413,7 @@ def _print_tuning(tuning, measured, work: dict) -> None:
         c, result = row.result.config, row.result
         same = f"same as {', '.join(twin.label() for twin in row.twins)}" if row.twins else ""
         ratio = result.candidate.activation_limit
-        mfu = [f"{work[c.microbatch_size].metrics(result.samples_per_s, problem.devices)['mfu']:.1%}"] if work else []
+        mfu = [f"{work[c.microbatch_size].metrics(result.samples_per_s, gpus)['mfu']:.1%}"] if work else []
         table.add_row(mark, c.schedule, str(c.stages), str(c.chunks), *[str(c.pipelines)] * shared,
                       *([str(c.tensor), str(c.replicas), *[str(c.expert)] * experts, str(c.microbatch_size),
                          {"selective": "sel"}.get(c.recompute, c.recompute)] if work else []),

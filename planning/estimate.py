@@ -2129,7 +2129,7 @@ def check_ring_attention(c: int, attention: str | None) -> None:
                             "TransformerEngine's context parallel): give {attention} flash")
 
 
-def _check_context(counted: WorkloadCount, c: int) -> None:
+def check_context(counted: WorkloadCount, c: int) -> None:
     """C context-parallel ranks need a sequence of 2C equal chunks (the causal load balance) and a fused attention
     kernel for the ring to run (`check_ring_attention`)."""
     seq = counted.options.get("seq_len")
@@ -2253,7 +2253,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
                                 f"the model was counted with {counted.attention} attention: count it with "
                                 "{attention} math"))
     if parallel.context > 1:
-        _check_context(counted, parallel.context)
+        check_context(counted, parallel.context)
     placement = node_placement(gpu, cluster, curve)
     if parallel.tp_overlap and parallel.tensor > placement.gpus_per_node:
         raise EstimateError(f"tp_overlap: moves its chunks between the GPUs of one node (userbuffers, symmetric "

@@ -24,6 +24,7 @@ from pipesim.planning.estimate import (
 from pipesim.profiles.schema import EstimateLink
 from pipesim.profiles.workload import OpCount
 from tests.conftest import pipesim, simulate_json
+from tests.test_tune_reserve import searched_settings
 
 H100 = load_catalogue().find("h100-sxm")
 DEVICE = Device.of(H100, "bf16")
@@ -136,9 +137,9 @@ def test_estimate_sweep_and_tune_take_the_rotation(tmp_path):
         [row] = csv.DictReader((tmp_path / f"{rotate}.csv").open())
         peaks.append(float(row["peak_memory_mb"]))
     assert peaks[1] > peaks[0]  # C = 2: allgather's backward holds 3 K/V, alltoall's 2
-    # tune takes the flag and refuses the context-parallel layout it needs in one line (it does not search C)
-    code, _, err = pipesim("tune", *WHAT_IF, "-D", 4, "--context-parallel", 2, "--cp-rotate", "allgather")
-    assert code == 2 and err.strip().startswith("error: --context-parallel: tune searches t, p and d"), err
+    # tune takes the flag: every layout it searches beside the C given is estimated with the rotation
+    settings = searched_settings("-D", 4, "--context-parallel", 2, "--cp-rotate", "allgather", model=WHAT_IF)
+    assert {s.scenario.measured.estimate.parallelism["cp_rotate"] for s in settings} == {"allgather"}
 
 
 @pytest.mark.parametrize("args, line", [

@@ -1,0 +1,130 @@
+"""`pipesim tune` plans with the layout a run fixes beyond t, p and d: an estimated --profile's expert-parallel E and
+context-parallel C, whose schedules run with them, are the plan's (its rows, labels, devices); with --gpu a given
+--context-parallel C is a fixed factor, d = D/(t·p·C), and the pruned search still gives the exhaustive one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.planning import tune as tuning
+from tests.conftest import pipesim, refused
+from tests.test_tune import differences, exhaustive
+from tests.test_tune_bounds import bound_excesses
+
+GPU = ("--gpu", "h100-sxm")
+SMALL_GPT = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256, "--vocab", 1000)
+CONTEXT = ("--context-parallel", 2, "--attention", "flash")
+FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
+
+
+def _rows(document: dict) -> list[dict]:
+    return [document["choice"], *document["runners_up"], *document["excluded"]]
+
+
+def _estimated(folder, *flags) -> str:
+    path = folder / "profile.json"
+    code, _, err = pipesim("estimate", *GPU, *SMALL_GPT, "-b", 1, "--recompute", "none", *flags, "-o", path)
+    assert code == 0, err
+    return path
+
+
+def test_a_profile_estimated_over_2_expert_ranks_is_planned_at_e_2(tmp_path):
+    """`estimate --expert-parallel 2` writes a profile whose schedules run their all-to-alls over E = 2 ranks: tune
+    reported E = 1 for every row, and said nothing of E in its table."""
+    path = _estimated(tmp_path, "--experts", 4, "--top-k", 2, "-p", 2, "--data-parallel", 2, "--expert-parallel", 2)
+    code, out, err = pipesim("tune", "--profile", path, "-D", 4, "-B", 16, "-s", "1f1b,gpipe", "--json")
+    assert code == 0, err
+    assert {row["expert_parallel"] for row in _rows(json.loads(out))} == {2}
+    code, out, err = pipesim("tune", "--profile", path, "-D", 4, "-B", 16, "-s", "1f1b,gpipe")
+    assert code == 0, err
+    assert "routed experts over E = 2 ranks" in " ".join(out.split())
+
+
+def test_a_profile_estimated_over_2_context_ranks_plans_d_over_d_divided_by_c(tmp_path, monkeypatch):
+    """Each device of a C = 2 estimate's schedules stands for 2 GPUs: on -D 8 GPUs, p·t·d = 4 (tune planned 8 such
+    devices, 16 GPUs); a D that C does not divide is refused."""
+    path = _estimated(tmp_path, *CONTEXT, "-p", 2, "--data-parallel", 2)
+    code, out, err = pipesim("tune", "--profile", path, "-D", 8, "-B", 16, "-s", "1f1b,gpipe", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert document["problem"]["devices"] == 8
+    assert {(row["stages"] * row["replicas"], row["context_parallel"]) for row in _rows(document)} == {(4, 2)}
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    assert refused("tune", "--profile", path, "-D", 3, "-s", "1f1b") == (
+        "error: --devices 3: the profile was estimated for t=1 GPUs per stage and C=2 context-parallel ranks; give "
+        "a multiple of 2\n")
+
+
+def _searched(*flags) -> tuple[list[tuning.Setting], tuning.Problem]:
+    """The settings and problem `tune --gpu` searches (the search itself not run)."""
+    captured = []
+
+    def capture(settings, problem, *_):
+        captured.append((settings, problem))
+        raise _Captured
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning, "tune", capture)
+        with pytest.raises(_Captured):
+            pipesim("tune", *GPU, *SMALL_GPT, *flags)
+    return captured[0]
+
+
+class _Captured(Exception):
+    """Raised in place of the search: the settings and problem are all the test wanted."""
+
+
+def test_a_given_c_is_a_fixed_factor_and_the_search_equals_the_exhaustive_one():
+    """--context-parallel 2 on 8 GPUs: t·p·d = 4 searched, every schedule's device 2 context-parallel ranks whose
+    gradients reduce with the d replicas; under a cap only the deeper pipelines fit, the pruned search's answer is the
+    exhaustive one's and every bound it prunes by holds."""
+    settings, problem = _searched(*FLAGS, *CONTEXT, "-s", "1f1b,gpipe,zb-h1,interleaved-1f1b")
+    assert problem.devices == 4 and {s.scenario.measured.estimate.parallelism["context"] for s in settings} == {2}
+    assert {(s.tensor, *s.depths) for s in settings} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}
+    capped = tuning.Problem(4, int(0.07 * tuning.GIB), problem.batch_size, problem.schedules, max_chunks=2)
+    found = tuning.tune(settings, capped)
+    best, faster, staler, results = exhaustive(settings, capped)
+    assert differences(found, best, faster, staler) == []
+    assert found.stats.simulated < len(results)
+    assert any(not tuning.allowed(result, capped) for result in results)
+    for result in results:
+        schedule, config = result.candidate.schedule, result.config
+        assert schedule.context_parallel == 2 and schedule.gradient_ranks == 2 * config.replicas, config.label()
+        assert config.stages * config.tensor * config.replicas == 4, config.label()
+    assert bound_excesses(settings, capped) == []
+
+
+def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT[2:], "-D", 6, "--context-parallel", 4, "-s", "1f1b") == (
+        "error: --devices 6: p x d x t x C must give it, and --context-parallel 4 does not divide it\n")
+    assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT, "-D", 8, "--tensor-parallel", 2, "--data-parallel", 4) == (
+        "error: --devices 8: p x d x t x C must give it, and --tensor-parallel 2 x --data-parallel 4 x "
+        "--context-parallel 2 = 16 does not divide it\n")
+    assert refused("tune", *GPU, *SMALL_GPT[:-4], "--seq-len", 250, "--vocab", 1000, *CONTEXT, "-D", 8) == (
+        "error: --context-parallel 2 does not split the sequence of 250 tokens into 2 x 2 equal chunks (the causal "
+        "load balance); give a C that divides seq_len / 2\n")
+
+
+def test_the_table_and_json_show_c_and_count_every_gpu(monkeypatch):
+    from pipesim.commands import common
+
+    code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *CONTEXT, "-s", "1f1b,gpipe", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert document["problem"]["devices"] == 8
+    rows = _rows(document)
+    assert {row["context_parallel"] for row in rows} == {2}
+    assert {row["stages"] * row["tensor_parallel"] * row["replicas"] for row in rows} == {4}
+    for width in (80, 100):
+        monkeypatch.setenv("COLUMNS", str(width))
+        monkeypatch.setattr(common.stdout, "width", width)
+        code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *CONTEXT, "-s", "1f1b,gpipe")
+        assert code == 0, err
+        assert max(map(len, out.splitlines())) <= width
+        words = " ".join(out.split())
+        assert words.startswith("gpt on 8 x NVIDIA H100") and "C = 2 context-parallel ranks" in words
+        assert "over the 8 GPUs' dense peak" in words
