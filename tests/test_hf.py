@@ -258,8 +258,12 @@ SEQ = ("--seq-len", 16)
 @needs_transformers
 @pytest.mark.parametrize("fields, args, fragment", [
     ({**LLAMA, "model_type": "nosuch"}, SEQ, "does not know model_type 'nosuch'; it builds"),
-    ({"model_type": "llama", "hidden_size": 64}, SEQ, "gives no num_hidden_layers, num_attention_heads, "
-                                                       "intermediate_size, vocab_size"),
+    ({"model_type": "llama", "hidden_size": 64}, SEQ, "{folder}/config.json gives no num_hidden_layers, "
+     "num_attention_heads, intermediate_size, vocab_size; a dense decoder's config needs each of them"),
+    ({"model_type": "llama"}, SEQ, "{folder}/config.json gives no num_hidden_layers, hidden_size, num_attention_heads, "
+     "intermediate_size, vocab_size; a dense decoder's config needs each of them"),
+    ({k: v for k, v in LLAMA.items() if k != "vocab_size"}, SEQ, "config.json gives no vocab_size; a dense decoder's "
+     "config needs it"),
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "intermediate_size": 256},
      SEQ, "GPT2LMHeadModel is not laid out as pipesim cuts a decoder"),
     ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_inner": None}, SEQ,

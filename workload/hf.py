@@ -273,7 +273,7 @@ def _settings(config: HfConfig, config_class: type) -> Any:
                                                       f"has no {', '.join(unknown)})")
     if missing:
         raise ModelError(f"--model {config.spec}: {config.path} gives no {', '.join(missing)}; a dense decoder's "
-                         f"config needs {', '.join(FIGURES.values())}")
+                         f"config needs {'it' if len(missing) == 1 else 'each of them'}")
     try:
         settings = config_class.from_dict(config.fields)
     except Exception as exc:  # its checks of the fields' values (rope settings, ...): whatever they raised, in one line
