@@ -54,6 +54,13 @@ def test_tune_starts_its_workers_before_its_estimates_and_answers_as_without_the
     code, early, err = pipesim(*SMALL)
     assert code == 0, err
     assert events == [("workers", 2), ("estimates",)]
+    with monkeypatch.context() as patch:
+        patch.setattr(planning._Built, "ahead", lambda self, *args: None)
+        code, handed, err = pipesim(*SMALL)
+    assert code == 0, err
+    # What idle workers take ahead (`_Built.ahead`) changes when work is done, never what the search builds,
+    # simulates or keeps: the same JSON, the search's counts included, as workers that only take what it hands them.
+    assert _document(early) == _document(handed)
     events.clear()
     monkeypatch.setattr(planning, "start_workers", refused_once)
     code, late, err = pipesim(*SMALL)
@@ -125,19 +132,6 @@ _EVERYTHING = (lambda bound: True, lambda result: True)  # `ahead`'s could_win a
 
 def _broken(*args):
     raise AssertionError("found in the parent, not taken from the worker")
-
-
-def test_the_search_answers_and_counts_alike_with_workers_ahead_of_it_or_not(monkeypatch):
-    """What idle workers take ahead (`_Built.ahead`) changes when work is done, never what the search builds,
-    simulates or keeps: the same JSON, the search's counts included, as workers that only take what the search
-    hands them."""
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    code, ahead, err = pipesim(*SMALL)
-    assert code == 0, err
-    monkeypatch.setattr(planning._Built, "ahead", lambda self, *args: None)
-    code, handed, err = pipesim(*SMALL)
-    assert code == 0, err
-    assert _document(ahead) == _document(handed)
 
 
 def test_workers_are_forked_where_no_other_thread_runs_and_spawned_where_one_does(monkeypatch):
