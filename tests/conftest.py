@@ -1,6 +1,7 @@
 """Helpers the test modules share, imported as `from tests.conftest import ...`.
 
 - `pipesim(*args)`: the command line run in-process, its output captured: (code, out, err).
+- `at_columns(monkeypatch, columns)`: the terminal width the command line prints for, as a process would see it.
 - `simulate_json(*args)`: `pipesim simulate ... --json`, which must succeed: its results.
 - `build(name, p, m, n)`: a method's schedule in its default shape (the V schedules' two chunks, AvgPipe's two
   pipelines) unless the call overrides it.
@@ -98,6 +99,19 @@ def pipesim(*args: Any) -> Cli:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
         main([str(a) for a in args])
     return Cli(exc.value.code, out.getvalue(), err.getvalue())
+
+
+def at_columns(monkeypatch: pytest.MonkeyPatch, columns: int | None) -> None:
+    """$COLUMNS at `columns` (None: unset), and the command line's consoles as wide as a process started so makes
+    them (they are made at import)."""
+    from pipesim.commands import common
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(columns))
+    for console in (common.stdout, common.stderr):
+        monkeypatch.setattr(console, "width", columns or 120)
 
 
 def refused(*args: Any) -> str:

@@ -18,7 +18,7 @@ from pipesim.profiles.partition import LayerCost, PartitionError, partition, sta
 from pipesim.profiles.schema import boundary_held_bytes, load_profile, profile_json, stage_edges, stages_for
 from pipesim.schedules import Kind, ScheduleParams, build_schedule
 from pipesim.sim import Link
-from tests.conftest import pipesim, simulate_json, stage_ms
+from tests.conftest import at_columns, pipesim, simulate_json, stage_ms
 
 WIDTH, BATCH = 64, 4  # a 3-block MLP of width 64 on micro-batches of 4: layer sizes are known in closed form
 MLP = ["--model", "mlp", "--layers", "3", "--width", str(WIDTH), "--microbatch-size", str(BATCH), "--device", "cpu",
@@ -45,10 +45,13 @@ def mlp_profile(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_calibrate_end_to_end_with_links(tmp_path):
+def test_calibrate_end_to_end_with_links(tmp_path, monkeypatch):
+    """Every probe on, printed at 80 columns: its tables never cut a number nor run past the width."""
+    at_columns(monkeypatch, 80)
     out = tmp_path / "p.json"
     code, printed, err = pipesim("calibrate", *MLP, "--stages", "2", "--link-max-mb", "0.0625", "--out", out)
     assert code == 0, err
+    assert "…" not in printed and max(map(len, printed.splitlines())) <= 80, printed
     profile = load_profile(out)
     env = profile.environment
     assert (env.device, env.dtype, env.microbatch_size, env.torch_version) == ("cpu", "float32", BATCH,

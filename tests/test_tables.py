@@ -16,7 +16,7 @@ from rich.table import Table
 
 from pipesim.commands.tables import SHORT_CELL, print_table
 from pipesim.traces.metrics import rate_text
-from tests.conftest import pipesim
+from tests.conftest import at_columns, pipesim
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"\d[\d,.]*%?")
@@ -175,14 +175,7 @@ COMMANDS = {
 
 def _output(args: list[str], columns: int | None, tmp_path, monkeypatch) -> str:
     """The command's stdout with $COLUMNS at `columns` (None: unset), as a process started so would print it."""
-    from pipesim.commands import common
-
-    if columns is None:
-        monkeypatch.delenv("COLUMNS", raising=False)
-    else:
-        monkeypatch.setenv("COLUMNS", str(columns))
-    for console in (common.stdout, common.stderr):  # made at import: their width as if made under $COLUMNS
-        monkeypatch.setattr(console, "width", columns or 120)
+    at_columns(monkeypatch, columns)
     code, out, err = pipesim(*[a.replace("{tmp}", str(tmp_path)) for a in args])
     assert code == 0, err
     return out
@@ -230,12 +223,10 @@ def test_schedules_writes_each_closed_form_of_s_on_one_line_at_80_columns(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [
-    ["calibrate", "--model", "mlp", "--layers", "2", "--width", "16", "--stages", "2", "--out", "{tmp}/p.json"],
-    ["run", "-s", "1f1b", "--model", "mlp", "--layers", "2", "--width", "16", "--stages", "2", "-m", "2", "-n", "2",
-     "--trace", "{tmp}/t.json"],
-], ids=["calibrate", "run"])
-def test_measuring_commands_fit_80_columns(args, tmp_path, monkeypatch):
+def test_run_fits_80_columns(tmp_path, monkeypatch):
+    """calibrate's tables are checked at 80 columns by tests/test_calibrate.py's end-to-end calibration."""
+    args = ["run", "-s", "1f1b", "--model", "mlp", "--layers", "2", "--width", "16", "--stages", "2", "-m", "2", "-n",
+            "2", "--trace", "{tmp}/t.json"]
     out = _output(args, 80, tmp_path, monkeypatch)
     assert "…" not in out and max(map(len, out.splitlines())) <= 80, out
 
