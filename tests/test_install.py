@@ -35,9 +35,16 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
                              capture_output=True, text=True, check=True)
     assert missing.stdout.strip() == "[]"  # the venv sees none of the extras
 
+    def started(*args) -> subprocess.Popen:
+        return subprocess.Popen([bare / "pipesim", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=tmp_path)
+
     def pipesim(*args) -> subprocess.CompletedProcess:
-        return subprocess.run([bare / "pipesim", *map(str, args)], capture_output=True, text=True, cwd=tmp_path,
-                              timeout=300)
+        return finished(started(*args))
+
+    def finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+        out, err = process.communicate(timeout=300)
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
     help_text = pipesim("--help")
     assert help_text.returncode == 0, help_text.stderr
@@ -65,11 +72,18 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
         "sweep --ray": (("sweep", "-s", "1f1b", "--ray", "local"), "pip install 'pipesim[ray]'"),
     }
     assert listed == set(works) | {name.split()[0] for name in needs}  # every command is tried
-    for name, args in works.items():  # in order: view and compare read simulate's trace
-        done = pipesim(*args)
+    # The commands run side by side (each its own process, as before, only not one after another), but view and
+    # compare, which read simulate's trace, start once simulate is done; the refusals write and read nothing.
+    readers = ("view", "compare")
+    running = {name: started(*args) for name, args in works.items() if name not in readers}
+    refusals = {name: started(*args) for name, (args, _) in needs.items()}
+    for name in works:  # simulate first
+        done = finished(running.pop(name))
         assert done.returncode == 0, f"{name}: {done.stderr}"
-    for name, (args, hint) in needs.items():
-        done = pipesim(*args)
+        if name == "simulate":
+            running |= {reader: started(*works[reader]) for reader in readers}
+    for name, (_, hint) in needs.items():
+        done = finished(refusals[name])
         assert done.returncode == 2 and "Traceback" not in done.stderr, f"{name}: {done.stderr}"
         assert len(done.stderr.strip().splitlines()) == 1 and hint in done.stderr, f"{name}: {done.stderr}"
     assert not any((tmp_path / name).exists() for name in ("g.json", "m.json", "s.json", "e.json", "r.parquet"))
