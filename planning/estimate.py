@@ -1814,15 +1814,22 @@ def _wgrad_kept_storages(layer: LayerCount, split: _Split, parallel: Parallelism
                          ) -> tuple[frozenset[int] | None, tuple[int, ...], tuple[int, ...]]:
     """What a deferred weight pass keeps of `layer` on a rank (`wgrad_kept_tensors`), as the caching allocator's
     replay holds it (`LayerAllocations.wgrad_kept`, `wgrad_inputs`, `wgrad_gradients`): each product's saved input
-    the forward made, matched by bytes to the storages autograd saves in the order the forward made them (the count
-    records which saved tensor a product reads, not which storage), held where it is; the bytes on the rank of the
-    inputs matched to none (the layer's own input, a float8 copy) and of the output gradients. (None, (), ()) where
-    the count does not mark the inputs."""
+    the forward made, held where it is: matched by bytes to the saved storages the weighted products read, in the
+    order the forward made them (the count records which saved tensor a product saves, not its storage, but which
+    storages the op making each product's output read: `forward_reads` of `product_allocations`; a count from before
+    those, to every storage autograd saves); the bytes on the rank of the inputs matched to none (the layer's own
+    input, a float8 copy) and of the output gradients. (None, (), ()) where the count does not mark the inputs."""
     inputs, gradients = wgrad_kept_tensors(layer, split, _rest_share(parallel))
     if inputs is None:
         return None, (), ()
     made = {number: nbytes for number, _, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes > 0}
     unmatched = list(layer.saved_allocations)
+    if layer.forward_reads and layer.product_allocations:
+        weighted = {tuple(shape) for shape, _, _ in layer.weight_grad_outputs}
+        reads = dict(layer.forward_reads)
+        read = {number for product, shape in layer.product_allocations.get("fwd", ()) if tuple(shape) in weighted
+                for number in reads.get(product, ())}
+        unmatched = [number for number in unmatched if number in read]
     held: set[int] = set()
     elsewhere = []
     saves = [nbytes for (_, nbytes), how in zip(layer.saved_tensors, layer.linear_input_saves) if how]
