@@ -14,8 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import EMA_BYTES, Parallelism, _element_bytes, estimate_layer, estimate_profile
-from pipesim.planning.experts import held_share
+from pipesim.planning.estimate import (
+    EMA_BYTES,
+    Parallelism,
+    _element_bytes,
+    estimate_layer,
+    estimate_profile,
+    state_share,
+)
 from pipesim.profiles import partition as partitioning
 from pipesim.profiles.schema import OPTIMIZERS, LayerProfile, Timing, layer_costs, stage_transient_bytes
 from tests.conftest import pipesim
@@ -49,7 +55,7 @@ def test_each_stage_step_is_its_layers_bytes_summed_in_order(model, parallel):
     for stage, (start, stop) in zip(profile.stages, itertools.pairwise(bounds), strict=True):
         for name in OPTIMIZERS:
             moved = sum((layer.optimizer_step_moved_bytes[name] * widen + 3 * ema * layer.param_bytes // element)
-                        * (1.0 if parallel.sharded_optimizer else held_share(layer, group_shards))
+                        * state_share(layer, parallel, group_shards, element)
                         for layer in counted.layers[start:stop])
             assert stage.steps[name].step.median_ms == H100.curve.kernel_overhead_ms + moved / shards \
                 / device_bytes_per_ms, (stage.layers, name)
