@@ -70,10 +70,8 @@ def words(text: str) -> list[str]:
     return [word for word in text.split() if not RULE.fullmatch(word)]
 
 
-def shows(shown: str, printed: str) -> bool:
-    """Whether the doc's excerpt `shown` is in `printed`, word by word, an elision standing for any words (glob
-    matching); the excerpt may leave out what comes before and after it (a caption, the rows below)."""
-    pattern, text = [ELISIONS[0], *words(shown), ELISIONS[0]], words(printed)
+def matches(pattern: list[str], text: list[str]) -> bool:
+    """Whether the words `text` are the words `pattern`, an elision in it standing for any words (glob matching)."""
     at = seen = 0
     star = mark = -1
     while seen < len(text):
@@ -89,13 +87,22 @@ def shows(shown: str, printed: str) -> bool:
     return all(word in ELISIONS for word in pattern[at:])
 
 
+def shows(shown: str, printed: str) -> bool:
+    """Whether the doc's excerpt `shown` is in `printed`, word by word; the excerpt may leave out what comes before
+    and after it (a caption, the rows below)."""
+    return matches([ELISIONS[0], *words(shown), ELISIONS[0]], words(printed))
+
+
 def short_diff(shown: str, printed: str) -> str:
     """The doc's lines that differ from the printed ones (-) and what was printed in their place (+), spaces
-    collapsed, rules and blank lines left out; printed lines the excerpt leaves out are not differences."""
+    collapsed, rules and blank lines left out; a doc line with an elision is the printed line it matches, and
+    printed lines the excerpt leaves out are not differences."""
     def lines(text: str) -> list[str]:
         return [" ".join(words(line)) for line in text.splitlines() if words(line)]
 
-    doc, out = lines(shown), lines(printed)
+    out = lines(printed)
+    doc = [next((line for line in out if matches(shown_line.split(), line.split())), shown_line)
+           for shown_line in lines(shown)]
     diff = []
     for change, doc_from, doc_to, out_from, out_to in difflib.SequenceMatcher(None, doc, out).get_opcodes():
         if change in ("replace", "delete"):
