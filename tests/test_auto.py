@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from pipesim.planning.auto import (
     DEFAULT_SECONDS,
     ActivationLimitError,
+    _in_order,
     best_pattern,
     finish_ms,
     forget_searches,
@@ -232,23 +233,35 @@ def _step_ms(pattern, times):
     return None if done is None else done[1] - done[0]
 
 
+def _every_in_order(m, held, kept, limit):
+    """Brute force: every order of one device's F, I and W of m micro-batches, each kind in micro-batch order, I
+    after its F and W after its I, whose activations stay within `limit`."""
+    for codes in set(itertools.permutations([0] * m + [1] * m + [2] * m)):
+        count, level, ops, peak = [0, 0, 0], 0.0, [], 0.0
+        for code in codes:
+            count[code] += 1
+            level += (held, kept - held, -kept)[code]
+            peak = max(peak, level)
+            ops.append((code, count[code] - 1))
+        if peak <= limit + 1e-9 and all((c - 1, j) in ops[:n] for n, (c, j) in enumerate(ops) if c):
+            yield tuple(ops)
+
+
 def _best_in_order_ms(times):
-    """Brute force: every device's every order of F, I and W, each kind in micro-batch order, I after its F and W
-    after its I, within its limit; the shortest steady step any combination of them takes."""
-    def orders(k):
-        m, held, kept, limit = times.microbatches, times.held_bytes[k], times.kept_bytes[k], times.limit_bytes[k]
-        for codes in set(itertools.permutations([0] * m + [1] * m + [2] * m)):
-            count, level, ops, peak = [0, 0, 0], 0.0, [], 0.0
-            for code in codes:
-                count[code] += 1
-                level += (held, kept - held, -kept)[code]
-                peak = max(peak, level)
-                ops.append((code, count[code] - 1))
-            if peak <= limit + 1e-9 and all((c - 1, j) in ops[:n] for n, (c, j) in enumerate(ops) if c):
-                yield tuple(ops)
-    steps = (_step_ms(pattern, times) for pattern in itertools.product(*(list(orders(k)) for k in
-                                                                         range(times.stages))))
+    """The shortest steady step any combination of the devices' in-order orders (`_every_in_order`) takes."""
+    steps = (_step_ms(pattern, times) for pattern in itertools.product(*(
+        list(_every_in_order(times.microbatches, times.held_bytes[k], times.kept_bytes[k], times.limit_bytes[k]))
+        for k in range(times.stages))))
     return min(step for step in steps if step is not None)
+
+
+@pytest.mark.parametrize("m, limit", [(1, 1.0), (2, 1.0), (2, 2.0), (3, 2.0), (3, 3.0)])
+def test_a_devices_in_order_patterns_are_every_one_within_its_limit_f_then_i_then_w_first(m, limit):
+    """`_in_order` lists every in-order order (the brute force's), in the order a depth-first search trying F,
+    then I, then W finds them: their codes' lexicographic order; None where there are more than `most`."""
+    every = sorted(_every_in_order(m, 1.0, 0.5, limit))
+    assert _in_order(m, 1.0, 0.5, limit, len(every)) == every
+    assert _in_order(m, 1.0, 0.5, limit, len(every) - 1) is None
 
 
 def test_auto_finds_the_issues_in_order_pattern():
