@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from .common import InputError, check_outputs, fail, stderr, stdout
+from .common import InputError, check_outputs, fail, stderr, stdout, writing
 from .tables import print_table
 
 
@@ -158,15 +158,16 @@ def compare(
             else:
                 predicted_trace = read_trace(predicted)
         result = compare_traces(predicted_trace, measured_trace)
+        if html is not None:
+            from ..traces.view import error_figure, write_timeline_page
+
+            with writing("--html"):
+                write_timeline_page([predicted_trace, measured_trace], html, labels=["predicted", "measured"],
+                                    title=f"pipesim: {result.schedule}, predicted and measured",
+                                    views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])],
+                                    figures=[("per-op duration error by kind", error_figure(result))])
     except (InputError, TraceError) as exc:
         fail(str(exc))
-    if html is not None:
-        from ..traces.view import error_figure, write_timeline_page
-
-        write_timeline_page([predicted_trace, measured_trace], html, labels=["predicted", "measured"],
-                            title=f"pipesim: {result.schedule}, predicted and measured",
-                            views=[("predicted and measured", [0, 1]), ("predicted", [0]), ("measured", [1])],
-                            figures=[("per-op duration error by kind", error_figure(result))])
     for warning in result.warnings:
         stderr.print(f"warning: {warning}", highlight=False, soft_wrap=True)
     if as_json:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .common import InputError, check_outputs, fail, stdout
+from .common import InputError, check_outputs, fail, stdout, writing
 
 
 def _replaces(out: Path, named: bool) -> bool:
@@ -52,12 +52,13 @@ def view(
         check_outputs([("--html", out)], [("TRACE", path) for path in traces])
         replaced = _replaces(out, named=html is not None)
         loaded = [read_trace(path) for path in traces]
+        labels = _labels(traces, loaded)
+        views = [(label, [i]) for i, label in enumerate(labels)]
+        if len(loaded) > 1:
+            views.insert(0, ("all, device by device", list(range(len(loaded)))))
+        title = "pipesim: " + (f"{labels[0]}, {shape_text(loaded[0])}" if len(loaded) == 1 else "; ".join(labels))
+        with writing("--html"):
+            write_timeline_page(loaded, out, labels=labels, views=views, title=title)
     except (InputError, TraceError) as exc:
         fail(str(exc))
-    labels = _labels(traces, loaded)
-    views = [(label, [i]) for i, label in enumerate(labels)]
-    if len(loaded) > 1:
-        views.insert(0, ("all, device by device", list(range(len(loaded)))))
-    title = "pipesim: " + (f"{labels[0]}, {shape_text(loaded[0])}" if len(loaded) == 1 else "; ".join(labels))
-    write_timeline_page(loaded, out, labels=labels, views=views, title=title)
     stdout.print(f"wrote {out}" + (" (replaced the file that was there)" if replaced else ""), highlight=False)

@@ -145,6 +145,16 @@ def test_an_output_that_fails_once_written_names_its_flag(args, flag):
     assert code == 2 and err == f"error: {flag}: cannot write /dev/full: No space left on device\n", err
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("command", [["view", "TRACE"], ["compare", "TRACE", "TRACE"]])
+def test_a_page_of_read_traces_that_fails_once_written_names_its_flag(tmp_path, command):
+    """view and compare wrote their --html outside the checks' one line: a full disk raised a traceback."""
+    trace = tmp_path / "t.json"
+    assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--trace", trace)[0] == 0
+    code, _, err = pipesim(*(trace if word == "TRACE" else word for word in command), "--html", "/dev/full")
+    assert code == 2 and err.endswith("error: --html: cannot write /dev/full: No space left on device\n"), err
+
+
 def test_malformed_cluster_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"devices": 2}')
