@@ -3,7 +3,9 @@ network request or blank plot.
 
 Chromium is driven over its DevTools pipe (`--remote-debugging-pipe`), in real time: the test waits until the
 page says it is done (`<body data-status>`), reads what the page recorded, takes a screenshot and checks its
-pixels. Skipped only where no `chromium` (or `chromium-browser`) is on PATH; .ci/run installs Debian's.
+pixels. Every wait is bounded by the CPU time chromium spends (`Wait`), not the wall clock alone, so a loaded
+machine does not fail a page that is merely slow. Skipped only where no `chromium` (or `chromium-browser`) is on
+PATH; .ci/run installs Debian's.
 
 Run as a script to look at a page: `python tests/test_browser.py PAGE.html OUT.png [WIDTH HEIGHT]`.
 """
@@ -28,6 +30,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pipesim.traces.hostload import tree_cpu_s
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (.ci/run installs it)")
 
@@ -36,6 +40,43 @@ FLAGS = ["--headless", "--no-sandbox", "--use-angle=swiftshader", "--enable-unsa
          "--no-default-browser-check", "--hide-scrollbars", "--mute-audio", "--disable-extensions",
          "--disable-dev-shm-usage"]
 KIND_RGB = {"F": (0x4C, 0x78, 0xA8), "B": (0x54, 0xA2, 0x4B)}
+# How long to wait on chromium. A page draws in software (SwiftShader): the built-in example's 16 views take
+# chromium about 17 CPU-seconds, 47 s of wall time at a load of 5.5 per core, and once 7 minutes in a full run on
+# a 2-core machine shared by others, where a 60 s wall-clock limit failed it. So a wait is over after WAIT_CPU_S of
+# chromium's CPU time (7x that need: a page that spins without end still runs out of it, on an idle machine in
+# two minutes at most) or, for a page stuck spending none, after WAIT_WALL_S, twice the slowest wait seen.
+WAIT_CPU_S = 120.0
+WAIT_WALL_S = 900.0
+STATUS_POLL_S = 0.25  # between reads of the page's status (each wait check reads /proc)
+
+
+@dataclass
+class Wait:
+    """A wait on chromium (process `pid` and its children): over once they have spent `cpu_s` CPU-seconds or
+    `wall_s` seconds have passed since it began. Where /proc does not say (not Linux), wall seconds stand in for
+    CPU-seconds."""
+
+    pid: int
+    cpu_s: float = WAIT_CPU_S
+    wall_s: float = WAIT_WALL_S
+    began_s: float = field(init=False, default_factory=time.monotonic)
+    began_cpu_s: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.began_cpu_s = tree_cpu_s(self.pid)
+
+    def spent(self) -> tuple[float, float]:
+        """(CPU-seconds, wall seconds) since the wait began."""
+        wall_s, cpu_s = time.monotonic() - self.began_s, tree_cpu_s(self.pid)
+        return (wall_s if cpu_s is None or self.began_cpu_s is None else cpu_s - self.began_cpu_s), wall_s
+
+    def over(self) -> bool:
+        cpu_s, wall_s = self.spent()
+        return cpu_s > self.cpu_s or wall_s > self.wall_s
+
+    def __str__(self) -> str:
+        cpu_s, wall_s = self.spent()
+        return f"{cpu_s:.1f} of {self.cpu_s:g} CPU-s in {wall_s:.0f} of {self.wall_s:g} s"
 
 
 # --- a minimal DevTools client over the pipe -------------------------------------------------------------
@@ -76,11 +117,12 @@ class Browser:
         self.call("Emulation.setDeviceMetricsOverride", session=True, width=width, height=height,
                   deviceScaleFactor=1, mobile=False)
 
-    def _read(self, deadline: float) -> dict[str, Any]:
+    def _read(self, method: str, wait: Wait) -> dict[str, Any]:
         while b"\0" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._replies], [], [], left)[0]:
-                raise TimeoutError("chromium did not answer in time")
+            if not select.select([self._replies], [], [], STATUS_POLL_S)[0]:
+                if wait.over():
+                    raise TimeoutError(f"chromium did not answer {method}: {wait}")
+                continue
             chunk = os.read(self._replies, 1 << 20)
             if not chunk:
                 self.log.seek(0)
@@ -89,15 +131,15 @@ class Browser:
         message, self._buffer = self._buffer.split(b"\0", 1)
         return json.loads(message)
 
-    def call(self, method: str, session: bool = False, timeout: float = 60, **params: Any) -> dict[str, Any]:
+    def call(self, method: str, session: bool = False, wait: Wait | None = None, **params: Any) -> dict[str, Any]:
         self._next_id += 1
         message = {"id": self._next_id, "method": method, "params": params}
         if session:
             message["sessionId"] = self.session
         os.write(self._commands, json.dumps(message).encode() + b"\0")
-        deadline = time.monotonic() + timeout
+        wait = wait or Wait(self.proc.pid)
         while True:
-            reply = self._read(deadline)
+            reply = self._read(method, wait)
             if reply.get("id") == self._next_id:
                 if "error" in reply:
                     raise RuntimeError(f"{method}: {reply['error']}")
@@ -105,8 +147,8 @@ class Browser:
             if "method" in reply:
                 self.events.append(reply)
 
-    def evaluate(self, expression: str, timeout: float = 60) -> Any:
-        result = self.call("Runtime.evaluate", session=True, timeout=timeout, expression=expression, returnByValue=True,
+    def evaluate(self, expression: str, wait: Wait | None = None) -> Any:
+        result = self.call("Runtime.evaluate", session=True, wait=wait, expression=expression, returnByValue=True,
                            awaitPromise=True)
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
@@ -114,7 +156,7 @@ class Browser:
 
     def close(self) -> None:
         try:
-            self.call("Browser.close", timeout=10)
+            self.call("Browser.close", wait=Wait(self.proc.pid, cpu_s=10, wall_s=10))  # killed below if not
         except (RuntimeError, TimeoutError, OSError):
             pass
         try:
@@ -145,23 +187,21 @@ class Visit:
     problems: list[str] = field(default_factory=list)  # exceptions and errors the browser reported
 
 
-def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000, timeout: float = 60,
-          settle: float = 0.0) -> Visit:
+def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000, settle: float = 0.0,
+          cpu_s: float = WAIT_CPU_S, wall_s: float = WAIT_WALL_S) -> Visit:
     """Open `path` in headless Chromium, wait until its body's data-status leaves "loading" (and `settle`
-    seconds more), and collect what the page recorded, what the browser saw, and a screenshot of the viewport
-    (make it tall enough)."""
+    seconds more; a `Wait` of `cpu_s` and `wall_s`, else TimeoutError), and collect what the page recorded, what
+    the browser saw, and a screenshot of the viewport (make it tall enough)."""
     url = path.resolve().as_uri() + fragment
     with Browser(width, height) as browser:
-        began = time.monotonic()
+        wait = Wait(browser.proc.pid, cpu_s, wall_s)
         browser.call("Page.navigate", session=True, url=url)
-        status = "loading"
-        while time.monotonic() - began < timeout:
-            left = max(1.0, timeout - (time.monotonic() - began))
-            status = browser.evaluate("document.body ? document.body.dataset.status || '' : ''", timeout=left)
-            if status not in ("", "loading"):
-                break
-            time.sleep(0.1)
-        seconds = time.monotonic() - began
+        read_status = "document.body ? document.body.dataset.status || '' : ''"
+        while (status := browser.evaluate(read_status, wait)) in ("", "loading"):
+            if wait.over():
+                raise TimeoutError(f"{path.name} still loading after {wait}")
+            time.sleep(STATUS_POLL_S)
+        seconds = time.monotonic() - wait.began_s
         if settle:
             time.sleep(settle)
             status = browser.evaluate("document.body.dataset.status")
@@ -320,10 +360,22 @@ def test_large_page_is_small_and_draws_bars_on_lanes(tmp_path):
     code, _, err = pipesim("simulate", "-s", "1f1b", "-p", "64", "-m", "1024", "--html", page)
     assert code == 0, err
     assert page.stat().st_size < 25e6
-    v = visit(page, "#test", height=1600, timeout=60)
+    v = visit(page, "#test", height=1600)
     assert_healthy(v)
     check_timeline(v, min_fraction=0.05)
     assert len(v.geometry["lanes"]) == 64  # transfers cost nothing: no empty send/recv lanes
+
+
+@needs_chromium
+@pytest.mark.parametrize("script, cpu_s, wall_s, over", [
+    ("while (true) {}", 2, WAIT_WALL_S, "of 2 CPU-s"),  # spins: its CPU budget runs out, however loaded the machine
+    ("", WAIT_CPU_S, 3, "of 3 s"),  # never says it is done and spends nothing: the wall bound ends the wait
+])
+def test_a_page_that_never_finishes_is_a_timeout(tmp_path, script, cpu_s, wall_s, over):
+    page = tmp_path / "hang.html"
+    page.write_text(f"<html><body data-status=\"loading\"><script>{script}</script></body></html>")
+    with pytest.raises(TimeoutError, match=over):
+        visit(page, cpu_s=cpu_s, wall_s=wall_s)
 
 
 @needs_chromium

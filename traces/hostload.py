@@ -109,8 +109,13 @@ def _busy_cpu_s() -> float | None:
 
 def _own_cpu_s() -> float | None:
     """The CPU-seconds this command's process tree has used (under torchrun, the agent's: this host's ranks of
-    the job): each live process's own and what its ended children used (those it waited for), or None without
-    /proc."""
+    the job), or None without /proc."""
+    return tree_cpu_s(os.getppid() if under_torchrun() else os.getpid())
+
+
+def tree_cpu_s(root: int) -> float | None:
+    """The CPU-seconds process `root` and its descendants have used: each live process's own and what its ended
+    children used (those it waited for), or None without /proc or where `root` has ended."""
     parents, used = {}, {}
     try:
         names = [name for name in os.listdir("/proc") if name.isdigit()]
@@ -125,7 +130,6 @@ def _own_cpu_s() -> float | None:
         after_name = text[text.rindex(b")") + 2:].split()  # the name in brackets may hold spaces
         parents[int(name)] = int(after_name[1])
         used[int(name)] = sum(int(ticks) for ticks in after_name[11:15])  # utime, stime, cutime, cstime
-    root = os.getppid() if under_torchrun() else os.getpid()
     if root not in used:
         return None
     children: dict[int, list[int]] = {}
