@@ -1869,15 +1869,17 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
     (`gathered_weight_bytes`), its whole gradient as accumulated (float32) and that gradient's shard over the d·C
     ranks FSDP2 shards over: each parameter one storage the count's weight-gradient pass leaves live (autograd's
     .grad), the layer's bytes shared among them as those storages' are (LayerAllocations.unsharded); () under any
-    other precision."""
+    other precision. The layer's bytes on the rank as the estimate holds them: its replicated weights (its norms',
+    its router's) whole (`rank_share`)."""
     if parallel.precision != "fsdp2":
         return ()
     grads = _gradient_storages(made)
     if not sum(grads):
         return ()
-    weights = layer.param_bytes // parallel.tensor
+    share = rank_share(layer, 1.0, parallel.tensor, element_bytes)  # t x the rank's
+    weights = round(layer.param_bytes * share) // parallel.tensor
     gathered = gathered_weight_bytes(layer, weights, parallel, element_bytes)
-    accumulated = PRECISIONS["fsdp2"].gradient_bytes(layer.grad_bytes) // parallel.tensor
+    accumulated = PRECISIONS["fsdp2"].gradient_bytes(round(layer.grad_bytes * share)) // parallel.tensor
     shards = parallel.data * parallel.context
     return tuple((round(grad * gathered / sum(grads)), round(grad * accumulated / sum(grads)),
                   round(grad * accumulated / sum(grads) / shards)) for grad in grads)
