@@ -138,10 +138,9 @@ class CachingAllocator:
     _cached_at: dict[int, int] = field(default_factory=dict)  # the cached blocks: size by address
     _cached_ending: dict[int, int] = field(default_factory=dict)  # the cached blocks: address by where they end
     # per pool, how it orders its cached blocks (BlockComparatorSize: by size, then address): their sizes, sorted
-    # and each once, and by size their addresses, negated and sorted, so that best fit is a bisection over the few
-    # sizes a step makes and its tie the last of that size's list (`_cache`, `_uncache`)
-    _pools: defaultdict[int, tuple[list[int], dict[int, list[int]]]] = field(
-        default_factory=lambda: defaultdict(lambda: ([], {})))
+    # and each once, and by size their addresses, sorted, so that best fit is a bisection over the few sizes a step
+    # makes and its tie the first of that size's list (`_cache`, `_uncache`)
+    _pools: dict[int, tuple[list[int], dict[int, list[int]]]] = field(default_factory=dict)
     _segments: dict[int, int] = field(default_factory=dict)  # every segment's size by address
     _next_address: dict[int, int] = field(default_factory=dict)  # per pool, where its next segment starts
     unit_shift: ClassVar[int] = UNIT_SHIFT  # its units' bytes, as a shift
@@ -171,10 +170,13 @@ class CachingAllocator:
             for slot, request, pool in ops:
                 if request:
                     request >>= UNIT_SHIFT
-                    sizes, buckets = pools[pool]
+                    try:
+                        sizes, buckets = pools[pool]
+                    except KeyError:
+                        sizes, buckets = pools[pool] = [], {}
                     bucket = buckets.get(request)
                     if bucket is not None:  # a cached block of the request's own size: best fit, nothing to split
-                        address = -bucket.pop()
+                        address = bucket.pop(0)
                         if not bucket:
                             del buckets[request], sizes[bisect_left(sizes, request)]
                         del cached_at[address], cached_ending[address + request]
@@ -185,49 +187,59 @@ class CachingAllocator:
                                 request << UNIT_SHIFT, sizes[at] << UNIT_SHIFT, max_split)):
                             size = sizes[at]
                             bucket = buckets[size]
-                            address = -bucket.pop()
+                            address = bucket.pop(0)
                             if not bucket:
                                 del buckets[size], sizes[at]
                             del cached_at[address], cached_ending[address + size]
                         else:
                             address, size = self._new_segment(request, pool)
-                        remaining = size - request
-                        if (remaining >= 1 if pool & 1 else  # `should_split`: 512 bytes, over 1 MiB
-                                remaining > small_request and (max_split is None or request << UNIT_SHIFT < max_split)):
-                            _cache(sizes, buckets, address + request, remaining)
-                            cached_at[address + request], cached_ending[address + size] = remaining, address + request
-                            size = request
+                    remaining = size - request
+                    if remaining and (pool & 1 or  # `should_split`: 512 bytes, over 1 MiB
+                                      remaining > small_request and (max_split is None or
+                                                                     request << UNIT_SHIFT < max_split)):
+                        size = request
+                    else:
+                        remaining = 0
                     allocated[address] = size
                     allocated_units += size
                     if allocated_units > peak_allocated_units:
                         peak_allocated_units = allocated_units
                     slots[slot] = address
-                    continue
-                address = slots[slot]
-                size = allocated.pop(address)
-                allocated_units -= size
-                sizes, buckets = pools[address >> pool_shift]
-                if address in cached_ending:  # merged with the cached block ending where it starts (`_uncache`)
-                    before = cached_ending.pop(address)
-                    merged = cached_at.pop(before)
-                    bucket = buckets[merged]
-                    if len(bucket) == 1:
-                        del buckets[merged], sizes[bisect_left(sizes, merged)]
-                    else:
-                        del bucket[bisect_left(bucket, -before)]
-                    address, size = before, size + merged
-                end = address + size
-                if end in cached_at:  # and with the one starting where it ends
-                    after = cached_at.pop(end)
-                    del cached_ending[end + after]
-                    bucket = buckets[after]
-                    if len(bucket) == 1:
-                        del buckets[after], sizes[bisect_left(sizes, after)]
-                    else:
-                        del bucket[bisect_left(bucket, -end)]
-                    size += after
-                    end += after
-                _cache(sizes, buckets, address, size)
+                    if not remaining:
+                        continue
+                    address, size = address + request, remaining  # the rest of the block, cached below
+                    end = address + size
+                else:
+                    address = slots[slot]
+                    size = allocated.pop(address)
+                    allocated_units -= size
+                    sizes, buckets = pools[address >> pool_shift]
+                    before = cached_ending.pop(address, None)
+                    if before is not None:  # merged with the cached block ending where it starts (`_uncache`)
+                        merged = cached_at.pop(before)
+                        bucket = buckets[merged]
+                        if len(bucket) == 1:
+                            del buckets[merged], sizes[bisect_left(sizes, merged)]
+                        else:
+                            del bucket[bisect_left(bucket, before)]
+                        address, size = before, size + merged
+                    end = address + size
+                    after = cached_at.pop(end, None)
+                    if after is not None:  # and with the one starting where it ends
+                        del cached_ending[end + after]
+                        bucket = buckets[after]
+                        if len(bucket) == 1:
+                            del buckets[after], sizes[bisect_left(sizes, after)]
+                        else:
+                            del bucket[bisect_left(bucket, end)]
+                        size += after
+                        end += after
+                bucket = buckets.get(size)  # the block cached (`_cache`, written out: the loop's hottest lines)
+                if bucket is None:
+                    buckets[size] = [address]
+                    insort(sizes, size)
+                else:
+                    insort(bucket, address)
                 cached_at[address], cached_ending[end] = size, address
         finally:
             self.allocated_bytes = allocated_units << UNIT_SHIFT
@@ -262,10 +274,10 @@ def _cache(sizes: list[int], buckets: dict[int, list[int]], address: int, size_b
     """Put a block among its pool's cached ones (`CachingAllocator._pools`)."""
     bucket = buckets.get(size_bytes)
     if bucket is None:
-        buckets[size_bytes] = [-address]
+        buckets[size_bytes] = [address]
         insort(sizes, size_bytes)
     else:
-        insort(bucket, -address)
+        insort(bucket, address)
 
 
 def _uncache(sizes: list[int], buckets: dict[int, list[int]], address: int, size_bytes: int) -> None:
@@ -274,7 +286,7 @@ def _uncache(sizes: list[int], buckets: dict[int, list[int]], address: int, size
     if len(bucket) == 1:
         del buckets[size_bytes], sizes[bisect_left(sizes, size_bytes)]
     else:
-        del bucket[bisect_left(bucket, -address)]
+        del bucket[bisect_left(bucket, address)]
 
 
 def _may_take(request_bytes: int, block_bytes: int, max_split_bytes: int) -> bool:
@@ -352,19 +364,19 @@ class ExpandableSegments(CachingAllocator):
         holds it. From the smallest that holds it (the lowest address among equals), the next in that order is
         taken while the size it could grow to is smaller: only a block at the mapped end can grow, past any
         other's size, so the walk leaves it for the next block that is not one."""
-        sizes, buckets = self._pools[pool]
+        sizes, buckets = self._pools.setdefault(pool, ([], {}))
         at = bisect_left(sizes, request_bytes)
         if at == len(sizes):
             return None
         size, order = sizes[at], 1
-        address = -buckets[size][-1]
+        address = buckets[size][0]
         while address + size in self._unmapped_at:  # grows to size + the pages after it: is the next smaller?
             bucket = buckets[size]
             if order < len(bucket):
-                following, order = (size, -bucket[-1 - order]), order + 1
+                following, order = (size, bucket[order]), order + 1
             elif at + 1 < len(sizes):
                 at += 1
-                following, order = (sizes[at], -buckets[sizes[at]][-1]), 1
+                following, order = (sizes[at], buckets[sizes[at]][0]), 1
             else:
                 break
             if following[0] + self._unmapped_at.get(following[0] + following[1], 0) >= (
@@ -492,7 +504,7 @@ class ExpandableSegments(CachingAllocator):
         return address, size
 
     def _cache_free(self, address: int, size: int) -> None:
-        _cache(*self._pools[address >> POOL_SHIFT], address, size)
+        _cache(*self._pools.setdefault(address >> POOL_SHIFT, ([], {})), address, size)
         self._cached_at[address], self._cached_ending[address + size] = size, address
 
     def _take_free(self, address: int, size: int) -> None:
@@ -980,13 +992,15 @@ def left_live(allocations: PassAllocations) -> dict[int, int]:
 @dataclass
 class _Replay:
     """`replay_device`'s step in progress: the allocator, each stage's program, and each micro-batch's frame of
-    addresses by (stage, micro-batch), held from its forward to its full or weight backward; micro-batches
-    numbered in the order the rows begin them (`begun[row]`: how many by then)."""
+    addresses by (stage, micro-batch), held from its forward to its full or weight backward, and per stage the
+    micro-batches it holds as bits (`held`, which `state` reads); micro-batches numbered in the order the rows begin
+    them (`begun[row]`: how many by then)."""
 
     allocator: CachingAllocator | ExpandableSegments
     rows: Sequence[tuple[str, int, Hashable]]
     programs: Mapping[int, StageProgram]
     frames: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    held: dict[int, int] = field(default_factory=dict)  # per stage, bit m set while micro-batch m's frame is held
     carried: dict[int, dict[int, int]] = field(default_factory=dict)  # per stage, FSDP2's whole tensors by slot
     adam_at_first_step: bool = False  # `replay_device`'s
     merged_bytes: int = 0  # `replay_device`'s
@@ -1030,8 +1044,12 @@ class _Replay:
         base = name.split(":")[0]
         if base == "fwd":
             frame = self.frames[stage, microbatch] = [0] * program.slots
+            self.held[stage] = self.held.get(stage, 0) | 1 << microbatch
+        elif base == "igrad":
+            frame = self.frames[stage, microbatch]
         else:
-            frame = self.frames[stage, microbatch] if base == "igrad" else self.frames.pop((stage, microbatch))
+            frame = self.frames.pop((stage, microbatch))
+            self.held[stage] &= ~(1 << microbatch)
         self._carrying(stage, frame, program.passes[base + each + (FIRST if FIRST in name else "")],
                        *([program.passes[RELEASE]] if LAST in name else []))
         if MERGE in name:
@@ -1054,11 +1072,12 @@ class _Replay:
 
     def state(self, at: int) -> tuple:
         """After row `at`, what `replay_device` compares to see the rows repeat: the allocated, reserved and peak
-        bytes, and the stages' micro-batches held, each counted back from the last begun."""
-        allocator, begun = self.allocator, self.begun[at]
-        held = sorted((stage, microbatch - begun) for stage, microbatch in self.frames)
+        bytes, and the stages' micro-batches held, each counted back from the last begun: `held`'s bits shifted
+        by the micro-batches begun after row `at` (one int a stage, not a pair a micro-batch)."""
+        allocator, back = self.allocator, self.begun[-1] - self.begun[at]
+        held = tuple((stage, bits << back) for stage, bits in self.held.items() if bits)
         return (allocator.allocated_bytes, allocator.reserved_bytes, allocator.peak_allocated_bytes,
-                allocator.peak_reserved_bytes, tuple(held), self.adam_at_first_step and self.zeros)
+                allocator.peak_reserved_bytes, held, self.adam_at_first_step and self.zeros)
 
     def skip(self, before: int, at: int) -> int:
         """After row `at`, the state as after row `before`: skip each further whole repetition of the rows
@@ -1073,6 +1092,7 @@ class _Replay:
             return at
         shift = cycles * (self.begun[at] - self.begun[before])
         self.frames = {(stage, microbatch + shift): frame for (stage, microbatch), frame in self.frames.items()}
+        self.held = {stage: bits << shift for stage, bits in self.held.items()}
         return at + cycles * period
 
 
