@@ -894,7 +894,8 @@ def zero_stage(flags: dict) -> int:
     if sharded and zero not in (None, 1):
         raise InputError(f"--sharded-optimizer is --zero 1, but --zero {zero} was given: give one of them")
     stage = 1 if sharded else zero or 0
-    if stage and (flags.get("data_parallel") or 1) * flags.get("context_parallel", 1) == 1:
+    replicas = flags.get("data_parallel", 1)  # None: tune's search, which plans d·C = 1 unsharded
+    if stage and replicas is not None and replicas * flags.get("context_parallel", 1) == 1:
         flag = "--sharded-optimizer" if sharded else f"--zero {stage}"
         raise InputError(f"{flag} shards over data-parallel replicas: give --data-parallel 2 or more (or with "
                          "--gpu, --context-parallel 2 or more, whose ranks shard alike)")
@@ -902,6 +903,21 @@ def zero_stage(flags: dict) -> int:
         raise InputError("--precision fsdp2 is FSDP2's mixed precision, whose float32 weights are sharded: give "
                          "--zero 3 (with --data-parallel 2 or more)")
     return stage
+
+
+def held_precision(flags: dict) -> str | None:
+    """--precision (None: not given), checked: one of the precisions, and not beside a --profile, whose weights,
+    gradients and state are held as it was made."""
+    from ..sim.costs import precision_refusal
+
+    precision = flags.get("precision")
+    if precision is not None:
+        refuse(precision_refusal(precision, "--precision"))
+    if precision is not None and flags.get("profile") is not None:
+        raise InputError("--precision: a profile holds its weights, gradients and optimizer state as it was "
+                         "calibrated or estimated with; drop --precision (`pipesim estimate --precision` sets an "
+                         "estimate's)")
+    return precision
 
 
 def check_pp_runtime(pp_runtime: str, p2p_sync: str | None = None) -> str:
@@ -957,7 +973,6 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     from ..planning.scenario import Scenario, check_stage_cut, first_last
     from ..profiles.schema import optimizer_refusal
     from ..sim import ClusterError, CostError, load_cluster
-    from ..sim.costs import precision_refusal
 
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
@@ -966,13 +981,7 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
         raise InputError("--fwd, --bwd: every forward and backward takes 0 ms, so a step has no compute to time; "
                          "give one of them above 0")
     refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
-    precision = flags.get("precision")
-    if precision is not None:
-        refuse(precision_refusal(precision, "--precision"))
-    if precision is not None and flags["profile"] is not None:
-        raise InputError("--precision: a profile holds its weights, gradients and optimizer state as it was "
-                         "calibrated or estimated with; drop --precision (`pipesim estimate --precision` sets an "
-                         "estimate's)")
+    precision = held_precision(flags)
     comm_ms = parse_numbers("--comm", flags["comm"])
     if len(comm_ms) != 1:
         raise InputError("--comm: give one number of milliseconds")

@@ -26,17 +26,20 @@ from ..units import GIB, count_text
 from .common import (
     Allocator,
     DataParallel,
+    HeldPrecision,
     InputError,
     OptimizerStep,
     PpRuntime,
     Recompute,
     SearchSeconds,
     TensorParallel,
+    Zero,
     allocator_fields,
     check_allocator,
     check_memory_gb,
     check_p2p_sync,
     fail,
+    held_precision,
     is_given,
     load_profile_flag,
     refuse,
@@ -46,6 +49,7 @@ from .common import (
     stdout,
     tune_what_if_options,
     with_help,
+    zero_stage,
 )
 from .estimate import ModelWork, WhatIf, count_what_if, estimated_profile, what_if
 from .tables import print_table
@@ -58,6 +62,8 @@ SEARCHED = "Default: searched."  # what tune does with these where simulate and 
 SearchedTensorParallel = with_help(TensorParallel, SEARCHED)
 SearchedDataParallel = with_help(DataParallel, SEARCHED)
 SearchedRecompute = with_help(Recompute, SEARCHED)
+SearchedZero = with_help(Zero, "With --gpu, d searched: a layout of one replica (d·C = 1) shards nothing, as its "
+                               "estimate; under --precision fsdp2 it is not searched.")
 
 
 @contextmanager
@@ -121,6 +127,8 @@ def tune(
     tensor_parallel: SearchedTensorParallel = None,
     data_parallel: SearchedDataParallel = None,
     recompute: SearchedRecompute = None,
+    zero: SearchedZero = None,
+    precision: HeldPrecision = None,
     allocator: Allocator = "caching",
     optimizer_step: OptimizerStep = "held",
     pp_runtime: PpRuntime = "pipesim",
@@ -174,8 +182,13 @@ def tune(
         budget = search_options(None, search_seconds)["search_seconds"]
         what = what_if(ctx)
         check_allocator(ctx, what)
+        held_precision(ctx.params)
+        zero = zero_stage(ctx.params)
         work: dict[int, ModelWork] = {}  # by b, with --gpu
         if what is None:
+            if zero:
+                raise InputError(f"--zero {zero}: tune shards --gpu's estimates; give --gpu NAME and --model in place "
+                                 "of --profile")
             if profile is None:
                 raise InputError("--profile or --gpu: give the model's profile, or a GPU and --model to estimate it on")
             measured = load_profile_flag(ctx, profile)
@@ -198,6 +211,10 @@ def tune(
                                  f"{what.cluster_gpus} GPUs")
             context = what.context
             _check_degrees(devices, tensor_parallel, data_parallel, context)
+            if what.precision == "fsdp2" and devices // (context * (tensor_parallel or 1)) == 1:
+                given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
+                raise InputError(f"--precision fsdp2 shards the weights over d·C ranks: --devices {devices}{given} "
+                                 "leaves one replica; give more devices")
             sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES
             batch = batch_size if batch_size is not None else 4 * devices // context * sizes[0]
             sizes = tuple(b for b in sizes if batch % b == 0)
@@ -221,7 +238,7 @@ def tune(
         problem = Problem(devices // context, int(memory_gb * GIB) if memory_gb is not None else
                           env.memory_cap_bytes or env.device_memory_bytes, batch,
                           tuple(dict.fromkeys(schedule)) if schedule else tuple(METHODS), max_staleness, max_chunks,
-                          max_pipelines, budget)
+                          max_pipelines, budget, zero)
         searching = f"searching the configurations of {count_text(len(settings), 'profile')}, best bound first"
         with _working(searching) as report:
             tuning = search(settings, problem, report, workers, pool)
@@ -233,6 +250,7 @@ def tune(
     if as_json:
         document = tuning.to_dict()
         document["problem"]["devices"] = devices  # the search's devices are C-rank groups
+        document["problem"]["precision"] = _held_as(measured)
         for row in (document["choice"], *document["runners_up"], *document["excluded"],
                     *filter(None, [document["staler_winner"]])):
             row["context_parallel"] = context
@@ -251,6 +269,11 @@ def _estimated_degrees(measured) -> tuple[int, int, int]:
     if estimate is None:
         return 1, 1, 1
     return estimate.degrees[0], *(int(estimate.parallelism.get(name, 1)) for name in ("context", "expert"))
+
+
+def _held_as(measured) -> str | None:
+    """The --precision an estimate was made with (None: as the count's dtype, or a calibration)."""
+    return measured.estimate.parallelism.get("precision") if measured.estimate is not None else None
 
 
 def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int) -> None:
@@ -311,7 +334,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
     them would send the user after the wrong flag). A searched E the estimate refuses is left out where another suits
     the t (E = 1 beside --token-dispatcher or --hot-expert-share, which need E > 1; a dispatcher or routing that
     needs more ranks), as is a searched t the estimate refuses (--recompute op, modelled at t = 1 only); a given t it
-    refuses is its one line."""
+    refuses is its one line. Under --precision fsdp2, a layout of one replica (d·C = 1) is left out: FSDP2's weights
+    are sharded over the replicas, and simulate refuses --zero over one."""
     from ..planning.estimate import SEARCHED_RECOMPUTE, LayerMemo
     from ..planning.scenario import profile_scenario
     from ..planning.tune import Setting
@@ -334,6 +358,8 @@ def _estimated_settings(what: WhatIf, devices: int, tensor: int | None, data: in
                                                                if devices % (t * p) == 0]
                 if len(degrees) > 1 or not data:  # a given d and E: the estimate says why they do not fit
                     depths = [p for p in depths if _experts_fit(what, t, devices // (t * p), e)]
+                if what.precision == "fsdp2":  # its weights sharded: over d·C >= 2 ranks only
+                    depths = [p for p in depths if devices // (t * p) * what.context > 1]
                 try:
                     with refused_with_flags():  # the estimate's refusal of a layout (recompute op at t > 1)
                         for p, kind in itertools.product(depths, [recompute] if recompute else SEARCHED_RECOMPUTE):
@@ -390,6 +416,10 @@ def _print_tuning(tuning, measured, work: dict) -> None:
                  f"given; {'E: ranks the routed experts are placed over; ' * experts}MFU: model "
                  f"FLOPs per second over the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
     per_stage = f"·{context}" * (context > 1)
+    precision = _held_as(measured)
+    one = f"d{per_stage} = 1 " + ("not searched" if precision == "fsdp2" else "shards nothing")
+    held = (f"ZeRO-{problem.zero} over the d{per_stage} replicas ({one}), " * bool(problem.zero)
+            + f"precision {precision}, " * (precision is not None))
     replicas = (f"d = D/(p·t{per_stage}) replicas, t{per_stage} GPUs per stage" if work else
                 f"D/(p·{tensor * context}) replicas, {tensor * context} GPUs per stage" if tensor * context > 1 else
                 "D/p replicas") + f", C = {context} context-parallel ranks" * (context > 1) + (
@@ -399,7 +429,7 @@ def _print_tuning(tuning, measured, work: dict) -> None:
                         + ("" if work else f" (micro-batch {env.microbatch_size})")
                         + f", staleness <= {problem.max_staleness}",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
-                  caption=f"{estimated}p: devices per pipeline ({replicas}), v: chunks per device, "
+                  caption=f"{estimated}p: devices per pipeline ({replicas}), {held}v: chunks per device, "
                           + ("P: pipelines, " if shared else "") + "m: micro-batches per pipeline and step; "
                           + ("R: the activation memory a searched order (auto) holds, in 1F1B's; " if searched else "")
                           + "bubble: 1 - mean compute / step time; ms/step: the busiest device's compute per step")
@@ -432,7 +462,8 @@ def _print_tuning(tuning, measured, work: dict) -> None:
     print_table(table)
     bounds = tuning.choice.result.candidate.bounds
     stdout.print("partition (layers per model stage): " + " | ".join(
-        f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; all-reduce "
+        f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in pairwise(bounds)) + "; "
+        f"{'reduce-scatter and all-gather' if tuning.choice.result.config.zero else 'all-reduce'} "
         f"{ms_text(tuning.choice.result.candidate.allreduce_ms)} ms per step", highlight=False)
     stdout.print(f"searched {count_text(stats.configurations, 'configuration')} ({stats.refused:,} more shapes "
                  f"refused by their method): {stats.stale:,} too stale and {stats.over_memory_floor:,} over the cap by "

@@ -135,6 +135,7 @@ class Problem:
     max_chunks: int = 4
     max_pipelines: int = 4
     search_seconds: float | None = None  # auto's search budget (None: its default)
+    zero: int = 0  # ZeRO's stage over each candidate's d·C gradient ranks (`Config.zero`)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class Config:
     microbatch_size: int = 1  # b
     recompute: str | None = None  # an estimate's; None: as calibrated
     expert: int = 1  # E
+    zero: int = 0  # ZeRO's stage: the problem's, none where d·C = 1 (as the estimate's `Parallelism` shards)
 
     def label(self) -> str:
         extra = [f"v={self.chunks}"] * (self.chunks > 1) + [f"P={self.pipelines}"] * (self.pipelines > 1)
@@ -225,6 +227,7 @@ class Result:
         return {"schedule": c.schedule, "stages": c.stages, "chunks": c.chunks, "pipelines": c.pipelines,
                 "microbatches": c.microbatches, "replicas": c.replicas, "tensor_parallel": c.tensor,
                 "microbatch_size": c.microbatch_size, "recompute": c.recompute, "expert_parallel": c.expert,
+                "zero": c.zero,
                 "partition": list(self.candidate.bounds),
                 "samples_per_s": self.samples_per_s, "step_ms": self.step_ms, "bubble_fraction": self.bubble_fraction,
                 "peak_memory_gib": self.peak_memory_bytes / GIB, "staleness": self.staleness,
@@ -278,7 +281,8 @@ class Tuning:
             "problem": {"devices": problem.devices, "memory_cap_gib": round(problem.memory_cap_bytes / GIB, 9),
                         "batch_size": problem.batch_size, "schedules": list(problem.schedules),
                         "max_staleness": problem.max_staleness, "max_chunks": problem.max_chunks,
-                        "max_pipelines": problem.max_pipelines, "search_seconds": problem.search_seconds},
+                        "max_pipelines": problem.max_pipelines, "search_seconds": problem.search_seconds,
+                        "zero": problem.zero},
             "choice": self.choice.to_dict(),
             "runners_up": [row.to_dict() for row in self.runners_up],
             "excluded": [row.to_dict() for row in self.excluded],
@@ -597,18 +601,20 @@ class _Built:
         return self._chains[id(setting)]
 
     def _layer_reduces_ms(self, setting: Setting, config: Config, bounds: list[int]) -> np.ndarray:
-        """[k]: the least REDUCE of stage k's gradients (its layers' weights' bytes, their routed experts' apart)
-        over the replicas (`_least_reduce_ms`); none for one replica."""
+        """[k]: the least REDUCE of stage k's gradients (its layers' weights' bytes, their routed experts' apart; as
+        accumulated under ZeRO-2 and 3) over the replicas (`_least_reduce_ms`); none for one replica."""
         if config.replicas == 1:
             return np.zeros(len(bounds) - 1)
-        link, (held, _, experts) = self._data_link(setting, config), self._layer_bytes(setting)
+        link, (held, _, experts, grads) = self._data_link(setting, config), self._layer_bytes(setting)
         ranks = self._expert_group(setting, config)
         priced = self._reduces.setdefault((id(setting), config.stages, config.replicas), {})
         stages = list(zip((held[bounds[1:]] - held[bounds[:-1]]).tolist(),
-                          (experts[bounds[1:]] - experts[bounds[:-1]]).tolist()))
-        for nbytes, expert_bytes in stages:
-            if (nbytes, expert_bytes) not in priced:  # partitions of a model of like layers cut stages of like bytes
-                priced[nbytes, expert_bytes] = _least_reduce_ms(link, config.replicas, ranks, nbytes, expert_bytes)
+                          (experts[bounds[1:]] - experts[bounds[:-1]]).tolist(),
+                          (grads[bounds[1:]] - grads[bounds[:-1]]).tolist(), [True] + [False] * (len(bounds) - 2)))
+        for stage in stages:
+            if stage not in priced:  # partitions of a model of like layers cut stages of like bytes
+                priced[stage] = _least_reduce_ms(link, config.replicas, ranks, *stage[:2], config.zero,
+                                                 *stage[2:])
         return np.array([priced[stage] for stage in stages])
 
     def _expert_group(self, setting: Setting, config: Config) -> int | None:
@@ -618,14 +624,15 @@ class _Built:
             self._expert_groups[key] = _expert_ranks(setting.scenario, config.stages, config.replicas)
         return self._expert_groups[key]
 
-    def _layer_bytes(self, setting: Setting) -> tuple[np.ndarray, bool, np.ndarray]:
+    def _layer_bytes(self, setting: Setting) -> tuple[np.ndarray, bool, np.ndarray, np.ndarray]:
         """The setting's layers' weights' bytes as prefix sums, whether they form a chain (`_chain_of_layers`), and
-        their routed experts' bytes as prefix sums, read once: the layer bounds ask for them on every partition."""
+        their routed experts' bytes and their gradients' (as accumulated) as prefix sums, read once: the layer
+        bounds ask for them on every partition."""
         if id(setting) not in self._layers:
             layers = setting.scenario.measured.layers
-            held, experts = (np.concatenate([[0], np.cumsum([getattr(layer, name) for layer in layers])])
-                             for name in ("param_bytes", "expert_param_bytes"))
-            self._layers[id(setting)] = held, _chain_of_layers(setting.scenario.measured), experts
+            held, experts, grads = (np.concatenate([[0], np.cumsum([getattr(layer, name) for layer in layers])])
+                                    for name in ("param_bytes", "expert_param_bytes", "grad_bytes"))
+            self._layers[id(setting)] = held, _chain_of_layers(setting.scenario.measured), experts, grads
         return self._layers[id(setting)]
 
     def _frame_links(self, setting: Setting, config: Config) -> Cluster:
@@ -680,7 +687,8 @@ class _Built:
                                    chain.hops_ms(self._frame_links(setting, config), p),
                                    _least_reduce_ms(self._data_link(setting, config), config.replicas,
                                                     self._expert_group(setting, config), chain.first_param_bytes,
-                                                    chain.first_expert_bytes))
+                                                    chain.first_expert_bytes, config.zero, chain.first_grad_bytes,
+                                                    first=True))
             bound = self.problem.batch_size / (step_ms * (1 - 1e-9)) * 1e3 if step_ms > 0 else math.inf
             self._cut[shape.index] = replace(shape, max_samples_per_s=min(shape.max_samples_per_s, bound),
                                              cut_bounded=True)
@@ -968,6 +976,7 @@ class _Work:
     static_bytes: int
     param_bytes: int
     expert_param_bytes: int  # the routed experts' share of `param_bytes`
+    grad_bytes: int  # the gradients as accumulated: what ZeRO-2 and 3 reduce-scatter
     slowest_ms: np.ndarray  # [k]: the least a busiest of k stages runs per micro-batch (F + least backward)
     step_ms: tuple[float, float, float]  # an update, a weight prediction and an averaging of every stage, summed
     accumulate_ms: float  # one accumulation of every stage, summed: the least over every cut (`_least_accumulate_ms`)
@@ -987,7 +996,8 @@ def _work(profile: Profile, optimizer: str) -> _Work:
     those of its layers that never synchronise, so their times without them sum to no more than any cut's stages."""
     held = (sum(c.static_bytes for c in layer_costs(profile.layers, optimizer)),
             sum(layer.param_bytes for layer in profile.layers),
-            sum(layer.expert_param_bytes for layer in profile.layers))
+            sum(layer.expert_param_bytes for layer in profile.layers),
+            sum(layer.grad_bytes for layer in profile.layers))
     steps = tuple(math.fsum(pick(stage).median_ms for stage in profile.stages) for pick in (
         lambda s: s.steps[optimizer].step, lambda s: s.steps[optimizer].predict, lambda s: s.average))
     layers = _own_times(profile, least=True).layers
@@ -1072,6 +1082,7 @@ class _ChainWork:
     least: list[float]  # F + min(B, I)
     first_param_bytes: int
     first_expert_bytes: int  # the routed experts' share of `first_param_bytes`
+    first_grad_bytes: int  # its gradients as accumulated (`_Work.grad_bytes`)
     sent_bytes: tuple[int, ...]  # what a stage may send: a layer's output (none where the layers branch)
 
     @classmethod
@@ -1091,7 +1102,7 @@ class _ChainWork:
         return cls(prefix(layer.fwd.median_ms for layer in layers),
                    prefix(layer.fwd.median_ms + layer.bwd.median_ms for layer in layers),
                    prefix(layer.fwd.median_ms + min(layer.bwd.median_ms, layer.igrad.median_ms) for layer in layers),
-                   layers[0].param_bytes, layers[0].expert_param_bytes,
+                   layers[0].param_bytes, layers[0].expert_param_bytes, layers[0].grad_bytes,
                    tuple(sorted({layer.output_bytes for layer in layers[:-1]})) if _chain_of_layers(profile) else ())
 
     def hops_ms(self, links: Cluster, devices: int) -> list[float]:
@@ -1205,8 +1216,11 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
         work = _work(profile, scenario.optimizer)
         depths = [p for p in _depths(problem.devices // t, layers, _prices_data_parallel(profile))
                   if setting.depths is None or p in setting.depths] if problem.devices % t == 0 else []
+        context = scenario.order_params(ScheduleParams(1, 1)).context_parallel  # the C ranks that shard with d
+        zero = {p: problem.zero if problem.devices // (p * t) * context > 1 else 0 for p in depths}
         reduce_ms = {p: _mean_reduce_ms(_data_link(scenario, p, d), p, d, work.param_bytes,
-                                        _expert_ranks(scenario, p, d), work.expert_param_bytes)
+                                        _expert_ranks(scenario, p, d), work.expert_param_bytes, zero[p],
+                                        work.grad_bytes)
                      for p in depths for d in [problem.devices // (p * t)]}
         for name in problem.schedules:
             for p in depths:
@@ -1222,7 +1236,8 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
                         if isinstance(sketch, ScheduleError):
                             refused += 1
                             continue
-                        config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute, setting.expert)
+                        config = Config(name, p, v, pipelines, m, replicas, t, b, setting.recompute, setting.expert,
+                                        zero[p])
                         floor = (pipelines * work.static_bytes + sketch.extra_copies * work.param_bytes) // p
                         bound = _shape_bound(problem, config, work, sketch, scenario.cost_scale, reduce_ms[p])
                         shapes.append(Shape(config, setting, count - 1, sketch.staleness, bound, floor))
@@ -1230,31 +1245,43 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
 
 
 def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, gradient_bytes: int,
-                    expert_ranks: int | None, expert_bytes: int) -> float:
+                    expert_ranks: int | None, expert_bytes: int, zero: int = 0, grad_bytes: int = 0) -> float:
     """What p stages' REDUCEs (`_least_reduce_ms`) over r replicas take at least on average, however the model's
     gradients are cut among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the
-    bytes (the tree at its full rate, at most what its size correction leaves), is concave in them, so the mean
+    bytes (the tree at its full rate, at most what its size correction leaves), is concave in them, and so is a
+    ring reduce-scatter's (ZeRO's; of `grad_bytes`, the gradients as accumulated, under ZeRO-2 and 3), so the mean
     over any cut is at least the chord from no bytes to all of them, 1/p of the way; the routed experts' part,
-    none where a stage holds no experts, at least the chord from nothing to all of theirs. `link`: the replicas'
-    (`_data_link`; None for one replica, which reduces nothing)."""
+    none where a stage holds no experts, at least the chord from nothing to all of theirs (their gradients in
+    proportion to their weights, as one precision holds them). Under ZeRO-1 stage 0's may be nothing
+    (`_least_reduce_ms`) and each other stage's is at least an empty one's, a collective taking no less for
+    more bytes: the mean is at least (p - 1)/p of that. `link`: the replicas' (`_data_link`; None for one
+    replica, which reduces nothing)."""
     if replicas == 1:
         return 0.0
-    empty = _least_reduce_ms(link, replicas, None, 0, 0)
-    whole = _least_reduce_ms(link, replicas, expert_ranks, gradient_bytes, expert_bytes)
+    empty = _least_reduce_ms(link, replicas, None, 0, 0, zero)
+    if zero == 1:
+        return empty * (stages - 1) / stages
+    whole = _least_reduce_ms(link, replicas, expert_ranks, gradient_bytes, expert_bytes, zero, grad_bytes)
     return empty + (whole - empty) / stages
 
 
 def _least_reduce_ms(link: CollectiveLink | None, replicas: int, expert_ranks: int | None, nbytes: int,
-                     expert_bytes: int) -> float:
+                     expert_bytes: int, zero: int = 0, grad_bytes: int = 0, first: bool = False) -> float:
     """The least REDUCE of a stage's gradients, `nbytes` of weights, `expert_bytes` of them routed experts', as
     `collective_costs` prices it: NCCL's all-reduce, its tree at its full rate (`CollectiveLink.all_reduce_ms`),
-    of the rest over the r replicas and of the experts' over the `expert_ranks` that hold the same ones (None:
-    E = 1, all of them over r): priced over r, the experts' share at E > 1 would go over E times the ranks it
-    reduces over, and the bound pass the REDUCE it bounds (the 4-expert GPT's E = 2 stages: 0.074 ms against
-    0.063). `link`: None for one replica, which reduces nothing."""
-    if replicas == 1:
+    or under ZeRO (`zero` >= 1) the reduce-scatter, of the weights' bytes at ZeRO-1 and of the gradients as
+    accumulated (`grad_bytes`) at ZeRO-2 and 3; of the rest over the r replicas and of the experts' over the
+    `expert_ranks` that hold the same ones (None: E = 1, all of them over r): priced over r, the experts' share at
+    E > 1 would go over E times the ranks it reduces over, and the bound pass the REDUCE it bounds (the 4-expert
+    GPT's E = 2 stages: 0.074 ms against 0.063). Either collective takes no less over the d·C ranks the run
+    reduces over than over r <= d·C. Under ZeRO-1 the `first` stage's (stage 0's) REDUCE is only what of its
+    bucketed reduce-scatters runs past its last backward (`Scenario._distributed_optimizer_collectives`), which
+    no bound from its bytes alone keeps above nothing: 0 (an all-reduce's bound there was 0.0914 ms against a
+    0.0499 ms cost on a 4-layer GPT over 8 H100s). `link`: None for one replica, which reduces nothing."""
+    if replicas == 1 or (zero == 1 and first):
         return 0.0
-    return over_expert_groups(partial(link.all_reduce_ms, tree_correction=False), float(nbytes),
+    collective = link.reduce_scatter_ms if zero else partial(link.all_reduce_ms, tree_correction=False)
+    return over_expert_groups(collective, float(grad_bytes if zero >= 2 else nbytes),
                               expert_bytes / nbytes if expert_ranks is not None and nbytes else 0.0, replicas,
                               expert_ranks or replicas)
 
@@ -1589,7 +1616,7 @@ def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..
     searched for that partition (`_candidate`)."""
     name, p, v, pipelines, m = config.schedule, config.stages, config.chunks, config.pipelines, config.microbatches
     planned = METHODS[name].partitioned_as or name
-    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas)
+    params = ScheduleParams(p, m, 2, v, pipelines, data_parallel=config.replicas, zero=config.zero)
     sketch = orders.sketch(setting.scenario, planned, params)
     short = warmup_minibatches(sketch.flushing, sketch.stages, m)
     params = replace(params, minibatches=short + (1 if sketch.flushing else STEADY_STEPS))

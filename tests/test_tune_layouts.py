@@ -85,16 +85,22 @@ def test_a_given_c_is_a_fixed_factor_and_the_search_equals_the_exhaustive_one():
     assert problem.devices == 4 and {s.scenario.measured.estimate.parallelism["context"] for s in settings} == {2}
     assert {(s.tensor, *s.depths) for s in settings} == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}
     capped = tuning.Problem(4, int(0.07 * tuning.GIB), problem.batch_size, problem.schedules, max_chunks=2)
+    for result in exactly_searched(settings, capped):
+        schedule, config = result.candidate.schedule, result.config
+        assert schedule.context_parallel == 2 and schedule.gradient_ranks == 2 * config.replicas, config.label()
+        assert config.stages * config.tensor * config.replicas == 4, config.label()
+
+
+def exactly_searched(settings: list[tuning.Setting], capped: tuning.Problem) -> list[tuning.Result]:
+    """Every candidate simulated, once the pruned search's answer under `capped` (whose cap some break) is found to be
+    the exhaustive one's, simulating fewer, and every bound it prunes by to hold."""
     found = tuning.tune(settings, capped)
     best, faster, staler, results = exhaustive(settings, capped)
     assert differences(found, best, faster, staler) == []
     assert found.stats.simulated < len(results)
     assert any(not tuning.allowed(result, capped) for result in results)
-    for result in results:
-        schedule, config = result.candidate.schedule, result.config
-        assert schedule.context_parallel == 2 and schedule.gradient_ranks == 2 * config.replicas, config.label()
-        assert config.stages * config.tensor * config.replicas == 4, config.label()
     assert bound_excesses(settings, capped) == []
+    return results
 
 
 def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(tmp_path, monkeypatch):

@@ -1,0 +1,97 @@
+"""`pipesim tune --gpu --zero N [--precision P]` plans every candidate with the sharding the run will use: ZeRO's
+stage over its d·C replicas (none where d·C = 1, as its estimate shards; under --precision fsdp2, which shards the
+weights, such a layout is not searched), in its memory and its collectives, and the pruned search stays exact: its
+least REDUCE is a reduce-scatter's, and under ZeRO-1 none for stage 0, whose bucketed reduce-scatters mostly
+overlap its backward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.planning import tune as tuning
+from tests.conftest import pipesim, refused
+from tests.test_tune_layouts import GPU, SMALL_GPT, _rows, _searched, exactly_searched
+
+FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
+SCHEDULES = ("-s", "1f1b,zb-h1,interleaved-1f1b")  # gpipe: engineer X's allocator fix under --zero 3 first
+SHARDED = [pytest.param(("--zero", 1), 1, 0.045, id="zero-1"), pytest.param(("--zero", 2), 2, 0.03, id="zero-2"),
+           pytest.param(("--zero", 3, "--precision", "fsdp2"), 3, 0.07, id="zero-3-fsdp2")]
+
+
+@pytest.mark.parametrize(("flags", "stage", "cap_gib"), SHARDED)
+def test_the_pruned_search_equals_the_exhaustive_one_and_every_bound_holds(flags, stage, cap_gib):
+    """A 4-layer GPT on 8 H100s under a cap some layouts break: the search's answer is the exhaustive one's, and
+    every bound it prunes by holds (tune's least REDUCE priced every stage's as an all-reduce: 50 bounds over the
+    simulated steps at ZeRO-1, 0.0914 ms against stage 0's 0.0499 ms REDUCE). Each candidate runs the stage given
+    over d >= 2 replicas and none over one; FSDP2's layouts all have two or more."""
+    settings, problem = _searched(*FLAGS, *SCHEDULES, *flags)
+    assert problem.zero == stage
+    capped = tuning.Problem(8, int(cap_gib * tuning.GIB), problem.batch_size, problem.schedules, max_chunks=2,
+                            zero=stage)
+    results = exactly_searched(settings, capped)
+    for result in results:
+        config = result.config
+        assert config.zero == result.candidate.schedule.zero == (stage if config.replicas > 1 else 0), config.label()
+    assert (min(result.config.replicas for result in results) > 1) == (stage == 3)
+
+
+def _choice(*flags) -> tuple[dict, dict]:
+    code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, "-s", "1f1b", "--memory-gb", 0.06, *flags, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    return document, document["choice"]
+
+
+def test_zero_makes_the_widest_layout_fit():
+    """Under 0.06 GiB one pipeline stage over 8 replicas holds 0.094 GiB unsharded: over the cap, slower layouts
+    chosen; its optimizer state sharded (ZeRO-1) it holds 0.051 GiB and is the choice."""
+    _, unsharded = _choice()
+    assert (unsharded["stages"], unsharded["replicas"], unsharded["zero"]) != (1, 8, 0)
+    document, choice = _choice("--zero", 1)
+    assert (choice["stages"], choice["replicas"], choice["zero"]) == (1, 8, 1)
+    assert choice["peak_memory_gib"] <= 0.06 and choice["samples_per_s"] > unsharded["samples_per_s"]
+    assert document["problem"]["zero"] == 1 and document["problem"]["precision"] is None
+
+
+def test_the_table_and_json_say_the_sharding(monkeypatch):
+    from pipesim.commands import common
+
+    code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *SCHEDULES, "--zero", 3, "--precision", "fsdp2",
+                             "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert document["problem"]["zero"] == 3 and document["problem"]["precision"] == "fsdp2"
+    assert {row["zero"] for row in _rows(document)} == {3}
+    for width in (80, 100):
+        monkeypatch.setenv("COLUMNS", str(width))
+        monkeypatch.setattr(common.stdout, "width", width)
+        code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *SCHEDULES, "--zero", 2)
+        assert code == 0, err
+        assert max(map(len, out.splitlines())) <= width
+        words = " ".join(out.split())
+        assert "ZeRO-2 over the d replicas (d = 1 shards nothing)" in words, words
+        assert "reduce-scatter and all-gather" in words
+
+
+def test_bad_sharding_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    gpt = (*GPU, *SMALL_GPT, "-D", 8)
+    assert refused("tune", *gpt, "--zero", 4) == "error: --zero: choose from 0, 1, 2, 3 (got 4)\n"
+    assert refused("tune", *gpt, "--precision", "fsdp2") == (
+        "error: --precision fsdp2 is FSDP2's mixed precision, whose float32 weights are sharded: give --zero 3 (with "
+        "--data-parallel 2 or more)\n")
+    assert refused("tune", *gpt, "--zero", 1, "--data-parallel", 1).startswith(
+        "error: --zero 1 shards over data-parallel replicas: give --data-parallel 2 or more")
+    assert refused("tune", *GPU, *SMALL_GPT, "-D", 2, "--tensor-parallel", 2, "--zero", 3, "--precision",
+                   "fsdp2") == ("error: --precision fsdp2 shards the weights over d·C ranks: --devices 2 at "
+                                "--tensor-parallel 2 leaves one replica; give more devices\n")
+    assert refused("tune", *gpt, "--precision", "fp16").startswith("error: --precision: choose from")
+    profile = tmp_path.parent / f"{tmp_path.name}-profile.json"
+    code, _, err = pipesim("estimate", *GPU, *SMALL_GPT, "-b", 1, "--recompute", "none", "-o", profile)
+    assert code == 0, err
+    assert refused("tune", "--profile", profile, "-D", 8, "--zero", 1) == (
+        "error: --zero 1: tune shards --gpu's estimates; give --gpu NAME and --model in place of --profile\n")
+    assert refused("tune", "--profile", profile, "-D", 8, "--precision", "megatron").startswith(
+        "error: --precision: a profile holds its weights")
