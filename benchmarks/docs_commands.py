@@ -46,7 +46,7 @@ from tests.test_docs_commands import DOCS, DocCommand, doc_commands, is_placehol
 from tests.test_readme import SHARED_PATHS  # noqa: E402
 
 ELISIONS = ("...", "…")
-RULE = re.compile(r"[─━═│┃┼╇╪+|-]+")
+RULE = re.compile(r"[\u2500-\u257f+|-]+")  # box drawing (a rule, its corners and joints), + | -
 ERROR_PREFIX = "error:"
 USAGE_EXIT = 2
 GPU_WORDS = ("cuda", "nccl")

@@ -208,3 +208,14 @@ def test_every_docs_command_parses(doc):
             if not is_placeholder(args) and (error := parse(args, mention)) is not None:
                 wrong.append(f"{command.where}: pipesim {shlex.join(args)}\n    {error}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_runner_leaves_out_a_tables_box_and_its_widths():
+    """benchmarks/docs_commands.py compares a transcript word by word: a rich table's box, corners and joints too,
+    and its column widths are no difference; its figures are."""
+    from benchmarks.docs_commands import shows
+
+    shown = "┏━━━┳━━━┓\n┃ a ┃ b ┃\n┡━━━╇━━━┩\n│ 1 │ 2 │\n└───┴───┘\n"
+    printed = "a title\n┏━━━━━┳━━━┓\n┃ a   ┃ b ┃\n┡━━━━━╇━━━┩\n│ 1   │ 2 │\n└─────┴───┘\nrows: 1\n"
+    assert shows(shown, printed)
+    assert not shows(shown.replace("2", "3"), printed)
