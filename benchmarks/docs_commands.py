@@ -11,7 +11,7 @@ README's, one host cache shared by all docs. A command is:
   compared word by word, so a wrapped caption or a table's column widths do not count; the doc's block is an
   excerpt (what it leaves out before and after is no difference), `...` or `…` in it stands for any words, and
   box-drawing rules are left out. A block may show a file the command wrote (export's CSV) instead.
-- failed: another exit code.
+- failed: another exit code, or a traceback printed (bad input shows none, whatever the exit code).
 - timed out: still running after --timeout seconds (its whole process group is stopped); a later command that
   reads what it writes then fails too.
 - skipped: a placeholder (tests/test_docs_commands.py's rule), one that needs a GPU (`cuda`, `nccl`) unless --gpu,
@@ -48,6 +48,7 @@ from tests.test_readme import SHARED_PATHS  # noqa: E402
 ELISIONS = ("...", "…")
 RULE = re.compile(r"[\u2500-\u257f+|-]+")  # box drawing (a rule, its corners and joints), + | -
 ERROR_PREFIX = "error:"
+TRACEBACK = "Traceback (most recent call last):"
 USAGE_EXIT = 2
 GPU_WORDS = ("cuda", "nccl")
 DISTRIBUTED_LAUNCHERS = ("torchrun",)
@@ -143,7 +144,7 @@ def run(command: DocCommand, folder: Path, env: dict[str, str], timeout_s: float
         return Outcome(command, "timed out", f"past --timeout {timeout_s:g} s", time.perf_counter() - start)
     seconds = time.perf_counter() - start
     expects_error = command.shown is not None and command.shown.lstrip().startswith(ERROR_PREFIX)
-    if process.returncode != (USAGE_EXIT if expects_error else 0):
+    if process.returncode != (USAGE_EXIT if expects_error else 0) or TRACEBACK in printed:
         last = "\n".join(printed.splitlines()[-DIFF_LINES:])
         return Outcome(command, "failed", f"exit {process.returncode}:\n{last}", seconds)
     if command.shown is None:

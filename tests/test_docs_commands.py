@@ -13,6 +13,7 @@ or holding `...` or `<...>`, is left out, by that rule alone.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, replace
@@ -219,3 +220,12 @@ def test_the_runner_leaves_out_a_tables_box_and_its_widths():
     printed = "a title\n┏━━━━━┳━━━┓\n┃ a   ┃ b ┃\n┡━━━━━╇━━━┩\n│ 1   │ 2 │\n└─────┴───┘\nrows: 1\n"
     assert shows(shown, printed)
     assert not shows(shown.replace("2", "3"), printed)
+
+
+def test_the_runner_fails_a_command_that_prints_a_traceback(tmp_path):
+    """Bad input shows no traceback whatever the exit code (tests/test_readme.py fails the README's likewise)."""
+    from benchmarks.docs_commands import run
+
+    printing = DocCommand("x.md", 1, "echo 'Traceback (most recent call last):' >&2; echo done", "done\n")
+    assert run(printing, tmp_path, dict(os.environ), 60).status == "failed"
+    assert run(replace(printing, command="echo done"), tmp_path, dict(os.environ), 60).status == "ran"
