@@ -104,6 +104,10 @@ def short_diff(shown: str, printed: str) -> str:
     out = lines(printed)
     doc = [next((line for line in out if matches(shown_line.split(), line.split())), shown_line)
            for shown_line in lines(shown)]
+    matched = [block for block in difflib.SequenceMatcher(None, doc, out).get_matching_blocks() if block.size]
+    if matched:  # the printed lines the excerpt spans: as many before its first match and after its last as it shows
+        first, last = matched[0], matched[-1]
+        out = out[max(0, first.b - first.a):last.b + last.size + len(doc) - last.a - last.size]
     diff = []
     for change, doc_from, doc_to, out_from, out_to in difflib.SequenceMatcher(None, doc, out).get_opcodes():
         if change in ("replace", "delete"):

@@ -229,3 +229,12 @@ def test_the_runner_fails_a_command_that_prints_a_traceback(tmp_path):
     printing = DocCommand("x.md", 1, "echo 'Traceback (most recent call last):' >&2; echo done", "done\n")
     assert run(printing, tmp_path, dict(os.environ), 60).status == "failed"
     assert run(replace(printing, command="echo done"), tmp_path, dict(os.environ), 60).status == "ran"
+
+
+def test_the_runners_diff_lists_what_differs_not_what_the_excerpt_leaves_out():
+    from benchmarks.docs_commands import short_diff
+
+    shown = " a   1\n b   2\n"
+    printed = "a caption\n\n a 1\n b 3\n\nthe notes below\nmore notes\n"
+    assert short_diff(shown, printed) == "- b 2\n+ b 3"
+    assert short_diff(" caption x\n a 1\n", printed) == "- caption x\n+ a caption"
