@@ -62,13 +62,13 @@ NOT_MODELLED = {
                  "planner's, the time-balanced cut within each device's 80 GB as the simulator holds it, a split "
                  "backward's weight-pass inputs and gradients from I until W included, a device's two stages by "
                  "their coincident peak (docs/hardware.md: 4 layers on stages 0 to 14, 5 on stage 15, 4 MoE layers "
-                 "a middle stage as DeepSeek's profile-data gives a chunk; 80,208 MiB on devices 7 and 8)",
+                 "a middle stage as DeepSeek's profile-data gives a chunk; 80,080 MiB on devices 7 and 8)",
     "communication SMs": "20 of the H800's 132 SMs run the all-to-all kernels (section 3.2.2); the overlapped "
                          "pairs' compute is priced on all 132",
     "DeepEP's buffers": "its Buffer's NVLink and RDMA buffers, held for the run, are not counted: 681 MiB a rank "
                         "at 64 ranks, 20 SMs and 7,168 16-bit hidden values, by deepseek-ai/DeepEP's size hints "
                         "(csrc/legacy/config.hpp) at its 64-rank dispatch and combine configs "
-                        "(deep_ep/buffers/legacy.py); device 7 would hold 80,889 MiB",
+                        "(deep_ep/buffers/legacy.py); device 7 would hold 80,761 MiB",
     "fine-grained FP8": "1x128 activation tiles and 128x128 weight blocks with FP32 promotion every 128 products "
                         "(section 3.3.2), the dispatch sent in FP8 (3.3.3): their casts priced as TransformerEngine's "
                         "per-tensor recipe's, the dispatch in 16 bits (what it keeps is modelled: --fp8-recipe "

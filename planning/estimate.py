@@ -1486,7 +1486,11 @@ def wgrad_kept(layer: LayerCount, split: _Split, rest_share: float) -> tuple[int
     all-gathered into it), products that read one input column-parallel (Megatron-core fuses them: q, k and v its
     linear_qkv, a gated MLP's gate and up its linear_fc1), any other as `_Split.matmul` splits it; both 1/C. Whatever
     the recomputation: a recomputed layer's products save their inputs again in B, which puts them in the store as the
-    forward's would have been."""
+    forward's would have been. Not a mixture of experts' gating products (`LayerCount.weight_grad_router`): the
+    router's weight is a plain Parameter its `gating` multiplies by torch.nn.functional.linear (megatron/core/
+    transformer/moe/router.py at 7094270c6f; core_v0.14.0's RouterGatingLinearFunction makes its weight gradient in
+    its own backward), not through that store, so autograd makes its weight gradient in B, which frees what it read
+    then: its output gradient, and its input where nothing else saves it (`LayerCount.router_input_saves`)."""
     inputs, gradients = wgrad_kept_tensors(layer, split, rest_share)
     return (None if inputs is None else round(sum(inputs) / split.context)), round(sum(gradients) / split.context)
 
@@ -1498,13 +1502,26 @@ def wgrad_kept_tensors(layer: LayerCount, split: _Split, rest_share: float
     if not layer.linear_input_saves:
         return None, ()
     inputs = tuple(nbytes / split.t if split.core(shape) else nbytes * rest_share
-                   for (shape, nbytes), how in zip(layer.saved_tensors, layer.linear_input_saves) if how)
+                   for shape, nbytes in map(layer.saved_tensors.__getitem__, _deferred_saves(layer)))
     gradients = []
-    for shape, nbytes, shares_input in layer.weight_grad_outputs:
+    for (shape, nbytes, shares_input), router in zip(layer.weight_grad_outputs, _gating(layer), strict=True):
+        if router:
+            continue
         batch, m, n, _ = split.matmul(OpCount("mm", "matmul", shape, 0, 0, 1), forward=True)[0].shape
         gradients.append(nbytes / split.t if shares_input
                          else nbytes * (batch * m * n) / (shape[0] * shape[1] * shape[2]))
     return inputs, tuple(gradients)
+
+
+def _gating(layer: LayerCount) -> tuple[bool, ...]:
+    """Per product of `layer.weight_grad_outputs`, whether it is a gating product (`LayerCount.weight_grad_router`)."""
+    return layer.weight_grad_router or (False,) * len(layer.weight_grad_outputs)
+
+
+def _deferred_saves(layer: LayerCount) -> list[int]:
+    """The indices in `layer.saved_tensors` of the products' inputs a deferred weight pass keeps (`wgrad_kept`)."""
+    routers = set(layer.router_input_saves)
+    return [i for i, how in enumerate(layer.linear_input_saves) if how and i not in routers]
 
 
 @dataclass(frozen=True)
@@ -1641,7 +1658,7 @@ def _weight_splits(layer: LayerCount, forward: dict[int, tuple[int, str, str]], 
     record its products' storages."""
     outputs = layer.weight_grad_outputs
     routed = layer.weight_grad_routed or (False,) * len(outputs)
-    router = layer.weight_grad_router or (False,) * len(outputs)
+    router = _gating(layer)
     reads = dict(layer.forward_reads)
     sequence = {number for _, number in layer.sequence_inputs}
     weights: dict[int, str] = {}
@@ -1814,25 +1831,27 @@ def _wgrad_kept_storages(layer: LayerCount, split: _Split, parallel: Parallelism
                          ) -> tuple[frozenset[int] | None, tuple[int, ...], tuple[int, ...]]:
     """What a deferred weight pass keeps of `layer` on a rank (`wgrad_kept_tensors`), as the caching allocator's
     replay holds it (`LayerAllocations.wgrad_kept`, `wgrad_inputs`, `wgrad_gradients`): each product's saved input
-    the forward made, held where it is: matched by bytes to the saved storages the weighted products read, in the
-    order the forward made them (the count records which saved tensor a product saves, not its storage, but which
-    storages the op making each product's output read: `forward_reads` of `product_allocations`; a count from before
-    those, to every storage autograd saves); the bytes on the rank of the inputs matched to none (the layer's own
-    input, a float8 copy) and of the output gradients. (None, (), ()) where the count does not mark the inputs."""
+    the forward made, held where it is: matched by bytes to the saved storages the weighted products (not the gating
+    ones) read, in the order the forward made them (the count records which saved tensor a product saves, not its
+    storage, but which storages the op making each product's output read: `forward_reads` of `product_allocations`;
+    a count from before those, to every storage autograd saves); the bytes on the rank of the inputs matched to none
+    (the layer's own input, a float8 copy) and of the output gradients. (None, (), ()) where the count does not mark
+    the inputs."""
     inputs, gradients = wgrad_kept_tensors(layer, split, _rest_share(parallel))
     if inputs is None:
         return None, (), ()
     made = {number: nbytes for number, _, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes > 0}
     unmatched = list(layer.saved_allocations)
     if layer.forward_reads and layer.product_allocations:
-        weighted = {tuple(shape) for shape, _, _ in layer.weight_grad_outputs}
+        weighted = {tuple(shape) for (shape, _, _), router in zip(layer.weight_grad_outputs, _gating(layer))
+                    if not router}
         reads = dict(layer.forward_reads)
         read = {number for product, shape in layer.product_allocations.get("fwd", ()) if tuple(shape) in weighted
                 for number in reads.get(product, ())}
         unmatched = [number for number in unmatched if number in read]
     held: set[int] = set()
     elsewhere = []
-    saves = [nbytes for (_, nbytes), how in zip(layer.saved_tensors, layer.linear_input_saves) if how]
+    saves = [layer.saved_tensors[i][1] for i in _deferred_saves(layer)]
     for nbytes, on_rank in zip(saves, inputs, strict=True):
         number = next((number for number in unmatched if made.get(number) == nbytes), None)
         if number is None:

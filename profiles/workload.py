@@ -93,6 +93,10 @@ class LayerCount:
     # per routed expert; its shared expert's gate's, one a token: workload/moe.py `routing`), whose weight tensor
     # parallelism keeps whole; (): none
     weight_grad_router: tuple[bool, ...] = ()
+    # the indices in saved_tensors of the storages that only gating products (weight_grad_router) save as their input,
+    # which their weight gradient, computed in the input-gradient pass, reads there (planning/estimate.py
+    # `wgrad_kept`); (): none, or not recorded
+    router_input_saves: tuple[int, ...] = ()
     # of param_bytes, its norms' weights (their scales and shifts): no product reads them, and tensor parallelism
     # keeps them whole on every rank (planning/estimate.py `replicated_share`)
     norm_param_bytes: int = 0

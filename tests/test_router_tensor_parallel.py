@@ -180,3 +180,23 @@ def test_a_rank_holds_the_routers_outputs_as_its_products_write_them(layer, sequ
         made = {n: nbytes for n, _, nbytes, _ in layer.allocations[name] if nbytes > 0}
         on_rank = {n: nbytes for n, nbytes in estimate._rank_pass(layer, split, name, E) if nbytes > 0}
         assert on_rank[number] == made[number] * share
+
+
+def test_a_deferred_weight_pass_keeps_nothing_of_the_router(counted):
+    """Megatron-core's router makes its weight gradient in B (a plain Parameter through F.linear, not the zero-bubble
+    fork's WeightGradStore): a deferred W keeps neither its output gradient nor the input only it saves (the norm's
+    output, tokens x width), and the replay holds no storage of it until W."""
+    layer = counted.layers[1]
+    [i] = layer.router_input_saves
+    assert layer.saved_tensors[i][1] == TOKENS * H * E
+    inputs, gradients = estimate.wgrad_kept_tensors(layer, _Split.of(layer, Parallelism()), 1.0)
+    assert gradients == tuple(nbytes for (_, nbytes, _), router in zip(layer.weight_grad_outputs,
+                                                                       layer.weight_grad_router) if not router)
+    assert sum(inputs) == sum(nbytes for j, ((_, nbytes), how) in enumerate(zip(layer.saved_tensors,
+                                                                                 layer.linear_input_saves))
+                              if how and j != i)
+    reads = dict(layer.forward_reads)
+    [scores] = [number for number, shape in layer.product_allocations["fwd"] if shape == ROUTER]
+    read = set(reads[scores]) & set(layer.saved_allocations)
+    kept = estimate.layer_allocations(counted, Parallelism())[1].wgrad_kept
+    assert read and kept and not read & kept

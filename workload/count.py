@@ -769,6 +769,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         weight_grad_outputs=_weight_grad_outputs(products),
         weight_grad_routed=tuple(product.routed for product in products),
         weight_grad_router=tuple(product.router for product in products),
+        router_input_saves=_router_input_saves(saved, products),
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
@@ -799,6 +800,13 @@ def _weight_grad_outputs(products: list[_Product]
     whether another product reads its input too."""
     readers = Counter(id(product.input_storage) for product in products)
     return tuple((product.shape, product.output_bytes, readers[id(product.input_storage)] > 1) for product in products)
+
+
+def _router_input_saves(saved: dict[int, _Save], products: list[_Product]) -> tuple[int, ...]:
+    """`LayerCount.router_input_saves` of a forward's `saved` storages: those gating products read and no other."""
+    others = {id(product.input_storage) for product in products if not product.router}
+    routers = {id(product.input_storage) for product in products if product.router} - others
+    return tuple(i for i, key in enumerate(saved) if key in routers)
 
 
 def _sequence_inputs(saved: dict[int, _Save], live: _LiveBytes) -> tuple[tuple[int, int], ...]:
