@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO))  # the repository's tests/, whose readers of the docs this runs
 
 from tests.test_docs_commands import DOCS, DocCommand, doc_commands, is_placeholder, pipesim_steps  # noqa: E402
-from tests.test_readme import SHARED_PATHS  # noqa: E402
+from tests.test_readme import SHARED_PATHS, user_folder  # noqa: E402
 
 ELISIONS = ("...", "…")
 RULE = re.compile(r"[\u2500-\u257f+|-]+")  # box drawing (a rule, its corners and joints), + | -
@@ -162,13 +162,10 @@ def run(command: DocCommand, folder: Path, env: dict[str, str], timeout_s: float
 
 def run_doc(doc: Path, cache: Path, timeout_s: float, gpu: bool, ranks: bool) -> list[Outcome]:
     """Every command of one doc, in its order, in a fresh folder."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               PIPESIM_CACHE_DIR=str(cache))
-    env.pop("COLUMNS", None)
     outcomes = []
     with tempfile.TemporaryDirectory(prefix=f"docs-{doc.stem}-") as folder:
-        for name in SHARED_PATHS:
-            (Path(folder) / name).symlink_to(REPO / name)
+        env = user_folder(Path(folder), cache)
+        env.pop("COLUMNS", None)
         for command in doc_commands(doc):
             reason = skip_reason(command, gpu, ranks)
             outcome = Outcome(command, "skipped", reason) if reason else run(command, Path(folder), env, timeout_s)

@@ -61,12 +61,18 @@ def test_the_readme_is_short_and_shows_commands():
 MEASURING = ("pipesim calibrate", "pipesim run", "pipesim study")  # they time this machine and share its host cache
 
 
-def _run_section(commands: list[str], folder: Path, host_cache: Path) -> str | None:
-    """Run one section's commands in order in `folder`: None, or what the first one that failed printed."""
+def user_folder(folder: Path, host_cache: Path) -> dict[str, str]:
+    """Lay out `folder` as a user's copy of the repository holds what the docs' commands read (`SHARED_PATHS`, linked),
+    and the environment they run in there: this venv's commands first on PATH, `host_cache` the host cache."""
     for name in SHARED_PATHS:
         (folder / name).symlink_to(REPO / name)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               PIPESIM_CACHE_DIR=str(host_cache))
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                PIPESIM_CACHE_DIR=str(host_cache))
+
+
+def _run_section(commands: list[str], folder: Path, host_cache: Path) -> str | None:
+    """Run one section's commands in order in `folder`: None, or what the first one that failed printed."""
+    env = user_folder(folder, host_cache)
     for command in commands:
         done = subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True,
                               timeout=600)
