@@ -62,9 +62,10 @@ class Wait:
     wall_s: float = WAIT_WALL_S
     began_s: float = field(init=False, default_factory=time.monotonic)
     began_cpu_s: float | None = field(init=False)
+    checked_s: float = field(init=False)  # when `over` last read /proc
 
     def __post_init__(self) -> None:
-        self.began_cpu_s = tree_cpu_s(self.pid)
+        self.began_cpu_s, self.checked_s = tree_cpu_s(self.pid), self.began_s
 
     def spent(self) -> tuple[float, float]:
         """(CPU-seconds, wall seconds) since the wait began."""
@@ -73,6 +74,7 @@ class Wait:
 
     def over(self) -> bool:
         cpu_s, wall_s = self.spent()
+        self.checked_s = time.monotonic()
         return cpu_s > self.cpu_s or wall_s > self.wall_s
 
     def __str__(self) -> str:
@@ -119,10 +121,12 @@ class Browser:
                   deviceScaleFactor=1, mobile=False)
 
     def _read(self, method: str, wait: Wait) -> dict[str, Any]:
+        """The next message; TimeoutError once `wait` is over, read each STATUS_POLL_S whether messages come or not
+        (events streaming in, console logs, do not hold off a reply that never comes)."""
         while b"\0" not in self._buffer:
+            if time.monotonic() - wait.checked_s >= STATUS_POLL_S and wait.over():
+                raise TimeoutError(f"chromium did not answer {method}: {wait}")
             if not select.select([self._replies], [], [], STATUS_POLL_S)[0]:
-                if wait.over():
-                    raise TimeoutError(f"chromium did not answer {method}: {wait}")
                 continue
             chunk = os.read(self._replies, 1 << 20)
             if not chunk:
@@ -382,6 +386,19 @@ def test_a_page_that_never_finishes_is_a_timeout(tmp_path, script, cpu_s, wall_s
     spent = re.search(r"([\d.]+) of [\d.]+ CPU-s in (\d+) of [\d.]+ s$", str(raised.value))
     assert spent, raised.value
     assert (float(spent[1]) >= cpu_s, int(spent[2]) >= wall_s) == (ended_by == "cpu", ended_by == "wall"), raised.value
+
+
+@needs_chromium
+def test_a_call_never_answered_is_a_timeout_while_events_stream_in(tmp_path):
+    """A page logging every 10 ms sends chromium's events faster than a wait polls: the wait still ends."""
+    page = tmp_path / "chatty.html"
+    page.write_text("<html><body><script>setInterval(() => console.log('tick'), 10)</script></body></html>")
+    with Browser(200, 200) as browser:
+        browser.call("Page.navigate", session=True, url=page.resolve().as_uri())
+        while browser.evaluate("location.protocol + document.readyState") != "file:complete":
+            time.sleep(STATUS_POLL_S)
+        with pytest.raises(TimeoutError, match="did not answer Runtime.evaluate"):
+            browser.evaluate("new Promise(resolve => { window.kept = resolve })", Wait(browser.proc.pid, wall_s=3))
 
 
 @needs_chromium
