@@ -85,6 +85,9 @@ ZERO_MAIN_GRADS = "zero_main_grads"
 # FSDP2 without a pipeline: each pass gathers (and a forward reshards, a backward reduce-scatters) block by block
 # (`_unpipelined`); a pass so named runs its EACH program
 EACH = ":each"
+# A row whose pass the row before ran too, with no other between (GPipe's order): a forward after a forward finds
+# FSDP2's root and last block still whole, a backward after a backward finds them resharded (`_unpipelined`)
+AGAIN = ":again"
 # FSDP2 makes a reduce-scatter's output on its reduce-scatter stream and an all-gather's flat output on its
 # all-gather stream (`FSDPCommContext`), whose cached blocks serve no other stream; a device's second model part
 # the next two, and so on (`stage_program`'s part)
@@ -856,9 +859,11 @@ def _unpipelined(program: Program, stage: Sequence[LayerAllocations], passes: di
     frees its weights, the previous reduce-scatter input, makes its own (float32, `foreach_reduce`), frees the
     gradients and makes their shard on the reduce-scatter stream, held to zero_grad, or, on a later backward of
     the mini-batch, added to the held one and freed; the root's gradients wait for the backward's end
-    (`_root_post_backward_final_callback`), which frees the last reduce-scatter input. LEFT + EACH makes the
-    shards and the last block's all-gather output as the step before left them; ZERO_GRAD + EACH frees the
-    shards. The root group's two slots, which the stage's rows carry."""
+    (`_root_post_backward_final_callback`), which frees the last reduce-scatter input. AGAIN: a forward after a
+    forward (`_unpipelined_forward`), a backward after a backward (`_unpipelined_backward`). LEFT + EACH makes the
+    shards and the last block's all-gather output as the step before left them (where that step's last forward came
+    after another, its last output was the block's before, as large in a model of like blocks); ZERO_GRAD + EACH
+    frees the shards. The root group's two slots, which the stage's rows carry."""
     blocks = [index for index, layer in enumerate(stage) if layer.unsharded and not layer.fsdp_root]
     roots = [index for index, layer in enumerate(stage) if layer.unsharded and layer.fsdp_root]
     def summed(indices: list[int], which: int) -> int:
@@ -876,35 +881,26 @@ def _unpipelined(program: Program, stage: Sequence[LayerAllocations], passes: di
                                 summed(roots, 1)))
     if not groups:
         return []
-    of = {index: group for group in groups for index in group.layers}
-    kept = groups[-1]  # the forward's last all-gather output, freed at the next forward's first gather
-    previous = [kept]  # the group whose forward all-gather output FSDP2 keeps (`all_gather_state`)
-
-    def gather(group: _Group) -> list[Op]:
-        """`unshard` then `wait_for_unshard` in a forward: the output made, the previous one freed, the weights."""
-        program.free(previous[0].flat)
-        freed = [program.ops.pop()]
-        same = previous[0] is group  # one slot: freed before it is made again
-        previous[0] = group
-        return [*(freed if same else ()), *group.gather, *(() if same else freed),
-                *(op for index in group.layers for op in gathered[1][index])]
-
+    kept = groups[-1]  # left whole by a forward; its all-gather output held to the next forward (`all_gather_state`)
     begins = len(program.ops)
     held: dict[int, dict[int, int]] = {}
-    ops = gather(groups[0]) if roots else []
+    forwards = []  # each layer's forward, then its block's weights freed where resharded (`post_forward`)
     for index, layer in enumerate(stage):
-        if index in of and not layer.fsdp_root:
-            ops += gather(of[index])
         start = len(program.ops)
         held[index] = _forward(program, layer)
-        if index in of and not layer.fsdp_root and of[index] is not kept:
+        if layer.unsharded and not layer.fsdp_root and index not in kept.layers:
             for slot in gathered[0][index]:
                 program.free(slot)
-        ops += program.ops[start:]
-    passes["fwd" + EACH] = tuple(ops)
-    for first in (True, False):
-        passes["bwd" + EACH + (FIRST if first else "")] = _unpipelined_backward(
-            program, stage, dict(held), groups, gathered, kept, first, REDUCE_SCATTER_STREAM + 2 * part)
+        forwards.append(program.ops[start:])
+    for again in (False, True):
+        passes["fwd" + EACH + (AGAIN if again else "")] = _unpipelined_forward(
+            program, stage, groups, forwards, gathered[1], again)
+    program.malloc(summed(kept.layers, 0), ALL_GATHER_STREAM + 2 * part)
+    regathered = program.ops.pop()  # a backward's all-gather output of the kept group, beside the one held
+    for first, again in ((True, False), (False, False), (False, True)):  # a mini-batch's first follows a forward
+        passes["bwd" + EACH + (AGAIN if again else "") + (FIRST if first else "")] = _unpipelined_backward(
+            program, stage, dict(held), groups, gathered, first, REDUCE_SCATTER_STREAM + 2 * part,
+            regathered if again else None)
     del program.ops[begins:]
     passes[LEFT + EACH] = (*(op for group in groups for op in group.reduce), *kept.gather)
     zeroed = len(program.ops)
@@ -914,16 +910,59 @@ def _unpipelined(program: Program, stage: Sequence[LayerAllocations], passes: di
     return [groups[0].flat, groups[0].shard] if roots else []
 
 
+def _unpipelined_forward(program: Program, stage: Sequence[LayerAllocations], groups: list[_Group],
+                         forwards: list[list[Op]], copies: list[tuple[Op, ...]], again: bool) -> tuple[Op, ...]:
+    """`_unpipelined`'s forward of `forwards` (each layer's), FSDP2's groups gathered as they begin, the root's
+    before the first layer (`pre_forward`: `unshard`, then `wait_for_unshard` frees the output held since the
+    forward before, `all_gather_state`, and copies the weights out); `again`, after a forward with no backward
+    between (GPipe's order), the root and the last block still whole (`unshard` is a no-op for them). The
+    forward's last all-gather output is made in the last group's slot, where the next forward and LEFT find it."""
+    kept = groups[-1]
+    gathering = [group for group in groups if not again or group is not kept and not stage[group.layers[0]].fsdp_root]
+    ops: list[Op] = []
+    previous = kept.flat
+    for index, forward in enumerate(forwards):
+        for group in gathering:
+            if index != (0 if stage[group.layers[0]].fsdp_root else group.layers[0]):
+                continue
+            (slot, request, pool), = group.gather
+            into = kept.flat if group is gathering[-1] else slot
+            program.free(previous)
+            freed = program.ops.pop()
+            made = (into, request, pool)
+            # the output made before the previous one is freed, but in one slot (a forward of one gather)
+            ops += [freed, made] if into == previous else [made, freed]
+            ops += [op for layer in group.layers for op in copies[layer]]
+            previous = into
+        ops += forward
+    return tuple(ops)
+
+
 def _unpipelined_backward(program: Program, stage: Sequence[LayerAllocations], held: dict[int, dict[int, int]],
                           groups: list[_Group], gathered: tuple[list[list[int]], list[tuple[Op, ...]]],
-                          kept: _Group, first: bool, stream: int) -> tuple[Op, ...]:
+                          first: bool, stream: int, regathered: Op | None) -> tuple[Op, ...]:
     """`_unpipelined`'s backward: `first`, the mini-batch's first, whose shards are held to zero_grad; `stream`:
-    the reduce-scatter stream."""
+    the reduce-scatter stream; `regathered`, where a backward came after it with no forward between (GPipe's
+    order), the op making the last group's all-gather output again, the root and the last block resharded by that
+    backward: the root's `pre_backward` gathers it and prefetches the last block before the head's backward, or
+    without a root the last block's own gathers it; None: a forward left them whole."""
     begins = len(program.ops)
+    kept = groups[-1]
     blocks = [group for group in groups if not stage[group.layers[0]].fsdp_root]
+    rooted = len(blocks) < len(groups)
     at = {group.layers[0]: place for place, group in enumerate(blocks)}
     reduced: list[int] = []  # the reduce-scatter input FSDP2 keeps until the next group's (`reduce_scatter_state`)
     root_gradients: list[int] = []
+
+    def gather(group: _Group) -> tuple[Op, ...]:
+        """The op making the group's all-gather output."""
+        return group.gather if regathered is None or group is not kept else (regathered,)
+
+    def copy_out(group: _Group) -> None:
+        """`wait_for_unshard` in a backward: the weights copied out, the all-gather output (its op's slot) freed at
+        once."""
+        program.ops += [op for index in group.layers for op in gathered[1][index]]
+        program.free(gather(group)[0][0])
 
     def post_backward(group: _Group, gradients: Iterable[int]) -> None:
         for slot in [*(slot for index in group.layers for slot in gathered[0][index]), *reduced]:
@@ -936,13 +975,19 @@ def _unpipelined_backward(program: Program, stage: Sequence[LayerAllocations], h
         else:  # added to the shard held since the mini-batch's first backward, then freed
             program.free(program.malloc(group.shard_bytes, stream))
 
+    if regathered is not None and rooted:
+        program.ops += gather(groups[0])
+        copy_out(groups[0])
+        if blocks:
+            program.ops += gather(kept)
     for index in reversed(range(len(stage))):
         layer = stage[index]
         place = at.get(index)
         if place is not None:  # pre_backward: the prefetched output copied out and freed, the block before's made
-            if blocks[place] is not kept:
-                program.ops += gathered[1][index]
-                program.free(blocks[place].flat)
+            if blocks[place] is not kept or regathered is not None:
+                if blocks[place] is kept and not rooted:
+                    program.ops += gather(kept)
+                copy_out(blocks[place])
             if place:
                 program.ops += blocks[place - 1].gather
         if layer.rerun is not None:
@@ -958,7 +1003,7 @@ def _unpipelined_backward(program: Program, stage: Sequence[LayerAllocations], h
         for number, slot in done.items():
             if number not in gradients:
                 program.free(slot)
-    if len(blocks) < len(groups):
+    if rooted:
         post_backward(groups[0], root_gradients)
     for slot in reduced:  # the final callback's: the last reduce-scatter input
         program.free(slot)
@@ -1025,7 +1070,7 @@ class _Replay:
         its later ones."""
         name, stage, microbatch = self.numbered[at]
         program = self.programs[stage]
-        each = EACH if EACH in name else ""
+        each = EACH + (AGAIN if AGAIN in name else "") if EACH in name else ""
         if ZERO in name:
             stepped = self.adam_at_first_step and self.zeros  # the optimizer's step ended the mini-batch before
             if stepped:
@@ -1215,10 +1260,13 @@ def minibatch_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
 def unpipelined_events(rows: Sequence[tuple[str, int, tuple[int, int, int]]]
                        ) -> list[tuple[str, int, tuple[int, int, int]]]:
     """`device_rows`' rows of a device without a pipeline named as FSDP2 runs each (EACH: `_unpipelined`), ZERO on
-    its mini-batch's first row, FIRST on its first backward (whose shards are held to the next zero_grad)."""
+    its mini-batch's first row, AGAIN on a row whose pass the row before ran too, FIRST on its first backward (whose
+    shards are held to the next zero_grad). The step before ended with a backward, as each does."""
+    passes = [name for name, _, _ in rows]
     return [(name.split(":")[0] + (ZERO if ZERO in name else "") + EACH
+             + (AGAIN if at and passes[at - 1] == passes[at] else "")
              + (FIRST if FIRST in name and not name.startswith("fwd") else ""), stage, microbatch)
-            for name, stage, microbatch in step_events(rows)]
+            for at, (name, stage, microbatch) in enumerate(step_events(rows))]
 
 
 @functools.lru_cache(maxsize=64)
