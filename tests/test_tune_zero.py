@@ -12,6 +12,7 @@ import pytest
 
 from pipesim.planning import tune as tuning
 from tests.conftest import pipesim, refused
+from tests.test_tune import differences, exhaustive
 from tests.test_tune_layouts import GPU, SMALL_GPT, _rows, _searched, exactly_searched
 
 FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
@@ -95,3 +96,22 @@ def test_bad_sharding_is_refused_in_one_line(tmp_path, monkeypatch):
         "error: --zero 1: tune shards --gpu's estimates; give --gpu NAME and --model in place of --profile\n")
     assert refused("tune", "--profile", profile, "-D", 8, "--precision", "megatron").startswith(
         "error: --precision: a profile holds its weights")
+
+
+WIDE = ("--width", 512, "--seq-len", 16)  # weights heavy beside the activations: the floor is most of the peak
+
+
+@pytest.mark.parametrize(("flags", "cap_gib"), [
+    pytest.param(("-s", "1f1b,zb-h1", "--zero", 2), 0.09, id="zero-2"),
+    pytest.param(("-s", "interleaved-1f1b,zb-v", "--zero", 3, "--precision", "fsdp2"), 0.085, id="zero-3-fsdp2")])
+def test_a_layout_the_cap_holds_is_not_left_out_by_its_floor(flags, cap_gib):
+    """One stage over 8 replicas of a GPT whose weights outweigh its activations: its floor counted the gradients
+    whole at ZeRO-2 (102.3 MB against an 89.3 MB peak) and the weights whole at ZeRO-3 (95.6 MB against 85.3 MB),
+    so under a cap between them the fastest layout was left out unsimulated, and the search chose a slower one."""
+    settings, problem = _searched(*FLAGS, *WIDE, *flags)
+    capped = tuning.Problem(8, int(cap_gib * tuning.GIB), problem.batch_size, problem.schedules, zero=problem.zero)
+    found = tuning.tune(settings, capped)
+    best, faster, staler, _ = exhaustive(settings, capped)
+    assert differences(found, best, faster, staler) == []
+    choice = best[0][0].config
+    assert (choice.stages, choice.replicas) == (1, 8), choice.label()
