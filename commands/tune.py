@@ -417,8 +417,8 @@ def _print_tuning(tuning, measured, work: dict) -> None:
                  f"FLOPs per second over the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
     per_stage = f"·{context}" * (context > 1)
     precision = _held_as(measured)
-    one = f"d{per_stage} = 1 " + ("not searched" if precision == "fsdp2" else "shards nothing")
-    held = (f"ZeRO-{problem.zero} over the d{per_stage} replicas ({one}), " * bool(problem.zero)
+    one = f" (d = 1 {'not searched' if precision == 'fsdp2' else 'shards nothing'})" * (context == 1)  # at C > 1 no d·C is 1
+    held = (f"ZeRO-{problem.zero} over the d{per_stage} replicas{one}, " * bool(problem.zero)
             + f"precision {precision}, " * (precision is not None))
     replicas = (f"d = D/(p·t{per_stage}) replicas, t{per_stage} GPUs per stage" if work else
                 f"D/(p·{tensor * context}) replicas, {tensor * context} GPUs per stage" if tensor * context > 1 else

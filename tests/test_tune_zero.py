@@ -74,6 +74,11 @@ def test_the_table_and_json_say_the_sharding(monkeypatch):
         words = " ".join(out.split())
         assert "ZeRO-2 over the d replicas (d = 1 shards nothing)" in words, words
         assert "reduce-scatter and all-gather" in words
+    code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, "-s", "1f1b", "--zero", 1, "--context-parallel", 2,
+                             "--attention", "flash")
+    assert code == 0, err
+    words = " ".join(out.split())  # C = 2: every layout has d·C >= 2 ranks, none that shards nothing
+    assert "ZeRO-1 over the d·2 replicas, " in words and "= 1 shards nothing" not in words, words
 
 
 def test_bad_sharding_is_refused_in_one_line(tmp_path, monkeypatch):
