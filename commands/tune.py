@@ -211,7 +211,7 @@ def tune(
                                  f"{what.cluster_gpus} GPUs")
             context = what.context
             _check_degrees(devices, tensor_parallel, data_parallel, context)
-            if what.precision == "fsdp2" and devices // (context * (tensor_parallel or 1)) == 1:
+            if what.precision == "fsdp2" and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1
                 given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
                 raise InputError(f"--precision fsdp2 shards the weights over d·C ranks: --devices {devices}{given} "
                                  "leaves one replica; give more devices")
@@ -417,7 +417,8 @@ def _print_tuning(tuning, measured, work: dict) -> None:
                  f"FLOPs per second over the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
     per_stage = f"·{context}" * (context > 1)
     precision = _held_as(measured)
-    one = f" (d = 1 {'not searched' if precision == 'fsdp2' else 'shards nothing'})" * (context == 1)  # at C > 1 no d·C is 1
+    # at C > 1 no layout's d·C is 1
+    one = f" (d = 1 {'not searched' if precision == 'fsdp2' else 'shards nothing'})" * (context == 1)
     held = (f"ZeRO-{problem.zero} over the d{per_stage} replicas{one}, " * bool(problem.zero)
             + f"precision {precision}, " * (precision is not None))
     replicas = (f"d = D/(p·t{per_stage}) replicas, t{per_stage} GPUs per stage" if work else
