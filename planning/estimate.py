@@ -1552,17 +1552,18 @@ class Regions:
 
 def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float,
                      gradient_element_bytes: int) -> dict[str, int]:
-    """Per pass, the bytes of the transient tensors at the pass's peak on one of the t·C ranks: under tensor
-    parallelism the peak of the pass's allocations as the rank makes them (`_rank_pass` with
+    """Per pass, the bytes of the transient tensors at the pass's peak on one of the t·C ranks: under tensor or
+    context parallelism the peak of the pass's allocations as the rank makes them (`_rank_pass` with
     `gradient_element_bytes`: a residual-stream tensor whole without sequence parallelism, as Megatron-LM keeps it,
     any other 1/t, a head's, an MLP's or the vocabulary's share; under sequence parallelism what a product holds
-    whole), which need not be the tensors live at the count's peak (the head's input gradient, whole before its
-    reduction, outweighs its vocabulary-split logits' gradients at t ranks), else the count's (`_on_rank`: 1/C);
+    whole; each 1/C but a parameter's gradient), which need not be the tensors live at the count's peak (the head's
+    input gradient, whole before its reduction, outweighs its vocabulary-split logits' gradients at t ranks), else
+    the count's;
     and in the input-gradient and full backward the `recomputed` bytes, which the backward recreates before it
     frees them (Korthikanti et al. 2022, section 4: full recomputation holds one layer's activations during its
     backward)."""
     def peak(name: str) -> float:
-        if split.t == 1 or not layer.allocations.get(name):
+        if (split.t == 1 and split.context == 1) or not layer.allocations.get(name):
             return sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
         events = _rank_pass(layer, split, name, gradient_element_bytes)
         made: dict[int, int] = {}
@@ -1596,11 +1597,13 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
       the last (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its
       own, megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
     Without the count's products, or without sequence parallelism, `_on_rank`'s alone, but for what a replicated
-    weight's product writes (`_Split.replicated_whole`)."""
+    weight's product writes (`_Split.replicated_whole`); a parameter's gradient whole on each of the C ranks
+    (`_weight_gradients`)."""
     events = layer.allocations.get(name, ())
     roles = _weighted_products(layer, split.weights, name) if split.weights else {}
-    rank = [(number, round(nbytes / split.context if split.replicated_whole(roles.get(number)) else
-                           _on_rank(shape, nbytes, split))) for number, shape, nbytes, _ in events]
+    weights = _weight_gradients(layer, name)
+    rank = [(number, round(_on_rank(shape, nbytes, split, split.replicated_whole(roles.get(number)),
+                                    number in weights))) for number, shape, nbytes, _ in events]
     if not (split.sequence_parallel and split.t > 1 and layer.product_allocations.get(name)):
         return tuple(rank)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
@@ -1757,11 +1760,39 @@ def _matched(products: Sequence[tuple[int, tuple[int, ...]]],
     return matched
 
 
-def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split) -> float:
-    """A tensor of the count's on one of the t·C ranks: a residual-stream tensor whole without sequence parallelism
-    (as Megatron-LM keeps it), any other 1/t (a head's, an MLP's or the vocabulary's share); every one 1/C."""
-    whole = split.residual(shape) and not split.sequence_parallel
-    return (nbytes if whole or split.t == 1 else nbytes / split.t) / split.context
+def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split, replicated: bool = False,
+             weight: bool = False) -> float:
+    """A tensor of the count's on one of the t·C ranks: a residual-stream tensor (tokens x width, not a `weight` of
+    that shape) whole without sequence parallelism (as Megatron-LM keeps it), a `replicated` one
+    (`_Split.replicated_whole`) whole, any other 1/t (a head's, an MLP's or the vocabulary's share); every one 1/C
+    but a `weight` one (a parameter's gradient, `_weight_gradients`): context parallelism splits the tokens, and each
+    of its C ranks holds the weights, their gradients and their optimizer state whole (Megatron-core's
+    DistributedDataParallel reduces the gradients over the data- and context-parallel group together)."""
+    whole = replicated or (not weight and split.residual(shape) and not split.sequence_parallel)
+    return (nbytes if whole or split.t == 1 else nbytes / split.t) / (1 if weight else split.context)
+
+
+def _weight_gradients(layer: LayerCount, name: str) -> frozenset[int]:
+    """The storages pass `name` of `layer` leaves live that are its parameters' gradients (autograd's .grad): all
+    the weight-gradient pass leaves, and of the full backward's all but its input gradients (as many of each shape
+    and size as the input-gradient pass leaves live); none of another pass's."""
+    if name not in ("bwd", "wgrad"):
+        return frozenset()
+
+    def left(pass_name: str) -> dict[int, tuple]:
+        events = layer.allocations.get(pass_name, ())
+        shapes = {number: shape for number, shape, _, _ in events}
+        return {number: (shapes[number], nbytes)
+                for number, nbytes in left_live([(number, nbytes) for number, _, nbytes, _ in events]).items()}
+
+    inputs = list(left("igrad").values()) if name == "bwd" else []
+    grads = set()
+    for number, tensor in left(name).items():
+        if tensor in inputs:
+            inputs.remove(tensor)
+        else:
+            grads.add(number)
+    return frozenset(grads)
 
 
 def _transformer(layer: LayerCount) -> bool:

@@ -66,6 +66,25 @@ def test_a_parameters_main_gradient_is_made_only_of_16_bit_gradients_and_its_mom
     assert stepped(False) == []
 
 
+def test_context_parallel_ranks_hold_the_weight_gradients_and_their_step_whole(counted):
+    """Context parallelism splits the tokens, not the weights: each of the C ranks makes every parameter's gradient
+    whole, and its step's main gradients and moments (`stepped`), while it makes 1/C of each activation and of the
+    input gradient the full backward leaves beside the weights' (a block of width 256: moments 3,159,040 bytes on
+    a rank at C = 2 as at C = 1, not 1,579,520)."""
+    from pipesim.planning.estimate import Parallelism, layer_allocations
+
+    whole, split = (layer_allocations(counted, Parallelism(context=c), True) for c in (1, 2))
+    block, halved = whole[1], split[1]
+    assert sum(moment for _, moment in block.stepped) == 3_159_040
+    assert [layer.stepped for layer in split] == [layer.stepped for layer in whole]
+    grads = caching_allocator.left_live(block.passes["wgrad"])
+    assert caching_allocator.left_live(halved.passes["wgrad"]) == grads
+    bwd, bwd_split = (sum(caching_allocator.left_live(layer.passes["bwd"]).values()) for layer in (block, halved))
+    input_gradient = bwd - sum(grads.values())
+    assert input_gradient > 0 and bwd_split == bwd - input_gradient // 2
+    assert [nbytes * 2 for _, nbytes in halved.passes["fwd"]] == [nbytes for _, nbytes in block.passes["fwd"]]
+
+
 GPT = ["--gpu", "a100-sxm-80gb", "--model", "gpt", "--layers", "2", "--width", "128", "--heads", "4", "--seq-len",
        "256", "--vocab", "8192", "-p", "2", "-m", "4", "-s", "1f1b"]
 SMALL_GPT = [*GPT, "--dtype", "fp16"]
