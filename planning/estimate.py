@@ -1336,14 +1336,19 @@ def replicated_reduce_ms(layers: Sequence[LayerCount], parallel: Parallelism, he
     LayerNormLinear's `layer_norm_weight`), and finalize_model_grads all-reduces every such parameter's main_grad
     over the tensor-parallel group, coalesced (megatron/core/distributed/finalize_model_grads.py at 7094270c6f,
     core_r0.12.0: `_allreduce_layernorm_grads`; at core_v0.14.0 `_allreduce_non_tensor_model_parallel_grads`).
-    `held`: the precision whose gradient bytes it moves. 0 otherwise: without sequence parallelism each rank's
-    router and norms saw every token; torch's `NoParallel` router reads the gathered input, and its sequence-parallel
-    norms' partial gradients are left to FSDP's reduction (torchtitan's `norm_config`, `replicated_share`)."""
+    Without sequence parallelism each rank's router and norms saw every token, but its query's and key's norms
+    (`LayerCount.qk_norm_param_bytes`) normalise its own heads only, so their gradients are partial sums too, which
+    the same all-reduce takes under `qk_layernorm` (`"q_layernorm" in name or "k_layernorm" in name`; at
+    core_r0.12.0 in `_allreduce_layernorm_grads` likewise): those alone. `held`: the precision whose gradient bytes
+    it moves. 0 under torch: its `NoParallel` router reads the gathered input, and its sequence-parallel norms'
+    partial gradients are left to FSDP's reduction (torchtitan's `norm_config`, `replicated_share`)."""
     t = parallel.tensor
-    if not (t > 1 and parallel.sequence_parallel and parallel.tp_runtime == "megatron"):
+    if not (t > 1 and parallel.tp_runtime == "megatron"):
         return 0.0
-    nbytes = held.gradient_bytes(round(sum(layer.grad_bytes * replicated_share(layer, element_bytes)
-                                           for layer in layers)))
+    nbytes = held.gradient_bytes(round(sum(
+        layer.grad_bytes * (replicated_share(layer, element_bytes) if parallel.sequence_parallel else
+                            layer.qk_norm_param_bytes / layer.param_bytes if layer.param_bytes else 0.0)
+        for layer in layers)))
     return all_reduce_ms(nbytes, t, link.latency_ms, link.bytes_per_ms) if nbytes else 0.0
 
 

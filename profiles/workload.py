@@ -100,6 +100,10 @@ class LayerCount:
     # of param_bytes, its norms' weights (their scales and shifts): no product reads them, and tensor parallelism
     # keeps them whole on every rank (planning/estimate.py `replicated_share`)
     norm_param_bytes: int = 0
+    # of norm_param_bytes, the query's and key's norms' (transformers' q_norm and k_norm, Megatron-core's
+    # q_layernorm and k_layernorm), whose gradients Megatron-core all-reduces over the t ranks even without sequence
+    # parallelism (planning/estimate.py `replicated_reduce_ms`)
+    qk_norm_param_bytes: int = 0
     # per saved tensor, its bytes were the attention kernel's inputs made contiguous before it saved them, as
     # TransformerEngine's context-parallel ring does (workload/count.py `_attention_copied`); (): not recorded
     attention_copied_bytes: tuple[int, ...] = ()

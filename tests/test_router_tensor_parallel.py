@@ -131,6 +131,25 @@ def test_the_count_marks_the_norms_weights(gpt_dense, qwen3_moe):
     width among them): the embedding none, each block two of the width, the head its final one."""
     assert [layer.norm_param_bytes for layer in gpt_dense.layers] == [0, 2 * 2 * H * E, 2 * H * E]
     assert [layer.norm_param_bytes for layer in qwen3_moe.layers] == [0, (2 * H + 2 * 16) * E, H * E, 0]
+    assert [layer.qk_norm_param_bytes for layer in qwen3_moe.layers] == [0, 2 * 16 * E, 0, 0]
+    assert not any(layer.qk_norm_param_bytes for layer in gpt_dense.layers)
+
+
+@needs_transformers
+@pytest.mark.parametrize("sequence_parallel, runtime", [(False, "megatron"), (True, "megatron"), (False, "torch")])
+def test_the_query_and_key_norms_gradients_are_all_reduced_even_without_sequence_parallelism(
+        qwen3_moe, tensor_reductions, sequence_parallel, runtime):
+    """Qwen3's q and k norms (a head's width each) normalise each rank's own heads, so Megatron-core all-reduces
+    their main gradients (float32) over the t ranks whatever sequence parallelism (finalize_model_grads.py
+    `_allreduce_non_tensor_model_parallel_grads`, its `qk_layernorm` branch), those alone without it, among every
+    norm's and the router's with it; torch's tensor parallelism none."""
+    estimate.replicated_reduce_ms(qwen3_moe.layers, Parallelism(tensor=T, sequence_parallel=sequence_parallel,
+                                                                tp_runtime=runtime),
+                                  Parallelism().held(qwen3_moe.dtype), E, placement_links(H100, Parallelism()).tensor)
+    qk_norms = 2 * 16
+    every = EXPERTS * H + 2 * H + qk_norms + H  # the router, the block's two norms and its q and k's, the final norm
+    assert tensor_reductions == {(False, "megatron"): [(qk_norms * 4, T)], (True, "megatron"): [(every * 4, T)],
+                                 (False, "torch"): []}[sequence_parallel, runtime]
 
 
 @pytest.mark.parametrize("runtime", ["megatron", "torch"])

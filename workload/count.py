@@ -326,6 +326,18 @@ class _LiveBytes(TorchDispatchMode):
 _MLA_UP_NAMES = {"q_b_proj", "kv_b_proj", "linear_q_up_proj", "linear_kv_up_proj"}  # transformers', Megatron-core's
 
 
+# The query's and key's norms (transformers' Qwen3 q_norm and k_norm, which Megatron-Bridge loads into
+# Megatron-core's q_layernorm and k_layernorm; MLA's q_a_layernorm is fused into linear_q_up_proj there, as
+# `layer_norm_weight`, so not one of them)
+_QK_NORM_NAMES = {"q_norm", "k_norm", "q_layernorm", "k_layernorm"}
+
+
+def _norm_bytes(layer: torch.nn.Module, names: set[str] | None = None) -> int:
+    """The bytes of `layer`'s norms' weights (`_region_kind`), of those whose own name is among `names` if given."""
+    return sum(_nbytes(p) for name, module in layer.named_modules() if _region_kind(name, module) == "layernorm"
+               and (names is None or name.rpartition(".")[2] in names) for p in module.parameters(recurse=False))
+
+
 def _region_kind(name: str, module: torch.nn.Module) -> str | None:
     """The recomputation region a submodule (its qualified name, itself) is, or None: a norm by its class or name."""
     word = name.rpartition(".")[2]
@@ -773,8 +785,7 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
-        norm_param_bytes=sum(_nbytes(p) for name, module in layer.named_modules()
-                             if _region_kind(name, module) == "layernorm" for p in module.parameters(recurse=False)),
+        norm_param_bytes=_norm_bytes(layer), qk_norm_param_bytes=_norm_bytes(layer, _QK_NORM_NAMES),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
