@@ -1345,11 +1345,18 @@ def replicated_reduce_ms(layers: Sequence[LayerCount], parallel: Parallelism, he
     t = parallel.tensor
     if not (t > 1 and parallel.tp_runtime == "megatron"):
         return 0.0
-    nbytes = held.gradient_bytes(round(sum(
-        layer.grad_bytes * (replicated_share(layer, element_bytes) if parallel.sequence_parallel else
-                            layer.qk_norm_param_bytes / layer.param_bytes if layer.param_bytes else 0.0)
-        for layer in layers)))
+    nbytes = held.gradient_bytes(round(sum(layer.grad_bytes * _partial_gradient_share(layer, parallel, element_bytes)
+                                           for layer in layers)))
     return all_reduce_ms(nbytes, t, link.latency_ms, link.bytes_per_ms) if nbytes else 0.0
+
+
+def _partial_gradient_share(layer: LayerCount, parallel: Parallelism, element_bytes: int) -> float:
+    """Of `layer`'s weights (by bytes), the share whose gradients are partial sums on each of Megatron-core's t ranks
+    (`replicated_reduce_ms`): every replicated weight's under sequence parallelism, else its query's and key's
+    norms'."""
+    if parallel.sequence_parallel:
+        return replicated_share(layer, element_bytes)
+    return layer.qk_norm_param_bytes / layer.param_bytes if layer.param_bytes else 0.0
 
 
 def estimate_layer(layer: LayerCount, device: Device, parallel: Parallelism, tensor_link: EstimateLink,
