@@ -5,13 +5,13 @@ context-parallel C, whose schedules run with them, are the plan's (its rows, lab
 from __future__ import annotations
 
 import json
-
-import pytest
+from pathlib import Path
 
 from pipesim.planning import tune as tuning
-from tests.conftest import pipesim, refused
+from tests.conftest import at_columns, pipesim, refused
 from tests.test_tune import differences, exhaustive
 from tests.test_tune_bounds import bound_excesses
+from tests.test_tune_reserve import searched
 
 GPU = ("--gpu", "h100-sxm")
 SMALL_GPT = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256, "--vocab", 1000)
@@ -23,7 +23,7 @@ def _rows(document: dict) -> list[dict]:
     return [document["choice"], *document["runners_up"], *document["excluded"]]
 
 
-def _estimated(folder, *flags) -> str:
+def _estimated(folder: Path, *flags) -> Path:
     path = folder / "profile.json"
     code, _, err = pipesim("estimate", *GPU, *SMALL_GPT, "-b", 1, "--recompute", "none", *flags, "-o", path)
     assert code == 0, err
@@ -59,22 +59,8 @@ def test_a_profile_estimated_over_2_context_ranks_plans_d_over_d_divided_by_c(tm
 
 
 def _searched(*flags) -> tuple[list[tuning.Setting], tuning.Problem]:
-    """The settings and problem `tune --gpu` searches (the search itself not run)."""
-    captured = []
-
-    def capture(settings, problem, *_):
-        captured.append((settings, problem))
-        raise _Captured
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tuning, "tune", capture)
-        with pytest.raises(_Captured):
-            pipesim("tune", *GPU, *SMALL_GPT, *flags)
-    return captured[0]
-
-
-class _Captured(Exception):
-    """Raised in place of the search: the settings and problem are all the test wanted."""
+    """The settings and problem `tune --gpu` searches for the small GPT (the search itself not run)."""
+    return searched(*flags, model=(*GPU, *SMALL_GPT))
 
 
 def test_a_given_c_is_a_fixed_factor_and_the_search_equals_the_exhaustive_one():
@@ -116,8 +102,6 @@ def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(
 
 
 def test_the_table_and_json_show_c_and_count_every_gpu(monkeypatch):
-    from pipesim.commands import common
-
     code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *CONTEXT, "-s", "1f1b,gpipe", "--json")
     assert code == 0, err
     document = json.loads(out)
@@ -126,8 +110,7 @@ def test_the_table_and_json_show_c_and_count_every_gpu(monkeypatch):
     assert {row["context_parallel"] for row in rows} == {2}
     assert {row["stages"] * row["tensor_parallel"] * row["replicas"] for row in rows} == {4}
     for width in (80, 100):
-        monkeypatch.setenv("COLUMNS", str(width))
-        monkeypatch.setattr(common.stdout, "width", width)
+        at_columns(monkeypatch, width)
         code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *CONTEXT, "-s", "1f1b,gpipe")
         assert code == 0, err
         assert max(map(len, out.splitlines())) <= width

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -52,24 +53,29 @@ def test_allocator_without_gpu_is_refused_in_one_line():
 
 
 class _Captured(Exception):
-    """Raised in place of the search: the command line's settings are all the fixture wanted."""
+    """Raised in place of the search: the settings and problem the command line built are all a test wants."""
 
 
-def searched_settings(*flags, model: tuple = MODEL) -> list:
-    """The profiles `tune --gpu` searches for `model` under `flags` (the search itself not run)."""
+def searched(*flags, model: tuple = MODEL) -> tuple[list, Any]:
+    """The profiles `tune --gpu` searches for `model` under `flags`, and its problem (the search itself not run)."""
     from pipesim.planning import tune as tuning
 
     captured = []
 
-    def capture(settings, *_):
-        captured.extend(settings)
+    def capture(settings, problem, *_):
+        captured.append((list(settings), problem))
         raise _Captured
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tuning, "tune", capture)
         with pytest.raises(_Captured):
             pipesim("tune", *model, *flags)
-    return captured
+    return captured[0]
+
+
+def searched_settings(*flags, model: tuple = MODEL) -> list:
+    """The profiles `tune --gpu` searches for `model` under `flags` (`searched`'s, without its problem)."""
+    return searched(*flags, model=model)[0]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from pipesim.planning import tune as tuning
-from tests.conftest import pipesim, refused
+from tests.conftest import at_columns, pipesim, refused
 from tests.test_tune import differences, exhaustive
 from tests.test_tune_layouts import GPU, SMALL_GPT, _rows, _searched, exactly_searched
 
@@ -57,8 +57,6 @@ def test_zero_makes_the_widest_layout_fit():
 
 
 def test_the_table_and_json_say_the_sharding(monkeypatch):
-    from pipesim.commands import common
-
     code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *SCHEDULES, "--zero", 3, "--precision", "fsdp2",
                              "--json")
     assert code == 0, err
@@ -66,8 +64,7 @@ def test_the_table_and_json_say_the_sharding(monkeypatch):
     assert document["problem"]["zero"] == 3 and document["problem"]["precision"] == "fsdp2"
     assert {row["zero"] for row in _rows(document)} == {3}
     for width in (80, 100):
-        monkeypatch.setenv("COLUMNS", str(width))
-        monkeypatch.setattr(common.stdout, "width", width)
+        at_columns(monkeypatch, width)
         code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *SCHEDULES, "--zero", 2)
         assert code == 0, err
         assert max(map(len, out.splitlines())) <= width
@@ -93,6 +90,10 @@ def test_bad_sharding_is_refused_in_one_line(tmp_path, monkeypatch):
     assert refused("tune", *GPU, *SMALL_GPT, "-D", 2, "--tensor-parallel", 2, "--zero", 3, "--precision",
                    "fsdp2") == ("error: --precision fsdp2 shards the weights over d·C ranks: --devices 2 at "
                                 "--tensor-parallel 2 leaves one replica; give more devices\n")
+    for devices, tensor in ((1, ()), (4, ("--tensor-parallel", 4))):  # every layout d·C = 1: --zero did nothing
+        assert refused("tune", *GPU, *SMALL_GPT, "-D", devices, *tensor, "--zero", 1) == (
+            f"error: --zero 1 shards over d·C ranks: --devices {devices}{' at --tensor-parallel 4' * bool(tensor)} "
+            "leaves one replica; give more devices\n")
     code, out, err = pipesim("tune", *GPU, *SMALL_GPT, "-D", 4, "--tensor-parallel", 2, "--context-parallel", 2,
                              "--attention", "flash", "-B", 8, "-b", 1, "--recompute", "none", "-s", "1f1b", "--zero", 3,
                              "--precision", "fsdp2", "--json")  # d = 1, but d·C = 2 ranks shard: it was refused
