@@ -211,10 +211,12 @@ def tune(
                                  f"{what.cluster_gpus} GPUs")
             context = what.context
             _check_degrees(devices, tensor_parallel, data_parallel, context)
-            if what.precision == "fsdp2" and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1
+            if zero and devices == (tensor_parallel or 1):  # D = t: every d·C = D/(t·p) is 1, nothing shards
                 given = f" at --tensor-parallel {tensor_parallel}" * bool(tensor_parallel)
-                raise InputError(f"--precision fsdp2 shards the weights over d·C ranks: --devices {devices}{given} "
-                                 "leaves one replica; give more devices")
+                sharding = ("--precision fsdp2 shards the weights" if what.precision == "fsdp2" else
+                            f"--zero {zero} shards")
+                raise InputError(f"{sharding} over d·C ranks: --devices {devices}{given} leaves one replica; give more "
+                                 "devices")
             sizes = (microbatch_size,) if microbatch_size is not None else MICROBATCH_SIZES
             batch = batch_size if batch_size is not None else 4 * devices // context * sizes[0]
             sizes = tuple(b for b in sizes if batch % b == 0)
