@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import re
 import shlex
@@ -200,6 +201,8 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="also run the commands that need a GPU")
     parser.add_argument("--ranks", action="store_true", help="also run the commands started under torchrun")
     args = parser.parse_args()
+    if not math.isfinite(args.timeout) or args.timeout <= 0:  # 0 or less times every command out before it runs
+        parser.error(f"--timeout must be a finite number of seconds above 0 (got {args.timeout:g})")
     known = {doc.name: doc for doc in DOCS}
     unknown = [name for name in args.docs if name not in known]
     if unknown:

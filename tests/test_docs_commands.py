@@ -238,3 +238,16 @@ def test_the_runners_diff_lists_what_differs_not_what_the_excerpt_leaves_out():
     printed = "a caption\n\n a 1\n b 3\n\nthe notes below\nmore notes\n"
     assert short_diff(shown, printed) == "- b 2\n+ b 3"
     assert short_diff(" caption x\n a 1\n", printed) == "- caption x\n+ a caption"
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan", "inf"])
+def test_the_runner_refuses_a_timeout_no_command_can_run_within(timeout, monkeypatch, capsys):
+    """Checked before the docs are: an unknown doc named too keeps a broken check from running them all."""
+    from benchmarks.docs_commands import main
+
+    monkeypatch.setattr("sys.argv", ["docs_commands.py", "no-such.md", "--timeout", timeout])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --timeout must be a finite number of seconds above 0 (got {float(timeout):g})")
