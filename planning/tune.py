@@ -613,8 +613,9 @@ class _Built:
                           (grads[bounds[1:]] - grads[bounds[:-1]]).tolist(), [True] + [False] * (len(bounds) - 2)))
         for stage in stages:
             if stage not in priced:  # partitions of a model of like layers cut stages of like bytes
-                priced[stage] = _least_reduce_ms(link, config.replicas, ranks, *stage[:2], config.zero,
-                                                 *stage[2:])
+                nbytes, expert_bytes, grad_bytes, first = stage
+                priced[stage] = _least_reduce_ms(link, config.replicas, ranks, nbytes, expert_bytes, config.zero,
+                                                 grad_bytes, first)
         return np.array([priced[stage] for stage in stages])
 
     def _expert_group(self, setting: Setting, config: Config) -> int | None:
