@@ -1614,8 +1614,8 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
     events = layer.allocations.get(name, ())
     roles = _weighted_products(layer, split.weights, name) if split.weights else {}
     weights = _weight_gradients(layer, name)
-    rank = [(number, round(_on_rank(shape, nbytes, split, split.replicated_whole(roles.get(number)),
-                                    number in weights))) for number, shape, nbytes, _ in events]
+    rank = [(number, round(_on_rank(shape, nbytes, split, replicated=split.replicated_whole(roles.get(number)),
+                                    weight=number in weights))) for number, shape, nbytes, _ in events]
     if not (split.sequence_parallel and split.t > 1 and layer.product_allocations.get(name)):
         return tuple(rank)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
@@ -1772,7 +1772,7 @@ def _matched(products: Sequence[tuple[int, tuple[int, ...]]],
     return matched
 
 
-def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split, replicated: bool = False,
+def _on_rank(shape: tuple[int, ...], nbytes: int, split: _Split, *, replicated: bool = False,
              weight: bool = False) -> float:
     """A tensor of the count's on one of the t·C ranks: a residual-stream tensor (tokens x width, not a `weight` of
     that shape) whole without sequence parallelism (as Megatron-LM keeps it), a `replicated` one
@@ -1791,7 +1791,7 @@ def _weight_gradients(layer: LayerCount, name: str) -> frozenset[int]:
     if name not in ("bwd", "wgrad"):
         return frozenset()
 
-    def left(pass_name: str) -> dict[int, tuple]:
+    def left(pass_name: str) -> dict[int, tuple[tuple[int, ...], int]]:  # a storage -> its (shape, bytes)
         events = layer.allocations.get(pass_name, ())
         shapes = {number: shape for number, shape, _, _ in events}
         return {number: (shapes[number], nbytes)
