@@ -1570,10 +1570,9 @@ def _transient_bytes(layer: LayerCount, split: _Split, recomputed: float,
     any other 1/t, a head's, an MLP's or the vocabulary's share; under sequence parallelism what a product holds
     whole; each 1/C but a parameter's gradient), which need not be the tensors live at the count's peak (the head's
     input gradient, whole before its reduction, outweighs its vocabulary-split logits' gradients at t ranks), else
-    the count's;
-    and in the input-gradient and full backward the `recomputed` bytes, which the backward recreates before it
-    frees them (Korthikanti et al. 2022, section 4: full recomputation holds one layer's activations during its
-    backward)."""
+    the count's; and in the input-gradient and full backward the `recomputed` bytes, which the backward recreates
+    before it frees them (Korthikanti et al. 2022, section 4: full recomputation holds one layer's activations during
+    its backward)."""
     def peak(name: str) -> float:
         if (split.t == 1 and split.context == 1) or not layer.allocations.get(name):
             return sum(_on_rank(shape, nbytes, split) for shape, nbytes in layer.transient_tensors.get(name, ()))
