@@ -72,8 +72,8 @@ def test_every_command_runs_or_names_the_extra_it_needs(bare, tmp_path):
         "sweep --ray": (("sweep", "-s", "1f1b", "--ray", "local"), "pip install 'pipesim[ray]'"),
     }
     assert listed == set(works) | {name.split()[0] for name in needs}  # every command is tried
-    # The commands run side by side (each its own process, as before, only not one after another), but view and
-    # compare, which read simulate's trace, start once simulate is done; the refusals write and read nothing.
+    # The commands run side by side, each its own process; view and compare, which read simulate's trace, start
+    # once simulate is done, and the refusals write and read nothing.
     readers = ("view", "compare")
     running = {name: started(*args) for name, args in works.items() if name not in readers}
     refusals = {name: started(*args) for name, (args, _) in needs.items()}

@@ -109,8 +109,8 @@ def test_a_table_that_wraps_gives_its_padding_to_the_wrapped_cell():
 
 
 def test_a_reason_squeezed_to_its_longest_word_is_printed_in_a_part_of_its_own_instead():
-    """tune --gpu's table at 80 columns: beside t, d, b, recomp and MFU its "why not" fitted only at its longest
-    word, 7 characters, each reason on 7 lines; now it is at least READABLE_TEXT wide, in a second part."""
+    """tune --gpu's table at 80 columns: beside t, d, b, recomp and MFU its "why not" fits only at its longest
+    word, 7 characters, each reason on 7 lines, so it is printed at least READABLE_TEXT wide in a second part."""
     table = Table(box=box.SIMPLE_HEAD)
     for header in ("", "schedule", "p", "v", "t", "d", "b", "recomp", "m", "samples/s", "MFU", "bubble", "peak",
                    "stale", "why not"):
