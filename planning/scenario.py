@@ -479,9 +479,9 @@ class Scenario:
 
         per_copy = sched.graph.stages_per_copy
         bounds = {stage: (cut[stage % per_copy], cut[stage % per_copy + 1]) for stage in range(sched.num_stages)}
-        made = (self.allocations if self.pp_runtime == "pipesim" else
-                tuple(replace(layer, wgrad_kept=None) for layer in self.allocations))
-        layers = {stage: made[start:stop] for stage, (start, stop) in bounds.items()}
+        allocations = (self.allocations if self.pp_runtime == "pipesim" else  # torch's I keeps every saved tensor
+                       tuple(replace(layer, wgrad_kept=None) for layer in self.allocations))
+        layers = {stage: allocations[start:stop] for stage, (start, stop) in bounds.items()}
         merged = ({stage: costs["model_output_bytes"] for stage, costs in enumerate(trace.meta.costs)}
                   if trace.meta.costs and merges_outputs(self.pp_runtime) else None)  # as the trace's costs held them
         runs = ({stage: {name: run and run[0] for name, run in
