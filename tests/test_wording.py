@@ -26,11 +26,15 @@ def test_simulate_header_counts_one_in_the_singular():
 
 def test_one_given_degree_is_named_without_an_equation():
     with pytest.raises(InputError) as one:
-        _check_degrees(8, 3, None)
+        _check_degrees(8, 3, None, 1)
     assert str(one.value) == "--devices 8: p x d x t must give it, and --tensor-parallel 3 does not divide it"
     with pytest.raises(InputError) as two:
-        _check_degrees(8, 3, 2)
+        _check_degrees(8, 3, 2, 1)
     assert str(two.value).endswith("and --tensor-parallel 3 x --data-parallel 2 = 6 does not divide it")
+    with pytest.raises(InputError) as context:
+        _check_degrees(8, None, 3, 2)
+    assert str(context.value) == ("--devices 8: p x d x t x C must give it, and --data-parallel 3 x "
+                                  "--context-parallel 2 = 6 does not divide it")
 
 
 @pytest.mark.parametrize(("experts", "searched"), [((), "t, b, recomputation and p"),
