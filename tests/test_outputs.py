@@ -78,7 +78,7 @@ def test_a_device_is_written_in_place_and_its_error_names_it():
     for args in (["simulate", "-s", "1f1b", "--trace", "/dev/full"], ["simulate", "-s", "1f1b", "--html", "/dev/full"],
                  [*EXPORT, "--out", "/dev/full"], ["sweep", "-s", "1f1b", "--workers", "1", "--html", "/dev/full"]):
         code, _, err = pipesim(*args)
-        assert (code, err) == (2, "error: cannot write /dev/full: No space left on device\n"), args
+        assert (code, err) == (2, f"error: {args[-2]}: cannot write /dev/full: No space left on device\n"), args
         assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
