@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.hardware.catalogue import load_catalogue
-from pipesim.planning.estimate import Parallelism, _rank_allocations, _Split, estimate_profile, layer_allocations
+from pipesim.planning.estimate import Parallelism, estimate_profile, layer_allocations
 from pipesim.profiles.workload import LayerCount
 
 torch = pytest.importorskip("torch")
@@ -28,14 +28,23 @@ SETTINGS = [Parallelism(), Parallelism(tensor=2, sequence_parallel=True), Parall
 H100 = load_catalogue().find("h100-sxm")
 
 
+def _unrepeated(counted, monkeypatch):
+    """`counted` as a count of its own in which no layer repeats another, each made and priced anew (a count finds
+    its repeats once, `WorkloadCount.repeats`): compare only what was made from `counted` before this."""
+    monkeypatch.setattr(LayerCount, "__eq__", lambda a, b: a is b)
+    anew = replace(counted, layers=list(counted.layers))
+    assert not any(anew.repeats) and sum(counted.repeats) >= 2
+    return anew
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_repeated_blocks_allocations_are_each_layers_own(model):
+def test_repeated_blocks_allocations_are_each_layers_own(model, monkeypatch):
     name, options = MODELS[model]
     counted = count_built(name, options, 2, torch.bfloat16)
-    for parallel in SETTINGS:
-        shared = layer_allocations(counted, parallel)
-        assert shared == [_rank_allocations(layer, _Split.of(layer, parallel), parallel.recompute,
-                                            parallel.recompute_modules) for layer in counted.layers], parallel
+    shared_by_setting = [layer_allocations(counted, parallel) for parallel in SETTINGS]
+    anew = _unrepeated(counted, monkeypatch)
+    for parallel, shared in zip(SETTINGS, shared_by_setting, strict=True):
+        assert shared == layer_allocations(anew, parallel), parallel  # field for field, the replay's too (2c6bd6a)
         blocks = [made for layer, made in zip(counted.layers, shared, strict=True) if "Block" in layer.name
                   or "DecoderLayer" in layer.name]
         assert len(blocks) >= 3 and all(block is blocks[0] for block in blocks)  # made once, shared
@@ -50,9 +59,7 @@ def test_repeated_blocks_estimate_is_each_layers_own(model, monkeypatch):
     shared = [estimate_profile(counted, H100, parallel) for parallel in settings]
     blocks = [layer for layer in shared[0].layers if "Block" in layer.name or "DecoderLayer" in layer.name]
     assert len(blocks) >= 3 and len({layer.name for layer in blocks}) == len(blocks)
-    monkeypatch.setattr(LayerCount, "__eq__", lambda a, b: a is b)  # no layer repeats another: each priced anew
-    anew = replace(counted, layers=list(counted.layers))  # a count of its own, which has not found its repeats yet
-    assert not any(anew.repeats) and sum(counted.repeats) >= 2
+    anew = _unrepeated(counted, monkeypatch)
     for profile, parallel in zip(shared, settings, strict=True):
         alone = estimate_profile(anew, H100, parallel)
         assert profile.model_dump(exclude={"environment"}) == alone.model_dump(exclude={"environment"}), parallel
