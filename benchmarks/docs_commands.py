@@ -127,10 +127,10 @@ def skip_reason(command: DocCommand, gpu: bool, ranks: bool) -> str | None:
     """Why the command is not run here, or None."""
     if any(is_placeholder(args) for args in pipesim_steps(command.command)):
         return "a placeholder"
-    words_of = shlex.split(command.command)
-    if not gpu and any(word in GPU_WORDS for word in words_of):
+    shell_words = shlex.split(command.command)
+    if not gpu and any(word in GPU_WORDS for word in shell_words):
         return "needs a GPU (--gpu runs it)"
-    if not ranks and words_of[:1] and words_of[0] in DISTRIBUTED_LAUNCHERS:
+    if not ranks and shell_words[:1] and shell_words[0] in DISTRIBUTED_LAUNCHERS:
         return "starts torch.distributed ranks (--ranks runs it)"
     return None
 
