@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def _run_section(commands: list[str], folder: Path, host_cache: Path) -> str | N
 
 
 @pytest.fixture(scope="module")
-def section_runs(request, tmp_path_factory) -> dict[str, Future]:
+def section_runs(request, tmp_path_factory) -> Iterator[dict[str, Future]]:
     """The selected sections, started at once in two chains, as two users on a 2-core machine would: the sections
     that measure (calibrate, run, study) one after another in one, sharing one host cache as one user's machine
     does, every other section in the other. Each section still runs its commands in order in a folder of its own:
