@@ -186,7 +186,9 @@ def stage_excesses(setting: tuning.Setting, bounds: list[int], pipelines: int, c
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_each_kind_is_estimated_as_named(folder, kind):
     """A flag its estimates dropped would leave the bounds unchecked where the kind points them."""
-    for setting in settings_of(kind, folder)[1]:
+    _, found = settings_of(kind, folder)
+    assert found
+    for setting in found:
         parallelism = setting.scenario.measured.estimate.parallelism
         assert {name: parallelism[name] for name in LAYOUTS[kind]} == LAYOUTS[kind]
 
