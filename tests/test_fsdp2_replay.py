@@ -233,7 +233,7 @@ def test_every_method_replays_its_rows_and_each_mini_batch_gives_back_what_it_ta
         code, out, err = pipesim("simulate", *SMALL_GPT, "-p", p, "-m", m, "--zero", zero,
                                  *(["--precision", "fsdp2"] if zero == 3 else []))
         assert code == 0 and "fits" in out, err
-    assert (p, zero) != (1, 3) or any(AGAIN in name for call in seen for name, _, _ in call["rows"])
+    assert seen and ((p, zero) != (1, 3) or any(AGAIN in name for call in seen for name, _, _ in call["rows"]))
     for call in seen:
         rows = call["rows"]
 
