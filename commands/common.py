@@ -977,9 +977,6 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     flags = {**ctx.params, **overrides}
     per_stage = {flag: parse_numbers(flag, flags[flag[2:].replace("-", "_")])
                  for flag in ("--fwd", "--bwd", "--param-mb", "--activation-mb", "--output-mb")}
-    if not any(per_stage["--fwd"] + per_stage["--bwd"]):  # a step of no compute: 0.0 samples/s, a 0 ms step
-        raise InputError("--fwd, --bwd: every forward and backward takes 0 ms, so a step has no compute to time; "
-                         "give one of them above 0")
     refuse(optimizer_refusal(flags["optimizer"], "--optimizer"))
     precision = held_precision(flags)
     comm_ms = parse_numbers("--comm", flags["comm"])
@@ -1008,6 +1005,9 @@ def scenario_from_flags(ctx: typer.Context, per: str, source: Path | None = None
     except CostError as exc:
         raise InputError(str(exc)) from None
     measured = estimated or (load_profile_flag(ctx, flags["profile"]) if flags["profile"] is not None else None)
+    if measured is None and not any(per_stage["--fwd"] + per_stage["--bwd"]):  # 0.0 samples/s, a 0 ms step
+        raise InputError("--fwd, --bwd: every forward and backward takes 0 ms, so a step has no compute to time; "
+                         "give one of them above 0")
     if measured is not None and measured.estimate is not None and zero != 3 and (
             measured.estimate.parallelism.get("precision") == "fsdp2"):
         raise InputError("--profile: estimated with --precision fsdp2, whose float32 weights are sharded: give "

@@ -132,6 +132,16 @@ def test_bad_input_is_one_line_and_exit_2(args, fragment):
     assert "Traceback" not in err and err.strip().count("\n") == 0
 
 
+def test_zero_cost_flags_beside_a_profile_are_refused_as_flags_the_profile_fixes():
+    """--fwd 0 --bwd 0 with --profile: the profile gives the costs, so the flags are what is wrong, not a step of
+    no compute ('every forward and backward takes 0 ms' would send the user after values the profile ignores)."""
+    from pathlib import Path
+
+    profile = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "gpt-cpu.json"
+    code, _, err = pipesim("simulate", "--profile", profile, "-s", "1f1b", "-m", "2", "--fwd", "0", "--bwd", "0")
+    assert code == 2 and err.startswith(f"error: --fwd, --bwd: the profile {profile} gives the costs"), err
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
 @pytest.mark.parametrize("args, flag", [
     (["simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--trace", "/dev/full"], "--trace"),
