@@ -126,13 +126,19 @@ def gpt_dense():
     return count_built("gpt", dict(layers=1, width=H, heads=4, seq_len=S, vocab=100), B, torch.bfloat16, "flash")
 
 
-def test_the_count_marks_the_norms_weights(gpt_dense, qwen3_moe):
-    """A LayerNorm's scale and shift (the gpt's), an RMSNorm's scale (Qwen3's, its q and k norms' of a head's
-    width among them): the embedding none, each block two of the width, the head its final one."""
+def test_the_count_marks_the_norms_weights(gpt_dense):
+    """A LayerNorm's scale and shift (the gpt's): the embedding none, each block two of the width, the head its
+    final one; no query or key norm."""
     assert [layer.norm_param_bytes for layer in gpt_dense.layers] == [0, 2 * 2 * H * E, 2 * H * E]
+    assert not any(layer.qk_norm_param_bytes for layer in gpt_dense.layers)
+
+
+@needs_transformers
+def test_the_count_marks_an_rms_norms_weights_and_the_query_and_key_norms(qwen3_moe):
+    """An RMSNorm's scale (Qwen3's, its q and k norms' of a head's width among them): the embedding none, each
+    block two of the width, the head its final one."""
     assert [layer.norm_param_bytes for layer in qwen3_moe.layers] == [0, (2 * H + 2 * 16) * E, H * E, 0]
     assert [layer.qk_norm_param_bytes for layer in qwen3_moe.layers] == [0, 2 * 16 * E, 0, 0]
-    assert not any(layer.qk_norm_param_bytes for layer in gpt_dense.layers)
 
 
 @needs_transformers
