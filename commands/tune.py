@@ -104,8 +104,9 @@ def tune(
                                            "calibration's cap).")] = None,
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", "-B", metavar="B", min=1, help="Samples per optimizer step over all devices, a multiple of b. "
-                                                       "Default: 4·D·b, so a p-deep pipeline runs m = 4p micro-batches "
-                                                       "(GPipe's rule for a small bubble).")] = None,
+                                                       "Default: 4·(D/C)·b, C the context-parallel degree (1 "
+                                                       "without one), so a p-deep pipeline of one GPU a stage runs m "
+                                                       "= 4p micro-batches (GPipe's rule for a small bubble).")] = None,
     schedule: Annotated[list[str] | None, typer.Option(
         "--schedule", "-s", metavar="NAME", help="Candidate method (repeat; see `pipesim schedules`). "
                                                  "Default: all.")] = None,
