@@ -1930,8 +1930,9 @@ def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
     (`gathered_weight_bytes`), its whole gradient as accumulated (float32) and that gradient's shard over the d·C
     ranks FSDP2 shards over: each parameter one storage the count's weight-gradient pass leaves live (autograd's
     .grad), the layer's bytes shared among them as those storages' are (LayerAllocations.unsharded); () under any
-    other precision. The layer's bytes on the rank as the estimate holds them: its replicated weights (its norms',
-    its router's) whole (`rank_share`)."""
+    other precision. The layer's bytes on the rank as the estimate holds them, its replicated weights (its norms',
+    its router's) whole (`rank_share`), but for its routed experts': all of them, not the 1/(E·ETP) the estimate
+    holds under expert parallelism (`held_share`), which this replay does not take apart."""
     if parallel.precision != "fsdp2":
         return ()
     grads = _gradient_storages(made)
