@@ -127,7 +127,7 @@ class TuneError(ValueError):
 
 @dataclass(frozen=True)
 class Problem:
-    devices: int
+    devices: int  # the schedules' devices, each C context-parallel GPUs (`Scenario.order_params`): D/C of the D GPUs
     memory_cap_bytes: int
     batch_size: int  # B: samples per optimizer step, over all replicas and pipelines
     schedules: tuple[str, ...]
