@@ -13,7 +13,7 @@ import pytest
 from pipesim.planning import tune as tuning
 from tests.conftest import at_columns, pipesim, refused
 from tests.test_tune import differences, exhaustive
-from tests.test_tune_layouts import GPU, SMALL_GPT, _rows, _searched, exactly_searched
+from tests.test_tune_layouts import GPU, SMALL_GPT, _estimated, _rows, _searched, exactly_searched
 
 FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
 SCHEDULES = ("-s", "1f1b,gpipe,zb-h1,interleaved-1f1b")
@@ -78,7 +78,7 @@ def test_the_table_and_json_say_the_sharding(monkeypatch):
     assert "ZeRO-1 over the d·2 replicas, " in words and "= 1 shards nothing" not in words, words
 
 
-def test_bad_sharding_is_refused_in_one_line(tmp_path, monkeypatch):
+def test_bad_sharding_is_refused_in_one_line(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path)
     gpt = (*GPU, *SMALL_GPT, "-D", 8)
     assert refused("tune", *gpt, "--zero", 4) == "error: --zero: choose from 0, 1, 2, 3 (got 4)\n"
@@ -100,9 +100,7 @@ def test_bad_sharding_is_refused_in_one_line(tmp_path, monkeypatch):
     assert code == 0, err
     assert {(row["replicas"], row["context_parallel"], row["zero"]) for row in _rows(json.loads(out))} == {(1, 2, 3)}
     assert refused("tune", *gpt, "--precision", "fp16").startswith("error: --precision: choose from")
-    profile = tmp_path.parent / f"{tmp_path.name}-profile.json"
-    code, _, err = pipesim("estimate", *GPU, *SMALL_GPT, "-b", 1, "--recompute", "none", "-o", profile)
-    assert code == 0, err
+    profile = _estimated(tmp_path_factory.mktemp("profile"))  # outside the folder refused() finds nothing written in
     assert refused("tune", "--profile", profile, "-D", 8, "--zero", 1) == (
         "error: --zero 1: tune shards --gpu's estimates; give --gpu NAME and --model in place of --profile\n")
     assert refused("tune", "--profile", profile, "-D", 8, "--precision", "megatron").startswith(
