@@ -1250,24 +1250,24 @@ def _shapes(settings: list[Setting], problem: Problem, orders: _Orders) -> tuple
     return shapes, count, refused
 
 
-def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, gradient_bytes: int,
+def _mean_reduce_ms(link: CollectiveLink | None, stages: int, replicas: int, param_bytes: int,
                     expert_ranks: int | None, expert_bytes: int, zero: int = 0, grad_bytes: int = 0) -> float:
     """What p stages' REDUCEs (`_least_reduce_ms`) over r replicas take at least on average, however the model's
-    gradients are cut among them: NCCL's all-reduce time, the faster of a ring and a tree, each affine in the
-    bytes (the tree at its full rate, at most what its size correction leaves), is concave in them, and so is a
-    ring reduce-scatter's (ZeRO's; of `grad_bytes`, the gradients as accumulated, under ZeRO-2 and 3), so the mean
-    over any cut is at least the chord from no bytes to all of them, 1/p of the way; the routed experts' part,
-    none where a stage holds no experts, at least the chord from nothing to all of theirs (their gradients in
-    proportion to their weights, as one precision holds them). Under ZeRO-1 stage 0's may be nothing
-    (`_least_reduce_ms`) and each other stage's is at least an empty one's, a collective taking no less for
-    more bytes: the mean is at least (p - 1)/p of that. `link`: the replicas' (`_data_link`; None for one
-    replica, which reduces nothing)."""
+    gradients are cut among them, `param_bytes` of weights, `expert_bytes` of them routed experts': NCCL's
+    all-reduce time, the faster of a ring and a tree, each affine in the bytes (the tree at its full rate, at most
+    what its size correction leaves), is concave in them, and so is a ring reduce-scatter's (ZeRO's; of
+    `grad_bytes`, the gradients as accumulated, under ZeRO-2 and 3), so the mean over any cut is at least the
+    chord from no bytes to all of them, 1/p of the way; the routed experts' part, none where a stage holds no
+    experts, at least the chord from nothing to all of theirs (their gradients in proportion to their weights, as
+    one precision holds them). Under ZeRO-1 stage 0's may be nothing (`_least_reduce_ms`) and each other stage's
+    is at least an empty one's, a collective taking no less for more bytes: the mean is at least (p - 1)/p of
+    that. `link`: the replicas' (`_data_link`; None for one replica, which reduces nothing)."""
     if replicas == 1:
         return 0.0
     empty = _least_reduce_ms(link, replicas, None, 0, 0, zero)
     if zero == 1:
         return empty * (stages - 1) / stages
-    whole = _least_reduce_ms(link, replicas, expert_ranks, gradient_bytes, expert_bytes, zero, grad_bytes)
+    whole = _least_reduce_ms(link, replicas, expert_ranks, param_bytes, expert_bytes, zero, grad_bytes)
     return empty + (whole - empty) / stages
 
 
