@@ -37,8 +37,9 @@ EXAMPLES = ROOT / "examples"
 
 @dataclass(frozen=True)
 class Estimated:
-    """The flags of `pipesim estimate` after the small GPT's on the GPU: a profile laid out as `tune --gpu` lays
-    none out (C > 1, ZeRO), which tune takes as it takes a calibrated one."""
+    """The flags of `pipesim estimate` after the small GPT's on the GPU: a profile laid out with C > 1 or ZeRO,
+    which `tune --profile` takes as it takes a calibrated one, its layout read from the profile
+    (test_tune_layouts.py and test_tune_zero.py check the bounds of `tune --gpu` given those flags)."""
 
     flags: tuple
 
@@ -53,7 +54,7 @@ TINY_QWEN3_MOE = {**json.loads((EXAMPLES / "qwen3-30b-a3b" / "config.json").read
 EXPERTS = ("--experts", 4, "--top-k", 2)
 KINDS = {  # name: the flags of `tune --gpu` after the model's (a large vocabulary: the embedding's stage holds most
     # weights), a Hugging Face config and the flags after it, a calibrated profile, or `pipesim estimate`'s flags for
-    # a profile tune takes as calibrated (one laid out as `tune --gpu` does not search: C > 1, ZeRO)
+    # a profile tune takes as calibrated (`Estimated`: C > 1, ZeRO)
     "estimate": (),
     "estimate, tensor-parallel": ("--tensor-parallel", 2),
     "estimate, fused accumulation": ("--grad-accumulation", "fused"),
