@@ -149,8 +149,8 @@ def test_zero_cost_flags_beside_a_profile_are_refused_as_flags_the_profile_fixes
     (["sweep", "-s", "1f1b", "-p", "2", "-m", "4", "--html", "/dev/full"], "--html"),
 ])
 def test_an_output_that_fails_once_written_names_its_flag(args, flag):
-    """A full disk is known only when the output is written, after the checks: the line said 'cannot write
-    /dev/full: No space left on device' without the flag whose file it was."""
+    """A full disk is known only when the output is written, after the checks: the line still names the flag
+    whose file it was, as the checks' refusals do."""
     code, _, err = pipesim(*args)
     assert code == 2 and err == f"error: {flag}: cannot write /dev/full: No space left on device\n", err
 
@@ -158,7 +158,8 @@ def test_an_output_that_fails_once_written_names_its_flag(args, flag):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
 @pytest.mark.parametrize("command", [["view", "TRACE"], ["compare", "TRACE", "TRACE"]])
 def test_a_page_of_read_traces_that_fails_once_written_names_its_flag(tmp_path, command):
-    """view and compare wrote their --html outside the checks' one line: a full disk raised a traceback."""
+    """view and compare write their --html after reading the traces: a full disk is the same one line, exit 2, not
+    a traceback."""
     trace = tmp_path / "t.json"
     assert pipesim("simulate", "-s", "1f1b", "-p", "2", "-m", "4", "--trace", trace)[0] == 0
     code, _, err = pipesim(*(trace if word == "TRACE" else word for word in command), "--html", "/dev/full")

@@ -32,7 +32,7 @@ def _estimated(folder: Path, *flags) -> Path:
 
 def test_a_profile_estimated_over_2_expert_ranks_is_planned_at_e_2(tmp_path):
     """`estimate --expert-parallel 2` writes a profile whose schedules run their all-to-alls over E = 2 ranks: tune
-    reported E = 1 for every row, and said nothing of E in its table."""
+    plans every row at E = 2 and its table says so."""
     path = _estimated(tmp_path, "--experts", 4, "--top-k", 2, "-p", 2, "--data-parallel", 2, "--expert-parallel", 2)
     code, out, err = pipesim("tune", "--profile", path, "-D", 4, "-B", 16, "-s", "1f1b,gpipe", "--json")
     assert code == 0, err
@@ -43,8 +43,8 @@ def test_a_profile_estimated_over_2_expert_ranks_is_planned_at_e_2(tmp_path):
 
 
 def test_a_profile_estimated_over_2_context_ranks_plans_d_over_d_divided_by_c(tmp_path, monkeypatch):
-    """Each device of a C = 2 estimate's schedules stands for 2 GPUs: on -D 8 GPUs, p·t·d = 4 (tune planned 8 such
-    devices, 16 GPUs); a D that C does not divide is refused."""
+    """Each device of a C = 2 estimate's schedules stands for 2 GPUs: on -D 8 GPUs, p·t·d = 4 (not 8 such devices,
+    16 GPUs); a D that C does not divide is refused."""
     path = _estimated(tmp_path, *CONTEXT, "-p", 2, "--data-parallel", 2)
     code, out, err = pipesim("tune", "--profile", path, "-D", 8, "-B", 16, "-s", "1f1b,gpipe", "--json")
     assert code == 0, err

@@ -96,7 +96,7 @@ def test_bad_sharding_is_refused_in_one_line(tmp_path, tmp_path_factory, monkeyp
             "leaves one replica; give more devices\n")
     code, out, err = pipesim("tune", *GPU, *SMALL_GPT, "-D", 4, "--tensor-parallel", 2, "--context-parallel", 2,
                              "--attention", "flash", "-B", 8, "-b", 1, "--recompute", "none", "-s", "1f1b", "--zero", 3,
-                             "--precision", "fsdp2", "--json")  # d = 1, but d·C = 2 ranks shard: it was refused
+                             "--precision", "fsdp2", "--json")  # d = 1, but d·C = 2 ranks shard: searched
     assert code == 0, err
     assert {(row["replicas"], row["context_parallel"], row["zero"]) for row in _rows(json.loads(out))} == {(1, 2, 3)}
     assert refused("tune", *gpt, "--precision", "fp16").startswith("error: --precision: choose from")
