@@ -166,7 +166,7 @@ def run_doc(doc: Path, cache: Path, timeout_s: float, gpu: bool, ranks: bool) ->
     outcomes = []
     with tempfile.TemporaryDirectory(prefix=f"docs-{doc.stem}-") as folder:
         env = user_folder(Path(folder), cache)
-        env.pop("COLUMNS", None)
+        env.pop("COLUMNS", None)  # print at a pipe's 120 columns (commands/common.py), not the runner's terminal's
         for command in doc_commands(doc):
             reason = skip_reason(command, gpu, ranks)
             outcome = Outcome(command, "skipped", reason) if reason else run(command, Path(folder), env, timeout_s)
