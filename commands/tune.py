@@ -205,7 +205,18 @@ def tune(
             if batch % b:
                 raise InputError(f"--batch-size {batch}: must be a multiple of the profile's micro-batch size {b} "
                                  "(its times were measured at that size)")
-            settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor, expert=expert)]
+            depths = None  # a given d: the one p = D/(t·C·d)
+            if data_parallel is not None:
+                per_stage = f" x {tensor * context} (the profile's GPUs per stage)" * (tensor * context > 1)
+                if devices % (tensor * context * data_parallel):
+                    raise InputError(f"--devices {devices}: p x d{per_stage} must give it, and --data-parallel "
+                                     f"{data_parallel} does not divide {devices // (tensor * context)}")
+                depths = (devices // (tensor * context * data_parallel),)
+                if depths[0] > len(measured.layers):
+                    raise InputError(f"--data-parallel {data_parallel}: p = {depths[0]} devices per pipeline, more "
+                                     f"than the profile's {len(measured.layers)} layers; give a larger d")
+            settings = [Setting(profile_scenario(measured, optimizer, pp_runtime), tensor, depths=depths,
+                                expert=expert)]
         else:
             if what.cluster_gpus is not None and devices > what.cluster_gpus:
                 raise InputError(f"--devices {devices}: the cluster --gpu {ctx.params['gpu']} has "

@@ -306,6 +306,16 @@ def test_auto_is_searched_at_the_memory_each_device_allows_and_reports_the_r_it_
     assert chosen[0.02]["activation_limit"] < chosen[0.05]["activation_limit"]
 
 
+def test_a_given_d_fixes_the_depth_of_a_profiles_search():
+    """--data-parallel beside --profile: every row runs the d given over p = D/d (it was silently ignored, every
+    p searched)."""
+    code, out, err = pipesim("tune", "--profile", str(CNN), "-D", "4", "--data-parallel", "2", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert {(row["stages"], row["replicas"]) for row in [doc["choice"], *doc["runners_up"], *doc["excluded"]]} == {
+        (2, 2)}
+
+
 def test_cli_json_is_the_search_result():
     code, out, err = pipesim("tune", "--profile", str(CNN), "-D", "4", "--memory-gb", "0.05", "--json")
     assert code == 0, err
@@ -338,6 +348,10 @@ def test_cli_json_is_the_search_result():
     (["--profile", str(GPT), "--devices", "4", "-s", "dualpipe"],
      "dualpipe refuses every shape with a batch of 128 samples on 4 devices (dualpipe: the search cuts the model "
      "into one chain of stages, and this method runs 2 copies of it; not searched yet)"),
+    (["--profile", str(GPT), "--devices", "4", "--data-parallel", "3"],
+     "--devices 4: p x d must give it, and --data-parallel 3 does not divide 4"),
+    (["--profile", str(GPT), "--devices", "64", "--data-parallel", "1"],
+     "--data-parallel 1: p = 64 devices per pipeline, more than the profile's 16 layers; give a larger d"),
 ])
 def test_bad_input_is_one_line_exit_2(args, fragment):
     """One line of error; on a slow host a search may first say, after a second, what it is doing."""
