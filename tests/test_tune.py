@@ -326,7 +326,7 @@ def test_cli_json_is_the_search_result():
     assert doc["choice"]["samples_per_s"] == pytest.approx(expected.choice.result.samples_per_s)
     assert doc["problem"] == {"devices": 4, "memory_cap_gib": 0.05, "batch_size": 4 * 4 * 8,  # as given, not 0.04999...
                               "schedules": list(METHODS), "max_staleness": 0, "max_chunks": 4, "max_pipelines": 4,
-                              "search_seconds": None}
+                              "search_seconds": None, "zero": 0, "precision": None}
     assert len(doc["runners_up"]) == tuning.RUNNERS_UP and all(row["why"] for row in doc["runners_up"])
     assert doc["choice"]["partition"][0] == 0 and doc["choice"]["partition"][-1] == len(profile.layers)
     search = doc["search"]  # every configuration is accounted for exactly once
