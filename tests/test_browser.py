@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,15 @@ class Browser:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
+    def poll(self, expression: str, done: Callable[[Any], bool], wait: Wait, what: str) -> Any:
+        """`expression`'s value once `done` holds for it, evaluated every STATUS_POLL_S; TimeoutError ("`what` after
+        ...") once `wait` is over, however fast each answer comes."""
+        while not done(value := self.evaluate(expression, wait)):
+            if wait.over():
+                raise TimeoutError(f"{what} after {wait}")
+            time.sleep(STATUS_POLL_S)
+        return value
+
     def close(self) -> None:
         try:
             self.call("Browser.close", wait=Wait(self.proc.pid, cpu_s=10, wall_s=10))  # killed below if not
@@ -201,11 +211,8 @@ def visit(path: Path, fragment: str = "", width: int = 1400, height: int = 1000,
     with Browser(width, height) as browser:
         wait = Wait(browser.proc.pid, cpu_s, wall_s)
         browser.call("Page.navigate", session=True, url=url)
-        read_status = "document.body ? document.body.dataset.status || '' : ''"
-        while (status := browser.evaluate(read_status, wait)) in ("", "loading"):
-            if wait.over():
-                raise TimeoutError(f"{path.name} still loading after {wait}")
-            time.sleep(STATUS_POLL_S)
+        status = browser.poll("document.body ? document.body.dataset.status || '' : ''",
+                              lambda status: status not in ("", "loading"), wait, f"{path.name} still loading")
         seconds = time.monotonic() - wait.began_s
         if settle:
             time.sleep(settle)
@@ -395,8 +402,8 @@ def test_a_call_never_answered_is_a_timeout_while_events_stream_in(tmp_path):
     page.write_text("<html><body><script>setInterval(() => console.log('tick'), 10)</script></body></html>")
     with Browser(200, 200) as browser:
         browser.call("Page.navigate", session=True, url=page.resolve().as_uri())
-        while browser.evaluate("location.protocol + document.readyState") != "file:complete":
-            time.sleep(STATUS_POLL_S)
+        browser.poll("location.protocol + document.readyState", lambda state: state == "file:complete",
+                     Wait(browser.proc.pid), f"{page.name} still loading")
         with pytest.raises(TimeoutError, match="did not answer Runtime.evaluate"):
             browser.evaluate("new Promise(resolve => { window.kept = resolve })", Wait(browser.proc.pid, wall_s=3))
 
