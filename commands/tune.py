@@ -272,7 +272,7 @@ def tune(
                 row.update(work[row["microbatch_size"]].metrics(row["samples_per_s"], devices))
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return
-    _print_tuning(tuning, measured, work)
+    _print_tuning(tuning, measured, work, data_parallel is not None)
 
 
 def _estimated_degrees(measured) -> tuple[int, int, int]:
@@ -414,7 +414,7 @@ def _experts_fit(what: WhatIf, t: int, d: int, e: int) -> bool:
     return True
 
 
-def _print_tuning(tuning, measured, work: dict) -> None:
+def _print_tuning(tuning, measured, work: dict, replicas_given: bool) -> None:
     """The choice and its runners-up, then what breaks a limit but would be faster, each with why it lost."""
     from ..planning.tune import memory_text, ms_text
 
@@ -431,8 +431,9 @@ def _print_tuning(tuning, measured, work: dict) -> None:
                  f"FLOPs per second over the {gpus} GPUs' dense peak in {env.dtype}; ") if work else ""
     per_stage = f"·{context}" * (context > 1)
     precision = _held_as(measured)
-    # at C > 1 no layout's d·C is 1
-    one = f" (d = 1 {'not searched' if precision == 'fsdp2' else 'shards nothing'})" * (context == 1)
+    # at C > 1 no layout's d·C is 1, nor where d is given (--zero refuses --data-parallel 1)
+    one = f" (d = 1 {'not searched' if precision == 'fsdp2' else 'shards nothing'})" * (
+        context == 1 and not replicas_given)
     held = (f"ZeRO-{problem.zero} over the d{per_stage} replicas{one}, " * bool(problem.zero)
             + f"precision {precision}, " * (precision is not None))
     replicas = (f"d = D/(p·t{per_stage}) replicas, t{per_stage} GPUs per stage" if work else

@@ -76,6 +76,10 @@ def test_the_table_and_json_say_the_sharding(monkeypatch):
     assert code == 0, err
     words = " ".join(out.split())  # C = 2: every layout has d·C >= 2 ranks, none that shards nothing
     assert "ZeRO-1 over the d·2 replicas, " in words and "= 1 shards nothing" not in words, words
+    code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, "-s", "1f1b", "--zero", 1, "--data-parallel", 4)
+    assert code == 0, err
+    words = " ".join(out.split())  # d given (2 or more): no layout shards nothing
+    assert "ZeRO-1 over the d replicas, " in words and "= 1 shards nothing" not in words, words
 
 
 def test_bad_sharding_is_refused_in_one_line(tmp_path, tmp_path_factory, monkeypatch):
