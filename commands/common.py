@@ -792,8 +792,8 @@ def write_error(exc: OSError) -> str:
 
 @contextmanager
 def writing(flag: str) -> Iterator[None]:
-    """Writes `flag`'s output: one that fails once the work is done (a full disk, a folder that takes no files,
-    which `check_writable` cannot foresee) is the one line of `write_error`, naming the flag."""
+    """Around the write of `flag`'s output: a write that fails once the work is done (a full disk, a folder that
+    takes no files, which `check_writable` cannot foresee) is the one line of `write_error`, naming the flag."""
     try:
         yield
     except OSError as exc:
