@@ -121,14 +121,16 @@ class Scenario:
     def order_params(self, params: ScheduleParams) -> ScheduleParams:
         """`params` as this scenario's orders are built with them (`build`): an estimate's context-parallel ranks C
         and expert-parallel ranks E (whose all-to-all rows the order holds), and the expert overlap if asked for; so
-        that a search building a fixed order without `build` (planning/tune.py `_Orders`) builds the same one."""
-        if self.overlap_expert_comm:
-            params = replace(params, overlap_expert_comm=True)
+        that a search building a fixed order without `build` (planning/tune.py `_Orders`) builds the same one;
+        `params` themselves where they say so already (the search asks for tens of thousands)."""
+        wanted = {"overlap_expert_comm": True} if self.overlap_expert_comm else {}
         estimate = self.measured.estimate if self.measured is not None else None
         if estimate is not None:
-            params = replace(params, context_parallel=int(estimate.parallelism.get("context", 1)),
-                             expert_parallel=int(estimate.parallelism.get("expert", 1)))
-        return params
+            wanted.update(context_parallel=int(estimate.parallelism.get("context", 1)),
+                          expert_parallel=int(estimate.parallelism.get("expert", 1)))
+        if all(getattr(params, name) == value for name, value in wanted.items()):
+            return params
+        return replace(params, **wanted)
 
     def build(self, name: str, params: ScheduleParams, bounds: Sequence[int] | None = None,
               progress: Callable[[float], None] | None = None) -> Schedule:
@@ -299,7 +301,8 @@ class Scenario:
             stages, steps).any(axis=1) & (not sched.reduce_after_flush)
         delay_ms = (np.array([c.reduce_ms for c in costs.stages]) * reduce_beside
                     + np.array([c.gather_ms for c in costs.stages]) * gather_beside)
-        return replace(costs, stages=tuple(replace(c, collective_delay_ms=float(ms))
+        return replace(costs, stages=tuple(c if c.collective_delay_ms == ms else  # most stages: unchanged, unchecked
+                                           replace(c, collective_delay_ms=float(ms))
                                            for c, ms in zip(costs.stages, delay_ms, strict=True)))
 
     def amax_reduction_ms(self, sched: Schedule) -> float:

@@ -68,7 +68,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from functools import cache, partial
+from functools import cache, cached_property, partial
 
 import numpy as np
 
@@ -80,7 +80,16 @@ from ..profiles.partition import (
     partition,
     range_sums,
 )
-from ..profiles.schema import LayerProfile, Profile, fused_accumulation, layer_costs, p2p_synced, stage_waits_ms
+from ..profiles.schema import (
+    LayerProfile,
+    Profile,
+    fused_accumulation,
+    layer_costs,
+    p2p_synced,
+    stage_waits_ms,
+    step_shares,
+    step_totals,
+)
 from ..schedules import (
     ALL_TO_ALL_KINDS,
     COLLECTIVE_KINDS,
@@ -1470,12 +1479,11 @@ def build(scenario: Scenario, problem: Problem, name: str, params: ScheduleParam
 
 @dataclass(frozen=True)
 class _Order:
-    """A schedule and what the search reads off its order alone (`_held`, `_ops_per_step`)."""
+    """A schedule and what the search reads off its order alone (`_ops_per_step`, `_flush_chain`), and what its
+    stages hold (`_held`, a pass over every row's weight version: the dear part) once asked: a probe's sketch
+    (`_Sketch.of`) asks only a flushing order's staleness, and nothing of one that never flushes."""
 
     schedule: Schedule
-    staleness: int
-    in_flight: tuple[int, ...]
-    lingering: tuple[int, ...]
     per_step: np.ndarray
     chain: tuple[int, bool] | None  # `_flush_chain`
     steps: dict[int, _StepRows] = field(default_factory=dict, compare=False, repr=False)  # by steady mini-batch,
@@ -1483,7 +1491,24 @@ class _Order:
 
     @classmethod
     def of(cls, schedule: Schedule) -> _Order:
-        return cls(schedule, *_held(schedule), _ops_per_step(schedule), _flush_chain(schedule))
+        return cls(schedule, _ops_per_step(schedule), _flush_chain(schedule))
+
+    @cached_property
+    def held(self) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """`_held`: its staleness, and per stage the micro-batches in flight and the weight versions lingering."""
+        return _held(self.schedule)
+
+    @property
+    def staleness(self) -> int:
+        return self.held[0]
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        return self.held[1]
+
+    @property
+    def lingering(self) -> tuple[int, ...]:
+        return self.held[2]
 
     def __getstate__(self) -> dict:
         """Sent to a worker without `steps`: it reads its own rows there, cheaper than pickling them here."""
@@ -1523,7 +1548,7 @@ class _Orders:
             return _Order.of(scenario.build(name, params))
         params = scenario.order_params(params)  # an estimate's E: its all-to-all rows
         if (name, params) not in self._fixed:
-            shared = replace(params, data_parallel=min(params.data_parallel, 2))
+            shared = params if params.data_parallel <= 2 else replace(params, data_parallel=2)
             try:
                 self._fixed[name, params] = (_Order.of(method.build(params)) if shared == params else
                                              _with_replicas(self(scenario, name, shared), params.data_parallel))
@@ -1564,14 +1589,14 @@ class _Orders:
         found to run several model copies is refused from then on, unbuilt."""
         if name in self._refused_methods:
             raise self._refused_methods[name]
-        probe = replace(params, microbatches=min(params.microbatches, 2 * params.stages), data_parallel=1)
+        probe = _one_replica(params, min(params.microbatches, 2 * params.stages))
         key = (name, probe, self._model_key(scenario, name))
         if key not in self._sketches:
             self._sketches[key] = self._read(scenario, name, probe)
         found = self._sketches[key]
         if isinstance(found, ScheduleError) and probe.microbatches != params.microbatches and name not in \
                 self._refused_methods:
-            found = self._read(scenario, name, replace(params, data_parallel=1))
+            found = self._read(scenario, name, _one_replica(params, params.microbatches))
         if isinstance(found, ScheduleError):
             raise found
         return found
@@ -1601,6 +1626,14 @@ class _Orders:
         return None if self._chains[id(scenario)] else id(scenario)
 
 
+def _one_replica(params: ScheduleParams, microbatches: int) -> ScheduleParams:
+    """`params` for one replica at `microbatches`: `params` itself where they are that already (a copy, checked
+    again, costs more than the sketch's lookup it is for)."""
+    if params.data_parallel == 1 and params.microbatches == microbatches:
+        return params
+    return replace(params, microbatches=microbatches, data_parallel=1)
+
+
 def _chain_of_layers(profile: Profile | None) -> bool:
     """Whether each layer reads the one before it and nothing else (the first, the batch): every cut is a chain."""
     return profile is not None and all({s for s in layer.inputs if s >= 0} == ({i - 1} if i else set())
@@ -1612,7 +1645,9 @@ def _with_replicas(order: _Order, replicas: int) -> _Order:
     table, built once, is shared), priced for d (`Schedule.data_parallel`)."""
     schedule = replace(order.schedule, params={**order.schedule.params, "data_parallel": replicas})
     schedule.__dict__["table"] = order.schedule.table  # the cached property: the same rows
-    return replace(order, schedule=schedule)
+    copied = replace(order, schedule=schedule)
+    copied.__dict__["held"] = order.held  # so they hold the same
+    return copied
 
 
 def _plan(setting: Setting, problem: Problem, config: Config, split: Callable[..., list[int]],
@@ -2324,14 +2359,14 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
     boundary = 2 * np.concatenate([[0], sent])  # [i]: what layer i receives (and its gradient), as layer i-1 sends
     buffers = boundary[:, None] + boundary[None, :]
     own, least = _own_times(profile), _own_times(profile, least=True)
-    each = profile_costs(own, optimizer, range(len(layers) + 1))  # every layer a stage of its own
-    each_least = each if least is own else profile_costs(least, optimizer, range(len(layers) + 1))
+    each = _each_layer_op_ms(own, optimizer)
+    each_least = each if least is own else _each_layer_op_ms(least, optimizer)
 
-    def ranges_ms(costs: Costs, waits: np.ndarray | float = 0.0) -> Callable[[int], np.ndarray]:
+    def ranges_ms(op_ms: Callable[[int], np.ndarray], waits: np.ndarray | float = 0.0) -> Callable[[int], np.ndarray]:
         @cache
         def summed(pipelines: int) -> np.ndarray:
             """Each op kind's ms over every range of layers, with `waits`: [i, j, kind]."""
-            prefix = np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(costs.op_ms_table(pipelines), axis=0)])
+            prefix = np.concatenate([np.zeros((1, NUM_COMPUTE_KINDS)), np.cumsum(op_ms(pipelines), axis=0)])
             return prefix[None, :, :] - prefix[:, None, :] + waits
         return summed
 
@@ -2378,6 +2413,41 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
 
     split.stage_ms = stage_ms
     return split
+
+
+def _each_layer_op_ms(profile: Profile, optimizer: str) -> Callable[[int], np.ndarray]:
+    """`Costs.op_ms_table` of `profile_costs` with every layer a stage of its own, for P pipelines, read off the
+    layers at once where the layers' own times (`_own_times`: no host waits) are the stages', scaled by the
+    contention tail, and the steps' the calibrated stages' totals shared out by parameter bytes (profiles/schema.py
+    `_summed`, `_shared_steps`; planning/scenario.py `_stage_costs`), each to the bit: pricing 80 stages one by one
+    for each of tune's 85 settings was a tenth of its main process. Where a layer stage would take measured passes,
+    the calibrated steps or fused accumulation, `profile_costs` itself."""
+    layers, cut = profile.layers, list(range(len(profile.layers) + 1))
+    if (cut == profile.partition.bounds or fused_accumulation(profile) or any(layer.host_issue is not None
+                                                                              for layer in layers)
+            or all(stage.passes is not None for stage in profile.stages)):
+        return profile_costs(profile, optimizer, cut).op_ms_table
+    tail = profile.contention.tail if profile.contention is not None else 1.0
+    steps, average, _, _ = step_totals(profile, (optimizer,))
+    (step, predict), share = steps[optimizer], np.array(step_shares(profile, cut))
+    table = np.zeros((len(layers), NUM_COMPUTE_KINDS))
+    passes = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
+    table[:, passes] = [[getattr(layer, name).median_ms * tail for name in ("fwd", "bwd", "igrad", "wgrad")]
+                        for layer in layers]
+    for i, layer in enumerate(layers):
+        if not any(0 <= s < i for s in layer.inputs):
+            _fed_by_the_batch(table[i])
+    table[:, KIND_CODE[Kind.OPT]], table[:, KIND_CODE[Kind.PRED]] = step[0] * share, predict[0] * share
+    for kind, name in ((Kind.A2A_F, "all_to_all_fwd_ms"), (Kind.A2A_B, "all_to_all_bwd_ms"),
+                       (Kind.RING_F, "ring_fwd_ms"), (Kind.RING_B, "ring_bwd_ms")):
+        table[:, KIND_CODE[kind]] = [getattr(layer, name) for layer in layers]
+    averaged = average[0] * share
+
+    def op_ms(pipelines: int) -> np.ndarray:
+        priced = table.copy()
+        priced[:, KIND_CODE[Kind.AVG]] = averaged * pipelines
+        return priced
+    return op_ms
 
 
 _OWN_TIMES: dict[tuple[int, bool], Profile] = {}  # `_own_times`, by the profile's identity, kept while it lives

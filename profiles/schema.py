@@ -678,30 +678,32 @@ def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name:
     forward = name.startswith("fwd")
     received = p2p_sync and (start > 0 if forward else stop < len(layers))
     mine = layers[start:stop]
-    *_, waited = _host_waits_ms(mine if forward else mine[::-1], name, received)
+    *_, waited = _host_waits_ms(mine if forward else mine[::-1], name, received, every=False)
     return waited
 
 
-def _host_waits_ms(layers: Sequence[LayerProfile], name: str, received: bool) -> Iterator[float]:
+def _host_waits_ms(layers: Sequence[LayerProfile], name: str, received: bool, every: bool = True) -> Iterator[float]:
     """`stage_host_waits_ms` of the stages whose pass `name` runs the first 1, 2, ... of `layers` (given in the order
     the pass runs them), one after another: the pass's queue is followed layer by layer, so one sweep gives every
     stage that starts (a forward) or ends (a backward) at one layer. `received`: the pass starts with its host not
-    ahead, as one whose input a synchronising exchange brings does."""
+    ahead, as one whose input a synchronising exchange brings does. Not `every`: the stage of all `layers` alone
+    (the sums over the shorter ones, a stage's cost squared in its layers, left out)."""
     carried, slack, waited = [], [], []
     lead, synchronised, measured = 0.0, received, False
-    for layer in layers:
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
         issue = layer.host_issue
         measured = measured or issue is None
-        if measured:
-            yield 0.0
-            continue
-        passed = issue[name]
-        carried.append(passed.carried_ms)
-        slack.append(passed.slack_ms)
-        waited.append(max(0.0, passed.idle_ms - lead) + passed.after_idle_ms)
-        lead = passed.after_lead_ms if passed.synchronises else max(lead, passed.idle_ms) + passed.slack_ms
-        synchronised = synchronised or issue["fwd"].synchronises
-        yield (math.fsum(waited) if synchronised else max(0.0, -math.fsum(slack))) - math.fsum(carried)
+        if not measured:
+            passed = issue[name]
+            carried.append(passed.carried_ms)
+            slack.append(passed.slack_ms)
+            waited.append(max(0.0, passed.idle_ms - lead) + passed.after_idle_ms)
+            lead = passed.after_lead_ms if passed.synchronises else max(lead, passed.idle_ms) + passed.slack_ms
+            synchronised = synchronised or issue["fwd"].synchronises
+        if every or i == last:
+            yield 0.0 if measured else ((math.fsum(waited) if synchronised else max(0.0, -math.fsum(slack)))
+                                        - math.fsum(carried))
 
 
 def stage_waits_ms(layers: list[LayerProfile], name: str, p2p_sync: bool = False) -> np.ndarray:
@@ -891,9 +893,7 @@ def stages_for(profile: Profile, bounds: list[int], dag: bool = False,
     if bounds == profile.partition.bounds:
         steps = [(stage.steps, stage.average, stage.accumulate, stage.weight_copy) for stage in profile.stages]
     else:
-        total_bytes = sum(stage.param_bytes for stage in profile.stages) or 1
-        steps = _shared_steps(profile, [sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes
-                                        for start, stop in zip(bounds, bounds[1:])], optimizers)
+        steps = _shared_steps(profile, step_shares(profile, bounds), optimizers)
     return aggregate_stages(profile.layers, bounds, profile.partition.optimizer,
                             boundary_bytes(profile.layers, bounds, dag), steps, _passes_for(profile, bounds),
                             boundary_held_bytes(profile.layers, bounds, dag),
@@ -928,23 +928,42 @@ def _ratio(measured_ms: float, summed_ms: float) -> float:
     return measured_ms / summed_ms if summed_ms > 0 else 1.0
 
 
-def _shared_steps(profile: Profile, shares: Sequence[float], optimizers: Sequence[str]) -> list[StageSteps]:
-    """Each of `shares` of the calibrated stages' summed step times (`optimizers`' steps). The sums are taken once
-    and the shares' timings built without validating again (each is a valid timing scaled by a share >= 0): a
-    what-if search costs thousands of cuts."""
-    def total(pick: Callable[[StageProfile], Timing]) -> tuple[float, float, int]:
+# a step's times summed over the calibrated stages: (median ms, spread ms, repeats), None where a stage measured none
+SummedTiming = tuple[float, float, int]
+# `optimizers`' (step, prediction) by name, the averaging, the accumulation and the weight copy, each summed
+SummedSteps = tuple[dict[str, tuple[SummedTiming, SummedTiming]], SummedTiming, SummedTiming | None,
+                    SummedTiming | None]
+
+
+def step_totals(profile: Profile, optimizers: Sequence[str]) -> SummedSteps:
+    """The calibrated stages' step times summed (`optimizers`' steps), which another cut's stages share out by their
+    layers' parameter bytes (`stages_for`)."""
+    def total(pick: Callable[[StageProfile], Timing]) -> SummedTiming:
         timings = [pick(stage) for stage in profile.stages]
         return math.fsum(t.median_ms for t in timings), math.fsum(t.spread_ms for t in timings), timings[0].repeats
 
-    def measured(pick: Callable[[StageProfile], Timing | None]) -> tuple[float, float, int] | None:
+    def measured(pick: Callable[[StageProfile], Timing | None]) -> SummedTiming | None:
         return total(pick) if all(pick(stage) is not None for stage in profile.stages) else None
 
     steps = {name: (total(lambda s, n=name: s.steps[n].step), total(lambda s, n=name: s.steps[n].predict))
              for name in optimizers}
-    average, accumulate, copy = (total(lambda s: s.average), measured(lambda s: s.accumulate),
-                                 measured(lambda s: s.weight_copy))
+    return steps, total(lambda s: s.average), measured(lambda s: s.accumulate), measured(lambda s: s.weight_copy)
 
-    def timing(summed: tuple[float, float, int] | None, share: float) -> Timing | None:
+
+def step_shares(profile: Profile, bounds: Sequence[int]) -> list[float]:
+    """Each stage's share of the step times at `bounds`: its layers' parameter bytes over the calibrated stages'."""
+    total_bytes = sum(stage.param_bytes for stage in profile.stages) or 1
+    return [sum(layer.param_bytes for layer in profile.layers[start:stop]) / total_bytes
+            for start, stop in zip(bounds, bounds[1:])]
+
+
+def _shared_steps(profile: Profile, shares: Sequence[float], optimizers: Sequence[str]) -> list[StageSteps]:
+    """Each of `shares` of the calibrated stages' summed step times (`step_totals`). The sums are taken once and the
+    shares' timings built without validating again (each is a valid timing scaled by a share >= 0): a what-if
+    search costs thousands of cuts."""
+    steps, average, accumulate, copy = step_totals(profile, optimizers)
+
+    def timing(summed: SummedTiming | None, share: float) -> Timing | None:
         return None if summed is None else Timing.model_construct(
             median_ms=summed[0] * share, spread_ms=summed[1] * share, repeats=summed[2])
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from pipesim.planning import scenario
+from pipesim.planning import scenario, tune
 from pipesim.planning.scenario import profile_costs
-from pipesim.profiles.schema import load_profile, stages_for
+from pipesim.profiles.schema import ContentionProfile, load_profile, stages_for
 from tests.test_fidelity_terms import ROOT, with_passes
 
 
@@ -67,3 +67,19 @@ def test_a_cut_shares_out_only_the_optimizers_asked_for():
     assert [stage.steps["adam"] for stage in adam] == [stage.steps["adam"] for stage in every]
     assert [stage.model_copy(update={"steps": {}}) for stage in adam] == [
         stage.model_copy(update={"steps": {}}) for stage in every]
+
+
+TAILED = PLAIN.model_copy(update={"contention": ContentionProfile(slowdown=[1.0], spread=[0.0], tail=1.37, meta={})})
+
+
+@pytest.mark.parametrize("profile", [PLAIN, _skipping(PLAIN), TAILED, with_passes(PLAIN, [1.5, 1.2, 1.1, 1.3],
+                                                                                 [2.0, 1.4, 1.6, 1.25])],
+                         ids=["layers", "skips", "tail", "passes"])
+def test_every_layer_as_a_stage_read_off_the_layers_is_what_pricing_each_gives(profile):
+    """tune's splitter reads each layer's costs as a stage of its own off the layers at once (planning/tune.py
+    `_each_layer_op_ms`): to the bit what `profile_costs` gives at every cut, for each number of pipelines."""
+    every = range(len(profile.layers) + 1)
+    for optimizer in ("sgd", "adam"):
+        read, priced = tune._each_layer_op_ms(profile, optimizer), profile_costs(profile, optimizer, every)
+        for pipelines in (1, 3):
+            assert read(pipelines).tobytes() == priced.op_ms_table(pipelines).tobytes()
