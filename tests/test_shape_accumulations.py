@@ -25,8 +25,10 @@ def _work_of(costs: Costs) -> tuning._Work:
     accumulation totals; no slowest-stage term."""
     table = costs.op_ms_table(1)
     f, b, i, w, opt = (table[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.OPT))
-    return tuning._Work(math.fsum(f), math.fsum(b), math.fsum(np.minimum(b, i + w)), 0, 0, 0, np.zeros(len(f) + 2),
-                        (math.fsum(opt), 0.0, 0.0), math.fsum(stage.accumulate_ms for stage in costs.stages))
+    return tuning._Work(fwd_ms=math.fsum(f), bwd_ms=math.fsum(b), least_bwd_ms=math.fsum(np.minimum(b, i + w)),
+                        static_bytes=0, param_bytes=0, expert_param_bytes=0, grad_bytes=0,
+                        slowest_ms=np.zeros(len(f) + 2), step_ms=(math.fsum(opt), 0.0, 0.0),
+                        accumulate_ms=math.fsum(stage.accumulate_ms for stage in costs.stages))
 
 
 def _shape_step_ms(name: str, costs: Costs, schedule_of, chain: bool = True) -> float:

@@ -548,7 +548,8 @@ def test_best_cut_bound_is_the_least_over_every_cut_by_brute_force(layers, stage
     first = forward if splits else forward + backward
     rest = forward + (np.minimum(backward, input_grad) if splits else backward)
     work = tuning._ChainWork(*(np.concatenate([[0.0], np.cumsum(w)]).tolist() for w in (
-        forward, forward + backward, forward + np.minimum(backward, input_grad))), 0, 0, ())
+        forward, forward + backward, forward + np.minimum(backward, input_grad))), first_param_bytes=0,
+        first_expert_bytes=0, first_grad_bytes=0, sent_bytes=())
     reach = np.concatenate([[0.0], np.cumsum(hops)])[:stages].tolist()  # H_d
     bound = tuning._best_cut_ms(work, passes, splits, scale, reach, tail)
     n = len(layers)
