@@ -453,7 +453,7 @@ class _Split:
 
     @classmethod
     def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
-        shape = layer.output_shape or _read_stream(layer)
+        shape = _stream_shape(layer)
         width = shape[-1] if shape else 0
         tokens = math.prod(shape[:-1]) if shape else 0
         forward = _weighted_products(layer, {}, "fwd") if parallel.tensor > 1 else {}  # its products, found once
@@ -585,6 +585,11 @@ class _Split:
     def memory(self, op: OpCount) -> OpCount:
         whole = self.residual(op.shape) and not self.sequence_parallel
         return op if whole or self.t == 1 else _scaled(op, op.shape, self.t)
+
+
+def _stream_shape(layer: LayerCount) -> tuple[int, ...]:
+    """The residual stream's shape in `layer`: its output's, the head's the stream it reads (`_read_stream`)."""
+    return layer.output_shape or _read_stream(layer)
 
 
 def _read_stream(layer: LayerCount) -> tuple[int, ...]:
@@ -1304,12 +1309,29 @@ def replicated_share(layer: LayerCount, element_bytes: int) -> float:
     fused_layer_norm.py `FusedLayerNorm`, megatron/core/extensions/transformer_engine.py `TENorm` at core_v0.14.0;
     transformer_engine/pytorch/module/layernorm_linear.py at d0067d0d), as torchtitan's plan, whose norms are
     `SequenceParallel()`, keeps their weights Replicate ("unsharded@TP": torchtitan/models/common/
-    decoder_sharding.py `norm_config` at b5bcd76c66)."""
+    decoder_sharding.py `norm_config` at b5bcd76c66). Its row-parallel products' biases (`_row_bias_bytes`) and its
+    learned position embedding (`LayerCount.position_embedding_bytes`) too: Megatron-core's LanguageModelEmbedding
+    holds it as a plain Embedding, not a vocabulary-parallel one."""
     if not layer.param_bytes:
         return 0.0
     router = sum(n * k for ((_, _, n, k), _, _), router in zip(layer.weight_grad_outputs, layer.weight_grad_router)
                  if router)
-    return (router * element_bytes + layer.norm_param_bytes) / layer.param_bytes
+    whole = router * element_bytes + layer.norm_param_bytes + _row_bias_bytes(layer) + layer.position_embedding_bytes
+    return whole / layer.param_bytes
+
+
+def _row_bias_bytes(layer: LayerCount) -> int:
+    """The bytes of `layer`'s row-parallel products' biases (`_weight_splits`, `LayerCount.weight_grad_bias_bytes`:
+    the attention's output projection's, the MLP's down projection's), whole on every rank: Megatron-core's
+    RowParallelLinear adds its whole bias after the reduction (megatron/core/tensor_parallel/layers.py
+    `RowParallelLinear.__init__` at core_v0.14.0: `self.bias` of `output_size`, its `sequence_parallel` attribute set),
+    as torch's RowwiseParallel replicates it (torch/distributed/tensor/parallel/style.py `_partition_linear_fn`)."""
+    if not any(layer.weight_grad_bias_bytes):
+        return 0
+    shape = _stream_shape(layer)
+    splits = _weight_splits(layer, _weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
+                            shape[-1] if shape else 0)
+    return sum(nbytes for j, nbytes in enumerate(layer.weight_grad_bias_bytes) if splits.get(j) == "row")
 
 
 def rank_share(layer: LayerCount, share: float, t: int, element_bytes: int) -> float:
@@ -1330,12 +1352,13 @@ def state_share(layer: LayerCount, parallel: Parallelism, weight_shards: int, el
 def replicated_reduce_ms(layers: Sequence[LayerCount], parallel: Parallelism, held: Precision, element_bytes: int,
                          link: EstimateLink) -> float:
     """The all-reduce over the t ranks of `layers`' replicated weights' gradients (`replicated_share`) once a step,
-    before the optimizer's, under Megatron-core with sequence parallelism: each rank's router and norms saw only its
-    own tokens, so their gradients are partial sums. The router's weight carries `sequence_parallel` (router.py
-    `Router.__init__`), as the norms' do (fused_layer_norm.py; TransformerEngine's LayerNorm, RMSNorm and
-    LayerNormLinear's `layer_norm_weight`), and finalize_model_grads all-reduces every such parameter's main_grad
-    over the tensor-parallel group, coalesced (megatron/core/distributed/finalize_model_grads.py at 7094270c6f,
-    core_r0.12.0: `_allreduce_layernorm_grads`; at core_v0.14.0 `_allreduce_non_tensor_model_parallel_grads`).
+    before the optimizer's, under Megatron-core with sequence parallelism: each rank's router, norms and row-parallel
+    biases saw only its own tokens, so their gradients are partial sums. The router's weight carries
+    `sequence_parallel` (router.py `Router.__init__`), as the norms' (fused_layer_norm.py; TransformerEngine's
+    LayerNorm, RMSNorm and LayerNormLinear's `layer_norm_weight`) and RowParallelLinear's bias do, and
+    finalize_model_grads all-reduces every such parameter's main_grad over the tensor-parallel group, coalesced
+    (megatron/core/distributed/finalize_model_grads.py at 7094270c6f, core_r0.12.0: `_allreduce_layernorm_grads`;
+    at core_v0.14.0 `_allreduce_non_tensor_model_parallel_grads`).
     Without sequence parallelism each rank's router and norms saw every token, but its query's and key's norms
     (`LayerCount.qk_norm_param_bytes`) normalise its own heads only, so their gradients are partial sums too, which
     the same all-reduce takes under `qk_layernorm` (`"q_layernorm" in name or "k_layernorm" in name`; at
@@ -1352,10 +1375,13 @@ def replicated_reduce_ms(layers: Sequence[LayerCount], parallel: Parallelism, he
 
 def _partial_gradient_share(layer: LayerCount, parallel: Parallelism, element_bytes: int) -> float:
     """Of `layer`'s weights (by bytes), the share whose gradients are partial sums on each of Megatron-core's t ranks
-    (`replicated_reduce_ms`): every replicated weight's under sequence parallelism, else its query's and key's
-    norms'."""
+    (`replicated_reduce_ms`): under sequence parallelism every replicated weight's but the learned position
+    embedding's, a plain Embedding without `sequence_parallel` that adds to every token before the embedding's
+    scatter, so each rank's gradient is whole (megatron/core/models/common/embeddings/language_model_embedding.py
+    `LanguageModelEmbedding` at core_v0.14.0); else its query's and key's norms'."""
     if parallel.sequence_parallel:
-        return replicated_share(layer, element_bytes)
+        positions = layer.position_embedding_bytes / layer.param_bytes if layer.param_bytes else 0.0
+        return replicated_share(layer, element_bytes) - positions
     return layer.qk_norm_param_bytes / layer.param_bytes if layer.param_bytes else 0.0
 
 

@@ -97,6 +97,12 @@ class LayerCount:
     # which their weight gradient, computed in the input-gradient pass, reads there (planning/estimate.py
     # `wgrad_kept`); (): none, or not recorded
     router_input_saves: tuple[int, ...] = ()
+    # per product of weight_grad_outputs, the bytes of its linear's bias (0: none); a row-parallel product's
+    # tensor parallelism keeps whole on every rank (planning/estimate.py `replicated_share`); (): not recorded
+    weight_grad_bias_bytes: tuple[int, ...] = ()
+    # of param_bytes, its learned position embedding's (workload/count.py `_POSITION_EMBEDDING_NAMES`), which tensor
+    # parallelism keeps whole on every rank (planning/estimate.py `replicated_share`)
+    position_embedding_bytes: int = 0
     # of param_bytes, its norms' weights (their scales and shifts): no product reads them, and tensor parallelism
     # keeps them whole on every rank (planning/estimate.py `replicated_share`)
     norm_param_bytes: int = 0

@@ -128,8 +128,10 @@ def test_an_estimated_profile_is_a_profile_with_its_links_from_the_placement(sma
         A100.intra_node.gb_s_per_direction * A100.curve.link_efficiency * 1e6  # 2 GPUs: one node
     tp = estimate_profile(small_gpt, A100, Parallelism(tensor=8, pipeline=2, data=2))
     assert tp.estimate.stage_link.kind == tp.estimate.data_parallel_link.kind == "infiniband"
-    norms = small_gpt.layers[1].norm_param_bytes  # whole on each of the t ranks, the rest split 8 ways (e849119)
-    assert norms and (tp.layers[1].param_bytes - norms) * 8 == one.layers[1].param_bytes - norms
+    # its norms and its attention output's and MLP down projection's biases whole on each of the t ranks, the rest
+    # split 8 ways (e849119)
+    whole = small_gpt.layers[1].norm_param_bytes + 2 * H * 2  # two biases of the width, fp16
+    assert whole and (tp.layers[1].param_bytes - whole) * 8 == one.layers[1].param_bytes - whole
     full = estimate_profile(small_gpt, A100, Parallelism(pipeline=2, recompute="full"))
     assert full.layers[1].bwd.median_ms == pytest.approx(one.layers[1].bwd.median_ms + one.layers[1].fwd.median_ms)
     with pytest.raises(EstimateError, match="does not divide"):

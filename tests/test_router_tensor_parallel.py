@@ -1,10 +1,11 @@
-"""A mixture of experts' router and a model's norms under tensor parallelism, as Megatron-core runs them: their
-weights whole on every rank; the router's gating product on the rank's tokens (1/t under sequence parallelism, all
-of them without), no reduction of its input gradient; their gradients all-reduced over the t ranks once a step
-under sequence parallelism (planning/estimate.py `_weight_splits`, `_Split._replicated_at`, `replicated_share`,
-`replicated_reduce_ms`). The count marks the router (workload/moe.py `routing`): the gpt's `--experts` one, which
-reads the norm's output, and a Hugging Face model's `gate`, which reads a float32 cast of it; and the norms' bytes
-(`LayerCount.norm_param_bytes`)."""
+"""A mixture of experts' router, a model's norms, its row-parallel linears' biases and its learned position embedding
+under tensor parallelism, as Megatron-core runs them: their weights whole on every rank; the router's gating product
+on the rank's tokens (1/t under sequence parallelism, all of them without), no reduction of its input gradient;
+their gradients all-reduced over the t ranks once a step under sequence parallelism, the position embedding's aside
+(planning/estimate.py `_weight_splits`, `_Split._replicated_at`, `replicated_share`, `replicated_reduce_ms`). The
+count marks the router (workload/moe.py `routing`): the gpt's `--experts` one, which reads the norm's output, and a
+Hugging Face model's `gate`, which reads a float32 cast of it; and the norms', the biases' and the position
+embedding's bytes (`LayerCount.norm_param_bytes`, `weight_grad_bias_bytes`, `position_embedding_bytes`)."""
 
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def test_the_routers_input_gradient_adds_no_reduction(layer, tensor_reductions, 
 
 def test_a_rank_holds_the_routers_weight_whole(counted):
     """The MoE layer's weights, gradients and optimizer state on one of t = 2 ranks: 1/t of the rest, all of the
-    router's (experts x width) and of its norms' (`test_a_rank_holds_the_norms_weights_whole`)."""
-    router = EXPERTS * H * E + counted.layers[1].norm_param_bytes
+    router's (experts x width), of its norms' and of its row-parallel biases'
+    (`test_a_rank_holds_the_norms_and_row_parallel_biases_whole`)."""
+    router = EXPERTS * H * E + counted.layers[1].norm_param_bytes + estimate._row_bias_bytes(counted.layers[1])
     whole, split = (estimate_profile(counted, H100, Parallelism(tensor=t, sequence_parallel=True)).layers[1]
                     for t in (1, T))
     assert split.param_bytes == (whole.param_bytes - router) // T + router
@@ -110,13 +112,14 @@ def test_a_rank_holds_the_routers_weight_whole(counted):
 def test_the_routers_gradient_is_all_reduced_over_the_ranks_once_a_step_under_sequence_parallelism(
         gpt_moe, tensor_reductions, sequence_parallel, runtime, reduced):
     """Megatron-core's finalize_model_grads all-reduces a `sequence_parallel` parameter's main gradient (float32:
-    the router's, experts x width, and every norm's) over the tensor-parallel group; without sequence parallelism
-    every rank saw every token."""
+    the router's, experts x width, every norm's and the attention's output projection's bias) over the
+    tensor-parallel group, not the position embedding's, whole on each rank; without sequence parallelism every rank
+    saw every token."""
     estimate.replicated_reduce_ms(gpt_moe.layers, Parallelism(tensor=T, sequence_parallel=sequence_parallel,
                                                               tp_runtime=runtime),
                                   Parallelism().held(gpt_moe.dtype), E, placement_links(H100, Parallelism()).tensor)
     norms = 3 * 2 * H  # a LayerNorm's scale and shift: the block's two, the head's final one
-    assert tensor_reductions == ([((EXPERTS * H + norms) * 4, T)] if reduced else [])
+    assert tensor_reductions == ([((EXPERTS * H + norms + H) * 4, T)] if reduced else [])
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +134,34 @@ def test_the_count_marks_the_norms_weights(gpt_dense):
     final one; no query or key norm."""
     assert [layer.norm_param_bytes for layer in gpt_dense.layers] == [0, 2 * 2 * H * E, 2 * H * E]
     assert not any(layer.qk_norm_param_bytes for layer in gpt_dense.layers)
+
+
+def test_the_count_marks_the_biases_and_the_learned_position_embedding(gpt_dense):
+    """Per product, its linear's bias (q, k and v's, the attention output's, the MLP's up and down; the head none);
+    the embedding's positions table, seq x width, its position embedding; of the biases the row-parallel ones, the
+    attention output's and the MLP down projection's, width each."""
+    assert [layer.weight_grad_bias_bytes for layer in gpt_dense.layers] == [
+        (), (3 * H * E, H * E, 4 * H * E, H * E), (0,)]
+    assert [layer.position_embedding_bytes for layer in gpt_dense.layers] == [S * H * E, 0, 0]
+    assert [estimate._row_bias_bytes(layer) for layer in gpt_dense.layers] == [0, 2 * H * E, 0]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_rank_holds_the_position_embedding_whole_and_reduces_none_of_it(gpt_dense, tensor_reductions,
+                                                                          sequence_parallel):
+    """Megatron-core's LanguageModelEmbedding holds its position embedding as a plain Embedding, whole on each rank,
+    the word embedding 1/t (VocabParallelEmbedding); the position embedding is added before the scatter to the
+    sequence-parallel region, so each rank's gradient is whole and finalize_model_grads all-reduces none of it: the
+    step's tensor all-reduce moves the norms' and the row-parallel biases' main gradients alone."""
+    parallel = Parallelism(tensor=T, sequence_parallel=sequence_parallel)
+    positions = gpt_dense.layers[0].position_embedding_bytes
+    whole, split = (estimate_profile(gpt_dense, H100, replace(parallel, tensor=t)).layers[0] for t in (1, T))
+    assert split.param_bytes == (whole.param_bytes - positions) // T + positions
+    tensor_reductions.clear()  # the profiles' own
+    estimate.replicated_reduce_ms(gpt_dense.layers, parallel, Parallelism().held(gpt_dense.dtype), E,
+                                  placement_links(H100, Parallelism()).tensor)
+    norms, biases = 3 * 2 * H, 2 * H
+    assert tensor_reductions == ([((norms + biases) * 4, T)] if sequence_parallel else [])
 
 
 @needs_transformers
@@ -160,10 +191,11 @@ def test_the_query_and_key_norms_gradients_are_all_reduced_even_without_sequence
 
 @pytest.mark.parametrize("runtime", ["megatron", "torch"])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_a_rank_holds_the_norms_weights_whole(gpt_dense, runtime, sequence_parallel):
-    """Megatron-core's norms (TransformerEngine's LayerNormLinear's too) and torchtitan's are whole on each of the
-    t ranks: a dense block's weights, gradients and optimizer state 1/t of the rest, all of its two norms'."""
-    norms = gpt_dense.layers[1].norm_param_bytes
+def test_a_rank_holds_the_norms_and_row_parallel_biases_whole(gpt_dense, runtime, sequence_parallel):
+    """Megatron-core's norms (TransformerEngine's LayerNormLinear's too) and torchtitan's, and RowParallelLinear's
+    and RowwiseParallel's biases, are whole on each of the t ranks: a dense block's weights, gradients and optimizer
+    state 1/t of the rest, all of its two norms' and of its attention output's and MLP down projection's biases."""
+    norms = gpt_dense.layers[1].norm_param_bytes + 2 * H * E
     whole, split = (estimate_profile(gpt_dense, H100, Parallelism(tensor=t, sequence_parallel=sequence_parallel,
                                                                   tp_runtime=runtime)).layers[1] for t in (1, T))
     assert split.param_bytes == (whole.param_bytes - norms) // T + norms

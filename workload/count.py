@@ -332,6 +332,11 @@ _MLA_UP_NAMES = {"q_b_proj", "kv_b_proj", "linear_q_up_proj", "linear_kv_up_proj
 _QK_NORM_NAMES = {"q_norm", "k_norm", "q_layernorm", "k_layernorm"}
 
 
+# The learned position embeddings (the built-in gpt's `positions`, workload/models.py `_Embed`; GPT-2's `wpe`;
+# Megatron-core's LanguageModelEmbedding `position_embeddings`): a plain Embedding, not a vocabulary-parallel one
+_POSITION_EMBEDDING_NAMES = {"positions", "wpe", "position_embeddings"}
+
+
 def _norm_bytes(layer: torch.nn.Module, names: set[str] | None = None) -> int:
     """The bytes of `layer`'s norms' weights (`_region_kind`), of those whose own name is among `names` if given."""
     return sum(_nbytes(p) for name, module in layer.named_modules() if _region_kind(name, module) == "layernorm"
@@ -541,6 +546,7 @@ class _Product:
     input_storage: torch.UntypedStorage  # held, so that no identity is reused
     routed: bool  # the routed experts' grouped one (`LayerCount.weight_grad_routed`)
     router: bool  # a mixture of experts' router's (`LayerCount.weight_grad_router`)
+    bias_bytes: int  # its linear's bias's (`LayerCount.weight_grad_bias_bytes`)
 
 
 class _SaverParts(TorchFunctionMode):
@@ -569,7 +575,9 @@ class _SaverParts(TorchFunctionMode):
             return
         shape = ((1, math.prod(x.shape[:-1]), *weight.shape) if weight.dim() == 2
                  else (*out.shape, x.shape[-1]))
-        self.products.append(_Product(shape, _nbytes(out), x.untyped_storage(), weight.dim() != 2, router_now()))
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        self.products.append(_Product(shape, _nbytes(out), x.untyped_storage(), weight.dim() != 2, router_now(),
+                                      _nbytes(bias) if bias is not None and bias.requires_grad else 0))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         part = _FUNCTION_PART.get(func)
@@ -781,11 +789,16 @@ def _count_layer(model: Model, layer: torch.nn.Module, inputs: list[torch.Tensor
         weight_grad_outputs=_weight_grad_outputs(products),
         weight_grad_routed=tuple(product.routed for product in products),
         weight_grad_router=tuple(product.router for product in products),
+        weight_grad_bias_bytes=tuple(product.bias_bytes for product in products),
         router_input_saves=_router_input_saves(saved, products),
         attention_copied_bytes=tuple(map(_attention_copied, saved.values())),
         sequence_inputs=_sequence_inputs(saved, fwd.live),
         param_bytes=sum(_nbytes(p) for p in layer.parameters()), grad_bytes=sum(map(_nbytes, weights)),
         norm_param_bytes=_norm_bytes(layer), qk_norm_param_bytes=_norm_bytes(layer, _QK_NORM_NAMES),
+        position_embedding_bytes=sum(_nbytes(p) for name, module in layer.named_modules()
+                                     if isinstance(module, torch.nn.Embedding)
+                                     and name.rpartition(".")[2] in _POSITION_EMBEDDING_NAMES
+                                     for p in module.parameters(recurse=False)),
         optimizer_state_bytes={name: steps[name, shapes][0] for name in OPTIMIZERS},
         optimizer_step_moved_bytes={name: steps[name, shapes][1] for name in OPTIMIZERS},
         output_shape=() if last else tuple(out.shape), output_bytes=0 if last else _nbytes(out), inputs=(),
