@@ -53,7 +53,7 @@ from ..schedules import (
 from ..schedules.catalogue import method_named
 from ..sim import Cluster, CostError, Costs, Link, StageCosts
 from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserves
-from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, merges_outputs, wgrad_held
+from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
 
@@ -482,8 +482,8 @@ class Scenario:
 
         per_copy = sched.graph.stages_per_copy
         bounds = {stage: (cut[stage % per_copy], cut[stage % per_copy + 1]) for stage in range(sched.num_stages)}
-        allocations = (self.allocations if self.pp_runtime == "pipesim" else  # torch's I keeps every saved tensor
-                       tuple(replace(layer, wgrad_kept=None) for layer in self.allocations))
+        allocations = (tuple(replace(layer, wgrad_kept=None) for layer in self.allocations)
+                       if keeps_saved_until_weights(self.pp_runtime) else self.allocations)
         layers = {stage: allocations[start:stop] for stage, (start, stop) in bounds.items()}
         merged = ({stage: costs["model_output_bytes"] for stage, costs in enumerate(trace.meta.costs)}
                   if trace.meta.costs and merges_outputs(self.pp_runtime) else None)  # as the trace's costs held them

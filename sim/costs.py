@@ -564,6 +564,13 @@ def held_as_runtime(costs: Costs, schedule: Schedule, pp_runtime: str) -> Costs:
     return replace(costs, stages=held, kept_until_update=True, merges_outputs=merges_outputs(pp_runtime))
 
 
+def keeps_saved_until_weights(pp_runtime: str) -> bool:
+    """Whether `pp_runtime`'s split backward keeps every saved tensor of a pass from I until W (torch's
+    `stage_backward_input` with retain_graph=True, as `held_as_runtime` holds it), where pipesim's runtime keeps only
+    what the weight pass reads (Megatron-LM's zero-bubble `WeightGradStore`: `StageCosts.wgrad_kept_bytes`)."""
+    return pp_runtime == "torch"
+
+
 def merges_outputs(pp_runtime: str) -> bool:
     """Whether `pp_runtime`'s runtime concatenates the model outputs its last stage kept
     (`StageCosts.model_output_bytes`, one a micro-batch) into a new tensor once the stage's device has run its last
