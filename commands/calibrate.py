@@ -35,6 +35,7 @@ from .common import (
     flag_of,
     is_given,
     model_reads,
+    read_error,
     refuse,
     require,
     require_model_data,
@@ -223,7 +224,7 @@ def calibrate(
             raise InputError(f"{model} does not fit in memory at micro-batch size {microbatch_size}: "
                              f"{first_line}; make it smaller (--width, --layers, --microbatch-size)") from None
         except OSError as exc:
-            raise InputError(f"calibration failed: {exc}") from None
+            raise InputError(f"calibration failed: {read_error(exc)}") from None
         with writing("--out"):
             write_atomic(out, profile_json(profile))
     except InputError as exc:

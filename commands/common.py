@@ -742,17 +742,18 @@ def check_writable(flag: str, path: Path | None) -> None:
         return
     from ..traces.trace import writes_in_place
 
-    if path.is_dir():
-        raise InputError(f"{flag}: {path} is a directory; give a file path")
-    if writes_in_place(path):
-        if not os.access(path, os.W_OK):
-            raise InputError(f"{flag}: cannot write {path}: permission denied")
-        return
-    folder = Path(os.path.realpath(path)).parent if path.is_symlink() else path.parent  # where the file is made
-    if not folder.is_dir():
-        raise InputError(f"{flag}: cannot write {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise InputError(f"{flag}: cannot write {path}: folder {folder} is not writable")
+    with writing(flag):  # a name too long, a folder that cannot be searched: the path cannot even be looked at
+        if path.is_dir():
+            raise InputError(f"{flag}: {path} is a directory; give a file path")
+        if writes_in_place(path):
+            if not os.access(path, os.W_OK):
+                raise InputError(f"{flag}: cannot write {path}: permission denied")
+            return
+        folder = Path(os.path.realpath(path)).parent if path.is_symlink() else path.parent  # where it is made
+        if not folder.is_dir():
+            raise InputError(f"{flag}: cannot write {path}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise InputError(f"{flag}: cannot write {path}: folder {folder} is not writable")
 
 
 def check_outputs(outputs: Sequence[tuple[str, Path | None]], reads: Sequence[tuple[str, Path | None]] = ()) -> None:
@@ -785,19 +786,23 @@ def model_reads(params: dict[str, Any]) -> list[tuple[str, Path | None]]:
             ("--curve-from", params.get("curve_from")), ("--gpus", params.get("gpus"))]
 
 
-def write_error(exc: OSError) -> str:
-    """The one line for an output that could not be written: the path and why."""
-    return f"cannot write {exc.filename}: {exc.strerror}" if exc.filename else f"cannot write output: {exc}"
-
-
 @contextmanager
 def writing(flag: str) -> Iterator[None]:
     """Around the write of `flag`'s output: a write that fails once the work is done (a full disk, a folder that
-    takes no files, which `check_writable` cannot foresee) is the one line of `write_error`, naming the flag."""
+    takes no files, which `check_writable` cannot foresee) is one line naming the flag, the path and why."""
     try:
         yield
     except OSError as exc:
-        raise InputError(f"{flag}: {write_error(exc)}") from None
+        path = exc.filename if exc.filename else "its output"
+        raise InputError(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
+
+
+def read_error(exc: OSError) -> str:
+    """The line for an OSError that reaches a command's last handler. Every output's write is inside `writing`,
+    which names its flag, and the files the flags name are read through pipesim.files, which names the flag too:
+    what is left is a file the command reads for itself (a source of pipesim's, a cache) or no file at all (a
+    socket), never an output, so it is never called one."""
+    return f"cannot read {exc.filename}: {exc.strerror}" if exc.filename else str(exc)
 
 
 # What the optional modules are and how to install them: import name -> (pip package, pipesim's extra with it).

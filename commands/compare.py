@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -137,7 +138,7 @@ def compare(
 
     try:
         check_outputs([("--html", html)], [("MEASURED", measured), ("PREDICTED", predicted)])
-        if measured.is_dir():
+        if os.path.isdir(measured):  # False for a path that cannot be looked at, which read_trace names
             from ..planning.torch_profile import read_torch_profile
 
             ranks = sorted(measured.glob("*.json"))

@@ -37,6 +37,7 @@ from .common import (
     flag_of,
     is_given,
     model_reads,
+    read_error,
     refuse,
     refused_with_flags,
     require,
@@ -45,7 +46,6 @@ from .common import (
     stdout,
     too_few_layers,
     what_if_options,
-    write_error,
     writing,
     zero_stage,
 )
@@ -629,7 +629,7 @@ def estimate(
     except InputError as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(write_error(exc))
+        fail(read_error(exc))
     _print_estimate(profile, sources)
     if zero >= 2:
         stdout.print(f"ZeRO-{zero}: the profile holds each GPU's whole {'weights and ' if zero == 3 else ''}"

@@ -55,6 +55,7 @@ from .common import (
     flag_of,
     is_given,
     model_reads,
+    read_error,
     refuse,
     refused_with_flags,
     require,
@@ -65,7 +66,6 @@ from .common import (
     stderr,
     stdout,
     too_few_layers,
-    write_error,
     writing,
 )
 from .tables import print_table
@@ -304,7 +304,7 @@ def run(
     except ExecutorError as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(write_error(exc))
+        fail(read_error(exc))
     if as_json:
         sys.stdout.write(json.dumps(_document(result, summary, trace, html), indent=2) + "\n")
     else:

@@ -63,6 +63,7 @@ from .common import (
     model_reads,
     optional_what_if_options,
     progress,
+    read_error,
     refused_with_flags,
     scenario_from_flags,
     search_options,
@@ -70,7 +71,6 @@ from .common import (
     searched_scenario,
     stderr,
     stdout,
-    write_error,
     writing,
     zero_stage,
 )
@@ -323,7 +323,7 @@ def simulate(
     except (InputError, ScheduleError, CostError, ClusterError, SimulationError) as exc:
         fail(str(exc))
     except OSError as exc:
-        fail(write_error(exc))
+        fail(read_error(exc))
 
     if as_json:
         results = [summary.to_dict() for summary in summaries]
@@ -780,5 +780,5 @@ def export(
     except (InputError, ScheduleError, CostError) as exc:  # a too low --activation-limit included
         fail(str(exc))
     except OSError as exc:
-        fail(write_error(exc))
+        fail(read_error(exc))
     stdout.print(f"wrote {out}", highlight=False)

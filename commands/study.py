@@ -27,11 +27,11 @@ from .common import (
     check_outputs,
     check_prediction,
     fail,
+    read_error,
     require,
     require_model_data,
     stderr,
     stdout,
-    write_error,
     writing,
 )
 from .tables import print_table
@@ -147,7 +147,7 @@ def study(
     except ResultsError as exc:
         fail(f"--results: {exc}")
     except OSError as exc:
-        fail(write_error(exc))
+        fail(read_error(exc))
     if as_json:
         print(json.dumps({"setting": setting.as_dict(), "samples": setting.samples, "results": str(results),
                           "html": str(html), "arms": [s.as_dict() for s in summaries]}, indent=2))
@@ -182,6 +182,10 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
     from ..study.plan import RunKey, build
     from ..study.train import time_arm, train
 
+    def save() -> None:
+        with writing("--results"):
+            saved.save(path)
+
     runs = [(arm, RunKey(arm.method, arm.source, optimizer, lr, seed)) for optimizer, lr in rates.items()
             for arm in chosen for seed in seed_list]
     runs = [(arm, key) for arm, key in runs if not saved.done(key)]
@@ -198,12 +202,12 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
             profile = _calibrate(setting, next(iter(rates)), ranks,
                                  lambda what: bar.update(task, description=f"calibrating the setting: {what}"))
             saved.profile = profile.model_dump(mode="json")
-            saved.save(path)
+            save()
             bar.advance(task)
         for arm, key in runs:
             bar.update(task, description=f"training {arm.label}, {key.optimizer}, seed {key.seed}")
             saved.runs.append(train(setting, arm, key.optimizer, key.lr, key.seed))
-            saved.save(path)
+            save()
             bar.advance(task)
         profile = Profile.model_validate(saved.profile) if timings else None
         for arm in timings:
@@ -211,7 +215,7 @@ def _train(saved, setting, chosen, rates, seed_list, timing: bool, repeats: int,
             run = saved.trained(arm, rates, seed_list)  # after training: a run known to reach the end
             if run is not None:
                 saved.timings.append(time_arm(setting, arm, run.optimizer, run.lr, run.seed, profile, repeats))
-                saved.save(path)
+                save()
             bar.advance(task)
 
 

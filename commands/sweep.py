@@ -40,11 +40,11 @@ from .common import (
     model_reads,
     optional_what_if_options,
     progress,
+    read_error,
     require,
     scenario_from_flags,
     search_options,
     stdout,
-    write_error,
     writing,
     zero_stage,
 )
@@ -244,7 +244,7 @@ def sweep(
     except ConnectionError as exc:  # Ray could not reach the cluster
         fail(f"--ray {ray}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     except OSError as exc:
-        fail(write_error(exc))
+        fail(read_error(exc))
     _print_front(results, front)
     for path in (out, html):
         if path is not None:

@@ -426,7 +426,7 @@ TORCH_PROFILER_READER = ("`pipesim compare FOLDER PREDICTED` reads torch.profile
 
 
 def read_trace(path: str | os.PathLike[str]) -> Trace:
-    if Path(path).is_dir():
+    if os.path.isdir(path):  # False where the path cannot be looked at: read_json says why
         raise TraceError(f"{path} is a folder; give a pipesim trace file ({TORCH_PROFILER_READER})")
     doc = read_json(path, TraceError, "trace")
     if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's

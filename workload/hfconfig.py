@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ class HfConfig:
 def hf_config_path(spec: str) -> Path:
     """The config.json `spec` (`hf:PATH`) names: PATH, or PATH/config.json where PATH is a folder."""
     path = Path(spec.removeprefix(HF_PREFIX))
-    return path / CONFIG_NAME if path.is_dir() else path
+    return path / CONFIG_NAME if os.path.isdir(path) else path  # False where it cannot be looked at: read it says why
 
 
 def read_hf_config(spec: str) -> HfConfig:
@@ -64,7 +65,11 @@ def read_hf_config(spec: str) -> HfConfig:
     if not given:
         raise HfConfigError(f"--model {spec}: give hf:PATH, a {CONFIG_NAME} or a folder holding one")
     path = hf_config_path(spec)
-    if not path.exists():
+    try:
+        missing = not path.exists()
+    except OSError:  # a name too long, a folder that cannot be searched: reading it says which
+        missing = False
+    if missing:
         raise HfConfigError(f"--model {spec}: no {path}; give hf:PATH, a {CONFIG_NAME} or a folder holding one")
     fields = read_json(path, HfConfigError, "Hugging Face config", f"--model {spec}: ")
     if not isinstance(fields, dict):  # an array, number or string: no fields to read

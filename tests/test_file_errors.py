@@ -1,0 +1,48 @@
+"""A file that cannot be used is one line that says whether it was read or written, which path, and the flag
+that named it; never "cannot write" for a file only read, never a traceback."""
+
+import pytest
+
+from pipesim import traces
+from pipesim.study import results
+from tests.conftest import pipesim
+
+TOO_LONG = "a" * 300  # past any file system's 255-byte name: even looking at the path fails (ENAMETOOLONG)
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["simulate", "-s", "1f1b", "--trace", f"{TOO_LONG}.json"], f"error: --trace: cannot write {TOO_LONG}.json"),
+    (["view", f"{TOO_LONG}.json"], f"error: --html: cannot write {TOO_LONG}.html"),
+    (["compare", f"{TOO_LONG}.json"], f"error: cannot read trace {TOO_LONG}.json"),
+    (["simulate", "--gpu", "h100-sxm", "--model", f"hf:{TOO_LONG}", "--seq-len", "128"],
+     f"error: --model hf:{TOO_LONG}: cannot read Hugging Face config {TOO_LONG}"),
+    (["estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out", TOO_LONG], f"error: --out: cannot write {TOO_LONG}"),
+])
+def test_a_path_that_cannot_be_looked_at_is_named_with_its_flag(tmp_path, monkeypatch, args, line):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = pipesim(*args)
+    assert (code, err) == (2, f"{line}: File name too long\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_read_the_command_makes_for_itself_is_not_called_a_write(tmp_path, monkeypatch):
+    def unreadable(*_):
+        raise PermissionError(13, "Permission denied", "/some/source.py")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(traces, "summarize", unreadable)
+    code, _, err = pipesim("simulate", "-s", "1f1b", "--trace", "t.json")
+    assert (code, err) == (2, "error: cannot read /some/source.py: Permission denied\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_study_whose_results_cannot_be_saved_names_results(tmp_path, monkeypatch):
+    def full(path, _):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(results, "write_atomic", full)
+    path = tmp_path / "r.json"
+    code, _, err = pipesim("study", "-s", "gpipe", "--seeds", "1", "-n", "1", "--no-timing", "--results", path,
+                           "--html", tmp_path / "s.html")
+    assert (code, err) == (2, f"error: --results: cannot write {path}: No space left on device\n")
+    assert list(tmp_path.iterdir()) == []
