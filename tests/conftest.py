@@ -9,6 +9,7 @@
 - `simulated(schedule, ...)` and `run(name, p, m, ...)`: simulate with the same costs on every model stage and a
   uniform link: (schedule, trace, summary).
 - `estimate_json(tmp_path, *args)`: `pipesim estimate ARGS` into a file of its own in tmp_path: the profile's JSON.
+- `tune_rows(document)`: every layout a `pipesim tune --json` document lists.
 - `help_records()`: each command's name, each of its parameters and the (names, text) its --help lists for it.
 - `reductions(split, ops, name)`: pass `name`'s reductions of the products `ops` on one rank, per reduced shape.
 - `tensor_reductions` (a fixture): each all-reduce and reduce-scatter planning/estimate.py prices, as (bytes,
@@ -112,6 +113,11 @@ def at_columns(monkeypatch: pytest.MonkeyPatch, columns: int | None) -> None:
         monkeypatch.setenv("COLUMNS", str(columns))
     for console in (common.stdout, common.stderr):
         monkeypatch.setattr(console, "width", columns or 120)
+
+
+def tune_rows(document: dict) -> list[dict]:
+    """Every layout a `pipesim tune --json` document lists: its choice, the runners-up and those excluded."""
+    return [document["choice"], *document["runners_up"], *document["excluded"]]
 
 
 def refused(*args: Any) -> str:

@@ -29,7 +29,7 @@ from pipesim.planning.experts import (
     random_routing_load,
 )
 from pipesim.workload.count import WorkloadCount, count_built
-from tests.conftest import pipesim
+from tests.conftest import pipesim, tune_rows
 
 H100 = load_catalogue().find("h100-sxm")
 PLACEMENT = node_placement(H100)  # 8 GPUs a node on NVLink, a NIC each
@@ -308,7 +308,7 @@ def test_tune_searches_only_the_shapes_whose_replicas_expert_parallelism_can_dra
                              "--expert-parallel", 4, "-D", 8, "--json")
     assert code == 0, err
     tuned = json.loads(out)
-    rows = [tuned["choice"], *tuned["runners_up"], *tuned["excluded"]]
+    rows = tune_rows(tuned)
     assert rows and all(row["replicas"] % 4 == 0 for row in rows)
 
 

@@ -11,7 +11,7 @@ from pipesim.sim import Costs, simulate
 from pipesim.sim.cluster import Cluster
 from pipesim.sim.costs import held_as_runtime
 from pipesim.units import MIB
-from tests.conftest import build, pipesim, simulate_json
+from tests.conftest import build, pipesim, simulate_json, tune_rows
 
 # 1F1B on 4 devices, 8 micro-batches: 100 MiB of weights, 10 MiB of activations a micro-batch (its 2 MiB input
 # among them: the first layer saves it) and 2 MiB sent to the next stage.
@@ -176,7 +176,7 @@ def test_tune_refuses_per_shape_the_methods_torchs_stage_cannot_run():
     runtimes = {runtime: tuned(*flags, "--pp-runtime", runtime) for runtime in ("pipesim", "torch")}
 
     def configurations(document):
-        rows = [document["choice"], *document["runners_up"], *document["excluded"], document["staler_winner"]]
+        rows = [*tune_rows(document), document["staler_winner"]]
         return {(row["schedule"], row["pipelines"]) for row in rows if row}
 
     assert ("pipedream", 1) in configurations(runtimes["pipesim"])

@@ -14,7 +14,7 @@ from pipesim.hardware.catalogue import load_catalogue
 from pipesim.planning.estimate import gradient_ranks_per_node, links_of, node_placement
 from pipesim.planning.experts import ExpertParallelError, expert_group
 from pipesim.planning.ranks import RankOrderError, dense_grid, expert_grid
-from tests.conftest import pipesim, simulate_json
+from tests.conftest import pipesim, simulate_json, tune_rows
 
 PLACEMENT = node_placement(load_catalogue().find("h100-sxm"))  # 8 GPUs a node on NVLink, a NIC each
 
@@ -151,6 +151,6 @@ def test_tune_folds_the_experts_over_tensor_and_data_parallel_ranks_in_megatrons
                              "--expert-tensor-parallel", 1, "--tensor-parallel", 2)
     assert code == 0, err
     tuned = json.loads(out)
-    rows = [tuned["choice"], *tuned["runners_up"], *tuned["excluded"]]
+    rows = tune_rows(tuned)
     assert all(row["tensor_parallel"] * row["replicas"] % 8 == 0 for row in rows)
     assert any(row["replicas"] < 8 for row in rows)

@@ -22,7 +22,7 @@ from pipesim.profiles.schema import Timing, load_profile
 from pipesim.schedules import METHODS, flushes
 from pipesim.sim import simulate
 from pipesim.traces import summarize
-from tests.conftest import pipesim
+from tests.conftest import pipesim, tune_rows
 
 PROFILES = Path(__file__).resolve().parents[1] / "traces" / "profiles"
 GPT, CNN = PROFILES / "gpt-cpu.json", PROFILES / "cnn-cpu.json"
@@ -312,8 +312,7 @@ def test_a_given_d_fixes_the_depth_of_a_profiles_search():
     code, out, err = pipesim("tune", "--profile", str(CNN), "-D", "4", "--data-parallel", "2", "--json")
     assert code == 0, err
     doc = json.loads(out)
-    assert {(row["stages"], row["replicas"]) for row in [doc["choice"], *doc["runners_up"], *doc["excluded"]]} == {
-        (2, 2)}
+    assert {(row["stages"], row["replicas"]) for row in tune_rows(doc)} == {(2, 2)}
 
 
 def test_cli_json_is_the_search_result():

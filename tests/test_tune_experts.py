@@ -11,7 +11,7 @@ import pytest
 
 from pipesim.planning import tune as tuning
 from pipesim.schedules import KIND_CODE, Kind
-from tests.conftest import pipesim
+from tests.conftest import pipesim, tune_rows
 from tests.test_tune import differences, exhaustive
 from tests.test_tune_reserve import searched_settings
 
@@ -97,7 +97,7 @@ def test_table_and_json_show_e_and_the_table_fits_80_columns(monkeypatch):
     code, out, err = pipesim("tune", *MOE, *FLAGS, *SCHEDULES, "--json")
     assert code == 0, err
     doc = json.loads(out)
-    rows = [doc["choice"], *doc["runners_up"], *doc["excluded"]]
+    rows = tune_rows(doc)
     assert {row["expert_parallel"] for row in rows} > {8}  # several E among the rows
     for width in (80, 100):
         monkeypatch.setenv("COLUMNS", str(width))

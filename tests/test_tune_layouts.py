@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from pipesim.planning import tune as tuning
-from tests.conftest import at_columns, pipesim, refused
+from tests.conftest import at_columns, pipesim, refused, tune_rows
 from tests.test_tune import differences, exhaustive
 from tests.test_tune_bounds import bound_excesses
 from tests.test_tune_reserve import searched
@@ -17,10 +17,6 @@ GPU = ("--gpu", "h100-sxm")
 SMALL_GPT = ("--model", "gpt", "--layers", 4, "--width", 256, "--heads", 4, "--seq-len", 256, "--vocab", 1000)
 CONTEXT = ("--context-parallel", 2, "--attention", "flash")
 FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
-
-
-def _rows(document: dict) -> list[dict]:
-    return [document["choice"], *document["runners_up"], *document["excluded"]]
 
 
 def _estimated(folder: Path, *flags) -> Path:
@@ -36,7 +32,7 @@ def test_a_profile_estimated_over_2_expert_ranks_is_planned_at_e_2(tmp_path):
     path = _estimated(tmp_path, "--experts", 4, "--top-k", 2, "-p", 2, "--data-parallel", 2, "--expert-parallel", 2)
     code, out, err = pipesim("tune", "--profile", path, "-D", 4, "-B", 16, "-s", "1f1b,gpipe", "--json")
     assert code == 0, err
-    assert {row["expert_parallel"] for row in _rows(json.loads(out))} == {2}
+    assert {row["expert_parallel"] for row in tune_rows(json.loads(out))} == {2}
     code, out, err = pipesim("tune", "--profile", path, "-D", 4, "-B", 16, "-s", "1f1b,gpipe")
     assert code == 0, err
     assert "routed experts over E = 2 ranks" in " ".join(out.split())
@@ -50,7 +46,7 @@ def test_a_profile_estimated_over_2_context_ranks_plans_d_over_d_divided_by_c(tm
     assert code == 0, err
     document = json.loads(out)
     assert document["problem"]["devices"] == 8
-    assert {(row["stages"] * row["replicas"], row["context_parallel"]) for row in _rows(document)} == {(4, 2)}
+    assert {(row["stages"] * row["replicas"], row["context_parallel"]) for row in tune_rows(document)} == {(4, 2)}
     (tmp_path / "run").mkdir()
     monkeypatch.chdir(tmp_path / "run")
     assert refused("tune", "--profile", path, "-D", 3, "-s", "1f1b") == (
@@ -106,7 +102,7 @@ def test_the_table_and_json_show_c_and_count_every_gpu(monkeypatch):
     assert code == 0, err
     document = json.loads(out)
     assert document["problem"]["devices"] == 8
-    rows = _rows(document)
+    rows = tune_rows(document)
     assert {row["context_parallel"] for row in rows} == {2}
     assert {row["stages"] * row["tensor_parallel"] * row["replicas"] for row in rows} == {4}
     for width in (80, 100):
