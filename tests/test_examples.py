@@ -51,3 +51,13 @@ def test_examples_are_in_the_repository_but_not_in_the_installed_package():
     assert packages == {"pipesim", *folders}  # every package folder installs
     assert {"cluster.json", "dag.json", "order.csv", "grid.toml"} <= {p.name for p in EXAMPLES.iterdir()}
     assert not (EXAMPLES / "__init__.py").exists() and "pipesim.examples" not in packages
+
+
+def test_the_own_model_example_is_a_model_the_docs_commands_count(monkeypatch):
+    """docs/hardware.md and docs/calibrate.md bring a model of their own as `--model examples.own_model:build`, run
+    from a folder holding examples/ (the repository's root, or the docs runner's folder)."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = pipesim("count", "--model", "examples.own_model:build", "-b", 8, "--json")
+    assert code == 0, err
+    layers = json.loads(out)["layers"]
+    assert len(layers) == 5 and sum(layer["param_bytes"] for layer in layers) > 0
