@@ -84,6 +84,20 @@ def test_own_cpu_time_counts_descendants_alive_and_ended():
     assert alive >= 0.25 and ended >= alive
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_own_cpu_time_keeps_a_descendant_whose_parent_ended_first():
+    """A child starts a grandchild that burns 0.3 s of CPU and ends at once, without waiting for it: the orphan
+    is this command's work, and its CPU time stays this command's after it ends (re-parented to init, it was
+    lost: the two interpreters' start-up alone, well under 0.2 s)."""
+    burn = "import time\nwhile time.process_time() < 0.3: pass\nprint('burnt', flush=True)"
+    before = hostload._own_cpu_s()
+    child = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, "
+                              f"'-c', {burn!r}])"], stdout=subprocess.PIPE, text=True)
+    assert child.wait(30) == 0  # the grandchild lives on
+    assert child.stdout.read() == "burnt\n"  # the end of the pipe: the grandchild has ended too
+    assert hostload._own_cpu_s() - before >= 0.25
+
+
 def test_the_load_now_is_others_cpu_over_a_quiet_window(monkeypatch):
     host_is(monkeypatch, others_cores=0.6, own_cores=0.0, load_1min=3.0)
     now = HostLoad.now()

@@ -7,7 +7,10 @@ calibration, a run) records the others' load over its window (`HostLoad`): where
 the cores the host's other work kept busy, measured directly (`others_cores`): the busy time of the usable CPUs
 (/proc/stat) less the CPU time of this process tree (its live processes, read from /proc/PID/stat, and those it
 waited for), over the wall time. The tree is the command's: itself, its forkserver and every rank forked from
-it, alive or ended; under torchrun, the agent's, whose children are this host's ranks of the job. Elsewhere it
+it, alive or ended; under torchrun, the agent's, whose children are this host's ranks of the job. A process whose
+parent ends before it (a rank's helper, ranks whose launcher died) would leave the tree for init, which reaps it,
+taking its CPU time with it and counting it as others' work: the command is its descendants' subreaper instead
+(Linux's prctl), so they stay in its tree (the torchrun agent is not ours to set: its orphans still leave). Elsewhere it
 falls back on the 1-minute load average at the window's start and end, less the most the measurement's own
 tasks can have added (the kernel's average moves towards the running count by 1 - e^(-t/60) over t seconds);
 that average still counts the tail of the command before (on an idle 2-core host, a run at once after a
@@ -36,11 +39,13 @@ per core once predicted +96 %, each condition alike).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
+from functools import cache
 from typing import Any
 
 from ..launch import under_torchrun
@@ -54,6 +59,7 @@ QUIET_WINDOW_S = 0.25  # the load now: others' CPU time over this long, with not
 # /proc/stat's columns after a cpuN label that count busy time: user, nice, system, irq, softirq and steal (a
 # hypervisor running other machines); idle and iowait are not, guest time is inside user already
 BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
+PR_SET_CHILD_SUBREAPER = 36  # Linux's prctl option
 
 
 def read_load_1min() -> float | None:
@@ -110,7 +116,22 @@ def _busy_cpu_s() -> float | None:
 def _own_cpu_s() -> float | None:
     """The CPU-seconds this command's process tree has used (under torchrun, the agent's: this host's ranks of
     the job), or None without /proc."""
-    return tree_cpu_s(os.getppid() if under_torchrun() else os.getpid())
+    if under_torchrun():
+        return tree_cpu_s(os.getppid())
+    _adopt_orphans()
+    return tree_cpu_s(os.getpid())
+
+
+@cache
+def _adopt_orphans() -> None:
+    """Make this process its descendants' subreaper (Linux; elsewhere nothing changes): one whose parent ends is
+    re-parented here, not to init, so `tree_cpu_s` still walks to it, and once it ends its CPU time stays in the
+    tree, in its zombie's /proc stat until reaped, then in this process's cutime."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, TypeError, AttributeError):  # no process-wide C library, or one without prctl
+        pass
 
 
 def tree_cpu_s(root: int) -> float | None:
