@@ -65,12 +65,22 @@ class AttentionPasses(_Strict):
     a causal kernel skips the blocks past the diagonal and runs its diagonal blocks masked, so it runs below the
     unmasked one, its backward the most (cuDNN at 4k tokens, head dim 128: causal 0.86 of unmasked backward,
     NVIDIA/cudnn-frontend benchmark/benchmark_results.csv). Each is the kernel's FLOPs as its benchmark counts
-    them (a causal kernel half the square: `kernel_flops`) over its time."""
+    them (a causal kernel half the square: `kernel_flops`) over its time, at `measured_tiles` query tiles (batch x
+    heads x 128-query blocks: 4k tokens at batch 4 x 16 heads, 2,048). `causal_tail`: what a causal kernel's
+    tail costs, in waves of the part's multiprocessors (`Curve.attention_fraction`); 0: none priced."""
 
     forward: float = Field(gt=0, le=1)
     causal_forward: float = Field(gt=0, le=1)
     backward: float = Field(gt=0, le=1)
     causal_backward: float = Field(gt=0, le=1)
+    causal_tail: float = Field(0.0, ge=0)
+    measured_tiles: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _tail_measured(self) -> AttentionPasses:
+        if self.causal_tail and self.measured_tiles is None:
+            raise ValueError("causal_tail: give measured_tiles, the query tiles the fractions were measured at")
+        return self
 
 
 class Curve(_Strict):
@@ -116,15 +126,27 @@ class Curve(_Strict):
         where only its one figure is published."""
         return self.attention_passes if kernel == "flash2" else self.attention_kernel_passes.get(kernel)
 
-    def attention_fraction(self, backward: bool, causal: bool) -> float:
+    def attention_fraction(self, backward: bool, causal: bool, tiles: int | None = None) -> float:
         """The fused attention kernel's fraction of the peak for a pass (`backward` or the forward) under its mask
-        (`causal` or none): from `attention_passes` where published so, else `attention_efficiency`."""
+        (`causal` or none): from `attention_passes` where published so, else `attention_efficiency`. A causal
+        kernel of `tiles` query tiles (None: as measured) pays its tail: a CTA a tile, its work from one key block
+        to all of them, so the kernel ends on its longest, whatever the tiles; its time is its work at the full rate
+        plus `causal_tail` waves' worth of tiles, and the fraction falls as 1 / (1 + tail / tiles) from the
+        measured one (cuDNN's causal forward at 4,096 tokens and head dim 128 on an H200, batch 1, Llama 3.1's
+        grouped-query heads: 599, 545, 474 and 378 TFLOP/s at 64, 32, 16 and 8 heads, 2,048 to 256 tiles, each
+        within 1 % of a tail of 185 tiles, 1.40 x 132 multiprocessors: NVIDIA/cudnn-frontend
+        benchmark/attention_inference/results/prefill_sweep/h200/prefill_sweep_20260928_142443.csv, cuDNN 9.27)."""
         passes = self.attention_passes
         if passes is None:
             return self.attention_efficiency
         if backward:
-            return passes.causal_backward if causal else passes.backward
-        return passes.causal_forward if causal else passes.forward
+            fraction = passes.causal_backward if causal else passes.backward
+        else:
+            fraction = passes.causal_forward if causal else passes.forward
+        if not (causal and tiles and passes.causal_tail and passes.measured_tiles):
+            return fraction
+        tail = passes.causal_tail * self.multiprocessors
+        return fraction * (1 + tail / passes.measured_tiles) / (1 + tail / tiles)
 
     def product_efficiency(self, split_accumulation: bool) -> float:
         """A matrix product's fraction of its dtype's peak at whole tiles: a float8 one accumulating split at

@@ -157,6 +157,10 @@ CP_ROTATES = ("alltoall", "allgather", "p2p")
 # the rank (rank 0's every step after its first), `_partial_update`'s `torch.cat` of its chunks beside it: 2.
 TORCH_RING_FORWARD_QUERY_COPIES = 4
 TORCH_RING_BACKWARD_QUERY_COPIES = 2
+# The queries a fused attention kernel's CTA takes on Hopper at head dim 128 (FlashAttention-3's causal 128 x 128:
+# Dao-AILab/flash-attention hopper/tile_size.h `tile_size_fwd_sm90`; cuDNN's are not published): the unit of the
+# causal tail's tiles (hardware/catalogue.py `AttentionPasses`)
+ATTENTION_QUERY_TILE = 128
 FLOAT32_BYTES = 4
 # How a backward's weight gradients are added into those accumulated over the mini-batch's micro-batches: fused,
 # inside the weight-gradient product (TransformerEngine's and APEX's fuse_wgrad_accumulation: the GEMM writes
@@ -379,16 +383,25 @@ def op_ms(op: OpCount, device: Device) -> float:
     if op.kind == "memory":
         return curve.kernel_overhead_ms + op.moved_bytes / device.memory_bytes_per_ms
     if op.kind == "attention":
-        return attention_kernel_ms(kernel_flops(op), op.moved_bytes, op.op.endswith("_backward"), op.causal, device)
+        return attention_kernel_ms(kernel_flops(op), op.moved_bytes, op.op.endswith("_backward"), op.causal, device,
+                                   query_tiles(op))
     return curve.kernel_overhead_ms + max(op.flops / (device.peak_flops_per_ms * curve.matmul_efficiency),
                                           op.moved_bytes / device.memory_bytes_per_ms)
 
 
-def attention_kernel_ms(flops: float, moved_bytes: float, backward: bool, causal: bool, device: Device) -> float:
+def query_tiles(op: OpCount) -> int:
+    """The CTAs an attention kernel `op` (batch·heads, queries, keys, head size) runs: one a block of
+    `ATTENTION_QUERY_TILE` queries of each batch·head."""
+    return op.shape[0] * math.ceil(op.shape[1] / ATTENTION_QUERY_TILE)
+
+
+def attention_kernel_ms(flops: float, moved_bytes: float, backward: bool, causal: bool, device: Device,
+                        tiles: int | None = None) -> float:
     """One fused attention kernel computing `flops` (as its benchmarks count them: `kernel_flops`), a `backward`
-    one or a forward, `causal` (its diagonal blocks masked) or unmasked, at the kernel's published fraction of the
-    peak for that pass and mask (`Curve.attention_fraction`), or its bytes at the memory's rate where slower."""
-    fraction = device.curve.attention_fraction(backward, causal)
+    one or a forward, `causal` (its diagonal blocks masked) or unmasked, over `tiles` query tiles (`query_tiles`;
+    None: as its rate was measured), at the kernel's published fraction of the peak for that pass, mask and tiles
+    (`Curve.attention_fraction`), or its bytes at the memory's rate where slower."""
+    fraction = device.curve.attention_fraction(backward, causal, tiles)
     return device.curve.kernel_overhead_ms + max(flops / (device.peak_flops_per_ms * fraction),
                                                  moved_bytes / device.memory_bytes_per_ms)
 
@@ -823,7 +836,8 @@ class ContextRing:
         share = self.ranks / sum(sum(self.step_pairs(rank)) for rank in range(self.ranks))  # of the rank's op
         backward = op.op.endswith("_backward")
         return [attention_kernel_ms(kernel_flops(op) * pairs * share, op.moved_bytes * pairs * share, backward,
-                                    op.causal and step == 0, device) for step, pairs in enumerate(busiest)]
+                                    op.causal and step == 0, device, query_tiles(op))
+                for step, pairs in enumerate(busiest)]
 
     def merge_ms(self, op: OpCount, device: Device, element_bytes: int) -> float:
         """The elementwise passes that join one call's C blocks, as TransformerEngine 1.x's

@@ -94,8 +94,10 @@ measured 1.1-1.2x faster, pytorch/ao#2377: about the bf16 share). deepseek's pro
 passes), not cuBLAS's: none is priced split.
 
 Not modelled: casts fused into a preceding norm or activation kernel (LayerNormLinear, LayerNormMLP write float8
-directly: counted here as a cast of their own), torch.compile's fusions of torchao's casts. Pure arithmetic on
-counts: no torch.
+directly: counted here as a cast of their own; TransformerEngine 1.x's row-parallel casts under sequence
+parallelism, a cast and a later transpose, counted as one cast-transpose: under 0.5 % of any published run,
+docs/hardware.md "Casts TransformerEngine 1.10 fuses or splits"), torch.compile's fusions of torchao's casts. Pure
+arithmetic on counts: no torch.
 """
 
 from __future__ import annotations
