@@ -70,7 +70,6 @@ from .common import (
 )
 from .tables import print_table
 
-DEVICES = ("cpu", "cuda")
 DataParallel = Annotated[int, typer.Option(
     "--data-parallel", metavar="D", min=1, help="Data-parallel replicas of the pipeline: p x D ranks (rank = replica "
                                                 "x p + device); each replica trains on its own M micro-batches of a "
@@ -168,6 +167,7 @@ def run(
     try:
         require("pipesim run", "torch")
         require_model_data("pipesim run", model)
+        from ..calibrate.measure import DeviceError, resolve_device
         from ..executor import ExecutorError, RunSpec, carried_bounds
         from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
         from ..planning.scenario import all_to_all_refusal
@@ -180,8 +180,10 @@ def run(
                                                   "--pipelines", "--prediction", "--activation-limit",
                                                   "--search-seconds"))
         search = search_options(activation_limit, search_seconds)
-        if device not in DEVICES:
-            raise InputError(f"--device: choose cpu or cuda (got {device!r})")
+        try:  # calibrate's rule: cuda where torch sees a GPU, said before the ranks start
+            resolve_device(device)
+        except DeviceError as exc:
+            raise InputError(str(exc)) from None
         if backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend: choose auto, gloo or nccl (got {backend!r})")
         refuse(optimizer_refusal(optimizer, "--optimizer"))

@@ -456,3 +456,19 @@ def test_the_trace_records_the_stage_bounds_the_run_cut_at():
     """A run without explicit bounds is cut evenly; the trace says where, so its prediction cuts the same."""
     measured = run_in_process(RunSpec(build("1f1b", 2, 2, 1), "mlp", {"layers": 3, "width": 8})).trace
     assert measured.meta.extra["bounds"] == [0, 2, 4]  # 3 blocks and the classifier
+
+
+def test_cuda_without_a_gpu_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    """As calibrate refuses it (calibrate/measure.py resolve_device): one line naming the flag to give instead,
+    before the ranks start (it was the transport's "device 'cuda' asked for", under the progress bar)."""
+    import torch
+
+    from pipesim.executor import runners
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runners, "run_multiprocess", lambda *_, **__: pytest.fail("ranks started"))
+    code, out, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--device", "cuda", "--trace", "t.json")
+    assert code == 2 and out == "" and err.startswith("error: no CUDA device: torch ") and err.endswith(
+        "sees no GPU; use --device cpu\n"), err
+    assert list(tmp_path.iterdir()) == []
