@@ -751,7 +751,8 @@ def check_writable(flag: str, path: Path | None) -> None:
             return
         folder = Path(os.path.realpath(path)).parent if path.is_symlink() else path.parent  # where it is made
         if not folder.is_dir():
-            raise InputError(f"{flag}: cannot write {path}: folder {folder} does not exist")
+            why = f"{folder} is a file, not a folder" if folder.exists() else f"folder {folder} does not exist"
+            raise InputError(f"{flag}: cannot write {path}: {why}")
         if not os.access(folder, os.W_OK):
             raise InputError(f"{flag}: cannot write {path}: folder {folder} is not writable")
 

@@ -25,6 +25,13 @@ def test_a_path_that_cannot_be_looked_at_is_named_with_its_flag(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_output_under_a_file_says_it_is_a_file_not_a_missing_folder(tmp_path):
+    (tmp_path / "notes").write_text("")
+    out = tmp_path / "notes" / "p.json"
+    code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out", out)
+    assert (code, err) == (2, f"error: --out: cannot write {out}: {tmp_path / 'notes'} is a file, not a folder\n")
+
+
 def test_a_failed_read_the_command_makes_for_itself_is_not_called_a_write(tmp_path, monkeypatch):
     def unreadable(*_):
         raise PermissionError(13, "Permission denied", "/some/source.py")
