@@ -254,7 +254,7 @@ class StageProfile(_Strict):
     wgrad_ms: float = Field(ge=0)
     activation_bytes: int = Field(ge=0)
     wgrad_kept_bytes: int | None = Field(None, ge=0)  # its layers' summed (`LayerProfile.wgrad_kept_bytes`; None
-    wgrad_gradient_bytes: int = Field(0, ge=0)  # where one is not known), as the next
+    wgrad_gradient_bytes: int = Field(0, ge=0)  # where one is not known), as the next (`stage_wgrad_held`)
     output_bytes: int = Field(ge=0)  # sent to the next stage(s) per micro-batch
     param_bytes: int = Field(ge=0)
     grad_bytes: int = Field(ge=0)
@@ -659,10 +659,42 @@ def _summed(layers: list[LayerProfile], start: int, stop: int, fwd_scale: Sequen
             stage_host_waits_ms(layers, start, stop, kind, p2p_sync)
 
     bwd_ms = total("bwd", bwd_scale)
-    sends_input_grad = any(0 <= source < start for layer in layers[start:stop] for source in layer.inputs)
+    fed = fed_by_the_batch(layers[start:stop], start)
     return {"fwd_ms": total("fwd", fwd_scale), "bwd_ms": bwd_ms,
-            "igrad_ms": total("igrad", bwd_scale) if sends_input_grad else 0.0,
-            "wgrad_ms": total("wgrad", bwd_scale) if sends_input_grad else bwd_ms}
+            "igrad_ms": 0.0 if fed else total("igrad", bwd_scale),
+            "wgrad_ms": bwd_ms if fed else total("wgrad", bwd_scale)}
+
+
+def fed_by_the_batch(mine: Sequence[LayerProfile], start: int) -> bool:
+    """Whether a stage of the layers `mine` from layer `start` reads nothing another stage makes (the first of a
+    chain): it has no input gradient to compute, so its split backward's input half runs none of its layers and
+    frees nothing, and its weight half runs their whole backward (`_summed`, `stage_passes`, `stage_wgrad_held`), as
+    pipesim's executor runs it (executor/backward.py `backward_input`: no input wants a gradient, W walks the graph)
+    and torch's stage (torch/distributed/pipelining/stage.py at torch 2.13, `backward_one_chunk`: `is_first` skips
+    stage_backward_input; `backward_weight_one_chunk`: stage 0's W a full backward)."""
+    return not any(0 <= source < start for layer in mine for source in layer.inputs)
+
+
+def fed_ranges(layers: Sequence[LayerProfile]) -> np.ndarray:
+    """`fed_by_the_batch` of every range [i, j) of `layers` at once: no layer of it reads a layer before i."""
+    n = len(layers)
+    earliest = np.array([min((source for source in layer.inputs if source >= 0), default=n) for layer in layers],
+                        dtype=np.int64).reshape(n)
+    starts = np.arange(n + 1)[:, None]
+    read = np.where(np.arange(n)[None, :] >= starts, earliest[None, :], n)  # [i, l]: what layer l >= i reads first
+    reached = np.minimum.accumulate(np.hstack([np.full((n + 1, 1), n), read]), axis=1)  # [i, j]: of layers i .. j-1
+    return reached >= starts
+
+
+def stage_wgrad_held(mine: Sequence[LayerProfile], start: int, activation_bytes: int) -> tuple[int | None, int]:
+    """What a stage of the layers `mine` from layer `start` keeps from its input-gradient pass until its weight pass
+    (`StageProfile.wgrad_kept_bytes`, `wgrad_gradient_bytes`): its layers' summed; a stage fed by the batch alone
+    (`fed_by_the_batch`) all its activations, since its I frees nothing, and no output gradients, since it makes
+    none."""
+    if fed_by_the_batch(mine, start):
+        return activation_bytes, 0
+    return (None if any(layer.wgrad_kept_bytes is None for layer in mine) else
+            sum(layer.wgrad_kept_bytes for layer in mine)), sum(layer.wgrad_gradient_bytes for layer in mine)
 
 
 def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name: str, p2p_sync: bool = False) -> float:
@@ -778,15 +810,15 @@ def aggregate_stages(layers: list[LayerProfile], bounds: list[int], optimizer: s
     out = []
     for k, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         mine = layers[start:stop]
+        activation_bytes = stage_activation_bytes(costs, start, stop)
+        wgrad_kept_bytes, wgrad_gradient_bytes = stage_wgrad_held(mine, start, activation_bytes)
         times = (_summed(layers, start, stop, ones, ones, p2p_sync) if passes is None else
                  {f"{kind}_ms": getattr(passes[k], kind).median_ms for kind in ("fwd", "bwd", "igrad", "wgrad")})
         out.append(StageProfile(
             layers=(start, stop),
             **times,
-            activation_bytes=stage_activation_bytes(costs, start, stop),
-            wgrad_kept_bytes=(None if any(layer.wgrad_kept_bytes is None for layer in mine) else
-                              sum(layer.wgrad_kept_bytes for layer in mine)),
-            wgrad_gradient_bytes=sum(layer.wgrad_gradient_bytes for layer in mine),
+            activation_bytes=activation_bytes,
+            wgrad_kept_bytes=wgrad_kept_bytes, wgrad_gradient_bytes=wgrad_gradient_bytes,
             output_bytes=output_bytes[k],
             param_bytes=sum(layer.param_bytes for layer in mine),
             grad_bytes=sum(layer.grad_bytes for layer in mine),
@@ -853,7 +885,7 @@ def stage_passes(mine: list[LayerProfile], start: int) -> dict[str, tuple[str, b
     empty input-gradient pass and its whole backward as the weight pass (`_summed`). The one rule a stage's
     transient and its ring's buffers are held by, and its layers' passes replayed (planning/scenario.py
     `Scenario._reserves`)."""
-    if any(0 <= source < start for layer in mine for source in layer.inputs):
+    if not fed_by_the_batch(mine, start):
         return {"fwd": ("fwd", True), "bwd": ("bwd", True), "igrad": ("igrad", False), "wgrad": ("wgrad", False)}
     return {"fwd": ("fwd", True), "bwd": ("bwd", True), "igrad": None, "wgrad": ("bwd", True)}
 

@@ -716,8 +716,9 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0, runs: tuple[tuple[s
     each holding what it leaves live but what its backward reruns until its full or weight backward; a backward runs
     them reversed, each rerunning first what its forward did not keep, then freeing what its own pass leaves live
     and what the layer held, but for the input pass, which holds what the layer held for the weight pass after it,
-    or, with `wgrad_kept`, those of it and makes `wgrad_inputs`, and makes `wgrad_gradients`; a pass of `runs` runs
-    the layers' pass it names there (a full backward its rerun first). FSDP2's whole tensors (`StageProgram`): a
+    or, with `wgrad_kept`, those of it and makes `wgrad_inputs`, and makes `wgrad_gradients` (an input pass that
+    runs none, a stage fed by the batch alone's: the frame whole, nothing made); a pass of `runs` runs the layers'
+    pass it names there (a full backward its rerun first). FSDP2's whole tensors (`StageProgram`): a
     step's first forward gathers each layer's weights as the layer begins (`unshard`, `wait_for_unshard`: the
     all-gather's flat output made on its stream, the previous layer's freed, the weights copied out of it), its
     first full or weight backward makes each layer's gradients once the layer's pass has made its own; RELEASE, in
@@ -771,12 +772,13 @@ def _written_stage(layers: tuple[tuple, ...], part: int = 0, runs: tuple[tuple[s
             computed = program.ops[begins:]
             freed = len(program.ops)
             frame = held.pop(index)
-            kept = {} if name != "igrad" else frame if layer.wgrad_kept is None else {
+            kept = {} if name != "igrad" else frame if layer.wgrad_kept is None or run is None else {
                 number: slot for number, slot in frame.items() if number in layer.wgrad_kept}
             for slot in [*done.values(), *(slot for number, slot in frame.items() if number not in kept)]:
                 program.free(slot)
-            if name == "igrad":  # what the weight pass reads
-                made = [*(layer.wgrad_inputs if layer.wgrad_kept is not None else ()), *layer.wgrad_gradients]
+            if name == "igrad":  # what the weight pass reads (an I that runs none: all the frame, as it was)
+                made = [] if run is None else [*(layer.wgrad_inputs if layer.wgrad_kept is not None else ()),
+                                               *layer.wgrad_gradients]
                 held[index] = kept | {-1 - at: program.malloc(nbytes) for at, nbytes in enumerate(made)}
             ops += program.ops[begins:]
             first += [*computed, *(accumulates[index] if name != "igrad" else ()), *program.ops[freed:]]

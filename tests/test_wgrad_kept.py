@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import cache
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -139,3 +140,50 @@ def test_torchs_pipelining_keeps_every_saved_tensor_until_w_and_unknown_stays_un
     assert [c.wgrad_gradient_bytes for c in torch_held.stages] == [16 * MIB] * 2
     unknown = held_as_runtime(Costs.per_stage(2, fwd_ms=1.0, bwd_ms=2.0, activation_mb=64.0), schedule, "torch")
     assert [c.wgrad_kept_bytes for c in unknown.stages] == [None, None]
+
+
+def test_a_first_stage_keeps_its_whole_forward_until_w_and_no_output_gradients():
+    """The first stage computes no input gradient (pipesim's executor finds no input wanting one, torch's stage skips
+    stage_backward_input where `is_first`): its I runs none of its layers, frees nothing and makes none of the output
+    gradients the fork's store would hold, its W the whole backward. So it keeps its whole forward from I until W and
+    no gradients (18·sbh a block before, held beside it), under either runtime; the next stage keeps its layers'."""
+    from pipesim.planning.estimate import estimate_profile
+    from pipesim.planning.scenario import profile_scenario
+
+    counted = count_built("gpt", dict(layers=2, width=H, heads=A, seq_len=S, vocab=128), B, torch.float16)
+    profile = estimate_profile(counted, A100, Parallelism(pipeline=2), bounds=[0, 2, len(counted.layers)])
+    first, second = profile.stages
+    assert (first.wgrad_kept_bytes, first.wgrad_gradient_bytes) == (first.activation_bytes, 0)
+    later = profile.layers[second.layers[0]:second.layers[1]]
+    assert (second.wgrad_kept_bytes, second.wgrad_gradient_bytes) == (
+        sum(layer.wgrad_kept_bytes for layer in later), sum(layer.wgrad_gradient_bytes for layer in later))
+    assert profile.layers[1].wgrad_gradient_bytes == 18 * SBH and second.wgrad_gradient_bytes > 18 * SBH
+    schedule = build("zb-h1", 2, 4)
+    held = {runtime: np.add(*profile_scenario(profile, "adam", runtime).costs(schedule).wgrad_held_bytes())
+            for runtime in ("torch", "pipesim")}
+    assert held["torch"][0] == held["pipesim"][0] == first.activation_bytes
+    # --stage-cut fit's every range holds so too: the simulator's bytes for both stages of this cut
+    memory = profile_scenario(profile, "adam").stage_memory(schedule)
+    n = len(profile.layers)
+    assert [memory.held_until_w[0, stop] for stop in range(1, n + 1)] == [memory.activations[0, stop]
+                                                                          for stop in range(1, n + 1)]
+    assert [memory.held_until_w[0, 2], memory.held_until_w[2, n]] == list(held["pipesim"])
+
+
+def test_every_ranges_feeding_is_each_stages():
+    """`fed_ranges` (--stage-cut fit's every range at once) is `fed_by_the_batch` of each range, on random graphs of
+    layers each reading the batch (-1) or earlier layers: a range is fed by the batch alone where none of its layers
+    reads a layer before it."""
+    from types import SimpleNamespace
+
+    from pipesim.profiles.schema import fed_by_the_batch, fed_ranges
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(1, 9))
+        layers = [SimpleNamespace(inputs=sorted({int(rng.integers(-1, i)) for _ in range(int(rng.integers(1, 3)))}))
+                  if i else SimpleNamespace(inputs=[-1]) for i in range(n)]
+        fed = fed_ranges(layers)
+        assert fed.shape == (n + 1, n + 1)
+        assert all(fed[i, j] == fed_by_the_batch(layers[i:j], i) for i in range(n) for j in range(i + 1, n + 1))
+        assert fed[0, 1:].all()
