@@ -1,12 +1,15 @@
 """A file that cannot be used is one line that says whether it was read or written, which path, and the flag
 that named it; never "cannot write" for a file only read, never a traceback."""
 
+from pathlib import Path
+
 import pytest
 
 from pipesim import traces
 from pipesim.study import results
 from tests.conftest import pipesim
 
+ROOT = Path(__file__).resolve().parents[1]
 TOO_LONG = "a" * 300  # past any file system's 255-byte name: even looking at the path fails (ENAMETOOLONG)
 
 
@@ -30,6 +33,13 @@ def test_an_output_under_a_file_says_it_is_a_file_not_a_missing_folder(tmp_path)
     out = tmp_path / "notes" / "p.json"
     code, _, err = pipesim("estimate", "--gpu", "h100-sxm", "--model", "gpt", "--out", out)
     assert (code, err) == (2, f"error: --out: cannot write {out}: {tmp_path / 'notes'} is a file, not a folder\n")
+
+
+@pytest.mark.parametrize("command", ["view", "compare"])
+def test_a_profile_given_for_a_trace_is_named_a_profile(command):
+    profile = "traces/profiles/gpt-cpu.json"  # was "not a Chrome trace: expected an object with a 'traceEvents' list"
+    code, _, err = pipesim(command, ROOT / profile)
+    assert code == 2 and err.startswith(f"error: {ROOT / profile} is a pipesim profile, not a trace: "), err
 
 
 def test_a_failed_read_the_command_makes_for_itself_is_not_called_a_write(tmp_path, monkeypatch):

@@ -431,6 +431,9 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     doc = read_json(path, TraceError, "trace")
     if isinstance(doc, dict) and "schemaVersion" in doc and "pipesim" not in doc:  # Kineto's key, torch.profiler's
         raise TraceError(f"{path} is a torch.profiler trace, not pipesim's: {TORCH_PROFILER_READER}")
+    if isinstance(doc, dict) and {"schema_version", "layers"} <= doc.keys():  # profiles/schema.py's Profile
+        raise TraceError(f"{path} is a pipesim profile, not a trace: `pipesim simulate --profile` reads it; give a "
+                         "trace that `pipesim run --trace` or `pipesim simulate --trace` wrote")
     try:
         return from_chrome(doc)
     except TraceError as exc:
