@@ -81,6 +81,7 @@ from .experts import (
     held_share,
     paired_exposed_ms,
     per_expert_products,
+    weight_shards,
 )
 from .fp8 import (
     FP8_BYTES,
@@ -1967,24 +1968,34 @@ def _stepped(grads: list[int], held: Precision, element_bytes: int) -> tuple[tup
 def _unsharded(layer: LayerCount, made: LayerAllocations, parallel: Parallelism,
                element_bytes: int) -> tuple[tuple[int, int, int], ...]:
     """Under FSDP2 (`--precision fsdp2`), per parameter of `layer` on a rank, its whole weights as gathered
-    (`gathered_weight_bytes`), its whole gradient as accumulated (float32) and that gradient's shard over the d·C
-    ranks FSDP2 shards over: each parameter one storage the count's weight-gradient pass leaves live (autograd's
+    (`gathered_weight_bytes`), its whole gradient as accumulated (float32) and that gradient's shard over the ranks
+    FSDP2 shards it over: each parameter one storage the count's weight-gradient pass leaves live (autograd's
     .grad), the layer's bytes shared among them as those storages' are (LayerAllocations.unsharded); () under any
-    other precision. The layer's bytes on the rank as the estimate holds them, its replicated weights (its norms',
-    its router's) whole (`rank_share`), but for its routed experts': all of them, not the 1/(E·ETP) the estimate
-    holds under expert parallelism (`held_share`), which this replay does not take apart."""
+    other precision. The layer's bytes on the rank as the estimate holds them (`held_share`, `rank_share`): its
+    replicated weights (its norms', its router's) whole, and of its routed experts' (the storages of their grouped
+    products' weight gradients, `LayerCount.weight_grad_routed`, every expert's in the count) the rank's local
+    experts' alone, 1/(E·ETP/t) of them (`weight_shards`): torchtitan shards each routed expert parameter, a DTensor
+    already split over the E ranks, with fully_shard over `dp_mod_ep`, the data-parallel ranks left once the
+    experts are placed (d·C·t/(E·ETP) of them, its parallel_dims' dp_shard_mod_ep), so its unshard gathers the local
+    experts whole and its reduce-scatter shards their gradient over those ranks; the rest over the d·C ranks."""
     if parallel.precision != "fsdp2":
         return ()
-    grads = _gradient_storages(made)
-    if not sum(grads):
+    live = left_live(made.passes.get("wgrad", ()))
+    if not sum(live.values()):
         return ()
-    share = rank_share(layer, 1.0, parallel.tensor, element_bytes)  # t x the rank's
-    weights = round(layer.param_bytes * share) // parallel.tensor
+    routed = layer.weight_grad_routed or (False,) * len(layer.weight_grad_outputs)
+    experts = {number for number, (j, _, role) in _weighted_products(layer, {}, "wgrad").items()
+               if role == "weight" and routed[j]}
+    t, local = parallel.tensor, weight_shards(parallel.expert, parallel.expert_tensor, parallel.tensor)
+    shards = {number: parallel.data * parallel.context / (local if number in experts else 1) for number in live}
+    grads = {number: live[number] / (local if number in experts else 1) for number in sorted(live)}
+    share = rank_share(layer, held_share(layer, local), t, element_bytes)  # t x the rank's
+    weights = round(layer.param_bytes * share) // t
     gathered = gathered_weight_bytes(layer, weights, parallel, element_bytes)
-    accumulated = PRECISIONS["fsdp2"].gradient_bytes(round(layer.grad_bytes * share)) // parallel.tensor
-    shards = parallel.data * parallel.context
-    return tuple((round(grad * gathered / sum(grads)), round(grad * accumulated / sum(grads)),
-                  round(grad * accumulated / sum(grads) / shards)) for grad in grads)
+    accumulated = PRECISIONS["fsdp2"].gradient_bytes(round(layer.grad_bytes * share)) // t
+    total = sum(grads.values())
+    return tuple((round(grad * gathered / total), round(grad * accumulated / total),
+                  round(grad * accumulated / total / shards[number])) for number, grad in grads.items())
 
 
 def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules: Sequence[str] = (),

@@ -98,10 +98,8 @@ class ExpertGroup:
 
     @property
     def weight_shards(self) -> int | Fraction:
-        """E·ETP/t: a rank holds 1/weight_shards of the routed experts' weights beside its 1/t of the dense ones'
-        (E where ETP = t; a whole number as an int, so an unfolded group is priced exactly as before)."""
-        shards = Fraction(self.ranks * self.tensor, self.dense_tensor)
-        return shards.numerator if shards.denominator == 1 else shards
+        """`weight_shards` of the group."""
+        return weight_shards(self.ranks, self.tensor, self.dense_tensor)
 
     @property
     def load(self) -> float:
@@ -395,6 +393,14 @@ def paired_exposed_ms(forward: MoePass, backward: MoePass, charged_ms: float | N
 def _grouped(op: OpCount) -> bool:
     """A routed experts' grouped product (workload/moe.py: a batched product over the experts)."""
     return op.routed and op.kind == "matmul"
+
+
+def weight_shards(ranks: int, tensor: int | None, dense_tensor: int) -> int | Fraction:
+    """E·ETP/t: of E expert-parallel `ranks` each splitting its experts over ETP `tensor` ranks (None: the dense layers'
+    t, `dense_tensor`), a rank holds 1/weight_shards of the routed experts' weights beside its 1/t of the dense ones'
+    (E where ETP = t; a whole number as an int, so an unfolded group is priced exactly as before)."""
+    shards = Fraction(ranks * (dense_tensor if tensor is None else tensor), dense_tensor)
+    return shards.numerator if shards.denominator == 1 else shards
 
 
 def held_share(layer: LayerCount, shards: int | Fraction) -> float | Fraction:

@@ -96,6 +96,38 @@ def test_a_layers_whole_tensors_are_its_gathered_weights_and_float32_gradients_o
     assert all(made.unsharded == () for made in layer_allocations(counted, bf16))
 
 
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_under_expert_parallelism_a_rank_gathers_its_local_experts_alone(tensor):
+    """8 routed experts over E = 4 ranks of d = 4 (torchtitan's fully_shard of the experts over `dp_mod_ep`, the d·C/E
+    ranks left once they are placed): a rank gathers its 2 local experts whole, 1/4 of each routed storage it gathered
+    at E = 1, and accumulates their gradients so, sharded over d/E = 1 rank, the same bytes a rank as before; the
+    dense parameters' storages as they were. The block's whole weights and gradients are the estimate's param_bytes
+    and grad_bytes on the rank, as at E = 1 (where all 8 experts, 4 times the rank's, were gathered)."""
+    torch = pytest.importorskip("torch")
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Parallelism, estimate_profile, layer_allocations
+    from pipesim.workload.count import count_built
+
+    moe = count_built("gpt", dict(layers=1, width=64, heads=4, seq_len=32, vocab=128, gated=True, experts=8, top_k=2),
+                      2, torch.bfloat16)
+    block = moe.layers[1]
+    placed, whole = (Parallelism(tensor=tensor, data=4, expert=e, precision="fsdp2") for e in (4, 1))
+    profile = estimate_profile(moe, load_catalogue().find("h100-sxm"), placed, bounds=[0, len(moe.layers)])
+    local, every = (layer_allocations(moe, parallel)[1].unsharded for parallel in (placed, whole))
+    gathered, accumulated, _ = (sum(part) for part in zip(*local, strict=True))
+    assert gathered == pytest.approx(profile.layers[1].param_bytes, abs=len(local))
+    assert accumulated == pytest.approx(profile.layers[1].grad_bytes, abs=len(local))
+    routed = [index for index, (mine, all_of_them) in enumerate(zip(local, every)) if mine[0] < all_of_them[0] / 2]
+    assert len(routed) == 2 and sum(every[i][0] for i in routed) == pytest.approx(block.expert_param_bytes / tensor,
+                                                                                   rel=0.01)
+    for i, (mine, all_of_them) in enumerate(zip(local, every, strict=True)):
+        # within 1 %: the replicated weights' excess over their 1/t storages is spread over all (the rank's total)
+        if i in routed:
+            assert mine == pytest.approx((all_of_them[0] / 4, all_of_them[1] / 4, all_of_them[2]), rel=0.01)
+        else:
+            assert mine == pytest.approx(all_of_them, rel=0.01)
+
+
 def test_each_model_part_of_a_device_has_its_own_all_gather_and_reduce_scatter_streams():
     """torchtitan shards each model part as an FSDP2 root of its own, whose communication context makes its own
     streams: a device's second stage leaves its shard and all-gather output in pools the first's never serve."""
