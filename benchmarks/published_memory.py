@@ -12,7 +12,7 @@ and run as written (in-process, --json or --out added to read its figure).
   70B and 405B with FSDP, TP, PP, CP and Float8), its command built from the row's columns (`torchtitan_command`),
   the fullest device's peak against the published memory on the page's 96 GB HBM2e H100s
   (examples/h100-hbm2e-96gb.toml; none may be marked out of memory), with what pipesim does not model
-  (torch.compile, async TP); the two rows of 262,144 tokens listed (beyond the configs' positions);
+  (torch.compile's fusion); the two rows of 262,144 tokens listed (beyond the configs' positions);
 - the zero-bubble paper's Table 4 (zero-bubble-2024-table4.csv): peak memory of 1F1B, interleaved 1F1B, ZB-1p and
   ZB-2p for its four GPTs on A100 80GB, each as its fork launched it (`zero_bubble_command`).
 
@@ -158,8 +158,10 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
     it at eab345c, the commit the page names (`--dtype fp8 --fp8-recipe torchao-2024`: float8 copies saved, the
     gradient cast once; the 405B's config all-gathers its float8 linears' weights in
     float8, `--fsdp-float8-all-gather`, `TORCHTITAN_FLOAT8_ALL_GATHER`), TP with its plan's sequence-parallel norms
-    as DTensor runs them (`--tp-runtime torch`) and its loss computed by torch's loss_parallel (`--loss-parallel`:
-    ParallelDims.loss_parallel_enabled, TP > 1), the page's local
+    as DTensor runs them (`--tp-runtime torch`), its collectives fused with the products where the row ran async
+    TP (`--tp-overlap`: torchtitan's `enable_async_tp`, Inductor's micro_pipeline_tp pass; else funcol's, which copy
+    each whole tensor once more, planning/estimate.py `Parallelism.collective_copies`) and its loss computed by
+    torch's loss_parallel (`--loss-parallel`: ParallelDims.loss_parallel_enabled, TP > 1), the page's local
     batch as micro-batches of the pipeline's default count (pipelining_utils.py `build_pipeline_schedule`:
     `pipeline_parallel_microbatches`, unset, falls back to `pipeline_parallel_degree`, so 8 of 4 samples on 1F1B
     and on interleaved 1F1B alike, whose 2 stages a rank come from `generate_split_points`) or, with no pipeline,
@@ -185,8 +187,8 @@ def torchtitan_command(row: dict[str, str]) -> list[str] | None:
             "--dtype", "fp8" if float8 else "bf16", *(["--fp8-recipe", "torchao-2024"] if float8 else []),
             *(["--fsdp-float8-all-gather"] if float8 and row["model"] in TORCHTITAN_FLOAT8_ALL_GATHER else []),
             "--attention", "flash", "-b", str(local_batch // microbatches), *TORCHTITAN_GPU,
-            *(["--tensor-parallel", str(t), "--sequence-parallel", "--tp-runtime", "torch", "--loss-parallel"]
-              if t > 1 else []),
+            *(["--tensor-parallel", str(t), "--sequence-parallel", "--tp-runtime", "torch", "--loss-parallel",
+               *(["--tp-overlap"] if "AsyncTP" in row["techniques"] else [])] if t > 1 else []),
             "-p", str(p), "-m", str(microbatches),
             "-s", "gpipe" if p == 1 else "interleaved-1f1b" if chunks > 1 else "1f1b",
             *(["--chunks", str(chunks)] if chunks > 1 else []), *(["--pp-runtime", "torch"] if p > 1 else []),
@@ -211,7 +213,7 @@ def torchtitan_allocator(gpus: int) -> str:
 
 def torchtitan() -> tuple[list[dict], list[dict]]:
     """torchtitan's rows: every one pipesim expresses, simulated (GiB) with what it does not model (of
-    torch.compile, Inductor's fusion of the passes' buffers; async TP), and the others with why not; each as max
+    torch.compile, Inductor's fusion of the passes' buffers), and the others with why not; each as max
     reserved, the page's figure, and as max allocated (without the allocator's reserve), to show how much of the
     gap the reserve closes."""
     compared, listed = [], []
@@ -227,8 +229,7 @@ def torchtitan() -> tuple[list[dict], list[dict]]:
         with contextlib.chdir(REPO):
             found = fullest(args)
         predicted, allocated = found["peak_mib"] / 1024, found["allocated_mib"] / 1024
-        unmodelled = [what for what, used in (("Inductor's fusion", "compile" in row["techniques"]),
-                                              ("async TP", "AsyncTP" in row["techniques"])) if used]
+        unmodelled = ["Inductor's fusion"] if "compile" in row["techniques"] else []
         compared.append({"run": run, "predicted_gib": predicted, "allocated_gib": allocated,
                          "published_gib": published, "error": predicted / published - 1,
                          "allocated_error": allocated / published - 1, "parts_mib": found["parts_mib"],

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from functools import cache
@@ -322,6 +322,31 @@ class Parallelism:
     def gpus(self) -> int:
         return self.tensor * self.context * self.pipeline * self.data
 
+    @property
+    def collective_copies(self) -> frozenset[str]:
+        """Which of DTensor's sequence-parallel collectives copy their whole tensor once more under torch's TP
+        (`_with_collective_copies`): "gather", an all-gather's (a column-parallel product's input, a row-parallel
+        one's output gradient), "product", a reduce-scatter of one product's partial sums, and "sum", one of
+        autograd's sum of Partial gradients. DTensor gathers and scatters the sequence dimension (Shard(1))
+        through torch/distributed/_functional_collectives.py, which collects on the first dimension only: for
+        another, `all_gather_tensor` concatenates the gathered chunks, `torch.cat(torch.chunk(res, group_size,
+        dim=0), dim=gather_dim)`, and `reduce_scatter_tensor` those to be scattered first, `torch.cat(torch.chunk(
+        self, group_size, dim=scatter_dim))`, a new tensor each (read at pytorch 000f488b; so to 2.6, the torchtitan
+        rows' 1963fc8 of December 2024; a view for one sample a micro-batch only since `_maybe_view_chunk_cat`,
+        2026). Async TP (`tp_overlap`: Inductor's micro_pipeline_tp pass, torchtitan's `_micro_pipeline_tp`)
+        fuses each all-gather with the products that read it and each product with its reduce-scatter
+        (`fuse_all_gather_matmul`, `fuse_matmul_reduce_scatter`), gathering into one whole tensor
+        (`_fused_all_gather_matmul`'s `ag_out`, torch/distributed/_symmetric_memory/__init__.py as of late 2024) and
+        writing the partial sums once (`stacked_partials`), each through the caching allocator beside a
+        workspace of one shard outside it (`get_symm_mem_workspace`), and forcing its input's producer to write
+        the layout it reads (`force_stride_order`), so no copy; a sum it does not fuse (its producer is no
+        product), but compiled, Inductor writes the sum into the concatenation (one pointwise kernel), so a sum's
+        copy is eager's alone."""
+        if not (self.tp_runtime == "torch" and self.sequence_parallel and self.tensor > 1):
+            return frozenset()
+        return frozenset((*(() if self.tp_overlap else ("gather", "product")), *(() if self.torch_compile else
+                                                                                ("sum",))))
+
 
 @dataclass(frozen=True)
 class Device:
@@ -464,6 +489,8 @@ class _Split:
     groups: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False)
     # whose layers run (`TP_RUNTIMES`): Megatron-core fuses the products that share an input into one
     runtime: str = "megatron"
+    # the sequence-parallel collectives that copy their whole tensor once more (`Parallelism.collective_copies`)
+    collective_copies: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, layer: LayerCount, parallel: Parallelism) -> _Split:
@@ -484,7 +511,8 @@ class _Split:
                     of_pass, key = roles.setdefault(name, {}), tuple(shapes[number])
                     of_pass[key] = (*of_pass.get(key, ()), (how, role, side, together or side))
         return cls(parallel.tensor, parallel.sequence_parallel, width, tokens, shape[-2] if len(shape) >= 3 else None,
-                   parallel.context, weights, roles, groups, parallel.tp_runtime)
+                   parallel.context, weights, roles, groups, parallel.tp_runtime,
+                   parallel.collective_copies)
 
     def context_share(self, op: OpCount) -> OpCount:
         """The op on one of C context-parallel ranks: every op works per token, so 1/C of its FLOPs and bytes,
@@ -1660,6 +1688,7 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
         return tuple(rank)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles
              and split.residual(shape) and roles[number][1:] in _CONTRACTED}
+    partial: set[int] = set()
     if split.runtime == "megatron":  # products that share an input: one fused product's partial sums (`_Reduction`)
         shared: dict[tuple[int, ...], list[int]] = {}
         for number, (j, _, role) in roles.items():
@@ -1692,6 +1721,51 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
         out.append((number, round(nbytes / split.context) if number in whole else on_rank))
         if nbytes > 0 and number in frees:
             out.append((frees[number], -gather))
+    if split.collective_copies:
+        sums = whole - roles.keys()
+        scattered = _reduce_scattered(out, whole, partial, sums)
+        copied = {"product": scattered - sums, "sum": scattered & sums}
+        return _with_collective_copies(out, set(frees.values()) if "gather" in split.collective_copies else set(),
+                                       {number for kind in split.collective_copies for number in copied.get(kind, ())})
+    return tuple(out)
+
+
+def _reduce_scattered(events: Sequence[tuple[int, int]], whole: Set[int], partials: Set[int],
+                      sums: Set[int]) -> set[int]:
+    """Of the `whole` storages of a rank's pass (`events`), the partial sums a reduce-scatter reads: a row-parallel
+    product's output, a column-parallel product's input gradient where no other product reads its input, and the
+    last of autograd's `sums` of the Partial gradients of those that share one (`partials`): DTensor
+    reduce-scatters the sum, not the gradients it sums nor a sum another is made from (one made while it is
+    live)."""
+    live: set[int] = set()
+    superseded: set[int] = set()
+    for number, nbytes in events:
+        if number in sums and nbytes > 0:
+            superseded |= live
+            live.add(number)
+        elif number in sums:
+            live.discard(number)
+    return set(whole) - set(partials) - superseded
+
+
+def _with_collective_copies(events: Sequence[tuple[int, int]], gathered: Set[int],
+                            scattered: Set[int]) -> tuple[tuple[int, int], ...]:
+    """A rank's pass (`events`) with the copy each sequence-parallel collective makes of its whole tensor
+    (`Parallelism.collective_copies`), a storage of the whole tensor's bytes numbered after the pass's: an all-gather's
+    output on the first dimension before each `gathered` storage (the concatenation on the sequence) is made and
+    freed once it is; a concatenation on the first dimension after each `scattered` storage (partial sums) is
+    made, read by the reduce-scatter and freed (its output 1/t, counted as the count's)."""
+    out: list[tuple[int, int]] = []
+    copy = 1 + max((number for number, _ in events), default=-1)
+    for number, nbytes in events:
+        if nbytes > 0 and number in gathered:
+            out += [(copy, nbytes), (number, nbytes), (copy, -nbytes)]
+        elif nbytes > 0 and number in scattered:
+            out += [(number, nbytes), (copy, nbytes), (copy, -nbytes)]
+        else:
+            out.append((number, nbytes))
+            continue
+        copy += 1
     return tuple(out)
 
 
@@ -2017,11 +2091,13 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules:
     if whole:
         passes["fwd"] = tuple((number, round(math.copysign(whole[number], nbytes) / split.context)
                                if number in whole else nbytes) for number, nbytes in passes["fwd"])
-    first = 1 + max((number for number, *_ in layer.allocations.get("fwd", ())), default=-1)
+    first = 1 + max((number for number, _ in passes.get("fwd", ())), default=-1)
     gathers = tuple((first + n, round(nbytes / split.context))
                     for n, nbytes in enumerate(nbytes for number, nbytes in gathered if number < 0))
     if gathers:
         passes["fwd"] = gathers + passes.get("fwd", ())
+    if "gather" in split.collective_copies and gathered:
+        passes["fwd"] = _with_collective_copies(passes["fwd"], whole.keys() | {number for number, _ in gathers}, ())
     made = [(number, shape) for number, shape, nbytes, _ in layer.allocations.get("fwd", ()) if nbytes >= 0]
     kept: frozenset[int] = frozenset()
     rerun: frozenset[int] | None = None
@@ -2032,7 +2108,8 @@ def _rank_allocations(layer: LayerCount, split: _Split, recompute: str, modules:
         kept = _op_kept(layer) if recompute == "op" else frozenset()
         unread = _unread_kept(layer, kept) if torch_compile else frozenset()
         kept -= unread
-        rerun = frozenset(number for number, _ in made) - kept - unread
+        copies = {number for number, nbytes in passes.get("fwd", ()) if nbytes > 0} - {number for number, _ in made}
+        rerun = frozenset(number for number, _ in made) - kept - unread | (copies - {number for number, _ in gathers})
         if torch_compile:
             first_forward = _compiled_checkpoint_forward(passes.get("fwd", ()), layer.forward_reads,
                                                          frozenset(layer.saved_allocations) & rerun)

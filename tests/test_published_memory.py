@@ -88,6 +88,8 @@ def test_every_torchtitan_row_pipesim_expresses_is_compared_from_its_command(mon
         assert ("--fsdp-float8-all-gather" in r["command"]) == ("405B" in r["run"])
         assert ("--loss-parallel" in r["command"]) == ("TP 8" in r["run"])  # torchtitan's loss under TP
         assert ("--tp-runtime torch" in pairs) == ("TP 8" in r["run"])  # and its layers, DTensor's
+        # async TP's fused collectives where the page ran them, else DTensor's, which copy each whole tensor
+        assert ("--tp-overlap" in r["command"]) == ("AsyncTP" in r["run"])
         context = "CP" in r["run"] and ", CP 1" not in r["run"]
         assert ("--cp-rotate allgather" in pairs) == context  # and its context parallel, torch's all-gather
         assert ("--pp-runtime torch" in pairs) == ("PP 8" in r["run"])  # and its pipeline, torch's pipelining

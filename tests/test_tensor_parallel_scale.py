@@ -433,6 +433,7 @@ def test_a_torchtitan_style_last_stage_saves_its_heads_gathered_input_whole(tmp_
     assert [number for _, number in head.sequence_inputs] == [-1]  # the layer's input: the final norm's output
     made = {runtime: layer_allocations(counted, Parallelism(tensor=2, sequence_parallel=True, tp_runtime=runtime))[-1]
             for runtime in ("megatron", "torch")}
-    (number, nbytes), *rest = made["torch"].passes["fwd"]
-    assert (nbytes, tuple(rest), made["torch"].saved - made["megatron"].saved) == (
-        whole, made["megatron"].passes["fwd"], {number})
+    # beside it its all-gather's output, freed once it is made (funcol's concatenation: `collective_copies`)
+    (copy, copied), (number, nbytes), (freed, unmade), *rest = made["torch"].passes["fwd"]
+    assert (copied, nbytes, freed, unmade) == (whole, whole, copy, -whole)
+    assert (tuple(rest), made["torch"].saved - made["megatron"].saved) == (made["megatron"].passes["fwd"], {number})
