@@ -169,11 +169,13 @@ def run(
         require_model_data("pipesim run", model)
         from ..calibrate.measure import DeviceError, resolve_device
         from ..executor import ExecutorError, RunSpec, carried_bounds
+        from ..executor.replicas import Layout
         from ..executor.runners import RunFailed, RunInterrupted, TorchrunEnv, run_multiprocess, run_torchrun
         from ..planning.scenario import all_to_all_refusal
         from ..profiles.schema import layer_costs, optimizer_refusal, threads_mismatch
         from ..workload.hfconfig import is_hf
         from ..workload.models import ModelError, build_model
+        from ..workload.transport import TransportError, choose_transport
 
         method = method_named(schedule)
         check_method_options(ctx, [method.name], ("--advance", "--average-every", "--elastic-alpha", "--chunks",
@@ -263,6 +265,10 @@ def run(
                                  "carries with the fastest slowest stage (`pipesim compare` re-cuts the profile "
                                  "there)", highlight=False)
         job = TorchrunEnv.detect()
+        try:  # the transport the ranks will open, refused before any starts
+            choose_transport(device, job.local_world_size if job else Layout.of(built).ranks, backend=backend)
+        except TransportError as exc:
+            raise InputError(str(exc)) from None
         failure = None
         with _progress_bar(minibatches, disable=as_json or (job is not None and job.rank != 0)) as show:
             try:

@@ -93,7 +93,8 @@ BAD = {
     "unknown schedule": (["--schedule", "nope", *SMALL_MLP], "--schedule: unknown 'nope'; choose from gpipe"),
     "more stages than layers": (["--schedule", "1f1b", *SMALL_MLP, "--stages", 5],
                                 "--stages 5: mlp of 3 blocks (--layers) has 4 layers in all; give at most 4 stages"),
-    "nccl without a GPU": (["--schedule", "1f1b", *SMALL_MLP, "--backend", "nccl"], "backend 'nccl'"),
+    "nccl without a GPU": (["--schedule", "1f1b", *SMALL_MLP, "--backend", "nccl"],
+                           "--backend nccl sends GPU tensors only"),
     "unknown optimizer": (["--schedule", "1f1b", *SMALL_MLP, "--optimizer", "lion"], "--optimizer"),
     "learning rate not positive": (["--schedule", "1f1b", *SMALL_MLP, "--lr", 0], "--lr"),
     "option of another method": (["--schedule", "1f1b", *SMALL_MLP, "--elastic-alpha", 0.5], "--elastic-alpha"),
@@ -471,4 +472,17 @@ def test_cuda_without_a_gpu_is_refused_before_any_rank_starts(tmp_path, monkeypa
     code, out, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--device", "cuda", "--trace", "t.json")
     assert code == 2 and out == "" and err.startswith("error: no CUDA device: torch ") and err.endswith(
         "sees no GPU; use --device cpu\n"), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nccl_on_cpu_ranks_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    """NCCL sends GPU tensors only: one line naming --backend and --device, before the ranks start (it was the
+    transport's "backend 'nccl' sends GPU tensors only", after the progress bar)."""
+    from pipesim.executor import runners
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runners, "run_multiprocess", lambda *_, **__: pytest.fail("ranks started"))
+    code, out, err = pipesim("run", "-s", "1f1b", "--model", "mlp", "--backend", "nccl", "--trace", "t.json")
+    assert code == 2 and out == "" and err == ("error: --backend nccl sends GPU tensors only: with --device cpu use "
+                                               "--backend gloo or auto; on a GPU, --device cuda\n"), err
     assert list(tmp_path.iterdir()) == []

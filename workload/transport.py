@@ -548,7 +548,7 @@ def choose_transport(device: str, world_size: int, *, backend: str = "auto",
     """The transport for `world_size` ranks on this machine (under torchrun, its local world size) on `device`
     ("cpu" or "cuda"): gloo on CPU; on CUDA, NCCL when every rank has a GPU of its own, else host-staged gloo.
     `backend` "gloo" or "nccl" forces one; `gpus` defaults to the GPUs torch sees. Impossible requests raise
-    one line saying why."""
+    one line saying why in `pipesim run`'s flags, which checks them before any rank starts."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (got {device!r})")
     if backend not in BACKENDS:
@@ -557,14 +557,15 @@ def choose_transport(device: str, world_size: int, *, backend: str = "auto",
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
     if device == "cpu":
         if backend == "nccl":
-            raise TransportError("backend 'nccl' sends GPU tensors only; use device 'cuda' or backend 'gloo'")
+            raise TransportError("--backend nccl sends GPU tensors only: with --device cpu use --backend gloo or "
+                                 "auto; on a GPU, --device cuda")
         return TransportChoice("gloo", "cpu", 0)
     gpus = torch.cuda.device_count() if gpus is None else gpus
     if gpus == 0:
         raise TransportError("device 'cuda' asked for, but torch sees no GPU")
     if backend == "nccl" and gpus < world_size:
-        raise TransportError(f"backend 'nccl' needs one GPU per rank: {world_size} ranks, {gpus} GPU(s) "
-                             "(NCCL refuses two ranks on one GPU); use backend 'gloo' to stage through the host")
+        raise TransportError(f"--backend nccl needs one GPU per rank: {world_size} ranks, {gpus} GPU(s) "
+                             "(NCCL refuses two ranks on one GPU); --backend gloo stages through the host")
     if backend == "nccl" or (backend == "auto" and gpus >= world_size):
         return TransportChoice("nccl", "cuda", gpus)
     return TransportChoice("host-staged", "cuda", gpus)
