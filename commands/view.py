@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -49,6 +50,8 @@ def view(
 
     out = html if html is not None else traces[0].with_suffix(".html")
     try:
+        if html is None and not os.path.isfile(traces[0]):  # the page is named after it: say why it cannot be read
+            read_trace(traces[0])
         check_outputs([("--html", out)], [("TRACE", path) for path in traces])
         replaced = _replaces(out, named=html is not None)
         loaded = [read_trace(path) for path in traces]

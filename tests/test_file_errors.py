@@ -15,7 +15,8 @@ TOO_LONG = "a" * 300  # past any file system's 255-byte name: even looking at th
 
 @pytest.mark.parametrize(("args", "line"), [
     (["simulate", "-s", "1f1b", "--trace", f"{TOO_LONG}.json"], f"error: --trace: cannot write {TOO_LONG}.json"),
-    (["view", f"{TOO_LONG}.json"], f"error: --html: cannot write {TOO_LONG}.html"),
+    (["view", f"{TOO_LONG}.json"], f"error: cannot read trace {TOO_LONG}.json"),  # the page its name with .html
+    (["view", "t.json", "--html", f"{TOO_LONG}.html"], f"error: --html: cannot write {TOO_LONG}.html"),
     (["compare", f"{TOO_LONG}.json"], f"error: cannot read trace {TOO_LONG}.json"),
     (["simulate", "--gpu", "h100-sxm", "--model", f"hf:{TOO_LONG}", "--seq-len", "128"],
      f"error: --model hf:{TOO_LONG}: cannot read Hugging Face config {TOO_LONG}"),
@@ -25,6 +26,15 @@ def test_a_path_that_cannot_be_looked_at_is_named_with_its_flag(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     code, _, err = pipesim(*args)
     assert (code, err) == (2, f"{line}: File name too long\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_trace_is_named_before_the_page_its_name_would_give(tmp_path, monkeypatch):
+    """view's default page is the first trace's name with .html: a trace that is not there is what is wrong (it was
+    "--html: cannot write missing/t.html: folder missing does not exist", a flag the user did not give)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = pipesim("view", "missing/t.json")
+    assert (code, err) == (2, "error: cannot read trace missing/t.json: No such file or directory\n")
     assert list(tmp_path.iterdir()) == []
 
 
