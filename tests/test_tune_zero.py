@@ -11,9 +11,9 @@ import json
 import pytest
 
 from pipesim.planning import tune as tuning
-from tests.conftest import at_columns, pipesim, refused
+from tests.conftest import at_columns, pipesim, refused, tune_rows
 from tests.test_tune import differences, exhaustive
-from tests.test_tune_layouts import GPU, SMALL_GPT, _estimated, _rows, _searched, exactly_searched
+from tests.test_tune_layouts import GPU, SMALL_GPT, _estimated, _searched, exactly_searched
 
 FLAGS = ("-D", 8, "-B", 16, "-b", 1, "--recompute", "none")
 SCHEDULES = ("-s", "1f1b,gpipe,zb-h1,interleaved-1f1b")
@@ -62,7 +62,7 @@ def test_the_table_and_json_say_the_sharding(monkeypatch):
     assert code == 0, err
     document = json.loads(out)
     assert document["problem"]["zero"] == 3 and document["problem"]["precision"] == "fsdp2"
-    assert {row["zero"] for row in _rows(document)} == {3}
+    assert {row["zero"] for row in tune_rows(document)} == {3}
     for width in (80, 100):
         at_columns(monkeypatch, width)
         code, out, err = pipesim("tune", *GPU, *SMALL_GPT, *FLAGS, *SCHEDULES, "--zero", 2)
@@ -102,7 +102,8 @@ def test_bad_sharding_is_refused_in_one_line(tmp_path, tmp_path_factory, monkeyp
                              "--attention", "flash", "-B", 8, "-b", 1, "--recompute", "none", "-s", "1f1b", "--zero", 3,
                              "--precision", "fsdp2", "--json")  # d = 1, but d·C = 2 ranks shard: searched
     assert code == 0, err
-    assert {(row["replicas"], row["context_parallel"], row["zero"]) for row in _rows(json.loads(out))} == {(1, 2, 3)}
+    layouts = {(row["replicas"], row["context_parallel"], row["zero"]) for row in tune_rows(json.loads(out))}
+    assert layouts == {(1, 2, 3)}
     assert refused("tune", *gpt, "--precision", "fp16").startswith("error: --precision: choose from")
     profile = _estimated(tmp_path_factory.mktemp("profile"))  # outside the folder refused() finds nothing written in
     assert refused("tune", "--profile", profile, "-D", 8, "--zero", 1) == (
