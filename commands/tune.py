@@ -291,14 +291,28 @@ def _held_as(measured) -> str | None:
 
 
 def _check_degrees(devices: int, tensor: int | None, data: int | None, context: int) -> None:
-    """D must be p x d x t x C for some p: the degrees given must divide it."""
+    """D must be p x d x t x C for some p: the degrees given must divide it. A refusal names the degree that
+    does not (or their product, where no one alone is to blame), and what would: the nearest multiples of the
+    product for --devices, and the nearest degrees that divide D with the others kept."""
     given = [(flag, value) for flag, value in (("--tensor-parallel", tensor), ("--data-parallel", data),
                                                ("--context-parallel", context if context > 1 else None)) if value]
     product = math.prod(value for _, value in given)
-    if devices % product:
-        named = " x ".join(f"{flag} {value}" for flag, value in given) + (f" = {product}" if len(given) > 1 else "")
-        raise InputError(f"--devices {devices}: p x d x t{' x C' * (context > 1)} must give it, and {named} does not "
-                         "divide it")
+    if not devices % product:
+        return
+    failing = [(flag, value) for flag, value in given if devices % value]
+    named = " x ".join(f"{flag} {value}" for flag, value in given) + (f" = {product}" if len(given) > 1 else "")
+    split = "p stages x d replicas x t GPUs per stage" + " x C context-parallel ranks" * (context > 1)
+    below = devices - devices % product
+    instead = [f"--devices {' or '.join(str(n) for n in (below, below + product) if n)}"]
+    if len(failing) == 1:
+        flag, value = failing[0]
+        room = devices // (product // value)  # what the degree may divide, the others kept
+        divisors = [n for n in range(1, room + 1) if not room % n]
+        nearest = [max(n for n in divisors if n < value), *(n for n in divisors if n > value)][:2]
+        instead.append(f"{flag} {' or '.join(map(str, nearest))}")
+        named = f"{flag} {value}"
+    raise InputError(f"--devices {devices} must be {split}, and {named} does not divide {devices}; give "
+                     + ", or ".join(instead))
 
 
 @contextmanager

@@ -88,10 +88,11 @@ def exactly_searched(settings: list[tuning.Setting], capped: tuning.Problem) -> 
 def test_a_given_c_is_refused_where_it_does_not_divide_the_gpus_or_the_sequence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT[2:], "-D", 6, "--context-parallel", 4, "-s", "1f1b") == (
-        "error: --devices 6: p x d x t x C must give it, and --context-parallel 4 does not divide it\n")
+        "error: --devices 6 must be p stages x d replicas x t GPUs per stage x C context-parallel ranks, and "
+        "--context-parallel 4 does not divide 6; give --devices 4 or 8, or --context-parallel 3 or 6\n")
     assert refused("tune", *GPU, *SMALL_GPT, *CONTEXT, "-D", 8, "--tensor-parallel", 2, "--data-parallel", 4) == (
-        "error: --devices 8: p x d x t x C must give it, and --tensor-parallel 2 x --data-parallel 4 x "
-        "--context-parallel 2 = 16 does not divide it\n")
+        "error: --devices 8 must be p stages x d replicas x t GPUs per stage x C context-parallel ranks, and "
+        "--tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 does not divide 8; give --devices 16\n")
     assert refused("tune", *GPU, *SMALL_GPT[:-4], "--seq-len", 250, "--vocab", 1000, *CONTEXT, "-D", 8) == (
         "error: --context-parallel 2 does not split the sequence of 250 tokens into 2 x 2 equal chunks (the causal "
         "load balance); give a C that divides seq_len / 2\n")

@@ -24,17 +24,22 @@ def test_simulate_header_counts_one_in_the_singular():
     assert out.splitlines()[0] == "p=1 device per pipeline, m=1 micro-batch, N=1 mini-batch"
 
 
-def test_one_given_degree_is_named_without_an_equation():
+def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
+    """The refusal says how the devices are split, which degree fails (their product where none alone does) and
+    the nearest --devices and degree that would do."""
     with pytest.raises(InputError) as one:
-        _check_degrees(8, 3, None, 1)
-    assert str(one.value) == "--devices 8: p x d x t must give it, and --tensor-parallel 3 does not divide it"
+        _check_degrees(7, 2, None, 1)
+    assert str(one.value) == ("--devices 7 must be p stages x d replicas x t GPUs per stage, and --tensor-parallel 2 "
+                              "does not divide 7; give --devices 6 or 8, or --tensor-parallel 1 or 7")
     with pytest.raises(InputError) as two:
         _check_degrees(8, 3, 2, 1)
-    assert str(two.value).endswith("and --tensor-parallel 3 x --data-parallel 2 = 6 does not divide it")
+    assert str(two.value).endswith("and --tensor-parallel 3 does not divide 8; give --devices 6 or 12, or "
+                                   "--tensor-parallel 2 or 4")
     with pytest.raises(InputError) as context:
-        _check_degrees(8, None, 3, 2)
-    assert str(context.value) == ("--devices 8: p x d x t x C must give it, and --data-parallel 3 x "
-                                  "--context-parallel 2 = 6 does not divide it")
+        _check_degrees(8, 2, 4, 2)
+    assert str(context.value) == ("--devices 8 must be p stages x d replicas x t GPUs per stage x C context-parallel "
+                                  "ranks, and --tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 "
+                                  "does not divide 8; give --devices 16")
 
 
 @pytest.mark.parametrize(("experts", "searched"), [((), "t, b, recomputation and p"),
