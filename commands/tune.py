@@ -304,7 +304,7 @@ def _check_degrees(devices: int, tensor: int | None, data: int | None, context: 
     split = "p stages x d replicas x t GPUs per stage" + " x C context-parallel ranks" * (context > 1)
     below = devices - devices % product
     instead = [f"--devices {' or '.join(str(n) for n in (below, below + product) if n)}"]
-    if len(failing) == 1:
+    if len(failing) == 1 and not devices % (product // failing[0][1]):  # the others kept divide D: this one fails
         flag, value = failing[0]
         room = devices // (product // value)  # what the degree may divide, the others kept
         divisors = [n for n in range(1, room + 1) if not room % n]

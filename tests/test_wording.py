@@ -40,6 +40,13 @@ def test_a_degree_that_does_not_divide_the_devices_is_named_with_what_would():
     assert str(context.value) == ("--devices 8 must be p stages x d replicas x t GPUs per stage x C context-parallel "
                                   "ranks, and --tensor-parallel 2 x --data-parallel 4 x --context-parallel 2 = 16 "
                                   "does not divide 8; give --devices 16")
+    # one degree fails alone, but the others' product does not divide D either: their product is named (it was
+    # "--tensor-parallel 1", which 1 x 4 x 2 = 8 refuses too, and with C = 6 a traceback: no divisor of 12 // 24)
+    for context, product in ((2, 40), (6, 120)):
+        with pytest.raises(InputError) as others:
+            _check_degrees(12, 5, 4, context)
+        assert str(others.value).endswith(f"--tensor-parallel 5 x --data-parallel 4 x --context-parallel {context} = "
+                                          f"{product} does not divide 12; give --devices {product}")
 
 
 @pytest.mark.parametrize(("experts", "searched"), [((), "t, b, recomputation and p"),
