@@ -626,6 +626,28 @@ def check_expert_parallel(expert_parallel: int, net) -> None:
                                                   if (n := routed_experts_of(layer)) is not None), None))
 
 
+def out_of_memory(checks) -> tuple[str, str] | None:
+    """None if every device fits in its memory (`MemoryCheck`s, sim/cluster.py); else, in words, the devices that
+    do not (for a table) and the memory over by the most (for the warning: ranks sharing one GPU's memory are
+    over it together)."""
+    over = [check for check in checks if check.out_of_memory]
+    if not over:
+        return None
+    devices = [str(check.device) for check in over]
+    listed = ", ".join(devices[:3]) + (", …" if len(devices) > 3 else "")
+    short = f"OOM on device{'s' if len(devices) > 1 else ''} {listed}"
+    memories = {check.sharers: check for check in over}
+    worst = max(memories.values(), key=lambda check: check.used_bytes / check.limit_bytes)
+    more = len(memories) - 1
+    return short, worst.reason() + (f" (and {more} more out of memory)" if more else "")
+
+
+def out_of_memory_line(subject: str, checks) -> str | None:
+    """The warning simulate and estimate give where `subject`'s devices run out of memory (None: they fit)."""
+    oom = out_of_memory(checks)
+    return None if oom is None else f"{subject} runs out of memory: {oom[1]}"
+
+
 def fail(message: str) -> NoReturn:
     stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True,
                  emoji=False)  # keep [..] text, and :x: in hf:x: as written

@@ -37,6 +37,7 @@ from .common import (
     flag_of,
     is_given,
     model_reads,
+    out_of_memory_line,
     read_error,
     refuse,
     refused_with_flags,
@@ -726,6 +727,13 @@ def _print_estimate(profile: Profile, sources: bool) -> None:
                       f"{stage.activation_bytes / MIB:,.1f}", f"{stage.param_bytes / MIB:,.1f}",
                       f"{stage.memory_bytes / MIB:,.0f}")
     print_table(table)
+    from ..sim.cluster import Cluster  # each stage on a GPU of its own, checked as simulate checks its devices
+
+    limit = env.memory_cap_bytes or env.device_memory_bytes or None
+    checks = Cluster(len(profile.stages)).memory_checks([stage.memory_bytes for stage in profile.stages],
+                                                        [limit] * len(profile.stages))
+    if (line := out_of_memory_line("the 1F1B estimate", checks)) is not None:
+        stderr.print(f"warning: {line}", highlight=False, soft_wrap=True)
     links = [(what, link) for what, link in (("tensor-parallel group" + tensor_span_text(estimate),
                                                 estimate.tensor_link),
                                                ("between stages", estimate.stage_link),

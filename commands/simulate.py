@@ -62,6 +62,8 @@ from .common import (
     load_profile_flag,
     model_reads,
     optional_what_if_options,
+    out_of_memory,
+    out_of_memory_line,
     progress,
     read_error,
     refused_with_flags,
@@ -445,21 +447,6 @@ def _nothing_runs(requested: list[str], skipped: dict[str, str]) -> str:
     return f"none of the {len(requested)} methods can run: " + "; ".join(texts)
 
 
-def _out_of_memory(checks) -> tuple[str, str] | None:
-    """None if every device fits in its memory; else, in words, the devices that do not (for the table) and
-    the memory over by the most (for the warning: ranks sharing one GPU's memory are over it together)."""
-    over = [check for check in checks if check.out_of_memory]
-    if not over:
-        return None
-    devices = [str(check.device) for check in over]
-    listed = ", ".join(devices[:3]) + (", …" if len(devices) > 3 else "")
-    short = f"OOM on device{'s' if len(devices) > 1 else ''} {listed}"
-    memories = {check.sharers: check for check in over}
-    worst = max(memories.values(), key=lambda check: check.used_bytes / check.limit_bytes)
-    more = len(memories) - 1
-    return short, worst.reason() + (f" (and {more} more out of memory)" if more else "")
-
-
 def _cost_basis(scenario, schedules: list) -> str:
     """What the cost flags' numbers describe, for the table's caption."""
     if scenario.measured is not None and scenario.measured.estimate is not None:
@@ -535,8 +522,8 @@ def _warn(skipped: dict[str, str], summaries: list, memory: list) -> None:
 def _out_of_memory_lines(summaries: list, memory: list) -> list[str]:
     """Each method whose devices run out of memory, in words: a warning on stderr, and a note on the page, whose
     bars and curves do not show the devices' memory."""
-    return [f"{summary.schedule} runs out of memory: {oom[1]}" for summary, checks in zip(summaries, memory)
-            if (oom := _out_of_memory(checks)) is not None]
+    return [line for summary, checks in zip(summaries, memory)
+            if (line := out_of_memory_line(summary.schedule, checks)) is not None]
 
 
 def _steady_text(schedules: list, steady: list[bool]) -> str:
@@ -583,7 +570,7 @@ def _print_table(summaries: list, schedules: list, steady: list[bool], example: 
         shape = [f"v={sched.num_stages // sched.num_devices}"] if sched.num_stages > sched.num_devices else []
         shape += [f"P={sched.pipelines}"] if sched.pipelines > 1 else []
         shape += [f"s: {_source(sched)}"] if _source(sched) else []
-        oom = _out_of_memory(checks)
+        oom = out_of_memory(checks)
         table.add_row(
             s.schedule + (f" ({', '.join(shape)})" if shape else ""),
             f"{s.time_per_minibatch_ms:.3f}" + ("" if is_steady else "*"),

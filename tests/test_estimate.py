@@ -2,6 +2,7 @@
 tensor parallelism's split and collectives, Korthikanti et al.'s activation memory."""
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -337,3 +338,18 @@ def test_torchtitans_op_policy_keeps_every_other_product_and_the_attention():
                                         2).bwd_ms  # it reruns what it did not keep
     with pytest.raises(EstimateError, match="op .* is modelled for tensor 1 only"):
         Parallelism(tensor=2, recompute="op")
+
+
+def test_an_estimate_over_its_gpus_memory_warns_as_simulate_does(tmp_path):
+    """estimate's table gives each stage's peak on its GPU; one over the GPU's memory is warned of on stderr in
+    simulate's words (commands/common.py out_of_memory_line), not left for the reader to compare."""
+    from tests.conftest import pipesim
+
+    shape = ("--gpu", "l40s", "--model", "gpt", "--layers", 2, "--width", 1024, "--heads", 8, "--seq-len", 4096,
+             "-p", 2)
+    code, out, err = pipesim("estimate", *shape, "-b", 64, "--out", tmp_path / "over.json")
+    assert code == 0 and "wrote" in out, err
+    assert re.fullmatch(r"warning: the 1F1B estimate runs out of memory: device 0 peaks at [\d,]+ MiB, more than its "
+                        r"49,152 MiB( \(and 1 more out of memory\))?\n", err), err
+    code, out, err = pipesim("estimate", *shape, "-b", 16, "--out", tmp_path / "within.json")
+    assert code == 0 and "alloc MiB" in out and err == "", err
