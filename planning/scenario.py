@@ -56,6 +56,7 @@ from ..sim.caching_allocator import LayerAllocations, add_reserve, device_reserv
 from ..sim.costs import PRECISIONS, RowOverhead, held_as_runtime, keeps_saved_until_weights, merges_outputs, wgrad_held
 from ..sim.engine import held_static_parts, keep_fullest_parts
 from ..traces.trace import Trace
+from ..units import count_text
 
 if TYPE_CHECKING:
     from ..profiles.schema import Estimate, LayerProfile, Profile, RuntimeProfile, StageProfile
@@ -902,6 +903,21 @@ def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(s % stages for s in held) for held in sched.stages_by_device)
 
 
+def _layers_text(measured: Profile) -> str:
+    """The profile's layers in the user's terms: --layers counts a model's blocks (the layers of its most common
+    kind), and a pipeline cuts between all its layers, the embedding before them and the head after too."""
+    kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]
+    block = max(dict.fromkeys(kinds), key=kinds.count)
+    where = [i for i, kind in enumerate(kinds) if kind == block]
+    given = "" if measured.model.name.startswith("hf:") or "layers" not in measured.model.options else " (--layers)"
+    parts = [f"{count_text(len(where), 'block')}{given}"]
+    for count, side, one in ((where[0], "before them", "the embedding"), (len(kinds) - 1 - where[-1], "after",
+                                                                          "the head")):
+        if count:
+            parts.append(f"{count} {side}" + (f" ({one})" if count == 1 else ""))
+    return f"{measured.model.name} has {count_text(len(kinds), 'layer')} to cut between: {' + '.join(parts)}"
+
+
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",
                    devices: Sequence[Sequence[int]] | None = None) -> list[int]:
     """The profile's layers cut into `num_stages` as `stage_cut` says (STAGE_CUTS, `first_last`). Balanced: the
@@ -911,8 +927,8 @@ def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balance
     from ..profiles.schema import layer_costs, profile_stage_time
 
     if num_stages > len(measured.layers):
-        raise CostError(f"the schedule has {num_stages} model stages but {measured.model.name} has "
-                        f"{len(measured.layers)} layers; lower --stages or --chunks")
+        raise CostError(f"the schedule has {num_stages} model stages but {_layers_text(measured)}; each stage needs "
+                        "one at least: lower --stages or --chunks")
     ends = first_last(stage_cut)
     if stage_cut in BLOCK_CUTS or ends is not None:
         kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]

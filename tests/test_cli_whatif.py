@@ -40,7 +40,8 @@ def simulate_json(*args) -> list[dict]:
      "--tensor-parallel 4 does not divide the model's 90 MLP width"),
     (("estimate", *GPU, *SMALL, "-p", "9", "--out", "est.json"), "--stages 9: gpt of 3 blocks (--layers) has 5 layers"),
     (("simulate", *GPU, *SMALL, "-p", "4", "-s", "dualpipev"),
-     "error: the schedule has 8 model stages but gpt has 5 layers; lower --stages or --chunks"),
+     "error: the schedule has 8 model stages but gpt has 5 layers to cut between: 3 blocks (--layers) + 1 before "
+     "them (the embedding) + 1 after (the head); each stage needs one at least: lower --stages or --chunks"),
     (("tune", *GPU, *SMALL, "-D", "6", "--tensor-parallel", "4"),
      "--tensor-parallel 4 does not divide 6; give --devices 4 or 8, or --tensor-parallel 3 or 6"),
     (("tune", *GPU, *SMALL, "-D", "8", "--tensor-parallel", "2", "--data-parallel", "3"),
