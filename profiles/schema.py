@@ -1007,6 +1007,9 @@ def _shared_steps(profile: Profile, shares: Sequence[float], optimizers: Sequenc
 def load_profile(path: str | Path) -> Profile:
     """Read and check a profile; ProfileError names the file and the first field that is wrong."""
     raw = read_json(path, ProfileError, "profile")
+    if isinstance(raw, dict) and {"traceEvents", "pipesim"} <= raw.keys():  # traces/trace.py's, as `read_trace` tells
+        raise ProfileError(f"{path} is a pipesim trace, not a profile: `pipesim view` draws it; give a profile that "
+                           "`pipesim calibrate --out` or `pipesim estimate --out` wrote")
     if not isinstance(raw, dict) or "schema_version" not in raw:
         raise ProfileError(f"profile {path}: schema_version: missing (is this a pipesim calibrate profile?)")
     if raw["schema_version"] not in SUPPORTED_VERSIONS:

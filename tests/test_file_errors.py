@@ -52,6 +52,16 @@ def test_a_profile_given_for_a_trace_is_named_a_profile(command):
     assert code == 2 and err.startswith(f"error: {ROOT / profile} is a pipesim profile, not a trace: "), err
 
 
+def test_a_trace_given_for_a_profile_is_named_a_trace(tmp_path, monkeypatch):
+    """The other way round (was "schema_version: missing (is this a pipesim calibrate profile?)")."""
+    monkeypatch.chdir(tmp_path)
+    assert pipesim("simulate", "-s", "1f1b", "--trace", "t.json")[0] == 0
+    code, _, err = pipesim("simulate", "--profile", "t.json", "-s", "1f1b")
+    assert (code, err) == (2, "error: --profile: t.json is a pipesim trace, not a profile: `pipesim view` draws it; "
+                              "give a profile that `pipesim calibrate --out` or `pipesim estimate --out` wrote\n")
+    assert [path.name for path in tmp_path.iterdir()] == ["t.json"]
+
+
 def test_a_failed_read_the_command_makes_for_itself_is_not_called_a_write(tmp_path, monkeypatch):
     def unreadable(*_):
         raise PermissionError(13, "Permission denied", "/some/source.py")
