@@ -74,6 +74,7 @@ import numpy as np
 
 from ..profiles.partition import (
     PartitionError,
+    ScaledRanges,
     activation_ranges,
     leanest_partition,
     least_slowest,
@@ -2384,9 +2385,8 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
         def stage_time(k: int) -> np.ndarray:
             return times(per_step[k])
 
-        def stage_bytes(k: int) -> np.ndarray:
-            return held + (extra_copies + lingering[k]) * params + in_flight[k] * activations
-
+        stage_bytes = ScaledRanges(held, ((tuple(extra_copies + count for count in lingering), params),
+                                          (in_flight, activations)))
         try:
             return partition(layers, stages, budget_bytes, stage_bytes, stage_time, devices)
         except PartitionError:

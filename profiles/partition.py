@@ -70,6 +70,39 @@ def product_mean_ms(parts: Iterable[tuple[float, float]]) -> float:
 StageCosts = Callable[[int], np.ndarray]  # stage k -> its cost for every [start, stop): an (n+1, n+1) array
 
 
+@dataclass(frozen=True)
+class ScaledRanges:
+    """Stage costs (a `StageCosts`) that are one table of every range plus others each counted so many times on
+    stage k: `base + scales[k] · table + ...`, the memory of a stage that keeps its layers' weights and state and
+    so many weight versions and micro-batches' activations (the 1F1B model, `_one_f_one_b_bytes`; tune's orders).
+    Given so, `_stage_blocks` reads the blocks of every stage at once from views of the tables, not a whole table
+    made per stage (tune partitions hundreds of orders of up to 64 stages); in integers, exact either way."""
+
+    base: np.ndarray
+    terms: tuple[tuple[Sequence[int], np.ndarray], ...]  # (each stage's count, the table counted)
+
+    def __call__(self, k: int) -> np.ndarray:
+        total = self.base
+        for scales, table in self.terms:
+            total = total + scales[k] * table
+        return total
+
+    def blocks(self, n: int, p: int) -> np.ndarray:
+        """`_stage_blocks`' [k, r, c] of these costs, every stage's at once."""
+        total = _bands(self.base, n, p)
+        for scales, table in self.terms:
+            total = total + np.asarray(scales)[:, None, None] * _bands(table, n, p)
+        return total
+
+
+def _bands(table: np.ndarray, n: int, p: int) -> np.ndarray:
+    """A read-only view [k, r, c] of `table`'s entry [k + r, k + 1 + c], the ranges stage k of p may hold
+    (`_stage_blocks`)."""
+    m = n - p + 1
+    rows, columns = table.strides
+    return np.lib.stride_tricks.as_strided(table[:, 1:], (p, m, m), (rows + columns, rows, columns), writeable=False)
+
+
 def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | None = None,
               stage_bytes: StageCosts | None = None, stage_time: StageCosts | None = None,
               devices: Sequence[Sequence[int]] | None = None) -> list[int]:
@@ -83,10 +116,10 @@ def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | 
     n = _check(layers, stages)
     memory = stage_bytes or _one_f_one_b_bytes(layers, stages)
     over_cap = None if memory_cap_bytes is None else _stage_blocks(n, stages, memory, memory_cap_bytes)
-    time = stage_time or _forward_backward_ms(layers)
-    slowest_ms, bounds = _min_max_split(n, stages, time, over_cap)
+    times = _stage_blocks(n, stages, stage_time or _forward_backward_ms(layers))
+    slowest_ms, bounds = _min_max_split(n, stages, times, over_cap)
     if devices is not None and slowest_ms < math.inf and any(len(held) > 1 for held in devices):
-        bounds = _least_busy_devices(n, time, devices, slowest_ms, over_cap, bounds)
+        bounds = _least_busy_devices(n, times, devices, slowest_ms, over_cap, bounds)
     if slowest_ms == math.inf:
         least_bytes, _ = leanest_partition(layers, stages, memory)
         raise PartitionError(
@@ -223,8 +256,8 @@ def leanest_partition(layers: Sequence[LayerCost], stages: int,
                       stage_bytes: StageCosts | None = None) -> tuple[float, list[int]]:
     """The split whose fullest stage holds the least memory (by `stage_bytes`, default 1F1B's), and those
     bytes: what to fall back on, and to report, when no split fits a cap."""
-    _check(layers, stages)
-    return _min_max_split(len(layers), stages, stage_bytes or _one_f_one_b_bytes(layers, stages))
+    n = _check(layers, stages)
+    return _min_max_split(n, stages, _stage_blocks(n, stages, stage_bytes or _one_f_one_b_bytes(layers, stages)))
 
 
 def equal_blocks(kinds: Sequence[str], stages: int) -> list[int]:
@@ -340,10 +373,9 @@ def _range_ms(times: tuple[float, ...]) -> np.ndarray:
     return table
 
 
-def _one_f_one_b_bytes(layers: Sequence[LayerCost], stages: int) -> StageCosts:
-    static = range_sums(layer.static_bytes for layer in layers)
-    activations = activation_ranges(layers)
-    return lambda k: static + (stages - k) * activations
+def _one_f_one_b_bytes(layers: Sequence[LayerCost], stages: int) -> ScaledRanges:
+    return ScaledRanges(range_sums(layer.static_bytes for layer in layers),
+                        ((range(stages, 0, -1), activation_ranges(layers)),))
 
 
 def activation_ranges(layers: Sequence[LayerCost]) -> np.ndarray:
@@ -360,6 +392,9 @@ def _stage_blocks(n: int, p: int, cost: StageCosts, above: float | None = None) 
     non-empty stages can hold (it starts at k .. n-p+k and ends at k+1 .. n-p+k+1), r > c no range; or, given
     `above`, whether that cost is over it (a cap: one byte an entry, read off each stage's costs as they come)."""
     m = n - p + 1
+    if isinstance(cost, ScaledRanges):
+        blocks = cost.blocks(n, p)
+        return blocks.astype(float) if above is None else blocks > above
     blocks = np.empty((p, m, m), dtype=float if above is None else bool)  # floats as the split compares them
     for k in range(p):
         block = cost(k)[k:k + m, k + 1:k + 1 + m]
@@ -370,16 +405,17 @@ def _stage_blocks(n: int, p: int, cost: StageCosts, above: float | None = None) 
     return blocks
 
 
-def _min_max_split(n: int, p: int, cost: StageCosts, refused: np.ndarray | None = None) -> tuple[float, list[int]]:
-    """Minimise max_k cost(k)[start_k, stop_k] over splits of n items into p non-empty contiguous parts (no cost
-    NaN); `refused` (as `_stage_blocks` lays ranges out) marks ranges no stage may hold.
+def _min_max_split(n: int, p: int, blocks: np.ndarray, refused: np.ndarray | None = None) -> tuple[float, list[int]]:
+    """Minimise max_k cost(k)[start_k, stop_k] over splits of n items into p non-empty contiguous parts, the costs
+    given as `_stage_blocks` lays them out (`blocks`, no cost NaN); `refused` (laid out so) marks ranges no stage
+    may hold.
 
     best[c]: the least max over the first k+1+c items in k+1 parts, a stage's candidates at once (numpy over the
     m x m ranges that can end stage k, p times); ties keep the earliest cut (argmin's first). Where no split is
     finite the bounds are p zeros and n, as the full (n+1)-wide table's argmins over columns of inf gave them."""
     m = n - p + 1
     no_range = np.tri(m, k=-1, dtype=bool)
-    costs = np.where(no_range if refused is None else refused | no_range, math.inf, _stage_blocks(n, p, cost))
+    costs = np.where(no_range if refused is None else refused | no_range, math.inf, blocks)
     best, columns, candidates = costs[0, 0], np.arange(m), np.empty((m, m))
     cuts = np.empty((p, m), dtype=np.int64)  # [k, c]: row r of stage k's best start for its stop k + 1 + c
     for k in range(1, p):
@@ -396,9 +432,10 @@ def _min_max_split(n: int, p: int, cost: StageCosts, refused: np.ndarray | None 
     return slowest, [0, *reversed(bounds)]
 
 
-def _least_busy_devices(n: int, cost: StageCosts, devices: Sequence[Sequence[int]], slowest_ms: float,
+def _least_busy_devices(n: int, times: np.ndarray, devices: Sequence[Sequence[int]], slowest_ms: float,
                         refused: np.ndarray | None, bounds: list[int], max_prefixes: int = 1_000) -> list[int]:
-    """Of the cuts whose every stage is within `slowest_ms` (the least slowest stage) and not `refused`, the one
+    """Of the cuts whose every stage is within `slowest_ms` (the least slowest stage: of the stages' `times`, laid out
+    as `_stage_blocks` lays them, [k, r, c]: stage k over layers [k + r, k + 1 + c)) and not `refused`, the one
     whose busiest device is least busy, a device's busy time the sum of the times of the stages it runs
     (`devices`; a stage twice where it runs it twice as often): a device runs each of its stages for every
     micro-batch, Megatron-LM's interleaved schedule stage s of p·v on device s mod p, a V-shape stages k and
@@ -413,23 +450,25 @@ def _least_busy_devices(n: int, cost: StageCosts, devices: Sequence[Sequence[int
     `_levelled_devices` (the search's earliest-first order often leaves it the slowest-stage cut there)."""
     stages, count = len(bounds) - 1, len(devices)
     m = n - stages + 1
-    times = _stage_blocks(n, stages, cost)  # [k, r, c]: stage k over layers [k + r, k + 1 + c), then k + 1 from c
     allowed = (times <= slowest_ms) & ~np.tri(m, k=-1, dtype=bool)
     if refused is not None:
         allowed &= ~refused
-    runs = np.zeros((stages, count))  # [k, d]: how often device d runs stage k
+    counts = [[0] * count for _ in range(stages)]  # [k][d]: how often device d runs stage k
     for device, held in enumerate(devices):
-        np.add.at(runs[:, device], list(held), 1)
+        for k in held:
+            counts[k][device] += 1
+    runs = np.array(counts, dtype=float)
     per_stage = runs.sum(axis=1).tolist()
     least = np.full((stages + 1, m), math.inf)  # [k, r]: the least busy time stages k.. add from row r
     least[stages, m - 1] = 0.0
+    with np.errstate(invalid="ignore"):
+        busy = np.where(allowed, runs.sum(axis=1)[:, None, None] * times, math.inf)  # stage k's over each range
     for k in range(stages - 1, -1, -1):
-        with np.errstate(invalid="ignore"):
-            least[k] = np.where(allowed[k], per_stage[k] * times[k] + least[k + 1], math.inf).min(axis=1)
+        least[k] = (busy[k] + least[k + 1]).min(axis=1)
     open_ = allowed & np.isfinite(least[1:, None, :])  # [k, r, c]: stage k may end at c, the stages after cover c..
     # the least each device's stages add, each the shortest range it may hold anywhere
     shortest = np.where(open_, times, math.inf).min(axis=(1, 2)).tolist()
-    owners = [[(d, float(runs[k, d])) for d in np.flatnonzero(runs[k])] for k in range(stages)]
+    owners = [[(d, float(runs_d)) for d, runs_d in enumerate(row) if runs_d] for row in counts]
     least_ms, ends = least.tolist(), {}  # the search's Python numbers; ends: (k, r) -> stage k's ends from r, their ms
 
     def ends_from(k: int, start: int) -> tuple[list[int], list[float]]:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.profiles.partition import LayerCost, PartitionError, _least_busy_devices, partition
+from pipesim.profiles.partition import LayerCost, PartitionError, _least_busy_devices, _stage_blocks, partition
 
 
 def _interleaved(p: int, v: int) -> tuple[tuple[int, ...], ...]:
@@ -159,7 +159,8 @@ def test_levelled_cuts_keep_the_slowest_stage_and_no_move_of_a_layer_improves_th
     rows = range(len(layers) - stages + 1)  # `_least_busy_devices`' [k, r, c]: stage k over layers k + r .. k + c
     over = None if cap is None else np.array([[[sum(layer.static_bytes for layer in layers[k + r:k + 1 + c]) > cap
                                                 for c in rows] for r in rows] for k in range(stages)])
-    cut = _least_busy_devices(len(layers), time, devices, slowest, over, earliest, max_prefixes=0)
+    cut = _least_busy_devices(len(layers), _stage_blocks(len(layers), stages, time), devices, slowest, over, earliest,
+                              max_prefixes=0)
     assert fits(cut) and max(_times(cut, time)) <= slowest
     busiest = _busiest(cut, time, devices)
     assert busiest <= _busiest(earliest, time, devices) * (1 + 1e-9)

@@ -72,8 +72,8 @@ def test_the_partitioner_builds_one_range_table_for_the_same_times():
     table = partitioning._forward_backward_ms(costs)(0)
     assert not table.flags.writeable
     for p, bounds in zip((2, 3, 5), splits, strict=True):
-        assert bounds == partitioning._min_max_split(len(costs), p, lambda k: partitioning._range_ms.__wrapped__(
-            tuple(cost.ms for cost in costs)))[1]
+        assert bounds == partitioning._min_max_split(len(costs), p, partitioning._stage_blocks(
+            len(costs), p, lambda k: partitioning._range_ms.__wrapped__(tuple(cost.ms for cost in costs))))[1]
 
 
 def _layer(saved: int, transient: dict[str, int]) -> LayerProfile:
@@ -171,7 +171,8 @@ def test_the_split_takes_only_the_ranges_that_can_end_each_stage_and_finds_the_s
     """Ties abound (small whole times): the earliest cut wins as it did over the whole table."""
     p = data.draw(st.integers(1, len(ms)))
     table = partitioning._range_ms(tuple(map(float, ms)))
-    assert partitioning._min_max_split(len(ms), p, lambda k: table) == _reference_split(len(ms), p, table)
+    blocks = partitioning._stage_blocks(len(ms), p, lambda k: table)
+    assert partitioning._min_max_split(len(ms), p, blocks) == _reference_split(len(ms), p, table)
 
 
 @pytest.mark.parametrize("model", ["gpt", "moe"])
