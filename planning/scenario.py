@@ -905,17 +905,22 @@ def device_stages(sched: Schedule, stages: int) -> tuple[tuple[int, ...], ...]:
 
 def _layers_text(measured: Profile) -> str:
     """The profile's layers in the user's terms: --layers counts a model's blocks (the layers of its most common
-    kind), and a pipeline cuts between all its layers, the embedding before them and the head after too."""
+    kind), and a pipeline cuts between all its layers, the embedding before them and the head after too. Where
+    the kinds do not tell the blocks (a CNN's layers all Sequential, a GPT of one block each kind once), --layers'
+    count and the rest."""
     kinds = [layer.name.partition(":")[2] or layer.name for layer in measured.layers]
     block = max(dict.fromkeys(kinds), key=kinds.count)
     where = [i for i, kind in enumerate(kinds) if kind == block]
-    given = "" if measured.model.name.startswith("hf:") or "layers" not in measured.model.options else " (--layers)"
-    parts = [f"{count_text(len(where), 'block')}{given}"]
+    blocks = None if measured.model.name.startswith("hf:") else measured.model.options.get("layers")
+    layers = f"{measured.model.name} has {count_text(len(kinds), 'layer')} to cut between"
+    if blocks is not None and (blocks != len(where) or sum(kinds.count(kind) == blocks for kind in set(kinds)) > 1):
+        return f"{layers}: {count_text(blocks, 'block')} (--layers) + {len(kinds) - blocks} more"
+    parts = [f"{count_text(len(where), 'block')}{'' if blocks is None else ' (--layers)'}"]
     for count, side, one in ((where[0], "before them", "the embedding"), (len(kinds) - 1 - where[-1], "after",
                                                                           "the head")):
         if count:
             parts.append(f"{count} {side}" + (f" ({one})" if count == 1 else ""))
-    return f"{measured.model.name} has {count_text(len(kinds), 'layer')} to cut between: {' + '.join(parts)}"
+    return f"{layers}: {' + '.join(parts)}"
 
 
 def profile_bounds(measured: Profile, num_stages: int, stage_cut: str = "balanced",

@@ -42,6 +42,10 @@ def simulate_json(*args) -> list[dict]:
     (("simulate", *GPU, *SMALL, "-p", "4", "-s", "dualpipev"),
      "error: the schedule has 8 model stages but gpt has 5 layers to cut between: 3 blocks (--layers) + 1 before "
      "them (the embedding) + 1 after (the head); each stage needs one at least: lower --stages or --chunks"),
+    (("simulate", *GPU, "--model", "cnn", "--layers", "3", "-p", "4", "-s", "interleaved-1f1b"),  # all Sequential
+     "but cnn has 4 layers to cut between: 3 blocks (--layers) + 1 more; each stage needs one at least"),
+    (("simulate", *GPU, *SMALL[:3], "1", *SMALL[4:], "-p", "2", "-s", "interleaved-1f1b", "--chunks", "2"),
+     "but gpt has 3 layers to cut between: 1 block (--layers) + 2 more; each"),  # embedding, block, head: once each
     (("tune", *GPU, *SMALL, "-D", "6", "--tensor-parallel", "4"),
      "--tensor-parallel 4 does not divide 6; give --devices 4 or 8, or --tensor-parallel 3 or 6"),
     (("tune", *GPU, *SMALL, "-D", "8", "--tensor-parallel", "2", "--data-parallel", "3"),
