@@ -6,8 +6,9 @@ calibrate` runs the executor itself (its own processes, transport and threads pe
 whose layers take microseconds, with the stage boundary as large as the calibrated model's, and
 `runtime_terms` turns its traces into the profile's `RuntimeProfile`: per compute kind, a row's time minus its
 stage's own pass as the probe's calibration timed it (`StagePasses`, which hold what grows with a stage's
-layers: functional_call and the saved-tensor hooks); the host time of a SEND row and of a RECV whose message
-had already arrived; how long a message takes from its send's post to a receiver waiting for it; the gap after
+layers: functional_call and the saved-tensor hooks); the CPU time a SEND row takes its rank's thread (its own
+cost: its wall time holds the waits of a descheduled thread) and the host time of a RECV whose message had
+already arrived; how long a message takes from its send's post to a receiver waiting for it; the gap after
 each kind of row; and the gradient copies an update leaves held (memory after it, at a flush, less the
 weights, SGD keeping no state, and less the buffers of the receives posted ahead for the next mini-batch). The
 probe runs its schedules in turn in one run (`probe_schedule`: 1F1B for B, then ZB-H1 for I and W; both for
@@ -157,13 +158,19 @@ def _message_bytes(probe: Profile, kind: str, stage: int, peer: int) -> int:
 
 def _host_times(traces: list[Trace]) -> tuple[dict[str, list[float]], list[float]]:
     """Per kind of row, the gaps (ms) after its steady-state rows until the device's next row; and the SEND
-    rows' times (ms)."""
+    rows' own cost (ms): the CPU time posting each took its rank's thread (the executor's `send_cpu_us`), not
+    its row's wall time, which on a loaded host is mostly the thread descheduled or waiting while its peer
+    runs (the mlp's on the 2-core host here: 0.1-0.25 ms of CPU in rows of 0.7-8 ms median)."""
     gaps: dict[str, list[float]] = defaultdict(list)
     sends: list[float] = []
     for trace in traces:
         ops, names = trace.ops, np.asarray(trace.kinds)[trace.ops.kind]
         steady, end_us = _steady(trace), ops.start_us + ops.dur_us
-        sends += (ops.dur_us[steady & (ops.stream == Stream.SEND)] / 1e3).tolist()
+        sending = ops.stream == Stream.SEND
+        cpu_us = np.asarray(trace.meta.extra.get("send_cpu_us", []), dtype=np.float64)
+        if len(cpu_us) == int(sending.sum()):  # else a trace that does not time them: none recorded
+            cpu_us = cpu_us[steady[sending]]
+            sends += (cpu_us[cpu_us >= 0] / 1e3).tolist()
         for d in range(trace.num_devices):
             rows = np.flatnonzero(ops.device == d)
             rows = rows[np.argsort(ops.start_us[rows], kind="stable")]
@@ -214,12 +221,12 @@ def warmup_ms(traces: list[Trace]) -> list[float]:
 
 
 def host_times(runtime: RuntimeProfile, traces: list[Trace]) -> RuntimeProfile:
-    """`runtime` with the gaps after each row and the SEND rows' times of `traces`, runs of the calibrated model
+    """`runtime` with the gaps after each row and the SEND rows' own cost in `traces`, runs of the calibrated model
     itself: that host work runs on the caches the stage's compute left (after a large stage longer than after the
     probe's)."""
     gaps, sends = _host_times(traces)
     return runtime.model_copy(update={
-        "send_ms": _timing(sends, "SEND rows"),
+        "send_ms": _timing(sends, "SEND rows' CPU time"),
         "gap_ms": {kind: _timing(samples, f"gaps after {kind}") for kind, samples in sorted(gaps.items())}})
 
 
@@ -272,7 +279,7 @@ def runtime_terms(traces: list[Trace], probe: Profile, meta: dict) -> RuntimePro
     recv = _timing(arrived, "receive whose message had arrived")
     return RuntimeProfile(
         compute_ms={kind: _timing(compute[kind], f"{kind} rows") for kind in COMPUTE_KINDS},
-        send_ms=_timing(sends, "SEND rows"), recv_ms=recv,
+        send_ms=_timing(sends, "SEND rows' CPU time"), recv_ms=recv,
         delivery_ms=_timing(np.asarray(waited) - recv.median_ms, "receive that waited for its message"),
         delivery_bytes=int(meta["boundary_bytes"]),
         gap_ms={kind: _timing(samples, f"gaps after {kind}") for kind, samples in sorted(gaps.items())},

@@ -411,9 +411,11 @@ def _print_profile(profile) -> None:
         rt = profile.runtime
         compute = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.compute_ms.items())
         gaps = ", ".join(f"{kind} {t.median_ms * 1e3:.0f}" for kind, t in rt.gap_ms.items())
-        stdout.print(f"runtime per row, us: compute {compute}; send {rt.send_ms.median_ms * 1e3:.0f}, receive "
-                     f"{rt.recv_ms.median_ms * 1e3:.0f}; gap after {gaps}" + _cached(rt.meta, "the probe's terms"),
-                     highlight=False)
+        ran = rt.meta.get("host_times_from") == "the calibrated model"
+        stdout.print(f"runtime per row, us: compute {compute}; send {rt.send_ms.median_ms * 1e3:.0f} (its CPU time), "
+                     f"receive {rt.recv_ms.median_ms * 1e3:.0f}; gap after {gaps}"
+                     + (" (the send and gaps from the calibrated model's run)" if ran else "")
+                     + _cached(rt.meta, "the probe's other terms" if ran else "the probe's terms"), highlight=False)
         if rt.warmup_ms:
             stdout.print(f"warm-up: a fresh rank's first compute rows, {rt.warmup_rows} at a time, cost "
                          + ", ".join(f"+{ms * 1e3:.0f}" for ms in rt.warmup_ms) + " us each beyond their steady "

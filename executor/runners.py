@@ -733,6 +733,14 @@ def _whole_experts(weights: list[dict[tuple[int, int], list[torch.Tensor]]], rou
     return whole
 
 
+def _send_cpu_us(ops: Ops, send_cpu_ns: np.ndarray) -> list[float]:
+    """Each SEND op's CPU time on its rank's loop thread (us, in the order of the trace's SEND ops; -1 where its
+    rank reported heartbeats only): what posting it cost the rank, where its row's time also holds the time
+    the thread was descheduled or blocked meanwhile (on a loaded host, most of it)."""
+    sent = send_cpu_ns[ops.stream == Stream.SEND]
+    return np.where(sent >= 0, np.round(sent / 1e3, 1), -1.0).tolist()
+
+
 def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], hardware: dict[str, Any], *,
            timed: dict[int, list[tuple[int, int, int]]] | None = None, failed_rank: int | None = None) -> RunResult:
     """One measured trace from every rank's rows (ranks on one host share the monotonic clock): its device is
@@ -754,16 +762,18 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
         # heartbeats only.
         version = np.array(lowered.version[rows.start:rows.stop])
         prediction = np.array(lowered.prediction[rows.start:rows.stop])
+        send_cpu_ns = np.full(len(rows), -1, dtype=np.int64)
         if r is not None:
             start_ns[:], end_ns[:], version[:], prediction[:] = r.start_ns, r.end_ns, r.version, r.prediction
+            send_cpu_ns[:] = r.send_cpu_ns
         beats = (timed or {}).get(rank)
         if beats:
             index, starts, ends = np.array(beats, dtype=np.int64).T
             start_ns[index - rows.start], end_ns[index - rows.start] = starts, ends
         ran = end_ns >= 0
         parts.append((np.arange(rows.start, rows.stop)[ran], np.full(int(ran.sum()), rank), start_ns[ran],
-                      end_ns[ran], version[ran], prediction[ran]))
-    row, device, start_ns, end_ns, version, prediction = (np.concatenate(column) for column in zip(*parts))
+                      end_ns[ran], version[ran], prediction[ran], send_cpu_ns[ran]))
+    row, device, start_ns, end_ns, version, prediction, send_cpu_ns = (np.concatenate(column) for column in zip(*parts))
     t0 = int(start_ns.min()) if len(start_ns) else 0
     ops = Ops(device=device, stream=_STREAM_OF_KIND[t.kind[row]], kind=t.kind[row], stage=t.stage[row],
               microbatch=t.microbatch[row], minibatch=t.minibatch[row], pipeline=t.pipeline[row], peer=t.peer[row],
@@ -791,6 +801,7 @@ def _merge(spec: RunSpec, lowered: Lowered, results: list[DeviceResult | None], 
                "bounds": next((r.bounds for r in results if r is not None), None if spec.bounds is None
                               else list(spec.bounds)),
                "model_options": dict(spec.model_options), "recv_window": spec.recv_window,
+               "send_cpu_us": _send_cpu_us(ops, send_cpu_ns),
                "model": spec.model if isinstance(spec.model, str) else getattr(spec.model, "__name__", "custom")})
     weights: list[dict[tuple[int, int], list[torch.Tensor]]] = [{} for _ in range(layout.replicas)]
     for rank, r in enumerate(results):

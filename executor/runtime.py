@@ -223,12 +223,13 @@ class AllToAllRows:
 
 @dataclass
 class DeviceResult:
-    """What a device reports, per row (its rows in order): start and end on the monotonic clock (ns); the
-    weight copies its fullest stage replica held after the row (versions, prediction buffers, reference); the
-    weight version and prediction distance the row's op used (-1: none); memory after the row (bytes: all,
-    and saved activations alone) and its peak (at its end, before it let go of what it used last). Also the
-    loss per (pipeline, mini-batch) when it holds a last stage, every stage replica's final weights (numpy,
-    in the stage module's parameter order), and where it computed
+    """What a device reports, per row (its rows in order): start and end on the monotonic clock (ns); a SEND
+    row's CPU time on the loop's thread (ns, -1 for other rows: its own cost, without what the rank waited or
+    was descheduled for meanwhile); the weight copies its fullest stage replica held after the row (versions,
+    prediction buffers, reference); the weight version and prediction distance the row's op used (-1: none);
+    memory after the row (bytes: all, and saved activations alone) and its peak (at its end, before it let go
+    of what it used last). Also the loss per (pipeline, mini-batch) when it holds a last stage, every stage
+    replica's final weights (numpy, in the stage module's parameter order), and where it computed
     (`host/device`: ranks that name the same one shared a GPU)."""
 
     device: int
@@ -247,6 +248,7 @@ class DeviceResult:
     compute: str = ""
     bounds: list[int] = field(default_factory=list)  # the stage bounds the model was cut at
     routed: dict[int, list[int]] = field(default_factory=dict)  # stage -> its weights that are slices of experts
+    send_cpu_ns: np.ndarray = field(default_factory=lambda: _int_array(0))
 
 
 class DeviceLoop:
@@ -578,6 +580,7 @@ class DeviceLoop:
         lo, n = rows.start, len(rows)
         result = self.result = DeviceResult(self.device, _int_array(n), _int_array(n), _int_array(n),
                                             _int_array(n, -1), _int_array(n, -1), *(_int_array(n) for _ in range(3)),
+                                            send_cpu_ns=_int_array(n, -1),
                                             compute=f"{socket.gethostname()}/{self.torch_device}",
                                             bounds=list(self.stages.bounds), routed=self.routed)
         receives = [i for i in rows if KINDS[t.kind[i]] in (Kind.RECV_F, Kind.RECV_B)]
@@ -611,10 +614,12 @@ class DeviceLoop:
                 if kind is Kind.SEND_F or kind is Kind.SEND_B:
                     tensor = (self.acts.pop((stage, peer, j, b, r)) if kind is Kind.SEND_F
                               else self.grads.pop((peer, stage, j, b, r)))
+                    cpu_ns = time.thread_time_ns()
                     handle = self.transport.send(tensor, self._rank(peer), channel=self._channel(i))
                     # on CPU the books count a sent tensor until its send completes; on CUDA the allocator
                     # does, and the transport holds what it needs (a host-staged send, only its host copy)
                     self.sends.append((handle, None if self.on_cuda else tensor))
+                    result.send_cpu_ns[i - lo] = time.thread_time_ns() - cpu_ns
                 elif kind is Kind.RECV_F:
                     self.acts[(peer, stage, j, b, r)] = posted.pop(i).wait(self.spec.timeout_s)
                 elif kind is Kind.RECV_B:

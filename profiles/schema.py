@@ -369,8 +369,9 @@ class RuntimeProfile(_Strict):
     - `compute_ms`: per compute kind, a row's time minus its stage's own pass (`StagePasses`; its layers' sum
       in a probe from before passes): drawing the micro-batch, the loss item, the optimizer's bookkeeping
       around its step;
-    - `send_ms`: how long a SEND row holds its rank (posting the message; `meta["host_times_from"]` says whether
-      this and `gap_ms` come from runs of the calibrated model itself, after whose compute they run slower);
+    - `send_ms`: what a SEND row costs its rank: the CPU time posting the message takes its thread (the row's wall
+      time also holds the thread descheduled or waiting on a loaded host); `meta["host_times_from"]` says whether
+      this and `gap_ms` come from runs of the calibrated model itself, after whose compute they run slower;
     - `recv_ms`: a RECV row whose message had already arrived (the cost of taking it);
     - `delivery_ms`: from a send's post to its message being there, for receives that waited for it (their end
       less `recv_ms`), at the probe's message size `delivery_bytes`: what a pre-posted receive sees in a run,

@@ -171,9 +171,10 @@ def test_profile_overhead_prices_pred_and_avg_as_opt_and_fills_unseen_gaps():
 
 
 def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, recv_ms: float, kept: float,
-                window: int = 2, warmup_ms: tuple[float, ...] = ()) -> Trace:
+                window: int = 2, warmup_ms: tuple[float, ...] = (), send_cpu_ms: float | None = None) -> Trace:
     """A measured-looking 1F1B-like probe run: two devices, three mini-batches of two micro-batches, rows timed as
-    the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms`, a RECV
+    the executor times them: compute rows last their stage's own time plus `extra`, a SEND `send_ms` of which
+    `send_cpu_ms` (default: all) its thread's CPU time, a RECV
     waits for its message and then takes `recv_ms`, and `gap_ms` passes between rows, each of the rows but a RECV
     and each gap `warmup_ms[j]` longer after j·WARMUP_ROWS compute rows of its device; after an update a device
     holds its weights, `kept` gradients and the buffers of its next `window` receives, posted ahead."""
@@ -221,7 +222,8 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
               prediction=np.full(len(rows), -1), start_us=table[6], dur_us=table[7])
     meta = TraceMeta(source="measured", schedule="probe", params={}, microbatches=2, minibatches=3, pipelines=1,
                      microbatch_size=1, placement=[0, 1], stage_edges=[[0, 1]], policy={}, tool="test",
-                     extra={"recv_window": window})
+                     extra={"recv_window": window, "send_cpu_us": [(send_ms if send_cpu_ms is None else send_cpu_ms)
+                                                                     * 1e3] * int((ops.stream == Stream.SEND).sum())})
     counters = {"memory_bytes": [Counter(*map(np.array, zip((0.0, 0), *memory[d]))) for d in (0, 1)]}
     return Trace(kinds, 2, ops, meta, counters)
 
@@ -229,12 +231,13 @@ def probe_trace(probe, extra: dict[str, float], gap_ms: float, send_ms: float, r
 def test_runtime_terms_recover_what_the_probe_trace_holds():
     probe = load_profile(PROFILE)  # its first two stages' times stand for the probe's layers
     extra = {"F": 0.3, "B": 0.2, "I": 0.15, "W": 0.1, "OPT": 0.25}
-    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0)
+    # A SEND row held its rank 0.12 ms, 0.03 of them posting it: its own cost, the rest descheduled or waiting.
+    trace = probe_trace(probe, extra, gap_ms=0.04, send_ms=0.12, recv_ms=0.02, kept=1.0, send_cpu_ms=0.03)
     waited = trace.ops.dur_us[trace.ops.stream == Stream.RECV] > 0.021e3
     assert waited.any() and not waited.all()  # some messages were waited for: those do not price a receive
     terms = runtime_terms([trace], probe, {"boundary_bytes": 4096})
     assert {k: t.median_ms for k, t in terms.compute_ms.items()} == pytest.approx(extra)
-    assert terms.send_ms.median_ms == pytest.approx(0.12) and terms.recv_ms.median_ms == pytest.approx(0.02)
+    assert terms.send_ms.median_ms == pytest.approx(0.03) and terms.recv_ms.median_ms == pytest.approx(0.02)
     assert terms.delivery_ms.median_ms == pytest.approx(0.12)  # a message is there once its send is posted
     assert terms.delivery_bytes == 4096
     assert set(terms.gap_ms) == {"F", "B", "I", "W", "OPT", "SEND_F", "SEND_B", "RECV_F", "RECV_B"}
@@ -247,10 +250,14 @@ def test_runtime_terms_recover_what_the_probe_trace_holds():
         runtime_terms([short], probe, {"boundary_bytes": 4096})
     # Runs of the calibrated model itself give the host time between rows and a send's: after its larger
     # compute that host work is slower; the rest still comes from the probe.
-    host = probe_trace(probe, {kind: 1.0 for kind in extra}, gap_ms=0.09, send_ms=0.3, recv_ms=0.05, kept=1.0)
+    host = probe_trace(probe, {kind: 1.0 for kind in extra}, gap_ms=0.09, send_ms=8.0, recv_ms=0.05, kept=1.0,
+                       send_cpu_ms=0.3)
     both = host_times(terms, [host])
     assert all(t.median_ms == pytest.approx(0.09) for t in both.gap_ms.values())
-    assert both.send_ms.median_ms == pytest.approx(0.3)
+    assert both.send_ms.median_ms == pytest.approx(0.3)  # not the 8 ms its rows held a descheduled rank
+    untimed = replace(host, meta=replace(host.meta, extra={"recv_window": 2}))
+    with pytest.raises(RuntimeProbeError, match="the runtime probe recorded no SEND rows' CPU time"):
+        host_times(terms, [untimed])
     assert both.compute_ms == terms.compute_ms and both.recv_ms == terms.recv_ms
     assert both.delivery_ms == terms.delivery_ms and both.kept_gradients == terms.kept_gradients
     assert terms.warmup_ms == [0.0] and both.warmup_ms == terms.warmup_ms  # its first rows ran as the rest
