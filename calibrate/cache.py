@@ -14,7 +14,10 @@ and the load when the calibration that measured it began (traces/hostload.py), a
 why, when it is older than MAX_AGE_S or that load per core differs from the load when this calibration began
 (the 2-core host's contention factor went from 1.24x to 2.31x in 20 minutes, and a factor kept from a busy hour
 doubled a quiet hour's predictions). Both are taken with nothing of the calibration running: the load while a
-term is measured is only the others' share of the cores its ranks leave them.
+term is measured is only the others' share of the cores its ranks leave them, so it is compared one way only:
+a term measured while the others kept the host busy even beside its ranks (a busy moment that can come after
+a quiet start) is measured again where the host is quiet now, for the others would have had more of the cores
+with the ranks gone.
 
 The directory is `$PIPESIM_CACHE_DIR`, else `$XDG_CACHE_HOME/pipesim`, else `~/.cache/pipesim`. One JSON file
 per entry, written atomically; a file that cannot be read or does not match its key is measured again.
@@ -95,8 +98,9 @@ class HostCache:
     the new value). A kept term is measured again, not reused, when it is older than MAX_AGE_S or when the
     host's load per core when the calibration that measured it began differs from `load_now` (the load when
     this calibration began, `HostLoad.now`; default: taken when first needed) by more than
-    LOAD_TOLERANCE_PER_CORE (traces/hostload.py), or when it does not say. A directory that cannot be written
-    only loses the reuse: the measurement still counts."""
+    LOAD_TOLERANCE_PER_CORE (traces/hostload.py), or when it does not say, or when the host was busy while it
+    was measured and is quiet now. A directory that cannot be written only loses the reuse: the measurement
+    still counts."""
 
     def __init__(self, directory: Path | None = None, fresh: bool = False, load_now: HostLoad | None = None) -> None:
         self.directory = directory if directory is not None else cache_dir()
@@ -147,6 +151,9 @@ class HostCache:
         if loads_differ(then, now):
             return (f"the cached one's calibration began at {then.describe()}, this one at "
                     f"{now.per_core:.2f} per core, more than {LOAD_TOLERANCE_PER_CORE} apart")
+        if entry.load is not None and entry.load.busy and not now.busy:
+            return (f"the cached one was measured on a busy host ({entry.load.describe()} beside its own ranks), "
+                    f"and the host is quiet now ({now.per_core:.2f} per core)")
         return None
 
     def keep(self, kind: str, settings: dict[str, Any], value: Any, load: HostLoad) -> Cached:

@@ -153,6 +153,27 @@ def test_a_term_cached_under_high_load_is_measured_again_when_the_load_is_low(tm
     assert not unknown.fresh and "at others' load unknown" in unknown.describe()
 
 
+def test_a_term_measured_in_a_busy_moment_after_a_quiet_start_is_not_reused_on_a_quiet_host(tmp_path, monkeypatch):
+    """The load a calibration began at can be quiet and the term still measured in a busy spell (the mlp's send,
+    13-21 ms of descheduled time on the 2-core host): a term whose others kept the host busy even beside its
+    ranks is measured again where the host is quiet now; still busy now, it is reused."""
+    from pipesim.calibrate.cache import HostCache
+
+    host_is(monkeypatch, others_cores=0.2)  # quiet: 0.1 per core
+    first = HostCache(tmp_path)
+    assert first.find("links", {"sizes": [4096]}) is None
+    busy = HostLoad(before=None, after=None, seconds=2.0, cpus=2, own_tasks=2, began_at=BEGAN, others_cores=1.6)
+    first.keep("links", {"sizes": [4096]}, {"ms": 21.0}, busy)
+    again = HostCache(tmp_path).get("links", {"sizes": [4096]}, lambda: {"ms": 0.3}, 2)
+    assert again.fresh and again.value == {"ms": 0.3}
+    assert ("the cached one was measured on a busy host (others' load 1.60 on 2 cores (0.80 per core, from CPU "
+            "time) beside its own ranks), and the host is quiet now (0.10 per core)") in again.describe()
+    host_is(monkeypatch, others_cores=1.0)  # a calibration that began busy (0.5 per core) keeps it ...
+    HostCache(tmp_path).keep("links", {"sizes": [4096]}, {"ms": 21.0}, busy)
+    kept = HostCache(tmp_path).find("links", {"sizes": [4096]})  # ... for one on the host as busy
+    assert kept is not None and kept.value == {"ms": 21.0}
+
+
 def test_back_to_back_calibrations_on_an_idle_host_reuse_the_cache(tmp_path, monkeypatch):
     """The first calibration's own ranks leave the load average at 1.6 for the next; its CPU time is its own, so
     the second, at once after, finds the host as idle as the first did and reuses the term."""
