@@ -202,7 +202,7 @@ def simulate(
     from ..schedules.analysis import overlapped_pairs
     from ..sim import ClusterError, CostError, SimulationError
     from ..sim import simulate as run_simulation
-    from ..traces import summarize, write_trace
+    from ..traces import summarize, write_traces
     from ..units import MIB
 
     names = schedule or list(METHODS)
@@ -310,9 +310,8 @@ def simulate(
         if trace is not None:
             named = dict(zip(requested, _output_paths(trace, requested)))  # as asked for, whatever was skipped
             trace_paths = [named[name] for name in names]
-            for path, result in zip(trace_paths, traces):
-                with writing("--trace"):
-                    write_trace(result, path)
+            with writing("--trace"):  # all or none: a later one that cannot be written leaves no earlier
+                write_traces(zip(traces, trace_paths))
         if html is not None:
             from ..traces.view import write_timeline_page
 

@@ -572,3 +572,26 @@ def test_help_never_abbreviates_milliseconds_as_ms_capitalised():
     said = [f"{name} {param.name}: {record[1]}" for name, param, record in help_records()
             if record is not None and re.search(r"(^|\. )Ms\b", record[1])]
     assert not said, said
+
+
+def test_simulate_writes_every_methods_trace_or_none(tmp_path, monkeypatch):
+    """--trace with several methods writes one file each: a later one that cannot be written (a full disk, which no
+    check beforehand foresees) leaves no earlier one, the error names the flag and the file."""
+    import errno
+    import tempfile
+
+    from pipesim.traces import trace as trace_module
+
+    made, real = [], tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):  # the second file's
+        made.append(kwargs.get("prefix"))
+        if made[-1] == ".t-zb-h1.json.":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trace_module.tempfile, "mkstemp", mkstemp)
+    code, out, err = pipesim("simulate", "-s", "1f1b", "-s", "zb-h1", "-p", 2, "-m", 2, "-n", 1,
+                             "--trace", tmp_path / "t.json")
+    assert code == 2 and err == f"error: --trace: cannot write {tmp_path / 't-zb-h1.json'}: No space left on device\n"
+    assert list(tmp_path.iterdir()) == []

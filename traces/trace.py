@@ -14,6 +14,7 @@ import re
 import stat
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 from pathlib import Path
@@ -379,26 +380,53 @@ def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
     points to is replaced and the link kept. A FIFO or a device cannot be replaced, so it is written directly,
     and /dev/stdout (any descriptor of this process) through the descriptor itself, after what was printed,
     even when it is a regular file. An OSError names `path` as given."""
-    data = text.encode("utf-8") if isinstance(text, str) else text
+    write_all_atomic([(path, text)])
+
+
+def write_all_atomic(files: Iterable[tuple[str | os.PathLike[str], str | bytes]]) -> None:
+    """Write each (path, text) of `files` as `write_atomic` does, all or none: every file to be replaced is first
+    written to its temporary file, one text at a time, and only once all are written (and those written in
+    place) are they renamed over their paths, so a write that fails (a full disk) leaves every one as it was."""
+    staged: list[tuple[str, Path, str | os.PathLike[str]]] = []  # (temporary file, the file it replaces, as given)
     try:
-        fd = _own_descriptor(path)
-        if fd is not None:
-            for stream in (sys.stdout, sys.stderr):  # what was printed comes first
-                if stream is not None:
-                    stream.flush()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        elif writes_in_place(path):
-            with open(path, "wb") as handle:
-                handle.write(data)
-        else:
-            _replace(Path(os.path.realpath(path)), data)
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from None
+        for path, text in files:
+            data = text.encode("utf-8") if isinstance(text, str) else text
+            try:
+                fd = _own_descriptor(path)
+                if fd is not None:
+                    for stream in (sys.stdout, sys.stderr):  # what was printed comes first
+                        if stream is not None:
+                            stream.flush()
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                elif writes_in_place(path):
+                    with open(path, "wb") as handle:
+                        handle.write(data)
+                else:
+                    target = Path(os.path.realpath(path))
+                    staged.append((_stage(target, data), target, path))
+            except OSError as exc:
+                raise _named(exc, path) from None
+        for tmp, target, path in staged:
+            try:
+                os.replace(tmp, target)
+            except OSError as exc:
+                raise _named(exc, path) from None
+    except BaseException:
+        for tmp, *_ in staged:
+            Path(tmp).unlink(missing_ok=True)
+        raise
 
 
-def _replace(target: Path, data: bytes) -> None:
+def _named(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """`exc` naming `path` as the user gave it."""
+    return OSError(exc.errno, exc.strerror or str(exc), os.fspath(path))
+
+
+def _stage(target: Path, data: bytes) -> str:
+    """`data` in a temporary file beside `target`, with the permissions `target` has (a new file's: what open()
+    would give it), to be renamed over it."""
     try:
         mode = stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
@@ -410,14 +438,19 @@ def _replace(target: Path, data: bytes) -> None:
         os.chmod(tmp, mode)  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return tmp
 
 
 def write_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
-    write_atomic(path, json.dumps(to_chrome(trace), separators=(",", ":")))
+    write_traces([(trace, path)])
+
+
+def write_traces(traces: Iterable[tuple[Trace, str | os.PathLike[str]]]) -> None:
+    """Each (trace, path), all or none (`write_all_atomic`): a later one that cannot be written leaves no earlier."""
+    write_all_atomic((path, json.dumps(to_chrome(trace), separators=(",", ":"))) for trace, path in traces)
 
 
 # where a torch.profiler trace (or a folder of them) is given as pipesim's: what reads it
