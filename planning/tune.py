@@ -107,8 +107,8 @@ from ..schedules import (
     flushes,
     kind_mask,
     peak_per_stage,
+    version_reads,
     warmup_minibatches,
-    weight_versions,
 )
 from ..sim.cluster import Cluster
 from ..sim.costs import Costs, runtime_refusal
@@ -1495,21 +1495,22 @@ class _Order:
         return cls(schedule, _ops_per_step(schedule), _flush_chain(schedule))
 
     @cached_property
-    def held(self) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-        """`_held`: its staleness, and per stage the micro-batches in flight and the weight versions lingering."""
+    def held(self) -> tuple[int, tuple[int, ...]]:
+        """`_held`: its staleness, and per stage the weight versions lingering."""
         return _held(self.schedule)
 
     @property
     def staleness(self) -> int:
         return self.held[0]
 
-    @property
+    @cached_property
     def in_flight(self) -> tuple[int, ...]:
-        return self.held[1]
+        """`_in_flight`, asked of the orders partitioned (not of a probe, whose staleness alone is asked)."""
+        return _in_flight(self.schedule)
 
     @property
     def lingering(self) -> tuple[int, ...]:
-        return self.held[2]
+        return self.held[1]
 
     def __getstate__(self) -> dict:
         """Sent to a worker without `steps`: it reads its own rows there, cheaper than pickling them here."""
@@ -1647,7 +1648,7 @@ def _with_replicas(order: _Order, replicas: int) -> _Order:
     schedule = replace(order.schedule, params={**order.schedule.params, "data_parallel": replicas})
     schedule.__dict__["table"] = order.schedule.table  # the cached property: the same rows
     copied = replace(order, schedule=schedule)
-    copied.__dict__["held"] = order.held  # so they hold the same
+    copied.__dict__["held"], copied.__dict__["in_flight"] = order.held, order.in_flight  # so they hold the same
     return copied
 
 
@@ -2558,18 +2559,22 @@ def _ops_per_step(schedule: Schedule) -> np.ndarray:
     return counts.reshape(schedule.num_stages, NUM_COMPUTE_KINDS) / schedule.minibatches
 
 
-def _held(schedule: Schedule) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """From the order alone: the largest staleness, and per stage the most micro-batches whose full
-    activations it holds (forward until B or I) and the most superseded weight versions it keeps."""
+def _held(schedule: Schedule) -> tuple[int, tuple[int, ...]]:
+    """From the order alone: the largest staleness, and per stage the most superseded weight versions it keeps."""
     t = schedule.table
-    versions = weight_versions(schedule)
-    reads = kind_mask(t.kind, Kind.F, Kind.B, Kind.I, Kind.W) & (versions.read >= 0)
-    staleness = int(np.max(t.minibatch[reads] - versions.read[reads], initial=0))
-    n = schedule.num_stages
-    in_flight = peak_per_stage(t, (t.kind == KIND_CODE[Kind.F]).astype(np.int64),
-                               -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64), n)
-    lingering = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), versions.copies_delta, n)
-    return staleness, tuple(in_flight.tolist()), tuple(lingering.tolist())
+    read, copies_delta = version_reads(schedule)
+    reads = kind_mask(t.kind, Kind.F, Kind.B, Kind.I, Kind.W) & (read >= 0)
+    staleness = int(np.max(t.minibatch[reads] - read[reads], initial=0))
+    lingering = peak_per_stage(t, np.zeros(len(t.kind), dtype=np.int64), copies_delta, schedule.num_stages)
+    return staleness, tuple(lingering.tolist())
+
+
+def _in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """From the order alone: per stage the most micro-batches whose full activations it holds (forward until B
+    or I)."""
+    t = schedule.table
+    return tuple(peak_per_stage(t, (t.kind == KIND_CODE[Kind.F]).astype(np.int64),
+                                -kind_mask(t.kind, Kind.B, Kind.I).astype(np.int64), schedule.num_stages).tolist())
 
 
 def _depths(devices: int, layers: int, data_parallel: bool) -> list[int]:

@@ -12,6 +12,7 @@ from .analysis import (
     peak_per_stage,
     steady_minibatches,
     validate,
+    version_reads,
     warmup_minibatches,
     weight_versions,
 )
@@ -56,5 +57,5 @@ __all__ = [
     "METHODS", "NUM_COMPUTE_KINDS", "PASS_COLLECTIVE_KINDS", "peak_per_stage", "Prediction", "preflight",
     "Read", "RECV_KINDS", "RING_KINDS",
     "Schedule", "ScheduleError", "ScheduleParams", "SEND_KINDS", "StageGraph", "steady_minibatches", "SYNCHRONOUS",
-    "validate", "Versions", "warmup_minibatches", "weight_versions", "WeightPolicy",
+    "validate", "version_reads", "Versions", "warmup_minibatches", "weight_versions", "WeightPolicy",
 ]

@@ -352,6 +352,30 @@ def weight_versions(schedule: Schedule) -> Versions:
     A stage's version counts its OPT actions (per pipeline replica). A version stays held, besides the
     current one, from the update that supersedes it until the last action that reads it.
     """
+    read, prediction, copies_delta, replica = _version_reads(schedule)
+    t, n = schedule.table, len(read)
+    held_after = np.full(n, 1 + schedule.policy.extra_copies, dtype=np.int64)
+    lingering = copies_delta != 0
+    for d in np.unique(t.device[lingering]) if lingering.any() else ():  # (np.unique imports numpy.ma: 10 ms)
+        lo, hi = np.searchsorted(t.device, [d, d + 1])
+        mine, delta = replica[lo:hi], copies_delta[lo:hi]
+        if np.all(mine == mine[0]):  # the device's one replica (PipeDream's orders)
+            held_after[lo:hi] += np.cumsum(delta)
+        else:
+            held_after[lo:hi] += np.max([np.cumsum(np.where(mine == q, delta, 0)) for q in np.unique(mine)], axis=0)
+    return Versions(read, prediction, copies_delta, held_after)
+
+
+def version_reads(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """`weight_versions`' `read` and `copies_delta` alone, without the copies each device holds after each action:
+    what tune reads off hundreds of orders (planning/tune.py `_held`)."""
+    read, _, copies_delta, _ = _version_reads(schedule)
+    return read, copies_delta
+
+
+def _version_reads(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`weight_versions`' read, prediction and copies_delta, and each row's replica (its stage and pipeline; 0
+    for a transfer)."""
     t, policy = schedule.table, schedule.policy
     n = len(t.kind)
     rows = np.arange(n)
@@ -375,11 +399,6 @@ def weight_versions(schedule: Schedule) -> Versions:
     else:
         current = np.empty(n, dtype=np.int64)
         current[by_replica] = counted
-    steps = p * schedule.minibatches * r
-    consuming = np.full(steps, -1, dtype=np.int64)  # ordinal of the update that consumes a step's gradient
-    step = t.step_index(schedule)
-    consuming[step[is_opt]] = current[is_opt]
-
     if policy.forward is Read.STASHED:
         raise ScheduleError("a forward cannot read a stashed version: it is what stashes one")
     # Per unit, what its forward and its first backward read, where a rule looks that up (none reads the latest).
@@ -420,11 +439,16 @@ def weight_versions(schedule: Schedule) -> Versions:
     read = np.where(is_opt | kind_mask(t.kind, *COLLECTIVE_KINDS) | (t.kind >= NUM_COMPUTE_KINDS), -1, read)
 
     prediction = np.full(n, -1, dtype=np.int64)
+    consuming = None  # per step, the ordinal of the update that consumes its gradient: what a counted one reads
     for rule, mask in ((policy.predict_forward, is_f), (policy.predict_backward, backward)):
         if rule is not None:
             formula = policy.formula(rule)  # the closed form of the source in use; None: counted
             if formula is None:
-                prediction[mask] = consuming[step[mask]] - read[mask]  # counted
+                step = t.step_index(schedule)
+                if consuming is None:
+                    consuming = np.full(p * schedule.minibatches * r, -1, dtype=np.int64)
+                    consuming[step[is_opt]] = current[is_opt]
+                prediction[mask] = consuming[step[mask]] - read[mask]
             else:
                 per_stage = np.array([evaluate_formula(formula, p, k, m) for k in range(p)], dtype=np.int64)
                 prediction = np.where(mask, per_stage.take(t.stage), prediction)
@@ -433,9 +457,8 @@ def weight_versions(schedule: Schedule) -> Versions:
     # update with ordinal v) until its last read. Ops on predicted weights read the prediction buffer
     # (one of the policy's extra copies), not v itself. An op that reads the latest version reads it before
     # the update that supersedes it, so where every op does, none is held beside the current one.
-    held_after = np.full(n, 1 + policy.extra_copies, dtype=np.int64)
     if policy.forward is Read.LATEST and policy.backward is Read.LATEST:
-        return Versions(read, prediction, np.zeros(n, dtype=np.int64), held_after)
+        return read, prediction, np.zeros(n, dtype=np.int64), replica
     versions = int(current.max()) + 2 if n else 1
     reads = (read >= 0) & (prediction < 0)
     last_read = np.full(p * r * versions, -1, dtype=np.int64)
@@ -446,16 +469,7 @@ def weight_versions(schedule: Schedule) -> Versions:
     copies_delta = np.zeros(n, dtype=np.int64)
     np.add.at(copies_delta, superseded[lingers], 1)
     np.add.at(copies_delta, last_read[lingers], -1)
-
-    lingering = copies_delta != 0
-    for d in np.unique(t.device[lingering]) if lingering.any() else ():  # (np.unique imports numpy.ma: 10 ms)
-        lo, hi = np.searchsorted(t.device, [d, d + 1])
-        mine, delta = replica[lo:hi], copies_delta[lo:hi]
-        if np.all(mine == mine[0]):  # the device's one replica (PipeDream's orders)
-            held_after[lo:hi] += np.cumsum(delta)
-        else:
-            held_after[lo:hi] += np.max([np.cumsum(np.where(mine == q, delta, 0)) for q in np.unique(mine)], axis=0)
-    return Versions(read, prediction, copies_delta, held_after)
+    return read, prediction, copies_delta, replica
 
 
 def peak_per_stage(t: ActionTable, at_start: np.ndarray, at_end: np.ndarray, num_stages: int) -> np.ndarray:
