@@ -1364,17 +1364,48 @@ def replicated_share(layer: LayerCount, element_bytes: int) -> float:
 
 
 def _row_bias_bytes(layer: LayerCount) -> int:
-    """The bytes of `layer`'s row-parallel products' biases (`_weight_splits`, `LayerCount.weight_grad_bias_bytes`:
-    the attention's output projection's, the MLP's down projection's), whole on every rank: Megatron-core's
-    RowParallelLinear adds its whole bias after the reduction (megatron/core/tensor_parallel/layers.py
-    `RowParallelLinear.__init__` at core_v0.14.0: `self.bias` of `output_size`, its `sequence_parallel` attribute set),
-    as torch's RowwiseParallel replicates it (torch/distributed/tensor/parallel/style.py `_partition_linear_fn`)."""
+    """The bytes of `layer`'s row-parallel products' biases (`_biases`), whole on every rank."""
+    return sum(nbytes for nbytes, row in _biases(layer) if row)
+
+
+def _biases(layer: LayerCount) -> list[tuple[int, bool]]:
+    """Per product's bias (`LayerCount.weight_grad_bias_bytes`, none where 0), its bytes and whether its product is
+    row-parallel (`_weight_splits`: the attention's output projection's, the MLP's down projection's), whole on every
+    rank: Megatron-core's RowParallelLinear adds its whole bias after the reduction (megatron/core/tensor_parallel/
+    layers.py `RowParallelLinear.__init__` at core_v0.14.0: `self.bias` of `output_size`, its `sequence_parallel`
+    attribute set), as torch's RowwiseParallel replicates it (torch/distributed/tensor/parallel/style.py
+    `_partition_linear_fn`); a column-parallel product's split with it."""
     if not any(layer.weight_grad_bias_bytes):
-        return 0
+        return []
     shape = _stream_shape(layer)
     splits = _weight_splits(layer, _weighted_products(layer, {}, "fwd"), math.prod(shape[:-1]) if shape else 0,
                             shape[-1] if shape else 0)
-    return sum(nbytes for j, nbytes in enumerate(layer.weight_grad_bias_bytes) if splits.get(j) == "row")
+    return [(nbytes, splits.get(j) == "row") for j, nbytes in enumerate(layer.weight_grad_bias_bytes) if nbytes]
+
+
+def _replicated_gradients(layer: LayerCount, name: str, weights: frozenset[int]) -> frozenset[int]:
+    """Of the parameters' gradients pass `name` leaves (`weights`, `_weight_gradients`), those of the weights tensor
+    parallelism keeps whole on every rank (`replicated_share`), which a rank makes whole: its norms'
+    (`LayerCount.norm_param_bytes`), its row-parallel products' biases (`_biases`) and its learned position embedding
+    (`LayerCount.position_embedding_bytes`); its router's, a product's, by its role (`_Split.replicated_whole`). The
+    count does not link a storage to its parameter, so they are told by their bytes, which is all a replay reads: the
+    position embedding's, a storage of its bytes that is no vector; the norms' and row biases', the vectors (one
+    dimension above 1) no product makes, once each column-parallel bias has taken one of its bytes, where they add up
+    to those weights' bytes (else none: the count's storages are not told apart)."""
+    made = {number: (shape, nbytes) for number, shape, nbytes, _ in layer.allocations.get(name, ())
+            if nbytes > 0 and number in weights}
+    products = _weighted_products(layer, {}, name)
+    vectors = sorted((nbytes, number) for number, (shape, nbytes) in made.items()
+                     if sum(size > 1 for size in shape) <= 1 and number not in products)
+    for nbytes, row in _biases(layer):
+        taken = next((vector for vector in vectors if vector[0] == nbytes), None) if not row else None
+        if taken is not None:
+            vectors.remove(taken)
+    whole = ({number for _, number in vectors}
+             if sum(nbytes for nbytes, _ in vectors) == layer.norm_param_bytes + _row_bias_bytes(layer) else set())
+    embedding = next((number for number, (shape, nbytes) in made.items()
+                      if nbytes == layer.position_embedding_bytes and sum(size > 1 for size in shape) > 1), None)
+    return frozenset(whole | ({embedding} if layer.position_embedding_bytes and embedding is not None else set()))
 
 
 def rank_share(layer: LayerCount, share: float, t: int, element_bytes: int) -> float:
@@ -1677,13 +1708,14 @@ def _rank_pass(layer: LayerCount, split: _Split, name: str,
       the last (`_ReduceScatterToSequenceParallelRegion.backward`: `_gather_along_first_dim`, a torch.empty of its
       own, megatron/core/tensor_parallel/mappings.py at core_v0.9.0; DTensor's backward of Partial to Shard(1)).
     Without the count's products, or without sequence parallelism, `_on_rank`'s alone, but for what a replicated
-    weight's product writes (`_Split.replicated_whole`); a parameter's gradient whole on each of the C ranks
-    (`_weight_gradients`)."""
+    weight's product writes (`_Split.replicated_whole`) and a replicated weight's gradient (`_replicated_gradients`);
+    a parameter's gradient whole on each of the C ranks (`_weight_gradients`)."""
     events = layer.allocations.get(name, ())
     roles = _weighted_products(layer, split.weights, name) if split.weights else {}
     weights = _weight_gradients(layer, name)
-    rank = [(number, round(_on_rank(shape, nbytes, split, replicated=split.replicated_whole(roles.get(number)),
-                                    weight=number in weights))) for number, shape, nbytes, _ in events]
+    replicated = _replicated_gradients(layer, name, weights) if split.t > 1 else frozenset()
+    rank = [(number, round(_on_rank(shape, nbytes, split, replicated=number in replicated or split.replicated_whole(
+        roles.get(number)), weight=number in weights))) for number, shape, nbytes, _ in events]
     if not (split.sequence_parallel and split.t > 1 and layer.product_allocations.get(name)):
         return tuple(rank)
     whole = {number for number, shape, nbytes, _ in events if nbytes > 0 and number in roles

@@ -301,6 +301,31 @@ def test_an_estimate_replays_the_counts_allocations_as_one_tensor_parallel_rank_
     assert any((2, 32, 256) in {shape for _, shape, _, _ in events} for events in block.allocations.values())
 
 
+@pytest.mark.parametrize("model", [dict(), dict(norm="rmsnorm", gated=True, linear_bias=False),
+                                   dict(gated=True, experts=8, top_k=2)])
+def test_a_ranks_replayed_gradients_hold_the_replicated_weights_whole_as_the_estimate_does(model):
+    """On one of t = 2 ranks, each layer's parameters' gradients as the replay makes them (what its weight-gradient
+    pass leaves live) add up to the estimate's gradient bytes (bf16 here, float32 there): the weights tensor
+    parallelism keeps whole (`replicated_share`: the norms' scales and shifts, the row-parallel biases, the learned
+    position embedding, a router) whole, the rest 1/t. Halved too, they fell short by the replicated half: a GPT's
+    embedding 10,240 bytes against 12,288, its block 49,984 against 50,368."""
+    torch = pytest.importorskip("torch")
+    from pipesim.hardware.catalogue import load_catalogue
+    from pipesim.planning.estimate import Parallelism, estimate_profile, layer_allocations
+    from pipesim.sim.caching_allocator import left_live
+    from pipesim.workload.count import count_built
+
+    counted = count_built("gpt", dict(layers=1, width=64, heads=4, seq_len=32, vocab=128, **model), 2,
+                          torch.bfloat16)
+    for sequence_parallel in (False, True):
+        parallel = Parallelism(tensor=2, sequence_parallel=sequence_parallel)
+        profile = estimate_profile(counted, load_catalogue().find("h100-sxm"), parallel, bounds=[0, 3])
+        made = layer_allocations(counted, parallel)
+        assert [sum(left_live(layer.passes["wgrad"]).values()) for layer in made] == [
+            layer.grad_bytes // 2 for layer in profile.layers]
+    assert counted.layers[0].position_embedding_bytes and counted.layers[1].norm_param_bytes
+
+
 def test_the_count_says_which_of_a_forwards_storages_autograd_saves_and_what_made_each():
     """A GPT block's and the loss layer's forwards leave live what autograd saves and their output, nothing else;
     the saved ones and what it saves of its inputs (the loss's targets too) are its saved bytes; the loss saves
