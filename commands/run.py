@@ -182,10 +182,6 @@ def run(
                                                   "--pipelines", "--prediction", "--activation-limit",
                                                   "--search-seconds"))
         search = search_options(activation_limit, search_seconds)
-        try:  # calibrate's rule: cuda where torch sees a GPU, said before the ranks start
-            resolve_device(device)
-        except DeviceError as exc:
-            raise InputError(str(exc)) from None
         if backend not in ("auto", "gloo", "nccl"):
             raise InputError(f"--backend: choose auto, gloo or nccl (got {backend!r})")
         refuse(optimizer_refusal(optimizer, "--optimizer"))
@@ -200,6 +196,11 @@ def run(
                                                  ("capacity_factor", capacity_factor)) if value is not None}
         if expert_parallel > 1:
             data_parallel = _expert_replicas(ctx, expert_parallel, data_parallel, device)
+        try:  # calibrate's rule: cuda where torch sees a GPU, said before the ranks start (after
+            # expert parallelism's refusal of any device but cpu, which holds on every machine)
+            resolve_device(device)
+        except DeviceError as exc:
+            raise InputError(str(exc)) from None
         bounds, measured = None, None
         if profile is not None:
             measured, bounds, options = _partition(profile, model, options)
