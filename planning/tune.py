@@ -73,10 +73,9 @@ from functools import cache, cached_property, partial
 import numpy as np
 
 from ..profiles.partition import (
-    PartitionError,
+    OverCapError,
     ScaledRanges,
     activation_ranges,
-    leanest_partition,
     least_slowest,
     partition,
     range_sums,
@@ -2456,8 +2455,8 @@ def _splitter(profile: Profile, optimizer: str) -> Callable[..., list[int]]:
                                           (in_flight, activations)))
         try:
             return partition(layers, stages, budget_bytes, stage_bytes, stage_time, devices)
-        except PartitionError:
-            return leanest_partition(layers, stages, stage_bytes)[1]
+        except OverCapError as exc:
+            return exc.leanest
 
     def stage_ms(bounds: list[int], pipelines: int) -> np.ndarray:
         """[k, kind]: each layer's least F, B, I and W summed over stage k's layers, stage 0's as a first stage's

@@ -27,6 +27,18 @@ class PartitionError(ValueError):
     """No split satisfies the request; the message says why and what would."""
 
 
+class OverCapError(PartitionError):
+    """No split fits the memory cap; `leanest`: the split whose fullest stage holds the least (`leanest_partition`),
+    which the message's figure is of, for a caller that falls back on it."""
+
+    def __init__(self, message: str, leanest: list[int]) -> None:
+        super().__init__(message, leanest)
+        self.leanest = leanest
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class _TooManyPrefixes(Exception):
     """A search (`searched_partition`'s at one time, `_least_busy_devices`) passed its limit of prefixes."""
 
@@ -121,11 +133,11 @@ def partition(layers: Sequence[LayerCost], stages: int, memory_cap_bytes: int | 
     if devices is not None and slowest_ms < math.inf and any(len(held) > 1 for held in devices):
         bounds = _least_busy_devices(n, times, devices, slowest_ms, over_cap, bounds)
     if slowest_ms == math.inf:
-        least_bytes, _ = leanest_partition(layers, stages, memory)
-        raise PartitionError(
+        least_bytes, leanest = leanest_partition(layers, stages, memory)
+        raise OverCapError(
             f"no split of {n} layers into {stages} stages fits {memory_cap_bytes / GIB:.3g} GiB per device: "
             f"the least memory any split needs on its fullest device is {least_bytes / GIB:.3g} GiB"
-            + ("" if stage_bytes else " (1F1B activations in flight included)"))
+            + ("" if stage_bytes else " (1F1B activations in flight included)"), leanest)
     return bounds
 
 
