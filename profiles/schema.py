@@ -711,8 +711,18 @@ def stage_host_waits_ms(layers: list[LayerProfile], start: int, stop: int, name:
     forward = name.startswith("fwd")
     received = p2p_sync and (start > 0 if forward else stop < len(layers))
     mine = layers[start:stop]
+    issues = [layer.host_issue for layer in mine]
+    if issues and not received and all(issue is not None and not issue["fwd"].synchronises for issue in issues):
+        passes = [issue[name] for issue in issues]  # nothing synchronises: no layer's lead is read, in any order
+        return _unsynchronised_ms([passed.slack_ms for passed in passes], [passed.carried_ms for passed in passes])
     *_, waited = _host_waits_ms(mine if forward else mine[::-1], name, received, every=False)
     return waited
+
+
+def _unsynchronised_ms(slack: Sequence[float], carried: Sequence[float]) -> float:
+    """What a pass that nothing synchronises waits for its host beyond the waits its layers' times carry: its
+    issue's excess over its GPU time, of its layers' `slack` and `carried` waits (`_host_waits_ms`)."""
+    return max(0.0, -math.fsum(slack)) - math.fsum(carried)
 
 
 def _host_waits_ms(layers: Sequence[LayerProfile], name: str, received: bool, every: bool = True) -> Iterator[float]:
@@ -735,8 +745,8 @@ def _host_waits_ms(layers: Sequence[LayerProfile], name: str, received: bool, ev
             lead = passed.after_lead_ms if passed.synchronises else max(lead, passed.idle_ms) + passed.slack_ms
             synchronised = synchronised or issue["fwd"].synchronises
         if every or i == last:
-            yield 0.0 if measured else ((math.fsum(waited) if synchronised else max(0.0, -math.fsum(slack)))
-                                        - math.fsum(carried))
+            yield 0.0 if measured else (math.fsum(waited) - math.fsum(carried) if synchronised else
+                                        _unsynchronised_ms(slack, carried))
 
 
 def stage_waits_ms(layers: list[LayerProfile], name: str, p2p_sync: bool = False) -> np.ndarray:
