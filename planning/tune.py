@@ -111,7 +111,7 @@ from ..schedules import (
 )
 from ..sim.cluster import Cluster
 from ..sim.costs import Costs, runtime_refusal
-from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes
+from ..sim.engine import device_product_ms, product_delay, simulate, static_bytes, takes_time
 from ..traces import Summary, Trace, summarize
 from ..units import GIB, count_text
 from .auto import activation_ratio, check_shape, schedule_frame
@@ -1863,14 +1863,16 @@ def _critical_path_ms(schedule: Schedule, op_ms: np.ndarray, costs: Costs, links
 def _with_send_holds(device: np.ndarray, columns: tuple[np.ndarray, ...], sent_ms: np.ndarray, computes: np.ndarray
                      ) -> tuple[np.ndarray, tuple[np.ndarray, ...], int]:
     """`_critical_path_ms`'s rows (per row: its device, and the columns position, wait, lag and duration) with a
-    row of no time before each device's compute row that follows a row sending its output (`sent_ms`: its
-    transfer's time, 0 where it sends none), waiting for that row plus the transfer: where sends hold the compute
-    (`_sends_hold`), the compute after a send makes no progress until the data has moved (`_send_holds_ms`), so it
-    ends no earlier than the sender's end plus the transfer plus its own time. Returns the rows' devices and
-    columns with those rows among them, and the row that ends at 0 (the one past the rows, which the path's first
-    waits for), renumbered past the added ones."""
+    row of no time before each device's first compute row of any time that follows a row sending its output
+    (`sent_ms`: its transfer's time, 0 where it sends none), waiting for that row plus the transfer: where sends
+    hold the compute (`_sends_hold`), the compute after a send makes no progress until the data has moved
+    (`_send_holds_ms`), so it ends no earlier than the sender's end plus the transfer plus its own time. A row of
+    no time on the engine's clock is not held (`sim.engine.takes_time`): it ends as its input allows and its own
+    send's kernel runs beside the one before, so both hold the next row with time, together, not one after the
+    other. Returns the rows' devices and columns with those rows among them, and the row that ends at 0 (the one
+    past the rows, which the path's first waits for), renumbered past the added ones."""
     count = len(device)
-    computing = np.flatnonzero(computes)
+    computing = np.flatnonzero(computes & takes_time(columns[3]))
     producers = np.flatnonzero(sent_ms > 0)
     after = np.searchsorted(computing, producers, "right")
     producers, following = producers[after < len(computing)], computing[after[after < len(computing)]]
@@ -2037,10 +2039,11 @@ def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, h
     has left after it, A_k adding a micro-batch's weight gradients into the buffer (every B or W of a step but
     its first: the engine's `_gradient_spans`), R_k its REDUCE, O_k its update, H_k the link's transfers between
     stages k and k+1 there and back, and S_d, G_d the time d's forward and backward sends hold its compute where
-    `holds` (`_sends_hold`; else 0). Y_d = F_d + ... + F_{p-1} + I_{d+1} + ... + I_{p-1} + H_d + ... + H_{p-2}
-    is a micro-batch's way from d's forward to its gradient back at d; D_d = the sum of F_k + I_k + H_k over
-    k < d, plus, for d > 0, W_0 + A_0 (for m > 1) + R_0 + O_0 (R_0 + O_0 for d = 0) is the way from d's last
-    input-gradient pass to its next step's first forward through device 0's update.
+    `holds` (`_sends_hold`; else 0; 0 from a pass of no time, as `_send_holds_ms` says).
+    Y_d = F_d + ... + F_{p-1} + I_{d+1} + ... + I_{p-1} + H_d + ... + H_{p-2} is a micro-batch's way from d's
+    forward to its gradient back at d; D_d = the sum of F_k + I_k + H_k over k < d, plus, for d > 0, W_0 + A_0
+    (for m > 1) + R_0 + O_0 (R_0 + O_0 for d = 0) is the way from d's last input-gradient pass to its next step's
+    first forward through device 0's update.
 
     Why, with S the start of d's first F (micro-batch 0's: each kind runs in micro-batch order) in a steady step
     and S' the next step's: (1) d runs no W before its first I or B (a step's W's follow their own I's, the
@@ -2069,10 +2072,10 @@ def _searched_device_bound_ms(costs: Costs, microbatches: int, links: Cluster, h
     backward_ms = np.array([links.link(k + 1, k).transfer_ms(out[k]) for k in range(p - 1)])
     hops_ms = forward_ms + backward_ms
     least_ms = _least_hold(costs, [[k] for k in range(p)])
-    held_forward = np.array([least_ms(k, ms) for k, ms in enumerate(np.append(forward_ms, 0.0))]) if holds \
-        else np.zeros(p)  # [k]: stage k's F's send
-    held_backward = np.array([least_ms(k, ms) for k, ms in enumerate(np.insert(backward_ms, 0, 0.0))]) if holds \
-        else np.zeros(p)  # [k]: stage k's I's or B's send
+    held_forward = np.array([least_ms(k, ms) for k, ms in enumerate(np.append(forward_ms, 0.0))]) * takes_time(f) \
+        if holds else np.zeros(p)  # [k]: stage k's F's send (none from a pass of no time, `_send_holds_ms`)
+    held_backward = np.array([least_ms(k, ms) for k, ms in enumerate(np.insert(backward_ms, 0, 0.0))]) * takes_time(
+        input_ms) if holds else np.zeros(p)  # [k]: stage k's I's or B's send
     round_trip_ms = (np.cumsum(f[::-1])[::-1] + np.append(np.cumsum(input_ms[::-1])[::-1][1:], 0.0)
                      + np.append(np.cumsum(hops_ms[::-1])[::-1], 0.0))
     through_first_ms = np.concatenate([[0.0], np.cumsum(f[:-1] + input_ms[:-1] + hops_ms)])
@@ -2345,9 +2348,10 @@ def _send_holds_ms(schedule: Schedule, per_step: np.ndarray, holds: bool, links:
     end) until its data arrives, at least c plus the link's transfer time T, and the device's next compute row,
     whenever it starts (after RECVs or an awaited REDUCE), makes no progress before c + T: it ends no earlier than
     c + T plus its own time. So from a device's first compute row of a step to the next step's, its rows' times
-    and each sent output's T add up, as the steps repeat. Against `_StepRows.exposed_ms` (time the REDUCEs hold
-    the compute off) this is another bound on the same wait, so a step takes the larger of the two: the sum
-    could count a send held while the network works."""
+    and each sent output's T add up, as the steps repeat. A pass of no time (in `costs`, `takes_time`) is not held,
+    so its send's kernel runs beside the one before it and the two hold the next row together: its send is not
+    counted. Against `_StepRows.exposed_ms` (time the REDUCEs hold the compute off) this is another bound on the
+    same wait, so a step takes the larger of the two: the sum could count a send held while the network works."""
     p, n = schedule.num_devices, schedule.num_stages
     if not _sends_hold(schedule, holds, links):
         return np.zeros(p)
@@ -2360,7 +2364,8 @@ def _send_holds_ms(schedule: Schedule, per_step: np.ndarray, holds: bool, links:
 
     forward = np.array([send_ms(k, k + 1, k) for k in range(n - 1)] + [0.0])  # [k]: stage k's F to k + 1
     backward = np.array([0.0] + [send_ms(k, k - 1, k - 1) for k in range(1, n)])  # [k]: stage k's B or I to k - 1
-    f, b, i = (per_step[:, KIND_CODE[kind]] for kind in (Kind.F, Kind.B, Kind.I))
+    sending = [KIND_CODE[kind] for kind in (Kind.F, Kind.B, Kind.I)]
+    f, b, i = (per_step[:, sending] * (1 if costs is None else takes_time(costs.op_ms_table(1)[:, sending]))).T
     stage_ms = f * forward + (b + i) * backward
     return np.array([stage_ms[schedule.stages_on(d)].sum() for d in range(p)])
 

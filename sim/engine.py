@@ -74,6 +74,12 @@ def _picoseconds(ms: np.ndarray) -> np.ndarray:
     return np.round(ps, out=ps).astype(np.int64)
 
 
+def takes_time(ms: np.ndarray) -> np.ndarray:
+    """Elementwise, whether a row of `ms` takes any time on the engine's clock (`_picoseconds`): one that takes
+    none is not held by the transfer kernels beside it (`_held_compute` holds compute left to do)."""
+    return _picoseconds(ms) > 0
+
+
 def _index_dtype(size: int) -> type:
     """Integers that index `size` items: 32 bits where they do, so that a column of millions of indices takes half
     the memory."""
