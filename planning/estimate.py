@@ -2430,6 +2430,14 @@ class LayerMemo:
     gpu: Gpu
     curve: Curve | None = None
     layers: dict[tuple, list[LayerProfile]] = field(default_factory=dict)
+    found: dict[tuple, Any] = field(default_factory=dict)  # what `kept` found of each key's layers
+
+    def kept(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """`make()`, found once: what an estimate reads of its layers alone (their costs, their stage time), by their
+        key in `layers` and what else it reads."""
+        if key not in self.found:
+            self.found[key] = make()
+        return self.found[key]
 
 
 def _step_casts_ms(counted: WorkloadCount, parallel: Parallelism, device: Device, element_bytes: int,
@@ -2441,12 +2449,19 @@ def _step_casts_ms(counted: WorkloadCount, parallel: Parallelism, device: Device
     if parallel.fp8 is None:
         return [()] * len(counted.layers)
     float8_shards = parallel.data * parallel.context if parallel.fp8_param_gather else None
-    casts: list[tuple[float, ...]] = []
+    return _per_block(counted, lambda layer: tuple(
+        op.count * op_ms(_scaled(op, op.shape, parallel.tensor), device)
+        for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element_bytes, weight_shards, float8_shards)))
+
+
+def _per_block(counted: WorkloadCount, of: Callable[[LayerCount], Any]) -> list:
+    """`of` each layer of `counted`, found once a block: a repeated one (`WorkloadCount.repeats`) takes the one
+    before's, for an `of` that reads neither a layer's name nor its inputs (tune estimates a count hundreds of
+    times)."""
+    found: list = []
     for layer, repeated in zip(counted.layers, counted.repeats, strict=True):
-        casts.append(casts[-1] if repeated else tuple(
-            op.count * op_ms(_scaled(op, op.shape, parallel.tensor), device)
-            for op in step_cast_ops(layer, FP8_RECIPES[parallel.fp8], element_bytes, weight_shards, float8_shards)))
-    return casts
+        found.append(found[-1] if repeated else of(layer))
+    return found
 
 
 def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *, optimizer: str = "adam",
@@ -2592,14 +2607,24 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         layers = _with_host_waits(layers, issues, waits)
     if memo is not None:
         memo.layers[key] = layers
-    costs = layer_costs(layers, optimizer)
+
+    def kept(what: tuple, make: Callable[[], Any]) -> Any:
+        return make() if memo is None else memo.kept((key, *what), make)
+
+    costs = kept(("costs", optimizer), lambda: layer_costs(layers, optimizer))
     if bounds is None:
-        bounds = partition(costs, parallel.pipeline, stage_time=stage_time(layers, parallel.p2p_sync))
+        bounds = partition(costs, parallel.pipeline,
+                           stage_time=kept(("stage time",), lambda: stage_time(layers, parallel.p2p_sync)))
     weight_shards = experts.weight_shards
-    held_shares = [state_share(layer, parallel, weight_shards, element) for layer in counted.layers]
-    # each layer's bytes an optimizer's step moves, found once: a stage's are its layers' summed in their order
-    step_bytes = {name: [(layer.optimizer_step_moved_bytes[name] * widen + 3 * ema * layer.param_bytes // element)
-                         * held for layer, held in zip(counted.layers, held_shares)] for name in OPTIMIZERS}
+
+    def step_moved_bytes(layer: LayerCount) -> dict[str, float]:
+        held = state_share(layer, parallel, weight_shards, element)
+        return {name: (layer.optimizer_step_moved_bytes[name] * widen + 3 * ema * layer.param_bytes // element) * held
+                for name in OPTIMIZERS}
+
+    # each layer's bytes an optimizer's step moves, found once a block: a stage's are its layers' summed in their order
+    moved = _per_block(counted, step_moved_bytes)
+    step_bytes = {name: [layer_moved[name] for layer_moved in moved] for name in OPTIMIZERS}
 
     def memory_ms(nbytes: float) -> float:
         return curve.kernel_overhead_ms + nbytes / device.memory_bytes_per_ms
@@ -2638,7 +2663,7 @@ def estimate_profile(counted: WorkloadCount, gpu: Gpu, parallel: Parallelism, *,
         memory_cap_bytes=None, dtype=counted.dtype, microbatch_size=counted.microbatch_size, threads=1,
         torch_version="", cuda_version=None, driver_version=None, python_version=platform.python_version(),
         pipesim_version=_version(), host="estimate", date=datetime.now(UTC).isoformat(timespec="seconds"))
-    flops = counted.total("model_flops")
+    flops = sum(_per_block(counted, lambda layer: layer.model_flops))
     estimate = Estimate(gpu=gpu.name, parallelism={**asdict(parallel), "grad_accumulation": parallel.accumulation},
                         attention=counted.attention,
                         curve=curve.model_dump(), tensor_link=links.tensor, stage_link=links.stage,
